@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
+# Both go through `make setup`, which creates .venv and is a no-op while it is current.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.kvbits-installed
+# Torch: the local CPU wheel where this machine has one (pip's find-links), else whatever pip picks.
+TORCH_SPEC ?= $(shell ls $${PIP_FIND_LINKS:-/opt/wheels}/torch-2.13.0*.whl >/dev/null 2>&1 && echo "torch==2.13.0" || echo "torch")
+
+.PHONY: setup demo test test-all bench-cpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,plot]"
+	$(BIN)/python -m pip install -q "triton>=3.0" || echo "triton unavailable: interpreter tests will be skipped"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: setup
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info
