@@ -1,0 +1,1 @@
+"""Evaluation: offline models, evaluation texts, and length-aware perplexity measurement."""

@@ -1,0 +1,99 @@
+"""Affine integer quantization: choose parameters, quantize, dequantize (pure torch reference).
+
+Asymmetric codes (KIVI, the default): ``x ≈ code * scale + zero`` with ``zero`` the group minimum,
+codes in ``[0, 2**b - 1]``. Symmetric codes: ``x ≈ (code - c) * scale`` with ``c = 2**(b-1) - 1``,
+codes in ``[0, 2c]``. Scales and zero-points are stored in float16; they are rounded *outward*
+(zero down, scale up) so the stored range always covers the data and the round-trip error stays
+within ``scale / 2`` per element. A constant group gets ``scale = 0`` and decodes exactly to its
+(float16) value: no division by zero, no NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+META_DTYPE = torch.float16
+
+
+def _round_down_fp16(x: torch.Tensor) -> torch.Tensor:
+    h = x.to(META_DTYPE)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -float("inf"))), h)
+
+
+def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    h = x.to(META_DTYPE)
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def choose_qparams(
+    x: torch.Tensor,
+    bits: int,
+    dims: tuple[int, ...],
+    *,
+    symmetric: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero-point) over ``dims`` of ``x``, keepdim, float16.
+
+    Args:
+        x: any shape, floating.
+        bits: code width.
+        dims: the dimensions one scale reduces over.
+        symmetric: symmetric codes (no zero-point).
+        mask: optional bool tensor like ``x``; ``True`` marks elements excluded from the range
+            (dense-and-sparse outliers stored elsewhere).
+
+    Returns:
+        ``(scale, zero)``, both keepdim over ``dims``; ``zero`` is ``None`` when symmetric.
+    """
+    xf = x.float()
+    if symmetric:
+        a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
+        amax = a.amax(dim=dims, keepdim=True)
+        levels = 2 ** (bits - 1) - 1
+        return _round_up_fp16(amax / levels), None
+    if mask is None:
+        lo = xf.amin(dim=dims, keepdim=True)
+        hi = xf.amax(dim=dims, keepdim=True)
+    else:
+        lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
+        hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
+        empty = torch.isinf(lo)
+        lo = lo.masked_fill(empty, 0.0)
+        hi = hi.masked_fill(empty, 0.0)
+    zero = _round_down_fp16(lo)
+    scale = _round_up_fp16((hi - zero.float()).clamp_min(0.0) / (2**bits - 1))
+    return scale, zero
+
+
+def quantize_affine(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer codes (uint8, same shape as ``x``) and a bool mask of values clipped to the range.
+
+    ``scale``/``zero`` broadcast against ``x`` (from ``choose_qparams`` or a calibration artifact).
+    """
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    if zero is None:
+        c = 2 ** (bits - 1) - 1
+        q = torch.round(x.float() / safe) + c
+        lo_code, hi_code = 0, 2 * c
+    else:
+        q = torch.round((x.float() - zero.float()) / safe)
+        lo_code, hi_code = 0, 2**bits - 1
+    q = torch.where(s > 0, q, torch.full_like(q, 0 if zero is not None else 2 ** (bits - 1) - 1))
+    clipped = (q < lo_code) | (q > hi_code)
+    return q.clamp(lo_code, hi_code).to(torch.uint8), clipped
+
+
+def dequantize_affine(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of ``quantize_affine`` (computed in float32, returned in ``dtype``)."""
+    q = codes.float()
+    if zero is None:
+        out = (q - (2 ** (bits - 1) - 1)) * scale.float()
+    else:
+        out = q * scale.float() + zero.float()
+    return out.to(dtype)

@@ -1,0 +1,28 @@
+"""Dense-and-sparse outliers (KVQuant §3.5): the ``k`` largest-magnitude entries of each row are
+kept exactly in a sparse side store and excluded from the quantization range."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbits.quant.affine import META_DTYPE
+
+
+def gather_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-``k`` |x| per row of ``x`` ``(..., D)``.
+
+    Returns ``(values float16 (..., k), index (..., k) uint8|int16, mask bool like x)``.
+    """
+    D = x.shape[-1]
+    if not 0 < k < D:
+        raise ValueError(f"outlier count must be in (0, {D}), got {k}")
+    idx = x.abs().topk(k, dim=-1).indices
+    vals = torch.gather(x, -1, idx).to(META_DTYPE)
+    mask = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx, True)
+    idx_dtype = torch.uint8 if D <= 256 else torch.int16
+    return vals, idx.to(idx_dtype), mask
+
+
+def scatter_outliers(dense: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Write the sparse values back into ``dense`` ``(..., D)`` (returns a new tensor)."""
+    return dense.scatter(-1, index.long(), values.to(dense.dtype))

@@ -1,0 +1,69 @@
+"""Bit packing of integer codes into ``uint8`` along the last dimension.
+
+A row of ``n`` codes of ``b`` bits takes exactly ``ceil(n * b / 8)`` bytes: 2- and 4-bit codes share
+bytes, 3-bit codes are packed densely (8 codes in 3 bytes; only the final partial word is padded),
+8-bit codes are one byte each. Code ``i`` of a word occupies bits ``[b*i, b*(i+1))``, little-endian.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes needed for ``n`` codes of ``bits`` bits."""
+    return math.ceil(n * bits / 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes ``(..., n)`` (integer dtype, values in ``[0, 2**bits)``) into ``(..., ceil(n*bits/8))`` uint8."""
+    _check_bits(bits)
+    if codes.dtype.is_floating_point or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    n = codes.shape[-1]
+    if bits == 8:
+        return codes.to(torch.uint8)
+    lead = codes.shape[:-1]
+    n_words = math.ceil(n / 8)
+    c = codes.to(torch.int32)
+    if n_words * 8 != n:
+        c = torch.nn.functional.pad(c, (0, n_words * 8 - n))
+    c = c.reshape(*lead, n_words, 8)
+    shifts = torch.arange(8, device=c.device, dtype=torch.int32) * bits
+    word = (c << shifts).sum(dim=-1, dtype=torch.int64)  # (..., n_words), at most 32 bits used
+    byte_shifts = torch.arange(bits, device=c.device, dtype=torch.int64) * 8
+    out = ((word.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)  # (..., n_words, bits)
+    out = out.reshape(*lead, n_words * bits)
+    return out[..., : packed_size(n, bits)].contiguous()
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: ``(..., ceil(n*bits/8))`` uint8 → codes ``(..., n)`` uint8."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    if packed.shape[-1] != packed_size(n, bits):
+        raise ValueError(f"expected {packed_size(n, bits)} packed bytes for {n} {bits}-bit codes, got {packed.shape[-1]}")
+    if bits == 8:
+        return packed
+    lead = packed.shape[:-1]
+    n_words = math.ceil(n / 8)
+    p = packed.to(torch.int64)
+    full = n_words * bits
+    if p.shape[-1] != full:
+        p = torch.nn.functional.pad(p, (0, full - p.shape[-1]))
+    p = p.reshape(*lead, n_words, bits)
+    byte_shifts = torch.arange(bits, device=p.device, dtype=torch.int64) * 8
+    word = (p << byte_shifts).sum(dim=-1)  # (..., n_words)
+    shifts = torch.arange(8, device=p.device, dtype=torch.int64) * bits
+    codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n_words, 8)
+    return codes.reshape(*lead, n_words * 8)[..., :n].to(torch.uint8)

@@ -1,0 +1,182 @@
+"""`QuantizedTensor`: one quantized block of K or V, with every byte it stores.
+
+``quantize(x, spec)`` turns a block ``x`` of shape ``(B, H_kv, n, D)`` into packed codes plus
+metadata following a ``TensorSpec``; ``.dequantize()`` gives it back; ``.nbytes`` is the exact sum
+of the stored tensors' bytes (codes, scales, zero-points, sparse outliers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbits.quant.affine import META_DTYPE, choose_qparams, dequantize_affine, quantize_affine
+from kvbits.quant.checks import check_kv
+from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
+from kvbits.quant.outliers import gather_outliers, scatter_outliers
+from kvbits.quant.pack import pack_bits, unpack_bits
+from kvbits.schemes.accounting import outlier_count
+from kvbits.schemes.spec import TensorSpec
+
+FLOAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class QuantizedTensor:
+    """A quantized ``(B, H_kv, n, D)`` block.
+
+    Attributes:
+        spec: the ``TensorSpec`` it follows.
+        shape: logical shape ``(B, H_kv, n, D)``.
+        data: packed uint8 codes ``(B, H_kv, n, ceil(D*bits/8))``, fp8 codes ``(B, H_kv, n, D)``, or
+            float values for ``kind="float"``.
+        scale, zero: float16 metadata, keepdim shapes of the granularity (``zero`` only asymmetric).
+        outlier_values, outlier_index: sparse exact values ``(B, H_kv, n, k)`` float16 and their
+            channel indices (uint8 / int16), or ``None``.
+        clipped: how many elements saturated against static scales (calibration mismatch signal).
+    """
+
+    spec: TensorSpec
+    shape: tuple[int, int, int, int]
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    outlier_values: torch.Tensor | None = None
+    outlier_index: torch.Tensor | None = None
+    clipped: int = 0
+    static: bool = field(default=False)
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """The tensors this block owns (static scales are owned by the layer, not the block)."""
+        out = [self.data]
+        if not self.static:
+            out += [t for t in (self.scale, self.zero) if t is not None]
+        out += [t for t in (self.outlier_values, self.outlier_index) if t is not None]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes stored: codes + scales + zero-points + outliers."""
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors())
+
+    @property
+    def n_tokens(self) -> int:
+        return self.shape[2]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Back to floats, ``(B, H_kv, n, D)`` in ``dtype``."""
+        spec = self.spec
+        B, H, n, D = self.shape
+        if spec.kind == "float":
+            out = self.data.to(dtype)
+        elif spec.kind == "fp8":
+            out = dequantize_fp8(self.data, self.scale, dtype)
+        elif spec.kind == "int":
+            codes = unpack_bits(self.data, spec.bits, D)
+            out = _ungroup(
+                dequantize_affine(_group(codes, spec), self.scale, self.zero, spec.bits, torch.float32), spec, n, D
+            ).to(dtype)
+        else:
+            raise NotImplementedError(f"dequantize for kind={spec.kind!r} is provided by the calibration module")
+        if self.outlier_values is not None:
+            out = scatter_outliers(out, self.outlier_values, self.outlier_index)
+        return out
+
+
+def _group(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """View ``(B, H, n, D)`` so that one scale covers the trailing reduced dims (see ``_reduce_dims``)."""
+    B, H, n, D = x.shape
+    if spec.granularity == "token":
+        g = spec.group_size or D
+        if D % g:
+            raise ValueError(f"token group size {g} must divide head_dim {D}")
+        return x.reshape(B, H, n, D // g, g)
+    if spec.granularity == "channel":
+        G = spec.group_size
+        if n % G:
+            raise ValueError(f"per-channel block of {n} tokens is not a multiple of the group size {G}")
+        return x.reshape(B, H, n // G, G, D)
+    return x
+
+
+def _ungroup(x: torch.Tensor, spec: TensorSpec, n: int, D: int) -> torch.Tensor:
+    return x.reshape(x.shape[0], x.shape[1], n, D)
+
+
+def _reduce_dims(spec: TensorSpec) -> tuple[int, ...]:
+    return {"token": (-1,), "channel": (-2,), "head": (-2, -1), "tensor": (-3, -2, -1)}[spec.granularity]
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: TensorSpec,
+    *,
+    static_scale: torch.Tensor | None = None,
+    static_zero: torch.Tensor | None = None,
+    validate: bool = True,
+) -> QuantizedTensor:
+    """Quantize one block ``x`` of shape ``(B, H_kv, n, D)`` following ``spec``.
+
+    Args:
+        x: the block; per-channel specs need ``n`` to be a multiple of ``spec.group_size``.
+        spec: how to store it.
+        static_scale, static_zero: for ``spec.static``: scales from calibration, broadcastable to the
+            grouped view (per-channel keys: ``(H_kv, D)`` reshaped by the caller to ``(1, H_kv, 1, 1, D)``).
+        validate: check finiteness and range (``ValueError`` on NaN/inf).
+    """
+    if validate:
+        check_kv(x, "K/V block")
+    B, H, n, D = x.shape
+    shape = (B, H, n, D)
+    if spec.kind == "float":
+        return QuantizedTensor(spec, shape, x.to(FLOAT_DTYPES[spec.fmt]).contiguous())
+    k = outlier_count(D, spec.outlier_frac)
+    o_vals = o_idx = mask = None
+    if k:
+        o_vals, o_idx, mask = gather_outliers(x, k)
+    if spec.kind == "fp8":
+        if spec.static or spec.granularity == "tensor":
+            scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
+            scale = scale.to(x.device, torch.float32)
+        else:
+            amax = x.float().abs().amax(dim=-1, keepdim=True)
+            if mask is not None:
+                amax = x.float().abs().masked_fill(mask, 0).amax(dim=-1, keepdim=True)
+            from kvbits.quant.fp8 import fp8_max
+
+            scale = (amax / fp8_max(spec.fmt)).to(META_DTYPE)
+        codes, clipped = quantize_fp8(x, scale, spec.fmt)
+        if mask is not None:
+            clipped = clipped & ~mask
+        return QuantizedTensor(
+            spec, shape, codes, scale=scale, outlier_values=o_vals, outlier_index=o_idx,
+            clipped=int(clipped.sum()), static=spec.static or spec.granularity == "tensor",
+        )
+    if spec.kind != "int":
+        raise NotImplementedError(f"quantize for kind={spec.kind!r} is provided by the calibration module")
+    xg = _group(x, spec)
+    mg = _group(mask, spec) if mask is not None else None
+    if spec.static:
+        if static_scale is None:
+            raise ValueError("a static spec needs static_scale (from a calibration artifact)")
+        scale, zero = static_scale.to(x.device, META_DTYPE), None
+        if spec.has_zero_point:
+            if static_zero is None:
+                raise ValueError("an asymmetric static spec needs static_zero as well as static_scale")
+            zero = static_zero.to(x.device, META_DTYPE)
+    else:
+        scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
+    codes, clipped = quantize_affine(xg, scale, zero, spec.bits)
+    if mg is not None:
+        clipped = clipped & ~mg
+    packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits)
+    return QuantizedTensor(
+        spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
+        clipped=int(clipped.sum()), static=spec.static,
+    )
+
+
+def fake_quantize(x: torch.Tensor, spec: TensorSpec, **kwargs) -> torch.Tensor:
+    """``quantize`` then ``dequantize`` in ``x``'s dtype: what attention sees (simulated quantization)."""
+    return quantize(x, spec, **kwargs).dequantize(x.dtype)

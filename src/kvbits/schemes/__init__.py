@@ -1,0 +1,17 @@
+"""Schemes: what to quantize and how (`TensorSpec`, `KVScheme`), presets, exact byte accounting."""
+
+from kvbits.schemes.accounting import TokenSplit, average_bits, layer_bytes, token_split
+from kvbits.schemes.presets import get_scheme, list_schemes, register
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+__all__ = [
+    "KVScheme",
+    "TensorSpec",
+    "TokenSplit",
+    "average_bits",
+    "get_scheme",
+    "layer_bytes",
+    "list_schemes",
+    "register",
+    "token_split",
+]

@@ -1,0 +1,225 @@
+"""Exact byte accounting for a scheme: the single formula the planner and the tests share.
+
+The cache (``kvbits.cache``) stores real tensors; ``memory_report()`` sums their ``nbytes``. The
+planner (``kvbits.plan``) calls the functions here. Tests hold the two equal, so neither can forget
+a byte of metadata (scales, zero-points, outliers, sinks, residual window).
+
+Storage conventions (one sequence, one layer, one of K or V, ``H`` KV heads, head dim ``D``):
+
+- integer / NUQ codes: bit-packed along ``D``, ``ceil(D * bits / 8)`` bytes per (token, head) row;
+- scales and zero-points: float16, 2 bytes each (zero-point = group minimum, asymmetric only);
+- FP8 codes: 1 byte per element, per-token scales float16, static scales in the layer's fixed bytes;
+- dense-and-sparse outliers: ``outlier_count(D, frac)`` per row, each a float16 value and an index
+  (uint8 when ``D <= 256``, else int16);
+- full-precision tokens (sinks, residual window, not-yet-flushed): the cache's float dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+SCALE_BYTES = 2  # float16 scales and zero-points
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """How the ``T`` tokens seen so far are held by one layer.
+
+    ``sink`` + ``quantized`` + ``full`` tokens are stored; ``dropped`` tokens left a sliding window.
+    ``full`` counts the not-yet-flushed buffer (residual window) only, not the sinks.
+    """
+
+    sink: int
+    quantized: int
+    full: int
+    dropped: int = 0
+
+    @property
+    def stored(self) -> int:
+        return self.sink + self.quantized + self.full
+
+
+def flushed_tokens(scheme: KVScheme, n_after_sinks: int) -> int:
+    """Tokens moved into the quantized store once ``n_after_sinks`` non-sink tokens were seen.
+
+    The buffer is flushed ``block`` tokens at a time whenever it holds ``residual + block`` tokens,
+    so the count is ``block * floor((n - residual) / block)`` for ``n >= residual``.
+    """
+    if scheme.is_identity:
+        return 0
+    excess = n_after_sinks - scheme.residual
+    return 0 if excess <= 0 else scheme.block * (excess // scheme.block)
+
+
+def sliding_falls_back(scheme: KVScheme, window: int) -> bool:
+    """A sliding-window layer keeps full precision when the buffer alone could outgrow the window."""
+    return scheme.is_identity or scheme.residual + scheme.block - 1 > window - 1
+
+
+def token_split(scheme: KVScheme, n_tokens: int, sliding_window: int | None = None) -> TokenSplit:
+    """Where each of ``n_tokens`` seen tokens lives in one layer (see ``TokenSplit``).
+
+    Full-attention layers: the first ``sinks`` tokens stay exact, ``flushed_tokens`` are quantized,
+    the rest are the full-precision buffer. Sliding-window layers (window ``W``) need only the last
+    ``W - 1`` tokens for the next step: sinks are not kept, quantized blocks are dropped once all
+    their tokens left the window, and when ``residual + block - 1 > W - 1`` the layer stores its
+    window in full precision (``sliding_falls_back``).
+    """
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    if sliding_window is None:
+        sink = min(n_tokens, scheme.sinks) if not scheme.is_identity else 0
+        q = flushed_tokens(scheme, n_tokens - sink)
+        return TokenSplit(sink=sink, quantized=q, full=n_tokens - sink - q)
+    keep_from = max(0, n_tokens - sliding_window + 1)  # first token index still needed
+    if sliding_falls_back(scheme, sliding_window):
+        full = n_tokens - keep_from
+        return TokenSplit(sink=0, quantized=0, full=full, dropped=keep_from)
+    n_blocks = flushed_tokens(scheme, n_tokens) // scheme.block
+    first_kept = min(n_blocks, keep_from // scheme.block)
+    q = (n_blocks - first_kept) * scheme.block
+    full = n_tokens - n_blocks * scheme.block
+    return TokenSplit(sink=0, quantized=q, full=full, dropped=first_kept * scheme.block)
+
+
+def outlier_count(head_dim: int, frac: float) -> int:
+    """Outliers kept per (token, head) row: ``ceil(frac * D)`` (0 when ``frac == 0``)."""
+    return 0 if frac <= 0 else math.ceil(frac * head_dim)
+
+
+def outlier_index_bytes(head_dim: int) -> int:
+    return 1 if head_dim <= 256 else 2
+
+
+def packed_row_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one bit-packed row of ``head_dim`` codes."""
+    return math.ceil(head_dim * bits / 8)
+
+
+def float_bytes(fmt_or_bits: str | int) -> int:
+    if isinstance(fmt_or_bits, int):
+        return fmt_or_bits // 8
+    return {"fp16": 2, "bf16": 2, "fp32": 4}[fmt_or_bits]
+
+
+def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int) -> int:
+    """Bytes for ``n_tokens`` quantized tokens of one sequence (codes + per-block metadata + outliers).
+
+    ``n_tokens`` must be a whole number of flush blocks for per-channel/head/tensor granularity,
+    which ``token_split`` guarantees.
+    """
+    if spec.kind == "float":
+        return n_tokens * n_heads * head_dim * float_bytes(spec.fmt)
+    rows = n_tokens * n_heads
+    if spec.kind == "fp8":
+        codes = rows * head_dim
+        meta = rows * SCALE_BYTES if spec.granularity == "token" else 0
+    else:
+        codes = rows * packed_row_bytes(head_dim, spec.bits)
+        per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
+        if spec.static:
+            meta = 0
+        elif spec.granularity == "token":
+            groups = math.ceil(head_dim / (spec.group_size or head_dim))
+            meta = rows * groups * per_scale
+        elif spec.granularity == "channel":
+            if n_tokens % spec.group_size:
+                raise ValueError(f"{n_tokens} tokens is not a whole number of {spec.group_size}-token groups")
+            meta = (n_tokens // spec.group_size) * n_heads * head_dim * per_scale
+        else:  # head / tensor: one scale set per flushed block, counted by the caller via n_blocks
+            meta = 0
+    k = outlier_count(head_dim, spec.outlier_frac)
+    sparse = rows * k * (SCALE_BYTES + outlier_index_bytes(head_dim))
+    return codes + meta + sparse
+
+
+def per_block_meta_bytes(spec: TensorSpec, n_heads: int) -> int:
+    """Metadata stored once per flushed block (head / tensor granularity, dynamic scales)."""
+    if spec.kind != "int" and spec.kind != "nuq" or spec.static:
+        return 0
+    per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
+    if spec.granularity == "head":
+        return n_heads * per_scale
+    if spec.granularity == "tensor":
+        return per_scale
+    return 0
+
+
+def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
+    """Per-layer bytes that do not grow with tokens or batch: static scales, NUQ codebooks."""
+    if not spec.is_quantized:
+        return 0
+    total = 0
+    if spec.static or (spec.kind == "fp8" and spec.granularity == "tensor"):
+        per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
+        if spec.kind == "fp8":
+            total += 4  # one float32 scale
+        elif spec.granularity == "channel":
+            total += n_heads * head_dim * per_scale
+        elif spec.granularity in ("head", "token"):
+            total += n_heads * per_scale
+        else:
+            total += per_scale
+    if spec.kind == "nuq":
+        total += (2**spec.bits) * SCALE_BYTES
+    return total
+
+
+def layer_bytes(
+    scheme: KVScheme,
+    n_tokens: int,
+    *,
+    batch: int,
+    n_heads: int,
+    head_dim: int,
+    full_dtype_bytes: int = 2,
+    sliding_window: int | None = None,
+) -> dict[str, int]:
+    """Bytes one layer holds after ``n_tokens`` tokens, for ``batch`` sequences of equal length.
+
+    Returns ``{"key": ..., "value": ..., "full": ..., "quantized": ..., "fixed": ...}`` where
+    ``key``/``value`` are the totals of each side and the other three break the total down.
+    """
+    split = token_split(scheme, n_tokens, sliding_window)
+    fallback = sliding_window is not None and sliding_falls_back(scheme, sliding_window)
+    out = {"key": 0, "value": 0, "full": 0, "quantized": 0, "fixed": 0}
+    n_blocks = split.quantized // scheme.block if split.quantized else 0
+    for side, spec in (("key", scheme.key), ("value", scheme.value)):
+        if scheme.is_identity:
+            # identity schemes (fp16, bf16) store every kept token in their own float format
+            full, quant, fixed = batch * split.stored * n_heads * head_dim * float_bytes(spec.fmt), 0, 0
+        elif fallback:
+            full, quant, fixed = batch * split.stored * n_heads * head_dim * full_dtype_bytes, 0, 0
+        else:
+            full = batch * (split.sink + split.full) * n_heads * head_dim * full_dtype_bytes
+            quant = batch * (
+                quantized_bytes(spec, split.quantized, n_heads, head_dim)
+                + n_blocks * per_block_meta_bytes(spec, n_heads)
+            )
+            fixed = fixed_layer_bytes(spec, n_heads, head_dim)
+        out[side] = full + quant + fixed
+        out["full"] += full
+        out["quantized"] += quant
+        out["fixed"] += fixed
+    return out
+
+
+def average_bits(scheme: KVScheme, head_dim: int = 128, n_heads: int = 8) -> float:
+    """Asymptotic bits per cached element (K and V averaged), metadata included.
+
+    Counts codes, scales, zero-points and outliers of the quantized store, as the context grows
+    without bound (sinks, the residual window and per-layer constants vanish in the limit). The
+    planner reports the exact figure at a given context instead.
+    """
+    bits = 0.0
+    for spec in (scheme.key, scheme.value):
+        if not spec.is_quantized:
+            bits += float_bytes(spec.fmt) * 8
+            continue
+        n = scheme.block
+        b = quantized_bytes(spec, n, n_heads, head_dim) + per_block_meta_bytes(spec, n_heads)
+        bits += 8 * b / (n * n_heads * head_dim)
+    return bits / 2

@@ -1,0 +1,127 @@
+"""Named scheme presets and the registry that resolves a name, a JSON file or a scheme object."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+KIVI = "https://arxiv.org/abs/2402.02750"
+FLEXGEN = "https://arxiv.org/abs/2303.06865"
+KVQUANT = "https://arxiv.org/abs/2401.18079"
+VLLM_FP8 = "https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache.html"
+
+_REGISTRY: dict[str, KVScheme] = {}
+
+
+def register(scheme: KVScheme, *, overwrite: bool = False) -> KVScheme:
+    """Add a scheme to the registry under ``scheme.name``."""
+    if scheme.name in _REGISTRY and not overwrite:
+        raise ValueError(f"scheme {scheme.name!r} is already registered")
+    _REGISTRY[scheme.name] = scheme
+    return scheme
+
+
+def _tok(bits: int, group: int | None = None) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity="token", group_size=group)
+
+
+def _chan(bits: int, group: int) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity="channel", group_size=group)
+
+
+register(KVScheme("fp16", description="unquantized baseline, float16 storage"))
+register(
+    KVScheme(
+        "bf16",
+        key=TensorSpec(fmt="bf16"),
+        value=TensorSpec(fmt="bf16"),
+        description="unquantized, bfloat16 storage",
+    )
+)
+_fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+register(
+    KVScheme(
+        "fp8-e4m3",
+        key=_fp8,
+        value=_fp8,
+        description="FP8 E4M3 cast with a static per-tensor scale (1.0 until calibrated), as vLLM's kv_cache_dtype=fp8",
+        reference=VLLM_FP8,
+    )
+)
+_fp8t = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")
+register(
+    KVScheme(
+        "fp8-e4m3-token",
+        key=_fp8t,
+        value=_fp8t,
+        description="FP8 E4M3 with one dynamic scale per token and head",
+    )
+)
+for _bits in (8, 4, 3, 2):
+    register(
+        KVScheme(
+            f"int{_bits}-token",
+            key=_tok(_bits),
+            value=_tok(_bits),
+            description=f"INT{_bits} asymmetric, one scale per token and head (keys and values)",
+        )
+    )
+for _bits in (8, 4, 2):
+    register(
+        KVScheme(
+            f"int{_bits}-channel",
+            key=_chan(_bits, 128),
+            value=_tok(_bits),
+            block=128,
+            description=f"INT{_bits}: keys per-channel over blocks of 128 tokens, values per-token",
+            reference=KIVI,
+        )
+    )
+register(
+    KVScheme(
+        "int4-g64",
+        key=_tok(4, 64),
+        value=_tok(4, 64),
+        description="INT4 group-wise, groups of 64 channels per token (FlexGen-style)",
+        reference=FLEXGEN,
+    )
+)
+for _bits in (4, 2):
+    register(
+        KVScheme(
+            f"kivi-{_bits}",
+            key=_chan(_bits, 32),
+            value=_tok(_bits, 32),
+            residual=128,
+            block=32,
+            description=f"KIVI-{_bits}: keys per-channel in groups of 32 tokens, values per-token in groups of "
+            "32 channels, 128 recent tokens in full precision",
+            reference=KIVI,
+        )
+    )
+
+
+def list_schemes() -> list[KVScheme]:
+    """Every registered scheme, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
+    """Resolve a preset name, a path to a scheme JSON file, a dict or a ``KVScheme``."""
+    if isinstance(spec, KVScheme):
+        return spec
+    if isinstance(spec, dict):
+        return KVScheme.from_dict(spec)
+    if not isinstance(spec, str):
+        raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    path = Path(spec)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            return KVScheme.from_dict(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not a valid kvbits scheme JSON: {exc}") from exc
+    raise ValueError(f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)")

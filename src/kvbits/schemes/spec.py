@@ -1,0 +1,193 @@
+"""What to quantize and how: `TensorSpec` (one of K or V) and `KVScheme` (the whole cache policy).
+
+Both are frozen dataclasses with a JSON form carrying a `version`, so the same object can drive the
+planner (bytes), the cache (real storage), the simulator (fast evaluation) and the kernels.
+
+Granularities are named by what one scale covers, for K/V shaped ``(B, H_kv, T, D)``:
+
+- ``token``:   one scale per (token, head) over ``D`` channels, or over groups of ``group_size``
+               channels (KIVI values, FlexGen-style group-wise).
+- ``channel``: one scale per (head, channel) over a group of ``group_size`` tokens (KIVI keys). The
+               group is a span of *tokens*: a group of one token would be lossless-looking nonsense,
+               so ``group_size >= 2`` is required.
+- ``head``:    one scale per head over every token and channel of a flushed block.
+- ``tensor``:  one scale per sequence over the flushed block (all heads); with ``static=True`` a
+               fixed scale from calibration (FP8 with scale 1.0 is vLLM's uncalibrated default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEME_FORMAT_VERSION = 1
+
+KINDS = ("float", "int", "fp8", "nuq")
+GRANULARITIES = ("token", "channel", "head", "tensor")
+FLOAT_BITS = (16, 32)
+INT_BITS = (2, 3, 4, 8)
+NUQ_BITS = (2, 3, 4)
+FP8_FORMATS = ("e4m3", "e5m2")
+FLOAT_FORMATS = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one of K or V is stored.
+
+    Attributes:
+        kind: ``"float"`` (kept in a float dtype), ``"int"`` (affine integer codes, bit-packed),
+            ``"fp8"`` (torch float8 with a scale) or ``"nuq"`` (non-uniform codebook, calibrated).
+        bits: bits per element of the codes: 16/32 for float, 2/3/4/8 for int, 8 for fp8, 2/3/4 for nuq.
+        fmt: float format for ``kind="float"`` (``fp16``, ``bf16``, ``fp32``) or ``fp8`` (``e4m3``, ``e5m2``).
+        granularity: see the module docstring.
+        group_size: channels per scale group (token granularity; ``None`` = all of ``D``) or tokens per
+            scale group (channel granularity; required).
+        symmetric: symmetric codes (no zero-point) instead of asymmetric (scale + minimum).
+        static: scales come from a calibration artifact instead of the data being stored.
+        outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
+        pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
+    """
+
+    kind: str = "float"
+    bits: int = 16
+    fmt: str | None = "fp16"
+    granularity: str = "token"
+    group_size: int | None = None
+    symmetric: bool = False
+    static: bool = False
+    outlier_frac: float = 0.0
+    pre_rope: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"TensorSpec.kind must be one of {KINDS}, got {self.kind!r}")
+        allowed = {"float": FLOAT_BITS, "int": INT_BITS, "fp8": (8,), "nuq": NUQ_BITS}[self.kind]
+        if self.bits not in allowed:
+            raise ValueError(f"TensorSpec(kind={self.kind!r}) needs bits in {allowed}, got {self.bits}")
+        if self.kind == "float" and self.fmt not in FLOAT_FORMATS:
+            raise ValueError(f"float TensorSpec needs fmt in {FLOAT_FORMATS}, got {self.fmt!r}")
+        if self.kind == "float" and {"fp16": 16, "bf16": 16, "fp32": 32}[self.fmt] != self.bits:
+            raise ValueError(f"float format {self.fmt} has {16 if self.fmt != 'fp32' else 32} bits, got bits={self.bits}")
+        if self.kind == "fp8" and self.fmt not in FP8_FORMATS:
+            raise ValueError(f"fp8 TensorSpec needs fmt in {FP8_FORMATS}, got {self.fmt!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.granularity == "channel" and self.kind != "float":
+            if self.group_size is None or self.group_size < 2:
+                raise ValueError(
+                    "per-channel quantization reduces over a group of tokens; group_size must be >= 2 "
+                    f"(a group of one token is lossless and quantizes nothing), got {self.group_size}"
+                )
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        if not 0.0 <= self.outlier_frac < 0.5:
+            raise ValueError(f"outlier_frac must be in [0, 0.5), got {self.outlier_frac}")
+        if self.kind == "fp8" and self.granularity not in ("token", "tensor"):
+            raise ValueError(f"fp8 supports granularity 'token' or 'tensor', got {self.granularity!r}")
+
+    @property
+    def is_quantized(self) -> bool:
+        """True unless the tensor is kept in a float dtype."""
+        return self.kind != "float"
+
+    @property
+    def has_zero_point(self) -> bool:
+        """Asymmetric integer codes store a zero-point (the group minimum) beside each scale."""
+        return self.kind == "int" and not self.symmetric
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown TensorSpec fields {sorted(unknown)}; expected a subset of {sorted(known)}")
+        return cls(**d)
+
+
+FP16 = TensorSpec()
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """A whole KV-cache policy.
+
+    Attributes:
+        name: preset or user name.
+        key, value: how K and V are stored.
+        sinks: the first ``sinks`` tokens of each sequence are kept in full precision forever.
+        residual: at least this many most recent tokens stay in full precision.
+        block: tokens are quantized ``block`` at a time, when the full-precision buffer reaches
+            ``residual + block`` (so it always holds between ``residual`` and ``residual + block - 1``
+            tokens once the sequence is long enough). Each block is quantized once and appended;
+            history is never re-quantized.
+        description, reference: for people (tables, README).
+    """
+
+    name: str
+    key: TensorSpec = FP16
+    value: TensorSpec = FP16
+    sinks: int = 0
+    residual: int = 0
+    block: int = 1
+    description: str = ""
+    reference: str = ""
+    version: int = field(default=SCHEME_FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.residual < 0 or self.block < 1:
+            raise ValueError(
+                f"need sinks >= 0, residual >= 0, block >= 1; got sinks={self.sinks}, "
+                f"residual={self.residual}, block={self.block}"
+            )
+        for which, spec in (("key", self.key), ("value", self.value)):
+            if spec.kind != "float" and spec.granularity == "channel" and self.block % spec.group_size:
+                raise ValueError(
+                    f"{which}: per-channel groups of {spec.group_size} tokens must divide the flush block "
+                    f"({self.block} tokens)"
+                )
+        if self.value.pre_rope:
+            raise ValueError("pre_rope applies to keys only")
+        if self.version != SCHEME_FORMAT_VERSION:
+            raise ValueError(f"scheme format version {self.version} is not supported (this kvbits reads {SCHEME_FORMAT_VERSION})")
+
+    @property
+    def is_identity(self) -> bool:
+        """True when nothing is quantized (float storage for both K and V)."""
+        return not (self.key.is_quantized or self.value.is_quantized)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["key"] = self.key.to_dict()
+        d["value"] = self.value.to_dict()
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVScheme:
+        d = dict(d)
+        version = d.get("version", SCHEME_FORMAT_VERSION)
+        if version != SCHEME_FORMAT_VERSION:
+            raise ValueError(f"scheme format version {version} is not supported (expected {SCHEME_FORMAT_VERSION})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown KVScheme fields {sorted(unknown)}; expected a subset of {sorted(known)}")
+        d["key"] = TensorSpec.from_dict(d["key"]) if "key" in d else FP16
+        d["value"] = TensorSpec.from_dict(d["value"]) if "value" in d else FP16
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVScheme:
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> KVScheme:
+        """A copy with some fields changed (the dataclass is frozen)."""
+        return dataclasses.replace(self, **changes)
