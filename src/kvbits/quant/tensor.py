@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbits.quant.affine import META_DTYPE, choose_qparams, dequantize_affine, quantize_affine
+from kvbits.quant.affine import (
+    META_DTYPE,
+    _round_up_fp16,
+    choose_qparams,
+    dequantize_affine,
+    quantize_affine,
+)
 from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
 from kvbits.quant.outliers import gather_outliers, scatter_outliers
@@ -145,7 +151,10 @@ def quantize(
                 amax = x.float().abs().masked_fill(mask, 0).amax(dim=-1, keepdim=True)
             from kvbits.quant.fp8 import fp8_max
 
-            scale = (amax / fp8_max(spec.fmt)).to(META_DTYPE)
+            # Round the float16 scale *up* (as affine scales are): rounding to nearest could land
+            # below amax / fp8_max, so the row maximum saturated and was counted in `clipped`, and a
+            # tiny amax (e5m2: below ~3e-3) underflowed to scale 0 and decoded the row to zeros.
+            scale = _round_up_fp16(amax / fp8_max(spec.fmt))
         codes, clipped = quantize_fp8(x, scale, spec.fmt)
         if mask is not None:
             clipped = clipped & ~mask

@@ -1,0 +1,410 @@
+"""Primitive and quantizer layer: `kvbits.quant` and `kvbits.schemes`.
+
+Layer 1 (primitives): exact codes against hand-written references, pack/unpack bijection, round-trip
+error <= scale/2, degenerate inputs. Layer 2 (quantizers): SQNR floors on seeded data and relations
+between schemes ("more bits => higher SQNR", "per-channel keys beat per-token keys on outlier
+channels", "dense-and-sparse helps on heavy tails"). Plus byte accounting and scheme serialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvbits.quant import QuantizedTensor, pack_bits, packed_size, quantize, unpack_bits
+from kvbits.quant.affine import choose_qparams, dequantize_affine, quantize_affine
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme, list_schemes
+from kvbits.schemes.accounting import per_block_meta_bytes, quantized_bytes
+
+
+def int_spec(bits: int, granularity: str = "token", group_size: int | None = None, **kw) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity=granularity, group_size=group_size, **kw)
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio, ``10 log10(sum x^2 / sum (x - y)^2)`` in float64."""
+    x, y = x.double(), y.double()
+    return 10 * math.log10(float((x**2).sum() / ((x - y) ** 2).sum()))
+
+
+def gaussian(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def element_scale(qt: QuantizedTensor) -> torch.Tensor:
+    """The scale that covers each element, broadcast to ``(B, H, n, D)`` (written out independently
+    of ``kvbits.quant.tensor._group`` so the test checks the granularity semantics)."""
+    B, H, n, D = qt.shape
+    s, spec = qt.scale.float(), qt.spec
+    if spec.granularity == "token":
+        g = spec.group_size or D
+        return s.expand(B, H, n, D // g, g).reshape(B, H, n, D)
+    if spec.granularity == "channel":
+        G = spec.group_size
+        return s.expand(B, H, n // G, G, D).reshape(B, H, n, D)
+    return s.expand(B, H, n, D)  # head (B, H, 1, 1) / tensor (B, 1, 1, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer 1: exact codes against hand-written references (1 x 1 x 2 x 4 tensors, two tokens)
+# --------------------------------------------------------------------------------------------------
+
+# (bits, x rows, expected codes, expected scale per token, expected zero-point per token)
+# Asymmetric: zero = row min, scale = (max - min) / (2^b - 1), code = round((x - zero) / scale).
+ASYM_TOKEN_CASES = [
+    (2, [[0, 2.2, 0.4, 3], [-2, 1.5, -0.5, 4]], [[0, 2, 0, 3], [0, 2, 1, 3]], [1, 2], [0, -2]),
+    (4, [[0, 7.4, 1, 15], [27, -3, 0.2, 4.6]], [[0, 7, 1, 15], [15, 0, 2, 4]], [1, 2], [0, -3]),
+    (8, [[0.26, 0, 127.5, 63.9], [-1, 254, 10.3, 0]], [[1, 0, 255, 128], [0, 255, 11, 1]], [0.5, 1], [0, -1]),
+]
+# Symmetric: c = 2^(b-1) - 1, scale = amax / c, code = round(x / scale) + c.
+SYM_TOKEN_CASES = [
+    (2, [[-3, -1, 1.2, 3], [0.5, -0.5, 0.1, -0.2]], [[0, 1, 1, 2], [2, 0, 1, 1]], [3, 0.5]),
+    (4, [[-7, -2.4, 0.3, 5.6], [14, 1.2, -3.4, 0]], [[0, 5, 7, 13], [14, 8, 5, 7]], [1, 2]),
+    (8, [[-254, 1.2, 100.9, 254], [0.25, -31.75, 3, 10]], [[0, 128, 177, 254], [128, 0, 139, 167]], [2, 0.25]),
+]
+
+
+@pytest.mark.parametrize("bits,x,codes,scale,zero", ASYM_TOKEN_CASES)
+def test_asymmetric_per_token_codes_by_hand(bits, x, codes, scale, zero):
+    xt = torch.tensor(x, dtype=torch.float32).reshape(1, 1, 2, 4)
+    qt = quantize(xt, int_spec(bits))
+    got = unpack_bits(qt.data, bits, 4).reshape(2, 4)
+    assert got.tolist() == codes
+    assert qt.scale.dtype == torch.float16 and qt.zero.dtype == torch.float16
+    assert qt.scale.flatten().float().tolist() == scale
+    assert qt.zero.flatten().float().tolist() == zero
+    expected = torch.tensor(codes).float() * torch.tensor(scale)[:, None] + torch.tensor(zero)[:, None]
+    assert torch.equal(qt.dequantize().reshape(2, 4), expected)
+
+
+@pytest.mark.parametrize("bits,x,codes,scale", SYM_TOKEN_CASES)
+def test_symmetric_per_token_codes_by_hand(bits, x, codes, scale):
+    xt = torch.tensor(x, dtype=torch.float32).reshape(1, 1, 2, 4)
+    qt = quantize(xt, int_spec(bits, symmetric=True))
+    assert qt.zero is None
+    assert unpack_bits(qt.data, bits, 4).reshape(2, 4).tolist() == codes
+    assert qt.scale.flatten().float().tolist() == scale
+    c = 2 ** (bits - 1) - 1
+    expected = (torch.tensor(codes).float() - c) * torch.tensor(scale)[:, None]
+    assert torch.equal(qt.dequantize().reshape(2, 4), expected)
+
+
+def test_packed_bytes_by_hand():
+    # 2-bit rows [0,2,0,3], [0,2,1,3]: code i at bits [2i, 2i+2) -> 0 + 2<<2 + 0<<4 + 3<<6 = 200, ... = 216
+    x = torch.tensor(ASYM_TOKEN_CASES[0][1]).reshape(1, 1, 2, 4)
+    assert quantize(x, int_spec(2)).data.flatten().tolist() == [200, 216]
+    # 4-bit row [0,7,1,15] -> bytes 0x70, 0xF1; row [15,0,2,4] -> 0x0F, 0x42
+    x = torch.tensor(ASYM_TOKEN_CASES[1][1]).reshape(1, 1, 2, 4)
+    assert quantize(x, int_spec(4)).data.flatten().tolist() == [0x70, 0xF1, 0x0F, 0x42]
+    # 3-bit codes [0, 0, 7]: bits 6, 7, 8 set -> bytes 0xC0, 0x01 (ceil(9/8) = 2 bytes)
+    assert pack_bits(torch.tensor([0, 0, 7]), 3).tolist() == [0xC0, 0x01]
+    assert pack_bits(torch.tensor([5, 0, 0, 0, 0, 0, 0, 1]), 3).tolist() == [5, 0, 0x20]
+
+
+def test_per_channel_codes_by_hand():
+    # tokens x channels; one scale per channel over the 2-token group (KIVI keys).
+    x = torch.tensor([[0, -1, 5, 2], [3, 2, 5, 0.5]]).reshape(1, 1, 2, 4)
+    qt = quantize(x, int_spec(2, "channel", 2))
+    assert unpack_bits(qt.data, 2, 4).reshape(2, 4).tolist() == [[0, 0, 0, 3], [3, 3, 0, 0]]
+    assert qt.scale.shape == (1, 1, 1, 1, 4)  # (B, H, n/G, 1, D)
+    assert qt.scale.flatten().float().tolist() == [1, 1, 0, 0.5]  # constant channel 2 -> scale 0
+    assert qt.zero.flatten().float().tolist() == [0, -1, 5, 0.5]
+    assert torch.equal(qt.dequantize(), x)  # every value is on its grid
+
+
+def test_affine_primitives_by_hand():
+    x = torch.tensor([[-1.0, 0.0, 2.0]])
+    scale, zero = choose_qparams(x, 2, (-1,))
+    assert scale.item() == 1.0 and zero.item() == -1.0
+    codes, clipped = quantize_affine(torch.tensor([[-1.0, 0.4, 2.0, 5.0, -3.0]]), scale, zero, 2)
+    assert codes.tolist() == [[0, 1, 3, 3, 0]]
+    assert clipped.tolist() == [[False, False, False, True, True]]
+    assert dequantize_affine(codes, scale, zero, 2, torch.float32).tolist() == [[-1, 0, 2, 2, -1]]
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer 1: bit packing
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 3, 5, 7, 9, 13, 63, 65])
+def test_pack_unpack_bijection(bits, n):
+    g = torch.Generator().manual_seed(1000 * bits + n)
+    codes = torch.randint(0, 2**bits, (3, 2, n), generator=g, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (3, 2, math.ceil(n * bits / 8)) and packed_size(n, bits) == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+    # injective: changing one code changes the packed bytes
+    other = codes.clone()
+    other[0, 0, n // 2] ^= 1
+    assert not torch.equal(pack_bits(other, bits), packed)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_every_byte_pattern_unpacks_and_repacks(bits):
+    # n a multiple of 8: no padding bits, so pack o unpack is the identity on all byte strings.
+    n = 16
+    packed = torch.randint(0, 256, (5, packed_size(n, bits)), generator=torch.Generator().manual_seed(bits),
+                           dtype=torch.uint8)
+    assert torch.equal(pack_bits(unpack_bits(packed, bits, n), bits), packed)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="bits must be one of"):
+        pack_bits(torch.zeros(4, dtype=torch.uint8), 5)
+    with pytest.raises(TypeError, match="integer"):
+        pack_bits(torch.zeros(4), 4)
+    with pytest.raises(ValueError, match="packed bytes"):
+        unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer 1: round-trip error bound for every granularity
+# --------------------------------------------------------------------------------------------------
+
+GRANULARITIES = [("token", None), ("token", 16), ("channel", 8), ("channel", 32), ("head", None), ("tensor", None)]
+
+
+@pytest.mark.parametrize("gran,group", GRANULARITIES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_round_trip_error_within_half_scale(gran, group, bits, symmetric):
+    x = gaussian(2, 3, 32, 64, seed=bits) * 3 + 0.5
+    qt = quantize(x, int_spec(bits, gran, group, symmetric=symmetric))
+    assert qt.clipped == 0  # dynamic scales cover the data
+    err = (qt.dequantize() - x).abs()
+    bound = element_scale(qt) / 2
+    # fp32 slack: (x - zero) / scale and code * scale + zero are each rounded once in float32
+    assert bool((err <= bound * (1 + 1e-5) + 1e-6 * (1 + x.abs())).all()), float((err - bound).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer 2: SQNR floors and relations
+# --------------------------------------------------------------------------------------------------
+
+# Measured on gaussian(2, 4, 128, 64, seed=0), torch 2.13 CPU (asymmetric / symmetric, dB):
+#   per-token      int8 45.6/44.5  int4 21.0/19.4  int3 14.3/12.0  int2 7.0/2.9
+#   token g32      int8 46.7/45.5  int4 22.1/20.3  int3 15.5/12.9  int2 8.1/3.7
+#   channel G32    int8 46.7/45.4  int4 22.1/20.2  int3 15.5/12.9  int2 8.1/3.6
+#   head           int8 41.1/40.6  int4 16.5/15.5  int3  9.8/ 8.1  int2 2.3/0.6
+#   tensor         int8 40.3/39.9  int4 15.7/14.7  int3  9.0/ 7.3  int2 1.3/0.4
+# Floors sit ~2-3 dB under the measured values (asymmetric).
+SQNR_FLOORS = {
+    ("token", None): {8: 43, 4: 18, 3: 12, 2: 5},
+    ("token", 32): {8: 44, 4: 19, 3: 13, 2: 6},
+    ("channel", 32): {8: 44, 4: 19, 3: 13, 2: 6},
+    ("head", None): {8: 38, 4: 14, 3: 7.5, 2: 1},
+    ("tensor", None): {8: 38, 4: 13, 3: 7, 2: 0.5},
+}
+
+
+@pytest.mark.parametrize("gran,group", list(SQNR_FLOORS))
+def test_sqnr_floors_and_more_bits_is_better(gran, group):
+    x = gaussian(2, 4, 128, 64, seed=0)
+    got = {b: sqnr_db(x, quantize(x, int_spec(b, gran, group)).dequantize()) for b in (8, 4, 3, 2)}
+    for b, floor in SQNR_FLOORS[(gran, group)].items():
+        assert got[b] > floor, f"int{b} {gran}: {got[b]:.2f} dB <= floor {floor} dB"
+    # each extra bit is worth ~6 dB (uniform quantizer); require at least 4 dB per bit
+    assert got[8] - got[4] > 16 and got[4] - got[3] > 4 and got[3] - got[2] > 4, got
+
+
+def test_symmetric_sqnr_floors():
+    x = gaussian(2, 4, 128, 64, seed=0)
+    floors = {8: 42, 4: 17, 3: 10, 2: 1.5}
+    for b, floor in floors.items():
+        s = sqnr_db(x, quantize(x, int_spec(b, symmetric=True)).dequantize())
+        assert s > floor, (b, s)
+
+
+def outlier_channel_keys(seed: int = 0) -> torch.Tensor:
+    """Keys ``(1, 4, 128, 64)`` with four channels scaled x20 (the structure of real keys, KIVI §3)."""
+    x = gaussian(1, 4, 128, 64, seed=seed)
+    x[..., [3, 17, 40, 51]] *= 20
+    return x
+
+
+@pytest.mark.parametrize("bits,margin", [(8, 4.0), (4, 4.0), (2, 4.0)])
+def test_per_channel_keys_beat_per_token_on_outlier_channels(bits, margin):
+    # measured (dB, per-token vs per-channel G=32): int8 40.1 vs 46.6, int4 15.4 vs 22.0, int2 1.5 vs 8.0
+    x = outlier_channel_keys()
+    tok = sqnr_db(x, quantize(x, int_spec(bits)).dequantize())
+    chan = sqnr_db(x, quantize(x, int_spec(bits, "channel", 32)).dequantize())
+    assert chan > tok + margin, (tok, chan)
+
+
+def test_dense_and_sparse_outliers_exact_and_helpful():
+    # heavy-tailed rows: Student-t with 2 dof = z / sqrt(chi2_2 / 2), seeded; values rounded to fp16
+    # so "exact" means bit-exact
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(1, 2, 64, 64, generator=g)
+    chi2 = torch.randn(1, 2, 64, 64, 2, generator=g).pow(2).sum(-1)
+    x = (z / (chi2 / 2).sqrt()).half().float()
+    plain = quantize(x, int_spec(4))
+    sparse = quantize(x, int_spec(4, outlier_frac=0.05))  # ceil(0.05 * 64) = 4 per row
+    assert sparse.outlier_values.shape == (1, 2, 64, 4) and sparse.outlier_index.dtype == torch.uint8
+    deq = sparse.dequantize()
+    idx = sparse.outlier_index.long()
+    assert torch.equal(deq.gather(-1, idx), x.gather(-1, idx))
+    # the kept entries are the top-|x| of each row
+    assert torch.equal(x.abs().gather(-1, idx).amin(-1), x.abs().topk(4, dim=-1).values.amin(-1))
+    # measured: 16.7 dB plain vs ~27 dB with 5% outliers
+    assert sqnr_db(x, deq) > sqnr_db(x, plain.dequantize()) + 5
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,mant_bits,min_sub", [("e4m3", 3, 2.0**-9), ("e5m2", 2, 2.0**-16)])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3])
+def test_fp8_token_round_trip(fmt, mant_bits, min_sub, magnitude):
+    x = gaussian(2, 2, 16, 64, seed=3) * magnitude
+    qt = quantize(x, TensorSpec(kind="fp8", bits=8, fmt=fmt, granularity="token"))
+    assert qt.data.dtype == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    assert qt.clipped == 0  # dynamic per-token scales cover the row maximum
+    err = (qt.dequantize() - x).abs()
+    # round-to-nearest: relative error <= 2^-(m+1) for normals, half a subnormal step below them
+    bound = x.abs() * 2.0 ** -(mant_bits + 1) + qt.scale.float() * min_sub / 2
+    assert bool((err <= bound * (1 + 1e-3)).all())
+    assert sqnr_db(x, qt.dequantize()) > {"e4m3": 30, "e5m2": 24}[fmt]  # measured 32.1 / 26.0
+
+
+@pytest.mark.parametrize("fmt,fmax", [("e4m3", 448.0), ("e5m2", 57344.0)])
+def test_fp8_static_saturation_is_counted(fmt, fmax):
+    spec = TensorSpec(kind="fp8", bits=8, fmt=fmt, granularity="tensor", static=True)
+    x = gaussian(1, 2, 8, 16, seed=4)
+    x[0, 0, 0, :3] = torch.tensor([2 * fmax, -3 * fmax, fmax * 1.5]) / 16  # within fp16, beyond fp8/scale
+    scale = torch.tensor(1 / 16)
+    qt = quantize(x, spec, static_scale=scale)
+    assert qt.clipped == 3
+    assert qt.dequantize()[0, 0, 0, :3].tolist() == [fmax / 16, -fmax / 16, fmax / 16]  # saturated, not inf
+    assert qt.nbytes == x.numel()  # static scale is the layer's, not the block's
+    assert quantize(x[:, :, 1:], spec, static_scale=scale).clipped == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Degenerate and invalid inputs
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises(bad):
+    x = gaussian(1, 1, 4, 8)
+    x[0, 0, 1, 2] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, int_spec(4))
+
+
+def test_out_of_fp16_range_and_wrong_rank_raise():
+    with pytest.raises(ValueError, match="float16 range"):
+        quantize(torch.full((1, 1, 2, 4), 1e6), int_spec(4))
+    with pytest.raises(ValueError, match=r"\(B, H_kv, T, D\)"):
+        quantize(torch.zeros(2, 4), int_spec(4))
+
+
+ALL_INT_SPECS = [int_spec(b, g, gs, symmetric=s) for b in (2, 3, 4, 8) for g, gs in GRANULARITIES for s in (False, True)]
+
+
+@pytest.mark.parametrize("spec", ALL_INT_SPECS + [
+    TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g) for f in ("e4m3", "e5m2") for g in ("token", "tensor")
+], ids=str)
+@pytest.mark.parametrize("value", [0.0, 0.75, -3.25])  # float16-representable constants
+def test_constant_and_zero_inputs(spec, value):
+    x = torch.full((1, 2, 32, 64), value)
+    deq = quantize(x, spec).dequantize()
+    assert bool(torch.isfinite(deq).all())
+    if value == 0.0 or (spec.kind == "int" and not spec.symmetric):
+        # asymmetric: constant group -> scale 0, zero = value; zero input -> 0 under every format
+        assert torch.equal(deq, x)
+    else:  # symmetric int: within scale/2; fp8: round-to-nearest with 3 (e4m3) or 2 (e5m2) mantissa bits
+        rtol = {"int": 1e-3, "fp8": 2.0 ** -(4 if spec.fmt == "e4m3" else 3)}[spec.kind]
+        assert torch.allclose(deq, x, rtol=rtol, atol=0), (deq.flatten()[0], value)
+
+
+def test_per_channel_group_of_one_rejected():
+    for gs in (1, None):
+        with pytest.raises(ValueError, match="group_size must be >= 2"):
+            TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=gs)
+
+
+def test_per_channel_block_must_be_whole_groups():
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantize(gaussian(1, 1, 10, 8), int_spec(4, "channel", 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# Byte accounting: real bytes == the planner's formula
+# --------------------------------------------------------------------------------------------------
+
+EXTRA_SPECS = [
+    int_spec(4, outlier_frac=0.02),
+    int_spec(3, "token", 32, symmetric=True),
+    int_spec(4, "head"),
+    int_spec(8, "tensor", symmetric=True),
+    int_spec(2, "channel", 16, outlier_frac=0.05),
+    TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="token", outlier_frac=0.01),
+]
+
+
+def _check_nbytes(qt: QuantizedTensor, spec: TensorSpec, B: int, H: int, n: int, D: int) -> None:
+    stored = sum(t.numel() * t.element_size() for t in qt.stored_tensors())
+    assert qt.nbytes == stored
+    assert qt.nbytes == B * (quantized_bytes(spec, n, H, D) + per_block_meta_bytes(spec, H)), spec
+
+
+@pytest.mark.parametrize("scheme", list_schemes(), ids=lambda s: s.name)
+@pytest.mark.parametrize("D", [64, 128])
+def test_nbytes_matches_accounting_for_every_preset(scheme: KVScheme, D: int):
+    B, H = 2, 3
+    n = max(scheme.block, 2)
+    x = gaussian(B, H, n, D, seed=D)
+    for spec in (scheme.key, scheme.value):
+        qt = quantize(x, spec)
+        _check_nbytes(qt, spec, B, H, n, D)
+        if spec.kind == "int":
+            assert qt.data.shape == (B, H, n, packed_size(D, spec.bits))
+
+
+@pytest.mark.parametrize("spec", EXTRA_SPECS, ids=str)
+def test_nbytes_matches_accounting_extra_specs(spec: TensorSpec):
+    B, H, n, D = 2, 3, 32, 64
+    _check_nbytes(quantize(gaussian(B, H, n, D), spec), spec, B, H, n, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# Schemes: serialisation and lookup
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", list_schemes(), ids=lambda s: s.name)
+def test_scheme_json_round_trip(scheme: KVScheme, tmp_path):
+    text = scheme.to_json()
+    assert json.loads(text)["version"] == scheme.version
+    assert KVScheme.from_json(text) == scheme
+    path = tmp_path / f"{scheme.name}.json"
+    path.write_text(text)
+    assert get_scheme(str(path)) == scheme
+    assert get_scheme(scheme.name) is scheme
+
+
+def test_unknown_scheme_lists_presets():
+    with pytest.raises(ValueError) as exc:
+        get_scheme("int5-magic")
+    msg = str(exc.value)
+    assert "int5-magic" in msg
+    for s in list_schemes():
+        assert s.name in msg
+
+
+def test_scheme_json_rejects_unknown_fields_and_versions():
+    d = get_scheme("kivi-2").to_dict()
+    with pytest.raises(ValueError, match="unknown KVScheme fields"):
+        KVScheme.from_dict({**d, "bogus": 1})
+    with pytest.raises(ValueError, match="version"):
+        KVScheme.from_dict({**d, "version": 99})
