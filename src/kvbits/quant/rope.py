@@ -1,0 +1,400 @@
+"""RoPE exactly as transformers computes it, and its inverse, from a model config alone.
+
+Pre-RoPE key quantization (KVQuant, Hooper et al. 2024, §3.2) stores keys *before* the rotary
+embedding and re-applies it after dequantization: channel statistics are stable before RoPE and
+smeared across each rotation pair after it. Attention modules of stock transformers models only see
+post-RoPE keys, so we need the very cos/sin transformers used to (1) un-rotate post-RoPE keys into
+pre-RoPE keys and (2) rotate dequantized pre-RoPE keys back.
+
+``RotaryTables`` does not re-implement any RoPE variant: it instantiates the model family's own
+``*RotaryEmbedding`` module (``transformers.models.<type>.modeling_<type>``) from the config and calls
+its ``forward``, so ``rope_type`` ``default`` / ``linear`` / ``dynamic`` / ``yarn`` / ``longrope`` /
+``llama3``, ``partial_rotary_factor`` and per-layer-type bases (Gemma3 local vs global layers) are
+whatever the installed transformers implements. Works with transformers 5.x (``rope_parameters``).
+
+Convention: "rotate-half" as transformers' ``apply_rotary_pos_emb``: channel ``i`` pairs with
+``i + D_rot/2`` and only the first ``D_rot`` channels rotate (partial rotary). At construction the
+convention is checked against the family's own ``apply_rotary_pos_emb`` when it has one; families
+that rotate interleaved pairs (GLM, Cohere, GPT-J, ...) are refused with ``NotImplementedError``.
+
+Dynamic RoPE (``rope_type="dynamic"``): transformers recomputes the frequencies from the longest
+sequence its rotary module has seen (``max(position_ids) + 1`` of the forward call, growing across
+calls until a short sequence resets it). These tables are *stateless*: ``cos_sin`` returns the tables
+of a single forward whose sequence length is ``seq_len`` (default ``max(positions) + 1``). That is
+exact for keys produced by one prefill pass; for keys cached during decoding past
+``max_position_embeddings``, pass the ``seq_len`` the model had grown to when it produced them (and
+note that transformers itself then mixes keys rotated with different frequencies in one cache).
+``longrope`` is handled the same way (short or long factors chosen from ``seq_len``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RotaryTables", "apply_rope", "invert_rope", "rotate_half"]
+
+# Rotary modules of other modalities living in the same modeling file as the text model's.
+_NON_TEXT = ("Vision", "Audio", "DiT", "Talker", "SaProt")
+# rope types whose frequencies depend on the sequence length of the forward call
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` over the last dim (halves), as transformers' ``rotate_half``."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _broadcast_tables(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, T, D_rot)`` or ``(T, D_rot)`` tables → ``(B|1, 1, T, D_rot)`` for ``x`` ``(B, H, T, D)``."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be (B, H, T, D), got shape {tuple(x.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin shapes differ: {tuple(cos.shape)} vs {tuple(sin.shape)}")
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if cos.dim() != 3:
+        raise ValueError(f"cos/sin must be (B, T, D_rot) or (T, D_rot), got shape {tuple(cos.shape)}")
+    d_rot = cos.shape[-1]
+    if d_rot > x.shape[-1] or d_rot % 2:
+        raise ValueError(f"rotary dim {d_rot} must be even and at most the head dim {x.shape[-1]}")
+    if cos.shape[1] != x.shape[2]:
+        raise ValueError(f"cos/sin cover {cos.shape[1]} positions but x has T={x.shape[2]} tokens")
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` by the tables ``cos``/``sin`` ``(B, T, D_rot)``.
+
+    Bit-for-bit the arithmetic of transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x)
+    * sin`` in ``x``'s dtype); channels ``D_rot:`` (partial rotary) pass through unchanged.
+    """
+    cos, sin = _broadcast_tables(cos, sin, x)
+    d_rot = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if d_rot == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :d_rot], x[..., d_rot:]
+    return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
+
+
+def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo ``apply_rope`` with the same tables: ``x`` ``(B, H, T, D)`` post-RoPE → pre-RoPE.
+
+    Each pair ``(a, b) = (x_i, x_{i+D_rot/2})`` was mapped by ``s·R(θ)``, a rotation scaled by the
+    attention factor ``s`` (``cos² + sin² = s²``; ``s ≠ 1`` for yarn / longrope). The inverse is
+    ``R(-θ) / s = (x·cos − rotate_half(x)·sin) / (cos² + sin²)``, computed in float32 and returned in
+    ``x``'s dtype: exact up to rounding.
+    """
+    cos, sin = _broadcast_tables(cos, sin, x)
+    d_rot = cos.shape[-1]
+    c = cos.to(x.dtype).float()  # the tables as apply_rope used them
+    s = sin.to(x.dtype).float()
+    xr = x[..., :d_rot].float()
+    out = (xr * c - rotate_half(xr) * s) / (c * c + s * s)
+    out = out.to(x.dtype)
+    if d_rot == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., d_rot:]), dim=-1)
+
+
+# ------------------------------------------------------------------------------- finding classes
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:  # older signature
+        return get()
+
+
+def _modeling_module(model_type: str):
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError as exc:
+        raise ValueError(f"no transformers modeling module for model_type {model_type!r}: {exc}") from exc
+
+
+def _rotary_class(module: Any, model_type: str) -> type:
+    """The text rotary-embedding class defined in a modeling module."""
+    found = [
+        obj
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj)
+        and name.endswith("RotaryEmbedding")
+        and isinstance(obj, type)
+        and issubclass(obj, torch.nn.Module)
+        and not any(tag in name for tag in _NON_TEXT)
+    ]
+    if not found:
+        raise ValueError(
+            f"model_type {model_type!r} has no *RotaryEmbedding class in {module.__name__}; "
+            "does this model use RoPE?"
+        )
+    text = [c for c in found if "Text" in c.__name__]
+    pool = text or found
+    return min(pool, key=lambda c: len(c.__name__))
+
+
+def _instantiate(cls: type, config: Any, device: torch.device | str | None) -> torch.nn.Module:
+    module = cls(config)  # transformers 5.17 also takes device= (deprecated); 5.24 does not
+    if device is not None:
+        module = module.to(device)
+    return module.eval()
+
+
+def _reset_dynamic_state(rotary: torch.nn.Module) -> None:
+    """Undo what transformers' ``dynamic_rope_update`` grew: ``*inv_freq`` back to ``*original_inv_freq``."""
+    for name, buf in list(rotary.named_buffers(recurse=False)):
+        if name.endswith("original_inv_freq"):
+            prefix = name[: -len("original_inv_freq")]
+            rotary.register_buffer(f"{prefix}inv_freq", buf.clone(), persistent=False)
+            if hasattr(rotary, "original_max_seq_len"):
+                setattr(rotary, f"{prefix}max_seq_len_cached", rotary.original_max_seq_len)
+
+
+# --------------------------------------------------------------------------------------- tables
+
+
+@dataclass
+class RotaryTables:
+    """cos/sin tables of one model's RoPE, produced by transformers' own rotary module.
+
+    Build with ``from_config`` (or ``from_model``); for models with different rotary bases per
+    layer type (Gemma3 sliding vs full attention) or layers without RoPE (SmolLM3's NoPE layers)
+    select a layer with ``tables_for_layer``.
+
+    Attributes:
+        config: the text config the module was built from.
+        rotary: transformers' rotary-embedding module (kept pristine: length-dependent rope types
+            are evaluated on a copy).
+        model_type: ``config.model_type``.
+        head_dim: ``D``, channels per head.
+        rot_dim: ``D_rot``, channels that rotate (``D`` unless partial rotary; 0 for a NoPE layer).
+        layer_type: the layer type these tables are for (per-layer-type modules only), else None.
+        convention_checked: True when the rotate-half convention was verified against the family's
+            own ``apply_rotary_pos_emb``; False when that function could not be probed.
+    """
+
+    config: Any
+    rotary: torch.nn.Module
+    model_type: str
+    head_dim: int
+    rot_dim: int
+    layer_type: str | None = None
+    convention_checked: bool = False
+    _module: Any = field(default=None, repr=False)
+
+    # ---------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_config(cls, config: Any, device: torch.device | str | None = None) -> RotaryTables:
+        """Tables for the model described by ``config`` (a transformers ``PretrainedConfig``).
+
+        Raises:
+            ValueError: the model type has no RoPE module in transformers.
+            NotImplementedError: the family rotates interleaved pairs or returns non-cos/sin tables.
+        """
+        text = _text_config(config)
+        model_type = getattr(text, "model_type", None)
+        if not model_type:
+            raise ValueError(f"config has no model_type: {type(config).__name__}")
+        module = _modeling_module(model_type)
+        rotary = _instantiate(_rotary_class(module, model_type), text, device)
+        return cls._build(text, rotary, module)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> RotaryTables:
+        """Tables for a loaded model, from a copy of the rotary module the model itself runs.
+
+        Unlike ``from_config`` this keeps the model's own frequency buffers, which matters when
+        the model was cast with ``model.to(torch.bfloat16)`` (that also rounds ``inv_freq``;
+        ``from_pretrained(dtype=...)`` keeps them in float32). State a dynamic RoPE module grew
+        during earlier forwards is reset to its original frequencies.
+        """
+        found = None
+        for _name, sub in model.named_modules():
+            cname = type(sub).__name__
+            if cname.endswith("RotaryEmbedding") and not any(t in cname for t in _NON_TEXT):
+                found = sub
+                break
+        if found is None:
+            return cls.from_config(model.config)
+        text = getattr(found, "config", None) or _text_config(model.config)
+        rotary = copy.deepcopy(found).eval()
+        for hooks in (rotary._forward_hooks, rotary._forward_pre_hooks):
+            hooks.clear()
+        _reset_dynamic_state(rotary)
+        return cls._build(text, rotary, inspect.getmodule(type(found)))
+
+    @classmethod
+    def _build(cls, text: Any, rotary: torch.nn.Module, module: Any) -> RotaryTables:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        per_type = isinstance(getattr(rotary, "rope_type", None), dict)
+        layer_type = None
+        if per_type:  # until tables_for_layer says otherwise: the first layer's type
+            types = getattr(text, "layer_types", None) or sorted(rotary.rope_type)
+            layer_type = types[0]
+        tables = cls(text, rotary, text.model_type, int(head_dim), 0, layer_type, False, module)
+        probe_cos, _ = tables._forward(torch.arange(2)[None], torch.float32, None)
+        tables.rot_dim = int(probe_cos.shape[-1])
+        tables.convention_checked = tables._check_convention()
+        return tables
+
+    def tables_for_layer(self, layer_idx: int) -> RotaryTables:
+        """The tables decoder layer ``layer_idx`` uses.
+
+        Per-layer-type modules (Gemma3: ``config.layer_types[i]`` in ``sliding_attention`` /
+        ``full_attention`` with their own ``rope_theta``) select that type; layers flagged without
+        RoPE (``config.no_rope_layers[i] == 0``, SmolLM3 / Llama4) get ``rot_dim = 0`` (identity).
+        """
+        n_layers = getattr(self.config, "num_hidden_layers", None)
+        if not isinstance(layer_idx, int) or layer_idx < 0 or (n_layers is not None and layer_idx >= n_layers):
+            raise ValueError(f"layer_idx must be an int in [0, {n_layers}), got {layer_idx!r}")
+        no_rope = getattr(self.config, "no_rope_layers", None)
+        if no_rope is not None and layer_idx < len(no_rope) and not no_rope[layer_idx]:
+            return replace(self, rot_dim=0)
+        if not isinstance(getattr(self.rotary, "rope_type", None), dict):
+            return self
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is None or layer_idx >= len(layer_types):
+            raise ValueError(f"config has no layer_types entry for layer {layer_idx}")
+        lt = layer_types[layer_idx]
+        if lt not in self.rotary.rope_type:
+            raise ValueError(f"layer {layer_idx} has type {lt!r}; rotary module knows {sorted(self.rotary.rope_type)}")
+        if lt == self.layer_type:
+            return self
+        tables = replace(self, layer_type=lt)
+        tables.rot_dim = int(tables._forward(torch.arange(2)[None], torch.float32, None)[0].shape[-1])
+        return tables
+
+    # --------------------------------------------------------------------------------- tables
+
+    @property
+    def rope_type(self) -> str:
+        """``rope_type`` of these tables (``default``, ``linear``, ``dynamic``, ``yarn``, ...)."""
+        rt = self.rotary.rope_type
+        return rt[self.layer_type] if isinstance(rt, dict) else rt
+
+    @property
+    def device(self) -> torch.device:
+        buf = next(self.rotary.buffers(), None)
+        return buf.device if buf is not None else torch.device("cpu")
+
+    def _forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = positions.to(self.device, torch.long)
+        n_real = pos.shape[1]
+        module = self.rotary
+        if any(k in self.rope_type for k in _LENGTH_DEPENDENT):
+            module = copy.deepcopy(self.rotary)  # the module mutates its frequencies: stay stateless
+            if seq_len is not None:
+                # one extra position makes the forward see max(position_ids) + 1 == seq_len;
+                # tables are elementwise per position, so slicing it off is exact
+                extra = torch.full((pos.shape[0], 1), seq_len - 1, dtype=pos.dtype, device=pos.device)
+                pos = torch.cat((pos, extra), dim=1)
+        x = torch.zeros((), dtype=dtype, device=pos.device)
+        args = (x, pos) if self.layer_type is None else (x, pos, self.layer_type)
+        with torch.no_grad():
+            out = module(*args)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise NotImplementedError(
+                f"{type(self.rotary).__name__} returns {type(out).__name__}, not (cos, sin) tables; "
+                f"model_type {self.model_type!r} is not supported"
+            )
+        cos, sin = out
+        return cos[:, :n_real], sin[:, :n_real]
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``positions`` ``(T,)`` or ``(B, T)``, each ``(B, T, D_rot)`` in ``dtype``.
+
+        The same tensors transformers' rotary module returns for these ``position_ids`` (attention
+        factor included), in ``dtype`` as the model casts them to its activations' dtype.
+
+        Args:
+            positions: absolute token positions (LongTensor).
+            dtype: the model's activation dtype.
+            seq_len: length-dependent rope types only (dynamic, longrope): the sequence length the
+                rotary module had seen when the keys were produced; default ``max(positions) + 1``.
+        """
+        if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point:
+            raise TypeError(f"positions must be an integer torch.Tensor, got {positions!r:.80}")
+        if positions.dim() == 1:
+            positions = positions[None]
+        if positions.dim() != 2:
+            raise ValueError(f"positions must be (T,) or (B, T), got shape {tuple(positions.shape)}")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError("positions must be >= 0")
+        if seq_len is not None and positions.numel() and seq_len < int(positions.max()) + 1:
+            raise ValueError(f"seq_len={seq_len} is shorter than max(positions) + 1 = {int(positions.max()) + 1}")
+        if self.rot_dim == 0:
+            empty = torch.zeros((*positions.shape, 0), dtype=dtype, device=positions.device)
+            return empty, empty.clone()
+        return self._forward(positions, dtype, seq_len)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+        """``apply_rope`` of ``x`` ``(B, H, T, D)`` at ``positions`` ``(T,)`` or ``(B, T)``."""
+        self._check_x(x)
+        cos, sin = self.cos_sin(positions, x.dtype, seq_len=seq_len)
+        return apply_rope(x, cos.to(x.device), sin.to(x.device))
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+        """``invert_rope`` of post-RoPE ``x`` ``(B, H, T, D)`` at ``positions``."""
+        self._check_x(x)
+        cos, sin = self.cos_sin(positions, x.dtype, seq_len=seq_len)
+        return invert_rope(x, cos.to(x.device), sin.to(x.device))
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        if x.dim() != 4 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must be (B, H, T, D={self.head_dim}), got shape {tuple(x.shape)}")
+
+    # ----------------------------------------------------------------------------- validation
+
+    def _check_convention(self) -> bool:
+        """Compare ``apply_rope`` with the family's ``apply_rotary_pos_emb`` on a random probe."""
+        ref = getattr(self._module, "apply_rotary_pos_emb", None)
+        if ref is None or self.rot_dim == 0:
+            return False
+        gen = torch.Generator().manual_seed(0)
+        T = 5
+        x = torch.randn(1, 2, T, self.head_dim, generator=gen).to(self.device)
+        cos, sin = self.cos_sin(torch.arange(T, device=self.device) * 7)
+        ours = apply_rope(x, cos, sin)
+        got = None
+        for probe in (x, x[..., : self.rot_dim]):  # some families slice the rotary part themselves
+            try:
+                out = ref(probe, probe, cos, sin)
+            except Exception:  # signature or shape not what we probe with
+                continue
+            if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+                got = out[1]
+                if got.shape[-1] != self.head_dim:
+                    got = torch.cat((got, x[..., got.shape[-1]:]), dim=-1)
+                break
+        if got is None or got.shape != ours.shape:
+            logger.debug("could not probe %s.apply_rotary_pos_emb", getattr(self._module, "__name__", "?"))
+            return False
+        if not torch.allclose(got, ours, atol=1e-5, rtol=1e-5):
+            raise NotImplementedError(
+                f"model_type {self.model_type!r} applies RoPE in a layout other than rotate-half "
+                "(e.g. interleaved pairs); kvbits.quant.rope supports the rotate-half convention only"
+            )
+        return True

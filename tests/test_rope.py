@@ -1,0 +1,209 @@
+"""`kvbits.quant.rope`: the cos/sin transformers uses, rebuilt from a config, and their inverse.
+
+Ground truth comes from real forwards of tiny random-weight models: pre-RoPE keys from a forward
+hook on ``k_proj`` (or the ``k_norm`` applied before RoPE), post-RoPE keys from the cache the
+attention module wrote them into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvbits.quant.rope import RotaryTables, apply_rope, invert_rope  # noqa: E402
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            intermediate_size=64, vocab_size=128)
+ATOL = 1e-5
+
+
+def _config(name: str, **kw):
+    cls = getattr(transformers, name)
+    args = dict(TINY)
+    args.update(kw)
+    return cls(**args)
+
+
+@contextlib.contextmanager
+def _capture_pre_rope(model, keys: dict[int, torch.Tensor]):
+    """Record pre-RoPE keys ``(B, H_kv, T, D)`` per layer; hooks removed on exit, even on error."""
+    handles = []
+    try:
+        for name, mod in model.named_modules():
+            if not hasattr(mod, "k_proj") or not hasattr(mod, "layer_idx"):
+                continue
+            idx = mod.layer_idx
+            n_kv = mod.config.num_key_value_heads if hasattr(mod, "config") else model.config.num_key_value_heads
+            head_dim = getattr(mod, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+            src = getattr(mod, "k_norm", None) or getattr(mod, "k_layernorm", None) or mod.k_proj
+
+            def hook(_m, _inp, out, idx=idx, n_kv=n_kv, head_dim=head_dim):
+                # k_proj gives (B, T, H*D); norms see (B, T, H, D) or (B, H, T, D) depending on the
+                # family: tell them apart by shape (the tests keep T != H_kv)
+                if out.dim() == 3:
+                    out = out.reshape(out.shape[0], out.shape[1], n_kv, head_dim)
+                if out.shape[1] != n_kv:
+                    out = out.transpose(1, 2)
+                keys[idx] = out.detach().clone()
+
+            handles.append(src.register_forward_hook(hook))
+        yield keys
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _forward_keys(config, T: int = 12, seed: int = 0, dtype=torch.float32):
+    """(model, {layer: pre-RoPE keys}, {layer: post-RoPE keys}) from one prefill of T tokens."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
+    ids = torch.randint(0, config.vocab_size, (2, T))
+    pre: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), _capture_pre_rope(model, pre):
+        out = model(input_ids=ids, use_cache=True)
+    cache = out.get("cache") or out.get("past_key_values")
+    post = {i: layer.keys for i, layer in enumerate(cache.layers)}
+    assert len(pre) == config.num_hidden_layers
+    return model, pre, post
+
+
+def _check_roundtrip(config, T: int = 12, atol: float = ATOL, **cos_kw):
+    model, pre, post = _forward_keys(config, T)
+    tables = RotaryTables.from_config(config)
+    positions = torch.arange(T)
+    for layer in range(config.num_hidden_layers):
+        t = tables.tables_for_layer(layer)
+        cos, sin = t.cos_sin(positions, torch.float32, **cos_kw)
+        torch.testing.assert_close(apply_rope(pre[layer], cos, sin), post[layer], atol=atol, rtol=1e-5)
+        torch.testing.assert_close(invert_rope(post[layer], cos, sin), pre[layer], atol=atol, rtol=1e-5)
+        assert not torch.equal(pre[layer], post[layer]) or t.rot_dim == 0
+    return tables, model
+
+
+def test_llama_plain_matches_model_forward():
+    tables, _ = _check_roundtrip(_config("LlamaConfig"))
+    assert tables.rope_type == "default" and tables.rot_dim == tables.head_dim == 16
+    assert tables.convention_checked
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_llama_rope_scaling(rope):
+    cfg = _config("LlamaConfig", max_position_embeddings=64, rope_parameters={"rope_theta": 10000.0, **rope})
+    tables, _ = _check_roundtrip(cfg, T=20)
+    assert tables.rope_type == rope["rope_type"]
+    if rope["rope_type"] == "yarn":  # attention factor != 1: cos² + sin² = s², undone by invert_rope
+        cos, sin = tables.cos_sin(torch.arange(4))
+        assert not torch.allclose(cos**2 + sin**2, torch.ones_like(cos))
+
+
+def test_llama_dynamic_beyond_max_positions_and_stateless():
+    cfg = _config("LlamaConfig", max_position_embeddings=16,
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0})
+    tables, _ = _check_roundtrip(cfg, T=24)  # 24 > 16: frequencies recomputed from seq_len 24
+    short, _ = tables.cos_sin(torch.arange(24)[:8])
+    grown, _ = tables.cos_sin(torch.arange(8), seq_len=24)  # same positions, model had seen 24 tokens
+    assert not torch.allclose(short, grown)
+    torch.testing.assert_close(grown, tables.cos_sin(torch.arange(24))[0][:, :8])
+    again, _ = tables.cos_sin(torch.arange(8))  # no state carried over from the longer call
+    torch.testing.assert_close(again, short, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="seq_len"):
+        tables.cos_sin(torch.arange(8), seq_len=4)
+
+
+def test_qwen2_with_kv_bias():
+    tables, model = _check_roundtrip(_config("Qwen2Config", rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    assert model.model.layers[0].self_attn.k_proj.bias is not None
+    assert tables.model_type == "qwen2"
+
+
+@pytest.mark.parametrize("name,factor", [("StableLmConfig", 0.25), ("PhiConfig", 0.5)])
+def test_partial_rotary(name, factor):
+    kw = {"partial_rotary_factor": factor}
+    if name == "PhiConfig":
+        kw["num_key_value_heads"] = 4
+    tables, _ = _check_roundtrip(_config(name, **kw))
+    assert tables.rot_dim == int(tables.head_dim * factor) < tables.head_dim
+    x = torch.randn(1, 2, 5, tables.head_dim)
+    y = tables.rotate(x, torch.arange(5) + 3)
+    torch.testing.assert_close(y[..., tables.rot_dim:], x[..., tables.rot_dim:], atol=0, rtol=0)
+
+
+def test_gemma3_local_and_global_bases():
+    cfg = _config("Gemma3TextConfig", head_dim=16, num_hidden_layers=3, sliding_window=64,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    tables, _ = _check_roundtrip(cfg, T=16)  # pre-RoPE keys hooked after k_norm
+    local, glob = tables.tables_for_layer(0), tables.tables_for_layer(1)
+    assert (local.layer_type, glob.layer_type) == ("sliding_attention", "full_attention")
+    assert not torch.allclose(local.cos_sin(torch.arange(16))[0], glob.cos_sin(torch.arange(16))[0])
+
+
+def test_nope_layers_are_identity():
+    cfg = _config("SmolLM3Config", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    tables, _ = _check_roundtrip(cfg)
+    assert [tables.tables_for_layer(i).rot_dim for i in range(4)] == [16, 16, 16, 0]
+
+
+def test_batched_positions_and_bfloat16():
+    tables = RotaryTables.from_config(_config("LlamaConfig"))
+    pos = torch.stack([torch.arange(6), torch.arange(6) + 100])
+    cos, sin = tables.cos_sin(pos, torch.bfloat16)
+    assert cos.shape == (2, 6, 16) and cos.dtype == torch.bfloat16
+    x = torch.randn(2, 3, 6, 16, dtype=torch.bfloat16)
+    back = invert_rope(apply_rope(x, cos, sin), cos, sin)
+    torch.testing.assert_close(back, x, atol=3e-2, rtol=2e-2)  # bf16 rounding of the rotated keys
+    # different positions per sequence really differ
+    assert not torch.allclose(apply_rope(x, cos, sin)[0], apply_rope(x[1:].expand(2, -1, -1, -1), cos, sin)[1])
+
+
+def test_bfloat16_model_matches_exactly():
+    cfg = _config("LlamaConfig")
+    model, pre, post = _forward_keys(cfg, T=10, dtype=torch.bfloat16)  # model.to(bf16) rounds inv_freq too
+    cos, sin = RotaryTables.from_model(model).cos_sin(torch.arange(10), torch.bfloat16)
+    torch.testing.assert_close(apply_rope(pre[0], cos, sin), post[0], atol=0, rtol=0)
+
+
+def test_from_model_equals_from_config_and_leaves_no_hooks():
+    cfg = _config("LlamaConfig", max_position_embeddings=8,
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # grows the model's dynamic frequencies; from_model must not inherit that
+        model(input_ids=torch.zeros(1, 20, dtype=torch.long))
+    t1, t2 = RotaryTables.from_model(model), RotaryTables.from_config(cfg)
+    pos = torch.arange(12)  # 8 < 12 < 20: a grown module would keep its 20-token frequencies
+    torch.testing.assert_close(t1.cos_sin(pos)[0], t2.cos_sin(pos)[0], atol=0, rtol=0)
+    with torch.no_grad(), _capture_pre_rope(model, {}):
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_errors():
+    tables = RotaryTables.from_config(_config("LlamaConfig"))
+    with pytest.raises(TypeError):
+        tables.cos_sin(torch.arange(4.0))
+    with pytest.raises(ValueError, match="layer_idx"):
+        tables.tables_for_layer(2)
+    with pytest.raises(ValueError, match="positions"):
+        apply_rope(torch.randn(1, 1, 4, 16), *tables.cos_sin(torch.arange(5)))
+    with pytest.raises(ValueError, match="D=16"):
+        tables.rotate(torch.randn(1, 1, 4, 8), torch.arange(4))
+    with pytest.raises(ValueError, match="RoPE|Rotary"):
+        RotaryTables.from_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    with pytest.raises(NotImplementedError, match="rotate-half"):
+        RotaryTables.from_config(_config("CohereConfig"))  # interleaved pairs
