@@ -1,0 +1,79 @@
+"""Pick the decode-attention implementation: the fused Triton kernel on CUDA, the torch reference elsewhere.
+
+``KVBITS_KERNEL=reference|triton`` overrides the automatic choice (``auto``, the default). Triton is
+imported lazily, on the first call that wants it, never at ``import kvbits``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from kvbits.kernels.reference import PackedStore, decode_attention_reference
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KERNEL_ENV", "decode_attention", "resolve_kernel", "triton_available"]
+
+KERNEL_ENV = "KVBITS_KERNEL"
+MODES = ("auto", "reference", "triton")
+INSTALL_HINT = "install Triton (pip install 'kvbits[triton]'; Linux + CUDA, or TRITON_INTERPRET=1 on CPU)"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``kvbits.kernels.triton_decode`` (hence Triton) imports."""
+    try:
+        import kvbits.kernels.triton_decode  # noqa: F401
+    except ImportError as exc:
+        logger.debug("Triton unavailable: %s", exc)
+        return False
+    return True
+
+
+def _mode() -> str:
+    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{KERNEL_ENV} must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
+    """``"triton"`` or ``"reference"``: what ``decode_attention`` runs for these inputs."""
+    mode = _mode()
+    if mode == "reference":
+        return "reference"
+    if mode == "triton":
+        if not triton_available():
+            raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
+        from kvbits.kernels.triton_decode import supported
+
+        reason = supported(store, q)
+        if reason:
+            raise NotImplementedError(f"{KERNEL_ENV}=triton: {reason}")
+        return "triton"
+    if not q.is_cuda or not triton_available():
+        return "reference"
+    from kvbits.kernels.triton_decode import supported
+
+    reason = supported(store, q)
+    if reason:
+        logger.info("decode attention falls back to the torch reference: %s", reason)
+        return "reference"
+    return "triton"
+
+
+def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> torch.Tensor:
+    """Decode attention ``q (B, H_q, 1, D)`` over a packed store → ``(B, H_q, 1, D)`` in ``q.dtype``.
+
+    Fused Triton kernel on CUDA when Triton imports and supports the store, else the float32 torch
+    reference (``decode_attention_reference``); ``KVBITS_KERNEL`` forces either.
+    """
+    if resolve_kernel(q, store) == "triton":
+        from kvbits.kernels.triton_decode import decode_attention_triton
+
+        return decode_attention_triton(q, store, scale)
+    return decode_attention_reference(q, store, scale)

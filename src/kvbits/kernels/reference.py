@@ -1,0 +1,372 @@
+"""The packed decode-attention layout, and its pure-torch reference.
+
+Layout (one layer, a batch of ``B`` sequences; what the Triton kernels in ``triton_decode`` read)
+-----------------------------------------------------------------------------------------------
+Notation: ``(B, H_kv, T, D)`` for keys/values, ``H_q`` query heads, ``G = H_q / H_kv`` query heads
+per KV head (GQA; ``G = 1`` is MHA). Every tensor is contiguous.
+
+Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
+
+- ``codes``: ``(B, H_kv, T_q, ceil(D * bits / 8))`` uint8, the codes of each (token, head) row
+  bit-packed along ``D`` exactly as ``kvbits.quant.pack``: code ``i`` of each 8-code word sits at bits
+  ``[bits*i, bits*(i+1))`` of the word, little-endian, so for 2/4/8 bits channel ``d`` is in byte
+  ``d // (8 / bits)`` at shift ``(d % (8 / bits)) * bits``; 3-bit codes may straddle two bytes.
+- ``scale`` (and ``zero`` when asymmetric): float16 ``(B, H_kv, T_q / tps, D / cps)``, where one scale
+  covers ``tps`` consecutive tokens ("tokens per scale") and ``cps`` consecutive channels ("channels
+  per scale"). The element at (token ``t``, channel ``d``) uses ``scale[..., t // tps, d // cps]``:
+
+  ================================  =======  =======  ==========================
+  granularity (``TensorSpec``)       tps      cps      scale shape
+  ================================  =======  =======  ==========================
+  per-token (values; KIVI values)    1        g or D   ``(B, H_kv, T_q, D/g)``
+  per-channel over G tokens (keys)   G        1        ``(B, H_kv, T_q/G, D)``
+  per-head / per-tensor, per block   block    D        ``(B, H_kv, T_q/block, 1)``
+  ================================  =======  =======  ==========================
+
+  Decoding (``kvbits.quant.affine``): asymmetric ``x = code * scale + zero``; symmetric
+  ``x = (code - (2**(bits-1) - 1)) * scale``.
+- ``pre_rope`` keys (KVQuant §3.2): the codes hold keys *before* RoPE; attention rotates each
+  dequantized key back with rotate-half RoPE (``x * cos[p] + rotate_half(x) * sin[p]``, transformers'
+  ``apply_rotary_pos_emb``), ``p = quant_pos0[b] + t``, tables ``rope_cos`` / ``rope_sin`` ``(T_pos, D)``.
+
+Full-precision tail (sinks, residual window, not-yet-flushed buffer): ``key_full`` / ``value_full``
+``(B, H_kv, T_f, D)`` in a float dtype, keys already rotated (post-RoPE).
+
+Ragged batches: sequence ``b`` owns quantized slots ``[0, quant_lens[b])`` and tail slots
+``[0, full_lens[b])`` (``(B,)`` int32 each); the slots after them are padding, never read. Softmax
+attention does not depend on the order of the tokens, so the kernels visit quantized tokens then tail
+tokens, although in the cache the sinks come first; only RoPE needs true positions (``quant_pos0``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvbits.quant.pack import unpack_bits
+from kvbits.quant.tensor import QuantizedTensor
+
+__all__ = ["PackedStore", "PackedTensor", "decode_attention_reference", "dequantize_packed", "pack_store"]
+
+
+@dataclass
+class PackedTensor:
+    """One side (K or V) of the quantized store; see the module docstring for the layout.
+
+    Attributes:
+        codes: ``(B, H_kv, T_q, ceil(D * bits / 8))`` uint8.
+        scale: ``(B, H_kv, T_q // tps, D // cps)`` float16.
+        zero: same shape as ``scale`` (asymmetric) or ``None`` (symmetric).
+        bits: 2, 3, 4 or 8.
+        tps: tokens per scale; cps: channels per scale.
+        head_dim: ``D``.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    tps: int
+    cps: int
+    head_dim: int
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    @property
+    def n_slots(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads for all slots: codes + scales (+ zero-points)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+
+
+@dataclass
+class PackedStore:
+    """A layer's K/V in the kernel layout (see the module docstring).
+
+    Attributes:
+        key, value: quantized stores, both ``None`` or both set (``T_q`` slots each).
+        key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys), both ``None`` or both set.
+        quant_lens, full_lens: ``(B,)`` int32 valid slots per sequence.
+        rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``.
+        quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count.
+    """
+
+    key: PackedTensor | None
+    value: PackedTensor | None
+    key_full: torch.Tensor | None
+    value_full: torch.Tensor | None
+    quant_lens: torch.Tensor
+    full_lens: torch.Tensor
+    rope_cos: torch.Tensor | None = None
+    rope_sin: torch.Tensor | None = None
+    quant_pos0: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.quant_lens.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        t = self.key.codes if self.key is not None else self.key_full
+        return t.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.head_dim if self.key is not None else self.key_full.shape[-1]
+
+    @property
+    def pre_rope(self) -> bool:
+        return self.rope_cos is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.quant_lens.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every slot of the store (codes, metadata, tail), padding included."""
+        total = sum(p.nbytes for p in (self.key, self.value) if p is not None)
+        total += sum(t.numel() * t.element_size() for t in (self.key_full, self.value_full) if t is not None)
+        return total
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the layout from QuantizedTensor blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
+    """Concatenate ``QuantizedTensor`` blocks of one side along the tokens into a ``PackedTensor``."""
+    spec = blocks[0].spec
+    B, H, _, D = blocks[0].shape
+    if spec.kind != "int":
+        raise NotImplementedError(
+            f"{what}: the packed decode layout holds affine integer codes; kind={spec.kind!r} is not supported "
+            "(attend over QuantizedTensor.dequantize() instead)"
+        )
+    if spec.outlier_frac > 0:
+        raise NotImplementedError(f"{what}: dense-and-sparse outliers are not supported by the packed decode layout")
+    codes, scales, zeros = [], [], []
+    tps = cps = None
+    for i, qt in enumerate(blocks):
+        if qt.spec != spec or qt.shape[:2] != (B, H) or qt.shape[3] != D:
+            raise ValueError(f"{what} block {i}: spec/shape {qt.spec}, {qt.shape} differs from block 0 ({spec}, {blocks[0].shape})")
+        n = qt.n_tokens
+        # `expand_to`: the keepdim scale shape on quantize's grouped view; static scales are stored
+        # once per layer and broadcast, so they are materialised per group here.
+        if spec.granularity == "token":
+            g = spec.group_size or D
+            b_tps, b_cps, shape, expand_to = 1, g, (B, H, n, D // g), (B, H, n, D // g, 1)
+        elif spec.granularity == "channel" and spec.group_size is None:
+            # static per-channel (KVQuant keys): one calibrated (H, D) scale for every token; one
+            # scale row covers all slots (tps = T_q, set below)
+            b_tps, b_cps, shape, expand_to = 0, 1, (B, H, 1, D), (B, H, 1, D)
+        elif spec.granularity == "channel":
+            G = spec.group_size
+            b_tps, b_cps, shape, expand_to = G, 1, (B, H, n // G, D), (B, H, n // G, 1, D)
+        else:  # head: (B, H, 1, 1); tensor: (B, 1, 1, 1), repeated per head
+            b_tps, b_cps, shape, expand_to = n, D, (B, H, 1, 1), (B, H, 1, 1)
+        if tps is None:
+            tps, cps = b_tps, b_cps
+        elif (tps, cps) != (b_tps, b_cps):
+            raise ValueError(f"{what} block {i}: {n} tokens; head/tensor blocks must all have the same length")
+        codes.append(qt.data)
+        scales.append(qt.scale.expand(expand_to).reshape(shape))
+        if qt.zero is not None:
+            zeros.append(qt.zero.expand(expand_to).reshape(shape))
+    codes_t = torch.cat(codes, dim=2).contiguous()
+    if tps == 0:
+        for i, qt in enumerate(blocks):
+            same = torch.equal(scales[i], scales[0]) and (not zeros or torch.equal(zeros[i], zeros[0]))
+            if not same:
+                raise ValueError(f"{what} block {i}: static per-channel scales differ from block 0's")
+        scales, zeros, tps = scales[:1], zeros[:1], max(1, codes_t.shape[2])
+    return PackedTensor(
+        codes=codes_t,
+        scale=torch.cat(scales, dim=2).to(torch.float16).contiguous(),
+        zero=torch.cat(zeros, dim=2).to(torch.float16).contiguous() if zeros else None,
+        bits=spec.bits,
+        tps=tps,
+        cps=cps,
+        head_dim=D,
+    )
+
+
+def _lens(lens: torch.Tensor | list[int] | None, default: int, B: int, device: torch.device, what: str) -> torch.Tensor:
+    if lens is None:
+        return torch.full((B,), default, dtype=torch.int32, device=device)
+    out = torch.as_tensor(lens, dtype=torch.int32, device=device).reshape(-1)
+    if out.shape[0] != B:
+        raise ValueError(f"{what} must have one entry per sequence ({B}), got {out.shape[0]}")
+    if bool((out < 0).any()) or bool((out > default).any()):
+        raise ValueError(f"{what} must be in [0, {default}], got {out.tolist()}")
+    return out
+
+
+def pack_store(
+    key_blocks: list[QuantizedTensor],
+    value_blocks: list[QuantizedTensor],
+    key_full: torch.Tensor | None = None,
+    value_full: torch.Tensor | None = None,
+    *,
+    quant_lens: torch.Tensor | list[int] | None = None,
+    full_lens: torch.Tensor | list[int] | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    quant_pos0: torch.Tensor | list[int] | None = None,
+) -> PackedStore:
+    """Concatenate a layer's quantized blocks (and its full-precision tail) into the kernel layout.
+
+    Args:
+        key_blocks, value_blocks: ``QuantizedTensor`` blocks ``(B, H_kv, n_i, D)`` in token order, as
+            ``kvbits.quant.quantize`` produces them (int kinds, no outliers); may be empty.
+        key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys) or ``None``.
+        quant_lens, full_lens: ``(B,)`` valid slots per sequence (default: all ``T_q`` / ``T_f``).
+        rope_cos, rope_sin: ``(T_pos, D)`` tables when the quantized keys are pre-RoPE.
+        quant_pos0: ``(B,)`` position of the first quantized slot (default 0), pre-RoPE keys only.
+    """
+    if len(key_blocks) != len(value_blocks):
+        raise ValueError(f"need as many key blocks as value blocks, got {len(key_blocks)} and {len(value_blocks)}")
+    if (key_full is None) != (value_full is None):
+        raise ValueError("key_full and value_full must both be given or both be None")
+    if not key_blocks and key_full is None:
+        raise ValueError("an empty store: give quantized blocks, a full-precision tail, or both")
+    key = _side_from_blocks(key_blocks, "key") if key_blocks else None
+    value = _side_from_blocks(value_blocks, "value") if value_blocks else None
+    ref = key.codes if key is not None else key_full
+    B, H, device = ref.shape[0], ref.shape[1], ref.device
+    D = key.head_dim if key is not None else key_full.shape[-1]
+    if key is not None and (value.codes.shape[:3] != key.codes.shape[:3] or value.head_dim != D):
+        raise ValueError(f"key and value stores differ: {tuple(key.codes.shape)} vs {tuple(value.codes.shape)}")
+    if key_full is not None:
+        if key_full.shape != value_full.shape or key_full.dim() != 4 or key_full.shape[:2] != (B, H) or key_full.shape[3] != D:
+            raise ValueError(
+                f"full-precision tail must be (B={B}, H_kv={H}, T_f, D={D}) for keys and values, got "
+                f"{tuple(key_full.shape)} and {tuple(value_full.shape)}"
+            )
+        key_full, value_full = key_full.contiguous(), value_full.contiguous()
+    T_q = key.n_slots if key is not None else 0
+    T_f = key_full.shape[2] if key_full is not None else 0
+    ql = _lens(quant_lens, T_q, B, device, "quant_lens")
+    fl = _lens(full_lens, T_f, B, device, "full_lens")
+    if bool(((ql + fl) < 1).any()):
+        raise ValueError(f"every sequence needs at least one token; quant_lens={ql.tolist()}, full_lens={fl.tolist()}")
+    pos0 = None
+    if (rope_cos is None) != (rope_sin is None):
+        raise ValueError("rope_cos and rope_sin must both be given or both be None")
+    if rope_cos is not None:
+        if key is None:
+            raise ValueError("RoPE tables apply to pre-RoPE quantized keys, but the store has none")
+        if rope_cos.shape != rope_sin.shape or rope_cos.dim() != 2 or rope_cos.shape[1] != D:
+            raise ValueError(f"rope tables must be (T_pos, D={D}), got {tuple(rope_cos.shape)}, {tuple(rope_sin.shape)}")
+        pos0 = _lens(quant_pos0 if quant_pos0 is not None else [0] * B, 2**31 - 1, B, device, "quant_pos0")
+        if int((pos0 + ql).max()) > rope_cos.shape[0]:
+            raise ValueError(f"rope tables cover {rope_cos.shape[0]} positions, keys reach {int((pos0 + ql).max())}")
+        rope_cos, rope_sin = rope_cos.float().contiguous(), rope_sin.float().contiguous()
+    elif quant_pos0 is not None:
+        raise ValueError("quant_pos0 is only meaningful with rope tables (pre-RoPE keys)")
+    return PackedStore(key, value, key_full, value_full, ql, fl, rope_cos, rope_sin, pos0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference dequantization and attention
+# --------------------------------------------------------------------------------------------------
+
+
+def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """All slots of a ``PackedTensor`` back to floats ``(B, H_kv, T_q, D)``.
+
+    Computed in float32 (float64 when ``dtype`` is float64) with the formulas of
+    ``kvbits.quant.affine.dequantize_affine``, so float32 results equal ``QuantizedTensor.dequantize``.
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    codes = unpack_bits(p.codes, p.bits, p.head_dim).to(work)
+    scale = p.scale.to(work).repeat_interleave(p.tps, dim=2).repeat_interleave(p.cps, dim=3)
+    if p.zero is None:
+        out = (codes - (2 ** (p.bits - 1) - 1)) * scale
+    else:
+        zero = p.zero.to(work).repeat_interleave(p.tps, dim=2).repeat_interleave(p.cps, dim=3)
+        out = codes * scale + zero
+    return out.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` over the halves of the last dim (transformers' ``rotate_half``)."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope_at(
+    k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.Tensor
+) -> torch.Tensor:
+    """Rotate keys ``(B, H_kv, T, D)``: slot ``t`` of sequence ``b`` sits at position ``pos0[b] + t``.
+
+    Tables ``(T_pos, D)``; positions past the table end are clamped (they are padding slots).
+    """
+    B, _, T, _ = k.shape
+    pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp_max(cos.shape[0] - 1)  # (B, T)
+    c = cos.to(k.dtype)[pos][:, None]  # (B, 1, T, D)
+    s = sin.to(k.dtype)[pos][:, None]
+    return k * c + rotate_half(k) * s
+
+
+def materialize(store: PackedStore, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense keys, values ``(B, H_kv, T_q + T_f, D)`` in ``dtype`` and the validity mask ``(B, T_q + T_f)``.
+
+    Quantized slots come first, then tail slots; pre-RoPE keys are rotated (in ``dtype``).
+    """
+    ks, vs, masks = [], [], []
+    if store.key is not None:
+        k = dequantize_packed(store.key, dtype)
+        if store.pre_rope:
+            k = apply_rope_at(k, store.rope_cos, store.rope_sin, store.quant_pos0)
+        ks.append(k)
+        vs.append(dequantize_packed(store.value, dtype))
+        T = store.key.n_slots
+        masks.append(torch.arange(T, device=store.device)[None, :] < store.quant_lens[:, None].long())
+    if store.key_full is not None:
+        ks.append(store.key_full.to(dtype))
+        vs.append(store.value_full.to(dtype))
+        T = store.key_full.shape[2]
+        masks.append(torch.arange(T, device=store.device)[None, :] < store.full_lens[:, None].long())
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat(masks, dim=1)
+
+
+def decode_attention_reference(
+    q: torch.Tensor, store: PackedStore, scale: float | None = None, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """One decode step of softmax attention over a packed store (dequantize, then plain attention).
+
+    Args:
+        q: ``(B, H_q, 1, D)`` queries of the new token (post-RoPE), ``H_q = G * H_kv``.
+        store: the layer's ``PackedStore``.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        dtype: compute dtype: float32 (the reference), float64 (ground truth in tests), or float16
+            ("plain torch at the kernel's precision", the yardstick of the flash-attention tests).
+
+    Returns:
+        ``(B, H_q, 1, D)`` in ``q.dtype``. Query head ``j`` attends KV head ``j // G`` (transformers'
+        ``repeat_kv``).
+    """
+    B, H_q, one, D = q.shape
+    H_kv = store.n_kv_heads
+    if one != 1 or D != store.head_dim or B != store.batch or H_q % H_kv:
+        raise ValueError(
+            f"q must be (B={store.batch}, H_q (a multiple of H_kv={H_kv}), 1, D={store.head_dim}), got {tuple(q.shape)}"
+        )
+    G = H_q // H_kv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k, v, mask = materialize(store, dtype)
+    qg = q.reshape(B, H_kv, G, D).to(dtype)
+    s = torch.einsum("bhgd,bhtd->bhgt", qg, k) * scale  # (B, H_kv, G, T)
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v)
+    return out.reshape(B, H_q, 1, D).to(q.dtype)

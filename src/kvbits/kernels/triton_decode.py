@@ -1,0 +1,365 @@
+"""Fused decode attention over the packed KV cache: Triton split-K ("flash-decoding") kernels.
+
+Reads the layout of ``kvbits.kernels.reference`` (packed codes + float16 scales/zero-points + a
+full-precision tail, ragged lengths) and never materialises dequantized K/V: codes are unpacked and
+dequantized in registers, right before the dot products.
+
+Work decomposition (Flash-Decoding, Dao et al. 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
+one program per (sequence ``b``, KV head ``h``, split of the tokens). A program serves **all**
+``G = H_q / H_kv`` query heads of its KV head, so every KV byte is read from memory once per step
+(GQA packing, as vLLM/lightllm decode kernels do); the ``G`` query rows are padded to 16 for
+``tl.dot``. Splits ``[0, n_split_q)`` cover the quantized slots and splits ``[n_split_q, n_split)`` the
+full-precision tail. Each writes a partial online-softmax state ``(m, l, acc)`` (Milakov &
+Gimelshein 2018; FlashAttention-2, Dao 2023, Alg. 1) in base 2 (``exp2``, scores pre-multiplied by
+``log2 e``); ``_reduce_kernel`` merges the splits: ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``.
+
+Precision follows the query dtype: float16/bfloat16 queries use tensor-core dots on dequantized K/V
+and probabilities cast to that dtype with float32 accumulation (FlashAttention's recipe); float32
+queries use IEEE float32 dots (slow; for tests and debugging).
+
+This module imports Triton at import time; import it through ``kvbits.kernels.dispatch``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbits.kernels.reference import PackedStore, PackedTensor
+
+__all__ = ["decode_attention_triton", "dequantize_packed_triton", "supported", "unpack_codes_triton"]
+
+LOG2E = 1.4426950408889634
+TRITON_BITS = (2, 3, 4, 8)
+
+
+# --------------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unpack(codes_ptr, t, d, mask, ROW, BITS: tl.constexpr):
+    """Integer codes at (token ``t``, channel ``d``) (broadcastable int tensors) of rows of ``ROW`` bytes.
+
+    Channel ``d`` of a row starts at bit ``d * BITS``, little-endian (``kvbits.quant.pack``); a 3-bit
+    code may continue into the next byte.
+    """
+    bit = d * BITS
+    byte_idx = bit // 8
+    word = tl.load(codes_ptr + t * ROW + byte_idx, mask=mask, other=0).to(tl.int32)
+    if BITS == 3:
+        nxt = tl.load(codes_ptr + t * ROW + byte_idx + 1, mask=mask & (byte_idx + 1 < ROW), other=0)
+        word = word | (nxt.to(tl.int32) << 8)
+    return (word >> (bit % 8)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _load_kv(codes_ptr, scale_ptr, zero_ptr, t, d, mask, ROW, SCOLS,
+             BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr):
+    """A float32 tile of K or V at (``t``, ``d``); ``BITS == 16`` reads a float tail row of ``ROW`` elements.
+
+    Quantized: element (t, d) uses ``scale[t // TPS, d // CPS]`` (``SCOLS`` scale columns per row);
+    asymmetric ``code * scale + zero``, symmetric ``(code - (2^(b-1) - 1)) * scale``
+    (``kvbits.quant.affine``).
+    """
+    if BITS == 16:
+        x = tl.load(codes_ptr + t * ROW + d, mask=mask, other=0.0).to(tl.float32)
+    else:
+        code = _unpack(codes_ptr, t, d, mask, ROW, BITS)
+        s_off = (t // TPS) * SCOLS + d // CPS
+        s = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        if SYM:
+            x = (code - ((1 << (BITS - 1)) - 1)).to(tl.float32) * s
+        else:
+            z = tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+            x = code.to(tl.float32) * s + z
+    return x
+
+
+@triton.jit
+def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles."""
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k.to(q.dtype))
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    Q, M_OUT, L_OUT, ACC_OUT,
+    KC, KS, KZ, VC, VS, VZ, QLEN,
+    KF, VF, FLEN,
+    COS, SIN, POS0,
+    qk_scale, H_kv, T_q, T_f,
+    K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
+    n_split_q, n_split, chunk_q, chunk_f,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    K_BITS: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, K_SYM: tl.constexpr,
+    V_BITS: tl.constexpr, V_TPS: tl.constexpr, V_CPS: tl.constexpr, V_SYM: tl.constexpr,
+    ROPE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // H_kv
+    h = pid_bh % H_kv
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BLOCK_T)
+    gmask = offs_g < G
+    row = b * (H_kv * G) + h * G + offs_g  # rows of (B * H_q): query heads h*G .. h*G+G-1 (repeat_kv order)
+    q = tl.load(Q + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    bh = pid_bh.to(tl.int64)  # (b, h) slabs can pass 2^31 bytes at long contexts and large batches
+    if pid_s < n_split_q:
+        start = pid_s * chunk_q
+        end = tl.minimum(start + chunk_q, tl.load(QLEN + b))
+        kc = KC + bh * T_q * K_ROW
+        ks = KS + bh * K_SROWS * K_SCOLS
+        kz = KZ + bh * K_SROWS * K_SCOLS
+        vc = VC + bh * T_q * V_ROW
+        vs = VS + bh * V_SROWS * V_SCOLS
+        vz = VZ + bh * V_SROWS * V_SCOLS
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + offs_t
+            valid = t < end
+            # keys transposed, (D, BLOCK_T), so that q @ k needs no tl.trans
+            k = _load_kv(kc, ks, kz, t[None, :], offs_d[:, None], valid[None, :], K_ROW, K_SCOLS,
+                         K_BITS, K_TPS, K_CPS, K_SYM)
+            if ROPE:
+                # pre-RoPE keys (KVQuant §3.2): rotate after dequantization, rotate-half convention
+                # k * cos + rotate_half(k) * sin, rotate_half(k)[d] = -k[d + D/2] (d < D/2), k[d - D/2] else.
+                # The partner channel is dequantized again from the same (cached) bytes.
+                partner = (offs_d + D // 2) % D
+                kp = _load_kv(kc, ks, kz, t[None, :], partner[:, None], valid[None, :], K_ROW, K_SCOLS,
+                              K_BITS, K_TPS, K_CPS, K_SYM)
+                pos = tl.load(POS0 + b) + t
+                cs_off = pos[None, :] * D + offs_d[:, None]
+                cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
+                sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
+                k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
+            v = _load_kv(vc, vs, vz, t[:, None], offs_d[None, :], valid[:, None], V_ROW, V_SCOLS,
+                         V_BITS, V_TPS, V_CPS, V_SYM)
+            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+    else:
+        start = (pid_s - n_split_q) * chunk_f
+        end = tl.minimum(start + chunk_f, tl.load(FLEN + b))
+        kf = KF + bh * T_f * D
+        vf = VF + bh * T_f * D
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + offs_t
+            valid = t < end
+            k = _load_kv(kf, kf, kf, t[None, :], offs_d[:, None], valid[None, :], D, 1, 16, 1, 1, True)
+            v = _load_kv(vf, vf, vf, t[:, None], offs_d[None, :], valid[:, None], D, 1, 16, 1, 1, True)
+            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+    out = row * n_split + pid_s
+    tl.store(M_OUT + out, m_i, mask=gmask)
+    tl.store(L_OUT + out, l_i, mask=gmask)
+    tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _reduce_kernel(M, L, ACC, OUT, n_split, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """Grid ``(B * H_q,)``: merge the split partials of one query row (log-sum-exp rescaling)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, S_PAD)
+    m_all = tl.load(M + row * n_split + offs_s, mask=offs_s < n_split, other=-1.0e30)
+    m_max = tl.max(m_all, 0)
+    offs_d = tl.arange(0, D)
+    num = tl.zeros([D], tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for s0 in range(0, n_split, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        sm = offs < n_split
+        m = tl.load(M + row * n_split + offs, mask=sm, other=-1.0e30)
+        w = tl.where(sm, tl.exp2(m - m_max), 0.0)
+        l_s = tl.load(L + row * n_split + offs, mask=sm, other=0.0)
+        a = tl.load(ACC + (row * n_split + offs)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+        num += tl.sum(w[:, None] * a, 0)
+        den += tl.sum(w * l_s, 0)
+    tl.store(OUT + row * D + offs_d, (num / den).to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _unpack_kernel(C, OUT, T, ROW, D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Grid ``(B * H, cdiv(T, BLOCK_T))``: codes ``(B, H, T, D)`` uint8 through ``_unpack`` (tests)."""
+    bh = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    mask = (t < T)[:, None]
+    code = _unpack(C + bh * T * ROW, t[:, None], d[None, :], mask, ROW, BITS)
+    tl.store(OUT + bh * T * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(C, S, Z, OUT, T, ROW, SROWS, SCOLS, D: tl.constexpr, BITS: tl.constexpr,
+                    TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` (tests, unfused baseline)."""
+    bh = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    mask = (t < T)[:, None]
+    x = _load_kv(C + bh * T * ROW, S + bh * SROWS * SCOLS, Z + bh * SROWS * SCOLS, t[:, None], d[None, :], mask,
+                 ROW, SCOLS, BITS, TPS, CPS, SYM)
+    tl.store(OUT + bh * T * D + t[:, None] * D + d[None, :], x, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host wrappers
+# --------------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
+    """``None`` when the Triton kernels handle ``store`` (and ``q``), else the reason they do not."""
+    D = store.head_dim
+    if D < 16 or D & (D - 1):
+        return f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}"
+    for side in (store.key, store.value):
+        if side is not None and side.bits not in TRITON_BITS:
+            return f"{side.bits}-bit codes are not supported by the Triton kernel (supported: {TRITON_BITS})"
+    if q is not None and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"queries must be float16, bfloat16 or float32, got {q.dtype}"
+    return None
+
+
+def _num_splits(store: PackedStore, device: torch.device, target_programs: int | None) -> int:
+    """Splits per (sequence, KV head): about two programs per SM on a GPU, a few on the interpreter."""
+    if target_programs is None:
+        if device.type == "cuda":
+            target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            target_programs = 4
+    return max(1, math.ceil(target_programs / (store.batch * store.n_kv_heads)))
+
+
+def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
+    """(number of splits, tokens per split, a multiple of ``block_t``) covering ``T`` slots."""
+    if T == 0:
+        return 0, block_t
+    splits = max(1, min(splits, math.ceil(T / block_t)))
+    chunk = math.ceil(math.ceil(T / splits) / block_t) * block_t
+    return math.ceil(T / chunk), chunk
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    store: PackedStore,
+    scale: float | None = None,
+    *,
+    block_t: int = 64,
+    splits: int | None = None,
+    target_programs: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
+
+    Args:
+        q: post-RoPE queries of the new token; ``H_q`` a multiple of the store's ``H_kv``.
+        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        block_t: tokens per inner tile.
+        splits: splits per (sequence, KV head) of the quantized slots (default: from ``target_programs``).
+        target_programs: programs to aim for (default: 2 per SM on CUDA, 4 elsewhere).
+    """
+    reason = supported(store, q)
+    if reason:
+        raise NotImplementedError(reason)
+    B, H_q, one, D = q.shape
+    H_kv = store.n_kv_heads
+    if one != 1 or B != store.batch or D != store.head_dim or H_q % H_kv:
+        raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
+    G = H_q // H_kv
+    dev = q.device
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q2 = q.reshape(B * H_q, D).contiguous()
+    if splits is None:
+        splits = _num_splits(store, dev, target_programs)
+    T_q = store.key.n_slots if store.key is not None else 0
+    T_f = store.key_full.shape[2] if store.key_full is not None else 0
+    n_q, chunk_q = _chunk(T_q, splits, block_t)
+    n_f, chunk_f = _chunk(T_f, splits, block_t)
+    n_split = n_q + n_f
+    m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(B * H_q, n_split, D, device=dev, dtype=torch.float32)
+    dummy = torch.zeros(1, device=dev, dtype=torch.uint8)
+    k, v = store.key, store.value
+    kf = store.key_full if store.key_full is not None else dummy
+    vf = store.value_full if store.value_full is not None else dummy
+
+    def side(p: PackedTensor | None) -> tuple:
+        if p is None:
+            return (dummy, dummy, dummy), (1, 1, 1), (8, 1, 1, True)
+        z = p.zero if p.zero is not None else p.scale
+        return (p.codes, p.scale, z), (p.codes.shape[-1], p.scale.shape[2], p.scale.shape[3]), (
+            p.bits, p.tps, p.cps, p.zero is None)
+
+    (kc, ks, kz), (k_row, k_srows, k_scols), (k_bits, k_tps, k_cps, k_sym) = side(k)
+    (vc, vs, vz), (v_row, v_srows, v_scols), (v_bits, v_tps, v_cps, v_sym) = side(v)
+    rope = store.pre_rope
+    cos = store.rope_cos if rope else dummy
+    sin = store.rope_sin if rope else dummy
+    pos0 = store.quant_pos0 if rope else dummy
+    _decode_kernel[(B * H_kv, n_split)](
+        q2, m, l_, acc,
+        kc, ks, kz, vc, vs, vz, store.quant_lens,
+        kf, vf, store.full_lens,
+        cos, sin, pos0,
+        scale * LOG2E, H_kv, T_q, T_f,
+        k_row, k_srows, k_scols, v_row, v_srows, v_scols,
+        n_q, n_split, chunk_q, chunk_f,
+        G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t,
+        K_BITS=k_bits, K_TPS=k_tps, K_CPS=k_cps, K_SYM=k_sym,
+        V_BITS=v_bits, V_TPS=v_tps, V_CPS=v_cps, V_SYM=v_sym,
+        ROPE=rope, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+    )
+    out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype)
+    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, S_PAD=_pow2(n_split), BLOCK_S=16, D=D, num_warps=4)
+    return out.reshape(B, H_q, 1, D)
+
+
+def unpack_codes_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
+    """Codes ``(B, H_kv, T_q, D)`` uint8 unpacked by the kernels' own helper (for exact tests)."""
+    B, H, T, row = p.codes.shape
+    out = torch.empty(B, H, T, p.head_dim, dtype=torch.uint8, device=p.codes.device)
+    _unpack_kernel[(B * H, triton.cdiv(T, block_t))](p.codes, out, T, row, D=p.head_dim, BITS=p.bits, BLOCK_T=block_t)
+    return out
+
+
+def dequantize_packed_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
+    """Dequantized ``(B, H_kv, T_q, D)`` float32 through the kernels' own helper (tests; unfused baseline)."""
+    B, H, T, row = p.codes.shape
+    out = torch.empty(B, H, T, p.head_dim, dtype=torch.float32, device=p.codes.device)
+    z = p.zero if p.zero is not None else p.scale
+    _dequant_kernel[(B * H, triton.cdiv(T, block_t))](
+        p.codes, p.scale, z, out, T, row, p.scale.shape[2], p.scale.shape[3],
+        D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, BLOCK_T=block_t,
+    )
+    return out

@@ -1,0 +1,311 @@
+"""Kernel layer: the packed layout, the torch reference, the Triton kernels and the dispatcher.
+
+Triton tests run compiled on CUDA, else through Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``enable_interpreter()`` before the kernel module is imported); they skip when Triton is missing.
+Accuracy criterion of the flash-attention tests: the kernel's max error against a float64 reference
+is at most twice the error of plain torch attention at the kernel's precision.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvbits.kernels import dispatch
+from kvbits.kernels.reference import (
+    PackedStore,
+    apply_rope_at,
+    decode_attention_reference,
+    dequantize_packed,
+    materialize,
+    pack_store,
+)
+from kvbits.quant import quantize, unpack_bits
+from kvbits.schemes import TensorSpec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+try:
+    if DEVICE == "cpu":
+        from kvbits.kernels.interpret import enable_interpreter
+
+        enable_interpreter()
+    from kvbits.kernels import triton_decode
+except ImportError as exc:  # Triton not installed
+    triton_decode = None
+    TRITON_SKIP = f"Triton is not importable ({exc}); pip install triton"
+else:
+    TRITON_SKIP = ""
+needs_triton = pytest.mark.skipif(triton_decode is None, reason=TRITON_SKIP or "n/a")
+
+
+def spec(bits: int, gran: str = "token", group: int | None = None, **kw) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity=gran, group_size=group, **kw)
+
+
+def rope_tables(T: int, D: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE tables ``(T, D)`` (RoFormer, Su et al. 2021; transformers' default rope)."""
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def make_store(
+    gen: torch.Generator,
+    *,
+    B: int = 2,
+    H_kv: int = 2,
+    D: int = 64,
+    T_q: int = 160,
+    T_f: int = 40,
+    key_spec: TensorSpec | None = spec(4, "channel", 32),
+    value_spec: TensorSpec | None = spec(4, "token", 32),
+    quant_lens: list[int] | None = None,
+    full_lens: list[int] | None = None,
+    block: int = 32,
+    rope: bool = False,
+    device: str = DEVICE,
+) -> PackedStore:
+    """A random layer store: quantized blocks of ``block`` tokens (keys with channel outliers) + fp16 tail."""
+    kq = torch.randn(B, H_kv, T_q, D, generator=gen)
+    kq[..., : D // 8] *= 6  # a few outlier key channels, as in real models
+    vq = torch.randn(B, H_kv, T_q, D, generator=gen)
+    kb, vb = [], []
+    if T_q:
+        cuts = range(0, T_q, block)
+        kb = [quantize(kq[:, :, a : a + block].to(device), key_spec) for a in cuts]
+        vb = [quantize(vq[:, :, a : a + block].to(device), value_spec) for a in cuts]
+    kf = vf = None
+    if T_f:
+        kf = (torch.randn(B, H_kv, T_f, D, generator=gen) * 2).half().to(device)
+        vf = torch.randn(B, H_kv, T_f, D, generator=gen).half().to(device)
+    kw = {}
+    if rope:
+        cos, sin = rope_tables(T_q + T_f + 8, D)
+        kw = dict(rope_cos=cos.to(device), rope_sin=sin.to(device), quant_pos0=[4] * B)
+    return pack_store(kb, vb, kf, vf, quant_lens=quant_lens, full_lens=full_lens, **kw)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout and reference (no Triton needed)
+# --------------------------------------------------------------------------------------------------
+
+LAYOUT_SPECS = [
+    (spec(2, "channel", 32), 32, 1),
+    (spec(4, "channel", 16), 16, 1),
+    (spec(8, "token"), 1, 64),
+    (spec(4, "token", 32), 1, 32),
+    (spec(3, "token", 16, symmetric=True), 1, 16),
+    (spec(4, "head"), 32, 64),
+    (spec(8, "tensor", symmetric=True), 32, 64),
+]
+
+
+@pytest.mark.parametrize("s,tps,cps", LAYOUT_SPECS, ids=str)
+def test_pack_store_layout_equals_quantized_blocks(s: TensorSpec, tps: int, cps: int):
+    g = torch.Generator().manual_seed(0)
+    B, H, D = 2, 3, 64
+    xs = [torch.randn(B, H, 32, D, generator=g) for _ in range(3)]
+    blocks = [quantize(x, s) for x in xs]
+    store = pack_store(blocks, blocks)
+    p = store.key
+    assert (p.tps, p.cps, p.bits, p.symmetric) == (tps, cps, s.bits, s.symmetric)
+    assert p.codes.shape == (B, H, 96, math.ceil(D * s.bits / 8)) and p.codes.dtype == torch.uint8
+    assert p.scale.shape == (B, H, 96 // tps, D // cps) and p.scale.dtype == torch.float16
+    assert torch.equal(unpack_bits(p.codes, s.bits, D), torch.cat([unpack_bits(b.data, s.bits, D) for b in blocks], 2))
+    # the layout decodes to exactly what QuantizedTensor decodes (same float32 formulas)
+    assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
+    assert p.nbytes == sum(b.nbytes for b in blocks) + (
+        0 if s.granularity != "tensor" else (H - 1) * B * 3 * 2  # tensor scales repeated per head
+    )
+
+
+def test_static_scales_are_materialised():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, 32, 64, generator=g)
+    # static per-channel keys (KVQuant): one calibrated (H, D) scale for every token of the layer
+    s = spec(8, "channel", None, static=True)
+    scale = torch.rand(1, 2, 1, 64, generator=g) * 0.05 + 0.01
+    zero = torch.full((1, 2, 1, 64), -3.0)
+    blocks = [quantize(x[:, :, i : i + 8], s, static_scale=scale, static_zero=zero) for i in (0, 8, 16)]
+    p = pack_store(blocks, blocks).key
+    assert p.scale.shape == (1, 2, 1, 64) and p.tps == 24
+    assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
+
+
+def test_reference_equals_sdpa_on_dense_ragged():
+    g = torch.Generator().manual_seed(2)
+    store = make_store(g, device="cpu", quant_lens=[160, 96], full_lens=[40, 13])
+    B, H_kv, G, D = 2, 2, 3, 64
+    q = torch.randn(B, H_kv * G, 1, D, generator=g)
+    k, v, mask = materialize(store, torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask[:, None, None, :]
+    )
+    got = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    assert max_err(got, want) < 1e-12
+    # padding slots are never read: garbage there changes nothing
+    store.key.codes[1, :, 96:] = 255
+    store.value_full[1, :, 13:] = 1e4
+    assert max_err(decode_attention_reference(q.double(), store, dtype=torch.float64), got) == 0
+
+
+def test_reference_pre_rope_equals_rotated_keys():
+    g = torch.Generator().manual_seed(3)
+    store = make_store(g, device="cpu", rope=True, T_f=0)
+    q = torch.randn(2, 6, 1, 64, generator=g, dtype=torch.float64)
+    # the same keys, rotated up front and stored as a float64 tail
+    k = apply_rope_at(dequantize_packed(store.key, torch.float64), store.rope_cos.double(), store.rope_sin.double(),
+                      store.quant_pos0)
+    dense = pack_store([], [], k, dequantize_packed(store.value, torch.float64))
+    want = decode_attention_reference(q, dense, dtype=torch.float64)
+    assert max_err(decode_attention_reference(q, store, dtype=torch.float64), want) < 1e-12
+    # and rotating matters (guards against the tables being ignored)
+    store_no_rope = PackedStore(store.key, store.value, None, None, store.quant_lens, store.full_lens)
+    assert max_err(decode_attention_reference(q, store_no_rope, dtype=torch.float64), want) > 1e-3
+
+
+def test_pack_store_rejects_what_the_layout_cannot_hold():
+    x = torch.randn(1, 2, 32, 64)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        qt = quantize(x, TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"))
+        pack_store([qt], [qt])
+    with pytest.raises(NotImplementedError, match="outliers"):
+        qt = quantize(x, spec(4, outlier_frac=0.05))
+        pack_store([qt], [qt])
+    qt = quantize(x, spec(4))
+    with pytest.raises(ValueError, match="quant_lens must be in"):
+        pack_store([qt], [qt], quant_lens=[33])
+    with pytest.raises(ValueError, match="at least one token"):
+        pack_store([qt], [qt], quant_lens=[0])
+    with pytest.raises(ValueError, match="as many key blocks"):
+        pack_store([qt], [])
+    with pytest.raises(ValueError, match="rope tables cover"):
+        pack_store([qt], [qt], rope_cos=torch.ones(8, 64), rope_sin=torch.ones(8, 64))
+
+
+# --------------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------------
+
+
+def test_import_kvbits_does_not_import_triton():
+    code = "import sys, kvbits, kvbits.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dispatch_cpu_auto_uses_reference(monkeypatch):
+    monkeypatch.delenv("KVBITS_KERNEL", raising=False)
+    g = torch.Generator().manual_seed(4)
+    store = make_store(g, device="cpu")
+    q = torch.randn(2, 6, 1, 64, generator=g)
+    assert dispatch.resolve_kernel(q, store) == "reference"
+    assert torch.equal(dispatch.decode_attention(q, store), decode_attention_reference(q, store))
+    monkeypatch.setenv("KVBITS_KERNEL", "fast")
+    with pytest.raises(ValueError, match="reference"):
+        dispatch.decode_attention(q, store)
+
+
+def test_dispatch_forced_triton_without_triton_raises(monkeypatch):
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    store = make_store(torch.Generator().manual_seed(5), device="cpu")
+    with pytest.raises(ImportError, match="pip install"):
+        dispatch.decode_attention(torch.randn(2, 6, 1, 64), store)
+
+
+@needs_triton
+def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    g = torch.Generator().manual_seed(6)
+    store = make_store(g, T_q=64, T_f=16)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
+    assert dispatch.resolve_kernel(q, store) == "triton"
+    out = dispatch.decode_attention(q, store)
+    assert max_err(out, decode_attention_reference(q, store)) < 1e-5
+    # unsupported stores are refused, not silently computed by the reference
+    monkeypatch.setattr(store.key, "head_dim", 48)
+    with pytest.raises(NotImplementedError, match="power of two"):
+        dispatch.resolve_kernel(q, store)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_kernel_unpacks_exact_codes(bits: int):
+    g = torch.Generator().manual_seed(10 + bits)
+    x = torch.randn(2, 2, 24, 64, generator=g).to(DEVICE)  # 24 rows: a partial tile
+    qt = quantize(x, spec(bits, "token", 16, symmetric=bits == 3))
+    p = pack_store([qt], [qt]).key
+    assert torch.equal(triton_decode.unpack_codes_triton(p), unpack_bits(p.codes, bits, 64))
+    # same float32 formula as the reference; a fused multiply-add may move the last bit on a GPU
+    torch.testing.assert_close(triton_decode.dequantize_packed_triton(p), dequantize_packed(p), rtol=2e-7, atol=1e-7)
+
+
+# (name, make_store kwargs, splits)
+ATTENTION_CASES = [
+    ("int8-kivi", dict(key_spec=spec(8, "channel", 32), value_spec=spec(8, "token", 32)), 3),
+    ("int4-kivi", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2),
+    ("int2-kivi", dict(key_spec=spec(2, "channel", 32), value_spec=spec(2, "token", 32)), 3),
+    ("int4-token-keys", dict(key_spec=spec(4, "token"), value_spec=spec(4, "token")), 2),
+    ("int2-channel16-mha", dict(key_spec=spec(2, "channel", 16), value_spec=spec(2, "token"), H_kv=3, G=1), 1),
+    ("int3-sym-head", dict(key_spec=spec(3, "token", 32, symmetric=True), value_spec=spec(4, "head")), 2),
+    ("tail-only", dict(T_q=0, T_f=150), 2),
+    ("no-tail-d128-g4", dict(T_f=0, D=128, G=4, B=1), 2),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("name,kw,splits", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_kernel_within_twice_torch_error_fp16(name: str, kw: dict, splits: int):
+    g = torch.Generator().manual_seed(hash(name) % 2**31)
+    kw = dict(kw)
+    G = kw.pop("G", 3)
+    B, H_kv = kw.get("B", 2), kw.get("H_kv", 2)
+    T_q, T_f = kw.get("T_q", 160), kw.get("T_f", 40)
+    ragged = dict(quant_lens=[T_q, T_q * 3 // 5], full_lens=[T_f, T_f // 3 + 1])
+    store = make_store(g, **ragged, **kw) if B == 2 else make_store(g, **kw)
+    D = store.head_dim
+    q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).to(DEVICE)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    torch_fp16 = decode_attention_reference(q.half(), store, dtype=torch.float16)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=splits)
+    assert out.shape == (B, H_kv * G, 1, D) and out.dtype == torch.float16
+    err, err_pt = max_err(out, truth), max_err(torch_fp16, truth)
+    assert err <= 2 * err_pt + 1e-6, f"{name}: kernel error {err:.3g} > 2 x torch fp16 error {err_pt:.3g}"
+
+
+@needs_triton
+def test_kernel_fp32_queries_and_many_splits():
+    g = torch.Generator().manual_seed(20)
+    store = make_store(g, quant_lens=[160, 40], full_lens=[40, 1])  # short sequence: empty splits
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store), truth)
+    out = triton_decode.decode_attention_triton(q, store, splits=5, block_t=32)
+    assert out.dtype == torch.float32
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
+@needs_triton
+def test_kernel_pre_rope_keys():
+    g = torch.Generator().manual_seed(21)
+    store = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=2)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
