@@ -1,0 +1,11 @@
+"""Report: a run's numbers as terminal tables, Markdown/HTML pages and figures.
+
+``write_report(out_dir)`` turns an evaluation output folder into ``report.md``, a self-contained
+``report.html`` and PNG figures; ``print_summary`` / ``bucket_table`` are what the CLI prints.
+matplotlib is needed only for the figures and is imported only when they are drawn.
+"""
+
+from kvbits.report.render import write_report
+from kvbits.report.tables import RunSummary, bucket_table, print_summary, verdict
+
+__all__ = ["RunSummary", "bucket_table", "print_summary", "verdict", "write_report"]

@@ -1,0 +1,381 @@
+"""Report layer: summary.json (+ config.json, + per-token arrays) → report.md, report.html, PNGs.
+
+A synthetic run is built in ``tmp_path`` with known numbers, so every assertion checks a value the
+report must have computed or copied exactly: the table rows, the first bucket above 1 % of a scheme
+built to fail at 4K, the best trade-off, a self-contained HTML page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbits.report import RunSummary, bucket_table, print_summary, verdict, write_report
+from kvbits.report import plots as report_plots
+from kvbits.report.plots import running_mean
+from kvbits.report.render import reproduce_command
+from kvbits.report.tables import delta_table, fmt_pct, overall_table
+
+pytest.importorskip("matplotlib")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CONTEXT = 8192
+SPANS = [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
+PPL_REF = [20.0, 16.0, 14.0, 13.0]
+# scheme: (avg bits, ΔPPL per bucket as fractions). int4-token is built to cross 1 % at 4K-8K only,
+# kivi-2 fails from the first bucket, kivi-4 is the cheapest scheme that always stays within 1 %.
+SCHEMES = {
+    "fp16": (16.0, [0.0, 0.0, 0.0, 0.0]),
+    "int8-token": (8.5, [0.0005, 0.0006, 0.0008, 0.0010]),
+    "kivi-4": (5.0, [0.001, 0.002, 0.003, 0.005]),
+    "int4-token": (4.5, [0.002, 0.004, 0.008, 0.016]),
+    "kivi-2": (3.0, [0.03, 0.05, 0.08, 0.12]),
+}
+EXPECTED_FIGURES = {"ppl_vs_position", "delta_heatmap", "kl_by_bucket", "bits_vs_delta", "attn_error"}
+
+
+def _ci(d: float) -> list[float]:
+    return [d - 0.3 * d - 0.0005, d + 0.3 * d + 0.0005] if d else [0.0, 0.0]
+
+
+def _result(name: str, bits: float, deltas: list[float], spans=SPANS, layers=(0, 14, 29)) -> dict:
+    buckets = []
+    for (lo, hi), d, ref in zip(spans, deltas, PPL_REF):
+        buckets.append({
+            "lo": lo, "hi": hi, "tokens": 2 * (hi - lo), "ppl": ref * (1 + d), "ppl_ref": ref,
+            "delta_rel": d, "delta_rel_ci": _ci(d), "kl": 0.5 * d, "top1": 1 - 2 * d,
+        })
+    mean_d = float(np.mean(deltas))
+    attn = [
+        {"layer": layer, "buckets": [{"lo": lo, "hi": hi, "rel_err": 0.0 if bits >= 16 else 2.0 ** -bits * (1 + i)}
+                                     for i, (lo, hi) in enumerate(spans)]}
+        for layer in layers
+    ]
+    return {"scheme": name, "avg_bits": bits, "ppl": 15.0 * (1 + mean_d), "ppl_ref": 15.0, "kl": 0.5 * mean_d,
+            "top1": 1 - 2 * mean_d, "buckets": buckets, "attn_error": attn, "seconds": 12.5}
+
+
+def _summary(schemes=SCHEMES, context=CONTEXT, spans=SPANS) -> dict:
+    return {
+        "model": "smollm2-135m", "data": "war-and-peace", "context": context, "semantics": "decode",
+        "mode": "simulate", "windows": 2, "fingerprint": {"model": "0123456789abcdef", "tokens": "fedcba9876543210"},
+        "results": [_result(n, b, d[: len(spans)], spans) for n, (b, d) in schemes.items()],
+        "reference_seconds": 10.0,
+    }
+
+
+def _tokens(path: Path, deltas: list[float], seed: int) -> None:
+    """Per-token arrays whose mean NLL difference in each bucket gives that bucket's ΔPPL."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    n = CONTEXT - 1
+    pos = np.arange(1, CONTEXT)
+    ref = np.log(15.0) + rng.normal(0, 1.0, (2, n))
+    shift = np.zeros(n)
+    for (lo, hi), d in zip(SPANS, deltas):
+        shift[(pos >= lo) & (pos < hi)] = math.log1p(d or 0.0)
+    nll = ref + shift + (rng.normal(0, 0.01, (2, n)) if any(deltas) else 0.0)  # fp16: exactly the reference
+    save_file({
+        "nll": nll.astype(np.float32), "nll_ref": ref.astype(np.float32),
+        "kl": np.abs(nll - ref).astype(np.float32), "top1": np.ones((2, n), np.float32),
+    }, str(path))
+
+
+def _config() -> dict:
+    return {
+        "args": {"model": "smollm2-135m", "data": "war-and-peace", "context": 8192, "semantics": "decode",
+                 "mode": "simulate", "windows": 2, "schemes": list(SCHEMES), "out": "runs/x", "no_tokens": False},
+        "versions": {"kvbits": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0"},
+        "commit": "abc1234def5678", "date": "2026-01-02T03:04:05Z",
+    }
+
+
+def _write_run(d: Path, summary: dict | None = None, config: dict | None = None, tokens: bool = True) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    summary = summary or _summary()
+    (d / "summary.json").write_text(json.dumps(summary))
+    if config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+    if tokens:
+        (d / "tokens").mkdir()
+        for i, r in enumerate(summary["results"]):
+            _tokens(d / "tokens" / f"{r['scheme']}.safetensors", [b["delta_rel"] for b in r["buckets"]], i)
+    return d
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    d = _write_run(tmp_path_factory.mktemp("run"), config=_config())
+    return d, write_report(d, strict=True)
+
+
+def _row(md: str, first_cell: str, table_heading: str) -> str:
+    """The Markdown table row starting with ``first_cell`` after the caption containing ``table_heading``."""
+    section = md[md.index(table_heading):]
+    m = re.search(rf"^\| {re.escape(first_cell)} \|.*$", section, re.MULTILINE)
+    assert m, f"no row {first_cell!r} after {table_heading!r}"
+    return m.group(0)
+
+
+# ---------------------------------------------------------------------------------------- files
+
+
+def test_write_report_writes_every_file(full_run):
+    d, paths = full_run
+    assert set(paths) == {"markdown", "html"} | EXPECTED_FIGURES
+    for key in EXPECTED_FIGURES:
+        assert paths[key] == d / f"{key}.png"
+        assert paths[key].read_bytes()[:8] == PNG_MAGIC
+    assert paths["markdown"] == d / "report.md" and paths["html"] == d / "report.html"
+    assert not list(d.glob("*.tmp*")), "temporary files left behind"
+
+
+def test_markdown_tables_hold_the_numbers(full_run):
+    md = full_run[1]["markdown"].read_text()
+    assert md.startswith("# KV-cache quantization report: smollm2-135m on war-and-peace, 8K context")
+    assert "| scheme | bits | 0–1K | 1K–2K | 2K–4K | 4K–8K |" in md
+    # ΔPPL table: the one failing cell (4K-8K, +1.60 %) is bold, the others are not
+    assert _row(md, "int4-token", "ΔPPL by position") == (
+        "| int4-token | 4.50 | +0.20% [+0.09, +0.31] | +0.40% [+0.23, +0.57] | +0.80% [+0.51, +1.09] "
+        "| **+1.60% [+1.07, +2.13]** |"
+    )
+    assert _row(md, "fp16", "ΔPPL by position") == (
+        "| fp16 | 16.00 | +0.00% [+0.00, +0.00] | +0.00% [+0.00, +0.00] | +0.00% [+0.00, +0.00] "
+        "| +0.00% [+0.00, +0.00] |"
+    )
+    # overall: PPL 15 * (1 + mean Δ) = 15 * 1.07 for kivi-2
+    assert _row(md, "kivi-2", "Whole context") == (
+        "| kivi-2 | 3.00 | 16.050 | 15.000 | **+7.00%** | 0.0350 | 86.00% | 12.5 |"
+    )
+    assert _row(md, "kivi-4", "Mean KL") == "| kivi-4 | 5.00e-04 | 0.0010 | 0.0015 | 0.0025 |"
+    assert _row(md, "int8-token", "Top-1 agreement") == "| int8-token | 99.90% | 99.88% | 99.84% | 99.80% |"
+    assert _row(md, "reference", "Perplexity by position") == "| reference | 20.000 | 16.000 | 14.000 | 13.000 |"
+    assert _row(md, "kivi-2", "attention output") == "| kivi-2 | 0 | 0.1250 | 0.2500 | 0.3750 | 0.5000 |"
+    assert "reference pass took 10.0 s" in md
+    for key in EXPECTED_FIGURES:
+        assert f"]({key}.png)" in md
+
+
+def test_report_header_and_reproduce_line(full_run):
+    md = full_run[1]["markdown"].read_text()
+    for text in ("fingerprint `0123456789abcdef`", "2026-01-02T03:04:05Z", "`abc1234def5678`",
+                 "torch 2.13.0", "`decode`, `simulate` mode", "8192 tokens per window, 2 window(s)"):
+        assert text in md
+    assert (
+        "kvbits eval --model smollm2-135m --data war-and-peace --context 8192 --semantics decode --mode simulate "
+        "--windows 2 --schemes fp16 int8-token kivi-4 int4-token kivi-2 --out runs/x\n"
+    ) in md
+
+
+def test_html_is_standalone(full_run):
+    page = full_run[1]["html"].read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page
+    assert page.count("data:image/png;base64,") == len(EXPECTED_FIGURES)
+    srcs = re.findall(r'src="([^"]*)"', page)
+    assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert "<link" not in page and "<script" not in page
+    assert '<td class="r bad">+1.60% [+1.07, +2.13]</td>' in page
+    assert "<strong>int4-token</strong> at 4K–8K" in page
+
+
+# ---------------------------------------------------------------------------------------- verdict
+
+
+def test_verdict_names_first_failing_bucket_and_best_tradeoff():
+    v = verdict(_summary())
+    assert "**int8-token** and **kivi-4** stay within 1% ΔPPL" in v
+    assert "**int4-token** at 4K–8K (+1.60%, 95% CI +1.07% to +2.13%)" in v
+    assert "**kivi-2** already in the first bucket, 0–1K (+3.00%" in v
+    assert "Best bits/quality trade-off: **kivi-4**, 5.00 bits per element (3.2× smaller than fp16)" in v
+    assert "**int4-token** (+0.20% at 0–1K → +1.60% at 4K–8K)" in v
+    assert "fp16" not in v.split("First bucket")[0].split("stay within")[0]  # baseline is not "passing"
+    # a stricter budget moves int4-token's first failure earlier
+    assert "**int4-token** at 2K–4K (+0.80%" in verdict(_summary(), threshold=0.005)
+
+
+def test_verdict_in_report(full_run):
+    md = full_run[1]["markdown"].read_text()
+    assert verdict(RunSummary.load(full_run[0])) in md
+
+
+def test_verdict_when_nothing_passes_and_baseline_drifts():
+    s = _summary({"fp16": (16.0, [0.0, 0.002, 0.0, 0.0]), "kivi-2": (3.0, [0.03, 0.05, 0.08, 0.12]),
+                  "int2-token": (2.5, [0.5, 0.6, 0.7, 0.9])})
+    v = verdict(s)
+    assert "No quantized scheme stays within 1%" in v
+    assert "Least damaging quantized scheme: **kivi-2**" in v
+    assert "Warning: the unquantized **fp16** differs from the reference by up to +0.20%" in v
+
+
+# ---------------------------------------------------------------------------------------- terminal
+
+
+def test_bucket_table_and_print_summary():
+    from rich.console import Console
+
+    con = Console(record=True, width=200, color_system=None)
+    con.print(bucket_table(_summary()))
+    text = con.export_text()
+    for s in ("4K–8K", "int4-token", "+1.60%", "[+1.07, +2.13]", "99.84%"):
+        assert s in text
+    con = Console(record=True, width=200, color_system=None)
+    print_summary(_summary(), con)
+    text = con.export_text()
+    assert "kivi-4" in text and "16.050" in text and "First bucket above 1%" in text
+    assert "**" not in text  # bold marks became styles
+
+
+# ---------------------------------------------------------------------------------------- edge cases
+
+
+def _nan_summary() -> dict:
+    s = _summary()
+    r = s["results"][3]  # int4-token: holes everywhere
+    r["buckets"][1].update(delta_rel=None, delta_rel_ci=None, kl=float("nan"), top1=None, ppl=None)
+    r["buckets"][2].pop("delta_rel_ci")
+    r["avg_bits"] = None
+    r["kl"] = float("nan")
+    s["results"][1]["attn_error"] = []
+    del s["results"][2]["seconds"]
+    s["reference_seconds"] = None
+    return s
+
+
+EDGE_CASES = {
+    "fp16 only": (_summary({"fp16": SCHEMES["fp16"]}), True),
+    "single bucket": (_summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")}, context=1000, spans=[(0, 1000)]), False),
+    "nan and missing": (_nan_summary(), True),
+}
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_edge_cases_do_not_crash(tmp_path, case):
+    summary, tokens = EDGE_CASES[case]
+    d = _write_run(tmp_path / "run", summary, tokens=tokens)  # no config.json, maybe no tokens/
+    paths = write_report(d, strict=True)
+    md = paths["markdown"].read_text()
+    assert set(paths) - {"markdown", "html"} == EXPECTED_FIGURES
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths.values())
+    assert "## Verdict" in md and "kvbits eval --model smollm2-135m" in md
+    if case == "fp16 only":
+        assert "Only unquantized schemes were evaluated" in md
+        assert "| fp16 | 0 | 0 | 0 | 0 |" in md  # KL row: zeros print as 0, the log plot skipped them
+    if case == "single bucket":
+        assert "| kivi-2 | 3.00 | **+3.00% [+2.05, +3.95]** |" in md
+        assert "**kivi-2** already in the first bucket, 0–1000 (+3.00%" in md
+        assert md.startswith("# KV-cache quantization report: smollm2-135m on war-and-peace, 1000-token context")
+    if case == "nan and missing":
+        assert "| int4-token | n/a | +0.20% [+0.09, +0.31] | n/a | +0.80% | **+1.60% [+1.07, +2.13]** |" in md
+        assert "**int4-token** at 4K–8K" in md
+        cells = _row(md, "int4-token", "Whole context").split(" | ")
+        assert cells[1] == "n/a" and cells[5] == "n/a"  # avg bits None, KL NaN
+        assert "| kivi-4 | 5.00 | 15.041 | 15.000 | +0.28% | 0.0014 | 99.45% | n/a |" in md  # no seconds
+        assert "reference pass took" not in md
+
+
+def test_run_without_attention_error(tmp_path):
+    s = _summary()
+    for r in s["results"]:
+        r.pop("attn_error")
+    d = _write_run(tmp_path / "run", s, tokens=False)
+    assert report_plots.plot_attn_error(RunSummary.load(d), d / "attn.png") is None
+    assert not (d / "attn.png").exists()
+    paths = write_report(d, plots=False)
+    assert set(paths) == {"markdown", "html"}
+    md = paths["markdown"].read_text()
+    assert "## Attention-output error\n\nNot measured in this run." in md
+    assert "![" not in md
+
+
+def test_empty_results_and_missing_summary(tmp_path):
+    d = _write_run(tmp_path / "empty", {"model": "m", "results": []}, tokens=False)
+    paths = write_report(d, strict=True)
+    assert "The run holds no results." in paths["markdown"].read_text()
+    with pytest.raises(FileNotFoundError, match="summary.json"):
+        write_report(tmp_path / "nothing-here")
+    with pytest.raises(ValueError, match="threshold"):
+        write_report(d, threshold=0)
+
+
+def test_without_matplotlib(tmp_path, monkeypatch):
+    def missing():
+        raise ImportError(report_plots.INSTALL_HINT)
+
+    monkeypatch.setattr(report_plots, "require_matplotlib", missing)
+    d = _write_run(tmp_path / "run", tokens=False)
+    paths = write_report(d)
+    assert set(paths) == {"markdown", "html"}
+    assert "pip install 'kvbits[plot]'" in paths["markdown"].read_text()
+    assert "data:image/png" not in paths["html"].read_text()
+    with pytest.raises(ImportError, match="kvbits\\[plot\\]"):
+        write_report(d, plots=True)
+    assert set(write_report(d, plots=False)) == {"markdown", "html"}
+
+
+def test_failed_figure_is_reported_not_fatal(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    def cheap(*args, **kwargs):  # the other figures are not under test here
+        path = next(a for a in args if isinstance(a, Path))
+        path.write_bytes(PNG_MAGIC)
+        return path
+
+    for name in ("plot_ppl_position", "plot_delta_heatmap", "plot_tradeoff", "plot_attn_error"):
+        monkeypatch.setattr(report_plots, name, cheap)
+    monkeypatch.setattr(report_plots, "plot_kl", broken)
+    d = _write_run(tmp_path / "run", tokens=False)
+    paths = write_report(d)
+    assert set(paths) - {"markdown", "html"} == EXPECTED_FIGURES - {"kl_by_bucket"}
+    assert "`kl_by_bucket.png` could not be drawn: RuntimeError: boom" in paths["markdown"].read_text()
+    with pytest.raises(RuntimeError, match="boom"):
+        write_report(d, strict=True)
+
+
+# ---------------------------------------------------------------------------------------- pieces
+
+
+def test_running_mean_matches_convolution_and_skips_nan():
+    x = np.random.default_rng(0).normal(size=50)
+    centre, m = running_mean(x, 8)
+    np.testing.assert_allclose(m, np.convolve(x, np.ones(8) / 8, mode="valid"))
+    assert centre[0] == 3.5 and len(m) == 43
+    x[10] = np.nan
+    _, m = running_mean(x, 4)
+    np.testing.assert_allclose(m[7], np.mean(x[[7, 8, 9]]))
+    assert np.isfinite(m).all()
+    _, m = running_mean(x[:3], 256)  # window clipped to the data
+    assert m.shape == (1,)
+
+
+def test_reproduce_command_prefers_recorded_command():
+    run = RunSummary.from_dict(_summary())
+    assert reproduce_command({"command": "kvbits eval --x 1"}, run) == "kvbits eval --x 1"
+    assert reproduce_command({"argv": ["/usr/bin/kvbits", "eval", "--model", "a b"]}, run) == "kvbits eval --model 'a b'"
+    assert reproduce_command({}, run, "out").endswith("--schemes fp16 int8-token kivi-4 int4-token kivi-2 --out out")
+
+
+def test_tables_are_consistent_with_formatting():
+    t = delta_table(_summary())
+    assert t.headers[2:] == ("0–1K", "1K–2K", "2K–4K", "4K–8K")
+    tones = [c.tone for c in t.rows[3][2:]]
+    assert tones == ["good", "good", "good", "bad"]
+    o = overall_table(_summary())
+    assert [c.text for c in o.rows[0]][:5] == ["fp16", "16.00", "15.000", "15.000", "+0.00%"]
+    assert fmt_pct(float("nan")) == "n/a" and fmt_pct(1.5) == "+150.0%"
+
+
+def test_corrupt_or_partial_token_files_are_skipped(tmp_path):
+    from kvbits.report.render import load_token_arrays
+
+    d = _write_run(tmp_path / "run", _summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")}))
+    (d / "tokens" / "kivi-2.safetensors").write_bytes(b"not a safetensors file")
+    tokens = load_token_arrays(d, ["fp16", "kivi-2", "int8-token"])
+    assert set(tokens) == {"fp16"} and tokens["fp16"]["nll"].shape == (2, CONTEXT - 1)
+    assert load_token_arrays(tmp_path / "no-such-run", ["fp16"]) == {}
