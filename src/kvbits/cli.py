@@ -1,0 +1,488 @@
+"""The ``kvbits`` command line: one thin subcommand per stage, no logic the Python API lacks.
+
+Subcommands come from a registry (:data:`COMMANDS`). Each entry is either an object or the dotted
+path of a module providing::
+
+    def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser: ...
+    def run(args: argparse.Namespace) -> int | None: ...   # exit status, None = 0
+
+``add_parser`` must add a subparser named like its registry key. A module that does not exist yet
+(``kvbits.evaluate.cli`` before anyone wrote it) is left out; an import error *inside* an existing
+module is raised, never hidden. Output: rich tables for people, ``--json`` for scripts (JSON alone
+on stdout; logs and errors go to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("kvbits.cli")
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Command:
+    """A built-in subcommand: the same two functions a command module provides."""
+
+    add_parser: Callable[[Any], argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace], int | None]
+
+
+# ------------------------------------------------------------------------------ formatting helpers
+
+
+def human_bytes(n: float) -> str:
+    """``137438953472`` -> ``"128.00 GiB"`` (binary units)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: ``32768``, ``32_768``, ``32k`` (= 32768) or ``1m`` (= 1048576)."""
+    s = text.strip().lower().replace(",", "").replace("_", "")
+    mult = 1
+    if s.endswith("k"):
+        s, mult = s[:-1], 1024
+    elif s.endswith("m"):
+        s, mult = s[:-1], 1024 * 1024
+    try:
+        value = int(s) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 32768 or 32k, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"token count must be >= 1, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected GiB >= 0, got {text!r}")
+    return value
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # pipes and captured output: do not squeeze tables into 80 columns
+        console = Console(width=200)
+    return console
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def _spec_str(spec: Any) -> str:
+    """``TensorSpec`` -> ``"int2 asym per-channel g32"``, ``"fp8-e4m3 per-tensor static"``, ``"fp16"``."""
+    kind = getattr(spec, "kind", "float")
+    if kind == "float":
+        return str(spec.fmt)
+    parts = [f"fp8-{spec.fmt}" if kind == "fp8" else f"{kind}{spec.bits}"]
+    if kind in ("int", "nuq"):
+        parts.append("sym" if getattr(spec, "symmetric", False) else "asym")
+    parts.append(f"per-{spec.granularity}")
+    if getattr(spec, "group_size", None):
+        parts.append(f"g{spec.group_size}")
+    if getattr(spec, "static", False):
+        parts.append("static")
+    if getattr(spec, "outlier_frac", 0.0):
+        parts.append(f"+{spec.outlier_frac:.1%} outliers")
+    if getattr(spec, "pre_rope", False):
+        parts.append("pre-RoPE")
+    return " ".join(parts)
+
+
+def _paper_label(url: str) -> str:
+    """A short rich link: ``arXiv:2402.02750`` for arXiv, the host name for other pages."""
+    if not url:
+        return ""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    label = (
+        f"arXiv:{parsed.path.rsplit('/', 1)[-1]}"
+        if parsed.netloc.endswith("arxiv.org")
+        else parsed.netloc or url
+    )
+    return f"[link={url}]{label}[/link]"
+
+
+# ------------------------------------------------------------------------------ kvbits schemes
+
+
+def _schemes_add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "schemes",
+        help="list the scheme presets with their average bits",
+        description="Every registered KV-cache scheme: key and value storage, sinks, residual window, "
+        "flush block, asymptotic average bits per element (metadata included), and its paper.",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument(
+        "--head-dim", type=_positive, default=128, help="head dim D for the average bits (default 128)"
+    )
+    p.add_argument(
+        "--kv-heads",
+        type=_positive,
+        default=8,
+        help="KV heads, for per-head/per-tensor scale counts (default 8)",
+    )
+    return p
+
+
+def _schemes_run(args: argparse.Namespace) -> int:
+    from kvbits.schemes import average_bits, list_schemes
+
+    rows = []
+    for s in list_schemes():
+        d = s.to_dict()
+        d["key_summary"] = _spec_str(s.key)
+        d["value_summary"] = _spec_str(s.value)
+        d["average_bits"] = average_bits(s, head_dim=args.head_dim, n_heads=args.kv_heads)
+        rows.append(d)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table(title=f"kvbits schemes (average bits at head dim {args.head_dim}, metadata included)")
+    for col, kw in (
+        ("scheme", {"style": "bold", "no_wrap": True}),
+        ("key", {}),
+        ("value", {}),
+        ("sinks", {"justify": "right"}),
+        ("residual", {"justify": "right"}),
+        ("block", {"justify": "right"}),
+        ("avg bits", {"justify": "right"}),
+        ("description", {"ratio": 3}),
+        ("paper", {"no_wrap": True}),
+    ):
+        table.add_column(col, **kw)
+    for r in rows:
+        table.add_row(
+            r["name"],
+            r["key_summary"],
+            r["value_summary"],
+            str(r["sinks"]),
+            str(r["residual"]),
+            str(r["block"]),
+            f"{r['average_bits']:.2f}",
+            r["description"],
+            _paper_label(r["reference"]),
+        )
+    _console().print(table)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ kvbits plan
+
+
+def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.plan.planner import DEFAULT_SCHEMES
+
+    p = subparsers.add_parser(
+        "plan",
+        help="KV-cache memory and concurrency for a model, context and batch",
+        description="Exact KV-cache bytes (codes, scales, zero-points, outliers, full-precision tokens) "
+        "for each scheme, from a model config or from bare dimensions. Sizes are binary (GiB = 2^30 bytes).",
+        epilog="examples:\n"
+        "  kvbits plan --layers 32 --kv-heads 32 --head-dim 128 --context 32768 --batch 8 --scheme fp16\n"
+        "  kvbits plan --config path/to/config.json --context 8k --context 32k --gpu-mem 80\n"
+        "  kvbits plan --config smollm2-135m --scheme kivi-2 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("model (a config, or dimensions; dimensions also override a config)")
+    src.add_argument(
+        "--config",
+        "--model",
+        dest="config",
+        metavar="X",
+        help="config.json, model folder, .gguf file, kvbits offline model name, or hub id",
+    )
+    src.add_argument("--layers", type=_positive, help="number of decoder layers")
+    src.add_argument("--kv-heads", type=_positive, help="KV heads per layer")
+    src.add_argument("--head-dim", type=_positive, help="channels per head")
+    src.add_argument(
+        "--dtype-bytes", type=int, choices=(1, 2, 4, 8), help="model dtype bytes (default: config, else 2)"
+    )
+    src.add_argument(
+        "--sliding-window", type=_positive, help="window of every layer (dimensions only, Mistral-style)"
+    )
+    wl = p.add_argument_group("workload")
+    wl.add_argument(
+        "--context",
+        action="append",
+        type=parse_tokens,
+        metavar="T",
+        help="tokens per sequence, e.g. 32768 or 32k; repeat for several (default: the model's max)",
+    )
+    wl.add_argument("--batch", type=_positive, default=1, help="sequences held at once (default 1)")
+    wl.add_argument(
+        "--scheme",
+        action="append",
+        metavar="S",
+        help=f"preset name or scheme JSON; repeat for several (default: {', '.join(DEFAULT_SCHEMES)})",
+    )
+    gpu = p.add_argument_group("GPU budget")
+    gpu.add_argument("--gpu-mem", type=_gib, metavar="GIB", help="GPU memory in GiB: adds max concurrency")
+    gpu.add_argument(
+        "--weights-gib", type=_gib, metavar="GIB", help="weights memory (default: estimated from the config)"
+    )
+    gpu.add_argument(
+        "--reserve-gib", type=_gib, default=0.0, metavar="GIB", help="memory kept free (default 0)"
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print a JSON list of plans instead of a table")
+    out.add_argument("--per-layer", action="store_true", help="include the per-layer breakdown")
+    return p
+
+
+def _plan_shape(args: argparse.Namespace) -> Any:
+    from kvbits.plan import ModelShape, load_shape
+
+    if args.config is not None:
+        if args.sliding_window is not None:
+            raise ValueError(
+                "--sliding-window applies to planning from dimensions; the config decides its windows"
+            )
+        shape = load_shape(args.config)
+        return shape.with_overrides(
+            layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes
+        )
+    missing = [
+        f"--{n.replace('_', '-')}" for n in ("layers", "kv_heads", "head_dim") if getattr(args, n) is None
+    ]
+    if missing:
+        raise ValueError(
+            f"give --config, or all of --layers, --kv-heads and --head-dim (missing {', '.join(missing)})"
+        )
+    return ModelShape.from_dims(
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        dtype_bytes=args.dtype_bytes or 2,
+        sliding_window=args.sliding_window,
+        name="custom",
+    )
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    from kvbits.plan import DEFAULT_SCHEMES, plan
+
+    shape = _plan_shape(args)
+    results = plan(
+        shape,
+        context=list(args.context) if args.context else None,
+        batch=args.batch,
+        scheme=list(args.scheme or DEFAULT_SCHEMES),
+        gpu_mem_gib=args.gpu_mem,
+        weights_gib=args.weights_gib,
+        reserve_gib=args.reserve_gib,
+    )
+    assert isinstance(results, list)
+    if args.json:
+        if not args.per_layer:
+            results = [{k: v for k, v in r.items() if k != "per_layer"} for r in results]
+        _print_json(results)
+        return EXIT_OK
+    _print_plan_table(shape, results, args)
+    return EXIT_OK
+
+
+def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    gpu = args.gpu_mem is not None
+    title = f"KV cache: {shape.name or 'model'}, batch {args.batch}"
+    caption = shape.describe()
+    if gpu:
+        r0 = results[0]
+        caption += (
+            f"\nGPU {human_bytes(r0['gpu_mem_bytes'])}, weights {human_bytes(r0['weights_bytes'])} "
+            f"({r0['weights_source']}), reserve {human_bytes(r0['reserve_bytes'])}"
+        )
+    table = Table(title=title, caption=caption)
+    table.add_column("scheme", style="bold", no_wrap=True)
+    for col in ("context", "bytes/token", "KV total", "total bytes", "avg bits", "vs fp16"):
+        table.add_column(col, justify="right", no_wrap=True)
+    if gpu:
+        for col in ("per request", "max concurrency", "fits"):
+            table.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        row = [
+            r["scheme"],
+            f"{r['context']:,}",
+            human_bytes(r["bytes_per_token"]),
+            human_bytes(r["total_bytes"]),
+            f"{r['total_bytes']:,}",
+            f"{r['avg_bits']:.2f}",
+            f"{r['compression']:.2f}x",
+        ]
+        if gpu:
+            row += [
+                human_bytes(r["kv_bytes_per_request"]),
+                f"{r['max_concurrency']:,}",
+                "[green]yes[/green]" if r["fits"] else "[red]no[/red]",
+            ]
+        table.add_row(*row)
+    console = _console()
+    console.print(table)
+    if args.per_layer:
+        for r in results:
+            lt = Table(title=f"{r['scheme']} at {r['context']:,} tokens, per layer")
+            for col in (
+                "layer",
+                "attention",
+                "KV heads",
+                "head dim",
+                "sink",
+                "quantized",
+                "full",
+                "dropped",
+                "bytes",
+            ):
+                lt.add_column(col, justify="right")
+            for row in r["per_layer"]:
+                tok = row["tokens"] or {}
+                lt.add_row(
+                    str(row["layer"]),
+                    row["attention"] + (f" W={row['window']}" if row["window"] else ""),
+                    str(row["kv_heads"]),
+                    str(row["head_dim"]),
+                    *(f"{tok.get(k, 0):,}" for k in ("sink", "quantized", "full", "dropped")),
+                    human_bytes(row["total_bytes"]),
+                )
+            console.print(lt)
+
+
+# ------------------------------------------------------------------------------ registry and main
+
+COMMANDS: dict[str, Command | str] = {
+    "schemes": Command(_schemes_add_parser, _schemes_run),
+    "plan": Command(_plan_add_parser, _plan_run),
+    "analyze": "kvbits.analyze.cli",
+    "calibrate": "kvbits.calibrate.cli",
+    "eval": "kvbits.evaluate.cli",
+}
+"""Subcommands in the order of the decision flow. Add one by adding its module path here."""
+
+
+def _is_missing(exc: ModuleNotFoundError, module: str) -> bool:
+    """True when ``exc`` says ``module`` itself (or a package above it) does not exist."""
+    return exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
+
+
+def load_command(entry: Command | str) -> Any | None:
+    """The command object of a registry entry, or None when its module does not exist (yet)."""
+    if not isinstance(entry, str):
+        return entry
+    try:
+        module = importlib.import_module(entry)
+    except ModuleNotFoundError as exc:
+        if _is_missing(exc, entry):
+            logger.debug("subcommand module %s is not available; skipping it", entry)
+            return None
+        raise
+    for attr in ("add_parser", "run"):
+        if not callable(getattr(module, attr, None)):
+            raise TypeError(
+                f"subcommand module {entry} must define add_parser(subparsers) and run(args); no {attr}()"
+            )
+    return module
+
+
+def requested_command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line, if it is a registered one.
+
+    Global options take no value, so the first token that is not an option names the command.
+    """
+    for token in argv:
+        if not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every available subcommand, or with ``only`` that one.
+
+    ``main`` imports just the module of the command being run, so ``kvbits plan`` never pays for
+    the imports of ``kvbits eval`` (torch, transformers) and a broken module breaks only itself.
+    """
+    from kvbits import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kvbits",
+        description="Quantize the KV cache of transformers models, and prove it.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvbits {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging on stderr (-vv: debug)"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, entry in COMMANDS.items():
+        if only is not None and name != only:
+            continue
+        command = load_command(entry)
+        if command is None:
+            continue
+        sub = command.add_parser(subparsers) or subparsers.choices.get(name)
+        if sub is None:
+            raise TypeError(f"subcommand {name!r}: add_parser() added no parser named {name!r}")
+        sub.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(only=requested_command(argv))
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, stream=sys.stderr, format="kvbits: %(levelname)s: %(message)s")
+    logging.getLogger("kvbits").setLevel(level)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        status = run(args)
+    except (ValueError, TypeError) as exc:
+        logger.debug("details", exc_info=True)
+        print(f"kvbits {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, RuntimeError) as exc:
+        logger.debug("details", exc_info=True)
+        print(f"kvbits {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK if status is None else int(status)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

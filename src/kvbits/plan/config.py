@@ -1,0 +1,669 @@
+"""What the planner needs to know about a model: its KV-cache shape, layer by layer, and its weights.
+
+:func:`resolve_config` turns anything a user may hold (a transformers config, a dict, a
+``config.json``, a model folder, a ``.gguf`` file, a kvbits offline-model name, a hub id) into a
+config; :func:`model_shape` reads a :class:`ModelShape` from it:
+
+- **KV heads** ``H_kv`` per layer: ``num_key_value_heads`` (also ``num_kv_heads``, ``n_head_kv``,
+  ``multi_query_group_num``); ``multi_query=True`` means one KV head (GPT-BigCode, Falcon-7B, unless
+  Falcon's ``new_decoder_architecture``); otherwise the query head count (``num_attention_heads``,
+  GPT-2's ``n_head``): plain multi-head attention.
+- **head dim** ``D``: an explicit ``head_dim`` when the config has one (Gemma: 256 with hidden 2304
+  and 8 heads), else ``hidden_size / num_attention_heads``.
+- **attention type** per layer, as transformers' own ``DynamicCache`` decides it
+  (``transformers.cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when present
+  (``sliding_attention`` holds a window of ``sliding_window`` tokens, ``chunked_attention`` is cached
+  like a window of ``attention_chunk_size``, linear-attention / SSM / MLP-only layers and layers that
+  reuse another layer's KV hold nothing); otherwise ``sliding_window`` applies to every layer
+  (Mistral). Raw dicts that transformers can not build get the same rules plus Qwen2's
+  (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
+  ``sliding_window_pattern`` (every ``pattern``-th layer is global).
+- **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
+- **parameter count** (for weights memory, see :func:`estimate_params`).
+
+transformers is imported only when a config has to be built or loaded: a plain dict with the
+standard keys, or a :class:`ModelShape`, plans without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_KINDS = ("full", "sliding", "none")
+
+_OFFLINE_REGISTRY = "kvbits.evaluate.models"  # written by the evaluate stage; optional here
+
+# transformers layer_types -> kvbits attention kind (see transformers.cache_utils.get_layer_types_and_kwargs)
+_FULL_TYPES = {"full_attention", "attention", "hybrid", "indexed_attention"}
+_SLIDING_TYPES = {"sliding_attention", "hybrid_sliding", "reference_sliding_attention"}
+_CHUNKED_TYPES = {"chunked_attention"}
+_NO_KV_TYPES = {"linear_attention", "mamba", "conv", "dummy", "moe", "mlp"}
+
+# Architectures whose MLP is two matrices (up, down) instead of a gated three (gate, up, down).
+_UNGATED_MLP = {
+    "gpt2", "gpt_bigcode", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "falcon", "phi", "starcoder2",
+    "mpt", "codegen", "biogpt", "xglm",
+}  # fmt: skip
+
+_DTYPE_BYTES = {
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float32": 4, "float": 4, "fp32": 4, "float64": 8, "double": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The KV cache of one decoder layer.
+
+    Attributes:
+        kv_heads: ``H_kv``, key/value heads stored per token.
+        head_dim: ``D``, channels per head.
+        attention: ``"full"`` (keeps every token), ``"sliding"`` (window ``W``: keeps at most the last
+            ``W - 1`` tokens, as transformers' ``DynamicSlidingWindowLayer``), or ``"none"`` (stores
+            no KV: linear attention, SSM, MLP-only, or KV shared with an earlier layer).
+        window: ``W`` for sliding layers, else None.
+    """
+
+    kv_heads: int
+    head_dim: int
+    attention: str = "full"
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"LayerShape.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.attention != "none" and (self.kv_heads < 1 or self.head_dim < 1):
+            raise ValueError(
+                f"need kv_heads >= 1 and head_dim >= 1, got kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim}"
+            )
+        if self.attention == "sliding" and (self.window is None or self.window < 1):
+            raise ValueError(f"a sliding layer needs a window >= 1, got {self.window!r}")
+        if self.attention != "sliding" and self.window is not None:
+            raise ValueError(
+                f"only sliding layers have a window; got attention={self.attention!r}, window={self.window}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the planner reads from a model config.
+
+    Attributes:
+        layers: one :class:`LayerShape` per decoder layer.
+        dtype_bytes: bytes per element of the model's float dtype (full-precision K/V, weights).
+        name: for tables (file stem, folder, registry name, hub id or ``model_type``).
+        max_context: ``max_position_embeddings`` when known (the planner's default context).
+        params: estimated parameter count by part (:func:`estimate_params`), None when unknown.
+    """
+
+    layers: tuple[LayerShape, ...]
+    dtype_bytes: int = 2
+    name: str = ""
+    max_context: int | None = None
+    params: Mapping[str, int] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a model needs at least one layer, got 0")
+        if not any(layer.attention != "none" for layer in self.layers):
+            raise ValueError(f"none of the {len(self.layers)} layers stores a KV cache; nothing to plan")
+        _check_dtype_bytes(self.dtype_bytes)
+
+    @classmethod
+    def from_dims(
+        cls,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype_bytes: int = 2,
+        sliding_window: int | None = None,
+        layer_types: Sequence[str] | None = None,
+        name: str = "",
+        n_params: int | None = None,
+    ) -> ModelShape:
+        """A uniform model from its dimensions.
+
+        Args:
+            layers: number of decoder layers.
+            kv_heads: KV heads per layer.
+            head_dim: channels per head.
+            dtype_bytes: model dtype bytes (2 for fp16/bf16).
+            sliding_window: window of the sliding layers (every layer when ``layer_types`` is None).
+            layer_types: optional per-layer ``"full"`` / ``"sliding"`` / ``"none"``.
+            name: for tables.
+            n_params: parameter count, if known (enables weights memory without ``weights_gib``).
+        """
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        if layer_types is None:
+            layer_types = ["sliding" if sliding_window else "full"] * layers
+        if len(layer_types) != layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries, expected one per layer ({layers})")
+        shapes = tuple(
+            LayerShape(kv_heads, head_dim, t, sliding_window if t == "sliding" else None) for t in layer_types
+        )
+        params = {"total": int(n_params)} if n_params is not None else None
+        return cls(shapes, dtype_bytes=dtype_bytes, name=name, params=params)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_params(self) -> int | None:
+        """Estimated parameter count (sum of :attr:`params`), None when unknown."""
+        return None if self.params is None else int(sum(self.params.values()))
+
+    def replace(self, **changes: Any) -> ModelShape:
+        """A copy with some fields changed (the dataclass is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(
+        self,
+        *,
+        layers: int | None = None,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype_bytes: int | None = None,
+    ) -> ModelShape:
+        """Override dimensions read from a config (what-if planning: "same model with 8 KV heads").
+
+        ``kv_heads`` / ``head_dim`` apply to every layer that stores KV. ``layers`` needs a model whose
+        layers are all alike (it repeats layer 0). The parameter estimate is dropped when the shape
+        changes, since it no longer describes the model.
+        """
+        out = self
+        if layers is not None and layers != self.n_layers:
+            if len(set(self.layers)) != 1:
+                raise ValueError(
+                    f"can not override the layer count of a model with mixed layers ({self.describe()}); "
+                    "override kv_heads/head_dim only, or plan from dimensions"
+                )
+            out = out.replace(layers=(self.layers[0],) * layers, params=None)
+        if kv_heads is not None or head_dim is not None:
+            new = tuple(
+                layer
+                if layer.attention == "none"
+                else dataclasses.replace(
+                    layer,
+                    kv_heads=layer.kv_heads if kv_heads is None else kv_heads,
+                    head_dim=layer.head_dim if head_dim is None else head_dim,
+                )
+                for layer in out.layers
+            )
+            if new != out.layers:
+                out = out.replace(layers=new, params=None)
+        if dtype_bytes is not None:
+            out = out.replace(dtype_bytes=dtype_bytes)
+        return out
+
+    def describe(self) -> str:
+        """One line for people: ``32 layers (24 sliding W=4096), 8 KV heads, head dim 128, 2-byte dtype``."""
+        kinds = [layer.attention for layer in self.layers]
+        parts = [f"{self.n_layers} layers"]
+        extra = []
+        if kinds.count("sliding"):
+            windows = sorted({layer.window for layer in self.layers if layer.attention == "sliding"})
+            extra.append(f"{kinds.count('sliding')} sliding W={'/'.join(map(str, windows))}")
+        if kinds.count("none"):
+            extra.append(f"{kinds.count('none')} without KV")
+        if extra:
+            parts[0] += f" ({', '.join(extra)})"
+        kv = sorted({layer.kv_heads for layer in self.layers if layer.attention != "none"})
+        hd = sorted({layer.head_dim for layer in self.layers if layer.attention != "none"})
+        parts.append(f"{'/'.join(map(str, kv))} KV heads")
+        parts.append(f"head dim {'/'.join(map(str, hd))}")
+        parts.append(f"{self.dtype_bytes}-byte dtype")
+        return ", ".join(parts)
+
+
+ConfigLike = Union[ModelShape, Mapping[str, Any], str, os.PathLike, Any]  # noqa: UP007
+"""Anything :func:`load_shape` accepts: a ModelShape, a dict, a path, a name, a transformers config."""
+
+
+def _check_dtype_bytes(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes must be one of 1, 2, 4, 8, got {value!r}")
+
+
+def dtype_bytes_of(dtype: Any) -> int | None:
+    """Bytes per element of a dtype given as a torch dtype or its name (``"bfloat16"``); None if unknown."""
+    if dtype is None:
+        return None
+    return _DTYPE_BYTES.get(str(dtype).removeprefix("torch."))
+
+
+# ------------------------------------------------------------------------------ loading a config
+
+
+def resolve_config(source: Any) -> tuple[Any, str]:
+    """Turn ``source`` into a config (a transformers config object or a plain mapping) and a name.
+
+    Accepted, tried in this order for strings: an existing ``.gguf`` file, ``*.json`` file or model
+    folder (holding ``config.json`` or exactly one ``.gguf``); a kvbits offline model name
+    (``kvbits.evaluate.models``, when that module exists); a Hugging Face hub id.
+
+    Raises:
+        ValueError: nothing matched, or a file is not a usable config.
+        TypeError: ``source`` is of an unsupported type.
+    """
+    if isinstance(source, ModelShape):
+        return source, source.name
+    if isinstance(source, Mapping):
+        return _from_mapping(dict(source)), str(source.get("_name_or_path") or source.get("model_type") or "")
+    if isinstance(source, (str, os.PathLike)):
+        return _from_string(os.fspath(source))
+    if isinstance(source, (bytes, int, float, list, tuple)) or source is None:
+        raise TypeError(
+            "config must be a transformers PretrainedConfig, a dict, a path to config.json / a model "
+            "folder / "
+            f"a .gguf file, an offline model name or a hub id; got {type(source).__name__}"
+        )
+    name = getattr(source, "_name_or_path", "") or getattr(source, "model_type", "") or ""
+    return source, str(name)
+
+
+def _from_mapping(d: dict[str, Any]) -> Any:
+    """Build the transformers config class for ``d["model_type"]`` so that class defaults apply.
+
+    A config.json may leave out fields whose class default matters (Gemma's ``head_dim=256``, the
+    default ``layer_types``). Dicts without a ``model_type``, or that transformers refuses, are read
+    as they are.
+    """
+    model_type = d.get("model_type")
+    if not model_type:
+        return d
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in d.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(model_type, **rest)
+    except (ValueError, TypeError, KeyError) as exc:
+        logger.warning(
+            "transformers could not build a %r config (%s: %s); reading the dict as it is",
+            model_type,
+            type(exc).__name__,
+            exc,
+        )
+        return d
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object (a model config), got {type(data).__name__}")
+    return data
+
+
+def _from_gguf(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _from_string(spec: str) -> tuple[Any, str]:
+    if not spec:
+        raise ValueError("config must not be an empty string")
+    p = Path(spec).expanduser()
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return _from_gguf(p), p.stem
+        if p.suffix.lower() == ".json":
+            name = p.parent.name if p.name == "config.json" else p.stem
+            return _from_mapping(_read_json(p)), name
+        raise ValueError(f"config file {spec!r}: expected a config.json (or other .json) or a .gguf file")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return _from_mapping(_read_json(p / "config.json")), p.resolve().name
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _from_gguf(ggufs[0]), ggufs[0].stem
+        raise ValueError(
+            f"model folder {spec!r} holds no config.json and {len(ggufs)} .gguf files; "
+            "expected a config.json or exactly one .gguf file"
+        )
+    if spec.endswith((".json", ".gguf")) or spec.startswith((".", "/", "~")):
+        raise ValueError(f"config path {spec!r} does not exist")
+    offline = _offline_config(spec)
+    if offline is not None:
+        return offline, spec
+    return _from_hub(spec), spec
+
+
+def _offline_config(name: str) -> Any | None:
+    """The config of a kvbits offline model, or None if ``name`` is not one (or the registry is absent)."""
+    try:
+        models = importlib.import_module(_OFFLINE_REGISTRY)
+    except ModuleNotFoundError as exc:
+        if exc.name in ("kvbits.evaluate", _OFFLINE_REGISTRY):
+            logger.debug("kvbits.evaluate.models is not available; skipping offline model names")
+            return None
+        raise
+    registry = getattr(models, "OFFLINE_MODELS", None)
+    if registry is not None and name not in registry:
+        return None
+    return models.load_config(name)
+
+
+def _offline_names() -> list[str]:
+    try:
+        models = importlib.import_module(_OFFLINE_REGISTRY)
+    except ModuleNotFoundError:
+        return []
+    return sorted(getattr(models, "OFFLINE_MODELS", {}))
+
+
+def _from_hub(model_id: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id)
+    except (OSError, ValueError) as exc:
+        names = _offline_names()
+        first_line = (str(exc).splitlines() or [""])[0]
+        raise ValueError(
+            f"could not load a config for {model_id!r}: it is not an existing file or folder"
+            + (f", not a kvbits offline model ({', '.join(names)})" if names else "")
+            + f", and loading it as a Hugging Face hub id failed ({type(exc).__name__}: {first_line}). "
+            "Offline? Pass a config.json, a model folder or a .gguf file, or plan from dimensions "
+            "(layers, kv_heads, head_dim)."
+        ) from exc
+
+
+# ------------------------------------------------------------------------------ reading a config
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    """First non-None attribute (or key) of ``cfg`` among ``names``."""
+    for n in names:
+        if isinstance(cfg, Mapping):
+            v = cfg.get(n)
+        else:
+            try:
+                v = getattr(cfg, n, None)
+            except RuntimeError as exc:
+                # heterogeneous transformers configs refuse global reads of per-layer attributes
+                if type(exc).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                    raise
+                v = None
+        if v is not None:
+            return v
+    return default
+
+
+def _int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"config field {what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _text_config(cfg: Any) -> Any:
+    """The decoder's config of a composite (vision-language, encoder-decoder) config."""
+    if isinstance(cfg, Mapping):
+        if _get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers") is None and isinstance(
+            cfg.get("text_config"), Mapping
+        ):
+            return cfg["text_config"]
+        return cfg
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        try:
+            return get_text(decoder=True)
+        except TypeError:
+            return get_text()
+    return cfg
+
+
+def _keys(cfg: Any) -> list[str]:
+    if isinstance(cfg, Mapping):
+        return sorted(cfg)
+    return sorted(k for k in vars(cfg) if not k.startswith("_")) if hasattr(cfg, "__dict__") else []
+
+
+def _heads(cfg: Any) -> tuple[int, int, int]:
+    """``(H_q, H_kv, D)`` of one layer's config."""
+    q = _int(_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"), "num_attention_heads")
+    if _get(cfg, "multi_query") is True and not _get(cfg, "new_decoder_architecture"):
+        kv: int | None = 1  # GPT-BigCode, Falcon-7B: one shared KV head
+    else:
+        kv = _int(
+            _get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+            "num_key_value_heads",
+        )
+    if kv is None:
+        kv = q
+    if kv is None:
+        raise ValueError(
+            "config has no attention heads: expected num_key_value_heads or num_attention_heads "
+            f"(or n_head / num_heads); got keys {_keys(cfg)}"
+        )
+    if q is None:
+        q = kv
+    if q < 1 or kv < 1:
+        raise ValueError(
+            f"attention head counts must be >= 1, got num_attention_heads={q}, num_key_value_heads={kv}"
+        )
+    head_dim = _int(_get(cfg, "head_dim"), "head_dim")
+    if head_dim is None:
+        hidden = _int(_get(cfg, "hidden_size", "n_embd", "d_model"), "hidden_size")
+        if hidden is None:
+            raise ValueError(
+                f"config has neither head_dim nor hidden_size (n_embd, d_model); got keys {_keys(cfg)}"
+            )
+        if hidden % q:
+            raise ValueError(
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {q} "
+                "and the config has no head_dim"
+            )
+        head_dim = hidden // q
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    return q, kv, head_dim
+
+
+def _positive_window(value: Any, what: str) -> int | None:
+    w = _int(value, what)
+    return w if w is not None and w > 0 else None
+
+
+def _attention(
+    text: Any, layer_cfg: Any, index: int, layer_types: Sequence[str] | None
+) -> tuple[str, int | None]:
+    """``(kind, window)`` of layer ``index``, following transformers' cache construction."""
+    if layer_types is not None:
+        t = layer_types[index]
+        if t in _SLIDING_TYPES:
+            w = _positive_window(_get(layer_cfg, "sliding_window"), "sliding_window")
+            return ("sliding", w) if w else ("full", None)
+        if t in _CHUNKED_TYPES:
+            # transformers caches chunked-attention layers as a sliding window of the chunk size
+            w = _positive_window(_get(layer_cfg, "attention_chunk_size"), "attention_chunk_size")
+            return ("sliding", w) if w else ("full", None)
+        if t in _NO_KV_TYPES:
+            return "none", None
+        if t not in _FULL_TYPES:
+            logger.warning(
+                "layer %d has layer type %r, unknown to kvbits; planned as full attention", index, t
+            )
+        return "full", None
+    window = _positive_window(_get(layer_cfg, "sliding_window"), "sliding_window")
+    use = _get(text, "use_sliding_window")
+    if window and use is False:
+        window = None  # Qwen2-style configs carry a window that is switched off
+    if window:
+        first_sliding = _int(_get(text, "max_window_layers"), "max_window_layers")
+        pattern = _int(_get(text, "sliding_window_pattern"), "sliding_window_pattern")
+        if use is True and first_sliding is not None:
+            # Qwen2 (transformers' Qwen2Config): layers i >= max_window_layers use the window
+            return ("sliding", window) if index >= first_sliding else ("full", None)
+        if pattern:
+            # Gemma legacy: every `pattern`-th layer is global
+            return ("sliding", window) if (index + 1) % pattern else ("full", None)
+        return "sliding", window  # Mistral: the window applies to every layer
+    chunk = _positive_window(_get(layer_cfg, "attention_chunk_size"), "attention_chunk_size")
+    if chunk:
+        return "sliding", chunk
+    return "full", None
+
+
+def _dtype_field(cfg: Any) -> Any:
+    """``dtype`` (transformers 5) or the older ``torch_dtype``, without tripping deprecation warnings."""
+    if isinstance(cfg, Mapping):
+        return cfg.get("dtype") or cfg.get("torch_dtype")
+    if hasattr(cfg, "dtype"):
+        return cfg.dtype
+    return getattr(cfg, "torch_dtype", None)
+
+
+def model_shape(config: Any, *, name: str = "") -> ModelShape:
+    """Read a :class:`ModelShape` from a transformers config object or a plain mapping.
+
+    Raises:
+        ValueError: the config lacks layers or heads, or describes something kvbits can not plan
+            (multi-head latent attention).
+    """
+    if isinstance(config, ModelShape):
+        return config
+    text = _text_config(config)
+    n_layers = _int(_get(text, "num_hidden_layers", "n_layer", "num_layers", "n_layers"), "num_hidden_layers")
+    if n_layers is None or n_layers < 1:
+        raise ValueError(
+            f"config has no layer count: expected num_hidden_layers (or n_layer / num_layers) >= 1, "
+            f"got {n_layers!r}; keys: {_keys(text)}"
+        )
+    if _get(text, "kv_lora_rank") is not None:
+        raise ValueError(
+            "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style) caches K and V with different "
+            "head dims; the kvbits planner supports MHA/GQA/MQA only"
+        )
+    if getattr(text, "is_heterogeneous", False):
+        layer_cfgs: Sequence[Any] = list(text.per_layer_config)
+    else:
+        layer_cfgs = [text] * n_layers
+    layer_types = _get(text, "layer_types")
+    if layer_types is not None:
+        layer_types = list(layer_types)
+        if len(layer_types) < n_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    sharing = _get(text, "kv_sharing_modes")
+    layers = []
+    for i, lc in enumerate(layer_cfgs[:n_layers]):
+        kind, window = _attention(text, lc, i, layer_types)
+        if sharing is not None and sharing[i] == "reuse":
+            kind, window = "none", None  # reads the KV of an earlier layer (Gemma-3n/4 KV sharing)
+        _, kv, d = _heads(lc)
+        layers.append(LayerShape(kv, d, kind, window))
+    dtype = dtype_bytes_of(_dtype_field(text)) or dtype_bytes_of(_dtype_field(config))
+    if dtype is None:
+        logger.debug("config carries no known dtype; assuming 2 bytes (fp16/bf16)")
+    max_ctx = _int(
+        _get(text, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"),
+        "max_position_embeddings",
+    )
+    if not name:
+        name = str(_get(config, "_name_or_path") or _get(text, "model_type") or "")
+    shape = ModelShape(tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx)
+    try:
+        params = estimate_params(text, shape)
+    except ValueError as exc:  # weights are optional for planning; say why they are missing
+        logger.info("no parameter estimate for %s: %s", name or "this config", exc)
+        params = None
+    return shape.replace(params=params)
+
+
+def load_shape(config: ConfigLike) -> ModelShape:
+    """:func:`resolve_config` then :func:`model_shape`: the planner's entry point for any config."""
+    cfg, name = resolve_config(config)
+    return model_shape(cfg, name=name)
+
+
+# ------------------------------------------------------------------------------ weights
+
+
+def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, int]:
+    """Estimate a decoder-only model's parameter count from its config, by part.
+
+    With ``h`` hidden size, ``V`` vocabulary, ``H_q`` query heads, per layer ``H_kv`` KV heads and
+    head dim ``D``, ``I`` MLP width, ``L`` layers::
+
+        embeddings = V*h  (+ P*h learned positions, GPT-2 style ``n_positions``)
+        attention  = sum over layers of  h*H_q*D (q) + 2*h*H_kv*D (k, v) + H_q*D*h (o)
+                     (+ q/k/v biases for Qwen2 or ``attention_bias``)
+        mlp        = L * m*h*I,  m = 3 for gated MLPs (Llama, Mistral, Qwen, Gemma), 2 otherwise (GPT-2);
+                     MoE: L * (E*3*h*I_e + h*E router + 3*h*I_shared)
+        norms      = (2L + 1) * h   (4L + 1 for Gemma-2/3; + 2*D per layer for q/k norms: Gemma-3, Qwen3)
+        lm_head    = V*h unless ``tie_word_embeddings``
+
+    Biases of MLPs and LayerNorms are ignored (well under 1% of any real model). Vision towers of
+    composite models are not counted. Exact for Llama-family models; pass ``weights_gib`` to the
+    planner when the real figure is known.
+
+    Raises:
+        ValueError: the config lacks ``hidden_size`` or ``vocab_size``.
+    """
+    text = _text_config(config)
+    shape = shape or model_shape(text)
+    h = _int(_get(text, "hidden_size", "n_embd", "d_model"), "hidden_size")
+    vocab = _int(_get(text, "vocab_size", "padded_vocab_size"), "vocab_size")
+    if h is None or vocab is None:
+        raise ValueError(
+            f"estimating weights needs hidden_size and vocab_size; got hidden_size={h}, vocab_size={vocab}"
+        )
+    model_type = str(_get(text, "model_type", default=""))
+    q_heads = _int(_get(text, "num_attention_heads", "n_head", "num_heads", "n_heads"), "num_attention_heads")
+    n_layers = shape.n_layers
+    embeddings = vocab * h
+    positions = _int(_get(text, "n_positions"), "n_positions")
+    if positions and (model_type in ("gpt2", "gpt_bigcode") or (not model_type and "n_embd" in _keys(text))):
+        embeddings += positions * h  # learned absolute positions
+    qkv_bias = bool(_get(text, "attention_bias", "qkv_bias")) or model_type.startswith("qwen2")
+    attention = 0
+    for layer in shape.layers:
+        hq = q_heads or layer.kv_heads
+        d = layer.head_dim
+        attention += 2 * h * hq * d + 2 * h * layer.kv_heads * d
+        if qkv_bias:
+            attention += hq * d + 2 * layer.kv_heads * d
+    inter = _int(
+        _get(text, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), "intermediate_size"
+    )
+    if inter is None:
+        inter = 4 * h  # GPT-2's n_inner=None
+    gated = model_type not in _UNGATED_MLP and "n_embd" not in _keys(text)
+    experts = _int(_get(text, "num_local_experts", "num_experts", "n_routed_experts"), "num_experts")
+    if experts:
+        expert_inter = _int(_get(text, "moe_intermediate_size"), "moe_intermediate_size") or inter
+        shared_inter = (
+            _int(_get(text, "shared_expert_intermediate_size"), "shared_expert_intermediate_size") or 0
+        )
+        mlp = n_layers * (experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter)
+    else:
+        mlp = n_layers * (3 if gated else 2) * h * inter
+    # Gemma-2/3 add pre/post-feedforward norms (4 per layer); Gemma-3 and Qwen3 normalise q and k per head
+    per_layer_norms = 4 if model_type.startswith(("gemma2", "gemma3")) else 2
+    norms = (per_layer_norms * n_layers + 1) * h
+    if model_type.startswith(("gemma3", "qwen3", "olmo2")):
+        norms += sum(2 * layer.head_dim for layer in shape.layers)
+    tied = _get(text, "tie_word_embeddings")
+    if tied is None:
+        tied = _get(config, "tie_word_embeddings", default=True)
+    lm_head = 0 if tied else vocab * h
+    return {"embeddings": embeddings, "attention": attention, "mlp": mlp, "norms": norms, "lm_head": lm_head}

@@ -1,0 +1,267 @@
+"""KV-cache memory and concurrency for a model, a context length, a batch and one or more schemes.
+
+Every byte comes from :func:`kvbits.schemes.layer_bytes`, the formula the cache's
+``memory_report()`` is tested against; this module only sums it over layers and derives ratios.
+
+Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, head dim ``D_l``):
+
+- ``total_bytes``: K + V bytes of all layers holding ``B`` sequences of ``T`` tokens each: codes,
+  scales, zero-points, outliers, full-precision tokens (sinks, residual window, not-yet-flushed
+  buffer, in the model dtype ``dtype_bytes``) and per-layer constants (static scales, codebooks).
+  Sliding-window layers hold at most their window (``token_split(..., sliding_window=W)``).
+- ``bytes_per_token``: ``total_bytes / (T * B)``.
+- ``elements``: what an fp16 cache of the same model stores at ``T``:
+  ``sum_l 2 * B * stored_l * H_l * D_l`` with ``stored_l = T`` for full layers and
+  ``min(T, W - 1)`` for sliding ones.
+- ``fp16_bytes``: ``2 * elements``, the fp16 cache of the same model at the same context.
+- ``avg_bits``: ``8 * total_bytes / elements``, bits per cached element with all metadata included
+  (16 for fp16; it tends to :func:`kvbits.schemes.average_bits` as ``T`` grows).
+- ``compression``: ``fp16_bytes / total_bytes`` (= ``16 / avg_bits``).
+
+With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
+
+- ``weights_bytes``: ``weights_gib`` when given, else the config's parameter estimate
+  (:func:`kvbits.plan.config.estimate_params`) times the model dtype bytes.
+- ``kv_bytes_per_request``: bytes one more sequence of ``T`` tokens adds: ``total_bytes`` at batch 1
+  minus the per-layer constants, which exist once however many sequences there are.
+- ``max_concurrency``: ``floor((gpu - weights - reserve - fixed) / kv_bytes_per_request)``, at least 0,
+  where ``reserve`` (``reserve_gib``, default 0) stands for activations, CUDA context and
+  fragmentation, and ``fixed`` is the per-layer constants. ``fits``: ``max_concurrency >= B``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Union
+
+from kvbits.plan.config import ConfigLike, ModelShape, _check_dtype_bytes, load_shape
+from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+DEFAULT_SCHEMES: tuple[str, ...] = ("fp16", "fp8-e4m3", "int8-token", "int4-token", "kivi-4", "kivi-2")
+"""The schemes the CLI compares when none is named."""
+
+SchemeLike = Union[str, KVScheme, dict]  # noqa: UP007
+
+_FP16 = "fp16"
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _as_list(value: Any) -> tuple[list[Any], bool]:
+    """``(items, was_a_list)``: a list/tuple stays a list, anything else becomes one item."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("expected at least one value, got an empty list")
+        return list(value), True
+    return [value], False
+
+
+def _non_negative_gib(value: Any, what: str) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{what} must be a finite number of GiB >= 0, got {value!r}")
+    return int(round(value * GIB))
+
+
+def plan(
+    config: ConfigLike,
+    context: int | Sequence[int] | None = None,
+    batch: int = 1,
+    scheme: SchemeLike | Sequence[SchemeLike] = "fp16",
+    gpu_mem_gib: float | None = None,
+    dtype_bytes: int | None = None,
+    *,
+    weights_gib: float | None = None,
+    reserve_gib: float = 0.0,
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """Plan the KV-cache memory of a model for one or more schemes and context lengths.
+
+    Args:
+        config: a transformers config, a dict, a path to ``config.json`` / a model folder / a
+            ``.gguf`` file, a kvbits offline model name, a hub id, or a :class:`ModelShape`
+            (``ModelShape.from_dims(layers, kv_heads, head_dim)`` to plan without a config).
+        context: tokens per sequence ``T``, or a list of them; default the config's
+            ``max_position_embeddings``.
+        batch: sequences ``B`` held at once, all of length ``T``.
+        scheme: a preset name, a scheme JSON path, a dict or a ``KVScheme``, or a list of them.
+        gpu_mem_gib: GPU memory in GiB; adds weights, ``max_concurrency`` and ``fits``.
+        dtype_bytes: bytes per element of the model dtype, used for full-precision tokens (sinks,
+            residual window, unflushed buffer) and weights; default from the config's dtype, else 2.
+        weights_gib: weights memory in GiB, overriding the estimate from the config.
+        reserve_gib: GPU memory kept free for activations and the runtime, in GiB.
+
+    Returns:
+        One dict (see the module docstring for each field) when ``scheme`` and ``context`` are
+        single values; a list of dicts when either is a list or tuple, ordered by context, then by
+        scheme in the order given.
+
+    Raises:
+        ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
+            heads or layers, or ``gpu_mem_gib`` without any way to know the weights.
+
+    Example:
+        >>> from kvbits.plan import ModelShape, plan
+        >>> plan(ModelShape.from_dims(32, 32, 128), context=32768, batch=8)["total_bytes"]
+        137438953472
+    """
+    shape = load_shape(config)
+    if dtype_bytes is not None:
+        _check_dtype_bytes(dtype_bytes)
+        shape = shape.replace(dtype_bytes=dtype_bytes)
+    batch = _positive_int(batch, "batch")
+    if context is None:
+        if shape.max_context is None:
+            raise ValueError("context is required: the config has no max_position_embeddings to default to")
+        context = shape.max_context
+    contexts, many_contexts = _as_list(context)
+    contexts = [_positive_int(c, "context") for c in contexts]
+    scheme_specs, many_schemes = _as_list(scheme)
+    schemes = [get_scheme(s) for s in scheme_specs]
+
+    budget = None
+    if gpu_mem_gib is not None:
+        budget = _budget(shape, gpu_mem_gib, weights_gib, reserve_gib)
+    elif weights_gib is not None:
+        logger.info("weights_gib is used only with gpu_mem_gib; ignoring it")
+
+    results = [plan_shape(shape, s, context=t, batch=batch, budget=budget) for t in contexts for s in schemes]
+    return results if (many_contexts or many_schemes) else results[0]
+
+
+def _budget(
+    shape: ModelShape, gpu_mem_gib: float, weights_gib: float | None, reserve_gib: float
+) -> dict[str, int]:
+    gpu = _non_negative_gib(gpu_mem_gib, "gpu_mem_gib")
+    reserve = _non_negative_gib(reserve_gib, "reserve_gib")
+    if weights_gib is not None:
+        weights = _non_negative_gib(weights_gib, "weights_gib")
+        source = "given"
+    elif shape.n_params is not None:
+        weights = shape.n_params * shape.dtype_bytes
+        source = "estimated"
+    else:
+        raise ValueError(
+            "gpu_mem_gib needs the weights' size: this model shape carries no parameter estimate "
+            "(plan from a full config, or pass weights_gib=..., CLI --weights-gib)"
+        )
+    return {
+        "gpu_mem_bytes": gpu,
+        "weights_bytes": weights,
+        "reserve_bytes": reserve,
+        "weights_source": source,
+    }  # type: ignore[dict-item]
+
+
+def plan_shape(
+    shape: ModelShape,
+    scheme: SchemeLike,
+    *,
+    context: int,
+    batch: int = 1,
+    budget: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One plan: ``shape`` holding ``batch`` sequences of ``context`` tokens under ``scheme``.
+
+    ``budget`` (``gpu_mem_bytes``, ``weights_bytes``, ``reserve_bytes``) adds the concurrency
+    fields. :func:`plan` is the friendlier entry point.
+    """
+    scheme = get_scheme(scheme)
+    fp16 = get_scheme(_FP16)
+    context = _positive_int(context, "context")
+    batch = _positive_int(batch, "batch")
+    totals = {"key": 0, "value": 0, "full": 0, "quantized": 0, "fixed": 0}
+    per_request = 0
+    elements = 0
+    per_layer = []
+    for i, layer in enumerate(shape.layers):
+        row: dict[str, Any] = {
+            "layer": i,
+            "attention": layer.attention,
+            "window": layer.window,
+            "kv_heads": layer.kv_heads,
+            "head_dim": layer.head_dim,
+        }
+        if layer.attention == "none":
+            row.update(tokens=None, key=0, value=0, full=0, quantized=0, fixed=0, total_bytes=0, fp16_bytes=0)
+            per_layer.append(row)
+            continue
+        kw = {
+            "n_heads": layer.kv_heads,
+            "head_dim": layer.head_dim,
+            "full_dtype_bytes": shape.dtype_bytes,
+            "sliding_window": layer.window,
+        }
+        b = layer_bytes(scheme, context, batch=batch, **kw)
+        one = layer_bytes(scheme, context, batch=1, **kw)
+        split = token_split(scheme, context, layer.window)
+        stored_fp16 = token_split(fp16, context, layer.window).stored
+        layer_elements = 2 * batch * stored_fp16 * layer.kv_heads * layer.head_dim
+        elements += layer_elements
+        per_request += one["key"] + one["value"] - one["fixed"]
+        for k in totals:
+            totals[k] += b[k]
+        row.update(
+            tokens={
+                "sink": split.sink,
+                "quantized": split.quantized,
+                "full": split.full,
+                "dropped": split.dropped,
+            },
+            key=b["key"],
+            value=b["value"],
+            full=b["full"],
+            quantized=b["quantized"],
+            fixed=b["fixed"],
+            total_bytes=b["key"] + b["value"],
+            fp16_bytes=2 * layer_elements,
+        )
+        per_layer.append(row)
+    total = totals["key"] + totals["value"]
+    assert total == totals["full"] + totals["quantized"] + totals["fixed"], (
+        "layer_bytes breakdown must add up"
+    )
+    fp16_bytes = 2 * elements
+    out: dict[str, Any] = {
+        "scheme": scheme.name,
+        "model": shape.name,
+        "context": context,
+        "batch": batch,
+        "dtype_bytes": shape.dtype_bytes,
+        "total_bytes": total,
+        "bytes_per_token": total / (context * batch),
+        "avg_bits": 8 * total / elements,
+        "compression": fp16_bytes / total,
+        "fp16_bytes": fp16_bytes,
+        "elements": elements,
+        "key_bytes": totals["key"],
+        "value_bytes": totals["value"],
+        "components": {"full": totals["full"], "quantized": totals["quantized"], "fixed": totals["fixed"]},
+        "per_layer": per_layer,
+    }
+    if budget is not None:
+        free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"] - totals["fixed"]
+        max_conc = max(0, free // per_request)
+        out.update(
+            gpu_mem_bytes=budget["gpu_mem_bytes"],
+            weights_bytes=budget["weights_bytes"],
+            weights_source=budget.get("weights_source", "given"),
+            reserve_bytes=budget["reserve_bytes"],
+            kv_bytes_per_request=per_request,
+            max_concurrency=int(max_conc),
+            fits=bool(max_conc >= batch),
+        )
+    return out

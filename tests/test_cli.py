@@ -1,0 +1,254 @@
+"""The command line: subcommand registry, `schemes`, `plan`, JSON for scripts, tables for people."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvbits import cli
+from kvbits.cli import main
+from kvbits.plan import DEFAULT_SCHEMES
+from kvbits.schemes import average_bits, list_schemes
+
+WORKED = ["--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--context", "32768", "--batch", "8"]
+WORKED_BYTES = 137_438_953_472
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def test_schemes_json_lists_every_preset(capsys):
+    rows = run_json(capsys, ["schemes", "--json", "--head-dim", "64"])
+    assert [r["name"] for r in rows] == [s.name for s in list_schemes()]
+    by_name = {s.name: s for s in list_schemes()}
+    for r in rows:
+        assert r["average_bits"] == pytest.approx(average_bits(by_name[r["name"]], head_dim=64))
+        assert {"key", "value", "sinks", "residual", "block", "description", "reference"} <= set(r)
+    kivi = next(r for r in rows if r["name"] == "kivi-2")
+    assert kivi["key_summary"] == "int2 asym per-channel g32" and kivi["residual"] == 128
+
+
+def test_schemes_table_renders(capsys):
+    assert main(["schemes"]) == 0
+    out = capsys.readouterr().out
+    for s in list_schemes():
+        assert s.name in out
+    assert "arXiv:2402.02750" in out  # KIVI's paper, shortened
+
+
+def test_plan_json_worked_example(capsys):
+    rows = run_json(capsys, ["plan", *WORKED, "--scheme", "fp16", "--json"])
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["total_bytes"] == WORKED_BYTES and r["bytes_per_token"] == 524288
+    assert r["avg_bits"] == 16 and r["compression"] == 1
+    assert "per_layer" not in r and "max_concurrency" not in r
+
+
+def test_plan_table_worked_example(capsys):
+    assert main(["plan", *WORKED, "--scheme", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "137,438,953,472" in out and "128.00 GiB" in out and "512.00 KiB" in out
+
+
+def test_plan_default_schemes_gpu_and_per_layer(capsys):
+    argv = [
+        "plan",
+        "--layers",
+        "4",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--context",
+        "32k",
+        "--context",
+        "1024",
+    ]
+    rows = run_json(
+        capsys,
+        [*argv, "--gpu-mem", "80", "--weights-gib", "14", "--reserve-gib", "2", "--per-layer", "--json"],
+    )
+    assert [(r["context"], r["scheme"]) for r in rows] == [
+        (c, s) for c in (32768, 1024) for s in DEFAULT_SCHEMES
+    ]
+    for r in rows:
+        assert r["max_concurrency"] == (64 * 2**30 - r["components"]["fixed"]) // r["kv_bytes_per_request"]
+        assert len(r["per_layer"]) == 4
+    assert main([*argv, "--gpu-mem", "80", "--weights-gib", "14", "--per-layer"]) == 0
+    out = capsys.readouterr().out
+    assert "max concurrency" in out and "per layer" in out and "kivi-2" in out
+
+
+def test_plan_from_config_file_with_override(tmp_path, capsys):
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    base = run_json(capsys, ["plan", "--config", str(path), "--context", "100", "--scheme", "fp16", "--json"])
+    gqa = run_json(
+        capsys,
+        ["plan", "--config", str(path), "--kv-heads", "2", "--context", "100", "--scheme", "fp16", "--json"],
+    )
+    assert base[0]["total_bytes"] == 2 * 2 * 2 * 8 * 64 * 100 == 4 * gqa[0]["total_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--layers", "2", "--context", "10"], "missing --kv-heads, --head-dim"),
+        (["plan", *WORKED, "--scheme", "int5"], "unknown scheme 'int5'"),
+        (["plan", *WORKED, "--gpu-mem", "80"], "weights-gib"),
+        (["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"], "context is required"),
+    ],
+)
+def test_plan_errors_go_to_stderr(capsys, argv, message):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and captured.err.startswith("kvbits plan: error:")
+
+
+def test_bad_context_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--context", "lots"])
+    assert e.value.code == 2 and "32k" in capsys.readouterr().err
+
+
+def test_parse_tokens():
+    assert [cli.parse_tokens(s) for s in ("32768", "32k", "32K", "1m", "32_768", "4,096")] == [
+        32768, 32768, 32768, 1 << 20, 32768, 4096,
+    ]  # fmt: skip
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_tokens("0")
+
+
+def _subcommands() -> list[str]:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return list(action.choices)
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in ("schemes", "plan")]])
+def test_help_exits_zero(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert "usage: kvbits" in capsys.readouterr().out
+
+
+def test_every_registered_subcommand_has_help(capsys):
+    names = _subcommands()
+    assert names[:2] == ["schemes", "plan"]
+    for name in names:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0, name
+    capsys.readouterr()
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert main([]) == 2
+    assert "schemes" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_registry_skips_missing_modules_and_runs_plugins(plugin_dir, monkeypatch, capsys):
+    (plugin_dir / "kvb_hello_cli.py").write_text(
+        textwrap.dedent(
+            """
+            def add_parser(subparsers):
+                p = subparsers.add_parser("hello", help="say hello")
+                p.add_argument("--name", default="world")
+                return p
+
+            def run(args):
+                print(f"hello {args.name}")
+                return 3
+            """
+        )
+    )
+    commands = {**cli.COMMANDS, "ghost": "kvbits_no_such_package.cli", "hello": "kvb_hello_cli"}
+    monkeypatch.setattr(cli, "COMMANDS", commands)
+    assert "ghost" not in _subcommands()
+    assert main(["hello", "--name", "kv"]) == 3
+    assert capsys.readouterr().out == "hello kv\n"
+
+
+def test_registry_does_not_hide_import_errors_inside_a_module(plugin_dir, monkeypatch):
+    (plugin_dir / "kvb_broken_cli.py").write_text("import kvbits_missing_dependency\n")
+    monkeypatch.setattr(cli, "COMMANDS", {**cli.COMMANDS, "broken": "kvb_broken_cli"})
+    with pytest.raises(ModuleNotFoundError, match="kvbits_missing_dependency"):
+        cli.build_parser()
+
+
+def test_registry_rejects_modules_without_the_protocol(plugin_dir, monkeypatch):
+    (plugin_dir / "kvb_empty_cli.py").write_text("x = 1\n")
+    monkeypatch.setattr(cli, "COMMANDS", {**cli.COMMANDS, "empty": "kvb_empty_cli"})
+    with pytest.raises(TypeError, match="add_parser"):
+        cli.build_parser()
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_python_m_kvbits_plan_json_is_clean():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbits",
+            "-v",
+            "plan",
+            *WORKED,
+            "--scheme",
+            "fp16",
+            "--scheme",
+            "kivi-2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(out.stdout)  # stdout holds JSON only, whatever is logged
+    assert rows[0]["total_bytes"] == WORKED_BYTES and rows[1]["scheme"] == "kivi-2"
+
+
+def test_plan_imports_only_its_own_command():
+    code = (
+        "import sys\n"
+        "from kvbits.cli import main\n"
+        f"assert main(['plan', *{WORKED!r}, '--scheme', 'fp16', '--json']) == 0\n"
+        "heavy = ('torch', 'transformers', 'kvbits.calibrate', 'kvbits.evaluate')\n"
+        "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)[0]["total_bytes"] == WORKED_BYTES
+    assert out.stderr.strip() == "[]"
+
+
+def test_console_script_entry_point():
+    script = Path(sys.executable).parent / ("kvbits.exe" if os.name == "nt" else "kvbits")
+    if not script.exists():
+        pytest.skip("kvbits is not installed as a console script in this environment")
+    out = subprocess.run(
+        [str(script), "plan", *WORKED, "--scheme", "fp16"], capture_output=True, text=True, check=True
+    )
+    assert "137,438,953,472" in out.stdout

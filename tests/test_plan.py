@@ -1,0 +1,492 @@
+"""The planner: exact bytes from any config, layer types as transformers builds its cache, concurrency."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kvbits.plan import GIB, ModelShape, estimate_params, load_shape, model_shape, plan
+from kvbits.schemes import average_bits, get_scheme
+
+WORKED_BYTES = 137_438_953_472  # 32 layers x 32 KV heads x 128 x 2 (K, V) x 2 bytes x 32,768 tokens x 8
+
+
+def llama_dict(**overrides):
+    d = {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "dtype": "float16",
+    }
+    d.update(overrides)
+    return d
+
+
+def fp16_layer_bytes(kv_heads: int, head_dim: int, tokens: int, batch: int = 1) -> int:
+    return 2 * 2 * kv_heads * head_dim * tokens * batch
+
+
+# ------------------------------------------------------------------------------ the worked example
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ModelShape.from_dims(32, 32, 128),
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096},
+        llama_dict(),
+    ],
+    ids=["dims", "raw-dict", "llama-config"],
+)
+def test_worked_example_is_exact(config):
+    r = plan(config, context=32768, batch=8, scheme="fp16")
+    assert r["total_bytes"] == WORKED_BYTES == 128 * GIB
+    assert r["bytes_per_token"] == WORKED_BYTES / (32768 * 8)
+    assert r["avg_bits"] == 16.0 and r["compression"] == 1.0
+    assert r["components"] == {"full": WORKED_BYTES, "quantized": 0, "fixed": 0}
+    assert len(r["per_layer"]) == 32 and sum(x["total_bytes"] for x in r["per_layer"]) == WORKED_BYTES
+
+
+def test_plan_does_not_import_transformers_or_torch_for_plain_inputs():
+    code = (
+        "import sys, kvbits\n"
+        "d = {'num_hidden_layers': 2, 'num_attention_heads': 4, 'hidden_size': 256}\n"
+        "r = kvbits.plan(d, context=10)\n"
+        "assert r['total_bytes'] == 2 * 2 * 2 * 4 * 64 * 10, r\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ attention shapes
+
+
+def test_kv_heads_scale_mha_gqa_mqa():
+    base = {"num_hidden_layers": 4, "num_attention_heads": 32, "hidden_size": 4096}
+    mha = plan(base, context=1000, scheme=["fp16", "int4-token"])
+    gqa = plan({**base, "num_key_value_heads": 8}, context=1000, scheme=["fp16", "int4-token"])
+    mqa = plan(
+        {**base, "multi_query": True}, context=1000, scheme=["fp16", "int4-token"]
+    )  # GPT-BigCode style
+    for i in range(2):
+        assert mha[i]["total_bytes"] == 4 * gqa[i]["total_bytes"] == 32 * mqa[i]["total_bytes"]
+    assert mqa[0]["total_bytes"] == 4 * fp16_layer_bytes(1, 128, 1000)
+    assert {x["kv_heads"] for x in mqa[0]["per_layer"]} == {1}
+
+
+def test_gpt2_names_and_falcon_multi_query():
+    from transformers import AutoConfig
+
+    gpt2 = model_shape(AutoConfig.for_model("gpt2"))  # n_head / n_embd, plain MHA
+    assert (gpt2.n_layers, gpt2.layers[0].kv_heads, gpt2.layers[0].head_dim) == (12, 12, 64)
+    falcon = model_shape(AutoConfig.for_model("falcon"))  # multi_query without new_decoder_architecture
+    assert falcon.layers[0].kv_heads == 1
+    falcon40 = model_shape(AutoConfig.for_model("falcon", new_decoder_architecture=True, num_kv_heads=8))
+    assert falcon40.layers[0].kv_heads == 8
+
+
+def test_explicit_head_dim_wins_over_hidden_over_heads():
+    # Gemma-style: hidden 2304 / 8 heads = 288, but head_dim is 256
+    d = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "hidden_size": 2304,
+        "head_dim": 256,
+    }
+    r = plan(d, context=100)
+    assert r["total_bytes"] == 2 * fp16_layer_bytes(4, 256, 100)
+    assert r["total_bytes"] != 2 * fp16_layer_bytes(4, 288, 100)
+
+
+def test_overrides_change_only_what_they_name():
+    shape = load_shape(llama_dict())
+    gqa = shape.with_overrides(kv_heads=8)
+    assert gqa.n_layers == 32 and {x.kv_heads for x in gqa.layers} == {8} and gqa.params is None
+    assert plan(gqa, context=4096)["total_bytes"] * 4 == plan(shape, context=4096)["total_bytes"]
+    assert shape.with_overrides(dtype_bytes=4).params is not None  # dtype keeps the estimate
+
+
+# ------------------------------------------------------------------------------ sliding windows
+
+
+def test_sliding_layers_hold_at_most_their_window():
+    mistral = {"num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8}
+    mistral.update(hidden_size=4096, sliding_window=4096)
+    short, long_ = plan(mistral, context=[2000, 32768], scheme="fp16")
+    assert short["total_bytes"] == 4 * fp16_layer_bytes(8, 128, 2000)
+    assert long_["total_bytes"] == 4 * fp16_layer_bytes(8, 128, 4095)  # the last W - 1 tokens
+    assert long_["compression"] == 1.0  # the fp16 reference holds the window too
+    for scheme in ("int4-token", "kivi-2"):
+        a, b = plan(mistral, context=[32768, 65536], scheme=scheme)
+        assert a["total_bytes"] == b["total_bytes"], scheme  # flat once the window is full
+        assert b["per_layer"][0]["tokens"]["dropped"] > 0
+
+
+def test_gemma3_mixed_layer_types():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gemma3_text", num_hidden_layers=12, sliding_window=512, dtype="bfloat16")
+    shape = model_shape(cfg)
+    kinds = [x.attention for x in shape.layers]
+    assert kinds.count("full") == 2 and kinds.count("sliding") == 10 and kinds[5] == kinds[11] == "full"
+    r = plan(cfg, context=8192, scheme="fp16")
+    kv, d = cfg.num_key_value_heads, cfg.head_dim
+    assert r["total_bytes"] == 2 * fp16_layer_bytes(kv, d, 8192) + 10 * fp16_layer_bytes(kv, d, 511)
+    # int4-token beats fp16 by the same ratio on every layer, sliding or not
+    int4 = get_scheme("int4-token")
+    assert plan(cfg, context=8192, scheme=int4)["compression"] == pytest.approx(
+        16 / average_bits(int4, head_dim=d)
+    )
+
+
+def _transformers_kinds(cfg):
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(cfg.get_text_config(decoder=True))
+    return [
+        ("none", None)
+        if t == "dummy"
+        else ("sliding", kw["sliding_window"])
+        if "sliding_window" in kw
+        else ("full", None)
+        for t, kw in zip(types, kwargs, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(
+    "model_type, kwargs",
+    [
+        ("llama", {"num_hidden_layers": 3}),
+        ("mistral", {"num_hidden_layers": 3, "sliding_window": 256}),
+        ("mistral", {"num_hidden_layers": 3, "sliding_window": None}),
+        (
+            "qwen2",
+            {
+                "num_hidden_layers": 6,
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 4,
+            },
+        ),
+        ("qwen2", {"num_hidden_layers": 6, "use_sliding_window": False, "sliding_window": 64}),
+        ("gemma2", {"num_hidden_layers": 5}),
+        ("gemma3_text", {"num_hidden_layers": 13, "sliding_window": 100}),
+        ("gemma4_text", {"num_hidden_layers": 6}),  # heterogeneous per-layer head_dim, KV sharing
+        ("llama4_text", {"num_hidden_layers": 8}),  # chunked attention, cached as a window
+        ("gpt2", {"n_layer": 2}),
+    ],
+)
+def test_layer_kinds_match_transformers_cache(model_type, kwargs):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    assert [(x.attention, x.window) for x in model_shape(cfg).layers] == _transformers_kinds(cfg)
+
+
+def test_gemma4_per_layer_head_dims():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gemma4_text", num_hidden_layers=6)
+    shape = model_shape(cfg)
+    per_layer = [cfg.per_layer_config[i].head_dim for i in range(6)]
+    assert [x.head_dim for x in shape.layers] == per_layer and len(set(per_layer)) == 2
+
+
+def test_qwen2_raw_dict_follows_qwen2config():
+    from transformers import AutoConfig
+
+    kw = {"num_hidden_layers": 6, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+          "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 4}  # fmt: skip
+    raw = model_shape(kw)  # no model_type: kvbits' own reading
+    assert raw.layers == model_shape(AutoConfig.for_model("qwen2", **kw)).layers
+    assert [x.attention for x in raw.layers] == ["full"] * 4 + ["sliding"] * 2
+    off = model_shape({**kw, "use_sliding_window": False})
+    assert {x.attention for x in off.layers} == {"full"}
+
+
+# ------------------------------------------------------------------------------ config sources
+
+
+def test_config_sources_agree(tmp_path):
+    from transformers import AutoConfig
+
+    d = llama_dict(num_hidden_layers=4, num_key_value_heads=8)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(d))
+    (tmp_path / "other.json").write_text(json.dumps(d))
+    obj = AutoConfig.for_model(**d)
+
+    def without_name(r):
+        return {k: v for k, v in r.items() if k != "model"}
+
+    expected = without_name(plan(d, context=1234, batch=3, scheme="kivi-2"))
+    assert expected["total_bytes"] > 0
+    for source in (
+        obj,
+        tmp_path / "model",
+        str(tmp_path / "model" / "config.json"),
+        str(tmp_path / "other.json"),
+    ):
+        assert without_name(plan(source, context=1234, batch=3, scheme="kivi-2")) == expected, source
+    assert load_shape(tmp_path / "model").name == "model"
+    assert load_shape(tmp_path / "other.json").name == "other"
+
+
+def test_composite_config_uses_text_config():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gemma3")  # vision-language: the KV cache is the text decoder's
+    text = cfg.get_text_config(decoder=True)
+    assert model_shape(cfg).layers == model_shape(text).layers
+    raw = {"text_config": {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}}
+    assert model_shape(raw).n_layers == 2
+
+
+def test_dtype_bytes_from_config_and_override():
+    d = {"num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 128}
+    assert load_shape({**d, "torch_dtype": "float32"}).dtype_bytes == 4
+    assert load_shape({**d, "dtype": "bfloat16"}).dtype_bytes == 2
+    assert load_shape(d).dtype_bytes == 2  # unknown -> 2
+    # kivi-2 at 100 tokens: everything is in the residual window, in the model dtype
+    assert plan(d, context=100, scheme="kivi-2", dtype_bytes=4)["total_bytes"] == 2 * 128 * 100 * 4
+    assert plan({**d, "dtype": "float32"}, context=100, scheme="kivi-2")["avg_bits"] == 32.0
+
+
+def test_gguf_file(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(3)
+    w.add_context_length(2048)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(512)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((16, 256), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for source in (path, tmp_path):  # the file, or a folder holding exactly one .gguf
+        shape = load_shape(source)
+        assert (shape.n_layers, shape.layers[0].kv_heads, shape.layers[0].head_dim) == (3, 2, 64)
+        assert shape.max_context == 2048 and shape.name == "tiny"
+    assert plan(path, context=10)["total_bytes"] == 3 * fp16_layer_bytes(2, 64, 10)
+
+
+@pytest.mark.realmodel
+def test_offline_registry_name():
+    models = pytest.importorskip("kvbits.evaluate.models")
+    if not models.model_cache_path("smollm2-135m").is_file():
+        pytest.skip("smollm2-135m is not in the kvbits cache")
+    shape = load_shape("smollm2-135m")
+    assert (shape.n_layers, shape.layers[0].kv_heads, shape.layers[0].head_dim) == (30, 3, 64)
+    assert shape.n_params == pytest.approx(134.5e6, rel=0.01)
+
+
+def test_missing_offline_registry_is_skipped(monkeypatch):
+    import kvbits.plan.config as config_mod
+
+    monkeypatch.setitem(sys.modules, "kvbits.evaluate.models", None)  # as if not written yet
+    assert config_mod._offline_config("smollm2-135m") is None
+
+
+def test_hub_failure_is_a_clear_error(monkeypatch):
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(ValueError, match=r"some-org/some-model.*hub id failed.*config\.json"):
+        plan("some-org/some-model", context=10)
+    with pytest.raises(ValueError, match="does not exist"):
+        plan("./no/such/config.json", context=10)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_config_without_heads_or_layers_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"no attention heads.*num_key_value_heads.*num_attention_heads"):
+        plan({"num_hidden_layers": 2, "hidden_size": 256}, context=10)
+    with pytest.raises(ValueError, match="no layer count"):
+        plan({"num_attention_heads": 2, "hidden_size": 256}, context=10)
+    with pytest.raises(ValueError, match="not a multiple"):
+        plan({"num_hidden_layers": 1, "num_attention_heads": 3, "hidden_size": 256}, context=10)
+    with pytest.raises(ValueError, match="latent attention"):
+        plan(
+            {"num_hidden_layers": 1, "num_attention_heads": 4, "hidden_size": 256, "kv_lora_rank": 64},
+            context=10,
+        )
+    with pytest.raises(TypeError, match="got int"):
+        plan(42, context=10)
+
+
+def test_unknown_scheme_lists_presets():
+    with pytest.raises(ValueError, match=r"unknown scheme 'int5'.*fp16.*kivi-2"):
+        plan(ModelShape.from_dims(1, 1, 64), context=10, scheme=["fp16", "int5"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"context": 0}, "context must be a positive integer"),
+        ({"context": 10, "batch": 0}, "batch must be a positive integer"),
+        ({"context": 10, "dtype_bytes": 3}, "dtype_bytes must be one of"),
+        ({"context": 10, "scheme": []}, "at least one"),
+        ({"context": 10, "gpu_mem_gib": -1, "weights_gib": 1}, "gpu_mem_gib must be"),
+    ],
+)
+def test_bad_numbers(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan(ModelShape.from_dims(1, 1, 64), **kwargs)
+
+
+def test_context_defaults_to_the_model_max():
+    assert plan(llama_dict(num_hidden_layers=1), scheme="fp16")["context"] == 4096
+    with pytest.raises(ValueError, match="context is required"):
+        plan(ModelShape.from_dims(1, 1, 64))
+
+
+# ------------------------------------------------------------------------------ derived figures
+
+
+def test_compression_tends_to_average_bits():
+    shape = ModelShape.from_dims(4, 8, 128)
+    # int4-token: 64 bytes of codes + fp16 scale and zero-point per 128-channel row, at every length
+    for t in (1, 1000, 1 << 20):
+        assert plan(shape, context=t, scheme="int4-token")["compression"] == pytest.approx(16 / 4.25)
+    kivi = get_scheme("kivi-2")
+    short, long_ = plan(shape, context=[1000, 1 << 20], scheme=kivi)
+    assert short["avg_bits"] > long_["avg_bits"] > average_bits(kivi)  # the fp16 residual fades
+    assert long_["avg_bits"] == pytest.approx(average_bits(kivi), rel=1e-3)
+
+
+def test_derived_fields_are_consistent():
+    results = plan(
+        llama_dict(num_hidden_layers=2), context=[100, 5000], batch=2, scheme=["fp16", "kivi-4", "fp8-e4m3"]
+    )
+    order = [(t, s) for t in (100, 5000) for s in ("fp16", "kivi-4", "fp8-e4m3")]
+    assert [(r["context"], r["scheme"]) for r in results] == order
+    for r in results:
+        assert r["total_bytes"] == sum(r["components"].values()) == r["key_bytes"] + r["value_bytes"]
+        assert r["avg_bits"] == pytest.approx(16 / r["compression"])
+        assert r["fp16_bytes"] == 2 * r["elements"]
+    assert results[2]["components"]["fixed"] == 2 * 2 * 4  # one float32 static scale per layer, K and V
+    json.dumps(results)  # JSON-serialisable as it is
+
+
+def test_max_concurrency_arithmetic():
+    shape = ModelShape.from_dims(32, 8, 128)  # 4 GiB of fp16 KV per 32k-token request
+    r = plan(shape, context=32768, batch=17, gpu_mem_gib=80, weights_gib=10, reserve_gib=2)
+    assert r["kv_bytes_per_request"] == 4 * GIB
+    assert r["max_concurrency"] == (80 - 10 - 2) // 4 == 17 and r["fits"]
+    assert not plan(shape, context=32768, batch=18, gpu_mem_gib=80, weights_gib=10, reserve_gib=2)["fits"]
+    assert plan(shape, context=32768, gpu_mem_gib=8, weights_gib=10)["max_concurrency"] == 0
+    fp8 = plan(shape, context=32768, gpu_mem_gib=80, weights_gib=10, scheme="fp8-e4m3")
+    # the static scales (fixed bytes) are paid once, not per request
+    assert fp8["kv_bytes_per_request"] == 2 * GIB and fp8["components"]["fixed"] > 0
+    assert fp8["max_concurrency"] == (70 * GIB - fp8["components"]["fixed"]) // (2 * GIB) == 34
+    with pytest.raises(ValueError, match="weights_gib"):
+        plan(shape, context=10, gpu_mem_gib=80)
+
+
+def test_weights_from_config_estimate():
+    r = plan(llama_dict(), context=4096, gpu_mem_gib=80)  # Llama-2-7B shape, fp16
+    assert r["weights_source"] == "estimated"
+    assert r["weights_bytes"] == load_shape(llama_dict()).n_params * 2
+    assert r["weights_bytes"] / GIB == pytest.approx(12.55, abs=0.01)
+    assert r["max_concurrency"] == math.floor((80 * GIB - r["weights_bytes"]) / r["kv_bytes_per_request"])
+
+
+@pytest.mark.parametrize(
+    "model_type, kwargs, rel",
+    [
+        ("llama", {"tie_word_embeddings": False}, 0.0),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 2}, 0.0),
+        ("qwen2", {"num_key_value_heads": 2}, 0.0),
+        ("gemma3_text", {"head_dim": 48}, 0.0),
+        ("qwen3", {"head_dim": 48, "tie_word_embeddings": True}, 0.0),
+        ("mixtral", {"num_local_experts": 4}, 0.0),
+        ("gpt2", {}, 0.01),  # MLP and LayerNorm biases are not counted
+    ],
+)
+def test_param_estimate_against_real_model(model_type, kwargs, rel):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = {"vocab_size": 1000, "num_hidden_layers": 2, "num_attention_heads": 4}
+    if model_type == "gpt2":
+        small = {"vocab_size": 1000, "n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 256}
+    else:
+        small.update(hidden_size=128, intermediate_size=352)
+    cfg = AutoConfig.for_model(model_type, **small, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    real = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    est = sum(estimate_params(cfg).values())
+    assert est == pytest.approx(real, rel=rel, abs=0)
+
+
+# ------------------------------------------------------------------------------ planner = real cache
+
+
+def _mixed_config():
+    """A tiny Qwen2 config with one full-attention and one sliding-window layer."""
+    from transformers import AutoConfig
+
+    small = {"vocab_size": 64, "hidden_size": 128, "intermediate_size": 128, "max_position_embeddings": 512}
+    heads = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    window = {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}
+    return AutoConfig.for_model("qwen2", **small, **heads, **window)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8-token", "int4-g64", "int4-channel", "kivi-2", "fp8-e4m3"])
+def test_planned_bytes_equal_cache_bytes(scheme):
+    """Real storage after a prefill and token-by-token steps equals the plan, byte for byte."""
+    cache_mod = pytest.importorskip("kvbits.cache")
+    import torch
+
+    cfg = _mixed_config()
+    assert [x.attention for x in model_shape(cfg).layers] == ["full", "sliding"]
+    torch.manual_seed(0)
+    batch, kv, d = 2, 1, 64
+    cache = cache_mod.QuantizedKVCache(cfg, scheme)
+    for n in (150, 1, 1, 1):  # prefill past KIVI's residual + block, then decode steps
+        for layer in range(2):
+            cache.update(torch.randn(batch, kv, n, d), torch.randn(batch, kv, n, d), layer)
+    real = cache.memory_report()["total_bytes"]
+    assert plan(cfg, context=153, batch=batch, scheme=scheme, dtype_bytes=4)["total_bytes"] == real
+
+
+def test_planned_bytes_equal_cache_bytes_in_a_forward_pass():
+    cache_mod = pytest.importorskip("kvbits.cache")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _mixed_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    cache = cache_mod.QuantizedKVCache(cfg, "kivi-2")
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 170)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 64, (2, 1)), past_key_values=cache, use_cache=True)
+    planned = plan(cfg, context=171, batch=2, scheme="kivi-2", dtype_bytes=4)
+    assert planned["total_bytes"] == cache.memory_report()["total_bytes"]
+    assert planned["components"]["quantized"] > 0
