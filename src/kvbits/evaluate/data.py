@@ -1,0 +1,319 @@
+"""Evaluation texts: registry, byte-exact loading, cached tokenization and context windows.
+
+The texts live in ``shared/data`` beside the checkout (see its README). Tokenization, and so every
+perplexity figure, depends on the exact bytes, so files are read as bytes, checked against their
+sha256 and decoded as UTF-8 without touching line ends (WikiText-2 raw and *Moby-Dick* use CRLF).
+
+The data root is searched in this order (the first root holding the file wins):
+``data_path`` argument, ``$KVBITS_DATA``, ``./../shared/data`` (from the current directory),
+``<repo>/../shared/data`` (from this file), ``/work/shared/data``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TextEntry",
+    "TEXTS",
+    "TextSource",
+    "data_search_path",
+    "load_text",
+    "token_fingerprint",
+    "tokenize",
+    "make_windows",
+]
+
+_TOKEN_CACHE_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class TextEntry:
+    """A registered evaluation text.
+
+    Attributes:
+        name: registry name.
+        relpath: path below the data root.
+        sha256: hex sha256 of the file's bytes.
+        n_bytes: size of the file in bytes.
+        description: one line for listings.
+    """
+
+    name: str
+    relpath: str
+    sha256: str
+    n_bytes: int
+    description: str = ""
+
+
+TEXTS: dict[str, TextEntry] = {
+    e.name: e
+    for e in (
+        TextEntry("wikitext2", "wikitext-2-raw/wiki.test.raw",
+                  "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c", 1_290_547,
+                  "WikiText-2 raw, test split (short articles; CRLF line ends)"),
+        TextEntry("war-and-peace", "gutenberg/war_and_peace.txt",
+                  "dad0428404101a412ea924e47fd5735c2dea528502ecdcf3b45b698248f1691e", 3_227_325,
+                  "Tolstoy, War and Peace (English): one very long document"),
+        TextEntry("moby-dick", "gutenberg/moby-dick.txt",
+                  "28ca0e0609fefbcf6d73db5fc9a90554f60c54502f7010328fda66690ec02fe4", 1_212_951,
+                  "Melville, Moby-Dick (CRLF line ends)"),
+        TextEntry("pride-and-prejudice", "gutenberg/pride_and_prejudice.txt",
+                  "598a662b54193fed9ddc1065861f4a3ae206b22d449443e8c3ae6a6bf6b88e7b", 683_934,
+                  "Austen, Pride and Prejudice"),
+        TextEntry("ulysses", "gutenberg/ulysses.txt",
+                  "3d9fabd9a4ff7269eeebbbc921c73b62e576a3de6d96a4c9d055b551c70734bb", 1_524_035,
+                  "Joyce, Ulysses"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A loaded text.
+
+    Attributes:
+        name: registry name, file stem, or ``hub:...`` spec.
+        text: the decoded text (line ends untouched).
+        sha256: hex sha256 of the UTF-8 bytes.
+        path: the file read, or None for a hub dataset.
+    """
+
+    name: str
+    text: str = field(repr=False)
+    sha256: str
+    path: str | None = None
+
+
+def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Candidate data roots, in search order, without duplicates (they need not exist)."""
+    candidates: list[Path] = []
+    if data_path is not None:
+        candidates.append(Path(data_path).expanduser())
+    if env := os.environ.get("KVBITS_DATA"):
+        candidates.append(Path(env).expanduser())
+    candidates.append(Path.cwd() / ".." / "shared" / "data")
+    repo = Path(__file__).resolve().parents[3]  # <repo>/src/kvbits/evaluate/data.py
+    candidates.append(repo / ".." / "shared" / "data")
+    candidates.append(Path("/work/shared/data"))
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for c in candidates:
+        key = c.resolve()
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not valid UTF-8 text ({exc})") from None
+
+
+def _load_registered(entry: TextEntry, roots: list[Path]) -> TextSource:
+    for root in roots:
+        path = root / entry.relpath
+        if path.is_file():
+            break
+    else:
+        raise FileNotFoundError(
+            f"text {entry.name!r} ({entry.relpath}) not found under any data root: "
+            f"{[str(r) for r in roots]}; set KVBITS_DATA to the folder holding {entry.relpath.split('/')[0]}/"
+        )
+    with open(path, "rb") as f:
+        raw = f.read()
+    sha = hashlib.sha256(raw).hexdigest()
+    if sha != entry.sha256:
+        raise ValueError(
+            f"{path} is not byte-exact: sha256 {sha} ({len(raw)} bytes), expected {entry.sha256} "
+            f"({entry.n_bytes} bytes); restore the original file (line ends and encoding included)"
+        )
+    return TextSource(entry.name, _decode(raw, str(path)), sha, str(path.resolve()))
+
+
+def _load_hub(spec: str) -> TextSource:
+    parts = spec.split(":")
+    if len(parts) < 2 or len(parts) > 4 or not parts[1]:
+        raise ValueError(f"hub text spec must be 'hub:NAME[:CONFIG[:SPLIT]]', got {spec!r}")
+    name, config, split = parts[1], (parts[2] if len(parts) > 2 and parts[2] else None), (
+        parts[3] if len(parts) > 3 and parts[3] else "test")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"text {spec!r} needs the 'datasets' package (pip install datasets), which is not installed"
+        ) from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one clear error
+        raise ValueError(
+            f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    column = "text" if "text" in ds.column_names else next(
+        (c for c in ds.column_names if ds.features[c].dtype == "string"), None)
+    if column is None:
+        raise ValueError(f"hub dataset {name!r} has no text column; columns: {ds.column_names}")
+    rows = ds[column]
+    # WikiText rows keep their own line ends: joining them with "" gives back the raw file
+    sep = "" if all(r.endswith("\n") for r in rows if r) else "\n"
+    text = sep.join(rows)
+    return TextSource(spec, text, hashlib.sha256(text.encode("utf-8")).hexdigest(), None)
+
+
+def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> TextSource:
+    """Load an evaluation text.
+
+    Args:
+        spec: a registry name (:data:`TEXTS`, checked against its sha256), a path to a UTF-8 text
+            file, or ``hub:NAME[:CONFIG[:SPLIT]]`` for a Hugging Face dataset (needs ``datasets``
+            and network; split defaults to ``test``).
+        data_path: a data root searched before the default ones (see the module docstring).
+
+    Raises:
+        ValueError: unknown spec, a registry file that is not byte-exact, or text that is not UTF-8.
+        FileNotFoundError: a registry text missing from every data root.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise TypeError(f"text spec must be a non-empty str, got {spec!r}")
+    roots = data_search_path(data_path)
+    if spec in TEXTS:
+        return _load_registered(TEXTS[spec], roots)
+    if spec.startswith("hub:"):
+        return _load_hub(spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            raw = f.read()
+        return TextSource(path.stem, _decode(raw, str(path)), hashlib.sha256(raw).hexdigest(),
+                          str(path.resolve()))
+    raise ValueError(
+        f"unknown text {spec!r}: expected one of {sorted(TEXTS)}, a path to a text file, or "
+        f"'hub:NAME[:CONFIG[:SPLIT]]'; data roots searched: {[str(r) for r in roots]}"
+    )
+
+
+# ---------------------------------------------------------------------------------- tokenization
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("KVBITS_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvbits"
+
+
+def token_fingerprint(text_source: TextSource, tokenizer: Any) -> str:
+    """16 hex chars identifying (text bytes, tokenizer): the key of the token-id cache.
+
+    Hashes the text's sha256, the tokenizer class, its size (``len(tokenizer)``, added tokens
+    included) and its sorted vocabulary.
+    """
+    vocab = sorted(tokenizer.get_vocab().items())
+    vocab_hash = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+    key = "|".join([_TOKEN_CACHE_VERSION, text_source.sha256, type(tokenizer).__name__,
+                    str(len(tokenizer)), vocab_hash])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tokenize(text_source: TextSource, tokenizer: Any, *, use_cache: bool = True) -> torch.Tensor:
+    """Token ids of the whole text, shape ``(N,)``, dtype int64; no special tokens added.
+
+    The text is tokenized in one call (``add_special_tokens=False``): splitting it into chunks could
+    change tokens at the seams, and a fast tokenizer handles a few MB in seconds (WikiText-2 test,
+    1.3 MB: ~1.5 s; War and Peace, 3.2 MB: ~4.5 s, on 2 cores). Results are cached in
+    ``$KVBITS_CACHE/tokens/<token_fingerprint>.safetensors``.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    fp = token_fingerprint(text_source, tokenizer)
+    path = _cache_root() / "tokens" / f"{fp}.safetensors"
+    if use_cache and path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                ids = f.get_tensor("ids")
+            if meta.get("text_sha256") == text_source.sha256 and ids.dim() == 1:
+                logger.debug("token ids for %s loaded from %s", text_source.name, path)
+                return ids
+            logger.warning("token cache %s does not match %s; re-tokenizing", path, text_source.name)
+        except Exception as exc:  # noqa: BLE001 - a damaged cache file is rebuilt, never fatal
+            logger.warning("token cache %s unreadable (%s); re-tokenizing", path, exc)
+
+    t0 = time.perf_counter()
+    out = tokenizer(text_source.text, add_special_tokens=False, verbose=False)
+    ids = torch.tensor(out["input_ids"], dtype=torch.long)
+    logger.info("tokenized %s: %d chars -> %d tokens in %.1f s", text_source.name,
+                len(text_source.text), ids.numel(), time.perf_counter() - t0)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=fp + ".", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file({"ids": ids}, tmp, metadata={
+                "version": _TOKEN_CACHE_VERSION, "text_name": text_source.name,
+                "text_sha256": text_source.sha256, "tokenizer": type(tokenizer).__name__,
+                "n_tokens": str(ids.numel()),
+            })
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return ids
+
+
+def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) -> torch.Tensor:
+    """Cut token ids into non-overlapping windows from the start: window ``i`` is
+    ``ids[i * context : (i + 1) * context]``. Windows are raw slices; no BOS is inserted.
+
+    Args:
+        ids: token ids, shape ``(N,)``.
+        context: tokens per window.
+        n_windows: how many windows; None for as many as fit. More than fit gives what fits and a
+            logged warning.
+
+    Returns:
+        A new tensor of shape ``(W, context)`` (a copy: later edits do not touch ``ids``).
+
+    Raises:
+        ValueError: bad ``context``/``n_windows``, or fewer than ``context`` tokens.
+        TypeError: ``ids`` is not a 1-D integer tensor.
+    """
+    import torch
+
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.is_complex():
+        got = f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) \
+            else type(ids).__name__
+        raise TypeError(f"ids must be a 1-D integer tensor of shape (N,), got {got}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be a positive int, got {context!r}")
+    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int)
+                                  or n_windows < 1):
+        raise ValueError(f"n_windows must be a positive int or None, got {n_windows!r}")
+    fit = ids.numel() // context
+    if fit == 0:
+        raise ValueError(
+            f"text has {ids.numel()} tokens, fewer than one window of context={context} tokens"
+        )
+    if n_windows is None:
+        n_windows = fit
+    elif n_windows > fit:
+        logger.warning("asked for %d windows of %d tokens but the text (%d tokens) holds only %d; "
+                       "using %d", n_windows, context, ids.numel(), fit, fit)
+        n_windows = fit
+    return ids[: n_windows * context].reshape(n_windows, context).clone()
