@@ -138,7 +138,7 @@ def test_static_scales_are_materialised():
     zero = torch.full((1, 2, 1, 64), -3.0)
     blocks = [quantize(x[:, :, i : i + 8], s, static_scale=scale, static_zero=zero) for i in (0, 8, 16)]
     p = pack_store(blocks, blocks).key
-    assert p.scale.shape == (1, 2, 1, 64) and p.tps == 24
+    assert p.scale.shape == (1, 2, 1, 64) and p.tps == 2**30
     assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
 
 
@@ -255,23 +255,26 @@ def test_kernel_unpacks_exact_codes(bits: int):
     torch.testing.assert_close(triton_decode.dequantize_packed_triton(p), dequantize_packed(p), rtol=2e-7, atol=1e-7)
 
 
-# (name, make_store kwargs, splits)
+# (name, make_store kwargs, splits, vectorized): vectorized=None reads whole packed rows (the default,
+# 2/4/8-bit), False one gather per element (the path of 3-bit codes and pre-RoPE keys)
 ATTENTION_CASES = [
-    ("int8-kivi", dict(key_spec=spec(8, "channel", 32), value_spec=spec(8, "token", 32)), 3),
-    ("int4-kivi", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2),
-    ("int2-kivi", dict(key_spec=spec(2, "channel", 32), value_spec=spec(2, "token", 32)), 3),
-    ("int4-token-keys", dict(key_spec=spec(4, "token"), value_spec=spec(4, "token")), 2),
-    ("int2-channel16-mha", dict(key_spec=spec(2, "channel", 16), value_spec=spec(2, "token"), H_kv=3, G=1), 1),
-    ("int3-sym-head", dict(key_spec=spec(3, "token", 32, symmetric=True), value_spec=spec(4, "head")), 2),
-    ("tail-only", dict(T_q=0, T_f=150), 2),
-    ("no-tail-d128-g4", dict(T_f=0, D=128, G=4, B=1), 2),
+    ("int8-kivi", dict(key_spec=spec(8, "channel", 32), value_spec=spec(8, "token", 32)), 3, None),
+    ("int4-kivi", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2, None),
+    ("int2-kivi", dict(key_spec=spec(2, "channel", 32), value_spec=spec(2, "token", 32)), 3, None),
+    ("int4-kivi-gather", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2, False),
+    ("int2-token-keys-gather", dict(key_spec=spec(2, "token"), value_spec=spec(2, "token")), 2, False),
+    ("int4-token-keys", dict(key_spec=spec(4, "token"), value_spec=spec(4, "token")), 2, None),
+    ("int2-channel16-mha", dict(key_spec=spec(2, "channel", 16), value_spec=spec(2, "token"), H_kv=3, G=1), 1, None),
+    ("int3-sym-head", dict(key_spec=spec(3, "token", 32, symmetric=True), value_spec=spec(4, "head")), 2, None),
+    ("tail-only", dict(T_q=0, T_f=150), 2, None),
+    ("no-tail-d128-g4", dict(T_f=0, D=128, G=4, B=1), 2, None),
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("name,kw,splits", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
-def test_kernel_within_twice_torch_error_fp16(name: str, kw: dict, splits: int):
-    g = torch.Generator().manual_seed(hash(name) % 2**31)
+@pytest.mark.parametrize("name,kw,splits,vectorized", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_kernel_within_twice_torch_error_fp16(name: str, kw: dict, splits: int, vectorized: bool | None):
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
     kw = dict(kw)
     G = kw.pop("G", 3)
     B, H_kv = kw.get("B", 2), kw.get("H_kv", 2)
@@ -282,7 +285,7 @@ def test_kernel_within_twice_torch_error_fp16(name: str, kw: dict, splits: int):
     q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).to(DEVICE)
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
     torch_fp16 = decode_attention_reference(q.half(), store, dtype=torch.float16)
-    out = triton_decode.decode_attention_triton(q.half(), store, splits=splits)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=splits, vectorized=vectorized)
     assert out.shape == (B, H_kv * G, 1, D) and out.dtype == torch.float16
     err, err_pt = max_err(out, truth), max_err(torch_fp16, truth)
     assert err <= 2 * err_pt + 1e-6, f"{name}: kernel error {err:.3g} > 2 x torch fp16 error {err_pt:.3g}"
@@ -309,3 +312,37 @@ def test_kernel_pre_rope_keys():
     err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
     out = triton_decode.decode_attention_triton(q.half(), store, splits=2)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU benchmark script runs (tiny sizes, CPU: reference timings + interpreter checks)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gpu_benchmark_smoke_on_cpu(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
+    mod_spec = importlib.util.spec_from_file_location("gpu_decode_bench", path)
+    bench = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_spec.name] = bench  # dataclasses look their module up there
+    try:
+        mod_spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[mod_spec.name]
+    out = tmp_path / "gpu_decode.json"
+    bench.main(["--smoke", "--device", "cpu", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["version"] == 1 and data["smoke"] and data["copy_gbps"] > 0
+    assert bool(data["checks"]) == (triton_decode is not None) and all(c["ok"] for c in data["checks"])
+    need = {"kernel", "scheme", "shape", "context", "batch", "ms", "gbps", "frac_of_copy", "speedup_vs_fp16"}
+    assert data["records"] and all(need <= set(r) for r in data["records"])
+    schemes = {(r["kernel"], r["scheme"]) for r in data["records"]}
+    assert {("sdpa-gqa", "fp16"), ("reference", "int8"), ("reference", "int4"), ("reference", "int2")} <= schemes
+    # bytes read shrink with the bits (metadata included)
+    by = {r["scheme"]: r["bytes_read"] for r in data["records"]
+          if r["kernel"] == "reference" and r["context"] == 512 and r["shape"] == "llama-3-8b"}
+    assert by["fp16"] > by["int8"] > by["int4"] > by["int2"]
+    assert {b["scheme"] for b in data["break_even"]} == {"fp16", "int8", "int4", "int2"}

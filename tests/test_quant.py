@@ -358,6 +358,21 @@ def _check_nbytes(qt: QuantizedTensor, spec: TensorSpec, B: int, H: int, n: int,
     assert qt.nbytes == B * (quantized_bytes(spec, n, H, D) + per_block_meta_bytes(spec, H)), spec
 
 
+def calibration_kwargs(spec: TensorSpec, H: int, D: int) -> dict:
+    """What a calibration artifact would supply: static scales (and zero-points), NUQ codebooks."""
+    kw: dict = {}
+    if spec.static and spec.kind in ("int", "nuq"):
+        shape = (1, H, 1, D) if spec.granularity == "channel" else (1, H, 1, 1)
+        kw["static_scale"] = torch.full(shape, 0.25)
+        if spec.has_zero_point:
+            kw["static_zero"] = torch.full(shape, -4.0)
+    if spec.kind == "nuq":
+        from kvbits.quant.nuq import uniform_codebook
+
+        kw["codebook"] = uniform_codebook(spec.bits)
+    return kw
+
+
 @pytest.mark.parametrize("scheme", list_schemes(), ids=lambda s: s.name)
 @pytest.mark.parametrize("D", [64, 128])
 def test_nbytes_matches_accounting_for_every_preset(scheme: KVScheme, D: int):
@@ -365,7 +380,7 @@ def test_nbytes_matches_accounting_for_every_preset(scheme: KVScheme, D: int):
     n = max(scheme.block, 2)
     x = gaussian(B, H, n, D, seed=D)
     for spec in (scheme.key, scheme.value):
-        qt = quantize(x, spec)
+        qt = quantize(x, spec, **calibration_kwargs(spec, H, D))
         _check_nbytes(qt, spec, B, H, n, D)
         if spec.kind == "int":
             assert qt.data.shape == (B, H, n, packed_size(D, spec.bits))

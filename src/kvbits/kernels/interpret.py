@@ -14,22 +14,53 @@ __all__ = ["enable_interpreter"]
 _PATCHED = False
 
 
-def enable_interpreter() -> None:
-    """Set ``TRITON_INTERPRET=1`` and make the interpreter work with NumPy >= 2.4.
+def _reinterpret_triton_language() -> None:
+    """Turn ``triton.language``'s own ``@jit`` helpers into interpreted functions.
 
-    The interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
-    NumPy 2.4 turned into a ``TypeError``, so every loop with a runtime bound fails
-    (triton-lang/triton#9171; fixed upstream with ``.squeeze()``, Triton 3.6 still has it). The shim
-    re-defines that one conversion; compiled (GPU) kernels are unaffected.
+    ``tl.zeros``, ``tl.max``, ``tl.interleave``, ... are ``@triton.jit`` functions of
+    ``triton.language.standard``: decorated when Triton was first imported. If that happened before
+    ``TRITON_INTERPRET=1`` (transformers imports Triton when it is installed), they are compiled-mode
+    ``JITFunction`` objects, which refuse to be called from an interpreted kernel. Rebinding them as
+    ``InterpretedFunction`` in every loaded ``triton.language`` module gives what a fresh import with
+    the variable set would have given.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    converted: dict[int, InterpretedFunction] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in converted:
+                    converted[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, attr, converted[id(value)])
+
+
+def enable_interpreter() -> None:
+    """Set ``TRITON_INTERPRET=1`` and make the interpreter usable in this process.
+
+    - If Triton was already imported in compiled mode, its language helpers are rebound as
+      interpreted functions (``_reinterpret_triton_language``).
+    - The interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
+      NumPy 2.4 turned into a ``TypeError``, so every loop with a runtime bound fails
+      (triton-lang/triton#9171; fixed upstream with ``.squeeze()``, Triton 3.6 still has it). The shim
+      re-defines that one conversion.
+
+    Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
     global _PATCHED
     if "kvbits.kernels.triton_decode" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("kvbits.kernels.triton_decode was imported before enable_interpreter(); its kernels are compiled")
+    already_imported = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
     os.environ["TRITON_INTERPRET"] = "1"
     if _PATCHED:
         return
     import triton.runtime.interpreter as interp
 
+    if already_imported:
+        _reinterpret_triton_language()
     original = interp._patch_lang_tensor
 
     def patch_lang_tensor(tensor, scope) -> None:

@@ -21,6 +21,7 @@ Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
   per-token (values; KIVI values)    1        g or D   ``(B, H_kv, T_q, D/g)``
   per-channel over G tokens (keys)   G        1        ``(B, H_kv, T_q/G, D)``
   per-head / per-tensor, per block   block    D        ``(B, H_kv, T_q/block, 1)``
+  static per-channel (calibrated)    2**30    1        ``(B, H_kv, 1, D)``
   ================================  =======  =======  ==========================
 
   Decoding (``kvbits.quant.affine``): asymmetric ``x = code * scale + zero``; symmetric
@@ -47,6 +48,8 @@ import torch
 
 from kvbits.quant.pack import unpack_bits
 from kvbits.quant.tensor import QuantizedTensor
+
+STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
 
 __all__ = ["PackedStore", "PackedTensor", "decode_attention_reference", "dequantize_packed", "pack_store"]
 
@@ -166,7 +169,7 @@ def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
             b_tps, b_cps, shape, expand_to = 1, g, (B, H, n, D // g), (B, H, n, D // g, 1)
         elif spec.granularity == "channel" and spec.group_size is None:
             # static per-channel (KVQuant keys): one calibrated (H, D) scale for every token; one
-            # scale row covers all slots (tps = T_q, set below)
+            # scale row covers all slots (tps = STATIC_TPS, a constant so kernels do not recompile)
             b_tps, b_cps, shape, expand_to = 0, 1, (B, H, 1, D), (B, H, 1, D)
         elif spec.granularity == "channel":
             G = spec.group_size
@@ -187,7 +190,7 @@ def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
             same = torch.equal(scales[i], scales[0]) and (not zeros or torch.equal(zeros[i], zeros[0]))
             if not same:
                 raise ValueError(f"{what} block {i}: static per-channel scales differ from block 0's")
-        scales, zeros, tps = scales[:1], zeros[:1], max(1, codes_t.shape[2])
+        scales, zeros, tps = scales[:1], zeros[:1], STATIC_TPS
     return PackedTensor(
         codes=codes_t,
         scale=torch.cat(scales, dim=2).to(torch.float16).contiguous(),
@@ -288,12 +291,16 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
     codes = unpack_bits(p.codes, p.bits, p.head_dim).to(work)
-    scale = p.scale.to(work).repeat_interleave(p.tps, dim=2).repeat_interleave(p.cps, dim=3)
+    rows = torch.arange(p.n_slots, device=codes.device) // p.tps  # slot t -> scale row t // tps
+    cols = torch.arange(p.head_dim, device=codes.device) // p.cps  # channel d -> scale column d // cps
+
+    def expand(m: torch.Tensor) -> torch.Tensor:
+        return m.to(work)[:, :, rows][:, :, :, cols]
+
     if p.zero is None:
-        out = (codes - (2 ** (p.bits - 1) - 1)) * scale
+        out = (codes - (2 ** (p.bits - 1) - 1)) * expand(p.scale)
     else:
-        zero = p.zero.to(work).repeat_interleave(p.tps, dim=2).repeat_interleave(p.cps, dim=3)
-        out = codes * scale + zero
+        out = codes * expand(p.scale) + expand(p.zero)
     return out.to(dtype)
 
 

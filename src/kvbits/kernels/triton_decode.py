@@ -22,6 +22,7 @@ This module imports Triton at import time; import it through ``kvbits.kernels.di
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -32,7 +33,10 @@ from kvbits.kernels.reference import PackedStore, PackedTensor
 
 __all__ = ["decode_attention_triton", "dequantize_packed_triton", "supported", "unpack_codes_triton"]
 
+logger = logging.getLogger(__name__)
+
 LOG2E = 1.4426950408889634
+_VEC_BROKEN: set[tuple] = set()  # kernel configurations whose vectorised variant did not compile
 TRITON_BITS = (2, 3, 4, 8)
 
 
@@ -81,6 +85,45 @@ def _load_kv(codes_ptr, scale_ptr, zero_ptr, t, d, mask, ROW, SCOLS,
 
 
 @triton.jit
+def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr):
+    """Scales (or zero-points) of rows ``t (BLOCK_T,)`` expanded to ``(BLOCK_T, D)`` float32.
+
+    Loads the ``D / CPS`` stored columns of each row (contiguous) and repeats each ``CPS`` times.
+    """
+    NC: tl.constexpr = D // CPS
+    offs_c = tl.arange(0, NC)
+    m = tl.load(ptr + (t // TPS)[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float32)
+    if CPS > 1:
+        m = tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_T, NC, CPS)), (BLOCK_T, D))
+    return m
+
+
+@triton.jit
+def _load_rows(codes_ptr, scale_ptr, zero_ptr, t, mask_t, ROW, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr,
+               BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr):
+    """Vectorised ``_load_kv`` for 2/4/8-bit codes: whole rows ``t (BLOCK_T,)`` → ``(BLOCK_T, D)`` float32.
+
+    Each packed row is read once as ``D * BITS / 8`` contiguous bytes; the codes of a byte are split
+    with shifts and put back in channel order with ``tl.interleave`` (``interleave(a, b)[2i] = a[i]``,
+    ``[2i+1] = b[i]``): 4-bit ``(lo, hi)``; 2-bit ``((c0, c2), (c1, c3))``.
+    """
+    offs_b = tl.arange(0, (D * BITS) // 8)
+    byte = tl.load(codes_ptr + t[:, None] * ROW + offs_b[None, :], mask=mask_t[:, None], other=0).to(tl.int32)
+    if BITS == 8:
+        code = byte
+    elif BITS == 4:
+        code = tl.interleave(byte & 15, byte >> 4)
+    else:
+        code = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
+    s = _meta_rows(scale_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
+    if SYM:
+        x = (code - ((1 << (BITS - 1)) - 1)).to(tl.float32) * s
+    else:
+        x = code.to(tl.float32) * s + _meta_rows(zero_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
+    return x
+
+
+@triton.jit
 def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
     """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles."""
     if IEEE:
@@ -116,7 +159,7 @@ def _decode_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_BITS: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, K_SYM: tl.constexpr,
     V_BITS: tl.constexpr, V_TPS: tl.constexpr, V_CPS: tl.constexpr, V_SYM: tl.constexpr,
-    ROPE: tl.constexpr, IEEE: tl.constexpr,
+    ROPE: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -145,9 +188,12 @@ def _decode_kernel(
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
             valid = t < end
-            # keys transposed, (D, BLOCK_T), so that q @ k needs no tl.trans
-            k = _load_kv(kc, ks, kz, t[None, :], offs_d[:, None], valid[None, :], K_ROW, K_SCOLS,
-                         K_BITS, K_TPS, K_CPS, K_SYM)
+            # keys as a transposed (D, BLOCK_T) tile for q @ k
+            if VEC_K:
+                k = tl.trans(_load_rows(kc, ks, kz, t, valid, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS, K_CPS, K_SYM))
+            else:
+                k = _load_kv(kc, ks, kz, t[None, :], offs_d[:, None], valid[None, :], K_ROW, K_SCOLS,
+                             K_BITS, K_TPS, K_CPS, K_SYM)
             if ROPE:
                 # pre-RoPE keys (KVQuant §3.2): rotate after dequantization, rotate-half convention
                 # k * cos + rotate_half(k) * sin, rotate_half(k)[d] = -k[d + D/2] (d < D/2), k[d - D/2] else.
@@ -160,8 +206,11 @@ def _decode_kernel(
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
-            v = _load_kv(vc, vs, vz, t[:, None], offs_d[None, :], valid[:, None], V_ROW, V_SCOLS,
-                         V_BITS, V_TPS, V_CPS, V_SYM)
+            if VEC_V:
+                v = _load_rows(vc, vs, vz, t, valid, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS, V_CPS, V_SYM)
+            else:
+                v = _load_kv(vc, vs, vz, t[:, None], offs_d[None, :], valid[:, None], V_ROW, V_SCOLS,
+                             V_BITS, V_TPS, V_CPS, V_SYM)
             m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
     else:
         start = (pid_s - n_split_q) * chunk_f
@@ -276,6 +325,7 @@ def decode_attention_triton(
     splits: int | None = None,
     target_programs: int | None = None,
     num_warps: int = 4,
+    vectorized: bool | None = None,
 ) -> torch.Tensor:
     """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
@@ -286,6 +336,10 @@ def decode_attention_triton(
         block_t: tokens per inner tile.
         splits: splits per (sequence, KV head) of the quantized slots (default: from ``target_programs``).
         target_programs: programs to aim for (default: 2 per SM on CUDA, 4 elsewhere).
+        vectorized: read whole packed rows and unpack with ``tl.interleave`` (``_load_rows``) where the
+            format allows (2/4/8-bit; not pre-RoPE keys), instead of one gather per element
+            (``_load_kv``). Default: yes, falling back to the gather path if that variant fails to
+            compile on this Triton/GPU.
     """
     reason = supported(store, q)
     if reason:
@@ -308,7 +362,7 @@ def decode_attention_triton(
     m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(B * H_q, n_split, D, device=dev, dtype=torch.float32)
-    dummy = torch.zeros(1, device=dev, dtype=torch.uint8)
+    dummy = torch.empty(1, device=dev, dtype=torch.uint8)  # never read; no fill kernel
     k, v = store.key, store.value
     kf = store.key_full if store.key_full is not None else dummy
     vf = store.value_full if store.value_full is not None else dummy
@@ -326,7 +380,11 @@ def decode_attention_triton(
     cos = store.rope_cos if rope else dummy
     sin = store.rope_sin if rope else dummy
     pos0 = store.quant_pos0 if rope else dummy
-    _decode_kernel[(B * H_kv, n_split)](
+
+    def vec_ok(p: PackedTensor | None) -> bool:
+        return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
+
+    args = (
         q2, m, l_, acc,
         kc, ks, kz, vc, vs, vz, store.quant_lens,
         kf, vf, store.full_lens,
@@ -334,12 +392,26 @@ def decode_attention_triton(
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
         n_q, n_split, chunk_q, chunk_f,
+    )
+    meta = dict(
         G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t,
         K_BITS=k_bits, K_TPS=k_tps, K_CPS=k_cps, K_SYM=k_sym,
         V_BITS=v_bits, V_TPS=v_tps, V_CPS=v_cps, V_SYM=v_sym,
-        ROPE=rope, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps,
+        ROPE=rope, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
+    config = tuple(sorted(meta.items()))
+    use_vec = vectorized is not False and config not in _VEC_BROKEN
+    vec_k, vec_v = use_vec and vec_ok(k) and not rope, use_vec and vec_ok(v)
+    grid = (B * H_kv, n_split)
+    if (vec_k or vec_v) and vectorized is None and q.is_cuda:
+        try:
+            _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
+        except Exception as exc:  # the interleave path did not compile here: keep the gather path
+            _VEC_BROKEN.add(config)
+            logger.warning("vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__)
+            _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
+    else:
+        _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
     out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype)
     _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, S_PAD=_pow2(n_split), BLOCK_S=16, D=D, num_warps=4)
     return out.reshape(B, H_q, 1, D)

@@ -1,0 +1,408 @@
+"""Decode-attention speed on a GPU: the fused packed-cache Triton kernel vs fp16 SDPA.
+
+    PYTHONPATH=src python benchmarks/gpu_decode.py            # H200: < 5 min, writes benchmarks/results/gpu_decode.json
+    PYTHONPATH=src python benchmarks/gpu_decode.py --smoke --device cpu   # seconds; Triton interpreter + torch reference
+
+Imports only torch, triton and kvbits' pure modules (no installs on the GPU machine). Steps:
+
+1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
+   bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
+2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
+   criterion: error <= 2x the error of plain torch at fp16); any failure aborts the run.
+3. one decode step (``q (B, H_q, 1, D)``) for contexts 4K..128K and batch 1, 8, 32, with the KV shapes
+   of Qwen2.5-0.5B (H_kv=2, H_q=14, D=64) and Llama-3-8B (H_kv=8, H_q=32, D=128):
+   fp16 ``scaled_dot_product_attention`` (``enable_gqa=True``, and K/V expanded to H_q heads when that
+   fits: the faster of the two is the baseline) vs the fused kernel at int8/int4/int2 (KIVI layout:
+   keys per-channel in groups of 32 tokens, values per-token in groups of 32 channels, the last 128
+   tokens in fp16), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
+4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
+5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvbits.kernels.reference import PackedStore, PackedTensor, decode_attention_reference, pack_store
+from kvbits.quant import quantize
+from kvbits.schemes import TensorSpec
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_decode.json"
+FORMAT_VERSION = 1
+
+SHAPES = {  # KV shapes of the models (config.json: num_key_value_heads, num_attention_heads, head_dim)
+    "qwen2.5-0.5b": dict(H_kv=2, H_q=14, D=64),
+    "llama-3-8b": dict(H_kv=8, H_q=32, D=128),
+}
+SCHEME_BITS = {"int8": 8, "int4": 4, "int2": 2}
+KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
+VALUE_GROUP = 32  # KIVI: values per-token over groups of 32 channels
+RESIDUAL = 128  # KIVI: the most recent 128 tokens stay in fp16
+
+
+@dataclass
+class Config:
+    device: torch.device
+    contexts: list[int]
+    batches: list[int]
+    reps: int
+    warmup: int
+    max_bytes: float
+    smoke: bool
+    kernel: str  # "triton" or "reference" for the quantized path
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], cfg: Config, flush: torch.Tensor | None, *, graph: bool = True) -> tuple[float, bool]:
+    """Median milliseconds of ``fn()`` (CUDA graph replay when possible) and whether a graph was used.
+
+    The L2 cache is flushed (a large ``zero_``) before every rep, outside the timed region, so K/V
+    come from HBM as they would in a real decode step.
+    """
+    for _ in range(cfg.warmup):
+        fn()
+    _sync(cfg.device)
+    run, used_graph = fn, False
+    if cfg.device.type == "cuda" and graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run, used_graph = g.replay, True
+        except Exception as exc:  # capture is an optimisation; eager timing is still honest
+            print(f"  (CUDA graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
+            torch.cuda.synchronize()
+    times = []
+    for _ in range(cfg.reps):
+        if flush is not None:
+            flush.zero_()
+        if cfg.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), used_graph
+
+
+def copy_bandwidth(cfg: Config) -> float:
+    """GB/s of a device-to-device copy, counting bytes read + bytes written."""
+    n = (16 << 20) if cfg.smoke else (2 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=cfg.device).random_()
+    dst = torch.empty_like(src)
+    ms, _ = time_ms(lambda: dst.copy_(src), cfg, None, graph=False)
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def random_packed(B: int, H: int, T: int, D: int, bits: int, tps: int, cps: int, device: torch.device,
+                  gen: torch.Generator) -> PackedTensor:
+    """Random codes and metadata in the kernel layout (timing only: content does not change the work)."""
+    codes = torch.randint(0, 256, (B, H, T, D * bits // 8), dtype=torch.uint8, device=device, generator=gen)
+    shape = (B, H, T // tps, D // cps)
+    scale = (torch.rand(shape, device=device, generator=gen) * 0.05 + 0.01).half()
+    zero = torch.randn(shape, device=device, generator=gen).half()
+    return PackedTensor(codes, scale, zero, bits, tps, cps, D)
+
+
+def random_store(B: int, shape: dict, context: int, bits: int | None, device: torch.device,
+                 gen: torch.Generator) -> PackedStore:
+    """A KIVI-layout store of ``context`` tokens (``bits=None``: everything in the fp16 tail)."""
+    H, D = shape["H_kv"], shape["D"]
+    T_f = context if bits is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
+    T_q = context - T_f
+    kf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
+    vf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
+    key = value = None
+    if T_q:
+        key = random_packed(B, H, T_q, D, bits, KEY_GROUP, 1, device, gen)
+        value = random_packed(B, H, T_q, D, bits, 1, VALUE_GROUP, device, gen)
+    lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)  # noqa: E731
+    return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
+
+
+def kv_read_bytes(store: PackedStore) -> int:
+    """Bytes one decode step must read: codes + scales + zero-points + fp16 tail."""
+    return store.nbytes
+
+
+# --------------------------------------------------------------------------------------------------
+# Correctness
+# --------------------------------------------------------------------------------------------------
+
+
+def _spec(bits: int, gran: str, group: int | None, **kw) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity=gran, group_size=group, **kw)
+
+
+def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
+    """Each kernel variant vs float64 on this device; raises ``SystemExit`` on the first failure."""
+    if decode is None:
+        return []
+    dev = cfg.device
+    gen = torch.Generator().manual_seed(0)
+    kivi = lambda b: dict(key=_spec(b, "channel", 32), value=_spec(b, "token", 32))  # noqa: E731
+    variants = [
+        ("int8-kivi", kivi(8), {}),
+        ("int4-kivi", kivi(4), {}),
+        ("int2-kivi", kivi(2), {}),
+        ("int4-kivi-gather", kivi(4), {"vectorized": False}),
+        ("int2-token-keys", dict(key=_spec(2, "token", None), value=_spec(2, "token", None)), {}),
+        ("int3-symmetric", dict(key=_spec(3, "token", 32, symmetric=True), value=_spec(3, "token", 32)), {}),
+        ("int4-pre-rope", {**kivi(4), "rope": True}, {}),
+        ("fp16-tail-only", None, {}),
+    ]
+    shapes = dict(SHAPES)
+    if cfg.smoke and dev.type == "cpu":  # the interpreter is slow: whole-row and gather + RoPE paths, one shape
+        variants = [variants[1], variants[6]]
+        shapes = {"qwen2.5-0.5b": SHAPES["qwen2.5-0.5b"]}
+    T_q, T_f = (64, 16) if cfg.smoke else (1024, 128)
+    results = []
+    for shape_name, shp in shapes.items():
+        B, H, D, G = 3, shp["H_kv"], shp["D"], shp["H_q"] // shp["H_kv"]
+        for name, specs, kw in variants:
+            kq = torch.randn(B, H, T_q, D, generator=gen)
+            kq[..., : D // 8] *= 6
+            vq = torch.randn(B, H, T_q, D, generator=gen)
+            kf = (torch.randn(B, H, T_f, D, generator=gen)).half().to(dev)
+            vf = torch.randn(B, H, T_f, D, generator=gen).half().to(dev)
+            ragged = dict(full_lens=[T_f, T_f // 2, 1])
+            if specs is None:
+                store = pack_store([], [], kf, vf, **ragged)
+            else:
+                rope = {}
+                if specs.get("rope"):
+                    inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+                    f = torch.arange(T_q + T_f + 4, dtype=torch.float64)[:, None] * inv
+                    emb = torch.cat([f, f], -1)
+                    rope = dict(rope_cos=emb.cos().float().to(dev), rope_sin=emb.sin().float().to(dev),
+                                quant_pos0=[4] * B)
+                store = pack_store([quantize(kq.to(dev), specs["key"])], [quantize(vq.to(dev), specs["value"])], kf, vf,
+                                   quant_lens=[T_q, T_q // 2, T_q // 4 * 3], **ragged, **rope)
+            q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)
+            truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+            err_pt = (decode_attention_reference(q.half(), store, dtype=torch.float16).double() - truth).abs().max().item()
+            out = decode(q.half(), store, **kw)
+            _sync(dev)
+            err = (out.double() - truth).abs().max().item()
+            ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
+            results.append(dict(variant=name, shape=shape_name, err=err, err_torch_fp16=err_pt, ok=ok))
+            print(f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
+                  f"{'ok' if ok else 'FAIL'}")
+            if not ok:
+                raise SystemExit(
+                    f"CORRECTNESS FAILURE: {name} on {shape_name}: kernel error {err:.3g} > 2 x torch fp16 "
+                    f"error {err_pt:.3g}. Timings would be meaningless; aborting."
+                )
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------------------------------
+
+
+def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
+    dev = cfg.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    records: list[dict] = []
+
+    def record(kernel: str, scheme: str, shape: str, context: int, batch: int, ms: float, nbytes: int,
+               graph: bool, fp16_ms: float | None) -> None:
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        records.append(dict(
+            kernel=kernel, scheme=scheme, shape=shape, context=context, batch=batch, ms=round(ms, 5),
+            gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3), bytes_read=nbytes,
+            speedup_vs_fp16=round(fp16_ms / ms, 3) if fp16_ms else None, cuda_graph=graph,
+        ))
+
+    for shape_name, shp in SHAPES.items():
+        H_kv, H_q, D = shp["H_kv"], shp["H_q"], shp["D"]
+        G = H_q // H_kv
+        for batch in cfg.batches:
+            for context in cfg.contexts:
+                kv_bytes = 2 * batch * H_kv * context * D * 2
+                if kv_bytes > cfg.max_bytes:
+                    print(f"  skip {shape_name} B={batch} T={context}: fp16 K/V {kv_bytes / 1e9:.1f} GB > budget")
+                    continue
+                q = torch.randn(batch, H_q, 1, D, device=dev, dtype=torch.float16, generator=gen)
+                k = torch.randn(batch, H_kv, context, D, device=dev, dtype=torch.float16, generator=gen)
+                v = torch.randn_like(k)
+                fp16 = {}
+                ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush)
+                fp16["sdpa-gqa"] = (ms, graph, kv_bytes)
+                if kv_bytes * (G + 1) <= cfg.max_bytes:
+                    ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+                    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve), cfg, flush)
+                    fp16["sdpa-expand"] = (ms, graph, kv_bytes * G)
+                    del ke, ve
+                del k, v
+                best = min(ms for ms, _, _ in fp16.values())
+                for name, (ms, graph, nb) in fp16.items():
+                    record(name, "fp16", shape_name, context, batch, ms, nb, graph, best)
+                variants = [("fp16", None, {})] + [(s, b, {}) for s, b in SCHEME_BITS.items()]
+                if cfg.kernel == "triton":
+                    variants += [(s, b, {"vectorized": False}) for s, b in SCHEME_BITS.items()]
+                for scheme, bits, kw in variants:
+                    store = random_store(batch, shp, context, bits, dev, gen)
+                    ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush)
+                    kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
+                    record(kernel, scheme, shape_name, context, batch, ms, kv_read_bytes(store), graph, best)
+                    del store
+                r = {x["kernel"] + "/" + x["scheme"]: x for x in records[-(len(fp16) + len(variants)):]}
+                print(f"  {shape_name:13s} B={batch:<3d} T={context:<7d} fp16 {best:8.4f} ms | " + " | ".join(
+                    f"{key.split('/')[1]}{'(g)' if 'gather' in key else ''} {x['ms']:.4f} ms x{x['speedup_vs_fp16']:.2f}"
+                    for key, x in r.items() if not key.startswith("sdpa")))
+                del q
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return records
+
+
+def break_even(records: list[dict]) -> list[dict]:
+    """Per (shape, batch, kernel, scheme): the shortest measured context from which every longer one is faster than fp16."""
+    out = []
+    keys = sorted({(r["shape"], r["batch"], r["kernel"], r["scheme"]) for r in records if not r["kernel"].startswith("sdpa")})
+    for shape, batch, kernel, scheme in keys:
+        rows = sorted((r for r in records if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)),
+                      key=lambda r: r["context"])
+        be = None
+        for i, r in enumerate(rows):
+            if all(x["speedup_vs_fp16"] >= 1 for x in rows[i:]):
+                be = r["context"]
+                break
+        out.append(dict(shape=shape, batch=batch, kernel=kernel, scheme=scheme, break_even_context=be,
+                        max_context_measured=rows[-1]["context"] if rows else None))
+    return out
+
+
+def markdown(records: list[dict], be: list[dict], copy_gbps: float) -> str:
+    lines = [f"Copy bandwidth (read + write): {copy_gbps:.0f} GB/s", "",
+             "| shape | batch | context | kernel | scheme | ms | GB/s | of copy | speed-up vs fp16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | {r['ms']:.4f} | "
+                     f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f}% | {sp} |")
+    lines += ["", "| shape | batch | kernel | scheme | break-even context |", "|---|---|---|---|---|"]
+    for b in be:
+        ctx = b["break_even_context"]
+        lines.append(f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | "
+                     f"{ctx if ctx is not None else '> ' + str(b['max_context_measured'])} |")
+    return "\n".join(lines)
+
+
+def _decoder(cfg: Config) -> Callable | None:
+    """The quantized-path implementation to time: the Triton kernel or the torch reference."""
+    if cfg.kernel == "reference":
+        return lambda q, store, **kw: decode_attention_reference(q, store)
+    if cfg.device.type == "cpu":
+        from kvbits.kernels.interpret import enable_interpreter
+
+        enable_interpreter()
+    from kvbits.kernels.triton_decode import decode_attention_triton
+
+    return decode_attention_triton
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="quantized path to time (auto: triton on CUDA, reference on CPU)")
+    p.add_argument("--check", choices=("auto", "yes", "no"), default="auto",
+                   help="run the correctness step (auto: whenever Triton is used)")
+    p.add_argument("--max-gb", type=float, default=40.0, help="skip combos whose fp16 K/V exceed this")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; run with --device cpu (add --smoke for a quick check)")
+    kernel = args.kernel if args.kernel != "auto" else ("triton" if device.type == "cuda" else "reference")
+    cfg = Config(
+        device=device,
+        contexts=[256, 512] if args.smoke else [4096, 8192, 16384, 32768, 65536, 131072],
+        batches=[1] if args.smoke else [1, 8, 32],
+        reps=1 if args.smoke else 30,
+        warmup=1 if args.smoke else 5,
+        max_bytes=args.max_gb * 1e9,
+        smoke=args.smoke,
+        kernel=kernel,
+    )
+    t0 = time.time()
+    env = dict(torch=torch.__version__, python=platform.python_version(),
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu")
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    print(f"# gpu_decode: {env}")
+    copy_gbps = copy_bandwidth(cfg)
+    print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+    run_check = args.check == "yes" or (args.check == "auto" and env["triton"] is not None)
+    checks = []
+    if run_check:
+        print("(2) correctness vs float64")
+        check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
+        checks = check_variants(check_cfg, _decoder(check_cfg))
+    decode = _decoder(cfg)
+    print(f"(3) decode attention sweep ({kernel})")
+    records = sweep(cfg, decode, copy_gbps)
+    be = break_even(records)
+    result = dict(version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"), smoke=cfg.smoke, env=env,
+                  copy_gbps=round(copy_gbps, 1), layout=dict(key=f"per-channel, {KEY_GROUP}-token groups",
+                  value=f"per-token, {VALUE_GROUP}-channel groups", residual_fp16=RESIDUAL),
+                  checks=checks, records=records, break_even=be, seconds=round(time.time() - t0, 1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(records, be, copy_gbps))
+    print(f"\nwrote {args.out} in {time.time() - t0:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
