@@ -15,12 +15,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvbits.quant.rope import RotaryTables, apply_rope, invert_rope  # noqa: E402
+from kvbits.quant.rope import RotaryTables, apply_rope, invert_rope
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-            intermediate_size=64, vocab_size=128)
+TINY = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+}
 ATOL = 1e-5
 
 
@@ -40,8 +46,12 @@ def _capture_pre_rope(model, keys: dict[int, torch.Tensor]):
             if not hasattr(mod, "k_proj") or not hasattr(mod, "layer_idx"):
                 continue
             idx = mod.layer_idx
-            n_kv = mod.config.num_key_value_heads if hasattr(mod, "config") else model.config.num_key_value_heads
-            head_dim = getattr(mod, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+            n_kv = (
+                mod.config.num_key_value_heads if hasattr(mod, "config") else model.config.num_key_value_heads
+            )
+            head_dim = (
+                getattr(mod, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+            )
             src = getattr(mod, "k_norm", None) or getattr(mod, "k_layernorm", None) or mod.k_proj
 
             def hook(_m, _inp, out, idx=idx, n_kv=n_kv, head_dim=head_dim):
@@ -63,7 +73,9 @@ def _capture_pre_rope(model, keys: dict[int, torch.Tensor]):
 def _forward_keys(config, T: int = 12, seed: int = 0, dtype=torch.float32):
     """(model, {layer: pre-RoPE keys}, {layer: post-RoPE keys}) from one prefill of T tokens."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
+    )
     ids = torch.randint(0, config.vocab_size, (2, T))
     pre: dict[int, torch.Tensor] = {}
     with torch.no_grad(), _capture_pre_rope(model, pre):
@@ -97,8 +109,13 @@ def test_llama_plain_matches_model_forward():
     "rope",
     [
         {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     ],
     ids=lambda r: r["rope_type"],
@@ -113,8 +130,11 @@ def test_llama_rope_scaling(rope):
 
 
 def test_llama_dynamic_beyond_max_positions_and_stateless():
-    cfg = _config("LlamaConfig", max_position_embeddings=16,
-                  rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0})
+    cfg = _config(
+        "LlamaConfig",
+        max_position_embeddings=16,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
+    )
     tables, _ = _check_roundtrip(cfg, T=24)  # 24 > 16: frequencies recomputed from seq_len 24
     short, _ = tables.cos_sin(torch.arange(24)[:8])
     grown, _ = tables.cos_sin(torch.arange(8), seq_len=24)  # same positions, model had seen 24 tokens
@@ -127,7 +147,9 @@ def test_llama_dynamic_beyond_max_positions_and_stateless():
 
 
 def test_qwen2_with_kv_bias():
-    tables, model = _check_roundtrip(_config("Qwen2Config", rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    tables, model = _check_roundtrip(
+        _config("Qwen2Config", rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    )
     assert model.model.layers[0].self_attn.k_proj.bias is not None
     assert tables.model_type == "qwen2"
 
@@ -141,12 +163,17 @@ def test_partial_rotary(name, factor):
     assert tables.rot_dim == int(tables.head_dim * factor) < tables.head_dim
     x = torch.randn(1, 2, 5, tables.head_dim)
     y = tables.rotate(x, torch.arange(5) + 3)
-    torch.testing.assert_close(y[..., tables.rot_dim:], x[..., tables.rot_dim:], atol=0, rtol=0)
+    torch.testing.assert_close(y[..., tables.rot_dim :], x[..., tables.rot_dim :], atol=0, rtol=0)
 
 
 def test_gemma3_local_and_global_bases():
-    cfg = _config("Gemma3TextConfig", head_dim=16, num_hidden_layers=3, sliding_window=64,
-                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    cfg = _config(
+        "Gemma3TextConfig",
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
     tables, _ = _check_roundtrip(cfg, T=16)  # pre-RoPE keys hooked after k_norm
     local, glob = tables.tables_for_layer(0), tables.tables_for_layer(1)
     assert (local.layer_type, glob.layer_type) == ("sliding_attention", "full_attention")
@@ -154,8 +181,14 @@ def test_gemma3_local_and_global_bases():
 
 
 def test_nope_layers_are_identity():
-    cfg = _config("SmolLM3Config", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2)
+    cfg = _config(
+        "SmolLM3Config",
+        num_hidden_layers=4,
+        no_rope_layers=[1, 1, 1, 0],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     tables, _ = _check_roundtrip(cfg)
     assert [tables.tables_for_layer(i).rot_dim for i in range(4)] == [16, 16, 16, 0]
 
@@ -169,7 +202,9 @@ def test_batched_positions_and_bfloat16():
     back = invert_rope(apply_rope(x, cos, sin), cos, sin)
     torch.testing.assert_close(back, x, atol=3e-2, rtol=2e-2)  # bf16 rounding of the rotated keys
     # different positions per sequence really differ
-    assert not torch.allclose(apply_rope(x, cos, sin)[0], apply_rope(x[1:].expand(2, -1, -1, -1), cos, sin)[1])
+    assert not torch.allclose(
+        apply_rope(x, cos, sin)[0], apply_rope(x[1:].expand(2, -1, -1, -1), cos, sin)[1]
+    )
 
 
 def test_bfloat16_model_matches_exactly():
@@ -180,8 +215,11 @@ def test_bfloat16_model_matches_exactly():
 
 
 def test_from_model_equals_from_config_and_leaves_no_hooks():
-    cfg = _config("LlamaConfig", max_position_embeddings=8,
-                  rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0})
+    cfg = _config(
+        "LlamaConfig",
+        max_position_embeddings=8,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # grows the model's dynamic frequencies; from_model must not inherit that
         model(input_ids=torch.zeros(1, 20, dtype=torch.long))

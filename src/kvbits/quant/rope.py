@@ -54,7 +54,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _broadcast_tables(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _broadcast_tables(
+    cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, T, D_rot)`` or ``(T, D_rot)`` tables → ``(B|1, 1, T, D_rot)`` for ``x`` ``(B, H, T, D)``."""
     if x.dim() != 4:
         raise ValueError(f"x must be (B, H, T, D), got shape {tuple(x.shape)}")
@@ -264,7 +266,11 @@ class RotaryTables:
         RoPE (``config.no_rope_layers[i] == 0``, SmolLM3 / Llama4) get ``rot_dim = 0`` (identity).
         """
         n_layers = getattr(self.config, "num_hidden_layers", None)
-        if not isinstance(layer_idx, int) or layer_idx < 0 or (n_layers is not None and layer_idx >= n_layers):
+        if (
+            not isinstance(layer_idx, int)
+            or layer_idx < 0
+            or (n_layers is not None and layer_idx >= n_layers)
+        ):
             raise ValueError(f"layer_idx must be an int in [0, {n_layers}), got {layer_idx!r}")
         no_rope = getattr(self.config, "no_rope_layers", None)
         if no_rope is not None and layer_idx < len(no_rope) and not no_rope[layer_idx]:
@@ -276,7 +282,9 @@ class RotaryTables:
             raise ValueError(f"config has no layer_types entry for layer {layer_idx}")
         lt = layer_types[layer_idx]
         if lt not in self.rotary.rope_type:
-            raise ValueError(f"layer {layer_idx} has type {lt!r}; rotary module knows {sorted(self.rotary.rope_type)}")
+            raise ValueError(
+                f"layer {layer_idx} has type {lt!r}; rotary module knows {sorted(self.rotary.rope_type)}"
+            )
         if lt == self.layer_type:
             return self
         tables = replace(self, layer_type=lt)
@@ -344,7 +352,9 @@ class RotaryTables:
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError("positions must be >= 0")
         if seq_len is not None and positions.numel() and seq_len < int(positions.max()) + 1:
-            raise ValueError(f"seq_len={seq_len} is shorter than max(positions) + 1 = {int(positions.max()) + 1}")
+            raise ValueError(
+                f"seq_len={seq_len} is shorter than max(positions) + 1 = {int(positions.max()) + 1}"
+            )
         if self.rot_dim == 0:
             empty = torch.zeros((*positions.shape, 0), dtype=dtype, device=positions.device)
             return empty, empty.clone()
@@ -356,7 +366,9 @@ class RotaryTables:
         cos, sin = self.cos_sin(positions, x.dtype, seq_len=seq_len)
         return apply_rope(x, cos.to(x.device), sin.to(x.device))
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+    def unrotate(
+        self, x: torch.Tensor, positions: torch.Tensor, *, seq_len: int | None = None
+    ) -> torch.Tensor:
         """``invert_rope`` of post-RoPE ``x`` ``(B, H, T, D)`` at ``positions``."""
         self._check_x(x)
         cos, sin = self.cos_sin(positions, x.dtype, seq_len=seq_len)
@@ -382,12 +394,18 @@ class RotaryTables:
         for probe in (x, x[..., : self.rot_dim]):  # some families slice the rotary part themselves
             try:
                 out = ref(probe, probe, cos, sin)
-            except Exception:  # signature or shape not what we probe with
+            except (
+                TypeError,
+                ValueError,
+                RuntimeError,
+                IndexError,
+            ) as exc:  # not the signature/shape we probe
+                logger.debug("probing apply_rotary_pos_emb with D=%d failed: %s", probe.shape[-1], exc)
                 continue
             if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
                 got = out[1]
                 if got.shape[-1] != self.head_dim:
-                    got = torch.cat((got, x[..., got.shape[-1]:]), dim=-1)
+                    got = torch.cat((got, x[..., got.shape[-1] :]), dim=-1)
                 break
         if got is None or got.shape != ours.shape:
             logger.debug("could not probe %s.apply_rotary_pos_emb", getattr(self._module, "__name__", "?"))

@@ -1,0 +1,46 @@
+"""Analyze: are there outlier channels in K and V, before and after RoPE? Per layer, with numbers.
+
+``analyze(model, windows)`` runs a stock transformers model on calibration windows with forward
+hooks (``collect``), keeps streaming per-channel statistics (``stats``), finds outlier channels and
+the quantization range they consume, compares int4 per-token and per-channel key SQNR
+(``outliers``), and recommends a scheme following the decision flow. ``plots`` draws KVQuant-style
+channel-magnitude heatmaps (matplotlib, optional). CLI: ``kvbits analyze``.
+"""
+
+from kvbits.analyze.collect import (
+    ANALYSIS_VERSION,
+    Analysis,
+    LayerAnalysis,
+    analyze,
+    attention_sites,
+    kv_hooks,
+)
+from kvbits.analyze.outliers import (
+    DEFAULT_LAYER_FRACTION,
+    DEFAULT_THRESHOLD,
+    int_sqnr,
+    outlier_channels,
+    range_used_per_token,
+    recommend,
+    sqnr_db,
+)
+from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
+
+__all__ = [
+    "ANALYSIS_VERSION",
+    "DEFAULT_LAYER_FRACTION",
+    "DEFAULT_THRESHOLD",
+    "Analysis",
+    "BlockReservoir",
+    "ChannelStats",
+    "LayerAnalysis",
+    "TensorReport",
+    "analyze",
+    "attention_sites",
+    "int_sqnr",
+    "kv_hooks",
+    "outlier_channels",
+    "range_used_per_token",
+    "recommend",
+    "sqnr_db",
+]

@@ -1,0 +1,214 @@
+"""``kvbits analyze``: are there outlier channels in K and V? Per layer, with numbers, and what to do."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _float_above(low: float, what: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number for {what}, got {text!r}") from None
+        if not v > low:
+            raise argparse.ArgumentTypeError(f"{what} must be > {low:g}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"layer fraction must be in [0, 1), got {text!r}")
+    return v
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.cli import _positive, parse_tokens
+
+    p = subparsers.add_parser(
+        "analyze",
+        help="find outlier channels in K (before/after RoPE) and V, per layer, and recommend a scheme",
+        description="Run the model on calibration text with forward hooks and report, per layer: outlier "
+        "channels (absmax > THRESHOLD x the head's median channel) in pre-RoPE keys, post-RoPE keys and "
+        "values; the share of the per-token quantization range they leave to ordinary channels; int4 "
+        "SQNR per-token vs per-channel; and the scheme the decision flow recommends.",
+        epilog="example:\n  kvbits analyze --model qwen2.5-coder-0.5b --data wikitext2 --context 512 --windows 2 "
+        "--out runs/analyze-qwen",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", required=True, help="registry name (smollm2-135m), .gguf file, model folder or hub id"
+    )
+    p.add_argument(
+        "--data", default="wikitext2", help="text: registry name, file path or hub:NAME (default wikitext2)"
+    )
+    p.add_argument(
+        "--context", type=parse_tokens, default=2048, help="tokens per window, e.g. 2048 or 2k (default 2048)"
+    )
+    p.add_argument("--windows", type=_positive, default=2, help="windows of --context tokens (default 2)")
+    p.add_argument(
+        "--threshold",
+        type=_float_above(1.0, "--threshold"),
+        default=DEFAULT_THRESHOLD,
+        help=f"outlier rule: channel absmax > THRESHOLD x median channel absmax of its head (default {DEFAULT_THRESHOLD:g})",
+    )
+    p.add_argument(
+        "--layer-fraction",
+        type=_fraction,
+        default=DEFAULT_LAYER_FRACTION,
+        help="recommend per-channel keys when more than this fraction of layers has key outlier channels "
+        f"(default {DEFAULT_LAYER_FRACTION:g})",
+    )
+    p.add_argument(
+        "--sample-tokens",
+        type=_positive,
+        default=4096,
+        help="tokens per layer sampled for percentiles, ranges, SQNR and plots (default 4096)",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print the analysis as JSON instead of a table")
+    p.add_argument(
+        "--out", metavar="DIR", help="write analysis.json, channel_stats.safetensors and plots here"
+    )
+    p.add_argument(
+        "--plot-layer", type=int, help="layer of the heatmap plot (default: the strongest outlier)"
+    )
+    p.add_argument(
+        "--plot-head", type=int, help="KV head of the heatmap plot (default: the strongest outlier)"
+    )
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvbits.analyze.collect import analyze
+    from kvbits.cli import EXIT_OK, _print_json
+    from kvbits.evaluate.data import load_text, make_windows, tokenize
+    from kvbits.evaluate.models import load_model
+
+    lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    text = load_text(args.data)
+    windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
+    logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
+    result = analyze(
+        lm.model,
+        windows,
+        threshold=args.threshold,
+        layer_fraction=args.layer_fraction,
+        sample_tokens=max(args.sample_tokens, min(128, args.context)),
+        seed=args.seed,
+        model_name=args.model,
+        data_name=args.data,
+        fingerprint=lm.fingerprint,
+        keep_samples=args.out is not None,
+        progress=lambda done, total: logger.info("window %d/%d done", done, total),
+    )
+    written = _write_outputs(result, args) if args.out else []
+    if args.json:
+        _print_json(result.to_dict())
+        for path in written:
+            print(f"wrote {path}", file=sys.stderr)
+        return EXIT_OK
+    _print_table(result, written)
+    return EXIT_OK
+
+
+def _write_outputs(result: Any, args: argparse.Namespace) -> list[str]:
+    paths = result.save(args.out)
+    written = [str(p) for p in paths.values()]
+    try:
+        from kvbits.analyze.plots import plot_key_heatmaps, plot_layer_summary
+
+        out = Path(args.out)
+        written.append(
+            str(
+                plot_key_heatmaps(result, out / "key_heatmap.png", layer=args.plot_layer, head=args.plot_head)
+            )
+        )
+        written.append(str(plot_layer_summary(result, out / "layers.png")))
+    except ImportError as exc:
+        logger.warning("no plots: %s", exc)
+    return written
+
+
+def _db(v: Any) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.1f}"
+
+
+def _channels(chs: list[list[int]], limit: int = 4) -> str:
+    if not chs:
+        return "-"
+    txt = " ".join(f"h{h}:c{c}" for h, c in chs[:limit])
+    return txt + (f" +{len(chs) - limit}" if len(chs) > limit else "")
+
+
+def _print_table(result: Any, written: list[str]) -> None:
+    from rich.table import Table
+
+    from kvbits.cli import _console
+
+    d = result.to_dict()
+    table = Table(
+        title=f"kvbits analyze: {d['model']} on {d['data']}, {d['windows']} x {d['context']} tokens",
+        caption=f"outlier channel: absmax > {d['threshold']:g}x the median channel absmax of its KV head "
+        f"(threshold {d['threshold']:g}); range used = median over tokens of max|x| of ordinary channels / "
+        "max|x| (per-token scaling, worst head; per-channel scaling: 1); SQNR of int4 asymmetric, "
+        f"per-token vs per-channel over {d['channel_group']} tokens",
+    )
+    for col, kw in (
+        ("layer", {"justify": "right"}),
+        ("K outliers pre-RoPE", {}),
+        ("K outliers post-RoPE", {}),
+        ("V outliers", {}),
+        ("K range used", {"justify": "right"}),
+        ("K pre SQNR tok/ch", {"justify": "right"}),
+        ("K post SQNR tok/ch", {"justify": "right"}),
+        ("V SQNR tok/ch", {"justify": "right"}),
+    ):
+        table.add_column(col, **kw)
+    for r in d["layers"]:
+        kpre, kpost, v = r["key_pre_rope"], r["key_post_rope"], r["value"]
+        used = kpre["range_used_per_token"]
+        table.add_row(
+            str(r["layer"]),
+            _channels(r["key_outlier_channels_pre_rope"]),
+            _channels(r["key_outlier_channels_post_rope"]) if kpost else "n/a",
+            _channels(r["value_outlier_channels"]),
+            "-" if used is None else f"{used:.2f}",
+            f"{_db(kpre['sqnr_int4_token'])} / {_db(kpre['sqnr_int4_channel'])}",
+            f"{_db(kpost['sqnr_int4_token'])} / {_db(kpost['sqnr_int4_channel'])}" if kpost else "n/a",
+            f"{_db(v['sqnr_int4_token'])} / {_db(v['sqnr_int4_channel'])}",
+        )
+    console = _console()
+    console.print(table)
+    rec = d["recommendation"]
+    console.print(
+        f"[bold]keys:[/bold] {rec['keys']}   [bold]values:[/bold] {rec['values']}   "
+        f"[bold]scheme:[/bold] {rec['scheme']}"
+        + (f"   [bold]calibrated:[/bold] {rec['calibrated_scheme']}" if rec.get("calibrated_scheme") else "")
+    )
+    console.print(rec["reason"], markup=False)
+    for step in rec["next_steps"]:
+        console.print(f"  next: {step}", markup=False)
+    for path in written:
+        console.print(f"wrote {path}", markup=False)

@@ -1,0 +1,405 @@
+"""Collect K/V statistics of a stock transformers model, layer by layer, with forward hooks.
+
+Where the tensors come from, per attention module (any module with ``k_proj`` and ``v_proj``):
+
+- **pre-RoPE keys**: the output of ``k_proj``, or of the key norm applied before RoPE when the
+  family has one (``k_norm``: Gemma3, Qwen3, OLMo2; ``k_layernorm``: Phi, StableLM), reshaped to
+  ``(B, H_kv, T, D)``. Norm inputs come as ``(B, T, H*D)``, ``(B, T, H, D)`` or ``(B, H, T, D)``
+  depending on the family; the layout is identified by matching the norm's input to ``k_proj``'s
+  output, not guessed from shapes.
+- **post-RoPE keys**: the pre-RoPE keys rotated with ``kvbits.quant.rope.RotaryTables`` (the
+  model's own rotary module, per layer type), at positions ``0 .. T-1`` of each window.
+- **values**: the output of ``v_proj`` (or ``v_norm`` when present).
+
+Statistics are updated inside the hooks and the tensors dropped, so memory holds one layer's K/V of
+one window at a time plus each layer's fixed-size sample (``stats.BlockReservoir``). Hooks are
+registered in a context manager and always removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD, recommend, smeared_pairs
+from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
+
+logger = logging.getLogger(__name__)
+
+ANALYSIS_VERSION = 1
+KEY_NORMS = ("k_norm", "k_layernorm")
+VALUE_NORMS = ("v_norm",)
+
+Callback = Callable[[int, str, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention module: its layer index, KV heads and head dim, and where K/V are read."""
+
+    layer: int
+    module: torch.nn.Module
+    n_heads: int
+    head_dim: int
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    cfg = model.config
+    get = getattr(cfg, "get_text_config", None)
+    return get(decoder=True) if get is not None else cfg
+
+
+def attention_sites(model: torch.nn.Module) -> list[AttentionSite]:
+    """Attention modules with separate ``k_proj``/``v_proj``, in layer order.
+
+    Raises:
+        ValueError: none found (fused ``qkv_proj`` / ``c_attn`` models are not supported).
+    """
+    cfg = _text_config(model)
+    sites = []
+    for mod in model.modules():
+        if not (
+            isinstance(getattr(mod, "k_proj", None), torch.nn.Module)
+            and isinstance(getattr(mod, "v_proj", None), torch.nn.Module)
+        ):
+            continue
+        n_q = getattr(cfg, "num_attention_heads", None)
+        n_kv = getattr(mod, "num_key_value_heads", None) or getattr(cfg, "num_key_value_heads", None) or n_q
+        head_dim = getattr(mod, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+        out = getattr(mod.k_proj, "out_features", None)
+        if out is not None and out != n_kv * head_dim:
+            raise ValueError(
+                f"{type(mod).__name__}.k_proj has {out} outputs, expected num_key_value_heads × head_dim = "
+                f"{n_kv} × {head_dim}"
+            )
+        layer = getattr(mod, "layer_idx", None)
+        sites.append(
+            AttentionSite(len(sites) if layer is None else int(layer), mod, int(n_kv), int(head_dim))
+        )
+    if not sites:
+        raise ValueError(
+            f"{type(model).__name__} has no attention module with separate k_proj and v_proj; "
+            "models with fused QKV projections (GPT-2 c_attn, Phi-3 qkv_proj) are not supported"
+        )
+    return sorted(sites, key=lambda s: s.layer)
+
+
+def _norm(mod: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module | None:
+    for n in names:
+        sub = getattr(mod, n, None)
+        if isinstance(sub, torch.nn.Module):
+            return sub
+    return None
+
+
+class _SiteHooks:
+    """Turns one attention module's projection (and norm) outputs into ``(B, H_kv, T, D)`` tensors."""
+
+    def __init__(self, site: AttentionSite, kind: str, callback: Callback) -> None:
+        self.site, self.kind, self.callback = site, kind, callback
+        proj_name, norms = ("k_proj", KEY_NORMS) if kind == "key" else ("v_proj", VALUE_NORMS)
+        self.proj = getattr(site.module, proj_name)
+        self.norm = _norm(site.module, norms)
+        self._proj_out: torch.Tensor | None = None
+        self._layout: str | None = None  # "flat", "bthd" or "bhtd": the norm's input layout
+
+    def register(self) -> list[Any]:
+        handles = [self.proj.register_forward_hook(self._on_proj)]
+        if self.norm is not None:
+            handles.append(self.norm.register_forward_hook(self._on_norm))
+        return handles
+
+    def _bhtd(self, flat: torch.Tensor) -> torch.Tensor:
+        B, T = flat.shape[0], flat.shape[1]
+        return flat.reshape(B, T, self.site.n_heads, self.site.head_dim).transpose(1, 2)
+
+    def _on_proj(self, _m: Any, _inp: Any, out: torch.Tensor) -> None:
+        if self.norm is None:
+            self.callback(self.site.layer, self.kind, self._bhtd(out.detach()))
+        else:
+            self._proj_out = out.detach()
+
+    def _detect(self, inp: torch.Tensor) -> str:
+        proj = self._proj_out
+        if proj is None:
+            raise RuntimeError(f"layer {self.site.layer}: {self.kind} norm ran before its projection")
+        if inp.dim() == 3:
+            return "flat"
+        B, T = proj.shape[0], proj.shape[1]
+        bthd = proj.reshape(B, T, self.site.n_heads, self.site.head_dim)
+        if inp.shape == bthd.shape and torch.equal(inp, bthd):
+            return "bthd"
+        if inp.shape == bthd.transpose(1, 2).shape and torch.equal(inp, bthd.transpose(1, 2)):
+            return "bhtd"
+        raise ValueError(
+            f"layer {self.site.layer}: the {self.kind} norm's input {tuple(inp.shape)} is not a reshape of the "
+            f"projection's output {tuple(proj.shape)}; this model family is not supported"
+        )
+
+    def _on_norm(self, _m: Any, args: tuple, out: torch.Tensor) -> None:
+        if self._layout is None:
+            self._layout = self._detect(args[0])
+        self._proj_out = None
+        out = out.detach()
+        x = (
+            self._bhtd(out)
+            if self._layout == "flat"
+            else out.transpose(1, 2)
+            if self._layout == "bthd"
+            else out
+        )
+        self.callback(self.site.layer, self.kind, x)
+
+
+@contextlib.contextmanager
+def kv_hooks(model: torch.nn.Module, callback: Callback) -> Iterator[list[AttentionSite]]:
+    """Call ``callback(layer, kind, x)`` with ``kind`` in ``{"key", "value"}`` and ``x`` ``(B, H_kv, T, D)``
+    (pre-RoPE keys, values) during forwards inside the block. Every hook is removed on exit."""
+    sites = attention_sites(model)
+    handles: list[Any] = []
+    try:
+        for site in sites:
+            for kind in ("key", "value"):
+                handles += _SiteHooks(site, kind, callback).register()
+        yield sites
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------------------------ analysis
+
+
+@dataclass
+class LayerAnalysis:
+    """Statistics of one layer. ``key_post_rope`` is None for a model without RoPE."""
+
+    layer: int
+    rot_dim: int
+    key_pre_rope: TensorReport
+    key_post_rope: TensorReport | None
+    value: TensorReport
+    samples: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        post = self.key_post_rope
+        return {
+            "layer": self.layer,
+            "rot_dim": self.rot_dim,
+            "key_outlier_channels_pre_rope": self.key_pre_rope.outliers,
+            "key_outlier_channels_post_rope": post.outliers if post else [],
+            "value_outlier_channels": self.value.outliers,
+            "key_outliers_smeared_by_rope": smeared_pairs(
+                self.key_pre_rope.outliers, post.outliers, self.rot_dim
+            )
+            if post
+            else [],
+            "key_pre_rope": self.key_pre_rope.summary(),
+            "key_post_rope": post.summary() if post else None,
+            "value": self.value.summary(),
+        }
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/inf: map them to None (recursively)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+@dataclass
+class Analysis:
+    """The answer to "are there outlier channels?" for one model on one text."""
+
+    model: str
+    data: str
+    context: int
+    windows: int
+    threshold: float
+    layer_fraction: float
+    channel_group: int
+    sample_tokens: int
+    layers: list[LayerAnalysis]
+    fingerprint: str | None = None
+    recommendation: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = [layer.to_dict() for layer in self.layers]
+        return _finite(
+            {
+                "version": ANALYSIS_VERSION,
+                "model": self.model,
+                "fingerprint": self.fingerprint,
+                "data": self.data,
+                "context": self.context,
+                "windows": self.windows,
+                "tokens": self.context * self.windows,
+                "threshold": self.threshold,
+                "layer_fraction": self.layer_fraction,
+                "sample_tokens": self.sample_tokens,
+                "channel_group": self.channel_group,
+                "layers": rows,
+                "recommendation": self.recommendation,
+            }
+        )
+
+    def channel_tensors(self) -> dict[str, torch.Tensor]:
+        """``layer{i}.{key_pre_rope|key_post_rope|value}.{absmax|mean|std|p1|p99|kurtosis}`` → ``(H_kv, D)``."""
+        out = {}
+        for la in self.layers:
+            for name in ("key_pre_rope", "key_post_rope", "value"):
+                rep = getattr(la, name)
+                if rep is not None:
+                    for k, t in rep.tensors().items():
+                        out[f"layer{la.layer}.{name}.{k}"] = t
+        return out
+
+    def save(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write ``analysis.json`` and ``channel_stats.safetensors`` into ``out_dir``."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"json": out / "analysis.json", "channels": out / "channel_stats.safetensors"}
+        paths["json"].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        meta = {
+            "version": str(ANALYSIS_VERSION),
+            "model": self.model,
+            "data": self.data,
+            "fingerprint": self.fingerprint or "",
+            "context": str(self.context),
+        }
+        save_file(self.channel_tensors(), str(paths["channels"]), metadata=meta)
+        return paths
+
+
+def _rotary_tables(model: torch.nn.Module) -> Any:
+    from kvbits.quant.rope import RotaryTables
+
+    try:
+        return RotaryTables.from_model(model)
+    except (ValueError, NotImplementedError) as exc:
+        logger.warning("no post-RoPE statistics: %s", exc)
+        return None
+
+
+def analyze(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    layer_fraction: float = DEFAULT_LAYER_FRACTION,
+    sample_tokens: int = 4096,
+    channel_group: int = 128,
+    seed: int = 0,
+    model_name: str = "model",
+    data_name: str = "text",
+    fingerprint: str | None = None,
+    keep_samples: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Analysis:
+    """Run ``model`` on each window and answer, per layer, "are there outlier channels?".
+
+    Args:
+        model: a transformers causal LM (eval mode).
+        windows: token ids ``(W, T)``; each window is one forward from position 0, no cache.
+        threshold: outlier rule multiple (see ``kvbits.analyze.outliers``).
+        layer_fraction: keys go per-channel when more than this fraction of layers has outliers.
+        sample_tokens: tokens per layer kept for percentiles, ranges, SQNR and plots.
+        channel_group: tokens per per-channel scale (and per sample block); ``min(.., T)``.
+        keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
+        progress: called as ``progress(done, total)`` after each window.
+    """
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype.is_floating_point:
+        raise TypeError(
+            f"windows must be an integer tensor (W, T), got {getattr(windows, 'shape', windows)!r}"
+        )
+    W, T = windows.shape
+    block = min(channel_group, T)
+    if block < 2:
+        raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
+    if sample_tokens < block:
+        raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
+    tables = _rotary_tables(model)
+    sites = attention_sites(model)
+    device = next(model.parameters()).device
+    stats = {
+        s.layer: {
+            name: ChannelStats(s.n_heads, s.head_dim, sample_tokens // block, block)
+            for name in ("key_pre_rope", "key_post_rope", "value")
+        }
+        for s in sites
+    }
+    layer_tables = {s.layer: tables.tables_for_layer(s.layer) for s in sites} if tables is not None else {}
+    cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    reservoir = BlockReservoir(sample_tokens // block, seed=seed)
+    plan: list[tuple[int, int]] = []
+
+    from kvbits.quant.rope import apply_rope
+
+    def on_kv(layer: int, kind: str, x: torch.Tensor) -> None:
+        st = stats[layer]
+        if kind == "value":
+            st["value"].update(x, plan)
+            return
+        xf = x.float()
+        st["key_pre_rope"].update(xf, plan)
+        if layer in layer_tables:
+            if layer not in cos_sin or cos_sin[layer][0].shape[1] != xf.shape[2]:
+                cos, sin = layer_tables[layer].cos_sin(torch.arange(xf.shape[2]), torch.float32)
+                cos_sin[layer] = (cos.to(xf.device), sin.to(xf.device))
+            st["key_post_rope"].update(apply_rope(xf, *cos_sin[layer]), plan)
+
+    with torch.no_grad(), kv_hooks(model, on_kv):
+        for w in range(W):
+            plan[:] = reservoir.offer(T // block)
+            ids = windows[w : w + 1].to(device)
+            try:
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            except TypeError:  # a model class without logits_to_keep
+                model(input_ids=ids, use_cache=False)
+            if progress is not None:
+                progress(w + 1, W)
+    n_blocks = reservoir.size
+    layers = []
+    for s in sites:
+        st = stats[s.layer]
+        if st["key_pre_rope"].count == 0 or st["value"].count == 0:
+            raise RuntimeError(f"layer {s.layer} saw no keys/values during the forward passes")
+        pre = TensorReport.from_stats(st["key_pre_rope"], n_blocks, threshold)
+        post = (
+            TensorReport.from_stats(st["key_post_rope"], n_blocks, threshold)
+            if s.layer in layer_tables
+            else None
+        )
+        val = TensorReport.from_stats(st["value"], n_blocks, threshold)
+        samples = {}
+        if keep_samples:
+            samples = {k: v.sampled(n_blocks) for k, v in st.items() if v.count}
+            samples["positions"] = st["key_pre_rope"].positions[:n_blocks].clone()
+        rot = layer_tables[s.layer].rot_dim if s.layer in layer_tables else 0
+        layers.append(LayerAnalysis(s.layer, rot, pre, post, val, samples))
+        del stats[s.layer]  # drop this layer's accumulators before finalizing the next
+    result = Analysis(
+        model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint
+    )
+    result.recommendation = recommend(
+        [la.to_dict() for la in layers],
+        layer_fraction=layer_fraction,
+        threshold=threshold,
+        model=model_name,
+        data=data_name,
+    )
+    return result

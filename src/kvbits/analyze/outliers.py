@@ -1,0 +1,236 @@
+"""Outlier channels, the quantization range they consume, int4 SQNR, and the resulting recommendation.
+
+Definitions (all per layer; ``x`` is K or V shaped ``(B, H_kv, T, D)``):
+
+- **outlier channel** ``(h, c)``: ``absmax[h, c] > threshold × median_c' absmax[h, c']``, the
+  channel's largest magnitude over all tokens against the median channel of the same KV head
+  (default ``threshold = 4``). KVQuant (Hooper et al. 2024, §3.1, Fig. 2) shows such channels in
+  pre-RoPE keys; KIVI (Liu et al. 2024, §3) is why they argue for per-channel key scales.
+- **range used, per-token scaling**: one scale per (token, head) covers ``max_c |x|``. For each
+  sampled (token, head), ``max |x| over non-outlier channels / max |x| over all channels``; the median
+  over tokens, per head. ``0.1`` means ordinary channels use a tenth of the range: ``log2(10) ≈ 3.3``
+  bits of resolution lost to the outliers. A head without outlier channels scores 1. The layer's
+  figure is its worst (lowest) head.
+- **range used, per-channel scaling**: each channel has its own scale, so the same ratio is 1 by
+  construction; reported beside the per-token figure to make that contrast explicit.
+- **SQNR** ``10 log10(Σ x² / Σ (x - x̂)²)`` in dB of int4 asymmetric fake quantization of the sample:
+  per-token (one scale per token and head) vs per-channel (one scale per head and channel over
+  blocks of 128 tokens, the ``int4-channel`` key spec).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvbits.schemes.spec import TensorSpec
+
+DEFAULT_THRESHOLD = 4.0
+DEFAULT_LAYER_FRACTION = 0.25
+
+
+def outlier_channels(absmax: torch.Tensor, threshold: float = DEFAULT_THRESHOLD) -> list[list[int]]:
+    """``[[head, channel], ...]`` whose absmax exceeds ``threshold`` × the head's median channel absmax.
+
+    Args:
+        absmax: ``(H_kv, D)`` largest |x| of each channel over all tokens.
+        threshold: the multiple of the median (> 1).
+    """
+    if threshold <= 1:
+        raise ValueError(f"threshold must be > 1 (a multiple of the median channel), got {threshold}")
+    if absmax.dim() != 2:
+        raise ValueError(f"absmax must be (H_kv, D), got shape {tuple(absmax.shape)}")
+    med = absmax.float().median(dim=-1, keepdim=True).values
+    mask = absmax.float() > threshold * med
+    return [[int(h), int(c)] for h, c in mask.nonzero().tolist()]
+
+
+def outlier_mask(channels: list[list[int]], n_heads: int, head_dim: int) -> torch.Tensor:
+    """Bool ``(H_kv, D)`` mask of ``[[head, channel], ...]``."""
+    mask = torch.zeros(n_heads, head_dim, dtype=torch.bool)
+    for h, c in channels:
+        mask[h, c] = True
+    return mask
+
+
+def range_used_per_token(sample: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """Per head: median over sampled tokens of ``max|x|`` over non-outlier channels / ``max|x|`` overall.
+
+    Args:
+        sample: ``(N, H_kv, T, D)`` sampled values.
+        mask: ``(H_kv, D)`` outlier channels.
+    """
+    if sample.numel() == 0:
+        return [float("nan")] * mask.shape[0]
+    a = sample.float().abs()
+    full = a.amax(-1)  # (N, H, T)
+    rest = a.masked_fill(mask[None, :, None, :].to(a.device), 0.0).amax(-1)
+    ratio = torch.where(
+        full > 0, rest / full.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(full)
+    )
+    per_head = ratio.transpose(0, 1).reshape(mask.shape[0], -1)
+    return [float(v) for v in per_head.median(dim=-1).values]
+
+
+def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """``10 log10(Σ x² / Σ (x - x̂)²)``; ``inf`` for an exact reconstruction."""
+    signal = float(x.double().pow(2).sum())
+    noise = float((x.double() - x_hat.double()).pow(2).sum())
+    if noise == 0:
+        return float("inf")
+    if signal == 0:
+        return float("-inf")
+    return 10 * math.log10(signal / noise)
+
+
+def int_sqnr(sample: torch.Tensor, granularity: str, *, bits: int = 4, group: int = 128) -> float:
+    """SQNR of int ``bits`` asymmetric fake quantization of ``sample`` ``(N, H_kv, T, D)``.
+
+    ``granularity="token"``: one scale per (token, head) over ``D``; ``"channel"``: one scale per
+    (head, channel) over ``group`` tokens (``T`` must be a multiple of ``group``).
+    """
+    from kvbits.quant import fake_quantize
+
+    if sample.numel() == 0:
+        return float("nan")
+    if granularity == "token":
+        spec = TensorSpec(kind="int", bits=bits, fmt=None, granularity="token")
+    elif granularity == "channel":
+        spec = TensorSpec(kind="int", bits=bits, fmt=None, granularity="channel", group_size=group)
+    else:
+        raise ValueError(f"granularity must be 'token' or 'channel', got {granularity!r}")
+    x = sample.float()
+    return sqnr_db(x, fake_quantize(x, spec))
+
+
+def smeared_pairs(pre: list[list[int]], post: list[list[int]], rot_dim: int) -> list[dict[str, Any]]:
+    """Pre-RoPE outlier channels whose rotation partner ``c ± D_rot/2`` is an outlier after RoPE.
+
+    RoPE mixes channel ``c`` with ``c + D_rot/2`` (rotate-half layout), so an outlier channel's
+    energy spreads over its pair: after RoPE both channels are large, and their magnitudes vary with
+    position (KVQuant §3.2).
+    """
+    if rot_dim <= 0:
+        return []
+    half = rot_dim // 2
+    post_set = {(h, c) for h, c in post}
+    out = []
+    for h, c in pre:
+        if c >= rot_dim:
+            continue
+        partner = c + half if c < half else c - half
+        if (h, partner) in post_set:
+            out.append({"head": h, "channel": c, "partner": partner})
+    return out
+
+
+def _fmt_db(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{v:.1f} dB"
+
+
+def _mean(values: list[float]) -> float:
+    vals = [v for v in values if math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def recommend(
+    layers: list[dict[str, Any]],
+    *,
+    layer_fraction: float = DEFAULT_LAYER_FRACTION,
+    bits: int = 4,
+    threshold: float = DEFAULT_THRESHOLD,
+    model: str | None = None,
+    data: str | None = None,
+) -> dict[str, Any]:
+    """The decision flow's answer from per-layer summaries (``Analysis.to_dict()["layers"]`` rows).
+
+    Keys go per-channel when more than ``layer_fraction`` of layers have pre-RoPE key outlier
+    channels, and pre-RoPE when per-channel SQNR is at least as good before RoPE as after it (it
+    is when outlier channels are consistent, KVQuant §3.2); otherwise per-token. Values stay
+    per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length.
+    """
+    from kvbits.schemes import list_schemes
+
+    if not layers:
+        raise ValueError("no layers to recommend from")
+    n = len(layers)
+    k_pre = [r["layer"] for r in layers if r["key_outlier_channels_pre_rope"]]
+    k_post = [r["layer"] for r in layers if r["key_outlier_channels_post_rope"]]
+    v_out = [r["layer"] for r in layers if r["value_outlier_channels"]]
+    frac = len(k_pre) / n
+    pre_tok = _mean([r["key_pre_rope"]["sqnr_int4_token"] for r in layers])
+    pre_ch = _mean([r["key_pre_rope"]["sqnr_int4_channel"] for r in layers])
+    has_post = all(r.get("key_post_rope") for r in layers)
+    post_tok = _mean([r["key_post_rope"]["sqnr_int4_token"] for r in layers]) if has_post else float("nan")
+    post_ch = _mean([r["key_post_rope"]["sqnr_int4_channel"] for r in layers]) if has_post else float("nan")
+    v_tok = _mean([r["value"]["sqnr_int4_token"] for r in layers])
+    v_ch = _mean([r["value"]["sqnr_int4_channel"] for r in layers])
+    worst = min((r["key_pre_rope"]["range_used_per_token"] for r in layers), default=float("nan"))
+    names = {s.name for s in list_schemes()}
+
+    facts = (
+        f"pre-RoPE key outlier channels (absmax > {threshold:g}x the head's median channel) in "
+        f"{len(k_pre)}/{n} layers ({frac:.0%}; rule: > {layer_fraction:.0%})"
+    )
+    if has_post:
+        facts += f", post-RoPE in {len(k_post)}/{n}"
+    facts += (
+        f"; mean int{bits} key SQNR pre-RoPE per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
+    )
+    if has_post:
+        facts += f", post-RoPE per-token {_fmt_db(post_tok)} vs per-channel {_fmt_db(post_ch)}"
+    if not math.isnan(worst) and worst < 1:
+        facts += (
+            f"; under per-token scaling ordinary key channels use as little as {worst:.2f} of the range "
+            f"(~{math.log2(1 / max(worst, 1e-6)):.1f} bits lost)"
+        )
+    if frac > layer_fraction:
+        pre_better = not has_post or not (post_ch > pre_ch)
+        keys = "per-channel, pre-RoPE" if pre_better else "per-channel, post-RoPE"
+        candidates = (
+            [f"int{bits}-channel-prerope", f"int{bits}-channel"] if pre_better else [f"int{bits}-channel"]
+        )
+        scheme = next((c for c in candidates if c in names), f"int{bits}-channel")
+        reason = f"{facts}. Outlier channels dominate the per-token range, so keys get one scale per channel"
+        if pre_better and has_post:
+            reason += (
+                f"; before RoPE the channels are consistent (per-channel SQNR {_fmt_db(pre_ch)} pre vs "
+                f"{_fmt_db(post_ch)} post), so quantize keys before RoPE"
+            )
+        if scheme != candidates[0]:
+            reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
+        calibrated = f"kvquant-{bits}" if f"kvquant-{bits}" in names else None
+    else:
+        keys = "per-token"
+        scheme = f"int{bits}-token"
+        reason = f"{facts}. Few layers have outlier key channels, so per-token keys lose little"
+        calibrated = None
+    reason += (
+        f". Values per-token (mean int{bits} value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
+        + (f"; value outlier channels in {len(v_out)}/{n} layers" if v_out else "")
+        + ")."
+    )
+    m = f" --model {model}" if model else ""
+    next_steps = []
+    if calibrated:
+        d = f" --data {data}" if data else ""
+        next_steps.append(f"calibrate: kvbits calibrate{m}{d} --scheme {calibrated} --out calib-{calibrated}")
+    next_steps.append(
+        f"verify by length: kvbits eval{m} --scheme {scheme}"
+        + (f" --scheme {calibrated}" if calibrated else "")
+        + " at several context lengths"
+    )
+    return {
+        "keys": keys,
+        "values": "per-token",
+        "scheme": scheme,
+        "calibrated_scheme": calibrated,
+        "reason": reason,
+        "next_steps": next_steps,
+        "layers_with_key_outliers_pre_rope": k_pre,
+        "layers_with_key_outliers_post_rope": k_post,
+        "layers_with_value_outliers": v_out,
+        "layer_fraction_rule": layer_fraction,
+    }

@@ -1,0 +1,142 @@
+"""Plots of an ``Analysis`` (matplotlib, imported lazily with the Agg backend).
+
+- ``plot_key_heatmaps``: |K| over tokens × channels for one layer and KV head, before and after
+  RoPE, beside |V| (the view of KVQuant's Figure 2): pre-RoPE outlier channels are steady vertical
+  stripes; after RoPE each one's energy oscillates between the channel and its rotation partner.
+- ``plot_layer_summary``: per layer, outlier channel counts (pre-RoPE keys, post-RoPE keys, values)
+  and int4 key SQNR per-token vs per-channel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbits.analyze.collect import Analysis, LayerAnalysis
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "plots need matplotlib: pip install 'kvbits[plot]' (or pip install matplotlib)"
+        ) from None
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pick_layer_head(analysis: Analysis) -> tuple[int, int]:
+    """The layer and KV head whose pre-RoPE keys have the largest absmax / median-channel ratio."""
+    best, where = -1.0, (analysis.layers[0].layer, 0)
+    for la in analysis.layers:
+        a = la.key_pre_rope.absmax
+        ratio = a.max(dim=-1).values / a.median(dim=-1).values.clamp_min(1e-12)
+        h = int(ratio.argmax())
+        if float(ratio[h]) > best:
+            best, where = float(ratio[h]), (la.layer, h)
+    return where
+
+
+def _layer(analysis: Analysis, layer: int) -> LayerAnalysis:
+    for la in analysis.layers:
+        if la.layer == layer:
+            return la
+    raise ValueError(f"layer must be one of {[la.layer for la in analysis.layers]}, got {layer}")
+
+
+def plot_key_heatmaps(
+    analysis: Analysis,
+    path: str | Path,
+    *,
+    layer: int | None = None,
+    head: int | None = None,
+    max_tokens: int = 512,
+) -> Path:
+    """Write the |K| pre/post-RoPE (and |V|) heatmaps of ``layer``/``head`` (default: ``pick_layer_head``)."""
+    plt = _pyplot()
+    if layer is None or head is None:
+        auto_layer, auto_head = pick_layer_head(analysis)
+        layer = auto_layer if layer is None else layer
+        head = auto_head if head is None else head
+    la = _layer(analysis, layer)
+    if not la.samples:
+        raise ValueError("the analysis kept no samples (analyze(..., keep_samples=False)); nothing to plot")
+    n_heads = la.key_pre_rope.absmax.shape[0]
+    if not 0 <= head < n_heads:
+        raise ValueError(f"head must be in [0, {n_heads}), got {head}")
+    panels = [("key_pre_rope", "|K| before RoPE"), ("key_post_rope", "|K| after RoPE"), ("value", "|V|")]
+    panels = [(k, t) for k, t in panels if k in la.samples]
+
+    def tokens(name: str) -> torch.Tensor:
+        s = la.samples[name][:, head]  # (N, block, D)
+        return s.reshape(-1, s.shape[-1])[:max_tokens].abs()
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (name, title) in zip(axes[0], panels):
+        m = tokens(name).numpy()
+        im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis")
+        outl = [c for h, c in getattr(la, name).outliers if h == head]
+        suffix = f"\noutlier channels: {outl}" if outl else ""
+        ax.set_title(f"{title}{suffix}", fontsize=9)
+        ax.set_xlabel("channel")
+        ax.set_ylabel("sampled token")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(
+        f"{analysis.model}, layer {layer}, KV head {head} ({analysis.data}, context {analysis.context})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_layer_summary(analysis: Analysis, path: str | Path) -> Path:
+    """Outlier channels per layer and int4 key SQNR per layer (per-token vs per-channel)."""
+    plt = _pyplot()
+    xs = [la.layer for la in analysis.layers]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(6, 0.3 * len(xs) + 3), 6), sharex=True)
+    width = 0.27
+    series = [
+        ("pre-RoPE keys", [len(la.key_pre_rope.outliers) for la in analysis.layers]),
+        (
+            "post-RoPE keys",
+            [len(la.key_post_rope.outliers) if la.key_post_rope else 0 for la in analysis.layers],
+        ),
+        ("values", [len(la.value.outliers) for la in analysis.layers]),
+    ]
+    for i, (label, ys) in enumerate(series):
+        a1.bar([x + (i - 1) * width for x in xs], ys, width=width, label=label)
+    a1.set_ylabel(f"outlier channels\n(absmax > {analysis.threshold:g}x median)")
+    a1.legend(fontsize=8)
+    a2.plot(xs, [la.key_pre_rope.sqnr_token for la in analysis.layers], "o-", label="pre-RoPE, per-token")
+    a2.plot(xs, [la.key_pre_rope.sqnr_channel for la in analysis.layers], "s-", label="pre-RoPE, per-channel")
+    if all(la.key_post_rope for la in analysis.layers):
+        a2.plot(
+            xs, [la.key_post_rope.sqnr_token for la in analysis.layers], "o--", label="post-RoPE, per-token"
+        )
+        a2.plot(
+            xs,
+            [la.key_post_rope.sqnr_channel for la in analysis.layers],
+            "s--",
+            label="post-RoPE, per-channel",
+        )
+    a2.set_ylabel("int4 key SQNR (dB)")
+    a2.set_xlabel("layer")
+    a2.legend(fontsize=8)
+    fig.suptitle(
+        f"{analysis.model} on {analysis.data}, {analysis.windows} x {analysis.context} tokens", fontsize=10
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

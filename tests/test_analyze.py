@@ -1,0 +1,370 @@
+"""`kvbits analyze`: outlier channels per layer, range consumed, int4 SQNR, recommendation, CLI.
+
+The main fixture is a tiny random Llama with one injected outlier channel (a row of one layer's
+``k_proj.weight`` scaled by 30), so the right answer is known.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvbits.analyze import (
+    BlockReservoir,
+    ChannelStats,
+    analyze,
+    int_sqnr,
+    kv_hooks,
+    outlier_channels,
+    range_used_per_token,
+    recommend,
+)
+from kvbits.analyze.outliers import smeared_pairs
+from kvbits.quant.rope import RotaryTables, apply_rope
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+HEAD_DIM = 32
+OUT_LAYER, OUT_HEAD, OUT_CH = 1, 1, 3  # a high-frequency RoPE channel: it rotates fast, so it smears
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "it",
+    "that",
+    "he",
+    "she",
+    "her",
+    "his",
+    "with",
+    "for",
+    "as",
+    "on",
+    "at",
+    "by",
+]
+
+
+def tiny_llama(outlier: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        vocab_size=len(WORDS) + 1,
+        max_position_embeddings=1024,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if outlier:
+        with torch.no_grad():
+            model.model.layers[OUT_LAYER].self_attn.k_proj.weight[OUT_HEAD * HEAD_DIM + OUT_CH] *= 30
+    return model
+
+
+@pytest.fixture(scope="module")
+def result():
+    model = tiny_llama()
+    windows = torch.randint(0, model.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(1))
+    return analyze(model, windows, sample_tokens=512, model_name="tiny", data_name="random")
+
+
+# --------------------------------------------------------------------------------- the answer
+
+
+def test_finds_exactly_the_injected_channel_pre_rope(result):
+    got = {la.layer: la.key_pre_rope.outliers for la in result.layers}
+    assert got == {0: [], 1: [[OUT_HEAD, OUT_CH]], 2: []}
+    assert all(not la.value.outliers for la in result.layers)
+
+
+def test_post_rope_outlier_smears_into_its_rotation_pair(result):
+    la = result.layers[OUT_LAYER]
+    partner = OUT_CH + HEAD_DIM // 2
+    assert la.key_post_rope.outliers == [[OUT_HEAD, OUT_CH], [OUT_HEAD, partner]]
+    row = la.to_dict()
+    assert row["key_outliers_smeared_by_rope"] == [{"head": OUT_HEAD, "channel": OUT_CH, "partner": partner}]
+    # the partner's magnitude is the outlier's, oscillating with position
+    pre_abs, post_abs = la.key_pre_rope.absmax[OUT_HEAD], la.key_post_rope.absmax[OUT_HEAD]
+    assert post_abs[partner] > 10 * pre_abs[partner]
+
+
+def test_per_channel_beats_per_token_and_range_is_consumed(result):
+    la = result.layers[OUT_LAYER]
+    assert la.key_pre_rope.sqnr_channel > la.key_pre_rope.sqnr_token + 1.0
+    used = la.key_pre_rope.range_used_by_head
+    assert used[OUT_HEAD] < 0.25 and used[1 - OUT_HEAD] == 1.0  # ~2+ bits lost in the outlier head only
+    assert la.key_pre_rope.summary()["range_used_per_channel"] == 1.0
+    assert la.key_pre_rope.summary()["bits_lost_per_token"] > 2
+    for other in (0, 2):
+        assert result.layers[other].key_pre_rope.range_used_per_token == 1.0
+
+
+def test_recommendation_is_computed_from_the_numbers(result):
+    rec = result.recommendation
+    assert rec["keys"] == "per-channel, pre-RoPE" and rec["values"] == "per-token"
+    assert rec["layers_with_key_outliers_pre_rope"] == [OUT_LAYER]
+    assert rec["scheme"] in ("int4-channel-prerope", "int4-channel")
+    assert "1/3 layers" in rec["reason"] and "kvbits eval" in rec["next_steps"][-1]
+    rows = result.to_dict()["layers"]
+    strict = recommend(rows, layer_fraction=0.5)  # 1/3 of layers is not more than half
+    assert strict["keys"] == "per-token" and strict["scheme"] == "int4-token"
+    clean = [dict(r, key_outlier_channels_pre_rope=[]) for r in rows]
+    assert recommend(clean)["keys"] == "per-token"
+
+
+def test_json_schema(result):
+    d = result.to_dict()
+    text = json.dumps(d, allow_nan=False)  # strict JSON: NaN/inf mapped to null
+    d = json.loads(text)
+    for key in ("model", "data", "context", "threshold", "layers", "recommendation", "version"):
+        assert key in d
+    assert d["threshold"] == 4.0 and d["context"] == 256 and len(d["layers"]) == 3
+    figures = {
+        "absmax_max",
+        "kurtosis_mean",
+        "range_used_per_token",
+        "range_used_per_channel",
+        "sqnr_int4_token",
+        "sqnr_int4_channel",
+    }
+    for row in d["layers"]:
+        assert {
+            "layer",
+            "key_outlier_channels_pre_rope",
+            "key_outlier_channels_post_rope",
+            "value_outlier_channels",
+        } <= set(row)
+        for name in ("key_pre_rope", "key_post_rope", "value"):
+            assert figures <= set(row[name])
+            assert all(isinstance(row[name][f], float) for f in figures)
+        for pair in row["key_outlier_channels_pre_rope"]:
+            assert isinstance(pair, list) and len(pair) == 2
+    assert {"keys", "values", "reason"} <= set(d["recommendation"])
+    tensors = result.channel_tensors()
+    assert tensors["layer1.key_pre_rope.absmax"].shape == (2, HEAD_DIM)
+    assert {k.split(".")[-1] for k in tensors} == {"absmax", "mean", "std", "p1", "p99", "kurtosis"}
+
+
+# ------------------------------------------------------------------------------ collection
+
+
+def test_hooks_give_the_keys_attention_rotates_and_leave_nothing_behind():
+    """Hooked pre-RoPE keys, rotated with RotaryTables, equal the keys the model cached; for a plain
+    family (Llama), one whose k_norm sees (B, T, H, D) (Qwen3) and one whose k_norm sees (B, H, T, D)
+    (Gemma3)."""
+    base = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+    }
+    for cfg in (
+        transformers.LlamaConfig(**base),
+        transformers.Qwen3Config(**base),
+        transformers.Gemma3TextConfig(**base, sliding_window=64),
+    ):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        got: dict[tuple[int, str], torch.Tensor] = {}
+
+        def keep(layer, kind, x, got=got):
+            got[layer, kind] = x.clone()
+
+        with torch.no_grad(), kv_hooks(model, keep):
+            out = model(input_ids=torch.randint(0, 64, (1, 9)), use_cache=True)
+        cache = out.get("cache") or out.get("past_key_values")
+        tables = RotaryTables.from_model(model)
+        for layer in range(2):
+            cos, sin = tables.tables_for_layer(layer).cos_sin(torch.arange(9))
+            torch.testing.assert_close(
+                apply_rope(got[layer, "key"], cos, sin),
+                cache.layers[layer].keys,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=cfg.model_type,
+            )
+            torch.testing.assert_close(got[layer, "value"], cache.layers[layer].values, msg=cfg.model_type)
+        assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_hooks_removed_after_an_error():
+    model = tiny_llama(outlier=False)
+
+    def boom(layer, kind, x):
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"), kv_hooks(model, boom):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_unsupported_model_says_why():
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    )
+    with pytest.raises(ValueError, match="k_proj"):
+        analyze(gpt2, torch.zeros(1, 8, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_streaming_moments_equal_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(2, 3, 40, 8, generator=g) * torch.linspace(0.5, 5, 8) + 3.0 for _ in range(3)]
+    chunks[1][:, :, :, 2] += 40 * torch.rand(2, 3, 40, generator=g)  # skewed, heavy channel
+    st = ChannelStats(3, 8, capacity=100, block=8)
+    res = BlockReservoir(100)
+    for c in chunks:
+        st.update(c, res.offer(c.shape[0] * (c.shape[2] // 8)))
+    x = torch.cat([c.permute(1, 3, 0, 2).reshape(3, 8, -1) for c in chunks], dim=-1).double()  # (H, D, N)
+    mu = x.mean(-1)
+    var = x.var(-1, unbiased=False)
+    kurt = ((x - mu[..., None]) ** 4).mean(-1) / var**2
+    torch.testing.assert_close(st.mean, mu.float())
+    torch.testing.assert_close(st.std, var.sqrt().float())
+    torch.testing.assert_close(st.kurtosis, kurt.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(st.absmax, x.abs().amax(-1).float())
+    assert st.count == 240
+    # the reservoir held every block, in arrival order: the sample is all the data (float16)
+    assert res.size == 30
+    sample = st.sampled(res.size).permute(1, 3, 0, 2).reshape(3, 8, -1)
+    torch.testing.assert_close(sample, x.float(), rtol=1e-3, atol=2e-2)
+    p = st.percentiles(res.size, (0.5,))[0]
+    torch.testing.assert_close(p, x.float().quantile(0.5, dim=-1), rtol=1e-3, atol=2e-2)
+
+
+def test_reservoir_is_uniform():
+    counts = torch.zeros(20)
+    for seed in range(400):
+        r = BlockReservoir(5, seed=seed)
+        slots = {}
+        for start in range(0, 20, 4):
+            for slot, i in r.offer(4):
+                slots[slot] = start + i
+        for v in slots.values():
+            counts[v] += 1
+    assert counts.sum() == 400 * 5
+    assert counts.min() > 0.6 * 100 and counts.max() < 1.4 * 100  # each block kept with p = 5/20
+
+
+def test_outlier_rule_and_range_used_by_hand():
+    absmax = torch.tensor([[1.0, 1.1, 0.9, 4.5, 1.0], [1.0, 1.0, 1.0, 3.9, 1.0]])
+    assert outlier_channels(absmax, 4.0) == [[0, 3]]  # 4.5 > 4 x 1.0; 3.9 is not
+    assert outlier_channels(absmax, 3.0) == [[0, 3], [1, 3]]
+    with pytest.raises(ValueError, match="threshold"):
+        outlier_channels(absmax, 1.0)
+    x = torch.tensor([[0.5, -0.2, 10.0, 0.1], [0.3, 0.4, -2.0, 0.1], [0.1, 0.0, 0.2, 0.0]]).reshape(
+        1, 1, 3, 4
+    )
+    mask = torch.tensor([[False, False, True, False]])  # (N, H, T, D) above; channel 2 is the outlier
+    assert range_used_per_token(x, mask) == [pytest.approx(0.2)]  # median of 0.05, 0.2, 0.5
+    assert range_used_per_token(x, torch.zeros_like(mask)) == [1.0]
+    assert smeared_pairs([[0, 3]], [[0, 3], [0, 19]], 32) == [{"head": 0, "channel": 3, "partner": 19}]
+
+
+def test_int4_sqnr_prefers_channels_on_outlier_channels():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2, 128, 64, generator=g)
+    x[:, :, :, 5] *= 40
+    tok, ch = int_sqnr(x, "token"), int_sqnr(x, "channel", group=128)
+    assert ch > tok + 3
+    assert int_sqnr(torch.randn(1, 1, 128, 64, generator=g), "token", bits=8) > 40
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+
+def _model_folder(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    tiny_llama().save_pretrained(path)
+
+
+def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from kvbits.cli import main
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    _model_folder(model_dir)
+    g = torch.Generator().manual_seed(0)
+    text = tmp_path / "book.txt"
+    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (800,), generator=g)))
+    out = tmp_path / "out"
+    argv = ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", "2"]
+    assert main(argv + ["--json", "--out", str(out)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["layers"][OUT_LAYER]["key_outlier_channels_pre_rope"] == [[OUT_HEAD, OUT_CH]]
+    assert d["recommendation"]["keys"] == "per-channel, pre-RoPE"
+    for name in ("analysis.json", "channel_stats.safetensors", "key_heatmap.png", "layers.png"):
+        assert (out / name).stat().st_size > 0
+    assert json.loads((out / "analysis.json").read_text())["layers"] == d["layers"]
+    from safetensors import safe_open
+
+    with safe_open(str(out / "channel_stats.safetensors"), "pt") as f:
+        assert f.metadata()["version"] == "1" and f.metadata()["fingerprint"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "threshold 4" in table and "per-channel, pre-RoPE" in table and "h1:c3" in table
+    with pytest.raises(SystemExit):  # argparse rejects a threshold that is not a multiple > 1
+        main(argv + ["--threshold", "1"])
+
+
+# --------------------------------------------------------------------------------- real model
+
+
+@pytest.mark.realmodel
+def test_real_model_has_key_outlier_channels():
+    """Qwen2.5-Coder-0.5B (bias on k_proj: large outlier key channels) at 512 tokens of WikiText-2."""
+    from kvbits.evaluate.data import load_text, make_windows, tokenize
+    from kvbits.evaluate.models import load_model
+
+    t0 = time.perf_counter()
+    try:
+        lm = load_model("qwen2.5-coder-0.5b")
+        text = load_text("wikitext2")
+    except (RuntimeError, FileNotFoundError) as exc:
+        pytest.skip(f"offline model or text not available: {exc}")
+    windows = make_windows(tokenize(text, lm.tokenizer), 512, 1)
+    res = analyze(lm.model, windows, model_name="qwen2.5-coder-0.5b", data_name="wikitext2")
+    d = res.to_dict()
+    pre = d["recommendation"]["layers_with_key_outliers_pre_rope"]
+    post = d["recommendation"]["layers_with_key_outliers_post_rope"]
+    logging.getLogger(__name__).warning(
+        "qwen2.5-coder-0.5b: key outlier channels pre-RoPE in %d/%d layers %s, post-RoPE in %d %s (%.0f s)",
+        len(pre),
+        len(d["layers"]),
+        pre,
+        len(post),
+        post,
+        time.perf_counter() - t0,
+    )
+    assert len(pre) >= len(d["layers"]) // 2
+    assert d["recommendation"]["keys"].startswith("per-channel")
+    tok = [r["key_pre_rope"]["sqnr_int4_token"] for r in d["layers"]]
+    ch = [r["key_pre_rope"]["sqnr_int4_channel"] for r in d["layers"]]
+    assert sum(ch) / len(ch) > sum(tok) / len(tok)
+    assert all(math.isfinite(v) for v in tok + ch)
