@@ -19,6 +19,7 @@ registered in a context manager and always removed.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -362,14 +363,12 @@ def analyze(
                 cos_sin[layer] = (cos.to(xf.device), sin.to(xf.device))
             st["key_post_rope"].update(apply_rope(xf, *cos_sin[layer]), plan)
 
+    # only the last position's logits: a full (T, vocab) logits tensor would dwarf the K/V of a window
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad(), kv_hooks(model, on_kv):
         for w in range(W):
             plan[:] = reservoir.offer(T // block)
-            ids = windows[w : w + 1].to(device)
-            try:
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            except TypeError:  # a model class without logits_to_keep
-                model(input_ids=ids, use_cache=False)
+            model(input_ids=windows[w : w + 1].to(device), use_cache=False, **extra)
             if progress is not None:
                 progress(w + 1, W)
     n_blocks = reservoir.size
