@@ -1,7 +1,7 @@
 """Decode-attention speed on a GPU: the fused packed-cache Triton kernel vs fp16 SDPA.
 
-    PYTHONPATH=src python benchmarks/gpu_decode.py            # H200: < 5 min, writes benchmarks/results/gpu_decode.json
-    PYTHONPATH=src python benchmarks/gpu_decode.py --smoke --device cpu   # seconds; Triton interpreter + torch reference
+    PYTHONPATH=src python benchmarks/gpu_decode.py   # H200, < 5 min -> benchmarks/results/gpu_decode.json
+    PYTHONPATH=src python benchmarks/gpu_decode.py --smoke --device cpu   # seconds: interpreter + reference
 
 Imports only torch, triton and kvbits' pure modules (no installs on the GPU machine). Steps:
 
@@ -74,7 +74,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], cfg: Config, flush: torch.Tensor | None, *, graph: bool = True) -> tuple[float, bool]:
+def time_ms(
+    fn: Callable[[], object], cfg: Config, flush: torch.Tensor | None, *, graph: bool = True
+) -> tuple[float, bool]:
     """Median milliseconds of ``fn()`` (CUDA graph replay when possible) and whether a graph was used.
 
     The L2 cache is flushed (a large ``zero_``) before every rep, outside the timed region, so K/V
@@ -122,7 +124,6 @@ def copy_bandwidth(cfg: Config) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=cfg.device).random_()
     dst = torch.empty_like(src)
     ms, _ = time_ms(lambda: dst.copy_(src), cfg, None, graph=False)
-    del src, dst
     return 2 * n / (ms * 1e-3) / 1e9
 
 
@@ -131,8 +132,9 @@ def copy_bandwidth(cfg: Config) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def random_packed(B: int, H: int, T: int, D: int, bits: int, tps: int, cps: int, device: torch.device,
-                  gen: torch.Generator) -> PackedTensor:
+def random_packed(
+    B: int, H: int, T: int, D: int, bits: int, tps: int, cps: int, device: torch.device, gen: torch.Generator
+) -> PackedTensor:
     """Random codes and metadata in the kernel layout (timing only: content does not change the work)."""
     codes = torch.randint(0, 256, (B, H, T, D * bits // 8), dtype=torch.uint8, device=device, generator=gen)
     shape = (B, H, T // tps, D // cps)
@@ -141,8 +143,9 @@ def random_packed(B: int, H: int, T: int, D: int, bits: int, tps: int, cps: int,
     return PackedTensor(codes, scale, zero, bits, tps, cps, D)
 
 
-def random_store(B: int, shape: dict, context: int, bits: int | None, device: torch.device,
-                 gen: torch.Generator) -> PackedStore:
+def random_store(
+    B: int, shape: dict, context: int, bits: int | None, device: torch.device, gen: torch.Generator
+) -> PackedStore:
     """A KIVI-layout store of ``context`` tokens (``bits=None``: everything in the fp16 tail)."""
     H, D = shape["H_kv"], shape["D"]
     T_f = context if bits is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
@@ -155,11 +158,6 @@ def random_store(B: int, shape: dict, context: int, bits: int | None, device: to
         value = random_packed(B, H, T_q, D, bits, 1, VALUE_GROUP, device, gen)
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)  # noqa: E731
     return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
-
-
-def kv_read_bytes(store: PackedStore) -> int:
-    """Bytes one decode step must read: codes + scales + zero-points + fp16 tail."""
-    return store.nbytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,7 +187,9 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
         ("fp16-tail-only", None, {}),
     ]
     shapes = dict(SHAPES)
-    if cfg.smoke and dev.type == "cpu":  # the interpreter is slow: whole-row and gather + RoPE paths, one shape
+    if (
+        cfg.smoke and dev.type == "cpu"
+    ):  # the interpreter is slow: whole-row and gather + RoPE paths, one shape
         variants = [variants[1], variants[6]]
         shapes = {"qwen2.5-0.5b": SHAPES["qwen2.5-0.5b"]}
     T_q, T_f = (64, 16) if cfg.smoke else (1024, 128)
@@ -211,20 +211,37 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
                     inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
                     f = torch.arange(T_q + T_f + 4, dtype=torch.float64)[:, None] * inv
                     emb = torch.cat([f, f], -1)
-                    rope = dict(rope_cos=emb.cos().float().to(dev), rope_sin=emb.sin().float().to(dev),
-                                quant_pos0=[4] * B)
-                store = pack_store([quantize(kq.to(dev), specs["key"])], [quantize(vq.to(dev), specs["value"])], kf, vf,
-                                   quant_lens=[T_q, T_q // 2, T_q // 4 * 3], **ragged, **rope)
+                    rope = dict(
+                        rope_cos=emb.cos().float().to(dev),
+                        rope_sin=emb.sin().float().to(dev),
+                        quant_pos0=[4] * B,
+                    )
+                store = pack_store(
+                    [quantize(kq.to(dev), specs["key"])],
+                    [quantize(vq.to(dev), specs["value"])],
+                    kf,
+                    vf,
+                    quant_lens=[T_q, T_q // 2, T_q // 4 * 3],
+                    **ragged,
+                    **rope,
+                )
             q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)
             truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-            err_pt = (decode_attention_reference(q.half(), store, dtype=torch.float16).double() - truth).abs().max().item()
+            err_pt = (
+                (decode_attention_reference(q.half(), store, dtype=torch.float16).double() - truth)
+                .abs()
+                .max()
+                .item()
+            )
             out = decode(q.half(), store, **kw)
             _sync(dev)
             err = (out.double() - truth).abs().max().item()
             ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
             results.append(dict(variant=name, shape=shape_name, err=err, err_torch_fp16=err_pt, ok=ok))
-            print(f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
-                  f"{'ok' if ok else 'FAIL'}")
+            print(
+                f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
+                f"{'ok' if ok else 'FAIL'}"
+            )
             if not ok:
                 raise SystemExit(
                     f"CORRECTNESS FAILURE: {name} on {shape_name}: kernel error {err:.3g} > 2 x torch fp16 "
@@ -238,94 +255,170 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _record(
+    kernel: str,
+    scheme: str,
+    shape: str,
+    context: int,
+    batch: int,
+    ms: float,
+    graph: bool,
+    nbytes: int,
+    fp16_ms: float,
+    copy_gbps: float,
+) -> dict:
+    """One result row; ``(ms, graph, nbytes)`` in the order the timing helpers return them."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return dict(
+        kernel=kernel, scheme=scheme, shape=shape, context=context, batch=batch, ms=round(ms, 5),
+        gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3), bytes_read=nbytes,
+        speedup_vs_fp16=round(fp16_ms / ms, 3), cuda_graph=graph,
+    )  # fmt: skip
+
+
+def fp16_baselines(
+    cfg: Config, q: torch.Tensor, H_kv: int, context: int, gen: torch.Generator, flush: torch.Tensor | None
+) -> dict[str, tuple[float, bool, int]]:
+    """SDPA over fp16 K/V: ``enable_gqa=True``, and K/V expanded to ``H_q`` heads when memory allows.
+
+    Returns ``{name: (ms, cuda_graph, bytes_read)}``; the expansion itself is not timed.
+    """
+    B, H_q, _, D = q.shape
+    G = H_q // H_kv
+    k = torch.randn(B, H_kv, context, D, device=cfg.device, dtype=torch.float16, generator=gen)
+    v = torch.randn_like(k)
+    kv_bytes = k.nbytes + v.nbytes
+    out = {}
+    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush)
+    out["sdpa-gqa"] = (ms, graph, kv_bytes)
+    if kv_bytes * (G + 1) <= cfg.max_bytes:
+        ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve), cfg, flush)
+        out["sdpa-expand"] = (ms, graph, kv_bytes * G)
+    return out
+
+
+def fused_timing(
+    cfg: Config,
+    decode: Callable,
+    q: torch.Tensor,
+    shape: dict,
+    context: int,
+    bits: int | None,
+    kw: dict,
+    gen: torch.Generator,
+    flush: torch.Tensor | None,
+) -> tuple[float, bool, int]:
+    """(ms, cuda_graph, bytes_read) of the fused path over a random KIVI-layout store."""
+    store = random_store(q.shape[0], shape, context, bits, cfg.device, gen)
+    ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush)
+    return ms, graph, store.nbytes
+
+
 def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
+    """Step (3)-(4): every (shape, batch, context) within the memory budget."""
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
     records: list[dict] = []
-
-    def record(kernel: str, scheme: str, shape: str, context: int, batch: int, ms: float, nbytes: int,
-               graph: bool, fp16_ms: float | None) -> None:
-        gbps = nbytes / (ms * 1e-3) / 1e9
-        records.append(dict(
-            kernel=kernel, scheme=scheme, shape=shape, context=context, batch=batch, ms=round(ms, 5),
-            gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3), bytes_read=nbytes,
-            speedup_vs_fp16=round(fp16_ms / ms, 3) if fp16_ms else None, cuda_graph=graph,
-        ))
-
+    variants = [("fp16", None, {})] + [(s, b, {}) for s, b in SCHEME_BITS.items()]
+    if cfg.kernel == "triton":  # both unpacking paths: whole rows (default) and per-element gathers
+        variants += [(s, b, {"vectorized": False}) for s, b in SCHEME_BITS.items()]
     for shape_name, shp in SHAPES.items():
-        H_kv, H_q, D = shp["H_kv"], shp["H_q"], shp["D"]
-        G = H_q // H_kv
         for batch in cfg.batches:
             for context in cfg.contexts:
-                kv_bytes = 2 * batch * H_kv * context * D * 2
+                kv_bytes = 2 * batch * shp["H_kv"] * context * shp["D"] * 2
                 if kv_bytes > cfg.max_bytes:
-                    print(f"  skip {shape_name} B={batch} T={context}: fp16 K/V {kv_bytes / 1e9:.1f} GB > budget")
+                    print(
+                        f"  skip {shape_name} B={batch} T={context}: "
+                        f"fp16 K/V {kv_bytes / 1e9:.1f} GB > --max-gb"
+                    )
                     continue
-                q = torch.randn(batch, H_q, 1, D, device=dev, dtype=torch.float16, generator=gen)
-                k = torch.randn(batch, H_kv, context, D, device=dev, dtype=torch.float16, generator=gen)
-                v = torch.randn_like(k)
-                fp16 = {}
-                ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush)
-                fp16["sdpa-gqa"] = (ms, graph, kv_bytes)
-                if kv_bytes * (G + 1) <= cfg.max_bytes:
-                    ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-                    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve), cfg, flush)
-                    fp16["sdpa-expand"] = (ms, graph, kv_bytes * G)
-                    del ke, ve
-                del k, v
-                best = min(ms for ms, _, _ in fp16.values())
-                for name, (ms, graph, nb) in fp16.items():
-                    record(name, "fp16", shape_name, context, batch, ms, nb, graph, best)
-                variants = [("fp16", None, {})] + [(s, b, {}) for s, b in SCHEME_BITS.items()]
-                if cfg.kernel == "triton":
-                    variants += [(s, b, {"vectorized": False}) for s, b in SCHEME_BITS.items()]
+                q = torch.randn(
+                    batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen
+                )
+                base = fp16_baselines(cfg, q, shp["H_kv"], context, gen, flush)
+                best = min(ms for ms, _, _ in base.values())
+                row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
+                       for name, m in base.items()]  # fmt: skip
                 for scheme, bits, kw in variants:
-                    store = random_store(batch, shp, context, bits, dev, gen)
-                    ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush)
+                    m = fused_timing(cfg, decode, q, shp, context, bits, kw, gen, flush)
                     kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
-                    record(kernel, scheme, shape_name, context, batch, ms, kv_read_bytes(store), graph, best)
-                    del store
-                r = {x["kernel"] + "/" + x["scheme"]: x for x in records[-(len(fp16) + len(variants)):]}
-                print(f"  {shape_name:13s} B={batch:<3d} T={context:<7d} fp16 {best:8.4f} ms | " + " | ".join(
-                    f"{key.split('/')[1]}{'(g)' if 'gather' in key else ''} {x['ms']:.4f} ms x{x['speedup_vs_fp16']:.2f}"
-                    for key, x in r.items() if not key.startswith("sdpa")))
-                del q
+                    row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
+                records += row
+                cells = [
+                    f"{r['scheme']}{'(g)' if 'gather' in r['kernel'] else ''} {r['ms']:.4f} ms "
+                    f"x{r['speedup_vs_fp16']:.2f}"
+                    for r in row
+                    if not r["kernel"].startswith("sdpa")
+                ]
+                print(
+                    f"  {shape_name:13s} B={batch:<3d} T={context:<7d} fp16 {best:8.4f} ms | "
+                    + " | ".join(cells)
+                )
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     return records
 
 
 def break_even(records: list[dict]) -> list[dict]:
-    """Per (shape, batch, kernel, scheme): the shortest measured context from which every longer one is faster than fp16."""
+    """Per (shape, batch, kernel, scheme): the shortest context from which every longer one beats fp16."""
     out = []
-    keys = sorted({(r["shape"], r["batch"], r["kernel"], r["scheme"]) for r in records if not r["kernel"].startswith("sdpa")})
+    keys = sorted(
+        {
+            (r["shape"], r["batch"], r["kernel"], r["scheme"])
+            for r in records
+            if not r["kernel"].startswith("sdpa")
+        }
+    )
     for shape, batch, kernel, scheme in keys:
-        rows = sorted((r for r in records if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)),
-                      key=lambda r: r["context"])
+        rows = sorted(
+            (
+                r
+                for r in records
+                if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)
+            ),
+            key=lambda r: r["context"],
+        )
         be = None
         for i, r in enumerate(rows):
             if all(x["speedup_vs_fp16"] >= 1 for x in rows[i:]):
                 be = r["context"]
                 break
-        out.append(dict(shape=shape, batch=batch, kernel=kernel, scheme=scheme, break_even_context=be,
-                        max_context_measured=rows[-1]["context"] if rows else None))
+        out.append(
+            dict(
+                shape=shape,
+                batch=batch,
+                kernel=kernel,
+                scheme=scheme,
+                break_even_context=be,
+                max_context_measured=rows[-1]["context"] if rows else None,
+            )
+        )
     return out
 
 
 def markdown(records: list[dict], be: list[dict], copy_gbps: float) -> str:
-    lines = [f"Copy bandwidth (read + write): {copy_gbps:.0f} GB/s", "",
-             "| shape | batch | context | kernel | scheme | ms | GB/s | of copy | speed-up vs fp16 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Copy bandwidth (read + write): {copy_gbps:.0f} GB/s",
+        "",
+        "| shape | batch | context | kernel | scheme | ms | GB/s | of copy | speed-up vs fp16 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | {r['ms']:.4f} | "
-                     f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f}% | {sp} |")
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | "
+            f"{r['ms']:.4f} | "
+            f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f}% | {sp} |"
+        )
     lines += ["", "| shape | batch | kernel | scheme | break-even context |", "|---|---|---|---|---|"]
     for b in be:
         ctx = b["break_even_context"]
-        lines.append(f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | "
-                     f"{ctx if ctx is not None else '> ' + str(b['max_context_measured'])} |")
+        lines.append(
+            f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | "
+            f"{ctx if ctx is not None else '> ' + str(b['max_context_measured'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -346,10 +439,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--kernel", choices=("auto", "triton", "reference"), default="auto",
-                   help="quantized path to time (auto: triton on CUDA, reference on CPU)")
-    p.add_argument("--check", choices=("auto", "yes", "no"), default="auto",
-                   help="run the correctness step (auto: whenever Triton is used)")
+    p.add_argument(
+        "--kernel",
+        choices=("auto", "triton", "reference"),
+        default="auto",
+        help="quantized path to time (auto: triton on CUDA, reference on CPU)",
+    )
+    p.add_argument(
+        "--check",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="run the correctness step (auto: whenever Triton is used)",
+    )
     p.add_argument("--max-gb", type=float, default=40.0, help="skip combos whose fp16 K/V exceed this")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
@@ -372,8 +473,11 @@ def main(argv: list[str] | None = None) -> dict:
         kernel=kernel,
     )
     t0 = time.time()
-    env = dict(torch=torch.__version__, python=platform.python_version(),
-               device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu")
+    env = dict(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    )
     try:
         import triton
 
@@ -393,10 +497,22 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"(3) decode attention sweep ({kernel})")
     records = sweep(cfg, decode, copy_gbps)
     be = break_even(records)
-    result = dict(version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"), smoke=cfg.smoke, env=env,
-                  copy_gbps=round(copy_gbps, 1), layout=dict(key=f"per-channel, {KEY_GROUP}-token groups",
-                  value=f"per-token, {VALUE_GROUP}-channel groups", residual_fp16=RESIDUAL),
-                  checks=checks, records=records, break_even=be, seconds=round(time.time() - t0, 1))
+    result = dict(
+        version=FORMAT_VERSION,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        smoke=cfg.smoke,
+        env=env,
+        copy_gbps=round(copy_gbps, 1),
+        layout=dict(
+            key=f"per-channel, {KEY_GROUP}-token groups",
+            value=f"per-token, {VALUE_GROUP}-channel groups",
+            residual_fp16=RESIDUAL,
+        ),
+        checks=checks,
+        records=records,
+        break_even=be,
+        seconds=round(time.time() - t0, 1),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(markdown(records, be, copy_gbps))

@@ -121,7 +121,9 @@ def test_pack_store_layout_equals_quantized_blocks(s: TensorSpec, tps: int, cps:
     assert (p.tps, p.cps, p.bits, p.symmetric) == (tps, cps, s.bits, s.symmetric)
     assert p.codes.shape == (B, H, 96, math.ceil(D * s.bits / 8)) and p.codes.dtype == torch.uint8
     assert p.scale.shape == (B, H, 96 // tps, D // cps) and p.scale.dtype == torch.float16
-    assert torch.equal(unpack_bits(p.codes, s.bits, D), torch.cat([unpack_bits(b.data, s.bits, D) for b in blocks], 2))
+    assert torch.equal(
+        unpack_bits(p.codes, s.bits, D), torch.cat([unpack_bits(b.data, s.bits, D) for b in blocks], 2)
+    )
     # the layout decodes to exactly what QuantizedTensor decodes (same float32 formulas)
     assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
     assert p.nbytes == sum(b.nbytes for b in blocks) + (
@@ -164,8 +166,12 @@ def test_reference_pre_rope_equals_rotated_keys():
     store = make_store(g, device="cpu", rope=True, T_f=0)
     q = torch.randn(2, 6, 1, 64, generator=g, dtype=torch.float64)
     # the same keys, rotated up front and stored as a float64 tail
-    k = apply_rope_at(dequantize_packed(store.key, torch.float64), store.rope_cos.double(), store.rope_sin.double(),
-                      store.quant_pos0)
+    k = apply_rope_at(
+        dequantize_packed(store.key, torch.float64),
+        store.rope_cos.double(),
+        store.rope_sin.double(),
+        store.quant_pos0,
+    )
     dense = pack_store([], [], k, dequantize_packed(store.value, torch.float64))
     want = decode_attention_reference(q, dense, dtype=torch.float64)
     assert max_err(decode_attention_reference(q, store, dtype=torch.float64), want) < 1e-12
@@ -252,7 +258,9 @@ def test_kernel_unpacks_exact_codes(bits: int):
     p = pack_store([qt], [qt]).key
     assert torch.equal(triton_decode.unpack_codes_triton(p), unpack_bits(p.codes, bits, 64))
     # same float32 formula as the reference; a fused multiply-add may move the last bit on a GPU
-    torch.testing.assert_close(triton_decode.dequantize_packed_triton(p), dequantize_packed(p), rtol=2e-7, atol=1e-7)
+    torch.testing.assert_close(
+        triton_decode.dequantize_packed_triton(p), dequantize_packed(p), rtol=2e-7, atol=1e-7
+    )
 
 
 # (name, make_store kwargs, splits, vectorized): vectorized=None reads whole packed rows (the default,
@@ -264,8 +272,18 @@ ATTENTION_CASES = [
     ("int4-kivi-gather", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2, False),
     ("int2-token-keys-gather", dict(key_spec=spec(2, "token"), value_spec=spec(2, "token")), 2, False),
     ("int4-token-keys", dict(key_spec=spec(4, "token"), value_spec=spec(4, "token")), 2, None),
-    ("int2-channel16-mha", dict(key_spec=spec(2, "channel", 16), value_spec=spec(2, "token"), H_kv=3, G=1), 1, None),
-    ("int3-sym-head", dict(key_spec=spec(3, "token", 32, symmetric=True), value_spec=spec(4, "head")), 2, None),
+    (
+        "int2-channel16-mha",
+        dict(key_spec=spec(2, "channel", 16), value_spec=spec(2, "token"), H_kv=3, G=1),
+        1,
+        None,
+    ),
+    (
+        "int3-sym-head",
+        dict(key_spec=spec(3, "token", 32, symmetric=True), value_spec=spec(4, "head")),
+        2,
+        None,
+    ),
     ("tail-only", dict(T_q=0, T_f=150), 2, None),
     ("no-tail-d128-g4", dict(T_f=0, D=128, G=4, B=1), 2, None),
 ]
@@ -340,9 +358,17 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     need = {"kernel", "scheme", "shape", "context", "batch", "ms", "gbps", "frac_of_copy", "speedup_vs_fp16"}
     assert data["records"] and all(need <= set(r) for r in data["records"])
     schemes = {(r["kernel"], r["scheme"]) for r in data["records"]}
-    assert {("sdpa-gqa", "fp16"), ("reference", "int8"), ("reference", "int4"), ("reference", "int2")} <= schemes
+    assert {
+        ("sdpa-gqa", "fp16"),
+        ("reference", "int8"),
+        ("reference", "int4"),
+        ("reference", "int2"),
+    } <= schemes
     # bytes read shrink with the bits (metadata included)
-    by = {r["scheme"]: r["bytes_read"] for r in data["records"]
-          if r["kernel"] == "reference" and r["context"] == 512 and r["shape"] == "llama-3-8b"}
+    by = {
+        r["scheme"]: r["bytes_read"]
+        for r in data["records"]
+        if r["kernel"] == "reference" and r["context"] == 512 and r["shape"] == "llama-3-8b"
+    }
     assert by["fp16"] > by["int8"] > by["int4"] > by["int2"]
     assert {b["scheme"] for b in data["break_even"]} == {"fp16", "int8", "int4", "int2"}

@@ -63,7 +63,12 @@ ASYM_TOKEN_CASES = [
 SYM_TOKEN_CASES = [
     (2, [[-3, -1, 1.2, 3], [0.5, -0.5, 0.1, -0.2]], [[0, 1, 1, 2], [2, 0, 1, 1]], [3, 0.5]),
     (4, [[-7, -2.4, 0.3, 5.6], [14, 1.2, -3.4, 0]], [[0, 5, 7, 13], [14, 8, 5, 7]], [1, 2]),
-    (8, [[-254, 1.2, 100.9, 254], [0.25, -31.75, 3, 10]], [[0, 128, 177, 254], [128, 0, 139, 167]], [2, 0.25]),
+    (
+        8,
+        [[-254, 1.2, 100.9, 254], [0.25, -31.75, 3, 10]],
+        [[0, 128, 177, 254], [128, 0, 139, 167]],
+        [2, 0.25],
+    ),
 ]
 
 
@@ -149,8 +154,9 @@ def test_pack_unpack_bijection(bits, n):
 def test_every_byte_pattern_unpacks_and_repacks(bits):
     # n a multiple of 8: no padding bits, so pack o unpack is the identity on all byte strings.
     n = 16
-    packed = torch.randint(0, 256, (5, packed_size(n, bits)), generator=torch.Generator().manual_seed(bits),
-                           dtype=torch.uint8)
+    packed = torch.randint(
+        0, 256, (5, packed_size(n, bits)), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8
+    )
     assert torch.equal(pack_bits(unpack_bits(packed, bits, n), bits), packed)
 
 
@@ -167,7 +173,14 @@ def test_pack_rejects_bad_input():
 # Layer 1: round-trip error bound for every granularity
 # --------------------------------------------------------------------------------------------------
 
-GRANULARITIES = [("token", None), ("token", 16), ("channel", 8), ("channel", 32), ("head", None), ("tensor", None)]
+GRANULARITIES = [
+    ("token", None),
+    ("token", 16),
+    ("channel", 8),
+    ("channel", 32),
+    ("head", None),
+    ("tensor", None),
+]
 
 
 @pytest.mark.parametrize("gran,group", GRANULARITIES)
@@ -308,12 +321,21 @@ def test_out_of_fp16_range_and_wrong_rank_raise():
         quantize(torch.zeros(2, 4), int_spec(4))
 
 
-ALL_INT_SPECS = [int_spec(b, g, gs, symmetric=s) for b in (2, 3, 4, 8) for g, gs in GRANULARITIES for s in (False, True)]
+ALL_INT_SPECS = [
+    int_spec(b, g, gs, symmetric=s) for b in (2, 3, 4, 8) for g, gs in GRANULARITIES for s in (False, True)
+]
 
 
-@pytest.mark.parametrize("spec", ALL_INT_SPECS + [
-    TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g) for f in ("e4m3", "e5m2") for g in ("token", "tensor")
-], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    ALL_INT_SPECS
+    + [
+        TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g)
+        for f in ("e4m3", "e5m2")
+        for g in ("token", "tensor")
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("value", [0.0, 0.75, -3.25])  # float16-representable constants
 def test_constant_and_zero_inputs(spec, value):
     x = torch.full((1, 2, 32, 64), value)

@@ -52,7 +52,9 @@ def enable_interpreter() -> None:
     """
     global _PATCHED
     if "kvbits.kernels.triton_decode" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("kvbits.kernels.triton_decode was imported before enable_interpreter(); its kernels are compiled")
+        raise RuntimeError(
+            "kvbits.kernels.triton_decode was imported before enable_interpreter(); its kernels are compiled"
+        )
     already_imported = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
     os.environ["TRITON_INTERPRET"] = "1"
     if _PATCHED:

@@ -151,16 +151,22 @@ def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
     B, H, _, D = blocks[0].shape
     if spec.kind != "int":
         raise NotImplementedError(
-            f"{what}: the packed decode layout holds affine integer codes; kind={spec.kind!r} is not supported "
+            f"{what}: the packed decode layout holds affine integer codes; kind={spec.kind!r} is not "
+            "supported "
             "(attend over QuantizedTensor.dequantize() instead)"
         )
     if spec.outlier_frac > 0:
-        raise NotImplementedError(f"{what}: dense-and-sparse outliers are not supported by the packed decode layout")
+        raise NotImplementedError(
+            f"{what}: dense-and-sparse outliers are not supported by the packed decode layout"
+        )
     codes, scales, zeros = [], [], []
     tps = cps = None
     for i, qt in enumerate(blocks):
         if qt.spec != spec or qt.shape[:2] != (B, H) or qt.shape[3] != D:
-            raise ValueError(f"{what} block {i}: spec/shape {qt.spec}, {qt.shape} differs from block 0 ({spec}, {blocks[0].shape})")
+            raise ValueError(
+                f"{what} block {i}: spec/shape {qt.spec}, {qt.shape} differs from block 0 "
+                f"({spec}, {blocks[0].shape})"
+            )
         n = qt.n_tokens
         # `expand_to`: the keepdim scale shape on quantize's grouped view; static scales are stored
         # once per layer and broadcast, so they are materialised per group here.
@@ -179,7 +185,9 @@ def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
         if tps is None:
             tps, cps = b_tps, b_cps
         elif (tps, cps) != (b_tps, b_cps):
-            raise ValueError(f"{what} block {i}: {n} tokens; head/tensor blocks must all have the same length")
+            raise ValueError(
+                f"{what} block {i}: {n} tokens; head/tensor blocks must all have the same length"
+            )
         codes.append(qt.data)
         scales.append(qt.scale.expand(expand_to).reshape(shape))
         if qt.zero is not None:
@@ -202,7 +210,9 @@ def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
     )
 
 
-def _lens(lens: torch.Tensor | list[int] | None, default: int, B: int, device: torch.device, what: str) -> torch.Tensor:
+def _lens(
+    lens: torch.Tensor | list[int] | None, default: int, B: int, device: torch.device, what: str
+) -> torch.Tensor:
     if lens is None:
         return torch.full((B,), default, dtype=torch.int32, device=device)
     out = torch.as_tensor(lens, dtype=torch.int32, device=device).reshape(-1)
@@ -236,7 +246,9 @@ def pack_store(
         quant_pos0: ``(B,)`` position of the first quantized slot (default 0), pre-RoPE keys only.
     """
     if len(key_blocks) != len(value_blocks):
-        raise ValueError(f"need as many key blocks as value blocks, got {len(key_blocks)} and {len(value_blocks)}")
+        raise ValueError(
+            f"need as many key blocks as value blocks, got {len(key_blocks)} and {len(value_blocks)}"
+        )
     if (key_full is None) != (value_full is None):
         raise ValueError("key_full and value_full must both be given or both be None")
     if not key_blocks and key_full is None:
@@ -247,9 +259,16 @@ def pack_store(
     B, H, device = ref.shape[0], ref.shape[1], ref.device
     D = key.head_dim if key is not None else key_full.shape[-1]
     if key is not None and (value.codes.shape[:3] != key.codes.shape[:3] or value.head_dim != D):
-        raise ValueError(f"key and value stores differ: {tuple(key.codes.shape)} vs {tuple(value.codes.shape)}")
+        raise ValueError(
+            f"key and value stores differ: {tuple(key.codes.shape)} vs {tuple(value.codes.shape)}"
+        )
     if key_full is not None:
-        if key_full.shape != value_full.shape or key_full.dim() != 4 or key_full.shape[:2] != (B, H) or key_full.shape[3] != D:
+        if (
+            key_full.shape != value_full.shape
+            or key_full.dim() != 4
+            or key_full.shape[:2] != (B, H)
+            or key_full.shape[3] != D
+        ):
             raise ValueError(
                 f"full-precision tail must be (B={B}, H_kv={H}, T_f, D={D}) for keys and values, got "
                 f"{tuple(key_full.shape)} and {tuple(value_full.shape)}"
@@ -260,7 +279,9 @@ def pack_store(
     ql = _lens(quant_lens, T_q, B, device, "quant_lens")
     fl = _lens(full_lens, T_f, B, device, "full_lens")
     if bool(((ql + fl) < 1).any()):
-        raise ValueError(f"every sequence needs at least one token; quant_lens={ql.tolist()}, full_lens={fl.tolist()}")
+        raise ValueError(
+            f"every sequence needs at least one token; quant_lens={ql.tolist()}, full_lens={fl.tolist()}"
+        )
     pos0 = None
     if (rope_cos is None) != (rope_sin is None):
         raise ValueError("rope_cos and rope_sin must both be given or both be None")
@@ -268,10 +289,14 @@ def pack_store(
         if key is None:
             raise ValueError("RoPE tables apply to pre-RoPE quantized keys, but the store has none")
         if rope_cos.shape != rope_sin.shape or rope_cos.dim() != 2 or rope_cos.shape[1] != D:
-            raise ValueError(f"rope tables must be (T_pos, D={D}), got {tuple(rope_cos.shape)}, {tuple(rope_sin.shape)}")
+            raise ValueError(
+                f"rope tables must be (T_pos, D={D}), got {tuple(rope_cos.shape)}, {tuple(rope_sin.shape)}"
+            )
         pos0 = _lens(quant_pos0 if quant_pos0 is not None else [0] * B, 2**31 - 1, B, device, "quant_pos0")
         if int((pos0 + ql).max()) > rope_cos.shape[0]:
-            raise ValueError(f"rope tables cover {rope_cos.shape[0]} positions, keys reach {int((pos0 + ql).max())}")
+            raise ValueError(
+                f"rope tables cover {rope_cos.shape[0]} positions, keys reach {int((pos0 + ql).max())}"
+            )
         rope_cos, rope_sin = rope_cos.float().contiguous(), rope_sin.float().contiguous()
     elif quant_pos0 is not None:
         raise ValueError("quant_pos0 is only meaningful with rope tables (pre-RoPE keys)")
@@ -310,21 +335,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def apply_rope_at(
-    k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.Tensor
-) -> torch.Tensor:
+def apply_rope_at(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:
     """Rotate keys ``(B, H_kv, T, D)``: slot ``t`` of sequence ``b`` sits at position ``pos0[b] + t``.
 
     Tables ``(T_pos, D)``; positions past the table end are clamped (they are padding slots).
     """
     B, _, T, _ = k.shape
-    pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp_max(cos.shape[0] - 1)  # (B, T)
+    pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp_max(
+        cos.shape[0] - 1
+    )  # (B, T)
     c = cos.to(k.dtype)[pos][:, None]  # (B, 1, T, D)
     s = sin.to(k.dtype)[pos][:, None]
     return k * c + rotate_half(k) * s
 
 
-def materialize(store: PackedStore, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def materialize(
+    store: PackedStore, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense keys, values ``(B, H_kv, T_q + T_f, D)`` in ``dtype`` and the validity mask ``(B, T_q + T_f)``.
 
     Quantized slots come first, then tail slots; pre-RoPE keys are rotated (in ``dtype``).
@@ -366,7 +393,8 @@ def decode_attention_reference(
     H_kv = store.n_kv_heads
     if one != 1 or D != store.head_dim or B != store.batch or H_q % H_kv:
         raise ValueError(
-            f"q must be (B={store.batch}, H_q (a multiple of H_kv={H_kv}), 1, D={store.head_dim}), got {tuple(q.shape)}"
+            f"q must be (B={store.batch}, H_q (a multiple of H_kv={H_kv}), 1, D={store.head_dim}), "
+            f"got {tuple(q.shape)}"
         )
     G = H_q // H_kv
     scale = 1.0 / math.sqrt(D) if scale is None else scale

@@ -61,6 +61,7 @@ def _unpack(codes_ptr, t, d, mask, ROW, BITS: tl.constexpr):
     return (word >> (bit % 8)) & ((1 << BITS) - 1)
 
 
+# fmt: off
 @triton.jit
 def _load_kv(codes_ptr, scale_ptr, zero_ptr, t, d, mask, ROW, SCOLS,
              BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr):
@@ -85,14 +86,16 @@ def _load_kv(codes_ptr, scale_ptr, zero_ptr, t, d, mask, ROW, SCOLS,
 
 
 @triton.jit
-def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr):
+def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr,
+               CPS: tl.constexpr):
     """Scales (or zero-points) of rows ``t (BLOCK_T,)`` expanded to ``(BLOCK_T, D)`` float32.
 
     Loads the ``D / CPS`` stored columns of each row (contiguous) and repeats each ``CPS`` times.
     """
     NC: tl.constexpr = D // CPS
     offs_c = tl.arange(0, NC)
-    m = tl.load(ptr + (t // TPS)[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float32)
+    m = tl.load(ptr + (t // TPS)[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0)
+    m = m.to(tl.float32)
     if CPS > 1:
         m = tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_T, NC, CPS)), (BLOCK_T, D))
     return m
@@ -114,7 +117,9 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, t, mask_t, ROW, SCOLS, D: tl.cons
     elif BITS == 4:
         code = tl.interleave(byte & 15, byte >> 4)
     else:
-        code = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
+        even = tl.interleave(byte & 3, (byte >> 4) & 3)  # codes 0, 2 of each byte
+        odd = tl.interleave((byte >> 2) & 3, byte >> 6)  # codes 1, 3
+        code = tl.interleave(even, odd)
     s = _meta_rows(scale_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
     if SYM:
         x = (code - ((1 << (BITS - 1)) - 1)).to(tl.float32) * s
@@ -140,6 +145,7 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
     else:
         pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc * alpha[:, None] + pv
+# fmt: on
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,12 +153,13 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 
 
+# fmt: off
 @triton.jit
 def _decode_kernel(
-    Q, M_OUT, L_OUT, ACC_OUT,
-    KC, KS, KZ, VC, VS, VZ, QLEN,
-    KF, VF, FLEN,
-    COS, SIN, POS0,
+    Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
+    KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
+    KF, VF, FLEN,                                  # full-precision tail; lengths
+    COS, SIN, POS0,                                # pre-RoPE keys: tables (T_pos, D), first positions
     qk_scale, H_kv, T_q, T_f,
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
     n_split_q, n_split, chunk_q, chunk_f,
@@ -190,14 +197,15 @@ def _decode_kernel(
             valid = t < end
             # keys as a transposed (D, BLOCK_T) tile for q @ k
             if VEC_K:
-                k = tl.trans(_load_rows(kc, ks, kz, t, valid, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS, K_CPS, K_SYM))
+                k = tl.trans(_load_rows(kc, ks, kz, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
+                                        K_BITS, K_TPS, K_CPS, K_SYM))
             else:
                 k = _load_kv(kc, ks, kz, t[None, :], offs_d[:, None], valid[None, :], K_ROW, K_SCOLS,
                              K_BITS, K_TPS, K_CPS, K_SYM)
             if ROPE:
                 # pre-RoPE keys (KVQuant §3.2): rotate after dequantization, rotate-half convention
-                # k * cos + rotate_half(k) * sin, rotate_half(k)[d] = -k[d + D/2] (d < D/2), k[d - D/2] else.
-                # The partner channel is dequantized again from the same (cached) bytes.
+                # k * cos + rotate_half(k) * sin, rotate_half(k)[d] = -k[d + D/2] (d < D/2), k[d - D/2]
+                # else. The partner channel is dequantized again from the same (cached) bytes.
                 partner = (offs_d + D // 2) % D
                 kp = _load_kv(kc, ks, kz, t[None, :], partner[:, None], valid[None, :], K_ROW, K_SCOLS,
                               K_BITS, K_TPS, K_CPS, K_SYM)
@@ -227,6 +235,7 @@ def _decode_kernel(
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
     tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+# fmt: on
 
 
 @triton.jit
@@ -263,15 +272,41 @@ def _unpack_kernel(C, OUT, T, ROW, D: tl.constexpr, BITS: tl.constexpr, BLOCK_T:
 
 
 @triton.jit
-def _dequant_kernel(C, S, Z, OUT, T, ROW, SROWS, SCOLS, D: tl.constexpr, BITS: tl.constexpr,
-                    TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` (tests, unfused baseline)."""
+def _dequant_kernel(
+    C,
+    S,
+    Z,
+    OUT,
+    T,
+    ROW,
+    SROWS,
+    SCOLS,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    TPS: tl.constexpr,
+    CPS: tl.constexpr,
+    SYM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` (tests)."""
     bh = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
     mask = (t < T)[:, None]
-    x = _load_kv(C + bh * T * ROW, S + bh * SROWS * SCOLS, Z + bh * SROWS * SCOLS, t[:, None], d[None, :], mask,
-                 ROW, SCOLS, BITS, TPS, CPS, SYM)
+    x = _load_kv(
+        C + bh * T * ROW,
+        S + bh * SROWS * SCOLS,
+        Z + bh * SROWS * SCOLS,
+        t[:, None],
+        d[None, :],
+        mask,
+        ROW,
+        SCOLS,
+        BITS,
+        TPS,
+        CPS,
+        SYM,
+    )
     tl.store(OUT + bh * T * D + t[:, None] * D + d[None, :], x, mask=mask)
 
 
@@ -371,8 +406,11 @@ def decode_attention_triton(
         if p is None:
             return (dummy, dummy, dummy), (1, 1, 1), (8, 1, 1, True)
         z = p.zero if p.zero is not None else p.scale
-        return (p.codes, p.scale, z), (p.codes.shape[-1], p.scale.shape[2], p.scale.shape[3]), (
-            p.bits, p.tps, p.cps, p.zero is None)
+        return (
+            (p.codes, p.scale, z),
+            (p.codes.shape[-1], p.scale.shape[2], p.scale.shape[3]),
+            (p.bits, p.tps, p.cps, p.zero is None),
+        )
 
     (kc, ks, kz), (k_row, k_srows, k_scols), (k_bits, k_tps, k_cps, k_sym) = side(k)
     (vc, vs, vz), (v_row, v_srows, v_scols), (v_bits, v_tps, v_cps, v_sym) = side(v)
@@ -384,6 +422,7 @@ def decode_attention_triton(
     def vec_ok(p: PackedTensor | None) -> bool:
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
 
+    # fmt: off
     args = (
         q2, m, l_, acc,
         kc, ks, kz, vc, vs, vz, store.quant_lens,
@@ -399,6 +438,7 @@ def decode_attention_triton(
         V_BITS=v_bits, V_TPS=v_tps, V_CPS=v_cps, V_SYM=v_sym,
         ROPE=rope, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
+    # fmt: on
     config = tuple(sorted(meta.items()))
     use_vec = vectorized is not False and config not in _VEC_BROKEN
     vec_k, vec_v = use_vec and vec_ok(k) and not rope, use_vec and vec_ok(v)
@@ -408,7 +448,9 @@ def decode_attention_triton(
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
         except Exception as exc:  # the interleave path did not compile here: keep the gather path
             _VEC_BROKEN.add(config)
-            logger.warning("vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__)
+            logger.warning(
+                "vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__
+            )
             _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
     else:
         _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
@@ -421,7 +463,9 @@ def unpack_codes_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
     """Codes ``(B, H_kv, T_q, D)`` uint8 unpacked by the kernels' own helper (for exact tests)."""
     B, H, T, row = p.codes.shape
     out = torch.empty(B, H, T, p.head_dim, dtype=torch.uint8, device=p.codes.device)
-    _unpack_kernel[(B * H, triton.cdiv(T, block_t))](p.codes, out, T, row, D=p.head_dim, BITS=p.bits, BLOCK_T=block_t)
+    _unpack_kernel[(B * H, triton.cdiv(T, block_t))](
+        p.codes, out, T, row, D=p.head_dim, BITS=p.bits, BLOCK_T=block_t
+    )
     return out
 
 
@@ -431,7 +475,19 @@ def dequantize_packed_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor
     out = torch.empty(B, H, T, p.head_dim, dtype=torch.float32, device=p.codes.device)
     z = p.zero if p.zero is not None else p.scale
     _dequant_kernel[(B * H, triton.cdiv(T, block_t))](
-        p.codes, p.scale, z, out, T, row, p.scale.shape[2], p.scale.shape[3],
-        D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, BLOCK_T=block_t,
+        p.codes,
+        p.scale,
+        z,
+        out,
+        T,
+        row,
+        p.scale.shape[2],
+        p.scale.shape[3],
+        D=p.head_dim,
+        BITS=p.bits,
+        TPS=p.tps,
+        CPS=p.cps,
+        SYM=p.zero is None,
+        BLOCK_T=block_t,
     )
     return out
