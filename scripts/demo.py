@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -106,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 2K context, 1 window, 3 schemes")
     p.add_argument("--skip-plan", action="store_true", help="skip step 1 (memory plan)")
-    p.add_argument("--fresh", action="store_true", help="delete this demo's previous output folder first")
+    p.add_argument("--fresh", action="store_true", help="recompute even if the output folder holds this run")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/demo-...)")
     return p.parse_args(argv)
 
@@ -209,7 +208,11 @@ def _run_evaluator(settings: dict[str, Any]) -> None:
         evaluate(
             model=settings["model"], data=settings["data"], context=settings["context"],
             semantics=settings["semantics"], mode=settings["mode"], windows=settings["windows"],
-            schemes=list(settings["schemes"]), out_dir=settings["out"],
+            schemes=list(settings["schemes"]), out_dir=settings["out"], overwrite=settings["fresh"],
+            progress=sys.stderr.isatty(),
+            on_skip=lambda _: logger.info(
+                "%s already holds this finished run; showing it (--fresh to recompute)", settings["out"]
+            ),
         )
         return
     import importlib.util
@@ -223,6 +226,8 @@ def _run_evaluator(settings: dict[str, Any]) -> None:
         "--context", str(settings["context"]), "--semantics", settings["semantics"], "--mode", settings["mode"],
         "--windows", str(settings["windows"]), "--out", str(settings["out"]),
     ]
+    if settings["fresh"]:
+        cmd.append("--overwrite")
     for s in settings["schemes"]:
         cmd += ["--scheme", s]
     logger.info("running %s", " ".join(cmd))
@@ -256,15 +261,14 @@ def step_eval(console: Any, settings: dict[str, Any]) -> dict[str, Path]:
     from kvbits.report import print_summary, write_report
 
     out: Path = settings["out"]
-    if settings["fresh"] and out.exists():
-        shutil.rmtree(out)
     console.rule(f"Step 2: evaluation — {EVAL_MODEL} on {EVAL_DATA}, {settings['context']}-token windows")
     t0 = time.perf_counter()
     _run_evaluator(settings)
     logger.info("evaluation finished in %.0f s", time.perf_counter() - t0)
     summary = _check_output(out, settings)
     print_summary(summary, console)
-    return write_report(out)
+    # the runner writes the report too, but only logs a failure; here a failure must stop the demo
+    return write_report(out, strict=True)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -285,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preset = QUICK if args.quick else FULL
         context = preset["context"]
-        tag = f"{context // 1024}k" + ("-quick" if args.quick else "")
+        windows = windows_from_env(1)
+        # one folder per configuration: the runner reuses a finished run of the same configuration
+        # and refuses to mix two, so more windows get their own folder
+        tag = f"{context // 1024}k" + (f"-w{windows}" if windows != 1 else "") + ("-quick" if args.quick else "")
         settings = {
             "model": EVAL_MODEL, "data": EVAL_DATA, "context": context, "semantics": EVAL_SEMANTICS,
-            "mode": EVAL_MODE, "windows": windows_from_env(1), "schemes": preset["schemes"],
+            "mode": EVAL_MODE, "windows": windows, "schemes": preset["schemes"],
             "out": (args.out or REPO / "runs" / f"demo-smollm2-war-and-peace-{tag}").resolve(),
             "fresh": args.fresh,
         }

@@ -25,7 +25,8 @@ pytest.importorskip("matplotlib")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONTEXT = 8192
-SPANS = [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
+# as the runner writes them: query positions t (predicting t + 1); an 8K window has 8191 of them
+SPANS = [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8191)]
 PPL_REF = [20.0, 16.0, 14.0, 13.0]
 # scheme: (avg bits, ΔPPL per bucket as fractions). int4-token is built to cross 1 % at 4K-8K only,
 # kivi-2 fails from the first bucket, kivi-4 is the cheapest scheme that always stays within 1 %.
@@ -75,7 +76,7 @@ def _tokens(path: Path, deltas: list[float], seed: int) -> None:
 
     rng = np.random.default_rng(seed)
     n = CONTEXT - 1
-    pos = np.arange(1, CONTEXT)
+    pos = np.arange(n)  # entry t = query position t, the positions the buckets count
     ref = np.log(15.0) + rng.normal(0, 1.0, (2, n))
     shift = np.zeros(n)
     for (lo, hi), d in zip(SPANS, deltas):
@@ -88,11 +89,14 @@ def _tokens(path: Path, deltas: list[float], seed: int) -> None:
 
 
 def _config() -> dict:
+    """config.json as ``kvbits.evaluate.runner.evaluate`` writes it when called from Python."""
     return {
-        "args": {"model": "smollm2-135m", "data": "war-and-peace", "context": 8192, "semantics": "decode",
-                 "mode": "simulate", "windows": 2, "schemes": list(SCHEMES), "out": "runs/x", "no_tokens": False},
-        "versions": {"kvbits": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0"},
-        "commit": "abc1234def5678", "date": "2026-01-02T03:04:05Z",
+        "version": 1, "config_hash": "0" * 16,
+        "args": {"model": "smollm2-135m", "data": "war-and-peace", "context": 8192, "windows": 2,
+                 "schemes": list(SCHEMES), "mode": "simulate", "semantics": "decode", "prompt_len": None,
+                 "attn_layers": [0, 14, 29], "dtype": "float32", "device": None, "data_path": None},
+        "argv": None, "versions": {"kvbits": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0"},
+        "commit": {"sha": "abc1234def5678", "dirty": True}, "date": "2026-01-02T03:04:05+00:00",
     }
 
 
@@ -164,12 +168,14 @@ def test_markdown_tables_hold_the_numbers(full_run):
 
 def test_report_header_and_reproduce_line(full_run):
     md = full_run[1]["markdown"].read_text()
-    for text in ("fingerprint `0123456789abcdef`", "2026-01-02T03:04:05Z", "`abc1234def5678`",
+    for text in ("fingerprint `0123456789abcdef`", "2026-01-02T03:04:05+00:00", "`abc1234def5678 (dirty tree)`",
                  "torch 2.13.0", "`decode`, `simulate` mode", "8192 tokens per window, 2 window(s)"):
         assert text in md
+    d = full_run[0]
     assert (
-        "kvbits eval --model smollm2-135m --data war-and-peace --context 8192 --semantics decode --mode simulate "
-        "--windows 2 --schemes fp16 int8-token kivi-4 int4-token kivi-2 --out runs/x\n"
+        "kvbits eval --model smollm2-135m --data war-and-peace --context 8192 --windows 2 --scheme fp16 "
+        "--scheme int8-token --scheme kivi-4 --scheme int4-token --scheme kivi-2 --mode simulate "
+        f"--semantics decode --attn-layers 0 14 29 --dtype float32 --out {d}\n"
     ) in md
 
 
@@ -249,7 +255,7 @@ def _nan_summary() -> dict:
 
 EDGE_CASES = {
     "fp16 only": (_summary({"fp16": SCHEMES["fp16"]}), True),
-    "single bucket": (_summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")}, context=1000, spans=[(0, 1000)]), False),
+    "single bucket": (_summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")}, context=1000, spans=[(0, 999)]), False),
     "nan and missing": (_nan_summary(), True),
 }
 
@@ -268,7 +274,7 @@ def test_edge_cases_do_not_crash(tmp_path, case):
         assert "| fp16 | 0 | 0 | 0 | 0 |" in md  # KL row: zeros print as 0, the log plot skipped them
     if case == "single bucket":
         assert "| kivi-2 | 3.00 | **+3.00% [+2.05, +3.95]** |" in md
-        assert "**kivi-2** already in the first bucket, 0–1000 (+3.00%" in md
+        assert "**kivi-2** already in the first bucket, 0–999 (+3.00%" in md
         assert md.startswith("# KV-cache quantization report: smollm2-135m on war-and-peace, 1000-token context")
     if case == "nan and missing":
         assert "| int4-token | n/a | +0.20% [+0.09, +0.31] | n/a | +0.80% | **+1.60% [+1.07, +2.13]** |" in md
@@ -357,8 +363,24 @@ def test_running_mean_matches_convolution_and_skips_nan():
 def test_reproduce_command_prefers_recorded_command():
     run = RunSummary.from_dict(_summary())
     assert reproduce_command({"command": "kvbits eval --x 1"}, run) == "kvbits eval --x 1"
-    assert reproduce_command({"argv": ["/usr/bin/kvbits", "eval", "--model", "a b"]}, run) == "kvbits eval --model 'a b'"
-    assert reproduce_command({}, run, "out").endswith("--schemes fp16 int8-token kivi-4 int4-token kivi-2 --out out")
+    argv = ["/usr/bin/kvbits", "eval", "--model", "a b"]
+    assert reproduce_command({"argv": argv, "args": {"model": "x"}}, run) == "kvbits eval --model 'a b'"
+    assert reproduce_command({}, run, "out").endswith("--scheme int4-token --scheme kivi-2 --mode simulate --semantics decode --out out")
+    no_attn = {"args": {"model": "m", "schemes": ["kivi-2"], "attn_layers": [], "prompt_len": None}}
+    assert reproduce_command(no_attn, run) == "kvbits eval --model m --scheme kivi-2 --attn-layers"
+
+
+def test_reproduce_command_parses_with_the_eval_cli(tmp_path):
+    """The rebuilt command line is one `kvbits eval` accepts, with the same settings."""
+    import shlex
+
+    pytest.importorskip("kvbits.evaluate.cli")
+    from kvbits.cli import build_parser
+
+    line = reproduce_command(_config(), RunSummary.from_dict(_summary()), tmp_path / "out")
+    args = build_parser(only="eval").parse_args(shlex.split(line)[1:])
+    assert (args.model, args.data, args.context, args.windows) == ("smollm2-135m", "war-and-peace", 8192, 2)
+    assert args.scheme == list(SCHEMES) and args.attn_layers == [0, 14, 29] and args.out == str(tmp_path / "out")
 
 
 def test_tables_are_consistent_with_formatting():
@@ -369,6 +391,7 @@ def test_tables_are_consistent_with_formatting():
     o = overall_table(_summary())
     assert [c.text for c in o.rows[0]][:5] == ["fp16", "16.00", "15.000", "15.000", "+0.00%"]
     assert fmt_pct(float("nan")) == "n/a" and fmt_pct(1.5) == "+150.0%"
+    assert fmt_pct(-1e-6) == "+0.00%" and fmt_pct(-0.0001) == "-0.01%"
 
 
 def test_corrupt_or_partial_token_files_are_skipped(tmp_path):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbits.report.tables import DEFAULT_THRESHOLD, RunSummary, fmt_pct, fmt_pos
+from kvbits.report.tables import DEFAULT_THRESHOLD, RunSummary, bucket_label, fmt_end, fmt_pct, fmt_pos
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +116,18 @@ def _window_mean(a: np.ndarray) -> np.ndarray:
 
 
 def _position_ticks(ax: Any, run: RunSummary, xmax: float) -> None:
-    edges = sorted({e for s in run.bucket_spans for e in s} | {0})
-    edges = [e for e in edges if e <= xmax * 1.001] or [0]
-    ax.set_xticks(edges, [fmt_pos(e) for e in edges])
-    ax.set_xlim(0, xmax)
-    for e in edges[1:]:
+    """Ticks and faint vertical lines at the bucket edges, labelled like the buckets."""
+    spans = run.bucket_spans
+    if not spans:
+        ax.set_xlim(0, xmax)
+        return
+    starts = sorted({lo for lo, _ in spans})
+    end = max(hi for _, hi in spans)
+    ticks = [0, *[e for e in starts if e > 0], end] if starts[0] > 0 else [*starts, end]
+    labels = [fmt_pos(e) for e in ticks[:-1]] + [fmt_end(end)]
+    ax.set_xticks(ticks, labels)
+    ax.set_xlim(0, max(xmax, end))
+    for e in ticks[1:-1]:
         ax.axvline(e, color="#cccccc", lw=0.8, zorder=0)
 
 
@@ -157,7 +164,9 @@ def plot_ppl_position(
     colors = _colors(run)
     fig = _figure(10, 7.2)
     ax_p, ax_d = fig.subplots(2, 1, sharex=True, height_ratios=(1, 1.15))
-    xmax = float(run.context or max((hi for _, hi in run.bucket_spans), default=1))
+    spans = run.bucket_spans
+    xmax = float(max((hi for _, hi in spans), default=run.context or 1))
+    first = min((lo for lo, _ in spans), default=0)
     deltas: list[float] = []
     ppls: list[float] = []
     ref_drawn = False
@@ -166,10 +175,12 @@ def plot_ppl_position(
         c = colors[r.name]
         arr = tokens.get(r.name) or {}
         if "nll" in arr and "nll_ref" in arr:
+            # entry t of the arrays is query position t (predicting token t + 1), as the buckets;
+            # positions before the first bucket were not scored (prefill semantics) and are masked
             nll, ref = _window_mean(arr["nll"]), _window_mean(arr["nll_ref"])
-            k = min(smooth, max(1, nll.size // 4))
-            pos, m = running_mean(nll, k)
-            x = pos + 1  # entry i of the arrays is the loss of predicting token i + 1
+            nll[:first], ref[:first] = np.nan, np.nan
+            k = min(smooth, max(1, (nll.size - first) // 4))
+            x, m = running_mean(nll, k)
             ax_p.plot(x, np.exp(m), color=c, lw=1.2, label=r.name)
             ppls += list(np.exp(m[np.isfinite(m)]))
             if not ref_drawn:
@@ -199,7 +210,6 @@ def plot_ppl_position(
                           color=c, mec="white", capsize=3, zorder=6)
             deltas += by
     if not ref_drawn:
-        spans = run.bucket_spans
         for i, (lo, hi) in enumerate(spans):
             refs = [b.ppl_ref for r in run.results for b in r.buckets if (b.lo, b.hi) == (lo, hi)]
             refs = [v for v in refs if math.isfinite(v)]
@@ -216,7 +226,7 @@ def plot_ppl_position(
     ax_d.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_pct(threshold, 0)} budget")
     _percent_axis(ax_d, deltas)
     ax_d.set_ylabel("ΔPPL vs reference (%)")
-    ax_d.set_xlabel("position of the predicted token")
+    ax_d.set_xlabel("position in the window (query t, predicting token t + 1)")
     ax_d.set_title("ΔPPL against the reference (points: bucket means with 95% CI)", fontsize=10)
     handles, names = _unique_legend([ax_p, ax_d])
     fig.legend(handles, names, loc="outside lower center", ncol=min(7, len(names)), fontsize=8)
@@ -256,7 +266,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
             txt += f"\n[{lo * 100:+.2f}, {hi * 100:+.2f}]"
         dark = v >= 5 or v < 0.1
         ax.text(j, i, txt, ha="center", va="center", fontsize=8, color="white" if dark else "black")
-    ax.set_xticks(range(len(spans)), [f"{fmt_pos(lo)}–{fmt_pos(hi)}" for lo, hi in spans])
+    ax.set_xticks(range(len(spans)), [bucket_label(lo, hi) for lo, hi in spans])
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("position bucket")
     ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_pct(threshold, 0)}", fontsize=11)
@@ -292,7 +302,7 @@ def _log_lines(ax: Any, run: RunSummary, series: dict[str, list[float]], colors:
 def plot_kl(run: RunSummary, path: Path) -> Path:
     """Mean KL(reference ‖ quantized) per bucket, one line per scheme, log scale."""
     spans = run.bucket_spans
-    labels = [f"{fmt_pos(lo)}–{fmt_pos(hi)}" for lo, hi in spans]
+    labels = [bucket_label(lo, hi) for lo, hi in spans]
     series = {}
     for r in run.results:
         by = {(b.lo, b.hi): b.kl for b in r.buckets}
@@ -376,7 +386,7 @@ def plot_attn_error(run: RunSummary, path: Path, *, max_panels: int = 9) -> Path
         idx = np.linspace(0, len(layers) - 1, max_panels).round().astype(int)
         layers = [layers[i] for i in sorted(set(idx))]
     spans = sorted({(lo, hi) for r in run.results for a in r.attn for lo, hi, _ in a.buckets})
-    labels = [f"{fmt_pos(lo)}–{fmt_pos(hi)}" for lo, hi in spans]
+    labels = [bucket_label(lo, hi) for lo, hi in spans]
     ncols = min(3, len(layers))
     nrows = math.ceil(len(layers) / ncols)
     fig = _figure(max(5.0, 3.6 * ncols), 2.9 * nrows + 0.6)

@@ -97,43 +97,46 @@ def _commit(config: Mapping[str, Any]) -> str:
     return str(c)
 
 
+_REPEATED_FLAGS = {"schemes": "--scheme", "scheme": "--scheme"}  # `kvbits eval --scheme A --scheme B`
+
+
 def reproduce_command(config: Mapping[str, Any], run: RunSummary, out_dir: str | Path | None = None) -> str:
     """The command line that re-runs this evaluation, from ``config.json``.
 
-    Uses the recorded command (``command`` or ``argv``) when present, else rebuilds
-    ``kvbits eval --flag value ...`` from the recorded arguments, else from the summary itself.
+    Uses the recorded command line (``argv``, or ``command``) when there is one; otherwise (a run
+    started from Python) rebuilds ``kvbits eval --flag value ...`` from the recorded arguments, or
+    from the summary itself when ``config.json`` is missing. ``--out`` is the report's folder.
     """
     cmd = config.get("command")
     if isinstance(cmd, str) and cmd.strip():
         return cmd.strip()
-    if isinstance(cmd, list) and cmd:
-        return shlex.join(str(c) for c in cmd)
-    argv = config.get("argv")
-    if isinstance(argv, list) and argv:
+    argv = config.get("argv") if isinstance(config.get("argv"), list) else cmd if isinstance(cmd, list) else None
+    if argv:
         argv = [str(a) for a in argv]
-        if argv[0].endswith(("kvbits", "__main__.py", "cli.py")) or "/" in argv[0]:
+        if Path(argv[0]).name in ("kvbits", "__main__.py", "cli.py", "python", "python3"):
             argv = argv[1:]
         return shlex.join(["kvbits", *argv])
     args = dict(_args(config))
     if not args:
         args = {
-            "model": run.model, "data": run.data, "context": run.context, "semantics": run.semantics,
-            "mode": run.mode, "windows": run.windows, "schemes": [r.name for r in run.results],
+            "model": run.model, "data": run.data, "context": run.context, "windows": run.windows,
+            "schemes": [r.name for r in run.results], "mode": run.mode, "semantics": run.semantics,
         }
-        if out_dir is not None:
-            args["out"] = str(out_dir)
+    if out_dir is not None and "out" not in args and "out_dir" not in args:
+        args["out"] = str(out_dir)
     parts = ["kvbits", "eval"]
     for key, value in args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is None or value is False:
+        if key in _REPEATED_FLAGS and isinstance(value, (list, tuple)):
+            for v in value:
+                parts += [_REPEATED_FLAGS[key], str(v)]
             continue
+        flag = "--" + ("out" if key == "out_dir" else str(key)).replace("_", "-")
+        if value is None or value is False or isinstance(value, Mapping):
+            continue  # unset, off, or nested settings without a flag form
         if value is True:
             parts.append(flag)
         elif isinstance(value, (list, tuple)):
-            if value:
-                parts += [flag, *(str(v) for v in value)]
-        elif isinstance(value, Mapping):
-            continue  # nested settings have no flag form
+            parts += [flag, *(str(v) for v in value)]  # an empty list is the bare flag ("none")
         else:
             parts += [flag, str(value)]
     return shlex.join(parts)

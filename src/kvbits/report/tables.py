@@ -32,8 +32,10 @@ __all__ = [
     "SchemeResult",
     "TableData",
     "attn_table",
+    "bucket_label",
     "bucket_table",
     "delta_table",
+    "fmt_end",
     "fmt_kl",
     "fmt_pct",
     "fmt_pos",
@@ -69,12 +71,27 @@ def fmt_pos(n: int) -> str:
     return str(n)
 
 
+def fmt_end(hi: int) -> str:
+    """The exclusive end of a bucket. A window of ``T`` tokens has ``T - 1`` predicting positions, so
+    its last bucket ends at ``T - 1``: an end one short of a multiple of 1024 prints as that multiple
+    (``[4096, 8191)`` is ``4K–8K``, the rest of an 8K window)."""
+    return fmt_pos(hi + 1) if hi > 0 and (hi + 1) % 1024 == 0 else fmt_pos(hi)
+
+
+def bucket_label(lo: int, hi: int) -> str:
+    """``0–1K``, ``4K–8K``, ``1000–1K`` (prefill), ``0–999`` (a 1000-token window)."""
+    return f"{fmt_pos(lo)}–{fmt_end(hi)}"
+
+
 def fmt_pct(frac: float, digits: int = 2) -> str:
     """A relative change (fraction) as a signed percentage: ``0.0042 -> '+0.42%'``."""
     if not _ok(frac):
         return NA
     pct = frac * 100
-    return f"{pct:+.{1 if abs(pct) >= 100 else digits}f}%"
+    d = 1 if abs(pct) >= 100 else digits
+    if round(pct, d) == 0:
+        pct = 0.0  # no "-0.00%" for a difference that rounds to nothing
+    return f"{pct:+.{d}f}%"
 
 
 def fmt_ci(ci: tuple[float, float]) -> str:
@@ -122,7 +139,7 @@ class Bucket:
 
     @property
     def label(self) -> str:
-        return f"{fmt_pos(self.lo)}–{fmt_pos(self.hi)}"
+        return bucket_label(self.lo, self.hi)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Bucket:
@@ -263,10 +280,6 @@ class RunSummary:
         return next((r.ppl_ref for r in self.results if _ok(r.ppl_ref)), math.nan)
 
 
-def _label(lo: int, hi: int) -> str:
-    return f"{fmt_pos(lo)}–{fmt_pos(hi)}"
-
-
 def _bucket_at(r: SchemeResult, span: tuple[int, int]) -> Bucket | None:
     return next((b for b in r.buckets if (b.lo, b.hi) == span), None)
 
@@ -387,7 +400,7 @@ def delta_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFA
             cells.append(Cell(fmt_pct(b.delta) + (f" {ci}" if ci else ""), _tone(b.delta, threshold)))
         rows.append(tuple(cells))
     return TableData(
-        headers=("scheme", "bits", *(_label(*s) for s in spans)), rows=tuple(rows),
+        headers=("scheme", "bits", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 2 + len(spans))),
         caption=f"ΔPPL by position of the predicted token, % [95% CI]; above {fmt_pct(threshold, 0)} marked.",
     )
@@ -416,7 +429,7 @@ def metric_table(summary: RunSummary | Mapping[str, Any], metric: str) -> TableD
         "ppl": "Perplexity by position.",
     }
     return TableData(
-        headers=("scheme", *(_label(*s) for s in spans)), rows=tuple(rows),
+        headers=("scheme", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 1 + len(spans))), caption=captions[metric],
     )
 
@@ -453,7 +466,7 @@ def attn_table(summary: RunSummary | Mapping[str, Any]) -> TableData | None:
             cells += [Cell(_fmt_err(by_span.get(s, math.nan))) for s in spans]
             rows.append(tuple(cells))
     return TableData(
-        headers=("scheme", "layer", *(_label(*s) for s in spans)), rows=tuple(rows),
+        headers=("scheme", "layer", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 2 + len(spans))),
         caption="Relative error ‖o − o_ref‖ / ‖o_ref‖ of the attention output, by position.",
     )
@@ -486,7 +499,7 @@ def bucket_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEF
     table.add_column("scheme", style="bold")
     table.add_column("bits", justify="right")
     for span in spans:
-        table.add_column(_label(*span), justify="right")
+        table.add_column(bucket_label(*span), justify="right")
     for r in run.results:
         cells: list[Any] = [r.name, fmt_float(r.avg_bits, 2)]
         for span in spans:
