@@ -8,15 +8,22 @@ import torch
 from kvbits.quant.affine import META_DTYPE
 
 
-def gather_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-``k`` |x| per row of ``x`` ``(..., D)``.
+def gather_outliers(
+    x: torch.Tensor, k: int, score: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-``k`` entries per row of ``x`` ``(..., D)`` by ``score`` (like ``x``; default ``|x|``).
+
+    Under static per-channel scales the score is the deviation from the channel's calibrated range
+    centre in units of that range, so an entry large only for a wide channel is not an outlier.
 
     Returns ``(values float16 (..., k), index (..., k) uint8|int16, mask bool like x)``.
     """
     D = x.shape[-1]
     if not 0 < k < D:
         raise ValueError(f"outlier count must be in (0, {D}), got {k}")
-    idx = x.abs().topk(k, dim=-1).indices
+    if score is not None and score.shape != x.shape:
+        raise ValueError(f"outlier score must have the shape of x {tuple(x.shape)}, got {tuple(score.shape)}")
+    idx = (x.abs() if score is None else score).topk(k, dim=-1).indices
     vals = torch.gather(x, -1, idx).to(META_DTYPE)
     mask = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx, True)
     idx_dtype = torch.uint8 if D <= 256 else torch.int16

@@ -20,6 +20,14 @@ from kvbits.quant.affine import (
 )
 from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
+from kvbits.quant.nuq import (
+    check_codebook,
+    choose_nuq_params,
+    dequantize_nuq,
+    nuq_normalize,
+    nuq_outlier_score,
+    quantize_nuq,
+)
 from kvbits.quant.outliers import gather_outliers, scatter_outliers
 from kvbits.quant.pack import pack_bits, unpack_bits
 from kvbits.schemes.accounting import outlier_count
@@ -41,6 +49,8 @@ class QuantizedTensor:
         outlier_values, outlier_index: sparse exact values ``(B, H_kv, n, k)`` float16 and their
             channel indices (uint8 / int16), or ``None``.
         clipped: how many elements saturated against static scales (calibration mismatch signal).
+        codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
+            layer, like static scales, not by the block).
     """
 
     spec: TensorSpec
@@ -52,6 +62,7 @@ class QuantizedTensor:
     outlier_index: torch.Tensor | None = None
     clipped: int = 0
     static: bool = field(default=False)
+    codebook: torch.Tensor | None = None
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """The tensors this block owns (static scales are owned by the layer, not the block)."""
@@ -70,8 +81,8 @@ class QuantizedTensor:
     def n_tokens(self) -> int:
         return self.shape[2]
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Back to floats, ``(B, H_kv, n, D)`` in ``dtype``."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, *, codebook: torch.Tensor | None = None) -> torch.Tensor:
+        """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``)."""
         spec = self.spec
         B, H, n, D = self.shape
         if spec.kind == "float":
@@ -83,8 +94,14 @@ class QuantizedTensor:
             out = _ungroup(
                 dequantize_affine(_group(codes, spec), self.scale, self.zero, spec.bits, torch.float32), spec, n, D
             ).to(dtype)
+        elif spec.kind == "nuq":
+            cb = check_codebook(codebook if codebook is not None else self.codebook, spec.bits)
+            codes = unpack_bits(self.data, spec.bits, D)
+            out = _ungroup(
+                dequantize_nuq(_group(codes, spec), self.scale, self.zero, cb, torch.float32), spec, n, D
+            ).to(dtype)
         else:
-            raise NotImplementedError(f"dequantize for kind={spec.kind!r} is provided by the calibration module")
+            raise NotImplementedError(f"dequantize for kind={spec.kind!r} is not implemented")
         if self.outlier_values is not None:
             out = scatter_outliers(out, self.outlier_values, self.outlier_index)
         return out
@@ -100,6 +117,8 @@ def _group(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         return x.reshape(B, H, n, D // g, g)
     if spec.granularity == "channel":
         G = spec.group_size
+        if G is None:  # static per-channel: one calibrated scale per (head, channel), shape (1, H, 1, D)
+            return x
         if n % G:
             raise ValueError(f"per-channel block of {n} tokens is not a multiple of the group size {G}")
         return x.reshape(B, H, n // G, G, D)
@@ -120,6 +139,7 @@ def quantize(
     *,
     static_scale: torch.Tensor | None = None,
     static_zero: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
     validate: bool = True,
 ) -> QuantizedTensor:
     """Quantize one block ``x`` of shape ``(B, H_kv, n, D)`` following ``spec``.
@@ -128,7 +148,10 @@ def quantize(
         x: the block; per-channel specs need ``n`` to be a multiple of ``spec.group_size``.
         spec: how to store it.
         static_scale, static_zero: for ``spec.static``: scales from calibration, broadcastable to the
-            grouped view (per-channel keys: ``(H_kv, D)`` reshaped by the caller to ``(1, H_kv, 1, 1, D)``).
+            grouped view. Static per-channel specs (no token group) take ``(1, H_kv, 1, D)`` or
+            ``(H_kv, D)`` and do not depend on ``n``; outliers are then the entries farthest from their
+            channel's calibrated range centre, in units of that range.
+        codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
         validate: check finiteness and range (``ValueError`` on NaN/inf).
     """
     if validate:
@@ -137,10 +160,14 @@ def quantize(
     shape = (B, H, n, D)
     if spec.kind == "float":
         return QuantizedTensor(spec, shape, x.to(FLOAT_DTYPES[spec.fmt]).contiguous())
+    if spec.kind == "nuq":
+        check_codebook(codebook, spec.bits)
+    static_qp = _static_qparams(x, spec, static_scale, static_zero) if spec.kind in ("int", "nuq") else None
     k = outlier_count(D, spec.outlier_frac)
     o_vals = o_idx = mask = None
     if k:
-        o_vals, o_idx, mask = gather_outliers(x, k)
+        score = None if static_qp is None else _ungroup(_static_score(_group(x, spec), spec, *static_qp), spec, n, D)
+        o_vals, o_idx, mask = gather_outliers(x, k, score=score)
     if spec.kind == "fp8":
         if spec.static or spec.granularity == "tensor":
             scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
@@ -162,28 +189,101 @@ def quantize(
             spec, shape, codes, scale=scale, outlier_values=o_vals, outlier_index=o_idx,
             clipped=int(clipped.sum()), static=spec.static or spec.granularity == "tensor",
         )
-    if spec.kind != "int":
-        raise NotImplementedError(f"quantize for kind={spec.kind!r} is provided by the calibration module")
+    if spec.kind not in ("int", "nuq"):
+        raise NotImplementedError(f"quantize for kind={spec.kind!r} is not implemented")
     xg = _group(x, spec)
     mg = _group(mask, spec) if mask is not None else None
-    if spec.static:
-        if static_scale is None:
-            raise ValueError("a static spec needs static_scale (from a calibration artifact)")
-        scale, zero = static_scale.to(x.device, META_DTYPE), None
-        if spec.has_zero_point:
-            if static_zero is None:
-                raise ValueError("an asymmetric static spec needs static_zero as well as static_scale")
-            zero = static_zero.to(x.device, META_DTYPE)
-    else:
+    if static_qp is not None:
+        scale, zero = static_qp
+    elif spec.kind == "int":
         scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
-    codes, clipped = quantize_affine(xg, scale, zero, spec.bits)
+    else:
+        scale, zero = choose_nuq_params(xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
+    if spec.kind == "int":
+        codes, clipped = quantize_affine(xg, scale, zero, spec.bits)
+    else:
+        codes, clipped = quantize_nuq(xg, scale, zero, codebook)
     if mg is not None:
         clipped = clipped & ~mg
     packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits)
     return QuantizedTensor(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
-        clipped=int(clipped.sum()), static=spec.static,
+        clipped=int(clipped.sum()), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
     )
+
+
+def _static_qparams(
+    x: torch.Tensor, spec: TensorSpec, static_scale: torch.Tensor | None, static_zero: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Calibrated ``(scale, zero)`` for an int/NUQ static spec, float16, shaped for ``_group(x)``."""
+    if not spec.static:
+        return None
+    if static_scale is None:
+        raise ValueError("a static spec needs static_scale (from a calibration artifact)")
+    if spec.has_zero_point and static_zero is None:
+        raise ValueError("an asymmetric static spec needs static_zero as well as static_scale")
+    H, D = x.shape[1], x.shape[3]
+    out = []
+    for name, t in (("static_scale", static_scale), ("static_zero", static_zero if spec.has_zero_point else None)):
+        if t is None:
+            out.append(None)
+            continue
+        if spec.granularity == "channel" and spec.group_size is None and tuple(t.shape) == (H, D):
+            t = t.reshape(1, H, 1, D)
+        grouped = _group(x, spec).shape
+        try:
+            ok = torch.broadcast_shapes(t.shape, grouped) == grouped
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
+                             f"groups {tuple(grouped)} of a block {tuple(x.shape)}")
+        out.append(t.to(x.device, META_DTYPE))
+    return out[0], out[1]
+
+
+def _static_score(
+    xg: torch.Tensor, spec: TensorSpec, scale: torch.Tensor, zero: torch.Tensor | None
+) -> torch.Tensor:
+    """Outlier selection score under static scales: distance from the calibrated range centre in
+    half-ranges (KVQuant §3.5: outliers relative to the offline per-channel thresholds)."""
+    if spec.kind == "int":  # express the integer grid as a range: [zero, zero + scale (2^b - 1)]
+        scale = scale.float() * (2 ** (spec.bits - 1) - 1 if zero is None else 2**spec.bits - 1)
+    return nuq_outlier_score(xg, scale, zero)
+
+
+def codebook_inputs(
+    x: torch.Tensor,
+    spec: TensorSpec,
+    *,
+    static_scale: torch.Tensor | None = None,
+    static_zero: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a NUQ codebook is applied to for block ``x`` ``(B, H_kv, n, D)`` under a NUQ ``spec``.
+
+    Returns ``(u, kept)``: ``u`` float32 ``(B, H_kv, n, D)``, the normalised values (``[-1, 1]``
+    inside the range, beyond it where a static scale clips) and ``kept`` bool, False for the
+    dense-and-sparse outliers (stored exactly, never coded). Calibration fits codebooks to these,
+    so the codebook is trained on exactly what ``quantize`` will code.
+    """
+    if spec.kind != "nuq":
+        raise ValueError(f"codebook_inputs needs a nuq spec, got kind={spec.kind!r}")
+    n, D = x.shape[2], x.shape[3]
+    static_qp = _static_qparams(x, spec, static_scale, static_zero)
+    xg = _group(x, spec)
+    mask = None
+    k = outlier_count(D, spec.outlier_frac)
+    if k:
+        score = None if static_qp is None else _ungroup(_static_score(xg, spec, *static_qp), spec, n, D)
+        mask = gather_outliers(x, k, score=score)[2]
+    mg = _group(mask, spec) if mask is not None else None
+    if static_qp is not None:
+        scale, zero = static_qp
+    else:
+        scale, zero = choose_nuq_params(xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
+    u = _ungroup(nuq_normalize(xg, scale, zero), spec, n, D)
+    kept = torch.ones_like(u, dtype=torch.bool) if mask is None else ~mask
+    return u, kept
 
 
 def fake_quantize(x: torch.Tensor, spec: TensorSpec, **kwargs) -> torch.Tensor:

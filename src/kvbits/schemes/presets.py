@@ -102,6 +102,38 @@ for _bits in (4, 2):
         )
     )
 
+for _bits in (4, 3):
+    register(
+        KVScheme(
+            f"int{_bits}-channel-prerope",
+            key=TensorSpec(kind="int", bits=_bits, fmt=None, granularity="channel", group_size=128, pre_rope=True),
+            value=_tok(_bits),
+            block=128,
+            description=f"INT{_bits}: keys per-channel over blocks of 128 tokens before RoPE (re-applied after "
+            "dequantization), values per-token",
+            reference=KVQUANT,
+        )
+    )
+for _bits in (4, 3, 2):
+    # Static per-channel key scales (calibrated) need no token group, so every token is flushed as
+    # it arrives (block=1, residual=0): KVQuant's point (§3.1-3.2). Outliers 1% per vector (§3.5),
+    # the first token kept in full precision (attention sink, §3.6).
+    register(
+        KVScheme(
+            f"kvquant-{_bits}",
+            key=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="channel", static=True,
+                           outlier_frac=0.01, pre_rope=True),
+            value=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="token", outlier_frac=0.01),
+            sinks=1,
+            residual=0,
+            block=1,
+            description=f"KVQuant nuq{_bits}-1%: keys before RoPE, per-channel with calibrated scales and a "
+            f"Fisher-weighted {_bits}-bit codebook; values per-token with a {_bits}-bit codebook; 1% outliers "
+            "kept exactly; first token in full precision (needs `kvbits calibrate`)",
+            reference=KVQUANT,
+        )
+    )
+
 
 def list_schemes() -> list[KVScheme]:
     """Every registered scheme, in registration order."""

@@ -9,7 +9,9 @@ Granularities are named by what one scale covers, for K/V shaped ``(B, H_kv, T, 
                channels (KIVI values, FlexGen-style group-wise).
 - ``channel``: one scale per (head, channel) over a group of ``group_size`` tokens (KIVI keys). The
                group is a span of *tokens*: a group of one token would be lossless-looking nonsense,
-               so ``group_size >= 2`` is required.
+               so ``group_size >= 2`` is required. With ``static=True`` (KVQuant keys) the scale is a
+               calibrated per-(head, channel) constant covering every token: no token group
+               (``group_size=None``), so tokens can be flushed one at a time.
 - ``head``:    one scale per head over every token and channel of a flushed block.
 - ``tensor``:  one scale per sequence over the flushed block (all heads); with ``static=True`` a
                fixed scale from calibration (FP8 with scale 1.0 is vLLM's uncalibrated default).
@@ -76,7 +78,12 @@ class TensorSpec:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.granularity == "channel" and self.kind != "float":
-            if self.group_size is None or self.group_size < 2:
+            if self.static and self.group_size is not None:
+                raise ValueError(
+                    "a static per-channel spec uses one calibrated scale per (head, channel) for all tokens; "
+                    f"group_size must be None, got {self.group_size}"
+                )
+            if not self.static and (self.group_size is None or self.group_size < 2):
                 raise ValueError(
                     "per-channel quantization reduces over a group of tokens; group_size must be >= 2 "
                     f"(a group of one token is lossless and quantizes nothing), got {self.group_size}"
@@ -95,8 +102,8 @@ class TensorSpec:
 
     @property
     def has_zero_point(self) -> bool:
-        """Asymmetric integer codes store a zero-point (the group minimum) beside each scale."""
-        return self.kind == "int" and not self.symmetric
+        """Asymmetric integer and NUQ codes store a zero-point (the group minimum) beside each scale."""
+        return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -146,7 +153,8 @@ class KVScheme:
                 f"residual={self.residual}, block={self.block}"
             )
         for which, spec in (("key", self.key), ("value", self.value)):
-            if spec.kind != "float" and spec.granularity == "channel" and self.block % spec.group_size:
+            if spec.kind != "float" and spec.granularity == "channel" and spec.group_size is not None \
+                    and self.block % spec.group_size:
                 raise ValueError(
                     f"{which}: per-channel groups of {spec.group_size} tokens must divide the flush block "
                     f"({self.block} tokens)"

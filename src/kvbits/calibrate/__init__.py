@@ -1,0 +1,28 @@
+"""Offline calibration (KVQuant): static per-channel pre-RoPE key scales and Fisher-weighted NUQ codebooks.
+
+``calibrate(model, data, scheme, out_dir=...)`` writes an artifact; ``load_calibration(dir, ...)``
+reads and validates it; ``CalibrationArtifact.quantize_kwargs(layer, side)`` gives what
+``kvbits.quant.quantize`` needs for that layer's keys or values.
+"""
+
+from kvbits.calibrate.artifact import (
+    ARTIFACT_FORMAT_VERSION,
+    CalibrationArtifact,
+    load_calibration,
+    spec_needs_calibration,
+)
+from kvbits.calibrate.calibrate import calibrate
+from kvbits.calibrate.fit import artifact_from_samples, fit_side
+from kvbits.calibrate.kmeans import fit_codebook, weighted_kmeans_1d
+
+__all__ = [
+    "ARTIFACT_FORMAT_VERSION",
+    "CalibrationArtifact",
+    "artifact_from_samples",
+    "calibrate",
+    "fit_codebook",
+    "fit_side",
+    "load_calibration",
+    "spec_needs_calibration",
+    "weighted_kmeans_1d",
+]

@@ -1,0 +1,423 @@
+"""The calibration artifact: ``DIR/calibration.safetensors`` + ``DIR/calibration.json``.
+
+Tensors (float16, exactly what the cache stores and ``accounting.fixed_layer_bytes`` counts), for
+each layer ``i`` and side ``s`` in ``key``/``value`` whose spec needs them:
+
+- ``layers.{i}.{s}_scale``, ``layers.{i}.{s}_zero``: ``(H_kv, D)`` static per-channel parameters
+  (``zero`` only for asymmetric specs), in the form ``kvbits.quant.quantize`` takes them;
+- ``layers.{i}.{s}_codebook``: ``(2**bits,)`` sorted NUQ codebook in ``[-1, 1]``.
+
+The JSON records ``format_version``, ``kvbits_version``, the ``scheme``, the ``model`` it belongs
+to (fingerprint and shape), the calibration ``data``, ``percentile``, ``fisher``, the creation date,
+per-layer statistics, and the size and sha256 of the tensor file, so a truncated or altered file is
+caught before use. Never pickle.
+
+Integration (cache, simulator)::
+
+    art = load_calibration(path, model_config=model.config, scheme=scheme)
+    kw = art.quantize_kwargs(i, "key")           # {'static_scale', 'static_zero', 'codebook'}
+    qt = quantize(block, scheme.key, **kw)       # block: (B, H_kv, n, D) pre-RoPE keys of layer i
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbits.quant.nuq import check_codebook
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+ARTIFACT_FORMAT_VERSION = 1
+TENSORS_FILE = "calibration.safetensors"
+META_FILE = "calibration.json"
+SIDES = ("key", "value")
+_MODEL_SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
+_MODEL_FIELDS = (
+    "model_type",
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+)
+
+
+def spec_needs_calibration(spec: TensorSpec) -> bool:
+    """A spec needs an artifact when its scales are static (int/NUQ) or it codes with a codebook."""
+    return spec.kind == "nuq" or (spec.static and spec.kind == "int")
+
+
+def expected_tensors(
+    scheme: KVScheme, num_layers: int, num_kv_heads: int, head_dim: int
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an artifact for ``scheme`` on this model must hold."""
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(num_layers):
+        for side, spec in zip(SIDES, (scheme.key, scheme.value)):
+            if spec.static and spec.kind in ("int", "nuq"):
+                out[f"layers.{i}.{side}_scale"] = (num_kv_heads, head_dim)
+                if spec.has_zero_point:
+                    out[f"layers.{i}.{side}_zero"] = (num_kv_heads, head_dim)
+            if spec.kind == "nuq":
+                out[f"layers.{i}.{side}_codebook"] = (2**spec.bits,)
+    return out
+
+
+def describe_model(config: Any, *, fingerprint: str | None = None, name: str | None = None) -> dict[str, Any]:
+    """The ``model`` record of an artifact from a transformers config.
+
+    ``fingerprint`` is ``LoadedModel.fingerprint`` when the model came from ``load_model`` (it pins
+    the weights); otherwise ``config:`` + a hash of the shape fields (it pins the architecture only).
+    """
+    from kvbits.calibrate.observers import config_head_dim, config_kv_heads, text_config
+
+    cfg = text_config(config)
+    d: dict[str, Any] = {
+        "model_type": getattr(cfg, "model_type", None),
+        "num_layers": int(cfg.num_hidden_layers),
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "num_kv_heads": config_kv_heads(cfg),
+        "head_dim": config_head_dim(cfg),
+        "hidden_size": int(cfg.hidden_size),
+        "vocab_size": int(cfg.vocab_size),
+    }
+    config_hash = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return {
+        "fingerprint": fingerprint or f"config:{config_hash}",
+        "name": name,
+        "config_hash": config_hash,
+        **d,
+    }
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class CalibrationArtifact:
+    """Calibrated per-layer constants for one scheme on one model.
+
+    Attributes:
+        scheme: the scheme it was calibrated for (codebook sizes and static specs follow it).
+        tensors: ``layers.{i}.{side}_{scale|zero|codebook}`` float16 tensors (see the module docstring).
+        meta: the JSON record (model, data, percentile, fisher, per-layer ``stats``, ...).
+        path: the folder it was read from or written to, if any.
+    """
+
+    scheme: KVScheme
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    # ---------------------------------------------------------------------------------- facts
+    @property
+    def num_layers(self) -> int:
+        return int(self.meta["model"]["num_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.meta["model"]["num_kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.meta["model"]["head_dim"])
+
+    @property
+    def fingerprint(self) -> str:
+        """The model fingerprint it was made for."""
+        return str(self.meta["model"]["fingerprint"])
+
+    @property
+    def max_calibrated_length(self) -> int:
+        """The longest context (tokens) the statistics were taken over; positions beyond it are
+        extrapolation (pre-RoPE keys depend little on position, but warn past it)."""
+        return int(self.meta["data"]["context"])
+
+    @property
+    def layer_stats(self) -> list[dict[str, Any]]:
+        """Per-layer calibration statistics (clipping rates, codebook gains)."""
+        return list(self.meta.get("stats", []))
+
+    # ----------------------------------------------------------------------- what the cache calls
+    def _spec(self, side: str) -> TensorSpec:
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        return self.scheme.key if side == "key" else self.scheme.value
+
+    def _layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return layer
+
+    def codebook(self, layer: int, side: str) -> torch.Tensor | None:
+        """NUQ codebook of ``layer``'s ``side`` (float16 ``(2**bits,)``), or None if that side is not NUQ."""
+        spec = self._spec(side)
+        if spec.kind != "nuq":
+            return None
+        return self.tensors[f"layers.{self._layer(layer)}.{side}_codebook"]
+
+    def static_qparams(self, layer: int, side: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Static per-channel ``(scale, zero)`` of ``layer``'s ``side``, float16, each ``(1, H_kv, 1, D)``
+        (broadcasts over any ``(B, H_kv, n, D)`` block; ``zero`` is None for symmetric specs), or None
+        when that side's scales are dynamic. For NUQ, ``scale`` is the channel range and ``zero`` its
+        minimum; for int, ``scale`` is the step and ``zero`` the minimum (as ``quantize`` expects)."""
+        spec = self._spec(side)
+        if not spec.static:
+            return None
+        i, H, D = self._layer(layer), self.num_kv_heads, self.head_dim
+        scale = self.tensors[f"layers.{i}.{side}_scale"].reshape(1, H, 1, D)
+        zero = self.tensors.get(f"layers.{i}.{side}_zero")
+        return scale, None if zero is None else zero.reshape(1, H, 1, D)
+
+    def quantize_kwargs(
+        self, layer: int, side: str, *, device: torch.device | str | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``kvbits.quant.quantize`` / ``fake_quantize`` of ``layer``'s ``side``:
+        ``static_scale``, ``static_zero``, ``codebook`` (only those that side needs; moved to ``device``)."""
+        out: dict[str, Any] = {}
+        qp = self.static_qparams(layer, side)
+        if qp is not None:
+            out["static_scale"], out["static_zero"] = qp
+        cb = self.codebook(layer, side)
+        if cb is not None:
+            out["codebook"] = cb
+        if device is not None:
+            out = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+        return out
+
+    # -------------------------------------------------------------------------------- checks
+    def check_scheme(self, scheme: KVScheme) -> None:
+        """Raise ``ValueError`` unless ``scheme`` stores K and V as this artifact was calibrated for."""
+        for side in SIDES:
+            mine, theirs = self._spec(side), getattr(scheme, side)
+            if spec_needs_calibration(theirs) and mine != theirs:
+                raise ValueError(
+                    f"calibration{'' if self.path is None else ' in ' + str(self.path)} was made for scheme "
+                    f"{self.scheme.name!r} ({side}: {mine}), not for scheme {scheme.name!r} ({side}: {theirs}); "
+                    "re-run kvbits calibrate with this scheme"
+                )
+
+    def check_model(self, model_config: Any = None, fingerprint: str | None = None) -> None:
+        """Raise ``ValueError`` if the artifact does not belong to this model (config shape or fingerprint)."""
+        made_for = self._made_for()
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            raise ValueError(
+                f"calibration{self._where()} was made for {made_for}, not for the model with fingerprint "
+                f"{fingerprint!r}; re-run kvbits calibrate for this model"
+            )
+        if model_config is not None:
+            mine = self.meta["model"]
+            theirs = describe_model(model_config)
+            diff = [f"{k}: {mine.get(k)} vs {theirs[k]}" for k in _MODEL_FIELDS if mine.get(k) != theirs[k]]
+            if diff:
+                raise ValueError(
+                    f"calibration{self._where()} was made for {made_for}; this model differs "
+                    f"({'; '.join(diff)} [artifact vs model]); re-run kvbits calibrate for this model"
+                )
+
+    def _where(self) -> str:
+        return "" if self.path is None else f" in {self.path}"
+
+    def _made_for(self) -> str:
+        m = self.meta["model"]
+        return (
+            f"model {m.get('name') or m.get('model_type')!r} (fingerprint {m['fingerprint']}, "
+            f"{m['model_type']}, {m['num_layers']} layers, {m['num_kv_heads']} KV heads, head dim {m['head_dim']})"
+        )
+
+    def validate(self) -> None:
+        """Check tensor names, shapes, dtypes and codebooks against the scheme and model shape."""
+        where = self._where() or " (in memory)"
+        expected = expected_tensors(self.scheme, self.num_layers, self.num_kv_heads, self.head_dim)
+        missing = sorted(set(expected) - set(self.tensors))
+        extra = sorted(set(self.tensors) - set(expected))
+        if missing or extra:
+            raise ValueError(
+                f"calibration{where}: tensors do not match scheme {self.scheme.name!r} on a "
+                f"{self.num_layers}-layer model: missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}"
+            )
+        for name, shape in expected.items():
+            t = self.tensors[name]
+            if tuple(t.shape) != shape or t.dtype != torch.float16:
+                raise ValueError(
+                    f"calibration{where}: {name} is {t.dtype} {tuple(t.shape)}, expected float16 {shape}"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"calibration{where}: {name} holds non-finite values")
+            if name.endswith("_codebook"):
+                side = name.rsplit(".", 1)[1].split("_")[0]
+                try:
+                    check_codebook(t, self._spec(side).bits)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"calibration{where}: {name}: {exc}") from None
+            elif name.endswith("_scale") and bool((t < 0).any()):
+                raise ValueError(f"calibration{where}: {name} has negative scales")
+
+    # ------------------------------------------------------------------------------- writing
+    def save(self, out_dir: str | os.PathLike[str]) -> Path:
+        """Write ``calibration.safetensors`` then ``calibration.json`` (atomically) into ``out_dir``."""
+        from safetensors.torch import save_file
+
+        self.validate()
+        out = Path(out_dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            k: v.detach().to("cpu", torch.float16).contiguous() for k, v in sorted(self.tensors.items())
+        }
+        fd, tmp = tempfile.mkstemp(prefix=TENSORS_FILE + ".", suffix=".tmp", dir=out)
+        os.close(fd)
+        try:
+            save_file(
+                tensors,
+                tmp,
+                metadata={"format": "kvbits-calibration", "format_version": str(ARTIFACT_FORMAT_VERSION)},
+            )
+            _chmod_default(tmp)
+            final = out / TENSORS_FILE
+            meta = dict(self.meta)
+            meta["format_version"] = ARTIFACT_FORMAT_VERSION
+            meta["scheme"] = self.scheme.to_dict()
+            meta["files"] = {TENSORS_FILE: {"bytes": os.path.getsize(tmp), "sha256": _file_sha256(Path(tmp))}}
+            os.replace(tmp, final)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=META_FILE + ".", suffix=".tmp", dir=out)
+        try:
+            _chmod_default(tmp)
+            with os.fdopen(fd, "w") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, out / META_FILE)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        self.meta, self.path = meta, out
+        logger.info("calibration written to %s", out)
+        return out
+
+
+def _chmod_default(path: str) -> None:
+    """mkstemp creates files 0600; give the artifact the permissions of a normally created file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def now_utc() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def load_calibration(
+    path: str | os.PathLike[str],
+    model_config: Any = None,
+    fingerprint: str | None = None,
+    *,
+    scheme: KVScheme | str | None = None,
+) -> CalibrationArtifact:
+    """Read and validate a calibration folder written by ``kvbits calibrate``.
+
+    Args:
+        path: the folder (or either of its two files).
+        model_config: the transformers config of the model it will be used with: shape mismatches
+            (layers, KV heads, head dim, vocabulary, ...) raise.
+        fingerprint: ``LoadedModel.fingerprint`` of that model: a different one raises.
+        scheme: the scheme it will be used with (name or object): a different K/V storage raises.
+
+    Raises:
+        ValueError: missing, truncated or corrupt files (naming the file and the problem); a
+            ``format_version`` this kvbits does not read; a model or scheme it was not made for.
+    """
+    from safetensors import safe_open
+
+    d = Path(path).expanduser()
+    if d.is_file() and d.name in (META_FILE, TENSORS_FILE):
+        d = d.parent
+    if not d.is_dir():
+        raise ValueError(
+            f"no calibration folder at {d} (expected {META_FILE} and {TENSORS_FILE}; "
+            "create one with `kvbits calibrate`)"
+        )
+    meta_path, tensors_path = d / META_FILE, d / TENSORS_FILE
+    if not meta_path.is_file():
+        raise ValueError(
+            f"{meta_path} is missing: {d} is not a complete calibration (re-run kvbits calibrate)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{meta_path} is not valid JSON (corrupt or truncated): {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} does not hold a JSON object")  # noqa: TRY004 - bad file content
+    version = meta.get("format_version")
+    if version != ARTIFACT_FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path} has format_version {version!r}; this kvbits reads format_version "
+            f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}); "
+            "re-run kvbits calibrate with this version"
+        )
+    for key in ("scheme", "model", "data", "files"):
+        if key not in meta:
+            raise ValueError(
+                f"{meta_path} lacks the {key!r} field; the file is incomplete or not a kvbits calibration"
+            )
+    try:
+        art_scheme = KVScheme.from_dict(meta["scheme"])
+        for k in _MODEL_SHAPE_FIELDS + ("fingerprint",):
+            meta["model"][k]  # presence check
+        int(meta["data"]["context"])
+        record = meta["files"][TENSORS_FILE]
+        want_bytes, want_sha = int(record["bytes"]), str(record["sha256"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{meta_path} is malformed ({type(exc).__name__}: {exc})") from None
+
+    if not tensors_path.is_file():
+        raise ValueError(
+            f"{tensors_path} is missing (the JSON beside it describes {want_bytes} bytes of tensors)"
+        )
+    size = tensors_path.stat().st_size
+    if size != want_bytes:
+        raise ValueError(
+            f"{tensors_path} is truncated or altered: {size} bytes, expected {want_bytes} "
+            "(re-run kvbits calibrate)"
+        )
+    sha = _file_sha256(tensors_path)
+    if sha != want_sha:
+        raise ValueError(
+            f"{tensors_path} is corrupt: sha256 {sha}, expected {want_sha} (re-run kvbits calibrate)"
+        )
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(tensors_path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensors[name] = f.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{tensors_path} is not a readable safetensors file: {exc}") from None
+
+    art = CalibrationArtifact(scheme=art_scheme, tensors=tensors, meta=meta, path=d)
+    art.validate()
+    art.check_model(model_config, fingerprint)
+    if scheme is not None:
+        from kvbits.schemes.presets import get_scheme
+
+        art.check_scheme(get_scheme(scheme))
+    return art

@@ -1,0 +1,257 @@
+"""Offline calibration for KVQuant-style schemes: run the model, collect K/V samples, fit, write.
+
+``calibrate(model, data, scheme)`` runs the model over a few windows of calibration text, captures
+every layer's pre-RoPE keys and values (and, with ``fisher=True``, their loss gradients) at a
+bounded number of sampled positions, and fits static per-channel scales and NUQ codebooks
+(``kvbits.calibrate.fit``).
+
+The first ``scheme.sinks`` tokens of each window are excluded: the cache keeps them exact (KVQuant
+§3.6), and attention-sink tokens have outsized K/V that would stretch every channel's range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from kvbits.calibrate.artifact import CalibrationArtifact, describe_model
+from kvbits.calibrate.fisher import activation_gradients, window_loss
+from kvbits.calibrate.fit import Progress, artifact_from_samples, check_calibratable
+from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
+from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
+from kvbits.schemes.presets import get_scheme
+from kvbits.schemes.spec import KVScheme
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ model path
+
+
+def _resolve_model(model: Any) -> tuple[torch.nn.Module, Any, str | None, str | None]:
+    """``(module, tokenizer or None, fingerprint or None, name or None)`` from a spec, LoadedModel or module."""
+    if isinstance(model, str):
+        from kvbits.evaluate.models import load_model
+
+        model = load_model(model)
+    if isinstance(model, torch.nn.Module):
+        return model, None, None, getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    inner = getattr(model, "model", None)
+    if isinstance(inner, torch.nn.Module):  # kvbits.evaluate.models.LoadedModel
+        source = getattr(model, "source", None)
+        return (
+            inner,
+            getattr(model, "tokenizer", None),
+            getattr(model, "fingerprint", None),
+            getattr(source, "name", None),
+        )
+    raise TypeError(
+        f"model must be a model spec (str), a LoadedModel or a torch module, got {type(model).__name__}"
+    )
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str | None:
+    if tokenizer is None:
+        return None
+    vocab = sorted(tokenizer.get_vocab().items())
+    h = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+    return f"{type(tokenizer).__name__}:{len(tokenizer)}:{h}"
+
+
+def _windows(data: Any, tokenizer: Any, context: int, windows: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise ValueError(f"context must be an int >= 2, got {context!r}")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise ValueError(f"windows must be a positive int, got {windows!r}")
+    record: dict[str, Any] = {}
+    if isinstance(data, torch.Tensor):
+        if data.dtype.is_floating_point or data.dim() not in (1, 2):
+            raise TypeError(
+                f"token ids must be an integer tensor (N,) or (W, T), got {data.dtype} {tuple(data.shape)}"
+            )
+        ids = data.long()
+        record.update(
+            name="token-ids",
+            documents=1 if ids.dim() == 1 else ids.shape[0],
+            sha256=hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest(),
+            tokenizer=None,
+        )
+        if ids.dim() == 2:
+            if ids.shape[1] < context:
+                raise ValueError(f"token windows have {ids.shape[1]} tokens, fewer than context={context}")
+            ids = ids[:, :context]
+            pick = torch.linspace(0, ids.shape[0] - 1, min(windows, ids.shape[0])).round().long().unique()
+            out = ids[pick]
+            record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None)
+            return out, record
+    else:
+        from kvbits.evaluate.data import load_text, tokenize
+
+        source = data if hasattr(data, "text") and hasattr(data, "sha256") else load_text(str(data))
+        if tokenizer is None:
+            raise ValueError(
+                "text data needs the model's tokenizer: pass a model spec or a LoadedModel, or token ids"
+            )
+        ids = tokenize(source, tokenizer)
+        record.update(
+            name=source.name,
+            documents=1,
+            sha256=source.sha256,
+            path=source.path,
+            tokenizer=_tokenizer_fingerprint(tokenizer),
+        )
+    fit = ids.numel() // context
+    if fit == 0:
+        raise ValueError(f"calibration data has {ids.numel()} tokens, fewer than one window of {context}")
+    if windows > fit:
+        logger.warning("asked for %d windows of %d tokens; the data holds %d", windows, context, fit)
+    # spread windows evenly over the text (more diverse than the first W windows, and apart from
+    # the opening windows an evaluation usually reads)
+    slots = torch.linspace(0, fit - 1, min(windows, fit)).round().long().unique()
+    starts = (slots * context).tolist()
+    out = torch.stack([ids[s : s + context] for s in starts])
+    record.update(
+        windows=len(starts), tokens=out.numel(), context=context, starts=starts, total_tokens=int(ids.numel())
+    )
+    return out, record
+
+
+@torch.no_grad()
+def _take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``(1, H, T, D)`` -> ``(H, len(pos), D)`` float32 on CPU."""
+    return t[0][:, pos.to(t.device)].float().cpu()
+
+
+def calibrate(
+    model: Any,
+    data: Any,
+    scheme: KVScheme | str,
+    *,
+    context: int = 2048,
+    windows: int = 4,
+    percentile: float = 99.9,
+    fisher: bool = True,
+    out_dir: str | None = None,
+    max_tokens: int = 8192,
+    kmeans_points: int = MAX_POINTS,
+    kmeans_iterations: int = ITERATIONS,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> CalibrationArtifact:
+    """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
+
+    Args:
+        model: a model spec for ``kvbits.evaluate.models.load_model``, a ``LoadedModel``, or a
+            transformers causal LM (then ``data`` must be token ids and the fingerprint is the
+            config's shape hash).
+        data: a text spec for ``kvbits.evaluate.data.load_text`` (``pride-and-prejudice``, a path),
+            a ``TextSource``, or token ids ``(N,)`` / ``(W, T)``.
+        scheme: a scheme with static int/NUQ scales or NUQ codebooks (e.g. ``kvquant-4``).
+        context: tokens per calibration window (recorded as ``max_calibrated_length``).
+        windows: number of windows, spread evenly over the data.
+        percentile: per-channel range ``[100 - p, p]`` for static scales.
+        fisher: weight k-means by squared gradients (forward + backward per window, float32
+            recommended); False: unweighted, forward only.
+        out_dir: folder for ``calibration.safetensors`` + ``calibration.json``.
+        max_tokens: tokens sampled per layer over all windows (memory bound:
+            ``layers x max_tokens x H_kv x D x 4 bytes x (2, or 4 with Fisher)``).
+        kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
+        progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
+    """
+    t0 = time.perf_counter()
+    scheme = get_scheme(scheme)
+    check_calibratable(scheme)
+    module, tokenizer, fingerprint, name = _resolve_model(model)
+    ids, data_record = _windows(data, tokenizer, context, windows)
+    sites = find_kv_sites(module)
+    if fisher and next(module.parameters()).dtype != torch.float32:
+        logger.warning(
+            "Fisher pass in %s; float32 is recommended (squared gradients underflow in half precision)",
+            next(module.parameters()).dtype,
+        )
+    W, T = ids.shape
+    per_window = max(1, math.ceil(max_tokens / W))
+    gen = torch.Generator().manual_seed(seed)
+    samples: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in sites] for k in ("k", "v", "gk", "gv")}
+    losses = []
+    was_training = module.training
+    module.eval()
+    try:
+        with KVCapture(module, sites, retain_grad=fisher) as cap:
+            for w in range(W):
+                if fisher:
+                    with activation_gradients(module):
+                        losses.append(window_loss(module, ids[w : w + 1], backward=True))
+                else:
+                    losses.append(window_loss(module, ids[w : w + 1], backward=False))
+                pos = sample_positions(T, scheme.sinks, per_window, gen)
+                for i in range(len(sites)):
+                    k, v = cap.activations(i)
+                    samples["k"][i].append(_take(k, pos))
+                    samples["v"][i].append(_take(v, pos))
+                    if fisher:
+                        gk, gv = cap.gradients(i)
+                        samples["gk"][i].append(_take(gk, pos))
+                        samples["gv"][i].append(_take(gv, pos))
+                cap.reset()
+                if progress is not None:
+                    progress("windows", w + 1, W)
+    finally:
+        module.train(was_training)
+    t_pass = time.perf_counter() - t0
+
+    cat = {
+        key: [torch.cat(chunks, dim=1) for chunks in per_layer] if fisher or key in ("k", "v") else None
+        for key, per_layer in samples.items()
+    }
+    model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
+    site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
+    if (
+        site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
+        or len(sites) != model_record["num_layers"]
+    ):
+        raise ValueError(
+            f"attention modules ({len(sites)} layers, (H_kv, D) in {site_shape}) disagree with the "
+            f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
+            f"head dim {model_record['head_dim']})"
+        )
+    data_record["sampled_tokens_per_layer"] = int(cat["k"][0].shape[1])
+    data_record["excluded_sink_tokens"] = scheme.sinks
+    art = artifact_from_samples(
+        scheme,
+        cat["k"],
+        cat["v"],
+        key_grads=cat["gk"],
+        value_grads=cat["gv"],
+        percentile=percentile,
+        kmeans_points=kmeans_points,
+        kmeans_iterations=kmeans_iterations,
+        seed=seed,
+        meta={
+            "model": model_record,
+            "data": data_record,
+            "fisher": fisher,
+            "mean_loss": sum(losses) / len(losses),
+            "max_tokens_per_layer": max_tokens,
+        },
+        progress=progress,
+    )
+    art.meta["timing_s"] = {"passes": round(t_pass, 2), "total": round(time.perf_counter() - t0, 2)}
+    if out_dir is not None:
+        art.save(out_dir)
+    logger.info(
+        "calibrated %s for %s on %d x %d tokens in %.1f s",
+        scheme.name,
+        model_record["fingerprint"],
+        W,
+        T,
+        time.perf_counter() - t0,
+    )
+    return art

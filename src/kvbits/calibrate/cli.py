@@ -1,0 +1,168 @@
+"""``kvbits calibrate``: fit static key scales and NUQ codebooks for a scheme, write the artifact.
+
+kvbits calibrate --model smollm2-135m --data pride-and-prejudice --scheme kvquant-4 --out cal/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _percentile(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentile in [50, 100], got {text!r}") from None
+    if not 50.0 <= value <= 100.0:
+        raise argparse.ArgumentTypeError(f"expected a percentile in [50, 100], got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="calibrate static key scales and NUQ codebooks (KVQuant) for a scheme",
+        description="Run the model over a few windows of calibration text, capture pre-RoPE keys and values "
+        "(and their loss gradients), and fit per-channel key ranges and Fisher-weighted non-uniform "
+        "codebooks. Writes DIR/calibration.safetensors and DIR/calibration.json.",
+    )
+    p.add_argument(
+        "--model", required=True, help="model: registry name (smollm2-135m), .gguf file or model folder"
+    )
+    p.add_argument(
+        "--data", required=True, help="calibration text: registry name (pride-and-prejudice) or file path"
+    )
+    p.add_argument(
+        "--scheme", required=True, help="scheme to calibrate for (kvquant-4, kvquant-3, ... or a JSON file)"
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--context", type=_positive, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--windows", type=_positive, default=4, help="calibration windows (default 4)")
+    p.add_argument(
+        "--percentile",
+        type=_percentile,
+        default=99.9,
+        help="per-channel key range [100-P, P] for static scales (default 99.9)",
+    )
+    p.add_argument(
+        "--no-fisher", action="store_true", help="unweighted k-means (forward passes only, faster)"
+    )
+    p.add_argument(
+        "--max-tokens", type=_positive, default=8192, help="tokens sampled per layer (memory bound)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--json", action="store_true", help="print the artifact's JSON record instead of a summary"
+    )
+    return p
+
+
+def _summary(art: Any, shown_layers: int = 3) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=False)
+    if not console.is_terminal:
+        console = Console(width=160)
+    m, d = art.meta["model"], art.meta["data"]
+    console.print(f"[bold]calibration written to[/bold] {art.path}")
+    console.print(
+        f"scheme {art.scheme.name} | model {m.get('name') or m['model_type']} (fingerprint {m['fingerprint']}) | "
+        f"data {d['name']}: {d['windows']} x {d['context']} tokens | percentile {art.meta['percentile']} | "
+        f"Fisher {'on' if art.meta['fisher'] else 'off'} | {art.meta.get('timing_s', {}).get('total', '?')} s"
+    )
+    stats = art.layer_stats
+    cols = sorted({k for row in stats for k in row})
+    table = Table(
+        title="per-layer calibration (clip rate: entries beyond the calibrated range after outliers; "
+        "gain: weighted MSE of a uniform codebook over the fitted one)"
+    )
+    table.add_column("layer", justify="right")
+    for c in cols:
+        table.add_column(c.replace("_", " "), justify="right")
+    for i, row in enumerate(stats):
+        table.add_row(
+            str(i),
+            *(
+                ("-" if c not in row else f"{row[c]:.3%}" if c.endswith("clip_rate") else f"{row[c]:+.2f} dB")
+                for c in cols
+            ),
+        )
+    console.print(table)
+    n = art.num_layers
+    picks = sorted({0, n // 2, n - 1})[:shown_layers]
+    for side in ("key", "value"):
+        for i in picks:
+            cb = art.codebook(i, side)
+            if cb is not None:
+                console.print(
+                    f"layer {i:>3} {side:<5} codebook: " + " ".join(f"{v:+.3f}" for v in cb.float().tolist())
+                )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvbits.calibrate.calibrate import calibrate
+    from kvbits.evaluate.models import load_model
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        transient=True,
+        console=_stderr_console(),
+    )
+    tasks: dict[str, Any] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        label = {
+            "windows": "forward+backward windows" if not args.no_fisher else "forward windows",
+            "fit": "fitting layers",
+        }.get(stage, stage)
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(label, total=total)
+        progress.update(tasks[stage], completed=done)
+
+    with progress:
+        t = progress.add_task(f"loading {args.model}", total=None)
+        loaded = load_model(args.model)
+        progress.remove_task(t)
+        art = calibrate(
+            loaded,
+            args.data,
+            args.scheme,
+            context=args.context,
+            windows=args.windows,
+            percentile=args.percentile,
+            fisher=not args.no_fisher,
+            out_dir=args.out,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            progress=report,
+        )
+    if args.json:
+        sys.stdout.write(json.dumps({"path": str(art.path), **art.meta}, indent=2) + "\n")
+    else:
+        _summary(art)
+    return 0
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)

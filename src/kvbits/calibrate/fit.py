@@ -1,0 +1,225 @@
+"""Model-free fitting: per-layer static per-channel scales and NUQ codebooks from K/V samples.
+
+- static per-channel scales (KVQuant §3.1-3.2): the ``[100 - p, p]`` percentile range of each
+  (head, channel) over the calibration tokens; entries outside it are the dense-and-sparse outliers
+  (§3.5) or, beyond the outlier budget, clipped (``QuantizedTensor.clipped`` counts them);
+- NUQ codebooks (§3.3): per layer and side, Fisher-weighted k-means on the normalised values the
+  quantizer will code (``kvbits.quant.tensor.codebook_inputs``: same outliers, same ranges).
+
+``calibrate`` (``kvbits.calibrate.calibrate``) collects the samples from a model and calls
+``artifact_from_samples``; tests and tools can call it with synthetic samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvbits.calibrate.artifact import SIDES, CalibrationArtifact, now_utc, spec_needs_calibration
+from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, fit_codebook, weighted_mse
+from kvbits.calibrate.observers import channel_percentiles
+from kvbits.quant.affine import choose_qparams
+from kvbits.quant.nuq import choose_nuq_params, uniform_codebook
+from kvbits.quant.tensor import codebook_inputs, quantize
+from kvbits.schemes.presets import get_scheme
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def check_calibratable(scheme: KVScheme) -> None:
+    """Raise ``ValueError`` unless every side that needs calibration is one this module can fit."""
+    if not any(spec_needs_calibration(s) for s in (scheme.key, scheme.value)):
+        raise ValueError(
+            f"scheme {scheme.name!r} has nothing to calibrate (no static int/nuq scales, no nuq codebook); "
+            "calibration is for schemes like kvquant-4"
+        )
+    for side, spec in zip(SIDES, (scheme.key, scheme.value)):
+        if not spec_needs_calibration(spec):
+            continue
+        if spec.static and spec.granularity != "channel":
+            raise ValueError(
+                f"{side}: static {spec.granularity!r} scales can not be calibrated yet; static scales are "
+                "calibrated per channel (granularity='channel')"
+            )
+        if side == "key" and not spec.pre_rope:
+            raise ValueError(
+                "key: calibration captures keys before RoPE (k_proj/k_norm outputs); post-RoPE per-channel "
+                "statistics mix channel pairs by position (KVQuant §3.2). Set pre_rope=True on the key spec"
+            )
+
+
+# ------------------------------------------------------------------------------ per-layer fitting
+
+
+def _static_params(
+    spec: TensorSpec, x: torch.Tensor, percentile: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-(head, channel) ``(scale, zero)`` float16 ``(H, D)`` covering the percentile range of ``x`` (H, N, D)."""
+    lo, hi = channel_percentiles(x, percentile)
+    ends = torch.stack([lo, hi])  # (2, H, D): the range to cover, reduced over dim 0
+    if spec.kind == "int":
+        scale, zero = choose_qparams(ends, spec.bits, (0,), symmetric=spec.symmetric)
+    else:
+        scale, zero = choose_nuq_params(ends, (0,), symmetric=spec.symmetric)
+    return scale[0], None if zero is None else zero[0]
+
+
+def _trim_to_groups(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    if spec.granularity == "channel" and spec.group_size is not None:
+        n = (x.shape[1] // spec.group_size) * spec.group_size
+        if n == 0:
+            raise ValueError(f"need at least {spec.group_size} sampled tokens per layer for {spec}")
+        return x[:, :n]
+    return x
+
+
+def fit_side(
+    spec: TensorSpec,
+    x: torch.Tensor,
+    grad: torch.Tensor | None = None,
+    *,
+    percentile: float = 99.9,
+    kmeans_points: int = MAX_POINTS,
+    kmeans_iterations: int = ITERATIONS,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
+
+    Returns ``(tensors, stats)``: tensors named ``scale``/``zero``/``codebook`` (float16) as that
+    spec needs, and statistics: ``clip_rate`` (fraction of sampled entries clipped against static
+    scales, outliers excluded), and for NUQ ``codebook_gain_db`` (weighted MSE of a uniform codebook
+    over that of the fitted one, in dB, on the normalised values).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
+    x = _trim_to_groups(x.float(), spec)
+    grad = None if grad is None else _trim_to_groups(grad.float(), spec)
+    tensors: dict[str, torch.Tensor] = {}
+    stats: dict[str, float] = {}
+    kw: dict[str, Any] = {}
+    if spec.static:
+        scale, zero = _static_params(spec, x, percentile)
+        tensors["scale"] = scale
+        if zero is not None:
+            tensors["zero"] = zero
+        kw = {"static_scale": scale, "static_zero": zero}
+    if spec.kind == "nuq":
+        u, kept = codebook_inputs(x[None], spec, **kw)
+        pts = u[kept]
+        w = None if grad is None else grad[None][kept].square()
+        cb = fit_codebook(
+            pts, spec.bits, w, iterations=kmeans_iterations, max_points=kmeans_points, seed=seed
+        )
+        tensors["codebook"] = cb
+        kw["codebook"] = cb
+        pts_c = pts.clamp(-1, 1)
+        mse_fit = weighted_mse(pts_c, cb, w)
+        mse_uni = weighted_mse(pts_c, uniform_codebook(spec.bits), w)
+        stats["codebook_gain_db"] = 10 * math.log10(mse_uni / mse_fit) if mse_fit > 0 and mse_uni > 0 else 0.0
+    if spec.static:
+        qt = quantize(x[None], spec, validate=False, **kw)
+        stats["clip_rate"] = qt.clipped / x.numel()
+    return tensors, stats
+
+
+def artifact_from_samples(
+    scheme: KVScheme | str,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    *,
+    key_grads: Sequence[torch.Tensor] | None = None,
+    value_grads: Sequence[torch.Tensor] | None = None,
+    percentile: float = 99.9,
+    kmeans_points: int = MAX_POINTS,
+    kmeans_iterations: int = ITERATIONS,
+    seed: int = 0,
+    meta: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> CalibrationArtifact:
+    """Fit an artifact from per-layer samples, without a model (``calibrate`` calls this).
+
+    Args:
+        scheme: what to calibrate for.
+        keys, values: one ``(H_kv, N, D)`` tensor per layer (pre-RoPE keys; sink tokens excluded),
+            or ``(B, H_kv, T, D)`` blocks (flattened over ``B`` and ``T``).
+        key_grads, value_grads: loss gradients like ``keys``/``values`` (Fisher weights = their
+            squares), or None for unweighted k-means.
+        meta: JSON fields to record (``model``, ``data``, ...); ``model`` defaults to the shape of the
+            samples and ``data`` to the sample count.
+    """
+    scheme = get_scheme(scheme)
+    check_calibratable(scheme)
+    if len(keys) != len(values) or not keys:
+        raise ValueError(
+            f"need one key and one value sample tensor per layer, got {len(keys)} and {len(values)}"
+        )
+
+    def as_hnd(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4:
+            B, H, T, D = t.shape
+            return t.transpose(0, 1).reshape(H, B * T, D)
+        return t
+
+    keys = [as_hnd(k) for k in keys]
+    values = [as_hnd(v) for v in values]
+    H, N, D = keys[0].shape
+    tensors: dict[str, torch.Tensor] = {}
+    stats: list[dict[str, float]] = []
+    n_layers = len(keys)
+    for i in range(n_layers):
+        row: dict[str, float] = {}
+        for side, spec, xs, gs in (
+            ("key", scheme.key, keys, key_grads),
+            ("value", scheme.value, values, value_grads),
+        ):
+            if not spec_needs_calibration(spec):
+                continue
+            g = None if gs is None else as_hnd(gs[i])
+            t, s = fit_side(
+                spec,
+                xs[i],
+                g,
+                percentile=percentile,
+                kmeans_points=kmeans_points,
+                kmeans_iterations=kmeans_iterations,
+                seed=seed + i,
+            )
+            tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
+            row.update({f"{side}_{k}": v for k, v in s.items()})
+        stats.append(row)
+        if progress is not None:
+            progress("fit", i + 1, n_layers)
+    record: dict[str, Any] = {
+        "kvbits_version": _kvbits_version(),
+        "created": now_utc(),
+        "percentile": percentile,
+        "fisher": key_grads is not None or value_grads is not None,
+        "kmeans": {"iterations": kmeans_iterations, "max_points": kmeans_points, "seed": seed},
+        "model": {
+            "fingerprint": "samples",
+            "name": None,
+            "model_type": None,
+            "num_layers": n_layers,
+            "num_attention_heads": None,
+            "num_kv_heads": H,
+            "head_dim": D,
+            "hidden_size": None,
+            "vocab_size": None,
+        },
+        "data": {"name": "samples", "tokens": N, "context": N},
+    }
+    record.update(meta or {})
+    record["stats"] = stats
+    art = CalibrationArtifact(scheme=scheme, tensors=tensors, meta=record)
+    art.validate()
+    return art
+
+
+def _kvbits_version() -> str:
+    import kvbits
+
+    return kvbits.__version__

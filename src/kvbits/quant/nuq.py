@@ -1,0 +1,163 @@
+"""Non-uniform quantization (NUQ) with a per-layer codebook (KVQuant §3.3, Hooper et al. 2024).
+
+A group is normalised like the asymmetric integer path, from its minimum ``zero`` and its range
+``scale`` (both float16, rounded outward so the stored range covers the data)::
+
+    u = 2 * (x - zero) / scale - 1            in [-1, 1]
+
+and ``u`` is replaced by the index of the nearest of ``2**bits`` sorted float16 codebook entries in
+``[-1, 1]``; dequantization is ``zero + (codebook[code] + 1) * scale / 2``. Symmetric NUQ keeps no
+zero-point: ``scale`` is the group's largest magnitude and ``u = x / scale``.
+
+The codebook is a per-layer constant found offline (``kvbits.calibrate``: k-means on calibration
+activations weighted by diagonal Fisher information). The uniform codebook
+``linspace(-1, 1, 2**bits)`` places its entries exactly on the integer grid, so it reproduces the
+asymmetric integer quantizer (up to float16 rounding of the entries): the NUQ machinery adds no
+error of its own.
+
+Codes are ``uint8`` in ``[0, 2**bits)``, bit-packed like integer codes (``kvbits.quant.pack``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbits.quant.affine import _round_down_fp16, _round_up_fp16
+
+CODEBOOK_DTYPE = torch.float16
+
+
+def uniform_codebook(bits: int) -> torch.Tensor:
+    """``2**bits`` evenly spaced entries over ``[-1, 1]`` (float16): NUQ's integer-equivalent codebook."""
+    if bits < 1 or bits > 8:
+        raise ValueError(f"codebook bits must be in [1, 8], got {bits}")
+    return torch.linspace(-1.0, 1.0, 2**bits, dtype=torch.float64).to(CODEBOOK_DTYPE)
+
+
+def check_codebook(codebook: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Validate a NUQ codebook and return it (unchanged).
+
+    A codebook is a 1-D float16 tensor of ``2**bits`` finite entries, sorted ascending, in ``[-1, 1]``.
+    """
+    if codebook is None:
+        raise ValueError(
+            f"kind='nuq' needs codebook= (a float16 tensor of {2**bits} sorted entries in [-1, 1], from a "
+            "calibration artifact or kvbits.quant.nuq.uniform_codebook)"
+        )
+    if not isinstance(codebook, torch.Tensor):
+        raise TypeError(f"codebook must be a torch.Tensor, got {type(codebook).__name__}")
+    if codebook.dtype != CODEBOOK_DTYPE:
+        raise TypeError(
+            f"codebook must be float16 (it is stored and counted as float16), got {codebook.dtype}"
+        )
+    if codebook.shape != (2**bits,):
+        raise ValueError(f"a {bits}-bit codebook needs shape ({2**bits},), got {tuple(codebook.shape)}")
+    c = codebook.float()
+    if not bool(torch.isfinite(c).all()) or float(c.min()) < -1.0 or float(c.max()) > 1.0:
+        raise ValueError(f"codebook entries must be finite and in [-1, 1], got {codebook.tolist()}")
+    if bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"codebook entries must be sorted ascending, got {codebook.tolist()}")
+    return codebook
+
+
+def choose_nuq_params(
+    x: torch.Tensor,
+    dims: tuple[int, ...],
+    *,
+    symmetric: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Range ``scale`` (and minimum ``zero``) over ``dims`` of ``x``, keepdim, float16.
+
+    Asymmetric: ``zero`` = group minimum rounded down, ``scale`` = ``max - zero`` rounded up, so every
+    element maps into ``[-1, 1]``. Symmetric: ``scale`` = largest magnitude rounded up, no zero.
+    ``mask`` (bool like ``x``) marks elements excluded from the range (dense-and-sparse outliers).
+    """
+    xf = x.float()
+    if symmetric:
+        a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
+        return _round_up_fp16(a.amax(dim=dims, keepdim=True)), None
+    if mask is None:
+        lo = xf.amin(dim=dims, keepdim=True)
+        hi = xf.amax(dim=dims, keepdim=True)
+    else:
+        lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
+        hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
+        empty = torch.isinf(lo)
+        lo = lo.masked_fill(empty, 0.0)
+        hi = hi.masked_fill(empty, 0.0)
+    zero = _round_down_fp16(lo)
+    return _round_up_fp16((hi - zero.float()).clamp_min(0.0)), zero
+
+
+def nuq_normalize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """``u`` (float32, like ``x``): ``2 (x - zero) / scale - 1``, or ``x / scale`` when symmetric.
+
+    In ``[-1, 1]`` for data inside the range; beyond it for data a static scale does not cover. A
+    group of range 0 (constant) maps to ``-1`` (asymmetric) or ``0`` (symmetric) and decodes exactly.
+    """
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    if zero is None:
+        return torch.where(s > 0, x.float() / safe, torch.zeros_like(x, dtype=torch.float32))
+    u = 2.0 * (x.float() - zero.float()) / safe - 1.0
+    return torch.where(s > 0, u, torch.full_like(u, -1.0))
+
+
+def nuq_outlier_score(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """``|u|``: an element's distance from the centre of its range in half-ranges (outlier selection).
+
+    Under static per-channel key scales this ranks entries by their deviation in units of the
+    calibrated channel range, ``|x - center_c| / (range_c / 2)``, rather than by raw magnitude.
+    """
+    s = scale.float()
+    tiny = torch.finfo(torch.float32).tiny
+    if zero is None:
+        return x.float().abs() / s.clamp_min(tiny)
+    half = (s / 2).clamp_min(tiny)
+    return (x.float() - (zero.float() + s / 2)).abs() / half
+
+
+def quantize_nuq(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, codebook: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, like ``x``): index of the nearest codebook entry to ``u``; and a bool mask of
+    elements outside the range (``|u| > 1``: clipped against a static scale).
+
+    Ties between two entries go to the lower one. ``scale``/``zero`` broadcast against ``x``.
+    """
+    u = nuq_normalize(x, scale, zero)
+    c = codebook.to(u.device, torch.float32)
+    mid = (c[1:] + c[:-1]) / 2
+    codes = torch.bucketize(u.contiguous(), mid)
+    # tolerance: float32 evaluation of u for data exactly on the (float16) range ends
+    clipped = u.abs() > 1.0 + 1e-6
+    return codes.to(torch.uint8), clipped
+
+
+def dequantize_nuq(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    codebook: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of ``quantize_nuq`` (computed in float32, returned in ``dtype``)."""
+    u = codebook.to(codes.device, torch.float32)[codes.long()]
+    if zero is None:
+        out = u * scale.float()
+    else:
+        out = zero.float() + (u + 1.0) * (scale.float() / 2)
+    return out.to(dtype)
+
+
+__all__ = [
+    "CODEBOOK_DTYPE",
+    "check_codebook",
+    "choose_nuq_params",
+    "dequantize_nuq",
+    "nuq_normalize",
+    "nuq_outlier_score",
+    "quantize_nuq",
+    "uniform_codebook",
+]

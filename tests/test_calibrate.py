@@ -1,0 +1,475 @@
+"""Calibration (`kvbits.calibrate`): weighted k-means, hooks and Fisher gradients, the artifact and
+its validation, the CLI. Tiny random-weight models built from configs (no network); the real-model
+run is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbits.calibrate import (
+    ARTIFACT_FORMAT_VERSION,
+    artifact_from_samples,
+    calibrate,
+    fit_codebook,
+    load_calibration,
+    weighted_kmeans_1d,
+)
+from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE
+from kvbits.calibrate.fisher import activation_gradients, window_loss
+from kvbits.calibrate.kmeans import weighted_mse
+from kvbits.calibrate.observers import KVCapture, channel_percentiles, find_kv_sites
+from kvbits.quant import quantize
+from kvbits.quant.nuq import uniform_codebook
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme, layer_bytes
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=heads * head_dim,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=96,
+        max_position_embeddings=512,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def token_ids(n: int = 1200, vocab: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def n_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """kvquant-4 on a tiny Llama (2 layers, GQA 4:2, D=16): the model, the artifact and its folder."""
+    model = tiny_llama()
+    out = tmp_path_factory.mktemp("cal") / "kvquant4"
+    art = calibrate(model, token_ids(), "kvquant-4", context=128, windows=3, out_dir=str(out))
+    return model, art, out
+
+
+# ------------------------------------------------------------------------------------------ k-means
+
+
+def test_weighted_kmeans_follows_the_weight():
+    # uniform points on [-1, 1]; weight 100x larger on the right half: most centroids go right
+    x = torch.linspace(-1, 1, 20001)
+    w = torch.where(x > 0, 100.0, 1.0)
+    c = weighted_kmeans_1d(x, 16, w)
+    assert int((c > 0).sum()) >= 12, c
+    c_flat = weighted_kmeans_1d(x, 16)
+    assert int((c_flat > 0).sum()) == 8  # unweighted: symmetric
+    assert torch.equal(weighted_kmeans_1d(x, 16, w), c)  # deterministic
+
+
+@pytest.mark.parametrize("bits,min_gain_db", [(2, 4.5), (3, 2.8), (4, 1.6)])
+def test_kmeans_codebook_beats_uniform_on_gaussian(bits, min_gain_db):
+    g = torch.Generator().manual_seed(bits)
+    u = (torch.randn(100_000, generator=g) * 0.3).clamp(-1, 1)
+    w = torch.rand(100_000, generator=g)
+    cb = fit_codebook(u, bits, w)
+    assert cb.dtype == torch.float16 and cb.shape == (2**bits,) and bool((cb[1:] >= cb[:-1]).all())
+    fitted, uniform = weighted_mse(u, cb, w), weighted_mse(u, uniform_codebook(bits), w)
+    # measured gains 5.6 / 3.5 / 2.1 dB (2 / 3 / 4 bits): the uniform grid wastes levels on the tails
+    assert 10 * math.log10(uniform / fitted) > min_gain_db, (bits, fitted, uniform)
+
+
+def test_kmeans_heavy_tailed_weights():
+    # squared gradients are heavy-tailed (SmolLM2-135M: the top 1% of K/V entries hold 57-88% of
+    # the Fisher weight); here lognormal(0, 3): the top 1% hold ~74%. The fit must still use all
+    # 16 levels and beat the uniform grid on the whole set (measured +2.0 dB), not just its sample.
+    g = torch.Generator().manual_seed(0)
+    u = (torch.randn(400_000, generator=g) * 0.3).clamp(-1, 1)
+    w = torch.exp(torch.randn(400_000, generator=g) * 3)
+    cb = fit_codebook(u, 4, w)
+    assert len(torch.unique(cb)) == 16
+    assert 10 * math.log10(weighted_mse(u, uniform_codebook(4), w) / weighted_mse(u, cb, w)) > 1.0
+    # Lloyd started with every centroid on one point (what weighted-quantile starts do when one
+    # point holds most of the weight): empty clusters are re-seeded, so no level is wasted
+    from kvbits.calibrate.kmeans import _lloyd
+
+    c, _ = _lloyd(torch.linspace(-1, 1, 1001), torch.ones(1001, dtype=torch.float64), torch.zeros(16), 20)
+    assert len(torch.unique(c)) == 16
+
+
+def test_kmeans_degenerate_inputs():
+    c = weighted_kmeans_1d(torch.zeros(100), 4, torch.zeros(100))  # zero weights fall back to uniform
+    assert torch.equal(c, torch.zeros(4))
+    with pytest.raises(ValueError, match="non-negative"):
+        weighted_kmeans_1d(torch.zeros(10), 4, -torch.ones(10))
+    with pytest.raises(ValueError, match="at least one point"):
+        weighted_kmeans_1d(torch.zeros(0), 4)
+
+
+def test_channel_percentiles_match_torch_quantile():
+    x = torch.randn(3, 1001, 8, generator=torch.Generator().manual_seed(0))
+    lo, hi = channel_percentiles(x, 99.0)
+    q = torch.quantile(x, torch.tensor([0.01, 0.99]), dim=1)
+    assert torch.allclose(lo, q[0], atol=1e-6) and torch.allclose(hi, q[1], atol=1e-6)
+    lo, hi = channel_percentiles(x, 100.0)
+    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+
+
+# ----------------------------------------------------------------------------- hooks and gradients
+
+
+def test_captured_keys_are_pre_rope():
+    # the cache holds post-RoPE keys; RoPE applied to the captured keys must give them back
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_llama()
+    ids = token_ids(40)[None]
+    with KVCapture(model) as cap, torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        pos = torch.arange(40)[None]
+        cos, sin = model.model.rotary_emb(torch.zeros(1), pos)
+        for i in range(2):
+            k, v = cap.activations(i)
+            rotated, _ = apply_rotary_pos_emb(k, k, cos, sin)
+            layer = out.past_key_values.layers[i]
+            assert torch.allclose(rotated, layer.keys, atol=1e-5)
+            assert torch.allclose(v, layer.values, atol=1e-6)
+            assert not torch.allclose(k, layer.keys, atol=1e-3)  # RoPE did change them
+    assert n_hooks(model) == 0
+
+
+def test_k_norm_is_hooked_when_present():
+    cfg = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=96,
+    )
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    sites = find_kv_sites(model)
+    assert [s.key_module for s in sites] == [layer.self_attn.k_norm for layer in model.model.layers]
+    assert [s.value_module for s in sites] == [layer.self_attn.v_proj for layer in model.model.layers]
+    assert {(s.num_kv_heads, s.head_dim) for s in sites} == {(2, 16)}
+    art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=2, fisher=False)
+    assert art.num_layers == 2 and art.codebook(1, "value").shape == (8,)
+
+
+def test_fisher_gradients_equal_ordinary_backward():
+    # frozen weights + a grad-requiring embedding leaf must give the same K/V gradients as a
+    # plain backward through a model whose weights require grad
+    model = tiny_llama()
+    ids = token_ids(50)[None]
+    with KVCapture(model, retain_grad=True) as cap:
+        model(input_ids=ids, labels=ids).loss.backward()
+        ref = [cap.gradients(i) for i in range(2)]
+    model.zero_grad(set_to_none=True)
+    flags = [p.requires_grad for p in model.parameters()]
+    with KVCapture(model, retain_grad=True) as cap, activation_gradients(model):
+        window_loss(model, ids, backward=True)
+        got = [cap.gradients(i) for i in range(2)]
+        assert all(p.grad is None for p in model.parameters())  # no weight gradients computed
+    for (rk, rv), (gk, gv) in zip(ref, got):
+        assert torch.allclose(rk, gk, atol=1e-9, rtol=1e-5) and torch.allclose(rv, gv, atol=1e-9, rtol=1e-5)
+        assert float(gk.abs().max()) > 0
+    assert [p.requires_grad for p in model.parameters()] == flags and n_hooks(model) == 0
+
+
+def test_hooks_and_flags_restored_after_error():
+    model = tiny_llama()
+    bad = torch.full((300,), 10_000)  # out of the vocabulary: the embedding raises mid-calibration
+    with pytest.raises((IndexError, RuntimeError)):
+        calibrate(model, bad, "kvquant-4", context=64, windows=2)
+    assert n_hooks(model) == 0 and all(p.requires_grad for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------- the artifact
+
+
+def test_calibrate_writes_and_loads_the_same_tensors(calibrated):
+    model, art, out = calibrated
+    assert (out / TENSORS_FILE).is_file() and (out / META_FILE).is_file()
+    loaded = load_calibration(out, model_config=model.config, fingerprint=art.fingerprint, scheme="kvquant-4")
+    assert (
+        set(loaded.tensors)
+        == set(art.tensors)
+        == {
+            f"layers.{i}.{n}"
+            for i in range(2)
+            for n in ("key_scale", "key_zero", "key_codebook", "value_codebook")
+        }
+    )
+    for name, t in art.tensors.items():
+        assert torch.equal(loaded.tensors[name], t) and t.dtype == torch.float16
+    meta = json.loads((out / META_FILE).read_text())
+    assert meta["format_version"] == ARTIFACT_FORMAT_VERSION and meta["fisher"] is True
+    assert meta["percentile"] == 99.9 and meta["scheme"] == get_scheme("kvquant-4").to_dict()
+    assert (
+        meta["model"]["num_layers"] == 2
+        and meta["model"]["num_kv_heads"] == 2
+        and meta["model"]["head_dim"] == 16
+    )
+    assert meta["data"]["windows"] == 3 and meta["data"]["tokens"] == 384 and meta["data"]["context"] == 128
+    assert meta["data"]["sampled_tokens_per_layer"] == 3 * 127  # the sink token of each window is excluded
+    assert loaded.max_calibrated_length == 128
+    assert n_hooks(model) == 0 and all(p.requires_grad for p in model.parameters())
+
+
+def test_artifact_api_for_the_cache(calibrated):
+    _, art, _ = calibrated
+    scale, zero = art.static_qparams(1, "key")
+    assert scale.shape == zero.shape == (1, 2, 1, 16) and scale.dtype == torch.float16
+    assert art.static_qparams(1, "value") is None and art.codebook(0, "key").shape == (16,)
+    kw = art.quantize_kwargs(0, "value")
+    assert set(kw) == {"codebook"} and set(art.quantize_kwargs(0, "key")) == {
+        "static_scale",
+        "static_zero",
+        "codebook",
+    }
+    with pytest.raises(ValueError, match="layer must be"):
+        art.codebook(2, "key")
+    with pytest.raises(ValueError, match="side must be"):
+        art.codebook(0, "keys")
+
+
+def test_calibrated_codebook_beats_uniform_on_the_model(calibrated):
+    # on fresh keys from the same model, the Fisher-weighted codebook has a lower error than a uniform
+    # one; and the stored statistics say so
+    model, art, _ = calibrated
+    spec = art.scheme.key
+    with KVCapture(model) as cap, torch.no_grad():
+        model(input_ids=token_ids(200, seed=7)[None])
+        for i in range(2):
+            k = cap.activations(i)[0][:, :, 1:]
+            kw = art.quantize_kwargs(i, "key")
+            fitted = quantize(k, spec, **kw).dequantize()
+            uniform = quantize(k, spec, **{**kw, "codebook": uniform_codebook(4)}).dequantize()
+            assert float((fitted - k).square().mean()) < float((uniform - k).square().mean())
+            assert art.layer_stats[i]["key_codebook_gain_db"] > 0
+
+
+def test_kvquant_bytes_with_calibrated_params(calibrated):
+    _, art, _ = calibrated
+    s = art.scheme
+    B, H, D, n = 2, 2, 16, 7
+    x = torch.randn(B, H, n, D)
+    stored = sum(
+        quantize(x, spec, **art.quantize_kwargs(0, side)).nbytes
+        for side, spec in (("key", s.key), ("value", s.value))
+    )
+    fixed = sum(
+        t.numel() * t.element_size() for name, t in art.tensors.items() if name.startswith("layers.0.")
+    )
+    lb = layer_bytes(s, n + s.sinks, batch=B, n_heads=H, head_dim=D)
+    assert lb["quantized"] == stored and lb["fixed"] == fixed
+
+
+def test_static_clipping_counted_beyond_calibrated_range():
+    spec = TensorSpec(kind="nuq", bits=4, fmt=None, granularity="channel", static=True, pre_rope=True)
+    scheme = KVScheme("kq", key=spec, value=TensorSpec(kind="nuq", bits=4, fmt=None), block=1)
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(2, 4000, 16, generator=g)]
+    art = artifact_from_samples(scheme, keys, [torch.randn(2, 4000, 16, generator=g)], percentile=99.0)
+    assert 0.015 < art.layer_stats[0]["key_clip_rate"] < 0.025  # [1%, 99%] range: ~2% clipped
+    kw = art.quantize_kwargs(0, "key")
+    inside = quantize(torch.zeros(1, 2, 3, 16), spec, **kw)
+    outside = quantize(torch.full((1, 2, 3, 16), 50.0), spec, **kw)
+    assert inside.clipped == 0 and outside.clipped == 2 * 3 * 16
+
+
+def test_corrupt_tensor_file_is_reported(calibrated, tmp_path):
+    _, _, out = calibrated
+    d = tmp_path / "c"
+    shutil.copytree(out, d)
+    path = d / TENSORS_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"calibration\.safetensors is truncated"):
+        load_calibration(d)
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(ValueError, match=r"calibration\.safetensors is corrupt: sha256"):
+        load_calibration(d)
+    # a damaged file whose size and hash were recorded as such still fails in the safetensors reader
+    garbage = b"\x10" + b"\x00" * 15 + b"not a header"
+    path.write_bytes(garbage)
+    meta = json.loads((d / META_FILE).read_text())
+    import hashlib
+
+    meta["files"][TENSORS_FILE] = {"bytes": len(garbage), "sha256": hashlib.sha256(garbage).hexdigest()}
+    (d / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_calibration(d)
+    path.unlink()
+    with pytest.raises(ValueError, match=r"calibration\.safetensors is missing"):
+        load_calibration(d)
+
+
+def test_bad_json_is_reported(calibrated, tmp_path):
+    _, _, out = calibrated
+    d = tmp_path / "j"
+    shutil.copytree(out, d)
+    text = (d / META_FILE).read_text()
+    (d / META_FILE).write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"calibration\.json is not valid JSON"):
+        load_calibration(d)
+    meta = json.loads(text)
+    (d / META_FILE).write_text(json.dumps({**meta, "format_version": ARTIFACT_FORMAT_VERSION + 1}))
+    with pytest.raises(ValueError, match="format_version 2; this kvbits reads format_version 1"):
+        load_calibration(d)
+    (d / META_FILE).unlink()
+    with pytest.raises(ValueError, match=r"calibration\.json is missing"):
+        load_calibration(d)
+    with pytest.raises(ValueError, match="no calibration folder"):
+        load_calibration(tmp_path / "nowhere")
+
+
+def test_wrong_model_or_scheme_is_reported(calibrated, tmp_path):
+    _, art, out = calibrated
+    d = tmp_path / "m"
+    shutil.copytree(out, d)
+    meta = json.loads((d / META_FILE).read_text())
+    (d / META_FILE).write_text(
+        json.dumps({**meta, "model": {**meta["model"], "fingerprint": "0123456789abcdef"}})
+    )
+    with pytest.raises(ValueError, match="was made for model 'llama' \\(fingerprint 0123456789abcdef"):
+        load_calibration(d, fingerprint=art.fingerprint)
+    other = tiny_llama(layers=3).config
+    with pytest.raises(ValueError, match="num_layers: 2 vs 3"):
+        load_calibration(out, model_config=other)
+    with pytest.raises(ValueError, match="not for scheme 'kvquant-3'"):
+        load_calibration(out, scheme="kvquant-3")
+
+
+def test_calibration_input_errors():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        calibrate(model, token_ids(), "int4-token", context=64, windows=1)
+    post = get_scheme("kvquant-4").replace(
+        name="post", key=TensorSpec(kind="nuq", bits=4, fmt=None, granularity="channel", static=True)
+    )
+    with pytest.raises(ValueError, match="pre_rope=True"):
+        calibrate(model, token_ids(), post, context=64, windows=1)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        calibrate(model, token_ids(50), "kvquant-4", context=64, windows=1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        calibrate(model, "pride-and-prejudice", "kvquant-4", context=64, windows=1)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "it",
+    "that",
+    "he",
+    "she",
+    "her",
+    "his",
+    "with",
+    "for",
+    "as",
+    "on",
+    "at",
+    "by",
+]
+
+
+def _tiny_model_folder(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    tiny_llama().save_pretrained(path)
+
+
+def test_cli_calibrate(tmp_path, monkeypatch, capsys):
+    from kvbits.cli import main
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    _tiny_model_folder(model_dir)
+    text = tmp_path / "book.txt"
+    g = torch.Generator().manual_seed(0)
+    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (2000,), generator=g)))
+    out = tmp_path / "out"
+    status = main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(text),
+            "--scheme",
+            "kvquant-2",
+            "--context",
+            "128",
+            "--windows",
+            "2",
+            "--out",
+            str(out),
+            "--no-fisher",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert str(out) in printed and "codebook" in printed and "clip" in printed
+    art = load_calibration(out, scheme="kvquant-2")
+    assert art.meta["fisher"] is False and art.meta["data"]["name"] == "book"
+    assert art.meta["data"]["tokenizer"].split(":")[1] == "21"  # class:size:vocab-hash
+    status = main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(text),
+            "--scheme",
+            "int4-token",
+            "--out",
+            str(tmp_path / "x"),
+        ]
+    )
+    assert status == 2 and "nothing to calibrate" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_real_calibration_smollm2(tmp_path):
+    from kvbits.evaluate.models import load_model
+
+    loaded = load_model("smollm2-135m")
+    calibrate(loaded, "pride-and-prejudice", "kvquant-4", context=2048, windows=4, out_dir=str(tmp_path))
+    back = load_calibration(
+        tmp_path, model_config=loaded.model.config, fingerprint=loaded.fingerprint, scheme="kvquant-4"
+    )
+    assert back.num_layers == 30 and back.max_calibrated_length == 2048
+    assert all(row["key_clip_rate"] < 0.01 for row in back.layer_stats)
+    assert all(row["key_codebook_gain_db"] > 0 for row in back.layer_stats)
+    assert os.path.getsize(tmp_path / TENSORS_FILE) < 100_000
