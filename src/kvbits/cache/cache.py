@@ -1,0 +1,264 @@
+"""`QuantizedKVCache`: a drop-in transformers ``Cache`` whose layers quantize K/V (``QuantizedKVLayer``).
+
+Usage::
+
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    out = model.generate(**inputs, past_key_values=cache)
+    cache.memory_report()["total_bytes"]
+
+Built on transformers' public ``Cache`` / ``CacheLayerMixin`` API only (tested with 5.17 and 5.24):
+no private attributes, no patched modeling code. Layer types come from the model config
+(``get_layer_types_and_kwargs``), so hybrid sliding/full models (Gemma 3) get sliding layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import cache_utils
+from transformers.cache_utils import Cache
+
+from kvbits.cache.layer import QuantizedKVLayer
+from kvbits.schemes.presets import get_scheme
+from kvbits.schemes.spec import KVScheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QuantizedKVCache", "attention_shape"]
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
+
+
+def _text_config(config: Any) -> Any:
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config(decoder=True)
+    return config
+
+
+def attention_shape(config: Any) -> tuple[int, int, int, int]:
+    """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing.
+
+    ``H_kv`` is ``num_key_value_heads`` (GQA/MQA) or ``H_q`` (MHA); ``D`` is ``head_dim`` when the
+    config sets it (Gemma, Llama 3.2), else ``hidden_size // H_q``.
+    """
+    text = _text_config(config)
+    name = type(text).__name__
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
+    if missing:
+        raise ValueError(
+            f"{name} has no {' / '.join(missing)}: QuantizedKVCache needs the number of layers and attention "
+            "heads of the decoder (pass num_layers= and config=None to build layers lazily instead)"
+        )
+    n_layers, heads = int(text.num_hidden_layers), int(text.num_attention_heads)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None:
+        hidden = getattr(text, "hidden_size", None)
+        if hidden is None:
+            raise ValueError(f"{name} has neither head_dim nor hidden_size: cannot tell the attention head size")
+        head_dim = hidden // heads
+    return n_layers, heads, int(kv_heads), int(head_dim)
+
+
+def _layer_types(text_config: Any, n_layers: int) -> tuple[list[str], list[dict]]:
+    """Per-layer types and kwargs, through transformers' own resolver when it has one.
+
+    5.24 returns one kwargs dict per layer, 5.17 one dict for all layers; both are normalised.
+    """
+    resolver = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    if resolver is not None:
+        types, kwargs = resolver(text_config)
+    else:  # pragma: no cover - older transformers
+        types = getattr(text_config, "layer_types", None)
+        if types is None:
+            sliding = getattr(text_config, "sliding_window", None)
+            types = ["sliding_attention" if sliding is not None else "full_attention"] * n_layers
+        kwargs = {"sliding_window": getattr(text_config, "sliding_window", None)}
+    types = list(types)
+    if isinstance(kwargs, dict):
+        kwargs = [dict(kwargs) for _ in types]
+    return types, list(kwargs)
+
+
+class QuantizedKVCache(Cache):
+    """A transformers ``Cache`` storing K/V following a ``KVScheme`` (real packed storage).
+
+    Args:
+        config: the model's config (composite configs use their text config). ``None``: layers are
+            created lazily on first use, all full attention.
+        scheme: preset name, dict, path to a scheme JSON or a ``KVScheme`` (``kvbits.get_scheme``).
+        num_layers: number of layers (checked against the config when both are given).
+        workspace: keep dequantized history per layer for faster token-by-token decoding
+            (reported as ``workspace_bytes``; results identical).
+        rotary: RoPE tables for ``pre_rope`` key specs (``RotaryTables.from_model(model)`` keeps the
+            model's own frequency buffers); default: built from ``config`` on the K/V device.
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        scheme: str | dict | KVScheme = "int8-token",
+        *,
+        num_layers: int | None = None,
+        workspace: bool = False,
+        rotary: Any = None,
+    ) -> None:
+        self.scheme = get_scheme(scheme)
+        self.workspace = bool(workspace)
+        self._lazy = False
+        self._config = config
+        self._rotary, self._rotary_owned = self._rope_tables(config, rotary)
+        self.num_key_value_heads: int | None = None
+        self.head_dim: int | None = None
+        if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        layers: list = []
+        if config is not None:
+            n_layers, _, kv_heads, head_dim = attention_shape(config)
+            self.num_key_value_heads, self.head_dim = kv_heads, head_dim
+            types, kwargs = _layer_types(_text_config(config), n_layers)
+            if num_layers is not None and num_layers != len(types):
+                raise ValueError(f"num_layers={num_layers} but the config describes {len(types)} cached layers")
+            layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(types, kwargs))]
+            fallback = [f"{layer.layer_idx} (W={layer.sliding_window})" for layer in layers
+                        if isinstance(layer, QuantizedKVLayer) and layer.mode == "fallback"]
+            if fallback:
+                logger.info(
+                    "scheme %s: residual %d + block %d - 1 exceeds the sliding window - 1 of layers %s; they keep "
+                    "their window in full precision",
+                    self.scheme.name, self.scheme.residual, self.scheme.block, ", ".join(fallback),
+                )
+        elif num_layers is not None:
+            layers = [self._make_layer(i, "full_attention", {}) for i in range(num_layers)]
+        else:
+            self._lazy = True
+        super().__init__(layers=layers)
+
+    def _rope_tables(self, config: Any, rotary: Any) -> tuple[Any, bool]:
+        """RoPE tables for pre-RoPE keys: ``(tables, built_here)``; ``(None, False)`` when not needed."""
+        if self.scheme.is_identity or not self.scheme.key.pre_rope:
+            return None, False
+        if rotary is not None:
+            return rotary, False
+        if config is None:
+            raise ValueError(
+                f"scheme {self.scheme.name!r} quantizes keys before RoPE: pass config= (or rotary=) so the cache "
+                "can un-rotate and re-rotate keys"
+            )
+        from kvbits.quant.rope import RotaryTables
+
+        try:
+            return RotaryTables.from_config(config), True
+        except ValueError as exc:
+            raise ValueError(f"scheme {self.scheme.name!r} needs a model with RoPE keys: {exc}") from exc
+
+    def _make_layer(self, idx: int, layer_type: str, kwargs: dict) -> Any:
+        if layer_type == "full_attention":
+            window = None
+        elif layer_type in _SLIDING_TYPES:
+            window = kwargs.get("sliding_window")
+            if not isinstance(window, int):
+                raise ValueError(f"layer {idx} is {layer_type!r} but the config gives no integer window ({window!r})")
+        elif layer_type == "dummy" and hasattr(cache_utils, "DummyLayer"):
+            return cache_utils.DummyLayer()  # KV-sharing consumer or attention-free layer: stores nothing
+        else:
+            raise NotImplementedError(
+                f"layer {idx} has type {layer_type!r}; QuantizedKVCache supports full_attention, "
+                f"sliding_attention and chunked_attention layers"
+            )
+        return QuantizedKVLayer(
+            self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
+            num_key_value_heads=self.num_key_value_heads,
+            rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
+        )
+
+    def __repr__(self) -> str:
+        return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V ``(B, H_kv, q, D)`` of layer ``layer_idx``; return what its attention uses."""
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
+        if layer_idx >= len(self.layers):
+            if not self._lazy:
+                raise ValueError(f"layer_idx {layer_idx} out of range: this cache has {len(self.layers)} layers")
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self._make_layer(len(self.layers), "full_attention", {}))
+        if self._rotary_owned and isinstance(key_states, torch.Tensor) and self._rotary.device != key_states.device:
+            # cos/sin computed on the model's device, as the model computes them (bit-exact re-rotation)
+            from kvbits.quant.rope import RotaryTables
+
+            self._rotary = RotaryTables.from_config(self._config, device=key_states.device)
+            for layer in self._quantized_layers():
+                layer.set_rotary(self._rotary.tables_for_layer(layer.layer_idx))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def set_static_qparams(
+        self,
+        layer_idx: int,
+        side: str,
+        scale: torch.Tensor | None = None,
+        zero: torch.Tensor | None = None,
+        *,
+        codebook: torch.Tensor | None = None,
+    ) -> None:
+        """Install calibrated scales / codebook of one layer (see ``QuantizedKVLayer.set_static_qparams``)."""
+        self._layer(layer_idx).set_static_qparams(side, scale, zero, codebook=codebook)
+
+    def _layer(self, layer_idx: int) -> QuantizedKVLayer:
+        quantized = {layer.layer_idx: layer for layer in self._quantized_layers()}
+        if layer_idx not in quantized:
+            raise ValueError(f"layer {layer_idx} is not a quantized cache layer of this cache ({len(self.layers)} layers)")
+        return quantized[layer_idx]
+
+    # ------------------------------------------------------------------ reading
+    def _quantized_layers(self) -> list[QuantizedKVLayer]:
+        return [layer for layer in self.layers if isinstance(layer, QuantizedKVLayer)]
+
+    def materialize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V that attention in layer ``layer_idx`` would see now, ``(B, H_kv, T_visible, D)``."""
+        return self._layer(layer_idx).materialize()
+
+    def memory_report(self) -> dict[str, Any]:
+        """Real storage: every byte of every tensor the cache holds, by layer and by component.
+
+        ``total_bytes`` sums ``nbytes`` of codes, scales, zero-points, outliers, sinks, buffers and fixed
+        per-layer tensors; ``workspace_bytes`` (dequantized history, optional) is reported apart.
+        ``avg_bits`` is ``8 * total_bytes / (K + V stored elements)``.
+        """
+        components = dict.fromkeys(COMPONENTS, 0)
+        layers, workspace, elements, batch = [], 0, 0, 0
+        for layer in self._quantized_layers():
+            for name, tensors in layer.components().items():
+                components[name] += sum(t.numel() * t.element_size() for t in tensors)
+            rep = layer.report()
+            workspace += rep.pop("workspace_bytes")
+            elements += rep.pop("stored_elements")
+            batch = max(batch, rep.pop("batch"))
+            layers.append(rep)
+        total = sum(components.values())
+        return {
+            "scheme": self.scheme.name,
+            "total_bytes": total,
+            "components": components,
+            "layers": layers,
+            "seq_length": self.get_seq_length(),
+            "batch": batch,
+            "workspace_bytes": workspace,
+            "avg_bits": 8 * total / elements if elements else 0.0,
+        }
+
+    def calibration_report(self) -> dict[str, Any]:
+        """Per layer: values clipped against their scales so far (keys, values) and the last position seen."""
+        rows = []
+        for layer in self._quantized_layers():
+            ck, cv = layer.clipped()
+            rows.append(
+                {"layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "max_position": layer.tokens_seen - 1}
+            )
+        return {"scheme": self.scheme.name, "layers": rows}

@@ -1,0 +1,397 @@
+"""`QuantizedKVLayer`: one attention layer's quantized KV cache, a transformers ``CacheLayerMixin``.
+
+Per layer, for K and for V (shapes ``(B, H_kv, T, D)``):
+
+- the first ``scheme.sinks`` tokens stay in full precision forever (attention sinks, IntactKV);
+- later tokens enter a full-precision buffer; whenever it holds ``residual + block`` tokens its
+  oldest ``block`` tokens are quantized once (``kvbits.quant.quantize``) and appended to the
+  quantized store (KIVI's residual window; history is never re-quantized, unlike transformers'
+  ``QuantizedCache``);
+- ``update`` returns dequantized store + sinks + buffer in token order, *including* the tokens just
+  flushed, so a single prefill already attends to quantized K/V.
+
+This is exactly what ``kvbits.schemes.accounting.token_split`` counts. Pre-RoPE key specs are
+un-rotated before quantization and rotated back after (``SideStore``). Identity schemes (``fp16``,
+``bf16``) store every token in their float format. Sliding-window layers (window ``W``) keep no
+sinks, drop quantized blocks whose tokens all left the last ``W - 1`` positions, fall back to a
+full-precision window when the buffer alone could outgrow it (``sliding_falls_back``), and return
+exactly the tokens ``DynamicSlidingWindowLayer`` returns, so its mask sizes apply unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvbits.cache.store import SideStore
+from kvbits.quant.checks import FP16_MAX, check_kv
+from kvbits.quant.tensor import FLOAT_DTYPES
+from kvbits.schemes.accounting import sliding_falls_back, token_split
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvbits.quant.rope import RotaryTables
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QuantizedKVLayer"]
+
+def _fixed_scale(spec: TensorSpec) -> torch.Tensor | None:
+    """Per-layer FP8 per-tensor scale (float32 1.0 until calibrated, as vLLM's uncalibrated default)."""
+    if spec.kind == "fp8" and (spec.static or spec.granularity == "tensor"):
+        return torch.ones((), dtype=torch.float32)
+    return None
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """Quantized K/V of one attention layer (full attention or sliding window).
+
+    Args:
+        scheme: the ``KVScheme`` to follow.
+        layer_idx: index in the model (named in error messages and reports).
+        sliding_window: ``W`` for a sliding-window layer, ``None`` for full attention.
+        workspace: keep the dequantized history too (faster decode; reported apart, never in
+            ``total_bytes``); results are identical either way.
+        num_key_value_heads: expected ``H_kv`` of the incoming K/V (from the model config), or ``None``.
+        rotary: this layer's RoPE tables (``RotaryTables.tables_for_layer``), needed by ``pre_rope`` keys.
+
+    Calibrated parameters (static scales, NUQ codebooks) are installed with ``set_static_qparams``.
+
+    ``keys`` / ``values`` (transformers' attributes) stay ``None``: the storage is not one tensor.
+    Use ``materialize()`` for what attention sees and ``memory_report()`` for the bytes.
+    """
+
+    is_compileable = False
+    # A rollback is exact only while the removed tokens are still in full precision and no flush
+    # happened since; assisted decoding needs more than that, so we do not promise it.
+    is_croppable = False
+
+    def __init__(
+        self,
+        scheme: KVScheme,
+        *,
+        layer_idx: int = 0,
+        sliding_window: int | None = None,
+        workspace: bool = False,
+        num_key_value_heads: int | None = None,
+        rotary: RotaryTables | None = None,
+    ) -> None:
+        super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        self.scheme = scheme
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.num_key_value_heads = num_key_value_heads
+        self.workspace = workspace
+        if scheme.is_identity:
+            self.mode = "identity"
+        elif self.is_sliding and sliding_falls_back(scheme, sliding_window):
+            self.mode = "fallback"  # QuantizedKVCache logs it once for all such layers
+        else:
+            self.mode = "quantized"
+        quantized = self.mode == "quantized"
+        if quantized and scheme.key.pre_rope and rotary is None:
+            raise ValueError(
+                f"layer {layer_idx}: scheme {scheme.name!r} quantizes keys before RoPE and needs the model's RoPE "
+                "tables: build the cache with config= (or rotary=kvbits.quant.rope.RotaryTables.from_model(model))"
+            )
+        self._k = SideStore(
+            scheme.key, name=f"layer {layer_idx} keys", workspace=workspace and quantized,
+            static_scale=_fixed_scale(scheme.key) if quantized else None, rotary=rotary if quantized else None,
+        )
+        self._v = SideStore(
+            scheme.value, name=f"layer {layer_idx} values", workspace=workspace and quantized,
+            static_scale=_fixed_scale(scheme.value) if quantized else None,
+        )
+        self.tokens_seen = 0
+        self.dropped_tokens = 0
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+
+    def __repr__(self) -> str:
+        kind = f"sliding={self.sliding_window}" if self.is_sliding else "full"
+        return f"QuantizedKVLayer(layer={self.layer_idx}, scheme={self.scheme.name!r}, {kind}, mode={self.mode})"
+
+    # --------------------------------------------------------------- set-up
+    def set_static_qparams(
+        self,
+        side: str,
+        scale: torch.Tensor | None = None,
+        zero: torch.Tensor | None = None,
+        *,
+        codebook: torch.Tensor | None = None,
+    ) -> None:
+        """Install calibrated fixed parameters for ``side`` (``"key"`` or ``"value"``).
+
+        ``scale``/``zero``: static specs (and FP8 per-tensor scales), broadcastable to the grouped view
+        ``quantize`` uses (static per-channel: ``(H_kv, D)``); ``codebook``: NUQ specs, float16
+        ``(2**bits,)``. They are owned by the layer and reported as ``fixed`` bytes. A no-op for layers
+        that quantize nothing (identity schemes, sliding fallback).
+        """
+        store = {"key": self._k, "value": self._v}.get(side)
+        if store is None:
+            raise ValueError(f"side must be 'key' or 'value', got {side!r}")
+        spec = store.spec
+        if scale is not None and not (spec.static or spec.kind == "fp8"):
+            raise ValueError(f"layer {self.layer_idx} {side}: spec is not static; static scales would be ignored")
+        if codebook is not None and spec.kind != "nuq":
+            raise ValueError(f"layer {self.layer_idx} {side}: a codebook needs kind='nuq', got {spec.kind!r}")
+        if self.mode != "quantized":
+            return
+        device = self.device or (scale if scale is not None else codebook).device
+        if scale is not None:
+            store.static_scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16)
+            store.static_zero = None if zero is None else zero.detach().to(device, torch.float16)
+        if codebook is not None:
+            store.codebook = codebook.detach().to(device)
+
+    def set_rotary(self, rotary: RotaryTables) -> None:
+        """Replace this layer's RoPE tables (e.g. the same tables built on the K/V device)."""
+        if self._k.rotary is not None:
+            self._k.rotary = rotary
+
+    def needs_calibration(self) -> list[str]:
+        """What is still missing before this layer can quantize (empty when ready)."""
+        if self.mode != "quantized":
+            return []
+        missing = []
+        for side, store in (("key", self._k), ("value", self._v)):
+            spec = store.spec
+            if spec.kind in ("int", "nuq") and spec.static and store.static_scale is None:
+                missing.append(f"{side} static scales")
+            if spec.kind in ("int", "nuq") and spec.static and spec.has_zero_point and store.static_zero is None:
+                missing.append(f"{side} static zero-points")
+            if spec.kind == "nuq" and store.codebook is None:
+                missing.append(f"{side} NUQ codebook")
+        return missing
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        k_store, v_store = key_states.dtype, value_states.dtype
+        if self.mode == "identity":  # fp16 / bf16 schemes store every token in their own format
+            k_store, v_store = FLOAT_DTYPES[self.scheme.key.fmt], FLOAT_DTYPES[self.scheme.value.fmt]
+        self._k.init(key_states, k_store)
+        self._v.init(value_states, v_store)
+        self.is_initialized = True
+
+    # --------------------------------------------------------------- update
+    def _validate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        names = (f"layer {self.layer_idx} key_states", f"layer {self.layer_idx} value_states")
+        for x, what in zip((key_states, value_states), names):
+            if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
+                check_kv(x, what)  # raises the precise TypeError / ValueError
+        if key_states.numel() and value_states.numel():
+            # one device sync for both: NaN propagates through amax, inf exceeds the bound
+            amax = torch.maximum(key_states.detach().abs().amax().float(), value_states.detach().abs().amax().float())
+            if not float(amax) <= FP16_MAX:  # scales and zero-points are float16
+                for x, what in zip((key_states, value_states), names):
+                    check_kv(x, what)
+        kB, kH, kT, _ = key_states.shape
+        vB, vH, vT, _ = value_states.shape
+        if (kB, kH, kT) != (vB, vH, vT):
+            raise ValueError(
+                f"layer {self.layer_idx}: key_states {tuple(key_states.shape)} and value_states "
+                f"{tuple(value_states.shape)} must agree on (B, H_kv, T)"
+            )
+        if key_states.dtype != value_states.dtype:
+            raise TypeError(f"layer {self.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}")
+        if self.num_key_value_heads is not None and kH != self.num_key_value_heads:
+            raise ValueError(
+                f"layer {self.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
+                f"(B, H_kv, T, D)) but the config has num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.is_initialized:
+            for what, x, store in (("key_states", key_states, self._k), ("value_states", value_states, self._v)):
+                ref = store.buffer
+                if x.shape[0] != ref.shape[0] or x.shape[1] != ref.shape[1] or x.shape[3] != ref.shape[3]:
+                    raise ValueError(
+                        f"layer {self.layer_idx}: {what} {tuple(x.shape)} does not match the cached "
+                        f"(B, H_kv, *, D) = {(ref.shape[0], ref.shape[1], '*', ref.shape[3])}"
+                    )
+            if key_states.dtype != self.dtype or key_states.device != self.device:
+                raise TypeError(
+                    f"layer {self.layer_idx}: K/V changed from {self.dtype} on {self.device} to "
+                    f"{key_states.dtype} on {key_states.device}; reset() the cache first"
+                )
+        missing = self.needs_calibration()
+        if missing:
+            raise ValueError(
+                f"layer {self.layer_idx}: scheme {self.scheme.name!r} needs calibrated parameters ({', '.join(missing)}); "
+                "run `kvbits calibrate` and install them with set_static_qparams() before use"
+            )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new K/V ``(B, H_kv, q, D)`` and return the K/V attention uses ``(B, H_kv, kv_length, D)``.
+
+        Full attention: all ``T`` tokens seen. Sliding window: the last ``min(T_before, W - 1)`` cached
+        tokens plus the ``q`` new ones, as ``DynamicSlidingWindowLayer`` (``get_mask_sizes`` agrees).
+        """
+        self._validate(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_before, q = self.tokens_seen, key_states.shape[2]
+        dropped_before = self.dropped_tokens
+        take = 0
+        if self.mode == "quantized" and not self.is_sliding:
+            take = max(0, min(q, self.scheme.sinks - self._k.n_sinks))
+        for store, x in ((self._k, key_states), (self._v, value_states)):
+            store.append_sinks(x[:, :, :take])
+            store.append_buffer(x[:, :, take:])
+        self.tokens_seen = n = n_before + q
+        if self.mode == "quantized":
+            excess = self._k.n_buffer - self.scheme.residual
+            n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
+            self._k.flush(n_flush, self.scheme.block)
+            self._v.flush(n_flush, self.scheme.block)
+        keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
+        if self.is_sliding:
+            start = max(0, n_before - self.sliding_window + 1) - dropped_before
+            keys, values = keys[:, :, start:], values[:, :, start:]
+            self._trim_window(n)
+        return keys, values
+
+    def _trim_window(self, n: int) -> None:
+        """Forget what the next step can no longer attend to (``token_split`` with a window)."""
+        W, block = self.sliding_window, self.scheme.block
+        keep_from = max(0, n - W + 1)
+        if self.mode == "quantized":
+            n_blocks = (self.dropped_tokens + self._k.n_quantized) // block  # flushed_tokens(n) unless cropped
+            target = min(n_blocks, keep_from // block) * block
+            for store in (self._k, self._v):
+                store.drop_quantized_front(target - self.dropped_tokens)
+            self.dropped_tokens = target
+        else:
+            for store in (self._k, self._v):
+                store.keep_buffer_tail(n - keep_from)
+            self.dropped_tokens = keep_from
+
+    # ----------------------------------------------------------- transformers
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the tensors the next ``update`` returns."""
+        if not self.is_sliding:
+            return self.tokens_seen + query_length, 0
+        W, n = self.sliding_window, self.tokens_seen
+        kv_offset = max(n - W + 1, 0)
+        kv_length = (W - 1 + query_length) if n >= W else n + query_length
+        return kv_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def reset(self) -> None:
+        self._k.clear()
+        self._v.clear()
+        self.tokens_seen = self.dropped_tokens = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end: negative = that many tokens, positive = keep that absolute length
+        (transformers 5.17's legacy meaning; a no-op when not shorter than the cache).
+
+        Only tokens still in full precision can be removed (the buffer, or the sinks when nothing was
+        quantized yet): quantized blocks are never dequantized and re-split. Anything else raises
+        ``ValueError``.
+        """
+        n = self.tokens_seen
+        if tokens_to_remove > 0:
+            if tokens_to_remove >= n:
+                return
+            r = n - tokens_to_remove
+        else:
+            r = -tokens_to_remove
+        if r == 0 or not self.is_initialized:
+            return
+        removable = self._k.n_buffer + (self._k.n_sinks if self._k.n_quantized == 0 else 0)
+        if r > removable:
+            raise ValueError(
+                f"layer {self.layer_idx}: cannot crop {r} tokens; only the last {removable} of {n} tokens are "
+                "still in full precision (quantized blocks are never dequantized and re-split)"
+            )
+        if self.is_sliding and self.dropped_tokens > max(0, n - r - self.sliding_window + 1):
+            raise ValueError(
+                f"layer {self.layer_idx}: cannot crop {r} tokens from a sliding-window layer that already dropped "
+                f"{self.dropped_tokens} tokens the shorter sequence would need"
+            )
+        self._k.crop_tail(r)
+        self._v.crop_tail(r)
+        self.tokens_seen = n - r
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Select sequences ``beam_idx`` (beam search) in every stored tensor, scales included."""
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t[indices, ...])
+
+    def _map_batch(self, fn) -> None:
+        self._k.map_batch(fn)
+        self._v.map_batch(fn)
+
+    # ---------------------------------------------------------------- reading
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V attention would see now, ``(B, H_kv, T_visible, D)`` in the incoming dtype.
+
+        Full attention: every token; sliding window: the last ``min(T, W - 1)`` tokens (what
+        ``DynamicSlidingWindowLayer`` holds).
+        """
+        if not self.is_initialized:
+            raise ValueError(f"layer {self.layer_idx} holds no tokens yet")
+        keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
+        if self.is_sliding:
+            visible = min(self.tokens_seen, self.sliding_window - 1)
+            keys, values = keys[:, :, keys.shape[2] - visible :], values[:, :, values.shape[2] - visible :]
+        return keys, values
+
+    def report(self) -> dict:
+        """Bytes and token split of this layer (one entry of ``memory_report()["layers"]``)."""
+        sinks = self._k.n_sinks
+        quant = self._k.n_quantized
+        full = self._k.n_buffer
+        return {
+            "layer": self.layer_idx,
+            "key_bytes": self._k.nbytes(),
+            "value_bytes": self._v.nbytes(),
+            "tokens_seen": self.tokens_seen,
+            "sink_tokens": sinks,
+            "quantized_tokens": quant,
+            "full_tokens": full,
+            "dropped_tokens": self.dropped_tokens,
+            "sliding_window": self.sliding_window,
+            "mode": self.mode,
+            "batch": 0 if self._k.buffer is None else self._k.buffer.shape[0],
+            "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
+            "stored_elements": sum(
+                0 if s.buffer is None else (s.n_sinks + s.n_quantized + s.n_buffer) * s.buffer.shape[0]
+                * s.buffer.shape[1] * s.buffer.shape[3] for s in (self._k, self._v)
+            ),
+        }
+
+    def components(self) -> dict[str, list[torch.Tensor]]:
+        """Every stored tensor of K and V by kind (see ``SideStore.components``)."""
+        k, v = self._k.components(), self._v.components()
+        return {name: k[name] + v[name] for name in k}
+
+    def clipped(self) -> tuple[int, int]:
+        """Values that saturated against their (static) scales so far, for keys and values."""
+        return self._k.clipped, self._v.clipped
+
+    def expected_split(self):
+        """``token_split`` for the tokens seen (what this layer's report must equal until a ``crop``)."""
+        return token_split(self.scheme, self.tokens_seen, self.sliding_window)

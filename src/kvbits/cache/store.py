@@ -1,0 +1,300 @@
+"""`SideStore`: what one layer holds for one of K or V.
+
+Token order inside a store is ``sinks | quantized chunks | buffer``: the first ``sinks`` tokens in
+full precision, then the flushed blocks (packed codes + float16 metadata, ``QuantizedTensor``), then
+the full-precision buffer of not-yet-flushed tokens. Every tensor here has the batch in dim 0 and the
+tokens in dim 2, ``(B, H_kv, T, D)`` for dense tensors.
+
+Flushed blocks are quantized once and never touched again. To keep the number of Python objects
+small, consecutive blocks whose quantization is independent per token group (``token`` and
+``channel`` granularity, or static scales) are concatenated into one growing chunk: quantizing
+``m`` blocks in one call gives bit-identical codes and scales to ``m`` separate calls, because each
+scale only reduces over one token, or over a group of tokens inside one block (``block`` is a multiple
+of the channel group, see ``KVScheme``). Head / tensor granularity reduce over a whole block, so each
+block stays its own chunk.
+
+Pre-RoPE keys (KVQuant §3.2): the store receives post-RoPE keys; a flushed block is un-rotated at its
+absolute positions (``kvbits.quant.rope.RotaryTables``), quantized, and rotated back after
+dequantization. Positions are token indices in the cache (``sinks + dropped + quantized`` before
+the block), as ``kvbits.evaluate.simulate`` assumes (unpadded rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbits.quant import QuantizedTensor, quantize
+from kvbits.schemes.spec import TensorSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvbits.quant.rope import RotaryTables
+
+__all__ = ["SideStore", "mergeable"]
+
+
+def mergeable(spec: TensorSpec) -> bool:
+    """Whether blocks of ``spec`` may be quantized together and stored as one chunk."""
+    return spec.granularity in ("token", "channel") or spec.static or spec.kind == "float"
+
+
+def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int) -> torch.Tensor:
+    """Tokens ``[start, stop)`` of a tensor whose dim 2 covers ``n_tokens`` tokens in equal units."""
+    unit = n_tokens // t.shape[2]
+    if unit * t.shape[2] != n_tokens or start % unit or stop % unit:
+        raise AssertionError(f"slice [{start}, {stop}) does not align with {t.shape[2]} groups of {n_tokens} tokens")
+    return t[:, :, start // unit : stop // unit].clone()
+
+
+def _slice_chunk(qt: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    """Tokens ``[start, stop)`` of a chunk, as a new chunk owning its own (cloned) storage."""
+    n = qt.n_tokens
+    own = {
+        name: (_slice_tokens(getattr(qt, name), n, start, stop) if getattr(qt, name) is not None else None)
+        for name in ("data", "outlier_values", "outlier_index")
+    }
+    if not qt.static:
+        for name in ("scale", "zero"):
+            t = getattr(qt, name)
+            own[name] = _slice_tokens(t, n, start, stop) if t is not None else None
+    B, H, _, D = qt.shape
+    return replace(qt, shape=(B, H, stop - start, D), **own)
+
+
+def _cat_chunks(a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
+    """One chunk holding ``a``'s tokens then ``b``'s (both of a ``mergeable`` spec)."""
+    cat = {}
+    names = ["data", "outlier_values", "outlier_index"] + ([] if a.static else ["scale", "zero"])
+    for name in names:
+        ta, tb = getattr(a, name), getattr(b, name)
+        cat[name] = None if ta is None else torch.cat([ta, tb], dim=2)
+    B, H, na, D = a.shape
+    return replace(a, shape=(B, H, na + b.n_tokens, D), clipped=a.clipped + b.clipped, **cat)
+
+
+def _map_chunk(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+    """Apply a batch-dimension map (index_select, repeat_interleave, ...) to every per-sequence tensor."""
+    names = ["data", "outlier_values", "outlier_index"] + ([] if qt.static else ["scale", "zero"])
+    new = {name: fn(getattr(qt, name)) for name in names if getattr(qt, name) is not None}
+    data = new["data"]
+    return replace(qt, shape=(data.shape[0], *qt.shape[1:]), **new)
+
+
+def _stack_blocks(chunks: list[QuantizedTensor]) -> QuantizedTensor:
+    """Equal-sized chunks stacked along the batch dim (block-major), to dequantize them in one call:
+    every granularity reduces within one block of one sequence, so dequantization is unchanged."""
+    names = ["data", "outlier_values", "outlier_index"] + ([] if chunks[0].static else ["scale", "zero"])
+    first = chunks[0]
+    if any(c.n_tokens != first.n_tokens for c in chunks):
+        raise AssertionError("only equal-sized chunks can be stacked")
+    stacked = {n: torch.cat([getattr(c, n) for c in chunks], dim=0) for n in names if getattr(first, n) is not None}
+    B, H, n, D = first.shape
+    return replace(first, shape=(B * len(chunks), H, n, D), **stacked)
+
+
+class SideStore:
+    """Sinks, quantized chunks and full-precision buffer of one of K or V in one layer.
+
+    Args:
+        spec: how flushed tokens are stored.
+        name: for error messages (``"layer 3 keys"``).
+        workspace: also keep the dequantized chunks (in the dtype of the incoming K/V) so that a
+            decode step dequantizes only what was flushed since the previous one.
+        static_scale, static_zero, codebook: fixed quantization parameters owned by the layer (FP8
+            per-tensor scale, calibrated scales, NUQ codebook); passed to ``quantize`` and counted as
+            ``fixed`` bytes.
+        rotary: RoPE tables of this layer, for a ``pre_rope`` spec.
+    """
+
+    def __init__(
+        self,
+        spec: TensorSpec,
+        *,
+        name: str,
+        workspace: bool = False,
+        static_scale: torch.Tensor | None = None,
+        static_zero: torch.Tensor | None = None,
+        codebook: torch.Tensor | None = None,
+        rotary: RotaryTables | None = None,
+    ) -> None:
+        self.spec = spec
+        self.codebook = codebook
+        self.rotary = rotary
+        self.name = name
+        self.use_workspace = workspace
+        self.static_scale = static_scale
+        self.static_zero = static_zero
+        self.sinks: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None
+        self.chunks: list[QuantizedTensor] = []
+        self.work: torch.Tensor | None = None
+        self.clipped = 0
+        self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
+
+    # ------------------------------------------------------------------ state
+    def init(self, like: torch.Tensor, buffer_dtype: torch.dtype) -> None:
+        """Empty storage for K/V shaped like ``like`` ``(B, H_kv, *, D)``; the buffer in ``buffer_dtype``."""
+        B, H, _, D = like.shape
+        self.sinks = like.new_empty((B, H, 0, D))
+        self.buffer = torch.empty((B, H, 0, D), dtype=buffer_dtype, device=like.device)
+        self.chunks = []
+        self.work = like.new_empty((B, H, 0, D)) if self.use_workspace else None
+        self.clipped = self.n_dropped = 0
+        for name in ("static_scale", "static_zero", "codebook"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(like.device))
+
+    def clear(self) -> None:
+        self.sinks = self.buffer = self.work = None
+        self.chunks = []
+        self.clipped = self.n_dropped = 0
+
+    @property
+    def n_sinks(self) -> int:
+        return 0 if self.sinks is None else self.sinks.shape[2]
+
+    @property
+    def n_quantized(self) -> int:
+        return sum(c.n_tokens for c in self.chunks)
+
+    @property
+    def n_buffer(self) -> int:
+        return 0 if self.buffer is None else self.buffer.shape[2]
+
+    # ------------------------------------------------------------- appending
+    def append_sinks(self, x: torch.Tensor) -> None:
+        """Append ``x`` ``(B, H_kv, n, D)`` to the full-precision sinks."""
+        if x.shape[2]:
+            self.sinks = torch.cat([self.sinks, x], dim=2)
+
+    def append_buffer(self, x: torch.Tensor) -> None:
+        """Append ``x`` ``(B, H_kv, n, D)`` to the buffer (cast to the buffer's dtype)."""
+        if x.shape[2]:
+            self.buffer = torch.cat([self.buffer, x.to(self.buffer.dtype)], dim=2)
+
+    def flush(self, n_tokens: int, block: int) -> None:
+        """Quantize the ``n_tokens`` oldest buffer tokens (a whole number of ``block``-token blocks).
+
+        Each block is quantized exactly once; with a ``mergeable`` spec the blocks go through one
+        ``quantize`` call and are appended to the last chunk.
+        """
+        if n_tokens <= 0:
+            return
+        assert n_tokens % block == 0 and n_tokens <= self.n_buffer
+        x = self.buffer[:, :, :n_tokens]
+        if self.spec.kind == "float":  # quantize may return a view of x, which would pin the old buffer
+            x = x.clone()
+        p0 = self.n_sinks + self.n_dropped + self.n_quantized
+        if self.spec.pre_rope:
+            x = self.rotary.unrotate(x, torch.arange(p0, p0 + n_tokens, device=x.device))
+        kw = {"static_scale": self.static_scale, "static_zero": self.static_zero}
+        if self.codebook is not None:
+            kw["codebook"] = self.codebook
+        # Finiteness and range were checked on the incoming K/V (with the layer's name).
+        if mergeable(self.spec):
+            new = [quantize(x, self.spec, validate=False, **kw)]
+        else:
+            new = [quantize(x[:, :, i : i + block], self.spec, validate=False, **kw) for i in range(0, n_tokens, block)]
+        for qt in new:
+            self.clipped += qt.clipped
+            if self.work is not None:
+                self.work = torch.cat([self.work, self._dequantize(qt, p0, self.work.dtype)], dim=2)
+            p0 += qt.n_tokens
+            if self.chunks and mergeable(self.spec):
+                self.chunks[-1] = _cat_chunks(self.chunks[-1], qt)
+            else:
+                self.chunks.append(qt)
+        # clone: a view would keep the flushed tokens' full-precision storage alive
+        self.buffer = self.buffer[:, :, n_tokens:].clone()
+
+    # -------------------------------------------------------------- removing
+    def drop_quantized_front(self, n_tokens: int) -> None:
+        """Forget the ``n_tokens`` oldest quantized tokens (whole blocks; sliding-window layers)."""
+        if n_tokens <= 0:
+            return
+        left = n_tokens
+        while left and self.chunks and self.chunks[0].n_tokens <= left:
+            left -= self.chunks.pop(0).n_tokens
+        if left:
+            first = self.chunks[0]
+            self.chunks[0] = _slice_chunk(first, left, first.n_tokens)
+        if self.work is not None:
+            self.work = self.work[:, :, n_tokens:].clone()
+        self.n_dropped += n_tokens
+
+    def keep_buffer_tail(self, n_tokens: int) -> None:
+        """Keep only the ``n_tokens`` most recent buffer tokens (full-precision sliding window)."""
+        if n_tokens < self.n_buffer:
+            self.buffer = self.buffer[:, :, self.n_buffer - n_tokens :].clone()
+
+    def crop_tail(self, n_tokens: int) -> None:
+        """Remove the ``n_tokens`` most recent tokens, from the buffer then the sinks (caller checks)."""
+        from_buffer = min(n_tokens, self.n_buffer)
+        self.buffer = self.buffer[:, :, : self.n_buffer - from_buffer].clone()
+        rest = n_tokens - from_buffer
+        if rest:
+            assert not self.chunks and rest <= self.n_sinks
+            self.sinks = self.sinks[:, :, : self.n_sinks - rest].clone()
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` to the batch dimension of every per-sequence tensor (beam search, expansion)."""
+        if self.buffer is None:
+            return
+        self.sinks, self.buffer = fn(self.sinks), fn(self.buffer)
+        if self.work is not None:
+            self.work = fn(self.work)
+        self.chunks = [_map_chunk(c, fn) for c in self.chunks]
+
+    # --------------------------------------------------------------- reading
+    def _dequantize(self, qt: QuantizedTensor, p0: int, dtype: torch.dtype) -> torch.Tensor:
+        """One chunk back to ``dtype`` (rotated back to its positions ``p0...`` for pre-RoPE keys)."""
+        out = qt.dequantize(dtype)
+        if self.spec.pre_rope:
+            out = self.rotary.rotate(out, torch.arange(p0, p0 + qt.n_tokens, device=out.device))
+        return out
+
+    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Every stored token in order, in ``dtype``: ``(B, H_kv, sinks + quantized + buffer, D)``."""
+        parts = [self.sinks.to(dtype)]
+        if self.work is not None:
+            parts.append(self.work.to(dtype))
+        elif len(self.chunks) > 1:  # one block per chunk (head / tensor granularity): one call for all
+            stacked = _stack_blocks(self.chunks)
+            n = sum(c.n_tokens for c in self.chunks)
+            out = stacked.dequantize(dtype)  # (nb * B, H, block, D), blocks major
+            B, H, _, D = self.chunks[0].shape
+            out = out.reshape(len(self.chunks), B, H, -1, D).permute(1, 2, 0, 3, 4).reshape(B, H, n, D)
+            if self.spec.pre_rope:
+                p0 = self.n_sinks + self.n_dropped
+                out = self.rotary.rotate(out, torch.arange(p0, p0 + n, device=out.device))
+            parts.append(out)
+        elif self.chunks:
+            parts.append(self._dequantize(self.chunks[0], self.n_sinks + self.n_dropped, dtype))
+        parts.append(self.buffer.to(dtype))
+        return torch.cat(parts, dim=2)
+
+    def components(self) -> dict[str, list[torch.Tensor]]:
+        """The stored tensors by kind: codes, scales, zero_points, outliers, full_precision, fixed."""
+        out: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
+        }
+        out["fixed"] = [t for t in (self.static_scale, self.static_zero, self.codebook) if t is not None]
+        if self.buffer is None:
+            return out
+        out["full_precision"] = [self.sinks, self.buffer]
+        for c in self.chunks:
+            out["codes"].append(c.data)
+            if not c.static:
+                out["scales"] += [c.scale] if c.scale is not None else []
+                out["zero_points"] += [c.zero] if c.zero is not None else []
+            out["outliers"] += [t for t in (c.outlier_values, c.outlier_index) if t is not None]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.components().values() for t in ts)
+
+    def workspace_bytes(self) -> int:
+        return 0 if self.work is None else self.work.numel() * self.work.element_size()

@@ -1,0 +1,685 @@
+"""Cache layer: `kvbits.cache.QuantizedKVCache` as a drop-in transformers cache.
+
+Tiny random-weight models built from configs (no network): Llama GQA and MHA, Qwen2 (GQA, q/k/v
+bias), Gemma 3 text (MQA, hybrid sliding/full layers) and GPT-2 (MHA, learned positions). Checks:
+logits close to ``DynamicCache``, ``generate()`` in every decoding mode, every quantizing preset
+really changes what attention sees (and only in the quantized region), reported bytes equal both the
+tensors actually held and ``kvbits.schemes.accounting``, the flush rule of ``token_split``, sliding
+windows shaped exactly like transformers' ``DynamicSlidingWindowLayer``, crop / reset / beam reorder,
+workspace on/off identical, validation, and no state left on the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import logging
+from unittest import mock
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme, layer_bytes, list_schemes, token_split
+
+transformers.logging.set_verbosity_error()
+
+# transformers 5.24 renamed the forward kwarg `past_key_values` -> `cache` (5.17 only knows the old name)
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+ARCHS = ("llama", "llama_mha", "qwen2", "gemma3", "gpt2")
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (4x slower on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+    elif arch == "llama_mha":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
+    elif arch == "llama_d64":  # head_dim 64: every preset's channel groups divide it
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, head_dim=64, **common))
+    elif arch == "gemma3":
+        cfg = Gemma3TextConfig(
+            num_key_value_heads=1, head_dim=16, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"], **common,
+        )
+        model = Gemma3ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+def tokens(batch: int, n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def run(model, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Log-probs of the next token after the prefill and after each following token fed one at a time."""
+    out = [model(ids[:, :prefill], **{CACHE_KW: cache}).logits[:, -1]]
+    for i in range(prefill, ids.shape[1]):
+        out.append(model(ids[:, i : i + 1], **{CACHE_KW: cache}).logits[:, -1])
+    return torch.stack(out, 1).float().log_softmax(-1)
+
+
+def rand_kv(B: int, H: int, T: int, D: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, D, generator=g) * 2 + torch.randn(1, H, 1, D, generator=g)  # channel offsets
+    v = torch.randn(B, H, T, D, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def feed(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunks: list[int]) -> None:
+    """Feed K/V ``(B, H, T, D)`` to one layer in chunks of the given sizes (then 1 token at a time)."""
+    pos = 0
+    for size in chunks + [1] * k.shape[2]:
+        if pos >= k.shape[2]:
+            break
+        cache.update(k[:, :, pos : pos + size], v[:, :, pos : pos + size], layer_idx)
+        pos += size
+
+
+def gemma_cfg(window: int) -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def walk_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` through attributes, containers and dataclasses (independent
+    of ``memory_report``: what the cache really holds)."""
+    found, seen = [], set()
+
+    def visit(obj):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple, set)):
+            for x in obj:
+                visit(x)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x)
+        elif hasattr(obj, "__dict__") and (type(obj).__module__.startswith("kvbits") or obj is root):
+            for x in vars(obj).values():
+                visit(x)
+
+    visit(root)
+    return found
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view pinning a larger buffer shows here)."""
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        storages[(s.data_ptr(), s.nbytes()) if s.nbytes() else id(t)] = s.nbytes()
+    return sum(storages.values())
+
+
+QUANTIZING = [s.name for s in list_schemes() if not s.is_identity]
+CUSTOM = KVScheme(
+    "test-mixed",
+    key=TensorSpec(kind="int", bits=4, fmt=None, granularity="head"),
+    value=TensorSpec(kind="int", bits=3, fmt=None, granularity="token", group_size=32, outlier_frac=0.05),
+    sinks=4, residual=16, block=8,
+)
+PRE_ROPE = KVScheme(
+    "test-prerope",
+    key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=32, pre_rope=True),
+    value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
+    sinks=1, residual=8, block=32,
+)
+CUSTOM_TENSOR = KVScheme(
+    "test-tensor",
+    key=TensorSpec(kind="int", bits=2, fmt=None, granularity="tensor", symmetric=True),
+    value=TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="token", outlier_frac=0.02),
+    sinks=2, residual=3, block=4,
+)
+
+
+# --------------------------------------------------------------------------------------- model level
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_logits_close_to_dynamic_cache(arch):
+    """40-token prefill then 8 decode steps. Rounding errors propagate linearly for small
+    perturbations, so the int8 deviation should be ~ (int8 step / int4 step) = 15/255 ~ 1/17 of the
+    int4 one: we require int8 <= int4 / 4 (room for noise), < 0.05 nats absolute, and > 0 (it did quantize).
+    """
+    model = build(arch)
+    ids = tokens(2, 48)
+    ref = run(model, DynamicCache(config=model.config), ids, 40)
+    dev = {
+        s: (run(model, QuantizedKVCache(config=model.config, scheme=s), ids, 40) - ref).abs().max().item()
+        for s in ("int8-token", "int4-token")
+    }
+    assert 0 < dev["int8-token"] < 0.05, dev
+    assert dev["int8-token"] <= dev["int4-token"] / 4, dev
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_residual_window_is_exact(arch):
+    """KIVI keeps the last 128 tokens in full precision: with 48 tokens nothing is quantized, and the
+    logits equal DynamicCache's bit for bit (also through Gemma 3's sliding layer, which falls back)."""
+    model = build(arch)
+    ids = tokens(2, 48)
+    ref = run(model, DynamicCache(config=model.config), ids, 40)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    assert torch.equal(run(model, cache, ids, 40), ref)
+    assert all(layer["quantized_tokens"] == 0 for layer in cache.memory_report()["layers"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["greedy", "sample", "padded_batch", "beams"])
+def test_generate(arch, mode):
+    model = build(arch)
+    ids = tokens(2, 12, seed=3)
+    mask = torch.ones_like(ids)
+    kw = {"max_new_tokens": 8, "pad_token_id": 0}
+    if mode == "sample":
+        kw.update(do_sample=True, top_k=0)
+        torch.manual_seed(0)
+    elif mode == "padded_batch":
+        mask[1, :5] = 0  # left padding in the second sequence
+        ids = ids.masked_fill(mask == 0, 0)
+    elif mode == "beams":
+        kw.update(num_beams=2, num_return_sequences=2)
+    cache = QuantizedKVCache(config=model.config, scheme="int8-token")
+    with mock.patch.object(cache, "reorder_cache", wraps=cache.reorder_cache) as reorder:
+        out = model.generate(ids, attention_mask=mask, **{CACHE_KW: cache}, **kw)
+    n_seq = 4 if mode == "beams" else 2
+    assert out.shape == (n_seq, 20)
+    assert cache.get_seq_length() == 19  # the last generated token is never fed back
+    rep = cache.memory_report()
+    assert rep["batch"] == n_seq and rep["total_bytes"] > 0
+    assert reorder.called == (mode == "beams")
+    if mode in ("beams", "padded_batch"):
+        # KIVI-2 with < 128 tokens is exact: the same tokens as DynamicCache
+        ref = model.generate(ids, attention_mask=mask, **{CACHE_KW: DynamicCache(config=model.config)}, **kw)
+        got = model.generate(ids, attention_mask=mask, **{CACHE_KW: QuantizedKVCache(config=model.config, scheme="kivi-2")}, **kw)
+        assert torch.equal(got, ref)
+
+
+@functools.cache
+@torch.no_grad()
+def reference_300() -> DynamicCache:
+    """DynamicCache after 300 tokens through ``llama_d64`` (shared, read-only)."""
+    model = build("llama_d64")
+    ref = DynamicCache(config=model.config)
+    model(tokens(1, 300, seed=5), **{CACHE_KW: ref})
+    return ref
+
+
+def install_calibration(cache: QuantizedKVCache, ref: DynamicCache, model) -> None:
+    """Static scales covering the reference K/V (pre-RoPE keys when the spec says so) and uniform NUQ
+    codebooks: stand-ins for a `kvbits calibrate` artifact."""
+    from kvbits.quant.nuq import uniform_codebook
+    from kvbits.quant.rope import RotaryTables
+
+    tables = RotaryTables.from_config(model.config)
+    for i, layer in enumerate(cache.layers):
+        for side, spec, x in (("key", cache.scheme.key, ref.layers[i].keys), ("value", cache.scheme.value, ref.layers[i].values)):
+            scale = zero = None
+            if spec.static:
+                if spec.pre_rope:
+                    x = tables.tables_for_layer(i).unrotate(x, torch.arange(x.shape[2]))
+                lo, hi = x.amin(dim=(0, 2)), x.amax(dim=(0, 2))  # (H, D)
+                zero, scale = (lo - 0.01 * (hi - lo)).half(), (1.02 * (hi - lo)).half()
+                if spec.kind == "int":
+                    scale = (scale.float() / (2**spec.bits - 1)).half()
+            codebook = uniform_codebook(spec.bits) if spec.kind == "nuq" else None
+            if scale is not None or codebook is not None:
+                cache.set_static_qparams(i, side, scale, zero, codebook=codebook)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", QUANTIZING + ["test-mixed", "test-prerope"])
+def test_every_preset_really_quantizes(scheme):
+    """300 tokens through Llama: layer 0's K/V (same input for both caches) differ from DynamicCache's
+    in the quantized region and are identical in the sink and residual regions. Presets that need
+    calibration refuse to run without it, then run with stand-in parameters."""
+    model = build("llama_d64")
+    sch = {"test-mixed": CUSTOM, "test-prerope": PRE_ROPE}.get(scheme) or get_scheme(scheme)
+    ids = tokens(1, 300, seed=5)
+    ref, cache = reference_300(), QuantizedKVCache(config=model.config, scheme=sch)
+    if cache.layers[0].needs_calibration():
+        with pytest.raises(ValueError, match="calibrat"):
+            model(ids, **{CACHE_KW: cache})
+        cache.reset()
+        install_calibration(cache, ref, model)
+        assert not cache.layers[0].needs_calibration()
+    model(ids, **{CACHE_KW: cache})
+    split = token_split(sch, 300)
+    assert split.quantized >= 128
+    k, v = cache.materialize(0)
+    rk, rv = ref.layers[0].keys, ref.layers[0].values
+    s, q = split.sink, split.sink + split.quantized
+    for got, want in ((k, rk), (v, rv)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got[:, :, :s], want[:, :, :s]) and torch.equal(got[:, :, q:], want[:, :, q:])
+        changed = (got[:, :, s:q] != want[:, :, s:q]).float().mean().item()
+        assert changed > 0.5, f"{scheme}: only {changed:.0%} of the quantized region changed"
+    rep = cache.memory_report()["layers"][0]
+    assert (rep["sink_tokens"], rep["quantized_tokens"], rep["full_tokens"]) == (split.sink, split.quantized, split.full)
+
+
+@torch.no_grad()
+def test_pre_rope_keys_are_quantized_before_rope():
+    """Gemma 3 config (sliding layer 0 and full layer 1 with different RoPE bases): post-RoPE keys fed
+    as a 20-token prefill then one token at a time. The quantized region equals
+    rotate(fake_quantize(unrotate(K))) at absolute positions, bit for bit; the rest is exact."""
+    from kvbits.quant import fake_quantize
+    from kvbits.quant.rope import RotaryTables
+
+    cfg = build("gemma3").config
+    sch = dataclasses.replace(PRE_ROPE, key=dataclasses.replace(PRE_ROPE.key, group_size=4), residual=2, block=4)
+    cache = QuantizedKVCache(config=cfg, scheme=sch)
+    tables = RotaryTables.from_config(cfg)
+    T = 37
+    pre_k, v = rand_kv(2, 1, T, 16, seed=6)
+    for layer, window in ((0, 16), (1, None)):
+        t = tables.tables_for_layer(layer)
+        post_k = t.rotate(pre_k, torch.arange(T))
+        feed(cache, layer, post_k, v, [20])
+        split = token_split(sch, T, window)
+        lo = split.sink
+        hi = lo + split.quantized + split.dropped
+        pos = torch.arange(lo, hi)
+        want = post_k.clone()
+        want[:, :, lo:hi] = t.rotate(fake_quantize(t.unrotate(post_k[:, :, lo:hi], pos), sch.key), pos)
+        got = cache.materialize(layer)[0]
+        assert torch.equal(got, want[:, :, T - got.shape[2] :])
+        assert (want[:, :, lo:hi] != post_k[:, :, lo:hi]).float().mean() > 0.5
+    assert cache.layers[0].mode == cache.layers[1].mode == "quantized"
+
+
+@torch.no_grad()
+def test_no_state_left_on_model():
+    model = build("gemma3")
+    before_cfg = model.config.to_dict()
+    before_attn = model.config._attn_implementation
+    before_params = {k: v.clone() for k, v in model.state_dict().items()}
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2", workspace=True)
+    run(model, cache, tokens(1, 30), 20)
+    model.generate(tokens(1, 5), **{CACHE_KW: QuantizedKVCache(config=model.config)}, max_new_tokens=3, pad_token_id=0)
+    assert model.config.to_dict() == before_cfg and model.config._attn_implementation == before_attn
+    assert all(torch.equal(v, before_params[k]) for k, v in model.state_dict().items())
+    for m in model.modules():
+        assert not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks), type(m).__name__
+
+
+@torch.no_grad()
+def test_workspace_identical():
+    """Workspace keeps dequantized history: same logits bit for bit, bytes reported apart."""
+    model = build("qwen2")
+    key = TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=16)
+    sch = KVScheme("small-kivi", key=key, value=get_scheme("int2-token").value, residual=8, block=16)
+    ids = tokens(1, 50, seed=7)
+    a, b = QuantizedKVCache(config=model.config, scheme=sch), QuantizedKVCache(config=model.config, scheme=sch, workspace=True)
+    assert torch.equal(run(model, a, ids, 20), run(model, b, ids, 20))  # flushes at 24, 40 happen while decoding
+    ra, rb = a.memory_report(), b.memory_report()
+    assert ra["total_bytes"] == rb["total_bytes"] and ra["workspace_bytes"] == 0
+    # 2 layers x (K, V) x 32 quantized tokens x 2 heads x D=16, float32
+    assert rb["workspace_bytes"] == 2 * 2 * 32 * 2 * 16 * 4
+    walked = walk_tensors(b)
+    assert sum(t.numel() * t.element_size() for t in walked) == rb["total_bytes"] + rb["workspace_bytes"]
+
+
+@torch.no_grad()
+def test_lazy_cache_without_config():
+    model = build("llama")
+    ids = tokens(1, 20)
+    ref = run(model, QuantizedKVCache(config=model.config, scheme="int4-token"), ids, 10)
+    lazy = QuantizedKVCache(scheme="int4-token")
+    assert len(lazy.layers) == 0
+    assert torch.equal(run(model, lazy, ids, 10), ref)
+    assert len(lazy.layers) == 2
+
+
+# --------------------------------------------------------------------------------------- bytes
+@pytest.mark.parametrize(
+    "scheme", ["kivi-2", "kivi-4", "int4-g64", "int8-channel", "int3-token", "fp8-e4m3", "fp8-e4m3-token", "fp16",
+               "bf16", "test-mixed", "test-tensor"],
+)
+@pytest.mark.parametrize("window", [16, 200])
+def test_bytes_equal_storage_and_accounting(scheme, window):
+    """Full and sliding layer, several lengths (partial blocks included): reported bytes == bytes of the
+    tensors held (walked independently, storage included) == accounting.layer_bytes summed."""
+    sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)
+    cfg = gemma_cfg(window)
+    B, H, D = 2, 2, 64
+    k, v = rand_kv(B, H, 333, D, seed=11)
+    cache = QuantizedKVCache(config=cfg, scheme=sch)
+    pos = 0
+    for T in (1, 17, 45, 200, 333):
+        for layer in (0, 1):
+            cache.update(k[:, :, pos:T], v[:, :, pos:T], layer)
+        pos = T
+        rep = cache.memory_report()
+        held = walk_tensors(cache)
+        assert sum(t.numel() * t.element_size() for t in held) == rep["total_bytes"] == storage_bytes(held)
+        expect = [
+            layer_bytes(sch, T, batch=B, n_heads=H, head_dim=D, full_dtype_bytes=4, sliding_window=w)
+            for w in (window, None)
+        ]
+        assert rep["total_bytes"] == sum(e["key"] + e["value"] for e in expect), (T, rep["layers"])
+        for row, e, w in zip(rep["layers"], expect, (window, None)):
+            assert (row["key_bytes"], row["value_bytes"]) == (e["key"], e["value"])
+            split = token_split(sch, T, w)
+            assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"], row["dropped_tokens"]) == (
+                split.sink, split.quantized, split.full, split.dropped)
+        assert rep["components"]["full_precision"] == sum(e["full"] for e in expect)
+        assert rep["components"]["fixed"] == sum(e["fixed"] for e in expect)
+        assert rep["seq_length"] == T and rep["batch"] == B and rep["scheme"] == sch.name
+        elements = sum(2 * B * H * D * token_split(sch, T, w).stored for w in (window, None))
+        assert rep["avg_bits"] == pytest.approx(8 * rep["total_bytes"] / elements)
+
+
+def test_bytes_half_precision_inputs():
+    """full_dtype_bytes follows the incoming K/V: fp16 inputs, KIVI-4, 300 tokens."""
+    sch = get_scheme("kivi-4")
+    cache = QuantizedKVCache(scheme=sch, num_layers=1)
+    k, v = rand_kv(1, 2, 300, 64, seed=2, dtype=torch.float16)
+    feed(cache, 0, k, v, [150, 100])
+    expect = layer_bytes(sch, 300, batch=1, n_heads=2, head_dim=64, full_dtype_bytes=2)
+    assert cache.memory_report()["total_bytes"] == expect["key"] + expect["value"]
+    assert cache.materialize(0)[0].dtype == torch.float16
+
+
+def test_identity_scheme_stores_its_own_format():
+    """fp16 on float32 K/V: stored as float16 (2 bytes/element), returned as float32."""
+    cache = QuantizedKVCache(scheme="fp16", num_layers=1)
+    k, v = rand_kv(1, 2, 10, 64, seed=3)
+    out_k, out_v = cache.update(k, v, 0)
+    assert out_k.dtype == torch.float32 and torch.equal(out_k, k.half().float()) and torch.equal(out_v, v.half().float())
+    assert cache.memory_report()["total_bytes"] == 2 * 2 * 10 * 64 * 2
+
+
+# --------------------------------------------------------------------------------------- flush rule
+@pytest.mark.parametrize("scheme", ["kivi-2", "int8-channel", "test-mixed", "test-tensor"])
+def test_flush_rule_and_no_requantization(scheme):
+    sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)
+    k, v = rand_kv(1, 2, 300, 64, seed=4)
+    # token by token with the workspace, chunked without: also checks the workspace changes nothing
+    chunked, stepwise = QuantizedKVCache(scheme=sch, num_layers=1), QuantizedKVCache(scheme=sch, num_layers=1, workspace=True)
+    feed(chunked, 0, k, v, [70, 130])
+    feed(stepwise, 0, k, v, [])
+    for c in (chunked, stepwise):
+        row = c.memory_report()["layers"][0]
+        split = token_split(sch, 300)
+        assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (split.sink, split.quantized, split.full)
+    # chunked prefill and token-by-token store bit-identical codes and scales
+    assert all(torch.equal(a, b) for a, b in zip(chunked.materialize(0), stepwise.materialize(0)))
+    comps_a, comps_b = chunked.layers[0].components(), stepwise.layers[0].components()
+    for name in comps_a:
+        assert torch.equal(torch.cat([t.flatten().view(torch.uint8) for t in comps_a[name]] or [torch.zeros(0)]),
+                           torch.cat([t.flatten().view(torch.uint8) for t in comps_b[name]] or [torch.zeros(0)]))
+
+    # history is never re-quantized: the dequantized prefix and its codes survive later flushes
+    cache = QuantizedKVCache(scheme=sch, num_layers=1)
+    split_for = [token_split(sch, t).quantized for t in range(301)]
+    T0 = next(t for t in range(301) if split_for[t] > 0)
+    end = min(300, T0 + 3 * sch.block)
+    cache.update(k[:, :, :T0], v[:, :, :T0], 0)
+    q0, s0 = split_for[T0], token_split(sch, T0).sink
+    first_k = cache.materialize(0)[0][:, :, s0 : s0 + q0].clone()
+    codes0 = cache.layers[0]._k.chunks[0].data[:, :, :q0].clone()
+    for t in range(T0, end):
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+        assert cache.memory_report()["layers"][0]["quantized_tokens"] == split_for[t + 1]
+    assert split_for[end] > q0
+    assert torch.equal(cache.materialize(0)[0][:, :, s0 : s0 + q0], first_k)
+    assert torch.equal(cache.layers[0]._k.chunks[0].data[:, :, :q0], codes0)
+
+
+# --------------------------------------------------------------------------------------- sliding
+@pytest.mark.parametrize("scheme", ["int8-token", "small-kivi", "kivi-2", "fp16"])
+def test_layers_match_transformers_shapes_and_masks(scheme):
+    """Side by side with DynamicLayer / DynamicSlidingWindowLayer (W=16), random chunk sizes: the
+    returned K/V have the same shape, get_mask_sizes and get_seq_length agree, full-precision tokens
+    are identical, and a sliding layer never stores more than token_split says."""
+    sch = get_scheme(scheme) if scheme != "small-kivi" else KVScheme(
+        "small-kivi", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
+        value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32), residual=4, block=4)
+    W = 16
+    k, v = rand_kv(2, 2, 120, 64, seed=9)
+    g = torch.Generator().manual_seed(0)
+    for window in (W, None):
+        ours = QuantizedKVLayer(sch, sliding_window=window)
+        theirs = DynamicSlidingWindowLayer(sliding_window=W) if window else DynamicLayer()
+        pos = 0
+        while pos < 120:
+            q = int(torch.randint(1, 9, (1,), generator=g)) if pos else 20
+            q = min(q, 120 - pos)
+            assert ours.get_mask_sizes(q) == theirs.get_mask_sizes(q)
+            a_k, a_v = ours.update(k[:, :, pos : pos + q], v[:, :, pos : pos + q])
+            b_k, b_v = theirs.update(k[:, :, pos : pos + q], v[:, :, pos : pos + q])
+            pos += q
+            assert a_k.shape == b_k.shape and a_v.shape == b_v.shape
+            assert ours.get_seq_length() == theirs.get_seq_length() == pos
+            split = token_split(sch, pos, window)
+            rep = ours.report()
+            assert (rep["quantized_tokens"], rep["full_tokens"], rep["dropped_tokens"]) == (
+                split.quantized, split.full, split.dropped)
+            n_full = split.full if not sch.is_identity else 0
+            if n_full:
+                assert torch.equal(a_k[:, :, -n_full:], b_k[:, :, -n_full:])
+            tol = 0.6 if "kivi" in scheme else 0.05
+            assert (a_k - b_k).abs().max() < tol and (a_v - b_v).abs().max() < tol
+        mk, mv = ours.materialize()
+        assert mk.shape == theirs.keys.shape and mv.shape == theirs.values.shape
+
+
+@torch.no_grad()
+def test_gemma_sliding_layer_follows_token_split():
+    """Gemma 3 (window 16) decoding 40 tokens with a scheme that quantizes inside the window."""
+    model = build("gemma3")
+    sch = KVScheme("w-kivi", key=TensorSpec(kind="int", bits=8, fmt=None, granularity="channel", group_size=4),
+                   value=TensorSpec(kind="int", bits=8, fmt=None, granularity="token"), residual=4, block=4)
+    cache, ref = QuantizedKVCache(config=model.config, scheme=sch), DynamicCache(config=model.config)
+    ids = tokens(1, 40, seed=12)
+    windows = (16, None)
+    with torch.no_grad():
+        for i in range(40):
+            a = model(ids[:, i : i + 1], **{CACHE_KW: cache}).logits
+            b = model(ids[:, i : i + 1], **{CACHE_KW: ref}).logits
+            for row, w in zip(cache.memory_report()["layers"], windows):
+                split = token_split(sch, i + 1, w)
+                assert (row["quantized_tokens"], row["full_tokens"], row["dropped_tokens"]) == (
+                    split.quantized, split.full, split.dropped)
+    assert 0 < (a.log_softmax(-1) - b.log_softmax(-1)).abs().max() < 0.05
+    assert cache.layers[0].mode == "quantized" and cache.layers[0].is_sliding
+    assert cache.materialize(0)[0].shape == ref.layers[0].keys.shape
+
+
+def test_sliding_fallback_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="kvbits.cache"):
+        cache = QuantizedKVCache(config=gemma_cfg(17), scheme="kivi-4")
+    assert cache.layers[0].mode == "fallback" and cache.layers[1].mode == "quantized"
+    assert any("full precision" in r.message for r in caplog.records)
+
+
+# --------------------------------------------------------------------------------------- crop/reset/batch
+def test_crop():
+    sch = get_scheme("kivi-2")
+    k, v = rand_kv(1, 2, 200, 64, seed=13)
+    cache = QuantizedKVCache(scheme=sch, num_layers=1)
+    cache.update(k[:, :, :140], v[:, :, :140], 0)  # 140 < 160: nothing flushed yet
+    fresh = QuantizedKVCache(scheme=sch, num_layers=1)
+    fresh.update(k[:, :, :135], v[:, :, :135], 0)
+    cache.crop(-5)
+    assert cache.get_seq_length() == 135
+    assert all(torch.equal(a, b) for a, b in zip(cache.materialize(0), fresh.materialize(0)))
+    cache.crop(130)  # transformers 5.17 legacy meaning: keep an absolute length
+    assert cache.get_seq_length() == 130
+    cache.crop(500)  # longer than the cache: no-op
+    assert cache.get_seq_length() == 130
+    cache.update(k[:, :, 130:200], v[:, :, 130:200], 0)  # 200 tokens: 64 quantized, 136 in full precision
+    with pytest.raises(ValueError, match="full precision"):
+        cache.crop(-137)
+    cache.crop(-136)
+    assert cache.get_seq_length() == 64 and cache.memory_report()["layers"][0]["quantized_tokens"] == 64
+    assert not cache.is_croppable
+    sliding = QuantizedKVCache(config=gemma_cfg(16), scheme="int8-token")
+    for layer in (0, 1):
+        sliding.update(k[:, :, :40], v[:, :, :40], layer)
+    with pytest.raises(ValueError):
+        sliding.crop(-1)
+
+
+def test_reset():
+    sch = get_scheme("fp8-e4m3")
+    k, v = rand_kv(1, 2, 50, 64, seed=14)
+    cache = QuantizedKVCache(scheme=sch, num_layers=2)
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    before = cache.materialize(1)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    fixed = 2 * 2 * 4  # two layers, K and V, one float32 scale each
+    assert cache.memory_report()["total_bytes"] == fixed
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    assert all(torch.equal(a, b) for a, b in zip(cache.materialize(1), before))
+
+
+@pytest.mark.parametrize("scheme", ["test-mixed", "test-tensor", "fp8-e4m3"])
+def test_reorder_and_batch_ops(scheme):
+    sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)
+    k, v = rand_kv(3, 2, 70, 64, seed=15)
+    cache = QuantizedKVCache(scheme=sch, num_layers=1, workspace=True)
+    feed(cache, 0, k, v, [40])
+    base = cache.materialize(0)
+    idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(idx)
+    assert all(torch.equal(a, b.index_select(0, idx)) for a, b in zip(cache.materialize(0), base))
+    # the reordered cache keeps working exactly like one fed the reordered inputs
+    ref = QuantizedKVCache(scheme=sch, num_layers=1)
+    feed(ref, 0, k.index_select(0, idx), v.index_select(0, idx), [40])
+    extra_k, extra_v = rand_kv(3, 2, 9, 64, seed=16)
+    for c in (cache, ref):
+        feed(c, 0, extra_k, extra_v, [])
+    assert all(torch.equal(a, b) for a, b in zip(cache.materialize(0), ref.materialize(0)))
+    cache.batch_repeat_interleave(2)
+    assert cache.memory_report()["batch"] == 6
+    cache.batch_select_indices(torch.tensor([1, 4]))
+    assert cache.memory_report()["batch"] == 2
+    want = layer_bytes(sch, 79, batch=2, n_heads=2, head_dim=64, full_dtype_bytes=4)
+    assert cache.memory_report()["total_bytes"] == want["key"] + want["value"]
+
+
+# --------------------------------------------------------------------------------------- validation
+def test_validation_errors():
+    cfg = gemma_cfg(16)
+    cache = QuantizedKVCache(config=cfg, scheme="kivi-2")
+    k, v = rand_kv(1, 2, 8, 64, seed=17)
+    cache.update(k, v, 0)
+    bad = k.clone()
+    bad[0, 0, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="layer 1 key_states.*NaN"):
+        cache.update(bad, v, 1)
+    with pytest.raises(ValueError, match="layer 1 value_states.*inf"):
+        cache.update(k, v.masked_fill(v > 1, float("inf")), 1)
+    with pytest.raises(ValueError, match="dims"):
+        cache.update(k[0], v[0], 1)
+    with pytest.raises(TypeError, match="floating"):
+        cache.update(k.long(), v.long(), 1)
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        cache.update(k[:, :1], v[:, :1], 1)
+    with pytest.raises(ValueError, match="does not match"):
+        cache.update(k[..., :32], v[..., :32], 0)
+    with pytest.raises(ValueError, match="out of range"):
+        cache.update(k, v, 2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        QuantizedKVCache(config=transformers.PretrainedConfig(num_hidden_layers=2), scheme="kivi-2")
+    with pytest.raises(ValueError, match="unknown scheme"):
+        QuantizedKVCache(config=cfg, scheme="int5-token")
+    with pytest.raises(ValueError, match="before RoPE.*config="):
+        QuantizedKVCache(scheme=PRE_ROPE, num_layers=1)
+    with pytest.raises(ValueError, match="RoPE"):
+        QuantizedKVCache(config=build("gpt2").config, scheme=PRE_ROPE)
+
+
+def test_head_dim_and_kv_heads_from_config():
+    """head_dim and num_key_value_heads are read from the config, not derived from hidden / heads."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    cache = QuantizedKVCache(config=cfg, scheme="int4-token")
+    assert (cache.num_key_value_heads, cache.head_dim) == (1, 32)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model(tokens(1, 10), **{CACHE_KW: cache})
+    assert cache.materialize(0)[0].shape == (1, 1, 10, 32)
+
+
+def test_calibration_report_counts_clipping():
+    """FP8 E4M3 with the uncalibrated scale 1.0 saturates beyond 448: counted per layer."""
+    cache = QuantizedKVCache(scheme="fp8-e4m3", num_layers=2)
+    k, v = rand_kv(1, 2, 20, 64, seed=18)
+    cache.update(k * 1000, v, 0)
+    cache.update(k, v, 1)
+    rows = cache.calibration_report()["layers"]
+    assert rows[0]["clipped_keys"] == int((k * 1000).abs().gt(448).sum()) > 0 and rows[0]["clipped_values"] == 0
+    assert rows[1]["clipped_keys"] == 0 and rows[0]["max_position"] == rows[1]["max_position"] == 19
+
+
+# --------------------------------------------------------------------------------------- devices, dtypes
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_model_on_device(device):
+    """Gemma 3 in bfloat16 (on the GPU when there is one): the bf16 scheme is exactly DynamicCache,
+    quantizing schemes (pre-RoPE keys, per-token FP8) run on the device and their bytes match the
+    accounting with 2-byte full-precision tokens."""
+    model = copy.deepcopy(build("gemma3")).to(device=device, dtype=torch.bfloat16)
+    ids = tokens(1, 90, seed=21).to(device)
+    ref = run(model, DynamicCache(config=model.config), ids, 80)
+    assert torch.equal(run(model, QuantizedKVCache(config=model.config, scheme="bf16"), ids, 80), ref)
+    for sch in (PRE_ROPE, get_scheme("fp8-e4m3-token")):
+        cache = QuantizedKVCache(config=model.config, scheme=sch)
+        dev = (run(model, cache, ids, 80) - ref).abs().max().item()
+        assert 0 < dev < 0.5, (sch.name, dev)
+        rep = cache.memory_report()
+        expect = sum(
+            sum(layer_bytes(sch, 90, batch=1, n_heads=1, head_dim=16, full_dtype_bytes=2, sliding_window=w)[s]
+                for s in ("key", "value"))
+            for w in (16, None)
+        )
+        assert rep["total_bytes"] == expect
+        assert all(t.device.type == device for t in walk_tensors(cache) if t.numel())
