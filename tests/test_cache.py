@@ -244,26 +244,21 @@ def reference_300() -> DynamicCache:
     return ref
 
 
-def install_calibration(cache: QuantizedKVCache, ref: DynamicCache, model) -> None:
-    """Static scales covering the reference K/V (pre-RoPE keys when the spec says so) and uniform NUQ
-    codebooks: stand-ins for a `kvbits calibrate` artifact."""
-    from kvbits.quant.nuq import uniform_codebook
+def calibration_for(scheme: KVScheme, ref: DynamicCache, model):
+    """A `kvbits.calibrate` artifact fitted on the reference K/V (pre-RoPE keys, sinks excluded)."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
     from kvbits.quant.rope import RotaryTables
 
     tables = RotaryTables.from_config(model.config)
-    for i, layer in enumerate(cache.layers):
-        for side, spec, x in (("key", cache.scheme.key, ref.layers[i].keys), ("value", cache.scheme.value, ref.layers[i].values)):
-            scale = zero = None
-            if spec.static:
-                if spec.pre_rope:
-                    x = tables.tables_for_layer(i).unrotate(x, torch.arange(x.shape[2]))
-                lo, hi = x.amin(dim=(0, 2)), x.amax(dim=(0, 2))  # (H, D)
-                zero, scale = (lo - 0.01 * (hi - lo)).half(), (1.02 * (hi - lo)).half()
-                if spec.kind == "int":
-                    scale = (scale.float() / (2**spec.bits - 1)).half()
-            codebook = uniform_codebook(spec.bits) if spec.kind == "nuq" else None
-            if scale is not None or codebook is not None:
-                cache.set_static_qparams(i, side, scale, zero, codebook=codebook)
+    keys, values = [], []
+    for i, layer in enumerate(ref.layers):
+        k, v = layer.keys[:, :, scheme.sinks :], layer.values[:, :, scheme.sinks :]
+        if scheme.key.pre_rope:
+            k = tables.tables_for_layer(i).unrotate(k, torch.arange(scheme.sinks, layer.keys.shape[2]))
+        keys.append(k)
+        values.append(v)
+    return artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
 
 
 @torch.no_grad()
@@ -280,7 +275,7 @@ def test_every_preset_really_quantizes(scheme):
         with pytest.raises(ValueError, match="calibrat"):
             model(ids, **{CACHE_KW: cache})
         cache.reset()
-        install_calibration(cache, ref, model)
+        cache.install_calibration(calibration_for(sch, ref, model))
         assert not cache.layers[0].needs_calibration()
     model(ids, **{CACHE_KW: cache})
     split = token_split(sch, 300)
@@ -293,8 +288,11 @@ def test_every_preset_really_quantizes(scheme):
         assert torch.equal(got[:, :, :s], want[:, :, :s]) and torch.equal(got[:, :, q:], want[:, :, q:])
         changed = (got[:, :, s:q] != want[:, :, s:q]).float().mean().item()
         assert changed > 0.5, f"{scheme}: only {changed:.0%} of the quantized region changed"
-    rep = cache.memory_report()["layers"][0]
-    assert (rep["sink_tokens"], rep["quantized_tokens"], rep["full_tokens"]) == (split.sink, split.quantized, split.full)
+    rep = cache.memory_report()
+    row = rep["layers"][0]
+    assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (split.sink, split.quantized, split.full)
+    want = layer_bytes(sch, 300, batch=1, n_heads=2, head_dim=64, full_dtype_bytes=4)
+    assert rep["total_bytes"] == 2 * (want["key"] + want["value"])  # codebooks and static scales included
 
 
 @torch.no_grad()

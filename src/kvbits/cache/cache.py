@@ -95,6 +95,8 @@ class QuantizedKVCache(Cache):
             (reported as ``workspace_bytes``; results identical).
         rotary: RoPE tables for ``pre_rope`` key specs (``RotaryTables.from_model(model)`` keeps the
             model's own frequency buffers); default: built from ``config`` on the K/V device.
+        calibration: a ``kvbits.calibrate.CalibrationArtifact`` for schemes with static scales or NUQ
+            codebooks (see ``install_calibration``).
     """
 
     def __init__(
@@ -105,12 +107,14 @@ class QuantizedKVCache(Cache):
         num_layers: int | None = None,
         workspace: bool = False,
         rotary: Any = None,
+        calibration: Any = None,
     ) -> None:
         self.scheme = get_scheme(scheme)
         self.workspace = bool(workspace)
         self._lazy = False
         self._config = config
         self._rotary, self._rotary_owned = self._rope_tables(config, rotary)
+        self.calibration = None
         self.num_key_value_heads: int | None = None
         self.head_dim: int | None = None
         if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
@@ -136,6 +140,8 @@ class QuantizedKVCache(Cache):
         else:
             self._lazy = True
         super().__init__(layers=layers)
+        if calibration is not None:
+            self.install_calibration(calibration)
 
     def _rope_tables(self, config: Any, rotary: Any) -> tuple[Any, bool]:
         """RoPE tables for pre-RoPE keys: ``(tables, built_here)``; ``(None, False)`` when not needed."""
@@ -169,11 +175,35 @@ class QuantizedKVCache(Cache):
                 f"layer {idx} has type {layer_type!r}; QuantizedKVCache supports full_attention, "
                 f"sliding_attention and chunked_attention layers"
             )
-        return QuantizedKVLayer(
+        layer = QuantizedKVLayer(
             self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
             num_key_value_heads=self.num_key_value_heads,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
         )
+        if getattr(self, "calibration", None) is not None:  # lazily created layers
+            self._calibrate_layer(layer)
+        return layer
+
+    def install_calibration(self, artifact: Any) -> None:
+        """Install a ``kvbits.calibrate`` artifact: static scales and NUQ codebooks, layer by layer.
+
+        Checks that it was made for this scheme (and this model's shape, when the cache has a config);
+        the parameters become the layers' ``fixed`` bytes.
+        """
+        artifact.check_scheme(self.scheme)
+        if self._config is not None:
+            artifact.check_model(self._config)
+        self.calibration = artifact
+        for layer in self._quantized_layers():
+            self._calibrate_layer(layer)
+
+    def _calibrate_layer(self, layer: QuantizedKVLayer) -> None:
+        for side in ("key", "value"):
+            qp = self.calibration.static_qparams(layer.layer_idx, side)
+            codebook = self.calibration.codebook(layer.layer_idx, side)
+            if qp is not None or codebook is not None:
+                scale, zero = qp if qp is not None else (None, None)
+                layer.set_static_qparams(side, scale, zero, codebook=codebook)
 
     def __repr__(self) -> str:
         return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"

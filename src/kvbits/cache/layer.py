@@ -144,11 +144,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.mode != "quantized":
             return
         device = self.device or (scale if scale is not None else codebook).device
+        # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact
         if scale is not None:
-            store.static_scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16)
-            store.static_zero = None if zero is None else zero.detach().to(device, torch.float16)
+            dt = torch.float32 if spec.kind == "fp8" else torch.float16
+            store.static_scale = scale.detach().to(device, dt).clone()
+            store.static_zero = None if zero is None else zero.detach().to(device, torch.float16).clone()
         if codebook is not None:
-            store.codebook = codebook.detach().to(device)
+            store.codebook = codebook.detach().to(device).clone()
 
     def set_rotary(self, rotary: RotaryTables) -> None:
         """Replace this layer's RoPE tables (e.g. the same tables built on the K/V device)."""
