@@ -171,6 +171,17 @@ def calibrate(
     module, tokenizer, fingerprint, name = _resolve_model(model)
     ids, data_record = _windows(data, tokenizer, context, windows)
     sites = find_kv_sites(module)
+    model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
+    site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
+    if (
+        site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
+        or len(sites) != model_record["num_layers"]
+    ):
+        raise ValueError(
+            f"attention modules ({len(sites)} layers, (H_kv, D) in {site_shape}) disagree with the "
+            f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
+            f"head dim {model_record['head_dim']})"
+        )
     if fisher and next(module.parameters()).dtype != torch.float32:
         logger.warning(
             "Fisher pass in %s; float32 is recommended (squared gradients underflow in half precision)",
@@ -211,17 +222,6 @@ def calibrate(
         key: [torch.cat(chunks, dim=1) for chunks in per_layer] if fisher or key in ("k", "v") else None
         for key, per_layer in samples.items()
     }
-    model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
-    site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
-    if (
-        site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
-        or len(sites) != model_record["num_layers"]
-    ):
-        raise ValueError(
-            f"attention modules ({len(sites)} layers, (H_kv, D) in {site_shape}) disagree with the "
-            f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
-            f"head dim {model_record['head_dim']})"
-        )
     data_record["sampled_tokens_per_layer"] = int(cat["k"][0].shape[1])
     data_record["excluded_sink_tokens"] = scheme.sinks
     art = artifact_from_samples(
