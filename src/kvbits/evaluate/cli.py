@@ -1,0 +1,157 @@
+"""``kvbits eval``: damage of each scheme by context position (thin wrapper over ``runner.evaluate``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+examples:
+  kvbits eval --model smollm2-135m --data wikitext2 --context 8192 --windows 2 \\
+      --scheme int8-token --scheme kivi-2 --scheme int2-token --out runs/smollm2-8k
+  kvbits eval --model smollm2-135m --data wikitext2 --context 512 --scheme kivi-4 \\
+      --scheme hf-quanto-int4 --mode stream --json
+
+--json prints exactly: {"model", "data", "context", "semantics", "mode", "windows",
+"fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "ppl", "ppl_ref", "kl",
+"top1", "buckets": [{"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl",
+"top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "seconds"}],
+"reference_seconds"}. Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K),
+[2K,4K), ... cut at the context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap
+interval over 128-token chunks; kl = mean KL(reference || scheme) in nats.
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.cli import _positive, parse_tokens
+
+    p = subparsers.add_parser(
+        "eval",
+        help="perplexity, KL and top-1 damage of KV schemes, by context position",
+        description="Measure KV-cache schemes against the unquantized model, by position bucket. The "
+        "reference is computed once per window and shared by all schemes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file or model folder",
+    )
+    p.add_argument(
+        "--data", required=True, help="registry text (wikitext2, war-and-peace, ...) or a text file"
+    )
+    p.add_argument("--data-path", help="folder searched first for registry texts")
+    p.add_argument(
+        "--context", type=parse_tokens, default=8192, help="tokens per window, e.g. 8192 or 8k (default 8192)"
+    )
+    p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
+    p.add_argument(
+        "--scheme",
+        action="append",
+        required=True,
+        metavar="S",
+        help="scheme preset, scheme JSON file, or peer (hf-quanto-int4, hf-quanto-int2; stream mode); repeatable",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("simulate", "stream"),
+        default="simulate",
+        help="simulate: one pass per window (fast); stream: the real cache token by token (ground truth, slow)",
+    )
+    p.add_argument(
+        "--semantics",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="decode: every token generated through the cache; prefill: the first --prompt-len tokens "
+        "prefilled in full precision, only the continuation scored",
+    )
+    p.add_argument("--prompt-len", type=parse_tokens, help="prompt tokens (with --semantics prefill)")
+    p.add_argument(
+        "--attn-layers",
+        type=int,
+        nargs="*",
+        metavar="L",
+        help="layers whose attention-output error is recorded (default: 3 evenly spaced; none: no value)",
+    )
+    p.add_argument(
+        "--calibration",
+        action="append",
+        metavar="DIR",
+        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
+    )
+    p.add_argument("--out", help="output folder (config.json, summary.json, records.jsonl, tokens/, report)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="recompute even if --out holds a finished or different run"
+    )
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default cpu)")
+    p.add_argument(
+        "--chunk-size",
+        type=_positive,
+        default=256,
+        help="queries per simulated attention chunk (default 256)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        help="torch intra-op threads (CPU); 1 is often fastest for --mode stream, whose per-token matmuls are tiny",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbits.evaluate.runner import evaluate
+
+    if args.prompt_len is not None and args.semantics != "prefill":
+        raise ValueError("--prompt-len needs --semantics prefill")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    summary = evaluate(
+        args.model,
+        args.data,
+        args.context,
+        args.scheme,
+        windows=args.windows,
+        mode=args.mode,
+        semantics=args.semantics,
+        prompt_len=args.prompt_len,
+        attn_layers=args.attn_layers,
+        calibration=args.calibration,
+        data_path=args.data_path,
+        out_dir=args.out,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        device=args.device,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+        progress=not args.no_progress,
+        argv=["kvbits", *sys.argv[1:]]
+        if sys.argv and sys.argv[0].endswith(("kvbits", "__main__.py"))
+        else None,
+        on_skip=lambda s: print(
+            f"kvbits eval: {args.out} already holds this run; showing it (--overwrite to redo)",
+            file=sys.stderr,
+        ),
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        return 0
+    try:
+        from kvbits.report import print_summary
+    except ImportError:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        return 0
+    print_summary(summary)
+    return 0

@@ -1,0 +1,284 @@
+"""Per-token quality metrics and their aggregation by context position.
+
+Per predicted token (position ``t`` predicts token ``t + 1``): the negative log-likelihood under the
+reference (unquantized) run and under the scheme, the KL divergence ``KL(ref || scheme)`` of the two
+next-token distributions (the damage measure llama.cpp's ``--kl-divergence`` popularised: it sees
+changes that perplexity averages away), and whether both runs rank the same token first.
+
+Logits are computed from final hidden states in chunks of positions, so a ``T x vocab`` float32
+matrix never exists (Qwen's vocabulary is 152K: one 32K window would be 20 GB).
+
+Aggregation is by *bucket* of positions, ``[0, 1K), [1K, 2K), [2K, 4K), ...`` cut at the context:
+quantization error compounds with the number of quantized keys a query attends to, so damage must
+be shown by position, not only averaged. ``delta_rel = PPL / PPL_ref - 1`` comes with a paired
+bootstrap 95% interval over contiguous chunks of 128 tokens (tokens are not independent; chunks
+of neighbouring tokens keep most of the correlation inside the resampling unit).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BUCKET_EDGES",
+    "TOKEN_FIELDS",
+    "BucketRecord",
+    "attn_error_buckets",
+    "bootstrap_delta_rel",
+    "bucket_bounds",
+    "bucket_records",
+    "logits_chunk_size",
+    "summarize",
+    "token_metrics",
+]
+
+BUCKET_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
+TOKEN_FIELDS = ("nll", "nll_ref", "kl", "top1")
+BOOTSTRAP_CHUNK = 128
+BOOTSTRAP_RESAMPLES = 1000
+
+
+# ------------------------------------------------------------------------------------ per token
+
+
+def logits_chunk_size(vocab_size: int, budget_elements: int = 1 << 25) -> int:
+    """Positions per logits chunk so one float32 ``(chunk, vocab)`` matrix stays near 128 MB."""
+    return int(max(16, min(512, budget_elements // max(1, vocab_size))))
+
+
+def _logprobs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def token_metrics(
+    head: torch.nn.Module,
+    hidden_ref: torch.Tensor,
+    hidden: Sequence[torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    chunk: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Per-token metrics of one window for several runs against one reference run.
+
+    Args:
+        head: the output embedding (``model.get_output_embeddings()``), hidden -> logits.
+        hidden_ref: final hidden states of the reference run, ``(N, hidden)`` for the ``N`` positions
+            that predict ``targets``.
+        hidden: the same for each scheme run.
+        targets: ``(N,)`` the token each position predicts.
+        softcap: ``final_logit_softcapping`` of the config (Gemma 2/3), applied as the model does.
+        chunk: positions per logits chunk (default from the vocabulary size).
+
+    Returns:
+        One dict per scheme run, float32 CPU tensors ``(N,)``: ``nll``, ``nll_ref``, ``kl``
+        (``KL(ref || scheme)`` in nats) and ``top1`` (1.0 where both argmaxes agree).
+    """
+    n = targets.shape[0]
+    if hidden_ref.shape[0] != n or any(h.shape[0] != n for h in hidden):
+        raise ValueError(
+            f"hidden states must have one row per target ({n}); got reference {tuple(hidden_ref.shape)} and "
+            f"{[tuple(h.shape) for h in hidden]}"
+        )
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    chunk = chunk or logits_chunk_size(int(vocab))
+    out = [{k: torch.empty(n, dtype=torch.float32) for k in TOKEN_FIELDS} for _ in hidden]
+    tgt = targets.to(hidden_ref.device).long()
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        lp_ref = _logprobs(head, hidden_ref[a:b], softcap)
+        t = tgt[a:b, None]
+        nll_ref = -lp_ref.gather(-1, t).squeeze(-1)
+        p_ref = lp_ref.exp()
+        top_ref = lp_ref.argmax(-1)
+        for h, rec in zip(hidden, out):
+            lp = _logprobs(head, h[a:b], softcap)
+            rec["nll_ref"][a:b] = nll_ref.cpu()
+            rec["nll"][a:b] = (-lp.gather(-1, t).squeeze(-1)).cpu()
+            # KL(p || q) = sum p (log p - log q); terms with p = 0 contribute 0 (exp(-inf) * finite)
+            rec["kl"][a:b] = (p_ref * (lp_ref - lp)).sum(-1).clamp_min(0.0).cpu()
+            rec["top1"][a:b] = (lp.argmax(-1) == top_ref).float().cpu()
+            del lp
+    return out
+
+
+# -------------------------------------------------------------------------------------- buckets
+
+
+def bucket_bounds(n_positions: int, first: int = 0) -> list[tuple[int, int]]:
+    """Buckets of positions ``[first, n_positions)``: ``[0, 1K), [1K, 2K), [2K, 4K)``, ... doubling.
+
+    Each bucket is cut to the scored range; empty buckets are left out. ``hi`` is exclusive, so a
+    window of ``T`` tokens (``T - 1`` predicting positions) ends its last bucket at ``T - 1``.
+    """
+    edges = list(BUCKET_EDGES)
+    while edges[-1] < n_positions:
+        edges.append(edges[-1] * 2)
+    out = []
+    for lo, hi in itertools.pairwise(edges):
+        lo_c, hi_c = max(lo, first), min(hi, n_positions)
+        if hi_c > lo_c:
+            out.append((lo_c, hi_c))
+    return out
+
+
+@dataclass(frozen=True)
+class BucketRecord:
+    """Sums of one scheme x window x bucket (one line of ``records.jsonl``)."""
+
+    scheme: str
+    window: int
+    lo: int
+    hi: int
+    tokens: int
+    nll_sum: float
+    nll_ref_sum: float
+    kl_sum: float
+    top1_sum: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def bucket_records(scheme: str, per_token: dict[str, np.ndarray], first: int = 0) -> list[BucketRecord]:
+    """Per window x bucket sums of ``per_token`` arrays ``(W, N)`` (float64 sums)."""
+    W, N = per_token["nll"].shape
+    rows = []
+    for w in range(W):
+        for lo, hi in bucket_bounds(N, first):
+            sl = slice(lo, hi)
+            rows.append(
+                BucketRecord(
+                    scheme,
+                    w,
+                    lo,
+                    hi,
+                    hi - lo,
+                    *(
+                        float(np.sum(per_token[k][w, sl], dtype=np.float64))
+                        for k in ("nll", "nll_ref", "kl", "top1")
+                    ),
+                )
+            )
+    return rows
+
+
+def bootstrap_delta_rel(
+    d: np.ndarray,
+    *,
+    chunk: int = BOOTSTRAP_CHUNK,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``PPL / PPL_ref - 1 = exp(mean(nll - nll_ref)) - 1``.
+
+    Args:
+        d: ``(W, n)`` per-token ``nll - nll_ref`` of one bucket in ``W`` windows (paired: both runs
+            scored the same tokens, so the difference is resampled as one unit).
+        chunk: tokens per resampling unit; each window's bucket is cut into contiguous chunks (the
+            last one may be shorter) and chunks are drawn with replacement across all windows.
+    """
+    sums, counts = [], []
+    for row in np.atleast_2d(d):
+        for a in range(0, row.shape[0], chunk):
+            part = row[a : a + chunk]
+            sums.append(float(np.sum(part, dtype=np.float64)))
+            counts.append(part.shape[0])
+    if not sums:
+        return (math.nan, math.nan)
+    s, c = np.asarray(sums), np.asarray(counts, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(s), size=(resamples, len(s)))
+    stats = np.expm1(s[idx].sum(axis=1) / c[idx].sum(axis=1))
+    alpha = (1.0 - level) / 2
+    lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])
+    return float(lo), float(hi)
+
+
+def _ppl(nll_sum: float, n: int) -> float:
+    return math.exp(nll_sum / n) if n else math.nan
+
+
+def summarize(
+    per_token: dict[str, np.ndarray],
+    *,
+    first: int = 0,
+    seed: int = 0,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+) -> dict[str, Any]:
+    """Overall and per-bucket metrics of one scheme from per-token arrays ``(W, N)``.
+
+    Only positions ``t >= first`` are scored (prefill semantics: the continuation).
+
+    Returns ``{"ppl", "ppl_ref", "kl", "top1", "tokens", "buckets": [{"lo", "hi", "tokens", "ppl",
+    "ppl_ref", "delta_rel", "delta_rel_ci", "kl", "top1"}]}``; ``kl`` is the mean per-token KL in
+    nats and ``top1`` the fraction of positions whose argmax agrees with the reference.
+    """
+    nll, nll_ref, kl, top1 = (np.asarray(per_token[k], dtype=np.float64) for k in TOKEN_FIELDS)
+    W, N = nll.shape
+    buckets = []
+    for i, (lo, hi) in enumerate(bucket_bounds(N, first)):
+        sl = (slice(None), slice(lo, hi))
+        n = W * (hi - lo)
+        s, s_ref = float(nll[sl].sum()), float(nll_ref[sl].sum())
+        ci = bootstrap_delta_rel(nll[sl] - nll_ref[sl], seed=seed + i, resamples=resamples)
+        buckets.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "tokens": n,
+                "ppl": _ppl(s, n),
+                "ppl_ref": _ppl(s_ref, n),
+                "delta_rel": math.expm1((s - s_ref) / n),
+                "delta_rel_ci": [ci[0], ci[1]],
+                "kl": float(kl[sl].sum()) / n,
+                "top1": float(top1[sl].sum()) / n,
+            }
+        )
+    sl = (slice(None), slice(first, N))
+    n = W * max(0, N - first)
+    return {
+        "ppl": _ppl(float(nll[sl].sum()), n),
+        "ppl_ref": _ppl(float(nll_ref[sl].sum()), n),
+        "kl": float(kl[sl].sum()) / n if n else math.nan,
+        "top1": float(top1[sl].sum()) / n if n else math.nan,
+        "tokens": n,
+        "buckets": buckets,
+    }
+
+
+def attn_error_buckets(
+    errors: dict[int, np.ndarray], n_positions: int, first: int = 0
+) -> list[dict[str, Any]]:
+    """Mean relative attention-output error by bucket of query positions, per sampled layer.
+
+    Args:
+        errors: layer -> ``(W, T)`` relative error per window and query position.
+        n_positions: predicting positions per window (``T - 1``): buckets match the token buckets.
+        first: first scored position.
+    """
+    out = []
+    for layer in sorted(errors):
+        e = np.asarray(errors[layer], dtype=np.float64)
+        out.append(
+            {
+                "layer": int(layer),
+                "buckets": [
+                    {"lo": lo, "hi": hi, "rel_err": float(e[:, lo:hi].mean())}
+                    for lo, hi in bucket_bounds(n_positions, first)
+                ],
+            }
+        )
+    return out

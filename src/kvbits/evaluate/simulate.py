@@ -1,0 +1,570 @@
+"""One-pass simulation of a quantized KV cache: what token-by-token decoding would compute, in one forward.
+
+``simulate(model, scheme)`` is a context manager that switches a stock transformers model to the
+attention function ``"kvbits_simulate"`` (registered through transformers' public
+``AttentionInterface``, selected with ``model.set_attn_implementation``) and always switches it back.
+Inside, one forward over a window of ``T`` tokens gives, for every query position ``t``, the
+attention output that a ``QuantizedKVCache`` following ``scheme`` would have produced when token
+``t`` was decoded:
+
+- full-attention layers: key/value ``j <= t`` is exact for ``j < S`` (``S = min(T, sinks)``),
+  quantized for ``S <= j < S + flushed_tokens(scheme, t + 1 - S)``, exact otherwise (the
+  full-precision buffer). Quantized block ``b`` covers tokens ``[S + b*block, S + (b+1)*block)`` and is
+  ``fake_quantize`` of that slice alone, exactly as the cache flushes it;
+- sliding-window layers (window ``W``, keys ``j > t - W``): no sinks, and full precision when
+  ``sliding_falls_back(scheme, W)`` (``kvbits.schemes.accounting``);
+- identity schemes (``fp16``, ``bf16``): every token cast to the format and back;
+- ``semantics="prefill"``: queries ``t < prompt_len`` see everything exact (a full-precision prefill),
+  later queries follow the decode rule above.
+
+Memory stays bounded at long context: attention runs in chunks of ``chunk_size`` queries and never
+builds a ``T x T`` score matrix. For a chunk ``[a, b)`` the quantized region ``[S, hi(t))`` grows
+with ``t``, so keys below ``hi(a)`` are quantized for every query of the chunk and only the band
+``[hi(a), b)`` differs per query. One attention call covers ``[exact sinks | quantized keys up to
+hi(b-1) | exact keys from hi(a)]``, the band appearing twice, with a boolean mask choosing one copy
+per query. GQA is handled by folding the ``G`` query heads of each KV head into the query axis, so
+K/V are never repeated.
+
+Restriction: batch rows must be unpadded (no 2-D ``attention_mask`` with zeros): the mask is built
+here from positions, and a padded ``attention_mask`` raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvbits.quant.tensor import FLOAT_DTYPES, fake_quantize
+from kvbits.schemes.accounting import sliding_falls_back
+from kvbits.schemes.presets import get_scheme
+from kvbits.schemes.spec import KVScheme, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "IMPLEMENTATION",
+    "SEMANTICS",
+    "Simulation",
+    "quantized_bounds",
+    "simulate",
+    "simulated_kv",
+]
+
+IMPLEMENTATION = "kvbits_simulate"
+SEMANTICS = ("decode", "prefill")
+DEFAULT_CHUNK = 256
+
+_ACTIVE: contextvars.ContextVar[Simulation | None] = contextvars.ContextVar("kvbits_simulation", default=None)
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+@dataclass
+class Simulation:
+    """The per-forward state of one ``simulate`` context (read it after each forward).
+
+    Attributes:
+        scheme: the scheme being simulated.
+        semantics: ``"decode"`` or ``"prefill"``.
+        prompt_len: queries ``t < prompt_len`` see exact K/V (prefill semantics), else 0.
+        attn_layers: layers whose attention-output error is recorded.
+        chunk_size: queries per attention chunk.
+        attn_error: layer -> ``(B, T)`` float32 relative error ``||o_q - o_ref|| / ||o_ref||`` per
+            query position of the last forward, ``o_ref`` being the attention output with exact K/V
+            for the same queries (norms over all heads and channels).
+        calls: attention calls made in this context (one per layer per forward).
+    """
+
+    scheme: KVScheme
+    semantics: str = "decode"
+    prompt_len: int = 0
+    attn_layers: frozenset[int] = frozenset()
+    chunk_size: int = DEFAULT_CHUNK
+    attn_error: dict[int, torch.Tensor] = field(default_factory=dict)
+    calls: int = 0
+    _modules: frozenset[int] = frozenset()
+    _rotary_layers: dict[int, Any] = field(default_factory=dict)
+    _qkw: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Forget what the previous forward recorded."""
+        self.attn_error = {}
+        self.calls = 0
+
+
+# --------------------------------------------------------------------------------------- bounds
+
+
+def _flushed(scheme: KVScheme, n: torch.Tensor) -> torch.Tensor:
+    """``flushed_tokens`` for a tensor of non-sink token counts."""
+    excess = n - scheme.residual
+    return torch.where(excess > 0, scheme.block * torch.div(excess, scheme.block, rounding_mode="floor"), 0)
+
+
+def quantized_bounds(
+    scheme: KVScheme,
+    positions: torch.Tensor,
+    n_tokens: int,
+    *,
+    sliding_window: int | None = None,
+    prompt_len: int = 0,
+) -> tuple[int, torch.Tensor]:
+    """Which keys query ``t`` sees quantized: ``[lo, hi(t))`` for each ``t`` in ``positions``.
+
+    Every other visible key (``j <= t``, and ``j > t - W`` in a sliding layer) is exact. ``lo`` is
+    a constant: the number of sinks ``S = min(n_tokens, sinks)`` in full-attention layers, 0 otherwise.
+    For identity schemes "quantized" means cast to the scheme's float format.
+
+    Args:
+        scheme: the scheme.
+        positions: query positions ``(c,)``, int64.
+        n_tokens: window length ``T``.
+        sliding_window: ``W`` for a sliding-window layer.
+        prompt_len: queries ``t < prompt_len`` see nothing quantized (prefill semantics).
+    """
+    if scheme.is_identity:
+        lo, hi = 0, positions + 1
+    elif sliding_window is not None and sliding_falls_back(scheme, sliding_window):
+        return 0, torch.zeros_like(positions)
+    else:
+        lo = 0 if sliding_window is not None else min(n_tokens, scheme.sinks)
+        hi = lo + _flushed(scheme, positions + 1 - lo)
+    if prompt_len > 0:
+        hi = torch.where(positions < prompt_len, lo, hi)
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------------- quantizing
+
+
+def _blocks_fake_quantize(x: torch.Tensor, spec: TensorSpec, block: int, **kw: Any) -> torch.Tensor:
+    """Fake-quantize ``x`` ``(B, H, n*block, D)`` block by block, each block on its own.
+
+    Blocks are folded into the batch dimension for one ``fake_quantize`` call: every granularity
+    reduces at most over one block of one sequence, so this equals one call per block. ``kw``:
+    calibrated ``static_scale`` / ``static_zero`` / ``codebook`` (broadcast over the batch).
+    """
+    B, H, n, D = x.shape
+    if n == 0:
+        return x
+    nb = n // block
+    assert nb * block == n, (n, block)
+    xb = x.reshape(B, H, nb, block, D).transpose(1, 2).reshape(B * nb, H, block, D)
+    out = fake_quantize(xb, spec, **kw)
+    return out.reshape(B, nb, H, block, D).transpose(1, 2).reshape(B, H, n, D)
+
+
+def simulated_kv(
+    scheme: KVScheme,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lo: int,
+    hi: int,
+    *,
+    rotary: Any = None,
+    key_kwargs: dict[str, Any] | None = None,
+    value_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the cache stores for tokens ``[lo, hi)`` of ``key``/``value`` ``(B, H_kv, T, D)``, dequantized.
+
+    Returns ``(K~, V~)`` of shape ``(B, H_kv, hi - lo, D)``. Identity schemes cast to their format and
+    back; pre-RoPE key specs un-rotate with ``rotary`` (``kvbits.quant.rope.RotaryTables`` of the
+    layer, positions as the cache gives them), quantize, and rotate back. ``key_kwargs`` /
+    ``value_kwargs``: calibrated parameters (``CalibrationArtifact.quantize_kwargs``).
+    """
+    k, v = key[:, :, lo:hi], value[:, :, lo:hi]
+    if scheme.is_identity:
+        return (
+            k.to(FLOAT_DTYPES[scheme.key.fmt]).to(k.dtype),
+            v.to(FLOAT_DTYPES[scheme.value.fmt]).to(v.dtype),
+        )
+    if scheme.key.pre_rope:
+        pos = torch.arange(lo, hi, device=k.device)
+        pre = rotary.unrotate(k, pos)
+        kq = rotary.rotate(_blocks_fake_quantize(pre, scheme.key, scheme.block, **(key_kwargs or {})), pos)
+    else:
+        kq = _blocks_fake_quantize(k, scheme.key, scheme.block, **(key_kwargs or {}))
+    return kq, _blocks_fake_quantize(v, scheme.value, scheme.block, **(value_kwargs or {}))
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+def _sdpa_gqa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA of ``q`` ``(B, H_q, c, D)`` over ``k``/``v`` ``(B, H_kv, L, D)`` with bool ``mask`` ``(c, L)``.
+
+    ``enable_gqa`` lets SDPA pair each KV head with its ``G`` query heads without copying K/V
+    (torch >= 2.5); older torch repeats K/V.
+    """
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    except TypeError:  # pragma: no cover - torch < 2.5
+        G = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask, scale=scale
+        )
+
+
+def _attend(q, k, v, mask, scale, softcap):
+    """Attention of ``q`` ``(B, H_q, c, D)`` over ``k``/``v`` ``(B, H_kv, L, D)`` with bool ``mask`` ``(c, L)``.
+
+    With a logit soft-cap (Gemma 2) scores are computed explicitly, the ``G`` query heads of each KV
+    head folded into the query axis (scores ``(B, H_kv, G*c, L)``, bounded by the chunk size).
+    """
+    if softcap is None:
+        return _sdpa_gqa(q, k, v, mask, scale)
+    B, Hq, c, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qf = q.reshape(B, Hkv, G * c, D)
+    s = torch.matmul(qf, k.transpose(-1, -2)).float() * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask.repeat(G, 1), float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+    return o.reshape(B, Hq, c, D)
+
+
+class _Segment:
+    """Keys of positions ``[p0, p1)`` taken from one tensor, with their visibility rule.
+
+    ``kind``: ``"exact"`` (visible iff ``j <= t`` and ``j`` not in the query's quantized range) or
+    ``"quant"`` (visible iff ``lo <= j < hi(t)``). Sliding windows add ``j > t - W``.
+    """
+
+    __slots__ = ("k", "kind", "p0", "p1", "v")
+
+    def __init__(self, kind: str, p0: int, p1: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kind, self.p0, self.p1, self.k, self.v = kind, p0, p1, k, v
+
+
+def _chunk_mask(
+    segments: list[_Segment], a: int, b: int, lo: int, hi: torch.Tensor, window: int | None, device
+) -> torch.Tensor:
+    """Bool ``(b - a, L)`` visibility of the segments' keys for queries ``a..b-1``.
+
+    Only columns whose visibility can differ between queries of the chunk are compared; the rest
+    (the bulk of a long prefix) is filled with one constant.
+    """
+    n = b - a
+    L = sum(s.p1 - s.p0 for s in segments)
+    mask = torch.ones(n, L, dtype=torch.bool, device=device)
+    t = torch.arange(a, b, device=device)[:, None]
+    h = hi[:, None]
+    h_a, h_b = int(hi[0]), int(hi[-1])
+    w_lo = -(1 << 62) if window is None else b - window  # j >= w_lo is inside every query's window
+    col = 0
+    for s in segments:
+        # [u0, u1): positions visible to every query of the chunk
+        if s.kind == "quant":
+            u0, u1 = max(s.p0, w_lo), min(s.p1, h_a)
+        else:
+            u0, u1 = max(s.p0, w_lo, h_b), min(s.p1, a + 1)
+        if u1 <= u0:
+            u0 = u1 = s.p1
+        for q0, q1 in ((s.p0, u0), (u1, s.p1)):
+            if q1 <= q0:
+                continue
+            j = torch.arange(q0, q1, device=device)[None, :]
+            if s.kind == "quant":
+                m = (j >= lo) & (j < h)
+            else:
+                m = (j <= t) & ~((j >= lo) & (j < h))
+            if window is not None:
+                m &= j > t - window
+            mask[:, col + q0 - s.p0 : col + q1 - s.p0] = m
+        col += s.p1 - s.p0
+    return mask
+
+
+def _layer_window(module: Any, kwargs: dict) -> int | None:
+    """Sliding window of the calling layer: the kwarg the model passes, else its config's layer type."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if window is not None:
+        return int(window)
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types is not None and idx is not None and types[idx] in _SLIDING_TYPES:
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+        return int(window) if window is not None else None
+    return None
+
+
+def _simulate_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``kvbits_simulate`` attention function (transformers' attention-interface signature).
+
+    ``query`` ``(B, H_q, T, D)``, ``key``/``value`` ``(B, H_kv, T, D)`` post-RoPE; returns
+    ``((B, T, H_q, D), None)``.
+    """
+    sim = _ACTIVE.get()
+    if sim is None or id(module) not in sim._modules:
+        raise RuntimeError(
+            f"attention implementation {IMPLEMENTATION!r} called outside a kvbits.evaluate.simulate() context "
+            "for this model; use `with simulate(model, scheme): model(...)`"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{IMPLEMENTATION}: explicit attention masks are not supported (got shape "
+            f"{tuple(attention_mask.shape)}); evaluate unpadded windows without an attention_mask"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{IMPLEMENTATION}: learned attention sinks (s_aux) are not supported")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{IMPLEMENTATION} evaluates one whole window per forward (no cache): query has "
+            f"{query.shape[2]} positions, key {key.shape[2]}"
+        )
+    sim.calls += 1
+    B, Hq, T, D = query.shape
+    scale = scaling if scaling is not None else D**-0.5
+    softcap = kwargs.get("softcap")
+    window = _layer_window(module, kwargs)
+    layer = getattr(module, "layer_idx", None)
+    scheme = sim.scheme
+    prompt = sim.prompt_len if sim.semantics == "prefill" else 0
+
+    all_pos = torch.arange(T, device=query.device)
+    lo, hi_all = quantized_bounds(scheme, all_pos, T, sliding_window=window, prompt_len=prompt)
+    q_end = int(hi_all[-1]) if T else 0
+    rotary = sim._rotary_layers.get(layer) if scheme.key.pre_rope else None
+    kq = vq = None
+    if q_end > lo:
+        kw = {
+            f"{side}_kwargs": {n: t.to(key.device) for n, t in sim._qkw.get((layer, side), {}).items()}
+            for side in ("key", "value")
+        }
+        kq, vq = simulated_kv(scheme, key, value, lo, q_end, rotary=rotary, **kw)
+
+    record = layer in sim.attn_layers
+    out = query.new_empty(B, Hq, T, D)
+    err = torch.empty(B, T, dtype=torch.float32, device=query.device) if record else None
+    c = sim.chunk_size
+    for a in range(0, T, c):
+        b = min(T, a + c)
+        hi = hi_all[a:b]
+        h_a, h_b = int(hi[0]), int(hi[-1])
+        k0 = 0 if window is None else max(0, a - window + 1)  # keys older than this are out of every window
+        segments = []
+        if lo > k0:  # exact sinks
+            segments.append(_Segment("exact", k0, lo, key[:, :, k0:lo], value[:, :, k0:lo]))
+        q0 = max(lo, k0)
+        if h_b > q0:  # quantized keys up to the last query's quantized end
+            segments.append(
+                _Segment("quant", q0, h_b, kq[:, :, q0 - lo : h_b - lo], vq[:, :, q0 - lo : h_b - lo])
+            )
+        e0 = max(h_a, k0, lo)
+        if h_a >= a:  # the chunk's own keys may all be quantized already (no residual window)
+            ahead = torch.arange(a, b, device=query.device)
+            needed = (hi_all[a:b] <= ahead).nonzero()
+            e0 = b if needed.numel() == 0 else max(e0, a + int(needed[0]))
+        if b > e0:  # exact keys: the residual window and the chunk's own band
+            segments.append(_Segment("exact", e0, b, key[:, :, e0:b], value[:, :, e0:b]))
+        mask = _chunk_mask(segments, a, b, lo, hi, window, query.device)
+        if len(segments) == 1:
+            kk, vv = segments[0].k, segments[0].v
+        else:
+            kk = torch.cat([s.k for s in segments], dim=2)
+            vv = torch.cat([s.v for s in segments], dim=2)
+        qc = query[:, :, a:b]
+        o = _attend(qc, kk, vv, mask, scale, softcap)
+        out[:, :, a:b] = o
+        if record:
+            exact = [_Segment("exact", k0, b, key[:, :, k0:b], value[:, :, k0:b])]
+            m_ref = _chunk_mask(exact, a, b, 0, torch.zeros_like(hi), window, query.device)
+            o_ref = _attend(qc, key[:, :, k0:b], value[:, :, k0:b], m_ref, scale, softcap).float()
+            diff = (o.float() - o_ref).pow(2).sum(dim=(1, 3)).sqrt()
+            ref = o_ref.pow(2).sum(dim=(1, 3)).sqrt()
+            err[:, a:b] = diff / ref.clamp_min(torch.finfo(torch.float32).tiny)
+    if record:
+        sim.attn_error[layer] = err
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _guard_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask builder for ``kvbits_simulate``: no mask object (built from positions), refuse padding."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(
+            f"{IMPLEMENTATION} evaluates unpadded windows only; the attention_mask has padding (zeros)"
+        )
+
+
+def _register() -> None:
+    """Add ``kvbits_simulate`` to transformers' attention and mask tables (a new name; nothing replaced)."""
+    from transformers import AttentionInterface
+
+    if IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(IMPLEMENTATION, _simulate_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # pragma: no cover - older transformers: no mask table, the mask is then None
+        return
+    if IMPLEMENTATION not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(IMPLEMENTATION, _guard_mask)
+
+
+# -------------------------------------------------------------------------------------- context
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules that call the attention interface: those with a ``layer_idx`` and a ``q_proj``-like role."""
+    found = []
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups"):
+            found.append(m)
+    return found
+
+
+def _set_impl(model: Any, impl: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(impl)
+    else:  # pragma: no cover - transformers without the public setter
+        model.config._attn_implementation = impl
+
+
+def _impls(model: Any) -> dict[int, str | None]:
+    """``_attn_implementation`` of every config reachable from the model (top level and sub-models)."""
+    from transformers import PreTrainedModel
+
+    out = {id(model.config): model.config._attn_implementation}
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            out.setdefault(id(m.config), m.config._attn_implementation)
+    return out
+
+
+def _calibration_kwargs(
+    model: Any, scheme: KVScheme, calibration: Any
+) -> dict[tuple[int, str], dict[str, Any]]:
+    """``(layer, side) -> quantize kwargs`` from a calibration artifact; checks it fits scheme and model."""
+    needs = [
+        side
+        for side, spec in (("key", scheme.key), ("value", scheme.value))
+        if not scheme.is_identity and (spec.kind == "nuq" or (spec.static and spec.kind == "int"))
+    ]
+    if calibration is None:
+        if needs:
+            raise ValueError(
+                f"scheme {scheme.name!r} needs calibrated parameters for its {' and '.join(needs)} (static scales "
+                "or NUQ codebooks): create them with `kvbits calibrate` and pass calibration=<folder>"
+            )
+        return {}
+    from kvbits.calibrate import load_calibration
+
+    if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
+        calibration = load_calibration(calibration, model_config=model.config, scheme=scheme)
+    else:
+        calibration.check_scheme(scheme)
+        calibration.check_model(model.config)
+    return {
+        (i, side): calibration.quantize_kwargs(i, side)
+        for i in range(calibration.num_layers)
+        for side in ("key", "value")
+    }
+
+
+@contextlib.contextmanager
+def simulate(
+    model: Any,
+    scheme: str | dict | KVScheme,
+    *,
+    semantics: str = "decode",
+    prompt_len: int | None = None,
+    attn_layers: Sequence[int] = (),
+    chunk_size: int = DEFAULT_CHUNK,
+    calibration: Any = None,
+) -> Iterator[Simulation]:
+    """Run ``model`` with simulated KV-cache quantization inside the ``with`` block.
+
+    Args:
+        model: a transformers causal LM (or its base model) whose attention modules dispatch through
+            ``ALL_ATTENTION_FUNCTIONS`` (every transformers 5 text model).
+        scheme: preset name, dict, JSON path or ``KVScheme``.
+        semantics: ``"decode"`` (token-by-token from token 0) or ``"prefill"`` (the first
+            ``prompt_len`` tokens prefilled in full precision).
+        prompt_len: required with ``semantics="prefill"``.
+        attn_layers: layers whose attention-output error is recorded in ``Simulation.attn_error``.
+        chunk_size: queries per attention chunk (memory ``~ chunk_size * T`` mask entries and scores
+            per head).
+        calibration: a ``kvbits.calibrate`` artifact (or its folder) for schemes with static scales or
+            NUQ codebooks (KVQuant presets), as ``QuantizedKVCache(calibration=...)`` takes it.
+
+    Yields:
+        The ``Simulation`` state; ``attn_error`` and ``calls`` describe the last forward (call
+        ``reset()`` between forwards to be sure nothing stale is read).
+
+    The model's attention implementation is restored on exit, also when the block raises.
+    """
+    scheme = get_scheme(scheme)
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    if semantics == "prefill":
+        if (
+            prompt_len is None
+            or isinstance(prompt_len, bool)
+            or not isinstance(prompt_len, int)
+            or prompt_len < 1
+        ):
+            raise ValueError(f"semantics='prefill' needs a positive int prompt_len, got {prompt_len!r}")
+    elif prompt_len not in (None, 0):
+        raise ValueError(f"prompt_len is only meaningful with semantics='prefill' (got {prompt_len!r})")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    qkw = _calibration_kwargs(model, scheme, calibration)
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; cannot simulate")
+    rotary_layers: dict[int, Any] = {}
+    if scheme.key.pre_rope and not scheme.is_identity:
+        from kvbits.quant.rope import RotaryTables
+
+        tables = RotaryTables.from_model(model)
+        for m in modules:
+            rotary_layers[m.layer_idx] = tables.tables_for_layer(m.layer_idx)
+    _register()
+    sim = Simulation(
+        scheme=scheme,
+        semantics=semantics,
+        prompt_len=int(prompt_len or 0),
+        attn_layers=frozenset(int(i) for i in attn_layers),
+        chunk_size=chunk_size,
+        _modules=frozenset(id(m) for m in modules),
+        _rotary_layers=rotary_layers,
+        _qkw=qkw,
+    )
+    before = _impls(model)
+    original = model.config._attn_implementation
+    token = _ACTIVE.set(sim)
+    try:
+        _set_impl(model, IMPLEMENTATION)
+        if model.config._attn_implementation != IMPLEMENTATION:
+            raise RuntimeError(
+                f"{type(model).__name__} did not accept attn_implementation={IMPLEMENTATION!r} (it does not "
+                "dispatch attention through transformers' AttentionInterface)"
+            )
+        yield sim
+    finally:
+        _ACTIVE.reset(token)
+        try:
+            _set_impl(model, original)
+        finally:
+            after = _impls(model)
+            if after != before:  # sub-configs that had their own implementation
+                logger.warning("attention implementations after simulate() differ: %s vs %s", after, before)

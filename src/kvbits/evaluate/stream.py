@@ -1,0 +1,229 @@
+"""Ground truth: run the real cache token by token and collect the final hidden states.
+
+``stream_hidden(model, ids, scheme)`` decodes a window one token per forward through
+``QuantizedKVCache`` (decode semantics), or prefills a prompt in full precision with a
+``DynamicCache``, loads its K/V into the quantized cache with ``cache.update`` (which appends and
+flushes exactly as during generation) and decodes the rest (prefill semantics). The one-pass
+simulator (``kvbits.evaluate.simulate``) must agree with this; tests hold them together.
+
+Peers: ``hf-quanto-int4`` / ``hf-quanto-int2`` run transformers' own ``QuantizedCache`` (quanto
+backend, residual 128, groups of 64), the baseline users already have. Their average bits are
+``nbits + 2 * 16 / q_group_size`` (one float16 scale and one float16 zero-point per group of 64
+elements): 4.5 and 2.5. They only exist as a cache, so they run in stream mode only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbits.schemes.presets import get_scheme
+from kvbits.schemes.spec import KVScheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PEER_SCHEMES", "PeerScheme", "base_model", "make_cache", "resolve_scheme", "stream_hidden"]
+
+QUANTO_INSTALL = "pip install optimum-quanto  (or: pip install 'kvbits[quanto]')"
+
+
+@dataclass(frozen=True)
+class PeerScheme:
+    """A cache implementation outside kvbits, evaluated as it ships (stream mode only).
+
+    Attributes:
+        name: the name used on the command line.
+        backend: transformers ``QuantizedCache`` backend.
+        nbits: code width.
+        residual_length: most recent tokens kept in full precision.
+        q_group_size: elements per scale group.
+    """
+
+    name: str
+    backend: str
+    nbits: int
+    residual_length: int = 128
+    q_group_size: int = 64
+    description: str = ""
+
+    @property
+    def avg_bits(self) -> float:
+        """``nbits + 2 * 16 / q_group_size``: codes plus a float16 scale and zero-point per group."""
+        return self.nbits + 2 * 16 / self.q_group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "nbits": self.nbits,
+            "residual_length": self.residual_length,
+            "q_group_size": self.q_group_size,
+            "peer": True,
+        }
+
+    def make_cache(self, config: Any) -> Any:
+        if self.backend == "quanto":
+            try:
+                import optimum.quanto  # noqa: F401
+            except ImportError:
+                raise RuntimeError(
+                    f"scheme {self.name!r} needs optimum-quanto, which is not installed: {QUANTO_INSTALL}"
+                ) from None
+        from transformers import QuantizedCache
+
+        try:
+            return QuantizedCache(
+                backend=self.backend,
+                config=config,
+                nbits=self.nbits,
+                residual_length=self.residual_length,
+                q_group_size=self.q_group_size,
+            )
+        except ImportError as exc:
+            raise RuntimeError(f"scheme {self.name!r}: {exc} ({QUANTO_INSTALL})") from exc
+
+
+PEER_SCHEMES: dict[str, PeerScheme] = {
+    p.name: p
+    for p in (
+        PeerScheme(
+            "hf-quanto-int4",
+            "quanto",
+            4,
+            description="transformers QuantizedCache, quanto int4, residual 128, groups of 64",
+        ),
+        PeerScheme(
+            "hf-quanto-int2",
+            "quanto",
+            2,
+            description="transformers QuantizedCache, quanto int2, residual 128, groups of 64",
+        ),
+    )
+}
+
+
+def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerScheme:
+    """A kvbits scheme (preset, dict, JSON path, object) or a peer name from ``PEER_SCHEMES``."""
+    if isinstance(spec, PeerScheme):
+        return spec
+    if isinstance(spec, str) and spec in PEER_SCHEMES:
+        return PEER_SCHEMES[spec]
+    try:
+        return get_scheme(spec)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; peers (stream mode only): {', '.join(PEER_SCHEMES)}") from None
+
+
+def make_cache(scheme: KVScheme | PeerScheme, model: Any, *, calibration: Any = None) -> Any:
+    """The cache that stores K/V following ``scheme`` (``QuantizedKVCache`` with a workspace, or a peer's).
+
+    Pre-RoPE key specs get the model's own RoPE tables; ``calibration`` (an artifact or its folder)
+    supplies static scales and NUQ codebooks.
+    """
+    if isinstance(scheme, PeerScheme):
+        if calibration is not None:
+            raise ValueError(f"{scheme.name} takes no calibration")
+        return scheme.make_cache(model.config)
+    from kvbits.cache import QuantizedKVCache
+
+    rotary = None
+    if scheme.key.pre_rope and not scheme.is_identity:
+        from kvbits.quant.rope import RotaryTables
+
+        rotary = RotaryTables.from_model(model)
+    if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
+        from kvbits.calibrate import load_calibration
+
+        calibration = load_calibration(calibration, model_config=model.config, scheme=scheme)
+    return QuantizedKVCache(
+        config=model.config, scheme=scheme, workspace=True, rotary=rotary, calibration=calibration
+    )
+
+
+def base_model(model: Any) -> Any:
+    """The decoder that returns ``last_hidden_state`` (``model.model`` of a ``*ForCausalLM``)."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        if hasattr(model, "get_decoder"):
+            try:
+                return model.get_decoder()
+            except (AttributeError, NotImplementedError):
+                pass
+        return model
+    return base
+
+
+def _cache_kwarg(base: Any) -> str:
+    """``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier 5.x)."""
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _step(base: Any, ids: torch.Tensor, cache: Any, kw: str) -> torch.Tensor:
+    return base(input_ids=ids, use_cache=True, **{kw: cache}).last_hidden_state
+
+
+@torch.no_grad()
+def stream_hidden(
+    model: Any,
+    ids: torch.Tensor,
+    scheme: str | KVScheme | PeerScheme,
+    *,
+    semantics: str = "decode",
+    prompt_len: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    calibration: Any = None,
+) -> torch.Tensor:
+    """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` run through the scheme's cache.
+
+    Args:
+        model: a transformers causal LM (or its base model).
+        ids: token ids, unpadded.
+        scheme: kvbits scheme or peer.
+        semantics: ``"decode"``: one token per forward from token 0. ``"prefill"``: the first
+            ``prompt_len`` tokens in one full-precision forward (``DynamicCache``), their K/V loaded
+            into the scheme's cache with ``update`` per layer, then one token per forward.
+        progress: called with the number of tokens just processed (for a progress bar).
+        calibration: artifact or folder for schemes with static scales / NUQ codebooks.
+    """
+    from transformers import DynamicCache
+
+    scheme = resolve_scheme(scheme)
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
+    _B, T = ids.shape
+    base = base_model(model)
+    kw = _cache_kwarg(base)
+    start = 0
+    chunks: list[torch.Tensor] = []
+    if semantics == "prefill":
+        if not isinstance(prompt_len, int) or not 0 < prompt_len < T:
+            raise ValueError(f"semantics='prefill' needs 0 < prompt_len < T={T}, got {prompt_len!r}")
+        # No config: every layer keeps all its tokens (a sliding DynamicCache layer would keep only
+        # the last W - 1, and the quantized cache counts its blocks from token 0).
+        full = DynamicCache()
+        chunks.append(_step(base, ids[:, :prompt_len], full, kw))
+        cache = make_cache(scheme, model, calibration=calibration)
+        for idx, layer in enumerate(full.layers):
+            cache.update(layer.keys, layer.values, idx)
+        del full
+        start = prompt_len
+        if progress:
+            progress(prompt_len)
+    elif semantics == "decode":
+        cache = make_cache(scheme, model, calibration=calibration)
+    else:
+        raise ValueError(f"semantics must be 'decode' or 'prefill', got {semantics!r}")
+    for t in range(start, T):
+        chunks.append(_step(base, ids[:, t : t + 1], cache, kw))
+        if progress:
+            progress(1)
+    return torch.cat(chunks, dim=1)
