@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The CPU measurements recorded in BENCHMARKS.md (2 cores, float32). Each step writes runs/<name>/
+# with summary.json, records, per-token arrays and report.{md,html}; reruns are skipped (DONE marker).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+K=".venv/bin/python -m kvbits"
+step="${1:-all}"
+
+if [[ $step == all || $step == smollm2 ]]; then
+  # The demo (make demo) covers fp16 int8-token int4-token int4-channel kivi-4 kivi-2; this adds the rest.
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme int2-token --scheme int8-channel --scheme int2-channel --scheme int4-channel-prerope \
+    --out runs/smollm2-wp-8k-b
+fi
+if [[ $step == all || $step == kvquant ]]; then
+  # Calibrate on a different text (Pride and Prejudice), evaluate on War and Peace.
+  for b in 4 2; do
+    [[ -f runs/calib-smollm2-kvq$b/calibration.json ]] || \
+      $K calibrate --model smollm2-135m --data pride-and-prejudice --context 2048 --windows 2 \
+        --scheme kvquant-$b --out runs/calib-smollm2-kvq$b
+  done
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme kvquant-4 --scheme kvquant-2 \
+    --calibration runs/calib-smollm2-kvq4 --calibration runs/calib-smollm2-kvq2 \
+    --out runs/smollm2-wp-8k-kvquant
+fi
+if [[ $step == all || $step == qwen ]]; then
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 8k --windows 1 --no-progress \
+    --scheme int8-token --scheme int4-token --scheme int4-channel --scheme int4-channel-prerope \
+    --out runs/qwen-wiki-8k
+fi
