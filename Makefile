@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,plot]"
-	$(BIN)/python -m pip install -q "triton>=3.0" || echo "triton unavailable: interpreter tests will be skipped"
+	$(BIN)/python -m pip install -q "triton==3.6.0" || echo "triton unavailable: kernel interpreter tests will be skipped"
+	$(BIN)/python -m pip install -q "optimum-quanto>=0.2.6" || echo "optimum-quanto unavailable: hf-quanto peer tests will be skipped"
 	touch $(STAMP)
 
 demo: setup
