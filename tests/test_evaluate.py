@@ -26,7 +26,7 @@ import torch
 from kvbits.evaluate import metrics as M
 from kvbits.evaluate.runner import default_attn_layers, evaluate
 from kvbits.evaluate.simulate import IMPLEMENTATION, quantized_bounds, simulate, simulated_kv
-from kvbits.evaluate.stream import PEER_SCHEMES, resolve_scheme, stream_hidden
+from kvbits.evaluate.stream import PEER_SCHEMES, base_model, resolve_scheme, stream_hidden
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 from kvbits.schemes.accounting import flushed_tokens
 
@@ -112,6 +112,16 @@ def _gemma3():
     return Gemma3ForCausalLM(cfg).eval()
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Token-by-token decoding runs tiny matmuls: a second intra-op thread only adds synchronisation
@@ -122,7 +132,13 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-MODELS = {"llama": _llama, "llama-mha": lambda: _llama(kv_heads=4), "qwen2": _qwen2, "gemma3": _gemma3}
+MODELS = {
+    "llama": _llama,
+    "llama-mha": lambda: _llama(kv_heads=4),
+    "qwen2": _qwen2,
+    "gemma3": _gemma3,
+    "gpt2": _gpt2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +190,7 @@ CASES = [
     ("gemma3", SINKS, "decode"),
     ("gemma3", SINKS, "prefill"),
     ("gemma3", "int4-token", "decode"),
+    ("gpt2", SINKS, "prefill"),
 ]
 
 
@@ -181,11 +198,12 @@ CASES = [
 @pytest.mark.parametrize("model_name,scheme,semantics", CASES, ids=lambda x: getattr(x, "name", x))
 def test_simulate_equals_stream(models, model_name, scheme, semantics):
     model = models(model_name, torch.float64)
+    base = base_model(model)
     ids = _ids(90, seed=3)
     prompt = 37 if semantics == "prefill" else None
-    ref = model.model(ids).last_hidden_state
+    ref = base(ids).last_hidden_state
     with simulate(model, scheme, semantics=semantics, prompt_len=prompt) as sim:
-        h_sim = model.model(ids).last_hidden_state
+        h_sim = base(ids).last_hidden_state
     assert sim.calls == model.config.num_hidden_layers
     h_stream = stream_hidden(model, ids, scheme, semantics=semantics, prompt_len=prompt)
     name = getattr(scheme, "name", scheme)

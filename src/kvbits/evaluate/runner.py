@@ -245,13 +245,11 @@ def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
     from kvbits.evaluate.models import LoadedModel, load_model
 
     if isinstance(model, str):
-        lm = load_model(model, dtype=dtype, device=device or "cpu")
-        return lm.model, lm.tokenizer, lm.source.name, lm.fingerprint
+        model = load_model(model, dtype=dtype, device=device or "cpu")
+    elif isinstance(model, LoadedModel) and (dtype is not None or device is not None):
+        model.model.to(device=device, dtype=dtype)
     if isinstance(model, LoadedModel):
-        m = model.model
-        if dtype is not None or device is not None:
-            m = m.to(device=device, dtype=dtype)
-        return m.eval(), model.tokenizer, model.source.name, model.fingerprint
+        return model.model.eval(), model.tokenizer, model.source.name, model.fingerprint
     if not hasattr(model, "config"):
         raise TypeError(
             f"model must be a name/path, a LoadedModel or a transformers model, got {type(model).__name__}"
@@ -313,6 +311,26 @@ def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:
             f"calibration given for {unknown}, which is not among the schemes evaluated ({names})"
         )
     return out
+
+
+def _calibration_paths(calibration: Any) -> list[str] | None:
+    """The calibration folders as given (for ``config.json``), or None when given as objects."""
+    if calibration is None:
+        return None
+    items = (
+        calibration.values()
+        if isinstance(calibration, dict)
+        else (
+            [calibration]
+            if isinstance(calibration, (str, os.PathLike)) or hasattr(calibration, "scheme")
+            else calibration
+        )
+    )
+    paths = [
+        str(x) if isinstance(x, (str, os.PathLike)) else str(getattr(x, "path", None) or "<object>")
+        for x in items
+    ]
+    return paths or None
 
 
 def _calibration_id(art: Any) -> str:
@@ -502,6 +520,13 @@ def evaluate(
     from kvbits.cache import attention_shape
 
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    max_ctx = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(max_ctx, int) and context > max_ctx:
+        logger.warning(
+            "context %d exceeds the model's max_position_embeddings %d: positions beyond it are extrapolation",
+            context,
+            max_ctx,
+        )
     layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
     if any(not 0 <= x < n_layers for x in layers):
         raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
@@ -531,6 +556,7 @@ def evaluate(
                 "dtype": dtype_name,
                 "device": device,
                 "data_path": data_path,
+                "calibration": _calibration_paths(calibration),
             },
             "argv": list(argv) if argv is not None else None,
             "fingerprint": fingerprint,
@@ -599,6 +625,10 @@ def evaluate(
                         calibration=calibrations.get(name),
                     )[0]
                 seconds[name] += time.perf_counter() - t0
+                if not bool(torch.isfinite(h).all()):
+                    raise RuntimeError(
+                        f"{name}: non-finite hidden states in window {w} (NaN/inf in the model or K/V)"
+                    )
                 hs.append(h[:-1])
             metrics = token_metrics(head, h_ref[:-1], hs, win[w, 1:], softcap=softcap)
             for name, rec in zip(names, metrics):

@@ -10,10 +10,14 @@ attention output that a ``QuantizedKVCache`` following ``scheme`` would have pro
 - full-attention layers: key/value ``j <= t`` is exact for ``j < S`` (``S = min(T, sinks)``),
   quantized for ``S <= j < S + flushed_tokens(scheme, t + 1 - S)``, exact otherwise (the
   full-precision buffer). Quantized block ``b`` covers tokens ``[S + b*block, S + (b+1)*block)`` and is
-  ``fake_quantize`` of that slice alone, exactly as the cache flushes it;
+  ``fake_quantize`` of that slice alone, exactly as the cache flushes it. With no residual window
+  (``int4-token``: residual 0, block 1) token ``t``'s own K/V is already quantized when it attends,
+  as in the cache, which flushes before it returns;
 - sliding-window layers (window ``W``, keys ``j > t - W``): no sinks, and full precision when
   ``sliding_falls_back(scheme, W)`` (``kvbits.schemes.accounting``);
 - identity schemes (``fp16``, ``bf16``): every token cast to the format and back;
+- pre-RoPE key specs: keys un-rotated, quantized, rotated back (``kvbits.quant.rope``); static
+  scales and NUQ codebooks come from a ``kvbits.calibrate`` artifact (``calibration=``);
 - ``semantics="prefill"``: queries ``t < prompt_len`` see everything exact (a full-precision prefill),
   later queries follow the decode rule above.
 
@@ -22,8 +26,9 @@ builds a ``T x T`` score matrix. For a chunk ``[a, b)`` the quantized region ``[
 with ``t``, so keys below ``hi(a)`` are quantized for every query of the chunk and only the band
 ``[hi(a), b)`` differs per query. One attention call covers ``[exact sinks | quantized keys up to
 hi(b-1) | exact keys from hi(a)]``, the band appearing twice, with a boolean mask choosing one copy
-per query. GQA is handled by folding the ``G`` query heads of each KV head into the query axis, so
-K/V are never repeated.
+per query. The chunk layouts and masks depend only on positions, scheme and window, so they are
+built once per forward and shared by every layer of a kind. GQA goes through SDPA's
+``enable_gqa``: K/V are never repeated.
 
 Restriction: batch rows must be unpadded (no 2-D ``attention_mask`` with zeros): the mask is built
 here from positions, and a padded ``attention_mask`` raises ``ValueError``.
@@ -91,11 +96,24 @@ class Simulation:
     _modules: frozenset[int] = frozenset()
     _rotary_layers: dict[int, Any] = field(default_factory=dict)
     _qkw: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+    _layouts: dict[tuple, tuple] = field(default_factory=dict)
 
     def reset(self) -> None:
         """Forget what the previous forward recorded."""
         self.attn_error = {}
         self.calls = 0
+
+    def _layout(self, T: int, window: int | None, device: torch.device, *, exact: bool = False):
+        """``(lo, hi per position, chunk plans)`` for this scheme, cached per (T, window, device)."""
+        key = (T, window, str(device), exact)
+        if key not in self._layouts:
+            if len(self._layouts) > 8:  # windows of many lengths: keep memory bounded
+                self._layouts.clear()
+            pos = torch.arange(T, device=device)
+            prompt = self.prompt_len if self.semantics == "prefill" else 0
+            lo, hi = quantized_bounds(self.scheme, pos, T, sliding_window=window, prompt_len=prompt)
+            self._layouts[key] = (lo, hi, _plan(T, self.chunk_size, lo, hi, window, exact=exact))
+        return self._layouts[key]
 
 
 # --------------------------------------------------------------------------------------- bounds
@@ -156,7 +174,8 @@ def _blocks_fake_quantize(x: torch.Tensor, spec: TensorSpec, block: int, **kw: A
     nb = n // block
     assert nb * block == n, (n, block)
     xb = x.reshape(B, H, nb, block, D).transpose(1, 2).reshape(B * nb, H, block, D)
-    out = fake_quantize(xb, spec, **kw)
+    # validate=False: K/V come straight from the model (the runner checks the outputs are finite)
+    out = fake_quantize(xb, spec, validate=False, **kw)
     return out.reshape(B, nb, H, block, D).transpose(1, 2).reshape(B, H, n, D)
 
 
@@ -232,56 +251,132 @@ def _attend(q, k, v, mask, scale, softcap):
     return o.reshape(B, Hq, c, D)
 
 
-class _Segment:
-    """Keys of positions ``[p0, p1)`` taken from one tensor, with their visibility rule.
+@dataclass
+class _ChunkPlan:
+    """Where the keys of query chunk ``[a, b)`` come from, and who sees what (shared by all layers
+    of one kind: the layout depends on positions, the scheme and the window, not on the layer).
 
-    ``kind``: ``"exact"`` (visible iff ``j <= t`` and ``j`` not in the query's quantized range) or
-    ``"quant"`` (visible iff ``lo <= j < hi(t)``). Sliding windows add ``j > t - W``.
+    Keys are ``cat(src[:, :, k0:s1], key[:, :, e0:b])`` where ``src`` holds exact sinks below ``lo``
+    and quantized keys above it. ``mask`` ``(b - a, L)`` is stored whole, or as ``pieces``
+    ``(col0, col1, submask)``: the columns that are not visible to every query of the chunk.
     """
 
-    __slots__ = ("k", "kind", "p0", "p1", "v")
+    a: int
+    b: int
+    k0: int
+    s1: int
+    e0: int
+    length: int
+    mask: torch.Tensor | None
+    pieces: list[tuple[int, int, torch.Tensor]]
 
-    def __init__(self, kind: str, p0: int, p1: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kind, self.p0, self.p1, self.k, self.v = kind, p0, p1, k, v
+    def full_mask(self, device: torch.device) -> torch.Tensor:
+        if self.mask is not None:
+            return self.mask
+        mask = torch.ones(self.b - self.a, self.length, dtype=torch.bool, device=device)
+        for c0, c1, sub in self.pieces:
+            mask[:, c0:c1] = sub
+        return mask
 
 
-def _chunk_mask(
-    segments: list[_Segment], a: int, b: int, lo: int, hi: torch.Tensor, window: int | None, device
-) -> torch.Tensor:
-    """Bool ``(b - a, L)`` visibility of the segments' keys for queries ``a..b-1``.
+MASK_CACHE_BYTES = 64 << 20  # keep whole masks up to this size per layer kind, else rebuild per layer
 
-    Only columns whose visibility can differ between queries of the chunk are compared; the rest
-    (the bulk of a long prefix) is filled with one constant.
+
+def _chunk_pieces(
+    segments: list[tuple[str, int, int]], a: int, b: int, lo: int, hi: torch.Tensor, window: int | None
+) -> list[tuple[int, int, torch.Tensor]]:
+    """Columns of a chunk's mask whose visibility differs between its queries, with their values.
+
+    ``segments``: ``(kind, p0, p1)`` in key order; ``"quant"`` keys are visible iff
+    ``lo <= j < hi(t)``, ``"exact"`` keys iff ``j <= t`` and not in ``[lo, hi(t))``; sliding windows
+    add ``j > t - W``. Everything else is visible to every query (the bulk of a long prefix).
     """
-    n = b - a
-    L = sum(s.p1 - s.p0 for s in segments)
-    mask = torch.ones(n, L, dtype=torch.bool, device=device)
+    device = hi.device
     t = torch.arange(a, b, device=device)[:, None]
     h = hi[:, None]
     h_a, h_b = int(hi[0]), int(hi[-1])
     w_lo = -(1 << 62) if window is None else b - window  # j >= w_lo is inside every query's window
-    col = 0
-    for s in segments:
+    pieces, col = [], 0
+    for kind, p0, p1 in segments:
         # [u0, u1): positions visible to every query of the chunk
-        if s.kind == "quant":
-            u0, u1 = max(s.p0, w_lo), min(s.p1, h_a)
+        if kind == "quant":
+            u0, u1 = max(p0, w_lo), min(p1, h_a)
         else:
-            u0, u1 = max(s.p0, w_lo, h_b), min(s.p1, a + 1)
+            u0, u1 = max(p0, w_lo, h_b if p0 >= lo else -(1 << 62)), min(p1, a + 1)
         if u1 <= u0:
-            u0 = u1 = s.p1
-        for q0, q1 in ((s.p0, u0), (u1, s.p1)):
-            if q1 <= q0:
+            u0 = u1 = p1
+        for c0, c1 in ((p0, u0), (u1, p1)):
+            if c1 <= c0:
                 continue
-            j = torch.arange(q0, q1, device=device)[None, :]
-            if s.kind == "quant":
+            j = torch.arange(c0, c1, device=device)[None, :]
+            if kind == "quant":
                 m = (j >= lo) & (j < h)
             else:
                 m = (j <= t) & ~((j >= lo) & (j < h))
             if window is not None:
                 m &= j > t - window
-            mask[:, col + q0 - s.p0 : col + q1 - s.p0] = m
-        col += s.p1 - s.p0
-    return mask
+            pieces.append((col + c0 - p0, col + c1 - p0, m))
+        col += p1 - p0
+    return pieces
+
+
+def _plan(
+    T: int, chunk: int, lo: int, hi_all: torch.Tensor, window: int | None, *, exact: bool = False
+) -> list[_ChunkPlan]:
+    """Chunk plans for a forward of ``T`` tokens (``exact``: the unquantized reference attention)."""
+    device = hi_all.device
+    plans: list[_ChunkPlan] = []
+    for a in range(0, T, chunk):
+        b = min(T, a + chunk)
+        k0 = 0 if window is None else max(0, a - window + 1)  # keys older than this are out of every window
+        if exact:
+            segments = [("exact", k0, b)]
+            plans.append(
+                _ChunkPlan(
+                    a,
+                    b,
+                    k0,
+                    k0,
+                    k0,
+                    b - k0,
+                    None,
+                    _chunk_pieces(
+                        segments, a, b, 0, torch.zeros(b - a, dtype=torch.long, device=device), window
+                    ),
+                )
+            )
+            continue
+        hi = hi_all[a:b]
+        h_a, h_b = int(hi[0]), int(hi[-1])
+        s1 = max(lo, h_b)  # src[k0:s1]: exact sinks [k0, lo), quantized [lo, h_b)
+        e0 = max(h_a, k0, lo)
+        if h_a >= a:  # the chunk's own keys may all be quantized already (no residual window)
+            needed = (hi <= torch.arange(a, b, device=device)).nonzero()
+            e0 = b if needed.numel() == 0 else max(e0, a + int(needed[0]))
+        segments = []
+        if lo > k0:
+            segments.append(("exact", k0, lo))
+        if s1 > max(lo, k0):
+            segments.append(("quant", max(lo, k0), s1))
+        if b > e0:
+            segments.append(("exact", e0, b))
+        k0 = min(k0, s1)
+        plans.append(
+            _ChunkPlan(
+                a,
+                b,
+                k0,
+                max(s1, k0),
+                e0,
+                sum(p1 - p0 for _, p0, p1 in segments),
+                None,
+                _chunk_pieces(segments, a, b, lo, hi, window),
+            )
+        )
+    if sum((p.b - p.a) * p.length for p in plans) <= MASK_CACHE_BYTES:
+        for p in plans:
+            p.mask, p.pieces = p.full_mask(device), []
+    return plans
 
 
 def _layer_window(module: Any, kwargs: dict) -> int | None:
@@ -332,68 +427,51 @@ def _simulate_attention(
             f"{query.shape[2]} positions, key {key.shape[2]}"
         )
     sim.calls += 1
-    B, Hq, T, D = query.shape
+    T, D = query.shape[2], query.shape[3]
     scale = scaling if scaling is not None else D**-0.5
     softcap = kwargs.get("softcap")
     window = _layer_window(module, kwargs)
     layer = getattr(module, "layer_idx", None)
     scheme = sim.scheme
-    prompt = sim.prompt_len if sim.semantics == "prefill" else 0
 
-    all_pos = torch.arange(T, device=query.device)
-    lo, hi_all = quantized_bounds(scheme, all_pos, T, sliding_window=window, prompt_len=prompt)
+    lo, hi_all, plans = sim._layout(T, window, query.device)
     q_end = int(hi_all[-1]) if T else 0
-    rotary = sim._rotary_layers.get(layer) if scheme.key.pre_rope else None
-    kq = vq = None
+    src = key
+    vsrc = value
     if q_end > lo:
+        rotary = sim._rotary_layers.get(layer) if scheme.key.pre_rope else None
         kw = {
             f"{side}_kwargs": {n: t.to(key.device) for n, t in sim._qkw.get((layer, side), {}).items()}
             for side in ("key", "value")
         }
         kq, vq = simulated_kv(scheme, key, value, lo, q_end, rotary=rotary, **kw)
+        src = torch.cat([key[:, :, :lo], kq], dim=2) if lo else kq
+        vsrc = torch.cat([value[:, :, :lo], vq], dim=2) if lo else vq
 
     record = layer in sim.attn_layers
-    out = query.new_empty(B, Hq, T, D)
-    err = torch.empty(B, T, dtype=torch.float32, device=query.device) if record else None
-    c = sim.chunk_size
-    for a in range(0, T, c):
-        b = min(T, a + c)
-        hi = hi_all[a:b]
-        h_a, h_b = int(hi[0]), int(hi[-1])
-        k0 = 0 if window is None else max(0, a - window + 1)  # keys older than this are out of every window
-        segments = []
-        if lo > k0:  # exact sinks
-            segments.append(_Segment("exact", k0, lo, key[:, :, k0:lo], value[:, :, k0:lo]))
-        q0 = max(lo, k0)
-        if h_b > q0:  # quantized keys up to the last query's quantized end
-            segments.append(
-                _Segment("quant", q0, h_b, kq[:, :, q0 - lo : h_b - lo], vq[:, :, q0 - lo : h_b - lo])
-            )
-        e0 = max(h_a, k0, lo)
-        if h_a >= a:  # the chunk's own keys may all be quantized already (no residual window)
-            ahead = torch.arange(a, b, device=query.device)
-            needed = (hi_all[a:b] <= ahead).nonzero()
-            e0 = b if needed.numel() == 0 else max(e0, a + int(needed[0]))
-        if b > e0:  # exact keys: the residual window and the chunk's own band
-            segments.append(_Segment("exact", e0, b, key[:, :, e0:b], value[:, :, e0:b]))
-        mask = _chunk_mask(segments, a, b, lo, hi, window, query.device)
-        if len(segments) == 1:
-            kk, vv = segments[0].k, segments[0].v
+    ref_plans = sim._layout(T, window, query.device, exact=True)[2] if record else None
+    outs, errs = [], []
+    for i, p in enumerate(plans):
+        if p.b > p.e0 and p.s1 > p.k0:
+            kk = torch.cat([src[:, :, p.k0 : p.s1], key[:, :, p.e0 : p.b]], dim=2)
+            vv = torch.cat([vsrc[:, :, p.k0 : p.s1], value[:, :, p.e0 : p.b]], dim=2)
+        elif p.b > p.e0:
+            kk, vv = key[:, :, p.e0 : p.b], value[:, :, p.e0 : p.b]
         else:
-            kk = torch.cat([s.k for s in segments], dim=2)
-            vv = torch.cat([s.v for s in segments], dim=2)
-        qc = query[:, :, a:b]
-        o = _attend(qc, kk, vv, mask, scale, softcap)
-        out[:, :, a:b] = o
+            kk, vv = src[:, :, p.k0 : p.s1], vsrc[:, :, p.k0 : p.s1]
+        qc = query[:, :, p.a : p.b]
+        o = _attend(qc, kk, vv, p.full_mask(query.device), scale, softcap)
+        outs.append(o)
         if record:
-            exact = [_Segment("exact", k0, b, key[:, :, k0:b], value[:, :, k0:b])]
-            m_ref = _chunk_mask(exact, a, b, 0, torch.zeros_like(hi), window, query.device)
-            o_ref = _attend(qc, key[:, :, k0:b], value[:, :, k0:b], m_ref, scale, softcap).float()
+            r = ref_plans[i]
+            o_ref = _attend(
+                qc, key[:, :, r.k0 : r.b], value[:, :, r.k0 : r.b], r.full_mask(query.device), scale, softcap
+            ).float()
             diff = (o.float() - o_ref).pow(2).sum(dim=(1, 3)).sqrt()
-            ref = o_ref.pow(2).sum(dim=(1, 3)).sqrt()
-            err[:, a:b] = diff / ref.clamp_min(torch.finfo(torch.float32).tiny)
+            errs.append(diff / o_ref.pow(2).sum(dim=(1, 3)).sqrt().clamp_min(torch.finfo(torch.float32).tiny))
     if record:
-        sim.attn_error[layer] = err
+        sim.attn_error[layer] = torch.cat(errs, dim=1)
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -423,12 +501,12 @@ def _register() -> None:
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Modules that call the attention interface: those with a ``layer_idx`` and a ``q_proj``-like role."""
-    found = []
-    for m in model.modules():
-        if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups"):
-            found.append(m)
-    return found
+    """Attention modules (they carry a ``layer_idx`` and call the attention interface with ``self``)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and "Attention" in type(m).__name__
+    ]
 
 
 def _set_impl(model: Any, impl: str) -> None:
