@@ -583,8 +583,8 @@ def test_realmodel_simulate_equals_stream(smollm2_window):
     """SmolLM2-135M, first 200 WikiText-2 tokens, per-token NLL of simulate vs stream, in float64.
 
     kivi-2 flushes its first 32-token block at 160 tokens; t-sinks has 4 sinks, a 16-token residual
-    window and 8-token blocks; int4-token quantizes every token at once (these two on the first
-    100 tokens, to keep the token-by-token runs short). Tolerance 1e-6 nats: in
+    window and 8-token blocks; int4-token quantizes every token at once (kivi-2 on the first 180
+    tokens, the others on 80, to keep the token-by-token runs short). Tolerance 1e-6 nats: in
     float64 one-pass and token-by-token K/V differ by ~1e-16, which cannot move the float32 input
     of the quantizer across a rounding boundary, so the codes are identical (measured: 0.0).
     """
@@ -593,7 +593,7 @@ def test_realmodel_simulate_equals_stream(smollm2_window):
     try:
         head = model.get_output_embeddings()
         h_ref = model.model(ids).last_hidden_state[0, :-1]
-        for scheme, n in (("kivi-2", 200), ("int4-token", 100), (SINKS, 100)):
+        for scheme, n in (("kivi-2", 180), ("int4-token", 80), (SINKS, 80)):
             x = ids[:, :n]
             with simulate(model, scheme):
                 h_sim = model.model(x).last_hidden_state[0, :-1]
@@ -609,9 +609,10 @@ def test_realmodel_simulate_equals_stream(smollm2_window):
 @pytest.mark.realmodel
 @torch.no_grad()
 def test_realmodel_float32_agrees_on_average(smollm2_window):
-    """Float32, int8 per-token: single tokens may differ (a flipped code cascades, up to ~0.2 nats
-    measured), but the window's mean NLL agrees to 0.1% and the mean KL to 25%."""
+    """Float32, int8 per-token, 128 tokens: single tokens may differ (a flipped code cascades, up to
+    ~0.2 nats measured on 200 tokens), but the mean NLL agrees to 0.2% and the mean KL to 25%."""
     lm, ids = smollm2_window
+    ids = ids[:, :128]
     model = lm.model
     head = model.get_output_embeddings()
     h_ref = model.model(ids).last_hidden_state[0, :-1]
@@ -619,7 +620,7 @@ def test_realmodel_float32_agrees_on_average(smollm2_window):
         h_sim = model.model(ids).last_hidden_state[0, :-1]
     h_st = stream_hidden(model, ids, "int8-token")[0, :-1]
     sim, st = M.token_metrics(head, h_ref, [h_sim, h_st], ids[0, 1:])
-    assert sim["nll"].mean() == pytest.approx(st["nll"].mean().item(), rel=1e-3)
+    assert sim["nll"].mean() == pytest.approx(st["nll"].mean().item(), rel=2e-3)
     assert sim["kl"].mean() == pytest.approx(st["kl"].mean().item(), rel=0.25)
 
 
