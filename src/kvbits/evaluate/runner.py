@@ -517,6 +517,11 @@ def evaluate(
     model_spec = model
     model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
     win, data_name, tokens_fp = _load_windows(data, tokenizer, context, windows, data_path)
+    loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
+    for (
+        art
+    ) in calibrations.values():  # made for these weights? (a LoadedModel fingerprint, as calibrate records)
+        art.check_model(model.config, fingerprint=model_fp if loaded else None)
     from kvbits.cache import attention_shape
 
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
