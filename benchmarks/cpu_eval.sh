@@ -25,7 +25,14 @@ if [[ $step == all || $step == kvquant ]]; then
     --out runs/smollm2-wp-8k-kvquant
 fi
 if [[ $step == all || $step == qwen ]]; then
-  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 8k --windows 1 --no-progress \
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
     --scheme int8-token --scheme int4-token --scheme int4-channel --scheme int4-channel-prerope \
-    --out runs/qwen-wiki-8k
+    --out runs/qwen-wiki-4k
+fi
+if [[ $step == all || $step == peer ]]; then
+  # transformers' own QuantizedCache (optimum-quanto) beside kvbits at similar bits, same tokens,
+  # both through a real cache token by token (stream mode; hf-quanto has no simulate path).
+  $K eval --model smollm2-135m --data war-and-peace --context 1024 --windows 1 --no-progress --mode stream --threads 1 \
+    --scheme hf-quanto-int4 --scheme int4-g64 --scheme kivi-4 --scheme hf-quanto-int2 --scheme kivi-2 \
+    --out runs/smollm2-wp-1k-peer
 fi
