@@ -490,3 +490,13 @@ def test_planned_bytes_equal_cache_bytes_in_a_forward_pass():
     planned = plan(cfg, context=171, batch=2, scheme="kivi-2", dtype_bytes=4)
     assert planned["total_bytes"] == cache.memory_report()["total_bytes"]
     assert planned["components"]["quantized"] > 0
+
+
+def test_kvbits_plan_stays_callable_after_the_package_is_imported():
+    import kvbits
+
+    first = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
+    import kvbits.plan.planner  # noqa: F401  (binds the subpackage as kvbits.plan)
+
+    second = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
+    assert first["total_bytes"] == second["total_bytes"] == 2 * 2 * 4 * 16 * 16 * 2

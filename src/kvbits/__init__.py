@@ -16,9 +16,9 @@ def __getattr__(name: str):  # lazy re-exports keep `import kvbits` fast
 
         return QuantizedKVCache
     if name == "plan":
-        from kvbits.plan import plan
+        import kvbits.plan as plan_module  # a callable module: kvbits.plan(config, ...) runs plan()
 
-        return plan
+        return plan_module
     raise AttributeError(f"module 'kvbits' has no attribute {name!r}")
 
 

@@ -5,6 +5,9 @@ bytes of :func:`kvbits.schemes.layer_bytes` over the model's layers (MHA, GQA, M
 and mixed layers). See :mod:`kvbits.plan.planner` for every field's definition.
 """
 
+import sys as _sys
+import types as _types
+
 from kvbits.plan.config import (
     LayerShape,
     ModelShape,
@@ -27,3 +30,14 @@ __all__ = [
     "plan_shape",
     "resolve_config",
 ]
+
+
+class _CallablePlanModule(_types.ModuleType):
+    """``kvbits.plan`` is both this package and the function: importing the package (which Python
+    binds as the attribute ``kvbits.plan``) must not stop ``kvbits.plan(config, ...)`` working."""
+
+    def __call__(self, *args, **kwargs):  # noqa: D102 - same signature as plan()
+        return plan(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallablePlanModule
