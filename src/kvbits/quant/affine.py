@@ -52,18 +52,25 @@ def choose_qparams(
         amax = a.amax(dim=dims, keepdim=True)
         levels = 2 ** (bits - 1) - 1
         return _round_up_fp16(amax / levels), None
-    if mask is None:
-        lo = xf.amin(dim=dims, keepdim=True)
-        hi = xf.amax(dim=dims, keepdim=True)
-    else:
-        lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
-        hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
-        empty = torch.isinf(lo)
-        lo = lo.masked_fill(empty, 0.0)
-        hi = hi.masked_fill(empty, 0.0)
+    lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo)
     scale = _round_up_fp16((hi - zero.float()).clamp_min(0.0) / (2**bits - 1))
     return scale, zero
+
+
+def masked_range(
+    xf: torch.Tensor, dims: tuple[int, ...], mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of ``xf`` over ``dims`` (keepdim), ignoring elements where ``mask`` is True.
+
+    A group whose elements are all masked gets the range ``[0, 0]``.
+    """
+    if mask is None:
+        return xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
+    lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
+    hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
+    empty = torch.isinf(lo)
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
 
 
 def quantize_affine(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbits.quant.affine import _round_down_fp16, _round_up_fp16
+from kvbits.quant.affine import _round_down_fp16, _round_up_fp16, masked_range
 
 CODEBOOK_DTYPE = torch.float16
 
@@ -77,15 +77,7 @@ def choose_nuq_params(
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
         return _round_up_fp16(a.amax(dim=dims, keepdim=True)), None
-    if mask is None:
-        lo = xf.amin(dim=dims, keepdim=True)
-        hi = xf.amax(dim=dims, keepdim=True)
-    else:
-        lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
-        hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
-        empty = torch.isinf(lo)
-        lo = lo.masked_fill(empty, 0.0)
-        hi = hi.masked_fill(empty, 0.0)
+    lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo)
     return _round_up_fp16((hi - zero.float()).clamp_min(0.0)), zero
 
