@@ -291,6 +291,11 @@ def test_every_preset_really_quantizes(scheme):
     rep = cache.memory_report()
     row = rep["layers"][0]
     assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (split.sink, split.quantized, split.full)
+    if cache.calibration is not None:  # positions served beyond the longest calibrated length are reported
+        longest = cache.calibration.max_calibrated_length
+        cal = cache.calibration_report()
+        assert cal["max_calibrated_length"] == longest
+        assert cal["layers"][0]["positions_beyond_calibrated"] == max(0, 300 - int(longest))
     want = layer_bytes(sch, 300, batch=1, n_heads=2, head_dim=64, full_dtype_bytes=4)
     assert rep["total_bytes"] == 2 * (want["key"] + want["value"])  # codebooks and static scales included
 

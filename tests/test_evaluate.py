@@ -454,7 +454,7 @@ SUMMARY_KEYS = {
     "results",
     "reference_seconds",
 }
-RESULT_KEYS = {"scheme", "avg_bits", "ppl", "ppl_ref", "kl", "top1", "buckets", "attn_error", "seconds"}
+RESULT_KEYS = {"scheme", "avg_bits", "ppl", "ppl_ref", "kl", "top1", "buckets", "attn_error", "calibration", "seconds"}
 BUCKET_KEYS = {"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl", "top1"}
 
 
@@ -652,3 +652,37 @@ def test_realmodel_cli_json(tmp_path, capsys):
     assert (tmp_path / "r" / "DONE").is_file()
     assert main(argv) == 0  # rerun: skipped, same JSON
     assert json.loads(capsys.readouterr().out) == s
+
+
+@torch.no_grad()
+def test_simulate_counts_clipping_against_calibrated_ranges(models):
+    """A calibration on narrower data than what is served must show up as clipped values."""
+    from transformers import DynamicCache
+
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.evaluate.runner import _mismatch
+    from kvbits.quant.rope import RotaryTables
+
+    model = models("llama", torch.float64)
+    scheme = get_scheme("kvquant-4")
+    full = DynamicCache()
+    model.model(_ids(200, seed=9), use_cache=True, **{"cache" if _has_cache_kw(model) else "past_key_values": full})
+    tables = RotaryTables.from_config(model.config)
+    clipped = {}
+    for shrink in (1.0, 0.25):  # 0.25: calibrated on keys 4x smaller than those served
+        keys, values = [], []
+        for i, layer in enumerate(full.layers):
+            pos = torch.arange(scheme.sinks, layer.keys.shape[2])
+            keys.append(shrink * tables.tables_for_layer(i).unrotate(layer.keys[:, :, scheme.sinks :], pos))
+            values.append(layer.values[:, :, scheme.sinks :])
+        art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
+        with simulate(model, scheme, calibration=art) as sim:
+            model.model(_ids(120, seed=4))
+        clipped[shrink] = dict(sim.clipped)
+    n = model.config.num_hidden_layers * 2 * 119 * model.config.head_dim  # layers x kv heads x quantized tokens x D
+    assert clipped[1.0]["keys_elements"] == clipped[0.25]["keys_elements"] == n
+    assert clipped[0.25]["keys"] > 10 * max(1, clipped[1.0]["keys"])
+    report = _mismatch(clipped[0.25], art, 4096, "simulate")
+    assert 0 < report["clipped_keys_frac"] <= 1 and report["clipped_values"] == clipped[0.25]["values"]
+    assert report["positions_beyond_calibrated"] == max(0, 4096 - art.max_calibrated_length)

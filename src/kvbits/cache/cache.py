@@ -284,11 +284,15 @@ class QuantizedKVCache(Cache):
         }
 
     def calibration_report(self) -> dict[str, Any]:
-        """Per layer: values clipped against their scales so far (keys, values) and the last position seen."""
+        """Calibration/serving mismatch, measured per layer: values clipped against their scales so far
+        (keys, values), the last position seen and, with a calibration artifact installed, how many
+        positions lie beyond the longest calibrated length."""
+        longest = getattr(self.calibration, "max_calibrated_length", None)
         rows = []
         for layer in self._quantized_layers():
             ck, cv = layer.clipped()
-            rows.append(
-                {"layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "max_position": layer.tokens_seen - 1}
-            )
-        return {"scheme": self.scheme.name, "layers": rows}
+            row = {"layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "max_position": layer.tokens_seen - 1}
+            if longest is not None:
+                row["positions_beyond_calibrated"] = max(0, layer.tokens_seen - int(longest))
+            rows.append(row)
+        return {"scheme": self.scheme.name, "max_calibrated_length": longest, "layers": rows}

@@ -224,6 +224,22 @@ def _write_outputs(out: Path, chash: str, summary: dict, records: list, tokens: 
     _atomic_write(out / "DONE", chash + "\n")
 
 
+def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -> dict[str, Any]:
+    """Calibration/serving mismatch, measured: values clipped by their scales (simulate mode) and
+    positions beyond the longest calibrated length (with a calibration artifact)."""
+    out: dict[str, Any] = {}
+    if mode == "simulate":
+        for side in ("keys", "values"):
+            n, total = clipped.get(side, 0), clipped.get(side + "_elements", 0)
+            out[f"clipped_{side}"] = n
+            out[f"clipped_{side}_frac"] = n / total if total else 0.0
+    if artifact is not None:
+        longest = int(artifact.max_calibrated_length)
+        out["max_calibrated_length"] = longest
+        out["positions_beyond_calibrated"] = max(0, context - longest)
+    return out
+
+
 def _write_report(out: Path) -> None:
     try:
         from kvbits.report import write_report
@@ -582,6 +598,7 @@ def evaluate(
     per_token = {n: {k: np.zeros((W, T - 1), dtype=np.float32) for k in TOKEN_FIELDS} for n in names}
     attn_err = {n: {layer: np.zeros((W, T), dtype=np.float32) for layer in layers} for n in names}
     seconds = dict.fromkeys(names, 0.0)
+    clipped: dict[str, dict[str, int]] = {n: {} for n in names}
     ref_seconds = 0.0
     units = W * T * (1 + len(names))
     with _progress(progress, units) as bar:
@@ -616,6 +633,8 @@ def evaluate(
                         raise RuntimeError(
                             f"{type(model).__name__}: the simulated attention was never called"
                         )
+                    for k, n in sim.clipped.items():
+                        clipped[name][k] = clipped[name].get(k, 0) + n
                     for layer in layers:
                         if layer in sim.attn_error:
                             attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
@@ -660,6 +679,7 @@ def evaluate(
                 "top1": s["top1"],
                 "buckets": s["buckets"],
                 "attn_error": attn_error_buckets(attn_err[name], T - 1, first) if layers else [],
+                "calibration": _mismatch(clipped[name], calibrations.get(name), T, mode),
                 "seconds": seconds[name],
             }
         )

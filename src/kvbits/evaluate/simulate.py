@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbits.quant.tensor import FLOAT_DTYPES, fake_quantize
+from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes.accounting import sliding_falls_back
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -84,6 +84,8 @@ class Simulation:
             query position of the last forward, ``o_ref`` being the attention output with exact K/V
             for the same queries (norms over all heads and channels).
         calls: attention calls made in this context (one per layer per forward).
+        clipped: values saturated against their scales in the last forward, summed over layers:
+            ``{"keys", "keys_elements", "values", "values_elements"}`` (calibration mismatch signal).
     """
 
     scheme: KVScheme
@@ -93,6 +95,7 @@ class Simulation:
     chunk_size: int = DEFAULT_CHUNK
     attn_error: dict[int, torch.Tensor] = field(default_factory=dict)
     calls: int = 0
+    clipped: dict[str, int] = field(default_factory=dict)
     _modules: frozenset[int] = frozenset()
     _rotary_layers: dict[int, Any] = field(default_factory=dict)
     _qkw: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
@@ -102,6 +105,7 @@ class Simulation:
         """Forget what the previous forward recorded."""
         self.attn_error = {}
         self.calls = 0
+        self.clipped = {}
 
     def _layout(self, T: int, window: int | None, device: torch.device, *, exact: bool = False):
         """``(lo, hi per position, chunk plans)`` for this scheme, cached per (T, window, device)."""
@@ -161,12 +165,17 @@ def quantized_bounds(
 # ----------------------------------------------------------------------------------- quantizing
 
 
-def _blocks_fake_quantize(x: torch.Tensor, spec: TensorSpec, block: int, **kw: Any) -> torch.Tensor:
+def _blocks_fake_quantize(
+    x: torch.Tensor, spec: TensorSpec, block: int, *, clipped: dict[str, int] | None = None, side: str = "", **kw: Any
+) -> torch.Tensor:
     """Fake-quantize ``x`` ``(B, H, n*block, D)`` block by block, each block on its own.
 
     Blocks are folded into the batch dimension for one ``fake_quantize`` call: every granularity
     reduces at most over one block of one sequence, so this equals one call per block. ``kw``:
     calibrated ``static_scale`` / ``static_zero`` / ``codebook`` (broadcast over the batch).
+    ``clipped``: when given, ``clipped[side]`` counts values saturated against their scales (static
+    scales from calibration clip data beyond the calibrated range) and ``clipped[side + "_elements"]``
+    the elements quantized.
     """
     B, H, n, D = x.shape
     if n == 0:
@@ -175,7 +184,11 @@ def _blocks_fake_quantize(x: torch.Tensor, spec: TensorSpec, block: int, **kw: A
     assert nb * block == n, (n, block)
     xb = x.reshape(B, H, nb, block, D).transpose(1, 2).reshape(B * nb, H, block, D)
     # validate=False: K/V come straight from the model (the runner checks the outputs are finite)
-    out = fake_quantize(xb, spec, validate=False, **kw)
+    qt = quantize(xb, spec, validate=False, **kw)
+    out = qt.dequantize(x.dtype)
+    if clipped is not None:
+        clipped[side] = clipped.get(side, 0) + qt.clipped
+        clipped[side + "_elements"] = clipped.get(side + "_elements", 0) + xb.numel()
     return out.reshape(B, nb, H, block, D).transpose(1, 2).reshape(B, H, n, D)
 
 
@@ -189,6 +202,7 @@ def simulated_kv(
     rotary: Any = None,
     key_kwargs: dict[str, Any] | None = None,
     value_kwargs: dict[str, Any] | None = None,
+    clipped: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the cache stores for tokens ``[lo, hi)`` of ``key``/``value`` ``(B, H_kv, T, D)``, dequantized.
 
@@ -206,10 +220,14 @@ def simulated_kv(
     if scheme.key.pre_rope:
         pos = torch.arange(lo, hi, device=k.device)
         pre = rotary.unrotate(k, pos)
-        kq = rotary.rotate(_blocks_fake_quantize(pre, scheme.key, scheme.block, **(key_kwargs or {})), pos)
+        kq = rotary.rotate(
+            _blocks_fake_quantize(pre, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {})),
+            pos,
+        )
     else:
-        kq = _blocks_fake_quantize(k, scheme.key, scheme.block, **(key_kwargs or {}))
-    return kq, _blocks_fake_quantize(v, scheme.value, scheme.block, **(value_kwargs or {}))
+        kq = _blocks_fake_quantize(k, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {}))
+    vq = _blocks_fake_quantize(v, scheme.value, scheme.block, clipped=clipped, side="values", **(value_kwargs or {}))
+    return kq, vq
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -444,7 +462,7 @@ def _simulate_attention(
             f"{side}_kwargs": {n: t.to(key.device) for n, t in sim._qkw.get((layer, side), {}).items()}
             for side in ("key", "value")
         }
-        kq, vq = simulated_kv(scheme, key, value, lo, q_end, rotary=rotary, **kw)
+        kq, vq = simulated_kv(scheme, key, value, lo, q_end, rotary=rotary, clipped=sim.clipped, **kw)
         src = torch.cat([key[:, :, :lo], kq], dim=2) if lo else kq
         vsrc = torch.cat([value[:, :, :lo], vq], dim=2) if lo else vq
 
