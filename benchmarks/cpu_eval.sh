@@ -36,3 +36,11 @@ if [[ $step == all || $step == peer ]]; then
     --scheme hf-quanto-int4 --scheme int4-g64 --scheme kivi-4 --scheme hf-quanto-int2 --scheme kivi-2 \
     --out runs/smollm2-wp-1k-peer
 fi
+if [[ $step == all || $step == mismatch ]]; then
+  # Calibration/serving mismatch: calibrate on 512-token windows, serve 8K.
+  [[ -f runs/calib-smollm2-kvq4-512/calibration.json ]] || \
+    $K calibrate --model smollm2-135m --data pride-and-prejudice --context 512 --windows 2 \
+      --scheme kvquant-4 --out runs/calib-smollm2-kvq4-512
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme kvquant-4 --calibration runs/calib-smollm2-kvq4-512 --out runs/smollm2-wp-8k-kvquant-cal512
+fi
