@@ -16,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _wordlevel import WORDS, save_word_tokenizer, write_word_text
+
 from kvbits.analyze import (
     BlockReservoir,
     ChannelStats,
@@ -33,28 +35,6 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 HEAD_DIM = 32
 OUT_LAYER, OUT_HEAD, OUT_CH = 1, 1, 3  # a high-frequency RoPE channel: it rotates fast, so it smears
-WORDS = [
-    "the",
-    "a",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "was",
-    "it",
-    "that",
-    "he",
-    "she",
-    "her",
-    "his",
-    "with",
-    "for",
-    "as",
-    "on",
-    "at",
-    "by",
-]
 
 
 def tiny_llama(outlier: bool = True, seed: int = 0):
@@ -294,12 +274,7 @@ def test_int4_sqnr_prefers_channels_on_outlier_channels():
 
 
 def _model_folder(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    save_word_tokenizer(path)
     tiny_llama().save_pretrained(path)
 
 
@@ -310,9 +285,7 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "model"
     _model_folder(model_dir)
-    g = torch.Generator().manual_seed(0)
-    text = tmp_path / "book.txt"
-    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (800,), generator=g)))
+    text = write_word_text(tmp_path / "book.txt", 800)
     out = tmp_path / "out"
     argv = ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", "2"]
     assert main(argv + ["--json", "--out", str(out)]) == 0

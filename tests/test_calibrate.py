@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _wordlevel import save_word_tokenizer, write_word_text
 
 from kvbits.calibrate import (
     ARTIFACT_FORMAT_VERSION,
@@ -372,37 +373,8 @@ def test_calibration_input_errors():
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-WORDS = [
-    "the",
-    "a",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "was",
-    "it",
-    "that",
-    "he",
-    "she",
-    "her",
-    "his",
-    "with",
-    "for",
-    "as",
-    "on",
-    "at",
-    "by",
-]
-
-
 def _tiny_model_folder(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    save_word_tokenizer(path)
     tiny_llama().save_pretrained(path)
 
 
@@ -412,9 +384,7 @@ def test_cli_calibrate(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "model"
     _tiny_model_folder(model_dir)
-    text = tmp_path / "book.txt"
-    g = torch.Generator().manual_seed(0)
-    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (2000,), generator=g)))
+    text = write_word_text(tmp_path / "book.txt", 2000)
     out = tmp_path / "out"
     status = main(
         [
