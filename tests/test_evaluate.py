@@ -661,7 +661,7 @@ def test_simulate_counts_clipping_against_calibrated_ranges(models):
 
     from kvbits.calibrate import artifact_from_samples
     from kvbits.calibrate.artifact import describe_model
-    from kvbits.evaluate.runner import _mismatch
+    from kvbits.evaluate.runner import _calibration_id, _mismatch
     from kvbits.quant.rope import RotaryTables
 
     model = models("llama", torch.float64)
@@ -686,3 +686,7 @@ def test_simulate_counts_clipping_against_calibrated_ranges(models):
     report = _mismatch(clipped[0.25], art, 4096, "simulate")
     assert 0 < report["clipped_keys_frac"] <= 1 and report["clipped_values"] == clipped[0.25]["values"]
     assert report["positions_beyond_calibrated"] == max(0, 4096 - art.max_calibrated_length)
+    assert report["artifact"] == {
+        "id": _calibration_id(art), "path": None, "data": "samples", "context": art.max_calibrated_length,
+        "tokens": art.meta["data"]["tokens"],
+    }

@@ -402,3 +402,86 @@ def test_corrupt_or_partial_token_files_are_skipped(tmp_path):
     tokens = load_token_arrays(d, ["fp16", "kivi-2", "int8-token"])
     assert set(tokens) == {"fp16"} and tokens["fp16"]["nll"].shape == (2, CONTEXT - 1)
     assert load_token_arrays(tmp_path / "no-such-run", ["fp16"]) == {}
+
+
+# ---------------------------------------------------------------------------------------- calibration
+
+_NO_CLIP = {"clipped_keys": 0, "clipped_keys_frac": 0.0, "clipped_values": 0, "clipped_values_frac": 0.0}
+
+
+def _calibrated_summary() -> dict:
+    """kivi-4 as a calibrated scheme served past its 512-token calibration, clipping 0.25 % of keys;
+    int8-token with the all-zero clipping record every simulate-mode scheme carries."""
+    s = _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4")})
+    s["results"][0]["calibration"] = dict(_NO_CLIP)
+    s["results"][1]["calibration"] = {
+        "clipped_keys": 2500, "clipped_keys_frac": 0.0025, "clipped_values": 10, "clipped_values_frac": 1e-5,
+        "max_calibrated_length": 512, "positions_beyond_calibrated": 7680,
+        "artifact": {"id": "sha256:" + "ab" * 32, "path": "runs/calib-kivi-512", "data": "pride-and-prejudice",
+                     "context": 512, "windows": 2, "tokens": 1024},
+    }
+    return s
+
+
+def test_calibration_section_shows_artifact_clipping_and_warnings(tmp_path):
+    d = _write_run(tmp_path / "run", _calibrated_summary(), config=_config(), tokens=False)
+    paths = write_report(d, plots=False)
+    md, page = paths["markdown"].read_text(), paths["html"].read_text()
+    section = md[md.index("## Calibration"):md.index("## How to reproduce")]
+    assert "*Clipped* is the fraction" in section and "beyond calibrated" in section
+    assert _row(md, "kivi-4", "Calibration served per scheme") == (
+        "| kivi-4 | calib-kivi-512 (sha256:abababababab) | pride-and-prejudice, 2 windows of 512 tokens | 512 "
+        "| **0.250% (2,500)** | 0.001% (10) | **7,680 of 8,192** |"
+    )
+    assert "| int8-token |" not in section  # no artifact, nothing clipped: not a calibrated scheme
+    assert (
+        "Warning: **kivi-4** serves 7,680 of 8,192 positions per window beyond the 512 tokens it was "
+        "calibrated on; clips 0.250% of its keys against the calibrated ranges (warning level 0.1%)."
+    ) in section
+    assert "values against" not in section  # 0.001 % of the values is below the warning level
+    assert "<h2>Calibration</h2>" in page and '<td class="r bad">0.250% (2,500)</td>' in page
+    assert '<p class="warning">Warning: <strong>kivi-4</strong> serves 7,680' in page
+
+
+def test_calibration_without_mismatch_has_no_warning(tmp_path):
+    s = _calibrated_summary()
+    s["results"][1]["calibration"].update(positions_beyond_calibrated=0, clipped_keys=0, clipped_keys_frac=0.0)
+    md = write_report(_write_run(tmp_path / "run", s, tokens=False), plots=False)["markdown"].read_text()
+    assert "## Calibration" in md and "| 0 | 0.001% (10) | 0 of 8,192 |" in md
+    assert "Warning:" not in md
+
+
+def test_no_calibration_section_without_calibrated_schemes(full_run, tmp_path):
+    assert "Calibration" not in full_run[1]["markdown"].read_text()
+    s = _calibrated_summary()
+    s["results"][1]["calibration"] = dict(_NO_CLIP)  # simulate mode records zeros for every scheme
+    paths = write_report(_write_run(tmp_path / "run", s, tokens=False), plots=False)
+    assert "Calibration" not in paths["markdown"].read_text() and "Calibration" not in paths["html"].read_text()
+
+
+def test_calibration_from_config_for_older_runs(tmp_path):
+    """A summary without calibration records (an older run): the artifact comes from config.json and
+    its folder's calibration.json; clipping was not measured; positions beyond follow from the context."""
+    art = tmp_path / "calib"
+    art.mkdir()
+    sha = "cd" * 32
+    (art / "calibration.json").write_text(json.dumps({
+        "scheme": {"name": "kivi-4"}, "data": {"name": "moby-dick", "context": 2048, "windows": 3},
+        "files": {"calibration.safetensors": {"sha256": sha}},
+    }))
+    config = _config()
+    config["request"] = {"calibration": {"kivi-4": f"sha256:{sha}"}}
+    config["args"]["calibration"] = [str(art)]
+    d = _write_run(tmp_path / "run", _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4")}), config=config,
+                   tokens=False)
+    md = write_report(d, plots=False)["markdown"].read_text()
+    assert _row(md, "kivi-4", "Calibration served per scheme") == (
+        "| kivi-4 | calib (sha256:cdcdcdcdcdcd) | moby-dick, 3 windows of 2048 tokens | 2,048 | n/a | n/a "
+        "| **6,144 of 8,192** |"
+    )
+    assert "Warning: **kivi-4** serves 6,144 of 8,192 positions" in md
+    # the folder now holds another calibration: only the recorded id is shown
+    config["request"]["calibration"]["kivi-4"] = "sha256:" + "ef" * 32
+    (d / "config.json").write_text(json.dumps(config))
+    md = write_report(d, plots=False)["markdown"].read_text()
+    assert "| kivi-4 | sha256:efefefefefef | n/a | n/a | n/a | n/a | n/a |" in md

@@ -19,10 +19,13 @@ examples:
 --json prints exactly: {"model", "data", "context", "semantics", "mode", "windows",
 "fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "ppl", "ppl_ref", "kl",
 "top1", "buckets": [{"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl",
-"top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "seconds"}],
-"reference_seconds"}. Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K),
-[2K,4K), ... cut at the context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap
-interval over 128-token chunks; kl = mean KL(reference || scheme) in nats.
+"top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "calibration":
+{"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (simulate mode),
+"max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
+"context", "windows", "tokens"} (with --calibration)}, "seconds"}], "reference_seconds"}.
+Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K), [2K,4K), ... cut at the
+context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap interval over 128-token chunks;
+kl = mean KL(reference || scheme) in nats.
 """
 
 

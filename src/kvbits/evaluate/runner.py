@@ -237,7 +237,19 @@ def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -
         longest = int(artifact.max_calibrated_length)
         out["max_calibrated_length"] = longest
         out["positions_beyond_calibrated"] = max(0, context - longest)
+        out["artifact"] = _artifact_record(artifact)
     return out
+
+
+def _artifact_record(art: Any) -> dict[str, Any]:
+    """Which calibration served a scheme: its id (as in ``config.json``), folder, and the data it saw."""
+    data = (getattr(art, "meta", None) or {}).get("data") or {}
+    path = getattr(art, "path", None)
+    rec: dict[str, Any] = {"id": _calibration_id(art), "path": None if path is None else str(path)}
+    for key in ("name", "context", "windows", "tokens"):
+        if isinstance(data, dict) and data.get(key) is not None:
+            rec["data" if key == "name" else key] = data[key]
+    return rec
 
 
 def _write_report(out: Path) -> None:

@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbits.report.calibration import (
+    CALIBRATION_NOTE,
+    calibration_rows,
+    calibration_table,
+    calibration_warnings,
+)
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.tables import (
     DEFAULT_THRESHOLD,
@@ -244,6 +250,10 @@ def _build(
     else:
         blocks.append(Table(at))
         fig("attn_error")
+    cal = calibration_rows(run, config)
+    if cal:
+        blocks += [Heading(2, "Calibration"), Para(CALIBRATION_NOTE), Table(calibration_table(cal))]
+        blocks += [Para(w) for w in calibration_warnings(cal)]
     blocks += [
         Heading(2, "How to reproduce"),
         Code(reproduce_command(config, run, out_dir)),
@@ -299,6 +309,7 @@ h1{font-size:1.6em;border-bottom:1px solid #d0d7de;padding-bottom:.3em}
 h2{font-size:1.25em;margin-top:1.8em;border-bottom:1px solid #eaeef2;padding-bottom:.2em}
 ul.meta{list-style:none;padding:0;color:#444}ul.meta li{margin:.1em 0}
 p.verdict{background:#f6f8fa;border-left:4px solid #0969da;padding:.8em 1em}
+p.warning{background:#fff8c5;border-left:4px solid #bf8700;padding:.5em 1em}
 table{border-collapse:collapse;margin:.4em 0 1.2em;font-variant-numeric:tabular-nums;font-size:14px}
 th,td{border:1px solid #d0d7de;padding:.3em .6em}th{background:#f6f8fa}
 td.r,th.r{text-align:right}td.bad{background:#ffebe9;color:#a40e26;font-weight:600}
@@ -344,7 +355,7 @@ def to_html(blocks: list[Block], title: str) -> str:
             body.append(f"<h{b.level}>{html.escape(b.text)}</h{b.level}>")
             after_verdict = b.text == "Verdict"
         elif isinstance(b, Para):
-            cls = ' class="verdict"' if after_verdict else ""
+            cls = ' class="verdict"' if after_verdict else ' class="warning"' if b.text.startswith("Warning:") else ""
             body.append(f"<p{cls}>{_inline(b.text)}</p>")
             after_verdict = False
         elif isinstance(b, Meta):

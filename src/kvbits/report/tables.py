@@ -177,6 +177,7 @@ class SchemeResult:
     seconds: float = math.nan
     buckets: tuple[Bucket, ...] = ()
     attn: tuple[AttnLayer, ...] = ()
+    calibration: Mapping[str, Any] = field(default_factory=dict)  # as in summary.json (see .calibration)
 
     @property
     def delta(self) -> float:
@@ -220,6 +221,7 @@ class SchemeResult:
             name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")), ppl=_num(d.get("ppl")),
             ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
             seconds=_num(d.get("seconds")), buckets=buckets, attn=attn,
+            calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
         )
 
 

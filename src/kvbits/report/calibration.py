@@ -1,0 +1,249 @@
+"""Calibration/serving mismatch of a run, as the report shows it.
+
+Schemes with static scales or NUQ codebooks (``kvquant-*``) serve constants fitted offline by
+``kvbits calibrate``. The evaluator records, per scheme, in ``summary.json``
+``results[].calibration`` (see ``kvbits.evaluate.runner._mismatch``):
+
+- ``clipped_keys`` / ``clipped_values`` and their ``*_frac``: cached elements that fell outside the
+  calibrated range and were saturated to it (counted in simulate mode only);
+- ``max_calibrated_length`` and ``positions_beyond_calibrated``: the longest context the calibration
+  saw, and how many positions of each window lie past it;
+- ``artifact``: ``{"id", "path", "data", "context", "windows", "tokens"}`` (runs from before it was
+  recorded fall back to ``config.json``: the artifact ids of ``request.calibration`` and the folders
+  of ``args.calibration``, whose ``calibration.json`` is read when it is still there and matches).
+
+Pure Python: the rows feed both the Markdown/HTML renderer and any other consumer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.tables import NA, Cell, RunSummary, SchemeResult, TableData, _num, _ok
+
+__all__ = [
+    "CALIBRATION_NOTE",
+    "CLIP_WARN_FRAC",
+    "CalibrationRow",
+    "calibration_rows",
+    "calibration_table",
+    "calibration_warnings",
+]
+
+CLIP_WARN_FRAC = 0.001  # warn when more than 0.1 % of the cached keys or values were clipped
+
+CALIBRATION_NOTE = (
+    "Schemes with static scales or NUQ codebooks serve constants fitted offline by `kvbits calibrate`. "
+    "*Clipped* is the fraction of the cached key/value elements that fell outside the calibrated range "
+    "and were saturated to it (counted in simulate mode; n/a where not measured); *beyond calibrated* is "
+    "the number of positions in each window past the longest context the calibration saw, where its "
+    "statistics are extrapolated. Either is a sign that what is served differs from what was calibrated."
+)
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    """One calibrated scheme: which artifact, what it saw, and the mismatch measured when serving."""
+
+    scheme: str
+    artifact: str = NA  # folder name and short id
+    data: str = NA  # "pride-and-prejudice, 2 windows of 512 tokens"
+    calibrated_length: int | None = None
+    clipped_keys_frac: float = math.nan
+    clipped_values_frac: float = math.nan
+    clipped_keys: int | None = None
+    clipped_values: int | None = None
+    beyond: int | None = None  # positions per window past calibrated_length
+    context: int = 0
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+
+def _config_calibration(config: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """``(scheme -> artifact id, artifact folders)`` recorded in ``config.json``."""
+    request = config.get("request") if isinstance(config.get("request"), Mapping) else {}
+    ids = request.get("calibration") if isinstance(request.get("calibration"), Mapping) else {}
+    args = config.get("args") if isinstance(config.get("args"), Mapping) else {}
+    paths = args.get("calibration") if isinstance(args.get("calibration"), list) else []
+    return {str(k): str(v) for k, v in ids.items()}, [str(p) for p in paths if p]
+
+
+def _artifact_from_folder(paths: list[str], scheme: str, artifact_id: str | None) -> dict[str, Any] | None:
+    """The artifact record of ``scheme`` from a recorded calibration folder, when one is still there
+    and is the artifact the run used (same scheme; same tensor sha256 when the id is one)."""
+    for p in paths:
+        meta_path = Path(p) / "calibration.json"
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meta, Mapping) or (meta.get("scheme") or {}).get("name") != scheme:
+            continue
+        files = meta.get("files") if isinstance(meta.get("files"), Mapping) else {}
+        shas = {f"sha256:{f.get('sha256')}" for f in files.values() if isinstance(f, Mapping)}
+        if artifact_id and artifact_id.startswith("sha256:") and artifact_id not in shas:
+            continue  # the folder now holds another calibration
+        data = meta.get("data") if isinstance(meta.get("data"), Mapping) else {}
+        rec: dict[str, Any] = {"id": artifact_id, "path": p}
+        for key in ("name", "context", "windows", "tokens"):
+            if data.get(key) is not None:
+                rec["data" if key == "name" else key] = data[key]
+        return rec
+    return None
+
+
+def _short_id(artifact_id: Any) -> str:
+    s = str(artifact_id or "")
+    kind, _, digest = s.partition(":")
+    return f"{kind}:{digest[:12]}" if digest else s
+
+
+def _artifact_text(rec: Mapping[str, Any]) -> str:
+    name = Path(str(rec["path"])).name if rec.get("path") else ""
+    sid = _short_id(rec.get("id"))
+    if name and sid:
+        return f"{name} ({sid})"
+    return name or sid or NA
+
+
+def _data_text(rec: Mapping[str, Any]) -> str:
+    ctx, win = _num(rec.get("context")), _num(rec.get("windows"))
+    shape = ""
+    if _ok(ctx) and _ok(win):
+        shape = f"{int(win)} window{'' if int(win) == 1 else 's'} of {int(ctx)} tokens"
+    elif _ok(ctx):
+        shape = f"{int(ctx)}-token windows"
+    parts = [str(rec["data"])] if rec.get("data") else []
+    if shape:
+        parts.append(shape)
+    return ", ".join(parts) or NA
+
+
+def _count(x: Any) -> int | None:
+    v = _num(x)
+    return int(v) if _ok(v) else None
+
+
+def _is_calibrated(r: SchemeResult, ids: Mapping[str, str]) -> bool:
+    c = r.calibration
+    clipped = any((_count(c.get(k)) or 0) > 0 for k in ("clipped_keys", "clipped_values"))
+    return r.name in ids or "artifact" in c or "max_calibrated_length" in c or clipped
+
+
+def calibration_rows(
+    summary: RunSummary | Mapping[str, Any], config: Mapping[str, Any] | None = None
+) -> list[CalibrationRow]:
+    """One row per scheme served with a calibration (or that clipped values against static scales);
+    empty when no scheme was. ``config`` is ``config.json`` (for runs that predate the artifact
+    record in ``summary.json``)."""
+    run = RunSummary.coerce(summary)
+    ids, paths = _config_calibration(config or {})
+    rows = []
+    for r in run.results:
+        if not _is_calibrated(r, ids):
+            continue
+        c = r.calibration
+        rec = c.get("artifact") if isinstance(c.get("artifact"), Mapping) else None
+        if rec is None and r.name in ids:
+            rec = _artifact_from_folder(paths, r.name, ids[r.name]) or {"id": ids[r.name]}
+        rec = rec or {}
+        length = _count(c.get("max_calibrated_length"))
+        if length is None:
+            length = _count(rec.get("context"))
+        beyond = _count(c.get("positions_beyond_calibrated"))
+        if beyond is None and length is not None and run.context:
+            beyond = max(0, run.context - length)  # as the evaluator computes it
+        rows.append(
+            CalibrationRow(
+                scheme=r.name,
+                artifact=_artifact_text(rec),
+                data=_data_text(rec),
+                calibrated_length=length,
+                clipped_keys_frac=_num(c.get("clipped_keys_frac")),
+                clipped_values_frac=_num(c.get("clipped_values_frac")),
+                clipped_keys=_count(c.get("clipped_keys")),
+                clipped_values=_count(c.get("clipped_values")),
+                beyond=beyond,
+                context=run.context,
+            )
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def _fmt_clip(frac: float, n: int | None) -> str:
+    if not _ok(frac):
+        return NA
+    if frac == 0:
+        return "0"
+    return f"{frac * 100:.3f}%" + (f" ({n:,})" if n is not None else "")
+
+
+def _fmt_beyond(row: CalibrationRow) -> str:
+    if row.beyond is None:
+        return NA
+    return f"{row.beyond:,} of {row.context:,}" if row.context else f"{row.beyond:,}"
+
+
+def _clip_tone(frac: float, threshold: float) -> str:
+    return "muted" if not _ok(frac) else "bad" if frac > threshold else "good"
+
+
+def calibration_table(rows: list[CalibrationRow], clip_threshold: float = CLIP_WARN_FRAC) -> TableData:
+    """Scheme, artifact, calibration data, calibrated length, clipped keys/values, positions beyond."""
+    out = []
+    for row in rows:
+        keys = _fmt_clip(row.clipped_keys_frac, row.clipped_keys)
+        values = _fmt_clip(row.clipped_values_frac, row.clipped_values)
+        beyond_tone = "muted" if row.beyond is None else "bad" if row.beyond > 0 else "good"
+        out.append(
+            (
+                Cell(row.scheme),
+                Cell(row.artifact),
+                Cell(row.data),
+                Cell(f"{row.calibrated_length:,}" if row.calibrated_length is not None else NA),
+                Cell(keys, _clip_tone(row.clipped_keys_frac, clip_threshold)),
+                Cell(values, _clip_tone(row.clipped_values_frac, clip_threshold)),
+                Cell(_fmt_beyond(row), beyond_tone),
+            )
+        )
+    return TableData(
+        headers=(
+            "scheme", "artifact", "calibrated on", "calibrated length", "clipped keys", "clipped values",
+            "positions beyond calibrated",
+        ),
+        rows=tuple(out),
+        right=frozenset({3, 4, 5, 6}),
+        caption=f"Calibration served per scheme; clipping above {clip_threshold * 100:g}% and any position "
+        "beyond the calibrated length marked.",
+    )
+
+
+def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLIP_WARN_FRAC) -> list[str]:
+    """One warning line per scheme served past its calibrated length or clipping above
+    ``clip_threshold`` (a fraction) of its keys or values; inline ``**bold**`` marks the scheme."""
+    lines = []
+    for row in rows:
+        issues = []
+        if row.beyond:
+            known = row.calibrated_length is not None
+            length = f"the {row.calibrated_length:,} tokens" if known else "the context"
+            of = f" of {row.context:,}" if row.context else ""
+            issues.append(f"serves {row.beyond:,}{of} positions per window beyond {length} it was calibrated on")
+        for side, frac in (("keys", row.clipped_keys_frac), ("values", row.clipped_values_frac)):
+            if _ok(frac) and frac > clip_threshold:
+                issues.append(
+                    f"clips {frac * 100:.3f}% of its {side} against the calibrated ranges "
+                    f"(warning level {clip_threshold * 100:g}%)"
+                )
+        if issues:
+            lines.append(f"Warning: **{row.scheme}** " + "; ".join(issues) + ".")
+    return lines
