@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -453,6 +454,8 @@ SUMMARY_KEYS = {
     "fingerprint",
     "results",
     "reference_seconds",
+    "peak_rss_bytes",
+    "peak_cuda_bytes",
 }
 RESULT_KEYS = {"scheme", "avg_bits", "ppl", "ppl_ref", "kl", "top1", "buckets", "attn_error", "calibration", "seconds"}
 BUCKET_KEYS = {"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl", "top1"}
@@ -478,11 +481,23 @@ def test_errors_visible_and_ordered(errors_run):
     assert len(ppl_ref) == 1  # one reference, shared
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_cuda_bytes_on_cuda(models):
+    model = models("llama").to("cuda")
+    s = evaluate(model, _ids(300, seed=3)[0], 300, ["int4-token"], device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert isinstance(s["peak_cuda_bytes"], int) and s["peak_cuda_bytes"] >= weights > 0
+    assert s["peak_rss_bytes"] is None or s["peak_rss_bytes"] > 0
+
+
 def test_summary_schema_and_buckets(errors_run):
     s = errors_run
     assert set(s) == SUMMARY_KEYS and set(s["fingerprint"]) == {"model", "tokens"}
     assert s["windows"] == 2 and s["context"] == 1100 and s["mode"] == "simulate"
     json.dumps(s, allow_nan=False)
+    if sys.platform.startswith("linux"):  # getrusage reports it here; None where it cannot
+        assert isinstance(s["peak_rss_bytes"], int) and s["peak_rss_bytes"] > 50 * 2**20  # torch alone
+    assert s["peak_cuda_bytes"] is None  # a CPU run
     for r in s["results"]:
         assert set(r) == RESULT_KEYS
         assert [(b["lo"], b["hi"], b["tokens"]) for b in r["buckets"]] == [(0, 1024, 2048), (1024, 1099, 150)]

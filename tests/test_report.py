@@ -235,6 +235,27 @@ def test_bucket_table_and_print_summary():
     text = con.export_text()
     assert "kivi-4" in text and "16.050" in text and "First bucket above 1%" in text
     assert "**" not in text  # bold marks became styles
+    assert "peak memory" not in text  # not recorded in this summary
+
+
+def test_peak_memory_in_header_and_terminal(tmp_path):
+    s = _summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")})
+    s.update(peak_rss_bytes=int(1.5 * 2**30), peak_cuda_bytes=None)
+    md = write_report(_write_run(tmp_path / "cpu", s, tokens=False), plots=False)["markdown"].read_text()
+    assert "- **Peak memory:** 1.50 GiB resident (process peak)\n" in md
+    s.update(peak_cuda_bytes=3 * 2**29)
+    paths = write_report(_write_run(tmp_path / "cuda", s, tokens=False), plots=False)
+    line = "1.50 GiB resident (process peak), 1.50 GiB CUDA allocated (run peak)"
+    assert f"- **Peak memory:** {line}" in paths["markdown"].read_text()
+    assert f"<strong>Peak memory:</strong> {line}</li>" in paths["html"].read_text()
+    from rich.console import Console
+
+    con = Console(record=True, width=300, color_system=None)
+    print_summary(s, con)
+    assert f"peak memory {line}" in con.export_text()
+    assert "Peak memory" not in write_report(
+        _write_run(tmp_path / "old", _summary(), tokens=False), plots=False
+    )["markdown"].read_text()
 
 
 # ---------------------------------------------------------------------------------------- edge cases

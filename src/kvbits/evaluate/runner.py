@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -446,6 +447,29 @@ def _progress(enabled: bool, total: int):
     )
 
 
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident set size in bytes since it started (``getrusage``), or None
+    where the platform does not report it."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    try:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    except (OSError, ValueError):
+        return None
+    if peak <= 0:
+        return None
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def _peak_cuda_bytes(dev: torch.device) -> int | None:
+    """Peak bytes allocated by torch on ``dev`` since its peak was last reset, or None off CUDA."""
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.max_memory_allocated(dev))
+
+
 @torch.no_grad()
 def _hidden_plain(base: Any, ids: torch.Tensor) -> torch.Tensor:
     return base(input_ids=ids, use_cache=False).last_hidden_state
@@ -503,7 +527,12 @@ def evaluate(
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
-        {"model", "tokens"}, "results": [...], "reference_seconds"}`` (see ``kvbits eval --help``).
+        {"model", "tokens"}, "results": [...], "reference_seconds", "peak_rss_bytes",
+        "peak_cuda_bytes"}`` (see ``kvbits eval --help``). ``peak_rss_bytes`` is the process's peak
+        resident set (``getrusage`` ``ru_maxrss`` in bytes; everything the process did before the run
+        included; None where unavailable); ``peak_cuda_bytes`` is ``torch.cuda.max_memory_allocated``
+        over the run (its peak counter is reset once the model is loaded; it counts the weights and
+        what the run adds, not the loading) on CUDA, None otherwise.
     """
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
@@ -568,6 +597,8 @@ def evaluate(
         layers = []  # the attention error needs the simulator's two attention paths
     base = base_model(model)
     dev = next(model.parameters()).device
+    if dev.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(dev)  # the run's peak: the weights, then what the run adds
     W, T = win.shape
     first = prompt_len if semantics == "prefill" else 0
     names = [_scheme_name(s) for s in resolved]
@@ -714,6 +745,8 @@ def evaluate(
         "fingerprint": fingerprint,
         "results": results,
         "reference_seconds": ref_seconds,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_cuda_bytes": _peak_cuda_bytes(dev),
     }
     if out is not None:
         meta = {

@@ -211,6 +211,10 @@ def _build(
         ("Data", f"`{run.data}`" + (f" (tokens fingerprint `{fp['tokens']}`)" if fp.get("tokens") else "")),
         ("Context", f"{run.context} tokens per window, {run.windows} window(s)"),
         ("Semantics", f"`{run.semantics}`, `{run.mode}` mode"),
+    ]
+    if run.peak_memory:
+        meta.append(("Peak memory", run.peak_memory))
+    meta += [
         ("Date", str(config.get("date") or config.get("timestamp") or "n/a")),
         ("Commit", f"`{_commit(config)}`" if _commit(config) else "n/a"),
     ]

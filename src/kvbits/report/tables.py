@@ -35,6 +35,7 @@ __all__ = [
     "bucket_label",
     "bucket_table",
     "delta_table",
+    "fmt_bytes",
     "fmt_end",
     "fmt_kl",
     "fmt_pct",
@@ -114,6 +115,16 @@ def fmt_kl(x: float) -> str:
 def fmt_frac(x: float) -> str:
     """A fraction as a percentage with two decimals (top-1 agreement)."""
     return NA if not _ok(x) else f"{x * 100:.2f}%"
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in binary units: ``1288490188.8 -> '1.20 GiB'``, ``5242880 -> '5.00 MiB'``."""
+    if not _ok(n):
+        return NA
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def fmt_float(x: float, digits: int = 3) -> str:
@@ -238,6 +249,8 @@ class RunSummary:
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
     results: tuple[SchemeResult, ...] = ()
     reference_seconds: float = math.nan
+    peak_rss_bytes: float = math.nan  # the evaluating process's peak resident set
+    peak_cuda_bytes: float = math.nan  # torch's peak CUDA allocation over the run (CUDA runs only)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
@@ -251,6 +264,7 @@ class RunSummary:
             fingerprint=dict(d.get("fingerprint") or {}),
             results=tuple(SchemeResult.from_dict(r) for r in d.get("results") or ()),
             reference_seconds=_num(d.get("reference_seconds")),
+            peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
         )
 
     @classmethod
@@ -280,6 +294,17 @@ class RunSummary:
     @property
     def ppl_ref(self) -> float:
         return next((r.ppl_ref for r in self.results if _ok(r.ppl_ref)), math.nan)
+
+    @property
+    def peak_memory(self) -> str:
+        """``1.20 GiB resident (process peak), 3.50 GiB CUDA allocated (run peak)``: what the run
+        recorded, or '' for neither (runs from before it was recorded)."""
+        parts = []
+        if _ok(self.peak_rss_bytes) and self.peak_rss_bytes > 0:
+            parts.append(f"{fmt_bytes(self.peak_rss_bytes)} resident (process peak)")
+        if _ok(self.peak_cuda_bytes) and self.peak_cuda_bytes > 0:
+            parts.append(f"{fmt_bytes(self.peak_cuda_bytes)} CUDA allocated (run peak)")
+        return ", ".join(parts)
 
 
 def _bucket_at(r: SchemeResult, span: tuple[int, int]) -> Bucket | None:
@@ -547,6 +572,7 @@ def print_summary(
     console.print(
         f"[bold]{escape(run.model)}[/] on [bold]{escape(run.data)}[/]: context {run.context}, "
         f"{escape(run.semantics)} semantics, {escape(run.mode)} mode, {run.windows} window(s)"
+        + (f"; peak memory {run.peak_memory}" if run.peak_memory else "")
     )
     console.print(bucket_table(run, threshold))
     console.print(rich_table(overall_table(run, threshold)))
