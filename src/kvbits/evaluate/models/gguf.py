@@ -1,0 +1,110 @@
+"""The float32 transformers copy of a GGUF model, made once, verified and cached.
+
+transformers parses the whole GGUF metadata (vocabulary and merges included) once for the config,
+once for the tokenizer and twice for the weights: ~25 s for SmolLM2-135M on 2 cores, of which
+dequantization is ~2 s. So the dequantized float32 model is saved once as a plain transformers
+folder (safetensors + config.json + tokenizer.json) keyed by the GGUF sha256 and the transformers
+version, verified tensor-by-tensor against the GGUF load, and loaded from there in ~1 s.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvbits.evaluate.models.registry import cache_dir, file_sha256
+from kvbits.evaluate.models.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["converted_dir"]
+
+_CONVERSION_MARKER = "kvbits_conversion.json"
+_CONVERSION_VERSION = 1
+
+
+def _gguf_sha256(source: ModelSource) -> str:
+    assert source.gguf_file is not None
+    return source.sha256 or file_sha256(Path(source.path) / source.gguf_file)
+
+
+def converted_dir(gguf_sha256: str) -> Path:
+    """Folder holding the float32 transformers copy of the GGUF file with this sha256."""
+    return cache_dir() / "converted" / gguf_sha256[:16]
+
+
+def _conversion_record(source: ModelSource, sha: str) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "version": _CONVERSION_VERSION,
+        "gguf_sha256": sha,
+        "gguf_file": source.gguf_file,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _valid_conversion(folder: Path, record: dict[str, Any]) -> bool:
+    try:
+        return json.loads((folder / _CONVERSION_MARKER).read_text()) == record
+    except (OSError, ValueError):
+        return False
+
+
+def _convert_gguf(source: ModelSource) -> Path:
+    """Return a verified float32 transformers folder for GGUF ``source``, converting once if needed."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sha = _gguf_sha256(source)
+    final = converted_dir(sha)
+    record = _conversion_record(source, sha)
+    if _valid_conversion(final, record):
+        return final
+
+    logger.info("converting %s to a float32 transformers folder (once; a minute or more)",
+                source.gguf_file)
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                 dtype=torch.float32)
+    config = copy.deepcopy(model.config)
+    # the weights are now plain floats: without this the folder would load as a GGUF-quantized model
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # verify: the folder must give back exactly the tensors transformers dequantized
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).state_dict()
+        expected = model.state_dict()
+        bad = [k for k in expected if k not in reloaded or not torch.equal(expected[k], reloaded[k])]
+        if bad or set(reloaded) != set(expected):
+            raise RuntimeError(
+                f"converted copy of {source.gguf_file} differs from the GGUF load in tensors "
+                f"{(bad or sorted(set(reloaded) ^ set(expected)))[:5]}"
+            )
+        (tmp / _CONVERSION_MARKER).write_text(json.dumps(record, indent=1))
+        if final.exists():  # stale (other transformers version) or left by a concurrent run
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _valid_conversion(final, record):  # a concurrent run did not finish it either
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s: %s", source.gguf_file, time.perf_counter() - t0, final)
+    return final

@@ -1,0 +1,147 @@
+"""Loading a model for evaluation: its config alone (for planning) or the model and tokenizer.
+
+GGUF weights are dequantized by transformers to float (through the cached converted copy, see
+:mod:`.gguf`); KV-cache quantization is then measured against this float model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvbits.evaluate.models.gguf import (
+    _conversion_record,
+    _convert_gguf,
+    _gguf_sha256,
+    _valid_conversion,
+    converted_dir,
+)
+from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LoadedModel", "load_config", "load_model"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation.
+
+    Attributes:
+        model: the ``transformers`` causal LM, in eval mode.
+        tokenizer: its tokenizer.
+        source: where it came from (``max_context`` filled from the config when it was unknown).
+        fingerprint: 16 hex chars identifying the weights (file sha256) or hub id + config.
+    """
+
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+    fingerprint: str
+
+
+def _config_fingerprint(config: Any) -> str:
+    d = config.to_dict()
+    for key in ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "_commit_hash",
+                "attn_implementation", "_attn_implementation_autoset", "quantization_config"):
+        d.pop(key, None)
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def _fingerprint(source: ModelSource, config: Any) -> str:
+    if source.gguf_file is not None:
+        key = f"gguf:{_gguf_sha256(source)}"
+    else:
+        key = f"hf:{source.name}:{_config_fingerprint(config)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
+    """Load only the ``transformers`` config of a model (for memory planning; no weights loaded).
+
+    For GGUF models the config comes from the converted folder when present, else from the GGUF
+    metadata (the file must be present; registry models are fetched as in :func:`resolve_model`).
+    """
+    from transformers import AutoConfig
+
+    source = spec if isinstance(spec, ModelSource) else resolve_model(spec, download=download)
+    try:
+        if source.gguf_file is not None:
+            folder = converted_dir(_gguf_sha256(source))
+            if _valid_conversion(folder, _conversion_record(source, _gguf_sha256(source))):
+                return AutoConfig.from_pretrained(folder)
+            return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        return AutoConfig.from_pretrained(source.path)
+    except (OSError, ValueError) as exc:
+        if source.is_local:
+            raise
+        raise _hub_error(source, exc) from exc
+
+
+def load_model(
+    spec: str | ModelSource,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    download: bool = True,
+    convert: bool = True,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    GGUF weights are dequantized by transformers to float; KV-cache quantization is then measured
+    against this float model, so the weight format does not bias comparisons.
+
+    Args:
+        spec: anything :func:`resolve_model` accepts, or a :class:`ModelSource`.
+        dtype: parameter dtype (default ``torch.float32``).
+        device: where to place the model.
+        download: allow fetching registry models.
+        convert: for GGUF sources, load from the verified float32 transformers copy in the cache
+            (made on first use); False loads straight from the GGUF file (~25x slower, same tensors).
+
+    Returns:
+        A :class:`LoadedModel`, the model in eval mode with attention implementation ``sdpa``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    source = spec if isinstance(spec, ModelSource) else resolve_model(spec, download=download)
+    t0 = time.perf_counter()
+    path: str | Path = source.path
+    kwargs: dict[str, Any] = {}
+    if source.gguf_file is not None:
+        if convert:
+            path = _convert_gguf(source)
+        else:
+            kwargs["gguf_file"] = source.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", **kwargs
+        )
+    except (OSError, ValueError) as exc:
+        if source.is_local:
+            raise
+        raise _hub_error(source, exc) from exc
+    model = model.to(device).eval()
+    if source.max_context is None:
+        ctx = getattr(model.config, "max_position_embeddings", None)
+        source = dataclasses.replace(source, max_context=int(ctx) if ctx else None)
+    fingerprint = _fingerprint(source, model.config)
+    logger.info(
+        "loaded %s (%s, %.1fM parameters) in %.1f s", source.name, dtype,
+        sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source, fingerprint=fingerprint)
