@@ -300,10 +300,10 @@ def test_offline_registry_name():
 
 
 def test_missing_offline_registry_is_skipped(monkeypatch):
-    import kvbits.plan.config as config_mod
+    from kvbits.plan import sources
 
     monkeypatch.setitem(sys.modules, "kvbits.evaluate.models", None)  # as if not written yet
-    assert config_mod._offline_config("smollm2-135m") is None
+    assert sources._offline_config("smollm2-135m") is None
 
 
 def test_hub_failure_is_a_clear_error(monkeypatch):

@@ -36,7 +36,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Union
 
-from kvbits.plan.config import ConfigLike, ModelShape, _check_dtype_bytes, load_shape
+from kvbits.plan.config import load_shape
+from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
 
 logger = logging.getLogger(__name__)
