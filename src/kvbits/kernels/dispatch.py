@@ -16,7 +16,7 @@ from kvbits.kernels.reference import PackedStore, decode_attention_reference
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KERNEL_ENV", "decode_attention", "resolve_kernel", "triton_available"]
+__all__ = ["KERNEL_ENV", "decode_attention", "kernel_mode", "resolve_kernel", "triton_available"]
 
 KERNEL_ENV = "KVBITS_KERNEL"
 MODES = ("auto", "reference", "triton")
@@ -34,7 +34,8 @@ def triton_available() -> bool:
     return True
 
 
-def _mode() -> str:
+def kernel_mode() -> str:
+    """``KVBITS_KERNEL`` (``auto``, ``reference`` or ``triton``); ``ValueError`` for anything else."""
     mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{KERNEL_ENV} must be one of {MODES}, got {mode!r}")
@@ -43,7 +44,7 @@ def _mode() -> str:
 
 def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
     """``"triton"`` or ``"reference"``: what ``decode_attention`` runs for these inputs."""
-    mode = _mode()
+    mode = kernel_mode()
     if mode == "reference":
         return "reference"
     if mode == "triton":

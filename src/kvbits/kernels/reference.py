@@ -51,7 +51,14 @@ from kvbits.quant.tensor import QuantizedTensor
 
 STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
 
-__all__ = ["PackedStore", "PackedTensor", "decode_attention_reference", "dequantize_packed", "pack_store"]
+__all__ = [
+    "PackedStore",
+    "PackedTensor",
+    "decode_attention_reference",
+    "dequantize_packed",
+    "pack_side",
+    "pack_store",
+]
 
 
 @dataclass
@@ -145,8 +152,19 @@ class PackedStore:
 # --------------------------------------------------------------------------------------------------
 
 
-def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
-    """Concatenate ``QuantizedTensor`` blocks of one side along the tokens into a ``PackedTensor``."""
+def _cat_tokens(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the tokens (dim 2); a single contiguous part is returned as is (no copy)."""
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2).contiguous()
+
+
+def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
+    """Concatenate ``QuantizedTensor`` blocks of one side along the tokens into a ``PackedTensor``.
+
+    Blocks ``(B, H_kv, n_i, D)`` in token order (int kinds, no outliers). A single block whose codes and
+    float16 metadata are already contiguous is not copied: the ``PackedTensor`` then shares their
+    storage (``kvbits.cache`` relies on this to hand its packed blocks to the kernel without a copy).
+    Raises ``NotImplementedError`` for what the layout cannot hold (NUQ, FP8, float, outliers).
+    """
     spec = blocks[0].spec
     B, H, _, D = blocks[0].shape
     if spec.kind != "int":
@@ -192,17 +210,17 @@ def _side_from_blocks(blocks: list[QuantizedTensor], what: str) -> PackedTensor:
         scales.append(qt.scale.expand(expand_to).reshape(shape))
         if qt.zero is not None:
             zeros.append(qt.zero.expand(expand_to).reshape(shape))
-    codes_t = torch.cat(codes, dim=2).contiguous()
+    codes_t = _cat_tokens(codes)
     if tps == 0:
-        for i, qt in enumerate(blocks):
+        for i in range(1, len(blocks)):
             same = torch.equal(scales[i], scales[0]) and (not zeros or torch.equal(zeros[i], zeros[0]))
             if not same:
                 raise ValueError(f"{what} block {i}: static per-channel scales differ from block 0's")
         scales, zeros, tps = scales[:1], zeros[:1], STATIC_TPS
     return PackedTensor(
         codes=codes_t,
-        scale=torch.cat(scales, dim=2).to(torch.float16).contiguous(),
-        zero=torch.cat(zeros, dim=2).to(torch.float16).contiguous() if zeros else None,
+        scale=_cat_tokens(scales).to(torch.float16).contiguous(),
+        zero=_cat_tokens(zeros).to(torch.float16).contiguous() if zeros else None,
         bits=spec.bits,
         tps=tps,
         cps=cps,
@@ -253,8 +271,8 @@ def pack_store(
         raise ValueError("key_full and value_full must both be given or both be None")
     if not key_blocks and key_full is None:
         raise ValueError("an empty store: give quantized blocks, a full-precision tail, or both")
-    key = _side_from_blocks(key_blocks, "key") if key_blocks else None
-    value = _side_from_blocks(value_blocks, "value") if value_blocks else None
+    key = pack_side(key_blocks, "key") if key_blocks else None
+    value = pack_side(value_blocks, "value") if value_blocks else None
     ref = key.codes if key is not None else key_full
     B, H, device = ref.shape[0], ref.shape[1], ref.device
     D = key.head_dim if key is not None else key_full.shape[-1]
@@ -340,7 +358,7 @@ def apply_rope_at(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: t
 
     Tables ``(T_pos, D)``; positions past the table end are clamped (they are padding slots).
     """
-    B, _, T, _ = k.shape
+    T = k.shape[2]
     pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp_max(
         cos.shape[0] - 1
     )  # (B, T)

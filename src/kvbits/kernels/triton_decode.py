@@ -432,12 +432,12 @@ def decode_attention_triton(
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
         n_q, n_split, chunk_q, chunk_f,
     )
-    meta = dict(
-        G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t,
-        K_BITS=k_bits, K_TPS=k_tps, K_CPS=k_cps, K_SYM=k_sym,
-        V_BITS=v_bits, V_TPS=v_tps, V_CPS=v_cps, V_SYM=v_sym,
-        ROPE=rope, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-    )
+    meta = {
+        "G": G, "G_PAD": max(16, _pow2(G)), "D": D, "BLOCK_T": block_t,
+        "K_BITS": k_bits, "K_TPS": k_tps, "K_CPS": k_cps, "K_SYM": k_sym,
+        "V_BITS": v_bits, "V_TPS": v_tps, "V_CPS": v_cps, "V_SYM": v_sym,
+        "ROPE": rope, "IEEE": q.dtype == torch.float32, "num_warps": num_warps,
+    }
     # fmt: on
     config = tuple(sorted(meta.items()))
     use_vec = vectorized is not False and config not in _VEC_BROKEN
@@ -446,7 +446,7 @@ def decode_attention_triton(
     if (vec_k or vec_v) and vectorized is None and q.is_cuda:
         try:
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
-        except Exception as exc:  # the interleave path did not compile here: keep the gather path
+        except Exception as exc:  # noqa: BLE001 - any compile error of the interleave path: keep the gather path
             _VEC_BROKEN.add(config)
             logger.warning(
                 "vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__
