@@ -6,6 +6,10 @@ Usage::
     out = model.generate(**inputs, past_key_values=cache)
     cache.memory_report()["total_bytes"]
 
+Decode steps can skip dequantization: with ``kvbits.cache.use_fused_decode(model)`` (the
+``kvbits_fused`` attention function) they run the fused kernel over the packed store on CUDA
+(``fused_decode="auto"``), or on any device with ``fused_decode=True`` (``kvbits.cache.fused``).
+
 Built on transformers' public ``Cache`` / ``CacheLayerMixin`` API only (tested with 5.17 and 5.24):
 no private attributes, no patched modeling code. Layer types come from the model config
 (``get_layer_types_and_kwargs``), so hybrid sliding/full models (Gemma 3) get sliding layers.
@@ -20,6 +24,7 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import Cache
 
+from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import QuantizedKVLayer
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
@@ -97,6 +102,10 @@ class QuantizedKVCache(Cache):
             model's own frequency buffers); default: built from ``config`` on the K/V device.
         calibration: a ``kvbits.calibrate.CalibrationArtifact`` for schemes with static scales or NUQ
             codebooks (see ``install_calibration``).
+        fused_decode: decode steps through the fused kernel over the packed store, when the model's
+            attention is ``kvbits_fused`` (``kvbits.cache.use_fused_decode``): ``"auto"`` (default) on
+            CUDA with Triton, ``True`` on any device (CPU: the torch reference, or ``KVBITS_KERNEL``),
+            ``False`` never. Results match the dequantize-then-SDPA path; see ``fused_report()``.
     """
 
     def __init__(
@@ -108,8 +117,11 @@ class QuantizedKVCache(Cache):
         workspace: bool = False,
         rotary: Any = None,
         calibration: Any = None,
+        fused_decode: bool | str = "auto",
     ) -> None:
         self.scheme = get_scheme(scheme)
+        self.fused_decode = check_mode(fused_decode)
+        self._fused_tables = RopeTableCache()
         self.workspace = bool(workspace)
         self._lazy = False
         self._config = config
@@ -179,6 +191,7 @@ class QuantizedKVCache(Cache):
             self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
             num_key_value_heads=self.num_key_value_heads,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
+            fused_decode=self.fused_decode, rope_tables=self._fused_tables,
         )
         if getattr(self, "calibration", None) is not None:  # lazily created layers
             self._calibrate_layer(layer)
@@ -224,6 +237,7 @@ class QuantizedKVCache(Cache):
             from kvbits.quant.rope import RotaryTables
 
             self._rotary = RotaryTables.from_config(self._config, device=key_states.device)
+            self._fused_tables.clear()
             for layer in self._quantized_layers():
                 layer.set_rotary(self._rotary.tables_for_layer(layer.layer_idx))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -281,6 +295,23 @@ class QuantizedKVCache(Cache):
             "batch": batch,
             "workspace_bytes": workspace,
             "avg_bits": 8 * total / elements if elements else 0.0,
+        }
+
+    def fused_report(self) -> dict[str, Any]:
+        """Fused decode per layer: claimed (decode steps skip dequantization), steps attended over the packed
+        store, fallback steps (dequantized K/V, e.g. padded batches), why a layer was not claimed; and the
+        bytes of the float32 RoPE tables kept for fused pre-RoPE keys (not KV storage)."""
+        rows = [
+            {"layer": layer.layer_idx, "claimed": layer.fused.claimed, "steps": layer.fused.steps,
+             "fallbacks": layer.fused.fallbacks, "declined": layer.fused.declined}
+            for layer in self._quantized_layers()
+        ]  # fmt: skip
+        return {
+            "mode": self.fused_decode,
+            "fused_steps": sum(r["steps"] for r in rows),
+            "fallback_steps": sum(r["fallbacks"] for r in rows),
+            "rope_table_bytes": self._fused_tables.nbytes,
+            "layers": rows,
         }
 
     def calibration_report(self) -> dict[str, Any]:

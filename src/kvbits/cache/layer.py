@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvbits.cache import fused
 from kvbits.cache.store import SideStore
 from kvbits.quant.checks import FP16_MAX, check_kv
 from kvbits.quant.tensor import FLOAT_DTYPES
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["QuantizedKVLayer"]
+
 
 def _fixed_scale(spec: TensorSpec) -> torch.Tensor | None:
     """Per-layer FP8 per-tensor scale (float32 1.0 until calibrated, as vLLM's uncalibrated default)."""
@@ -57,6 +59,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             ``total_bytes``); results are identical either way.
         num_key_value_heads: expected ``H_kv`` of the incoming K/V (from the model config), or ``None``.
         rotary: this layer's RoPE tables (``RotaryTables.tables_for_layer``), needed by ``pre_rope`` keys.
+        fused_decode: ``True`` / ``"auto"`` (CUDA with Triton) / ``False``: whether decode steps may skip
+            dequantization for the ``kvbits_fused`` attention function (``kvbits.cache.fused``).
+        rope_tables: float32 RoPE tables shared with the cache's other layers (fused pre-RoPE keys).
 
     Calibrated parameters (static scales, NUQ codebooks) are installed with ``set_static_qparams``.
 
@@ -78,6 +83,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         workspace: bool = False,
         num_key_value_heads: int | None = None,
         rotary: RotaryTables | None = None,
+        fused_decode: bool | str = "auto",
+        rope_tables: fused.RopeTableCache | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -108,6 +115,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             scheme.value, name=f"layer {layer_idx} values", workspace=workspace and quantized,
             static_scale=_fixed_scale(scheme.value) if quantized else None,
         )
+        self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.dtype: torch.dtype | None = None
@@ -234,6 +242,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
         Full attention: all ``T`` tokens seen. Sliding window: the last ``min(T_before, W - 1)`` cached
         tokens plus the ``q`` new ones, as ``DynamicSlidingWindowLayer`` (``get_mask_sizes`` agrees).
+        Decode steps of a layer claimed by ``kvbits_fused`` return zero-byte placeholders instead
+        (``kvbits.cache.fused``).
         """
         self._validate(key_states, value_states)
         if not self.is_initialized:
@@ -252,12 +262,14 @@ class QuantizedKVLayer(CacheLayerMixin):
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
             self._k.flush(n_flush, self.scheme.block)
             self._v.flush(n_flush, self.scheme.block)
+        if self.fused.claimed and q == 1:  # kvbits_fused attends over packed_store(self): no dequantization
+            return fused.placeholders(self)
         keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
         if self.is_sliding:
             start = max(0, n_before - self.sliding_window + 1) - dropped_before
             keys, values = keys[:, :, start:], values[:, :, start:]
             self._trim_window(n)
-        return keys, values
+        return fused.tag(self, keys), values
 
     def _trim_window(self, n: int) -> None:
         """Forget what the next step can no longer attend to (``token_split`` with a window)."""
@@ -295,6 +307,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
         self.is_initialized = False
+        self.fused.claimed = False
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end: negative = that many tokens, positive = keep that absolute length

@@ -31,6 +31,7 @@ from kvbits.quant import QuantizedTensor, quantize
 from kvbits.schemes.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvbits.kernels.reference import PackedTensor
     from kvbits.quant.rope import RotaryTables
 
 __all__ = ["SideStore", "mergeable"]
@@ -133,6 +134,7 @@ class SideStore:
         self.work: torch.Tensor | None = None
         self.clipped = 0
         self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
+        self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
 
     # ------------------------------------------------------------------ state
     def init(self, like: torch.Tensor, buffer_dtype: torch.dtype) -> None:
@@ -143,6 +145,7 @@ class SideStore:
         self.chunks = []
         self.work = like.new_empty((B, H, 0, D)) if self.use_workspace else None
         self.clipped = self.n_dropped = 0
+        self._packed = None
         for name in ("static_scale", "static_zero", "codebook"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(like.device))
@@ -151,6 +154,7 @@ class SideStore:
         self.sinks = self.buffer = self.work = None
         self.chunks = []
         self.clipped = self.n_dropped = 0
+        self._packed = None
 
     @property
     def n_sinks(self) -> int:
@@ -198,6 +202,7 @@ class SideStore:
             new = [quantize(x, self.spec, validate=False, **kw)]
         else:
             new = [quantize(x[:, :, i : i + block], self.spec, validate=False, **kw) for i in range(0, n_tokens, block)]
+        self._packed = None
         for qt in new:
             self.clipped += qt.clipped
             if self.work is not None:
@@ -215,6 +220,7 @@ class SideStore:
         """Forget the ``n_tokens`` oldest quantized tokens (whole blocks; sliding-window layers)."""
         if n_tokens <= 0:
             return
+        self._packed = None
         left = n_tokens
         while left and self.chunks and self.chunks[0].n_tokens <= left:
             left -= self.chunks.pop(0).n_tokens
@@ -243,6 +249,7 @@ class SideStore:
         """Apply ``fn`` to the batch dimension of every per-sequence tensor (beam search, expansion)."""
         if self.buffer is None:
             return
+        self._packed = None
         self.sinks, self.buffer = fn(self.sinks), fn(self.buffer)
         if self.work is not None:
             self.work = fn(self.work)
@@ -275,6 +282,35 @@ class SideStore:
             parts.append(self._dequantize(self.chunks[0], self.n_sinks + self.n_dropped, dtype))
         parts.append(self.buffer.to(dtype))
         return torch.cat(parts, dim=2)
+
+    def packed(self) -> PackedTensor | None:
+        """The quantized chunks in the decode-kernel layout (``kvbits.kernels.reference.pack_side``), or
+        ``None`` when nothing is quantized. NotImplementedError for specs the layout cannot hold.
+
+        A single chunk (every ``mergeable`` spec) is handed over without a copy and the view is kept until
+        the chunks change; several chunks (head / tensor granularity) are concatenated on every call and
+        the copy is not kept, so the store never holds a second copy of its codes.
+        """
+        if not self.chunks:
+            return None
+        if self._packed is not None:
+            return self._packed
+        from kvbits.kernels.reference import pack_side
+
+        p = pack_side(self.chunks, self.name)
+        own = {t.untyped_storage().data_ptr() for c in self.chunks for t in c.stored_tensors()}
+        if all(t.untyped_storage().data_ptr() in own for t in (p.codes, p.scale, p.zero) if t is not None):
+            self._packed = p  # views of the chunk: keeping them costs nothing
+        return p
+
+    def full_tail(self) -> torch.Tensor | None:
+        """Sinks then buffer ``(B, H_kv, n_sinks + n_buffer, D)`` in the buffer's dtype (the buffer itself,
+        no copy, when there are no sinks), or ``None`` when both are empty."""
+        if self.buffer is None or self.n_sinks + self.n_buffer == 0:
+            return None
+        if self.n_sinks == 0:
+            return self.buffer
+        return torch.cat([self.sinks.to(self.buffer.dtype), self.buffer], dim=2)
 
     def components(self) -> dict[str, list[torch.Tensor]]:
         """The stored tensors by kind: codes, scales, zero_points, outliers, full_precision, fixed."""

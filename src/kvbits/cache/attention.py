@@ -1,0 +1,129 @@
+"""The ``kvbits_fused`` transformers attention function: fused decode steps over `QuantizedKVCache`.
+
+Usage::
+
+    from kvbits.cache import QuantizedKVCache, use_fused_decode
+
+    use_fused_decode(model)              # model.set_attn_implementation("kvbits_fused")
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")   # fused_decode="auto"
+    model.generate(**inputs, past_key_values=cache)
+
+``kvbits_fused`` is transformers' SDPA attention (same mask function, same call) except for decode steps
+(one query token per sequence, no attention mask) of layers a ``QuantizedKVCache`` has handed over
+(``kvbits.cache.fused``): those call ``kvbits.kernels.decode_attention`` on the layer's packed store,
+never materialising dequantized K/V. Everything else — prefill, ``q_len > 1``, other caches, schemes
+outside the packed layout (NUQ, FP8, outliers, sliding windows), padded batches (a mask at decode
+time), ``softcap`` / ``s_aux`` / ``output_attentions`` — is SDPA over dequantized K/V, as before.
+
+Registered under a new name through transformers' public ``AttentionInterface`` (and the SDPA mask
+builder under the same name in ``AttentionMaskInterface``); nothing of transformers is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvbits.cache import fused
+from kvbits.kernels import dispatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["IMPLEMENTATION", "fused_attention", "register_fused_attention", "use_fused_decode"]
+
+IMPLEMENTATION = "kvbits_fused"
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    from transformers import AttentionInterface
+
+    return AttentionInterface._global_mapping["sdpa"](*args, **kwargs)
+
+
+def _step_reason(module: torch.nn.Module, query: torch.Tensor, attention_mask: Any, dropout: float,
+                 kwargs: dict) -> str | None:  # fmt: skip
+    """Why this call cannot be a fused decode step (``None``: it can)."""
+    if query.shape[2] != 1:
+        return f"{query.shape[2]} query tokens"
+    if attention_mask is not None:
+        return "an attention mask at a decode step (padded batch)"
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            return f"{name}"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    if dropout and module.training:
+        return "attention dropout in training mode"
+    return None
+
+
+def fused_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``kvbits_fused`` attention function (transformers' attention-interface signature).
+
+    ``query`` ``(B, H_q, q, D)`` post-RoPE; ``key`` / ``value`` ``(B, H_kv, T, D)`` as the cache's
+    ``update`` returned them (placeholders on claimed decode steps). Returns ``((B, q, H_q, D), None)``
+    like ``sdpa_attention_forward``.
+    """
+    tagged = fused.tag_of(key)
+    if tagged is None:  # not from a QuantizedKVLayer: plain SDPA
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer, placeholder = tagged
+    if not placeholder:  # real K/V (prefill, unclaimed layer): SDPA, and claim the layer for decode steps
+        fused.claim(layer, query)
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    reason = _step_reason(module, query, attention_mask, dropout, kwargs)
+    if reason is None:
+        out = dispatch.decode_attention(query, fused.packed_store(layer), scaling)  # (B, H_q, 1, D)
+        layer.fused.steps += 1
+        return out.transpose(1, 2).contiguous(), None
+    # a claimed layer whose step cannot be fused: attend over exactly what update() would have returned
+    if layer.fused.fallbacks == 0:
+        logger.info("layer %d: decode step attends over dequantized K/V: %s", layer.layer_idx, reason)
+    layer.fused.fallbacks += 1
+    keys, values = layer.materialize()
+    return _sdpa(module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def register_fused_attention() -> str:
+    """Register ``kvbits_fused`` with transformers (idempotent; a new name, nothing replaced); returns it.
+
+    After this, ``from_pretrained(..., attn_implementation="kvbits_fused")`` also works.
+    """
+    from transformers import AttentionInterface
+
+    if IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(IMPLEMENTATION, fused_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # pragma: no cover - older transformers without a mask table
+        return IMPLEMENTATION
+    if IMPLEMENTATION not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(IMPLEMENTATION, AttentionMaskInterface._global_mapping["sdpa"])
+    return IMPLEMENTATION
+
+
+def use_fused_decode(model: Any) -> str:
+    """Route ``model``'s attention through ``kvbits_fused``; returns the previous implementation.
+
+    ``model.set_attn_implementation(previous)`` undoes it. With it, ``QuantizedKVCache`` decode steps
+    run the fused kernel on CUDA (``fused_decode="auto"``, the default) or, on request
+    (``fused_decode=True``), the torch reference elsewhere; other caches and steps are unchanged SDPA.
+    """
+    register_fused_attention()
+    previous = model.config._attn_implementation
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        raise TypeError(f"{type(model).__name__} has no set_attn_implementation(): not a transformers model?")
+    setter(IMPLEMENTATION)
+    return previous

@@ -1,0 +1,222 @@
+"""Fused decode attention over a `QuantizedKVLayer`'s packed store: the cache side.
+
+One decode step (``q_len == 1``) of one *claimed* layer:
+
+1. ``QuantizedKVLayer.update`` stores the new token as always (sinks, buffer, flush of whole blocks)
+   but does not dequantize the history: it returns zero-byte placeholders (``meta`` tensors shaped
+   ``(B, H_kv, T, D)``) tagged with the layer (``tag_of``);
+2. the ``kvbits_fused`` attention function (``kvbits.cache.attention``) sees the tag and calls
+   ``kvbits.kernels.decode_attention`` on ``packed_store(layer)``: the codes and float16 metadata as the
+   layer stores them (views, not copies, for every one-chunk spec) plus sinks and buffer as the
+   full-precision tail. Triton kernel on CUDA, torch reference elsewhere (``KVBITS_KERNEL``).
+
+A layer is *claimed* by ``kvbits_fused`` the first time that function receives the layer's ordinary,
+dequantized K/V (the prefill, normally): only then can ``update`` be sure its placeholders reach an
+attention function that understands them. A cache used with any other attention implementation is
+never claimed and behaves exactly as before. The claim needs the cache's ``fused_decode`` mode to want
+the device (``wants``: ``True`` anywhere, ``"auto"`` on CUDA with Triton, ``False`` never) and a layer
+whose scheme fits the packed layout (``layout_reason``); ``reset()`` releases it.
+
+Pre-RoPE keys: the kernel rotates quantized slot ``t`` to position ``n_sinks + n_dropped + t``, the
+cache index ``SideStore`` un-rotated it at, for every sequence of the batch (left-padded rows included:
+rotation and un-rotation use the same angle, so both paths see the same keys).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvbits.kernels import dispatch
+from kvbits.kernels.reference import PackedStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvbits.cache.layer import QuantizedKVLayer
+    from kvbits.quant.rope import RotaryTables
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FusedState",
+    "RopeTableCache",
+    "check_mode",
+    "claim",
+    "layout_reason",
+    "packed_store",
+    "placeholders",
+    "tag",
+    "tag_of",
+    "wants",
+]
+
+TAG = "_kvbits_fused"  # attribute set on the key tensor update() returns: (layer, is_placeholder)
+FusedMode = bool | str
+_LENGTH_DEPENDENT = ("dynamic", "longrope")  # rope types whose tables depend on the sequence length
+
+
+def check_mode(mode: Any) -> FusedMode:
+    """``True``, ``False`` or ``"auto"``; ``ValueError`` for anything else."""
+    if mode is True or mode is False or mode == "auto":
+        return mode
+    raise ValueError(f"fused_decode must be True, False or 'auto', got {mode!r}")
+
+
+class RopeTableCache:
+    """float32 cos/sin tables ``(P, D)`` for pre-RoPE keys, one pair per rotary module and layer type.
+
+    Shared by the layers of a cache; grown (to 1.25x what is needed, a multiple of 1024 positions)
+    when a step needs more positions. Not KV storage: not in ``memory_report()``, see ``nbytes``.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, rotary: RotaryTables, n_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables covering positions ``[0, P)``, ``P >= n_positions``, on ``device``."""
+        key = (id(rotary.rotary), rotary.layer_type, rotary.rot_dim, str(device))
+        entry = self._tables.get(key)
+        if entry is None or entry[0] is not rotary.rotary or entry[1].shape[0] < n_positions:
+            P = 1024 * math.ceil(max(n_positions * 1.25, n_positions + 1) / 1024)
+            cos, sin = rotary.cos_sin(torch.arange(P, device=rotary.device), torch.float32)
+            entry = (rotary.rotary, cos[0].to(device).contiguous(), sin[0].to(device).contiguous())
+            self._tables[key] = entry  # keeps the module alive: its id stays unique
+        return entry[1], entry[2]
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes + s.nbytes for _, c, s in self._tables.values())
+
+
+@dataclass
+class FusedState:
+    """Per-layer fused-decode state.
+
+    Attributes:
+        mode: the cache's ``fused_decode`` (``True``, ``False``, ``"auto"``).
+        tables: RoPE tables shared by the cache's layers (pre-RoPE keys).
+        claimed: decode steps return placeholders for ``kvbits_fused`` (see the module docstring).
+        steps: decode steps attended by ``decode_attention`` over the packed store.
+        fallbacks: claimed decode steps that attended over dequantized K/V instead (e.g. padding masks).
+        declined: why the layer was not claimed, or ``None``.
+    """
+
+    mode: FusedMode = "auto"
+    tables: RopeTableCache = field(default_factory=RopeTableCache)
+    claimed: bool = False
+    steps: int = 0
+    fallbacks: int = 0
+    declined: str | None = None
+
+
+def wants(mode: FusedMode, device: torch.device) -> bool:
+    """Whether ``mode`` asks for the fused path on ``device`` (``"auto"``: CUDA with Triton importable)."""
+    if mode == "auto":
+        return device.type == "cuda" and dispatch.triton_available()
+    return bool(mode)
+
+
+def layout_reason(layer: QuantizedKVLayer) -> str | None:
+    """Why ``layer`` cannot be served from the packed layout (``None``: it can)."""
+    if layer.is_sliding:
+        return "sliding-window layer (the kernel attends to every cached token)"
+    if layer.mode == "identity":
+        return None if layer._k.buffer.shape[3] == layer._v.buffer.shape[3] else "key and value head dims differ"
+    if layer.mode != "quantized":
+        return f"layer mode {layer.mode!r}"
+    for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
+        if spec.kind != "int":
+            return f"{side} kind {spec.kind!r} (the packed layout holds affine integer codes)"
+        if spec.outlier_frac > 0:
+            return f"{side} dense-and-sparse outliers (not in the packed layout)"
+    if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
+        return "key and value head dims differ"
+    if layer.scheme.key.pre_rope:
+        rot = layer._k.rotary
+        if rot.rot_dim != rot.head_dim:
+            return f"partial rotary embedding ({rot.rot_dim} of {rot.head_dim} channels; the kernel rotates all)"
+        if any(k in rot.rope_type for k in _LENGTH_DEPENDENT):
+            return f"rope_type {rot.rope_type!r} (tables depend on the sequence length)"
+    return None
+
+
+def _kernel_reason(layer: QuantizedKVLayer, query: torch.Tensor) -> str | None:
+    """``"auto"`` on CUDA: why the Triton kernel would not take this layer (SDPA then stays faster)."""
+    if layer.fused.mode != "auto" or dispatch.kernel_mode() != "auto":
+        return None
+    from kvbits.kernels.triton_decode import TRITON_BITS, supported
+
+    if layer.mode == "quantized":
+        for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
+            if spec.bits not in TRITON_BITS:
+                return f"{side}: {spec.bits}-bit codes (Triton kernel: {TRITON_BITS})"
+    return supported(packed_store(layer), query)
+
+
+def claim(layer: QuantizedKVLayer, query: torch.Tensor) -> bool:
+    """Claim ``layer`` for fused decode steps if its mode wants ``query``'s device and it fits (logged once)."""
+    state = layer.fused
+    if state.claimed:
+        return True
+    if not wants(state.mode, query.device):
+        return False
+    reason = layout_reason(layer) or _kernel_reason(layer, query)
+    if reason is not None:
+        if state.declined != reason:
+            logger.info("layer %d: fused decode falls back to SDPA over dequantized K/V: %s", layer.layer_idx, reason)
+        state.declined = reason
+        return False
+    state.claimed, state.declined = True, None
+    return True
+
+
+def tag(layer: QuantizedKVLayer, keys: torch.Tensor, placeholder: bool = False) -> torch.Tensor:
+    """Mark ``keys`` (returned by ``layer.update``) for ``kvbits_fused``; a no-op when fused decode is off."""
+    if layer.fused.mode is not False:
+        setattr(keys, TAG, (layer, placeholder))
+    return keys
+
+
+def tag_of(keys: Any) -> tuple[QuantizedKVLayer, bool] | None:
+    """``(layer, is_placeholder)`` when ``keys`` came from a ``QuantizedKVLayer.update``, else ``None``."""
+    return getattr(keys, TAG, None)
+
+
+def placeholders(layer: QuantizedKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-byte ``meta`` K/V ``(B, H_kv, T, D)`` standing for every cached token; keys tagged."""
+    B, H, _, Dk = layer._k.buffer.shape
+    Dv = layer._v.buffer.shape[3]
+    T = layer.tokens_seen
+    keys = torch.empty((B, H, T, Dk), dtype=layer.dtype, device="meta")
+    values = torch.empty((B, H, T, Dv), dtype=layer.dtype, device="meta")
+    return tag(layer, keys, placeholder=True), values
+
+
+def packed_store(layer: QuantizedKVLayer) -> PackedStore:
+    """The layer's tokens in the decode-kernel layout (``kvbits.kernels.reference``), no validation syncs.
+
+    Quantized slots: the stored chunks (``SideStore.packed``); tail: sinks then buffer
+    (``SideStore.full_tail``). Every sequence has the same lengths; pre-RoPE keys start at position
+    ``n_sinks + n_dropped``.
+    """
+    k, v = layer._k, layer._v
+    key, value = k.packed(), v.packed()
+    key_full, value_full = k.full_tail(), v.full_tail()
+    ref = key_full if key_full is not None else key.codes
+    B, device = ref.shape[0], ref.device
+    T_q = 0 if key is None else key.n_slots
+    T_f = 0 if key_full is None else key_full.shape[2]
+    quant_lens = torch.full((B,), T_q, dtype=torch.int32, device=device)
+    full_lens = torch.full((B,), T_f, dtype=torch.int32, device=device)
+    cos = sin = pos0 = None
+    if key is not None and layer.mode == "quantized" and layer.scheme.key.pre_rope:
+        p0 = k.n_sinks + k.n_dropped
+        cos, sin = layer.fused.tables.get(k.rotary, p0 + T_q, device)
+        pos0 = torch.full((B,), p0, dtype=torch.int32, device=device)
+    return PackedStore(key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0)

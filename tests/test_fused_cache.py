@@ -1,0 +1,269 @@
+"""Fused decode through `QuantizedKVCache`: the ``kvbits_fused`` attention over the packed store.
+
+Tiny random-weight models built from configs (Llama and Qwen2 with GQA 2:1, head dim 32; Gemma 3 with
+a sliding and a full layer). Greedy generation with the fused path forced on CPU (``fused_decode=True``,
+``KVBITS_KERNEL=reference``: the torch reference over the packed store; one case through Triton's
+interpreter) must give the tokens and float32 logits of the same cache attended the usual way
+(dequantize, then SDPA), with every decode step counted as fused, and the cache holding exactly the
+same bytes. Unsupported schemes, sliding layers and padded batches fall back, logged, and still match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from unittest import mock
+
+import pytest
+import torch
+import transformers
+from test_cache import storage_bytes, walk_tensors
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, use_fused_decode
+from kvbits.cache import fused as fused_mod
+from kvbits.kernels import dispatch
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme, token_split
+
+transformers.logging.set_verbosity_error()
+
+VOCAB = 128
+PROMPT, NEW = 40, 20
+ATOL = 1e-5  # float32 logits: the torch reference's einsum vs SDPA, nothing else differs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernel(monkeypatch):
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+
+
+@functools.cache
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "gemma3":
+        cfg = Gemma3TextConfig(sliding_window=16, layer_types=["sliding_attention", "full_attention"], **common)
+        model = Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+def spec(bits: int, gran: str, group: int | None = None, **kw) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity=gran, group_size=group, **kw)
+
+
+# small blocks and windows so that blocks are flushed during the 20 decode steps
+KIVI4 = KVScheme("t-int4-kivi", key=spec(4, "channel", 16), value=spec(4, "token", 16), residual=8, block=16)
+PRE_ROPE = KVScheme(
+    "t-int4-prerope", key=spec(4, "channel", 16, pre_rope=True), value=spec(4, "token", 16),
+    sinks=2, residual=4, block=16,
+)  # fmt: skip
+SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-token": get_scheme("int2-token"),
+           "int4-prerope": PRE_ROPE}  # fmt: skip
+
+
+def prompt(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(seed))  # no pad id 0
+
+
+@contextlib.contextmanager
+def attention(model: torch.nn.Module, fused: bool):
+    """The model's attention is ``kvbits_fused`` (or plain SDPA) inside, SDPA again after."""
+    if fused:
+        assert use_fused_decode(model) == "sdpa"
+        assert model.config._attn_implementation == FUSED_ATTENTION
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@torch.no_grad()
+def generate(model, scheme, *, fused: bool | str, attn: bool, new: int = NEW, ids=None, **kw):
+    """Greedy generation; returns (sequences, logits (new, B, V), cache)."""
+    ids = prompt() if ids is None else ids
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
+    with attention(model, attn):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True, **kw)  # fmt: skip
+    return out.sequences, torch.stack(out.logits), cache
+
+
+def assert_same_bytes(a: QuantizedKVCache, b: QuantizedKVCache) -> None:
+    """Same memory report, and the fused cache holds no tensor beyond it (+ its RoPE tables)."""
+    ra, rb = a.memory_report(), b.memory_report()
+    assert ra == rb
+    extra = b.fused_report()["rope_table_bytes"]
+    assert storage_bytes(walk_tensors(b)) == rb["total_bytes"] + extra
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused == dequantize + SDPA
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decode_matches_dequantized_path(arch: str, scheme: str):
+    model, sch = build(arch), SCHEMES[scheme]
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False)
+    with mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel:
+        seq, logits, cache = generate(model, sch, fused=True, attn=True)
+    n_layers = model.config.num_hidden_layers
+    rep = cache.fused_report()
+    # every decode step of every layer went through the kernel entry point, none fell back
+    assert kernel.call_count == rep["fused_steps"] == (NEW - 1) * n_layers, rep
+    assert rep["fallback_steps"] == 0 and all(r["claimed"] for r in rep["layers"])
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+    # the kernel read quantized slots, and blocks were flushed while decoding (new packed views)
+    assert 0 < token_split(sch, PROMPT).quantized < token_split(sch, PROMPT + NEW - 1).quantized
+    assert cache.memory_report()["layers"][0]["quantized_tokens"] == token_split(sch, PROMPT + NEW - 1).quantized
+    assert_same_bytes(ref, cache)
+    assert (rep["rope_table_bytes"] > 0) == sch.key.pre_rope
+
+
+def test_cpu_default_keeps_the_dequantized_path():
+    """``fused_decode="auto"`` on CPU (and ``False`` anywhere): kvbits_fused is plain SDPA, bit for bit."""
+    model = build("llama")
+    seq_ref, logits_ref, _ = generate(model, KIVI4, fused="auto", attn=False)
+    for mode in ("auto", False):
+        with mock.patch.object(dispatch, "decode_attention") as kernel:
+            seq, logits, cache = generate(model, KIVI4, fused=mode, attn=True)
+        assert kernel.call_count == 0 and cache.fused_report()["fused_steps"] == 0
+        assert not any(r["claimed"] for r in cache.fused_report()["layers"])
+        assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+
+
+@pytest.mark.parametrize("which", ["fp8-e4m3-token", "int4-outliers"])
+def test_unsupported_scheme_falls_back_logged(which: str, caplog):
+    model = build("qwen2")
+    sch = get_scheme(which) if which != "int4-outliers" else KVScheme(
+        "t-outliers", key=spec(4, "token", outlier_frac=0.05), value=spec(4, "token"), residual=0, block=1
+    )  # fmt: skip
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
+    with caplog.at_level(logging.INFO, logger="kvbits.cache.fused"):
+        seq, logits, cache = generate(model, sch, fused=True, attn=True, new=6)
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == 0 and all(r["declined"] for r in rep["layers"]), rep
+    assert "falls back to SDPA" in caplog.text and ("fp8" in caplog.text or "outliers" in caplog.text)
+    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+    assert_same_bytes(ref, cache)
+
+
+def test_sliding_layer_falls_back_full_layer_fused():
+    """Gemma 3: the sliding layer is declined, the full-attention layer is served by the kernel."""
+    model = build("gemma3")
+    seq_ref, logits_ref, _ = generate(model, KIVI4, fused=False, attn=False)
+    seq, logits, cache = generate(model, KIVI4, fused=True, attn=True)
+    sliding, full = cache.fused_report()["layers"]
+    assert not sliding["claimed"] and "sliding" in sliding["declined"] and sliding["steps"] == 0
+    assert full["claimed"] and full["steps"] == NEW - 1
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+
+
+def test_padded_batch_falls_back_each_step(caplog):
+    """Left padding leaves a mask at decode time: claimed layers attend over dequantized K/V (logged)."""
+    model = build("llama")
+    ids = prompt()
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    seq_ref, logits_ref, _ = generate(model, PRE_ROPE, fused=False, attn=False, ids=ids, attention_mask=mask)
+    with caplog.at_level(logging.INFO, logger="kvbits.cache.attention"):
+        seq, logits, cache = generate(model, PRE_ROPE, fused=True, attn=True, ids=ids, attention_mask=mask)
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == 0 and rep["fallback_steps"] == (NEW - 1) * 2, rep
+    assert "padded batch" in caplog.text
+    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# The cache side of the protocol
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_claimed_decode_steps_return_placeholders():
+    model = build("llama")
+    cache = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+    with attention(model, True):
+        model(prompt(), past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.fused.claimed
+    k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
+    pk, pv = cache.update(k, v, 0)
+    assert pk.is_meta and pv.is_meta and pk.shape == pv.shape == (2, 2, PROMPT + 1, 32)
+    assert fused_mod.tag_of(pk) == (layer, True)
+    # the packed store holds the same tokens materialize() dequantizes; pre-RoPE slot 0 is position `sinks`
+    store = fused_mod.packed_store(layer)
+    keys, values = layer.materialize()
+    assert store.key.n_slots + store.key_full.shape[2] == keys.shape[2] == PROMPT + 1
+    assert store.quant_pos0.tolist() == [PRE_ROPE.sinks] * 2
+    assert store.key.codes.untyped_storage().data_ptr() == layer._k.chunks[0].data.untyped_storage().data_ptr()
+    q = torch.randn(2, 4, 1, 32)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    torch.testing.assert_close(dispatch.decode_attention(q, store), want, atol=1e-5, rtol=1e-5)
+    cache.reset()
+    assert not layer.fused.claimed  # the next prefill claims again
+
+
+def test_modes_and_device_policy(monkeypatch):
+    with pytest.raises(ValueError, match="fused_decode"):
+        QuantizedKVCache(num_layers=1, fused_decode="yes")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    assert fused_mod.wants("auto", torch.device("cuda")) and not fused_mod.wants("auto", torch.device("cpu"))
+    assert fused_mod.wants(True, torch.device("cpu")) and not fused_mod.wants(False, torch.device("cuda"))
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    assert not fused_mod.wants("auto", torch.device("cuda"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Through the Triton kernel (interpreted on CPU)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fused_decode_triton_kernel(monkeypatch):
+    """Pre-RoPE keys with sinks through the Triton kernel itself (RoPE in-kernel, gather path)."""
+    if not torch.cuda.is_available():
+        try:
+            from kvbits.kernels.interpret import enable_interpreter
+
+            enable_interpreter()
+        except ImportError as exc:
+            pytest.skip(f"Triton is not importable: {exc}")
+    if not dispatch.triton_available():
+        pytest.skip("Triton is not importable")
+    from kvbits.kernels import triton_decode
+
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    model = build("qwen2")
+    seq_ref, logits_ref, _ = generate(model, PRE_ROPE, fused=False, attn=False, new=5)
+    with mock.patch.object(triton_decode, "decode_attention_triton", wraps=triton_decode.decode_attention_triton) as k:
+        seq, logits, cache = generate(model, PRE_ROPE, fused=True, attn=True, new=5)
+    assert k.call_count == cache.fused_report()["fused_steps"] == 4 * 2
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
