@@ -6,6 +6,8 @@ matplotlib is needed only for the figures and is imported only when they are dra
 """
 
 from kvbits.report.render import write_report
-from kvbits.report.tables import RunSummary, bucket_table, print_summary, verdict
+from kvbits.report.summary import RunSummary
+from kvbits.report.tables import bucket_table, print_summary
+from kvbits.report.verdict import verdict
 
 __all__ = ["RunSummary", "bucket_table", "print_summary", "verdict", "write_report"]

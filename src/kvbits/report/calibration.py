@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.tables import NA, Cell, RunSummary, SchemeResult, TableData, _num, _ok
+from kvbits.report.fmt import NA, _num, _ok
+from kvbits.report.summary import RunSummary, SchemeResult
+from kvbits.report.tables import Cell, TableData
 
 __all__ = [
     "CALIBRATION_NOTE",

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbits.report.tables import DEFAULT_THRESHOLD, RunSummary, bucket_label, fmt_end, fmt_pct, fmt_pos
+from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_end, fmt_pct, fmt_pos
+from kvbits.report.summary import RunSummary
 
 logger = logging.getLogger(__name__)
 

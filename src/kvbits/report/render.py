@@ -31,18 +31,11 @@ from kvbits.report.calibration import (
     calibration_table,
     calibration_warnings,
 )
+from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_pos
 from kvbits.report.plots import PLOT_FILES
-from kvbits.report.tables import (
-    DEFAULT_THRESHOLD,
-    RunSummary,
-    TableData,
-    attn_table,
-    delta_table,
-    fmt_pos,
-    metric_table,
-    overall_table,
-    verdict,
-)
+from kvbits.report.summary import RunSummary
+from kvbits.report.tables import TableData, attn_table, delta_table, metric_table, overall_table
+from kvbits.report.verdict import verdict
 
 logger = logging.getLogger(__name__)
 

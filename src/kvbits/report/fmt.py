@@ -1,0 +1,107 @@
+"""Numbers as the report prints them, and the conventions of ``summary.json``.
+
+``summary.json`` (written by :mod:`kvbits.evaluate.runner`): ``delta_rel`` and its CI are
+*fractions* (``0.01`` = +1 % perplexity), ``top1`` is the fraction of positions whose argmax matches
+the reference, ``kl`` is the mean KL(reference ‖ quantized) in nats per token. Missing numbers
+(absent keys, ``null``, NaN) become NaN in the records and print as ``n/a``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "NA",
+    "bucket_label",
+    "fmt_bytes",
+    "fmt_ci",
+    "fmt_end",
+    "fmt_float",
+    "fmt_frac",
+    "fmt_kl",
+    "fmt_pct",
+    "fmt_pos",
+]
+
+DEFAULT_THRESHOLD = 0.01  # "hurts" = perplexity more than 1 % above the unquantized reference
+NA = "n/a"
+
+
+def _num(x: Any) -> float:
+    """A float, or NaN for None / non-numbers."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _ok(x: float) -> bool:
+    return not math.isnan(x) and not math.isinf(x)
+
+
+def fmt_pos(n: int) -> str:
+    """A token position as in the bucket names: multiples of 1024 as ``4K``, others verbatim."""
+    if n and n % 1024 == 0:
+        return f"{n // 1024}K"
+    return str(n)
+
+
+def fmt_end(hi: int) -> str:
+    """The exclusive end of a bucket. A window of ``T`` tokens has ``T - 1`` predicting positions, so
+    its last bucket ends at ``T - 1``: an end one short of a multiple of 1024 prints as that multiple
+    (``[4096, 8191)`` is ``4K–8K``, the rest of an 8K window)."""
+    return fmt_pos(hi + 1) if hi > 0 and (hi + 1) % 1024 == 0 else fmt_pos(hi)
+
+
+def bucket_label(lo: int, hi: int) -> str:
+    """``0–1K``, ``4K–8K``, ``1000–1K`` (prefill), ``0–999`` (a 1000-token window)."""
+    return f"{fmt_pos(lo)}–{fmt_end(hi)}"
+
+
+def fmt_pct(frac: float, digits: int = 2) -> str:
+    """A relative change (fraction) as a signed percentage: ``0.0042 -> '+0.42%'``."""
+    if not _ok(frac):
+        return NA
+    pct = frac * 100
+    d = 1 if abs(pct) >= 100 else digits
+    if round(pct, d) == 0:
+        pct = 0.0  # no "-0.00%" for a difference that rounds to nothing
+    return f"{pct:+.{d}f}%"
+
+
+def fmt_ci(ci: tuple[float, float]) -> str:
+    """A 95 % CI of a relative change: ``[+0.10, +0.80]`` (percent), or '' when unknown."""
+    lo, hi = ci
+    if not (_ok(lo) and _ok(hi)):
+        return ""
+    return f"[{lo * 100:+.2f}, {hi * 100:+.2f}]"
+
+
+def fmt_kl(x: float) -> str:
+    """KL in nats: 4 decimals, or scientific below 1e-3 (0 prints as ``0``)."""
+    if not _ok(x):
+        return NA
+    if x == 0:
+        return "0"
+    return f"{x:.2e}" if abs(x) < 1e-3 else f"{x:.4f}"
+
+
+def fmt_frac(x: float) -> str:
+    """A fraction as a percentage with two decimals (top-1 agreement)."""
+    return NA if not _ok(x) else f"{x * 100:.2f}%"
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in binary units: ``1288490188.8 -> '1.20 GiB'``, ``5242880 -> '5.00 MiB'``."""
+    if not _ok(n):
+        return NA
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_float(x: float, digits: int = 3) -> str:
+    return NA if not _ok(x) else f"{x:.{digits}f}"

@@ -1,0 +1,195 @@
+"""A run's numbers as typed records: ``summary.json`` -> :class:`RunSummary` of :class:`SchemeResult`.
+
+The renderer (:mod:`.render`), the plots (:mod:`.plots`), the tables (:mod:`.tables`) and the CLI
+all read these records, so they can never disagree about a number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
+
+__all__ = ["AttnLayer", "Bucket", "RunSummary", "SchemeResult"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Metrics over the predicted-token positions ``[lo, hi)`` (averaged over all windows)."""
+
+    lo: int
+    hi: int
+    tokens: int = 0
+    ppl: float = math.nan
+    ppl_ref: float = math.nan
+    delta: float = math.nan  # relative ΔPPL, fraction
+    ci: tuple[float, float] = (math.nan, math.nan)
+    kl: float = math.nan
+    top1: float = math.nan
+
+    @property
+    def label(self) -> str:
+        return bucket_label(self.lo, self.hi)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Bucket:
+        ppl, ppl_ref = _num(d.get("ppl")), _num(d.get("ppl_ref"))
+        delta = _num(d.get("delta_rel"))
+        if not _ok(delta) and _ok(ppl) and _ok(ppl_ref) and ppl_ref > 0:
+            delta = ppl / ppl_ref - 1
+        ci = d.get("delta_rel_ci") or (None, None)
+        ci_t = (_num(ci[0]), _num(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else (math.nan,) * 2
+        tokens = _num(d.get("tokens"))
+        return cls(
+            lo=int(d["lo"]), hi=int(d["hi"]), tokens=int(tokens) if _ok(tokens) else 0, ppl=ppl,
+            ppl_ref=ppl_ref, delta=delta, ci=ci_t, kl=_num(d.get("kl")), top1=_num(d.get("top1")),
+        )
+
+
+@dataclass(frozen=True)
+class AttnLayer:
+    """Relative error of one sampled layer's attention output, per position bucket."""
+
+    layer: int
+    buckets: tuple[tuple[int, int, float], ...]  # (lo, hi, rel_err)
+
+
+@dataclass(frozen=True)
+class SchemeResult:
+    """One scheme's results, overall and per position bucket."""
+
+    name: str
+    avg_bits: float = math.nan
+    ppl: float = math.nan
+    ppl_ref: float = math.nan
+    kl: float = math.nan
+    top1: float = math.nan
+    seconds: float = math.nan
+    buckets: tuple[Bucket, ...] = ()
+    attn: tuple[AttnLayer, ...] = ()
+    calibration: Mapping[str, Any] = field(default_factory=dict)  # as in summary.json (see .calibration)
+
+    @property
+    def delta(self) -> float:
+        """Overall relative ΔPPL (fraction), from the overall PPLs."""
+        if _ok(self.ppl) and _ok(self.ppl_ref) and self.ppl_ref > 0:
+            return self.ppl / self.ppl_ref - 1
+        return math.nan
+
+    @property
+    def is_baseline(self) -> bool:
+        """True for an unquantized scheme (fp16, bf16, ...): it only checks the evaluation path."""
+        from kvbits.schemes import get_scheme
+
+        try:
+            return bool(get_scheme(self.name).is_identity)
+        except (ValueError, KeyError, TypeError):
+            return _ok(self.avg_bits) and self.avg_bits >= 16
+
+    @property
+    def max_delta(self) -> float:
+        vals = [b.delta for b in self.buckets if _ok(b.delta)]
+        return max(vals) if vals else math.nan
+
+    def first_failure(self, threshold: float = DEFAULT_THRESHOLD) -> Bucket | None:
+        """The first position bucket whose ΔPPL exceeds ``threshold`` (a fraction), or None."""
+        return next((b for b in self.buckets if _ok(b.delta) and b.delta > threshold), None)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SchemeResult:
+        buckets = tuple(sorted((Bucket.from_dict(b) for b in d.get("buckets") or ()), key=lambda b: b.lo))
+        attn = tuple(
+            AttnLayer(
+                layer=int(a.get("layer", i)),
+                buckets=tuple(
+                    (int(b["lo"]), int(b["hi"]), _num(b.get("rel_err"))) for b in a.get("buckets") or ()
+                ),
+            )
+            for i, a in enumerate(d.get("attn_error") or ())
+        )
+        return cls(
+            name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")), ppl=_num(d.get("ppl")),
+            ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
+            seconds=_num(d.get("seconds")), buckets=buckets, attn=attn,
+            calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
+        )
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A whole ``summary.json``: the setting and one :class:`SchemeResult` per scheme."""
+
+    model: str = "?"
+    data: str = "?"
+    context: int = 0
+    semantics: str = "?"
+    mode: str = "?"
+    windows: int = 0
+    fingerprint: Mapping[str, Any] = field(default_factory=dict)
+    results: tuple[SchemeResult, ...] = ()
+    reference_seconds: float = math.nan
+    peak_rss_bytes: float = math.nan  # the evaluating process's peak resident set
+    peak_cuda_bytes: float = math.nan  # torch's peak CUDA allocation over the run (CUDA runs only)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
+        if not isinstance(d, Mapping):
+            raise TypeError(f"summary must be a mapping (parsed summary.json), got {type(d).__name__}")
+        ctx, win = _num(d.get("context")), _num(d.get("windows"))
+        return cls(
+            model=str(d.get("model", "?")), data=str(d.get("data", "?")),
+            context=int(ctx) if _ok(ctx) else 0, semantics=str(d.get("semantics", "?")),
+            mode=str(d.get("mode", "?")), windows=int(win) if _ok(win) else 0,
+            fingerprint=dict(d.get("fingerprint") or {}),
+            results=tuple(SchemeResult.from_dict(r) for r in d.get("results") or ()),
+            reference_seconds=_num(d.get("reference_seconds")),
+            peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunSummary:
+        """Read a run folder's ``summary.json`` (or the file itself)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "summary.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no summary.json at {p}; is this an evaluation output folder?")
+        return cls.from_dict(json.loads(p.read_text()))
+
+    @classmethod
+    def coerce(cls, summary: RunSummary | Mapping[str, Any] | str | Path) -> RunSummary:
+        """A :class:`RunSummary` from a summary dict, a run folder, a summary.json path or itself."""
+        if isinstance(summary, RunSummary):
+            return summary
+        if isinstance(summary, (str, Path)):
+            return cls.load(summary)
+        return cls.from_dict(summary)
+
+    @property
+    def bucket_spans(self) -> list[tuple[int, int]]:
+        """All (lo, hi) bucket spans of any scheme, in position order."""
+        return sorted({(b.lo, b.hi) for r in self.results for b in r.buckets})
+
+    @property
+    def ppl_ref(self) -> float:
+        return next((r.ppl_ref for r in self.results if _ok(r.ppl_ref)), math.nan)
+
+    @property
+    def peak_memory(self) -> str:
+        """``1.20 GiB resident (process peak), 3.50 GiB CUDA allocated (run peak)``: what the run
+        recorded, or '' for neither (runs from before it was recorded)."""
+        parts = []
+        if _ok(self.peak_rss_bytes) and self.peak_rss_bytes > 0:
+            parts.append(f"{fmt_bytes(self.peak_rss_bytes)} resident (process peak)")
+        if _ok(self.peak_cuda_bytes) and self.peak_cuda_bytes > 0:
+            parts.append(f"{fmt_bytes(self.peak_cuda_bytes)} CUDA allocated (run peak)")
+        return ", ".join(parts)
+
+
+def _bucket_at(r: SchemeResult, span: tuple[int, int]) -> Bucket | None:
+    return next((b for b in r.buckets if (b.lo, b.hi) == span), None)

@@ -1,0 +1,81 @@
+"""The verdict: one paragraph computed from a run's numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_pct, fmt_pos
+from kvbits.report.summary import RunSummary
+
+__all__ = ["verdict"]
+
+
+def _join(names: list[str]) -> str:
+    if len(names) <= 1:
+        return "".join(names)
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_THRESHOLD) -> str:
+    """One paragraph, computed from the numbers: who stays within ``threshold`` ΔPPL in every
+    position bucket, where each other scheme first exceeds it, the best bits/quality trade-off,
+    and which schemes get worse along the context. Inline ``**bold**`` marks scheme names."""
+    run = RunSummary.coerce(summary)
+    thr = fmt_pct(threshold, 0).lstrip("+")
+    parts: list[str] = []
+    if not run.results:
+        return "The run holds no results."
+    quant = [r for r in run.results if not r.is_baseline]
+    for r in run.results:
+        if r.is_baseline and _ok(r.max_delta) and abs(r.max_delta) > 1e-4:
+            parts.append(
+                f"Warning: the unquantized **{r.name}** differs from the reference by up to "
+                f"{fmt_pct(r.max_delta)}, so the evaluation path itself adds error."
+            )
+    no_data = [r for r in quant if not any(_ok(b.delta) for b in r.buckets)]
+    judged = [r for r in quant if r not in no_data]
+    passing = [r for r in judged if r.first_failure(threshold) is None]
+    failing = [r for r in judged if r.first_failure(threshold) is not None]
+    upto = f" up to {fmt_pos(run.context)} tokens" if run.context else ""
+    if not quant:
+        parts.append("Only unquantized schemes were evaluated; there is no quantization to judge.")
+    elif passing:
+        verb = "stays" if len(passing) == 1 else "stay"
+        parts.append(
+            f"{_join([f'**{r.name}**' for r in passing])} {verb} within {thr} ΔPPL of the unquantized "
+            f"reference in every position bucket{upto}."
+        )
+    elif judged:
+        parts.append(f"No quantized scheme stays within {thr} ΔPPL in every position bucket{upto}.")
+    fails = []
+    for r in failing:
+        b = r.first_failure(threshold)
+        assert b is not None
+        where = f"already in the first bucket, {b.label}" if b is r.buckets[0] else f"at {b.label}"
+        ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
+        fails.append(f"**{r.name}** {where} ({fmt_pct(b.delta)}{ci})")
+    if fails:
+        parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
+    ranked = passing or sorted(judged, key=lambda r: r.max_delta)[:1]
+    with_bits = [r for r in ranked if _ok(r.avg_bits)]
+    if with_bits:
+        best = min(with_bits, key=lambda r: (r.avg_bits, r.max_delta))
+        ratio = f" ({16 / best.avg_bits:.1f}× smaller than fp16)" if best.avg_bits > 0 else ""
+        lead = "Best bits/quality trade-off" if passing else "Least damaging quantized scheme"
+        parts.append(
+            f"{lead}: **{best.name}**, {best.avg_bits:.2f} bits per element{ratio}, worst bucket "
+            f"{fmt_pct(best.max_delta)}, overall {fmt_pct(best.delta)}."
+        )
+    grows = []
+    for r in judged:
+        vals = [b for b in r.buckets if _ok(b.delta)]
+        if len(vals) >= 2:
+            first, last = vals[0].delta, vals[-1].delta
+            if last - first > max(threshold / 4, abs(first)):
+                grows.append(f"**{r.name}** ({fmt_pct(first)} at {vals[0].label} → {fmt_pct(last)} at {vals[-1].label})")
+    if grows:
+        parts.append("Damage grows along the context for " + ", ".join(grows) + ".")
+    if no_data:
+        parts.append(f"No bucket data for {_join([f'**{r.name}**' for r in no_data])}.")
+    return " ".join(parts)
