@@ -3,7 +3,8 @@
     PYTHONPATH=src python benchmarks/gpu_decode.py   # H200, < 5 min -> benchmarks/results/gpu_decode.json
     PYTHONPATH=src python benchmarks/gpu_decode.py --smoke --device cpu   # seconds: interpreter + reference
 
-Imports only torch, triton and kvbits' pure modules (no installs on the GPU machine). Steps:
+Imports only torch, triton, transformers (5.17+, step 6 only, lazily) and kvbits (no installs on the
+GPU machine). Steps:
 
 1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
@@ -17,6 +18,11 @@ Imports only torch, triton and kvbits' pure modules (no installs on the GPU mach
    tokens in fp16), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
+6. end to end: greedy decode tokens/s after a 32K-token prompt through a random-weight model shaped like
+   Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA) vs ``QuantizedKVCache``
+   with the fused decode path (``use_fused_decode``: attention function ``kvbits_fused``; every decode
+   step of every layer must be served by the kernel, else the run aborts) vs the same cache
+   dequantizing into SDPA vs transformers' ``QuantizedCache`` (when one of its backends imports).
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gpu_decode.json"
 FORMAT_VERSION = 1
 
 SHAPES = {  # KV shapes of the models (config.json: num_key_value_heads, num_attention_heads, head_dim)
-    "qwen2.5-0.5b": dict(H_kv=2, H_q=14, D=64),
-    "llama-3-8b": dict(H_kv=8, H_q=32, D=128),
+    "qwen2.5-0.5b": {"H_kv": 2, "H_q": 14, "D": 64},
+    "llama-3-8b": {"H_kv": 8, "H_q": 32, "D": 128},
 }
 SCHEME_BITS = {"int8": 8, "int4": 4, "int2": 2}
 KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
@@ -97,7 +103,7 @@ def time_ms(
             with torch.cuda.graph(g):
                 fn()
             run, used_graph = g.replay, True
-        except Exception as exc:  # capture is an optimisation; eager timing is still honest
+        except Exception as exc:  # noqa: BLE001 - capture is an optimisation; eager timing is still honest
             print(f"  (CUDA graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
             torch.cuda.synchronize()
     times = []
@@ -156,7 +162,7 @@ def random_store(
     if T_q:
         key = random_packed(B, H, T_q, D, bits, KEY_GROUP, 1, device, gen)
         value = random_packed(B, H, T_q, D, bits, 1, VALUE_GROUP, device, gen)
-    lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)  # noqa: E731
+    lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
     return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
 
 
@@ -175,14 +181,14 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
         return []
     dev = cfg.device
     gen = torch.Generator().manual_seed(0)
-    kivi = lambda b: dict(key=_spec(b, "channel", 32), value=_spec(b, "token", 32))  # noqa: E731
+    kivi = lambda b: {"key": _spec(b, "channel", 32), "value": _spec(b, "token", 32)}
     variants = [
         ("int8-kivi", kivi(8), {}),
         ("int4-kivi", kivi(4), {}),
         ("int2-kivi", kivi(2), {}),
         ("int4-kivi-gather", kivi(4), {"vectorized": False}),
-        ("int2-token-keys", dict(key=_spec(2, "token", None), value=_spec(2, "token", None)), {}),
-        ("int3-symmetric", dict(key=_spec(3, "token", 32, symmetric=True), value=_spec(3, "token", 32)), {}),
+        ("int2-token-keys", {"key": _spec(2, "token", None), "value": _spec(2, "token", None)}, {}),
+        ("int3-symmetric", {"key": _spec(3, "token", 32, symmetric=True), "value": _spec(3, "token", 32)}, {}),
         ("int4-pre-rope", {**kivi(4), "rope": True}, {}),
         ("fp16-tail-only", None, {}),
     ]
@@ -202,7 +208,7 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
             vq = torch.randn(B, H, T_q, D, generator=gen)
             kf = (torch.randn(B, H, T_f, D, generator=gen)).half().to(dev)
             vf = torch.randn(B, H, T_f, D, generator=gen).half().to(dev)
-            ragged = dict(full_lens=[T_f, T_f // 2, 1])
+            ragged = {"full_lens": [T_f, T_f // 2, 1]}
             if specs is None:
                 store = pack_store([], [], kf, vf, **ragged)
             else:
@@ -211,11 +217,11 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
                     inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
                     f = torch.arange(T_q + T_f + 4, dtype=torch.float64)[:, None] * inv
                     emb = torch.cat([f, f], -1)
-                    rope = dict(
-                        rope_cos=emb.cos().float().to(dev),
-                        rope_sin=emb.sin().float().to(dev),
-                        quant_pos0=[4] * B,
-                    )
+                    rope = {
+                        "rope_cos": emb.cos().float().to(dev),
+                        "rope_sin": emb.sin().float().to(dev),
+                        "quant_pos0": [4] * B,
+                    }
                 store = pack_store(
                     [quantize(kq.to(dev), specs["key"])],
                     [quantize(vq.to(dev), specs["value"])],
@@ -237,7 +243,7 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
             _sync(dev)
             err = (out.double() - truth).abs().max().item()
             ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
-            results.append(dict(variant=name, shape=shape_name, err=err, err_torch_fp16=err_pt, ok=ok))
+            results.append({"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok})
             print(
                 f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
                 f"{'ok' if ok else 'FAIL'}"
@@ -248,6 +254,145 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
                     f"error {err_pt:.3g}. Timings would be meaningless; aborting."
                 )
     return results
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end (step 6): a whole model decoding through each cache
+# --------------------------------------------------------------------------------------------------
+
+E2E_MODEL = {  # Qwen2.5-0.5B (config.json); the smoke model keeps its KV shape, not its size
+    "full": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True},
+    "smoke": {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64},
+}  # fmt: skip
+E2E_KVBITS = ("int8-token", "kivi-4", "kivi-2")  # fused; kivi-4 also unfused (dequantize + SDPA)
+E2E_HF = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers QuantizedCache backends, if importable
+
+
+def _e2e_model(cfg: Config, context: int, tokens: int) -> torch.nn.Module:
+    """Random-weight Qwen2 model (fp16 on CUDA, float32 on CPU), built directly on the device."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = E2E_MODEL["smoke" if cfg.smoke else "full"]
+    config = Qwen2Config(max_position_embeddings=context + tokens + 64, **shape)
+    torch.manual_seed(0)
+    with cfg.device:
+        model = Qwen2ForCausalLM(config)
+    dtype = torch.float16 if cfg.device.type == "cuda" else torch.float32
+    model = model.to(dtype).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _hf_cache(config, backend: str, nbits: int | None):
+    """transformers' ``QuantizedCache``, or the reason it cannot be built here."""
+    from transformers import QuantizedCache
+
+    kw = {} if nbits is None else {"nbits": nbits, "residual_length": RESIDUAL, "q_group_size": 64}
+    try:
+        if backend == "quanto":
+            import optimum.quanto  # noqa: F401
+        return QuantizedCache(backend=backend, config=config, **kw), None
+    except (ImportError, ValueError, TypeError) as exc:
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+@torch.no_grad()
+def _decode_run(cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int) -> dict:
+    """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps."""
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    generated = []
+    for i in range(warmup + tokens):
+        if i == warmup:
+            _sync(cfg.device)
+            t0 = time.perf_counter()
+        out = model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(nxt)
+    _sync(cfg.device)
+    seconds = time.perf_counter() - t0
+    B = ids.shape[0]
+    return {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
+            "tokens": torch.cat(generated, 1)[:, warmup:].cpu()}  # fmt: skip
+
+
+def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmup: int) -> list[dict]:
+    """Step (6): decode tokens/s per cache at ``context``; raises ``SystemExit`` if the fused path was
+    not taken on every decode step of every layer."""
+    from kvbits.cache import QuantizedKVCache, use_fused_decode
+
+    model = _e2e_model(cfg, context, tokens)
+    n_layers = model.config.num_hidden_layers
+    rows = []
+    for batch in batches:
+        gen = torch.Generator(device=cfg.device).manual_seed(batch)
+        ids = torch.randint(0, model.config.vocab_size, (batch, context), device=cfg.device, generator=gen)
+        runs = [("dynamic-fp16", "fp16", None)] + [("kvbits-fused", s, True) for s in E2E_KVBITS]
+        runs += [("kvbits-dequant-sdpa", "kivi-4", False)] + [(f"hf-quantized-{b}", n, b) for b, n in E2E_HF]
+        fp16_tps, fused_tokens = None, {}
+        for name, scheme, how in runs:
+            bytes_ = note = None
+            if name == "dynamic-fp16":
+                from transformers import DynamicCache
+
+                model.set_attn_implementation("sdpa")
+                cache = DynamicCache(config=model.config)
+            elif name.startswith("kvbits"):
+                if how:
+                    use_fused_decode(model)
+                else:
+                    model.set_attn_implementation("sdpa")
+                # CPU smoke: force the fused path (torch reference); on CUDA "auto" must pick the kernel
+                mode = True if (how and cfg.device.type == "cpu") else ("auto" if how else False)
+                cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode)
+            else:
+                model.set_attn_implementation("sdpa")
+                cache, note = _hf_cache(model.config, how, scheme)
+                scheme = f"{how}-int{scheme}" if scheme else how
+                if cache is None:
+                    rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                                 "skipped": note})  # fmt: skip
+                    print(f"  e2e {name:20s} skipped: {note}")
+                    continue
+            try:
+                r = _decode_run(cfg, model, cache, ids, tokens, warmup)
+            except (RuntimeError, NotImplementedError) as exc:  # e.g. an HF backend failing on this device
+                rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                             "skipped": f"{type(exc).__name__}: {str(exc)[:160]}"})  # fmt: skip
+                print(f"  e2e {name:20s} failed: {exc}")
+                continue
+            if isinstance(cache, QuantizedKVCache):
+                bytes_ = cache.memory_report()["total_bytes"]
+                fr = cache.fused_report()
+                want = (warmup + tokens) * n_layers if how else 0
+                if fr["fused_steps"] != want or fr["fallback_steps"]:
+                    raise SystemExit(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
+                                     f"(want {want}), {fr['fallback_steps']} fallbacks: {fr['layers']}")  # fmt: skip
+                note = f"{fr['fused_steps']} fused steps"
+                if how:
+                    fused_tokens[scheme] = r["tokens"]
+                elif scheme in fused_tokens:
+                    note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+            elif name == "dynamic-fp16":
+                bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                fp16_tps = r["tokens_per_s"]
+            row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                   "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"],
+                   "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
+                   "cache_bytes": bytes_, "note": note}  # fmt: skip
+            rows.append(row)
+            print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
+                  f"({r['ms_per_step']:.2f} ms/step) {note or ''}")  # fmt: skip
+            del cache
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()
+    model.set_attn_implementation("sdpa")
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,11 +414,11 @@ def _record(
 ) -> dict:
     """One result row; ``(ms, graph, nbytes)`` in the order the timing helpers return them."""
     gbps = nbytes / (ms * 1e-3) / 1e9
-    return dict(
-        kernel=kernel, scheme=scheme, shape=shape, context=context, batch=batch, ms=round(ms, 5),
-        gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3), bytes_read=nbytes,
-        speedup_vs_fp16=round(fp16_ms / ms, 3), cuda_graph=graph,
-    )  # fmt: skip
+    return {
+        "kernel": kernel, "scheme": scheme, "shape": shape, "context": context, "batch": batch, "ms": round(ms, 5),
+        "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3), "bytes_read": nbytes,
+        "speedup_vs_fp16": round(fp16_ms / ms, 3), "cuda_graph": graph,
+    }  # fmt: skip
 
 
 def fp16_baselines(
@@ -386,19 +531,19 @@ def break_even(records: list[dict]) -> list[dict]:
                 be = r["context"]
                 break
         out.append(
-            dict(
-                shape=shape,
-                batch=batch,
-                kernel=kernel,
-                scheme=scheme,
-                break_even_context=be,
-                max_context_measured=rows[-1]["context"] if rows else None,
-            )
+            {
+                "shape": shape,
+                "batch": batch,
+                "kernel": kernel,
+                "scheme": scheme,
+                "break_even_context": be,
+                "max_context_measured": rows[-1]["context"] if rows else None,
+            }
         )
     return out
 
 
-def markdown(records: list[dict], be: list[dict], copy_gbps: float) -> str:
+def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[dict] | None = None) -> str:
     lines = [
         f"Copy bandwidth (read + write): {copy_gbps:.0f} GB/s",
         "",
@@ -419,6 +564,16 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float) -> str:
             f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | "
             f"{ctx if ctx is not None else '> ' + str(b['max_context_measured'])} |"
         )
+    if e2e:
+        lines += ["", "| cache | scheme | batch | context | tokens/s | ms/step | vs fp16 | cache bytes | note |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in e2e:
+            if "skipped" in r:
+                lines.append(f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | {r['skipped']} |")
+                continue
+            sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
+            lines.append(f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | {r['tokens_per_s']} | "
+                         f"{r['ms_per_step']} | {sp} | {r['cache_bytes'] or ''} | {r['note'] or ''} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -452,6 +607,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run the correctness step (auto: whenever Triton is used)",
     )
     p.add_argument("--max-gb", type=float, default=40.0, help="skip combos whose fp16 K/V exceed this")
+    p.add_argument("--e2e", choices=("yes", "no", "only"), default="yes", help="step 6 (only: skip steps 2-5)")
+    p.add_argument("--e2e-context", type=int, default=None, help="prompt tokens (default 32768; smoke 256)")
+    p.add_argument("--e2e-batch", type=int, action="append", default=None, help="repeatable (default 1 and 8)")
+    p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -473,11 +632,11 @@ def main(argv: list[str] | None = None) -> dict:
         kernel=kernel,
     )
     t0 = time.time()
-    env = dict(
-        torch=torch.__version__,
-        python=platform.python_version(),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-    )
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    }
     try:
         import triton
 
@@ -488,34 +647,43 @@ def main(argv: list[str] | None = None) -> dict:
     copy_gbps = copy_bandwidth(cfg)
     print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     run_check = args.check == "yes" or (args.check == "auto" and env["triton"] is not None)
-    checks = []
-    if run_check:
+    checks, records = [], []
+    if run_check and args.e2e != "only":
         print("(2) correctness vs float64")
         check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
         checks = check_variants(check_cfg, _decoder(check_cfg))
-    decode = _decoder(cfg)
-    print(f"(3) decode attention sweep ({kernel})")
-    records = sweep(cfg, decode, copy_gbps)
+    if args.e2e != "only":
+        decode = _decoder(cfg)
+        print(f"(3) decode attention sweep ({kernel})")
+        records = sweep(cfg, decode, copy_gbps)
     be = break_even(records)
-    result = dict(
-        version=FORMAT_VERSION,
-        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        smoke=cfg.smoke,
-        env=env,
-        copy_gbps=round(copy_gbps, 1),
-        layout=dict(
-            key=f"per-channel, {KEY_GROUP}-token groups",
-            value=f"per-token, {VALUE_GROUP}-channel groups",
-            residual_fp16=RESIDUAL,
-        ),
-        checks=checks,
-        records=records,
-        break_even=be,
-        seconds=round(time.time() - t0, 1),
-    )
+    e2e = []
+    if args.e2e != "no":
+        context = args.e2e_context or (256 if cfg.smoke else 32768)
+        batches = args.e2e_batch or ([1] if cfg.smoke else [1, 8])
+        tokens = args.e2e_tokens or (4 if cfg.smoke else 32)
+        print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
+        e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else 4)
+    result = {
+        "version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "smoke": cfg.smoke,
+        "env": env,
+        "copy_gbps": round(copy_gbps, 1),
+        "layout": {
+            "key": f"per-channel, {KEY_GROUP}-token groups",
+            "value": f"per-token, {VALUE_GROUP}-channel groups",
+            "residual_fp16": RESIDUAL,
+        },
+        "checks": checks,
+        "records": records,
+        "break_even": be,
+        "e2e": e2e,
+        "seconds": round(time.time() - t0, 1),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(markdown(records, be, copy_gbps))
+    print(markdown(records, be, copy_gbps, e2e))
     print(f"\nwrote {args.out} in {time.time() - t0:.0f} s")
     return result
 

@@ -55,6 +55,10 @@ def rope_tables(T: int, D: int, theta: float = 10000.0) -> tuple[torch.Tensor, t
     return emb.cos().float(), emb.sin().float()
 
 
+KIVI4_KEYS = spec(4, "channel", 32)
+KIVI4_VALUES = spec(4, "token", 32)
+
+
 def make_store(
     gen: torch.Generator,
     *,
@@ -63,8 +67,8 @@ def make_store(
     D: int = 64,
     T_q: int = 160,
     T_f: int = 40,
-    key_spec: TensorSpec | None = spec(4, "channel", 32),
-    value_spec: TensorSpec | None = spec(4, "token", 32),
+    key_spec: TensorSpec | None = KIVI4_KEYS,
+    value_spec: TensorSpec | None = KIVI4_VALUES,
     quant_lens: list[int] | None = None,
     full_lens: list[int] | None = None,
     block: int = 32,
@@ -87,7 +91,7 @@ def make_store(
     kw = {}
     if rope:
         cos, sin = rope_tables(T_q + T_f + 8, D)
-        kw = dict(rope_cos=cos.to(device), rope_sin=sin.to(device), quant_pos0=[4] * B)
+        kw = {"rope_cos": cos.to(device), "rope_sin": sin.to(device), "quant_pos0": [4] * B}
     return pack_store(kb, vb, kf, vf, quant_lens=quant_lens, full_lens=full_lens, **kw)
 
 
@@ -266,26 +270,26 @@ def test_kernel_unpacks_exact_codes(bits: int):
 # (name, make_store kwargs, splits, vectorized): vectorized=None reads whole packed rows (the default,
 # 2/4/8-bit), False one gather per element (the path of 3-bit codes and pre-RoPE keys)
 ATTENTION_CASES = [
-    ("int8-kivi", dict(key_spec=spec(8, "channel", 32), value_spec=spec(8, "token", 32)), 3, None),
-    ("int4-kivi", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2, None),
-    ("int2-kivi", dict(key_spec=spec(2, "channel", 32), value_spec=spec(2, "token", 32)), 3, None),
-    ("int4-kivi-gather", dict(key_spec=spec(4, "channel", 32), value_spec=spec(4, "token", 32)), 2, False),
-    ("int2-token-keys-gather", dict(key_spec=spec(2, "token"), value_spec=spec(2, "token")), 2, False),
-    ("int4-token-keys", dict(key_spec=spec(4, "token"), value_spec=spec(4, "token")), 2, None),
+    ("int8-kivi", {"key_spec": spec(8, "channel", 32), "value_spec": spec(8, "token", 32)}, 3, None),
+    ("int4-kivi", {"key_spec": spec(4, "channel", 32), "value_spec": spec(4, "token", 32)}, 2, None),
+    ("int2-kivi", {"key_spec": spec(2, "channel", 32), "value_spec": spec(2, "token", 32)}, 3, None),
+    ("int4-kivi-gather", {"key_spec": spec(4, "channel", 32), "value_spec": spec(4, "token", 32)}, 2, False),
+    ("int2-token-keys-gather", {"key_spec": spec(2, "token"), "value_spec": spec(2, "token")}, 2, False),
+    ("int4-token-keys", {"key_spec": spec(4, "token"), "value_spec": spec(4, "token")}, 2, None),
     (
         "int2-channel16-mha",
-        dict(key_spec=spec(2, "channel", 16), value_spec=spec(2, "token"), H_kv=3, G=1),
+        {"key_spec": spec(2, "channel", 16), "value_spec": spec(2, "token"), "H_kv": 3, "G": 1},
         1,
         None,
     ),
     (
         "int3-sym-head",
-        dict(key_spec=spec(3, "token", 32, symmetric=True), value_spec=spec(4, "head")),
+        {"key_spec": spec(3, "token", 32, symmetric=True), "value_spec": spec(4, "head")},
         2,
         None,
     ),
-    ("tail-only", dict(T_q=0, T_f=150), 2, None),
-    ("no-tail-d128-g4", dict(T_f=0, D=128, G=4, B=1), 2, None),
+    ("tail-only", {"T_q": 0, "T_f": 150}, 2, None),
+    ("no-tail-d128-g4", {"T_f": 0, "D": 128, "G": 4, "B": 1}, 2, None),
 ]
 
 
@@ -297,7 +301,7 @@ def test_kernel_within_twice_torch_error_fp16(name: str, kw: dict, splits: int, 
     G = kw.pop("G", 3)
     B, H_kv = kw.get("B", 2), kw.get("H_kv", 2)
     T_q, T_f = kw.get("T_q", 160), kw.get("T_f", 40)
-    ragged = dict(quant_lens=[T_q, T_q * 3 // 5], full_lens=[T_f, T_f // 3 + 1])
+    ragged = {"quant_lens": [T_q, T_q * 3 // 5], "full_lens": [T_f, T_f // 3 + 1]}
     store = make_store(g, **ragged, **kw) if B == 2 else make_store(g, **kw)
     D = store.head_dim
     q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).to(DEVICE)
@@ -372,3 +376,12 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     }
     assert by["fp16"] > by["int8"] > by["int4"] > by["int2"]
     assert {b["scheme"] for b in data["break_even"]} == {"fp16", "int8", "int4", "int2"}
+    # end to end (step 6): a whole model decoding through each cache; the fused rows really were fused
+    e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
+    fp16 = e2e[("dynamic-fp16", "fp16")]
+    assert fp16["tokens_per_s"] > 0 and fp16["context"] == 256
+    for scheme in ("int8-token", "kivi-4", "kivi-2"):
+        row = e2e[("kvbits-fused", scheme)]
+        assert row["tokens_per_s"] > 0 and row["note"] == "10 fused steps"  # (1 warm-up + 4) x 2 layers
+        assert row["cache_bytes"] < fp16["cache_bytes"]
+    assert e2e[("kvbits-dequant-sdpa", "kivi-4")]["note"].startswith("0 fused steps")
