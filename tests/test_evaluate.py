@@ -676,7 +676,8 @@ def test_simulate_counts_clipping_against_calibrated_ranges(models):
 
     from kvbits.calibrate import artifact_from_samples
     from kvbits.calibrate.artifact import describe_model
-    from kvbits.evaluate.runner import _calibration_id, _mismatch
+    from kvbits.evaluate.measures import _mismatch
+    from kvbits.evaluate.request import _calibration_id
     from kvbits.quant.rope import RotaryTables
 
     model = models("llama", torch.float64)

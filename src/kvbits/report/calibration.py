@@ -2,7 +2,7 @@
 
 Schemes with static scales or NUQ codebooks (``kvquant-*``) serve constants fitted offline by
 ``kvbits calibrate``. The evaluator records, per scheme, in ``summary.json``
-``results[].calibration`` (see ``kvbits.evaluate.runner._mismatch``):
+``results[].calibration`` (see ``kvbits.evaluate.measures._mismatch``):
 
 - ``clipped_keys`` / ``clipped_values`` and their ``*_frac``: cached elements that fell outside the
   calibrated range and were saturated to it (counted in simulate mode only);

@@ -1,0 +1,105 @@
+"""An evaluation's inputs: the model, the token windows and the calibration artifacts."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kvbits.evaluate.request import _ids_fingerprint, _model_fingerprint
+
+__all__: list[str] = []
+
+
+def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
+    """``(model, tokenizer, name, fingerprint)`` from a spec string, a ``LoadedModel`` or a model."""
+    from kvbits.evaluate.models import LoadedModel, load_model
+
+    if isinstance(model, str):
+        model = load_model(model, dtype=dtype, device=device or "cpu")
+    elif isinstance(model, LoadedModel) and (dtype is not None or device is not None):
+        model.model.to(device=device, dtype=dtype)
+    if isinstance(model, LoadedModel):
+        return model.model.eval(), model.tokenizer, model.source.name, model.fingerprint
+    if not hasattr(model, "config"):
+        raise TypeError(
+            f"model must be a name/path, a LoadedModel or a transformers model, got {type(model).__name__}"
+        )
+    if dtype is not None or device is not None:
+        model = model.to(device=device, dtype=dtype)
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return model.eval(), None, name, _model_fingerprint(model)
+
+
+def _load_windows(data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None):
+    """``(windows (W, context) int64, data name, token fingerprint)``."""
+    from kvbits.evaluate.data import TextSource, load_text, make_windows, token_fingerprint, tokenize
+
+    if isinstance(data, torch.Tensor):
+        ids = data.detach().cpu().long()
+        if ids.dim() == 2:
+            if ids.shape[1] != context:
+                raise ValueError(f"token windows have {ids.shape[1]} tokens, context is {context}")
+            win = ids[:windows].clone()
+        elif ids.dim() == 1:
+            win = make_windows(ids, context, windows)
+        else:
+            raise ValueError(f"token data must be (N,) or (W, T), got shape {tuple(ids.shape)}")
+        return win, "tokens", _ids_fingerprint(win)
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass token ids (a tensor) as data")
+    source = data if isinstance(data, TextSource) else load_text(data, data_path)
+    ids = tokenize(source, tokenizer)
+    return make_windows(ids, context, windows), source.name, token_fingerprint(source, tokenizer)
+
+
+def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:
+    """Scheme name -> calibration artifact, from a mapping or from artifacts/folders matched by the
+    scheme each was calibrated for."""
+    if calibration is None:
+        return {}
+    from kvbits.calibrate import load_calibration
+
+    def load(x: Any) -> Any:
+        return load_calibration(x) if isinstance(x, (str, os.PathLike)) else x
+
+    names = [s.name for s in schemes]
+    if isinstance(calibration, dict):
+        out = {str(k): load(v) for k, v in calibration.items()}
+    else:
+        items = (
+            [calibration]
+            if isinstance(calibration, (str, os.PathLike)) or hasattr(calibration, "scheme")
+            else list(calibration)
+        )
+        out = {}
+        for item in items:
+            art = load(item)
+            out[art.scheme.name] = art
+    unknown = sorted(set(out) - set(names))
+    if unknown:
+        raise ValueError(
+            f"calibration given for {unknown}, which is not among the schemes evaluated ({names})"
+        )
+    return out
+
+
+def _calibration_paths(calibration: Any) -> list[str] | None:
+    """The calibration folders as given (for ``config.json``), or None when given as objects."""
+    if calibration is None:
+        return None
+    items = (
+        calibration.values()
+        if isinstance(calibration, dict)
+        else (
+            [calibration]
+            if isinstance(calibration, (str, os.PathLike)) or hasattr(calibration, "scheme")
+            else calibration
+        )
+    )
+    paths = [
+        str(x) if isinstance(x, (str, os.PathLike)) else str(getattr(x, "path", None) or "<object>")
+        for x in items
+    ]
+    return paths or None

@@ -1,0 +1,63 @@
+"""What a run measures besides the metrics: calibration/serving mismatch and peak memory."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from kvbits.evaluate.request import _calibration_id
+
+__all__: list[str] = []
+
+
+def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -> dict[str, Any]:
+    """Calibration/serving mismatch, measured: values clipped by their scales (simulate mode) and
+    positions beyond the longest calibrated length (with a calibration artifact)."""
+    out: dict[str, Any] = {}
+    if mode == "simulate":
+        for side in ("keys", "values"):
+            n, total = clipped.get(side, 0), clipped.get(side + "_elements", 0)
+            out[f"clipped_{side}"] = n
+            out[f"clipped_{side}_frac"] = n / total if total else 0.0
+    if artifact is not None:
+        longest = int(artifact.max_calibrated_length)
+        out["max_calibrated_length"] = longest
+        out["positions_beyond_calibrated"] = max(0, context - longest)
+        out["artifact"] = _artifact_record(artifact)
+    return out
+
+
+def _artifact_record(art: Any) -> dict[str, Any]:
+    """Which calibration served a scheme: its id (as in ``config.json``), folder, and the data it saw."""
+    data = (getattr(art, "meta", None) or {}).get("data") or {}
+    path = getattr(art, "path", None)
+    rec: dict[str, Any] = {"id": _calibration_id(art), "path": None if path is None else str(path)}
+    for key in ("name", "context", "windows", "tokens"):
+        if isinstance(data, dict) and data.get(key) is not None:
+            rec["data" if key == "name" else key] = data[key]
+    return rec
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident set size in bytes since it started (``getrusage``), or None
+    where the platform does not report it."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    try:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    except (OSError, ValueError):
+        return None
+    if peak <= 0:
+        return None
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def _peak_cuda_bytes(dev: torch.device) -> int | None:
+    """Peak bytes allocated by torch on ``dev`` since its peak was last reset, or None off CUDA."""
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.max_memory_allocated(dev))

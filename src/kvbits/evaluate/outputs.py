@@ -1,0 +1,146 @@
+"""An evaluation's output folder::
+
+    DIR/config.json                 arguments, fingerprints, versions, git commit, date, config_hash
+    DIR/summary.json                the summary
+    DIR/records.jsonl               one line per scheme x window x bucket: sums of nll, nll_ref, kl, top1
+    DIR/tokens/<scheme>.safetensors per-token nll, nll_ref, kl, top1, float32 (W, T - 1)
+    DIR/DONE                        the config hash, written last
+
+then the report (``kvbits.report.write_report``). A folder whose ``DONE`` holds this run's config hash
+is reused; a folder written by another configuration is refused unless overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbits.evaluate.metrics import TOKEN_FIELDS
+from kvbits.evaluate.request import OUTPUT_VERSION
+
+logger = logging.getLogger(__name__)
+
+__all__: list[str] = []
+
+
+def _git_commit() -> dict[str, Any] | None:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        run = {"cwd": root, "capture_output": True, "text": True, "timeout": 10}
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], check=False, **run)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, **run)
+        return {"sha": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from kvbits import __version__
+
+    return {"kvbits": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_out_dir(out: Path, chash: str, overwrite: bool) -> dict[str, Any] | None:
+    """The stored summary when ``out`` holds a finished run of this config; else prepare ``out``."""
+    done, cfg_path = out / "DONE", out / "config.json"
+    stored = _read_json(cfg_path) if cfg_path.is_file() else None
+    if not overwrite and stored is not None:
+        other = stored.get("config_hash")
+        if other != chash:
+            raise ValueError(
+                f"{out} holds a run with a different configuration (config hash {other}, this run {chash}); "
+                "use another output folder or overwrite=True (--overwrite)"
+            )
+        if done.is_file() and done.read_text().strip() == chash:
+            summary = _read_json(out / "summary.json")
+            if summary is not None:
+                logger.info(
+                    "%s: finished run with the same configuration found; skipping (overwrite to redo)", out
+                )
+                return summary
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a folder")
+    for name in ("DONE", "summary.json", "records.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    if (out / "tokens").is_dir():
+        shutil.rmtree(out / "tokens")
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _run_config(
+    chash: str,
+    request: dict[str, Any],
+    args: dict[str, Any],
+    argv: Sequence[str] | None,
+    fingerprint: dict[str, str],
+    windows_run: int,
+) -> dict[str, Any]:
+    """The ``config.json`` record of a run."""
+    return {
+        "version": OUTPUT_VERSION,
+        "config_hash": chash,
+        "request": request,
+        "args": args,
+        "argv": list(argv) if argv is not None else None,
+        "fingerprint": fingerprint,
+        "windows_run": windows_run,
+        "versions": _versions(),
+        "commit": _git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _write_outputs(out: Path, chash: str, summary: dict, records: list, tokens: dict, meta: dict) -> None:
+    from safetensors.numpy import save_file
+
+    (out / "tokens").mkdir(exist_ok=True)
+    for name, arrays in tokens.items():
+        save_file(
+            {k: np.ascontiguousarray(arrays[k], dtype=np.float32) for k in TOKEN_FIELDS},
+            str(out / "tokens" / f"{name}.safetensors"),
+            metadata={k: str(v) for k, v in {**meta, "scheme": name}.items()},
+        )
+    _atomic_write(out / "records.jsonl", "".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _atomic_write(out / "DONE", chash + "\n")
+
+
+def _write_report(out: Path) -> None:
+    try:
+        from kvbits.report import write_report
+    except ImportError as exc:
+        logger.info("kvbits.report is not available (%s); no report written", exc)
+        return
+    try:
+        paths = write_report(out)
+        logger.info("report written: %s", ", ".join(str(p) for p in paths.values()))
+    except Exception as exc:  # noqa: BLE001 - the results are on disk; a failed report must not lose them
+        logger.warning("writing the report in %s failed: %s: %s", out, type(exc).__name__, exc)

@@ -1,0 +1,186 @@
+"""What an evaluation computes: its arguments, checked, and its identity.
+
+``_request`` records, JSON-able, everything that decides the numbers (model and data identities,
+schemes, mode, semantics, calibration ids, ...); :func:`config_hash` of it decides whether a
+stored run can be reused (:mod:`.outputs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbits.evaluate.stream import PeerScheme
+from kvbits.schemes.spec import KVScheme
+
+__all__ = ["DTYPES", "MODES", "OUTPUT_VERSION", "SEMANTICS", "config_hash", "default_attn_layers"]
+
+MODES = ("simulate", "stream")
+SEMANTICS = ("decode", "prefill")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OUTPUT_VERSION = 1
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+# ------------------------------------------------------------------------------------ identities
+
+
+def _sha16(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
+
+
+def _ids_fingerprint(ids: torch.Tensor) -> str:
+    return _sha16(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+
+
+def _model_fingerprint(model: Any) -> str:
+    """Config plus a checksum of every parameter, for models handed over as objects."""
+    cfg = (
+        model.config.to_json_string(use_diff=False)
+        if hasattr(model.config, "to_json_string")
+        else repr(model.config)
+    )
+    with torch.no_grad():
+        sums = [float(p.detach().double().sum()) for p in model.parameters()]
+    return _sha16(cfg + json.dumps(sums))
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """16 hex chars identifying what a run computes (arguments and input fingerprints)."""
+    return _sha16(json.dumps(config, sort_keys=True, default=str))
+
+
+def default_attn_layers(n_layers: int, count: int = 3) -> list[int]:
+    """``count`` layers evenly spaced from the first to the last."""
+    if n_layers <= count:
+        return list(range(n_layers))
+    return sorted({round(x) for x in np.linspace(0, n_layers - 1, count)})
+
+
+def _calibration_id(art: Any) -> str:
+    files = (getattr(art, "meta", None) or {}).get("files") or {}
+    sha = next((f.get("sha256") for f in files.values() if isinstance(f, dict) and f.get("sha256")), None)
+    if sha:
+        return f"sha256:{sha}"
+    tensors = getattr(art, "tensors", {}) or {}
+    return "tensors:" + _sha16(json.dumps({k: float(v.double().sum()) for k, v in sorted(tensors.items())}))
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _scheme_name(s: KVScheme | PeerScheme) -> str:
+    return s.name
+
+
+def _scheme_dict(s: KVScheme | PeerScheme) -> dict[str, Any]:
+    return s.to_dict()
+
+
+def _check_args(context, windows, mode, semantics, prompt_len, schemes) -> None:
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise ValueError(f"context must be an int >= 2, got {context!r}")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise ValueError(f"windows must be a positive int, got {windows!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    if semantics == "prefill":
+        if (
+            isinstance(prompt_len, bool)
+            or not isinstance(prompt_len, int)
+            or not 0 < prompt_len < context - 1
+        ):
+            raise ValueError(
+                f"semantics='prefill' needs prompt_len with 0 < prompt_len < context - 1 = {context - 1}, got {prompt_len!r}"
+            )
+    elif prompt_len is not None:
+        raise ValueError(f"prompt_len is only used with semantics='prefill', got prompt_len={prompt_len!r}")
+    if not schemes:
+        raise ValueError("give at least one scheme")
+    names = [_scheme_name(s) for s in schemes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"scheme names must be unique, repeated: {dup}")
+    for n in names:
+        if not _SAFE_NAME.match(n):
+            raise ValueError(
+                f"scheme name {n!r} is not usable as a file name (letters, digits, . _ + - only)"
+            )
+    peers = [n for n, s in zip(names, schemes) if isinstance(s, PeerScheme)]
+    if peers and mode != "stream":
+        raise ValueError(
+            f"{', '.join(peers)}: peer caches exist only as a cache (no simulator); use mode='stream' (--mode stream)"
+        )
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None) -> tuple[torch.dtype | None, str | None]:
+    """``(torch dtype, name for the record)`` of a dtype given by name or as a torch dtype."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype], dtype
+    return dtype, (str(dtype).removeprefix("torch.") if dtype is not None else None)
+
+
+def _check_device(device: str | None) -> None:
+    if device is not None and device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+# ------------------------------------------------------------------------------------ the request
+
+
+def _request(
+    model,
+    data,
+    context,
+    windows,
+    schemes,
+    mode,
+    semantics,
+    prompt_len,
+    attn_layers,
+    data_path,
+    dtype_name,
+    device,
+    chunk_size,
+    seed,
+    calibrations,
+) -> dict[str, Any]:
+    """What the run computes, JSON-able; its hash decides whether a stored run can be reused."""
+    if isinstance(model, str):
+        model_id = model
+    else:
+        fp = getattr(model, "fingerprint", None)
+        model_id = f"fingerprint:{fp}" if isinstance(fp, str) else f"fingerprint:{_model_fingerprint(model)}"
+    if isinstance(data, torch.Tensor):
+        data_id = f"tokens:{_ids_fingerprint(data)}"
+    elif isinstance(data, str):
+        data_id = data
+    else:
+        data_id = f"text:{getattr(data, 'sha256', '?')}"
+    return {
+        "version": OUTPUT_VERSION,
+        "model": model_id,
+        "data": data_id,
+        "data_path": data_path,
+        "context": context,
+        "windows": windows,
+        "schemes": [_scheme_dict(s) for s in schemes],
+        "mode": mode,
+        "semantics": semantics,
+        "prompt_len": prompt_len,
+        "attn_layers": None if attn_layers is None else [int(x) for x in attn_layers],
+        "dtype": dtype_name,
+        "device": device,
+        "chunk_size": chunk_size,
+        "seed": seed,
+        "calibration": {k: _calibration_id(v) for k, v in sorted(calibrations.items())} or None,
+    }
