@@ -131,6 +131,50 @@ def test_parse_tokens():
         cli.parse_tokens("0")
 
 
+def test_bounded_validators():
+    from kvbits._argtypes import bounded
+
+    positive, frac = bounded(int, 1), bounded(float, 0, 1, hi_open=True, what="a layer fraction")
+    assert positive("3") == 3 and frac("0") == 0.0 and frac("0.5") == 0.5
+    assert bounded(float, 1, lo_open=True)("1.5") == 1.5 and bounded(float, 50, 100)("100") == 100.0
+    for parse, text, message in [
+        (positive, "0", "expected an integer >= 1, got '0'"),
+        (positive, "2.5", "expected an integer >= 1, got '2.5'"),
+        (frac, "1", "expected a layer fraction in [0, 1), got '1'"),
+        (frac, "-0.1", "expected a layer fraction in [0, 1), got '-0.1'"),
+        (frac, "nan", "expected a layer fraction in [0, 1) (a finite number), got 'nan'"),
+        (bounded(float, 1, lo_open=True), "1", "expected a number > 1, got '1'"),
+        (bounded(float, 0, what="a number of GiB"), "inf", "(a finite number), got 'inf'"),
+        (bounded(float, hi=100, hi_open=True), "x", "expected a number < 100, got 'x'"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            parse(text)
+        assert message in str(e.value), (text, str(e.value))
+    with pytest.raises(TypeError, match="int or float"):
+        bounded(str)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", *WORKED, "--batch", "0"], "argument --batch: expected an integer >= 1, got '0'"),
+        (["plan", *WORKED, "--gpu-mem", "-1"], "argument --gpu-mem: expected a number of GiB >= 0, got '-1'"),
+        (["analyze", "--model", "m", "--threshold", "1"], "argument --threshold: expected an outlier threshold > 1"),
+        (["analyze", "--model", "m", "--layer-fraction", "1"], "expected a layer fraction in [0, 1), got '1'"),
+        (["calibrate", "--model", "m", "--data", "d", "--scheme", "kvquant-4", "--out", "o", "--percentile", "40"],
+         "argument --percentile: expected a percentile in [50, 100], got '40'"),
+        (["eval", "--model", "m", "--data", "d", "--scheme", "fp16", "--windows", "0"],
+         "argument --windows: expected an integer >= 1, got '0'"),
+    ],
+)
+def test_bounded_arguments_are_usage_errors(capsys, argv, message):
+    if argv[0] not in _subcommands():
+        pytest.skip(f"no {argv[0]} subcommand")
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def _subcommands() -> list[str]:
     parser = cli.build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbits._argtypes import bounded
+
 logger = logging.getLogger("kvbits.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -66,24 +68,8 @@ def parse_tokens(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected GiB >= 0, got {text!r}")
-    return value
+_positive = bounded(int, 1)
+_gib = bounded(float, 0, what="a number of GiB")
 
 
 def _console() -> Any:

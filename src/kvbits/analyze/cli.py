@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvbits._argtypes import bounded
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -16,27 +17,8 @@ logger = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _float_above(low: float, what: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number for {what}, got {text!r}") from None
-        if not v > low:
-            raise argparse.ArgumentTypeError(f"{what} must be > {low:g}, got {text!r}")
-        return v
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"layer fraction must be in [0, 1), got {text!r}")
-    return v
+_threshold = bounded(float, 1, lo_open=True, what="an outlier threshold")
+_fraction = bounded(float, 0, 1, hi_open=True, what="a layer fraction")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,7 +47,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=_positive, default=2, help="windows of --context tokens (default 2)")
     p.add_argument(
         "--threshold",
-        type=_float_above(1.0, "--threshold"),
+        type=_threshold,
         default=DEFAULT_THRESHOLD,
         help=f"outlier rule: channel absmax > THRESHOLD x median channel absmax of its head (default {DEFAULT_THRESHOLD:g})",
     )

@@ -10,17 +10,10 @@ import json
 import sys
 from typing import Any
 
+from kvbits._argtypes import bounded
 from kvbits.cli import _positive
 
-
-def _percentile(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentile in [50, 100], got {text!r}") from None
-    if not 50.0 <= value <= 100.0:
-        raise argparse.ArgumentTypeError(f"expected a percentile in [50, 100], got {text!r}")
-    return value
+_percentile = bounded(float, 50, 100, what="a percentile")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

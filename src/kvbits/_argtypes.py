@@ -1,0 +1,68 @@
+"""argparse ``type=`` validators for numbers within bounds, shared by every ``kvbits`` subcommand.
+
+``bounded(int, 1)`` accepts integers >= 1; ``bounded(float, 0, 1, hi_open=True, what="a fraction")``
+accepts ``0 <= x < 1``. A rejected value raises ``argparse.ArgumentTypeError`` whose message says
+what was expected, so argparse prints ``argument --windows: expected an integer >= 1, got '0'``.
+Floats must be finite (``nan`` and ``inf`` are refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = ["bounded"]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {_fmt(lo)}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {_fmt(hi)}"
+    return ""
+
+
+def bounded(
+    kind: type[int | float],
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    what: str | None = None,
+) -> Callable[[str], int | float]:
+    """An argparse type converting text to ``kind`` (``int`` or ``float``) within ``[lo, hi]``.
+
+    Args:
+        kind: ``int`` or ``float``.
+        lo, hi: bounds (None: unbounded on that side), inclusive unless ``lo_open`` / ``hi_open``.
+        what: the expected value in words (default ``"an integer"`` / ``"a number"``), used in the
+            error message: ``expected {what} {range}, got '...'``.
+    """
+    if kind not in (int, float):
+        raise TypeError(f"kind must be int or float, got {kind!r}")
+    noun = what or ("an integer" if kind is int else "a number")
+    span = _range(lo, hi, lo_open, hi_open)
+    expected = f"{noun} {span}".strip()
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {expected} (a finite number), got {text!r}")
+        too_low = lo is not None and (value <= lo if lo_open else value < lo)
+        too_high = hi is not None and (value >= hi if hi_open else value > hi)
+        if too_low or too_high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
