@@ -496,7 +496,7 @@ def test_kvbits_plan_stays_callable_after_the_package_is_imported():
     import kvbits
 
     first = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
-    import kvbits.plan.planner  # noqa: F401  (binds the subpackage as kvbits.plan)
+    import kvbits.plan.planner  # binds the subpackage as kvbits.plan
 
     second = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
     assert first["total_bytes"] == second["total_bytes"] == 2 * 2 * 4 * 16 * 16 * 2

@@ -22,4 +22,4 @@ def __getattr__(name: str):  # lazy re-exports keep `import kvbits` fast
     raise AttributeError(f"module 'kvbits' has no attribute {name!r}")
 
 
-__all__ = ["KVScheme", "QuantizedKVCache", "TensorSpec", "get_scheme", "list_schemes", "plan", "__version__"]
+__all__ = ["KVScheme", "QuantizedKVCache", "TensorSpec", "__version__", "get_scheme", "list_schemes", "plan"]

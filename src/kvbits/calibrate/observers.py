@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class KVCapture:
 
         return hook
 
-    def __enter__(self) -> KVCapture:
+    def __enter__(self) -> Self:
         try:
             for s in self.sites:
                 self._handles.append(s.key_module.register_forward_hook(self._hook(s.layer_idx, "key")))

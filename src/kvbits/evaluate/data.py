@@ -27,14 +27,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TextEntry",
     "TEXTS",
+    "TextEntry",
     "TextSource",
     "data_search_path",
     "load_text",
+    "make_windows",
     "token_fingerprint",
     "tokenize",
-    "make_windows",
 ]
 
 _TOKEN_CACHE_VERSION = "1"
@@ -161,7 +161,7 @@ def _load_hub(spec: str) -> TextSource:
         ) from None
     try:
         ds = datasets.load_dataset(name, config, split=split)
-    except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one clear error
+    except Exception as exc:  # any hub/network failure becomes one clear error (re-raised below)
         raise ValueError(
             f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
             f"{type(exc).__name__}: {exc}"

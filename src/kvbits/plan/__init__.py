@@ -36,7 +36,7 @@ class _CallablePlanModule(_types.ModuleType):
     """``kvbits.plan`` is both this package and the function: importing the package (which Python
     binds as the attribute ``kvbits.plan``) must not stop ``kvbits.plan(config, ...)`` working."""
 
-    def __call__(self, *args, **kwargs):  # noqa: D102 - same signature as plan()
+    def __call__(self, *args, **kwargs):  # same signature as plan()
         return plan(*args, **kwargs)
 
 

@@ -75,7 +75,7 @@ def _non_negative_gib(value: Any, what: str) -> int:
         or value < 0
     ):
         raise ValueError(f"{what} must be a finite number of GiB >= 0, got {value!r}")
-    return int(round(value * GIB))
+    return round(float(value) * GIB)  # a Python float, so round() gives an int (numpy floats too)
 
 
 def plan(

@@ -84,7 +84,7 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32, *, codebook: torch.Tensor | None = None) -> torch.Tensor:
         """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``)."""
         spec = self.spec
-        B, H, n, D = self.shape
+        _, _, n, D = self.shape
         if spec.kind == "float":
             out = self.data.to(dtype)
         elif spec.kind == "fp8":
