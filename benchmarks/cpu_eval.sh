@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU measurements recorded in BENCHMARKS.md (2 cores, float32). Each step writes runs/<name>/
+# The CPU measurements recorded in BENCHMARKS.md (2 cores; float32 unless a step says bfloat16). Each step writes runs/<name>/
 # with summary.json, records, per-token arrays and report.{md,html}; reruns are skipped (DONE marker).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,4 +43,17 @@ if [[ $step == all || $step == mismatch ]]; then
       --scheme kvquant-4 --out runs/calib-smollm2-kvq4-512
   $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
     --scheme kvquant-4 --calibration runs/calib-smollm2-kvq4-512 --out runs/smollm2-wp-8k-kvquant-cal512
+fi
+if [[ $step == qwen32k-wp || $step == qwen32k-wiki ]]; then
+  # Qwen2.5-Coder-0.5B at its 32K context. bfloat16 compute (3.9x faster than float32 on these AMX
+  # cores: one float32 32K forward takes > 20 min); the `bf16` identity scheme measures the noise
+  # floor of the simulated attention path against the reference path in that precision.
+  # Peak memory: /usr/bin/time -v beside the run (runs/<name>/time.txt) and peak_rss in summary.json.
+  data=war-and-peace; name=qwen-wp-32k
+  [[ $step == qwen32k-wiki ]] && { data=wikitext2; name=qwen-wiki-32k; }
+  mkdir -p runs/$name
+  /usr/bin/time -v -o runs/$name.time.txt \
+    $K eval --model qwen2.5-coder-0.5b --data $data --context 32k --windows 1 --no-progress --dtype bfloat16 \
+      --scheme bf16 --scheme int8-token --scheme int8-channel --scheme int4-token --scheme int4-channel \
+      --scheme int2-token --scheme int2-channel --out runs/$name
 fi

@@ -19,6 +19,8 @@ from kvbits.calibrate import (
     ARTIFACT_FORMAT_VERSION,
     artifact_from_samples,
     calibrate,
+    collect_samples,
+    fit_artifact,
     fit_codebook,
     load_calibration,
     weighted_kmeans_1d,
@@ -199,6 +201,26 @@ def test_hooks_and_flags_restored_after_error():
 
 
 # ----------------------------------------------------------------------------------- the artifact
+
+
+def test_samples_collected_once_serve_schemes_with_different_sinks(calibrated):
+    """collect_samples(sinks=0) + fit_artifact per scheme == calibrate() per scheme (the ablation path)."""
+    model, art, _ = calibrated
+    samples = collect_samples(model, token_ids(), sinks=0, context=128, windows=3)
+    assert samples.positions.shape == (samples.keys[0].shape[1],) and int(samples.positions.min()) == 0
+    same = fit_artifact(samples, "kvquant-4")  # kvquant-4 keeps 1 sink: position 0 dropped
+    assert same.meta["data"]["excluded_sink_tokens"] == 1
+    assert same.meta["data"]["sampled_tokens_per_layer"] == art.meta["data"]["sampled_tokens_per_layer"]
+    for name, t in art.tensors.items():
+        torch.testing.assert_close(same.tensors[name], t, msg=name)
+    no_sink = fit_artifact(samples, get_scheme("kvquant-4").replace(name="kvq4-nosink", sinks=0))
+    assert no_sink.meta["data"]["sampled_tokens_per_layer"] == samples.keys[0].shape[1] > (
+        art.meta["data"]["sampled_tokens_per_layer"]
+    )
+    # fitted on 3 more tokens (position 0 of each window): not the same constants
+    assert any(not torch.equal(no_sink.tensors[n], t) for n, t in art.tensors.items())
+    with pytest.raises(ValueError, match="collect with sinks=0"):
+        samples.without_sinks(1).without_sinks(0)
 
 
 def test_calibrate_writes_and_loads_the_same_tensors(calibrated):

@@ -11,15 +11,18 @@ from kvbits.calibrate.artifact import (
     load_calibration,
     spec_needs_calibration,
 )
-from kvbits.calibrate.calibrate import calibrate
+from kvbits.calibrate.calibrate import CalibrationSamples, calibrate, collect_samples, fit_artifact
 from kvbits.calibrate.fit import artifact_from_samples, fit_side
 from kvbits.calibrate.kmeans import fit_codebook, weighted_kmeans_1d
 
 __all__ = [
     "ARTIFACT_FORMAT_VERSION",
     "CalibrationArtifact",
+    "CalibrationSamples",
     "artifact_from_samples",
     "calibrate",
+    "collect_samples",
+    "fit_artifact",
     "fit_codebook",
     "fit_side",
     "load_calibration",

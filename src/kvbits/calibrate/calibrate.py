@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -129,6 +130,182 @@ def _take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return t[0][:, pos.to(t.device)].float().cpu()
 
 
+@dataclass
+class CalibrationSamples:
+    """K/V activations (and loss gradients) sampled from a model on calibration text, per layer.
+
+    ``keys``/``values``/``key_grads``/``value_grads``: one ``(H_kv, N, D)`` float32 tensor per layer
+    (gradients None without Fisher); ``positions`` ``(N,)``: each sample's position in its window,
+    so schemes with more sink tokens can drop theirs (``without_sinks``). ``model``/``data``: the
+    JSON records an artifact carries; ``losses``: mean loss per window; ``seconds``: time taken.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_grads: list[torch.Tensor] | None
+    value_grads: list[torch.Tensor] | None
+    positions: torch.Tensor
+    model: dict[str, Any]
+    data: dict[str, Any]
+    losses: list[float]
+    seconds: float
+    excluded_sinks: int = 0
+
+    def without_sinks(self, sinks: int) -> CalibrationSamples:
+        """The samples at positions ``>= sinks`` (the cache keeps the first ``sinks`` tokens exact)."""
+        if sinks < self.excluded_sinks:
+            raise ValueError(
+                f"samples were collected without the first {self.excluded_sinks} tokens; can not serve a "
+                f"scheme with {sinks} sinks (collect with sinks={sinks})"
+            )
+        keep = self.positions >= sinks
+
+        def sel(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if ts is None else [t[:, keep] for t in ts]
+
+        return replace(
+            self,
+            keys=sel(self.keys),
+            values=sel(self.values),
+            key_grads=sel(self.key_grads),
+            value_grads=sel(self.value_grads),
+            positions=self.positions[keep],
+            excluded_sinks=sinks,
+        )
+
+
+def collect_samples(
+    model: Any,
+    data: Any,
+    *,
+    sinks: int = 0,
+    context: int = 2048,
+    windows: int = 4,
+    fisher: bool = True,
+    max_tokens: int = 8192,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> CalibrationSamples:
+    """Run ``model`` over ``windows`` windows of ``data`` and sample every layer's pre-RoPE K/V.
+
+    The first ``sinks`` tokens of each window are not sampled; ``max_tokens`` bounds the samples
+    per layer over all windows. Arguments as in ``calibrate``.
+    """
+    t0 = time.perf_counter()
+    module, tokenizer, fingerprint, name = _resolve_model(model)
+    ids, data_record = _windows(data, tokenizer, context, windows)
+    sites = find_kv_sites(module)
+    model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
+    site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
+    if (
+        site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
+        or len(sites) != model_record["num_layers"]
+    ):
+        raise ValueError(
+            f"attention modules ({len(sites)} layers, (H_kv, D) in {site_shape}) disagree with the "
+            f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
+            f"head dim {model_record['head_dim']})"
+        )
+    if fisher and next(module.parameters()).dtype != torch.float32:
+        logger.warning(
+            "Fisher pass in %s; float32 is recommended (squared gradients underflow in half precision)",
+            next(module.parameters()).dtype,
+        )
+    W, T = ids.shape
+    per_window = max(1, math.ceil(max_tokens / W))
+    gen = torch.Generator().manual_seed(seed)
+    samples: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in sites] for k in ("k", "v", "gk", "gv")}
+    positions: list[torch.Tensor] = []
+    losses = []
+    was_training = module.training
+    module.eval()
+    try:
+        with KVCapture(module, sites, retain_grad=fisher) as cap:
+            for w in range(W):
+                if fisher:
+                    with activation_gradients(module):
+                        losses.append(window_loss(module, ids[w : w + 1], backward=True))
+                else:
+                    losses.append(window_loss(module, ids[w : w + 1], backward=False))
+                pos = sample_positions(T, sinks, per_window, gen)
+                positions.append(pos)
+                for i in range(len(sites)):
+                    k, v = cap.activations(i)
+                    samples["k"][i].append(_take(k, pos))
+                    samples["v"][i].append(_take(v, pos))
+                    if fisher:
+                        gk, gv = cap.gradients(i)
+                        samples["gk"][i].append(_take(gk, pos))
+                        samples["gv"][i].append(_take(gv, pos))
+                cap.reset()
+                if progress is not None:
+                    progress("windows", w + 1, W)
+    finally:
+        module.train(was_training)
+
+    def cat(key: str) -> list[torch.Tensor] | None:
+        if key in ("gk", "gv") and not fisher:
+            return None
+        return [torch.cat(chunks, dim=1) for chunks in samples[key]]
+
+    return CalibrationSamples(
+        keys=cat("k"),
+        values=cat("v"),
+        key_grads=cat("gk"),
+        value_grads=cat("gv"),
+        positions=torch.cat(positions),
+        model=model_record,
+        data=data_record,
+        losses=losses,
+        seconds=time.perf_counter() - t0,
+        excluded_sinks=sinks,
+    )
+
+
+def fit_artifact(
+    samples: CalibrationSamples,
+    scheme: KVScheme | str,
+    *,
+    percentile: float = 99.9,
+    kmeans_points: int = MAX_POINTS,
+    kmeans_iterations: int = ITERATIONS,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    progress: Progress | None = None,
+) -> CalibrationArtifact:
+    """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped)."""
+    t0 = time.perf_counter()
+    scheme = get_scheme(scheme)
+    check_calibratable(scheme)
+    s = samples.without_sinks(scheme.sinks)
+    data_record = dict(s.data)
+    data_record["sampled_tokens_per_layer"] = int(s.keys[0].shape[1])
+    data_record["excluded_sink_tokens"] = scheme.sinks
+    meta: dict[str, Any] = {
+        "model": s.model,
+        "data": data_record,
+        "fisher": s.key_grads is not None,
+        "mean_loss": sum(s.losses) / len(s.losses),
+    }
+    if max_tokens is not None:
+        meta["max_tokens_per_layer"] = max_tokens
+    art = artifact_from_samples(
+        scheme,
+        s.keys,
+        s.values,
+        key_grads=s.key_grads,
+        value_grads=s.value_grads,
+        percentile=percentile,
+        kmeans_points=kmeans_points,
+        kmeans_iterations=kmeans_iterations,
+        seed=seed,
+        meta=meta,
+        progress=progress,
+    )
+    art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
+    return art
+
+
 def calibrate(
     model: Any,
     data: Any,
@@ -165,93 +342,24 @@ def calibrate(
         kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
     """
-    t0 = time.perf_counter()
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
-    module, tokenizer, fingerprint, name = _resolve_model(model)
-    ids, data_record = _windows(data, tokenizer, context, windows)
-    sites = find_kv_sites(module)
-    model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
-    site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
-    if (
-        site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
-        or len(sites) != model_record["num_layers"]
-    ):
-        raise ValueError(
-            f"attention modules ({len(sites)} layers, (H_kv, D) in {site_shape}) disagree with the "
-            f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
-            f"head dim {model_record['head_dim']})"
-        )
-    if fisher and next(module.parameters()).dtype != torch.float32:
-        logger.warning(
-            "Fisher pass in %s; float32 is recommended (squared gradients underflow in half precision)",
-            next(module.parameters()).dtype,
-        )
-    W, T = ids.shape
-    per_window = max(1, math.ceil(max_tokens / W))
-    gen = torch.Generator().manual_seed(seed)
-    samples: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in sites] for k in ("k", "v", "gk", "gv")}
-    losses = []
-    was_training = module.training
-    module.eval()
-    try:
-        with KVCapture(module, sites, retain_grad=fisher) as cap:
-            for w in range(W):
-                if fisher:
-                    with activation_gradients(module):
-                        losses.append(window_loss(module, ids[w : w + 1], backward=True))
-                else:
-                    losses.append(window_loss(module, ids[w : w + 1], backward=False))
-                pos = sample_positions(T, scheme.sinks, per_window, gen)
-                for i in range(len(sites)):
-                    k, v = cap.activations(i)
-                    samples["k"][i].append(_take(k, pos))
-                    samples["v"][i].append(_take(v, pos))
-                    if fisher:
-                        gk, gv = cap.gradients(i)
-                        samples["gk"][i].append(_take(gk, pos))
-                        samples["gv"][i].append(_take(gv, pos))
-                cap.reset()
-                if progress is not None:
-                    progress("windows", w + 1, W)
-    finally:
-        module.train(was_training)
-    t_pass = time.perf_counter() - t0
-
-    cat = {
-        key: [torch.cat(chunks, dim=1) for chunks in per_layer] if fisher or key in ("k", "v") else None
-        for key, per_layer in samples.items()
-    }
-    data_record["sampled_tokens_per_layer"] = int(cat["k"][0].shape[1])
-    data_record["excluded_sink_tokens"] = scheme.sinks
-    art = artifact_from_samples(
-        scheme,
-        cat["k"],
-        cat["v"],
-        key_grads=cat["gk"],
-        value_grads=cat["gv"],
-        percentile=percentile,
-        kmeans_points=kmeans_points,
-        kmeans_iterations=kmeans_iterations,
-        seed=seed,
-        meta={
-            "model": model_record,
-            "data": data_record,
-            "fisher": fisher,
-            "mean_loss": sum(losses) / len(losses),
-            "max_tokens_per_layer": max_tokens,
-        },
-        progress=progress,
+    samples = collect_samples(
+        model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
+        max_tokens=max_tokens, seed=seed, progress=progress,
     )
-    art.meta["timing_s"] = {"passes": round(t_pass, 2), "total": round(time.perf_counter() - t0, 2)}
+    art = fit_artifact(
+        samples, scheme, percentile=percentile, kmeans_points=kmeans_points,
+        kmeans_iterations=kmeans_iterations, seed=seed, max_tokens=max_tokens, progress=progress,
+    )
     if out_dir is not None:
         art.save(out_dir)
     logger.info(
         "calibrated %s for %s on %d x %d tokens in %.1f s",
         scheme.name,
-        model_record["fingerprint"],
-        W,
-        T,
-        time.perf_counter() - t0,
+        samples.model["fingerprint"],
+        samples.data["windows"],
+        samples.data["context"],
+        art.meta["timing_s"]["total"],
     )
     return art
