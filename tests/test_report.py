@@ -368,6 +368,20 @@ def test_failed_figure_is_reported_not_fatal(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------- pieces
 
 
+def test_split_modules_keep_the_public_names():
+    """render and plots were split into modules with one job; the old import paths still work."""
+    from kvbits.report import render
+    from kvbits.report.plots import figure
+
+    for name in render.__all__:
+        assert callable(getattr(render, name)), name
+    for name in report_plots.__all__:
+        assert hasattr(report_plots, name), name
+    assert report_plots.running_mean is figure.running_mean
+    assert report_plots.INSTALL_HINT == figure.INSTALL_HINT
+    assert set(report_plots.PLOT_FILES) == EXPECTED_FIGURES
+
+
 def test_running_mean_matches_convolution_and_skips_nan():
     x = np.random.default_rng(0).normal(size=50)
     centre, m = running_mean(x, 8)

@@ -1,0 +1,143 @@
+"""The report as a document: a short list of blocks (heading, paragraph, metadata, table, figure,
+code) built once from a run, then written as Markdown (:mod:`.markdown`) and as one HTML page
+(:mod:`.html_page`), so the two always say the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.calibration import (
+    CALIBRATION_NOTE,
+    calibration_rows,
+    calibration_table,
+    calibration_warnings,
+)
+from kvbits.report.fmt import fmt_pos
+from kvbits.report.inputs import reproduce_command, run_commit
+from kvbits.report.plots import PLOT_FILES
+from kvbits.report.summary import RunSummary
+from kvbits.report.tables import TableData, attn_table, delta_table, metric_table, overall_table
+from kvbits.report.verdict import verdict
+
+__all__ = ["Block", "Code", "Figure", "Heading", "Meta", "Para", "Table", "build_document"]
+
+
+@dataclass(frozen=True)
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Para:
+    text: str  # inline **bold** and `code` allowed
+
+
+@dataclass(frozen=True)
+class Meta:
+    items: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    data: TableData
+
+
+@dataclass(frozen=True)
+class Figure:
+    path: Path
+    alt: str
+    caption: str
+
+
+@dataclass(frozen=True)
+class Code:
+    text: str
+
+
+Block = Heading | Para | Meta | Table | Figure | Code
+
+FIGURE_TEXT = {
+    "ppl_vs_position": "Perplexity (top) and ΔPPL against the unquantized reference (bottom) along the "
+    "context; the dotted red line is the 1% budget.",
+    "delta_heatmap": "ΔPPL % per scheme and position bucket, with 95% confidence intervals.",
+    "kl_by_bucket": "KL divergence from the reference per position bucket (log scale; zeros are not drawn).",
+    "bits_vs_delta": "Memory against quality: average bits per cached element vs ΔPPL, overall (filled) "
+    "and in the worst bucket (hollow).",
+    "attn_error": "Relative error of the attention output per sampled layer and position bucket.",
+}
+
+
+def build_document(
+    run: RunSummary, config: Mapping[str, Any], figures: Mapping[str, Path], failed: Mapping[str, str],
+    plot_note: str, threshold: float, out_dir: Path, has_tokens: bool,
+) -> list[Block]:
+    ctx = fmt_pos(run.context)
+    ctx = "unknown context" if not run.context else f"{ctx} context" if "K" in ctx else f"{ctx}-token context"
+    blocks: list[Block] = [Heading(1, f"KV-cache quantization report: {run.model} on {run.data}, {ctx}")]
+    fp = run.fingerprint or {}
+    versions = config.get("versions")
+    meta = [
+        ("Model", f"`{run.model}`" + (f" (fingerprint `{fp['model']}`)" if fp.get("model") else "")),
+        ("Data", f"`{run.data}`" + (f" (tokens fingerprint `{fp['tokens']}`)" if fp.get("tokens") else "")),
+        ("Context", f"{run.context} tokens per window, {run.windows} window(s)"),
+        ("Semantics", f"`{run.semantics}`, `{run.mode}` mode"),
+    ]
+    if run.peak_memory:
+        meta.append(("Peak memory", run.peak_memory))
+    meta += [
+        ("Date", str(config.get("date") or config.get("timestamp") or "n/a")),
+        ("Commit", f"`{run_commit(config)}`" if run_commit(config) else "n/a"),
+    ]
+    if isinstance(versions, Mapping) and versions:
+        meta.append(("Versions", ", ".join(f"{k} {v}" for k, v in versions.items())))
+    blocks += [Meta(tuple(meta)), Heading(2, "Verdict"), Para(verdict(run, threshold))]
+    if plot_note:
+        blocks.append(Para(plot_note))
+
+    def fig(key: str) -> None:
+        if key in figures:
+            blocks.append(Figure(figures[key], PLOT_FILES[key], FIGURE_TEXT[key]))
+        elif key in failed:
+            blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {failed[key]}.*"))
+
+    blocks.append(Heading(2, "Where along the context it hurts"))
+    if run.bucket_spans:
+        fig("ppl_vs_position")
+        if "ppl_vs_position" in figures and not has_tokens:
+            blocks.append(Para("*No per-token arrays in `tokens/`: the curves are bucket means.*"))
+        blocks += [Table(delta_table(run, threshold)), Table(metric_table(run, "ppl"))]
+        fig("delta_heatmap")
+        blocks += [
+            Heading(2, "KL divergence and top-1 agreement"),
+            Table(metric_table(run, "kl")),
+        ]
+        fig("kl_by_bucket")
+        blocks.append(Table(metric_table(run, "top1")))
+    else:
+        blocks.append(Para("The run recorded no position buckets."))
+    blocks += [Heading(2, "Overall"), Table(overall_table(run, threshold))]
+    fig("bits_vs_delta")
+    blocks.append(Heading(2, "Attention-output error"))
+    at = attn_table(run)
+    if at is None:
+        blocks.append(Para("Not measured in this run."))
+    else:
+        blocks.append(Table(at))
+        fig("attn_error")
+    cal = calibration_rows(run, config)
+    if cal:
+        blocks += [Heading(2, "Calibration"), Para(CALIBRATION_NOTE), Table(calibration_table(cal))]
+        blocks += [Para(w) for w in calibration_warnings(cal)]
+    blocks += [
+        Heading(2, "How to reproduce"),
+        Code(reproduce_command(config, run, out_dir)),
+    ]
+    commit = run_commit(config)
+    if commit:
+        blocks.append(Para(f"at commit `{commit.split()[0]}` of kvbits."))
+    return blocks

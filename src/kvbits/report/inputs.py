@@ -1,0 +1,122 @@
+"""What a report reads from a run folder besides ``summary.json``, and what it derives from it.
+
+Input (written by :mod:`kvbits.evaluate.runner`)::
+
+    DIR/config.json                    optional: run arguments, versions, commit, date
+    DIR/tokens/<scheme>.safetensors    optional: per-token nll, nll_ref, kl, top1, shape (W, T-1)
+
+:func:`run_commit` and :func:`reproduce_command` turn ``config.json`` into the report's commit line
+and the command line that re-runs the evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.summary import RunSummary
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_config", "load_token_arrays", "reproduce_command", "run_commit"]
+
+
+def load_config(out_dir: str | Path) -> dict[str, Any]:
+    """``DIR/config.json`` as a dict, or ``{}`` when it is missing or unreadable (logged)."""
+    p = Path(out_dir) / "config.json"
+    if not p.is_file():
+        return {}
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring unreadable %s: %s", p, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_token_arrays(out_dir: str | Path, schemes: list[str]) -> dict[str, dict[str, Any]]:
+    """Per-token arrays of each scheme from ``DIR/tokens/<scheme>.safetensors`` (numpy, no torch).
+
+    Schemes without a file, and unreadable files (logged), are simply absent from the result.
+    """
+    tok_dir = Path(out_dir) / "tokens"
+    if not tok_dir.is_dir():
+        return {}
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in schemes:
+        p = tok_dir / f"{name}.safetensors"
+        if not p.is_file():
+            continue
+        try:
+            out[name] = dict(load_file(str(p)))
+        except (OSError, SafetensorError) as exc:  # an optional file: skip it, keep the report
+            logger.warning("ignoring unreadable per-token file %s: %s", p, exc)
+    return out
+
+
+def _args(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    for key in ("args", "arguments", "run", "params"):
+        if isinstance(config.get(key), Mapping):
+            return config[key]
+    return {}
+
+
+def run_commit(config: Mapping[str, Any]) -> str:
+    """The commit ``config.json`` records (``sha``, `` (dirty tree)`` when it was dirty), or ``""``."""
+    c = config.get("commit") or config.get("git_commit") or ""
+    if isinstance(c, Mapping):
+        sha = str(c.get("sha") or c.get("hash") or c.get("commit") or "")
+        return sha + (" (dirty tree)" if c.get("dirty") else "")
+    return str(c)
+
+
+_REPEATED_FLAGS = {"schemes": "--scheme", "scheme": "--scheme"}  # `kvbits eval --scheme A --scheme B`
+
+
+def reproduce_command(config: Mapping[str, Any], run: RunSummary, out_dir: str | Path | None = None) -> str:
+    """The command line that re-runs this evaluation, from ``config.json``.
+
+    Uses the recorded command line (``argv``, or ``command``) when there is one; otherwise (a run
+    started from Python) rebuilds ``kvbits eval --flag value ...`` from the recorded arguments, or
+    from the summary itself when ``config.json`` is missing. ``--out`` is the report's folder.
+    """
+    cmd = config.get("command")
+    if isinstance(cmd, str) and cmd.strip():
+        return cmd.strip()
+    argv = config.get("argv") if isinstance(config.get("argv"), list) else cmd if isinstance(cmd, list) else None
+    if argv:
+        argv = [str(a) for a in argv]
+        if Path(argv[0]).name in ("kvbits", "__main__.py", "cli.py", "python", "python3"):
+            argv = argv[1:]
+        return shlex.join(["kvbits", *argv])
+    args = dict(_args(config))
+    if not args:
+        args = {
+            "model": run.model, "data": run.data, "context": run.context, "windows": run.windows,
+            "schemes": [r.name for r in run.results], "mode": run.mode, "semantics": run.semantics,
+        }
+    if out_dir is not None and "out" not in args and "out_dir" not in args:
+        args["out"] = str(out_dir)
+    parts = ["kvbits", "eval"]
+    for key, value in args.items():
+        if key in _REPEATED_FLAGS and isinstance(value, (list, tuple)):
+            for v in value:
+                parts += [_REPEATED_FLAGS[key], str(v)]
+            continue
+        flag = "--" + ("out" if key == "out_dir" else str(key)).replace("_", "-")
+        if value is None or value is False or isinstance(value, Mapping):
+            continue  # unset, off, or nested settings without a flag form
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, (list, tuple)):
+            parts += [flag, *(str(v) for v in value)]  # an empty list is the bare flag ("none")
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)

@@ -1,0 +1,56 @@
+"""Figure ``delta_heatmap``: ΔPPL % scheme × position bucket, annotated with the 95% CI."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_pct
+from kvbits.report.plots.figure import new_figure, require_matplotlib, save_png
+from kvbits.report.summary import RunSummary
+
+__all__ = ["plot_delta_heatmap"]
+
+# ΔPPL % colour bins of the heatmap: green within the usual 1 % budget, then worse and worse reds.
+_DELTA_BINS = (-1e9, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 1e9)
+_DELTA_COLORS = ("#1a9850", "#91cf60", "#d9ef8b", "#fee08b", "#fc8d59", "#e34a33", "#b30000")
+
+
+def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THRESHOLD) -> Path:
+    """Scheme × bucket ΔPPL % as coloured, annotated cells (NaN cells grey, 'n/a')."""
+    require_matplotlib()
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    spans = run.bucket_spans
+    names = [r.name for r in run.results]
+    grid = np.full((len(names), len(spans)), np.nan)
+    ci = {}
+    for i, r in enumerate(run.results):
+        for b in r.buckets:
+            j = spans.index((b.lo, b.hi))
+            grid[i, j] = b.delta * 100
+            ci[i, j] = b.ci
+    cmap = ListedColormap(_DELTA_COLORS).with_extremes(bad="#e0e0e0")
+    norm = BoundaryNorm(_DELTA_BINS, cmap.N)
+    fig = new_figure(max(5.5, 1.45 * len(spans) + 3.2), max(2.4, 0.55 * len(names) + 1.6))
+    ax = fig.subplots()
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        if not math.isfinite(v):
+            ax.text(j, i, "n/a", ha="center", va="center", fontsize=8, color="#555555")
+            continue
+        lo, hi = ci.get((i, j), (math.nan, math.nan))
+        txt = fmt_pct(v / 100)
+        if math.isfinite(lo) and math.isfinite(hi):
+            txt += f"\n[{lo * 100:+.2f}, {hi * 100:+.2f}]"
+        dark = v >= 5 or v < 0.1
+        ax.text(j, i, txt, ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    ax.set_xticks(range(len(spans)), [bucket_label(lo, hi) for lo, hi in spans])
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("position bucket")
+    ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_pct(threshold, 0)}", fontsize=11)
+    cb = fig.colorbar(im, ax=ax, ticks=_DELTA_BINS[1:-1], fraction=0.05)
+    cb.ax.set_yticklabels([f"{t:g}%" for t in _DELTA_BINS[1:-1]], fontsize=8)
+    return save_png(fig, path)

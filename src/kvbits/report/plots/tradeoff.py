@@ -1,0 +1,70 @@
+"""Figure ``bits_vs_delta``: average bits per cached element vs ΔPPL %, overall and in the worst
+bucket, with the Pareto front."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_pct
+from kvbits.report.plots.figure import new_figure, percent_axis, save_png, scheme_colors
+from kvbits.report.summary import RunSummary
+
+__all__ = ["plot_tradeoff"]
+
+
+def _pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """Points no other point beats on both bits (fewer) and ΔPPL (lower), by increasing bits."""
+    front: list[tuple[float, float, str]] = []
+    for p in sorted(points, key=lambda p: (p[0], p[1])):
+        if not front or p[1] < front[-1][1]:
+            front.append(p)
+    return front
+
+
+def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THRESHOLD) -> Path:
+    """Average bits per element vs ΔPPL %: overall (filled) and worst bucket (hollow), Pareto front."""
+    colors = scheme_colors(run)
+    fig = new_figure(7.5, 5.0)
+    ax = fig.subplots()
+    pts = []
+    ys: list[float] = []
+    for r in run.results:
+        if not math.isfinite(r.avg_bits):
+            continue
+        c = colors[r.name]
+        overall = r.delta * 100 if math.isfinite(r.delta) else math.nan
+        worst = r.max_delta * 100 if math.isfinite(r.max_delta) else math.nan
+        if math.isfinite(overall):
+            ax.plot([r.avg_bits], [overall], "o", color=c, ms=8, zorder=4)
+            pts.append((r.avg_bits, overall, r.name))
+            ys.append(overall)
+        if math.isfinite(worst):
+            ax.plot([r.avg_bits], [worst], "o", mfc="white", mec=c, mew=1.8, ms=8, zorder=4)
+            ys.append(worst)
+            if math.isfinite(overall):
+                ax.plot([r.avg_bits] * 2, [overall, worst], color=c, lw=1, zorder=3)
+        y_lab = overall if math.isfinite(overall) else worst
+        if math.isfinite(y_lab):
+            ax.annotate(r.name, (r.avg_bits, y_lab), xytext=(8, 4), textcoords="offset points",
+                        fontsize=9, color=c, zorder=5,
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
+    front = _pareto(pts)
+    if len(front) > 1:
+        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="#999999", lw=1,
+                ls="--", zorder=2, label="Pareto front (overall)")
+    ax.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_pct(threshold, 0)} budget")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.plot([], [], "o", color="#444", label="overall ΔPPL")
+    ax.plot([], [], "o", mfc="white", mec="#444", label="worst bucket")
+    percent_axis(ax, ys)
+    ax.set_xlabel("average bits per K/V element (incl. scales; lower = smaller cache)")
+    ax.set_ylabel("ΔPPL vs reference (%)")
+    ax.set_title("Memory vs quality", fontsize=11)
+    if pts:
+        xs = [p[0] for p in pts]
+        pad = max(0.5, 0.08 * (max(xs) - min(xs)))
+        ax.set_xlim(min(xs) - pad, max(xs) + 3 * pad)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return save_png(fig, path)
