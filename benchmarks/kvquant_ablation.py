@@ -143,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             art.save(folder)
             artifacts[s.name] = art
             logger.info("fitted %s (p%s): %s", s.name, pct, folder)
-    if args.dtype != "float32":
-        lm.model.to(getattr(torch, args.dtype))
     summary = evaluate(lm, args.data, args.context, [s for s, _ in schemes], windows=args.windows,
-                       calibration=artifacts or None, out_dir=out, dtype=None,
+                       calibration=artifacts or None, out_dir=out, dtype=args.dtype,
                        argv=[sys.executable, *sys.argv])
     rows = [{"scheme": r["scheme"], "avg_bits": r["avg_bits"],
              "delta_rel_pct": [round(100 * b["delta_rel"], 2) for b in r["buckets"]],
