@@ -138,6 +138,7 @@ def _check_device(device: str | None) -> None:
 
 
 def _request(
+    *,
     model,
     data,
     context,
@@ -154,7 +155,11 @@ def _request(
     seed,
     calibrations,
 ) -> dict[str, Any]:
-    """What the run computes, JSON-able; its hash decides whether a stored run can be reused."""
+    """What the run computes, JSON-able; its hash decides whether a stored run can be reused.
+
+    Keyword-only: fifteen values of which several share a type (``context``/``windows``,
+    ``mode``/``semantics``); a swapped positional pair would silently change the config hash.
+    """
     if isinstance(model, str):
         model_id = model
     else:

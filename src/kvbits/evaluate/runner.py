@@ -159,21 +159,21 @@ def evaluate(
     _check_device(device)
     calibrations = _calibrations(calibration, resolved)
     request = _request(
-        model,
-        data,
-        context,
-        windows,
-        resolved,
-        mode,
-        semantics,
-        prompt_len,
-        attn_layers,
-        data_path,
-        dtype_name,
-        device,
-        chunk_size,
-        seed,
-        calibrations,
+        model=model,
+        data=data,
+        context=context,
+        windows=windows,
+        schemes=resolved,
+        mode=mode,
+        semantics=semantics,
+        prompt_len=prompt_len,
+        attn_layers=attn_layers,
+        data_path=data_path,
+        dtype_name=dtype_name,
+        device=device,
+        chunk_size=chunk_size,
+        seed=seed,
+        calibrations=calibrations,
     )
     chash = config_hash(request)
     out = Path(out_dir) if out_dir is not None else None
