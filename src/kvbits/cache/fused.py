@@ -81,7 +81,8 @@ class RopeTableCache:
         entry = self._tables.get(key)
         if entry is None or entry[0] is not rotary.rotary or entry[1].shape[0] < n_positions:
             P = 1024 * math.ceil(max(n_positions * 1.25, n_positions + 1) / 1024)
-            cos, sin = rotary.cos_sin(torch.arange(P, device=rotary.device), torch.float32)
+            # RotaryTables.cos_sin minus its positions >= 0 check (a host sync; true for an arange)
+            cos, sin = rotary._forward(torch.arange(P, device=rotary.device)[None], torch.float32, None)
             entry = (rotary.rotary, cos[0].to(device).contiguous(), sin[0].to(device).contiguous())
             self._tables[key] = entry  # keeps the module alive: its id stays unique
         return entry[1], entry[2]

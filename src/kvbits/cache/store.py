@@ -28,18 +28,33 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbits.quant import QuantizedTensor, quantize
+from kvbits.quant.rope import apply_rope, invert_rope
 from kvbits.schemes.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.kernels.reference import PackedTensor
     from kvbits.quant.rope import RotaryTables
 
-__all__ = ["SideStore", "mergeable"]
+__all__ = ["SideStore", "mergeable", "rope_at"]
 
 
 def mergeable(spec: TensorSpec) -> bool:
     """Whether blocks of ``spec`` may be quantized together and stored as one chunk."""
     return spec.granularity in ("token", "channel") or spec.static or spec.kind == "float"
+
+
+def rope_at(rotary: RotaryTables, x: torch.Tensor, p0: int, *, inverse: bool = False) -> torch.Tensor:
+    """``rotary.rotate`` (``unrotate`` with ``inverse``) of ``x`` ``(B, H, n, D)`` at positions ``p0 ... p0+n-1``,
+    without a host sync: the same tables (``RotaryTables`` computes them with the model's rotary module)
+    minus ``cos_sin``'s ``positions >= 0`` check, which reads the positions back from the device and is
+    true here by construction."""
+    rotary._check_x(x)
+    n = x.shape[2]
+    if rotary.rot_dim == 0:  # a layer without RoPE: empty tables, as cos_sin returns them
+        cos = sin = torch.zeros((1, n, 0), dtype=x.dtype, device=x.device)
+    else:
+        cos, sin = rotary._forward(torch.arange(p0, p0 + n, device=x.device)[None], x.dtype, None)
+    return (invert_rope if inverse else apply_rope)(x, cos.to(x.device), sin.to(x.device))
 
 
 def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int) -> torch.Tensor:
@@ -132,13 +147,19 @@ class SideStore:
         self.buffer: torch.Tensor | None = None
         self.chunks: list[QuantizedTensor] = []
         self.work: torch.Tensor | None = None
-        self.clipped = 0
+        self.clipped: int | torch.Tensor = 0  # a 0-dim int64 device tensor when not `sync`
+        self.sync = True  # False: the flush path never waits for the device (lazy checks)
         self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
         self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
 
     # ------------------------------------------------------------------ state
-    def init(self, like: torch.Tensor, buffer_dtype: torch.dtype) -> None:
-        """Empty storage for K/V shaped like ``like`` ``(B, H_kv, *, D)``; the buffer in ``buffer_dtype``."""
+    def init(self, like: torch.Tensor, buffer_dtype: torch.dtype, *, sync: bool = True) -> None:
+        """Empty storage for K/V shaped like ``like`` ``(B, H_kv, *, D)``; the buffer in ``buffer_dtype``.
+
+        ``sync=False``: flushes and dequantization never wait for the device (``quantize(sync=False)``:
+        ``clipped`` accumulates on the device; the codebook was checked when installed).
+        """
+        self.sync = sync
         B, H, _, D = like.shape
         self.sinks = like.new_empty((B, H, 0, D))
         self.buffer = torch.empty((B, H, 0, D), dtype=buffer_dtype, device=like.device)
@@ -193,11 +214,11 @@ class SideStore:
             x = x.clone()
         p0 = self.n_sinks + self.n_dropped + self.n_quantized
         if self.spec.pre_rope:
-            x = self.rotary.unrotate(x, torch.arange(p0, p0 + n_tokens, device=x.device))
-        kw = {"static_scale": self.static_scale, "static_zero": self.static_zero}
+            x = rope_at(self.rotary, x, p0, inverse=True)
+        kw = {"static_scale": self.static_scale, "static_zero": self.static_zero, "sync": self.sync}
         if self.codebook is not None:
             kw["codebook"] = self.codebook
-        # Finiteness and range were checked on the incoming K/V (with the layer's name).
+        # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).
         if mergeable(self.spec):
             new = [quantize(x, self.spec, validate=False, **kw)]
         else:
@@ -258,9 +279,9 @@ class SideStore:
     # --------------------------------------------------------------- reading
     def _dequantize(self, qt: QuantizedTensor, p0: int, dtype: torch.dtype) -> torch.Tensor:
         """One chunk back to ``dtype`` (rotated back to its positions ``p0...`` for pre-RoPE keys)."""
-        out = qt.dequantize(dtype)
+        out = qt.dequantize(dtype, sync=self.sync)
         if self.spec.pre_rope:
-            out = self.rotary.rotate(out, torch.arange(p0, p0 + qt.n_tokens, device=out.device))
+            out = rope_at(self.rotary, out, p0)
         return out
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -271,12 +292,11 @@ class SideStore:
         elif len(self.chunks) > 1:  # one block per chunk (head / tensor granularity): one call for all
             stacked = _stack_blocks(self.chunks)
             n = sum(c.n_tokens for c in self.chunks)
-            out = stacked.dequantize(dtype)  # (nb * B, H, block, D), blocks major
+            out = stacked.dequantize(dtype, sync=self.sync)  # (nb * B, H, block, D), blocks major
             B, H, _, D = self.chunks[0].shape
             out = out.reshape(len(self.chunks), B, H, -1, D).permute(1, 2, 0, 3, 4).reshape(B, H, n, D)
             if self.spec.pre_rope:
-                p0 = self.n_sinks + self.n_dropped
-                out = self.rotary.rotate(out, torch.arange(p0, p0 + n, device=out.device))
+                out = rope_at(self.rotary, out, self.n_sinks + self.n_dropped)
             parts.append(out)
         elif self.chunks:
             parts.append(self._dequantize(self.chunks[0], self.n_sinks + self.n_dropped, dtype))

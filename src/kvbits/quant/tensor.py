@@ -21,6 +21,7 @@ from kvbits.quant.affine import (
 from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
 from kvbits.quant.nuq import (
+    CODEBOOK_DTYPE,
     check_codebook,
     choose_nuq_params,
     dequantize_nuq,
@@ -48,7 +49,8 @@ class QuantizedTensor:
         scale, zero: float16 metadata, keepdim shapes of the granularity (``zero`` only asymmetric).
         outlier_values, outlier_index: sparse exact values ``(B, H_kv, n, k)`` float16 and their
             channel indices (uint8 / int16), or ``None``.
-        clipped: how many elements saturated against static scales (calibration mismatch signal).
+        clipped: how many elements saturated against static scales (calibration mismatch signal); a
+            0-dim int64 tensor on the block's device when quantized with ``sync=False``.
         codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
             layer, like static scales, not by the block).
     """
@@ -60,7 +62,7 @@ class QuantizedTensor:
     zero: torch.Tensor | None = None
     outlier_values: torch.Tensor | None = None
     outlier_index: torch.Tensor | None = None
-    clipped: int = 0
+    clipped: int | torch.Tensor = 0
     static: bool = field(default=False)
     codebook: torch.Tensor | None = None
 
@@ -81,8 +83,13 @@ class QuantizedTensor:
     def n_tokens(self) -> int:
         return self.shape[2]
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, *, codebook: torch.Tensor | None = None) -> torch.Tensor:
-        """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``)."""
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, *, codebook: torch.Tensor | None = None, sync: bool = True
+    ) -> torch.Tensor:
+        """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``).
+
+        ``sync=False``: no host-device sync (the codebook's values are not re-checked, see ``quantize``).
+        """
         spec = self.spec
         _, _, n, D = self.shape
         if spec.kind == "float":
@@ -95,7 +102,7 @@ class QuantizedTensor:
                 dequantize_affine(_group(codes, spec), self.scale, self.zero, spec.bits, torch.float32), spec, n, D
             ).to(dtype)
         elif spec.kind == "nuq":
-            cb = check_codebook(codebook if codebook is not None else self.codebook, spec.bits)
+            cb = _codebook(codebook if codebook is not None else self.codebook, spec.bits, sync)
             codes = unpack_bits(self.data, spec.bits, D)
             out = _ungroup(
                 dequantize_nuq(_group(codes, spec), self.scale, self.zero, cb, torch.float32), spec, n, D
@@ -105,6 +112,16 @@ class QuantizedTensor:
         if self.outlier_values is not None:
             out = scatter_outliers(out, self.outlier_values, self.outlier_index)
         return out
+
+
+def _codebook(codebook: torch.Tensor | None, bits: int, sync: bool) -> torch.Tensor:
+    """``check_codebook``; with ``sync=False`` only what needs no host sync (present, float16, ``2**bits``
+    entries): the caller checked the values once (``QuantizedKVLayer.set_static_qparams``)."""
+    if sync or not (
+        isinstance(codebook, torch.Tensor) and codebook.dtype == CODEBOOK_DTYPE and codebook.shape == (2**bits,)
+    ):
+        return check_codebook(codebook, bits)
+    return codebook
 
 
 def _group(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -141,6 +158,7 @@ def quantize(
     static_zero: torch.Tensor | None = None,
     codebook: torch.Tensor | None = None,
     validate: bool = True,
+    sync: bool = True,
 ) -> QuantizedTensor:
     """Quantize one block ``x`` of shape ``(B, H_kv, n, D)`` following ``spec``.
 
@@ -153,6 +171,9 @@ def quantize(
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
         validate: check finiteness and range (``ValueError`` on NaN/inf).
+        sync: ``False``: never wait for the device (``kvbits.cache`` per-step path): ``clipped`` stays a
+            0-dim int64 tensor on ``x``'s device and the codebook's values are not re-checked (its dtype
+            and shape are); pair with ``validate=False``.
     """
     if validate:
         check_kv(x, "K/V block")
@@ -161,7 +182,7 @@ def quantize(
     if spec.kind == "float":
         return QuantizedTensor(spec, shape, x.to(FLOAT_DTYPES[spec.fmt]).contiguous())
     if spec.kind == "nuq":
-        check_codebook(codebook, spec.bits)
+        _codebook(codebook, spec.bits, sync)
     static_qp = _static_qparams(x, spec, static_scale, static_zero) if spec.kind in ("int", "nuq") else None
     k = outlier_count(D, spec.outlier_frac)
     o_vals = o_idx = mask = None
@@ -187,7 +208,7 @@ def quantize(
             clipped = clipped & ~mask
         return QuantizedTensor(
             spec, shape, codes, scale=scale, outlier_values=o_vals, outlier_index=o_idx,
-            clipped=int(clipped.sum()), static=spec.static or spec.granularity == "tensor",
+            clipped=_count(clipped, sync), static=spec.static or spec.granularity == "tensor",
         )
     if spec.kind not in ("int", "nuq"):
         raise NotImplementedError(f"quantize for kind={spec.kind!r} is not implemented")
@@ -208,8 +229,14 @@ def quantize(
     packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits)
     return QuantizedTensor(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
-        clipped=int(clipped.sum()), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
+        clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
     )
+
+
+def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:
+    """Number of True entries: a host int, or (``sync=False``) a 0-dim int64 tensor on the device."""
+    n = mask.sum()
+    return int(n) if sync else n
 
 
 def _static_qparams(
