@@ -11,11 +11,13 @@ workspace on/off identical, validation, and no state left on the model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import inspect
 import logging
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import pytest
@@ -36,6 +38,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, layer_bytes, list_schemes, token_split
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Self
 
 transformers.logging.set_verbosity_error()
 
@@ -686,3 +691,274 @@ def test_bfloat16_model_on_device(device):
         )
         assert rep["total_bytes"] == expect
         assert all(t.device.type == device for t in walk_tensors(cache) if t.numel())
+
+
+# --------------------------------------------------------------------------------------- lazy K/V checks
+class SyncTrap:
+    """Fails on every way Python code reads a tensor's values back to the host (a host-device sync on
+    CUDA; CPU tensors cannot tell): ``bool/int/float(t)``, ``.item()``, ``.tolist()``, ``.numpy()``,
+    ``.cpu()``, ``torch.equal`` / ``nonzero`` / ``allclose``. ``allow(fn)`` wraps the one function that
+    may sync (the lazy check), counting its calls."""
+
+    TENSOR = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu", "nonzero")
+    TORCH = ("equal", "nonzero", "allclose", "is_nonzero", "unique")
+
+    def __init__(self) -> None:
+        self.inside_allowed = 0
+        self.allowed_calls = 0
+        self._stack = contextlib.ExitStack()
+
+    def _trap(self, what: str, original):
+        def trapped(*args, **kwargs):
+            if self.inside_allowed:
+                return original(*args, **kwargs)
+            raise AssertionError(f"host sync on the per-step path: {what}")
+
+        return trapped
+
+    def allow(self, fn):
+        def allowed(*args, **kwargs):
+            self.allowed_calls += 1
+            self.inside_allowed += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside_allowed -= 1
+
+        return allowed
+
+    def __enter__(self) -> Self:
+        for name in self.TENSOR:
+            self._stack.enter_context(
+                mock.patch.object(torch.Tensor, name, self._trap(f"Tensor.{name}", getattr(torch.Tensor, name)))
+            )
+        for name in self.TORCH:
+            self._stack.enter_context(mock.patch.object(torch, name, self._trap(f"torch.{name}", getattr(torch, name))))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("the eager check ran on the lazy path")
+
+
+LAZY_SCHEMES = ["kivi-2", "int8-token", "fp8-e4m3", "kvquant-4", "test-prerope", "test-mixed", "test-tensor"]
+
+
+def lazy_scheme(name: str) -> KVScheme:
+    return {"test-prerope": PRE_ROPE, "test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(name) or get_scheme(name)
+
+
+def lazy_pair(name: str, **kw) -> tuple[QuantizedKVCache, QuantizedKVCache]:
+    """An eager and a lazy cache for ``llama_d64`` (kvquant: calibrated on the reference K/V)."""
+    model, sch = build("llama_d64"), lazy_scheme(name)
+    cal = calibration_for(sch, reference_300(), model) if sch.key.kind == "nuq" else None
+    return tuple(
+        QuantizedKVCache(config=model.config, scheme=sch, calibration=cal, checks=mode, **kw)
+        for mode in ("eager", "lazy")
+    )
+
+
+def ref_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s 300 K/V of ``reference_300`` with keys scaled into FP8 E4M3 saturation (> 448)."""
+    ref = reference_300().layers[layer]
+    return ref.keys * 1000, ref.values
+
+
+def test_check_modes_and_arguments():
+    assert QuantizedKVCache(num_layers=1).layers[0].checks.mode == "auto"
+    cache = QuantizedKVCache(num_layers=1, scheme="kivi-2")
+    cache.update(*rand_kv(1, 2, 4, 64, seed=30), 0)
+    assert not cache.layers[0].checks.lazy  # auto: eager on CPU, as before
+    for device, lazy in (("cpu", False), ("cuda", True), ("meta", True)):
+        checks = cache.layers[0].checks.__class__(mode="auto")
+        checks.resolve(torch.device(device))
+        assert checks.lazy == lazy
+    with pytest.raises(ValueError, match="checks must be one of"):
+        QuantizedKVCache(num_layers=1, checks="sometimes")
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="check_every must be a positive int"):
+            QuantizedKVCache(num_layers=1, check_every=bad)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", LAZY_SCHEMES)
+def test_lazy_checks_same_results_and_exact_counts(scheme):
+    """Prefill 200 tokens then 100 decode steps through eager and lazy caches: identical K/V, bytes and
+    calibration report (clipped counts read back from the device are exact)."""
+    eager, lazy = lazy_pair(scheme, check_every=16)
+    kv = [ref_kv(i) for i in range(2)]
+    for cache in (eager, lazy):
+        for i, (k, v) in enumerate(kv):
+            feed(cache, i, k, v, [200])
+    assert lazy.layers[0].checks.lazy and not eager.layers[0].checks.lazy
+    assert isinstance(lazy.layers[0]._k.clipped, torch.Tensor) or lazy.layers[0]._k.n_quantized == 0
+    rep_e, rep_l = eager.calibration_report(), lazy.calibration_report()
+    assert rep_l == rep_e
+    if scheme in ("fp8-e4m3", "kvquant-4"):
+        assert rep_e["layers"][0]["clipped_keys"] > 0
+    assert lazy.memory_report() == eager.memory_report()
+    for i in range(2):
+        for a, b in zip(eager.materialize(i), lazy.materialize(i)):
+            assert torch.equal(a, b)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", LAZY_SCHEMES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_lazy_hot_path_never_syncs(scheme, fused):
+    """Lazy mode: prefill and decode steps (flushes, dequantization, fused placeholders and packed store)
+    never read a tensor back to the host and never call the eager check; the only sync is the lazy
+    check, once for all layers every ``check_every`` steps."""
+    from kvbits.cache import checks as kv_checks
+    from kvbits.cache import fused as fused_mod
+
+    every = 8
+    _, cache = lazy_pair(scheme, check_every=every, fused_decode=fused)
+    kv = [ref_kv(i) for i in range(2)]
+    with SyncTrap() as trap:
+        check = trap.allow(kv_checks._host_maxima)
+        with mock.patch.object(kv_checks, "_host_maxima", check), mock.patch.object(kv_checks, "check_kv", _forbidden):
+            for i, (k, v) in enumerate(kv):
+                cache.update(k[:, :, :200], v[:, :, :200], i)  # step 0: prefill
+            if fused:  # what kvbits_fused does after the prefill (host-only), then decode steps return placeholders
+                for layer in cache.layers:
+                    claimed = fused_mod.claim(layer, torch.zeros(1, 4, 1, 64))
+                    assert claimed == (fused_mod.layout_reason(layer) is None)
+            for step in range(1, 3 * every + 1):
+                for i, (k, v) in enumerate(kv):
+                    keys, _ = cache.update(k[:, :, 199 + step : 200 + step], v[:, :, 199 + step : 200 + step], i)
+                    if fused and cache.layers[i].fused.claimed:
+                        assert keys.is_meta
+                        fused_mod.packed_store(cache.layers[i])
+                # due at the first update of steps 8, 16, 24: one check for both layers each time
+                assert trap.allowed_calls == step // every, (step, trap.allowed_calls)
+    assert trap.allowed_calls == 3
+    cache.check_inputs()  # steps 24.. are checked here (outside the trap)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int4-token", "int4-channel", "test-mixed"])
+def test_lazy_sliding_window_never_syncs(scheme):
+    """The sliding-window layer of a Gemma 3 config (blocks dropped from the front, sliced chunks, or the
+    full-precision fallback) under the same trap."""
+    from kvbits.cache import checks as kv_checks
+
+    cache = QuantizedKVCache(config=gemma_cfg(160), scheme=lazy_scheme(scheme), checks="lazy", check_every=16)
+    k, v = rand_kv(1, 2, 330, 64, seed=35)
+    with SyncTrap() as trap, mock.patch.object(kv_checks, "_host_maxima", trap.allow(kv_checks._host_maxima)):
+        for i in range(2):
+            cache.update(k[:, :, :200], v[:, :, :200], i)
+        for t in range(200, 330):
+            for i in range(2):
+                cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], i)
+    assert trap.allowed_calls == 130 // 16
+    rep = cache.memory_report()["layers"][0]
+    assert rep["dropped_tokens"] > 0 or rep["mode"] == "fallback"
+
+
+def test_sync_trap_catches_the_eager_path():
+    """The trap is real: the eager check (one sync per layer and step) trips it."""
+    cache = QuantizedKVCache(num_layers=1, scheme="int8-token", checks="eager")
+    with SyncTrap(), pytest.raises(AssertionError, match="host sync"):
+        cache.update(*rand_kv(1, 2, 4, 64, seed=31), 0)
+
+
+def _nan_at(k: torch.Tensor, pos: int) -> torch.Tensor:
+    bad = k.clone()
+    bad[0, 1, pos, 3] = float("nan")
+    return bad
+
+
+def test_lazy_check_names_layer_and_steps():
+    """NaN in layer 1's keys at decode step 5: nothing raises until the next check (step 8, the first
+    update at which a layer has 8 unchecked steps), which names the layer, the side, the steps and the
+    positions; the error sticks until reset()."""
+    cache = QuantizedKVCache(num_layers=2, scheme="kivi-2", checks="lazy", check_every=8)
+    k, v = rand_kv(1, 2, 40, 64, seed=32)
+    kb = _nan_at(k, 24)  # token 24 arrives at step 5 (prefill 0..19 is step 0)
+    for i in range(2):
+        cache.update(k[:, :, :20], v[:, :, :20], i)
+    for step in range(1, 8):
+        for i in range(2):
+            src = kb if (i == 1 and step == 5) else k
+            cache.update(src[:, :, 19 + step : 20 + step], v[:, :, 19 + step : 20 + step], i)
+    with pytest.raises(ValueError, match=r"layer 1 key_states contain NaN .*update steps 0\.\.7 \(token positions 0\.\.26\)"):
+        cache.update(k[:, :, 27:28], v[:, :, 27:28], 0)
+    for again in (lambda: cache.update(k[:, :, 27:28], v[:, :, 27:28], 0), cache.memory_report,
+                  cache.calibration_report, lambda: cache.materialize(0), cache.check_inputs):  # fmt: skip
+        with pytest.raises(ValueError, match="layer 1 key_states contain NaN"):
+            again()
+    cache.reset()
+    for i in range(2):
+        cache.update(k[:, :, :20], v[:, :, :20], i)
+    assert cache.memory_report()["seq_length"] == 20
+
+
+def test_lazy_check_on_read_and_every_kind_of_bad_value():
+    """Reads check at once; inf and finite values beyond float16 are caught like NaN; several failed
+    layers are all named."""
+    k, v = rand_kv(1, 2, 12, 64, seed=33)
+    cache = QuantizedKVCache(num_layers=2, scheme="int4-token", checks="lazy")  # default check_every=64
+    cache.update(k, v, 0)
+    cache.update(k, v, 1)
+    cache.memory_report()  # clean: checks and passes
+    cache.update(k[:, :, :1], _nan_at(v, 0)[:, :, :1], 0)
+    cache.update(k[:, :, :1] * 1e6, v[:, :, :1], 1)
+    with pytest.raises(ValueError, match=r"layer 0 value_states contain NaN .*update steps 1\.\.1 \(token positions 12\.\.12\).*also failed: layers 1"):
+        cache.calibration_report()
+    cache = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy")
+    cache.update(k, v.masked_fill(v > 1, float("inf")), 0)
+    with pytest.raises(ValueError, match="layer 0 value_states contain inf"):
+        cache.materialize(0)
+    cache = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy")
+    cache.update(k * 1e6, v, 0)
+    with pytest.raises(ValueError, match=r"layer 0 key_states reach \|x\| = .*e\+0[67]"):
+        cache.check_inputs()
+
+
+def test_lazy_check_of_a_layer_on_its_own():
+    """A QuantizedKVLayer used without a cache checks itself every check_every updates."""
+    layer = QuantizedKVLayer(get_scheme("int8-token"), layer_idx=3, checks="lazy", check_every=4)
+    k, v = rand_kv(1, 2, 10, 64, seed=34)
+    layer.update(k[:, :, :2], v[:, :, :2])
+    layer.update(_nan_at(k, 2)[:, :, 2:3], v[:, :, 2:3])
+    layer.update(k[:, :, 3:4], v[:, :, 3:4])
+    layer.update(k[:, :, 4:5], v[:, :, 4:5])
+    with pytest.raises(ValueError, match=r"layer 3 key_states contain NaN .*update steps 0\.\.3"):
+        layer.update(k[:, :, 5:6], v[:, :, 5:6])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.set_sync_debug_mode)")
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["kivi-2", "int8-token", "test-prerope", "kvquant-4"])
+def test_cuda_decode_steps_do_not_sync(scheme):
+    """On CUDA the default (auto = lazy) decode steps run under ``set_sync_debug_mode("error")``, and a
+    NaN stored on the GPU is still caught by the next read."""
+    from kvbits.cache import fused as fused_mod
+
+    model, sch = build("llama_d64"), lazy_scheme(scheme)
+    cal = calibration_for(sch, reference_300(), model) if sch.key.kind == "nuq" else None
+    cache = QuantizedKVCache(config=model.config, scheme=sch, calibration=cal, fused_decode=True)
+    kv = [tuple(t.cuda() for t in ref_kv(i)) for i in range(2)]
+    for i, (k, v) in enumerate(kv):
+        cache.update(k[:, :, :200], v[:, :, :200], i)
+        fused_mod.claim(cache.layers[i], torch.zeros(1, 4, 1, 64, device="cuda"))
+    assert cache.layers[0].checks.lazy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 40):
+            for i, (k, v) in enumerate(kv):
+                cache.update(k[:, :, 199 + step : 200 + step], v[:, :, 199 + step : 200 + step], i)
+                if cache.layers[i].fused.claimed:
+                    fused_mod.packed_store(cache.layers[i])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cache.check_inputs()
+    k, v = kv[1]
+    cache.update(k[:, :, :1], v[:, :, :1].masked_fill(v[:, :, :1] > 0, float("nan")), 1)
+    with pytest.raises(ValueError, match="layer 1 value_states contain NaN"):
+        cache.memory_report()

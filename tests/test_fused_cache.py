@@ -267,3 +267,58 @@ def test_fused_decode_triton_kernel(monkeypatch):
     assert k.call_count == cache.fused_report()["fused_steps"] == 4 * 2
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lazy K/V checks (the default on CUDA) through fused generation
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["int4-kivi", "int4-prerope"])
+def test_lazy_checks_fused_generation_matches_eager(scheme: str):
+    """Lazy checks forced on CPU (a check every 4 steps during the 20): same tokens, logits, bytes and
+    fused steps as the eager checks."""
+    model, sch = build("llama"), SCHEMES[scheme]
+    out = {}
+    for mode in ("eager", "lazy"):
+        cache = QuantizedKVCache(config=model.config, scheme=sch, fused_decode=True, checks=mode, check_every=4)
+        with attention(model, True), torch.no_grad():
+            gen = model.generate(prompt(), past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        assert cache.layers[0].checks.lazy == (mode == "lazy")
+        out[mode] = (gen.sequences, torch.stack(gen.logits), cache.memory_report(), cache.fused_report())
+    assert torch.equal(out["eager"][0], out["lazy"][0]) and torch.equal(out["eager"][1], out["lazy"][1])
+    assert out["eager"][2:] == out["lazy"][2:]
+    assert out["lazy"][3]["fused_steps"] == (NEW - 1) * 2
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_nan_during_fused_generation_is_caught(mode: str):
+    """A NaN in layer 1's keys at decode step 3: eager checks refuse it at once; lazy checks
+    (check_every=8) let it through to the next check, at step 8, and name layer 1 and the steps."""
+    model = build("llama")
+    k_proj = model.model.layers[1].self_attn.k_proj
+    calls = []
+
+    def poison(module, args, output):
+        calls.append(output.shape[1])
+        if len(calls) == 4:  # prefill is step 0
+            output = output.clone()
+            output[0, -1, 5] = float("nan")
+        return output
+
+    cache = QuantizedKVCache(config=model.config, scheme=KIVI4, fused_decode=True, checks=mode, check_every=8)
+    handle = k_proj.register_forward_hook(poison)
+    try:
+        with attention(model, True), torch.no_grad(), pytest.raises(ValueError) as err:
+            model.generate(prompt(), past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    finally:
+        handle.remove()
+    if mode == "eager":
+        assert len(calls) == 4 and "layer 1 key_states contains non-finite values (2 NaN" in str(err.value)  # RoPE pairs channel 5 and 21
+    else:
+        assert len(calls) == 8  # raised by the check before layer 0 stores step 8
+        assert "layer 1 key_states contain NaN" in str(err.value) and "update steps 0..7" in str(err.value)
+        assert "also failed" not in str(err.value)  # layer 0, below the NaN, stayed clean
+        with pytest.raises(ValueError, match="layer 1 key_states contain NaN"):
+            cache.fused_report()

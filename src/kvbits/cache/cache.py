@@ -24,6 +24,7 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import Cache
 
+from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import QuantizedKVLayer
 from kvbits.schemes.presets import get_scheme
@@ -106,6 +107,14 @@ class QuantizedKVCache(Cache):
             attention is ``kvbits_fused`` (``kvbits.cache.use_fused_decode``): ``"auto"`` (default) on
             CUDA with Triton, ``True`` on any device (CPU: the torch reference, or ``KVBITS_KERNEL``),
             ``False`` never. Results match the dequantize-then-SDPA path; see ``fused_report()``.
+        checks: how incoming K/V are checked for NaN / inf / values beyond float16 scales
+            (``kvbits.cache.checks``): ``"eager"``: every ``update``, before storing (a host-device sync
+            per layer and step); ``"lazy"``: on the device, read back every ``check_every`` steps (one
+            sync for all layers) and by ``memory_report()``, ``calibration_report()``, ``fused_report()``,
+            ``materialize()`` and ``check_inputs()``, so a decode step never waits for the GPU; the error
+            names the layer, side, update steps and token positions. ``"auto"`` (default): eager on CPU,
+            lazy on CUDA (and other accelerators). Clipped counts are exact either way.
+        check_every: update steps between lazy checks (default 64).
     """
 
     def __init__(
@@ -118,8 +127,13 @@ class QuantizedKVCache(Cache):
         rotary: Any = None,
         calibration: Any = None,
         fused_decode: bool | str = "auto",
+        checks: str = "auto",
+        check_every: int = kv_checks.DEFAULT_CHECK_EVERY,
     ) -> None:
         self.scheme = get_scheme(scheme)
+        self.checks_mode = kv_checks.check_mode(checks)
+        self.check_every = kv_checks.check_every_arg(check_every)
+        self._input_error: str | None = None  # a failed lazy check: every update raises it until reset()
         self.fused_decode = check_mode(fused_decode)
         self._fused_tables = RopeTableCache()
         self.workspace = bool(workspace)
@@ -192,6 +206,7 @@ class QuantizedKVCache(Cache):
             num_key_value_heads=self.num_key_value_heads,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
+            checks=self.checks_mode, check_every=self.check_every,
         )
         if getattr(self, "calibration", None) is not None:  # lazily created layers
             self._calibrate_layer(layer)
@@ -240,7 +255,28 @@ class QuantizedKVCache(Cache):
             self._fused_tables.clear()
             for layer in self._quantized_layers():
                 layer.set_rotary(self._rotary.tables_for_layer(layer.layer_idx))
+        if self._input_error is not None:
+            raise ValueError(self._input_error)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, QuantizedKVLayer) and layer.checks.due:
+            self.check_inputs()  # every layer's lazy check in one host sync, not one per layer
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_inputs(self) -> None:
+        """Run the pending lazy K/V checks of every layer now (one host sync per device; nothing pending:
+        no sync). ``ValueError`` naming the first failed layer (and the others) if NaN, inf or values
+        beyond float16 scales were stored since the last check. Reports and ``materialize`` call it;
+        call it after a generation to cover its last steps. Eager layers have nothing pending."""
+        try:
+            kv_checks.run_checks(self._quantized_layers())
+        except ValueError as exc:
+            self._input_error = str(exc)
+            raise
+
+    def reset(self) -> None:
+        """Empty every layer (and forget a failed lazy K/V check)."""
+        self._input_error = None
+        super().reset()
 
     def set_static_qparams(
         self,
@@ -265,16 +301,20 @@ class QuantizedKVCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, QuantizedKVLayer)]
 
     def materialize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V that attention in layer ``layer_idx`` would see now, ``(B, H_kv, T_visible, D)``."""
-        return self._layer(layer_idx).materialize()
+        """K and V that attention in layer ``layer_idx`` would see now, ``(B, H_kv, T_visible, D)``; runs
+        the lazy K/V checks first."""
+        layer = self._layer(layer_idx)
+        self.check_inputs()
+        return layer.materialize()
 
     def memory_report(self) -> dict[str, Any]:
         """Real storage: every byte of every tensor the cache holds, by layer and by component.
 
         ``total_bytes`` sums ``nbytes`` of codes, scales, zero-points, outliers, sinks, buffers and fixed
         per-layer tensors; ``workspace_bytes`` (dequantized history, optional) is reported apart.
-        ``avg_bits`` is ``8 * total_bytes / (K + V stored elements)``.
+        ``avg_bits`` is ``8 * total_bytes / (K + V stored elements)``. Runs the lazy K/V checks first.
         """
+        self.check_inputs()
         components = dict.fromkeys(COMPONENTS, 0)
         layers, workspace, elements, batch = [], 0, 0, 0
         for layer in self._quantized_layers():
@@ -300,7 +340,9 @@ class QuantizedKVCache(Cache):
     def fused_report(self) -> dict[str, Any]:
         """Fused decode per layer: claimed (decode steps skip dequantization), steps attended over the packed
         store, fallback steps (dequantized K/V, e.g. padded batches), why a layer was not claimed; and the
-        bytes of the float32 RoPE tables kept for fused pre-RoPE keys (not KV storage)."""
+        bytes of the float32 RoPE tables kept for fused pre-RoPE keys (not KV storage). Runs the lazy K/V
+        checks first."""
+        self.check_inputs()
         rows = [
             {"layer": layer.layer_idx, "claimed": layer.fused.claimed, "steps": layer.fused.steps,
              "fallbacks": layer.fused.fallbacks, "declined": layer.fused.declined}
@@ -317,7 +359,9 @@ class QuantizedKVCache(Cache):
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch, measured per layer: values clipped against their scales so far
         (keys, values), the last position seen and, with a calibration artifact installed, how many
-        positions lie beyond the longest calibrated length."""
+        positions lie beyond the longest calibrated length. Runs the lazy K/V checks first; the counts are
+        exact (device counters read back here)."""
+        self.check_inputs()
         longest = getattr(self.calibration, "max_calibrated_length", None)
         rows = []
         for layer in self._quantized_layers():

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
 from kvbits.cache.store import SideStore
-from kvbits.quant.checks import FP16_MAX, check_kv
+from kvbits.quant.nuq import check_codebook
 from kvbits.quant.tensor import FLOAT_DTYPES
 from kvbits.schemes.accounting import sliding_falls_back, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -62,6 +63,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         fused_decode: ``True`` / ``"auto"`` (CUDA with Triton) / ``False``: whether decode steps may skip
             dequantization for the ``kvbits_fused`` attention function (``kvbits.cache.fused``).
         rope_tables: float32 RoPE tables shared with the cache's other layers (fused pre-RoPE keys).
+        checks: how incoming K/V are checked for NaN / inf / float16 range (``kvbits.cache.checks``):
+            ``"eager"`` before storing them (one host sync per step), ``"lazy"`` on the device, read every
+            ``check_every`` update steps and by ``materialize()`` (no sync per step), ``"auto"`` (default):
+            eager on CPU, lazy on CUDA and other accelerators.
+        check_every: update steps between lazy checks (default 64).
 
     Calibrated parameters (static scales, NUQ codebooks) are installed with ``set_static_qparams``.
 
@@ -85,6 +91,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         rotary: RotaryTables | None = None,
         fused_decode: bool | str = "auto",
         rope_tables: fused.RopeTableCache | None = None,
+        checks: str = "auto",
+        check_every: int = kv_checks.DEFAULT_CHECK_EVERY,
     ) -> None:
         super().__init__()
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -116,6 +124,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             static_scale=_fixed_scale(scheme.value) if quantized else None,
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
+        self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.dtype: torch.dtype | None = None
@@ -157,8 +166,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             dt = torch.float32 if spec.kind == "fp8" else torch.float16
             store.static_scale = scale.detach().to(device, dt).clone()
             store.static_zero = None if zero is None else zero.detach().to(device, torch.float16).clone()
-        if codebook is not None:
-            store.codebook = codebook.detach().to(device).clone()
+        if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
+            store.codebook = check_codebook(codebook.detach().to(device).clone(), spec.bits)
 
     def set_rotary(self, rotary: RotaryTables) -> None:
         """Replace this layer's RoPE tables (e.g. the same tables built on the K/V device)."""
@@ -182,59 +191,15 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.checks.resolve(self.device)
         k_store, v_store = key_states.dtype, value_states.dtype
         if self.mode == "identity":  # fp16 / bf16 schemes store every token in their own format
             k_store, v_store = FLOAT_DTYPES[self.scheme.key.fmt], FLOAT_DTYPES[self.scheme.value.fmt]
-        self._k.init(key_states, k_store)
-        self._v.init(value_states, v_store)
+        self._k.init(key_states, k_store, sync=not self.checks.lazy)
+        self._v.init(value_states, v_store, sync=not self.checks.lazy)
         self.is_initialized = True
 
     # --------------------------------------------------------------- update
-    def _validate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        names = (f"layer {self.layer_idx} key_states", f"layer {self.layer_idx} value_states")
-        for x, what in zip((key_states, value_states), names):
-            if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
-                check_kv(x, what)  # raises the precise TypeError / ValueError
-        if key_states.numel() and value_states.numel():
-            # one device sync for both: NaN propagates through amax, inf exceeds the bound
-            amax = torch.maximum(key_states.detach().abs().amax().float(), value_states.detach().abs().amax().float())
-            if not float(amax) <= FP16_MAX:  # scales and zero-points are float16
-                for x, what in zip((key_states, value_states), names):
-                    check_kv(x, what)
-        kB, kH, kT, _ = key_states.shape
-        vB, vH, vT, _ = value_states.shape
-        if (kB, kH, kT) != (vB, vH, vT):
-            raise ValueError(
-                f"layer {self.layer_idx}: key_states {tuple(key_states.shape)} and value_states "
-                f"{tuple(value_states.shape)} must agree on (B, H_kv, T)"
-            )
-        if key_states.dtype != value_states.dtype:
-            raise TypeError(f"layer {self.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}")
-        if self.num_key_value_heads is not None and kH != self.num_key_value_heads:
-            raise ValueError(
-                f"layer {self.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
-                f"(B, H_kv, T, D)) but the config has num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.is_initialized:
-            for what, x, store in (("key_states", key_states, self._k), ("value_states", value_states, self._v)):
-                ref = store.buffer
-                if x.shape[0] != ref.shape[0] or x.shape[1] != ref.shape[1] or x.shape[3] != ref.shape[3]:
-                    raise ValueError(
-                        f"layer {self.layer_idx}: {what} {tuple(x.shape)} does not match the cached "
-                        f"(B, H_kv, *, D) = {(ref.shape[0], ref.shape[1], '*', ref.shape[3])}"
-                    )
-            if key_states.dtype != self.dtype or key_states.device != self.device:
-                raise TypeError(
-                    f"layer {self.layer_idx}: K/V changed from {self.dtype} on {self.device} to "
-                    f"{key_states.dtype} on {key_states.device}; reset() the cache first"
-                )
-        missing = self.needs_calibration()
-        if missing:
-            raise ValueError(
-                f"layer {self.layer_idx}: scheme {self.scheme.name!r} needs calibrated parameters ({', '.join(missing)}); "
-                "run `kvbits calibrate` and install them with set_static_qparams() before use"
-            )
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,9 +208,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         Full attention: all ``T`` tokens seen. Sliding window: the last ``min(T_before, W - 1)`` cached
         tokens plus the ``q`` new ones, as ``DynamicSlidingWindowLayer`` (``get_mask_sizes`` agrees).
         Decode steps of a layer claimed by ``kvbits_fused`` return zero-byte placeholders instead
-        (``kvbits.cache.fused``).
+        (``kvbits.cache.fused``). With lazy checks (``kvbits.cache.checks``) nothing here waits for the device.
         """
-        self._validate(key_states, value_states)
+        kv_checks.validate(self, key_states, value_states)
+        if not self.is_initialized:
+            self.checks.resolve(key_states.device)
+        elif self.checks.due:  # a layer used on its own (QuantizedKVCache checks all its layers at once)
+            kv_checks.run_checks([self])
+        self.checks.observe(f"layer {self.layer_idx}", key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
@@ -308,6 +278,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.tokens_seen = self.dropped_tokens = 0
         self.is_initialized = False
         self.fused.claimed = False
+        self.checks.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end: negative = that many tokens, positive = keep that absolute length
@@ -360,14 +331,17 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.map_batch(fn)
 
     # ---------------------------------------------------------------- reading
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def materialize(self, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V attention would see now, ``(B, H_kv, T_visible, D)`` in the incoming dtype.
 
         Full attention: every token; sliding window: the last ``min(T, W - 1)`` tokens (what
-        ``DynamicSlidingWindowLayer`` holds).
+        ``DynamicSlidingWindowLayer`` holds). ``check``: run the pending lazy K/V check first (one host
+        sync; ``False`` on per-step paths, which leave it to the periodic check).
         """
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx} holds no tokens yet")
+        if check:
+            kv_checks.run_checks([self])
         keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
         if self.is_sliding:
             visible = min(self.tokens_seen, self.sliding_window - 1)
@@ -404,8 +378,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         return {name: k[name] + v[name] for name in k}
 
     def clipped(self) -> tuple[int, int]:
-        """Values that saturated against their (static) scales so far, for keys and values."""
-        return self._k.clipped, self._v.clipped
+        """Values that saturated against their (static) scales so far, for keys and values (exact; with
+        lazy checks the counts live on the device and reading them is a host sync)."""
+        return int(self._k.clipped), int(self._v.clipped)
 
     def expected_split(self):
         """``token_split`` for the tokens seen (what this layer's report must equal until a ``crop``)."""

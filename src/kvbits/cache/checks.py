@@ -1,0 +1,243 @@
+"""Checks of the K/V a `QuantizedKVLayer` receives, eager or lazy (no host-device sync per step).
+
+The rule: K/V that cannot be quantized faithfully (NaN, inf, ``|x|`` beyond the float16 range of scales
+and zero-points) get a clear ``ValueError`` naming the layer, never silent corruption. Two ways:
+
+- **eager** (``checks="eager"``; ``"auto"`` on CPU, where a sync costs nothing): every ``update`` checks
+  its K/V before storing them (``kvbits.quant.checks.check_kv``: one sync per layer per step) and bad
+  K/V are refused; clipped counts are host ints.
+- **lazy** (``checks="lazy"``; ``"auto"`` on CUDA and other accelerators): ``update`` only folds
+  ``max |K|`` and ``max |V|`` of its new tokens into a running ``(2,)`` float32 maximum on the device
+  (NaN propagates through ``torch.maximum``, inf and ``|x| > 65504`` exceed the bound) and clipped counts
+  stay 0-dim int64 device tensors: the per-step path never waits for the device. The pending maxima are
+  read (one sync per device, for all layers of a cache together, ``run_checks``) every ``check_every``
+  update steps of a layer (default 64) and whenever the cache is read: ``memory_report()``,
+  ``calibration_report()``, ``fused_report()``, ``materialize()``, ``check_inputs()``. Bad K/V found
+  there raise ``ValueError`` naming the layer(s), the side, the update steps and token positions of the
+  window they arrived in; they were stored and attended over meanwhile, so the layer stays failed (every
+  later ``update`` or read raises the same error) until ``reset()``. Counts read from the device are exact.
+  K/V arriving after the last check of a generation are only covered by the next read or
+  ``check_inputs()``: call one after generating (reports do).
+
+Structural checks (types, ``(B, H_kv, T, D)`` shapes, dtype/device changes, calibration) never need the
+device and stay eager in both modes (``validate``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbits.quant.checks import FP16_MAX, check_kv
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvbits.cache.layer import QuantizedKVLayer
+
+__all__ = [
+    "CHECK_MODES",
+    "DEFAULT_CHECK_EVERY",
+    "InputChecks",
+    "check_every_arg",
+    "check_mode",
+    "run_checks",
+    "validate",
+]
+
+CHECK_MODES = ("auto", "eager", "lazy")
+DEFAULT_CHECK_EVERY = 64
+SIDES = ("key_states", "value_states")
+
+
+def check_mode(mode: object) -> str:
+    """``"auto"``, ``"eager"`` or ``"lazy"``; ``ValueError`` for anything else."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"checks must be one of {CHECK_MODES}, got {mode!r}")
+    return str(mode)
+
+
+def check_every_arg(n: object) -> int:
+    """A positive int (update steps between lazy checks); ``ValueError`` for anything else."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"check_every must be a positive int, got {n!r}")
+    return n
+
+
+@dataclass
+class InputChecks:
+    """Per-layer check state.
+
+    Attributes:
+        mode: ``"auto"`` / ``"eager"`` / ``"lazy"`` as asked; ``lazy`` is what it resolved to on the K/V
+            device (``resolve``).
+        every: update steps between lazy checks of this layer.
+        steps: update steps seen (0-based index of the next one).
+        checked_steps, checked_tokens: steps ``[0, checked_steps)`` / positions ``[0, checked_tokens)``
+            are known good.
+        amax: lazy: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked steps, on the device.
+        pending: lazy: K/V arrived since the last check (``amax`` holds something to read).
+        error: the message of a failed lazy check (sticky until ``reset``).
+    """
+
+    mode: str = "auto"
+    every: int = DEFAULT_CHECK_EVERY
+    lazy: bool = False
+    steps: int = 0
+    checked_steps: int = 0
+    checked_tokens: int = 0
+    amax: torch.Tensor | None = None
+    pending: bool = False
+    error: str | None = None
+
+    def resolve(self, device: torch.device) -> None:
+        """Pick eager or lazy for K/V on ``device`` (``"auto"``: eager on CPU only)."""
+        self.lazy = self.mode == "lazy" or (self.mode == "auto" and device.type != "cpu")
+
+    def reset(self) -> None:
+        self.lazy = False
+        self.steps = self.checked_steps = self.checked_tokens = 0
+        self.amax = self.error = None
+        self.pending = False
+
+    @property
+    def due(self) -> bool:
+        """A lazy check is due: ``every`` update steps since the last one."""
+        return self.lazy and self.steps - self.checked_steps >= self.every
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise ValueError(self.error)
+
+    def observe(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Check (eager) or record (lazy) K/V ``(B, H_kv, q, D)`` of one update step of ``name`` ("layer 3")."""
+        self.raise_if_failed()
+        if key_states.numel() and value_states.numel():
+            (self._record if self.lazy else self._check_now)(name, key_states, value_states)
+        self.steps += 1
+
+    def _record(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Lazy: fold ``max |K|``, ``max |V|`` into ``amax`` on the device (two kernels per side, no sync)."""
+        if self.amax is None:
+            self.amax = torch.zeros(2, dtype=torch.float32, device=key_states.device)
+        for i, x in enumerate((key_states, value_states)):
+            top = torch.linalg.vector_norm(x.detach(), math.inf, dtype=torch.float32)  # max |x|, NaN kept
+            torch.maximum(self.amax[i], top, out=self.amax[i])  # NaN propagates through maximum
+        self.pending = True
+
+    def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Eager: one device sync for both sides; NaN propagates through maximum, inf exceeds the bound."""
+        k = key_states.detach().abs().amax().float()
+        v = value_states.detach().abs().amax().float()
+        if not float(torch.maximum(k, v)) <= FP16_MAX:  # scales and zero-points are float16
+            for x, side in zip((key_states, value_states), SIDES):
+                check_kv(x, f"{name} {side}")  # the precise error
+
+    def verdict(self, amax: list[float], name: str, tokens_seen: int) -> str | None:
+        """Close the pending window with its host maxima ``[max |K|, max |V|]``: ``None``, or the error
+        (kept in ``error``)."""
+        bad = [(side, a) for side, a in zip(SIDES, amax) if not a <= FP16_MAX]
+        first, last, p0 = self.checked_steps, self.steps - 1, self.checked_tokens
+        self.checked_steps, self.checked_tokens, self.pending = self.steps, tokens_seen, False
+        self.amax.zero_()
+        if not bad:
+            return None
+        what = " and ".join(f"{side} {_what(a)}" for side, a in bad)
+        self.error = (
+            f"{name} {what} (K/V must be finite with |x| <= {FP16_MAX:g}, the float16 range of scales): they "
+            f"arrived in update steps {first}..{last} (token positions {p0}..{tokens_seen - 1}), found by the "
+            f"lazy check (checks='lazy', check_every={self.every}), and were stored and attended over, so outputs "
+            f"since step {first} are invalid; reset() the cache (checks='eager' refuses such K/V before storing them)"
+        )
+        return self.error
+
+
+def _what(amax: float) -> str:
+    if math.isnan(amax):
+        return "contain NaN"
+    return "contain inf" if math.isinf(amax) else f"reach |x| = {amax:.4g}"
+
+
+def _host_maxima(pending: list[torch.Tensor]) -> list[list[float]]:
+    """The pending ``(2,)`` maxima on the host: one transfer (one sync) per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(pending):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[list[float]] = [[] for _ in pending]
+    for idx in by_device.values():
+        host = torch.stack([pending[i] for i in idx]).cpu().tolist()
+        for i, row in zip(idx, host):
+            out[i] = row
+    return out
+
+
+def run_checks(layers: Iterable[QuantizedKVLayer]) -> None:
+    """Run the pending lazy checks of ``layers`` together; ``ValueError`` naming every failed layer.
+
+    A no-op (no sync) when nothing is pending: eager layers, or no update since the last check.
+    """
+    layers = list(layers)
+    pending = [layer for layer in layers if layer.checks.pending]
+    if pending:
+        maxima = _host_maxima([layer.checks.amax for layer in pending])
+        for layer, amax in zip(pending, maxima):
+            layer.checks.verdict(amax, f"layer {layer.layer_idx}", layer.tokens_seen)
+    failed = []
+    for layer in layers:
+        checks = layer.checks
+        if checks.error is not None:
+            failed.append(layer)
+        elif checks.lazy:  # nothing pending (or all good): known good up to here
+            checks.checked_steps, checks.checked_tokens = checks.steps, layer.tokens_seen
+    if failed:
+        more = ", ".join(str(layer.layer_idx) for layer in failed[1:])
+        raise ValueError(failed[0].checks.error + (f" [also failed: layers {more}]" if more else ""))
+
+
+def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Host-only checks of ``update``'s K/V ``(B, H_kv, q, D)`` against ``layer`` (no device sync):
+    types, shapes, agreement with the cached ``(B, H_kv, *, D)``, dtype/device, calibration."""
+    names = (f"layer {layer.layer_idx} key_states", f"layer {layer.layer_idx} value_states")
+    for x, what in zip((key_states, value_states), names):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
+            check_kv(x, what)  # raises the precise TypeError / ValueError before looking at values
+    kB, kH, kT, _ = key_states.shape
+    vB, vH, vT, _ = value_states.shape
+    if (kB, kH, kT) != (vB, vH, vT):
+        raise ValueError(
+            f"layer {layer.layer_idx}: key_states {tuple(key_states.shape)} and value_states "
+            f"{tuple(value_states.shape)} must agree on (B, H_kv, T)"
+        )
+    if key_states.dtype != value_states.dtype:
+        raise TypeError(
+            f"layer {layer.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}"
+        )
+    if layer.num_key_value_heads is not None and kH != layer.num_key_value_heads:
+        raise ValueError(
+            f"layer {layer.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
+            f"(B, H_kv, T, D)) but the config has num_key_value_heads={layer.num_key_value_heads}"
+        )
+    if layer.is_initialized:
+        for what, x, store in (
+            ("key_states", key_states, layer._k),
+            ("value_states", value_states, layer._v),
+        ):
+            ref = store.buffer
+            if x.shape[0] != ref.shape[0] or x.shape[1] != ref.shape[1] or x.shape[3] != ref.shape[3]:
+                raise ValueError(
+                    f"layer {layer.layer_idx}: {what} {tuple(x.shape)} does not match the cached "
+                    f"(B, H_kv, *, D) = {(ref.shape[0], ref.shape[1], '*', ref.shape[3])}"
+                )
+        if key_states.dtype != layer.dtype or key_states.device != layer.device:
+            raise TypeError(
+                f"layer {layer.layer_idx}: K/V changed from {layer.dtype} on {layer.device} to "
+                f"{key_states.dtype} on {key_states.device}; reset() the cache first"
+            )
+    missing = layer.needs_calibration()
+    if missing:
+        raise ValueError(
+            f"layer {layer.layer_idx}: scheme {layer.scheme.name!r} needs calibrated parameters ({', '.join(missing)}); "
+            "run `kvbits calibrate` and install them with set_static_qparams() before use"
+        )
