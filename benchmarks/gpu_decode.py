@@ -23,6 +23,9 @@ GPU machine). Steps:
    with the fused decode path (``use_fused_decode``: attention function ``kvbits_fused``; every decode
    step of every layer must be served by the kernel, else the run aborts) vs the same cache
    dequantizing into SDPA vs transformers' ``QuantizedCache`` (when one of its backends imports).
+   ``QuantizedKVCache`` checks incoming K/V lazily on CUDA (``checks="auto"``, ``kvbits.cache.checks``):
+   no host-device sync per decode step; the pending NaN/inf check (one sync for all layers) runs every
+   64 steps and in ``memory_report()`` after the timed steps. The CPU smoke run checks eagerly.
 """
 
 from __future__ import annotations
@@ -347,7 +350,8 @@ def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmu
                     use_fused_decode(model)
                 else:
                     model.set_attn_implementation("sdpa")
-                # CPU smoke: force the fused path (torch reference); on CUDA "auto" must pick the kernel
+                # CPU smoke: force the fused path (torch reference); on CUDA "auto" must pick the kernel.
+                # K/V checks: checks="auto" = lazy on CUDA (no sync per step), eager on the CPU smoke run.
                 mode = True if (how and cfg.device.type == "cpu") else ("auto" if how else False)
                 cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode)
             else:
