@@ -106,7 +106,8 @@ SETS = {"ladder": ladder, "loo": leave_one_out, "bits": bits_set, "goals": goals
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--set", choices=sorted(SETS), required=True)
+    p.add_argument("--set", choices=sorted(SETS), required=True, action="append",
+                   help="repeatable: the sets' schemes are scored in one run (one reference pass)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib-data", default="pride-and-prejudice")
     p.add_argument("--calib-context", type=int, default=2048)
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    schemes = SETS[args.set]()
+    schemes: list[tuple[KVScheme, float]] = []
+    for name in args.set:
+        schemes += [x for x in SETS[name]() if x[0].name not in {s.name for s, _ in schemes}]
     out = Path(args.out)
     lm = load_model(args.model)  # float32: the Fisher pass needs it
     calibrated = [(s, pct) for s, pct in schemes if any(spec_needs_calibration(x) for x in (s.key, s.value))]
