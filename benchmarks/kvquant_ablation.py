@@ -75,8 +75,8 @@ def leave_one_out(bits: int = 4) -> list[tuple[KVScheme, float]]:
     full = get_scheme(f"kvquant-{b}")
     return [
         (full, 99.9),
-        (full.replace(name=f"kvquant-{b}@p99.5"), 99.5),
-        (full.replace(name=f"kvquant-{b}@p99"), 99.0),
+        (full.replace(name=f"kvquant-{b}-p99.5"), 99.5),
+        (full.replace(name=f"kvquant-{b}-p99"), 99.0),
         (full.replace(name=f"kvquant-{b}-no-nuq", key=_int(b, "channel", static=True, outliers=0.01, pre_rope=True),
                       value=_int(b, "token", outliers=0.01)), 99.9),
         (full.replace(name=f"kvquant-{b}-no-outl", key=_nuq(b, "channel", static=True, pre_rope=True),
@@ -100,7 +100,7 @@ def goals() -> list[tuple[KVScheme, float]]:
     return out
 
 
-SHORT_NAME = "kvquant-4@short-calibration"
+SHORT_NAME = "kvquant-4-short-calibration"
 SETS = {"ladder": ladder, "loo": leave_one_out, "bits": bits_set, "goals": goals}
 
 
