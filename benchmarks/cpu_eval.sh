@@ -49,18 +49,18 @@ if [[ $step == qwen32k-wp || $step == qwen32k-wiki ]]; then
   # cores: one float32 32K forward takes > 20 min); the `bf16` identity scheme measures the noise
   # floor of the simulated attention path against the reference path in that precision.
   # Peak memory: /usr/bin/time -v beside the run (runs/<name>/time.txt) and peak_rss in summary.json.
-  # WikiText-2 drops the noise floor and int2-token (measured on War and Peace) to save CPU time.
-  data=war-and-peace; name=qwen-wp-32k; extra=(--scheme bf16 --scheme int2-token)
+  # WikiText-2 drops the noise floor and INT2 (measured on War and Peace) to save CPU time.
+  data=war-and-peace; name=qwen-wp-32k; extra=(--scheme bf16 --scheme int2-token --scheme int2-channel)
   [[ $step == qwen32k-wiki ]] && { data=wikitext2; name=qwen-wiki-32k; extra=(); }
   mkdir -p runs/$name
   /usr/bin/time -v -o runs/$name.time.txt \
     $K eval --model qwen2.5-coder-0.5b --data $data --context 32k --windows 1 --no-progress --dtype bfloat16 \
       "${extra[@]}" --scheme int8-token --scheme int8-channel --scheme int4-token --scheme int4-channel \
-      --scheme int2-channel --out runs/$name
+      --out runs/$name
 fi
 if [[ $step == qwen32k-kvquant ]]; then
-  # kvquant-4/3/2 on Qwen at 32K, calibrated on Pride and Prejudice (2 x 2,048 tokens, float32 Fisher
-  # pass), plus kvquant-4 calibrated on 2 x 512 tokens: the calibration-mismatch case at 32K.
+  # KVQuant-class recipes on Qwen at 32K, calibrated on Pride and Prejudice (2 x 2,048 tokens, float32
+  # Fisher pass), plus kvquant-4 calibrated on 2 x 512 tokens: the calibration-mismatch case at 32K.
   /usr/bin/time -v -o runs/qwen-wp-32k-kvquant.time.txt \
     .venv/bin/python benchmarks/kvquant_ablation.py --set goals --model qwen2.5-coder-0.5b --context 32768 \
       --dtype bfloat16 --out runs/qwen-wp-32k-kvquant
