@@ -64,8 +64,7 @@ def ladder(bits: int = 4) -> list[tuple[KVScheme, float]]:
                   value=_nuq(b, "token"), block=128), 99.9),
         (KVScheme(f"abl{b}-prerope+nuq+outl", key=_nuq(b, "channel", group=128, outliers=0.01, pre_rope=True),
                   value=_nuq(b, "token", outliers=0.01), block=128), 99.9),
-        (KVScheme(f"abl{b}-prerope+nuq+outl+sink", key=_nuq(b, "channel", group=128, outliers=0.01, pre_rope=True),
-                  value=_nuq(b, "token", outliers=0.01), block=128, sinks=1), 99.9),
+        (get_scheme(f"kvquant-{b}-block"), 99.9),  # + one sink: the whole recipe
     ]
 
 

@@ -134,6 +134,26 @@ for _bits in (4, 3, 2):
         )
     )
 
+for _bits in (4, 3, 2):
+    # The same ingredients with the key ranges taken per 128-token block at flush time (as
+    # int4-channel-prerope) instead of one calibrated range per channel: the calibration supplies the
+    # codebooks only. Measured better than the static ranges on SmolLM2 (BENCHMARKS.md §3d).
+    register(
+        KVScheme(
+            f"kvquant-{_bits}-block",
+            key=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="channel", group_size=128,
+                           outlier_frac=0.01, pre_rope=True),
+            value=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="token", outlier_frac=0.01),
+            sinks=1,
+            residual=0,
+            block=128,
+            description=f"KVQuant nuq{_bits}-1% with block key ranges: keys before RoPE, per-channel over "
+            f"blocks of 128 tokens, Fisher-weighted {_bits}-bit codebooks, 1% outliers kept exactly, first "
+            "token in full precision (needs `kvbits calibrate` for the codebooks)",
+            reference=KVQUANT,
+        )
+    )
+
 
 def list_schemes() -> list[KVScheme]:
     """Every registered scheme, in registration order."""
