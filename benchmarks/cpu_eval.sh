@@ -65,3 +65,13 @@ if [[ $step == qwen32k-kvquant ]]; then
     .venv/bin/python benchmarks/kvquant_ablation.py --set goals --model qwen2.5-coder-0.5b --context 32768 \
       --dtype bfloat16 --out runs/qwen-wp-32k-kvquant
 fi
+if [[ $step == peak-memory ]]; then
+  # Peak resident memory of one evaluation (reference + one scheme) at 8K, for both models; the
+  # 32K figures come from the qwen32k steps (same measurement: /usr/bin/time -v and peak_rss_bytes).
+  for m in smollm2-135m qwen2.5-coder-0.5b; do
+    dt=float32; [[ $m == qwen2.5-coder-0.5b ]] && dt=bfloat16
+    /usr/bin/time -v -o runs/peak-$m-8k.time.txt \
+      $K eval --model $m --data war-and-peace --context 8k --windows 1 --no-progress --dtype $dt \
+        --scheme int4-channel --out runs/peak-$m-8k
+  done
+fi
