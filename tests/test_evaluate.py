@@ -455,6 +455,7 @@ SUMMARY_KEYS = {
     "results",
     "reference_seconds",
     "peak_rss_bytes",
+    "run_peak_rss_bytes",
     "peak_cuda_bytes",
 }
 RESULT_KEYS = {"scheme", "avg_bits", "ppl", "ppl_ref", "kl", "top1", "buckets", "attn_error", "calibration", "seconds"}
@@ -490,6 +491,23 @@ def test_peak_cuda_bytes_on_cuda(models):
     assert s["peak_rss_bytes"] is None or s["peak_rss_bytes"] > 0
 
 
+def test_run_peak_rss_excludes_what_came_before(monkeypatch):
+    """The run's own resident peak starts at the reset: a large allocation freed before it is not
+    counted in run_peak_rss_bytes, but is in the process peak."""
+    from kvbits.evaluate import measures
+
+    if measures._vm_hwm_bytes() is None:
+        pytest.skip("no /proc/self/status VmHWM here")
+    big = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
+    del big
+    before = measures._reset_peak_rss()
+    if before is None:
+        pytest.skip("/proc/self/clear_refs not writable here")
+    run = measures._run_peak_rss_bytes(before)
+    assert run is not None and before >= run + 200 * 2**20
+    assert measures._run_peak_rss_bytes(None) is None
+
+
 def test_summary_schema_and_buckets(errors_run):
     s = errors_run
     assert set(s) == SUMMARY_KEYS and set(s["fingerprint"]) == {"model", "tokens"}
@@ -497,6 +515,8 @@ def test_summary_schema_and_buckets(errors_run):
     json.dumps(s, allow_nan=False)
     if sys.platform.startswith("linux"):  # getrusage reports it here; None where it cannot
         assert isinstance(s["peak_rss_bytes"], int) and s["peak_rss_bytes"] > 50 * 2**20  # torch alone
+        if s["run_peak_rss_bytes"] is not None:  # /proc/self/clear_refs may be unavailable (sandboxes)
+            assert 0 < s["run_peak_rss_bytes"] <= s["peak_rss_bytes"]
     assert s["peak_cuda_bytes"] is None  # a CPU run
     for r in s["results"]:
         assert set(r) == RESULT_KEYS

@@ -23,8 +23,10 @@ examples:
 {"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (simulate mode),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
 "context", "windows", "tokens"} (with --calibration)}, "seconds"}], "reference_seconds",
-"peak_rss_bytes", "peak_cuda_bytes"}. peak_rss_bytes: the process's peak resident set in bytes
-(getrusage ru_maxrss; null where unavailable); peak_cuda_bytes: torch.cuda.max_memory_allocated
+"peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}. peak_rss_bytes: the process's peak
+resident set in bytes (getrusage ru_maxrss, model loading included; null where unavailable);
+run_peak_rss_bytes: the resident peak from the loaded model to the end of the run (Linux VmHWM
+reset through /proc/self/clear_refs; null elsewhere); peak_cuda_bytes: torch.cuda.max_memory_allocated
 over the run with --device cuda (weights included), null on CPU.
 Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K), [2K,4K), ... cut at the
 context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap interval over 128-token chunks;

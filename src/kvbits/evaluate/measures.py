@@ -56,6 +56,46 @@ def _peak_rss_bytes() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _vm_hwm_bytes() -> int | None:
+    """Linux: ``VmHWM`` (the resident high-water mark, resettable) in bytes, or None elsewhere."""
+    try:
+        with open(_STATUS, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """Start measuring the run's own resident peak: record the process peak so far, then reset the
+    Linux high-water mark (``echo 5 > /proc/self/clear_refs``) to the current resident set.
+
+    Returns the process peak before the reset, or None when the reset is unavailable (then
+    ``_run_peak_rss_bytes`` reports None and only the process peak is known).
+    """
+    before = _peak_rss_bytes()
+    if _vm_hwm_bytes() is None:
+        return None
+    try:
+        with open(_CLEAR_REFS, "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return before
+
+
+def _run_peak_rss_bytes(reset: int | None) -> int | None:
+    """Resident peak since ``_reset_peak_rss`` (the weights already resident included, the loading
+    excluded), or None when no reset happened."""
+    return None if reset is None else _vm_hwm_bytes()
+
+
 def _peak_cuda_bytes(dev: torch.device) -> int | None:
     """Peak bytes allocated by torch on ``dev`` since its peak was last reset, or None off CUDA."""
     if dev.type != "cuda" or not torch.cuda.is_available():

@@ -35,7 +35,13 @@ import numpy as np
 import torch
 
 from kvbits.evaluate.inputs import _calibration_paths, _calibrations, _load_model, _load_windows
-from kvbits.evaluate.measures import _mismatch, _peak_cuda_bytes, _peak_rss_bytes
+from kvbits.evaluate.measures import (
+    _mismatch,
+    _peak_cuda_bytes,
+    _peak_rss_bytes,
+    _reset_peak_rss,
+    _run_peak_rss_bytes,
+)
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
     attn_error_buckets,
@@ -147,7 +153,10 @@ def evaluate(
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
         {"model", "tokens"}, "results": [...], "reference_seconds", "peak_rss_bytes",
-        "peak_cuda_bytes"}`` (see ``kvbits eval --help``). ``peak_rss_bytes`` is the process's peak
+        "run_peak_rss_bytes", "peak_cuda_bytes"}`` (see ``kvbits eval --help``).
+        ``run_peak_rss_bytes`` is the resident peak from the end of model loading to the end of the
+        run (Linux ``VmHWM`` after ``/proc/self/clear_refs``; the weights included, the loading not;
+        None elsewhere); ``peak_rss_bytes`` is the process's peak
         resident set (``getrusage`` ``ru_maxrss`` in bytes; everything the process did before the run
         included; None where unavailable); ``peak_cuda_bytes`` is ``torch.cuda.max_memory_allocated``
         over the run (its peak counter is reset once the model is loaded; it counts the weights and
@@ -212,6 +221,7 @@ def evaluate(
     dev = next(model.parameters()).device
     if dev.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(dev)  # the run's peak: the weights, then what the run adds
+    rss_reset = _reset_peak_rss()  # likewise for host memory (Linux)
     W, T = win.shape
     first = prompt_len if semantics == "prefill" else 0
     names = [_scheme_name(s) for s in resolved]
@@ -338,6 +348,7 @@ def evaluate(
             s["ppl_ref"],
             s["kl"],
         )
+    run_rss = _run_peak_rss_bytes(rss_reset)
     summary = {
         "model": model_name,
         "data": data_name,
@@ -348,7 +359,8 @@ def evaluate(
         "fingerprint": fingerprint,
         "results": results,
         "reference_seconds": ref_seconds,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": max((x for x in (_peak_rss_bytes(), rss_reset, run_rss) if x is not None), default=None),
+        "run_peak_rss_bytes": run_rss,
         "peak_cuda_bytes": _peak_cuda_bytes(dev),
     }
     if out is not None:

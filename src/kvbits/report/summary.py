@@ -134,6 +134,7 @@ class RunSummary:
     results: tuple[SchemeResult, ...] = ()
     reference_seconds: float = math.nan
     peak_rss_bytes: float = math.nan  # the evaluating process's peak resident set
+    run_peak_rss_bytes: float = math.nan  # resident peak from the loaded model to the end of the run
     peak_cuda_bytes: float = math.nan  # torch's peak CUDA allocation over the run (CUDA runs only)
 
     @classmethod
@@ -149,6 +150,7 @@ class RunSummary:
             results=tuple(SchemeResult.from_dict(r) for r in d.get("results") or ()),
             reference_seconds=_num(d.get("reference_seconds")),
             peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
+            run_peak_rss_bytes=_num(d.get("run_peak_rss_bytes")),
         )
 
     @classmethod
@@ -184,6 +186,8 @@ class RunSummary:
         """``1.20 GiB resident (process peak), 3.50 GiB CUDA allocated (run peak)``: what the run
         recorded, or '' for neither (runs from before it was recorded)."""
         parts = []
+        if _ok(self.run_peak_rss_bytes) and self.run_peak_rss_bytes > 0:
+            parts.append(f"{fmt_bytes(self.run_peak_rss_bytes)} resident (run peak, model loaded)")
         if _ok(self.peak_rss_bytes) and self.peak_rss_bytes > 0:
             parts.append(f"{fmt_bytes(self.peak_rss_bytes)} resident (process peak)")
         if _ok(self.peak_cuda_bytes) and self.peak_cuda_bytes > 0:
