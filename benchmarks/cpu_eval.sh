@@ -72,6 +72,6 @@ if [[ $step == peak-memory ]]; then
     dt=float32; [[ $m == qwen2.5-coder-0.5b ]] && dt=bfloat16
     /usr/bin/time -v -o runs/peak-$m-8k.time.txt \
       $K eval --model $m --data war-and-peace --context 8k --windows 1 --no-progress --dtype $dt \
-        --scheme int4-channel --out runs/peak-$m-8k
+        --scheme int4-channel --out runs/peak-$m-8k --overwrite
   done
 fi
