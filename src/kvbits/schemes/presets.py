@@ -114,46 +114,47 @@ for _bits in (4, 3):
             reference=KVQUANT,
         )
     )
-for _bits in (4, 3, 2):
-    # Static per-channel key scales (calibrated) need no token group, so every token is flushed as
-    # it arrives (block=1, residual=0): KVQuant's point (§3.1-3.2). Outliers 1% per vector (§3.5),
-    # the first token kept in full precision (attention sink, §3.6).
-    register(
-        KVScheme(
-            f"kvquant-{_bits}",
-            key=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="channel", static=True,
-                           outlier_frac=0.01, pre_rope=True),
-            value=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="token", outlier_frac=0.01),
-            sinks=1,
-            residual=0,
-            block=1,
-            description=f"KVQuant nuq{_bits}-1%: keys before RoPE, per-channel with calibrated scales and a "
-            f"Fisher-weighted {_bits}-bit codebook; values per-token with a {_bits}-bit codebook; 1% outliers "
-            "kept exactly; first token in full precision (needs `kvbits calibrate`)",
-            reference=KVQUANT,
+def _kvquant(bits: int, key_block: int | None) -> KVScheme:
+    """KVQuant nuq{bits}-1%: pre-RoPE per-channel NUQ keys, per-token NUQ values, 1% outliers, 1 sink.
+
+    ``key_block=None``: static calibrated per-channel key ranges; they need no token group, so every
+    token is flushed as it arrives (block=1, residual=0): KVQuant's point (§3.1-3.2). ``key_block=128``:
+    key ranges per 128-token block at flush time (as int4-channel-prerope), the calibration supplying
+    the codebooks only; measured better than the static ranges on SmolLM2 (BENCHMARKS.md §3d).
+    Outliers 1% per vector (§3.5), the first token kept in full precision (attention sink, §3.6).
+    """
+    static = key_block is None
+    if static:
+        name = f"kvquant-{bits}"
+        description = (
+            f"KVQuant nuq{bits}-1%: keys before RoPE, per-channel with calibrated scales and a "
+            f"Fisher-weighted {bits}-bit codebook; values per-token with a {bits}-bit codebook; 1% outliers "
+            "kept exactly; first token in full precision (needs `kvbits calibrate`)"
         )
+    else:
+        name = f"kvquant-{bits}-block"
+        description = (
+            f"KVQuant nuq{bits}-1% with block key ranges: keys before RoPE, per-channel over "
+            f"blocks of {key_block} tokens, Fisher-weighted {bits}-bit codebooks, 1% outliers kept exactly, "
+            "first token in full precision (needs `kvbits calibrate` for the codebooks)"
+        )
+    return KVScheme(
+        name,
+        key=TensorSpec(kind="nuq", bits=bits, fmt=None, granularity="channel", group_size=key_block,
+                       static=static, outlier_frac=0.01, pre_rope=True),
+        value=TensorSpec(kind="nuq", bits=bits, fmt=None, granularity="token", outlier_frac=0.01),
+        sinks=1,
+        residual=0,
+        block=1 if static else key_block,
+        description=description,
+        reference=KVQUANT,
     )
 
-for _bits in (4, 3, 2):
-    # The same ingredients with the key ranges taken per 128-token block at flush time (as
-    # int4-channel-prerope) instead of one calibrated range per channel: the calibration supplies the
-    # codebooks only. Measured better than the static ranges on SmolLM2 (BENCHMARKS.md §3d).
-    register(
-        KVScheme(
-            f"kvquant-{_bits}-block",
-            key=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="channel", group_size=128,
-                           outlier_frac=0.01, pre_rope=True),
-            value=TensorSpec(kind="nuq", bits=_bits, fmt=None, granularity="token", outlier_frac=0.01),
-            sinks=1,
-            residual=0,
-            block=128,
-            description=f"KVQuant nuq{_bits}-1% with block key ranges: keys before RoPE, per-channel over "
-            f"blocks of 128 tokens, Fisher-weighted {_bits}-bit codebooks, 1% outliers kept exactly, first "
-            "token in full precision (needs `kvbits calibrate` for the codebooks)",
-            reference=KVQUANT,
-        )
-    )
 
+for _bits in (4, 3, 2):
+    register(_kvquant(_bits, None))
+for _bits in (4, 3, 2):
+    register(_kvquant(_bits, 128))
 
 def list_schemes() -> list[KVScheme]:
     """Every registered scheme, in registration order."""
