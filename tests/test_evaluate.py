@@ -16,6 +16,7 @@ are identical and the results agree to ~1e-12. Float32 is checked statistically.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -489,6 +490,21 @@ def test_peak_cuda_bytes_on_cuda(models):
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert isinstance(s["peak_cuda_bytes"], int) and s["peak_cuda_bytes"] >= weights > 0
     assert s["peak_rss_bytes"] is None or s["peak_rss_bytes"] > 0
+
+
+def test_cast_keeps_rotary_tables_float32(models):
+    """Casting a float32 model to bfloat16 must not round the RoPE frequencies (as loading with
+    dtype= does not): positions would drift at long context."""
+    from kvbits.evaluate.inputs import cast_model
+
+    model = copy.deepcopy(models("llama"))
+    inv = model.model.rotary_emb.inv_freq.clone()
+    assert inv.dtype == torch.float32 and not torch.equal(inv, inv.to(torch.bfloat16).float())
+    cast_model(model, torch.bfloat16, None)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, inv, rtol=0, atol=0)
+    assert "inv_freq" in dict(model.model.rotary_emb.named_buffers())  # still a buffer
 
 
 def test_run_peak_rss_excludes_what_came_before(monkeypatch):

@@ -12,6 +12,22 @@ from kvbits.evaluate.request import _ids_fingerprint, _model_fingerprint
 __all__: list[str] = []
 
 
+def cast_model(model: torch.nn.Module, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+    """``model.to(device, dtype)`` that keeps float32 buffers float32 (rotary ``inv_freq`` tables).
+
+    A plain ``.to(torch.bfloat16)`` also rounds the RoPE frequencies to bfloat16, so positions drift
+    at long context (Qwen2.5 at 32K: reference PPL 35.642 instead of 35.669); loading with
+    ``dtype=`` keeps them float32, and a cast must agree with loading.
+    """
+    keep = {n: b for n, b in model.named_buffers() if b.dtype == torch.float32} if dtype is not None else {}
+    model = model.to(device=device, dtype=dtype)
+    for name, buf in keep.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner) if owner else model
+        setattr(mod, attr, buf.to(device=getattr(mod, attr).device))
+    return model
+
+
 def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
     """``(model, tokenizer, name, fingerprint)`` from a spec string, a ``LoadedModel`` or a model."""
     from kvbits.evaluate.models import LoadedModel, load_model
@@ -19,7 +35,7 @@ def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
     if isinstance(model, str):
         model = load_model(model, dtype=dtype, device=device or "cpu")
     elif isinstance(model, LoadedModel) and (dtype is not None or device is not None):
-        model.model.to(device=device, dtype=dtype)
+        cast_model(model.model, dtype, device)
     if isinstance(model, LoadedModel):
         return model.model.eval(), model.tokenizer, model.source.name, model.fingerprint
     if not hasattr(model, "config"):
@@ -27,7 +43,7 @@ def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
             f"model must be a name/path, a LoadedModel or a transformers model, got {type(model).__name__}"
         )
     if dtype is not None or device is not None:
-        model = model.to(device=device, dtype=dtype)
+        model = cast_model(model, dtype, device)
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     return model.eval(), None, name, _model_fingerprint(model)
 
