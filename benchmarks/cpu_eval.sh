@@ -75,3 +75,9 @@ if [[ $step == peak-memory ]]; then
         --scheme int4-channel --out runs/peak-$m-8k --overwrite
   done
 fi
+if [[ $step == qwen32k-wiki-int2 ]]; then
+  # INT2 per-token vs per-channel keys on WikiText-2 at 32K (the rest of qwen32k-wiki's comparison).
+  /usr/bin/time -v -o runs/qwen-wiki-32k-int2.time.txt \
+    $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
+      --scheme int2-token --scheme int2-channel --out runs/qwen-wiki-32k-int2
+fi
