@@ -124,14 +124,7 @@ def _gpt2():
     return GPT2LMHeadModel(cfg).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Token-by-token decoding runs tiny matmuls: a second intra-op thread only adds synchronisation
-    (measured 9-20x slower on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 MODELS = {

@@ -40,12 +40,7 @@ PROMPT, NEW = 40, 20
 ATOL = 1e-5  # float32 logits: the torch reference's einsum vs SDPA, nothing else differs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
