@@ -15,7 +15,8 @@ GPU machine). Steps:
    fp16 ``scaled_dot_product_attention`` (``enable_gqa=True``, and K/V expanded to H_q heads when that
    fits: the faster of the two is the baseline) vs the fused kernel at int8/int4/int2 (KIVI layout:
    keys per-channel in groups of 32 tokens, values per-token in groups of 32 channels, the last 128
-   tokens in fp16), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
+   tokens in fp16), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
+   scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
 6. end to end: greedy decode tokens/s after a 32K-token prompt through a random-weight model shaped like
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from kvbits.kernels.reference import PackedStore, PackedTensor, decode_attention_reference, pack_store
 from kvbits.quant import quantize
 from kvbits.schemes import TensorSpec
+from kvbits.schemes.accounting import outlier_count
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_decode.json"
 FORMAT_VERSION = 1
@@ -55,7 +57,14 @@ SHAPES = {  # KV shapes of the models (config.json: num_key_value_heads, num_att
     "qwen2.5-0.5b": {"H_kv": 2, "H_q": 14, "D": 64},
     "llama-3-8b": {"H_kv": 8, "H_q": 32, "D": 128},
 }
-SCHEME_BITS = {"int8": 8, "int4": 4, "int2": 2}
+# scheme -> (kind, bits, fraction of channels kept as sparse outliers), in the KIVI layout below
+SCHEMES = {
+    "int8": ("int", 8, 0.0),
+    "int4": ("int", 4, 0.0),
+    "int2": ("int", 2, 0.0),
+    "nuq4-outl": ("nuq", 4, 0.01),  # KVQuant-style: 4-bit codebook + 1 % dense-and-sparse outliers
+    "fp8-e4m3": ("fp8", 8, 0.0),  # vLLM-style FP8 (per-token scales here)
+}
 KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
 VALUE_GROUP = 32  # KIVI: values per-token over groups of 32 channels
 RESIDUAL = 128  # KIVI: the most recent 128 tokens stay in fp16
@@ -142,29 +151,53 @@ def copy_bandwidth(cfg: Config) -> float:
 
 
 def random_packed(
-    B: int, H: int, T: int, D: int, bits: int, tps: int, cps: int, device: torch.device, gen: torch.Generator
+    B: int,
+    H: int,
+    T: int,
+    D: int,
+    scheme: tuple[str, int, float],
+    tps: int,
+    cps: int,
+    device: torch.device,
+    gen: torch.Generator,
 ) -> PackedTensor:
-    """Random codes and metadata in the kernel layout (timing only: content does not change the work)."""
-    codes = torch.randint(0, 256, (B, H, T, D * bits // 8), dtype=torch.uint8, device=device, generator=gen)
+    """Random codes and metadata in the kernel layout (timing only: content does not change the work).
+
+    ``scheme`` is a ``SCHEMES`` value; fp8 codes keep one scale per token row (``cps = D``, no zero).
+    """
+    kind, bits, outlier_frac = scheme
+    codes = torch.randint(0, 120, (B, H, T, D * bits // 8), dtype=torch.uint8, device=device, generator=gen)
+    if kind == "fp8":
+        tps, cps = 1, D
     shape = (B, H, T // tps, D // cps)
     scale = (torch.rand(shape, device=device, generator=gen) * 0.05 + 0.01).half()
-    zero = torch.randn(shape, device=device, generator=gen).half()
-    return PackedTensor(codes, scale, zero, bits, tps, cps, D)
+    zero = None if kind == "fp8" else torch.randn(shape, device=device, generator=gen).half()
+    extra: dict = {"kind": kind, "fmt": "e4m3" if kind == "fp8" else None}
+    if kind == "nuq":
+        u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+        extra["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(device)
+    k = outlier_count(D, outlier_frac)
+    if k:
+        extra["outlier_values"] = torch.randn(B, H, T, k, device=device, generator=gen).half()
+        idx = torch.rand(B, H, T, D, device=device, generator=gen).topk(k, dim=-1).indices
+        extra["outlier_index"] = idx.to(torch.uint8 if D <= 256 else torch.int16)
+    return PackedTensor(codes, scale, zero, bits, tps, cps, D, **extra)
 
 
 def random_store(
-    B: int, shape: dict, context: int, bits: int | None, device: torch.device, gen: torch.Generator
-) -> PackedStore:
-    """A KIVI-layout store of ``context`` tokens (``bits=None``: everything in the fp16 tail)."""
+    B: int, shape: dict, context: int, scheme: tuple[str, int, float] | None, device: torch.device,
+    gen: torch.Generator,
+) -> PackedStore:  # fmt: skip
+    """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail)."""
     H, D = shape["H_kv"], shape["D"]
-    T_f = context if bits is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
+    T_f = context if scheme is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
     T_q = context - T_f
     kf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
     vf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
     key = value = None
     if T_q:
-        key = random_packed(B, H, T_q, D, bits, KEY_GROUP, 1, device, gen)
-        value = random_packed(B, H, T_q, D, bits, 1, VALUE_GROUP, device, gen)
+        key = random_packed(B, H, T_q, D, scheme, KEY_GROUP, 1, device, gen)
+        value = random_packed(B, H, T_q, D, scheme, 1, VALUE_GROUP, device, gen)
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
     return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
 
@@ -174,8 +207,17 @@ def random_store(
 # --------------------------------------------------------------------------------------------------
 
 
-def _spec(bits: int, gran: str, group: int | None, **kw) -> TensorSpec:
-    return TensorSpec(kind="int", bits=bits, fmt=None, granularity=gran, group_size=group, **kw)
+def _spec(bits: int, gran: str, group: int | None, kind: str = "int", **kw) -> TensorSpec:
+    fmt = "e4m3" if kind == "fp8" else None
+    return TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=gran, group_size=group, **kw)
+
+
+def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
+    """``quantize`` with a non-uniform codebook for NUQ specs."""
+    if spec.kind != "nuq":
+        return quantize(x, spec)
+    u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)
+    return quantize(x, spec, codebook=(u.abs() ** 1.5 * u.sign()).half().to(x.device))
 
 
 def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
@@ -191,15 +233,30 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
         ("int2-kivi", kivi(2), {}),
         ("int4-kivi-gather", kivi(4), {"vectorized": False}),
         ("int2-token-keys", {"key": _spec(2, "token", None), "value": _spec(2, "token", None)}, {}),
-        ("int3-symmetric", {"key": _spec(3, "token", 32, symmetric=True), "value": _spec(3, "token", 32)}, {}),
+        (
+            "int3-symmetric",
+            {"key": _spec(3, "token", 32, symmetric=True), "value": _spec(3, "token", 32)},
+            {},
+        ),
         ("int4-pre-rope", {**kivi(4), "rope": True}, {}),
         ("fp16-tail-only", None, {}),
+        (
+            "kvquant4-block",  # pre-RoPE NUQ keys per channel, NUQ values per token, 1 % outliers
+            {
+                "key": _spec(4, "channel", 32, "nuq", outlier_frac=0.01),
+                "value": _spec(4, "token", None, "nuq", outlier_frac=0.01),
+                "rope": True,
+            },
+            {},
+        ),
+        ("fp8-e4m3", {"key": _spec(8, "token", None, "fp8"), "value": _spec(8, "token", None, "fp8")}, {}),
+        ("int4-kivi-masked", {**kivi(4), "mask": True}, {}),  # left padding of a batch: slot masks
     ]
     shapes = dict(SHAPES)
     if (
         cfg.smoke and dev.type == "cpu"
     ):  # the interpreter is slow: whole-row and gather + RoPE paths, one shape
-        variants = [variants[1], variants[6]]
+        variants = [variants[1], variants[6], variants[8]]
         shapes = {"qwen2.5-0.5b": SHAPES["qwen2.5-0.5b"]}
     T_q, T_f = (64, 16) if cfg.smoke else (1024, 128)
     results = []
@@ -225,14 +282,20 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
                         "rope_sin": emb.sin().float().to(dev),
                         "quant_pos0": [4] * B,
                     }
+                masks = {}
+                if specs.get("mask"):  # sequence 1 left-padded past its sinks; one more slot of sequence 0
+                    qm, fm = torch.ones(B, T_q, dtype=torch.bool), torch.ones(B, T_f, dtype=torch.bool)
+                    qm[1, : T_q // 8], fm[1, :4], qm[0, 3] = False, False, False
+                    masks = {"quant_mask": qm.to(dev), "full_mask": fm.to(dev)}
                 store = pack_store(
-                    [quantize(kq.to(dev), specs["key"])],
-                    [quantize(vq.to(dev), specs["value"])],
+                    [_quantize(kq.to(dev), specs["key"])],
+                    [_quantize(vq.to(dev), specs["value"])],
                     kf,
                     vf,
                     quant_lens=[T_q, T_q // 2, T_q // 4 * 3],
                     **ragged,
                     **rope,
+                    **masks,
                 )
             q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)
             truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
@@ -246,7 +309,9 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
             _sync(dev)
             err = (out.double() - truth).abs().max().item()
             ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
-            results.append({"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok})
+            results.append(
+                {"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok}
+            )
             print(
                 f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
                 f"{'ok' if ok else 'FAIL'}"
@@ -381,7 +446,9 @@ def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmu
                 if how:
                     fused_tokens[scheme] = r["tokens"]
                 elif scheme in fused_tokens:
-                    note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+                    note += (
+                        f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+                    )
             elif name == "dynamic-fp16":
                 bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
                 fp16_tps = r["tokens_per_s"]
@@ -453,13 +520,13 @@ def fused_timing(
     q: torch.Tensor,
     shape: dict,
     context: int,
-    bits: int | None,
+    scheme: tuple[str, int, float] | None,
     kw: dict,
     gen: torch.Generator,
     flush: torch.Tensor | None,
 ) -> tuple[float, bool, int]:
     """(ms, cuda_graph, bytes_read) of the fused path over a random KIVI-layout store."""
-    store = random_store(q.shape[0], shape, context, bits, cfg.device, gen)
+    store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen)
     ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush)
     return ms, graph, store.nbytes
 
@@ -470,9 +537,9 @@ def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
     gen = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
     records: list[dict] = []
-    variants = [("fp16", None, {})] + [(s, b, {}) for s, b in SCHEME_BITS.items()]
-    if cfg.kernel == "triton":  # both unpacking paths: whole rows (default) and per-element gathers
-        variants += [(s, b, {"vectorized": False}) for s, b in SCHEME_BITS.items()]
+    variants = [("fp16", None, {})] + [(name, sch, {}) for name, sch in SCHEMES.items()]
+    if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
+        variants += [(name, sch, {"vectorized": False}) for name, sch in SCHEMES.items() if sch[0] == "int"]
     for shape_name, shp in SHAPES.items():
         for batch in cfg.batches:
             for context in cfg.contexts:
@@ -490,8 +557,8 @@ def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
                 best = min(ms for ms, _, _ in base.values())
                 row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
                        for name, m in base.items()]  # fmt: skip
-                for scheme, bits, kw in variants:
-                    m = fused_timing(cfg, decode, q, shp, context, bits, kw, gen, flush)
+                for scheme, sch, kw in variants:
+                    m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush)
                     kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
                     row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
                 records += row
@@ -573,7 +640,9 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in e2e:
             if "skipped" in r:
-                lines.append(f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | {r['skipped']} |")
+                lines.append(
+                    f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | {r['skipped']} |"
+                )
                 continue
             sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
             lines.append(f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | {r['tokens_per_s']} | "
@@ -611,9 +680,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run the correctness step (auto: whenever Triton is used)",
     )
     p.add_argument("--max-gb", type=float, default=40.0, help="skip combos whose fp16 K/V exceed this")
-    p.add_argument("--e2e", choices=("yes", "no", "only"), default="yes", help="step 6 (only: skip steps 2-5)")
+    p.add_argument(
+        "--e2e", choices=("yes", "no", "only"), default="yes", help="step 6 (only: skip steps 2-5)"
+    )
     p.add_argument("--e2e-context", type=int, default=None, help="prompt tokens (default 32768; smoke 256)")
-    p.add_argument("--e2e-batch", type=int, action="append", default=None, help="repeatable (default 1 and 8)")
+    p.add_argument(
+        "--e2e-batch", type=int, action="append", default=None, help="repeatable (default 1 and 8)"
+    )
     p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
@@ -639,7 +712,9 @@ def main(argv: list[str] | None = None) -> dict:
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
     }
     try:
         import triton

@@ -82,8 +82,10 @@ def make_store(
     kb, vb = [], []
     if T_q:
         cuts = range(0, T_q, block)
-        kb = [quantize(kq[:, :, a : a + block].to(device), key_spec) for a in cuts]
-        vb = [quantize(vq[:, :, a : a + block].to(device), value_spec) for a in cuts]
+        kb = [quantize(kq[:, :, a : a + block].to(device), key_spec, **extras(key_spec, kq)) for a in cuts]
+        vb = [
+            quantize(vq[:, :, a : a + block].to(device), value_spec, **extras(value_spec, vq)) for a in cuts
+        ]
     kf = vf = None
     if T_f:
         kf = (torch.randn(B, H_kv, T_f, D, generator=gen) * 2).half().to(device)
@@ -93,6 +95,39 @@ def make_store(
         cos, sin = rope_tables(T_q + T_f + 8, D)
         kw = {"rope_cos": cos.to(device), "rope_sin": sin.to(device), "quant_pos0": [4] * B}
     return pack_store(kb, vb, kf, vf, quant_lens=quant_lens, full_lens=full_lens, **kw)
+
+
+CODEBOOKS: dict[int, torch.Tensor] = {}
+
+
+def codebook(bits: int) -> torch.Tensor:
+    """A non-uniform sorted float16 codebook in [-1, 1], denser near 0 (like a Fisher-weighted k-means one)."""
+    if bits not in CODEBOOKS:
+        u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+        CODEBOOKS[bits] = (u.abs() ** 1.6 * u.sign()).to(torch.float16)
+    return CODEBOOKS[bits]
+
+
+def extras(s: TensorSpec, x: torch.Tensor) -> dict:
+    """``quantize`` keyword arguments a spec needs: a NUQ codebook; static ranges from all of ``x``."""
+    kw: dict = {}
+    if s.kind == "nuq":
+        kw["codebook"] = codebook(s.bits).to(x.device)
+    if s.static and s.kind in ("int", "nuq"):  # calibrated per-channel range (H, D), a bit narrow: clips
+        lo, hi = x.amin(dim=(0, 2), keepdim=True)[0] * 0.9, x.amax(dim=(0, 2), keepdim=True)[0] * 0.9
+        kw["static_scale"] = ((hi - lo) / (1 if s.kind == "nuq" else 2**s.bits - 1)).half().to(x.device)
+        kw["static_zero"] = lo.half().to(x.device)
+    if s.static and s.kind == "fp8":
+        kw["static_scale"] = torch.tensor(x.abs().max().item() / 300.0)
+    return kw
+
+
+def nuq(bits: int, gran: str = "token", group: int | None = None, **kw) -> TensorSpec:
+    return TensorSpec(kind="nuq", bits=bits, fmt=None, granularity=gran, group_size=group, **kw)
+
+
+def fp8(fmt: str = "e4m3", gran: str = "token", **kw) -> TensorSpec:
+    return TensorSpec(kind="fp8", bits=8, fmt=fmt, granularity=gran, **kw)
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -148,6 +183,43 @@ def test_static_scales_are_materialised():
     assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
 
 
+# NUQ, FP8 and dense-and-sparse outliers in the packed layout (KVQuant's ingredients, vLLM's FP8)
+KIND_SPECS = [
+    nuq(4, "token"),
+    nuq(3, "token", symmetric=True),
+    nuq(2, "channel", 32, outlier_frac=0.05),
+    nuq(4, "channel", None, static=True, outlier_frac=0.02),  # kvquant-4 keys (before the pre-RoPE part)
+    spec(4, "token", 32, outlier_frac=0.05),
+    spec(2, "channel", 32, outlier_frac=0.02),
+    fp8("e4m3", "token"),
+    fp8("e5m2", "token", outlier_frac=0.02),
+    fp8("e4m3", "tensor", static=True),
+]
+
+
+@pytest.mark.parametrize("s", KIND_SPECS, ids=str)
+def test_pack_store_kinds_decode_like_quantized_blocks(s: TensorSpec):
+    g = torch.Generator().manual_seed(30)
+    B, H, D = 2, 3, 64
+    xs = [torch.randn(B, H, 32, D, generator=g) * (1 + 4 * (torch.arange(D) < 4)) for _ in range(3)]
+    kw = extras(s, torch.cat(xs, 2))
+    blocks = [quantize(x, s, **kw) for x in xs]
+    p = pack_store(blocks, blocks).key
+    assert (p.kind, p.n_outliers > 0) == (s.kind, s.outlier_frac > 0)
+    want = torch.cat([b.dequantize() for b in blocks], 2)
+    assert torch.equal(dequantize_packed(p), want)
+    # every stored byte is read, nothing more (static scales are per layer: counted once per sequence/head)
+    extra = 0 if not s.static else p.scale.nbytes + (p.zero.nbytes if p.zero is not None else 0)
+    assert p.nbytes == sum(b.nbytes for b in blocks) + extra + (
+        p.codebook.nbytes if p.codebook is not None else 0
+    )
+    # the quantizer quantized: the error is visible, and outliers are exact
+    assert 0 < max_err(want, torch.cat(xs, 2))
+    if s.outlier_frac:
+        idx = p.outlier_index.long()
+        assert torch.equal(want.gather(-1, idx), torch.cat(xs, 2).gather(-1, idx).half().float())
+
+
 def test_reference_equals_sdpa_on_dense_ragged():
     g = torch.Generator().manual_seed(2)
     store = make_store(g, device="cpu", quant_lens=[160, 96], full_lens=[40, 13])
@@ -186,13 +258,16 @@ def test_reference_pre_rope_equals_rotated_keys():
 
 def test_pack_store_rejects_what_the_layout_cannot_hold():
     x = torch.randn(1, 2, 32, 64)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        qt = quantize(x, TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"))
+    with pytest.raises(NotImplementedError, match="float"):
+        qt = quantize(x, TensorSpec(kind="float", bits=16, fmt="fp16"))
         pack_store([qt], [qt])
-    with pytest.raises(NotImplementedError, match="outliers"):
-        qt = quantize(x, spec(4, outlier_frac=0.05))
-        pack_store([qt], [qt])
+    with pytest.raises(ValueError, match="share its codebook"):
+        s = nuq(4)
+        a, b = quantize(x, s, codebook=codebook(4)), quantize(x, s, codebook=torch.linspace(-1, 1, 16).half())
+        pack_store([a, b], [a, b])
     qt = quantize(x, spec(4))
+    with pytest.raises(ValueError, match="quant_mask must be a bool tensor of shape"):
+        pack_store([qt], [qt], quant_mask=torch.ones(1, 31, dtype=torch.bool))
     with pytest.raises(ValueError, match="quant_lens must be in"):
         pack_store([qt], [qt], quant_lens=[33])
     with pytest.raises(ValueError, match="at least one token"):
@@ -267,6 +342,39 @@ def test_kernel_unpacks_exact_codes(bits: int):
     )
 
 
+@needs_triton
+@pytest.mark.parametrize("s", KIND_SPECS, ids=str)
+@pytest.mark.parametrize("vectorized", [False, True], ids=["gather", "rows"])
+def test_kernel_decodes_kinds_like_the_reference(s: TensorSpec, vectorized: bool):
+    if vectorized and s.bits == 3:
+        pytest.skip("3-bit codes are read per element only")
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(2, 2, 64, 64, generator=g) * (1 + 4 * (torch.arange(64) < 4))).to(DEVICE)
+    qt = quantize(x, s, **extras(s, x))
+    p = pack_store([qt], [qt]).key
+    torch.testing.assert_close(
+        triton_decode.dequantize_packed_triton(p, vectorized=vectorized),
+        dequantize_packed(p),
+        rtol=2e-7,
+        atol=1e-7,
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_kernel_fp8_decoding_is_exact_for_every_byte(fmt: str):
+    """All 256 float8 bit patterns, subnormals, NaN and (e5m2) infinities included, against torch's casts."""
+    codes = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 4, 64).to(DEVICE)
+    ones = torch.ones(1, 1, 4, 1, dtype=torch.float16, device=DEVICE)
+    from kvbits.kernels.reference import PackedTensor
+
+    p = PackedTensor(codes, ones, None, 8, 1, 64, 64, kind="fp8", fmt=fmt)
+    got = triton_decode.dequantize_packed_triton(p)
+    want = codes.view(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
 # (name, make_store kwargs, splits, vectorized): vectorized=None reads whole packed rows (the default,
 # 2/4/8-bit), False one gather per element (the path of 3-bit codes and pre-RoPE keys)
 ATTENTION_CASES = [
@@ -289,6 +397,34 @@ ATTENTION_CASES = [
         None,
     ),
     ("tail-only", {"T_q": 0, "T_f": 150}, 2, None),
+    (
+        "kvquant-4-block-outliers",
+        {
+            "key_spec": nuq(4, "channel", 32, outlier_frac=0.03),
+            "value_spec": nuq(4, "token", outlier_frac=0.03),
+        },
+        2,
+        None,
+    ),
+    (
+        "nuq3-static-keys",
+        {"key_spec": nuq(3, "channel", None, static=True), "value_spec": nuq(3, "token")},
+        2,
+        None,
+    ),
+    ("fp8-e4m3-token", {"key_spec": fp8("e4m3"), "value_spec": fp8("e4m3")}, 2, None),
+    (
+        "fp8-e5m2-static-outliers",
+        {"key_spec": fp8("e5m2", "tensor", static=True), "value_spec": fp8("e5m2", outlier_frac=0.03)},
+        3,
+        None,
+    ),
+    (
+        "int4-outliers-gather",
+        {"key_spec": spec(4, "channel", 32, outlier_frac=0.03), "value_spec": spec(4, "token", 32)},
+        2,
+        False,
+    ),
     ("no-tail-d128-g4", {"T_f": 0, "D": 128, "G": 4, "B": 1}, 2, None),
 ]
 
@@ -336,6 +472,64 @@ def test_kernel_pre_rope_keys():
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
 
 
+def _masked_store(g: torch.Generator, **kw) -> PackedStore:
+    """A store whose sequence 1 is left-padded: its first quantized and tail slots must not be attended."""
+    store = make_store(g, **kw)
+    B, T_q, T_f = store.batch, store.key.n_slots, store.key_full.shape[2]
+    qm = torch.ones(B, T_q, dtype=torch.bool)
+    fm = torch.ones(B, T_f, dtype=torch.bool)
+    qm[1, :70], fm[1, :5] = False, False  # left padding: sinks and the first quantized slots
+    qm[0, 17] = False  # any other slot too
+    return PackedStore(**{**store.__dict__, "quant_mask": qm.to(DEVICE), "full_mask": fm.to(DEVICE)})
+
+
+def test_reference_masked_slots_are_not_attended():
+    g = torch.Generator().manual_seed(40)
+    store = _masked_store(g, device="cpu")
+    q = torch.randn(2, 6, 1, 64, generator=g, dtype=torch.float64)
+    k, v, mask = materialize(store, torch.float64)
+    assert not mask[1, :70].any() and mask[1, 70:160].all() and not mask[1, 160:165].any()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask[:, None, None, :]
+    )
+    got = decode_attention_reference(q, store, dtype=torch.float64)
+    assert max_err(got, want) < 1e-12
+    store.value.codes[1, :, :70] = 255  # garbage in masked slots changes nothing
+    store.value_full[1, :, :5] = 1e4
+    assert max_err(decode_attention_reference(q, store, dtype=torch.float64), got) == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
+def test_kernel_masked_slots(vectorized: bool | None):
+    g = torch.Generator().manual_seed(41)
+    store = _masked_store(g)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=3, vectorized=vectorized)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    # the masks matter (guards against them being ignored)
+    unmasked = PackedStore(**{**store.__dict__, "quant_mask": None, "full_mask": None})
+    assert max_err(decode_attention_reference(q.double(), unmasked, dtype=torch.float64), truth) > 1e-2
+
+
+@needs_triton
+def test_kernel_pre_rope_nuq_keys_with_outliers():
+    """kvquant-*-block's keys: pre-RoPE, NUQ, per-channel over 32-token blocks, sparse outliers."""
+    g = torch.Generator().manual_seed(42)
+    kw = {
+        "key_spec": nuq(3, "channel", 32, outlier_frac=0.03),
+        "value_spec": nuq(3, "token", outlier_frac=0.03),
+    }
+    store = make_store(g, rope=True, quant_lens=[160, 96], full_lens=[40, 9], **kw)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=2)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
 # --------------------------------------------------------------------------------------------------
 # The GPU benchmark script runs (tiny sizes, CPU: reference timings + interpreter checks)
 # --------------------------------------------------------------------------------------------------
@@ -375,7 +569,15 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         if r["kernel"] == "reference" and r["context"] == 512 and r["shape"] == "llama-3-8b"
     }
     assert by["fp16"] > by["int8"] > by["int4"] > by["int2"]
-    assert {b["scheme"] for b in data["break_even"]} == {"fp16", "int8", "int4", "int2"}
+    assert by["int4"] < by["nuq4-outl"] < by["int8"]  # a codebook and 1 % outliers cost less than 4 more bits
+    assert {b["scheme"] for b in data["break_even"]} == {
+        "fp16",
+        "int8",
+        "int4",
+        "int2",
+        "nuq4-outl",
+        "fp8-e4m3",
+    }
     # end to end (step 6): a whole model decoding through each cache; the fused rows really were fused
     e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
     fp16 = e2e[("dynamic-fp16", "fp16")]

@@ -9,11 +9,12 @@ Usage::
     model.generate(**inputs, past_key_values=cache)
 
 ``kvbits_fused`` is transformers' SDPA attention (same mask function, same call) except for decode steps
-(one query token per sequence, no attention mask) of layers a ``QuantizedKVCache`` has handed over
-(``kvbits.cache.fused``): those call ``kvbits.kernels.decode_attention`` on the layer's packed store,
-never materialising dequantized K/V. Everything else — prefill, ``q_len > 1``, other caches, schemes
-outside the packed layout (NUQ, FP8, outliers, sliding windows), padded batches (a mask at decode
-time), ``softcap`` / ``s_aux`` / ``output_attentions`` — is SDPA over dequantized K/V, as before.
+(one query token per sequence) of layers a ``QuantizedKVCache`` has handed over (``kvbits.cache.fused``):
+those call ``kvbits.kernels.decode_attention`` on the layer's packed store, never materialising
+dequantized K/V. A boolean padding mask at a decode step (a left-padded batch) becomes per-slot masks of
+the store (``fused.slot_masks``): the kernel skips the masked slots. Everything else — prefill,
+``q_len > 1``, other caches, schemes outside the packed layout (float sides, sliding windows), float or
+per-head masks, ``softcap`` / ``s_aux`` / ``output_attentions`` — is SDPA over dequantized K/V, as before.
 
 Registered under a new name through transformers' public ``AttentionInterface`` (and the SDPA mask
 builder under the same name in ``AttentionMaskInterface``); nothing of transformers is replaced.
@@ -42,13 +43,21 @@ def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     return AttentionInterface._global_mapping["sdpa"](*args, **kwargs)
 
 
-def _step_reason(module: torch.nn.Module, query: torch.Tensor, attention_mask: Any, dropout: float,
-                 kwargs: dict) -> str | None:  # fmt: skip
+def _step_reason(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: Any,
+                 dropout: float, kwargs: dict) -> str | None:  # fmt: skip
     """Why this call cannot be a fused decode step (``None``: it can)."""
     if query.shape[2] != 1:
         return f"{query.shape[2]} query tokens"
     if attention_mask is not None:
-        return "an attention mask at a decode step (padded batch)"
+        B, T = key.shape[0], key.shape[2]
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+            return f"a non-boolean attention mask ({getattr(attention_mask, 'dtype', type(attention_mask).__name__)})"
+        if (
+            attention_mask.dim() != 4
+            or tuple(attention_mask.shape[1:]) != (1, 1, T)
+            or attention_mask.shape[0] not in (1, B)
+        ):
+            return f"an attention mask of shape {tuple(attention_mask.shape)} (expected ({B}, 1, 1, {T}))"
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             return f"{name}"
@@ -82,9 +91,12 @@ def fused_attention(
     if not placeholder:  # real K/V (prefill, unclaimed layer): SDPA, and claim the layer for decode steps
         fused.claim(layer, query)
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    reason = _step_reason(module, query, attention_mask, dropout, kwargs)
+    reason = _step_reason(module, query, key, attention_mask, dropout, kwargs)
     if reason is None:
-        out = dispatch.decode_attention(query, fused.packed_store(layer), scaling)  # (B, H_q, 1, D)
+        keep = None
+        if attention_mask is not None:  # (B, 1, 1, T) bool, True = attend: left padding
+            keep = attention_mask[:, 0, 0, :].expand(key.shape[0], -1)
+        out = dispatch.decode_attention(query, fused.packed_store(layer, keep), scaling)  # (B, H_q, 1, D)
         layer.fused.steps += 1
         return out.transpose(1, 2).contiguous(), None
     # a claimed layer whose step cannot be fused: attend over exactly what update() would have returned

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbits.kernels import dispatch
-from kvbits.kernels.reference import PackedStore
+from kvbits.kernels.reference import PACKED_KINDS, PackedStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
@@ -48,6 +48,7 @@ __all__ = [
     "layout_reason",
     "packed_store",
     "placeholders",
+    "slot_masks",
     "tag",
     "tag_of",
     "wants",
@@ -75,7 +76,9 @@ class RopeTableCache:
     def __init__(self) -> None:
         self._tables: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, rotary: RotaryTables, n_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(
+        self, rotary: RotaryTables, n_positions: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables covering positions ``[0, P)``, ``P >= n_positions``, on ``device``."""
         key = (id(rotary.rotary), rotary.layer_type, rotary.rot_dim, str(device))
         entry = self._tables.get(key)
@@ -128,20 +131,22 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
     if layer.is_sliding:
         return "sliding-window layer (the kernel attends to every cached token)"
     if layer.mode == "identity":
-        return None if layer._k.buffer.shape[3] == layer._v.buffer.shape[3] else "key and value head dims differ"
+        return (
+            None if layer._k.buffer.shape[3] == layer._v.buffer.shape[3] else "key and value head dims differ"
+        )
     if layer.mode != "quantized":
         return f"layer mode {layer.mode!r}"
     for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
-        if spec.kind != "int":
-            return f"{side} kind {spec.kind!r} (the packed layout holds affine integer codes)"
-        if spec.outlier_frac > 0:
-            return f"{side} dense-and-sparse outliers (not in the packed layout)"
+        if spec.kind not in PACKED_KINDS:
+            return f"{side} kind {spec.kind!r} (the packed layout holds {', '.join(PACKED_KINDS)} codes)"
     if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
         return "key and value head dims differ"
     if layer.scheme.key.pre_rope:
         rot = layer._k.rotary
         if rot.rot_dim != rot.head_dim:
-            return f"partial rotary embedding ({rot.rot_dim} of {rot.head_dim} channels; the kernel rotates all)"
+            return (
+                f"partial rotary embedding ({rot.rot_dim} of {rot.head_dim} channels; the kernel rotates all)"
+            )
         if any(k in rot.rope_type for k in _LENGTH_DEPENDENT):
             return f"rope_type {rot.rope_type!r} (tables depend on the sequence length)"
     return None
@@ -155,7 +160,7 @@ def _kernel_reason(layer: QuantizedKVLayer, query: torch.Tensor) -> str | None:
 
     if layer.mode == "quantized":
         for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
-            if spec.bits not in TRITON_BITS:
+            if spec.kind in ("int", "nuq") and spec.bits not in TRITON_BITS:
                 return f"{side}: {spec.bits}-bit codes (Triton kernel: {TRITON_BITS})"
     return supported(packed_store(layer), query)
 
@@ -170,7 +175,9 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor) -> bool:
     reason = layout_reason(layer) or _kernel_reason(layer, query)
     if reason is not None:
         if state.declined != reason:
-            logger.info("layer %d: fused decode falls back to SDPA over dequantized K/V: %s", layer.layer_idx, reason)
+            logger.info(
+                "layer %d: fused decode falls back to SDPA over dequantized K/V: %s", layer.layer_idx, reason
+            )
         state.declined = reason
         return False
     state.claimed, state.declined = True, None
@@ -199,12 +206,28 @@ def placeholders(layer: QuantizedKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
     return tag(layer, keys, placeholder=True), values
 
 
-def packed_store(layer: QuantizedKVLayer) -> PackedStore:
+def slot_masks(
+    layer: QuantizedKVLayer, keep: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``keep`` ``(B, T)`` bool over the layer's cache positions → ``(quant_mask, full_mask)`` in slot order.
+
+    Cache position ``i`` is sink ``i`` (``i < n_sinks``), quantized slot ``i - n_sinks`` or buffer slot
+    ``i - n_sinks - T_q``; the tail is sinks then buffer (``packed_store``). Device ops only (no sync).
+    """
+    k = layer._k
+    S, T_q = k.n_sinks, k.n_quantized
+    quant = keep[:, S : S + T_q].contiguous() if T_q else None
+    full = torch.cat([keep[:, :S], keep[:, S + T_q :]], dim=1) if keep.shape[1] > T_q else None
+    return quant, full
+
+
+def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> PackedStore:
     """The layer's tokens in the decode-kernel layout (``kvbits.kernels.reference``), no validation syncs.
 
     Quantized slots: the stored chunks (``SideStore.packed``); tail: sinks then buffer
     (``SideStore.full_tail``). Every sequence has the same lengths; pre-RoPE keys start at position
-    ``n_sinks + n_dropped``.
+    ``n_sinks + n_dropped``. ``keep`` ``(B, tokens_seen)`` bool: the cache positions each sequence may
+    attend to (``False``: left padding), turned into slot masks (``slot_masks``).
     """
     k, v = layer._k, layer._v
     key, value = k.packed(), v.packed()
@@ -220,4 +243,9 @@ def packed_store(layer: QuantizedKVLayer) -> PackedStore:
         p0 = k.n_sinks + k.n_dropped
         cos, sin = layer.fused.tables.get(k.rotary, p0 + T_q, device)
         pos0 = torch.full((B,), p0, dtype=torch.int32, device=device)
-    return PackedStore(key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0)
+    quant_mask = full_mask = None
+    if keep is not None:
+        quant_mask, full_mask = slot_masks(layer, keep)
+    return PackedStore(
+        key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0, quant_mask, full_mask
+    )

@@ -24,8 +24,15 @@ Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
   static per-channel (calibrated)    2**30    1        ``(B, H_kv, 1, D)``
   ================================  =======  =======  ==========================
 
-  Decoding (``kvbits.quant.affine``): asymmetric ``x = code * scale + zero``; symmetric
-  ``x = (code - (2**(bits-1) - 1)) * scale``.
+  Decoding by ``kind``: ``"int"`` (``kvbits.quant.affine``): asymmetric ``x = code * scale + zero``,
+  symmetric ``x = (code - (2**(bits-1) - 1)) * scale``; ``"nuq"`` (``kvbits.quant.nuq``, KVQuant §3.3):
+  ``u = codebook[code]`` (a float16 ``(2**bits,)`` per-layer codebook), asymmetric
+  ``x = zero + (u + 1) * scale / 2``, symmetric ``x = u * scale``; ``"fp8"`` (``fmt`` e4m3 / e5m2):
+  ``codes`` ``(B, H_kv, T_q, D)`` hold the float8 bytes, ``x = float(code) * scale`` with one scale per
+  token row (``tps = 1, cps = D``) or one static float32 scale (``tps = STATIC_TPS``).
+- dense-and-sparse outliers (KVQuant §3.5), optional: ``outlier_values`` float16 and ``outlier_index``
+  (uint8, int16 when ``D > 256``) ``(B, H_kv, T_q, k)``: channel ``outlier_index[..., j]`` of each row is
+  ``outlier_values[..., j]`` exactly, whatever its code decodes to.
 - ``pre_rope`` keys (KVQuant §3.2): the codes hold keys *before* RoPE; attention rotates each
   dequantized key back with rotate-half RoPE (``x * cos[p] + rotate_half(x) * sin[p]``, transformers'
   ``apply_rotary_pos_emb``), ``p = quant_pos0[b] + t``, tables ``rope_cos`` / ``rope_sin`` ``(T_pos, D)``.
@@ -34,7 +41,10 @@ Full-precision tail (sinks, residual window, not-yet-flushed buffer): ``key_full
 ``(B, H_kv, T_f, D)`` in a float dtype, keys already rotated (post-RoPE).
 
 Ragged batches: sequence ``b`` owns quantized slots ``[0, quant_lens[b])`` and tail slots
-``[0, full_lens[b])`` (``(B,)`` int32 each); the slots after them are padding, never read. Softmax
+``[0, full_lens[b])`` (``(B,)`` int32 each); the slots after them are padding, never read. Masks,
+optional: ``quant_mask`` ``(B, T_q)`` and ``full_mask`` ``(B, T_f)`` bool, ``False`` for slots the
+sequence must not attend to although they are within its length (left padding of a batch, whose pad
+tokens the cache stores like any other). Softmax
 attention does not depend on the order of the tokens, so the kernels visit quantized tokens then tail
 tokens, although in the cache the sinks come first; only RoPE needs true positions (``quant_pos0``).
 """
@@ -46,10 +56,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbits.quant.fp8 import fp8_dtype
 from kvbits.quant.pack import unpack_bits
 from kvbits.quant.tensor import QuantizedTensor
 
 STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
+PACKED_KINDS = ("int", "nuq", "fp8")
 
 __all__ = [
     "PackedStore",
@@ -66,12 +78,16 @@ class PackedTensor:
     """One side (K or V) of the quantized store; see the module docstring for the layout.
 
     Attributes:
-        codes: ``(B, H_kv, T_q, ceil(D * bits / 8))`` uint8.
-        scale: ``(B, H_kv, T_q // tps, D // cps)`` float16.
+        codes: ``(B, H_kv, T_q, ceil(D * bits / 8))`` uint8 (fp8: the ``(B, H_kv, T_q, D)`` float8 bytes).
+        scale: ``(B, H_kv, T_q // tps, D // cps)`` float16 (a static fp8 scale: float32).
         zero: same shape as ``scale`` (asymmetric) or ``None`` (symmetric).
         bits: 2, 3, 4 or 8.
         tps: tokens per scale; cps: channels per scale.
         head_dim: ``D``.
+        kind: ``"int"``, ``"nuq"`` or ``"fp8"``.
+        fmt: fp8 format, ``"e4m3"`` or ``"e5m2"`` (``kind="fp8"`` only).
+        codebook: ``kind="nuq"``: float16 ``(2**bits,)``.
+        outlier_values, outlier_index: ``(B, H_kv, T_q, k)`` float16 / uint8|int16, or ``None``.
     """
 
     codes: torch.Tensor
@@ -81,6 +97,11 @@ class PackedTensor:
     tps: int
     cps: int
     head_dim: int
+    kind: str = "int"
+    fmt: str | None = None
+    codebook: torch.Tensor | None = None
+    outlier_values: torch.Tensor | None = None
+    outlier_index: torch.Tensor | None = None
 
     @property
     def symmetric(self) -> bool:
@@ -91,9 +112,19 @@ class PackedTensor:
         return self.codes.shape[2]
 
     @property
+    def n_outliers(self) -> int:
+        """Sparse outliers per (token, head) row (0: none)."""
+        return 0 if self.outlier_values is None else self.outlier_values.shape[-1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the kernel reads for this side."""
+        ts = (self.codes, self.scale, self.zero, self.codebook, self.outlier_values, self.outlier_index)
+        return [t for t in ts if t is not None]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the kernel reads for all slots: codes + scales (+ zero-points)."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+        """Bytes the kernel reads for all slots: codes + scales (+ zero-points, codebook, outliers)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 @dataclass
@@ -106,6 +137,8 @@ class PackedStore:
         quant_lens, full_lens: ``(B,)`` int32 valid slots per sequence.
         rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``.
         quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count.
+        quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots a sequence must not
+            attend to (left padding), or ``None`` (every slot within the lengths).
     """
 
     key: PackedTensor | None
@@ -117,6 +150,8 @@ class PackedStore:
     rope_cos: torch.Tensor | None = None
     rope_sin: torch.Tensor | None = None
     quant_pos0: torch.Tensor | None = None
+    quant_mask: torch.Tensor | None = None
+    full_mask: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -160,24 +195,20 @@ def _cat_tokens(parts: list[torch.Tensor]) -> torch.Tensor:
 def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
     """Concatenate ``QuantizedTensor`` blocks of one side along the tokens into a ``PackedTensor``.
 
-    Blocks ``(B, H_kv, n_i, D)`` in token order (int kinds, no outliers). A single block whose codes and
-    float16 metadata are already contiguous is not copied: the ``PackedTensor`` then shares their
-    storage (``kvbits.cache`` relies on this to hand its packed blocks to the kernel without a copy).
-    Raises ``NotImplementedError`` for what the layout cannot hold (NUQ, FP8, float, outliers).
+    Blocks ``(B, H_kv, n_i, D)`` in token order, all of one spec (kinds int, nuq, fp8; dense-and-sparse
+    outliers allowed). A single block whose tensors are already contiguous is not copied: the
+    ``PackedTensor`` then shares their storage (``kvbits.cache`` relies on this to hand its packed blocks
+    to the kernel without a copy). Raises ``NotImplementedError`` for float blocks (nothing to unpack:
+    attend over them directly).
     """
     spec = blocks[0].spec
     B, H, _, D = blocks[0].shape
-    if spec.kind != "int":
+    if spec.kind not in PACKED_KINDS:
         raise NotImplementedError(
-            f"{what}: the packed decode layout holds affine integer codes; kind={spec.kind!r} is not "
-            "supported "
-            "(attend over QuantizedTensor.dequantize() instead)"
+            f"{what}: the packed decode layout holds {PACKED_KINDS} codes; kind={spec.kind!r} is not "
+            "supported (attend over QuantizedTensor.dequantize() instead)"
         )
-    if spec.outlier_frac > 0:
-        raise NotImplementedError(
-            f"{what}: dense-and-sparse outliers are not supported by the packed decode layout"
-        )
-    codes, scales, zeros = [], [], []
+    codes, scales, zeros, o_vals, o_idx = [], [], [], [], []
     tps = cps = None
     for i, qt in enumerate(blocks):
         if qt.spec != spec or qt.shape[:2] != (B, H) or qt.shape[3] != D:
@@ -188,7 +219,11 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
         n = qt.n_tokens
         # `expand_to`: the keepdim scale shape on quantize's grouped view; static scales are stored
         # once per layer and broadcast, so they are materialised per group here.
-        if spec.granularity == "token":
+        if spec.kind == "fp8" and qt.static:  # one float32 scale for the layer (static / tensor)
+            b_tps, b_cps, shape, expand_to = 0, D, (B, H, 1, 1), (B, H, 1, 1)
+        elif spec.kind == "fp8":  # one scale per (token, head) row
+            b_tps, b_cps, shape, expand_to = 1, D, (B, H, n, 1), (B, H, n, 1)
+        elif spec.granularity == "token":
             g = spec.group_size or D
             b_tps, b_cps, shape, expand_to = 1, g, (B, H, n, D // g), (B, H, n, D // g, 1)
         elif spec.granularity == "channel" and spec.group_size is None:
@@ -206,25 +241,45 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
             raise ValueError(
                 f"{what} block {i}: {n} tokens; head/tensor blocks must all have the same length"
             )
-        codes.append(qt.data)
+        codes.append(qt.data.view(torch.uint8) if spec.kind == "fp8" else qt.data)
         scales.append(qt.scale.expand(expand_to).reshape(shape))
         if qt.zero is not None:
             zeros.append(qt.zero.expand(expand_to).reshape(shape))
+        if qt.outlier_values is not None:
+            o_vals.append(qt.outlier_values)
+            o_idx.append(qt.outlier_index)
     codes_t = _cat_tokens(codes)
     if tps == 0:
         for i in range(1, len(blocks)):
             same = torch.equal(scales[i], scales[0]) and (not zeros or torch.equal(zeros[i], zeros[0]))
             if not same:
-                raise ValueError(f"{what} block {i}: static per-channel scales differ from block 0's")
+                raise ValueError(f"{what} block {i}: static scales differ from block 0's")
         scales, zeros, tps = scales[:1], zeros[:1], STATIC_TPS
+    codebook = None
+    if spec.kind == "nuq":
+        codebook = blocks[0].codebook
+        if codebook is None or codebook.shape != (2**spec.bits,):
+            raise ValueError(
+                f"{what}: NUQ blocks need their layer's ({2**spec.bits},) codebook, got {codebook}"
+            )
+        if any(b.codebook is not codebook and not torch.equal(b.codebook, codebook) for b in blocks[1:]):
+            raise ValueError(f"{what}: NUQ blocks of one layer must share its codebook")
+        codebook = codebook.to(torch.float16).contiguous()
+    # fp8's static scale stays float32 (quantize keeps it so); every other scale is float16 already
+    meta_dtype = torch.float32 if spec.kind == "fp8" and tps == STATIC_TPS else torch.float16
     return PackedTensor(
         codes=codes_t,
-        scale=_cat_tokens(scales).to(torch.float16).contiguous(),
+        scale=_cat_tokens(scales).to(meta_dtype).contiguous(),
         zero=_cat_tokens(zeros).to(torch.float16).contiguous() if zeros else None,
         bits=spec.bits,
         tps=tps,
         cps=cps,
         head_dim=D,
+        kind=spec.kind,
+        fmt=spec.fmt if spec.kind == "fp8" else None,
+        codebook=codebook,
+        outlier_values=_cat_tokens(o_vals) if o_vals else None,
+        outlier_index=_cat_tokens(o_idx) if o_idx else None,
     )
 
 
@@ -252,6 +307,8 @@ def pack_store(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     quant_pos0: torch.Tensor | list[int] | None = None,
+    quant_mask: torch.Tensor | None = None,
+    full_mask: torch.Tensor | None = None,
 ) -> PackedStore:
     """Concatenate a layer's quantized blocks (and its full-precision tail) into the kernel layout.
 
@@ -262,6 +319,7 @@ def pack_store(
         quant_lens, full_lens: ``(B,)`` valid slots per sequence (default: all ``T_q`` / ``T_f``).
         rope_cos, rope_sin: ``(T_pos, D)`` tables when the quantized keys are pre-RoPE.
         quant_pos0: ``(B,)`` position of the first quantized slot (default 0), pre-RoPE keys only.
+        quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots not to attend to.
     """
     if len(key_blocks) != len(value_blocks):
         raise ValueError(
@@ -318,7 +376,20 @@ def pack_store(
         rope_cos, rope_sin = rope_cos.float().contiguous(), rope_sin.float().contiguous()
     elif quant_pos0 is not None:
         raise ValueError("quant_pos0 is only meaningful with rope tables (pre-RoPE keys)")
-    return PackedStore(key, value, key_full, value_full, ql, fl, rope_cos, rope_sin, pos0)
+    qm = _mask(quant_mask, (B, T_q), device, "quant_mask")
+    fm = _mask(full_mask, (B, T_f), device, "full_mask")
+    return PackedStore(key, value, key_full, value_full, ql, fl, rope_cos, rope_sin, pos0, qm, fm)
+
+
+def _mask(
+    mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, what: str
+) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{what} must be a bool tensor of shape {shape}, got {got}")
+    return mask.to(device).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -330,20 +401,31 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     """All slots of a ``PackedTensor`` back to floats ``(B, H_kv, T_q, D)``.
 
     Computed in float32 (float64 when ``dtype`` is float64) with the formulas of
-    ``kvbits.quant.affine.dequantize_affine``, so float32 results equal ``QuantizedTensor.dequantize``.
+    ``kvbits.quant.affine.dequantize_affine`` / ``kvbits.quant.nuq.dequantize_nuq`` / ``dequantize_fp8``,
+    so float32 results equal ``QuantizedTensor.dequantize``; outliers are written back last.
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    codes = unpack_bits(p.codes, p.bits, p.head_dim).to(work)
-    rows = torch.arange(p.n_slots, device=codes.device) // p.tps  # slot t -> scale row t // tps
-    cols = torch.arange(p.head_dim, device=codes.device) // p.cps  # channel d -> scale column d // cps
+    rows = torch.arange(p.n_slots, device=p.codes.device) // p.tps  # slot t -> scale row t // tps
+    cols = torch.arange(p.head_dim, device=p.codes.device) // p.cps  # channel d -> scale column d // cps
 
     def expand(m: torch.Tensor) -> torch.Tensor:
         return m.to(work)[:, :, rows][:, :, :, cols]
 
-    if p.zero is None:
-        out = (codes - (2 ** (p.bits - 1) - 1)) * expand(p.scale)
+    if p.kind == "fp8":
+        out = p.codes.view(fp8_dtype(p.fmt)).to(work) * expand(p.scale)
     else:
-        out = codes * expand(p.scale) + expand(p.zero)
+        codes = unpack_bits(p.codes, p.bits, p.head_dim)
+        if p.kind == "nuq":
+            u = p.codebook.to(codes.device, work)[codes.long()]
+            out = (
+                u * expand(p.scale) if p.zero is None else expand(p.zero) + (u + 1.0) * (expand(p.scale) / 2)
+            )
+        elif p.zero is None:
+            out = (codes.to(work) - (2 ** (p.bits - 1) - 1)) * expand(p.scale)
+        else:
+            out = codes.to(work) * expand(p.scale) + expand(p.zero)
+    if p.outlier_values is not None:
+        out = out.scatter(-1, p.outlier_index.long(), p.outlier_values.to(work))
     return out.to(dtype)
 
 
@@ -382,12 +464,14 @@ def materialize(
         ks.append(k)
         vs.append(dequantize_packed(store.value, dtype))
         T = store.key.n_slots
-        masks.append(torch.arange(T, device=store.device)[None, :] < store.quant_lens[:, None].long())
+        m = torch.arange(T, device=store.device)[None, :] < store.quant_lens[:, None].long()
+        masks.append(m if store.quant_mask is None else m & store.quant_mask)
     if store.key_full is not None:
         ks.append(store.key_full.to(dtype))
         vs.append(store.value_full.to(dtype))
         T = store.key_full.shape[2]
-        masks.append(torch.arange(T, device=store.device)[None, :] < store.full_lens[:, None].long())
+        m = torch.arange(T, device=store.device)[None, :] < store.full_lens[:, None].long()
+        masks.append(m if store.full_mask is None else m & store.full_mask)
     return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat(masks, dim=1)
 
 

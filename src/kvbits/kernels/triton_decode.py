@@ -13,6 +13,12 @@ full-precision tail. Each writes a partial online-softmax state ``(m, l, acc)`` 
 Gimelshein 2018; FlashAttention-2, Dao 2023, Alg. 1) in base 2 (``exp2``, scores pre-multiplied by
 ``log2 e``); ``_reduce_kernel`` merges the splits: ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``.
 
+Formats (``reference`` module docstring): per side, integer codes (2/3/4/8-bit, affine or symmetric),
+NUQ codes looked up in a 2**bits-entry codebook (KVQuant), or FP8 bytes decoded from their bit fields
+(``_fp8_to_f32``: exact, no float8 type needed); then up to ``NOUT`` sparse outliers per row replace
+their channels (``_outliers``). Slot masks (``quant_mask`` / ``full_mask``, left padding) narrow
+``valid``, the same predicate that hides slots past a sequence's length.
+
 Precision follows the query dtype: float16/bfloat16 queries use tensor-core dots on dequantized K/V
 and probabilities cast to that dtype with float32 accumulation (FlashAttention's recipe); float32
 queries use IEEE float32 dots (slow; for tests and debugging).
@@ -38,6 +44,11 @@ logger = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 _VEC_BROKEN: set[tuple] = set()  # kernel configurations whose vectorised variant did not compile
 TRITON_BITS = (2, 3, 4, 8)
+KIND_CODES = {("int", None): 0, ("nuq", None): 1, ("fp8", "e4m3"): 2, ("fp8", "e5m2"): 3}  # K_KIND / V_KIND
+
+
+def _kind_code(p: PackedTensor) -> int:
+    return KIND_CODES[(p.kind, p.fmt if p.kind == "fp8" else None)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -63,13 +74,73 @@ def _unpack(codes_ptr, t, d, mask, ROW, BITS: tl.constexpr):
 
 # fmt: off
 @triton.jit
-def _load_kv(codes_ptr, scale_ptr, zero_ptr, t, d, mask, ROW, SCOLS,
-             BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr):
+def _fp8_to_f32(code, KIND: tl.constexpr):
+    """float8 bytes (int32 in [0, 256)) → float32, exactly: e4m3fn (``KIND == 2``) or e5m2 (``KIND == 3``).
+
+    Built from the bit fields (no float8 type needed, so the interpreter runs it too):
+    e4m3fn: bias 7, 3 mantissa bits, no infinities, ``S.1111.111`` is NaN; e5m2: bias 15, 2 mantissa bits,
+    exponent 31 is inf (mantissa 0) or NaN. Normal numbers are assembled as float32 bit patterns,
+    subnormals as ``mantissa * 2^(1 - bias - mantissa_bits)``.
+    """
+    sign = code >> 7
+    if KIND == 2:
+        e = (code >> 3) & 15
+        m = code & 7
+        normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125  # 2^-9
+        x = tl.where(e == 0, tl.where(sign == 1, -sub, sub), normal)
+        x = tl.where((e == 15) & (m == 7), float("nan"), x)
+    else:
+        e = (code >> 2) & 31
+        m = code & 3
+        normal = ((sign << 31) | ((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.0000152587890625  # 2^-16
+        x = tl.where(e == 0, tl.where(sign == 1, -sub, sub), normal)
+        inf = tl.where(sign == 1, float("-inf"), float("inf"))
+        x = tl.where(e == 31, tl.where(m == 0, inf, float("nan")), x)
+    return x
+
+
+@triton.jit
+def _decode(code, s, z, cb_ptr, BITS: tl.constexpr, SYM: tl.constexpr, KIND: tl.constexpr):
+    """Codes (int32) with their float32 scale ``s`` and zero-point ``z`` → float32 values.
+
+    ``KIND`` 0 int (``kvbits.quant.affine``), 1 NUQ (``kvbits.quant.nuq``: ``u = codebook[code]``), 2/3 fp8.
+    """
+    if KIND == 0:
+        if SYM:
+            x = (code - ((1 << (BITS - 1)) - 1)).to(tl.float32) * s
+        else:
+            x = code.to(tl.float32) * s + z
+    elif KIND == 1:
+        u = tl.load(cb_ptr + code).to(tl.float32)
+        if SYM:
+            x = u * s
+        else:
+            x = z + (u + 1.0) * (s * 0.5)
+    else:
+        x = _fp8_to_f32(code, KIND) * s
+    return x
+
+
+@triton.jit
+def _outliers(x, ov_ptr, oi_ptr, t, d, mask, NOUT: tl.constexpr):
+    """Write the ``NOUT`` sparse outliers of each row back into ``x`` (``t``, ``d`` broadcast like ``x``)."""
+    for j in tl.static_range(NOUT):
+        idx = tl.load(oi_ptr + t * NOUT + j, mask=mask, other=0).to(tl.int32)
+        val = tl.load(ov_ptr + t * NOUT + j, mask=mask, other=0.0).to(tl.float32)
+        x = tl.where(d == idx, val, x)
+    return x
+
+
+@triton.jit
+def _load_kv(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, d, mask, ROW, SCOLS,
+             BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr,
+             KIND: tl.constexpr, NOUT: tl.constexpr):
     """A float32 tile of K or V at (``t``, ``d``); ``BITS == 16`` reads a float tail row of ``ROW`` elements.
 
-    Quantized: element (t, d) uses ``scale[t // TPS, d // CPS]`` (``SCOLS`` scale columns per row);
-    asymmetric ``code * scale + zero``, symmetric ``(code - (2^(b-1) - 1)) * scale``
-    (``kvbits.quant.affine``).
+    Quantized: element (t, d) uses ``scale[t // TPS, d // CPS]`` (``SCOLS`` scale columns per row),
+    decoded by ``_decode``; then the row's ``NOUT`` outliers replace their channels.
     """
     if BITS == 16:
         x = tl.load(codes_ptr + t * ROW + d, mask=mask, other=0.0).to(tl.float32)
@@ -77,11 +148,12 @@ def _load_kv(codes_ptr, scale_ptr, zero_ptr, t, d, mask, ROW, SCOLS,
         code = _unpack(codes_ptr, t, d, mask, ROW, BITS)
         s_off = (t // TPS) * SCOLS + d // CPS
         s = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-        if SYM:
-            x = (code - ((1 << (BITS - 1)) - 1)).to(tl.float32) * s
-        else:
+        z = s
+        if not SYM:
             z = tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-            x = code.to(tl.float32) * s + z
+        x = _decode(code, s, z, cb_ptr, BITS, SYM, KIND)
+        if NOUT > 0:
+            x = _outliers(x, ov_ptr, oi_ptr, t, d, mask, NOUT)
     return x
 
 
@@ -102,8 +174,9 @@ def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TP
 
 
 @triton.jit
-def _load_rows(codes_ptr, scale_ptr, zero_ptr, t, mask_t, ROW, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr,
-               BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr):
+def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t, ROW, SCOLS, D: tl.constexpr,
+               BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
+               SYM: tl.constexpr, KIND: tl.constexpr, NOUT: tl.constexpr):
     """Vectorised ``_load_kv`` for 2/4/8-bit codes: whole rows ``t (BLOCK_T,)`` → ``(BLOCK_T, D)`` float32.
 
     Each packed row is read once as ``D * BITS / 8`` contiguous bytes; the codes of a byte are split
@@ -121,10 +194,12 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, t, mask_t, ROW, SCOLS, D: tl.cons
         odd = tl.interleave((byte >> 2) & 3, byte >> 6)  # codes 1, 3
         code = tl.interleave(even, odd)
     s = _meta_rows(scale_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
-    if SYM:
-        x = (code - ((1 << (BITS - 1)) - 1)).to(tl.float32) * s
-    else:
-        x = code.to(tl.float32) * s + _meta_rows(zero_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
+    z = s
+    if not SYM:
+        z = _meta_rows(zero_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
+    x = _decode(code, s, z, cb_ptr, BITS, SYM, KIND)
+    if NOUT > 0:
+        x = _outliers(x, ov_ptr, oi_ptr, t[:, None], tl.arange(0, D)[None, :], mask_t[:, None], NOUT)
     return x
 
 
@@ -158,14 +233,19 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 def _decode_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
     KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
+    KCB, KOV, KOI, VCB, VOV, VOI,                  # NUQ codebooks; sparse outlier values and indices
     KF, VF, FLEN,                                  # full-precision tail; lengths
+    QMASK, FMASK,                                  # (B, T_q) / (B, T_f) uint8 slot masks (padding)
     COS, SIN, POS0,                                # pre-RoPE keys: tables (T_pos, D), first positions
     qk_scale, H_kv, T_q, T_f,
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
     n_split_q, n_split, chunk_q, chunk_f,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_BITS: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, K_SYM: tl.constexpr,
+    K_KIND: tl.constexpr, K_NOUT: tl.constexpr,
     V_BITS: tl.constexpr, V_TPS: tl.constexpr, V_CPS: tl.constexpr, V_SYM: tl.constexpr,
+    V_KIND: tl.constexpr, V_NOUT: tl.constexpr,
+    HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr,
     ROPE: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
@@ -189,36 +269,43 @@ def _decode_kernel(
         kc = KC + bh * T_q * K_ROW
         ks = KS + bh * K_SROWS * K_SCOLS
         kz = KZ + bh * K_SROWS * K_SCOLS
+        kov = KOV + bh * T_q * K_NOUT
+        koi = KOI + bh * T_q * K_NOUT
         vc = VC + bh * T_q * V_ROW
         vs = VS + bh * V_SROWS * V_SCOLS
         vz = VZ + bh * V_SROWS * V_SCOLS
+        vov = VOV + bh * T_q * V_NOUT
+        voi = VOI + bh * T_q * V_NOUT
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
             valid = t < end
+            if HAS_QMASK:
+                valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k
             if VEC_K:
-                k = tl.trans(_load_rows(kc, ks, kz, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
-                                        K_BITS, K_TPS, K_CPS, K_SYM))
+                k = tl.trans(_load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
+                                        K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT))
             else:
-                k = _load_kv(kc, ks, kz, t[None, :], offs_d[:, None], valid[None, :], K_ROW, K_SCOLS,
-                             K_BITS, K_TPS, K_CPS, K_SYM)
+                k = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], offs_d[:, None], valid[None, :], K_ROW,
+                             K_SCOLS, K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
             if ROPE:
                 # pre-RoPE keys (KVQuant §3.2): rotate after dequantization, rotate-half convention
                 # k * cos + rotate_half(k) * sin, rotate_half(k)[d] = -k[d + D/2] (d < D/2), k[d - D/2]
                 # else. The partner channel is dequantized again from the same (cached) bytes.
                 partner = (offs_d + D // 2) % D
-                kp = _load_kv(kc, ks, kz, t[None, :], partner[:, None], valid[None, :], K_ROW, K_SCOLS,
-                              K_BITS, K_TPS, K_CPS, K_SYM)
+                kp = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], partner[:, None], valid[None, :], K_ROW,
+                              K_SCOLS, K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
                 pos = tl.load(POS0 + b) + t
                 cs_off = pos[None, :] * D + offs_d[:, None]
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
             if VEC_V:
-                v = _load_rows(vc, vs, vz, t, valid, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS, V_CPS, V_SYM)
+                v = _load_rows(vc, vs, vz, VCB, vov, voi, t, valid, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS,
+                               V_CPS, V_SYM, V_KIND, V_NOUT)
             else:
-                v = _load_kv(vc, vs, vz, t[:, None], offs_d[None, :], valid[:, None], V_ROW, V_SCOLS,
-                             V_BITS, V_TPS, V_CPS, V_SYM)
+                v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
+                             V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
             m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
     else:
         start = (pid_s - n_split_q) * chunk_f
@@ -228,8 +315,12 @@ def _decode_kernel(
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
             valid = t < end
-            k = _load_kv(kf, kf, kf, t[None, :], offs_d[:, None], valid[None, :], D, 1, 16, 1, 1, True)
-            v = _load_kv(vf, vf, vf, t[:, None], offs_d[None, :], valid[:, None], D, 1, 16, 1, 1, True)
+            if HAS_FMASK:
+                valid = valid & (tl.load(FMASK + b * T_f + t, mask=valid, other=0) != 0)
+            k = _load_kv(kf, kf, kf, kf, kf, kf, t[None, :], offs_d[:, None], valid[None, :], D, 1,
+                         16, 1, 1, True, 0, 0)
+            v = _load_kv(vf, vf, vf, vf, vf, vf, t[:, None], offs_d[None, :], valid[:, None], D, 1,
+                         16, 1, 1, True, 0, 0)
             m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
     out = row * n_split + pid_s
     tl.store(M_OUT + out, m_i, mask=gmask)
@@ -271,43 +362,25 @@ def _unpack_kernel(C, OUT, T, ROW, D: tl.constexpr, BITS: tl.constexpr, BLOCK_T:
     tl.store(OUT + bh * T * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=mask)
 
 
+# fmt: off
 @triton.jit
-def _dequant_kernel(
-    C,
-    S,
-    Z,
-    OUT,
-    T,
-    ROW,
-    SROWS,
-    SCOLS,
-    D: tl.constexpr,
-    BITS: tl.constexpr,
-    TPS: tl.constexpr,
-    CPS: tl.constexpr,
-    SYM: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` (tests)."""
+def _dequant_kernel(C, S, Z, CB, OV, OI, OUT, T, ROW, SROWS, SCOLS, D: tl.constexpr, BITS: tl.constexpr,
+                    TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr, KIND: tl.constexpr,
+                    NOUT: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr):
+    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` / ``_load_rows`` (tests)."""
     bh = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
     mask = (t < T)[:, None]
-    x = _load_kv(
-        C + bh * T * ROW,
-        S + bh * SROWS * SCOLS,
-        Z + bh * SROWS * SCOLS,
-        t[:, None],
-        d[None, :],
-        mask,
-        ROW,
-        SCOLS,
-        BITS,
-        TPS,
-        CPS,
-        SYM,
-    )
+    c, s, z = C + bh * T * ROW, S + bh * SROWS * SCOLS, Z + bh * SROWS * SCOLS
+    ov, oi = OV + bh * T * NOUT, OI + bh * T * NOUT
+    if VEC:
+        x = _load_rows(c, s, z, CB, ov, oi, t, t < T, ROW, SCOLS, D, BLOCK_T, BITS, TPS, CPS, SYM, KIND, NOUT)
+    else:
+        x = _load_kv(c, s, z, CB, ov, oi, t[:, None], d[None, :], mask, ROW, SCOLS, BITS, TPS, CPS, SYM, KIND,
+                     NOUT)
     tl.store(OUT + bh * T * D + t[:, None] * D + d[None, :], x, mask=mask)
+# fmt: on
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,8 +398,12 @@ def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
     if D < 16 or D & (D - 1):
         return f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}"
     for side in (store.key, store.value):
-        if side is not None and side.bits not in TRITON_BITS:
+        if side is None:
+            continue
+        if side.bits not in TRITON_BITS:
             return f"{side.bits}-bit codes are not supported by the Triton kernel (supported: {TRITON_BITS})"
+        if (side.kind, side.fmt if side.kind == "fp8" else None) not in KIND_CODES:
+            return f"{side.kind} {side.fmt or ''} codes are not supported by the Triton kernel"
     if q is not None and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"queries must be float16, bfloat16 or float32, got {q.dtype}"
     return None
@@ -403,21 +480,29 @@ def decode_attention_triton(
     vf = store.value_full if store.value_full is not None else dummy
 
     def side(p: PackedTensor | None) -> tuple:
+        """Pointers (codes, scale, zero, codebook, outlier values, indices), strides, constexprs."""
         if p is None:
-            return (dummy, dummy, dummy), (1, 1, 1), (8, 1, 1, True)
+            return (dummy,) * 6, (1, 1, 1), (8, 1, 1, True, 0, 0)
         z = p.zero if p.zero is not None else p.scale
+        cb = p.codebook if p.codebook is not None else dummy
+        ov = p.outlier_values if p.outlier_values is not None else dummy
+        oi = p.outlier_index if p.outlier_index is not None else dummy
         return (
-            (p.codes, p.scale, z),
+            (p.codes, p.scale, z, cb, ov, oi),
             (p.codes.shape[-1], p.scale.shape[2], p.scale.shape[3]),
-            (p.bits, p.tps, p.cps, p.zero is None),
+            (p.bits, p.tps, p.cps, p.zero is None, _kind_code(p), p.n_outliers),
         )
 
-    (kc, ks, kz), (k_row, k_srows, k_scols), (k_bits, k_tps, k_cps, k_sym) = side(k)
-    (vc, vs, vz), (v_row, v_srows, v_scols), (v_bits, v_tps, v_cps, v_sym) = side(v)
+    k_ptrs, (k_row, k_srows, k_scols), k_const = side(k)
+    v_ptrs, (v_row, v_srows, v_scols), v_const = side(v)
+    kc, ks, kz, kcb, kov, koi = k_ptrs
+    vc, vs, vz, vcb, vov, voi = v_ptrs
     rope = store.pre_rope
     cos = store.rope_cos if rope else dummy
     sin = store.rope_sin if rope else dummy
     pos0 = store.quant_pos0 if rope else dummy
+    qmask = store.quant_mask.view(torch.uint8) if store.quant_mask is not None else dummy
+    fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
 
     def vec_ok(p: PackedTensor | None) -> bool:
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
@@ -426,7 +511,9 @@ def decode_attention_triton(
     args = (
         q2, m, l_, acc,
         kc, ks, kz, vc, vs, vz, store.quant_lens,
+        kcb, kov, koi, vcb, vov, voi,
         kf, vf, store.full_lens,
+        qmask, fmask,
         cos, sin, pos0,
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
@@ -434,8 +521,9 @@ def decode_attention_triton(
     )
     meta = {
         "G": G, "G_PAD": max(16, _pow2(G)), "D": D, "BLOCK_T": block_t,
-        "K_BITS": k_bits, "K_TPS": k_tps, "K_CPS": k_cps, "K_SYM": k_sym,
-        "V_BITS": v_bits, "V_TPS": v_tps, "V_CPS": v_cps, "V_SYM": v_sym,
+        **dict(zip(("K_BITS", "K_TPS", "K_CPS", "K_SYM", "K_KIND", "K_NOUT"), k_const)),
+        **dict(zip(("V_BITS", "V_TPS", "V_CPS", "V_SYM", "V_KIND", "V_NOUT"), v_const)),
+        "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "IEEE": q.dtype == torch.float32, "num_warps": num_warps,
     }
     # fmt: on
@@ -469,25 +557,23 @@ def unpack_codes_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
     return out
 
 
-def dequantize_packed_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
-    """Dequantized ``(B, H_kv, T_q, D)`` float32 through the kernels' own helper (tests; unfused baseline)."""
+def dequantize_packed_triton(p: PackedTensor, block_t: int = 32, vectorized: bool = False) -> torch.Tensor:
+    """Dequantized ``(B, H_kv, T_q, D)`` float32 through the kernels' own helpers (tests; unfused baseline).
+
+    ``vectorized``: whole-row reads (``_load_rows``, 2/4/8-bit with a power-of-two number of scale
+    columns) instead of per-element gathers (``_load_kv``).
+    """
     B, H, T, row = p.codes.shape
     out = torch.empty(B, H, T, p.head_dim, dtype=torch.float32, device=p.codes.device)
+    dummy = torch.empty(1, device=p.codes.device, dtype=torch.uint8)
     z = p.zero if p.zero is not None else p.scale
     _dequant_kernel[(B * H, triton.cdiv(T, block_t))](
-        p.codes,
-        p.scale,
-        z,
-        out,
-        T,
-        row,
-        p.scale.shape[2],
-        p.scale.shape[3],
-        D=p.head_dim,
-        BITS=p.bits,
-        TPS=p.tps,
-        CPS=p.cps,
-        SYM=p.zero is None,
-        BLOCK_T=block_t,
-    )
+        p.codes, p.scale, z,
+        p.codebook if p.codebook is not None else dummy,
+        p.outlier_values if p.outlier_values is not None else dummy,
+        p.outlier_index if p.outlier_index is not None else dummy,
+        out, T, row, p.scale.shape[2], p.scale.shape[3],
+        D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, KIND=_kind_code(p),
+        NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized,
+    )  # fmt: skip
     return out
