@@ -9,7 +9,9 @@ GPU machine). Steps:
 1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
 2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
-   criterion: error <= 2x the error of plain torch at fp16); any failure aborts the run.
+   criterion: error <= 2x the error of plain torch at fp16); any failure aborts the run. (2b) the
+   quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
+   flush one 128-token block.
 3. one decode step (``q (B, H_q, 1, D)``) for contexts 4K..128K and batch 1, 8, 32, with the KV shapes
    of Qwen2.5-0.5B (H_kv=2, H_q=14, D=64) and Llama-3-8B (H_kv=8, H_q=32, D=128):
    fp16 ``scaled_dot_product_attention`` (``enable_gqa=True``, and K/V expanded to H_q heads when that
@@ -324,6 +326,61 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
     return results
 
 
+QUANTIZE_SPECS = {  # the append path of the presets: values per token, keys per channel (block or static)
+    "int4-token-g32": _spec(4, "token", 32),
+    "int8-token": _spec(8, "token", None),
+    "int2-channel-g32": _spec(2, "channel", 32),
+    "int4-channel-g128": _spec(4, "channel", 128),
+    "int4-channel-static": _spec(4, "channel", None, static=True),
+}
+
+
+def check_and_time_quantize(cfg: Config, flush: torch.Tensor | None) -> list[dict]:
+    """Quantize-and-pack (``kvbits.kernels.triton_quantize``): bit-for-bit against ``kvbits.quant.quantize``
+    on this device (abort on a mismatch: the cache flushes through it on CUDA), then the time to flush
+    one 128-token block of a Llama-3-8B-shaped layer (B=8, H_kv=8, D=128, fp16) by each path."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    if cfg.device.type == "cpu":
+        from kvbits.kernels.interpret import enable_interpreter
+
+        enable_interpreter()
+    gen = torch.Generator().manual_seed(1)
+    B, H, n, D = (1, 2, 128, 64) if cfg.smoke else (8, 8, 128, 128)
+    out = []
+    for name, spec in QUANTIZE_SPECS.items():
+        x = torch.randn(B, H, n, D, generator=gen)
+        x[..., :4] *= 20
+        x = x.half().to(cfg.device)
+        kw = {}
+        if spec.static:
+            lo, hi = x.float().amin(dim=(0, 2)) * 0.8, x.float().amax(dim=(0, 2)) * 0.8
+            kw = {"static_scale": ((hi - lo) / 15).half(), "static_zero": lo.half()}
+        want, got = quantize(x, spec, **kw), quantize_pack_triton(x, spec, **kw)
+        same = (
+            torch.equal(want.data, got.data)
+            and torch.equal(want.scale, got.scale)
+            and (want.zero is None or torch.equal(want.zero, got.zero))
+            and want.clipped == got.clipped
+        )
+        rec = {"spec": name, "shape": [B, H, n, D], "bit_exact": same}
+        if not same:
+            raise SystemExit(
+                f"QUANTIZE KERNEL MISMATCH: {name}: Triton codes/scales differ from kvbits.quant.quantize"
+            )
+        if not cfg.smoke:
+            # eager, as the cache flushes (no CUDA graph for either)
+            tri = lambda x=x, spec=spec, kw=kw: quantize_pack_triton(x, spec, sync=False, **kw)
+            ref = lambda x=x, spec=spec, kw=kw: quantize(x, spec, sync=False, **kw)
+            rec["ms_triton"], _ = time_ms(tri, cfg, flush, graph=False)
+            rec["ms_torch"], _ = time_ms(ref, cfg, flush, graph=False)
+            rec["speedup"] = round(rec["ms_torch"] / rec["ms_triton"], 2)
+        print(f"  quantize {name:22s} bit-exact {same}  " + (
+            f"triton {rec['ms_triton']:.4f} ms  torch {rec['ms_torch']:.4f} ms" if not cfg.smoke else ""))  # fmt: skip
+        out.append(rec)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # End to end (step 6): a whole model decoding through each cache
 # --------------------------------------------------------------------------------------------------
@@ -334,7 +391,9 @@ E2E_MODEL = {  # Qwen2.5-0.5B (config.json); the smoke model keeps its KV shape,
     "smoke": {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
               "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64},
 }  # fmt: skip
-E2E_KVBITS = ("int8-token", "kivi-4", "kivi-2")  # fused; kivi-4 also unfused (dequantize + SDPA)
+# fused; kivi-4 also unfused (dequantize + SDPA). kvquant-4-block runs with uniform codebooks (no
+# calibration data on the GPU machine; the codebook's values do not change the work).
+E2E_KVBITS = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token")
 E2E_HF = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers QuantizedCache backends, if importable
 
 
@@ -389,6 +448,17 @@ def _decode_run(cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmu
             "tokens": torch.cat(generated, 1)[:, warmup:].cpu()}  # fmt: skip
 
 
+def _install_uniform_codebooks(cache, n_layers: int) -> None:
+    """NUQ sides of ``cache.scheme`` get the uniform codebook (what an artifact would install)."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    for side in ("key", "value"):
+        spec = getattr(cache.scheme, side)
+        if spec.kind == "nuq":
+            for i in range(n_layers):
+                cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
+
+
 def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmup: int) -> list[dict]:
     """Step (6): decode tokens/s per cache at ``context``; raises ``SystemExit`` if the fused path was
     not taken on every decode step of every layer."""
@@ -419,6 +489,7 @@ def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmu
                 # K/V checks: checks="auto" = lazy on CUDA (no sync per step), eager on the CPU smoke run.
                 mode = True if (how and cfg.device.type == "cpu") else ("auto" if how else False)
                 cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode)
+                _install_uniform_codebooks(cache, n_layers)
             else:
                 model.set_attn_implementation("sdpa")
                 cache, note = _hf_cache(model.config, how, scheme)
@@ -726,11 +797,14 @@ def main(argv: list[str] | None = None) -> dict:
     copy_gbps = copy_bandwidth(cfg)
     print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     run_check = args.check == "yes" or (args.check == "auto" and env["triton"] is not None)
-    checks, records = [], []
+    checks, records, quantize_records = [], [], []
     if run_check and args.e2e != "only":
         print("(2) correctness vs float64")
         check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
         checks = check_variants(check_cfg, _decoder(check_cfg))
+        print("(2b) quantize-and-pack kernel vs kvbits.quant.quantize (bit for bit), flush time")
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+        quantize_records = check_and_time_quantize(cfg, flush)
     if args.e2e != "only":
         decode = _decoder(cfg)
         print(f"(3) decode attention sweep ({kernel})")
@@ -755,6 +829,7 @@ def main(argv: list[str] | None = None) -> dict:
             "residual_fp16": RESIDUAL,
         },
         "checks": checks,
+        "quantize": quantize_records,
         "records": records,
         "break_even": be,
         "e2e": e2e,

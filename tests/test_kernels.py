@@ -553,6 +553,8 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     data = json.loads(out.read_text())
     assert data["version"] == 1 and data["smoke"] and data["copy_gbps"] > 0
     assert bool(data["checks"]) == (triton_decode is not None) and all(c["ok"] for c in data["checks"])
+    if triton_decode is not None:  # the quantize kernel, bit for bit on this device (interpreter here)
+        assert len(data["quantize"]) == 5 and all(r["bit_exact"] for r in data["quantize"])
     need = {"kernel", "scheme", "shape", "context", "batch", "ms", "gbps", "frac_of_copy", "speedup_vs_fp16"}
     assert data["records"] and all(need <= set(r) for r in data["records"])
     schemes = {(r["kernel"], r["scheme"]) for r in data["records"]}
@@ -582,7 +584,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
     fp16 = e2e[("dynamic-fp16", "fp16")]
     assert fp16["tokens_per_s"] > 0 and fp16["context"] == 256
-    for scheme in ("int8-token", "kivi-4", "kivi-2"):
+    for scheme in ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token"):
         row = e2e[("kvbits-fused", scheme)]
         assert row["tokens_per_s"] > 0 and row["note"] == "10 fused steps"  # (1 warm-up + 4) x 2 layers
         assert row["cache_bytes"] < fp16["cache_bytes"]

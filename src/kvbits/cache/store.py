@@ -13,6 +13,10 @@ scale only reduces over one token, or over a group of tokens inside one block (`
 of the channel group, see ``KVScheme``). Head / tensor granularity reduce over a whole block, so each
 block stays its own chunk.
 
+Flushes go through ``kvbits.kernels.quantize.quantize_pack``: one Triton quantize-and-pack kernel on
+CUDA for the integer formats it covers, ``kvbits.quant.quantize`` otherwise; both give the same
+codes and metadata bit for bit.
+
 Pre-RoPE keys (KVQuant §3.2): the store receives post-RoPE keys; a flushed block is un-rotated at its
 absolute positions (``kvbits.quant.rope.RotaryTables``), quantized, and rotated back after
 dequantization. Positions are token indices in the cache (``sinks + dropped + quantized`` before
@@ -27,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbits.quant import QuantizedTensor, quantize
+from kvbits.kernels.quantize import quantize_pack
+from kvbits.quant import QuantizedTensor
 from kvbits.quant.rope import apply_rope, invert_rope
 from kvbits.schemes.spec import TensorSpec
 
@@ -61,7 +66,9 @@ def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int) -> torc
     """Tokens ``[start, stop)`` of a tensor whose dim 2 covers ``n_tokens`` tokens in equal units."""
     unit = n_tokens // t.shape[2]
     if unit * t.shape[2] != n_tokens or start % unit or stop % unit:
-        raise AssertionError(f"slice [{start}, {stop}) does not align with {t.shape[2]} groups of {n_tokens} tokens")
+        raise AssertionError(
+            f"slice [{start}, {stop}) does not align with {t.shape[2]} groups of {n_tokens} tokens"
+        )
     return t[:, :, start // unit : stop // unit].clone()
 
 
@@ -106,7 +113,9 @@ def _stack_blocks(chunks: list[QuantizedTensor]) -> QuantizedTensor:
     first = chunks[0]
     if any(c.n_tokens != first.n_tokens for c in chunks):
         raise AssertionError("only equal-sized chunks can be stacked")
-    stacked = {n: torch.cat([getattr(c, n) for c in chunks], dim=0) for n in names if getattr(first, n) is not None}
+    stacked = {
+        n: torch.cat([getattr(c, n) for c in chunks], dim=0) for n in names if getattr(first, n) is not None
+    }
     B, H, n, D = first.shape
     return replace(first, shape=(B * len(chunks), H, n, D), **stacked)
 
@@ -220,9 +229,12 @@ class SideStore:
             kw["codebook"] = self.codebook
         # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).
         if mergeable(self.spec):
-            new = [quantize(x, self.spec, validate=False, **kw)]
+            new = [quantize_pack(x, self.spec, validate=False, **kw)]
         else:
-            new = [quantize(x[:, :, i : i + block], self.spec, validate=False, **kw) for i in range(0, n_tokens, block)]
+            new = [
+                quantize_pack(x[:, :, i : i + block], self.spec, validate=False, **kw)
+                for i in range(0, n_tokens, block)
+            ]
         self._packed = None
         for qt in new:
             self.clipped += qt.clipped

@@ -1,0 +1,264 @@
+"""Quantize-and-pack on append: one Triton kernel from new K/V tokens to the packed store.
+
+``quantize_pack_triton(x, spec)`` returns the ``QuantizedTensor`` that ``kvbits.quant.quantize(x, spec)``
+returns (the torch reference beside it), **bit for bit**: same packed codes, same float16 scales and
+zero-points, same clipped count. One program reads a tile of ``x`` once and writes its codes and
+metadata; no float32 copy of ``x``, no separate min/max, divide, round, clamp and pack passes.
+
+Exactness follows the reference's formulas (``kvbits.quant.affine``) operation by operation:
+
+- ranges in float32; zero-point rounded *down* and scale rounded *up* to float16 (``_fp16_down`` /
+  ``_fp16_up``: round to nearest, then one float16 step outward when that landed inside, as
+  ``torch.nextafter`` does);
+- IEEE divisions (``tl.math.div_rn``; Triton's plain ``/`` is approximate on GPUs);
+- round half to even (``_rint``, as ``torch.round``), clamp, then the little-endian bit packing of
+  ``kvbits.quant.pack`` (code ``k`` of a byte at bits ``[k * bits, (k + 1) * bits)``).
+
+Formats: integer codes of 2, 4 or 8 bits, asymmetric or symmetric, per token (groups of ``g``
+channels), per channel over groups of ``G`` tokens (KIVI keys, block-wise KVQuant ranges), or static
+per-channel ranges from a calibration (clipped elements counted with one atomic add per program).
+Everything else (3-bit codes, NUQ, FP8, outliers, head / tensor granularity) is left to the torch
+reference by ``kvbits.kernels.quantize.quantize_pack``.
+
+This module imports Triton at import time; import it through ``kvbits.kernels.quantize``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbits.quant.tensor import QuantizedTensor, _static_qparams
+from kvbits.schemes import TensorSpec
+
+__all__ = ["quantize_pack_triton", "supported"]
+
+TOKEN_ROWS = 16  # tokens per program for per-token scales
+MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
+
+
+@triton.jit
+def _fp16_up(x):
+    """The smallest float16 >= ``x`` (float32), as ``kvbits.quant.affine._round_up_fp16``."""
+    h = x.to(tl.float16)
+    hf = h.to(tl.float32)
+    b = h.to(tl.int16, bitcast=True)
+    nxt = tl.where(hf > 0, b + 1, tl.where(hf < 0, b - 1, 1)).to(tl.int16)  # toward +inf; +-0 -> 2^-24
+    return tl.where(hf < x, nxt.to(tl.float16, bitcast=True), h)
+
+
+@triton.jit
+def _fp16_down(x):
+    """The largest float16 <= ``x`` (float32), as ``kvbits.quant.affine._round_down_fp16``."""
+    h = x.to(tl.float16)
+    hf = h.to(tl.float32)
+    b = h.to(tl.int16, bitcast=True)
+    nxt = tl.where(hf > 0, b - 1, tl.where(hf < 0, b + 1, -32767)).to(tl.int16)  # toward -inf; +-0 -> -2^-24
+    return tl.where(hf > x, nxt.to(tl.float16, bitcast=True), h)
+
+
+@triton.jit
+def _rint(y):
+    """Round half to even (``torch.round``), exact for every float32: ``y - floor(y)`` is exact."""
+    r = tl.floor(y)
+    f = y - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _codes(x, s, z, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Integer codes (int32) and a clipped mask of ``x`` under float32 ``s`` / ``z`` (``quantize_affine``)."""
+    safe = tl.where(s > 0, s, 1.0)
+    if SYM:
+        c: tl.constexpr = (1 << (BITS - 1)) - 1
+        q = _rint(tl.math.div_rn(x, safe)) + c
+        q = tl.where(s > 0, q, c)
+        hi: tl.constexpr = 2 * c
+    else:
+        q = _rint(tl.math.div_rn(x - z, safe))
+        q = tl.where(s > 0, q, 0.0)
+        hi: tl.constexpr = (1 << BITS) - 1
+    clipped = (q < 0) | (q > hi)
+    return tl.minimum(tl.maximum(q, 0.0), hi).to(tl.int32), clipped
+
+
+@triton.jit
+def _qparams(lo, hi, amax, BITS: tl.constexpr, SYM: tl.constexpr):
+    """float16 ``(scale, zero)`` of a group from its float32 range (``choose_qparams``); ``zero`` = scale when SYM."""
+    if SYM:
+        scale = _fp16_up(tl.math.div_rn(amax, ((1 << (BITS - 1)) - 1) * 1.0))
+        zero = scale
+    else:
+        zero = _fp16_down(lo)
+        scale = _fp16_up(tl.math.div_rn(tl.maximum(hi - zero.to(tl.float32), 0.0), ((1 << BITS) - 1) * 1.0))
+    return scale, zero
+
+
+@triton.jit
+def _pack(code, PER: tl.constexpr, BITS: tl.constexpr):
+    """``(R, NB, PER)`` codes → ``(R, NB)`` bytes: code ``k`` at bits ``[k * BITS, (k + 1) * BITS)``."""
+    shift = tl.arange(0, PER) * BITS
+    return tl.sum(code << shift[None, None, :], axis=2).to(tl.uint8)  # disjoint bits: sum == or
+
+
+# fmt: off
+@triton.jit
+def _quantize_kernel(
+    X, CODES, SCALE, ZERO, SS, SZ, CLIP,   # x (B*H, n, D); codes (B*H, n, NB); scale/zero out; static (H, D); count
+    n, H,
+    D: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, GC: tl.constexpr, MODE: tl.constexpr,
+    SYM: tl.constexpr,
+):
+    """Grid ``(B * H_kv, cdiv(n, ROWS))``: ``ROWS`` tokens of one (sequence, head) per program.
+
+    ``MODE`` 0: per-token scales over groups of ``GC`` channels (scale ``(B*H, n, D / GC)``); 1: per-channel
+    scales over the ``ROWS`` tokens of the program (scale ``(B*H, n / ROWS, D)``); 2: static per-channel
+    ``SS`` / ``SZ`` ``(H, D)`` float16. Clipped elements are added to ``CLIP``.
+    """
+    PER: tl.constexpr = 8 // BITS  # codes per byte
+    NB: tl.constexpr = D // PER  # bytes per row
+    bh = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    t = blk * ROWS + tl.arange(0, ROWS)
+    tmask = t < n
+    x_row = X + bh * n * D
+    c_row = CODES + bh * n * NB
+    offs_b = tl.arange(0, NB)
+    if MODE == 0:
+        # (ROWS, NG, GC / PER, PER): channel d = g * GC + j * PER + k
+        NG: tl.constexpr = D // GC
+        offs_g = tl.arange(0, NG)
+        offs_j = tl.arange(0, GC // PER)
+        offs_k = tl.arange(0, PER)
+        d = offs_g[None, :, None, None] * GC + offs_j[None, None, :, None] * PER + offs_k[None, None, None, :]
+        m4 = tmask[:, None, None, None]
+        x = tl.load(x_row + t[:, None, None, None] * D + d, mask=m4, other=0.0).to(tl.float32)
+        lo = tl.min(tl.min(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
+        hi = tl.max(tl.max(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
+        amax = tl.max(tl.max(tl.abs(x), axis=3, keep_dims=True), axis=2, keep_dims=True)
+        scale, zero = _qparams(lo, hi, amax, BITS, SYM)  # (ROWS, NG, 1, 1) float16
+        code, clipped = _codes(x, scale.to(tl.float32), zero.to(tl.float32), BITS, SYM)
+        n_clip = tl.sum(tl.sum(tl.sum(tl.sum((clipped & m4).to(tl.int32), axis=3), axis=2), axis=1), axis=0)
+        packed = _pack(tl.reshape(code, (ROWS, NB, PER)), PER, BITS)
+        s_off = (bh * n + t[:, None]) * NG + offs_g[None, :]
+        s_mask = tmask[:, None]
+        tl.store(SCALE + s_off, tl.reshape(scale, (ROWS, NG)), mask=s_mask)
+        if not SYM:
+            tl.store(ZERO + s_off, tl.reshape(zero, (ROWS, NG)), mask=s_mask)
+    else:
+        # (ROWS, NB, PER): channel d = nb * PER + k
+        offs_k = tl.arange(0, PER)
+        d = offs_b[None, :, None] * PER + offs_k[None, None, :]
+        m3 = tmask[:, None, None]
+        x = tl.load(x_row + t[:, None, None] * D + d, mask=m3, other=0.0).to(tl.float32)
+        if MODE == 1:
+            lo = tl.min(x, axis=0, keep_dims=True)
+            hi = tl.max(x, axis=0, keep_dims=True)
+            amax = tl.max(tl.abs(x), axis=0, keep_dims=True)
+            scale, zero = _qparams(lo, hi, amax, BITS, SYM)  # (1, NB, PER)
+            s_off = (bh * (n // ROWS) + blk) * D + d
+            tl.store(SCALE + s_off, scale)
+            if not SYM:
+                tl.store(ZERO + s_off, zero)
+            code, clipped = _codes(x, scale.to(tl.float32), zero.to(tl.float32), BITS, SYM)
+        else:
+            h = bh % H
+            s = tl.load(SS + h * D + d).to(tl.float32)
+            z = s
+            if not SYM:
+                z = tl.load(SZ + h * D + d).to(tl.float32)
+            code, clipped = _codes(x, s, z, BITS, SYM)
+        n_clip = tl.sum(tl.sum(tl.sum((clipped & m3).to(tl.int32), axis=2), axis=1), axis=0)
+        packed = _pack(code, PER, BITS)
+    tl.atomic_add(CLIP, n_clip)  # dynamic ranges clip nothing (scale rounded up, zero down); static ones may
+    tl.store(c_row + t[:, None] * NB + offs_b[None, :], packed, mask=tmask[:, None])
+# fmt: on
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
+    """``None`` when ``quantize_pack_triton`` handles ``x`` ``(B, H_kv, n, D)`` under ``spec``, else why not."""
+    if spec.kind != "int" or spec.bits not in (2, 4, 8):
+        return f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/4/8-bit integer codes)"
+    if spec.outlier_frac > 0:
+        return "dense-and-sparse outliers"
+    if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x must be a float16/bfloat16/float32 (B, H_kv, n, D) tensor, got {x.dtype} {tuple(x.shape)}"
+    D, n = x.shape[3], x.shape[2]
+    if not _pow2(D) or D < 16:
+        return f"head_dim {D} (a power of two >= 16)"
+    if spec.granularity == "token":
+        g = spec.group_size or D
+        if not _pow2(g) or g < 8 // spec.bits or D % g:
+            return f"token group size {g} (a power of two dividing {D})"
+    elif spec.granularity == "channel" and not spec.static:
+        G = spec.group_size
+        if G is None or not _pow2(G) or G > 256 or n % G:
+            return f"per-channel groups of {G} tokens over a block of {n} (a power of two <= 256 dividing it)"
+    elif not (spec.granularity == "channel" and spec.static and spec.group_size is None):
+        return f"{spec.granularity} granularity"
+    return None
+
+
+def quantize_pack_triton(
+    x: torch.Tensor,
+    spec: TensorSpec,
+    *,
+    static_scale: torch.Tensor | None = None,
+    static_zero: torch.Tensor | None = None,
+    sync: bool = True,
+) -> QuantizedTensor:
+    """``kvbits.quant.quantize(x, spec, ...)`` in one kernel: the same ``QuantizedTensor``, bit for bit.
+
+    Args:
+        x: ``(B, H_kv, n, D)`` new tokens (finite; the cache checks them before storing).
+        spec: an integer spec ``supported`` accepts.
+        static_scale, static_zero: static specs: the calibrated ``(H_kv, D)`` (or ``(1, H_kv, 1, D)``) ranges.
+        sync: ``False`` keeps the clipped count a 0-dim int64 device tensor (no host sync).
+    """
+    reason = supported(x, spec)
+    if reason:
+        raise NotImplementedError(f"quantize_pack_triton: {reason}")
+    B, H, n, D = x.shape
+    bits, sym = spec.bits, spec.symmetric
+    dev = x.device
+    xc = x.contiguous()
+    codes = torch.empty(B, H, n, D * bits // 8, dtype=torch.uint8, device=dev)
+    clip = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy = torch.empty(1, dtype=torch.float16, device=dev)
+    scale = zero = None
+    ss = sz = dummy
+    if spec.granularity == "token":
+        g = spec.group_size or D
+        mode, rows, gc = 0, TOKEN_ROWS, g
+        scale = torch.empty(B, H, n, D // g, 1, dtype=torch.float16, device=dev)
+        zero = None if sym else torch.empty_like(scale)
+    elif not spec.static:
+        G = spec.group_size
+        mode, rows, gc = 1, G, 1
+        scale = torch.empty(B, H, n // G, 1, D, dtype=torch.float16, device=dev)
+        zero = None if sym else torch.empty_like(scale)
+    else:
+        mode, rows, gc = 2, TOKEN_ROWS, 1
+        scale, zero = _static_qparams(
+            x, spec, static_scale, static_zero
+        )  # (1, H, 1, D)-broadcastable float16
+        ss = scale.expand(1, H, 1, D).reshape(H, D).contiguous()
+        sz = zero.expand(1, H, 1, D).reshape(H, D).contiguous() if zero is not None else dummy
+    if n:
+        _quantize_kernel[(B * H, triton.cdiv(n, rows))](
+            xc, codes, scale if mode != 2 else dummy, zero if (zero is not None and mode != 2) else dummy,
+            ss, sz, clip, n, H,
+            D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym,
+        )  # fmt: skip
+    clipped: int | torch.Tensor = clip[0].to(torch.int64)
+    if sync:
+        clipped = int(clipped)
+    return QuantizedTensor(
+        spec, (B, H, n, D), codes, scale=scale, zero=zero, clipped=clipped, static=spec.static
+    )

@@ -1,0 +1,149 @@
+"""Quantize-and-pack on append: the Triton kernel equals ``kvbits.quant.quantize`` bit for bit.
+
+Compiled on CUDA, else through Triton's interpreter (set up by ``test_kernels``); skipped without Triton.
+The interpreter computes in numpy (IEEE float32), so it checks the kernel's formulas, bit tricks and
+layout; whether ``tl.math.div_rn`` and the float16 conversions round as on the GPU is checked by the same
+test on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import DEVICE, needs_triton, spec, triton_decode
+
+from kvbits.quant import quantize
+from kvbits.schemes import TensorSpec
+
+QUANT_SPECS = [
+    spec(8, "token"),
+    spec(4, "token", 32),
+    spec(2, "token", 16),
+    spec(4, "token", 64, symmetric=True),
+    spec(2, "token", None, symmetric=True),
+    spec(8, "channel", 32),
+    spec(4, "channel", 32),
+    spec(2, "channel", 128),
+    spec(4, "channel", 32, symmetric=True),
+    spec(4, "channel", None, static=True),
+    spec(2, "channel", None, static=True),
+    spec(8, "channel", None, static=True, symmetric=True),
+]
+
+
+def hard_block(g: torch.Generator, B: int = 2, H: int = 3, n: int = 128, D: int = 64) -> torch.Tensor:
+    """K/V with the cases rounding code gets wrong: outlier channels, constant and zero groups, values
+    exactly halfway between codes, negative ranges, tiny and large magnitudes."""
+    x = torch.randn(B, H, n, D, generator=g)
+    x[..., :4] *= 20  # outlier channels
+    x[0, 0, :32] = 0.5  # constant tokens (per-token groups) and constant channel blocks
+    x[0, 1, 5] = 0.0
+    x[1, 0, :, 8:16] = torch.arange(n, dtype=torch.float32)[:, None] * 0.25  # halves after scaling
+    x[1, 1] = -x[1, 1].abs() - 3  # all-negative groups
+    x[1, 2, 64:] *= 1e-4  # tiny ranges: float16 subnormal scales
+    return x
+
+
+# every spec from float32 K/V; half-precision inputs (what a model's cache receives) on a few
+BIT_CASES = [(s, torch.float32) for s in QUANT_SPECS] + [
+    (QUANT_SPECS[i], dt) for i in (1, 6, 9) for dt in (torch.float16, torch.bfloat16)
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("s,dtype", BIT_CASES, ids=[f"{s}-{dt}" for s, dt in BIT_CASES])
+def test_quantize_kernel_equals_reference_bit_for_bit(s: TensorSpec, dtype: torch.dtype):
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    g = torch.Generator().manual_seed(50)
+    x = hard_block(g).to(dtype).to(DEVICE)
+    kw = {}
+    if s.static:  # calibrated on a narrower sample: some elements clip, and are counted
+        lo, hi = x.float().amin(dim=(0, 2))[:, :] * 0.8, x.float().amax(dim=(0, 2)) * 0.8
+        levels = 2 ** (s.bits - 1) - 1 if s.symmetric else 2**s.bits - 1
+        width = torch.maximum(hi.abs(), lo.abs()) if s.symmetric else hi - lo
+        kw = {"static_scale": (width / levels).half(), "static_zero": None if s.symmetric else lo.half()}
+    want = quantize(x, s, **kw)
+    got = quantize_pack_triton(x, s, **kw)
+    assert got.data.dtype == torch.uint8 and torch.equal(got.data, want.data)
+    assert got.scale.shape == want.scale.shape and torch.equal(got.scale, want.scale)
+    assert (got.zero is None) == (want.zero is None)
+    if want.zero is not None:
+        assert torch.equal(got.zero, want.zero)
+    assert got.clipped == want.clipped and (want.clipped > 0) == s.static
+    assert (got.static, got.shape, got.nbytes) == (want.static, want.shape, want.nbytes)
+    assert torch.equal(got.dequantize(), want.dequantize())
+
+
+@needs_triton
+def test_quantize_kernel_sync_free_count_and_unsupported():
+    from kvbits.kernels.triton_quantize import quantize_pack_triton, supported
+
+    x = hard_block(torch.Generator().manual_seed(51)).to(DEVICE)
+    s = spec(4, "channel", None, static=True)
+    scale, zero = torch.full((3, 64), 0.1).half(), torch.full((3, 64), -0.5).half()
+    qt = quantize_pack_triton(x, s, static_scale=scale, static_zero=zero, sync=False)
+    assert isinstance(qt.clipped, torch.Tensor) and qt.clipped.dtype == torch.int64
+    assert int(qt.clipped) == quantize(x, s, static_scale=scale, static_zero=zero).clipped > 0
+    for bad in (
+        spec(3, "token"),
+        spec(4, "token", outlier_frac=0.05),
+        spec(4, "head"),
+        spec(4, "channel", 48),
+    ):
+        assert supported(x, bad) is not None
+        with pytest.raises(NotImplementedError, match="quantize_pack_triton"):
+            quantize_pack_triton(x, bad)
+    assert "head_dim" in supported(torch.zeros(1, 1, 4, 48), spec(4, "token"))
+
+
+def test_quantize_dispatch(monkeypatch, caplog):
+    from kvbits.kernels import quantize as qmod
+
+    x = hard_block(torch.Generator().manual_seed(52))
+    monkeypatch.delenv("KVBITS_KERNEL", raising=False)
+    assert qmod.resolve_quantize_kernel(x, spec(4, "token")) == "reference"  # CPU: torch
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    if triton_decode is not None:
+        assert qmod.resolve_quantize_kernel(x, spec(4, "token")) == "triton"
+        with caplog.at_level("INFO", logger="kvbits.kernels.quantize"):
+            assert qmod.resolve_quantize_kernel(x, spec(3, "token")) == "reference"
+        assert "3-bit" in caplog.text
+        qt = qmod.quantize_pack(x, spec(4, "channel", 32))
+        assert torch.equal(qt.data, quantize(x, spec(4, "channel", 32)).data)
+        bad = x.clone()
+        bad[0, 0, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            qmod.quantize_pack(bad, spec(4, "token"))
+    else:
+        monkeypatch.setattr(qmod.dispatch, "triton_available", lambda: False)
+        with pytest.raises(ImportError, match="pip install"):
+            qmod.quantize_pack(x, spec(4, "token"))
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme", ["int4-kivi", "int4-prerope"])
+def test_cache_flushes_through_the_kernel_bit_for_bit(monkeypatch, scheme: str):
+    """``KVBITS_KERNEL=triton``: the cache's flushes run the quantize kernel (interpreted on CPU) and store
+    exactly the bytes the torch reference stores; generation is unchanged."""
+    from unittest import mock
+
+    from test_fused_cache import SCHEMES, build, code_flips, generate
+
+    from kvbits.kernels import triton_quantize
+
+    model, sch = build("llama"), SCHEMES[scheme]
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    fn = triton_quantize.quantize_pack_triton
+    with mock.patch.object(triton_quantize, "quantize_pack_triton", wraps=fn) as kernel:
+        seq, logits, cache = generate(model, sch, fused=False, attn=False, new=6)
+    assert kernel.call_count > 0
+    assert code_flips(ref, cache) == (0, code_flips(ref, ref)[1])
+    for la, lb in zip(ref.layers, cache.layers):
+        for sa, sb in ((la._k, lb._k), (la._v, lb._v)):
+            for ca, cb in zip(sa.chunks, sb.chunks, strict=True):
+                assert torch.equal(ca.scale, cb.scale) and (ca.zero is None or torch.equal(ca.zero, cb.zero))
+    assert ref.memory_report() == cache.memory_report()
+    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
