@@ -18,6 +18,7 @@ import torch
 from kvbits.kernels import dispatch
 from kvbits.kernels.reference import (
     PackedStore,
+    PackedTensor,
     apply_rope_at,
     decode_attention_reference,
     dequantize_packed,
@@ -265,6 +266,15 @@ def test_pack_store_rejects_what_the_layout_cannot_hold():
         s = nuq(4)
         a, b = quantize(x, s, codebook=codebook(4)), quantize(x, s, codebook=torch.linspace(-1, 1, 16).half())
         pack_store([a, b], [a, b])
+    p = pack_store([quantize(x, spec(4))], [quantize(x, spec(4))]).key
+    with pytest.raises(ValueError, match="needs a \\(16,\\) codebook"):
+        PackedTensor(p.codes, p.scale, p.zero, 4, 1, 64, 64, kind="nuq")
+    with pytest.raises(ValueError, match="fp8 PackedTensor needs bits=8"):
+        PackedTensor(p.codes, p.scale, p.zero, 4, 1, 64, 64, kind="fp8", fmt="e4m3")
+    with pytest.raises(ValueError, match="both be given"):
+        PackedTensor(p.codes, p.scale, p.zero, 4, 1, 64, 64, outlier_values=torch.zeros(1, 2, 32, 1))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        PackedTensor(p.codes, p.scale, p.zero, 4, 1, 64, 64, kind="float")
     qt = quantize(x, spec(4))
     with pytest.raises(ValueError, match="quant_mask must be a bool tensor of shape"):
         pack_store([qt], [qt], quant_mask=torch.ones(1, 31, dtype=torch.bool))
@@ -366,7 +376,6 @@ def test_kernel_fp8_decoding_is_exact_for_every_byte(fmt: str):
     """All 256 float8 bit patterns, subnormals, NaN and (e5m2) infinities included, against torch's casts."""
     codes = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 4, 64).to(DEVICE)
     ones = torch.ones(1, 1, 4, 1, dtype=torch.float16, device=DEVICE)
-    from kvbits.kernels.reference import PackedTensor
 
     p = PackedTensor(codes, ones, None, 8, 1, 64, 64, kind="fp8", fmt=fmt)
     got = triton_decode.dequantize_packed_triton(p)

@@ -103,6 +103,32 @@ class PackedTensor:
     outlier_values: torch.Tensor | None = None
     outlier_index: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        """Shape-level consistency (no device reads): what the kernels would otherwise read as garbage."""
+        if self.kind not in PACKED_KINDS:
+            raise ValueError(f"PackedTensor.kind must be one of {PACKED_KINDS}, got {self.kind!r}")
+        if self.kind == "nuq" and (self.codebook is None or tuple(self.codebook.shape) != (2**self.bits,)):
+            got = None if self.codebook is None else tuple(self.codebook.shape)
+            raise ValueError(
+                f"a {self.bits}-bit NUQ PackedTensor needs a ({2**self.bits},) codebook, got {got}"
+            )
+        if self.kind == "fp8" and (
+            self.bits != 8 or self.fmt not in ("e4m3", "e5m2") or self.zero is not None
+        ):
+            raise ValueError(
+                f"an fp8 PackedTensor needs bits=8, fmt e4m3|e5m2 and no zero-point, got bits={self.bits}, "
+                f"fmt={self.fmt!r}, zero={'set' if self.zero is not None else None}"
+            )
+        if (self.outlier_values is None) != (self.outlier_index is None):
+            raise ValueError("outlier_values and outlier_index must both be given or both be None")
+        if self.outlier_values is not None:
+            want = (*self.codes.shape[:3], self.outlier_values.shape[-1])
+            if tuple(self.outlier_values.shape) != want or tuple(self.outlier_index.shape) != want:
+                raise ValueError(
+                    f"outliers must be (B, H_kv, T_q, k) = {want}, got {tuple(self.outlier_values.shape)} and "
+                    f"{tuple(self.outlier_index.shape)}"
+                )
+
     @property
     def symmetric(self) -> bool:
         return self.zero is None
