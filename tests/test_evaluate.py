@@ -226,6 +226,36 @@ def test_simulate_equals_stream_float32(models, model_name, scheme):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize(
+    "scheme,semantics", [(SINKS, "decode"), (CHANNEL, "prefill")], ids=["sinks", "channel"]
+)
+def test_stream_fused_decode_equals_dequantized_path(models, monkeypatch, scheme, semantics):
+    """Stream mode through the fused decode path (forced on CPU: the torch reference over the packed
+    store) gives the hidden states of the dequantize-then-SDPA path; every decode step after the first
+    is fused; the model's attention implementation is restored; "auto" on CPU is the plain path."""
+    from unittest import mock
+
+    from kvbits.kernels import dispatch
+
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+    model = models("llama", torch.float64)
+    ids = _ids(60, seed=4)
+    prompt = 23 if semantics == "prefill" else None
+    plain = stream_hidden(model, ids, scheme, semantics=semantics, prompt_len=prompt, fused_decode=False)
+    auto = stream_hidden(model, ids, scheme, semantics=semantics, prompt_len=prompt)
+    assert torch.equal(auto, plain)
+    with mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel:
+        fused = stream_hidden(model, ids, scheme, semantics=semantics, prompt_len=prompt, fused_decode=True)
+    # the first decode step claims each layer (SDPA over real K/V); every later one is fused
+    first = 1 if semantics == "decode" else prompt + 1
+    assert kernel.call_count == (ids.shape[1] - first) * model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"
+    scale = plain.abs().max()
+    assert (fused - plain).abs().max() < 1e-5 * scale  # the reference attends in float32
+    assert not torch.equal(fused, plain)  # it really took the other path
+
+
+@torch.no_grad()
 def test_agreement_check_can_fail(models):
     """Simulating a scheme off by one token (residual 17 instead of 16, or one sink fewer) against
     the real cache must fail the agreement check used above (and by far)."""

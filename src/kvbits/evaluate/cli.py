@@ -72,6 +72,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="simulate: one pass per window (fast); stream: the real cache token by token (ground truth, slow)",
     )
     p.add_argument(
+        "--fused-decode",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="stream mode: decode steps through the fused kernel over the packed cache (auto: on CUDA with "
+        "Triton, as a server would run it; on: anywhere, the torch reference on CPU; off: dequantize + SDPA)",
+    )
+    p.add_argument(
         "--semantics",
         choices=("decode", "prefill"),
         default="decode",
@@ -133,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         args.scheme,
         windows=args.windows,
         mode=args.mode,
+        fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode],
         semantics=args.semantics,
         prompt_len=args.prompt_len,
         attn_layers=args.attn_layers,

@@ -122,6 +122,7 @@ def evaluate(
     progress: bool = False,
     argv: Sequence[str] | None = None,
     on_skip: Callable[[dict], None] | None = None,
+    fused_decode: bool | str = "auto",
 ) -> dict[str, Any]:
     """Measure each scheme against the unquantized model, by position bucket.
 
@@ -149,6 +150,8 @@ def evaluate(
         progress: show a rich progress bar on stderr.
         argv: the command line, recorded in ``config.json``.
         on_skip: called with the stored summary when a finished run is reused.
+        fused_decode: stream mode: decode steps through the fused kernel (``"auto"``: where the cache
+            would pick it, CUDA with Triton; ``True``, ``False``); see ``kvbits.evaluate.stream``.
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
@@ -184,6 +187,10 @@ def evaluate(
         seed=seed,
         calibrations=calibrations,
     )
+    if mode == "stream":  # simulate never attends through the cache: its runs keep their hash
+        from kvbits.cache.fused import check_mode
+
+        request["fused_decode"] = check_mode(fused_decode)
     chash = config_hash(request)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
@@ -304,6 +311,7 @@ def evaluate(
                         prompt_len=prompt_len,
                         progress=advance,
                         calibration=calibrations.get(name),
+                        fused_decode=fused_decode,
                     )[0]
                 seconds[name] += time.perf_counter() - t0
                 if not bool(torch.isfinite(h).all()):
@@ -359,7 +367,9 @@ def evaluate(
         "fingerprint": fingerprint,
         "results": results,
         "reference_seconds": ref_seconds,
-        "peak_rss_bytes": max((x for x in (_peak_rss_bytes(), rss_reset, run_rss) if x is not None), default=None),
+        "peak_rss_bytes": max(
+            (x for x in (_peak_rss_bytes(), rss_reset, run_rss) if x is not None), default=None
+        ),
         "run_peak_rss_bytes": run_rss,
         "peak_cuda_bytes": _peak_cuda_bytes(dev),
     }

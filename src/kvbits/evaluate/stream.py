@@ -6,6 +6,13 @@
 flushes exactly as during generation) and decodes the rest (prefill semantics). The one-pass
 simulator (``kvbits.evaluate.simulate``) must agree with this; tests hold them together.
 
+Fused decode (``fused_decode``, as ``QuantizedKVCache``'s): ``"auto"`` (the default) runs every decode
+step of the stream through ``kvbits_fused`` (``kvbits.cache.use_fused_decode``), the fused kernel over
+the packed store, wherever the cache would pick it (CUDA with Triton): the evaluation then measures the
+numerics a server running kvbits gets. Elsewhere, and with ``False``, the cache dequantizes into SDPA
+(with a dequantized workspace: faster token by token on CPU); ``True`` forces the fused path (the torch
+reference on CPU). The model's attention implementation is restored afterwards.
+
 Peers: ``hf-quanto-int4`` / ``hf-quanto-int2`` run transformers' own ``QuantizedCache`` (quanto
 backend, residual 128, groups of 64), the baseline users already have. Their average bits are
 ``nbits + 2 * 16 / q_group_size`` (one float16 scale and one float16 zero-point per group of 64
@@ -119,11 +126,14 @@ def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerS
         raise ValueError(f"{exc}; peers (stream mode only): {', '.join(PEER_SCHEMES)}") from None
 
 
-def make_cache(scheme: KVScheme | PeerScheme, model: Any, *, calibration: Any = None) -> Any:
-    """The cache that stores K/V following ``scheme`` (``QuantizedKVCache`` with a workspace, or a peer's).
+def make_cache(
+    scheme: KVScheme | PeerScheme, model: Any, *, calibration: Any = None, fused_decode: bool = False
+) -> Any:
+    """The cache that stores K/V following ``scheme`` (``QuantizedKVCache``, or a peer's).
 
     Pre-RoPE key specs get the model's own RoPE tables; ``calibration`` (an artifact or its folder)
-    supplies static scales and NUQ codebooks.
+    supplies static scales and NUQ codebooks. ``fused_decode``: decode steps through the fused kernel
+    (no dequantized workspace); otherwise a workspace keeps the dequantized history.
     """
     if isinstance(scheme, PeerScheme):
         if calibration is not None:
@@ -141,8 +151,9 @@ def make_cache(scheme: KVScheme | PeerScheme, model: Any, *, calibration: Any = 
 
         calibration = load_calibration(calibration, model_config=model.config, scheme=scheme)
     return QuantizedKVCache(
-        config=model.config, scheme=scheme, workspace=True, rotary=rotary, calibration=calibration
-    )
+        config=model.config, scheme=scheme, workspace=not fused_decode, rotary=rotary, calibration=calibration,
+        fused_decode=bool(fused_decode),
+    )  # fmt: skip
 
 
 def base_model(model: Any) -> Any:
@@ -181,6 +192,7 @@ def stream_hidden(
     prompt_len: int | None = None,
     progress: Callable[[int], None] | None = None,
     calibration: Any = None,
+    fused_decode: bool | str = "auto",
 ) -> torch.Tensor:
     """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` run through the scheme's cache.
 
@@ -193,12 +205,39 @@ def stream_hidden(
             into the scheme's cache with ``update`` per layer, then one token per forward.
         progress: called with the number of tokens just processed (for a progress bar).
         calibration: artifact or folder for schemes with static scales / NUQ codebooks.
+        fused_decode: ``"auto"``, ``True`` or ``False`` (module docstring); ignored for peers.
     """
-    from transformers import DynamicCache
+    from kvbits.cache.fused import check_mode, wants
 
     scheme = resolve_scheme(scheme)
     if ids.dim() != 2:
         raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
+    fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
+    if not fused:
+        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, fused=False)
+    from kvbits.cache import use_fused_decode
+
+    previous = use_fused_decode(model)
+    try:
+        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, fused=True)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _stream(
+    model: Any,
+    ids: torch.Tensor,
+    scheme: KVScheme | PeerScheme,
+    semantics: str,
+    prompt_len: int | None,
+    progress: Callable[[int], None] | None,
+    calibration: Any,
+    *,
+    fused: bool,
+) -> torch.Tensor:
+    """``stream_hidden`` once the attention implementation is set."""
+    from transformers import DynamicCache
+
     _B, T = ids.shape
     base = base_model(model)
     kw = _cache_kwarg(base)
@@ -211,7 +250,7 @@ def stream_hidden(
         # the last W - 1, and the quantized cache counts its blocks from token 0).
         full = DynamicCache()
         chunks.append(_step(base, ids[:, :prompt_len], full, kw))
-        cache = make_cache(scheme, model, calibration=calibration)
+        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused)
         for idx, layer in enumerate(full.layers):
             cache.update(layer.keys, layer.values, idx)
         del full
@@ -219,11 +258,15 @@ def stream_hidden(
         if progress:
             progress(prompt_len)
     elif semantics == "decode":
-        cache = make_cache(scheme, model, calibration=calibration)
+        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused)
     else:
         raise ValueError(f"semantics must be 'decode' or 'prefill', got {semantics!r}")
     for t in range(start, T):
         chunks.append(_step(base, ids[:, t : t + 1], cache, kw))
         if progress:
             progress(1)
+    if fused:
+        rep = cache.fused_report()
+        logger.info("%s: %d fused decode steps, %d fallback steps (layers x tokens)", scheme.name,
+                    rep["fused_steps"], rep["fallback_steps"])  # fmt: skip
     return torch.cat(chunks, dim=1)
