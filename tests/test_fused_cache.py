@@ -160,7 +160,7 @@ def assert_same_bytes(a: QuantizedKVCache, b: QuantizedKVCache) -> None:
     """Same memory report, and the fused cache holds no tensor beyond it (+ its RoPE tables)."""
     ra, rb = a.memory_report(), b.memory_report()
     assert ra == rb
-    extra = b.fused_report()["rope_table_bytes"]
+    extra = b.fused_report()["rope_table_bytes"] + rb["position_bytes"]
     assert storage_bytes(walk_tensors(b)) == rb["total_bytes"] + extra
 
 
@@ -438,3 +438,46 @@ def test_nan_during_fused_generation_is_caught(mode: str):
         assert "also failed" not in str(err.value)  # layer 0, below the NaN, stayed clean
         with pytest.raises(ValueError, match="layer 1 key_states contain NaN"):
             cache.fused_report()
+
+
+# --------------------------------------------------------------------------------------------------
+# Pre-RoPE keys of a left-padded batch are quantized in the model's own pre-RoPE frame
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("offsets", [True, False], ids=["position-ids", "cache-indices"])
+def test_padded_pre_rope_keys_are_the_models(monkeypatch, offsets: bool):
+    """What the cache quantizes for pre-RoPE keys must be ``k_proj``'s output (KVQuant §3.2). With left
+    padding the model's positions start after the pads; the cache reads them from the position ids
+    (``pos_offset``). Un-rotating at cache indices instead (the ``cache-indices`` control) leaves the
+    padded sequence's keys rotated by the pad count: far from the model's pre-RoPE keys."""
+    from kvbits.cache import layer as layer_mod
+
+    if not offsets:
+        monkeypatch.setattr(layer_mod, "_position_offset", lambda *a, **k: None)
+    model = build("llama")
+    sch = KVScheme("t-int8-prerope", key=spec(8, "channel", 8, pre_rope=True), value=spec(8, "token"),
+                   residual=0, block=8)  # fmt: skip
+    ids, mask = padded_prompt()
+    captured = []
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda m, a, out: captured.append(out)
+    )
+    cache = QuantizedKVCache(config=model.config, scheme=sch)
+    try:
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+                       pad_token_id=0)  # fmt: skip
+    finally:
+        hook.remove()
+    B, T = ids.shape
+    want = captured[0].view(B, T, 2, 32).transpose(1, 2)  # (B, H_kv, T, D): k_proj before RoPE
+    store = cache.layers[0]._k
+    assert store.n_quantized == T  # the whole prompt was flushed at prefill
+    got = torch.cat([c.dequantize() for c in store.chunks], dim=2)[:, :, :T]
+    err = [(got[b, :, p:] - want[b, :, p:]).norm() / want[b, :, p:].norm() for b, p in ((0, 0), (1, 7))]
+    assert err[0] < 0.02  # the unpadded sequence: int8 error only, either way
+    if offsets:
+        assert err[1] < 0.02 and torch.equal(store.pos_offset, torch.tensor([0, 7]))
+    else:
+        assert err[1] > 0.1  # rotated by 7 positions

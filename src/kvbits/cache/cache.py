@@ -311,17 +311,20 @@ class QuantizedKVCache(Cache):
         """Real storage: every byte of every tensor the cache holds, by layer and by component.
 
         ``total_bytes`` sums ``nbytes`` of codes, scales, zero-points, outliers, sinks, buffers and fixed
-        per-layer tensors; ``workspace_bytes`` (dequantized history, optional) is reported apart.
+        per-layer tensors; ``workspace_bytes`` (dequantized history, optional) and ``position_bytes``
+        (pre-RoPE layers: the int64 position offset of each sequence, read from the model's position ids
+        for left-padded batches; 8 bytes per sequence and layer) are reported apart.
         ``avg_bits`` is ``8 * total_bytes / (K + V stored elements)``. Runs the lazy K/V checks first.
         """
         self.check_inputs()
         components = dict.fromkeys(COMPONENTS, 0)
-        layers, workspace, elements, batch = [], 0, 0, 0
+        layers, workspace, positions, elements, batch = [], 0, 0, 0, 0
         for layer in self._quantized_layers():
             for name, tensors in layer.components().items():
                 components[name] += sum(t.numel() * t.element_size() for t in tensors)
             rep = layer.report()
             workspace += rep.pop("workspace_bytes")
+            positions += rep.pop("position_bytes")
             elements += rep.pop("stored_elements")
             batch = max(batch, rep.pop("batch"))
             layers.append(rep)
@@ -334,6 +337,7 @@ class QuantizedKVCache(Cache):
             "seq_length": self.get_seq_length(),
             "batch": batch,
             "workspace_bytes": workspace,
+            "position_bytes": positions,
             "avg_bits": 8 * total / elements if elements else 0.0,
         }
 

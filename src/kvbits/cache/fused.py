@@ -17,9 +17,10 @@ never claimed and behaves exactly as before. The claim needs the cache's ``fused
 the device (``wants``: ``True`` anywhere, ``"auto"`` on CUDA with Triton, ``False`` never) and a layer
 whose scheme fits the packed layout (``layout_reason``); ``reset()`` releases it.
 
-Pre-RoPE keys: the kernel rotates quantized slot ``t`` to position ``n_sinks + n_dropped + t``, the
-cache index ``SideStore`` un-rotated it at, for every sequence of the batch (left-padded rows included:
-rotation and un-rotation use the same angle, so both paths see the same keys).
+Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
+``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
+``pos_offset`` is the left padding read from the position ids; pad slots get negative positions and are
+masked).
 """
 
 from __future__ import annotations
@@ -243,6 +244,8 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
         p0 = k.n_sinks + k.n_dropped
         cos, sin = layer.fused.tables.get(k.rotary, p0 + T_q, device)
         pos0 = torch.full((B,), p0, dtype=torch.int32, device=device)
+        if k.pos_offset is not None:  # left padding: the model's positions (SideStore.pos_offset)
+            pos0 = (pos0 - k.pos_offset.to(device)).to(torch.int32)
     quant_mask = full_mask = None
     if keep is not None:
         quant_mask, full_mask = slot_masks(layer, keep)

@@ -49,6 +49,30 @@ def _fixed_scale(spec: TensorSpec) -> torch.Tensor | None:
     return None
 
 
+def _position_offset(
+    args: tuple, kwargs: dict, n_before: int, key_states: torch.Tensor
+) -> torch.Tensor | None:
+    """``(B,)`` cache index minus the model's position of each sequence's newest token, from the
+    ``position_ids`` transformers passes to ``Cache.update`` (``kwargs=...``); ``None`` when absent.
+
+    Left padding is the case it is for: the pads take cache slots, the model's positions start after
+    them, and pre-RoPE keys must be un-rotated at the model's positions. The newest token is never a pad
+    (generation pads on the left), so its position is exact. Device ops only (no sync).
+    """
+    pos = None
+    for source in (kwargs.get("kwargs"), kwargs, *(a for a in args if isinstance(a, dict))):
+        if isinstance(source, dict) and isinstance(source.get("position_ids"), torch.Tensor):
+            pos = source["position_ids"]
+            break
+    B, _, q, _ = key_states.shape
+    if pos is None or pos.dim() != 2 or pos.shape[1] != q or pos.shape[0] not in (1, B):
+        return None  # absent, or multi-axis positions (e.g. mrope): cache indices, as before
+    if pos.is_floating_point():
+        return None
+    last = pos[:, -1].to(key_states.device, torch.long)
+    return ((n_before + q - 1) - last).expand(B).contiguous()
+
+
 class QuantizedKVLayer(CacheLayerMixin):
     """Quantized K/V of one attention layer (full attention or sliding window).
 
@@ -220,6 +244,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
         dropped_before = self.dropped_tokens
+        if self.mode == "quantized" and self.scheme.key.pre_rope:
+            offset = _position_offset(args, kwargs, n_before, key_states)
+            if offset is not None:
+                self._k.pos_offset = offset
         take = 0
         if self.mode == "quantized" and not self.is_sliding:
             take = max(0, min(q, self.scheme.sinks - self._k.n_sinks))
@@ -366,6 +394,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             "mode": self.mode,
             "batch": 0 if self._k.buffer is None else self._k.buffer.shape[0],
             "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
+            "position_bytes": 0 if self._k.pos_offset is None else self._k.pos_offset.nbytes,
             "stored_elements": sum(
                 0 if s.buffer is None else (s.n_sinks + s.n_quantized + s.n_buffer) * s.buffer.shape[0]
                 * s.buffer.shape[1] * s.buffer.shape[3] for s in (self._k, self._v)

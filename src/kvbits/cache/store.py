@@ -20,7 +20,9 @@ codes and metadata bit for bit.
 Pre-RoPE keys (KVQuant §3.2): the store receives post-RoPE keys; a flushed block is un-rotated at its
 absolute positions (``kvbits.quant.rope.RotaryTables``), quantized, and rotated back after
 dequantization. Positions are token indices in the cache (``sinks + dropped + quantized`` before
-the block), as ``kvbits.evaluate.simulate`` assumes (unpadded rows).
+the block), as ``kvbits.evaluate.simulate`` assumes (unpadded rows), minus ``pos_offset`` per
+sequence when the model's position ids say otherwise (left padding: ``QuantizedKVLayer.update``
+reads them), so every sequence's keys are quantized in their own pre-RoPE frame.
 """
 
 from __future__ import annotations
@@ -48,17 +50,23 @@ def mergeable(spec: TensorSpec) -> bool:
     return spec.granularity in ("token", "channel") or spec.static or spec.kind == "float"
 
 
-def rope_at(rotary: RotaryTables, x: torch.Tensor, p0: int, *, inverse: bool = False) -> torch.Tensor:
+def rope_at(
+    rotary: RotaryTables, x: torch.Tensor, p0: int, *, inverse: bool = False, offset: torch.Tensor | None = None
+) -> torch.Tensor:
     """``rotary.rotate`` (``unrotate`` with ``inverse``) of ``x`` ``(B, H, n, D)`` at positions ``p0 ... p0+n-1``,
     without a host sync: the same tables (``RotaryTables`` computes them with the model's rotary module)
     minus ``cos_sin``'s ``positions >= 0`` check, which reads the positions back from the device and is
-    true here by construction."""
+    true here by construction. ``offset`` ``(B,)``: sequence ``b``'s tokens sit at ``p - offset[b]``
+    (left padding: the model's position ids start after the pads; pad tokens get negative positions)."""
     rotary._check_x(x)
     n = x.shape[2]
     if rotary.rot_dim == 0:  # a layer without RoPE: empty tables, as cos_sin returns them
         cos = sin = torch.zeros((1, n, 0), dtype=x.dtype, device=x.device)
     else:
-        cos, sin = rotary._forward(torch.arange(p0, p0 + n, device=x.device)[None], x.dtype, None)
+        pos = torch.arange(p0, p0 + n, device=x.device)[None]
+        if offset is not None:
+            pos = pos - offset.to(x.device)[:, None]  # (B, n)
+        cos, sin = rotary._forward(pos, x.dtype, None)
     return (invert_rope if inverse else apply_rope)(x, cos.to(x.device), sin.to(x.device))
 
 
@@ -159,6 +167,8 @@ class SideStore:
         self.clipped: int | torch.Tensor = 0  # a 0-dim int64 device tensor when not `sync`
         self.sync = True  # False: the flush path never waits for the device (lazy checks)
         self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
+        # (B,) cache index minus model position per sequence (left padding), pre-RoPE keys; None: 0
+        self.pos_offset: torch.Tensor | None = None
         self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
 
     # ------------------------------------------------------------------ state
@@ -176,6 +186,7 @@ class SideStore:
         self.work = like.new_empty((B, H, 0, D)) if self.use_workspace else None
         self.clipped = self.n_dropped = 0
         self._packed = None
+        self.pos_offset = None
         for name in ("static_scale", "static_zero", "codebook"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(like.device))
@@ -185,6 +196,7 @@ class SideStore:
         self.chunks = []
         self.clipped = self.n_dropped = 0
         self._packed = None
+        self.pos_offset = None
 
     @property
     def n_sinks(self) -> int:
@@ -223,7 +235,7 @@ class SideStore:
             x = x.clone()
         p0 = self.n_sinks + self.n_dropped + self.n_quantized
         if self.spec.pre_rope:
-            x = rope_at(self.rotary, x, p0, inverse=True)
+            x = rope_at(self.rotary, x, p0, inverse=True, offset=self.pos_offset)
         kw = {"static_scale": self.static_scale, "static_zero": self.static_zero, "sync": self.sync}
         if self.codebook is not None:
             kw["codebook"] = self.codebook
@@ -284,6 +296,8 @@ class SideStore:
             return
         self._packed = None
         self.sinks, self.buffer = fn(self.sinks), fn(self.buffer)
+        if self.pos_offset is not None:
+            self.pos_offset = fn(self.pos_offset)
         if self.work is not None:
             self.work = fn(self.work)
         self.chunks = [_map_chunk(c, fn) for c in self.chunks]
@@ -293,7 +307,7 @@ class SideStore:
         """One chunk back to ``dtype`` (rotated back to its positions ``p0...`` for pre-RoPE keys)."""
         out = qt.dequantize(dtype, sync=self.sync)
         if self.spec.pre_rope:
-            out = rope_at(self.rotary, out, p0)
+            out = rope_at(self.rotary, out, p0, offset=self.pos_offset)
         return out
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -308,7 +322,7 @@ class SideStore:
             B, H, _, D = self.chunks[0].shape
             out = out.reshape(len(self.chunks), B, H, -1, D).permute(1, 2, 0, 3, 4).reshape(B, H, n, D)
             if self.spec.pre_rope:
-                out = rope_at(self.rotary, out, self.n_sinks + self.n_dropped)
+                out = rope_at(self.rotary, out, self.n_sinks + self.n_dropped, offset=self.pos_offset)
             parts.append(out)
         elif self.chunks:
             parts.append(self._dequantize(self.chunks[0], self.n_sinks + self.n_dropped, dtype))

@@ -162,7 +162,8 @@ class PackedStore:
         key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys), both ``None`` or both set.
         quant_lens, full_lens: ``(B,)`` int32 valid slots per sequence.
         rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``.
-        quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count.
+        quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count;
+            negative for a left-padded row (its pad slots, masked, sit before position 0).
         quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots a sequence must not
             attend to (left padding), or ``None`` (every slot within the lengths).
     """
@@ -394,7 +395,10 @@ def pack_store(
             raise ValueError(
                 f"rope tables must be (T_pos, D={D}), got {tuple(rope_cos.shape)}, {tuple(rope_sin.shape)}"
             )
-        pos0 = _lens(quant_pos0 if quant_pos0 is not None else [0] * B, 2**31 - 1, B, device, "quant_pos0")
+        pos0 = quant_pos0 if quant_pos0 is not None else [0] * B
+        pos0 = torch.as_tensor(pos0, dtype=torch.int32, device=device).reshape(-1)
+        if pos0.shape[0] != B:
+            raise ValueError(f"quant_pos0 must have one entry per sequence ({B}), got {pos0.shape[0]}")
         if int((pos0 + ql).max()) > rope_cos.shape[0]:
             raise ValueError(
                 f"rope tables cover {rope_cos.shape[0]} positions, keys reach {int((pos0 + ql).max())}"
@@ -464,12 +468,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope_at(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:
     """Rotate keys ``(B, H_kv, T, D)``: slot ``t`` of sequence ``b`` sits at position ``pos0[b] + t``.
 
-    Tables ``(T_pos, D)``; positions past the table end are clamped (they are padding slots).
+    Tables ``(T_pos, D)``; positions past the table end or before 0 are clamped (padding slots).
     """
     T = k.shape[2]
-    pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp_max(
-        cos.shape[0] - 1
-    )  # (B, T)
+    pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp(
+        0, cos.shape[0] - 1
+    )  # (B, T); clamped slots are padding
     c = cos.to(k.dtype)[pos][:, None]  # (B, 1, T, D)
     s = sin.to(k.dtype)[pos][:, None]
     return k * c + rotate_half(k) * s

@@ -295,7 +295,7 @@ def _decode_kernel(
                 partner = (offs_d + D // 2) % D
                 kp = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], partner[:, None], valid[None, :], K_ROW,
                               K_SCOLS, K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
-                pos = tl.load(POS0 + b) + t
+                pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
                 cs_off = pos[None, :] * D + offs_d[:, None]
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
