@@ -177,7 +177,7 @@ def _quantize_kernel(
 # fmt: on
 
 
-def _pow2(n: int) -> bool:
+def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
@@ -190,15 +190,15 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x must be a float16/bfloat16/float32 (B, H_kv, n, D) tensor, got {x.dtype} {tuple(x.shape)}"
     D, n = x.shape[3], x.shape[2]
-    if not _pow2(D) or D < 16:
+    if not _is_pow2(D) or D < 16:
         return f"head_dim {D} (a power of two >= 16)"
     if spec.granularity == "token":
         g = spec.group_size or D
-        if not _pow2(g) or g < 8 // spec.bits or D % g:
+        if not _is_pow2(g) or g < 8 // spec.bits or D % g:
             return f"token group size {g} (a power of two dividing {D})"
     elif spec.granularity == "channel" and not spec.static:
         G = spec.group_size
-        if G is None or not _pow2(G) or G > 256 or n % G:
+        if G is None or not _is_pow2(G) or G > 256 or n % G:
             return f"per-channel groups of {G} tokens over a block of {n} (a power of two <= 256 dividing it)"
     elif not (spec.granularity == "channel" and spec.static and spec.group_size is None):
         return f"{spec.granularity} granularity"
