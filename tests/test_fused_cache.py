@@ -481,3 +481,22 @@ def test_padded_pre_rope_keys_are_the_models(monkeypatch, offsets: bool):
         assert err[1] < 0.02 and torch.equal(store.pos_offset, torch.tensor([0, 7]))
     else:
         assert err[1] > 0.1  # rotated by 7 positions
+
+
+def test_position_offsets_are_read_once_per_request():
+    """Offsets come from the first update's position ids (the prefill) and stay: later position ids that
+    stop following the cache cannot re-rotate blocks un-rotated with the old ones; reset() forgets them."""
+    cache = QuantizedKVCache(config=build("llama").config, scheme=PRE_ROPE)
+    k = torch.randn(2, 2, 12, 32)
+    # what generate passes for a batch whose sequence 1 has 5 pads: pads at position 1, then 0..6
+    pos = torch.stack([torch.arange(12), torch.cat([torch.ones(5, dtype=torch.long), torch.arange(7)])])
+    cache.update(k, k, 0, kwargs={"position_ids": pos})
+    offsets = cache.layers[0]._k.pos_offset.clone()
+    assert offsets.tolist() == [0, 5]
+    cache.update(k[:, :, :1], k[:, :, :1], 0, kwargs={"position_ids": torch.tensor([[100], [3]])})
+    assert torch.equal(cache.layers[0]._k.pos_offset, offsets)
+    cache.update(k[:, :, :1], k[:, :, :1], 0)  # no position ids at all: unchanged
+    assert torch.equal(cache.layers[0]._k.pos_offset, offsets)
+    cache.reset()
+    cache.update(k, k, 0)
+    assert cache.layers[0]._k.pos_offset is None  # no position ids: cache indices, as before

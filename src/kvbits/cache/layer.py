@@ -244,10 +244,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
         dropped_before = self.dropped_tokens
-        if self.mode == "quantized" and self.scheme.key.pre_rope:
-            offset = _position_offset(args, kwargs, n_before, key_states)
-            if offset is not None:
-                self._k.pos_offset = offset
+        if self.mode == "quantized" and self.scheme.key.pre_rope and n_before == 0:
+            # read once per request, from its first update (the prefill), then kept: every block is
+            # un-rotated and rotated back with the same offsets, whatever later position ids say
+            self._k.pos_offset = _position_offset(args, kwargs, n_before, key_states)
         take = 0
         if self.mode == "quantized" and not self.is_sliding:
             take = max(0, min(q, self.scheme.sinks - self._k.n_sinks))
