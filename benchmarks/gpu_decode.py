@@ -332,6 +332,7 @@ QUANTIZE_SPECS = {  # the append path of the presets: values per token, keys per
     "int2-channel-g32": _spec(2, "channel", 32),
     "int4-channel-g128": _spec(4, "channel", 128),
     "int4-channel-static": _spec(4, "channel", None, static=True),
+    "fp8-e4m3-token": _spec(8, "token", None, "fp8"),
 }
 
 

@@ -122,7 +122,7 @@ def test_quantize_dispatch(monkeypatch, caplog):
 
 
 @needs_triton
-@pytest.mark.parametrize("scheme", ["int4-kivi", "int4-prerope"])
+@pytest.mark.parametrize("scheme", ["int4-kivi", "int4-prerope", "fp8-e4m3-token"])
 def test_cache_flushes_through_the_kernel_bit_for_bit(monkeypatch, scheme: str):
     """``KVBITS_KERNEL=triton``: the cache's flushes run the quantize kernel (interpreted on CPU) and store
     exactly the bytes the torch reference stores; generation is unchanged."""
@@ -147,3 +147,53 @@ def test_cache_flushes_through_the_kernel_bit_for_bit(monkeypatch, scheme: str):
                 assert torch.equal(ca.scale, cb.scale) and (ca.zero is None or torch.equal(ca.zero, cb.zero))
     assert ref.memory_report() == cache.memory_report()
     assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+
+
+FP8_SPECS = [
+    TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"),
+    TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="token"),
+    TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True),
+    TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="tensor", static=True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("s", FP8_SPECS, ids=str)
+def test_quantize_kernel_fp8_equals_reference_bit_for_bit(s: TensorSpec):
+    """FP8 codes assembled from the float32 fields equal torch's round-half-even casts: per-row scales
+    (constant, zero and tiny rows included) and a static scale that saturates some elements."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    g = torch.Generator().manual_seed(53)
+    x = hard_block(g).to(DEVICE)
+    # a static scale small enough that the outlier channels (|x| ~ 80) saturate: 448 (e4m3), 57344 (e5m2)
+    kw = {"static_scale": torch.tensor(0.05 if s.fmt == "e4m3" else 0.001)} if s.static else {}
+    want, got = quantize(x, s, **kw), quantize_pack_triton(x, s, **kw)
+    assert got.data.dtype == want.data.dtype and torch.equal(
+        got.data.view(torch.uint8), want.data.view(torch.uint8)
+    )
+    assert (
+        torch.equal(got.scale, want.scale) and got.clipped == want.clipped and (want.clipped > 0) == s.static
+    )
+    assert (got.static, got.nbytes) == (want.static, want.nbytes)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_rounding_every_boundary(fmt: str):
+    """Every float8 value, the midpoints between neighbours (ties to even) and one float32 step either
+    side, through the kernel's conversion (static scale 1) against torch's cast."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+    from kvbits.quant.fp8 import fp8_dtype
+
+    dt = fp8_dtype(fmt)
+    vals = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    vals = vals[torch.isfinite(vals)].unique()  # sorted, -max .. max
+    mids = (vals[1:] + vals[:-1]) / 2
+    pts = torch.cat([vals, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    pad = (-pts.numel()) % 64
+    x = torch.cat([pts, torch.zeros(pad)]).reshape(1, 1, -1, 64).to(DEVICE)
+    s = TensorSpec(kind="fp8", bits=8, fmt=fmt, granularity="tensor", static=True)
+    got = quantize_pack_triton(x, s).data.view(torch.uint8)
+    want = x.to(dt).view(torch.uint8)  # torch's cast (round half to even; |x| <= max here)
+    assert torch.equal(got, want)

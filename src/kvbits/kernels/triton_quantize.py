@@ -16,9 +16,11 @@ Exactness follows the reference's formulas (``kvbits.quant.affine``) operation b
 
 Formats: integer codes of 2, 4 or 8 bits, asymmetric or symmetric, per token (groups of ``g``
 channels), per channel over groups of ``G`` tokens (KIVI keys, block-wise KVQuant ranges), or static
-per-channel ranges from a calibration (clipped elements counted with one atomic add per program).
-Everything else (3-bit codes, NUQ, FP8, outliers, head / tensor granularity) is left to the torch
-reference by ``kvbits.kernels.quantize.quantize_pack``.
+per-channel ranges from a calibration (clipped elements counted with one atomic add per program);
+FP8 e4m3 / e5m2 with one scale per token row or one static scale (``_fp8_kernel``: the float8 bits are
+assembled from the float32 fields with round half to even, as torch's casts). Everything else (3-bit
+codes, NUQ, outliers, head / tensor integer granularity) is left to the torch reference by
+``kvbits.kernels.quantize.quantize_pack``.
 
 This module imports Triton at import time; import it through ``kvbits.kernels.quantize``.
 """
@@ -177,14 +179,76 @@ def _quantize_kernel(
 # fmt: on
 
 
+@triton.jit
+def _to_fp8_bits(y, FMT: tl.constexpr):
+    """float32 ``y`` (finite, ``|y| <=`` the format's max) → float8 bytes (int32), round half to even.
+
+    e4m3fn (``FMT == 0``: bias 7, 3 mantissa bits, subnormal step 2^-9) or e5m2 (``FMT == 1``: bias 15,
+    2 mantissa bits, step 2^-16), as torch's casts. Normal numbers: the float32 exponent ``e`` and
+    ``q = rint((|y| * 2^-e - 1) * 2^M)`` (exact scalings), ``q == 2^M`` carrying into the exponent;
+    subnormals: ``q = rint(|y| / step)``, whose carry to ``2^M`` is already the smallest normal's bits.
+    """
+    if FMT == 0:
+        M: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        STEP: tl.constexpr = 512.0  # 1 / 2^-9
+    else:
+        M: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        STEP: tl.constexpr = 65536.0  # 1 / 2^-16
+    a = tl.abs(y)
+    sign = ((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7  # the sign bit: -0.0 stays -0.0, as in torch
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2 a) for normal float32
+    inv_pow_e = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e (finite for every finite a)
+    q = _rint((a * inv_pow_e - 1.0) * (1 << M)).to(tl.int32)  # exact scalings by powers of two
+    carry = q == (1 << M)
+    e = tl.where(carry, e + 1, e)
+    q = tl.where(carry, 0, q)
+    normal = ((e + BIAS) << M) | q
+    # exact scaling; 2^M when it rounds up to the smallest normal. Only used below the smallest normal:
+    # the clamp keeps the unused lanes' int conversion in range
+    sub = _rint(tl.minimum(a, 1.0) * STEP).to(tl.int32)
+    bits = tl.where(e + BIAS >= 1, normal, sub)
+    return bits | sign
+
+
+# fmt: off
+@triton.jit
+def _fp8_kernel(X, CODES, SCALE, SS, CLIP, n, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
+                STATIC: tl.constexpr, FMAX: tl.constexpr):
+    """Grid ``(B * H_kv, cdiv(n, ROWS))``: FP8 codes ``(B*H, n, D)`` (uint8) with one float16 scale per
+    row (``SCALE (B*H, n)``: ``amax / FMAX`` rounded up) or one static float32 scale ``SS``."""
+    bh = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    tmask = t < n
+    x = tl.load(X + bh * n * D + t[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    if STATIC:
+        s = tl.load(SS).to(tl.float32)
+    else:
+        amax = tl.max(tl.abs(x), axis=1, keep_dims=True)  # (ROWS, 1)
+        sh = _fp16_up(tl.math.div_rn(amax, FMAX))
+        tl.store(SCALE + bh * n + t[:, None], sh, mask=tmask[:, None])
+        s = sh.to(tl.float32)
+    y = tl.math.div_rn(x, tl.where(s > 0, s, 1.0))
+    clipped = (tl.abs(y) > FMAX) & tmask[:, None]
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    code = _to_fp8_bits(y, FMT)
+    tl.store(CODES + bh * n * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=tmask[:, None])
+    tl.atomic_add(CLIP, tl.sum(tl.sum(clipped.to(tl.int32), axis=1), axis=0))
+# fmt: on
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
     """``None`` when ``quantize_pack_triton`` handles ``x`` ``(B, H_kv, n, D)`` under ``spec``, else why not."""
-    if spec.kind != "int" or spec.bits not in (2, 4, 8):
-        return f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/4/8-bit integer codes)"
+    if spec.kind not in ("int", "fp8") or (spec.kind == "int" and spec.bits not in (2, 4, 8)):
+        return (
+            f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/4/8-bit integer and FP8 codes)"
+        )
     if spec.outlier_frac > 0:
         return "dense-and-sparse outliers"
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -192,6 +256,8 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
     D, n = x.shape[3], x.shape[2]
     if not _is_pow2(D) or D < 16:
         return f"head_dim {D} (a power of two >= 16)"
+    if spec.kind == "fp8":
+        return None  # per-row or one static scale: both handled by _fp8_kernel
     if spec.granularity == "token":
         g = spec.group_size or D
         if not _is_pow2(g) or g < 8 // spec.bits or D % g:
@@ -224,6 +290,8 @@ def quantize_pack_triton(
     reason = supported(x, spec)
     if reason:
         raise NotImplementedError(f"quantize_pack_triton: {reason}")
+    if spec.kind == "fp8":
+        return _quantize_fp8(x, spec, static_scale, sync)
     B, H, n, D = x.shape
     bits, sym = spec.bits, spec.symmetric
     dev = x.device
@@ -262,3 +330,37 @@ def quantize_pack_triton(
     return QuantizedTensor(
         spec, (B, H, n, D), codes, scale=scale, zero=zero, clipped=clipped, static=spec.static
     )
+
+
+def _quantize_fp8(
+    x: torch.Tensor, spec: TensorSpec, static_scale: torch.Tensor | None, sync: bool
+) -> QuantizedTensor:
+    """FP8 through ``_fp8_kernel``: what ``kvbits.quant.quantize`` stores for ``kind="fp8"``."""
+    from kvbits.quant.fp8 import fp8_dtype, fp8_max
+
+    B, H, n, D = x.shape
+    dev = x.device
+    static = spec.static or spec.granularity == "tensor"
+    codes = torch.empty(B, H, n, D, dtype=torch.uint8, device=dev)
+    clip = torch.zeros(1, dtype=torch.int32, device=dev)
+    if static:  # quantize's rule: the static scale, else 1, as a float32 scalar
+        scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
+        scale = scale.to(dev, torch.float32)
+        ss, out_scale = scale.reshape(-1)[:1].contiguous(), None
+        if scale.numel() != 1:
+            raise NotImplementedError("quantize_pack_triton: a static FP8 scale must be one number")
+    else:
+        ss = torch.empty(1, dtype=torch.float32, device=dev)
+        out_scale = torch.empty(B, H, n, 1, dtype=torch.float16, device=dev)
+    if n:
+        _fp8_kernel[(B * H, triton.cdiv(n, TOKEN_ROWS))](
+            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, n,
+            D=D, ROWS=TOKEN_ROWS, FMT=0 if spec.fmt == "e4m3" else 1, STATIC=static, FMAX=fp8_max(spec.fmt),
+        )  # fmt: skip
+    clipped: int | torch.Tensor = clip[0].to(torch.int64)
+    if sync:
+        clipped = int(clipped)
+    return QuantizedTensor(
+        spec, (B, H, n, D), codes.view(fp8_dtype(spec.fmt)), scale=scale if static else out_scale,
+        clipped=clipped, static=static,
+    )  # fmt: skip
