@@ -494,6 +494,7 @@ RESULT_KEYS = {
     "attn_error",
     "calibration",
     "seconds",
+    "decode",
 }
 BUCKET_KEYS = {"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl", "top1"}
 
@@ -646,6 +647,14 @@ def test_runner_prefill_and_stream_agree(models):
         )
         assert a["ppl_ref"] == b["ppl_ref"]
         assert b["attn_error"] == []
+        # on CPU the stream decodes over dequantized K/V ("auto"): no fused steps; simulate has no decode path
+        assert a["decode"] is None and b["decode"] == {"fused_steps": 0, "fallback_steps": 0}
+    fused = evaluate(model, ids, 120, [SINKS], mode="stream", fused_decode=True, **kw)
+    full = model.config.layer_types.count("full_attention")  # the sliding layers are declined (kept on SDPA)
+    assert full == 1 and len(model.config.layer_types) == 3
+    # every decode step after the first one after the prompt, in each window and full layer, was fused
+    assert fused["results"][0]["decode"] == {"fused_steps": 2 * (120 - 50 - 1) * full, "fallback_steps": 0}
+    assert fused["results"][0]["ppl"] == pytest.approx(st["results"][0]["ppl"], rel=1e-4)
 
 
 @torch.no_grad()
@@ -655,6 +664,7 @@ def test_peer_quanto_stream(models):
     assert PEER_SCHEMES["hf-quanto-int4"].avg_bits == 4.5 and PEER_SCHEMES["hf-quanto-int2"].avg_bits == 2.5
     s = evaluate(model, _ids(200, seed=11)[0], 200, ["hf-quanto-int2", "int8-token"], mode="stream")
     r = {x["scheme"]: x for x in s["results"]}
+    assert r["hf-quanto-int2"]["decode"] is None  # a peer's cache: no kvbits decode path to report
     assert r["hf-quanto-int2"]["avg_bits"] == 2.5
     assert r["hf-quanto-int2"]["kl"] > r["int8-token"]["kl"] > 0
 

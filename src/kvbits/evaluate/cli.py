@@ -22,7 +22,8 @@ examples:
 "top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "calibration":
 {"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (simulate mode),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
-"context", "windows", "tokens"} (with --calibration)}, "seconds"}], "reference_seconds",
+"context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
+"fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",
 "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}. peak_rss_bytes: the process's peak
 resident set in bytes (getrusage ru_maxrss, model loading included; null where unavailable);
 run_peak_rss_bytes: the resident peak from the loaded model to the end of the run (Linux VmHWM

@@ -261,6 +261,11 @@ def evaluate(
     per_token = {n: {k: np.zeros((W, T - 1), dtype=np.float32) for k in TOKEN_FIELDS} for n in names}
     attn_err = {n: {layer: np.zeros((W, T), dtype=np.float32) for layer in layers} for n in names}
     seconds = dict.fromkeys(names, 0.0)
+    # stream mode, kvbits schemes: decode steps attended by the fused kernel / after a fallback
+    decode: dict[str, dict[str, int] | None] = {
+        n: ({} if mode == "stream" and not isinstance(s, PeerScheme) else None)
+        for n, s in zip(names, resolved)
+    }
     clipped: dict[str, dict[str, int]] = {n: {} for n in names}
     ref_seconds = 0.0
     units = W * T * (1 + len(names))
@@ -312,6 +317,7 @@ def evaluate(
                         progress=advance,
                         calibration=calibrations.get(name),
                         fused_decode=fused_decode,
+                        stats=decode[name],
                     )[0]
                 seconds[name] += time.perf_counter() - t0
                 if not bool(torch.isfinite(h).all()):
@@ -345,8 +351,12 @@ def evaluate(
                 "attn_error": attn_error_buckets(attn_err[name], T - 1, first) if layers else [],
                 "calibration": _mismatch(clipped[name], calibrations.get(name), T, mode),
                 "seconds": seconds[name],
+                "decode": None if decode[name] is None else {
+                    "fused_steps": decode[name].get("fused_steps", 0),
+                    "fallback_steps": decode[name].get("fallback_steps", 0),
+                },
             }
-        )
+        )  # fmt: skip
         records += bucket_records(name, per_token[name], first)
         logger.info(
             "%s: %.1f s, ppl %.4f (reference %.4f), kl %.5f",

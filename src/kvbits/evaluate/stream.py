@@ -193,6 +193,7 @@ def stream_hidden(
     progress: Callable[[int], None] | None = None,
     calibration: Any = None,
     fused_decode: bool | str = "auto",
+    stats: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` run through the scheme's cache.
 
@@ -206,6 +207,8 @@ def stream_hidden(
         progress: called with the number of tokens just processed (for a progress bar).
         calibration: artifact or folder for schemes with static scales / NUQ codebooks.
         fused_decode: ``"auto"``, ``True`` or ``False`` (module docstring); ignored for peers.
+        stats: kvbits schemes: ``"fused_steps"`` and ``"fallback_steps"`` (layer x token decode steps
+            attended by the fused kernel / over dequantized K/V after a claim) are added to it.
     """
     from kvbits.cache.fused import check_mode, wants
 
@@ -214,12 +217,12 @@ def stream_hidden(
         raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
     fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
     if not fused:
-        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, fused=False)
+        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=False)
     from kvbits.cache import use_fused_decode
 
     previous = use_fused_decode(model)
     try:
-        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, fused=True)
+        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=True)
     finally:
         model.set_attn_implementation(previous)
 
@@ -232,6 +235,7 @@ def _stream(
     prompt_len: int | None,
     progress: Callable[[int], None] | None,
     calibration: Any,
+    stats: dict[str, int] | None,
     *,
     fused: bool,
 ) -> torch.Tensor:
@@ -265,8 +269,12 @@ def _stream(
         chunks.append(_step(base, ids[:, t : t + 1], cache, kw))
         if progress:
             progress(1)
-    if fused:
+    if not isinstance(scheme, PeerScheme):
         rep = cache.fused_report()
-        logger.info("%s: %d fused decode steps, %d fallback steps (layers x tokens)", scheme.name,
-                    rep["fused_steps"], rep["fallback_steps"])  # fmt: skip
+        if fused:
+            logger.info("%s: %d fused decode steps, %d fallback steps (layers x tokens)", scheme.name,
+                        rep["fused_steps"], rep["fallback_steps"])  # fmt: skip
+        if stats is not None:
+            for key in ("fused_steps", "fallback_steps"):
+                stats[key] = stats.get(key, 0) + rep[key]
     return torch.cat(chunks, dim=1)
