@@ -523,3 +523,15 @@ def test_calibration_from_config_for_older_runs(tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     md = write_report(d, plots=False)["markdown"].read_text()
     assert "| kivi-4 | sha256:efefefefefef | n/a | n/a | n/a | n/a | n/a |" in md
+
+
+def test_stream_decode_path_is_reported(tmp_path):
+    """A stream run says how each kvbits scheme's decode steps were attended; simulate runs say nothing."""
+    s = _summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")})
+    s["results"][0]["decode"] = {"fused_steps": 0, "fallback_steps": 0}
+    s["results"][1]["decode"] = {"fused_steps": 4140, "fallback_steps": 12}
+    md = write_report(_write_run(tmp_path / "stream", s, tokens=False), plots=False)["markdown"].read_text()
+    assert "*Decode path (stream mode):* **fp16**: dequantized K/V + SDPA (no fused decode); **kivi-2**: " in md
+    assert "4,140 layer-steps through the fused kernel over the packed cache, 12 over dequantized K/V" in md
+    md = write_report(_write_run(tmp_path / "sim", _summary(), tokens=False), plots=False)["markdown"].read_text()
+    assert "Decode path" not in md

@@ -72,6 +72,22 @@ FIGURE_TEXT = {
 }
 
 
+def decode_note(run: RunSummary) -> str | None:
+    """How a stream run's decode steps were attended, per kvbits scheme (``results[].decode``), or None."""
+    parts = []
+    for r in run.results:
+        if not r.decode:
+            continue
+        fused, fallback = int(r.decode.get("fused_steps", 0)), int(r.decode.get("fallback_steps", 0))
+        if fused:
+            how = f"{fused:,} layer-steps through the fused kernel over the packed cache"
+            how += f", {fallback:,} over dequantized K/V after a fallback" if fallback else ""
+        else:
+            how = "dequantized K/V + SDPA (no fused decode)"
+        parts.append(f"**{r.name}**: {how}")
+    return ("*Decode path (stream mode):* " + "; ".join(parts) + ".") if parts else None
+
+
 def build_document(
     run: RunSummary, config: Mapping[str, Any], figures: Mapping[str, Path], failed: Mapping[str, str],
     plot_note: str, threshold: float, out_dir: Path, has_tokens: bool,
@@ -121,6 +137,9 @@ def build_document(
     else:
         blocks.append(Para("The run recorded no position buckets."))
     blocks += [Heading(2, "Overall"), Table(overall_table(run, threshold))]
+    note = decode_note(run)
+    if note:
+        blocks.append(Para(note))
     fig("bits_vs_delta")
     blocks.append(Heading(2, "Attention-output error"))
     at = attn_table(run)

@@ -73,6 +73,7 @@ class SchemeResult:
     buckets: tuple[Bucket, ...] = ()
     attn: tuple[AttnLayer, ...] = ()
     calibration: Mapping[str, Any] = field(default_factory=dict)  # as in summary.json (see .calibration)
+    decode: Mapping[str, Any] | None = None  # stream mode: {"fused_steps", "fallback_steps"}; else None
 
     @property
     def delta(self) -> float:
@@ -117,6 +118,7 @@ class SchemeResult:
             ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
             seconds=_num(d.get("seconds")), buckets=buckets, attn=attn,
             calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
+            decode=dict(d["decode"]) if isinstance(d.get("decode"), Mapping) else None,
         )
 
 
