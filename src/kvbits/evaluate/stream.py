@@ -21,9 +21,10 @@ elements): 4.5 and 2.5. They only exist as a cache, so they run in stream mode o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,13 +217,18 @@ def stream_hidden(
     if ids.dim() != 2:
         raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
     fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
-    if not fused:
-        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=False)
+    with _fused_attention(model) if fused else contextlib.nullcontext():
+        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused)
+
+
+@contextlib.contextmanager
+def _fused_attention(model: Any) -> Iterator[None]:
+    """``model`` attends through ``kvbits_fused`` inside, through its previous implementation after."""
     from kvbits.cache import use_fused_decode
 
     previous = use_fused_decode(model)
     try:
-        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=True)
+        yield
     finally:
         model.set_attn_implementation(previous)
 

@@ -239,6 +239,13 @@ def _fp8_kernel(X, CODES, SCALE, SS, CLIP, n, D: tl.constexpr, ROWS: tl.constexp
 # fmt: on
 
 
+def _clip_count(clip: torch.Tensor, sync: bool) -> int | torch.Tensor:
+    """The kernels' int32 clipped counter as ``quantize`` reports it: a host int, or (``sync=False``) a
+    0-dim int64 device tensor."""
+    n = clip[0].to(torch.int64)
+    return int(n) if sync else n
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -324,9 +331,7 @@ def quantize_pack_triton(
             ss, sz, clip, n, H,
             D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym,
         )  # fmt: skip
-    clipped: int | torch.Tensor = clip[0].to(torch.int64)
-    if sync:
-        clipped = int(clipped)
+    clipped = _clip_count(clip, sync)
     return QuantizedTensor(
         spec, (B, H, n, D), codes, scale=scale, zero=zero, clipped=clipped, static=spec.static
     )
@@ -357,9 +362,7 @@ def _quantize_fp8(
             x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, n,
             D=D, ROWS=TOKEN_ROWS, FMT=0 if spec.fmt == "e4m3" else 1, STATIC=static, FMAX=fp8_max(spec.fmt),
         )  # fmt: skip
-    clipped: int | torch.Tensor = clip[0].to(torch.int64)
-    if sync:
-        clipped = int(clipped)
+    clipped = _clip_count(clip, sync)
     return QuantizedTensor(
         spec, (B, H, n, D), codes.view(fp8_dtype(spec.fmt)), scale=scale if static else out_scale,
         clipped=clipped, static=static,
