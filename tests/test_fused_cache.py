@@ -28,7 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, use_fused_decode
+from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, track_positions, use_fused_decode
 from kvbits.cache import fused as fused_mod
 from kvbits.kernels import dispatch
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, token_split
@@ -248,6 +248,7 @@ def test_padded_batch_is_fused_with_slot_masks(scheme: str):
     """Left padding leaves a boolean mask at every decode step: it becomes per-slot masks of the packed
     store (pad tokens sit among the sinks and the quantized slots) and every step stays fused."""
     model, sch = build("llama"), SCHEMES[scheme]
+    track_positions(model)  # both paths un-rotate at the model's positions, whatever transformers passes
     ids, mask = padded_prompt()
     seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, ids=ids, attention_mask=mask)
     with mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel:
@@ -445,42 +446,105 @@ def test_nan_during_fused_generation_is_caught(mode: str):
 # --------------------------------------------------------------------------------------------------
 
 
+def _strip_update_positions(monkeypatch) -> list[bool]:
+    """Make ``QuantizedKVCache.update`` see no ``position_ids`` from transformers (as on 5.17); returns a
+    list that records, per call, whether transformers had passed some."""
+    from kvbits.cache.layer import find_position_ids
+
+    seen: list[bool] = []
+    original = QuantizedKVCache.update
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        seen.append(find_position_ids(args, kwargs) is not None)
+        inner = kwargs.get("kwargs")
+        if isinstance(inner, dict):
+            kwargs = {**kwargs, "kwargs": {n: x for n, x in inner.items() if n != "position_ids"}}
+        kwargs.pop("position_ids", None)
+        return original(self, k, v, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(QuantizedKVCache, "update", update)
+    return seen
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("offsets", [True, False], ids=["position-ids", "cache-indices"])
-def test_padded_pre_rope_keys_are_the_models(monkeypatch, offsets: bool):
+@pytest.mark.parametrize("source", ["update", "tracked", "none"])
+def test_padded_pre_rope_keys_are_the_models(monkeypatch, caplog, source: str):
     """What the cache quantizes for pre-RoPE keys must be ``k_proj``'s output (KVQuant §3.2). With left
     padding the model's positions start after the pads; the cache reads them from the position ids
-    (``pos_offset``). Un-rotating at cache indices instead (the ``cache-indices`` control) leaves the
-    padded sequence's keys rotated by the pad count: far from the model's pre-RoPE keys."""
-    from kvbits.cache import layer as layer_mod
-
-    if not offsets:
-        monkeypatch.setattr(layer_mod, "_position_offset", lambda *a, **k: None)
-    model = build("llama")
+    (``pos_offset``): those transformers passes to ``Cache.update`` (``update``, transformers 5.24), or,
+    where it passes none (5.17, simulated here), those ``track_positions(model)`` takes from the model's
+    call (``tracked``). With neither (``none``, the control) keys are un-rotated at cache indices: the
+    padded sequence's keys stay rotated by the pad count, far from the model's pre-RoPE keys, and the
+    cache says so once."""
+    model = build.__wrapped__("llama")  # a model of its own: no tracking left by other tests
     sch = KVScheme("t-int8-prerope", key=spec(8, "channel", 8, pre_rope=True), value=spec(8, "token"),
                    residual=0, block=8)  # fmt: skip
     ids, mask = padded_prompt()
     captured = []
-    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
-        lambda m, a, out: captured.append(out)
-    )
+    k_proj = model.model.layers[0].self_attn.k_proj
+    hooks = [k_proj.register_forward_hook(lambda m, a, out: captured.append(out))]
+    seen = _strip_update_positions(monkeypatch) if source != "update" else None
+    if source == "tracked":
+        hooks.append(track_positions(model))
     cache = QuantizedKVCache(config=model.config, scheme=sch)
     try:
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
-                       pad_token_id=0)  # fmt: skip
+        with caplog.at_level(logging.INFO, logger="kvbits.cache.cache"):
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     B, T = ids.shape
-    want = captured[0].view(B, T, 2, 32).transpose(1, 2)  # (B, H_kv, T, D): k_proj before RoPE
     store = cache.layers[0]._k
+    if source == "update" and store.pos_offset is None:
+        pytest.skip(f"transformers {transformers.__version__} passes no position_ids to Cache.update")
+    want = captured[0].view(B, T, 2, 32).transpose(1, 2)  # (B, H_kv, T, D): k_proj before RoPE
     assert store.n_quantized == T  # the whole prompt was flushed at prefill
     got = torch.cat([c.dequantize() for c in store.chunks], dim=2)[:, :, :T]
     err = [(got[b, :, p:] - want[b, :, p:]).norm() / want[b, :, p:].norm() for b, p in ((0, 0), (1, 7))]
     assert err[0] < 0.02  # the unpadded sequence: int8 error only, either way
-    if offsets:
-        assert err[1] < 0.02 and torch.equal(store.pos_offset, torch.tensor([0, 7]))
-    else:
+    told = [r for r in caplog.records if "no position_ids reached the cache" in r.getMessage()]
+    if source == "none":
         assert err[1] > 0.1  # rotated by 7 positions
+        assert store.pos_offset is None and len(told) == 1  # said once for the cache, not per layer
+    else:
+        assert err[1] < 0.02 and torch.equal(store.pos_offset, torch.tensor([0, 7]))
+        assert not told
+    if seen is not None:
+        assert seen  # the updates went through the stripping wrapper
+    assert cache.position_ids_hint is None  # forgotten when the call returned
+
+
+def test_track_positions_hands_the_calls_positions_only_during_the_call():
+    """The hint exists while ``model(...)`` runs (what the layers read), is cleared after it (also when
+    the call raises), tracking is idempotent and removable, and other caches are left alone."""
+    model = build.__wrapped__("llama")  # a model of its own: the tracking stays on it
+    cache = QuantizedKVCache(config=model.config, scheme=PRE_ROPE)
+    during = []
+    probe = model.model.register_forward_pre_hook(lambda m, a: during.append(cache.position_ids_hint))
+    tracking = track_positions(model)
+    assert track_positions(model) is tracking
+    pos = torch.arange(5).unsqueeze(0)
+    with torch.no_grad():
+        model(torch.ones(1, 5, dtype=torch.long), past_key_values=cache, position_ids=pos)
+    assert during and torch.equal(during[-1], pos) and cache.position_ids_hint is None
+
+    def boom(m, a):
+        raise RuntimeError("boom")
+
+    failing = model.model.embed_tokens.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+        model(torch.ones(1, 5, dtype=torch.long), past_key_values=cache, position_ids=pos + 5)
+    failing.remove()
+    assert torch.equal(during[-1], pos + 5) and cache.position_ids_hint is None
+    tracking.remove()
+    with torch.no_grad():
+        model(torch.ones(1, 1, dtype=torch.long), past_key_values=cache, position_ids=pos[:, :1] + 5)
+    assert during[-1] is None  # no tracking: no hint
+    probe.remove()
+    assert track_positions(model) is not tracking  # tracks again after remove()
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        track_positions("not a model")
 
 
 def test_position_offsets_are_read_once_per_request():

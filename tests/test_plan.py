@@ -154,12 +154,14 @@ def _transformers_kinds(cfg):
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     types, kwargs = get_layer_types_and_kwargs(cfg.get_text_config(decoder=True))
+    if isinstance(kwargs, dict):  # transformers 5.17: one dict for every layer (5.24: one per layer)
+        kwargs = [kwargs] * len(types)
     return [
         ("none", None)
         if t == "dummy"
-        else ("sliding", kw["sliding_window"])
-        if "sliding_window" in kw
         else ("full", None)
+        if t == "full_attention"
+        else ("sliding", kw["sliding_window"])
         for t, kw in zip(types, kwargs, strict=True)
     ]
 

@@ -2,12 +2,15 @@
 
 ``use_fused_decode(model)`` routes the model's attention through ``kvbits_fused``, which serves decode
 steps of a ``QuantizedKVCache`` from its packed store with the fused kernel (``kvbits.cache.attention``).
+``track_positions(model)`` hands the model's position ids to the cache where transformers does not
+(pre-RoPE keys of left-padded batches on transformers 5.17; ``kvbits.cache.positions``).
 """
 
 from kvbits.cache.attention import IMPLEMENTATION as FUSED_ATTENTION
 from kvbits.cache.attention import register_fused_attention, use_fused_decode
 from kvbits.cache.cache import QuantizedKVCache, attention_shape
 from kvbits.cache.layer import QuantizedKVLayer
+from kvbits.cache.positions import track_positions
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -15,5 +18,6 @@ __all__ = [
     "QuantizedKVLayer",
     "attention_shape",
     "register_fused_attention",
+    "track_positions",
     "use_fused_decode",
 ]

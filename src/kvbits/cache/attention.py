@@ -131,11 +131,16 @@ def use_fused_decode(model: Any) -> str:
     ``model.set_attn_implementation(previous)`` undoes it. With it, ``QuantizedKVCache`` decode steps
     run the fused kernel on CUDA (``fused_decode="auto"``, the default) or, on request
     (``fused_decode=True``), the torch reference elsewhere; other caches and steps are unchanged SDPA.
+    Also ``track_positions(model)`` (``kvbits.cache.positions``), so pre-RoPE keys of a left-padded batch
+    are un-rotated at the model's positions on transformers that do not pass them to the cache.
     """
+    from kvbits.cache.positions import track_positions
+
     register_fused_attention()
     previous = model.config._attn_implementation
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         raise TypeError(f"{type(model).__name__} has no set_attn_implementation(): not a transformers model?")
     setter(IMPLEMENTATION)
+    track_positions(model)
     return previous

@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
-from kvbits.cache.layer import QuantizedKVLayer
+from kvbits.cache.layer import QuantizedKVLayer, find_position_ids
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -134,6 +134,10 @@ class QuantizedKVCache(Cache):
         self.checks_mode = kv_checks.check_mode(checks)
         self.check_every = kv_checks.check_every_arg(check_every)
         self._input_error: str | None = None  # a failed lazy check: every update raises it until reset()
+        # (B, q) position ids of the model call in progress, from kvbits.cache.positions.track_positions:
+        # used by pre-RoPE keys where Cache.update brings none (transformers 5.17)
+        self.position_ids_hint: torch.Tensor | None = None
+        self._told_no_positions = False
         self.fused_decode = check_mode(fused_decode)
         self._fused_tables = RopeTableCache()
         self.workspace = bool(workspace)
@@ -260,7 +264,25 @@ class QuantizedKVCache(Cache):
         layer = self.layers[layer_idx]
         if isinstance(layer, QuantizedKVLayer) and layer.checks.due:
             self.check_inputs()  # every layer's lazy check in one host sync, not one per layer
+        if self._rotary is not None and isinstance(layer, QuantizedKVLayer) and layer.tokens_seen == 0:
+            kwargs = self._with_position_ids(key_states, args, kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _with_position_ids(self, key_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
+        """A request's first update of a pre-RoPE layer: add the tracked ``position_ids`` when transformers
+        passed none; say once (INFO) when a batch comes with none at all."""
+        if find_position_ids(args, kwargs) is not None:
+            return kwargs
+        if self.position_ids_hint is not None:
+            return {**kwargs, "position_ids": self.position_ids_hint}
+        if key_states.shape[0] > 1 and not self._told_no_positions:
+            self._told_no_positions = True
+            logger.info(
+                "pre-RoPE keys of a batch of %d: no position_ids reached the cache, so keys are un-rotated at "
+                "cache indices; with left padding call kvbits.cache.track_positions(model) first",
+                key_states.shape[0],
+            )
+        return kwargs
 
     def check_inputs(self) -> None:
         """Run the pending lazy K/V checks of every layer now (one host sync per device; nothing pending:
@@ -276,6 +298,7 @@ class QuantizedKVCache(Cache):
     def reset(self) -> None:
         """Empty every layer (and forget a failed lazy K/V check)."""
         self._input_error = None
+        self.position_ids_hint = None
         super().reset()
 
     def set_static_qparams(

@@ -49,6 +49,15 @@ def _fixed_scale(spec: TensorSpec) -> torch.Tensor | None:
     return None
 
 
+def find_position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The ``position_ids`` tensor among ``Cache.update``'s extra arguments (``kwargs=...``, a keyword, or
+    a positional dict such as ``cache_kwargs``), or ``None``."""
+    for source in (kwargs.get("kwargs"), kwargs, *(a for a in args if isinstance(a, dict))):
+        if isinstance(source, dict) and isinstance(source.get("position_ids"), torch.Tensor):
+            return source["position_ids"]
+    return None
+
+
 def _position_offset(
     args: tuple, kwargs: dict, n_before: int, key_states: torch.Tensor
 ) -> torch.Tensor | None:
@@ -59,11 +68,7 @@ def _position_offset(
     them, and pre-RoPE keys must be un-rotated at the model's positions. The newest token is never a pad
     (generation pads on the left), so its position is exact. Device ops only (no sync).
     """
-    pos = None
-    for source in (kwargs.get("kwargs"), kwargs, *(a for a in args if isinstance(a, dict))):
-        if isinstance(source, dict) and isinstance(source.get("position_ids"), torch.Tensor):
-            pos = source["position_ids"]
-            break
+    pos = find_position_ids(args, kwargs)
     B, _, q, _ = key_states.shape
     if pos is None or pos.dim() != 2 or pos.shape[1] != q or pos.shape[0] not in (1, B):
         return None  # absent, or multi-axis positions (e.g. mrope): cache indices, as before
