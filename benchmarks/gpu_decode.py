@@ -29,6 +29,13 @@ GPU machine). Steps:
    ``QuantizedKVCache`` checks incoming K/V lazily on CUDA (``checks="auto"``, ``kvbits.cache.checks``):
    no host-device sync per decode step; the pending NaN/inf check (one sync for all layers) runs every
    64 steps and in ``memory_report()`` after the timed steps. The CPU smoke run checks eagerly.
+   Memory: the bytes each cache holds on the GPU after its run (``torch.cuda.memory_allocated`` minus
+   before it was made) against ``kvbits.plan`` for the same model, batch and tokens, and what the cache
+   reports apart from its K/V (``extra_bytes``: position offsets, float32 RoPE tables of pre-RoPE keys).
+
+Time: ``--budget-s`` (default 420 s): sweep combos stop starting 90 s before it (step 6's share), step 6's
+runs at it; whatever did not run is listed under ``skipped`` / ``e2e[].skipped``. The JSON is rewritten
+after every step and sweep combo (``"complete": false`` until the end), so a killed run keeps its figures.
 """
 
 from __future__ import annotations
@@ -82,6 +89,11 @@ class Config:
     max_bytes: float
     smoke: bool
     kernel: str  # "triton" or "reference" for the quantized path
+    deadline: float | None = None  # time.monotonic() after which no new sweep combo / e2e run starts
+
+
+def _out_of_time(cfg: Config) -> bool:
+    return cfg.deadline is not None and time.monotonic() > cfg.deadline
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,9 +472,37 @@ def _install_uniform_codebooks(cache, n_layers: int) -> None:
                 cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
 
 
-def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmup: int) -> list[dict]:
+def _allocated(cfg: Config) -> int | None:
+    """Bytes the CUDA caching allocator has handed out now (``None`` off CUDA)."""
+    if cfg.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(cfg.device)
+    return torch.cuda.memory_allocated(cfg.device)
+
+
+def _planned_bytes(model, scheme: str, batch: int, tokens: int) -> int:
+    """What ``kvbits.plan`` says ``batch`` sequences of ``tokens`` tokens of ``model`` take under ``scheme``."""
+    from kvbits.plan import plan
+
+    return plan(model.config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=model.dtype.itemsize)[
+        "total_bytes"
+    ]
+
+
+def end_to_end(
+    cfg: Config,
+    context: int,
+    batches: list[int],
+    tokens: int,
+    warmup: int,
+    progress: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Step (6): decode tokens/s per cache at ``context``; raises ``SystemExit`` if the fused path was
-    not taken on every decode step of every layer."""
+    not taken on every decode step of every layer. On CUDA each kvbits and ``DynamicCache`` run also
+    records the bytes its cache holds on the device after the run (``resident_bytes``: allocated now
+    minus before the cache was made, the generated logits freed) against ``kvbits.plan``
+    (``planned_bytes``), and the run's peak above that baseline (``peak_bytes``: activations included).
+    Runs not started by ``cfg.deadline`` are skipped and say so; ``progress(rows)`` after each run."""
     from kvbits.cache import QuantizedKVCache, use_fused_decode
 
     model = _e2e_model(cfg, context, tokens)
@@ -476,6 +516,15 @@ def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmu
         fp16_tps, fused_tokens = None, {}
         for name, scheme, how in runs:
             bytes_ = note = None
+            if _out_of_time(cfg):
+                rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                             "skipped": "time budget (--budget-s)"})  # fmt: skip
+                print(f"  e2e {name:20s} skipped: time budget")
+                continue
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(cfg.device)
+            base = _allocated(cfg)
             if name == "dynamic-fp16":
                 from transformers import DynamicCache
 
@@ -507,9 +556,18 @@ def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmu
                              "skipped": f"{type(exc).__name__}: {str(exc)[:160]}"})  # fmt: skip
                 print(f"  e2e {name:20s} failed: {exc}")
                 continue
+            mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None}
+            if name == "dynamic-fp16" or isinstance(cache, QuantizedKVCache):
+                mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + warmup + tokens)
+                if base is not None:
+                    mem["resident_bytes"] = _allocated(cfg) - base
+                    mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
             if isinstance(cache, QuantizedKVCache):
-                bytes_ = cache.memory_report()["total_bytes"]
+                report = cache.memory_report()
+                bytes_ = report["total_bytes"]
                 fr = cache.fused_report()
+                # held beside the K/V and reported apart: per-sequence position offsets, float32 RoPE tables
+                mem["extra_bytes"] = report["position_bytes"] + report["workspace_bytes"] + fr["rope_table_bytes"]
                 want = (warmup + tokens) * n_layers if how else 0
                 if fr["fused_steps"] != want or fr["fallback_steps"]:
                     raise SystemExit(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
@@ -527,13 +585,20 @@ def end_to_end(cfg: Config, context: int, batches: list[int], tokens: int, warmu
             row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
                    "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"],
                    "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
-                   "cache_bytes": bytes_, "note": note}  # fmt: skip
+                   "cache_bytes": bytes_, **mem, "note": note}  # fmt: skip
             rows.append(row)
+            if mem["resident_bytes"] is not None:
+                print(f"  e2e {name:20s} cache on the GPU: {mem['resident_bytes'] / 2**20:.1f} MiB held, "
+                      f"{mem['planned_bytes'] / 2**20:.1f} MiB planned "
+                      f"({mem['resident_bytes'] / mem['planned_bytes']:.3f}x) + {(mem['extra_bytes'] or 0) / 2**20:.1f} MiB "
+                      f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
             print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
                   f"({r['ms_per_step']:.2f} ms/step) {note or ''}")  # fmt: skip
             del cache
             if cfg.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if progress is not None:
+                progress(rows)
     model.set_attn_implementation("sdpa")
     return rows
 
@@ -603,8 +668,17 @@ def fused_timing(
     return ms, graph, store.nbytes
 
 
-def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
-    """Step (3)-(4): every (shape, batch, context) within the memory budget."""
+def sweep(
+    cfg: Config,
+    decode: Callable,
+    copy_gbps: float,
+    progress: Callable[[list[dict]], None] | None = None,
+    skipped: list[dict] | None = None,
+) -> list[dict]:
+    """Step (3)-(4): every (shape, batch, context) within the memory budget, batch by batch (the
+    largest batch last); ``progress(records)`` after each combo. Combos not run (memory budget, or
+    past ``cfg.deadline``) are appended to ``skipped`` with the reason."""
+    skipped = [] if skipped is None else skipped
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
@@ -612,11 +686,18 @@ def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
     variants = [("fp16", None, {})] + [(name, sch, {}) for name, sch in SCHEMES.items()]
     if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
         variants += [(name, sch, {"vectorized": False}) for name, sch in SCHEMES.items() if sch[0] == "int"]
-    for shape_name, shp in SHAPES.items():
-        for batch in cfg.batches:
+    for batch in cfg.batches:
+        for shape_name, shp in SHAPES.items():
             for context in cfg.contexts:
+                if _out_of_time(cfg):
+                    skipped.append({"shape": shape_name, "context": context, "batch": batch,
+                                    "reason": "time budget (--budget-s)"})  # fmt: skip
+                    print(f"  skip {shape_name} B={batch} T={context}: time budget")
+                    continue
                 kv_bytes = 2 * batch * shp["H_kv"] * context * shp["D"] * 2
                 if kv_bytes > cfg.max_bytes:
+                    skipped.append({"shape": shape_name, "context": context, "batch": batch,
+                                    "reason": f"fp16 K/V {kv_bytes / 1e9:.1f} GB > --max-gb"})  # fmt: skip
                     print(
                         f"  skip {shape_name} B={batch} T={context}: "
                         f"fp16 K/V {kv_bytes / 1e9:.1f} GB > --max-gb"
@@ -646,6 +727,8 @@ def sweep(cfg: Config, decode: Callable, copy_gbps: float) -> list[dict]:
                 )
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+                if progress is not None:
+                    progress(records)
     return records
 
 
@@ -708,17 +791,23 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
             f"{ctx if ctx is not None else '> ' + str(b['max_context_measured'])} |"
         )
     if e2e:
-        lines += ["", "| cache | scheme | batch | context | tokens/s | ms/step | vs fp16 | cache bytes | note |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        head = "| cache | scheme | batch | context | tokens/s | ms/step | vs fp16 | cache bytes | GPU held / planned | note |"
+        lines += ["", head, "|---|---|---|---|---|---|---|---|---|---|"]
         for r in e2e:
             if "skipped" in r:
                 lines.append(
-                    f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | {r['skipped']} |"
+                    f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | | {r['skipped']} |"
                 )
                 continue
             sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
+            held, planned, extra = r.get("resident_bytes"), r.get("planned_bytes"), r.get("extra_bytes")
+            if planned is None:
+                held = ""
+            else:
+                held = f"- / {planned}" if held is None else f"{held} / {planned} ({held / planned:.3f}x)"
+                held += f" + {extra} apart" if extra else ""
             lines.append(f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | {r['tokens_per_s']} | "
-                         f"{r['ms_per_step']} | {sp} | {r['cache_bytes'] or ''} | {r['note'] or ''} |")  # fmt: skip
+                         f"{r['ms_per_step']} | {sp} | {r['cache_bytes'] or ''} | {held} | {r['note'] or ''} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -761,6 +850,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="wall-clock budget: sweep combos stop starting at budget - 90 s (e2e's share), e2e runs at the "
+        "budget; what was skipped is listed (default 420; results are written after every combo)",
+    )
     return p.parse_args(argv)
 
 
@@ -781,6 +877,8 @@ def main(argv: list[str] | None = None) -> dict:
         kernel=kernel,
     )
     t0 = time.time()
+    e2e_share = 90.0 if args.e2e != "no" else 0.0
+    cfg.deadline = time.monotonic() + max(0.0, args.budget_s - e2e_share)
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -795,49 +893,63 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         env["triton"] = None
     print(f"# gpu_decode: {env}")
-    copy_gbps = copy_bandwidth(cfg)
-    print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
-    run_check = args.check == "yes" or (args.check == "auto" and env["triton"] is not None)
-    checks, records, quantize_records = [], [], []
-    if run_check and args.e2e != "only":
-        print("(2) correctness vs float64")
-        check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
-        checks = check_variants(check_cfg, _decoder(check_cfg))
-        print("(2b) quantize-and-pack kernel vs kvbits.quant.quantize (bit for bit), flush time")
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-        quantize_records = check_and_time_quantize(cfg, flush)
-    if args.e2e != "only":
-        decode = _decoder(cfg)
-        print(f"(3) decode attention sweep ({kernel})")
-        records = sweep(cfg, decode, copy_gbps)
-    be = break_even(records)
-    e2e = []
-    if args.e2e != "no":
-        context = args.e2e_context or (256 if cfg.smoke else 32768)
-        batches = args.e2e_batch or ([1] if cfg.smoke else [1, 8])
-        tokens = args.e2e_tokens or (4 if cfg.smoke else 32)
-        print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
-        e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else 4)
     result = {
         "version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "complete": False,  # True once every step ran; a killed run leaves what it had measured
         "smoke": cfg.smoke,
         "env": env,
-        "copy_gbps": round(copy_gbps, 1),
+        "budget_s": args.budget_s,
+        "copy_gbps": None,
         "layout": {
             "key": f"per-channel, {KEY_GROUP}-token groups",
             "value": f"per-token, {VALUE_GROUP}-channel groups",
             "residual_fp16": RESIDUAL,
         },
-        "checks": checks,
-        "quantize": quantize_records,
-        "records": records,
-        "break_even": be,
-        "e2e": e2e,
-        "seconds": round(time.time() - t0, 1),
+        "checks": [],
+        "quantize": [],
+        "records": [],
+        "skipped": [],
+        "break_even": [],
+        "e2e": [],
+        "seconds": None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+
+    def save(**fields) -> None:
+        result.update(fields, seconds=round(time.time() - t0, 1))
+        args.out.write_text(json.dumps(result, indent=1))
+
+    copy_gbps = copy_bandwidth(cfg)
+    save(copy_gbps=round(copy_gbps, 1))
+    print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+    run_check = args.check == "yes" or (args.check == "auto" and env["triton"] is not None)
+    records: list[dict] = []
+    if run_check and args.e2e != "only":
+        print("(2) correctness vs float64")
+        check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
+        save(checks=check_variants(check_cfg, _decoder(check_cfg)))
+        print("(2b) quantize-and-pack kernel vs kvbits.quant.quantize (bit for bit), flush time")
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+        save(quantize=check_and_time_quantize(cfg, flush))
+    if args.e2e != "only":
+        decode = _decoder(cfg)
+        print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
+        records = sweep(
+            cfg, decode, copy_gbps, lambda rows: save(records=rows, break_even=break_even(rows)), result["skipped"]
+        )
+    be = break_even(records)
+    save(records=records, break_even=be)
+    e2e: list[dict] = []
+    if args.e2e != "no":
+        cfg.deadline = time.monotonic() + max(0.0, args.budget_s - (time.time() - t0))
+        context = args.e2e_context or (256 if cfg.smoke else 32768)
+        batches = args.e2e_batch or ([1] if cfg.smoke else [1, 8])
+        tokens = args.e2e_tokens or (4 if cfg.smoke else 32)
+        print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
+        e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else 4,
+                         progress=lambda rows: save(e2e=rows))  # fmt: skip
+    save(e2e=e2e, complete=True)
     print(markdown(records, be, copy_gbps, e2e))
     print(f"\nwrote {args.out} in {time.time() - t0:.0f} s")
     return result

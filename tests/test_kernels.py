@@ -545,18 +545,9 @@ def test_kernel_pre_rope_nuq_keys_with_outliers():
 
 
 def test_gpu_benchmark_smoke_on_cpu(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
-    mod_spec = importlib.util.spec_from_file_location("gpu_decode_bench", path)
-    bench = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_spec.name] = bench  # dataclasses look their module up there
-    try:
-        mod_spec.loader.exec_module(bench)
-    finally:
-        del sys.modules[mod_spec.name]
+    bench = _load_bench()
     out = tmp_path / "gpu_decode.json"
     bench.main(["--smoke", "--device", "cpu", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -598,3 +589,53 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         assert row["tokens_per_s"] > 0 and row["note"] == "10 fused steps"  # (1 warm-up + 4) x 2 layers
         assert row["cache_bytes"] < fp16["cache_bytes"]
     assert e2e[("kvbits-dequant-sdpa", "kivi-4")]["note"].startswith("0 fused steps")
+    # the planner agrees with what each cache stores (GPU-held bytes are measured on CUDA only)
+    for (cache, _), row in e2e.items():
+        if cache.startswith("kvbits"):
+            assert row["planned_bytes"] == row["cache_bytes"] and row["resident_bytes"] is None
+    assert e2e[("kvbits-fused", "kvquant-4-block")]["extra_bytes"] > 0  # pre-RoPE keys: float32 RoPE tables
+    assert e2e[("kvbits-fused", "int8-token")]["extra_bytes"] == 0
+    assert fp16["planned_bytes"] * 2 == fp16["cache_bytes"]  # plan's fp16 is 2 bytes; the CPU model is float32
+    assert data["complete"] and data["skipped"] == [] and data["budget_s"] == 420
+
+
+def _load_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
+    mod_spec = importlib.util.spec_from_file_location("gpu_decode_bench", path)
+    bench = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_spec.name] = bench  # dataclasses look their module up there
+    try:
+        mod_spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[mod_spec.name]
+    return bench
+
+
+def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
+    """Past ``--budget-s`` no sweep combo or e2e run starts: each is listed as skipped and the file is
+    complete; a run killed midway leaves ``complete: false`` with what it had (written after each step)."""
+    import json
+
+    bench = _load_bench()
+    out = tmp_path / "gpu_decode.json"
+    bench.main(["--smoke", "--device", "cpu", "--check", "no", "--budget-s", "0", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["records"] == [] and data["copy_gbps"] > 0
+    assert len(data["skipped"]) == 2 * 2 and {s["reason"] for s in data["skipped"]} == {"time budget (--budget-s)"}
+    assert data["e2e"] and all(r["skipped"] == "time budget (--budget-s)" for r in data["e2e"])
+
+    calls = []
+    real_sweep = bench.sweep
+
+    def killed(cfg, decode, copy_gbps, progress, skipped):  # dies in the sweep after its first combo was saved
+        real_sweep(cfg, decode, copy_gbps, lambda rows: (progress(rows), calls.append(1), 1 / 0), skipped)
+
+    bench.sweep = killed
+    with pytest.raises(ZeroDivisionError):
+        bench.main(["--smoke", "--device", "cpu", "--check", "no", "--e2e", "no", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert calls == [1] and not data["complete"] and data["records"] and data["copy_gbps"] > 0
+    assert {r["context"] for r in data["records"]} == {256}  # the first combo only
