@@ -345,6 +345,10 @@ QUANTIZE_SPECS = {  # the append path of the presets: values per token, keys per
     "int4-channel-g128": _spec(4, "channel", 128),
     "int4-channel-static": _spec(4, "channel", None, static=True),
     "fp8-e4m3-token": _spec(8, "token", None, "fp8"),
+    # KVQuant (kvquant-4-block / kvquant-4): NUQ keys with block or static ranges, NUQ values, 1 % outliers
+    "nuq4-channel-g128-outl": _spec(4, "channel", 128, "nuq", outlier_frac=0.01),
+    "nuq4-channel-static-outl": _spec(4, "channel", None, "nuq", static=True, outlier_frac=0.01),
+    "nuq4-token-outl": _spec(4, "token", None, "nuq", outlier_frac=0.01),
 }
 
 
@@ -368,14 +372,20 @@ def check_and_time_quantize(cfg: Config, flush: torch.Tensor | None) -> list[dic
         kw = {}
         if spec.static:
             lo, hi = x.float().amin(dim=(0, 2)) * 0.8, x.float().amax(dim=(0, 2)) * 0.8
-            kw = {"static_scale": ((hi - lo) / 15).half(), "static_zero": lo.half()}
+            width = (hi - lo) if spec.kind == "nuq" else (hi - lo) / 15  # NUQ ranges are the range itself
+            kw = {"static_scale": width.half(), "static_zero": lo.half()}
+        if spec.kind == "nuq":
+            u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)
+            kw["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(cfg.device)
         want, got = quantize(x, spec, **kw), quantize_pack_triton(x, spec, **kw)
         same = (
             torch.equal(want.data, got.data)
             and torch.equal(want.scale, got.scale)
             and (want.zero is None or torch.equal(want.zero, got.zero))
+            and (want.outlier_values is None or (torch.equal(want.outlier_values, got.outlier_values)
+                                                 and torch.equal(want.outlier_index, got.outlier_index)))
             and want.clipped == got.clipped
-        )
+        )  # fmt: skip
         rec = {"spec": name, "shape": [B, H, n, D], "bit_exact": same}
         if not same:
             raise SystemExit(

@@ -87,7 +87,7 @@ def test_quantize_kernel_sync_free_count_and_unsupported():
     assert int(qt.clipped) == quantize(x, s, static_scale=scale, static_zero=zero).clipped > 0
     for bad in (
         spec(3, "token"),
-        spec(4, "token", outlier_frac=0.05),
+        TensorSpec(kind="nuq", bits=3, fmt=None, granularity="token", outlier_frac=0.05),
         spec(4, "head"),
         spec(4, "channel", 48),
     ):
@@ -197,3 +197,133 @@ def test_fp8_rounding_every_boundary(fmt: str):
     got = quantize_pack_triton(x, s).data.view(torch.uint8)
     want = x.to(dt).view(torch.uint8)  # torch's cast (round half to even; |x| <= max here)
     assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# NUQ codebooks and dense-and-sparse outliers (KVQuant), bit for bit
+# --------------------------------------------------------------------------------------------------
+
+
+def nuq(bits: int, gran: str = "token", group: int | None = None, **kw) -> TensorSpec:
+    return TensorSpec(kind="nuq", bits=bits, fmt=None, granularity=gran, group_size=group, **kw)
+
+
+def warped_codebook(bits: int) -> torch.Tensor:
+    """A non-uniform codebook (denser near 0, as Fisher-weighted k-means gives), float16, sorted."""
+    u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+    return (u.abs() ** 1.5 * u.sign()).half()
+
+
+OUTLIER_CASES = [  # (spec, needs a codebook)
+    nuq(4, "token"),
+    nuq(2, "token", 32),
+    nuq(4, "token", None, symmetric=True),
+    nuq(4, "channel", 32),
+    nuq(4, "channel", 32, outlier_frac=0.02),  # kvquant-*-block keys: block ranges + 1 % (here 2 %) outliers
+    nuq(4, "token", None, outlier_frac=0.05),  # kvquant values
+    nuq(2, "channel", None, static=True, outlier_frac=0.02),  # static kvquant keys: calibrated ranges
+    nuq(4, "channel", None, static=True, symmetric=True),
+    spec(4, "token", 32, outlier_frac=0.05),  # integer codes with outliers
+    spec(2, "channel", 32, symmetric=True, outlier_frac=0.02),
+    spec(4, "channel", None, static=True, outlier_frac=0.02),
+    TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token", outlier_frac=0.02),
+    TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="tensor", static=True, outlier_frac=0.02),
+]
+
+
+def _static_kw(x: torch.Tensor, s: TensorSpec) -> dict:
+    """Calibrated ranges 0.8x narrower than the data (some elements clip and are counted)."""
+    if s.kind == "fp8":
+        # saturates well inside the bulk (|x| > 22 for e4m3, > 11 for e5m2), beyond the few outliers
+        return {"static_scale": torch.tensor(0.05 if s.fmt == "e4m3" else 0.0002)} if s.static else {}
+    if not s.static:
+        return {}
+    lo, hi = x.float().amin(dim=(0, 2)) * 0.8, x.float().amax(dim=(0, 2)) * 0.8
+    if s.kind == "nuq":  # NUQ ranges are the range itself (symmetric: the largest magnitude)
+        width = torch.maximum(hi.abs(), lo.abs()) if s.symmetric else hi - lo
+    else:
+        levels = 2 ** (s.bits - 1) - 1 if s.symmetric else 2**s.bits - 1
+        width = (torch.maximum(hi.abs(), lo.abs()) if s.symmetric else hi - lo) / levels
+    return {"static_scale": width.half(), "static_zero": None if s.symmetric else lo.half()}
+
+
+def assert_same_quantized(got, want) -> None:
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert got.scale.shape == want.scale.shape and torch.equal(got.scale, want.scale)
+    assert (got.zero is None) == (want.zero is None) and (want.zero is None or torch.equal(got.zero, want.zero))
+    assert (got.outlier_values is None) == (want.outlier_values is None)
+    if want.outlier_values is not None:
+        assert torch.equal(got.outlier_values, want.outlier_values)
+        assert torch.equal(got.outlier_index, want.outlier_index)
+    assert (got.codebook is None) == (want.codebook is None)
+    assert got.clipped == want.clipped
+    assert (got.static, got.shape, got.nbytes) == (want.static, want.shape, want.nbytes)
+    assert torch.equal(got.dequantize(), want.dequantize())
+
+
+@needs_triton
+@pytest.mark.parametrize("s", OUTLIER_CASES, ids=str)
+def test_quantize_kernel_nuq_and_outliers_bit_for_bit(s: TensorSpec):
+    """NUQ codes (nearest codebook entry, ties to the lower) and outliers left out of the ranges and the
+    clipped count: the kernel's ``QuantizedTensor`` is the reference's, byte for byte. The hard block has
+    constant groups (outliers among equal magnitudes: ``torch.topk``'s ties) and static ranges that clip."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    x = hard_block(torch.Generator().manual_seed(54)).to(DEVICE)
+    kw = _static_kw(x, s)
+    if s.kind == "nuq":
+        kw["codebook"] = warped_codebook(s.bits).to(DEVICE)
+    want, got = quantize(x, s, **kw), quantize_pack_triton(x, s, **kw)
+    assert_same_quantized(got, want)
+    if s.outlier_frac:
+        assert got.outlier_values is not None and got.outlier_values.shape[-1] >= 1
+    assert (want.clipped > 0) == bool(s.static)
+
+
+@needs_triton
+def test_nuq_codes_at_exact_midpoints_go_to_the_lower_entry():
+    """Values placed exactly on codebook midpoints (``u`` = midpoint with no rounding: range [0, 2], so
+    ``u = x - 1``) take the lower entry in both paths, as ``torch.bucketize``; one float32 step above
+    takes the upper one."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    cb = torch.linspace(-1, 1, 16, dtype=torch.float64).half()  # entries k/7.5 - 1 rounded to float16
+    c = cb.float()
+    mids = (c[1:] + c[:-1]) / 2
+    row = torch.cat([torch.tensor([0.0, 2.0]), mids + 1, torch.nextafter(mids + 1, torch.tensor(3.0))])
+    x = torch.cat([row, torch.ones(64 - row.numel())]).reshape(1, 1, 1, 64).repeat(1, 1, 16, 1).to(DEVICE)
+    s = nuq(4, "token")
+    want = quantize(x, s, codebook=cb.to(DEVICE))
+    got = quantize_pack_triton(x, s, codebook=cb.to(DEVICE))
+    assert_same_quantized(got, want)
+    codes = want.dequantize().float()[0, 0, 0, 2 : 2 + 15]
+    assert torch.equal(codes, c[:15].to(DEVICE) + 1)  # each midpoint decoded to its lower entry
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme", ["kvquant4-block", "kvquant4-static"])
+def test_kvquant_cache_flushes_through_the_kernel(monkeypatch, scheme: str):
+    """The KVQuant layouts' flushes (pre-RoPE NUQ keys with block or static ranges, NUQ values, 5 %
+    outliers) go through the kernel, and the cache stores exactly the reference's bytes."""
+    from unittest import mock
+
+    from test_fused_cache import SCHEMES, build, code_flips, generate
+
+    from kvbits.kernels import triton_quantize
+    from kvbits.schemes import KVScheme
+
+    sch = SCHEMES.get(scheme) or KVScheme(
+        "t-kvquant4-block", key=nuq(4, "channel", 16, pre_rope=True, outlier_frac=0.05),
+        value=nuq(4, "token", outlier_frac=0.05), sinks=2, residual=4, block=16,
+    )  # fmt: skip
+    model = build("llama")
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    fn = triton_quantize.quantize_pack_triton
+    with mock.patch.object(triton_quantize, "quantize_pack_triton", wraps=fn) as kernel:
+        seq, logits, cache = generate(model, sch, fused=False, attn=False, new=6)
+    assert {call.args[1] for call in kernel.call_args_list} == {sch.key, sch.value}
+    assert code_flips(ref, cache) == (0, code_flips(ref, ref)[1])
+    assert ref.memory_report() == cache.memory_report()
+    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)

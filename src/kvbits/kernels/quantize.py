@@ -62,7 +62,9 @@ def quantize_pack(
             check_kv(x, "K/V block")
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 
-        return quantize_pack_triton(x, spec, static_scale=static_scale, static_zero=static_zero, sync=sync)
+        return quantize_pack_triton(
+            x, spec, static_scale=static_scale, static_zero=static_zero, codebook=codebook, sync=sync
+        )
     kw = {"codebook": codebook} if codebook is not None else {}
     return quantize(
         x, spec, static_scale=static_scale, static_zero=static_zero, validate=validate, sync=sync, **kw

@@ -18,8 +18,11 @@ Formats: integer codes of 2, 4 or 8 bits, asymmetric or symmetric, per token (gr
 channels), per channel over groups of ``G`` tokens (KIVI keys, block-wise KVQuant ranges), or static
 per-channel ranges from a calibration (clipped elements counted with one atomic add per program);
 FP8 e4m3 / e5m2 with one scale per token row or one static scale (``_fp8_kernel``: the float8 bits are
-assembled from the float32 fields with round half to even, as torch's casts). Everything else (3-bit
-codes, NUQ, outliers, head / tensor integer granularity) is left to the torch reference by
+assembled from the float32 fields with round half to even, as torch's casts). NUQ codes (KVQuant) in
+the same layouts: the index of the nearest codebook entry, as ``torch.bucketize`` over the entries'
+midpoints. Dense-and-sparse outliers with any of these: chosen by the reference's ``select_outliers``
+(``torch.topk``; ties resolve as there), then left out of the ranges and clipped counts in the kernel.
+3-bit codes and head / tensor integer granularity are left to the torch reference by
 ``kvbits.kernels.quantize.quantize_pack``.
 
 This module imports Triton at import time; import it through ``kvbits.kernels.quantize``.
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbits.quant.tensor import QuantizedTensor, _static_qparams
+from kvbits.quant.tensor import QuantizedTensor, _codebook, _static_qparams, select_outliers
 from kvbits.schemes import TensorSpec
 
 __all__ = ["quantize_pack_triton", "supported"]
@@ -99,6 +102,59 @@ def _qparams(lo, hi, amax, BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
+def _nuq_codes(x, s, z, MIDS, BITS: tl.constexpr, SYM: tl.constexpr):
+    """NUQ codes (int32) and a clipped mask (``quantize_nuq``): ``u`` as ``nuq_normalize`` computes it, then
+    the number of codebook midpoints ``MIDS`` (float32, ``2**BITS - 1``, sorted) strictly below ``u``
+    (``torch.bucketize``: ties go to the lower entry), found by ``BITS`` steps of binary lifting."""
+    safe = tl.where(s > 0, s, 1.0)
+    if SYM:
+        u = tl.where(s > 0, tl.math.div_rn(x, safe), 0.0)
+    else:
+        u = tl.where(s > 0, tl.math.div_rn(2.0 * (x - z), safe) - 1.0, -1.0)
+    code = tl.zeros_like(u).to(tl.int32)
+    for step in tl.static_range(BITS):
+        half: tl.constexpr = 1 << (BITS - 1 - step)
+        m = tl.load(MIDS + code + (half - 1))
+        code = tl.where(m < u, code + half, code)
+    return code, tl.abs(u) > 1.000001  # quantize_nuq's float32 tolerance 1 + 1e-6
+
+
+@triton.jit
+def _nuq_qparams(lo, hi, amax, SYM: tl.constexpr):
+    """float16 ``(scale, zero)`` of a NUQ group (``choose_nuq_params``): the range itself, no levels."""
+    if SYM:
+        scale = _fp16_up(amax)
+        zero = scale
+    else:
+        zero = _fp16_down(lo)
+        scale = _fp16_up(tl.maximum(hi - zero.to(tl.float32), 0.0))
+    return scale, zero
+
+
+@triton.jit
+def _group_params(x, out, AXIS: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, NUQ: tl.constexpr):
+    """float16 ``(scale, zero)`` over ``AXIS`` (keep_dims) of float32 ``x``, ignoring entries where ``out``
+    (dense-and-sparse outliers) is true; a group of outliers only gets the range ``[0, 0]``
+    (``masked_range``)."""
+    lo = tl.min(tl.where(out, float("inf"), x), axis=AXIS, keep_dims=True)
+    hi = tl.max(tl.where(out, -float("inf"), x), axis=AXIS, keep_dims=True)
+    amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=AXIS, keep_dims=True)
+    empty = lo == float("inf")
+    lo = tl.where(empty, 0.0, lo)
+    hi = tl.where(empty, 0.0, hi)
+    if NUQ:
+        return _nuq_qparams(lo, hi, amax, SYM)
+    return _qparams(lo, hi, amax, BITS, SYM)
+
+
+@triton.jit
+def _any_codes(x, s, z, MIDS, BITS: tl.constexpr, SYM: tl.constexpr, NUQ: tl.constexpr):
+    if NUQ:
+        return _nuq_codes(x, s, z, MIDS, BITS, SYM)
+    return _codes(x, s, z, BITS, SYM)
+
+
+@triton.jit
 def _pack(code, PER: tl.constexpr, BITS: tl.constexpr):
     """``(R, NB, PER)`` codes → ``(R, NB)`` bytes: code ``k`` at bits ``[k * BITS, (k + 1) * BITS)``."""
     shift = tl.arange(0, PER) * BITS
@@ -109,15 +165,19 @@ def _pack(code, PER: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _quantize_kernel(
     X, CODES, SCALE, ZERO, SS, SZ, CLIP,   # x (B*H, n, D); codes (B*H, n, NB); scale/zero out; static (H, D); count
+    OM, MIDS,                              # outlier mask (B*H, n, D) uint8; NUQ codebook midpoints float32
     n, H,
     D: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, GC: tl.constexpr, MODE: tl.constexpr,
-    SYM: tl.constexpr,
+    SYM: tl.constexpr, NUQ: tl.constexpr, OUTL: tl.constexpr,
 ):
     """Grid ``(B * H_kv, cdiv(n, ROWS))``: ``ROWS`` tokens of one (sequence, head) per program.
 
     ``MODE`` 0: per-token scales over groups of ``GC`` channels (scale ``(B*H, n, D / GC)``); 1: per-channel
     scales over the ``ROWS`` tokens of the program (scale ``(B*H, n / ROWS, D)``); 2: static per-channel
-    ``SS`` / ``SZ`` ``(H, D)`` float16. Clipped elements are added to ``CLIP``.
+    ``SS`` / ``SZ`` ``(H, D)`` float16. ``NUQ``: codebook codes (``MIDS``) instead of integer ones.
+    ``OUTL``: entries flagged in ``OM`` (outliers, stored apart) are left out of the ranges and of the
+    clipped count (their codes are written, as the reference writes them). Clipped elements are added
+    to ``CLIP``.
     """
     PER: tl.constexpr = 8 // BITS  # codes per byte
     NB: tl.constexpr = D // PER  # bytes per row
@@ -136,12 +196,19 @@ def _quantize_kernel(
         offs_k = tl.arange(0, PER)
         d = offs_g[None, :, None, None] * GC + offs_j[None, None, :, None] * PER + offs_k[None, None, None, :]
         m4 = tmask[:, None, None, None]
-        x = tl.load(x_row + t[:, None, None, None] * D + d, mask=m4, other=0.0).to(tl.float32)
-        lo = tl.min(tl.min(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
-        hi = tl.max(tl.max(x, axis=3, keep_dims=True), axis=2, keep_dims=True)
-        amax = tl.max(tl.max(tl.abs(x), axis=3, keep_dims=True), axis=2, keep_dims=True)
-        scale, zero = _qparams(lo, hi, amax, BITS, SYM)  # (ROWS, NG, 1, 1) float16
-        code, clipped = _codes(x, scale.to(tl.float32), zero.to(tl.float32), BITS, SYM)
+        offs = t[:, None, None, None] * D + d
+        x = tl.load(x_row + offs, mask=m4, other=0.0).to(tl.float32)
+        out = tl.zeros_like(x) != 0.0
+        if OUTL:
+            out = tl.load(OM + bh * n * D + offs, mask=m4, other=0) != 0
+        # (ROWS, NG, GC / PER * PER) -> one group per (row, g): reduce the last two axes through a reshape
+        xg = tl.reshape(x, (ROWS, NG, GC))
+        og = tl.reshape(out, (ROWS, NG, GC))
+        scale, zero = _group_params(xg, og, 2, BITS, SYM, NUQ)  # (ROWS, NG, 1) float16
+        scale = tl.reshape(scale, (ROWS, NG, 1, 1))
+        zero = tl.reshape(zero, (ROWS, NG, 1, 1))
+        code, clipped = _any_codes(x, scale.to(tl.float32), zero.to(tl.float32), MIDS, BITS, SYM, NUQ)
+        clipped = clipped & ~out
         n_clip = tl.sum(tl.sum(tl.sum(tl.sum((clipped & m4).to(tl.int32), axis=3), axis=2), axis=1), axis=0)
         packed = _pack(tl.reshape(code, (ROWS, NB, PER)), PER, BITS)
         s_off = (bh * n + t[:, None]) * NG + offs_g[None, :]
@@ -154,24 +221,26 @@ def _quantize_kernel(
         offs_k = tl.arange(0, PER)
         d = offs_b[None, :, None] * PER + offs_k[None, None, :]
         m3 = tmask[:, None, None]
-        x = tl.load(x_row + t[:, None, None] * D + d, mask=m3, other=0.0).to(tl.float32)
+        offs = t[:, None, None] * D + d
+        x = tl.load(x_row + offs, mask=m3, other=0.0).to(tl.float32)
+        out = tl.zeros_like(x) != 0.0
+        if OUTL:
+            out = tl.load(OM + bh * n * D + offs, mask=m3, other=0) != 0
         if MODE == 1:
-            lo = tl.min(x, axis=0, keep_dims=True)
-            hi = tl.max(x, axis=0, keep_dims=True)
-            amax = tl.max(tl.abs(x), axis=0, keep_dims=True)
-            scale, zero = _qparams(lo, hi, amax, BITS, SYM)  # (1, NB, PER)
+            scale, zero = _group_params(x, out, 0, BITS, SYM, NUQ)  # (1, NB, PER)
             s_off = (bh * (n // ROWS) + blk) * D + d
             tl.store(SCALE + s_off, scale)
             if not SYM:
                 tl.store(ZERO + s_off, zero)
-            code, clipped = _codes(x, scale.to(tl.float32), zero.to(tl.float32), BITS, SYM)
+            code, clipped = _any_codes(x, scale.to(tl.float32), zero.to(tl.float32), MIDS, BITS, SYM, NUQ)
         else:
             h = bh % H
             s = tl.load(SS + h * D + d).to(tl.float32)
             z = s
             if not SYM:
                 z = tl.load(SZ + h * D + d).to(tl.float32)
-            code, clipped = _codes(x, s, z, BITS, SYM)
+            code, clipped = _any_codes(x, s, z, MIDS, BITS, SYM, NUQ)
+        clipped = clipped & ~out
         n_clip = tl.sum(tl.sum(tl.sum((clipped & m3).to(tl.int32), axis=2), axis=1), axis=0)
         packed = _pack(code, PER, BITS)
     tl.atomic_add(CLIP, n_clip)  # dynamic ranges clip nothing (scale rounded up, zero down); static ones may
@@ -214,24 +283,29 @@ def _to_fp8_bits(y, FMT: tl.constexpr):
 
 # fmt: off
 @triton.jit
-def _fp8_kernel(X, CODES, SCALE, SS, CLIP, n, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
-                STATIC: tl.constexpr, FMAX: tl.constexpr):
+def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
+                STATIC: tl.constexpr, FMAX: tl.constexpr, OUTL: tl.constexpr):
     """Grid ``(B * H_kv, cdiv(n, ROWS))``: FP8 codes ``(B*H, n, D)`` (uint8) with one float16 scale per
-    row (``SCALE (B*H, n)``: ``amax / FMAX`` rounded up) or one static float32 scale ``SS``."""
+    row (``SCALE (B*H, n)``: ``amax / FMAX`` rounded up) or one static float32 scale ``SS``. ``OUTL``:
+    entries flagged in ``OM`` are left out of the row maximum and of the clipped count."""
     bh = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
     tmask = t < n
-    x = tl.load(X + bh * n * D + t[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    offs = bh * n * D + t[:, None] * D + d[None, :]
+    x = tl.load(X + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
+    out = tl.zeros_like(x) != 0.0
+    if OUTL:
+        out = tl.load(OM + offs, mask=tmask[:, None], other=0) != 0
     if STATIC:
         s = tl.load(SS).to(tl.float32)
     else:
-        amax = tl.max(tl.abs(x), axis=1, keep_dims=True)  # (ROWS, 1)
+        amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=1, keep_dims=True)  # (ROWS, 1)
         sh = _fp16_up(tl.math.div_rn(amax, FMAX))
         tl.store(SCALE + bh * n + t[:, None], sh, mask=tmask[:, None])
         s = sh.to(tl.float32)
     y = tl.math.div_rn(x, tl.where(s > 0, s, 1.0))
-    clipped = (tl.abs(y) > FMAX) & tmask[:, None]
+    clipped = (tl.abs(y) > FMAX) & tmask[:, None] & ~out
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
     code = _to_fp8_bits(y, FMT)
     tl.store(CODES + bh * n * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=tmask[:, None])
@@ -252,12 +326,8 @@ def _is_pow2(n: int) -> bool:
 
 def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
     """``None`` when ``quantize_pack_triton`` handles ``x`` ``(B, H_kv, n, D)`` under ``spec``, else why not."""
-    if spec.kind not in ("int", "fp8") or (spec.kind == "int" and spec.bits not in (2, 4, 8)):
-        return (
-            f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/4/8-bit integer and FP8 codes)"
-        )
-    if spec.outlier_frac > 0:
-        return "dense-and-sparse outliers"
+    if spec.kind not in ("int", "nuq", "fp8") or (spec.kind != "fp8" and spec.bits not in (2, 4, 8)):
+        return f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/4/8-bit integer/NUQ and FP8 codes)"
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x must be a float16/bfloat16/float32 (B, H_kv, n, D) tensor, got {x.dtype} {tuple(x.shape)}"
     D, n = x.shape[3], x.shape[2]
@@ -284,14 +354,19 @@ def quantize_pack_triton(
     *,
     static_scale: torch.Tensor | None = None,
     static_zero: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
     sync: bool = True,
 ) -> QuantizedTensor:
     """``kvbits.quant.quantize(x, spec, ...)`` in one kernel: the same ``QuantizedTensor``, bit for bit.
 
+    Dense-and-sparse outliers are chosen by the reference's own ``select_outliers`` (``torch.topk``, so
+    ties resolve identically); the kernel leaves them out of the ranges and the clipped count.
+
     Args:
         x: ``(B, H_kv, n, D)`` new tokens (finite; the cache checks them before storing).
-        spec: an integer spec ``supported`` accepts.
+        spec: a spec ``supported`` accepts.
         static_scale, static_zero: static specs: the calibrated ``(H_kv, D)`` (or ``(1, H_kv, 1, D)``) ranges.
+        codebook: NUQ specs: the float16 ``(2**bits,)`` codebook (as ``quantize``).
         sync: ``False`` keeps the clipped count a 0-dim int64 device tensor (no host sync).
     """
     reason = supported(x, spec)
@@ -300,9 +375,14 @@ def quantize_pack_triton(
     if spec.kind == "fp8":
         return _quantize_fp8(x, spec, static_scale, sync)
     B, H, n, D = x.shape
-    bits, sym = spec.bits, spec.symmetric
+    bits, sym, nuq = spec.bits, spec.symmetric, spec.kind == "nuq"
     dev = x.device
     xc = x.contiguous()
+    mids = torch.empty(1, dtype=torch.float32, device=dev)
+    if nuq:
+        codebook = _codebook(codebook, bits, sync)
+        c = codebook.to(dev, torch.float32)
+        mids = ((c[1:] + c[:-1]) / 2).contiguous()  # as quantize_nuq computes them
     codes = torch.empty(B, H, n, D * bits // 8, dtype=torch.uint8, device=dev)
     clip = torch.zeros(1, dtype=torch.int32, device=dev)
     dummy = torch.empty(1, dtype=torch.float16, device=dev)
@@ -325,16 +405,19 @@ def quantize_pack_triton(
         )  # (1, H, 1, D)-broadcastable float16
         ss = scale.expand(1, H, 1, D).reshape(H, D).contiguous()
         sz = zero.expand(1, H, 1, D).reshape(H, D).contiguous() if zero is not None else dummy
+    o_vals, o_idx, mask = select_outliers(x, spec, (scale, zero) if mode == 2 else None)
+    om = dummy if mask is None else mask.contiguous().view(torch.uint8)
     if n:
         _quantize_kernel[(B * H, triton.cdiv(n, rows))](
             xc, codes, scale if mode != 2 else dummy, zero if (zero is not None and mode != 2) else dummy,
-            ss, sz, clip, n, H,
-            D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym,
+            ss, sz, clip, om, mids, n, H,
+            D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym, NUQ=nuq, OUTL=mask is not None,
         )  # fmt: skip
     clipped = _clip_count(clip, sync)
     return QuantizedTensor(
-        spec, (B, H, n, D), codes, scale=scale, zero=zero, clipped=clipped, static=spec.static
-    )
+        spec, (B, H, n, D), codes, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
+        clipped=clipped, static=spec.static, codebook=codebook if nuq else None,
+    )  # fmt: skip
 
 
 def _quantize_fp8(
@@ -357,13 +440,16 @@ def _quantize_fp8(
     else:
         ss = torch.empty(1, dtype=torch.float32, device=dev)
         out_scale = torch.empty(B, H, n, 1, dtype=torch.float16, device=dev)
+    o_vals, o_idx, mask = select_outliers(x, spec, None)
+    om = clip if mask is None else mask.contiguous().view(torch.uint8)
     if n:
         _fp8_kernel[(B * H, triton.cdiv(n, TOKEN_ROWS))](
-            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, n,
+            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, om, n,
             D=D, ROWS=TOKEN_ROWS, FMT=0 if spec.fmt == "e4m3" else 1, STATIC=static, FMAX=fp8_max(spec.fmt),
+            OUTL=mask is not None,
         )  # fmt: skip
     clipped = _clip_count(clip, sync)
     return QuantizedTensor(
         spec, (B, H, n, D), codes.view(fp8_dtype(spec.fmt)), scale=scale if static else out_scale,
-        clipped=clipped, static=static,
+        outlier_values=o_vals, outlier_index=o_idx, clipped=clipped, static=static,
     )  # fmt: skip

@@ -184,11 +184,7 @@ def quantize(
     if spec.kind == "nuq":
         _codebook(codebook, spec.bits, sync)
     static_qp = _static_qparams(x, spec, static_scale, static_zero) if spec.kind in ("int", "nuq") else None
-    k = outlier_count(D, spec.outlier_frac)
-    o_vals = o_idx = mask = None
-    if k:
-        score = None if static_qp is None else _ungroup(_static_score(_group(x, spec), spec, *static_qp), spec, n, D)
-        o_vals, o_idx, mask = gather_outliers(x, k, score=score)
+    o_vals, o_idx, mask = select_outliers(x, spec, static_qp)
     if spec.kind == "fp8":
         if spec.static or spec.granularity == "tensor":
             scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
@@ -269,6 +265,20 @@ def _static_qparams(
     return out[0], out[1]
 
 
+def select_outliers(
+    x: torch.Tensor, spec: TensorSpec, static_qp: tuple[torch.Tensor, torch.Tensor | None] | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The dense-and-sparse outliers ``quantize`` keeps for block ``x`` ``(B, H_kv, n, D)``: ``(values,
+    index, mask)`` of ``gather_outliers`` (``None`` thrice when the spec keeps none). Ranked by magnitude,
+    or under static int/NUQ ranges (``static_qp``, from ``_static_qparams``) by ``_static_score``."""
+    n, D = x.shape[2], x.shape[3]
+    k = outlier_count(D, spec.outlier_frac)
+    if not k:
+        return None, None, None
+    score = None if static_qp is None else _ungroup(_static_score(_group(x, spec), spec, *static_qp), spec, n, D)
+    return gather_outliers(x, k, score=score)
+
+
 def _static_score(
     xg: torch.Tensor, spec: TensorSpec, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> torch.Tensor:
@@ -298,11 +308,7 @@ def codebook_inputs(
     n, D = x.shape[2], x.shape[3]
     static_qp = _static_qparams(x, spec, static_scale, static_zero)
     xg = _group(x, spec)
-    mask = None
-    k = outlier_count(D, spec.outlier_frac)
-    if k:
-        score = None if static_qp is None else _ungroup(_static_score(xg, spec, *static_qp), spec, n, D)
-        mask = gather_outliers(x, k, score=score)[2]
+    mask = select_outliers(x, spec, static_qp)[2]
     mg = _group(mask, spec) if mask is not None else None
     if static_qp is not None:
         scale, zero = static_qp
