@@ -349,6 +349,7 @@ QUANTIZE_SPECS = {  # the append path of the presets: values per token, keys per
     "nuq4-channel-g128-outl": _spec(4, "channel", 128, "nuq", outlier_frac=0.01),
     "nuq4-channel-static-outl": _spec(4, "channel", None, "nuq", static=True, outlier_frac=0.01),
     "nuq4-token-outl": _spec(4, "token", None, "nuq", outlier_frac=0.01),
+    "nuq3-channel-g128-outl": _spec(3, "channel", 128, "nuq", outlier_frac=0.01),  # kvquant-3-block keys
 }
 
 

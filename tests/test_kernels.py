@@ -554,7 +554,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     assert data["version"] == 1 and data["smoke"] and data["copy_gbps"] > 0
     assert bool(data["checks"]) == (triton_decode is not None) and all(c["ok"] for c in data["checks"])
     if triton_decode is not None:  # the quantize kernel, bit for bit on this device (interpreter here)
-        assert len(data["quantize"]) == 9 and all(r["bit_exact"] for r in data["quantize"])
+        assert len(data["quantize"]) == 10 and all(r["bit_exact"] for r in data["quantize"])
     need = {"kernel", "scheme", "shape", "context", "batch", "ms", "gbps", "frac_of_copy", "speedup_vs_fp16"}
     assert data["records"] and all(need <= set(r) for r in data["records"])
     schemes = {(r["kernel"], r["scheme"]) for r in data["records"]}

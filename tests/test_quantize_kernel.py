@@ -28,6 +28,10 @@ QUANT_SPECS = [
     spec(4, "channel", None, static=True),
     spec(2, "channel", None, static=True),
     spec(8, "channel", None, static=True, symmetric=True),
+    spec(3, "token"),  # 3-bit: 8 codes in 3 bytes
+    spec(3, "token", 8, symmetric=True),
+    spec(3, "channel", 32),
+    spec(3, "channel", None, static=True),
 ]
 
 
@@ -86,8 +90,8 @@ def test_quantize_kernel_sync_free_count_and_unsupported():
     assert isinstance(qt.clipped, torch.Tensor) and qt.clipped.dtype == torch.int64
     assert int(qt.clipped) == quantize(x, s, static_scale=scale, static_zero=zero).clipped > 0
     for bad in (
-        spec(3, "token"),
-        TensorSpec(kind="nuq", bits=3, fmt=None, granularity="token", outlier_frac=0.05),
+        spec(3, "token", 4),  # half a 3-bit packing unit per group
+        spec(4, "tensor"),
         spec(4, "head"),
         spec(4, "channel", 48),
     ):
@@ -107,8 +111,8 @@ def test_quantize_dispatch(monkeypatch, caplog):
     if triton_decode is not None:
         assert qmod.resolve_quantize_kernel(x, spec(4, "token")) == "triton"
         with caplog.at_level("INFO", logger="kvbits.kernels.quantize"):
-            assert qmod.resolve_quantize_kernel(x, spec(3, "token")) == "reference"
-        assert "3-bit" in caplog.text
+            assert qmod.resolve_quantize_kernel(x, spec(4, "head")) == "reference"
+        assert "head granularity" in caplog.text
         qt = qmod.quantize_pack(x, spec(4, "channel", 32))
         assert torch.equal(qt.data, quantize(x, spec(4, "channel", 32)).data)
         bad = x.clone()
@@ -219,6 +223,8 @@ OUTLIER_CASES = [  # (spec, needs a codebook)
     nuq(2, "token", 32),
     nuq(4, "token", None, symmetric=True),
     nuq(4, "channel", 32),
+    nuq(3, "channel", 16, outlier_frac=0.05),  # kvquant-3-block
+    nuq(3, "token", None, outlier_frac=0.05),
     nuq(4, "channel", 32, outlier_frac=0.02),  # kvquant-*-block keys: block ranges + 1 % (here 2 %) outliers
     nuq(4, "token", None, outlier_frac=0.05),  # kvquant values
     nuq(2, "channel", None, static=True, outlier_frac=0.02),  # static kvquant keys: calibrated ranges
@@ -301,7 +307,7 @@ def test_nuq_codes_at_exact_midpoints_go_to_the_lower_entry():
 
 
 @needs_triton
-@pytest.mark.parametrize("scheme", ["kvquant4-block", "kvquant4-static"])
+@pytest.mark.parametrize("scheme", ["kvquant4-block", "kvquant4-static", "kvquant3-block"])
 def test_kvquant_cache_flushes_through_the_kernel(monkeypatch, scheme: str):
     """The KVQuant layouts' flushes (pre-RoPE NUQ keys with block or static ranges, NUQ values, 5 %
     outliers) go through the kernel, and the cache stores exactly the reference's bytes."""

@@ -14,7 +14,7 @@ Exactness follows the reference's formulas (``kvbits.quant.affine``) operation b
 - round half to even (``_rint``, as ``torch.round``), clamp, then the little-endian bit packing of
   ``kvbits.quant.pack`` (code ``k`` of a byte at bits ``[k * bits, (k + 1) * bits)``).
 
-Formats: integer codes of 2, 4 or 8 bits, asymmetric or symmetric, per token (groups of ``g``
+Formats: integer codes of 2, 3, 4 or 8 bits, asymmetric or symmetric, per token (groups of ``g``
 channels), per channel over groups of ``G`` tokens (KIVI keys, block-wise KVQuant ranges), or static
 per-channel ranges from a calibration (clipped elements counted with one atomic add per program);
 FP8 e4m3 / e5m2 with one scale per token row or one static scale (``_fp8_kernel``: the float8 bits are
@@ -22,8 +22,8 @@ assembled from the float32 fields with round half to even, as torch's casts). NU
 the same layouts: the index of the nearest codebook entry, as ``torch.bucketize`` over the entries'
 midpoints. Dense-and-sparse outliers with any of these: chosen by the reference's ``select_outliers``
 (``torch.topk``; ties resolve as there), then left out of the ranges and clipped counts in the kernel.
-3-bit codes and head / tensor integer granularity are left to the torch reference by
-``kvbits.kernels.quantize.quantize_pack``.
+Codes of 2, 3 (8 codes in 3 bytes), 4 or 8 bits. Head / tensor integer granularity is left to the torch
+reference by ``kvbits.kernels.quantize.quantize_pack``.
 
 This module imports Triton at import time; import it through ``kvbits.kernels.quantize``.
 """
@@ -143,22 +143,33 @@ def _group_params(x, out, AXIS: tl.constexpr, BITS: tl.constexpr, SYM: tl.conste
     lo = tl.where(empty, 0.0, lo)
     hi = tl.where(empty, 0.0, hi)
     if NUQ:
-        return _nuq_qparams(lo, hi, amax, SYM)
-    return _qparams(lo, hi, amax, BITS, SYM)
+        scale, zero = _nuq_qparams(lo, hi, amax, SYM)
+    else:
+        scale, zero = _qparams(lo, hi, amax, BITS, SYM)
+    return scale, zero
 
 
 @triton.jit
 def _any_codes(x, s, z, MIDS, BITS: tl.constexpr, SYM: tl.constexpr, NUQ: tl.constexpr):
     if NUQ:
-        return _nuq_codes(x, s, z, MIDS, BITS, SYM)
-    return _codes(x, s, z, BITS, SYM)
+        code, clipped = _nuq_codes(x, s, z, MIDS, BITS, SYM)
+    else:
+        code, clipped = _codes(x, s, z, BITS, SYM)
+    return code, clipped
 
 
 @triton.jit
-def _pack(code, PER: tl.constexpr, BITS: tl.constexpr):
-    """``(R, NB, PER)`` codes → ``(R, NB)`` bytes: code ``k`` at bits ``[k * BITS, (k + 1) * BITS)``."""
-    shift = tl.arange(0, PER) * BITS
-    return tl.sum(code << shift[None, None, :], axis=2).to(tl.uint8)  # disjoint bits: sum == or
+def _pack_store(ptr, code, t, tmask, NU: tl.constexpr, CPW: tl.constexpr, BPU: tl.constexpr,
+                BITS: tl.constexpr):  # fmt: skip
+    """Store ``(R, NU, CPW)`` codes of rows ``t`` as ``kvbits.quant.pack`` lays them out: units of ``CPW``
+    codes (code ``k`` at bits ``[k * BITS, (k + 1) * BITS)``) written as ``BPU`` little-endian bytes
+    (2/4/8-bit: one byte of 4/2/1 codes; 3-bit: 8 codes in 3 bytes). ``ptr``: the ``(n, NU * BPU)`` rows."""
+    shift = tl.arange(0, CPW) * BITS
+    units = tl.sum(code << shift[None, None, :], axis=2)  # (R, NU) int32, disjoint bits: sum == or
+    offs_u = tl.arange(0, NU)
+    for j in tl.static_range(BPU):
+        byte = ((units >> (8 * j)) & 255).to(tl.uint8)
+        tl.store(ptr + t[:, None] * (NU * BPU) + offs_u[None, :] * BPU + j, byte, mask=tmask[:, None])
 
 
 # fmt: off
@@ -168,7 +179,7 @@ def _quantize_kernel(
     OM, MIDS,                              # outlier mask (B*H, n, D) uint8; NUQ codebook midpoints float32
     n, H,
     D: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, GC: tl.constexpr, MODE: tl.constexpr,
-    SYM: tl.constexpr, NUQ: tl.constexpr, OUTL: tl.constexpr,
+    SYM: tl.constexpr, NUQ: tl.constexpr, OUTL: tl.constexpr, CPW: tl.constexpr, BPU: tl.constexpr,
 ):
     """Grid ``(B * H_kv, cdiv(n, ROWS))``: ``ROWS`` tokens of one (sequence, head) per program.
 
@@ -177,31 +188,29 @@ def _quantize_kernel(
     ``SS`` / ``SZ`` ``(H, D)`` float16. ``NUQ``: codebook codes (``MIDS``) instead of integer ones.
     ``OUTL``: entries flagged in ``OM`` (outliers, stored apart) are left out of the ranges and of the
     clipped count (their codes are written, as the reference writes them). Clipped elements are added
-    to ``CLIP``.
+    to ``CLIP``. Codes are packed in units of ``CPW`` codes / ``BPU`` bytes (``_pack_store``).
     """
-    PER: tl.constexpr = 8 // BITS  # codes per byte
-    NB: tl.constexpr = D // PER  # bytes per row
+    NU: tl.constexpr = D // CPW  # packing units per row
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     t = blk * ROWS + tl.arange(0, ROWS)
     tmask = t < n
     x_row = X + bh * n * D
-    c_row = CODES + bh * n * NB
-    offs_b = tl.arange(0, NB)
+    c_row = CODES + bh * n * (NU * BPU)
     if MODE == 0:
-        # (ROWS, NG, GC / PER, PER): channel d = g * GC + j * PER + k
+        # (ROWS, NG, GC / CPW, CPW): channel d = g * GC + j * CPW + k
         NG: tl.constexpr = D // GC
         offs_g = tl.arange(0, NG)
-        offs_j = tl.arange(0, GC // PER)
-        offs_k = tl.arange(0, PER)
-        d = offs_g[None, :, None, None] * GC + offs_j[None, None, :, None] * PER + offs_k[None, None, None, :]
+        offs_j = tl.arange(0, GC // CPW)
+        offs_k = tl.arange(0, CPW)
+        d = offs_g[None, :, None, None] * GC + offs_j[None, None, :, None] * CPW + offs_k[None, None, None, :]
         m4 = tmask[:, None, None, None]
         offs = t[:, None, None, None] * D + d
         x = tl.load(x_row + offs, mask=m4, other=0.0).to(tl.float32)
         out = tl.zeros_like(x) != 0.0
         if OUTL:
             out = tl.load(OM + bh * n * D + offs, mask=m4, other=0) != 0
-        # (ROWS, NG, GC / PER * PER) -> one group per (row, g): reduce the last two axes through a reshape
+        # (ROWS, NG, GC / CPW * CPW) -> one group per (row, g): reduce the last two axes through a reshape
         xg = tl.reshape(x, (ROWS, NG, GC))
         og = tl.reshape(out, (ROWS, NG, GC))
         scale, zero = _group_params(xg, og, 2, BITS, SYM, NUQ)  # (ROWS, NG, 1) float16
@@ -210,16 +219,16 @@ def _quantize_kernel(
         code, clipped = _any_codes(x, scale.to(tl.float32), zero.to(tl.float32), MIDS, BITS, SYM, NUQ)
         clipped = clipped & ~out
         n_clip = tl.sum(tl.sum(tl.sum(tl.sum((clipped & m4).to(tl.int32), axis=3), axis=2), axis=1), axis=0)
-        packed = _pack(tl.reshape(code, (ROWS, NB, PER)), PER, BITS)
+        _pack_store(c_row, tl.reshape(code, (ROWS, NU, CPW)), t, tmask, NU, CPW, BPU, BITS)
         s_off = (bh * n + t[:, None]) * NG + offs_g[None, :]
         s_mask = tmask[:, None]
         tl.store(SCALE + s_off, tl.reshape(scale, (ROWS, NG)), mask=s_mask)
         if not SYM:
             tl.store(ZERO + s_off, tl.reshape(zero, (ROWS, NG)), mask=s_mask)
     else:
-        # (ROWS, NB, PER): channel d = nb * PER + k
-        offs_k = tl.arange(0, PER)
-        d = offs_b[None, :, None] * PER + offs_k[None, None, :]
+        # (ROWS, NU, CPW): channel d = u * CPW + k
+        offs_k = tl.arange(0, CPW)
+        d = tl.arange(0, NU)[None, :, None] * CPW + offs_k[None, None, :]
         m3 = tmask[:, None, None]
         offs = t[:, None, None] * D + d
         x = tl.load(x_row + offs, mask=m3, other=0.0).to(tl.float32)
@@ -227,7 +236,7 @@ def _quantize_kernel(
         if OUTL:
             out = tl.load(OM + bh * n * D + offs, mask=m3, other=0) != 0
         if MODE == 1:
-            scale, zero = _group_params(x, out, 0, BITS, SYM, NUQ)  # (1, NB, PER)
+            scale, zero = _group_params(x, out, 0, BITS, SYM, NUQ)  # (1, NU, CPW)
             s_off = (bh * (n // ROWS) + blk) * D + d
             tl.store(SCALE + s_off, scale)
             if not SYM:
@@ -242,9 +251,8 @@ def _quantize_kernel(
             code, clipped = _any_codes(x, s, z, MIDS, BITS, SYM, NUQ)
         clipped = clipped & ~out
         n_clip = tl.sum(tl.sum(tl.sum((clipped & m3).to(tl.int32), axis=2), axis=1), axis=0)
-        packed = _pack(code, PER, BITS)
+        _pack_store(c_row, code, t, tmask, NU, CPW, BPU, BITS)
     tl.atomic_add(CLIP, n_clip)  # dynamic ranges clip nothing (scale rounded up, zero down); static ones may
-    tl.store(c_row + t[:, None] * NB + offs_b[None, :], packed, mask=tmask[:, None])
 # fmt: on
 
 
@@ -320,14 +328,19 @@ def _clip_count(clip: torch.Tensor, sync: bool) -> int | torch.Tensor:
     return int(n) if sync else n
 
 
+def _packing(bits: int) -> tuple[int, int]:
+    """(codes, bytes) per packing unit of ``kvbits.quant.pack``: 8 codes in 3 bytes at 3 bits."""
+    return (8, 3) if bits == 3 else (8 // bits, 1)
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
     """``None`` when ``quantize_pack_triton`` handles ``x`` ``(B, H_kv, n, D)`` under ``spec``, else why not."""
-    if spec.kind not in ("int", "nuq", "fp8") or (spec.kind != "fp8" and spec.bits not in (2, 4, 8)):
-        return f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/4/8-bit integer/NUQ and FP8 codes)"
+    if spec.kind not in ("int", "nuq", "fp8") or (spec.kind != "fp8" and spec.bits not in (2, 3, 4, 8)):
+        return f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/3/4/8-bit integer/NUQ and FP8 codes)"
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x must be a float16/bfloat16/float32 (B, H_kv, n, D) tensor, got {x.dtype} {tuple(x.shape)}"
     D, n = x.shape[3], x.shape[2]
@@ -337,8 +350,8 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
         return None  # per-row or one static scale: both handled by _fp8_kernel
     if spec.granularity == "token":
         g = spec.group_size or D
-        if not _is_pow2(g) or g < 8 // spec.bits or D % g:
-            return f"token group size {g} (a power of two dividing {D})"
+        if not _is_pow2(g) or g < _packing(spec.bits)[0] or D % g:
+            return f"token group size {g} (a power of two dividing {D}, of whole packing units)"
     elif spec.granularity == "channel" and not spec.static:
         G = spec.group_size
         if G is None or not _is_pow2(G) or G > 256 or n % G:
@@ -412,6 +425,7 @@ def quantize_pack_triton(
             xc, codes, scale if mode != 2 else dummy, zero if (zero is not None and mode != 2) else dummy,
             ss, sz, clip, om, mids, n, H,
             D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym, NUQ=nuq, OUTL=mask is not None,
+            CPW=_packing(bits)[0], BPU=_packing(bits)[1],
         )  # fmt: skip
     clipped = _clip_count(clip, sync)
     return QuantizedTensor(
