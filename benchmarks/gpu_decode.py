@@ -17,7 +17,8 @@ GPU machine). Steps:
    fp16 ``scaled_dot_product_attention`` (``enable_gqa=True``, and K/V expanded to H_q heads when that
    fits: the faster of the two is the baseline) vs the fused kernel at int8/int4/int2 (KIVI layout:
    keys per-channel in groups of 32 tokens, values per-token in groups of 32 channels, the last 128
-   tokens in fp16), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
+   tokens in fp16), the same with pre-RoPE keys (``int8/int4/int2-prerope``: RoPE applied in the kernel
+   from float32 tables), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
@@ -74,6 +75,9 @@ SCHEMES = {
     "nuq4-outl": ("nuq", 4, 0.01),  # KVQuant-style: 4-bit codebook + 1 % dense-and-sparse outliers
     "fp8-e4m3": ("fp8", 8, 0.0),  # vLLM-style FP8 (per-token scales here)
 }
+# the same integer layouts with pre-RoPE keys (KVQuant §3.2): RoPE applied in the kernel from float32 tables
+PRE_ROPE = ("int8", "int4", "int2")
+ROPE_SUFFIX = "-prerope"
 KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
 VALUE_GROUP = 32  # KIVI: values per-token over groups of 32 channels
 RESIDUAL = 128  # KIVI: the most recent 128 tokens stay in fp16
@@ -200,9 +204,10 @@ def random_packed(
 
 def random_store(
     B: int, shape: dict, context: int, scheme: tuple[str, int, float] | None, device: torch.device,
-    gen: torch.Generator,
+    gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedStore:  # fmt: skip
-    """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail)."""
+    """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail);
+    ``rope_tables`` (``(cos, sin)``, ``(>= context, D)`` float32): the quantized keys are pre-RoPE."""
     H, D = shape["H_kv"], shape["D"]
     T_f = context if scheme is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
     T_q = context - T_f
@@ -213,7 +218,17 @@ def random_store(
         key = random_packed(B, H, T_q, D, scheme, KEY_GROUP, 1, device, gen)
         value = random_packed(B, H, T_q, D, scheme, 1, VALUE_GROUP, device, gen)
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
-    return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
+    if rope_tables is None or key is None:
+        return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
+    return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f), *rope_tables, lens(0))
+
+
+def rope_tables(positions: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE tables ``(positions, D)`` float32 (theta 1e6, as Qwen2.5 / long-context Llamas)."""
+    inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64, device=device) / D)
+    f = torch.arange(positions, dtype=torch.float64, device=device)[:, None] * inv
+    emb = torch.cat([f, f], -1)
+    return emb.cos().float(), emb.sin().float()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -672,9 +687,11 @@ def fused_timing(
     kw: dict,
     gen: torch.Generator,
     flush: torch.Tensor | None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[float, bool, int]:
-    """(ms, cuda_graph, bytes_read) of the fused path over a random KIVI-layout store."""
-    store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen)
+    """(ms, cuda_graph, bytes_read) of the fused path over a random KIVI-layout store (pre-RoPE keys with
+    ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and head)."""
+    store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables)
     ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush)
     return ms, graph, store.nbytes
 
@@ -694,9 +711,10 @@ def sweep(
     gen = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
     records: list[dict] = []
-    variants = [("fp16", None, {})] + [(name, sch, {}) for name, sch in SCHEMES.items()]
+    variants = [("fp16", None, {}, False)] + [(name, sch, {}, False) for name, sch in SCHEMES.items()]
+    variants += [(name + ROPE_SUFFIX, SCHEMES[name], {}, True) for name in PRE_ROPE]
     if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
-        variants += [(name, sch, {"vectorized": False}) for name, sch in SCHEMES.items() if sch[0] == "int"]
+        variants += [(name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
             for context in cfg.contexts:
@@ -721,8 +739,9 @@ def sweep(
                 best = min(ms for ms, _, _ in base.values())
                 row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
                        for name, m in base.items()]  # fmt: skip
-                for scheme, sch, kw in variants:
-                    m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush)
+                tables = rope_tables(context, shp["D"], dev)
+                for scheme, sch, kw, rope in variants:
+                    m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
                     kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
                     row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
                 records += row
@@ -736,6 +755,7 @@ def sweep(
                     f"  {shape_name:13s} B={batch:<3d} T={context:<7d} fp16 {best:8.4f} ms | "
                     + " | ".join(cells)
                 )
+                del tables
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
                 if progress is not None:

@@ -571,6 +571,9 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         if r["kernel"] == "reference" and r["context"] == 512 and r["shape"] == "llama-3-8b"
     }
     assert by["fp16"] > by["int8"] > by["int4"] > by["int2"]
+    assert all(by[f"int{b}-prerope"] == by[f"int{b}"] for b in (8, 4, 2))  # same bytes, RoPE in the kernel
+    ms = {r["scheme"]: r["ms"] for r in data["records"] if r["kernel"] == "reference" and r["context"] == 512}
+    assert all(ms[f"int{b}-prerope"] > 0 for b in (8, 4, 2))
     assert by["int4"] < by["nuq4-outl"] < by["int8"]  # a codebook and 1 % outliers cost less than 4 more bits
     assert {b["scheme"] for b in data["break_even"]} == {
         "fp16",
@@ -579,6 +582,9 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         "int2",
         "nuq4-outl",
         "fp8-e4m3",
+        "int8-prerope",
+        "int4-prerope",
+        "int2-prerope",
     }
     # end to end (step 6): a whole model decoding through each cache; the fused rows really were fused
     e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
