@@ -18,7 +18,7 @@ GPU machine). Steps:
    fits: the faster of the two is the baseline) vs the fused kernel at int8/int4/int2 (KIVI layout:
    keys per-channel in groups of 32 tokens, values per-token in groups of 32 channels, the last 128
    tokens in fp16), the same with pre-RoPE keys (``int8/int4/int2-prerope``: RoPE applied in the kernel
-   from float32 tables), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
+   from float32 half-width tables, as the cache keeps them), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
@@ -207,7 +207,7 @@ def random_store(
     gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedStore:  # fmt: skip
     """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail);
-    ``rope_tables`` (``(cos, sin)``, ``(>= context, D)`` float32): the quantized keys are pre-RoPE."""
+    ``rope_tables`` (``(cos, sin)``, ``(>= context, D or D / 2)`` float32): the quantized keys are pre-RoPE."""
     H, D = shape["H_kv"], shape["D"]
     T_f = context if scheme is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
     T_q = context - T_f
@@ -224,11 +224,11 @@ def random_store(
 
 
 def rope_tables(positions: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE tables ``(positions, D)`` float32 (theta 1e6, as Qwen2.5 / long-context Llamas)."""
+    """Rotate-half RoPE tables as the cache keeps them: the repeated first half, ``(positions, D / 2)``
+    float32 (theta 1e6, as Qwen2.5 / long-context Llamas)."""
     inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64, device=device) / D)
     f = torch.arange(positions, dtype=torch.float64, device=device)[:, None] * inv
-    emb = torch.cat([f, f], -1)
-    return emb.cos().float(), emb.sin().float()
+    return f.cos().float(), f.sin().float()
 
 
 # --------------------------------------------------------------------------------------------------

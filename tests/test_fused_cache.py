@@ -194,6 +194,25 @@ def test_fused_decode_matches_dequantized_path(arch: str, scheme: str):
     )
     assert_same_bytes(ref, cache)
     assert (rep["rope_table_bytes"] > 0) == sch.key.pre_rope
+    for _, cos, sin in cache._fused_tables._tables.values():  # rotate-half tables: the first half only
+        assert cos.shape[1] == sin.shape[1] == 32 // 2 and rep["rope_table_bytes"] == 2 * cos.numel() * 4
+
+
+def test_rope_tables_keep_full_width_unless_the_halves_repeat():
+    """``RopeTableCache`` keeps half-width tables only where ``RotaryTables.halves_equal`` says the
+    halves repeat; otherwise full tables (same values either way for the kernel)."""
+    from dataclasses import replace
+
+    from kvbits.cache.fused import RopeTableCache
+    from kvbits.quant.rope import RotaryTables
+
+    rot = RotaryTables.from_config(build("llama").config)
+    assert rot.halves_equal and rot.rot_dim == 32
+    half, full = RopeTableCache(), RopeTableCache()
+    c_half, s_half = half.get(rot, 100, torch.device("cpu"))
+    c_full, s_full = full.get(replace(rot, halves_equal=False), 100, torch.device("cpu"))
+    assert c_half.shape == (1024, 16) and c_full.shape == (1024, 32) and full.nbytes == 2 * half.nbytes
+    assert torch.equal(torch.cat([c_half, c_half], 1), c_full) and torch.equal(torch.cat([s_half, s_half], 1), s_full)
 
 
 def test_cpu_default_keeps_the_dequantized_path():

@@ -481,6 +481,36 @@ def test_kernel_pre_rope_keys():
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
 
 
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_half_width_rope_tables_read_the_same_values(path: str):
+    """Rotate-half tables repeat their halves; the cache keeps the first half only (``RopeTableCache``).
+    Both paths read channel ``d`` at column ``d mod D/2``: the output is identical to full-width tables,
+    bit for bit, and a half table of the wrong width is refused."""
+    if path == "triton" and triton_decode is None:
+        pytest.skip("Triton not importable")
+    g = torch.Generator().manual_seed(23)
+    full = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
+    h = full.head_dim // 2
+    assert torch.equal(full.rope_cos[:, :h], full.rope_cos[:, h:])
+    half = PackedStore(**{**full.__dict__, "rope_cos": full.rope_cos[:, :h].contiguous(),
+                          "rope_sin": full.rope_sin[:, :h].contiguous()})  # fmt: skip
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    if path == "reference":
+        run = lambda st: decode_attention_reference(q.float(), st)
+    else:
+        run = lambda st: triton_decode.decode_attention_triton(q, st, splits=2)
+    assert torch.equal(run(half), run(full))
+    # a table that is not rotate-half's repeated half gives another result (the halves are really read)
+    skew = PackedStore(**{**half.__dict__, "rope_sin": half.rope_sin.roll(1, dims=1)})
+    assert not torch.equal(run(skew), run(full))
+    kb = [quantize(torch.randn(1, 1, 32, 64, generator=g), KIVI4_KEYS)]
+    vb = [quantize(torch.randn(1, 1, 32, 64, generator=g), KIVI4_VALUES)]
+    cos, sin = rope_tables(40, 64)
+    assert pack_store(kb, vb, rope_cos=cos[:, :h], rope_sin=sin[:, :h]).rope_cos.shape == (40, h)
+    with pytest.raises(ValueError, match="half-width"):
+        pack_store(kb, vb, rope_cos=cos[:, : h - 1], rope_sin=sin[:, : h - 1])
+
+
 def _masked_store(g: torch.Generator, **kw) -> PackedStore:
     """A store whose sequence 1 is left-padded: its first quantized and tail slots must not be attended."""
     store = make_store(g, **kw)

@@ -102,7 +102,7 @@ def _check_roundtrip(config, T: int = 12, atol: float = ATOL, **cos_kw):
 def test_llama_plain_matches_model_forward():
     tables, _ = _check_roundtrip(_config("LlamaConfig"))
     assert tables.rope_type == "default" and tables.rot_dim == tables.head_dim == 16
-    assert tables.convention_checked
+    assert tables.convention_checked and tables.halves_equal
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,8 @@ class RopeTableCache:
 
     Shared by the layers of a cache; grown (to 1.25x what is needed, a multiple of 1024 positions)
     when a step needs more positions. Not KV storage: not in ``memory_report()``, see ``nbytes``.
+    Where the tables repeat their halves (``RotaryTables.halves_equal``: rotate-half RoPE) only the first
+    half is kept, ``(P, D / 2)``: the kernel reads channel ``d`` at column ``d mod D / 2``.
     """
 
     def __init__(self) -> None:
@@ -80,14 +82,17 @@ class RopeTableCache:
     def get(
         self, rotary: RotaryTables, n_positions: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables covering positions ``[0, P)``, ``P >= n_positions``, on ``device``."""
+        """Tables ``(P, D)`` or ``(P, D / 2)`` covering positions ``[0, P)``, ``P >= n_positions``, on ``device``."""
         key = (id(rotary.rotary), rotary.layer_type, rotary.rot_dim, str(device))
         entry = self._tables.get(key)
         if entry is None or entry[0] is not rotary.rotary or entry[1].shape[0] < n_positions:
             P = 1024 * math.ceil(max(n_positions * 1.25, n_positions + 1) / 1024)
             # RotaryTables.cos_sin minus its positions >= 0 check (a host sync; true for an arange)
             cos, sin = rotary._forward(torch.arange(P, device=rotary.device)[None], torch.float32, None)
-            entry = (rotary.rotary, cos[0].to(device).contiguous(), sin[0].to(device).contiguous())
+            cos, sin = cos[0], sin[0]
+            if rotary.halves_equal:
+                cos, sin = cos[:, : cos.shape[1] // 2], sin[:, : sin.shape[1] // 2]
+            entry = (rotary.rotary, cos.to(device).contiguous(), sin.to(device).contiguous())
             self._tables[key] = entry  # keeps the module alive: its id stays unique
         return entry[1], entry[2]
 

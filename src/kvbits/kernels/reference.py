@@ -35,7 +35,8 @@ Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
   ``outlier_values[..., j]`` exactly, whatever its code decodes to.
 - ``pre_rope`` keys (KVQuant §3.2): the codes hold keys *before* RoPE; attention rotates each
   dequantized key back with rotate-half RoPE (``x * cos[p] + rotate_half(x) * sin[p]``, transformers'
-  ``apply_rotary_pos_emb``), ``p = quant_pos0[b] + t``, tables ``rope_cos`` / ``rope_sin`` ``(T_pos, D)``.
+  ``apply_rotary_pos_emb``), ``p = quant_pos0[b] + t``, tables ``rope_cos`` / ``rope_sin`` ``(T_pos, D)``
+  (or their repeated first half, ``(T_pos, D / 2)``).
 
 Full-precision tail (sinks, residual window, not-yet-flushed buffer): ``key_full`` / ``value_full``
 ``(B, H_kv, T_f, D)`` in a float dtype, keys already rotated (post-RoPE).
@@ -161,7 +162,8 @@ class PackedStore:
         key, value: quantized stores, both ``None`` or both set (``T_q`` slots each).
         key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys), both ``None`` or both set.
         quant_lens, full_lens: ``(B,)`` int32 valid slots per sequence.
-        rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``.
+        rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``;
+            or ``(T_pos, D / 2)``, the first half of rotate-half tables whose halves repeat.
         quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count;
             negative for a left-padded row (its pad slots, masked, sit before position 0).
         quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots a sequence must not
@@ -344,7 +346,8 @@ def pack_store(
             ``kvbits.quant.quantize`` produces them (int kinds, no outliers); may be empty.
         key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys) or ``None``.
         quant_lens, full_lens: ``(B,)`` valid slots per sequence (default: all ``T_q`` / ``T_f``).
-        rope_cos, rope_sin: ``(T_pos, D)`` tables when the quantized keys are pre-RoPE.
+        rope_cos, rope_sin: ``(T_pos, D)`` (or half-width ``(T_pos, D / 2)``) tables when the quantized
+            keys are pre-RoPE.
         quant_pos0: ``(B,)`` position of the first quantized slot (default 0), pre-RoPE keys only.
         quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots not to attend to.
     """
@@ -391,9 +394,10 @@ def pack_store(
     if rope_cos is not None:
         if key is None:
             raise ValueError("RoPE tables apply to pre-RoPE quantized keys, but the store has none")
-        if rope_cos.shape != rope_sin.shape or rope_cos.dim() != 2 or rope_cos.shape[1] != D:
+        if rope_cos.shape != rope_sin.shape or rope_cos.dim() != 2 or rope_cos.shape[1] not in (D, D // 2):
             raise ValueError(
-                f"rope tables must be (T_pos, D={D}), got {tuple(rope_cos.shape)}, {tuple(rope_sin.shape)}"
+                f"rope tables must be (T_pos, D={D}) or half-width (T_pos, {D // 2}), got "
+                f"{tuple(rope_cos.shape)}, {tuple(rope_sin.shape)}"
             )
         pos0 = quant_pos0 if quant_pos0 is not None else [0] * B
         pos0 = torch.as_tensor(pos0, dtype=torch.int32, device=device).reshape(-1)
@@ -468,8 +472,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope_at(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.Tensor) -> torch.Tensor:
     """Rotate keys ``(B, H_kv, T, D)``: slot ``t`` of sequence ``b`` sits at position ``pos0[b] + t``.
 
-    Tables ``(T_pos, D)``; positions past the table end or before 0 are clamped (padding slots).
+    Tables ``(T_pos, D)``, or ``(T_pos, D / 2)`` for rotate-half tables whose halves repeat; positions
+    past the table end or before 0 are clamped (padding slots).
     """
+    if cos.shape[-1] * 2 == k.shape[-1]:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     T = k.shape[2]
     pos = (pos0.long()[:, None] + torch.arange(T, device=k.device)[None, :]).clamp(
         0, cos.shape[0] - 1

@@ -246,7 +246,7 @@ def _decode_kernel(
     V_BITS: tl.constexpr, V_TPS: tl.constexpr, V_CPS: tl.constexpr, V_SYM: tl.constexpr,
     V_KIND: tl.constexpr, V_NOUT: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr,
-    ROPE: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -296,7 +296,7 @@ def _decode_kernel(
                 kp = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], partner[:, None], valid[None, :], K_ROW,
                               K_SCOLS, K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
                 pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
-                cs_off = pos[None, :] * D + offs_d[:, None]
+                cs_off = pos[None, :] * ROPE_W + (offs_d % ROPE_W)[:, None]  # ROPE_W = D or D / 2 (halves repeat)
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
@@ -524,7 +524,8 @@ def decode_attention_triton(
         **dict(zip(("K_BITS", "K_TPS", "K_CPS", "K_SYM", "K_KIND", "K_NOUT"), k_const)),
         **dict(zip(("V_BITS", "V_TPS", "V_CPS", "V_SYM", "V_KIND", "V_NOUT"), v_const)),
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
-        "ROPE": rope, "IEEE": q.dtype == torch.float32, "num_warps": num_warps,
+        "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
+        "num_warps": num_warps,
     }
     # fmt: on
     config = tuple(sorted(meta.items()))

@@ -191,6 +191,9 @@ class RotaryTables:
         layer_type: the layer type these tables are for (per-layer-type modules only), else None.
         convention_checked: True when the rotate-half convention was verified against the family's
             own ``apply_rotary_pos_emb``; False when that function could not be probed.
+        halves_equal: the tables repeat their first ``rot_dim / 2`` columns (``cat(freqs, freqs)``, as
+            every rotate-half family builds them), probed at construction; the fused decode path then
+            keeps half-width tables (``kvbits.cache.fused.RopeTableCache``).
     """
 
     config: Any
@@ -200,6 +203,7 @@ class RotaryTables:
     rot_dim: int
     layer_type: str | None = None
     convention_checked: bool = False
+    halves_equal: bool = False
     _module: Any = field(default=None, repr=False)
 
     # ---------------------------------------------------------------------------- construction
@@ -252,11 +256,20 @@ class RotaryTables:
         if per_type:  # until tables_for_layer says otherwise: the first layer's type
             types = getattr(text, "layer_types", None) or sorted(rotary.rope_type)
             layer_type = types[0]
-        tables = cls(text, rotary, text.model_type, int(head_dim), 0, layer_type, False, module)
-        probe_cos, _ = tables._forward(torch.arange(2)[None], torch.float32, None)
-        tables.rot_dim = int(probe_cos.shape[-1])
+        tables = cls(text, rotary, text.model_type, int(head_dim), 0, layer_type, _module=module)
+        tables._probe()
         tables.convention_checked = tables._check_convention()
         return tables
+
+    def _probe(self) -> None:
+        """``rot_dim`` and ``halves_equal`` from a few positions (construction time: may read the device)."""
+        pos = torch.tensor([[0, 1, 7, 1000, 65535]])
+        cos, sin = self._forward(pos, torch.float32, None)
+        self.rot_dim = int(cos.shape[-1])
+        h = self.rot_dim // 2
+        self.halves_equal = self.rot_dim % 2 == 0 and all(
+            torch.equal(t[..., :h], t[..., h : 2 * h]) for t in (cos, sin)
+        )
 
     def tables_for_layer(self, layer_idx: int) -> RotaryTables:
         """The tables decoder layer ``layer_idx`` uses.
@@ -274,7 +287,7 @@ class RotaryTables:
             raise ValueError(f"layer_idx must be an int in [0, {n_layers}), got {layer_idx!r}")
         no_rope = getattr(self.config, "no_rope_layers", None)
         if no_rope is not None and layer_idx < len(no_rope) and not no_rope[layer_idx]:
-            return replace(self, rot_dim=0)
+            return replace(self, rot_dim=0, halves_equal=False)
         if not isinstance(getattr(self.rotary, "rope_type", None), dict):
             return self
         layer_types = getattr(self.config, "layer_types", None)
@@ -288,7 +301,7 @@ class RotaryTables:
         if lt == self.layer_type:
             return self
         tables = replace(self, layer_type=lt)
-        tables.rot_dim = int(tables._forward(torch.arange(2)[None], torch.float32, None)[0].shape[-1])
+        tables._probe()
         return tables
 
     # --------------------------------------------------------------------------------- tables

@@ -1,0 +1,126 @@
+"""What a ``QuantizedKVCache`` really holds, against what ``kvbits.plan`` says (CPU; predicts the GPU figure).
+
+    PYTHONPATH=src python benchmarks/cache_bytes.py [--context 32768] [--steps 600] [--batch 1]
+
+For the Qwen2.5-0.5B KV shape (24 layers, 2 KV heads, head dim 64) and each scheme of
+``gpu_decode.py``'s end-to-end step: prefill ``--context`` random fp16 tokens, decode ``--steps`` more
+one at a time (so blocks are flushed during decode too), then compare
+
+- ``planned``: ``kvbits.plan`` for the same shape, batch and tokens;
+- ``reported``: ``memory_report()["total_bytes"]``;
+- ``storages``: bytes of the distinct tensor storages reachable from the cache (what it pins);
+- ``cuda_est``: the same storages rounded up to the CUDA caching allocator's 512-byte blocks
+  (``torch.cuda.memory_allocated`` counts those);
+- ``rope_tables``: the float32 cos/sin tables the fused decode path keeps for pre-RoPE keys
+  (``fused_report()["rope_table_bytes"]``, sized as ``RopeTableCache`` grows them), reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import Qwen2Config
+
+from kvbits.cache import QuantizedKVCache
+from kvbits.cache.fused import RopeTableCache
+from kvbits.plan import plan
+from kvbits.quant.nuq import uniform_codebook
+
+SCHEMES = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token")
+SHAPE = {"vocab_size": 1000, "hidden_size": 896, "intermediate_size": 128, "num_hidden_layers": 24,
+         "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
+
+
+def held_storages(root: object) -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of every tensor storage reachable from ``root`` (kvbits objects, containers)."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+
+    def visit(obj: object) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            if s.nbytes():
+                found[s.data_ptr()] = s.nbytes()
+        elif isinstance(obj, (list, tuple, set)):
+            for x in obj:
+                visit(x)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x)
+        elif hasattr(obj, "__dict__") and (type(obj).__module__.startswith("kvbits") or obj is root):
+            for x in vars(obj).values():
+                visit(x)
+
+    visit(root)
+    return found
+
+
+def measure(scheme: str, context: int, steps: int, batch: int) -> dict:
+    config = Qwen2Config(max_position_embeddings=context + steps + 64, **SHAPE)
+    cache = QuantizedKVCache(config=config, scheme=scheme, fused_decode=False)
+    n_layers, H, D = SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], SHAPE["head_dim"]
+    for side in ("key", "value"):
+        spec = getattr(cache.scheme, side)
+        if spec.kind == "nuq":
+            for i in range(n_layers):
+                cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(n_layers):
+        k = torch.randn(batch, H, context, D, generator=gen).half()
+        cache.update(k, k.clone(), layer)
+    for _ in range(steps):
+        for layer in range(n_layers):
+            k = torch.randn(batch, H, 1, D, generator=gen).half()
+            cache.update(k, k.clone(), layer)
+    tokens = context + steps
+    planned = plan(config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=2)["total_bytes"]
+    report = cache.memory_report()
+    storages = held_storages(cache)
+    rope = 0
+    if cache.scheme.key.pre_rope:  # what the fused path would add: one table pair for all layers
+        tables = RopeTableCache()
+        tables.get(cache.layers[0]._k.rotary, tokens, torch.device("cpu"))
+        rope = tables.nbytes
+    return {
+        "scheme": scheme,
+        "batch": batch,
+        "tokens": tokens,
+        "planned": planned,
+        "reported": report["total_bytes"],
+        "position_bytes": report["position_bytes"],
+        "storages": sum(storages.values()),
+        "n_storages": len(storages),
+        "cuda_est": sum(-(-n // 512) * 512 for n in storages.values()),
+        "rope_tables": rope,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args()
+    t0 = time.time()
+    rows = [measure(s, args.context, args.steps, args.batch) for s in SCHEMES]
+    print("| scheme | tokens | planned | reported | held storages | CUDA 512-B blocks (est.) | RoPE tables (fused, apart) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scheme']} | {r['tokens']} | {r['planned']:,} | {r['reported']:,} | {r['storages']:,} "
+              f"({r['n_storages']}) | {r['cuda_est']:,} ({r['cuda_est'] / r['planned']:.4f}x) | "
+              f"{r['rope_tables']:,} ({r['rope_tables'] / r['planned']:.3f}x) |")  # fmt: skip
+    print(f"\n{time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
