@@ -18,7 +18,8 @@ GPU machine). Steps:
    fits: the faster of the two is the baseline) vs the fused kernel at int8/int4/int2 (KIVI layout:
    keys per-channel in groups of 32 tokens, values per-token in groups of 32 channels, the last 128
    tokens in fp16), the same with pre-RoPE keys (``int8/int4/int2-prerope``: RoPE applied in the kernel
-   from float32 half-width tables, as the cache keeps them), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
+   from float32 half-width tables, as the cache keeps them; rows rotated in registers, and the gather
+   path as ``triton-gather``), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
@@ -268,6 +269,7 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
             {},
         ),
         ("int4-pre-rope", {**kivi(4), "rope": True}, {}),
+        ("int4-pre-rope-gather", {**kivi(4), "rope": True}, {"vectorized": False}),
         ("fp16-tail-only", None, {}),
         (
             "kvquant4-block",  # pre-RoPE NUQ keys per channel, NUQ values per token, 1 % outliers
@@ -715,6 +717,7 @@ def sweep(
     variants += [(name + ROPE_SUFFIX, SCHEMES[name], {}, True) for name in PRE_ROPE]
     if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
         variants += [(name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
+        variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True) for name in PRE_ROPE]
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
             for context in cfg.contexts:

@@ -471,14 +471,29 @@ def test_kernel_fp32_queries_and_many_splits():
 
 
 @needs_triton
-def test_kernel_pre_rope_keys():
+@pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
+@pytest.mark.parametrize("tables", ["full", "half", "distinct-halves"])
+def test_kernel_pre_rope_keys(vectorized: bool | None, tables: str):
+    """Pre-RoPE keys rotated in the kernel: whole rows split into halves in registers (default) or the
+    per-element gathers with the partner channel read again; full or half-width tables, and full tables
+    whose halves differ (each channel must read its own column)."""
     g = torch.Generator().manual_seed(21)
     store = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
+    if tables == "half":
+        store = PackedStore(**{**store.__dict__, "rope_cos": store.rope_cos[:, :32].contiguous(),
+                               "rope_sin": store.rope_sin[:, :32].contiguous()})  # fmt: skip
+    elif tables == "distinct-halves":
+        cos = torch.rand(store.rope_cos.shape, generator=g) * 2 - 1
+        sin = torch.rand(store.rope_sin.shape, generator=g) * 2 - 1
+        store = PackedStore(**{**store.__dict__, "rope_cos": cos.to(DEVICE), "rope_sin": sin.to(DEVICE)})
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
     err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
-    out = triton_decode.decode_attention_triton(q.half(), store, splits=2)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    # the rotation matters: the same store read as post-RoPE keys is far off
+    plain = PackedStore(**{**store.__dict__, "rope_cos": None, "rope_sin": None, "quant_pos0": None})
+    assert max_err(decode_attention_reference(q.double(), plain, dtype=torch.float64), truth) > 1e-2
 
 
 @pytest.mark.parametrize("path", ["reference", "triton"])

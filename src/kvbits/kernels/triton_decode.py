@@ -204,6 +204,29 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t
 
 
 @triton.jit
+def _rope_rows(x, cos_ptr, sin_ptr, pos, valid, ROPE_W: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rotate-half RoPE of whole key rows ``x (BLOCK_T, D)`` at positions ``pos (BLOCK_T,)``, in registers.
+
+    The halves ``x1 = x[:, :D/2]``, ``x2 = x[:, D/2:]`` come from one reshape/permute/split (no second
+    read of the codes): ``(x1 * c - x2 * s, x2 * c + x1 * s)``, written as the gather path computes
+    ``x * cos + rotate_half(x) * sin``; tables ``(P, ROPE_W)``, ``ROPE_W`` = ``D`` or ``D / 2``.
+    """
+    H: tl.constexpr = D // 2
+    x1, x2 = tl.split(tl.permute(tl.reshape(x, (BLOCK_T, 2, H)), (0, 2, 1)))
+    offs = pos[:, None] * ROPE_W + tl.arange(0, H)[None, :]
+    c1 = tl.load(cos_ptr + offs, mask=valid[:, None], other=0.0)
+    s1 = tl.load(sin_ptr + offs, mask=valid[:, None], other=0.0)
+    c2 = c1
+    s2 = s1
+    if ROPE_W == D:  # full-width tables: the second half's own columns
+        c2 = tl.load(cos_ptr + offs + H, mask=valid[:, None], other=0.0)
+        s2 = tl.load(sin_ptr + offs + H, mask=valid[:, None], other=0.0)
+    y1 = x1 * c1 + (-x2) * s1
+    y2 = x2 * c2 + x1 * s2
+    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_T, D))
+
+
+@triton.jit
 def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
     """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles."""
     if IEEE:
@@ -236,7 +259,7 @@ def _decode_kernel(
     KCB, KOV, KOI, VCB, VOV, VOI,                  # NUQ codebooks; sparse outlier values and indices
     KF, VF, FLEN,                                  # full-precision tail; lengths
     QMASK, FMASK,                                  # (B, T_q) / (B, T_f) uint8 slot masks (padding)
-    COS, SIN, POS0,                                # pre-RoPE keys: tables (T_pos, D), first positions
+    COS, SIN, POS0,                                # pre-RoPE keys: tables (T_pos, D or D/2), first positions
     qk_scale, H_kv, T_q, T_f,
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
     n_split_q, n_split, chunk_q, chunk_f,
@@ -283,12 +306,16 @@ def _decode_kernel(
                 valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k
             if VEC_K:
-                k = tl.trans(_load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
-                                        K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT))
+                kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
+                                K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
+                if ROPE:  # pre-RoPE keys (KVQuant §3.2): rotate the dequantized rows in registers
+                    pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
+                    kr = _rope_rows(kr, COS, SIN, pos, valid, ROPE_W, D, BLOCK_T)
+                k = tl.trans(kr)
             else:
                 k = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], offs_d[:, None], valid[None, :], K_ROW,
                              K_SCOLS, K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
-            if ROPE:
+            if ROPE and not VEC_K:
                 # pre-RoPE keys (KVQuant §3.2): rotate after dequantization, rotate-half convention
                 # k * cos + rotate_half(k) * sin, rotate_half(k)[d] = -k[d + D/2] (d < D/2), k[d - D/2]
                 # else. The partner channel is dequantized again from the same (cached) bytes.
@@ -449,7 +476,7 @@ def decode_attention_triton(
         splits: splits per (sequence, KV head) of the quantized slots (default: from ``target_programs``).
         target_programs: programs to aim for (default: 2 per SM on CUDA, 4 elsewhere).
         vectorized: read whole packed rows and unpack with ``tl.interleave`` (``_load_rows``) where the
-            format allows (2/4/8-bit; not pre-RoPE keys), instead of one gather per element
+            format allows (2/4/8-bit codes; pre-RoPE keys rotated in registers), instead of one gather per element
             (``_load_kv``). Default: yes, falling back to the gather path if that variant fails to
             compile on this Triton/GPU.
     """
@@ -530,7 +557,7 @@ def decode_attention_triton(
     # fmt: on
     config = tuple(sorted(meta.items()))
     use_vec = vectorized is not False and config not in _VEC_BROKEN
-    vec_k, vec_v = use_vec and vec_ok(k) and not rope, use_vec and vec_ok(v)
+    vec_k, vec_v = use_vec and vec_ok(k), use_vec and vec_ok(v)
     grid = (B * H_kv, n_split)
     if (vec_k or vec_v) and vectorized is None and q.is_cuda:
         try:
