@@ -22,6 +22,8 @@ GPU machine). Steps:
    path as ``triton-gather``), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
+   (3b) with the time left before step 6's share: ``block_t`` x ``num_warps`` of the kernel for int4 and
+   int4-prerope at 32K, batch 8 (``tuning``), to choose its defaults.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
 6. end to end: greedy decode tokens/s after a 32K-token prompt through a random-weight model shaped like
    Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA) vs ``QuantizedKVCache``
@@ -766,6 +768,46 @@ def sweep(
     return records
 
 
+TUNE_BLOCK_T = (32, 64, 128)  # tokens per inner tile (decode_attention_triton's block_t; default 64)
+TUNE_WARPS = (4, 8)  # num_warps (default 4)
+
+
+def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
+         ) -> list[dict]:  # fmt: skip
+    """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` for int4 and
+    int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, so a GPU run says which defaults
+    to keep. Rows: shape, batch, context, scheme, block_t, num_warps, ms, gbps, frac_of_copy."""
+    if cfg.kernel != "triton":
+        return []
+    dev = cfg.device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    batch, context = (1, 512) if cfg.smoke else (8, 32768)
+    rows: list[dict] = []
+    for shape_name, shp in SHAPES.items():
+        q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
+        tables = rope_tables(context, shp["D"], dev)
+        for scheme, rope in (("int4", False), ("int4" + ROPE_SUFFIX, True)):
+            store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
+            for block_t in TUNE_BLOCK_T:
+                for warps in TUNE_WARPS:
+                    if _out_of_time(cfg):
+                        return rows
+                    run = lambda q=q, st=store, bt=block_t, nw=warps: decode(q, st, block_t=bt, num_warps=nw)
+                    ms, _ = time_ms(run, cfg, flush)
+                    gbps = store.nbytes / (ms * 1e-3) / 1e9
+                    rows.append({"shape": shape_name, "batch": batch, "context": context, "scheme": scheme,
+                                 "block_t": block_t, "num_warps": warps, "ms": round(ms, 5),
+                                 "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3)})  # fmt: skip
+                    print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps}: {ms:.4f} ms "
+                          f"({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
+                    if progress is not None:
+                        progress(rows)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def break_even(records: list[dict]) -> list[dict]:
     """Per (shape, batch, kernel, scheme): the shortest context from which every longer one beats fp16."""
     out = []
@@ -944,6 +986,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quantize": [],
         "records": [],
         "skipped": [],
+        "tuning": [],
         "break_even": [],
         "e2e": [],
         "seconds": None,
@@ -972,6 +1015,9 @@ def main(argv: list[str] | None = None) -> dict:
         records = sweep(
             cfg, decode, copy_gbps, lambda rows: save(records=rows, break_even=break_even(rows)), result["skipped"]
         )
+        if kernel == "triton":
+            print("(3b) kernel launch parameters (block_t x num_warps), while the sweep's time lasts")
+            tune(cfg, decode, copy_gbps, lambda rows: save(tuning=rows))
     be = break_even(records)
     save(records=records, break_even=be)
     e2e: list[dict] = []

@@ -690,3 +690,23 @@ def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     data = json.loads(out.read_text())
     assert calls == [1] and not data["complete"] and data["records"] and data["copy_gbps"] > 0
     assert {r["context"] for r in data["records"]} == {256}  # the first combo only
+
+
+@needs_triton
+def test_gpu_benchmark_tuning_step(monkeypatch):
+    """Step 3b times the kernel at other launch parameters (one tiny config here, interpreter) and stops
+    at the sweep's deadline; the reference decoder is not tuned."""
+    import time
+
+    bench = _load_bench()
+    monkeypatch.setattr(bench, "TUNE_BLOCK_T", (32,))
+    monkeypatch.setattr(bench, "TUNE_WARPS", (4,))
+    monkeypatch.setattr(bench, "SHAPES", {"qwen2.5-0.5b": bench.SHAPES["qwen2.5-0.5b"]})
+    cfg = bench.Config(device=torch.device("cpu"), contexts=[512], batches=[1], reps=1, warmup=0,
+                       max_bytes=1e9, smoke=True, kernel="triton")  # fmt: skip
+    rows = bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0)
+    assert [(r["scheme"], r["block_t"], r["num_warps"]) for r in rows] == [("int4", 32, 4), ("int4-prerope", 32, 4)]
+    assert all(r["ms"] > 0 and r["context"] == 512 for r in rows)
+    cfg.deadline = time.monotonic() - 1
+    assert bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0) == []
+    assert bench.tune(bench.Config(**{**cfg.__dict__, "kernel": "reference"}), None, copy_gbps=10.0) == []
