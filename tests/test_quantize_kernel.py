@@ -126,24 +126,33 @@ def test_quantize_dispatch(monkeypatch, caplog):
 
 
 @needs_triton
-@pytest.mark.parametrize("scheme", ["int4-kivi", "int4-prerope", "fp8-e4m3-token"])
+@pytest.mark.parametrize(
+    "scheme",
+    ["int4-kivi", "int4-prerope", "fp8-e4m3-token", "kvquant4-block", "kvquant4-static", "kvquant3-block"],
+)
 def test_cache_flushes_through_the_kernel_bit_for_bit(monkeypatch, scheme: str):
-    """``KVBITS_KERNEL=triton``: the cache's flushes run the quantize kernel (interpreted on CPU) and store
-    exactly the bytes the torch reference stores; generation is unchanged."""
+    """``KVBITS_KERNEL=triton``: the cache's flushes run the quantize kernel (interpreted on CPU) for both
+    sides and store exactly the bytes the torch reference stores; generation is unchanged. The KVQuant
+    layouts too: pre-RoPE NUQ keys with block or static ranges, NUQ values, 5 % outliers, 3 and 4 bits."""
     from unittest import mock
 
     from test_fused_cache import SCHEMES, build, code_flips, generate
 
     from kvbits.kernels import triton_quantize
+    from kvbits.schemes import KVScheme
 
-    model, sch = build("llama"), SCHEMES[scheme]
+    sch = SCHEMES.get(scheme) or KVScheme(
+        "t-kvquant4-block", key=nuq(4, "channel", 16, pre_rope=True, outlier_frac=0.05),
+        value=nuq(4, "token", outlier_frac=0.05), sinks=2, residual=4, block=16,
+    )  # fmt: skip
+    model = build("llama")
     monkeypatch.setenv("KVBITS_KERNEL", "reference")
     seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
     monkeypatch.setenv("KVBITS_KERNEL", "triton")
     fn = triton_quantize.quantize_pack_triton
     with mock.patch.object(triton_quantize, "quantize_pack_triton", wraps=fn) as kernel:
         seq, logits, cache = generate(model, sch, fused=False, attn=False, new=6)
-    assert kernel.call_count > 0
+    assert {call.args[1] for call in kernel.call_args_list} == {sch.key, sch.value}
     assert code_flips(ref, cache) == (0, code_flips(ref, ref)[1])
     for la, lb in zip(ref.layers, cache.layers):
         for sa, sb in ((la._k, lb._k), (la._v, lb._v)):
@@ -304,32 +313,3 @@ def test_nuq_codes_at_exact_midpoints_go_to_the_lower_entry():
     assert_same_quantized(got, want)
     codes = want.dequantize().float()[0, 0, 0, 2 : 2 + 15]
     assert torch.equal(codes, c[:15].to(DEVICE) + 1)  # each midpoint decoded to its lower entry
-
-
-@needs_triton
-@pytest.mark.parametrize("scheme", ["kvquant4-block", "kvquant4-static", "kvquant3-block"])
-def test_kvquant_cache_flushes_through_the_kernel(monkeypatch, scheme: str):
-    """The KVQuant layouts' flushes (pre-RoPE NUQ keys with block or static ranges, NUQ values, 5 %
-    outliers) go through the kernel, and the cache stores exactly the reference's bytes."""
-    from unittest import mock
-
-    from test_fused_cache import SCHEMES, build, code_flips, generate
-
-    from kvbits.kernels import triton_quantize
-    from kvbits.schemes import KVScheme
-
-    sch = SCHEMES.get(scheme) or KVScheme(
-        "t-kvquant4-block", key=nuq(4, "channel", 16, pre_rope=True, outlier_frac=0.05),
-        value=nuq(4, "token", outlier_frac=0.05), sinks=2, residual=4, block=16,
-    )  # fmt: skip
-    model = build("llama")
-    monkeypatch.setenv("KVBITS_KERNEL", "reference")
-    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
-    monkeypatch.setenv("KVBITS_KERNEL", "triton")
-    fn = triton_quantize.quantize_pack_triton
-    with mock.patch.object(triton_quantize, "quantize_pack_triton", wraps=fn) as kernel:
-        seq, logits, cache = generate(model, sch, fused=False, attn=False, new=6)
-    assert {call.args[1] for call in kernel.call_args_list} == {sch.key, sch.value}
-    assert code_flips(ref, cache) == (0, code_flips(ref, ref)[1])
-    assert ref.memory_report() == cache.memory_report()
-    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
