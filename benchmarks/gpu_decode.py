@@ -338,8 +338,13 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
                 .max()
                 .item()
             )
-            out = decode(q.half(), store, **kw)
-            _sync(dev)
+            try:
+                out = decode(q.half(), store, **kw)
+                _sync(dev)
+            except Exception as exc:  # noqa: BLE001 - a launch the device refuses: recorded, the sweep records it too
+                results.append({"variant": name, "shape": shape_name, "error": _launch_error(exc), "ok": False})
+                print(f"  check {shape_name:13s} {name:18s} did not launch: {results[-1]['error']}")
+                continue
             err = (out.double() - truth).abs().max().item()
             ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
             results.append(
@@ -746,13 +751,18 @@ def sweep(
                        for name, m in base.items()]  # fmt: skip
                 tables = rope_tables(context, shp["D"], dev)
                 for scheme, sch, kw, rope in variants:
-                    m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
                     kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
+                    try:
+                        m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
+                    except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
+                        row.append({"kernel": kernel, "scheme": scheme, "shape": shape_name, "context": context,
+                                    "batch": batch, "error": _launch_error(exc)})  # fmt: skip
+                        continue
                     row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
                 records += row
                 cells = [
-                    f"{r['scheme']}{'(g)' if 'gather' in r['kernel'] else ''} {r['ms']:.4f} ms "
-                    f"x{r['speedup_vs_fp16']:.2f}"
+                    f"{r['scheme']}{'(g)' if 'gather' in r['kernel'] else ''} "
+                    + (f"{r['ms']:.4f} ms x{r['speedup_vs_fp16']:.2f}" if "ms" in r else "did not launch")
                     for r in row
                     if not r["kernel"].startswith("sdpa")
                 ]
@@ -768,49 +778,81 @@ def sweep(
     return records
 
 
-TUNE_BLOCK_T = (32, 64, 128)  # tokens per inner tile (decode_attention_triton's block_t; default 64)
-TUNE_WARPS = (4, 8)  # num_warps (default 4)
+TUNE_BLOCK_T = (32, 64, 128)  # tokens per inner tile (decode_attention_triton's block_t)
+TUNE_WARPS = (4, 8)  # num_warps
+TUNE_STAGES = (1, 2, 3)  # num_stages: software-pipelining depth of the tile loop
+
+
+def tune_grid(D: int) -> list[tuple[int, int, int]]:
+    """``(block_t, num_warps, num_stages)`` to time at head dim ``D``: the default launch first
+    (``launch_defaults``), then by how many of the three differ from it (a run cut short keeps the nearest)."""
+    from kvbits.kernels.triton_decode import launch_defaults
+
+    d = launch_defaults(D)
+    default = (d["block_t"], d["num_warps"], d["num_stages"])
+    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_WARPS for s in TUNE_STAGES]
+    return sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+
+
+def _launch_error(exc: Exception) -> str:
+    """One line for a launch that did not start (e.g. Triton's ``OutOfResources``: too much shared memory)."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
 def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
          ) -> list[dict]:  # fmt: skip
-    """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` for int4 and
-    int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, so a GPU run says which defaults
-    to keep. Rows: shape, batch, context, scheme, block_t, num_warps, ms, gbps, frac_of_copy."""
+    """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
+    (``tune_grid``) for int4 and int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, round
+    robin so that a run cut short has the nearest neighbours of every default. Rows: shape, batch, context,
+    scheme, block_t, num_warps, num_stages, ms, gbps, frac_of_copy (``error`` instead for a launch that
+    did not start)."""
     if cfg.kernel != "triton":
         return []
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(1)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
     batch, context = (1, 512) if cfg.smoke else (8, 32768)
-    rows: list[dict] = []
+    cases = []  # (shape, scheme, q, store, grid)
     for shape_name, shp in SHAPES.items():
         q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
         tables = rope_tables(context, shp["D"], dev)
         for scheme, rope in (("int4", False), ("int4" + ROPE_SUFFIX, True)):
             store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
-            for block_t in TUNE_BLOCK_T:
-                for warps in TUNE_WARPS:
-                    if _out_of_time(cfg):
-                        return rows
-                    run = lambda q=q, st=store, bt=block_t, nw=warps: decode(q, st, block_t=bt, num_warps=nw)
-                    ms, _ = time_ms(run, cfg, flush)
-                    gbps = store.nbytes / (ms * 1e-3) / 1e9
-                    rows.append({"shape": shape_name, "batch": batch, "context": context, "scheme": scheme,
-                                 "block_t": block_t, "num_warps": warps, "ms": round(ms, 5),
-                                 "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3)})  # fmt: skip
-                    print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps}: {ms:.4f} ms "
-                          f"({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
-                    if progress is not None:
-                        progress(rows)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+            grid = tune_grid(shp["D"])[:2] if cfg.smoke else tune_grid(shp["D"])
+            cases.append((shape_name, scheme, q, store, grid))
+    rows: list[dict] = []
+    for i in range(max(len(c[4]) for c in cases)):
+        for shape_name, scheme, q, store, grid in cases:
+            if i >= len(grid):
+                continue
+            if _out_of_time(cfg):
+                return rows
+            block_t, warps, stages = grid[i]
+            row = {"shape": shape_name, "batch": batch, "context": context, "scheme": scheme,
+                   "block_t": block_t, "num_warps": warps, "num_stages": stages}  # fmt: skip
+            run = lambda q=q, st=store, bt=block_t, nw=warps, ns=stages: decode(
+                q, st, block_t=bt, num_warps=nw, num_stages=ns
+            )
+            try:
+                ms, _ = time_ms(run, cfg, flush)
+            except Exception as exc:  # noqa: BLE001 - a launch the GPU refuses is a result, not the end of the run
+                row["error"] = _launch_error(exc)
+                print(f"  tune {shape_name:13s} {scheme:13s} {block_t}/{warps}/{stages}: {row['error']}")
+            else:
+                gbps = store.nbytes / (ms * 1e-3) / 1e9
+                row.update(ms=round(ms, 5), gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
+                print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps} stages={stages}: "
+                      f"{ms:.4f} ms ({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
+            rows.append(row)
+            if progress is not None:
+                progress(rows)
     return rows
 
 
 def break_even(records: list[dict]) -> list[dict]:
     """Per (shape, batch, kernel, scheme): the shortest context from which every longer one beats fp16."""
     out = []
+    records = [r for r in records if "ms" in r]  # launches that did not start have no time
     keys = sorted(
         {
             (r["shape"], r["batch"], r["kernel"], r["scheme"])
@@ -853,6 +895,10 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        if "ms" not in r:
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | "
+                         f"did not launch: {r['error']} | | | |")  # fmt: skip
+            continue
         sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | "

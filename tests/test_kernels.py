@@ -692,21 +692,75 @@ def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     assert {r["context"] for r in data["records"]} == {256}  # the first combo only
 
 
+def test_gpu_benchmark_records_launches_that_do_not_start():
+    """A kernel variant the GPU refuses (Triton's ``OutOfResources``: more shared memory than a block gets)
+    is a result of that variant, not the end of a one-shot run: the correctness step and the sweep record
+    the error and go on; break-even ignores it; the table shows it."""
+    bench = _load_bench()
+    reference = bench._decoder(bench.Config(device=torch.device("cpu"), contexts=[256], batches=[1], reps=1,
+                                            warmup=0, max_bytes=1e9, smoke=True, kernel="reference"))  # fmt: skip
+
+    def refuse(q, store, **kw):
+        if store.pre_rope:
+            raise RuntimeError("out of resource: shared memory, Required: 288768, Hardware limit: 232448")
+        return reference(q, store, **kw)
+
+    cfg = bench.Config(device=torch.device("cpu"), contexts=[256], batches=[1], reps=1, warmup=0, max_bytes=1e9,
+                       smoke=True, kernel="reference")  # fmt: skip
+    checks = bench.check_variants(cfg, refuse)
+    assert [c["variant"] for c in checks if "error" in c] == ["int4-pre-rope"]  # smoke: 3 variants
+    assert all(c["ok"] for c in checks if "error" not in c) and len(checks) == 3
+    records = bench.sweep(cfg, refuse, copy_gbps=10.0)
+    failed = {r["scheme"] for r in records if "error" in r}
+    assert failed == {"int8-prerope", "int4-prerope", "int2-prerope"}
+    assert all(r["error"].startswith("RuntimeError: out of resource") for r in records if "error" in r)
+    assert {b["scheme"] for b in bench.break_even(records)} & failed == set()
+    assert {"int4", "int8", "fp16"} <= {r["scheme"] for r in records if "ms" in r}
+    assert "did not launch: RuntimeError: out of resource" in bench.markdown(records, bench.break_even(records), 10.0)
+
+
+def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
+    """The tuning grid times the default launch first, then its nearest neighbours: a run cut short by the
+    time budget still compares the default with single changes of it."""
+    pytest.importorskip("triton")
+    from kvbits.kernels import triton_decode as td
+
+    bench = _load_bench()
+    for D in (64, 128):
+        grid = bench.tune_grid(D)
+        d = td.launch_defaults(D)
+        assert grid[0] == (d["block_t"], d["num_warps"], d["num_stages"])
+        dist = [sum(x != y for x, y in zip(c, grid[0], strict=True)) for c in grid]
+        assert dist == sorted(dist) and len(set(grid)) == len(grid) == 3 * 2 * 3
+    assert td.launch_defaults(64)["block_t"] == 64 and td.launch_defaults(128)["block_t"] == 32
+
+
 @needs_triton
 def test_gpu_benchmark_tuning_step(monkeypatch):
-    """Step 3b times the kernel at other launch parameters (one tiny config here, interpreter) and stops
-    at the sweep's deadline; the reference decoder is not tuned."""
+    """Step 3b times the kernel at other launch parameters (one tiny config here, interpreter), records a
+    launch the device refuses instead of stopping, and stops at the sweep's deadline; the reference
+    decoder is not tuned."""
     import time
 
     bench = _load_bench()
     monkeypatch.setattr(bench, "TUNE_BLOCK_T", (32,))
     monkeypatch.setattr(bench, "TUNE_WARPS", (4,))
+    monkeypatch.setattr(bench, "TUNE_STAGES", (2,))
     monkeypatch.setattr(bench, "SHAPES", {"qwen2.5-0.5b": bench.SHAPES["qwen2.5-0.5b"]})
     cfg = bench.Config(device=torch.device("cpu"), contexts=[512], batches=[1], reps=1, warmup=0,
                        max_bytes=1e9, smoke=True, kernel="triton")  # fmt: skip
     rows = bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0)
-    assert [(r["scheme"], r["block_t"], r["num_warps"]) for r in rows] == [("int4", 32, 4), ("int4-prerope", 32, 4)]
+    assert [(r["scheme"], r["block_t"], r["num_warps"], r["num_stages"]) for r in rows] == [
+        ("int4", 32, 4, 2), ("int4-prerope", 32, 4, 2)]  # fmt: skip
     assert all(r["ms"] > 0 and r["context"] == 512 for r in rows)
+
+    def refuse(q, store, **kw):  # what Triton raises when a launch needs more shared memory than a block gets
+        if store.pre_rope:
+            raise RuntimeError("out of resource: shared memory, Required: 288768, Hardware limit: 232448")
+        return bench._decoder(cfg)(q, store, **kw)
+
+    rows = bench.tune(cfg, refuse, copy_gbps=10.0)
+    assert "ms" in rows[0] and rows[1]["error"].startswith("RuntimeError: out of resource: shared memory")
     cfg.deadline = time.monotonic() - 1
     assert bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0) == []
     assert bench.tune(bench.Config(**{**cfg.__dict__, "kernel": "reference"}), None, copy_gbps=10.0) == []

@@ -37,7 +37,13 @@ import triton.language as tl
 
 from kvbits.kernels.reference import PackedStore, PackedTensor
 
-__all__ = ["decode_attention_triton", "dequantize_packed_triton", "supported", "unpack_codes_triton"]
+__all__ = [
+    "decode_attention_triton",
+    "dequantize_packed_triton",
+    "launch_defaults",
+    "supported",
+    "unpack_codes_triton",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -446,6 +452,26 @@ def _num_splits(store: PackedStore, device: torch.device, target_programs: int |
     return max(1, math.ceil(target_programs / (store.batch * store.n_kv_heads)))
 
 
+TILE_ELEMENTS = 4096  # block_t * D of the default tile: 64 tokens at D = 64, 32 at D = 128, 16 at D = 256
+DEFAULT_WARPS = 4
+DEFAULT_STAGES = 2
+
+
+def launch_defaults(D: int, per_element: bool = False) -> dict[str, int]:
+    """``block_t``, ``num_warps``, ``num_stages`` of a decode launch at head dim ``D``.
+
+    Chosen from the compiled kernels' resources on sm_90 (``benchmarks/kernel_resources.py``, BENCHMARKS.md
+    §6), not from timings: tiles of 4096 elements (2048 where a side is read per element: 3-bit codes,
+    the gather path; or has sparse outliers, each a pass over the tile), 4 warps and a 2-deep pipeline compile without register spills for every preset at
+    D = 64 and 128 and keep 2-5 programs resident per SM. Triton's default (3 stages) with 64-token tiles
+    at D = 128 spilled registers, held one pre-RoPE program per SM, and needed 282 KiB of shared memory on
+    the gather path (over the 227 KiB an H100/H200 grants a block); 3-bit codes and 4-bit NUQ codes with
+    outliers spilled with 4096-element tiles.
+    """
+    tile = TILE_ELEMENTS // (2 if per_element else 1)
+    return {"block_t": max(16, min(64, tile // D)), "num_warps": DEFAULT_WARPS, "num_stages": DEFAULT_STAGES}
+
+
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(number of splits, tokens per split, a multiple of ``block_t``) covering ``T`` slots."""
     if T == 0:
@@ -460,10 +486,11 @@ def decode_attention_triton(
     store: PackedStore,
     scale: float | None = None,
     *,
-    block_t: int = 64,
+    block_t: int | None = None,
     splits: int | None = None,
     target_programs: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     vectorized: bool | None = None,
 ) -> torch.Tensor:
     """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
@@ -472,7 +499,8 @@ def decode_attention_triton(
         q: post-RoPE queries of the new token; ``H_q`` a multiple of the store's ``H_kv``.
         store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device.
         scale: softmax scale, default ``1 / sqrt(D)``.
-        block_t: tokens per inner tile.
+        block_t, num_warps, num_stages: tokens per inner tile, warps per program, software-pipelining
+            depth of the tile loop; each defaults to ``launch_defaults(D)``.
         splits: splits per (sequence, KV head) of the quantized slots (default: from ``target_programs``).
         target_programs: programs to aim for (default: 2 per SM on CUDA, 4 elsewhere).
         vectorized: read whole packed rows and unpack with ``tl.interleave`` (``_load_rows``) where the
@@ -489,6 +517,15 @@ def decode_attention_triton(
         raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
     G = H_q // H_kv
     dev = q.device
+    def vec_ok(p: PackedTensor | None) -> bool:
+        return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
+
+    sides = [p for p in (store.key, store.value) if p is not None]
+    heavy = vectorized is False or any(not vec_ok(p) or p.n_outliers for p in sides)
+    defaults = launch_defaults(D, per_element=heavy)
+    block_t = defaults["block_t"] if block_t is None else block_t
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q2 = q.reshape(B * H_q, D).contiguous()
     if splits is None:
@@ -531,9 +568,6 @@ def decode_attention_triton(
     qmask = store.quant_mask.view(torch.uint8) if store.quant_mask is not None else dummy
     fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
 
-    def vec_ok(p: PackedTensor | None) -> bool:
-        return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
-
     # fmt: off
     args = (
         q2, m, l_, acc,
@@ -552,7 +586,7 @@ def decode_attention_triton(
         **dict(zip(("V_BITS", "V_TPS", "V_CPS", "V_SYM", "V_KIND", "V_NOUT"), v_const)),
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
-        "num_warps": num_warps,
+        "num_warps": num_warps, "num_stages": num_stages,
     }
     # fmt: on
     config = tuple(sorted(meta.items()))

@@ -113,7 +113,7 @@ def _nuq_codes(x, s, z, MIDS, BITS: tl.constexpr, SYM: tl.constexpr):
         u = tl.where(s > 0, tl.math.div_rn(2.0 * (x - z), safe) - 1.0, -1.0)
     code = tl.zeros_like(u).to(tl.int32)
     for step in tl.static_range(BITS):
-        half: tl.constexpr = 1 << (BITS - 1 - step)
+        half = 1 << (BITS - 1 - step)  # no constexpr annotation: compiled Triton refuses one per unrolled step
         m = tl.load(MIDS + code + (half - 1))
         code = tl.where(m < u, code + half, code)
     return code, tl.abs(u) > 1.000001  # quantize_nuq's float32 tolerance 1 + 1e-6
@@ -333,6 +333,17 @@ def _packing(bits: int) -> tuple[int, int]:
     return (8, 3) if bits == 3 else (8 // bits, 1)
 
 
+def _warps(elements: int) -> int:
+    """Warps for a program holding ``elements`` values of ``x``: 4 up to 1024, else 8.
+
+    Compiled for sm_90 (``benchmarks/kernel_resources.py``), a 128-token x 128-channel block (per-channel
+    keys) spilled 1.7-1.9 KiB of registers per thread with 4 warps, 48-152 B with 8, and 16 warps capped
+    the registers at 128 per thread and spilled the per-token layouts (up to 760 B); 8 warps left every
+    per-token layout without spills.
+    """
+    return 4 if elements <= 1024 else 8
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -425,7 +436,7 @@ def quantize_pack_triton(
             xc, codes, scale if mode != 2 else dummy, zero if (zero is not None and mode != 2) else dummy,
             ss, sz, clip, om, mids, n, H,
             D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym, NUQ=nuq, OUTL=mask is not None,
-            CPW=_packing(bits)[0], BPU=_packing(bits)[1],
+            CPW=_packing(bits)[0], BPU=_packing(bits)[1], num_warps=_warps(rows * D),
         )  # fmt: skip
     clipped = _clip_count(clip, sync)
     return QuantizedTensor(

@@ -1,0 +1,243 @@
+"""What each Triton kernel launch asks of an H100/H200 (sm_90), compiled here, without a GPU.
+
+    PYTHONPATH=src python benchmarks/kernel_resources.py          # -> benchmarks/results/kernel_resources.json
+    PYTHONPATH=src python benchmarks/kernel_resources.py --quick  # one launch per kind (the test suite's)
+
+``kvbits.kernels.aot.compile_only`` turns the product's own launches into compiles for the target
+(Triton's LLVM + bundled ptxas), so each row is a kernel exactly as the GPU would receive it:
+registers per thread, shared memory per block, spilled (local) bytes, resident blocks per SM, and the
+reason it would not launch, if any. Launches:
+
+- ``cache``: every preset the fused decode path serves, its store built by ``QuantizedKVCache`` from a
+  prefill (as the cache launches it), default launch (``launch_defaults``) and the gather fallback
+  (``vectorized=False``), at the KV shapes of Qwen2.5-0.5B and Llama-3-8B;
+- ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3), default launch;
+- ``tune``: gpu_decode's step 3b grid (``block_t`` x ``num_warps`` x ``num_stages``, int4 and int4-prerope);
+- ``quantize``: the quantize-and-pack kernel for gpu_decode's ``QUANTIZE_SPECS`` at D = 128.
+
+Must run in a process whose kernels are compiled (``TRITON_INTERPRET`` unset); exits 1 if a default
+launch (``cache``, ``sweep``, ``quantize``) would fail on the target, or a decode kernel would spill
+registers on the default (vectorised) path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_decode as gd
+
+from kvbits.kernels.aot import LIMITS, compile_only, resources
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
+CPU = torch.device("cpu")
+PROMPT = 300  # prefill tokens: whole quantized blocks plus a full-precision tail for every preset
+
+
+def _shape_config(shape: dict) -> Any:
+    """A one-layer Llama config with ``shape``'s KV heads, query heads and head dim (rope theta 1e6)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=shape["H_q"] * shape["D"], num_attention_heads=shape["H_q"],
+        num_key_value_heads=shape["H_kv"], head_dim=shape["D"], num_hidden_layers=1,
+        intermediate_size=64, vocab_size=64, rope_theta=1e6, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def _install(cache: Any, scheme: Any, H_kv: int, D: int) -> None:
+    """What a calibration artifact installs: NUQ codebooks, static ranges (values do not change the code)."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    for side in ("key", "value"):
+        spec = getattr(scheme, side)
+        if not (spec.static or spec.kind == "nuq"):
+            continue
+        scale = zero = None
+        if spec.static and spec.kind == "fp8":  # one scale per tensor
+            scale = torch.ones(())
+        elif spec.static:
+            scale, zero = torch.full((H_kv, D), 4.0).half(), torch.full((H_kv, D), -2.0).half()
+        codebook = uniform_codebook(spec.bits) if spec.kind == "nuq" else None
+        cache.set_static_qparams(0, side, scale, zero, codebook=codebook)
+
+
+def cache_store(scheme_name: str, shape: dict) -> tuple[Any, str | None]:
+    """``(PackedStore, None)`` of one layer after a prefill, or ``(None, why the fused path skips it)``."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.fused import layout_reason, packed_store
+    from kvbits.kernels.triton_decode import supported
+    from kvbits.schemes import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    cache = QuantizedKVCache(config=_shape_config(shape), scheme=scheme, fused_decode=True)
+    _install(cache, scheme, shape["H_kv"], shape["D"])
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, shape["H_kv"], PROMPT, shape["D"], generator=gen).half() for _ in range(2))
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    reason = layout_reason(layer)
+    if reason is None:
+        store = packed_store(layer)
+        reason = supported(store)
+        if reason is None:
+            return store, None
+    return None, reason
+
+
+def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str) -> dict:
+    r = resources(kernel)
+    lim = LIMITS[arch]
+    return {
+        "group": group, "name": name, "shape": shape, **launch, "kernel": r.kernel,
+        "block_t": r.constants.get("BLOCK_T"), "num_warps": r.num_warps, "num_stages": r.num_stages, "registers": r.registers, "shared_bytes": r.shared_bytes,
+        "local_bytes": r.local_bytes, "blocks_per_sm": lim.blocks_per_sm(r),
+        "warps_per_sm": lim.blocks_per_sm(r) * r.num_warps, "fails": lim.check(r),
+    }  # fmt: skip
+
+
+def decode_rows(group: str, name: str, shape_name: str, store: Any, arch: str, **launch: Any) -> list[dict]:
+    """Rows of the decode kernel (and its split reduction) for one launch of ``decode_attention_triton``."""
+    from kvbits.kernels.triton_decode import decode_attention_triton
+
+    shape = gd.SHAPES[shape_name]
+    q = torch.randn(store.batch, shape["H_q"], 1, shape["D"], dtype=torch.float16)
+    with compile_only(arch) as compiled:
+        decode_attention_triton(q, store, splits=4, **launch)
+    path = "gather" if launch.get("vectorized") is False else "default"
+    return [
+        _row(group, name, shape_name, {"path": path}, k, arch) for k in compiled if k.name == "_decode_kernel"
+    ]
+
+
+def quantize_rows(arch: str, names: list[str]) -> list[dict]:
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+    from kvbits.quant.nuq import uniform_codebook
+
+    rows = []
+    for name in names:
+        spec = gd.QUANTIZE_SPECS[name]
+        x = torch.randn(8, 8, 128, 128).half()
+        kw: dict = {}
+        if spec.static:
+            kw = {
+                "static_scale": torch.full((8, 128), 0.5).half(),
+                "static_zero": torch.full((8, 128), -2.0).half(),
+            }
+        if spec.kind == "nuq":
+            kw["codebook"] = uniform_codebook(spec.bits)
+        with compile_only(arch) as compiled:
+            quantize_pack_triton(x, spec, **kw)
+        rows += [_row("quantize", name, "llama-3-8b", {"path": "default"}, k, arch) for k in compiled]
+    return rows
+
+
+def collect(arch: str, quick: bool) -> dict:
+    from kvbits.schemes import list_schemes
+
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    shapes = list(gd.SHAPES)
+    presets = ["kivi-4", "kvquant-4-block"] if quick else [s.name for s in list_schemes()]
+    for shape_name in shapes:
+        for name in presets:
+            store, why = cache_store(name, gd.SHAPES[shape_name])
+            if store is None:
+                skipped.append({"group": "cache", "name": name, "shape": shape_name, "reason": why})
+                continue
+            paths = ({},) if quick else ({}, {"vectorized": False})
+            for launch in paths:
+                rows += decode_rows("cache", name, shape_name, store, arch, **launch)
+    if not quick:
+        gen = torch.Generator().manual_seed(0)
+        for shape_name, shp in gd.SHAPES.items():
+            tables = gd.rope_tables(4096, shp["D"], CPU)
+            for name, sch in gd.SCHEMES.items():
+                for rope in (False, True) if name in gd.PRE_ROPE else (False,):
+                    store = gd.random_store(2, shp, 4096, sch, CPU, gen, tables if rope else None)
+                    label = name + (gd.ROPE_SUFFIX if rope else "")
+                    for launch in ({}, {"vectorized": False}) if sch[0] == "int" else ({},):
+                        rows += decode_rows("sweep", label, shape_name, store, arch, **launch)
+                    if name == "int4":
+                        for block_t, warps, stages in gd.tune_grid(shp["D"]):
+                            rows += decode_rows("tune", label, shape_name, store, arch, block_t=block_t,
+                                                num_warps=warps, num_stages=stages)  # fmt: skip
+    quick_specs = ["int4-token-g32", "nuq3-channel-g128-outl"]  # per-token; NUQ, 3-bit, outliers, per-channel
+    rows += quantize_rows(arch, quick_specs if quick else list(gd.QUANTIZE_SPECS))
+    return {"rows": rows, "skipped": skipped}
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Default launches that would fail on the target, and decode kernels (the per-step hot path) that
+    spill registers on the default (vectorised) path. The quantize kernel runs once per flushed block:
+    its spills are in the table, not here."""
+    out = []
+    for r in rows:
+        if r["group"] == "tune":
+            continue
+        where = f"{r['group']} {r['name']} {r['shape']} {r['path']} ({r['kernel']})"
+        if r["fails"]:
+            out.append(f"{where}: {r['fails']}")
+        elif r["kernel"] == "_decode_kernel" and r["path"] == "default" and r["local_bytes"]:
+            out.append(f"{where}: {r['local_bytes']} bytes of registers spilled per thread")
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| group | name | shape | path | block_t/warps/stages | regs | shared KiB | spill B | warps/SM | launches |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cfg = "/".join(str(r[k]) if r[k] is not None else "-" for k in ("block_t", "num_warps", "num_stages"))
+        lines.append(
+            f"| {r['group']} | {r['name']} | {r['shape']} | {r['path']} | {cfg} | {r['registers']} | "
+            f"{r['shared_bytes'] / 1024:.0f} | {r['local_bytes']} | {r['warps_per_sm']} | "
+            f"{'no: ' + r['fails'] if r['fails'] else 'yes'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm_90", choices=sorted(LIMITS))
+    p.add_argument("--quick", action="store_true", help="one launch per kind (seconds, not minutes)")
+    p.add_argument(
+        "--out", type=Path, default=None, help=f"JSON results (default {RESULTS}; none with --quick)"
+    )
+    args = p.parse_args(argv)
+    t0 = time.time()
+    result = collect(args.arch, args.quick)
+    import triton
+
+    from kvbits.kernels.triton_decode import launch_defaults
+
+    result.update(
+        arch=args.arch, limits=LIMITS[args.arch].name, triton=triton.__version__, torch=torch.__version__,
+        defaults={D: launch_defaults(D) for D in (64, 128, 256)}, problems=problems(result["rows"]),
+        seconds=round(time.time() - t0, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )  # fmt: skip
+    out = args.out or (None if args.quick else RESULTS)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+    print(markdown(result["rows"]))
+    for s in result["skipped"]:
+        print(f"not served by the fused path: {s['name']} ({s['shape']}): {s['reason']}")
+    for msg in result["problems"]:
+        print(f"PROBLEM: {msg}")
+    print(
+        f"{len(result['rows'])} kernels compiled for {args.arch} in {result['seconds']} s"
+        + (f" -> {out}" if out else "")
+    )
+    return 1 if result["problems"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
