@@ -5,12 +5,14 @@
 
 ``kvbits.kernels.aot.compile_only`` turns the product's own launches into compiles for the target
 (Triton's LLVM + bundled ptxas), so each row is a kernel exactly as the GPU would receive it:
-registers per thread, shared memory per block, spilled (local) bytes, resident blocks per SM, and the
-reason it would not launch, if any. Launches:
+registers per thread, shared memory per block, spilled (local) bytes, resident blocks per SM, the
+reason it would not launch, if any, and the machine code's global loads by width and tensor-core
+(``HMMA``) instructions. Launches:
 
 - ``cache``: every preset the fused decode path serves, its store built by ``QuantizedKVCache`` from a
   prefill (as the cache launches it), default launch (``launch_defaults``) and the gather fallback
-  (``vectorized=False``), at the KV shapes of Qwen2.5-0.5B and Llama-3-8B;
+  (``vectorized=False``), at the KV shapes of Qwen2.5-0.5B and Llama-3-8B, float16 queries (and
+  bfloat16 / float32 ones for kivi-4 and kvquant-4-block);
 - ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3), default launch;
 - ``tune``: gpu_decode's step 3b grid (``block_t`` x ``num_warps`` x ``num_stages``, int4 and int4-prerope);
 - ``quantize``: the quantize-and-pack kernel for gpu_decode's ``QUANTIZE_SPECS`` at D = 128.
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_decode as gd
 
-from kvbits.kernels.aot import LIMITS, compile_only, resources
+from kvbits.kernels.aot import LIMITS, compile_only, instruction_mix, resources
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
 CPU = torch.device("cpu")
@@ -96,20 +98,32 @@ def cache_store(scheme_name: str, shape: dict) -> tuple[Any, str | None]:
 def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str) -> dict:
     r = resources(kernel)
     lim = LIMITS[arch]
+    mix = instruction_mix(kernel)
     return {
         "group": group, "name": name, "shape": shape, **launch, "kernel": r.kernel,
         "block_t": r.constants.get("BLOCK_T"), "num_warps": r.num_warps, "num_stages": r.num_stages, "registers": r.registers, "shared_bytes": r.shared_bytes,
         "local_bytes": r.local_bytes, "blocks_per_sm": lim.blocks_per_sm(r),
-        "warps_per_sm": lim.blocks_per_sm(r) * r.num_warps, "fails": lim.check(r),
+        "warps_per_sm": lim.blocks_per_sm(r) * r.num_warps, "fails": lim.check(r), **mix,
     }  # fmt: skip
 
 
-def decode_rows(group: str, name: str, shape_name: str, store: Any, arch: str, **launch: Any) -> list[dict]:
-    """Rows of the decode kernel (and its split reduction) for one launch of ``decode_attention_triton``."""
+def decode_rows(
+    group: str,
+    name: str,
+    shape_name: str,
+    store: Any,
+    arch: str,
+    dtype: torch.dtype = torch.float16,
+    **launch: Any,
+) -> list[dict]:
+    """Rows of the decode kernel for one launch of ``decode_attention_triton`` with ``dtype`` queries (its
+    split reduction is compiled too, not listed)."""
     from kvbits.kernels.triton_decode import decode_attention_triton
 
     shape = gd.SHAPES[shape_name]
-    q = torch.randn(store.batch, shape["H_q"], 1, shape["D"], dtype=torch.float16)
+    q = torch.randn(store.batch, shape["H_q"], 1, shape["D"], dtype=dtype)
+    if dtype != torch.float16:
+        name = f"{name} ({str(dtype).removeprefix('torch.')} queries)"
     with compile_only(arch) as compiled:
         decode_attention_triton(q, store, splits=4, **launch)
     path = "gather" if launch.get("vectorized") is False else "default"
@@ -156,6 +170,9 @@ def collect(arch: str, quick: bool) -> dict:
             paths = ({},) if quick else ({}, {"vectorized": False})
             for launch in paths:
                 rows += decode_rows("cache", name, shape_name, store, arch, **launch)
+            if name in ("kivi-4", "kvquant-4-block"):  # models served in bfloat16 / float32
+                for dtype in (torch.float32,) if quick else (torch.bfloat16, torch.float32):
+                    rows += decode_rows("cache", name, shape_name, store, arch, dtype)
     if not quick:
         gen = torch.Generator().manual_seed(0)
         for shape_name, shp in gd.SHAPES.items():
@@ -192,14 +209,16 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| group | name | shape | path | block_t/warps/stages | regs | shared KiB | spill B | warps/SM | launches |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| group | name | shape | path | block_t/warps/stages | regs | shared KiB | spill B | warps/SM | "
+            "global loads 128/64/32/16/8-bit (async) | mma | launches |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = "/".join(str(r[k]) if r[k] is not None else "-" for k in ("block_t", "num_warps", "num_stages"))
         lines.append(
             f"| {r['group']} | {r['name']} | {r['shape']} | {r['path']} | {cfg} | {r['registers']} | "
             f"{r['shared_bytes'] / 1024:.0f} | {r['local_bytes']} | {r['warps_per_sm']} | "
-            f"{'no: ' + r['fails'] if r['fails'] else 'yes'} |"
+            f"{r['loads_128']}/{r['loads_64']}/{r['loads_32']}/{r['loads_16']}/{r['loads_8']} ({r['async_loads']}) | "
+            f"{r['mma']} | {'no: ' + r['fails'] if r['fails'] else 'yes'} |"
         )
     return "\n".join(lines)
 
@@ -223,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         defaults={D: launch_defaults(D) for D in (64, 128, 256)}, problems=problems(result["rows"]),
         seconds=round(time.time() - t0, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )  # fmt: skip
-    out = args.out or (None if args.quick else RESULTS)
+    default = RESULTS if args.arch == "sm_90" else RESULTS.with_name(f"kernel_resources_{args.arch}.json")
+    out = args.out or (None if args.quick else default)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))

@@ -69,7 +69,7 @@ def test_triton_default_pipeline_would_not_launch_on_hopper():
 
 def test_default_launches_fit_hopper_and_ampere():
     """Every kind of default launch (decode kernel over stores the cache builds: KIVI and pre-RoPE NUQ with
-    outliers at both head dims; the quantize kernel) compiles for sm_90 and sm_80, fits, and spills no
+    outliers at both head dims, float16 and float32 queries; the quantize kernel) compiles for sm_90 and sm_80, fits, and spills no
     registers; so does the pre-RoPE gather fallback at D = 128 (which spilled with Triton's defaults).
     The quick run includes the NUQ quantize kernel, which once compiled only under the interpreter."""
     for arch in ("sm_90", "sm_80"):
@@ -77,7 +77,8 @@ def test_default_launches_fit_hopper_and_ampere():
             f"import kernel_resources as kr; raise SystemExit(kr.main(['--quick', '--arch', '{arch}']))"
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert out.stdout.count("| cache |") == 4 and out.stdout.count("| quantize |") == 2
+        assert out.stdout.count("| cache |") == 8 and out.stdout.count("| quantize |") == 2
+        assert out.stdout.count("(float32 queries)") == 4  # exact products, no tensor cores: more registers
         assert "PROBLEM" not in out.stdout
     row = _compile_launch("vectorized=False")
     assert row["fails"] is None and row["local_bytes"] == 0 and row["blocks_per_sm"] >= 2

@@ -55,6 +55,15 @@ def test_plan_json_worked_example(capsys):
     assert "per_layer" not in r and "max_concurrency" not in r
 
 
+def test_plan_fused_decode_adds_rope_tables(capsys):
+    """``--fused-decode``: pre-RoPE schemes count the kernel's RoPE tables; others are unchanged."""
+    argv = ["plan", *WORKED, "--scheme", "kvquant-4-block", "--scheme", "kivi-4", "--json"]
+    plain, fused = run_json(capsys, argv), run_json(capsys, [*argv, "--fused-decode"])
+    assert fused[0]["rope_table_bytes"] == 2 * 4 * 40960 * 64 and plain[0]["rope_table_bytes"] == 0
+    assert fused[0]["total_bytes"] == plain[0]["total_bytes"] + fused[0]["rope_table_bytes"]
+    assert fused[1]["total_bytes"] == plain[1]["total_bytes"] and fused[1]["components"]["rope_tables"] == 0
+
+
 def test_plan_table_worked_example(capsys):
     assert main(["plan", *WORKED, "--scheme", "fp16"]) == 0
     out = capsys.readouterr().out

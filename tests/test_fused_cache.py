@@ -31,6 +31,7 @@ from transformers import (
 from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, track_positions, use_fused_decode
 from kvbits.cache import fused as fused_mod
 from kvbits.kernels import dispatch
+from kvbits.plan import plan
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, token_split
 
 transformers.logging.set_verbosity_error()
@@ -196,6 +197,11 @@ def test_fused_decode_matches_dequantized_path(arch: str, scheme: str):
     assert (rep["rope_table_bytes"] > 0) == sch.key.pre_rope
     for _, cos, sin in cache._fused_tables._tables.values():  # rotate-half tables: the first half only
         assert cos.shape[1] == sin.shape[1] == 32 // 2 and rep["rope_table_bytes"] == 2 * cos.numel() * 4
+    # the planner, told the cache decodes fused, counts the RoPE tables too: every byte the cache holds
+    planned = plan(model.config, context=PROMPT + NEW - 1, batch=seq.shape[0], scheme=sch, dtype_bytes=4,
+                   fused_decode=True)  # fmt: skip
+    assert planned["rope_table_bytes"] == rep["rope_table_bytes"]
+    assert planned["total_bytes"] == cache.memory_report()["total_bytes"] + rep["rope_table_bytes"]
 
 
 def test_rope_tables_keep_full_width_unless_the_halves_repeat():

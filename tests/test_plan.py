@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvbits.plan import GIB, ModelShape, estimate_params, load_shape, model_shape, plan
-from kvbits.schemes import average_bits, get_scheme
+from kvbits.schemes import average_bits, get_scheme, token_split
 
 WORKED_BYTES = 137_438_953_472  # 32 layers x 32 KV heads x 128 x 2 (K, V) x 2 bytes x 32,768 tokens x 8
 
@@ -407,6 +407,36 @@ def test_max_concurrency_arithmetic():
     assert fp8["max_concurrency"] == (70 * GIB - fp8["components"]["fixed"]) // (2 * GIB) == 34
     with pytest.raises(ValueError, match="weights_gib"):
         plan(shape, context=10, gpu_mem_gib=80)
+
+
+def test_fused_decode_counts_rope_tables_once_per_model():
+    """``fused_decode=True``: pre-RoPE schemes in a packed format also hold the kernel's float32 cos/sin
+    tables, half width, grown to 1.25x the positions the quantized keys reach in 1024-row steps; once per
+    model (not per sequence), so concurrency pays them once. Other schemes, and pre-RoPE keys planned
+    without the fused path, hold none. No torch import for plain inputs (a subprocess checks it above)."""
+    shape = ModelShape.from_dims(24, 2, 64)  # Qwen2.5-0.5B's KV shape
+    T = 32768 + 36
+    for scheme in ("kivi-4", "int8-token", "fp16"):
+        assert plan(shape, context=T, scheme=scheme, fused_decode=True)["rope_table_bytes"] == 0
+    plain = plan(shape, context=T, scheme="kvquant-4-block")
+    fused = plan(shape, context=T, scheme="kvquant-4-block", fused_decode=True)
+    q = token_split(get_scheme("kvquant-4-block"), T)
+    rows = 1024 * math.ceil(1.25 * (q.sink + q.quantized) / 1024)  # 41 * 1024 = 41984 rows
+    assert plain["rope_table_bytes"] == 0 and fused["rope_table_bytes"] == 2 * 4 * rows * 32 == 10_747_904
+    assert fused["total_bytes"] == plain["total_bytes"] + fused["rope_table_bytes"]
+    assert fused["components"]["rope_tables"] == fused["rope_table_bytes"]
+    assert fused["total_bytes"] == sum(fused["components"].values())
+    b8 = plan(shape, context=T, batch=8, scheme="kvquant-4-block", fused_decode=True)
+    assert b8["rope_table_bytes"] == fused["rope_table_bytes"]  # shared by the batch
+    fixed = plain["components"]["fixed"]
+    per = plain["total_bytes"] - fixed  # one sequence
+    gpu = (8 * per + fixed + 4096) / GIB  # room for exactly 8 sequences, not for the tables besides
+    g0 = plan(shape, context=T, scheme="kvquant-4-block", gpu_mem_gib=gpu, weights_gib=0)
+    g = plan(shape, context=T, scheme="kvquant-4-block", fused_decode=True, gpu_mem_gib=gpu, weights_gib=0)
+    assert g0["kv_bytes_per_request"] == g["kv_bytes_per_request"] == per
+    assert g0["max_concurrency"] == 8 and g["max_concurrency"] == 7  # the tables are paid once, but paid
+    # too short to quantize any key: no tables are made
+    assert plan(shape, context=64, scheme="kvquant-4-block", fused_decode=True)["rope_table_bytes"] == 0
 
 
 def test_weights_from_config_estimate():

@@ -231,6 +231,11 @@ def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     wl.add_argument("--batch", type=_positive, default=1, help="sequences held at once (default 1)")
     wl.add_argument(
+        "--fused-decode",
+        action="store_true",
+        help="decoding through the fused GPU kernel: pre-RoPE schemes also hold its RoPE tables (once per model)",
+    )
+    wl.add_argument(
         "--scheme",
         action="append",
         metavar="S",
@@ -291,6 +296,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         gpu_mem_gib=args.gpu_mem,
         weights_gib=args.weights_gib,
         reserve_gib=args.reserve_gib,
+        fused_decode=args.fused_decode,
     )
     assert isinstance(results, list)
     if args.json:

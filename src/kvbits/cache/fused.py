@@ -26,7 +26,6 @@ masked).
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ import torch
 
 from kvbits.kernels import dispatch
 from kvbits.kernels.reference import PACKED_KINDS, PackedStore
+from kvbits.schemes.accounting import rope_table_positions
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
@@ -70,8 +70,9 @@ def check_mode(mode: Any) -> FusedMode:
 class RopeTableCache:
     """float32 cos/sin tables ``(P, D)`` for pre-RoPE keys, one pair per rotary module and layer type.
 
-    Shared by the layers of a cache; grown (to 1.25x what is needed, a multiple of 1024 positions)
-    when a step needs more positions. Not KV storage: not in ``memory_report()``, see ``nbytes``.
+    Shared by the layers of a cache; grown (to 1.25x what is needed, a multiple of 1024 positions:
+    ``kvbits.schemes.accounting.rope_table_positions``) when a step needs more positions. Not KV storage:
+    not in ``memory_report()`` (see ``nbytes``); ``kvbits.plan(..., fused_decode=True)`` counts them.
     Where the tables repeat their halves (``RotaryTables.halves_equal``: rotate-half RoPE) only the first
     half is kept, ``(P, D / 2)``: the kernel reads channel ``d`` at column ``d mod D / 2``.
     """
@@ -86,7 +87,7 @@ class RopeTableCache:
         key = (id(rotary.rotary), rotary.layer_type, rotary.rot_dim, str(device))
         entry = self._tables.get(key)
         if entry is None or entry[0] is not rotary.rotary or entry[1].shape[0] < n_positions:
-            P = 1024 * math.ceil(max(n_positions * 1.25, n_positions + 1) / 1024)
+            P = rope_table_positions(n_positions)  # the planner counts the same rows (plan(fused_decode=True))
             # RotaryTables.cos_sin minus its positions >= 0 check (a host sync; true for an arange)
             cos, sin = rotary._forward(torch.arange(P, device=rotary.device)[None], torch.float32, None)
             cos, sin = cos[0], sin[0]

@@ -7,7 +7,8 @@ into a compile (``JITFunction.run(warmup=True)``), so the product's own launch c
 launch, from CPU tensors, and nothing runs. ``resources`` reads what the GPU would have to grant each
 compiled kernel (``cuobjdump --dump-resource-usage`` on the cubin, Triton's ``metadata.shared``);
 ``DeviceLimits.check`` says whether a launch would fail (Triton raises ``OutOfResources`` when the
-shared memory exceeds the device's per-block maximum) and how many blocks fit on one SM.
+shared memory exceeds the device's per-block maximum) and how many blocks fit on one SM;
+``instruction_mix`` counts the machine code's global loads by width and its tensor-core instructions.
 
 Usage (a process whose kernels are compiled, not interpreted: ``TRITON_INTERPRET`` unset)::
 
@@ -30,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["LIMITS", "DeviceLimits", "KernelResources", "compile_only", "resources"]
+__all__ = ["LIMITS", "DeviceLimits", "KernelResources", "compile_only", "instruction_mix", "resources"]
 
 
 @dataclass(frozen=True)
@@ -210,3 +211,46 @@ def resources(kernel: Any) -> KernelResources:
         local_bytes=stack + local,
         constants=constants,
     )
+
+
+_SASS_OP = re.compile(r"\b(LDG(?:STS)?(?:\.[A-Z0-9]+)*|HMMA(?:\.[A-Z0-9]+)*)\b")
+
+
+def instruction_mix(kernel: Any) -> dict[str, int]:
+    """Global loads and tensor-core instructions in the kernel's SASS (``cuobjdump -sass``).
+
+    Returns ``{"loads_128": ..., "loads_64": ..., "loads_32": ..., "loads_16": ..., "loads_8": ...,
+    "async_loads": ..., "mma": ...}``: static instruction counts (not executions) of ``LDG``/``LDGSTS`` by
+    access width (``LDGSTS``, the asynchronous global-to-shared copies of a pipelined loop, also counted
+    in ``async_loads``) and of ``HMMA``. Wide loads are what a memory-bound kernel wants on its hot path.
+    """
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True, check=False
+        ).stdout
+    mix = {
+        "loads_128": 0,
+        "loads_64": 0,
+        "loads_32": 0,
+        "loads_16": 0,
+        "loads_8": 0,
+        "async_loads": 0,
+        "mma": 0,
+    }
+    for op in _SASS_OP.findall(sass):
+        if op.startswith("HMMA"):
+            mix["mma"] += 1
+            continue
+        parts = op.split(".")
+        width = next((int(p) for p in parts if p in ("128", "64")), None)
+        if width is None:
+            width = (
+                8 if ("U8" in parts or "S8" in parts) else 16 if ("U16" in parts or "S16" in parts) else 32
+            )
+        mix[f"loads_{width}"] += 1
+        mix["async_loads"] += op.startswith("LDGSTS")
+    return mix

@@ -60,9 +60,9 @@ import torch
 from kvbits.quant.fp8 import fp8_dtype
 from kvbits.quant.pack import unpack_bits
 from kvbits.quant.tensor import QuantizedTensor
+from kvbits.schemes.accounting import PACKED_KINDS
 
 STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
-PACKED_KINDS = ("int", "nuq", "fp8")
 
 __all__ = [
     "PackedStore",

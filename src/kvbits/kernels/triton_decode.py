@@ -457,7 +457,7 @@ DEFAULT_WARPS = 4
 DEFAULT_STAGES = 2
 
 
-def launch_defaults(D: int, per_element: bool = False) -> dict[str, int]:
+def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> dict[str, int]:
     """``block_t``, ``num_warps``, ``num_stages`` of a decode launch at head dim ``D``.
 
     Chosen from the compiled kernels' resources on sm_90 (``benchmarks/kernel_resources.py``, BENCHMARKS.md
@@ -466,10 +466,12 @@ def launch_defaults(D: int, per_element: bool = False) -> dict[str, int]:
     D = 64 and 128 and keep 2-5 programs resident per SM. Triton's default (3 stages) with 64-token tiles
     at D = 128 spilled registers, held one pre-RoPE program per SM, and needed 282 KiB of shared memory on
     the gather path (over the 227 KiB an H100/H200 grants a block); 3-bit codes and 4-bit NUQ codes with
-    outliers spilled with 4096-element tiles.
+    outliers spilled with 4096-element tiles. ``ieee`` (float32 queries: exact products on the CUDA
+    cores, no tensor cores, the product tile held in registers): half tiles and 8 warps.
     """
-    tile = TILE_ELEMENTS // (2 if per_element else 1)
-    return {"block_t": max(16, min(64, tile // D)), "num_warps": DEFAULT_WARPS, "num_stages": DEFAULT_STAGES}
+    tile = TILE_ELEMENTS // (2 if per_element or ieee else 1)
+    warps = 2 * DEFAULT_WARPS if ieee else DEFAULT_WARPS
+    return {"block_t": max(16, min(64, tile // D)), "num_warps": warps, "num_stages": DEFAULT_STAGES}
 
 
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
@@ -517,12 +519,13 @@ def decode_attention_triton(
         raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
     G = H_q // H_kv
     dev = q.device
+
     def vec_ok(p: PackedTensor | None) -> bool:
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
 
     sides = [p for p in (store.key, store.value) if p is not None]
     heavy = vectorized is False or any(not vec_ok(p) or p.n_outliers for p in sides)
-    defaults = launch_defaults(D, per_element=heavy)
+    defaults = launch_defaults(D, per_element=heavy, ieee=q.dtype == torch.float32)
     block_t = defaults["block_t"] if block_t is None else block_t
     num_warps = defaults["num_warps"] if num_warps is None else num_warps
     num_stages = defaults["num_stages"] if num_stages is None else num_stages

@@ -17,6 +17,12 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
 - ``avg_bits``: ``8 * total_bytes / elements``, bits per cached element with all metadata included
   (16 for fp16; it tends to :func:`kvbits.schemes.average_bits` as ``T`` grows).
 - ``compression``: ``fp16_bytes / total_bytes`` (= ``16 / avg_bits``).
+- ``rope_table_bytes`` (``fused_decode=True``, pre-RoPE keys in a format the fused kernel reads): the
+  float32 cos/sin tables fused decode keeps on the device to rotate keys in the kernel, once per model
+  (not per sequence), at their grown size for the positions the quantized keys reach
+  (:func:`kvbits.schemes.accounting.rope_table_bytes`; half width: rotate-half RoPE over the whole head).
+  It is added to ``total_bytes`` (and, with ``fused_decode``, ``components["rope_tables"]``); an upper bound of what the cache
+  holds, reached unless the tables last grew at fewer positions. 0 otherwise.
 
 With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
@@ -26,7 +32,8 @@ With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
   minus the per-layer constants, which exist once however many sequences there are.
 - ``max_concurrency``: ``floor((gpu - weights - reserve - fixed) / kv_bytes_per_request)``, at least 0,
   where ``reserve`` (``reserve_gib``, default 0) stands for activations, CUDA context and
-  fragmentation, and ``fixed`` is the per-layer constants. ``fits``: ``max_concurrency >= B``.
+  fragmentation, and ``fixed`` is the per-layer constants and the RoPE tables. ``fits``:
+  ``max_concurrency >= B``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any, Union
 from kvbits.plan.config import load_shape
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
+from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +96,7 @@ def plan(
     *,
     weights_gib: float | None = None,
     reserve_gib: float = 0.0,
+    fused_decode: bool = False,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """Plan the KV-cache memory of a model for one or more schemes and context lengths.
 
@@ -104,6 +113,8 @@ def plan(
             residual window, unflushed buffer) and weights; default from the config's dtype, else 2.
         weights_gib: weights memory in GiB, overriding the estimate from the config.
         reserve_gib: GPU memory kept free for activations and the runtime, in GiB.
+        fused_decode: the cache decodes through the fused kernel (``kvbits.cache.use_fused_decode`` on
+            CUDA): pre-RoPE schemes then also hold RoPE tables (``rope_table_bytes``).
 
     Returns:
         One dict (see the module docstring for each field) when ``scheme`` and ``context`` are
@@ -139,7 +150,11 @@ def plan(
     elif weights_gib is not None:
         logger.info("weights_gib is used only with gpu_mem_gib; ignoring it")
 
-    results = [plan_shape(shape, s, context=t, batch=batch, budget=budget) for t in contexts for s in schemes]
+    results = [
+        plan_shape(shape, s, context=t, batch=batch, budget=budget, fused_decode=fused_decode)
+        for t in contexts
+        for s in schemes
+    ]
     return results if (many_contexts or many_schemes) else results[0]
 
 
@@ -167,6 +182,11 @@ def _budget(
     }  # type: ignore[dict-item]
 
 
+def _fused_pre_rope(scheme: KVScheme) -> bool:
+    """Pre-RoPE keys the fused kernel reads from its packed layout (and rotates from RoPE tables)."""
+    return scheme.key.pre_rope and scheme.key.kind in PACKED_KINDS and scheme.value.kind in PACKED_KINDS
+
+
 def plan_shape(
     shape: ModelShape,
     scheme: SchemeLike,
@@ -174,6 +194,7 @@ def plan_shape(
     context: int,
     batch: int = 1,
     budget: dict[str, Any] | None = None,
+    fused_decode: bool = False,
 ) -> dict[str, Any]:
     """One plan: ``shape`` holding ``batch`` sequences of ``context`` tokens under ``scheme``.
 
@@ -188,6 +209,7 @@ def plan_shape(
     per_request = 0
     elements = 0
     per_layer = []
+    rope_positions: dict[int, int] = {}  # fused pre-RoPE keys: head dim -> positions the tables must cover
     for i, layer in enumerate(shape.layers):
         row: dict[str, Any] = {
             "layer": i,
@@ -209,6 +231,9 @@ def plan_shape(
         b = layer_bytes(scheme, context, batch=batch, **kw)
         one = layer_bytes(scheme, context, batch=1, **kw)
         split = token_split(scheme, context, layer.window)
+        if fused_decode and _fused_pre_rope(scheme) and layer.attention == "full" and split.quantized:
+            n = split.sink + split.quantized  # RopeTableCache.get(rotary, n_sinks + n_dropped + T_q, ...)
+            rope_positions[layer.head_dim] = max(rope_positions.get(layer.head_dim, 0), n)
         stored_fp16 = token_split(fp16, context, layer.window).stored
         layer_elements = 2 * batch * stored_fp16 * layer.kv_heads * layer.head_dim
         elements += layer_elements
@@ -231,8 +256,9 @@ def plan_shape(
             fp16_bytes=2 * layer_elements,
         )
         per_layer.append(row)
-    total = totals["key"] + totals["value"]
-    assert total == totals["full"] + totals["quantized"] + totals["fixed"], (
+    rope_tables = sum(rope_table_bytes(n, D // 2) for D, n in rope_positions.items())
+    total = totals["key"] + totals["value"] + rope_tables
+    assert total == totals["full"] + totals["quantized"] + totals["fixed"] + rope_tables, (
         "layer_bytes breakdown must add up"
     )
     fp16_bytes = 2 * elements
@@ -251,10 +277,14 @@ def plan_shape(
         "key_bytes": totals["key"],
         "value_bytes": totals["value"],
         "components": {"full": totals["full"], "quantized": totals["quantized"], "fixed": totals["fixed"]},
+        "rope_table_bytes": rope_tables,
         "per_layer": per_layer,
     }
+    if fused_decode:
+        out["components"]["rope_tables"] = rope_tables
     if budget is not None:
-        free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"] - totals["fixed"]
+        fixed = totals["fixed"] + rope_tables
+        free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"] - fixed
         max_conc = max(0, free // per_request)
         out.update(
             gpu_mem_bytes=budget["gpu_mem_bytes"],

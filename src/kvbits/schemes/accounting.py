@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 SCALE_BYTES = 2  # float16 scales and zero-points
+PACKED_KINDS = ("int", "nuq", "fp8")  # kinds stored as codes + metadata: the fused decode kernel's layout
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,24 @@ def layer_bytes(
         out["quantized"] += quant
         out["fixed"] += fixed
     return out
+
+
+ROPE_TABLE_ROWS = 1024  # the fused path's RoPE tables grow in multiples of this many positions
+ROPE_TABLE_GROWTH = 1.25  # ... to 1.25x the positions a step needs
+
+
+def rope_table_positions(n_positions: int) -> int:
+    """Rows of the fused decode path's RoPE tables when a step needs ``n_positions`` positions
+    (``kvbits.cache.fused.RopeTableCache``): ``1.25 * n`` rounded up to a multiple of 1024, more than ``n``."""
+    need = max(n_positions * ROPE_TABLE_GROWTH, n_positions + 1)
+    return ROPE_TABLE_ROWS * math.ceil(need / ROPE_TABLE_ROWS)
+
+
+def rope_table_bytes(n_positions: int, width: int) -> int:
+    """float32 cos + sin tables of ``rope_table_positions(n_positions)`` rows by ``width`` columns (``D / 2``
+    for rotate-half RoPE, whose tables repeat their halves; ``D`` otherwise). Once per model and device,
+    not per sequence: fused decode over pre-RoPE keys keeps them beside the K/V (not in ``layer_bytes``)."""
+    return 2 * 4 * rope_table_positions(n_positions) * width
 
 
 def average_bits(scheme: KVScheme, head_dim: int = 128, n_heads: int = 8) -> float:
