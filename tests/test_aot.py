@@ -1,6 +1,6 @@
 """Compile-only checks of the Triton kernels for GPUs that are not here (``kvbits.kernels.aot``).
 
-Triton compiles for sm_90 / sm_80 on this CPU machine (LLVM + its bundled ptxas); each compiled kernel's
+Triton compiles for sm_90 / sm_80 / sm_89 on this CPU machine (LLVM + its bundled ptxas); each compiled kernel's
 registers, shared memory and spills say whether the GPU would launch it and how many fit on an SM. The
 compiles run in a subprocess: this test session runs Triton through its interpreter.
 """
@@ -36,6 +36,8 @@ def test_occupancy_arithmetic():
     assert h.check(res(128, 108544)) is None
     assert "shared memory 288768 B > 232448 B" in h.check(res(255, 288768))
     assert LIMITS["sm_80"].check(res(128, 174080)) is not None  # fits a Hopper block, not an A100's
+    assert LIMITS["sm_89"].blocks_per_sm(res(32, 0, warps=16)) == 3  # Ada: 1536 threads per SM (Hopper: 4)
+    assert LIMITS["sm_90"].blocks_per_sm(res(32, 0, warps=16)) == 4
 
 
 def _run(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -67,23 +69,28 @@ def test_triton_default_pipeline_would_not_launch_on_hopper():
     assert row["shared_bytes"] == 288768 and "shared memory" in row["fails"] and row["blocks_per_sm"] == 0
 
 
-def test_default_launches_fit_hopper_and_ampere():
+def test_default_launches_fit_hopper_ampere_and_ada(tmp_path):
     """Every kind of default launch (decode kernel over stores the cache builds: KIVI and pre-RoPE NUQ with
-    outliers at both head dims, float16 and float32 queries; the quantize kernel) compiles for sm_90 and sm_80, fits, and spills no
-    registers; so does the pre-RoPE gather fallback at D = 128 (which spilled with Triton's defaults).
-    The quick run includes the NUQ quantize kernel, which once compiled only under the interpreter."""
-    for arch in ("sm_90", "sm_80"):
+    outliers at both head dims, float16 and float32 queries; the quantize kernel) compiles for sm_90, sm_80
+    and sm_89, fits, and spills no registers; so does the pre-RoPE gather fallback at D = 128 (which
+    spilled with Triton's defaults). The quick run includes the NUQ quantize kernel, which once compiled
+    only under the interpreter. The machine code is what a memory-bound decode wants: pipelined 128-bit
+    loads and tensor-core MMAs (none with float32 queries, whose exact products use the CUDA cores)."""
+    for arch in ("sm_90", "sm_80", "sm_89"):
+        path = tmp_path / f"{arch}.json"
         out = _run(
-            f"import kernel_resources as kr; raise SystemExit(kr.main(['--quick', '--arch', '{arch}']))"
+            f"import kernel_resources as kr; raise SystemExit(kr.main(['--quick', '--arch', '{arch}', '--out', '{path}']))"
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert out.stdout.count("| cache |") == 8 and out.stdout.count("| quantize |") == 2
-        assert out.stdout.count("(float32 queries)") == 4  # exact products, no tensor cores: more registers
-        assert "PROBLEM" not in out.stdout
+        data = json.loads(path.read_text())
+        assert data["problems"] == [] and "PROBLEM" not in out.stdout
+        rows = data["rows"]
+        decode = [r for r in rows if r["group"] == "cache"]
+        assert len(decode) == 8 and sum(r["kernel"] == "_quantize_kernel" for r in rows) == 2
+        assert all(r["fails"] is None and r["local_bytes"] == 0 for r in decode)
+        assert all(r["loads_128"] > 0 and r["async_loads"] > 0 for r in decode)
+        assert all((r["mma"] == 0) == ("float32 queries" in r["name"]) for r in decode)
     row = _compile_launch("vectorized=False")
     assert row["fails"] is None and row["local_bytes"] == 0 and row["blocks_per_sm"] >= 2
-    assert (row["block_t"], row["num_warps"], row["num_stages"]) == (
-        16,
-        4,
-        2,
-    )  # per-element reads: half tiles
+    assert (row["block_t"], row["num_warps"], row["num_stages"]) == (16, 4, 2)  # per-element: half tiles
+    assert row["loads_8"] > 0  # the gather path reads codes byte by byte

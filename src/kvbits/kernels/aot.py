@@ -79,6 +79,10 @@ LIMITS = {
     "sm_90": DeviceLimits("sm_90 (H100/H200)", 90, 232448, 233472),
     # A100 (Ampere): 163 KB per block, 164 KB per SM
     "sm_80": DeviceLimits("sm_80 (A100)", 80, 166912, 167936),
+    # L4 / L40S / RTX 4090 (Ada): 99 KB per block, 100 KB per SM, 1536 threads and 24 blocks per SM
+    "sm_89": DeviceLimits(
+        "sm_89 (L4/L40S)", 89, 101376, 102400, max_threads_per_sm=1536, max_blocks_per_sm=24
+    ),
 }
 
 

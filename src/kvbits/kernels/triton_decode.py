@@ -467,11 +467,14 @@ def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> di
     at D = 128 spilled registers, held one pre-RoPE program per SM, and needed 282 KiB of shared memory on
     the gather path (over the 227 KiB an H100/H200 grants a block); 3-bit codes and 4-bit NUQ codes with
     outliers spilled with 4096-element tiles. ``ieee`` (float32 queries: exact products on the CUDA
-    cores, no tensor cores, the product tile held in registers): half tiles and 8 warps.
+    cores, no tensor cores, the product tile held in registers): half tiles and 8 warps; 8 warps too where
+    the 16-token minimum tile exceeds the budget (per-element reads at D = 256). Float32 queries at
+    D = 256 still spill 150-200 bytes per thread (16 warps would cap registers at 64 and spill 1 KB).
     """
     tile = TILE_ELEMENTS // (2 if per_element or ieee else 1)
-    warps = 2 * DEFAULT_WARPS if ieee else DEFAULT_WARPS
-    return {"block_t": max(16, min(64, tile // D)), "num_warps": warps, "num_stages": DEFAULT_STAGES}
+    block_t = max(16, min(64, tile // D))  # tl.dot needs 16 rows at least: D = 256 can exceed the tile
+    warps = 2 * DEFAULT_WARPS if ieee or block_t * D > tile else DEFAULT_WARPS  # 16 warps cap registers at 64
+    return {"block_t": block_t, "num_warps": warps, "num_stages": DEFAULT_STAGES}
 
 
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:

@@ -113,7 +113,8 @@ def _nuq_codes(x, s, z, MIDS, BITS: tl.constexpr, SYM: tl.constexpr):
         u = tl.where(s > 0, tl.math.div_rn(2.0 * (x - z), safe) - 1.0, -1.0)
     code = tl.zeros_like(u).to(tl.int32)
     for step in tl.static_range(BITS):
-        half = 1 << (BITS - 1 - step)  # no constexpr annotation: compiled Triton refuses one per unrolled step
+        # no constexpr annotation: compiled Triton refuses to re-declare one in each unrolled step
+        half = 1 << (BITS - 1 - step)
         m = tl.load(MIDS + code + (half - 1))
         code = tl.where(m < u, code + half, code)
     return code, tl.abs(u) > 1.000001  # quantize_nuq's float32 tolerance 1 + 1e-6

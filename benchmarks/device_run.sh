@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one prepared GPU run of issue 5: gpu_decode.py (under its 290 s budget), then the CUDA-only tests.
+#
+#   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
+#
+# Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
+# short keeps its figures), gpu_decode.log, cuda_tests.log, device.txt (nvidia-smi, versions, COMMIT).
+# Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
+# pytest is importable there, else cuda_tests.log says so.
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH=src
+{
+    echo "commit: ${1:-unknown}"
+    date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+    python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1
+} > "$OUT/device.txt"
+cat "$OUT/device.txt"
+
+timeout 330 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
+echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
+
+if python -c "import pytest" 2>/dev/null; then
+    timeout 150 python -m pytest -q -p no:cacheprovider \
+        tests/test_cache.py::test_cuda_decode_steps_do_not_sync \
+        tests/test_evaluate.py::test_peak_cuda_bytes_on_cuda 2>&1 | tee "$OUT/cuda_tests.log"
+else
+    echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
+fi
