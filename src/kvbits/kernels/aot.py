@@ -17,7 +17,7 @@ Usage (a process whose kernels are compiled, not interpreted: ``TRITON_INTERPRET
     for k in compiled:
         print(resources(k), LIMITS["sm_90"].check(resources(k)))
 
-``python -m kvbits.kernels.aot`` does this for every configuration the benchmark and the cache launch.
+``benchmarks/kernel_resources.py`` does this for every configuration the cache and the GPU benchmark launch.
 """
 
 from __future__ import annotations

@@ -460,16 +460,21 @@ DEFAULT_STAGES = 2
 def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> dict[str, int]:
     """``block_t``, ``num_warps``, ``num_stages`` of a decode launch at head dim ``D``.
 
-    Chosen from the compiled kernels' resources on sm_90 (``benchmarks/kernel_resources.py``, BENCHMARKS.md
-    §6), not from timings: tiles of 4096 elements (2048 where a side is read per element: 3-bit codes,
-    the gather path; or has sparse outliers, each a pass over the tile), 4 warps and a 2-deep pipeline compile without register spills for every preset at
-    D = 64 and 128 and keep 2-5 programs resident per SM. Triton's default (3 stages) with 64-token tiles
-    at D = 128 spilled registers, held one pre-RoPE program per SM, and needed 282 KiB of shared memory on
-    the gather path (over the 227 KiB an H100/H200 grants a block); 3-bit codes and 4-bit NUQ codes with
-    outliers spilled with 4096-element tiles. ``ieee`` (float32 queries: exact products on the CUDA
-    cores, no tensor cores, the product tile held in registers): half tiles and 8 warps; 8 warps too where
-    the 16-token minimum tile exceeds the budget (per-element reads at D = 256). Float32 queries at
-    D = 256 still spill 150-200 bytes per thread (16 warps would cap registers at 64 and spill 1 KB).
+    Chosen from the compiled kernels' resources (``benchmarks/kernel_resources.py``, BENCHMARKS.md §6), not
+    from timings, which no GPU has given yet:
+
+    - tiles of 4096 elements (64 tokens at D = 64, 32 at 128, 16 at 256), 2048 where a side is read per
+      element (``per_element``: 3-bit codes, the gather path, sparse outliers, each a pass over the tile)
+      or the queries are float32 (``ieee``: exact products on the CUDA cores, held in registers);
+    - 4 warps; 8 for float32 queries and where the 16-token minimum tile exceeds the budget (per-element
+      reads at D = 256); 16 warps would cap registers at 64 per thread and spill;
+    - a 2-deep software pipeline.
+
+    On sm_90 every preset at D = 64, 128 and 256 then compiles without register spills (float16 / bfloat16
+    queries; float32 ones still spill 150-200 bytes per thread at D = 256) and keeps 8-20 warps resident
+    per SM. The previous launch (64-token tiles, Triton's 3 stages) spilled at D = 128, held one pre-RoPE
+    program per SM, and needed 282 KiB of shared memory on the gather path: over the 227 KiB an H100/H200
+    grants a block, so it would not have launched.
     """
     tile = TILE_ELEMENTS // (2 if per_element or ieee else 1)
     block_t = max(16, min(64, tile // D))  # tl.dot needs 16 rows at least: D = 256 can exceed the tile
