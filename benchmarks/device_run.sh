@@ -20,7 +20,7 @@ export PYTHONPATH=src
 } > "$OUT/device.txt"
 cat "$OUT/device.txt"
 
-timeout 330 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
+timeout 360 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
 echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 
 if python -c "import pytest" 2>/dev/null; then

@@ -6,6 +6,8 @@
 Imports only torch, triton, transformers (5.17+, step 6 only, lazily) and kvbits (no installs on the
 GPU machine). Steps:
 
+0. (CUDA) the Triton kernels of steps 2-3b compiled on every CPU core at once (``prewarm.py``): the timed
+   steps then load them from Triton's cache instead of compiling one by one inside the time budget.
 1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
 2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
@@ -183,45 +185,72 @@ def random_packed(
     cps: int,
     device: torch.device,
     gen: torch.Generator,
+    lazy: bool = False,
 ) -> PackedTensor:
     """Random codes and metadata in the kernel layout (timing only: content does not change the work).
 
     ``scheme`` is a ``SCHEMES`` value; fp8 codes keep one scale per token row (``cps = D``, no zero).
+    ``lazy``: every tensor a zero-stride view of one element (shapes, dtypes and alignment only: what
+    compiling a launch needs, ``prewarm.py``; nothing to read).
     """
     kind, bits, outlier_frac = scheme
-    codes = torch.randint(0, 120, (B, H, T, D * bits // 8), dtype=torch.uint8, device=device, generator=gen)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return _lazy(shape, torch.float32, device) if lazy else torch.rand(shape, device=device, generator=gen)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return _lazy(shape, torch.float32, device) if lazy else torch.randn(shape, device=device, generator=gen)
+
+    row = D * bits // 8
+    if lazy:
+        codes = _lazy((B, H, T, row), torch.uint8, device)
+    else:
+        codes = torch.randint(0, 120, (B, H, T, row), dtype=torch.uint8, device=device, generator=gen)
     if kind == "fp8":
         tps, cps = 1, D
     shape = (B, H, T // tps, D // cps)
-    scale = (torch.rand(shape, device=device, generator=gen) * 0.05 + 0.01).half()
-    zero = None if kind == "fp8" else torch.randn(shape, device=device, generator=gen).half()
+    scale = (rand(*shape) * 0.05 + 0.01).half()
+    zero = None if kind == "fp8" else randn(*shape).half()
     extra: dict = {"kind": kind, "fmt": "e4m3" if kind == "fp8" else None}
     if kind == "nuq":
         u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
         extra["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(device)
     k = outlier_count(D, outlier_frac)
     if k:
-        extra["outlier_values"] = torch.randn(B, H, T, k, device=device, generator=gen).half()
-        idx = torch.rand(B, H, T, D, device=device, generator=gen).topk(k, dim=-1).indices
-        extra["outlier_index"] = idx.to(torch.uint8 if D <= 256 else torch.int16)
+        extra["outlier_values"] = randn(B, H, T, k).half()
+        index_dtype = torch.uint8 if D <= 256 else torch.int16
+        if lazy:
+            extra["outlier_index"] = _lazy((B, H, T, k), index_dtype, device)
+        else:
+            idx = torch.rand(B, H, T, D, device=device, generator=gen).topk(k, dim=-1).indices
+            extra["outlier_index"] = idx.to(index_dtype)
     return PackedTensor(codes, scale, zero, bits, tps, cps, D, **extra)
+
+
+def _lazy(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-stride ``shape`` view of one zero element (see ``random_packed(lazy=True)``)."""
+    return torch.zeros(1, dtype=dtype, device=device).expand(*shape)
 
 
 def random_store(
     B: int, shape: dict, context: int, scheme: tuple[str, int, float] | None, device: torch.device,
-    gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False,
 ) -> PackedStore:  # fmt: skip
     """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail);
-    ``rope_tables`` (``(cos, sin)``, ``(>= context, D or D / 2)`` float32): the quantized keys are pre-RoPE."""
+    ``rope_tables`` (``(cos, sin)``, ``(>= context, D or D / 2)`` float32): the quantized keys are pre-RoPE.
+    ``lazy``: zero-stride views only (``random_packed``)."""
     H, D = shape["H_kv"], shape["D"]
     T_f = context if scheme is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
     T_q = context - T_f
-    kf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
-    vf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
+    if lazy:
+        kf = vf = _lazy((B, H, T_f, D), torch.float16, device)
+    else:
+        kf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
+        vf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
     key = value = None
     if T_q:
-        key = random_packed(B, H, T_q, D, scheme, KEY_GROUP, 1, device, gen)
-        value = random_packed(B, H, T_q, D, scheme, 1, VALUE_GROUP, device, gen)
+        key = random_packed(B, H, T_q, D, scheme, KEY_GROUP, 1, device, gen, lazy)
+        value = random_packed(B, H, T_q, D, scheme, 1, VALUE_GROUP, device, gen, lazy)
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
     if rope_tables is None or key is None:
         return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
@@ -951,6 +980,22 @@ def _decoder(cfg: Config) -> Callable | None:
     return decode_attention_triton
 
 
+def _prewarm(device: torch.device, timeout_s: float) -> dict:
+    """Step (0): compile steps 2-3b's kernels on every CPU core first (``prewarm.py``), so that the timed
+    steps find them in Triton's cache instead of compiling one by one inside the time budget."""
+    major, minor = torch.cuda.get_device_capability(device)
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count  # _num_splits' target
+    print(f"(0) compiling the kernels for sm_{major}{minor} on all CPU cores (prewarm.py, at most {timeout_s:.0f} s)")
+    try:
+        from prewarm import prewarm
+
+        result = prewarm(f"sm_{major}{minor}", programs, timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - only a head start: the steps compile what they need anyway
+        result = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    print(f"  {result}")
+    return result
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
@@ -977,6 +1022,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--prewarm-s",
+        type=float,
+        default=120.0,
+        help="CUDA + Triton: compile the kernels in parallel first, for at most this long (0: off)",
+    )
     p.add_argument(
         "--budget-s",
         type=float,
@@ -1039,6 +1090,7 @@ def main(argv: list[str] | None = None) -> dict:
             "value": f"per-token, {VALUE_GROUP}-channel groups",
             "residual_fp16": RESIDUAL,
         },
+        "prewarm": None,
         "checks": [],
         "quantize": [],
         "records": [],
@@ -1054,6 +1106,8 @@ def main(argv: list[str] | None = None) -> dict:
         result.update(fields, seconds=round(time.time() - t0, 1))
         args.out.write_text(json.dumps(result, indent=1))
 
+    if kernel == "triton" and device.type == "cuda" and args.prewarm_s > 0:
+        save(prewarm=_prewarm(device, args.prewarm_s))
     copy_gbps = copy_bandwidth(cfg)
     save(copy_gbps=round(copy_gbps, 1))
     print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")

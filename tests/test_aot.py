@@ -40,10 +40,13 @@ def test_occupancy_arithmetic():
     assert LIMITS["sm_90"].blocks_per_sm(res(32, 0, warps=16)) == 4
 
 
-def _run(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(code: str, timeout: int = 300, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -c code`` with compiled Triton kernels (``cache``: a Triton cache folder of its own)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
+    if cache is not None:
+        env["TRITON_CACHE_DIR"] = str(cache)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=False,
                           timeout=timeout)  # fmt: skip
 
@@ -94,3 +97,33 @@ def test_default_launches_fit_hopper_ampere_and_ada(tmp_path):
     assert row["fails"] is None and row["local_bytes"] == 0 and row["blocks_per_sm"] >= 2
     assert (row["block_t"], row["num_warps"], row["num_stages"]) == (16, 4, 2)  # per-element: half tiles
     assert row["loads_8"] > 0  # the gather path reads codes byte by byte
+
+
+def test_prewarm_compiles_what_the_gpu_sweep_then_launches(tmp_path):
+    """``benchmarks/prewarm.py`` fills Triton's on-disk cache in worker processes from zero-stride stores;
+    the benchmark's own sweep (real tensors, every batch and context given, this process) then finds every
+    kernel it launches there: no new cache entry, i.e. nothing left to compile in the timed run."""
+    code = """
+import functools, os, torch, gpu_decode as gd, prewarm
+from kvbits.kernels.aot import compile_only
+from kvbits.kernels.triton_decode import decode_attention_triton
+cache = os.environ["TRITON_CACHE_DIR"]
+variants = {"fp16", "int4"}
+job_list = [j for j in prewarm.jobs(tune=False) if j[0] == "sweep" and j[1] == "qwen2.5-0.5b" and j[2] in variants]
+r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=240)
+assert r["done"] == len(job_list) == 5 and not r["failed"], r
+before = set(os.listdir(cache))
+gd.SHAPES = {"qwen2.5-0.5b": gd.SHAPES["qwen2.5-0.5b"]}
+gd.SCHEMES = {"int4": gd.SCHEMES["int4"]}
+gd.PRE_ROPE = ("int4",)
+cfg = gd.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[1, 8], reps=1, warmup=0,
+                max_bytes=1e12, smoke=False, kernel="triton")
+with compile_only("sm_90") as launched:
+    records = gd.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
+assert len(records) == 4 * (2 + 5) and len(launched) > 0, (len(records), len(launched))
+print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before))
+"""
+    out = _run(code, timeout=400, cache=tmp_path / "triton")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    new, total = (int(x) for x in out.stdout.split("NEW ")[1].split(" OF "))
+    assert new == 0 and total > 5

@@ -1,0 +1,175 @@
+"""Compile ``gpu_decode.py``'s Triton kernels before it times them, on every CPU core at once.
+
+Triton compiles a kernel the first time a launch brings a new specialisation, one after another, and keeps
+the result in its on-disk cache (``~/.triton/cache``, or ``TRITON_CACHE_DIR``) under a key made of the
+kernel's source, its specialisation (argument types, pointer alignment, integers equal to 1 or divisible
+by 16, constexprs), its options, the target and the Triton/ptxas versions: nothing of the process.
+``prewarm(arch)`` compiles, in worker processes under ``kvbits.kernels.aot.compile_only`` (nothing runs on
+the GPU), the launches the benchmark is about to make, so that its timed steps find them in that cache
+instead of spending the run's time budget compiling:
+
+- ``sweep``: each decode variant at each KV shape, at every batch and context of the sweep (zero-stride
+  stores: shapes and alignment without the memory; a worker compiles each distinct specialisation once);
+- ``tune``: step 3b's grid at its batch and context;
+- ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
+  step's own accuracy gate passes while it compiles);
+- ``quantize``: step 2b's append layouts at its Llama-3-8B block shape.
+
+Decode launches split the context over ``target_programs`` programs (2 per SM of the device): the
+parent passes the device's number, since the split counts are specialised integers too.
+End-to-end decoding (step 6) still compiles its own launches. Workers are spawned (the parent may hold a
+CUDA context); a job that fails only loses its head start: the benchmark compiles it when it gets there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+Job = tuple  # ("sweep", shape, variant, rope, vectorized) | ("tune", shape, rope, block_t, warps, stages)
+#              | ("check", shape) | ("quantize", spec name)
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # gpu_decode.main's sweep
+BATCHES = (1, 8, 32)
+TUNE_BATCH, TUNE_CONTEXT = 8, 32768  # gpu_decode.tune
+
+
+def jobs(tune: bool = True) -> list[Job]:
+    """Every launch group of the benchmark's steps 2, 2b, 3 and (``tune``) 3b, longest first."""
+    import gpu_decode as gd
+
+    out: list[Job] = [("check", shape) for shape in gd.SHAPES]  # 11 variants each: start these first
+    for shape in gd.SHAPES:
+        out.append(("sweep", shape, "fp16", False, None))
+        for name, sch in gd.SCHEMES.items():
+            out.append(("sweep", shape, name, False, None))
+            if sch[0] == "int":
+                out.append(("sweep", shape, name, False, False))
+        for name in gd.PRE_ROPE:
+            out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
+    out += [("quantize", name) for name in gd.QUANTIZE_SPECS]
+    if tune:
+        for shape in gd.SHAPES:
+            for block_t, warps, stages in gd.tune_grid(gd.SHAPES[shape]["D"]):
+                out += [("tune", shape, rope, block_t, warps, stages) for rope in (False, True)]
+    return out
+
+
+def _run_job(job: Job, programs: int) -> None:
+    """One job's launches, on CPU tensors, inside ``compile_only`` (set up by the caller); decode launches
+    aim at ``programs`` programs (``decode_attention_triton(target_programs=...)``), as on the device."""
+    import gpu_decode as gd
+    import torch
+
+    from kvbits.kernels.reference import decode_attention_reference
+    from kvbits.kernels.triton_decode import decode_attention_triton
+
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    kind = job[0]
+    if kind in ("sweep", "tune"):
+        shape = gd.SHAPES[job[1]]
+        if kind == "sweep":
+            name, rope, vectorized = job[2], job[3], job[4]
+            scheme = None if name == "fp16" else gd.SCHEMES[name]
+            kw: dict[str, Any] = {} if vectorized is None else {"vectorized": vectorized}
+            combos = [(b, t) for b in BATCHES for t in CONTEXTS]
+        else:
+            rope, (block_t, warps, stages) = job[2], job[3:]
+            scheme, kw = gd.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
+            combos = [(TUNE_BATCH, TUNE_CONTEXT)]
+        for batch, context in combos:  # the same specialisation compiles once (Triton's in-process cache)
+            tables = gd._lazy((context, shape["D"] // 2), torch.float32, cpu) if rope else None
+            store = gd.random_store(batch, shape, context, scheme, cpu, gen, (tables, tables) if rope else None,
+                                    lazy=True)  # fmt: skip
+            q = torch.zeros(batch, shape["H_q"], 1, shape["D"], dtype=torch.float16)
+            decode_attention_triton(q, store, target_programs=programs, **kw)
+    elif kind == "check":
+        cfg = gd.Config(device=cpu, contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0, smoke=False,
+                        kernel="triton")  # fmt: skip
+
+        def compile_then_reference(q: torch.Tensor, store: Any, **kw: Any) -> torch.Tensor:
+            decode_attention_triton(q, store, target_programs=programs, **kw)  # compiled, not run
+            return decode_attention_reference(q, store)
+
+        shapes = gd.SHAPES
+        gd.SHAPES = {job[1]: shapes[job[1]]}
+        try:
+            gd.check_variants(cfg, compile_then_reference)
+        finally:
+            gd.SHAPES = shapes
+    elif kind == "quantize":
+        from kvbits.kernels.triton_quantize import quantize_pack_triton
+        from kvbits.quant.nuq import uniform_codebook
+
+        spec = gd.QUANTIZE_SPECS[job[1]]
+        x = torch.randn(8, 8, 128, 128, generator=gen).half()  # check_and_time_quantize's block
+        kw = {}
+        if spec.static:
+            kw = {
+                "static_scale": torch.full((8, 128), 0.5).half(),
+                "static_zero": torch.full((8, 128), -2.0).half(),
+            }
+        if spec.kind == "nuq":
+            kw["codebook"] = uniform_codebook(spec.bits)
+        quantize_pack_triton(x, spec, **kw)
+    else:
+        raise ValueError(f"unknown prewarm job {job!r}")
+
+
+def _work(task: tuple[str, int, Job]) -> tuple[Job, float, str | None]:
+    """Worker: compile one job's launches for ``(arch, programs, job)``; ``(job, seconds, error or None)``."""
+    import contextlib
+    import io
+
+    from kvbits.kernels.aot import compile_only
+
+    arch, programs, job = task
+    t0 = time.monotonic()
+    try:
+        with compile_only(arch), contextlib.redirect_stdout(io.StringIO()):
+            _run_job(job, programs)
+    except Exception as exc:  # noqa: BLE001 - reported; the benchmark compiles this job itself later
+        return job, time.monotonic() - t0, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return job, time.monotonic() - t0, None
+
+
+def prewarm(arch: str, programs: int, job_list: list[Job] | None = None, processes: int | None = None,
+            timeout_s: float = 120.0) -> dict:  # fmt: skip
+    """Compile ``job_list`` (default ``jobs()``) for ``arch`` (``"sm_90"``) with decode launches aimed at
+    ``programs`` programs (2 per SM of the device) in ``processes`` spawned workers (default: the CPU
+    count, at most 16) within ``timeout_s``; returns ``{"arch", "jobs", "done", "failed", "seconds"}``
+    (``failed``: ``[(job, error)]``; jobs not done by the timeout are abandoned, not failed)."""
+    from kvbits.kernels.aot import LIMITS
+
+    if arch not in LIMITS:
+        return {"arch": arch, "jobs": 0, "done": 0, "failed": [], "seconds": 0.0,
+                "skipped": f"no limits for {arch} in kvbits.kernels.aot"}  # fmt: skip
+    job_list = jobs() if job_list is None else job_list
+    processes = processes or min(16, os.cpu_count() or 1)
+    t0 = time.monotonic()
+    done, failed = 0, []
+    env_interp = os.environ.pop("TRITON_INTERPRET", None)  # workers compile; they inherit the environment
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(processes)
+    try:
+        results = pool.imap_unordered(_work, [(arch, programs, job) for job in job_list])
+        for _ in job_list:
+            job, _seconds, error = results.next(timeout=max(0.1, t0 + timeout_s - time.monotonic()))
+            done += error is None
+            if error is not None:
+                failed.append((list(job), error))
+    except multiprocessing.TimeoutError:
+        pass  # what is compiled is in the cache; the benchmark compiles the rest itself
+    finally:
+        pool.terminate()
+        pool.join()
+        if env_interp is not None:
+            os.environ["TRITON_INTERPRET"] = env_interp
+    return {"arch": arch, "jobs": len(job_list), "done": done, "failed": failed,
+            "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
