@@ -85,6 +85,9 @@ SCHEMES = {
 # the same integer layouts with pre-RoPE keys (KVQuant §3.2): RoPE applied in the kernel from float32 tables
 PRE_ROPE = ("int8", "int4", "int2")
 ROPE_SUFFIX = "-prerope"
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # step 3's sweep (the issue's contexts and batches)
+BATCHES = (1, 8, 32)
+TUNE_BATCH, TUNE_CONTEXT = 8, 32768  # step 3b
 KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
 VALUE_GROUP = 32  # KIVI: values per-token over groups of 32 channels
 RESIDUAL = 128  # KIVI: the most recent 128 tokens stay in fp16
@@ -845,7 +848,7 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(1)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
-    batch, context = (1, 512) if cfg.smoke else (8, 32768)
+    batch, context = (1, 512) if cfg.smoke else (TUNE_BATCH, TUNE_CONTEXT)
     cases = []  # (shape, scheme, q, store, grid)
     for shape_name, shp in SHAPES.items():
         q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
@@ -1046,8 +1049,8 @@ def main(argv: list[str] | None = None) -> dict:
     kernel = args.kernel if args.kernel != "auto" else ("triton" if device.type == "cuda" else "reference")
     cfg = Config(
         device=device,
-        contexts=[256, 512] if args.smoke else [4096, 8192, 16384, 32768, 65536, 131072],
-        batches=[1] if args.smoke else [1, 8, 32],
+        contexts=[256, 512] if args.smoke else list(CONTEXTS),
+        batches=[1] if args.smoke else list(BATCHES),
         reps=1 if args.smoke else 30,
         warmup=1 if args.smoke else 5,
         max_bytes=args.max_gb * 1e9,

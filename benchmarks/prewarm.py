@@ -34,9 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 Job = tuple  # ("sweep", shape, variant, rope, vectorized) | ("tune", shape, rope, block_t, warps, stages)
 #              | ("check", shape) | ("quantize", spec name)
-CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # gpu_decode.main's sweep
-BATCHES = (1, 8, 32)
-TUNE_BATCH, TUNE_CONTEXT = 8, 32768  # gpu_decode.tune
 
 
 def jobs(tune: bool = True) -> list[Job]:
@@ -78,11 +75,11 @@ def _run_job(job: Job, programs: int) -> None:
             name, rope, vectorized = job[2], job[3], job[4]
             scheme = None if name == "fp16" else gd.SCHEMES[name]
             kw: dict[str, Any] = {} if vectorized is None else {"vectorized": vectorized}
-            combos = [(b, t) for b in BATCHES for t in CONTEXTS]
+            combos = [(b, t) for b in gd.BATCHES for t in gd.CONTEXTS]
         else:
             rope, (block_t, warps, stages) = job[2], job[3:]
             scheme, kw = gd.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
-            combos = [(TUNE_BATCH, TUNE_CONTEXT)]
+            combos = [(gd.TUNE_BATCH, gd.TUNE_CONTEXT)]
         for batch, context in combos:  # the same specialisation compiles once (Triton's in-process cache)
             tables = gd._lazy((context, shape["D"] // 2), torch.float32, cpu) if rope else None
             store = gd.random_store(batch, shape, context, scheme, cpu, gen, (tables, tables) if rope else None,
