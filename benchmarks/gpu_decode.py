@@ -411,6 +411,22 @@ QUANTIZE_SPECS = {  # the append path of the presets: values per token, keys per
 }
 
 
+def quantize_stand_in(name: str) -> tuple[torch.Tensor, dict]:
+    """CPU ``(x, kwargs)`` for ``quantize_pack_triton`` with the shapes and dtypes step 2b passes for
+    ``QUANTIZE_SPECS[name]`` (its Llama-3-8B block): what compiling that launch needs (``prewarm.py``,
+    ``kernel_resources.py``), not its data."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    spec = QUANTIZE_SPECS[name]
+    B, H, n, D = 8, 8, 128, 128
+    kw: dict = {}
+    if spec.static:
+        kw = {"static_scale": torch.full((H, D), 0.5).half(), "static_zero": torch.full((H, D), -2.0).half()}
+    if spec.kind == "nuq":
+        kw["codebook"] = uniform_codebook(spec.bits)
+    return torch.randn(B, H, n, D).half(), kw
+
+
 def check_and_time_quantize(cfg: Config, flush: torch.Tensor | None) -> list[dict]:
     """Quantize-and-pack (``kvbits.kernels.triton_quantize``): bit-for-bit against ``kvbits.quant.quantize``
     on this device (abort on a mismatch: the cache flushes through it on CUDA), then the time to flush

@@ -136,22 +136,12 @@ def decode_rows(
 
 def quantize_rows(arch: str, names: list[str]) -> list[dict]:
     from kvbits.kernels.triton_quantize import quantize_pack_triton
-    from kvbits.quant.nuq import uniform_codebook
 
     rows = []
     for name in names:
-        spec = gd.QUANTIZE_SPECS[name]
-        x = torch.randn(8, 8, 128, 128).half()
-        kw: dict = {}
-        if spec.static:
-            kw = {
-                "static_scale": torch.full((8, 128), 0.5).half(),
-                "static_zero": torch.full((8, 128), -2.0).half(),
-            }
-        if spec.kind == "nuq":
-            kw["codebook"] = uniform_codebook(spec.bits)
+        x, kw = gd.quantize_stand_in(name)
         with compile_only(arch) as compiled:
-            quantize_pack_triton(x, spec, **kw)
+            quantize_pack_triton(x, gd.QUANTIZE_SPECS[name], **kw)
         rows += [_row("quantize", name, "llama-3-8b", {"path": "default"}, k, arch) for k in compiled]
     return rows
 

@@ -102,19 +102,9 @@ def _run_job(job: Job, programs: int) -> None:
             gd.SHAPES = shapes
     elif kind == "quantize":
         from kvbits.kernels.triton_quantize import quantize_pack_triton
-        from kvbits.quant.nuq import uniform_codebook
 
-        spec = gd.QUANTIZE_SPECS[job[1]]
-        x = torch.randn(8, 8, 128, 128, generator=gen).half()  # check_and_time_quantize's block
-        kw = {}
-        if spec.static:
-            kw = {
-                "static_scale": torch.full((8, 128), 0.5).half(),
-                "static_zero": torch.full((8, 128), -2.0).half(),
-            }
-        if spec.kind == "nuq":
-            kw["codebook"] = uniform_codebook(spec.bits)
-        quantize_pack_triton(x, spec, **kw)
+        x, kw = gd.quantize_stand_in(job[1])
+        quantize_pack_triton(x, gd.QUANTIZE_SPECS[job[1]], **kw)
     else:
         raise ValueError(f"unknown prewarm job {job!r}")
 
