@@ -197,36 +197,29 @@ def random_packed(
     compiling a launch needs, ``prewarm.py``; nothing to read).
     """
     kind, bits, outlier_frac = scheme
-
-    def rand(*shape: int) -> torch.Tensor:
-        return _lazy(shape, torch.float32, device) if lazy else torch.rand(shape, device=device, generator=gen)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return _lazy(shape, torch.float32, device) if lazy else torch.randn(shape, device=device, generator=gen)
-
-    row = D * bits // 8
-    if lazy:
-        codes = _lazy((B, H, T, row), torch.uint8, device)
-    else:
-        codes = torch.randint(0, 120, (B, H, T, row), dtype=torch.uint8, device=device, generator=gen)
     if kind == "fp8":
         tps, cps = 1, D
-    shape = (B, H, T // tps, D // cps)
-    scale = (rand(*shape) * 0.05 + 0.01).half()
-    zero = None if kind == "fp8" else randn(*shape).half()
+    row, meta = (B, H, T, D * bits // 8), (B, H, T // tps, D // cps)
+    k = outlier_count(D, outlier_frac)
+    index_dtype = torch.uint8 if D <= 256 else torch.int16
     extra: dict = {"kind": kind, "fmt": "e4m3" if kind == "fp8" else None}
     if kind == "nuq":
         u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
         extra["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(device)
-    k = outlier_count(D, outlier_frac)
-    if k:
-        extra["outlier_values"] = randn(B, H, T, k).half()
-        index_dtype = torch.uint8 if D <= 256 else torch.int16
-        if lazy:
+    if lazy:
+        codes, scale = _lazy(row, torch.uint8, device), _lazy(meta, torch.float16, device)
+        zero = None if kind == "fp8" else _lazy(meta, torch.float16, device)
+        if k:
+            extra["outlier_values"] = _lazy((B, H, T, k), torch.float16, device)
             extra["outlier_index"] = _lazy((B, H, T, k), index_dtype, device)
-        else:
-            idx = torch.rand(B, H, T, D, device=device, generator=gen).topk(k, dim=-1).indices
-            extra["outlier_index"] = idx.to(index_dtype)
+        return PackedTensor(codes, scale, zero, bits, tps, cps, D, **extra)
+    codes = torch.randint(0, 120, row, dtype=torch.uint8, device=device, generator=gen)
+    scale = (torch.rand(meta, device=device, generator=gen) * 0.05 + 0.01).half()
+    zero = None if kind == "fp8" else torch.randn(meta, device=device, generator=gen).half()
+    if k:
+        extra["outlier_values"] = torch.randn(B, H, T, k, device=device, generator=gen).half()
+        idx = torch.rand(B, H, T, D, device=device, generator=gen).topk(k, dim=-1).indices
+        extra["outlier_index"] = idx.to(index_dtype)
     return PackedTensor(codes, scale, zero, bits, tps, cps, D, **extra)
 
 
