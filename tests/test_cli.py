@@ -62,6 +62,9 @@ def test_plan_fused_decode_adds_rope_tables(capsys):
     assert fused[0]["rope_table_bytes"] == 2 * 4 * 40960 * 64 and plain[0]["rope_table_bytes"] == 0
     assert fused[0]["total_bytes"] == plain[0]["total_bytes"] + fused[0]["rope_table_bytes"]
     assert fused[1]["total_bytes"] == plain[1]["total_bytes"] and fused[1]["components"]["rope_tables"] == 0
+    assert main(argv[:-1] + ["--fused-decode"]) == 0  # the table says what it added
+    out = capsys.readouterr().out
+    assert "RoPE tables of fused pre-RoPE decode (kvquant-4-block 20.00 MiB)" in out
 
 
 def test_plan_table_worked_example(capsys):
