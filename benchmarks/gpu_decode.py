@@ -279,8 +279,9 @@ def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
     return quantize(x, spec, codebook=(u.abs() ** 1.5 * u.sign()).half().to(x.device))
 
 
-def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
-    """Each kernel variant vs float64 on this device; raises ``SystemExit`` on the first failure."""
+def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | None = None) -> list[dict]:
+    """Each kernel variant vs float64 on this device, at the KV shapes named (default all of ``SHAPES``);
+    raises ``SystemExit`` on the first failure."""
     if decode is None:
         return []
     dev = cfg.device
@@ -312,7 +313,7 @@ def check_variants(cfg: Config, decode: Callable | None) -> list[dict]:
         ("fp8-e4m3", {"key": _spec(8, "token", None, "fp8"), "value": _spec(8, "token", None, "fp8")}, {}),
         ("int4-kivi-masked", {**kivi(4), "mask": True}, {}),  # left padding of a batch: slot masks
     ]
-    shapes = dict(SHAPES)
+    shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     if (
         cfg.smoke and dev.type == "cpu"
     ):  # the interpreter is slow: whole-row and gather + RoPE paths, one shape

@@ -101,12 +101,12 @@ def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str
     r = resources(kernel)
     lim = LIMITS[arch]
     mix = instruction_mix(kernel)
+    blocks = lim.blocks_per_sm(r)
     return {
         "group": group, "name": name, "shape": shape, **launch, "kernel": r.kernel,
         "block_t": r.constants.get("BLOCK_T"), "num_warps": r.num_warps, "num_stages": r.num_stages,
         "registers": r.registers, "shared_bytes": r.shared_bytes, "local_bytes": r.local_bytes,
-        "blocks_per_sm": lim.blocks_per_sm(r),
-        "warps_per_sm": lim.blocks_per_sm(r) * r.num_warps, "fails": lim.check(r), **mix,
+        "blocks_per_sm": blocks, "warps_per_sm": blocks * r.num_warps, "fails": lim.check(r), **mix,
     }  # fmt: skip
 
 

@@ -94,12 +94,7 @@ def _run_job(job: Job, programs: int) -> None:
             decode_attention_triton(q, store, target_programs=programs, **kw)  # compiled, not run
             return decode_attention_reference(q, store)
 
-        shapes = gd.SHAPES
-        gd.SHAPES = {job[1]: shapes[job[1]]}
-        try:
-            gd.check_variants(cfg, compile_then_reference)
-        finally:
-            gd.SHAPES = shapes
+        gd.check_variants(cfg, compile_then_reference, shapes=[job[1]])
     elif kind == "quantize":
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 

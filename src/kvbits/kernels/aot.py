@@ -28,7 +28,7 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LIMITS", "DeviceLimits", "KernelResources", "compile_only", "instruction_mix", "resources"]
@@ -107,9 +107,6 @@ class KernelResources:
     local_bytes: int
     constants: dict[str, Any]
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 class _CompileOnlyDriver:
     """The part of Triton's driver interface that compiling (not launching) a kernel uses."""
@@ -128,11 +125,6 @@ class _CompileOnlyDriver:
 
     def is_active(self) -> bool:
         return True
-
-    def get_active_torch_device(self) -> Any:
-        import torch
-
-        return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -177,21 +169,25 @@ def compile_only(arch: str = "sm_90") -> Iterator[list[Any]]:
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
+def _cuobjdump(kernel: Any, option: str) -> subprocess.CompletedProcess:
+    """``cuobjdump <option>`` (the one shipped with Triton's CUDA backend) on the kernel's cubin."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, option, f.name], capture_output=True, text=True, check=False
+        )
+
+
 def resources(kernel: Any) -> KernelResources:
     """Registers, shared and local memory of a kernel compiled by ``compile_only``.
 
     Raises:
         RuntimeError: ``cuobjdump`` (shipped with Triton's CUDA backend) is missing or reports no usage.
     """
-    from triton import knobs
-
-    tool = knobs.nvidia.cuobjdump.path
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=False
-        )
+    out = _cuobjdump(kernel, "--dump-resource-usage")
     m = _USAGE.search(out.stdout)
     if m is None:
         raise RuntimeError(
@@ -228,14 +224,7 @@ def instruction_mix(kernel: Any) -> dict[str, int]:
     access width (``LDGSTS``, the asynchronous global-to-shared copies of a pipelined loop, also counted
     in ``async_loads``) and of ``HMMA``. Wide loads are what a memory-bound kernel wants on its hot path.
     """
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True, check=False
-        ).stdout
+    sass = _cuobjdump(kernel, "-sass").stdout
     mix = {
         "loads_128": 0,
         "loads_64": 0,

@@ -210,6 +210,7 @@ def plan_shape(
     elements = 0
     per_layer = []
     rope_positions: dict[int, int] = {}  # fused pre-RoPE keys: head dim -> positions the tables must cover
+    rope_tables_held = fused_decode and _fused_pre_rope(scheme)
     for i, layer in enumerate(shape.layers):
         row: dict[str, Any] = {
             "layer": i,
@@ -231,7 +232,7 @@ def plan_shape(
         b = layer_bytes(scheme, context, batch=batch, **kw)
         one = layer_bytes(scheme, context, batch=1, **kw)
         split = token_split(scheme, context, layer.window)
-        if fused_decode and _fused_pre_rope(scheme) and layer.attention == "full" and split.quantized:
+        if rope_tables_held and layer.attention == "full" and split.quantized:
             n = split.sink + split.quantized  # RopeTableCache.get(rotary, n_sinks + n_dropped + T_q, ...)
             rope_positions[layer.head_dim] = max(rope_positions.get(layer.head_dim, 0), n)
         stored_fp16 = token_split(fp16, context, layer.window).stored
