@@ -6,8 +6,8 @@
 Imports only torch, triton, transformers (5.17+, step 6 only, lazily) and kvbits (no installs on the
 GPU machine). Steps:
 
-0. (CUDA) the Triton kernels of steps 2-3b compiled on every CPU core at once (``prewarm.py``): the timed
-   steps then load them from Triton's cache instead of compiling one by one inside the time budget.
+0. (CUDA) the Triton kernels of steps 2-3b and 6 compiled on every CPU core at once (``prewarm.py``): the
+   timed steps then load them from Triton's cache instead of compiling one by one inside the time budget.
 1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
 2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
@@ -91,6 +91,8 @@ TUNE_BATCH, TUNE_CONTEXT = 8, 32768  # step 3b
 KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
 VALUE_GROUP = 32  # KIVI: values per-token over groups of 32 channels
 RESIDUAL = 128  # KIVI: the most recent 128 tokens stay in fp16
+# step 6: decode after a 32K-token prompt (the issue's context), batches 1 and 8, 4 warm-up + 32 timed steps
+E2E_CONTEXT, E2E_BATCHES, E2E_TOKENS, E2E_WARMUP = 32768, (1, 8), 32, 4
 
 
 @dataclass
@@ -489,8 +491,8 @@ E2E_KVBITS = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-tok
 E2E_HF = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers QuantizedCache backends, if importable
 
 
-def _e2e_model(cfg: Config, context: int, tokens: int) -> torch.nn.Module:
-    """Random-weight Qwen2 model (fp16 on CUDA, float32 on CPU), built directly on the device."""
+def _e2e_model(cfg: Config, context: int, tokens: int, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Random-weight Qwen2 model (``dtype``; default fp16 on CUDA, float32 on CPU), built on the device."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     shape = E2E_MODEL["smoke" if cfg.smoke else "full"]
@@ -498,7 +500,8 @@ def _e2e_model(cfg: Config, context: int, tokens: int) -> torch.nn.Module:
     torch.manual_seed(0)
     with cfg.device:
         model = Qwen2ForCausalLM(config)
-    dtype = torch.float16 if cfg.device.type == "cuda" else torch.float32
+    if dtype is None:
+        dtype = torch.float16 if cfg.device.type == "cuda" else torch.float32
     model = model.to(dtype).eval()
     model.set_attn_implementation("sdpa")
     return model
@@ -538,6 +541,19 @@ def _decode_run(cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmu
     B = ids.shape[0]
     return {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
             "tokens": torch.cat(generated, 1)[:, warmup:].cpu()}  # fmt: skip
+
+
+def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto"):
+    """The ``QuantizedKVCache`` of one step-6 run: ``fused`` decode steps (``use_fused_decode`` on the model)
+    or dequantize + SDPA; NUQ sides get uniform codebooks. Off CUDA ``fused`` forces the fused path (the
+    torch reference, or Triton under ``KVBITS_KERNEL=triton``); on CUDA ``"auto"`` must pick the kernel.
+    ``checks="auto"`` checks incoming K/V lazily on CUDA (no sync per step), eagerly on CPU."""
+    from kvbits.cache import QuantizedKVCache
+
+    mode = (True if model.device.type == "cpu" else "auto") if fused else False
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks=checks)
+    _install_uniform_codebooks(cache, model.config.num_hidden_layers)
+    return cache
 
 
 def _install_uniform_codebooks(cache, n_layers: int) -> None:
@@ -614,11 +630,7 @@ def end_to_end(
                     use_fused_decode(model)
                 else:
                     model.set_attn_implementation("sdpa")
-                # CPU smoke: force the fused path (torch reference); on CUDA "auto" must pick the kernel.
-                # K/V checks: checks="auto" = lazy on CUDA (no sync per step), eager on the CPU smoke run.
-                mode = True if (how and cfg.device.type == "cpu") else ("auto" if how else False)
-                cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode)
-                _install_uniform_codebooks(cache, n_layers)
+                cache = kvbits_cache(model, scheme, how)
             else:
                 model.set_attn_implementation("sdpa")
                 cache, note = _hf_cache(model.config, how, scheme)
@@ -994,8 +1006,8 @@ def _decoder(cfg: Config) -> Callable | None:
 
 
 def _prewarm(device: torch.device, timeout_s: float) -> dict:
-    """Step (0): compile steps 2-3b's kernels on every CPU core first (``prewarm.py``), so that the timed
-    steps find them in Triton's cache instead of compiling one by one inside the time budget."""
+    """Step (0): compile the kernels of steps 2-3b and 6 on every CPU core first (``prewarm.py``), so that
+    the timed steps find them in Triton's cache instead of compiling one by one inside the time budget."""
     major, minor = torch.cuda.get_device_capability(device)
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count  # _num_splits' target
     print(f"(0) compiling the kernels for sm_{major}{minor} on all CPU cores (prewarm.py, at most {timeout_s:.0f} s)")
@@ -1147,11 +1159,11 @@ def main(argv: list[str] | None = None) -> dict:
     e2e: list[dict] = []
     if args.e2e != "no":
         cfg.deadline = time.monotonic() + max(0.0, args.budget_s - (time.time() - t0))
-        context = args.e2e_context or (256 if cfg.smoke else 32768)
-        batches = args.e2e_batch or ([1] if cfg.smoke else [1, 8])
-        tokens = args.e2e_tokens or (4 if cfg.smoke else 32)
+        context = args.e2e_context or (256 if cfg.smoke else E2E_CONTEXT)
+        batches = args.e2e_batch or ([1] if cfg.smoke else list(E2E_BATCHES))
+        tokens = args.e2e_tokens or (4 if cfg.smoke else E2E_TOKENS)
         print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
-        e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else 4,
+        e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else E2E_WARMUP,
                          progress=lambda rows: save(e2e=rows))  # fmt: skip
     save(e2e=e2e, complete=True)
     print(markdown(records, be, copy_gbps, e2e))

@@ -13,12 +13,15 @@ instead of spending the run's time budget compiling:
 - ``tune``: step 3b's grid at its batch and context;
 - ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
   step's own accuracy gate passes while it compiles);
-- ``quantize``: step 2b's append layouts at its Llama-3-8B block shape.
+- ``quantize``: step 2b's append layouts at its Llama-3-8B block shape;
+- ``e2e``: step 6's fused runs, one per scheme and batch: ``e2e_launches`` drives the benchmark's own
+  cache and decode loop through a model with step 6's KV shape, in float16 as on the GPU (2 layers: the
+  others launch the same kernels), its prefill attention left out (see there).
 
 Decode launches split the context over ``target_programs`` programs (2 per SM of the device): the
-parent passes the device's number, since the split counts are specialised integers too.
-End-to-end decoding (step 6) still compiles its own launches. Workers are spawned (the parent may hold a
-CUDA context); a job that fails only loses its head start: the benchmark compiles it when it gets there.
+parent passes the device's number, since the split counts reach the kernels too. Workers are spawned
+(the parent may hold a CUDA context); a job that fails only loses its head start: the benchmark compiles
+it when it gets there.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 Job = tuple  # ("sweep", shape, variant, rope, vectorized) | ("tune", shape, rope, block_t, warps, stages)
-#              | ("check", shape) | ("quantize", spec name)
+#              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup)
 
 
 def jobs(tune: bool = True) -> list[Job]:
@@ -50,6 +53,8 @@ def jobs(tune: bool = True) -> list[Job]:
         for name in gd.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
     out += [("quantize", name) for name in gd.QUANTIZE_SPECS]
+    out += [("e2e", scheme, batch, gd.E2E_CONTEXT, gd.E2E_TOKENS, gd.E2E_WARMUP)
+            for batch in gd.E2E_BATCHES for scheme in gd.E2E_KVBITS]  # fmt: skip
     if tune:
         for shape in gd.SHAPES:
             for block_t, warps, stages in gd.tune_grid(gd.SHAPES[shape]["D"]):
@@ -100,8 +105,61 @@ def _run_job(job: Job, programs: int) -> None:
 
         x, kw = gd.quantize_stand_in(job[1])
         quantize_pack_triton(x, gd.QUANTIZE_SPECS[job[1]], **kw)
+    elif kind == "e2e":
+        e2e_launches(*job[1:], programs=programs)
     else:
         raise ValueError(f"unknown prewarm job {job!r}")
+
+
+def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int, programs: int,
+                 stub_prefill: bool = True) -> None:  # fmt: skip
+    """Step 6's fused run of ``scheme`` at ``batch`` on CPU tensors, for ``compile_only``: the benchmark's
+    own ``kvbits_cache`` and ``_decode_run`` (prefill of ``context`` tokens, ``warmup + tokens`` decode
+    steps) through a float16 model with step 6's KV shape, settings resolved as on CUDA (the Triton
+    kernels, ``KVBITS_KERNEL=triton``; lazy K/V checks; splits aimed at ``programs`` programs).
+
+    ``stub_prefill``: the prefill's attention (SDPA over ``context`` tokens, quadratic on a CPU) returns
+    zeros; it launches no Triton kernel, and the cache still stores the whole prompt (a test checks that
+    the compiled kernels are the same either way). Outputs of the kernels are never written (nothing
+    runs), so the tokens are meaningless; only the launches count.
+    """
+    import gpu_decode as gd
+    import torch
+    from transformers import AttentionInterface
+
+    import kvbits.kernels.triton_decode as td
+    from kvbits.cache import use_fused_decode
+    from kvbits.kernels.dispatch import KERNEL_ENV
+
+    num_splits = td._num_splits
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    kernel_env = os.environ.get(KERNEL_ENV)
+
+    def zeros_for_prefill(module, query, key, value, attention_mask, **kw):  # (B, q, H_q, D), as SDPA's
+        if query.shape[2] == 1:
+            return sdpa(module, query, key, value, attention_mask, **kw)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+    os.environ[KERNEL_ENV] = "triton"
+    td._num_splits = lambda store, device, target: num_splits(store, device, target or programs)
+    if stub_prefill:
+        AttentionInterface._global_mapping["sdpa"] = zeros_for_prefill
+    try:
+        # smoke: the model of step 6's CPU run, with step 6's KV shape in 2 layers
+        cfg = gd.Config(device=torch.device("cpu"), contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0,
+                        smoke=True, kernel="triton")  # fmt: skip
+        model = gd._e2e_model(cfg, context, tokens, dtype=torch.float16)
+        use_fused_decode(model)
+        cache = gd.kvbits_cache(model, scheme, fused=True, checks="lazy")
+        ids = torch.zeros(batch, context, dtype=torch.long)
+        gd._decode_run(cfg, model, cache, ids, tokens, warmup)
+    finally:
+        td._num_splits = num_splits
+        AttentionInterface._global_mapping["sdpa"] = sdpa
+        if kernel_env is None:
+            os.environ.pop(KERNEL_ENV, None)
+        else:
+            os.environ[KERNEL_ENV] = kernel_env
 
 
 def _work(task: tuple[str, int, Job]) -> tuple[Job, float, str | None]:

@@ -127,3 +127,35 @@ print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     new, total = (int(x) for x in out.stdout.split("NEW ")[1].split(" OF "))
     assert new == 0 and total > 5
+
+
+def test_prewarm_covers_step_6_and_decode_compiles_once_per_run(tmp_path):
+    """Step 6's prewarm job (``prewarm.e2e_launches``: the benchmark's own cache and decode loop, the
+    prefill's attention left out) fills Triton's cache with every kernel of the same run with the real
+    prefill: nothing left to compile. The residual window grows by one slot per step (its length is
+    divisible by 16 on some steps, not others), yet the decode kernel compiles once: the slot counts are
+    not specialised."""
+    code = """
+import os, prewarm
+from kvbits.kernels.aot import compile_only
+cache = os.environ["TRITON_CACHE_DIR"]
+job = ("e2e", "kivi-2", 2, 300, 20, 2)
+r = prewarm.prewarm("sm_90", 264, [job], processes=1, timeout_s=300)
+assert r["done"] == 1 and not r["failed"], r
+before = set(os.listdir(cache))
+with compile_only("sm_90") as launched:
+    prewarm.e2e_launches(*job[1:], programs=264, stub_prefill=False)
+names = sorted({id(k): k.name for k in launched}.values())
+print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before), "LAUNCHES", len(launched), "KERNELS", ",".join(names))
+"""
+    out = _run(code, timeout=400, cache=tmp_path / "triton")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    new, total = (int(x) for x in line.split("NEW ")[1].split(" LAUNCHES")[0].split(" OF "))
+    launches = int(line.split("LAUNCHES ")[1].split()[0])
+    kernels = line.split("KERNELS ")[1].split(",")
+    assert new == 0 and total >= 4, line
+    # 2 layers x 22 decode steps x (decode + reduce), plus the quantize launches of prefill and flushes
+    assert launches >= 2 * 22 * 2, line
+    assert kernels.count("_decode_kernel") == 1 and kernels.count("_reduce_kernel") == 1, line
+    assert kernels.count("_quantize_kernel") >= 2, line  # keys per channel, values per token

@@ -257,8 +257,11 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 
 
+# The slot counts T_q / T_f only offset each (sequence, head) slab (times a row size that keeps the
+# alignment) and index the padding masks: not specialised, so a decode step whose residual window length
+# changes divisibility by 16 (every step) reuses the compiled kernel instead of compiling a second one.
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=["T_q", "T_f"])
 def _decode_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
     KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
