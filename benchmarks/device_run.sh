@@ -9,22 +9,25 @@
 # pytest is importable there, else cuda_tests.log says so.
 set -u
 OUT=${OUT:-benchmarks/results}
+# the GPU image's interpreter with torch is python3 (/opt/torch/.venv, Python 3.12); "python" may not exist
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 mkdir -p "$OUT"
 export PYTHONPATH=src
 {
     echo "commit: ${1:-unknown}"
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+    echo "python: $PY $("$PY" --version 2>&1)"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
-    python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1
 } > "$OUT/device.txt"
 cat "$OUT/device.txt"
 
-timeout 360 python benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
+timeout 360 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
 echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 
-if python -c "import pytest" 2>/dev/null; then
-    timeout 150 python -m pytest -q -p no:cacheprovider \
+if "$PY" -c "import pytest" 2>/dev/null; then
+    timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
         tests/test_cache.py::test_cuda_decode_steps_do_not_sync \
         tests/test_evaluate.py::test_peak_cuda_bytes_on_cuda 2>&1 | tee "$OUT/cuda_tests.log"
 else
