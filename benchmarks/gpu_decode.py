@@ -123,9 +123,16 @@ def _sync(device: torch.device) -> None:
 
 
 def time_ms(
-    fn: Callable[[], object], cfg: Config, flush: torch.Tensor | None, *, graph: bool = True
+    fn: Callable[[], object],
+    cfg: Config,
+    flush: torch.Tensor | None,
+    *,
+    graph: bool = True,
+    spread: dict | None = None,
 ) -> tuple[float, bool]:
-    """Median milliseconds of ``fn()`` (CUDA graph replay when possible) and whether a graph was used.
+    """Median milliseconds of ``fn()`` (CUDA graph replay when possible) and whether a graph was used;
+    ``spread`` (a dict) receives the reps' 10th and 90th percentiles (``ms_p10``, ``ms_p90``): a
+    difference between two variants inside that band is noise.
 
     The L2 cache is flushed (a large ``zero_``) before every rep, outside the timed region, so K/V
     come from HBM as they would in a real decode step.
@@ -163,7 +170,26 @@ def time_ms(
             t0 = time.perf_counter()
             run()
             times.append((time.perf_counter() - t0) * 1e3)
+    if spread is not None:
+        deciles = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+        spread.update(ms_p10=round(deciles[0], 5), ms_p90=round(deciles[-1], 5))
     return statistics.median(times), used_graph
+
+
+def poison_free_memory(device: torch.device) -> None:
+    """Make the memory the CUDA caching allocator hands out next hold NaN (no-op off CUDA).
+
+    Cached blocks go back to the driver, then fresh ones of both of the allocator's pools (blocks up to
+    1 MiB and larger) are filled with NaN and freed: the next allocations, the outputs and partials a
+    kernel under test writes, come from them, so an element it leaves unwritten reads NaN (or, for
+    integer outputs, bytes no code equals) and fails the check instead of passing on a stale value.
+    """
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n // 4,), float("nan"), device=device) for n in [1 << 19] * 8 + [1 << 25] * 2]
+    del blocks
 
 
 def copy_bandwidth(cfg: Config) -> float:
@@ -368,8 +394,10 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 .max()
                 .item()
             )
+            qh = q.half()
+            poison_free_memory(dev)  # an output element the kernel does not write reads NaN: not finite, FAIL
             try:
-                out = decode(q.half(), store, **kw)
+                out = decode(qh, store, **kw)
                 _sync(dev)
             except Exception as exc:  # noqa: BLE001 - a launch the device refuses: recorded, the sweep records it too
                 results.append({"variant": name, "shape": shape_name, "error": _launch_error(exc), "ok": False})
@@ -448,7 +476,9 @@ def check_and_time_quantize(cfg: Config, flush: torch.Tensor | None) -> list[dic
         if spec.kind == "nuq":
             u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)
             kw["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(cfg.device)
-        want, got = quantize(x, spec, **kw), quantize_pack_triton(x, spec, **kw)
+        want = quantize(x, spec, **kw)
+        poison_free_memory(cfg.device)  # codes or scales left unwritten hold NaN bytes: a mismatch
+        got = quantize_pack_triton(x, spec, **kw)
         same = (
             torch.equal(want.data, got.data)
             and torch.equal(want.scale, got.scale)
@@ -711,14 +741,15 @@ def _record(
     ms: float,
     graph: bool,
     nbytes: int,
+    spread: dict,
     fp16_ms: float,
     copy_gbps: float,
 ) -> dict:
-    """One result row; ``(ms, graph, nbytes)`` in the order the timing helpers return them."""
+    """One result row; ``(ms, graph, nbytes, spread)`` in the order the timing helpers return them."""
     gbps = nbytes / (ms * 1e-3) / 1e9
     return {
         "kernel": kernel, "scheme": scheme, "shape": shape, "context": context, "batch": batch, "ms": round(ms, 5),
-        "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3), "bytes_read": nbytes,
+        **spread, "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3), "bytes_read": nbytes,
         "speedup_vs_fp16": round(fp16_ms / ms, 3), "cuda_graph": graph,
     }  # fmt: skip
 
@@ -728,7 +759,7 @@ def fp16_baselines(
 ) -> dict[str, tuple[float, bool, int]]:
     """SDPA over fp16 K/V: ``enable_gqa=True``, and K/V expanded to ``H_q`` heads when memory allows.
 
-    Returns ``{name: (ms, cuda_graph, bytes_read)}``; the expansion itself is not timed.
+    Returns ``{name: (ms, cuda_graph, bytes_read, spread)}``; the expansion itself is not timed.
     """
     B, H_q, _, D = q.shape
     G = H_q // H_kv
@@ -736,12 +767,14 @@ def fp16_baselines(
     v = torch.randn_like(k)
     kv_bytes = k.nbytes + v.nbytes
     out = {}
-    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush)
-    out["sdpa-gqa"] = (ms, graph, kv_bytes)
+    spread: dict = {}
+    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush, spread=spread)
+    out["sdpa-gqa"] = (ms, graph, kv_bytes, spread)
     if kv_bytes * (G + 1) <= cfg.max_bytes:
         ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-        ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve), cfg, flush)
-        out["sdpa-expand"] = (ms, graph, kv_bytes * G)
+        spread = {}
+        ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve), cfg, flush, spread=spread)
+        out["sdpa-expand"] = (ms, graph, kv_bytes * G, spread)
     return out
 
 
@@ -757,11 +790,13 @@ def fused_timing(
     flush: torch.Tensor | None,
     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[float, bool, int]:
-    """(ms, cuda_graph, bytes_read) of the fused path over a random KIVI-layout store (pre-RoPE keys with
-    ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and head)."""
+    """(ms, cuda_graph, bytes_read, spread) of the fused path over a random KIVI-layout store (pre-RoPE keys
+    with ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and
+    head)."""
     store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables)
-    ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush)
-    return ms, graph, store.nbytes
+    spread: dict = {}
+    ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush, spread=spread)
+    return ms, graph, store.nbytes, spread
 
 
 def sweep(
@@ -805,7 +840,7 @@ def sweep(
                     batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen
                 )
                 base = fp16_baselines(cfg, q, shp["H_kv"], context, gen, flush)
-                best = min(ms for ms, _, _ in base.values())
+                best = min(m[0] for m in base.values())
                 row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
                        for name, m in base.items()]  # fmt: skip
                 tables = rope_tables(context, shp["D"], dev)
@@ -863,7 +898,7 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
     """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
     (``tune_grid``) for int4 and int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, round
     robin so that a run cut short has the nearest neighbours of every default. Rows: shape, batch, context,
-    scheme, block_t, num_warps, num_stages, ms, gbps, frac_of_copy (``error`` instead for a launch that
+    scheme, block_t, num_warps, num_stages, ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy (``error`` for a launch that
     did not start)."""
     if cfg.kernel != "triton":
         return []
@@ -892,14 +927,15 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
             run = lambda q=q, st=store, bt=block_t, nw=warps, ns=stages: decode(
                 q, st, block_t=bt, num_warps=nw, num_stages=ns
             )
+            spread: dict = {}
             try:
-                ms, _ = time_ms(run, cfg, flush)
+                ms, _ = time_ms(run, cfg, flush, spread=spread)
             except Exception as exc:  # noqa: BLE001 - a launch the GPU refuses is a result, not the end of the run
                 row["error"] = _launch_error(exc)
                 print(f"  tune {shape_name:13s} {scheme:13s} {block_t}/{warps}/{stages}: {row['error']}")
             else:
                 gbps = store.nbytes / (ms * 1e-3) / 1e9
-                row.update(ms=round(ms, 5), gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
+                row.update(ms=round(ms, 5), **spread, gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
                 print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps} stages={stages}: "
                       f"{ms:.4f} ms ({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
             rows.append(row)
@@ -950,7 +986,7 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
     lines = [
         f"Copy bandwidth (read + write): {copy_gbps:.0f} GB/s",
         "",
-        "| shape | batch | context | kernel | scheme | ms | GB/s | of copy | speed-up vs fp16 |",
+        "| shape | batch | context | kernel | scheme | ms (p10-p90) | GB/s | of copy | speed-up vs fp16 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -961,7 +997,7 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
         sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | "
-            f"{r['ms']:.4f} | "
+            f"{r['ms']:.4f} ({r['ms_p10']:.4f}-{r['ms_p90']:.4f}) | "
             f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f}% | {sp} |"
         )
     lines += ["", "| shape | batch | kernel | scheme | break-even context |", "|---|---|---|---|---|"]

@@ -611,6 +611,21 @@ def _update_gets_position_ids() -> bool:
     return seen[0] is not None
 
 
+def test_gpu_benchmark_timings_carry_their_spread():
+    """Each timing keeps the 10th and 90th percentiles of its reps beside the median (what tells a real
+    difference between two variants from noise)."""
+    import time
+
+    bench = _load_bench()
+    cfg = bench.Config(device=torch.device("cpu"), contexts=[], batches=[], reps=10, warmup=0, max_bytes=0.0,
+                       smoke=True, kernel="reference")  # fmt: skip
+    delays = iter([0.002 * (i % 5 + 1) for i in range(10)])  # 2, 4, ..., 10 ms, twice
+    spread: dict = {}
+    ms, graph = bench.time_ms(lambda: time.sleep(next(delays)), cfg, None, spread=spread)
+    assert not graph and 5.5 < ms < 7.5  # the median of 2..10 ms, twice: 6 ms plus the sleeps' overshoot
+    assert 1.9 < spread["ms_p10"] < 4 and 9.9 < spread["ms_p90"] < 12, spread
+
+
 def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     import json
 
@@ -624,6 +639,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         assert len(data["quantize"]) == 10 and all(r["bit_exact"] for r in data["quantize"])
     need = {"kernel", "scheme", "shape", "context", "batch", "ms", "gbps", "frac_of_copy", "speedup_vs_fp16"}
     assert data["records"] and all(need <= set(r) for r in data["records"])
+    assert all(r["ms_p10"] <= r["ms"] <= r["ms_p90"] for r in data["records"])
     schemes = {(r["kernel"], r["scheme"]) for r in data["records"]}
     assert {
         ("sdpa-gqa", "fp16"),
