@@ -101,6 +101,23 @@ def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:
     return out
 
 
+def _check_calibrated(schemes: list, calibrations: dict[str, Any]) -> None:
+    """``ValueError`` before anything is loaded when a scheme needs ``kvbits calibrate``'s parameters
+    (static scales, NUQ codebooks) and none were given for it (otherwise the reference pass would run
+    first, minutes at long contexts, and the scheme fail after it)."""
+    missing = [
+        f"{s.name} ({' and '.join(s.needs_calibration())})"
+        for s in schemes
+        if hasattr(s, "needs_calibration") and s.needs_calibration() and s.name not in calibrations
+    ]
+    if missing:
+        raise ValueError(
+            f"calibrated parameters (static scales or NUQ codebooks) are needed and were not given for: "
+            f"{', '.join(missing)}; create them with `kvbits calibrate --scheme NAME --out DIR` and pass the "
+            "folder (CLI: --calibration DIR; Python: calibration=DIR)"
+        )
+
+
 def _calibration_paths(calibration: Any) -> list[str] | None:
     """The calibration folders as given (for ``config.json``), or None when given as objects."""
     if calibration is None:

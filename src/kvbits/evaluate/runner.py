@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits.evaluate.inputs import _calibration_paths, _calibrations, _load_model, _load_windows
+from kvbits.evaluate.inputs import (
+    _calibration_paths,
+    _calibrations,
+    _check_calibrated,
+    _load_model,
+    _load_windows,
+)
 from kvbits.evaluate.measures import (
     _mismatch,
     _peak_cuda_bytes,
@@ -170,6 +176,7 @@ def evaluate(
     torch_dtype, dtype_name = _resolve_dtype(dtype)
     _check_device(device)
     calibrations = _calibrations(calibration, resolved)
+    _check_calibrated(resolved, calibrations)
     request = _request(
         model=model,
         data=data,

@@ -550,11 +550,7 @@ def _calibration_kwargs(
     model: Any, scheme: KVScheme, calibration: Any
 ) -> dict[tuple[int, str], dict[str, Any]]:
     """``(layer, side) -> quantize kwargs`` from a calibration artifact; checks it fits scheme and model."""
-    needs = [
-        side
-        for side, spec in (("key", scheme.key), ("value", scheme.value))
-        if not scheme.is_identity and (spec.kind == "nuq" or (spec.static and spec.kind == "int"))
-    ]
+    needs = scheme.needs_calibration()
     if calibration is None:
         if needs:
             raise ValueError(

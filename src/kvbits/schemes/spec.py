@@ -169,6 +169,17 @@ class KVScheme:
         """True when nothing is quantized (float storage for both K and V)."""
         return not (self.key.is_quantized or self.value.is_quantized)
 
+    def needs_calibration(self) -> list[str]:
+        """The sides (``"key"``, ``"value"``) whose parameters come from ``kvbits calibrate`` (static
+        integer scales, NUQ codebooks) rather than from the data stored; empty when none do."""
+        if self.is_identity:
+            return []
+        return [
+            side
+            for side, spec in (("key", self.key), ("value", self.value))
+            if spec.kind == "nuq" or (spec.static and spec.kind == "int")
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["key"] = self.key.to_dict()
