@@ -432,20 +432,12 @@ def test_cli_calibrate(tmp_path, monkeypatch, capsys):
     art = load_calibration(out, scheme="kvquant-2")
     assert art.meta["fisher"] is False and art.meta["data"]["name"] == "book"
     assert art.meta["data"]["tokenizer"].split(":")[1] == "21"  # class:size:vocab-hash
-    status = main(
-        [
-            "calibrate",
-            "--model",
-            str(model_dir),
-            "--data",
-            str(text),
-            "--scheme",
-            "int4-token",
-            "--out",
-            str(tmp_path / "x"),
-        ]
-    )
-    assert status == 2 and "nothing to calibrate" in capsys.readouterr().err
+    # refused before the model loads (this one does not exist): a scheme with nothing to calibrate, a window
+    # of one token
+    for scheme, context, why in (("int4-token", "128", "nothing to calibrate"), ("kvquant-2", "1", "context must be")):
+        status = main(["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", str(text),
+                       "--scheme", scheme, "--context", context, "--out", str(tmp_path / "x")])  # fmt: skip
+        assert status == 2 and why in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- real model

@@ -55,8 +55,9 @@ _MODEL_FIELDS = (
 
 
 def spec_needs_calibration(spec: TensorSpec) -> bool:
-    """A spec needs an artifact when its scales are static (int/NUQ) or it codes with a codebook."""
-    return spec.kind == "nuq" or (spec.static and spec.kind == "int")
+    """A spec needs an artifact when its scales are static (int/NUQ) or it codes with a codebook
+    (``TensorSpec.calibrated``)."""
+    return spec.calibrated
 
 
 def expected_tensors(

@@ -65,12 +65,25 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str | None:
     return f"{type(tokenizer).__name__}:{len(tokenizer)}:{h}"
 
 
-def _windows(data: Any, tokenizer: Any, context: int, windows: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record."""
+def _check_windows(context: int, windows: int) -> None:
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"context must be an int >= 2, got {context!r}")
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
         raise ValueError(f"windows must be a positive int, got {windows!r}")
+
+
+def check_calibrate_args(scheme: KVScheme | str, context: int, windows: int) -> KVScheme:
+    """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
+    that this module can fit, ``context >= 2``, ``windows >= 1`` (``ValueError`` otherwise)."""
+    scheme = get_scheme(scheme)
+    check_calibratable(scheme)
+    _check_windows(context, windows)
+    return scheme
+
+
+def _windows(data: Any, tokenizer: Any, context: int, windows: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record."""
+    _check_windows(context, windows)
     record: dict[str, Any] = {}
     if isinstance(data, torch.Tensor):
         if data.dtype.is_floating_point or data.dim() not in (1, 2):
@@ -342,8 +355,7 @@ def calibrate(
         kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
     """
-    scheme = get_scheme(scheme)
-    check_calibratable(scheme)
+    scheme = check_calibrate_args(scheme, context, windows)
     samples = collect_samples(
         model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
         max_tokens=max_tokens, seed=seed, progress=progress,

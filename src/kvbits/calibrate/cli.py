@@ -101,8 +101,10 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvbits.calibrate.calibrate import calibrate
+    from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
     from kvbits.evaluate.models import load_model
+
+    check_calibrate_args(args.scheme, args.context, args.windows)  # before the model loads
 
     progress = Progress(
         TextColumn("{task.description}"),

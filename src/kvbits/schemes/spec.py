@@ -101,6 +101,11 @@ class TensorSpec:
         return self.kind != "float"
 
     @property
+    def calibrated(self) -> bool:
+        """True when parameters come from ``kvbits calibrate``: static integer/NUQ scales, NUQ codebooks."""
+        return self.kind == "nuq" or (self.static and self.kind == "int")
+
+    @property
     def has_zero_point(self) -> bool:
         """Asymmetric integer and NUQ codes store a zero-point (the group minimum) beside each scale."""
         return self.kind in ("int", "nuq") and not self.symmetric
@@ -171,14 +176,8 @@ class KVScheme:
 
     def needs_calibration(self) -> list[str]:
         """The sides (``"key"``, ``"value"``) whose parameters come from ``kvbits calibrate`` (static
-        integer scales, NUQ codebooks) rather than from the data stored; empty when none do."""
-        if self.is_identity:
-            return []
-        return [
-            side
-            for side, spec in (("key", self.key), ("value", self.value))
-            if spec.kind == "nuq" or (spec.static and spec.kind == "int")
-        ]
+        integer scales, NUQ codebooks: ``TensorSpec.calibrated``) rather than from the data stored."""
+        return [side for side, spec in (("key", self.key), ("value", self.value)) if spec.calibrated]
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
