@@ -756,7 +756,7 @@ def _record(
 
 def fp16_baselines(
     cfg: Config, q: torch.Tensor, H_kv: int, context: int, gen: torch.Generator, flush: torch.Tensor | None
-) -> dict[str, tuple[float, bool, int]]:
+) -> dict[str, tuple[float, bool, int, dict]]:
     """SDPA over fp16 K/V: ``enable_gqa=True``, and K/V expanded to ``H_q`` heads when memory allows.
 
     Returns ``{name: (ms, cuda_graph, bytes_read, spread)}``; the expansion itself is not timed.
@@ -789,7 +789,7 @@ def fused_timing(
     gen: torch.Generator,
     flush: torch.Tensor | None,
     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[float, bool, int]:
+) -> tuple[float, bool, int, dict]:
     """(ms, cuda_graph, bytes_read, spread) of the fused path over a random KIVI-layout store (pre-RoPE keys
     with ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and
     head)."""
@@ -898,8 +898,8 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
     """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
     (``tune_grid``) for int4 and int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, round
     robin so that a run cut short has the nearest neighbours of every default. Rows: shape, batch, context,
-    scheme, block_t, num_warps, num_stages, ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy (``error`` for a launch that
-    did not start)."""
+    scheme, block_t, num_warps, num_stages, ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy
+    (``error`` instead for a launch that did not start)."""
     if cfg.kernel != "triton":
         return []
     dev = cfg.device
