@@ -3,6 +3,9 @@
 #
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
+# At most 360 s (gpu_decode.py: 290 s budget, prewarm included, killed at 360) + 150 s (tests): give the
+# device tool's run a timeout_s of about 540; what is under $OUT comes back even if it is cut short.
+#
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
 # short keeps its figures), gpu_decode.log, cuda_tests.log, device.txt (nvidia-smi, versions, COMMIT).
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
