@@ -159,3 +159,26 @@ print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before), "LAUNCHES"
     assert launches >= 2 * 22 * 2, line
     assert kernels.count("_decode_kernel") == 1 and kernels.count("_reduce_kernel") == 1, line
     assert kernels.count("_quantize_kernel") >= 2, line  # keys per channel, values per token
+
+
+def test_decode_compiles_once_as_a_context_grows():
+    """Serving from a short prompt: the split count grows with the context (a split per tile until the
+    device's target), the slot counts with every token; none is specialised, so the decode and reduce
+    kernels compile once for all of these lengths (split counts 4 to 134 here)."""
+    code = """
+import torch, gpu_decode as gd
+from kvbits.kernels.aot import compile_only
+from kvbits.kernels.triton_decode import decode_attention_triton
+shp, cpu = gd.SHAPES["qwen2.5-0.5b"], torch.device("cpu")
+with compile_only("sm_90") as launched:
+    for context in (300, 1000, 3000, 9001, 20000, 40000):
+        store = gd.random_store(1, shp, context, gd.SCHEMES["int4"], cpu, torch.Generator(), lazy=True)
+        decode_attention_triton(torch.zeros(1, shp["H_q"], 1, shp["D"], dtype=torch.float16), store,
+                                target_programs=264)
+print("LAUNCHES", len(launched), "KERNELS", ",".join(sorted({id(k): k.name for k in launched}.values())))
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.split()[1] == "12", line  # 6 contexts x (decode + reduce)
+    assert line.split("KERNELS ")[1].split(",") == ["_decode_kernel", "_reduce_kernel"], line

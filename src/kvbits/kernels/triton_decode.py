@@ -258,10 +258,11 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 
 
 # The slot counts T_q / T_f only offset each (sequence, head) slab (times a row size that keeps the
-# alignment) and index the padding masks: not specialised, so a decode step whose residual window length
-# changes divisibility by 16 (every step) reuses the compiled kernel instead of compiling a second one.
+# alignment) and index the padding masks; the split counts n_split_q / n_split only pick the branch and
+# the partials' row: none is specialised, so decode steps whose residual window length (every step) or
+# split count (as a short context grows) changes divisibility by 16 reuse the compiled kernel.
 # fmt: off
-@triton.jit(do_not_specialize=["T_q", "T_f"])
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split"])
 def _decode_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
     KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
@@ -365,13 +366,18 @@ def _decode_kernel(
 # fmt: on
 
 
-@triton.jit
-def _reduce_kernel(M, L, ACC, OUT, n_split, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """Grid ``(B * H_q,)``: merge the split partials of one query row (log-sum-exp rescaling)."""
+@triton.jit(do_not_specialize=["n_split"])
+def _reduce_kernel(M, L, ACC, OUT, n_split, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """Grid ``(B * H_q,)``: merge the split partials of one query row (log-sum-exp rescaling).
+
+    Two passes over the splits in ``BLOCK_S`` chunks (the row maximum, then the weighted sums): one
+    compiled kernel for any number of splits.
+    """
     row = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, S_PAD)
-    m_all = tl.load(M + row * n_split + offs_s, mask=offs_s < n_split, other=-1.0e30)
-    m_max = tl.max(m_all, 0)
+    m_max = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), 0)
+    for s0 in range(0, n_split, BLOCK_S):
+        offs = s0 + tl.arange(0, BLOCK_S)
+        m_max = tl.maximum(m_max, tl.max(tl.load(M + row * n_split + offs, mask=offs < n_split, other=-1.0e30), 0))
     offs_d = tl.arange(0, D)
     num = tl.zeros([D], tl.float32)
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
@@ -619,7 +625,7 @@ def decode_attention_triton(
     else:
         _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
     out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype)
-    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, S_PAD=_pow2(n_split), BLOCK_S=16, D=D, num_warps=4)
+    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
     return out.reshape(B, H_q, 1, D)
 
 
