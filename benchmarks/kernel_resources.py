@@ -35,13 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_decode as gd
+from gpu_bench import checks, common, sweep
 
 from kvbits.kernels.aot import LIMITS, compile_only, instruction_mix, resources
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
 # the benchmark's KV shapes plus a head dim of 256 (Gemma-2-9B: 8 KV heads, 16 query heads) for the cache rows
-SHAPES = {**gd.SHAPES, "gemma-2-9b": {"H_kv": 8, "H_q": 16, "D": 256}}
+SHAPES = {**common.SHAPES, "gemma-2-9b": {"H_kv": 8, "H_q": 16, "D": 256}}
 CPU = torch.device("cpu")
 PROMPT = 300  # prefill tokens: whole quantized blocks plus a full-precision tail for every preset
 
@@ -140,9 +140,9 @@ def quantize_rows(arch: str, names: list[str]) -> list[dict]:
 
     rows = []
     for name in names:
-        x, kw = gd.quantize_stand_in(name)
+        x, kw = checks.quantize_stand_in(name)
         with compile_only(arch) as compiled:
-            quantize_pack_triton(x, gd.QUANTIZE_SPECS[name], **kw)
+            quantize_pack_triton(x, checks.QUANTIZE_SPECS[name], **kw)
         rows += [_row("quantize", name, "llama-3-8b", {"path": "default"}, k, arch) for k in compiled]
     return rows
 
@@ -152,7 +152,7 @@ def collect(arch: str, quick: bool) -> dict:
 
     rows: list[dict] = []
     skipped: list[dict] = []
-    shapes = list(gd.SHAPES) if quick else list(SHAPES)
+    shapes = list(common.SHAPES) if quick else list(SHAPES)
     presets = ["kivi-4", "kvquant-4-block"] if quick else [s.name for s in list_schemes()]
     for shape_name in shapes:
         for name in presets:
@@ -168,20 +168,20 @@ def collect(arch: str, quick: bool) -> dict:
                     rows += decode_rows("cache", name, shape_name, store, arch, dtype)
     if not quick:
         gen = torch.Generator().manual_seed(0)
-        for shape_name, shp in gd.SHAPES.items():
-            tables = gd.rope_tables(4096, shp["D"], CPU)
-            for name, sch in gd.SCHEMES.items():
-                for rope in (False, True) if name in gd.PRE_ROPE else (False,):
-                    store = gd.random_store(2, shp, 4096, sch, CPU, gen, tables if rope else None)
-                    label = name + (gd.ROPE_SUFFIX if rope else "")
+        for shape_name, shp in common.SHAPES.items():
+            tables = common.rope_tables(4096, shp["D"], CPU)
+            for name, sch in common.SCHEMES.items():
+                for rope in (False, True) if name in common.PRE_ROPE else (False,):
+                    store = common.random_store(2, shp, 4096, sch, CPU, gen, tables if rope else None)
+                    label = name + (common.ROPE_SUFFIX if rope else "")
                     for launch in ({}, {"vectorized": False}) if sch[0] == "int" else ({},):
                         rows += decode_rows("sweep", label, shape_name, store, arch, **launch)
                     if name == "int4":
-                        for block_t, warps, stages in gd.tune_grid(shp["D"]):
+                        for block_t, warps, stages in sweep.tune_grid(shp["D"]):
                             rows += decode_rows("tune", label, shape_name, store, arch, block_t=block_t,
                                                 num_warps=warps, num_stages=stages)  # fmt: skip
     quick_specs = ["int4-token-g32", "nuq3-channel-g128-outl"]  # per-token; NUQ, 3-bit, outliers, per-channel
-    rows += quantize_rows(arch, quick_specs if quick else list(gd.QUANTIZE_SPECS))
+    rows += quantize_rows(arch, quick_specs if quick else list(checks.QUANTIZE_SPECS))
     return {"rows": rows, "skipped": skipped}
 
 

@@ -41,23 +41,23 @@ Job = tuple  # ("sweep", shape, variant, rope, vectorized) | ("tune", shape, rop
 
 def jobs(tune: bool = True) -> list[Job]:
     """Every launch group of the benchmark's steps 2, 2b, 3 and (``tune``) 3b, longest first."""
-    import gpu_decode as gd
+    from gpu_bench import checks, common, e2e, sweep
 
-    out: list[Job] = [("check", shape) for shape in gd.SHAPES]  # 11 variants each: start these first
-    for shape in gd.SHAPES:
+    out: list[Job] = [("check", shape) for shape in common.SHAPES]  # 11 variants each: start these first
+    for shape in common.SHAPES:
         out.append(("sweep", shape, "fp16", False, None))
-        for name, sch in gd.SCHEMES.items():
+        for name, sch in common.SCHEMES.items():
             out.append(("sweep", shape, name, False, None))
             if sch[0] == "int":
                 out.append(("sweep", shape, name, False, False))
-        for name in gd.PRE_ROPE:
+        for name in common.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
-    out += [("quantize", name) for name in gd.QUANTIZE_SPECS]
-    out += [("e2e", scheme, batch, gd.E2E_CONTEXT, gd.E2E_TOKENS, gd.E2E_WARMUP)
-            for batch in gd.E2E_BATCHES for scheme in gd.E2E_KVBITS]  # fmt: skip
+    out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
+    out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
+            for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
     if tune:
-        for shape in gd.SHAPES:
-            for block_t, warps, stages in gd.tune_grid(gd.SHAPES[shape]["D"]):
+        for shape in common.SHAPES:
+            for block_t, warps, stages in sweep.tune_grid(common.SHAPES[shape]["D"]):
                 out += [("tune", shape, rope, block_t, warps, stages) for rope in (False, True)]
     return out
 
@@ -65,8 +65,8 @@ def jobs(tune: bool = True) -> list[Job]:
 def _run_job(job: Job, programs: int) -> None:
     """One job's launches, on CPU tensors, inside ``compile_only`` (set up by the caller); decode launches
     aim at ``programs`` programs (``decode_attention_triton(target_programs=...)``), as on the device."""
-    import gpu_decode as gd
     import torch
+    from gpu_bench import checks, common, sweep
 
     from kvbits.kernels.reference import decode_attention_reference
     from kvbits.kernels.triton_decode import decode_attention_triton
@@ -75,36 +75,36 @@ def _run_job(job: Job, programs: int) -> None:
     gen = torch.Generator().manual_seed(0)
     kind = job[0]
     if kind in ("sweep", "tune"):
-        shape = gd.SHAPES[job[1]]
+        shape = common.SHAPES[job[1]]
         if kind == "sweep":
             name, rope, vectorized = job[2], job[3], job[4]
-            scheme = None if name == "fp16" else gd.SCHEMES[name]
+            scheme = None if name == "fp16" else common.SCHEMES[name]
             kw: dict[str, Any] = {} if vectorized is None else {"vectorized": vectorized}
-            combos = [(b, t) for b in gd.BATCHES for t in gd.CONTEXTS]
+            combos = [(b, t) for b in common.BATCHES for t in common.CONTEXTS]
         else:
             rope, (block_t, warps, stages) = job[2], job[3:]
-            scheme, kw = gd.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
-            combos = [(gd.TUNE_BATCH, gd.TUNE_CONTEXT)]
+            scheme, kw = common.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
+            combos = [(sweep.TUNE_BATCH, sweep.TUNE_CONTEXT)]
         for batch, context in combos:  # the same specialisation compiles once (Triton's in-process cache)
-            tables = gd._lazy((context, shape["D"] // 2), torch.float32, cpu) if rope else None
-            store = gd.random_store(batch, shape, context, scheme, cpu, gen, (tables, tables) if rope else None,
-                                    lazy=True)  # fmt: skip
+            tables = common.lazy_view((context, shape["D"] // 2), torch.float32, cpu) if rope else None
+            store = common.random_store(batch, shape, context, scheme, cpu, gen, (tables, tables) if rope else None,
+                                        lazy=True)  # fmt: skip
             q = torch.zeros(batch, shape["H_q"], 1, shape["D"], dtype=torch.float16)
             decode_attention_triton(q, store, target_programs=programs, **kw)
     elif kind == "check":
-        cfg = gd.Config(device=cpu, contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0, smoke=False,
-                        kernel="triton")  # fmt: skip
+        cfg = common.Config(device=cpu, contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0, smoke=False,
+                            kernel="triton")  # fmt: skip
 
         def compile_then_reference(q: torch.Tensor, store: Any, **kw: Any) -> torch.Tensor:
             decode_attention_triton(q, store, target_programs=programs, **kw)  # compiled, not run
             return decode_attention_reference(q, store)
 
-        gd.check_variants(cfg, compile_then_reference, shapes=[job[1]])
+        checks.check_variants(cfg, compile_then_reference, shapes=[job[1]])
     elif kind == "quantize":
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 
-        x, kw = gd.quantize_stand_in(job[1])
-        quantize_pack_triton(x, gd.QUANTIZE_SPECS[job[1]], **kw)
+        x, kw = checks.quantize_stand_in(job[1])
+        quantize_pack_triton(x, checks.QUANTIZE_SPECS[job[1]], **kw)
     elif kind == "e2e":
         e2e_launches(*job[1:], programs=programs)
     else:
@@ -114,7 +114,7 @@ def _run_job(job: Job, programs: int) -> None:
 def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int, programs: int,
                  stub_prefill: bool = True) -> None:  # fmt: skip
     """Step 6's fused run of ``scheme`` at ``batch`` on CPU tensors, for ``compile_only``: the benchmark's
-    own ``kvbits_cache`` and ``_decode_run`` (prefill of ``context`` tokens, ``warmup + tokens`` decode
+    own ``kvbits_cache`` and ``decode_run`` (prefill of ``context`` tokens, ``warmup + tokens`` decode
     steps) through a float16 model with step 6's KV shape, settings resolved as on CUDA (the Triton
     kernels, ``KVBITS_KERNEL=triton``; lazy K/V checks; splits aimed at ``programs`` programs).
 
@@ -123,8 +123,8 @@ def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int
     the compiled kernels are the same either way). Outputs of the kernels are never written (nothing
     runs), so the tokens are meaningless; only the launches count.
     """
-    import gpu_decode as gd
     import torch
+    from gpu_bench import common, e2e
     from transformers import AttentionInterface
 
     import kvbits.kernels.triton_decode as td
@@ -146,13 +146,13 @@ def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int
         AttentionInterface._global_mapping["sdpa"] = zeros_for_prefill
     try:
         # smoke: the model of step 6's CPU run, with step 6's KV shape in 2 layers
-        cfg = gd.Config(device=torch.device("cpu"), contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0,
-                        smoke=True, kernel="triton")  # fmt: skip
-        model = gd._e2e_model(cfg, context, tokens, dtype=torch.float16)
+        cfg = common.Config(device=torch.device("cpu"), contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0,
+                            smoke=True, kernel="triton")  # fmt: skip
+        model = e2e.e2e_model(cfg, context, tokens, dtype=torch.float16)
         use_fused_decode(model)
-        cache = gd.kvbits_cache(model, scheme, fused=True, checks="lazy")
+        cache = e2e.kvbits_cache(model, scheme, fused=True, checks="lazy")
         ids = torch.zeros(batch, context, dtype=torch.long)
-        gd._decode_run(cfg, model, cache, ids, tokens, warmup)
+        e2e.decode_run(cfg, model, cache, ids, tokens, warmup)
     finally:
         td._num_splits = num_splits
         AttentionInterface._global_mapping["sdpa"] = sdpa

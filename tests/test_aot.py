@@ -53,10 +53,11 @@ def _run(code: str, timeout: int = 300, cache: Path | None = None) -> subprocess
 
 def _compile_launch(launch: str) -> dict:
     code = f"""
-import json, torch, gpu_decode as gd, kernel_resources as kr
-shp = gd.SHAPES["llama-3-8b"]
-tables = gd.rope_tables(4096, shp["D"], torch.device("cpu"))
-store = gd.random_store(2, shp, 4096, gd.SCHEMES["int4"], torch.device("cpu"), torch.Generator().manual_seed(0), tables)
+import json, torch, kernel_resources as kr
+from gpu_bench import common
+shp = common.SHAPES["llama-3-8b"]
+tables = common.rope_tables(4096, shp["D"], torch.device("cpu"))
+store = common.random_store(2, shp, 4096, common.SCHEMES["int4"], torch.device("cpu"), torch.Generator().manual_seed(0), tables)
 print(json.dumps(kr.decode_rows("t", "int4-prerope", "llama-3-8b", store, "sm_90", {launch})))
 """
     out = _run(code)
@@ -104,7 +105,8 @@ def test_prewarm_compiles_what_the_gpu_sweep_then_launches(tmp_path):
     the benchmark's own sweep (real tensors, every batch and context given, this process) then finds every
     kernel it launches there: no new cache entry, i.e. nothing left to compile in the timed run."""
     code = """
-import functools, os, torch, gpu_decode as gd, prewarm
+import functools, os, torch, prewarm
+from gpu_bench import common, sweep
 from kvbits.kernels.aot import compile_only
 from kvbits.kernels.triton_decode import decode_attention_triton
 cache = os.environ["TRITON_CACHE_DIR"]
@@ -113,13 +115,13 @@ job_list = [j for j in prewarm.jobs(tune=False) if j[0] == "sweep" and j[1] == "
 r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=240)
 assert r["done"] == len(job_list) == 5 and not r["failed"], r
 before = set(os.listdir(cache))
-gd.SHAPES = {"qwen2.5-0.5b": gd.SHAPES["qwen2.5-0.5b"]}
-gd.SCHEMES = {"int4": gd.SCHEMES["int4"]}
-gd.PRE_ROPE = ("int4",)
-cfg = gd.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[1, 8], reps=1, warmup=0,
+sweep.SHAPES = {"qwen2.5-0.5b": common.SHAPES["qwen2.5-0.5b"]}
+sweep.SCHEMES = {"int4": common.SCHEMES["int4"]}
+sweep.PRE_ROPE = ("int4",)
+cfg = common.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[1, 8], reps=1, warmup=0,
                 max_bytes=1e12, smoke=False, kernel="triton")
 with compile_only("sm_90") as launched:
-    records = gd.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
+    records = sweep.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
 assert len(records) == 4 * (2 + 5) and len(launched) > 0, (len(records), len(launched))
 print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before))
 """
@@ -166,13 +168,14 @@ def test_decode_compiles_once_as_a_context_grows():
     device's target), the slot counts with every token; none is specialised, so the decode and reduce
     kernels compile once for all of these lengths (split counts 4 to 134 here)."""
     code = """
-import torch, gpu_decode as gd
+import torch
+from gpu_bench import common
 from kvbits.kernels.aot import compile_only
 from kvbits.kernels.triton_decode import decode_attention_triton
-shp, cpu = gd.SHAPES["qwen2.5-0.5b"], torch.device("cpu")
+shp, cpu = common.SHAPES["qwen2.5-0.5b"], torch.device("cpu")
 with compile_only("sm_90") as launched:
     for context in (300, 1000, 3000, 9001, 20000, 40000):
-        store = gd.random_store(1, shp, context, gd.SCHEMES["int4"], cpu, torch.Generator(), lazy=True)
+        store = common.random_store(1, shp, context, common.SCHEMES["int4"], cpu, torch.Generator(), lazy=True)
         decode_attention_triton(torch.zeros(1, shp["H_q"], 1, shp["D"], dtype=torch.float16), store,
                                 target_programs=264)
 print("LAUNCHES", len(launched), "KERNELS", ",".join(sorted({id(k): k.name for k in launched}.values())))

@@ -621,7 +621,9 @@ def test_gpu_benchmark_timings_carry_their_spread():
                        smoke=True, kernel="reference")  # fmt: skip
     delays = iter([0.002 * (i % 5 + 1) for i in range(10)])  # 2, 4, ..., 10 ms, twice
     spread: dict = {}
-    ms, graph = bench.time_ms(lambda: time.sleep(next(delays)), cfg, None, spread=spread)
+    from gpu_bench.common import time_ms
+
+    ms, graph = time_ms(lambda: time.sleep(next(delays)), cfg, None, spread=spread)
     assert not graph and 5.5 < ms < 7.5  # the median of 2..10 ms, twice: 6 ms plus the sleeps' overshoot
     assert 1.9 < spread["ms_p10"] < 4 and 9.9 < spread["ms_p90"] < 12, spread
 
@@ -769,9 +771,11 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     pytest.importorskip("triton")
     from kvbits.kernels import triton_decode as td
 
-    bench = _load_bench()
+    _load_bench()  # puts benchmarks/ on the path
+    from gpu_bench.sweep import tune_grid
+
     for D in (64, 128):
-        grid = bench.tune_grid(D)
+        grid = tune_grid(D)
         d = td.launch_defaults(D)
         assert grid[0] == (d["block_t"], d["num_warps"], d["num_stages"])
         dist = [sum(x != y for x, y in zip(c, grid[0], strict=True)) for c in grid]
@@ -787,10 +791,12 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
     import time
 
     bench = _load_bench()
-    monkeypatch.setattr(bench, "TUNE_BLOCK_T", (32,))
-    monkeypatch.setattr(bench, "TUNE_WARPS", (4,))
-    monkeypatch.setattr(bench, "TUNE_STAGES", (2,))
-    monkeypatch.setattr(bench, "SHAPES", {"qwen2.5-0.5b": bench.SHAPES["qwen2.5-0.5b"]})
+    from gpu_bench import sweep
+
+    monkeypatch.setattr(sweep, "TUNE_BLOCK_T", (32,))
+    monkeypatch.setattr(sweep, "TUNE_WARPS", (4,))
+    monkeypatch.setattr(sweep, "TUNE_STAGES", (2,))
+    monkeypatch.setattr(sweep, "SHAPES", {"qwen2.5-0.5b": sweep.SHAPES["qwen2.5-0.5b"]})
     cfg = bench.Config(device=torch.device("cpu"), contexts=[512], batches=[1], reps=1, warmup=0,
                        max_bytes=1e9, smoke=True, kernel="triton")  # fmt: skip
     rows = bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0)

@@ -1,0 +1,226 @@
+"""Steps 2 and 2b: every fused-decode variant against a float64 reference, and the quantize-and-pack kernel
+bit for bit against ``kvbits.quant.quantize`` (and the time each takes to flush a block)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvbits.kernels.reference import decode_attention_reference, pack_store
+from kvbits.quant import quantize
+from kvbits.schemes import TensorSpec
+
+from .common import SHAPES, Config, launch_error, poison_free_memory, sync, time_ms
+
+
+def _spec(bits: int, gran: str, group: int | None, kind: str = "int", **kw) -> TensorSpec:
+    fmt = "e4m3" if kind == "fp8" else None
+    return TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=gran, group_size=group, **kw)
+
+
+def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
+    """``quantize`` with a non-uniform codebook for NUQ specs."""
+    if spec.kind != "nuq":
+        return quantize(x, spec)
+    u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)
+    return quantize(x, spec, codebook=(u.abs() ** 1.5 * u.sign()).half().to(x.device))
+
+
+def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | None = None) -> list[dict]:
+    """Each kernel variant vs float64 on this device, at the KV shapes named (default all of ``SHAPES``);
+    raises ``SystemExit`` on the first failure."""
+    if decode is None:
+        return []
+    dev = cfg.device
+    gen = torch.Generator().manual_seed(0)
+    kivi = lambda b: {"key": _spec(b, "channel", 32), "value": _spec(b, "token", 32)}
+    variants = [
+        ("int8-kivi", kivi(8), {}),
+        ("int4-kivi", kivi(4), {}),
+        ("int2-kivi", kivi(2), {}),
+        ("int4-kivi-gather", kivi(4), {"vectorized": False}),
+        ("int2-token-keys", {"key": _spec(2, "token", None), "value": _spec(2, "token", None)}, {}),
+        (
+            "int3-symmetric",
+            {"key": _spec(3, "token", 32, symmetric=True), "value": _spec(3, "token", 32)},
+            {},
+        ),
+        ("int4-pre-rope", {**kivi(4), "rope": True}, {}),
+        ("int4-pre-rope-gather", {**kivi(4), "rope": True}, {"vectorized": False}),
+        ("fp16-tail-only", None, {}),
+        (
+            "kvquant4-block",  # pre-RoPE NUQ keys per channel, NUQ values per token, 1 % outliers
+            {
+                "key": _spec(4, "channel", 32, "nuq", outlier_frac=0.01),
+                "value": _spec(4, "token", None, "nuq", outlier_frac=0.01),
+                "rope": True,
+            },
+            {},
+        ),
+        ("fp8-e4m3", {"key": _spec(8, "token", None, "fp8"), "value": _spec(8, "token", None, "fp8")}, {}),
+        ("int4-kivi-masked", {**kivi(4), "mask": True}, {}),  # left padding of a batch: slot masks
+    ]
+    shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
+    if (
+        cfg.smoke and dev.type == "cpu"
+    ):  # the interpreter is slow: whole-row and gather + RoPE paths, one shape
+        variants = [variants[1], variants[6], variants[8]]
+        shapes = {"qwen2.5-0.5b": SHAPES["qwen2.5-0.5b"]}
+    T_q, T_f = (64, 16) if cfg.smoke else (1024, 128)
+    results = []
+    for shape_name, shp in shapes.items():
+        B, H, D, G = 3, shp["H_kv"], shp["D"], shp["H_q"] // shp["H_kv"]
+        for name, specs, kw in variants:
+            kq = torch.randn(B, H, T_q, D, generator=gen)
+            kq[..., : D // 8] *= 6
+            vq = torch.randn(B, H, T_q, D, generator=gen)
+            kf = (torch.randn(B, H, T_f, D, generator=gen)).half().to(dev)
+            vf = torch.randn(B, H, T_f, D, generator=gen).half().to(dev)
+            ragged = {"full_lens": [T_f, T_f // 2, 1]}
+            if specs is None:
+                store = pack_store([], [], kf, vf, **ragged)
+            else:
+                rope = {}
+                if specs.get("rope"):
+                    inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+                    f = torch.arange(T_q + T_f + 4, dtype=torch.float64)[:, None] * inv
+                    emb = torch.cat([f, f], -1)
+                    rope = {
+                        "rope_cos": emb.cos().float().to(dev),
+                        "rope_sin": emb.sin().float().to(dev),
+                        "quant_pos0": [4] * B,
+                    }
+                masks = {}
+                if specs.get("mask"):  # sequence 1 left-padded past its sinks; one more slot of sequence 0
+                    qm, fm = torch.ones(B, T_q, dtype=torch.bool), torch.ones(B, T_f, dtype=torch.bool)
+                    qm[1, : T_q // 8], fm[1, :4], qm[0, 3] = False, False, False
+                    masks = {"quant_mask": qm.to(dev), "full_mask": fm.to(dev)}
+                store = pack_store(
+                    [_quantize(kq.to(dev), specs["key"])],
+                    [_quantize(vq.to(dev), specs["value"])],
+                    kf,
+                    vf,
+                    quant_lens=[T_q, T_q // 2, T_q // 4 * 3],
+                    **ragged,
+                    **rope,
+                    **masks,
+                )
+            q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)
+            truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+            err_pt = (
+                (decode_attention_reference(q.half(), store, dtype=torch.float16).double() - truth)
+                .abs()
+                .max()
+                .item()
+            )
+            qh = q.half()
+            poison_free_memory(dev)  # an output element the kernel does not write reads NaN: not finite, FAIL
+            try:
+                out = decode(qh, store, **kw)
+                sync(dev)
+            except Exception as exc:  # noqa: BLE001 - a launch the device refuses: recorded, the sweep records it too
+                results.append({"variant": name, "shape": shape_name, "error": launch_error(exc), "ok": False})
+                print(f"  check {shape_name:13s} {name:18s} did not launch: {results[-1]['error']}")
+                continue
+            err = (out.double() - truth).abs().max().item()
+            ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
+            results.append(
+                {"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok}
+            )
+            print(
+                f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
+                f"{'ok' if ok else 'FAIL'}"
+            )
+            if not ok:
+                raise SystemExit(
+                    f"CORRECTNESS FAILURE: {name} on {shape_name}: kernel error {err:.3g} > 2 x torch fp16 "
+                    f"error {err_pt:.3g}. Timings would be meaningless; aborting."
+                )
+    return results
+
+
+QUANTIZE_SPECS = {  # the append path of the presets: values per token, keys per channel (block or static)
+    "int4-token-g32": _spec(4, "token", 32),
+    "int8-token": _spec(8, "token", None),
+    "int2-channel-g32": _spec(2, "channel", 32),
+    "int4-channel-g128": _spec(4, "channel", 128),
+    "int4-channel-static": _spec(4, "channel", None, static=True),
+    "fp8-e4m3-token": _spec(8, "token", None, "fp8"),
+    # KVQuant (kvquant-4-block / kvquant-4): NUQ keys with block or static ranges, NUQ values, 1 % outliers
+    "nuq4-channel-g128-outl": _spec(4, "channel", 128, "nuq", outlier_frac=0.01),
+    "nuq4-channel-static-outl": _spec(4, "channel", None, "nuq", static=True, outlier_frac=0.01),
+    "nuq4-token-outl": _spec(4, "token", None, "nuq", outlier_frac=0.01),
+    "nuq3-channel-g128-outl": _spec(3, "channel", 128, "nuq", outlier_frac=0.01),  # kvquant-3-block keys
+}
+
+
+def quantize_stand_in(name: str) -> tuple[torch.Tensor, dict]:
+    """CPU ``(x, kwargs)`` for ``quantize_pack_triton`` with the shapes and dtypes step 2b passes for
+    ``QUANTIZE_SPECS[name]`` (its Llama-3-8B block): what compiling that launch needs (``prewarm.py``,
+    ``kernel_resources.py``), not its data."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    spec = QUANTIZE_SPECS[name]
+    B, H, n, D = 8, 8, 128, 128
+    kw: dict = {}
+    if spec.static:
+        kw = {"static_scale": torch.full((H, D), 0.5).half(), "static_zero": torch.full((H, D), -2.0).half()}
+    if spec.kind == "nuq":
+        kw["codebook"] = uniform_codebook(spec.bits)
+    return torch.randn(B, H, n, D).half(), kw
+
+
+def check_and_time_quantize(cfg: Config, flush: torch.Tensor | None) -> list[dict]:
+    """Quantize-and-pack (``kvbits.kernels.triton_quantize``): bit-for-bit against ``kvbits.quant.quantize``
+    on this device (abort on a mismatch: the cache flushes through it on CUDA), then the time to flush
+    one 128-token block of a Llama-3-8B-shaped layer (B=8, H_kv=8, D=128, fp16) by each path."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    if cfg.device.type == "cpu":
+        from kvbits.kernels.interpret import enable_interpreter
+
+        enable_interpreter()
+    gen = torch.Generator().manual_seed(1)
+    B, H, n, D = (1, 2, 128, 64) if cfg.smoke else (8, 8, 128, 128)
+    out = []
+    for name, spec in QUANTIZE_SPECS.items():
+        x = torch.randn(B, H, n, D, generator=gen)
+        x[..., :4] *= 20
+        x = x.half().to(cfg.device)
+        kw = {}
+        if spec.static:
+            lo, hi = x.float().amin(dim=(0, 2)) * 0.8, x.float().amax(dim=(0, 2)) * 0.8
+            width = (hi - lo) if spec.kind == "nuq" else (hi - lo) / 15  # NUQ ranges are the range itself
+            kw = {"static_scale": width.half(), "static_zero": lo.half()}
+        if spec.kind == "nuq":
+            u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)
+            kw["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(cfg.device)
+        want = quantize(x, spec, **kw)
+        poison_free_memory(cfg.device)  # codes or scales left unwritten hold NaN bytes: a mismatch
+        got = quantize_pack_triton(x, spec, **kw)
+        same = (
+            torch.equal(want.data, got.data)
+            and torch.equal(want.scale, got.scale)
+            and (want.zero is None or torch.equal(want.zero, got.zero))
+            and (want.outlier_values is None or (torch.equal(want.outlier_values, got.outlier_values)
+                                                 and torch.equal(want.outlier_index, got.outlier_index)))
+            and want.clipped == got.clipped
+        )  # fmt: skip
+        rec = {"spec": name, "shape": [B, H, n, D], "bit_exact": same}
+        if not same:
+            raise SystemExit(
+                f"QUANTIZE KERNEL MISMATCH: {name}: Triton codes/scales differ from kvbits.quant.quantize"
+            )
+        if not cfg.smoke:
+            # eager, as the cache flushes (no CUDA graph for either)
+            tri = lambda x=x, spec=spec, kw=kw: quantize_pack_triton(x, spec, sync=False, **kw)
+            ref = lambda x=x, spec=spec, kw=kw: quantize(x, spec, sync=False, **kw)
+            rec["ms_triton"], _ = time_ms(tri, cfg, flush, graph=False)
+            rec["ms_torch"], _ = time_ms(ref, cfg, flush, graph=False)
+            rec["speedup"] = round(rec["ms_torch"] / rec["ms_triton"], 2)
+        print(f"  quantize {name:22s} bit-exact {same}  " + (
+            f"triton {rec['ms_triton']:.4f} ms  torch {rec['ms_torch']:.4f} ms" if not cfg.smoke else ""))  # fmt: skip
+        out.append(rec)
+    return out

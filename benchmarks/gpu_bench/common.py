@@ -1,0 +1,235 @@
+"""Shared by every step of ``gpu_decode.py``: the shapes and schemes, the run's configuration, CUDA-event
+timing, the copy ceiling and random packed stores in the kernel layout."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvbits.kernels.reference import PackedStore, PackedTensor
+from kvbits.schemes.accounting import outlier_count
+
+SHAPES = {  # KV shapes of the models (config.json: num_key_value_heads, num_attention_heads, head_dim)
+    "qwen2.5-0.5b": {"H_kv": 2, "H_q": 14, "D": 64},
+    "llama-3-8b": {"H_kv": 8, "H_q": 32, "D": 128},
+}
+# scheme -> (kind, bits, fraction of channels kept as sparse outliers), in the KIVI layout below
+SCHEMES = {
+    "int8": ("int", 8, 0.0),
+    "int4": ("int", 4, 0.0),
+    "int2": ("int", 2, 0.0),
+    "nuq4-outl": ("nuq", 4, 0.01),  # KVQuant-style: 4-bit codebook + 1 % dense-and-sparse outliers
+    "fp8-e4m3": ("fp8", 8, 0.0),  # vLLM-style FP8 (per-token scales here)
+}
+# the same integer layouts with pre-RoPE keys (KVQuant §3.2): RoPE applied in the kernel from float32 tables
+PRE_ROPE = ("int8", "int4", "int2")
+ROPE_SUFFIX = "-prerope"
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # step 3's sweep (the issue's contexts and batches)
+BATCHES = (1, 8, 32)
+KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
+VALUE_GROUP = 32  # KIVI: values per-token over groups of 32 channels
+RESIDUAL = 128  # KIVI: the most recent 128 tokens stay in fp16
+
+
+@dataclass
+class Config:
+    device: torch.device
+    contexts: list[int]
+    batches: list[int]
+    reps: int
+    warmup: int
+    max_bytes: float
+    smoke: bool
+    kernel: str  # "triton" or "reference" for the quantized path
+    deadline: float | None = None  # time.monotonic() after which no new sweep combo / e2e run starts
+
+
+def out_of_time(cfg: Config) -> bool:
+    return cfg.deadline is not None and time.monotonic() > cfg.deadline
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], object],
+    cfg: Config,
+    flush: torch.Tensor | None,
+    *,
+    graph: bool = True,
+    spread: dict | None = None,
+) -> tuple[float, bool]:
+    """Median milliseconds of ``fn()`` (CUDA graph replay when possible) and whether a graph was used;
+    ``spread`` (a dict) receives the reps' 10th and 90th percentiles (``ms_p10``, ``ms_p90``): a
+    difference between two variants inside that band is noise.
+
+    The L2 cache is flushed (a large ``zero_``) before every rep, outside the timed region, so K/V
+    come from HBM as they would in a real decode step.
+    """
+    for _ in range(cfg.warmup):
+        fn()
+    sync(cfg.device)
+    run, used_graph = fn, False
+    if cfg.device.type == "cuda" and graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run, used_graph = g.replay, True
+        except Exception as exc:  # noqa: BLE001 - capture is an optimisation; eager timing is still honest
+            print(f"  (CUDA graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
+            torch.cuda.synchronize()
+    times = []
+    for _ in range(cfg.reps):
+        if flush is not None:
+            flush.zero_()
+        if cfg.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    if spread is not None:
+        deciles = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+        spread.update(ms_p10=round(deciles[0], 5), ms_p90=round(deciles[-1], 5))
+    return statistics.median(times), used_graph
+
+
+def poison_free_memory(device: torch.device) -> None:
+    """Make the memory the CUDA caching allocator hands out next hold NaN (no-op off CUDA).
+
+    Cached blocks go back to the driver, then fresh ones of both of the allocator's pools (blocks up to
+    1 MiB and larger) are filled with NaN and freed: the next allocations, the outputs and partials a
+    kernel under test writes, come from them, so an element it leaves unwritten reads NaN (or, for
+    integer outputs, bytes no code equals) and fails the check instead of passing on a stale value.
+    """
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n // 4,), float("nan"), device=device) for n in [1 << 19] * 8 + [1 << 25] * 2]
+    del blocks
+
+
+def copy_bandwidth(cfg: Config) -> float:
+    """GB/s of a device-to-device copy, counting bytes read + bytes written."""
+    n = (16 << 20) if cfg.smoke else (2 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=cfg.device).random_()
+    dst = torch.empty_like(src)
+    ms, _ = time_ms(lambda: dst.copy_(src), cfg, None, graph=False)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def random_packed(
+    B: int,
+    H: int,
+    T: int,
+    D: int,
+    scheme: tuple[str, int, float],
+    tps: int,
+    cps: int,
+    device: torch.device,
+    gen: torch.Generator,
+    lazy: bool = False,
+) -> PackedTensor:
+    """Random codes and metadata in the kernel layout (timing only: content does not change the work).
+
+    ``scheme`` is a ``SCHEMES`` value; fp8 codes keep one scale per token row (``cps = D``, no zero).
+    ``lazy``: every tensor a zero-stride view of one element (shapes, dtypes and alignment only: what
+    compiling a launch needs, ``prewarm.py``; nothing to read).
+    """
+    kind, bits, outlier_frac = scheme
+    if kind == "fp8":
+        tps, cps = 1, D
+    row, meta = (B, H, T, D * bits // 8), (B, H, T // tps, D // cps)
+    k = outlier_count(D, outlier_frac)
+    index_dtype = torch.uint8 if D <= 256 else torch.int16
+    extra: dict = {"kind": kind, "fmt": "e4m3" if kind == "fp8" else None}
+    if kind == "nuq":
+        u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+        extra["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(device)
+    if lazy:
+        codes, scale = lazy_view(row, torch.uint8, device), lazy_view(meta, torch.float16, device)
+        zero = None if kind == "fp8" else lazy_view(meta, torch.float16, device)
+        if k:
+            extra["outlier_values"] = lazy_view((B, H, T, k), torch.float16, device)
+            extra["outlier_index"] = lazy_view((B, H, T, k), index_dtype, device)
+        return PackedTensor(codes, scale, zero, bits, tps, cps, D, **extra)
+    codes = torch.randint(0, 120, row, dtype=torch.uint8, device=device, generator=gen)
+    scale = (torch.rand(meta, device=device, generator=gen) * 0.05 + 0.01).half()
+    zero = None if kind == "fp8" else torch.randn(meta, device=device, generator=gen).half()
+    if k:
+        extra["outlier_values"] = torch.randn(B, H, T, k, device=device, generator=gen).half()
+        idx = torch.rand(B, H, T, D, device=device, generator=gen).topk(k, dim=-1).indices
+        extra["outlier_index"] = idx.to(index_dtype)
+    return PackedTensor(codes, scale, zero, bits, tps, cps, D, **extra)
+
+
+def lazy_view(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-stride ``shape`` view of one zero element (see ``random_packed(lazy=True)``)."""
+    return torch.zeros(1, dtype=dtype, device=device).expand(*shape)
+
+
+def random_store(
+    B: int, shape: dict, context: int, scheme: tuple[str, int, float] | None, device: torch.device,
+    gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False,
+) -> PackedStore:  # fmt: skip
+    """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail);
+    ``rope_tables`` (``(cos, sin)``, ``(>= context, D or D / 2)`` float32): the quantized keys are pre-RoPE.
+    ``lazy``: zero-stride views only (``random_packed``)."""
+    H, D = shape["H_kv"], shape["D"]
+    T_f = context if scheme is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
+    T_q = context - T_f
+    if lazy:
+        kf = vf = lazy_view((B, H, T_f, D), torch.float16, device)
+    else:
+        kf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
+        vf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
+    key = value = None
+    if T_q:
+        key = random_packed(B, H, T_q, D, scheme, KEY_GROUP, 1, device, gen, lazy)
+        value = random_packed(B, H, T_q, D, scheme, 1, VALUE_GROUP, device, gen, lazy)
+    lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
+    if rope_tables is None or key is None:
+        return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
+    return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f), *rope_tables, lens(0))
+
+
+def rope_tables(positions: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE tables as the cache keeps them: the repeated first half, ``(positions, D / 2)``
+    float32 (theta 1e6, as Qwen2.5 / long-context Llamas)."""
+    inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64, device=device) / D)
+    f = torch.arange(positions, dtype=torch.float64, device=device)[:, None] * inv
+    return f.cos().float(), f.sin().float()
+
+
+def launch_error(exc: Exception) -> str:
+    """One line for a launch that did not start (e.g. Triton's ``OutOfResources``: too much shared memory)."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"

@@ -1,0 +1,231 @@
+"""Step 6: greedy decode tokens/s after a long prompt through a random-weight Qwen2.5-0.5B-shaped model, per
+cache (``DynamicCache``, ``QuantizedKVCache`` fused and dequantizing, transformers' ``QuantizedCache``), with
+the bytes each cache holds on the GPU against ``kvbits.plan``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .common import RESIDUAL, Config, out_of_time, sync
+
+# decode after a 32K-token prompt (the issue's context), batches 1 and 8, 4 warm-up + 32 timed steps
+E2E_CONTEXT, E2E_BATCHES, E2E_TOKENS, E2E_WARMUP = 32768, (1, 8), 32, 4
+E2E_MODEL = {  # Qwen2.5-0.5B (config.json); the smoke model keeps its KV shape, not its size
+    "full": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True},
+    "smoke": {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64},
+}  # fmt: skip
+# fused; kivi-4 also unfused (dequantize + SDPA). kvquant-4-block runs with uniform codebooks (no
+# calibration data on the GPU machine; the codebook's values do not change the work).
+E2E_KVBITS = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token")
+E2E_HF = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers QuantizedCache backends, if importable
+
+
+def e2e_model(cfg: Config, context: int, tokens: int, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Random-weight Qwen2 model (``dtype``; default fp16 on CUDA, float32 on CPU), built on the device."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = E2E_MODEL["smoke" if cfg.smoke else "full"]
+    config = Qwen2Config(max_position_embeddings=context + tokens + 64, **shape)
+    torch.manual_seed(0)
+    with cfg.device:
+        model = Qwen2ForCausalLM(config)
+    if dtype is None:
+        dtype = torch.float16 if cfg.device.type == "cuda" else torch.float32
+    model = model.to(dtype).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _hf_cache(config, backend: str, nbits: int | None):
+    """transformers' ``QuantizedCache``, or the reason it cannot be built here."""
+    from transformers import QuantizedCache
+
+    kw = {} if nbits is None else {"nbits": nbits, "residual_length": RESIDUAL, "q_group_size": 64}
+    try:
+        if backend == "quanto":
+            import optimum.quanto  # noqa: F401
+        return QuantizedCache(backend=backend, config=config, **kw), None
+    except (ImportError, ValueError, TypeError) as exc:
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+@torch.no_grad()
+def decode_run(cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int) -> dict:
+    """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps."""
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    generated = []
+    for i in range(warmup + tokens):
+        if i == warmup:
+            sync(cfg.device)
+            t0 = time.perf_counter()
+        out = model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(nxt)
+    sync(cfg.device)
+    seconds = time.perf_counter() - t0
+    B = ids.shape[0]
+    return {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
+            "tokens": torch.cat(generated, 1)[:, warmup:].cpu()}  # fmt: skip
+
+
+def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto"):
+    """The ``QuantizedKVCache`` of one step-6 run: ``fused`` decode steps (``use_fused_decode`` on the model)
+    or dequantize + SDPA; NUQ sides get uniform codebooks. Off CUDA ``fused`` forces the fused path (the
+    torch reference, or Triton under ``KVBITS_KERNEL=triton``); on CUDA ``"auto"`` must pick the kernel.
+    ``checks="auto"`` checks incoming K/V lazily on CUDA (no sync per step), eagerly on CPU."""
+    from kvbits.cache import QuantizedKVCache
+
+    mode = (True if model.device.type == "cpu" else "auto") if fused else False
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks=checks)
+    _install_uniform_codebooks(cache, model.config.num_hidden_layers)
+    return cache
+
+
+def _install_uniform_codebooks(cache, n_layers: int) -> None:
+    """NUQ sides of ``cache.scheme`` get the uniform codebook (what an artifact would install)."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    for side in ("key", "value"):
+        spec = getattr(cache.scheme, side)
+        if spec.kind == "nuq":
+            for i in range(n_layers):
+                cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
+
+
+def _allocated(cfg: Config) -> int | None:
+    """Bytes the CUDA caching allocator has handed out now (``None`` off CUDA)."""
+    if cfg.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(cfg.device)
+    return torch.cuda.memory_allocated(cfg.device)
+
+
+def _planned_bytes(model, scheme: str, batch: int, tokens: int, fused: bool) -> int:
+    """What ``kvbits.plan`` says ``batch`` sequences of ``tokens`` tokens of ``model`` take under ``scheme``
+    (``fused``: with the RoPE tables fused decode keeps for pre-RoPE keys)."""
+    from kvbits.plan import plan
+
+    return plan(model.config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=model.dtype.itemsize,
+                fused_decode=fused)["total_bytes"]  # fmt: skip
+
+
+def end_to_end(
+    cfg: Config,
+    context: int,
+    batches: list[int],
+    tokens: int,
+    warmup: int,
+    progress: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Step (6): decode tokens/s per cache at ``context``; raises ``SystemExit`` if the fused path was
+    not taken on every decode step of every layer. On CUDA each kvbits and ``DynamicCache`` run also
+    records the bytes its cache holds on the device after the run (``resident_bytes``: allocated now
+    minus before the cache was made, the generated logits freed) against ``kvbits.plan``
+    (``planned_bytes``), and the run's peak above that baseline (``peak_bytes``: activations included).
+    Runs not started by ``cfg.deadline`` are skipped and say so; ``progress(rows)`` after each run."""
+    from kvbits.cache import QuantizedKVCache, use_fused_decode
+
+    model = e2e_model(cfg, context, tokens)
+    n_layers = model.config.num_hidden_layers
+    rows = []
+    for batch in batches:
+        gen = torch.Generator(device=cfg.device).manual_seed(batch)
+        ids = torch.randint(0, model.config.vocab_size, (batch, context), device=cfg.device, generator=gen)
+        runs = [("dynamic-fp16", "fp16", None)] + [("kvbits-fused", s, True) for s in E2E_KVBITS]
+        runs += [("kvbits-dequant-sdpa", "kivi-4", False)] + [(f"hf-quantized-{b}", n, b) for b, n in E2E_HF]
+        fp16_tps, fused_tokens = None, {}
+        for name, scheme, how in runs:
+            bytes_ = note = None
+            if out_of_time(cfg):
+                rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                             "skipped": "time budget (--budget-s)"})  # fmt: skip
+                print(f"  e2e {name:20s} skipped: time budget")
+                continue
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(cfg.device)
+            base = _allocated(cfg)
+            if name == "dynamic-fp16":
+                from transformers import DynamicCache
+
+                model.set_attn_implementation("sdpa")
+                cache = DynamicCache(config=model.config)
+            elif name.startswith("kvbits"):
+                if how:
+                    use_fused_decode(model)
+                else:
+                    model.set_attn_implementation("sdpa")
+                cache = kvbits_cache(model, scheme, how)
+            else:
+                model.set_attn_implementation("sdpa")
+                cache, note = _hf_cache(model.config, how, scheme)
+                scheme = f"{how}-int{scheme}" if scheme else how
+                if cache is None:
+                    rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                                 "skipped": note})  # fmt: skip
+                    print(f"  e2e {name:20s} skipped: {note}")
+                    continue
+            try:
+                r = decode_run(cfg, model, cache, ids, tokens, warmup)
+            except (RuntimeError, NotImplementedError) as exc:  # e.g. an HF backend failing on this device
+                rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                             "skipped": f"{type(exc).__name__}: {str(exc)[:160]}"})  # fmt: skip
+                print(f"  e2e {name:20s} failed: {exc}")
+                continue
+            mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
+                   "rope_table_bytes": None}  # fmt: skip
+            if name == "dynamic-fp16" or isinstance(cache, QuantizedKVCache):
+                mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + warmup + tokens, how is True)
+                if base is not None:
+                    mem["resident_bytes"] = _allocated(cfg) - base
+                    mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
+            if isinstance(cache, QuantizedKVCache):
+                report = cache.memory_report()
+                bytes_ = report["total_bytes"]
+                fr = cache.fused_report()
+                # held beside the K/V, not planned: per-sequence position offsets, a dequantization workspace;
+                # the float32 RoPE tables of fused pre-RoPE keys are held apart from memory_report() but planned
+                mem["extra_bytes"] = report["position_bytes"] + report["workspace_bytes"]
+                mem["rope_table_bytes"] = fr["rope_table_bytes"]
+                want = (warmup + tokens) * n_layers if how else 0
+                if fr["fused_steps"] != want or fr["fallback_steps"]:
+                    raise SystemExit(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
+                                     f"(want {want}), {fr['fallback_steps']} fallbacks: {fr['layers']}")  # fmt: skip
+                note = f"{fr['fused_steps']} fused steps"
+                if how:
+                    fused_tokens[scheme] = r["tokens"]
+                elif scheme in fused_tokens:
+                    note += (
+                        f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+                    )
+            elif name == "dynamic-fp16":
+                bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                fp16_tps = r["tokens_per_s"]
+            row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                   "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"],
+                   "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
+                   "cache_bytes": bytes_, **mem, "note": note}  # fmt: skip
+            rows.append(row)
+            if mem["resident_bytes"] is not None:
+                print(f"  e2e {name:20s} cache on the GPU: {mem['resident_bytes'] / 2**20:.1f} MiB held, "
+                      f"{mem['planned_bytes'] / 2**20:.1f} MiB planned "
+                      f"({mem['resident_bytes'] / mem['planned_bytes']:.3f}x) + {(mem['extra_bytes'] or 0) / 2**20:.1f} MiB "
+                      f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+            print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
+                  f"({r['ms_per_step']:.2f} ms/step) {note or ''}")  # fmt: skip
+            del cache
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if progress is not None:
+                progress(rows)
+    model.set_attn_implementation("sdpa")
+    return rows

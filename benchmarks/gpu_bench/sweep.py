@@ -1,0 +1,270 @@
+"""Steps 3-5: one decode step of fp16 SDPA and of the fused kernel per scheme over contexts and batches
+(bandwidth as a fraction of the copy ceiling), the kernel's launch parameters (3b), and the break-even
+context per scheme."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .common import (
+    PRE_ROPE,
+    ROPE_SUFFIX,
+    SCHEMES,
+    SHAPES,
+    Config,
+    launch_error,
+    out_of_time,
+    random_store,
+    rope_tables,
+    time_ms,
+)
+
+TUNE_BATCH, TUNE_CONTEXT = 8, 32768  # step 3b
+
+
+def _record(
+    kernel: str,
+    scheme: str,
+    shape: str,
+    context: int,
+    batch: int,
+    ms: float,
+    graph: bool,
+    nbytes: int,
+    spread: dict,
+    fp16_ms: float,
+    copy_gbps: float,
+) -> dict:
+    """One result row; ``(ms, graph, nbytes, spread)`` in the order the timing helpers return them."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return {
+        "kernel": kernel, "scheme": scheme, "shape": shape, "context": context, "batch": batch, "ms": round(ms, 5),
+        **spread, "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3), "bytes_read": nbytes,
+        "speedup_vs_fp16": round(fp16_ms / ms, 3), "cuda_graph": graph,
+    }  # fmt: skip
+
+
+def fp16_baselines(
+    cfg: Config, q: torch.Tensor, H_kv: int, context: int, gen: torch.Generator, flush: torch.Tensor | None
+) -> dict[str, tuple[float, bool, int, dict]]:
+    """SDPA over fp16 K/V: ``enable_gqa=True``, and K/V expanded to ``H_q`` heads when memory allows.
+
+    Returns ``{name: (ms, cuda_graph, bytes_read, spread)}``; the expansion itself is not timed.
+    """
+    B, H_q, _, D = q.shape
+    G = H_q // H_kv
+    k = torch.randn(B, H_kv, context, D, device=cfg.device, dtype=torch.float16, generator=gen)
+    v = torch.randn_like(k)
+    kv_bytes = k.nbytes + v.nbytes
+    out = {}
+    spread: dict = {}
+    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush, spread=spread)
+    out["sdpa-gqa"] = (ms, graph, kv_bytes, spread)
+    if kv_bytes * (G + 1) <= cfg.max_bytes:
+        ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        spread = {}
+        ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve), cfg, flush, spread=spread)
+        out["sdpa-expand"] = (ms, graph, kv_bytes * G, spread)
+    return out
+
+
+def fused_timing(
+    cfg: Config,
+    decode: Callable,
+    q: torch.Tensor,
+    shape: dict,
+    context: int,
+    scheme: tuple[str, int, float] | None,
+    kw: dict,
+    gen: torch.Generator,
+    flush: torch.Tensor | None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[float, bool, int, dict]:
+    """(ms, cuda_graph, bytes_read, spread) of the fused path over a random KIVI-layout store (pre-RoPE keys
+    with ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and
+    head)."""
+    store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables)
+    spread: dict = {}
+    ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush, spread=spread)
+    return ms, graph, store.nbytes, spread
+
+
+def sweep(
+    cfg: Config,
+    decode: Callable,
+    copy_gbps: float,
+    progress: Callable[[list[dict]], None] | None = None,
+    skipped: list[dict] | None = None,
+) -> list[dict]:
+    """Step (3)-(4): every (shape, batch, context) within the memory budget, batch by batch (the
+    largest batch last); ``progress(records)`` after each combo. Combos not run (memory budget, or
+    past ``cfg.deadline``) are appended to ``skipped`` with the reason."""
+    skipped = [] if skipped is None else skipped
+    dev = cfg.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    records: list[dict] = []
+    variants = [("fp16", None, {}, False)] + [(name, sch, {}, False) for name, sch in SCHEMES.items()]
+    variants += [(name + ROPE_SUFFIX, SCHEMES[name], {}, True) for name in PRE_ROPE]
+    if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
+        variants += [(name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
+        variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True) for name in PRE_ROPE]
+    for batch in cfg.batches:
+        for shape_name, shp in SHAPES.items():
+            for context in cfg.contexts:
+                if out_of_time(cfg):
+                    skipped.append({"shape": shape_name, "context": context, "batch": batch,
+                                    "reason": "time budget (--budget-s)"})  # fmt: skip
+                    print(f"  skip {shape_name} B={batch} T={context}: time budget")
+                    continue
+                kv_bytes = 2 * batch * shp["H_kv"] * context * shp["D"] * 2
+                if kv_bytes > cfg.max_bytes:
+                    skipped.append({"shape": shape_name, "context": context, "batch": batch,
+                                    "reason": f"fp16 K/V {kv_bytes / 1e9:.1f} GB > --max-gb"})  # fmt: skip
+                    print(
+                        f"  skip {shape_name} B={batch} T={context}: "
+                        f"fp16 K/V {kv_bytes / 1e9:.1f} GB > --max-gb"
+                    )
+                    continue
+                q = torch.randn(
+                    batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen
+                )
+                base = fp16_baselines(cfg, q, shp["H_kv"], context, gen, flush)
+                best = min(m[0] for m in base.values())
+                row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
+                       for name, m in base.items()]  # fmt: skip
+                tables = rope_tables(context, shp["D"], dev)
+                for scheme, sch, kw, rope in variants:
+                    kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
+                    try:
+                        m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
+                    except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
+                        row.append({"kernel": kernel, "scheme": scheme, "shape": shape_name, "context": context,
+                                    "batch": batch, "error": launch_error(exc)})  # fmt: skip
+                        continue
+                    row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
+                records += row
+                cells = [
+                    f"{r['scheme']}{'(g)' if 'gather' in r['kernel'] else ''} "
+                    + (f"{r['ms']:.4f} ms x{r['speedup_vs_fp16']:.2f}" if "ms" in r else "did not launch")
+                    for r in row
+                    if not r["kernel"].startswith("sdpa")
+                ]
+                print(
+                    f"  {shape_name:13s} B={batch:<3d} T={context:<7d} fp16 {best:8.4f} ms | "
+                    + " | ".join(cells)
+                )
+                del tables
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                if progress is not None:
+                    progress(records)
+    return records
+
+
+TUNE_BLOCK_T = (32, 64, 128)  # tokens per inner tile (decode_attention_triton's block_t)
+TUNE_WARPS = (4, 8)  # num_warps
+TUNE_STAGES = (1, 2, 3)  # num_stages: software-pipelining depth of the tile loop
+
+
+def tune_grid(D: int) -> list[tuple[int, int, int]]:
+    """``(block_t, num_warps, num_stages)`` to time at head dim ``D``: the default launch first
+    (``launch_defaults``), then by how many of the three differ from it (a run cut short keeps the nearest)."""
+    from kvbits.kernels.triton_decode import launch_defaults
+
+    d = launch_defaults(D)
+    default = (d["block_t"], d["num_warps"], d["num_stages"])
+    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_WARPS for s in TUNE_STAGES]
+    return sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+
+
+def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
+         ) -> list[dict]:  # fmt: skip
+    """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
+    (``tune_grid``) for int4 and int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, round
+    robin so that a run cut short has the nearest neighbours of every default. Rows: shape, batch, context,
+    scheme, block_t, num_warps, num_stages, ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy
+    (``error`` instead for a launch that did not start)."""
+    if cfg.kernel != "triton":
+        return []
+    dev = cfg.device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    batch, context = (1, 512) if cfg.smoke else (TUNE_BATCH, TUNE_CONTEXT)
+    cases = []  # (shape, scheme, q, store, grid)
+    for shape_name, shp in SHAPES.items():
+        q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
+        tables = rope_tables(context, shp["D"], dev)
+        for scheme, rope in (("int4", False), ("int4" + ROPE_SUFFIX, True)):
+            store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
+            grid = tune_grid(shp["D"])[:2] if cfg.smoke else tune_grid(shp["D"])
+            cases.append((shape_name, scheme, q, store, grid))
+    rows: list[dict] = []
+    for i in range(max(len(c[4]) for c in cases)):
+        for shape_name, scheme, q, store, grid in cases:
+            if i >= len(grid):
+                continue
+            if out_of_time(cfg):
+                return rows
+            block_t, warps, stages = grid[i]
+            row = {"shape": shape_name, "batch": batch, "context": context, "scheme": scheme,
+                   "block_t": block_t, "num_warps": warps, "num_stages": stages}  # fmt: skip
+            run = lambda q=q, st=store, bt=block_t, nw=warps, ns=stages: decode(
+                q, st, block_t=bt, num_warps=nw, num_stages=ns
+            )
+            spread: dict = {}
+            try:
+                ms, _ = time_ms(run, cfg, flush, spread=spread)
+            except Exception as exc:  # noqa: BLE001 - a launch the GPU refuses is a result, not the end of the run
+                row["error"] = launch_error(exc)
+                print(f"  tune {shape_name:13s} {scheme:13s} {block_t}/{warps}/{stages}: {row['error']}")
+            else:
+                gbps = store.nbytes / (ms * 1e-3) / 1e9
+                row.update(ms=round(ms, 5), **spread, gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
+                print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps} stages={stages}: "
+                      f"{ms:.4f} ms ({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
+            rows.append(row)
+            if progress is not None:
+                progress(rows)
+    return rows
+
+
+def break_even(records: list[dict]) -> list[dict]:
+    """Per (shape, batch, kernel, scheme): the shortest context from which every longer one beats fp16."""
+    out = []
+    records = [r for r in records if "ms" in r]  # launches that did not start have no time
+    keys = sorted(
+        {
+            (r["shape"], r["batch"], r["kernel"], r["scheme"])
+            for r in records
+            if not r["kernel"].startswith("sdpa")
+        }
+    )
+    for shape, batch, kernel, scheme in keys:
+        rows = sorted(
+            (
+                r
+                for r in records
+                if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)
+            ),
+            key=lambda r: r["context"],
+        )
+        be = None
+        for i, r in enumerate(rows):
+            if all(x["speedup_vs_fp16"] >= 1 for x in rows[i:]):
+                be = r["context"]
+                break
+        out.append(
+            {
+                "shape": shape,
+                "batch": batch,
+                "kernel": kernel,
+                "scheme": scheme,
+                "break_even_context": be,
+                "max_context_measured": rows[-1]["context"] if rows else None,
+            }
+        )
+    return out
