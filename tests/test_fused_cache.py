@@ -572,6 +572,48 @@ def test_track_positions_hands_the_calls_positions_only_during_the_call():
         track_positions("not a model")
 
 
+@torch.no_grad()
+def _decode_at(model, cache, ids: torch.Tensor, start: int, fused: bool, prefill: int = PROMPT) -> torch.Tensor:
+    """Logits ``(steps, B, V)`` of a prefill then one-token steps whose position ids start at ``start``."""
+    outs = []
+    with attention(model, fused):
+        pos = torch.arange(start, start + ids.shape[1])[None]
+        outs.append(model(ids[:, :prefill], past_key_values=cache, position_ids=pos[:, :prefill]).logits[:, -1])
+        for i in range(prefill, ids.shape[1]):
+            outs.append(model(ids[:, i : i + 1], past_key_values=cache, position_ids=pos[:, i : i + 1]).logits[:, -1])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_positions_ahead_of_the_cache_are_covered_by_the_rope_tables(monkeypatch, kernel: str):
+    """Position ids that start far past the cache indices (a request given its own positions): pre-RoPE
+    keys were un-rotated there, so the fused path's RoPE tables must reach them. Before, the tables covered
+    the cache indices only: the reference clamped the positions (logits off by ~5e-3) and the Triton kernel
+    read past the tables' end (off by ~0.6 through the interpreter)."""
+    if kernel == "triton":
+        if not torch.cuda.is_available():
+            try:
+                from kvbits.kernels.interpret import enable_interpreter
+
+                enable_interpreter()
+            except ImportError as exc:
+                pytest.skip(f"Triton is not importable: {exc}")
+        if not dispatch.triton_available():
+            pytest.skip("Triton is not importable")
+        monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    model, start = build("llama"), 3000
+    ids = prompt(batch=1)[:, : PROMPT if kernel == "reference" else 24]
+    ids = torch.cat([ids, prompt(batch=1, seed=2)[:, : 20 if kernel == "reference" else 3]], dim=1)
+    prefill = ids.shape[1] - (20 if kernel == "reference" else 3)
+    want = _decode_at(model, QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=False), ids,
+                      start, fused=False, prefill=prefill)  # fmt: skip
+    cache = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+    got = _decode_at(model, cache, ids, start, fused=True, prefill=prefill)
+    assert cache.fused_report()["fused_steps"] == 2 * (ids.shape[1] - prefill)
+    assert cache.layers[0]._k.positions_ahead() == start
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
 def test_position_offsets_are_read_once_per_request():
     """Offsets come from the first update's position ids (the prefill) and stay: later position ids that
     stop following the cache cannot re-rotate blocks un-rotated with the old ones; reset() forgets them."""

@@ -20,7 +20,8 @@ whose scheme fits the packed layout (``layout_reason``); ``reset()`` releases it
 Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
 ``pos_offset`` is the left padding read from the position ids; pad slots get negative positions and are
-masked).
+masked). Position ids that start past the cache indices make ``pos_offset`` negative: the tables then
+cover ``max(-pos_offset)`` more positions (``SideStore.positions_ahead``, read once per request).
 """
 
 from __future__ import annotations
@@ -248,7 +249,9 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
     cos = sin = pos0 = None
     if key is not None and layer.mode == "quantized" and layer.scheme.key.pre_rope:
         p0 = k.n_sinks + k.n_dropped
-        cos, sin = layer.fused.tables.get(k.rotary, p0 + T_q, device)
+        # positions reach p0 + T_q - 1 - pos_offset[b]: ahead of the cache indices when the model's position
+        # ids start past them (explicit position_ids); the kernel reads the tables without a bound check
+        cos, sin = layer.fused.tables.get(k.rotary, p0 + T_q + k.positions_ahead(), device)
         pos0 = torch.full((B,), p0, dtype=torch.int32, device=device)
         if k.pos_offset is not None:  # left padding: the model's positions (SideStore.pos_offset)
             pos0 = (pos0 - k.pos_offset.to(device)).to(torch.int32)

@@ -168,7 +168,8 @@ class SideStore:
         self.sync = True  # False: the flush path never waits for the device (lazy checks)
         self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
         # (B,) cache index minus model position per sequence (left padding), pre-RoPE keys; None: 0
-        self.pos_offset: torch.Tensor | None = None
+        self._pos_offset: torch.Tensor | None = None
+        self._positions_ahead: int | None = None  # host copy of -min(pos_offset, 0), read when first needed
         self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
 
     # ------------------------------------------------------------------ state
@@ -197,6 +198,25 @@ class SideStore:
         self.clipped = self.n_dropped = 0
         self._packed = None
         self.pos_offset = None
+
+    @property
+    def pos_offset(self) -> torch.Tensor | None:
+        """``(B,)`` cache index minus the model's position per sequence (pre-RoPE keys); ``None``: 0."""
+        return self._pos_offset
+
+    @pos_offset.setter
+    def pos_offset(self, value: torch.Tensor | None) -> None:
+        self._pos_offset, self._positions_ahead = value, None
+
+    def positions_ahead(self) -> int:
+        """How far the model's positions run ahead of the cache indices at most (``max(-pos_offset)``, 0
+        when none does: left padding puts them behind). Read from the device once per offsets (one host
+        sync per request, by the fused path's RoPE tables, which must cover those positions)."""
+        if self._pos_offset is None:
+            return 0
+        if self._positions_ahead is None:
+            self._positions_ahead = max(0, int(-self._pos_offset.min()))
+        return self._positions_ahead
 
     @property
     def n_sinks(self) -> int:
