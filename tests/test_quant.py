@@ -330,7 +330,7 @@ ALL_INT_SPECS = [
     "spec",
     ALL_INT_SPECS
     + [
-        TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g)
+        TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g, static=g == "tensor")
         for f in ("e4m3", "e5m2")
         for g in ("token", "tensor")
     ],
@@ -445,3 +445,68 @@ def test_scheme_json_rejects_unknown_fields_and_versions():
         KVScheme.from_dict({**d, "bogus": 1})
     with pytest.raises(ValueError, match="version"):
         KVScheme.from_dict({**d, "version": 99})
+
+
+@pytest.mark.parametrize(
+    "side,field,value,match",
+    [
+        ("key", "bits", 2.0, "bits must be an int"),
+        ("key", "bits", True, "bits must be an int"),
+        ("key", "group_size", 32.0, "group_size must be an int or None"),
+        ("key", "symmetric", "false", "symmetric must be a bool"),
+        ("value", "static", 0, "static must be a bool"),
+        ("value", "outlier_frac", "0.01", "outlier_frac must be a number"),
+        ("value", "granularity", None, "granularity must be a str"),
+        (None, "residual", 127.5, "residual must be an int"),
+        (None, "sinks", "1", "sinks must be an int"),
+        (None, "block", 32.0, "block must be an int"),
+    ],
+)
+def test_scheme_json_rejects_wrong_types(side, field, value, match):
+    """A JSON scheme with ``2.0`` bits or ``"false"`` flags used to load and then plan fractional bytes
+    or quantize with the string's truthiness; the type is checked at load now."""
+    d = json.loads(get_scheme("kivi-2").to_json())
+    (d if side is None else d[side])[field] = value
+    with pytest.raises(TypeError, match=match):
+        KVScheme.from_dict(d)
+
+
+def test_scheme_json_file_with_wrong_types_is_a_value_error(tmp_path):
+    d = json.loads(get_scheme("kivi-2").to_json())
+    d["key"]["bits"] = 2.0
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="not a valid kvbits scheme JSON.*bits must be an int"):
+        get_scheme(str(path))
+
+
+def test_fp8_tensor_granularity_needs_static():
+    """FP8 has no dynamic per-tensor scale: static=False used to quantize with a silent scale of 1.0."""
+    with pytest.raises(ValueError, match="needs static=True"):
+        TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor")
+    assert TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True).static
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kind": "fp8", "bits": 8, "fmt": "e4m3", "granularity": "token", "group_size": 32},
+        {"kind": "fp8", "bits": 8, "fmt": "e5m2", "granularity": "tensor", "static": True, "group_size": 16},
+        {"kind": "int", "bits": 4, "fmt": None, "granularity": "head", "group_size": 16},
+        {"kind": "int", "bits": 4, "fmt": None, "granularity": "tensor", "group_size": 16},
+        {"kind": "nuq", "bits": 4, "fmt": None, "granularity": "head", "group_size": 16},
+        {"kind": "float", "bits": 16, "fmt": "fp16", "group_size": 32},
+    ],
+    ids=str,
+)
+def test_group_size_rejected_where_it_would_be_ignored(kw):
+    """group_size was accepted and ignored (same scales, same bytes) for these specs."""
+    with pytest.raises(ValueError, match="group_size applies to int/nuq specs"):
+        TensorSpec(**kw)
+
+
+def test_per_token_group_of_one_channel_rejected():
+    """The mirror of the per-channel rule: a per-token group of one channel stores every value exactly."""
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        int_spec(2, "token", 1)
+    assert int_spec(2, "token", 2).group_size == 2
