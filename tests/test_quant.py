@@ -169,6 +169,31 @@ def test_pack_rejects_bad_input():
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 4)
 
 
+@pytest.mark.parametrize(
+    "bits,codes",
+    [(2, [5, 0, 0, 0]), (4, [3, 17, 0, 0]), (3, [-1, 0, 0, 0, 0, 0, 0, 0]), (8, [300, 0]), (8, [-2, 0])],
+)
+def test_pack_rejects_codes_out_of_range(bits, codes):
+    """An out-of-range code used to spill into its neighbours' bits (2-bit [5, 0] unpacked as [1, 1])."""
+    with pytest.raises(ValueError, match=rf"{bits}-bit codes must be in \[0, {2**bits - 1}\]"):
+        pack_bits(torch.tensor([codes]), bits)
+    # the opt-out (quantize's hot path, whose codes are clamped) packs without reading the values
+    assert pack_bits(torch.tensor([codes]), bits, check_range=False).dtype == torch.uint8
+
+
+@pytest.mark.parametrize("bits", [0, 1, 5, 9, 16, 2.0, True])
+def test_affine_primitives_reject_unsupported_bits(bits):
+    """1-bit symmetric codes have no level (scale inf, NaN out); 9+ bits overflow the uint8 codes."""
+    x = torch.linspace(-1, 1, 16).reshape(1, 16)
+    scale, zero = torch.ones(1, 1, dtype=torch.float16), torch.full((1, 1), -1.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 8\)"):
+        choose_qparams(x, bits, (-1,))
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize_affine(x, scale, zero, bits)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        dequantize_affine(torch.zeros(1, 16, dtype=torch.uint8), scale, zero, bits, torch.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Layer 1: round-trip error bound for every granularity
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbits.quant.pack import check_bits
+
 META_DTYPE = torch.float16
 
 
@@ -46,6 +48,7 @@ def choose_qparams(
     Returns:
         ``(scale, zero)``, both keepdim over ``dims``; ``zero`` is ``None`` when symmetric.
     """
+    check_bits(bits)  # 1-bit symmetric has no level (scale inf), > 8 bits overflow uint8
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
@@ -80,6 +83,7 @@ def quantize_affine(
 
     ``scale``/``zero`` broadcast against ``x`` (from ``choose_qparams`` or a calibration artifact).
     """
+    check_bits(bits)
     s = scale.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
     if zero is None:
@@ -98,6 +102,7 @@ def dequantize_affine(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of ``quantize_affine`` (computed in float32, returned in ``dtype``)."""
+    check_bits(bits)
     q = codes.float()
     if zero is None:
         out = (q - (2 ** (bits - 1) - 1)) * scale.float()

@@ -222,7 +222,7 @@ def quantize(
         codes, clipped = quantize_nuq(xg, scale, zero, codebook)
     if mg is not None:
         clipped = clipped & ~mg
-    packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits)
+    packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits, check_range=False)  # clamped: no sync
     return QuantizedTensor(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
         clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
