@@ -360,6 +360,21 @@ def test_bad_numbers(kwargs, match):
         plan(ModelShape.from_dims(1, 1, 64), **kwargs)
 
 
+@pytest.mark.parametrize("scheme,head_dim", [("kivi-2", 80), ("int4-g64", 80), ("int4-g64", 96)])
+def test_scheme_the_cache_can_not_store_is_refused(scheme, head_dim):
+    """Per-token groups that do not divide head_dim: the quantizer refuses the block, so the planner
+    must not price it (it used to round the group count up and report plausible bytes)."""
+    shape = ModelShape.from_dims(4, 8, head_dim)
+    with pytest.raises(ValueError, match=rf"scheme '{scheme}' can not store head_dim {head_dim}: (keys|values)"):
+        plan(shape, context=4096, scheme=scheme)
+    with pytest.raises(ValueError, match="do not divide"):
+        average_bits(get_scheme(scheme), head_dim=head_dim)
+    # a sliding layer that falls back to full precision (kivi's 128-token residual > W) never quantizes
+    window = ModelShape.from_dims(4, 8, head_dim, sliding_window=16)
+    assert plan(window, context=100, scheme="kivi-2")["avg_bits"] == 16
+    assert plan(shape, context=4096, scheme="int4-token")["avg_bits"] > 4  # whole rows: any head_dim
+
+
 def test_context_defaults_to_the_model_max():
     assert plan(llama_dict(num_hidden_layers=1), scheme="fp16")["context"] == 4096
     with pytest.raises(ValueError, match="context is required"):

@@ -444,6 +444,16 @@ def test_nbytes_matches_accounting_extra_specs(spec: TensorSpec):
 # --------------------------------------------------------------------------------------------------
 
 
+def test_accounting_refuses_token_groups_that_do_not_divide_head_dim():
+    """quantize refuses such a block; the byte formula used to round the group count up instead."""
+    spec = int_spec(4, "token", 32)
+    with pytest.raises(ValueError, match="token group size 32 must divide head_dim 80"):
+        quantize(gaussian(1, 1, 2, 80), spec)
+    with pytest.raises(ValueError, match="per-token groups of 32 channels do not divide head_dim 80"):
+        quantized_bytes(spec, 4, 2, 80)
+    assert quantized_bytes(spec, 4, 2, 96) == 4 * 2 * (48 + 3 * 4)  # codes + 3 groups of scale and zero
+
+
 @pytest.mark.parametrize("scheme", list_schemes(), ids=lambda s: s.name)
 def test_scheme_json_round_trip(scheme: KVScheme, tmp_path):
     text = scheme.to_json()

@@ -123,7 +123,8 @@ def plan(
 
     Raises:
         ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
-            heads or layers, or ``gpu_mem_gib`` without any way to know the weights.
+            heads or layers, a scheme the cache can not store at the model's head dim (per-token groups
+            that do not divide it), or ``gpu_mem_gib`` without any way to know the weights.
 
     Example:
         >>> from kvbits.plan import ModelShape, plan
