@@ -139,6 +139,11 @@ def plan(
     if context is None:
         if shape.max_context is None:
             raise ValueError("context is required: the config has no max_position_embeddings to default to")
+        if shape.max_context < 1:
+            raise ValueError(
+                f"context is required: the config's max_position_embeddings ({shape.max_context}) is not a "
+                "context length to default to"
+            )
         context = shape.max_context
     contexts, many_contexts = _as_list(context)
     contexts = [_positive_int(c, "context") for c in contexts]
