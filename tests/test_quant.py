@@ -374,6 +374,34 @@ def test_constant_and_zero_inputs(spec, value):
         assert torch.allclose(deq, x, rtol=rtol, atol=0), (deq.flatten()[0], value)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [int_spec(4), TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"), TensorSpec()],
+    ids=str,
+)
+def test_no_channels_is_a_clear_error(spec):
+    """D = 0 used to die in a modulo by zero (int) or an empty amax (fp8)."""
+    with pytest.raises(ValueError, match=r"head_dim D >= 1, got shape \(1, 2, 4, 0\)"):
+        quantize(torch.zeros(1, 2, 4, 0), spec)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 0, 64), (1, 0, 4, 64), (0, 2, 4, 64)], ids=str)
+@pytest.mark.parametrize("gran", ["head", "tensor", "token"])
+@pytest.mark.parametrize("kind,symmetric", [("int", False), ("int", True), ("nuq", False), ("nuq", True)])
+def test_empty_blocks_quantize_at_every_granularity(shape, gran, kind, symmetric):
+    """No tokens (or heads, or sequences): head / tensor scales reduce over an empty dim, where torch's
+    min / max raise; the group gets the range [0, 0], as a fully masked group does."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    spec = TensorSpec(kind=kind, bits=4, fmt=None, granularity=gran, symmetric=symmetric)
+    x = torch.zeros(shape)
+    qt = quantize(x, spec, **({"codebook": uniform_codebook(4)} if kind == "nuq" else {}))
+    assert qt.dequantize().shape == shape and qt.clipped == 0
+    assert not bool(qt.scale.any()) and (qt.zero is None) == symmetric
+    B, H, n, D = shape
+    assert qt.nbytes == B * (quantized_bytes(spec, n, H, D) + per_block_meta_bytes(spec, H))
+
+
 def test_per_channel_group_of_one_rejected():
     for gs in (1, None):
         with pytest.raises(ValueError, match="group_size must be >= 2"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbits.quant.affine import _round_down_fp16, _round_up_fp16, masked_range
+from kvbits.quant.affine import _round_down_fp16, _round_up_fp16, empty_groups, masked_range
 
 CODEBOOK_DTYPE = torch.float16
 
@@ -73,6 +73,9 @@ def choose_nuq_params(
     element maps into ``[-1, 1]``. Symmetric: ``scale`` = largest magnitude rounded up, no zero.
     ``mask`` (bool like ``x``) marks elements excluded from the range (dense-and-sparse outliers).
     """
+    empty = empty_groups(x, dims, symmetric)
+    if empty is not None:
+        return empty
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)

@@ -177,6 +177,7 @@ def quantize(
     """
     if validate:
         check_kv(x, "K/V block")
+    _check_head_dim(x)
     B, H, n, D = x.shape
     shape = (B, H, n, D)
     if spec.kind == "float":
@@ -227,6 +228,13 @@ def quantize(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
         clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
     )
+
+
+def _check_head_dim(x: torch.Tensor) -> None:
+    """``ValueError`` for a block with no channels (``D = 0``): nothing to scale, no row to pack. Empty
+    batches, heads or token counts are fine (``check_kv`` lets them through too)."""
+    if x.dim() != 4 or x.shape[3] < 1:
+        raise ValueError(f"K/V block must be (B, H_kv, T, D) with head_dim D >= 1, got shape {tuple(x.shape)}")
 
 
 def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:
@@ -305,6 +313,7 @@ def codebook_inputs(
     """
     if spec.kind != "nuq":
         raise ValueError(f"codebook_inputs needs a nuq spec, got kind={spec.kind!r}")
+    _check_head_dim(x)
     n, D = x.shape[2], x.shape[3]
     static_qp = _static_qparams(x, spec, static_scale, static_zero)
     xg = _group(x, spec)
