@@ -279,3 +279,17 @@ def test_fake_quantize_passes_codebook():
     x = gaussian(1, 2, 4, 64)
     y = fake_quantize(x, nuq(4), codebook=uniform_codebook(4))
     assert y.dtype == x.dtype and mse(x, y) < 0.02  # step ~ 5/15: uniform error ~ step^2 / 12 = 0.009
+
+
+def test_asymmetric_range_beyond_float16_is_a_clear_error():
+    """The scale of an asymmetric NUQ group is its whole range: [-40000, 40000] overflowed float16 to inf
+    and the row decoded to NaN. The stored format stays float16 (the kernels read it): refused instead."""
+    x = torch.tensor([-40000.0, 0.0, 1.0, 40000.0]).reshape(1, 1, 1, 4)
+    with pytest.raises(ValueError, match="a group spans 80000, beyond float16's 65504"):
+        quantize(x, nuq(4), codebook=uniform_codebook(4))
+    with pytest.raises(ValueError, match="a group spans 80000"):  # also when only sync is allowed
+        quantize(x, nuq(4), codebook=uniform_codebook(4), validate=False)
+    edge = torch.tensor([-32752.0, 0.0, 1.0, 32752.0]).reshape(1, 1, 1, 4)  # spans exactly 65504
+    assert bool(torch.isfinite(quantize(edge, nuq(4), codebook=uniform_codebook(4)).dequantize()).all())
+    sym = quantize(x, nuq(4, symmetric=True), codebook=uniform_codebook(4)).dequantize()
+    assert bool(torch.isfinite(sym).all())

@@ -154,6 +154,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
+        if quantized:  # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less
+            self.checks.bounds = (kv_checks.input_bound(scheme.key), kv_checks.input_bound(scheme.value))
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.dtype: torch.dtype | None = None

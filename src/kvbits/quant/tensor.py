@@ -172,8 +172,9 @@ def quantize(
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
         validate: check finiteness and range (``ValueError`` on NaN/inf).
         sync: ``False``: never wait for the device (``kvbits.cache`` per-step path): ``clipped`` stays a
-            0-dim int64 tensor on ``x``'s device and the codebook's values are not re-checked (its dtype
-            and shape are); pair with ``validate=False``.
+            0-dim int64 tensor on ``x``'s device, the codebook's values are not re-checked (its dtype
+            and shape are) and neither are asymmetric NUQ ranges (``choose_nuq_params``: a ``ValueError``
+            otherwise when a group spans more than float16 holds); pair with ``validate=False``.
     """
     if validate:
         check_kv(x, "K/V block")
@@ -215,8 +216,10 @@ def quantize(
         scale, zero = static_qp
     elif spec.kind == "int":
         scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
-    else:
-        scale, zero = choose_nuq_params(xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
+    else:  # the range check reads the device: not with sync=False (the cache bounds |x| instead)
+        scale, zero = choose_nuq_params(
+            xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg, check=validate or sync
+        )
     if spec.kind == "int":
         codes, clipped = quantize_affine(xg, scale, zero, spec.bits)
     else:
