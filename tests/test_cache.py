@@ -970,6 +970,41 @@ def test_pre_rope_keys_bound_leaves_room_for_unrotation(dtype):
         assert bool(torch.isfinite(layer.materialize()[0]).all())
 
 
+def test_set_static_qparams_checks_values():
+    """Static scales were installed unchecked (the per-step path does not look at them): NaN, inf and
+    negative scales, a zero FP8 scale, non-finite zero-points, and a scale for a spec that ignores it."""
+    static = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True)
+    layer = QuantizedKVLayer(KVScheme("s", key=static, value=TensorSpec(kind="int", bits=4, fmt=None)))
+    ok, zero = torch.full((2, 8), 0.5), torch.full((2, 8), -4.0)
+    for bad in (float("nan"), float("inf"), -1.0, 1e6):
+        with pytest.raises(ValueError, match="layer 0 key static scale must be finite and >= 0"):
+            layer.set_static_qparams("key", torch.full((2, 8), bad), zero)
+    with pytest.raises(ValueError, match="layer 0 key static zero-point must be finite"):
+        layer.set_static_qparams("key", ok, torch.full((2, 8), float("nan")))
+    with pytest.raises(TypeError, match="scale must be a torch.Tensor"):
+        layer.set_static_qparams("key", 0.5, zero)
+    layer.set_static_qparams("key", torch.zeros(2, 8), zero)  # zero scales: accepted (see clipped)
+    fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+    fp8_token = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")
+    layer = QuantizedKVLayer(KVScheme("f", key=fp8, value=fp8_token))
+    with pytest.raises(ValueError, match="layer 0 key static scale must be finite and > 0"):
+        layer.set_static_qparams("key", torch.tensor(0.0))
+    with pytest.raises(ValueError, match="spec is not static"):  # per-token FP8 scales come from the data
+        layer.set_static_qparams("value", torch.tensor(2.0))
+
+
+def test_zero_static_scales_show_as_clipped_in_the_cache():
+    static = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True)
+    layer = QuantizedKVLayer(KVScheme("s", key=static, value=TensorSpec(kind="int", bits=4, fmt=None)))
+    scale, zero = torch.full((2, 64), 2.0), torch.full((2, 64), -16.0)  # [-16, 14]: wide enough for rand_kv
+    scale[1, 5] = zero[1, 5] = 0.0  # head 1, channel 5 was constant (0) during calibration
+    layer.set_static_qparams("key", scale, zero)
+    k, v = rand_kv(1, 2, 10, 64, seed=41)
+    layer.update(k, v)
+    assert layer.clipped() == (10, 0)  # the 10 tokens' values in that channel, nothing else
+    assert not bool(layer.materialize()[0][0, 1, :, 5].any())
+
+
 def test_lazy_check_of_a_layer_on_its_own():
     """A QuantizedKVLayer used without a cache checks itself every check_every updates."""
     layer = QuantizedKVLayer(get_scheme("int8-token"), layer_idx=3, checks="lazy", check_every=4)

@@ -402,6 +402,39 @@ def test_empty_blocks_quantize_at_every_granularity(shape, gran, kind, symmetric
     assert qt.nbytes == B * (quantized_bytes(spec, n, H, D) + per_block_meta_bytes(spec, H))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -0.4, float("inf"), 1e6])  # 1e6: inf in float16
+def test_static_scales_must_be_finite_and_non_negative(bad):
+    """NaN / inf scales decoded to NaN and negative ones mirrored the grid, with clipped == 0."""
+    spec = int_spec(4, "channel", None, static=True)
+    x, zero = gaussian(1, 2, 16, 8), torch.full((2, 8), -3.0).half()
+    with pytest.raises(ValueError, match="static_scale must be finite and >= 0"):
+        quantize(x, spec, static_scale=torch.full((2, 8), bad), static_zero=zero)
+    if not math.isfinite(bad) or bad > 65504:  # zero-points may be negative, not non-finite
+        with pytest.raises(ValueError, match="static_zero must be finite"):
+            quantize(x, spec, static_scale=torch.full((2, 8), 0.5), static_zero=torch.full((2, 8), bad))
+    fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+    for s in (bad, 0.0):  # an FP8 scale divides: 0 is refused too
+        if math.isfinite(s) and s > 0:
+            continue
+        with pytest.raises(ValueError, match="static FP8 scale must be finite and > 0"):
+            quantize(x, fp8, static_scale=torch.tensor(s))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_zero_static_scale_counts_what_it_clips(symmetric):
+    """A static scale of 0 (a channel constant during calibration) collapses the channel onto its
+    zero-point: accepted, and every value it changes is counted as clipped (it used to count 0)."""
+    spec = int_spec(4, "channel", None, static=True, symmetric=symmetric)
+    x = gaussian(1, 2, 16, 8).clamp(-2, 2)
+    x[0, 0, :, 0] = 0.0  # this channel really is constant: kept exactly, not clipped
+    scale, zero = torch.full((2, 8), 0.5).half(), torch.full((2, 8), -4.0).half()
+    scale[0, :4] = 0.0
+    zero[0, :4] = 0.0
+    qt = quantize(x, spec, static_scale=scale, static_zero=None if symmetric else zero)
+    assert qt.clipped == 3 * 16  # channels 1..3 of head 0; the others fit their ranges
+    assert not bool(qt.dequantize()[0, 0, :, :4].any())
+
+
 def test_per_channel_group_of_one_rejected():
     for gs in (1, None):
         with pytest.raises(ValueError, match="group_size must be >= 2"):
