@@ -913,6 +913,98 @@ def test_lazy_check_on_read_and_every_kind_of_bad_value():
         cache.check_inputs()
 
 
+def _nuq_layer(symmetric: bool, checks: str) -> QuantizedKVLayer:
+    from kvbits.quant.nuq import uniform_codebook
+
+    spec = TensorSpec(kind="nuq", bits=4, fmt=None, granularity="token", symmetric=symmetric)
+    layer = QuantizedKVLayer(KVScheme("nuq4", key=spec, value=spec), fused_decode=False, checks=checks)
+    for side in ("key", "value"):
+        layer.set_static_qparams(side, codebook=uniform_codebook(4))
+    return layer
+
+
+@pytest.mark.parametrize("checks", ["eager", "lazy"])
+def test_asymmetric_nuq_range_beyond_float16_is_refused(checks):
+    """Asymmetric NUQ stores the range max - min as a float16 scale: K in [-40000, 40000] passed the
+    |x| <= 65504 check and its rows decoded to NaN. Such layers accept |x| <= 65504 / 2."""
+    k, v = rand_kv(1, 2, 3, 64, seed=40)
+    k[..., 0], k[..., 1] = -40000.0, 40000.0
+    layer = _nuq_layer(False, checks)
+    if checks == "eager":  # refused before anything is stored
+        with pytest.raises(ValueError, match=r"layer 0 key_states has \|x\| up to 40000, beyond 32752 \(.*NUQ"):
+            layer.update(k, v)
+        assert layer.tokens_seen == 0
+    else:
+        layer.update(k, v)
+        with pytest.raises(ValueError, match=r"key_states reach \|x\| = 4e\+04 .*\|x\| <= 32752, .*NUQ stores the range"):
+            layer.materialize()
+    at_bound = _nuq_layer(False, checks)  # a group spanning exactly 65504 is stored and decodes finite
+    k[..., 0], k[..., 1] = -32752.0, 32752.0
+    at_bound.update(k, v)
+    assert bool(torch.isfinite(at_bound.materialize()[0]).all())
+    sym = _nuq_layer(True, checks)  # symmetric NUQ stores max |x| only: the float16 bound
+    k[..., 0], k[..., 1] = -60000.0, 60000.0
+    sym.update(k, v)
+    assert bool(torch.isfinite(sym.materialize()[0]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pre_rope_keys_bound_leaves_room_for_unrotation(dtype):
+    """Un-rotating a pair mixes its channels: a -60000 pair became ~-84800 before quantization (an inf
+    zero-point, NaN keys; inf already in float16). Pre-RoPE keys accept |x| <= 65504 / sqrt(2)."""
+    from kvbits.quant.rope import RotaryTables
+
+    cfg = build("llama_d64").config
+    rot = RotaryTables.from_config(cfg).tables_for_layer(0)
+    spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", pre_rope=True)
+    sch = KVScheme("pre", key=spec, value=TensorSpec(kind="int", bits=4, fmt=None))
+    k = torch.zeros(1, 2, 4, 64, dtype=dtype)
+    for magnitude, ok in ((60000.0, False), (46000.0, True)):
+        k[..., 0] = k[..., 32] = -magnitude  # both channels of rotation pair 0
+        layer = QuantizedKVLayer(sch, rotary=rot, fused_decode=False, checks="eager")
+        if not ok:
+            with pytest.raises(ValueError, match=r"beyond 46318\.3 \(.*pre-RoPE keys are un-rotated"):
+                layer.update(k, k.clone())
+            continue
+        layer.update(k, k.clone())
+        assert bool(torch.isfinite(layer.materialize()[0]).all())
+
+
+def test_set_static_qparams_checks_values():
+    """Static scales were installed unchecked (the per-step path does not look at them): NaN, inf and
+    negative scales, a zero FP8 scale, non-finite zero-points, and a scale for a spec that ignores it."""
+    static = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True)
+    layer = QuantizedKVLayer(KVScheme("s", key=static, value=TensorSpec(kind="int", bits=4, fmt=None)))
+    ok, zero = torch.full((2, 8), 0.5), torch.full((2, 8), -4.0)
+    for bad in (float("nan"), float("inf"), -1.0, 1e6):
+        with pytest.raises(ValueError, match="layer 0 key static scale must be finite and >= 0"):
+            layer.set_static_qparams("key", torch.full((2, 8), bad), zero)
+    with pytest.raises(ValueError, match="layer 0 key static zero-point must be finite"):
+        layer.set_static_qparams("key", ok, torch.full((2, 8), float("nan")))
+    with pytest.raises(TypeError, match="scale must be a torch.Tensor"):
+        layer.set_static_qparams("key", 0.5, zero)
+    layer.set_static_qparams("key", torch.zeros(2, 8), zero)  # zero scales: accepted (see clipped)
+    fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+    fp8_token = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")
+    layer = QuantizedKVLayer(KVScheme("f", key=fp8, value=fp8_token))
+    with pytest.raises(ValueError, match="layer 0 key static scale must be finite and > 0"):
+        layer.set_static_qparams("key", torch.tensor(0.0))
+    with pytest.raises(ValueError, match="spec is not static"):  # per-token FP8 scales come from the data
+        layer.set_static_qparams("value", torch.tensor(2.0))
+
+
+def test_zero_static_scales_show_as_clipped_in_the_cache():
+    static = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True)
+    layer = QuantizedKVLayer(KVScheme("s", key=static, value=TensorSpec(kind="int", bits=4, fmt=None)))
+    scale, zero = torch.full((2, 64), 2.0), torch.full((2, 64), -16.0)  # [-16, 14]: wide enough for rand_kv
+    scale[1, 5] = zero[1, 5] = 0.0  # head 1, channel 5 was constant (0) during calibration
+    layer.set_static_qparams("key", scale, zero)
+    k, v = rand_kv(1, 2, 10, 64, seed=41)
+    layer.update(k, v)
+    assert layer.clipped() == (10, 0)  # the 10 tokens' values in that channel, nothing else
+    assert not bool(layer.materialize()[0][0, 1, :, 5].any())
+
+
 def test_lazy_check_of_a_layer_on_its_own():
     """A QuantizedKVLayer used without a cache checks itself every check_every updates."""
     layer = QuantizedKVLayer(get_scheme("int8-token"), layer_idx=3, checks="lazy", check_every=4)

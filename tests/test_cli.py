@@ -38,6 +38,29 @@ def test_schemes_json_lists_every_preset(capsys):
     assert kivi["key_summary"] == "int2 asym per-channel g32" and kivi["residual"] == 128
 
 
+def test_schemes_marks_schemes_that_can_not_store_the_head_dim(capsys):
+    """At head dim 80, groups of 32/64 channels do not fit: listed as n/a with the reason, not priced."""
+    rows = run_json(capsys, ["schemes", "--json", "--head-dim", "80"])
+    na = {r["name"]: r["unsupported"] for r in rows if r["average_bits"] is None}
+    assert set(na) == {"int4-g64", "kivi-4", "kivi-2"}
+    assert "per-token groups of 32 channels do not divide head_dim 80" in na["kivi-2"]
+    assert main(["schemes", "--head-dim", "80"]) == 0
+    assert "n/a: int4-g64, kivi-4, kivi-2 can not store head dim 80" in capsys.readouterr().out
+
+
+def test_plan_skips_default_schemes_that_can_not_store_the_head_dim(capsys):
+    argv = ["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "80", "--context", "100"]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [r["scheme"] for r in json.loads(captured.out)] == [
+        s for s in DEFAULT_SCHEMES if s not in ("kivi-4", "kivi-2")
+    ]
+    assert "note: skipping kivi-2: scheme 'kivi-2' can not store head_dim 80" in captured.err
+    assert main([*argv, "--scheme", "kivi-2"]) == 2  # named explicitly: refused with the reason
+    captured = capsys.readouterr()
+    assert captured.out == "" and "kvbits plan: error: scheme 'kivi-2' can not store head_dim 80" in captured.err
+
+
 def test_schemes_table_renders(capsys):
     assert main(["schemes"]) == 0
     out = capsys.readouterr().out

@@ -279,3 +279,30 @@ def test_fake_quantize_passes_codebook():
     x = gaussian(1, 2, 4, 64)
     y = fake_quantize(x, nuq(4), codebook=uniform_codebook(4))
     assert y.dtype == x.dtype and mse(x, y) < 0.02  # step ~ 5/15: uniform error ~ step^2 / 12 = 0.009
+
+
+def test_asymmetric_range_beyond_float16_is_a_clear_error():
+    """The scale of an asymmetric NUQ group is its whole range: [-40000, 40000] overflowed float16 to inf
+    and the row decoded to NaN. The stored format stays float16 (the kernels read it): refused instead."""
+    x = torch.tensor([-40000.0, 0.0, 1.0, 40000.0]).reshape(1, 1, 1, 4)
+    with pytest.raises(ValueError, match="a group spans 80000, beyond float16's 65504"):
+        quantize(x, nuq(4), codebook=uniform_codebook(4))
+    with pytest.raises(ValueError, match="a group spans 80000"):  # also when only sync is allowed
+        quantize(x, nuq(4), codebook=uniform_codebook(4), validate=False)
+    edge = torch.tensor([-32752.0, 0.0, 1.0, 32752.0]).reshape(1, 1, 1, 4)  # spans exactly 65504
+    assert bool(torch.isfinite(quantize(edge, nuq(4), codebook=uniform_codebook(4)).dequantize()).all())
+    sym = quantize(x, nuq(4, symmetric=True), codebook=uniform_codebook(4)).dequantize()
+    assert bool(torch.isfinite(sym).all())
+
+
+def test_zero_static_nuq_scale_counts_what_it_clips():
+    """kvquant-4 keys with calibrated scales of 0 everywhere: every kept value collapses onto the zero-point
+    (4032 of 4096; 64 outliers are stored exactly) and clipped reported 0. Now it reports them."""
+    spec = get_scheme("kvquant-4").key
+    x = torch.randn(1, 2, 16, 128, generator=torch.Generator().manual_seed(3))
+    zeros = torch.zeros(2, 128, dtype=torch.float16)
+    qt = quantize(x, spec, static_scale=zeros, static_zero=zeros, codebook=uniform_codebook(4))
+    n_outliers = qt.outlier_values.numel()
+    assert n_outliers == 2 * 16 * 2
+    assert qt.clipped == x.numel() - n_outliers
+    assert int((qt.dequantize() == 0).sum()) == qt.clipped  # collapsed onto the zero-point

@@ -91,8 +91,12 @@ def test_gpt2_names_and_falcon_multi_query():
     assert (gpt2.n_layers, gpt2.layers[0].kv_heads, gpt2.layers[0].head_dim) == (12, 12, 64)
     falcon = model_shape(AutoConfig.for_model("falcon"))  # multi_query without new_decoder_architecture
     assert falcon.layers[0].kv_heads == 1
-    falcon40 = model_shape(AutoConfig.for_model("falcon", new_decoder_architecture=True, num_kv_heads=8))
-    assert falcon40.layers[0].kv_heads == 8
+    falcon40 = model_shape(  # Falcon-40B: 128 query heads of 64 channels share 8 KV heads
+        AutoConfig.for_model(
+            "falcon", new_decoder_architecture=True, hidden_size=8192, num_attention_heads=128, num_kv_heads=8
+        )
+    )
+    assert (falcon40.layers[0].kv_heads, falcon40.layers[0].head_dim) == (8, 64)
 
 
 def test_explicit_head_dim_wins_over_hidden_over_heads():
@@ -340,6 +344,45 @@ def test_config_without_heads_or_layers_is_a_clear_error():
         plan(42, context=10)
 
 
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"num_key_value_heads": 16}, "num_key_value_heads must divide num_attention_heads"),
+        ({"num_key_value_heads": 3}, r"got num_attention_heads=8, num_key_value_heads=3"),
+        ({"kv_sharing_modes": ["reuse", "none"]}, "kv_sharing_modes has 2 entries for 4 layers"),
+    ],
+)
+def test_inconsistent_config_is_a_clear_error(overrides, match):
+    """More KV heads than query heads, or query heads not a multiple of them, used to plan silently;
+    a kv_sharing_modes list shorter than the layers raised IndexError."""
+    base = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2}
+    with pytest.raises(ValueError, match=match):
+        plan({**base, **overrides}, context=1024, scheme="fp16")
+
+
+def test_default_context_from_a_non_positive_max_position_embeddings():
+    d = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 1, "max_position_embeddings": 0}
+    with pytest.raises(ValueError, match=r"context is required: the config's max_position_embeddings \(0\)"):
+        plan(d, scheme="fp16")
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        ((32, 8.5, 128), {}, TypeError, "kv_heads must be an int, got 8.5"),
+        ((32, 8, 128.0), {}, TypeError, "head_dim must be an int, got 128.0"),
+        ((32.0, 8, 128), {}, TypeError, "layers must be an int"),
+        ((32, True, 128), {}, TypeError, "kv_heads must be an int, got True"),
+        ((32, 8, 128), {"sliding_window": 4096.5}, TypeError, "sliding_window must be an int"),
+        ((32, 8, 128), {"sliding_window": 0}, ValueError, "sliding_window must be a positive int or None"),
+    ],
+)
+def test_from_dims_checks_types(args, kwargs, error, match):
+    """8.5 KV heads used to plan fractional bytes; sliding_window=0 meant "no window" silently."""
+    with pytest.raises(error, match=match):
+        ModelShape.from_dims(*args, **kwargs)
+
+
 def test_unknown_scheme_lists_presets():
     with pytest.raises(ValueError, match=r"unknown scheme 'int5'.*fp16.*kivi-2"):
         plan(ModelShape.from_dims(1, 1, 64), context=10, scheme=["fp16", "int5"])
@@ -358,6 +401,21 @@ def test_unknown_scheme_lists_presets():
 def test_bad_numbers(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan(ModelShape.from_dims(1, 1, 64), **kwargs)
+
+
+@pytest.mark.parametrize("scheme,head_dim", [("kivi-2", 80), ("int4-g64", 80), ("int4-g64", 96)])
+def test_scheme_the_cache_can_not_store_is_refused(scheme, head_dim):
+    """Per-token groups that do not divide head_dim: the quantizer refuses the block, so the planner
+    must not price it (it used to round the group count up and report plausible bytes)."""
+    shape = ModelShape.from_dims(4, 8, head_dim)
+    with pytest.raises(ValueError, match=rf"scheme '{scheme}' can not store head_dim {head_dim}: (keys|values)"):
+        plan(shape, context=4096, scheme=scheme)
+    with pytest.raises(ValueError, match="do not divide"):
+        average_bits(get_scheme(scheme), head_dim=head_dim)
+    # a sliding layer that falls back to full precision (kivi's 128-token residual > W) never quantizes
+    window = ModelShape.from_dims(4, 8, head_dim, sliding_window=16)
+    assert plan(window, context=100, scheme="kivi-2")["avg_bits"] == 16
+    assert plan(shape, context=4096, scheme="int4-token")["avg_bits"] > 4  # whole rows: any head_dim
 
 
 def test_context_defaults_to_the_model_max():
@@ -454,8 +512,9 @@ def test_weights_from_config_estimate():
         ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 2}, 0.0),
         ("qwen2", {"num_key_value_heads": 2}, 0.0),
         ("gemma3_text", {"head_dim": 48}, 0.0),
-        ("qwen3", {"head_dim": 48, "tie_word_embeddings": True}, 0.0),
-        ("mixtral", {"num_local_experts": 4}, 0.0),
+        # KV heads set: the families' defaults (8) exceed the 4 query heads, which the planner refuses
+        ("qwen3", {"head_dim": 48, "tie_word_embeddings": True, "num_key_value_heads": 2}, 0.0),
+        ("mixtral", {"num_local_experts": 4, "num_key_value_heads": 4}, 0.0),
         ("gpt2", {}, 0.01),  # MLP and LayerNorm biases are not counted
     ],
 )

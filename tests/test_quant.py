@@ -169,6 +169,31 @@ def test_pack_rejects_bad_input():
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 4)
 
 
+@pytest.mark.parametrize(
+    "bits,codes",
+    [(2, [5, 0, 0, 0]), (4, [3, 17, 0, 0]), (3, [-1, 0, 0, 0, 0, 0, 0, 0]), (8, [300, 0]), (8, [-2, 0])],
+)
+def test_pack_rejects_codes_out_of_range(bits, codes):
+    """An out-of-range code used to spill into its neighbours' bits (2-bit [5, 0] unpacked as [1, 1])."""
+    with pytest.raises(ValueError, match=rf"{bits}-bit codes must be in \[0, {2**bits - 1}\]"):
+        pack_bits(torch.tensor([codes]), bits)
+    # the opt-out (quantize's hot path, whose codes are clamped) packs without reading the values
+    assert pack_bits(torch.tensor([codes]), bits, check_range=False).dtype == torch.uint8
+
+
+@pytest.mark.parametrize("bits", [0, 1, 5, 9, 16, 2.0, True])
+def test_affine_primitives_reject_unsupported_bits(bits):
+    """1-bit symmetric codes have no level (scale inf, NaN out); 9+ bits overflow the uint8 codes."""
+    x = torch.linspace(-1, 1, 16).reshape(1, 16)
+    scale, zero = torch.ones(1, 1, dtype=torch.float16), torch.full((1, 1), -1.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 8\)"):
+        choose_qparams(x, bits, (-1,))
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize_affine(x, scale, zero, bits)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        dequantize_affine(torch.zeros(1, 16, dtype=torch.uint8), scale, zero, bits, torch.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Layer 1: round-trip error bound for every granularity
 # --------------------------------------------------------------------------------------------------
@@ -330,7 +355,7 @@ ALL_INT_SPECS = [
     "spec",
     ALL_INT_SPECS
     + [
-        TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g)
+        TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g, static=g == "tensor")
         for f in ("e4m3", "e5m2")
         for g in ("token", "tensor")
     ],
@@ -347,6 +372,67 @@ def test_constant_and_zero_inputs(spec, value):
     else:  # symmetric int: within scale/2; fp8: round-to-nearest with 3 (e4m3) or 2 (e5m2) mantissa bits
         rtol = {"int": 1e-3, "fp8": 2.0 ** -(4 if spec.fmt == "e4m3" else 3)}[spec.kind]
         assert torch.allclose(deq, x, rtol=rtol, atol=0), (deq.flatten()[0], value)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [int_spec(4), TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"), TensorSpec()],
+    ids=str,
+)
+def test_no_channels_is_a_clear_error(spec):
+    """D = 0 used to die in a modulo by zero (int) or an empty amax (fp8)."""
+    with pytest.raises(ValueError, match=r"head_dim D >= 1, got shape \(1, 2, 4, 0\)"):
+        quantize(torch.zeros(1, 2, 4, 0), spec)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 0, 64), (1, 0, 4, 64), (0, 2, 4, 64)], ids=str)
+@pytest.mark.parametrize("gran", ["head", "tensor", "token"])
+@pytest.mark.parametrize("kind,symmetric", [("int", False), ("int", True), ("nuq", False), ("nuq", True)])
+def test_empty_blocks_quantize_at_every_granularity(shape, gran, kind, symmetric):
+    """No tokens (or heads, or sequences): head / tensor scales reduce over an empty dim, where torch's
+    min / max raise; the group gets the range [0, 0], as a fully masked group does."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    spec = TensorSpec(kind=kind, bits=4, fmt=None, granularity=gran, symmetric=symmetric)
+    x = torch.zeros(shape)
+    qt = quantize(x, spec, **({"codebook": uniform_codebook(4)} if kind == "nuq" else {}))
+    assert qt.dequantize().shape == shape and qt.clipped == 0
+    assert not bool(qt.scale.any()) and (qt.zero is None) == symmetric
+    B, H, n, D = shape
+    assert qt.nbytes == B * (quantized_bytes(spec, n, H, D) + per_block_meta_bytes(spec, H))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.4, float("inf"), 1e6])  # 1e6: inf in float16
+def test_static_scales_must_be_finite_and_non_negative(bad):
+    """NaN / inf scales decoded to NaN and negative ones mirrored the grid, with clipped == 0."""
+    spec = int_spec(4, "channel", None, static=True)
+    x, zero = gaussian(1, 2, 16, 8), torch.full((2, 8), -3.0).half()
+    with pytest.raises(ValueError, match="static_scale must be finite and >= 0"):
+        quantize(x, spec, static_scale=torch.full((2, 8), bad), static_zero=zero)
+    if not math.isfinite(bad) or bad > 65504:  # zero-points may be negative, not non-finite
+        with pytest.raises(ValueError, match="static_zero must be finite"):
+            quantize(x, spec, static_scale=torch.full((2, 8), 0.5), static_zero=torch.full((2, 8), bad))
+    fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+    for s in (bad, 0.0):  # an FP8 scale divides: 0 is refused too
+        if math.isfinite(s) and s > 0:
+            continue
+        with pytest.raises(ValueError, match="static FP8 scale must be finite and > 0"):
+            quantize(x, fp8, static_scale=torch.tensor(s))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_zero_static_scale_counts_what_it_clips(symmetric):
+    """A static scale of 0 (a channel constant during calibration) collapses the channel onto its
+    zero-point: accepted, and every value it changes is counted as clipped (it used to count 0)."""
+    spec = int_spec(4, "channel", None, static=True, symmetric=symmetric)
+    x = gaussian(1, 2, 16, 8).clamp(-2, 2)
+    x[0, 0, :, 0] = 0.0  # this channel really is constant: kept exactly, not clipped
+    scale, zero = torch.full((2, 8), 0.5).half(), torch.full((2, 8), -4.0).half()
+    scale[0, :4] = 0.0
+    zero[0, :4] = 0.0
+    qt = quantize(x, spec, static_scale=scale, static_zero=None if symmetric else zero)
+    assert qt.clipped == 3 * 16  # channels 1..3 of head 0; the others fit their ranges
+    assert not bool(qt.dequantize()[0, 0, :, :4].any())
 
 
 def test_per_channel_group_of_one_rejected():
@@ -419,6 +505,16 @@ def test_nbytes_matches_accounting_extra_specs(spec: TensorSpec):
 # --------------------------------------------------------------------------------------------------
 
 
+def test_accounting_refuses_token_groups_that_do_not_divide_head_dim():
+    """quantize refuses such a block; the byte formula used to round the group count up instead."""
+    spec = int_spec(4, "token", 32)
+    with pytest.raises(ValueError, match="token group size 32 must divide head_dim 80"):
+        quantize(gaussian(1, 1, 2, 80), spec)
+    with pytest.raises(ValueError, match="per-token groups of 32 channels do not divide head_dim 80"):
+        quantized_bytes(spec, 4, 2, 80)
+    assert quantized_bytes(spec, 4, 2, 96) == 4 * 2 * (48 + 3 * 4)  # codes + 3 groups of scale and zero
+
+
 @pytest.mark.parametrize("scheme", list_schemes(), ids=lambda s: s.name)
 def test_scheme_json_round_trip(scheme: KVScheme, tmp_path):
     text = scheme.to_json()
@@ -445,3 +541,68 @@ def test_scheme_json_rejects_unknown_fields_and_versions():
         KVScheme.from_dict({**d, "bogus": 1})
     with pytest.raises(ValueError, match="version"):
         KVScheme.from_dict({**d, "version": 99})
+
+
+@pytest.mark.parametrize(
+    "side,field,value,match",
+    [
+        ("key", "bits", 2.0, "bits must be an int"),
+        ("key", "bits", True, "bits must be an int"),
+        ("key", "group_size", 32.0, "group_size must be an int or None"),
+        ("key", "symmetric", "false", "symmetric must be a bool"),
+        ("value", "static", 0, "static must be a bool"),
+        ("value", "outlier_frac", "0.01", "outlier_frac must be a number"),
+        ("value", "granularity", None, "granularity must be a str"),
+        (None, "residual", 127.5, "residual must be an int"),
+        (None, "sinks", "1", "sinks must be an int"),
+        (None, "block", 32.0, "block must be an int"),
+    ],
+)
+def test_scheme_json_rejects_wrong_types(side, field, value, match):
+    """A JSON scheme with ``2.0`` bits or ``"false"`` flags used to load and then plan fractional bytes
+    or quantize with the string's truthiness; the type is checked at load now."""
+    d = json.loads(get_scheme("kivi-2").to_json())
+    (d if side is None else d[side])[field] = value
+    with pytest.raises(TypeError, match=match):
+        KVScheme.from_dict(d)
+
+
+def test_scheme_json_file_with_wrong_types_is_a_value_error(tmp_path):
+    d = json.loads(get_scheme("kivi-2").to_json())
+    d["key"]["bits"] = 2.0
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="not a valid kvbits scheme JSON.*bits must be an int"):
+        get_scheme(str(path))
+
+
+def test_fp8_tensor_granularity_needs_static():
+    """FP8 has no dynamic per-tensor scale: static=False used to quantize with a silent scale of 1.0."""
+    with pytest.raises(ValueError, match="needs static=True"):
+        TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor")
+    assert TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True).static
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kind": "fp8", "bits": 8, "fmt": "e4m3", "granularity": "token", "group_size": 32},
+        {"kind": "fp8", "bits": 8, "fmt": "e5m2", "granularity": "tensor", "static": True, "group_size": 16},
+        {"kind": "int", "bits": 4, "fmt": None, "granularity": "head", "group_size": 16},
+        {"kind": "int", "bits": 4, "fmt": None, "granularity": "tensor", "group_size": 16},
+        {"kind": "nuq", "bits": 4, "fmt": None, "granularity": "head", "group_size": 16},
+        {"kind": "float", "bits": 16, "fmt": "fp16", "group_size": 32},
+    ],
+    ids=str,
+)
+def test_group_size_rejected_where_it_would_be_ignored(kw):
+    """group_size was accepted and ignored (same scales, same bytes) for these specs."""
+    with pytest.raises(ValueError, match="group_size applies to int/nuq specs"):
+        TensorSpec(**kw)
+
+
+def test_per_token_group_of_one_channel_rejected():
+    """The mirror of the per-channel rule: a per-token group of one channel stores every value exactly."""
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        int_spec(2, "token", 1)
+    assert int_spec(2, "token", 2).group_size == 2

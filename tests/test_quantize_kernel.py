@@ -313,3 +313,28 @@ def test_nuq_codes_at_exact_midpoints_go_to_the_lower_entry():
     assert_same_quantized(got, want)
     codes = want.dequantize().float()[0, 0, 0, 2 : 2 + 15]
     assert torch.equal(codes, c[:15].to(DEVICE) + 1)  # each midpoint decoded to its lower entry
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "s", [spec(4, "channel", None, static=True), nuq(4, "channel", None, static=True, outlier_frac=0.02)], ids=str
+)
+def test_kernel_path_counts_what_zero_static_scales_clip(monkeypatch, s: TensorSpec):
+    """The Triton kernel counts values beyond a range; values a zero static scale collapses onto its
+    zero-point are counted beside it (outliers left out), so both paths report the same ``clipped``."""
+    from kvbits.kernels import quantize as qmod
+
+    x = hard_block(torch.Generator().manual_seed(55)).to(DEVICE)
+    kw = _static_kw(x, s)
+    kw["static_scale"][1, 3:7] = 0.0
+    kw["static_zero"][1, 3:7] = 0.0
+    if s.kind == "nuq":
+        kw["codebook"] = warped_codebook(s.bits).to(DEVICE)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    assert qmod.resolve_quantize_kernel(x, s) == "triton"
+    want = quantize(x, s, **kw)
+    got = qmod.quantize_pack(x, s, **kw)
+    assert got.clipped == want.clipped
+    kernel_only = qmod.quantize_pack(x, s, zero_scales=False, **kw).clipped  # the caller's promise
+    assert 0 < kernel_only < want.clipped
+    assert int(qmod.quantize_pack(x, s, sync=False, **kw).clipped) == want.clipped

@@ -245,3 +245,12 @@ def test_errors():
         RotaryTables.from_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
     with pytest.raises(NotImplementedError, match="rotate-half"):
         RotaryTables.from_config(_config("CohereConfig"))  # interleaved pairs
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen"])
+def test_interleaved_sinusoid_families_are_refused(model_type):
+    """GPT-J / CodeGen rotary modules have no rope_type and return (sin, cos) for interleaved pairs:
+    they raised AttributeError from deep inside; the documented NotImplementedError now."""
+    cfg = transformers.AutoConfig.for_model(model_type, n_layer=2, n_embd=256, n_head=4, rotary_dim=32)
+    with pytest.raises(NotImplementedError, match=rf"model_type '{model_type}'.*rotate-half convention only"):
+        RotaryTables.from_config(cfg)

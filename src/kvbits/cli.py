@@ -151,14 +151,25 @@ def _schemes_run(args: argparse.Namespace) -> int:
         d = s.to_dict()
         d["key_summary"] = _spec_str(s.key)
         d["value_summary"] = _spec_str(s.value)
-        d["average_bits"] = average_bits(s, head_dim=args.head_dim, n_heads=args.kv_heads)
+        try:
+            d["average_bits"] = average_bits(s, head_dim=args.head_dim, n_heads=args.kv_heads)
+        except ValueError as exc:  # e.g. groups of 32 channels at head dim 80: listed, not counted
+            d["average_bits"], d["unsupported"] = None, str(exc)
         rows.append(d)
     if args.json:
         _print_json(rows)
         return EXIT_OK
     from rich.table import Table
 
-    table = Table(title=f"kvbits schemes (average bits at head dim {args.head_dim}, metadata included)")
+    unsupported = [r["name"] for r in rows if r["average_bits"] is None]
+    caption = (
+        f"n/a: {', '.join(unsupported)} can not store head dim {args.head_dim} (per-token groups must divide it)"
+        if unsupported
+        else None
+    )
+    table = Table(
+        title=f"kvbits schemes (average bits at head dim {args.head_dim}, metadata included)", caption=caption
+    )
     for col, kw in (
         ("scheme", {"style": "bold", "no_wrap": True}),
         ("key", {}),
@@ -179,7 +190,7 @@ def _schemes_run(args: argparse.Namespace) -> int:
             str(r["sinks"]),
             str(r["residual"]),
             str(r["block"]),
-            f"{r['average_bits']:.2f}",
+            "n/a" if r["average_bits"] is None else f"{r['average_bits']:.2f}",
             r["description"],
             _paper_label(r["reference"]),
         )
@@ -284,15 +295,35 @@ def _plan_shape(args: argparse.Namespace) -> Any:
     )
 
 
+def _default_schemes(shape: Any) -> list[str]:
+    """``DEFAULT_SCHEMES`` less those that can not store the model's head dims, each skipped with a note
+    on stderr (a scheme named with ``--scheme`` is planned or refused with the reason instead)."""
+    from kvbits.plan import DEFAULT_SCHEMES
+    from kvbits.schemes import get_scheme
+    from kvbits.schemes.accounting import check_scheme_head_dim
+
+    dims = sorted({layer.head_dim for layer in shape.layers if layer.attention != "none"})
+    keep = []
+    for name in DEFAULT_SCHEMES:
+        try:
+            for d in dims:
+                check_scheme_head_dim(get_scheme(name), d)
+        except ValueError as exc:
+            print(f"kvbits plan: note: skipping {name}: {exc}", file=sys.stderr)
+            continue
+        keep.append(name)
+    return keep
+
+
 def _plan_run(args: argparse.Namespace) -> int:
-    from kvbits.plan import DEFAULT_SCHEMES, plan
+    from kvbits.plan import plan
 
     shape = _plan_shape(args)
     results = plan(
         shape,
         context=list(args.context) if args.context else None,
         batch=args.batch,
-        scheme=list(args.scheme or DEFAULT_SCHEMES),
+        scheme=list(args.scheme or _default_schemes(shape)),
         gpu_mem_gib=args.gpu_mem,
         weights_gib=args.weights_gib,
         reserve_gib=args.reserve_gib,

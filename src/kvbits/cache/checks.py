@@ -19,6 +19,11 @@ and zero-points) get a clear ``ValueError`` naming the layer, never silent corru
   K/V arriving after the last check of a generation are only covered by the next read or
   ``check_inputs()``: call one after generating (reports do).
 
+Some specs store more than ``|x|`` in float16, so their bound is lower (``input_bound``): asymmetric NUQ
+stores the group range ``max - min`` (``|x| <= 65504 / 2``), and pre-RoPE keys are un-rotated before
+quantization, which mixes the two channels of a rotation pair (``|x| <= 65504 / sqrt(2)``, both at once
+for KVQuant's NUQ keys). Beyond them a scale or zero-point would be inf and the stored rows decode to NaN.
+
 Structural checks (types, ``(B, H_kv, T, D)`` shapes, dtype/device changes, calibration) never need the
 device and stay eager in both modes (``validate``).
 """
@@ -36,6 +41,7 @@ from kvbits.quant.checks import FP16_MAX, check_kv
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
+    from kvbits.schemes.spec import TensorSpec
 
 __all__ = [
     "CHECK_MODES",
@@ -43,6 +49,7 @@ __all__ = [
     "InputChecks",
     "check_every_arg",
     "check_mode",
+    "input_bound",
     "run_checks",
     "validate",
 ]
@@ -66,6 +73,21 @@ def check_every_arg(n: object) -> int:
     return n
 
 
+def input_bound(spec: TensorSpec | None) -> tuple[float, str]:
+    """``(bound, why)``: the largest ``|x|`` whose quantization parameters under ``spec`` fit float16
+    (``None``: nothing is quantized, the plain float16 bound), and the reason in words."""
+    bound, why = FP16_MAX, ["the float16 range of scales"]
+    if spec is None or not spec.is_quantized:
+        return bound, why[0]
+    if spec.kind == "nuq" and not spec.symmetric:
+        bound /= 2  # the stored scale is the whole range max - min, up to 2 max |x|
+        why.append("asymmetric NUQ stores the range max - min, so half of it")
+    if spec.pre_rope:
+        bound /= math.sqrt(2)  # un-rotating a pair (a, b) gives up to |(a, b)| = sqrt(2) max(|a|, |b|)
+        why.append("pre-RoPE keys are un-rotated first, which mixes channel pairs (1/sqrt(2) of it)")
+    return bound, "; ".join(why)
+
+
 @dataclass
 class InputChecks:
     """Per-layer check state.
@@ -80,6 +102,8 @@ class InputChecks:
         amax: lazy: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked steps, on the device.
         pending: lazy: K/V arrived since the last check (``amax`` holds something to read).
         error: the message of a failed lazy check (sticky until ``reset``).
+        bounds: largest ``|K|`` and ``|V|`` accepted, with the reasons (``input_bound`` of the layer's
+            specs; float16's 65504 unless a spec stores more than ``|x|``).
     """
 
     mode: str = "auto"
@@ -91,6 +115,7 @@ class InputChecks:
     amax: torch.Tensor | None = None
     pending: bool = False
     error: str | None = None
+    bounds: tuple[tuple[float, str], tuple[float, str]] = (input_bound(None), input_bound(None))
 
     def resolve(self, device: torch.device) -> None:
         """Pick eager or lazy for K/V on ``device`` (``"auto"``: eager on CPU only)."""
@@ -129,24 +154,36 @@ class InputChecks:
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Eager: one device sync for both sides; NaN propagates through maximum, inf exceeds the bound."""
+        (kb, _), (vb, _) = self.bounds
         k = key_states.detach().abs().amax().float()
         v = value_states.detach().abs().amax().float()
-        if not float(torch.maximum(k, v)) <= FP16_MAX:  # scales and zero-points are float16
-            for x, side in zip((key_states, value_states), SIDES):
-                check_kv(x, f"{name} {side}")  # the precise error
+        if not float(torch.maximum(k / kb, v / vb)) <= 1.0:  # scales and zero-points are float16
+            for x, side, (bound, why) in zip((key_states, value_states), SIDES, self.bounds):
+                check_kv(x, f"{name} {side}")  # the precise error for NaN, inf, beyond float16
+                amax = float(x.detach().abs().max())
+                if amax > bound:
+                    raise ValueError(
+                        f"{name} {side} has |x| up to {amax:.6g}, beyond {bound:.6g} ({why}); refusing to store it"
+                    )
 
     def verdict(self, amax: list[float], name: str, tokens_seen: int) -> str | None:
         """Close the pending window with its host maxima ``[max |K|, max |V|]``: ``None``, or the error
         (kept in ``error``)."""
-        bad = [(side, a) for side, a in zip(SIDES, amax) if not a <= FP16_MAX]
+        bad = [(side, a, b) for side, a, b in zip(SIDES, amax, self.bounds) if not a <= b[0]]
         first, last, p0 = self.checked_steps, self.steps - 1, self.checked_tokens
         self.checked_steps, self.checked_tokens, self.pending = self.steps, tokens_seen, False
         self.amax.zero_()
         if not bad:
             return None
-        what = " and ".join(f"{side} {_what(a)}" for side, a in bad)
+        what = " and ".join(f"{side} {_what(a)}" for side, a, _ in bad)
+        limits = {b for _, _, b in bad}
+        if len(limits) == 1:
+            ((bound, why),) = limits
+            rule = f"|x| <= {bound:.6g}, {why}"
+        else:
+            rule = "; ".join(f"{side} |x| <= {bound:.6g}, {why}" for side, _, (bound, why) in bad)
         self.error = (
-            f"{name} {what} (K/V must be finite with |x| <= {FP16_MAX:g}, the float16 range of scales): they "
+            f"{name} {what} (K/V must be finite with {rule}): they "
             f"arrived in update steps {first}..{last} (token positions {p0}..{tokens_seen - 1}), found by the "
             f"lazy check (checks='lazy', check_every={self.every}), and were stored and attended over, so outputs "
             f"since step {first} are invalid; reset() the cache (checks='eager' refuses such K/V before storing them)"

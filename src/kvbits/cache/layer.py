@@ -30,7 +30,7 @@ from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
 from kvbits.cache.store import SideStore
 from kvbits.quant.nuq import check_codebook
-from kvbits.quant.tensor import FLOAT_DTYPES
+from kvbits.quant.tensor import FLOAT_DTYPES, check_static_scale
 from kvbits.schemes.accounting import sliding_falls_back, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -154,6 +154,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
+        if quantized:  # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less
+            self.checks.bounds = (kv_checks.input_bound(scheme.key), kv_checks.input_bound(scheme.value))
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.dtype: torch.dtype | None = None
@@ -178,23 +180,42 @@ class QuantizedKVLayer(CacheLayerMixin):
         ``quantize`` uses (static per-channel: ``(H_kv, D)``); ``codebook``: NUQ specs, float16
         ``(2**bits,)``. They are owned by the layer and reported as ``fixed`` bytes. A no-op for layers
         that quantize nothing (identity schemes, sliding fallback).
+
+        Scales must be finite and ``>= 0`` (FP8: ``> 0``), zero-points finite, in the dtype they are
+        stored in (float16; FP8 scales float32): checked here, once (one host sync), since the per-step
+        path does not re-check them. A zero int/NUQ scale (a channel constant during calibration) is
+        accepted; the values it collapses onto the zero-point are counted in ``clipped()``.
         """
         store = {"key": self._k, "value": self._v}.get(side)
         if store is None:
             raise ValueError(f"side must be 'key' or 'value', got {side!r}")
         spec = store.spec
-        if scale is not None and not (spec.static or spec.kind == "fp8"):
+        if scale is not None and not spec.static:  # FP8 per-tensor specs are static (TensorSpec)
             raise ValueError(f"layer {self.layer_idx} {side}: spec is not static; static scales would be ignored")
         if codebook is not None and spec.kind != "nuq":
             raise ValueError(f"layer {self.layer_idx} {side}: a codebook needs kind='nuq', got {spec.kind!r}")
+        what = f"layer {self.layer_idx} {side}"
+        for name, t in (("scale", scale), ("zero", zero), ("codebook", codebook)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+        given = [t for t in (scale, zero, codebook) if t is not None]
+        device = self.device or (given[0].device if given else torch.device("cpu"))
+        # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact;
+        # checked in the stored dtype (a huge float32 scale is inf in float16)
+        if scale is not None:
+            scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16).clone()
+            check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
+        if zero is not None:
+            zero = zero.detach().to(device, torch.float16).clone()
+            n_bad = int((~torch.isfinite(zero)).sum())
+            if n_bad:
+                raise ValueError(f"{what} static zero-point must be finite, got {n_bad} non-finite entries")
         if self.mode != "quantized":
             return
-        device = self.device or (scale if scale is not None else codebook).device
-        # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact
         if scale is not None:
-            dt = torch.float32 if spec.kind == "fp8" else torch.float16
-            store.static_scale = scale.detach().to(device, dt).clone()
-            store.static_zero = None if zero is None else zero.detach().to(device, torch.float16).clone()
+            store.static_scale, store.static_zero = scale, zero
+            # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
+            store.zero_scales = bool((scale == 0).any())
         if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
             store.codebook = check_codebook(codebook.detach().to(device).clone(), spec.bits)
 

@@ -160,6 +160,9 @@ class SideStore:
         self.use_workspace = workspace
         self.static_scale = static_scale
         self.static_zero = static_zero
+        # False once the static scale is known to have no zero entry (QuantizedKVLayer.set_static_qparams):
+        # the kernel path then skips counting what zero scales clip (quantize_pack's zero_scales)
+        self.zero_scales = True
         self.sinks: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
         self.chunks: list[QuantizedTensor] = []
@@ -257,6 +260,8 @@ class SideStore:
         if self.spec.pre_rope:
             x = rope_at(self.rotary, x, p0, inverse=True, offset=self.pos_offset)
         kw = {"static_scale": self.static_scale, "static_zero": self.static_zero, "sync": self.sync}
+        if self.static_scale is not None:
+            kw["zero_scales"] = self.zero_scales
         if self.codebook is not None:
             kw["codebook"] = self.codebook
         # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).

@@ -270,7 +270,12 @@ class CalibrationArtifact:
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"calibration{where}: {name}: {exc}") from None
             elif name.endswith("_scale") and bool((t < 0).any()):
-                raise ValueError(f"calibration{where}: {name} has negative scales")
+                raise ValueError(
+                    f"calibration{where}: {name} has {int((t < 0).sum())} negative scales; scales must be >= 0"
+                )
+            # A scale of 0 stays valid: a channel constant over the calibration samples has range 0 (its
+            # zero-point holds the constant). Serving counts every other value such a channel receives as
+            # clipped (QuantizedTensor.clipped), so the mismatch shows in the calibration report.
 
     # ------------------------------------------------------------------------------- writing
     def save(self, out_dir: str | os.PathLike[str]) -> Path:

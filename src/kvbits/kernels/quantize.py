@@ -13,7 +13,7 @@ import torch
 
 from kvbits.kernels import dispatch
 from kvbits.kernels.dispatch import INSTALL_HINT, KERNEL_ENV, kernel_mode
-from kvbits.quant.tensor import QuantizedTensor, quantize
+from kvbits.quant.tensor import QuantizedTensor, _count, quantize, zero_scale_clipped
 from kvbits.schemes import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -49,23 +49,47 @@ def quantize_pack(
     codebook: torch.Tensor | None = None,
     validate: bool = True,
     sync: bool = True,
+    zero_scales: bool = True,
 ) -> QuantizedTensor:
     """``kvbits.quant.quantize`` with the same arguments, through the Triton kernel where it applies.
 
-    ``validate`` is the reference's input check (finite values, float16 range); the kernel path runs the
-    same check when asked (the cache checks K/V itself, eagerly or lazily, and passes ``False``).
+    ``validate`` is the reference's input check (finite values, float16 range, static scale values); the
+    kernel path runs the same check when asked (the cache checks K/V itself, eagerly or lazily, and its
+    static scales once when installed, and passes ``False``).
+
+    ``zero_scales``: static int/NUQ specs only: ``False`` promises the static scale has no zero entry (the
+    cache knows from installing it), which spares the kernel path counting the values such a scale clips
+    (``zero_scale_clipped``, a few kernels per flush: the Triton kernel counts only values beyond a
+    range). The reference path counts them anyway.
     """
     if resolve_quantize_kernel(x, spec) == "triton":
         if validate:
             from kvbits.quant.checks import check_kv
+            from kvbits.quant.tensor import _static_qparams, check_static_scale
 
             check_kv(x, "K/V block")
+            if spec.kind == "fp8" and static_scale is not None:
+                check_static_scale(static_scale, "static FP8 scale", positive=True)
+            elif spec.kind != "fp8":
+                _static_qparams(x, spec, static_scale, static_zero, check=True)
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 
-        return quantize_pack_triton(
+        qt = quantize_pack_triton(
             x, spec, static_scale=static_scale, static_zero=static_zero, codebook=codebook, sync=sync
         )
+        if zero_scales and spec.static and spec.kind in ("int", "nuq"):
+            qt.clipped = qt.clipped + _count(_zero_scale_clips(x, qt), sync)
+        return qt
     kw = {"codebook": codebook} if codebook is not None else {}
     return quantize(
         x, spec, static_scale=static_scale, static_zero=static_zero, validate=validate, sync=sync, **kw
     )
+
+
+def _zero_scale_clips(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """``zero_scale_clipped`` of ``x`` ``(B, H_kv, n, D)`` under the static per-channel ``qt.scale`` /
+    ``qt.zero`` (``(1, H_kv, 1, D)``, the only static layout the kernel takes), outliers left out."""
+    clipped = zero_scale_clipped(x, qt.scale, qt.zero)
+    if qt.outlier_index is not None:  # stored exactly: never clipped
+        clipped = clipped.scatter(-1, qt.outlier_index.long(), False)
+    return clipped

@@ -137,6 +137,12 @@ def _heads(cfg: Any) -> tuple[int, int, int]:
         raise ValueError(
             f"attention head counts must be >= 1, got num_attention_heads={q}, num_key_value_heads={kv}"
         )
+    if kv > q or q % kv:
+        # grouped-query attention shares each KV head among G = H_q / H_kv query heads
+        raise ValueError(
+            f"num_key_value_heads must divide num_attention_heads (G = H_q / H_kv query heads per KV head), "
+            f"got num_attention_heads={q}, num_key_value_heads={kv}"
+        )
     head_dim = _int(_get(cfg, "head_dim"), "head_dim")
     if head_dim is None:
         hidden = _int(_get(cfg, "hidden_size", "n_embd", "d_model"), "hidden_size")
@@ -240,6 +246,10 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         if len(layer_types) < n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
     sharing = _get(text, "kv_sharing_modes")
+    if sharing is not None:
+        sharing = list(sharing)
+        if len(sharing) < n_layers:
+            raise ValueError(f"kv_sharing_modes has {len(sharing)} entries for {n_layers} layers")
     layers = []
     for i, lc in enumerate(layer_cfgs[:n_layers]):
         kind, window = _attention(text, lc, i, layer_types)

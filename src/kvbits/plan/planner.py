@@ -123,7 +123,8 @@ def plan(
 
     Raises:
         ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
-            heads or layers, or ``gpu_mem_gib`` without any way to know the weights.
+            heads or layers, a scheme the cache can not store at the model's head dim (per-token groups
+            that do not divide it), or ``gpu_mem_gib`` without any way to know the weights.
 
     Example:
         >>> from kvbits.plan import ModelShape, plan
@@ -138,6 +139,11 @@ def plan(
     if context is None:
         if shape.max_context is None:
             raise ValueError("context is required: the config has no max_position_embeddings to default to")
+        if shape.max_context < 1:
+            raise ValueError(
+                f"context is required: the config's max_position_embeddings ({shape.max_context}) is not a "
+                "context length to default to"
+            )
         context = shape.max_context
     contexts, many_contexts = _as_list(context)
     contexts = [_positive_int(c, "context") for c in contexts]

@@ -43,6 +43,10 @@ class LayerShape:
     window: int | None = None
 
     def __post_init__(self) -> None:
+        _check_int(self.kv_heads, "kv_heads")
+        _check_int(self.head_dim, "head_dim")
+        if self.window is not None:
+            _check_int(self.window, "window")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"LayerShape.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         if self.attention != "none" and (self.kv_heads < 1 or self.head_dim < 1):
@@ -82,6 +86,8 @@ class ModelShape:
         if not any(layer.attention != "none" for layer in self.layers):
             raise ValueError(f"none of the {len(self.layers)} layers stores a KV cache; nothing to plan")
         _check_dtype_bytes(self.dtype_bytes)
+        if self.max_context is not None:
+            _check_int(self.max_context, "max_context")
 
     @classmethod
     def from_dims(
@@ -108,8 +114,13 @@ class ModelShape:
             name: for tables.
             n_params: parameter count, if known (enables weights memory without ``weights_gib``).
         """
+        _check_int(layers, "layers")
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
+        if sliding_window is not None:
+            _check_int(sliding_window, "sliding_window")
+            if sliding_window < 1:  # 0 used to mean "no window" silently; None says that
+                raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         if layer_types is None:
             layer_types = ["sliding" if sliding_window else "full"] * layers
         if len(layer_types) != layers:
@@ -194,6 +205,12 @@ class ModelShape:
 
 ConfigLike = Union[ModelShape, Mapping[str, Any], str, os.PathLike, Any]  # noqa: UP007
 """Anything :func:`load_shape` accepts: a ModelShape, a dict, a path, a name, a transformers config."""
+
+
+def _check_int(value: Any, what: str) -> None:
+    """``TypeError`` unless ``value`` is an int (not a bool, not a float such as 8.5 KV heads)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r}")
 
 
 def _check_dtype_bytes(value: Any) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbits.quant.pack import check_bits
+
 META_DTYPE = torch.float16
 
 
@@ -46,6 +48,10 @@ def choose_qparams(
     Returns:
         ``(scale, zero)``, both keepdim over ``dims``; ``zero`` is ``None`` when symmetric.
     """
+    check_bits(bits)  # 1-bit symmetric has no level (scale inf), > 8 bits overflow uint8
+    empty = empty_groups(x, dims, symmetric)
+    if empty is not None:
+        return empty
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
@@ -56,6 +62,23 @@ def choose_qparams(
     zero = _round_down_fp16(lo)
     scale = _round_up_fp16((hi - zero.float()).clamp_min(0.0) / (2**bits - 1))
     return scale, zero
+
+
+def empty_groups(
+    x: torch.Tensor, dims: tuple[int, ...], symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(scale, zero)`` of zeros (keepdim over ``dims``, float16) when a reduced dim of ``x`` is empty,
+    else ``None``.
+
+    A block of 0 tokens (or 0 heads) at head / tensor granularity reduces over nothing, where torch's
+    min / max raise; it gets the range ``[0, 0]``, as ``masked_range`` gives a group whose elements are
+    all masked.
+    """
+    if all(x.shape[d] for d in dims):
+        return None
+    shape = [1 if i in {d % x.dim() for d in dims} else n for i, n in enumerate(x.shape)]
+    scale = torch.zeros(shape, dtype=META_DTYPE, device=x.device)
+    return scale, None if symmetric else scale.clone()
 
 
 def masked_range(
@@ -80,6 +103,7 @@ def quantize_affine(
 
     ``scale``/``zero`` broadcast against ``x`` (from ``choose_qparams`` or a calibration artifact).
     """
+    check_bits(bits)
     s = scale.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
     if zero is None:
@@ -98,6 +122,7 @@ def dequantize_affine(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of ``quantize_affine`` (computed in float32, returned in ``dtype``)."""
+    check_bits(bits)
     q = codes.float()
     if zero is None:
         out = (q - (2 ** (bits - 1) - 1)) * scale.float()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbits.quant.affine import _round_down_fp16, _round_up_fp16, masked_range
+from kvbits.quant.affine import _round_down_fp16, _round_up_fp16, empty_groups, masked_range
 
 CODEBOOK_DTYPE = torch.float16
 
@@ -66,20 +66,38 @@ def choose_nuq_params(
     *,
     symmetric: bool = False,
     mask: torch.Tensor | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Range ``scale`` (and minimum ``zero``) over ``dims`` of ``x``, keepdim, float16.
 
     Asymmetric: ``zero`` = group minimum rounded down, ``scale`` = ``max - zero`` rounded up, so every
     element maps into ``[-1, 1]``. Symmetric: ``scale`` = largest magnitude rounded up, no zero.
     ``mask`` (bool like ``x``) marks elements excluded from the range (dense-and-sparse outliers).
+
+    Raises:
+        ValueError: (``check``, one host sync) an asymmetric group spans more than float16's 65504, so
+            its scale would be inf and the group would decode to NaN (the stored format is float16: the
+            kernels read it). ``check=False`` leaves that to the caller (``kvbits.cache`` bounds its
+            inputs by ``|x| <= 65504 / 2`` instead, without a sync per step).
     """
+    empty = empty_groups(x, dims, symmetric)
+    if empty is not None:
+        return empty
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
         return _round_up_fp16(a.amax(dim=dims, keepdim=True)), None
     lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo)
-    return _round_up_fp16((hi - zero.float()).clamp_min(0.0)), zero
+    scale = _round_up_fp16((hi - zero.float()).clamp_min(0.0))
+    if check and scale.numel() and bool(torch.isinf(scale).any()):
+        span = float((hi - zero.float()).max())
+        raise ValueError(
+            f"asymmetric NUQ stores each group's range max - min as a float16 scale; a group spans {span:.6g}, "
+            f"beyond float16's {torch.finfo(torch.float16).max:g} (it would decode to NaN): keep |x| within "
+            "half of that, or use symmetric NUQ"
+        )
+    return scale, zero
 
 
 def nuq_normalize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:

@@ -19,16 +19,27 @@ def packed_size(n: int, bits: int) -> int:
     return math.ceil(n * bits / 8)
 
 
-def _check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+def check_bits(bits: int) -> None:
+    """``ValueError`` unless ``bits`` is a code width kvbits stores (``SUPPORTED_BITS``)."""
+    # bool and float are refused by type: 2.0 == 2 would pass the membership test
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack codes ``(..., n)`` (integer dtype, values in ``[0, 2**bits)``) into ``(..., ceil(n*bits/8))`` uint8."""
-    _check_bits(bits)
+def pack_bits(codes: torch.Tensor, bits: int, *, check_range: bool = True) -> torch.Tensor:
+    """Pack codes ``(..., n)`` (integer dtype, values in ``[0, 2**bits)``) into ``(..., ceil(n*bits/8))`` uint8.
+
+    ``check_range``: ``ValueError`` for codes outside ``[0, 2**bits)``, which would otherwise spill into
+    their neighbours' bits (one host sync to read the extremes). ``quantize`` passes ``False``: its codes
+    are clamped to the range already.
+    """
+    check_bits(bits)
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    if check_range and codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= 1 << bits:
+            raise ValueError(f"{bits}-bit codes must be in [0, {(1 << bits) - 1}], got values in [{lo}, {hi}]")
     n = codes.shape[-1]
     if bits == 8:
         return codes.to(torch.uint8)
@@ -48,7 +59,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: ``(..., ceil(n*bits/8))`` uint8 → codes ``(..., n)`` uint8."""
-    _check_bits(bits)
+    check_bits(bits)
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
     if packed.shape[-1] != packed_size(n, bits):

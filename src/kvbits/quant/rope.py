@@ -250,6 +250,14 @@ class RotaryTables:
 
     @classmethod
     def _build(cls, text: Any, rotary: torch.nn.Module, module: Any) -> RotaryTables:
+        if not hasattr(rotary, "rope_type"):
+            # GPT-J / CodeGen: a fixed sinusoid table returned as (sin, cos) for interleaved pairs
+            # (rotate_every_two), not transformers' rope-type module; probing it would read sin as cos
+            raise NotImplementedError(
+                f"model_type {text.model_type!r}: {type(rotary).__name__} is not a transformers rope_type "
+                "module (its family rotates interleaved pairs); kvbits.quant.rope supports the rotate-half "
+                "convention only"
+            )
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         per_type = isinstance(getattr(rotary, "rope_type", None), dict)
         layer_type = None

@@ -49,8 +49,9 @@ class QuantizedTensor:
         scale, zero: float16 metadata, keepdim shapes of the granularity (``zero`` only asymmetric).
         outlier_values, outlier_index: sparse exact values ``(B, H_kv, n, k)`` float16 and their
             channel indices (uint8 / int16), or ``None``.
-        clipped: how many elements saturated against static scales (calibration mismatch signal); a
-            0-dim int64 tensor on the block's device when quantized with ``sync=False``.
+        clipped: how many elements saturated against static scales (calibration mismatch signal),
+            including those a static scale of 0 collapses onto its zero-point (``zero_scale_clipped``);
+            a 0-dim int64 tensor on the block's device when quantized with ``sync=False``.
         codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
             layer, like static scales, not by the block).
     """
@@ -170,25 +171,32 @@ def quantize(
             ``(H_kv, D)`` and do not depend on ``n``; outliers are then the entries farthest from their
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
-        validate: check finiteness and range (``ValueError`` on NaN/inf).
+        validate: check finiteness and range (``ValueError`` on NaN/inf), and that static scales are
+            finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points (``check_static_scale``).
         sync: ``False``: never wait for the device (``kvbits.cache`` per-step path): ``clipped`` stays a
-            0-dim int64 tensor on ``x``'s device and the codebook's values are not re-checked (its dtype
-            and shape are); pair with ``validate=False``.
+            0-dim int64 tensor on ``x``'s device, the codebook's values are not re-checked (its dtype
+            and shape are) and neither are asymmetric NUQ ranges (``choose_nuq_params``: a ``ValueError``
+            otherwise when a group spans more than float16 holds); pair with ``validate=False``.
     """
     if validate:
         check_kv(x, "K/V block")
+    _check_head_dim(x)
     B, H, n, D = x.shape
     shape = (B, H, n, D)
     if spec.kind == "float":
         return QuantizedTensor(spec, shape, x.to(FLOAT_DTYPES[spec.fmt]).contiguous())
     if spec.kind == "nuq":
         _codebook(codebook, spec.bits, sync)
-    static_qp = _static_qparams(x, spec, static_scale, static_zero) if spec.kind in ("int", "nuq") else None
+    static_qp = (
+        _static_qparams(x, spec, static_scale, static_zero, check=validate) if spec.kind in ("int", "nuq") else None
+    )
     o_vals, o_idx, mask = select_outliers(x, spec, static_qp)
     if spec.kind == "fp8":
         if spec.static or spec.granularity == "tensor":
             scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
             scale = scale.to(x.device, torch.float32)
+            if validate and static_scale is not None:
+                check_static_scale(scale, "static FP8 scale", positive=True)
         else:
             amax = x.float().abs().amax(dim=-1, keepdim=True)
             if mask is not None:
@@ -214,19 +222,30 @@ def quantize(
         scale, zero = static_qp
     elif spec.kind == "int":
         scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
-    else:
-        scale, zero = choose_nuq_params(xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
+    else:  # the range check reads the device: not with sync=False (the cache bounds |x| instead)
+        scale, zero = choose_nuq_params(
+            xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg, check=validate or sync
+        )
     if spec.kind == "int":
         codes, clipped = quantize_affine(xg, scale, zero, spec.bits)
     else:
         codes, clipped = quantize_nuq(xg, scale, zero, codebook)
+    if static_qp is not None:  # dynamic scales are 0 only for a group equal to its zero-point
+        clipped = clipped | zero_scale_clipped(xg, scale, zero)
     if mg is not None:
         clipped = clipped & ~mg
-    packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits)
+    packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits, check_range=False)  # clamped: no sync
     return QuantizedTensor(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
         clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
     )
+
+
+def _check_head_dim(x: torch.Tensor) -> None:
+    """``ValueError`` for a block with no channels (``D = 0``): nothing to scale, no row to pack. Empty
+    batches, heads or token counts are fine (``check_kv`` lets them through too)."""
+    if x.dim() != 4 or x.shape[3] < 1:
+        raise ValueError(f"K/V block must be (B, H_kv, T, D) with head_dim D >= 1, got shape {tuple(x.shape)}")
 
 
 def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:
@@ -235,10 +254,42 @@ def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:
     return int(n) if sync else n
 
 
+def check_static_scale(scale: torch.Tensor, what: str, *, positive: bool = False) -> None:
+    """``ValueError`` unless every entry of ``scale`` is finite and ``>= 0`` (``positive``: ``> 0``).
+
+    One host sync. A NaN or inf scale decodes to NaN, a negative one mirrors the grid; integer / NUQ
+    scales may be 0 (a channel constant during calibration: its values decode to the zero-point, and
+    values elsewhere count as clipped), an FP8 scale may not (it divides).
+    """
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(scale).__name__}")
+    s = scale.detach().float()
+    bad = ~torch.isfinite(s) | ((s <= 0) if positive else (s < 0))
+    if bool(bad.any()):
+        allowed = "finite and > 0" if positive else "finite and >= 0"
+        first = float(s.flatten()[bad.flatten()][0])
+        raise ValueError(f"{what} must be {allowed}; {int(bad.sum())} of {s.numel()} entries are not (e.g. {first})")
+
+
+def zero_scale_clipped(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """Bool like ``x``: elements of groups with scale 0 that differ from the one value such a group decodes
+    to (its zero-point; 0 when symmetric). A static scale of 0 collapses the whole calibrated channel onto
+    that value, so every other value is clipped, and counted like values beyond a nonzero range."""
+    target = zero.float() if zero is not None else torch.zeros((), device=x.device)
+    return (scale == 0) & (x.float() != target)
+
+
 def _static_qparams(
-    x: torch.Tensor, spec: TensorSpec, static_scale: torch.Tensor | None, static_zero: torch.Tensor | None
+    x: torch.Tensor,
+    spec: TensorSpec,
+    static_scale: torch.Tensor | None,
+    static_zero: torch.Tensor | None,
+    *,
+    check: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Calibrated ``(scale, zero)`` for an int/NUQ static spec, float16, shaped for ``_group(x)``."""
+    """Calibrated ``(scale, zero)`` for an int/NUQ static spec, float16, shaped for ``_group(x)``.
+
+    ``check``: also the values (``check_static_scale``; finite zero-points), one host sync."""
     if not spec.static:
         return None
     if static_scale is None:
@@ -261,7 +312,12 @@ def _static_qparams(
         if not ok:
             raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
                              f"groups {tuple(grouped)} of a block {tuple(x.shape)}")
-        out.append(t.to(x.device, META_DTYPE))
+        t = t.to(x.device, META_DTYPE)
+        if check and name == "static_scale":
+            check_static_scale(t, name)
+        elif check and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} must be finite, got {int((~torch.isfinite(t)).sum())} non-finite entries")
+        out.append(t)
     return out[0], out[1]
 
 
@@ -305,8 +361,9 @@ def codebook_inputs(
     """
     if spec.kind != "nuq":
         raise ValueError(f"codebook_inputs needs a nuq spec, got kind={spec.kind!r}")
+    _check_head_dim(x)
     n, D = x.shape[2], x.shape[3]
-    static_qp = _static_qparams(x, spec, static_scale, static_zero)
+    static_qp = _static_qparams(x, spec, static_scale, static_zero, check=True)
     xg = _group(x, spec)
     mask = select_outliers(x, spec, static_qp)[2]
     mg = _group(mask, spec) if mask is not None else None

@@ -106,6 +106,24 @@ def float_bytes(fmt_or_bits: str | int) -> int:
     return {"fp16": 2, "bf16": 2, "fp32": 4}[fmt_or_bits]
 
 
+def check_head_dim(spec: TensorSpec, head_dim: int) -> None:
+    """``ValueError`` when ``spec`` can not store rows of ``head_dim`` channels: per-token groups must
+    divide ``D`` (the quantizer refuses a partial group, so counting one would plan a cache that can not
+    exist)."""
+    g = spec.group_size
+    if spec.is_quantized and spec.granularity == "token" and g is not None and head_dim % g:
+        raise ValueError(f"per-token groups of {g} channels do not divide head_dim {head_dim}")
+
+
+def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
+    """``check_head_dim`` for both sides of ``scheme``; the ``ValueError`` names the scheme and the side."""
+    for side, spec in (("key", scheme.key), ("value", scheme.value)):
+        try:
+            check_head_dim(spec, head_dim)
+        except ValueError as exc:
+            raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
+
+
 def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int) -> int:
     """Bytes for ``n_tokens`` quantized tokens of one sequence (codes + per-block metadata + outliers).
 
@@ -114,6 +132,7 @@ def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int
     """
     if spec.kind == "float":
         return n_tokens * n_heads * head_dim * float_bytes(spec.fmt)
+    check_head_dim(spec, head_dim)
     rows = n_tokens * n_heads
     if spec.kind == "fp8":
         codes = rows * head_dim
@@ -124,7 +143,7 @@ def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int
         if spec.static:
             meta = 0
         elif spec.granularity == "token":
-            groups = math.ceil(head_dim / (spec.group_size or head_dim))
+            groups = head_dim // (spec.group_size or head_dim)
             meta = rows * groups * per_scale
         elif spec.granularity == "channel":
             if n_tokens % spec.group_size:
@@ -186,6 +205,8 @@ def layer_bytes(
     """
     split = token_split(scheme, n_tokens, sliding_window)
     fallback = sliding_window is not None and sliding_falls_back(scheme, sliding_window)
+    if not (scheme.is_identity or fallback):  # this layer will quantize (once enough tokens arrive)
+        check_scheme_head_dim(scheme, head_dim)
     out = {"key": 0, "value": 0, "full": 0, "quantized": 0, "fixed": 0}
     n_blocks = split.quantized // scheme.block if split.quantized else 0
     for side, spec in (("key", scheme.key), ("value", scheme.value)):
@@ -232,7 +253,11 @@ def average_bits(scheme: KVScheme, head_dim: int = 128, n_heads: int = 8) -> flo
     Counts codes, scales, zero-points and outliers of the quantized store, as the context grows
     without bound (sinks, the residual window and per-layer constants vanish in the limit). The
     planner reports the exact figure at a given context instead.
+
+    Raises:
+        ValueError: the scheme can not store rows of ``head_dim`` channels (``check_scheme_head_dim``).
     """
+    check_scheme_head_dim(scheme, head_dim)
     bits = 0.0
     for spec in (scheme.key, scheme.value):
         if not spec.is_quantized:

@@ -15,6 +15,10 @@ Granularities are named by what one scale covers, for K/V shaped ``(B, H_kv, T, 
 - ``head``:    one scale per head over every token and channel of a flushed block.
 - ``tensor``:  one scale per sequence over the flushed block (all heads); with ``static=True`` a
                fixed scale from calibration (FP8 with scale 1.0 is vLLM's uncalibrated default).
+               FP8 has no dynamic per-tensor scale: ``kind="fp8"`` with ``tensor`` needs ``static=True``.
+
+``group_size`` applies to integer / NUQ specs at ``token`` granularity (channels per scale, at least 2)
+and dynamic ``channel`` granularity (tokens per scale, at least 2); every other spec takes ``None``.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class TensorSpec:
     pre_rope: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.kind not in KINDS:
             raise ValueError(f"TensorSpec.kind must be one of {KINDS}, got {self.kind!r}")
         allowed = {"float": FLOAT_BITS, "int": INT_BITS, "fp8": (8,), "nuq": NUQ_BITS}[self.kind]
@@ -77,6 +82,21 @@ class TensorSpec:
             raise ValueError(f"fp8 TensorSpec needs fmt in {FP8_FORMATS}, got {self.fmt!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.group_size is not None and (
+            self.kind not in ("int", "nuq") or self.granularity in ("head", "tensor")
+        ):
+            # group_size would be accepted and then ignored: fp8 scales are per (token, head) row or
+            # per tensor, head/tensor scales cover the whole block, float specs have no scales
+            raise ValueError(
+                "group_size applies to int/nuq specs with granularity 'token' or 'channel'; a "
+                f"kind={self.kind!r} granularity={self.granularity!r} spec needs group_size=None, "
+                f"got {self.group_size}"
+            )
+        if self.granularity == "token" and self.group_size is not None and self.group_size < 2:
+            raise ValueError(
+                "per-token groups reduce over channels; group_size must be >= 2 or None (all of D): a "
+                f"group of one channel is lossless and quantizes nothing, got {self.group_size}"
+            )
         if self.granularity == "channel" and self.kind != "float":
             if self.static and self.group_size is not None:
                 raise ValueError(
@@ -94,6 +114,27 @@ class TensorSpec:
             raise ValueError(f"outlier_frac must be in [0, 0.5), got {self.outlier_frac}")
         if self.kind == "fp8" and self.granularity not in ("token", "tensor"):
             raise ValueError(f"fp8 supports granularity 'token' or 'tensor', got {self.granularity!r}")
+        if self.kind == "fp8" and self.granularity == "tensor" and not self.static:
+            # there is no dynamic per-tensor FP8 path: the scale would silently be the fixed 1.0
+            raise ValueError(
+                "fp8 granularity 'tensor' uses one fixed scale (1.0 until calibrated, as vLLM's "
+                "kv_cache_dtype=fp8): it needs static=True; for scales computed from the data use "
+                "granularity='token' (one dynamic scale per token and head)"
+            )
+
+    def _check_types(self) -> None:
+        """``TypeError`` for fields of the wrong type (a scheme JSON may carry ``2.0`` or ``"false"``)."""
+        for name in ("kind", "granularity"):
+            _require(self, name, str, "a str")
+        if self.fmt is not None:
+            _require(self, "fmt", str, "a str or None")
+        _require_int(self, "bits")
+        if self.group_size is not None:
+            _require_int(self, "group_size", "an int or None")
+        for name in ("symmetric", "static", "pre_rope"):
+            _require(self, name, bool, "a bool (true / false)")
+        if isinstance(self.outlier_frac, bool) or not isinstance(self.outlier_frac, (int, float)):
+            raise TypeError(f"TensorSpec.outlier_frac must be a number, got {self.outlier_frac!r}")
 
     @property
     def is_quantized(self) -> bool:
@@ -120,6 +161,19 @@ class TensorSpec:
         if unknown:
             raise ValueError(f"unknown TensorSpec fields {sorted(unknown)}; expected a subset of {sorted(known)}")
         return cls(**d)
+
+
+def _require(obj: object, name: str, typ: type, what: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, typ):
+        raise TypeError(f"{type(obj).__name__}.{name} must be {what}, got {value!r}")
+
+
+def _require_int(obj: object, name: str, what: str = "an int") -> None:
+    # bool is an int subclass: True would count as 1 bit / 1 token
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(obj).__name__}.{name} must be {what}, got {value!r}")
 
 
 FP16 = TensorSpec()
@@ -152,6 +206,12 @@ class KVScheme:
     version: int = field(default=SCHEME_FORMAT_VERSION)
 
     def __post_init__(self) -> None:
+        for name in ("name", "description", "reference"):
+            _require(self, name, str, "a str")
+        for name in ("sinks", "residual", "block", "version"):
+            _require_int(self, name)
+        for name in ("key", "value"):
+            _require(self, name, TensorSpec, "a TensorSpec")
         if self.sinks < 0 or self.residual < 0 or self.block < 1:
             raise ValueError(
                 f"need sinks >= 0, residual >= 0, block >= 1; got sinks={self.sinks}, "
