@@ -579,6 +579,39 @@ def test_reset():
     assert all(torch.equal(a, b) for a, b in zip(cache.materialize(1), before))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8-token", "test-prerope"])
+def test_deepcopy_continues_like_the_original_and_apart_from_it(scheme):
+    """transformers' prompt reuse: prefill once, ``copy.deepcopy`` the cache per continuation. Each copy
+    continues exactly like a cache that prefilled the prompt itself (blocks flushed after the copy too)
+    and leaves the original untouched; pre-RoPE copies share the read-only RoPE tables."""
+    model = build("llama")
+    sch = PRE_ROPE if scheme == "test-prerope" else get_scheme(scheme)
+    prompt = tokens(1, 40)
+    base = QuantizedKVCache(config=model.config, scheme=sch)
+    model(prompt, **{CACHE_KW: base})
+    before = [base.materialize(i) for i in range(2)]
+
+    def continue_with(cache, more: torch.Tensor) -> torch.Tensor:
+        steps = [model(more[:, i : i + 1], **{CACHE_KW: cache}).logits[:, -1] for i in range(more.shape[1])]
+        return torch.stack(steps)
+
+    for seed in (2, 3):
+        more = tokens(1, 30, seed)
+        copied = copy.deepcopy(base)
+        fresh = QuantizedKVCache(config=model.config, scheme=sch)
+        model(prompt, **{CACHE_KW: fresh})
+        assert torch.equal(continue_with(copied, more), continue_with(fresh, more))
+        assert copied.memory_report() == fresh.memory_report()
+        assert base.get_seq_length() == 40 and copied.get_seq_length() == 70
+        for i in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(base.materialize(i), before[i]))
+        if sch.key.pre_rope:
+            assert copied.layers[0]._k.rotary is base.layers[0]._k.rotary
+            quantized = [c.memory_report()["layers"][0]["quantized_tokens"] for c in (base, copied)]
+            assert quantized[0] < quantized[1]  # the copy flushed a block after the copy
+
+
 @pytest.mark.parametrize("scheme", ["test-mixed", "test-tensor", "fp8-e4m3"])
 def test_reorder_and_batch_ops(scheme):
     sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)

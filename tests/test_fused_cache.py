@@ -11,6 +11,7 @@ same bytes. Unsupported schemes, sliding layers and padded batches fall back, lo
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from unittest import mock
@@ -357,6 +358,35 @@ def test_claimed_decode_steps_return_placeholders():
     torch.testing.assert_close(dispatch.decode_attention(q, store), want, atol=1e-5, rtol=1e-5)
     cache.reset()
     assert not layer.fused.claimed  # the next prefill claims again
+
+
+@torch.no_grad()
+def test_deepcopy_of_a_claimed_cache_decodes_fused():
+    """Prompt reuse (prefill once, ``copy.deepcopy`` per continuation) with pre-RoPE keys: each copy stays
+    claimed, decodes through the kernel exactly like a cache that prefilled the prompt itself, holds the same
+    bytes and RoPE tables, and leaves the original as it was."""
+    model = build("llama")
+    ids = prompt(batch=1)
+    with attention(model, True):
+        base = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+        model(ids, past_key_values=base)
+        for seed in (2, 3):
+            x = torch.cat([ids, prompt(batch=1, seed=seed)[:, :4]], 1)
+            copied = copy.deepcopy(base)
+            fresh = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+            model(ids, past_key_values=fresh)
+            outs = [
+                model.generate(x, past_key_values=c, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                               output_logits=True, return_dict_in_generate=True)
+                for c in (copied, fresh)
+            ]  # fmt: skip
+            assert torch.equal(outs[0].sequences, outs[1].sequences)
+            assert torch.equal(torch.stack(outs[0].logits), torch.stack(outs[1].logits))
+            rep, want = copied.fused_report(), fresh.fused_report()
+            assert rep == want and rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0
+            assert_same_bytes(fresh, copied)
+            assert base.get_seq_length() == PROMPT and all(layer.fused.claimed for layer in base.layers)
+        assert base.fused_report()["fused_steps"] == 0
 
 
 def test_modes_and_device_policy(monkeypatch):
