@@ -681,6 +681,35 @@ def test_head_dim_and_kv_heads_from_config():
     assert cache.materialize(0)[0].shape == (1, 1, 10, 32)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("layout", "cached_heads", "expected"),
+    [
+        ({"multi_query": True, "new_decoder_architecture": False}, 1, 1),  # Falcon-7B: one shared KV head
+        ({"multi_query": False, "new_decoder_architecture": False}, 4, 4),  # plain MHA
+        # Falcon-40B: 2 KV heads in the config, broadcast to the 4 query heads before the cache: taken
+        # from the first update
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4, None),
+    ],
+)
+def test_falcon_kv_head_layouts(layout, cached_heads, expected):
+    """Falcon states its KV heads with ``multi_query`` / ``new_decoder_architecture`` / ``num_kv_heads``
+    (no ``num_key_value_heads``): the cache expects what transformers' Falcon attention caches."""
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    **layout)  # fmt: skip
+    model = transformers.FalconForCausalLM(cfg).eval()
+    ids = tokens(1, 20)
+    want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = QuantizedKVCache(config=cfg, scheme="fp16")
+    assert cache.num_key_value_heads == expected
+    got = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)  # float32 model, fp16 K/V: same greedy tokens on this tiny model
+    assert cache.materialize(0)[0].shape == (1, cached_heads, 23, 16)
+    if expected is None:  # what the first update brought is then enforced like the config's count
+        with pytest.raises(ValueError, match="does not match"):
+            cache.update(*rand_kv(1, 2, 1, 16, seed=1), 0)
+
+
 def test_calibration_report_counts_clipping():
     """FP8 E4M3 with the uncalibrated scale 1.0 saturates beyond 448: counted per layer."""
     cache = QuantizedKVCache(scheme="fp8-e4m3", num_layers=2)
