@@ -164,6 +164,11 @@ PRE_ROPE = KVScheme(
     value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
     sinks=1, residual=8, block=32,
 )
+# KIVI-2 with values in groups of 16 channels: the tiny models' head_dim is 16, which kivi-2's groups of 32
+# cannot divide (refused when the cache is built)
+KIVI2_D16 = dataclasses.replace(
+    get_scheme("kivi-2"), name="kivi-2-d16", value=dataclasses.replace(get_scheme("kivi-2").value, group_size=16)
+)
 CUSTOM_TENSOR = KVScheme(
     "test-tensor",
     key=TensorSpec(kind="int", bits=2, fmt=None, granularity="tensor", symmetric=True),
@@ -197,7 +202,7 @@ def test_residual_window_is_exact(arch):
     model = build(arch)
     ids = tokens(2, 48)
     ref = run(model, DynamicCache(config=model.config), ids, 40)
-    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    cache = QuantizedKVCache(config=model.config, scheme=KIVI2_D16)
     assert torch.equal(run(model, cache, ids, 40), ref)
     assert all(layer["quantized_tokens"] == 0 for layer in cache.memory_report()["layers"])
 
@@ -229,7 +234,7 @@ def test_generate(arch, mode):
     if mode in ("beams", "padded_batch"):
         # KIVI-2 with < 128 tokens is exact: the same tokens as DynamicCache
         ref = model.generate(ids, attention_mask=mask, **{CACHE_KW: DynamicCache(config=model.config)}, **kw)
-        got = model.generate(ids, attention_mask=mask, **{CACHE_KW: QuantizedKVCache(config=model.config, scheme="kivi-2")}, **kw)
+        got = model.generate(ids, attention_mask=mask, **{CACHE_KW: QuantizedKVCache(config=model.config, scheme=KIVI2_D16)}, **kw)
         assert torch.equal(got, ref)
 
 
@@ -335,7 +340,7 @@ def test_no_state_left_on_model():
     before_cfg = model.config.to_dict()
     before_attn = model.config._attn_implementation
     before_params = {k: v.clone() for k, v in model.state_dict().items()}
-    cache = QuantizedKVCache(config=model.config, scheme="kivi-2", workspace=True)
+    cache = QuantizedKVCache(config=model.config, scheme=KIVI2_D16, workspace=True)
     run(model, cache, tokens(1, 30), 20)
     model.generate(tokens(1, 5), **{CACHE_KW: QuantizedKVCache(config=model.config)}, max_new_tokens=3, pad_token_id=0)
     assert model.config.to_dict() == before_cfg and model.config._attn_implementation == before_attn
@@ -667,6 +672,28 @@ def test_validation_errors():
         QuantizedKVCache(scheme=PRE_ROPE, num_layers=1)
     with pytest.raises(ValueError, match="RoPE"):
         QuantizedKVCache(config=build("gpt2").config, scheme=PRE_ROPE)
+
+
+def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
+    """kivi-2 quantizes values in groups of 32 channels: with head_dim 16 that fails at construction when
+    the config gives D, else at the first update of the layer, before it stores anything (never at the first
+    flush, mid-generation, with some layers updated and others not)."""
+    cfg = build("llama").config  # head_dim 16
+    with pytest.raises(ValueError, match=r"layer 0: scheme 'kivi-2'.*values.*must be one of \[1, 2, 4, 8, 16\].*got 32"):
+        QuantizedKVCache(config=cfg, scheme="kivi-2")
+    QuantizedKVCache(config=cfg, scheme="fp16")  # stores no groups
+    QuantizedKVCache(config=cfg, scheme=KIVI2_D16)
+    cache = QuantizedKVCache(num_layers=2, scheme="kivi-2")  # no config: D comes with the K/V
+    k, v = rand_kv(1, 2, 40, 16, seed=2)
+    with pytest.raises(ValueError, match="layer 0: scheme 'kivi-2'.*head_dim 16"):
+        cache.update(k, v, 0)
+    layer = cache.layers[0]
+    assert not layer.is_initialized and layer.tokens_seen == 0 and layer.checks.steps == 0
+    with pytest.raises(ValueError, match="head_dim 16"):
+        layer.lazy_initialization(k, v)  # transformers' early_initialization calls it directly
+    k, v = rand_kv(1, 2, 200, 64, seed=2)  # the right head size afterwards: a flush, and no leftovers
+    cache.update(k, v, 0)
+    assert cache.get_seq_length() == 200 and cache.memory_report()["layers"][0]["quantized_tokens"] == 64
 
 
 def test_head_dim_and_kv_heads_from_config():

@@ -217,7 +217,7 @@ class QuantizedKVCache(Cache):
             )
         layer = QuantizedKVLayer(
             self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
-            num_key_value_heads=self.num_key_value_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
             checks=self.checks_mode, check_every=self.check_every,

@@ -36,11 +36,13 @@ from kvbits.quant.checks import FP16_MAX, check_kv
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
+    from kvbits.schemes.spec import KVScheme
 
 __all__ = [
     "CHECK_MODES",
     "DEFAULT_CHECK_EVERY",
     "InputChecks",
+    "check_channel_groups",
     "check_every_arg",
     "check_mode",
     "run_checks",
@@ -196,9 +198,27 @@ def run_checks(layers: Iterable[QuantizedKVLayer]) -> None:
         raise ValueError(failed[0].checks.error + (f" [also failed: layers {more}]" if more else ""))
 
 
+def check_channel_groups(scheme: KVScheme, key_dim: int, value_dim: int, where: str) -> None:
+    """``ValueError`` unless every per-token channel group of ``scheme`` divides its side's head dim ``D``.
+
+    Checked before anything is stored (at construction when the config gives ``D``, else at the first
+    update): otherwise the first flush, possibly mid-generation, is where ``quantize`` finds out.
+    """
+    for side, spec, D in (("keys", scheme.key, key_dim), ("values", scheme.value, value_dim)):
+        g = spec.group_size
+        if spec.kind in ("int", "nuq") and spec.granularity == "token" and g is not None and D % g:
+            allowed = [d for d in range(1, D + 1) if D % d == 0]
+            raise ValueError(
+                f"{where}: scheme {scheme.name!r} quantizes {side} per token in groups of group_size channels, "
+                f"which must divide head_dim {D}: group_size must be one of {allowed} (or None: all {D} "
+                f"channels), got {g}"
+            )
+
+
 def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Host-only checks of ``update``'s K/V ``(B, H_kv, q, D)`` against ``layer`` (no device sync):
-    types, shapes, agreement with the cached ``(B, H_kv, *, D)``, dtype/device, calibration."""
+    types, shapes, channel groups dividing ``D`` (first update), agreement with the cached
+    ``(B, H_kv, *, D)``, dtype/device, calibration."""
     names = (f"layer {layer.layer_idx} key_states", f"layer {layer.layer_idx} value_states")
     for x, what in zip((key_states, value_states), names):
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
@@ -219,6 +239,8 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
             f"layer {layer.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
             f"(B, H_kv, T, D)) but the config has num_key_value_heads={layer.num_key_value_heads}"
         )
+    if not layer.is_initialized and layer.mode == "quantized":  # before the first update stores anything
+        check_channel_groups(layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}")
     if layer.is_initialized:
         for what, x, store in (
             ("key_states", key_states, layer._k),

@@ -88,6 +88,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         workspace: keep the dequantized history too (faster decode; reported apart, never in
             ``total_bytes``); results are identical either way.
         num_key_value_heads: expected ``H_kv`` of the incoming K/V (from the model config), or ``None``.
+        head_dim: ``D`` from the model config, to check the scheme's channel groups against it now
+            (``None``: checked against the K/V of the first update).
         rotary: this layer's RoPE tables (``RotaryTables.tables_for_layer``), needed by ``pre_rope`` keys.
         fused_decode: ``True`` / ``"auto"`` (CUDA with Triton) / ``False``: whether decode steps may skip
             dequantization for the ``kvbits_fused`` attention function (``kvbits.cache.fused``).
@@ -117,6 +119,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         sliding_window: int | None = None,
         workspace: bool = False,
         num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
         rotary: RotaryTables | None = None,
         fused_decode: bool | str = "auto",
         rope_tables: fused.RopeTableCache | None = None,
@@ -139,6 +142,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             self.mode = "quantized"
         quantized = self.mode == "quantized"
+        if quantized and head_dim is not None:
+            kv_checks.check_channel_groups(scheme, head_dim, head_dim, f"layer {layer_idx}")
         if quantized and scheme.key.pre_rope and rotary is None:
             raise ValueError(
                 f"layer {layer_idx}: scheme {scheme.name!r} quantizes keys before RoPE and needs the model's RoPE "
@@ -219,6 +224,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         return missing
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.mode == "quantized":
+            kv_checks.check_channel_groups(
+                self.scheme, key_states.shape[-1], value_states.shape[-1], f"layer {self.layer_idx}"
+            )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.checks.resolve(self.device)
         k_store, v_store = key_states.dtype, value_states.dtype
