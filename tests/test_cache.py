@@ -568,6 +568,27 @@ def test_crop():
         sliding.crop(-1)
 
 
+def test_refused_crop_changes_no_layer():
+    """A crop one layer cannot do (here the sliding layer 1 already dropped the tokens a shorter sequence
+    needs) raises before any layer is cropped: the layers still agree on the length and hold the same K/V."""
+    cfg = gemma_cfg(16)
+    cfg.layer_types = ["full_attention", "sliding_attention"]
+    sch = KVScheme("t-kivi4", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=16),
+                   value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16),
+                   residual=8, block=16)  # fmt: skip
+    cache = QuantizedKVCache(config=cfg, scheme=sch)
+    k, v = rand_kv(1, 2, 40, 64, seed=12)
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    before = [cache.materialize(i) for i in (0, 1)]
+    assert cache.layers[0].tokens_to_crop(-3) == 3  # layer 0 alone could
+    with pytest.raises(ValueError, match="layer 1: cannot crop 3 tokens from a sliding-window layer"):
+        cache.crop(-3)
+    assert [cache.get_seq_length(i) for i in (0, 1)] == [40, 40]
+    for i in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(cache.materialize(i), before[i]))
+
+
 def test_reset():
     sch = get_scheme("fp8-e4m3")
     k, v = rand_kv(1, 2, 50, 64, seed=14)

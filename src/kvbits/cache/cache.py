@@ -311,6 +311,15 @@ class QuantizedKVCache(Cache):
         self.position_ids_hint = None
         super().reset()
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end of every layer (``QuantizedKVLayer.crop``: negative = that many tokens,
+        positive = keep that absolute length). All or nothing: every layer is checked before any is cropped,
+        so a ``ValueError`` (tokens already quantized, or dropped by a sliding window) leaves the layers
+        agreeing on the sequence length."""
+        for layer in self._quantized_layers():
+            layer.tokens_to_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
+
     def set_static_qparams(
         self,
         layer_idx: int,

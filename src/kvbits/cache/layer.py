@@ -328,17 +328,27 @@ class QuantizedKVLayer(CacheLayerMixin):
 
         Only tokens still in full precision can be removed (the buffer, or the sinks when nothing was
         quantized yet): quantized blocks are never dequantized and re-split. Anything else raises
-        ``ValueError``.
+        ``ValueError``, and the layer is left as it was.
         """
+        r = self.tokens_to_crop(tokens_to_remove)
+        if r == 0:
+            return
+        self._k.crop_tail(r)
+        self._v.crop_tail(r)
+        self.tokens_seen -= r
+
+    def tokens_to_crop(self, tokens_to_remove: int) -> int:
+        """How many tokens ``crop(tokens_to_remove)`` removes (0: none); ``ValueError`` when it cannot. Changes
+        nothing (``QuantizedKVCache.crop`` asks every layer before cropping any)."""
         n = self.tokens_seen
         if tokens_to_remove > 0:
             if tokens_to_remove >= n:
-                return
+                return 0
             r = n - tokens_to_remove
         else:
             r = -tokens_to_remove
         if r == 0 or not self.is_initialized:
-            return
+            return 0
         removable = self._k.n_buffer + (self._k.n_sinks if self._k.n_quantized == 0 else 0)
         if r > removable:
             raise ValueError(
@@ -350,9 +360,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: cannot crop {r} tokens from a sliding-window layer that already dropped "
                 f"{self.dropped_tokens} tokens the shorter sequence would need"
             )
-        self._k.crop_tail(r)
-        self._v.crop_tail(r)
-        self.tokens_seen = n - r
+        return r
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select sequences ``beam_idx`` (beam search) in every stored tensor, scales included."""
