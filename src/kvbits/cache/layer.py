@@ -245,8 +245,9 @@ class QuantizedKVLayer(CacheLayerMixin):
 
         Full attention: all ``T`` tokens seen. Sliding window: the last ``min(T_before, W - 1)`` cached
         tokens plus the ``q`` new ones, as ``DynamicSlidingWindowLayer`` (``get_mask_sizes`` agrees).
-        Decode steps of a layer claimed by ``kvbits_fused`` return zero-byte placeholders instead
-        (``kvbits.cache.fused``). With lazy checks (``kvbits.cache.checks``) nothing here waits for the device.
+        Decode steps of a layer claimed by ``kvbits_fused`` return zero-byte placeholders instead, while the
+        model's attention is still ``kvbits_fused`` (``kvbits.cache.fused``). With lazy checks
+        (``kvbits.cache.checks``) nothing here waits for the device.
         """
         kv_checks.validate(self, key_states, value_states)
         if not self.is_initialized:
@@ -274,8 +275,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
             self._k.flush(n_flush, self.scheme.block)
             self._v.flush(n_flush, self.scheme.block)
-        if self.fused.claimed and q == 1:  # kvbits_fused attends over packed_store(self): no dequantization
-            return fused.placeholders(self)
+        if self.fused.claimed and q == 1 and fused.serving(self):
+            return fused.placeholders(self)  # kvbits_fused attends over packed_store(self): no dequantization
         keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
         if self.is_sliding:
             start = max(0, n_before - self.sliding_window + 1) - dropped_before
