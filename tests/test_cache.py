@@ -1023,6 +1023,37 @@ def test_lazy_check_on_read_and_every_kind_of_bad_value():
         cache.check_inputs()
 
 
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_float16_bound_only_where_float16_holds_something(mode):
+    """|x| beyond 65504 is refused where float16 holds values or metadata (int codes' scales, float16
+    storage); bf16 / fp32 storage and fallback sliding layers (the K/V dtype) keep such values exactly.
+    NaN is refused everywhere."""
+    k, v = rand_kv(1, 2, 12, 64, seed=34, dtype=torch.bfloat16)
+    big = k.clone()
+    big[0, 0, 3, 1] = 1e6
+    fp32 = TensorSpec(kind="float", bits=32, fmt="fp32")
+
+    def store(scheme, x: torch.Tensor, layer: int = 0, config=None) -> QuantizedKVCache:
+        cache = QuantizedKVCache(config=config, scheme=scheme, checks=mode, num_layers=None if config else 1)
+        cache.update(x, v.to(x.dtype), layer)
+        cache.check_inputs()  # lazy: the check runs here
+        return cache
+
+    for scheme in ("bf16", KVScheme("t-fp32", key=fp32, value=fp32)):
+        assert torch.equal(store(scheme, big).materialize(0)[0], big)
+    fallback = store("kivi-4", big, layer=0, config=gemma_cfg(17))  # layer 0: sliding window kept as is
+    assert fallback.layers[0].mode == "fallback" and torch.equal(fallback.materialize(0)[0], big)
+    refused = [
+        ("kivi-4", big, 1, gemma_cfg(17)),  # layer 1 quantizes: float16 scales and zero-points
+        ("int8-token", big, 0, None),
+        ("fp16", big.float(), 0, None),  # float16 storage would turn 1e6 into inf
+        ("bf16", _nan_at(k, 2), 0, None),
+    ]
+    for scheme, x, layer, cfg in refused:
+        with pytest.raises(ValueError, match=f"layer {layer} key_states"):
+            store(scheme, x, layer, cfg)
+
+
 def test_lazy_check_of_a_layer_on_its_own():
     """A QuantizedKVLayer used without a cache checks itself every check_every updates."""
     layer = QuantizedKVLayer(get_scheme("int8-token"), layer_idx=3, checks="lazy", check_every=4)

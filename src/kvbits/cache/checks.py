@@ -1,14 +1,17 @@
 """Checks of the K/V a `QuantizedKVLayer` receives, eager or lazy (no host-device sync per step).
 
-The rule: K/V that cannot be quantized faithfully (NaN, inf, ``|x|`` beyond the float16 range of scales
-and zero-points) get a clear ``ValueError`` naming the layer, never silent corruption. Two ways:
+The rule: K/V that cannot be stored faithfully (NaN, inf, ``|x|`` beyond the float16 range of scales
+and zero-points) get a clear ``ValueError`` naming the layer, never silent corruption. The float16 bound
+applies only to sides that hold something in float16 (``range_bounds``): int / NUQ / FP8 codes (float16
+scales, zero-points, outliers) and float16 storage; bf16 / fp32 storage and sliding-window layers that keep
+their window in the K/V dtype only need finite values. Two ways:
 
 - **eager** (``checks="eager"``; ``"auto"`` on CPU, where a sync costs nothing): every ``update`` checks
   its K/V before storing them (``kvbits.quant.checks.check_kv``: one sync per layer per step) and bad
   K/V are refused; clipped counts are host ints.
 - **lazy** (``checks="lazy"``; ``"auto"`` on CUDA and other accelerators): ``update`` only folds
   ``max |K|`` and ``max |V|`` of its new tokens into a running ``(2,)`` float32 maximum on the device
-  (NaN propagates through ``torch.maximum``, inf and ``|x| > 65504`` exceed the bound) and clipped counts
+  (NaN propagates through ``torch.maximum``; inf, and ``|x| > 65504`` where bounded, fail) and clipped counts
   stay 0-dim int64 device tensors: the per-step path never waits for the device. The pending maxima are
   read (one sync per device, for all layers of a cache together, ``run_checks``) every ``check_every``
   update steps of a layer (default 64) and whenever the cache is read: ``memory_report()``,
@@ -36,7 +39,7 @@ from kvbits.quant.checks import FP16_MAX, check_kv
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
-    from kvbits.schemes.spec import KVScheme
+    from kvbits.schemes.spec import KVScheme, TensorSpec
 
 __all__ = [
     "CHECK_MODES",
@@ -45,6 +48,7 @@ __all__ = [
     "check_channel_groups",
     "check_every_arg",
     "check_mode",
+    "range_bounds",
     "run_checks",
     "validate",
 ]
@@ -68,6 +72,24 @@ def check_every_arg(n: object) -> int:
     return n
 
 
+def range_bounds(layer_mode: str, key: TensorSpec, value: TensorSpec) -> tuple[float, float]:
+    """Largest ``|x|`` the keys and the values of a layer in ``layer_mode`` store faithfully.
+
+    ``FP16_MAX`` where float16 holds the values or their metadata: int / NUQ / FP8 codes (float16 scales,
+    zero-points and outliers) and float16 storage (larger values become inf); ``inf`` (finiteness only)
+    for bf16 / fp32 storage and for ``"fallback"`` sliding layers, which keep their window in the K/V dtype.
+    """
+    if layer_mode == "fallback":
+        return math.inf, math.inf
+
+    def bound(spec: TensorSpec) -> float:
+        if spec.kind == "float" and spec.fmt != "fp16":
+            return math.inf
+        return FP16_MAX
+
+    return bound(key), bound(value)
+
+
 @dataclass
 class InputChecks:
     """Per-layer check state.
@@ -82,6 +104,7 @@ class InputChecks:
         amax: lazy: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked steps, on the device.
         pending: lazy: K/V arrived since the last check (``amax`` holds something to read).
         error: the message of a failed lazy check (sticky until ``reset``).
+        bounds: largest ``|K|``, ``|V|`` accepted (``range_bounds``); non-finite values always fail.
     """
 
     mode: str = "auto"
@@ -93,6 +116,7 @@ class InputChecks:
     amax: torch.Tensor | None = None
     pending: bool = False
     error: str | None = None
+    bounds: tuple[float, float] = (FP16_MAX, FP16_MAX)
 
     def resolve(self, device: torch.device) -> None:
         """Pick eager or lazy for K/V on ``device`` (``"auto"``: eager on CPU only)."""
@@ -130,25 +154,30 @@ class InputChecks:
         self.pending = True
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Eager: one device sync for both sides; NaN propagates through maximum, inf exceeds the bound."""
-        k = key_states.detach().abs().amax().float()
-        v = value_states.detach().abs().amax().float()
-        if not float(torch.maximum(k, v)) <= FP16_MAX:  # scales and zero-points are float16
-            for x, side in zip((key_states, value_states), SIDES):
-                check_kv(x, f"{name} {side}")  # the precise error
+        """Eager: one device sync for both sides (NaN propagates through amax)."""
+        amax = torch.stack([x.detach().abs().amax().float() for x in (key_states, value_states)]).tolist()
+        for x, side, a, bound in zip((key_states, value_states), SIDES, amax, self.bounds):
+            if not (math.isfinite(a) and a <= bound):
+                check_kv(x, f"{name} {side}")  # the precise error (non-finite first, then the float16 range)
 
     def verdict(self, amax: list[float], name: str, tokens_seen: int) -> str | None:
         """Close the pending window with its host maxima ``[max |K|, max |V|]``: ``None``, or the error
         (kept in ``error``)."""
-        bad = [(side, a) for side, a in zip(SIDES, amax) if not a <= FP16_MAX]
+        bad = [
+            (side, a, bound) for side, a, bound in zip(SIDES, amax, self.bounds)
+            if not (math.isfinite(a) and a <= bound)
+        ]  # fmt: skip
         first, last, p0 = self.checked_steps, self.steps - 1, self.checked_tokens
         self.checked_steps, self.checked_tokens, self.pending = self.steps, tokens_seen, False
         self.amax.zero_()
         if not bad:
             return None
-        what = " and ".join(f"{side} {_what(a)}" for side, a in bad)
+        what = " and ".join(f"{side} {_what(a)}" for side, a, _ in bad)
+        rule = "finite"
+        if any(bound <= FP16_MAX for *_, bound in bad):
+            rule += f" with |x| <= {FP16_MAX:g}, the float16 range of scales"
         self.error = (
-            f"{name} {what} (K/V must be finite with |x| <= {FP16_MAX:g}, the float16 range of scales): they "
+            f"{name} {what} (K/V must be {rule}): they "
             f"arrived in update steps {first}..{last} (token positions {p0}..{tokens_seen - 1}), found by the "
             f"lazy check (checks='lazy', check_every={self.every}), and were stored and attended over, so outputs "
             f"since step {first} are invalid; reset() the cache (checks='eager' refuses such K/V before storing them)"

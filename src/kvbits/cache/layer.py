@@ -94,8 +94,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         fused_decode: ``True`` / ``"auto"`` (CUDA with Triton) / ``False``: whether decode steps may skip
             dequantization for the ``kvbits_fused`` attention function (``kvbits.cache.fused``).
         rope_tables: float32 RoPE tables shared with the cache's other layers (fused pre-RoPE keys).
-        checks: how incoming K/V are checked for NaN / inf / float16 range (``kvbits.cache.checks``):
-            ``"eager"`` before storing them (one host sync per step), ``"lazy"`` on the device, read every
+        checks: how incoming K/V are checked for NaN / inf / the float16 range (where float16 holds them
+            or their metadata; ``kvbits.cache.checks``): ``"eager"`` before storing them (one host sync per
+            step), ``"lazy"`` on the device, read every
             ``check_every`` update steps and by ``materialize()`` (no sync per step), ``"auto"`` (default):
             eager on CPU, lazy on CUDA and other accelerators.
         check_every: update steps between lazy checks (default 64).
@@ -158,7 +159,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             static_scale=_fixed_scale(scheme.value) if quantized else None,
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
-        self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
+        self.checks = kv_checks.InputChecks(
+            kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every),
+            bounds=kv_checks.range_bounds(self.mode, scheme.key, scheme.value),
+        )  # fmt: skip
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.dtype: torch.dtype | None = None
