@@ -164,6 +164,11 @@ PRE_ROPE = KVScheme(
     value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
     sinks=1, residual=8, block=32,
 )
+# KIVI-2 with values in groups of 16 channels: the tiny models' head_dim is 16, which kivi-2's groups of 32
+# cannot divide (refused when the cache is built)
+KIVI2_D16 = dataclasses.replace(
+    get_scheme("kivi-2"), name="kivi-2-d16", value=dataclasses.replace(get_scheme("kivi-2").value, group_size=16)
+)
 CUSTOM_TENSOR = KVScheme(
     "test-tensor",
     key=TensorSpec(kind="int", bits=2, fmt=None, granularity="tensor", symmetric=True),
@@ -197,7 +202,7 @@ def test_residual_window_is_exact(arch):
     model = build(arch)
     ids = tokens(2, 48)
     ref = run(model, DynamicCache(config=model.config), ids, 40)
-    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    cache = QuantizedKVCache(config=model.config, scheme=KIVI2_D16)
     assert torch.equal(run(model, cache, ids, 40), ref)
     assert all(layer["quantized_tokens"] == 0 for layer in cache.memory_report()["layers"])
 
@@ -229,7 +234,7 @@ def test_generate(arch, mode):
     if mode in ("beams", "padded_batch"):
         # KIVI-2 with < 128 tokens is exact: the same tokens as DynamicCache
         ref = model.generate(ids, attention_mask=mask, **{CACHE_KW: DynamicCache(config=model.config)}, **kw)
-        got = model.generate(ids, attention_mask=mask, **{CACHE_KW: QuantizedKVCache(config=model.config, scheme="kivi-2")}, **kw)
+        got = model.generate(ids, attention_mask=mask, **{CACHE_KW: QuantizedKVCache(config=model.config, scheme=KIVI2_D16)}, **kw)
         assert torch.equal(got, ref)
 
 
@@ -335,7 +340,7 @@ def test_no_state_left_on_model():
     before_cfg = model.config.to_dict()
     before_attn = model.config._attn_implementation
     before_params = {k: v.clone() for k, v in model.state_dict().items()}
-    cache = QuantizedKVCache(config=model.config, scheme="kivi-2", workspace=True)
+    cache = QuantizedKVCache(config=model.config, scheme=KIVI2_D16, workspace=True)
     run(model, cache, tokens(1, 30), 20)
     model.generate(tokens(1, 5), **{CACHE_KW: QuantizedKVCache(config=model.config)}, max_new_tokens=3, pad_token_id=0)
     assert model.config.to_dict() == before_cfg and model.config._attn_implementation == before_attn
@@ -563,6 +568,27 @@ def test_crop():
         sliding.crop(-1)
 
 
+def test_refused_crop_changes_no_layer():
+    """A crop one layer cannot do (here the sliding layer 1 already dropped the tokens a shorter sequence
+    needs) raises before any layer is cropped: the layers still agree on the length and hold the same K/V."""
+    cfg = gemma_cfg(16)
+    cfg.layer_types = ["full_attention", "sliding_attention"]
+    sch = KVScheme("t-kivi4", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=16),
+                   value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16),
+                   residual=8, block=16)  # fmt: skip
+    cache = QuantizedKVCache(config=cfg, scheme=sch)
+    k, v = rand_kv(1, 2, 40, 64, seed=12)
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    before = [cache.materialize(i) for i in (0, 1)]
+    assert cache.layers[0].tokens_to_crop(-3) == 3  # layer 0 alone could
+    with pytest.raises(ValueError, match="layer 1: cannot crop 3 tokens from a sliding-window layer"):
+        cache.crop(-3)
+    assert [cache.get_seq_length(i) for i in (0, 1)] == [40, 40]
+    for i in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(cache.materialize(i), before[i]))
+
+
 def test_reset():
     sch = get_scheme("fp8-e4m3")
     k, v = rand_kv(1, 2, 50, 64, seed=14)
@@ -577,6 +603,39 @@ def test_reset():
     for layer in (0, 1):
         cache.update(k, v, layer)
     assert all(torch.equal(a, b) for a, b in zip(cache.materialize(1), before))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8-token", "test-prerope"])
+def test_deepcopy_continues_like_the_original_and_apart_from_it(scheme):
+    """transformers' prompt reuse: prefill once, ``copy.deepcopy`` the cache per continuation. Each copy
+    continues exactly like a cache that prefilled the prompt itself (blocks flushed after the copy too)
+    and leaves the original untouched; pre-RoPE copies share the read-only RoPE tables."""
+    model = build("llama")
+    sch = PRE_ROPE if scheme == "test-prerope" else get_scheme(scheme)
+    prompt = tokens(1, 40)
+    base = QuantizedKVCache(config=model.config, scheme=sch)
+    model(prompt, **{CACHE_KW: base})
+    before = [base.materialize(i) for i in range(2)]
+
+    def continue_with(cache, more: torch.Tensor) -> torch.Tensor:
+        steps = [model(more[:, i : i + 1], **{CACHE_KW: cache}).logits[:, -1] for i in range(more.shape[1])]
+        return torch.stack(steps)
+
+    for seed in (2, 3):
+        more = tokens(1, 30, seed)
+        copied = copy.deepcopy(base)
+        fresh = QuantizedKVCache(config=model.config, scheme=sch)
+        model(prompt, **{CACHE_KW: fresh})
+        assert torch.equal(continue_with(copied, more), continue_with(fresh, more))
+        assert copied.memory_report() == fresh.memory_report()
+        assert base.get_seq_length() == 40 and copied.get_seq_length() == 70
+        for i in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(base.materialize(i), before[i]))
+        if sch.key.pre_rope:
+            assert copied.layers[0]._k.rotary is base.layers[0]._k.rotary
+            quantized = [c.memory_report()["layers"][0]["quantized_tokens"] for c in (base, copied)]
+            assert quantized[0] < quantized[1]  # the copy flushed a block after the copy
 
 
 @pytest.mark.parametrize("scheme", ["test-mixed", "test-tensor", "fp8-e4m3"])
@@ -636,6 +695,28 @@ def test_validation_errors():
         QuantizedKVCache(config=build("gpt2").config, scheme=PRE_ROPE)
 
 
+def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
+    """kivi-2 quantizes values in groups of 32 channels: with head_dim 16 that fails at construction when
+    the config gives D, else at the first update of the layer, before it stores anything (never at the first
+    flush, mid-generation, with some layers updated and others not)."""
+    cfg = build("llama").config  # head_dim 16
+    with pytest.raises(ValueError, match=r"layer 0: scheme 'kivi-2'.*values.*must be one of \[1, 2, 4, 8, 16\].*got 32"):
+        QuantizedKVCache(config=cfg, scheme="kivi-2")
+    QuantizedKVCache(config=cfg, scheme="fp16")  # stores no groups
+    QuantizedKVCache(config=cfg, scheme=KIVI2_D16)
+    cache = QuantizedKVCache(num_layers=2, scheme="kivi-2")  # no config: D comes with the K/V
+    k, v = rand_kv(1, 2, 40, 16, seed=2)
+    with pytest.raises(ValueError, match="layer 0: scheme 'kivi-2'.*head_dim 16"):
+        cache.update(k, v, 0)
+    layer = cache.layers[0]
+    assert not layer.is_initialized and layer.tokens_seen == 0 and layer.checks.steps == 0
+    with pytest.raises(ValueError, match="head_dim 16"):
+        layer.lazy_initialization(k, v)  # transformers' early_initialization calls it directly
+    k, v = rand_kv(1, 2, 200, 64, seed=2)  # the right head size afterwards: a flush, and no leftovers
+    cache.update(k, v, 0)
+    assert cache.get_seq_length() == 200 and cache.memory_report()["layers"][0]["quantized_tokens"] == 64
+
+
 def test_head_dim_and_kv_heads_from_config():
     """head_dim and num_key_value_heads are read from the config, not derived from hidden / heads."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
@@ -646,6 +727,35 @@ def test_head_dim_and_kv_heads_from_config():
     with torch.no_grad():
         model(tokens(1, 10), **{CACHE_KW: cache})
     assert cache.materialize(0)[0].shape == (1, 1, 10, 32)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("layout", "cached_heads", "expected"),
+    [
+        ({"multi_query": True, "new_decoder_architecture": False}, 1, 1),  # Falcon-7B: one shared KV head
+        ({"multi_query": False, "new_decoder_architecture": False}, 4, 4),  # plain MHA
+        # Falcon-40B: 2 KV heads in the config, broadcast to the 4 query heads before the cache: taken
+        # from the first update
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4, None),
+    ],
+)
+def test_falcon_kv_head_layouts(layout, cached_heads, expected):
+    """Falcon states its KV heads with ``multi_query`` / ``new_decoder_architecture`` / ``num_kv_heads``
+    (no ``num_key_value_heads``): the cache expects what transformers' Falcon attention caches."""
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    **layout)  # fmt: skip
+    model = transformers.FalconForCausalLM(cfg).eval()
+    ids = tokens(1, 20)
+    want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = QuantizedKVCache(config=cfg, scheme="fp16")
+    assert cache.num_key_value_heads == expected
+    got = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)  # float32 model, fp16 K/V: same greedy tokens on this tiny model
+    assert cache.materialize(0)[0].shape == (1, cached_heads, 23, 16)
+    if expected is None:  # what the first update brought is then enforced like the config's count
+        with pytest.raises(ValueError, match="does not match"):
+            cache.update(*rand_kv(1, 2, 1, 16, seed=1), 0)
 
 
 def test_calibration_report_counts_clipping():
@@ -1003,6 +1113,37 @@ def test_zero_static_scales_show_as_clipped_in_the_cache():
     layer.update(k, v)
     assert layer.clipped() == (10, 0)  # the 10 tokens' values in that channel, nothing else
     assert not bool(layer.materialize()[0][0, 1, :, 5].any())
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_float16_bound_only_where_float16_holds_something(mode):
+    """|x| beyond 65504 is refused where float16 holds values or metadata (int codes' scales, float16
+    storage); bf16 / fp32 storage and fallback sliding layers (the K/V dtype) keep such values exactly.
+    NaN is refused everywhere."""
+    k, v = rand_kv(1, 2, 12, 64, seed=34, dtype=torch.bfloat16)
+    big = k.clone()
+    big[0, 0, 3, 1] = 1e6
+    fp32 = TensorSpec(kind="float", bits=32, fmt="fp32")
+
+    def store(scheme, x: torch.Tensor, layer: int = 0, config=None) -> QuantizedKVCache:
+        cache = QuantizedKVCache(config=config, scheme=scheme, checks=mode, num_layers=None if config else 1)
+        cache.update(x, v.to(x.dtype), layer)
+        cache.check_inputs()  # lazy: the check runs here
+        return cache
+
+    for scheme in ("bf16", KVScheme("t-fp32", key=fp32, value=fp32)):
+        assert torch.equal(store(scheme, big).materialize(0)[0], big)
+    fallback = store("kivi-4", big, layer=0, config=gemma_cfg(17))  # layer 0: sliding window kept as is
+    assert fallback.layers[0].mode == "fallback" and torch.equal(fallback.materialize(0)[0], big)
+    refused = [
+        ("kivi-4", big, 1, gemma_cfg(17)),  # layer 1 quantizes: float16 scales and zero-points
+        ("int8-token", big, 0, None),
+        ("fp16", big.float(), 0, None),  # float16 storage would turn 1e6 into inf
+        ("bf16", _nan_at(k, 2), 0, None),
+    ]
+    for scheme, x, layer, cfg in refused:
+        with pytest.raises(ValueError, match=f"layer {layer} key_states"):
+            store(scheme, x, layer, cfg)
 
 
 def test_lazy_check_of_a_layer_on_its_own():

@@ -11,6 +11,7 @@ same bytes. Unsupported schemes, sliding layers and padded batches fall back, lo
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from unittest import mock
@@ -310,17 +311,17 @@ def test_float_mask_falls_back_logged(caplog):
     """A non-boolean mask at a decode step (e.g. an additive bias) is not a slot mask: SDPA, logged."""
     model = build("llama")
     cache = QuantizedKVCache(config=model.config, scheme=KIVI4, fused_decode=True)
-    with attention(model, True), torch.no_grad():
-        model(prompt(), past_key_values=cache)
-    layer = cache.layers[0]
-    k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
-    pk, pv = cache.update(k, v, 0)
-    q = torch.randn(2, 4, 1, 32)
-    bias = torch.zeros(2, 1, 1, PROMPT + 1)
     from kvbits.cache.attention import fused_attention
 
-    with caplog.at_level(logging.INFO, logger="kvbits.cache.attention"):
-        out, _ = fused_attention(model.model.layers[0].self_attn, q, pk, pv, bias)
+    with attention(model, True), torch.no_grad():  # placeholders only while the model's attention is fused
+        model(prompt(), past_key_values=cache)
+        layer = cache.layers[0]
+        k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
+        pk, pv = cache.update(k, v, 0)
+        q = torch.randn(2, 4, 1, 32)
+        bias = torch.zeros(2, 1, 1, PROMPT + 1)
+        with caplog.at_level(logging.INFO, logger="kvbits.cache.attention"):
+            out, _ = fused_attention(model.model.layers[0].self_attn, q, pk, pv, bias)
     assert layer.fused.fallbacks == 1 and "non-boolean attention mask" in caplog.text
     keys, values = layer.materialize()
     want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
@@ -336,12 +337,12 @@ def test_float_mask_falls_back_logged(caplog):
 def test_claimed_decode_steps_return_placeholders():
     model = build("llama")
     cache = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
-    with attention(model, True):
+    with attention(model, True):  # placeholders only while the model's attention is fused
         model(prompt(), past_key_values=cache)
-    layer = cache.layers[0]
-    assert layer.fused.claimed
-    k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
-    pk, pv = cache.update(k, v, 0)
+        layer = cache.layers[0]
+        assert layer.fused.claimed
+        k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
+        pk, pv = cache.update(k, v, 0)
     assert pk.is_meta and pv.is_meta and pk.shape == pv.shape == (2, 2, PROMPT + 1, 32)
     assert fused_mod.tag_of(pk) == (layer, True)
     # the packed store holds the same tokens materialize() dequantizes; pre-RoPE slot 0 is position `sinks`
@@ -357,6 +358,58 @@ def test_claimed_decode_steps_return_placeholders():
     torch.testing.assert_close(dispatch.decode_attention(q, store), want, atol=1e-5, rtol=1e-5)
     cache.reset()
     assert not layer.fused.claimed  # the next prefill claims again
+
+
+@torch.no_grad()
+def test_switching_away_from_fused_attention_mid_generation(caplog):
+    """A cache ``kvbits_fused`` has claimed, continued with the model back on SDPA: its next decode step
+    returns dequantized K/V (logged) and generation goes on as an unfused one would; back on ``kvbits_fused``
+    the layers are claimed anew and decode fused again."""
+    model, n_layers = build("llama"), 2
+    seq_ref, logits_ref, _ = generate(model, PRE_ROPE, fused=False, attn=False, new=NEW + 5)
+    seq, _, cache = generate(model, PRE_ROPE, fused=True, attn=True)  # the model is back on SDPA after it
+    assert all(r["claimed"] for r in cache.fused_report()["layers"])
+    kw = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
+    with caplog.at_level(logging.INFO, logger="kvbits.cache"):
+        out = model.generate(seq, past_key_values=cache, max_new_tokens=5, **kw)
+    assert torch.equal(out.sequences, seq_ref)
+    torch.testing.assert_close(torch.stack(out.logits), logits_ref[NEW:], atol=1e-3, rtol=0)
+    assert any("changed from 'kvbits_fused' to 'sdpa'" in r.getMessage() for r in caplog.records)
+    rep = cache.fused_report()
+    assert not any(r["claimed"] for r in rep["layers"]) and rep["fused_steps"] == (NEW - 1) * n_layers
+    with attention(model, True):
+        model.generate(out.sequences, past_key_values=cache, max_new_tokens=3, **kw)
+    rep = cache.fused_report()
+    assert all(r["claimed"] for r in rep["layers"]) and rep["fused_steps"] == (NEW - 1 + 2) * n_layers
+
+
+@torch.no_grad()
+def test_deepcopy_of_a_claimed_cache_decodes_fused():
+    """Prompt reuse (prefill once, ``copy.deepcopy`` per continuation) with pre-RoPE keys: each copy stays
+    claimed, decodes through the kernel exactly like a cache that prefilled the prompt itself, holds the same
+    bytes and RoPE tables, and leaves the original as it was."""
+    model = build("llama")
+    ids = prompt(batch=1)
+    with attention(model, True):
+        base = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+        model(ids, past_key_values=base)
+        for seed in (2, 3):
+            x = torch.cat([ids, prompt(batch=1, seed=seed)[:, :4]], 1)
+            copied = copy.deepcopy(base)
+            fresh = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+            model(ids, past_key_values=fresh)
+            outs = [
+                model.generate(x, past_key_values=c, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                               output_logits=True, return_dict_in_generate=True)
+                for c in (copied, fresh)
+            ]  # fmt: skip
+            assert torch.equal(outs[0].sequences, outs[1].sequences)
+            assert torch.equal(torch.stack(outs[0].logits), torch.stack(outs[1].logits))
+            rep, want = copied.fused_report(), fresh.fused_report()
+            assert rep == want and rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0
+            assert_same_bytes(fresh, copied)
+            assert base.get_seq_length() == PROMPT and all(layer.fused.claimed for layer in base.layers)
+        assert base.fused_report()["fused_steps"] == 0
 
 
 def test_modes_and_device_policy(monkeypatch):

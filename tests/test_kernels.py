@@ -320,6 +320,32 @@ def test_dispatch_forced_triton_without_triton_raises(monkeypatch):
 
 
 @needs_triton
+def test_forced_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    """``KVBITS_KERNEL=triton`` with CPU tensors and no interpreter: a ValueError saying what to do, before
+    any launch (Triton's own error would be "0 active drivers"), for decode attention and quantize-and-pack."""
+    from kvbits.kernels import quantize as qmod
+
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(7)
+    store = make_store(g, T_q=64, T_f=16, device="cpu")
+    q = torch.randn(2, 6, 1, 64, generator=g)
+    x = torch.randn(1, 2, 32, 64, generator=g)
+    with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1.*got the query on cpu.*KVBITS_KERNEL=reference"):
+        dispatch.decode_attention(q, store)
+    with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1.*got a K/V block on cpu"):
+        qmod.quantize_pack(x, KIVI4_VALUES)
+    from kvbits.kernels import aot
+
+    monkeypatch.setattr(aot, "_COMPILING", 1)  # inside aot.compile_only launches compile CPU tensors
+    assert dispatch.resolve_kernel(q, store) == "triton"
+    monkeypatch.setattr(aot, "_COMPILING", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted: CPU tensors are fine
+    assert dispatch.resolve_kernel(q, store) == "triton"
+    assert qmod.resolve_quantize_kernel(x, KIVI4_VALUES) == "triton"
+
+
+@needs_triton
 def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
     monkeypatch.setenv("KVBITS_KERNEL", "triton")
     g = torch.Generator().manual_seed(6)

@@ -89,7 +89,7 @@ def fused_attention(
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer, placeholder = tagged
     if not placeholder:  # real K/V (prefill, unclaimed layer): SDPA, and claim the layer for decode steps
-        fused.claim(layer, query)
+        fused.claim(layer, query, module)
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     reason = _step_reason(module, query, key, attention_mask, dropout, kwargs)
     if reason is None:

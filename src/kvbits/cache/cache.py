@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import QuantizedKVLayer, find_position_ids
+from kvbits.plan.config import attention_heads
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -47,8 +48,10 @@ def _text_config(config: Any) -> Any:
 def attention_shape(config: Any) -> tuple[int, int, int, int]:
     """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing.
 
-    ``H_kv`` is ``num_key_value_heads`` (GQA/MQA) or ``H_q`` (MHA); ``D`` is ``head_dim`` when the
-    config sets it (Gemma, Llama 3.2), else ``hidden_size // H_q``.
+    Heads as the planner reads them (``kvbits.plan.config.attention_heads``): ``H_kv`` is
+    ``num_key_value_heads`` (or ``num_kv_heads``, ...; GQA), 1 for ``multi_query`` (Falcon-7B,
+    GPT-BigCode), else ``H_q`` (MHA); ``D`` is ``head_dim`` when the config sets it (Gemma, Llama 3.2),
+    else ``hidden_size // H_q``.
     """
     text = _text_config(config)
     name = type(text).__name__
@@ -58,15 +61,21 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
             f"{name} has no {' / '.join(missing)}: QuantizedKVCache needs the number of layers and attention "
             "heads of the decoder (pass num_layers= and config=None to build layers lazily instead)"
         )
-    n_layers, heads = int(text.num_hidden_layers), int(text.num_attention_heads)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None)
-    if head_dim is None:
-        hidden = getattr(text, "hidden_size", None)
-        if hidden is None:
-            raise ValueError(f"{name} has neither head_dim nor hidden_size: cannot tell the attention head size")
-        head_dim = hidden // heads
-    return n_layers, heads, int(kv_heads), int(head_dim)
+    heads, kv_heads, head_dim = attention_heads(text)
+    return int(text.num_hidden_layers), heads, kv_heads, head_dim
+
+
+def _cached_kv_heads(text_config: Any, kv_heads: int) -> int | None:
+    """``H_kv`` of the K/V the model's attention hands to ``Cache.update``, or ``None`` when the config does
+    not pin it down (the layers then take it from their first update).
+
+    transformers' Falcon with ``new_decoder_architecture`` (Falcon-40B/180B) broadcasts its
+    ``num_kv_heads`` K/V heads to every query head before caching them; what it caches is an
+    implementation detail of that modeling file, so it is read from the K/V rather than assumed.
+    """
+    if getattr(text_config, "new_decoder_architecture", False):
+        return None
+    return kv_heads
 
 
 def _layer_types(text_config: Any, n_layers: int) -> tuple[list[str], list[dict]]:
@@ -152,7 +161,8 @@ class QuantizedKVCache(Cache):
         layers: list = []
         if config is not None:
             n_layers, _, kv_heads, head_dim = attention_shape(config)
-            self.num_key_value_heads, self.head_dim = kv_heads, head_dim
+            self.num_key_value_heads = _cached_kv_heads(_text_config(config), kv_heads)
+            self.head_dim = head_dim
             types, kwargs = _layer_types(_text_config(config), n_layers)
             if num_layers is not None and num_layers != len(types):
                 raise ValueError(f"num_layers={num_layers} but the config describes {len(types)} cached layers")
@@ -207,7 +217,7 @@ class QuantizedKVCache(Cache):
             )
         layer = QuantizedKVLayer(
             self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
-            num_key_value_heads=self.num_key_value_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
             checks=self.checks_mode, check_every=self.check_every,
@@ -300,6 +310,15 @@ class QuantizedKVCache(Cache):
         self._input_error = None
         self.position_ids_hint = None
         super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end of every layer (``QuantizedKVLayer.crop``: negative = that many tokens,
+        positive = keep that absolute length). All or nothing: every layer is checked before any is cropped,
+        so a ``ValueError`` (tokens already quantized, or dropped by a sliding window) leaves the layers
+        agreeing on the sequence length."""
+        for layer in self._quantized_layers():
+            layer.tokens_to_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def set_static_qparams(
         self,

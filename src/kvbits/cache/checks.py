@@ -1,14 +1,17 @@
 """Checks of the K/V a `QuantizedKVLayer` receives, eager or lazy (no host-device sync per step).
 
-The rule: K/V that cannot be quantized faithfully (NaN, inf, ``|x|`` beyond the float16 range of scales
-and zero-points) get a clear ``ValueError`` naming the layer, never silent corruption. Two ways:
+The rule: K/V that cannot be stored faithfully (NaN, inf, ``|x|`` beyond the float16 range of scales
+and zero-points) get a clear ``ValueError`` naming the layer, never silent corruption. The float16 bound
+applies only to sides that hold something in float16 (``range_bounds``): int / NUQ / FP8 codes (float16
+scales, zero-points, outliers) and float16 storage; bf16 / fp32 storage and sliding-window layers that keep
+their window in the K/V dtype only need finite values. Two ways:
 
 - **eager** (``checks="eager"``; ``"auto"`` on CPU, where a sync costs nothing): every ``update`` checks
   its K/V before storing them (``kvbits.quant.checks.check_kv``: one sync per layer per step) and bad
   K/V are refused; clipped counts are host ints.
 - **lazy** (``checks="lazy"``; ``"auto"`` on CUDA and other accelerators): ``update`` only folds
   ``max |K|`` and ``max |V|`` of its new tokens into a running ``(2,)`` float32 maximum on the device
-  (NaN propagates through ``torch.maximum``, inf and ``|x| > 65504`` exceed the bound) and clipped counts
+  (NaN propagates through ``torch.maximum``; inf, and ``|x| > 65504`` where bounded, fail) and clipped counts
   stay 0-dim int64 device tensors: the per-step path never waits for the device. The pending maxima are
   read (one sync per device, for all layers of a cache together, ``run_checks``) every ``check_every``
   update steps of a layer (default 64) and whenever the cache is read: ``memory_report()``,
@@ -41,12 +44,13 @@ from kvbits.quant.checks import FP16_MAX, check_kv
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
-    from kvbits.schemes.spec import TensorSpec
+    from kvbits.schemes.spec import KVScheme, TensorSpec
 
 __all__ = [
     "CHECK_MODES",
     "DEFAULT_CHECK_EVERY",
     "InputChecks",
+    "check_channel_groups",
     "check_every_arg",
     "check_mode",
     "input_bound",
@@ -73,11 +77,24 @@ def check_every_arg(n: object) -> int:
     return n
 
 
-def input_bound(spec: TensorSpec | None) -> tuple[float, str]:
-    """``(bound, why)``: the largest ``|x|`` whose quantization parameters under ``spec`` fit float16
-    (``None``: nothing is quantized, the plain float16 bound), and the reason in words."""
+def input_bound(spec: TensorSpec | None, layer_mode: str = "quantized") -> tuple[float, str]:
+    """``(bound, why)``: the largest ``|x|`` a side of a layer in ``layer_mode`` stores faithfully, and the
+    reason in words (``inf``: finiteness only).
+
+    float16 holds the values or their metadata for int / NUQ / FP8 codes (float16 scales, zero-points and
+    outliers) and for float16 storage (``None``: that plain case): 65504, less where a spec stores more than
+    ``|x|`` (asymmetric NUQ stores the range ``max - min``; pre-RoPE keys are un-rotated before quantizing,
+    which mixes the channels of a rotation pair). bf16 / fp32 storage and ``"fallback"`` sliding layers
+    (their window kept in the K/V dtype) hold any finite value.
+    """
+    if layer_mode == "fallback":
+        return math.inf, "the window is kept in the K/V dtype"
+    if spec is not None and spec.kind == "float":
+        if spec.fmt != "fp16":
+            return math.inf, f"stored as {spec.fmt}"
+        return FP16_MAX, "stored as float16"
     bound, why = FP16_MAX, ["the float16 range of scales"]
-    if spec is None or not spec.is_quantized:
+    if spec is None:
         return bound, why[0]
     if spec.kind == "nuq" and not spec.symmetric:
         bound /= 2  # the stored scale is the whole range max - min, up to 2 max |x|
@@ -103,7 +120,7 @@ class InputChecks:
         pending: lazy: K/V arrived since the last check (``amax`` holds something to read).
         error: the message of a failed lazy check (sticky until ``reset``).
         bounds: largest ``|K|`` and ``|V|`` accepted, with the reasons (``input_bound`` of the layer's
-            specs; float16's 65504 unless a spec stores more than ``|x|``).
+            specs; ``inf``: finiteness only); non-finite values always fail.
     """
 
     mode: str = "auto"
@@ -153,37 +170,34 @@ class InputChecks:
         self.pending = True
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Eager: one device sync for both sides; NaN propagates through maximum, inf exceeds the bound."""
-        (kb, _), (vb, _) = self.bounds
-        k = key_states.detach().abs().amax().float()
-        v = value_states.detach().abs().amax().float()
-        if not float(torch.maximum(k / kb, v / vb)) <= 1.0:  # scales and zero-points are float16
-            for x, side, (bound, why) in zip((key_states, value_states), SIDES, self.bounds):
-                check_kv(x, f"{name} {side}")  # the precise error for NaN, inf, beyond float16
-                amax = float(x.detach().abs().max())
-                if amax > bound:
-                    raise ValueError(
-                        f"{name} {side} has |x| up to {amax:.6g}, beyond {bound:.6g} ({why}); refusing to store it"
-                    )
+        """Eager: one device sync for both sides (NaN propagates through amax)."""
+        amax = torch.stack([x.detach().abs().amax().float() for x in (key_states, value_states)]).tolist()
+        for x, side, a, (bound, why) in zip((key_states, value_states), SIDES, amax, self.bounds):
+            if not math.isfinite(a):
+                check_kv(x, f"{name} {side}")  # the precise error: where the NaN / inf is
+            if a > bound:
+                raise ValueError(
+                    f"{name} {side} has |x| up to {a:.6g}, beyond {bound:.6g} ({why}); refusing to store it"
+                )
 
     def verdict(self, amax: list[float], name: str, tokens_seen: int) -> str | None:
         """Close the pending window with its host maxima ``[max |K|, max |V|]``: ``None``, or the error
         (kept in ``error``)."""
-        bad = [(side, a, b) for side, a, b in zip(SIDES, amax, self.bounds) if not a <= b[0]]
+        bad = [
+            (side, a, b) for side, a, b in zip(SIDES, amax, self.bounds)
+            if not (math.isfinite(a) and a <= b[0])
+        ]  # fmt: skip
         first, last, p0 = self.checked_steps, self.steps - 1, self.checked_tokens
         self.checked_steps, self.checked_tokens, self.pending = self.steps, tokens_seen, False
         self.amax.zero_()
         if not bad:
             return None
         what = " and ".join(f"{side} {_what(a)}" for side, a, _ in bad)
-        limits = {b for _, _, b in bad}
-        if len(limits) == 1:
-            ((bound, why),) = limits
-            rule = f"|x| <= {bound:.6g}, {why}"
-        else:
-            rule = "; ".join(f"{side} |x| <= {bound:.6g}, {why}" for side, _, (bound, why) in bad)
+        rules = {
+            "finite" + ("" if math.isinf(bound) else f" with |x| <= {bound:.6g}, {why}") for _, _, (bound, why) in bad
+        }  # fmt: skip
         self.error = (
-            f"{name} {what} (K/V must be finite with {rule}): they "
+            f"{name} {what} (K/V must be {'; '.join(sorted(rules))}): they "
             f"arrived in update steps {first}..{last} (token positions {p0}..{tokens_seen - 1}), found by the "
             f"lazy check (checks='lazy', check_every={self.every}), and were stored and attended over, so outputs "
             f"since step {first} are invalid; reset() the cache (checks='eager' refuses such K/V before storing them)"
@@ -233,9 +247,27 @@ def run_checks(layers: Iterable[QuantizedKVLayer]) -> None:
         raise ValueError(failed[0].checks.error + (f" [also failed: layers {more}]" if more else ""))
 
 
+def check_channel_groups(scheme: KVScheme, key_dim: int, value_dim: int, where: str) -> None:
+    """``ValueError`` unless every per-token channel group of ``scheme`` divides its side's head dim ``D``.
+
+    Checked before anything is stored (at construction when the config gives ``D``, else at the first
+    update): otherwise the first flush, possibly mid-generation, is where ``quantize`` finds out.
+    """
+    for side, spec, D in (("keys", scheme.key, key_dim), ("values", scheme.value, value_dim)):
+        g = spec.group_size
+        if spec.kind in ("int", "nuq") and spec.granularity == "token" and g is not None and D % g:
+            allowed = [d for d in range(1, D + 1) if D % d == 0]
+            raise ValueError(
+                f"{where}: scheme {scheme.name!r} quantizes {side} per token in groups of group_size channels, "
+                f"which must divide head_dim {D}: group_size must be one of {allowed} (or None: all {D} "
+                f"channels), got {g}"
+            )
+
+
 def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Host-only checks of ``update``'s K/V ``(B, H_kv, q, D)`` against ``layer`` (no device sync):
-    types, shapes, agreement with the cached ``(B, H_kv, *, D)``, dtype/device, calibration."""
+    types, shapes, channel groups dividing ``D`` (first update), agreement with the cached
+    ``(B, H_kv, *, D)``, dtype/device, calibration."""
     names = (f"layer {layer.layer_idx} key_states", f"layer {layer.layer_idx} value_states")
     for x, what in zip((key_states, value_states), names):
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
@@ -256,6 +288,8 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
             f"layer {layer.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
             f"(B, H_kv, T, D)) but the config has num_key_value_heads={layer.num_key_value_heads}"
         )
+    if not layer.is_initialized and layer.mode == "quantized":  # before the first update stores anything
+        check_channel_groups(layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}")
     if layer.is_initialized:
         for what, x, store in (
             ("key_states", key_states, layer._k),

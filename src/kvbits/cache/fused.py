@@ -15,7 +15,9 @@ dequantized K/V (the prefill, normally): only then can ``update`` be sure its pl
 attention function that understands them. A cache used with any other attention implementation is
 never claimed and behaves exactly as before. The claim needs the cache's ``fused_decode`` mode to want
 the device (``wants``: ``True`` anywhere, ``"auto"`` on CUDA with Triton, ``False`` never) and a layer
-whose scheme fits the packed layout (``layout_reason``); ``reset()`` releases it.
+whose scheme fits the packed layout (``layout_reason``); ``reset()`` releases it, and so does the model
+switching to another attention implementation mid-generation (``serving``: its next decode step gets
+dequantized K/V again, logged).
 
 Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
@@ -27,6 +29,7 @@ cover ``max(-pos_offset)`` more positions (``SideStore.positions_ahead``, read o
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +53,7 @@ __all__ = [
     "layout_reason",
     "packed_store",
     "placeholders",
+    "serving",
     "slot_masks",
     "tag",
     "tag_of",
@@ -117,6 +121,8 @@ class FusedState:
         steps: decode steps attended by ``decode_attention`` over the packed store.
         fallbacks: claimed decode steps that attended over dequantized K/V instead (e.g. padding masks).
         declined: why the layer was not claimed, or ``None``.
+        claimed_by: ``(weakref to the claiming attention module's config, its _attn_implementation)``, so
+            ``update`` notices when the model stops routing attention through ``kvbits_fused`` (``serving``).
     """
 
     mode: FusedMode = "auto"
@@ -125,6 +131,7 @@ class FusedState:
     steps: int = 0
     fallbacks: int = 0
     declined: str | None = None
+    claimed_by: tuple[weakref.ref, str] | None = None
 
 
 def wants(mode: FusedMode, device: torch.device) -> bool:
@@ -173,8 +180,12 @@ def _kernel_reason(layer: QuantizedKVLayer, query: torch.Tensor) -> str | None:
     return supported(packed_store(layer), query)
 
 
-def claim(layer: QuantizedKVLayer, query: torch.Tensor) -> bool:
-    """Claim ``layer`` for fused decode steps if its mode wants ``query``'s device and it fits (logged once)."""
+def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module | None = None) -> bool:
+    """Claim ``layer`` for fused decode steps if its mode wants ``query``'s device and it fits (logged once).
+
+    ``module``: the attention module calling; its config's ``_attn_implementation`` is remembered so that
+    ``serving`` can tell when the model switched to another attention implementation.
+    """
     state = layer.fused
     if state.claimed:
         return True
@@ -189,7 +200,31 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor) -> bool:
         state.declined = reason
         return False
     state.claimed, state.declined = True, None
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    state.claimed_by = None if implementation is None else (weakref.ref(config), implementation)
     return True
+
+
+def serving(layer: QuantizedKVLayer) -> bool:
+    """Whether the claimed ``layer``'s decode steps still reach the attention that claimed it. When the model
+    was switched to another implementation (``set_attn_implementation("sdpa")``), placeholders would reach
+    an attention function that cannot read them: release the claim (logged), so ``update`` returns
+    dequantized K/V again; the next ``kvbits_fused`` call claims the layer anew. No device work."""
+    state = layer.fused
+    if state.claimed_by is None:
+        return True
+    ref, implementation = state.claimed_by
+    config = ref()
+    now = None if config is None else getattr(config, "_attn_implementation", None)
+    if config is None or now == implementation:
+        return True
+    logger.info(
+        "layer %d: the model's attention changed from %r to %r: decode steps return dequantized K/V",
+        layer.layer_idx, implementation, now,
+    )  # fmt: skip
+    state.claimed, state.claimed_by = False, None
+    return False
 
 
 def tag(layer: QuantizedKVLayer, keys: torch.Tensor, placeholder: bool = False) -> torch.Tensor:

@@ -88,12 +88,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         workspace: keep the dequantized history too (faster decode; reported apart, never in
             ``total_bytes``); results are identical either way.
         num_key_value_heads: expected ``H_kv`` of the incoming K/V (from the model config), or ``None``.
+        head_dim: ``D`` from the model config, to check the scheme's channel groups against it now
+            (``None``: checked against the K/V of the first update).
         rotary: this layer's RoPE tables (``RotaryTables.tables_for_layer``), needed by ``pre_rope`` keys.
         fused_decode: ``True`` / ``"auto"`` (CUDA with Triton) / ``False``: whether decode steps may skip
             dequantization for the ``kvbits_fused`` attention function (``kvbits.cache.fused``).
         rope_tables: float32 RoPE tables shared with the cache's other layers (fused pre-RoPE keys).
-        checks: how incoming K/V are checked for NaN / inf / float16 range (``kvbits.cache.checks``):
-            ``"eager"`` before storing them (one host sync per step), ``"lazy"`` on the device, read every
+        checks: how incoming K/V are checked for NaN / inf / the float16 range (where float16 holds them
+            or their metadata; ``kvbits.cache.checks``): ``"eager"`` before storing them (one host sync per
+            step), ``"lazy"`` on the device, read every
             ``check_every`` update steps and by ``materialize()`` (no sync per step), ``"auto"`` (default):
             eager on CPU, lazy on CUDA and other accelerators.
         check_every: update steps between lazy checks (default 64).
@@ -117,6 +120,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         sliding_window: int | None = None,
         workspace: bool = False,
         num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
         rotary: RotaryTables | None = None,
         fused_decode: bool | str = "auto",
         rope_tables: fused.RopeTableCache | None = None,
@@ -139,6 +143,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             self.mode = "quantized"
         quantized = self.mode == "quantized"
+        if quantized and head_dim is not None:
+            kv_checks.check_channel_groups(scheme, head_dim, head_dim, f"layer {layer_idx}")
         if quantized and scheme.key.pre_rope and rotary is None:
             raise ValueError(
                 f"layer {layer_idx}: scheme {scheme.name!r} quantizes keys before RoPE and needs the model's RoPE "
@@ -154,8 +160,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
-        if quantized:  # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less
-            self.checks.bounds = (kv_checks.input_bound(scheme.key), kv_checks.input_bound(scheme.value))
+        # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less; bf16/fp32 more
+        self.checks.bounds = (
+            kv_checks.input_bound(scheme.key, self.mode), kv_checks.input_bound(scheme.value, self.mode)
+        )  # fmt: skip
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.dtype: torch.dtype | None = None
@@ -240,6 +248,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         return missing
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.mode == "quantized":
+            kv_checks.check_channel_groups(
+                self.scheme, key_states.shape[-1], value_states.shape[-1], f"layer {self.layer_idx}"
+            )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.checks.resolve(self.device)
         k_store, v_store = key_states.dtype, value_states.dtype
@@ -257,8 +269,9 @@ class QuantizedKVLayer(CacheLayerMixin):
 
         Full attention: all ``T`` tokens seen. Sliding window: the last ``min(T_before, W - 1)`` cached
         tokens plus the ``q`` new ones, as ``DynamicSlidingWindowLayer`` (``get_mask_sizes`` agrees).
-        Decode steps of a layer claimed by ``kvbits_fused`` return zero-byte placeholders instead
-        (``kvbits.cache.fused``). With lazy checks (``kvbits.cache.checks``) nothing here waits for the device.
+        Decode steps of a layer claimed by ``kvbits_fused`` return zero-byte placeholders instead, while the
+        model's attention is still ``kvbits_fused`` (``kvbits.cache.fused``). With lazy checks
+        (``kvbits.cache.checks``) nothing here waits for the device.
         """
         kv_checks.validate(self, key_states, value_states)
         if not self.is_initialized:
@@ -286,8 +299,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
             self._k.flush(n_flush, self.scheme.block)
             self._v.flush(n_flush, self.scheme.block)
-        if self.fused.claimed and q == 1:  # kvbits_fused attends over packed_store(self): no dequantization
-            return fused.placeholders(self)
+        if self.fused.claimed and q == 1 and fused.serving(self):
+            return fused.placeholders(self)  # kvbits_fused attends over packed_store(self): no dequantization
         keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
         if self.is_sliding:
             start = max(0, n_before - self.sliding_window + 1) - dropped_before
@@ -340,17 +353,27 @@ class QuantizedKVLayer(CacheLayerMixin):
 
         Only tokens still in full precision can be removed (the buffer, or the sinks when nothing was
         quantized yet): quantized blocks are never dequantized and re-split. Anything else raises
-        ``ValueError``.
+        ``ValueError``, and the layer is left as it was.
         """
+        r = self.tokens_to_crop(tokens_to_remove)
+        if r == 0:
+            return
+        self._k.crop_tail(r)
+        self._v.crop_tail(r)
+        self.tokens_seen -= r
+
+    def tokens_to_crop(self, tokens_to_remove: int) -> int:
+        """How many tokens ``crop(tokens_to_remove)`` removes (0: none); ``ValueError`` when it cannot. Changes
+        nothing (``QuantizedKVCache.crop`` asks every layer before cropping any)."""
         n = self.tokens_seen
         if tokens_to_remove > 0:
             if tokens_to_remove >= n:
-                return
+                return 0
             r = n - tokens_to_remove
         else:
             r = -tokens_to_remove
         if r == 0 or not self.is_initialized:
-            return
+            return 0
         removable = self._k.n_buffer + (self._k.n_sinks if self._k.n_quantized == 0 else 0)
         if r > removable:
             raise ValueError(
@@ -362,9 +385,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: cannot crop {r} tokens from a sliding-window layer that already dropped "
                 f"{self.dropped_tokens} tokens the shorter sequence would need"
             )
-        self._k.crop_tail(r)
-        self._v.crop_tail(r)
-        self.tokens_seen = n - r
+        return r
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select sequences ``beam_idx`` (beam search) in every stored tensor, scales included."""

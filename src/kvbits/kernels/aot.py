@@ -31,7 +31,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIMITS", "DeviceLimits", "KernelResources", "compile_only", "instruction_mix", "resources"]
+__all__ = [
+    "LIMITS",
+    "DeviceLimits",
+    "KernelResources",
+    "compile_only",
+    "compiling",
+    "instruction_mix",
+    "resources",
+]
+
+_COMPILING = 0  # compile_only blocks entered and not yet left
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,11 @@ class _CompileOnlyDriver:
         return True
 
 
+def compiling() -> bool:
+    """Whether Triton launches only compile now (inside ``compile_only``), so CPU tensors are fine."""
+    return _COMPILING > 0
+
+
 @contextlib.contextmanager
 def compile_only(arch: str = "sm_90") -> Iterator[list[Any]]:
     """Within the block, Triton kernel launches compile for ``arch`` and run nothing.
@@ -156,12 +171,15 @@ def compile_only(arch: str = "sm_90") -> Iterator[list[Any]]:
         compiled.append(kernel)
         return kernel
 
+    global _COMPILING
     previous = driver._active  # not ``driver.active``: that would create the default driver (needs a GPU)
     driver.set_active(_CompileOnlyDriver(target))
     JITFunction.run = run
+    _COMPILING += 1
     try:
         yield compiled
     finally:
+        _COMPILING -= 1
         JITFunction.run = original_run
         driver._active = previous
 

@@ -16,7 +16,14 @@ from kvbits.kernels.reference import PackedStore, decode_attention_reference
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KERNEL_ENV", "decode_attention", "kernel_mode", "resolve_kernel", "triton_available"]
+__all__ = [
+    "KERNEL_ENV",
+    "check_triton_device",
+    "decode_attention",
+    "kernel_mode",
+    "resolve_kernel",
+    "triton_available",
+]
 
 KERNEL_ENV = "KVBITS_KERNEL"
 MODES = ("auto", "reference", "triton")
@@ -42,6 +49,24 @@ def kernel_mode() -> str:
     return mode
 
 
+def check_triton_device(x: torch.Tensor, what: str) -> None:
+    """``KVBITS_KERNEL=triton``: ``ValueError`` unless ``x`` is on CUDA or Triton runs interpreted.
+
+    Triton launches CPU tensors only through its interpreter (``TRITON_INTERPRET=1``, as
+    ``kvbits.kernels.interpret.enable_interpreter`` sets it), or compiles them for another GPU inside
+    ``kvbits.kernels.aot.compile_only``; otherwise Triton itself fails with an opaque "0 active drivers"
+    error at the launch.
+    """
+    from kvbits.kernels import aot  # standard library only: no Triton import
+
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and not aot.compiling():
+        raise ValueError(
+            f"{KERNEL_ENV}=triton runs the Triton kernels on CUDA tensors, or on CPU tensors through Triton's "
+            f"interpreter (TRITON_INTERPRET=1, kvbits.kernels.interpret.enable_interpreter()); got {what} on "
+            f"{x.device} without it: set {KERNEL_ENV}=reference (or auto) for the torch reference"
+        )
+
+
 def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
     """``"triton"`` or ``"reference"``: what ``decode_attention`` runs for these inputs."""
     mode = kernel_mode()
@@ -50,6 +75,7 @@ def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
     if mode == "triton":
         if not triton_available():
             raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
+        check_triton_device(q, "the query")
         from kvbits.kernels.triton_decode import supported
 
         reason = supported(store, q)

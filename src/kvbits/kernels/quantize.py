@@ -30,6 +30,8 @@ def resolve_quantize_kernel(x: torch.Tensor, spec: TensorSpec) -> str:
         if mode == "triton":
             raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
         return "reference"
+    if mode == "triton":
+        dispatch.check_triton_device(x, "a K/V block")
     from kvbits.kernels.triton_quantize import supported
 
     reason = supported(x, spec)

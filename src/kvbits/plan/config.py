@@ -42,6 +42,7 @@ __all__ = [
     "ConfigLike",
     "LayerShape",
     "ModelShape",
+    "attention_heads",
     "dtype_bytes_of",
     "estimate_params",
     "load_shape",
@@ -114,8 +115,12 @@ def _keys(cfg: Any) -> list[str]:
     return sorted(k for k in vars(cfg) if not k.startswith("_")) if hasattr(cfg, "__dict__") else []
 
 
-def _heads(cfg: Any) -> tuple[int, int, int]:
-    """``(H_q, H_kv, D)`` of one layer's config."""
+def attention_heads(cfg: Any) -> tuple[int, int, int]:
+    """``(H_q, H_kv, D)`` of one layer's (text) config, read as the module docstring says.
+
+    ``H_kv`` is the model's own KV head count; ``QuantizedKVCache`` reuses this (``attention_shape``).
+    ``ValueError`` when the config has no head counts or inconsistent ones.
+    """
     q = _int(_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"), "num_attention_heads")
     if _get(cfg, "multi_query") is True and not _get(cfg, "new_decoder_architecture"):
         kv: int | None = 1  # GPT-BigCode, Falcon-7B: one shared KV head
@@ -255,7 +260,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         kind, window = _attention(text, lc, i, layer_types)
         if sharing is not None and sharing[i] == "reuse":
             kind, window = "none", None  # reads the KV of an earlier layer (Gemma-3n/4 KV sharing)
-        _, kv, d = _heads(lc)
+        _, kv, d = attention_heads(lc)
         layers.append(LayerShape(kv, d, kind, window))
     dtype = dtype_bytes_of(_dtype_field(text)) or dtype_bytes_of(_dtype_field(config))
     if dtype is None:

@@ -206,6 +206,14 @@ class RotaryTables:
     halves_equal: bool = False
     _module: Any = field(default=None, repr=False)
 
+    def __deepcopy__(self, memo: dict) -> RotaryTables:
+        """The tables themselves: a deep copy of a cache (transformers' prompt reuse: prefill once, deepcopy
+        per continuation) shares them, as it shares the model. They never change after construction
+        (``rotary`` is kept pristine; ``tables_for_layer`` and a cache moving devices build new tables),
+        and ``_module`` is a Python module, which cannot be copied."""
+        memo[id(self.rotary)] = self.rotary  # other references to the module in the same copy share it too
+        return self
+
     # ---------------------------------------------------------------------------- construction
 
     @classmethod
