@@ -645,6 +645,47 @@ def test_out_dir_skip_overwrite_and_mismatch(models, tmp_path, monkeypatch):
     assert json.loads((out / "config.json").read_text())["config_hash"] != cfg["config_hash"]
 
 
+def test_out_dir_foreign_folder_is_never_cleaned(models, tmp_path, monkeypatch):
+    """A non-empty folder kvbits did not write is refused; with overwrite only kvbits' files are replaced."""
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    model = models("llama")
+    out = tmp_path / "proj"
+    (out / "tokens").mkdir(parents=True)
+    (out / "tokens" / "my_vocab.txt").write_text("precious")
+    (out / "summary.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("hello")
+    before = {p: p.read_text() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="holds no kvbits eval run"):
+        evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out)
+    # a run refused for its inputs (the text is shorter than one window) deletes nothing either
+    with pytest.raises(ValueError, match="fewer than one window"):
+        evaluate(model, _ids(50)[0], 100, ["int4-token"], out_dir=out, overwrite=True)
+    assert {p: p.read_text() for p in out.rglob("*") if p.is_file()} == before
+    evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out, overwrite=True, attn_layers=[])
+    assert (out / "notes.txt").read_text() == "hello" and (out / "tokens" / "my_vocab.txt").read_text() == "precious"
+    assert (out / "tokens" / "int4-token.safetensors").is_file() and "results" in json.loads(
+        (out / "summary.json").read_text()
+    )
+
+
+def test_out_dir_old_run_kept_when_new_inputs_fail(models, tmp_path, monkeypatch):
+    """overwrite clears a kvbits run folder only once the new run's inputs loaded."""
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    model = models("llama")
+    out = tmp_path / "run"
+    evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out, attn_layers=[])
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    with pytest.raises(ValueError, match="attn_layers"):
+        evaluate(model, _ids(200)[0], 100, ["int8-token"], out_dir=out, overwrite=True, attn_layers=[7])
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file()) == files
+    evaluate(model, _ids(200)[0], 100, ["int8-token"], out_dir=out, overwrite=True, attn_layers=[])
+    assert sorted(p.name for p in (out / "tokens").iterdir()) == ["int8-token.safetensors"]
+
+
 @torch.no_grad()
 def test_runner_prefill_and_stream_agree(models):
     model = models("qwen2")

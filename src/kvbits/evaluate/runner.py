@@ -55,7 +55,14 @@ from kvbits.evaluate.metrics import (
     summarize,
     token_metrics,
 )
-from kvbits.evaluate.outputs import _atomic_write, _check_out_dir, _run_config, _write_outputs, _write_report
+from kvbits.evaluate.outputs import (
+    _atomic_write,
+    _check_out_dir,
+    _prepare_out_dir,
+    _run_config,
+    _write_outputs,
+    _write_report,
+)
 from kvbits.evaluate.request import (
     MODES,
     OUTPUT_VERSION,
@@ -201,7 +208,7 @@ def evaluate(
     chash = config_hash(request)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        stored = _check_out_dir(out, chash, overwrite)
+        stored = _check_out_dir(out, chash, overwrite, request)
         if stored is not None:
             if on_skip:
                 on_skip(stored)
@@ -241,8 +248,9 @@ def evaluate(
     names = [_scheme_name(s) for s in resolved]
     fingerprint = {"model": model_fp, "tokens": tokens_fp}
     if out is not None:
+        _prepare_out_dir(out, names)  # the inputs are loaded and checked: now the old run may go
         args = {
-            "model": request["model"] if isinstance(model_spec, str) else model_name,
+            "model": model_spec if isinstance(model_spec, str) else model_name,
             "data": data_name,
             "context": context,
             "windows": windows,
