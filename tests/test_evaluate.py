@@ -686,6 +686,37 @@ def test_out_dir_old_run_kept_when_new_inputs_fail(models, tmp_path, monkeypatch
     assert sorted(p.name for p in (out / "tokens").iterdir()) == ["int8-token.safetensors"]
 
 
+def test_out_dir_not_reused_after_the_text_or_model_changed(models, tmp_path, monkeypatch):
+    """The config hash holds the text's and the model folder's content, not their paths."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.evaluate import runner
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    models("llama").save_pretrained(folder)
+    text = write_word_text(tmp_path / "book.txt", 400)
+    out = tmp_path / "run"
+    kw = {"out_dir": out, "attn_layers": []}
+    first = evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
+    skipped = []
+    assert evaluate(str(folder), str(text), 100, ["int4-token"], on_skip=skipped.append, **kw) == first
+    assert skipped
+    write_word_text(text, 400, seed=1)  # same path, other words
+    with pytest.raises(ValueError, match="differs in data"):
+        evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
+    fresh = evaluate(str(folder), str(text), 100, ["int4-token"], overwrite=True, **kw)
+    assert fresh["fingerprint"]["tokens"] != first["fingerprint"]["tokens"]
+    other = _llama()
+    with torch.no_grad():
+        other.lm_head.weight.mul_(2.0)
+    other.save_pretrained(folder)  # same path and config, other weights
+    with pytest.raises(ValueError, match="differs in model"):
+        evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
+
+
 @torch.no_grad()
 def test_runner_prefill_and_stream_agree(models):
     model = models("qwen2")

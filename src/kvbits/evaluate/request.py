@@ -1,7 +1,7 @@
 """What an evaluation computes: its arguments, checked, and its identity.
 
 ``_request`` records, JSON-able, everything that decides the numbers (model and data identities,
-schemes, mode, semantics, calibration ids, ...); :func:`config_hash` of it decides whether a
+by content where they are local files; schemes, mode, semantics, calibration ids, ...); :func:`config_hash` of it decides whether a
 stored run can be reused (:mod:`.outputs`).
 """
 
@@ -161,14 +161,20 @@ def _request(
     ``mode``/``semantics``); a swapped positional pair would silently change the config hash.
     """
     if isinstance(model, str):
-        model_id = model
+        # by content where it can be hashed: a stored run of the same path must not be reused once
+        # the folder's weights or tokenizer changed (registry names and hub ids pin their content)
+        from kvbits.evaluate.models import model_content_id
+
+        model_id = model_content_id(model) or model
     else:
         fp = getattr(model, "fingerprint", None)
         model_id = f"fingerprint:{fp}" if isinstance(fp, str) else f"fingerprint:{_model_fingerprint(model)}"
     if isinstance(data, torch.Tensor):
         data_id = f"tokens:{_ids_fingerprint(data)}"
     elif isinstance(data, str):
-        data_id = data
+        from kvbits.evaluate.data import text_content_id
+
+        data_id = text_content_id(data)  # by content, as the model: an edited text is another run
     else:
         data_id = f"text:{getattr(data, 'sha256', '?')}"
     return {
