@@ -414,6 +414,65 @@ def test_missing_calibration_is_refused_before_anything_loads():
 # --------------------------------------------------------------------------------- metrics
 
 
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(5)
+    cfg = GraniteConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        logits_scaling=8.0,
+    )
+    return GraniteForCausalLM(cfg).eval()
+
+
+def _cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(6)
+    cfg = CohereConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        logit_scale=0.25,
+    )
+    return CohereForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("build", [_granite, _cohere], ids=["granite-logits_scaling", "cohere-logit_scale"])
+@torch.no_grad()
+def test_reference_ppl_is_the_models_own(build):
+    """Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale: the metrics must too."""
+    model = build()
+    model.get_output_embeddings().weight.mul_(40)  # logits large enough for the scaling to matter
+    ids = _ids(128, seed=3)
+    own = math.exp(float(model(input_ids=ids, labels=ids).loss))
+    s = evaluate(model, ids[0], 128, ["int8-token"], attn_layers=[])
+    assert s["results"][0]["ppl_ref"] == pytest.approx(own, rel=1e-4)
+
+
+@torch.no_grad()
+def test_unknown_logit_post_processing_is_refused(models):
+    model = copy.deepcopy(models("llama"))
+
+    def rescale(module, args, kwargs, out):  # a family kvbits does not know: logits * 3
+        out.logits = out.logits * 3.0
+        return out
+
+    model.register_forward_hook(rescale, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="post-processes its logits"):
+        evaluate(model, _ids(128)[0], 128, ["int8-token"], attn_layers=[])
+
+
 def test_bucket_bounds_exact():
     assert M.bucket_bounds(8191) == [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8191)]
     assert M.bucket_bounds(32767)[-1] == (16384, 32767)

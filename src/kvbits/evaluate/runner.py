@@ -18,6 +18,11 @@ This module is the loop; the rest is beside it: :mod:`.request` (arguments, iden
 :mod:`.measures` (calibration mismatch, peak memory). A rerun with the same configuration finds ``DONE`` and returns the stored summary without loading
 the model (``overwrite=True`` recomputes); a folder written by another configuration is refused.
 Batch = 1, unpadded windows: perplexity windows are raw slices of one text.
+
+Logits come from the final hidden states through ``metrics.LogitHead`` (the output embedding plus
+the family's post-processing: Gemma's soft-cap, Granite's ``logits_scaling``, Cohere's
+``logit_scale``); once per run they are checked against the model's own logits on a prefix of the
+first window, and a model whose forward does something else is refused rather than mis-measured.
 """
 
 from __future__ import annotations
@@ -50,8 +55,10 @@ from kvbits.evaluate.measures import (
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
+    LogitHead,
     attn_error_buckets,
     bucket_records,
+    check_logit_head,
     summarize,
     token_metrics,
 )
@@ -111,6 +118,25 @@ def _progress(enabled: bool, total: int):
 @torch.no_grad()
 def _hidden_plain(base: Any, ids: torch.Tensor) -> torch.Tensor:
     return base(input_ids=ids, use_cache=False).last_hidden_state
+
+
+# positions of the first window on which the metrics' logits are checked against the model's own
+_HEAD_CHECK_TOKENS = 64
+
+
+@torch.no_grad()
+def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> None:
+    """Once per run: the logits the metrics compute from the final hidden states (``head``) must be
+    the model's own on a short prefix ``ids`` ``(1, n)``; a family post-processing its logits in a way
+    ``LogitHead`` does not know would otherwise bias every PPL and KL silently."""
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    hidden = _hidden_plain(base, ids)[0]
+    exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
+    try:
+        err = check_logit_head(head, hidden, logits, tolerance=1e-3 if exact else 3e-2)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{type(model).__name__}: {exc}") from None
+    logger.debug("logits from the final hidden states match the model's (relative difference %.2g)", err)
 
 
 def evaluate(
@@ -267,12 +293,8 @@ def evaluate(
         config = _run_config(chash, request, args, argv, fingerprint, W)
         _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
 
-    head = model.get_output_embeddings()
-    softcap = getattr(
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-        "final_logit_softcapping",
-        None,
-    )
+    head = LogitHead.from_model(model)
+    _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
     per_token = {n: {k: np.zeros((W, T - 1), dtype=np.float32) for k in TOKEN_FIELDS} for n in names}
     attn_err = {n: {layer: np.zeros((W, T), dtype=np.float32) for layer in layers} for n in names}
     seconds = dict.fromkeys(names, 0.0)
@@ -340,7 +362,7 @@ def evaluate(
                         f"{name}: non-finite hidden states in window {w} (NaN/inf in the model or K/V)"
                     )
                 hs.append(h[:-1])
-            metrics = token_metrics(head, h_ref[:-1], hs, win[w, 1:], softcap=softcap)
+            metrics = token_metrics(head, h_ref[:-1], hs, win[w, 1:])
             for name, rec in zip(names, metrics):
                 for k in TOKEN_FIELDS:
                     per_token[name][k][w] = rec[k].numpy()
