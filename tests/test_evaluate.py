@@ -901,6 +901,31 @@ def test_realmodel_cli_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == s
 
 
+def test_served_beyond_calibration_and_clipping_are_logged(caplog):
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.evaluate.measures import _warn_mismatch
+
+    model = _llama()
+    scheme = get_scheme("kvquant-4")
+    g = torch.Generator().manual_seed(0)
+    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]  # far narrower than served
+    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
+    art.meta["data"]["context"] = 64
+    with caplog.at_level("WARNING", logger="kvbits"):
+        s = evaluate(model, _ids(128)[0], 128, [scheme], calibration=art, attn_layers=[])
+    cal = s["results"][0]["calibration"]
+    assert cal["positions_beyond_calibrated"] == 64 and cal["clipped_keys_frac"] > 0.01
+    text = caplog.text
+    assert "kvquant-4: 64 of the 128 positions per window lie beyond the 64 tokens the calibration saw" in text
+    assert "of the cached keys were clipped against the calibrated ranges" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):  # within the calibrated length, under the warning level
+        _warn_mismatch("x", {"positions_beyond_calibrated": 0, "clipped_keys_frac": 1e-5}, 128)
+    assert caplog.text == ""
+
+
 @torch.no_grad()
 def test_simulate_counts_clipping_against_calibrated_ranges(models):
     """A calibration on narrower data than what is served must show up as clipped values."""

@@ -481,6 +481,21 @@ def test_calibration_section_shows_artifact_clipping_and_warnings(tmp_path):
     assert '<p class="warning">Warning: <strong>kivi-4</strong> serves 7,680' in page
 
 
+def test_print_summary_shows_calibration_warnings():
+    from rich.console import Console
+
+    con = Console(record=True, width=300, color_system=None)
+    print_summary(_calibrated_summary(), con)
+    text = con.export_text()
+    assert (
+        "Warning: kivi-4 serves 7,680 of 8,192 positions per window beyond the 512 tokens it was calibrated on; "
+        "clips 0.250% of its keys"
+    ) in text
+    con = Console(record=True, width=300, color_system=None)
+    print_summary(_summary(), con)
+    assert "Warning" not in con.export_text()
+
+
 def test_calibration_without_mismatch_has_no_warning(tmp_path):
     s = _calibrated_summary()
     s["results"][1]["calibration"].update(positions_beyond_calibrated=0, clipped_keys=0, clipped_keys_frac=0.0)

@@ -52,6 +52,7 @@ from kvbits.evaluate.measures import (
     _peak_rss_bytes,
     _reset_peak_rss,
     _run_peak_rss_bytes,
+    _warn_mismatch,
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
@@ -395,6 +396,7 @@ def evaluate(
             }
         )  # fmt: skip
         records += bucket_records(name, per_token[name], first)
+        _warn_mismatch(name, results[-1]["calibration"], T)
         logger.info(
             "%s: %.1f s, ppl %.4f (reference %.4f), kl %.5f",
             name,
