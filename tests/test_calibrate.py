@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -415,6 +416,47 @@ def test_bad_json_is_reported(calibrated, tmp_path):
         load_calibration(d)
     with pytest.raises(ValueError, match="no calibration folder"):
         load_calibration(tmp_path / "nowhere")
+
+
+def _edit(meta: dict, path: tuple, value) -> dict:
+    meta = json.loads(json.dumps(meta))
+    obj = meta
+    for k in path[:-1]:
+        obj = obj[k]
+    if value is _DELETE:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+    return meta
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("data", "context"), -100, "data.context must be a positive integer"),
+        (("data", "context"), 0, "data.context must be a positive integer"),
+        (("data", "context"), 128.0, "data.context must be a positive integer"),
+        (("model", "num_layers"), "two", "model.num_layers must be a positive integer, got 'two'"),
+        (("model", "num_layers"), 2.7, "model.num_layers must be a positive integer, got 2.7"),
+        (("model", "model_type"), _DELETE, "model.model_type is missing"),
+        (("model", "fingerprint"), None, "model.fingerprint must be a non-empty string, got None"),
+        (("format_version",), True, "has format_version True"),
+        (("stats",), 5, "stats must be a list"),
+        (("files", "calibration.safetensors", "bytes"), None, "bytes must be a non-negative integer"),
+    ],
+)
+def test_edited_json_fields_are_refused(calibrated, tmp_path, path, value, message):
+    """Only the tensor file is hashed: the JSON fields the loader and the reports use are range-checked."""
+    _, _, out = calibrated
+    d = tmp_path / "e"
+    shutil.copytree(out, d)
+    meta = json.loads((d / META_FILE).read_text())
+    (d / META_FILE).write_text(json.dumps(_edit(meta, path, value)))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_calibration(d)
 
 
 def test_wrong_model_or_scheme_is_reported(calibrated, tmp_path):
