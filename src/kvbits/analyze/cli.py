@@ -65,7 +65,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens per layer sampled for percentiles, ranges, SQNR and plots (default 4096)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON instead of a table")
     p.add_argument(
@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.cli import EXIT_OK, _print_json
     from kvbits.evaluate.data import load_text, make_windows, tokenize
     from kvbits.evaluate.models import load_model
+    from kvbits.evaluate.request import check_device
 
+    check_device(args.device, ("cpu", "cuda", "mps"))  # before the model loads
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     text = load_text(args.data)
     windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)

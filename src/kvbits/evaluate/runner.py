@@ -75,10 +75,10 @@ from kvbits.evaluate.request import (
     MODES,
     OUTPUT_VERSION,
     _check_args,
-    _check_device,
     _request,
     _resolve_dtype,
     _scheme_name,
+    check_device,
     config_hash,
     default_attn_layers,
 )
@@ -208,7 +208,7 @@ def evaluate(
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     torch_dtype, dtype_name = _resolve_dtype(dtype)
-    _check_device(device)
+    check_device(device)
     calibrations = _calibrations(calibration, resolved)
     _check_calibrated(resolved, calibrations)
     request = _request(
