@@ -776,6 +776,42 @@ def test_out_dir_not_reused_after_the_text_or_model_changed(models, tmp_path, mo
         evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
 
 
+def test_reproduce_command_of_a_run_started_from_python(models, tmp_path, monkeypatch):
+    """The report's command line for a Python run is one `kvbits eval` runs with the same settings."""
+    import shlex
+
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.cli import build_parser
+    from kvbits.evaluate import runner
+    from kvbits.report.inputs import load_config, reproduce_command
+    from kvbits.report.summary import RunSummary
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    models("llama").save_pretrained(folder)
+    text = write_word_text(tmp_path / "book.txt", 300)
+    scheme_file = tmp_path / "mine.json"
+    scheme_file.write_text(json.dumps(SINKS.replace(name="mine").to_dict()))
+    out = tmp_path / "run"
+    evaluate(str(folder), str(text), 100, ["int4-token", str(scheme_file)], windows=2, out_dir=out,
+             attn_layers=[1], chunk_size=32, seed=5)  # fmt: skip
+    line = reproduce_command(load_config(out), RunSummary.load(out), out)
+    args = build_parser(only="eval").parse_args(shlex.split(line)[1:])
+    assert (args.model, args.data, args.context, args.windows) == (str(folder), str(text), 100, 2)
+    assert args.scheme == ["int4-token", str(scheme_file)] and args.attn_layers == [1]
+    assert (args.chunk_size, args.seed, args.out) == (32, 5, str(out))
+    from kvbits.evaluate.data import load_text
+    from kvbits.evaluate.inputs import _data_arg, _model_arg
+    from kvbits.evaluate.models import load_model
+
+    # objects: the folder and the file they were loaded from
+    assert _model_arg(load_model(str(folder)), "model") == str(folder.resolve())
+    assert _data_arg(load_text(str(text)), "book") == str(text.resolve())
+
+
 @torch.no_grad()
 def test_runner_prefill_and_stream_agree(models):
     model = models("qwen2")

@@ -421,6 +421,21 @@ def test_reproduce_command_parses_with_the_eval_cli(tmp_path):
     assert args.scheme == list(SCHEMES) and args.attn_layers == [0, 14, 29] and args.out == str(tmp_path / "out")
 
 
+def test_reproduce_command_repeats_calibration_flags():
+    pytest.importorskip("kvbits.evaluate.cli")
+    import shlex
+
+    from kvbits.cli import build_parser
+
+    config = _config()
+    config["args"].update(calibration=["cal/a", "cal/b"], chunk_size=128, seed=7, fused_decode="off")
+    line = reproduce_command(config, RunSummary.from_dict(_summary()))
+    assert "--calibration cal/a --calibration cal/b" in line
+    args = build_parser(only="eval").parse_args(shlex.split(line)[1:])
+    assert args.calibration == ["cal/a", "cal/b"]
+    assert (args.chunk_size, args.seed, args.fused_decode) == (128, 7, "off")
+
+
 def test_tables_are_consistent_with_formatting():
     t = delta_table(_summary())
     assert t.headers[2:] == ("0–1K", "1K–2K", "2K–4K", "4K–8K")

@@ -43,8 +43,10 @@ from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
     _check_calibrated,
+    _data_arg,
     _load_model,
     _load_windows,
+    _model_arg,
 )
 from kvbits.evaluate.measures import (
     _mismatch,
@@ -276,12 +278,14 @@ def evaluate(
     fingerprint = {"model": model_fp, "tokens": tokens_fp}
     if out is not None:
         _prepare_out_dir(out, names)  # the inputs are loaded and checked: now the old run may go
+        # the arguments as `kvbits eval` takes them (the report rebuilds the command line from them
+        # when the run was started from Python): specs as given, not the names they resolved to
         args = {
-            "model": model_spec if isinstance(model_spec, str) else model_name,
-            "data": data_name,
+            "model": _model_arg(model_spec, model_name),
+            "data": _data_arg(data, data_name),
             "context": context,
             "windows": windows,
-            "schemes": names,
+            "schemes": [s if isinstance(s, str) else n for s, n in zip(schemes, names)],
             "mode": mode,
             "semantics": semantics,
             "prompt_len": prompt_len,
@@ -290,6 +294,11 @@ def evaluate(
             "device": device,
             "data_path": data_path,
             "calibration": _calibration_paths(calibration),
+            "chunk_size": chunk_size,
+            "seed": seed,
+            "fused_decode": (
+                {True: "on", False: "off"}.get(request["fused_decode"], "auto") if mode == "stream" else None
+            ),
         }
         config = _run_config(chash, request, args, argv, fingerprint, W)
         _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
