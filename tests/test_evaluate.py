@@ -473,6 +473,21 @@ def test_unknown_logit_post_processing_is_refused(models):
         evaluate(model, _ids(128)[0], 128, ["int8-token"], attn_layers=[])
 
 
+def test_two_calibrations_for_one_scheme_are_refused(models):
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = models("llama")
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, 2, 32, 32, generator=g) for _ in range(2)]
+    arts = [
+        artifact_from_samples("kvquant-4", [k * f for k in keys], keys, meta={"model": describe_model(model.config)})
+        for f in (1.0, 2.0)
+    ]
+    with pytest.raises(ValueError, match="two calibrations were given for scheme 'kvquant-4'"):
+        evaluate(model, _ids(64)[0], 64, ["kvquant-4"], calibration=arts)
+
+
 def test_bucket_bounds_exact():
     assert M.bucket_bounds(8191) == [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8191)]
     assert M.bucket_bounds(32767)[-1] == (16384, 32767)

@@ -116,7 +116,14 @@ def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:
         out = {}
         for item in items:
             art = load(item)
-            out[art.scheme.name] = art
+            name = art.scheme.name
+            if name in out:  # which one was meant is not ours to guess
+                where = [str(getattr(a, "path", None) or "<in memory>") for a in (out[name], art)]
+                raise ValueError(
+                    f"two calibrations were given for scheme {name!r} ({where[0]} and {where[1]}); "
+                    "give one per scheme"
+                )
+            out[name] = art
     unknown = sorted(set(out) - set(names))
     if unknown:
         raise ValueError(
