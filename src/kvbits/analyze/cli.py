@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device, ("cpu", "cuda", "mps"))  # before the model loads
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
     text = load_text(args.data)
     windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
     logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
@@ -115,6 +116,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print_table(result, written)
     return EXIT_OK
+
+
+def _check_plot_args(model: Any, args: argparse.Namespace) -> None:
+    """``--plot-layer``/``--plot-head`` against the model's attention layers and KV heads."""
+    from kvbits.analyze.collect import attention_sites
+
+    sites = attention_sites(model)
+    layers = [s.layer for s in sites]
+    if args.plot_layer is not None and args.plot_layer not in layers:
+        raise ValueError(f"--plot-layer must be one of the attention layers {layers}, got {args.plot_layer}")
+    heads = min(s.n_heads for s in sites)
+    if args.plot_head is not None and not 0 <= args.plot_head < heads:
+        raise ValueError(f"--plot-head must be a KV head in [0, {heads}), got {args.plot_head}")
 
 
 def _write_outputs(result: Any, args: argparse.Namespace) -> list[str]:
