@@ -395,6 +395,8 @@ def test_bad_arguments(models):
         evaluate(model, _ids(64)[0], 32, ["hf-quanto-int4"])
     with pytest.raises(ValueError, match="unique"):
         evaluate(model, _ids(64)[0], 32, ["int8-token", "int8-token"])
+    with pytest.raises(ValueError, match=r"attn_layers=\[1\] needs mode='simulate'"):  # not silently dropped
+        evaluate(model, _ids(64)[0], 32, ["int8-token"], mode="stream", attn_layers=[1])
     with pytest.raises(ValueError, match="unknown scheme"):
         resolve_scheme("int5-token")
 

@@ -209,6 +209,12 @@ def evaluate(
     """
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
+    if mode == "stream" and attn_layers:
+        raise ValueError(
+            f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "
+            "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
+            "leave attn_layers unset or [] (CLI: no --attn-layers)"
+        )
     torch_dtype, dtype_name = _resolve_dtype(dtype)
     check_device(device)
     calibrations = _calibrations(calibration, resolved)
