@@ -463,7 +463,12 @@ def test_reference_ppl_is_the_models_own(build):
 
 
 @torch.no_grad()
-def test_unknown_logit_post_processing_is_refused(models):
+def test_unknown_logit_post_processing_is_refused(models, tmp_path, monkeypatch):
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    out = tmp_path / "run"
+    evaluate(models("llama"), _ids(128)[0], 128, ["int8-token"], attn_layers=[], out_dir=out)
     model = copy.deepcopy(models("llama"))
 
     def rescale(module, args, kwargs, out):  # a family kvbits does not know: logits * 3
@@ -472,7 +477,8 @@ def test_unknown_logit_post_processing_is_refused(models):
 
     model.register_forward_hook(rescale, with_kwargs=True)
     with pytest.raises(RuntimeError, match="post-processes its logits"):
-        evaluate(model, _ids(128)[0], 128, ["int8-token"], attn_layers=[])
+        evaluate(model, _ids(128)[0], 128, ["int8-token"], attn_layers=[], out_dir=out, overwrite=True)
+    assert (out / "DONE").is_file()  # refused before the stored run was cleared
 
 
 def test_two_calibrations_for_one_scheme_are_refused(models):

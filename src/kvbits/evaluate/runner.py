@@ -282,6 +282,8 @@ def evaluate(
     first = prompt_len if semantics == "prefill" else 0
     names = [_scheme_name(s) for s in resolved]
     fingerprint = {"model": model_fp, "tokens": tokens_fp}
+    head = LogitHead.from_model(model)
+    _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
     if out is not None:
         _prepare_out_dir(out, names)  # the inputs are loaded and checked: now the old run may go
         # the arguments as `kvbits eval` takes them (the report rebuilds the command line from them
@@ -309,8 +311,6 @@ def evaluate(
         config = _run_config(chash, request, args, argv, fingerprint, W)
         _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
 
-    head = LogitHead.from_model(model)
-    _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
     per_token = {n: {k: np.zeros((W, T - 1), dtype=np.float32) for k in TOKEN_FIELDS} for n in names}
     attn_err = {n: {layer: np.zeros((W, T), dtype=np.float32) for layer in layers} for n in names}
     seconds = dict.fromkeys(names, 0.0)
