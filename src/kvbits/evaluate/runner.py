@@ -177,16 +177,17 @@ def evaluate(
         mode: ``"simulate"`` (one pass per window) or ``"stream"`` (the cache, token by token).
         semantics: ``"decode"`` or ``"prefill"`` (needs ``prompt_len``; only positions
             ``t >= prompt_len`` are scored).
-        attn_layers: layers whose attention-output error is recorded (simulate mode); default three
-            evenly spaced layers; ``[]`` for none.
+        attn_layers: layers whose attention-output error is recorded (simulate mode only: a list
+            with ``mode="stream"`` is refused); default three evenly spaced layers; ``[]`` for none.
         calibration: ``kvbits calibrate`` artifacts (objects or folders) for schemes with static scales
             or NUQ codebooks, matched to schemes by the scheme each was made for; or a mapping
             scheme name -> artifact.
         data_path: a data root for registry texts.
         out_dir: write the run there (see the module docstring).
-        overwrite: recompute even when ``out_dir`` holds this run, or another one.
+        overwrite: recompute even when ``out_dir`` holds this run, or another one; write into a
+            non-empty folder kvbits did not write (only the files a run writes are replaced there).
         dtype: model dtype (``"float32"``, ``"bfloat16"``) when loading or converting the model.
-        device: ``"cpu"`` or ``"cuda"``.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); refused when this torch can not use it.
         chunk_size: queries per attention chunk in the simulator.
         seed: bootstrap seed.
         progress: show a rich progress bar on stderr.
