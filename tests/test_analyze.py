@@ -306,6 +306,24 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
         main(argv + ["--threshold", "1"])
 
 
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [("--plot-layer", "9", "--plot-layer must be one of the attention layers"), ("--plot-head", "5", "--plot-head")],
+)
+def test_cli_bad_plot_arguments_refused_before_writing(tmp_path, monkeypatch, capsys, flag, value, message):
+    from kvbits.cli import main
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    _model_folder(model_dir)
+    text = write_word_text(tmp_path / "book.txt", 300)
+    out = tmp_path / "out"
+    argv = ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", "1"]
+    assert main(argv + ["--out", str(out), flag, value]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # refused before the analysis wrote anything
+
+
 # --------------------------------------------------------------------------------- real model
 
 

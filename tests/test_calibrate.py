@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -170,6 +171,63 @@ def test_k_norm_is_hooked_when_present():
     assert {(s.num_kv_heads, s.head_dim) for s in sites} == {(2, 16)}
     art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=2, fisher=False)
     assert art.num_layers == 2 and art.codebook(1, "value").shape == (8,)
+
+
+def _phi():
+    torch.manual_seed(0)
+    cfg = transformers.PhiConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        qk_layernorm=True,
+        max_position_embeddings=512,
+    )
+    return transformers.PhiForCausalLM(cfg).eval()
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=96,
+    )
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("build", [_phi, _qwen3], ids=["phi-k_layernorm-bhtd", "qwen3-k_norm-bthd"])
+def test_captured_keys_are_the_cached_keys_before_rope(build):
+    """Calibration fits the tensor the cache stores: the keys after the key norm (Phi's ``k_layernorm``
+    takes (B, H, T, D), Qwen3's ``k_norm`` (B, T, H, D)), before RoPE."""
+    from kvbits.quant.rope import RotaryTables
+
+    model = build()
+    tables = RotaryTables.from_model(model)
+    ids = token_ids(40)[None]
+    with KVCapture(model) as cap, torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for i in range(2):
+            k, _ = cap.activations(i)
+            cached = out.past_key_values.layers[i].keys
+            assert torch.allclose(k, tables.tables_for_layer(i).unrotate(cached, torch.arange(40)), atol=1e-5)
+    assert n_hooks(model) == 0
+
+
+def test_phi_calibration_covers_the_served_keys():
+    from kvbits.evaluate.runner import evaluate
+
+    model = _phi()
+    ids = token_ids(600)
+    art = calibrate(model, ids, "kvquant-4", context=128, windows=4, fisher=True)
+    assert all(row["key_clip_rate"] < 0.01 for row in art.layer_stats)
+    served = evaluate(model, ids[128 * 4 :], 64, ["kvquant-4"], calibration=art, attn_layers=[])
+    assert served["results"][0]["calibration"]["clipped_keys_frac"] < 0.01  # 0.55 with k_proj's keys
 
 
 def test_fisher_gradients_equal_ordinary_backward():
@@ -358,6 +416,47 @@ def test_bad_json_is_reported(calibrated, tmp_path):
         load_calibration(d)
     with pytest.raises(ValueError, match="no calibration folder"):
         load_calibration(tmp_path / "nowhere")
+
+
+def _edit(meta: dict, path: tuple, value) -> dict:
+    meta = json.loads(json.dumps(meta))
+    obj = meta
+    for k in path[:-1]:
+        obj = obj[k]
+    if value is _DELETE:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+    return meta
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("data", "context"), -100, "data.context must be a positive integer"),
+        (("data", "context"), 0, "data.context must be a positive integer"),
+        (("data", "context"), 128.0, "data.context must be a positive integer"),
+        (("model", "num_layers"), "two", "model.num_layers must be a positive integer, got 'two'"),
+        (("model", "num_layers"), 2.7, "model.num_layers must be a positive integer, got 2.7"),
+        (("model", "model_type"), _DELETE, "model.model_type is missing"),
+        (("model", "fingerprint"), None, "model.fingerprint must be a non-empty string, got None"),
+        (("format_version",), True, "has format_version True"),
+        (("stats",), 5, "stats must be a list"),
+        (("files", "calibration.safetensors", "bytes"), None, "bytes must be a non-negative integer"),
+    ],
+)
+def test_edited_json_fields_are_refused(calibrated, tmp_path, path, value, message):
+    """Only the tensor file is hashed: the JSON fields the loader and the reports use are range-checked."""
+    _, _, out = calibrated
+    d = tmp_path / "e"
+    shutil.copytree(out, d)
+    meta = json.loads((d / META_FILE).read_text())
+    (d / META_FILE).write_text(json.dumps(_edit(meta, path, value)))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_calibration(d)
 
 
 def test_wrong_model_or_scheme_is_reported(calibrated, tmp_path):

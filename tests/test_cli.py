@@ -158,6 +158,32 @@ def test_bad_context_is_a_usage_error(capsys):
     assert e.value.code == 2 and "32k" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["eval", "analyze"])
+def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, tmp_path, command):
+    """torch without CUDA fails with an AssertionError deep inside .to("cuda"); refuse first, clearly."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [command, "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--device", "cuda"]
+    status = main(argv + (["--scheme", "int4-token"] if command == "eval" else []))
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits {command}: error: device 'cuda'" in err and "CUDA" in err
+    assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
+def test_context_takes_2k_in_every_command(command):
+    extra = {
+        "eval": ["--scheme", "x", "--data", "d"],
+        "analyze": [],
+        "calibrate": ["--scheme", "x", "--data", "d", "--out", "o"],
+    }
+    args = cli.build_parser(only=command).parse_args(
+        [command, "--model", "m", "--context", "2k", *extra[command]]
+    )
+    assert args.context == 2048
+
+
 def test_parse_tokens():
     assert [cli.parse_tokens(s) for s in ("32768", "32k", "32K", "1m", "32_768", "4,096")] == [
         32768, 32768, 32768, 1 << 20, 32768, 4096,

@@ -395,6 +395,8 @@ def test_bad_arguments(models):
         evaluate(model, _ids(64)[0], 32, ["hf-quanto-int4"])
     with pytest.raises(ValueError, match="unique"):
         evaluate(model, _ids(64)[0], 32, ["int8-token", "int8-token"])
+    with pytest.raises(ValueError, match=r"attn_layers=\[1\] needs mode='simulate'"):  # not silently dropped
+        evaluate(model, _ids(64)[0], 32, ["int8-token"], mode="stream", attn_layers=[1])
     with pytest.raises(ValueError, match="unknown scheme"):
         resolve_scheme("int5-token")
 
@@ -412,6 +414,86 @@ def test_missing_calibration_is_refused_before_anything_loads():
 
 
 # --------------------------------------------------------------------------------- metrics
+
+
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(5)
+    cfg = GraniteConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        logits_scaling=8.0,
+    )
+    return GraniteForCausalLM(cfg).eval()
+
+
+def _cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(6)
+    cfg = CohereConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        logit_scale=0.25,
+    )
+    return CohereForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("build", [_granite, _cohere], ids=["granite-logits_scaling", "cohere-logit_scale"])
+@torch.no_grad()
+def test_reference_ppl_is_the_models_own(build):
+    """Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale: the metrics must too."""
+    model = build()
+    model.get_output_embeddings().weight.mul_(40)  # logits large enough for the scaling to matter
+    ids = _ids(128, seed=3)
+    own = math.exp(float(model(input_ids=ids, labels=ids).loss))
+    s = evaluate(model, ids[0], 128, ["int8-token"], attn_layers=[])
+    assert s["results"][0]["ppl_ref"] == pytest.approx(own, rel=1e-4)
+
+
+@torch.no_grad()
+def test_unknown_logit_post_processing_is_refused(models, tmp_path, monkeypatch):
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    out = tmp_path / "run"
+    evaluate(models("llama"), _ids(128)[0], 128, ["int8-token"], attn_layers=[], out_dir=out)
+    model = copy.deepcopy(models("llama"))
+
+    def rescale(module, args, kwargs, out):  # a family kvbits does not know: logits * 3
+        out.logits = out.logits * 3.0
+        return out
+
+    model.register_forward_hook(rescale, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="post-processes its logits"):
+        evaluate(model, _ids(128)[0], 128, ["int8-token"], attn_layers=[], out_dir=out, overwrite=True)
+    assert (out / "DONE").is_file()  # refused before the stored run was cleared
+
+
+def test_two_calibrations_for_one_scheme_are_refused(models):
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = models("llama")
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, 2, 32, 32, generator=g) for _ in range(2)]
+    arts = [
+        artifact_from_samples("kvquant-4", [k * f for k in keys], keys, meta={"model": describe_model(model.config)})
+        for f in (1.0, 2.0)
+    ]
+    with pytest.raises(ValueError, match="two calibrations were given for scheme 'kvquant-4'"):
+        evaluate(model, _ids(64)[0], 64, ["kvquant-4"], calibration=arts)
 
 
 def test_bucket_bounds_exact():
@@ -645,6 +727,114 @@ def test_out_dir_skip_overwrite_and_mismatch(models, tmp_path, monkeypatch):
     assert json.loads((out / "config.json").read_text())["config_hash"] != cfg["config_hash"]
 
 
+def test_out_dir_foreign_folder_is_never_cleaned(models, tmp_path, monkeypatch):
+    """A non-empty folder kvbits did not write is refused; with overwrite only kvbits' files are replaced."""
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    model = models("llama")
+    out = tmp_path / "proj"
+    (out / "tokens").mkdir(parents=True)
+    (out / "tokens" / "my_vocab.txt").write_text("precious")
+    (out / "summary.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("hello")
+    before = {p: p.read_text() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="holds no kvbits eval run"):
+        evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out)
+    # a run refused for its inputs (the text is shorter than one window) deletes nothing either
+    with pytest.raises(ValueError, match="fewer than one window"):
+        evaluate(model, _ids(50)[0], 100, ["int4-token"], out_dir=out, overwrite=True)
+    assert {p: p.read_text() for p in out.rglob("*") if p.is_file()} == before
+    evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out, overwrite=True, attn_layers=[])
+    assert (out / "notes.txt").read_text() == "hello" and (out / "tokens" / "my_vocab.txt").read_text() == "precious"
+    assert (out / "tokens" / "int4-token.safetensors").is_file() and "results" in json.loads(
+        (out / "summary.json").read_text()
+    )
+
+
+def test_out_dir_old_run_kept_when_new_inputs_fail(models, tmp_path, monkeypatch):
+    """overwrite clears a kvbits run folder only once the new run's inputs loaded."""
+    from kvbits.evaluate import runner
+
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    model = models("llama")
+    out = tmp_path / "run"
+    evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out, attn_layers=[])
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    with pytest.raises(ValueError, match="attn_layers"):
+        evaluate(model, _ids(200)[0], 100, ["int8-token"], out_dir=out, overwrite=True, attn_layers=[7])
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file()) == files
+    evaluate(model, _ids(200)[0], 100, ["int8-token"], out_dir=out, overwrite=True, attn_layers=[])
+    assert sorted(p.name for p in (out / "tokens").iterdir()) == ["int8-token.safetensors"]
+
+
+def test_out_dir_not_reused_after_the_text_or_model_changed(models, tmp_path, monkeypatch):
+    """The config hash holds the text's and the model folder's content, not their paths."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.evaluate import runner
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    models("llama").save_pretrained(folder)
+    text = write_word_text(tmp_path / "book.txt", 400)
+    out = tmp_path / "run"
+    kw = {"out_dir": out, "attn_layers": []}
+    first = evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
+    skipped = []
+    assert evaluate(str(folder), str(text), 100, ["int4-token"], on_skip=skipped.append, **kw) == first
+    assert skipped
+    write_word_text(text, 400, seed=1)  # same path, other words
+    with pytest.raises(ValueError, match="differs in data"):
+        evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
+    fresh = evaluate(str(folder), str(text), 100, ["int4-token"], overwrite=True, **kw)
+    assert fresh["fingerprint"]["tokens"] != first["fingerprint"]["tokens"]
+    other = _llama()
+    with torch.no_grad():
+        other.lm_head.weight.mul_(2.0)
+    other.save_pretrained(folder)  # same path and config, other weights
+    with pytest.raises(ValueError, match="differs in model"):
+        evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
+
+
+def test_reproduce_command_of_a_run_started_from_python(models, tmp_path, monkeypatch):
+    """The report's command line for a Python run is one `kvbits eval` runs with the same settings."""
+    import shlex
+
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.cli import build_parser
+    from kvbits.evaluate import runner
+    from kvbits.report.inputs import load_config, reproduce_command
+    from kvbits.report.summary import RunSummary
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    models("llama").save_pretrained(folder)
+    text = write_word_text(tmp_path / "book.txt", 300)
+    scheme_file = tmp_path / "mine.json"
+    scheme_file.write_text(json.dumps(SINKS.replace(name="mine").to_dict()))
+    out = tmp_path / "run"
+    evaluate(str(folder), str(text), 100, ["int4-token", str(scheme_file)], windows=2, out_dir=out,
+             attn_layers=[1], chunk_size=32, seed=5)  # fmt: skip
+    line = reproduce_command(load_config(out), RunSummary.load(out), out)
+    args = build_parser(only="eval").parse_args(shlex.split(line)[1:])
+    assert (args.model, args.data, args.context, args.windows) == (str(folder), str(text), 100, 2)
+    assert args.scheme == ["int4-token", str(scheme_file)] and args.attn_layers == [1]
+    assert (args.chunk_size, args.seed, args.out) == (32, 5, str(out))
+    from kvbits.evaluate.data import load_text
+    from kvbits.evaluate.inputs import _data_arg, _model_arg
+    from kvbits.evaluate.models import load_model
+
+    # objects: the folder and the file they were loaded from
+    assert _model_arg(load_model(str(folder)), "model") == str(folder.resolve())
+    assert _data_arg(load_text(str(text)), "book") == str(text.resolve())
+
+
 @torch.no_grad()
 def test_runner_prefill_and_stream_agree(models):
     model = models("qwen2")
@@ -768,6 +958,31 @@ def test_realmodel_cli_json(tmp_path, capsys):
     assert (tmp_path / "r" / "DONE").is_file()
     assert main(argv) == 0  # rerun: skipped, same JSON
     assert json.loads(capsys.readouterr().out) == s
+
+
+def test_served_beyond_calibration_and_clipping_are_logged(caplog):
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.evaluate.measures import _warn_mismatch
+
+    model = _llama()
+    scheme = get_scheme("kvquant-4")
+    g = torch.Generator().manual_seed(0)
+    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]  # far narrower than served
+    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
+    art.meta["data"]["context"] = 64
+    with caplog.at_level("WARNING", logger="kvbits"):
+        s = evaluate(model, _ids(128)[0], 128, [scheme], calibration=art, attn_layers=[])
+    cal = s["results"][0]["calibration"]
+    assert cal["positions_beyond_calibrated"] == 64 and cal["clipped_keys_frac"] > 0.01
+    text = caplog.text
+    assert "kvquant-4: 64 of the 128 positions per window lie beyond the 64 tokens the calibration saw" in text
+    assert "of the cached keys were clipped against the calibrated ranges" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):  # within the calibrated length, under the warning level
+        _warn_mismatch("x", {"positions_beyond_calibrated": 0, "clipped_keys_frac": 1e-5}, 128)
+    assert caplog.text == ""
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from kvbits.evaluate.models import (
     file_sha256,
     load_config,
     load_model,
+    model_content_id,
     resolve_model,
 )
 from kvbits.evaluate.models import registry as kvregistry
@@ -398,6 +399,28 @@ def test_load_tiny_model_folder(tmp_path: Path) -> None:
     assert load_model(str(folder), dtype=torch.bfloat16).fingerprint == lm.fingerprint
     with pytest.raises(TypeError, match="dtype"):
         load_model(str(folder), dtype="float32")  # type: ignore[arg-type]
+
+
+def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renamed identical copy has the same fingerprint; other weights under the same name and config do not."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = _tiny_llama_folder(tmp_path / "a" / "tiny")
+    copy = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(folder, copy)
+    other = tmp_path / "b" / "tiny"  # same folder name, same config, different weights
+    shutil.copytree(folder, other)
+    model = LlamaForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)
+    model.save_pretrained(other)
+    fp = load_model(str(folder)).fingerprint
+    assert load_model(str(copy)).fingerprint == fp
+    assert load_model(str(other)).fingerprint != fp
+    assert model_content_id(str(copy)) == model_content_id(str(folder)) != model_content_id(str(other))
 
 
 def test_hub_failure_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:

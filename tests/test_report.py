@@ -421,6 +421,21 @@ def test_reproduce_command_parses_with_the_eval_cli(tmp_path):
     assert args.scheme == list(SCHEMES) and args.attn_layers == [0, 14, 29] and args.out == str(tmp_path / "out")
 
 
+def test_reproduce_command_repeats_calibration_flags():
+    pytest.importorskip("kvbits.evaluate.cli")
+    import shlex
+
+    from kvbits.cli import build_parser
+
+    config = _config()
+    config["args"].update(calibration=["cal/a", "cal/b"], chunk_size=128, seed=7, fused_decode="off")
+    line = reproduce_command(config, RunSummary.from_dict(_summary()))
+    assert "--calibration cal/a --calibration cal/b" in line
+    args = build_parser(only="eval").parse_args(shlex.split(line)[1:])
+    assert args.calibration == ["cal/a", "cal/b"]
+    assert (args.chunk_size, args.seed, args.fused_decode) == (128, 7, "off")
+
+
 def test_tables_are_consistent_with_formatting():
     t = delta_table(_summary())
     assert t.headers[2:] == ("0–1K", "1K–2K", "2K–4K", "4K–8K")
@@ -479,6 +494,21 @@ def test_calibration_section_shows_artifact_clipping_and_warnings(tmp_path):
     assert "values against" not in section  # 0.001 % of the values is below the warning level
     assert "<h2>Calibration</h2>" in page and '<td class="r bad">0.250% (2,500)</td>' in page
     assert '<p class="warning">Warning: <strong>kivi-4</strong> serves 7,680' in page
+
+
+def test_print_summary_shows_calibration_warnings():
+    from rich.console import Console
+
+    con = Console(record=True, width=300, color_system=None)
+    print_summary(_calibrated_summary(), con)
+    text = con.export_text()
+    assert (
+        "Warning: kivi-4 serves 7,680 of 8,192 positions per window beyond the 512 tokens it was calibrated on; "
+        "clips 0.250% of its keys"
+    ) in text
+    con = Console(record=True, width=300, color_system=None)
+    print_summary(_summary(), con)
+    assert "Warning" not in con.export_text()
 
 
 def test_calibration_without_mismatch_has_no_warning(tmp_path):

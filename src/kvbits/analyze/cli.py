@@ -65,7 +65,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens per layer sampled for percentiles, ranges, SQNR and plots (default 4096)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON instead of a table")
     p.add_argument(
@@ -87,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.cli import EXIT_OK, _print_json
     from kvbits.evaluate.data import load_text, make_windows, tokenize
     from kvbits.evaluate.models import load_model
+    from kvbits.evaluate.request import check_device
 
+    check_device(args.device, ("cpu", "cuda", "mps"))  # before the model loads
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
     text = load_text(args.data)
     windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
     logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
@@ -113,6 +116,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print_table(result, written)
     return EXIT_OK
+
+
+def _check_plot_args(model: Any, args: argparse.Namespace) -> None:
+    """``--plot-layer``/``--plot-head`` against the model's attention layers and KV heads."""
+    from kvbits.analyze.collect import attention_sites
+
+    sites = attention_sites(model)
+    layers = [s.layer for s in sites]
+    if args.plot_layer is not None and args.plot_layer not in layers:
+        raise ValueError(f"--plot-layer must be one of the attention layers {layers}, got {args.plot_layer}")
+    heads = min(s.n_heads for s in sites)
+    if args.plot_head is not None and not 0 <= args.plot_head < heads:
+        raise ValueError(f"--plot-head must be a KV head in [0, {heads}), got {args.plot_head}")
 
 
 def _write_outputs(result: Any, args: argparse.Namespace) -> list[str]:

@@ -101,14 +101,55 @@ def _norm(mod: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module | Non
     return None
 
 
+def kv_norm(attention: torch.nn.Module, kind: str) -> torch.nn.Module | None:
+    """The norm an attention module applies to its keys (``kind="key"``: one of :data:`KEY_NORMS`,
+    before RoPE) or values (``"value"``: :data:`VALUE_NORMS`) after the projection, or None. Its
+    output, not the projection's, is what the cache stores."""
+    if kind not in ("key", "value"):
+        raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+    return _norm(attention, KEY_NORMS if kind == "key" else VALUE_NORMS)
+
+
+def norm_layout(inp: torch.Tensor, proj_out: torch.Tensor, n_heads: int, head_dim: int, where: str) -> str:
+    """How a K/V norm's input ``inp`` lays out the projection's output ``proj_out`` ``(B, T, H*D)``:
+    ``"flat"`` (``(B, T, H*D)``), ``"bthd"`` or ``"bhtd"``; matched by value, not guessed from shapes
+    (``T == H`` would make shapes ambiguous). ``where`` names the site in the error.
+
+    Raises:
+        ValueError: ``inp`` is none of the three (an unsupported model family).
+    """
+    if inp.dim() == 3:
+        return "flat"
+    B, T = proj_out.shape[0], proj_out.shape[1]
+    bthd = proj_out.reshape(B, T, n_heads, head_dim)
+    if inp.shape == bthd.shape and torch.equal(inp, bthd):
+        return "bthd"
+    if inp.shape == bthd.transpose(1, 2).shape and torch.equal(inp, bthd.transpose(1, 2)):
+        return "bhtd"
+    raise ValueError(
+        f"{where}: the norm's input {tuple(inp.shape)} is not a reshape of the projection's output "
+        f"{tuple(proj_out.shape)}; this model family is not supported"
+    )
+
+
+def to_bhtd(x: torch.Tensor, layout: str, n_heads: int, head_dim: int) -> torch.Tensor:
+    """``x`` (a projection or norm output in ``layout``, see :func:`norm_layout`) as ``(B, H_kv, T, D)``."""
+    if layout == "flat":
+        return x.reshape(x.shape[0], x.shape[1], n_heads, head_dim).transpose(1, 2)
+    if layout == "bthd":
+        return x.transpose(1, 2)
+    if layout == "bhtd":
+        return x
+    raise ValueError(f"layout must be 'flat', 'bthd' or 'bhtd', got {layout!r}")
+
+
 class _SiteHooks:
     """Turns one attention module's projection (and norm) outputs into ``(B, H_kv, T, D)`` tensors."""
 
     def __init__(self, site: AttentionSite, kind: str, callback: Callback) -> None:
         self.site, self.kind, self.callback = site, kind, callback
-        proj_name, norms = ("k_proj", KEY_NORMS) if kind == "key" else ("v_proj", VALUE_NORMS)
-        self.proj = getattr(site.module, proj_name)
-        self.norm = _norm(site.module, norms)
+        self.proj = getattr(site.module, "k_proj" if kind == "key" else "v_proj")
+        self.norm = kv_norm(site.module, kind)
         self._proj_out: torch.Tensor | None = None
         self._layout: str | None = None  # "flat", "bthd" or "bhtd": the norm's input layout
 
@@ -118,46 +159,28 @@ class _SiteHooks:
             handles.append(self.norm.register_forward_hook(self._on_norm))
         return handles
 
-    def _bhtd(self, flat: torch.Tensor) -> torch.Tensor:
-        B, T = flat.shape[0], flat.shape[1]
-        return flat.reshape(B, T, self.site.n_heads, self.site.head_dim).transpose(1, 2)
-
     def _on_proj(self, _m: Any, _inp: Any, out: torch.Tensor) -> None:
         if self.norm is None:
-            self.callback(self.site.layer, self.kind, self._bhtd(out.detach()))
+            self.callback(
+                self.site.layer,
+                self.kind,
+                to_bhtd(out.detach(), "flat", self.site.n_heads, self.site.head_dim),
+            )
         else:
             self._proj_out = out.detach()
 
-    def _detect(self, inp: torch.Tensor) -> str:
-        proj = self._proj_out
-        if proj is None:
-            raise RuntimeError(f"layer {self.site.layer}: {self.kind} norm ran before its projection")
-        if inp.dim() == 3:
-            return "flat"
-        B, T = proj.shape[0], proj.shape[1]
-        bthd = proj.reshape(B, T, self.site.n_heads, self.site.head_dim)
-        if inp.shape == bthd.shape and torch.equal(inp, bthd):
-            return "bthd"
-        if inp.shape == bthd.transpose(1, 2).shape and torch.equal(inp, bthd.transpose(1, 2)):
-            return "bhtd"
-        raise ValueError(
-            f"layer {self.site.layer}: the {self.kind} norm's input {tuple(inp.shape)} is not a reshape of the "
-            f"projection's output {tuple(proj.shape)}; this model family is not supported"
-        )
-
     def _on_norm(self, _m: Any, args: tuple, out: torch.Tensor) -> None:
         if self._layout is None:
-            self._layout = self._detect(args[0])
+            if self._proj_out is None:
+                raise RuntimeError(f"layer {self.site.layer}: {self.kind} norm ran before its projection")
+            where = f"layer {self.site.layer}: the {self.kind} norm"
+            self._layout = norm_layout(args[0], self._proj_out, self.site.n_heads, self.site.head_dim, where)
         self._proj_out = None
-        out = out.detach()
-        x = (
-            self._bhtd(out)
-            if self._layout == "flat"
-            else out.transpose(1, 2)
-            if self._layout == "bthd"
-            else out
+        self.callback(
+            self.site.layer,
+            self.kind,
+            to_bhtd(out.detach(), self._layout, self.site.n_heads, self.site.head_dim),
         )
-        self.callback(self.site.layer, self.kind, x)
 
 
 @contextlib.contextmanager

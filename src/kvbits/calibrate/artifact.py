@@ -239,8 +239,9 @@ class CalibrationArtifact:
     def _made_for(self) -> str:
         m = self.meta["model"]
         return (
-            f"model {m.get('name') or m.get('model_type')!r} (fingerprint {m['fingerprint']}, "
-            f"{m['model_type']}, {m['num_layers']} layers, {m['num_kv_heads']} KV heads, head dim {m['head_dim']})"
+            f"model {m.get('name') or m.get('model_type')!r} (fingerprint {m.get('fingerprint')}, "
+            f"{m.get('model_type')}, {m.get('num_layers')} layers, {m.get('num_kv_heads')} KV heads, "
+            f"head dim {m.get('head_dim')})"
         )
 
     def validate(self) -> None:
@@ -333,6 +334,62 @@ def now_utc() -> str:
 # ------------------------------------------------------------------------------------- loading
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _meta_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the JSON fields the loader, the cache and the reports use, or None.
+
+    Only the tensor file is covered by a sha256; these fields are read as they are, so an edited
+    ``data.context`` of -100 would report more positions "beyond calibrated" than a window has, and a
+    ``num_layers`` of 2.7 would be truncated silently.
+    """
+
+    def field(path: str, value: Any, want: str) -> str:
+        return f"{path} must be {want}, got {value!r}"
+
+    for key in ("scheme", "model", "data", "files"):
+        if not isinstance(meta[key], dict):
+            return field(key, meta[key], "a JSON object")
+    model, data = meta["model"], meta["data"]
+    for k in _MODEL_FIELDS:
+        if k not in model:
+            return f"model.{k} is missing"
+    for k in _MODEL_SHAPE_FIELDS:
+        if not _is_int(model[k]) or model[k] < 1:
+            return field(f"model.{k}", model[k], "a positive integer")
+    for k in ("num_attention_heads", "hidden_size", "vocab_size"):  # None for artifacts fitted from samples
+        if model[k] is not None and (not _is_int(model[k]) or model[k] < 1):
+            return field(f"model.{k}", model[k], "a positive integer or null")
+    for k in ("model_type", "name"):
+        if model.get(k) is not None and not isinstance(model[k], str):
+            return field(f"model.{k}", model[k], "a string or null")
+    if not isinstance(model.get("fingerprint"), str) or not model["fingerprint"]:
+        return field("model.fingerprint", model.get("fingerprint"), "a non-empty string")
+    if "context" not in data:
+        return "data.context is missing"
+    if not _is_int(data["context"]) or data["context"] < 1:
+        return field("data.context", data["context"], "a positive integer (the calibrated length in tokens)")
+    for k in ("windows", "tokens"):
+        if data.get(k) is not None and (not _is_int(data[k]) or data[k] < 1):
+            return field(f"data.{k}", data[k], "a positive integer or null")
+    if data.get("name") is not None and not isinstance(data["name"], str):
+        return field("data.name", data["name"], "a string or null")
+    record = meta["files"].get(TENSORS_FILE)
+    if not isinstance(record, dict):
+        return field(f"files.{TENSORS_FILE}", record, "a JSON object with bytes and sha256")
+    if not _is_int(record.get("bytes")) or record["bytes"] < 0:
+        return field(f"files.{TENSORS_FILE}.bytes", record.get("bytes"), "a non-negative integer")
+    sha = record.get("sha256")
+    if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        return field(f"files.{TENSORS_FILE}.sha256", sha, "64 lowercase hex digits")
+    stats = meta.get("stats", [])
+    if not isinstance(stats, list) or not all(isinstance(row, dict) for row in stats):
+        return field("stats", stats, "a list of per-layer JSON objects")
+    return None
+
+
 def load_calibration(
     path: str | os.PathLike[str],
     model_config: Any = None,
@@ -375,7 +432,7 @@ def load_calibration(
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} does not hold a JSON object")  # noqa: TRY004 - bad file content
     version = meta.get("format_version")
-    if version != ARTIFACT_FORMAT_VERSION:
+    if not _is_int(version) or version != ARTIFACT_FORMAT_VERSION:  # JSON true == 1 in Python
         raise ValueError(
             f"{meta_path} has format_version {version!r}; this kvbits reads format_version "
             f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}); "
@@ -386,15 +443,15 @@ def load_calibration(
             raise ValueError(
                 f"{meta_path} lacks the {key!r} field; the file is incomplete or not a kvbits calibration"
             )
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise ValueError(f"{meta_path} is malformed: {problem} (edited or corrupt? re-run kvbits calibrate)")
     try:
         art_scheme = KVScheme.from_dict(meta["scheme"])
-        for k in _MODEL_SHAPE_FIELDS + ("fingerprint",):
-            meta["model"][k]  # presence check
-        int(meta["data"]["context"])
-        record = meta["files"][TENSORS_FILE]
-        want_bytes, want_sha = int(record["bytes"]), str(record["sha256"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{meta_path} is malformed ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{meta_path} is malformed: scheme: {type(exc).__name__}: {exc}") from None
+    record = meta["files"][TENSORS_FILE]
+    want_bytes, want_sha = record["bytes"], record["sha256"]
 
     if not tensors_path.is_file():
         raise ValueError(

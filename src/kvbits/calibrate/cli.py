@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from kvbits._argtypes import bounded
-from kvbits.cli import _positive
+from kvbits.cli import _positive, parse_tokens
 
 _percentile = bounded(float, 50, 100, what="a percentile")
 
@@ -34,7 +34,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--scheme", required=True, help="scheme to calibrate for (kvquant-4, kvquant-3, ... or a JSON file)"
     )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--context", type=_positive, default=2048, help="tokens per window (default 2048)")
+    p.add_argument(
+        "--context", type=parse_tokens, default=2048, help="tokens per window, e.g. 2048 or 2k (default 2048)"
+    )
     p.add_argument("--windows", type=_positive, default=4, help="calibration windows (default 4)")
     p.add_argument(
         "--percentile",

@@ -1,8 +1,10 @@
 """Where K/V come from in a transformers model, hooks that capture them, and per-channel statistics.
 
-Keys are captured *before RoPE* (KVQuant §3.2): at the output of ``k_proj``, or of ``k_norm`` for
-models that normalise keys before rotating them (Qwen3, Gemma3). Values at ``v_proj`` (``v_norm``
-when present). Capturing module outputs needs no forked modeling code and works for every
+Keys are captured *before RoPE* (KVQuant §3.2): at the output of ``k_proj``, or of the key norm
+for models that normalise keys before rotating them (``k_norm``: Qwen3, Gemma3, OLMo2;
+``k_layernorm``: Phi, StableLM), since that is the tensor the cache stores. Values at ``v_proj``
+(``v_norm`` when present). Which norms exist and how their inputs are laid out is decided by
+:mod:`kvbits.analyze.collect` (``kv_norm``, ``norm_layout``), shared with ``kvbits analyze``. Capturing module outputs needs no forked modeling code and works for every
 architecture whose attention has ``k_proj``/``v_proj`` submodules. Hooks are removed on exit, also
 on error.
 
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvbits.analyze.collect import kv_norm, norm_layout, to_bhtd
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from typing_extensions import Self
 
@@ -30,10 +34,12 @@ class KVSite:
 
     Attributes:
         layer_idx: the layer's index in the model (its cache layer).
-        key_module: module whose output is the pre-RoPE keys (``k_norm`` if present, else ``k_proj``).
+        key_module: module whose output is the pre-RoPE keys (the key norm if present, else ``k_proj``).
         value_module: module whose output is the values (``v_norm`` if present, else ``v_proj``).
         num_kv_heads, head_dim: ``H_kv`` and ``D``.
         name: qualified name of the attention module (for messages).
+        key_proj, value_proj: the projection feeding ``key_module``/``value_module`` when that is a
+            norm (its output tells the norm's input layout apart), else None.
     """
 
     layer_idx: int
@@ -42,6 +48,8 @@ class KVSite:
     num_kv_heads: int
     head_dim: int
     name: str
+    key_proj: torch.nn.Module | None = None
+    value_proj: torch.nn.Module | None = None
 
 
 def text_config(config: Any) -> Any:
@@ -95,17 +103,18 @@ def find_kv_sites(model: torch.nn.Module) -> list[KVSite]:
             n_kv = config_kv_heads(config)
         else:
             raise ValueError(f"{name}: can not tell the number of KV heads")
-        k_norm = getattr(mod, "k_norm", None)
-        v_norm = getattr(mod, "v_norm", None)
+        k_norm, v_norm = kv_norm(mod, "key"), kv_norm(mod, "value")
         idx = getattr(mod, "layer_idx", None)
         sites.append(
             KVSite(
                 layer_idx=int(idx) if idx is not None else len(sites),
-                key_module=k_norm if isinstance(k_norm, torch.nn.Module) else k_proj,
-                value_module=v_norm if isinstance(v_norm, torch.nn.Module) else v_proj,
+                key_module=k_norm if k_norm is not None else k_proj,
+                value_module=v_norm if v_norm is not None else v_proj,
                 num_kv_heads=n_kv,
                 head_dim=head_dim,
                 name=name,
+                key_proj=k_proj if k_norm is not None else None,
+                value_proj=v_proj if v_norm is not None else None,
             )
         )
     if not sites:
@@ -142,21 +151,52 @@ class KVCapture:
         self.retain_grad = retain_grad
         self._outputs: dict[tuple[int, str], torch.Tensor] = {}
         self._handles: list[Any] = []
+        # layout of each capture point's output: projections give (B, T, H*D); a norm keeps the layout
+        # of its input, which depends on the family (Qwen3 (B, T, H, D), Phi (B, H, T, D)), so it is
+        # found once by matching the norm's input to the projection's output
+        self._layouts: dict[tuple[int, str], str] = {}
+        self._proj_out: dict[tuple[int, str], torch.Tensor] = {}
 
-    def _hook(self, layer: int, side: str):
+    def _hook(self, layer: int, side: str, is_norm: bool):
+        key = (layer, side)
+
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             t = output[0] if isinstance(output, tuple) else output
+            if key not in self._layouts:
+                if not is_norm:
+                    self._layouts[key] = "flat"
+                else:
+                    proj = self._proj_out.pop(key, None)
+                    if proj is None:
+                        raise RuntimeError(f"layer {layer}: the {side} norm ran before its projection")
+                    site = self.sites[layer]
+                    where = f"{site.name}: the {side} norm"
+                    self._layouts[key] = norm_layout(args[0], proj, site.num_kv_heads, site.head_dim, where)
             if self.retain_grad and t.requires_grad:
                 t.retain_grad()
-            self._outputs[(layer, side)] = t if self.retain_grad else t.detach()
+            self._outputs[key] = t if self.retain_grad else t.detach()
+
+        return hook
+
+    def _proj_hook(self, layer: int, side: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if (layer, side) not in self._layouts:  # only until the layout is known
+                self._proj_out[(layer, side)] = output.detach()
 
         return hook
 
     def __enter__(self) -> Self:
         try:
             for s in self.sites:
-                self._handles.append(s.key_module.register_forward_hook(self._hook(s.layer_idx, "key")))
-                self._handles.append(s.value_module.register_forward_hook(self._hook(s.layer_idx, "value")))
+                for side, module, proj in (
+                    ("key", s.key_module, s.key_proj),
+                    ("value", s.value_module, s.value_proj),
+                ):
+                    if proj is not None:
+                        self._handles.append(proj.register_forward_hook(self._proj_hook(s.layer_idx, side)))
+                    self._handles.append(
+                        module.register_forward_hook(self._hook(s.layer_idx, side, proj is not None))
+                    )
         except BaseException:
             self.close()
             raise
@@ -171,16 +211,15 @@ class KVCapture:
             h.remove()
         self._handles.clear()
         self._outputs.clear()
+        self._proj_out.clear()
 
     def reset(self) -> None:
         """Forget captured tensors (call between windows to free memory)."""
         self._outputs.clear()
 
-    def _heads(self, layer: int, t: torch.Tensor) -> torch.Tensor:
+    def _heads(self, layer: int, side: str, t: torch.Tensor) -> torch.Tensor:
         site = self.sites[layer]
-        B, T = t.shape[0], t.shape[1]
-        # k_proj/v_proj give (B, T, H*D); k_norm/v_norm (B, T, H, D): both are (B, T, H, D) in memory
-        return t.reshape(B, T, site.num_kv_heads, site.head_dim).transpose(1, 2).float()
+        return to_bhtd(t, self._layouts[(layer, side)], site.num_kv_heads, site.head_dim).float()
 
     def _get(self, layer: int, side: str) -> torch.Tensor:
         try:
@@ -192,7 +231,7 @@ class KVCapture:
 
     def activations(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)`` of ``layer`` from the last forward, each ``(B, H_kv, T, D)`` float32, detached."""
-        return tuple(self._heads(layer, self._get(layer, side).detach()) for side in ("key", "value"))  # type: ignore[return-value]
+        return tuple(self._heads(layer, side, self._get(layer, side).detach()) for side in ("key", "value"))  # type: ignore[return-value]
 
     def gradients(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dL/dK, dL/dV)`` of ``layer`` after ``backward()``, each ``(B, H_kv, T, D)`` float32."""
@@ -204,7 +243,7 @@ class KVCapture:
                     f"layer {layer} {side}: no gradient; capture with retain_grad=True inside "
                     "activation_gradients(model) and call backward()"
                 )
-            out.append(self._heads(layer, g))
+            out.append(self._heads(layer, side, g))
         return out[0], out[1]
 
 

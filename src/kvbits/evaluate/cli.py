@@ -102,7 +102,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="output folder (config.json, summary.json, records.jsonl, tokens/, report)")
     p.add_argument(
-        "--overwrite", action="store_true", help="recompute even if --out holds a finished or different run"
+        "--overwrite",
+        action="store_true",
+        help="recompute even if --out holds a finished or different run; also write into a non-empty folder "
+        "kvbits did not write (only the files kvbits eval writes are replaced, nothing else is deleted)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
     p.add_argument(

@@ -33,6 +33,7 @@ __all__ = [
     "data_search_path",
     "load_text",
     "make_windows",
+    "text_content_id",
     "token_fingerprint",
     "tokenize",
 ]
@@ -207,6 +208,22 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         f"unknown text {spec!r}: expected one of {sorted(TEXTS)}, a path to a text file, or "
         f"'hub:NAME[:CONFIG[:SPLIT]]'; data roots searched: {[str(r) for r in roots]}"
     )
+
+
+def text_content_id(spec: str) -> str:
+    """What a text spec holds, by content, without decoding it: ``sha256:<hex>`` of a registered
+    text (its pinned hash: :func:`load_text` refuses any other bytes) or of a text file; the spec
+    itself for a hub dataset, or for a path that does not exist (:func:`load_text` says why)."""
+    if spec in TEXTS:
+        return f"sha256:{TEXTS[spec].sha256}"
+    path = Path(spec).expanduser()
+    if spec.startswith("hub:") or not path.is_file():
+        return spec
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return f"sha256:{h.hexdigest()}"
 
 
 # ---------------------------------------------------------------------------------- tokenization

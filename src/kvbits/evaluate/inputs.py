@@ -48,6 +48,30 @@ def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
     return model.eval(), None, name, _model_fingerprint(model)
 
 
+def _model_arg(model: Any, name: str) -> str:
+    """``--model`` for a model given as a spec or a ``LoadedModel`` (else its name, for the record)."""
+    if isinstance(model, str):
+        return model
+    source = getattr(model, "source", None)
+    if source is None:
+        return name
+    from kvbits.evaluate.models import OFFLINE_MODELS
+
+    if source.name in OFFLINE_MODELS:
+        return source.name
+    return os.path.join(source.path, source.gguf_file) if source.gguf_file else source.path
+
+
+def _data_arg(data: Any, name: str) -> str:
+    """``--data`` for a text given as a spec or a ``TextSource`` (else its name, for the record)."""
+    if isinstance(data, str):
+        return data
+    from kvbits.evaluate.data import TEXTS
+
+    path = getattr(data, "path", None)
+    return name if name in TEXTS or not isinstance(path, str) else path
+
+
 def _load_windows(data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None):
     """``(windows (W, context) int64, data name, token fingerprint)``."""
     from kvbits.evaluate.data import TextSource, load_text, make_windows, token_fingerprint, tokenize
@@ -92,7 +116,14 @@ def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:
         out = {}
         for item in items:
             art = load(item)
-            out[art.scheme.name] = art
+            name = art.scheme.name
+            if name in out:  # which one was meant is not ours to guess
+                where = [str(getattr(a, "path", None) or "<in memory>") for a in (out[name], art)]
+                raise ValueError(
+                    f"two calibrations were given for scheme {name!r} ({where[0]} and {where[1]}); "
+                    "give one per scheme"
+                )
+            out[name] = art
     unknown = sorted(set(out) - set(names))
     if unknown:
         raise ValueError(

@@ -30,10 +30,12 @@ __all__ = [
     "BUCKET_EDGES",
     "TOKEN_FIELDS",
     "BucketRecord",
+    "LogitHead",
     "attn_error_buckets",
     "bootstrap_delta_rel",
     "bucket_bounds",
     "bucket_records",
+    "check_logit_head",
     "logits_chunk_size",
     "summarize",
     "token_metrics",
@@ -53,16 +55,86 @@ def logits_chunk_size(vocab_size: int, budget_elements: int = 1 << 25) -> int:
     return int(max(16, min(512, budget_elements // max(1, vocab_size))))
 
 
-def _logprobs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = head(hidden).float()
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return torch.log_softmax(logits, dim=-1)
+@dataclass(frozen=True)
+class LogitHead:
+    """Final hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` as the model's forward
+    computes them: the output embedding, then the family's post-processing, which changes every
+    probability (and so PPL and KL) when left out.
+
+    Attributes:
+        proj: the output embedding (``model.get_output_embeddings()``).
+        scale: a factor on the logits: Cohere's ``logit_scale``, ``1 / logits_scaling`` for Granite.
+        softcap: ``final_logit_softcapping`` (Gemma 2/3): ``tanh(x / c) * c``.
+    """
+
+    proj: torch.nn.Module
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def from_model(cls, model: Any) -> LogitHead:
+        """The head of a transformers causal LM, with the post-processing its family applies. Families
+        this does not know are caught by :func:`check_logit_head` against the model's own logits."""
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        scale = 1.0
+        cohere = getattr(model, "logit_scale", None)  # CohereForCausalLM & co: logits * self.logit_scale
+        if isinstance(cohere, (int, float)) and not isinstance(cohere, bool):
+            scale *= float(cohere)
+        granite = getattr(cfg, "logits_scaling", None)  # Granite family: logits / config.logits_scaling
+        if isinstance(granite, (int, float)) and not isinstance(granite, bool) and granite:
+            scale /= float(granite)
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        return cls(model.get_output_embeddings(), scale, float(softcap) if softcap else None)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(getattr(self.proj, "out_features", None) or self.proj.weight.shape[0])
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(hidden).float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def check_logit_head(
+    head: LogitHead, hidden: torch.Tensor, logits: torch.Tensor, *, tolerance: float
+) -> float:
+    """Check that ``head(hidden)`` gives the model's own ``logits`` (both ``(N, ...)`` for the same
+    positions), so a post-processing the head does not know can not go unnoticed into the metrics.
+
+    The measure is, per position, ``std(head - model) / std(model)`` over the vocabulary (a constant
+    shift changes no probability): a missing factor ``s`` on the logits gives ``|1 - 1/s|``, rounding
+    in float32 ~1e-6, in bfloat16 ~1e-2.
+
+    Returns:
+        The largest relative difference.
+
+    Raises:
+        RuntimeError: it exceeds ``tolerance``.
+    """
+    ours = head(hidden).double()
+    theirs = logits.double().reshape(ours.shape)
+    err = float(((ours - theirs).std(dim=-1) / theirs.std(dim=-1).clamp_min(1e-12)).max())
+    if not err <= tolerance:  # also NaN
+        raise RuntimeError(
+            f"the logits kvbits computes from the final hidden states differ from the model's own logits "
+            f"(relative difference {err:.3g} > {tolerance:g} on {ours.shape[0]} positions): the model "
+            "post-processes its logits in a way kvbits does not reproduce (known: the output embedding, "
+            "final_logit_softcapping, logits_scaling, logit_scale), so its PPL and KL would be wrong"
+        )
+    return err
+
+
+def _logprobs(head: LogitHead, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(head(hidden), dim=-1)
 
 
 @torch.no_grad()
 def token_metrics(
-    head: torch.nn.Module,
+    head: LogitHead | torch.nn.Module,
     hidden_ref: torch.Tensor,
     hidden: Sequence[torch.Tensor],
     targets: torch.Tensor,
@@ -73,12 +145,13 @@ def token_metrics(
     """Per-token metrics of one window for several runs against one reference run.
 
     Args:
-        head: the output embedding (``model.get_output_embeddings()``), hidden -> logits.
+        head: hidden -> logits: a :class:`LogitHead` (``LogitHead.from_model(model)``), or the bare
+            output embedding (then ``softcap`` is its only post-processing).
         hidden_ref: final hidden states of the reference run, ``(N, hidden)`` for the ``N`` positions
             that predict ``targets``.
         hidden: the same for each scheme run.
         targets: ``(N,)`` the token each position predicts.
-        softcap: ``final_logit_softcapping`` of the config (Gemma 2/3), applied as the model does.
+        softcap: ``final_logit_softcapping`` of the config (Gemma 2/3), with a bare output embedding.
         chunk: positions per logits chunk (default from the vocabulary size).
 
     Returns:
@@ -91,19 +164,22 @@ def token_metrics(
             f"hidden states must have one row per target ({n}); got reference {tuple(hidden_ref.shape)} and "
             f"{[tuple(h.shape) for h in hidden]}"
         )
-    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-    chunk = chunk or logits_chunk_size(int(vocab))
+    if not isinstance(head, LogitHead):
+        head = LogitHead(head, softcap=softcap)
+    elif softcap is not None:
+        raise ValueError("softcap is part of the LogitHead; pass it there, not to token_metrics")
+    chunk = chunk or logits_chunk_size(head.vocab_size)
     out = [{k: torch.empty(n, dtype=torch.float32) for k in TOKEN_FIELDS} for _ in hidden]
     tgt = targets.to(hidden_ref.device).long()
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        lp_ref = _logprobs(head, hidden_ref[a:b], softcap)
+        lp_ref = _logprobs(head, hidden_ref[a:b])
         t = tgt[a:b, None]
         nll_ref = -lp_ref.gather(-1, t).squeeze(-1)
         p_ref = lp_ref.exp()
         top_ref = lp_ref.argmax(-1)
         for h, rec in zip(hidden, out):
-            lp = _logprobs(head, h[a:b], softcap)
+            lp = _logprobs(head, h[a:b])
             rec["nll_ref"][a:b] = nll_ref.cpu()
             rec["nll"][a:b] = (-lp.gather(-1, t).squeeze(-1)).cpu()
             # KL(p || q) = sum p (log p - log q); terms with p = 0 contribute 0 (exp(-inf) * finite)

@@ -7,7 +7,9 @@
     DIR/DONE                        the config hash, written last
 
 then the report (``kvbits.report.write_report``). A folder whose ``DONE`` holds this run's config hash
-is reused; a folder written by another configuration is refused unless overwritten.
+is reused; a folder written by another configuration is refused unless overwritten, and so is a
+non-empty folder kvbits eval did not write. Only files kvbits eval writes are ever deleted, and only
+once the run's inputs have loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import datetime as _dt
 import json
 import logging
 import os
-import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,32 +62,95 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _check_out_dir(out: Path, chash: str, overwrite: bool) -> dict[str, Any] | None:
-    """The stored summary when ``out`` holds a finished run of this config; else prepare ``out``."""
-    done, cfg_path = out / "DONE", out / "config.json"
-    stored = _read_json(cfg_path) if cfg_path.is_file() else None
-    if not overwrite and stored is not None:
-        other = stored.get("config_hash")
-        if other != chash:
-            raise ValueError(
-                f"{out} holds a run with a different configuration (config hash {other}, this run {chash}); "
-                "use another output folder or overwrite=True (--overwrite)"
-            )
-        if done.is_file() and done.read_text().strip() == chash:
-            summary = _read_json(out / "summary.json")
-            if summary is not None:
-                logger.info(
-                    "%s: finished run with the same configuration found; skipping (overwrite to redo)", out
-                )
-                return summary
+_RUN_FILES = ("DONE", "summary.json", "records.jsonl", "config.json", "report.md", "report.html")
+
+
+def _is_run_folder(out: Path, stored: Any) -> bool:
+    """Whether ``out`` was written by ``kvbits eval``: a ``config.json`` of ours, or a ``DONE``."""
+    ours = isinstance(stored, dict) and isinstance(stored.get("config_hash"), str) and "request" in stored
+    return ours or (out / "DONE").is_file()
+
+
+def _differences(old: Any, new: dict[str, Any]) -> list[str]:
+    """The request fields in which a stored run differs from this one (for the refusal message)."""
+    if not isinstance(old, dict):
+        return []
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def _check_out_dir(
+    out: Path, chash: str, overwrite: bool, request: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The stored summary when ``out`` holds a finished run of this config, else None once the run may
+    write there. Deletes nothing: :func:`_prepare_out_dir` clears the old run after the inputs loaded.
+
+    Refused (``ValueError``): a path that is not a folder; a folder holding another kvbits eval run
+    (unless ``overwrite``); a non-empty folder that kvbits eval did not write (unless ``overwrite``,
+    which replaces only the files kvbits eval writes and keeps everything else).
+    """
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {out} exists and is not a folder")
-    for name in ("DONE", "summary.json", "records.jsonl"):
-        (out / name).unlink(missing_ok=True)
-    if (out / "tokens").is_dir():
-        shutil.rmtree(out / "tokens")
-    out.mkdir(parents=True, exist_ok=True)
+    if not out.is_dir():
+        return None
+    cfg_path, done = out / "config.json", out / "DONE"
+    stored = _read_json(cfg_path) if cfg_path.is_file() else None
+    if not _is_run_folder(out, stored):
+        present = sorted(p.name for p in out.iterdir())
+        if present and not overwrite:
+            raise ValueError(
+                f"{out} is not empty ({', '.join(present[:5])}{', ...' if len(present) > 5 else ''}) and "
+                "holds no kvbits eval run (no config.json or DONE written by kvbits eval); use a new or empty "
+                "folder, or overwrite=True (--overwrite) to write the run into it (only the files kvbits eval "
+                f"writes would be replaced: {', '.join(_RUN_FILES)}, tokens/<scheme>.safetensors, figures)"
+            )
+        return None
+    if overwrite:
+        return None
+    other = stored.get("config_hash") if isinstance(stored, dict) else None
+    if other is None and done.is_file():
+        other = done.read_text().strip()
+    if other != chash:
+        diff = _differences(stored.get("request") if isinstance(stored, dict) else None, request or {})
+        raise ValueError(
+            f"{out} holds a run with a different configuration (config hash {other}, this run {chash}"
+            f"{'; it differs in ' + ', '.join(diff) if diff else ''}); use another output folder or "
+            "overwrite=True (--overwrite)"
+        )
+    if done.is_file() and done.read_text().strip() == chash:
+        summary = _read_json(out / "summary.json")
+        if summary is not None:
+            logger.info(
+                "%s: finished run with the same configuration found; skipping (overwrite to redo)", out
+            )
+            return summary
     return None
+
+
+def _prepare_out_dir(out: Path, schemes: Sequence[str]) -> None:
+    """Clear what an earlier kvbits eval run left in ``out`` before this run writes there, so a run
+    that stops half-way never leaves a mix of two runs; called once the inputs are loaded and checked
+    (a run refused for its inputs deletes nothing). Only files kvbits eval writes are removed:
+    ``DONE`` (first: a folder without it is never reused), ``summary.json``, ``records.jsonl`` and
+    ``tokens/*.safetensors``; in a folder kvbits eval did not write (``overwrite``), nothing is removed
+    and the files this run writes replace those of the same name."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = out / "tokens"
+    stored = _read_json(out / "config.json") if (out / "config.json").is_file() else None
+    if _is_run_folder(out, stored):
+        for name in ("DONE", "summary.json", "records.jsonl"):
+            (out / name).unlink(missing_ok=True)
+        if tokens.is_dir():
+            for f in tokens.glob("*.safetensors"):
+                f.unlink()
+    else:
+        replaced = [n for n in _RUN_FILES if (out / n).exists()]
+        replaced += [f"tokens/{n}.safetensors" for n in schemes if (tokens / f"{n}.safetensors").exists()]
+        if replaced:
+            logger.warning(
+                "%s: replacing %s (overwrite; the folder's other files are kept)", out, ", ".join(replaced)
+            )
+    if tokens.is_dir() and not any(tokens.iterdir()):
+        tokens.rmdir()
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -1,7 +1,7 @@
 """What an evaluation computes: its arguments, checked, and its identity.
 
 ``_request`` records, JSON-able, everything that decides the numbers (model and data identities,
-schemes, mode, semantics, calibration ids, ...); :func:`config_hash` of it decides whether a
+by content where they are local files; schemes, mode, semantics, calibration ids, ...); :func:`config_hash` of it decides whether a
 stored run can be reused (:mod:`.outputs`).
 """
 
@@ -18,7 +18,15 @@ import torch
 from kvbits.evaluate.stream import PeerScheme
 from kvbits.schemes.spec import KVScheme
 
-__all__ = ["DTYPES", "MODES", "OUTPUT_VERSION", "SEMANTICS", "config_hash", "default_attn_layers"]
+__all__ = [
+    "DTYPES",
+    "MODES",
+    "OUTPUT_VERSION",
+    "SEMANTICS",
+    "check_device",
+    "config_hash",
+    "default_attn_layers",
+]
 
 MODES = ("simulate", "stream")
 SEMANTICS = ("decode", "prefill")
@@ -129,9 +137,36 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> tuple[torch.dtype | None,
     return dtype, (str(dtype).removeprefix("torch.") if dtype is not None else None)
 
 
-def _check_device(device: str | None) -> None:
-    if device is not None and device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+def check_device(device: str | torch.device | None, types: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """``ValueError`` unless ``device`` (None: the default) is of one of ``types`` and usable by this
+    torch: checked before any model loads, since torch's own failure on a CPU-only build is an
+    ``AssertionError`` deep inside the first ``.to("cuda")``."""
+    if device is None:
+        return
+    allowed = " or ".join(repr(t) for t in types) + (" (or 'cuda:N')" if "cuda" in types else "")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be {allowed}, got {device!r}") from None
+    if dev.type not in types:
+        raise ValueError(f"device must be {allowed}, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                "this torch build has no CUDA support"
+                if torch.version.cuda is None
+                else "no CUDA device is visible"
+            )
+            raise ValueError(f"device {str(device)!r}: {why} (torch {torch.__version__}); use device 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
+            )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(
+            f"device {str(device)!r}: MPS is not available in this torch build or on this machine"
+        )
 
 
 # ------------------------------------------------------------------------------------ the request
@@ -161,14 +196,20 @@ def _request(
     ``mode``/``semantics``); a swapped positional pair would silently change the config hash.
     """
     if isinstance(model, str):
-        model_id = model
+        # by content where it can be hashed: a stored run of the same path must not be reused once
+        # the folder's weights or tokenizer changed (registry names and hub ids pin their content)
+        from kvbits.evaluate.models import model_content_id
+
+        model_id = model_content_id(model) or model
     else:
         fp = getattr(model, "fingerprint", None)
         model_id = f"fingerprint:{fp}" if isinstance(fp, str) else f"fingerprint:{_model_fingerprint(model)}"
     if isinstance(data, torch.Tensor):
         data_id = f"tokens:{_ids_fingerprint(data)}"
     elif isinstance(data, str):
-        data_id = data
+        from kvbits.evaluate.data import text_content_id
+
+        data_id = text_content_id(data)  # by content, as the model: an edited text is another run
     else:
         data_id = f"text:{getattr(data, 'sha256', '?')}"
     return {

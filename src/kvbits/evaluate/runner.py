@@ -18,6 +18,11 @@ This module is the loop; the rest is beside it: :mod:`.request` (arguments, iden
 :mod:`.measures` (calibration mismatch, peak memory). A rerun with the same configuration finds ``DONE`` and returns the stored summary without loading
 the model (``overwrite=True`` recomputes); a folder written by another configuration is refused.
 Batch = 1, unpadded windows: perplexity windows are raw slices of one text.
+
+Logits come from the final hidden states through ``metrics.LogitHead`` (the output embedding plus
+the family's post-processing: Gemma's soft-cap, Granite's ``logits_scaling``, Cohere's
+``logit_scale``); once per run they are checked against the model's own logits on a prefix of the
+first window, and a model whose forward does something else is refused rather than mis-measured.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
     _check_calibrated,
+    _data_arg,
     _load_model,
     _load_windows,
+    _model_arg,
 )
 from kvbits.evaluate.measures import (
     _mismatch,
@@ -47,23 +54,33 @@ from kvbits.evaluate.measures import (
     _peak_rss_bytes,
     _reset_peak_rss,
     _run_peak_rss_bytes,
+    _warn_mismatch,
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
+    LogitHead,
     attn_error_buckets,
     bucket_records,
+    check_logit_head,
     summarize,
     token_metrics,
 )
-from kvbits.evaluate.outputs import _atomic_write, _check_out_dir, _run_config, _write_outputs, _write_report
+from kvbits.evaluate.outputs import (
+    _atomic_write,
+    _check_out_dir,
+    _prepare_out_dir,
+    _run_config,
+    _write_outputs,
+    _write_report,
+)
 from kvbits.evaluate.request import (
     MODES,
     OUTPUT_VERSION,
     _check_args,
-    _check_device,
     _request,
     _resolve_dtype,
     _scheme_name,
+    check_device,
     config_hash,
     default_attn_layers,
 )
@@ -106,6 +123,25 @@ def _hidden_plain(base: Any, ids: torch.Tensor) -> torch.Tensor:
     return base(input_ids=ids, use_cache=False).last_hidden_state
 
 
+# positions of the first window on which the metrics' logits are checked against the model's own
+_HEAD_CHECK_TOKENS = 64
+
+
+@torch.no_grad()
+def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> None:
+    """Once per run: the logits the metrics compute from the final hidden states (``head``) must be
+    the model's own on a short prefix ``ids`` ``(1, n)``; a family post-processing its logits in a way
+    ``LogitHead`` does not know would otherwise bias every PPL and KL silently."""
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    hidden = _hidden_plain(base, ids)[0]
+    exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
+    try:
+        err = check_logit_head(head, hidden, logits, tolerance=1e-3 if exact else 3e-2)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{type(model).__name__}: {exc}") from None
+    logger.debug("logits from the final hidden states match the model's (relative difference %.2g)", err)
+
+
 def evaluate(
     model: Any,
     data: Any,
@@ -141,16 +177,17 @@ def evaluate(
         mode: ``"simulate"`` (one pass per window) or ``"stream"`` (the cache, token by token).
         semantics: ``"decode"`` or ``"prefill"`` (needs ``prompt_len``; only positions
             ``t >= prompt_len`` are scored).
-        attn_layers: layers whose attention-output error is recorded (simulate mode); default three
-            evenly spaced layers; ``[]`` for none.
+        attn_layers: layers whose attention-output error is recorded (simulate mode only: a list
+            with ``mode="stream"`` is refused); default three evenly spaced layers; ``[]`` for none.
         calibration: ``kvbits calibrate`` artifacts (objects or folders) for schemes with static scales
             or NUQ codebooks, matched to schemes by the scheme each was made for; or a mapping
             scheme name -> artifact.
         data_path: a data root for registry texts.
         out_dir: write the run there (see the module docstring).
-        overwrite: recompute even when ``out_dir`` holds this run, or another one.
+        overwrite: recompute even when ``out_dir`` holds this run, or another one; write into a
+            non-empty folder kvbits did not write (only the files a run writes are replaced there).
         dtype: model dtype (``"float32"``, ``"bfloat16"``) when loading or converting the model.
-        device: ``"cpu"`` or ``"cuda"``.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); refused when this torch can not use it.
         chunk_size: queries per attention chunk in the simulator.
         seed: bootstrap seed.
         progress: show a rich progress bar on stderr.
@@ -173,8 +210,14 @@ def evaluate(
     """
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
+    if mode == "stream" and attn_layers:
+        raise ValueError(
+            f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "
+            "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
+            "leave attn_layers unset or [] (CLI: no --attn-layers)"
+        )
     torch_dtype, dtype_name = _resolve_dtype(dtype)
-    _check_device(device)
+    check_device(device)
     calibrations = _calibrations(calibration, resolved)
     _check_calibrated(resolved, calibrations)
     request = _request(
@@ -201,7 +244,7 @@ def evaluate(
     chash = config_hash(request)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        stored = _check_out_dir(out, chash, overwrite)
+        stored = _check_out_dir(out, chash, overwrite, request)
         if stored is not None:
             if on_skip:
                 on_skip(stored)
@@ -240,13 +283,18 @@ def evaluate(
     first = prompt_len if semantics == "prefill" else 0
     names = [_scheme_name(s) for s in resolved]
     fingerprint = {"model": model_fp, "tokens": tokens_fp}
+    head = LogitHead.from_model(model)
+    _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
     if out is not None:
+        _prepare_out_dir(out, names)  # the inputs are loaded and checked: now the old run may go
+        # the arguments as `kvbits eval` takes them (the report rebuilds the command line from them
+        # when the run was started from Python): specs as given, not the names they resolved to
         args = {
-            "model": request["model"] if isinstance(model_spec, str) else model_name,
-            "data": data_name,
+            "model": _model_arg(model_spec, model_name),
+            "data": _data_arg(data, data_name),
             "context": context,
             "windows": windows,
-            "schemes": names,
+            "schemes": [s if isinstance(s, str) else n for s, n in zip(schemes, names)],
             "mode": mode,
             "semantics": semantics,
             "prompt_len": prompt_len,
@@ -255,16 +303,15 @@ def evaluate(
             "device": device,
             "data_path": data_path,
             "calibration": _calibration_paths(calibration),
+            "chunk_size": chunk_size,
+            "seed": seed,
+            "fused_decode": (
+                {True: "on", False: "off"}.get(request["fused_decode"], "auto") if mode == "stream" else None
+            ),
         }
         config = _run_config(chash, request, args, argv, fingerprint, W)
         _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
 
-    head = model.get_output_embeddings()
-    softcap = getattr(
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-        "final_logit_softcapping",
-        None,
-    )
     per_token = {n: {k: np.zeros((W, T - 1), dtype=np.float32) for k in TOKEN_FIELDS} for n in names}
     attn_err = {n: {layer: np.zeros((W, T), dtype=np.float32) for layer in layers} for n in names}
     seconds = dict.fromkeys(names, 0.0)
@@ -332,7 +379,7 @@ def evaluate(
                         f"{name}: non-finite hidden states in window {w} (NaN/inf in the model or K/V)"
                     )
                 hs.append(h[:-1])
-            metrics = token_metrics(head, h_ref[:-1], hs, win[w, 1:], softcap=softcap)
+            metrics = token_metrics(head, h_ref[:-1], hs, win[w, 1:])
             for name, rec in zip(names, metrics):
                 for k in TOKEN_FIELDS:
                     per_token[name][k][w] = rec[k].numpy()
@@ -365,6 +412,7 @@ def evaluate(
             }
         )  # fmt: skip
         records += bucket_records(name, per_token[name], first)
+        _warn_mismatch(name, results[-1]["calibration"], T)
         logger.info(
             "%s: %.1f s, ppl %.4f (reference %.4f), kl %.5f",
             name,

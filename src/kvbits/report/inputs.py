@@ -77,7 +77,8 @@ def run_commit(config: Mapping[str, Any]) -> str:
     return str(c)
 
 
-_REPEATED_FLAGS = {"schemes": "--scheme", "scheme": "--scheme"}  # `kvbits eval --scheme A --scheme B`
+# `kvbits eval --scheme A --scheme B --calibration X --calibration Y` (action="append")
+_REPEATED_FLAGS = {"schemes": "--scheme", "scheme": "--scheme", "calibration": "--calibration"}
 
 
 def reproduce_command(config: Mapping[str, Any], run: RunSummary, out_dir: str | Path | None = None) -> str:

@@ -231,7 +231,8 @@ def print_summary(
     console: Console | None = None,
     threshold: float = DEFAULT_THRESHOLD,
 ) -> None:
-    """Print a run to the terminal: setting, bucket table, overall table and the verdict.
+    """Print a run to the terminal: setting, bucket table, overall table, calibration warnings (served
+    beyond the calibrated length, clipping above ``CLIP_WARN_FRAC``) and the verdict.
 
     ``summary`` is a parsed ``summary.json``, a :class:`RunSummary`, or a path to a run folder.
     """
@@ -247,6 +248,10 @@ def print_summary(
     )
     console.print(bucket_table(run, threshold))
     console.print(rich_table(overall_table(run, threshold)))
+    from kvbits.report.calibration import calibration_rows, calibration_warnings  # it imports this module
+
+    for line in calibration_warnings(calibration_rows(run)):
+        console.print(_bold_markup(escape(line), "[bold yellow]", "[/bold yellow]"), style="yellow")
     text = escape(verdict(run, threshold))
     console.print(_bold_markup(text, "[bold]", "[/bold]"))
 

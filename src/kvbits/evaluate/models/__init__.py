@@ -14,12 +14,13 @@ transformers is imported lazily inside the functions, so ``import kvbits`` stays
 """
 
 from kvbits.evaluate.models.gguf import converted_dir
-from kvbits.evaluate.models.loading import LoadedModel, load_config, load_model
+from kvbits.evaluate.models.loading import LoadedModel, load_config, load_model, model_content_id
 from kvbits.evaluate.models.registry import (
     OFFLINE_MODELS,
     OfflineModel,
     WheelMember,
     cache_dir,
+    cached_file_sha256,
     fetch_offline_model,
     file_sha256,
     model_cache_path,
@@ -33,11 +34,13 @@ __all__ = [
     "OfflineModel",
     "WheelMember",
     "cache_dir",
+    "cached_file_sha256",
     "converted_dir",
     "fetch_offline_model",
     "file_sha256",
     "load_config",
     "load_model",
     "model_cache_path",
+    "model_content_id",
     "resolve_model",
 ]

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbits.evaluate.models.registry import cache_dir, file_sha256
+from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _CONVERSION_VERSION = 1
 
 def _gguf_sha256(source: ModelSource) -> str:
     assert source.gguf_file is not None
-    return source.sha256 or file_sha256(Path(source.path) / source.gguf_file)
+    return source.sha256 or cached_file_sha256(Path(source.path) / source.gguf_file)
 
 
 def converted_dir(gguf_sha256: str) -> Path:

