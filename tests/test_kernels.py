@@ -637,21 +637,28 @@ def _update_gets_position_ids() -> bool:
     return seen[0] is not None
 
 
-def test_gpu_benchmark_timings_carry_their_spread():
+def test_gpu_benchmark_timings_carry_their_spread(monkeypatch):
     """Each timing keeps the 10th and 90th percentiles of its reps beside the median (what tells a real
-    difference between two variants from noise)."""
-    import time
+    difference between two variants from noise). A fake clock: each rep takes 2, 4, ..., 10 ms, twice."""
+    import types
 
     bench = _load_bench()
+    from gpu_bench import common
+
+    now = [0.0]
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     cfg = bench.Config(device=torch.device("cpu"), contexts=[], batches=[], reps=10, warmup=0, max_bytes=0.0,
                        smoke=True, kernel="reference")  # fmt: skip
-    delays = iter([0.002 * (i % 5 + 1) for i in range(10)])  # 2, 4, ..., 10 ms, twice
-    spread: dict = {}
-    from gpu_bench.common import time_ms
+    delays = iter([0.002 * (i % 5 + 1) for i in range(10)])
 
-    ms, graph = time_ms(lambda: time.sleep(next(delays)), cfg, None, spread=spread)
-    assert not graph and 5.5 < ms < 7.5  # the median of 2..10 ms, twice: 6 ms plus the sleeps' overshoot
-    assert 1.9 < spread["ms_p10"] < 4 and 9.9 < spread["ms_p90"] < 12, spread
+    def rep() -> None:
+        now[0] += next(delays)
+
+    spread: dict = {}
+    ms, graph = common.time_ms(rep, cfg, None, spread=spread)
+    assert not graph and ms == pytest.approx(6.0)  # the median of 2..10 ms, twice
+    # statistics.quantiles (exclusive method) of [2, 2, 4, 4, 6, 6, 8, 8, 10, 10]: 2.0 and 10.0
+    assert spread["ms_p10"] == pytest.approx(2.0) and spread["ms_p90"] == pytest.approx(10.0), spread
 
 
 def test_gpu_benchmark_smoke_on_cpu(tmp_path):
