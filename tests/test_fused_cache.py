@@ -427,12 +427,8 @@ def test_modes_and_device_policy(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "scheme,padded", [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True)]
-)
-def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
-    """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's
-    NUQ codes with sparse outliers and FP8 codes, in a left-padded batch (slot masks)."""
+def use_triton(monkeypatch) -> None:
+    """Decode through the Triton kernel: on the GPU, else Triton's interpreter (skip without Triton)."""
     if not torch.cuda.is_available():
         try:
             from kvbits.kernels.interpret import enable_interpreter
@@ -442,9 +438,18 @@ def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
             pytest.skip(f"Triton is not importable: {exc}")
     if not dispatch.triton_available():
         pytest.skip("Triton is not importable")
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+
+
+@pytest.mark.parametrize(
+    "scheme,padded", [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True)]
+)
+def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
+    """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's
+    NUQ codes with sparse outliers and FP8 codes, in a left-padded batch (slot masks)."""
+    use_triton(monkeypatch)
     from kvbits.kernels import triton_decode
 
-    monkeypatch.setenv("KVBITS_KERNEL", "triton")
     model, sch = build("qwen2"), SCHEMES[scheme]
     kw = dict(zip(("ids", "attention_mask"), padded_prompt())) if padded else {}
     seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=5, **kw)
@@ -644,16 +649,7 @@ def test_positions_ahead_of_the_cache_are_covered_by_the_rope_tables(monkeypatch
     the cache indices only: the reference clamped the positions (logits off by ~5e-3) and the Triton kernel
     read past the tables' end (off by ~0.6 through the interpreter)."""
     if kernel == "triton":
-        if not torch.cuda.is_available():
-            try:
-                from kvbits.kernels.interpret import enable_interpreter
-
-                enable_interpreter()
-            except ImportError as exc:
-                pytest.skip(f"Triton is not importable: {exc}")
-        if not dispatch.triton_available():
-            pytest.skip("Triton is not importable")
-        monkeypatch.setenv("KVBITS_KERNEL", "triton")
+        use_triton(monkeypatch)
     model, start = build("llama"), 3000
     ids = prompt(batch=1)[:, : PROMPT if kernel == "reference" else 24]
     ids = torch.cat([ids, prompt(batch=1, seed=2)[:, : 20 if kernel == "reference" else 3]], dim=1)
