@@ -44,6 +44,9 @@ __all__ = ["RotaryTables", "apply_rope", "invert_rope", "rotate_half"]
 
 # Rotary modules of other modalities living in the same modeling file as the text model's.
 _NON_TEXT = ("Vision", "Audio", "DiT", "Talker", "SaProt")
+# families that rotate interleaved pairs (rotate_every_two) from a fixed sinusoid table: refused by name,
+# since some transformers versions have a *RotaryEmbedding class for them (5.24) and others none (5.17)
+_INTERLEAVED_SINUSOID = ("gptj", "codegen")
 # rope types whose frequencies depend on the sequence length of the forward call
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -228,6 +231,11 @@ class RotaryTables:
         model_type = getattr(text, "model_type", None)
         if not model_type:
             raise ValueError(f"config has no model_type: {type(config).__name__}")
+        if model_type in _INTERLEAVED_SINUSOID:
+            raise NotImplementedError(
+                f"model_type {model_type!r} rotates interleaved pairs from a fixed sinusoid table; "
+                "kvbits.quant.rope supports the rotate-half convention only"
+            )
         module = _modeling_module(model_type)
         rotary = _instantiate(_rotary_class(module, model_type), text, device)
         return cls._build(text, rotary, module)
