@@ -416,38 +416,27 @@ def test_missing_calibration_is_refused_before_anything_loads():
 # --------------------------------------------------------------------------------- metrics
 
 
-def _granite():
-    from transformers import GraniteConfig, GraniteForCausalLM
+def _scaled_logits_model(arch: str):
+    """A tiny Granite (``logits / logits_scaling``) or Cohere (``logits * logit_scale``) model: families whose
+    logits are rescaled after the head."""
+    import transformers
 
-    torch.manual_seed(5)
-    cfg = GraniteConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        logits_scaling=8.0,
-    )
-    return GraniteForCausalLM(cfg).eval()
+    name, seed, extra = {"granite": ("Granite", 5, {"logits_scaling": 8.0}),
+                         "cohere": ("Cohere", 6, {"logit_scale": 0.25})}[arch]  # fmt: skip
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, **extra,
+    )  # fmt: skip
+    return getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+
+
+def _granite():
+    return _scaled_logits_model("granite")
 
 
 def _cohere():
-    from transformers import CohereConfig, CohereForCausalLM
-
-    torch.manual_seed(6)
-    cfg = CohereConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        logit_scale=0.25,
-    )
-    return CohereForCausalLM(cfg).eval()
+    return _scaled_logits_model("cohere")
 
 
 @pytest.mark.parametrize("build", [_granite, _cohere], ids=["granite-logits_scaling", "cohere-logit_scale"])
