@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbits.quant.checks import FP16_MAX, check_kv
+from kvbits.schemes.accounting import token_groups_fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
@@ -248,14 +249,15 @@ def run_checks(layers: Iterable[QuantizedKVLayer]) -> None:
 
 
 def check_channel_groups(scheme: KVScheme, key_dim: int, value_dim: int, where: str) -> None:
-    """``ValueError`` unless every per-token channel group of ``scheme`` divides its side's head dim ``D``.
+    """``ValueError`` unless every per-token channel group of ``scheme`` divides its side's head dim ``D``
+    (``kvbits.schemes.accounting.token_groups_fit``, the rule the planner applies too).
 
     Checked before anything is stored (at construction when the config gives ``D``, else at the first
     update): otherwise the first flush, possibly mid-generation, is where ``quantize`` finds out.
     """
     for side, spec, D in (("keys", scheme.key, key_dim), ("values", scheme.value, value_dim)):
-        g = spec.group_size
-        if spec.kind in ("int", "nuq") and spec.granularity == "token" and g is not None and D % g:
+        if not token_groups_fit(spec, D):
+            g = spec.group_size
             allowed = [d for d in range(1, D + 1) if D % d == 0]
             raise ValueError(
                 f"{where}: scheme {scheme.name!r} quantizes {side} per token in groups of group_size channels, "

@@ -106,13 +106,18 @@ def float_bytes(fmt_or_bits: str | int) -> int:
     return {"fp16": 2, "bf16": 2, "fp32": 4}[fmt_or_bits]
 
 
-def check_head_dim(spec: TensorSpec, head_dim: int) -> None:
-    """``ValueError`` when ``spec`` can not store rows of ``head_dim`` channels: per-token groups must
-    divide ``D`` (the quantizer refuses a partial group, so counting one would plan a cache that can not
-    exist)."""
+def token_groups_fit(spec: TensorSpec, head_dim: int) -> bool:
+    """Whether ``spec`` can store rows of ``head_dim`` channels: its per-token groups (if any) divide
+    ``D`` (the quantizer refuses a partial group)."""
     g = spec.group_size
-    if spec.is_quantized and spec.granularity == "token" and g is not None and head_dim % g:
-        raise ValueError(f"per-token groups of {g} channels do not divide head_dim {head_dim}")
+    return not (spec.is_quantized and spec.granularity == "token" and g is not None and head_dim % g)
+
+
+def check_head_dim(spec: TensorSpec, head_dim: int) -> None:
+    """``ValueError`` when ``spec`` can not store rows of ``head_dim`` channels (``token_groups_fit``):
+    counting a partial group would plan a cache that can not exist."""
+    if not token_groups_fit(spec, head_dim):
+        raise ValueError(f"per-token groups of {spec.group_size} channels do not divide head_dim {head_dim}")
 
 
 def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
