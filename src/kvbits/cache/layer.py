@@ -30,7 +30,7 @@ from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
 from kvbits.cache.store import SideStore
 from kvbits.quant.nuq import check_codebook
-from kvbits.quant.tensor import FLOAT_DTYPES, check_static_scale
+from kvbits.quant.tensor import FLOAT_DTYPES, check_finite, check_static_scale
 from kvbits.schemes.accounting import sliding_falls_back, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -215,9 +215,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
         if zero is not None:
             zero = zero.detach().to(device, torch.float16).clone()
-            n_bad = int((~torch.isfinite(zero)).sum())
-            if n_bad:
-                raise ValueError(f"{what} static zero-point must be finite, got {n_bad} non-finite entries")
+            check_finite(zero, f"{what} static zero-point")
         if self.mode != "quantized":
             return
         if scale is not None:

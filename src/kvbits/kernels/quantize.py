@@ -13,7 +13,7 @@ import torch
 
 from kvbits.kernels import dispatch
 from kvbits.kernels.dispatch import INSTALL_HINT, KERNEL_ENV, kernel_mode
-from kvbits.quant.tensor import QuantizedTensor, _count, quantize, zero_scale_clipped
+from kvbits.quant.tensor import QuantizedTensor, _count, check_block, quantize, zero_scale_clipped
 from kvbits.schemes import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -66,14 +66,7 @@ def quantize_pack(
     """
     if resolve_quantize_kernel(x, spec) == "triton":
         if validate:
-            from kvbits.quant.checks import check_kv
-            from kvbits.quant.tensor import _static_qparams, check_static_scale
-
-            check_kv(x, "K/V block")
-            if spec.kind == "fp8" and static_scale is not None:
-                check_static_scale(static_scale, "static FP8 scale", positive=True)
-            elif spec.kind != "fp8":
-                _static_qparams(x, spec, static_scale, static_zero, check=True)
+            check_block(x, spec, static_scale, static_zero)  # what the reference checks
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 
         qt = quantize_pack_triton(

@@ -172,14 +172,14 @@ def quantize(
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
         validate: check finiteness and range (``ValueError`` on NaN/inf), and that static scales are
-            finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points (``check_static_scale``).
+            finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points (``check_block``).
         sync: ``False``: never wait for the device (``kvbits.cache`` per-step path): ``clipped`` stays a
             0-dim int64 tensor on ``x``'s device, the codebook's values are not re-checked (its dtype
             and shape are) and neither are asymmetric NUQ ranges (``choose_nuq_params``: a ``ValueError``
             otherwise when a group spans more than float16 holds); pair with ``validate=False``.
     """
     if validate:
-        check_kv(x, "K/V block")
+        check_block(x, spec, static_scale, static_zero)
     _check_head_dim(x)
     B, H, n, D = x.shape
     shape = (B, H, n, D)
@@ -187,16 +187,12 @@ def quantize(
         return QuantizedTensor(spec, shape, x.to(FLOAT_DTYPES[spec.fmt]).contiguous())
     if spec.kind == "nuq":
         _codebook(codebook, spec.bits, sync)
-    static_qp = (
-        _static_qparams(x, spec, static_scale, static_zero, check=validate) if spec.kind in ("int", "nuq") else None
-    )
+    static_qp = _static_qparams(x, spec, static_scale, static_zero) if spec.kind in ("int", "nuq") else None
     o_vals, o_idx, mask = select_outliers(x, spec, static_qp)
     if spec.kind == "fp8":
         if spec.static or spec.granularity == "tensor":
             scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
             scale = scale.to(x.device, torch.float32)
-            if validate and static_scale is not None:
-                check_static_scale(scale, "static FP8 scale", positive=True)
         else:
             amax = x.float().abs().amax(dim=-1, keepdim=True)
             if mask is not None:
@@ -241,6 +237,25 @@ def quantize(
     )
 
 
+def check_block(
+    x: torch.Tensor,
+    spec: TensorSpec,
+    static_scale: torch.Tensor | None = None,
+    static_zero: torch.Tensor | None = None,
+) -> None:
+    """What ``quantize(validate=True)`` checks before quantizing ``x`` ``(B, H_kv, n, D)`` (and what
+    ``kvbits.kernels.quantize_pack`` checks before its kernel): finite K/V within float16 (``check_kv``),
+    ``D >= 1``, and the calibrated parameters' values: static scales finite and ``>= 0`` (FP8: ``> 0``),
+    finite zero-points. Host syncs: for checks, not for the per-step path."""
+    check_kv(x, "K/V block")
+    _check_head_dim(x)
+    if spec.kind == "fp8":
+        if static_scale is not None:
+            check_static_scale(static_scale, "static FP8 scale", positive=True)
+    elif spec.kind in ("int", "nuq"):
+        _static_qparams(x, spec, static_scale, static_zero, check=True)
+
+
 def _check_head_dim(x: torch.Tensor) -> None:
     """``ValueError`` for a block with no channels (``D = 0``): nothing to scale, no row to pack. Empty
     batches, heads or token counts are fine (``check_kv`` lets them through too)."""
@@ -269,6 +284,13 @@ def check_static_scale(scale: torch.Tensor, what: str, *, positive: bool = False
         allowed = "finite and > 0" if positive else "finite and >= 0"
         first = float(s.flatten()[bad.flatten()][0])
         raise ValueError(f"{what} must be {allowed}; {int(bad.sum())} of {s.numel()} entries are not (e.g. {first})")
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """``ValueError`` unless every entry of ``t`` (e.g. a static zero-point) is finite; one host sync."""
+    n_bad = int((~torch.isfinite(t)).sum())
+    if n_bad:
+        raise ValueError(f"{what} must be finite, got {n_bad} non-finite entries")
 
 
 def zero_scale_clipped(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
@@ -315,8 +337,8 @@ def _static_qparams(
         t = t.to(x.device, META_DTYPE)
         if check and name == "static_scale":
             check_static_scale(t, name)
-        elif check and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} must be finite, got {int((~torch.isfinite(t)).sum())} non-finite entries")
+        elif check:
+            check_finite(t, name)
         out.append(t)
     return out[0], out[1]
 
