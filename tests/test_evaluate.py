@@ -21,6 +21,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -757,8 +758,9 @@ def test_out_dir_old_run_kept_when_new_inputs_fail(models, tmp_path, monkeypatch
     assert sorted(p.name for p in (out / "tokens").iterdir()) == ["int8-token.safetensors"]
 
 
-def test_out_dir_not_reused_after_the_text_or_model_changed(models, tmp_path, monkeypatch):
-    """The config hash holds the text's and the model folder's content, not their paths."""
+def _local_model_and_text(models, tmp_path, monkeypatch, words: int) -> tuple[Path, Path]:
+    """A tiny Llama saved as a local folder (with a word-level tokenizer) and a text file of ``words``
+    words, as a user's own model and text; runs write no report, and hashes go to a private cache."""
     from _wordlevel import save_word_tokenizer, write_word_text
 
     from kvbits.evaluate import runner
@@ -768,7 +770,14 @@ def test_out_dir_not_reused_after_the_text_or_model_changed(models, tmp_path, mo
     folder = tmp_path / "model"
     save_word_tokenizer(folder)
     models("llama").save_pretrained(folder)
-    text = write_word_text(tmp_path / "book.txt", 400)
+    return folder, write_word_text(tmp_path / "book.txt", words)
+
+
+def test_out_dir_not_reused_after_the_text_or_model_changed(models, tmp_path, monkeypatch):
+    """The config hash holds the text's and the model folder's content, not their paths."""
+    from _wordlevel import write_word_text
+
+    folder, text = _local_model_and_text(models, tmp_path, monkeypatch, 400)
     out = tmp_path / "run"
     kw = {"out_dir": out, "attn_layers": []}
     first = evaluate(str(folder), str(text), 100, ["int4-token"], **kw)
@@ -792,19 +801,11 @@ def test_reproduce_command_of_a_run_started_from_python(models, tmp_path, monkey
     """The report's command line for a Python run is one `kvbits eval` runs with the same settings."""
     import shlex
 
-    from _wordlevel import save_word_tokenizer, write_word_text
-
     from kvbits.cli import build_parser
-    from kvbits.evaluate import runner
     from kvbits.report.inputs import load_config, reproduce_command
     from kvbits.report.summary import RunSummary
 
-    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(runner, "_write_report", lambda out: None)
-    folder = tmp_path / "model"
-    save_word_tokenizer(folder)
-    models("llama").save_pretrained(folder)
-    text = write_word_text(tmp_path / "book.txt", 300)
+    folder, text = _local_model_and_text(models, tmp_path, monkeypatch, 300)
     scheme_file = tmp_path / "mine.json"
     scheme_file.write_text(json.dumps(SINKS.replace(name="mine").to_dict()))
     out = tmp_path / "run"

@@ -219,11 +219,9 @@ def text_content_id(spec: str) -> str:
     path = Path(spec).expanduser()
     if spec.startswith("hub:") or not path.is_file():
         return spec
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return f"sha256:{h.hexdigest()}"
+    from kvbits.evaluate.models.registry import file_sha256
+
+    return f"sha256:{file_sha256(path)}"
 
 
 # ---------------------------------------------------------------------------------- tokenization
