@@ -31,6 +31,7 @@ from transformers import (
 
 from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, track_positions, use_fused_decode
 from kvbits.cache import fused as fused_mod
+from kvbits.cache.layer import _position_offset
 from kvbits.kernels import dispatch
 from kvbits.plan import plan
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, token_split
@@ -661,6 +662,56 @@ def test_positions_ahead_of_the_cache_are_covered_by_the_rope_tables(monkeypatch
     assert cache.fused_report()["fused_steps"] == 2 * (ids.shape[1] - prefill)
     assert cache.layers[0]._k.positions_ahead() == start
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_positions_below_zero_are_clamped_alike_on_every_path(monkeypatch, kernel: str):
+    """Position ids that start below 0 put unmasked keys at negative positions: the stores un-rotated them
+    there while the kernels clamp positions at 0 (logits off by ~1e-3). ``rope_at`` now clamps
+    as the kernels do, so every path un-rotates and rotates back at the same positions."""
+    if kernel == "triton":
+        use_triton(monkeypatch)
+    model, n_new = build("llama"), (20 if kernel == "reference" else 3)
+    ids = torch.cat([prompt(batch=1)[:, : PROMPT if kernel == "reference" else 24], prompt(batch=1, seed=2)[:, :n_new]], 1)
+    prefill = ids.shape[1] - n_new
+    want = _decode_at(model, QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=False), ids,
+                      -5, fused=False, prefill=prefill)  # fmt: skip
+    cache = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
+    got = _decode_at(model, cache, ids, -5, fused=True, prefill=prefill)
+    assert cache.fused_report()["fused_steps"] == 2 * n_new
+    assert cache.layers[0]._k.pos_offset.tolist() == [5]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_right_padded_batch_is_fused_and_exact():
+    """A right-padded prompt (generate warns, and gives the pads position 0): the offset comes from the
+    last real token, not the newest pad. Before, sequence 1's offset was 39 (every quantized key at a
+    negative position, un-rotated there but rotated back at 0 by the fused path: logits off by 0.66)."""
+    model = build("llama")
+    ids = prompt()
+    mask = torch.ones_like(ids)
+    mask[1, -7:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    _, logits_ref, ref = generate(model, PRE_ROPE, fused=False, attn=False, ids=ids, attention_mask=mask)
+    _, logits, cache = generate(model, PRE_ROPE, fused=True, attn=True, ids=ids, attention_mask=mask)
+    assert cache.fused_report()["fused_steps"] == (NEW - 1) * 2
+    assert cache.layers[0]._k.pos_offset.tolist() == [0, 0] == ref.layers[0]._k.pos_offset.tolist()
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+
+
+def test_position_offset_rules():
+    """Offsets of rows as generate pads them: left padding (pads at 0, or 1 in older transformers; the
+    newest token sets it), right padding (the last real token does), explicit positions (either)."""
+    k = torch.randn(1, 2, 6, 32)
+
+    def offset(row: list[int], n_before: int = 0) -> int:
+        pos = torch.tensor([row])
+        return int(_position_offset((), {"kwargs": {"position_ids": pos}}, n_before, k)[0])
+
+    assert offset([0, 0, 0, 0, 1, 2]) == 3 == offset([1, 1, 1, 0, 1, 2])  # left padded by 3
+    assert offset([1, 1, 1, 1, 1, 0]) == 5 == offset([0, 0, 0, 0, 0, 0])  # one real token after 5 pads
+    assert offset([0, 1, 2, 3, 0, 0]) == 0 == offset([0, 1, 2, 3, 1, 1])  # right padded by 2
+    assert offset([0, 1, 2, 3, 4, 5], n_before=7) == 7 and offset([10, 11, 12, 13, 14, 15]) == -10
 
 
 def test_position_offsets_are_read_once_per_request():

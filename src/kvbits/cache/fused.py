@@ -22,7 +22,7 @@ dequantized K/V again, logged).
 Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
 ``pos_offset`` is the left padding read from the position ids; pad slots get negative positions and are
-masked). Position ids that start past the cache indices make ``pos_offset`` negative: the tables then
+masked; negative positions are clamped at 0 here and in ``SideStore``'s rotations alike). Position ids that start past the cache indices make ``pos_offset`` negative: the tables then
 cover ``max(-pos_offset)`` more positions (``SideStore.positions_ahead``, read once per request).
 """
 

@@ -65,8 +65,13 @@ def _position_offset(
     ``position_ids`` transformers passes to ``Cache.update`` (``kwargs=...``); ``None`` when absent.
 
     Left padding is the case it is for: the pads take cache slots, the model's positions start after
-    them, and pre-RoPE keys must be un-rotated at the model's positions. The newest token is never a pad
-    (generation pads on the left), so its position is exact. Device ops only (no sync).
+    them, and pre-RoPE keys must be un-rotated at the model's positions; the newest token is not a pad,
+    so its position is exact. A right-padded row (``generate`` warns against it, and gives pads position
+    0, 1 in older versions) ends in pads: where the newest position is below the row's largest, and the
+    largest first occurs past the row's first token (the last real token; a left-padded row of one token
+    whose pads sit at 1 has it first), that token sets the offset instead. The generated tokens that follow
+    the pads are then un-rotated a pad count away from their positions: a frame off by that much, not a
+    wrong attention (``rope_at`` rotates them back at the same positions). Device ops only (no sync).
     """
     pos = find_position_ids(args, kwargs)
     B, _, q, _ = key_states.shape
@@ -74,8 +79,12 @@ def _position_offset(
         return None  # absent, or multi-axis positions (e.g. mrope): cache indices, as before
     if pos.is_floating_point():
         return None
-    last = pos[:, -1].to(key_states.device, torch.long)
-    return ((n_before + q - 1) - last).expand(B).contiguous()
+    pos = pos.to(key_states.device, torch.long)
+    last = pos[:, -1]
+    top, at = pos.max(dim=1)  # first occurrence of the largest position
+    right_padded = (top > last) & (at > 0)
+    offset = torch.where(right_padded, n_before + at - top, (n_before + q - 1) - last)
+    return offset.expand(B).contiguous()
 
 
 class QuantizedKVLayer(CacheLayerMixin):

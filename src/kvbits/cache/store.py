@@ -57,7 +57,11 @@ def rope_at(
     without a host sync: the same tables (``RotaryTables`` computes them with the model's rotary module)
     minus ``cos_sin``'s ``positions >= 0`` check, which reads the positions back from the device and is
     true here by construction. ``offset`` ``(B,)``: sequence ``b``'s tokens sit at ``p - offset[b]``
-    (left padding: the model's position ids start after the pads; pad tokens get negative positions)."""
+    (left padding: the model's position ids start after the pads; pad tokens get negative positions).
+    Negative positions are taken as 0, as the fused decode kernels read them (``kvbits.kernels``): a
+    block is un-rotated and rotated back at the same clamped positions on every path, so attention stays
+    exact; only the frame such tokens are quantized in differs (pads, which are masked, or position ids
+    that start below 0)."""
     rotary._check_x(x)
     n = x.shape[2]
     if rotary.rot_dim == 0:  # a layer without RoPE: empty tables, as cos_sin returns them
@@ -65,7 +69,7 @@ def rope_at(
     else:
         pos = torch.arange(p0, p0 + n, device=x.device)[None]
         if offset is not None:
-            pos = pos - offset.to(x.device)[:, None]  # (B, n)
+            pos = (pos - offset.to(x.device)[:, None]).clamp_min(0)  # (B, n), as the kernels clamp
         cos, sin = rotary._forward(pos, x.dtype, None)
     return (invert_rope if inverse else apply_rope)(x, cos.to(x.device), sin.to(x.device))
 
