@@ -4,9 +4,7 @@ Where the tensors come from, per attention module (any module with ``k_proj`` an
 
 - **pre-RoPE keys**: the output of ``k_proj``, or of the key norm applied before RoPE when the
   family has one (``k_norm``: Gemma3, Qwen3, OLMo2; ``k_layernorm``: Phi, StableLM), reshaped to
-  ``(B, H_kv, T, D)``. Norm inputs come as ``(B, T, H*D)``, ``(B, T, H, D)`` or ``(B, H, T, D)``
-  depending on the family; the layout is identified by matching the norm's input to ``k_proj``'s
-  output, not guessed from shapes.
+  ``(B, H_kv, T, D)`` (the hooks and the norm's layout: :mod:`kvbits.analyze.taps`).
 - **post-RoPE keys**: the pre-RoPE keys rotated with ``kvbits.quant.rope.RotaryTables`` (the
   model's own rotary module, per layer type), at positions ``0 .. T-1`` of each window.
 - **values**: the output of ``v_proj`` (or ``v_norm`` when present).
@@ -32,12 +30,11 @@ import torch
 
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD, recommend, smeared_pairs
 from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
+from kvbits.analyze.taps import KVTap, capture_point, to_bhtd
 
 logger = logging.getLogger(__name__)
 
 ANALYSIS_VERSION = 1
-KEY_NORMS = ("k_norm", "k_layernorm")
-VALUE_NORMS = ("v_norm",)
 
 Callback = Callable[[int, str, torch.Tensor], None]
 
@@ -93,94 +90,14 @@ def attention_sites(model: torch.nn.Module) -> list[AttentionSite]:
     return sorted(sites, key=lambda s: s.layer)
 
 
-def _norm(mod: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module | None:
-    for n in names:
-        sub = getattr(mod, n, None)
-        if isinstance(sub, torch.nn.Module):
-            return sub
-    return None
+def _site_tap(site: AttentionSite, kind: str, callback: Callback) -> KVTap:
+    """A tap on ``site``'s keys or values calling ``callback(layer, kind, x)`` with ``x`` detached ``(B, H_kv, T, D)``."""
 
+    def on_output(x: torch.Tensor, layout: str) -> None:
+        callback(site.layer, kind, to_bhtd(x.detach(), layout, site.n_heads, site.head_dim))
 
-def kv_norm(attention: torch.nn.Module, kind: str) -> torch.nn.Module | None:
-    """The norm an attention module applies to its keys (``kind="key"``: one of :data:`KEY_NORMS`,
-    before RoPE) or values (``"value"``: :data:`VALUE_NORMS`) after the projection, or None. Its
-    output, not the projection's, is what the cache stores."""
-    if kind not in ("key", "value"):
-        raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
-    return _norm(attention, KEY_NORMS if kind == "key" else VALUE_NORMS)
-
-
-def norm_layout(inp: torch.Tensor, proj_out: torch.Tensor, n_heads: int, head_dim: int, where: str) -> str:
-    """How a K/V norm's input ``inp`` lays out the projection's output ``proj_out`` ``(B, T, H*D)``:
-    ``"flat"`` (``(B, T, H*D)``), ``"bthd"`` or ``"bhtd"``; matched by value, not guessed from shapes
-    (``T == H`` would make shapes ambiguous). ``where`` names the site in the error.
-
-    Raises:
-        ValueError: ``inp`` is none of the three (an unsupported model family).
-    """
-    if inp.dim() == 3:
-        return "flat"
-    B, T = proj_out.shape[0], proj_out.shape[1]
-    bthd = proj_out.reshape(B, T, n_heads, head_dim)
-    if inp.shape == bthd.shape and torch.equal(inp, bthd):
-        return "bthd"
-    if inp.shape == bthd.transpose(1, 2).shape and torch.equal(inp, bthd.transpose(1, 2)):
-        return "bhtd"
-    raise ValueError(
-        f"{where}: the norm's input {tuple(inp.shape)} is not a reshape of the projection's output "
-        f"{tuple(proj_out.shape)}; this model family is not supported"
-    )
-
-
-def to_bhtd(x: torch.Tensor, layout: str, n_heads: int, head_dim: int) -> torch.Tensor:
-    """``x`` (a projection or norm output in ``layout``, see :func:`norm_layout`) as ``(B, H_kv, T, D)``."""
-    if layout == "flat":
-        return x.reshape(x.shape[0], x.shape[1], n_heads, head_dim).transpose(1, 2)
-    if layout == "bthd":
-        return x.transpose(1, 2)
-    if layout == "bhtd":
-        return x
-    raise ValueError(f"layout must be 'flat', 'bthd' or 'bhtd', got {layout!r}")
-
-
-class _SiteHooks:
-    """Turns one attention module's projection (and norm) outputs into ``(B, H_kv, T, D)`` tensors."""
-
-    def __init__(self, site: AttentionSite, kind: str, callback: Callback) -> None:
-        self.site, self.kind, self.callback = site, kind, callback
-        self.proj = getattr(site.module, "k_proj" if kind == "key" else "v_proj")
-        self.norm = kv_norm(site.module, kind)
-        self._proj_out: torch.Tensor | None = None
-        self._layout: str | None = None  # "flat", "bthd" or "bhtd": the norm's input layout
-
-    def register(self) -> list[Any]:
-        handles = [self.proj.register_forward_hook(self._on_proj)]
-        if self.norm is not None:
-            handles.append(self.norm.register_forward_hook(self._on_norm))
-        return handles
-
-    def _on_proj(self, _m: Any, _inp: Any, out: torch.Tensor) -> None:
-        if self.norm is None:
-            self.callback(
-                self.site.layer,
-                self.kind,
-                to_bhtd(out.detach(), "flat", self.site.n_heads, self.site.head_dim),
-            )
-        else:
-            self._proj_out = out.detach()
-
-    def _on_norm(self, _m: Any, args: tuple, out: torch.Tensor) -> None:
-        if self._layout is None:
-            if self._proj_out is None:
-                raise RuntimeError(f"layer {self.site.layer}: {self.kind} norm ran before its projection")
-            where = f"layer {self.site.layer}: the {self.kind} norm"
-            self._layout = norm_layout(args[0], self._proj_out, self.site.n_heads, self.site.head_dim, where)
-        self._proj_out = None
-        self.callback(
-            self.site.layer,
-            self.kind,
-            to_bhtd(out.detach(), self._layout, self.site.n_heads, self.site.head_dim),
-        )
+    module, proj = capture_point(site.module, kind)
+    return KVTap(module, proj, kind, site.n_heads, site.head_dim, f"layer {site.layer}", on_output)
 
 
 @contextlib.contextmanager
@@ -192,7 +109,7 @@ def kv_hooks(model: torch.nn.Module, callback: Callback) -> Iterator[list[Attent
     try:
         for site in sites:
             for kind in ("key", "value"):
-                handles += _SiteHooks(site, kind, callback).register()
+                handles += _site_tap(site, kind, callback).register()
         yield sites
     finally:
         for h in handles:

@@ -3,8 +3,8 @@
 Keys are captured *before RoPE* (KVQuant §3.2): at the output of ``k_proj``, or of the key norm
 for models that normalise keys before rotating them (``k_norm``: Qwen3, Gemma3, OLMo2;
 ``k_layernorm``: Phi, StableLM), since that is the tensor the cache stores. Values at ``v_proj``
-(``v_norm`` when present). Which norms exist and how their inputs are laid out is decided by
-:mod:`kvbits.analyze.collect` (``kv_norm``, ``norm_layout``), shared with ``kvbits analyze``. Capturing module outputs needs no forked modeling code and works for every
+(``v_norm`` when present). Which norms exist, how their inputs are laid out and the hooks that read
+them are :mod:`kvbits.analyze.taps`, shared with ``kvbits analyze``. Capturing module outputs needs no forked modeling code and works for every
 architecture whose attention has ``k_proj``/``v_proj`` submodules. Hooks are removed on exit, also
 on error.
 
@@ -15,12 +15,13 @@ positions for K, V and their gradients), so memory is ``layers x max_tokens x H_
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbits.analyze.collect import kv_norm, norm_layout, to_bhtd
+from kvbits.analyze.taps import KVTap, capture_point
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from typing_extensions import Self
@@ -103,18 +104,19 @@ def find_kv_sites(model: torch.nn.Module) -> list[KVSite]:
             n_kv = config_kv_heads(config)
         else:
             raise ValueError(f"{name}: can not tell the number of KV heads")
-        k_norm, v_norm = kv_norm(mod, "key"), kv_norm(mod, "value")
+        key_module, key_proj = capture_point(mod, "key")
+        value_module, value_proj = capture_point(mod, "value")
         idx = getattr(mod, "layer_idx", None)
         sites.append(
             KVSite(
                 layer_idx=int(idx) if idx is not None else len(sites),
-                key_module=k_norm if k_norm is not None else k_proj,
-                value_module=v_norm if v_norm is not None else v_proj,
+                key_module=key_module,
+                value_module=value_module,
                 num_kv_heads=n_kv,
                 head_dim=head_dim,
                 name=name,
-                key_proj=k_proj if k_norm is not None else None,
-                value_proj=v_proj if v_norm is not None else None,
+                key_proj=key_proj,
+                value_proj=value_proj,
             )
         )
     if not sites:
@@ -150,40 +152,16 @@ class KVCapture:
         self.sites = sites if sites is not None else find_kv_sites(model)
         self.retain_grad = retain_grad
         self._outputs: dict[tuple[int, str], torch.Tensor] = {}
+        self._taps: dict[tuple[int, str], KVTap] = {}
         self._handles: list[Any] = []
-        # layout of each capture point's output: projections give (B, T, H*D); a norm keeps the layout
-        # of its input, which depends on the family (Qwen3 (B, T, H, D), Phi (B, H, T, D)), so it is
-        # found once by matching the norm's input to the projection's output
-        self._layouts: dict[tuple[int, str], str] = {}
-        self._proj_out: dict[tuple[int, str], torch.Tensor] = {}
 
-    def _hook(self, layer: int, side: str, is_norm: bool):
-        key = (layer, side)
-
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            t = output[0] if isinstance(output, tuple) else output
-            if key not in self._layouts:
-                if not is_norm:
-                    self._layouts[key] = "flat"
-                else:
-                    proj = self._proj_out.pop(key, None)
-                    if proj is None:
-                        raise RuntimeError(f"layer {layer}: the {side} norm ran before its projection")
-                    site = self.sites[layer]
-                    where = f"{site.name}: the {side} norm"
-                    self._layouts[key] = norm_layout(args[0], proj, site.num_kv_heads, site.head_dim, where)
+    def _keep(self, key: tuple[int, str]) -> Callable[[torch.Tensor, str], None]:
+        def keep(t: torch.Tensor, layout: str) -> None:
             if self.retain_grad and t.requires_grad:
                 t.retain_grad()
             self._outputs[key] = t if self.retain_grad else t.detach()
 
-        return hook
-
-    def _proj_hook(self, layer: int, side: str):
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if (layer, side) not in self._layouts:  # only until the layout is known
-                self._proj_out[(layer, side)] = output.detach()
-
-        return hook
+        return keep
 
     def __enter__(self) -> Self:
         try:
@@ -192,11 +170,10 @@ class KVCapture:
                     ("key", s.key_module, s.key_proj),
                     ("value", s.value_module, s.value_proj),
                 ):
-                    if proj is not None:
-                        self._handles.append(proj.register_forward_hook(self._proj_hook(s.layer_idx, side)))
-                    self._handles.append(
-                        module.register_forward_hook(self._hook(s.layer_idx, side, proj is not None))
-                    )
+                    key = (s.layer_idx, side)
+                    tap = KVTap(module, proj, side, s.num_kv_heads, s.head_dim, s.name, self._keep(key))
+                    self._taps[key] = tap
+                    self._handles += tap.register()
         except BaseException:
             self.close()
             raise
@@ -211,15 +188,14 @@ class KVCapture:
             h.remove()
         self._handles.clear()
         self._outputs.clear()
-        self._proj_out.clear()
+        self._taps.clear()
 
     def reset(self) -> None:
         """Forget captured tensors (call between windows to free memory)."""
         self._outputs.clear()
 
     def _heads(self, layer: int, side: str, t: torch.Tensor) -> torch.Tensor:
-        site = self.sites[layer]
-        return to_bhtd(t, self._layouts[(layer, side)], site.num_kv_heads, site.head_dim).float()
+        return self._taps[(layer, side)].heads(t).float()
 
     def _get(self, layer: int, side: str) -> torch.Tensor:
         try:
