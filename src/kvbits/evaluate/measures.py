@@ -33,33 +33,16 @@ def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -
 
 
 def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
-    """Log what the report flags in a scheme's calibration record (``_mismatch``): positions served
-    beyond the calibrated length, and clipping above the report's warning level, so a terminal run
-    (no ``--out``, no report) says it too."""
-    from kvbits.report.calibration import CLIP_WARN_FRAC  # one threshold for the log and the report
+    """Log what the report flags in a scheme's calibration record (``_mismatch``), in its words:
+    positions served beyond the calibrated length, and clipping above the report's warning level, so
+    a terminal run (no ``--out``, no report) says it too."""
+    from kvbits.report.calibration import calibration_issues, calibration_row
 
-    beyond = int(record.get("positions_beyond_calibrated") or 0)
-    if beyond > 0:
-        logger.warning(
-            "%s: %d of the %d positions per window lie beyond the %d tokens the calibration saw "
-            "(its statistics are extrapolated there; calibrate with --context %d)",
-            scheme,
-            beyond,
-            context,
-            record.get("max_calibrated_length"),
-            context,
-        )
-    for side in ("keys", "values"):
-        frac = record.get(f"clipped_{side}_frac")
-        if isinstance(frac, float) and frac > CLIP_WARN_FRAC:
-            logger.warning(
-                "%s: %.3f%% of the cached %s were clipped against the calibrated ranges (warning level %g%%): "
-                "what is served differs from what was calibrated",
-                scheme,
-                100 * frac,
-                side,
-                100 * CLIP_WARN_FRAC,
-            )
+    row = calibration_row(scheme, record, context)
+    issues = calibration_issues(row)
+    if issues:
+        hint = f" Calibrate with --context {context} to cover every position." if row.beyond else ""
+        logger.warning("%s %s.%s", scheme, "; ".join(issues), hint)
 
 
 def _artifact_record(art: Any) -> dict[str, Any]:

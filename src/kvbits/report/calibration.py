@@ -32,6 +32,8 @@ __all__ = [
     "CALIBRATION_NOTE",
     "CLIP_WARN_FRAC",
     "CalibrationRow",
+    "calibration_issues",
+    "calibration_row",
     "calibration_rows",
     "calibration_table",
     "calibration_warnings",
@@ -150,32 +152,38 @@ def calibration_rows(
     for r in run.results:
         if not _is_calibrated(r, ids):
             continue
-        c = r.calibration
-        rec = c.get("artifact") if isinstance(c.get("artifact"), Mapping) else None
-        if rec is None and r.name in ids:
-            rec = _artifact_from_folder(paths, r.name, ids[r.name]) or {"id": ids[r.name]}
-        rec = rec or {}
-        length = _count(c.get("max_calibrated_length"))
-        if length is None:
-            length = _count(rec.get("context"))
-        beyond = _count(c.get("positions_beyond_calibrated"))
-        if beyond is None and length is not None and run.context:
-            beyond = max(0, run.context - length)  # as the evaluator computes it
-        rows.append(
-            CalibrationRow(
-                scheme=r.name,
-                artifact=_artifact_text(rec),
-                data=_data_text(rec),
-                calibrated_length=length,
-                clipped_keys_frac=_num(c.get("clipped_keys_frac")),
-                clipped_values_frac=_num(c.get("clipped_values_frac")),
-                clipped_keys=_count(c.get("clipped_keys")),
-                clipped_values=_count(c.get("clipped_values")),
-                beyond=beyond,
-                context=run.context,
-            )
-        )
+        fallback = None
+        if not isinstance(r.calibration.get("artifact"), Mapping) and r.name in ids:
+            fallback = _artifact_from_folder(paths, r.name, ids[r.name]) or {"id": ids[r.name]}
+        rows.append(calibration_row(r.name, r.calibration, run.context, fallback))
     return rows
+
+
+def calibration_row(
+    scheme: str, record: Mapping[str, Any], context: int, artifact: Mapping[str, Any] | None = None
+) -> CalibrationRow:
+    """The row of one scheme from its calibration record (``results[].calibration``) and the run's
+    context; ``artifact`` stands in for the record's ``artifact`` when it has none."""
+    rec = record.get("artifact") if isinstance(record.get("artifact"), Mapping) else artifact
+    rec = rec or {}
+    length = _count(record.get("max_calibrated_length"))
+    if length is None:
+        length = _count(rec.get("context"))
+    beyond = _count(record.get("positions_beyond_calibrated"))
+    if beyond is None and length is not None and context:
+        beyond = max(0, context - length)  # as the evaluator computes it
+    return CalibrationRow(
+        scheme=scheme,
+        artifact=_artifact_text(rec),
+        data=_data_text(rec),
+        calibrated_length=length,
+        clipped_keys_frac=_num(record.get("clipped_keys_frac")),
+        clipped_values_frac=_num(record.get("clipped_values_frac")),
+        clipped_keys=_count(record.get("clipped_keys")),
+        clipped_values=_count(record.get("clipped_values")),
+        beyond=beyond,
+        context=context,
+    )
 
 
 # ------------------------------------------------------------------------------------ output
@@ -229,23 +237,29 @@ def calibration_table(rows: list[CalibrationRow], clip_threshold: float = CLIP_W
     )
 
 
+def calibration_issues(row: CalibrationRow, clip_threshold: float = CLIP_WARN_FRAC) -> list[str]:
+    """What is wrong with one scheme's calibration, as phrases following its name: served past its
+    calibrated length, clipping above ``clip_threshold`` (a fraction) of its keys or values."""
+    issues = []
+    if row.beyond:
+        known = row.calibrated_length is not None
+        length = f"the {row.calibrated_length:,} tokens" if known else "the context"
+        of = f" of {row.context:,}" if row.context else ""
+        issues.append(f"serves {row.beyond:,}{of} positions per window beyond {length} it was calibrated on")
+    for side, frac in (("keys", row.clipped_keys_frac), ("values", row.clipped_values_frac)):
+        if _ok(frac) and frac > clip_threshold:
+            issues.append(
+                f"clips {frac * 100:.3f}% of its {side} against the calibrated ranges "
+                f"(warning level {clip_threshold * 100:g}%)"
+            )
+    return issues
+
+
 def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLIP_WARN_FRAC) -> list[str]:
-    """One warning line per scheme served past its calibrated length or clipping above
-    ``clip_threshold`` (a fraction) of its keys or values; inline ``**bold**`` marks the scheme."""
+    """One warning line per scheme with :func:`calibration_issues`; inline ``**bold**`` marks the scheme."""
     lines = []
     for row in rows:
-        issues = []
-        if row.beyond:
-            known = row.calibrated_length is not None
-            length = f"the {row.calibrated_length:,} tokens" if known else "the context"
-            of = f" of {row.context:,}" if row.context else ""
-            issues.append(f"serves {row.beyond:,}{of} positions per window beyond {length} it was calibrated on")
-        for side, frac in (("keys", row.clipped_keys_frac), ("values", row.clipped_values_frac)):
-            if _ok(frac) and frac > clip_threshold:
-                issues.append(
-                    f"clips {frac * 100:.3f}% of its {side} against the calibrated ranges "
-                    f"(warning level {clip_threshold * 100:g}%)"
-                )
+        issues = calibration_issues(row, clip_threshold)
         if issues:
             lines.append(f"Warning: **{row.scheme}** " + "; ".join(issues) + ".")
     return lines
