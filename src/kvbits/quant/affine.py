@@ -49,19 +49,34 @@ def choose_qparams(
         ``(scale, zero)``, both keepdim over ``dims``; ``zero`` is ``None`` when symmetric.
     """
     check_bits(bits)  # 1-bit symmetric has no level (scale inf), > 8 bits overflow uint8
+    steps = 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1
+    return range_qparams(x, dims, steps, symmetric=symmetric, mask=mask)
+
+
+def range_qparams(
+    x: torch.Tensor,
+    dims: tuple[int, ...],
+    steps: int,
+    *,
+    symmetric: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, zero)`` over ``dims`` of ``x``, keepdim, float16, rounded outward: ``zero`` = the group
+    minimum rounded down and ``scale`` = ``(max - zero) / steps`` rounded up; symmetric: ``scale`` =
+    the largest magnitude ``/ steps`` rounded up, ``zero`` None. ``mask`` (bool like ``x``) marks
+    elements excluded from the range. Affine codes take ``steps`` = the code levels
+    (:func:`choose_qparams`), NUQ ``1`` (``kvbits.quant.nuq.choose_nuq_params``).
+    """
     empty = empty_groups(x, dims, symmetric)
     if empty is not None:
         return empty
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
-        amax = a.amax(dim=dims, keepdim=True)
-        levels = 2 ** (bits - 1) - 1
-        return _round_up_fp16(amax / levels), None
+        return _round_up_fp16(a.amax(dim=dims, keepdim=True) / steps), None
     lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo)
-    scale = _round_up_fp16((hi - zero.float()).clamp_min(0.0) / (2**bits - 1))
-    return scale, zero
+    return _round_up_fp16((hi - zero.float()).clamp_min(0.0) / steps), zero
 
 
 def empty_groups(

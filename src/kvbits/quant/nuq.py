@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbits.quant.affine import _round_down_fp16, _round_up_fp16, empty_groups, masked_range
+from kvbits.quant.affine import masked_range, range_qparams
 
 CODEBOOK_DTYPE = torch.float16
 
@@ -80,17 +80,9 @@ def choose_nuq_params(
             kernels read it). ``check=False`` leaves that to the caller (``kvbits.cache`` bounds its
             inputs by ``|x| <= 65504 / 2`` instead, without a sync per step).
     """
-    empty = empty_groups(x, dims, symmetric)
-    if empty is not None:
-        return empty
-    xf = x.float()
-    if symmetric:
-        a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
-        return _round_up_fp16(a.amax(dim=dims, keepdim=True)), None
-    lo, hi = masked_range(xf, dims, mask)
-    zero = _round_down_fp16(lo)
-    scale = _round_up_fp16((hi - zero.float()).clamp_min(0.0))
-    if check and scale.numel() and bool(torch.isinf(scale).any()):
+    scale, zero = range_qparams(x, dims, 1, symmetric=symmetric, mask=mask)
+    if check and zero is not None and scale.numel() and bool(torch.isinf(scale).any()):
+        _, hi = masked_range(x.float(), dims, mask)
         span = float((hi - zero.float()).max())
         raise ValueError(
             f"asymmetric NUQ stores each group's range max - min as a float16 scale; a group spans {span:.6g}, "
