@@ -30,6 +30,16 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (creating its folder) and close it."""
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def pick_layer_head(analysis: Analysis) -> tuple[int, int]:
     """The layer and KV head whose pre-RoPE keys have the largest absmax / median-channel ratio."""
     best, where = -1.0, (analysis.layers[0].layer, 0)
@@ -90,12 +100,7 @@ def plot_key_heatmaps(
         f"{analysis.model}, layer {layer}, KV head {head} ({analysis.data}, context {analysis.context})",
         fontsize=10,
     )
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_layer_summary(analysis: Analysis, path: str | Path) -> Path:
@@ -134,9 +139,4 @@ def plot_layer_summary(analysis: Analysis, path: str | Path) -> Path:
     fig.suptitle(
         f"{analysis.model} on {analysis.data}, {analysis.windows} x {analysis.context} tokens", fontsize=10
     )
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
