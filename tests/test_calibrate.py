@@ -155,16 +155,7 @@ def test_captured_keys_are_pre_rope():
 
 
 def test_k_norm_is_hooked_when_present():
-    cfg = transformers.Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=96,
-    )
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    model = _qwen3()
     sites = find_kv_sites(model)
     assert [s.key_module for s in sites] == [layer.self_attn.k_norm for layer in model.model.layers]
     assert [s.value_module for s in sites] == [layer.self_attn.v_proj for layer in model.model.layers]
