@@ -273,21 +273,23 @@ def test_int4_sqnr_prefers_channels_on_outlier_channels():
 # -------------------------------------------------------------------------------------- CLI
 
 
-def _model_folder(path):
-    save_word_tokenizer(path)
-    tiny_llama().save_pretrained(path)
+def _cli_argv(tmp_path, monkeypatch, words: int, windows: int) -> list[str]:
+    """``kvbits analyze`` arguments for the tiny Llama saved as a local folder (word-level tokenizer)
+    and a text of ``words`` words, at 128-token windows; hashes go to a private cache."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    save_word_tokenizer(model_dir)
+    tiny_llama().save_pretrained(model_dir)
+    text = write_word_text(tmp_path / "book.txt", words)
+    return ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", str(windows)]
 
 
 def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     from kvbits.cli import main
 
-    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
-    model_dir = tmp_path / "model"
-    _model_folder(model_dir)
-    text = write_word_text(tmp_path / "book.txt", 800)
+    argv = _cli_argv(tmp_path, monkeypatch, words=800, windows=2)
     out = tmp_path / "out"
-    argv = ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", "2"]
     assert main(argv + ["--json", "--out", str(out)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["layers"][OUT_LAYER]["key_outlier_channels_pre_rope"] == [[OUT_HEAD, OUT_CH]]
@@ -313,12 +315,8 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
 def test_cli_bad_plot_arguments_refused_before_writing(tmp_path, monkeypatch, capsys, flag, value, message):
     from kvbits.cli import main
 
-    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
-    model_dir = tmp_path / "model"
-    _model_folder(model_dir)
-    text = write_word_text(tmp_path / "book.txt", 300)
+    argv = _cli_argv(tmp_path, monkeypatch, words=300, windows=1)
     out = tmp_path / "out"
-    argv = ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", "1"]
     assert main(argv + ["--out", str(out), flag, value]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()  # refused before the analysis wrote anything
