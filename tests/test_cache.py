@@ -735,9 +735,9 @@ def test_head_dim_and_kv_heads_from_config():
     [
         ({"multi_query": True, "new_decoder_architecture": False}, 1, 1),  # Falcon-7B: one shared KV head
         ({"multi_query": False, "new_decoder_architecture": False}, 4, 4),  # plain MHA
-        # Falcon-40B: 2 KV heads in the config, broadcast to the 4 query heads before the cache: taken
-        # from the first update
-        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4, None),
+        # Falcon-40B: 2 KV heads in the config, broadcast to the 4 query heads before the cache: stored once,
+        # repeated back for attention (tests/test_falcon_heads.py)
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4, 2),
     ],
 )
 def test_falcon_kv_head_layouts(layout, cached_heads, expected):
@@ -752,8 +752,9 @@ def test_falcon_kv_head_layouts(layout, cached_heads, expected):
     assert cache.num_key_value_heads == expected
     got = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)  # float32 model, fp16 K/V: same greedy tokens on this tiny model
-    assert cache.materialize(0)[0].shape == (1, cached_heads, 23, 16)
-    if expected is None:  # what the first update brought is then enforced like the config's count
+    assert cache.materialize(0)[0].shape == (1, cached_heads, 23, 16)  # what attention sees
+    assert cache.memory_report()["layers"][0]["kv_heads"] == expected  # what is stored
+    if cached_heads != expected:  # the layout of the first update is then enforced
         with pytest.raises(ValueError, match="does not match"):
             cache.update(*rand_kv(1, 2, 1, 16, seed=1), 0)
 

@@ -26,7 +26,7 @@ from kvbits.calibrate import (
     load_calibration,
     weighted_kmeans_1d,
 )
-from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE
+from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE, describe_model
 from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.kmeans import weighted_mse
 from kvbits.calibrate.observers import KVCapture, channel_percentiles, find_kv_sites
@@ -162,6 +162,25 @@ def test_k_norm_is_hooked_when_present():
     assert {(s.num_kv_heads, s.head_dim) for s in sites} == {(2, 16)}
     art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=2, fisher=False)
     assert art.num_layers == 2 and art.codebook(1, "value").shape == (8,)
+
+
+@pytest.mark.parametrize(
+    ("layout", "kv_heads"),
+    [
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2),  # Falcon-40B: repeated before caching
+        ({"new_decoder_architecture": False, "multi_query": True}, 1),  # Falcon-7B: one shared head
+    ],
+)
+def test_artifact_kv_heads_are_the_cached_heads(layout, kv_heads):
+    """An artifact's ``num_kv_heads`` (its static scales are ``(H_kv, D)``) is the head count the cache stores
+    and the planner counts, also for configs that state it as ``num_kv_heads`` / ``multi_query`` (Falcon)."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.plan import model_shape
+
+    cfg = transformers.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                    **layout)  # fmt: skip
+    assert describe_model(cfg)["num_kv_heads"] == kv_heads
+    assert model_shape(cfg).layers[0].kv_heads == QuantizedKVCache(config=cfg).num_key_value_heads == kv_heads
 
 
 def _phi():

@@ -12,7 +12,9 @@ Decode steps can skip dequantization: with ``kvbits.cache.use_fused_decode(model
 
 Built on transformers' public ``Cache`` / ``CacheLayerMixin`` API only (tested with 5.17 and 5.24):
 no private attributes, no patched modeling code. Layer types come from the model config
-(``get_layer_types_and_kwargs``), so hybrid sliding/full models (Gemma 3) get sliding layers.
+(``get_layer_types_and_kwargs``), so hybrid sliding/full models (Gemma 3) get sliding layers. Falcon's
+``new_decoder_architecture`` (Falcon-40B/180B) hands ``update`` its KV heads repeated for every query
+head: each is stored once, as ``kvbits.plan`` counts them, and repeated back for attention (``_head_repeat``).
 """
 
 from __future__ import annotations
@@ -65,17 +67,18 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
     return int(text.num_hidden_layers), heads, kv_heads, head_dim
 
 
-def _cached_kv_heads(text_config: Any, kv_heads: int) -> int | None:
-    """``H_kv`` of the K/V the model's attention hands to ``Cache.update``, or ``None`` when the config does
-    not pin it down (the layers then take it from their first update).
+def _head_repeat(text_config: Any, heads: int, kv_heads: int) -> int:
+    """``g``: how many times the model's attention repeats each of its ``kv_heads`` K/V heads, in a row,
+    before handing them to ``Cache.update`` (1: it hands them over as they are).
 
     transformers' Falcon with ``new_decoder_architecture`` (Falcon-40B/180B) broadcasts its
-    ``num_kv_heads`` K/V heads to every query head before caching them; what it caches is an
-    implementation detail of that modeling file, so it is read from the K/V rather than assumed.
+    ``num_kv_heads`` K/V heads to every query head before caching them (``heads / kv_heads`` copies of each,
+    consecutive). The layers store one copy (what the planner counts) and check once per request that the
+    groups really are copies, storing every head when they are not (``QuantizedKVLayer``'s ``head_repeat``).
     """
     if getattr(text_config, "new_decoder_architecture", False):
-        return None
-    return kv_heads
+        return heads // kv_heads
+    return 1
 
 
 def _layer_types(text_config: Any, n_layers: int) -> tuple[list[str], list[dict]]:
@@ -155,13 +158,15 @@ class QuantizedKVCache(Cache):
         self._rotary, self._rotary_owned = self._rope_tables(config, rotary)
         self.calibration = None
         self.num_key_value_heads: int | None = None
+        self.head_repeat = 1  # K/V heads repeated by the model before update (Falcon new arch): stored once
         self.head_dim: int | None = None
         if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         layers: list = []
         if config is not None:
-            n_layers, _, kv_heads, head_dim = attention_shape(config)
-            self.num_key_value_heads = _cached_kv_heads(_text_config(config), kv_heads)
+            n_layers, heads, kv_heads, head_dim = attention_shape(config)
+            self.num_key_value_heads = kv_heads
+            self.head_repeat = _head_repeat(_text_config(config), heads, kv_heads)
             self.head_dim = head_dim
             types, kwargs = _layer_types(_text_config(config), n_layers)
             if num_layers is not None and num_layers != len(types):
@@ -217,7 +222,7 @@ class QuantizedKVCache(Cache):
             )
         layer = QuantizedKVLayer(
             self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            num_key_value_heads=self.num_key_value_heads, head_repeat=self.head_repeat, head_dim=self.head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
             checks=self.checks_mode, check_every=self.check_every,
@@ -343,7 +348,8 @@ class QuantizedKVCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, QuantizedKVLayer)]
 
     def materialize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V that attention in layer ``layer_idx`` would see now, ``(B, H_kv, T_visible, D)``; runs
+        """K and V that attention in layer ``layer_idx`` would see now, ``(B, H_kv, T_visible, D)`` (heads the
+        model repeats before caching, Falcon's new architecture, repeated back as ``update`` returns them); runs
         the lazy K/V checks first."""
         layer = self._layer(layer_idx)
         self.check_inputs()

@@ -285,10 +285,12 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
         raise TypeError(
             f"layer {layer.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}"
         )
-    if layer.num_key_value_heads is not None and kH != layer.num_key_value_heads:
+    H_kv, g = layer.num_key_value_heads, layer.head_repeat
+    if H_kv is not None and kH not in (H_kv, H_kv * g):
+        repeated = f", or each repeated {g} times: {H_kv * g}" if g > 1 else ""
         raise ValueError(
             f"layer {layer.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
-            f"(B, H_kv, T, D)) but the config has num_key_value_heads={layer.num_key_value_heads}"
+            f"(B, H_kv, T, D)) but the config has num_key_value_heads={H_kv}{repeated}"
         )
     if not layer.is_initialized and layer.mode == "quantized":  # before the first update stores anything
         check_channel_groups(layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}")
@@ -298,10 +300,12 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
             ("value_states", value_states, layer._v),
         ):
             ref = store.buffer
-            if x.shape[0] != ref.shape[0] or x.shape[1] != ref.shape[1] or x.shape[3] != ref.shape[3]:
+            heads = ref.shape[1] * layer.repeat  # the stored heads, as the model hands them over
+            if x.shape[0] != ref.shape[0] or x.shape[1] != heads or x.shape[3] != ref.shape[3]:
+                repeated = f" ({ref.shape[1]} stored heads, each repeated {layer.repeat} times)" if layer.repeat > 1 else ""
                 raise ValueError(
                     f"layer {layer.layer_idx}: {what} {tuple(x.shape)} does not match the cached "
-                    f"(B, H_kv, *, D) = {(ref.shape[0], ref.shape[1], '*', ref.shape[3])}"
+                    f"(B, H_kv, *, D) = {(ref.shape[0], heads, '*', ref.shape[3])}{repeated}"
                 )
         if key_states.dtype != layer.dtype or key_states.device != layer.device:
             raise TypeError(

@@ -240,8 +240,11 @@ def tag_of(keys: Any) -> tuple[QuantizedKVLayer, bool] | None:
 
 
 def placeholders(layer: QuantizedKVLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-byte ``meta`` K/V ``(B, H_kv, T, D)`` standing for every cached token; keys tagged."""
+    """Zero-byte ``meta`` K/V ``(B, H, T, D)`` standing for every cached token; keys tagged. ``H`` is what
+    ``update`` returns otherwise: the stored ``H_kv`` heads times ``layer.repeat`` (the kernel attends query
+    head ``j`` to stored head ``j // G``, which is where a head repeated in a row came from)."""
     B, H, _, Dk = layer._k.buffer.shape
+    H *= layer.repeat
     Dv = layer._v.buffer.shape[3]
     T = layer.tokens_seen
     keys = torch.empty((B, H, T, Dk), dtype=layer.dtype, device="meta")

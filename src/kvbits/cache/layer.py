@@ -87,6 +87,14 @@ def _position_offset(
     return offset.expand(B).contiguous()
 
 
+def _repeats_heads(x: torch.Tensor, g: int) -> bool:
+    """Whether ``x`` ``(B, g * H, q, D)`` is ``H`` heads each repeated ``g`` times in a row (heads
+    ``i*g ... i*g + g - 1`` equal; NaN never equals, so such K/V count as not repeated)."""
+    B, Hg, q, D = x.shape
+    groups = x.view(B, Hg // g, g, q, D) if x.is_contiguous() else x.reshape(B, Hg // g, g, q, D)
+    return torch.equal(groups, groups[:, :, :1].expand_as(groups))
+
+
 class QuantizedKVLayer(CacheLayerMixin):
     """Quantized K/V of one attention layer (full attention or sliding window).
 
@@ -96,7 +104,15 @@ class QuantizedKVLayer(CacheLayerMixin):
         sliding_window: ``W`` for a sliding-window layer, ``None`` for full attention.
         workspace: keep the dequantized history too (faster decode; reported apart, never in
             ``total_bytes``); results are identical either way.
-        num_key_value_heads: expected ``H_kv`` of the incoming K/V (from the model config), or ``None``.
+        num_key_value_heads: ``H_kv`` of the model (from its config), or ``None`` (taken from the first update).
+        head_repeat: ``g``: the model's attention hands ``update`` each of its ``H_kv`` heads repeated ``g``
+            times in a row, ``(B, g * H_kv, q, D)`` (transformers' Falcon with ``new_decoder_architecture``
+            broadcasts its KV heads to every query head). The layer then stores every ``g``-th head, ``H_kv``
+            heads as the planner counts them, and repeats them back in what ``update`` / ``materialize``
+            return, after checking once per request (its first update with tokens) that the groups really
+            are copies; when they are not, it logs a warning and stores all ``g * H_kv`` heads. K/V arriving
+            with ``H_kv`` heads (not repeated) are stored and returned as they are. Needs
+            ``num_key_value_heads``.
         head_dim: ``D`` from the model config, to check the scheme's channel groups against it now
             (``None``: checked against the K/V of the first update).
         rotary: this layer's RoPE tables (``RotaryTables.tables_for_layer``), needed by ``pre_rope`` keys.
@@ -129,6 +145,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         sliding_window: int | None = None,
         workspace: bool = False,
         num_key_value_heads: int | None = None,
+        head_repeat: int = 1,
         head_dim: int | None = None,
         rotary: RotaryTables | None = None,
         fused_decode: bool | str = "auto",
@@ -143,7 +160,16 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        if isinstance(head_repeat, bool) or not isinstance(head_repeat, int) or head_repeat < 1:
+            raise ValueError(f"head_repeat must be a positive int, got {head_repeat!r}")
+        if head_repeat > 1 and num_key_value_heads is None:
+            raise ValueError(f"layer {layer_idx}: head_repeat={head_repeat} needs num_key_value_heads")
         self.num_key_value_heads = num_key_value_heads
+        self.head_repeat = head_repeat
+        # what the stored heads are repeated by in update's K/V: head_repeat once the first update with
+        # tokens found the groups to be copies, else 1 (decided per request by lazy_initialization)
+        self.repeat = 1
+        self._repeat_pending = False  # initialized from zero-token K/V (early_initialization): not checked yet
         self.workspace = workspace
         if scheme.is_identity:
             self.mode = "identity"
@@ -255,6 +281,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         return missing
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty storage for K/V like ``key_states`` / ``value_states`` ``(B, H, q, D)`` as ``update`` receives
+        them (``q`` may be 0: transformers' ``early_initialization``); decides ``repeat`` (``head_repeat``)."""
+        self.repeat = self._choose_repeat(key_states, value_states)
+        key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         if self.mode == "quantized":
             kv_checks.check_channel_groups(
                 self.scheme, key_states.shape[-1], value_states.shape[-1], f"layer {self.layer_idx}"
@@ -268,11 +298,43 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.init(value_states, v_store, sync=not self.checks.lazy)
         self.is_initialized = True
 
+    def _choose_repeat(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+        """The factor the incoming heads ``(B, H, q, D)`` repeat ``H / head_repeat`` unique heads by
+        (``head_repeat`` or 1). Checks that each group of ``head_repeat`` consecutive heads holds one head's
+        copies (a comparison of the K/V, one host sync, once per request); K/V without tokens cannot
+        tell, so the next update with tokens checks (``_repeat_pending``)."""
+        g = self.head_repeat
+        self._repeat_pending = False
+        if g == 1 or key_states.shape[1] != self.num_key_value_heads * g:
+            return 1  # nothing repeated (e.g. the model hands over its H_kv heads as they are)
+        if key_states.shape[2] == 0:
+            self._repeat_pending = True
+            return g
+        if _repeats_heads(key_states, g) and _repeats_heads(value_states, g):
+            return g
+        logger.warning(
+            "layer %d: the %d K/V heads are not %d copies of each of %d heads (as num_kv_heads and "
+            "new_decoder_architecture say): storing all %d heads, %dx the bytes the planner counts",
+            self.layer_idx, key_states.shape[1], g, self.num_key_value_heads, key_states.shape[1], g,
+        )  # fmt: skip
+        return 1
+
+    def _unique_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, repeat * H, q, D)`` -> the stored heads ``(B, H, q, D)`` (a view)."""
+        return x if self.repeat == 1 else x[:, :: self.repeat]
+
+    def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Stored heads ``(B, H, T, D)`` -> what the model's attention expects, ``(B, repeat * H, T, D)``."""
+        return x if self.repeat == 1 else x.repeat_interleave(self.repeat, dim=1)
+
     # --------------------------------------------------------------- update
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new K/V ``(B, H_kv, q, D)`` and return the K/V attention uses ``(B, H_kv, kv_length, D)``.
+
+        With ``head_repeat`` ``g``, K/V come as ``(B, g * H_kv, q, D)``, ``H_kv`` heads are stored, and the
+        returned K/V are ``(B, g * H_kv, kv_length, D)`` again (``repeat``).
 
         Full attention: all ``T`` tokens seen. Sliding window: the last ``min(T_before, W - 1)`` cached
         tokens plus the ``q`` new ones, as ``DynamicSlidingWindowLayer`` (``get_mask_sizes`` agrees).
@@ -286,8 +348,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         elif self.checks.due:  # a layer used on its own (QuantizedKVCache checks all its layers at once)
             kv_checks.run_checks([self])
         self.checks.observe(f"layer {self.layer_idx}", key_states, value_states)
-        if not self.is_initialized:
+        if not self.is_initialized or (self._repeat_pending and key_states.shape[2] and self.tokens_seen == 0):
             self.lazy_initialization(key_states, value_states)
+        key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
         dropped_before = self.dropped_tokens
         if self.mode == "quantized" and self.scheme.key.pre_rope and n_before == 0:
@@ -313,7 +376,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             start = max(0, n_before - self.sliding_window + 1) - dropped_before
             keys, values = keys[:, :, start:], values[:, :, start:]
             self._trim_window(n)
-        return fused.tag(self, keys), values
+        return fused.tag(self, self._repeat_heads(keys)), self._repeat_heads(values)
 
     def _trim_window(self, n: int) -> None:
         """Forget what the next step can no longer attend to (``token_split`` with a window)."""
@@ -351,6 +414,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
         self.is_initialized = False
+        self.repeat, self._repeat_pending = 1, False
         self.fused.claimed = False
         self.checks.reset()
 
@@ -414,7 +478,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ---------------------------------------------------------------- reading
     def materialize(self, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V attention would see now, ``(B, H_kv, T_visible, D)`` in the incoming dtype.
+        """K and V attention would see now, ``(B, H_kv, T_visible, D)`` in the incoming dtype (the stored
+        heads repeated back as ``update`` returns them: ``(B, repeat * H_kv, T_visible, D)``).
 
         Full attention: every token; sliding window: the last ``min(T, W - 1)`` tokens (what
         ``DynamicSlidingWindowLayer`` holds). ``check``: run the pending lazy K/V check first (one host
@@ -428,7 +493,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.is_sliding:
             visible = min(self.tokens_seen, self.sliding_window - 1)
             keys, values = keys[:, :, keys.shape[2] - visible :], values[:, :, values.shape[2] - visible :]
-        return keys, values
+        return self._repeat_heads(keys), self._repeat_heads(values)
 
     def report(self) -> dict:
         """Bytes and token split of this layer (one entry of ``memory_report()["layers"]``)."""
@@ -446,6 +511,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             "dropped_tokens": self.dropped_tokens,
             "sliding_window": self.sliding_window,
             "mode": self.mode,
+            "kv_heads": 0 if self._k.buffer is None else self._k.buffer.shape[1],
+            "head_repeat": self.repeat,
             "batch": 0 if self._k.buffer is None else self._k.buffer.shape[0],
             "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
             "position_bytes": 0 if self._k.pos_offset is None else self._k.pos_offset.nbytes,

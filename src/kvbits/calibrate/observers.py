@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbits.analyze.taps import KVTap, capture_point
+from kvbits.plan.config import attention_heads
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from typing_extensions import Self
@@ -66,8 +67,10 @@ def config_head_dim(config: Any) -> int:
 
 
 def config_kv_heads(config: Any) -> int:
-    cfg = text_config(config)
-    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    """``H_kv`` as the planner and ``QuantizedKVCache`` count it (``kvbits.plan.config.attention_heads``):
+    also ``num_kv_heads`` / ``multi_query`` (Falcon), so calibrated ``(H_kv, D)`` scales match the stored
+    heads (Falcon's new architecture repeats its KV heads before caching; the cache stores them once)."""
+    return attention_heads(text_config(config))[1]
 
 
 def _out_features(module: torch.nn.Module) -> int | None:
