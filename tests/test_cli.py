@@ -171,6 +171,23 @@ def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, 
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "does not exist"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"name": "x", "key": 4}', "must be a JSON object, got 4"),
+    ],
+)
+def test_plan_scheme_json_errors_say_what_was_expected(capsys, tmp_path, content, message):
+    path = tmp_path / "mine.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["plan", *WORKED, "--scheme", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbits plan: error:") and message in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
 def test_context_takes_2k_in_every_command(command):
     extra = {
