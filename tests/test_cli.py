@@ -171,6 +171,18 @@ def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, 
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
 
 
+def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
+    """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    argv = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt"]
+    status = main([*argv, "--scheme", "kvquant-4", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "kvbits calibrate: error: output path" in err and "is not a folder" in err, err
+    assert "no-such-model" not in err and "Errno" not in err
+    assert out.read_text() == "mine\n"
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
