@@ -171,6 +171,25 @@ def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, 
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fused-decode", "on"], "--fused-decode on needs --mode stream"),
+        (["--fused-decode", "off"], "--fused-decode off needs --mode stream"),
+        (["--data-path", "{tmp}/no-such-folder"], "is not a folder"),
+    ],
+)
+def test_eval_settings_that_would_be_ignored_are_usage_errors_before_loading(capsys, tmp_path, extra, message):
+    """``--fused-decode on`` in simulate mode and a ``--data-path`` that does not exist were silently ignored
+    (the run went ahead with other settings than the ones asked for)."""
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    argv = ["eval", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "int4-token"]
+    status = main(argv + extra)
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("kvbits eval: error:") and message in err, err
+    assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
+
+
 def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
     """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
     out = tmp_path / "notes.txt"

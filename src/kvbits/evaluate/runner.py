@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits.evaluate.data import data_search_path
 from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
@@ -216,6 +217,14 @@ def evaluate(
             "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
             "leave attn_layers unset or [] (CLI: no --attn-layers)"
         )
+    if mode != "stream" and fused_decode != "auto":
+        raise ValueError(
+            f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
+            "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
+            "--mode stream"
+        )
+    if data_path is not None:
+        data_search_path(data_path)  # a --data-path that is no folder: refused before the model loads
     torch_dtype, dtype_name = _resolve_dtype(dtype)
     check_device(device)
     calibrations = _calibrations(calibration, resolved)
