@@ -190,6 +190,28 @@ def test_eval_settings_that_would_be_ignored_are_usage_errors_before_loading(cap
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
 
 
+@pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
+def test_missing_text_is_reported_before_the_model_loads(capsys, tmp_path, command):
+    """A typo in --data was found only after the weights had loaded (seconds to minutes); the model named
+    here does not exist, so reaching the loading would report it instead."""
+    extra = {"eval": ["--scheme", "int4-token"], "analyze": [], "calibrate": ["--scheme", "kvquant-4",
+             "--out", str(tmp_path / "cal")]}[command]  # fmt: skip
+    argv = [command, "--model", str(tmp_path / "no-such-model"), "--data", str(tmp_path / "typo.txt"), *extra]
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits {command}: error: text file" in err and "does not exist" in err, err
+    assert "no-such-model" not in err
+
+
+def test_analyze_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    status = main(["analyze", "--model", str(tmp_path / "no-such-model"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "is not a folder" in err and "no-such-model" not in err, err
+    assert out.read_text() == "mine\n"
+
+
 def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
     """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
     out = tmp_path / "notes.txt"

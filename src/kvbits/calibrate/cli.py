@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
+    from kvbits.evaluate.data import load_text
     from kvbits.evaluate.models import load_model
 
     check_calibrate_args(args.scheme, args.context, args.windows, args.out)  # before the model loads
@@ -132,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
             tasks[stage] = progress.add_task(label, total=total)
         progress.update(tasks[stage], completed=done)
 
+    text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     with progress:
         t = progress.add_task(f"loading {args.model}", total=None)
         loaded = load_model(args.model)
         progress.remove_task(t)
         art = calibrate(
             loaded,
-            args.data,
+            text,
             args.scheme,
             context=args.context,
             windows=args.windows,
