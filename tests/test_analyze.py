@@ -107,6 +107,24 @@ def test_recommendation_is_computed_from_the_numbers(result):
     assert recommend(clean)["keys"] == "per-token"
 
 
+def test_next_steps_are_commands_that_run_as_printed(result):
+    """The eval step lacked --data (required) and --calibration (a kvquant scheme is refused without it)."""
+    from kvbits.cli import build_parser
+
+    rows = result.to_dict()["layers"]
+    rec = recommend(rows, model="smollm2-135m", data="pride-and-prejudice")
+    assert rec["calibrated_scheme"] == "kvquant-4"
+    calib, verify = rec["next_steps"]
+    argv = calib.split(": ", 1)[1].split()[1:]
+    args = build_parser(only="calibrate").parse_args(argv)
+    assert (args.model, args.data, args.scheme) == ("smollm2-135m", "pride-and-prejudice", "kvquant-4")
+    argv = verify.split(": ", 1)[1].split(" at several")[0].split()[1:]
+    args = build_parser(only="eval").parse_args(argv)
+    assert args.data == "pride-and-prejudice" and args.scheme[-1] == "kvquant-4"
+    assert args.calibration == [calib.split("--out ")[1]]  # the folder the calibrate step writes
+    assert "--data TEXT" in recommend(rows)["next_steps"][-1]  # no names known: placeholders, not gaps
+
+
 def test_json_schema(result):
     d = result.to_dict()
     text = json.dumps(d, allow_nan=False)  # strict JSON: NaN/inf mapped to null

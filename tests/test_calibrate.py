@@ -337,6 +337,19 @@ def test_artifact_api_for_the_cache(calibrated):
         art.codebook(0, "keys")
 
 
+def test_cache_takes_the_calibration_folder(calibrated):
+    """``QuantizedKVCache(calibration=DIR)``, as eval's error message suggests for Python, failed with
+    ``AttributeError: 'str' object has no attribute 'check_scheme'``."""
+    from kvbits.cache import QuantizedKVCache
+
+    model, art, out = calibrated
+    for given in (str(out), out):
+        cache = QuantizedKVCache(config=model.config, scheme="kvquant-4", calibration=given)
+        assert cache.calibration.tensors.keys() == art.tensors.keys()
+    with pytest.raises(TypeError, match="calibration must be a kvbits.calibrate.CalibrationArtifact"):
+        QuantizedKVCache(config=model.config, scheme="kvquant-4", calibration=5)
+
+
 def test_calibrated_codebook_beats_uniform_on_the_model(calibrated):
     # on fresh keys from the same model, the Fisher-weighted codebook has a lower error than a uniform
     # one; and the stored statistics say so

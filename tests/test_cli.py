@@ -171,6 +171,76 @@ def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, 
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fused-decode", "on"], "--fused-decode on needs --mode stream"),
+        (["--fused-decode", "off"], "--fused-decode off needs --mode stream"),
+        (["--data-path", "{tmp}/no-such-folder"], "is not a folder"),
+    ],
+)
+def test_eval_settings_that_would_be_ignored_are_usage_errors_before_loading(capsys, tmp_path, extra, message):
+    """``--fused-decode on`` in simulate mode and a ``--data-path`` that does not exist were silently ignored
+    (the run went ahead with other settings than the ones asked for)."""
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    argv = ["eval", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "int4-token"]
+    status = main(argv + extra)
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("kvbits eval: error:") and message in err, err
+    assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
+def test_missing_text_is_reported_before_the_model_loads(capsys, tmp_path, command):
+    """A typo in --data was found only after the weights had loaded (seconds to minutes); the model named
+    here does not exist, so reaching the loading would report it instead."""
+    extra = {"eval": ["--scheme", "int4-token"], "analyze": [], "calibrate": ["--scheme", "kvquant-4",
+             "--out", str(tmp_path / "cal")]}[command]  # fmt: skip
+    argv = [command, "--model", str(tmp_path / "no-such-model"), "--data", str(tmp_path / "typo.txt"), *extra]
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits {command}: error: text file" in err and "does not exist" in err, err
+    assert "no-such-model" not in err
+
+
+def test_analyze_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    status = main(["analyze", "--model", str(tmp_path / "no-such-model"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "is not a folder" in err and "no-such-model" not in err, err
+    assert out.read_text() == "mine\n"
+
+
+def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
+    """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    argv = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt"]
+    status = main([*argv, "--scheme", "kvquant-4", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "kvbits calibrate: error: output path" in err and "is not a folder" in err, err
+    assert "no-such-model" not in err and "Errno" not in err
+    assert out.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "does not exist"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"name": "x", "key": 4}', "must be a JSON object, got 4"),
+    ],
+)
+def test_plan_scheme_json_errors_say_what_was_expected(capsys, tmp_path, content, message):
+    path = tmp_path / "mine.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["plan", *WORKED, "--scheme", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbits plan: error:") and message in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
 def test_context_takes_2k_in_every_command(command):
     extra = {

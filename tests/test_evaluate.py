@@ -414,6 +414,16 @@ def test_missing_calibration_is_refused_before_anything_loads():
         evaluate("no-such-model-anywhere", _ids(64)[0], 32, ["kivi-4", "kvquant-4"])
 
 
+def test_settings_simulate_would_ignore_are_refused_before_anything_loads(tmp_path):
+    """``fused_decode`` only acts in stream mode, and ``data_path`` only when it is a folder: both were
+    silently ignored (a run with other settings than asked). The model named here does not exist."""
+    for fused in (True, False):
+        with pytest.raises(ValueError, match=rf"fused_decode={fused} needs mode='stream'"):
+            evaluate("no-such-model-anywhere", _ids(64)[0], 32, ["int8-token"], fused_decode=fused)
+    with pytest.raises(ValueError, match="is not a folder"):
+        evaluate("no-such-model-anywhere", "wikitext2", 32, ["int8-token"], data_path=tmp_path / "nope")
+
+
 # --------------------------------------------------------------------------------- metrics
 
 

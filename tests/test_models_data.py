@@ -121,6 +121,17 @@ def test_unknown_text_lists_names() -> None:
     assert "searched" in str(info.value)
 
 
+def test_missing_text_file_and_data_path_say_so(tmp_path: Path) -> None:
+    """A path that does not exist was reported as an 'unknown text' among the registry names; a
+    ``data_path`` that is not a folder was skipped without a word."""
+    with pytest.raises(ValueError, match=r"text file '.*missing\.txt' does not exist"):
+        load_text(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="is a folder; expected a text file"):
+        load_text(str(tmp_path))
+    with pytest.raises(ValueError, match="data path .* is not a folder"):
+        load_text("pride-and-prejudice", data_path=tmp_path / "nope")
+
+
 def test_local_text_file(tmp_path: Path) -> None:
     raw = "line one\r\nline two — ünïcode\n".encode()
     path = tmp_path / "mine.txt"

@@ -495,6 +495,10 @@ def test_fused_decode_counts_rope_tables_once_per_model():
     assert g0["max_concurrency"] == 8 and g["max_concurrency"] == 7  # the tables are paid once, but paid
     # too short to quantize any key: no tables are made
     assert plan(shape, context=64, scheme="kvquant-4-block", fused_decode=True)["rope_table_bytes"] == 0
+    # the cache's "auto" (or any other non-bool) was truthy here: counted as True without a word
+    for bad in ("auto", "no", 1):
+        with pytest.raises(TypeError, match="fused_decode must be True or False"):
+            plan(shape, context=T, scheme="kvquant-4-block", fused_decode=bad)
 
 
 def test_weights_from_config_estimate():

@@ -90,9 +90,11 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.evaluate.request import check_device
 
     check_device(args.device, ("cpu", "cuda", "mps"))  # before the model loads
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} exists and is not a folder; expected a folder for the outputs")
+    text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
-    text = load_text(args.data)
     windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
     logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
     result = analyze(

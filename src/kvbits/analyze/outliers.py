@@ -212,15 +212,16 @@ def recommend(
         + (f"; value outlier channels in {len(v_out)}/{n} layers" if v_out else "")
         + ")."
     )
-    m = f" --model {model}" if model else ""
+    # runnable as printed: eval needs --data, and a calibrated scheme the folder calibrate writes
+    m = f" --model {model}" if model else " --model MODEL"
+    d = f" --data {data}" if data else " --data TEXT"
     next_steps = []
     if calibrated:
-        d = f" --data {data}" if data else ""
         next_steps.append(f"calibrate: kvbits calibrate{m}{d} --scheme {calibrated} --out calib-{calibrated}")
     next_steps.append(
-        f"verify by length: kvbits eval{m} --scheme {scheme}"
-        + (f" --scheme {calibrated}" if calibrated else "")
-        + " at several context lengths"
+        f"verify by length: kvbits eval{m}{d} --scheme {scheme}"
+        + (f" --scheme {calibrated} --calibration calib-{calibrated}" if calibrated else "")
+        + " at several --context lengths"
     )
     return {
         "keys": keys,

@@ -20,6 +20,7 @@ head: each is stored once, as ``kvbits.plan`` counts them, and repeated back for
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -113,8 +114,8 @@ class QuantizedKVCache(Cache):
             (reported as ``workspace_bytes``; results identical).
         rotary: RoPE tables for ``pre_rope`` key specs (``RotaryTables.from_model(model)`` keeps the
             model's own frequency buffers); default: built from ``config`` on the K/V device.
-        calibration: a ``kvbits.calibrate.CalibrationArtifact`` for schemes with static scales or NUQ
-            codebooks (see ``install_calibration``).
+        calibration: a ``kvbits.calibrate.CalibrationArtifact``, or the folder ``kvbits calibrate``
+            wrote, for schemes with static scales or NUQ codebooks (see ``install_calibration``).
         fused_decode: decode steps through the fused kernel over the packed store, when the model's
             attention is ``kvbits_fused`` (``kvbits.cache.use_fused_decode``): ``"auto"`` (default) on
             CUDA with Triton, ``True`` on any device (CPU: the torch reference, or ``KVBITS_KERNEL``),
@@ -235,8 +236,18 @@ class QuantizedKVCache(Cache):
         """Install a ``kvbits.calibrate`` artifact: static scales and NUQ codebooks, layer by layer.
 
         Checks that it was made for this scheme (and this model's shape, when the cache has a config);
-        the parameters become the layers' ``fixed`` bytes.
+        the parameters become the layers' ``fixed`` bytes. A path is loaded with
+        ``kvbits.calibrate.load_calibration``.
         """
+        if isinstance(artifact, (str, os.PathLike)):
+            from kvbits.calibrate import load_calibration
+
+            artifact = load_calibration(artifact)
+        if not callable(getattr(artifact, "check_scheme", None)):
+            raise TypeError(
+                "calibration must be a kvbits.calibrate.CalibrationArtifact or the folder `kvbits calibrate` "
+                f"wrote, got {type(artifact).__name__}"
+            )
         artifact.check_scheme(self.scheme)
         if self._config is not None:
             artifact.check_model(self._config)

@@ -15,8 +15,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,12 +74,21 @@ def _check_windows(context: int, windows: int) -> None:
         raise ValueError(f"windows must be a positive int, got {windows!r}")
 
 
-def check_calibrate_args(scheme: KVScheme | str, context: int, windows: int) -> KVScheme:
+def check_calibrate_args(
+    scheme: KVScheme | str, context: int, windows: int, out_dir: str | os.PathLike[str] | None = None
+) -> KVScheme:
     """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
-    that this module can fit, ``context >= 2``, ``windows >= 1`` (``ValueError`` otherwise)."""
+    that this module can fit, ``context >= 2``, ``windows >= 1``, an ``out_dir`` that is not an
+    existing file (``ValueError`` otherwise)."""
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
     _check_windows(context, windows)
+    out = None if out_dir is None else Path(out_dir).expanduser()
+    if out is not None and out.exists() and not out.is_dir():
+        raise ValueError(
+            f"output path {str(out_dir)!r} exists and is not a folder; expected a folder to write "
+            "calibration.json and calibration.safetensors into"
+        )
     return scheme
 
 
@@ -355,7 +366,7 @@ def calibrate(
         kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
     """
-    scheme = check_calibrate_args(scheme, context, windows)
+    scheme = check_calibrate_args(scheme, context, windows, out_dir)
     samples = collect_samples(
         model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
         max_tokens=max_tokens, seed=seed, progress=progress,

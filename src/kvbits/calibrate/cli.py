@@ -25,7 +25,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "codebooks. Writes DIR/calibration.safetensors and DIR/calibration.json.",
     )
     p.add_argument(
-        "--model", required=True, help="model: registry name (smollm2-135m), .gguf file or model folder"
+        "--model",
+        required=True,
+        help="model: registry name (smollm2-135m), .gguf file, model folder or hub id",
     )
     p.add_argument(
         "--data", required=True, help="calibration text: registry name (pride-and-prejudice) or file path"
@@ -48,7 +50,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--no-fisher", action="store_true", help="unweighted k-means (forward passes only, faster)"
     )
     p.add_argument(
-        "--max-tokens", type=_positive, default=8192, help="tokens sampled per layer (memory bound)"
+        "--max-tokens",
+        type=_positive,
+        default=8192,
+        help="tokens sampled per layer over all windows (bounds memory; default 8192)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument(
@@ -104,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
+    from kvbits.evaluate.data import load_text
     from kvbits.evaluate.models import load_model
 
-    check_calibrate_args(args.scheme, args.context, args.windows)  # before the model loads
+    check_calibrate_args(args.scheme, args.context, args.windows, args.out)  # before the model loads
 
     progress = Progress(
         TextColumn("{task.description}"),
@@ -127,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
             tasks[stage] = progress.add_task(label, total=total)
         progress.update(tasks[stage], completed=done)
 
+    text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     with progress:
         t = progress.add_task(f"loading {args.model}", total=None)
         loaded = load_model(args.model)
         progress.remove_task(t)
         art = calibrate(
             loaded,
-            args.data,
+            text,
             args.scheme,
             context=args.context,
             windows=args.windows,

@@ -49,12 +49,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file or model folder",
+        help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
     )
     p.add_argument(
         "--data", required=True, help="registry text (wikitext2, war-and-peace, ...) or a text file"
     )
-    p.add_argument("--data-path", help="folder searched first for registry texts")
+    p.add_argument(
+        "--data-path",
+        help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
+    )
     p.add_argument(
         "--context", type=parse_tokens, default=8192, help="tokens per window, e.g. 8192 or 8k (default 8192)"
     )
@@ -86,13 +89,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="decode: every token generated through the cache; prefill: the first --prompt-len tokens "
         "prefilled in full precision, only the continuation scored",
     )
-    p.add_argument("--prompt-len", type=parse_tokens, help="prompt tokens (with --semantics prefill)")
+    p.add_argument(
+        "--prompt-len",
+        type=parse_tokens,
+        help="prompt tokens (required with --semantics prefill; fewer than context - 1)",
+    )
     p.add_argument(
         "--attn-layers",
         type=int,
         nargs="*",
         metavar="L",
-        help="layers whose attention-output error is recorded (default: 3 evenly spaced; none: no value)",
+        help="layers whose attention-output error is recorded, simulate mode only (default: 3 evenly "
+        "spaced; the flag with no layer after it records none)",
     )
     p.add_argument(
         "--calibration",
@@ -133,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prompt_len is not None and args.semantics != "prefill":
         raise ValueError("--prompt-len needs --semantics prefill")
+    if args.fused_decode != "auto" and args.mode != "stream":
+        raise ValueError(
+            f"--fused-decode {args.fused_decode} needs --mode stream (simulate never decodes through the cache)"
+        )
     if args.threads is not None:
         import torch
 

@@ -100,10 +100,18 @@ class TextSource:
 
 
 def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Candidate data roots, in search order, without duplicates (they need not exist)."""
+    """Candidate data roots, in search order, without duplicates (the default ones need not exist;
+    a ``data_path`` given explicitly must be a folder: ``ValueError`` otherwise, rather than a silent
+    fall back to the default roots)."""
     candidates: list[Path] = []
     if data_path is not None:
-        candidates.append(Path(data_path).expanduser())
+        given = Path(data_path).expanduser()
+        if not given.is_dir():
+            raise ValueError(
+                f"data path {str(data_path)!r} is not a folder; expected the folder holding the registry "
+                "texts (gutenberg/, wikitext-2-raw/), like ../shared/data"
+            )
+        candidates.append(given)
     if env := os.environ.get("KVBITS_DATA"):
         candidates.append(Path(env).expanduser())
     candidates.append(Path.cwd() / ".." / "shared" / "data")
@@ -188,7 +196,8 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         data_path: a data root searched before the default ones (see the module docstring).
 
     Raises:
-        ValueError: unknown spec, a registry file that is not byte-exact, or text that is not UTF-8.
+        ValueError: unknown spec, a text file that does not exist, a registry file that is not
+            byte-exact, text that is not UTF-8, or a ``data_path`` that is not a folder.
         FileNotFoundError: a registry text missing from every data root.
     """
     if not isinstance(spec, str) or not spec:
@@ -204,6 +213,13 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
             raw = f.read()
         return TextSource(path.stem, _decode(raw, str(path)), hashlib.sha256(raw).hexdigest(),
                           str(path.resolve()))
+    if path.is_dir():
+        raise ValueError(f"text {spec!r} is a folder; expected a text file, or one of {sorted(TEXTS)}")
+    if "/" in spec or os.sep in spec or path.suffix:  # meant as a path: say the file is missing
+        raise ValueError(
+            f"text file {spec!r} does not exist; expected a path to a UTF-8 text file, or one of "
+            f"{sorted(TEXTS)}"
+        )
     raise ValueError(
         f"unknown text {spec!r}: expected one of {sorted(TEXTS)}, a path to a text file, or "
         f"'hub:NAME[:CONFIG[:SPLIT]]'; data roots searched: {[str(r) for r in roots]}"

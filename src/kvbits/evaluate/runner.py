@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits.evaluate.data import data_search_path, load_text
 from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
@@ -216,6 +217,14 @@ def evaluate(
             "simulator's exact and quantized attention, which mode='stream' (--mode stream) does not run; "
             "leave attn_layers unset or [] (CLI: no --attn-layers)"
         )
+    if mode != "stream" and fused_decode != "auto":
+        raise ValueError(
+            f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
+            "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
+            "--mode stream"
+        )
+    if data_path is not None:
+        data_search_path(data_path)  # a --data-path that is no folder: refused before the model loads
     torch_dtype, dtype_name = _resolve_dtype(dtype)
     check_device(device)
     calibrations = _calibrations(calibration, resolved)
@@ -250,9 +259,11 @@ def evaluate(
                 on_skip(stored)
             return stored
 
+    # the text before the model: a wrong data spec fails in a moment, not after the weights load
+    text = load_text(data, data_path) if isinstance(data, str) else data
     model_spec = model
     model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
-    win, data_name, tokens_fp = _load_windows(data, tokenizer, context, windows, data_path)
+    win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path)
     loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
     for art in calibrations.values():
         # Made for these weights? Only when both sides pin weights: an artifact fitted on a bare module

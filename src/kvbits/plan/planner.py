@@ -136,6 +136,11 @@ def plan(
         _check_dtype_bytes(dtype_bytes)
         shape = shape.replace(dtype_bytes=dtype_bytes)
     batch = _positive_int(batch, "batch")
+    if not isinstance(fused_decode, bool):  # "auto" (as the cache takes) or "no" would count as True
+        raise TypeError(
+            f"fused_decode must be True or False (whether decoding goes through the fused kernel), got "
+            f"{fused_decode!r}"
+        )
     if context is None:
         if shape.max_context is None:
             raise ValueError("context is required: the config has no max_position_embeddings to default to")

@@ -171,8 +171,13 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
     if spec in _REGISTRY:
         return _REGISTRY[spec]
-    path = Path(spec)
-    if path.suffix == ".json" and path.is_file():
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".json" and not path.is_file():
+        raise ValueError(
+            f"scheme file {spec!r} does not exist; expected a preset name ({', '.join(_REGISTRY)}) "
+            "or the path of a scheme .json file"
+        )
+    if path.suffix.lower() == ".json":
         try:
             return KVScheme.from_dict(json.loads(path.read_text()))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:

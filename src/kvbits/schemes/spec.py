@@ -156,6 +156,8 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        if not isinstance(d, dict):
+            raise TypeError(f"a TensorSpec (scheme 'key' / 'value') must be a JSON object, got {d!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -250,6 +252,10 @@ class KVScheme:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVScheme:
+        if not isinstance(d, dict):
+            raise TypeError(
+                f"a KVScheme must be a JSON object with 'name', 'key', 'value', ...; got {type(d).__name__}"
+            )
         d = dict(d)
         version = d.get("version", SCHEME_FORMAT_VERSION)
         if version != SCHEME_FORMAT_VERSION:
