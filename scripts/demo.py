@@ -44,9 +44,11 @@ PLAN_BATCH = 8
 PLAN_GPU_GIB = 24.0
 PLAN_DTYPE_BYTES = 2  # plan for an fp16/bf16 deployment, whatever dtype the local copy is stored in
 
-# The planner needs only these config fields. They are those of the published checkpoints (the
-# GGUF files in the offline registry carry the same values), so planning the 0.5B model does not
-# download its 480 MB of weights just to read 24 layers x 2 KV heads x 64 channels.
+# The planner needs only these config fields, those of the published checkpoints. The GGUF files in
+# the offline registry carry the same layers, heads, head dim and context (their converted configs
+# differ in dtype and, for the 0.5B model, tie_word_embeddings: the weights estimate, not the KV
+# bytes), so planning the 0.5B model does not download its 480 MB of weights just to read 24
+# layers x 2 KV heads x 64 channels.
 OFFLINE_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -595,3 +596,15 @@ def test_kvbits_plan_stays_callable_after_the_package_is_imported():
 
     second = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
     assert first["total_bytes"] == second["total_bytes"] == 2 * 2 * 4 * 16 * 16 * 2
+
+
+def test_context_beyond_the_model_max_is_planned_with_a_warning(caplog):
+    cfg = llama_dict(num_hidden_layers=1)  # max_position_embeddings 4096
+    with caplog.at_level(logging.WARNING, logger="kvbits.plan"):
+        within = plan(cfg, context=4096, scheme="fp16")
+    assert within["context"] == 4096 and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="kvbits.plan"):
+        beyond = plan(cfg, context=[2048, 8192], scheme="fp16")
+    assert beyond[1]["total_bytes"] == 4 * beyond[0]["total_bytes"]  # still planned, exactly
+    (rec,) = caplog.records
+    assert "context 8192 exceeds the model's max_position_embeddings 4096" in rec.getMessage()

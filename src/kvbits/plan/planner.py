@@ -152,6 +152,13 @@ def plan(
         context = shape.max_context
     contexts, many_contexts = _as_list(context)
     contexts = [_positive_int(c, "context") for c in contexts]
+    beyond = [c for c in contexts if shape.max_context is not None and 0 < shape.max_context < c]
+    if beyond:  # the bytes are still exact; whether the model works there is another question
+        logger.warning(
+            "context %s exceeds the model's max_position_embeddings %d: the bytes are planned, but positions "
+            "beyond it are extrapolation (RoPE scaling or a long-context variant of the model)",
+            ", ".join(str(c) for c in beyond), shape.max_context,
+        )  # fmt: skip
     scheme_specs, many_schemes = _as_list(scheme)
     schemes = [get_scheme(s) for s in scheme_specs]
 
