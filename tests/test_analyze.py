@@ -37,7 +37,7 @@ HEAD_DIM = 32
 OUT_LAYER, OUT_HEAD, OUT_CH = 1, 1, 3  # a high-frequency RoPE channel: it rotates fast, so it smears
 
 
-def tiny_llama(outlier: bool = True, seed: int = 0):
+def tiny_llama(outlier: bool = True, seed: int = 0, max_positions: int = 1024):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         hidden_size=128,
@@ -47,7 +47,7 @@ def tiny_llama(outlier: bool = True, seed: int = 0):
         num_hidden_layers=3,
         intermediate_size=128,
         vocab_size=len(WORDS) + 1,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
     )
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     if outlier:
@@ -291,13 +291,13 @@ def test_int4_sqnr_prefers_channels_on_outlier_channels():
 # -------------------------------------------------------------------------------------- CLI
 
 
-def _cli_argv(tmp_path, monkeypatch, words: int, windows: int) -> list[str]:
+def _cli_argv(tmp_path, monkeypatch, words: int, windows: int, max_positions: int = 1024) -> list[str]:
     """``kvbits analyze`` arguments for the tiny Llama saved as a local folder (word-level tokenizer)
     and a text of ``words`` words, at 128-token windows; hashes go to a private cache."""
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "model"
     save_word_tokenizer(model_dir)
-    tiny_llama().save_pretrained(model_dir)
+    tiny_llama(max_positions=max_positions).save_pretrained(model_dir)
     text = write_word_text(tmp_path / "book.txt", words)
     return ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", str(windows)]
 
@@ -324,6 +324,20 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
     assert "threshold 4" in table and "per-channel, pre-RoPE" in table and "h1:c3" in table
     with pytest.raises(SystemExit):  # argparse rejects a threshold that is not a multiple > 1
         main(argv + ["--threshold", "1"])
+
+
+@pytest.mark.parametrize(("max_positions", "warned"), [(64, True), (128, False)])
+def test_cli_warns_when_the_context_exceeds_max_position_embeddings(
+    tmp_path, monkeypatch, capsys, caplog, max_positions, warned
+):
+    from kvbits.cli import main
+
+    argv = _cli_argv(tmp_path, monkeypatch, words=300, windows=1, max_positions=max_positions)
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        assert main(argv + ["--json", "--sample-tokens", "128"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 128
+    message = "context 128 exceeds the model's max_position_embeddings 64: positions beyond it are extrapolation"
+    assert (message in caplog.text) is warned, caplog.text
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,9 @@ from kvbits.schemes import KVScheme, TensorSpec, get_scheme, layer_bytes
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0):
+def tiny_llama(
+    layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0, max_positions: int = 512
+):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         hidden_size=heads * head_dim,
@@ -47,7 +49,7 @@ def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=96,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -512,6 +514,15 @@ def test_calibration_input_errors():
         calibrate(model, token_ids(50), "kvquant-4", context=64, windows=1)
     with pytest.raises(ValueError, match="tokenizer"):
         calibrate(model, "pride-and-prejudice", "kvquant-4", context=64, windows=1)
+
+
+def test_context_beyond_max_position_embeddings_is_warned(caplog):
+    model = tiny_llama(max_positions=64)
+    with caplog.at_level("WARNING", logger="kvbits"):
+        collect_samples(model, token_ids(), context=64, windows=1, fisher=False)
+        assert "max_position_embeddings" not in caplog.text
+        collect_samples(model, token_ids(), context=128, windows=1, fisher=False)
+    assert "context 128 exceeds the model's max_position_embeddings 64" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -171,6 +171,23 @@ def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, 
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
 
 
+def test_context_beyond_max_position_embeddings_is_warned_once_by_one_helper(caplog):
+    from types import SimpleNamespace
+
+    from kvbits.evaluate.models import warn_beyond_max_positions
+
+    with caplog.at_level("WARNING", logger="kvbits"):
+        assert warn_beyond_max_positions(SimpleNamespace(max_position_embeddings=512), 1024) is True
+        assert not warn_beyond_max_positions(SimpleNamespace(max_position_embeddings=512), 512)
+        assert not warn_beyond_max_positions(SimpleNamespace(), 1 << 20)  # the config records no limit
+        multimodal = SimpleNamespace(get_text_config=lambda: SimpleNamespace(max_position_embeddings=256))
+        assert warn_beyond_max_positions(multimodal, 300) is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "context 1024 exceeds the model's max_position_embeddings 512: positions beyond it are extrapolation",
+        "context 300 exceeds the model's max_position_embeddings 256: positions beyond it are extrapolation",
+    ]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

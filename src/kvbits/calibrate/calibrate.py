@@ -215,9 +215,12 @@ def collect_samples(
     The first ``sinks`` tokens of each window are not sampled; ``max_tokens`` bounds the samples
     per layer over all windows. Arguments as in ``calibrate``.
     """
+    from kvbits.evaluate.models import warn_beyond_max_positions
+
     t0 = time.perf_counter()
     module, tokenizer, fingerprint, name = _resolve_model(model)
     ids, data_record = _windows(data, tokenizer, context, windows)
+    warn_beyond_max_positions(module.config, ids.shape[1])
     sites = find_kv_sites(module)
     model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
     site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}

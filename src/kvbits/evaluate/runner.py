@@ -66,6 +66,7 @@ from kvbits.evaluate.metrics import (
     summarize,
     token_metrics,
 )
+from kvbits.evaluate.models import warn_beyond_max_positions
 from kvbits.evaluate.outputs import (
     _atomic_write,
     _check_out_dir,
@@ -273,13 +274,7 @@ def evaluate(
     from kvbits.cache import attention_shape
 
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    max_ctx = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(max_ctx, int) and context > max_ctx:
-        logger.warning(
-            "context %d exceeds the model's max_position_embeddings %d: positions beyond it are extrapolation",
-            context,
-            max_ctx,
-        )
+    warn_beyond_max_positions(model.config, context)
     layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
     if any(not 0 <= x < n_layers for x in layers):
         raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")

@@ -14,7 +14,13 @@ transformers is imported lazily inside the functions, so ``import kvbits`` stays
 """
 
 from kvbits.evaluate.models.gguf import converted_dir
-from kvbits.evaluate.models.loading import LoadedModel, load_config, load_model, model_content_id
+from kvbits.evaluate.models.loading import (
+    LoadedModel,
+    load_config,
+    load_model,
+    model_content_id,
+    warn_beyond_max_positions,
+)
 from kvbits.evaluate.models.registry import (
     OFFLINE_MODELS,
     OfflineModel,
@@ -43,4 +49,5 @@ __all__ = [
     "model_cache_path",
     "model_content_id",
     "resolve_model",
+    "warn_beyond_max_positions",
 ]

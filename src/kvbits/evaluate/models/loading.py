@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "load_config", "load_model", "model_content_id"]
+__all__ = ["LoadedModel", "load_config", "load_model", "model_content_id", "warn_beyond_max_positions"]
 
 
 @dataclass
@@ -187,3 +187,24 @@ def load_model(
         sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, fingerprint=fingerprint)
+
+
+def warn_beyond_max_positions(config: Any, context: int) -> bool:
+    """Log a warning when ``context`` tokens exceed the model's ``max_position_embeddings`` (of the
+    text config, for a multimodal model): the positions beyond it are extrapolation, so what
+    ``kvbits analyze``, ``calibrate`` and ``eval`` measure there is not the model's trained behaviour.
+
+    Returns:
+        True when it warned; False within the limit or when the config records none.
+    """
+    get = getattr(config, "get_text_config", None)
+    cfg = get() if callable(get) else config
+    max_ctx = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 0 < max_ctx < context:
+        return False
+    logger.warning(
+        "context %d exceeds the model's max_position_embeddings %d: positions beyond it are extrapolation",
+        context,
+        max_ctx,
+    )
+    return True
