@@ -516,6 +516,41 @@ def test_calibration_input_errors():
         calibrate(model, "pride-and-prejudice", "kvquant-4", context=64, windows=1)
 
 
+def test_half_precision_passes_give_float32_samples_close_to_the_float32_run():
+    """``dtype="bfloat16"`` runs the passes in bfloat16; what is fitted stays float32 (samples, gradients)
+    and on the CPU, and the artifact says what the passes ran in."""
+    ids = token_ids()
+    ref = collect_samples(tiny_llama(), ids, sinks=1, context=128, windows=3)
+    half = collect_samples(tiny_llama(), ids, sinks=1, context=128, windows=3, dtype="bfloat16")
+    assert (ref.dtype, ref.device, half.dtype, half.device) == ("float32", "cpu", "bfloat16", "cpu")
+    for name in ("keys", "values", "key_grads", "value_grads"):
+        for a, b in zip(getattr(ref, name), getattr(half, name)):
+            assert b.dtype == torch.float32 and b.device.type == "cpu", name
+            assert float((a - b).norm() / a.norm()) < (0.03 if name in ("keys", "values") else 0.15), name
+    a, b = fit_artifact(ref, "kvquant-4"), fit_artifact(half, "kvquant-4")
+    assert (a.meta["dtype"], b.meta["dtype"], b.meta["device"]) == ("float32", "bfloat16", "cpu")
+    assert b.meta["mean_loss"] == pytest.approx(a.meta["mean_loss"], rel=1e-3)
+    for name, t in a.tensors.items():
+        assert b.tensors[name].dtype == torch.float16
+        torch.testing.assert_close(b.tensors[name].float(), t.float(), atol=0.05, rtol=0.02, msg=name)
+    for row_a, row_b in zip(a.layer_stats, b.layer_stats):
+        assert row_a.keys() == row_b.keys()
+        for k in row_a:
+            assert row_b[k] == pytest.approx(row_a[k], abs=1e-3 if k.endswith("clip_rate") else 0.5), k
+
+
+def test_calibrate_casts_a_given_model_and_refuses_an_unusable_device(monkeypatch, tmp_path):
+    model = tiny_llama()
+    art = calibrate(model, token_ids(), "kvquant-4", context=64, windows=1, fisher=False, dtype="bfloat16")
+    assert art.meta["dtype"] == "bfloat16" and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="device 'cuda'.*use device 'cpu'"):  # before the model is looked at
+        calibrate(missing, "pride-and-prejudice", "kvquant-4", device="cuda")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        calibrate(missing, "pride-and-prejudice", "kvquant-4", dtype="float8")
+
+
 def test_context_beyond_max_position_embeddings_is_warned(caplog):
     model = tiny_llama(max_positions=64)
     with caplog.at_level("WARNING", logger="kvbits"):
@@ -557,13 +592,18 @@ def test_cli_calibrate(tmp_path, monkeypatch, capsys):
             "--out",
             str(out),
             "--no-fisher",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cpu",
         ]
     )
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert str(out) in printed and "codebook" in printed and "clip" in printed
+    assert str(out) in printed and "codebook" in printed and "clip" in printed and "bfloat16 on cpu" in printed
     art = load_calibration(out, scheme="kvquant-2")
     assert art.meta["fisher"] is False and art.meta["data"]["name"] == "book"
+    assert (art.meta["dtype"], art.meta["device"]) == ("bfloat16", "cpu")
     assert art.meta["data"]["tokenizer"].split(":")[1] == "21"  # class:size:vocab-hash
     # refused before the model loads (this one does not exist): a scheme with nothing to calibrate, a window
     # of one token

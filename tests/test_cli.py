@@ -158,17 +158,48 @@ def test_bad_context_is_a_usage_error(capsys):
     assert e.value.code == 2 and "32k" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["eval", "analyze"])
+def _needs(command: str, tmp_path: Path) -> list[str]:
+    """The arguments ``command`` requires besides ``--model``."""
+    return {
+        "eval": ["--data", "d.txt", "--scheme", "int4-token"],
+        "analyze": [],
+        "calibrate": ["--data", "d.txt", "--scheme", "kvquant-4", "--out", str(tmp_path / "cal")],
+    }[command]
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
 def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, tmp_path, command):
     """torch without CUDA fails with an AssertionError deep inside .to("cuda"); refuse first, clearly."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = [command, "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--device", "cuda"]
-    status = main(argv + (["--scheme", "int4-token"] if command == "eval" else []))
+    status = main([command, "--model", str(tmp_path / "no-such-model"), *_needs(command, tmp_path), "--device", "cuda"])
     err = capsys.readouterr().err
-    assert status == 2 and f"kvbits {command}: error: device 'cuda'" in err and "CUDA" in err
+    assert status == 2 and f"kvbits {command}: error: device 'cuda'" in err and "CUDA" in err, err
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze", "calibrate"])
+def test_model_commands_take_the_same_dtypes_and_a_cuda_index(command, tmp_path):
+    """analyze took float16 and cuda:N, eval only float32/bfloat16 and cpu/cuda, calibrate neither flag."""
+    from kvbits._argtypes import MODEL_DTYPES
+
+    parser = cli.build_parser(only=command)
+    base = [command, "--model", "m", *_needs(command, tmp_path)]
+    args = parser.parse_args(base)
+    assert (args.dtype, args.device) == ("float32", "cpu")
+    assert MODEL_DTYPES == ("float32", "bfloat16", "float16")
+    for dtype in MODEL_DTYPES:
+        assert parser.parse_args([*base, "--dtype", dtype, "--device", "cuda:1"]).dtype == dtype
+    assert parser.parse_args([*base, "--device", "cuda:1"]).device == "cuda:1"
+
+
+@pytest.mark.parametrize(("command", "device"), [("eval", "mps"), ("analyze", "tpu"), ("calibrate", "gpu")])
+def test_unknown_device_says_what_was_expected(capsys, tmp_path, command, device):
+    status = main([command, "--model", str(tmp_path / "no-such-model"), *_needs(command, tmp_path), "--device", device])
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits {command}: error: device must be 'cpu' or 'cuda'" in err, err
+    assert "no-such-model" not in err
 
 
 def test_context_beyond_max_position_embeddings_is_warned_once_by_one_helper(caplog):

@@ -1,9 +1,14 @@
-"""argparse ``type=`` validators for numbers within bounds, shared by every ``kvbits`` subcommand.
+"""argparse pieces shared by the ``kvbits`` subcommands: ``type=`` validators for numbers within bounds,
+and the ``--dtype``/``--device`` of the commands that load a model.
 
 ``bounded(int, 1)`` accepts integers >= 1; ``bounded(float, 0, 1, hi_open=True, what="a fraction")``
 accepts ``0 <= x < 1``. A rejected value raises ``argparse.ArgumentTypeError`` whose message says
 what was expected, so argparse prints ``argument --windows: expected an integer >= 1, got '0'``.
 Floats must be finite (``nan`` and ``inf`` are refused).
+
+``MODEL_DTYPES`` and ``add_dtype_device`` give the commands that load a model (``analyze``,
+``calibrate``, ``eval``) the same ``--dtype`` choices and ``--device`` help; each command checks its
+device with ``kvbits.evaluate.request.check_device`` before the model loads.
 """
 
 from __future__ import annotations
@@ -12,7 +17,16 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["bounded"]
+__all__ = ["MODEL_DTYPES", "add_dtype_device", "bounded"]
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+"""``--dtype`` of every command that loads a model: torch dtype names (``getattr(torch, name)``)."""
+
+DTYPE_HELP = (
+    "model dtype (default float32). bfloat16 and float16 halve the weights' memory; float16 keeps more "
+    "mantissa bits but its range ends at 65504, so a model with larger activations overflows to inf/NaN "
+    "(bfloat16 has float32's range)"
+)
 
 
 def _fmt(x: float) -> str:
@@ -66,3 +80,20 @@ def bounded(
         return value
 
     return parse
+
+
+def add_dtype_device(parser: argparse.ArgumentParser, devices: tuple[str, ...], note: str = "") -> None:
+    """Add ``--dtype`` (``MODEL_DTYPES``, default float32) and ``--device`` (default cpu) to ``parser``.
+
+    ``devices`` are the device types the command runs on (``"cpu"``, ``"cuda"``, ``"mps"``), named in
+    the help; ``"cuda"`` also admits ``cuda:N``. ``--device`` is free text here: the command checks it
+    with ``check_device(args.device, devices)``, which also says when CUDA or MPS is not available.
+    ``note`` is appended to the ``--dtype`` help.
+    """
+    names = [d for t in devices for d in ((t, f"{t}:N") if t == "cuda" else (t,))]
+    parser.add_argument("--dtype", choices=MODEL_DTYPES, default="float32", help=DTYPE_HELP + note)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help=f"torch device: {', '.join(names[:-1])} or {names[-1]} (default cpu); checked before the model loads",
+    )

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import bounded
+from kvbits._argtypes import add_dtype_device, bounded
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "mps")
+"""Device types ``kvbits analyze`` runs on (checked before the model loads)."""
 
 
 _threshold = bounded(float, 1, lo_open=True, what="an outlier threshold")
@@ -64,8 +65,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=4096,
         help="tokens per layer sampled for percentiles, ranges, SQNR and plots (default 4096)",
     )
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default cpu)")
+    add_dtype_device(p, DEVICES)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON instead of a table")
     p.add_argument(
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.evaluate.models import load_model, warn_beyond_max_positions
     from kvbits.evaluate.request import check_device
 
-    check_device(args.device, ("cpu", "cuda", "mps"))  # before the model loads
+    check_device(args.device, DEVICES)  # before the model loads
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} exists and is not a folder; expected a folder for the outputs")
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after

@@ -37,12 +37,27 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------ model path
 
 
-def _resolve_model(model: Any) -> tuple[torch.nn.Module, Any, str | None, str | None]:
-    """``(module, tokenizer or None, fingerprint or None, name or None)`` from a spec, LoadedModel or module."""
+DEVICES = ("cpu", "cuda", "mps")
+"""Device types calibration runs on (``check_device``): the passes run there, the samples are
+gathered to the CPU in float32 and fitted there (float32 / float64 sums)."""
+
+
+def _resolve_model(
+    model: Any, dtype: torch.dtype | None = None, device: str | None = None
+) -> tuple[torch.nn.Module, Any, str | None, str | None]:
+    """``(module, tokenizer or None, fingerprint or None, name or None)`` from a spec, LoadedModel or
+    module; a spec is loaded with ``dtype``/``device``, a model given is cast to them (when given) as
+    ``kvbits eval`` does (float32 buffers such as RoPE frequencies stay float32)."""
     if isinstance(model, str):
         from kvbits.evaluate.models import load_model
 
-        model = load_model(model)
+        model = load_model(model, dtype=dtype, device=device or "cpu")
+    elif dtype is not None or device is not None:
+        from kvbits.evaluate.inputs import cast_model
+
+        inner = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+        if isinstance(inner, torch.nn.Module):
+            cast_model(inner, dtype, device)
     if isinstance(model, torch.nn.Module):
         return model, None, None, getattr(getattr(model, "config", None), "_name_or_path", None) or None
     inner = getattr(model, "model", None)
@@ -75,14 +90,24 @@ def _check_windows(context: int, windows: int) -> None:
 
 
 def check_calibrate_args(
-    scheme: KVScheme | str, context: int, windows: int, out_dir: str | os.PathLike[str] | None = None
+    scheme: KVScheme | str,
+    context: int,
+    windows: int,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
 ) -> KVScheme:
     """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
     that this module can fit, ``context >= 2``, ``windows >= 1``, an ``out_dir`` that is not an
-    existing file (``ValueError`` otherwise)."""
+    existing file, a known ``dtype`` and a ``device`` this torch can use (``ValueError`` otherwise)."""
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
     _check_windows(context, windows)
+    _resolve_dtype(dtype)
+    check_device(device, DEVICES)
     out = None if out_dir is None else Path(out_dir).expanduser()
     if out is not None and out.exists() and not out.is_dir():
         raise ValueError(
@@ -161,7 +186,9 @@ class CalibrationSamples:
     ``keys``/``values``/``key_grads``/``value_grads``: one ``(H_kv, N, D)`` float32 tensor per layer
     (gradients None without Fisher); ``positions`` ``(N,)``: each sample's position in its window,
     so schemes with more sink tokens can drop theirs (``without_sinks``). ``model``/``data``: the
-    JSON records an artifact carries; ``losses``: mean loss per window; ``seconds``: time taken.
+    JSON records an artifact carries; ``losses``: mean loss per window; ``seconds``: time taken;
+    ``dtype``/``device``: the model's parameter dtype and device during the passes (``"bfloat16"``,
+    ``"cuda:0"``), recorded in the artifact; the samples themselves are float32 on the CPU.
     """
 
     keys: list[torch.Tensor]
@@ -174,6 +201,8 @@ class CalibrationSamples:
     losses: list[float]
     seconds: float
     excluded_sinks: int = 0
+    dtype: str | None = None
+    device: str | None = None
 
     def without_sinks(self, sinks: int) -> CalibrationSamples:
         """The samples at positions ``>= sinks`` (the cache keeps the first ``sinks`` tokens exact)."""
@@ -208,6 +237,8 @@ def collect_samples(
     fisher: bool = True,
     max_tokens: int = 8192,
     seed: int = 0,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
     progress: Progress | None = None,
 ) -> CalibrationSamples:
     """Run ``model`` over ``windows`` windows of ``data`` and sample every layer's pre-RoPE K/V.
@@ -216,9 +247,12 @@ def collect_samples(
     per layer over all windows. Arguments as in ``calibrate``.
     """
     from kvbits.evaluate.models import warn_beyond_max_positions
+    from kvbits.evaluate.request import _resolve_dtype, check_device
 
     t0 = time.perf_counter()
-    module, tokenizer, fingerprint, name = _resolve_model(model)
+    torch_dtype, _ = _resolve_dtype(dtype)
+    check_device(device, DEVICES)  # before the model loads
+    module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
     ids, data_record = _windows(data, tokenizer, context, windows)
     warn_beyond_max_positions(module.config, ids.shape[1])
     sites = find_kv_sites(module)
@@ -233,10 +267,12 @@ def collect_samples(
             f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
             f"head dim {model_record['head_dim']})"
         )
-    if fisher and next(module.parameters()).dtype != torch.float32:
+    param = next(module.parameters())
+    if fisher and param.dtype != torch.float32:
         logger.warning(
-            "Fisher pass in %s; float32 is recommended (squared gradients underflow in half precision)",
-            next(module.parameters()).dtype,
+            "Fisher pass in %s: the loss gradients carry its rounding (float16 also flushes the smallest "
+            "to zero); float32 is recommended for the Fisher weights",
+            param.dtype,
         )
     W, T = ids.shape
     per_window = max(1, math.ceil(max_tokens / W))
@@ -286,6 +322,8 @@ def collect_samples(
         losses=losses,
         seconds=time.perf_counter() - t0,
         excluded_sinks=sinks,
+        dtype=str(param.dtype).removeprefix("torch."),
+        device=str(param.device),
     )
 
 
@@ -316,6 +354,9 @@ def fit_artifact(
     }
     if max_tokens is not None:
         meta["max_tokens_per_layer"] = max_tokens
+    for key in ("dtype", "device"):  # what the passes ran in; the fit is float32/float64 on the CPU
+        if getattr(s, key) is not None:
+            meta[key] = getattr(s, key)
     art = artifact_from_samples(
         scheme,
         s.keys,
@@ -347,6 +388,8 @@ def calibrate(
     kmeans_points: int = MAX_POINTS,
     kmeans_iterations: int = ITERATIONS,
     seed: int = 0,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
     progress: Progress | None = None,
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
@@ -367,12 +410,18 @@ def calibrate(
         max_tokens: tokens sampled per layer over all windows (memory bound:
             ``layers x max_tokens x H_kv x D x 4 bytes x (2, or 4 with Fisher)``).
         kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
+        dtype: model dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) to load
+            or cast the model to; None: as loaded (float32) or as given. Only the passes run in it:
+            the samples are gathered in float32 and fitted in float32/float64, and the artifact
+            records the dtype and device the passes ran in.
+        device: ``"cpu"``, ``"cuda"`` (``"cuda:N"``) or ``"mps"``; refused (``ValueError``) before
+            the model loads when this torch can not use it. None: as loaded (CPU) or as given.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
     """
-    scheme = check_calibrate_args(scheme, context, windows, out_dir)
+    scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
     samples = collect_samples(
         model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
-        max_tokens=max_tokens, seed=seed, progress=progress,
+        max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress,
     )
     art = fit_artifact(
         samples, scheme, percentile=percentile, kmeans_points=kmeans_points,

@@ -10,7 +10,8 @@ import json
 import sys
 from typing import Any
 
-from kvbits._argtypes import bounded
+from kvbits._argtypes import add_dtype_device, bounded
+from kvbits.calibrate.calibrate import DEVICES
 from kvbits.cli import _positive, parse_tokens
 
 _percentile = bounded(float, 50, 100, what="a percentile")
@@ -56,6 +57,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens sampled per layer over all windows (bounds memory; default 8192)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_dtype_device(
+        p,
+        DEVICES,
+        note=". Only the passes run in it (in half precision the Fisher pass rounds the loss gradients): "
+        "the samples are fitted in float32 on the CPU; the artifact records the dtype and device",
+    )
     p.add_argument(
         "--json", action="store_true", help="print the artifact's JSON record instead of a summary"
     )
@@ -74,7 +81,8 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     console.print(
         f"scheme {art.scheme.name} | model {m.get('name') or m['model_type']} (fingerprint {m['fingerprint']}) | "
         f"data {d['name']}: {d['windows']} x {d['context']} tokens | percentile {art.meta['percentile']} | "
-        f"Fisher {'on' if art.meta['fisher'] else 'off'} | {art.meta.get('timing_s', {}).get('total', '?')} s"
+        f"Fisher {'on' if art.meta['fisher'] else 'off'} | {art.meta.get('dtype', '?')} on "
+        f"{art.meta.get('device', '?')} | {art.meta.get('timing_s', {}).get('total', '?')} s"
     )
     stats = art.layer_stats
     cols = sorted({k for row in stats for k in row})
@@ -111,8 +119,10 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
     from kvbits.evaluate.data import load_text
     from kvbits.evaluate.models import load_model
+    from kvbits.evaluate.request import DTYPES
 
-    check_calibrate_args(args.scheme, args.context, args.windows, args.out)  # before the model loads
+    # before the model loads: the scheme, the window sizes, the output folder, the dtype and the device
+    check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype, device=args.device)
 
     progress = Progress(
         TextColumn("{task.description}"),
@@ -136,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     with progress:
         t = progress.add_task(f"loading {args.model}", total=None)
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
         progress.remove_task(t)
         art = calibrate(
             loaded,

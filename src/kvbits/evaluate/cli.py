@@ -7,7 +7,12 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+from kvbits._argtypes import add_dtype_device
+
+__all__ = ["DEVICES", "add_parser", "run"]
+
+DEVICES = ("cpu", "cuda")
+"""Device types ``kvbits eval`` runs on (``check_device`` in ``evaluate``, before the model loads)."""
 
 EPILOG = """\
 examples:
@@ -116,10 +121,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "kvbits did not write (only the files kvbits eval writes are replaced, nothing else is deleted)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
-    p.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)"
-    )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default cpu)")
+    add_dtype_device(p, DEVICES)
     p.add_argument(
         "--chunk-size",
         type=_positive,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._argtypes import MODEL_DTYPES
 from kvbits.evaluate.stream import PeerScheme
 from kvbits.schemes.spec import KVScheme
 
@@ -30,7 +31,7 @@ __all__ = [
 
 MODES = ("simulate", "stream")
 SEMANTICS = ("decode", "prefill")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 OUTPUT_VERSION = 1
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
