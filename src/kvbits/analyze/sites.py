@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from kvbits.analyze.taps import capture_point
-from kvbits.plan.config import layer_heads, text_config
+from kvbits.plan.config import layer_heads
 
-__all__ = ["KVSite", "attention_sites", "text_config"]
+__all__ = ["KVSite", "attention_sites"]
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbits.analyze.sites import KVSite, attention_sites, text_config
+from kvbits.analyze.sites import KVSite, attention_sites
 from kvbits.analyze.taps import KVTap
-from kvbits.plan.config import attention_heads
+from kvbits.plan.config import attention_heads, text_config
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from typing_extensions import Self
