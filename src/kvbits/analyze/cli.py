@@ -126,10 +126,10 @@ def _check_plot_args(model: Any, args: argparse.Namespace) -> None:
     from kvbits.analyze.collect import attention_sites
 
     sites = attention_sites(model)
-    layers = [s.layer for s in sites]
+    layers = [s.layer_idx for s in sites]
     if args.plot_layer is not None and args.plot_layer not in layers:
         raise ValueError(f"--plot-layer must be one of the attention layers {layers}, got {args.plot_layer}")
-    heads = min(s.n_heads for s in sites)
+    heads = min(s.num_kv_heads for s in sites)
     if args.plot_head is not None and not 0 <= args.plot_head < heads:
         raise ValueError(f"--plot-head must be a KV head in [0, {heads}), got {args.plot_head}")
 

@@ -1,6 +1,7 @@
 """Collect K/V statistics of a stock transformers model, layer by layer, with forward hooks.
 
-Where the tensors come from, per attention module (any module with ``k_proj`` and ``v_proj``):
+Where the tensors come from, per attention module (any module with ``k_proj`` and ``v_proj``; which
+modules, and their ``(H_kv, D)``: :mod:`kvbits.analyze.sites`, shared with ``kvbits calibrate``):
 
 - **pre-RoPE keys**: the output of ``k_proj``, or of the key norm applied before RoPE when the
   family has one (``k_norm``: Gemma3, Qwen3, OLMo2; ``k_layernorm``: Phi, StableLM), reshaped to
@@ -29,8 +30,9 @@ from typing import Any
 import torch
 
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD, recommend, smeared_pairs
+from kvbits.analyze.sites import KVSite, attention_sites
 from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
-from kvbits.analyze.taps import KVTap, capture_point, to_bhtd
+from kvbits.analyze.taps import KVTap, to_bhtd
 
 logger = logging.getLogger(__name__)
 
@@ -39,69 +41,18 @@ ANALYSIS_VERSION = 1
 Callback = Callable[[int, str, torch.Tensor], None]
 
 
-@dataclass(frozen=True)
-class AttentionSite:
-    """One attention module: its layer index, KV heads and head dim, and where K/V are read."""
-
-    layer: int
-    module: torch.nn.Module
-    n_heads: int
-    head_dim: int
-
-
-def _text_config(model: torch.nn.Module) -> Any:
-    cfg = model.config
-    get = getattr(cfg, "get_text_config", None)
-    return get(decoder=True) if get is not None else cfg
-
-
-def attention_sites(model: torch.nn.Module) -> list[AttentionSite]:
-    """Attention modules with separate ``k_proj``/``v_proj``, in layer order.
-
-    Raises:
-        ValueError: none found (fused ``qkv_proj`` / ``c_attn`` models are not supported).
-    """
-    cfg = _text_config(model)
-    sites = []
-    for mod in model.modules():
-        if not (
-            isinstance(getattr(mod, "k_proj", None), torch.nn.Module)
-            and isinstance(getattr(mod, "v_proj", None), torch.nn.Module)
-        ):
-            continue
-        n_q = getattr(cfg, "num_attention_heads", None)
-        n_kv = getattr(mod, "num_key_value_heads", None) or getattr(cfg, "num_key_value_heads", None) or n_q
-        head_dim = getattr(mod, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
-        out = getattr(mod.k_proj, "out_features", None)
-        if out is not None and out != n_kv * head_dim:
-            raise ValueError(
-                f"{type(mod).__name__}.k_proj has {out} outputs, expected num_key_value_heads × head_dim = "
-                f"{n_kv} × {head_dim}"
-            )
-        layer = getattr(mod, "layer_idx", None)
-        sites.append(
-            AttentionSite(len(sites) if layer is None else int(layer), mod, int(n_kv), int(head_dim))
-        )
-    if not sites:
-        raise ValueError(
-            f"{type(model).__name__} has no attention module with separate k_proj and v_proj; "
-            "models with fused QKV projections (GPT-2 c_attn, Phi-3 qkv_proj) are not supported"
-        )
-    return sorted(sites, key=lambda s: s.layer)
-
-
-def _site_tap(site: AttentionSite, kind: str, callback: Callback) -> KVTap:
+def _site_tap(site: KVSite, kind: str, callback: Callback) -> KVTap:
     """A tap on ``site``'s keys or values calling ``callback(layer, kind, x)`` with ``x`` detached ``(B, H_kv, T, D)``."""
 
     def on_output(x: torch.Tensor, layout: str) -> None:
-        callback(site.layer, kind, to_bhtd(x.detach(), layout, site.n_heads, site.head_dim))
+        callback(site.layer_idx, kind, to_bhtd(x.detach(), layout, site.num_kv_heads, site.head_dim))
 
-    module, proj = capture_point(site.module, kind)
-    return KVTap(module, proj, kind, site.n_heads, site.head_dim, f"layer {site.layer}", on_output)
+    module, proj = (site.key_module, site.key_proj) if kind == "key" else (site.value_module, site.value_proj)
+    return KVTap(module, proj, kind, site.num_kv_heads, site.head_dim, f"layer {site.layer_idx}", on_output)
 
 
 @contextlib.contextmanager
-def kv_hooks(model: torch.nn.Module, callback: Callback) -> Iterator[list[AttentionSite]]:
+def kv_hooks(model: torch.nn.Module, callback: Callback) -> Iterator[list[KVSite]]:
     """Call ``callback(layer, kind, x)`` with ``kind`` in ``{"key", "value"}`` and ``x`` ``(B, H_kv, T, D)``
     (pre-RoPE keys, values) during forwards inside the block. Every hook is removed on exit."""
     sites = attention_sites(model)
@@ -277,13 +228,13 @@ def analyze(
     sites = attention_sites(model)
     device = next(model.parameters()).device
     stats = {
-        s.layer: {
-            name: ChannelStats(s.n_heads, s.head_dim, sample_tokens // block, block)
+        s.layer_idx: {
+            name: ChannelStats(s.num_kv_heads, s.head_dim, sample_tokens // block, block)
             for name in ("key_pre_rope", "key_post_rope", "value")
         }
         for s in sites
     }
-    layer_tables = {s.layer: tables.tables_for_layer(s.layer) for s in sites} if tables is not None else {}
+    layer_tables = {s.layer_idx: tables.tables_for_layer(s.layer_idx) for s in sites} if tables is not None else {}
     cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     reservoir = BlockReservoir(sample_tokens // block, seed=seed)
     plan: list[tuple[int, int]] = []
@@ -314,13 +265,13 @@ def analyze(
     n_blocks = reservoir.size
     layers = []
     for s in sites:
-        st = stats[s.layer]
+        st = stats[s.layer_idx]
         if st["key_pre_rope"].count == 0 or st["value"].count == 0:
-            raise RuntimeError(f"layer {s.layer} saw no keys/values during the forward passes")
+            raise RuntimeError(f"layer {s.layer_idx} saw no keys/values during the forward passes")
         pre = TensorReport.from_stats(st["key_pre_rope"], n_blocks, threshold)
         post = (
             TensorReport.from_stats(st["key_post_rope"], n_blocks, threshold)
-            if s.layer in layer_tables
+            if s.layer_idx in layer_tables
             else None
         )
         val = TensorReport.from_stats(st["value"], n_blocks, threshold)
@@ -328,9 +279,9 @@ def analyze(
         if keep_samples:
             samples = {k: v.sampled(n_blocks) for k, v in st.items() if v.count}
             samples["positions"] = st["key_pre_rope"].positions[:n_blocks].clone()
-        rot = layer_tables[s.layer].rot_dim if s.layer in layer_tables else 0
-        layers.append(LayerAnalysis(s.layer, rot, pre, post, val, samples))
-        del stats[s.layer]  # drop this layer's accumulators before finalizing the next
+        rot = layer_tables[s.layer_idx].rot_dim if s.layer_idx in layer_tables else 0
+        layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples))
+        del stats[s.layer_idx]  # drop this layer's accumulators before finalizing the next
     result = Analysis(
         model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint
     )

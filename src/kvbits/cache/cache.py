@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import QuantizedKVLayer, find_position_ids
-from kvbits.plan.config import attention_heads
+from kvbits.plan.config import attention_heads, text_config
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -42,12 +42,6 @@ _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
 
 
-def _text_config(config: Any) -> Any:
-    if hasattr(config, "get_text_config"):
-        return config.get_text_config(decoder=True)
-    return config
-
-
 def attention_shape(config: Any) -> tuple[int, int, int, int]:
     """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing.
 
@@ -56,7 +50,7 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
     GPT-BigCode), else ``H_q`` (MHA); ``D`` is ``head_dim`` when the config sets it (Gemma, Llama 3.2),
     else ``hidden_size // H_q``.
     """
-    text = _text_config(config)
+    text = text_config(config)
     name = type(text).__name__
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
     if missing:
@@ -68,7 +62,7 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
     return int(text.num_hidden_layers), heads, kv_heads, head_dim
 
 
-def _head_repeat(text_config: Any, heads: int, kv_heads: int) -> int:
+def _head_repeat(text: Any, heads: int, kv_heads: int) -> int:
     """``g``: how many times the model's attention repeats each of its ``kv_heads`` K/V heads, in a row,
     before handing them to ``Cache.update`` (1: it hands them over as they are).
 
@@ -77,25 +71,25 @@ def _head_repeat(text_config: Any, heads: int, kv_heads: int) -> int:
     consecutive). The layers store one copy (what the planner counts) and check once per request that the
     groups really are copies, storing every head when they are not (``QuantizedKVLayer``'s ``head_repeat``).
     """
-    if getattr(text_config, "new_decoder_architecture", False):
+    if getattr(text, "new_decoder_architecture", False):
         return heads // kv_heads
     return 1
 
 
-def _layer_types(text_config: Any, n_layers: int) -> tuple[list[str], list[dict]]:
+def _layer_types(text: Any, n_layers: int) -> tuple[list[str], list[dict]]:
     """Per-layer types and kwargs, through transformers' own resolver when it has one.
 
     5.24 returns one kwargs dict per layer, 5.17 one dict for all layers; both are normalised.
     """
     resolver = getattr(cache_utils, "get_layer_types_and_kwargs", None)
     if resolver is not None:
-        types, kwargs = resolver(text_config)
+        types, kwargs = resolver(text)
     else:  # pragma: no cover - older transformers
-        types = getattr(text_config, "layer_types", None)
+        types = getattr(text, "layer_types", None)
         if types is None:
-            sliding = getattr(text_config, "sliding_window", None)
+            sliding = getattr(text, "sliding_window", None)
             types = ["sliding_attention" if sliding is not None else "full_attention"] * n_layers
-        kwargs = {"sliding_window": getattr(text_config, "sliding_window", None)}
+        kwargs = {"sliding_window": getattr(text, "sliding_window", None)}
     types = list(types)
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
@@ -167,9 +161,9 @@ class QuantizedKVCache(Cache):
         if config is not None:
             n_layers, heads, kv_heads, head_dim = attention_shape(config)
             self.num_key_value_heads = kv_heads
-            self.head_repeat = _head_repeat(_text_config(config), heads, kv_heads)
+            self.head_repeat = _head_repeat(text_config(config), heads, kv_heads)
             self.head_dim = head_dim
-            types, kwargs = _layer_types(_text_config(config), n_layers)
+            types, kwargs = _layer_types(text_config(config), n_layers)
             if num_layers is not None and num_layers != len(types):
                 raise ValueError(f"num_layers={num_layers} but the config describes {len(types)} cached layers")
             layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(types, kwargs))]

@@ -4,9 +4,10 @@ Keys are captured *before RoPE* (KVQuant §3.2): at the output of ``k_proj``, or
 for models that normalise keys before rotating them (``k_norm``: Qwen3, Gemma3, OLMo2;
 ``k_layernorm``: Phi, StableLM), since that is the tensor the cache stores. Values at ``v_proj``
 (``v_norm`` when present). Which norms exist, how their inputs are laid out and the hooks that read
-them are :mod:`kvbits.analyze.taps`, shared with ``kvbits analyze``. Capturing module outputs needs no forked modeling code and works for every
-architecture whose attention has ``k_proj``/``v_proj`` submodules. Hooks are removed on exit, also
-on error.
+them are :mod:`kvbits.analyze.taps`; which modules are sites, and their ``(H_kv, D)``, is
+:mod:`kvbits.analyze.sites`; both are shared with ``kvbits analyze``. Capturing module outputs needs
+no forked modeling code and works for every architecture whose attention has ``k_proj``/``v_proj``
+submodules. Hooks are removed on exit, also on error.
 
 Statistics are computed from a bounded subsample of tokens per layer (the caller picks the same
 positions for K, V and their gradients), so memory is ``layers x max_tokens x H_kv x D`` floats.
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbits.analyze.taps import KVTap, capture_point
-from kvbits.plan.config import attention_heads
+from kvbits.analyze.sites import KVSite, attention_sites
+from kvbits.analyze.taps import KVTap
+from kvbits.plan.config import attention_heads, text_config
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from typing_extensions import Self
@@ -30,40 +31,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KVSite:
-    """One attention layer's K/V capture points.
-
-    Attributes:
-        layer_idx: the layer's index in the model (its cache layer).
-        key_module: module whose output is the pre-RoPE keys (the key norm if present, else ``k_proj``).
-        value_module: module whose output is the values (``v_norm`` if present, else ``v_proj``).
-        num_kv_heads, head_dim: ``H_kv`` and ``D``.
-        name: qualified name of the attention module (for messages).
-        key_proj, value_proj: the projection feeding ``key_module``/``value_module`` when that is a
-            norm (its output tells the norm's input layout apart), else None.
-    """
-
-    layer_idx: int
-    key_module: torch.nn.Module
-    value_module: torch.nn.Module
-    num_kv_heads: int
-    head_dim: int
-    name: str
-    key_proj: torch.nn.Module | None = None
-    value_proj: torch.nn.Module | None = None
-
-
-def text_config(config: Any) -> Any:
-    """The text part of a (possibly multimodal) transformers config."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
 def config_head_dim(config: Any) -> int:
-    cfg = text_config(config)
-    hd = getattr(cfg, "head_dim", None)
-    return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+    """``D`` as the planner and ``QuantizedKVCache`` read it (``kvbits.plan.config.attention_heads``)."""
+    return attention_heads(text_config(config))[2]
 
 
 def config_kv_heads(config: Any) -> int:
@@ -73,64 +43,25 @@ def config_kv_heads(config: Any) -> int:
     return attention_heads(text_config(config))[1]
 
 
-def _out_features(module: torch.nn.Module) -> int | None:
-    n = getattr(module, "out_features", None)
-    return int(n) if n is not None else None
-
-
 def find_kv_sites(model: torch.nn.Module) -> list[KVSite]:
-    """Every attention layer's K/V capture points, ordered by layer index.
+    """The sites calibration reads: :func:`kvbits.analyze.sites.attention_sites` (the rule ``kvbits analyze``
+    uses too), which must be every layer ``0 .. N-1`` of the model (``N``: the config's layer count), since
+    an artifact holds parameters for each layer of the cache.
 
     Raises:
-        ValueError: no attention module with ``k_proj`` and ``v_proj`` (e.g. GPT-2's fused ``c_attn``).
+        ValueError: as ``attention_sites``; or some layer has no K/V site (a hybrid model's
+            linear-attention or convolution layers, Gemma 4's KV-sharing layers).
     """
+    sites = attention_sites(model)
     config = getattr(model, "config", None)
-    sites: list[KVSite] = []
-    for name, mod in model.named_modules():
-        k_proj, v_proj = getattr(mod, "k_proj", None), getattr(mod, "v_proj", None)
-        if not isinstance(k_proj, torch.nn.Module) or not isinstance(v_proj, torch.nn.Module):
-            continue
-        head_dim = getattr(mod, "head_dim", None)
-        if head_dim is None:
-            if config is None:
-                raise ValueError(
-                    f"{name}: can not tell the head dim (no head_dim attribute, no model.config)"
-                )
-            head_dim = config_head_dim(config)
-        head_dim = int(head_dim)
-        out = _out_features(k_proj)
-        if out is not None:
-            if out % head_dim:
-                raise ValueError(f"{name}.k_proj has {out} outputs, not a multiple of head_dim {head_dim}")
-            n_kv = out // head_dim
-        elif config is not None:
-            n_kv = config_kv_heads(config)
-        else:
-            raise ValueError(f"{name}: can not tell the number of KV heads")
-        key_module, key_proj = capture_point(mod, "key")
-        value_module, value_proj = capture_point(mod, "value")
-        idx = getattr(mod, "layer_idx", None)
-        sites.append(
-            KVSite(
-                layer_idx=int(idx) if idx is not None else len(sites),
-                key_module=key_module,
-                value_module=value_module,
-                num_kv_heads=n_kv,
-                head_dim=head_dim,
-                name=name,
-                key_proj=key_proj,
-                value_proj=value_proj,
-            )
-        )
-    if not sites:
+    n_layers = getattr(text_config(config), "num_hidden_layers", None) if config is not None else None
+    expected = list(range(n_layers if isinstance(n_layers, int) else len(sites)))
+    got = [s.layer_idx for s in sites]
+    if got != expected:
         raise ValueError(
-            f"{type(model).__name__}: found no attention module with k_proj and v_proj submodules; "
-            "calibration supports Llama/Mistral/Qwen/Gemma-style attention (not fused QKV like GPT-2's c_attn)"
-        )
-    sites.sort(key=lambda s: s.layer_idx)
-    if [s.layer_idx for s in sites] != list(range(len(sites))):
-        raise ValueError(
-            f"attention layer indices are not 0..{len(sites) - 1}: {[s.layer_idx for s in sites]}"
+            f"calibration needs the K/V of every layer 0..{len(expected) - 1} (an artifact holds each cache "
+            f"layer's parameters); {type(model).__name__} has attention sites on layers {got}, none on "
+            f"{sorted(set(expected) - set(got))}"
         )
     return sites
 

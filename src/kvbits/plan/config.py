@@ -45,9 +45,12 @@ __all__ = [
     "attention_heads",
     "dtype_bytes_of",
     "estimate_params",
+    "layer_configs",
+    "layer_heads",
     "load_shape",
     "model_shape",
     "resolve_config",
+    "text_config",
 ]
 
 # transformers layer_types -> kvbits attention kind (see transformers.cache_utils.get_layer_types_and_kwargs)
@@ -92,8 +95,12 @@ def _int(value: Any, what: str) -> int | None:
     return int(value)
 
 
-def _text_config(cfg: Any) -> Any:
-    """The decoder's config of a composite (vision-language, encoder-decoder) config."""
+def text_config(cfg: Any) -> Any:
+    """The decoder's config of a composite (vision-language, encoder-decoder, speech) config: the one whose
+    layers the KV cache holds. ``get_text_config(decoder=True)`` for transformers configs (without
+    ``decoder=True`` a config holding both a ``text_encoder`` and a ``decoder`` is ambiguous and raises);
+    ``text_config`` of a plain mapping with no layer count of its own; else the config itself. Every
+    part of kvbits (planner, cache, RoPE tables, analyze, calibrate) reads the text config through this."""
     if isinstance(cfg, Mapping):
         if _get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers") is None and isinstance(
             cfg.get("text_config"), Mapping
@@ -166,6 +173,30 @@ def attention_heads(cfg: Any) -> tuple[int, int, int]:
     return q, kv, head_dim
 
 
+def layer_configs(text: Any, n_layers: int) -> list[Any]:
+    """One config per layer of a text config: ``per_layer_config`` of a heterogeneous transformers config
+    (Gemma 4: a wider ``head_dim`` on its global layers), else ``text`` for every layer."""
+    if getattr(text, "is_heterogeneous", False):
+        return list(text.per_layer_config)[:n_layers]
+    return [text] * n_layers
+
+
+def layer_heads(config: Any, layer_idx: int) -> tuple[int, int, int]:
+    """``(H_q, H_kv, D)`` of layer ``layer_idx`` as :func:`model_shape` counts them (:func:`attention_heads`
+    of that layer's config, see :func:`layer_configs`); ``config`` may be composite.
+
+    Raises:
+        ValueError: ``layer_idx`` is not a layer of the config, or its heads can not be read.
+    """
+    text = text_config(config)
+    n_layers = _int(_get(text, "num_hidden_layers", "n_layer", "num_layers", "n_layers"), "num_hidden_layers")
+    if n_layers is None:
+        return attention_heads(text)  # no layer count: one rule for every layer
+    if not 0 <= layer_idx < n_layers:
+        raise ValueError(f"layer {layer_idx} is not a layer of the config, which has {n_layers} layers")
+    return attention_heads(layer_configs(text, n_layers)[layer_idx])
+
+
 def _positive_window(value: Any, what: str) -> int | None:
     w = _int(value, what)
     return w if w is not None and w > 0 else None
@@ -229,7 +260,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
     """
     if isinstance(config, ModelShape):
         return config
-    text = _text_config(config)
+    text = text_config(config)
     n_layers = _int(_get(text, "num_hidden_layers", "n_layer", "num_layers", "n_layers"), "num_hidden_layers")
     if n_layers is None or n_layers < 1:
         raise ValueError(
@@ -241,10 +272,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
             "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style) caches K and V with different "
             "head dims; the kvbits planner supports MHA/GQA/MQA only"
         )
-    if getattr(text, "is_heterogeneous", False):
-        layer_cfgs: Sequence[Any] = list(text.per_layer_config)
-    else:
-        layer_cfgs = [text] * n_layers
+    layer_cfgs = layer_configs(text, n_layers)
     layer_types = _get(text, "layer_types")
     if layer_types is not None:
         layer_types = list(layer_types)
@@ -256,7 +284,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         if len(sharing) < n_layers:
             raise ValueError(f"kv_sharing_modes has {len(sharing)} entries for {n_layers} layers")
     layers = []
-    for i, lc in enumerate(layer_cfgs[:n_layers]):
+    for i, lc in enumerate(layer_cfgs):
         kind, window = _attention(text, lc, i, layer_types)
         if sharing is not None and sharing[i] == "reuse":
             kind, window = "none", None  # reads the KV of an earlier layer (Gemma-3n/4 KV sharing)
@@ -310,7 +338,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     Raises:
         ValueError: the config lacks ``hidden_size`` or ``vocab_size``.
     """
-    text = _text_config(config)
+    text = text_config(config)
     shape = shape or model_shape(text)
     h = _int(_get(text, "hidden_size", "n_embd", "d_model"), "hidden_size")
     vocab = _int(_get(text, "vocab_size", "padded_vocab_size"), "vocab_size")

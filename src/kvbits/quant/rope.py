@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from kvbits.plan.config import text_config
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["RotaryTables", "apply_rope", "invert_rope", "rotate_half"]
@@ -113,16 +115,6 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 # ------------------------------------------------------------------------------- finding classes
-
-
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    if get is None:
-        return config
-    try:
-        return get(decoder=True)
-    except TypeError:  # older signature
-        return get()
 
 
 def _modeling_module(model_type: str):
@@ -227,7 +219,7 @@ class RotaryTables:
             ValueError: the model type has no RoPE module in transformers.
             NotImplementedError: the family rotates interleaved pairs or returns non-cos/sin tables.
         """
-        text = _text_config(config)
+        text = text_config(config)
         model_type = getattr(text, "model_type", None)
         if not model_type:
             raise ValueError(f"config has no model_type: {type(config).__name__}")
@@ -257,7 +249,7 @@ class RotaryTables:
                 break
         if found is None:
             return cls.from_config(model.config)
-        text = getattr(found, "config", None) or _text_config(model.config)
+        text = getattr(found, "config", None) or text_config(model.config)
         rotary = copy.deepcopy(found).eval()
         for hooks in (rotary._forward_hooks, rotary._forward_pre_hooks):
             hooks.clear()

@@ -1,0 +1,181 @@
+"""Where K/V are read (`kvbits.analyze.sites`): ``kvbits analyze`` and ``kvbits calibrate`` find the same
+attention sites with the same ``(H_kv, D)`` as the cache stores and the planner counts, and refuse the
+same models with the same messages. Tiny random-weight models built from configs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvbits.analyze import analyze, attention_sites
+from kvbits.calibrate.artifact import describe_model
+from kvbits.calibrate.observers import KVCapture, find_kv_sites
+from kvbits.plan import model_shape
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def build(cfg):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def described(sites):
+    return [(s.layer_idx, s.num_kv_heads, s.head_dim) for s in sites]
+
+
+ARCHITECTURES = {
+    # Llama 3.2 style: head_dim 32 stated, not hidden_size / heads = 16
+    "llama-gqa-explicit-head_dim": lambda: transformers.LlamaConfig(**BASE, head_dim=32),
+    "llama-mqa": lambda: transformers.LlamaConfig(**{**BASE, "num_key_value_heads": 1}),
+    "qwen2": lambda: transformers.Qwen2Config(**BASE),
+    "qwen3-k_norm": lambda: transformers.Qwen3Config(**BASE, head_dim=16),
+    # sliding and full layers, head_dim 32 with hidden 64 and 4 heads
+    "gemma3-sliding": lambda: transformers.Gemma3TextConfig(
+        **{**BASE, "num_hidden_layers": 3}, head_dim=32, sliding_window=8, layer_types=None
+    ),
+}
+
+
+@pytest.mark.parametrize("make", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
+def test_analyze_and_calibrate_read_the_heads_the_cache_stores(make):
+    from kvbits.cache import QuantizedKVCache
+
+    cfg = make()
+    model = build(cfg)
+    analyzed, calibrated = attention_sites(model), find_kv_sites(model)
+    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(cfg).layers)]
+    assert described(analyzed) == described(calibrated) == planned
+    assert [s.key_module for s in analyzed] == [s.key_module for s in calibrated]
+    cache = QuantizedKVCache(config=cfg)
+    assert {(cache.num_key_value_heads, cache.head_dim)} == {(kv, d) for _, kv, d in planned}
+    record = describe_model(cfg)
+    assert {(record["num_kv_heads"], record["head_dim"])} == {(kv, d) for _, kv, d in planned}
+    # the captured tensors have the (B, H_kv, ., D) of what the cache stores (a sliding layer keeps fewer tokens)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with KVCapture(model, calibrated) as cap, torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for s in calibrated:
+            stored = out.past_key_values.layers[s.layer_idx]
+            k, v = cap.activations(s.layer_idx)
+            for got, kept in ((k, stored.keys), (v, stored.values)):
+                assert (got.shape[:2], got.shape[3]) == (kept.shape[:2], kept.shape[3]) == ((1, s.num_kv_heads), s.head_dim)
+
+
+def test_per_layer_head_dims_are_the_planners():
+    """Gemma 4's global layers have a wider head (``global_head_dim``, in ``per_layer_config``)."""
+    cfg = transformers.Gemma4TextConfig(**{**BASE, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32)
+    model = build(cfg)
+    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(cfg).layers)]
+    assert described(attention_sites(model)) == described(find_kv_sites(model)) == planned
+    assert planned[-1] == (3, 2, 32) and planned[0] == (0, 2, 16)
+
+
+def test_layers_without_kv_are_skipped_by_analyze_and_refused_by_calibrate():
+    """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) caches K/V on some
+    layers only: analyze reports those layers under their own index; calibration refuses the model,
+    since an artifact holds parameters for every layer of the cache."""
+    cfg = transformers.Lfm2Config(**{**BASE, "num_hidden_layers": 4}, layer_types=["conv", "full_attention"] * 2)
+    model = build(cfg)
+    assert described(attention_sites(model)) == [(1, 2, 16), (3, 2, 16)]
+    result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8)
+    assert [la.layer for la in result.layers] == [1, 3]
+    with pytest.raises(ValueError, match=r"every layer 0\.\.3 .* sites on layers \[1, 3\], none on \[0, 2\]"):
+        find_kv_sites(model)
+
+
+def _same_layer_twice():
+    model = build(transformers.LlamaConfig(**BASE))
+    model.model.layers[1].self_attn.layer_idx = 0
+    return model, r"model\.layers\.0\.self_attn and model\.layers\.1\.self_attn are both attention layer 0"
+
+
+def _cross_attention():
+    cfg = transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BartForCausalLM(cfg).eval()
+    return model, r"self_attn and model\.decoder\.layers\.0\.encoder_attn are both attention layer 0"
+
+
+def _head_dim_attribute():
+    model = build(transformers.LlamaConfig(**BASE))
+    model.model.layers[0].self_attn.head_dim = 8  # the config: 64 / 4 = 16
+    return model, r"model\.layers\.0\.self_attn has head_dim 8, expected 16 from the config's layer 0"
+
+
+def _k_proj_size():
+    model = build(transformers.LlamaConfig(**BASE))
+    attn = model.model.layers[1].self_attn
+    attn.k_proj = attn.v_proj = torch.nn.Linear(64, 64)  # 4 heads of 16, the config says 2
+    return model, r"layers\.1\.self_attn\.k_proj has 64 outputs, expected num_key_value_heads x head_dim = 2 x 16"
+
+
+def _v_head_dim():
+    cfg = transformers.MiMoV2FlashConfig(**BASE, head_dim=16, v_head_dim=8)  # values narrower than keys
+    return build(cfg), r"layers\.0\.self_attn\.v_proj has 16 outputs, expected .* = 2 x 16 = 32"
+
+
+def _layer_beyond_the_config():
+    model = build(transformers.LlamaConfig(**BASE))
+    model.model.layers[1].self_attn.layer_idx = 7
+    return model, r"model\.layers\.1\.self_attn: layer 7 is not a layer of the config, which has 2 layers"
+
+
+REFUSED = {
+    "same-layer-twice": _same_layer_twice,
+    "cross-attention": _cross_attention,
+    "head_dim-attribute": _head_dim_attribute,
+    "k_proj-size": _k_proj_size,
+    "v_head_dim": _v_head_dim,
+    "layer-beyond-config": _layer_beyond_the_config,
+}
+
+
+@pytest.mark.parametrize("make", REFUSED.values(), ids=REFUSED.keys())
+def test_both_commands_refuse_sites_that_disagree_with_the_cache(make):
+    """Sites the cache would not store as found (two on one layer, or heads other than the config's)
+    are refused by analyze and calibrate alike, when the sites are found, naming the module."""
+    model, message = make()
+    for find in (attention_sites, find_kv_sites):
+        with pytest.raises(ValueError, match=message):
+            find(model)
+
+
+def test_model_without_config_reads_the_modules():
+    """Bare modules (no ``config``): ``head_dim`` from the attention module, ``H_kv`` from ``k_proj``."""
+    model = build(transformers.LlamaConfig(**BASE, head_dim=32))
+    bare = torch.nn.ModuleList(layer.self_attn for layer in model.model.layers)
+    assert described(attention_sites(bare)) == described(find_kv_sites(bare)) == [(0, 2, 32), (1, 2, 32)]
+
+
+def test_calibrate_reads_the_decoder_of_a_composite_config():
+    """A config holding a text encoder and a decoder (MusicGen) is described by its decoder, the part the
+    KV cache holds (``get_text_config()`` without ``decoder=True`` refuses it as ambiguous)."""
+    decoder = transformers.MusicgenDecoderConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64
+    )
+    cfg = transformers.MusicgenConfig(
+        text_encoder=transformers.T5Config(d_model=32, num_layers=1, num_heads=2, d_kv=16).to_dict(),
+        audio_encoder=transformers.EncodecConfig().to_dict(),
+        decoder=decoder.to_dict(),
+    )
+    record = describe_model(cfg)
+    assert (record["num_layers"], record["num_kv_heads"], record["head_dim"]) == (3, 4, 16)
+    assert model_shape(cfg).n_layers == 3
