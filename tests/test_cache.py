@@ -37,6 +37,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
+from kvbits.plan import plan
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, layer_bytes, list_schemes, token_split
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -757,6 +758,30 @@ def test_falcon_kv_head_layouts(layout, cached_heads, expected):
     if cached_heads != expected:  # the layout of the first update is then enforced
         with pytest.raises(ValueError, match="does not match"):
             cache.update(*rand_kv(1, 2, 1, 16, seed=1), 0)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8-token"])
+def test_gemma4_global_layers_have_their_own_heads(scheme: str):
+    """Gemma 4 gives its global layers their own head_dim and (with attention_k_eq_v) KV head count: each
+    layer expects what the planner counts for it. Before, every layer expected the config's top-level
+    count, and the first update was refused ("got 2 KV heads ... but the config has num_key_value_heads=4")."""
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=16, attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    ids = tokens(1, 40)
+    want = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    cache = QuantizedKVCache(config=cfg, scheme=scheme)
+    got = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    if scheme == "fp16":
+        assert torch.equal(got, want)
+    rows = cache.memory_report()["layers"]
+    assert [r["kv_heads"] for r in rows] == [2, 2, 2, 1]
+    assert cache.materialize(3)[0].shape == (1, 1, 44, 32) and cache.materialize(0)[0].shape == (1, 2, 15, 16)
+    assert cache.memory_report()["total_bytes"] == plan(cfg, context=44, scheme=scheme)["total_bytes"]
 
 
 def test_calibration_report_counts_clipping():

@@ -180,6 +180,23 @@ def test_gemma3_local_and_global_bases():
     assert not torch.allclose(local.cos_sin(torch.arange(16))[0], glob.cos_sin(torch.arange(16))[0])
 
 
+def test_gemma4_global_layers_have_their_own_head_dim():
+    """Gemma 4's global layers have their own head_dim (and "proportional" RoPE): each layer's tables
+    take the planner's per-layer head_dim. Before, reading the config's head_dim raised transformers'
+    AmbiguousGlobalPerLayerAttributeError, so no pre-RoPE scheme could be built for Gemma 4."""
+    cfg = _config(
+        "Gemma4TextConfig",
+        head_dim=16,
+        global_head_dim=32,
+        num_hidden_layers=3,
+        sliding_window=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    tables, _ = _check_roundtrip(cfg, T=16)
+    assert [tables.tables_for_layer(i).head_dim for i in range(3)] == [16, 16, 32]
+    assert tables.tables_for_layer(2).rot_dim == 32
+
+
 def test_nope_layers_are_identity():
     cfg = _config(
         "SmolLM3Config",

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import QuantizedKVLayer, find_position_ids
-from kvbits.plan.config import attention_heads, text_config
+from kvbits.plan.config import attention_heads, layer_heads, text_config
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -215,9 +215,13 @@ class QuantizedKVCache(Cache):
                 f"layer {idx} has type {layer_type!r}; QuantizedKVCache supports full_attention, "
                 f"sliding_attention and chunked_attention layers"
             )
+        kv_heads, repeat, head_dim = self.num_key_value_heads, self.head_repeat, self.head_dim
+        if self._config is not None:  # per layer, as the planner counts them (Gemma 4: global layers differ)
+            heads, kv_heads, head_dim = layer_heads(self._config, idx)
+            repeat = _head_repeat(text_config(self._config), heads, kv_heads)
         layer = QuantizedKVLayer(
             self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
-            num_key_value_heads=self.num_key_value_heads, head_repeat=self.head_repeat, head_dim=self.head_dim,
+            num_key_value_heads=kv_heads, head_repeat=repeat, head_dim=head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
             checks=self.checks_mode, check_every=self.check_every,

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvbits.plan.config import text_config
+from kvbits.plan.config import layer_heads, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class RotaryTables:
                 "module (its family rotates interleaved pairs); kvbits.quant.rope supports the rotate-half "
                 "convention only"
             )
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_dim = layer_heads(text, 0)[2]  # the planner's rule (Gemma 4 sets head_dim per layer)
         per_type = isinstance(getattr(rotary, "rope_type", None), dict)
         layer_type = None
         if per_type:  # until tables_for_layer says otherwise: the first layer's type
@@ -301,11 +301,12 @@ class RotaryTables:
             or (n_layers is not None and layer_idx >= n_layers)
         ):
             raise ValueError(f"layer_idx must be an int in [0, {n_layers}), got {layer_idx!r}")
+        head_dim = layer_heads(self.config, layer_idx)[2]  # Gemma 4: global layers have their own
         no_rope = getattr(self.config, "no_rope_layers", None)
         if no_rope is not None and layer_idx < len(no_rope) and not no_rope[layer_idx]:
-            return replace(self, rot_dim=0, halves_equal=False)
+            return replace(self, head_dim=head_dim, rot_dim=0, halves_equal=False)
         if not isinstance(getattr(self.rotary, "rope_type", None), dict):
-            return self
+            return self if head_dim == self.head_dim else replace(self, head_dim=head_dim)
         layer_types = getattr(self.config, "layer_types", None)
         if layer_types is None or layer_idx >= len(layer_types):
             raise ValueError(f"config has no layer_types entry for layer {layer_idx}")
@@ -314,9 +315,9 @@ class RotaryTables:
             raise ValueError(
                 f"layer {layer_idx} has type {lt!r}; rotary module knows {sorted(self.rotary.rope_type)}"
             )
-        if lt == self.layer_type:
+        if lt == self.layer_type and head_dim == self.head_dim:
             return self
-        tables = replace(self, layer_type=lt)
+        tables = replace(self, layer_type=lt, head_dim=head_dim)
         tables._probe()
         return tables
 
