@@ -219,6 +219,29 @@ def test_context_beyond_max_position_embeddings_is_warned_once_by_one_helper(cap
     ]
 
 
+def test_context_warning_reads_the_decoder_of_a_composite_config(caplog):
+    """A config holding a text encoder and a decoder (MusicGen): ``get_text_config()`` without
+    ``decoder=True`` raises transformers' 'Multiple valid text configs' ValueError, which analyze,
+    calibrate and eval hit after the model had loaded. The decoder's limit is the one that applies."""
+    import transformers
+
+    from kvbits.evaluate.models import warn_beyond_max_positions
+
+    decoder = transformers.MusicgenDecoderConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+        max_position_embeddings=300,
+    )  # fmt: skip
+    cfg = transformers.MusicgenConfig(
+        text_encoder=transformers.T5Config(d_model=32, num_layers=1, num_heads=2, d_kv=16).to_dict(),
+        audio_encoder=transformers.EncodecConfig().to_dict(),
+        decoder=decoder.to_dict(),
+    )
+    with caplog.at_level("WARNING", logger="kvbits"):
+        assert warn_beyond_max_positions(cfg, 400) is True
+        assert warn_beyond_max_positions(cfg, 300) is False
+    assert "max_position_embeddings 300" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -194,11 +194,15 @@ def warn_beyond_max_positions(config: Any, context: int) -> bool:
     text config, for a multimodal model): the positions beyond it are extrapolation, so what
     ``kvbits analyze``, ``calibrate`` and ``eval`` measure there is not the model's trained behaviour.
 
+    The text config is read as the planner and the cache read it (``kvbits.plan.config.text_config``,
+    the decoder of a config that also holds a text encoder, such as MusicGen's).
+
     Returns:
         True when it warned; False within the limit or when the config records none.
     """
-    get = getattr(config, "get_text_config", None)
-    cfg = get() if callable(get) else config
+    from kvbits.plan.config import text_config
+
+    cfg = text_config(config)
     max_ctx = getattr(cfg, "max_position_embeddings", None)
     if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 0 < max_ctx < context:
         return False
