@@ -85,6 +85,28 @@ def test_per_layer_head_dims_are_the_planners():
     assert planned[-1] == (3, 2, 32) and planned[0] == (0, 2, 16)
 
 
+def test_values_from_the_key_projection_are_a_site():
+    """Gemma 4's global layers with ``attention_k_eq_v`` have ``v_proj = None``: their values are ``v_norm``
+    of ``k_proj``'s output, and the cache stores them (1 KV head of 32 here). They were no site: analyze
+    left those layers out without a word, calibration called them layers without K/V."""
+    cfg = transformers.Gemma4TextConfig(
+        **{**BASE, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32, sliding_window=16,
+        attention_k_eq_v=True, num_global_key_value_heads=1,
+    )  # fmt: skip
+    model = build(cfg)
+    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(cfg).layers)]
+    assert planned[-1] == (3, 1, 32) and model.model.layers[3].self_attn.v_proj is None
+    sites = find_kv_sites(model)
+    assert described(attention_sites(model)) == described(sites) == planned
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with KVCapture(model, sites) as cap, torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for s in sites:  # values are stored as captured (no RoPE on them)
+            torch.testing.assert_close(cap.activations(s.layer_idx)[1], out.past_key_values.layers[s.layer_idx].values)
+    result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8)
+    assert [la.layer for la in result.layers] == [0, 1, 2, 3]
+
+
 def test_layers_without_kv_are_skipped_by_analyze_and_refused_by_calibrate():
     """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) caches K/V on some
     layers only: analyze reports those layers under their own index; calibration refuses the model,

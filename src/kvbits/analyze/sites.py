@@ -2,7 +2,9 @@
 (:mod:`kvbits.analyze.collect`) and ``kvbits calibrate`` (:mod:`kvbits.calibrate.observers`) share.
 
 - **Sites**: every module with ``k_proj`` and ``v_proj`` submodules (Llama/Mistral/Qwen/Gemma-style
-  attention; fused QKV projections such as GPT-2's ``c_attn`` are not supported). Keys are read at
+  attention; fused QKV projections such as GPT-2's ``c_attn`` are not supported), or with ``k_proj``
+  and ``v_proj = None`` (Gemma 4's global layers with ``attention_k_eq_v``: the values are the keys'
+  projection, through ``v_norm``). Keys are read at
   the key norm when there is one, values at ``v_norm`` when there is one (:mod:`kvbits.analyze.taps`).
 - **Layer**: the module's ``layer_idx`` (else its position among the sites). Indices may skip layers
   that cache no K/V of their own (linear-attention or convolution layers of hybrid models, Gemma 4's
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from kvbits.analyze.taps import capture_point
+from kvbits.analyze.taps import value_proj as _value_proj
 from kvbits.plan.config import layer_heads
 
 __all__ = ["KVSite", "attention_sites"]
@@ -86,7 +89,7 @@ def _heads(name: str, attention: torch.nn.Module, layer_idx: int, config: Any) -
     if own_kv is not None and own_kv != n_kv:
         raise ValueError(f"{name} has num_key_value_heads {own_kv}, expected {n_kv} from {source}")
     for proj in ("k_proj", "v_proj"):
-        out = _int_attr(getattr(attention, proj), "out_features")
+        out = _int_attr(getattr(attention, proj, None), "out_features")
         if out is not None and out != n_kv * head_dim:
             raise ValueError(
                 f"{name}.{proj} has {out} outputs, expected num_key_value_heads x head_dim = "
@@ -105,10 +108,7 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
     config = getattr(model, "config", None)
     found: list[tuple[str, torch.nn.Module, int]] = []
     for name, mod in model.named_modules():
-        if not (
-            isinstance(getattr(mod, "k_proj", None), torch.nn.Module)
-            and isinstance(getattr(mod, "v_proj", None), torch.nn.Module)
-        ):
+        if not isinstance(getattr(mod, "k_proj", None), torch.nn.Module) or _value_proj(mod) is None:
             continue
         idx = getattr(mod, "layer_idx", None)
         found.append((name or type(mod).__name__, mod, len(found) if idx is None else int(idx)))

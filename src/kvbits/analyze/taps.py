@@ -71,11 +71,25 @@ def to_bhtd(x: torch.Tensor, layout: str, n_heads: int, head_dim: int) -> torch.
     raise ValueError(f"layout must be 'flat', 'bthd' or 'bhtd', got {layout!r}")
 
 
+def value_proj(attention: torch.nn.Module) -> torch.nn.Module | None:
+    """The projection an attention module's values come from: ``v_proj``; ``k_proj`` when ``v_proj`` is
+    None (Gemma 4's global layers with ``attention_k_eq_v``: the values are ``v_norm`` of the keys'
+    projection); None when the module has neither."""
+    v = getattr(attention, "v_proj", None)
+    if isinstance(v, torch.nn.Module):
+        return v
+    k = getattr(attention, "k_proj", None)
+    if hasattr(attention, "v_proj") and v is None and isinstance(k, torch.nn.Module):
+        return k
+    return None
+
+
 def capture_point(attention: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """``(module, proj)`` for an attention module's keys (``kind="key"``) or values: the module whose
     output the cache stores (the norm after the projection when there is one, else the projection)
-    and the projection feeding it when that is a norm, else None (the first two :class:`KVTap` args)."""
-    proj = getattr(attention, "k_proj" if kind == "key" else "v_proj")
+    and the projection feeding it when that is a norm, else None (the first two :class:`KVTap` args).
+    Values without a ``v_proj`` of their own come from ``k_proj`` (:func:`value_proj`)."""
+    proj = attention.k_proj if kind == "key" else value_proj(attention)
     norm = kv_norm(attention, kind)
     return (proj, None) if norm is None else (norm, proj)
 
