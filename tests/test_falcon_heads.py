@@ -188,3 +188,28 @@ def test_fused_decode_attends_the_stored_heads():
     keys, values = layer.materialize()
     want = torch.nn.functional.scaled_dot_product_attention(query, keys, values)
     torch.testing.assert_close(dispatch.decode_attention(query, store), want, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_the_copy_check_reads_the_device_once():
+    """Checking that the head groups are copies reads one answer back per layer and request, for K and V
+    together (it compared K and V with ``torch.equal`` each: two host syncs per layer on CUDA). Counted
+    as the ops that read a tensor back to the host, with lazy checks (nothing else reads back)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {torch.ops.aten.equal.default, torch.ops.aten._local_scalar_dense.default,
+             torch.ops.aten.is_nonzero.default}  # fmt: skip
+
+    class HostReads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in reads
+            return func(*args, **(kwargs or {}))
+
+    k, v = _repeated(1, 30, seed=8)
+    layer = _layer(checks="lazy")
+    with HostReads() as counted:
+        layer.update(k, v)
+        layer.update(*_repeated(1, 1, seed=9))  # a decode step: none
+    assert layer.repeat == G and counted.n == 1

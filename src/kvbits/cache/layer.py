@@ -87,12 +87,13 @@ def _position_offset(
     return offset.expand(B).contiguous()
 
 
-def _repeats_heads(x: torch.Tensor, g: int) -> bool:
+def _repeats_heads(x: torch.Tensor, g: int) -> torch.Tensor:
     """Whether ``x`` ``(B, g * H, q, D)`` is ``H`` heads each repeated ``g`` times in a row (heads
-    ``i*g ... i*g + g - 1`` equal; NaN never equals, so such K/V count as not repeated)."""
+    ``i*g ... i*g + g - 1`` equal; NaN never equals, so such K/V count as not repeated), as a bool
+    tensor on ``x``'s device (no host sync: the caller reads K's and V's answers at once)."""
     B, Hg, q, D = x.shape
     groups = x.view(B, Hg // g, g, q, D) if x.is_contiguous() else x.reshape(B, Hg // g, g, q, D)
-    return torch.equal(groups, groups[:, :, :1].expand_as(groups))
+    return (groups == groups[:, :, :1]).all()
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -310,7 +311,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if key_states.shape[2] == 0:
             self._repeat_pending = True
             return g
-        if _repeats_heads(key_states, g) and _repeats_heads(value_states, g):
+        if bool(_repeats_heads(key_states, g) & _repeats_heads(value_states, g)):  # the one host sync
             return g
         logger.warning(
             "layer %d: the %d K/V heads are not %d copies of each of %d heads (as num_kv_heads and "
