@@ -207,15 +207,30 @@ def _run_evaluator(settings: dict[str, Any]) -> None:
             raise
         evaluate = None
     if evaluate is not None:
-        evaluate(
-            model=settings["model"], data=settings["data"], context=settings["context"],
-            semantics=settings["semantics"], mode=settings["mode"], windows=settings["windows"],
-            schemes=list(settings["schemes"]), out_dir=settings["out"], overwrite=settings["fresh"],
-            progress=sys.stderr.isatty(),
-            on_skip=lambda _: logger.info(
-                "%s already holds this finished run; showing it (--fresh to recompute)", settings["out"]
-            ),
-        )
+        from kvbits.evaluate.outputs import OtherRunError
+
+        def run(overwrite: bool) -> None:
+            evaluate(
+                model=settings["model"], data=settings["data"], context=settings["context"],
+                semantics=settings["semantics"], mode=settings["mode"], windows=settings["windows"],
+                schemes=list(settings["schemes"]), out_dir=settings["out"], overwrite=overwrite,
+                progress=sys.stderr.isatty(),
+                on_skip=lambda _: logger.info(
+                    "%s already holds this finished run; showing it (--fresh to recompute)", settings["out"]
+                ),
+            )
+
+        try:
+            run(settings["fresh"])
+        except OtherRunError as exc:
+            if not settings["default_out"]:
+                raise  # a folder the user named: theirs to overwrite (--fresh)
+            # the demo's own folder, holding an earlier demo (other settings, or an older kvbits)
+            logger.warning(
+                "%s holds an earlier demo run of other settings%s; recomputing the demo there",
+                settings["out"], f" (it differs in {', '.join(exc.differs)})" if exc.differs else "",
+            )
+            run(True)
         return
     import importlib.util
 
@@ -299,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": EVAL_MODEL, "data": EVAL_DATA, "context": context, "semantics": EVAL_SEMANTICS,
             "mode": EVAL_MODE, "windows": windows, "schemes": preset["schemes"],
             "out": (args.out or REPO / "runs" / f"demo-smollm2-war-and-peace-{tag}").resolve(),
-            "fresh": args.fresh,
+            "fresh": args.fresh, "default_out": args.out is None,
         }
         _header(console, settings)
         if not args.skip_plan:

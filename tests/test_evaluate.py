@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from kvbits.evaluate import metrics as M
+from kvbits.evaluate.outputs import OtherRunError
 from kvbits.evaluate.runner import default_attn_layers, evaluate
 from kvbits.evaluate.simulate import IMPLEMENTATION, quantized_bounds, simulate, simulated_kv
 from kvbits.evaluate.stream import PEER_SCHEMES, base_model, resolve_scheme, stream_hidden
@@ -717,8 +718,9 @@ def test_out_dir_skip_overwrite_and_mismatch(models, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "simulate", lambda *a, **k: pytest.fail("a finished run was recomputed"))
     s2 = evaluate(model, ids, 200, ["int4-token", SINKS], on_skip=skipped.append, **args)
     assert s2 == json.loads(json.dumps(s1)) and len(skipped) == 1
-    with pytest.raises(ValueError, match="different configuration"):
+    with pytest.raises(OtherRunError, match="different configuration") as refused:
         evaluate(model, ids, 200, ["int4-token"], **args)
+    assert refused.value.differs == ["schemes"]  # what the demo names when it recomputes its own folder
     monkeypatch.undo()
     monkeypatch.setattr(runner, "_write_report", lambda out: None)
     s3 = evaluate(model, ids, 200, ["int4-token"], overwrite=True, **args)

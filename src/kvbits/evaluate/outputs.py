@@ -31,7 +31,16 @@ from kvbits.evaluate.request import OUTPUT_VERSION
 
 logger = logging.getLogger(__name__)
 
-__all__: list[str] = []
+__all__ = ["OtherRunError"]
+
+
+class OtherRunError(ValueError):
+    """The output folder holds a kvbits eval run of another configuration (``overwrite`` replaces it);
+    ``differs``: the request fields that differ (empty when the stored run does not say)."""
+
+    def __init__(self, message: str, differs: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.differs = list(differs)
 
 
 def _git_commit() -> dict[str, Any] | None:
@@ -111,10 +120,11 @@ def _check_out_dir(
         other = done.read_text().strip()
     if other != chash:
         diff = _differences(stored.get("request") if isinstance(stored, dict) else None, request or {})
-        raise ValueError(
+        raise OtherRunError(
             f"{out} holds a run with a different configuration (config hash {other}, this run {chash}"
             f"{'; it differs in ' + ', '.join(diff) if diff else ''}); use another output folder or "
-            "overwrite=True (--overwrite)"
+            "overwrite=True (--overwrite)",
+            diff,
         )
     if done.is_file() and done.read_text().strip() == chash:
         summary = _read_json(out / "summary.json")
