@@ -712,6 +712,8 @@ def test_position_offset_rules():
     assert offset([1, 1, 1, 1, 1, 0]) == 5 == offset([0, 0, 0, 0, 0, 0])  # one real token after 5 pads
     assert offset([0, 1, 2, 3, 0, 0]) == 0 == offset([0, 1, 2, 3, 1, 1])  # right padded by 2
     assert offset([0, 1, 2, 3, 4, 5], n_before=7) == 7 and offset([10, 11, 12, 13, 14, 15]) == -10
+    empty = torch.zeros(1, 0, dtype=torch.long)  # a zero-token update (it raised IndexError)
+    assert _position_offset((), {"kwargs": {"position_ids": empty}}, 0, k[:, :, :0]) is None
 
 
 def test_position_offsets_are_read_once_per_request():

@@ -75,8 +75,8 @@ def _position_offset(
     """
     pos = find_position_ids(args, kwargs)
     B, _, q, _ = key_states.shape
-    if pos is None or pos.dim() != 2 or pos.shape[1] != q or pos.shape[0] not in (1, B):
-        return None  # absent, or multi-axis positions (e.g. mrope): cache indices, as before
+    if pos is None or pos.dim() != 2 or pos.shape[1] != q or q == 0 or pos.shape[0] not in (1, B):
+        return None  # absent, no tokens, or multi-axis positions (e.g. mrope): cache indices, as before
     if pos.is_floating_point():
         return None
     pos = pos.to(key_states.device, torch.long)
