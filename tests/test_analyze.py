@@ -340,6 +340,15 @@ def test_cli_warns_when_the_context_exceeds_max_position_embeddings(
     assert (message in caplog.text) is warned, caplog.text
 
 
+def test_python_api_warns_when_the_context_exceeds_max_position_embeddings(caplog):
+    """analyze() itself warns (the CLI calls it), as evaluate() and calibrate() do."""
+    model = tiny_llama(max_positions=64)
+    windows = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        analyze(model, windows, sample_tokens=128, model_name="tiny", data_name="random")
+    assert "context 128 exceeds the model's max_position_embeddings 64" in caplog.text
+
+
 @pytest.mark.parametrize(
     "flag,value,message",
     [("--plot-layer", "9", "--plot-layer must be one of the attention layers"), ("--plot-head", "5", "--plot-head")],

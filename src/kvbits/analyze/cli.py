@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.analyze.collect import analyze
     from kvbits.cli import EXIT_OK, _print_json
     from kvbits.evaluate.data import load_text, make_windows, tokenize
-    from kvbits.evaluate.models import load_model, warn_beyond_max_positions
+    from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import check_device
 
     check_device(args.device, DEVICES)  # before the model loads
@@ -96,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
     windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
-    warn_beyond_max_positions(lm.model.config, args.context)
     logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
     result = analyze(
         lm.model,

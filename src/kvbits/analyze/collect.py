@@ -224,6 +224,10 @@ def analyze(
         raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
     if sample_tokens < block:
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
+    from kvbits.evaluate.models import warn_beyond_max_positions  # lazy: keeps kvbits.analyze light
+
+    if getattr(model, "config", None) is not None:
+        warn_beyond_max_positions(model.config, T)
     tables = _rotary_tables(model)
     sites = attention_sites(model)
     device = next(model.parameters()).device
