@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits.plan.config import text_config
+
 __all__ = [
     "BUCKET_EDGES",
     "TOKEN_FIELDS",
@@ -75,7 +77,7 @@ class LogitHead:
     def from_model(cls, model: Any) -> LogitHead:
         """The head of a transformers causal LM, with the post-processing its family applies. Families
         this does not know are caught by :func:`check_logit_head` against the model's own logits."""
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)  # the decoder's, as everything else in kvbits reads it
         scale = 1.0
         cohere = getattr(model, "logit_scale", None)  # CohereForCausalLM & co: logits * self.logit_scale
         if isinstance(cohere, (int, float)) and not isinstance(cohere, bool):
