@@ -48,9 +48,11 @@ __all__ = [
     "layer_configs",
     "layer_heads",
     "load_shape",
+    "max_positions",
     "model_shape",
     "resolve_config",
     "text_config",
+    "warn_beyond_max_positions",
 ]
 
 # transformers layer_types -> kvbits attention kind (see transformers.cache_utils.get_layer_types_and_kwargs)
@@ -197,6 +199,44 @@ def layer_heads(config: Any, layer_idx: int) -> tuple[int, int, int]:
     return attention_heads(layer_configs(text, n_layers)[layer_idx])
 
 
+def max_positions(config: Any) -> int | None:
+    """The context the model was trained for: its text config's ``max_position_embeddings`` (or
+    ``n_positions``, ``max_sequence_length``, ``seq_length``), ``None`` when it records none.
+
+    Raises:
+        ValueError: the field is not an integer.
+    """
+    return _int(
+        _get(text_config(config), "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"),
+        "max_position_embeddings",
+    )
+
+
+def warn_beyond_max_positions(config: Any, context: int, note: str = "") -> bool:
+    """Log a warning when ``context`` tokens exceed :func:`max_positions` of ``config`` (a config, or that
+    limit as an int): positions beyond it are extrapolation, so what is measured there (``kvbits analyze``,
+    ``calibrate``, ``eval``) is not the model's trained behaviour. ``note`` ends the message (the planner
+    says its bytes are still exact).
+
+    Returns:
+        True when it warned; False within the limit or when the config records none (or an unreadable one).
+    """
+    if isinstance(config, int) and not isinstance(config, bool):
+        max_ctx: int | None = config
+    else:
+        try:
+            max_ctx = max_positions(config)
+        except ValueError:
+            return False
+    if max_ctx is None or not 0 < max_ctx < context:
+        return False
+    logger.warning(
+        "context %d exceeds the model's max_position_embeddings %d: positions beyond it are extrapolation%s",
+        context, max_ctx, note,
+    )  # fmt: skip
+    return True
+
+
 def _positive_window(value: Any, what: str) -> int | None:
     w = _int(value, what)
     return w if w is not None and w > 0 else None
@@ -293,10 +333,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
     dtype = dtype_bytes_of(_dtype_field(text)) or dtype_bytes_of(_dtype_field(config))
     if dtype is None:
         logger.debug("config carries no known dtype; assuming 2 bytes (fp16/bf16)")
-    max_ctx = _int(
-        _get(text, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"),
-        "max_position_embeddings",
-    )
+    max_ctx = max_positions(text)
     if not name:
         name = str(_get(config, "_name_or_path") or _get(text, "model_type") or "")
     shape = ModelShape(tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx)

@@ -43,7 +43,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Union
 
-from kvbits.plan.config import load_shape
+from kvbits.plan.config import load_shape, warn_beyond_max_positions
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
 from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes
@@ -152,13 +152,9 @@ def plan(
         context = shape.max_context
     contexts, many_contexts = _as_list(context)
     contexts = [_positive_int(c, "context") for c in contexts]
-    beyond = [c for c in contexts if shape.max_context is not None and 0 < shape.max_context < c]
-    if beyond:  # the bytes are still exact; whether the model works there is another question
-        logger.warning(
-            "context %s exceeds the model's max_position_embeddings %d: the bytes are planned, but positions "
-            "beyond it are extrapolation (RoPE scaling or a long-context variant of the model)",
-            ", ".join(str(c) for c in beyond), shape.max_context,
-        )  # fmt: skip
+    if shape.max_context is not None:
+        for c in contexts:  # the bytes are still exact; whether the model works there is another question
+            warn_beyond_max_positions(shape.max_context, c, " (the bytes are planned all the same)")
     scheme_specs, many_schemes = _as_list(scheme)
     schemes = [get_scheme(s) for s in scheme_specs]
 

@@ -19,7 +19,6 @@ from kvbits.evaluate.models.loading import (
     load_config,
     load_model,
     model_content_id,
-    warn_beyond_max_positions,
 )
 from kvbits.evaluate.models.registry import (
     OFFLINE_MODELS,
@@ -32,6 +31,7 @@ from kvbits.evaluate.models.registry import (
     model_cache_path,
 )
 from kvbits.evaluate.models.source import ModelSource, resolve_model
+from kvbits.plan.config import warn_beyond_max_positions
 
 __all__ = [
     "OFFLINE_MODELS",

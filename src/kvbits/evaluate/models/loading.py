@@ -24,13 +24,14 @@ from kvbits.evaluate.models.gguf import (
 )
 from kvbits.evaluate.models.registry import OFFLINE_MODELS, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
+from kvbits.plan.config import max_positions
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "load_config", "load_model", "model_content_id", "warn_beyond_max_positions"]
+__all__ = ["LoadedModel", "load_config", "load_model", "model_content_id"]
 
 
 @dataclass
@@ -179,36 +180,11 @@ def load_model(
         raise _hub_error(source, exc) from exc
     model = model.to(device).eval()
     if source.max_context is None:
-        ctx = getattr(model.config, "max_position_embeddings", None)
-        source = dataclasses.replace(source, max_context=int(ctx) if ctx else None)
+        ctx = max_positions(model.config)  # the text config's, as the planner reads it
+        source = dataclasses.replace(source, max_context=ctx or None)
     fingerprint = _fingerprint(source, model.config)
     logger.info(
         "loaded %s (%s, %.1fM parameters) in %.1f s", source.name, dtype,
         sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, fingerprint=fingerprint)
-
-
-def warn_beyond_max_positions(config: Any, context: int) -> bool:
-    """Log a warning when ``context`` tokens exceed the model's ``max_position_embeddings`` (of the
-    text config, for a multimodal model): the positions beyond it are extrapolation, so what
-    ``kvbits analyze``, ``calibrate`` and ``eval`` measure there is not the model's trained behaviour.
-
-    The text config is read as the planner and the cache read it (``kvbits.plan.config.text_config``,
-    the decoder of a config that also holds a text encoder, such as MusicGen's).
-
-    Returns:
-        True when it warned; False within the limit or when the config records none.
-    """
-    from kvbits.plan.config import text_config
-
-    cfg = text_config(config)
-    max_ctx = getattr(cfg, "max_position_embeddings", None)
-    if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or not 0 < max_ctx < context:
-        return False
-    logger.warning(
-        "context %d exceeds the model's max_position_embeddings %d: positions beyond it are extrapolation",
-        context,
-        max_ctx,
-    )
-    return True
