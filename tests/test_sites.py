@@ -201,3 +201,72 @@ def test_calibrate_reads_the_decoder_of_a_composite_config():
     record = describe_model(cfg)
     assert (record["num_layers"], record["num_kv_heads"], record["head_dim"]) == (3, 4, 16)
     assert model_shape(cfg).n_layers == 3
+
+
+def _gemma3_vlm():
+    """Gemma-3-4B's architecture (SigLIP vision tower, Gemma 3 decoder), tiny."""
+    text = transformers.Gemma3TextConfig(
+        **{**BASE, "num_hidden_layers": 3}, head_dim=32, sliding_window=8, layer_types=None
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4
+    )
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(cfg).eval(), "model.language_model"
+
+
+def _llava():
+    """LLaVA: a CLIP vision tower (attention with k_proj/v_proj) and a Llama decoder."""
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4
+    )
+    cfg = transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(**BASE, head_dim=32).to_dict(), vision_config=vision.to_dict()
+    )
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(cfg).eval(), "model.language_model"
+
+
+VISION_LANGUAGE = {"gemma3": _gemma3_vlm, "llava": _llava}
+
+
+@pytest.mark.parametrize("make", VISION_LANGUAGE.values(), ids=VISION_LANGUAGE.keys())
+def test_vision_language_models_are_read_at_their_language_decoder(make):
+    """The vision tower's attention modules (k_proj and v_proj too, layer indices from 0) cache nothing:
+    the sites are the language decoder's layers, with the heads the planner counts from the text config.
+    They were refused as cross-attention (vision layer 0 and decoder layer 0 both "attention layer 0")."""
+    model, decoder = make()
+    assert any("vision_tower" in n and hasattr(m, "k_proj") for n, m in model.named_modules())
+    analyzed, calibrated = attention_sites(model), find_kv_sites(model)
+    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(model.config).layers)]
+    assert described(analyzed) == described(calibrated) == planned
+    assert len(planned) == model.config.get_text_config(decoder=True).num_hidden_layers
+    assert all(s.name == f"{decoder}.layers.{s.layer_idx}.self_attn" for s in analyzed)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with KVCapture(model, calibrated) as cap, torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        for s in calibrated:
+            stored = out.past_key_values.layers[s.layer_idx]
+            k, v = cap.activations(s.layer_idx)
+            assert (k.shape[:2], k.shape[3]) == (stored.keys.shape[:2], stored.keys.shape[3])
+            kept = stored.values.shape[2]  # a sliding layer keeps its window's last tokens
+            torch.testing.assert_close(v[:, :, -kept:], stored.values.float())
+    result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8)
+    assert [la.layer for la in result.layers] == list(range(len(planned)))
+
+
+def test_encoder_decoder_cross_attention_is_still_refused():
+    """The decoder of an encoder-decoder model holds self- and cross-attention on each layer: refused, as
+    for the decoder alone (``BartForCausalLM``, in the refusals above), not read from the decoder's
+    self-attention only."""
+    cfg = transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg).eval()
+    message = r"model\.decoder\.layers\.0\.self_attn and model\.decoder\.layers\.0\.encoder_attn are both attention layer 0"
+    for find in (attention_sites, find_kv_sites):
+        with pytest.raises(ValueError, match=message):
+            find(model)

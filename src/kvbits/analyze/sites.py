@@ -1,7 +1,11 @@
 """Where a transformers model's K/V come from, layer by layer: the one rule ``kvbits analyze``
 (:mod:`kvbits.analyze.collect`) and ``kvbits calibrate`` (:mod:`kvbits.calibrate.observers`) share.
 
-- **Sites**: every module with ``k_proj`` and ``v_proj`` submodules (Llama/Mistral/Qwen/Gemma-style
+- **Where**: the decoder whose K/V the cache holds, ``model.get_decoder()`` when that is a submodule of the
+  model (the language model of a vision-language model: the attention modules of a vision tower, such as
+  Gemma 3's SigLIP or LLaVA's CLIP, cache nothing; the decoder stack of an encoder-decoder model); else
+  the whole model.
+- **Sites**: every module there with ``k_proj`` and ``v_proj`` submodules (Llama/Mistral/Qwen/Gemma-style
   attention; fused QKV projections such as GPT-2's ``c_attn`` are not supported), or with ``k_proj``
   and ``v_proj = None`` (Gemma 4's global layers with ``attention_k_eq_v``: the values are the keys'
   projection, through ``v_norm``). Keys are read at
@@ -98,6 +102,26 @@ def _heads(name: str, attention: torch.nn.Module, layer_idx: int, config: Any) -
     return n_kv, head_dim
 
 
+def _decoder(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
+    """``(qualified name, module)`` of the decoder whose K/V the cache holds: ``model.get_decoder()`` (the
+    language model of a vision-language model such as ``Gemma3ForConditionalGeneration`` or Qwen2-VL, whose
+    vision tower's attention modules are not cached; the decoder stack of an encoder-decoder model), when
+    it is a submodule of ``model``; else ``("", model)``."""
+    get = getattr(model, "get_decoder", None)
+    if not callable(get):
+        return "", model
+    try:
+        decoder = get()
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return "", model
+    if not isinstance(decoder, torch.nn.Module) or decoder is model:
+        return "", model
+    for name, mod in model.named_modules():
+        if mod is decoder:
+            return name, decoder
+    return "", model
+
+
 def attention_sites(model: torch.nn.Module) -> list[KVSite]:
     """Every attention layer's K/V capture points, ordered by layer index (rules: the module docstring).
 
@@ -106,15 +130,17 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
             head dim or KV heads disagree with the config.
     """
     config = getattr(model, "config", None)
+    prefix, decoder = _decoder(model)
     found: list[tuple[str, torch.nn.Module, int]] = []
-    for name, mod in model.named_modules():
+    for name, mod in decoder.named_modules(prefix=prefix):
         if not isinstance(getattr(mod, "k_proj", None), torch.nn.Module) or _value_proj(mod) is None:
             continue
         idx = getattr(mod, "layer_idx", None)
         found.append((name or type(mod).__name__, mod, len(found) if idx is None else int(idx)))
     if not found:
+        where = f" (in its decoder {prefix})" if prefix else ""
         raise ValueError(
-            f"{type(model).__name__} has no attention module with separate k_proj and v_proj submodules; "
+            f"{type(model).__name__} has no attention module with separate k_proj and v_proj submodules{where}; "
             "models with fused QKV projections (GPT-2 c_attn, Phi-3 qkv_proj) are not supported"
         )
     seen: dict[int, str] = {}
