@@ -33,6 +33,7 @@ from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD, r
 from kvbits.analyze.sites import KVSite, attention_sites
 from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
 from kvbits.analyze.taps import KVTap, to_bhtd
+from kvbits.plan.config import warn_beyond_max_positions
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +225,6 @@ def analyze(
         raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
     if sample_tokens < block:
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
-    from kvbits.evaluate.models import warn_beyond_max_positions  # lazy: keeps kvbits.analyze light
-
     if getattr(model, "config", None) is not None:
         warn_beyond_max_positions(model.config, T)
     tables = _rotary_tables(model)

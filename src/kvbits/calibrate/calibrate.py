@@ -28,6 +28,7 @@ from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.fit import Progress, artifact_from_samples, check_calibratable
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
+from kvbits.plan.config import warn_beyond_max_positions
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -246,7 +247,6 @@ def collect_samples(
     The first ``sinks`` tokens of each window are not sampled; ``max_tokens`` bounds the samples
     per layer over all windows. Arguments as in ``calibrate``.
     """
-    from kvbits.evaluate.models import warn_beyond_max_positions
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
     t0 = time.perf_counter()

@@ -66,7 +66,6 @@ from kvbits.evaluate.metrics import (
     summarize,
     token_metrics,
 )
-from kvbits.evaluate.models import warn_beyond_max_positions
 from kvbits.evaluate.outputs import (
     _atomic_write,
     _check_out_dir,
@@ -88,6 +87,7 @@ from kvbits.evaluate.request import (
 )
 from kvbits.evaluate.simulate import simulate
 from kvbits.evaluate.stream import PeerScheme, base_model, resolve_scheme, stream_hidden
+from kvbits.plan.config import warn_beyond_max_positions
 from kvbits.schemes.accounting import average_bits
 from kvbits.schemes.spec import KVScheme
 
