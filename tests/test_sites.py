@@ -38,6 +38,19 @@ def described(sites):
     return [(s.layer_idx, s.num_kv_heads, s.head_dim) for s in sites]
 
 
+def planned(config) -> list[tuple[int, int, int]]:
+    """``(layer, H_kv, D)`` of every cached layer as the planner counts them."""
+    return [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(config).layers)]
+
+
+def captured_and_cached(model, sites) -> list[tuple]:
+    """``(site, (K, V) captured at the site, the model's own cache layer)`` after one 12-token forward."""
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with KVCapture(model, sites) as cap, torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        return [(s, cap.activations(s.layer_idx), out.past_key_values.layers[s.layer_idx]) for s in sites]
+
+
 ARCHITECTURES = {
     # Llama 3.2 style: head_dim 32 stated, not hidden_size / heads = 16
     "llama-gqa-explicit-head_dim": lambda: transformers.LlamaConfig(**BASE, head_dim=32),
@@ -58,31 +71,26 @@ def test_analyze_and_calibrate_read_the_heads_the_cache_stores(make):
     cfg = make()
     model = build(cfg)
     analyzed, calibrated = attention_sites(model), find_kv_sites(model)
-    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(cfg).layers)]
-    assert described(analyzed) == described(calibrated) == planned
+    plan = planned(cfg)
+    assert described(analyzed) == described(calibrated) == plan
     assert [s.key_module for s in analyzed] == [s.key_module for s in calibrated]
     cache = QuantizedKVCache(config=cfg)
-    assert {(cache.num_key_value_heads, cache.head_dim)} == {(kv, d) for _, kv, d in planned}
+    assert {(cache.num_key_value_heads, cache.head_dim)} == {(kv, d) for _, kv, d in plan}
     record = describe_model(cfg)
-    assert {(record["num_kv_heads"], record["head_dim"])} == {(kv, d) for _, kv, d in planned}
+    assert {(record["num_kv_heads"], record["head_dim"])} == {(kv, d) for _, kv, d in plan}
     # the captured tensors have the (B, H_kv, ., D) of what the cache stores (a sliding layer keeps fewer tokens)
-    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
-    with KVCapture(model, calibrated) as cap, torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        for s in calibrated:
-            stored = out.past_key_values.layers[s.layer_idx]
-            k, v = cap.activations(s.layer_idx)
-            for got, kept in ((k, stored.keys), (v, stored.values)):
-                assert (got.shape[:2], got.shape[3]) == (kept.shape[:2], kept.shape[3]) == ((1, s.num_kv_heads), s.head_dim)
+    for s, (k, v), stored in captured_and_cached(model, calibrated):
+        for got, kept in ((k, stored.keys), (v, stored.values)):
+            assert (got.shape[:2], got.shape[3]) == (kept.shape[:2], kept.shape[3]) == ((1, s.num_kv_heads), s.head_dim)
 
 
 def test_per_layer_head_dims_are_the_planners():
     """Gemma 4's global layers have a wider head (``global_head_dim``, in ``per_layer_config``)."""
     cfg = transformers.Gemma4TextConfig(**{**BASE, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32)
     model = build(cfg)
-    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(cfg).layers)]
-    assert described(attention_sites(model)) == described(find_kv_sites(model)) == planned
-    assert planned[-1] == (3, 2, 32) and planned[0] == (0, 2, 16)
+    plan = planned(cfg)
+    assert described(attention_sites(model)) == described(find_kv_sites(model)) == plan
+    assert plan[-1] == (3, 2, 32) and plan[0] == (0, 2, 16)
 
 
 def test_values_from_the_key_projection_are_a_site():
@@ -94,15 +102,12 @@ def test_values_from_the_key_projection_are_a_site():
         attention_k_eq_v=True, num_global_key_value_heads=1,
     )  # fmt: skip
     model = build(cfg)
-    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(cfg).layers)]
-    assert planned[-1] == (3, 1, 32) and model.model.layers[3].self_attn.v_proj is None
+    plan = planned(cfg)
+    assert plan[-1] == (3, 1, 32) and model.model.layers[3].self_attn.v_proj is None
     sites = find_kv_sites(model)
-    assert described(attention_sites(model)) == described(sites) == planned
-    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
-    with KVCapture(model, sites) as cap, torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        for s in sites:  # values are stored as captured (no RoPE on them)
-            torch.testing.assert_close(cap.activations(s.layer_idx)[1], out.past_key_values.layers[s.layer_idx].values)
+    assert described(attention_sites(model)) == described(sites) == plan
+    for _, (_, v), stored in captured_and_cached(model, sites):  # values are stored as captured (no RoPE)
+        torch.testing.assert_close(v, stored.values)
     result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8)
     assert [la.layer for la in result.layers] == [0, 1, 2, 3]
 
@@ -239,21 +244,16 @@ def test_vision_language_models_are_read_at_their_language_decoder(make):
     model, decoder = make()
     assert any("vision_tower" in n and hasattr(m, "k_proj") for n, m in model.named_modules())
     analyzed, calibrated = attention_sites(model), find_kv_sites(model)
-    planned = [(i, layer.kv_heads, layer.head_dim) for i, layer in enumerate(model_shape(model.config).layers)]
-    assert described(analyzed) == described(calibrated) == planned
-    assert len(planned) == model.config.get_text_config(decoder=True).num_hidden_layers
+    plan = planned(model.config)
+    assert described(analyzed) == described(calibrated) == plan
+    assert len(plan) == model.config.get_text_config(decoder=True).num_hidden_layers
     assert all(s.name == f"{decoder}.layers.{s.layer_idx}.self_attn" for s in analyzed)
-    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
-    with KVCapture(model, calibrated) as cap, torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        for s in calibrated:
-            stored = out.past_key_values.layers[s.layer_idx]
-            k, v = cap.activations(s.layer_idx)
-            assert (k.shape[:2], k.shape[3]) == (stored.keys.shape[:2], stored.keys.shape[3])
-            kept = stored.values.shape[2]  # a sliding layer keeps its window's last tokens
-            torch.testing.assert_close(v[:, :, -kept:], stored.values.float())
+    for _, (k, v), stored in captured_and_cached(model, calibrated):
+        assert (k.shape[:2], k.shape[3]) == (stored.keys.shape[:2], stored.keys.shape[3])
+        kept = stored.values.shape[2]  # a sliding layer keeps its window's last tokens
+        torch.testing.assert_close(v[:, :, -kept:], stored.values.float())
     result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8)
-    assert [la.layer for la in result.layers] == list(range(len(planned)))
+    assert [la.layer for la in result.layers] == list(range(len(plan)))
 
 
 def test_encoder_decoder_cross_attention_is_still_refused():
