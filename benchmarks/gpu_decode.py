@@ -11,7 +11,8 @@ GPU machine). Steps:
 1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
 2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
-   criterion: error <= 2x the error of plain torch at fp16); any failure aborts the run. (2b) the
+   criterion: error <= 2x the error of plain torch at fp16); a failure is recorded (``checks[].ok``,
+   ``check_failures``) and printed, and the run goes on. (2b) the
    quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
    flush one 128-token block.
 3. one decode step (``q (B, H_q, 1, D)``) for contexts 4K..128K and batch 1, 8, 32, with the KV shapes
@@ -58,7 +59,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the steps (gpu_bench/), prewarm.py: beside this file
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # the steps (gpu_bench/), prewarm.py: beside this file
 
 from gpu_bench.checks import check_and_time_quantize, check_variants
 from gpu_bench.common import (
@@ -104,7 +107,9 @@ def _prewarm(device: torch.device, timeout_s: float) -> dict:
     the timed steps find them in Triton's cache instead of compiling one by one inside the time budget."""
     major, minor = torch.cuda.get_device_capability(device)
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count  # _num_splits' target
-    print(f"(0) compiling the kernels for sm_{major}{minor} on all CPU cores (prewarm.py, at most {timeout_s:.0f} s)")
+    print(
+        f"(0) compiling the kernels for sm_{major}{minor} on all CPU cores (prewarm.py, at most {timeout_s:.0f} s)"
+    )
     try:
         from prewarm import prewarm
 
@@ -183,7 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda"
         else platform.processor() or "cpu",
     }
-    if device.type == "cuda":  # the limits benchmarks/kernel_resources.py assumed for sm_90 (kvbits.kernels.aot)
+    if (
+        device.type == "cuda"
+    ):  # the limits benchmarks/kernel_resources.py assumed for sm_90 (kvbits.kernels.aot)
         props = torch.cuda.get_device_properties(device)
         env["capability"] = f"sm_{props.major}{props.minor}"
         for key in ("multi_processor_count", "shared_memory_per_block_optin", "shared_memory_per_multiprocessor",
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "prewarm": None,
         "checks": [],
+        "check_failures": [],
         "quantize": [],
         "records": [],
         "skipped": [],
@@ -235,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     if run_check and args.e2e != "only":
         print("(2) correctness vs float64")
         check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
-        save(checks=check_variants(check_cfg, _decoder(check_cfg)))
+        checks = check_variants(check_cfg, _decoder(check_cfg))
+        save(checks=checks, check_failures=[f"{c['variant']} on {c['shape']}" for c in checks if not c["ok"]])
         print("(2b) quantize-and-pack kernel vs kvbits.quant.quantize (bit for bit), flush time")
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
         save(quantize=check_and_time_quantize(cfg, flush))
@@ -243,7 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
         decode = _decoder(cfg)
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
         records = sweep(
-            cfg, decode, copy_gbps, lambda rows: save(records=rows, break_even=break_even(rows)), result["skipped"]
+            cfg,
+            decode,
+            copy_gbps,
+            lambda rows: save(records=rows, break_even=break_even(rows)),
+            result["skipped"],
         )
         if kernel == "triton":
             print("(3b) kernel launch parameters (block_t x num_warps), while the sweep's time lasts")

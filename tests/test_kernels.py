@@ -331,7 +331,9 @@ def test_forced_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
     store = make_store(g, T_q=64, T_f=16, device="cpu")
     q = torch.randn(2, 6, 1, 64, generator=g)
     x = torch.randn(1, 2, 32, 64, generator=g)
-    with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1.*got the query on cpu.*KVBITS_KERNEL=reference"):
+    with pytest.raises(
+        ValueError, match=r"TRITON_INTERPRET=1.*got the query on cpu.*KVBITS_KERNEL=reference"
+    ):
         dispatch.decode_attention(q, store)
     with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1.*got a K/V block on cpu"):
         qmod.quantize_pack(x, KIVI4_VALUES)
@@ -611,6 +613,64 @@ def test_kernel_pre_rope_nuq_keys_with_outliers():
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "D,kw,launch,want",
+    [
+        # (head dim, make_store kwargs, decode kwargs, (BLOCK_T, VEC_K, VEC_V) launched or an error)
+        (
+            128,
+            {
+                "key_spec": nuq(4, "channel", 32, outlier_frac=0.01),
+                "value_spec": nuq(4, "token", outlier_frac=0.01),
+            },
+            {},
+            (32, True, True),
+        ),  # kvquant-4-block at Llama's D: whole rows need 32-token tiles
+        (128, {}, {}, (32, True, True)),  # kivi-4: the default tile already holds 32 tokens
+        (256, {}, {}, (16, False, False)),  # 32-token rows would pass the tile budget: gather at 16
+        (128, {"key_spec": spec(3, "channel", 32)}, {}, (16, False, False)),  # a gather side: gather both
+        (
+            64,
+            {"key_spec": spec(3, "channel", 32)},
+            {},
+            (32, False, True),
+        ),  # 32-token tiles: rows where they can
+        (128, {}, {"block_t": 16}, (16, False, False)),  # a 16-token tile asked for: the gather path
+        (128, {}, {"block_t": 16, "vectorized": True}, ValueError),
+    ],
+    ids=["kvquant-d128", "kivi-d128", "kivi-d256", "mixed-3bit-d128", "mixed-3bit-d64", "bt16", "bt16-rows"],
+)
+def test_whole_row_path_never_runs_16_token_tiles(monkeypatch, D: int, kw: dict, launch: dict, want):
+    """The whole-row path at 16-token tiles gave wrong attention on an H200 (max error ~4 against
+    float64 on every store at D = 128; the interpreter gets it right, so only the rule is testable here):
+    the launch must use 32-token tiles or the gather path instead (``MIN_VEC_BLOCK_T``)."""
+    seen: list[dict] = []
+    kernel = triton_decode._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch_(*args, **meta):
+                seen.append(meta)
+                return kernel[grid](*args, **meta)
+
+            return launch_
+
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    g = torch.Generator().manual_seed(D)
+    store = make_store(g, B=1, H_kv=1, D=D, T_q=64, T_f=8, quant_lens=[64], full_lens=[8], **kw)
+    q = torch.randn(1, 2, 1, D, generator=g).to(DEVICE).half()
+    if want is ValueError:
+        with pytest.raises(ValueError, match="block_t >= 32"):
+            triton_decode.decode_attention_triton(q, store, **launch)
+        return
+    out = triton_decode.decode_attention_triton(q, store, **launch)
+    assert [(m["BLOCK_T"], m["VEC_K"], m["VEC_V"]) for m in seen] == [want]
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6
+
+
 # --------------------------------------------------------------------------------------------------
 # The GPU benchmark script runs (tiny sizes, CPU: reference timings + interpreter checks)
 # --------------------------------------------------------------------------------------------------
@@ -722,10 +782,14 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     for (cache, scheme), row in e2e.items():
         if cache.startswith("kvbits"):
             assert row["planned_bytes"] == row["cache_bytes"] + row["rope_table_bytes"]
-            assert row["resident_bytes"] is None and row["extra_bytes"] == (offsets if scheme == "kvquant-4-block" else 0)
+            assert row["resident_bytes"] is None and row["extra_bytes"] == (
+                offsets if scheme == "kvquant-4-block" else 0
+            )
     assert e2e[("kvbits-fused", "kvquant-4-block")]["rope_table_bytes"] > 0  # pre-RoPE keys
     assert e2e[("kvbits-fused", "int8-token")]["rope_table_bytes"] == 0
-    assert fp16["planned_bytes"] * 2 == fp16["cache_bytes"]  # plan's fp16 is 2 bytes; the CPU model is float32
+    assert (
+        fp16["planned_bytes"] * 2 == fp16["cache_bytes"]
+    )  # plan's fp16 is 2 bytes; the CPU model is float32
     assert data["complete"] and data["skipped"] == [] and data["budget_s"] == 290
 
 
@@ -754,13 +818,17 @@ def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     bench.main(["--smoke", "--device", "cpu", "--check", "no", "--budget-s", "0", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["complete"] and data["records"] == [] and data["copy_gbps"] > 0
-    assert len(data["skipped"]) == 2 * 2 and {s["reason"] for s in data["skipped"]} == {"time budget (--budget-s)"}
+    assert len(data["skipped"]) == 2 * 2 and {s["reason"] for s in data["skipped"]} == {
+        "time budget (--budget-s)"
+    }
     assert data["e2e"] and all(r["skipped"] == "time budget (--budget-s)" for r in data["e2e"])
 
     calls = []
     real_sweep = bench.sweep
 
-    def killed(cfg, decode, copy_gbps, progress, skipped):  # dies in the sweep after its first combo was saved
+    def killed(
+        cfg, decode, copy_gbps, progress, skipped
+    ):  # dies in the sweep after its first combo was saved
         real_sweep(cfg, decode, copy_gbps, lambda rows: (progress(rows), calls.append(1), 1 / 0), skipped)
 
     bench.sweep = killed
@@ -795,7 +863,9 @@ def test_gpu_benchmark_records_launches_that_do_not_start():
     assert all(r["error"].startswith("RuntimeError: out of resource") for r in records if "error" in r)
     assert {b["scheme"] for b in bench.break_even(records)} & failed == set()
     assert {"int4", "int8", "fp16"} <= {r["scheme"] for r in records if "ms" in r}
-    assert "did not launch: RuntimeError: out of resource" in bench.markdown(records, bench.break_even(records), 10.0)
+    assert "did not launch: RuntimeError: out of resource" in bench.markdown(
+        records, bench.break_even(records), 10.0
+    )
 
 
 def test_gpu_benchmark_tune_grid_starts_at_the_defaults():

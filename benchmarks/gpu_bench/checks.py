@@ -29,8 +29,9 @@ def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
 
 
 def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | None = None) -> list[dict]:
-    """Each kernel variant vs float64 on this device, at the KV shapes named (default all of ``SHAPES``);
-    raises ``SystemExit`` on the first failure."""
+    """Each kernel variant vs float64 on this device, at the KV shapes named (default all of ``SHAPES``):
+    a row per (shape, variant) with ``ok``. A failure is printed and recorded, not raised: one wrong variant
+    (the H200's first run, 2026-11-30) used to abort the run and lose every other kernel's figures."""
     if decode is None:
         return []
     dev = cfg.device
@@ -121,7 +122,9 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 out = decode(qh, store, **kw)
                 sync(dev)
             except Exception as exc:  # noqa: BLE001 - a launch the device refuses: recorded, the sweep records it too
-                results.append({"variant": name, "shape": shape_name, "error": launch_error(exc), "ok": False})
+                results.append(
+                    {"variant": name, "shape": shape_name, "error": launch_error(exc), "ok": False}
+                )
                 print(f"  check {shape_name:13s} {name:18s} did not launch: {results[-1]['error']}")
                 continue
             err = (out.double() - truth).abs().max().item()
@@ -133,11 +136,9 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
                 f"{'ok' if ok else 'FAIL'}"
             )
-            if not ok:
-                raise SystemExit(
-                    f"CORRECTNESS FAILURE: {name} on {shape_name}: kernel error {err:.3g} > 2 x torch fp16 "
-                    f"error {err_pt:.3g}. Timings would be meaningless; aborting."
-                )
+    failed = [f"{r['variant']} on {r['shape']}" for r in results if not r["ok"]]
+    if failed:  # recorded (``checks[].ok``); the run goes on so that the other kernels' figures are not lost
+        print(f"CORRECTNESS FAILURE: {', '.join(failed)}. Timings of those paths measure a wrong kernel.")
     return results
 
 

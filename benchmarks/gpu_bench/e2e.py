@@ -184,7 +184,9 @@ def end_to_end(
             mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
                    "rope_table_bytes": None}  # fmt: skip
             if name == "dynamic-fp16" or isinstance(cache, QuantizedKVCache):
-                mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + warmup + tokens, how is True)
+                mem["planned_bytes"] = _planned_bytes(
+                    model, scheme, batch, context + warmup + tokens, how is True
+                )
                 if base is not None:
                     mem["resident_bytes"] = _allocated(cfg) - base
                     mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base

@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 _VEC_BROKEN: set[tuple] = set()  # kernel configurations whose vectorised variant did not compile
 TRITON_BITS = (2, 3, 4, 8)
+# The whole-row path (``_load_rows``, then ``tl.trans``) needs tiles of 32 tokens at least: on an H200
+# (Triton 3.6, sm_90) every 16-token launch of it at D = 128 returned wrong attention (max error 3.8-4.6
+# against float64, whatever the codes, outliers, RoPE, warps, stages or splits), while the gather path at
+# 16 tokens and the whole-row path at 32 and 64 matched the reference (``benchmarks/kernel_diag.py``,
+# BENCHMARKS.md §6). The Triton interpreter on CPU computes the 16-token variant correctly.
+MIN_VEC_BLOCK_T = 32
 KIND_CODES = {("int", None): 0, ("nuq", None): 1, ("fp8", "e4m3"): 2, ("fp8", "e5m2"): 3}  # K_KIND / V_KIND
 
 
@@ -377,7 +383,9 @@ def _reduce_kernel(M, L, ACC, OUT, n_split, BLOCK_S: tl.constexpr, D: tl.constex
     m_max = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), 0)
     for s0 in range(0, n_split, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
-        m_max = tl.maximum(m_max, tl.max(tl.load(M + row * n_split + offs, mask=offs < n_split, other=-1.0e30), 0))
+        m_max = tl.maximum(
+            m_max, tl.max(tl.load(M + row * n_split + offs, mask=offs < n_split, other=-1.0e30), 0)
+        )
     offs_d = tl.arange(0, D)
     num = tl.zeros([D], tl.float32)
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
@@ -525,7 +533,10 @@ def decode_attention_triton(
         vectorized: read whole packed rows and unpack with ``tl.interleave`` (``_load_rows``) where the
             format allows (2/4/8-bit codes; pre-RoPE keys rotated in registers), instead of one gather per element
             (``_load_kv``). Default: yes, falling back to the gather path if that variant fails to
-            compile on this Triton/GPU.
+            compile on this Triton/GPU; and on tiles of fewer than ``MIN_VEC_BLOCK_T``
+            tokens, which it computes wrongly on sm_90 (``True`` with such a ``block_t`` is refused).
+            Unless ``block_t`` is given, a side the whole-row path can read gets 32-token tiles at
+            D <= 128 and the gather path at D = 256.
     """
     reason = supported(store, q)
     if reason:
@@ -541,9 +552,24 @@ def decode_attention_triton(
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
 
     sides = [p for p in (store.key, store.value) if p is not None]
+    ieee = q.dtype == torch.float32
     heavy = vectorized is False or any(not vec_ok(p) or p.n_outliers for p in sides)
-    defaults = launch_defaults(D, per_element=heavy, ieee=q.dtype == torch.float32)
-    block_t = defaults["block_t"] if block_t is None else block_t
+    defaults = launch_defaults(D, per_element=heavy, ieee=ieee)
+    if block_t is None:
+        block_t = defaults["block_t"]
+        if vectorized is not False and any(vec_ok(p) for p in sides) and block_t < MIN_VEC_BLOCK_T:
+            if all(vec_ok(p) for p in sides) and MIN_VEC_BLOCK_T * D <= TILE_ELEMENTS and not ieee:
+                block_t = MIN_VEC_BLOCK_T  # D <= 128: whole rows in 32-token tiles
+            elif vectorized is None:  # 32-token tiles would pass launch_defaults' budget: gather at 16
+                vectorized = False
+                defaults = launch_defaults(D, per_element=True, ieee=ieee)
+    if block_t < MIN_VEC_BLOCK_T:
+        if vectorized:
+            raise ValueError(
+                f"the whole-row (vectorized) path needs block_t >= {MIN_VEC_BLOCK_T}, got {block_t} "
+                "(16-token tiles of it give wrong results on sm_90; see MIN_VEC_BLOCK_T)"
+            )
+        vectorized = False
     num_warps = defaults["num_warps"] if num_warps is None else num_warps
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
