@@ -8,6 +8,7 @@
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
 # short keeps its figures), gpu_decode.log, cuda_tests.log, device.txt (nvidia-smi, versions, COMMIT).
+# GPU_DECODE_ARGS (e.g. "--budget-s 250") is passed to gpu_decode.py.
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
 # pytest is importable there, else cuda_tests.log says so.
 set -u
@@ -26,7 +27,7 @@ export PYTHONPATH=src
 } > "$OUT/device.txt"
 cat "$OUT/device.txt"
 
-timeout 360 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log"
+timeout 360 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" ${GPU_DECODE_ARGS:-} 2>&1 | tee "$OUT/gpu_decode.log"
 echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
