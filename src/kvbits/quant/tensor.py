@@ -16,6 +16,7 @@ from kvbits.quant.affine import (
     _round_up_fp16,
     choose_qparams,
     dequantize_affine,
+    div_rn,
     quantize_affine,
 )
 from kvbits.quant.checks import check_kv
@@ -207,7 +208,7 @@ def quantize(
             # Round the float16 scale *up* (as affine scales are): rounding to nearest could land
             # below amax / fp8_max, so the row maximum saturated and was counted in `clipped`, and a
             # tiny amax (e5m2: below ~3e-3) underflowed to scale 0 and decoded the row to zeros.
-            scale = _round_up_fp16(amax / fp8_max(spec.fmt))
+            scale = _round_up_fp16(div_rn(amax, fp8_max(spec.fmt)))
         codes, clipped = quantize_fp8(x, scale, spec.fmt)
         if mask is not None:
             clipped = clipped & ~mask
