@@ -177,7 +177,7 @@ def collect(arch: str, quick: bool) -> dict:
                     for launch in ({}, {"vectorized": False}) if sch[0] == "int" else ({},):
                         rows += decode_rows("sweep", label, shape_name, store, arch, **launch)
                     if name == "int4":
-                        for block_t, warps, stages in sweep.tune_grid(shp["D"]):
+                        for block_t, warps, stages in sweep.tune_launches(shp["D"]):
                             rows += decode_rows("tune", label, shape_name, store, arch, block_t=block_t,
                                                 num_warps=warps, num_stages=stages)  # fmt: skip
     quick_specs = ["int4-token-g32", "nuq3-channel-g128-outl"]  # per-token; NUQ, 3-bit, outliers, per-channel

@@ -57,7 +57,7 @@ def jobs(tune: bool = True) -> list[Job]:
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
     if tune:
         for shape in common.SHAPES:
-            for block_t, warps, stages in sweep.tune_grid(common.SHAPES[shape]["D"]):
+            for block_t, warps, stages in sweep.tune_launches(common.SHAPES[shape]["D"]):
                 out += [("tune", shape, rope, block_t, warps, stages) for rope in (False, True)]
     return out
 
@@ -155,7 +155,7 @@ def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int
         use_fused_decode(model)
         cache = e2e.kvbits_cache(model, scheme, fused=True, checks="lazy")
         ids = torch.zeros(batch, context, dtype=torch.long)
-        e2e.decode_run(cfg, model, cache, ids, tokens, warmup)
+        e2e.decode_run(cfg, model, cache, ids, tokens, warmup, profile=False)
     finally:
         td._num_splits = num_splits
         AttentionInterface._global_mapping["sdpa"] = sdpa

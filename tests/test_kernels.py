@@ -770,8 +770,16 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     assert fp16["tokens_per_s"] > 0 and fp16["context"] == 256
     for scheme in ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token"):
         row = e2e[("kvbits-fused", scheme)]
-        assert row["tokens_per_s"] > 0 and row["note"] == "10 fused steps"  # (1 warm-up + 4) x 2 layers
+        # (1 warm-up + 4 timed + 1 profiled) x 2 layers
+        assert row["tokens_per_s"] > 0 and row["note"] == "12 fused steps"
         assert row["cache_bytes"] < fp16["cache_bytes"]
+        # the profiled step says where its time went (CPU operators here; kernels on CUDA)
+        prof = row["profile"]
+        assert prof["wall_ms"] > 0 and prof["device_ms"] is None and len(prof["top"]) == 10
+        assert all(t["calls"] >= 1 and t["self_ms"] >= 0 for t in prof["top"])
+        assert [t["self_ms"] for t in prof["top"]] == sorted(
+            (t["self_ms"] for t in prof["top"]), reverse=True
+        )
     assert e2e[("kvbits-dequant-sdpa", "kivi-4")]["note"].startswith("0 fused steps")
     # the planner agrees with what each cache stores (GPU-held bytes are measured on CUDA only)
     # (fused pre-RoPE keys: their float32 RoPE tables too, which memory_report() leaves out)
@@ -875,14 +883,20 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     from kvbits.kernels import triton_decode as td
 
     _load_bench()  # puts benchmarks/ on the path
-    from gpu_bench.sweep import tune_grid
+    from gpu_bench.sweep import TUNE_PROGRAMS_PER_SM, tune_grid, tune_launches
 
     for D in (64, 128):
         grid = tune_grid(D)
         d = td.launch_defaults(D)
-        assert grid[0] == (d["block_t"], d["num_warps"], d["num_stages"])
-        dist = [sum(x != y for x, y in zip(c, grid[0], strict=True)) for c in grid]
-        assert dist == sorted(dist) and len(set(grid)) == len(grid) == 3 * 2 * 3
+        default = (d["block_t"], d["num_warps"], d["num_stages"])
+        n_splits = len(TUNE_PROGRAMS_PER_SM)
+        # the default, then the default at other split counts, then the rest nearest first
+        assert grid[: 1 + n_splits] == [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM]
+        rest = [c[:3] for c in grid[1 + n_splits :]]
+        assert all(c[3] is None for c in grid[1 + n_splits :])
+        dist = [sum(x != y for x, y in zip(c, default, strict=True)) for c in rest]
+        assert dist == sorted(dist) and 0 not in dist and len(set(rest)) == len(rest) == 3 * 2 * 3 - 1
+        assert tune_launches(D) == [default] + rest
     assert td.launch_defaults(64)["block_t"] == 64 and td.launch_defaults(128)["block_t"] == 32
 
 
@@ -902,10 +916,25 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
     monkeypatch.setattr(sweep, "SHAPES", {"qwen2.5-0.5b": sweep.SHAPES["qwen2.5-0.5b"]})
     cfg = bench.Config(device=torch.device("cpu"), contexts=[512], batches=[1], reps=1, warmup=0,
                        max_bytes=1e9, smoke=True, kernel="triton")  # fmt: skip
+    monkeypatch.setattr(sweep, "TUNE_PROGRAMS_PER_SM", (8,))
     rows = bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0)
-    assert [(r["scheme"], r["block_t"], r["num_warps"], r["num_stages"]) for r in rows] == [
-        ("int4", 32, 4, 2), ("int4-prerope", 32, 4, 2)]  # fmt: skip
+    assert [(r["scheme"], r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"]) for r in rows] == [
+        ("int4", 64, 4, 2, None), ("int4-prerope", 64, 4, 2, None), ("int4", 64, 4, 2, 8),
+        ("int4-prerope", 64, 4, 2, 8)]  # fmt: skip
     assert all(r["ms"] > 0 and r["context"] == 512 for r in rows)
+    # each launch's output is compared with the default launch's: equal here, a number a wrong launch would show
+    assert all(r["max_diff_vs_default"] == 0.0 for r in rows[:2]) and all(
+        r["max_diff_vs_default"] < 1e-2 for r in rows
+    )
+
+    def wrong(
+        q, store, **kw
+    ):  # a launch that computes something else (as the 16-token tiles did on the H200)
+        out = bench._decoder(cfg)(q, store, **kw)
+        return out + 1 if kw.get("target_programs") else out
+
+    rows = bench.tune(cfg, wrong, copy_gbps=10.0)
+    assert [r["max_diff_vs_default"] >= 1 for r in rows] == [False, False, True, True]
 
     def refuse(q, store, **kw):  # what Triton raises when a launch needs more shared memory than a block gets
         if store.pre_rope:

@@ -55,8 +55,11 @@ def _hf_cache(config, backend: str, nbits: int | None):
 
 
 @torch.no_grad()
-def decode_run(cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int) -> dict:
-    """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps."""
+def decode_run(
+    cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int, profile: bool = True
+) -> dict:
+    """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps; ``profile``: one
+    more step under ``torch.profiler`` (``profile_step``). ``steps``: the decode steps taken in all."""
     import inspect
 
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -73,8 +76,46 @@ def decode_run(cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup
     sync(cfg.device)
     seconds = time.perf_counter() - t0
     B = ids.shape[0]
-    return {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
-            "tokens": torch.cat(generated, 1)[:, warmup:].cpu()}  # fmt: skip
+    out = {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
+           "tokens": torch.cat(generated, 1)[:, warmup:].cpu(), "steps": warmup + tokens}  # fmt: skip
+    if profile:
+        out["profile"] = profile_step(
+            cfg, lambda: model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
+        )
+        out["steps"] += 1
+    return out
+
+
+def profile_step(cfg: Config, step: Callable[[], object], top: int = 10) -> dict:
+    """One decode ``step()`` under ``torch.profiler``, after the timed ones: where its time goes.
+
+    Returns ``wall_ms`` (the step, profiler overhead included), ``device_ms`` (the sum of the kernels' own
+    time on CUDA, ``None`` elsewhere) and ``top``: the ``top`` operators by self time on the device (CUDA)
+    or on the CPU, each ``{name, calls, self_ms}``. The first H200 run found 27-62 ms per step where its
+    sweep puts attention at <= 2.4 ms: a device total far below the wall time means the step waits on the
+    host (Python, launches, synchronisations), not on the GPU.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = cfg.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(cfg.device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync(cfg.device)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def self_us(e) -> float:
+        if cuda:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+        return float(e.self_cpu_time_total)
+
+    ranked = sorted(events, key=self_us, reverse=True)[:top]
+    device_ms = round(sum(self_us(e) for e in events) / 1e3, 3) if cuda else None
+    return {"wall_ms": round(1e3 * wall, 3), "device_ms": device_ms,
+            "top": [{"name": e.key[:80], "calls": e.count, "self_ms": round(self_us(e) / 1e3, 4)} for e in ranked]}  # fmt: skip
 
 
 def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto"):
@@ -184,9 +225,7 @@ def end_to_end(
             mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
                    "rope_table_bytes": None}  # fmt: skip
             if name == "dynamic-fp16" or isinstance(cache, QuantizedKVCache):
-                mem["planned_bytes"] = _planned_bytes(
-                    model, scheme, batch, context + warmup + tokens, how is True
-                )
+                mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + r["steps"], how is True)
                 if base is not None:
                     mem["resident_bytes"] = _allocated(cfg) - base
                     mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
@@ -198,7 +237,7 @@ def end_to_end(
                 # the float32 RoPE tables of fused pre-RoPE keys are held apart from memory_report() but planned
                 mem["extra_bytes"] = report["position_bytes"] + report["workspace_bytes"]
                 mem["rope_table_bytes"] = fr["rope_table_bytes"]
-                want = (warmup + tokens) * n_layers if how else 0
+                want = r["steps"] * n_layers if how else 0
                 if fr["fused_steps"] != want or fr["fallback_steps"]:
                     raise SystemExit(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
                                      f"(want {want}), {fr['fallback_steps']} fallbacks: {fr['layers']}")  # fmt: skip
@@ -215,7 +254,7 @@ def end_to_end(
             row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
                    "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"],
                    "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
-                   "cache_bytes": bytes_, **mem, "note": note}  # fmt: skip
+                   "cache_bytes": bytes_, **mem, "note": note, "profile": r.get("profile")}  # fmt: skip
             rows.append(row)
             if mem["resident_bytes"] is not None:
                 print(f"  e2e {name:20s} cache on the GPU: {mem['resident_bytes'] / 2**20:.1f} MiB held, "
@@ -224,6 +263,10 @@ def end_to_end(
                       f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
             print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
                   f"({r['ms_per_step']:.2f} ms/step) {note or ''}")  # fmt: skip
+            if r.get("profile"):
+                pr = r["profile"]
+                print(f"      profiled step: {pr['wall_ms']:.2f} ms wall, device {pr['device_ms']} ms; top: "
+                      + ", ".join(f"{t['name']} {t['self_ms']:.3f} ms x{t['calls']}" for t in pr["top"][:5]))  # fmt: skip
             del cache
             if cfg.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -174,17 +174,26 @@ def sweep(
 TUNE_BLOCK_T = (32, 64, 128)  # tokens per inner tile (decode_attention_triton's block_t)
 TUNE_WARPS = (4, 8)  # num_warps
 TUNE_STAGES = (1, 2, 3)  # num_stages: software-pipelining depth of the tile loop
+TUNE_PROGRAMS_PER_SM = (8, 32)  # split counts beyond the default 2 programs per SM (decode's target_programs)
 
 
-def tune_grid(D: int) -> list[tuple[int, int, int]]:
-    """``(block_t, num_warps, num_stages)`` to time at head dim ``D``: the default launch first
-    (``launch_defaults``), then by how many of the three differ from it (a run cut short keeps the nearest)."""
+def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
+    """``(block_t, num_warps, num_stages, programs_per_sm)`` to time at head dim ``D``: the default launch
+    first (``launch_defaults``; ``None``: the default split count, 2 programs per SM), then the default
+    with other split counts (``TUNE_PROGRAMS_PER_SM``: the H200 run found the kernel latency-bound), then
+    by how many of the three launch parameters differ from it (a run cut short keeps the nearest)."""
     from kvbits.kernels.triton_decode import launch_defaults
 
     d = launch_defaults(D)
     default = (d["block_t"], d["num_warps"], d["num_stages"])
-    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_WARPS for s in TUNE_STAGES]
-    return sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_WARPS for s in TUNE_STAGES if (b, w, s) != default]
+    grid = sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
+
+
+def tune_launches(D: int) -> list[tuple[int, int, int]]:
+    """The distinct compiled launches of ``tune_grid(D)`` (split counts compile nothing new), in its order."""
+    return list(dict.fromkeys(c[:3] for c in tune_grid(D)))
 
 
 def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
@@ -192,7 +201,8 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
     """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
     (``tune_grid``) for int4 and int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, round
     robin so that a run cut short has the nearest neighbours of every default. Rows: shape, batch, context,
-    scheme, block_t, num_warps, num_stages, ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy
+    scheme, block_t, num_warps, num_stages, programs_per_sm, max_diff_vs_default (the largest gap from the
+    default launch's output on the same inputs), ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy
     (``error`` instead for a launch that did not start)."""
     if cfg.kernel != "triton":
         return []
@@ -208,6 +218,7 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
             store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
             grid = tune_grid(shp["D"])[:2] if cfg.smoke else tune_grid(shp["D"])
             cases.append((shape_name, scheme, q, store, grid))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     rows: list[dict] = []
     for i in range(max(len(c[4]) for c in cases)):
         for shape_name, scheme, q, store, grid in cases:
@@ -215,14 +226,18 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
                 continue
             if out_of_time(cfg):
                 return rows
-            block_t, warps, stages = grid[i]
+            block_t, warps, stages, per_sm = grid[i]
             row = {"shape": shape_name, "batch": batch, "context": context, "scheme": scheme,
-                   "block_t": block_t, "num_warps": warps, "num_stages": stages}  # fmt: skip
-            run = lambda q=q, st=store, bt=block_t, nw=warps, ns=stages: decode(
-                q, st, block_t=bt, num_warps=nw, num_stages=ns
-            )
+                   "block_t": block_t, "num_warps": warps, "num_stages": stages, "programs_per_sm": per_sm}  # fmt: skip
+            launch = {"block_t": block_t, "num_warps": warps, "num_stages": stages}
+            if per_sm is not None:
+                launch["target_programs"] = per_sm * sms
+            run = lambda q=q, st=store, kw=launch: decode(q, st, **kw)
             spread: dict = {}
             try:
+                # every launch's output against the default launch's (which step 2 checked against float64):
+                # a launch that computes something else (the 16-token miscompile of the first H200 run) shows
+                row["max_diff_vs_default"] = float((run().float() - decode(q, store).float()).abs().max())
                 ms, _ = time_ms(run, cfg, flush, spread=spread)
             except Exception as exc:  # noqa: BLE001 - a launch the GPU refuses is a result, not the end of the run
                 row["error"] = launch_error(exc)
