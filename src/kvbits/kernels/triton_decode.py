@@ -477,15 +477,19 @@ DEFAULT_STAGES = 2
 def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> dict[str, int]:
     """``block_t``, ``num_warps``, ``num_stages`` of a decode launch at head dim ``D``.
 
-    Chosen from the compiled kernels' resources (``benchmarks/kernel_resources.py``, BENCHMARKS.md §6), not
-    from timings, which no GPU has given yet:
+    Chosen from the compiled kernels' resources (``benchmarks/kernel_resources.py``, BENCHMARKS.md §6) before
+    any GPU timing; the H200's step 3b (2026-11-30, 32K, batch 8) then found them the fastest launch timed
+    for pre-RoPE int4 at both head dims and within 5 % for int4 at D = 64, while int4 at D = 128 ran
+    1.39x faster with 64-token tiles (not adopted: that launch's output was not checked on the device):
 
     - tiles of 4096 elements (64 tokens at D = 64, 32 at 128, 16 at 256), 2048 where a side is read per
       element (``per_element``: 3-bit codes, the gather path, sparse outliers, each a pass over the tile)
       or the queries are float32 (``ieee``: exact products on the CUDA cores, held in registers);
     - 4 warps; 8 for float32 queries and where the 16-token minimum tile exceeds the budget (per-element
       reads at D = 256); 16 warps would cap registers at 64 per thread and spill;
-    - a 2-deep software pipeline.
+    - a 2-deep software pipeline;
+    - ``decode_attention_triton`` then keeps the whole-row path at 32 tokens or more (``MIN_VEC_BLOCK_T``):
+      32-token tiles where these defaults give 16 at D <= 128 (sparse outliers), the gather path at D = 256.
 
     On sm_90 every preset at D = 64, 128 and 256 then compiles without register spills (float16 / bfloat16
     queries; float32 ones still spill 150-200 bytes per thread at D = 256) and keeps 8-20 warps resident
