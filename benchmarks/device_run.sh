@@ -8,6 +8,7 @@
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
 # short keeps its figures), gpu_decode.log, cuda_tests.log, device.txt (nvidia-smi, versions, COMMIT).
+# With .whl/ carried (benchmarks/device_wheels.sh), its wheels are installed first (optimum-quanto).
 # GPU_DECODE_ARGS (e.g. "--budget-s 250") is passed to gpu_decode.py.
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
 # pytest is importable there, else cuda_tests.log says so.
@@ -17,6 +18,10 @@ OUT=${OUT:-benchmarks/results}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 mkdir -p "$OUT"
 export PYTHONPATH=src
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (benchmarks/device_wheels.sh): step 6's quanto peer
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=src:/tmp/site
+fi
 {
     echo "commit: ${1:-unknown}"
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
