@@ -79,18 +79,16 @@ def measure(scheme: str, context: int, steps: int, batch: int) -> dict:
         k = torch.randn(batch, H, context, D, generator=gen).half()
         cache.update(k, k.clone(), layer)
         if not fused.claim(cache.layers[layer], torch.zeros(batch, SHAPE["num_attention_heads"], 1, D)):
-            raise SystemExit(
-                f"{scheme}: layer {layer} not claimed for fused decode: {cache.layers[layer].fused}"
-            )
+            raise SystemExit(f"{scheme}: layer {layer} not claimed for fused decode: {cache.layers[layer].fused}")
     for _ in range(steps):
         for layer in range(n_layers):
             k = torch.randn(batch, H, 1, D, generator=gen).half()
             cache.update(k, k.clone(), layer)
     tokens = context + steps
     planned = plan(config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=2)["total_bytes"]
-    planned_fused = plan(
-        config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=2, fused_decode=True
-    )["total_bytes"]
+    planned_fused = plan(config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=2, fused_decode=True)[
+        "total_bytes"
+    ]
     for layer in cache.layers:
         fused.packed_store(layer)  # what the kernel reads next step (builds the RoPE tables of pre-RoPE keys)
     report = cache.memory_report()

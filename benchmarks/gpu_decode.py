@@ -59,9 +59,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # the steps (gpu_bench/), prewarm.py: beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the steps (gpu_bench/), prewarm.py: beside this file
 
 from gpu_bench.checks import check_and_time_quantize, check_variants
 from gpu_bench.common import (
@@ -107,9 +105,7 @@ def _prewarm(device: torch.device, timeout_s: float) -> dict:
     the timed steps find them in Triton's cache instead of compiling one by one inside the time budget."""
     major, minor = torch.cuda.get_device_capability(device)
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count  # _num_splits' target
-    print(
-        f"(0) compiling the kernels for sm_{major}{minor} on all CPU cores (prewarm.py, at most {timeout_s:.0f} s)"
-    )
+    print(f"(0) compiling the kernels for sm_{major}{minor} on all CPU cores (prewarm.py, at most {timeout_s:.0f} s)")
     try:
         from prewarm import prewarm
 
@@ -188,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda"
         else platform.processor() or "cpu",
     }
-    if (
-        device.type == "cuda"
-    ):  # the limits benchmarks/kernel_resources.py assumed for sm_90 (kvbits.kernels.aot)
+    if device.type == "cuda":  # the limits benchmarks/kernel_resources.py assumed for sm_90 (kvbits.kernels.aot)
         props = torch.cuda.get_device_properties(device)
         env["capability"] = f"sm_{props.major}{props.minor}"
         for key in ("multi_processor_count", "shared_memory_per_block_optin", "shared_memory_per_multiprocessor",
@@ -252,11 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         decode = _decoder(cfg)
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
         records = sweep(
-            cfg,
-            decode,
-            copy_gbps,
-            lambda rows: save(records=rows, break_even=break_even(rows)),
-            result["skipped"],
+            cfg, decode, copy_gbps, lambda rows: save(records=rows, break_even=break_even(rows)), result["skipped"]
         )
         if kernel == "triton":
             print("(3b) kernel launch parameters (block_t x num_warps), while the sweep's time lasts")

@@ -40,46 +40,16 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 logger = logging.getLogger("kvquant_ablation")
 
 
-def _nuq(
-    bits: int,
-    granularity: str,
-    *,
-    group: int | None = None,
-    static: bool = False,
-    outliers: float = 0.0,
-    pre_rope: bool = False,
-) -> TensorSpec:
-    return TensorSpec(
-        kind="nuq",
-        bits=bits,
-        fmt=None,
-        granularity=granularity,
-        group_size=group,
-        static=static,
-        outlier_frac=outliers,
-        pre_rope=pre_rope,
-    )
+def _nuq(bits: int, granularity: str, *, group: int | None = None, static: bool = False,
+         outliers: float = 0.0, pre_rope: bool = False) -> TensorSpec:
+    return TensorSpec(kind="nuq", bits=bits, fmt=None, granularity=granularity, group_size=group,
+                      static=static, outlier_frac=outliers, pre_rope=pre_rope)
 
 
-def _int(
-    bits: int,
-    granularity: str,
-    *,
-    group: int | None = None,
-    static: bool = False,
-    outliers: float = 0.0,
-    pre_rope: bool = False,
-) -> TensorSpec:
-    return TensorSpec(
-        kind="int",
-        bits=bits,
-        fmt=None,
-        granularity=granularity,
-        group_size=group,
-        static=static,
-        outlier_frac=outliers,
-        pre_rope=pre_rope,
-    )
+def _int(bits: int, granularity: str, *, group: int | None = None, static: bool = False,
+         outliers: float = 0.0, pre_rope: bool = False) -> TensorSpec:
+    return TensorSpec(kind="int", bits=bits, fmt=None, granularity=granularity, group_size=group,
+                      static=static, outlier_frac=outliers, pre_rope=pre_rope)
 
 
 def ladder(bits: int = 4) -> list[tuple[KVScheme, float]]:
@@ -87,35 +57,13 @@ def ladder(bits: int = 4) -> list[tuple[KVScheme, float]]:
     b = bits
     return [
         (get_scheme(f"int{b}-token") if b != 2 else get_scheme("int2-token"), 0.0),
-        (
-            get_scheme(f"int{b}-channel-prerope")
-            if b in (4, 3)
-            else KVScheme(
-                f"int{b}-channel-prerope",
-                key=_int(b, "channel", group=128, pre_rope=True),
-                value=_int(b, "token"),
-                block=128,
-            ),
-            0.0,
-        ),
-        (
-            KVScheme(
-                f"abl{b}-prerope+nuq",
-                key=_nuq(b, "channel", group=128, pre_rope=True),
-                value=_nuq(b, "token"),
-                block=128,
-            ),
-            99.9,
-        ),
-        (
-            KVScheme(
-                f"abl{b}-prerope+nuq+outl",
-                key=_nuq(b, "channel", group=128, outliers=0.01, pre_rope=True),
-                value=_nuq(b, "token", outliers=0.01),
-                block=128,
-            ),
-            99.9,
-        ),
+        (get_scheme(f"int{b}-channel-prerope") if b in (4, 3) else
+         KVScheme(f"int{b}-channel-prerope", key=_int(b, "channel", group=128, pre_rope=True),
+                  value=_int(b, "token"), block=128), 0.0),
+        (KVScheme(f"abl{b}-prerope+nuq", key=_nuq(b, "channel", group=128, pre_rope=True),
+                  value=_nuq(b, "token"), block=128), 99.9),
+        (KVScheme(f"abl{b}-prerope+nuq+outl", key=_nuq(b, "channel", group=128, outliers=0.01, pre_rope=True),
+                  value=_nuq(b, "token", outliers=0.01), block=128), 99.9),
         (get_scheme(f"kvquant-{b}-block"), 99.9),  # + one sink: the whole recipe
     ]
 
@@ -128,27 +76,12 @@ def leave_one_out(bits: int = 4) -> list[tuple[KVScheme, float]]:
         (full, 99.9),
         (full.replace(name=f"kvquant-{b}-p99.5"), 99.5),
         (full.replace(name=f"kvquant-{b}-p99"), 99.0),
-        (
-            full.replace(
-                name=f"kvquant-{b}-no-nuq",
-                key=_int(b, "channel", static=True, outliers=0.01, pre_rope=True),
-                value=_int(b, "token", outliers=0.01),
-            ),
-            99.9,
-        ),
-        (
-            full.replace(
-                name=f"kvquant-{b}-no-outl",
-                key=_nuq(b, "channel", static=True, pre_rope=True),
-                value=_nuq(b, "token"),
-            ),
-            99.9,
-        ),
+        (full.replace(name=f"kvquant-{b}-no-nuq", key=_int(b, "channel", static=True, outliers=0.01, pre_rope=True),
+                      value=_int(b, "token", outliers=0.01)), 99.9),
+        (full.replace(name=f"kvquant-{b}-no-outl", key=_nuq(b, "channel", static=True, pre_rope=True),
+                      value=_nuq(b, "token")), 99.9),
         (full.replace(name=f"kvquant-{b}-no-sink", sinks=0), 99.9),
-        (
-            full.replace(name=f"kvquant-{b}-token-keys", key=_nuq(b, "token", outliers=0.01, pre_rope=True)),
-            99.9,
-        ),
+        (full.replace(name=f"kvquant-{b}-token-keys", key=_nuq(b, "token", outliers=0.01, pre_rope=True)), 99.9),
     ]
 
 
@@ -174,20 +107,13 @@ SETS = {"ladder": ladder, "loo": leave_one_out, "bits": bits_set, "goals": goals
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--set",
-        choices=sorted(SETS),
-        required=True,
-        action="append",
-        help="repeatable: the sets' schemes are scored in one run (one reference pass)",
-    )
+    p.add_argument("--set", choices=sorted(SETS), required=True, action="append",
+                   help="repeatable: the sets' schemes are scored in one run (one reference pass)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib-data", default="pride-and-prejudice")
     p.add_argument("--calib-context", type=int, default=2048)
     p.add_argument("--calib-windows", type=int, default=2)
-    p.add_argument(
-        "--short-context", type=int, default=512, help="calibration window of --set goals' mismatch case"
-    )
+    p.add_argument("--short-context", type=int, default=512, help="calibration window of --set goals' mismatch case")
     p.add_argument("--data", default="war-and-peace")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--windows", type=int, default=1)
@@ -208,46 +134,25 @@ def main(argv: list[str] | None = None) -> int:
     artifacts = {}
     if calibrated:
         t0 = time.perf_counter()
-        samples = collect_samples(
-            lm, args.calib_data, sinks=0, context=args.calib_context, windows=args.calib_windows, fisher=True
-        )
+        samples = collect_samples(lm, args.calib_data, sinks=0, context=args.calib_context,
+                                  windows=args.calib_windows, fisher=True)
         logger.info("collected samples in %.1f s", time.perf_counter() - t0)
         short = None
         if any(s.name == SHORT_NAME for s, _ in calibrated):
-            short = collect_samples(
-                lm,
-                args.calib_data,
-                sinks=0,
-                context=args.short_context,
-                windows=args.calib_windows,
-                fisher=True,
-            )
+            short = collect_samples(lm, args.calib_data, sinks=0, context=args.short_context,
+                                    windows=args.calib_windows, fisher=True)
         for s, pct in calibrated:
             art = fit_artifact(short if s.name == SHORT_NAME else samples, s, percentile=pct)
             folder = out / "calibration" / s.name
             art.save(folder)
             artifacts[s.name] = art
             logger.info("fitted %s (p%s): %s", s.name, pct, folder)
-    summary = evaluate(
-        lm,
-        args.data,
-        args.context,
-        [s for s, _ in schemes],
-        windows=args.windows,
-        calibration=artifacts or None,
-        out_dir=out,
-        dtype=args.dtype,
-        argv=[sys.executable, *sys.argv],
-    )
-    rows = [
-        {
-            "scheme": r["scheme"],
-            "avg_bits": r["avg_bits"],
-            "delta_rel_pct": [round(100 * b["delta_rel"], 2) for b in r["buckets"]],
-            "kl": r["kl"],
-        }
-        for r in summary["results"]
-    ]
+    summary = evaluate(lm, args.data, args.context, [s for s, _ in schemes], windows=args.windows,
+                       calibration=artifacts or None, out_dir=out, dtype=args.dtype,
+                       argv=[sys.executable, *sys.argv])
+    rows = [{"scheme": r["scheme"], "avg_bits": r["avg_bits"],
+             "delta_rel_pct": [round(100 * b["delta_rel"], 2) for b in r["buckets"]],
+             "kl": r["kl"]} for r in summary["results"]]
     print(json.dumps(rows, indent=1))
     return 0
 

@@ -83,10 +83,7 @@ def _run_job(job: Job, programs: int) -> None:
             combos = [(b, t) for b in common.BATCHES for t in common.CONTEXTS]
         else:
             rope, (block_t, warps, stages) = job[2], job[3:]
-            scheme, kw = (
-                common.SCHEMES["int4"],
-                {"block_t": block_t, "num_warps": warps, "num_stages": stages},
-            )
+            scheme, kw = common.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
             combos = [(sweep.TUNE_BATCH, sweep.TUNE_CONTEXT)]
         for batch, context in combos:  # the same specialisation compiles once (Triton's in-process cache)
             tables = common.lazy_view((context, shape["D"] // 2), torch.float32, cpu) if rope else None

@@ -104,9 +104,7 @@ def windows_from_env(default: int = 1) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 2K context, 1 window, 3 schemes")
     p.add_argument("--skip-plan", action="store_true", help="skip step 1 (memory plan)")
     p.add_argument("--fresh", action="store_true", help="recompute even if the output folder holds this run")
@@ -138,8 +136,7 @@ def _header(console: Any, settings: dict[str, Any]) -> None:
             f"evaluation: {EVAL_MODEL} on {EVAL_DATA}, context {settings['context']}, "
             f"{settings['windows']} window(s), {EVAL_SEMANTICS} semantics, {EVAL_MODE} mode\n"
             f"schemes: {schemes}\noutput: {settings['out']}",
-            title="kvbits",
-            border_style="blue",
+            title="kvbits", border_style="blue",
         )
     )
 
@@ -157,11 +154,7 @@ def step_plan(console: Any) -> list[dict[str, Any]]:
     for name, context in PLAN_MODELS:
         shape = load_shape(OFFLINE_CONFIGS[name]).replace(name=name)
         results = plan(
-            shape,
-            context=context,
-            batch=PLAN_BATCH,
-            scheme=list(PLAN_SCHEMES),
-            gpu_mem_gib=PLAN_GPU_GIB,
+            shape, context=context, batch=PLAN_BATCH, scheme=list(PLAN_SCHEMES), gpu_mem_gib=PLAN_GPU_GIB,
             dtype_bytes=PLAN_DTYPE_BYTES,
         )
         assert isinstance(results, list)
@@ -173,14 +166,10 @@ def step_plan(console: Any) -> list[dict[str, Any]]:
         "max concurrency = sequences of this length that fit beside the weights",
     )
     for col, kw in (
-        ("model", {"style": "bold", "no_wrap": True}),
-        ("context", {"justify": "right"}),
-        ("scheme", {"no_wrap": True}),
-        ("avg bits", {"justify": "right"}),
-        ("KV for the batch", {"justify": "right"}),
-        ("vs fp16", {"justify": "right"}),
-        ("per sequence", {"justify": "right"}),
-        ("max concurrency", {"justify": "right"}),
+        ("model", {"style": "bold", "no_wrap": True}), ("context", {"justify": "right"}),
+        ("scheme", {"no_wrap": True}), ("avg bits", {"justify": "right"}),
+        ("KV for the batch", {"justify": "right"}), ("vs fp16", {"justify": "right"}),
+        ("per sequence", {"justify": "right"}), ("max concurrency", {"justify": "right"}),
         ("fits", {"justify": "center"}),
     ):
         table.add_column(col, **kw)
@@ -191,14 +180,9 @@ def step_plan(console: Any) -> list[dict[str, Any]]:
             table.add_section()
         last = r["model"]
         table.add_row(
-            r["model"] if first else "",
-            f"{r['context']:,}" if first else "",
-            r["scheme"],
-            f"{r['avg_bits']:.2f}",
-            _human_bytes(r["total_bytes"]),
-            f"{r['compression']:.2f}x",
-            _human_bytes(r["kv_bytes_per_request"]),
-            f"{r['max_concurrency']:,}",
+            r["model"] if first else "", f"{r['context']:,}" if first else "", r["scheme"],
+            f"{r['avg_bits']:.2f}", _human_bytes(r["total_bytes"]), f"{r['compression']:.2f}x",
+            _human_bytes(r["kv_bytes_per_request"]), f"{r['max_concurrency']:,}",
             "[green]yes[/green]" if r["fits"] else "[red]no[/red]",
         )
     console.print(table)
@@ -227,15 +211,9 @@ def _run_evaluator(settings: dict[str, Any]) -> None:
 
         def run(overwrite: bool) -> None:
             evaluate(
-                model=settings["model"],
-                data=settings["data"],
-                context=settings["context"],
-                semantics=settings["semantics"],
-                mode=settings["mode"],
-                windows=settings["windows"],
-                schemes=list(settings["schemes"]),
-                out_dir=settings["out"],
-                overwrite=overwrite,
+                model=settings["model"], data=settings["data"], context=settings["context"],
+                semantics=settings["semantics"], mode=settings["mode"], windows=settings["windows"],
+                schemes=list(settings["schemes"]), out_dir=settings["out"], overwrite=overwrite,
                 progress=sys.stderr.isatty(),
                 on_skip=lambda _: logger.info(
                     "%s already holds this finished run; showing it (--fresh to recompute)", settings["out"]
@@ -250,8 +228,7 @@ def _run_evaluator(settings: dict[str, Any]) -> None:
             # the demo's own folder, holding an earlier demo (other settings, or an older kvbits)
             logger.warning(
                 "%s holds an earlier demo run of other settings%s; recomputing the demo there",
-                settings["out"],
-                f" (it differs in {', '.join(exc.differs)})" if exc.differs else "",
+                settings["out"], f" (it differs in {', '.join(exc.differs)})" if exc.differs else "",
             )
             run(True)
         return
@@ -262,24 +239,9 @@ def _run_evaluator(settings: dict[str, Any]) -> None:
             "no evaluator: neither kvbits.evaluate.runner.evaluate nor the `kvbits eval` command exists"
         )
     cmd = [
-        sys.executable,
-        "-m",
-        "kvbits",
-        "eval",
-        "--model",
-        settings["model"],
-        "--data",
-        settings["data"],
-        "--context",
-        str(settings["context"]),
-        "--semantics",
-        settings["semantics"],
-        "--mode",
-        settings["mode"],
-        "--windows",
-        str(settings["windows"]),
-        "--out",
-        str(settings["out"]),
+        sys.executable, "-m", "kvbits", "eval", "--model", settings["model"], "--data", settings["data"],
+        "--context", str(settings["context"]), "--semantics", settings["semantics"], "--mode", settings["mode"],
+        "--windows", str(settings["windows"]), "--out", str(settings["out"]),
     ]
     if settings["fresh"]:
         cmd.append("--overwrite")
@@ -304,8 +266,7 @@ def _check_output(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise DemoError(f"summary.json lacks results for {missing} (has {got})")
     bad = [
-        r["scheme"]
-        for r in summary["results"]
+        r["scheme"] for r in summary["results"]
         if not all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in ("ppl", "ppl_ref"))
     ]
     if bad:
@@ -339,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     # library progress (download, conversion, per-scheme timings) interleaved in order with the tables
     logging.basicConfig(
-        level=logging.INFO,
-        format="%(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        level=logging.INFO, format="%(name)s: %(message)s", datefmt="%H:%M:%S",
         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
     )
     try:
@@ -350,22 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         windows = windows_from_env(1)
         # one folder per configuration: the runner reuses a finished run of the same configuration
         # and refuses to mix two, so more windows get their own folder
-        tag = (
-            f"{context // 1024}k"
-            + (f"-w{windows}" if windows != 1 else "")
-            + ("-quick" if args.quick else "")
-        )
+        tag = f"{context // 1024}k" + (f"-w{windows}" if windows != 1 else "") + ("-quick" if args.quick else "")
         settings = {
-            "model": EVAL_MODEL,
-            "data": EVAL_DATA,
-            "context": context,
-            "semantics": EVAL_SEMANTICS,
-            "mode": EVAL_MODE,
-            "windows": windows,
-            "schemes": preset["schemes"],
+            "model": EVAL_MODEL, "data": EVAL_DATA, "context": context, "semantics": EVAL_SEMANTICS,
+            "mode": EVAL_MODE, "windows": windows, "schemes": preset["schemes"],
             "out": (args.out or REPO / "runs" / f"demo-smollm2-war-and-peace-{tag}").resolve(),
-            "fresh": args.fresh,
-            "default_out": args.out is None,
+            "fresh": args.fresh, "default_out": args.out is None,
         }
         _header(console, settings)
         if not args.skip_plan:

@@ -299,17 +299,7 @@ def _cli_argv(tmp_path, monkeypatch, words: int, windows: int, max_positions: in
     save_word_tokenizer(model_dir)
     tiny_llama(max_positions=max_positions).save_pretrained(model_dir)
     text = write_word_text(tmp_path / "book.txt", words)
-    return [
-        "analyze",
-        "--model",
-        str(model_dir),
-        "--data",
-        str(text),
-        "--context",
-        "128",
-        "--windows",
-        str(windows),
-    ]
+    return ["analyze", "--model", str(model_dir), "--data", str(text), "--context", "128", "--windows", str(windows)]
 
 
 def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
@@ -346,9 +336,7 @@ def test_cli_warns_when_the_context_exceeds_max_position_embeddings(
     with caplog.at_level(logging.WARNING, logger="kvbits"):
         assert main(argv + ["--json", "--sample-tokens", "128"]) == 0
     assert json.loads(capsys.readouterr().out)["context"] == 128
-    message = (
-        "context 128 exceeds the model's max_position_embeddings 64: positions beyond it are extrapolation"
-    )
+    message = "context 128 exceeds the model's max_position_embeddings 64: positions beyond it are extrapolation"
     assert (message in caplog.text) is warned, caplog.text
 
 
@@ -363,10 +351,7 @@ def test_python_api_warns_when_the_context_exceeds_max_position_embeddings(caplo
 
 @pytest.mark.parametrize(
     "flag,value,message",
-    [
-        ("--plot-layer", "9", "--plot-layer must be one of the attention layers"),
-        ("--plot-head", "5", "--plot-head"),
-    ],
+    [("--plot-layer", "9", "--plot-layer must be one of the attention layers"), ("--plot-head", "5", "--plot-head")],
 )
 def test_cli_bad_plot_arguments_refused_before_writing(tmp_path, monkeypatch, capsys, flag, value, message):
     from kvbits.cli import main

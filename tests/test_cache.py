@@ -57,13 +57,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @functools.cache
 def build(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    common = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-    }
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4}
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
     elif arch == "llama_mha":
@@ -74,17 +69,12 @@ def build(arch: str) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, head_dim=64, **common))
     elif arch == "gemma3":
         cfg = Gemma3TextConfig(
-            num_key_value_heads=1,
-            head_dim=16,
-            sliding_window=16,
-            layer_types=["sliding_attention", "full_attention"],
-            **common,
+            num_key_value_heads=1, head_dim=16, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"], **common,
         )
         model = Gemma3ForCausalLM(cfg)
     elif arch == "gpt2":
-        cfg = GPT2Config(
-            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0
-        )
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(cfg)
     else:
         raise ValueError(arch)
@@ -104,9 +94,7 @@ def run(model, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     return torch.stack(out, 1).float().log_softmax(-1)
 
 
-def rand_kv(
-    B: int, H: int, T: int, D: int, seed: int, dtype=torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rand_kv(B: int, H: int, T: int, D: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(B, H, T, D, generator=g) * 2 + torch.randn(1, H, 1, D, generator=g)  # channel offsets
     v = torch.randn(B, H, T, D, generator=g)
@@ -125,15 +113,8 @@ def feed(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, chunks: list[i
 
 def gemma_cfg(window: int) -> Gemma3TextConfig:
     return Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
     )
 
 
@@ -176,32 +157,24 @@ CUSTOM = KVScheme(
     "test-mixed",
     key=TensorSpec(kind="int", bits=4, fmt=None, granularity="head"),
     value=TensorSpec(kind="int", bits=3, fmt=None, granularity="token", group_size=32, outlier_frac=0.05),
-    sinks=4,
-    residual=16,
-    block=8,
+    sinks=4, residual=16, block=8,
 )
 PRE_ROPE = KVScheme(
     "test-prerope",
     key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=32, pre_rope=True),
     value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
-    sinks=1,
-    residual=8,
-    block=32,
+    sinks=1, residual=8, block=32,
 )
 # KIVI-2 with values in groups of 16 channels: the tiny models' head_dim is 16, which kivi-2's groups of 32
 # cannot divide (refused when the cache is built)
 KIVI2_D16 = dataclasses.replace(
-    get_scheme("kivi-2"),
-    name="kivi-2-d16",
-    value=dataclasses.replace(get_scheme("kivi-2").value, group_size=16),
+    get_scheme("kivi-2"), name="kivi-2-d16", value=dataclasses.replace(get_scheme("kivi-2").value, group_size=16)
 )
 CUSTOM_TENSOR = KVScheme(
     "test-tensor",
     key=TensorSpec(kind="int", bits=2, fmt=None, granularity="tensor", symmetric=True),
     value=TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="token", outlier_frac=0.02),
-    sinks=2,
-    residual=3,
-    block=4,
+    sinks=2, residual=3, block=4,
 )
 
 
@@ -262,12 +235,7 @@ def test_generate(arch, mode):
     if mode in ("beams", "padded_batch"):
         # KIVI-2 with < 128 tokens is exact: the same tokens as DynamicCache
         ref = model.generate(ids, attention_mask=mask, **{CACHE_KW: DynamicCache(config=model.config)}, **kw)
-        got = model.generate(
-            ids,
-            attention_mask=mask,
-            **{CACHE_KW: QuantizedKVCache(config=model.config, scheme=KIVI2_D16)},
-            **kw,
-        )
+        got = model.generate(ids, attention_mask=mask, **{CACHE_KW: QuantizedKVCache(config=model.config, scheme=KIVI2_D16)}, **kw)
         assert torch.equal(got, ref)
 
 
@@ -327,11 +295,7 @@ def test_every_preset_really_quantizes(scheme):
         assert changed > 0.5, f"{scheme}: only {changed:.0%} of the quantized region changed"
     rep = cache.memory_report()
     row = rep["layers"][0]
-    assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (
-        split.sink,
-        split.quantized,
-        split.full,
-    )
+    assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (split.sink, split.quantized, split.full)
     if cache.calibration is not None:  # positions served beyond the longest calibrated length are reported
         longest = cache.calibration.max_calibrated_length
         cal = cache.calibration_report()
@@ -350,9 +314,7 @@ def test_pre_rope_keys_are_quantized_before_rope():
     from kvbits.quant.rope import RotaryTables
 
     cfg = build("gemma3").config
-    sch = dataclasses.replace(
-        PRE_ROPE, key=dataclasses.replace(PRE_ROPE.key, group_size=4), residual=2, block=4
-    )
+    sch = dataclasses.replace(PRE_ROPE, key=dataclasses.replace(PRE_ROPE.key, group_size=4), residual=2, block=4)
     cache = QuantizedKVCache(config=cfg, scheme=sch)
     tables = RotaryTables.from_config(cfg)
     T = 37
@@ -381,9 +343,7 @@ def test_no_state_left_on_model():
     before_params = {k: v.clone() for k, v in model.state_dict().items()}
     cache = QuantizedKVCache(config=model.config, scheme=KIVI2_D16, workspace=True)
     run(model, cache, tokens(1, 30), 20)
-    model.generate(
-        tokens(1, 5), **{CACHE_KW: QuantizedKVCache(config=model.config)}, max_new_tokens=3, pad_token_id=0
-    )
+    model.generate(tokens(1, 5), **{CACHE_KW: QuantizedKVCache(config=model.config)}, max_new_tokens=3, pad_token_id=0)
     assert model.config.to_dict() == before_cfg and model.config._attn_implementation == before_attn
     assert all(torch.equal(v, before_params[k]) for k, v in model.state_dict().items())
     for m in model.modules():
@@ -397,13 +357,8 @@ def test_workspace_identical():
     key = TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=16)
     sch = KVScheme("small-kivi", key=key, value=get_scheme("int2-token").value, residual=8, block=16)
     ids = tokens(1, 50, seed=7)
-    a, b = (
-        QuantizedKVCache(config=model.config, scheme=sch),
-        QuantizedKVCache(config=model.config, scheme=sch, workspace=True),
-    )
-    assert torch.equal(
-        run(model, a, ids, 20), run(model, b, ids, 20)
-    )  # flushes at 24, 40 happen while decoding
+    a, b = QuantizedKVCache(config=model.config, scheme=sch), QuantizedKVCache(config=model.config, scheme=sch, workspace=True)
+    assert torch.equal(run(model, a, ids, 20), run(model, b, ids, 20))  # flushes at 24, 40 happen while decoding
     ra, rb = a.memory_report(), b.memory_report()
     assert ra["total_bytes"] == rb["total_bytes"] and ra["workspace_bytes"] == 0
     # 2 layers x (K, V) x 32 quantized tokens x 2 heads x D=16, float32
@@ -425,20 +380,8 @@ def test_lazy_cache_without_config():
 
 # --------------------------------------------------------------------------------------- bytes
 @pytest.mark.parametrize(
-    "scheme",
-    [
-        "kivi-2",
-        "kivi-4",
-        "int4-g64",
-        "int8-channel",
-        "int3-token",
-        "fp8-e4m3",
-        "fp8-e4m3-token",
-        "fp16",
-        "bf16",
-        "test-mixed",
-        "test-tensor",
-    ],
+    "scheme", ["kivi-2", "kivi-4", "int4-g64", "int8-channel", "int3-token", "fp8-e4m3", "fp8-e4m3-token", "fp16",
+               "bf16", "test-mixed", "test-tensor"],
 )
 @pytest.mark.parametrize("window", [16, 200])
 def test_bytes_equal_storage_and_accounting(scheme, window):
@@ -465,12 +408,8 @@ def test_bytes_equal_storage_and_accounting(scheme, window):
         for row, e, w in zip(rep["layers"], expect, (window, None)):
             assert (row["key_bytes"], row["value_bytes"]) == (e["key"], e["value"])
             split = token_split(sch, T, w)
-            assert (
-                row["sink_tokens"],
-                row["quantized_tokens"],
-                row["full_tokens"],
-                row["dropped_tokens"],
-            ) == (split.sink, split.quantized, split.full, split.dropped)
+            assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"], row["dropped_tokens"]) == (
+                split.sink, split.quantized, split.full, split.dropped)
         assert rep["components"]["full_precision"] == sum(e["full"] for e in expect)
         assert rep["components"]["fixed"] == sum(e["fixed"] for e in expect)
         assert rep["seq_length"] == T and rep["batch"] == B and rep["scheme"] == sch.name
@@ -494,11 +433,7 @@ def test_identity_scheme_stores_its_own_format():
     cache = QuantizedKVCache(scheme="fp16", num_layers=1)
     k, v = rand_kv(1, 2, 10, 64, seed=3)
     out_k, out_v = cache.update(k, v, 0)
-    assert (
-        out_k.dtype == torch.float32
-        and torch.equal(out_k, k.half().float())
-        and torch.equal(out_v, v.half().float())
-    )
+    assert out_k.dtype == torch.float32 and torch.equal(out_k, k.half().float()) and torch.equal(out_v, v.half().float())
     assert cache.memory_report()["total_bytes"] == 2 * 2 * 10 * 64 * 2
 
 
@@ -508,28 +443,19 @@ def test_flush_rule_and_no_requantization(scheme):
     sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)
     k, v = rand_kv(1, 2, 300, 64, seed=4)
     # token by token with the workspace, chunked without: also checks the workspace changes nothing
-    chunked, stepwise = (
-        QuantizedKVCache(scheme=sch, num_layers=1),
-        QuantizedKVCache(scheme=sch, num_layers=1, workspace=True),
-    )
+    chunked, stepwise = QuantizedKVCache(scheme=sch, num_layers=1), QuantizedKVCache(scheme=sch, num_layers=1, workspace=True)
     feed(chunked, 0, k, v, [70, 130])
     feed(stepwise, 0, k, v, [])
     for c in (chunked, stepwise):
         row = c.memory_report()["layers"][0]
         split = token_split(sch, 300)
-        assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (
-            split.sink,
-            split.quantized,
-            split.full,
-        )
+        assert (row["sink_tokens"], row["quantized_tokens"], row["full_tokens"]) == (split.sink, split.quantized, split.full)
     # chunked prefill and token-by-token store bit-identical codes and scales
     assert all(torch.equal(a, b) for a, b in zip(chunked.materialize(0), stepwise.materialize(0)))
     comps_a, comps_b = chunked.layers[0].components(), stepwise.layers[0].components()
     for name in comps_a:
-        assert torch.equal(
-            torch.cat([t.flatten().view(torch.uint8) for t in comps_a[name]] or [torch.zeros(0)]),
-            torch.cat([t.flatten().view(torch.uint8) for t in comps_b[name]] or [torch.zeros(0)]),
-        )
+        assert torch.equal(torch.cat([t.flatten().view(torch.uint8) for t in comps_a[name]] or [torch.zeros(0)]),
+                           torch.cat([t.flatten().view(torch.uint8) for t in comps_b[name]] or [torch.zeros(0)]))
 
     # history is never re-quantized: the dequantized prefix and its codes survive later flushes
     cache = QuantizedKVCache(scheme=sch, num_layers=1)
@@ -554,17 +480,9 @@ def test_layers_match_transformers_shapes_and_masks(scheme):
     """Side by side with DynamicLayer / DynamicSlidingWindowLayer (W=16), random chunk sizes: the
     returned K/V have the same shape, get_mask_sizes and get_seq_length agree, full-precision tokens
     are identical, and a sliding layer never stores more than token_split says."""
-    sch = (
-        get_scheme(scheme)
-        if scheme != "small-kivi"
-        else KVScheme(
-            "small-kivi",
-            key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
-            value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32),
-            residual=4,
-            block=4,
-        )
-    )
+    sch = get_scheme(scheme) if scheme != "small-kivi" else KVScheme(
+        "small-kivi", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
+        value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32), residual=4, block=4)
     W = 16
     k, v = rand_kv(2, 2, 120, 64, seed=9)
     g = torch.Generator().manual_seed(0)
@@ -584,10 +502,7 @@ def test_layers_match_transformers_shapes_and_masks(scheme):
             split = token_split(sch, pos, window)
             rep = ours.report()
             assert (rep["quantized_tokens"], rep["full_tokens"], rep["dropped_tokens"]) == (
-                split.quantized,
-                split.full,
-                split.dropped,
-            )
+                split.quantized, split.full, split.dropped)
             n_full = split.full if not sch.is_identity else 0
             if n_full:
                 assert torch.equal(a_k[:, :, -n_full:], b_k[:, :, -n_full:])
@@ -601,13 +516,8 @@ def test_layers_match_transformers_shapes_and_masks(scheme):
 def test_gemma_sliding_layer_follows_token_split():
     """Gemma 3 (window 16) decoding 40 tokens with a scheme that quantizes inside the window."""
     model = build("gemma3")
-    sch = KVScheme(
-        "w-kivi",
-        key=TensorSpec(kind="int", bits=8, fmt=None, granularity="channel", group_size=4),
-        value=TensorSpec(kind="int", bits=8, fmt=None, granularity="token"),
-        residual=4,
-        block=4,
-    )
+    sch = KVScheme("w-kivi", key=TensorSpec(kind="int", bits=8, fmt=None, granularity="channel", group_size=4),
+                   value=TensorSpec(kind="int", bits=8, fmt=None, granularity="token"), residual=4, block=4)
     cache, ref = QuantizedKVCache(config=model.config, scheme=sch), DynamicCache(config=model.config)
     ids = tokens(1, 40, seed=12)
     windows = (16, None)
@@ -618,10 +528,7 @@ def test_gemma_sliding_layer_follows_token_split():
             for row, w in zip(cache.memory_report()["layers"], windows):
                 split = token_split(sch, i + 1, w)
                 assert (row["quantized_tokens"], row["full_tokens"], row["dropped_tokens"]) == (
-                    split.quantized,
-                    split.full,
-                    split.dropped,
-                )
+                    split.quantized, split.full, split.dropped)
     assert 0 < (a.log_softmax(-1) - b.log_softmax(-1)).abs().max() < 0.05
     assert cache.layers[0].mode == "quantized" and cache.layers[0].is_sliding
     assert cache.materialize(0)[0].shape == ref.layers[0].keys.shape
@@ -794,9 +701,7 @@ def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
     the config gives D, else at the first update of the layer, before it stores anything (never at the first
     flush, mid-generation, with some layers updated and others not)."""
     cfg = build("llama").config  # head_dim 16
-    with pytest.raises(
-        ValueError, match=r"layer 0: scheme 'kivi-2'.*values.*must be one of \[1, 2, 4, 8, 16\].*got 32"
-    ):
+    with pytest.raises(ValueError, match=r"layer 0: scheme 'kivi-2'.*values.*must be one of \[1, 2, 4, 8, 16\].*got 32"):
         QuantizedKVCache(config=cfg, scheme="kivi-2")
     QuantizedKVCache(config=cfg, scheme="fp16")  # stores no groups
     QuantizedKVCache(config=cfg, scheme=KIVI2_D16)
@@ -815,15 +720,8 @@ def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
 
 def test_head_dim_and_kv_heads_from_config():
     """head_dim and num_key_value_heads are read from the config, not derived from hidden / heads."""
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-    )
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32)
     cache = QuantizedKVCache(config=cfg, scheme="int4-token")
     assert (cache.num_key_value_heads, cache.head_dim) == (1, 32)
     model = LlamaForCausalLM(cfg).eval()
@@ -893,9 +791,7 @@ def test_calibration_report_counts_clipping():
     cache.update(k * 1000, v, 0)
     cache.update(k, v, 1)
     rows = cache.calibration_report()["layers"]
-    assert (
-        rows[0]["clipped_keys"] == int((k * 1000).abs().gt(448).sum()) > 0 and rows[0]["clipped_values"] == 0
-    )
+    assert rows[0]["clipped_keys"] == int((k * 1000).abs().gt(448).sum()) > 0 and rows[0]["clipped_values"] == 0
     assert rows[1]["clipped_keys"] == 0 and rows[0]["max_position"] == rows[1]["max_position"] == 19
 
 
@@ -919,10 +815,8 @@ def test_bfloat16_model_on_device(device):
         assert 0 < dev < 0.5, (sch.name, dev)
         rep = cache.memory_report()
         expect = sum(
-            sum(
-                layer_bytes(sch, 90, batch=1, n_heads=1, head_dim=16, full_dtype_bytes=2, sliding_window=w)[s]
-                for s in ("key", "value")
-            )
+            sum(layer_bytes(sch, 90, batch=1, n_heads=1, head_dim=16, full_dtype_bytes=2, sliding_window=w)[s]
+                for s in ("key", "value"))
             for w in (16, None)
         )
         assert rep["total_bytes"] == expect
@@ -966,14 +860,10 @@ class SyncTrap:
     def __enter__(self) -> Self:
         for name in self.TENSOR:
             self._stack.enter_context(
-                mock.patch.object(
-                    torch.Tensor, name, self._trap(f"Tensor.{name}", getattr(torch.Tensor, name))
-                )
+                mock.patch.object(torch.Tensor, name, self._trap(f"Tensor.{name}", getattr(torch.Tensor, name)))
             )
         for name in self.TORCH:
-            self._stack.enter_context(
-                mock.patch.object(torch, name, self._trap(f"torch.{name}", getattr(torch, name)))
-            )
+            self._stack.enter_context(mock.patch.object(torch, name, self._trap(f"torch.{name}", getattr(torch, name))))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -988,9 +878,7 @@ LAZY_SCHEMES = ["kivi-2", "int8-token", "fp8-e4m3", "kvquant-4", "test-prerope",
 
 
 def lazy_scheme(name: str) -> KVScheme:
-    return {"test-prerope": PRE_ROPE, "test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(
-        name
-    ) or get_scheme(name)
+    return {"test-prerope": PRE_ROPE, "test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(name) or get_scheme(name)
 
 
 def lazy_pair(name: str, **kw) -> tuple[QuantizedKVCache, QuantizedKVCache]:
@@ -1062,23 +950,16 @@ def test_lazy_hot_path_never_syncs(scheme, fused):
     kv = [ref_kv(i) for i in range(2)]
     with SyncTrap() as trap:
         check = trap.allow(kv_checks._host_maxima)
-        with (
-            mock.patch.object(kv_checks, "_host_maxima", check),
-            mock.patch.object(kv_checks, "check_kv", _forbidden),
-        ):
+        with mock.patch.object(kv_checks, "_host_maxima", check), mock.patch.object(kv_checks, "check_kv", _forbidden):
             for i, (k, v) in enumerate(kv):
                 cache.update(k[:, :, :200], v[:, :, :200], i)  # step 0: prefill
-            if (
-                fused
-            ):  # what kvbits_fused does after the prefill (host-only), then decode steps return placeholders
+            if fused:  # what kvbits_fused does after the prefill (host-only), then decode steps return placeholders
                 for layer in cache.layers:
                     claimed = fused_mod.claim(layer, torch.zeros(1, 4, 1, 64))
                     assert claimed == (fused_mod.layout_reason(layer) is None)
             for step in range(1, 3 * every + 1):
                 for i, (k, v) in enumerate(kv):
-                    keys, _ = cache.update(
-                        k[:, :, 199 + step : 200 + step], v[:, :, 199 + step : 200 + step], i
-                    )
+                    keys, _ = cache.update(k[:, :, 199 + step : 200 + step], v[:, :, 199 + step : 200 + step], i)
                     if fused and cache.layers[i].fused.claimed:
                         assert keys.is_meta
                         fused_mod.packed_store(cache.layers[i])
@@ -1134,9 +1015,7 @@ def test_lazy_check_names_layer_and_steps():
         for i in range(2):
             src = kb if (i == 1 and step == 5) else k
             cache.update(src[:, :, 19 + step : 20 + step], v[:, :, 19 + step : 20 + step], i)
-    with pytest.raises(
-        ValueError, match=r"layer 1 key_states contain NaN .*update steps 0\.\.7 \(token positions 0\.\.26\)"
-    ):
+    with pytest.raises(ValueError, match=r"layer 1 key_states contain NaN .*update steps 0\.\.7 \(token positions 0\.\.26\)"):
         cache.update(k[:, :, 27:28], v[:, :, 27:28], 0)
     for again in (lambda: cache.update(k[:, :, 27:28], v[:, :, 27:28], 0), cache.memory_report,
                   cache.calibration_report, lambda: cache.materialize(0), cache.check_inputs):  # fmt: skip
@@ -1158,10 +1037,7 @@ def test_lazy_check_on_read_and_every_kind_of_bad_value():
     cache.memory_report()  # clean: checks and passes
     cache.update(k[:, :, :1], _nan_at(v, 0)[:, :, :1], 0)
     cache.update(k[:, :, :1] * 1e6, v[:, :, :1], 1)
-    with pytest.raises(
-        ValueError,
-        match=r"layer 0 value_states contain NaN .*update steps 1\.\.1 \(token positions 12\.\.12\).*also failed: layers 1",
-    ):
+    with pytest.raises(ValueError, match=r"layer 0 value_states contain NaN .*update steps 1\.\.1 \(token positions 12\.\.12\).*also failed: layers 1"):
         cache.calibration_report()
     cache = QuantizedKVCache(num_layers=1, scheme="int4-token", checks="lazy")
     cache.update(k, v.masked_fill(v > 1, float("inf")), 0)
@@ -1191,16 +1067,12 @@ def test_asymmetric_nuq_range_beyond_float16_is_refused(checks):
     k[..., 0], k[..., 1] = -40000.0, 40000.0
     layer = _nuq_layer(False, checks)
     if checks == "eager":  # refused before anything is stored
-        with pytest.raises(
-            ValueError, match=r"layer 0 key_states has \|x\| up to 40000, beyond 32752 \(.*NUQ"
-        ):
+        with pytest.raises(ValueError, match=r"layer 0 key_states has \|x\| up to 40000, beyond 32752 \(.*NUQ"):
             layer.update(k, v)
         assert layer.tokens_seen == 0
     else:
         layer.update(k, v)
-        with pytest.raises(
-            ValueError, match=r"key_states reach \|x\| = 4e\+04 .*\|x\| <= 32752, .*NUQ stores the range"
-        ):
+        with pytest.raises(ValueError, match=r"key_states reach \|x\| = 4e\+04 .*\|x\| <= 32752, .*NUQ stores the range"):
             layer.materialize()
     at_bound = _nuq_layer(False, checks)  # a group spanning exactly 65504 is stored and decodes finite
     k[..., 0], k[..., 1] = -32752.0, 32752.0

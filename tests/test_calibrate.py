@@ -38,12 +38,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama(
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    seed: int = 0,
-    max_positions: int = 512,
+    layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0, max_positions: int = 512
 ):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
@@ -289,10 +284,8 @@ def test_samples_collected_once_serve_schemes_with_different_sinks(calibrated):
     for name, t in art.tensors.items():
         torch.testing.assert_close(same.tensors[name], t, msg=name)
     no_sink = fit_artifact(samples, get_scheme("kvquant-4").replace(name="kvq4-nosink", sinks=0))
-    assert (
-        no_sink.meta["data"]["sampled_tokens_per_layer"]
-        == samples.keys[0].shape[1]
-        > (art.meta["data"]["sampled_tokens_per_layer"])
+    assert no_sink.meta["data"]["sampled_tokens_per_layer"] == samples.keys[0].shape[1] > (
+        art.meta["data"]["sampled_tokens_per_layer"]
     )
     # fitted on 3 more tokens (position 0 of each window): not the same constants
     assert any(not torch.equal(no_sink.tensors[n], t) for n, t in art.tensors.items())
@@ -607,19 +600,14 @@ def test_cli_calibrate(tmp_path, monkeypatch, capsys):
     )
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert (
-        str(out) in printed and "codebook" in printed and "clip" in printed and "bfloat16 on cpu" in printed
-    )
+    assert str(out) in printed and "codebook" in printed and "clip" in printed and "bfloat16 on cpu" in printed
     art = load_calibration(out, scheme="kvquant-2")
     assert art.meta["fisher"] is False and art.meta["data"]["name"] == "book"
     assert (art.meta["dtype"], art.meta["device"]) == ("bfloat16", "cpu")
     assert art.meta["data"]["tokenizer"].split(":")[1] == "21"  # class:size:vocab-hash
     # refused before the model loads (this one does not exist): a scheme with nothing to calibrate, a window
     # of one token
-    for scheme, context, why in (
-        ("int4-token", "128", "nothing to calibrate"),
-        ("kvquant-2", "1", "context must be"),
-    ):
+    for scheme, context, why in (("int4-token", "128", "nothing to calibrate"), ("kvquant-2", "1", "context must be")):
         status = main(["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", str(text),
                        "--scheme", scheme, "--context", context, "--out", str(tmp_path / "x")])  # fmt: skip
         assert status == 2 and why in capsys.readouterr().err

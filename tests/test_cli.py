@@ -58,9 +58,7 @@ def test_plan_skips_default_schemes_that_can_not_store_the_head_dim(capsys):
     assert "note: skipping kivi-2: scheme 'kivi-2' can not store head_dim 80" in captured.err
     assert main([*argv, "--scheme", "kivi-2"]) == 2  # named explicitly: refused with the reason
     captured = capsys.readouterr()
-    assert (
-        captured.out == "" and "kvbits plan: error: scheme 'kivi-2' can not store head_dim 80" in captured.err
-    )
+    assert captured.out == "" and "kvbits plan: error: scheme 'kivi-2' can not store head_dim 80" in captured.err
 
 
 def test_schemes_table_renders(capsys):
@@ -175,9 +173,7 @@ def test_cuda_without_cuda_is_a_usage_error_before_loading(capsys, monkeypatch, 
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    status = main(
-        [command, "--model", str(tmp_path / "no-such-model"), *_needs(command, tmp_path), "--device", "cuda"]
-    )
+    status = main([command, "--model", str(tmp_path / "no-such-model"), *_needs(command, tmp_path), "--device", "cuda"])
     err = capsys.readouterr().err
     assert status == 2 and f"kvbits {command}: error: device 'cuda'" in err and "CUDA" in err, err
     assert "Traceback" not in err and "no-such-model" not in err  # refused before the model was looked at
@@ -200,9 +196,7 @@ def test_model_commands_take_the_same_dtypes_and_a_cuda_index(command, tmp_path)
 
 @pytest.mark.parametrize(("command", "device"), [("eval", "mps"), ("analyze", "tpu"), ("calibrate", "gpu")])
 def test_unknown_device_says_what_was_expected(capsys, tmp_path, command, device):
-    status = main(
-        [command, "--model", str(tmp_path / "no-such-model"), *_needs(command, tmp_path), "--device", device]
-    )
+    status = main([command, "--model", str(tmp_path / "no-such-model"), *_needs(command, tmp_path), "--device", device])
     err = capsys.readouterr().err
     assert status == 2 and f"kvbits {command}: error: device must be 'cpu' or 'cuda'" in err, err
     assert "no-such-model" not in err
@@ -256,9 +250,7 @@ def test_context_warning_reads_the_decoder_of_a_composite_config(caplog):
         (["--data-path", "{tmp}/no-such-folder"], "is not a folder"),
     ],
 )
-def test_eval_settings_that_would_be_ignored_are_usage_errors_before_loading(
-    capsys, tmp_path, extra, message
-):
+def test_eval_settings_that_would_be_ignored_are_usage_errors_before_loading(capsys, tmp_path, extra, message):
     """``--fused-decode on`` in simulate mode and a ``--data-path`` that does not exist were silently ignored
     (the run went ahead with other settings than the ones asked for)."""
     extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
@@ -369,34 +361,12 @@ def test_bounded_validators():
     [
         (["plan", *WORKED, "--batch", "0"], "argument --batch: expected an integer >= 1, got '0'"),
         (["plan", *WORKED, "--gpu-mem", "-1"], "argument --gpu-mem: expected a number of GiB >= 0, got '-1'"),
-        (
-            ["analyze", "--model", "m", "--threshold", "1"],
-            "argument --threshold: expected an outlier threshold > 1",
-        ),
-        (
-            ["analyze", "--model", "m", "--layer-fraction", "1"],
-            "expected a layer fraction in [0, 1), got '1'",
-        ),
-        (
-            [
-                "calibrate",
-                "--model",
-                "m",
-                "--data",
-                "d",
-                "--scheme",
-                "kvquant-4",
-                "--out",
-                "o",
-                "--percentile",
-                "40",
-            ],
-            "argument --percentile: expected a percentile in [50, 100], got '40'",
-        ),
-        (
-            ["eval", "--model", "m", "--data", "d", "--scheme", "fp16", "--windows", "0"],
-            "argument --windows: expected an integer >= 1, got '0'",
-        ),
+        (["analyze", "--model", "m", "--threshold", "1"], "argument --threshold: expected an outlier threshold > 1"),
+        (["analyze", "--model", "m", "--layer-fraction", "1"], "expected a layer fraction in [0, 1), got '1'"),
+        (["calibrate", "--model", "m", "--data", "d", "--scheme", "kvquant-4", "--out", "o", "--percentile", "40"],
+         "argument --percentile: expected a percentile in [50, 100], got '40'"),
+        (["eval", "--model", "m", "--data", "d", "--scheme", "fp16", "--windows", "0"],
+         "argument --windows: expected an integer >= 1, got '0'"),
     ],
 )
 def test_bounded_arguments_are_usage_errors(capsys, argv, message):

@@ -490,9 +490,7 @@ def test_two_calibrations_for_one_scheme_are_refused(models):
     g = torch.Generator().manual_seed(0)
     keys = [torch.randn(1, 2, 32, 32, generator=g) for _ in range(2)]
     arts = [
-        artifact_from_samples(
-            "kvquant-4", [k * f for k in keys], keys, meta={"model": describe_model(model.config)}
-        )
+        artifact_from_samples("kvquant-4", [k * f for k in keys], keys, meta={"model": describe_model(model.config)})
         for f in (1.0, 2.0)
     ]
     with pytest.raises(ValueError, match="two calibrations were given for scheme 'kvquant-4'"):
@@ -750,9 +748,7 @@ def test_out_dir_foreign_folder_is_never_cleaned(models, tmp_path, monkeypatch):
         evaluate(model, _ids(50)[0], 100, ["int4-token"], out_dir=out, overwrite=True)
     assert {p: p.read_text() for p in out.rglob("*") if p.is_file()} == before
     evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out, overwrite=True, attn_layers=[])
-    assert (out / "notes.txt").read_text() == "hello" and (
-        out / "tokens" / "my_vocab.txt"
-    ).read_text() == "precious"
+    assert (out / "notes.txt").read_text() == "hello" and (out / "tokens" / "my_vocab.txt").read_text() == "precious"
     assert (out / "tokens" / "int4-token.safetensors").is_file() and "results" in json.loads(
         (out / "summary.json").read_text()
     )
@@ -984,14 +980,8 @@ def test_served_beyond_calibration_and_clipping_are_logged(caplog):
     assert cal["positions_beyond_calibrated"] == 64 and cal["clipped_keys_frac"] > 0.01
     text = caplog.text
     # the report's words (kvbits.report.calibration.calibration_issues), plus what to do about it
-    assert (
-        "kvquant-4 serves 64 of 128 positions per window beyond the 64 tokens it was calibrated on; clips "
-        in text
-    )
-    assert (
-        "% of its keys against the calibrated ranges (warning level 0.1%). Calibrate with --context 128 "
-        in text
-    )
+    assert "kvquant-4 serves 64 of 128 positions per window beyond the 64 tokens it was calibrated on; clips " in text
+    assert "% of its keys against the calibrated ranges (warning level 0.1%). Calibrate with --context 128 " in text
     caplog.clear()
     with caplog.at_level("WARNING", logger="kvbits"):  # within the calibrated length, under the warning level
         _warn_mismatch("x", {"positions_beyond_calibrated": 0, "clipped_keys_frac": 1e-5}, 128)

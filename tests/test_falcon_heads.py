@@ -141,9 +141,7 @@ def test_head_counts_the_layer_accepts():
     k, v = _repeated(1, 5, seed=3)
     plain = layer.update(k[:, ::G], v[:, ::G])  # not repeated: stored and returned as they come
     assert layer.repeat == 1 and plain[0].shape == (1, KV_HEADS, 5, HEAD_DIM)
-    with pytest.raises(
-        ValueError, match=r"does not match the cached \(B, H_kv, \*, D\) = \(1, 2, '\*', 32\)"
-    ):
+    with pytest.raises(ValueError, match=r"does not match the cached \(B, H_kv, \*, D\) = \(1, 2, '\*', 32\)"):
         layer.update(k[:, :, :1], v[:, :, :1])
     with pytest.raises(ValueError, match="num_key_value_heads=2, or each repeated 4 times: 8"):
         _layer().update(k[:, :4], v[:, :4])

@@ -220,9 +220,7 @@ def test_rope_tables_keep_full_width_unless_the_halves_repeat():
     c_half, s_half = half.get(rot, 100, torch.device("cpu"))
     c_full, s_full = full.get(replace(rot, halves_equal=False), 100, torch.device("cpu"))
     assert c_half.shape == (1024, 16) and c_full.shape == (1024, 32) and full.nbytes == 2 * half.nbytes
-    assert torch.equal(torch.cat([c_half, c_half], 1), c_full) and torch.equal(
-        torch.cat([s_half, s_half], 1), s_full
-    )
+    assert torch.equal(torch.cat([c_half, c_half], 1), c_full) and torch.equal(torch.cat([s_half, s_half], 1), s_full)
 
 
 def test_cpu_default_keeps_the_dequantized_path():
@@ -634,20 +632,14 @@ def test_track_positions_hands_the_calls_positions_only_during_the_call():
 
 
 @torch.no_grad()
-def _decode_at(
-    model, cache, ids: torch.Tensor, start: int, fused: bool, prefill: int = PROMPT
-) -> torch.Tensor:
+def _decode_at(model, cache, ids: torch.Tensor, start: int, fused: bool, prefill: int = PROMPT) -> torch.Tensor:
     """Logits ``(steps, B, V)`` of a prefill then one-token steps whose position ids start at ``start``."""
     outs = []
     with attention(model, fused):
         pos = torch.arange(start, start + ids.shape[1])[None]
-        outs.append(
-            model(ids[:, :prefill], past_key_values=cache, position_ids=pos[:, :prefill]).logits[:, -1]
-        )
+        outs.append(model(ids[:, :prefill], past_key_values=cache, position_ids=pos[:, :prefill]).logits[:, -1])
         for i in range(prefill, ids.shape[1]):
-            outs.append(
-                model(ids[:, i : i + 1], past_key_values=cache, position_ids=pos[:, i : i + 1]).logits[:, -1]
-            )
+            outs.append(model(ids[:, i : i + 1], past_key_values=cache, position_ids=pos[:, i : i + 1]).logits[:, -1])
     return torch.stack(outs)
 
 
@@ -680,9 +672,7 @@ def test_positions_below_zero_are_clamped_alike_on_every_path(monkeypatch, kerne
     if kernel == "triton":
         use_triton(monkeypatch)
     model, n_new = build("llama"), (20 if kernel == "reference" else 3)
-    ids = torch.cat(
-        [prompt(batch=1)[:, : PROMPT if kernel == "reference" else 24], prompt(batch=1, seed=2)[:, :n_new]], 1
-    )
+    ids = torch.cat([prompt(batch=1)[:, : PROMPT if kernel == "reference" else 24], prompt(batch=1, seed=2)[:, :n_new]], 1)
     prefill = ids.shape[1] - n_new
     want = _decode_at(model, QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=False), ids,
                       -5, fused=False, prefill=prefill)  # fmt: skip

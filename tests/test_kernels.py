@@ -331,9 +331,7 @@ def test_forced_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
     store = make_store(g, T_q=64, T_f=16, device="cpu")
     q = torch.randn(2, 6, 1, 64, generator=g)
     x = torch.randn(1, 2, 32, 64, generator=g)
-    with pytest.raises(
-        ValueError, match=r"TRITON_INTERPRET=1.*got the query on cpu.*KVBITS_KERNEL=reference"
-    ):
+    with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1.*got the query on cpu.*KVBITS_KERNEL=reference"):
         dispatch.decode_attention(q, store)
     with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1.*got a K/V block on cpu"):
         qmod.quantize_pack(x, KIVI4_VALUES)
@@ -790,14 +788,10 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     for (cache, scheme), row in e2e.items():
         if cache.startswith("kvbits"):
             assert row["planned_bytes"] == row["cache_bytes"] + row["rope_table_bytes"]
-            assert row["resident_bytes"] is None and row["extra_bytes"] == (
-                offsets if scheme == "kvquant-4-block" else 0
-            )
+            assert row["resident_bytes"] is None and row["extra_bytes"] == (offsets if scheme == "kvquant-4-block" else 0)
     assert e2e[("kvbits-fused", "kvquant-4-block")]["rope_table_bytes"] > 0  # pre-RoPE keys
     assert e2e[("kvbits-fused", "int8-token")]["rope_table_bytes"] == 0
-    assert (
-        fp16["planned_bytes"] * 2 == fp16["cache_bytes"]
-    )  # plan's fp16 is 2 bytes; the CPU model is float32
+    assert fp16["planned_bytes"] * 2 == fp16["cache_bytes"]  # plan's fp16 is 2 bytes; the CPU model is float32
     assert data["complete"] and data["skipped"] == [] and data["budget_s"] == 290
 
 
@@ -826,17 +820,13 @@ def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     bench.main(["--smoke", "--device", "cpu", "--check", "no", "--budget-s", "0", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["complete"] and data["records"] == [] and data["copy_gbps"] > 0
-    assert len(data["skipped"]) == 2 * 2 and {s["reason"] for s in data["skipped"]} == {
-        "time budget (--budget-s)"
-    }
+    assert len(data["skipped"]) == 2 * 2 and {s["reason"] for s in data["skipped"]} == {"time budget (--budget-s)"}
     assert data["e2e"] and all(r["skipped"] == "time budget (--budget-s)" for r in data["e2e"])
 
     calls = []
     real_sweep = bench.sweep
 
-    def killed(
-        cfg, decode, copy_gbps, progress, skipped
-    ):  # dies in the sweep after its first combo was saved
+    def killed(cfg, decode, copy_gbps, progress, skipped):  # dies in the sweep after its first combo was saved
         real_sweep(cfg, decode, copy_gbps, lambda rows: (progress(rows), calls.append(1), 1 / 0), skipped)
 
     bench.sweep = killed
@@ -871,9 +861,7 @@ def test_gpu_benchmark_records_launches_that_do_not_start():
     assert all(r["error"].startswith("RuntimeError: out of resource") for r in records if "error" in r)
     assert {b["scheme"] for b in bench.break_even(records)} & failed == set()
     assert {"int4", "int8", "fp16"} <= {r["scheme"] for r in records if "ms" in r}
-    assert "did not launch: RuntimeError: out of resource" in bench.markdown(
-        records, bench.break_even(records), 10.0
-    )
+    assert "did not launch: RuntimeError: out of resource" in bench.markdown(records, bench.break_even(records), 10.0)
 
 
 def test_gpu_benchmark_tune_grid_starts_at_the_defaults():

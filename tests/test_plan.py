@@ -409,9 +409,7 @@ def test_scheme_the_cache_can_not_store_is_refused(scheme, head_dim):
     """Per-token groups that do not divide head_dim: the quantizer refuses the block, so the planner
     must not price it (it used to round the group count up and report plausible bytes)."""
     shape = ModelShape.from_dims(4, 8, head_dim)
-    with pytest.raises(
-        ValueError, match=rf"scheme '{scheme}' can not store head_dim {head_dim}: (keys|values)"
-    ):
+    with pytest.raises(ValueError, match=rf"scheme '{scheme}' can not store head_dim {head_dim}: (keys|values)"):
         plan(shape, context=4096, scheme=scheme)
     with pytest.raises(ValueError, match="do not divide"):
         average_bits(get_scheme(scheme), head_dim=head_dim)
@@ -593,14 +591,10 @@ def test_planned_bytes_equal_cache_bytes_in_a_forward_pass():
 def test_kvbits_plan_stays_callable_after_the_package_is_imported():
     import kvbits
 
-    first = kvbits.plan(
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16"
-    )
+    first = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
     import kvbits.plan.planner  # binds the subpackage as kvbits.plan
 
-    second = kvbits.plan(
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16"
-    )
+    second = kvbits.plan({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, context=16, scheme="fp16")
     assert first["total_bytes"] == second["total_bytes"] == 2 * 2 * 4 * 16 * 16 * 2
 
 

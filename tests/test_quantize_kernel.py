@@ -265,9 +265,7 @@ def _static_kw(x: torch.Tensor, s: TensorSpec) -> dict:
 def assert_same_quantized(got, want) -> None:
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert got.scale.shape == want.scale.shape and torch.equal(got.scale, want.scale)
-    assert (got.zero is None) == (want.zero is None) and (
-        want.zero is None or torch.equal(got.zero, want.zero)
-    )
+    assert (got.zero is None) == (want.zero is None) and (want.zero is None or torch.equal(got.zero, want.zero))
     assert (got.outlier_values is None) == (want.outlier_values is None)
     if want.outlier_values is not None:
         assert torch.equal(got.outlier_values, want.outlier_values)
@@ -319,9 +317,7 @@ def test_nuq_codes_at_exact_midpoints_go_to_the_lower_entry():
 
 @needs_triton
 @pytest.mark.parametrize(
-    "s",
-    [spec(4, "channel", None, static=True), nuq(4, "channel", None, static=True, outlier_frac=0.02)],
-    ids=str,
+    "s", [spec(4, "channel", None, static=True), nuq(4, "channel", None, static=True, outlier_frac=0.02)], ids=str
 )
 def test_kernel_path_counts_what_zero_static_scales_clip(monkeypatch, s: TensorSpec):
     """The Triton kernel counts values beyond a range; values a zero static scale collapses onto its

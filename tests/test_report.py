@@ -47,52 +47,24 @@ def _ci(d: float) -> list[float]:
 def _result(name: str, bits: float, deltas: list[float], spans=SPANS, layers=(0, 14, 29)) -> dict:
     buckets = []
     for (lo, hi), d, ref in zip(spans, deltas, PPL_REF):
-        buckets.append(
-            {
-                "lo": lo,
-                "hi": hi,
-                "tokens": 2 * (hi - lo),
-                "ppl": ref * (1 + d),
-                "ppl_ref": ref,
-                "delta_rel": d,
-                "delta_rel_ci": _ci(d),
-                "kl": 0.5 * d,
-                "top1": 1 - 2 * d,
-            }
-        )
+        buckets.append({
+            "lo": lo, "hi": hi, "tokens": 2 * (hi - lo), "ppl": ref * (1 + d), "ppl_ref": ref,
+            "delta_rel": d, "delta_rel_ci": _ci(d), "kl": 0.5 * d, "top1": 1 - 2 * d,
+        })
     mean_d = float(np.mean(deltas))
     attn = [
-        {
-            "layer": layer,
-            "buckets": [
-                {"lo": lo, "hi": hi, "rel_err": 0.0 if bits >= 16 else 2.0**-bits * (1 + i)}
-                for i, (lo, hi) in enumerate(spans)
-            ],
-        }
+        {"layer": layer, "buckets": [{"lo": lo, "hi": hi, "rel_err": 0.0 if bits >= 16 else 2.0 ** -bits * (1 + i)}
+                                     for i, (lo, hi) in enumerate(spans)]}
         for layer in layers
     ]
-    return {
-        "scheme": name,
-        "avg_bits": bits,
-        "ppl": 15.0 * (1 + mean_d),
-        "ppl_ref": 15.0,
-        "kl": 0.5 * mean_d,
-        "top1": 1 - 2 * mean_d,
-        "buckets": buckets,
-        "attn_error": attn,
-        "seconds": 12.5,
-    }
+    return {"scheme": name, "avg_bits": bits, "ppl": 15.0 * (1 + mean_d), "ppl_ref": 15.0, "kl": 0.5 * mean_d,
+            "top1": 1 - 2 * mean_d, "buckets": buckets, "attn_error": attn, "seconds": 12.5}
 
 
 def _summary(schemes=SCHEMES, context=CONTEXT, spans=SPANS) -> dict:
     return {
-        "model": "smollm2-135m",
-        "data": "war-and-peace",
-        "context": context,
-        "semantics": "decode",
-        "mode": "simulate",
-        "windows": 2,
-        "fingerprint": {"model": "0123456789abcdef", "tokens": "fedcba9876543210"},
+        "model": "smollm2-135m", "data": "war-and-peace", "context": context, "semantics": "decode",
+        "mode": "simulate", "windows": 2, "fingerprint": {"model": "0123456789abcdef", "tokens": "fedcba9876543210"},
         "results": [_result(n, b, d[: len(spans)], spans) for n, (b, d) in schemes.items()],
         "reference_seconds": 10.0,
     }
@@ -110,40 +82,21 @@ def _tokens(path: Path, deltas: list[float], seed: int) -> None:
     for (lo, hi), d in zip(SPANS, deltas):
         shift[(pos >= lo) & (pos < hi)] = math.log1p(d or 0.0)
     nll = ref + shift + (rng.normal(0, 0.01, (2, n)) if any(deltas) else 0.0)  # fp16: exactly the reference
-    save_file(
-        {
-            "nll": nll.astype(np.float32),
-            "nll_ref": ref.astype(np.float32),
-            "kl": np.abs(nll - ref).astype(np.float32),
-            "top1": np.ones((2, n), np.float32),
-        },
-        str(path),
-    )
+    save_file({
+        "nll": nll.astype(np.float32), "nll_ref": ref.astype(np.float32),
+        "kl": np.abs(nll - ref).astype(np.float32), "top1": np.ones((2, n), np.float32),
+    }, str(path))
 
 
 def _config() -> dict:
     """config.json as ``kvbits.evaluate.runner.evaluate`` writes it when called from Python."""
     return {
-        "version": 1,
-        "config_hash": "0" * 16,
-        "args": {
-            "model": "smollm2-135m",
-            "data": "war-and-peace",
-            "context": 8192,
-            "windows": 2,
-            "schemes": list(SCHEMES),
-            "mode": "simulate",
-            "semantics": "decode",
-            "prompt_len": None,
-            "attn_layers": [0, 14, 29],
-            "dtype": "float32",
-            "device": None,
-            "data_path": None,
-        },
-        "argv": None,
-        "versions": {"kvbits": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0"},
-        "commit": {"sha": "abc1234def5678", "dirty": True},
-        "date": "2026-01-02T03:04:05+00:00",
+        "version": 1, "config_hash": "0" * 16,
+        "args": {"model": "smollm2-135m", "data": "war-and-peace", "context": 8192, "windows": 2,
+                 "schemes": list(SCHEMES), "mode": "simulate", "semantics": "decode", "prompt_len": None,
+                 "attn_layers": [0, 14, 29], "dtype": "float32", "device": None, "data_path": None},
+        "argv": None, "versions": {"kvbits": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0"},
+        "commit": {"sha": "abc1234def5678", "dirty": True}, "date": "2026-01-02T03:04:05+00:00",
     }
 
 
@@ -168,7 +121,7 @@ def full_run(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 
 def _row(md: str, first_cell: str, table_heading: str) -> str:
     """The Markdown table row starting with ``first_cell`` after the caption containing ``table_heading``."""
-    section = md[md.index(table_heading) :]
+    section = md[md.index(table_heading):]
     m = re.search(rf"^\| {re.escape(first_cell)} \|.*$", section, re.MULTILINE)
     assert m, f"no row {first_cell!r} after {table_heading!r}"
     return m.group(0)
@@ -206,9 +159,7 @@ def test_markdown_tables_hold_the_numbers(full_run):
     )
     assert _row(md, "kivi-4", "Mean KL") == "| kivi-4 | 5.00e-04 | 0.0010 | 0.0015 | 0.0025 |"
     assert _row(md, "int8-token", "Top-1 agreement") == "| int8-token | 99.90% | 99.88% | 99.84% | 99.80% |"
-    assert (
-        _row(md, "reference", "Perplexity by position") == "| reference | 20.000 | 16.000 | 14.000 | 13.000 |"
-    )
+    assert _row(md, "reference", "Perplexity by position") == "| reference | 20.000 | 16.000 | 14.000 | 13.000 |"
     assert _row(md, "kivi-2", "attention output") == "| kivi-2 | 0 | 0.1250 | 0.2500 | 0.3750 | 0.5000 |"
     assert "reference pass took 10.0 s" in md
     for key in EXPECTED_FIGURES:
@@ -217,14 +168,8 @@ def test_markdown_tables_hold_the_numbers(full_run):
 
 def test_report_header_and_reproduce_line(full_run):
     md = full_run[1]["markdown"].read_text()
-    for text in (
-        "fingerprint `0123456789abcdef`",
-        "2026-01-02T03:04:05+00:00",
-        "`abc1234def5678 (dirty tree)`",
-        "torch 2.13.0",
-        "`decode`, `simulate` mode",
-        "8192 tokens per window, 2 window(s)",
-    ):
+    for text in ("fingerprint `0123456789abcdef`", "2026-01-02T03:04:05+00:00", "`abc1234def5678 (dirty tree)`",
+                 "torch 2.13.0", "`decode`, `simulate` mode", "8192 tokens per window, 2 window(s)"):
         assert text in md
     d = full_run[0]
     assert (
@@ -266,13 +211,8 @@ def test_verdict_in_report(full_run):
 
 
 def test_verdict_when_nothing_passes_and_baseline_drifts():
-    s = _summary(
-        {
-            "fp16": (16.0, [0.0, 0.002, 0.0, 0.0]),
-            "kivi-2": (3.0, [0.03, 0.05, 0.08, 0.12]),
-            "int2-token": (2.5, [0.5, 0.6, 0.7, 0.9]),
-        }
-    )
+    s = _summary({"fp16": (16.0, [0.0, 0.002, 0.0, 0.0]), "kivi-2": (3.0, [0.03, 0.05, 0.08, 0.12]),
+                  "int2-token": (2.5, [0.5, 0.6, 0.7, 0.9])})
     v = verdict(s)
     assert "No quantized scheme stays within 1%" in v
     assert "Least damaging quantized scheme: **kivi-2**" in v
@@ -313,18 +253,12 @@ def test_peak_memory_in_header_and_terminal(tmp_path):
     con = Console(record=True, width=300, color_system=None)
     print_summary(s, con)
     assert f"peak memory {line}" in con.export_text()
-    assert (
-        "Peak memory"
-        not in write_report(_write_run(tmp_path / "old", _summary(), tokens=False), plots=False)[
-            "markdown"
-        ].read_text()
-    )
+    assert "Peak memory" not in write_report(
+        _write_run(tmp_path / "old", _summary(), tokens=False), plots=False
+    )["markdown"].read_text()
     s.update(run_peak_rss_bytes=2**30, peak_cuda_bytes=None)
     md = write_report(_write_run(tmp_path / "run", s, tokens=False), plots=False)["markdown"].read_text()
-    assert (
-        "- **Peak memory:** 1.00 GiB resident (run peak, model loaded), 1.50 GiB resident (process peak)\n"
-        in md
-    )
+    assert "- **Peak memory:** 1.00 GiB resident (run peak, model loaded), 1.50 GiB resident (process peak)\n" in md
 
 
 # ---------------------------------------------------------------------------------------- edge cases
@@ -345,10 +279,7 @@ def _nan_summary() -> dict:
 
 EDGE_CASES = {
     "fp16 only": (_summary({"fp16": SCHEMES["fp16"]}), True),
-    "single bucket": (
-        _summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")}, context=1000, spans=[(0, 999)]),
-        False,
-    ),
+    "single bucket": (_summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")}, context=1000, spans=[(0, 999)]), False),
     "nan and missing": (_nan_summary(), True),
 }
 
@@ -368,9 +299,7 @@ def test_edge_cases_do_not_crash(tmp_path, case):
     if case == "single bucket":
         assert "| kivi-2 | 3.00 | **+3.00% [+2.05, +3.95]** |" in md
         assert "**kivi-2** already in the first bucket, 0–999 (+3.00%" in md
-        assert md.startswith(
-            "# KV-cache quantization report: smollm2-135m on war-and-peace, 1000-token context"
-        )
+        assert md.startswith("# KV-cache quantization report: smollm2-135m on war-and-peace, 1000-token context")
     if case == "nan and missing":
         assert "| int4-token | n/a | +0.20% [+0.09, +0.31] | n/a | +0.80% | **+1.60% [+1.07, +2.13]** |" in md
         assert "**int4-token** at 4K–8K" in md
@@ -474,9 +403,7 @@ def test_reproduce_command_prefers_recorded_command():
     assert reproduce_command({"command": "kvbits eval --x 1"}, run) == "kvbits eval --x 1"
     argv = ["/usr/bin/kvbits", "eval", "--model", "a b"]
     assert reproduce_command({"argv": argv, "args": {"model": "x"}}, run) == "kvbits eval --model 'a b'"
-    assert reproduce_command({}, run, "out").endswith(
-        "--scheme int4-token --scheme kivi-2 --mode simulate --semantics decode --out out"
-    )
+    assert reproduce_command({}, run, "out").endswith("--scheme int4-token --scheme kivi-2 --mode simulate --semantics decode --out out")
     no_attn = {"args": {"model": "m", "schemes": ["kivi-2"], "attn_layers": [], "prompt_len": None}}
     assert reproduce_command(no_attn, run) == "kvbits eval --model m --scheme kivi-2 --attn-layers"
 
@@ -491,9 +418,7 @@ def test_reproduce_command_parses_with_the_eval_cli(tmp_path):
     line = reproduce_command(_config(), RunSummary.from_dict(_summary()), tmp_path / "out")
     args = build_parser(only="eval").parse_args(shlex.split(line)[1:])
     assert (args.model, args.data, args.context, args.windows) == ("smollm2-135m", "war-and-peace", 8192, 2)
-    assert (
-        args.scheme == list(SCHEMES) and args.attn_layers == [0, 14, 29] and args.out == str(tmp_path / "out")
-    )
+    assert args.scheme == list(SCHEMES) and args.attn_layers == [0, 14, 29] and args.out == str(tmp_path / "out")
 
 
 def test_reproduce_command_repeats_calibration_flags():
@@ -543,20 +468,10 @@ def _calibrated_summary() -> dict:
     s = _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4")})
     s["results"][0]["calibration"] = dict(_NO_CLIP)
     s["results"][1]["calibration"] = {
-        "clipped_keys": 2500,
-        "clipped_keys_frac": 0.0025,
-        "clipped_values": 10,
-        "clipped_values_frac": 1e-5,
-        "max_calibrated_length": 512,
-        "positions_beyond_calibrated": 7680,
-        "artifact": {
-            "id": "sha256:" + "ab" * 32,
-            "path": "runs/calib-kivi-512",
-            "data": "pride-and-prejudice",
-            "context": 512,
-            "windows": 2,
-            "tokens": 1024,
-        },
+        "clipped_keys": 2500, "clipped_keys_frac": 0.0025, "clipped_values": 10, "clipped_values_frac": 1e-5,
+        "max_calibrated_length": 512, "positions_beyond_calibrated": 7680,
+        "artifact": {"id": "sha256:" + "ab" * 32, "path": "runs/calib-kivi-512", "data": "pride-and-prejudice",
+                     "context": 512, "windows": 2, "tokens": 1024},
     }
     return s
 
@@ -565,7 +480,7 @@ def test_calibration_section_shows_artifact_clipping_and_warnings(tmp_path):
     d = _write_run(tmp_path / "run", _calibrated_summary(), config=_config(), tokens=False)
     paths = write_report(d, plots=False)
     md, page = paths["markdown"].read_text(), paths["html"].read_text()
-    section = md[md.index("## Calibration") : md.index("## How to reproduce")]
+    section = md[md.index("## Calibration"):md.index("## How to reproduce")]
     assert "*Clipped* is the fraction" in section and "beyond calibrated" in section
     assert _row(md, "kivi-4", "Calibration served per scheme") == (
         "| kivi-4 | calib-kivi-512 (sha256:abababababab) | pride-and-prejudice, 2 windows of 512 tokens | 512 "
@@ -598,9 +513,7 @@ def test_print_summary_shows_calibration_warnings():
 
 def test_calibration_without_mismatch_has_no_warning(tmp_path):
     s = _calibrated_summary()
-    s["results"][1]["calibration"].update(
-        positions_beyond_calibrated=0, clipped_keys=0, clipped_keys_frac=0.0
-    )
+    s["results"][1]["calibration"].update(positions_beyond_calibrated=0, clipped_keys=0, clipped_keys_frac=0.0)
     md = write_report(_write_run(tmp_path / "run", s, tokens=False), plots=False)["markdown"].read_text()
     assert "## Calibration" in md and "| 0 | 0.001% (10) | 0 of 8,192 |" in md
     assert "Warning:" not in md
@@ -611,9 +524,7 @@ def test_no_calibration_section_without_calibrated_schemes(full_run, tmp_path):
     s = _calibrated_summary()
     s["results"][1]["calibration"] = dict(_NO_CLIP)  # simulate mode records zeros for every scheme
     paths = write_report(_write_run(tmp_path / "run", s, tokens=False), plots=False)
-    assert (
-        "Calibration" not in paths["markdown"].read_text() and "Calibration" not in paths["html"].read_text()
-    )
+    assert "Calibration" not in paths["markdown"].read_text() and "Calibration" not in paths["html"].read_text()
 
 
 def test_calibration_from_config_for_older_runs(tmp_path):
@@ -622,24 +533,15 @@ def test_calibration_from_config_for_older_runs(tmp_path):
     art = tmp_path / "calib"
     art.mkdir()
     sha = "cd" * 32
-    (art / "calibration.json").write_text(
-        json.dumps(
-            {
-                "scheme": {"name": "kivi-4"},
-                "data": {"name": "moby-dick", "context": 2048, "windows": 3},
-                "files": {"calibration.safetensors": {"sha256": sha}},
-            }
-        )
-    )
+    (art / "calibration.json").write_text(json.dumps({
+        "scheme": {"name": "kivi-4"}, "data": {"name": "moby-dick", "context": 2048, "windows": 3},
+        "files": {"calibration.safetensors": {"sha256": sha}},
+    }))
     config = _config()
     config["request"] = {"calibration": {"kivi-4": f"sha256:{sha}"}}
     config["args"]["calibration"] = [str(art)]
-    d = _write_run(
-        tmp_path / "run",
-        _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4")}),
-        config=config,
-        tokens=False,
-    )
+    d = _write_run(tmp_path / "run", _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4")}), config=config,
+                   tokens=False)
     md = write_report(d, plots=False)["markdown"].read_text()
     assert _row(md, "kivi-4", "Calibration served per scheme") == (
         "| kivi-4 | calib (sha256:cdcdcdcdcdcd) | moby-dick, 3 windows of 2048 tokens | 2,048 | n/a | n/a "
@@ -659,11 +561,7 @@ def test_stream_decode_path_is_reported(tmp_path):
     s["results"][0]["decode"] = {"fused_steps": 0, "fallback_steps": 0}
     s["results"][1]["decode"] = {"fused_steps": 4140, "fallback_steps": 12}
     md = write_report(_write_run(tmp_path / "stream", s, tokens=False), plots=False)["markdown"].read_text()
-    assert (
-        "*Decode path (stream mode):* **fp16**: dequantized K/V + SDPA (no fused decode); **kivi-2**: " in md
-    )
+    assert "*Decode path (stream mode):* **fp16**: dequantized K/V + SDPA (no fused decode); **kivi-2**: " in md
     assert "4,140 layer-steps through the fused kernel over the packed cache, 12 over dequantized K/V" in md
-    md = write_report(_write_run(tmp_path / "sim", _summary(), tokens=False), plots=False)[
-        "markdown"
-    ].read_text()
+    md = write_report(_write_run(tmp_path / "sim", _summary(), tokens=False), plots=False)["markdown"].read_text()
     assert "Decode path" not in md

@@ -81,11 +81,7 @@ def test_analyze_and_calibrate_read_the_heads_the_cache_stores(make):
     # the captured tensors have the (B, H_kv, ., D) of what the cache stores (a sliding layer keeps fewer tokens)
     for s, (k, v), stored in captured_and_cached(model, calibrated):
         for got, kept in ((k, stored.keys), (v, stored.values)):
-            assert (
-                (got.shape[:2], got.shape[3])
-                == (kept.shape[:2], kept.shape[3])
-                == ((1, s.num_kv_heads), s.head_dim)
-            )
+            assert (got.shape[:2], got.shape[3]) == (kept.shape[:2], kept.shape[3]) == ((1, s.num_kv_heads), s.head_dim)
 
 
 def test_per_layer_head_dims_are_the_planners():
@@ -120,9 +116,7 @@ def test_layers_without_kv_are_skipped_by_analyze_and_refused_by_calibrate():
     """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) caches K/V on some
     layers only: analyze reports those layers under their own index; calibration refuses the model,
     since an artifact holds parameters for every layer of the cache."""
-    cfg = transformers.Lfm2Config(
-        **{**BASE, "num_hidden_layers": 4}, layer_types=["conv", "full_attention"] * 2
-    )
+    cfg = transformers.Lfm2Config(**{**BASE, "num_hidden_layers": 4}, layer_types=["conv", "full_attention"] * 2)
     model = build(cfg)
     assert described(attention_sites(model)) == [(1, 2, 16), (3, 2, 16)]
     result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8)
@@ -157,10 +151,7 @@ def _k_proj_size():
     model = build(transformers.LlamaConfig(**BASE))
     attn = model.model.layers[1].self_attn
     attn.k_proj = attn.v_proj = torch.nn.Linear(64, 64)  # 4 heads of 16, the config says 2
-    return (
-        model,
-        r"layers\.1\.self_attn\.k_proj has 64 outputs, expected num_key_value_heads x head_dim = 2 x 16",
-    )
+    return model, r"layers\.1\.self_attn\.k_proj has 64 outputs, expected num_key_value_heads x head_dim = 2 x 16"
 
 
 def _v_head_dim():
@@ -223,16 +214,9 @@ def _gemma3_vlm():
         **{**BASE, "num_hidden_layers": 3}, head_dim=32, sliding_window=8, layer_types=None
     )
     vision = transformers.SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=16,
-        patch_size=4,
+        hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4
     )
-    cfg = transformers.Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
-    )
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
     torch.manual_seed(0)
     return transformers.Gemma3ForConditionalGeneration(cfg).eval(), "model.language_model"
 
@@ -240,12 +224,7 @@ def _gemma3_vlm():
 def _llava():
     """LLaVA: a CLIP vision tower (attention with k_proj/v_proj) and a Llama decoder."""
     vision = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=16,
-        patch_size=4,
+        hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4
     )
     cfg = transformers.LlavaConfig(
         text_config=transformers.LlamaConfig(**BASE, head_dim=32).to_dict(), vision_config=vision.to_dict()

@@ -122,9 +122,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 out = decode(qh, store, **kw)
                 sync(dev)
             except Exception as exc:  # noqa: BLE001 - a launch the device refuses: recorded, the sweep records it too
-                results.append(
-                    {"variant": name, "shape": shape_name, "error": launch_error(exc), "ok": False}
-                )
+                results.append({"variant": name, "shape": shape_name, "error": launch_error(exc), "ok": False})
                 print(f"  check {shape_name:13s} {name:18s} did not launch: {results[-1]['error']}")
                 continue
             err = (out.double() - truth).abs().max().item()

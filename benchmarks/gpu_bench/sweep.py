@@ -61,9 +61,7 @@ def fp16_baselines(
     kv_bytes = k.nbytes + v.nbytes
     out = {}
     spread: dict = {}
-    ms, graph = time_ms(
-        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush, spread=spread
-    )
+    ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush, spread=spread)
     out["sdpa-gqa"] = (ms, graph, kv_bytes, spread)
     if kv_bytes * (G + 1) <= cfg.max_bytes:
         ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
@@ -112,9 +110,7 @@ def sweep(
     variants = [("fp16", None, {}, False)] + [(name, sch, {}, False) for name, sch in SCHEMES.items()]
     variants += [(name + ROPE_SUFFIX, SCHEMES[name], {}, True) for name in PRE_ROPE]
     if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
-        variants += [
-            (name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"
-        ]
+        variants += [(name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
         variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True) for name in PRE_ROPE]
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
@@ -144,9 +140,7 @@ def sweep(
                 for scheme, sch, kw, rope in variants:
                     kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
                     try:
-                        m = fused_timing(
-                            cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None
-                        )
+                        m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
                     except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
                         row.append({"kernel": kernel, "scheme": scheme, "shape": shape_name, "context": context,
                                     "batch": batch, "error": launch_error(exc)})  # fmt: skip
@@ -244,9 +238,7 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
                 print(f"  tune {shape_name:13s} {scheme:13s} {block_t}/{warps}/{stages}: {row['error']}")
             else:
                 gbps = store.nbytes / (ms * 1e-3) / 1e9
-                row.update(
-                    ms=round(ms, 5), **spread, gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3)
-                )
+                row.update(ms=round(ms, 5), **spread, gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
                 print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps} stages={stages}: "
                       f"{ms:.4f} ms ({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
             rows.append(row)

@@ -353,11 +353,9 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
         )
     tables = {r["scheme"]: r["rope_table_bytes"] for r in results if r.get("rope_table_bytes")}
     if tables:
-        caption += (
-            "\nincluded, once per model: RoPE tables of fused pre-RoPE decode ("
-            + ", ".join(f"{name} {human_bytes(n)}" for name, n in tables.items())
-            + ")"
-        )
+        caption += "\nincluded, once per model: RoPE tables of fused pre-RoPE decode (" + ", ".join(
+            f"{name} {human_bytes(n)}" for name, n in tables.items()
+        ) + ")"
     table = Table(title=title, caption=caption)
     table.add_column("scheme", style="bold", no_wrap=True)
     for col in ("context", "bytes/token", "KV total", "total bytes", "avg bits", "vs fp16"):

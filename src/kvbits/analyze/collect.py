@@ -237,9 +237,7 @@ def analyze(
         }
         for s in sites
     }
-    layer_tables = (
-        {s.layer_idx: tables.tables_for_layer(s.layer_idx) for s in sites} if tables is not None else {}
-    )
+    layer_tables = {s.layer_idx: tables.tables_for_layer(s.layer_idx) for s in sites} if tables is not None else {}
     cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     reservoir = BlockReservoir(sample_tokens // block, seed=seed)
     plan: list[tuple[int, int]] = []

@@ -165,23 +165,15 @@ class QuantizedKVCache(Cache):
             self.head_dim = head_dim
             types, kwargs = _layer_types(text_config(config), n_layers)
             if num_layers is not None and num_layers != len(types):
-                raise ValueError(
-                    f"num_layers={num_layers} but the config describes {len(types)} cached layers"
-                )
+                raise ValueError(f"num_layers={num_layers} but the config describes {len(types)} cached layers")
             layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(types, kwargs))]
-            fallback = [
-                f"{layer.layer_idx} (W={layer.sliding_window})"
-                for layer in layers
-                if isinstance(layer, QuantizedKVLayer) and layer.mode == "fallback"
-            ]
+            fallback = [f"{layer.layer_idx} (W={layer.sliding_window})" for layer in layers
+                        if isinstance(layer, QuantizedKVLayer) and layer.mode == "fallback"]
             if fallback:
                 logger.info(
                     "scheme %s: residual %d + block %d - 1 exceeds the sliding window - 1 of layers %s; they keep "
                     "their window in full precision",
-                    self.scheme.name,
-                    self.scheme.residual,
-                    self.scheme.block,
-                    ", ".join(fallback),
+                    self.scheme.name, self.scheme.residual, self.scheme.block, ", ".join(fallback),
                 )
         elif num_layers is not None:
             layers = [self._make_layer(i, "full_attention", {}) for i in range(num_layers)]
@@ -215,9 +207,7 @@ class QuantizedKVCache(Cache):
         elif layer_type in _SLIDING_TYPES:
             window = kwargs.get("sliding_window")
             if not isinstance(window, int):
-                raise ValueError(
-                    f"layer {idx} is {layer_type!r} but the config gives no integer window ({window!r})"
-                )
+                raise ValueError(f"layer {idx} is {layer_type!r} but the config gives no integer window ({window!r})")
         elif layer_type == "dummy" and hasattr(cache_utils, "DummyLayer"):
             return cache_utils.DummyLayer()  # KV-sharing consumer or attention-free layer: stores nothing
         else:
@@ -230,18 +220,11 @@ class QuantizedKVCache(Cache):
             heads, kv_heads, head_dim = layer_heads(self._config, idx)
             repeat = _head_repeat(text_config(self._config), heads, kv_heads)
         layer = QuantizedKVLayer(
-            self.scheme,
-            layer_idx=idx,
-            sliding_window=window,
-            workspace=self.workspace,
-            num_key_value_heads=kv_heads,
-            head_repeat=repeat,
-            head_dim=head_dim,
+            self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
+            num_key_value_heads=kv_heads, head_repeat=repeat, head_dim=head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
-            fused_decode=self.fused_decode,
-            rope_tables=self._fused_tables,
-            checks=self.checks_mode,
-            check_every=self.check_every,
+            fused_decode=self.fused_decode, rope_tables=self._fused_tables,
+            checks=self.checks_mode, check_every=self.check_every,
         )
         if getattr(self, "calibration", None) is not None:  # lazily created layers
             self._calibrate_layer(layer)
@@ -289,16 +272,10 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
         if layer_idx >= len(self.layers):
             if not self._lazy:
-                raise ValueError(
-                    f"layer_idx {layer_idx} out of range: this cache has {len(self.layers)} layers"
-                )
+                raise ValueError(f"layer_idx {layer_idx} out of range: this cache has {len(self.layers)} layers")
             while len(self.layers) <= layer_idx:
                 self.layers.append(self._make_layer(len(self.layers), "full_attention", {}))
-        if (
-            self._rotary_owned
-            and isinstance(key_states, torch.Tensor)
-            and self._rotary.device != key_states.device
-        ):
+        if self._rotary_owned and isinstance(key_states, torch.Tensor) and self._rotary.device != key_states.device:
             # cos/sin computed on the model's device, as the model computes them (bit-exact re-rotation)
             from kvbits.quant.rope import RotaryTables
 
@@ -372,9 +349,7 @@ class QuantizedKVCache(Cache):
     def _layer(self, layer_idx: int) -> QuantizedKVLayer:
         quantized = {layer.layer_idx: layer for layer in self._quantized_layers()}
         if layer_idx not in quantized:
-            raise ValueError(
-                f"layer {layer_idx} is not a quantized cache layer of this cache ({len(self.layers)} layers)"
-            )
+            raise ValueError(f"layer {layer_idx} is not a quantized cache layer of this cache ({len(self.layers)} layers)")
         return quantized[layer_idx]
 
     # ------------------------------------------------------------------ reading
@@ -452,12 +427,7 @@ class QuantizedKVCache(Cache):
         rows = []
         for layer in self._quantized_layers():
             ck, cv = layer.clipped()
-            row = {
-                "layer": layer.layer_idx,
-                "clipped_keys": ck,
-                "clipped_values": cv,
-                "max_position": layer.tokens_seen - 1,
-            }
+            row = {"layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "max_position": layer.tokens_seen - 1}
             if longest is not None:
                 row["positions_beyond_calibrated"] = max(0, layer.tokens_seen - int(longest))
             rows.append(row)

@@ -293,9 +293,7 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
             f"(B, H_kv, T, D)) but the config has num_key_value_heads={H_kv}{repeated}"
         )
     if not layer.is_initialized and layer.mode == "quantized":  # before the first update stores anything
-        check_channel_groups(
-            layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}"
-        )
+        check_channel_groups(layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}")
     if layer.is_initialized:
         for what, x, store in (
             ("key_states", key_states, layer._k),
@@ -304,11 +302,7 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
             ref = store.buffer
             heads = ref.shape[1] * layer.repeat  # the stored heads, as the model hands them over
             if x.shape[0] != ref.shape[0] or x.shape[1] != heads or x.shape[3] != ref.shape[3]:
-                repeated = (
-                    f" ({ref.shape[1]} stored heads, each repeated {layer.repeat} times)"
-                    if layer.repeat > 1
-                    else ""
-                )
+                repeated = f" ({ref.shape[1]} stored heads, each repeated {layer.repeat} times)" if layer.repeat > 1 else ""
                 raise ValueError(
                     f"layer {layer.layer_idx}: {what} {tuple(x.shape)} does not match the cached "
                     f"(B, H_kv, *, D) = {(ref.shape[0], heads, '*', ref.shape[3])}{repeated}"

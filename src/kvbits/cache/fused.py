@@ -92,9 +92,7 @@ class RopeTableCache:
         key = (id(rotary.rotary), rotary.layer_type, rotary.rot_dim, str(device))
         entry = self._tables.get(key)
         if entry is None or entry[0] is not rotary.rotary or entry[1].shape[0] < n_positions:
-            P = rope_table_positions(
-                n_positions
-            )  # the planner counts the same rows (plan(fused_decode=True))
+            P = rope_table_positions(n_positions)  # the planner counts the same rows (plan(fused_decode=True))
             # RotaryTables.cos_sin minus its positions >= 0 check (a host sync; true for an arange)
             cos, sin = rotary._forward(torch.arange(P, device=rotary.device)[None], torch.float32, None)
             cos, sin = cos[0], sin[0]

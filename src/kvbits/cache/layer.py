@@ -170,9 +170,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         # what the stored heads are repeated by in update's K/V: head_repeat once the first update with
         # tokens found the groups to be copies, else 1 (decided per request by lazy_initialization)
         self.repeat = 1
-        self._repeat_pending = (
-            False  # initialized from zero-token K/V (early_initialization): not checked yet
-        )
+        self._repeat_pending = False  # initialized from zero-token K/V (early_initialization): not checked yet
         self.workspace = workspace
         if scheme.is_identity:
             self.mode = "identity"
@@ -189,22 +187,15 @@ class QuantizedKVLayer(CacheLayerMixin):
                 "tables: build the cache with config= (or rotary=kvbits.quant.rope.RotaryTables.from_model(model))"
             )
         self._k = SideStore(
-            scheme.key,
-            name=f"layer {layer_idx} keys",
-            workspace=workspace and quantized,
-            static_scale=_fixed_scale(scheme.key) if quantized else None,
-            rotary=rotary if quantized else None,
+            scheme.key, name=f"layer {layer_idx} keys", workspace=workspace and quantized,
+            static_scale=_fixed_scale(scheme.key) if quantized else None, rotary=rotary if quantized else None,
         )
         self._v = SideStore(
-            scheme.value,
-            name=f"layer {layer_idx} values",
-            workspace=workspace and quantized,
+            scheme.value, name=f"layer {layer_idx} values", workspace=workspace and quantized,
             static_scale=_fixed_scale(scheme.value) if quantized else None,
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
-        self.checks = kv_checks.InputChecks(
-            kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every)
-        )
+        self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
         # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less; bf16/fp32 more
         self.checks.bounds = (
             kv_checks.input_bound(scheme.key, self.mode), kv_checks.input_bound(scheme.value, self.mode)
@@ -216,9 +207,7 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def __repr__(self) -> str:
         kind = f"sliding={self.sliding_window}" if self.is_sliding else "full"
-        return (
-            f"QuantizedKVLayer(layer={self.layer_idx}, scheme={self.scheme.name!r}, {kind}, mode={self.mode})"
-        )
+        return f"QuantizedKVLayer(layer={self.layer_idx}, scheme={self.scheme.name!r}, {kind}, mode={self.mode})"
 
     # --------------------------------------------------------------- set-up
     def set_static_qparams(
@@ -246,9 +235,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(f"side must be 'key' or 'value', got {side!r}")
         spec = store.spec
         if scale is not None and not spec.static:  # FP8 per-tensor specs are static (TensorSpec)
-            raise ValueError(
-                f"layer {self.layer_idx} {side}: spec is not static; static scales would be ignored"
-            )
+            raise ValueError(f"layer {self.layer_idx} {side}: spec is not static; static scales would be ignored")
         if codebook is not None and spec.kind != "nuq":
             raise ValueError(f"layer {self.layer_idx} {side}: a codebook needs kind='nuq', got {spec.kind!r}")
         what = f"layer {self.layer_idx} {side}"
@@ -288,12 +275,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             spec = store.spec
             if spec.kind in ("int", "nuq") and spec.static and store.static_scale is None:
                 missing.append(f"{side} static scales")
-            if (
-                spec.kind in ("int", "nuq")
-                and spec.static
-                and spec.has_zero_point
-                and store.static_zero is None
-            ):
+            if spec.kind in ("int", "nuq") and spec.static and spec.has_zero_point and store.static_zero is None:
                 missing.append(f"{side} static zero-points")
             if spec.kind == "nuq" and store.codebook is None:
                 missing.append(f"{side} NUQ codebook")
@@ -367,9 +349,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         elif self.checks.due:  # a layer used on its own (QuantizedKVCache checks all its layers at once)
             kv_checks.run_checks([self])
         self.checks.observe(f"layer {self.layer_idx}", key_states, value_states)
-        if not self.is_initialized or (
-            self._repeat_pending and key_states.shape[2] and self.tokens_seen == 0
-        ):
+        if not self.is_initialized or (self._repeat_pending and key_states.shape[2] and self.tokens_seen == 0):
             self.lazy_initialization(key_states, value_states)
         key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
@@ -404,9 +384,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         W, block = self.sliding_window, self.scheme.block
         keep_from = max(0, n - W + 1)
         if self.mode == "quantized":
-            n_blocks = (
-                self.dropped_tokens + self._k.n_quantized
-            ) // block  # flushed_tokens(n) unless cropped
+            n_blocks = (self.dropped_tokens + self._k.n_quantized) // block  # flushed_tokens(n) unless cropped
             target = min(n_blocks, keep_from // block) * block
             for store in (self._k, self._v):
                 store.drop_quantized_front(target - self.dropped_tokens)
@@ -540,13 +518,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
             "position_bytes": 0 if self._k.pos_offset is None else self._k.pos_offset.nbytes,
             "stored_elements": sum(
-                0
-                if s.buffer is None
-                else (s.n_sinks + s.n_quantized + s.n_buffer)
-                * s.buffer.shape[0]
-                * s.buffer.shape[1]
-                * s.buffer.shape[3]
-                for s in (self._k, self._v)
+                0 if s.buffer is None else (s.n_sinks + s.n_quantized + s.n_buffer) * s.buffer.shape[0]
+                * s.buffer.shape[1] * s.buffer.shape[3] for s in (self._k, self._v)
             ),
         }
 

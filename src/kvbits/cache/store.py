@@ -51,12 +51,7 @@ def mergeable(spec: TensorSpec) -> bool:
 
 
 def rope_at(
-    rotary: RotaryTables,
-    x: torch.Tensor,
-    p0: int,
-    *,
-    inverse: bool = False,
-    offset: torch.Tensor | None = None,
+    rotary: RotaryTables, x: torch.Tensor, p0: int, *, inverse: bool = False, offset: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``rotary.rotate`` (``unrotate`` with ``inverse``) of ``x`` ``(B, H, n, D)`` at positions ``p0 ... p0+n-1``,
     without a host sync: the same tables (``RotaryTables`` computes them with the model's rotary module)

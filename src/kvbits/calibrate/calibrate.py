@@ -370,10 +370,7 @@ def fit_artifact(
         meta=meta,
         progress=progress,
     )
-    art.meta["timing_s"] = {
-        "passes": round(s.seconds, 2),
-        "total": round(s.seconds + time.perf_counter() - t0, 2),
-    }
+    art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
     return art
 
 
@@ -423,27 +420,12 @@ def calibrate(
     """
     scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
     samples = collect_samples(
-        model,
-        data,
-        sinks=scheme.sinks,
-        context=context,
-        windows=windows,
-        fisher=fisher,
-        max_tokens=max_tokens,
-        seed=seed,
-        dtype=dtype,
-        device=device,
-        progress=progress,
+        model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
+        max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress,
     )
     art = fit_artifact(
-        samples,
-        scheme,
-        percentile=percentile,
-        kmeans_points=kmeans_points,
-        kmeans_iterations=kmeans_iterations,
-        seed=seed,
-        max_tokens=max_tokens,
-        progress=progress,
+        samples, scheme, percentile=percentile, kmeans_points=kmeans_points,
+        kmeans_iterations=kmeans_iterations, seed=seed, max_tokens=max_tokens, progress=progress,
     )
     if out_dir is not None:
         art.save(out_dir)

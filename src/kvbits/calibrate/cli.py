@@ -122,9 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.evaluate.request import DTYPES
 
     # before the model loads: the scheme, the window sizes, the output folder, the dtype and the device
-    check_calibrate_args(
-        args.scheme, args.context, args.windows, args.out, dtype=args.dtype, device=args.device
-    )
+    check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype, device=args.device)
 
     progress = Progress(
         TextColumn("{task.description}"),

@@ -63,41 +63,21 @@ class TextEntry:
 TEXTS: dict[str, TextEntry] = {
     e.name: e
     for e in (
-        TextEntry(
-            "wikitext2",
-            "wikitext-2-raw/wiki.test.raw",
-            "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c",
-            1_290_547,
-            "WikiText-2 raw, test split (short articles; CRLF line ends)",
-        ),
-        TextEntry(
-            "war-and-peace",
-            "gutenberg/war_and_peace.txt",
-            "dad0428404101a412ea924e47fd5735c2dea528502ecdcf3b45b698248f1691e",
-            3_227_325,
-            "Tolstoy, War and Peace (English): one very long document",
-        ),
-        TextEntry(
-            "moby-dick",
-            "gutenberg/moby-dick.txt",
-            "28ca0e0609fefbcf6d73db5fc9a90554f60c54502f7010328fda66690ec02fe4",
-            1_212_951,
-            "Melville, Moby-Dick (CRLF line ends)",
-        ),
-        TextEntry(
-            "pride-and-prejudice",
-            "gutenberg/pride_and_prejudice.txt",
-            "598a662b54193fed9ddc1065861f4a3ae206b22d449443e8c3ae6a6bf6b88e7b",
-            683_934,
-            "Austen, Pride and Prejudice",
-        ),
-        TextEntry(
-            "ulysses",
-            "gutenberg/ulysses.txt",
-            "3d9fabd9a4ff7269eeebbbc921c73b62e576a3de6d96a4c9d055b551c70734bb",
-            1_524_035,
-            "Joyce, Ulysses",
-        ),
+        TextEntry("wikitext2", "wikitext-2-raw/wiki.test.raw",
+                  "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c", 1_290_547,
+                  "WikiText-2 raw, test split (short articles; CRLF line ends)"),
+        TextEntry("war-and-peace", "gutenberg/war_and_peace.txt",
+                  "dad0428404101a412ea924e47fd5735c2dea528502ecdcf3b45b698248f1691e", 3_227_325,
+                  "Tolstoy, War and Peace (English): one very long document"),
+        TextEntry("moby-dick", "gutenberg/moby-dick.txt",
+                  "28ca0e0609fefbcf6d73db5fc9a90554f60c54502f7010328fda66690ec02fe4", 1_212_951,
+                  "Melville, Moby-Dick (CRLF line ends)"),
+        TextEntry("pride-and-prejudice", "gutenberg/pride_and_prejudice.txt",
+                  "598a662b54193fed9ddc1065861f4a3ae206b22d449443e8c3ae6a6bf6b88e7b", 683_934,
+                  "Austen, Pride and Prejudice"),
+        TextEntry("ulysses", "gutenberg/ulysses.txt",
+                  "3d9fabd9a4ff7269eeebbbc921c73b62e576a3de6d96a4c9d055b551c70734bb", 1_524_035,
+                  "Joyce, Ulysses"),
     )
 }
 
@@ -180,11 +160,8 @@ def _load_hub(spec: str) -> TextSource:
     parts = spec.split(":")
     if len(parts) < 2 or len(parts) > 4 or not parts[1]:
         raise ValueError(f"hub text spec must be 'hub:NAME[:CONFIG[:SPLIT]]', got {spec!r}")
-    name, config, split = (
-        parts[1],
-        (parts[2] if len(parts) > 2 and parts[2] else None),
-        (parts[3] if len(parts) > 3 and parts[3] else "test"),
-    )
+    name, config, split = parts[1], (parts[2] if len(parts) > 2 and parts[2] else None), (
+        parts[3] if len(parts) > 3 and parts[3] else "test")
     try:
         import datasets
     except ImportError:
@@ -198,11 +175,8 @@ def _load_hub(spec: str) -> TextSource:
             f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    column = (
-        "text"
-        if "text" in ds.column_names
-        else next((c for c in ds.column_names if ds.features[c].dtype == "string"), None)
-    )
+    column = "text" if "text" in ds.column_names else next(
+        (c for c in ds.column_names if ds.features[c].dtype == "string"), None)
     if column is None:
         raise ValueError(f"hub dataset {name!r} has no text column; columns: {ds.column_names}")
     rows = ds[column]
@@ -237,9 +211,8 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
     if path.is_file():
         with open(path, "rb") as f:
             raw = f.read()
-        return TextSource(
-            path.stem, _decode(raw, str(path)), hashlib.sha256(raw).hexdigest(), str(path.resolve())
-        )
+        return TextSource(path.stem, _decode(raw, str(path)), hashlib.sha256(raw).hexdigest(),
+                          str(path.resolve()))
     if path.is_dir():
         raise ValueError(f"text {spec!r} is a folder; expected a text file, or one of {sorted(TEXTS)}")
     if "/" in spec or os.sep in spec or path.suffix:  # meant as a path: say the file is missing
@@ -283,9 +256,8 @@ def token_fingerprint(text_source: TextSource, tokenizer: Any) -> str:
     """
     vocab = sorted(tokenizer.get_vocab().items())
     vocab_hash = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
-    key = "|".join(
-        [_TOKEN_CACHE_VERSION, text_source.sha256, type(tokenizer).__name__, str(len(tokenizer)), vocab_hash]
-    )
+    key = "|".join([_TOKEN_CACHE_VERSION, text_source.sha256, type(tokenizer).__name__,
+                    str(len(tokenizer)), vocab_hash])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -318,29 +290,18 @@ def tokenize(text_source: TextSource, tokenizer: Any, *, use_cache: bool = True)
     t0 = time.perf_counter()
     out = tokenizer(text_source.text, add_special_tokens=False, verbose=False)
     ids = torch.tensor(out["input_ids"], dtype=torch.long)
-    logger.info(
-        "tokenized %s: %d chars -> %d tokens in %.1f s",
-        text_source.name,
-        len(text_source.text),
-        ids.numel(),
-        time.perf_counter() - t0,
-    )
+    logger.info("tokenized %s: %d chars -> %d tokens in %.1f s", text_source.name,
+                len(text_source.text), ids.numel(), time.perf_counter() - t0)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=fp + ".", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
-            save_file(
-                {"ids": ids},
-                tmp,
-                metadata={
-                    "version": _TOKEN_CACHE_VERSION,
-                    "text_name": text_source.name,
-                    "text_sha256": text_source.sha256,
-                    "tokenizer": type(tokenizer).__name__,
-                    "n_tokens": str(ids.numel()),
-                },
-            )
+            save_file({"ids": ids}, tmp, metadata={
+                "version": _TOKEN_CACHE_VERSION, "text_name": text_source.name,
+                "text_sha256": text_source.sha256, "tokenizer": type(tokenizer).__name__,
+                "n_tokens": str(ids.numel()),
+            })
             os.replace(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
@@ -367,31 +328,23 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
     import torch
 
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.is_complex():
-        got = (
-            f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}"
-            if isinstance(ids, torch.Tensor)
+        got = f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) \
             else type(ids).__name__
-        )
         raise TypeError(f"ids must be a 1-D integer tensor of shape (N,), got {got}")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
-    if n_windows is not None and (
-        isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1
-    ):
+    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int)
+                                  or n_windows < 1):
         raise ValueError(f"n_windows must be a positive int or None, got {n_windows!r}")
     fit = ids.numel() // context
     if fit == 0:
-        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of context={context} tokens")
+        raise ValueError(
+            f"text has {ids.numel()} tokens, fewer than one window of context={context} tokens"
+        )
     if n_windows is None:
         n_windows = fit
     elif n_windows > fit:
-        logger.warning(
-            "asked for %d windows of %d tokens but the text (%d tokens) holds only %d; using %d",
-            n_windows,
-            context,
-            ids.numel(),
-            fit,
-            fit,
-        )
+        logger.warning("asked for %d windows of %d tokens but the text (%d tokens) holds only %d; "
+                       "using %d", n_windows, context, ids.numel(), fit, fit)
         n_windows = fit
     return ids[: n_windows * context].reshape(n_windows, context).clone()

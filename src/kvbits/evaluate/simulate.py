@@ -166,13 +166,7 @@ def quantized_bounds(
 
 
 def _blocks_fake_quantize(
-    x: torch.Tensor,
-    spec: TensorSpec,
-    block: int,
-    *,
-    clipped: dict[str, int] | None = None,
-    side: str = "",
-    **kw: Any,
+    x: torch.Tensor, spec: TensorSpec, block: int, *, clipped: dict[str, int] | None = None, side: str = "", **kw: Any
 ) -> torch.Tensor:
     """Fake-quantize ``x`` ``(B, H, n*block, D)`` block by block, each block on its own.
 
@@ -227,18 +221,12 @@ def simulated_kv(
         pos = torch.arange(lo, hi, device=k.device)
         pre = rotary.unrotate(k, pos)
         kq = rotary.rotate(
-            _blocks_fake_quantize(
-                pre, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {})
-            ),
+            _blocks_fake_quantize(pre, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {})),
             pos,
         )
     else:
-        kq = _blocks_fake_quantize(
-            k, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {})
-        )
-    vq = _blocks_fake_quantize(
-        v, scheme.value, scheme.block, clipped=clipped, side="values", **(value_kwargs or {})
-    )
+        kq = _blocks_fake_quantize(k, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {}))
+    vq = _blocks_fake_quantize(v, scheme.value, scheme.block, clipped=clipped, side="values", **(value_kwargs or {}))
     return kq, vq
 
 

@@ -383,9 +383,7 @@ def _reduce_kernel(M, L, ACC, OUT, n_split, BLOCK_S: tl.constexpr, D: tl.constex
     m_max = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), 0)
     for s0 in range(0, n_split, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
-        m_max = tl.maximum(
-            m_max, tl.max(tl.load(M + row * n_split + offs, mask=offs < n_split, other=-1.0e30), 0)
-        )
+        m_max = tl.maximum(m_max, tl.max(tl.load(M + row * n_split + offs, mask=offs < n_split, other=-1.0e30), 0))
     offs_d = tl.arange(0, D)
     num = tl.zeros([D], tl.float32)
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)

@@ -207,9 +207,7 @@ def max_positions(config: Any) -> int | None:
         ValueError: the field is not an integer.
     """
     return _int(
-        _get(
-            text_config(config), "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"
-        ),
+        _get(text_config(config), "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"),
         "max_position_embeddings",
     )
 

@@ -23,6 +23,7 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 
 
+
 @dataclass(frozen=True)
 class LayerShape:
     """The KV cache of one decoder layer.

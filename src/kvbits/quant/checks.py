@@ -24,11 +24,7 @@ def check_kv(x: torch.Tensor, what: str = "tensor", *, ndim: int | None = 4) -> 
     if not bool(torch.isfinite(x).all()):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
-        raise ValueError(
-            f"{what} contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to quantize"
-        )
+        raise ValueError(f"{what} contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to quantize")
     amax = float(x.detach().abs().max())
     if amax > FP16_MAX:
-        raise ValueError(
-            f"{what} has |x| up to {amax:.4g}, beyond float16 range ({FP16_MAX}) used for scales"
-        )
+        raise ValueError(f"{what} has |x| up to {amax:.4g}, beyond float16 range ({FP16_MAX}) used for scales")

@@ -39,9 +39,7 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check_range: bool = True) -> to
     if check_range and codes.numel():
         lo, hi = int(codes.min()), int(codes.max())
         if lo < 0 or hi >= 1 << bits:
-            raise ValueError(
-                f"{bits}-bit codes must be in [0, {(1 << bits) - 1}], got values in [{lo}, {hi}]"
-            )
+            raise ValueError(f"{bits}-bit codes must be in [0, {(1 << bits) - 1}], got values in [{lo}, {hi}]")
     n = codes.shape[-1]
     if bits == 8:
         return codes.to(torch.uint8)
@@ -65,9 +63,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
     if packed.shape[-1] != packed_size(n, bits):
-        raise ValueError(
-            f"expected {packed_size(n, bits)} packed bytes for {n} {bits}-bit codes, got {packed.shape[-1]}"
-        )
+        raise ValueError(f"expected {packed_size(n, bits)} packed bytes for {n} {bits}-bit codes, got {packed.shape[-1]}")
     if bits == 8:
         return packed
     lead = packed.shape[:-1]

@@ -101,10 +101,7 @@ class QuantizedTensor:
         elif spec.kind == "int":
             codes = unpack_bits(self.data, spec.bits, D)
             out = _ungroup(
-                dequantize_affine(_group(codes, spec), self.scale, self.zero, spec.bits, torch.float32),
-                spec,
-                n,
-                D,
+                dequantize_affine(_group(codes, spec), self.scale, self.zero, spec.bits, torch.float32), spec, n, D
             ).to(dtype)
         elif spec.kind == "nuq":
             cb = _codebook(codebook if codebook is not None else self.codebook, spec.bits, sync)
@@ -123,9 +120,7 @@ def _codebook(codebook: torch.Tensor | None, bits: int, sync: bool) -> torch.Ten
     """``check_codebook``; with ``sync=False`` only what needs no host sync (present, float16, ``2**bits``
     entries): the caller checked the values once (``QuantizedKVLayer.set_static_qparams``)."""
     if sync or not (
-        isinstance(codebook, torch.Tensor)
-        and codebook.dtype == CODEBOOK_DTYPE
-        and codebook.shape == (2**bits,)
+        isinstance(codebook, torch.Tensor) and codebook.dtype == CODEBOOK_DTYPE and codebook.shape == (2**bits,)
     ):
         return check_codebook(codebook, bits)
     return codebook
@@ -213,14 +208,8 @@ def quantize(
         if mask is not None:
             clipped = clipped & ~mask
         return QuantizedTensor(
-            spec,
-            shape,
-            codes,
-            scale=scale,
-            outlier_values=o_vals,
-            outlier_index=o_idx,
-            clipped=_count(clipped, sync),
-            static=spec.static or spec.granularity == "tensor",
+            spec, shape, codes, scale=scale, outlier_values=o_vals, outlier_index=o_idx,
+            clipped=_count(clipped, sync), static=spec.static or spec.granularity == "tensor",
         )
     if spec.kind not in ("int", "nuq"):
         raise NotImplementedError(f"quantize for kind={spec.kind!r} is not implemented")
@@ -244,16 +233,8 @@ def quantize(
         clipped = clipped & ~mg
     packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits, check_range=False)  # clamped: no sync
     return QuantizedTensor(
-        spec,
-        shape,
-        packed,
-        scale=scale,
-        zero=zero,
-        outlier_values=o_vals,
-        outlier_index=o_idx,
-        clipped=_count(clipped, sync),
-        static=spec.static,
-        codebook=codebook if spec.kind == "nuq" else None,
+        spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
+        clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
     )
 
 
@@ -280,9 +261,7 @@ def _check_head_dim(x: torch.Tensor) -> None:
     """``ValueError`` for a block with no channels (``D = 0``): nothing to scale, no row to pack. Empty
     batches, heads or token counts are fine (``check_kv`` lets them through too)."""
     if x.dim() != 4 or x.shape[3] < 1:
-        raise ValueError(
-            f"K/V block must be (B, H_kv, T, D) with head_dim D >= 1, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"K/V block must be (B, H_kv, T, D) with head_dim D >= 1, got shape {tuple(x.shape)}")
 
 
 def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:
@@ -305,9 +284,7 @@ def check_static_scale(scale: torch.Tensor, what: str, *, positive: bool = False
     if bool(bad.any()):
         allowed = "finite and > 0" if positive else "finite and >= 0"
         first = float(s.flatten()[bad.flatten()][0])
-        raise ValueError(
-            f"{what} must be {allowed}; {int(bad.sum())} of {s.numel()} entries are not (e.g. {first})"
-        )
+        raise ValueError(f"{what} must be {allowed}; {int(bad.sum())} of {s.numel()} entries are not (e.g. {first})")
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:
@@ -344,10 +321,7 @@ def _static_qparams(
         raise ValueError("an asymmetric static spec needs static_zero as well as static_scale")
     H, D = x.shape[1], x.shape[3]
     out = []
-    for name, t in (
-        ("static_scale", static_scale),
-        ("static_zero", static_zero if spec.has_zero_point else None),
-    ):
+    for name, t in (("static_scale", static_scale), ("static_zero", static_zero if spec.has_zero_point else None)):
         if t is None:
             out.append(None)
             continue
@@ -359,10 +333,8 @@ def _static_qparams(
         except RuntimeError:
             ok = False
         if not ok:
-            raise ValueError(
-                f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
-                f"groups {tuple(grouped)} of a block {tuple(x.shape)}"
-            )
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
+                             f"groups {tuple(grouped)} of a block {tuple(x.shape)}")
         t = t.to(x.device, META_DTYPE)
         if check and name == "static_scale":
             check_static_scale(t, name)
@@ -382,9 +354,7 @@ def select_outliers(
     k = outlier_count(D, spec.outlier_frac)
     if not k:
         return None, None, None
-    score = (
-        None if static_qp is None else _ungroup(_static_score(_group(x, spec), spec, *static_qp), spec, n, D)
-    )
+    score = None if static_qp is None else _ungroup(_static_score(_group(x, spec), spec, *static_qp), spec, n, D)
     return gather_outliers(x, k, score=score)
 
 

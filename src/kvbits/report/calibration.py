@@ -227,12 +227,7 @@ def calibration_table(rows: list[CalibrationRow], clip_threshold: float = CLIP_W
         )
     return TableData(
         headers=(
-            "scheme",
-            "artifact",
-            "calibrated on",
-            "calibrated length",
-            "clipped keys",
-            "clipped values",
+            "scheme", "artifact", "calibrated on", "calibrated length", "clipped keys", "clipped values",
             "positions beyond calibrated",
         ),
         rows=tuple(out),

@@ -89,14 +89,8 @@ def decode_note(run: RunSummary) -> str | None:
 
 
 def build_document(
-    run: RunSummary,
-    config: Mapping[str, Any],
-    figures: Mapping[str, Path],
-    failed: Mapping[str, str],
-    plot_note: str,
-    threshold: float,
-    out_dir: Path,
-    has_tokens: bool,
+    run: RunSummary, config: Mapping[str, Any], figures: Mapping[str, Path], failed: Mapping[str, str],
+    plot_note: str, threshold: float, out_dir: Path, has_tokens: bool,
 ) -> list[Block]:
     ctx = fmt_pos(run.context)
     ctx = "unknown context" if not run.context else f"{ctx} context" if "K" in ctx else f"{ctx}-token context"

@@ -47,14 +47,11 @@ def _cls(*names: str) -> str:
 
 
 def _html_table(t: TableData) -> str:
-    head = "".join(
-        f"<th{_cls('r' if i in t.right else '')}>{html.escape(h)}</th>" for i, h in enumerate(t.headers)
-    )
+    head = "".join(f"<th{_cls('r' if i in t.right else '')}>{html.escape(h)}</th>" for i, h in enumerate(t.headers))
     rows = [f"<tr>{head}</tr>"]
     for row in t.rows:
         tds = "".join(
-            f"<td{_cls('r' if i in t.right else '', c.tone)}>{html.escape(c.text)}</td>"
-            for i, c in enumerate(row)
+            f"<td{_cls('r' if i in t.right else '', c.tone)}>{html.escape(c.text)}</td>" for i, c in enumerate(row)
         )
         rows.append(f"<tr>{tds}</tr>")
     cap = f'<p class="caption">{_inline(t.caption)}</p>' if t.caption else ""
@@ -69,13 +66,7 @@ def to_html(blocks: list[Block], title: str) -> str:
             body.append(f"<h{b.level}>{html.escape(b.text)}</h{b.level}>")
             after_verdict = b.text == "Verdict"
         elif isinstance(b, Para):
-            cls = (
-                ' class="verdict"'
-                if after_verdict
-                else ' class="warning"'
-                if b.text.startswith("Warning:")
-                else ""
-            )
+            cls = ' class="verdict"' if after_verdict else ' class="warning"' if b.text.startswith("Warning:") else ""
             body.append(f"<p{cls}>{_inline(b.text)}</p>")
             after_verdict = False
         elif isinstance(b, Meta):

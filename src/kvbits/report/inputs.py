@@ -91,9 +91,7 @@ def reproduce_command(config: Mapping[str, Any], run: RunSummary, out_dir: str |
     cmd = config.get("command")
     if isinstance(cmd, str) and cmd.strip():
         return cmd.strip()
-    argv = (
-        config.get("argv") if isinstance(config.get("argv"), list) else cmd if isinstance(cmd, list) else None
-    )
+    argv = config.get("argv") if isinstance(config.get("argv"), list) else cmd if isinstance(cmd, list) else None
     if argv:
         argv = [str(a) for a in argv]
         if Path(argv[0]).name in ("kvbits", "__main__.py", "cli.py", "python", "python3"):
@@ -102,13 +100,8 @@ def reproduce_command(config: Mapping[str, Any], run: RunSummary, out_dir: str |
     args = dict(_args(config))
     if not args:
         args = {
-            "model": run.model,
-            "data": run.data,
-            "context": run.context,
-            "windows": run.windows,
-            "schemes": [r.name for r in run.results],
-            "mode": run.mode,
-            "semantics": run.semantics,
+            "model": run.model, "data": run.data, "context": run.context, "windows": run.windows,
+            "schemes": [r.name for r in run.results], "mode": run.mode, "semantics": run.semantics,
         }
     if out_dir is not None and "out" not in args and "out_dir" not in args:
         args["out"] = str(out_dir)

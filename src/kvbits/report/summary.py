@@ -43,20 +43,11 @@ class Bucket:
         if not _ok(delta) and _ok(ppl) and _ok(ppl_ref) and ppl_ref > 0:
             delta = ppl / ppl_ref - 1
         ci = d.get("delta_rel_ci") or (None, None)
-        ci_t = (
-            (_num(ci[0]), _num(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else (math.nan,) * 2
-        )
+        ci_t = (_num(ci[0]), _num(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else (math.nan,) * 2
         tokens = _num(d.get("tokens"))
         return cls(
-            lo=int(d["lo"]),
-            hi=int(d["hi"]),
-            tokens=int(tokens) if _ok(tokens) else 0,
-            ppl=ppl,
-            ppl_ref=ppl_ref,
-            delta=delta,
-            ci=ci_t,
-            kl=_num(d.get("kl")),
-            top1=_num(d.get("top1")),
+            lo=int(d["lo"]), hi=int(d["hi"]), tokens=int(tokens) if _ok(tokens) else 0, ppl=ppl,
+            ppl_ref=ppl_ref, delta=delta, ci=ci_t, kl=_num(d.get("kl")), top1=_num(d.get("top1")),
         )
 
 
@@ -123,15 +114,9 @@ class SchemeResult:
             for i, a in enumerate(d.get("attn_error") or ())
         )
         return cls(
-            name=str(d.get("scheme", "?")),
-            avg_bits=_num(d.get("avg_bits")),
-            ppl=_num(d.get("ppl")),
-            ppl_ref=_num(d.get("ppl_ref")),
-            kl=_num(d.get("kl")),
-            top1=_num(d.get("top1")),
-            seconds=_num(d.get("seconds")),
-            buckets=buckets,
-            attn=attn,
+            name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")), ppl=_num(d.get("ppl")),
+            ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
+            seconds=_num(d.get("seconds")), buckets=buckets, attn=attn,
             calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
             decode=dict(d["decode"]) if isinstance(d.get("decode"), Mapping) else None,
         )
@@ -160,17 +145,13 @@ class RunSummary:
             raise TypeError(f"summary must be a mapping (parsed summary.json), got {type(d).__name__}")
         ctx, win = _num(d.get("context")), _num(d.get("windows"))
         return cls(
-            model=str(d.get("model", "?")),
-            data=str(d.get("data", "?")),
-            context=int(ctx) if _ok(ctx) else 0,
-            semantics=str(d.get("semantics", "?")),
-            mode=str(d.get("mode", "?")),
-            windows=int(win) if _ok(win) else 0,
+            model=str(d.get("model", "?")), data=str(d.get("data", "?")),
+            context=int(ctx) if _ok(ctx) else 0, semantics=str(d.get("semantics", "?")),
+            mode=str(d.get("mode", "?")), windows=int(win) if _ok(win) else 0,
             fingerprint=dict(d.get("fingerprint") or {}),
             results=tuple(SchemeResult.from_dict(r) for r in d.get("results") or ()),
             reference_seconds=_num(d.get("reference_seconds")),
-            peak_rss_bytes=_num(d.get("peak_rss_bytes")),
-            peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
+            peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
             run_peak_rss_bytes=_num(d.get("run_peak_rss_bytes")),
         )
 

@@ -98,8 +98,7 @@ def delta_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFA
             cells.append(Cell(fmt_pct(b.delta) + (f" {ci}" if ci else ""), _tone(b.delta, threshold)))
         rows.append(tuple(cells))
     return TableData(
-        headers=("scheme", "bits", *(bucket_label(*s) for s in spans)),
-        rows=tuple(rows),
+        headers=("scheme", "bits", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 2 + len(spans))),
         caption=f"ΔPPL by position of the predicted token, % [95% CI]; above {fmt_pct(threshold, 0)} marked.",
     )
@@ -128,10 +127,8 @@ def metric_table(summary: RunSummary | Mapping[str, Any], metric: str) -> TableD
         "ppl": "Perplexity by position.",
     }
     return TableData(
-        headers=("scheme", *(bucket_label(*s) for s in spans)),
-        rows=tuple(rows),
-        right=frozenset(range(1, 1 + len(spans))),
-        caption=captions[metric],
+        headers=("scheme", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
+        right=frozenset(range(1, 1 + len(spans))), caption=captions[metric],
     )
 
 
@@ -140,27 +137,16 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
     run = RunSummary.coerce(summary)
     rows = [
         (
-            Cell(r.name),
-            Cell(fmt_float(r.avg_bits, 2)),
-            Cell(fmt_float(r.ppl)),
-            Cell(fmt_float(r.ppl_ref)),
-            Cell(fmt_pct(r.delta), _tone(r.delta, threshold)),
-            Cell(fmt_kl(r.kl)),
-            Cell(fmt_frac(r.top1)),
+            Cell(r.name), Cell(fmt_float(r.avg_bits, 2)), Cell(fmt_float(r.ppl)), Cell(fmt_float(r.ppl_ref)),
+            Cell(fmt_pct(r.delta), _tone(r.delta, threshold)), Cell(fmt_kl(r.kl)), Cell(fmt_frac(r.top1)),
             Cell(fmt_float(r.seconds, 1)),
         )
         for r in run.results
     ]
-    ref_s = (
-        f" The unquantized reference pass took {run.reference_seconds:.1f} s."
-        if _ok(run.reference_seconds)
-        else ""
-    )
+    ref_s = f" The unquantized reference pass took {run.reference_seconds:.1f} s." if _ok(run.reference_seconds) else ""
     return TableData(
-        headers=("scheme", "avg bits", "PPL", "ref PPL", "ΔPPL", "KL", "top-1", "seconds"),
-        rows=tuple(rows),
-        right=frozenset(range(1, 8)),
-        caption="Whole context, all windows." + ref_s,
+        headers=("scheme", "avg bits", "PPL", "ref PPL", "ΔPPL", "KL", "top-1", "seconds"), rows=tuple(rows),
+        right=frozenset(range(1, 8)), caption="Whole context, all windows." + ref_s,
     )
 
 
@@ -178,8 +164,7 @@ def attn_table(summary: RunSummary | Mapping[str, Any]) -> TableData | None:
             cells += [Cell(_fmt_err(by_span.get(s, math.nan))) for s in spans]
             rows.append(tuple(cells))
     return TableData(
-        headers=("scheme", "layer", *(bucket_label(*s) for s in spans)),
-        rows=tuple(rows),
+        headers=("scheme", "layer", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 2 + len(spans))),
         caption="Relative error ‖o − o_ref‖ / ‖o_ref‖ of the attention output, by position.",
     )

@@ -73,9 +73,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         if len(vals) >= 2:
             first, last = vals[0].delta, vals[-1].delta
             if last - first > max(threshold / 4, abs(first)):
-                grows.append(
-                    f"**{r.name}** ({fmt_pct(first)} at {vals[0].label} → {fmt_pct(last)} at {vals[-1].label})"
-                )
+                grows.append(f"**{r.name}** ({fmt_pct(first)} at {vals[0].label} → {fmt_pct(last)} at {vals[-1].label})")
     if grows:
         parts.append("Damage grows along the context for " + ", ".join(grows) + ".")
     if no_data:

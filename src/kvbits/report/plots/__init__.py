@@ -57,13 +57,8 @@ PLOT_FILES = {  # key (also the file stem) → what the figure shows, for captio
 
 
 def make_plots(
-    run: RunSummary,
-    out_dir: Path,
-    tokens: TokenArrays | None = None,
-    *,
-    threshold: float = DEFAULT_THRESHOLD,
-    smooth: int = 256,
-    strict: bool = False,
+    run: RunSummary, out_dir: Path, tokens: TokenArrays | None = None, *,
+    threshold: float = DEFAULT_THRESHOLD, smooth: int = 256, strict: bool = False,
 ) -> tuple[dict[str, Path], dict[str, str]]:
     """Write every figure that the run has data for into ``out_dir``.
 
@@ -77,8 +72,7 @@ def make_plots(
     jobs: dict[str, Any] = {}
     if run.bucket_spans:
         jobs["ppl_vs_position"] = lambda p: plot_ppl_position(
-            run, tokens, p, smooth=smooth, threshold=threshold
-        )
+            run, tokens, p, smooth=smooth, threshold=threshold)
         jobs["delta_heatmap"] = lambda p: plot_delta_heatmap(run, p, threshold=threshold)
         jobs["kl_by_bucket"] = lambda p: plot_kl(run, p)
     if any(math.isfinite(r.avg_bits) for r in run.results):

@@ -44,7 +44,7 @@ def plot_attn_error(run: RunSummary, path: Path, *, max_panels: int = 9) -> Path
         log_lines(ax, series, colors, labels)
         ax.set_title(f"layer {layer}", fontsize=10)
         ax.tick_params(axis="x", labelsize=8, labelrotation=30)
-    for ax in axes[len(layers) :]:
+    for ax in axes[len(layers):]:
         ax.set_visible(False)
     handles, names = unique_legend(axes[: len(layers)])
     fig.legend(handles, names, loc="outside lower center", ncol=min(6, len(names)), fontsize=8)

@@ -69,20 +69,8 @@ def save_png(fig: Any, path: Path) -> Path:
 
 def scheme_colors(run: RunSummary) -> dict[str, str]:
     """One stable colour per scheme across all figures; unquantized schemes are grey."""
-    palette = (
-        "#1f77b4",
-        "#ff7f0e",
-        "#2ca02c",
-        "#d62728",
-        "#9467bd",
-        "#8c564b",
-        "#e377c2",
-        "#bcbd22",
-        "#17becf",
-        "#393b79",
-        "#637939",
-        "#843c39",
-    )
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39")
     out, i = {}, 0
     for r in run.results:
         if r.is_baseline:
@@ -171,14 +159,7 @@ def log_lines(ax: Any, series: dict[str, list[float]], colors: dict[str, str], l
         pos = np.isfinite(y) & (y > 0)
         if not pos.any():
             zero = bool(np.any(y == 0))
-            ax.plot(
-                [],
-                [],
-                color=colors[name],
-                marker="o",
-                ls="",
-                label=f"{name} ({'all zero' if zero else 'no data'})",
-            )
+            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{name} ({'all zero' if zero else 'no data'})")
             continue
         any_pos = True
         ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=name)

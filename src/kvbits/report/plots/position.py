@@ -26,11 +26,7 @@ __all__ = ["plot_ppl_position"]
 
 
 def plot_ppl_position(
-    run: RunSummary,
-    tokens: TokenArrays | None,
-    path: Path,
-    *,
-    smooth: int = 256,
+    run: RunSummary, tokens: TokenArrays | None, path: Path, *, smooth: int = 256,
     threshold: float = DEFAULT_THRESHOLD,
 ) -> Path:
     """Two panels sharing the position axis: PPL (with the reference) and ΔPPL %.
@@ -85,33 +81,16 @@ def plot_ppl_position(
             by = [b.delta * 100 for b in known]
             err_lo = [max(0.0, (b.delta - b.ci[0]) * 100) if math.isfinite(b.ci[0]) else 0.0 for b in known]
             err_hi = [max(0.0, (b.ci[1] - b.delta) * 100) if math.isfinite(b.ci[1]) else 0.0 for b in known]
-            ax_d.errorbar(
-                [(b.lo + b.hi) / 2 for b in known],
-                by,
-                yerr=[err_lo, err_hi],
-                fmt="o",
-                ms=5,
-                color=c,
-                mec="white",
-                capsize=3,
-                zorder=6,
-            )
+            ax_d.errorbar([(b.lo + b.hi) / 2 for b in known], by, yerr=[err_lo, err_hi], fmt="o", ms=5,
+                          color=c, mec="white", capsize=3, zorder=6)
             deltas += by
     if not ref_drawn:
         for i, (lo, hi) in enumerate(spans):
             refs = [b.ppl_ref for r in run.results for b in r.buckets if (b.lo, b.hi) == (lo, hi)]
             refs = [v for v in refs if math.isfinite(v)]
             if refs:
-                ax_p.hlines(
-                    refs[0],
-                    lo,
-                    hi,
-                    color="black",
-                    lw=1.6,
-                    ls="--",
-                    label="reference" if i == 0 else None,
-                    zorder=5,
-                )
+                ax_p.hlines(refs[0], lo, hi, color="black", lw=1.6, ls="--",
+                            label="reference" if i == 0 else None, zorder=5)
     finite_ppl = [p for p in ppls if math.isfinite(p) and p > 0]
     if finite_ppl and max(finite_ppl) / min(finite_ppl) > 4:
         ax_p.set_yscale("log")

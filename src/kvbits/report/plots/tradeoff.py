@@ -46,28 +46,13 @@ def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THR
                 ax.plot([r.avg_bits] * 2, [overall, worst], color=c, lw=1, zorder=3)
         y_lab = overall if math.isfinite(overall) else worst
         if math.isfinite(y_lab):
-            ax.annotate(
-                r.name,
-                (r.avg_bits, y_lab),
-                xytext=(8, 4),
-                textcoords="offset points",
-                fontsize=9,
-                color=c,
-                zorder=5,
-                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85},
-            )
+            ax.annotate(r.name, (r.avg_bits, y_lab), xytext=(8, 4), textcoords="offset points",
+                        fontsize=9, color=c, zorder=5,
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
     front = _pareto(pts)
     if len(front) > 1:
-        ax.step(
-            [p[0] for p in front],
-            [p[1] for p in front],
-            where="post",
-            color="#999999",
-            lw=1,
-            ls="--",
-            zorder=2,
-            label="Pareto front (overall)",
-        )
+        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="#999999", lw=1,
+                ls="--", zorder=2, label="Pareto front (overall)")
     ax.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_pct(threshold, 0)} budget")
     ax.axhline(0, color="black", lw=0.8)
     ax.plot([], [], "o", color="#444", label="overall ΔPPL")
