@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench.checks import _quantize, _spec
+from gpu_bench.checks import _quantize, _spec, fp64_truth, passes
 
-from kvbits.kernels.reference import decode_attention_reference, dequantize_packed, pack_store
+from kvbits.kernels.reference import dequantize_packed, pack_store
 
 
 def build(dev, B, H, G, D, T_q, T_f, key, value, rope: bool, seed: int = 0):
@@ -130,13 +129,7 @@ def main() -> None:
         if name not in built:
             built[name] = build(dev, B, H, G, D, T_q, T_f, *stores[name])
         store, q = built[name]
-        truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-        err_pt = (
-            (decode_attention_reference(q.half(), store, dtype=torch.float16).double() - truth)
-            .abs()
-            .max()
-            .item()
-        )
+        truth, err_pt = fp64_truth(q, store)
         t1 = time.time()
         try:
             out = decode_attention_triton(q.half(), store, **kw)
@@ -145,7 +138,7 @@ def main() -> None:
             e = (out.double() - truth).abs()
             err = e.max().item()
             per_b = e.amax(dim=(1, 2, 3)).tolist()
-            ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
+            ok = passes(err, err_pt)
             rows.append({"case": name, "launch": kw, "err": err, "err_torch_fp16": err_pt, "ok": ok,
                          "err_per_sequence": per_b, "s": round(time.time() - t1, 1)})  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - recorded

@@ -28,6 +28,19 @@ def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
     return quantize(x, spec, codebook=(u.abs() ** 1.5 * u.sign()).half().to(x.device))
 
 
+def fp64_truth(q: torch.Tensor, store) -> tuple[torch.Tensor, float]:
+    """The float64 reference output for queries ``q (B, H_q, 1, D)`` over ``store``, and torch's max error
+    against it at float16: the yardstick of the flash-attention criterion (``passes``)."""
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    half = decode_attention_reference(q.half(), store, dtype=torch.float16)
+    return truth, (half.double() - truth).abs().max().item()
+
+
+def passes(err: float, err_pt: float) -> bool:
+    """Step 2's criterion: the kernel's error is finite and at most twice torch's at float16 (+ 1e-5)."""
+    return math.isfinite(err) and err <= 2 * err_pt + 1e-5
+
+
 def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | None = None) -> list[dict]:
     """Each kernel variant vs float64 on this device, at the KV shapes named (default all of ``SHAPES``):
     a row per (shape, variant) with ``ok``. A failure is printed and recorded, not raised: one wrong variant
@@ -109,13 +122,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                     **masks,
                 )
             q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)
-            truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-            err_pt = (
-                (decode_attention_reference(q.half(), store, dtype=torch.float16).double() - truth)
-                .abs()
-                .max()
-                .item()
-            )
+            truth, err_pt = fp64_truth(q, store)
             qh = q.half()
             poison_free_memory(dev)  # an output element the kernel does not write reads NaN: not finite, FAIL
             try:
@@ -126,7 +133,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 print(f"  check {shape_name:13s} {name:18s} did not launch: {results[-1]['error']}")
                 continue
             err = (out.double() - truth).abs().max().item()
-            ok = math.isfinite(err) and err <= 2 * err_pt + 1e-5
+            ok = passes(err, err_pt)
             results.append(
                 {"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok}
             )
