@@ -174,7 +174,7 @@ TUNE_PROGRAMS_PER_SM = (8, 32)  # split counts beyond the default 2 programs per
 def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
     """``(block_t, num_warps, num_stages, programs_per_sm)`` to time at head dim ``D``: the default launch
     first (``launch_defaults``; ``None``: the default split count, 2 programs per SM), then the default
-    with other split counts (``TUNE_PROGRAMS_PER_SM``: the H200 run found the kernel latency-bound), then
+    with other split counts (``TUNE_PROGRAMS_PER_SM``: on the H200 the kernel was bound by its per-tile cost, not bandwidth), then
     by how many of the three launch parameters differ from it (a run cut short keeps the nearest)."""
     from kvbits.kernels.triton_decode import launch_defaults
 
