@@ -125,6 +125,12 @@ def test_layers_without_kv_are_skipped_by_analyze_and_refused_by_calibrate():
         find_kv_sites(model)
 
 
+TINY_BART = {  # an encoder-decoder whose decoder layers hold self- and cross-attention
+    "vocab_size": 64, "d_model": 32, "encoder_layers": 1, "decoder_layers": 2, "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32,
+}  # fmt: skip
+
+
 def _same_layer_twice():
     model = build(transformers.LlamaConfig(**BASE))
     model.model.layers[1].self_attn.layer_idx = 0
@@ -132,10 +138,7 @@ def _same_layer_twice():
 
 
 def _cross_attention():
-    cfg = transformers.BartConfig(
-        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-    )  # fmt: skip
+    cfg = transformers.BartConfig(**TINY_BART)
     torch.manual_seed(0)
     model = transformers.BartForCausalLM(cfg).eval()
     return model, r"self_attn and model\.decoder\.layers\.0\.encoder_attn are both attention layer 0"
@@ -260,10 +263,7 @@ def test_encoder_decoder_cross_attention_is_still_refused():
     """The decoder of an encoder-decoder model holds self- and cross-attention on each layer: refused, as
     for the decoder alone (``BartForCausalLM``, in the refusals above), not read from the decoder's
     self-attention only."""
-    cfg = transformers.BartConfig(
-        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-    )  # fmt: skip
+    cfg = transformers.BartConfig(**TINY_BART)
     torch.manual_seed(0)
     model = transformers.BartForConditionalGeneration(cfg).eval()
     message = r"model\.decoder\.layers\.0\.self_attn and model\.decoder\.layers\.0\.encoder_attn are both attention layer 0"
