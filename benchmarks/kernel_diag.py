@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench.checks import _quantize, _spec, fp64_truth, passes
+from gpu_bench.checks import _quantize, _spec, fp64_truth, passes, pre_rope_args
 
 from kvbits.kernels.reference import dequantize_packed, pack_store
 
@@ -38,13 +38,7 @@ def build(dev, B, H, G, D, T_q, T_f, key, value, rope: bool, seed: int = 0):
     vq = torch.randn(B, H, T_q, D, generator=gen)
     kf = torch.randn(B, H, T_f, D, generator=gen).half().to(dev)
     vf = torch.randn(B, H, T_f, D, generator=gen).half().to(dev)
-    extra = {}
-    if rope:
-        inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        f = torch.arange(T_q + T_f + 4, dtype=torch.float64)[:, None] * inv
-        emb = torch.cat([f, f], -1)
-        extra = {"rope_cos": emb.cos().float().to(dev), "rope_sin": emb.sin().float().to(dev),
-                 "quant_pos0": [4] * B}  # fmt: skip
+    extra = pre_rope_args(D, T_q + T_f + 4, B, dev) if rope else {}
     store = pack_store([_quantize(kq.to(dev), key)], [_quantize(vq.to(dev), value)], kf, vf,
                        quant_lens=[T_q, T_q // 2, T_q // 4 * 3][:B], full_lens=[T_f, T_f // 2, 1][:B], **extra)  # fmt: skip
     q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)

@@ -28,6 +28,15 @@ def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
     return quantize(x, spec, codebook=(u.abs() ** 1.5 * u.sign()).half().to(x.device))
 
 
+def pre_rope_args(D: int, positions: int, B: int, dev: torch.device) -> dict:
+    """``pack_store`` arguments of pre-RoPE keys for the checks: full-width rotate-half tables (theta 1e6)
+    of ``positions`` rows, float32 on ``dev``, and quantized slot 0 of every sequence at position 4."""
+    inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(positions, dtype=torch.float64)[:, None] * inv
+    emb = torch.cat([f, f], -1)
+    return {"rope_cos": emb.cos().float().to(dev), "rope_sin": emb.sin().float().to(dev), "quant_pos0": [4] * B}
+
+
 def fp64_truth(q: torch.Tensor, store) -> tuple[torch.Tensor, float]:
     """The float64 reference output for queries ``q (B, H_q, 1, D)`` over ``store``, and torch's max error
     against it at float16: the yardstick of the flash-attention criterion (``passes``)."""
@@ -96,16 +105,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
             if specs is None:
                 store = pack_store([], [], kf, vf, **ragged)
             else:
-                rope = {}
-                if specs.get("rope"):
-                    inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-                    f = torch.arange(T_q + T_f + 4, dtype=torch.float64)[:, None] * inv
-                    emb = torch.cat([f, f], -1)
-                    rope = {
-                        "rope_cos": emb.cos().float().to(dev),
-                        "rope_sin": emb.sin().float().to(dev),
-                        "quant_pos0": [4] * B,
-                    }
+                rope = pre_rope_args(D, T_q + T_f + 4, B, dev) if specs.get("rope") else {}
                 masks = {}
                 if specs.get("mask"):  # sequence 1 left-padded past its sinks; one more slot of sequence 0
                     qm, fm = torch.ones(B, T_q, dtype=torch.bool), torch.ones(B, T_f, dtype=torch.bool)
