@@ -669,6 +669,107 @@ def test_whole_row_path_never_runs_16_token_tiles(monkeypatch, D: int, kw: dict,
     assert max_err(out, truth) <= 2 * err_pt + 1e-6
 
 
+F16_SPECS = [  # (spec, block_t): one scale row per tile, several per tile, per token, static, per block
+    (spec(4, "channel", 32), 32),
+    (spec(4, "channel", 32), 64),
+    (spec(2, "channel", 32), 64),
+    (spec(8, "channel", 16), 32),
+    (spec(4, "token", 32), 32),
+    (spec(2, "token", 16), 64),
+    (spec(8, "token"), 32),
+    (spec(4, "token", 32, symmetric=True), 32),
+    (spec(2, "channel", None, static=True), 32),
+    (spec(4, "head"), 32),
+    (spec(8, "tensor", symmetric=True), 64),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "s,block_t", F16_SPECS, ids=[f"{s.granularity}{s.group_size or ''}-int{s.bits}-bt{b}" for s, b in F16_SPECS]
+)
+def test_f16_dequant_rounds_once_to_float16(s: TensorSpec, block_t: int):
+    """``_load_rows16`` (``dequant="f16"``): int32 words, magic-number codes, one float16 fused multiply-add:
+    every value is the exact ``code * scale + zero`` rounded once to float16, at every slot of a 96-token
+    store (a partial last tile at ``block_t = 64``)."""
+    g = torch.Generator().manual_seed(7 * s.bits + block_t)
+    x = (torch.randn(2, 2, 96, 64, generator=g) * (1 + 4 * (torch.arange(64) < 4))).to(DEVICE)
+    n = s.group_size if s.granularity == "channel" and s.group_size else 16  # tokens per quantized block
+    blocks = [quantize(x[:, :, a : a + n], s, **extras(s, x)) for a in range(0, 96, n)]
+    p = pack_store(blocks, blocks).key
+    assert triton_decode.f16_ok(p, block_t, torch.float16)
+    got = triton_decode.dequantize_packed_triton(p, block_t=block_t, dequant="f16")
+    want = dequantize_packed(p, dtype=torch.float64).half()
+    assert torch.equal(got.half(), want), float((got - want.float()).abs().max())
+
+
+class _LaunchSpy:
+    """Records the constexprs of every ``_decode_kernel`` launch, then launches it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **meta):
+            self.seen.append(meta)
+            return self.kernel[grid](*args, **meta)
+
+        return launch_
+
+
+F16_CASES = [  # (name, make_store kwargs, query dtype, (F16_K, F16_V) expected)
+    ("int4-kivi", {"key_spec": spec(4, "channel", 32), "value_spec": spec(4, "token", 32)}, torch.float16,
+     (True, True)),
+    ("int8-kivi", {"key_spec": spec(8, "channel", 32), "value_spec": spec(8, "token", 32)}, torch.float16,
+     (True, True)),
+    ("int2-kivi-d128", {"key_spec": spec(2, "channel", 32), "value_spec": spec(2, "token", 32), "D": 128},
+     torch.float16, (True, True)),
+    ("int4-token-keys", {"key_spec": spec(4, "token"), "value_spec": spec(4, "token")}, torch.float16, (True, True)),
+    ("pre-rope-keys", {"key_spec": spec(4, "channel", 32), "value_spec": spec(4, "token", 32), "rope": True},
+     torch.float16, (False, True)),  # RoPE rotates float32 rows: keys stay on _load_rows
+    ("outlier-keys", {"key_spec": spec(4, "channel", 32, outlier_frac=0.03), "value_spec": spec(4, "token", 32)},
+     torch.float16, (False, True)),
+    ("nuq-values", {"key_spec": spec(4, "channel", 32), "value_spec": nuq(4, "token")}, torch.float16, (True, False)),
+    ("bf16-queries", {"key_spec": spec(4, "channel", 32), "value_spec": spec(4, "token", 32)}, torch.bfloat16,
+     (False, False)),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("name,kw,dtype,want", F16_CASES, ids=[c[0] for c in F16_CASES])
+def test_decode_f16_dequant(monkeypatch, name: str, kw: dict, dtype: torch.dtype, want: tuple[bool, bool]):
+    """``dequant="f16"`` takes the sides it can (and only those) and stays within twice torch's error at
+    float16; on a ragged, left-padded batch it equals the float32 path up to the dots' rounding."""
+    spy = _LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    store = make_store(g, quant_lens=[160, 96], full_lens=[40, 9], **kw)
+    store.quant_mask = torch.ones(2, 160, dtype=torch.bool, device=store.device)
+    store.quant_mask[1, :20] = False  # sequence 1 left-padded
+    D = store.head_dim
+    q = (torch.randn(2, 6, 1, D, generator=g) * 1.5).to(DEVICE).to(dtype)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=dtype), truth)
+    out = triton_decode.decode_attention_triton(q, store, splits=2, dequant="f16")
+    assert (spy.seen[-1].get("F16_K", False), spy.seen[-1].get("F16_V", False)) == want
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    ref32 = triton_decode.decode_attention_triton(q, store, splits=2)
+    assert max_err(out, ref32) <= err_pt + 1e-6
+
+
+@needs_triton
+def test_dequant_mode_is_checked():
+    g = torch.Generator().manual_seed(3)
+    store = make_store(g)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    with pytest.raises(ValueError, match="dequant must be one of"):
+        triton_decode.decode_attention_triton(q, store, dequant="fp16")
+    with pytest.raises(ValueError, match="cannot read this side"):
+        triton_decode.dequantize_packed_triton(
+            make_store(g, key_spec=spec(3, "channel", 32)).key, dequant="f16"
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # The GPU benchmark script runs (tiny sizes, CPU: reference timings + interpreter checks)
 # --------------------------------------------------------------------------------------------------

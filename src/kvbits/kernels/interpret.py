@@ -47,6 +47,8 @@ def enable_interpreter() -> None:
       NumPy 2.4 turned into a ``TypeError``, so every loop with a runtime bound fails
       (triton-lang/triton#9171; fixed upstream with ``.squeeze()``, Triton 3.6 still has it). The shim
       re-defines that one conversion.
+    - ``tl.fma`` rounds once, as on the GPU (``_create_fma``); the interpreter's own rounds the product too.
+    - ``tl.dot`` of bfloat16 operands multiplies their values, not their uint16 bit patterns.
 
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
@@ -70,4 +72,40 @@ def enable_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interp._patch_lang_tensor = patch_lang_tensor
+    interp.InterpreterBuilder.create_fma = _create_fma
+    original_dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        # bfloat16 operands are uint16 bit patterns in the interpreter, and its dot multiplies those
+        # integers (its float8 branch converts; bfloat16 has none): widen them to float32 first
+        a, b = (_bf16_as_f32(interp, x) for x in (a, b))
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
     _PATCHED = True
+
+
+def _bf16_as_f32(interp, x):
+    """A bfloat16 ``TensorHandle`` (uint16 bit patterns) as float32 values (exact); others unchanged."""
+    import numpy as np
+    import triton.language as tl
+
+    if x.dtype.scalar != tl.bfloat16:
+        return x
+    bits = x.data.astype(np.uint32) << 16
+    return interp.TensorHandle(bits.view(np.float32), tl.float32)
+
+
+def _create_fma(self, x, y, z):
+    """``tl.fma`` with one rounding, as the GPU's fused multiply-add (``fma.rn``).
+
+    The interpreter computes ``x * y + z`` in the operands' dtype: in float16 the product is rounded
+    first, at the product's magnitude, which can be far larger than the result's (``code * scale`` next
+    to ``zero``). Here the product and sum are exact in float64 (float16 / float32 operands) and rounded
+    once to the result dtype.
+    """
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+    return TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)

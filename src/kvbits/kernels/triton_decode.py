@@ -38,8 +38,10 @@ import triton.language as tl
 from kvbits.kernels.reference import PackedStore, PackedTensor
 
 __all__ = [
+    "DEQUANT_MODES",
     "decode_attention_triton",
     "dequantize_packed_triton",
+    "f16_ok",
     "launch_defaults",
     "supported",
     "unpack_codes_triton",
@@ -216,6 +218,96 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t
 
 
 @triton.jit
+def _halves16(w, j: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NW: tl.constexpr):
+    """float16 ``1024 + code`` of the codes at bit ``j * BITS`` of each 16-bit half of the int32 words
+    ``w (BLOCK_T, NW)`` → ``(BLOCK_T, 2 * NW)``; column ``2i + h`` holds half ``h`` of word ``i``.
+
+    The float16 bit pattern ``0x6400 | c`` is exactly ``1024 + c`` for ``c < 1024`` (the "magic number"
+    conversion of FasterTransformer / Marlin): one mask-and-or per two codes, no integer-to-float
+    conversion instruction (those run at a quarter of the integer rate).
+    """
+    M: tl.constexpr = (1 << BITS) - 1
+    m = ((w >> (j * BITS)) & (M | (M << 16))) | 0x64006400
+    h = tl.join(m.to(tl.int16), (m >> 16).to(tl.int16))
+    return tl.reshape(h, (BLOCK_T, 2 * NW)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _codes16(w, BITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Packed rows as int32 words ``w (BLOCK_T, D * BITS / 32)`` → float16 ``1024 + code`` ``(BLOCK_T, D)``.
+
+    A 16-bit half holds ``P = 16 / BITS`` codes; ``_halves16(j)`` takes code ``j`` of every half, i.e.
+    channels ``P * i + j``. Joining the ``P`` tiles with ``j`` as the fastest index restores channel
+    order; the joins pair ``j`` with ``j + P/2`` first (a bit-reversed tree), as ``tl.join`` puts each new
+    axis last.
+    """
+    NW: tl.constexpr = D * BITS // 32
+    if BITS == 8:
+        x = tl.join(_halves16(w, 0, 8, BLOCK_T, NW), _halves16(w, 1, 8, BLOCK_T, NW))
+    elif BITS == 4:
+        x = tl.join(tl.join(_halves16(w, 0, 4, BLOCK_T, NW), _halves16(w, 2, 4, BLOCK_T, NW)),
+                    tl.join(_halves16(w, 1, 4, BLOCK_T, NW), _halves16(w, 3, 4, BLOCK_T, NW)))
+    else:
+        x = tl.join(tl.join(tl.join(_halves16(w, 0, 2, BLOCK_T, NW), _halves16(w, 4, 2, BLOCK_T, NW)),
+                            tl.join(_halves16(w, 2, 2, BLOCK_T, NW), _halves16(w, 6, 2, BLOCK_T, NW))),
+                    tl.join(tl.join(_halves16(w, 1, 2, BLOCK_T, NW), _halves16(w, 5, 2, BLOCK_T, NW)),
+                            tl.join(_halves16(w, 3, 2, BLOCK_T, NW), _halves16(w, 7, 2, BLOCK_T, NW))))
+    return tl.reshape(x, (BLOCK_T, D))
+
+
+@triton.jit
+def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr,
+            CPS: tl.constexpr):
+    """Scales (or zero-points) of the tile ``t = t0 + arange(BLOCK_T)`` as float16 ``(BLOCK_T, D)``.
+
+    Loads only the stored values: per token ``(BLOCK_T, D / CPS)`` (``TPS == 1``); one row when a scale
+    group holds the whole tile (``TPS % BLOCK_T == 0``: tiles start at multiples of ``BLOCK_T``); else
+    the tile's ``BLOCK_T / TPS`` rows. Then repeats them over channels and tokens in registers.
+    """
+    NC: tl.constexpr = D // CPS
+    offs_c = tl.arange(0, NC)
+    if TPS == 1:
+        m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
+        if CPS > 1:
+            m = tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_T, NC, CPS)), (BLOCK_T, D))
+    elif TPS % BLOCK_T == 0:
+        m = tl.load(ptr + (t0 // TPS) * SCOLS + offs_c[None, :]).to(tl.float16)  # (1, NC)
+        if CPS > 1:
+            m = tl.reshape(tl.broadcast_to(m[:, :, None], (1, NC, CPS)), (1, D))
+        m = tl.broadcast_to(m, (BLOCK_T, D))
+    else:
+        R: tl.constexpr = BLOCK_T // TPS
+        offs_r = tl.arange(0, R)
+        m = tl.load(ptr + (t0 // TPS + offs_r)[:, None] * SCOLS + offs_c[None, :],
+                    mask=(t0 + offs_r * TPS < end)[:, None], other=0.0).to(tl.float16)
+        if CPS > 1:
+            m = tl.reshape(tl.broadcast_to(m[:, :, None], (R, NC, CPS)), (R, D))
+        m = tl.reshape(tl.broadcast_to(m[:, None, :], (R, TPS, D)), (BLOCK_T, D))
+    return m
+
+
+@triton.jit
+def _load_rows16(codes_ptr, scale_ptr, zero_ptr, t0, t, mask_t, end, ROW, SCOLS, D: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
+                 SYM: tl.constexpr):
+    """Whole rows of 2/4/8-bit integer codes → float16 ``(BLOCK_T, D)`` for float16 queries (``dequant="f16"``).
+
+    Rows are read as int32 words, turned into exact float16 ``1024 + code`` (``_codes16``), then
+    dequantized with one float16 fused multiply-add, ``(x - 1024) * s + z`` (``x - 1024`` is exact, so one
+    rounding, as ``_load_rows`` then a cast to float16); symmetric: ``(x - 1024 - (2**(BITS-1) - 1)) * s``.
+    """
+    NW: tl.constexpr = D * BITS // 32
+    words = codes_ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(words + t[:, None] * (ROW // 4) + tl.arange(0, NW)[None, :], mask=mask_t[:, None], other=0)
+    x = _codes16(w, BITS, BLOCK_T, D)
+    s = _meta16(scale_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS)
+    if SYM:
+        return (x - (1024.0 + ((1 << (BITS - 1)) - 1))) * s
+    z = _meta16(zero_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS)
+    return tl.fma(x - 1024.0, s, z)
+
+
+@triton.jit
 def _rope_rows(x, cos_ptr, sin_ptr, pos, valid, ROPE_W: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Rotate-half RoPE of whole key rows ``x (BLOCK_T, D)`` at positions ``pos (BLOCK_T,)``, in registers.
 
@@ -286,6 +378,7 @@ def _decode_kernel(
     V_KIND: tl.constexpr, V_NOUT: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr,
     ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
+    F16_K: tl.constexpr = False, F16_V: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -321,7 +414,11 @@ def _decode_kernel(
             if HAS_QMASK:
                 valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k
-            if VEC_K:
+            if F16_K:  # float16 queries, plain integer codes: dequantized in float16 (no RoPE here)
+                kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
+                                  K_CPS, K_SYM)
+                k = tl.trans(kr)
+            elif VEC_K:
                 kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
                                 K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
                 if ROPE:  # pre-RoPE keys (KVQuant §3.2): rotate the dequantized rows in registers
@@ -343,7 +440,10 @@ def _decode_kernel(
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
-            if VEC_V:
+            if F16_V:
+                v = _load_rows16(vc, vs, vz, t0, t, valid, end, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS, V_CPS,
+                                 V_SYM)
+            elif VEC_V:
                 v = _load_rows(vc, vs, vz, VCB, vov, voi, t, valid, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS,
                                V_CPS, V_SYM, V_KIND, V_NOUT)
             else:
@@ -414,15 +514,19 @@ def _unpack_kernel(C, OUT, T, ROW, D: tl.constexpr, BITS: tl.constexpr, BLOCK_T:
 @triton.jit
 def _dequant_kernel(C, S, Z, CB, OV, OI, OUT, T, ROW, SROWS, SCOLS, D: tl.constexpr, BITS: tl.constexpr,
                     TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr, KIND: tl.constexpr,
-                    NOUT: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr):
-    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` / ``_load_rows`` (tests)."""
+                    NOUT: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, F16: tl.constexpr = False):
+    """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` / ``_load_rows`` /
+    ``_load_rows16`` (tests)."""
     bh = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t0 = tl.program_id(1) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
     mask = (t < T)[:, None]
     c, s, z = C + bh * T * ROW, S + bh * SROWS * SCOLS, Z + bh * SROWS * SCOLS
     ov, oi = OV + bh * T * NOUT, OI + bh * T * NOUT
-    if VEC:
+    if F16:
+        x = _load_rows16(c, s, z, t0, t, t < T, T, ROW, SCOLS, D, BLOCK_T, BITS, TPS, CPS, SYM).to(tl.float32)
+    elif VEC:
         x = _load_rows(c, s, z, CB, ov, oi, t, t < T, ROW, SCOLS, D, BLOCK_T, BITS, TPS, CPS, SYM, KIND, NOUT)
     else:
         x = _load_kv(c, s, z, CB, ov, oi, t[:, None], d[None, :], mask, ROW, SCOLS, BITS, TPS, CPS, SYM, KIND,
@@ -501,6 +605,23 @@ def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> di
     return {"block_t": block_t, "num_warps": warps, "num_stages": DEFAULT_STAGES}
 
 
+DEQUANT_MODES = ("f32", "f16")
+
+
+def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
+    """Whether ``dequant="f16"`` (``_load_rows16``) can read side ``p`` with ``block_t``-token tiles.
+
+    Float16 queries; integer codes of 2, 4 or 8 bits without sparse outliers, in int32-aligned rows; scale
+    groups that are whole tiles, several per tile, or per token; a power-of-two number of scale columns.
+    """
+    if p is None or q_dtype != torch.float16 or p.kind != "int" or p.bits not in (2, 4, 8) or p.n_outliers:
+        return False
+    if p.codes.shape[-1] % 4 or p.codes.data_ptr() % 4:
+        return False
+    tps_ok = p.tps == 1 or p.tps % block_t == 0 or block_t % p.tps == 0
+    return tps_ok and _pow2(p.head_dim // p.cps) == p.head_dim // p.cps
+
+
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(number of splits, tokens per split, a multiple of ``block_t``) covering ``T`` slots."""
     if T == 0:
@@ -521,6 +642,7 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     vectorized: bool | None = None,
+    dequant: str = "f32",
 ) -> torch.Tensor:
     """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
@@ -539,7 +661,15 @@ def decode_attention_triton(
             tokens, which it computes wrongly on sm_90 (``True`` with such a ``block_t`` is refused).
             Unless ``block_t`` is given, a side the whole-row path can read gets 32-token tiles at
             D <= 128 and the gather path at D = 256.
+        dequant: ``"f32"`` (default) dequantizes in float32 and casts to the dots' type; ``"f16"``, with
+            float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
+            outliers or pre-RoPE rotation directly in float16 (``_load_rows16``: int32 word reads,
+            magic-number conversion, one fused multiply-add); other sides keep ``"f32"``. Same rounding
+            (one, to float16) and about half the instructions per tile in sm_90 code
+            (``benchmarks/kernel_resources.py``); not yet timed or checked on a GPU (BENCHMARKS.md §6).
     """
+    if dequant not in DEQUANT_MODES:
+        raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
     reason = supported(store, q)
     if reason:
         raise NotImplementedError(reason)
@@ -640,6 +770,12 @@ def decode_attention_triton(
     config = tuple(sorted(meta.items()))
     use_vec = vectorized is not False and config not in _VEC_BROKEN
     vec_k, vec_v = use_vec and vec_ok(k), use_vec and vec_ok(v)
+    f16_k, f16_v = (
+        dequant == "f16" and vec and f16_ok(p, block_t, q.dtype) and not (p is k and rope)
+        for vec, p in ((vec_k, k), (vec_v, v))
+    )
+    if f16_k or f16_v:
+        meta = {**meta, "F16_K": f16_k, "F16_V": f16_v}
     grid = (B * H_kv, n_split)
     if (vec_k or vec_v) and vectorized is None and q.is_cuda:
         try:
@@ -649,6 +785,7 @@ def decode_attention_triton(
             logger.warning(
                 "vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__
             )
+            meta = {**meta, "F16_K": False, "F16_V": False}  # _load_rows16 reads whole rows too
             _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
     else:
         _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
@@ -667,12 +804,20 @@ def unpack_codes_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
     return out
 
 
-def dequantize_packed_triton(p: PackedTensor, block_t: int = 32, vectorized: bool = False) -> torch.Tensor:
+def dequantize_packed_triton(
+    p: PackedTensor, block_t: int = 32, vectorized: bool = False, dequant: str = "f32"
+) -> torch.Tensor:
     """Dequantized ``(B, H_kv, T_q, D)`` float32 through the kernels' own helpers (tests; unfused baseline).
 
     ``vectorized``: whole-row reads (``_load_rows``, 2/4/8-bit with a power-of-two number of scale
-    columns) instead of per-element gathers (``_load_kv``).
+    columns) instead of per-element gathers (``_load_kv``). ``dequant="f16"``: ``_load_rows16`` (float16
+    values, returned as float32; ``ValueError`` unless ``f16_ok(p, block_t, torch.float16)``).
     """
+    if dequant not in DEQUANT_MODES:
+        raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
+    f16 = dequant == "f16"
+    if f16 and not f16_ok(p, block_t, torch.float16):
+        raise ValueError(f"dequant='f16' cannot read this side with block_t={block_t} (see f16_ok)")
     B, H, T, row = p.codes.shape
     out = torch.empty(B, H, T, p.head_dim, dtype=torch.float32, device=p.codes.device)
     dummy = torch.empty(1, device=p.codes.device, dtype=torch.uint8)
@@ -684,6 +829,6 @@ def dequantize_packed_triton(p: PackedTensor, block_t: int = 32, vectorized: boo
         p.outlier_index if p.outlier_index is not None else dummy,
         out, T, row, p.scale.shape[2], p.scale.shape[3],
         D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, KIND=_kind_code(p),
-        NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized,
+        NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized, F16=f16,
     )  # fmt: skip
     return out
