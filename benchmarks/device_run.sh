@@ -3,8 +3,9 @@
 #
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
-# At most 360 s (gpu_decode.py: 290 s budget, prewarm included, killed at 360) + 150 s (tests): give the
-# device tool's run a timeout_s of about 540; what is under $OUT comes back even if it is cut short.
+# At most 360 s (gpu_decode.py: 290 s budget, prewarm included, killed at 360) + 240 s (tests; about 60 s
+# expected): give the device tool's run a timeout_s of about 560 (or pass a smaller --budget-s); what is under
+# $OUT comes back even if it is cut short.
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
 # short keeps its figures), gpu_decode.log, cuda_tests.log, device.txt (nvidia-smi, versions, COMMIT).
@@ -36,10 +37,12 @@ timeout 360 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" ${GPU_DE
 echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
-        tests/test_cache.py::test_cuda_decode_steps_do_not_sync \
-        tests/test_evaluate.py::test_peak_cuda_bytes_on_cuda \
-        tests/test_quant.py -k exact_quotient 2>&1 | tee "$OUT/cuda_tests.log"
+    # one -k for all (a -k also filters explicit node ids): the CUDA-only tests; the scales' rounding on the
+    # device; the kernel tests on CUDA tensors (compiled, inline PTX included): dequant="f16" bit for bit, and
+    # the attention error of every preset path against float64
+    timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_evaluate.py tests/test_quant.py \
+        tests/test_kernels.py -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda or exact_quotient \
+        or f16_dequant_rounds_once or decode_f16_dequant or within_twice" 2>&1 | tee "$OUT/cuda_tests.log"
 else
     echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
 fi

@@ -11,7 +11,8 @@ GPU machine). Steps:
 1. device-to-device copy bandwidth (one large ``copy_``; CUDA events; median), counted as bytes read +
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
 2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
-   criterion: error <= 2x the error of plain torch at fp16); a failure is recorded (``checks[].ok``,
+   criterion: error <= 2x the error of plain torch at fp16), ``dequant="f16"`` variants (``*-f16``) and
+   64-token tiles (``*-bt64``) included; a failure is recorded (``checks[].ok``,
    ``check_failures``) and printed, and the run goes on. (2b) the
    quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
    flush one 128-token block.
@@ -23,10 +24,12 @@ GPU machine). Steps:
    tokens in fp16), the same with pre-RoPE keys (``int8/int4/int2-prerope``: RoPE applied in the kernel
    from float32 half-width tables, as the cache keeps them; rows rotated in registers, and the gather
    path as ``triton-gather``), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
-   scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings.
+   scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings. The integer
+   schemes also with ``dequant="f16"`` (codes dequantized in float16: kernel ``triton-f16``).
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
    (3b) with the time left before step 6's share: ``block_t`` x ``num_warps`` of the kernel for int4 and
-   int4-prerope at 32K, batch 8 (``tuning``), to choose its defaults.
+   int4-prerope, and ``block_t`` x ``num_stages`` for int4 with ``dequant="f16"`` (``int4-f16``, rows'
+   ``dequant``), at 32K, batch 8 (``tuning``), to choose its defaults.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
 6. end to end: greedy decode tokens/s after a 32K-token prompt through a random-weight model shaped like
    Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA) vs ``QuantizedKVCache``

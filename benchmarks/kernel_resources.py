@@ -6,15 +6,18 @@
 ``kvbits.kernels.aot.compile_only`` turns the product's own launches into compiles for the target
 (Triton's LLVM + bundled ptxas), so each row is a kernel exactly as the GPU would receive it:
 registers per thread, shared memory per block, spilled (local) bytes, resident blocks per SM, the
-reason it would not launch, if any, and the machine code's global loads by width and tensor-core
-(``HMMA``) instructions. Launches:
+reason it would not launch, if any, the machine code's global loads by width and tensor-core
+(``HMMA``) instructions, and the instructions of the decode kernel's tile loop (``aot.hot_loop``: per
+warp and tile; ``warp_instructions_per_token`` = that x warps / tile tokens: the issue cost per token
+and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launches:
 
 - ``cache``: every preset the fused decode path serves, its store built by ``QuantizedKVCache`` from a
   prefill (as the cache launches it), default launch (``launch_defaults``) and the gather fallback
-  (``vectorized=False``), at the KV shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256),
-  float16 queries (and bfloat16 / float32 ones for kivi-4 and kvquant-4-block);
-- ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3), default launch;
-- ``tune``: gpu_decode's step 3b grid (``block_t`` x ``num_warps`` x ``num_stages``, int4 and int4-prerope);
+  (``vectorized=False``), and the opt-in ``dequant="f16"`` path where a side allows it, at the KV
+  shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 / float32 ones for kivi-4 and kvquant-4-block);
+- ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16 launches;
+- ``tune``: gpu_decode's step 3b grids (``sweep.TUNE_CASES``: int4 and int4-prerope, ``block_t`` x ``num_warps``
+  x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x stages);
 - ``quantize``: the quantize-and-pack kernel for gpu_decode's ``QUANTIZE_SPECS`` at D = 128.
 
 Must run in a process whose kernels are compiled (``TRITON_INTERPRET`` unset); exits 1 if a default
@@ -37,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import checks, common, sweep
 
-from kvbits.kernels.aot import LIMITS, compile_only, instruction_mix, resources
+from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, instruction_mix, resources
+from kvbits.kernels.triton_decode import f16_ok
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
 # the benchmark's KV shapes plus a head dim of 256 (Gemma-2-9B: 8 KV heads, 16 query heads) for the cache rows
@@ -102,11 +106,16 @@ def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str
     lim = LIMITS[arch]
     mix = instruction_mix(kernel)
     blocks = lim.blocks_per_sm(r)
+    loop, ops = hot_loop(kernel)
+    block_t = r.constants.get("BLOCK_T")
+    per_token = round(loop * r.num_warps / block_t, 1) if loop and block_t and r.kernel == "_decode_kernel" else None
     return {
         "group": group, "name": name, "shape": shape, **launch, "kernel": r.kernel,
-        "block_t": r.constants.get("BLOCK_T"), "num_warps": r.num_warps, "num_stages": r.num_stages,
+        "block_t": block_t, "num_warps": r.num_warps, "num_stages": r.num_stages,
         "registers": r.registers, "shared_bytes": r.shared_bytes, "local_bytes": r.local_bytes,
         "blocks_per_sm": blocks, "warps_per_sm": blocks * r.num_warps, "fails": lim.check(r), **mix,
+        "loop_instructions": loop, "warp_instructions_per_token": per_token,
+        "loop_int_to_float": ops.get("I2F", 0) + ops.get("I2FP", 0),
     }  # fmt: skip
 
 
@@ -129,7 +138,7 @@ def decode_rows(
         name = f"{name} ({str(dtype).removeprefix('torch.')} queries)"
     with compile_only(arch) as compiled:
         decode_attention_triton(q, store, splits=4, **launch)
-    path = "gather" if launch.get("vectorized") is False else "default"
+    path = "gather" if launch.get("vectorized") is False else "f16" if launch.get("dequant") == "f16" else "default"
     return [
         _row(group, name, shape_name, {"path": path}, k, arch) for k in compiled if k.name == "_decode_kernel"
     ]
@@ -161,6 +170,10 @@ def collect(arch: str, quick: bool) -> dict:
                 skipped.append({"group": "cache", "name": name, "shape": shape_name, "reason": why})
                 continue
             paths = ({},) if quick else ({}, {"vectorized": False})
+            if any(f16_ok(p, 32, torch.float16) for p in (store.key, store.value)) and (
+                not quick or name == "kivi-4"
+            ):
+                paths += ({"dequant": "f16"},)  # the opt-in float16 dequantization (sides it can read)
             for launch in paths:
                 rows += decode_rows("cache", name, shape_name, store, arch, **launch)
             if name in ("kivi-4", "kvquant-4-block"):  # models served in bfloat16 / float32
@@ -174,12 +187,17 @@ def collect(arch: str, quick: bool) -> dict:
                 for rope in (False, True) if name in common.PRE_ROPE else (False,):
                     store = common.random_store(2, shp, 4096, sch, CPU, gen, tables if rope else None)
                     label = name + (common.ROPE_SUFFIX if rope else "")
-                    for launch in ({}, {"vectorized": False}) if sch[0] == "int" else ({},):
+                    paths = ({}, {"vectorized": False}, {"dequant": "f16"}) if sch[0] == "int" else ({},)
+                    for launch in paths:
                         rows += decode_rows("sweep", label, shape_name, store, arch, **launch)
                     if name == "int4":
-                        for block_t, warps, stages in sweep.tune_launches(shp["D"]):
-                            rows += decode_rows("tune", label, shape_name, store, arch, block_t=block_t,
-                                                num_warps=warps, num_stages=stages)  # fmt: skip
+                        for case, case_rope, dequant in sweep.TUNE_CASES:  # step 3b's cases of this store
+                            if case_rope != rope:
+                                continue
+                            for block_t, warps, stages in sweep.tune_launches(shp["D"], dequant):
+                                rows += decode_rows("tune", case, shape_name, store, arch, block_t=block_t,
+                                                    num_warps=warps, num_stages=stages,
+                                                    **sweep.TUNE_DEQUANT[dequant])  # fmt: skip
     quick_specs = ["int4-token-g32", "nuq3-channel-g128-outl"]  # per-token; NUQ, 3-bit, outliers, per-channel
     rows += quantize_rows(arch, quick_specs if quick else list(checks.QUANTIZE_SPECS))
     return {"rows": rows, "skipped": skipped}
@@ -196,7 +214,9 @@ def problems(rows: list[dict]) -> list[str]:
             continue
         where = f"{r['group']} {r['name']} {r['shape']} {r['path']} ({r['kernel']})"
         hot = (
-            r["kernel"] == "_decode_kernel" and r["path"] == "default" and "float32 queries" not in r["name"]
+            r["kernel"] == "_decode_kernel"
+            and r["path"] in ("default", "f16")
+            and "float32 queries" not in r["name"]
         )
         if r["fails"]:
             out.append(f"{where}: {r['fails']}")
@@ -207,15 +227,16 @@ def problems(rows: list[dict]) -> list[str]:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| group | name | shape | path | block_t/warps/stages | regs | shared KiB | spill B | warps/SM | "
-            "global loads 128/64/32/16/8-bit (async) | mma | launches |")  # fmt: skip
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "global loads 128/64/32/16/8-bit (async) | mma | tile loop: instr (warp-instr/token) | launches |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = "/".join(str(r[k]) if r[k] is not None else "-" for k in ("block_t", "num_warps", "num_stages"))
         lines.append(
             f"| {r['group']} | {r['name']} | {r['shape']} | {r['path']} | {cfg} | {r['registers']} | "
             f"{r['shared_bytes'] / 1024:.0f} | {r['local_bytes']} | {r['warps_per_sm']} | "
             f"{r['loads_128']}/{r['loads_64']}/{r['loads_32']}/{r['loads_16']}/{r['loads_8']} ({r['async_loads']}) | "
-            f"{r['mma']} | {'no: ' + r['fails'] if r['fails'] else 'yes'} |"
+            f"{r['mma']} | {r['loop_instructions']} ({r['warp_instructions_per_token'] or '-'}) | "
+            f"{'no: ' + r['fails'] if r['fails'] else 'yes'} |"
         )
     return "\n".join(lines)
 

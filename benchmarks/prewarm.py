@@ -8,9 +8,11 @@ by 16, constexprs), its options, the target and the Triton/ptxas versions: nothi
 the GPU), the launches the benchmark is about to make, so that its timed steps find them in that cache
 instead of spending the run's time budget compiling:
 
-- ``sweep``: each decode variant at each KV shape, at every batch and context of the sweep (zero-stride
-  stores: shapes and alignment without the memory; a worker compiles each distinct specialisation once);
-- ``tune``: step 3b's grid at its batch and context;
+- ``sweep``: each decode variant at each KV shape (default launch, gather path, float16 dequantization), at
+  every batch and context of the sweep (zero-stride stores: shapes and alignment without the memory; a
+  worker compiles each distinct specialisation once);
+- ``tune``: step 3b's grids (``sweep.tune_launches``, float32 and float16 dequantization) at its batch and
+  context;
 - ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
   step's own accuracy gate passes while it compiles);
 - ``quantize``: step 2b's append layouts at its Llama-3-8B block shape;
@@ -35,30 +37,35 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-Job = tuple  # ("sweep", shape, variant, rope, vectorized) | ("tune", shape, rope, block_t, warps, stages)
+Job = tuple  # ("sweep", shape, variant, rope, path) | ("tune", shape, rope, dequant, block_t, warps, stages)
 #              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup)
+# path: None (default launch), False (gather path, vectorized=False) or "f16" (dequant="f16");
+# dequant: a sweep.TUNE_DEQUANT key ("f32", "f16", "f16-r128"; sweep.TUNE_CASES)
+SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}, "f16": {"dequant": "f16"}}
 
 
 def jobs(tune: bool = True) -> list[Job]:
     """Every launch group of the benchmark's steps 2, 2b, 3 and (``tune``) 3b, longest first."""
     from gpu_bench import checks, common, e2e, sweep
 
-    out: list[Job] = [("check", shape) for shape in common.SHAPES]  # 11 variants each: start these first
+    out: list[Job] = [("check", shape) for shape in common.SHAPES]  # 19 variants each: start these first
     for shape in common.SHAPES:
         out.append(("sweep", shape, "fp16", False, None))
         for name, sch in common.SCHEMES.items():
             out.append(("sweep", shape, name, False, None))
             if sch[0] == "int":
-                out.append(("sweep", shape, name, False, False))
+                out += [("sweep", shape, name, False, False), ("sweep", shape, name, False, "f16")]
         for name in common.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
     if tune:
-        for shape in common.SHAPES:
-            for block_t, warps, stages in sweep.tune_launches(common.SHAPES[shape]["D"]):
-                out += [("tune", shape, rope, block_t, warps, stages) for rope in (False, True)]
+        for shape in common.SHAPES:  # round robin over step 3b's cases, as it times them: nearest first
+            cases = [[("tune", shape, rope, dequant, *launch)
+                      for launch in sweep.tune_launches(common.SHAPES[shape]["D"], dequant)]
+                     for _scheme, rope, dequant in sweep.TUNE_CASES]  # fmt: skip
+            out += [c[i] for i in range(max(map(len, cases))) for c in cases if i < len(c)]
     return out
 
 
@@ -77,13 +84,14 @@ def _run_job(job: Job, programs: int) -> None:
     if kind in ("sweep", "tune"):
         shape = common.SHAPES[job[1]]
         if kind == "sweep":
-            name, rope, vectorized = job[2], job[3], job[4]
+            name, rope, path = job[2], job[3], job[4]
             scheme = None if name == "fp16" else common.SCHEMES[name]
-            kw: dict[str, Any] = {} if vectorized is None else {"vectorized": vectorized}
+            kw: dict[str, Any] = dict(SWEEP_PATHS[path])
             combos = [(b, t) for b in common.BATCHES for t in common.CONTEXTS]
         else:
-            rope, (block_t, warps, stages) = job[2], job[3:]
+            rope, dequant, (block_t, warps, stages) = job[2], job[3], job[4:]
             scheme, kw = common.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
+            kw.update(sweep.TUNE_DEQUANT[dequant])  # as sweep.tune passes it
             combos = [(sweep.TUNE_BATCH, sweep.TUNE_CONTEXT)]
         for batch, context in combos:  # the same specialisation compiles once (Triton's in-process cache)
             tables = common.lazy_view((context, shape["D"] // 2), torch.float32, cpu) if rope else None

@@ -90,7 +90,7 @@ def test_default_launches_fit_hopper_ampere_and_ada(tmp_path):
         assert data["problems"] == [] and "PROBLEM" not in out.stdout
         rows = data["rows"]
         decode = [r for r in rows if r["group"] == "cache"]
-        assert len(decode) == 8 and sum(r["kernel"] == "_quantize_kernel" for r in rows) == 2
+        assert len(decode) == 10 and sum(r["kernel"] == "_quantize_kernel" for r in rows) == 2
         assert all(r["fails"] is None and r["local_bytes"] == 0 for r in decode)
         assert all(r["loads_128"] > 0 and r["async_loads"] > 0 for r in decode)
         assert all((r["mma"] == 0) == ("float32 queries" in r["name"]) for r in decode)
@@ -103,7 +103,8 @@ def test_default_launches_fit_hopper_ampere_and_ada(tmp_path):
 def test_prewarm_compiles_what_the_gpu_sweep_then_launches(tmp_path):
     """``benchmarks/prewarm.py`` fills Triton's on-disk cache in worker processes from zero-stride stores;
     the benchmark's own sweep (real tensors, every batch and context given, this process) then finds every
-    kernel it launches there: no new cache entry, i.e. nothing left to compile in the timed run."""
+    kernel it launches there (the ``dequant="f16"`` variant included): no new cache entry, i.e. nothing
+    left to compile in the timed run."""
     code = """
 import functools, os, torch, prewarm
 from gpu_bench import common, sweep
@@ -113,7 +114,7 @@ cache = os.environ["TRITON_CACHE_DIR"]
 variants = {"fp16", "int4"}
 job_list = [j for j in prewarm.jobs(tune=False) if j[0] == "sweep" and j[1] == "qwen2.5-0.5b" and j[2] in variants]
 r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=240)
-assert r["done"] == len(job_list) == 5 and not r["failed"], r
+assert r["done"] == len(job_list) == 6 and not r["failed"], r  # default, gather and f16 paths
 before = set(os.listdir(cache))
 sweep.SHAPES = {"qwen2.5-0.5b": common.SHAPES["qwen2.5-0.5b"]}
 sweep.SCHEMES = {"int4": common.SCHEMES["int4"]}
@@ -122,7 +123,8 @@ cfg = common.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[
                 max_bytes=1e12, smoke=False, kernel="triton")
 with compile_only("sm_90") as launched:
     records = sweep.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
-assert len(records) == 4 * (2 + 5) and len(launched) > 0, (len(records), len(launched))
+assert len(records) == 4 * (2 + 6) and len(launched) > 0, (len(records), len(launched))
+assert sum(r["kernel"] == "triton-f16" for r in records) == 4, records  # dequant="f16" launched too
 print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before))
 """
     out = _run(code, timeout=400, cache=tmp_path / "triton")
@@ -185,3 +187,48 @@ print("LAUNCHES", len(launched), "KERNELS", ",".join(sorted({id(k): k.name for k
     line = out.stdout.strip().splitlines()[-1]
     assert line.split()[1] == "12", line  # 6 contexts x (decode + reduce)
     assert line.split("KERNELS ")[1].split(",") == ["_decode_kernel", "_reduce_kernel"], line
+
+
+def test_f16_dequant_compiles_without_int_to_float_conversions():
+    """``dequant="f16"`` compiled for sm_90 (its inline ``lop3`` included, which the interpreter never runs):
+    it launches without spills, its tile loop converts no integer to float (the magic-number codes) and
+    issues fewer instructions per token than the default float32 path, at both benchmark shapes and 8, 4
+    and 2 bits; ``maxnreg=128`` brings Llama-3-8B's shape back to four blocks per SM."""
+    code = """
+import json, torch
+from gpu_bench import common
+from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, resources
+from kvbits.kernels.triton_decode import decode_attention_triton
+rows = []
+for shape_name, shp in common.SHAPES.items():
+    for sch in ("int8", "int4", "int2"):
+        store = common.random_store(2, shp, 4096, common.SCHEMES[sch], torch.device("cpu"), torch.Generator().manual_seed(0),
+                                    lazy=True)
+        q = torch.zeros(2, shp["H_q"], 1, shp["D"], dtype=torch.float16)
+        for label, kw in (("f32", {}), ("f16", {"dequant": "f16"}), ("r128", {"dequant": "f16", "maxnreg": 128})):
+            with compile_only("sm_90") as ks:
+                decode_attention_triton(q, store, splits=4, **kw)
+            k = ks[0]
+            r = resources(k)
+            n, ops = hot_loop(k)
+            asm = k.asm["ptx"].count("lop3.b32") if label != "f32" else 0
+            rows.append(dict(shape=shape_name, scheme=sch, path=label, per_token=n * r.num_warps / r.constants["BLOCK_T"],
+                             conv=ops.get("I2F", 0) + ops.get("I2FP", 0), spill=r.local_bytes, lop3=asm,
+                             blocks=LIMITS["sm_90"].blocks_per_sm(r), fails=LIMITS["sm_90"].check(r)))
+print(json.dumps(rows))
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    by = {(r["shape"], r["scheme"], r["path"]): r for r in rows}
+    for (shape, scheme, path), r in by.items():
+        assert r["fails"] is None, r
+        if path == "f32":
+            assert r["conv"] > 0  # the default path converts every code (I2FP)
+            continue
+        assert r["conv"] == 0 and r["lop3"] > 0, r
+        assert r["per_token"] < 0.85 * by[(shape, scheme, "f32")]["per_token"], (r, by[(shape, scheme, "f32")])
+        if path == "f16":
+            assert r["spill"] == 0, r
+        else:
+            assert r["blocks"] >= by[(shape, scheme, "f32")]["blocks"], r

@@ -972,7 +972,7 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     from kvbits.kernels import triton_decode as td
 
     _load_bench()  # puts benchmarks/ on the path
-    from gpu_bench.sweep import TUNE_PROGRAMS_PER_SM, tune_grid, tune_launches
+    from gpu_bench.sweep import TUNE_F16_STAGES, TUNE_PROGRAMS_PER_SM, tune_grid, tune_grid_f16, tune_launches
 
     for D in (64, 128):
         grid = tune_grid(D)
@@ -986,7 +986,85 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
         dist = [sum(x != y for x, y in zip(c, default, strict=True)) for c in rest]
         assert dist == sorted(dist) and 0 not in dist and len(set(rest)) == len(rest) == 3 * 2 * 3 - 1
         assert tune_launches(D) == [default] + rest
+        # dequant="f16": the same default first, then block_t x num_stages at 4 warps, nearest first
+        f16 = tune_grid_f16(D)
+        assert f16[0] == (*default, None) and all(c[3] is None and c[1] == 4 for c in f16)
+        dist = [sum(x != y for x, y in zip(c[:3], default, strict=True)) for c in f16]
+        assert dist == sorted(dist) and dist.count(0) == 1 and len(set(f16)) == len(f16) == 3 * len(TUNE_F16_STAGES)
+        assert {c[0] for c in f16} == {32, 64, 128} and {c[2] for c in f16} == {2, 3}
+        assert tune_launches(D, "f16") == [c[:3] for c in f16]
     assert td.launch_defaults(64)["block_t"] == 64 and td.launch_defaults(128)["block_t"] == 32
+
+
+@needs_triton
+def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
+    """``dequant="f16"`` wherever the benchmark measures the default path: step 2 checks it (and 64-token
+    tiles) on stores whose sides it really reads in float16, the sweep times it as kernel ``triton-f16`` for
+    the integer schemes (break-even and the table included), and prewarm compiles those launches and step
+    3b's. A stand-in decoder (torch reference) records the launches: no kernel runs here."""
+    bench = _load_bench()
+    import prewarm
+    from gpu_bench import common, sweep
+
+    seen: list[tuple[str, dict, tuple]] = []
+
+    def record(q, store, **kw):
+        bt = kw.get("block_t") or triton_decode.launch_defaults(store.head_dim)["block_t"]
+        sides = (store.key, store.value) if store.key is not None else ()
+        seen.append((kw, tuple(triton_decode.f16_ok(p, bt, q.dtype) and not (p is store.key and store.pre_rope)
+                                for p in sides)))  # fmt: skip
+        return decode_attention_reference(q, store)
+
+    cpu = torch.device("cpu")
+    cfg = bench.Config(device=cpu, contexts=[256], batches=[1], reps=1, warmup=0, max_bytes=1e9, smoke=True,
+                       kernel="triton")  # fmt: skip
+    # step 2: the CPU smoke subset is unchanged; the full list ends with the f16 and 64-token-tile variants
+    assert [c["variant"] for c in bench.check_variants(cfg, decode_attention_reference)] == [
+        "int4-kivi", "int4-pre-rope", "fp16-tail-only"]  # fmt: skip
+    full = bench.Config(**{**cfg.__dict__, "smoke": False})
+    checks = bench.check_variants(full, record, shapes=["llama-3-8b"])
+    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 19
+    new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:]
+    assert new == [("int8-kivi-f16", {"dequant": "f16"}), ("int4-kivi-f16", {"dequant": "f16"}),
+                   ("int2-kivi-f16", {"dequant": "f16"}), ("int2-token-keys-f16", {"dequant": "f16"}),
+                   ("int4-kivi-masked-f16", {"dequant": "f16"}), ("int4-kivi-bt64", {"block_t": 64}),
+                   ("int4-kivi-f16-bt64", {"dequant": "f16", "block_t": 64})]  # fmt: skip
+    assert all(f16 == (True, True) for kw, f16 in seen if kw.get("dequant") == "f16")  # both sides in float16
+    # step 3: kernel "triton-f16" for the integer schemes; break-even and the table carry it
+    records = bench.sweep(cfg, lambda q, store, **kw: decode_attention_reference(q, store), copy_gbps=10.0)
+    f16 = {(r["shape"], r["scheme"]) for r in records if r["kernel"] == "triton-f16"}
+    assert f16 == {(shape, s) for shape in common.SHAPES for s in ("int8", "int4", "int2")}
+    assert all("ms" in r and r["cuda_graph"] is False for r in records if r["kernel"] == "triton-f16")
+    be = bench.break_even(records)
+    assert {(b["scheme"], b["kernel"]) for b in be if b["kernel"] == "triton-f16"} == {
+        (s, "triton-f16") for s in ("int8", "int4", "int2")}  # fmt: skip
+    assert "| triton-f16 | int4 |" in bench.markdown(records, be, 10.0)
+    # prewarm: the sweep's f16 variants and step 3b's f16 launches, compiled as the benchmark launches them
+    jobs = prewarm.jobs()
+    assert {j[1:] for j in jobs if j[0] == "sweep" and j[4] == "f16"} == {
+        (shape, s, False, "f16") for shape in common.SHAPES for s in ("int8", "int4", "int2")}  # fmt: skip
+    for shape, shp in common.SHAPES.items():
+        tunes = [j[2:] for j in jobs if j[0] == "tune" and j[1] == shape]
+        assert [j[2:] for j in tunes if j[1] == "f16"] == sweep.tune_launches(shp["D"], "f16")
+        assert all(not rope for rope, dequant, *_ in tunes if dequant == "f16")
+        assert [j[2:] for j in tunes if j[:2] == (True, "f32")] == sweep.tune_launches(shp["D"])
+        assert [j[2:] for j in tunes if j[1] == "f16-r128"] == sweep.tune_launches(shp["D"], "f16-r128")
+        assert tunes[:4] == [(False, "f32", *sweep.tune_launches(shp["D"])[0]), (True, "f32", *sweep.tune_launches(
+            shp["D"])[0]), (False, "f16", *sweep.tune_launches(shp["D"], "f16")[0]),
+            (False, "f16-r128", *sweep.tune_launches(shp["D"], "f16")[0])]  # round robin, defaults first
+    launched: list[dict] = []
+    monkeypatch.setattr(triton_decode, "decode_attention_triton", lambda q, store, **kw: launched.append(kw))
+    monkeypatch.setattr(common, "BATCHES", (1,))
+    monkeypatch.setattr(common, "CONTEXTS", (4096,))
+    prewarm._run_job(("sweep", "llama-3-8b", "int4", False, "f16"), programs=264)
+    prewarm._run_job(("tune", "llama-3-8b", False, "f16", 64, 4, 3), programs=264)
+    prewarm._run_job(("tune", "llama-3-8b", True, "f32", 64, 4, 3), programs=264)
+    prewarm._run_job(("tune", "llama-3-8b", False, "f16-r128", 32, 4, 2), programs=264)
+    assert launched == [{"target_programs": 264, "dequant": "f16"},
+                        {"target_programs": 264, "block_t": 64, "num_warps": 4, "num_stages": 3, "dequant": "f16"},
+                        {"target_programs": 264, "block_t": 64, "num_warps": 4, "num_stages": 3},
+                        {"target_programs": 264, "block_t": 32, "num_warps": 4, "num_stages": 2, "dequant": "f16",
+                         "maxnreg": 128}]  # fmt: skip
 
 
 @needs_triton
@@ -1007,14 +1085,22 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
                        max_bytes=1e9, smoke=True, kernel="triton")  # fmt: skip
     monkeypatch.setattr(sweep, "TUNE_PROGRAMS_PER_SM", (8,))
     rows = bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0)
-    assert [(r["scheme"], r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"]) for r in rows] == [
-        ("int4", 64, 4, 2, None), ("int4-prerope", 64, 4, 2, None), ("int4", 64, 4, 2, 8),
-        ("int4-prerope", 64, 4, 2, 8)]  # fmt: skip
+    # round robin over int4, int4-prerope and int4 dequantized in float16 (its grid: block_t x num_stages), with
+    # and without the 128-register cap (which the interpreter ignores)
+    assert [(r["scheme"], r["dequant"], r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
+            for r in rows] == [
+        ("int4", "f32", 64, 4, 2, None), ("int4-prerope", "f32", 64, 4, 2, None), ("int4-f16", "f16", 64, 4, 2, None),
+        ("int4-f16-r128", "f16-r128", 64, 4, 2, None),
+        ("int4", "f32", 64, 4, 2, 8), ("int4-prerope", "f32", 64, 4, 2, 8), ("int4-f16", "f16", 32, 4, 2, None),
+        ("int4-f16-r128", "f16-r128", 32, 4, 2, None)]  # fmt: skip
     assert all(r["ms"] > 0 and r["context"] == 512 for r in rows)
     # each launch's output is compared with the default launch's: equal here, a number a wrong launch would show
+    # (the f16 rows against the default float32-dequantizing launch: float16 rounding apart)
     assert all(r["max_diff_vs_default"] == 0.0 for r in rows[:2]) and all(
         r["max_diff_vs_default"] < 1e-2 for r in rows
     )
+
+    monkeypatch.setattr(sweep, "TUNE_CASES", sweep.TUNE_CASES[:3])  # the rest: fewer interpreted launches
 
     def wrong(
         q, store, **kw
@@ -1023,7 +1109,7 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
         return out + 1 if kw.get("target_programs") else out
 
     rows = bench.tune(cfg, wrong, copy_gbps=10.0)
-    assert [r["max_diff_vs_default"] >= 1 for r in rows] == [False, False, True, True]
+    assert [r["max_diff_vs_default"] >= 1 for r in rows] == [False, False, False, True, True, False]
 
     def refuse(q, store, **kw):  # what Triton raises when a launch needs more shared memory than a block gets
         if store.pre_rope:
@@ -1032,6 +1118,7 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
 
     rows = bench.tune(cfg, refuse, copy_gbps=10.0)
     assert "ms" in rows[0] and rows[1]["error"].startswith("RuntimeError: out of resource: shared memory")
+    assert "ms" in rows[2]
     cfg.deadline = time.monotonic() - 1
     assert bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0) == []
     assert bench.tune(bench.Config(**{**cfg.__dict__, "kernel": "reference"}), None, copy_gbps=10.0) == []

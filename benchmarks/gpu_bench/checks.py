@@ -85,6 +85,18 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
         ("fp8-e4m3", {"key": _spec(8, "token", None, "fp8"), "value": _spec(8, "token", None, "fp8")}, {}),
         ("int4-kivi-masked", {**kivi(4), "mask": True}, {}),  # left padding of a batch: slot masks
     ]
+    # dequant="f16" (whole-row 2/4/8-bit integer sides dequantized in float16; opt-in until checked here), and
+    # 64-token tiles at every head dim (step 3b's fastest int4 launch at D = 128, which no check covered)
+    f16 = {"dequant": "f16"}
+    variants += [
+        ("int8-kivi-f16", kivi(8), f16),
+        ("int4-kivi-f16", kivi(4), f16),
+        ("int2-kivi-f16", kivi(2), f16),
+        ("int2-token-keys-f16", {"key": _spec(2, "token", None), "value": _spec(2, "token", None)}, f16),
+        ("int4-kivi-masked-f16", {**kivi(4), "mask": True}, f16),
+        ("int4-kivi-bt64", kivi(4), {"block_t": 64}),
+        ("int4-kivi-f16-bt64", kivi(4), {**f16, "block_t": 64}),
+    ]
     shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     if (
         cfg.smoke and dev.type == "cpu"
@@ -130,7 +142,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 sync(dev)
             except Exception as exc:  # noqa: BLE001 - a launch the device refuses: recorded, the sweep records it too
                 results.append({"variant": name, "shape": shape_name, "error": launch_error(exc), "ok": False})
-                print(f"  check {shape_name:13s} {name:18s} did not launch: {results[-1]['error']}")
+                print(f"  check {shape_name:13s} {name:20s} did not launch: {results[-1]['error']}")
                 continue
             err = (out.double() - truth).abs().max().item()
             ok = passes(err, err_pt)
@@ -138,7 +150,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                 {"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok}
             )
             print(
-                f"  check {shape_name:13s} {name:18s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
+                f"  check {shape_name:13s} {name:20s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
                 f"{'ok' if ok else 'FAIL'}"
             )
     failed = [f"{r['variant']} on {r['shape']}" for r in results if not r["ok"]]

@@ -92,6 +92,17 @@ def fused_timing(
     return ms, graph, store.nbytes, spread
 
 
+KERNEL_MARKS = {"gather": "(g)", "f16": "(h)"}  # the progress line's mark of each kernel suffix
+
+
+def variant_kernel(kernel: str, kw: dict) -> str:
+    """The ``kernel`` of a sweep record: ``kernel`` for the default launch, ``-gather`` for the per-element
+    path (``vectorized=False``), ``-f16`` for float16 dequantization (``dequant="f16"``)."""
+    if kw.get("vectorized") is False:
+        return kernel + "-gather"
+    return kernel + ("-f16" if kw.get("dequant") == "f16" else "")
+
+
 def sweep(
     cfg: Config,
     decode: Callable,
@@ -112,6 +123,8 @@ def sweep(
     if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
         variants += [(name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
         variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True) for name in PRE_ROPE]
+        # and the integer codes dequantized in float16 (``dequant="f16"``; kernel "triton-f16")
+        variants += [(name, sch, {"dequant": "f16"}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
             for context in cfg.contexts:
@@ -138,7 +151,7 @@ def sweep(
                        for name, m in base.items()]  # fmt: skip
                 tables = rope_tables(context, shp["D"], dev)
                 for scheme, sch, kw, rope in variants:
-                    kernel = cfg.kernel + ("-gather" if kw.get("vectorized") is False else "")
+                    kernel = variant_kernel(cfg.kernel, kw)
                     try:
                         m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
                     except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
@@ -148,7 +161,7 @@ def sweep(
                     row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
                 records += row
                 cells = [
-                    f"{r['scheme']}{'(g)' if 'gather' in r['kernel'] else ''} "
+                    f"{r['scheme']}{KERNEL_MARKS.get(r['kernel'].partition('-')[2], '')} "
                     + (f"{r['ms']:.4f} ms x{r['speedup_vs_fp16']:.2f}" if "ms" in r else "did not launch")
                     for r in row
                     if not r["kernel"].startswith("sdpa")
@@ -185,45 +198,80 @@ def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
     return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
 
 
-def tune_launches(D: int) -> list[tuple[int, int, int]]:
-    """The distinct compiled launches of ``tune_grid(D)`` (split counts compile nothing new), in its order."""
-    return list(dict.fromkeys(c[:3] for c in tune_grid(D)))
+TUNE_F16_WARPS = 4  # dequant="f16": block_t x num_stages at 4 warps (the default's)
+TUNE_F16_STAGES = (2, 3)
+
+
+def tune_grid_f16(D: int) -> list[tuple[int, int, int, int | None]]:
+    """``tune_grid``'s rows for ``dequant="f16"`` at head dim ``D``: the default launch first
+    (``launch_defaults``), then ``TUNE_BLOCK_T`` x ``TUNE_F16_STAGES`` at ``TUNE_F16_WARPS`` warps, nearest
+    first; the default split count only."""
+    from kvbits.kernels.triton_decode import launch_defaults
+
+    d = launch_defaults(D)
+    default = (d["block_t"], d["num_warps"], d["num_stages"])
+    grid = [(b, TUNE_F16_WARPS, s) for b in TUNE_BLOCK_T for s in TUNE_F16_STAGES]
+    grid = sorted((c for c in grid if c != default), key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    return [(*c, None) for c in [default, *grid]]
+
+
+# step 3b's dequantization settings: the decode keyword arguments of each. "f16-r128" caps registers at 128
+# per thread: at Llama-3-8B's shape the f16 path takes 160 (3 blocks per SM) where the default takes 128 (4)
+TUNE_DEQUANT = {"f32": {}, "f16": {"dequant": "f16"}, "f16-r128": {"dequant": "f16", "maxnreg": 128}}
+
+
+def tune_launches(D: int, dequant: str = "f32") -> list[tuple[int, int, int]]:
+    """The distinct compiled launches of ``tune_grid(D)`` (``dequant`` "f16" / "f16-r128":
+    ``tune_grid_f16(D)``; split counts compile nothing new), in its order."""
+    grid = tune_grid(D) if dequant == "f32" else tune_grid_f16(D)
+    return list(dict.fromkeys(c[:3] for c in grid))
+
+
+TUNE_CASES = (  # step 3b's cases per shape: (scheme, pre-RoPE keys, TUNE_DEQUANT key); the int4 codes of SCHEMES
+    ("int4", False, "f32"),
+    ("int4" + ROPE_SUFFIX, True, "f32"),
+    ("int4-f16", False, "f16"),
+    ("int4-f16-r128", False, "f16-r128"),
+)
 
 
 def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
          ) -> list[dict]:  # fmt: skip
     """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
-    (``tune_grid``) for int4 and int4-prerope at 32K (smoke: 512), batch 8 (smoke: 1), both shapes, round
-    robin so that a run cut short has the nearest neighbours of every default. Rows: shape, batch, context,
-    scheme, block_t, num_warps, num_stages, programs_per_sm, max_diff_vs_default (the largest gap from the
-    default launch's output on the same inputs), ms (median; ``ms_p10``/``ms_p90``), gbps, frac_of_copy
-    (``error`` instead for a launch that did not start)."""
+    (``tune_grid``) for int4 and int4-prerope, and ``block_t`` x ``num_stages`` (``tune_grid_f16``) for int4
+    dequantized in float16 (scheme ``int4-f16``, ``dequant="f16"``), at 32K (smoke: 512), batch 8 (smoke:
+    1), both shapes (``TUNE_CASES``), round robin so that a run cut short has the nearest neighbours of every
+    default. Rows: shape, batch, context, scheme, dequant, block_t, num_warps, num_stages, programs_per_sm,
+    max_diff_vs_default (the largest gap from the default launch's output on the same inputs: the default
+    float32-dequantizing launch, for the f16 rows too), ms (median; ``ms_p10``/``ms_p90``), gbps,
+    frac_of_copy (``error`` instead for a launch that did not start)."""
     if cfg.kernel != "triton":
         return []
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(1)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
     batch, context = (1, 512) if cfg.smoke else (TUNE_BATCH, TUNE_CONTEXT)
-    cases = []  # (shape, scheme, q, store, grid)
+    cases = []  # (shape, scheme, dequant, q, store, grid)
     for shape_name, shp in SHAPES.items():
         q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
         tables = rope_tables(context, shp["D"], dev)
-        for scheme, rope in (("int4", False), ("int4" + ROPE_SUFFIX, True)):
+        for scheme, rope, dequant in TUNE_CASES:
             store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
-            grid = tune_grid(shp["D"])[:2] if cfg.smoke else tune_grid(shp["D"])
-            cases.append((shape_name, scheme, q, store, grid))
+            grid = tune_grid(shp["D"]) if dequant == "f32" else tune_grid_f16(shp["D"])
+            cases.append((shape_name, scheme, dequant, q, store, grid[:2] if cfg.smoke else grid))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     rows: list[dict] = []
-    for i in range(max(len(c[4]) for c in cases)):
-        for shape_name, scheme, q, store, grid in cases:
+    for i in range(max(len(c[5]) for c in cases)):
+        for shape_name, scheme, dequant, q, store, grid in cases:
             if i >= len(grid):
                 continue
             if out_of_time(cfg):
                 return rows
             block_t, warps, stages, per_sm = grid[i]
-            row = {"shape": shape_name, "batch": batch, "context": context, "scheme": scheme,
+            row = {"shape": shape_name, "batch": batch, "context": context, "scheme": scheme, "dequant": dequant,
                    "block_t": block_t, "num_warps": warps, "num_stages": stages, "programs_per_sm": per_sm}  # fmt: skip
             launch = {"block_t": block_t, "num_warps": warps, "num_stages": stages}
+            launch.update(TUNE_DEQUANT[dequant])
             if per_sm is not None:
                 launch["target_programs"] = per_sm * sms
             run = lambda q=q, st=store, kw=launch: decode(q, st, **kw)

@@ -27,6 +27,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "KernelResources",
     "compile_only",
     "compiling",
+    "hot_loop",
     "instruction_mix",
     "resources",
 ]
@@ -265,3 +267,37 @@ def instruction_mix(kernel: Any) -> dict[str, int]:
         mix[f"loads_{width}"] += 1
         mix["async_loads"] += op.startswith("LDGSTS")
     return mix
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+_BACK_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+
+
+def sass_loops(sass: str) -> list[tuple[int, Counter]]:
+    """``(instructions, opcode counts)`` of each loop body in SASS text: the instructions from a backward
+    branch's target to the branch, in program order (a nested loop is also counted in its outer one)."""
+    code = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
+    loops = []
+    for addr, text in code:
+        m = _BACK_BRANCH.search(text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            body = [t for a, t in code if lo <= a <= addr]
+            ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            loops.append((len(body), ops))
+    return loops
+
+
+def hot_loop(kernel: Any) -> tuple[int, dict[str, int]]:
+    """Instructions and opcode counts of the first loop in the kernel's SASS (``cuobjdump -sass``).
+
+    In ``_decode_kernel`` that is the loop over quantized tiles (the full-precision tail's loop comes
+    after it): one iteration per tile and warp, so ``instructions * num_warps / BLOCK_T`` is the warp
+    instructions an SM issues per token and KV head (BENCHMARKS.md §6 sets it beside the H200's decode
+    times). ``(0, {})`` for a kernel without a loop.
+    """
+    loops = sass_loops(_cuobjdump(kernel, "-sass").stdout)
+    if not loops:
+        return 0, {}
+    n, ops = loops[0]
+    return n, dict(ops.most_common())

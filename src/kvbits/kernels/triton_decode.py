@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 import triton
@@ -218,58 +219,118 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t
 
 
 @triton.jit
-def _halves16(w, j: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NW: tl.constexpr):
-    """float16 ``1024 + code`` of the codes at bit ``j * BITS`` of each 16-bit half of the int32 words
-    ``w (BLOCK_T, NW)`` → ``(BLOCK_T, 2 * NW)``; column ``2i + h`` holds half ``h`` of word ``i``.
+def _magic(w, j: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """``((w >> j * BITS) & mask) | 0x64006400`` on int32 words, ``mask`` the low code of each 16-bit half.
 
     The float16 bit pattern ``0x6400 | c`` is exactly ``1024 + c`` for ``c < 1024`` (the "magic number"
-    conversion of FasterTransformer / Marlin): one mask-and-or per two codes, no integer-to-float
-    conversion instruction (those run at a quarter of the integer rate).
+    conversion of FasterTransformer / Marlin): each result holds two float16 codes, no integer-to-float
+    conversion instruction (those run at a quarter of the integer rate). ``ASM``: the mask-and-or as one
+    ``lop3`` (ptxas keeps the two constants' operations apart otherwise); the interpreter takes the
+    expression.
     """
-    M: tl.constexpr = (1 << BITS) - 1
-    m = ((w >> (j * BITS)) & (M | (M << 16))) | 0x64006400
-    h = tl.join(m.to(tl.int16), (m >> 16).to(tl.int16))
-    return tl.reshape(h, (BLOCK_T, 2 * NW)).to(tl.float16, bitcast=True)
+    x = w >> (j * BITS)
+    if ASM:
+        if BITS == 8:
+            m = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00FF00FF, 0x64006400, 0xea;", "=r,r", [x],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        elif BITS == 4:
+            m = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xea;", "=r,r", [x],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            m = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00030003, 0x64006400, 0xea;", "=r,r", [x],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        M: tl.constexpr = (1 << BITS) - 1
+        m = (x & (M | (M << 16))) | 0x64006400
+    return m
 
 
 @triton.jit
-def _codes16(w, BITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
-    """Packed rows as int32 words ``w (BLOCK_T, D * BITS / 32)`` → float16 ``1024 + code`` ``(BLOCK_T, D)``.
+def _lo(m):
+    """The low float16 of each int32 (as int16 bits)."""
+    return m.to(tl.int16)
 
-    A 16-bit half holds ``P = 16 / BITS`` codes; ``_halves16(j)`` takes code ``j`` of every half, i.e.
-    channels ``P * i + j``. Joining the ``P`` tiles with ``j`` as the fastest index restores channel
-    order; the joins pair ``j`` with ``j + P/2`` first (a bit-reversed tree), as ``tl.join`` puts each new
-    axis last.
+
+@triton.jit
+def _hi(m):
+    """The high float16 of each int32 (as int16 bits)."""
+    return (m >> 16).to(tl.int16)
+
+
+@triton.jit
+def _codes16(w, BITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """Packed rows as int32 words ``w (BLOCK_T, D * BITS / 32)`` → float16 ``1024 + code`` ``(BLOCK_T, D)``
+    in **pair order**: column ``c`` holds channel ``pair_channels(BITS)[c]``.
+
+    A 16-bit half holds ``P = 16 / BITS`` codes; ``_magic(j)`` gives code ``j`` of both halves of every
+    word, i.e. channels ``P * (2i + h) + j`` for half ``h`` of word ``i``, as one int32. The tiles are
+    joined with ``h`` as the fastest index, so each int32 stays one register pair of float16 values (no
+    byte permutes, as channel order would need); ``j`` comes next, through a tree that pairs ``j`` with
+    ``j + P/2`` first (``tl.join`` puts each new axis last). Column ``c = 2 * (P * i + j) + h``.
     """
-    NW: tl.constexpr = D * BITS // 32
     if BITS == 8:
-        x = tl.join(_halves16(w, 0, 8, BLOCK_T, NW), _halves16(w, 1, 8, BLOCK_T, NW))
+        m0 = _magic(w, 0, 8, ASM)
+        m1 = _magic(w, 1, 8, ASM)
+        x = tl.join(tl.join(_lo(m0), _lo(m1)), tl.join(_hi(m0), _hi(m1)))
     elif BITS == 4:
-        x = tl.join(tl.join(_halves16(w, 0, 4, BLOCK_T, NW), _halves16(w, 2, 4, BLOCK_T, NW)),
-                    tl.join(_halves16(w, 1, 4, BLOCK_T, NW), _halves16(w, 3, 4, BLOCK_T, NW)))
+        m0 = _magic(w, 0, 4, ASM)
+        m1 = _magic(w, 1, 4, ASM)
+        m2 = _magic(w, 2, 4, ASM)
+        m3 = _magic(w, 3, 4, ASM)
+        x = tl.join(tl.join(tl.join(_lo(m0), _lo(m2)), tl.join(_lo(m1), _lo(m3))),
+                    tl.join(tl.join(_hi(m0), _hi(m2)), tl.join(_hi(m1), _hi(m3))))
     else:
-        x = tl.join(tl.join(tl.join(_halves16(w, 0, 2, BLOCK_T, NW), _halves16(w, 4, 2, BLOCK_T, NW)),
-                            tl.join(_halves16(w, 2, 2, BLOCK_T, NW), _halves16(w, 6, 2, BLOCK_T, NW))),
-                    tl.join(tl.join(_halves16(w, 1, 2, BLOCK_T, NW), _halves16(w, 5, 2, BLOCK_T, NW)),
-                            tl.join(_halves16(w, 3, 2, BLOCK_T, NW), _halves16(w, 7, 2, BLOCK_T, NW))))
-    return tl.reshape(x, (BLOCK_T, D))
+        m0 = _magic(w, 0, 2, ASM)
+        m1 = _magic(w, 1, 2, ASM)
+        m2 = _magic(w, 2, 2, ASM)
+        m3 = _magic(w, 3, 2, ASM)
+        m4 = _magic(w, 4, 2, ASM)
+        m5 = _magic(w, 5, 2, ASM)
+        m6 = _magic(w, 6, 2, ASM)
+        m7 = _magic(w, 7, 2, ASM)
+        lo = tl.join(tl.join(tl.join(_lo(m0), _lo(m4)), tl.join(_lo(m2), _lo(m6))),
+                     tl.join(tl.join(_lo(m1), _lo(m5)), tl.join(_lo(m3), _lo(m7))))
+        hi = tl.join(tl.join(tl.join(_hi(m0), _hi(m4)), tl.join(_hi(m2), _hi(m6))),
+                     tl.join(tl.join(_hi(m1), _hi(m5)), tl.join(_hi(m3), _hi(m7))))
+        x = tl.join(lo, hi)
+    return tl.reshape(x, (BLOCK_T, D)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pair_channels(D: tl.constexpr, BITS: tl.constexpr):
+    """Channel of each pair-order column ``c`` (``_codes16``): ``P * (2 * (c // 2P) + c % 2) + (c // 2) % P``,
+    ``P = 16 / BITS``; ``(D,)`` int32. ``BITS == 0``: channel order."""
+    c = tl.arange(0, D)
+    if BITS == 0:
+        return c
+    P: tl.constexpr = 16 // BITS
+    return P * (2 * (c // (2 * P)) + c % 2) + (c // 2) % P
 
 
 @triton.jit
 def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr,
-            CPS: tl.constexpr):
-    """Scales (or zero-points) of the tile ``t = t0 + arange(BLOCK_T)`` as float16 ``(BLOCK_T, D)``.
+            CPS: tl.constexpr, BITS: tl.constexpr):
+    """Scales (or zero-points) of the tile ``t = t0 + arange(BLOCK_T)`` as float16 ``(BLOCK_T, D)``, in the
+    pair order of ``BITS``-bit codes.
 
     Loads only the stored values: per token ``(BLOCK_T, D / CPS)`` (``TPS == 1``); one row when a scale
     group holds the whole tile (``TPS % BLOCK_T == 0``: tiles start at multiples of ``BLOCK_T``); else
-    the tile's ``BLOCK_T / TPS`` rows. Then repeats them over channels and tokens in registers.
+    the tile's ``BLOCK_T / TPS`` rows. Then repeats them over channels and tokens in registers. Channel
+    groups of ``CPS >= 32 / BITS`` channels (whole words) are contiguous in pair order too; a scale per
+    channel (``CPS == 1``) is read at ``_pair_channels``.
     """
     NC: tl.constexpr = D // CPS
-    offs_c = tl.arange(0, NC)
-    if TPS == 1:
+    if CPS == 1:
+        offs_c = _pair_channels(D, BITS)
+    else:
+        offs_c = tl.arange(0, NC)
+    if TPS == 1 and CPS > 1:  # per token, groups of whole words: build each float16 pair as one int32
         m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
-        if CPS > 1:
-            m = tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_T, NC, CPS)), (BLOCK_T, D))
+        b = m.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        pair = tl.reshape(tl.broadcast_to((b | (b << 16))[:, :, None], (BLOCK_T, NC, CPS // 2)), (BLOCK_T, D // 2))
+        m = tl.reshape(tl.join(_lo(pair), _hi(pair)), (BLOCK_T, D)).to(tl.float16, bitcast=True)
+    elif TPS == 1:
+        m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
     elif TPS % BLOCK_T == 0:
         m = tl.load(ptr + (t0 // TPS) * SCOLS + offs_c[None, :]).to(tl.float16)  # (1, NC)
         if CPS > 1:
@@ -289,21 +350,23 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
 @triton.jit
 def _load_rows16(codes_ptr, scale_ptr, zero_ptr, t0, t, mask_t, end, ROW, SCOLS, D: tl.constexpr,
                  BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
-                 SYM: tl.constexpr):
-    """Whole rows of 2/4/8-bit integer codes → float16 ``(BLOCK_T, D)`` for float16 queries (``dequant="f16"``).
+                 SYM: tl.constexpr, ASM: tl.constexpr):
+    """Whole rows of 2/4/8-bit integer codes → float16 ``(BLOCK_T, D)`` in pair order (``_codes16``), for
+    float16 queries (``dequant="f16"``).
 
-    Rows are read as int32 words, turned into exact float16 ``1024 + code`` (``_codes16``), then
-    dequantized with one float16 fused multiply-add, ``(x - 1024) * s + z`` (``x - 1024`` is exact, so one
-    rounding, as ``_load_rows`` then a cast to float16); symmetric: ``(x - 1024 - (2**(BITS-1) - 1)) * s``.
+    Rows are read as int32 words, turned into exact float16 ``1024 + code``, then dequantized with one
+    float16 fused multiply-add, ``(x - 1024) * s + z`` (``x - 1024`` is exact, so one rounding, as
+    ``_load_rows`` then a cast to float16); symmetric: ``(x - 1024 - (2**(BITS-1) - 1)) * s``. The caller
+    reads the queries (keys) or writes the output (values) at ``_pair_channels(D, BITS)``.
     """
     NW: tl.constexpr = D * BITS // 32
     words = codes_ptr.to(tl.pointer_type(tl.int32))
     w = tl.load(words + t[:, None] * (ROW // 4) + tl.arange(0, NW)[None, :], mask=mask_t[:, None], other=0)
-    x = _codes16(w, BITS, BLOCK_T, D)
-    s = _meta16(scale_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS)
+    x = _codes16(w, BITS, BLOCK_T, D, ASM)
+    s = _meta16(scale_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS, BITS)
     if SYM:
         return (x - (1024.0 + ((1 << (BITS - 1)) - 1))) * s
-    z = _meta16(zero_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS)
+    z = _meta16(zero_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS, BITS)
     return tl.fma(x - 1024.0, s, z)
 
 
@@ -378,7 +441,7 @@ def _decode_kernel(
     V_KIND: tl.constexpr, V_NOUT: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr,
     ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
-    F16_K: tl.constexpr = False, F16_V: tl.constexpr = False,
+    F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -395,6 +458,7 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     bh = pid_bh.to(tl.int64)  # (b, h) slabs can pass 2^31 bytes at long contexts and large batches
+    acc_cols = offs_d
     if pid_s < n_split_q:
         start = pid_s * chunk_q
         end = tl.minimum(start + chunk_q, tl.load(QLEN + b))
@@ -408,15 +472,18 @@ def _decode_kernel(
         vz = VZ + bh * V_SROWS * V_SCOLS
         vov = VOV + bh * T_q * V_NOUT
         voi = VOI + bh * T_q * V_NOUT
+        qk = q
+        if F16_K:  # the key tiles' columns are in pair order: so are the queries' channels
+            qk = tl.load(Q + row[:, None] * D + _pair_channels(D, K_BITS)[None, :], mask=gmask[:, None], other=0.0)
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
             valid = t < end
             if HAS_QMASK:
                 valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k
-            if F16_K:  # float16 queries, plain integer codes: dequantized in float16 (no RoPE here)
+            if F16_K:  # float16 queries, plain integer codes: dequantized in float16, pair order (no RoPE)
                 kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
-                                  K_CPS, K_SYM)
+                                  K_CPS, K_SYM, ASM)
                 k = tl.trans(kr)
             elif VEC_K:
                 kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
@@ -442,14 +509,16 @@ def _decode_kernel(
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
             if F16_V:
                 v = _load_rows16(vc, vs, vz, t0, t, valid, end, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS, V_CPS,
-                                 V_SYM)
+                                 V_SYM, ASM)
             elif VEC_V:
                 v = _load_rows(vc, vs, vz, VCB, vov, voi, t, valid, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS,
                                V_CPS, V_SYM, V_KIND, V_NOUT)
             else:
                 v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
                              V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
-            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _attend(qk, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+        if F16_V:  # the accumulator's columns are in the values' pair order
+            acc_cols = _pair_channels(D, V_BITS)
     else:
         start = (pid_s - n_split_q) * chunk_f
         end = tl.minimum(start + chunk_f, tl.load(FLEN + b))
@@ -468,7 +537,7 @@ def _decode_kernel(
     out = row * n_split + pid_s
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
-    tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(ACC_OUT + out[:, None] * D + acc_cols[None, :], acc, mask=gmask[:, None])
 # fmt: on
 
 
@@ -514,7 +583,8 @@ def _unpack_kernel(C, OUT, T, ROW, D: tl.constexpr, BITS: tl.constexpr, BLOCK_T:
 @triton.jit
 def _dequant_kernel(C, S, Z, CB, OV, OI, OUT, T, ROW, SROWS, SCOLS, D: tl.constexpr, BITS: tl.constexpr,
                     TPS: tl.constexpr, CPS: tl.constexpr, SYM: tl.constexpr, KIND: tl.constexpr,
-                    NOUT: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, F16: tl.constexpr = False):
+                    NOUT: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, F16: tl.constexpr = False,
+                    ASM: tl.constexpr = False):
     """Grid ``(B * H, cdiv(T, BLOCK_T))``: float32 ``(B, H, T, D)`` through ``_load_kv`` / ``_load_rows`` /
     ``_load_rows16`` (tests)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -524,8 +594,9 @@ def _dequant_kernel(C, S, Z, CB, OV, OI, OUT, T, ROW, SROWS, SCOLS, D: tl.conste
     mask = (t < T)[:, None]
     c, s, z = C + bh * T * ROW, S + bh * SROWS * SCOLS, Z + bh * SROWS * SCOLS
     ov, oi = OV + bh * T * NOUT, OI + bh * T * NOUT
-    if F16:
-        x = _load_rows16(c, s, z, t0, t, t < T, T, ROW, SCOLS, D, BLOCK_T, BITS, TPS, CPS, SYM).to(tl.float32)
+    if F16:  # pair order: columns go back to their channels
+        x = _load_rows16(c, s, z, t0, t, t < T, T, ROW, SCOLS, D, BLOCK_T, BITS, TPS, CPS, SYM, ASM).to(tl.float32)
+        d = _pair_channels(D, BITS)
     elif VEC:
         x = _load_rows(c, s, z, CB, ov, oi, t, t < T, ROW, SCOLS, D, BLOCK_T, BITS, TPS, CPS, SYM, KIND, NOUT)
     else:
@@ -608,6 +679,11 @@ def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> di
 DEQUANT_MODES = ("f32", "f16")
 
 
+def _asm_ok() -> bool:
+    """Whether kernels are compiled (inline PTX allowed), not run by Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
     """Whether ``dequant="f16"`` (``_load_rows16``) can read side ``p`` with ``block_t``-token tiles.
 
@@ -619,7 +695,8 @@ def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
     if p.codes.shape[-1] % 4 or p.codes.data_ptr() % 4:
         return False
     tps_ok = p.tps == 1 or p.tps % block_t == 0 or block_t % p.tps == 0
-    return tps_ok and _pow2(p.head_dim // p.cps) == p.head_dim // p.cps
+    cps_ok = p.cps == 1 or p.cps % (32 // p.bits) == 0  # per channel, or whole int32 words per group
+    return tps_ok and cps_ok and _pow2(p.head_dim // p.cps) == p.head_dim // p.cps
 
 
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
@@ -643,6 +720,7 @@ def decode_attention_triton(
     num_stages: int | None = None,
     vectorized: bool | None = None,
     dequant: str = "f32",
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
@@ -667,6 +745,9 @@ def decode_attention_triton(
             magic-number conversion, one fused multiply-add); other sides keep ``"f32"``. Same rounding
             (one, to float16) and about half the instructions per tile in sm_90 code
             (``benchmarks/kernel_resources.py``); not yet timed or checked on a GPU (BENCHMARKS.md §6).
+        maxnreg: registers per thread the compiler may use (Triton's ``maxnreg``; default: its choice). At
+            Llama-3-8B's shape ``dequant="f16"`` takes 160, three blocks per SM where the default path's 128
+            allow four; ``maxnreg=128`` restores four at a few spilled bytes (a device-tuning knob).
     """
     if dequant not in DEQUANT_MODES:
         raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
@@ -766,6 +847,8 @@ def decode_attention_triton(
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
         "num_warps": num_warps, "num_stages": num_stages,
     }
+    if maxnreg is not None:
+        meta["maxnreg"] = int(maxnreg)
     # fmt: on
     config = tuple(sorted(meta.items()))
     use_vec = vectorized is not False and config not in _VEC_BROKEN
@@ -775,7 +858,7 @@ def decode_attention_triton(
         for vec, p in ((vec_k, k), (vec_v, v))
     )
     if f16_k or f16_v:
-        meta = {**meta, "F16_K": f16_k, "F16_V": f16_v}
+        meta = {**meta, "F16_K": f16_k, "F16_V": f16_v, "ASM": _asm_ok()}
     grid = (B * H_kv, n_split)
     if (vec_k or vec_v) and vectorized is None and q.is_cuda:
         try:
@@ -829,6 +912,6 @@ def dequantize_packed_triton(
         p.outlier_index if p.outlier_index is not None else dummy,
         out, T, row, p.scale.shape[2], p.scale.shape[3],
         D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, KIND=_kind_code(p),
-        NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized, F16=f16,
+        NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized, F16=f16, ASM=f16 and _asm_ok(),
     )  # fmt: skip
     return out
