@@ -360,6 +360,26 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
         dispatch.resolve_kernel(q, store)
 
 
+@needs_triton
+def test_dispatch_passes_the_dequant_mode(monkeypatch):
+    """``KVBITS_DEQUANT=f16`` reaches the kernel (float16 queries); anything else but f32/f16 is refused."""
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    seen: list[str] = []
+    real = triton_decode.decode_attention_triton
+    monkeypatch.setattr(triton_decode, "decode_attention_triton",
+                        lambda q, store, scale=None, **kw: seen.append(kw["dequant"]) or real(q, store, scale, **kw))  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    store = make_store(g, T_q=64, T_f=16)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    ref = dispatch.decode_attention(q, store)
+    monkeypatch.setenv("KVBITS_DEQUANT", "f16")
+    out = dispatch.decode_attention(q, store)
+    assert seen == ["f32", "f16"] and max_err(out, ref) < 1e-3
+    monkeypatch.setenv("KVBITS_DEQUANT", "int4")
+    with pytest.raises(ValueError, match="KVBITS_DEQUANT must be one of"):
+        dispatch.decode_attention(q, store)
+
+
 # --------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------
@@ -972,7 +992,15 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     from kvbits.kernels import triton_decode as td
 
     _load_bench()  # puts benchmarks/ on the path
-    from gpu_bench.sweep import TUNE_F16_STAGES, TUNE_PROGRAMS_PER_SM, tune_grid, tune_grid_f16, tune_launches
+    from gpu_bench.sweep import (
+        TUNE_F16_STAGES,
+        TUNE_F16_WARPS,
+        TUNE_PROGRAMS_PER_SM,
+        TUNE_R128_LAUNCHES,
+        tune_grid,
+        tune_grid_f16,
+        tune_launches,
+    )
 
     for D in (64, 128):
         grid = tune_grid(D)
@@ -986,13 +1014,15 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
         dist = [sum(x != y for x, y in zip(c, default, strict=True)) for c in rest]
         assert dist == sorted(dist) and 0 not in dist and len(set(rest)) == len(rest) == 3 * 2 * 3 - 1
         assert tune_launches(D) == [default] + rest
-        # dequant="f16": the same default first, then block_t x num_stages at 4 warps, nearest first
+        # dequant="f16": the same default first, then block_t x num_warps x num_stages, nearest first
         f16 = tune_grid_f16(D)
-        assert f16[0] == (*default, None) and all(c[3] is None and c[1] == 4 for c in f16)
+        assert f16[0] == (*default, None) and all(c[3] is None for c in f16)
         dist = [sum(x != y for x, y in zip(c[:3], default, strict=True)) for c in f16]
-        assert dist == sorted(dist) and dist.count(0) == 1 and len(set(f16)) == len(f16) == 3 * len(TUNE_F16_STAGES)
-        assert {c[0] for c in f16} == {32, 64, 128} and {c[2] for c in f16} == {2, 3}
+        n = 3 * len(TUNE_F16_WARPS) * len(TUNE_F16_STAGES)
+        assert dist == sorted(dist) and dist.count(0) == 1 and len(set(f16)) == len(f16) == n
+        assert {c[0] for c in f16} == {32, 64, 128} and {c[1] for c in f16} == {2, 4} and {c[2] for c in f16} == {2, 3}
         assert tune_launches(D, "f16") == [c[:3] for c in f16]
+        assert tune_launches(D, "f16-r128") == [c[:3] for c in f16[:TUNE_R128_LAUNCHES]]  # its nearest only
     assert td.launch_defaults(64)["block_t"] == 64 and td.launch_defaults(128)["block_t"] == 32
 
 

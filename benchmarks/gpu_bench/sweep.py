@@ -198,19 +198,21 @@ def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
     return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
 
 
-TUNE_F16_WARPS = 4  # dequant="f16": block_t x num_stages at 4 warps (the default's)
+TUNE_F16_WARPS = (2, 4)  # dequant="f16": block_t x num_warps x num_stages (2 warps: fewer cross-warp steps)
 TUNE_F16_STAGES = (2, 3)
+TUNE_R128_LAUNCHES = 3  # "f16-r128" (128-register cap): the first launches of the f16 grid only
 
 
 def tune_grid_f16(D: int) -> list[tuple[int, int, int, int | None]]:
     """``tune_grid``'s rows for ``dequant="f16"`` at head dim ``D``: the default launch first
-    (``launch_defaults``), then ``TUNE_BLOCK_T`` x ``TUNE_F16_STAGES`` at ``TUNE_F16_WARPS`` warps, nearest
-    first; the default split count only."""
+    (``launch_defaults``), then ``TUNE_BLOCK_T`` x ``TUNE_F16_WARPS`` x ``TUNE_F16_STAGES``, nearest first; the
+    default split count only. Compiled for sm_90, 2-warp launches issue 10-20 % fewer instructions per token
+    (fewer cross-warp reductions) at half the resident warps (BENCHMARKS.md §6, session 10)."""
     from kvbits.kernels.triton_decode import launch_defaults
 
     d = launch_defaults(D)
     default = (d["block_t"], d["num_warps"], d["num_stages"])
-    grid = [(b, TUNE_F16_WARPS, s) for b in TUNE_BLOCK_T for s in TUNE_F16_STAGES]
+    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_F16_WARPS for s in TUNE_F16_STAGES]
     grid = sorted((c for c in grid if c != default), key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
     return [(*c, None) for c in [default, *grid]]
 
@@ -220,11 +222,18 @@ def tune_grid_f16(D: int) -> list[tuple[int, int, int, int | None]]:
 TUNE_DEQUANT = {"f32": {}, "f16": {"dequant": "f16"}, "f16-r128": {"dequant": "f16", "maxnreg": 128}}
 
 
+def tune_grid_for(D: int, dequant: str) -> list[tuple[int, int, int, int | None]]:
+    """Step 3b's grid of one ``TUNE_DEQUANT`` setting at head dim ``D``."""
+    if dequant == "f32":
+        return tune_grid(D)
+    grid = tune_grid_f16(D)
+    return grid[:TUNE_R128_LAUNCHES] if dequant == "f16-r128" else grid
+
+
 def tune_launches(D: int, dequant: str = "f32") -> list[tuple[int, int, int]]:
-    """The distinct compiled launches of ``tune_grid(D)`` (``dequant`` "f16" / "f16-r128":
-    ``tune_grid_f16(D)``; split counts compile nothing new), in its order."""
-    grid = tune_grid(D) if dequant == "f32" else tune_grid_f16(D)
-    return list(dict.fromkeys(c[:3] for c in grid))
+    """The distinct compiled launches of ``tune_grid_for(D, dequant)`` (split counts compile nothing new), in
+    its order."""
+    return list(dict.fromkeys(c[:3] for c in tune_grid_for(D, dequant)))
 
 
 TUNE_CASES = (  # step 3b's cases per shape: (scheme, pre-RoPE keys, TUNE_DEQUANT key); the int4 codes of SCHEMES
@@ -257,7 +266,7 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
         tables = rope_tables(context, shp["D"], dev)
         for scheme, rope, dequant in TUNE_CASES:
             store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
-            grid = tune_grid(shp["D"]) if dequant == "f32" else tune_grid_f16(shp["D"])
+            grid = tune_grid_for(shp["D"], dequant)
             cases.append((shape_name, scheme, dequant, q, store, grid[:2] if cfg.smoke else grid))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     rows: list[dict] = []

@@ -1,7 +1,9 @@
 """Pick the decode-attention implementation: the fused Triton kernel on CUDA, the torch reference elsewhere.
 
 ``KVBITS_KERNEL=reference|triton`` overrides the automatic choice (``auto``, the default). Triton is
-imported lazily, on the first call that wants it, never at ``import kvbits``.
+imported lazily, on the first call that wants it, never at ``import kvbits``. ``KVBITS_DEQUANT=f16`` makes
+the Triton kernel dequantize plain integer codes in float16 for float16 queries (``decode_attention_triton``'s
+``dequant``; opt-in until a GPU run has checked and timed it, BENCHMARKS.md §6); ``f32`` is the default.
 """
 
 from __future__ import annotations
@@ -17,15 +19,19 @@ from kvbits.kernels.reference import PackedStore, decode_attention_reference
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEQUANT_ENV",
     "KERNEL_ENV",
     "check_triton_device",
     "decode_attention",
+    "dequant_mode",
     "kernel_mode",
     "resolve_kernel",
     "triton_available",
 ]
 
 KERNEL_ENV = "KVBITS_KERNEL"
+DEQUANT_ENV = "KVBITS_DEQUANT"
+DEQUANT_MODES = ("f32", "f16")  # triton_decode.DEQUANT_MODES (not imported here: no Triton at import)
 MODES = ("auto", "reference", "triton")
 INSTALL_HINT = "install Triton (pip install 'kvbits[triton]'; Linux + CUDA, or TRITON_INTERPRET=1 on CPU)"
 
@@ -46,6 +52,14 @@ def kernel_mode() -> str:
     mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{KERNEL_ENV} must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def dequant_mode() -> str:
+    """``KVBITS_DEQUANT`` (``f32``, the default, or ``f16``); ``ValueError`` for anything else."""
+    mode = os.environ.get(DEQUANT_ENV, "f32").strip().lower() or "f32"
+    if mode not in DEQUANT_MODES:
+        raise ValueError(f"{DEQUANT_ENV} must be one of {DEQUANT_MODES}, got {mode!r}")
     return mode
 
 
@@ -102,5 +116,5 @@ def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = 
     if resolve_kernel(q, store) == "triton":
         from kvbits.kernels.triton_decode import decode_attention_triton
 
-        return decode_attention_triton(q, store, scale)
+        return decode_attention_triton(q, store, scale, dequant=dequant_mode())
     return decode_attention_reference(q, store, scale)
