@@ -506,6 +506,21 @@ def test_kernel_within_twice_torch_error_fp16(name: str, kw: dict, splits: int, 
 
 
 @needs_triton
+@pytest.mark.parametrize("rope", [False, True], ids=["kivi", "pre-rope"])
+def test_kernel_bf16_queries(rope: bool):
+    """bfloat16 queries (how Llama-3-class models are served) stay within twice torch's bfloat16 error.
+    Before session 10 the interpreter multiplied bfloat16 dot operands as integers, so this never ran."""
+    g = torch.Generator().manual_seed(11 + rope)
+    store = make_store(g, rope=rope, quant_lens=[160, 96], full_lens=[40, 9])
+    q = (torch.randn(2, 6, 1, 64, generator=g) * 1.5).to(DEVICE).bfloat16()
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.bfloat16), truth)
+    out = triton_decode.decode_attention_triton(q, store, splits=2)
+    assert out.dtype == torch.bfloat16
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
+@needs_triton
 def test_kernel_fp32_queries_and_many_splits():
     g = torch.Generator().manual_seed(20)
     store = make_store(g, quant_lens=[160, 40], full_lens=[40, 1])  # short sequence: empty splits
@@ -1053,12 +1068,16 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
         "int4-kivi", "int4-pre-rope", "fp16-tail-only"]  # fmt: skip
     full = bench.Config(**{**cfg.__dict__, "smoke": False})
     checks = bench.check_variants(full, record, shapes=["llama-3-8b"])
-    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 19
-    new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:]
+    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 21
+    new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:19]
     assert new == [("int8-kivi-f16", {"dequant": "f16"}), ("int4-kivi-f16", {"dequant": "f16"}),
                    ("int2-kivi-f16", {"dequant": "f16"}), ("int2-token-keys-f16", {"dequant": "f16"}),
                    ("int4-kivi-masked-f16", {"dequant": "f16"}), ("int4-kivi-bt64", {"block_t": 64}),
                    ("int4-kivi-f16-bt64", {"dequant": "f16", "block_t": 64})]  # fmt: skip
+    # then bfloat16 queries, judged against torch at bfloat16
+    assert [(c["variant"], c["query_dtype"]) for c in checks[19:]] == [
+        ("int4-kivi-bf16", "bfloat16"), ("int4-pre-rope-bf16", "bfloat16")]  # fmt: skip
+    assert {c["query_dtype"] for c in checks[:19]} == {"float16"}
     assert all(f16 == (True, True) for kw, f16 in seen if kw.get("dequant") == "f16")  # both sides in float16
     # step 3: kernel "triton-f16" for the integer schemes; break-even and the table carry it
     records = bench.sweep(cfg, lambda q, store, **kw: decode_attention_reference(q, store), copy_gbps=10.0)

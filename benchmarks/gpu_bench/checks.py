@@ -37,12 +37,13 @@ def pre_rope_args(D: int, positions: int, B: int, dev: torch.device) -> dict:
     return {"rope_cos": emb.cos().float().to(dev), "rope_sin": emb.sin().float().to(dev), "quant_pos0": [4] * B}
 
 
-def fp64_truth(q: torch.Tensor, store) -> tuple[torch.Tensor, float]:
+def fp64_truth(q: torch.Tensor, store, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, float]:
     """The float64 reference output for queries ``q (B, H_q, 1, D)`` over ``store``, and torch's max error
-    against it at float16: the yardstick of the flash-attention criterion (``passes``)."""
+    against it at ``dtype`` (float16 or bfloat16): the yardstick of the flash-attention criterion
+    (``passes``)."""
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-    half = decode_attention_reference(q.half(), store, dtype=torch.float16)
-    return truth, (half.double() - truth).abs().max().item()
+    low = decode_attention_reference(q.to(dtype), store, dtype=dtype)
+    return truth, (low.double() - truth).abs().max().item()
 
 
 def passes(err: float, err_pt: float) -> bool:
@@ -96,6 +97,9 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
         ("int4-kivi-masked-f16", {**kivi(4), "mask": True}, f16),
         ("int4-kivi-bt64", kivi(4), {"block_t": 64}),
         ("int4-kivi-f16-bt64", kivi(4), {**f16, "block_t": 64}),
+        # bfloat16 queries (how Llama-3-class models are served): no device run has checked them yet
+        ("int4-kivi-bf16", {**kivi(4), "qdtype": torch.bfloat16}, {}),
+        ("int4-pre-rope-bf16", {**kivi(4), "rope": True, "qdtype": torch.bfloat16}, {}),
     ]
     shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     if (
@@ -134,8 +138,9 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                     **masks,
                 )
             q = torch.randn(B, H * G, 1, D, generator=gen).to(dev)
-            truth, err_pt = fp64_truth(q, store)
-            qh = q.half()
+            qdt = (specs or {}).get("qdtype", torch.float16)
+            truth, err_pt = fp64_truth(q, store, qdt)
+            qh = q.to(qdt)
             poison_free_memory(dev)  # an output element the kernel does not write reads NaN: not finite, FAIL
             try:
                 out = decode(qh, store, **kw)
@@ -147,10 +152,11 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
             err = (out.double() - truth).abs().max().item()
             ok = passes(err, err_pt)
             results.append(
-                {"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok}
+                {"variant": name, "shape": shape_name, "err": err, "err_torch_fp16": err_pt, "ok": ok,
+                 "query_dtype": str(qdt).removeprefix("torch.")}  # err_torch_fp16: torch at query_dtype
             )
             print(
-                f"  check {shape_name:13s} {name:20s} kernel err {err:.2e}  torch fp16 err {err_pt:.2e}  "
+                f"  check {shape_name:13s} {name:20s} kernel err {err:.2e}  torch {str(qdt)[6:]} err {err_pt:.2e}  "
                 f"{'ok' if ok else 'FAIL'}"
             )
     failed = [f"{r['variant']} on {r['shape']}" for r in results if not r["ok"]]
