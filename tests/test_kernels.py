@@ -792,6 +792,38 @@ def test_decode_f16_dequant(monkeypatch, name: str, kw: dict, dtype: torch.dtype
     assert max_err(out, ref32) <= err_pt + 1e-6
 
 
+F16_SHAPES = [  # (D, G, key spec, value spec, block_t, splits): head dims, GQA groups, groups and tiles
+    (16, 1, spec(2, "channel", 16), spec(2, "token", 16), 32, 1),
+    (32, 7, spec(4, "channel", 64), spec(8, "token"), 64, 3),
+    (256, 2, spec(8, "channel", 32), spec(4, "token", 64), 32, 2),
+    (128, 16, spec(4, "channel", None, static=True), spec(2, "token", 32, symmetric=True), 64, 4),
+    (64, 8, spec(8, "token", symmetric=True), spec(4, "token", 16), 32, 5),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("D,G,ks,vs,block_t,splits", F16_SHAPES, ids=[f"D{c[0]}-G{c[1]}" for c in F16_SHAPES])
+def test_decode_f16_dequant_shapes(D: int, G: int, ks: TensorSpec, vs: TensorSpec, block_t: int, splits: int):
+    """``dequant="f16"`` across head dims 16-256, GQA groups 1-16 (G_PAD up to 16), scale groups that are
+    whole tiles, parts of tiles or static, symmetric codes, several splits, ragged and left-padded rows:
+    within twice torch's float16 error, and equal to the float32 path up to the dots' rounding."""
+    g = torch.Generator().manual_seed(D * 31 + G)
+    block = max(32, ks.group_size or 0) if ks.granularity == "channel" else 32  # whole key scale groups
+    store = make_store(g, D=D, key_spec=ks, value_spec=vs, T_q=192, quant_lens=[192, 70], full_lens=[40, 3],
+                       block=block)  # fmt: skip
+    store.quant_mask = torch.ones(2, 192, dtype=torch.bool, device=store.device)
+    store.quant_mask[1, :9] = False
+    assert triton_decode.f16_ok(store.key, block_t, torch.float16)
+    assert triton_decode.f16_ok(store.value, block_t, torch.float16)
+    q = (torch.randn(2, 2 * G, 1, D, generator=g) * 1.5).to(DEVICE).half()
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q, store, splits=splits, block_t=block_t, dequant="f16")
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    ref32 = triton_decode.decode_attention_triton(q, store, splits=splits, block_t=block_t)
+    assert max_err(out, ref32) <= err_pt + 1e-6
+
+
 @needs_triton
 def test_dequant_mode_is_checked():
     g = torch.Generator().manual_seed(3)
