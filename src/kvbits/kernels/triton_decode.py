@@ -258,6 +258,13 @@ def _hi(m):
 
 
 @triton.jit
+def _tree4(a0, a1, a2, a3):
+    """``a0..a3`` joined so that their index is the fastest of two new axes: ``(..., 4)`` order 0, 1, 2, 3
+    after a reshape (``tl.join`` appends its axis last, so the inner joins pair 0 with 2 and 1 with 3)."""
+    return tl.join(tl.join(a0, a2), tl.join(a1, a3))
+
+
+@triton.jit
 def _codes16(w, BITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
     """Packed rows as int32 words ``w (BLOCK_T, D * BITS / 32)`` → float16 ``1024 + code`` ``(BLOCK_T, D)``
     in **pair order**: column ``c`` holds channel ``pair_channels(BITS)[c]``.
@@ -269,29 +276,16 @@ def _codes16(w, BITS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM:
     ``j + P/2`` first (``tl.join`` puts each new axis last). Column ``c = 2 * (P * i + j) + h``.
     """
     if BITS == 8:
-        m0 = _magic(w, 0, 8, ASM)
-        m1 = _magic(w, 1, 8, ASM)
+        m0, m1 = _magic(w, 0, 8, ASM), _magic(w, 1, 8, ASM)
         x = tl.join(tl.join(_lo(m0), _lo(m1)), tl.join(_hi(m0), _hi(m1)))
     elif BITS == 4:
-        m0 = _magic(w, 0, 4, ASM)
-        m1 = _magic(w, 1, 4, ASM)
-        m2 = _magic(w, 2, 4, ASM)
-        m3 = _magic(w, 3, 4, ASM)
-        x = tl.join(tl.join(tl.join(_lo(m0), _lo(m2)), tl.join(_lo(m1), _lo(m3))),
-                    tl.join(tl.join(_hi(m0), _hi(m2)), tl.join(_hi(m1), _hi(m3))))
+        m0, m1, m2, m3 = _magic(w, 0, 4, ASM), _magic(w, 1, 4, ASM), _magic(w, 2, 4, ASM), _magic(w, 3, 4, ASM)
+        x = tl.join(_tree4(_lo(m0), _lo(m1), _lo(m2), _lo(m3)), _tree4(_hi(m0), _hi(m1), _hi(m2), _hi(m3)))
     else:
-        m0 = _magic(w, 0, 2, ASM)
-        m1 = _magic(w, 1, 2, ASM)
-        m2 = _magic(w, 2, 2, ASM)
-        m3 = _magic(w, 3, 2, ASM)
-        m4 = _magic(w, 4, 2, ASM)
-        m5 = _magic(w, 5, 2, ASM)
-        m6 = _magic(w, 6, 2, ASM)
-        m7 = _magic(w, 7, 2, ASM)
-        lo = tl.join(tl.join(tl.join(_lo(m0), _lo(m4)), tl.join(_lo(m2), _lo(m6))),
-                     tl.join(tl.join(_lo(m1), _lo(m5)), tl.join(_lo(m3), _lo(m7))))
-        hi = tl.join(tl.join(tl.join(_hi(m0), _hi(m4)), tl.join(_hi(m2), _hi(m6))),
-                     tl.join(tl.join(_hi(m1), _hi(m5)), tl.join(_hi(m3), _hi(m7))))
+        m0, m1, m2, m3 = _magic(w, 0, 2, ASM), _magic(w, 1, 2, ASM), _magic(w, 2, 2, ASM), _magic(w, 3, 2, ASM)
+        m4, m5, m6, m7 = _magic(w, 4, 2, ASM), _magic(w, 5, 2, ASM), _magic(w, 6, 2, ASM), _magic(w, 7, 2, ASM)
+        lo = tl.join(_tree4(_lo(m0), _lo(m2), _lo(m4), _lo(m6)), _tree4(_lo(m1), _lo(m3), _lo(m5), _lo(m7)))
+        hi = tl.join(_tree4(_hi(m0), _hi(m2), _hi(m4), _hi(m6)), _tree4(_hi(m1), _hi(m3), _hi(m5), _hi(m7)))
         x = tl.join(lo, hi)
     return tl.reshape(x, (BLOCK_T, D)).to(tl.float16, bitcast=True)
 
