@@ -464,6 +464,39 @@ def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
 
 
+def test_fused_decode_triton_f16_dequant(monkeypatch):
+    """``KVBITS_DEQUANT=f16`` through the cache: a float16 model's decode steps take the float16
+    dequantization for both sides of KIVI's layout (packed blocks as the cache stores them, scale groups of
+    16 tokens under 64-token tiles) and give the tokens and logits of the float32-dequantizing kernel."""
+    use_triton(monkeypatch)
+    from kvbits.kernels import triton_decode
+
+    model = copy.deepcopy(build("llama")).half()
+    seen: list[dict] = []
+    real = triton_decode._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                seen.append(meta)
+                return real[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    seq32, logits32, _ = generate(model, KIVI4, fused=True, attn=True, new=5)
+    assert seen and not any(m.get("F16_K") or m.get("F16_V") for m in seen)
+    seen.clear()
+    monkeypatch.setenv("KVBITS_DEQUANT", "f16")
+    seq16, logits16, cache = generate(model, KIVI4, fused=True, attn=True, new=5)
+    assert len(seen) == cache.fused_report()["fused_steps"] == 4 * 2
+    assert all(m.get("F16_K") and m.get("F16_V") for m in seen)
+    assert torch.equal(seq16, seq32)
+    torch.testing.assert_close(logits16.float(), logits32.float(), atol=2e-2, rtol=0)
+    if not torch.cuda.is_available():  # interpreted: both paths give the same float16 K/V, so the same logits
+        assert torch.equal(logits16, logits32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Lazy K/V checks (the default on CUDA) through fused generation
 # --------------------------------------------------------------------------------------------------
