@@ -825,6 +825,43 @@ def test_decode_f16_dequant_shapes(D: int, G: int, ks: TensorSpec, vs: TensorSpe
 
 
 @needs_triton
+def test_f16_compile_failure_falls_back_logged(monkeypatch, caplog):
+    """Where launches fall back (CUDA), a configuration whose f16 variant does not compile is logged,
+    remembered and dequantized in float32 (the same output); elsewhere the error is raised."""
+    real = triton_decode._decode_kernel
+    tried: list[bool] = []
+
+    class NoF16:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                tried.append(bool(meta.get("F16_K") or meta.get("F16_V")))
+                if tried[-1]:
+                    raise RuntimeError("PTX assembly failed (stand-in)")
+                return real[grid](*args, **meta)
+
+            return launch
+
+    g = torch.Generator().manual_seed(12)
+    store = make_store(g)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    want = triton_decode.decode_attention_triton(q, store)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", NoF16())
+    monkeypatch.setattr(triton_decode, "_F16_BROKEN", set())
+    monkeypatch.setattr(triton_decode, "_compile_fallbacks", lambda q: False)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        triton_decode.decode_attention_triton(q, store, dequant="f16")
+    monkeypatch.setattr(triton_decode, "_compile_fallbacks", lambda q: True)
+    tried.clear()
+    with caplog.at_level("WARNING", logger="kvbits.kernels.triton_decode"):
+        out = triton_decode.decode_attention_triton(q, store, dequant="f16")
+        again = triton_decode.decode_attention_triton(q, store, dequant="f16")
+    assert tried == [True, False, False]  # the failed configuration is not tried again
+    assert torch.equal(out, want) and torch.equal(again, want)
+    assert "dequant='f16' failed to compile (RuntimeError); dequantizing in float32" in caplog.text
+    assert len(triton_decode._F16_BROKEN) == 1
+
+
+@needs_triton
 def test_dequant_mode_is_checked():
     g = torch.Generator().manual_seed(3)
     store = make_store(g)

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 _VEC_BROKEN: set[tuple] = set()  # kernel configurations whose vectorised variant did not compile
+_F16_BROKEN: set[tuple] = set()  # ... whose dequant="f16" variant did not compile
 TRITON_BITS = (2, 3, 4, 8)
 # The whole-row path (``_load_rows``, then ``tl.trans``) needs tiles of 32 tokens at least: on an H200
 # (Triton 3.6, sm_90) every 16-token launch of it at D = 128 returned wrong attention (max error 3.8-4.6
@@ -673,6 +674,12 @@ def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> di
 DEQUANT_MODES = ("f32", "f16")
 
 
+def _compile_fallbacks(q: torch.Tensor) -> bool:
+    """Whether a launch that fails to compile falls back to a plainer variant (logged): on CUDA, where the
+    product runs. Elsewhere (the interpreter, ``aot.compile_only``) the error is raised: those are tests."""
+    return q.is_cuda
+
+
 def _asm_ok() -> bool:
     """Whether kernels are compiled (inline PTX allowed), not run by Triton's interpreter."""
     return os.environ.get("TRITON_INTERPRET") != "1"
@@ -737,8 +744,9 @@ def decode_attention_triton(
             float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
             outliers or pre-RoPE rotation directly in float16 (``_load_rows16``: int32 word reads,
             magic-number conversion, one fused multiply-add); other sides keep ``"f32"``. Same rounding
-            (one, to float16) and about half the instructions per tile in sm_90 code
-            (``benchmarks/kernel_resources.py``); not yet timed or checked on a GPU (BENCHMARKS.md §6).
+            (one, to float16) and 21-37 % fewer instructions per token in sm_90 code
+            (``benchmarks/kernel_resources.py``); not yet timed or checked on a GPU (BENCHMARKS.md §6). On
+            CUDA, a configuration whose f16 variant fails to compile is logged and dequantized in float32.
         maxnreg: registers per thread the compiler may use (Triton's ``maxnreg``; default: its choice). At
             Llama-3-8B's shape ``dequant="f16"`` takes 160, three blocks per SM where the default path's 128
             allow four; ``maxnreg=128`` restores four at a few spilled bytes (a device-tuning knob).
@@ -851,21 +859,30 @@ def decode_attention_triton(
         dequant == "f16" and vec and f16_ok(p, block_t, q.dtype) and not (p is k and rope)
         for vec, p in ((vec_k, k), (vec_v, v))
     )
-    if f16_k or f16_v:
-        meta = {**meta, "F16_K": f16_k, "F16_V": f16_v, "ASM": _asm_ok()}
     grid = (B * H_kv, n_split)
-    if (vec_k or vec_v) and vectorized is None and q.is_cuda:
+    fall_back = _compile_fallbacks(q)
+    launched = False
+    if (f16_k or f16_v) and config not in _F16_BROKEN:
         try:
+            _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, F16_K=f16_k, F16_V=f16_v, ASM=_asm_ok(), **meta)
+            launched = True
+        except Exception as exc:  # a compile error of the opt-in path: keep the float32 one (re-raised off CUDA)
+            if not fall_back:
+                raise
+            _F16_BROKEN.add(config)
+            logger.warning("dequant='f16' failed to compile (%s); dequantizing in float32", type(exc).__name__)
+    if not launched:
+        if (vec_k or vec_v) and vectorized is None and fall_back:
+            try:
+                _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
+            except Exception as exc:  # noqa: BLE001 - any compile error of the interleave path: keep the gather path
+                _VEC_BROKEN.add(config)
+                logger.warning(
+                    "vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__
+                )
+                _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
+        else:
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
-        except Exception as exc:  # noqa: BLE001 - any compile error of the interleave path: keep the gather path
-            _VEC_BROKEN.add(config)
-            logger.warning(
-                "vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__
-            )
-            meta = {**meta, "F16_K": False, "F16_V": False}  # _load_rows16 reads whole rows too
-            _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
-    else:
-        _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
     out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype)
     _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
     return out.reshape(B, H_q, 1, D)
