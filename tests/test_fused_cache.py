@@ -19,6 +19,7 @@ from unittest import mock
 import pytest
 import torch
 import transformers
+from _launch import LaunchSpy
 from test_cache import storage_bytes, walk_tensors
 from transformers import (
     Gemma3ForCausalLM,
@@ -472,18 +473,9 @@ def test_fused_decode_triton_f16_dequant(monkeypatch):
     from kvbits.kernels import triton_decode
 
     model = copy.deepcopy(build("llama")).half()
-    seen: list[dict] = []
-    real = triton_decode._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **meta):
-                seen.append(meta)
-                return real[grid](*args, **meta)
-
-            return launch
-
-    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    seen = spy.seen
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
     seq32, logits32, _ = generate(model, KIVI4, fused=True, attn=True, new=5)
     assert seen and not any(m.get("F16_K") or m.get("F16_V") for m in seen)
     seen.clear()

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from _launch import LaunchSpy
 
 from kvbits.kernels import dispatch
 from kvbits.kernels.reference import (
@@ -678,18 +679,9 @@ def test_whole_row_path_never_runs_16_token_tiles(monkeypatch, D: int, kw: dict,
     """The whole-row path at 16-token tiles gave wrong attention on an H200 (max error ~4 against
     float64 on every store at D = 128; the interpreter gets it right, so only the rule is testable here):
     the launch must use 32-token tiles or the gather path instead (``MIN_VEC_BLOCK_T``)."""
-    seen: list[dict] = []
-    kernel = triton_decode._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch_(*args, **meta):
-                seen.append(meta)
-                return kernel[grid](*args, **meta)
-
-            return launch_
-
-    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    seen = spy.seen
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
     g = torch.Generator().manual_seed(D)
     store = make_store(g, B=1, H_kv=1, D=D, T_q=64, T_f=8, quant_lens=[64], full_lens=[8], **kw)
     q = torch.randn(1, 2, 1, D, generator=g).to(DEVICE).half()
@@ -738,20 +730,6 @@ def test_f16_dequant_rounds_once_to_float16(s: TensorSpec, block_t: int):
     assert torch.equal(got.half(), want), float((got - want.float()).abs().max())
 
 
-class _LaunchSpy:
-    """Records the constexprs of every ``_decode_kernel`` launch, then launches it."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.seen = kernel, []
-
-    def __getitem__(self, grid):
-        def launch_(*args, **meta):
-            self.seen.append(meta)
-            return self.kernel[grid](*args, **meta)
-
-        return launch_
-
-
 F16_CASES = [  # (name, make_store kwargs, query dtype, (F16_K, F16_V) expected)
     ("int4-kivi", {"key_spec": spec(4, "channel", 32), "value_spec": spec(4, "token", 32)}, torch.float16,
      (True, True)),
@@ -775,7 +753,7 @@ F16_CASES = [  # (name, make_store kwargs, query dtype, (F16_K, F16_V) expected)
 def test_decode_f16_dequant(monkeypatch, name: str, kw: dict, dtype: torch.dtype, want: tuple[bool, bool]):
     """``dequant="f16"`` takes the sides it can (and only those) and stays within twice torch's error at
     float16; on a ragged, left-padded batch it equals the float32 path up to the dots' rounding."""
-    spy = _LaunchSpy(triton_decode._decode_kernel)
+    spy = LaunchSpy(triton_decode._decode_kernel)
     monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     store = make_store(g, quant_lens=[160, 96], full_lens=[40, 9], **kw)
@@ -828,33 +806,22 @@ def test_decode_f16_dequant_shapes(D: int, G: int, ks: TensorSpec, vs: TensorSpe
 def test_f16_compile_failure_falls_back_logged(monkeypatch, caplog):
     """Where launches fall back (CUDA), a configuration whose f16 variant does not compile is logged,
     remembered and dequantized in float32 (the same output); elsewhere the error is raised."""
-    real = triton_decode._decode_kernel
-    tried: list[bool] = []
-
-    class NoF16:
-        def __getitem__(self, grid):
-            def launch(*args, **meta):
-                tried.append(bool(meta.get("F16_K") or meta.get("F16_V")))
-                if tried[-1]:
-                    raise RuntimeError("PTX assembly failed (stand-in)")
-                return real[grid](*args, **meta)
-
-            return launch
-
+    no_f16 = LaunchSpy(triton_decode._decode_kernel, fail=lambda meta: meta.get("F16_K") or meta.get("F16_V"))
     g = torch.Generator().manual_seed(12)
     store = make_store(g)
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
     want = triton_decode.decode_attention_triton(q, store)
-    monkeypatch.setattr(triton_decode, "_decode_kernel", NoF16())
+    monkeypatch.setattr(triton_decode, "_decode_kernel", no_f16)
     monkeypatch.setattr(triton_decode, "_F16_BROKEN", set())
     monkeypatch.setattr(triton_decode, "_compile_fallbacks", lambda q: False)
     with pytest.raises(RuntimeError, match="stand-in"):
         triton_decode.decode_attention_triton(q, store, dequant="f16")
     monkeypatch.setattr(triton_decode, "_compile_fallbacks", lambda q: True)
-    tried.clear()
+    no_f16.seen.clear()
     with caplog.at_level("WARNING", logger="kvbits.kernels.triton_decode"):
         out = triton_decode.decode_attention_triton(q, store, dequant="f16")
         again = triton_decode.decode_attention_triton(q, store, dequant="f16")
+    tried = [bool(m.get("F16_K") or m.get("F16_V")) for m in no_f16.seen]
     assert tried == [True, False, False]  # the failed configuration is not tried again
     assert torch.equal(out, want) and torch.equal(again, want)
     assert "dequant='f16' failed to compile (RuntimeError); dequantizing in float32" in caplog.text
