@@ -232,3 +232,20 @@ print(json.dumps(rows))
             assert r["spill"] == 0, r
         else:
             assert r["blocks"] >= by[(shape, scheme, "f32")]["blocks"], r
+
+
+def test_kernel_cost_sets_the_issue_floor_beside_a_measured_time(tmp_path):
+    """``benchmarks/kernel_cost.py``: from one measured record (the H200's Llama int4 cell at batch 32,
+    128K), the cycles per token and SM, the compiled tile loop's issue floor and the issue rate between them."""
+    results = tmp_path / "gpu_decode.json"
+    results.write_text(json.dumps({"records": [
+        {"kernel": "triton", "scheme": "int4", "shape": "llama-3-8b", "batch": 32, "context": 131072, "ms": 6.1923},
+        {"kernel": "triton", "scheme": "int4", "shape": "llama-3-8b", "batch": 8, "context": 131072, "ms": 1.0},
+    ]}))  # fmt: skip
+    out = _run(f"import json, kernel_cost as kc; print(json.dumps(kc.issue_table(__import__('pathlib').Path('{results}'))))")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["measured_cycles"] == round(6.1923e-3 * 1.98e9 / (32 * 8 * 131072 / 132), 1) == 48.2
+    assert row["issue_floor_cycles"] == round(row["warp_instructions_per_token"] / 4, 1)
+    assert row["warp_instructions_per_token"] == round(row["loop_instructions"] * 4 / row["block_t"], 1)
+    assert 0 < row["issued_per_cycle"] < 4 and row["int_to_float"] > 0
