@@ -24,8 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import common
-
-from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, resources
+from kernel_resources import decode_rows
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_decode.json"
 CPU = torch.device("cpu")
@@ -40,26 +39,20 @@ LAUNCHES = {  # table 2
 
 
 def loop_cost(shape_name: str, scheme: str, batch: int, **launch) -> dict:
-    """The compiled decode kernel of one launch: block_t, warps, registers, spills, blocks per SM, tile-loop
-    instructions, warp-instructions per token, integer-to-float conversions in the loop."""
-    from kvbits.kernels.triton_decode import decode_attention_triton
-
+    """The compiled decode kernel of one launch (``kernel_resources.decode_rows``): block_t, warps, registers,
+    spills, blocks per SM, tile-loop instructions, warp-instructions per token, integer-to-float conversions
+    in the loop."""
     shape = common.SHAPES[shape_name]
     base = scheme.removesuffix(common.ROPE_SUFFIX)
     tables = common.rope_tables(4096, shape["D"], CPU) if scheme != base else None
     sch = common.SCHEMES[base] if base != "fp16" else None
     store = common.random_store(batch, shape, 4096, sch, CPU, torch.Generator().manual_seed(0), tables, lazy=True)
-    q = torch.zeros(batch, shape["H_q"], 1, shape["D"], dtype=torch.float16)
-    with compile_only("sm_90") as compiled:
-        decode_attention_triton(q, store, splits=4, **launch)
-    (kernel,) = [k for k in compiled if k.name == "_decode_kernel"]
-    r = resources(kernel)
-    n, ops = hot_loop(kernel)
-    block_t = r.constants["BLOCK_T"]
-    return {"block_t": block_t, "num_warps": r.num_warps, "registers": r.registers, "spill_bytes": r.local_bytes,
-            "blocks_per_sm": LIMITS["sm_90"].blocks_per_sm(r), "loop_instructions": n,
-            "warp_instructions_per_token": round(n * r.num_warps / block_t, 1),
-            "int_to_float": ops.get("I2F", 0) + ops.get("I2FP", 0)}  # fmt: skip
+    (row,) = decode_rows("cost", scheme, shape_name, store, "sm_90", **launch)
+    return {"block_t": row["block_t"], "num_warps": row["num_warps"], "registers": row["registers"],
+            "spill_bytes": row["local_bytes"], "blocks_per_sm": row["blocks_per_sm"],
+            "loop_instructions": row["loop_instructions"],
+            "warp_instructions_per_token": row["warp_instructions_per_token"],
+            "int_to_float": row["loop_int_to_float"]}  # fmt: skip
 
 
 def issue_table(results: Path) -> list[dict]:

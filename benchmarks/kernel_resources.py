@@ -14,10 +14,12 @@ and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launc
 - ``cache``: every preset the fused decode path serves, its store built by ``QuantizedKVCache`` from a
   prefill (as the cache launches it), default launch (``launch_defaults``) and the gather fallback
   (``vectorized=False``), and the opt-in ``dequant="f16"`` path where a side allows it, at the KV
-  shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 / float32 ones for kivi-4 and kvquant-4-block);
+  shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 /
+  float32 ones for kivi-4 and kvquant-4-block);
 - ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16 launches;
 - ``tune``: gpu_decode's step 3b grids (``sweep.TUNE_CASES``: int4 and int4-prerope, ``block_t`` x ``num_warps``
-  x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x stages);
+  x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x warps x
+  stages);
 - ``quantize``: the quantize-and-pack kernel for gpu_decode's ``QUANTIZE_SPECS`` at D = 128.
 
 Must run in a process whose kernels are compiled (``TRITON_INTERPRET`` unset); exits 1 if a default

@@ -48,7 +48,7 @@ def jobs(tune: bool = True) -> list[Job]:
     """Every launch group of the benchmark's steps 2, 2b, 3 and (``tune``) 3b, longest first."""
     from gpu_bench import checks, common, e2e, sweep
 
-    out: list[Job] = [("check", shape) for shape in common.SHAPES]  # 19 variants each: start these first
+    out: list[Job] = [("check", shape) for shape in common.SHAPES]  # check_variants' variants: start these first
     for shape in common.SHAPES:
         out.append(("sweep", shape, "fp16", False, None))
         for name, sch in common.SCHEMES.items():

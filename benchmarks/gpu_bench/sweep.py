@@ -184,17 +184,24 @@ TUNE_STAGES = (1, 2, 3)  # num_stages: software-pipelining depth of the tile loo
 TUNE_PROGRAMS_PER_SM = (8, 32)  # split counts beyond the default 2 programs per SM (decode's target_programs)
 
 
-def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
-    """``(block_t, num_warps, num_stages, programs_per_sm)`` to time at head dim ``D``: the default launch
-    first (``launch_defaults``; ``None``: the default split count, 2 programs per SM), then the default
-    with other split counts (``TUNE_PROGRAMS_PER_SM``: on the H200 the kernel was bound by its per-tile cost, not bandwidth), then
-    by how many of the three launch parameters differ from it (a run cut short keeps the nearest)."""
+def _default_then_nearest(D: int, warps: tuple[int, ...], stages: tuple[int, ...]) -> tuple[tuple, list[tuple]]:
+    """The default launch ``(block_t, num_warps, num_stages)`` at head dim ``D`` (``launch_defaults``) and the
+    other launches of ``TUNE_BLOCK_T`` x ``warps`` x ``stages``, by how many of the three parameters differ
+    from it (a run cut short keeps the nearest)."""
     from kvbits.kernels.triton_decode import launch_defaults
 
     d = launch_defaults(D)
     default = (d["block_t"], d["num_warps"], d["num_stages"])
-    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_WARPS for s in TUNE_STAGES if (b, w, s) != default]
-    grid = sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in warps for s in stages if (b, w, s) != default]
+    return default, sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+
+
+def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
+    """``(block_t, num_warps, num_stages, programs_per_sm)`` to time at head dim ``D``: the default launch
+    first (``None``: the default split count, 2 programs per SM), then the default with other split counts
+    (``TUNE_PROGRAMS_PER_SM``: on the H200 the kernel was bound by its per-tile cost, not bandwidth), then
+    ``TUNE_BLOCK_T`` x ``TUNE_WARPS`` x ``TUNE_STAGES`` nearest first (``_default_then_nearest``)."""
+    default, grid = _default_then_nearest(D, TUNE_WARPS, TUNE_STAGES)
     return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
 
 
@@ -204,16 +211,11 @@ TUNE_R128_LAUNCHES = 3  # "f16-r128" (128-register cap): the first launches of t
 
 
 def tune_grid_f16(D: int) -> list[tuple[int, int, int, int | None]]:
-    """``tune_grid``'s rows for ``dequant="f16"`` at head dim ``D``: the default launch first
-    (``launch_defaults``), then ``TUNE_BLOCK_T`` x ``TUNE_F16_WARPS`` x ``TUNE_F16_STAGES``, nearest first; the
-    default split count only. Compiled for sm_90, 2-warp launches issue 10-20 % fewer instructions per token
-    (fewer cross-warp reductions) at half the resident warps (BENCHMARKS.md §6, session 10)."""
-    from kvbits.kernels.triton_decode import launch_defaults
-
-    d = launch_defaults(D)
-    default = (d["block_t"], d["num_warps"], d["num_stages"])
-    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in TUNE_F16_WARPS for s in TUNE_F16_STAGES]
-    grid = sorted((c for c in grid if c != default), key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    """``tune_grid``'s rows for ``dequant="f16"`` at head dim ``D``: the default launch first, then
+    ``TUNE_BLOCK_T`` x ``TUNE_F16_WARPS`` x ``TUNE_F16_STAGES``, nearest first; the default split count only.
+    Compiled for sm_90, 2-warp launches issue 10-20 % fewer instructions per token (fewer cross-warp
+    reductions) at half the resident warps (BENCHMARKS.md §6, session 10)."""
+    default, grid = _default_then_nearest(D, TUNE_F16_WARPS, TUNE_F16_STAGES)
     return [(*c, None) for c in [default, *grid]]
 
 
@@ -247,9 +249,10 @@ TUNE_CASES = (  # step 3b's cases per shape: (scheme, pre-RoPE keys, TUNE_DEQUAN
 def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
          ) -> list[dict]:  # fmt: skip
     """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
-    (``tune_grid``) for int4 and int4-prerope, and ``block_t`` x ``num_stages`` (``tune_grid_f16``) for int4
-    dequantized in float16 (scheme ``int4-f16``, ``dequant="f16"``), at 32K (smoke: 512), batch 8 (smoke:
-    1), both shapes (``TUNE_CASES``), round robin so that a run cut short has the nearest neighbours of every
+    (``tune_grid``) for int4 and int4-prerope, and ``block_t`` x ``num_warps`` x ``num_stages``
+    (``tune_grid_f16``) for int4 dequantized in float16 (``int4-f16``; ``int4-f16-r128`` at its nearest
+    launches with 128 registers at most), at 32K (smoke: 512), batch 8 (smoke: 1), both shapes
+    (``TUNE_CASES``, ``TUNE_DEQUANT``), round robin so that a run cut short has the nearest neighbours of every
     default. Rows: shape, batch, context, scheme, dequant, block_t, num_warps, num_stages, programs_per_sm,
     max_diff_vs_default (the largest gap from the default launch's output on the same inputs: the default
     float32-dequantizing launch, for the f16 rows too), ms (median; ``ms_p10``/``ms_p90``), gbps,

@@ -31,7 +31,7 @@ __all__ = [
 
 KERNEL_ENV = "KVBITS_KERNEL"
 DEQUANT_ENV = "KVBITS_DEQUANT"
-DEQUANT_MODES = ("f32", "f16")  # triton_decode.DEQUANT_MODES (not imported here: no Triton at import)
+DEQUANT_MODES = ("f32", "f16")  # decode_attention_triton's ``dequant`` (triton_decode imports these)
 MODES = ("auto", "reference", "triton")
 INSTALL_HINT = "install Triton (pip install 'kvbits[triton]'; Linux + CUDA, or TRITON_INTERPRET=1 on CPU)"
 

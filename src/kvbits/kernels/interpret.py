@@ -47,7 +47,7 @@ def enable_interpreter() -> None:
       NumPy 2.4 turned into a ``TypeError``, so every loop with a runtime bound fails
       (triton-lang/triton#9171; fixed upstream with ``.squeeze()``, Triton 3.6 still has it). The shim
       re-defines that one conversion.
-    - ``tl.fma`` rounds once, as on the GPU (``_create_fma``); the interpreter's own rounds the product too.
+    - ``tl.fma`` rounds once, as on the GPU (``_fma_rounded_once``, float16 / float32); the interpreter's own rounds the product too.
     - ``tl.dot`` of bfloat16 operands multiplies their values, not their uint16 bit patterns.
 
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
@@ -61,6 +61,7 @@ def enable_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     if _PATCHED:
         return
+    import numpy as np
     import triton.runtime.interpreter as interp
 
     if already_imported:
@@ -72,7 +73,14 @@ def enable_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interp._patch_lang_tensor = patch_lang_tensor
-    interp.InterpreterBuilder.create_fma = _create_fma
+    original_fma = interp.InterpreterBuilder.create_fma
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype in (np.float16, np.float32):  # bfloat16 is uint16 bits here: the interpreter's own
+            return _fma_rounded_once(x, y, z)
+        return original_fma(self, x, y, z)
+
+    interp.InterpreterBuilder.create_fma = create_fma
     original_dot = interp.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -96,7 +104,7 @@ def _bf16_as_f32(interp, x):
     return interp.TensorHandle(bits.view(np.float32), tl.float32)
 
 
-def _create_fma(self, x, y, z):
+def _fma_rounded_once(x, y, z):
     """``tl.fma`` with one rounding, as the GPU's fused multiply-add (``fma.rn``).
 
     The interpreter computes ``x * y + z`` in the operands' dtype: in float16 the product is rounded

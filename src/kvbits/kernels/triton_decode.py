@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbits.kernels.dispatch import DEQUANT_MODES
 from kvbits.kernels.reference import PackedStore, PackedTensor
 
 __all__ = [
@@ -669,9 +670,6 @@ def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> di
     block_t = max(16, min(64, tile // D))  # tl.dot needs 16 rows at least: D = 256 can exceed the tile
     warps = 2 * DEFAULT_WARPS if ieee or block_t * D > tile else DEFAULT_WARPS  # 16 warps cap registers at 64
     return {"block_t": block_t, "num_warps": warps, "num_stages": DEFAULT_STAGES}
-
-
-DEQUANT_MODES = ("f32", "f16")
 
 
 def _compile_fallbacks(q: torch.Tensor) -> bool:
