@@ -418,6 +418,7 @@ COMMANDS: dict[str, Command | str] = {
     "analyze": "kvbits.analyze.cli",
     "calibrate": "kvbits.calibrate.cli",
     "eval": "kvbits.evaluate.cli",
+    "monitor": "kvbits.monitor.cli",
 }
 """Subcommands in the order of the decision flow. Add one by adding its module path here."""
 

@@ -20,8 +20,11 @@ exactly the tokens ``DynamicSlidingWindowLayer`` returns, so its mask sizes appl
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -38,6 +41,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvbits.quant.rope import RotaryTables
 
 logger = logging.getLogger(__name__)
+
+# (layer, side, x, qt): QuantizedKVLayer.observe_flushes
+FlushObserver = Callable[[Any, str, torch.Tensor, Any], None]
 
 __all__ = ["QuantizedKVLayer"]
 
@@ -202,6 +208,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         )  # fmt: skip
         self.tokens_seen = 0
         self.dropped_tokens = 0
+        self.held_at: int | None = None  # tokens seen when hold_full_precision() stopped flushing; None: quantizing
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
 
@@ -365,7 +372,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             store.append_sinks(x[:, :, :take])
             store.append_buffer(x[:, :, take:])
         self.tokens_seen = n = n_before + q
-        if self.mode == "quantized":
+        if self.mode == "quantized" and self.held_at is None:
             excess = self._k.n_buffer - self.scheme.residual
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
             self._k.flush(n_flush, self.scheme.block)
@@ -414,6 +421,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._k.clear()
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
+        self.held_at = None
         self.is_initialized = False
         self.repeat, self._repeat_pending = 1, False
         self.fused.claimed = False
@@ -433,6 +441,33 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._k.crop_tail(r)
         self._v.crop_tail(r)
         self.tokens_seen -= r
+        if self.held_at is not None:
+            self.held_at = min(self.held_at, self.tokens_seen)
+
+    def observe_flushes(self, fn: FlushObserver | None) -> None:
+        """Call ``fn(layer, side, x, qt)`` for every chunk this layer quantizes from now on (``None``: stop):
+        ``side`` is ``"key"`` or ``"value"``, ``x`` ``(B, H_kv, n, D)`` the tokens as quantized (un-rotated for
+        pre-RoPE keys), ``qt`` their ``QuantizedTensor``. Called inside ``update``, before the chunk joins the
+        store; used by ``kvbits.monitor`` for its online error signal."""
+        for side, store in (("key", self._k), ("value", self._v)):
+            store.observer = None if fn is None else functools.partial(fn, self, side)
+
+    def hold_full_precision(self) -> bool:
+        """Stop quantizing this layer for the rest of the request: later tokens stay in the full-precision
+        buffer, which is no longer flushed (the monitor's fallback, ``kvbits.monitor``). What is already
+        quantized stays as it is (its precision is gone); ``reset()`` (a new request) quantizes again.
+
+        Memory grows by the incoming dtype's bytes per token from here on, and ``memory_report()`` counts
+        them (``full_tokens``, ``held_at``). Returns whether the layer now holds: ``False`` for a layer that
+        does not quantize (identity scheme, sliding fallback) and for sliding-window layers, whose buffer
+        would outgrow the window.
+        """
+        if self.mode != "quantized" or self.is_sliding:
+            return False
+        if self.held_at is None:
+            self.held_at = self.tokens_seen
+            logger.info("layer %d: held in full precision from token %d on", self.layer_idx, self.held_at)
+        return True
 
     def tokens_to_crop(self, tokens_to_remove: int) -> int:
         """How many tokens ``crop(tokens_to_remove)`` removes (0: none); ``ValueError`` when it cannot. Changes
@@ -512,6 +547,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             "dropped_tokens": self.dropped_tokens,
             "sliding_window": self.sliding_window,
             "mode": self.mode,
+            "held_at": self.held_at,
             "kv_heads": 0 if self._k.buffer is None else self._k.buffer.shape[1],
             "head_repeat": self.repeat,
             "batch": 0 if self._k.buffer is None else self._k.buffer.shape[0],
@@ -534,5 +570,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         return int(self._k.clipped), int(self._v.clipped)
 
     def expected_split(self):
-        """``token_split`` for the tokens seen (what this layer's report must equal until a ``crop``)."""
-        return token_split(self.scheme, self.tokens_seen, self.sliding_window)
+        """``token_split`` for the tokens seen (what this layer's report must equal until a ``crop``); a held
+        layer (``hold_full_precision``) keeps every token since ``held_at`` in full precision."""
+        if self.held_at is None:
+            return token_split(self.scheme, self.tokens_seen, self.sliding_window)
+        split = token_split(self.scheme, self.held_at, self.sliding_window)
+        return replace(split, full=split.full + self.tokens_seen - self.held_at)

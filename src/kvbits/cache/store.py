@@ -178,6 +178,9 @@ class SideStore:
         self._pos_offset: torch.Tensor | None = None
         self._positions_ahead: int | None = None  # host copy of -min(pos_offset, 0), read when first needed
         self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
+        # called with (x, qt) for each chunk a flush quantizes: x (B, H_kv, n, D) the tokens as quantized (un-rotated
+        # for pre-RoPE keys), qt their QuantizedTensor (kvbits.monitor's online error signal); None: no cost
+        self.observer: Callable[[torch.Tensor, QuantizedTensor], None] | None = None
 
     # ------------------------------------------------------------------ state
     def init(self, like: torch.Tensor, buffer_dtype: torch.dtype, *, sync: bool = True) -> None:
@@ -277,6 +280,11 @@ class SideStore:
                 for i in range(0, n_tokens, block)
             ]
         self._packed = None
+        if self.observer is not None:
+            i = 0
+            for qt in new:
+                self.observer(x[:, :, i : i + qt.n_tokens], qt)
+                i += qt.n_tokens
         for qt in new:
             self.clipped += qt.clipped
             if self.work is not None:

@@ -195,6 +195,7 @@ def stream_hidden(
     calibration: Any = None,
     fused_decode: bool | str = "auto",
     stats: dict[str, int] | None = None,
+    on_cache: Callable[[Any], None] | None = None,
 ) -> torch.Tensor:
     """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` run through the scheme's cache.
 
@@ -210,6 +211,8 @@ def stream_hidden(
         fused_decode: ``"auto"``, ``True`` or ``False`` (module docstring); ignored for peers.
         stats: kvbits schemes: ``"fused_steps"`` and ``"fallback_steps"`` (layer x token decode steps
             attended by the fused kernel / over dequantized K/V after a claim) are added to it.
+        on_cache: called with the cache once it is built, before any token reaches it (e.g. to attach a
+            ``kvbits.monitor.CacheMonitor``).
     """
     from kvbits.cache.fused import check_mode, wants
 
@@ -218,7 +221,8 @@ def stream_hidden(
         raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
     fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
     with _fused_attention(model) if fused else contextlib.nullcontext():
-        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused)
+        return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused,
+                       on_cache=on_cache)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -244,6 +248,7 @@ def _stream(
     stats: dict[str, int] | None,
     *,
     fused: bool,
+    on_cache: Callable[[Any], None] | None = None,
 ) -> torch.Tensor:
     """``stream_hidden`` once the attention implementation is set."""
     from transformers import DynamicCache
@@ -261,6 +266,8 @@ def _stream(
         full = DynamicCache()
         chunks.append(_step(base, ids[:, :prompt_len], full, kw))
         cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused)
+        if on_cache is not None:
+            on_cache(cache)
         for idx, layer in enumerate(full.layers):
             cache.update(layer.keys, layer.values, idx)
         del full
@@ -269,6 +276,8 @@ def _stream(
             progress(prompt_len)
     elif semantics == "decode":
         cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused)
+        if on_cache is not None:
+            on_cache(cache)
     else:
         raise ValueError(f"semantics must be 'decode' or 'prefill', got {semantics!r}")
     for t in range(start, T):

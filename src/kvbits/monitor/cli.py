@@ -1,0 +1,127 @@
+"""``kvbits monitor``: the online signals of a scheme on real text, a fallback policy's effect, Prometheus
+metrics and JSON events (thin wrapper over ``kvbits.monitor.watch``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvbits._argtypes import add_dtype_device, bounded
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+examples:
+  kvbits monitor --model smollm2-135m --data war-and-peace --context 2k --scheme kivi-2
+  kvbits monitor --model smollm2-135m --data war-and-peace --context 2k --scheme kivi-2 \\
+      --key-error 0.26 --value-error 0.5 --prom runs/kvbits.prom --events runs/events.jsonl
+
+Signals, per layer and side, at every flush of `block` tokens: the relative error ||x - x_hat|| / ||x||
+of the block just quantized (worst sequence), values clipped against static scales, positions past the
+calibrated context. A threshold crossed holds the layer (--scope request: every layer) in full
+precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "policy", "tokens",
+"total_bytes", "held_layers", "calibrated_length", "signals": [{"layer", "side", "flushes", "measured",
+"tokens_measured", "last_error", "max_error", "mean_error", "clipped", "clipped_fraction", "held_at"}],
+"events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]}.
+"""
+
+_threshold = bounded(float, 0, what="a relative error >= 0")
+_fraction = bounded(float, 0, 1, what="a fraction in [0, 1]")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.cli import _positive, parse_tokens
+
+    p = subparsers.add_parser(
+        "monitor",
+        help="online flush errors of a scheme on real text, fallback thresholds, Prometheus metrics",
+        description="Decode real text through a scheme's cache token by token with kvbits.monitor attached: "
+        "what a server would see, and which layers a fallback policy would hold in full precision.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="registry name, .gguf file, model folder or hub id")
+    p.add_argument("--data", required=True, help="registry text (war-and-peace, ...) or a text file")
+    p.add_argument("--data-path", help="folder searched first for registry texts")
+    p.add_argument("--context", type=parse_tokens, default=2048, help="tokens decoded (default 2048)")
+    p.add_argument("--scheme", required=True, help="scheme preset or scheme JSON file")
+    p.add_argument(
+        "--calibration", metavar="DIR", help="kvbits calibrate folder (static scales / NUQ codebooks)"
+    )
+    p.add_argument(
+        "--key-error", type=_threshold, help="hold when a flushed key block's relative error exceeds this"
+    )
+    p.add_argument("--value-error", type=_threshold, help="the same for values")
+    p.add_argument("--clipped-fraction", type=_fraction, help="hold when more of a block's values clip")
+    p.add_argument("--beyond-calibration", action="store_true", help="hold past the calibrated context")
+    p.add_argument("--scope", choices=("layer", "request"), default="layer", help="what a crossing holds")
+    p.add_argument("--patience", type=_positive, default=1, help="consecutive crossing blocks before acting")
+    p.add_argument("--sample-every", type=_positive, default=1, help="measure one flush in this many")
+    p.add_argument(
+        "--label", action="append", default=[], metavar="K=V", help="constant metric label; repeatable"
+    )
+    p.add_argument("--prom", metavar="FILE", help="write Prometheus text (node_exporter textfile: *.prom)")
+    p.add_argument("--events", metavar="FILE", help="append the events as JSON lines")
+    p.add_argument("--json", action="store_true", help="print the snapshot as JSON on stdout (nothing else)")
+    add_dtype_device(p, ("cpu", "cuda"))
+    return p
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--label expects KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbits.monitor.policy import FallbackPolicy
+    from kvbits.monitor.watch import watch
+
+    policy = FallbackPolicy(
+        key_error=args.key_error, value_error=args.value_error, clipped_fraction=args.clipped_fraction,
+        beyond_calibration=args.beyond_calibration, scope=args.scope, patience=args.patience,
+        sample_every=args.sample_every,
+    )  # fmt: skip
+    mon = watch(args.model, args.data, args.context, args.scheme, policy, calibration=args.calibration,
+                data_path=args.data_path, dtype=args.dtype, device=args.device, labels=_labels(args.label))  # fmt: skip
+    if args.prom:
+        mon.write_prometheus(args.prom)
+    if args.events:
+        mon.write_events(args.events)
+    snap = mon.snapshot()
+    if args.json:
+        sys.stdout.write(json.dumps(snap, indent=2) + "\n")
+        return 0
+    _print(snap)
+    return 0
+
+
+def _print(snap: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from kvbits.cli import _console, human_bytes
+
+    rows: dict[int, dict[str, Any]] = {}
+    for r in snap["signals"]:
+        rows.setdefault(r["layer"], {"held_at": r["held_at"]})[r["side"]] = r
+    t = Table(title=f"{snap['labels']['scheme']}: flush relative error by layer ({snap['tokens']} tokens)")
+    for col in ("layer", "K mean", "K max", "V mean", "V max", "flushes", "held from"):
+        t.add_column(col, justify="right")
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for layer, r in sorted(rows.items()):
+        k, v = r["key"], r["value"]
+        t.add_row(str(layer), f(k["mean_error"]), f(k["max_error"]), f(v["mean_error"]), f(v["max_error"]),
+                  str(k["flushes"]), "-" if r["held_at"] is None else str(r["held_at"]))  # fmt: skip
+    console = _console()
+    console.print(t)
+    console.print(f"cache bytes at the end: {human_bytes(snap['total_bytes'])}; held layers: "
+                  f"{snap['held_layers'] or 'none'}; events: {len(snap['events'])}")  # fmt: skip

@@ -1,0 +1,86 @@
+"""Metrics in the formats operations teams scrape: Prometheus text exposition (0.0.4) and JSON.
+
+``prometheus_text(families)`` renders metric families; ``write_textfile`` writes them atomically for
+node_exporter's textfile collector (``--collector.textfile.directory``), the usual way a batch or
+sidecar process hands metrics to Prometheus without serving HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["MetricFamily", "prometheus_text", "write_textfile"]
+
+TYPES = ("gauge", "counter", "histogram")
+
+
+@dataclass
+class MetricFamily:
+    """One metric: ``name``, ``help``, ``type`` and its samples ``(suffix, labels, value)``; ``suffix`` is
+    ``""`` or, for histograms, ``"_bucket"`` / ``"_sum"`` / ``"_count"``."""
+
+    name: str
+    help: str
+    type: str
+    samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES:
+            raise ValueError(f"metric type must be one of {TYPES}, got {self.type!r}")
+        if not self.name or not all(c.isalnum() or c in "_:" for c in self.name) or self.name[0].isdigit():
+            raise ValueError(f"invalid Prometheus metric name {self.name!r}")
+
+    def add(self, value: float, labels: Mapping[str, object] | None = None, suffix: str = "") -> None:
+        self.samples.append((suffix, {k: str(v) for k, v in (labels or {}).items()}, float(value)))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(v: float) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(int(v)) if v == int(v) and abs(v) < 2**53 else repr(v)
+
+
+def prometheus_text(families: Iterable[MetricFamily]) -> str:
+    """The text exposition format: ``# HELP`` / ``# TYPE`` lines, then one line per sample."""
+    lines = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {fam.help.replace(chr(92), chr(92) * 2).replace(chr(10), ' ')}")
+        lines.append(f"# TYPE {fam.name} {fam.type}")
+        for suffix, labels, value in fam.samples:
+            for k in labels:
+                if not k or not all(c.isalnum() or c == "_" for c in k) or k[0].isdigit():
+                    raise ValueError(f"invalid Prometheus label name {k!r} in {fam.name}")
+            lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            lines.append(
+                f"{fam.name}{suffix}{{{lab}}} {_number(value)}"
+                if lab
+                else f"{fam.name}{suffix} {_number(value)}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_textfile(text: str, path: str | os.PathLike[str]) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename), so a
+    collector never reads half a file. The name should end in ``.prom`` for node_exporter."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,262 @@
+"""``CacheMonitor``: watch a ``QuantizedKVCache`` while it serves, export what it sees, fall back when told.
+
+Usage::
+
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.25, value_error=0.25), labels={"request": "r1"})
+    model.generate(**inputs, past_key_values=cache)
+    mon.prometheus()          # text exposition, for a scrape endpoint or write_textfile(...)
+    mon.events                # every threshold crossed: layer, side, value, action
+
+Signals (``kvbits.monitor.signals``), per layer and side, at each flush: the relative error of the block
+just quantized (exact: its full-precision values are still there), values clipped against static
+scales, and positions past the longest calibrated context. A policy (``FallbackPolicy``) that sees a
+threshold crossed holds the layer (or every layer, ``scope="request"``) in full precision from then on
+(``QuantizedKVLayer.hold_full_precision``). Cost: one dequantization of each measured block and a
+read-back of a few numbers (a host sync) per flush, i.e. every ``block`` tokens per layer and side;
+``sample_every`` thins it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+
+from kvbits.monitor.export import MetricFamily, prometheus_text, write_textfile
+from kvbits.monitor.policy import FallbackPolicy
+from kvbits.monitor.signals import ERROR_BUCKETS, SideSignals, flush_error, worst_index
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheMonitor"]
+
+SIDES = ("key", "value")
+
+
+class CacheMonitor:
+    """Online signals, metrics and precision fallback for one ``QuantizedKVCache``.
+
+    Args:
+        cache: the cache to watch (its quantized layers must exist: build it with ``config=``).
+        policy: thresholds and scope (``FallbackPolicy``); ``None`` only records signals.
+        labels: constant labels added to every exported sample (``scheme`` is always there).
+        on_event: called with each event dict as it happens (e.g. to forward it to a log pipeline).
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        policy: FallbackPolicy | None = None,
+        *,
+        labels: Mapping[str, object] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        from kvbits.cache.layer import QuantizedKVLayer
+
+        if policy is not None and not isinstance(policy, FallbackPolicy):
+            raise TypeError(f"policy must be a FallbackPolicy or None, got {type(policy).__name__}")
+        layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, QuantizedKVLayer)]
+        if not layers:
+            raise ValueError(
+                "CacheMonitor needs a QuantizedKVCache with its layers built (pass config= to the cache); "
+                f"got {type(cache).__name__} with no quantized layers"
+            )
+        self.cache = cache
+        self.policy = policy or FallbackPolicy()
+        self.labels = {"scheme": cache.scheme.name, **{k: str(v) for k, v in (labels or {}).items()}}
+        self.on_event = on_event
+        self.layers = {layer.layer_idx: layer for layer in layers}
+        self.signals = {(i, side): SideSignals() for i in self.layers for side in SIDES}
+        self.events: list[dict[str, Any]] = []
+        self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
+        self._beyond_reported: set[int] = set()
+        for layer in layers:
+            layer.observe_flushes(self._observe)
+
+    # ------------------------------------------------------------------ lifecycle
+    def detach(self) -> None:
+        """Stop observing (the cache then costs nothing more); signals and events are kept."""
+        for layer in self.layers.values():
+            layer.observe_flushes(None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # ------------------------------------------------------------------ observing
+    def _observe(self, layer: Any, side: str, x: torch.Tensor, qt: Any) -> None:
+        key = (layer.layer_idx, side)
+        self._flushes[key] += 1
+        if (self._flushes[key] - 1) % self.policy.sample_every:
+            return
+        errors = flush_error(x, qt.dequantize(torch.float32)).tolist()
+        clipped = int(qt.clipped)
+        sig = self.signals[key]
+        sig.add(errors, x.shape[2], clipped, x.numel())
+        self._check(layer, side, sig, errors, clipped / max(1, x.numel()))
+
+    def _check(
+        self, layer: Any, side: str, sig: SideSignals, errors: list[float], clipped_frac: float
+    ) -> None:
+        pol = self.policy
+        crossed = []
+        thr = pol.error_threshold(side)
+        worst = worst_index(errors)
+        if thr is not None and not errors[worst] <= thr:  # NaN crosses too
+            crossed.append((f"{side}_error", errors[worst], thr))
+        if pol.clipped_fraction is not None and clipped_frac > pol.clipped_fraction:
+            crossed.append(("clipped_fraction", clipped_frac, pol.clipped_fraction))
+        longest = self.calibrated_length()
+        if (
+            longest is not None
+            and layer.tokens_seen > longest
+            and layer.layer_idx not in self._beyond_reported
+        ):
+            self._beyond_reported.add(layer.layer_idx)
+            if pol.beyond_calibration:
+                crossed.append(("beyond_calibration", float(layer.tokens_seen), float(longest)))
+            else:
+                self._event(
+                    layer, side, "beyond_calibration", float(layer.tokens_seen), float(longest), None, "none"
+                )
+        sig.over = sig.over + 1 if crossed else 0
+        if not crossed:
+            return
+        action = "none"
+        if layer.held_at is not None:
+            action = "already_held"
+        elif sig.over >= pol.patience:
+            action = self._fall_back(layer)
+        for signal, value, threshold in crossed:
+            self._event(layer, side, signal, value, threshold, worst, action)
+
+    def _fall_back(self, layer: Any) -> str:
+        """Hold ``layer`` (or every layer) in full precision; the action's name for the event."""
+        if self.policy.scope == "request":
+            held = [i for i, lay in self.layers.items() if lay.hold_full_precision()]
+            return "hold_request" if held else "none"
+        return "hold_layer" if layer.hold_full_precision() else "none"
+
+    def _event(self, layer: Any, side: str, signal: str, value: float, threshold: float | None,
+               sequence: int | None, action: str) -> None:  # fmt: skip
+        ev = {"time": time.time(), "layer": layer.layer_idx, "side": side, "signal": signal, "value": value,
+              "threshold": threshold, "sequence": sequence, "tokens": layer.tokens_seen, "action": action,
+              **self.labels}  # fmt: skip
+        self.events.append(ev)
+        log = logger.warning if action.startswith("hold") else logger.info
+        log("%s: layer %d %s %s = %.4g (threshold %s) at token %d: %s", self.labels["scheme"], layer.layer_idx,
+            side, signal, value, threshold, layer.tokens_seen, action)  # fmt: skip
+        if self.on_event is not None:
+            self.on_event(ev)
+
+    def calibrated_length(self) -> int | None:
+        """The longest context the cache's calibration artifact saw, or ``None`` (no artifact / unknown)."""
+        longest = getattr(getattr(self.cache, "calibration", None), "max_calibrated_length", None)
+        return None if longest is None else int(longest)
+
+    # ------------------------------------------------------------------ reading
+    def held_layers(self) -> list[int]:
+        """Layers held in full precision now."""
+        return [i for i, layer in self.layers.items() if layer.held_at is not None]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
+        layers, events, the cache's tokens and bytes (``memory_report()``'s totals)."""
+        mem = self.cache.memory_report()
+        rows = []
+        for (i, side), s in sorted(self.signals.items()):
+            rows.append({
+                "layer": i, "side": side, "flushes": self._flushes[(i, side)], "measured": s.flushes,
+                "tokens_measured": s.tokens, "last_error": s.last, "max_error": s.worst,
+                "mean_error": s.total / s.count if s.count else None, "clipped": s.clipped,
+                "clipped_fraction": s.clipped / s.elements if s.elements else 0.0,
+                "held_at": self.layers[i].held_at,
+            })  # fmt: skip
+        return {
+            "labels": self.labels,
+            "policy": self.policy.to_dict(),
+            "tokens": max((lay.tokens_seen for lay in self.layers.values()), default=0),
+            "total_bytes": mem["total_bytes"],
+            "held_layers": self.held_layers(),
+            "calibrated_length": self.calibrated_length(),
+            "signals": rows,
+            "events": list(self.events),
+        }
+
+    def metric_families(self) -> list[MetricFamily]:
+        """The metrics (Prometheus names, ``kvbits_`` prefix; labels ``layer``, ``side`` and the constant ones)."""
+        base = self.labels
+        f_err = MetricFamily("kvbits_flush_relative_error", "Relative error of the last measured flushed block "
+                             "(worst sequence of the batch)", "gauge")  # fmt: skip
+        f_max = MetricFamily(
+            "kvbits_flush_relative_error_max", "Largest relative error of a flushed block", "gauge"
+        )
+        f_hist = MetricFamily("kvbits_flush_relative_error_per_sequence", "Relative error of each measured "
+                              "flushed block and sequence", "histogram")  # fmt: skip
+        f_fl = MetricFamily("kvbits_flushes_total", "Blocks quantized", "counter")
+        f_clip = MetricFamily(
+            "kvbits_clipped_values_total", "Values saturated against static scales", "counter"
+        )
+        f_held = MetricFamily(
+            "kvbits_layer_held", "1 when the layer is held in full precision (fallback)", "gauge"
+        )
+        for (i, side), s in sorted(self.signals.items()):
+            lab = {**base, "layer": i, "side": side}
+            f_fl.add(self._flushes[(i, side)], lab)
+            f_clip.add(s.clipped, lab)
+            if s.flushes:
+                f_err.add(s.last, lab)
+                f_max.add(s.worst, lab)
+                for bound, n in zip(ERROR_BUCKETS, s.buckets, strict=True):
+                    f_hist.add(n, {**lab, "le": repr(bound)}, "_bucket")
+                f_hist.add(s.count, {**lab, "le": "+Inf"}, "_bucket")
+                f_hist.add(s.total, lab, "_sum")
+                f_hist.add(s.count, lab, "_count")
+        for i, layer in sorted(self.layers.items()):
+            f_held.add(int(layer.held_at is not None), {**base, "layer": i})
+        f_ev = MetricFamily(
+            "kvbits_fallback_events_total", "Thresholds crossed, by signal and action", "counter"
+        )
+        for (signal, action), n in sorted(Counter((e["signal"], e["action"]) for e in self.events).items()):
+            f_ev.add(n, {**base, "signal": signal, "action": action})
+        mem = self.cache.memory_report()
+        f_tok = MetricFamily("kvbits_cache_tokens", "Tokens seen by the cache (longest layer)", "gauge")
+        f_tok.add(max((lay.tokens_seen for lay in self.layers.values()), default=0), base)
+        f_bytes = MetricFamily(
+            "kvbits_cache_bytes", "Bytes the cache stores (memory_report total_bytes)", "gauge"
+        )
+        f_bytes.add(mem["total_bytes"], base)
+        fams = [f_err, f_max, f_hist, f_fl, f_clip, f_held, f_ev, f_tok, f_bytes]
+        longest = self.calibrated_length()
+        if longest is not None:
+            f_cal = MetricFamily("kvbits_tokens_beyond_calibration", "Positions past the longest calibrated "
+                                 "context", "gauge")  # fmt: skip
+            f_cal.add(max(0, f_tok.samples[0][2] - longest), base)
+            fams.append(f_cal)
+        return fams
+
+    def prometheus(self) -> str:
+        """The metrics in Prometheus text exposition format."""
+        return prometheus_text(self.metric_families())
+
+    def write_prometheus(self, path: str | os.PathLike[str]) -> Path:
+        """Write ``prometheus()`` atomically to ``path`` (node_exporter's textfile collector: ``*.prom``)."""
+        return write_textfile(self.prometheus(), path)
+
+    def write_events(self, path: str | os.PathLike[str]) -> Path:
+        """Append the events as JSON lines to ``path``."""
+        path = Path(path)
+        with path.open("a") as f:
+            for ev in self.events:
+                f.write(json.dumps(ev) + "\n")
+        return path

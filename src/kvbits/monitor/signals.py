@@ -1,0 +1,94 @@
+"""Online signals of a quantized cache, computed when a block is flushed (quantized).
+
+The one exact error a cache can know while serving: when the oldest ``block`` tokens of the residual
+window are quantized, their full-precision values are still at hand. ``flush_error`` compares them with
+what the store will return, per sequence of the batch. That is the error the rest of the request will
+attend over for those tokens (keys before RoPE for pre-RoPE specs, as they are stored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ERROR_BUCKETS", "SideSignals", "flush_error", "worst_index"]
+
+# upper bounds of the relative-error histogram (Prometheus ``le``; +Inf is added on export)
+ERROR_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def flush_error(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """Relative Frobenius error ``||x - x_hat|| / ||x||`` per sequence: ``x``, ``x_hat`` ``(B, H, n, D)`` ->
+    ``(B,)`` float32.
+
+    A block of zeros reads 0 when reproduced exactly and ``inf`` otherwise; NaN anywhere gives NaN (the
+    monitor reports it as a signal over every threshold, never as a small error).
+    """
+    if x.shape != x_hat.shape or x.dim() != 4:
+        raise ValueError(
+            f"x and x_hat must have the same (B, H, n, D) shape, got {tuple(x.shape)} and {tuple(x_hat.shape)}"
+        )
+    xf = x.float()
+    err = (xf - x_hat.float()).pow(2).sum(dim=(1, 2, 3))
+    ref = xf.pow(2).sum(dim=(1, 2, 3))
+    rel = (err / ref).sqrt()
+    zero_ref = torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err))
+    out = torch.where(ref > 0, rel, zero_ref)
+    return torch.where(err.isnan() | ref.isnan(), torch.full_like(err, math.nan), out)
+
+
+def _severity(e: float) -> float:
+    return math.inf if math.isnan(e) else e
+
+
+def worst_index(errors: list[float]) -> int:
+    """Index of the largest error (a NaN counts as the largest)."""
+    return max(range(len(errors)), key=lambda b: _severity(errors[b]))
+
+
+@dataclass
+class SideSignals:
+    """What one side (keys or values) of one layer flushed so far.
+
+    Attributes:
+        flushes: chunks measured.
+        tokens: tokens in them.
+        last: the worst sequence's relative error in the last measured chunk.
+        worst: the largest relative error measured.
+        total: sum of the per-sequence errors (for the histogram's ``_sum``).
+        count: per-sequence errors measured (the histogram's ``_count``).
+        buckets: per-sequence errors at most each ``ERROR_BUCKETS`` bound (cumulative, as Prometheus wants).
+        clipped: values saturated against static scales (calibration mismatch).
+        elements: values quantized (``clipped`` is a fraction of these).
+        over: consecutive measured chunks over the policy's threshold (its ``patience``).
+    """
+
+    flushes: int = 0
+    tokens: int = 0
+    last: float = 0.0
+    worst: float = 0.0
+    total: float = 0.0
+    count: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(ERROR_BUCKETS))
+    clipped: int = 0
+    elements: int = 0
+    over: int = 0
+
+    def add(self, errors: list[float], tokens: int, clipped: int, elements: int) -> None:
+        """Record one chunk: per-sequence ``errors``, its ``tokens``, ``clipped`` of ``elements`` values."""
+        self.flushes += 1
+        self.tokens += tokens
+        self.clipped += clipped
+        self.elements += elements
+        worst = errors[worst_index(errors)]
+        self.last = worst
+        if _severity(worst) > _severity(self.worst):
+            self.worst = worst
+        for e in errors:
+            self.count += 1
+            self.total += e
+            for i, bound in enumerate(ERROR_BUCKETS):
+                if e <= bound:
+                    self.buckets[i] += 1

@@ -1,0 +1,66 @@
+"""``watch``: decode real text through a scheme's cache with a ``CacheMonitor``: the signals a server would
+see, and which layers a policy would hold, before deploying it (``kvbits monitor`` runs it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbits.monitor.monitor import CacheMonitor
+from kvbits.monitor.policy import FallbackPolicy
+
+__all__ = ["watch"]
+
+
+def watch(
+    model: Any,
+    data: Any,
+    context: int,
+    scheme: Any,
+    policy: FallbackPolicy | None = None,
+    *,
+    calibration: Any = None,
+    data_path: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    labels: dict[str, object] | None = None,
+    progress: Any = None,
+) -> CacheMonitor:
+    """Decode the first ``context`` tokens of ``data`` one by one through ``scheme``'s ``QuantizedKVCache``
+    (the stream runner's decode semantics) with a ``CacheMonitor(policy)`` attached; returns the monitor
+    (``snapshot()``, ``prometheus()``, ``events``), detached.
+
+    ``model``, ``data``, ``calibration``, ``dtype``, ``device`` as ``kvbits.evaluate.evaluate`` takes them
+    (registry names, paths, hub ids, loaded models; token ids ``(N,)`` for ``data``).
+    """
+    from kvbits.evaluate.inputs import _load_model, _load_windows
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+    from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
+
+    if not isinstance(context, int) or isinstance(context, bool) or context < 2:
+        raise ValueError(f"context must be an int >= 2, got {context!r}")
+    resolved = resolve_scheme(scheme)
+    if isinstance(resolved, PeerScheme) or resolved.is_identity:
+        raise ValueError(
+            f"kvbits monitor watches a quantizing kvbits scheme, got {getattr(resolved, 'name', scheme)!r}"
+        )
+    check_device(device)
+    torch_dtype, _ = _resolve_dtype(dtype)
+    lm, tokenizer, _, _ = _load_model(model, torch_dtype, device)
+    windows, _, _ = _load_windows(data, tokenizer, context, 1, data_path)
+    if windows.shape[0] == 0:
+        raise ValueError(f"the text has fewer than {context} tokens")
+    ids = windows[:1].to(next(lm.parameters()).device)
+    if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
+        from kvbits.calibrate import load_calibration
+
+        calibration = load_calibration(calibration, model_config=lm.config, scheme=resolved)
+    monitors: list[CacheMonitor] = []
+    stream_hidden(
+        lm, ids, resolved, calibration=calibration, progress=progress,
+        on_cache=lambda cache: monitors.append(CacheMonitor(cache, policy, labels=labels)),
+    )  # fmt: skip
+    (mon,) = monitors
+    mon.detach()
+    return mon

@@ -1,0 +1,363 @@
+"""kvbits.monitor: the online flush error is the real error, policies hold layers, metrics parse."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from kvbits.cache import QuantizedKVCache
+from kvbits.evaluate.stream import stream_hidden
+from kvbits.monitor import (
+    ERROR_BUCKETS,
+    CacheMonitor,
+    FallbackPolicy,
+    MetricFamily,
+    flush_error,
+    prometheus_text,
+)
+from kvbits.monitor.export import write_textfile
+
+transformers.logging.set_verbosity_error()
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+VOCAB = 128
+
+
+@functools.cache
+def llama() -> LlamaForCausalLM:
+    """2 layers, 4 query heads, 2 KV heads, head dim 32 (kivi's 32-channel value groups fit)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def run(model: torch.nn.Module, cache: object, ids: torch.Tensor, decode: int = 0) -> None:
+    """Prefill ``ids`` then ``decode`` greedy-free steps (fresh random tokens) through ``cache``."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{CACHE_KW: cache})
+        for _ in range(decode):
+            step = torch.randint(0, VOCAB, (ids.shape[0], 1), generator=g)
+            model(input_ids=step, use_cache=True, **{CACHE_KW: cache})
+
+
+def ids_of(batch: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------- signal
+
+
+def test_flush_error_values_and_edge_cases() -> None:
+    x = torch.randn(3, 2, 5, 8)
+    assert torch.equal(flush_error(x, x), torch.zeros(3))
+    assert torch.allclose(flush_error(x, torch.zeros_like(x)), torch.ones(3))
+    assert torch.allclose(flush_error(x, 1.1 * x), torch.full((3,), 0.1), atol=1e-6)
+    z = torch.zeros(2, 1, 4, 4)
+    assert torch.equal(flush_error(z, z), torch.zeros(2))  # constant zero block, reproduced: no error
+    assert flush_error(z, z + 1e-3).isinf().all()  # nothing to compare against, but wrong: infinite
+    bad = x.clone()
+    bad[1, 0, 0, 0] = float("nan")
+    e = flush_error(bad, x)
+    assert e[1].isnan() and e[0] == 0 and e[2] == 0  # per sequence: NaN stays in its own row
+    with pytest.raises(ValueError, match="same"):
+        flush_error(x, x[:, :, :4])
+    with pytest.raises(ValueError, match="same"):
+        flush_error(x[0], x[0])
+
+
+def test_monitor_error_is_the_stored_error() -> None:
+    """The monitor's number equals ||K - dequant(stored K)|| / ||K|| measured independently: the model's own
+    K/V (a DynamicCache run) against what the quantized cache returns for the flushed tokens. Layer 0 only:
+    its K/V do not depend on the cache, while layer 1's already follow layer 0's quantized attention."""
+    model, ids = llama(), ids_of(2, 200)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache)
+    run(model, cache, ids)
+    ref = DynamicCache()
+    run(model, ref, ids)
+    n_q = cache.memory_report()["layers"][0]["quantized_tokens"]
+    assert n_q == 64  # residual 128, blocks of 32: 200 - 128 = 72 -> 2 blocks
+    for i in range(1):
+        k_hat, v_hat = cache.materialize(i)
+        for side, orig, got in (("key", ref.layers[i].keys, k_hat), ("value", ref.layers[i].values, v_hat)):
+            # one flush quantized both blocks (kivi's per-channel keys merge); the monitor saw that chunk
+            expect = flush_error(orig[:, :, :n_q], got[:, :, :n_q]).max().item()
+            sig = mon.signals[(i, side)]
+            assert sig.flushes == 1 and sig.tokens == n_q and sig.count == 2
+            assert sig.last == pytest.approx(expect, rel=1e-4)
+            assert 0.05 < sig.last < 1.0  # int2 loses visibly; a quantizer that did not quantize reads 0
+    # the tokens after the flush are untouched
+    assert torch.equal(cache.materialize(0)[0][:, :, n_q:], ref.layers[0].keys[:, :, n_q:])
+
+
+def test_int8_error_is_small_and_int2_larger() -> None:
+    model, ids = llama(), ids_of(1, 300)
+    errs = {}
+    for scheme in ("int8-token", "kivi-4", "kivi-2"):
+        cache = QuantizedKVCache(config=model.config, scheme=scheme)
+        mon = CacheMonitor(cache)
+        run(model, cache, ids)
+        errs[scheme] = max(s.worst for s in mon.signals.values())
+    assert errs["int8-token"] < 0.02 < errs["kivi-4"] < errs["kivi-2"]
+
+
+# ------------------------------------------------------------------------------------------- policy
+
+
+def test_policy_validation() -> None:
+    for bad in ({"key_error": -1}, {"value_error": float("nan")}, {"key_error": True}, {"clipped_fraction": 2.0},
+                {"scope": "batch"}, {"patience": 0}, {"sample_every": 1.5}):  # fmt: skip
+        with pytest.raises(ValueError):
+            FallbackPolicy(**bad)
+    with pytest.raises(TypeError):
+        FallbackPolicy(beyond_calibration="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="FallbackPolicy"):
+        CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), {"key_error": 0.1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="config="):
+        CacheMonitor(QuantizedKVCache(scheme="kivi-2", num_layers=None, config=None))
+
+
+def test_hold_layer_keeps_later_tokens_exact_and_counts_their_bytes() -> None:
+    model, ids = llama(), ids_of(1, 200)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(value_error=0.0))  # any error crosses: every layer holds
+    run(model, cache, ids, decode=70)
+    ref = DynamicCache()
+    run(model, ref, ids, decode=70)
+    assert mon.held_layers() == [0, 1]
+    actions = {e["action"] for e in mon.events}
+    assert "hold_layer" in actions and all(e["signal"] == "value_error" for e in mon.events)
+    rep = cache.memory_report()
+    for layer_rep, layer in zip(rep["layers"], cache.layers, strict=True):
+        assert layer_rep["held_at"] == 200
+        assert layer_rep["quantized_tokens"] == 64  # nothing flushed after the hold
+        assert layer_rep["full_tokens"] == 270 - 64
+        split = layer.expected_split()
+        assert (split.sink, split.quantized, split.full) == (0, 64, 270 - 64)
+        # real bytes = reported bytes: every stored tensor counted
+        comp = layer.components()
+        assert sum(t.nbytes for ts in comp.values() for t in ts) == layer_rep["key_bytes"] + layer_rep["value_bytes"]
+    k, v = cache.materialize(0)  # layer 0's K/V do not depend on the cache: exact from token 64 on
+    assert torch.equal(k[:, :, 64:], ref.layers[0].keys[:, :, 64:])
+    assert torch.equal(v[:, :, 64:], ref.layers[0].values[:, :, 64:])
+    # without the policy the same run keeps quantizing: more tokens quantized, fewer bytes
+    plain = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    run(model, plain, ids, decode=70)
+    assert plain.memory_report()["layers"][0]["quantized_tokens"] == 128
+    assert plain.memory_report()["total_bytes"] < rep["total_bytes"]
+    cache.reset()  # a new request quantizes again
+    assert mon.held_layers() == []
+
+
+def test_request_scope_holds_every_layer_and_patience_waits() -> None:
+    model, ids = llama(), ids_of(1, 160)
+    # keys of layer 1 only can cross an impossible-for-layer-0 threshold? use the layer's own first error
+    probe = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    pmon = CacheMonitor(probe)
+    run(model, probe, ids)
+    e0, e1 = pmon.signals[(0, "key")].last, pmon.signals[(1, "key")].last
+    assert e0 != e1
+    cut = (e0 + e1) / 2  # exactly one layer's keys cross it
+    crossing = 0 if e0 > cut else 1
+    for scope, held in (("layer", [crossing]), ("request", [0, 1])):
+        cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+        mon = CacheMonitor(cache, FallbackPolicy(key_error=cut, scope=scope))
+        run(model, cache, ids)
+        assert mon.held_layers() == held, scope
+        assert [e["layer"] for e in mon.events] == [crossing]
+    # patience 2: one crossing flush is not enough; the second (32 decode steps later) holds
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, patience=2))
+    run(model, cache, ids)
+    assert mon.held_layers() == [] and {e["action"] for e in mon.events} == {"none"}
+    run_more = ids_of(1, 32, seed=3)
+    with torch.no_grad():
+        for t in range(32):
+            model(input_ids=run_more[:, t : t + 1], use_cache=True, **{CACHE_KW: cache})
+    assert mon.held_layers() == [0, 1]
+
+
+def test_thresholds_not_crossed_do_nothing_and_sampling_thins() -> None:
+    model, ids = llama(), ids_of(1, 160)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=5.0, value_error=5.0, sample_every=2))
+    run(model, cache, ids, decode=96)  # flushes at tokens 160, 192, 224, 256: 4 per layer and side
+    assert mon.events == [] and mon.held_layers() == []
+    snap = mon.snapshot()
+    row = next(r for r in snap["signals"] if r["layer"] == 0 and r["side"] == "key")
+    assert row["flushes"] == 4 and row["measured"] == 2
+    mon.detach()
+    run(model, cache, ids_of(1, 32, seed=4))
+    assert mon.snapshot()["signals"][0]["flushes"] == 4  # detached: nothing more observed
+
+
+def test_sliding_layers_are_not_held() -> None:
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=200,
+                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = Gemma3ForCausalLM(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme="kivi-4")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    run(model, cache, ids_of(1, 190))
+    assert mon.held_layers() == [1]  # the full-attention layer; the sliding one keeps its bounded window
+    assert {e["layer"]: e["action"] for e in mon.events} == {0: "none", 1: "hold_layer"}
+
+
+def test_beyond_calibration_is_reported_once_per_layer() -> None:
+    model, ids = llama(), ids_of(1, 160)
+    for hold in (False, True):
+        cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
+        cache.calibration = SimpleNamespace(max_calibrated_length=100)  # what an artifact carries
+        mon = CacheMonitor(cache, FallbackPolicy(beyond_calibration=hold))
+        run(model, cache, ids, decode=40)
+        beyond = [e for e in mon.events if e["signal"] == "beyond_calibration"]
+        assert [e["layer"] for e in beyond] == [0, 1]
+        assert all(e["threshold"] == 100 and e["value"] == 160 for e in beyond)
+        assert mon.held_layers() == ([0, 1] if hold else [])
+        assert "kvbits_tokens_beyond_calibration{" in mon.prometheus()
+
+
+def test_stream_hidden_hands_the_cache_over_before_tokens() -> None:
+    model, ids = llama(), ids_of(1, 170)
+    seen: list[CacheMonitor] = []
+    stream_hidden(model, ids, "kivi-2", fused_decode=False, on_cache=lambda c: seen.append(CacheMonitor(c)))
+    (mon,) = seen
+    assert mon.signals[(0, "key")].flushes == 1 and mon.snapshot()["tokens"] == 170
+
+
+# ------------------------------------------------------------------------------------------- export
+
+LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
+
+
+def parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A strict reader of the text exposition format: every line is a comment or a sample."""
+    out: dict[str, list] = {}
+    types = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+            continue
+        if line.startswith("# HELP "):
+            continue
+        m = LINE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        value = {"+Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}.get(m.group(4)) or float(m.group(4))
+        out.setdefault(m.group(1), []).append((labels, value))
+    for name in out:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in types or base in types, f"{name} has no # TYPE"
+    return out
+
+
+def test_prometheus_text_parses_and_histograms_are_cumulative() -> None:
+    model, ids = llama(), ids_of(2, 160)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(value_error=0.0), labels={"request": 'r"1\n'})
+    run(model, cache, ids, decode=64)
+    m = parse(mon.prometheus())
+    buckets = [(lab, v) for lab, v in m["kvbits_flush_relative_error_per_sequence_bucket"]
+               if lab["layer"] == "0" and lab["side"] == "key"]  # fmt: skip
+    assert [lab["le"] for lab, _ in buckets] == [repr(b) for b in ERROR_BUCKETS] + ["+Inf"]
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts)  # cumulative
+    (count,) = [v for lab, v in m["kvbits_flush_relative_error_per_sequence_count"] if lab["layer"] == "0" and lab["side"] == "key"]
+    assert counts[-1] == count == 2  # one flush measured (then held), two sequences
+    assert all(lab["request"] == 'r\\"1\\n' for lab, _ in m["kvbits_cache_bytes"])  # escaped
+    assert m["kvbits_cache_bytes"][0][1] == cache.memory_report()["total_bytes"]
+    assert {lab["layer"]: v for lab, v in m["kvbits_layer_held"]} == {"0": 1.0, "1": 1.0}
+    assert sum(v for _, v in m["kvbits_fallback_events_total"]) == len(mon.events)
+
+
+def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> None:
+    with pytest.raises(ValueError, match="metric name"):
+        MetricFamily("bad-name", "x", "gauge")
+    with pytest.raises(ValueError, match="type"):
+        MetricFamily("ok", "x", "summary")
+    fam = MetricFamily("ok", "x", "gauge")
+    fam.add(1.5, {"bad-label": 1})
+    with pytest.raises(ValueError, match="label name"):
+        prometheus_text([fam])
+    fam = MetricFamily("ok", "help", "gauge")
+    fam.add(float("nan"))
+    fam.add(3.0, {"a": "b"})
+    text = prometheus_text([fam])
+    assert text == '# HELP ok help\n# TYPE ok gauge\nok NaN\nok{a="b"} 3\n'
+    path = write_textfile(text, tmp_path / "sub" / "kvbits.prom")
+    assert path.read_text() == text and [p.name for p in path.parent.iterdir()] == ["kvbits.prom"]
+
+
+def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
+    import json
+
+    model, ids = llama(), ids_of(1, 160)
+    got: list[dict] = []
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0), on_event=got.append)
+    run(model, cache, ids)
+    lines = [json.loads(x) for x in mon.write_events(tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert lines == got == mon.events and len(got) == 2
+    assert {e["scheme"] for e in got} == {"kivi-2"} and all(e["tokens"] == 160 for e in got)
+
+
+# ------------------------------------------------------------------------------------------- watch / CLI
+
+
+def test_watch_on_token_ids_and_refusals() -> None:
+    from kvbits.monitor import watch
+
+    model = llama()
+    ids = ids_of(1, 400)[0]
+    mon = watch(model, ids, 200, "kivi-2", FallbackPolicy(key_error=0.0), labels={"run": "t"})
+    assert mon.held_layers() == [0, 1] and mon.snapshot()["tokens"] == 200
+    assert mon.labels == {"scheme": "kivi-2", "run": "t"}
+    for layer in mon.layers.values():  # detached after the run
+        assert layer._k.observer is None and layer._v.observer is None
+    with pytest.raises(ValueError, match="quantizing kvbits scheme"):
+        watch(model, ids, 200, "fp16")
+    with pytest.raises(ValueError, match="context"):
+        watch(model, ids, 1, "kivi-2")
+
+
+def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    from kvbits.cli import main
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)  # fmt: skip
+    text = write_word_text(tmp_path / "book.txt", 400)
+    prom, events = tmp_path / "m" / "kvbits.prom", tmp_path / "ev.jsonl"
+    argv = ["monitor", "--model", str(folder), "--data", str(text), "--context", "200", "--scheme", "kivi-2",
+            "--value-error", "0", "--label", "request=r7", "--prom", str(prom), "--events", str(events), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["held_layers"] == [0, 1] and snap["policy"]["value_error"] == 0
+    assert len(events.read_text().splitlines()) == len(snap["events"]) == 2
+    m = parse(prom.read_text())
+    assert {lab["request"] for lab, _ in m["kvbits_layer_held"]} == {"r7"}
+    assert main(["monitor", "--model", str(folder), "--data", str(text), "--context", "200", "--scheme", "kivi-2",
+                 "--label", "nokey"]) != 0  # fmt: skip
+    assert "KEY=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["monitor", "--model", "m", "--data", "d", "--scheme", "kivi-2", "--key-error", "-1"])
