@@ -39,10 +39,11 @@ echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 if "$PY" -c "import pytest" 2>/dev/null; then
     # one -k for all (a -k also filters explicit node ids): the CUDA-only tests; the scales' rounding on the
     # device; the kernel tests on CUDA tensors (compiled, inline PTX included): dequant="f16" bit for bit, the
-    # attention error of every preset path against float64, and bfloat16 queries
+    # attention error of every preset path against float64, bfloat16 queries, and scales read as int32 words
+    # (meta32) against the 2-byte reads, bit for bit
     timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cache.py tests/test_evaluate.py tests/test_quant.py \
         tests/test_kernels.py -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda or exact_quotient \
-        or f16_dequant_rounds_once or decode_f16_dequant or within_twice or bf16_queries" 2>&1 | tee "$OUT/cuda_tests.log"
+        or f16_dequant_rounds_once or decode_f16_dequant or within_twice or bf16_queries or meta32" 2>&1 | tee "$OUT/cuda_tests.log"
 else
     echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
 fi

@@ -29,7 +29,8 @@ GPU machine). Steps:
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
    (3b) with the time left before step 6's share: ``block_t`` x ``num_warps`` of the kernel for int4 and
    int4-prerope, and ``block_t`` x ``num_stages`` for int4 with ``dequant="f16"`` (``int4-f16``, rows'
-   ``dequant``), at 32K, batch 8 (``tuning``), to choose its defaults.
+   ``dequant``), and int4 with session 9's 2-byte scale reads (``int4-halves``: ``meta32=False``, beside
+   today's int32-word reads), at 32K, batch 8 (``tuning``), to choose its defaults.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
 6. end to end: greedy decode tokens/s after a 32K-token prompt through a random-weight model shaped like
    Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA) vs ``QuantizedKVCache``

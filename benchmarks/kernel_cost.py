@@ -7,7 +7,8 @@ Table 1 sets the tile loop's instructions (``kvbits.kernels.aot.hot_loop``: per 
 ``instructions x warps / block_t`` warp-instructions per token and KV head, at most 4 issued per cycle on an
 SM) beside the cycles per token and SM that ``benchmarks/results/gpu_decode.json`` measured at batch 32 and
 128K (every SM busy), at the device's maximum clock. Their ratio is the issue rate the kernel reached.
-Table 2 compares launches compiled here (default, ``dequant="f16"``, 64-token tiles, ``maxnreg=128``): no
+Table 2 compares launches compiled here (default, the default with session 9's 2-byte scale reads
+``meta32=False``, ``dequant="f16"``, 64-token tiles, ``maxnreg=128``): no
 GPU timing, only what each launch would issue and how many blocks fit on an SM. BENCHMARKS.md §6 (session
 10) has both. Needs a process whose kernels are compiled (``TRITON_INTERPRET`` unset).
 """
@@ -32,6 +33,7 @@ SMS, CLOCK_HZ = 132, 1.98e9  # the H200 of session 9 (device.txt: clocks.max.sm 
 BATCH, CONTEXT = 32, 131072  # table 1's cell: the largest measured, all SMs busy
 LAUNCHES = {  # table 2
     "default (f32)": {},
+    "default, 2-byte scale reads (session 9)": {"meta32": False},
     "f16": {"dequant": "f16"},
     "f16, 64-token tiles": {"dequant": "f16", "block_t": 64},
     "f16, maxnreg=128": {"dequant": "f16", "maxnreg": 128},
@@ -52,7 +54,8 @@ def loop_cost(shape_name: str, scheme: str, batch: int, **launch) -> dict:
             "spill_bytes": row["local_bytes"], "blocks_per_sm": row["blocks_per_sm"],
             "loop_instructions": row["loop_instructions"],
             "warp_instructions_per_token": row["warp_instructions_per_token"],
-            "int_to_float": row["loop_int_to_float"]}  # fmt: skip
+            "int_to_float": row["loop_int_to_float"], "sync_loads": row["loop_sync_loads"],
+            "async_loads": row["loop_async_loads"]}  # fmt: skip
 
 
 def issue_table(results: Path) -> list[dict]:
@@ -83,15 +86,16 @@ def markdown(issue: list[dict], launches: list[dict]) -> str:
     head1 = ("| shape | scheme | block_t | regs (blocks/SM) | loop instr | warp-instr / token | issue floor "
              "(cycles / token / SM) | measured cycles / token / SM | issued per cycle |")
     head2 = ("| shape | scheme | launch | block_t | regs | spill B | blocks/SM | loop instr | warp-instr / token | "
-             "int→float in loop |")
+             "int→float in loop | sync / async loads in loop |")
     out = [head1, "|---|---|---|---|---|---|---|---|---|"]
     out += [f"| {r['shape']} | {r['scheme']} | {r['block_t']} | {r['registers']} ({r['blocks_per_sm']}) | "
             f"{r['loop_instructions']} | {r['warp_instructions_per_token']} | {r['issue_floor_cycles']} | "
             f"{r['measured_cycles']} | {r['issued_per_cycle']} |" for r in issue]  # fmt: skip
-    out += ["", head2, "|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["", head2, "|---|---|---|---|---|---|---|---|---|---|---|"]
     out += [f"| {r['shape']} | {r['scheme']} | {r['launch']} | {r['block_t']} | {r['registers']} | "
             f"{r['spill_bytes']} | {r['blocks_per_sm']} | {r['loop_instructions']} | "
-            f"{r['warp_instructions_per_token']} | {r['int_to_float']} |" for r in launches]  # fmt: skip
+            f"{r['warp_instructions_per_token']} | {r['int_to_float']} | {r['sync_loads']} / {r['async_loads']} |"
+            for r in launches]  # fmt: skip
     return "\n".join(out)
 
 

@@ -19,7 +19,7 @@ and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launc
 - ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16 launches;
 - ``tune``: gpu_decode's step 3b grids (``sweep.TUNE_CASES``: int4 and int4-prerope, ``block_t`` x ``num_warps``
   x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x warps x
-  stages);
+  stages; int4 with 2-byte scale reads, ``meta32=False``);
 - ``quantize``: the quantize-and-pack kernel for gpu_decode's ``QUANTIZE_SPECS`` at D = 128.
 
 Must run in a process whose kernels are compiled (``TRITON_INTERPRET`` unset); exits 1 if a default
@@ -118,6 +118,9 @@ def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str
         "blocks_per_sm": blocks, "warps_per_sm": blocks * r.num_warps, "fails": lim.check(r), **mix,
         "loop_instructions": loop, "warp_instructions_per_token": per_token,
         "loop_int_to_float": ops.get("I2F", 0) + ops.get("I2FP", 0),
+        # synchronous global loads in the tile loop (each iteration waits a memory round trip on them) and
+        # cp.async copies (prefetched by the software pipeline)
+        "loop_sync_loads": ops.get("LDG", 0), "loop_async_loads": ops.get("LDGSTS", 0),
     }  # fmt: skip
 
 
@@ -141,6 +144,8 @@ def decode_rows(
     with compile_only(arch) as compiled:
         decode_attention_triton(q, store, splits=4, **launch)
     path = "gather" if launch.get("vectorized") is False else "f16" if launch.get("dequant") == "f16" else "default"
+    if launch.get("meta32") is False:
+        path += " (2-byte scale reads)"
     return [
         _row(group, name, shape_name, {"path": path}, k, arch) for k in compiled if k.name == "_decode_kernel"
     ]

@@ -1171,14 +1171,15 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
     monkeypatch.setattr(sweep, "TUNE_PROGRAMS_PER_SM", (8,))
     rows = bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0)
     # round robin over int4, int4-prerope and int4 dequantized in float16 (its grid: block_t x num_stages), with
-    # and without the 128-register cap (which the interpreter ignores)
+    # and without the 128-register cap (which the interpreter ignores), and int4 with 2-byte scale reads
     assert [(r["scheme"], r["dequant"], r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
             for r in rows] == [
         ("int4", "f32", 64, 4, 2, None), ("int4-prerope", "f32", 64, 4, 2, None), ("int4-f16", "f16", 64, 4, 2, None),
-        ("int4-f16-r128", "f16-r128", 64, 4, 2, None),
+        ("int4-f16-r128", "f16-r128", 64, 4, 2, None), ("int4-halves", "f32-halves", 64, 4, 2, None),
         ("int4", "f32", 64, 4, 2, 8), ("int4-prerope", "f32", 64, 4, 2, 8), ("int4-f16", "f16", 32, 4, 2, None),
         ("int4-f16-r128", "f16-r128", 32, 4, 2, None)]  # fmt: skip
     assert all(r["ms"] > 0 and r["context"] == 512 for r in rows)
+    assert rows[4]["max_diff_vs_default"] == 0.0  # 2-byte scale reads (meta32=False): the same values
     # each launch's output is compared with the default launch's: equal here, a number a wrong launch would show
     # (the f16 rows against the default float32-dequantizing launch: float16 rounding apart)
     assert all(r["max_diff_vs_default"] == 0.0 for r in rows[:2]) and all(
@@ -1207,3 +1208,35 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
     cfg.deadline = time.monotonic() - 1
     assert bench.tune(cfg, bench._decoder(cfg), copy_gbps=10.0) == []
     assert bench.tune(bench.Config(**{**cfg.__dict__, "kernel": "reference"}), None, copy_gbps=10.0) == []
+
+
+META32_CASES = [  # (D, key spec, value spec, block_t, dequant, want (K_W32, V_W32))
+    (64, KIVI4_KEYS, KIVI4_VALUES, 32, "f32", (True, True)),
+    (64, KIVI4_KEYS, KIVI4_VALUES, 64, "f16", (True, True)),  # 2 key scale rows per tile (R = 2)
+    (128, spec(2, "channel", 64), spec(8, "token", 32, symmetric=True), 32, "f16", (True, True)),
+    (32, spec(8, "token"), spec(4, "token", 16), 32, "f32", (False, True)),  # one scale per row: 2-byte loads
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("D,ks,vs,block_t,dequant,want", META32_CASES, ids=[f"case{i}" for i in range(len(META32_CASES))])
+def test_meta32_word_reads_give_the_same_output(monkeypatch, D: int, ks: TensorSpec, vs: TensorSpec, block_t: int,
+                                                 dequant: str, want: tuple[bool, bool]):  # fmt: skip
+    """Scales and zero-points read as int32 words (``meta32``, the default; prefetchable by ``cp.async``)
+    are the same float16 values as the 2-byte reads: identical outputs, bit for bit, on a ragged,
+    left-padded batch; sides whose rows hold an odd number of values keep the 2-byte reads."""
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    g = torch.Generator().manual_seed(D + block_t)
+    store = make_store(g, D=D, key_spec=ks, value_spec=vs, T_q=192, quant_lens=[192, 70], full_lens=[40, 3],
+                       block=max(32, ks.group_size or 0))  # fmt: skip
+    store.quant_mask = torch.ones(2, 192, dtype=torch.bool, device=store.device)
+    store.quant_mask[1, :9] = False
+    q = (torch.randn(2, 4, 1, D, generator=g) * 1.5).to(DEVICE).half()
+    words = triton_decode.decode_attention_triton(q, store, splits=3, block_t=block_t, dequant=dequant)
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == want
+    halves = triton_decode.decode_attention_triton(q, store, splits=3, block_t=block_t, dequant=dequant, meta32=False)
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == (False, False)
+    assert torch.equal(words, halves)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    assert max_err(words, truth) <= 2 * max_err(decode_attention_reference(q, store, dtype=torch.float16), truth) + 1e-6

@@ -220,14 +220,22 @@ def tune_grid_f16(D: int) -> list[tuple[int, int, int, int | None]]:
 
 
 # step 3b's dequantization settings: the decode keyword arguments of each. "f16-r128" caps registers at 128
-# per thread: at Llama-3-8B's shape the f16 path takes 160 (3 blocks per SM) where the default takes 128 (4)
-TUNE_DEQUANT = {"f32": {}, "f16": {"dequant": "f16"}, "f16-r128": {"dequant": "f16", "maxnreg": 128}}
+# per thread: at Llama-3-8B's shape the f16 path takes 160 (3 blocks per SM) where the default takes 128 (4).
+# "f32-halves" is session 9's code (2-byte scale reads, synchronous in the tile loop) beside today's default
+# (int32 words that cp.async prefetches, meta32), at the default launch and the 64-token tile session 9 found fastest
+TUNE_DEQUANT = {"f32": {}, "f16": {"dequant": "f16"}, "f16-r128": {"dequant": "f16", "maxnreg": 128},
+                "f32-halves": {"meta32": False}}  # fmt: skip
+TUNE_HALVES_LAUNCHES = 2  # "f32-halves": the first launches of the f32 grid's block_t axis
 
 
 def tune_grid_for(D: int, dequant: str) -> list[tuple[int, int, int, int | None]]:
     """Step 3b's grid of one ``TUNE_DEQUANT`` setting at head dim ``D``."""
     if dequant == "f32":
         return tune_grid(D)
+    if dequant == "f32-halves":  # the default launch, then the default with 64-token tiles
+        (default, *_), launches = tune_grid(D), _default_then_nearest(D, TUNE_WARPS, TUNE_STAGES)[1]
+        tiles = [c for c in launches if c[1:] == default[1:3] and c[0] == 64]
+        return [default, *[(*c, None) for c in tiles]][:TUNE_HALVES_LAUNCHES]
     grid = tune_grid_f16(D)
     return grid[:TUNE_R128_LAUNCHES] if dequant == "f16-r128" else grid
 
@@ -243,6 +251,7 @@ TUNE_CASES = (  # step 3b's cases per shape: (scheme, pre-RoPE keys, TUNE_DEQUAN
     ("int4" + ROPE_SUFFIX, True, "f32"),
     ("int4-f16", False, "f16"),
     ("int4-f16-r128", False, "f16-r128"),
+    ("int4-halves", False, "f32-halves"),
 )
 
 

@@ -175,16 +175,36 @@ def _load_kv(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, d, mask,
 
 
 @triton.jit
+def _meta_words(ptr, rows, mask_r, SCOLS, NC: tl.constexpr, R: tl.constexpr):
+    """Float16 metadata rows ``rows (R,)`` (``NC`` stored columns, ``SCOLS`` per row) as ``(R, NC)`` float16,
+    read as int32 words of two values each.
+
+    A 2-byte load per value is too narrow for ``cp.async``: Triton's pipeliner then leaves it a
+    synchronous load inside the tile loop, and each iteration waits a full memory round trip for it (the
+    H200 runs of session 9 spent about 3 µs per tile whatever its bytes; BENCHMARKS.md §6). Words are
+    prefetched with the codes. Needs even ``NC`` and ``SCOLS`` and a 4-byte-aligned base (``_words_ok``).
+    """
+    words = ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(words + rows[:, None] * (SCOLS // 2) + tl.arange(0, NC // 2)[None, :], mask=mask_r[:, None], other=0)
+    return tl.reshape(tl.join(_lo(w), _hi(w)), (R, NC)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr,
-               CPS: tl.constexpr):
+               CPS: tl.constexpr, W32: tl.constexpr = False):
     """Scales (or zero-points) of rows ``t (BLOCK_T,)`` expanded to ``(BLOCK_T, D)`` float32.
 
-    Loads the ``D / CPS`` stored columns of each row (contiguous) and repeats each ``CPS`` times.
+    Loads the ``D / CPS`` stored columns of each row (contiguous) and repeats each ``CPS`` times. ``W32``
+    (float16 metadata in int32-aligned rows, ``_words_ok``): per-token rows are read as int32 words
+    (``_meta_words``).
     """
     NC: tl.constexpr = D // CPS
-    offs_c = tl.arange(0, NC)
-    m = tl.load(ptr + (t // TPS)[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0)
-    m = m.to(tl.float32)
+    if TPS == 1 and W32:
+        m = _meta_words(ptr, t, mask_t, SCOLS, NC, BLOCK_T).to(tl.float32)
+    else:
+        offs_c = tl.arange(0, NC)
+        m = tl.load(ptr + (t // TPS)[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0)
+        m = m.to(tl.float32)
     if CPS > 1:
         m = tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_T, NC, CPS)), (BLOCK_T, D))
     return m
@@ -193,7 +213,7 @@ def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TP
 @triton.jit
 def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t, ROW, SCOLS, D: tl.constexpr,
                BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
-               SYM: tl.constexpr, KIND: tl.constexpr, NOUT: tl.constexpr):
+               SYM: tl.constexpr, KIND: tl.constexpr, NOUT: tl.constexpr, W32: tl.constexpr = False):
     """Vectorised ``_load_kv`` for 2/4/8-bit codes: whole rows ``t (BLOCK_T,)`` → ``(BLOCK_T, D)`` float32.
 
     Each packed row is read once as ``D * BITS / 8`` contiguous bytes; the codes of a byte are split
@@ -210,10 +230,10 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t
         even = tl.interleave(byte & 3, (byte >> 4) & 3)  # codes 0, 2 of each byte
         odd = tl.interleave((byte >> 2) & 3, byte >> 6)  # codes 1, 3
         code = tl.interleave(even, odd)
-    s = _meta_rows(scale_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
+    s = _meta_rows(scale_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS, W32)
     z = s
     if not SYM:
-        z = _meta_rows(zero_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS)
+        z = _meta_rows(zero_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS, W32)
     x = _decode(code, s, z, cb_ptr, BITS, SYM, KIND)
     if NOUT > 0:
         x = _outliers(x, ov_ptr, oi_ptr, t[:, None], tl.arange(0, D)[None, :], mask_t[:, None], NOUT)
@@ -304,8 +324,17 @@ def _pair_channels(D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(m, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Rows ``m (R, D)`` in channel order → the pair order of ``BITS``-bit codes (``_pair_channels``): channel
+    ``2P g + P h + j`` goes to column ``2P g + 2 j + h`` (``P = 16 / BITS``), a ``(2, P) -> (P, 2)`` transpose
+    within each group of ``2P`` channels."""
+    P: tl.constexpr = 16 // BITS
+    return tl.reshape(tl.permute(tl.reshape(m, (R, D // (2 * P), 2, P)), (0, 1, 3, 2)), (R, D))
+
+
+@triton.jit
 def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr,
-            CPS: tl.constexpr, BITS: tl.constexpr):
+            CPS: tl.constexpr, BITS: tl.constexpr, W32: tl.constexpr = False):
     """Scales (or zero-points) of the tile ``t = t0 + arange(BLOCK_T)`` as float16 ``(BLOCK_T, D)``, in the
     pair order of ``BITS``-bit codes.
 
@@ -313,7 +342,9 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
     group holds the whole tile (``TPS % BLOCK_T == 0``: tiles start at multiples of ``BLOCK_T``); else
     the tile's ``BLOCK_T / TPS`` rows. Then repeats them over channels and tokens in registers. Channel
     groups of ``CPS >= 32 / BITS`` channels (whole words) are contiguous in pair order too; a scale per
-    channel (``CPS == 1``) is read at ``_pair_channels``.
+    channel (``CPS == 1``) is read at ``_pair_channels``. ``W32`` (``_words_ok``): per-token rows and
+    per-channel rows are read as int32 words (``_meta_words``), per-channel ones in channel order and put in
+    pair order in registers (``_pair_rows``).
     """
     NC: tl.constexpr = D // CPS
     if CPS == 1:
@@ -321,22 +352,32 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
     else:
         offs_c = tl.arange(0, NC)
     if TPS == 1 and CPS > 1:  # per token, groups of whole words: build each float16 pair as one int32
-        m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
+        if W32:
+            m = _meta_words(ptr, t, mask_t, SCOLS, NC, BLOCK_T)
+        else:
+            m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
         b = m.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         pair = tl.reshape(tl.broadcast_to((b | (b << 16))[:, :, None], (BLOCK_T, NC, CPS // 2)), (BLOCK_T, D // 2))
         m = tl.reshape(tl.join(_lo(pair), _hi(pair)), (BLOCK_T, D)).to(tl.float16, bitcast=True)
     elif TPS == 1:
         m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
     elif TPS % BLOCK_T == 0:
-        m = tl.load(ptr + (t0 // TPS) * SCOLS + offs_c[None, :]).to(tl.float16)  # (1, NC)
+        if W32 and CPS == 1:
+            row = tl.full([1], 0, tl.int32) + t0 // TPS
+            m = _pair_rows(_meta_words(ptr, row, row >= 0, SCOLS, NC, 1), 1, D, BITS)
+        else:
+            m = tl.load(ptr + (t0 // TPS) * SCOLS + offs_c[None, :]).to(tl.float16)  # (1, NC)
         if CPS > 1:
             m = tl.reshape(tl.broadcast_to(m[:, :, None], (1, NC, CPS)), (1, D))
         m = tl.broadcast_to(m, (BLOCK_T, D))
     else:
         R: tl.constexpr = BLOCK_T // TPS
         offs_r = tl.arange(0, R)
-        m = tl.load(ptr + (t0 // TPS + offs_r)[:, None] * SCOLS + offs_c[None, :],
-                    mask=(t0 + offs_r * TPS < end)[:, None], other=0.0).to(tl.float16)
+        if W32 and CPS == 1:
+            m = _pair_rows(_meta_words(ptr, t0 // TPS + offs_r, t0 + offs_r * TPS < end, SCOLS, NC, R), R, D, BITS)
+        else:
+            m = tl.load(ptr + (t0 // TPS + offs_r)[:, None] * SCOLS + offs_c[None, :],
+                        mask=(t0 + offs_r * TPS < end)[:, None], other=0.0).to(tl.float16)
         if CPS > 1:
             m = tl.reshape(tl.broadcast_to(m[:, :, None], (R, NC, CPS)), (R, D))
         m = tl.reshape(tl.broadcast_to(m[:, None, :], (R, TPS, D)), (BLOCK_T, D))
@@ -346,7 +387,7 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
 @triton.jit
 def _load_rows16(codes_ptr, scale_ptr, zero_ptr, t0, t, mask_t, end, ROW, SCOLS, D: tl.constexpr,
                  BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
-                 SYM: tl.constexpr, ASM: tl.constexpr):
+                 SYM: tl.constexpr, ASM: tl.constexpr, W32: tl.constexpr = False):
     """Whole rows of 2/4/8-bit integer codes → float16 ``(BLOCK_T, D)`` in pair order (``_codes16``), for
     float16 queries (``dequant="f16"``).
 
@@ -359,10 +400,10 @@ def _load_rows16(codes_ptr, scale_ptr, zero_ptr, t0, t, mask_t, end, ROW, SCOLS,
     words = codes_ptr.to(tl.pointer_type(tl.int32))
     w = tl.load(words + t[:, None] * (ROW // 4) + tl.arange(0, NW)[None, :], mask=mask_t[:, None], other=0)
     x = _codes16(w, BITS, BLOCK_T, D, ASM)
-    s = _meta16(scale_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS, BITS)
+    s = _meta16(scale_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS, BITS, W32)
     if SYM:
         return (x - (1024.0 + ((1 << (BITS - 1)) - 1))) * s
-    z = _meta16(zero_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS, BITS)
+    z = _meta16(zero_ptr, t0, t, mask_t, end, SCOLS, D, BLOCK_T, TPS, CPS, BITS, W32)
     return tl.fma(x - 1024.0, s, z)
 
 
@@ -438,6 +479,7 @@ def _decode_kernel(
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr,
     ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
+    K_W32: tl.constexpr = False, V_W32: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -479,11 +521,11 @@ def _decode_kernel(
             # keys as a transposed (D, BLOCK_T) tile for q @ k
             if F16_K:  # float16 queries, plain integer codes: dequantized in float16, pair order (no RoPE)
                 kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
-                                  K_CPS, K_SYM, ASM)
+                                  K_CPS, K_SYM, ASM, K_W32)
                 k = tl.trans(kr)
             elif VEC_K:
                 kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
-                                K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
+                                K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT, K_W32)
                 if ROPE:  # pre-RoPE keys (KVQuant §3.2): rotate the dequantized rows in registers
                     pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
                     kr = _rope_rows(kr, COS, SIN, pos, valid, ROPE_W, D, BLOCK_T)
@@ -505,10 +547,10 @@ def _decode_kernel(
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
             if F16_V:
                 v = _load_rows16(vc, vs, vz, t0, t, valid, end, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS, V_CPS,
-                                 V_SYM, ASM)
+                                 V_SYM, ASM, V_W32)
             elif VEC_V:
                 v = _load_rows(vc, vs, vz, VCB, vov, voi, t, valid, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS,
-                               V_CPS, V_SYM, V_KIND, V_NOUT)
+                               V_CPS, V_SYM, V_KIND, V_NOUT, V_W32)
             else:
                 v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
                              V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
@@ -698,6 +740,15 @@ def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
     return tps_ok and cps_ok and _pow2(p.head_dim // p.cps) == p.head_dim // p.cps
 
 
+def _words_ok(p: PackedTensor | None) -> bool:
+    """Whether side ``p``'s scales and zero-points can be read as int32 words (``_meta_words``): float16, an
+    even number of stored columns per row, 4-byte-aligned tensors."""
+    if p is None:
+        return False
+    metas = [m for m in (p.scale, p.zero) if m is not None]
+    return all(m.dtype == torch.float16 and m.shape[-1] % 2 == 0 and m.data_ptr() % 4 == 0 for m in metas)
+
+
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(number of splits, tokens per split, a multiple of ``block_t``) covering ``T`` slots."""
     if T == 0:
@@ -720,6 +771,7 @@ def decode_attention_triton(
     vectorized: bool | None = None,
     dequant: str = "f32",
     maxnreg: int | None = None,
+    meta32: bool = True,
 ) -> torch.Tensor:
     """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
@@ -748,6 +800,11 @@ def decode_attention_triton(
         maxnreg: registers per thread the compiler may use (Triton's ``maxnreg``; default: its choice). At
             Llama-3-8B's shape ``dequant="f16"`` takes 160, three blocks per SM where the default path's 128
             allow four; ``maxnreg=128`` restores four at a few spilled bytes (a device-tuning knob).
+        meta32: read float16 scales and zero-points as int32 words where a side allows it (``_words_ok``):
+            per-token metadata (and, with ``dequant="f16"``, a tile-wide per-channel row). Two-byte loads
+            are too narrow for ``cp.async``, so compiled for sm_90 they stayed synchronous loads inside
+            the tile loop; as words they are prefetched with the codes (``benchmarks/kernel_cost.py``).
+            Same values either way; ``False`` restores the 2-byte loads (the code session 9's H200 ran).
     """
     if dequant not in DEQUANT_MODES:
         raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
@@ -845,6 +902,7 @@ def decode_attention_triton(
         **dict(zip(("V_BITS", "V_TPS", "V_CPS", "V_SYM", "V_KIND", "V_NOUT"), v_const)),
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
+        "K_W32": bool(meta32) and _words_ok(k), "V_W32": bool(meta32) and _words_ok(v),
         "num_warps": num_warps, "num_stages": num_stages,
     }
     if maxnreg is not None:
