@@ -67,7 +67,7 @@ def issue_table(results: Path) -> list[dict]:
     for (shape_name, scheme), ms in sorted(measured.items()):
         if scheme in ("fp16", "nuq4-outl"):  # the tail loop; NUQ's per-element gathers (not this model)
             continue
-        cost = loop_cost(shape_name, scheme, BATCH)
+        cost = loop_cost(shape_name, scheme, BATCH, meta32=False)  # the code the H200 ran (session 9)
         tokens_per_sm = BATCH * common.SHAPES[shape_name]["H_kv"] * CONTEXT / SMS
         cycles = ms * 1e-3 * CLOCK_HZ / tokens_per_sm
         floor = cost["warp_instructions_per_token"] / 4
