@@ -361,3 +361,18 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     assert "KEY=VALUE" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["monitor", "--model", "m", "--data", "d", "--scheme", "kivi-2", "--key-error", "-1"])
+
+
+def test_held_layers_decode_through_the_fused_path() -> None:
+    """A held layer's growing full-precision tail is read by the fused decode path (the torch reference on
+    CPU) as by dequantize + SDPA: the same hidden states, every step served fused."""
+    model, ids = llama(), ids_of(1, 230)
+    hidden, stats = {}, {}
+    for fused in (False, True):
+        seen: list[CacheMonitor] = []
+        stats[fused] = {}
+        hidden[fused] = stream_hidden(model, ids, "kivi-2", fused_decode=fused, stats=stats[fused],
+                                      on_cache=lambda c, s=seen: s.append(CacheMonitor(c, FallbackPolicy(key_error=0.0))))  # fmt: skip
+        assert seen[0].held_layers() == [0, 1]
+    assert stats[True]["fused_steps"] > 0 and stats[True]["fallback_steps"] == 0
+    assert torch.allclose(hidden[True], hidden[False], atol=1e-4, rtol=1e-4)
