@@ -1222,9 +1222,10 @@ META32_CASES = [  # (D, key spec, value spec, block_t, dequant, want (K_W32, V_W
 @pytest.mark.parametrize("D,ks,vs,block_t,dequant,want", META32_CASES, ids=[f"case{i}" for i in range(len(META32_CASES))])
 def test_meta32_word_reads_give_the_same_output(monkeypatch, D: int, ks: TensorSpec, vs: TensorSpec, block_t: int,
                                                  dequant: str, want: tuple[bool, bool]):  # fmt: skip
-    """Scales and zero-points read as int32 words (``meta32``, the default; prefetchable by ``cp.async``)
-    are the same float16 values as the 2-byte reads: identical outputs, bit for bit, on a ragged,
-    left-padded batch; sides whose rows hold an odd number of values keep the 2-byte reads."""
+    """Scales and zero-points (and the padding mask) read as int32 words (``meta32``, the default;
+    prefetchable by ``cp.async``) are the same values as the 2-byte (1-byte) reads: identical outputs, bit
+    for bit, on a ragged, left-padded batch; sides whose rows hold an odd number of values keep the 2-byte
+    reads."""
     spy = LaunchSpy(triton_decode._decode_kernel)
     monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
     g = torch.Generator().manual_seed(D + block_t)
@@ -1234,9 +1235,9 @@ def test_meta32_word_reads_give_the_same_output(monkeypatch, D: int, ks: TensorS
     store.quant_mask[1, :9] = False
     q = (torch.randn(2, 4, 1, D, generator=g) * 1.5).to(DEVICE).half()
     words = triton_decode.decode_attention_triton(q, store, splits=3, block_t=block_t, dequant=dequant)
-    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == want
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"], spy.seen[-1]["QMASK_W32"]) == (*want, True)
     halves = triton_decode.decode_attention_triton(q, store, splits=3, block_t=block_t, dequant=dequant, meta32=False)
-    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == (False, False)
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"], spy.seen[-1]["QMASK_W32"]) == (False, False, False)
     assert torch.equal(words, halves)
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
     assert max_err(words, truth) <= 2 * max_err(decode_attention_reference(q, store, dtype=torch.float16), truth) + 1e-6

@@ -190,6 +190,16 @@ def _meta_words(ptr, rows, mask_r, SCOLS, NC: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _mask_words(ptr, start, ok, BLOCK_T: tl.constexpr):
+    """``BLOCK_T`` uint8 slot-mask bytes from ``ptr + start`` (4-byte aligned) as int32 ``(BLOCK_T,)``, read as
+    ``BLOCK_T / 4`` int32 words (``ok``: whether to read at all): one-byte loads stay synchronous in the tile
+    loop (too narrow for ``cp.async``), words are prefetched (``_meta_words``)."""
+    words = ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(words + start // 4 + tl.arange(0, BLOCK_T // 4), mask=(tl.arange(0, BLOCK_T // 4) >= 0) & ok, other=0)
+    return tl.reshape(_tree4(w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, (w >> 24) & 0xFF), (BLOCK_T,))
+
+
+@triton.jit
 def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TPS: tl.constexpr,
                CPS: tl.constexpr, W32: tl.constexpr = False):
     """Scales (or zero-points) of rows ``t (BLOCK_T,)`` expanded to ``(BLOCK_T, D)`` float32.
@@ -479,7 +489,7 @@ def _decode_kernel(
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr,
     ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
-    K_W32: tl.constexpr = False, V_W32: tl.constexpr = False,
+    K_W32: tl.constexpr = False, V_W32: tl.constexpr = False, QMASK_W32: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -517,7 +527,10 @@ def _decode_kernel(
             t = t0 + offs_t
             valid = t < end
             if HAS_QMASK:
-                valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
+                if QMASK_W32:
+                    valid = valid & (_mask_words(QMASK, b * T_q + t0, t0 < end, BLOCK_T) != 0)
+                else:
+                    valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k
             if F16_K:  # float16 queries, plain integer codes: dequantized in float16, pair order (no RoPE)
                 kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
@@ -749,6 +762,12 @@ def _words_ok(p: PackedTensor | None) -> bool:
     return all(m.dtype == torch.float16 and m.shape[-1] % 2 == 0 and m.data_ptr() % 4 == 0 for m in metas)
 
 
+def _mask_words_ok(mask: torch.Tensor | None, T: int, block_t: int) -> bool:
+    """Whether a ``(B, T)`` slot mask can be read as int32 words (``_mask_words``): rows of whole words,
+    4-byte aligned (tiles start at multiples of ``block_t``)."""
+    return mask is not None and T % 4 == 0 and block_t % 4 == 0 and mask.data_ptr() % 4 == 0
+
+
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(number of splits, tokens per split, a multiple of ``block_t``) covering ``T`` slots."""
     if T == 0:
@@ -801,7 +820,8 @@ def decode_attention_triton(
             Llama-3-8B's shape ``dequant="f16"`` takes 160, three blocks per SM where the default path's 128
             allow four; ``maxnreg=128`` restores four at a few spilled bytes (a device-tuning knob).
         meta32: read float16 scales and zero-points as int32 words where a side allows it (``_words_ok``):
-            per-token metadata (and, with ``dequant="f16"``, a tile-wide per-channel row). Two-byte loads
+            per-token metadata (and, with ``dequant="f16"``, per-channel rows), and the quantized slots' padding
+            mask (``_mask_words_ok``). Two-byte (one-byte) loads
             are too narrow for ``cp.async``, so compiled for sm_90 they stayed synchronous loads inside
             the tile loop; as words they are prefetched with the codes (``benchmarks/kernel_cost.py``).
             Same values either way; ``False`` restores the 2-byte loads (the code session 9's H200 ran).
@@ -903,6 +923,7 @@ def decode_attention_triton(
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
         "K_W32": bool(meta32) and _words_ok(k), "V_W32": bool(meta32) and _words_ok(v),
+        "QMASK_W32": bool(meta32) and _mask_words_ok(store.quant_mask, T_q, block_t),
         "num_warps": num_warps, "num_stages": num_stages,
     }
     if maxnreg is not None:
