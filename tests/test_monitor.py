@@ -376,3 +376,16 @@ def test_held_layers_decode_through_the_fused_path() -> None:
         assert seen[0].held_layers() == [0, 1]
     assert stats[True]["fused_steps"] > 0 and stats[True]["fallback_steps"] == 0
     assert torch.allclose(hidden[True], hidden[False], atol=1e-4, rtol=1e-4)
+
+
+def test_a_failing_event_sink_is_logged_not_raised(caplog) -> None:
+    model, ids = llama(), ids_of(1, 160)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+
+    def broken(ev: dict) -> None:
+        raise OSError("disk full")
+
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0), on_event=broken)
+    run(model, cache, ids)  # the forward pass completes
+    assert mon.held_layers() == [0, 1] and len(mon.events) == 2
+    assert "on_event callback failed" in caplog.text and "disk full" in caplog.text

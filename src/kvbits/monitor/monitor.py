@@ -157,7 +157,10 @@ class CacheMonitor:
         log("%s: layer %d %s %s = %.4g (threshold %s) at token %d: %s", self.labels["scheme"], layer.layer_idx,
             side, signal, value, threshold, layer.tokens_seen, action)  # fmt: skip
         if self.on_event is not None:
-            self.on_event(ev)
+            try:
+                self.on_event(ev)
+            except Exception:  # a failing sink must not stop the forward pass that flushed; said loudly
+                logger.exception("CacheMonitor on_event callback failed for event %s", ev)
 
     def calibrated_length(self) -> int | None:
         """The longest context the cache's calibration artifact saw, or ``None`` (no artifact / unknown)."""
