@@ -1214,7 +1214,8 @@ META32_CASES = [  # (D, key spec, value spec, block_t, dequant, want (K_W32, V_W
     (64, KIVI4_KEYS, KIVI4_VALUES, 32, "f32", (True, True)),
     (64, KIVI4_KEYS, KIVI4_VALUES, 64, "f16", (True, True)),  # 2 key scale rows per tile (R = 2)
     (128, spec(2, "channel", 64), spec(8, "token", 32, symmetric=True), 32, "f16", (True, True)),
-    (32, spec(8, "token"), spec(4, "token", 16), 32, "f32", (False, True)),  # one scale per row: 2-byte loads
+    (32, spec(8, "token"), spec(4, "token", 16), 32, "f32", (True, True)),  # one scale per row: words across tokens
+    (64, spec(8, "token"), spec(2, "token"), 64, "f16", (True, True)),
 ]
 
 
@@ -1225,7 +1226,7 @@ def test_meta32_word_reads_give_the_same_output(monkeypatch, D: int, ks: TensorS
     """Scales and zero-points (and the padding mask) read as int32 words (``meta32``, the default;
     prefetchable by ``cp.async``) are the same values as the 2-byte (1-byte) reads: identical outputs, bit
     for bit, on a ragged, left-padded batch; sides whose rows hold an odd number of values keep the 2-byte
-    reads."""
+    reads (``_words_ok``)."""
     spy = LaunchSpy(triton_decode._decode_kernel)
     monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
     g = torch.Generator().manual_seed(D + block_t)
@@ -1241,3 +1242,22 @@ def test_meta32_word_reads_give_the_same_output(monkeypatch, D: int, ks: TensorS
     assert torch.equal(words, halves)
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
     assert max_err(words, truth) <= 2 * max_err(decode_attention_reference(q, store, dtype=torch.float16), truth) + 1e-6
+
+
+@needs_triton
+def test_words_ok_refuses_what_words_can_not_read():
+    """Word reads need float16 metadata, 4-byte alignment and whole words: an even number of values per row,
+    or one per token over an even number of rows; anything else keeps the 2-byte reads."""
+    from types import SimpleNamespace
+
+    def side(shape, dtype=torch.float16, offset=0, tps=1):
+        flat = torch.zeros(offset + math.prod(shape), dtype=dtype)
+        return SimpleNamespace(scale=flat[offset:].view(shape), zero=None, tps=tps)
+
+    ok = triton_decode._words_ok
+    assert ok(side((2, 2, 6, 4))) and ok(side((2, 2, 6, 1)))
+    assert not ok(side((2, 2, 5, 1)))  # one per token, odd row count: a word would straddle two slabs
+    assert not ok(side((2, 2, 6, 1), tps=32))  # one per block of tokens: not contiguous per token
+    assert not ok(side((2, 2, 6, 4), offset=1))  # 2-byte aligned only
+    assert not ok(side((2, 2, 6, 4), dtype=torch.float32))  # fp8's float32 static scales
+    assert not ok(None)

@@ -190,6 +190,17 @@ def _meta_words(ptr, rows, mask_r, SCOLS, NC: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr):
+    """One float16 value per token (``D / CPS == 1``: a scale for the whole row) for tokens ``t (BLOCK_T,)``
+    (consecutive, ``t[0]`` even), read as int32 words of two tokens each: ``(BLOCK_T,)`` float16. The values of
+    consecutive tokens are contiguous, so the words are too (``_meta_words`` reads along a row instead)."""
+    first = tl.min(tl.reshape(t, (BLOCK_T // 2, 2)), axis=1)
+    ok = tl.max(tl.reshape(mask_t.to(tl.int32), (BLOCK_T // 2, 2)), axis=1) > 0
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + first // 2, mask=ok, other=0)
+    return tl.reshape(tl.join(_lo(w), _hi(w)), (BLOCK_T,)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _mask_words(ptr, start, ok, BLOCK_T: tl.constexpr):
     """``BLOCK_T`` uint8 slot-mask bytes from ``ptr + start`` (4-byte aligned) as int32 ``(BLOCK_T,)``, read as
     ``BLOCK_T / 4`` int32 words (``ok``: whether to read at all): one-byte loads stay synchronous in the tile
@@ -209,7 +220,9 @@ def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TP
     (``_meta_words``).
     """
     NC: tl.constexpr = D // CPS
-    if TPS == 1 and W32:
+    if TPS == 1 and W32 and NC == 1:
+        m = _token_words(ptr, t, mask_t, BLOCK_T).to(tl.float32)[:, None]
+    elif TPS == 1 and W32:
         m = _meta_words(ptr, t, mask_t, SCOLS, NC, BLOCK_T).to(tl.float32)
     else:
         offs_c = tl.arange(0, NC)
@@ -362,7 +375,9 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
     else:
         offs_c = tl.arange(0, NC)
     if TPS == 1 and CPS > 1:  # per token, groups of whole words: build each float16 pair as one int32
-        if W32:
+        if W32 and NC == 1:
+            m = _token_words(ptr, t, mask_t, BLOCK_T)[:, None]
+        elif W32:
             m = _meta_words(ptr, t, mask_t, SCOLS, NC, BLOCK_T)
         else:
             m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
@@ -754,12 +769,17 @@ def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
 
 
 def _words_ok(p: PackedTensor | None) -> bool:
-    """Whether side ``p``'s scales and zero-points can be read as int32 words (``_meta_words``): float16, an
-    even number of stored columns per row, 4-byte-aligned tensors."""
+    """Whether side ``p``'s scales and zero-points can be read as int32 words: float16, 4-byte-aligned, and
+    an even number of stored columns per row (``_meta_words``), or one per token with an even number of
+    rows (``_token_words``)."""
     if p is None:
         return False
     metas = [m for m in (p.scale, p.zero) if m is not None]
-    return all(m.dtype == torch.float16 and m.shape[-1] % 2 == 0 and m.data_ptr() % 4 == 0 for m in metas)
+
+    def even(m: torch.Tensor) -> bool:
+        return m.shape[-1] % 2 == 0 or (m.shape[-1] == 1 and p.tps == 1 and m.shape[-2] % 2 == 0)
+
+    return all(m.dtype == torch.float16 and even(m) and m.data_ptr() % 4 == 0 for m in metas)
 
 
 def _mask_words_ok(mask: torch.Tensor | None, T: int, block_t: int) -> bool:
