@@ -186,7 +186,7 @@ def _meta_words(ptr, rows, mask_r, SCOLS, NC: tl.constexpr, R: tl.constexpr):
     """
     words = ptr.to(tl.pointer_type(tl.int32))
     w = tl.load(words + rows[:, None] * (SCOLS // 2) + tl.arange(0, NC // 2)[None, :], mask=mask_r[:, None], other=0)
-    return tl.reshape(tl.join(_lo(w), _hi(w)), (R, NC)).to(tl.float16, bitcast=True)
+    return tl.reshape(_f16_pairs(w), (R, NC))
 
 
 @triton.jit
@@ -197,7 +197,7 @@ def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr):
     first = tl.min(tl.reshape(t, (BLOCK_T // 2, 2)), axis=1)
     ok = tl.max(tl.reshape(mask_t.to(tl.int32), (BLOCK_T // 2, 2)), axis=1) > 0
     w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + first // 2, mask=ok, other=0)
-    return tl.reshape(tl.join(_lo(w), _hi(w)), (BLOCK_T,)).to(tl.float16, bitcast=True)
+    return tl.reshape(_f16_pairs(w), (BLOCK_T,))
 
 
 @triton.jit
@@ -303,6 +303,12 @@ def _hi(m):
 
 
 @triton.jit
+def _f16_pairs(w):
+    """The two float16 values of each int32 in ``w``, low half first: shape ``(*w.shape, 2)``."""
+    return tl.join(_lo(w), _hi(w)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _tree4(a0, a1, a2, a3):
     """``a0..a3`` joined so that their index is the fastest of two new axes: ``(..., 4)`` order 0, 1, 2, 3
     after a reshape (``tl.join`` appends its axis last, so the inner joins pair 0 with 2 and 1 with 3)."""
@@ -383,7 +389,7 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
             m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
         b = m.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         pair = tl.reshape(tl.broadcast_to((b | (b << 16))[:, :, None], (BLOCK_T, NC, CPS // 2)), (BLOCK_T, D // 2))
-        m = tl.reshape(tl.join(_lo(pair), _hi(pair)), (BLOCK_T, D)).to(tl.float16, bitcast=True)
+        m = tl.reshape(_f16_pairs(pair), (BLOCK_T, D))
     elif TPS == 1:
         m = tl.load(ptr + t[:, None] * SCOLS + offs_c[None, :], mask=mask_t[:, None], other=0.0).to(tl.float16)
     elif TPS % BLOCK_T == 0:

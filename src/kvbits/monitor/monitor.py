@@ -168,6 +168,10 @@ class CacheMonitor:
         return None if longest is None else int(longest)
 
     # ------------------------------------------------------------------ reading
+    def tokens(self) -> int:
+        """Tokens the cache has seen (its longest layer)."""
+        return max((layer.tokens_seen for layer in self.layers.values()), default=0)
+
     def held_layers(self) -> list[int]:
         """Layers held in full precision now."""
         return [i for i, layer in self.layers.items() if layer.held_at is not None]
@@ -188,7 +192,7 @@ class CacheMonitor:
         return {
             "labels": self.labels,
             "policy": self.policy.to_dict(),
-            "tokens": max((lay.tokens_seen for lay in self.layers.values()), default=0),
+            "tokens": self.tokens(),
             "total_bytes": mem["total_bytes"],
             "held_layers": self.held_layers(),
             "calibrated_length": self.calibrated_length(),
@@ -234,7 +238,7 @@ class CacheMonitor:
             f_ev.add(n, {**base, "signal": signal, "action": action})
         mem = self.cache.memory_report()
         f_tok = MetricFamily("kvbits_cache_tokens", "Tokens seen by the cache (longest layer)", "gauge")
-        f_tok.add(max((lay.tokens_seen for lay in self.layers.values()), default=0), base)
+        f_tok.add(self.tokens(), base)
         f_bytes = MetricFamily(
             "kvbits_cache_bytes", "Bytes the cache stores (memory_report total_bytes)", "gauge"
         )
