@@ -417,18 +417,24 @@ class QuantizedKVCache(Cache):
             "layers": rows,
         }
 
+    @property
+    def max_calibrated_length(self) -> int | None:
+        """The longest context the installed calibration artifact saw (``None``: no artifact, or it does not say)."""
+        longest = getattr(self.calibration, "max_calibrated_length", None)
+        return None if longest is None else int(longest)
+
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch, measured per layer: values clipped against their scales so far
         (keys, values), the last position seen and, with a calibration artifact installed, how many
         positions lie beyond the longest calibrated length. Runs the lazy K/V checks first; the counts are
         exact (device counters read back here)."""
         self.check_inputs()
-        longest = getattr(self.calibration, "max_calibrated_length", None)
+        longest = self.max_calibrated_length
         rows = []
         for layer in self._quantized_layers():
             ck, cv = layer.clipped()
             row = {"layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "max_position": layer.tokens_seen - 1}
             if longest is not None:
-                row["positions_beyond_calibrated"] = max(0, layer.tokens_seen - int(longest))
+                row["positions_beyond_calibrated"] = max(0, layer.tokens_seen - longest)
             rows.append(row)
         return {"scheme": self.scheme.name, "max_calibrated_length": longest, "layers": rows}

@@ -164,8 +164,7 @@ class CacheMonitor:
 
     def calibrated_length(self) -> int | None:
         """The longest context the cache's calibration artifact saw, or ``None`` (no artifact / unknown)."""
-        longest = getattr(getattr(self.cache, "calibration", None), "max_calibrated_length", None)
-        return None if longest is None else int(longest)
+        return self.cache.max_calibrated_length
 
     # ------------------------------------------------------------------ reading
     def tokens(self) -> int:

@@ -32,7 +32,8 @@ def watch(
     (``snapshot()``, ``prometheus()``, ``events``), detached.
 
     ``model``, ``data``, ``calibration``, ``dtype``, ``device`` as ``kvbits.evaluate.evaluate`` takes them
-    (registry names, paths, hub ids, loaded models; token ids ``(N,)`` for ``data``).
+    (registry names, paths, hub ids, loaded models; token ids ``(N,)`` for ``data``; a calibration folder is
+    loaded and checked by ``stream_hidden``'s cache).
     """
     from kvbits.evaluate.inputs import _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
@@ -52,10 +53,6 @@ def watch(
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")
     ids = windows[:1].to(next(lm.parameters()).device)
-    if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
-        from kvbits.calibrate import load_calibration
-
-        calibration = load_calibration(calibration, model_config=lm.config, scheme=resolved)
     monitors: list[CacheMonitor] = []
     stream_hidden(
         lm, ids, resolved, calibration=calibration, progress=progress,
