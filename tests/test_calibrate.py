@@ -630,3 +630,135 @@ def test_real_calibration_smollm2(tmp_path):
     assert all(row["key_clip_rate"] < 0.01 for row in back.layer_stats)
     assert all(row["key_codebook_gain_db"] > 0 for row in back.layer_stats)
     assert os.path.getsize(tmp_path / TENSORS_FILE) < 100_000
+
+
+# ------------------------------------------------------------------------------- FP8 tensor scales
+
+
+@pytest.fixture(scope="module")
+def fp8_calibrated(tmp_path_factory):
+    """fp8-e4m3 on the tiny Llama: the model, the artifact and its folder."""
+    model = tiny_llama()
+    out = tmp_path_factory.mktemp("cal") / "fp8"
+    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, out_dir=str(out))
+    return model, art, out
+
+
+@torch.no_grad()
+def test_fp8_scales_are_the_post_rope_absmax_of_what_the_cache_stores(fp8_calibrated):
+    """The K scale is the largest |key| *after* RoPE over every calibration position (what an fp8-e4m3
+    cache stores), over 448; the V scale likewise. Checked against the keys a DynamicCache holds."""
+    model, art, _ = fp8_calibrated
+    ids = token_ids()
+    starts = art.meta["data"]["starts"]
+    peaks = torch.zeros(2, 2)  # (layer, key/value)
+    pre = torch.zeros(2)
+    for s in starts:
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        for i in range(2):
+            k, v = cache.layers[i].keys, cache.layers[i].values
+            peaks[i, 0] = max(peaks[i, 0], k.abs().max())
+            peaks[i, 1] = max(peaks[i, 1], v.abs().max())
+    with KVCapture(model) as cap:
+        for s in starts:
+            model(ids[None, s : s + 128])
+            for i in range(2):
+                pre[i] = max(pre[i], cap.activations(i)[0].abs().max())
+    for i in range(2):
+        for j, side in enumerate(("key", "value")):
+            scale, zero = art.static_qparams(i, side)
+            assert zero is None and scale.shape == () and scale.dtype == torch.float32
+            assert float(scale) * 448 == pytest.approx(float(peaks[i, j]), rel=1e-6)
+            assert float(scale) * 448 >= float(peaks[i, j])  # never below: the data does not saturate
+            assert art.layer_stats[i][f"{side}_absmax"] == pytest.approx(float(peaks[i, j]), rel=1e-6)
+        # RoPE moves the range: the pre-RoPE peak is not what the key scale covers
+        assert abs(float(pre[i]) - float(peaks[i, 0])) > 1e-3
+
+
+def test_fp8_artifact_round_trips_and_the_cache_uses_it(fp8_calibrated):
+    from kvbits.cache import QuantizedKVCache
+
+    model, art, out = fp8_calibrated
+    loaded = load_calibration(out, model_config=model.config, scheme="fp8-e4m3")
+    assert set(loaded.tensors) == {f"layers.{i}.{s}_scale" for i in range(2) for s in ("key", "value")}
+    for name, t in art.tensors.items():
+        assert torch.equal(loaded.tensors[name], t) and t.dtype == torch.float32 and t.shape == ()
+    assert loaded.meta["model"]["attention_modules"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    ids = token_ids(160, seed=3)[None]
+    kv = {}
+    for cal in (None, out):
+        cache = QuantizedKVCache(model.config, "fp8-e4m3", calibration=cal)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        kv[cal] = cache.materialize(0)
+        scale = cache.layers[1]._k.static_scale
+        assert float(scale) == (1.0 if cal is None else float(art.tensors["layers.1.key_scale"]))
+        # same bytes either way: one float32 scale per layer and side is always counted
+        assert cache.memory_report()["components"]["fixed"] == 2 * 2 * 4
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=ref, use_cache=True)
+    # layer 0: its keys come from the embeddings alone (layer 1's also from layer 0's quantized attention)
+    k = ref.layers[0].keys
+    s = art.tensors["layers.0.key_scale"]
+    expected = (k / s).to(torch.float8_e4m3fn).float() * s
+    assert torch.equal(kv[out][0], expected.to(kv[out][0].dtype))
+    err = {c: float((kv[c][0] - k).norm() / k.norm()) for c in kv}
+    # this model's keys are ~0.5: at scale 1.0 the small ones fall into E4M3's subnormals
+    assert err[out] < err[None]
+
+
+def test_fp8_fit_from_samples_saturation_and_refusals():
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(2, 300, 16, generator=gen) * 1000 for _ in range(2)]  # |x| up to ~4000 > 448
+    values = [torch.randn(2, 300, 16, generator=gen) for _ in range(2)]
+    art = artifact_from_samples("fp8-e4m3", keys, values)
+    for i in range(2):
+        x = keys[i][None]
+        scale = art.tensors[f"layers.{i}.key_scale"]
+        assert float(scale) * 448 >= float(x.abs().max())
+        assert quantize(x, get_scheme("fp8-e4m3").key, static_scale=scale).clipped == 0
+        assert quantize(x, get_scheme("fp8-e4m3").key).clipped > 0  # scale 1.0 saturates at 448
+    art2 = artifact_from_samples("fp8-e4m3", keys, values, key_absmax=[10.0, 20.0])
+    assert float(art2.tensors["layers.1.key_scale"]) * 448 == pytest.approx(20.0)
+    assert art.layer_stats[1]["key_clip_rate"] == 0 and "key_clip_rate" not in art2.layer_stats[1]
+    with pytest.raises(ValueError, match="one value per layer"):
+        artifact_from_samples("fp8-e4m3", keys, values, key_absmax=[1.0])
+    zeros = [torch.zeros(2, 10, 16) for _ in range(2)]
+    assert float(artifact_from_samples("fp8-e4m3", zeros, zeros).tensors["layers.0.value_scale"]) == 1.0
+    # a non-positive FP8 scale in an artifact is refused at validation
+    bad = dict(art.tensors)
+    bad["layers.0.key_scale"] = torch.tensor(0.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        type(art)(scheme=art.scheme, tensors=bad, meta=art.meta).validate()
+    bad["layers.0.key_scale"] = torch.tensor(1.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="expected float32"):
+        type(art)(scheme=art.scheme, tensors=bad, meta=art.meta).validate()
+    # dynamic FP8 (one scale per token) has nothing to calibrate
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        artifact_from_samples("fp8-e4m3-token", keys, values)
+
+
+@torch.no_grad()
+def test_fp8_calibration_is_optional_and_simulated_as_stored(fp8_calibrated):
+    """fp8-e4m3 runs without an artifact (scale 1.0) and with one; the one-pass simulator uses the
+    calibrated scales as the cache does (float64: the two runs agree to rounding)."""
+    import copy
+
+    from kvbits.evaluate.simulate import simulate
+    from kvbits.evaluate.stream import stream_hidden
+
+    model, art, _ = fp8_calibrated
+    assert get_scheme("fp8-e4m3").needs_calibration() == []
+    assert get_scheme("fp8-e4m3").calibratable() == ["key", "value"]
+    m64 = copy.deepcopy(model).double()
+    ids = token_ids(80, seed=5)[None]
+    h = {}
+    for cal in (None, art):
+        with simulate(m64, "fp8-e4m3", calibration=cal):
+            h_sim = m64.model(ids).last_hidden_state
+        h_stream = stream_hidden(m64, ids, "fp8-e4m3", calibration=cal)
+        torch.testing.assert_close(h_sim, h_stream, rtol=1e-9, atol=1e-9)
+        h[cal is None] = h_sim
+    assert (h[True] - h[False]).abs().max() > 1e-6  # the scale changes what is stored

@@ -419,6 +419,7 @@ COMMANDS: dict[str, Command | str] = {
     "calibrate": "kvbits.calibrate.cli",
     "eval": "kvbits.evaluate.cli",
     "monitor": "kvbits.monitor.cli",
+    "export": "kvbits.export.cli",
 }
 """Subcommands in the order of the decision flow. Add one by adding its module path here."""
 

@@ -1,11 +1,13 @@
 """The calibration artifact: ``DIR/calibration.safetensors`` + ``DIR/calibration.json``.
 
-Tensors (float16, exactly what the cache stores and ``accounting.fixed_layer_bytes`` counts), for
-each layer ``i`` and side ``s`` in ``key``/``value`` whose spec needs them:
+Tensors (exactly what the cache stores and ``accounting.fixed_layer_bytes`` counts), for each
+layer ``i`` and side ``s`` in ``key``/``value`` whose spec takes them (``TensorSpec.calibratable``):
 
-- ``layers.{i}.{s}_scale``, ``layers.{i}.{s}_zero``: ``(H_kv, D)`` static per-channel parameters
-  (``zero`` only for asymmetric specs), in the form ``kvbits.quant.quantize`` takes them;
-- ``layers.{i}.{s}_codebook``: ``(2**bits,)`` sorted NUQ codebook in ``[-1, 1]``.
+- ``layers.{i}.{s}_scale``, ``layers.{i}.{s}_zero``: ``(H_kv, D)`` float16 static per-channel
+  parameters (``zero`` only for asymmetric specs), in the form ``kvbits.quant.quantize`` takes them;
+- ``layers.{i}.{s}_codebook``: ``(2**bits,)`` float16 sorted NUQ codebook in ``[-1, 1]``;
+- ``layers.{i}.{s}_scale`` of a static FP8 spec: ``()`` float32, the per-tensor scale
+  (``x ~ fp8(x / s) * s``, as vLLM's ``k_scale`` / ``v_scale``; ``kvbits.calibrate.vllm`` exports it).
 
 The JSON records ``format_version``, ``kvbits_version``, the ``scheme``, the ``model`` it belongs
 to (fingerprint and shape), the calibration ``data``, ``percentile``, ``fisher``, the creation date,
@@ -60,6 +62,18 @@ def spec_needs_calibration(spec: TensorSpec) -> bool:
     return spec.calibrated
 
 
+def spec_calibratable(spec: TensorSpec) -> bool:
+    """An artifact holds parameters for this spec (``TensorSpec.calibratable``): those it needs, and
+    the optional per-tensor scale of a static FP8 spec."""
+    return spec.calibratable
+
+
+def tensor_dtype(spec: TensorSpec) -> torch.dtype:
+    """The dtype an artifact stores ``spec``'s tensors in: float32 for an FP8 scale (as the cache keeps
+    it), float16 for everything else."""
+    return torch.float32 if spec.kind == "fp8" else torch.float16
+
+
 def expected_tensors(
     scheme: KVScheme, num_layers: int, num_kv_heads: int, head_dim: int
 ) -> dict[str, tuple[int, ...]]:
@@ -67,6 +81,8 @@ def expected_tensors(
     out: dict[str, tuple[int, ...]] = {}
     for i in range(num_layers):
         for side, spec in zip(SIDES, (scheme.key, scheme.value)):
+            if spec.kind == "fp8" and spec.static:
+                out[f"layers.{i}.{side}_scale"] = ()
             if spec.static and spec.kind in ("int", "nuq"):
                 out[f"layers.{i}.{side}_scale"] = (num_kv_heads, head_dim)
                 if spec.has_zero_point:
@@ -178,11 +194,14 @@ class CalibrationArtifact:
         """Static per-channel ``(scale, zero)`` of ``layer``'s ``side``, float16, each ``(1, H_kv, 1, D)``
         (broadcasts over any ``(B, H_kv, n, D)`` block; ``zero`` is None for symmetric specs), or None
         when that side's scales are dynamic. For NUQ, ``scale`` is the channel range and ``zero`` its
-        minimum; for int, ``scale`` is the step and ``zero`` the minimum (as ``quantize`` expects)."""
+        minimum; for int, ``scale`` is the step and ``zero`` the minimum (as ``quantize`` expects). For
+        a static FP8 spec: ``(scale, None)``, the float32 ``()`` per-tensor scale."""
         spec = self._spec(side)
         if not spec.static:
             return None
         i, H, D = self._layer(layer), self.num_kv_heads, self.head_dim
+        if spec.kind == "fp8":
+            return self.tensors[f"layers.{i}.{side}_scale"], None
         scale = self.tensors[f"layers.{i}.{side}_scale"].reshape(1, H, 1, D)
         zero = self.tensors.get(f"layers.{i}.{side}_zero")
         return scale, None if zero is None else zero.reshape(1, H, 1, D)
@@ -195,7 +214,9 @@ class CalibrationArtifact:
         out: dict[str, Any] = {}
         qp = self.static_qparams(layer, side)
         if qp is not None:
-            out["static_scale"], out["static_zero"] = qp
+            out["static_scale"] = qp[0]
+            if qp[1] is not None:  # symmetric specs have no zero-point
+                out["static_zero"] = qp[1]
         cb = self.codebook(layer, side)
         if cb is not None:
             out["codebook"] = cb
@@ -208,7 +229,7 @@ class CalibrationArtifact:
         """Raise ``ValueError`` unless ``scheme`` stores K and V as this artifact was calibrated for."""
         for side in SIDES:
             mine, theirs = self._spec(side), getattr(scheme, side)
-            if spec_needs_calibration(theirs) and mine != theirs:
+            if spec_calibratable(theirs) and mine != theirs:
                 raise ValueError(
                     f"calibration{'' if self.path is None else ' in ' + str(self.path)} was made for scheme "
                     f"{self.scheme.name!r} ({side}: {mine}), not for scheme {scheme.name!r} ({side}: {theirs}); "
@@ -258,9 +279,12 @@ class CalibrationArtifact:
             )
         for name, shape in expected.items():
             t = self.tensors[name]
-            if tuple(t.shape) != shape or t.dtype != torch.float16:
+            spec = self._spec(name.rsplit(".", 1)[1].split("_")[0])
+            dtype = tensor_dtype(spec)
+            if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(
-                    f"calibration{where}: {name} is {t.dtype} {tuple(t.shape)}, expected float16 {shape}"
+                    f"calibration{where}: {name} is {t.dtype} {tuple(t.shape)}, expected "
+                    f"{str(dtype).removeprefix('torch.')} {shape}"
                 )
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"calibration{where}: {name} holds non-finite values")
@@ -270,6 +294,10 @@ class CalibrationArtifact:
                     check_codebook(t, self._spec(side).bits)
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"calibration{where}: {name}: {exc}") from None
+            elif spec.kind == "fp8" and not bool(t > 0):
+                raise ValueError(
+                    f"calibration{where}: {name} is {float(t)}; an FP8 scale divides, it must be > 0"
+                )
             elif name.endswith("_scale") and bool((t < 0).any()):
                 raise ValueError(
                     f"calibration{where}: {name} has {int((t < 0).sum())} negative scales; scales must be >= 0"
@@ -287,7 +315,8 @@ class CalibrationArtifact:
         out = Path(out_dir).expanduser()
         out.mkdir(parents=True, exist_ok=True)
         tensors = {
-            k: v.detach().to("cpu", torch.float16).contiguous() for k, v in sorted(self.tensors.items())
+            k: v.detach().to("cpu", tensor_dtype(self._spec(k.rsplit(".", 1)[1].split("_")[0]))).contiguous()
+            for k, v in sorted(self.tensors.items())
         }
         fd, tmp = tempfile.mkstemp(prefix=TENSORS_FILE + ".", suffix=".tmp", dir=out)
         os.close(fd)

@@ -190,6 +190,10 @@ class CalibrationSamples:
     JSON records an artifact carries; ``losses``: mean loss per window; ``seconds``: time taken;
     ``dtype``/``device``: the model's parameter dtype and device during the passes (``"bfloat16"``,
     ``"cuda:0"``), recorded in the artifact; the samples themselves are float32 on the CPU.
+    ``absmax``: ``"key"`` (pre-RoPE), ``"key_post_rope"`` and ``"value"``, each ``(layers, T)``: the
+    largest ``|x|`` at each window position over all windows, heads and channels, every position
+    (not only the sampled ones), for FP8 per-tensor scales; ``"key_post_rope"`` is absent for
+    a model whose RoPE ``kvbits.quant.rope`` can not reproduce (and equals ``"key"`` without RoPE).
     """
 
     keys: list[torch.Tensor]
@@ -204,6 +208,16 @@ class CalibrationSamples:
     excluded_sinks: int = 0
     dtype: str | None = None
     device: str | None = None
+    absmax: dict[str, torch.Tensor] | None = None
+
+    def layer_absmax(self, name: str, sinks: int) -> list[float] | None:
+        """Per layer, the largest ``|x|`` of ``absmax[name]`` at positions ``>= sinks`` (None if absent)."""
+        if self.absmax is None or name not in self.absmax:
+            return None
+        per_pos = self.absmax[name][:, sinks:]
+        if per_pos.shape[1] == 0:
+            raise ValueError(f"no positions past the {sinks} sink tokens to take an FP8 scale from")
+        return [float(v) for v in per_pos.amax(dim=1)]
 
     def without_sinks(self, sinks: int) -> CalibrationSamples:
         """The samples at positions ``>= sinks`` (the cache keeps the first ``sinks`` tokens exact)."""
@@ -257,6 +271,9 @@ def collect_samples(
     warn_beyond_max_positions(module.config, ids.shape[1])
     sites = find_kv_sites(module)
     model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
+    # the attention modules' qualified names, layer by layer: engines name their scales after them
+    # (vLLM loads `model.layers.{i}.self_attn.k_scale`; kvbits.export.vllm)
+    model_record["attention_modules"] = [s.name for s in sites]
     site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
     if (
         site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
@@ -275,6 +292,11 @@ def collect_samples(
             param.dtype,
         )
     W, T = ids.shape
+    tables = _layer_rotary_tables(module, sites)
+    absmax = {
+        name: torch.zeros(len(sites), T)
+        for name in ("key", "value", *(("key_post_rope",) if tables is not None else ()))
+    }
     per_window = max(1, math.ceil(max_tokens / W))
     gen = torch.Generator().manual_seed(seed)
     samples: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in sites] for k in ("k", "v", "gk", "gv")}
@@ -294,6 +316,7 @@ def collect_samples(
                 positions.append(pos)
                 for i in range(len(sites)):
                     k, v = cap.activations(i)
+                    _update_absmax(absmax, i, k, v, None if tables is None else tables[i])
                     samples["k"][i].append(_take(k, pos))
                     samples["v"][i].append(_take(v, pos))
                     if fisher:
@@ -324,7 +347,38 @@ def collect_samples(
         excluded_sinks=sinks,
         dtype=str(param.dtype).removeprefix("torch."),
         device=str(param.device),
+        absmax=absmax,
     )
+
+
+def _layer_rotary_tables(module: torch.nn.Module, sites: list[Any]) -> list[Any] | None:
+    """Per site, the RoPE tables its keys are rotated with (``kvbits.quant.rope``), or None when this
+    model's RoPE can not be reproduced (then no post-RoPE key range: FP8 post-RoPE key scales refuse)."""
+    from kvbits.quant.rope import RotaryTables
+
+    try:
+        tables = RotaryTables.from_model(module)
+    except ValueError:  # no RoPE module in this family: the stored keys are the captured ones
+        return [None for _ in sites]
+    except NotImplementedError as exc:
+        logger.warning("no post-RoPE key range (FP8 post-RoPE key scales can not be fitted): %s", exc)
+        return None
+    return [tables.tables_for_layer(s.layer_idx) for s in sites]
+
+
+@torch.no_grad()
+def _update_absmax(
+    absmax: dict[str, torch.Tensor], layer: int, k: torch.Tensor, v: torch.Tensor, tables: Any
+) -> None:
+    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(T,)``."""
+    def peak(x: torch.Tensor) -> torch.Tensor:
+        return x[0].abs().amax(dim=(0, 2)).float().cpu()
+
+    for name, x in (("key", k), ("value", v)):
+        absmax[name][layer] = torch.maximum(absmax[name][layer], peak(x))
+    if "key_post_rope" in absmax:
+        post = k if tables is None else tables.rotate(k, torch.arange(k.shape[2], device=k.device))
+        absmax["key_post_rope"][layer] = torch.maximum(absmax["key_post_rope"][layer], peak(post))
 
 
 def fit_artifact(
@@ -369,9 +423,26 @@ def fit_artifact(
         seed=seed,
         meta=meta,
         progress=progress,
+        key_absmax=_fp8_key_absmax(s, scheme),
+        value_absmax=s.layer_absmax("value", scheme.sinks) if scheme.value.kind == "fp8" else None,
     )
     art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
     return art
+
+
+def _fp8_key_absmax(samples: CalibrationSamples, scheme: KVScheme) -> list[float] | None:
+    """Per layer, the largest ``|K|`` a static FP8 key spec stores: pre- or post-RoPE as the spec says."""
+    if not (scheme.key.kind == "fp8" and scheme.key.static):
+        return None
+    name = "key" if scheme.key.pre_rope else "key_post_rope"
+    out = samples.layer_absmax(name, scheme.sinks)
+    if out is None:
+        raise ValueError(
+            "an FP8 per-tensor key scale needs the largest post-RoPE key, and this model's RoPE could not be "
+            "reproduced (kvbits.quant.rope; see the warning above) or the samples carry no key range; "
+            "use pre_rope=True keys or a dynamic FP8 spec (fp8-e4m3-token)"
+        )
+    return out
 
 
 def calibrate(
@@ -400,7 +471,8 @@ def calibrate(
             config's shape hash).
         data: a text spec for ``kvbits.evaluate.data.load_text`` (``pride-and-prejudice``, a path),
             a ``TextSource``, or token ids ``(N,)`` / ``(W, T)``.
-        scheme: a scheme with static int/NUQ scales or NUQ codebooks (e.g. ``kvquant-4``).
+        scheme: a scheme with static int/NUQ scales or NUQ codebooks (e.g. ``kvquant-4``), or static
+            FP8 per-tensor scales (``fp8-e4m3``: ``absmax / 448`` per layer and side).
         context: tokens per calibration window (recorded as ``max_calibrated_length``).
         windows: number of windows, spread evenly over the data.
         percentile: per-channel range ``[100 - p, p]`` for static scales.

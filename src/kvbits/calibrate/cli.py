@@ -20,10 +20,12 @@ _percentile = bounded(float, 50, 100, what="a percentile")
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
-        help="calibrate static key scales and NUQ codebooks (KVQuant) for a scheme",
+        help="calibrate static key scales and NUQ codebooks (KVQuant) or FP8 per-tensor scales for a scheme",
         description="Run the model over a few windows of calibration text, capture pre-RoPE keys and values "
         "(and their loss gradients), and fit per-channel key ranges and Fisher-weighted non-uniform "
-        "codebooks. Writes DIR/calibration.safetensors and DIR/calibration.json.",
+        "codebooks; for static FP8 schemes (fp8-e4m3), per-layer K/V scales absmax / 448 over every "
+        "calibration token (post-RoPE keys after RoPE), as vLLM's k_scale / v_scale (kvbits export-vllm). "
+        "Writes DIR/calibration.safetensors and DIR/calibration.json.",
     )
     p.add_argument(
         "--model",
@@ -34,7 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--data", required=True, help="calibration text: registry name (pride-and-prejudice) or file path"
     )
     p.add_argument(
-        "--scheme", required=True, help="scheme to calibrate for (kvquant-4, kvquant-3, ... or a JSON file)"
+        "--scheme", required=True, help="scheme to calibrate for (kvquant-4, kvquant-3, fp8-e4m3, ... or a JSON file)"
     )
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
@@ -88,7 +90,8 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     cols = sorted({k for row in stats for k in row})
     table = Table(
         title="per-layer calibration (clip rate: entries beyond the calibrated range after outliers; "
-        "gain: weighted MSE of a uniform codebook over the fitted one)"
+        "gain: weighted MSE of a uniform codebook over the fitted one; absmax: largest |x| stored, "
+        "FP8 scale = absmax / fp8 max)"
     )
     table.add_column("layer", justify="right")
     for c in cols:
@@ -97,7 +100,15 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
         table.add_row(
             str(i),
             *(
-                ("-" if c not in row else f"{row[c]:.3%}" if c.endswith("clip_rate") else f"{row[c]:+.2f} dB")
+                (
+                    "-"
+                    if c not in row
+                    else f"{row[c]:.3%}"
+                    if c.endswith("clip_rate")
+                    else f"{row[c]:.4g}"
+                    if c.endswith("absmax")
+                    else f"{row[c]:+.2f} dB"
+                )
                 for c in cols
             ),
         )

@@ -4,7 +4,11 @@
   (head, channel) over the calibration tokens; entries outside it are the dense-and-sparse outliers
   (§3.5) or, beyond the outlier budget, clipped (``QuantizedTensor.clipped`` counts them);
 - NUQ codebooks (§3.3): per layer and side, Fisher-weighted k-means on the normalised values the
-  quantizer will code (``kvbits.quant.tensor.codebook_inputs``: same outliers, same ranges).
+  quantizer will code (``kvbits.quant.tensor.codebook_inputs``: same outliers, same ranges);
+- FP8 per-tensor scales (static FP8, vLLM's ``k_scale`` / ``v_scale``): ``absmax / fp8_max`` of the
+  stored tensor over every calibration token past the sinks (a max observer, as llm-compressor's
+  ``minmax``), so the calibration data never saturates; for post-RoPE keys the absmax is taken after
+  RoPE (``calibrate`` rotates the captured keys), since that is what such a cache stores.
 
 ``calibrate`` (``kvbits.calibrate.calibrate``) collects the samples from a model and calls
 ``artifact_from_samples``; tests and tools can call it with synthetic samples.
@@ -18,10 +22,11 @@ from typing import Any
 
 import torch
 
-from kvbits.calibrate.artifact import SIDES, CalibrationArtifact, now_utc, spec_needs_calibration
+from kvbits.calibrate.artifact import SIDES, CalibrationArtifact, now_utc, spec_calibratable
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, fit_codebook, weighted_mse
 from kvbits.calibrate.observers import channel_percentiles
 from kvbits.quant.affine import choose_qparams
+from kvbits.quant.fp8 import fp8_max
 from kvbits.quant.nuq import choose_nuq_params, uniform_codebook
 from kvbits.quant.tensor import codebook_inputs, quantize
 from kvbits.schemes.presets import get_scheme
@@ -32,13 +37,13 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 def check_calibratable(scheme: KVScheme) -> None:
     """Raise ``ValueError`` unless every side that needs calibration is one this module can fit."""
-    if not any(spec_needs_calibration(s) for s in (scheme.key, scheme.value)):
+    if not any(spec_calibratable(s) for s in (scheme.key, scheme.value)):
         raise ValueError(
-            f"scheme {scheme.name!r} has nothing to calibrate (no static int/nuq scales, no nuq codebook); "
-            "calibration is for schemes like kvquant-4"
+            f"scheme {scheme.name!r} has nothing to calibrate (no static int/nuq/fp8 scales, no nuq codebook); "
+            "calibration is for schemes like kvquant-4 or fp8-e4m3"
         )
     for side, spec in zip(SIDES, (scheme.key, scheme.value)):
-        if not spec_needs_calibration(spec):
+        if not spec_calibratable(spec) or spec.kind == "fp8":  # an FP8 tensor scale fits any layout
             continue
         if spec.static and spec.granularity != "channel":
             raise ValueError(
@@ -86,6 +91,7 @@ def fit_side(
     kmeans_points: int = MAX_POINTS,
     kmeans_iterations: int = ITERATIONS,
     seed: int = 0,
+    absmax: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
 
@@ -93,9 +99,16 @@ def fit_side(
     spec needs, and statistics: ``clip_rate`` (fraction of sampled entries clipped against static
     scales, outliers excluded), and for NUQ ``codebook_gain_db`` (weighted MSE of a uniform codebook
     over that of the fitted one, in dB, on the normalised values).
+
+    A static FP8 spec gets ``scale``, a float32 ``()`` tensor ``absmax / fp8_max`` (``absmax``: the
+    largest ``|x|`` the cache will store, default ``x``'s own, then ``x`` is taken as the stored
+    tensor), and the statistics ``absmax`` and, without ``absmax``, ``clip_rate`` (0: the scale covers
+    ``x``'s maximum). ``calibrate`` gives ``absmax`` over every calibration position: nothing clips.
     """
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
+    if spec.kind == "fp8":
+        return _fit_fp8(spec, x, absmax)
     x = _trim_to_groups(x.float(), spec)
     grad = None if grad is None else _trim_to_groups(grad.float(), spec)
     tensors: dict[str, torch.Tensor] = {}
@@ -126,6 +139,31 @@ def fit_side(
     return tensors, stats
 
 
+def _fit_fp8(
+    spec: TensorSpec, x: torch.Tensor, absmax: float | None
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The per-tensor FP8 scale of one layer and side (see ``fit_side``)."""
+    if not spec.static:
+        raise ValueError(f"only static FP8 specs take a calibrated scale, got {spec}")
+    if x.numel() == 0 and absmax is None:
+        raise ValueError("no samples to take an FP8 scale from")
+    amax = float(x.abs().max()) if absmax is None else float(absmax)
+    if not math.isfinite(amax) or amax < 0:
+        raise ValueError(f"FP8 calibration: the largest |K/V| is {amax}; expected a finite value")
+    if amax == 0:
+        # all zeros: any scale stores them exactly; 1.0 is vLLM's default and never divides by zero
+        scale = torch.ones((), dtype=torch.float32)
+    else:
+        scale = torch.tensor(amax / fp8_max(spec.fmt), dtype=torch.float32)
+        # float32 rounding may land a hair below amax / fp8_max: one ulp up keeps amax inside the grid
+        if float(scale) * fp8_max(spec.fmt) < amax:
+            scale = torch.nextafter(scale, torch.tensor(math.inf))
+    if absmax is not None:  # x may not be the stored tensor (pre-RoPE samples of post-RoPE keys)
+        return {"scale": scale}, {"absmax": amax}
+    clipped = int((x.float().abs() > float(scale) * fp8_max(spec.fmt)).sum()) if x.numel() else 0
+    return {"scale": scale}, {"absmax": amax, "clip_rate": clipped / max(1, x.numel())}
+
+
 def artifact_from_samples(
     scheme: KVScheme | str,
     keys: Sequence[torch.Tensor],
@@ -139,6 +177,8 @@ def artifact_from_samples(
     seed: int = 0,
     meta: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    key_absmax: Sequence[float] | None = None,
+    value_absmax: Sequence[float] | None = None,
 ) -> CalibrationArtifact:
     """Fit an artifact from per-layer samples, without a model (``calibrate`` calls this).
 
@@ -150,6 +190,10 @@ def artifact_from_samples(
             squares), or None for unweighted k-means.
         meta: JSON fields to record (``model``, ``data``, ...); ``model`` defaults to the shape of the
             samples and ``data`` to the sample count.
+        key_absmax, value_absmax: static FP8 sides only: per layer, the largest ``|K|`` / ``|V|`` the
+            cache stores (``calibrate`` passes the maximum over every calibration token, post-RoPE for
+            post-RoPE keys); default each layer's samples' own maximum, which takes the samples as the
+            stored tensor (so for a post-RoPE FP8 key spec, give post-RoPE keys or ``key_absmax``).
     """
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
@@ -164,6 +208,9 @@ def artifact_from_samples(
             return t.transpose(0, 1).reshape(H, B * T, D)
         return t
 
+    for name, amax in (("key_absmax", key_absmax), ("value_absmax", value_absmax)):
+        if amax is not None and len(amax) != len(keys):
+            raise ValueError(f"{name} needs one value per layer ({len(keys)}), got {len(amax)}")
     keys = [as_hnd(k) for k in keys]
     values = [as_hnd(v) for v in values]
     H, N, D = keys[0].shape
@@ -176,9 +223,10 @@ def artifact_from_samples(
             ("key", scheme.key, keys, key_grads),
             ("value", scheme.value, values, value_grads),
         ):
-            if not spec_needs_calibration(spec):
+            if not spec_calibratable(spec):
                 continue
             g = None if gs is None else as_hnd(gs[i])
+            amax = {"key": key_absmax, "value": value_absmax}[side]
             t, s = fit_side(
                 spec,
                 xs[i],
@@ -187,6 +235,7 @@ def artifact_from_samples(
                 kmeans_points=kmeans_points,
                 kmeans_iterations=kmeans_iterations,
                 seed=seed + i,
+                absmax=None if amax is None else amax[i],
             )
             tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
             row.update({f"{side}_{k}": v for k, v in s.items()})

@@ -147,6 +147,13 @@ class TensorSpec:
         return self.kind == "nuq" or (self.static and self.kind == "int")
 
     @property
+    def calibratable(self) -> bool:
+        """True when ``kvbits calibrate`` fits parameters for this spec: the ``calibrated`` ones, and an
+        FP8 per-tensor scale (static FP8), which runs at 1.0 without an artifact (vLLM's uncalibrated
+        default) and at ``absmax / fp8_max`` of the calibration data with one."""
+        return self.calibrated or (self.kind == "fp8" and self.static)
+
+    @property
     def has_zero_point(self) -> bool:
         """Asymmetric integer and NUQ codes store a zero-point (the group minimum) beside each scale."""
         return self.kind in ("int", "nuq") and not self.symmetric
@@ -240,6 +247,11 @@ class KVScheme:
         """The sides (``"key"``, ``"value"``) whose parameters come from ``kvbits calibrate`` (static
         integer scales, NUQ codebooks: ``TensorSpec.calibrated``) rather than from the data stored."""
         return [side for side, spec in (("key", self.key), ("value", self.value)) if spec.calibrated]
+
+    def calibratable(self) -> list[str]:
+        """The sides ``kvbits calibrate`` fits parameters for (``TensorSpec.calibratable``): those of
+        ``needs_calibration`` and static FP8 sides, whose per-tensor scale is optional (1.0 without)."""
+        return [side for side, spec in (("key", self.key), ("value", self.value)) if spec.calibratable]
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,0 +1,80 @@
+"""``kvbits export``: a calibration's parameters in a serving engine's format (thin wrapper over
+``kvbits.export``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+examples:
+  kvbits calibrate --model smollm2-135m --data pride-and-prejudice --scheme fp8-e4m3 --context 4k --out cal-fp8/
+  kvbits export --format vllm --calibration cal-fp8/ --out vllm-scales/
+  kvbits export --format vllm --calibration cal-fp8/ --checkpoint /models/SmolLM2-135M --out smollm2-fp8kv/
+
+vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer) and
+quantization_config.json (compressed-tensors kv_cache_scheme: 8-bit float, tensor, static,
+symmetric). With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
+checkpoint: DIR's files linked, config.json and model.safetensors.index.json written with the
+scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
+--json prints the export record (kvbits_export.json): {"format", "created", "calibration",
+"kv_cache_scheme", "layers": [{"k_scale", "v_scale", "k_absmax", "v_absmax", "module"}], "serve",
+"out_dir", "checkpoint"}.
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export",
+        help="write calibrated FP8 KV-cache scales in the format vLLM loads",
+        description="Export a kvbits calibration for a serving engine. vllm: the per-layer FP8 K/V scales of "
+        "an fp8-e4m3 calibration as a compressed-tensors checkpoint carries them.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--format", choices=("vllm",), default="vllm", help="target engine format (default vllm)")
+    p.add_argument("--calibration", required=True, metavar="DIR", help="kvbits calibrate folder (fp8-e4m3)")
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="folder for the scales, the config block and the record"
+    )
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="Hugging Face checkpoint folder: --out becomes it plus the scales"
+    )
+    p.add_argument(
+        "--module-template",
+        metavar="NAME",
+        help="attention module names with {i} for the layer (default: as calibrated, else "
+        "model.layers.{i}.self_attn)",
+    )
+    p.add_argument("--json", action="store_true", help="print the export record as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbits.export import export_vllm
+
+    record = export_vllm(
+        args.calibration, args.out, checkpoint=args.checkpoint, module_template=args.module_template
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        return 0
+    layers = record["layers"]
+    ks = [r["k_scale"] for r in layers]
+    vs = [r["v_scale"] for r in layers]
+    print(
+        f"{len(layers)} layers: k_scale {min(ks):.4g}..{max(ks):.4g}, v_scale {min(vs):.4g}..{max(vs):.4g} "
+        f"(calibrated on {record['calibration']['data']}, {record['calibration']['context']} tokens)"
+    )
+    print(f"written to {record['out_dir']}")
+    if "checkpoint" in record:
+        ck = record["checkpoint"]
+        print(
+            f"checkpoint {ck['path']}: {len(ck['linked'])} files linked, {', '.join(ck['written'])} written"
+        )
+    print(f"serve: {record['serve']}")
+    return 0

@@ -1,0 +1,308 @@
+"""Calibrated FP8 KV-cache scales in the format vLLM loads (compressed-tensors ``kv_cache_scheme``).
+
+vLLM's FP8 KV cache (``--kv-cache-dtype fp8``) stores ``fp8_e4m3(k / k_scale)`` with one float32
+scale per layer for keys and one for values; without scales in the checkpoint it uses 1.0 (and logs
+"Using KV cache scaling factor 1.0 for fp8_e4m3"). It reads calibrated scales from the checkpoint
+as llm-compressor writes them:
+
+- tensors ``{attention module}.k_scale`` and ``.v_scale`` (``model.layers.{i}.self_attn.k_scale``),
+  float32, one element each (vLLM maps them to ``...self_attn.attn.k_scale``);
+- ``config.json`` ``quantization_config`` with ``quant_method: compressed-tensors`` and a
+  ``kv_cache_scheme`` ``{num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}``
+  (vLLM's ``CompressedTensorsKVCacheMethod`` accepts exactly this: 8-bit float, symmetric, tensor
+  or per-head strategy).
+
+The scales are a kvbits ``fp8-e4m3`` calibration (``kvbits calibrate --scheme fp8-e4m3``): per layer,
+the largest post-RoPE ``|K|`` and ``|V|`` over every calibration token, over 448. They mean the
+same thing in both: kvbits' ``fp8-e4m3`` cache quantizes as vLLM does (divide by the scale, round to
+nearest, saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what
+vLLM will store.
+
+``export_vllm(artifact, out_dir)`` writes ``kv_cache_scales.safetensors`` and
+``quantization_config.json`` (and ``kvbits_export.json``, the provenance). With ``checkpoint=DIR`` (a
+Hugging Face checkpoint folder) ``out_dir`` becomes a checkpoint vLLM can serve, and ``DIR`` is left
+untouched: its files are linked (symlinks, no copy of the weights), ``config.json`` is written with
+the ``kv_cache_scheme`` added, and ``model.safetensors.index.json``, when there is one, with the
+scale names added (vLLM loads only the files the index names). Such a checkpoint declares
+compressed-tensors quantization: transformers then needs the ``compressed-tensors`` package to load it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbits.calibrate.artifact import CalibrationArtifact, load_calibration, now_utc
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KV_CACHE_SCHEME", "SCALES_FILE", "export_vllm", "quantization_config", "vllm_scales"]
+
+SCALES_FILE = "kv_cache_scales.safetensors"
+CONFIG_FILE = "quantization_config.json"
+RECORD_FILE = "kvbits_export.json"
+DEFAULT_MODULE = "model.layers.{i}.self_attn"
+KV_CACHE_SCHEME: dict[str, Any] = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+}
+"""compressed-tensors ``QuantizationArgs`` of a static per-tensor FP8 KV cache, as vLLM validates it."""
+
+
+def check_exportable(art: CalibrationArtifact) -> None:
+    """``ValueError`` unless ``art`` holds what vLLM's FP8 cache can use: static per-tensor E4M3 scales
+    for keys and values, keys after RoPE (vLLM caches rotated keys)."""
+    scheme = art.scheme
+    for side in ("key", "value"):
+        spec = getattr(scheme, side)
+        if spec.kind != "fp8" or not spec.static or spec.granularity != "tensor":
+            raise ValueError(
+                f"calibration of scheme {scheme.name!r}: vLLM loads static per-tensor FP8 scales; the {side} "
+                f"spec is {spec}. Calibrate an FP8 scheme: kvbits calibrate --scheme fp8-e4m3"
+            )
+        if spec.fmt != "e4m3":
+            raise ValueError(
+                f"calibration of scheme {scheme.name!r}: vLLM's fp8_e5m2 cache takes no scales; only E4M3 "
+                f"scales can be exported (the {side} spec is {spec.fmt})"
+            )
+    if scheme.key.pre_rope:
+        raise ValueError(
+            f"calibration of scheme {scheme.name!r} scales keys before RoPE; vLLM caches keys after RoPE, "
+            "whose range differs: calibrate a post-RoPE scheme (fp8-e4m3)"
+        )
+
+
+def _module_names(art: CalibrationArtifact, module_template: str | None) -> list[str]:
+    n = art.num_layers
+    recorded = art.meta["model"].get("attention_modules")
+    if module_template is None and isinstance(recorded, list) and len(recorded) == n:
+        return [str(x) for x in recorded]
+    template = module_template or DEFAULT_MODULE
+    if "{i}" not in template:
+        raise ValueError(f"module template must contain '{{i}}' (the layer index), got {template!r}")
+    return [template.format(i=i) for i in range(n)]
+
+
+def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) -> dict[str, torch.Tensor]:
+    """``{module}.k_scale`` / ``.v_scale`` -> float32 ``(1,)`` tensors, one pair per layer.
+
+    Module names come from the artifact (``calibrate`` records the attention modules' qualified
+    names) or ``module_template`` (default ``model.layers.{i}.self_attn``).
+    """
+    check_exportable(art)
+    out: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(_module_names(art, module_template)):
+        for side, short in (("key", "k"), ("value", "v")):
+            qp = art.static_qparams(i, side)
+            assert qp is not None  # check_exportable: static
+            out[f"{name}.{short}_scale"] = qp[0].detach().to("cpu", torch.float32).reshape(1).clone()
+    return out
+
+
+def quantization_config() -> dict[str, Any]:
+    """The ``quantization_config`` of a checkpoint whose only quantization is the FP8 KV cache."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "quantization_status": "compressed",
+        "config_groups": {},
+        "ignore": [],
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME),
+    }
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt", "producer": "kvbits"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _merged_config(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """``config`` with the FP8 ``kv_cache_scheme``; an existing compressed-tensors config keeps its
+    weight groups, any other quantization method is refused (vLLM reads one ``quant_method``)."""
+    out = dict(config)
+    qc = out.get("quantization_config")
+    if qc is None:
+        out["quantization_config"] = quantization_config()
+        return out
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ValueError(
+            f"{where} already has quantization_config with quant_method {method!r}; vLLM reads the KV-cache "
+            "scheme from a compressed-tensors config only. Add the scales with that tool, or export to a "
+            "separate folder (no checkpoint) and merge by hand"
+        )
+    old = qc.get("kv_cache_scheme")
+    if old not in (None, KV_CACHE_SCHEME) and {k: old.get(k) for k in KV_CACHE_SCHEME} != KV_CACHE_SCHEME:
+        raise ValueError(f"{where} already has a different kv_cache_scheme {old!r}; refusing to replace it")
+    out["quantization_config"] = {**qc, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}
+    return out
+
+
+def _servable(
+    checkpoint: Path, out: Path, scales: dict[str, torch.Tensor], art: CalibrationArtifact
+) -> dict[str, list[str]]:
+    """Make ``out`` a copy of ``checkpoint`` (links) with the scales; returns the files linked and written."""
+    if checkpoint.resolve() == out.resolve():
+        raise ValueError(
+            f"the output folder must differ from the checkpoint ({checkpoint}), which is left untouched"
+        )
+    cfg_path = checkpoint / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{checkpoint} is not a Hugging Face checkpoint folder (no config.json)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
+    _check_config(config, art, cfg_path)
+    index_path = checkpoint / "model.safetensors.index.json"
+    index = None
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        clash = sorted(
+            n for n in scales if n in index.get("weight_map", {}) and index["weight_map"][n] != SCALES_FILE
+        )
+        if clash:
+            raise ValueError(
+                f"{index_path} already maps {clash[:3]} to another file; refusing to shadow them"
+            )
+    elif not list(checkpoint.glob("*.safetensors")):
+        raise ValueError(
+            f"{checkpoint} holds no *.safetensors weights; vLLM would not load the scales beside them"
+        )
+    if (checkpoint / SCALES_FILE).exists():
+        raise ValueError(f"{checkpoint} already holds {SCALES_FILE}; export from the original checkpoint")
+    merged = _merged_config(config, cfg_path)  # refusals before anything is written
+    written = {cfg_path.name: merged}
+    if index is not None:
+        index.setdefault("weight_map", {}).update(dict.fromkeys(scales, SCALES_FILE))
+        written[index_path.name] = index
+    linked = []
+    for src in sorted(checkpoint.iterdir()):
+        if src.name in written or src.name in (SCALES_FILE, CONFIG_FILE, RECORD_FILE):
+            continue
+        dst = out / src.name
+        if dst.is_symlink() or dst.exists():
+            if not (dst.is_symlink() and dst.resolve() == src.resolve()):
+                raise ValueError(f"{dst} exists and is not a link to {src}; export into an empty folder")
+        else:
+            dst.symlink_to(src.resolve())
+        linked.append(src.name)
+    for name, obj in written.items():
+        _atomic_json(out / name, obj)
+    _save_tensors(out / SCALES_FILE, scales)
+    return {"linked": linked, "written": [*written, SCALES_FILE]}
+
+
+def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path) -> None:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    layers = text.get("num_hidden_layers")
+    kv = text.get("num_key_value_heads", text.get("num_attention_heads"))
+    if layers is not None and layers != art.num_layers:
+        raise ValueError(f"{where}: {layers} layers, the calibration has {art.num_layers}; wrong model?")
+    if kv is not None and kv != art.num_kv_heads:
+        raise ValueError(f"{where}: {kv} KV heads, the calibration has {art.num_kv_heads}; wrong model?")
+
+
+def export_vllm(
+    calibration: CalibrationArtifact | str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
+    module_template: str | None = None,
+) -> dict[str, Any]:
+    """Write ``calibration``'s FP8 scales as vLLM loads them; returns the export record.
+
+    Args:
+        calibration: an ``fp8-e4m3`` calibration artifact or its folder.
+        out_dir: folder for ``kv_cache_scales.safetensors``, ``quantization_config.json`` (the block to
+            put in ``config.json``) and ``kvbits_export.json``.
+        checkpoint: a Hugging Face checkpoint folder (left untouched): ``out_dir`` becomes that checkpoint
+            with the scales, ready for ``vllm serve`` (see the module docstring); its ``config.json`` must
+            describe the calibrated model's layers and KV heads.
+        module_template: attention module names, e.g. ``model.language_model.layers.{i}.self_attn``;
+            default the names calibration recorded, else ``model.layers.{i}.self_attn``.
+
+    Raises:
+        ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys), a
+            checkpoint of another shape, or one already quantized by another method.
+    """
+    art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
+    scales = vllm_scales(art, module_template)
+    if art.scheme.sinks or art.scheme.residual:
+        logger.warning(
+            "scheme %r keeps %d sink and %d residual tokens in full precision; vLLM's FP8 cache quantizes every "
+            "token, so measure it as fp8-e4m3 (no sinks, no window) before relying on kvbits' figures",
+            art.scheme.name,
+            art.scheme.sinks,
+            art.scheme.residual,
+        )
+    stats = art.layer_stats
+    record: dict[str, Any] = {
+        "format": "vllm-compressed-tensors-kv-cache",
+        "created": now_utc(),
+        "calibration": {
+            "path": None if art.path is None else str(art.path),
+            "scheme": art.scheme.name,
+            "model": art.meta["model"].get("name") or art.meta["model"].get("model_type"),
+            "fingerprint": art.fingerprint,
+            "data": art.meta["data"].get("name"),
+            "context": art.max_calibrated_length,
+            "windows": art.meta["data"].get("windows"),
+        },
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME),
+        "layers": [
+            {
+                "k_scale": float(scales[f"{name}.k_scale"]),
+                "v_scale": float(scales[f"{name}.v_scale"]),
+                "k_absmax": stats[i].get("key_absmax") if i < len(stats) else None,
+                "v_absmax": stats[i].get("value_absmax") if i < len(stats) else None,
+                "module": name,
+            }
+            for i, name in enumerate(_module_names(art, module_template))
+        ],
+        "serve": "vllm serve <checkpoint> --kv-cache-dtype fp8",
+    }
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    record["out_dir"] = str(out)
+    if checkpoint is not None:
+        ck = Path(checkpoint).expanduser()
+        record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
+        record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8"
+    else:
+        _save_tensors(out / SCALES_FILE, scales)
+    _atomic_json(out / CONFIG_FILE, {"quantization_config": quantization_config()})
+    _atomic_json(out / RECORD_FILE, record)
+    logger.info("exported %d layers' FP8 K/V scales for vLLM", art.num_layers)
+    return record

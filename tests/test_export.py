@@ -1,0 +1,172 @@
+"""Export to serving engines (`kvbits.export`): FP8 KV-cache scales as vLLM loads them from a
+compressed-tensors checkpoint. Tiny random-weight Llama built from a config (no network)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvbits.calibrate import artifact_from_samples, calibrate
+from kvbits.export import KV_CACHE_SCHEME, export_vllm, quantization_config
+from kvbits.schemes import KVScheme, TensorSpec
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=512,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    """(model, artifact, calibration folder, sharded checkpoint folder)."""
+    model = tiny_llama()
+    root = tmp_path_factory.mktemp("export")
+    ids = torch.randint(0, 96, (800,), generator=torch.Generator().manual_seed(0))
+    art = calibrate(model, ids, "fp8-e4m3", context=128, windows=2, fisher=False, out_dir=str(root / "cal"))
+    ckpt = root / "ckpt"
+    model.save_pretrained(ckpt, max_shard_size="60KB")  # sharded: an index names the files
+    return model, art, root / "cal", ckpt
+
+
+def test_scales_named_and_valued_as_vllm_loads_them(fp8, tmp_path):
+    model, art, cal, _ = fp8
+    rec = export_vllm(cal, tmp_path / "out")
+    scales = load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))
+    attn = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"]
+    assert set(scales) == {f"{n}.{s}_scale" for n in attn for s in ("k", "v")}
+    assert "model.layers.1.self_attn.v_scale" in scales
+    for i, n in enumerate(attn):
+        for s, side in (("k", "key"), ("v", "value")):
+            t = scales[f"{n}.{s}_scale"]
+            assert t.dtype == torch.float32 and t.shape == (1,)
+            assert float(t) == float(art.tensors[f"layers.{i}.{side}_scale"])  # bit for bit
+            assert rec["layers"][i][f"{s}_scale"] == float(t)
+            assert rec["layers"][i][f"{s}_absmax"] == pytest.approx(float(t) * 448, rel=1e-6)
+    qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["quantization_config"]
+    assert qc == quantization_config() and qc["quant_method"] == "compressed-tensors"
+    # what vLLM's CompressedTensorsKVCacheMethod accepts: 8-bit float, symmetric, static, per tensor
+    assert qc["kv_cache_scheme"] == KV_CACHE_SCHEME == {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+    }  # fmt: skip
+    assert json.loads((tmp_path / "out" / "kvbits_export.json").read_text()) == rec
+    assert rec["calibration"]["context"] == 128 and rec["calibration"]["scheme"] == "fp8-e4m3"
+
+
+def test_checkpoint_export_is_servable_and_leaves_the_original_alone(fp8, tmp_path):
+    model, _, cal, ckpt = fp8
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    out = tmp_path / "served"
+    rec = export_vllm(cal, out, checkpoint=ckpt)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # untouched
+    cfg = json.loads((out / "config.json").read_text())
+    orig = json.loads((ckpt / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"] == KV_CACHE_SCHEME
+    assert {k: v for k, v in cfg.items() if k != "quantization_config"} == orig
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    orig_index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    scale_names = {n for n in index if n.endswith(("k_scale", "v_scale"))}
+    assert len(scale_names) == 4 and all(index[n] == "kv_cache_scales.safetensors" for n in scale_names)
+    assert {k: v for k, v in index.items() if k not in scale_names} == orig_index
+    shards = sorted(set(orig_index.values()))
+    assert len(shards) > 1 and all((out / s).is_symlink() for s in shards)
+    # every tensor the index names is in the file it names (what vLLM's loader reads)
+    for name, file in index.items():
+        assert name in load_file(str(out / file))
+    # the weights load from the new folder as from the old one
+    state = {}
+    for s in shards:
+        state.update(load_file(str(out / s)))
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items() if k in state)
+    assert rec["serve"] == f"vllm serve {out} --kv-cache-dtype fp8"
+    assert set(rec["checkpoint"]["written"]) == {"config.json", "model.safetensors.index.json",
+                                                 "kv_cache_scales.safetensors"}  # fmt: skip
+    # re-running into the same folder is fine; exporting into the checkpoint itself is refused
+    export_vllm(cal, out, checkpoint=ckpt)
+    with pytest.raises(ValueError, match="must differ"):
+        export_vllm(cal, ckpt, checkpoint=ckpt)
+
+
+def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
+    _, _, cal, _ = fp8
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=gen) for _ in range(2)]
+
+    def fp8_scheme(name: str, **key: object) -> KVScheme:
+        spec = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+        return KVScheme(name, key=TensorSpec(**{**spec.to_dict(), **key}), value=spec)
+
+    with pytest.raises(ValueError, match="static per-tensor FP8"):
+        export_vllm(artifact_from_samples("kvquant-4", k, k), tmp_path / "a")
+    with pytest.raises(ValueError, match="e5m2 cache takes no scales"):
+        export_vllm(artifact_from_samples(fp8_scheme("e5", fmt="e5m2"), k, k), tmp_path / "b")
+    with pytest.raises(ValueError, match="after RoPE"):
+        export_vllm(artifact_from_samples(fp8_scheme("pre", pre_rope=True), k, k), tmp_path / "c")
+    # a checkpoint of another shape
+    other = tmp_path / "other"
+    tiny_llama(layers=3).save_pretrained(other)
+    with pytest.raises(ValueError, match="3 layers, the calibration has 2"):
+        export_vllm(cal, tmp_path / "d", checkpoint=other)
+    # a checkpoint quantized by another method: vLLM reads one quant_method
+    gptq = tmp_path / "gptq"
+    tiny_llama().save_pretrained(gptq)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        export_vllm(cal, tmp_path / "e", checkpoint=gptq)
+    assert not (tmp_path / "e" / "kv_cache_scales.safetensors").exists()  # refused before writing
+    # an existing compressed-tensors config keeps its weight groups and gains the KV scheme
+    ct = tmp_path / "ct"
+    tiny_llama().save_pretrained(ct)
+    cfg = json.loads((ct / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"g": {"targets": ["Linear"]}},
+    }
+    (ct / "config.json").write_text(json.dumps(cfg))
+    export_vllm(cal, tmp_path / "f", checkpoint=ct)
+    qc = json.loads((tmp_path / "f" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"] == {"g": {"targets": ["Linear"]}} and qc["kv_cache_scheme"] == KV_CACHE_SCHEME
+    with pytest.raises(ValueError, match="must contain"):
+        export_vllm(cal, tmp_path / "g", module_template="model.layers.self_attn")
+
+
+def test_module_template_for_artifacts_without_recorded_names(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=gen) for _ in range(3)]
+    art = artifact_from_samples("fp8-e4m3", k, k)
+    export_vllm(art, tmp_path / "a")
+    assert "model.layers.2.self_attn.k_scale" in load_file(
+        str(tmp_path / "a" / "kv_cache_scales.safetensors")
+    )
+    export_vllm(art, tmp_path / "b", module_template="model.language_model.layers.{i}.self_attn")
+    names = load_file(str(tmp_path / "b" / "kv_cache_scales.safetensors"))
+    assert set(names) == {
+        f"model.language_model.layers.{i}.self_attn.{s}_scale" for i in range(3) for s in "kv"
+    }
+
+
+def test_cli_export(fp8, tmp_path):
+    _, art, cal, _ = fp8
+    cmd = [sys.executable, "-m", "kvbits", "export", "--calibration", str(cal), "--out", str(tmp_path / "x")]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True)
+    rec = json.loads(out.stdout)
+    assert rec["layers"][1]["v_scale"] == float(art.tensors["layers.1.value_scale"])
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "2 layers: k_scale" in text and "--kv-cache-dtype fp8" in text
+    bad = subprocess.run(
+        [*cmd[:-2], "--out", str(Path(cal) / "calibration.json")], check=False, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "not a folder" in bad.stderr
