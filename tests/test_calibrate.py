@@ -762,3 +762,54 @@ def test_fp8_calibration_is_optional_and_simulated_as_stored(fp8_calibrated):
         torch.testing.assert_close(h_sim, h_stream, rtol=1e-9, atol=1e-9)
         h[cal is None] = h_sim
     assert (h[True] - h[False]).abs().max() > 1e-6  # the scale changes what is stored
+
+
+def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
+    """The gradients weight NUQ k-means only: an FP8 (or static int) scheme runs forward passes alone."""
+    import importlib
+
+    calibrate_module = importlib.import_module("kvbits.calibrate.calibrate")  # the module, not the function
+    seen = []
+    real = calibrate_module.collect_samples
+
+    def spy(*a, **kw):
+        seen.append(kw["fisher"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(calibrate_module, "collect_samples", spy)
+    model = tiny_llama()
+    art = calibrate_module.calibrate(model, token_ids(300), "fp8-e4m3", context=64, windows=1)
+    assert seen == [False] and art.meta["fisher"] is False
+    calibrate_module.calibrate(model, token_ids(300), "kvquant-4", context=64, windows=1)
+    assert seen == [False, True]
+
+
+def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):
+    """``fp8_scale="mse"`` searches amax/448 * 2**(j/32): it never goes below the amax scale (nothing in
+    the samples saturates), its error on the samples is the least of the 32, and for post-RoPE keys the
+    samples searched are post-RoPE (each step's error recomputed here from the keys a cache stores)."""
+    from kvbits.calibrate.fit import FP8_PHASES, _fp8_sq_error
+
+    model, amax_art, _ = fp8_calibrated
+    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, fp8_scale="mse")
+    assert art.meta["fp8_scale"] == "mse" and amax_art.meta["fp8_scale"] == "amax"
+    spec = get_scheme("fp8-e4m3").key
+    ids = token_ids()
+    starts = art.meta["data"]["starts"]
+    keys = []
+    for s in starts:
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        keys.append(cache.layers[1].keys)
+    x = torch.cat(keys, dim=2)  # every position: the samples are all of them at this size
+    base = amax_art.tensors["layers.1.key_scale"]
+    chosen = art.tensors["layers.1.key_scale"]
+    row = art.layer_stats[1]
+    assert float(base) <= float(chosen) < 2 * float(base)
+    assert float(chosen) == pytest.approx(float(base) * 2 ** (row["key_scale_step"] / FP8_PHASES), rel=1e-6)
+    errs = [_fp8_sq_error(x.reshape(-1), (base * 2 ** (j / FP8_PHASES)).float(), spec) for j in range(FP8_PHASES)]
+    assert _fp8_sq_error(x.reshape(-1), chosen, spec) == pytest.approx(min(errs), rel=1e-4)
+    assert row["key_mse_gain_db"] >= 0
+    with pytest.raises(ValueError, match="fp8_scale must be one of"):
+        calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=1, fp8_scale="max")

@@ -1,4 +1,5 @@
-"""Offline calibration (KVQuant): static per-channel pre-RoPE key scales and Fisher-weighted NUQ codebooks.
+"""Offline calibration: static per-channel pre-RoPE key scales and Fisher-weighted NUQ codebooks
+(KVQuant), and FP8 per-tensor K/V scales (vLLM's ``k_scale`` / ``v_scale``; ``kvbits.export``).
 
 ``calibrate(model, data, scheme, out_dir=...)`` writes an artifact; ``load_calibration(dir, ...)``
 reads and validates it; ``CalibrationArtifact.quantize_kwargs(layer, side)`` gives what
@@ -9,6 +10,7 @@ from kvbits.calibrate.artifact import (
     ARTIFACT_FORMAT_VERSION,
     CalibrationArtifact,
     load_calibration,
+    spec_calibratable,
     spec_needs_calibration,
 )
 from kvbits.calibrate.calibrate import CalibrationSamples, calibrate, collect_samples, fit_artifact
@@ -26,6 +28,7 @@ __all__ = [
     "fit_codebook",
     "fit_side",
     "load_calibration",
+    "spec_calibratable",
     "spec_needs_calibration",
     "weighted_kmeans_1d",
 ]

@@ -25,7 +25,7 @@ import torch
 
 from kvbits.calibrate.artifact import CalibrationArtifact, describe_model
 from kvbits.calibrate.fisher import activation_gradients, window_loss
-from kvbits.calibrate.fit import Progress, artifact_from_samples, check_calibratable
+from kvbits.calibrate.fit import Progress, artifact_from_samples, check_calibratable, check_fp8_scale
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
 from kvbits.plan.config import warn_beyond_max_positions
@@ -194,6 +194,8 @@ class CalibrationSamples:
     largest ``|x|`` at each window position over all windows, heads and channels, every position
     (not only the sampled ones), for FP8 per-tensor scales; ``"key_post_rope"`` is absent for
     a model whose RoPE ``kvbits.quant.rope`` can not reproduce (and equals ``"key"`` without RoPE).
+    ``keys_post_rope``: the sampled keys after RoPE (what a post-RoPE cache stores), like ``keys``;
+    None where ``"key_post_rope"`` is absent.
     """
 
     keys: list[torch.Tensor]
@@ -209,6 +211,7 @@ class CalibrationSamples:
     dtype: str | None = None
     device: str | None = None
     absmax: dict[str, torch.Tensor] | None = None
+    keys_post_rope: list[torch.Tensor] | None = None
 
     def layer_absmax(self, name: str, sinks: int) -> list[float] | None:
         """Per layer, the largest ``|x|`` of ``absmax[name]`` at positions ``>= sinks`` (None if absent)."""
@@ -234,6 +237,7 @@ class CalibrationSamples:
         return replace(
             self,
             keys=sel(self.keys),
+            keys_post_rope=sel(self.keys_post_rope),
             values=sel(self.values),
             key_grads=sel(self.key_grads),
             value_grads=sel(self.value_grads),
@@ -299,7 +303,9 @@ def collect_samples(
     }
     per_window = max(1, math.ceil(max_tokens / W))
     gen = torch.Generator().manual_seed(seed)
-    samples: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in sites] for k in ("k", "v", "gk", "gv")}
+    samples: dict[str, list[list[torch.Tensor]]] = {
+        k: [[] for _ in sites] for k in ("k", "kp", "v", "gk", "gv")
+    }
     positions: list[torch.Tensor] = []
     losses = []
     was_training = module.training
@@ -316,8 +322,10 @@ def collect_samples(
                 positions.append(pos)
                 for i in range(len(sites)):
                     k, v = cap.activations(i)
-                    _update_absmax(absmax, i, k, v, None if tables is None else tables[i])
+                    post = _update_absmax(absmax, i, k, v, None if tables is None else tables[i])
                     samples["k"][i].append(_take(k, pos))
+                    if post is not None:
+                        samples["kp"][i].append(_take(post, pos))
                     samples["v"][i].append(_take(v, pos))
                     if fisher:
                         gk, gv = cap.gradients(i)
@@ -330,12 +338,13 @@ def collect_samples(
         module.train(was_training)
 
     def cat(key: str) -> list[torch.Tensor] | None:
-        if key in ("gk", "gv") and not fisher:
+        if (key in ("gk", "gv") and not fisher) or (key == "kp" and tables is None):
             return None
         return [torch.cat(chunks, dim=1) for chunks in samples[key]]
 
     return CalibrationSamples(
         keys=cat("k"),
+        keys_post_rope=cat("kp"),
         values=cat("v"),
         key_grads=cat("gk"),
         value_grads=cat("gv"),
@@ -369,16 +378,19 @@ def _layer_rotary_tables(module: torch.nn.Module, sites: list[Any]) -> list[Any]
 @torch.no_grad()
 def _update_absmax(
     absmax: dict[str, torch.Tensor], layer: int, k: torch.Tensor, v: torch.Tensor, tables: Any
-) -> None:
-    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(T,)``."""
+) -> torch.Tensor | None:
+    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(T,)``; returns
+    the keys after RoPE (``k`` itself without RoPE; None when post-RoPE keys are not tracked)."""
     def peak(x: torch.Tensor) -> torch.Tensor:
         return x[0].abs().amax(dim=(0, 2)).float().cpu()
 
     for name, x in (("key", k), ("value", v)):
         absmax[name][layer] = torch.maximum(absmax[name][layer], peak(x))
-    if "key_post_rope" in absmax:
-        post = k if tables is None else tables.rotate(k, torch.arange(k.shape[2], device=k.device))
-        absmax["key_post_rope"][layer] = torch.maximum(absmax["key_post_rope"][layer], peak(post))
+    if "key_post_rope" not in absmax:
+        return None
+    post = k if tables is None else tables.rotate(k, torch.arange(k.shape[2], device=k.device))
+    absmax["key_post_rope"][layer] = torch.maximum(absmax["key_post_rope"][layer], peak(post))
+    return post
 
 
 def fit_artifact(
@@ -391,8 +403,11 @@ def fit_artifact(
     seed: int = 0,
     max_tokens: int | None = None,
     progress: Progress | None = None,
+    fp8_scale: str = "amax",
 ) -> CalibrationArtifact:
-    """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped)."""
+    """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped).
+
+    A static FP8 key spec that stores keys after RoPE is fitted on the post-RoPE samples and range."""
     t0 = time.perf_counter()
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
@@ -408,12 +423,23 @@ def fit_artifact(
     }
     if max_tokens is not None:
         meta["max_tokens_per_layer"] = max_tokens
+    keys = s.keys
+    if any(spec.kind == "fp8" for spec in (scheme.key, scheme.value)):
+        meta["fp8_scale"] = fp8_scale
+    if scheme.key.kind == "fp8" and not scheme.key.pre_rope:
+        keys = s.keys_post_rope
+        if keys is None:
+            raise ValueError(
+                "an FP8 per-tensor key scale of post-RoPE keys needs the keys after RoPE, and this model's "
+                "RoPE could not be reproduced (kvbits.quant.rope; see the warning above); use pre_rope=True "
+                "keys or a dynamic FP8 spec (fp8-e4m3-token)"
+            )
     for key in ("dtype", "device"):  # what the passes ran in; the fit is float32/float64 on the CPU
         if getattr(s, key) is not None:
             meta[key] = getattr(s, key)
     art = artifact_from_samples(
         scheme,
-        s.keys,
+        keys,
         s.values,
         key_grads=s.key_grads,
         value_grads=s.value_grads,
@@ -425,6 +451,7 @@ def fit_artifact(
         progress=progress,
         key_absmax=_fp8_key_absmax(s, scheme),
         value_absmax=s.layer_absmax("value", scheme.sinks) if scheme.value.kind == "fp8" else None,
+        fp8_scale=fp8_scale,
     )
     art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
     return art
@@ -462,6 +489,7 @@ def calibrate(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     progress: Progress | None = None,
+    fp8_scale: str = "amax",
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
 
@@ -477,7 +505,8 @@ def calibrate(
         windows: number of windows, spread evenly over the data.
         percentile: per-channel range ``[100 - p, p]`` for static scales.
         fisher: weight k-means by squared gradients (forward + backward per window, float32
-            recommended); False: unweighted, forward only.
+            recommended); False: unweighted, forward only. Schemes without a NUQ codebook (static
+            int scales, FP8 scales) have nothing to weight: their passes are forward only anyway.
         out_dir: folder for ``calibration.safetensors`` + ``calibration.json``.
         max_tokens: tokens sampled per layer over all windows (memory bound:
             ``layers x max_tokens x H_kv x D x 4 bytes x (2, or 4 with Fisher)``).
@@ -489,8 +518,16 @@ def calibrate(
         device: ``"cpu"``, ``"cuda"`` (``"cuda:N"``) or ``"mps"``; refused (``ValueError``) before
             the model loads when this torch can not use it. None: as loaded (CPU) or as given.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
+        fp8_scale: static FP8 sides: ``"amax"`` (the largest ``|x|`` over every calibration token /
+            ``fp8_max``, llm-compressor's minmax observer) or ``"mse"`` (from there up to twice that,
+            the scale with the least squared error on the sampled tokens; ``kvbits.calibrate.fit``).
     """
     scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
+    check_fp8_scale(fp8_scale)
+    if fisher and not any(spec.kind == "nuq" for spec in (scheme.key, scheme.value)):
+        # the gradients weight the NUQ codebooks' k-means and nothing else: no backward pass for naught
+        logger.info("scheme %s has no NUQ codebook to weight: Fisher pass skipped (forward only)", scheme.name)
+        fisher = False
     samples = collect_samples(
         model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
         max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress,
@@ -498,6 +535,7 @@ def calibrate(
     art = fit_artifact(
         samples, scheme, percentile=percentile, kmeans_points=kmeans_points,
         kmeans_iterations=kmeans_iterations, seed=seed, max_tokens=max_tokens, progress=progress,
+        fp8_scale=fp8_scale,
     )
     if out_dir is not None:
         art.save(out_dir)

@@ -53,6 +53,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--no-fisher", action="store_true", help="unweighted k-means (forward passes only, faster)"
     )
     p.add_argument(
+        "--fp8-scale",
+        choices=("amax", "mse"),
+        default="amax",
+        help="static FP8 scales: amax = largest |x| / fp8 max (default, as llm-compressor's minmax); mse = "
+        "from there up to 2x, the least squared error on the sampled tokens",
+    )
+    p.add_argument(
         "--max-tokens",
         type=_positive,
         default=8192,
@@ -106,7 +113,7 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
                     else f"{row[c]:.3%}"
                     if c.endswith("clip_rate")
                     else f"{row[c]:.4g}"
-                    if c.endswith("absmax")
+                    if c.endswith(("absmax", "scale_step"))
                     else f"{row[c]:+.2f} dB"
                 )
                 for c in cols
@@ -171,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             progress=report,
+            fp8_scale=args.fp8_scale,
         )
     if args.json:
         sys.stdout.write(json.dumps({"path": str(art.path), **art.meta}, indent=2) + "\n")

@@ -8,7 +8,10 @@
 - FP8 per-tensor scales (static FP8, vLLM's ``k_scale`` / ``v_scale``): ``absmax / fp8_max`` of the
   stored tensor over every calibration token past the sinks (a max observer, as llm-compressor's
   ``minmax``), so the calibration data never saturates; for post-RoPE keys the absmax is taken after
-  RoPE (``calibrate`` rotates the captured keys), since that is what such a cache stores.
+  RoPE (``calibrate`` rotates the captured keys), since that is what such a cache stores. With
+  ``fp8_scale="mse"`` the scale is then raised by up to 2x (``FP8_PHASES`` steps) to the one with the
+  least squared error on the samples: a per-tensor scale also sets where every value falls between
+  E4M3's grid points (the "phase"), which moved KL by up to 30 % on Qwen2.5 (BENCHMARKS.md §8).
 
 ``calibrate`` (``kvbits.calibrate.calibrate``) collects the samples from a model and calls
 ``artifact_from_samples``; tests and tools can call it with synthetic samples.
@@ -33,6 +36,14 @@ from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+FP8_SCALES = ("amax", "mse")
+FP8_PHASES = 32
+"""``fp8_scale="mse"`` tries ``amax / fp8_max * 2 ** (j / FP8_PHASES)`` for ``j`` in ``0 .. FP8_PHASES - 1``."""
+
+
+def check_fp8_scale(fp8_scale: str) -> None:
+    if fp8_scale not in FP8_SCALES:
+        raise ValueError(f"fp8_scale must be one of {FP8_SCALES}, got {fp8_scale!r}")
 
 
 def check_calibratable(scheme: KVScheme) -> None:
@@ -92,6 +103,7 @@ def fit_side(
     kmeans_iterations: int = ITERATIONS,
     seed: int = 0,
     absmax: float | None = None,
+    fp8_scale: str = "amax",
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
 
@@ -104,11 +116,14 @@ def fit_side(
     largest ``|x|`` the cache will store, default ``x``'s own, then ``x`` is taken as the stored
     tensor), and the statistics ``absmax`` and, without ``absmax``, ``clip_rate`` (0: the scale covers
     ``x``'s maximum). ``calibrate`` gives ``absmax`` over every calibration position: nothing clips.
+    ``fp8_scale="mse"`` raises that scale by up to 2x to the least squared error on ``x`` (which must
+    then be samples of the stored tensor) and adds ``scale_step`` (the chosen ``j``) and ``mse_gain_db``
+    (the amax scale's squared error over the chosen one's).
     """
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
     if spec.kind == "fp8":
-        return _fit_fp8(spec, x, absmax)
+        return _fit_fp8(spec, x, absmax, fp8_scale)
     x = _trim_to_groups(x.float(), spec)
     grad = None if grad is None else _trim_to_groups(grad.float(), spec)
     tensors: dict[str, torch.Tensor] = {}
@@ -140,9 +155,10 @@ def fit_side(
 
 
 def _fit_fp8(
-    spec: TensorSpec, x: torch.Tensor, absmax: float | None
+    spec: TensorSpec, x: torch.Tensor, absmax: float | None, fp8_scale: str = "amax"
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The per-tensor FP8 scale of one layer and side (see ``fit_side``)."""
+    check_fp8_scale(fp8_scale)
     if not spec.static:
         raise ValueError(f"only static FP8 specs take a calibrated scale, got {spec}")
     if x.numel() == 0 and absmax is None:
@@ -158,10 +174,33 @@ def _fit_fp8(
         # float32 rounding may land a hair below amax / fp8_max: one ulp up keeps amax inside the grid
         if float(scale) * fp8_max(spec.fmt) < amax:
             scale = torch.nextafter(scale, torch.tensor(math.inf))
+    if fp8_scale == "mse" and amax > 0 and x.numel():
+        return _mse_phase(spec, x, scale, amax)
     if absmax is not None:  # x may not be the stored tensor (pre-RoPE samples of post-RoPE keys)
         return {"scale": scale}, {"absmax": amax}
     clipped = int((x.float().abs() > float(scale) * fp8_max(spec.fmt)).sum()) if x.numel() else 0
     return {"scale": scale}, {"absmax": amax, "clip_rate": clipped / max(1, x.numel())}
+
+
+def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor, spec: TensorSpec) -> float:
+    from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
+
+    codes, _ = quantize_fp8(x, scale, spec.fmt)
+    return float((dequantize_fp8(codes, scale, torch.float64) - x.double()).square().sum())
+
+
+def _mse_phase(
+    spec: TensorSpec, x: torch.Tensor, base: torch.Tensor, amax: float
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``base * 2 ** (j / FP8_PHASES)`` with the least squared error on ``x`` (``j = 0`` on ties)."""
+    x = x.float().reshape(-1)
+    errors = [
+        _fp8_sq_error(x, (base * 2.0 ** (j / FP8_PHASES)).float(), spec) for j in range(FP8_PHASES)
+    ]
+    j = min(range(FP8_PHASES), key=lambda i: (errors[i], i))
+    scale = (base * 2.0 ** (j / FP8_PHASES)).float()
+    gain = 10 * math.log10(errors[0] / errors[j]) if errors[j] > 0 and errors[0] > 0 else 0.0
+    return {"scale": scale}, {"absmax": amax, "scale_step": float(j), "mse_gain_db": gain}
 
 
 def artifact_from_samples(
@@ -179,6 +218,7 @@ def artifact_from_samples(
     progress: Progress | None = None,
     key_absmax: Sequence[float] | None = None,
     value_absmax: Sequence[float] | None = None,
+    fp8_scale: str = "amax",
 ) -> CalibrationArtifact:
     """Fit an artifact from per-layer samples, without a model (``calibrate`` calls this).
 
@@ -194,9 +234,12 @@ def artifact_from_samples(
             cache stores (``calibrate`` passes the maximum over every calibration token, post-RoPE for
             post-RoPE keys); default each layer's samples' own maximum, which takes the samples as the
             stored tensor (so for a post-RoPE FP8 key spec, give post-RoPE keys or ``key_absmax``).
+        fp8_scale: ``"amax"`` or ``"mse"`` (see ``fit_side``); with ``"mse"`` the samples must be of the
+            stored tensor (``calibrate`` passes post-RoPE key samples for post-RoPE FP8 keys).
     """
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
+    check_fp8_scale(fp8_scale)
     if len(keys) != len(values) or not keys:
         raise ValueError(
             f"need one key and one value sample tensor per layer, got {len(keys)} and {len(values)}"
@@ -236,6 +279,7 @@ def artifact_from_samples(
                 kmeans_iterations=kmeans_iterations,
                 seed=seed + i,
                 absmax=None if amax is None else amax[i],
+                fp8_scale=fp8_scale,
             )
             tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
             row.update({f"{side}_{k}": v for k, v in s.items()})
