@@ -640,7 +640,9 @@ def fp8_calibrated(tmp_path_factory):
     """fp8-e4m3 on the tiny Llama: the model, the artifact and its folder."""
     model = tiny_llama()
     out = tmp_path_factory.mktemp("cal") / "fp8"
-    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, out_dir=str(out))
+    art = calibrate(
+        model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, out_dir=str(out), fp8_scale="amax"
+    )
     return model, art, out
 
 
@@ -791,7 +793,7 @@ def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):
     from kvbits.calibrate.fit import FP8_PHASES, _fp8_sq_error
 
     model, amax_art, _ = fp8_calibrated
-    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, fp8_scale="mse")
+    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False)  # mse: the default
     assert art.meta["fp8_scale"] == "mse" and amax_art.meta["fp8_scale"] == "amax"
     spec = get_scheme("fp8-e4m3").key
     ids = token_ids()

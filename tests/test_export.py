@@ -53,7 +53,8 @@ def test_scales_named_and_valued_as_vllm_loads_them(fp8, tmp_path):
             assert t.dtype == torch.float32 and t.shape == (1,)
             assert float(t) == float(art.tensors[f"layers.{i}.{side}_scale"])  # bit for bit
             assert rec["layers"][i][f"{s}_scale"] == float(t)
-            assert rec["layers"][i][f"{s}_absmax"] == pytest.approx(float(t) * 448, rel=1e-6)
+            # the default (mse) scale: from absmax / 448 up to twice that
+            assert rec["layers"][i][f"{s}_absmax"] <= float(t) * 448 < 2 * rec["layers"][i][f"{s}_absmax"]
     qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["quantization_config"]
     assert qc == quantization_config() and qc["quant_method"] == "compressed-tensors"
     # what vLLM's CompressedTensorsKVCacheMethod accepts: 8-bit float, symmetric, static, per tensor

@@ -403,7 +403,7 @@ def fit_artifact(
     seed: int = 0,
     max_tokens: int | None = None,
     progress: Progress | None = None,
-    fp8_scale: str = "amax",
+    fp8_scale: str = "mse",
 ) -> CalibrationArtifact:
     """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped).
 
@@ -489,7 +489,7 @@ def calibrate(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     progress: Progress | None = None,
-    fp8_scale: str = "amax",
+    fp8_scale: str = "mse",
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
 
@@ -518,9 +518,11 @@ def calibrate(
         device: ``"cpu"``, ``"cuda"`` (``"cuda:N"``) or ``"mps"``; refused (``ValueError``) before
             the model loads when this torch can not use it. None: as loaded (CPU) or as given.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
-        fp8_scale: static FP8 sides: ``"amax"`` (the largest ``|x|`` over every calibration token /
-            ``fp8_max``, llm-compressor's minmax observer) or ``"mse"`` (from there up to twice that,
-            the scale with the least squared error on the sampled tokens; ``kvbits.calibrate.fit``).
+        fp8_scale: static FP8 sides: ``"mse"`` (default: the amax scale raised by up to 2x to the least
+            squared error on the sampled tokens; ``kvbits.calibrate.fit``) or ``"amax"`` (the largest
+            ``|x|`` over every calibration token / ``fp8_max``, llm-compressor's minmax observer). On
+            Qwen2.5-Coder-0.5B ``mse`` had 40 % less KL than ``amax`` and 58 % less than scale 1.0
+            (BENCHMARKS.md §8). Both never saturate on the calibration tokens.
     """
     scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
     check_fp8_scale(fp8_scale)

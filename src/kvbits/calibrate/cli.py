@@ -54,10 +54,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fp8-scale",
-        choices=("amax", "mse"),
-        default="amax",
-        help="static FP8 scales: amax = largest |x| / fp8 max (default, as llm-compressor's minmax); mse = "
-        "from there up to 2x, the least squared error on the sampled tokens",
+        choices=("mse", "amax"),
+        default="mse",
+        help="static FP8 scales: mse (default) = the amax scale raised by up to 2x to the least squared "
+        "error on the sampled tokens; amax = largest |x| / fp8 max (llm-compressor's minmax)",
     )
     p.add_argument(
         "--max-tokens",
