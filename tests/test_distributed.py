@@ -192,6 +192,9 @@ def test_rank0_wrote_what_one_process_writes(ranks, single, key):
         for field in ("date", "world_size"):
             c.pop(field)
     assert c2 == c1  # config_hash included: the rank count is not part of the run's identity
+    if (dist_dir / "report.md").is_file():  # the report says what its seconds are
+        assert "summed over the 2 ranks" in (dist_dir / "report.md").read_text()
+        assert "summed over" not in (one_dir / "report.md").read_text()
 
 
 def test_only_rank0_touched_the_output_folder(ranks):
