@@ -272,6 +272,7 @@ def test_cli_under_torchrun(tmp_path, monkeypatch):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)  # exactly one JSON document: rank 1 printed nothing
+    assert done.stderr.count("Loading weights: 100%") <= 1  # rank 1 shows no progress bar either
     assert summary["world_size"] == 2 and summary["windows"] == 3
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2 and config["argv"][:2] == ["kvbits", "eval"]

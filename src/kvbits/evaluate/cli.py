@@ -175,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     if rank != 0:  # rank 0 speaks for the run; the others show errors only
         log = logging.getLogger("kvbits")
         log.setLevel(max(log.getEffectiveLevel(), logging.ERROR))
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" once, from rank 0
 
     def skipped(_: dict) -> None:
         if rank == 0:
