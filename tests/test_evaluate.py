@@ -574,6 +574,8 @@ SUMMARY_KEYS = {
     "fingerprint",
     "results",
     "reference_seconds",
+    "wall_seconds",
+    "world_size",
     "peak_rss_bytes",
     "run_peak_rss_bytes",
     "peak_cuda_bytes",
@@ -667,6 +669,8 @@ def test_summary_schema_and_buckets(errors_run):
     s = errors_run
     assert set(s) == SUMMARY_KEYS and set(s["fingerprint"]) == {"model", "tokens"}
     assert s["windows"] == 2 and s["context"] == 1100 and s["mode"] == "simulate"
+    computed = s["reference_seconds"] + sum(r["seconds"] for r in s["results"])
+    assert s["world_size"] == 1 and 0 < computed <= s["wall_seconds"]  # one process: the loop holds all
     json.dumps(s, allow_nan=False)
     if sys.platform.startswith("linux"):  # getrusage reports it here; None where it cannot
         assert isinstance(s["peak_rss_bytes"], int) and s["peak_rss_bytes"] > 50 * 2**20  # torch alone

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from typing import Any
 
@@ -29,7 +31,8 @@ examples:
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
 "context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",
-"peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}. peak_rss_bytes: the process's peak
+"wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
+wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak
 resident set in bytes (getrusage ru_maxrss, model loading included; null where unavailable);
 run_peak_rss_bytes: the resident peak from the loaded model to the end of the run (Linux VmHWM
 reset through /proc/self/clear_refs; null elsewhere); peak_cuda_bytes: torch.cuda.max_memory_allocated
@@ -37,6 +40,17 @@ over the run with --device cuda (weights included), null on CPU.
 Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K), [2K,4K), ... cut at the
 context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap interval over 128-token chunks;
 kl = mean KL(reference || scheme) in nats.
+
+data-parallel, torch.distributed (one process per rank, started by torchrun):
+  torchrun --nproc-per-node 2 -m kvbits eval --model smollm2-135m --data war-and-peace \\
+      --context 8k --windows 4 --scheme kivi-2 --out runs/smollm2-8k
+With WORLD_SIZE > 1 kvbits eval starts the process group (gloo; nccl with --device cuda, each rank on
+cuda:$LOCAL_RANK) and rank r evaluates the windows w with w % WORLD_SIZE == r. The numbers equal a
+single process's (per-token arrays bit for bit); seconds and reference_seconds are summed over the
+ranks, wall_seconds is the slowest rank's, memory peaks the largest rank's. Rank 0 alone prints,
+shows progress and writes --out; the rank count is not part of the run's identity (config.json
+records it), so a finished run is reused by any number of ranks. On the CPU each rank takes
+cores / ranks-per-machine threads unless --threads says otherwise.
 """
 
 
@@ -132,7 +146,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=_positive,
-        help="torch intra-op threads (CPU); 1 is often fastest for --mode stream, whose per-token matmuls are tiny",
+        help="torch intra-op threads (CPU); 1 is often fastest for --mode stream, whose per-token matmuls are "
+        "tiny; under torchrun the default is cores / ranks on this machine, per rank",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -147,38 +162,58 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--fused-decode {args.fused_decode} needs --mode stream (simulate never decodes through the cache)"
         )
-    if args.threads is not None:
-        import torch
+    import torch
 
+    from kvbits.evaluate.distributed import env_world, init_from_env
+
+    rank, world, local_world = env_world()  # torchrun's environment; (0, 1, 1) without it
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    summary = evaluate(
-        args.model,
-        args.data,
-        args.context,
-        args.scheme,
-        windows=args.windows,
-        mode=args.mode,
-        fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode],
-        semantics=args.semantics,
-        prompt_len=args.prompt_len,
-        attn_layers=args.attn_layers,
-        calibration=args.calibration,
-        data_path=args.data_path,
-        out_dir=args.out,
-        overwrite=args.overwrite,
-        dtype=args.dtype,
-        device=args.device,
-        chunk_size=args.chunk_size,
-        seed=args.seed,
-        progress=not args.no_progress,
-        argv=["kvbits", *sys.argv[1:]]
-        if sys.argv and sys.argv[0].endswith(("kvbits", "__main__.py"))
-        else None,
-        on_skip=lambda s: print(
-            f"kvbits eval: {args.out} already holds this run; showing it (--overwrite to redo)",
-            file=sys.stderr,
-        ),
-    )
+    elif world > 1 and not str(args.device).startswith("cuda"):
+        # the ranks on one machine share its cores (torchrun alone would leave each rank one thread)
+        torch.set_num_threads(max(1, _cores() // max(1, local_world)))
+    if rank != 0:  # rank 0 speaks for the run; the others show errors only
+        log = logging.getLogger("kvbits")
+        log.setLevel(max(log.getEffectiveLevel(), logging.ERROR))
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" once, from rank 0
+
+    def skipped(_: dict) -> None:
+        if rank == 0:
+            print(
+                f"kvbits eval: {args.out} already holds this run; showing it (--overwrite to redo)",
+                file=sys.stderr,
+            )
+
+    with init_from_env(args.device):  # a gloo / nccl process group under torchrun, destroyed at the end
+        summary = evaluate(
+            args.model,
+            args.data,
+            args.context,
+            args.scheme,
+            windows=args.windows,
+            mode=args.mode,
+            fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode],
+            semantics=args.semantics,
+            prompt_len=args.prompt_len,
+            attn_layers=args.attn_layers,
+            calibration=args.calibration,
+            data_path=args.data_path,
+            out_dir=args.out,
+            overwrite=args.overwrite,
+            dtype=args.dtype,
+            device=args.device,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+            progress=rank == 0 and not args.no_progress,
+            argv=["kvbits", *sys.argv[1:]]
+            if sys.argv and sys.argv[0].endswith(("kvbits", "__main__.py"))
+            else None,
+            on_skip=skipped,
+        )
+    if rank != 0:  # every rank returned the same summary: rank 0 prints it
+        return 0
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
         return 0
@@ -189,3 +224,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_summary(summary)
     return 0
+
+
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -176,8 +176,10 @@ def _run_config(
     argv: Sequence[str] | None,
     fingerprint: dict[str, str],
     windows_run: int,
+    world_size: int = 1,
 ) -> dict[str, Any]:
-    """The ``config.json`` record of a run."""
+    """The ``config.json`` record of a run; ``world_size``: how many ranks evaluated it (not part of
+    the config hash: the ranks split the windows, the numbers are a single process's)."""
     return {
         "version": OUTPUT_VERSION,
         "config_hash": chash,
@@ -186,6 +188,7 @@ def _run_config(
         "argv": list(argv) if argv is not None else None,
         "fingerprint": fingerprint,
         "windows_run": windows_run,
+        "world_size": world_size,
         "versions": _versions(),
         "commit": _git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

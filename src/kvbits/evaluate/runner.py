@@ -19,6 +19,24 @@ This module is the loop; the rest is beside it: :mod:`.request` (arguments, iden
 the model (``overwrite=True`` recomputes); a folder written by another configuration is refused.
 Batch = 1, unpadded windows: perplexity windows are raw slices of one text.
 
+Data-parallel (``torch.distributed``): where a default process group with more than one rank is
+initialized (``torchrun``; ``kvbits eval`` initializes one itself under torchrun) and
+``distributed`` is not False, every rank calls ``evaluate`` with the same arguments, loads the model
+(``device="cuda"`` becomes ``cuda:$LOCAL_RANK``) and evaluates the windows ``w % world == rank``
+(a rank with none still joins every collective). The per-window math is unchanged: the ranks'
+per-token arrays and attention errors are combined bit for bit, clipping and decode counts summed,
+so every rank returns the summary a single process would, with these differences: ``seconds`` and
+``reference_seconds`` are compute time summed over the ranks, ``wall_seconds`` is the slowest
+rank's loop over its windows, the memory peaks are the largest rank's (each rank holds the whole
+model), and ``world_size`` says how many ranks ran. Rank 0 alone reads and writes ``out_dir``,
+shows progress and logs the results; the others wait for its decisions (reuse a stored run, refuse
+another one), and every rank returns once the run is on disk. The rank count is not part of the
+config hash: a folder written by two ranks is reused by one process and vice versa
+(``config.json`` records ``world_size``). An exception on one rank is raised on all of them at the
+end of the phase it happened in (:mod:`.distributed`); the group's timeout must cover the longest
+wait of one rank for another (about one window: ``kvbits eval`` sets 24 hours, torch's default is
+30 minutes for gloo, 10 for NCCL).
+
 Logits come from the final hidden states through ``metrics.LogitHead`` (the output embedding plus
 the family's post-processing: Gemma's soft-cap, Granite's ``logits_scaling``, Cohere's
 ``logit_scale``); once per run they are checked against the model's own logits on a prefix of the
@@ -40,6 +58,7 @@ import numpy as np
 import torch
 
 from kvbits.evaluate.data import data_search_path, load_text
+from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
@@ -167,6 +186,7 @@ def evaluate(
     argv: Sequence[str] | None = None,
     on_skip: Callable[[dict], None] | None = None,
     fused_decode: bool | str = "auto",
+    distributed: bool | None = None,
 ) -> dict[str, Any]:
     """Measure each scheme against the unquantized model, by position bucket.
 
@@ -197,11 +217,17 @@ def evaluate(
         on_skip: called with the stored summary when a finished run is reused.
         fused_decode: stream mode: decode steps through the fused kernel (``"auto"``: where the cache
             would pick it, CUDA with Triton; ``True``, ``False``); see ``kvbits.evaluate.stream``.
+        distributed: data-parallel over ``torch.distributed`` (see the module docstring). None: when a
+            default process group with more than one rank is initialized; True: it must be
+            initialized; False: this process evaluates every window, whatever the group. Every rank
+            must call ``evaluate`` with the same arguments; every rank returns the same summary.
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
-        {"model", "tokens"}, "results": [...], "reference_seconds", "peak_rss_bytes",
-        "run_peak_rss_bytes", "peak_cuda_bytes"}`` (see ``kvbits eval --help``).
+        {"model", "tokens"}, "results": [...], "reference_seconds", "wall_seconds", "world_size",
+        "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}`` (see ``kvbits eval --help``).
+        ``wall_seconds`` is the time of the loop over the windows (the slowest rank's when
+        distributed); ``world_size`` the number of ranks that evaluated (1 alone).
         ``run_peak_rss_bytes`` is the resident peak from the end of model loading to the end of the
         run (Linux ``VmHWM`` after ``/proc/self/clear_refs``; the weights included, the loading not;
         None elsewhere); ``peak_rss_bytes`` is the process's peak
@@ -210,6 +236,7 @@ def evaluate(
         over the run (its peak counter is reset once the model is loaded; it counts the weights and
         what the run adds, not the loading) on CUDA, None otherwise.
     """
+    ranks = resolve_ranks(distributed)
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if mode == "stream" and attn_layers:
@@ -228,6 +255,7 @@ def evaluate(
         data_search_path(data_path)  # a --data-path that is no folder: refused before the model loads
     torch_dtype, dtype_name = _resolve_dtype(dtype)
     check_device(device)
+    load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
     calibrations = _calibrations(calibration, resolved)
     _check_calibrated(resolved, calibrations)
     request = _request(
@@ -251,75 +279,88 @@ def evaluate(
         from kvbits.cache.fused import check_mode
 
         request["fused_decode"] = check_mode(fused_decode)
+    # the rank count is not part of the request: any number of ranks computes the same run
     chash = config_hash(request)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        stored = _check_out_dir(out, chash, overwrite, request)
+        # rank 0 alone reads the folder; every rank follows its decision (reuse, refuse or run)
+        stored = ranks.from_main(_check_out_dir, out, chash, overwrite, request)
         if stored is not None:
             if on_skip:
                 on_skip(stored)
             return stored
 
-    # the text before the model: a wrong data spec fails in a moment, not after the weights load
-    text = load_text(data, data_path) if isinstance(data, str) else data
-    model_spec = model
-    model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
-    win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path)
-    loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
-    for art in calibrations.values():
-        # Made for these weights? Only when both sides pin weights: an artifact fitted on a bare module
-        # records "config:<hash>", which pins the architecture (its shape is still checked).
-        pinned = loaded and not str(getattr(art, "fingerprint", "config:")).startswith("config:")
-        art.check_model(model.config, fingerprint=model_fp if pinned else None)
-    from kvbits.cache import attention_shape
+    with ranks.agree("loading the model and the text"):
+        # the text before the model: a wrong data spec fails in a moment, not after the weights load
+        text = load_text(data, data_path) if isinstance(data, str) else data
+        model_spec = model
+        model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, load_device)
+        win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path)
+        loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
+        for art in calibrations.values():
+            # Made for these weights? Only when both sides pin weights: an artifact fitted on a bare module
+            # records "config:<hash>", which pins the architecture (its shape is still checked).
+            pinned = loaded and not str(getattr(art, "fingerprint", "config:")).startswith("config:")
+            art.check_model(model.config, fingerprint=model_fp if pinned else None)
+        from kvbits.cache import attention_shape
 
-    n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    warn_beyond_max_positions(model.config, context)
-    layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
-    if any(not 0 <= x < n_layers for x in layers):
-        raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
-    if mode == "stream":
-        layers = []  # the attention error needs the simulator's two attention paths
-    base = base_model(model)
-    dev = next(model.parameters()).device
-    if dev.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats(dev)  # the run's peak: the weights, then what the run adds
-    rss_reset = _reset_peak_rss()  # likewise for host memory (Linux)
-    W, T = win.shape
-    first = prompt_len if semantics == "prefill" else 0
-    names = [_scheme_name(s) for s in resolved]
-    fingerprint = {"model": model_fp, "tokens": tokens_fp}
-    head = LogitHead.from_model(model)
-    _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
+        n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+        if ranks.main:
+            warn_beyond_max_positions(model.config, context)
+        layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
+        if any(not 0 <= x < n_layers for x in layers):
+            raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
+        if mode == "stream":
+            layers = []  # the attention error needs the simulator's two attention paths
+        base = base_model(model)
+        dev = next(model.parameters()).device
+        if dev.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats(dev)  # the run's peak: the weights, then what the run adds
+        rss_reset = _reset_peak_rss()  # likewise for host memory (Linux)
+        W, T = win.shape
+        first = prompt_len if semantics == "prefill" else 0
+        names = [_scheme_name(s) for s in resolved]
+        fingerprint = {"model": model_fp, "tokens": tokens_fp}
+        head = LogitHead.from_model(model)
+        _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
     if out is not None:
-        _prepare_out_dir(out, names)  # the inputs are loaded and checked: now the old run may go
-        # the arguments as `kvbits eval` takes them (the report rebuilds the command line from them
-        # when the run was started from Python): specs as given, not the names they resolved to
-        args = {
-            "model": _model_arg(model_spec, model_name),
-            "data": _data_arg(data, data_name),
-            "context": context,
-            "windows": windows,
-            "schemes": [s if isinstance(s, str) else n for s, n in zip(schemes, names)],
-            "mode": mode,
-            "semantics": semantics,
-            "prompt_len": prompt_len,
-            "attn_layers": layers,
-            "dtype": dtype_name,
-            "device": device,
-            "data_path": data_path,
-            "calibration": _calibration_paths(calibration),
-            "chunk_size": chunk_size,
-            "seed": seed,
-            "fused_decode": (
-                {True: "on", False: "off"}.get(request["fused_decode"], "auto") if mode == "stream" else None
-            ),
-        }
-        config = _run_config(chash, request, args, argv, fingerprint, W)
-        _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
+        # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
+        with ranks.agree("preparing the output folder"):
+            if ranks.main:
+                _prepare_out_dir(out, names)
+                # the arguments as `kvbits eval` takes them (the report rebuilds the command line from
+                # them when the run was started from Python): specs as given, not the names they resolved to
+                args = {
+                    "model": _model_arg(model_spec, model_name),
+                    "data": _data_arg(data, data_name),
+                    "context": context,
+                    "windows": windows,
+                    "schemes": [s if isinstance(s, str) else n for s, n in zip(schemes, names)],
+                    "mode": mode,
+                    "semantics": semantics,
+                    "prompt_len": prompt_len,
+                    "attn_layers": layers,
+                    "dtype": dtype_name,
+                    "device": device,
+                    "data_path": data_path,
+                    "calibration": _calibration_paths(calibration),
+                    "chunk_size": chunk_size,
+                    "seed": seed,
+                    "fused_decode": (
+                        {True: "on", False: "off"}.get(request["fused_decode"], "auto")
+                        if mode == "stream"
+                        else None
+                    ),
+                }
+                config = _run_config(chash, request, args, argv, fingerprint, W, world_size=ranks.world)
+                _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
 
-    per_token = {n: {k: np.zeros((W, T - 1), dtype=np.float32) for k in TOKEN_FIELDS} for n in names}
-    attn_err = {n: {layer: np.zeros((W, T), dtype=np.float32) for layer in layers} for n in names}
+    # one buffer per kind, (scheme, field/layer, window, position): a rank fills its windows' rows, the
+    # others stay zero until Ranks.assemble combines them
+    tok = np.zeros((len(names), len(TOKEN_FIELDS), W, T - 1), dtype=np.float32)
+    per_token = {n: {k: tok[i, j] for j, k in enumerate(TOKEN_FIELDS)} for i, n in enumerate(names)}
+    att = np.zeros((len(names), len(layers), W, T), dtype=np.float32)
+    attn_err = {n: {layer: att[i, j] for j, layer in enumerate(layers)} for i, n in enumerate(names)}
     seconds = dict.fromkeys(names, 0.0)
     # stream mode, kvbits schemes: decode steps attended by the fused kernel / after a fallback
     decode: dict[str, dict[str, int] | None] = {
@@ -328,15 +369,17 @@ def evaluate(
     }
     clipped: dict[str, dict[str, int]] = {n: {} for n in names}
     ref_seconds = 0.0
-    units = W * T * (1 + len(names))
-    with _progress(progress, units) as bar:
+    mine = ranks.windows(W)
+    units = len(mine) * T * (1 + len(names))
+    with ranks.agree("evaluating its windows"), _progress(progress and ranks.main, units) as bar:
         task = bar.add_task("evaluating", total=units) if bar is not None else None
 
         def advance(n: int, what: str | None = None) -> None:
             if bar is not None:
                 bar.update(task, advance=n, description=what) if what else bar.update(task, advance=n)
 
-        for w in range(W):
+        t_loop = time.perf_counter()
+        for w in mine:
             ids = win[w : w + 1].to(dev)
             t0 = time.perf_counter()
             h_ref = _hidden_plain(base, ids)[0]
@@ -389,7 +432,33 @@ def evaluate(
             for name, rec in zip(names, metrics):
                 for k in TOKEN_FIELDS:
                     per_token[name][k][w] = rec[k].numpy()
-    logger.info("reference: %.1f s for %d window(s) of %d tokens", ref_seconds, W, T)
+        loop_seconds = time.perf_counter() - t_loop
+
+    ranks.assemble(tok)
+    ranks.assemble(att)
+    run_rss = _run_peak_rss_bytes(rss_reset)
+    local = {
+        "clipped": clipped,
+        "decode": decode,
+        "seconds": seconds,
+        "reference_seconds": ref_seconds,
+        "loop_seconds": loop_seconds,
+        "peak_rss_bytes": max(
+            (x for x in (_peak_rss_bytes(), rss_reset, run_rss) if x is not None), default=None
+        ),
+        "run_peak_rss_bytes": run_rss,
+        "peak_cuda_bytes": _peak_cuda_bytes(dev),
+    }
+    run = _combine(ranks.gather(local), names)
+    clipped, decode, seconds = run["clipped"], run["decode"], run["seconds"]
+    if ranks.main:
+        logger.info(
+            "reference: %.1f s for %d window(s) of %d tokens%s",
+            run["reference_seconds"],
+            W,
+            T,
+            f" (summed over {ranks.world} ranks)" if ranks.active else "",
+        )
 
     results, records = [], []
     for scheme, name in zip(resolved, names):
@@ -418,16 +487,16 @@ def evaluate(
             }
         )  # fmt: skip
         records += bucket_records(name, per_token[name], first)
-        _warn_mismatch(name, results[-1]["calibration"], T)
-        logger.info(
-            "%s: %.1f s, ppl %.4f (reference %.4f), kl %.5f",
-            name,
-            seconds[name],
-            s["ppl"],
-            s["ppl_ref"],
-            s["kl"],
-        )
-    run_rss = _run_peak_rss_bytes(rss_reset)
+        if ranks.main:  # the same results on every rank: said once
+            _warn_mismatch(name, results[-1]["calibration"], T)
+            logger.info(
+                "%s: %.1f s, ppl %.4f (reference %.4f), kl %.5f",
+                name,
+                seconds[name],
+                s["ppl"],
+                s["ppl_ref"],
+                s["kl"],
+            )
     summary = {
         "model": model_name,
         "data": data_name,
@@ -437,21 +506,53 @@ def evaluate(
         "windows": W,
         "fingerprint": fingerprint,
         "results": results,
-        "reference_seconds": ref_seconds,
-        "peak_rss_bytes": max(
-            (x for x in (_peak_rss_bytes(), rss_reset, run_rss) if x is not None), default=None
-        ),
-        "run_peak_rss_bytes": run_rss,
-        "peak_cuda_bytes": _peak_cuda_bytes(dev),
+        "reference_seconds": run["reference_seconds"],
+        "wall_seconds": run["wall_seconds"],
+        "world_size": ranks.world,
+        "peak_rss_bytes": run["peak_rss_bytes"],
+        "run_peak_rss_bytes": run["run_peak_rss_bytes"],
+        "peak_cuda_bytes": run["peak_cuda_bytes"],
     }
     if out is not None:
-        meta = {
-            "version": OUTPUT_VERSION,
-            "first_scored": first,
-            "model_fingerprint": model_fp,
-            "tokens_fingerprint": tokens_fp,
-            "context": context,
-        }
-        _write_outputs(out, chash, summary, records, per_token, meta)
-        _write_report(out)
+        with ranks.agree("writing the outputs"):  # every rank returns once the run is on disk
+            if ranks.main:
+                meta = {
+                    "version": OUTPUT_VERSION,
+                    "first_scored": first,
+                    "model_fingerprint": model_fp,
+                    "tokens_fingerprint": tokens_fp,
+                    "context": context,
+                }
+                _write_outputs(out, chash, summary, records, per_token, meta)
+                _write_report(out)
     return summary
+
+
+def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """The ranks' counters and timings (``parts``, in rank order; one part alone) as one run's:
+    clipping counts, decode steps and seconds summed (seconds: compute time over all ranks), the
+    wall time the longest rank's loop over its windows, memory peaks the largest rank's."""
+
+    def peak(key: str) -> int | None:
+        return max((p[key] for p in parts if p[key] is not None), default=None)
+
+    clipped: dict[str, dict[str, int]] = {n: {} for n in names}
+    decode: dict[str, dict[str, int] | None] = {
+        n: None if parts[0]["decode"][n] is None else {} for n in names
+    }
+    for p in parts:
+        for n in names:
+            for k, v in p["clipped"][n].items():
+                clipped[n][k] = clipped[n].get(k, 0) + v
+            for k, v in (p["decode"][n] or {}).items():
+                decode[n][k] = decode[n].get(k, 0) + v
+    return {
+        "clipped": clipped,
+        "decode": decode,
+        "seconds": {n: sum(p["seconds"][n] for p in parts) for n in names},
+        "reference_seconds": sum(p["reference_seconds"] for p in parts),
+        "wall_seconds": max(p["loop_seconds"] for p in parts),
+        "peak_rss_bytes": peak("peak_rss_bytes"),
+        "run_peak_rss_bytes": peak("run_peak_rss_bytes"),
+        "peak_cuda_bytes": peak("peak_cuda_bytes"),
+    }

@@ -138,6 +138,7 @@ class RunSummary:
     peak_rss_bytes: float = math.nan  # the evaluating process's peak resident set
     run_peak_rss_bytes: float = math.nan  # resident peak from the loaded model to the end of the run
     peak_cuda_bytes: float = math.nan  # torch's peak CUDA allocation over the run (CUDA runs only)
+    world_size: int = 1  # ranks that evaluated (torch.distributed); seconds are summed over them
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
@@ -153,6 +154,7 @@ class RunSummary:
             reference_seconds=_num(d.get("reference_seconds")),
             peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
             run_peak_rss_bytes=_num(d.get("run_peak_rss_bytes")),
+            world_size=int(d["world_size"]) if _ok(_num(d.get("world_size"))) else 1,
         )
 
     @classmethod

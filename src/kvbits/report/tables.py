@@ -144,6 +144,8 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
         for r in run.results
     ]
     ref_s = f" The unquantized reference pass took {run.reference_seconds:.1f} s." if _ok(run.reference_seconds) else ""
+    if run.world_size > 1:
+        ref_s += f" Seconds are summed over the {run.world_size} ranks that split the windows."
     return TableData(
         headers=("scheme", "avg bits", "PPL", "ref PPL", "ΔPPL", "KL", "top-1", "seconds"), rows=tuple(rows),
         right=frozenset(range(1, 8)), caption="Whole context, all windows." + ref_s,

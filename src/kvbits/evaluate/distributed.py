@@ -1,0 +1,209 @@
+"""Data-parallel evaluation over ``torch.distributed``: which windows a rank evaluates, and how the
+ranks' results become one.
+
+``evaluate`` runs on every rank of an initialized process group (``torchrun``; ``kvbits eval``
+initializes one itself when ``WORLD_SIZE`` > 1). Rank ``r`` of ``n`` evaluates the windows
+``w % n == r``; the per-window math is unchanged, so the combined per-token arrays are bit-identical
+to a single-process run's and so is every number derived from them. The combination is one
+``all_reduce`` SUM per array, over the float32 bits seen as int32: each window's row is non-zero on
+its owner only, so the integer sum *is* the owner's bit pattern (a float sum would turn ``-0.0``
+into ``0.0``). Counters and timings travel with ``all_gather_object``.
+
+Failures: each phase of the run ends with an agreement step (one ``all_gather_object`` of every
+rank's outcome), so an exception on one rank is raised on every rank (the failing rank raises its
+own, the others :class:`RankFailed`) instead of leaving them waiting in a collective. A rank that
+dies outright (killed, segfault) is not seen this way; ``torchrun`` stops the others then.
+
+No home-made cluster: the process group is torch's, created by ``torchrun`` / the caller (or
+``kvbits eval`` from torchrun's environment, :func:`init_from_env`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["RankFailed", "Ranks", "init_from_env", "resolve_ranks"]
+
+
+class RankFailed(RuntimeError):
+    """Another rank of a distributed evaluation raised; this rank stops too (its message says which
+    rank and what it raised)."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (``all_gather_object``), else a ``RuntimeError`` with its text:
+    an exception that fails to pickle on the sending rank would leave the others waiting."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure: fall back to the text
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the evaluation: ``rank`` of ``world`` (``world == 1``: alone, every
+    method is a no-op); ``backend``: the default process group's (``"gloo"``, ``"nccl"``)."""
+
+    rank: int = 0
+    world: int = 1
+    backend: str | None = None
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that reads and writes ``out_dir``, shows progress and logs the results."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def windows(self, total: int) -> list[int]:
+        """The windows this rank evaluates: ``w % world == rank`` (none when ``total <= rank``)."""
+        return list(range(self.rank, total, self.world))
+
+    def _collective_device(self) -> torch.device:
+        # NCCL reduces CUDA tensors only, on the device this rank set (torch.cuda.set_device)
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (``[obj]`` alone); picklable objects only."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_main(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` run on rank 0 only, its result (or its exception) on every rank."""
+        if not self.active:
+            return fn(*args, **kwargs)
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.main:
+            try:
+                box[0] = ("ok", fn(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised everywhere
+                box[0] = ("error", _portable(exc))
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise value
+        return value
+
+    @contextmanager
+    def agree(self, what: str) -> Iterator[None]:
+        """Run the ``with`` body on every rank, then compare outcomes: an exception on any rank is
+        raised on all of them (its own on the failing rank, :class:`RankFailed` elsewhere)."""
+        if not self.active:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            self.gather(f"{type(exc).__name__}: {exc}")
+            raise
+        failed = [(r, msg) for r, msg in enumerate(self.gather(None)) if msg is not None]
+        if failed:
+            r, msg = failed[0]
+            raise RankFailed(f"rank {r} of {self.world} failed while {what}: {msg}")
+
+    def assemble(self, array: np.ndarray) -> None:
+        """In place: every rank's rows of ``array`` (zeros where a rank computed nothing) combined
+        into the whole, bit for bit (``all_reduce`` SUM over the bits as integers)."""
+        if not self.active or array.size == 0:
+            return
+        import torch.distributed as dist
+
+        if not array.flags.c_contiguous:
+            raise ValueError("assemble needs a C-contiguous array")
+        as_int = {4: torch.int32, 8: torch.int64}[array.itemsize]
+        bits = torch.from_numpy(array.reshape(-1)).view(as_int)  # shares the numpy memory
+        dev = self._collective_device()
+        if dev.type == "cpu":
+            dist.all_reduce(bits)
+        else:
+            moved = bits.to(dev)
+            dist.all_reduce(moved)
+            bits.copy_(moved.cpu())
+
+    def device(self, device: str | None) -> str | None:
+        """The device this rank loads the model on: ``"cuda"`` (no index) becomes
+        ``cuda:$LOCAL_RANK`` (``rank % device_count`` without it) and is made current, as torchrun
+        scripts do; an explicit ``cuda:N``, ``"cpu"`` and None are kept."""
+        if not self.active or device is None:
+            return device
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return device
+        if dev.index is None:
+            local = os.environ.get("LOCAL_RANK")
+            index = int(local) if local is not None else self.rank % max(1, torch.cuda.device_count())
+            dev = torch.device("cuda", index)
+        torch.cuda.set_device(dev)
+        return str(dev)
+
+
+def resolve_ranks(distributed: bool | None) -> Ranks:
+    """``distributed=None``: data-parallel when a default process group is initialized with more
+    than one rank; ``True``: the group must be initialized (one rank is allowed); ``False``: alone,
+    whatever the group (every rank evaluates everything)."""
+    import torch.distributed as dist
+
+    ready = dist.is_available() and dist.is_initialized()
+    if distributed is False or (distributed is None and not ready):
+        return Ranks()
+    if not ready:
+        raise ValueError(
+            "distributed=True needs an initialized torch.distributed process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)"
+        )
+    world = dist.get_world_size()
+    if distributed is None and world == 1:
+        return Ranks()
+    return Ranks(rank=dist.get_rank(), world=world, backend=str(dist.get_backend()))
+
+
+def env_world() -> tuple[int, int, int]:
+    """``(rank, world size, local world size)`` from torchrun's environment (``(0, 1, 1)`` without)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    return rank, world, local
+
+
+@contextmanager
+def init_from_env(device: str | None) -> Iterator[bool]:
+    """For ``kvbits eval`` under torchrun: with ``WORLD_SIZE`` > 1 and no process group yet,
+    initialize one from the environment (``nccl`` for a CUDA ``device``, ``gloo`` otherwise),
+    make ``cuda:$LOCAL_RANK`` current for NCCL, and destroy the group on the way out. Yields whether
+    it created the group (False: alone, or the caller's group is used as it is)."""
+    import torch.distributed as dist
+
+    _, world, _ = env_world()
+    if world <= 1 or not dist.is_available() or dist.is_initialized():
+        yield False
+        return
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # a rank may wait for another for about one window (hours for long stream-mode windows on a CPU)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=24))
+    try:
+        yield True
+    finally:
+        dist.destroy_process_group()

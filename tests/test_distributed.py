@@ -1,0 +1,281 @@
+"""Data-parallel evaluation over torch.distributed: two gloo ranks on the CPU give what one process gives.
+
+One module-scoped fixture spawns two ranks once (``torch.multiprocessing.spawn``, a file rendezvous);
+each runs every scenario with a tiny random-weight Llama (the same seed on every rank, token ids
+given directly) and pickles what ``evaluate`` returned or raised. The tests compare that with an
+independent single-process run in this process: summaries equal apart from timings, per-token
+arrays equal bit for bit, and only rank 0 touching the output folder. The last test runs
+``kvbits eval`` end to end under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+VOCAB = 101
+CONTEXT = 96
+SCHEMES = ["int4-token", "kivi-2"]
+ATTN = [0, 1]
+SPAWN_TIMEOUT_S = 180  # the ranks' whole run; a hang fails the tests instead of blocking them
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _ids(windows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (windows * CONTEXT,), generator=g)
+
+
+# rank != 0 must leave the output folder alone: these are the runner's only ways into it
+_FOLDER_CALLS = ("_check_out_dir", "_prepare_out_dir", "_atomic_write", "_write_outputs", "_write_report")
+
+
+def _worker(rank: int, world: int, init_file: str, work: str) -> None:
+    import torch.distributed as dist
+
+    from kvbits.evaluate import runner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    work_dir = Path(work)
+    results: dict = {}
+    touched: list[str] = []
+    if rank != 0:
+        for name in _FOLDER_CALLS:
+            setattr(runner, name, lambda *a, _name=name, **k: touched.append(_name))
+
+    def run(key: str, *args, **kwargs) -> None:
+        try:
+            results[key] = ("ok", runner.evaluate(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - every outcome goes back to the test
+            results[key] = ("error", type(exc).__name__, str(exc))
+
+    try:
+        model = _model()
+        ids = _ids(3)
+        run("w3", model, ids, CONTEXT, SCHEMES, windows=3, out_dir=work_dir / "w3", attn_layers=ATTN)
+        skips: list = []
+        run("w3-again", model, ids, CONTEXT, SCHEMES, windows=3, out_dir=work_dir / "w3", attn_layers=ATTN,
+            on_skip=skips.append)  # fmt: skip
+        results["skips"] = len(skips)
+        run("w1", model, ids, CONTEXT, SCHEMES, windows=1, out_dir=work_dir / "w1", attn_layers=ATTN)
+        run("other", model, ids, CONTEXT, ["int8-token"], windows=3, out_dir=work_dir / "w3")
+        run("alone", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=ATTN, distributed=False)
+        run("stream", model, ids, CONTEXT, ["kivi-2"], windows=3, mode="stream", fused_decode=True)
+        if rank == 1:  # a failure on one rank only
+            runner.token_metrics = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom on rank 1"))
+        run("fails", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=[])
+        results["touched"] = touched
+        (work_dir / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of two spawned gloo ranks returned, per scenario, and the folder they wrote."""
+    import torch.multiprocessing as mp
+
+    work = tmp_path_factory.mktemp("dist")
+    ctx = mp.spawn(_worker, args=(2, str(work / "rendezvous"), str(work)), nprocs=2, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the two ranks did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
+    return [pickle.loads((work / f"rank{r}.pkl").read_bytes()) for r in range(2)], work
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The same runs in this process, alone: the independent reference."""
+    from kvbits.evaluate.runner import evaluate
+
+    work = tmp_path_factory.mktemp("single")
+    model, ids = _model(), _ids(3)
+    return {
+        "w3": evaluate(model, ids, CONTEXT, SCHEMES, windows=3, out_dir=work / "w3", attn_layers=ATTN),
+        "w1": evaluate(model, ids, CONTEXT, SCHEMES, windows=1, out_dir=work / "w1", attn_layers=ATTN),
+        "stream": evaluate(model, ids, CONTEXT, ["kivi-2"], windows=3, mode="stream", fused_decode=True),
+    }, work
+
+
+TIMINGS = ("reference_seconds", "wall_seconds", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes")
+
+
+def _numbers(summary: dict) -> dict:
+    """A summary without what differs between runs of the same computation: timings, memory, ranks."""
+    s = json.loads(json.dumps(summary))
+    for key in (*TIMINGS, "world_size"):
+        s.pop(key)
+    for r in s["results"]:
+        r.pop("seconds")
+    return s
+
+
+def _ok(outcome: tuple) -> dict:
+    assert outcome[0] == "ok", outcome
+    return outcome[1]
+
+
+@pytest.mark.parametrize("key", ["w3", "w1", "stream"])
+def test_every_rank_returns_the_single_process_summary(ranks, single, key):
+    """W=3 (windows split 2 + 1), W=1 (rank 1 idle but in every collective), stream mode (decode
+    counters summed over the ranks)."""
+    (r0, r1), _ = ranks
+    s0, s1 = _ok(r0[key]), _ok(r1[key])
+    assert s0 == s1  # timings and memory included: combined the same way on every rank
+    assert s0["world_size"] == 2 and single[0][key]["world_size"] == 1
+    assert _numbers(s0) == _numbers(single[0][key])
+    assert s0["windows"] == (1 if key == "w1" else 3)
+    if key == "stream":
+        steps = s0["results"][0]["decode"]
+        assert steps == single[0][key]["results"][0]["decode"] and steps["fused_steps"] > 0
+    else:
+        assert s0["results"][0]["attn_error"] and s0["results"][0]["calibration"]["clipped_keys"] >= 0
+    assert s0["wall_seconds"] > 0 and s0["reference_seconds"] > 0
+
+
+@pytest.mark.parametrize("key", ["w3", "w1"])
+def test_rank0_wrote_what_one_process_writes(ranks, single, key):
+    """The folder of the two-rank run equals the single-process one: per-token arrays bit for bit,
+    records line for line, summary and config apart from timings, date and rank count."""
+    from safetensors.numpy import load_file
+
+    (r0, _), work = ranks
+    dist_dir, one_dir = work / key, single[1] / key
+    files = sorted(str(p.relative_to(dist_dir)) for p in dist_dir.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(one_dir)) for p in one_dir.rglob("*") if p.is_file())
+    assert "DONE" in files and "tokens/kivi-2.safetensors" in files
+    for name in SCHEMES:
+        a = load_file(str(dist_dir / "tokens" / f"{name}.safetensors"))
+        b = load_file(str(one_dir / "tokens" / f"{name}.safetensors"))
+        assert set(a) == set(b) == {"nll", "nll_ref", "kl", "top1"}
+        for field in a:
+            assert a[field].shape == b[field].shape and a[field].dtype == np.float32
+            assert np.array_equal(a[field].view(np.int32), b[field].view(np.int32)), (name, field)
+    assert (dist_dir / "records.jsonl").read_text() == (one_dir / "records.jsonl").read_text()
+    assert (dist_dir / "DONE").read_text() == (one_dir / "DONE").read_text()
+    stored = json.loads((dist_dir / "summary.json").read_text())
+    assert stored == json.loads(json.dumps(_ok(r0[key])))
+    assert _numbers(stored) == _numbers(json.loads((one_dir / "summary.json").read_text()))
+    c2, c1 = (json.loads((d / "config.json").read_text()) for d in (dist_dir, one_dir))
+    assert (c2["world_size"], c1["world_size"]) == (2, 1)
+    for c in (c1, c2):
+        for field in ("date", "world_size"):
+            c.pop(field)
+    assert c2 == c1  # config_hash included: the rank count is not part of the run's identity
+    if (dist_dir / "report.md").is_file():  # the report says what its seconds are
+        assert "summed over the 2 ranks" in (dist_dir / "report.md").read_text()
+        assert "summed over" not in (one_dir / "report.md").read_text()
+
+
+def test_only_rank0_touched_the_output_folder(ranks):
+    (r0, r1), _ = ranks
+    assert r1["touched"] == []  # its calls into the folder were recorded (and did nothing)
+    assert (r0["w3"][0], r1["w3"][0]) == ("ok", "ok")
+
+
+def test_finished_run_reused_by_every_rank_and_by_one_process(ranks, tmp_path):
+    from kvbits.evaluate.runner import evaluate
+
+    (r0, r1), work = ranks
+    for r in (r0, r1):
+        assert _ok(r["w3-again"]) == json.loads(json.dumps(_ok(r0["w3"]))) and r["skips"] == 1
+    skipped = []
+    again = evaluate(_model(), _ids(3), CONTEXT, SCHEMES, windows=3, out_dir=work / "w3", attn_layers=ATTN,
+                     on_skip=skipped.append)  # fmt: skip
+    assert skipped and again["world_size"] == 2  # a single process finds the two ranks' run as its own
+
+
+def test_other_run_refused_on_every_rank(ranks):
+    (r0, r1), _ = ranks
+    for r in (r0, r1):
+        assert r["other"][:2] == ("error", "OtherRunError") and "different configuration" in r["other"][2]
+
+
+def test_distributed_false_evaluates_everything_on_each_rank(ranks, single):
+    (r0, r1), _ = ranks
+    for r in (r0, r1):
+        s = _ok(r["alone"])
+        assert s["world_size"] == 1 and _numbers(s) == _numbers(single[0]["w3"])
+
+
+def test_failure_on_one_rank_stops_every_rank(ranks):
+    """Rank 1 raises in its window; rank 0 does not wait for it forever but raises RankFailed."""
+    (r0, r1), _ = ranks
+    assert r1["fails"] == ("error", "RuntimeError", "boom on rank 1")
+    assert r0["fails"][:2] == ("error", "RankFailed")
+    assert "rank 1 of 2 failed while evaluating its windows: RuntimeError: boom on rank 1" in r0["fails"][2]
+
+
+def test_alone_without_a_process_group():
+    import torch.distributed as dist
+
+    from kvbits.evaluate.distributed import Ranks, resolve_ranks
+
+    assert not dist.is_initialized()
+    assert resolve_ranks(None) == Ranks() and resolve_ranks(False) == Ranks()
+    with pytest.raises(ValueError, match="initialized torch.distributed process group"):
+        resolve_ranks(True)
+    assert Ranks(0, 2).windows(3) == [0, 2] and Ranks(1, 2).windows(3) == [1] and Ranks(1, 2).windows(1) == []
+    a = np.arange(6, dtype=np.float32)
+    Ranks().assemble(a)  # alone: untouched
+    assert np.array_equal(a, np.arange(6, dtype=np.float32))
+
+
+def test_cli_under_torchrun(tmp_path, monkeypatch):
+    """``torchrun --nproc-per-node 2 -m kvbits eval`` on a local model folder and text file: one JSON
+    summary on stdout (rank 0's), equal to a single-process evaluate; the folder says 2 ranks ran."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+
+    import kvbits
+    from kvbits.evaluate.runner import evaluate
+
+    folder, text = tmp_path / "model", write_word_text(tmp_path / "book.txt", 3 * CONTEXT + 10)
+    save_word_tokenizer(folder)
+    _model().save_pretrained(folder)
+    out = tmp_path / "run"
+    src = str(Path(kvbits.__file__).resolve().parents[1])
+    env = {**os.environ, "KVBITS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "kvbits", "eval", "--model", str(folder), "--data", str(text), "--context", str(CONTEXT),
+           "--windows", "3", "--scheme", "int4-token", "--attn-layers", "1", "--out", str(out),
+           "--json", "--no-progress"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)  # exactly one JSON document: rank 1 printed nothing
+    assert done.stderr.count("Loading weights: 100%") <= 1  # rank 1 shows no progress bar either
+    assert summary["world_size"] == 2 and summary["windows"] == 3
+    config = json.loads((out / "config.json").read_text())
+    assert config["world_size"] == 2 and config["argv"][:2] == ["kvbits", "eval"]
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    one = evaluate(str(folder), str(text), CONTEXT, ["int4-token"], windows=3, attn_layers=[1])
+    assert _numbers(summary) == _numbers(one)
