@@ -72,7 +72,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
         model, args.calibration_text, context=args.calibration_context, windows=args.calibration_windows,
         fisher=False,
     )  # fmt: skip
-    art = fit_artifact(samples, scheme)
+    art = fit_artifact(samples, scheme, fp8_scale="amax")
     art.save(work / f"cal-{name}")
     cal_s = time.perf_counter() - t0
     mse_scheme = scheme.replace(name=f"{CALIBRATED}-mse")
