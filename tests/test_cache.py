@@ -381,7 +381,7 @@ def test_lazy_cache_without_config():
 # --------------------------------------------------------------------------------------- bytes
 @pytest.mark.parametrize(
     "scheme", ["kivi-2", "kivi-4", "int4-g64", "int8-channel", "int3-token", "fp8-e4m3", "fp8-e4m3-token", "fp16",
-               "bf16", "test-mixed", "test-tensor"],
+               "bf16", "test-mixed", "test-tensor", "fp8-e4m3-head"],
 )
 @pytest.mark.parametrize("window", [16, 200])
 def test_bytes_equal_storage_and_accounting(scheme, window):
@@ -639,7 +639,7 @@ def test_deepcopy_continues_like_the_original_and_apart_from_it(scheme):
             assert quantized[0] < quantized[1]  # the copy flushed a block after the copy
 
 
-@pytest.mark.parametrize("scheme", ["test-mixed", "test-tensor", "fp8-e4m3"])
+@pytest.mark.parametrize("scheme", ["test-mixed", "test-tensor", "fp8-e4m3", "fp8-e4m3-head"])
 def test_reorder_and_batch_ops(scheme):
     sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)
     k, v = rand_kv(3, 2, 70, 64, seed=15)
@@ -874,7 +874,7 @@ def _forbidden(*args, **kwargs):
     raise AssertionError("the eager check ran on the lazy path")
 
 
-LAZY_SCHEMES = ["kivi-2", "int8-token", "fp8-e4m3", "kvquant-4", "test-prerope", "test-mixed", "test-tensor"]
+LAZY_SCHEMES = ["kivi-2", "int8-token", "fp8-e4m3", "fp8-e4m3-head", "kvquant-4", "test-prerope", "test-mixed", "test-tensor"]
 
 
 def lazy_scheme(name: str) -> KVScheme:
@@ -1127,6 +1127,39 @@ def test_set_static_qparams_checks_values():
         layer.set_static_qparams("key", torch.tensor(0.0))
     with pytest.raises(ValueError, match="spec is not static"):  # per-token FP8 scales come from the data
         layer.set_static_qparams("value", torch.tensor(2.0))
+
+
+def test_fp8_per_head_scales_in_the_layer():
+    """fp8-e4m3-head: 1.0 per head until calibrated (4 bytes per head, as planned); calibrated scales in
+    any of the shapes an artifact or llm-compressor uses; one per stored head, or a clear error."""
+    sch = get_scheme("fp8-e4m3-head")
+    k, v = rand_kv(2, 3, 30, 16, seed=43)
+    k = k * torch.tensor([1e-5, 1.0, 600.0]).view(1, 3, 1, 1)  # head 2 beyond 448: saturates at 1.0
+    lazy = QuantizedKVLayer(sch)  # H_kv unknown: the 1.0 is repeated per head at the first update
+    eager = QuantizedKVLayer(sch, num_key_value_heads=3)
+    for layer in (lazy, eager):
+        layer.update(k, v)
+        assert layer._k.static_scale.shape == (1, 3, 1, 1) and layer.clipped()[0] > 0
+    assert lazy.report() == eager.report()
+    assert sum(t.nbytes for t in eager.components()["fixed"]) == 2 * 3 * 4  # K and V: a float32 per head
+    scale = k.abs().amax(dim=(0, 2, 3)) / 448
+    scale = torch.nextafter(scale, torch.full_like(scale, float("inf")))  # amax / 448 may round below
+    for shape in ((3,), (3, 1, 1), (1, 3, 1, 1)):
+        layer = QuantizedKVLayer(sch, num_key_value_heads=3)
+        layer.set_static_qparams("key", scale.reshape(shape))
+        layer.update(k, v)
+        got = layer.materialize()[0]
+        assert layer.clipped()[0] == 0
+        rel = (got - k).square().sum(dim=(0, 2, 3)).sqrt() / k.square().sum(dim=(0, 2, 3)).sqrt()
+        assert float(rel.max()) < 0.04  # every head at e4m3's precision, the 1e-5 head included
+    with pytest.raises(ValueError, match=r"per-head FP8 scale must be \(3,\)"):
+        QuantizedKVLayer(sch, num_key_value_heads=3).set_static_qparams("key", torch.ones(2))
+    installed = QuantizedKVLayer(sch)  # H_kv unknown: checked against the heads the first update stores
+    installed.set_static_qparams("key", torch.ones(2))
+    with pytest.raises(ValueError, match=r"per-head FP8 scale must be \(3,\)"):
+        installed.update(k, v)
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        QuantizedKVLayer(sch, num_key_value_heads=3).set_static_qparams("key", torch.tensor([1.0, 0.0, 1.0]))
 
 
 def test_zero_static_scales_show_as_clipped_in_the_cache():

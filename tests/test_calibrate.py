@@ -766,6 +766,67 @@ def test_fp8_calibration_is_optional_and_simulated_as_stored(fp8_calibrated):
     assert (h[True] - h[False]).abs().max() > 1e-6  # the scale changes what is stored
 
 
+@torch.no_grad()
+def test_fp8_per_head_scales_cover_each_heads_stored_range(fp8_calibrated, tmp_path):
+    """fp8-e4m3-head: one scale per KV head, each the largest post-RoPE |K| (|V|) of that head over every
+    calibration position, over 448; their maximum is the per-tensor scale. The least-error phase is
+    searched per head; the artifact round-trips, the cache installs (1, H_kv, 1, 1) scales, and the
+    one-pass simulator stores what the cache stores."""
+    import copy
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.calibrate.fit import _fp8_sq_error
+    from kvbits.evaluate.simulate import simulate
+    from kvbits.evaluate.stream import stream_hidden
+
+    model, tensor_art, _ = fp8_calibrated
+    ids = token_ids()
+    art = calibrate(model, ids, "fp8-e4m3-head", context=128, windows=3, fisher=False, fp8_scale="amax")
+    mse = calibrate(model, ids, "fp8-e4m3-head", context=128, windows=3, fisher=False)
+    stored = {i: {"key": [], "value": []} for i in range(2)}
+    for s in art.meta["data"]["starts"]:
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        for i in range(2):
+            stored[i]["key"].append(cache.layers[i].keys)
+            stored[i]["value"].append(cache.layers[i].values)
+    spec = get_scheme("fp8-e4m3-head").key
+    for i in range(2):
+        for side in ("key", "value"):
+            x = torch.cat(stored[i][side], dim=2)  # (1, H_kv, T, D)
+            peak = x.abs().amax(dim=(0, 2, 3))
+            scale = art.tensors[f"layers.{i}.{side}_scale"]
+            assert scale.shape == (2,) and scale.dtype == torch.float32
+            assert torch.allclose(scale * 448, peak, rtol=1e-6) and bool((scale * 448 >= peak).all())
+            assert float(scale.max()) == float(tensor_art.tensors[f"layers.{i}.{side}_scale"])
+            row = art.layer_stats[i]
+            assert row[f"{side}_absmax"] == pytest.approx(float(peak.max()), rel=1e-6)
+            assert row[f"{side}_head_spread_db"] == pytest.approx(
+                20 * math.log10(float(scale.max() / scale.min())), rel=1e-6
+            )
+            # mse: each head's scale from its amax scale up to twice it, no worse than amax on that head
+            chosen = mse.tensors[f"layers.{i}.{side}_scale"]
+            assert bool((chosen >= scale).all() and (chosen < 2 * scale).all())
+            for h in range(2):
+                xh = x[0, h].reshape(-1)
+                assert _fp8_sq_error(xh, chosen[h], spec) <= _fp8_sq_error(xh, scale[h], spec)
+    out = art.save(tmp_path / "head")
+    loaded = load_calibration(out, model_config=model.config, scheme="fp8-e4m3-head")
+    assert all(torch.equal(loaded.tensors[n], t) for n, t in art.tensors.items())
+    cache = QuantizedKVCache(model.config, "fp8-e4m3-head", calibration=out)
+    assert torch.equal(cache.layers[1]._k.static_scale.flatten(), art.tensors["layers.1.key_scale"])
+    model(token_ids(160, seed=3)[None], past_key_values=cache, use_cache=True)
+    assert cache.memory_report()["components"]["fixed"] == 2 * 2 * 2 * 4  # layers x sides x heads x float32
+    m64 = copy.deepcopy(model).double()
+    x = token_ids(80, seed=5)[None]
+    with simulate(m64, "fp8-e4m3-head", calibration=art):
+        h_sim = m64.model(x).last_hidden_state
+    torch.testing.assert_close(h_sim, stream_hidden(m64, x, "fp8-e4m3-head", calibration=art), rtol=1e-9, atol=1e-9)
+    # a per-tensor artifact is not a per-head one
+    with pytest.raises(ValueError, match="re-run kvbits calibrate"):
+        QuantizedKVCache(model.config, "fp8-e4m3-head", calibration=tensor_art)
+
+
 def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
     """The gradients weight NUQ k-means only: an FP8 (or static int) scheme runs forward passes alone."""
     import importlib

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvbits.calibrate import artifact_from_samples, calibrate
-from kvbits.export import KV_CACHE_SCHEME, export_vllm, quantization_config
+from kvbits.export import KV_CACHE_SCHEME, export_vllm, kv_cache_scheme, quantization_config
 from kvbits.schemes import KVScheme, TensorSpec
 
 transformers = pytest.importorskip("transformers")
@@ -108,7 +108,7 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
         spec = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
         return KVScheme(name, key=TensorSpec(**{**spec.to_dict(), **key}), value=spec)
 
-    with pytest.raises(ValueError, match="static per-tensor FP8"):
+    with pytest.raises(ValueError, match="static per-tensor or per-head FP8"):
         export_vllm(artifact_from_samples("kvquant-4", k, k), tmp_path / "a")
     with pytest.raises(ValueError, match="e5m2 cache takes no scales"):
         export_vllm(artifact_from_samples(fp8_scheme("e5", fmt="e5m2"), k, k), tmp_path / "b")
@@ -142,6 +142,53 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
     assert qc["config_groups"] == {"g": {"targets": ["Linear"]}} and qc["kv_cache_scheme"] == KV_CACHE_SCHEME
     with pytest.raises(ValueError, match="must contain"):
         export_vllm(cal, tmp_path / "g", module_template="model.layers.self_attn")
+
+
+def test_per_head_scales_export_as_attn_head(fp8, tmp_path):
+    """fp8-e4m3-head: one scale per KV head, written (H_kv, 1, 1) as llm-compressor does (vLLM flattens
+    it to (H_kv,)), strategy attn_head, served with the FlashAttention backend."""
+    model, _, _, ckpt = fp8
+    ids = torch.randint(0, 96, (800,), generator=torch.Generator().manual_seed(0))
+    art = calibrate(model, ids, "fp8-e4m3-head", context=128, windows=2, fisher=False)
+    rec = export_vllm(art, tmp_path / "out", checkpoint=ckpt)
+    scales = load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))
+    for i in range(2):
+        for s, side in (("k", "key"), ("v", "value")):
+            t = scales[f"model.layers.{i}.self_attn.{s}_scale"]
+            want = art.tensors[f"layers.{i}.{side}_scale"]
+            assert t.dtype == torch.float32 and t.shape == (2, 1, 1) and torch.equal(t.flatten(), want)
+            assert rec["layers"][i][f"{s}_scale"] == want.tolist()
+    # the heads really differ: a per-tensor scale would be their maximum
+    assert any(len(set(r["k_scale"])) == 2 for r in rec["layers"])
+    want = kv_cache_scheme("attn_head")
+    assert want == {**KV_CACHE_SCHEME, "strategy": "attn_head"}
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"] == want == rec["kv_cache_scheme"]
+    assert rec["serve"].endswith("--kv-cache-dtype fp8 --attention-backend FLASH_ATTN")
+    # a checkpoint that already declares per-tensor KV scales is not silently switched to per-head
+    served = tmp_path / "tensor"
+    # from the saved folder (per-head scales round-trip as (H_kv,)): the same file
+    export_vllm(_saved(art, tmp_path / "cal"), tmp_path / "again")
+    again = load_file(str(tmp_path / "again" / "kv_cache_scales.safetensors"))
+    assert all(torch.equal(again[n], t) for n, t in scales.items())
+    tensor_ckpt = tmp_path / "tensor_ckpt"
+    tiny_llama().save_pretrained(tensor_ckpt)
+    cfg = json.loads((tensor_ckpt / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config("tensor")
+    (tensor_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="different kv_cache_scheme"):
+        export_vllm(art, served, checkpoint=tensor_ckpt)
+    # keys per head, values per tensor: vLLM has one strategy for both
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    head = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="head", static=True)
+    tensor = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
+    with pytest.raises(ValueError, match="one strategy for both"):
+        export_vllm(artifact_from_samples(KVScheme("mixed", key=head, value=tensor), k, k), tmp_path / "m")
+
+
+def _saved(art, where: Path) -> Path:
+    art.save(where)
+    return where
 
 
 def test_module_template_for_artifacts_without_recorded_names(tmp_path):

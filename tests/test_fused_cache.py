@@ -99,12 +99,17 @@ KVQUANT4_STATIC = KVScheme(
 )  # fmt: skip
 SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-token": get_scheme("int2-token"),
            "int4-prerope": PRE_ROPE, "kvquant3-block": KVQUANT3, "kvquant4-static": KVQUANT4_STATIC,
-           "fp8-e4m3-token": get_scheme("fp8-e4m3-token"), "fp8-e4m3": get_scheme("fp8-e4m3")}  # fmt: skip
+           "fp8-e4m3-token": get_scheme("fp8-e4m3-token"), "fp8-e4m3": get_scheme("fp8-e4m3"),
+           "fp8-e4m3-head": get_scheme("fp8-e4m3-head")}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
-    """What a calibration artifact would install: NUQ codebooks (non-uniform), static key ranges."""
+    """What a calibration artifact would install: NUQ codebooks (non-uniform), static key ranges, FP8
+    per-head scales (a different one per head: the kernel must read each head's own)."""
     for side, spec in (("key", scheme.key), ("value", scheme.value)):
+        if spec.kind == "fp8" and spec.granularity == "head":
+            for i in range(n_layers):
+                cache.set_static_qparams(i, side, torch.linspace(0.004, 0.012, H_kv) * (i + 1))
         if spec.kind != "nuq":
             continue
         u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)

@@ -553,7 +553,7 @@ def _mixed_config():
     return AutoConfig.for_model("qwen2", **small, **heads, **window)
 
 
-@pytest.mark.parametrize("scheme", ["fp16", "int8-token", "int4-g64", "int4-channel", "kivi-2", "fp8-e4m3"])
+@pytest.mark.parametrize("scheme", ["fp16", "int8-token", "int4-g64", "int4-channel", "kivi-2", "fp8-e4m3", "fp8-e4m3-head"])
 def test_planned_bytes_equal_cache_bytes(scheme):
     """Real storage after a prefill and token-by-token steps equals the plan, byte for byte."""
     cache_mod = pytest.importorskip("kvbits.cache")

@@ -623,6 +623,55 @@ def test_fp8_tensor_granularity_needs_static():
     assert TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True).static
 
 
+def test_fp8_head_granularity_is_static_per_kv_head():
+    """fp8 per head (vLLM's attn_head): calibrated, one float32 scale per KV head; a dynamic one or a
+    static per-token one is refused (each would quantize with a silent 1.0)."""
+    with pytest.raises(ValueError, match="needs static=True"):
+        TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="head")
+    with pytest.raises(ValueError, match="use static=False"):
+        TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token", static=True)
+    spec = get_scheme("fp8-e4m3-head").key
+    assert (spec.granularity, spec.static, spec.calibratable, spec.calibrated) == ("head", True, True, False)
+    from kvbits.schemes.accounting import fixed_layer_bytes
+
+    assert fixed_layer_bytes(spec, n_heads=8, head_dim=128) == 8 * 4
+    assert fixed_layer_bytes(get_scheme("fp8-e4m3").key, n_heads=8, head_dim=128) == 4
+
+
+def test_fp8_per_head_scales_quantize_each_head_on_its_own_grid():
+    """Heads 10^5 apart: each head's own scale keeps every head at FP8's relative precision; the
+    per-tensor scale of the largest head puts the small head's values among the subnormals (FP8 is
+    floating point: a head only 100x smaller still keeps its precision under one scale)."""
+    from kvbits.quant.fp8 import static_fp8_scale
+
+    g = torch.Generator().manual_seed(7)
+    mag = torch.tensor([1e-5, 1.0, 1.0]).view(1, 3, 1, 1)
+    x = torch.randn(2, 3, 40, 16, generator=g) * mag
+    amax = x.abs().amax(dim=(0, 2, 3))
+    head, tensor = get_scheme("fp8-e4m3-head").key, get_scheme("fp8-e4m3").key
+    per_head = quantize(x, head, static_scale=amax / 448)
+    per_tensor = quantize(x, tensor, static_scale=amax.max() / 448)
+    assert per_head.scale.shape == (1, 3, 1, 1) and per_head.clipped == per_tensor.clipped == 0
+
+    def rel(qt: QuantizedTensor) -> torch.Tensor:
+        err = (qt.dequantize(torch.float32) - x).square().sum(dim=(0, 2, 3)).sqrt()
+        return err / x.square().sum(dim=(0, 2, 3)).sqrt()
+
+    assert rel(per_head).max() < 0.04  # e4m3: 3 mantissa bits
+    assert rel(per_tensor)[0] > 3 * rel(per_head)[0]  # the small head lost precision
+    assert torch.allclose(rel(per_tensor)[1:], rel(per_head)[1:], rtol=0.3)
+    # shapes: (H,), (H, 1, 1) and (1, H, 1, 1) are the same scales; one number repeats; others refuse
+    for shape in ((3,), (3, 1, 1), (1, 3, 1, 1)):
+        assert torch.equal(quantize(x, head, static_scale=(amax / 448).reshape(shape)).data.view(torch.uint8),
+                           per_head.data.view(torch.uint8))  # fmt: skip
+    assert static_fp8_scale(torch.tensor(2.0), "head", 3, "s").shape == (1, 3, 1, 1)
+    for bad in (torch.ones(2), torch.ones(3, 16), torch.ones(1, 3, 1, 16)):
+        with pytest.raises(ValueError, match="per-head FP8 scale must be"):
+            quantize(x, head, static_scale=bad)
+    with pytest.raises(ValueError, match="one number"):
+        quantize(x, tensor, static_scale=torch.ones(3))
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -32,6 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
 from kvbits.cache.store import SideStore
+from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.nuq import check_codebook
 from kvbits.quant.tensor import FLOAT_DTYPES, check_finite, check_static_scale
 from kvbits.schemes.accounting import sliding_falls_back, token_split
@@ -48,10 +49,13 @@ FlushObserver = Callable[[Any, str, torch.Tensor, Any], None]
 __all__ = ["QuantizedKVLayer"]
 
 
-def _fixed_scale(spec: TensorSpec) -> torch.Tensor | None:
-    """Per-layer FP8 per-tensor scale (float32 1.0 until calibrated, as vLLM's uncalibrated default)."""
+def _fixed_scale(spec: TensorSpec, n_heads: int | None) -> torch.Tensor | None:
+    """A static FP8 spec's scale until calibrated: float32 1.0 (vLLM's uncalibrated default), ``()`` per
+    tensor, ``(1, H_kv, 1, 1)`` per head (``()`` until ``H_kv`` is known: repeated per head at the first
+    update, ``SideStore.init``)."""
     if spec.kind == "fp8" and (spec.static or spec.granularity == "tensor"):
-        return torch.ones((), dtype=torch.float32)
+        one = torch.ones((), dtype=torch.float32)
+        return one if n_heads is None else static_fp8_scale(one, spec.granularity, n_heads, "FP8 scale")
     return None
 
 
@@ -194,11 +198,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             )
         self._k = SideStore(
             scheme.key, name=f"layer {layer_idx} keys", workspace=workspace and quantized,
-            static_scale=_fixed_scale(scheme.key) if quantized else None, rotary=rotary if quantized else None,
+            static_scale=_fixed_scale(scheme.key, num_key_value_heads) if quantized else None, rotary=rotary if quantized else None,
         )
         self._v = SideStore(
             scheme.value, name=f"layer {layer_idx} values", workspace=workspace and quantized,
-            static_scale=_fixed_scale(scheme.value) if quantized else None,
+            static_scale=_fixed_scale(scheme.value, num_key_value_heads) if quantized else None,
         )
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
@@ -255,6 +259,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         # checked in the stored dtype (a huge float32 scale is inf in float16)
         if scale is not None:
             scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16).clone()
+            if spec.kind == "fp8":  # () per tensor, (1, H_kv, 1, 1) per head
+                scale = static_fp8_scale(scale, spec.granularity, self._stored_heads(), f"{what} static scale")
             check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
         if zero is not None:
             zero = zero.detach().to(device, torch.float16).clone()
@@ -272,6 +278,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Replace this layer's RoPE tables (e.g. the same tables built on the K/V device)."""
         if self._k.rotary is not None:
             self._k.rotary = rotary
+
+    def _stored_heads(self) -> int | None:
+        """``H_kv`` as stored: the initialized storage's, else the config's (``None``: not known yet)."""
+        if self._k.sinks is not None:
+            return self._k.sinks.shape[1]
+        return self.num_key_value_heads
 
     def needs_calibration(self) -> list[str]:
         """What is still missing before this layer can quantize (empty when ready)."""

@@ -35,6 +35,7 @@ import torch
 
 from kvbits.kernels.quantize import quantize_pack
 from kvbits.quant import QuantizedTensor
+from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.rope import apply_rope, invert_rope
 from kvbits.schemes.spec import TensorSpec
 
@@ -201,6 +202,9 @@ class SideStore:
         for name in ("static_scale", "static_zero", "codebook"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(like.device))
+        if self.static_scale is not None and self.spec.kind == "fp8" and self.spec.granularity == "head":
+            # one scale per stored head: the uncalibrated 1.0 is repeated, a calibrated one must match
+            self.static_scale = static_fp8_scale(self.static_scale, "head", H, f"{self.name} static FP8 scale")
 
     def clear(self) -> None:
         self.sinks = self.buffer = self.work = None

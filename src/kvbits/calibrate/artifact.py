@@ -6,8 +6,9 @@ layer ``i`` and side ``s`` in ``key``/``value`` whose spec takes them (``TensorS
 - ``layers.{i}.{s}_scale``, ``layers.{i}.{s}_zero``: ``(H_kv, D)`` float16 static per-channel
   parameters (``zero`` only for asymmetric specs), in the form ``kvbits.quant.quantize`` takes them;
 - ``layers.{i}.{s}_codebook``: ``(2**bits,)`` float16 sorted NUQ codebook in ``[-1, 1]``;
-- ``layers.{i}.{s}_scale`` of a static FP8 spec: ``()`` float32, the per-tensor scale
-  (``x ~ fp8(x / s) * s``, as vLLM's ``k_scale`` / ``v_scale``; ``kvbits.calibrate.vllm`` exports it).
+- ``layers.{i}.{s}_scale`` of a static FP8 spec: float32, ``()`` the per-tensor scale or ``(H_kv,)``
+  one per KV head (``x ~ fp8(x / s) * s``, as vLLM's ``k_scale`` / ``v_scale``, strategies ``tensor``
+  and ``attn_head``; ``kvbits.export.vllm`` exports them).
 
 The JSON records ``format_version``, ``kvbits_version``, the ``scheme``, the ``model`` it belongs
 to (fingerprint and shape), the calibration ``data``, ``percentile``, ``fisher``, the creation date,
@@ -82,7 +83,7 @@ def expected_tensors(
     for i in range(num_layers):
         for side, spec in zip(SIDES, (scheme.key, scheme.value)):
             if spec.kind == "fp8" and spec.static:
-                out[f"layers.{i}.{side}_scale"] = ()
+                out[f"layers.{i}.{side}_scale"] = (num_kv_heads,) if spec.granularity == "head" else ()
             if spec.static and spec.kind in ("int", "nuq"):
                 out[f"layers.{i}.{side}_scale"] = (num_kv_heads, head_dim)
                 if spec.has_zero_point:
@@ -195,13 +196,15 @@ class CalibrationArtifact:
         (broadcasts over any ``(B, H_kv, n, D)`` block; ``zero`` is None for symmetric specs), or None
         when that side's scales are dynamic. For NUQ, ``scale`` is the channel range and ``zero`` its
         minimum; for int, ``scale`` is the step and ``zero`` the minimum (as ``quantize`` expects). For
-        a static FP8 spec: ``(scale, None)``, the float32 ``()`` per-tensor scale."""
+        a static FP8 spec: ``(scale, None)``, the float32 per-tensor scale ``()`` or per-head scales
+        ``(1, H_kv, 1, 1)``."""
         spec = self._spec(side)
         if not spec.static:
             return None
         i, H, D = self._layer(layer), self.num_kv_heads, self.head_dim
         if spec.kind == "fp8":
-            return self.tensors[f"layers.{i}.{side}_scale"], None
+            scale = self.tensors[f"layers.{i}.{side}_scale"]
+            return (scale.reshape(1, H, 1, 1) if spec.granularity == "head" else scale), None
         scale = self.tensors[f"layers.{i}.{side}_scale"].reshape(1, H, 1, D)
         zero = self.tensors.get(f"layers.{i}.{side}_zero")
         return scale, None if zero is None else zero.reshape(1, H, 1, D)
@@ -294,9 +297,9 @@ class CalibrationArtifact:
                     check_codebook(t, self._spec(side).bits)
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"calibration{where}: {name}: {exc}") from None
-            elif spec.kind == "fp8" and not bool(t > 0):
+            elif spec.kind == "fp8" and not bool((t > 0).all()):
                 raise ValueError(
-                    f"calibration{where}: {name} is {float(t)}; an FP8 scale divides, it must be > 0"
+                    f"calibration{where}: {name} is {t.tolist()}; an FP8 scale divides, it must be > 0"
                 )
             elif name.endswith("_scale") and bool((t < 0).any()):
                 raise ValueError(

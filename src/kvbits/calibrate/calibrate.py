@@ -190,9 +190,9 @@ class CalibrationSamples:
     JSON records an artifact carries; ``losses``: mean loss per window; ``seconds``: time taken;
     ``dtype``/``device``: the model's parameter dtype and device during the passes (``"bfloat16"``,
     ``"cuda:0"``), recorded in the artifact; the samples themselves are float32 on the CPU.
-    ``absmax``: ``"key"`` (pre-RoPE), ``"key_post_rope"`` and ``"value"``, each ``(layers, T)``: the
-    largest ``|x|`` at each window position over all windows, heads and channels, every position
-    (not only the sampled ones), for FP8 per-tensor scales; ``"key_post_rope"`` is absent for
+    ``absmax``: ``"key"`` (pre-RoPE), ``"key_post_rope"`` and ``"value"``, each ``(layers, H_kv, T)``:
+    the largest ``|x|`` of each head at each window position over all windows and channels, every
+    position (not only the sampled ones), for FP8 per-tensor and per-head scales; ``"key_post_rope"`` is absent for
     a model whose RoPE ``kvbits.quant.rope`` can not reproduce (and equals ``"key"`` without RoPE).
     ``keys_post_rope``: the sampled keys after RoPE (what a post-RoPE cache stores), like ``keys``;
     None where ``"key_post_rope"`` is absent.
@@ -213,14 +213,18 @@ class CalibrationSamples:
     absmax: dict[str, torch.Tensor] | None = None
     keys_post_rope: list[torch.Tensor] | None = None
 
-    def layer_absmax(self, name: str, sinks: int) -> list[float] | None:
-        """Per layer, the largest ``|x|`` of ``absmax[name]`` at positions ``>= sinks`` (None if absent)."""
+    def layer_absmax(self, name: str, sinks: int, *, per_head: bool = False) -> list[Any] | None:
+        """Per layer, the largest ``|x|`` of ``absmax[name]`` at positions ``>= sinks``: a float, or with
+        ``per_head`` a ``(H_kv,)`` tensor (None if absent)."""
         if self.absmax is None or name not in self.absmax:
             return None
-        per_pos = self.absmax[name][:, sinks:]
-        if per_pos.shape[1] == 0:
+        per_pos = self.absmax[name][..., sinks:]
+        if per_pos.shape[-1] == 0:
             raise ValueError(f"no positions past the {sinks} sink tokens to take an FP8 scale from")
-        return [float(v) for v in per_pos.amax(dim=1)]
+        per_layer_head = per_pos.amax(dim=-1)  # (layers, H_kv)
+        if per_head:
+            return list(per_layer_head)
+        return [float(v) for v in per_layer_head.amax(dim=-1)]
 
     def without_sinks(self, sinks: int) -> CalibrationSamples:
         """The samples at positions ``>= sinks`` (the cache keeps the first ``sinks`` tokens exact)."""
@@ -298,7 +302,7 @@ def collect_samples(
     W, T = ids.shape
     tables = _layer_rotary_tables(module, sites)
     absmax = {
-        name: torch.zeros(len(sites), T)
+        name: torch.zeros(len(sites), model_record["num_kv_heads"], T)
         for name in ("key", "value", *(("key_post_rope",) if tables is not None else ()))
     }
     per_window = max(1, math.ceil(max_tokens / W))
@@ -379,10 +383,10 @@ def _layer_rotary_tables(module: torch.nn.Module, sites: list[Any]) -> list[Any]
 def _update_absmax(
     absmax: dict[str, torch.Tensor], layer: int, k: torch.Tensor, v: torch.Tensor, tables: Any
 ) -> torch.Tensor | None:
-    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(T,)``; returns
+    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(H_kv, T)``; returns
     the keys after RoPE (``k`` itself without RoPE; None when post-RoPE keys are not tracked)."""
     def peak(x: torch.Tensor) -> torch.Tensor:
-        return x[0].abs().amax(dim=(0, 2)).float().cpu()
+        return x[0].abs().amax(dim=2).float().cpu()
 
     for name, x in (("key", k), ("value", v)):
         absmax[name][layer] = torch.maximum(absmax[name][layer], peak(x))
@@ -450,7 +454,11 @@ def fit_artifact(
         meta=meta,
         progress=progress,
         key_absmax=_fp8_key_absmax(s, scheme),
-        value_absmax=s.layer_absmax("value", scheme.sinks) if scheme.value.kind == "fp8" else None,
+        value_absmax=(
+            s.layer_absmax("value", scheme.sinks, per_head=scheme.value.granularity == "head")
+            if scheme.value.kind == "fp8" and scheme.value.static
+            else None
+        ),
         fp8_scale=fp8_scale,
     )
     art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
@@ -462,7 +470,7 @@ def _fp8_key_absmax(samples: CalibrationSamples, scheme: KVScheme) -> list[float
     if not (scheme.key.kind == "fp8" and scheme.key.static):
         return None
     name = "key" if scheme.key.pre_rope else "key_post_rope"
-    out = samples.layer_absmax(name, scheme.sinks)
+    out = samples.layer_absmax(name, scheme.sinks, per_head=scheme.key.granularity == "head")
     if out is None:
         raise ValueError(
             "an FP8 per-tensor key scale needs the largest post-RoPE key, and this model's RoPE could not be "
@@ -500,7 +508,7 @@ def calibrate(
         data: a text spec for ``kvbits.evaluate.data.load_text`` (``pride-and-prejudice``, a path),
             a ``TextSource``, or token ids ``(N,)`` / ``(W, T)``.
         scheme: a scheme with static int/NUQ scales or NUQ codebooks (e.g. ``kvquant-4``), or static
-            FP8 per-tensor scales (``fp8-e4m3``: ``absmax / 448`` per layer and side).
+            FP8 scales (``fp8-e4m3``: ``absmax / 448`` per layer and side; ``fp8-e4m3-head``: per KV head).
         context: tokens per calibration window (recorded as ``max_calibrated_length``).
         windows: number of windows, spread evenly over the data.
         percentile: per-channel range ``[100 - p, p]`` for static scales.

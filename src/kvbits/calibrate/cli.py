@@ -20,11 +20,12 @@ _percentile = bounded(float, 50, 100, what="a percentile")
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
-        help="calibrate static key scales and NUQ codebooks (KVQuant) or FP8 per-tensor scales for a scheme",
+        help="calibrate static key scales and NUQ codebooks (KVQuant) or FP8 per-tensor/per-head scales for a scheme",
         description="Run the model over a few windows of calibration text, capture pre-RoPE keys and values "
         "(and their loss gradients), and fit per-channel key ranges and Fisher-weighted non-uniform "
-        "codebooks; for static FP8 schemes (fp8-e4m3), per-layer K/V scales absmax / 448 over every "
-        "calibration token (post-RoPE keys after RoPE), as vLLM's k_scale / v_scale (kvbits export-vllm). "
+        "codebooks; for static FP8 schemes (fp8-e4m3; fp8-e4m3-head: one per KV head), per-layer K/V scales "
+        "absmax / 448 over every calibration token (post-RoPE keys after RoPE), raised to the least-error "
+        "grid phase (--fp8-scale mse), as vLLM's k_scale / v_scale (kvbits export --format vllm). "
         "Writes DIR/calibration.safetensors and DIR/calibration.json.",
     )
     p.add_argument(

@@ -104,7 +104,7 @@ def fit_side(
     kmeans_points: int = MAX_POINTS,
     kmeans_iterations: int = ITERATIONS,
     seed: int = 0,
-    absmax: float | None = None,
+    absmax: float | Sequence[float] | torch.Tensor | None = None,
     fp8_scale: str = "amax",
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
@@ -114,13 +114,15 @@ def fit_side(
     scales, outliers excluded), and for NUQ ``codebook_gain_db`` (weighted MSE of a uniform codebook
     over that of the fitted one, in dB, on the normalised values).
 
-    A static FP8 spec gets ``scale``, a float32 ``()`` tensor ``absmax / fp8_max`` (``absmax``: the
-    largest ``|x|`` the cache will store, default ``x``'s own, then ``x`` is taken as the stored
-    tensor), and the statistics ``absmax`` and, without ``absmax``, ``clip_rate`` (0: the scale covers
-    ``x``'s maximum). ``calibrate`` gives ``absmax`` over every calibration position: nothing clips.
-    ``fp8_scale="mse"`` raises that scale by up to 2x to the least squared error on ``x`` (which must
-    then be samples of the stored tensor) and adds ``scale_step`` (the chosen ``j``) and ``mse_gain_db``
-    (the amax scale's squared error over the chosen one's).
+    A static FP8 spec gets ``scale``, a float32 ``absmax / fp8_max``: ``()`` per tensor, ``(H_kv,)`` per
+    head (``absmax``: the largest ``|x|`` the cache will store, a number per tensor, ``H_kv`` numbers per
+    head; default ``x``'s own, then ``x`` is taken as the stored tensor), and the statistics ``absmax``
+    (the largest over heads) and, without ``absmax``, ``clip_rate`` (0: the scale covers ``x``'s
+    maximum); per head also ``head_spread_db`` (largest over smallest head scale, in dB). ``calibrate``
+    gives ``absmax`` over every calibration position: nothing clips. ``fp8_scale="mse"`` raises each
+    scale by up to 2x to the least squared error on ``x`` (which must then be samples of the stored
+    tensor) and adds ``scale_step`` (the chosen ``j``; per head, the mean) and ``mse_gain_db`` (the amax
+    scales' squared error over the chosen ones').
     """
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
@@ -157,31 +159,59 @@ def fit_side(
 
 
 def _fit_fp8(
-    spec: TensorSpec, x: torch.Tensor, absmax: float | None, fp8_scale: str = "amax"
+    spec: TensorSpec, x: torch.Tensor, absmax: float | Sequence[float] | torch.Tensor | None, fp8_scale: str = "amax"
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The per-tensor FP8 scale of one layer and side (see ``fit_side``)."""
+    """The FP8 scale of one layer and side (see ``fit_side``): per tensor ``()``, per head ``(H_kv,)``."""
     check_fp8_scale(fp8_scale)
     if not spec.static:
         raise ValueError(f"only static FP8 specs take a calibrated scale, got {spec}")
     if x.numel() == 0 and absmax is None:
         raise ValueError("no samples to take an FP8 scale from")
-    amax = float(x.abs().max()) if absmax is None else float(absmax)
+    per_head = spec.granularity == "head"
+    groups = list(x) if per_head else [x]  # (N, D) per head, or the whole (H, N, D)
+    if absmax is None:
+        amaxes = [float(g.abs().max()) for g in groups]
+    elif per_head:
+        amaxes = [float(a) for a in torch.as_tensor(absmax, dtype=torch.float64).reshape(-1)]
+        if len(amaxes) != len(groups):
+            raise ValueError(f"per-head FP8 calibration: {len(groups)} heads, but absmax has {len(amaxes)} values")
+    else:
+        amaxes = [float(absmax)]
+    fits = [_fit_fp8_group(spec, g, a, fp8_scale) for g, a in zip(groups, amaxes)]
+    scale = torch.stack([f[0] for f in fits]) if per_head else fits[0][0]
+    stats: dict[str, float] = {"absmax": max(amaxes)}
+    if fp8_scale == "mse" and x.numel():
+        steps = [f[1] for f in fits if f[1] is not None]
+        base_err, best_err = sum(f[2] for f in fits), sum(f[3] for f in fits)
+        if steps:
+            stats["scale_step"] = sum(steps) / len(steps)  # the mean over heads per head
+        stats["mse_gain_db"] = 10 * math.log10(base_err / best_err) if base_err > 0 and best_err > 0 else 0.0
+    elif absmax is None:  # x is the stored tensor: how much of it the scale clips (0 with its own amax)
+        lim = scale.reshape(-1, *([1] * (x.dim() - 1))) if per_head else scale
+        clipped = int((x.float().abs() > lim * fp8_max(spec.fmt)).sum()) if x.numel() else 0
+        stats["clip_rate"] = clipped / max(1, x.numel())
+    if per_head:  # how far apart the heads' scales are: what one per-tensor scale would have to span
+        stats["head_spread_db"] = 20 * math.log10(float(scale.max()) / float(scale.min()))
+    return {"scale": scale}, stats
+
+
+def _fit_fp8_group(
+    spec: TensorSpec, x: torch.Tensor, amax: float, fp8_scale: str
+) -> tuple[torch.Tensor, float | None, float, float]:
+    """One FP8 scale for the samples ``x`` whose largest stored ``|x|`` is ``amax``:
+    ``(scale, step, amax-scale squared error, chosen squared error)`` (``step`` and errors: ``mse`` only)."""
     if not math.isfinite(amax) or amax < 0:
         raise ValueError(f"FP8 calibration: the largest |K/V| is {amax}; expected a finite value")
     if amax == 0:
         # all zeros: any scale stores them exactly; 1.0 is vLLM's default and never divides by zero
-        scale = torch.ones((), dtype=torch.float32)
-    else:
-        scale = torch.tensor(amax / fp8_max(spec.fmt), dtype=torch.float32)
-        # float32 rounding may land a hair below amax / fp8_max: one ulp up keeps amax inside the grid
-        if float(scale) * fp8_max(spec.fmt) < amax:
-            scale = torch.nextafter(scale, torch.tensor(math.inf))
-    if fp8_scale == "mse" and amax > 0 and x.numel():
-        return _mse_phase(spec, x, scale, amax)
-    if absmax is not None:  # x may not be the stored tensor (pre-RoPE samples of post-RoPE keys)
-        return {"scale": scale}, {"absmax": amax}
-    clipped = int((x.float().abs() > float(scale) * fp8_max(spec.fmt)).sum()) if x.numel() else 0
-    return {"scale": scale}, {"absmax": amax, "clip_rate": clipped / max(1, x.numel())}
+        return torch.ones((), dtype=torch.float32), None, 0.0, 0.0
+    scale = torch.tensor(amax / fp8_max(spec.fmt), dtype=torch.float32)
+    # float32 rounding may land a hair below amax / fp8_max: one ulp up keeps amax inside the grid
+    if float(scale) * fp8_max(spec.fmt) < amax:
+        scale = torch.nextafter(scale, torch.tensor(math.inf))
+    if fp8_scale != "mse" or not x.numel():
+        return scale, None, 0.0, 0.0
+    return _mse_phase(spec, x, scale)
 
 
 def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor, spec: TensorSpec) -> float:
@@ -191,18 +221,15 @@ def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor, spec: TensorSpec) -> flo
     return float((dequantize_fp8(codes, scale, torch.float64) - x.double()).square().sum())
 
 
-def _mse_phase(
-    spec: TensorSpec, x: torch.Tensor, base: torch.Tensor, amax: float
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """``base * 2 ** (j / FP8_PHASES)`` with the least squared error on ``x`` (``j = 0`` on ties)."""
+def _mse_phase(spec: TensorSpec, x: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
+    """``base * 2 ** (j / FP8_PHASES)`` with the least squared error on ``x`` (``j = 0`` on ties):
+    ``(scale, j, error at j = 0, error at j)``."""
     x = x.float().reshape(-1)
     errors = [
         _fp8_sq_error(x, (base * 2.0 ** (j / FP8_PHASES)).float(), spec) for j in range(FP8_PHASES)
     ]
     j = min(range(FP8_PHASES), key=lambda i: (errors[i], i))
-    scale = (base * 2.0 ** (j / FP8_PHASES)).float()
-    gain = 10 * math.log10(errors[0] / errors[j]) if errors[j] > 0 and errors[0] > 0 else 0.0
-    return {"scale": scale}, {"absmax": amax, "scale_step": float(j), "mse_gain_db": gain}
+    return (base * 2.0 ** (j / FP8_PHASES)).float(), float(j), errors[0], errors[j]
 
 
 def artifact_from_samples(
@@ -218,8 +245,8 @@ def artifact_from_samples(
     seed: int = 0,
     meta: dict[str, Any] | None = None,
     progress: Progress | None = None,
-    key_absmax: Sequence[float] | None = None,
-    value_absmax: Sequence[float] | None = None,
+    key_absmax: Sequence[float | torch.Tensor] | None = None,
+    value_absmax: Sequence[float | torch.Tensor] | None = None,
     fp8_scale: str = "amax",
 ) -> CalibrationArtifact:
     """Fit an artifact from per-layer samples, without a model (``calibrate`` calls this).
@@ -233,7 +260,7 @@ def artifact_from_samples(
         meta: JSON fields to record (``model``, ``data``, ...); ``model`` defaults to the shape of the
             samples and ``data`` to the sample count.
         key_absmax, value_absmax: static FP8 sides only: per layer, the largest ``|K|`` / ``|V|`` the
-            cache stores (``calibrate`` passes the maximum over every calibration token, post-RoPE for
+            cache stores (per-head specs: ``H_kv`` numbers per layer) (``calibrate`` passes the maximum over every calibration token, post-RoPE for
             post-RoPE keys); default each layer's samples' own maximum, which takes the samples as the
             stored tensor (so for a post-RoPE FP8 key spec, give post-RoPE keys or ``key_absmax``).
         fp8_scale: ``"amax"`` or ``"mse"`` (see ``fit_side``); with ``"mse"`` the samples must be of the

@@ -15,14 +15,18 @@ examples:
   kvbits calibrate --model smollm2-135m --data pride-and-prejudice --scheme fp8-e4m3 --context 4k --out cal-fp8/
   kvbits export --format vllm --calibration cal-fp8/ --out vllm-scales/
   kvbits export --format vllm --calibration cal-fp8/ --checkpoint /models/SmolLM2-135M --out smollm2-fp8kv/
+  kvbits calibrate --model qwen2.5-coder-0.5b --data pride-and-prejudice --scheme fp8-e4m3-head --out cal-head/
+  kvbits export --format vllm --calibration cal-head/ --out vllm-head-scales/
 
-vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer) and
-quantization_config.json (compressed-tensors kv_cache_scheme: 8-bit float, tensor, static,
-symmetric). With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
+vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer, or one per
+KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors
+kv_cache_scheme: 8-bit float, strategy tensor or attn_head, static, symmetric). vLLM applies
+per-head scales in its FlashAttention backend only (--attention-backend FLASH_ATTN). With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
 checkpoint: DIR's files linked, config.json and model.safetensors.index.json written with the
 scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
-"kv_cache_scheme", "layers": [{"k_scale", "v_scale", "k_absmax", "v_absmax", "module"}], "serve",
+"kv_cache_scheme", "layers": [{"k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
+"v_absmax", "module"}], "serve",
 "out_dir", "checkpoint"}.
 """
 
@@ -31,13 +35,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "export",
         help="write calibrated FP8 KV-cache scales in the format vLLM loads",
-        description="Export a kvbits calibration for a serving engine. vllm: the per-layer FP8 K/V scales of "
-        "an fp8-e4m3 calibration as a compressed-tensors checkpoint carries them.",
+        description="Export a kvbits calibration for a serving engine. vllm: the per-layer (or per-head) FP8 "
+        "K/V scales of an fp8-e4m3 (fp8-e4m3-head) calibration as a compressed-tensors checkpoint carries them.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--format", choices=("vllm",), default="vllm", help="target engine format (default vllm)")
-    p.add_argument("--calibration", required=True, metavar="DIR", help="kvbits calibrate folder (fp8-e4m3)")
+    p.add_argument("--calibration", required=True, metavar="DIR", help="kvbits calibrate folder (fp8-e4m3 or fp8-e4m3-head)")
     p.add_argument(
         "--out", required=True, metavar="DIR", help="folder for the scales, the config block and the record"
     )
@@ -64,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(record, indent=2) + "\n")
         return 0
     layers = record["layers"]
-    ks = [r["k_scale"] for r in layers]
-    vs = [r["v_scale"] for r in layers]
+    ks = [x for r in layers for x in _flat(r["k_scale"])]
+    vs = [x for r in layers for x in _flat(r["v_scale"])]
+    per = f", {record['kv_cache_scheme']['strategy']} strategy" if record["kv_cache_scheme"]["strategy"] != "tensor" else ""
     print(
-        f"{len(layers)} layers: k_scale {min(ks):.4g}..{max(ks):.4g}, v_scale {min(vs):.4g}..{max(vs):.4g} "
+        f"{len(layers)} layers{per}: k_scale {min(ks):.4g}..{max(ks):.4g}, v_scale {min(vs):.4g}..{max(vs):.4g} "
         f"(calibrated on {record['calibration']['data']}, {record['calibration']['context']} tokens)"
     )
     print(f"written to {record['out_dir']}")
@@ -78,3 +83,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"serve: {record['serve']}")
     return 0
+
+
+def _flat(x: float | list[float]) -> list[float]:
+    return x if isinstance(x, list) else [x]

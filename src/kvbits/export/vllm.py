@@ -1,22 +1,29 @@
 """Calibrated FP8 KV-cache scales in the format vLLM loads (compressed-tensors ``kv_cache_scheme``).
 
-vLLM's FP8 KV cache (``--kv-cache-dtype fp8``) stores ``fp8_e4m3(k / k_scale)`` with one float32
-scale per layer for keys and one for values; without scales in the checkpoint it uses 1.0 (and logs
-"Using KV cache scaling factor 1.0 for fp8_e4m3"). It reads calibrated scales from the checkpoint
-as llm-compressor writes them:
+vLLM's FP8 KV cache (``--kv-cache-dtype fp8``) stores ``fp8_e4m3(k / k_scale)`` with float32 scales
+for keys and for values, one per layer (strategy ``tensor``) or one per KV head of each layer
+(strategy ``attn_head``); without scales in the checkpoint it uses 1.0 (and logs "Using KV cache
+scaling factor 1.0 for fp8_e4m3"). It reads calibrated scales from the checkpoint as llm-compressor
+writes them:
 
 - tensors ``{attention module}.k_scale`` and ``.v_scale`` (``model.layers.{i}.self_attn.k_scale``),
-  float32, one element each (vLLM maps them to ``...self_attn.attn.k_scale``);
+  float32, ``(1,)`` per tensor or ``(H_kv, 1, 1)`` per head (vLLM maps them to
+  ``...self_attn.attn.k_scale`` and flattens per-head scales to ``(H_kv,)``);
 - ``config.json`` ``quantization_config`` with ``quant_method: compressed-tensors`` and a
-  ``kv_cache_scheme`` ``{num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}``
-  (vLLM's ``CompressedTensorsKVCacheMethod`` accepts exactly this: 8-bit float, symmetric, tensor
-  or per-head strategy).
+  ``kv_cache_scheme`` ``{num_bits: 8, type: float, strategy: tensor | attn_head, dynamic: false,
+  symmetric: true}`` (vLLM's ``CompressedTensorsKVCacheMethod`` accepts exactly this: 8-bit float,
+  symmetric, tensor or per-head strategy).
 
-The scales are a kvbits ``fp8-e4m3`` calibration (``kvbits calibrate --scheme fp8-e4m3``): per layer,
-the largest post-RoPE ``|K|`` and ``|V|`` over every calibration token, over 448. They mean the
-same thing in both: kvbits' ``fp8-e4m3`` cache quantizes as vLLM does (divide by the scale, round to
-nearest, saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what
-vLLM will store.
+vLLM 0.33 (read from its source, not run here) applies per-head scales in its FlashAttention backend
+(``--attention-backend FLASH_ATTN``: the cache write and the kernel's per-head descale); the other
+backends take each layer's largest head scale, a per-tensor scale.
+
+The scales are a kvbits ``fp8-e4m3`` (or ``fp8-e4m3-head``) calibration (``kvbits calibrate --scheme
+fp8-e4m3``): per layer (and head), the largest post-RoPE ``|K|`` and ``|V|`` over every calibration
+token, over 448, raised to the least-error grid phase by default (``--fp8-scale mse``). They mean the
+same thing in both: kvbits' FP8 cache quantizes as vLLM does (divide by the scale, round to nearest,
+saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what vLLM will
+store.
 
 ``export_vllm(artifact, out_dir)`` writes ``kv_cache_scales.safetensors`` and
 ``quantization_config.json`` (and ``kvbits_export.json``, the provenance). With ``checkpoint=DIR`` (a
@@ -42,7 +49,7 @@ from kvbits.calibrate.artifact import CalibrationArtifact, load_calibration, now
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KV_CACHE_SCHEME", "SCALES_FILE", "export_vllm", "quantization_config", "vllm_scales"]
+__all__ = ["KV_CACHE_SCHEME", "SCALES_FILE", "export_vllm", "kv_cache_scheme", "quantization_config", "vllm_scales"]
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 CONFIG_FILE = "quantization_config.json"
@@ -56,24 +63,42 @@ KV_CACHE_SCHEME: dict[str, Any] = {
     "symmetric": True,
 }
 """compressed-tensors ``QuantizationArgs`` of a static per-tensor FP8 KV cache, as vLLM validates it."""
+STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # kvbits granularity -> compressed-tensors strategy
+
+
+def kv_cache_scheme(strategy: str = "tensor") -> dict[str, Any]:
+    """``KV_CACHE_SCHEME`` with ``strategy`` ``"tensor"`` or ``"attn_head"`` (one scale per KV head)."""
+    if strategy not in STRATEGIES.values():
+        raise ValueError(f"strategy must be one of {tuple(STRATEGIES.values())}, got {strategy!r}")
+    return {**KV_CACHE_SCHEME, "strategy": strategy}
+
+
+def _strategy(art: CalibrationArtifact) -> str:
+    return STRATEGIES[art.scheme.key.granularity]
 
 
 def check_exportable(art: CalibrationArtifact) -> None:
-    """``ValueError`` unless ``art`` holds what vLLM's FP8 cache can use: static per-tensor E4M3 scales
-    for keys and values, keys after RoPE (vLLM caches rotated keys)."""
+    """``ValueError`` unless ``art`` holds what vLLM's FP8 cache can use: static E4M3 scales for keys and
+    values, both per tensor or both per head (one ``kv_cache_scheme``), keys after RoPE (vLLM caches
+    rotated keys)."""
     scheme = art.scheme
     for side in ("key", "value"):
         spec = getattr(scheme, side)
-        if spec.kind != "fp8" or not spec.static or spec.granularity != "tensor":
+        if spec.kind != "fp8" or not spec.static or spec.granularity not in STRATEGIES:
             raise ValueError(
-                f"calibration of scheme {scheme.name!r}: vLLM loads static per-tensor FP8 scales; the {side} "
-                f"spec is {spec}. Calibrate an FP8 scheme: kvbits calibrate --scheme fp8-e4m3"
+                f"calibration of scheme {scheme.name!r}: vLLM loads static per-tensor or per-head FP8 scales; "
+                f"the {side} spec is {spec}. Calibrate an FP8 scheme: kvbits calibrate --scheme fp8-e4m3"
             )
         if spec.fmt != "e4m3":
             raise ValueError(
                 f"calibration of scheme {scheme.name!r}: vLLM's fp8_e5m2 cache takes no scales; only E4M3 "
                 f"scales can be exported (the {side} spec is {spec.fmt})"
             )
+    if scheme.key.granularity != scheme.value.granularity:
+        raise ValueError(
+            f"calibration of scheme {scheme.name!r} scales keys per {scheme.key.granularity} and values per "
+            f"{scheme.value.granularity}; vLLM's kv_cache_scheme has one strategy for both"
+        )
     if scheme.key.pre_rope:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} scales keys before RoPE; vLLM caches keys after RoPE, "
@@ -93,7 +118,8 @@ def _module_names(art: CalibrationArtifact, module_template: str | None) -> list
 
 
 def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) -> dict[str, torch.Tensor]:
-    """``{module}.k_scale`` / ``.v_scale`` -> float32 ``(1,)`` tensors, one pair per layer.
+    """``{module}.k_scale`` / ``.v_scale`` -> float32 tensors, one pair per layer: ``(1,)`` per tensor,
+    ``(H_kv, 1, 1)`` per head (llm-compressor's layout; vLLM flattens it).
 
     Module names come from the artifact (``calibrate`` records the attention modules' qualified
     names) or ``module_template`` (default ``model.layers.{i}.self_attn``).
@@ -104,11 +130,12 @@ def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) ->
         for side, short in (("key", "k"), ("value", "v")):
             qp = art.static_qparams(i, side)
             assert qp is not None  # check_exportable: static
-            out[f"{name}.{short}_scale"] = qp[0].detach().to("cpu", torch.float32).reshape(1).clone()
+            shape = (art.num_kv_heads, 1, 1) if art.scheme.key.granularity == "head" else (1,)
+            out[f"{name}.{short}_scale"] = qp[0].detach().to("cpu", torch.float32).reshape(shape).clone()
     return out
 
 
-def quantization_config() -> dict[str, Any]:
+def quantization_config(strategy: str = "tensor") -> dict[str, Any]:
     """The ``quantization_config`` of a checkpoint whose only quantization is the FP8 KV cache."""
     return {
         "quant_method": "compressed-tensors",
@@ -116,7 +143,7 @@ def quantization_config() -> dict[str, Any]:
         "quantization_status": "compressed",
         "config_groups": {},
         "ignore": [],
-        "kv_cache_scheme": dict(KV_CACHE_SCHEME),
+        "kv_cache_scheme": kv_cache_scheme(strategy),
     }
 
 
@@ -145,13 +172,14 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _merged_config(config: dict[str, Any], where: Path) -> dict[str, Any]:
+def _merged_config(config: dict[str, Any], where: Path, strategy: str) -> dict[str, Any]:
     """``config`` with the FP8 ``kv_cache_scheme``; an existing compressed-tensors config keeps its
     weight groups, any other quantization method is refused (vLLM reads one ``quant_method``)."""
     out = dict(config)
     qc = out.get("quantization_config")
+    want = kv_cache_scheme(strategy)
     if qc is None:
-        out["quantization_config"] = quantization_config()
+        out["quantization_config"] = quantization_config(strategy)
         return out
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
@@ -161,9 +189,9 @@ def _merged_config(config: dict[str, Any], where: Path) -> dict[str, Any]:
             "separate folder (no checkpoint) and merge by hand"
         )
     old = qc.get("kv_cache_scheme")
-    if old not in (None, KV_CACHE_SCHEME) and {k: old.get(k) for k in KV_CACHE_SCHEME} != KV_CACHE_SCHEME:
+    if old not in (None, want) and (not isinstance(old, dict) or {k: old.get(k) for k in want} != want):
         raise ValueError(f"{where} already has a different kv_cache_scheme {old!r}; refusing to replace it")
-    out["quantization_config"] = {**qc, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}
+    out["quantization_config"] = {**qc, "kv_cache_scheme": want}
     return out
 
 
@@ -200,7 +228,7 @@ def _servable(
         )
     if (checkpoint / SCALES_FILE).exists():
         raise ValueError(f"{checkpoint} already holds {SCALES_FILE}; export from the original checkpoint")
-    merged = _merged_config(config, cfg_path)  # refusals before anything is written
+    merged = _merged_config(config, cfg_path, _strategy(art))  # refusals before anything is written
     written = {cfg_path.name: merged}
     if index is not None:
         index.setdefault("weight_map", {}).update(dict.fromkeys(scales, SCALES_FILE))
@@ -220,6 +248,11 @@ def _servable(
         _atomic_json(out / name, obj)
     _save_tensors(out / SCALES_FILE, scales)
     return {"linked": linked, "written": [*written, SCALES_FILE]}
+
+
+def _number_or_list(t: torch.Tensor) -> float | list[float]:
+    """A per-tensor scale as a number, per-head scales as a list (the export record)."""
+    return float(t) if t.numel() == 1 else [float(v) for v in t.reshape(-1)]
 
 
 def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path) -> None:
@@ -266,6 +299,9 @@ def export_vllm(
             art.scheme.residual,
         )
     stats = art.layer_stats
+    strategy = _strategy(art)
+    # per-head scales reach vLLM's FlashAttention backend only; the others use each layer's largest
+    serve_flags = " --attention-backend FLASH_ATTN" if strategy == "attn_head" else ""
     record: dict[str, Any] = {
         "format": "vllm-compressed-tensors-kv-cache",
         "created": now_utc(),
@@ -278,18 +314,18 @@ def export_vllm(
             "context": art.max_calibrated_length,
             "windows": art.meta["data"].get("windows"),
         },
-        "kv_cache_scheme": dict(KV_CACHE_SCHEME),
+        "kv_cache_scheme": kv_cache_scheme(strategy),
         "layers": [
             {
-                "k_scale": float(scales[f"{name}.k_scale"]),
-                "v_scale": float(scales[f"{name}.v_scale"]),
+                "k_scale": _number_or_list(scales[f"{name}.k_scale"]),
+                "v_scale": _number_or_list(scales[f"{name}.v_scale"]),
                 "k_absmax": stats[i].get("key_absmax") if i < len(stats) else None,
                 "v_absmax": stats[i].get("value_absmax") if i < len(stats) else None,
                 "module": name,
             }
             for i, name in enumerate(_module_names(art, module_template))
         ],
-        "serve": "vllm serve <checkpoint> --kv-cache-dtype fp8",
+        "serve": f"vllm serve <checkpoint> --kv-cache-dtype fp8{serve_flags}",
     }
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
@@ -299,10 +335,10 @@ def export_vllm(
     if checkpoint is not None:
         ck = Path(checkpoint).expanduser()
         record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
-        record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8"
+        record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
     else:
         _save_tensors(out / SCALES_FILE, scales)
-    _atomic_json(out / CONFIG_FILE, {"quantization_config": quantization_config()})
+    _atomic_json(out / CONFIG_FILE, {"quantization_config": quantization_config(strategy)})
     _atomic_json(out / RECORD_FILE, record)
     logger.info("exported %d layers' FP8 K/V scales for vLLM", art.num_layers)
     return record

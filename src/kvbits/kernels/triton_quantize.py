@@ -292,10 +292,11 @@ def _to_fp8_bits(y, FMT: tl.constexpr):
 
 # fmt: off
 @triton.jit
-def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
+def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, H, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
                 STATIC: tl.constexpr, FMAX: tl.constexpr, OUTL: tl.constexpr):
     """Grid ``(B * H_kv, cdiv(n, ROWS))``: FP8 codes ``(B*H, n, D)`` (uint8) with one float16 scale per
-    row (``SCALE (B*H, n)``: ``amax / FMAX`` rounded up) or one static float32 scale ``SS``. ``OUTL``:
+    row (``SCALE (B*H, n)``: ``amax / FMAX`` rounded up) or a static float32 scale per head ``SS (H,)``
+    (a per-tensor scale repeated). ``OUTL``:
     entries flagged in ``OM`` are left out of the row maximum and of the clipped count."""
     bh = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -307,7 +308,7 @@ def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, D: tl.constexpr, ROWS: tl.cons
     if OUTL:
         out = tl.load(OM + offs, mask=tmask[:, None], other=0) != 0
     if STATIC:
-        s = tl.load(SS).to(tl.float32)
+        s = tl.load(SS + bh % H).to(tl.float32)
     else:
         amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=1, keep_dims=True)  # (ROWS, 1)
         sh = _fp16_up(tl.math.div_rn(amax, FMAX))
@@ -450,27 +451,25 @@ def _quantize_fp8(
     x: torch.Tensor, spec: TensorSpec, static_scale: torch.Tensor | None, sync: bool
 ) -> QuantizedTensor:
     """FP8 through ``_fp8_kernel``: what ``kvbits.quant.quantize`` stores for ``kind="fp8"``."""
-    from kvbits.quant.fp8 import fp8_dtype, fp8_max
+    from kvbits.quant.fp8 import fp8_dtype, fp8_max, static_fp8_scale
 
     B, H, n, D = x.shape
     dev = x.device
     static = spec.static or spec.granularity == "tensor"
     codes = torch.empty(B, H, n, D, dtype=torch.uint8, device=dev)
     clip = torch.zeros(1, dtype=torch.int32, device=dev)
-    if static:  # quantize's rule: the static scale, else 1, as a float32 scalar
+    if static:  # quantize's rule: the static scale, else 1; the kernel reads one float32 per head
         scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
-        scale = scale.to(dev, torch.float32)
-        ss, out_scale = scale.reshape(-1)[:1].contiguous(), None
-        if scale.numel() != 1:
-            raise NotImplementedError("quantize_pack_triton: a static FP8 scale must be one number")
+        scale = static_fp8_scale(scale.to(dev, torch.float32), spec.granularity, H, "static FP8 scale")
+        ss, out_scale = scale.reshape(-1).expand(H).contiguous(), None
     else:
-        ss = torch.empty(1, dtype=torch.float32, device=dev)
+        ss = torch.empty(H, dtype=torch.float32, device=dev)
         out_scale = torch.empty(B, H, n, 1, dtype=torch.float16, device=dev)
     o_vals, o_idx, mask = select_outliers(x, spec, None)
     om = clip if mask is None else mask.contiguous().view(torch.uint8)
     if n:
         _fp8_kernel[(B * H, triton.cdiv(n, TOKEN_ROWS))](
-            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, om, n,
+            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, om, n, H,
             D=D, ROWS=TOKEN_ROWS, FMT=0 if spec.fmt == "e4m3" else 1, STATIC=static, FMAX=fp8_max(spec.fmt),
             OUTL=mask is not None,
         )  # fmt: skip

@@ -29,3 +29,30 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (codes.float() * scale.float()).to(dtype)
+
+
+def static_fp8_scale(scale: torch.Tensor, granularity: str, n_heads: int | None, what: str) -> torch.Tensor:
+    """A static FP8 scale in the shape ``quantize`` broadcasts over ``(B, H_kv, n, D)`` blocks.
+
+    ``granularity="tensor"``: one number, returned as a ``()`` tensor. ``"head"`` (vLLM's ``attn_head``):
+    ``(H_kv,)``, ``(H_kv, 1, 1)`` (llm-compressor's layout) or ``(1, H_kv, 1, 1)``, returned as
+    ``(1, H_kv, 1, 1)``; one number is repeated per head (the uncalibrated 1.0). ``n_heads``: ``H_kv``
+    when known (``None``: taken from ``scale``). ``ValueError`` for any other shape.
+    """
+    if granularity == "tensor":
+        if scale.numel() != 1:
+            raise ValueError(f"{what}: a per-tensor FP8 scale is one number, got shape {tuple(scale.shape)}")
+        return scale if scale.dim() == 0 else scale.reshape(())  # the same tensor when it already fits
+    if granularity != "head":
+        raise ValueError(f"{what}: static FP8 scales are per 'tensor' or per 'head', got {granularity!r}")
+    if scale.numel() == 1 and n_heads is not None:
+        return scale.reshape(1, 1, 1, 1).expand(1, n_heads, 1, 1).clone()
+    h = scale.numel()
+    shapes = {(h,), (h, 1, 1), (1, h, 1, 1)}
+    if tuple(scale.shape) not in shapes or (n_heads is not None and h != n_heads):
+        want = "H_kv" if n_heads is None else n_heads
+        raise ValueError(
+            f"{what}: a per-head FP8 scale must be ({want},), ({want}, 1, 1) or (1, {want}, 1, 1), "
+            f"got shape {tuple(scale.shape)}"
+        )
+    return scale if scale.dim() == 4 else scale.reshape(1, h, 1, 1)

@@ -20,7 +20,7 @@ from kvbits.quant.affine import (
     quantize_affine,
 )
 from kvbits.quant.checks import check_kv
-from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
+from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8, static_fp8_scale
 from kvbits.quant.nuq import (
     CODEBOOK_DTYPE,
     check_codebook,
@@ -193,7 +193,8 @@ def quantize(
     if spec.kind == "fp8":
         if spec.static or spec.granularity == "tensor":
             scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
-            scale = scale.to(x.device, torch.float32)
+            # () per tensor, (1, H_kv, 1, 1) per head: a shape check, no device read
+            scale = static_fp8_scale(scale.to(x.device, torch.float32), spec.granularity, H, "static FP8 scale")
         else:
             amax = x.float().abs().amax(dim=-1, keepdim=True)
             if mask is not None:

@@ -180,8 +180,8 @@ def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
     total = 0
     if spec.static or (spec.kind == "fp8" and spec.granularity == "tensor"):
         per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
-        if spec.kind == "fp8":
-            total += 4  # one float32 scale
+        if spec.kind == "fp8":  # float32 scales: one per layer, or one per KV head
+            total += 4 * (n_heads if spec.granularity == "head" else 1)
         elif spec.granularity == "channel":
             total += n_heads * head_dim * per_scale
         elif spec.granularity in ("head", "token"):

@@ -50,6 +50,16 @@ register(
         reference=VLLM_FP8,
     )
 )
+_fp8h = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="head", static=True)
+register(
+    KVScheme(
+        "fp8-e4m3-head",
+        key=_fp8h,
+        value=_fp8h,
+        description="FP8 E4M3 with a static scale per KV head (1.0 until calibrated), as vLLM's attn_head strategy",
+        reference=VLLM_FP8,
+    )
+)
 _fp8t = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")
 register(
     KVScheme(

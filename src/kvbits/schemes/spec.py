@@ -12,7 +12,9 @@ Granularities are named by what one scale covers, for K/V shaped ``(B, H_kv, T, 
                so ``group_size >= 2`` is required. With ``static=True`` (KVQuant keys) the scale is a
                calibrated per-(head, channel) constant covering every token: no token group
                (``group_size=None``), so tokens can be flushed one at a time.
-- ``head``:    one scale per head over every token and channel of a flushed block.
+- ``head``:    one scale per head over every token and channel of a flushed block; for FP8 (which
+               needs ``static=True`` here) a calibrated per-KV-head scale covering every token (vLLM's
+               ``attn_head`` strategy).
 - ``tensor``:  one scale per sequence over the flushed block (all heads); with ``static=True`` a
                fixed scale from calibration (FP8 with scale 1.0 is vLLM's uncalibrated default).
                FP8 has no dynamic per-tensor scale: ``kind="fp8"`` with ``tensor`` needs ``static=True``.
@@ -112,14 +114,19 @@ class TensorSpec:
             raise ValueError(f"group_size must be positive, got {self.group_size}")
         if not 0.0 <= self.outlier_frac < 0.5:
             raise ValueError(f"outlier_frac must be in [0, 0.5), got {self.outlier_frac}")
-        if self.kind == "fp8" and self.granularity not in ("token", "tensor"):
-            raise ValueError(f"fp8 supports granularity 'token' or 'tensor', got {self.granularity!r}")
-        if self.kind == "fp8" and self.granularity == "tensor" and not self.static:
-            # there is no dynamic per-tensor FP8 path: the scale would silently be the fixed 1.0
+        if self.kind == "fp8" and self.granularity not in ("token", "head", "tensor"):
+            raise ValueError(f"fp8 supports granularity 'token', 'head' or 'tensor', got {self.granularity!r}")
+        if self.kind == "fp8" and self.granularity in ("head", "tensor") and not self.static:
+            # there is no dynamic per-tensor / per-head FP8 path: the scale would silently be the fixed 1.0
             raise ValueError(
-                "fp8 granularity 'tensor' uses one fixed scale (1.0 until calibrated, as vLLM's "
+                f"fp8 granularity {self.granularity!r} uses fixed scales (1.0 until calibrated, as vLLM's "
                 "kv_cache_dtype=fp8): it needs static=True; for scales computed from the data use "
                 "granularity='token' (one dynamic scale per token and head)"
+            )
+        if self.kind == "fp8" and self.static and self.granularity == "token":
+            raise ValueError(
+                "a static FP8 spec has one calibrated scale per tensor ('tensor') or per KV head ('head'); "
+                "granularity 'token' computes a scale per (token, head) from the data: use static=False"
             )
 
     def _check_types(self) -> None:
@@ -149,8 +156,8 @@ class TensorSpec:
     @property
     def calibratable(self) -> bool:
         """True when ``kvbits calibrate`` fits parameters for this spec: the ``calibrated`` ones, and an
-        FP8 per-tensor scale (static FP8), which runs at 1.0 without an artifact (vLLM's uncalibrated
-        default) and at ``absmax / fp8_max`` of the calibration data with one."""
+        FP8 per-tensor or per-head scale (static FP8), which runs at 1.0 without an artifact (vLLM's
+        uncalibrated default) and at ``absmax / fp8_max`` of the calibration data with one."""
         return self.calibrated or (self.kind == "fp8" and self.static)
 
     @property
