@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _provenance import commit, host
 
 from kvbits.calibrate import CalibrationArtifact, collect_samples, fit_artifact
 from kvbits.evaluate.models import load_model
@@ -41,14 +40,6 @@ logger = logging.getLogger("fp8_calibration")
 
 CALIBRATED = "fp8-e4m3-cal"
 CONTROLS = (0.5, 1.25)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _variant(
@@ -139,8 +130,8 @@ def main() -> None:
                         r["calibration"].get("clipped_values_frac"))  # fmt: skip
     out = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
-        "host": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "commit": commit(),
+        "host": host(),
         "args": vars(args),
         "models": records,
     }

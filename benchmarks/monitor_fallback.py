@@ -18,12 +18,12 @@ import json
 import logging
 import math
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from _provenance import commit
 
 from kvbits.evaluate.data import load_text, make_windows, tokenize
 from kvbits.evaluate.metrics import LogitHead, bucket_records, token_metrics
@@ -46,14 +46,6 @@ def runs(key: float, value: float) -> list[tuple[str, str, FallbackPolicy | None
     ]  # fmt: skip
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -74,7 +66,7 @@ def main() -> None:
         h_ref = base_model(model)(input_ids=ids, use_cache=False).last_hidden_state[0]
     head = LogitHead.from_model(model)
     out = {"model": args.model, "text": args.text, "context": args.context, "semantics": "decode",
-           "thresholds": {"key": args.key_threshold, "value": args.value_threshold}, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+           "thresholds": {"key": args.key_threshold, "value": args.value_threshold}, "commit": commit(), "date": time.strftime("%Y-%m-%d"),
            "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                       f"torch {torch.__version__}", "runs": []}  # fmt: skip
     for label, scheme, policy in runs(args.key_threshold, args.value_threshold):

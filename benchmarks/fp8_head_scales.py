@@ -1,0 +1,125 @@
+"""FP8 E4M3 KV cache: one calibrated scale per layer (vLLM's ``tensor`` strategy) against one per KV
+head (``attn_head``), each as the largest stored |x| over 448 (``amax``) and at the least-error grid
+phase (``mse``, ``kvbits calibrate``'s default).
+
+For each model: one calibration pass (``collect_samples``) on one text, four artifacts fitted from the
+same samples, then ``evaluate`` on another text against the unquantized model: ``fp8-e4m3`` at scale
+1.0 (vLLM's uncalibrated default), the four calibrated variants, and ``fp8-e4m3-token`` (a dynamic
+scale per token and head). Per layer it records how far apart the heads' scales are
+(``head_spread_db``: largest over smallest head scale). The per-head scales are exported as vLLM
+loads them (``kvbits export``, strategy ``attn_head``).
+
+FP8 is floating point: a scale moves the range (saturation at 448, subnormals below 2^-6) and the
+grid phase, not the relative step. A per-head scale therefore helps where one head's values would
+saturate or sink into subnormals under its layer's scale, or where each head's phase is chosen on
+its own (``mse``); heads whose ranges differ by less than ~2^8 get nothing from the range alone.
+
+    PYTHONPATH=src python benchmarks/fp8_head_scales.py --out benchmarks/results/fp8_head_scales.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+from _provenance import commit, host
+
+from kvbits.calibrate import collect_samples, fit_artifact
+from kvbits.evaluate.models import load_model
+from kvbits.evaluate.runner import evaluate
+from kvbits.export import export_vllm
+from kvbits.schemes import get_scheme
+
+logger = logging.getLogger("fp8_head_scales")
+
+VARIANTS = {  # name -> (preset, fp8_scale)
+    "fp8-tensor-amax": ("fp8-e4m3", "amax"),
+    "fp8-tensor-mse": ("fp8-e4m3", "mse"),
+    "fp8-head-amax": ("fp8-e4m3-head", "amax"),
+    "fp8-head-mse": ("fp8-e4m3-head", "mse"),
+}
+
+
+def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
+    model = load_model(name)
+    t0 = time.perf_counter()
+    samples = collect_samples(
+        model, args.calibration_text, context=args.calibration_context, windows=args.calibration_windows,
+        fisher=False,
+    )  # fmt: skip
+    cal_s = time.perf_counter() - t0
+    arts = {}
+    for label, (preset, how) in VARIANTS.items():
+        scheme = get_scheme(preset).replace(name=label)
+        arts[label] = fit_artifact(samples, scheme, fp8_scale=how)
+    export = export_vllm(arts["fp8-head-mse"], work / f"vllm-head-{name}")
+    summary = evaluate(
+        model, args.text, args.context, ["fp8-e4m3", *(a.scheme for a in arts.values()), "fp8-e4m3-token"],
+        windows=args.windows, calibration=arts, progress=False,
+    )  # fmt: skip
+    layers = []
+    for i in range(arts["fp8-head-amax"].num_layers):
+        row: dict = {"layer": i}
+        for side, short in (("key", "k"), ("value", "v")):
+            head = arts["fp8-head-amax"].layer_stats[i]
+            row[f"{short}_absmax"] = head[f"{side}_absmax"]
+            row[f"{short}_head_spread_db"] = head[f"{side}_head_spread_db"]
+            row[f"{short}_head_scales_mse"] = (
+                arts["fp8-head-mse"].tensors[f"layers.{i}.{side}_scale"].tolist()
+            )
+            row[f"{short}_tensor_scale_mse"] = float(
+                arts["fp8-tensor-mse"].tensors[f"layers.{i}.{side}_scale"]
+            )
+            for label in ("fp8-tensor-mse", "fp8-head-mse"):
+                row[f"{short}_{label}_gain_db"] = arts[label].layer_stats[i][f"{side}_mse_gain_db"]
+        layers.append(row)
+    return {
+        "model": name,
+        "kv_heads": arts["fp8-head-amax"].num_kv_heads,
+        "calibration": {
+            "text": args.calibration_text,
+            "context": args.calibration_context,
+            "windows": args.calibration_windows,
+            "seconds": round(cal_s, 1),
+        },
+        "export": {"kv_cache_scheme": export["kv_cache_scheme"], "serve": export["serve"]},
+        "layers": layers,
+        "eval": summary,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--text", default="war-and-peace")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--calibration-text", default="pride-and-prejudice")
+    ap.add_argument("--calibration-context", type=int, default=4096)
+    ap.add_argument("--calibration-windows", type=int, default=4)
+    ap.add_argument("--work", default="/tmp/kvbits-fp8-head-scales")
+    ap.add_argument("--out", default="benchmarks/results/fp8_head_scales.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    records = []
+    for name in args.models:
+        rec = run_model(name, args, work)
+        records.append(rec)
+        for r in rec["eval"]["results"]:
+            logger.info(
+                "%s %s: kl %.5f ppl %.4f (ref %.4f)", name, r["scheme"], r["kl"], r["ppl"], r["ppl_ref"]
+            )
+    out = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "host": host(), "args": vars(args),
+           "models": records}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
