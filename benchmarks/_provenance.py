@@ -1,9 +1,13 @@
-"""Where a benchmark result came from: the commit and the host, recorded beside the figures."""
+"""Where a benchmark result came from: the commit and the host, written beside the figures."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import subprocess
+import time
+from pathlib import Path
 
 import torch
 
@@ -22,3 +26,16 @@ def commit() -> str:
 def host() -> str:
     """``"x86_64 2 threads, torch 2.13.0+cpu"``."""
     return f"{platform.processor() or platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def write_results(path: str | Path, args: argparse.Namespace, models: list[dict]) -> None:
+    """``{"date", "commit", "host", "args", "models"}`` as JSON at ``path`` (folders created)."""
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
+        "host": host(),
+        "args": vars(args),
+        "models": models,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")

@@ -21,22 +21,20 @@ band of "which scale" on this text: a calibration is worth something only outsid
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _provenance import commit, host
+from _provenance import write_results
 
 from kvbits.calibrate import CalibrationArtifact, collect_samples, fit_artifact
 from kvbits.evaluate.models import load_model
 from kvbits.evaluate.runner import evaluate
 from kvbits.export import export_vllm
 from kvbits.schemes import KVScheme, get_scheme
-
-logger = logging.getLogger("fp8_calibration")
 
 CALIBRATED = "fp8-e4m3-cal"
 CONTROLS = (0.5, 1.25)
@@ -105,8 +103,10 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def calibrate_then_eval_args(doc: str | None, work: str, out: str) -> argparse.ArgumentParser:
+    """The arguments of a calibrate-on-one-text, evaluate-on-another benchmark (this one and
+    ``fp8_head_scales.py``): models, evaluation and calibration text/context/windows, folders."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     ap.add_argument("--text", default="war-and-peace")
     ap.add_argument("--context", type=int, default=4096)
@@ -114,30 +114,35 @@ def main() -> None:
     ap.add_argument("--calibration-text", default="pride-and-prejudice")
     ap.add_argument("--calibration-context", type=int, default=4096)
     ap.add_argument("--calibration-windows", type=int, default=4)
-    ap.add_argument("--work", default="/tmp/kvbits-fp8-calibration")
-    ap.add_argument("--out", default="benchmarks/results/fp8_calibration.json")
-    args = ap.parse_args()
+    ap.add_argument("--work", default=work)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def run_models(
+    args: argparse.Namespace, run_model: Callable[[str, argparse.Namespace, Path], dict], line: Callable[[dict], str]
+) -> None:
+    """``run_model`` for each of ``args.models``, each evaluated scheme logged as ``line(result)``;
+    the records written to ``args.out`` with date, commit and host."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log = logging.getLogger(Path(sys.argv[0]).stem)  # the script that runs
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     records = []
     for name in args.models:
-        rec = run_model(name, args, work)
-        records.append(rec)
-        for r in rec["eval"]["results"]:
-            logger.info("%s %s: kl %.5f ppl %.4f (ref %.4f) clipped K %s V %s", name, r["scheme"], r["kl"],
-                        r["ppl"], r["ppl_ref"], r["calibration"].get("clipped_keys_frac"),
-                        r["calibration"].get("clipped_values_frac"))  # fmt: skip
-    out = {
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": commit(),
-        "host": host(),
-        "args": vars(args),
-        "models": records,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    logger.info("wrote %s", args.out)
+        records.append(run_model(name, args, work))
+        for r in records[-1]["eval"]["results"]:
+            log.info("%s %s", name, line(r))
+    write_results(args.out, args, records)
+    log.info("wrote %s", args.out)
+
+
+def main() -> None:
+    ap = calibrate_then_eval_args(__doc__, "/tmp/kvbits-fp8-calibration", "benchmarks/results/fp8_calibration.json")
+    run_models(ap.parse_args(), run_model, lambda r: (
+        f"{r['scheme']}: kl {r['kl']:.5f} ppl {r['ppl']:.4f} (ref {r['ppl_ref']:.4f}) clipped K "
+        f"{r['calibration'].get('clipped_keys_frac')} V {r['calibration'].get('clipped_values_frac')}"
+    ))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,20 +20,16 @@ its own (``mse``); heads whose ranges differ by less than ~2^8 get nothing from 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import time
 from pathlib import Path
 
-from _provenance import commit, host
+from fp8_calibration import calibrate_then_eval_args, run_models
 
 from kvbits.calibrate import collect_samples, fit_artifact
 from kvbits.evaluate.models import load_model
 from kvbits.evaluate.runner import evaluate
 from kvbits.export import export_vllm
 from kvbits.schemes import get_scheme
-
-logger = logging.getLogger("fp8_head_scales")
 
 VARIANTS = {  # name -> (preset, fp8_scale)
     "fp8-tensor-amax": ("fp8-e4m3", "amax"),
@@ -92,33 +88,14 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
-    ap.add_argument("--text", default="war-and-peace")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--calibration-text", default="pride-and-prejudice")
-    ap.add_argument("--calibration-context", type=int, default=4096)
-    ap.add_argument("--calibration-windows", type=int, default=4)
-    ap.add_argument("--work", default="/tmp/kvbits-fp8-head-scales")
-    ap.add_argument("--out", default="benchmarks/results/fp8_head_scales.json")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    records = []
-    for name in args.models:
-        rec = run_model(name, args, work)
-        records.append(rec)
-        for r in rec["eval"]["results"]:
-            logger.info(
-                "%s %s: kl %.5f ppl %.4f (ref %.4f)", name, r["scheme"], r["kl"], r["ppl"], r["ppl_ref"]
-            )
-    out = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "host": host(), "args": vars(args),
-           "models": records}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    logger.info("wrote %s", args.out)
+    ap = calibrate_then_eval_args(
+        __doc__, "/tmp/kvbits-fp8-head-scales", "benchmarks/results/fp8_head_scales.json"
+    )
+    run_models(
+        ap.parse_args(),
+        run_model,
+        lambda r: f"{r['scheme']}: kl {r['kl']:.5f} ppl {r['ppl']:.4f} (ref {r['ppl_ref']:.4f})",
+    )
 
 
 if __name__ == "__main__":
