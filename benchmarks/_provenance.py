@@ -28,11 +28,14 @@ def host() -> str:
     return f"{platform.processor() or platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def write_results(path: str | Path, args: argparse.Namespace, models: list[dict]) -> None:
-    """``{"date", "commit", "host", "args", "models"}`` as JSON at ``path`` (folders created)."""
+def write_results(
+    path: str | Path, args: argparse.Namespace, models: list[dict], rev: str | None = None
+) -> None:
+    """``{"date", "commit", "host", "args", "models"}`` as JSON at ``path`` (folders created); ``rev``:
+    the commit the run started at (default HEAD now: take it before a long run, HEAD may move)."""
     out = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": commit(),
+        "commit": rev or commit(),
         "host": host(),
         "args": vars(args),
         "models": models,

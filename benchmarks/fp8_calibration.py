@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _provenance import write_results
+from _provenance import commit, write_results
 
 from kvbits.calibrate import CalibrationArtifact, collect_samples, fit_artifact
 from kvbits.evaluate.models import load_model
@@ -126,6 +126,7 @@ def run_models(
     the records written to ``args.out`` with date, commit and host."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger(Path(sys.argv[0]).stem)  # the script that runs
+    rev = commit()  # the code that runs: HEAD may move during a long run
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     records = []
@@ -133,7 +134,7 @@ def run_models(
         records.append(run_model(name, args, work))
         for r in records[-1]["eval"]["results"]:
             log.info("%s %s", name, line(r))
-    write_results(args.out, args, records)
+    write_results(args.out, args, records, rev)
     log.info("wrote %s", args.out)
 
 
