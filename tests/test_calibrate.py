@@ -782,7 +782,7 @@ def test_fp8_per_head_scales_cover_each_heads_stored_range(fp8_calibrated, tmp_p
     model, tensor_art, _ = fp8_calibrated
     ids = token_ids()
     art = calibrate(model, ids, "fp8-e4m3-head", context=128, windows=3, fisher=False, fp8_scale="amax")
-    mse = calibrate(model, ids, "fp8-e4m3-head", context=128, windows=3, fisher=False)
+    mse = calibrate(model, ids, "fp8-e4m3-head", context=128, windows=3, fisher=False, fp8_scale="mse")
     stored = {i: {"key": [], "value": []} for i in range(2)}
     for s in art.meta["data"]["starts"]:
         cache = transformers.DynamicCache(config=model.config)
@@ -854,7 +854,7 @@ def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):
     from kvbits.calibrate.fit import FP8_PHASES, _fp8_sq_error
 
     model, amax_art, _ = fp8_calibrated
-    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False)  # mse: the default
+    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, fp8_scale="mse")
     assert art.meta["fp8_scale"] == "mse" and amax_art.meta["fp8_scale"] == "amax"
     spec = get_scheme("fp8-e4m3").key
     ids = token_ids()
@@ -876,3 +876,44 @@ def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):
     assert row["key_mse_gain_db"] >= 0
     with pytest.raises(ValueError, match="fp8_scale must be one of"):
         calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=1, fp8_scale="max")
+
+
+def test_fp8_centred_key_error_ignores_what_softmax_ignores(fp8_calibrated):
+    """The default ``fp8_scale="centred"``: key scales minimise the squared error left after removing
+    each (head, channel)'s mean error over the tokens (a constant shift of every logit of a query, which
+    softmax ignores); value scales minimise the plain squared error (as ``"mse"``). A large constant key
+    channel, which plain squared error chases, does not move the centred choice."""
+    from kvbits.calibrate.fit import FP8_PHASES, _fp8_sq_error, fit_side
+
+    model, amax_art, _ = fp8_calibrated
+    art = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False)
+    mse = calibrate(model, token_ids(), "fp8-e4m3", context=128, windows=3, fisher=False, fp8_scale="mse")
+    assert art.meta["fp8_scale"] == "centred"
+    spec = get_scheme("fp8-e4m3").key
+    stored = {"key": [], "value": []}
+    for s in art.meta["data"]["starts"]:
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(token_ids()[None, s : s + 128], past_key_values=cache, use_cache=True)
+        stored["key"].append(cache.layers[1].keys[0])
+        stored["value"].append(cache.layers[1].values[0])
+    for side, centred in (("key", True), ("value", False)):
+        x = torch.cat(stored[side], dim=1)  # (H_kv, T, D): every position, the samples at this size
+        base = amax_art.tensors[f"layers.1.{side}_scale"]
+        errs = [_fp8_sq_error(x, (base * 2 ** (j / FP8_PHASES)).float(), spec, centred) for j in range(FP8_PHASES)]
+        chosen = art.tensors[f"layers.1.{side}_scale"]
+        assert _fp8_sq_error(x, chosen, spec, centred) == pytest.approx(min(errs), rel=1e-4)
+    assert torch.equal(art.tensors["layers.1.value_scale"], mse.tensors["layers.1.value_scale"])
+    # synthetic keys: a varying part plus a constant channel of 300: "mse" follows the constant channel
+    # (its rounding error is large and the same at every token), "centred" only the varying part
+    g = torch.Generator().manual_seed(3)
+    varying = torch.randn(1, 4000, 8, generator=g)
+    keys = varying.clone()
+    keys[..., 0] = 300.0 + 0.01 * keys[..., 0]
+    kw = {"absmax": float(keys.abs().max())}
+    plain, _ = fit_side(spec, keys, fp8_scale="mse", **kw)
+    cent, _ = fit_side(spec, keys, fp8_scale="centred", **kw)
+    e = {name: (_fp8_sq_error(keys, t["scale"], spec, True), _fp8_sq_error(keys, t["scale"], spec, False))
+         for name, t in (("mse", plain), ("centred", cent))}  # fmt: skip
+    assert e["centred"][0] <= e["mse"][0] and e["mse"][1] <= e["centred"][1]
+    assert not torch.equal(plain["scale"], cent["scale"])

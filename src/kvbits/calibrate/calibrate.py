@@ -407,7 +407,7 @@ def fit_artifact(
     seed: int = 0,
     max_tokens: int | None = None,
     progress: Progress | None = None,
-    fp8_scale: str = "mse",
+    fp8_scale: str = "centred",
 ) -> CalibrationArtifact:
     """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped).
 
@@ -497,7 +497,7 @@ def calibrate(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     progress: Progress | None = None,
-    fp8_scale: str = "mse",
+    fp8_scale: str = "centred",
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
 
@@ -526,11 +526,13 @@ def calibrate(
         device: ``"cpu"``, ``"cuda"`` (``"cuda:N"``) or ``"mps"``; refused (``ValueError``) before
             the model loads when this torch can not use it. None: as loaded (CPU) or as given.
         progress: ``callback(stage, done, total)`` with stages ``"windows"`` and ``"fit"``.
-        fp8_scale: static FP8 sides: ``"mse"`` (default: the amax scale raised by up to 2x to the least
-            squared error on the sampled tokens; ``kvbits.calibrate.fit``) or ``"amax"`` (the largest
-            ``|x|`` over every calibration token / ``fp8_max``, llm-compressor's minmax observer). On
-            Qwen2.5-Coder-0.5B ``mse`` had 40 % less KL than ``amax`` and 58 % less than scale 1.0
-            (BENCHMARKS.md §8). Both never saturate on the calibration tokens.
+        fp8_scale: static FP8 sides: ``"centred"`` (default: the amax scale raised by up to 2x to the
+            least squared error on the sampled tokens, for keys without each channel's mean error over
+            the tokens, which shifts all of a query's logits alike; ``kvbits.calibrate.fit``), ``"mse"``
+            (plain squared error for keys too) or ``"amax"`` (the largest ``|x|`` over every calibration
+            token / ``fp8_max``, llm-compressor's minmax observer). On Qwen2.5-Coder-0.5B ``mse`` had
+            40 % less KL than ``amax`` per tensor but none per head; ``centred`` about a third less with
+            either (BENCHMARKS.md §8, §10). None saturates on the calibration tokens.
     """
     scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
     check_fp8_scale(fp8_scale)

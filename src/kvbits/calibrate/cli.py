@@ -25,7 +25,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(and their loss gradients), and fit per-channel key ranges and Fisher-weighted non-uniform "
         "codebooks; for static FP8 schemes (fp8-e4m3; fp8-e4m3-head: one per KV head), per-layer K/V scales "
         "absmax / 448 over every calibration token (post-RoPE keys after RoPE), raised to the least-error "
-        "grid phase (--fp8-scale mse), as vLLM's k_scale / v_scale (kvbits export --format vllm). "
+        "grid phase (--fp8-scale centred), as vLLM's k_scale / v_scale (kvbits export --format vllm). "
         "Writes DIR/calibration.safetensors and DIR/calibration.json.",
     )
     p.add_argument(
@@ -55,10 +55,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fp8-scale",
-        choices=("mse", "amax"),
-        default="mse",
-        help="static FP8 scales: mse (default) = the amax scale raised by up to 2x to the least squared "
-        "error on the sampled tokens; amax = largest |x| / fp8 max (llm-compressor's minmax)",
+        choices=("centred", "mse", "amax"),
+        default="centred",
+        help="static FP8 scales: centred (default) = the amax scale raised by up to 2x to the least squared "
+        "error on the sampled tokens, keys measured without each channel's mean error (a shift of all of a "
+        "query's logits, which softmax ignores); mse = plain squared error for keys too; amax = largest |x| "
+        "/ fp8 max (llm-compressor's minmax)",
     )
     p.add_argument(
         "--max-tokens",

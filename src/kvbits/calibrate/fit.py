@@ -12,8 +12,14 @@
   ``fp8_scale="mse"`` the scale is then raised by up to 2x (``FP8_PHASES`` steps) to the one with the
   least squared error on the samples: a per-tensor scale also sets where every value falls between
   E4M3's grid points (the "phase"): on Qwen2.5-Coder-0.5B the least-error phase had 58 % less KL
-  than scale 1.0 (BENCHMARKS.md §8). ``calibrate`` defaults to ``"mse"``; the model-free functions
-  here default to ``"amax"``, since only the caller knows whether its samples are the stored tensor.
+  than scale 1.0 (BENCHMARKS.md §8). ``fp8_scale="centred"`` (``calibrate``'s default) searches the
+  same scales but measures the keys' error without its part constant over tokens (per head and
+  channel): that part shifts every attention logit of a query by the same amount, which softmax
+  ignores. Plain squared error rewards rounding a large near-constant key channel well, which does not
+  matter, and was unstable on Qwen2.5 (per-tensor scales 0.0225 KL, per-head 0.0350); the centred error
+  gave 0.0250 and 0.0249 (BENCHMARKS.md §10). Values keep the plain squared error. The model-free
+  functions here default to ``"amax"``, since only the caller knows whether its samples are the
+  stored tensor.
 
 ``calibrate`` (``kvbits.calibrate.calibrate``) collects the samples from a model and calls
 ``artifact_from_samples``; tests and tools can call it with synthetic samples.
@@ -38,9 +44,10 @@ from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-FP8_SCALES = ("amax", "mse")
+FP8_SCALES = ("amax", "mse", "centred")
 FP8_PHASES = 32
-"""``fp8_scale="mse"`` tries ``amax / fp8_max * 2 ** (j / FP8_PHASES)`` for ``j`` in ``0 .. FP8_PHASES - 1``."""
+"""``fp8_scale="mse"`` / ``"centred"`` try ``amax / fp8_max * 2 ** (j / FP8_PHASES)`` for ``j`` in
+``0 .. FP8_PHASES - 1``."""
 
 
 def check_fp8_scale(fp8_scale: str) -> None:
@@ -122,7 +129,9 @@ def fit_side(
     gives ``absmax`` over every calibration position: nothing clips. ``fp8_scale="mse"`` raises each
     scale by up to 2x to the least squared error on ``x`` (which must then be samples of the stored
     tensor) and adds ``scale_step`` (the chosen ``j``; per head, the mean) and ``mse_gain_db`` (the amax
-    scales' squared error over the chosen ones').
+    scales' squared error over the chosen ones'); ``"centred"`` does the same with each channel's mean
+    error over the ``N`` samples removed first (for keys: ``artifact_from_samples`` passes ``"mse"`` for
+    values).
     """
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
@@ -180,7 +189,7 @@ def _fit_fp8(
     fits = [_fit_fp8_group(spec, g, a, fp8_scale) for g, a in zip(groups, amaxes)]
     scale = torch.stack([f[0] for f in fits]) if per_head else fits[0][0]
     stats: dict[str, float] = {"absmax": max(amaxes)}
-    if fp8_scale == "mse" and x.numel():
+    if fp8_scale in ("mse", "centred") and x.numel():
         steps = [f[1] for f in fits if f[1] is not None]
         base_err, best_err = sum(f[2] for f in fits), sum(f[3] for f in fits)
         if steps:
@@ -209,24 +218,31 @@ def _fit_fp8_group(
     # float32 rounding may land a hair below amax / fp8_max: one ulp up keeps amax inside the grid
     if float(scale) * fp8_max(spec.fmt) < amax:
         scale = torch.nextafter(scale, torch.tensor(math.inf))
-    if fp8_scale != "mse" or not x.numel():
+    if fp8_scale not in ("mse", "centred") or not x.numel():
         return scale, None, 0.0, 0.0
-    return _mse_phase(spec, x, scale)
+    return _mse_phase(spec, x, scale, centred=fp8_scale == "centred")
 
 
-def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor, spec: TensorSpec) -> float:
+def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor, spec: TensorSpec, centred: bool = False) -> float:
+    """Squared error of storing ``x`` ``(..., N, D)`` (``N`` tokens) as FP8 at ``scale``; ``centred``:
+    without each channel's mean error over the tokens (the part softmax ignores, for keys)."""
     from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
 
     codes, _ = quantize_fp8(x, scale, spec.fmt)
-    return float((dequantize_fp8(codes, scale, torch.float64) - x.double()).square().sum())
+    err = dequantize_fp8(codes, scale, torch.float64) - x.double()
+    if centred:
+        err = err - err.mean(dim=-2, keepdim=True)
+    return float(err.square().sum())
 
 
-def _mse_phase(spec: TensorSpec, x: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
-    """``base * 2 ** (j / FP8_PHASES)`` with the least squared error on ``x`` (``j = 0`` on ties):
-    ``(scale, j, error at j = 0, error at j)``."""
-    x = x.float().reshape(-1)
+def _mse_phase(
+    spec: TensorSpec, x: torch.Tensor, base: torch.Tensor, centred: bool = False
+) -> tuple[torch.Tensor, float, float, float]:
+    """``base * 2 ** (j / FP8_PHASES)`` with the least squared error on ``x`` ``(..., N, D)`` (``j = 0``
+    on ties; ``centred``: see ``_fp8_sq_error``): ``(scale, j, error at j = 0, error at j)``."""
+    x = x.float()
     errors = [
-        _fp8_sq_error(x, (base * 2.0 ** (j / FP8_PHASES)).float(), spec) for j in range(FP8_PHASES)
+        _fp8_sq_error(x, (base * 2.0 ** (j / FP8_PHASES)).float(), spec, centred) for j in range(FP8_PHASES)
     ]
     j = min(range(FP8_PHASES), key=lambda i: (errors[i], i))
     return (base * 2.0 ** (j / FP8_PHASES)).float(), float(j), errors[0], errors[j]
@@ -260,11 +276,14 @@ def artifact_from_samples(
         meta: JSON fields to record (``model``, ``data``, ...); ``model`` defaults to the shape of the
             samples and ``data`` to the sample count.
         key_absmax, value_absmax: static FP8 sides only: per layer, the largest ``|K|`` / ``|V|`` the
-            cache stores (per-head specs: ``H_kv`` numbers per layer) (``calibrate`` passes the maximum over every calibration token, post-RoPE for
-            post-RoPE keys); default each layer's samples' own maximum, which takes the samples as the
-            stored tensor (so for a post-RoPE FP8 key spec, give post-RoPE keys or ``key_absmax``).
-        fp8_scale: ``"amax"`` or ``"mse"`` (see ``fit_side``); with ``"mse"`` the samples must be of the
-            stored tensor (``calibrate`` passes post-RoPE key samples for post-RoPE FP8 keys).
+            cache stores (per-head specs: ``H_kv`` numbers per layer; ``calibrate`` passes the maximum over
+            every calibration token, post-RoPE for post-RoPE keys); default each layer's samples' own
+            maximum, which takes the samples as the stored tensor (so for a post-RoPE FP8 key spec, give
+            post-RoPE keys or ``key_absmax``).
+        fp8_scale: ``"amax"``, ``"mse"`` or ``"centred"`` (keys by their error up to a per-channel constant,
+            values by plain squared error; see ``fit_side``); with ``"mse"`` / ``"centred"`` the samples
+            must be of the stored tensor (``calibrate`` passes post-RoPE key samples for post-RoPE FP8
+            keys).
     """
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
@@ -308,7 +327,7 @@ def artifact_from_samples(
                 kmeans_iterations=kmeans_iterations,
                 seed=seed + i,
                 absmax=None if amax is None else amax[i],
-                fp8_scale=fp8_scale,
+                fp8_scale="mse" if fp8_scale == "centred" and side == "value" else fp8_scale,
             )
             tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
             row.update({f"{side}_{k}": v for k, v in s.items()})
