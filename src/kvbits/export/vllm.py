@@ -20,7 +20,7 @@ backends take each layer's largest head scale, a per-tensor scale.
 
 The scales are a kvbits ``fp8-e4m3`` (or ``fp8-e4m3-head``) calibration (``kvbits calibrate --scheme
 fp8-e4m3``): per layer (and head), the largest post-RoPE ``|K|`` and ``|V|`` over every calibration
-token, over 448, raised to the least-error grid phase by default (``--fp8-scale mse``). They mean the
+token, over 448, raised to the least-error grid phase by default (``--fp8-scale centred``). They mean the
 same thing in both: kvbits' FP8 cache quantizes as vLLM does (divide by the scale, round to nearest,
 saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what vLLM will
 store.
