@@ -40,35 +40,15 @@ register(
         description="unquantized, bfloat16 storage",
     )
 )
-_fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
-register(
-    KVScheme(
-        "fp8-e4m3",
-        key=_fp8,
-        value=_fp8,
-        description="FP8 E4M3 cast with a static per-tensor scale (1.0 until calibrated), as vLLM's kv_cache_dtype=fp8",
-        reference=VLLM_FP8,
-    )
-)
-_fp8h = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="head", static=True)
-register(
-    KVScheme(
-        "fp8-e4m3-head",
-        key=_fp8h,
-        value=_fp8h,
-        description="FP8 E4M3 with a static scale per KV head (1.0 until calibrated), as vLLM's attn_head strategy",
-        reference=VLLM_FP8,
-    )
-)
-_fp8t = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")
-register(
-    KVScheme(
-        "fp8-e4m3-token",
-        key=_fp8t,
-        value=_fp8t,
-        description="FP8 E4M3 with one dynamic scale per token and head",
-    )
-)
+for _name, _gran, _static, _desc, _ref in (
+    ("fp8-e4m3", "tensor", True, ("FP8 E4M3 cast with a static per-tensor scale (1.0 until calibrated), "
+     "as vLLM's kv_cache_dtype=fp8"), VLLM_FP8),
+    ("fp8-e4m3-head", "head", True, ("FP8 E4M3 with a static scale per KV head (1.0 until calibrated), "
+     "as vLLM's attn_head strategy"), VLLM_FP8),
+    ("fp8-e4m3-token", "token", False, "FP8 E4M3 with one dynamic scale per token and head", ""),
+):  # fmt: skip
+    _fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity=_gran, static=_static)
+    register(KVScheme(_name, key=_fp8, value=_fp8, description=_desc, reference=_ref))
 for _bits in (8, 4, 3, 2):
     register(
         KVScheme(
