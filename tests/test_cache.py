@@ -1160,6 +1160,11 @@ def test_fp8_per_head_scales_in_the_layer():
         installed.update(k, v)
     with pytest.raises(ValueError, match="must be finite and > 0"):
         QuantizedKVLayer(sch, num_key_value_heads=3).set_static_qparams("key", torch.tensor([1.0, 0.0, 1.0]))
+    # one KV head (MQA): the chunks share the layer's scale, no copy per flush beside the reported bytes
+    mqa = QuantizedKVLayer(sch, num_key_value_heads=1)
+    for _ in range(2):
+        mqa.update(k[:, :1], v[:, :1])
+    assert all(c.scale is mqa._k.static_scale for c in mqa._k.chunks)
 
 
 def test_zero_static_scales_show_as_clipped_in_the_cache():

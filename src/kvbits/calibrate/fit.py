@@ -193,7 +193,7 @@ def _fit_fp8(
         steps = [f[1] for f in fits if f[1] is not None]
         base_err, best_err = sum(f[2] for f in fits), sum(f[3] for f in fits)
         if steps:
-            stats["scale_step"] = sum(steps) / len(steps)  # the mean over heads per head
+            stats["scale_step"] = sum(steps) / len(steps)  # per head: the mean over the heads
         stats["mse_gain_db"] = 10 * math.log10(base_err / best_err) if base_err > 0 and best_err > 0 else 0.0
     elif absmax is None:  # x is the stored tensor: how much of it the scale clips (0 with its own amax)
         lim = scale.reshape(-1, *([1] * (x.dim() - 1))) if per_head else scale

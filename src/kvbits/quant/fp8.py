@@ -45,9 +45,11 @@ def static_fp8_scale(scale: torch.Tensor, granularity: str, n_heads: int | None,
         return scale if scale.dim() == 0 else scale.reshape(())  # the same tensor when it already fits
     if granularity != "head":
         raise ValueError(f"{what}: static FP8 scales are per 'tensor' or per 'head', got {granularity!r}")
-    if scale.numel() == 1 and n_heads is not None:
-        return scale.reshape(1, 1, 1, 1).expand(1, n_heads, 1, 1).clone()
     h = scale.numel()
+    if h == 1 and n_heads is not None:  # one number for every head (the uncalibrated 1.0)
+        if n_heads == 1 and scale.dim() == 4:
+            return scale  # already (1, 1, 1, 1): the same tensor, not a copy per flush
+        return scale.reshape(1, 1, 1, 1).expand(1, n_heads, 1, 1).clone()
     shapes = {(h,), (h, 1, 1), (1, h, 1, 1)}
     if tuple(scale.shape) not in shapes or (n_heads is not None and h != n_heads):
         want = "H_kv" if n_heads is None else n_heads
@@ -55,4 +57,4 @@ def static_fp8_scale(scale: torch.Tensor, granularity: str, n_heads: int | None,
             f"{what}: a per-head FP8 scale must be ({want},), ({want}, 1, 1) or (1, {want}, 1, 1), "
             f"got shape {tuple(scale.shape)}"
         )
-    return scale if scale.dim() == 4 else scale.reshape(1, h, 1, 1)
+    return scale if scale.dim() == 4 else scale.reshape(1, h, 1, 1)  # the same tensor when it already fits
