@@ -917,3 +917,27 @@ def test_fp8_centred_key_error_ignores_what_softmax_ignores(fp8_calibrated):
          for name, t in (("mse", plain), ("centred", cent))}  # fmt: skip
     assert e["centred"][0] <= e["mse"][0] and e["mse"][1] <= e["centred"][1]
     assert not torch.equal(plain["scale"], cent["scale"])
+
+
+def test_fp8_post_rope_keys_are_needed_only_for_a_static_key_scale(fp8_calibrated):
+    """Without the keys after RoPE (a model whose RoPE kvbits can not reproduce), a static post-RoPE FP8
+    key scale is refused with a clear error, while dynamic FP8 keys (nothing fitted on the key side) beside
+    calibrated FP8 values still calibrate, from the values alone."""
+    from dataclasses import replace
+
+    model = fp8_calibrated[0]
+    full = collect_samples(model, token_ids(), sinks=0, context=128, windows=2, fisher=False)
+    no_rope = replace(
+        full, keys_post_rope=None, absmax={k: v for k, v in full.absmax.items() if k != "key_post_rope"}
+    )
+    with pytest.raises(ValueError, match="keys after RoPE"):
+        fit_artifact(no_rope, "fp8-e4m3")
+    mixed = KVScheme(
+        "dyn-key-static-value",
+        key=get_scheme("fp8-e4m3-token").key,
+        value=get_scheme("fp8-e4m3").value,
+    )
+    art = fit_artifact(no_rope, mixed, fp8_scale="amax")
+    assert set(art.tensors) == {"layers.0.value_scale", "layers.1.value_scale"}
+    assert torch.equal(art.tensors["layers.1.value_scale"], fit_artifact(full, mixed, fp8_scale="amax").tensors[
+        "layers.1.value_scale"])  # fmt: skip

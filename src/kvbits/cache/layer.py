@@ -53,7 +53,7 @@ def _fixed_scale(spec: TensorSpec, n_heads: int | None) -> torch.Tensor | None:
     """A static FP8 spec's scale until calibrated: float32 1.0 (vLLM's uncalibrated default), ``()`` per
     tensor, ``(1, H_kv, 1, 1)`` per head (``()`` until ``H_kv`` is known: repeated per head at the first
     update, ``SideStore.init``)."""
-    if spec.kind == "fp8" and (spec.static or spec.granularity == "tensor"):
+    if spec.kind == "fp8" and spec.static:  # TensorSpec: FP8 tensor/head scales are static
         one = torch.ones((), dtype=torch.float32)
         return one if n_heads is None else static_fp8_scale(one, spec.granularity, n_heads, "FP8 scale")
     return None

@@ -411,7 +411,8 @@ def fit_artifact(
 ) -> CalibrationArtifact:
     """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped).
 
-    A static FP8 key spec that stores keys after RoPE is fitted on the post-RoPE samples and range."""
+    A static FP8 key spec that stores keys after RoPE is fitted on the post-RoPE samples and range; a
+    dynamic FP8 key spec fits nothing, so it needs no post-RoPE keys."""
     t0 = time.perf_counter()
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
@@ -430,7 +431,7 @@ def fit_artifact(
     keys = s.keys
     if any(spec.kind == "fp8" for spec in (scheme.key, scheme.value)):
         meta["fp8_scale"] = fp8_scale
-    if scheme.key.kind == "fp8" and not scheme.key.pre_rope:
+    if scheme.key.kind == "fp8" and scheme.key.static and not scheme.key.pre_rope:
         keys = s.keys_post_rope
         if keys is None:
             raise ValueError(

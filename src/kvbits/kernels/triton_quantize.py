@@ -455,7 +455,7 @@ def _quantize_fp8(
 
     B, H, n, D = x.shape
     dev = x.device
-    static = spec.static or spec.granularity == "tensor"
+    static = spec.static  # TensorSpec: FP8 tensor/head scales are static, token scales dynamic
     codes = torch.empty(B, H, n, D, dtype=torch.uint8, device=dev)
     clip = torch.zeros(1, dtype=torch.int32, device=dev)
     if static:  # quantize's rule: the static scale, else 1; the kernel reads one float32 per head

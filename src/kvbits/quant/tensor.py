@@ -191,7 +191,7 @@ def quantize(
     static_qp = _static_qparams(x, spec, static_scale, static_zero) if spec.kind in ("int", "nuq") else None
     o_vals, o_idx, mask = select_outliers(x, spec, static_qp)
     if spec.kind == "fp8":
-        if spec.static or spec.granularity == "tensor":
+        if spec.static:  # TensorSpec: FP8 tensor/head scales are static, token scales dynamic
             scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
             # () per tensor, (1, H_kv, 1, 1) per head: a shape check, no device read
             scale = static_fp8_scale(scale.to(x.device, torch.float32), spec.granularity, H, "static FP8 scale")
@@ -210,7 +210,7 @@ def quantize(
             clipped = clipped & ~mask
         return QuantizedTensor(
             spec, shape, codes, scale=scale, outlier_values=o_vals, outlier_index=o_idx,
-            clipped=_count(clipped, sync), static=spec.static or spec.granularity == "tensor",
+            clipped=_count(clipped, sync), static=spec.static,
         )
     if spec.kind not in ("int", "nuq"):
         raise NotImplementedError(f"quantize for kind={spec.kind!r} is not implemented")

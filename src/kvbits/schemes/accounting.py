@@ -178,7 +178,7 @@ def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
     if not spec.is_quantized:
         return 0
     total = 0
-    if spec.static or (spec.kind == "fp8" and spec.granularity == "tensor"):
+    if spec.static:
         per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
         if spec.kind == "fp8":  # float32 scales: one per layer, or one per KV head
             total += 4 * (n_heads if spec.granularity == "head" else 1)
