@@ -36,6 +36,16 @@ if [[ $step == all || $step == peer ]]; then
     --scheme hf-quanto-int4 --scheme int4-g64 --scheme kivi-4 --scheme hf-quanto-int2 --scheme kivi-2 \
     --out runs/smollm2-wp-1k-peer
 fi
+if [[ $step == all || $step == rotation ]]; then
+  # Hadamard-rotated per-token schemes (QuaRot-style) beside the demo's and 3c's unrotated ones: same
+  # model, text, window and semantics, so their rows compare directly with BENCHMARKS.md §2 and §3c.
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme int8-token-hadamard --scheme int4-token-hadamard --scheme int3-token --scheme int3-token-hadamard \
+    --scheme int2-token-hadamard --out runs/smollm2-wp-8k-hadamard
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme int8-token-hadamard --scheme int4-token-hadamard --scheme int3-token-hadamard \
+    --scheme int2-token-hadamard --scheme int2-token --out runs/qwen-wiki-4k-hadamard
+fi
 if [[ $step == all || $step == mismatch ]]; then
   # Calibration/serving mismatch: calibrate on 512-token windows, serve 8K.
   [[ -f runs/calib-smollm2-kvq4-512/calibration.json ]] || \

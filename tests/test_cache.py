@@ -718,6 +718,26 @@ def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
     assert cache.get_seq_length() == 200 and cache.memory_report()["layers"][0]["quantized_tokens"] == 64
 
 
+def test_hadamard_rotation_needs_a_power_of_two_head_dim_before_anything_is_stored():
+    """int4-token-hadamard on head_dim 80 fails at construction (config) or at the first update, with the
+    reason; head_dim 16 is fine and the cached K/V are rotated back (the quantization error, no more)."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=160, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=80)  # fmt: skip
+    with pytest.raises(ValueError, match=r"layer 0: scheme 'int4-token-hadamard' rotates keys.*power-of-two.*got 80"):
+        QuantizedKVCache(config=cfg, scheme="int4-token-hadamard")
+    cache = QuantizedKVCache(num_layers=1, scheme="int4-token-hadamard")
+    k, v = rand_kv(1, 1, 8, 80, seed=2)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        cache.update(k, v, 0)
+    assert not cache.layers[0].is_initialized
+    k, v = rand_kv(1, 2, 40, 16, seed=2)
+    cache.update(k, v, 0)
+    got_k, got_v = cache.materialize(0)
+    for got, want in ((got_k, k), (got_v, v)):
+        err = float((got - want).norm() / want.norm())
+        assert 0.01 < err < 0.2, err  # quantized (int4: ~8 %), in the original basis (rotated codes: ~100 %)
+
+
 def test_head_dim_and_kv_heads_from_config():
     """head_dim and num_key_value_heads are read from the config, not derived from hidden / heads."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,

@@ -39,13 +39,18 @@ def test_schemes_json_lists_every_preset(capsys):
 
 
 def test_schemes_marks_schemes_that_can_not_store_the_head_dim(capsys):
-    """At head dim 80, groups of 32/64 channels do not fit: listed as n/a with the reason, not priced."""
+    """At head dim 80, groups of 32/64 channels do not fit, nor does a Hadamard rotation (a power of two):
+    listed as n/a with the reason, not priced."""
     rows = run_json(capsys, ["schemes", "--json", "--head-dim", "80"])
     na = {r["name"]: r["unsupported"] for r in rows if r["average_bits"] is None}
-    assert set(na) == {"int4-g64", "kivi-4", "kivi-2"}
+    hadamard = {f"int{b}-token-hadamard" for b in (8, 4, 3, 2)}
+    assert set(na) == {"int4-g64", "kivi-4", "kivi-2"} | hadamard
     assert "per-token groups of 32 channels do not divide head_dim 80" in na["kivi-2"]
+    assert "hadamard rotation needs a power-of-two head_dim, got 80" in na["int4-token-hadamard"]
     assert main(["schemes", "--head-dim", "80"]) == 0
-    assert "n/a: int4-g64, kivi-4, kivi-2 can not store head dim 80" in capsys.readouterr().out
+    assert "n/a: int8-token-hadamard, int4-token-hadamard, int3-token-hadamard, int2-token-hadamard, int4-g64, kivi-4, kivi-2 can not" in (
+        capsys.readouterr().out.replace("\n", " ")
+    )
 
 
 def test_plan_skips_default_schemes_that_can_not_store_the_head_dim(capsys):

@@ -180,6 +180,8 @@ CASES = [
     ("llama", CHANNEL, "prefill"),
     ("llama", HEAD, "decode"),
     ("llama", "fp8-e4m3-token", "decode"),
+    ("llama", "int4-token-hadamard", "decode"),
+    ("qwen2", "int2-token-hadamard", "prefill"),
     ("llama", "fp16", "decode"),
     ("llama-mha", SINKS, "decode"),
     ("qwen2", SINKS, "decode"),

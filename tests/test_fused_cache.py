@@ -256,6 +256,25 @@ def test_unsupported_scheme_falls_back_logged(caplog):
     assert_same_bytes(ref, cache)
 
 
+def test_rotated_scheme_falls_back_logged(caplog):
+    """A Hadamard-rotated spec stores codes of x @ R, which the kernel would read as x: declined, logged,
+    and the output equals the dequantized path's (which rotates back)."""
+    model = build("qwen2")
+    sch = get_scheme("int4-token-hadamard")
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
+    with caplog.at_level(logging.INFO, logger="kvbits.cache.fused"):
+        seq, logits, cache = generate(model, sch, fused=True, attn=True, new=6)
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == 0 and all("hadamard rotation" in r["declined"] for r in rep["layers"]), rep
+    assert "falls back to SDPA" in caplog.text
+    assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
+    assert_same_bytes(ref, cache)
+    from kvbits.kernels.reference import pack_side
+
+    with pytest.raises(NotImplementedError, match="rotated spec is not supported"):
+        pack_side(cache.layers[0]._k.chunks)
+
+
 def test_sliding_layer_falls_back_full_layer_fused():
     """Gemma 3: the sliding layer is declined, the full-attention layer is served by the kernel."""
     model = build("gemma3")

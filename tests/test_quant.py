@@ -695,3 +695,84 @@ def test_per_token_group_of_one_channel_rejected():
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         int_spec(2, "token", 1)
     assert int_spec(2, "token", 2).group_size == 2
+
+
+# ------------------------------------------------------------------------------ Hadamard rotation
+
+
+def test_rotation_matrix_is_orthogonal_hadamard_with_signs():
+    from kvbits.quant.rotate import rotation_matrix
+
+    for D in (2, 64, 128):
+        r = rotation_matrix(D, dtype=torch.float64)
+        torch.testing.assert_close(r @ r.T, torch.eye(D, dtype=torch.float64), rtol=0, atol=1e-12)
+        assert torch.all(r.abs() == 1 / math.sqrt(D))  # every entry +-1/sqrt(D): a channel spreads evenly
+        assert rotation_matrix(D).dtype == torch.float32
+    r = rotation_matrix(64, dtype=torch.float64)
+    h = r * math.sqrt(64)
+    # the signs are a fixed function of D (seed 0), not all +1: rows of the plain Sylvester matrix flipped
+    assert 0 < int((h[:, 0] < 0).sum()) < 64
+    for D in (80, 96, 1):
+        with pytest.raises(ValueError, match="power of two"):
+            rotation_matrix(D)
+    with pytest.raises(ValueError, match="unknown rotation"):
+        rotation_matrix(64, "givens")
+
+
+def test_hadamard_spreads_an_outlier_channel_for_per_token_scales():
+    """One channel 20x the others (the keys' outlier channels): per-token INT4 after a Hadamard rotation
+    loses far less than without, stores exactly the same bytes, and still quantizes (error > 0)."""
+    x = gaussian(2, 2, 256, 64, seed=1)
+    x[..., 5] *= 20
+    plain, rot = int_spec(4), int_spec(4, rotate="hadamard")
+    qp, qr = quantize(x, plain), quantize(x, rot)
+    assert qr.nbytes == qp.nbytes == 2 * (quantized_bytes(rot, 256, 2, 64) + per_block_meta_bytes(rot, 2))
+    sp, sr = sqnr_db(x, qp.dequantize()), sqnr_db(x, qr.dequantize())
+    assert sr > sp + 6, (sp, sr)
+    assert 0 < float((qr.dequantize() - x).abs().max())
+    # on isotropic data the rotation neither helps nor hurts much
+    g = gaussian(2, 2, 256, 64, seed=2)
+    assert abs(sqnr_db(g, quantize(g, rot).dequantize()) - sqnr_db(g, quantize(g, plain).dequantize())) < 1.5
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        int_spec(2, rotate="hadamard"),
+        int_spec(4, group_size=32, rotate="hadamard", outlier_frac=0.05),
+        int_spec(4, "channel", group_size=16, rotate="hadamard"),
+        TensorSpec(kind="fp8", bits=8, fmt="e4m3", rotate="hadamard"),
+        TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True, rotate="hadamard"),
+    ],
+    ids=["int2", "int4-g32-outliers", "int4-channel", "fp8-token", "fp8-tensor"],
+)
+def test_rotated_specs_round_trip_in_the_original_basis(spec):
+    """Dequantizing a rotated block gives back x's basis and dtype: the error is the quantization error of
+    x @ R rotated back (the same norm, R being orthogonal), checked against an independent reference."""
+    from kvbits.quant.rotate import rotation_matrix
+
+    x = gaussian(1, 2, 32, 64, seed=3)
+    r = rotation_matrix(64, dtype=torch.float64)
+    qt = quantize(x.half(), spec)
+    y = qt.dequantize(torch.float16)
+    assert y.dtype == torch.float16 and y.shape == x.shape
+    unrot = TensorSpec(**{**spec.to_dict(), "rotate": None})
+    want = quantize((x.half().double() @ r).float(), unrot).dequantize(torch.float64) @ r.T
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=2e-3)
+    assert float((y.double() - x.double()).norm()) > 0
+    assert json.loads(json.dumps(spec.to_dict()))["rotate"] == "hadamard"
+
+
+def test_rotate_field_validation_and_json():
+    with pytest.raises(ValueError, match="rotate must be None or one of"):
+        int_spec(4, rotate="random")
+    with pytest.raises(ValueError, match="quantized specs"):
+        TensorSpec(rotate="hadamard")
+    with pytest.raises(TypeError, match="rotate must be a str or None"):
+        int_spec(4, rotate=True)
+    # specs without rotation keep the JSON they had before the field existed (run and artifact hashes)
+    assert "rotate" not in int_spec(4).to_dict()
+    s = get_scheme("int4-token-hadamard")
+    assert KVScheme.from_json(s.to_json()) == s and s.key.rotate == s.value.rotate == "hadamard"
+    with pytest.raises(ValueError, match="power of two"):
+        quantize(gaussian(1, 1, 4, 80), s.key)

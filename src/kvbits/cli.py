@@ -102,6 +102,8 @@ def _spec_str(spec: Any) -> str:
         parts.append(f"+{spec.outlier_frac:.1%} outliers")
     if getattr(spec, "pre_rope", False):
         parts.append("pre-RoPE")
+    if getattr(spec, "rotate", None):
+        parts.append(f"+{spec.rotate}")
     return " ".join(parts)
 
 
@@ -163,7 +165,8 @@ def _schemes_run(args: argparse.Namespace) -> int:
 
     unsupported = [r["name"] for r in rows if r["average_bits"] is None]
     caption = (
-        f"n/a: {', '.join(unsupported)} can not store head dim {args.head_dim} (per-token groups must divide it)"
+        f"n/a: {', '.join(unsupported)} can not store head dim {args.head_dim} (per-token groups must divide it; "
+        "Hadamard rotations need a power of two)"
         if unsupported
         else None
     )

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbits.quant.checks import FP16_MAX, check_kv
-from kvbits.schemes.accounting import token_groups_fit
+from kvbits.schemes.accounting import rotation_fits, token_groups_fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
@@ -256,6 +256,11 @@ def check_channel_groups(scheme: KVScheme, key_dim: int, value_dim: int, where: 
     update): otherwise the first flush, possibly mid-generation, is where ``quantize`` finds out.
     """
     for side, spec, D in (("keys", scheme.key, key_dim), ("values", scheme.value, value_dim)):
+        if not rotation_fits(spec, D):
+            raise ValueError(
+                f"{where}: scheme {scheme.name!r} rotates {side} with a {spec.rotate} matrix, which needs a "
+                f"power-of-two head_dim (64, 128, 256), got {D}; use a scheme without rotate for this model"
+            )
         if not token_groups_fit(spec, D):
             g = spec.group_size
             allowed = [d for d in range(1, D + 1) if D % d == 0]

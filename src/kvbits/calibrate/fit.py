@@ -63,6 +63,11 @@ def check_calibratable(scheme: KVScheme) -> None:
             "calibration is for schemes like kvquant-4 or fp8-e4m3"
         )
     for side, spec in zip(SIDES, (scheme.key, scheme.value)):
+        if spec_calibratable(spec) and spec.rotate is not None:
+            raise ValueError(
+                f"{side}: calibration fits scales and codebooks to unrotated K/V; a {spec.rotate!r}-rotated "
+                "spec can not be calibrated yet (rotate a spec with dynamic scales, e.g. int4-token-hadamard)"
+            )
         if not spec_calibratable(spec) or spec.kind == "fp8":  # an FP8 tensor scale fits any layout
             continue
         if spec.static and spec.granularity != "channel":

@@ -237,6 +237,11 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
             f"{what}: the packed decode layout holds {PACKED_KINDS} codes; kind={spec.kind!r} is not "
             "supported (attend over QuantizedTensor.dequantize() instead)"
         )
+    if spec.rotate is not None:
+        raise NotImplementedError(
+            f"{what}: the packed decode layout holds unrotated codes; a {spec.rotate!r}-rotated spec is not "
+            "supported (attend over QuantizedTensor.dequantize() instead, which rotates back)"
+        )
     codes, scales, zeros, o_vals, o_idx = [], [], [], [], []
     tps = cps = None
     for i, qt in enumerate(blocks):

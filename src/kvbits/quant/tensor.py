@@ -32,6 +32,7 @@ from kvbits.quant.nuq import (
 )
 from kvbits.quant.outliers import gather_outliers, scatter_outliers
 from kvbits.quant.pack import pack_bits, unpack_bits
+from kvbits.quant.rotate import check_rotatable, rotate, unrotate
 from kvbits.schemes.accounting import outlier_count
 from kvbits.schemes.spec import TensorSpec
 
@@ -91,9 +92,13 @@ class QuantizedTensor:
         """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``).
 
         ``sync=False``: no host-device sync (the codebook's values are not re-checked, see ``quantize``).
+        A rotated spec (``spec.rotate``) is decoded in float32 (float64 for float64), rotated back, then cast.
         """
         spec = self.spec
         _, _, n, D = self.shape
+        final = dtype
+        if spec.rotate is not None:
+            dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if spec.kind == "float":
             out = self.data.to(dtype)
         elif spec.kind == "fp8":
@@ -113,6 +118,8 @@ class QuantizedTensor:
             raise NotImplementedError(f"dequantize for kind={spec.kind!r} is not implemented")
         if self.outlier_values is not None:
             out = scatter_outliers(out, self.outlier_values, self.outlier_index)
+        if spec.rotate is not None:
+            out = unrotate(out, spec.rotate, final)
         return out
 
 
@@ -184,6 +191,9 @@ def quantize(
     _check_head_dim(x)
     B, H, n, D = x.shape
     shape = (B, H, n, D)
+    if spec.rotate is not None:  # everything below (scales, outliers, codes) lives in the rotated basis
+        check_rotatable(D, spec.rotate)
+        x = rotate(x, spec.rotate)
     if spec.kind == "float":
         return QuantizedTensor(spec, shape, x.to(FLOAT_DTYPES[spec.fmt]).contiguous())
     if spec.kind == "nuq":

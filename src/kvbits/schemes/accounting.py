@@ -108,15 +108,24 @@ def float_bytes(fmt_or_bits: str | int) -> int:
 
 def token_groups_fit(spec: TensorSpec, head_dim: int) -> bool:
     """Whether ``spec`` can store rows of ``head_dim`` channels: its per-token groups (if any) divide
-    ``D`` (the quantizer refuses a partial group)."""
+    ``D`` (the quantizer refuses a partial group), and a Hadamard rotation has a power-of-two ``D``."""
     g = spec.group_size
+    if not rotation_fits(spec, head_dim):
+        return False
     return not (spec.is_quantized and spec.granularity == "token" and g is not None and head_dim % g)
+
+
+def rotation_fits(spec: TensorSpec, head_dim: int) -> bool:
+    """Whether ``spec``'s rotation (if any) fits ``head_dim``: Hadamard needs a power of two."""
+    return spec.rotate is None or (head_dim >= 2 and not head_dim & (head_dim - 1))
 
 
 def check_head_dim(spec: TensorSpec, head_dim: int) -> None:
     """``ValueError`` when ``spec`` can not store rows of ``head_dim`` channels (``token_groups_fit``):
     counting a partial group would plan a cache that can not exist."""
     if not token_groups_fit(spec, head_dim):
+        if not rotation_fits(spec, head_dim):
+            raise ValueError(f"a {spec.rotate} rotation needs a power-of-two head_dim, got {head_dim}")
         raise ValueError(f"per-token groups of {spec.group_size} channels do not divide head_dim {head_dim}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 KIVI = "https://arxiv.org/abs/2402.02750"
 FLEXGEN = "https://arxiv.org/abs/2303.06865"
 KVQUANT = "https://arxiv.org/abs/2401.18079"
+QUAROT = "https://arxiv.org/abs/2404.00456"
 VLLM_FP8 = "https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache.html"
 
 _REGISTRY: dict[str, KVScheme] = {}
@@ -56,6 +58,18 @@ for _bits in (8, 4, 3, 2):
             key=_tok(_bits),
             value=_tok(_bits),
             description=f"INT{_bits} asymmetric, one scale per token and head (keys and values)",
+        )
+    )
+for _bits in (8, 4, 3, 2):
+    _rot = dataclasses.replace(_tok(_bits), rotate="hadamard")
+    register(
+        KVScheme(
+            f"int{_bits}-token-hadamard",
+            key=_rot,
+            value=_rot,
+            description=f"INT{_bits} per token and head after a random-sign Hadamard rotation of the head dim "
+            "(keys and values; rotated back after dequantization)",
+            reference=QUAROT,
         )
     )
 for _bits in (8, 4, 2):

@@ -39,6 +39,7 @@ INT_BITS = (2, 3, 4, 8)
 NUQ_BITS = (2, 3, 4)
 FP8_FORMATS = ("e4m3", "e5m2")
 FLOAT_FORMATS = ("fp16", "bf16", "fp32")
+ROTATIONS = ("hadamard",)  # kvbits.quant.rotate
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class TensorSpec:
         static: scales come from a calibration artifact instead of the data being stored.
         outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
+        rotate: ``None``, or ``"hadamard"``: quantize ``x @ R`` (a fixed random-sign Walsh-Hadamard
+            rotation of the head dim, ``kvbits.quant.rotate``) and rotate back after dequantization, so an
+            outlier channel is spread over all channels (QuaRot); needs a power-of-two head dim, stores
+            no extra bytes.
     """
 
     kind: str = "float"
@@ -68,6 +73,7 @@ class TensorSpec:
     static: bool = False
     outlier_frac: float = 0.0
     pre_rope: bool = False
+    rotate: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -123,6 +129,10 @@ class TensorSpec:
                 "kv_cache_dtype=fp8): it needs static=True; for scales computed from the data use "
                 "granularity='token' (one dynamic scale per token and head)"
             )
+        if self.rotate is not None and self.rotate not in ROTATIONS:
+            raise ValueError(f"rotate must be None or one of {ROTATIONS}, got {self.rotate!r}")
+        if self.rotate is not None and self.kind == "float":
+            raise ValueError("rotate applies to quantized specs; a float spec stores K/V exactly, rotated or not")
         if self.kind == "fp8" and self.static and self.granularity == "token":
             raise ValueError(
                 "a static FP8 spec has one calibrated scale per tensor ('tensor') or per KV head ('head'); "
@@ -133,8 +143,9 @@ class TensorSpec:
         """``TypeError`` for fields of the wrong type (a scheme JSON may carry ``2.0`` or ``"false"``)."""
         for name in ("kind", "granularity"):
             _require(self, name, str, "a str")
-        if self.fmt is not None:
-            _require(self, "fmt", str, "a str or None")
+        for name in ("fmt", "rotate"):
+            if getattr(self, name) is not None:
+                _require(self, name, str, "a str or None")
         _require_int(self, "bits")
         if self.group_size is not None:
             _require_int(self, "group_size", "an int or None")
@@ -166,7 +177,12 @@ class TensorSpec:
         return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON types; ``rotate`` only when set, so specs without it keep the JSON (and the
+        run and artifact hashes) they had before the field existed."""
+        d = dataclasses.asdict(self)
+        if d["rotate"] is None:
+            del d["rotate"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
