@@ -941,3 +941,47 @@ def test_fp8_post_rope_keys_are_needed_only_for_a_static_key_scale(fp8_calibrate
     assert set(art.tensors) == {"layers.0.value_scale", "layers.1.value_scale"}
     assert torch.equal(art.tensors["layers.1.value_scale"], fit_artifact(full, mixed, fp8_scale="amax").tensors[
         "layers.1.value_scale"])  # fmt: skip
+
+
+def test_rotated_calibrated_specs_are_refused():
+    """Calibration fits scales to unrotated K/V: a rotated static spec is refused with the reason, before
+    any pass runs; a rotated dynamic side beside a calibrated one is fine (nothing of it is fitted)."""
+    from dataclasses import replace
+
+    kv4 = get_scheme("kvquant-4")
+    rotated = replace(kv4, name="kvq-rot", value=replace(kv4.value, rotate="hadamard"))
+    with pytest.raises(ValueError, match="value: calibration fits scales and codebooks to unrotated"):
+        calibrate(tiny_llama(), token_ids(), rotated, context=64, windows=1, fisher=False)
+    fp8 = get_scheme("fp8-e4m3")
+    mixed = replace(fp8, name="fp8-rot-keys", key=replace(get_scheme("int4-token-hadamard").key))
+    art = calibrate(tiny_llama(), token_ids(), mixed, context=64, windows=1, fisher=False)
+    assert set(art.tensors) == {"layers.0.value_scale", "layers.1.value_scale"}
+
+
+@torch.no_grad()
+def test_fp8_ranges_past_the_tracked_positions_fold_into_one_running_max(monkeypatch):
+    """Windows longer than the positions tracked apart: the record keeps ABSMAX_POSITIONS columns plus one
+    running maximum, and the per-layer (per-head) ranges past any sink count up to that many are those of
+    the stored keys and values themselves; more sinks than tracked is refused with the reason."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("kvbits.calibrate.calibrate"), "ABSMAX_POSITIONS", 40)
+    model, ids = tiny_llama(), token_ids()
+    samples = collect_samples(model, ids, sinks=0, context=128, windows=2, fisher=False)
+    assert {tuple(t.shape) for t in samples.absmax.values()} == {(2, 2, 41)}
+    stored = []
+    for s in samples.data["starts"]:
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        stored.append([(cache.layers[i].keys, cache.layers[i].values) for i in range(2)])
+    for sinks in (0, 3, 40):
+        for j, name in enumerate(("key_post_rope", "value")):
+            per_head = samples.layer_absmax(name, sinks, per_head=True)
+            per_layer = samples.layer_absmax(name, sinks)
+            for i in range(2):
+                x = torch.cat([w[i][j][:, :, sinks:] for w in stored], dim=2)
+                want = x.abs().amax(dim=(0, 2, 3))
+                torch.testing.assert_close(per_head[i], want, rtol=1e-6, atol=0)
+                assert per_layer[i] == pytest.approx(float(want.max()), rel=1e-6)
+    with pytest.raises(ValueError, match="first 40 tokens only"):
+        samples.layer_absmax("value", 41)

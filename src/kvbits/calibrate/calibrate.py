@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 DEVICES = ("cpu", "cuda", "mps")
+# window positions whose |K|/|V| calibration keeps apart (FP8 scales leave a scheme's sinks out); every
+# later position is folded into one running maximum, so the record does not grow with the context
+ABSMAX_POSITIONS = 256
 """Device types calibration runs on (``check_device``): the passes run there, the samples are
 gathered to the CPU in float32 and fitted there (float32 / float64 sums)."""
 
@@ -190,9 +193,11 @@ class CalibrationSamples:
     JSON records an artifact carries; ``losses``: mean loss per window; ``seconds``: time taken;
     ``dtype``/``device``: the model's parameter dtype and device during the passes (``"bfloat16"``,
     ``"cuda:0"``), recorded in the artifact; the samples themselves are float32 on the CPU.
-    ``absmax``: ``"key"`` (pre-RoPE), ``"key_post_rope"`` and ``"value"``, each ``(layers, H_kv, T)``:
-    the largest ``|x|`` of each head at each window position over all windows and channels, every
-    position (not only the sampled ones), for FP8 per-tensor and per-head scales; ``"key_post_rope"`` is absent for
+    ``absmax``: ``"key"`` (pre-RoPE), ``"key_post_rope"`` and ``"value"``, each ``(layers, H_kv, P)``:
+    the largest ``|x|`` of each head at each of the first ``ABSMAX_POSITIONS`` window positions over all
+    windows and channels, every position (not only the sampled ones), and in one last column the largest
+    at every later position (``P = min(T, ABSMAX_POSITIONS + 1)``: a scheme's sinks can be left out, and
+    the size does not grow with the window), for FP8 per-tensor and per-head scales; ``"key_post_rope"`` is absent for
     a model whose RoPE ``kvbits.quant.rope`` can not reproduce (and equals ``"key"`` without RoPE).
     ``keys_post_rope``: the sampled keys after RoPE (what a post-RoPE cache stores), like ``keys``;
     None where ``"key_post_rope"`` is absent.
@@ -218,6 +223,11 @@ class CalibrationSamples:
         ``per_head`` a ``(H_kv,)`` tensor (None if absent)."""
         if self.absmax is None or name not in self.absmax:
             return None
+        if sinks > ABSMAX_POSITIONS and self.absmax[name].shape[-1] > ABSMAX_POSITIONS:
+            raise ValueError(
+                f"the samples keep |x| per position for the first {ABSMAX_POSITIONS} tokens only; a scheme with "
+                f"{sinks} sinks needs them apart: use at most {ABSMAX_POSITIONS} sinks for FP8 scales"
+            )
         per_pos = self.absmax[name][..., sinks:]
         if per_pos.shape[-1] == 0:
             raise ValueError(f"no positions past the {sinks} sink tokens to take an FP8 scale from")
@@ -302,7 +312,7 @@ def collect_samples(
     W, T = ids.shape
     tables = _layer_rotary_tables(module, sites)
     absmax = {
-        name: torch.zeros(len(sites), model_record["num_kv_heads"], T)
+        name: torch.zeros(len(sites), model_record["num_kv_heads"], min(T, ABSMAX_POSITIONS + 1))
         for name in ("key", "value", *(("key_post_rope",) if tables is not None else ()))
     }
     per_window = max(1, math.ceil(max_tokens / W))
@@ -383,10 +393,15 @@ def _layer_rotary_tables(module: torch.nn.Module, sites: list[Any]) -> list[Any]
 def _update_absmax(
     absmax: dict[str, torch.Tensor], layer: int, k: torch.Tensor, v: torch.Tensor, tables: Any
 ) -> torch.Tensor | None:
-    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(H_kv, T)``; returns
-    the keys after RoPE (``k`` itself without RoPE; None when post-RoPE keys are not tracked)."""
+    """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(H_kv, P)``
+    (``CalibrationSamples.absmax``); returns the keys after RoPE (``k`` itself without RoPE; None when
+    post-RoPE keys are not tracked)."""
     def peak(x: torch.Tensor) -> torch.Tensor:
-        return x[0].abs().amax(dim=2).float().cpu()
+        per_pos = x[0].abs().amax(dim=2).float()  # (H_kv, T)
+        if per_pos.shape[1] > ABSMAX_POSITIONS:
+            tail = per_pos[:, ABSMAX_POSITIONS:].amax(dim=1, keepdim=True)
+            per_pos = torch.cat([per_pos[:, :ABSMAX_POSITIONS], tail], dim=1)
+        return per_pos.cpu()
 
     for name, x in (("key", k), ("value", v)):
         absmax[name][layer] = torch.maximum(absmax[name][layer], peak(x))
