@@ -78,7 +78,7 @@ def _llama(kv_heads: int = 2, layers: int = 2):
     return LlamaForCausalLM(cfg).eval()
 
 
-def _qwen2():
+def _qwen2(layers: int = 3):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
@@ -86,7 +86,7 @@ def _qwen2():
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=128,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=1,
         use_sliding_window=True,
@@ -591,6 +591,8 @@ RESULT_KEYS = {
     "top1",
     "buckets",
     "attn_error",
+    "attn_entropy",
+    "generation",
     "calibration",
     "seconds",
     "decode",

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device
+from kvbits._argtypes import add_dtype_device, bounded
 
 __all__ = ["DEVICES", "add_parser", "run"]
 
@@ -26,7 +26,10 @@ examples:
 --json prints exactly: {"model", "data", "context", "semantics", "mode", "windows",
 "fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "ppl", "ppl_ref", "kl",
 "top1", "buckets": [{"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl",
-"top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "calibration":
+"top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "attn_entropy": [{"layer",
+"buckets": [{"lo", "hi", "entropy", "entropy_ref", "delta"}]}], "generation": {"prompt_tokens",
+"new_tokens", "rep_n", "rep", "rep_ref", "agreement", "first_divergence", "first_divergence_mean",
+"seconds", "reference_seconds"} (with --generate; null otherwise), "calibration":
 {"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (simulate mode),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
 "context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
@@ -39,7 +42,14 @@ reset through /proc/self/clear_refs; null elsewhere); peak_cuda_bytes: torch.cud
 over the run with --device cuda (weights included), null on CPU.
 Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K), [2K,4K), ... cut at the
 context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap interval over 128-token chunks;
-kl = mean KL(reference || scheme) in nats.
+kl = mean KL(reference || scheme) in nats. attn_entropy: mean entropy (nats, mean over query heads) of
+each query's attention with the quantized K/V (entropy) and with exact K/V for the same queries
+(entropy_ref), delta = entropy - entropy_ref (> 0: flatter, < 0: sharper), simulate mode.
+--generate N: after each window, N greedy tokens with the window as the prompt, from the unquantized
+model (DynamicCache) and from each scheme's real cache; rep = {"1", "2", "4"}: rep-n = 1 - distinct
+n-grams / n-grams of the continuation, mean over windows (rep_ref: the reference's); agreement: the
+fraction of positions equal to the reference's token; first_divergence: per window, the first position
+that differs (N: none). The continuations are written to --out/generations.jsonl.
 
 data-parallel, torch.distributed (one process per rank, started by torchrun):
   torchrun --nproc-per-node 2 -m kvbits eval --model smollm2-135m --data war-and-peace \\
@@ -122,6 +132,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "spaced; the flag with no layer after it records none)",
     )
     p.add_argument(
+        "--generate",
+        type=bounded(int, 0, what="a token count"),
+        default=0,
+        metavar="N",
+        help="after scoring each window, greedily generate N tokens from it with the unquantized model and "
+        "with each scheme's real cache: repetition (rep-1/2/4) and agreement with the reference continuation "
+        "(default 0: off; any mode, and under torchrun)",
+    )
+    p.add_argument(
         "--calibration",
         action="append",
         metavar="DIR",
@@ -198,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             semantics=args.semantics,
             prompt_len=args.prompt_len,
             attn_layers=args.attn_layers,
+            generate=args.generate,
             calibration=args.calibration,
             data_path=args.data_path,
             out_dir=args.out,

@@ -33,6 +33,7 @@ __all__ = [
     "TOKEN_FIELDS",
     "BucketRecord",
     "LogitHead",
+    "attn_entropy_buckets",
     "attn_error_buckets",
     "bootstrap_delta_rel",
     "bucket_bounds",
@@ -359,4 +360,38 @@ def attn_error_buckets(
                 ],
             }
         )
+    return out
+
+
+def attn_entropy_buckets(
+    entropy: dict[int, np.ndarray],
+    entropy_ref: dict[int, np.ndarray],
+    n_positions: int,
+    first: int = 0,
+) -> list[dict[str, Any]]:
+    """Mean attention entropy by bucket of query positions, per sampled layer.
+
+    Args:
+        entropy: layer -> ``(W, T)`` entropy (nats, mean over query heads) of each query's attention
+            with the quantized K/V, per window and query position.
+        entropy_ref: the same with exact K/V for the same queries.
+        n_positions: predicting positions per window (``T - 1``): buckets match the token buckets.
+        first: first scored position.
+
+    Returns:
+        ``[{"layer", "buckets": [{"lo", "hi", "entropy", "entropy_ref", "delta"}]}]``; ``delta =
+        entropy - entropy_ref`` (> 0: quantization flattened the attention, < 0: sharpened it).
+    """
+    out = []
+    for layer in sorted(entropy):
+        e = np.asarray(entropy[layer], dtype=np.float64)
+        r = np.asarray(entropy_ref[layer], dtype=np.float64)
+        buckets = []
+        for lo, hi in bucket_bounds(n_positions, first):
+            h, h_ref = float(e[:, lo:hi].mean()), float(r[:, lo:hi].mean())
+            # the mean of the per-position differences: equal to h - h_ref up to rounding, and 0
+            # exactly when every position agrees
+            delta = float((e[:, lo:hi] - r[:, lo:hi]).mean())
+            buckets.append({"lo": lo, "hi": hi, "entropy": h, "entropy_ref": h_ref, "delta": delta})
+        out.append({"layer": int(layer), "buckets": buckets})
     return out

@@ -4,6 +4,7 @@
     DIR/summary.json                the summary
     DIR/records.jsonl               one line per scheme x window x bucket: sums of nll, nll_ref, kl, top1
     DIR/tokens/<scheme>.safetensors per-token nll, nll_ref, kl, top1, float32 (W, T - 1)
+    DIR/generations.jsonl           with generate=N: one line per window x continuation (reference, schemes)
     DIR/DONE                        the config hash, written last
 
 then the report (``kvbits.report.write_report``). A folder whose ``DONE`` holds this run's config hash
@@ -71,7 +72,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-_RUN_FILES = ("DONE", "summary.json", "records.jsonl", "config.json", "report.md", "report.html")
+_RUN_FILES = (
+    "DONE", "summary.json", "records.jsonl", "generations.jsonl", "config.json", "report.md", "report.html",
+)
 
 
 def _is_run_folder(out: Path, stored: Any) -> bool:
@@ -140,14 +143,14 @@ def _prepare_out_dir(out: Path, schemes: Sequence[str]) -> None:
     """Clear what an earlier kvbits eval run left in ``out`` before this run writes there, so a run
     that stops half-way never leaves a mix of two runs; called once the inputs are loaded and checked
     (a run refused for its inputs deletes nothing). Only files kvbits eval writes are removed:
-    ``DONE`` (first: a folder without it is never reused), ``summary.json``, ``records.jsonl`` and
-    ``tokens/*.safetensors``; in a folder kvbits eval did not write (``overwrite``), nothing is removed
+    ``DONE`` (first: a folder without it is never reused), ``summary.json``, ``records.jsonl``,
+    ``generations.jsonl`` and ``tokens/*.safetensors``; in a folder kvbits eval did not write (``overwrite``), nothing is removed
     and the files this run writes replace those of the same name."""
     out.mkdir(parents=True, exist_ok=True)
     tokens = out / "tokens"
     stored = _read_json(out / "config.json") if (out / "config.json").is_file() else None
     if _is_run_folder(out, stored):
-        for name in ("DONE", "summary.json", "records.jsonl"):
+        for name in ("DONE", "summary.json", "records.jsonl", "generations.jsonl"):
             (out / name).unlink(missing_ok=True)
         if tokens.is_dir():
             for f in tokens.glob("*.safetensors"):
@@ -208,6 +211,19 @@ def _write_outputs(out: Path, chash: str, summary: dict, records: list, tokens: 
     _atomic_write(out / "records.jsonl", "".join(json.dumps(r.to_dict()) + "\n" for r in records))
     _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     _atomic_write(out / "DONE", chash + "\n")
+
+
+def _write_generations(out: Path, labels: Sequence[str], tokens: np.ndarray, tokenizer: Any = None) -> None:
+    """``DIR/generations.jsonl``: one line ``{"window", "scheme", "tokens", "text"}`` per window and
+    continuation. ``labels``: ``"reference"`` then the scheme names, one per row of ``tokens``
+    ``(1 + schemes, W, N)``; ``text`` is the tokenizer's decoding (null without a tokenizer)."""
+    lines = []
+    for w in range(tokens.shape[1]):
+        for label, row in zip(labels, tokens[:, w]):
+            ids = [int(t) for t in row]
+            text = tokenizer.decode(ids) if tokenizer is not None else None
+            lines.append(json.dumps({"window": w, "scheme": label, "tokens": ids, "text": text}) + "\n")
+    _atomic_write(out / "generations.jsonl", "".join(lines))
 
 
 def _write_report(out: Path) -> None:

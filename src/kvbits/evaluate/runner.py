@@ -11,6 +11,7 @@ With ``out_dir`` the run is written as::
     DIR/summary.json                the summary
     DIR/records.jsonl               one line per scheme x window x bucket: sums of nll, nll_ref, kl, top1
     DIR/tokens/<scheme>.safetensors per-token nll, nll_ref, kl, top1, float32 (W, T - 1)
+    DIR/generations.jsonl           with generate=N: each window's greedy continuations (reference, schemes)
     DIR/DONE                        the config hash, written last
 
 This module is the loop; the rest is beside it: :mod:`.request` (arguments, identity, config hash),
@@ -59,6 +60,12 @@ import torch
 
 from kvbits.evaluate.data import data_search_path, load_text
 from kvbits.evaluate.distributed import resolve_ranks
+from kvbits.evaluate.generation import (
+    check_can_generate,
+    check_generate,
+    continuations,
+    generation_summary,
+)
 from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
@@ -79,6 +86,7 @@ from kvbits.evaluate.measures import (
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
     LogitHead,
+    attn_entropy_buckets,
     attn_error_buckets,
     bucket_records,
     check_logit_head,
@@ -90,6 +98,7 @@ from kvbits.evaluate.outputs import (
     _check_out_dir,
     _prepare_out_dir,
     _run_config,
+    _write_generations,
     _write_outputs,
     _write_report,
 )
@@ -187,6 +196,7 @@ def evaluate(
     on_skip: Callable[[dict], None] | None = None,
     fused_decode: bool | str = "auto",
     distributed: bool | None = None,
+    generate: int = 0,
 ) -> dict[str, Any]:
     """Measure each scheme against the unquantized model, by position bucket.
 
@@ -199,8 +209,9 @@ def evaluate(
         mode: ``"simulate"`` (one pass per window) or ``"stream"`` (the cache, token by token).
         semantics: ``"decode"`` or ``"prefill"`` (needs ``prompt_len``; only positions
             ``t >= prompt_len`` are scored).
-        attn_layers: layers whose attention-output error is recorded (simulate mode only: a list
-            with ``mode="stream"`` is refused); default three evenly spaced layers; ``[]`` for none.
+        attn_layers: layers whose attention-output error and attention entropy are recorded
+            (simulate mode only: a list with ``mode="stream"`` is refused); default three evenly
+            spaced layers; ``[]`` for none.
         calibration: ``kvbits calibrate`` artifacts (objects or folders) for schemes with static scales
             or NUQ codebooks, matched to schemes by the scheme each was made for; or a mapping
             scheme name -> artifact.
@@ -221,6 +232,11 @@ def evaluate(
             default process group with more than one rank is initialized; True: it must be
             initialized; False: this process evaluates every window, whatever the group. Every rank
             must call ``evaluate`` with the same arguments; every rank returns the same summary.
+        generate: after scoring each window, greedily generate this many new tokens from the whole
+            window as the prompt, with the unquantized model (``DynamicCache``) and with each scheme's
+            real cache, and compare the continuations (:mod:`.generation`: rep-n, agreement, first
+            divergence); 0 (the default) generates nothing. Any mode; under ranks each rank
+            generates for its own windows.
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
@@ -237,6 +253,7 @@ def evaluate(
         what the run adds, not the loading) on CUDA, None otherwise.
     """
     ranks = resolve_ranks(distributed)
+    generate = check_generate(generate)
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if mode == "stream" and attn_layers:
@@ -279,6 +296,8 @@ def evaluate(
         from kvbits.cache.fused import check_mode
 
         request["fused_decode"] = check_mode(fused_decode)
+    if generate:  # runs without generation keep the hash they had before it existed
+        request["generate"] = generate
     # the rank count is not part of the request: any number of ranks computes the same run
     chash = config_hash(request)
     out = Path(out_dir) if out_dir is not None else None
@@ -305,8 +324,10 @@ def evaluate(
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+        if generate:
+            check_can_generate(model)
         if ranks.main:
-            warn_beyond_max_positions(model.config, context)
+            warn_beyond_max_positions(model.config, context + generate)
         layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
         if any(not 0 <= x < n_layers for x in layers):
             raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
@@ -346,6 +367,7 @@ def evaluate(
                     "calibration": _calibration_paths(calibration),
                     "chunk_size": chunk_size,
                     "seed": seed,
+                    "generate": generate or None,
                     "fused_decode": (
                         {True: "on", False: "off"}.get(request["fused_decode"], "auto")
                         if mode == "stream"
@@ -361,6 +383,11 @@ def evaluate(
     per_token = {n: {k: tok[i, j] for j, k in enumerate(TOKEN_FIELDS)} for i, n in enumerate(names)}
     att = np.zeros((len(names), len(layers), W, T), dtype=np.float32)
     attn_err = {n: {layer: att[i, j] for j, layer in enumerate(layers)} for i, n in enumerate(names)}
+    # attention entropy, (scheme, layer, quantized / exact K/V, window, position)
+    ent = np.zeros((len(names), len(layers), 2, W, T), dtype=np.float32)
+    # greedy continuations, (reference + schemes, window, new token)
+    gen = np.zeros((1 + len(names), W, generate), dtype=np.int64)
+    gen_seconds = [0.0] * (1 + len(names))
     seconds = dict.fromkeys(names, 0.0)
     # stream mode, kvbits schemes: decode steps attended by the fused kernel / after a fallback
     decode: dict[str, dict[str, int] | None] = {
@@ -370,7 +397,7 @@ def evaluate(
     clipped: dict[str, dict[str, int]] = {n: {} for n in names}
     ref_seconds = 0.0
     mine = ranks.windows(W)
-    units = len(mine) * T * (1 + len(names))
+    units = len(mine) * (T + generate) * (1 + len(names))
     with ranks.agree("evaluating its windows"), _progress(progress and ranks.main, units) as bar:
         task = bar.add_task("evaluating", total=units) if bar is not None else None
 
@@ -386,7 +413,7 @@ def evaluate(
             ref_seconds += time.perf_counter() - t0
             advance(T, f"window {w + 1}/{W}: reference")
             hs = []
-            for scheme, name in zip(resolved, names):
+            for i, (scheme, name) in enumerate(zip(resolved, names)):
                 advance(0, f"window {w + 1}/{W}: {name}")
                 t0 = time.perf_counter()
                 if mode == "simulate":
@@ -406,9 +433,11 @@ def evaluate(
                         )
                     for k, n in sim.clipped.items():
                         clipped[name][k] = clipped[name].get(k, 0) + n
-                    for layer in layers:
+                    for j, layer in enumerate(layers):
                         if layer in sim.attn_error:
                             attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
+                            ent[i, j, 0, w] = sim.attn_entropy[layer][0].cpu().numpy()
+                            ent[i, j, 1, w] = sim.attn_entropy_ref[layer][0].cpu().numpy()
                     advance(T)
                 else:
                     h = stream_hidden(
@@ -432,16 +461,28 @@ def evaluate(
             for name, rec in zip(names, metrics):
                 for k in TOKEN_FIELDS:
                     per_token[name][k][w] = rec[k].numpy()
+            if generate:
+                advance(0, f"window {w + 1}/{W}: generating {generate} tokens")
+                outs, secs = continuations(
+                    model, ids, generate, resolved, calibrations=calibrations, fused_decode=fused_decode
+                )
+                for g, (o, sec) in enumerate(zip(outs, secs)):
+                    gen[g, w] = o.cpu().numpy()
+                    gen_seconds[g] += sec
+                advance(generate * (1 + len(names)))
         loop_seconds = time.perf_counter() - t_loop
 
     ranks.assemble(tok)
     ranks.assemble(att)
+    ranks.assemble(ent)
+    ranks.assemble(gen)
     run_rss = _run_peak_rss_bytes(rss_reset)
     local = {
         "clipped": clipped,
         "decode": decode,
         "seconds": seconds,
         "reference_seconds": ref_seconds,
+        "generation_seconds": gen_seconds,
         "loop_seconds": loop_seconds,
         "peak_rss_bytes": max(
             (x for x in (_peak_rss_bytes(), rss_reset, run_rss) if x is not None), default=None
@@ -461,7 +502,7 @@ def evaluate(
         )
 
     results, records = [], []
-    for scheme, name in zip(resolved, names):
+    for i, (scheme, name) in enumerate(zip(resolved, names)):
         s = summarize(per_token[name], first=first, seed=seed)
         bits = (
             scheme.avg_bits
@@ -478,6 +519,11 @@ def evaluate(
                 "top1": s["top1"],
                 "buckets": s["buckets"],
                 "attn_error": attn_error_buckets(attn_err[name], T - 1, first) if layers else [],
+                "attn_entropy": _entropy_buckets(ent[i], layers, T - 1, first),
+                "generation": generation_summary(
+                    gen[1 + i], gen[0], prompt_tokens=T, seconds=run["generation_seconds"][1 + i],
+                    reference_seconds=run["generation_seconds"][0],
+                ) if generate else None,
                 "calibration": _mismatch(clipped[name], calibrations.get(name), T, mode),
                 "seconds": seconds[name],
                 "decode": None if decode[name] is None else {
@@ -497,6 +543,18 @@ def evaluate(
                 s["ppl_ref"],
                 s["kl"],
             )
+            gen_rec = results[-1]["generation"]
+            if gen_rec is not None:
+                logger.info(
+                    "%s: %d greedy tokens, agreement with the reference %.3f, first divergence %s, "
+                    "rep-4 %s (reference %s)",
+                    name,
+                    generate,
+                    gen_rec["agreement"],
+                    gen_rec["first_divergence"],
+                    gen_rec["rep"]["4"],
+                    gen_rec["rep_ref"]["4"],
+                )
     summary = {
         "model": model_name,
         "data": data_name,
@@ -523,6 +581,8 @@ def evaluate(
                     "tokens_fingerprint": tokens_fp,
                     "context": context,
                 }
+                if generate:
+                    _write_generations(out, ["reference", *names], gen, tokenizer)
                 _write_outputs(out, chash, summary, records, per_token, meta)
                 _write_report(out)
     return summary
@@ -530,7 +590,7 @@ def evaluate(
 
 def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
     """The ranks' counters and timings (``parts``, in rank order; one part alone) as one run's:
-    clipping counts, decode steps and seconds summed (seconds: compute time over all ranks), the
+    clipping counts, decode steps and seconds (generation's included) summed (seconds: compute time over all ranks), the
     wall time the longest rank's loop over its windows, memory peaks the largest rank's."""
 
     def peak(key: str) -> int | None:
@@ -551,8 +611,23 @@ def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any
         "decode": decode,
         "seconds": {n: sum(p["seconds"][n] for p in parts) for n in names},
         "reference_seconds": sum(p["reference_seconds"] for p in parts),
+        "generation_seconds": [sum(s) for s in zip(*(p["generation_seconds"] for p in parts))],
         "wall_seconds": max(p["loop_seconds"] for p in parts),
         "peak_rss_bytes": peak("peak_rss_bytes"),
         "run_peak_rss_bytes": peak("run_peak_rss_bytes"),
         "peak_cuda_bytes": peak("peak_cuda_bytes"),
     }
+
+
+def _entropy_buckets(
+    ent: np.ndarray, layers: Sequence[int], n_positions: int, first: int
+) -> list[dict[str, Any]]:
+    """``attn_entropy`` of one scheme from its entropies ``(layers, 2, W, T)`` (quantized, exact)."""
+    if not layers:
+        return []
+    return attn_entropy_buckets(
+        {layer: ent[j, 0] for j, layer in enumerate(layers)},
+        {layer: ent[j, 1] for j, layer in enumerate(layers)},
+        n_positions,
+        first,
+    )

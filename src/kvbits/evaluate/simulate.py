@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbits.evaluate.entropy import attention_entropy
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes.accounting import sliding_falls_back
 from kvbits.schemes.presets import get_scheme
@@ -78,11 +79,15 @@ class Simulation:
         scheme: the scheme being simulated.
         semantics: ``"decode"`` or ``"prefill"``.
         prompt_len: queries ``t < prompt_len`` see exact K/V (prefill semantics), else 0.
-        attn_layers: layers whose attention-output error is recorded.
+        attn_layers: layers whose attention-output error and attention entropy are recorded.
         chunk_size: queries per attention chunk.
         attn_error: layer -> ``(B, T)`` float32 relative error ``||o_q - o_ref|| / ||o_ref||`` per
             query position of the last forward, ``o_ref`` being the attention output with exact K/V
             for the same queries (norms over all heads and channels).
+        attn_entropy: layer -> ``(B, T)`` float32 entropy (nats) of each query's attention
+            distribution over the keys it sees in the last forward, mean over query heads
+            (:func:`kvbits.evaluate.entropy.attention_entropy`), with the quantized K/V.
+        attn_entropy_ref: the same with exact K/V for the same queries (the ``o_ref`` attention).
         calls: attention calls made in this context (one per layer per forward).
         clipped: values saturated against their scales in the last forward, summed over layers:
             ``{"keys", "keys_elements", "values", "values_elements"}`` (calibration mismatch signal).
@@ -94,6 +99,8 @@ class Simulation:
     attn_layers: frozenset[int] = frozenset()
     chunk_size: int = DEFAULT_CHUNK
     attn_error: dict[int, torch.Tensor] = field(default_factory=dict)
+    attn_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
+    attn_entropy_ref: dict[int, torch.Tensor] = field(default_factory=dict)
     calls: int = 0
     clipped: dict[str, int] = field(default_factory=dict)
     _modules: frozenset[int] = frozenset()
@@ -104,6 +111,8 @@ class Simulation:
     def reset(self) -> None:
         """Forget what the previous forward recorded."""
         self.attn_error = {}
+        self.attn_entropy = {}
+        self.attn_entropy_ref = {}
         self.calls = 0
         self.clipped = {}
 
@@ -468,7 +477,7 @@ def _simulate_attention(
 
     record = layer in sim.attn_layers
     ref_plans = sim._layout(T, window, query.device, exact=True)[2] if record else None
-    outs, errs = [], []
+    outs, errs, ents, ents_ref = [], [], [], []
     for i, p in enumerate(plans):
         if p.b > p.e0 and p.s1 > p.k0:
             kk = torch.cat([src[:, :, p.k0 : p.s1], key[:, :, p.e0 : p.b]], dim=2)
@@ -478,17 +487,22 @@ def _simulate_attention(
         else:
             kk, vv = src[:, :, p.k0 : p.s1], vsrc[:, :, p.k0 : p.s1]
         qc = query[:, :, p.a : p.b]
-        o = _attend(qc, kk, vv, p.full_mask(query.device), scale, softcap)
+        mask = p.full_mask(query.device)
+        o = _attend(qc, kk, vv, mask, scale, softcap)
         outs.append(o)
         if record:
             r = ref_plans[i]
-            o_ref = _attend(
-                qc, key[:, :, r.k0 : r.b], value[:, :, r.k0 : r.b], r.full_mask(query.device), scale, softcap
-            ).float()
+            k_ref, mask_ref = key[:, :, r.k0 : r.b], r.full_mask(query.device)
+            o_ref = _attend(qc, k_ref, value[:, :, r.k0 : r.b], mask_ref, scale, softcap).float()
             diff = (o.float() - o_ref).pow(2).sum(dim=(1, 3)).sqrt()
             errs.append(diff / o_ref.pow(2).sum(dim=(1, 3)).sqrt().clamp_min(torch.finfo(torch.float32).tiny))
+            # the same queries and keys as the two attention calls: no extra forward
+            ents.append(attention_entropy(qc, kk, mask, scale, softcap).float())
+            ents_ref.append(attention_entropy(qc, k_ref, mask_ref, scale, softcap).float())
     if record:
         sim.attn_error[layer] = torch.cat(errs, dim=1)
+        sim.attn_entropy[layer] = torch.cat(ents, dim=1)
+        sim.attn_entropy_ref[layer] = torch.cat(ents_ref, dim=1)
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 
@@ -592,15 +606,16 @@ def simulate(
         semantics: ``"decode"`` (token-by-token from token 0) or ``"prefill"`` (the first
             ``prompt_len`` tokens prefilled in full precision).
         prompt_len: required with ``semantics="prefill"``.
-        attn_layers: layers whose attention-output error is recorded in ``Simulation.attn_error``.
+        attn_layers: layers whose attention-output error and attention entropy are recorded in
+            ``Simulation.attn_error``, ``attn_entropy`` and ``attn_entropy_ref``.
         chunk_size: queries per attention chunk (memory ``~ chunk_size * T`` mask entries and scores
             per head).
         calibration: a ``kvbits.calibrate`` artifact (or its folder) for schemes with static scales or
             NUQ codebooks (KVQuant presets), as ``QuantizedKVCache(calibration=...)`` takes it.
 
     Yields:
-        The ``Simulation`` state; ``attn_error`` and ``calls`` describe the last forward (call
-        ``reset()`` between forwards to be sure nothing stale is read).
+        The ``Simulation`` state; ``attn_error``, ``attn_entropy(_ref)`` and ``calls`` describe the
+        last forward (call ``reset()`` between forwards to be sure nothing stale is read).
 
     The model's attention implementation is restored on exit, also when the block raises.
     """

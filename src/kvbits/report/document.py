@@ -20,7 +20,15 @@ from kvbits.report.fmt import fmt_pos
 from kvbits.report.inputs import reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary
-from kvbits.report.tables import TableData, attn_table, delta_table, metric_table, overall_table
+from kvbits.report.tables import (
+    TableData,
+    attn_table,
+    delta_table,
+    entropy_table,
+    generation_table,
+    metric_table,
+    overall_table,
+)
 from kvbits.report.verdict import verdict
 
 __all__ = ["Block", "Code", "Figure", "Heading", "Meta", "Para", "Table", "build_document"]
@@ -148,6 +156,12 @@ def build_document(
     else:
         blocks.append(Table(at))
         fig("attn_error")
+    et = entropy_table(run)
+    if et is not None:
+        blocks += [Heading(2, "Attention entropy"), Table(et)]
+    gt = generation_table(run)
+    if gt is not None:
+        blocks += [Heading(2, "Greedy generation"), Table(gt)]
     cal = calibration_rows(run, config)
     if cal:
         blocks += [Heading(2, "Calibration"), Para(CALIBRATION_NOTE), Table(calibration_table(cal))]

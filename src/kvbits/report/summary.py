@@ -15,7 +15,7 @@ from typing import Any
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
 
-__all__ = ["AttnLayer", "Bucket", "RunSummary", "SchemeResult"]
+__all__ = ["AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,55 @@ class AttnLayer:
 
 
 @dataclass(frozen=True)
+class EntropyLayer:
+    """Attention entropy of one sampled layer per position bucket (nats, mean over query heads):
+    ``(lo, hi, entropy with the quantized K/V, entropy with exact K/V, delta)``."""
+
+    layer: int
+    buckets: tuple[tuple[int, int, float, float, float], ...]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], default_layer: int = 0) -> EntropyLayer:
+        rows = []
+        for b in d.get("buckets") or ():
+            h, h_ref, delta = _num(b.get("entropy")), _num(b.get("entropy_ref")), _num(b.get("delta"))
+            if not _ok(delta) and _ok(h) and _ok(h_ref):
+                delta = h - h_ref
+            rows.append((int(b["lo"]), int(b["hi"]), h, h_ref, delta))
+        return cls(layer=int(d.get("layer", default_layer)), buckets=tuple(rows))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy continuations after each window (``results[].generation``; see
+    ``kvbits.evaluate.generation``): rep-n of the scheme's and the reference's continuation
+    (``{n: value}``, means over windows), agreement with the reference, first divergence per window."""
+
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    rep: Mapping[int, float] = field(default_factory=dict)
+    rep_ref: Mapping[int, float] = field(default_factory=dict)
+    agreement: float = math.nan
+    first_divergence: tuple[int, ...] = ()
+    seconds: float = math.nan
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Generation:
+        def reps(x: Any) -> dict[int, float]:
+            if not isinstance(x, Mapping):
+                return {}
+            return {int(k): _num(v) for k, v in x.items() if str(k).isdigit()}
+
+        div = d.get("first_divergence") if isinstance(d.get("first_divergence"), list) else []
+        new, prompt = _num(d.get("new_tokens")), _num(d.get("prompt_tokens"))
+        return cls(
+            new_tokens=int(new) if _ok(new) else 0, prompt_tokens=int(prompt) if _ok(prompt) else 0,
+            rep=reps(d.get("rep")), rep_ref=reps(d.get("rep_ref")), agreement=_num(d.get("agreement")),
+            first_divergence=tuple(int(x) for x in div if _ok(_num(x))), seconds=_num(d.get("seconds")),
+        )
+
+
+@dataclass(frozen=True)
 class SchemeResult:
     """One scheme's results, overall and per position bucket."""
 
@@ -72,6 +121,8 @@ class SchemeResult:
     seconds: float = math.nan
     buckets: tuple[Bucket, ...] = ()
     attn: tuple[AttnLayer, ...] = ()
+    entropy: tuple[EntropyLayer, ...] = ()
+    generation: Generation | None = None  # with kvbits eval --generate
     calibration: Mapping[str, Any] = field(default_factory=dict)  # as in summary.json (see .calibration)
     decode: Mapping[str, Any] | None = None  # stream mode: {"fused_steps", "fallback_steps"}; else None
 
@@ -113,10 +164,13 @@ class SchemeResult:
             )
             for i, a in enumerate(d.get("attn_error") or ())
         )
+        entropy = tuple(EntropyLayer.from_dict(a, i) for i, a in enumerate(d.get("attn_entropy") or ()))
+        gen = d.get("generation")
         return cls(
             name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")), ppl=_num(d.get("ppl")),
             ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
-            seconds=_num(d.get("seconds")), buckets=buckets, attn=attn,
+            seconds=_num(d.get("seconds")), buckets=buckets, attn=attn, entropy=entropy,
+            generation=Generation.from_dict(gen) if isinstance(gen, Mapping) else None,
             calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
             decode=dict(d["decode"]) if isinstance(d.get("decode"), Mapping) else None,
         )

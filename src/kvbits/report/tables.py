@@ -27,7 +27,7 @@ from kvbits.report.fmt import (
     fmt_pct,
     fmt_pos,
 )
-from kvbits.report.summary import AttnLayer, Bucket, RunSummary, SchemeResult, _bucket_at
+from kvbits.report.summary import AttnLayer, Bucket, Generation, RunSummary, SchemeResult, _bucket_at
 from kvbits.report.verdict import verdict
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -46,11 +46,13 @@ __all__ = [
     "bucket_label",
     "bucket_table",
     "delta_table",
+    "entropy_table",
     "fmt_bytes",
     "fmt_end",
     "fmt_kl",
     "fmt_pct",
     "fmt_pos",
+    "generation_table",
     "metric_table",
     "overall_table",
     "print_summary",
@@ -172,6 +174,76 @@ def attn_table(summary: RunSummary | Mapping[str, Any]) -> TableData | None:
     )
 
 
+def entropy_table(summary: RunSummary | Mapping[str, Any]) -> TableData | None:
+    """Scheme × sampled layer rows, position-bucket columns: attention entropy with the quantized
+    K/V and, in parentheses, its difference from exact K/V; None when the run measured none."""
+    run = RunSummary.coerce(summary)
+    spans = sorted({(b[0], b[1]) for r in run.results for e in r.entropy for b in e.buckets})
+    if not spans:
+        return None
+    rows = []
+    for r in run.results:
+        for i, e in enumerate(sorted(r.entropy, key=lambda e: e.layer)):
+            by_span = {(lo, hi): (h, d) for lo, hi, h, _, d in e.buckets}
+            cells = [Cell(r.name if i == 0 else ""), Cell(str(e.layer))]
+            for span in spans:
+                h, d = by_span.get(span, (math.nan, math.nan))
+                cells.append(Cell(f"{fmt_float(h)} ({_fmt_signed(d)})" if _ok(h) else NA))
+            rows.append(tuple(cells))
+    return TableData(
+        headers=("scheme", "layer", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
+        right=frozenset(range(1, 2 + len(spans))),
+        caption="Entropy of the attention distribution with the quantized cache, nats (mean over query heads "
+        "and positions), and in parentheses its difference from exact K/V for the same queries: above 0 the "
+        "quantized attention is flatter, below 0 sharper. summary.json holds both entropies.",
+    )
+
+
+def generation_table(summary: RunSummary | Mapping[str, Any]) -> TableData | None:
+    """Greedy continuations: a reference row, then per scheme rep-n, agreement with the reference and
+    the first divergence per window; None when the run generated nothing."""
+    run = RunSummary.coerce(summary)
+    gens = [(r.name, r.generation) for r in run.results if r.generation is not None]
+    if not gens:
+        return None
+    ns = sorted({n for _, g in gens for n in (*g.rep, *g.rep_ref)})
+    first = gens[0][1]
+    rows = [(Cell("reference", "muted"), *(Cell(fmt_float(first.rep_ref.get(n, math.nan))) for n in ns),
+             Cell("—", "muted"), Cell("—", "muted"))]  # fmt: skip
+    for name, g in gens:
+        rows.append((
+            Cell(name), *(Cell(fmt_float(g.rep.get(n, math.nan))) for n in ns), Cell(fmt_frac(g.agreement)),
+            Cell(_fmt_divergence(g), "good" if g.first_divergence and min(g.first_divergence) == g.new_tokens else ""),
+        ))  # fmt: skip
+    n_new = first.new_tokens
+    return TableData(
+        headers=("continuation", *(f"rep-{n}" for n in ns), "agreement", f"first divergence (of {n_new})"),
+        rows=tuple(rows), right=frozenset(range(1, 3 + len(ns))),
+        caption=f"Greedy continuation of {n_new} tokens after each {first.prompt_tokens}-token window, with the "
+        "unquantized model (reference) and with each scheme's cache. rep-n = 1 − distinct n-grams / n-grams "
+        "(higher: more repetition; means over windows); agreement = fraction of positions where the scheme "
+        f"generated the reference's token; first divergence = first position that differs, per window ({n_new}: "
+        "never). The texts are in generations.jsonl.",
+    )
+
+
+def _fmt_divergence(g: Generation) -> str:
+    div = g.first_divergence
+    if not div:
+        return NA
+    if len(div) <= 8:
+        return ", ".join(str(x) for x in div)
+    return f"mean {sum(div) / len(div):.1f}, min {min(div)}"
+
+
+def _fmt_signed(x: float) -> str:
+    if not _ok(x):
+        return NA
+    if x == 0:
+        return "0"
+    return f"{x:+.2e}" if abs(x) < 1e-3 else f"{x:+.4f}"
+
+
 def _fmt_err(x: float) -> str:
     if not _ok(x):
         return NA
@@ -250,6 +322,9 @@ def print_summary(
     )
     console.print(bucket_table(run, threshold))
     console.print(rich_table(overall_table(run, threshold)))
+    gen = generation_table(run)
+    if gen is not None:
+        console.print(rich_table(gen))
     from kvbits.report.calibration import calibration_rows, calibration_warnings  # it imports this module
 
     for line in calibration_warnings(calibration_rows(run)):

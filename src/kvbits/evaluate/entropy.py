@@ -1,0 +1,71 @@
+"""Entropy of attention distributions: how flat or sharp each query's attention is.
+
+Quantized keys perturb every score ``q . k_j``; at long context these perturbations can flatten the
+distribution (attention spreads over many keys whose noisy scores now look alike) or sharpen it
+(a few keys pulled up by the noise). The entropy ``H = -sum_j p_j log p_j`` (nats) of a query's
+attention over the keys it sees shows which: ``log(n)`` for uniform attention over ``n`` keys, 0
+for attention on one key.
+
+The simulator (:mod:`.simulate`) calls :func:`attention_entropy` for its sampled layers, on the
+same chunk of queries and the same keys as its attention call, once over the quantized keys and
+once over the exact ones. Scores are computed explicitly there (SDPA returns no probabilities), in
+sub-chunks of queries so that at most ``budget`` scores exist at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ENTROPY_BUDGET", "attention_entropy"]
+
+ENTROPY_BUDGET = 1 << 23  # scores per sub-chunk: 32 MB in float32 (a few times that with softmax)
+
+
+@torch.no_grad()
+def attention_entropy(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    *,
+    budget: int = ENTROPY_BUDGET,
+) -> torch.Tensor:
+    """Entropy (nats) of each query's attention distribution, averaged over query heads.
+
+    Args:
+        q: queries ``(B, H_q, c, D)``.
+        k: keys ``(B, H_kv, L, D)``; query head ``h`` attends with KV head ``h // G``,
+            ``G = H_q / H_kv`` (as SDPA's ``enable_gqa``).
+        mask: bool ``(c, L)``, True where query ``i`` sees key ``j``; every row must see a key.
+        scale: the score scale (``D ** -0.5`` unless the model says otherwise).
+        softcap: attention logit soft-cap ``tanh(s / cap) * cap`` (Gemma 2), or None.
+        budget: most scores computed at once (queries are taken in sub-chunks to stay below it).
+
+    Returns:
+        ``(B, c)``: the mean over the ``H_q`` heads of ``-sum_j p_j log p_j``, in float32 (float64
+        for float64 inputs).
+    """
+    B, Hq, c, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if mask.shape != (c, L):
+        raise ValueError(f"mask must be (c, L) = ({c}, {L}), got {tuple(mask.shape)}")
+    G = Hq // Hkv
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    kt = k.to(dtype).transpose(-1, -2)
+    step = max(1, budget // max(1, B * Hq * L))
+    out = []
+    for a in range(0, c, step):
+        b = min(c, a + step)
+        # the G query heads of a KV head folded into the query axis: (B, H_kv, G * n, D)
+        qf = q[:, :, a:b].to(dtype).reshape(B, Hkv, G * (b - a), D)
+        s = torch.matmul(qf, kt) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask[a:b].repeat(G, 1), float("-inf"))
+        # entr(0) = 0: keys a query does not see contribute nothing
+        h = torch.special.entr(torch.softmax(s, dim=-1)).sum(dim=-1)
+        out.append(h.reshape(B, Hq, b - a).mean(dim=1))
+    return torch.cat(out, dim=1)
