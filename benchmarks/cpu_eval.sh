@@ -46,6 +46,13 @@ if [[ $step == all || $step == rotation ]]; then
     --scheme int8-token-hadamard --scheme int4-token-hadamard --scheme int3-token-hadamard \
     --scheme int2-token-hadamard --scheme int2-token --out runs/qwen-wiki-4k-hadamard
 fi
+if [[ $step == all || $step == mixed ]]; then
+  # Per-layer mixed precision: Qwen2.5's layer 0 (large k_proj bias channels) held at higher precision,
+  # every other layer as the base scheme; compare with 3c and the rotation step (same window).
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme int8-token,0=fp16 --scheme int4-token,0=fp16 --scheme int4-token-hadamard,0=fp16 \
+    --scheme int4-token-hadamard,0=int8-token --out runs/qwen-wiki-4k-mixed
+fi
 if [[ $step == all || $step == mismatch ]]; then
   # Calibration/serving mismatch: calibrate on 512-token windows, serve 8K.
   [[ -f runs/calib-smollm2-kvq4-512/calibration.json ]] || \

@@ -1273,3 +1273,37 @@ def test_cuda_decode_steps_do_not_sync(scheme):
     cache.update(k[:, :, :1], v[:, :, :1].masked_fill(v[:, :, :1] > 0, float("nan")), 1)
     with pytest.raises(ValueError, match="layer 1 value_states contain NaN"):
         cache.memory_report()
+
+
+@torch.no_grad()
+def test_mixed_scheme_stores_each_layer_by_its_own_scheme():
+    """"kivi-2,0=int8-token": layer 0 holds exactly what an int8-token cache holds for the same K/V (its
+    K/V depend only on the embeddings), layer 1 what kivi-2 holds for them; the bytes are the planner's and
+    each layer's those of its scheme; with no config the lazily created layers resolve their schemes alike."""
+    model = build("llama_d64")
+    ids = tokens(1, 300, seed=5)
+    mixed = QuantizedKVCache(config=model.config, scheme="kivi-2,0=int8-token")
+    model(ids, **{CACHE_KW: mixed})
+    assert [layer.scheme.name for layer in mixed.layers] == ["int8-token", "kivi-2,0=int8-token"]
+    assert mixed.layers[1].scheme.key == get_scheme("kivi-2").key and mixed.layers[1].scheme.residual == 128
+    ref = reference_300()
+    for i, name in ((0, "int8-token"), (1, "kivi-2")):
+        alone = QuantizedKVCache(num_layers=2, scheme=name)
+        alone.update(ref.layers[i].keys, ref.layers[i].values, i)
+        want = alone.materialize(i)
+        if i == 0:  # layer 1's input went through layer 0's quantized attention: compare storage rules only
+            assert all(torch.equal(a, b) for a, b in zip(mixed.materialize(0), want))
+        rows = mixed.memory_report()["layers"][i]
+        alone_row = alone.memory_report()["layers"][i]
+        assert (rows["quantized_tokens"], rows["full_tokens"]) == (alone_row["quantized_tokens"], alone_row["full_tokens"])
+    want_total = sum(
+        layer_bytes(mixed.scheme.for_layer(i), 300, batch=1, n_heads=2, head_dim=64, full_dtype_bytes=4)[side]
+        for i in range(2) for side in ("key", "value")
+    )  # fmt: skip
+    assert mixed.memory_report()["total_bytes"] == want_total
+    lazy = QuantizedKVCache(scheme="kivi-2,0=int8-token")
+    model(ids, **{CACHE_KW: lazy})
+    assert [layer.scheme.name for layer in lazy.layers] == ["int8-token", "kivi-2,0=int8-token"]
+    assert all(torch.equal(a, b) for a, b in zip(lazy.materialize(1), mixed.materialize(1)))
+    with pytest.raises(ValueError, match=r"overrides layers \[2\], beyond the config's 2"):
+        QuantizedKVCache(config=model.config, scheme="kivi-2,2=int8-token")

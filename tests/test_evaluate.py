@@ -55,6 +55,15 @@ HEAD = KVScheme(
     residual=5,
     block=4,
 )
+# per-layer mixed: sinks + window in layer 0, pre-RoPE per-channel keys in layer 1, the rest per-token int2
+MIXED = get_scheme("int2-token").replace(
+    name="t-mixed",
+    layers=(
+        (0, SINKS),
+        (1, CHANNEL.replace(name="t-prerope", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel",
+                                                              group_size=8, pre_rope=True))),
+    ),
+)  # fmt: skip
 FP32 = KVScheme(
     "t-fp32",
     key=TensorSpec(kind="float", bits=32, fmt="fp32"),
@@ -182,6 +191,9 @@ CASES = [
     ("llama", "fp8-e4m3-token", "decode"),
     ("llama", "int4-token-hadamard", "decode"),
     ("qwen2", "int2-token-hadamard", "prefill"),
+    ("llama", MIXED, "decode"),
+    ("qwen2", MIXED, "prefill"),
+    ("gemma3", "int4-token,0=fp16", "decode"),
     ("llama", "fp16", "decode"),
     ("llama-mha", SINKS, "decode"),
     ("qwen2", SINKS, "decode"),
@@ -1040,3 +1052,22 @@ def test_simulate_counts_clipping_against_calibrated_ranges(models):
         "context": art.max_calibrated_length,
         "tokens": art.meta["data"]["tokens"],
     }
+
+
+@torch.no_grad()
+def test_mixed_scheme_evaluates_with_its_layer_average_bits():
+    """A per-layer mix runs through evaluate() in both modes alike; its bits are its layers' average, and
+    holding the more damaged layer at 8 bits lowers the KL of the all-int2 scheme."""
+    from kvbits.schemes import average_bits
+
+    model, ids = _llama(), _ids(96, seed=2)[0]
+    out = {}
+    for mode in ("simulate", "stream"):
+        s = evaluate(model, ids, 96, ["int2-token", "int2-token,0-1=int8-token", "int2-token,1=int8-token"], mode=mode,
+                     attn_layers=[] if mode == "stream" else None, progress=False)  # fmt: skip
+        out[mode] = {r["scheme"]: r for r in s["results"]}
+    for name, r in out["simulate"].items():
+        assert r["kl"] == pytest.approx(out["stream"][name]["kl"], rel=1e-3, abs=1e-6)
+    mixed = out["simulate"]["int2-token,1=int8-token"]
+    assert mixed["avg_bits"] == pytest.approx(average_bits(get_scheme("int2-token,1=int8-token"), 32, 2, n_layers=2))
+    assert out["simulate"]["int2-token,0-1=int8-token"]["kl"] < mixed["kl"] < out["simulate"]["int2-token"]["kl"]

@@ -608,3 +608,19 @@ def test_context_beyond_the_model_max_is_planned_with_a_warning(caplog):
     assert beyond[1]["total_bytes"] == 4 * beyond[0]["total_bytes"]  # still planned, exactly
     (rec,) = caplog.records
     assert "context 8192 exceeds the model's max_position_embeddings 4096" in rec.getMessage()
+
+
+def test_mixed_scheme_plans_each_layer_by_its_own_scheme():
+    """KVTuner-style per-layer precision: each layer's bytes are those of the scheme it is stored by, the
+    total their sum, and the concurrency follows; an override beyond the model's layers is refused."""
+    cfg = llama_dict(num_hidden_layers=4, num_key_value_heads=8)
+    mixed = plan(cfg, context=8192, batch=2, scheme="int4-token,0=int8-token,3=fp16", gpu_mem_gib=24)
+    by = {name: plan(cfg, context=8192, batch=2, scheme=name, gpu_mem_gib=24) for name in ("int4-token", "int8-token", "fp16")}
+    want = [by["int8-token"], by["int4-token"], by["int4-token"], by["fp16"]]
+    for i, row in enumerate(mixed["per_layer"]):
+        assert row["total_bytes"] == want[i]["per_layer"][i]["total_bytes"]
+    assert mixed["total_bytes"] == sum(r["total_bytes"] for r in mixed["per_layer"])
+    assert by["int4-token"]["total_bytes"] < mixed["total_bytes"] < by["int8-token"]["total_bytes"]
+    assert by["int4-token"]["max_concurrency"] > mixed["max_concurrency"] > by["fp16"]["max_concurrency"]
+    with pytest.raises(ValueError, match=r"overrides layers \[7\], beyond the model's 4 layers"):
+        plan(cfg, context=8192, batch=2, scheme="int4-token,7=fp16")

@@ -16,7 +16,15 @@ import torch
 
 from kvbits.quant import QuantizedTensor, pack_bits, packed_size, quantize, unpack_bits
 from kvbits.quant.affine import choose_qparams, dequantize_affine, quantize_affine
-from kvbits.schemes import KVScheme, TensorSpec, get_scheme, list_schemes
+from kvbits.schemes import (
+    KVScheme,
+    TensorSpec,
+    average_bits,
+    get_scheme,
+    layer_bytes,
+    list_schemes,
+    token_split,
+)
 from kvbits.schemes.accounting import per_block_meta_bytes, quantized_bytes
 
 
@@ -776,3 +784,66 @@ def test_rotate_field_validation_and_json():
     assert KVScheme.from_json(s.to_json()) == s and s.key.rotate == s.value.rotate == "hadamard"
     with pytest.raises(ValueError, match="power of two"):
         quantize(gaussian(1, 1, 4, 80), s.key)
+
+
+# ------------------------------------------------------------------------- per-layer mixed precision
+
+
+def test_mixed_scheme_resolves_per_layer_and_round_trips():
+    from kvbits.schemes.presets import mixed_scheme
+
+    m = get_scheme("int4-token,0-1=int8-token,5=fp16")
+    assert m.is_mixed and [i for i, _ in m.layers] == [0, 1, 5]
+    assert m.for_layer(0) == m.for_layer(1) == get_scheme("int8-token") and m.for_layer(5).name == "fp16"
+    flat = m.for_layer(2)
+    assert not flat.is_mixed and (flat.key, flat.value) == (get_scheme("int4-token").key, get_scheme("int4-token").value)
+    assert mixed_scheme("int4-token", {0: "int8-token", 1: "int8-token", 5: "fp16"}) == m.replace(
+        name="int4-token,0=int8-token,1=int8-token,5=fp16"
+    )
+    d = json.loads(m.to_json())
+    assert set(d["layers"]) == {"0", "1", "5"} and "layers" not in get_scheme("int4-token").to_dict()
+    assert KVScheme.from_json(m.to_json()) == m
+    assert not m.is_identity and get_scheme("fp16,0=bf16").is_identity
+    # average bits over the model's layers: 2 of 6 at int8, 1 at fp16, 3 at int4
+    want = (2 * average_bits(get_scheme("int8-token"), 64, 2) + 16 + 3 * average_bits(get_scheme("int4-token"), 64, 2)) / 6
+    assert average_bits(m, 64, 2, n_layers=6) == pytest.approx(want)
+    with pytest.raises(ValueError, match="need n_layers"):
+        average_bits(m, 64, 2)
+    with pytest.raises(ValueError, match=r"overrides layers \[5\], beyond the model's 4"):
+        average_bits(m, 64, 2, n_layers=4)
+    with pytest.raises(ValueError, match="counts one layer"):
+        layer_bytes(m, 10, batch=1, n_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="per layer"):
+        token_split(m, 10)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("int4-token,x=int8-token", "expected BASE,LAYER=SCHEME"),
+        ("int4-token,3-1=int8-token", "is empty"),
+        ("int4-token,0-2=int8-token,2=fp16", "layer 2 is given twice"),
+        ("int4-token,0=no-such-scheme", "unknown scheme 'no-such-scheme'"),
+        ("int4-token,0=kvquant-4", "need calibrated static scales or NUQ codebooks"),
+        ("kvquant-4,0=int8-token", "need calibrated static scales or NUQ codebooks"),
+    ],
+)
+def test_mixed_scheme_strings_are_checked(spec, match):
+    with pytest.raises(ValueError, match=match):
+        get_scheme(spec)
+
+
+def test_mixed_scheme_fields_are_checked():
+    base, sub = get_scheme("int4-token"), get_scheme("int8-token")
+    with pytest.raises(ValueError, match="listed twice"):
+        base.replace(layers=((0, sub), (0, sub)))
+    with pytest.raises(ValueError, match="indices must be ints >= 0"):
+        base.replace(layers=((-1, sub),))
+    with pytest.raises(TypeError, match="needs a KVScheme"):
+        base.replace(layers=((0, "int8-token"),))
+    with pytest.raises(ValueError, match="overrides of its own"):
+        base.replace(layers=((0, base.replace(layers=((1, sub),))),))
+    with pytest.raises(TypeError, match="must be an object"):
+        KVScheme.from_dict({**base.to_dict(), "layers": [1]})
+    with pytest.raises(ValueError, match="keys are layer indices"):
+        KVScheme.from_dict({**base.to_dict(), "layers": {"first": sub.to_dict()}})

@@ -166,14 +166,19 @@ class QuantizedKVCache(Cache):
             types, kwargs = _layer_types(text_config(config), n_layers)
             if num_layers is not None and num_layers != len(types):
                 raise ValueError(f"num_layers={num_layers} but the config describes {len(types)} cached layers")
+            beyond = [i for i, _ in self.scheme.layers if i >= len(types)]
+            if beyond:
+                raise ValueError(
+                    f"mixed scheme {self.scheme.name!r} overrides layers {beyond}, beyond the config's {len(types)}"
+                )
             layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(types, kwargs))]
             fallback = [f"{layer.layer_idx} (W={layer.sliding_window})" for layer in layers
                         if isinstance(layer, QuantizedKVLayer) and layer.mode == "fallback"]
             if fallback:
                 logger.info(
-                    "scheme %s: residual %d + block %d - 1 exceeds the sliding window - 1 of layers %s; they keep "
+                    "scheme %s: residual + block - 1 exceeds the sliding window - 1 of layers %s; they keep "
                     "their window in full precision",
-                    self.scheme.name, self.scheme.residual, self.scheme.block, ", ".join(fallback),
+                    self.scheme.name, ", ".join(fallback),
                 )
         elif num_layers is not None:
             layers = [self._make_layer(i, "full_attention", {}) for i in range(num_layers)]
@@ -185,7 +190,7 @@ class QuantizedKVCache(Cache):
 
     def _rope_tables(self, config: Any, rotary: Any) -> tuple[Any, bool]:
         """RoPE tables for pre-RoPE keys: ``(tables, built_here)``; ``(None, False)`` when not needed."""
-        if self.scheme.is_identity or not self.scheme.key.pre_rope:
+        if not any(s.key.pre_rope and not s.is_identity for s in self.scheme.layer_schemes()):
             return None, False
         if rotary is not None:
             return rotary, False
@@ -220,7 +225,7 @@ class QuantizedKVCache(Cache):
             heads, kv_heads, head_dim = layer_heads(self._config, idx)
             repeat = _head_repeat(text_config(self._config), heads, kv_heads)
         layer = QuantizedKVLayer(
-            self.scheme, layer_idx=idx, sliding_window=window, workspace=self.workspace,
+            self.scheme.for_layer(idx), layer_idx=idx, sliding_window=window, workspace=self.workspace,
             num_key_value_heads=kv_heads, head_repeat=repeat, head_dim=head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,

@@ -57,6 +57,10 @@ def check_fp8_scale(fp8_scale: str) -> None:
 
 def check_calibratable(scheme: KVScheme) -> None:
     """Raise ``ValueError`` unless every side that needs calibration is one this module can fit."""
+    if scheme.is_mixed:
+        raise ValueError(
+            f"scheme {scheme.name!r} mixes schemes per layer; calibration fits one scheme for every layer yet"
+        )
     if not any(spec_calibratable(s) for s in (scheme.key, scheme.value)):
         raise ValueError(
             f"scheme {scheme.name!r} has nothing to calibrate (no static int/nuq/fp8 scales, no nuq codebook); "

@@ -33,7 +33,8 @@ MODES = ("simulate", "stream")
 SEMANTICS = ("decode", "prefill")
 DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 OUTPUT_VERSION = 1
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+# ',' and '=' for per-layer mixes ("int4-token,0=int8-token"): portable in file names, like the rest
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+,=-]*$")
 
 
 # ------------------------------------------------------------------------------------ identities
@@ -120,7 +121,7 @@ def _check_args(context, windows, mode, semantics, prompt_len, schemes) -> None:
     for n in names:
         if not _SAFE_NAME.match(n):
             raise ValueError(
-                f"scheme name {n!r} is not usable as a file name (letters, digits, . _ + - only)"
+                f"scheme name {n!r} is not usable as a file name (letters, digits, . _ + , = - only)"
             )
     peers = [n for n, s in zip(names, schemes) if isinstance(s, PeerScheme)]
     if peers and mode != "stream":

@@ -507,7 +507,7 @@ def evaluate(
         bits = (
             scheme.avg_bits
             if isinstance(scheme, PeerScheme)
-            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads)
+            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
         )
         results.append(
             {

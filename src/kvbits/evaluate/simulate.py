@@ -116,15 +116,19 @@ class Simulation:
         self.calls = 0
         self.clipped = {}
 
-    def _layout(self, T: int, window: int | None, device: torch.device, *, exact: bool = False):
-        """``(lo, hi per position, chunk plans)`` for this scheme, cached per (T, window, device)."""
-        key = (T, window, str(device), exact)
+    def _layout(
+        self, T: int, window: int | None, device: torch.device, *, exact: bool = False, scheme: KVScheme | None = None
+    ):
+        """``(lo, hi per position, chunk plans)`` for ``scheme`` (a layer's; default this scheme), cached per
+        (T, window, device, scheme)."""
+        scheme = self.scheme if scheme is None else scheme
+        key = (T, window, str(device), exact, scheme.sinks, scheme.residual, scheme.block, scheme.is_identity)
         if key not in self._layouts:
             if len(self._layouts) > 8:  # windows of many lengths: keep memory bounded
                 self._layouts.clear()
             pos = torch.arange(T, device=device)
             prompt = self.prompt_len if self.semantics == "prefill" else 0
-            lo, hi = quantized_bounds(self.scheme, pos, T, sliding_window=window, prompt_len=prompt)
+            lo, hi = quantized_bounds(scheme, pos, T, sliding_window=window, prompt_len=prompt)
             self._layouts[key] = (lo, hi, _plan(T, self.chunk_size, lo, hi, window, exact=exact))
         return self._layouts[key]
 
@@ -459,9 +463,11 @@ def _simulate_attention(
     softcap = kwargs.get("softcap")
     window = _layer_window(module, kwargs)
     layer = getattr(module, "layer_idx", None)
-    scheme = sim.scheme
+    if layer is None and sim.scheme.is_mixed:
+        raise ValueError(f"mixed scheme {sim.scheme.name!r}: an attention module without layer_idx can not be matched")
+    scheme = sim.scheme.for_layer(layer) if layer is not None else sim.scheme
 
-    lo, hi_all, plans = sim._layout(T, window, query.device)
+    lo, hi_all, plans = sim._layout(T, window, query.device, scheme=scheme)
     q_end = int(hi_all[-1]) if T else 0
     src = key
     vsrc = value
@@ -476,7 +482,7 @@ def _simulate_attention(
         vsrc = torch.cat([value[:, :, :lo], vq], dim=2) if lo else vq
 
     record = layer in sim.attn_layers
-    ref_plans = sim._layout(T, window, query.device, exact=True)[2] if record else None
+    ref_plans = sim._layout(T, window, query.device, exact=True, scheme=scheme)[2] if record else None
     outs, errs, ents, ents_ref = [], [], [], []
     for i, p in enumerate(plans):
         if p.b > p.e0 and p.s1 > p.k0:
@@ -638,12 +644,18 @@ def simulate(
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; cannot simulate")
+    n_layers = max(m.layer_idx for m in modules) + 1
+    beyond = [i for i, _ in scheme.layers if i >= n_layers]
+    if beyond:
+        raise ValueError(f"mixed scheme {scheme.name!r} overrides layers {beyond}, beyond the model's {n_layers}")
     rotary_layers: dict[int, Any] = {}
-    if scheme.key.pre_rope and not scheme.is_identity:
+    pre_rope = [m for m in modules if scheme.for_layer(m.layer_idx).key.pre_rope
+                and not scheme.for_layer(m.layer_idx).is_identity]  # fmt: skip
+    if pre_rope:
         from kvbits.quant.rope import RotaryTables
 
         tables = RotaryTables.from_model(model)
-        for m in modules:
+        for m in pre_rope:
             rotary_layers[m.layer_idx] = tables.tables_for_layer(m.layer_idx)
     _register()
     sim = Simulation(

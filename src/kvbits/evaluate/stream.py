@@ -143,7 +143,7 @@ def make_cache(
     from kvbits.cache import QuantizedKVCache
 
     rotary = None
-    if scheme.key.pre_rope and not scheme.is_identity:
+    if any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
         from kvbits.quant.rope import RotaryTables
 
         rotary = RotaryTables.from_model(model)

@@ -224,8 +224,14 @@ def plan_shape(
     elements = 0
     per_layer = []
     rope_positions: dict[int, int] = {}  # fused pre-RoPE keys: head dim -> positions the tables must cover
-    rope_tables_held = fused_decode and _fused_pre_rope(scheme)
+    beyond = [i for i, _ in scheme.layers if i >= len(shape.layers)]
+    if beyond:
+        raise ValueError(
+            f"mixed scheme {scheme.name!r} overrides layers {beyond}, beyond the model's {len(shape.layers)} layers"
+        )
     for i, layer in enumerate(shape.layers):
+        layer_scheme = scheme.for_layer(i)
+        rope_tables_held = fused_decode and _fused_pre_rope(layer_scheme)
         row: dict[str, Any] = {
             "layer": i,
             "attention": layer.attention,
@@ -243,9 +249,9 @@ def plan_shape(
             "full_dtype_bytes": shape.dtype_bytes,
             "sliding_window": layer.window,
         }
-        b = layer_bytes(scheme, context, batch=batch, **kw)
-        one = layer_bytes(scheme, context, batch=1, **kw)
-        split = token_split(scheme, context, layer.window)
+        b = layer_bytes(layer_scheme, context, batch=batch, **kw)
+        one = layer_bytes(layer_scheme, context, batch=1, **kw)
+        split = token_split(layer_scheme, context, layer.window)
         if rope_tables_held and layer.attention == "full" and split.quantized:
             n = split.sink + split.quantized  # RopeTableCache.get(rotary, n_sinks + n_dropped + T_q, ...)
             rope_positions[layer.head_dim] = max(rope_positions.get(layer.head_dim, 0), n)

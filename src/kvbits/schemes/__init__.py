@@ -1,7 +1,7 @@
 """Schemes: what to quantize and how (`TensorSpec`, `KVScheme`), presets, exact byte accounting."""
 
 from kvbits.schemes.accounting import TokenSplit, average_bits, layer_bytes, token_split
-from kvbits.schemes.presets import get_scheme, list_schemes, register
+from kvbits.schemes.presets import get_scheme, list_schemes, mixed_scheme, register
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "get_scheme",
     "layer_bytes",
     "list_schemes",
+    "mixed_scheme",
     "register",
     "token_split",
 ]

@@ -67,10 +67,12 @@ def token_split(scheme: KVScheme, n_tokens: int, sliding_window: int | None = No
     the rest are the full-precision buffer. Sliding-window layers (window ``W``) need only the last
     ``W - 1`` tokens for the next step: sinks are not kept, quantized blocks are dropped once all
     their tokens left the window, and when ``residual + block - 1 > W - 1`` the layer stores its
-    window in full precision (``sliding_falls_back``).
+    window in full precision (``sliding_falls_back``). ``scheme`` is the layer's own (``for_layer``).
     """
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    if scheme.is_mixed:
+        raise ValueError(f"token_split is per layer: pass {scheme.name!r}.for_layer(layer_idx), not the mixed scheme")
     if sliding_window is None:
         sink = min(n_tokens, scheme.sinks) if not scheme.is_identity else 0
         q = flushed_tokens(scheme, n_tokens - sink)
@@ -130,12 +132,16 @@ def check_head_dim(spec: TensorSpec, head_dim: int) -> None:
 
 
 def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
-    """``check_head_dim`` for both sides of ``scheme``; the ``ValueError`` names the scheme and the side."""
-    for side, spec in (("key", scheme.key), ("value", scheme.value)):
-        try:
-            check_head_dim(spec, head_dim)
-        except ValueError as exc:
-            raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
+    """``check_head_dim`` for both sides of ``scheme`` (every layer's, for a mixed scheme); the
+    ``ValueError`` names the scheme and the side."""
+    for sub in scheme.layer_schemes() if scheme.is_mixed else [scheme]:
+        for side, spec in (("key", sub.key), ("value", sub.value)):
+            if sub.is_identity:
+                continue
+            try:
+                check_head_dim(spec, head_dim)
+            except ValueError as exc:
+                raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
 
 
 def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int) -> int:
@@ -216,7 +222,13 @@ def layer_bytes(
 
     Returns ``{"key": ..., "value": ..., "full": ..., "quantized": ..., "fixed": ...}`` where
     ``key``/``value`` are the totals of each side and the other three break the total down.
+    ``scheme`` is the layer's own: a mixed scheme's ``for_layer(i)``.
     """
+    if scheme.is_mixed:
+        raise ValueError(
+            f"layer_bytes counts one layer: pass the scheme that layer is stored by, "
+            f"{scheme.name!r}.for_layer(layer_idx), not the mixed scheme"
+        )
     split = token_split(scheme, n_tokens, sliding_window)
     fallback = sliding_window is not None and sliding_falls_back(scheme, sliding_window)
     if not (scheme.is_identity or fallback):  # this layer will quantize (once enough tokens arrive)
@@ -261,16 +273,26 @@ def rope_table_bytes(n_positions: int, width: int) -> int:
     return 2 * 4 * rope_table_positions(n_positions) * width
 
 
-def average_bits(scheme: KVScheme, head_dim: int = 128, n_heads: int = 8) -> float:
+def average_bits(scheme: KVScheme, head_dim: int = 128, n_heads: int = 8, n_layers: int | None = None) -> float:
     """Asymptotic bits per cached element (K and V averaged), metadata included.
 
     Counts codes, scales, zero-points and outliers of the quantized store, as the context grows
     without bound (sinks, the residual window and per-layer constants vanish in the limit). The
-    planner reports the exact figure at a given context instead.
+    planner reports the exact figure at a given context instead. A mixed scheme averages its layers'
+    figures over ``n_layers`` layers (required for it: the share of each override depends on it).
 
     Raises:
-        ValueError: the scheme can not store rows of ``head_dim`` channels (``check_scheme_head_dim``).
+        ValueError: the scheme can not store rows of ``head_dim`` channels (``check_scheme_head_dim``),
+            or a mixed scheme without ``n_layers`` (or with overrides beyond it).
     """
+    if scheme.is_mixed:
+        if n_layers is None or n_layers < 1:
+            raise ValueError(f"mixed scheme {scheme.name!r}: average bits need n_layers (the model's layer count)")
+        beyond = [i for i, _ in scheme.layers if i >= n_layers]
+        if beyond:
+            raise ValueError(f"mixed scheme {scheme.name!r} overrides layers {beyond}, beyond the model's {n_layers}")
+        per = [average_bits(scheme.for_layer(i), head_dim, n_heads) for i in range(n_layers)]
+        return sum(per) / n_layers
     check_scheme_head_dim(scheme, head_dim)
     bits = 0.0
     for spec in (scheme.key, scheme.value):

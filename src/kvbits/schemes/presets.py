@@ -165,8 +165,44 @@ def list_schemes() -> list[KVScheme]:
     return list(_REGISTRY.values())
 
 
+def mixed_scheme(base: str | KVScheme | dict, layers: dict[int, str | KVScheme | dict], name: str | None = None) -> KVScheme:
+    """``base`` with some layers stored by other schemes (per-layer mixed precision), e.g.
+    ``mixed_scheme("int4-token", {0: "int8-token", 23: "fp16"})``; named ``name`` or by the compact form
+    ``"int4-token,0=int8-token,23=fp16"`` (which ``get_scheme`` also reads)."""
+    b = get_scheme(base)
+    if b.is_mixed:
+        raise ValueError(f"the base scheme {b.name!r} is mixed already; give one flat scheme and its overrides")
+    subs = {int(i): get_scheme(s) for i, s in layers.items()}
+    if not name:
+        name = ",".join([b.name, *(f"{i}={s.name}" for i, s in sorted(subs.items()))])
+    return b.replace(name=name, layers=tuple(sorted(subs.items(), key=lambda t: t[0])))
+
+
+def _parse_mixed(spec: str) -> KVScheme:
+    """``"BASE,L=SCHEME,L1-L2=SCHEME,..."`` -> ``mixed_scheme`` (layer ranges inclusive)."""
+    base, *parts = (p.strip() for p in spec.split(","))
+    layers: dict[int, str] = {}
+    for part in parts:
+        where, eq, sub = part.partition("=")
+        lo, dash, hi = where.partition("-")
+        if not eq or not sub or not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
+            raise ValueError(
+                f"mixed scheme {spec!r}: expected BASE,LAYER=SCHEME or BASE,FIRST-LAST=SCHEME (layer indices "
+                f"from 0, e.g. 'int4-token,0-1=int8-token'), got {part!r}"
+            )
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"mixed scheme {spec!r}: layer range {where!r} is empty")
+        for i in range(first, last + 1):
+            if i in layers:
+                raise ValueError(f"mixed scheme {spec!r}: layer {i} is given twice")
+            layers[i] = sub
+    return mixed_scheme(base, layers, name=spec)
+
+
 def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
-    """Resolve a preset name, a path to a scheme JSON file, a dict or a ``KVScheme``."""
+    """Resolve a preset name, a path to a scheme JSON file, a dict, a ``KVScheme``, or a per-layer mix
+    ``"BASE,LAYER=SCHEME,FIRST-LAST=SCHEME"`` of those names (``mixed_scheme``)."""
     if isinstance(spec, KVScheme):
         return spec
     if isinstance(spec, dict):
@@ -175,6 +211,8 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
     if spec in _REGISTRY:
         return _REGISTRY[spec]
+    if "," in spec and "=" in spec:
+        return _parse_mixed(spec)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".json" and not path.is_file():
         raise ValueError(

@@ -225,6 +225,10 @@ class KVScheme:
             tokens once the sequence is long enough). Each block is quantized once and appended;
             history is never re-quantized.
         description, reference: for people (tables, README).
+        layers: per-layer mixed precision (KVTuner-style): ``((layer_idx, scheme), ...)``, each layer
+            listed stored by its own scheme (key, value, sinks, residual, block), every other layer by
+            this one; ``for_layer(i)`` resolves it. The overrides carry no overrides themselves, and
+            mixed schemes take no calibrated (static integer / NUQ) sides yet.
     """
 
     name: str
@@ -236,8 +240,10 @@ class KVScheme:
     description: str = ""
     reference: str = ""
     version: int = field(default=SCHEME_FORMAT_VERSION)
+    layers: tuple[tuple[int, KVScheme], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_layers()
         for name in ("name", "description", "reference"):
             _require(self, name, str, "a str")
         for name in ("sinks", "residual", "block", "version"):
@@ -261,9 +267,53 @@ class KVScheme:
         if self.version != SCHEME_FORMAT_VERSION:
             raise ValueError(f"scheme format version {self.version} is not supported (this kvbits reads {SCHEME_FORMAT_VERSION})")
 
+    def _check_layers(self) -> None:
+        """``TypeError`` / ``ValueError`` for malformed per-layer overrides (``layers``)."""
+        if not isinstance(self.layers, tuple):
+            raise TypeError(f"KVScheme.layers must be a tuple of (layer index, KVScheme) pairs, got {self.layers!r}")
+        seen: set[int] = set()
+        for item in self.layers:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"KVScheme.layers entries must be (layer index, KVScheme) pairs, got {item!r}")
+            idx, sub = item
+            if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+                raise ValueError(f"KVScheme.layers: layer indices must be ints >= 0, got {idx!r}")
+            if idx in seen:
+                raise ValueError(f"KVScheme.layers: layer {idx} is listed twice")
+            seen.add(idx)
+            if not isinstance(sub, KVScheme):
+                raise TypeError(f"KVScheme.layers: layer {idx} needs a KVScheme, got {type(sub).__name__}")
+            if sub.layers:
+                raise ValueError(f"KVScheme.layers: layer {idx}'s scheme {sub.name!r} has overrides of its own")
+        if self.layers:
+            calibrated = [s.name for s in self.layer_schemes() if s.key.calibrated or s.value.calibrated]
+            if calibrated:
+                raise ValueError(
+                    f"mixed per-layer scheme {self.name!r}: {', '.join(calibrated)} need calibrated static scales "
+                    "or NUQ codebooks, which mixed schemes do not take yet; mix schemes with dynamic scales"
+                )
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when some layers are stored by another scheme (``layers``)."""
+        return bool(self.layers)
+
+    def for_layer(self, layer_idx: int) -> KVScheme:
+        """The scheme layer ``layer_idx`` is stored by: its override, else this scheme without overrides."""
+        for idx, sub in self.layers:
+            if idx == layer_idx:
+                return sub
+        return dataclasses.replace(self, layers=()) if self.layers else self
+
+    def layer_schemes(self) -> list[KVScheme]:
+        """This scheme (without overrides) and every override, in order: what some layer may be stored by."""
+        return [dataclasses.replace(self, layers=()), *(sub for _, sub in self.layers)]
+
     @property
     def is_identity(self) -> bool:
-        """True when nothing is quantized (float storage for both K and V)."""
+        """True when nothing is quantized (float storage for both K and V) in any layer."""
+        if self.layers:
+            return all(s.is_identity for s in self.layer_schemes())
         return not (self.key.is_quantized or self.value.is_quantized)
 
     def needs_calibration(self) -> list[str]:
@@ -277,9 +327,13 @@ class KVScheme:
         return [side for side, spec in (("key", self.key), ("value", self.value)) if spec.calibratable]
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """JSON types; ``layers`` (as ``{"<layer>": scheme dict}``) only when set, so schemes without
+        overrides keep the JSON (and run and artifact hashes) they had before the field existed."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layers"}
         d["key"] = self.key.to_dict()
         d["value"] = self.value.to_dict()
+        if self.layers:
+            d["layers"] = {str(idx): sub.to_dict() for idx, sub in self.layers}
         return d
 
     def to_json(self) -> str:
@@ -301,6 +355,14 @@ class KVScheme:
             raise ValueError(f"unknown KVScheme fields {sorted(unknown)}; expected a subset of {sorted(known)}")
         d["key"] = TensorSpec.from_dict(d["key"]) if "key" in d else FP16
         d["value"] = TensorSpec.from_dict(d["value"]) if "value" in d else FP16
+        if "layers" in d:
+            layers = d["layers"]
+            if not isinstance(layers, dict):
+                raise TypeError(f"a scheme's 'layers' must be an object {{\"<layer>\": scheme}}, got {layers!r}")
+            try:
+                d["layers"] = tuple(sorted(((int(k), cls.from_dict(v)) for k, v in layers.items()), key=lambda t: t[0]))
+            except ValueError as exc:
+                raise ValueError(f"scheme 'layers': {exc} (keys are layer indices, e.g. \"0\")") from exc
         return cls(**d)
 
     @classmethod
