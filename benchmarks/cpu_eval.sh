@@ -53,6 +53,16 @@ if [[ $step == all || $step == mixed ]]; then
     --scheme int8-token,0=fp16 --scheme int4-token,0=fp16 --scheme int4-token-hadamard,0=fp16 \
     --scheme int4-token-hadamard,0=int8-token --out runs/qwen-wiki-4k-mixed
 fi
+if [[ $step == all || $step == tune ]]; then
+  # Per-layer schemes from measured sensitivity (kvbits tune), tuned on Pride and Prejudice (1K) at the
+  # bits of uniform int4-token, then evaluated on held-out text (WikiText-2, 4K; same window as 3c).
+  [[ -f runs/tune-qwen-4.5.json ]] || \
+    $K tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --windows 1 --no-progress \
+      --candidates int8-token --candidates int4-token --candidates int2-token --budget-bits 4.5 \
+      --name tuned-qwen-4.5 --out runs/tune-qwen-4.5.json
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme runs/tune-qwen-4.5.json --out runs/qwen-wiki-4k-tuned
+fi
 if [[ $step == all || $step == mismatch ]]; then
   # Calibration/serving mismatch: calibrate on 512-token windows, serve 8K.
   [[ -f runs/calib-smollm2-kvq4-512/calibration.json ]] || \

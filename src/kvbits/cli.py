@@ -420,6 +420,7 @@ COMMANDS: dict[str, Command | str] = {
     "plan": Command(_plan_add_parser, _plan_run),
     "analyze": "kvbits.analyze.cli",
     "calibrate": "kvbits.calibrate.cli",
+    "tune": "kvbits.tune.cli",
     "eval": "kvbits.evaluate.cli",
     "monitor": "kvbits.monitor.cli",
     "export": "kvbits.export.cli",

@@ -1,0 +1,110 @@
+"""``kvbits tune``: per-layer precision within an average-bits budget, from measured sensitivity (thin
+wrapper over ``kvbits.tune.tune``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvbits._argtypes import add_dtype_device, bounded
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+examples:
+  kvbits tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k \\
+      --candidates int8-token --candidates int4-token --candidates int2-token --budget-bits 5 --out tuned.json
+  kvbits eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --scheme tuned.json --scheme int4-token
+
+--out writes the chosen mix as a scheme JSON (any command's --scheme takes it) and, beside it,
+<out>.tune.json with the sensitivity table {"choice", "candidates", "bits", "sensitivity" (layers x
+candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits", "predicted_kl",
+"measured_kl", "uniform", "meta"}; --json prints that record.
+Tune on text other than the one you evaluate on: the sensitivities are measured, not predicted.
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.cli import _positive, parse_tokens
+    from kvbits.evaluate.cli import DEVICES
+
+    p = subparsers.add_parser(
+        "tune",
+        help="choose each layer's scheme within an average-bits budget from measured sensitivity",
+        description="Measure the KL of the model with one layer at a time stored by each candidate scheme, "
+        "pick the assignment with the least summed KL within --budget-bits average bits (exact knapsack), "
+        "then measure that mix and the uniform candidates on the same windows.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="offline name, hub id, local folder or .gguf")
+    p.add_argument("--data", required=True, help="tuning text: a registered name or a file")
+    p.add_argument("--data-path", help="folder with the registered texts (default ../shared/data or $KVBITS_DATA)")
+    p.add_argument(
+        "--candidates", action="append", required=True, metavar="SCHEME",
+        help="a flat scheme with dynamic scales; repeat (at least two)",
+    )  # fmt: skip
+    p.add_argument(
+        "--budget-bits", type=bounded(float, 0, lo_open=True), required=True, help="largest average bits of the mix"
+    )
+    p.add_argument("--context", type=parse_tokens, default=1024, help="tokens per window, e.g. 1k (default 1024)")
+    p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
+    p.add_argument("--name", help="name of the mix (default tuned-<budget>)")
+    p.add_argument("--out", help="scheme JSON to write (and <out>.tune.json with the measurements)")
+    p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")
+    p.add_argument("--json", action="store_true", help="print the tune record as JSON")
+    add_dtype_device(p, DEVICES)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbits.evaluate.request import check_device
+    from kvbits.tune import tune
+
+    check_device(args.device)  # before the model loads
+    res = tune(
+        args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
+        name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
+        progress=not (args.no_progress or args.json),
+    )  # fmt: skip
+    record = res.to_dict()
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(res.scheme.to_json() + "\n")
+        Path(str(out) + ".tune.json").write_text(json.dumps(record, indent=2) + "\n")
+    if args.json:
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        return 0
+    _print(res, args.out)
+    return 0
+
+
+def _print(res: Any, out: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"KL with one layer quantized (nats), {res.meta['model']} on {res.meta['data']}")
+    table.add_column("layer", justify="right")
+    for name, bits in zip(res.candidates, res.bits):
+        table.add_column(f"{name} ({bits:.2f} b)", justify="right")
+    table.add_column("chosen")
+    for i, row in enumerate(res.sensitivity):
+        table.add_row(str(i), *(f"{x:.3g}" for x in row), res.choice[i])
+    console.print(table)
+    line = (
+        f"{res.scheme.name}: {res.avg_bits:.3f} average bits (budget {res.budget_bits:g}); KL predicted "
+        f"{res.predicted_kl:.4g} (sum of single-layer KLs)"
+    )
+    if res.measured_kl is not None:
+        line += f", measured {res.measured_kl:.4g}; uniform: " + ", ".join(
+            f"{n} {u['kl']:.4g} at {u['avg_bits']:.2f} b" for n, u in res.uniform.items()
+        )
+    console.print(line)
+    if out:
+        console.print(f"wrote {out} (kvbits eval --scheme {out}) and {out}.tune.json")

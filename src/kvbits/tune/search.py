@@ -1,0 +1,249 @@
+"""Per-layer precision from measured sensitivity (KVTuner-style): which layers get which scheme.
+
+1. **Sensitivity.** For every layer ``i`` and candidate scheme ``c``, the KL divergence of the model
+   with only layer ``i`` stored by ``c`` (every other layer exact, float32) against the unquantized
+   model, on calibration windows, in one ``kvbits.evaluate.evaluate`` run (one reference pass per window,
+   one simulated pass per (layer, candidate)).
+2. **Choice.** The assignment of one candidate per layer with the least *sum* of those KLs whose average
+   bits stay within a budget: a multiple-choice knapsack, solved exactly by dynamic programming over the
+   bits in steps of 1/100 bit.
+3. **Check.** The sum of single-layer KLs is a prediction (it assumes the layers' errors add up); the
+   chosen mix is evaluated on the same windows and both numbers are reported, with the uniform
+   candidates beside it. Verifying on other text and longer contexts is ``kvbits eval``'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbits.schemes import KVScheme, TensorSpec, average_bits, get_scheme
+from kvbits.schemes.presets import mixed_scheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EXACT", "TuneResult", "choose_layers", "layer_sensitivity", "tune"]
+
+# every other layer while one is measured: float32 storage, exact for float32 and lower-precision models
+EXACT = KVScheme(
+    "exact",
+    key=TensorSpec(kind="float", bits=32, fmt="fp32"),
+    value=TensorSpec(kind="float", bits=32, fmt="fp32"),
+    description="float32 K/V: no storage error (the background of a per-layer sensitivity run)",
+)
+BIT_STEP = 100  # the knapsack counts bits in 1/100 bit
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` found.
+
+    Attributes:
+        scheme: the chosen mix (``KVScheme`` with per-layer overrides; the base is the candidate most layers use).
+        choice: per layer, the chosen candidate's name.
+        candidates: candidate names, cheapest first; ``bits``: their average bits at the model's shape.
+        sensitivity: ``(layers, candidates)`` KL in nats with only that layer stored by that candidate.
+        budget_bits: the average-bits budget; ``avg_bits``: the mix's.
+        predicted_kl: the sum of the chosen single-layer KLs; ``measured_kl``: the mix's own KL on the
+            same windows; ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike.
+        meta: model, data, context, windows, seconds.
+    """
+
+    scheme: KVScheme
+    choice: list[str]
+    candidates: list[str]
+    bits: list[float]
+    sensitivity: list[list[float]]
+    budget_bits: float
+    avg_bits: float
+    predicted_kl: float
+    measured_kl: float | None = None
+    uniform: dict[str, dict[str, float]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scheme": self.scheme.to_dict(),
+            "choice": self.choice,
+            "candidates": self.candidates,
+            "bits": self.bits,
+            "sensitivity": self.sensitivity,
+            "budget_bits": self.budget_bits,
+            "avg_bits": self.avg_bits,
+            "predicted_kl": self.predicted_kl,
+            "measured_kl": self.measured_kl,
+            "uniform": self.uniform,
+            "meta": self.meta,
+        }
+
+
+def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits: float) -> list[int]:
+    """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
+    ``mean_i bits[c_i] <= budget_bits`` (exact, bits rounded up to 1/100).
+
+    Args:
+        sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
+        bits: ``(candidates,)`` average bits of each candidate.
+        budget_bits: the largest allowed average.
+
+    Raises:
+        ValueError: malformed inputs, or a budget below the cheapest candidate in every layer.
+    """
+    n = len(sensitivity)
+    if n == 0 or not bits or any(len(row) != len(bits) for row in sensitivity):
+        raise ValueError(f"sensitivity must be (layers, {len(bits)} candidates), got {n} rows")
+    if any(not math.isfinite(x) or x < 0 for row in sensitivity for x in row):
+        raise ValueError("sensitivities must be finite and >= 0")
+    units = [math.ceil(b * BIT_STEP - 1e-9) for b in bits]
+    cap = math.floor(budget_bits * n * BIT_STEP + 1e-9)
+    if cap < n * min(units):
+        raise ValueError(
+            f"budget {budget_bits:g} bits is below the cheapest candidate ({min(bits):.3g} bits) in every layer"
+        )
+    inf = math.inf
+    # best[u]: least cost of the layers so far using exactly u units; how[i][u]: (candidate, previous u)
+    best = {0: 0.0}
+    how: list[dict[int, tuple[int, int]]] = []
+    for row in sensitivity:
+        nxt: dict[int, float] = {}
+        back: dict[int, tuple[int, int]] = {}
+        for u, cost in best.items():
+            for c, (w, s) in enumerate(zip(units, row)):
+                v = u + w
+                if v <= cap and cost + s < nxt.get(v, inf):
+                    nxt[v] = cost + s
+                    back[v] = (c, u)
+        best, _ = nxt, how.append(back)
+    u = min(best, key=lambda k: (best[k], k))  # least cost, then fewest bits
+    choice = []
+    for back in reversed(how):
+        c, u = back[u]
+        choice.append(c)
+    return choice[::-1]
+
+
+def layer_sensitivity(
+    model: Any,
+    data: Any,
+    candidates: list[KVScheme],
+    n_layers: int,
+    *,
+    context: int,
+    windows: int = 1,
+    data_path: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    progress: bool = False,
+) -> tuple[list[list[float]], dict[str, Any]]:
+    """``(sensitivity (layers, candidates), evaluate's summary)``: the KL with layer ``i`` stored by
+    candidate ``c`` and every other layer exact (``EXACT``), decode semantics, simulate mode, for each of
+    the ``n_layers`` layers. ``model`` as ``kvbits.evaluate.evaluate`` takes it (loaded once by the caller)."""
+    from kvbits.evaluate.runner import evaluate
+
+    probes = [
+        mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}") for i in range(n_layers) for c in candidates
+    ]
+    summary = evaluate(
+        model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
+        device=device, progress=progress,
+    )  # fmt: skip
+    kl = {r["scheme"]: r["kl"] for r in summary["results"]}
+    return [[kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)], summary
+
+
+def tune(
+    model: Any,
+    data: Any,
+    candidates: list[str | KVScheme],
+    budget_bits: float,
+    *,
+    context: int = 1024,
+    windows: int = 1,
+    name: str | None = None,
+    data_path: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    check: bool = True,
+    progress: bool = False,
+) -> TuneResult:
+    """Measure each layer's sensitivity to each candidate, choose a mix within ``budget_bits`` average
+    bits, and (``check``) measure the mix and the uniform candidates on the same windows.
+
+    Args:
+        model: a model spec (``smollm2-135m``, a hub id, a folder, a ``.gguf``), a ``LoadedModel`` or a
+            transformers causal LM (then ``data`` must be token ids).
+        data: a text spec, a ``TextSource`` or token ids, as ``kvbits eval`` takes them.
+        candidates: at least two flat schemes with dynamic scales (``int8-token``, ``int4-token``, ...).
+        budget_bits: the largest average bits of the mix (at the model's head dim and KV heads).
+        context, windows: the calibration windows (tokens each, how many).
+        name: the mix's name (default ``tuned-<budget>``).
+    """
+    import time
+
+    from kvbits.cache import attention_shape
+
+    t0 = time.perf_counter()
+    cands = [get_scheme(c) for c in candidates]
+    if len(cands) < 2 or len({c.name for c in cands}) != len(cands):
+        raise ValueError(f"give at least two different candidate schemes, got {[c.name for c in cands]}")
+    for c in cands:
+        if c.is_mixed or c.needs_calibration():
+            raise ValueError(
+                f"candidate {c.name!r}: candidates must be flat schemes with dynamic scales (mixed or calibrated "
+                "schemes can not be layered yet)"
+            )
+    if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
+        raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
+    if isinstance(model, str):  # loaded once for every run below
+        from kvbits.evaluate.models import load_model
+        from kvbits.evaluate.request import _resolve_dtype, check_device
+
+        check_device(device)
+        model = load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu")
+        dtype = device = None
+    module = getattr(model, "model", model)
+    n_layers, _, kv_heads, head_dim = attention_shape(module.config)
+    bits = [average_bits(c, head_dim=head_dim, n_heads=kv_heads) for c in cands]
+    order = sorted(range(len(cands)), key=lambda j: bits[j])
+    cands, bits = [cands[j] for j in order], [bits[j] for j in order]
+    run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
+    sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
+    pick = choose_layers(sens, bits, budget_bits)
+    counts = [pick.count(j) for j in range(len(cands))]
+    base = max(range(len(cands)), key=lambda j: (counts[j], -j))
+    mix = mixed_scheme(
+        cands[base], {i: cands[j] for i, j in enumerate(pick) if j != base}, name=name or f"tuned-{budget_bits:g}"
+    )
+    result = TuneResult(
+        scheme=mix,
+        choice=[cands[j].name for j in pick],
+        candidates=[c.name for c in cands],
+        bits=bits,
+        sensitivity=sens,
+        budget_bits=float(budget_bits),
+        avg_bits=average_bits(mix, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers),
+        predicted_kl=sum(sens[i][j] for i, j in enumerate(pick)),
+        meta={
+            "model": summary["model"],
+            "data": summary["data"],
+            "context": context,
+            "windows": windows,
+            "layers": n_layers,
+            "fingerprint": summary.get("fingerprint"),
+        },
+    )
+    if check:
+        from kvbits.evaluate.runner import evaluate
+
+        checked = evaluate(model, data, context, [mix, *cands], attn_layers=[], **run)
+        by = {r["scheme"]: r for r in checked["results"]}
+        result.measured_kl = by[mix.name]["kl"]
+        result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": by[c.name]["avg_bits"]} for c in cands}
+    result.meta["seconds"] = round(time.perf_counter() - t0, 1)
+    logger.info(
+        "tuned %s: %.3f avg bits (budget %g), KL predicted %.4g, measured %s",
+        mix.name, result.avg_bits, budget_bits, result.predicted_kl, result.measured_kl,
+    )  # fmt: skip
+    return result

@@ -1,0 +1,114 @@
+"""``kvbits tune``: the exact knapsack against brute force, the sensitivity table against evaluate's own
+runs, the chosen mix within its budget and usable by every command, bad input refused."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from test_evaluate import VOCAB, _llama
+
+from kvbits.cli import main
+from kvbits.evaluate.runner import evaluate
+from kvbits.schemes import KVScheme, average_bits, get_scheme, mixed_scheme
+from kvbits.tune import EXACT, choose_layers, tune
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_choose_layers_is_the_brute_force_optimum():
+    rng = random.Random(0)
+    for _ in range(60):
+        layers, cands = rng.randint(1, 5), rng.randint(2, 4)
+        bits = sorted(rng.choice([2.25, 2.5, 3.25, 4.25, 4.5, 5.0, 8.5, 16.0]) for _ in range(cands))
+        sens = [[rng.random() ** 3 for _ in range(cands)] for _ in range(layers)]
+        budget = rng.uniform(min(bits), max(bits) + 0.5)
+        pick = choose_layers(sens, bits, budget)
+        assert sum(bits[c] for c in pick) / layers <= budget + 1e-9
+        best = min(
+            sum(sens[i][c] for i, c in enumerate(combo))
+            for combo in itertools.product(range(cands), repeat=layers)
+            if sum(bits[c] for c in combo) / layers <= budget + 1e-9
+        )
+        assert sum(sens[i][c] for i, c in enumerate(pick)) == pytest.approx(best, abs=1e-12)
+
+
+def test_choose_layers_refuses_what_it_can_not_solve():
+    with pytest.raises(ValueError, match="below the cheapest candidate"):
+        choose_layers([[1.0, 0.0]], [4.5, 8.5], 4.0)
+    with pytest.raises(ValueError, match=r"must be \(layers, 2 candidates\)"):
+        choose_layers([[1.0, 0.0, 2.0]], [4.5, 8.5], 9.0)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        choose_layers([[float("nan"), 0.0]], [4.5, 8.5], 9.0)
+    assert choose_layers([[1.0, 0.0], [1.0, 0.0]], [4.5, 8.5], 8.5) == [1, 1]  # room for everything
+
+
+@torch.no_grad()
+def test_tune_measures_each_layer_and_keeps_the_budget():
+    """Each sensitivity entry is the KL evaluate() gives for that one-layer mix; the mix stays within the
+    budget, spends its bits where the KL is, and its measured KL is the mix's own evaluate() KL."""
+    model, ids = _llama(layers=3), _ids(300)
+    res = tune(model, ids, ["int8-token", "int2-token", "int4-token"], 4.0, context=128, windows=2)
+    assert res.candidates == ["int2-token", "int4-token", "int8-token"]  # cheapest first
+    assert res.bits == [average_bits(get_scheme(n), 32, 2) for n in res.candidates]
+    probe = evaluate(model, ids, 128, [mixed_scheme(EXACT, {1: "int2-token"})], windows=2, attn_layers=[])
+    assert res.sensitivity[1][0] == pytest.approx(probe["results"][0]["kl"], rel=1e-6)
+    assert all(row[0] > row[1] > row[2] >= 0 for row in res.sensitivity)  # fewer bits, more damage
+    assert res.avg_bits <= 4.0 + 1e-9 and res.avg_bits == pytest.approx(
+        sum(res.bits[res.candidates.index(c)] for c in res.choice) / 3
+    )
+    for i, c in enumerate(res.choice):
+        assert res.scheme.for_layer(i).key == get_scheme(c).key
+    assert len(set(res.choice)) > 1  # a 4-bit budget between 2.5 and 8.5 is spent unevenly here
+    assert res.predicted_kl == pytest.approx(
+        sum(res.sensitivity[i][res.candidates.index(c)] for i, c in enumerate(res.choice))
+    )
+    again = evaluate(model, ids, 128, [res.scheme], windows=2, attn_layers=[])
+    assert res.measured_kl == pytest.approx(again["results"][0]["kl"], rel=1e-6)
+    assert res.uniform["int2-token"]["kl"] > res.measured_kl > res.uniform["int8-token"]["kl"]
+    assert KVScheme.from_json(res.scheme.to_json()) == res.scheme
+
+
+def test_tune_refuses_bad_candidates_and_budgets():
+    model, ids = _llama(), _ids(200)
+    for cands, match in ((["int4-token"], "at least two"), (["int4-token", "kvquant-4"], "dynamic scales"),
+                         (["int4-token", "int4-token,0=fp16"], "flat schemes")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            tune(model, ids, cands, 5.0, context=64)
+    with pytest.raises(ValueError, match="positive number"):
+        tune(model, ids, ["int4-token", "int8-token"], float("nan"), context=64)
+    with pytest.raises(ValueError, match="below the cheapest"):
+        tune(model, ids, ["int4-token", "int8-token"], 2.0, context=64, check=False)
+
+
+def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypatch):
+    """kvbits tune --out writes the mix as a scheme JSON (plan reads it) and the measurements beside it."""
+    from kvbits import tune as tune_pkg
+
+    model = _llama()
+    real = tune_pkg.tune
+
+    def on_tiny(_model, _data, *a, **kw):  # the CLI loads models by name; hand it the tiny one
+        return real(model, _ids(200), *a, **kw)
+
+    monkeypatch.setattr(tune_pkg, "tune", on_tiny)
+    out = tmp_path / "mix.json"
+    argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "64", "--candidates", "int8-token",
+            "--candidates", "int2-token", "--budget-bits", "6", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "average bits (budget 6)" in capsys.readouterr().out
+    scheme = get_scheme(str(out))
+    record = json.loads((tmp_path / "mix.json.tune.json").read_text())
+    assert [get_scheme(c).key for c in record["choice"]] == [scheme.for_layer(i).key for i in range(2)]
+    assert len(record["sensitivity"]) == 2 and record["avg_bits"] <= 6
+    assert main(["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--context", "100",
+                 "--scheme", str(out)]) == 0  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*argv[:-4], "--budget-bits", "0", "--out", str(out)])
