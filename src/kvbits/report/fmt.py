@@ -79,13 +79,15 @@ def fmt_ci(ci: tuple[float, float]) -> str:
     return f"[{lo * 100:+.2f}, {hi * 100:+.2f}]"
 
 
-def fmt_kl(x: float) -> str:
-    """KL in nats: 4 decimals, or scientific below 1e-3 (0 prints as ``0``)."""
+def fmt_kl(x: float, *, signed: bool = False) -> str:
+    """KL in nats (or another small quantity): 4 decimals, or scientific below 1e-3 (0 prints as ``0``);
+    ``signed``: with its sign (``+0.0312``, a difference)."""
     if not _ok(x):
         return NA
     if x == 0:
         return "0"
-    return f"{x:.2e}" if abs(x) < 1e-3 else f"{x:.4f}"
+    sign = "+" if signed else ""
+    return f"{x:{sign}.2e}" if abs(x) < 1e-3 else f"{x:{sign}.4f}"
 
 
 def fmt_frac(x: float) -> str:

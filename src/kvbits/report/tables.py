@@ -188,7 +188,7 @@ def entropy_table(summary: RunSummary | Mapping[str, Any]) -> TableData | None:
             cells = [Cell(r.name if i == 0 else ""), Cell(str(e.layer))]
             for span in spans:
                 h, d = by_span.get(span, (math.nan, math.nan))
-                cells.append(Cell(f"{fmt_float(h)} ({_fmt_signed(d)})" if _ok(h) else NA))
+                cells.append(Cell(f"{fmt_float(h)} ({fmt_kl(d, signed=True)})" if _ok(h) else NA))
             rows.append(tuple(cells))
     return TableData(
         headers=("scheme", "layer", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
@@ -234,14 +234,6 @@ def _fmt_divergence(g: Generation) -> str:
     if len(div) <= 8:
         return ", ".join(str(x) for x in div)
     return f"mean {sum(div) / len(div):.1f}, min {min(div)}"
-
-
-def _fmt_signed(x: float) -> str:
-    if not _ok(x):
-        return NA
-    if x == 0:
-        return "0"
-    return f"{x:+.2e}" if abs(x) < 1e-3 else f"{x:+.4f}"
 
 
 def _fmt_err(x: float) -> str:
