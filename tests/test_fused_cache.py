@@ -19,6 +19,7 @@ from unittest import mock
 import pytest
 import torch
 import transformers
+from _basis import parts_that_matter, skipping
 from _launch import LaunchSpy
 from test_cache import storage_bytes, walk_tensors
 from transformers import (
@@ -97,10 +98,18 @@ KVQUANT4_STATIC = KVScheme(
     "t-kvquant4-static", key=nuq(4, "channel", None, static=True, pre_rope=True, outlier_frac=0.05),
     value=nuq(4, "token", outlier_frac=0.05), sinks=1, residual=0, block=8,
 )  # fmt: skip
+# Hadamard-rotated sides (QuaRot), attended in the codes' basis: the preset rotates both and flushes every
+# token (no tail); these rotate one side each, with sinks and a residual window (a rotated tail too)
+HAD = {"rotate": "hadamard"}
+ROT_KEYS = KVScheme("t-int4-rot-keys", key=spec(4, "token", **HAD), value=spec(4, "token", 16),
+                    sinks=2, residual=4, block=16)  # fmt: skip
+ROT_VALUES = KVScheme("t-int4-rot-values", key=spec(4, "channel", 16), value=spec(4, "token", 16, **HAD),
+                      sinks=2, residual=4, block=16)  # fmt: skip
 SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-token": get_scheme("int2-token"),
            "int4-prerope": PRE_ROPE, "kvquant3-block": KVQUANT3, "kvquant4-static": KVQUANT4_STATIC,
            "fp8-e4m3-token": get_scheme("fp8-e4m3-token"), "fp8-e4m3": get_scheme("fp8-e4m3"),
-           "fp8-e4m3-head": get_scheme("fp8-e4m3-head")}  # fmt: skip
+           "fp8-e4m3-head": get_scheme("fp8-e4m3-head"), "int4-hadamard": get_scheme("int4-token-hadamard"),
+           "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
@@ -256,23 +265,61 @@ def test_unsupported_scheme_falls_back_logged(caplog):
     assert_same_bytes(ref, cache)
 
 
-def test_rotated_scheme_falls_back_logged(caplog):
-    """A Hadamard-rotated spec stores codes of x @ R, which the kernel would read as x: declined, logged,
-    and the output equals the dequantized path's (which rotates back)."""
-    model = build("qwen2")
-    sch = get_scheme("int4-token-hadamard")
+@pytest.mark.parametrize("scheme", ["int4-hadamard", "rot-keys", "rot-values"])
+def test_rotated_scheme_is_served_fused(caplog, scheme: str):
+    """Hadamard-rotated sides (codes of x @ R) are served by the kernel in the codes' basis: every decode
+    step fused, nothing declined, the packed store carries each side's rotation and the tail as the model's
+    K/V; tokens and logits those of the dequantized path (which rotates the history back), same bytes. The
+    test can fail: leaving the query, the tail or the output unrotated changes the logits."""
+    model, sch = build("qwen2"), SCHEMES[scheme]
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False)
+    with (
+        caplog.at_level(logging.INFO, logger="kvbits.cache.fused"),
+        mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel,
+    ):
+        seq, logits, cache = generate(model, sch, fused=True, attn=True)
+    rep = cache.fused_report()
+    assert kernel.call_count == rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0, rep
+    assert all(r["claimed"] and not r["declined"] for r in rep["layers"]) and "falls back" not in caplog.text
+    store = kernel.call_args.args[1]
+    assert (store.key.rotate, store.value.rotate) == (sch.key.rotate, sch.value.rotate)
+    has_tail = sch.sinks + sch.residual > 0
+    assert (store.key_full is not None) == has_tail
+    if has_tail:  # the model's K/V: what the dequantized path attends besides the quantized slots
+        layer = cache.layers[1]
+        keys, _ = layer.materialize(check=False)
+        T_q, S = store.key.n_slots, layer._k.n_sinks
+        assert torch.equal(store.key_full, torch.cat([keys[:, :, :S], keys[:, :, S + T_q :]], 2))
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+    assert_same_bytes(ref, cache)
+    parts = parts_that_matter(sch.key.rotate is not None, sch.value.rotate is not None, has_tail)
+    assert len(parts) >= 2
+    for part in parts:
+        with skipping(part):
+            _, bad, _ = generate(model, sch, fused=True, attn=True, new=3)
+        assert (bad[1:] - logits_ref[1:3]).abs().max() > 1e-3, part  # logits[0] come from the prefill
+
+
+def test_pre_rope_rotated_keys_fall_back_logged(caplog):
+    """Pre-RoPE keys stored rotated: the kernel would apply RoPE to codes in the rotated basis. Declined with
+    the reason logged; every step attends over dequantized K/V, identical to the plain path, same bytes."""
+    model = build("llama")
+    sch = KVScheme("t-prerope-rot", key=spec(4, "channel", 16, pre_rope=True, **HAD),
+                   value=spec(4, "token", 16, **HAD), sinks=2, residual=4, block=16)  # fmt: skip
     seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
     with caplog.at_level(logging.INFO, logger="kvbits.cache.fused"):
         seq, logits, cache = generate(model, sch, fused=True, attn=True, new=6)
     rep = cache.fused_report()
-    assert rep["fused_steps"] == 0 and all("hadamard rotation" in r["declined"] for r in rep["layers"]), rep
-    assert "falls back to SDPA" in caplog.text
+    assert rep["fused_steps"] == 0 and not any(r["claimed"] for r in rep["layers"]), rep
+    reason = "pre-RoPE keys with a hadamard rotation (the kernel applies RoPE to the dequantized codes"
+    assert all(r["declined"].startswith(reason) for r in rep["layers"]), rep
+    assert "falls back to SDPA" in caplog.text and reason in caplog.text
     assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
     assert_same_bytes(ref, cache)
-    from kvbits.kernels.reference import pack_side
-
-    with pytest.raises(NotImplementedError, match="rotated spec is not supported"):
-        pack_side(cache.layers[0]._k.chunks)
+    q = torch.randn(2, 4, 1, 32)
+    with pytest.raises(NotImplementedError, match="pre-RoPE keys stored with a 'hadamard' rotation"):
+        dispatch.decode_attention(q, fused_mod.packed_store(cache.layers[0]))
 
 
 def test_sliding_layer_falls_back_full_layer_fused():
@@ -468,11 +515,14 @@ def use_triton(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "scheme,padded", [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True)]
-)
+    "scheme,padded",
+    [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True), ("rot-keys", True),
+     ("rot-values", False)],
+)  # fmt: skip
 def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's
-    NUQ codes with sparse outliers and FP8 codes, in a left-padded batch (slot masks)."""
+    NUQ codes with sparse outliers and FP8 codes, in a left-padded batch (slot masks); Hadamard-rotated keys
+    or values with a tail (the wrapper's basis change)."""
     use_triton(monkeypatch)
     from kvbits.kernels import triton_decode
 

@@ -12,9 +12,11 @@ import inspect
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
+from _basis import parts_that_matter, skipping
 from _launch import LaunchSpy
 
 from kvbits.kernels import dispatch
@@ -288,6 +290,124 @@ def test_pack_store_rejects_what_the_layout_cannot_hold():
         pack_store([qt], [])
     with pytest.raises(ValueError, match="rope tables cover"):
         pack_store([qt], [qt], rope_cos=torch.ones(8, 64), rope_sin=torch.ones(8, 64))
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotated sides (Hadamard, QuaRot): the codes hold x @ R
+# --------------------------------------------------------------------------------------------------
+
+HAD = {"rotate": "hadamard"}
+ROTATED_SPECS = [
+    spec(4, "token", **HAD),
+    spec(2, "channel", 32, **HAD),
+    spec(3, "token", 16, symmetric=True, **HAD),
+    nuq(4, "token", outlier_frac=0.05, **HAD),
+    fp8("e4m3", "token", **HAD),
+]
+# (keys, values): both rotated (the *-token-hadamard presets), keys only, values only
+ROTATED_SIDES = {
+    "both": (spec(4, "token", **HAD), spec(4, "token", 32, **HAD)),
+    "keys": (spec(4, "token", **HAD), KIVI4_VALUES),
+    "values": (KIVI4_KEYS, spec(4, "token", 32, **HAD)),
+}
+
+
+@pytest.mark.parametrize("s", ROTATED_SPECS, ids=str)
+def test_rotated_blocks_dequantize_like_quantized_blocks(s: TensorSpec):
+    """``pack_side`` keeps a rotated spec's rotation, and ``dequantize_packed`` rotates back exactly as
+    ``QuantizedTensor.dequantize`` does; the same codes read as unrotated are far off. No byte is added."""
+    g = torch.Generator().manual_seed(32)
+    xs = [torch.randn(2, 3, 32, 64, generator=g) * (1 + 4 * (torch.arange(64) < 4)) for _ in range(3)]
+    kw = extras(s, torch.cat(xs, 2))
+    blocks = [quantize(x, s, **kw) for x in xs]
+    p = pack_store(blocks, blocks).key
+    assert p.rotate == "hadamard" and pack_store(blocks, blocks).rotated
+    assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
+    # float64: the packed codes decode in float64 where QuantizedTensor decodes NUQ in float32
+    want64 = torch.cat([b.dequantize(torch.float64) for b in blocks], 2)
+    assert max_err(dequantize_packed(p, torch.float64), want64) < 1e-5
+    assert max_err(dequantize_packed(replace(p, rotate=None)), dequantize_packed(p)) > 1.0
+    assert p.nbytes == sum(b.nbytes for b in blocks) + (p.codebook.nbytes if p.codebook is not None else 0)
+    with pytest.raises(ValueError, match="power of two"):
+        PackedTensor(p.codes, p.scale, p.zero, p.bits, p.tps, p.cps, 48, kind=p.kind, fmt=p.fmt,
+                     codebook=p.codebook, rotate="hadamard")  # fmt: skip
+    with pytest.raises(ValueError, match="unknown rotation"):
+        replace(p, rotate="givens")
+
+
+def rotated_case(
+    g: torch.Generator, keys: TensorSpec, values: TensorSpec, *, device: str = DEVICE, G: int = 3
+) -> tuple[torch.Tensor, PackedStore, torch.Tensor]:
+    """``(q, store, truth)``: float32 queries ``(2, 2 * G, 1, 64)``, a ragged store of 96 quantized (keys
+    with outlier channels) and 24 fp16 tail slots, and float64 attention over the K/V the blocks decode to
+    (``QuantizedTensor.dequantize``, which rotates back) and the tail: what the store must give."""
+    B, H, D, T_q, T_f = 2, 2, 64, 96, 24
+    k = torch.randn(B, H, T_q, D, generator=g)
+    k[..., : D // 8] *= 6
+    v = torch.randn(B, H, T_q, D, generator=g)
+    kb = [quantize(k[:, :, a : a + 32].to(device), keys) for a in range(0, T_q, 32)]
+    vb = [quantize(v[:, :, a : a + 32].to(device), values) for a in range(0, T_q, 32)]
+    kf = (torch.randn(B, H, T_f, D, generator=g) * 2).half().to(device)
+    vf = torch.randn(B, H, T_f, D, generator=g).half().to(device)
+    ql, fl = [96, 64], [24, 7]
+    store = pack_store(kb, vb, kf, vf, quant_lens=ql, full_lens=fl)
+    q = (torch.randn(B, H * G, 1, D, generator=g) * 1.5).to(device)
+    K = torch.cat([b.dequantize(torch.float64) for b in kb] + [kf.double()], 2)
+    V = torch.cat([b.dequantize(torch.float64) for b in vb] + [vf.double()], 2)
+    mask = torch.cat([torch.arange(T_q)[None] < torch.tensor(ql)[:, None],
+                      torch.arange(T_f)[None] < torch.tensor(fl)[:, None]], 1).to(device)  # fmt: skip
+    truth = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), K.repeat_interleave(G, 1), V.repeat_interleave(G, 1), attn_mask=mask[:, None, None, :]
+    )
+    return q, store, truth
+
+
+@pytest.mark.parametrize("sides", list(ROTATED_SIDES))
+def test_reference_over_rotated_store_equals_attention_over_dequantized_kv(monkeypatch, sides: str):
+    """The reference attends a rotated store in the codes' basis (query and tail rotated in, output rotated
+    out): the attention over the dequantized K/V, float64 to 1e-12, float32 (also through the dispatcher)
+    to float32's error; and leaving out any part of the basis change is far off."""
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+    key_spec, value_spec = ROTATED_SIDES[sides]
+    q, store, truth = rotated_case(torch.Generator().manual_seed(33), key_spec, value_spec, device="cpu")
+    assert (store.key.rotate, store.value.rotate) == (key_spec.rotate, value_spec.rotate)
+    assert max_err(decode_attention_reference(q.double(), store, dtype=torch.float64), truth) < 1e-12
+    assert max_err(decode_attention_reference(q, store), truth) < 1e-5
+    assert max_err(dispatch.decode_attention(q, store), truth) < 1e-5
+    k, v, mask = materialize(store, torch.float64)  # the model's K/V, rotated back
+    dense = pack_store([], [], k, v, full_mask=mask)
+    assert max_err(decode_attention_reference(q.double(), dense, dtype=torch.float64), truth) < 1e-12
+    parts = parts_that_matter(key_spec.rotate is not None, value_spec.rotate is not None, True)
+    assert ("query" in parts) == (sides != "values") and ("output" in parts) == (sides != "keys")
+    for part in parts:
+        with skipping(part):
+            bad = decode_attention_reference(q.double(), store, dtype=torch.float64)
+        assert max_err(bad, truth) > 1e-2, part
+
+
+def test_pre_rope_rotated_keys_are_refused():
+    """Pre-RoPE keys stored rotated: the kernels would apply RoPE to codes in the rotated basis. Refused by
+    every entry point (``materialize`` still decodes them right: rotated back, then RoPE). Rotated values
+    beside pre-RoPE keys are fine."""
+    g = torch.Generator().manual_seed(34)
+    rotated = spec(4, "token", **HAD)
+    store = make_store(g, rope=True, device="cpu", key_spec=rotated, value_spec=rotated)
+    q = torch.randn(2, 6, 1, 64, generator=g)
+    with pytest.raises(NotImplementedError, match="pre-RoPE keys stored with a 'hadamard' rotation"):
+        decode_attention_reference(q, store)
+    with pytest.raises(NotImplementedError, match="pre-RoPE keys stored with a 'hadamard' rotation"):
+        dispatch.decode_attention(q, store)
+    if triton_decode is not None:
+        with pytest.raises(NotImplementedError, match="pre-RoPE keys stored with a 'hadamard' rotation"):
+            triton_decode.decode_attention_triton(q.to(DEVICE), store)
+    cos, sin = store.rope_cos.double(), store.rope_sin.double()
+    k = apply_rope_at(dequantize_packed(store.key, torch.float64), cos, sin, store.quant_pos0)
+    assert max_err(materialize(store, torch.float64)[0][:, :, :160], k) == 0
+    values_only = make_store(torch.Generator().manual_seed(34), rope=True, device="cpu", value_spec=rotated)
+    k, v, mask = materialize(values_only, torch.float64)
+    dense = pack_store([], [], k, v, full_mask=mask)
+    want = decode_attention_reference(q.double(), dense, dtype=torch.float64)
+    assert max_err(decode_attention_reference(q.double(), values_only, dtype=torch.float64), want) < 1e-12
 
 
 # --------------------------------------------------------------------------------------------------
@@ -645,6 +765,34 @@ def test_kernel_pre_rope_nuq_keys_with_outliers():
     err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
     out = triton_decode.decode_attention_triton(q.half(), store, splits=2)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
+@needs_triton
+@pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
+@pytest.mark.parametrize("sides", list(ROTATED_SIDES))
+def test_kernel_rotated_store(monkeypatch, sides: str, vectorized: bool | None):
+    """The Triton wrapper attends a rotated store in the codes' basis, unchanged kernels: float16 queries
+    within twice torch's float16 error of the float64 attention over the dequantized K/V, float32 queries
+    within float32's, also through the dispatcher; its dequantization rotates back like the reference's;
+    and leaving out any part of the basis change is far off."""
+    key_spec, value_spec = ROTATED_SIDES[sides]
+    q, store, truth = rotated_case(torch.Generator().manual_seed(35), key_spec, value_spec)
+    err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
+    assert out.dtype == torch.float16
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    out32 = triton_decode.decode_attention_triton(q, store, splits=2, vectorized=vectorized)
+    assert out32.dtype == torch.float32 and max_err(out32, truth) < 1e-5
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    assert max_err(dispatch.decode_attention(q, store), truth) < 1e-5
+    for p in (store.key, store.value):
+        if p.rotate is not None:
+            got = triton_decode.dequantize_packed_triton(p, vectorized=vectorized is None)
+            torch.testing.assert_close(got, dequantize_packed(p), rtol=1e-6, atol=1e-5)
+    for part in parts_that_matter(key_spec.rotate is not None, value_spec.rotate is not None, True):
+        with skipping(part):
+            bad = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
+        assert max_err(bad, truth) > 1e-2, part
 
 
 @needs_triton

@@ -19,6 +19,12 @@ whose scheme fits the packed layout (``layout_reason``); ``reset()`` releases it
 switching to another attention implementation mid-generation (``serving``: its next decode step gets
 dequantized K/V again, logged).
 
+Rotated sides (``TensorSpec.rotate``, the ``*-hadamard`` presets): ``packed_store`` hands over the codes as
+stored (of ``x @ R``) and the tail as the model's K/V; the decode entry points rotate the query and tail
+into the codes' basis and the output back (``kvbits.kernels.reference.code_basis``: ``R`` is orthogonal),
+so the history is never dequantized and no byte is added. Post-RoPE keys only: pre-RoPE rotated keys are
+declined (``layout_reason``).
+
 Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
 ``pos_offset`` is the left padding read from the position ids; pad slots get negative positions and are
@@ -154,11 +160,14 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
     for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
         if spec.kind not in PACKED_KINDS:
             return f"{side} kind {spec.kind!r} (the packed layout holds {', '.join(PACKED_KINDS)} codes)"
-        if spec.rotate is not None:
-            return f"{side}: {spec.rotate} rotation (the kernel reads unrotated codes)"
     if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
         return "key and value head dims differ"
     if layer.scheme.key.pre_rope:
+        if layer.scheme.key.rotate is not None:
+            return (
+                f"pre-RoPE keys with a {layer.scheme.key.rotate} rotation (the kernel applies RoPE to the "
+                "dequantized codes, which are in the rotated basis)"
+            )
         rot = layer._k.rotary
         if rot.rot_dim != rot.head_dim:
             return (

@@ -111,7 +111,8 @@ def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = 
     """Decode attention ``q (B, H_q, 1, D)`` over a packed store → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
     Fused Triton kernel on CUDA when Triton imports and supports the store, else the float32 torch
-    reference (``decode_attention_reference``); ``KVBITS_KERNEL`` forces either.
+    reference (``decode_attention_reference``); ``KVBITS_KERNEL`` forces either. Both attend rotated sides
+    (``PackedTensor.rotate``) in the codes' basis (``reference.code_basis``).
     """
     if resolve_kernel(q, store) == "triton":
         from kvbits.kernels.triton_decode import decode_attention_triton

@@ -37,9 +37,17 @@ Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
   dequantized key back with rotate-half RoPE (``x * cos[p] + rotate_half(x) * sin[p]``, transformers'
   ``apply_rotary_pos_emb``), ``p = quant_pos0[b] + t``, tables ``rope_cos`` / ``rope_sin`` ``(T_pos, D)``
   (or their repeated first half, ``(T_pos, D / 2)``).
+- rotated sides (``PackedTensor.rotate``, from a ``TensorSpec.rotate`` spec; QuaRot, Ashkboos et al.
+  2024): the codes hold ``x @ R``, ``R = rotation_matrix(D)`` orthogonal (``kvbits.quant.rotate``), and
+  everything above (scales, outliers) lives in that basis. ``dequantize_packed`` rotates back (``@ R^T``);
+  the decode entry points (``decode_attention_reference``, ``decode_attention_triton``) move the step into
+  the codes' basis instead (``code_basis``): ``q @ R_K``, the tail ``@ R_K`` / ``@ R_V``, and the output
+  ``@ R_V^T``, so the kernels read rotated codes as they read any others. Pre-RoPE keys may not be rotated
+  (RoPE acts on pairs of the model's channels; refused).
 
 Full-precision tail (sinks, residual window, not-yet-flushed buffer): ``key_full`` / ``value_full``
-``(B, H_kv, T_f, D)`` in a float dtype, keys already rotated (post-RoPE).
+``(B, H_kv, T_f, D)`` in a float dtype, keys already rotated (post-RoPE), never Hadamard-rotated: the
+model's own K/V.
 
 Ragged batches: sequence ``b`` owns quantized slots ``[0, quant_lens[b])`` and tail slots
 ``[0, full_lens[b])`` (``(B,)`` int32 each); the slots after them are padding, never read. Masks,
@@ -53,12 +61,13 @@ tokens, although in the cache the sinks come first; only RoPE needs true positio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvbits.quant.fp8 import fp8_dtype
 from kvbits.quant.pack import unpack_bits
+from kvbits.quant.rotate import check_rotatable, rotate, unrotate
 from kvbits.quant.tensor import QuantizedTensor
 from kvbits.schemes.accounting import PACKED_KINDS
 
@@ -67,6 +76,7 @@ STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
 __all__ = [
     "PackedStore",
     "PackedTensor",
+    "code_basis",
     "decode_attention_reference",
     "dequantize_packed",
     "pack_side",
@@ -89,6 +99,9 @@ class PackedTensor:
         fmt: fp8 format, ``"e4m3"`` or ``"e5m2"`` (``kind="fp8"`` only).
         codebook: ``kind="nuq"``: float16 ``(2**bits,)``.
         outlier_values, outlier_index: ``(B, H_kv, T_q, k)`` float16 / uint8|int16, or ``None``.
+        rotate: ``None``, or the rotation the codes were stored under (``"hadamard"``: they decode to
+            ``x @ R``, ``kvbits.quant.rotate``); ``dequantize_packed`` rotates back, the decode entry points
+            rotate the query, tail and output instead (``code_basis``).
     """
 
     codes: torch.Tensor
@@ -103,11 +116,14 @@ class PackedTensor:
     codebook: torch.Tensor | None = None
     outlier_values: torch.Tensor | None = None
     outlier_index: torch.Tensor | None = None
+    rotate: str | None = None
 
     def __post_init__(self) -> None:
         """Shape-level consistency (no device reads): what the kernels would otherwise read as garbage."""
         if self.kind not in PACKED_KINDS:
             raise ValueError(f"PackedTensor.kind must be one of {PACKED_KINDS}, got {self.kind!r}")
+        if self.rotate is not None:
+            check_rotatable(self.head_dim, self.rotate)
         if self.kind == "nuq" and (self.codebook is None or tuple(self.codebook.shape) != (2**self.bits,)):
             got = None if self.codebook is None else tuple(self.codebook.shape)
             raise ValueError(
@@ -200,6 +216,11 @@ class PackedStore:
         return self.rope_cos is not None
 
     @property
+    def rotated(self) -> bool:
+        """Whether a quantized side holds rotated codes (``PackedTensor.rotate``; see ``code_basis``)."""
+        return any(p is not None and p.rotate is not None for p in (self.key, self.value))
+
+    @property
     def device(self) -> torch.device:
         return self.quant_lens.device
 
@@ -228,7 +249,7 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
     outliers allowed). A single block whose tensors are already contiguous is not copied: the
     ``PackedTensor`` then shares their storage (``kvbits.cache`` relies on this to hand its packed blocks
     to the kernel without a copy). Raises ``NotImplementedError`` for float blocks (nothing to unpack:
-    attend over them directly).
+    attend over them directly). Blocks of a rotated spec keep their rotation (``PackedTensor.rotate``).
     """
     spec = blocks[0].spec
     B, H, _, D = blocks[0].shape
@@ -236,11 +257,6 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
         raise NotImplementedError(
             f"{what}: the packed decode layout holds {PACKED_KINDS} codes; kind={spec.kind!r} is not "
             "supported (attend over QuantizedTensor.dequantize() instead)"
-        )
-    if spec.rotate is not None:
-        raise NotImplementedError(
-            f"{what}: the packed decode layout holds unrotated codes; a {spec.rotate!r}-rotated spec is not "
-            "supported (attend over QuantizedTensor.dequantize() instead, which rotates back)"
         )
     codes, scales, zeros, o_vals, o_idx = [], [], [], [], []
     tps = cps = None
@@ -314,6 +330,7 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
         codebook=codebook,
         outlier_values=_cat_tokens(o_vals) if o_vals else None,
         outlier_index=_cat_tokens(o_idx) if o_idx else None,
+        rotate=spec.rotate,
     )
 
 
@@ -441,7 +458,8 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
 
     Computed in float32 (float64 when ``dtype`` is float64) with the formulas of
     ``kvbits.quant.affine.dequantize_affine`` / ``kvbits.quant.nuq.dequantize_nuq`` / ``dequantize_fp8``,
-    so float32 results equal ``QuantizedTensor.dequantize``; outliers are written back last.
+    so float32 results equal ``QuantizedTensor.dequantize``; outliers are written back last, then a
+    rotated side (``p.rotate``) is rotated back (``@ R^T``, as ``QuantizedTensor.dequantize`` does).
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
     rows = torch.arange(p.n_slots, device=p.codes.device) // p.tps  # slot t -> scale row t // tps
@@ -465,6 +483,8 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
             out = codes.to(work) * expand(p.scale) + expand(p.zero)
     if p.outlier_values is not None:
         out = out.scatter(-1, p.outlier_index.long(), p.outlier_values.to(work))
+    if p.rotate is not None:
+        return unrotate(out, p.rotate, dtype)
     return out.to(dtype)
 
 
@@ -496,7 +516,8 @@ def materialize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense keys, values ``(B, H_kv, T_q + T_f, D)`` in ``dtype`` and the validity mask ``(B, T_q + T_f)``.
 
-    Quantized slots come first, then tail slots; pre-RoPE keys are rotated (in ``dtype``).
+    Quantized slots come first, then tail slots; rotated sides are rotated back (``dequantize_packed``) and
+    pre-RoPE keys then rotated to their positions (in ``dtype``): the model's K/V.
     """
     ks, vs, masks = [], [], []
     if store.key is not None:
@@ -517,10 +538,70 @@ def materialize(
     return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat(masks, dim=1)
 
 
+def code_basis(
+    q: torch.Tensor, store: PackedStore, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, PackedStore, str | None]:
+    """The decode step ``(q, store)`` in the basis its codes are stored in: ``(q', store', out_rotate)``.
+
+    A rotated side holds the codes of ``x @ R`` (``PackedTensor.rotate``), which the kernels decode as
+    stored. ``R`` is orthogonal, so ``q . k = (q R_K) . (k R_K)`` for every token and
+    ``sum_j p_j v_j = (sum_j p_j v_j R_V) R_V^T``: rotated keys take ``q' = q @ R_K`` and the key tail
+    ``key_full @ R_K``; rotated values take the value tail ``value_full @ R_V``, and the caller rotates the
+    output back, ``unrotate(out, out_rotate)`` (``out_rotate``: the values' rotation, or ``None``). In
+    ``store'`` the sides share the codes and metadata (no copy) and say ``rotate=None``: in that basis they
+    decode to exactly the vectors attention needs. A store with no rotated side comes back as is.
+
+    Cost per step: two ``(D, D)`` products over the query heads and the tail (sinks, residual window,
+    unflushed buffer), never over the quantized history.
+
+    Args:
+        q: ``(B, H_q, 1, D)`` queries (post-RoPE).
+        store: the layer's ``PackedStore``, tail in the model's basis.
+        dtype: dtype of ``q'`` and the rotated tail; default ``q``'s for ``q'`` and, for the tail, the wider
+            of its own and ``q``'s (a rotated tail is new values: kept at the query's precision when that is
+            finer, as for float32 queries over a float16 tail). The products run in float32, float64 when
+            ``dtype`` or the input is float64.
+
+    Raises:
+        NotImplementedError: pre-RoPE keys stored rotated; the kernels apply RoPE to the dequantized codes,
+            which are in the rotated basis, not the model's.
+    """
+    key, value = store.key, store.value
+    k_rot = None if key is None else key.rotate
+    v_rot = None if value is None else value.rotate
+    if k_rot is None and v_rot is None:
+        return q, store, None
+    if k_rot is not None and store.pre_rope:
+        raise NotImplementedError(
+            f"pre-RoPE keys stored with a {k_rot!r} rotation: the decode kernels apply RoPE to the "
+            "dequantized codes, which are in the rotated basis (attend over materialize()'s K/V instead)"
+        )
+    wide = dtype == torch.float64
+
+    def rot(x: torch.Tensor | None, kind: str, out: torch.dtype) -> torch.Tensor | None:
+        return None if x is None else rotate(x.double() if wide else x, kind).to(out)
+
+    key_full, value_full = store.key_full, store.value_full
+    tail_dtype = dtype
+    if tail_dtype is None and key_full is not None:
+        tail_dtype = torch.promote_types(key_full.dtype, q.dtype)
+    if k_rot is not None:
+        q = rot(q, k_rot, dtype or q.dtype)
+        key = replace(key, rotate=None)
+        key_full = rot(key_full, k_rot, tail_dtype)
+    if v_rot is not None:
+        value = replace(value, rotate=None)
+        value_full = rot(value_full, v_rot, tail_dtype)
+    return q, replace(store, key=key, value=value, key_full=key_full, value_full=value_full), v_rot
+
+
 def decode_attention_reference(
     q: torch.Tensor, store: PackedStore, scale: float | None = None, *, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """One decode step of softmax attention over a packed store (dequantize, then plain attention).
+
+    Rotated sides (``PackedTensor.rotate``) are attended in the codes' basis (``code_basis``), as the
+    Triton kernel attends them: the query and tail are rotated, the output rotated back.
 
     Args:
         q: ``(B, H_q, 1, D)`` queries of the new token (post-RoPE), ``H_q = G * H_kv``.
@@ -542,10 +623,14 @@ def decode_attention_reference(
         )
     G = H_q // H_kv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    q_dtype = q.dtype
+    q, store, out_rotate = code_basis(q, store, dtype)
     k, v, mask = materialize(store, dtype)
     qg = q.reshape(B, H_kv, G, D).to(dtype)
     s = torch.einsum("bhgd,bhtd->bhgt", qg, k) * scale  # (B, H_kv, G, T)
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    out = torch.einsum("bhgt,bhtd->bhgd", p, v)
-    return out.reshape(B, H_q, 1, D).to(q.dtype)
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v).reshape(B, H_q, 1, D)
+    if out_rotate is not None:  # the output is in the values' basis: rotate it back
+        return unrotate(out, out_rotate, q_dtype)
+    return out.to(q_dtype)

@@ -17,7 +17,9 @@ Formats (``reference`` module docstring): per side, integer codes (2/3/4/8-bit, 
 NUQ codes looked up in a 2**bits-entry codebook (KVQuant), or FP8 bytes decoded from their bit fields
 (``_fp8_to_f32``: exact, no float8 type needed); then up to ``NOUT`` sparse outliers per row replace
 their channels (``_outliers``). Slot masks (``quant_mask`` / ``full_mask``, left padding) narrow
-``valid``, the same predicate that hides slots past a sequence's length.
+``valid``, the same predicate that hides slots past a sequence's length. Rotated sides (Hadamard,
+``PackedTensor.rotate``) need nothing of the kernels: ``decode_attention_triton`` rotates the query and
+the tail into the codes' basis and the output back (``reference.code_basis``).
 
 Precision follows the query dtype: float16/bfloat16 queries use tensor-core dots on dequantized K/V
 and probabilities cast to that dtype with float32 accumulation (FlashAttention's recipe); float32
@@ -37,7 +39,8 @@ import triton
 import triton.language as tl
 
 from kvbits.kernels.dispatch import DEQUANT_MODES
-from kvbits.kernels.reference import PackedStore, PackedTensor
+from kvbits.kernels.reference import PackedStore, PackedTensor, code_basis
+from kvbits.quant.rotate import unrotate
 
 __all__ = [
     "DEQUANT_MODES",
@@ -822,7 +825,10 @@ def decode_attention_triton(
 
     Args:
         q: post-RoPE queries of the new token; ``H_q`` a multiple of the store's ``H_kv``.
-        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device.
+        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device. Rotated sides are attended in
+            the codes' basis (``reference.code_basis``: ``q @ R_K`` and the rotated tail in, the output
+            times ``R_V^T`` out, in float32 before the one cast to ``q.dtype``); pre-RoPE rotated keys are
+            refused (``NotImplementedError``).
         scale: softmax scale, default ``1 / sqrt(D)``.
         block_t, num_warps, num_stages: tokens per inner tile, warps per program, software-pipelining
             depth of the tile loop; each defaults to ``launch_defaults(D)``.
@@ -863,6 +869,8 @@ def decode_attention_triton(
         raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
     G = H_q // H_kv
     dev = q.device
+    out_dtype = q.dtype
+    q, store, out_rotate = code_basis(q, store)  # rotated sides: the step in the codes' basis
 
     def vec_ok(p: PackedTensor | None) -> bool:
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
@@ -986,9 +994,11 @@ def decode_attention_triton(
                 _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
         else:
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
-    out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype)
+    # rotated values: the merged output stays float32 until it is rotated back (one rounding to q.dtype)
+    out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype if out_rotate is None else torch.float32)
     _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
-    return out.reshape(B, H_q, 1, D)
+    out = out.reshape(B, H_q, 1, D)
+    return out if out_rotate is None else unrotate(out, out_rotate, out_dtype)
 
 
 def unpack_codes_triton(p: PackedTensor, block_t: int = 32) -> torch.Tensor:
@@ -1008,7 +1018,8 @@ def dequantize_packed_triton(
 
     ``vectorized``: whole-row reads (``_load_rows``, 2/4/8-bit with a power-of-two number of scale
     columns) instead of per-element gathers (``_load_kv``). ``dequant="f16"``: ``_load_rows16`` (float16
-    values, returned as float32; ``ValueError`` unless ``f16_ok(p, block_t, torch.float16)``).
+    values, returned as float32; ``ValueError`` unless ``f16_ok(p, block_t, torch.float16)``). A rotated side
+    (``p.rotate``) is rotated back after the kernel, like ``reference.dequantize_packed``.
     """
     if dequant not in DEQUANT_MODES:
         raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
@@ -1028,4 +1039,4 @@ def dequantize_packed_triton(
         D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, KIND=_kind_code(p),
         NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized, F16=f16, ASM=f16 and _asm_ok(),
     )  # fmt: skip
-    return out
+    return out if p.rotate is None else unrotate(out, p.rotate)
