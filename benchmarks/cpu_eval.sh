@@ -60,8 +60,13 @@ if [[ $step == all || $step == tune ]]; then
     $K tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --windows 1 --no-progress \
       --candidates int8-token --candidates int4-token --candidates int2-token --budget-bits 4.5 \
       --name tuned-qwen-4.5 --out runs/tune-qwen-4.5.json
+  # the same budget with fp16 among the candidates (a layer may stay unquantized)
+  [[ -f runs/tune-qwen-4.5-fp16.json ]] || \
+    $K tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --windows 1 --no-progress \
+      --candidates fp16 --candidates int4-token --candidates int2-token --budget-bits 4.5 \
+      --name tuned-qwen-4.5-fp16 --out runs/tune-qwen-4.5-fp16.json
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
-    --scheme runs/tune-qwen-4.5.json --out runs/qwen-wiki-4k-tuned
+    --scheme runs/tune-qwen-4.5.json --scheme runs/tune-qwen-4.5-fp16.json --out runs/qwen-wiki-4k-tuned2
 fi
 if [[ $step == all || $step == mismatch ]]; then
   # Calibration/serving mismatch: calibrate on 512-token windows, serve 8K.
