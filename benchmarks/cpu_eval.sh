@@ -68,6 +68,15 @@ if [[ $step == all || $step == tune ]]; then
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
     --scheme runs/tune-qwen-4.5.json --scheme runs/tune-qwen-4.5-fp16.json --out runs/qwen-wiki-4k-tuned2
 fi
+if [[ $step == tune-rounds ]]; then
+  # the fp16 candidate set again, with one refinement round from marginal KLs around the first mix
+  [[ -f runs/tune-qwen-4.5-fp16-r2.json ]] || \
+    $K tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --windows 1 --no-progress \
+      --candidates fp16 --candidates int4-token --candidates int2-token --budget-bits 4.5 --rounds 2 \
+      --name tuned-qwen-4.5-fp16-r2 --out runs/tune-qwen-4.5-fp16-r2.json
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme runs/tune-qwen-4.5-fp16-r2.json --out runs/qwen-wiki-4k-tuned-r2
+fi
 if [[ $step == all || $step == mismatch ]]; then
   # Calibration/serving mismatch: calibrate on 512-token windows, serve 8K.
   [[ -f runs/calib-smollm2-kvq4-512/calibration.json ]] || \

@@ -112,3 +112,29 @@ def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypa
                  "--scheme", str(out)]) == 0  # fmt: skip
     with pytest.raises(SystemExit):
         main([*argv[:-4], "--budget-bits", "0", "--out", str(out)])
+
+
+@torch.no_grad()
+def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
+    """rounds=2: the second round's costs are the mix's marginal KLs (checked against evaluate() of one
+    switched layer), each round's mix is measured, and the kept mix is the best measured one."""
+    from kvbits.tune import marginal_sensitivity
+
+    model, ids = _llama(layers=3), _ids(300)
+    one = tune(model, ids, ["int8-token", "int2-token", "int4-token"], 4.0, context=128, windows=2)
+    two = tune(model, ids, ["int8-token", "int2-token", "int4-token"], 4.0, context=128, windows=2, rounds=2)
+    assert two.rounds[0]["choice"] == one.choice and two.rounds[0]["measured_kl"] == pytest.approx(one.measured_kl)
+    assert all(r["measured_kl"] >= two.measured_kl for r in two.rounds if "measured_kl" in r)
+    assert two.avg_bits <= 4.0 + 1e-9
+    pick = [one.candidates.index(c) for c in one.choice]
+    cands = [get_scheme(c) for c in one.candidates]
+    costs, current = marginal_sensitivity(model, ids, cands, pick, context=128, windows=2)
+    assert current == pytest.approx(one.measured_kl, rel=1e-6)
+    assert all(min(row) == 0 for row in costs)  # shifted per layer
+    i, j = 0, (pick[0] + 1) % 3  # switch layer 0 alone and measure it directly
+    switched = mixed_scheme(cands[pick[1]], {k: cands[j if k == i else p] for k, p in enumerate(pick)})
+    kl = evaluate(model, ids, 128, [switched], windows=2, attn_layers=[])["results"][0]["kl"]
+    row = costs[0]
+    assert row[j] - row[pick[0]] == pytest.approx(kl - current, rel=1e-5, abs=1e-9)
+    with pytest.raises(ValueError, match="rounds must be"):
+        tune(model, ids, ["int8-token", "int2-token"], 4.0, context=128, rounds=0)

@@ -22,7 +22,8 @@ examples:
 --out writes the chosen mix as a scheme JSON (any command's --scheme takes it) and, beside it,
 <out>.tune.json with the sensitivity table {"choice", "candidates", "bits", "sensitivity" (layers x
 candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits", "predicted_kl",
-"measured_kl", "uniform", "meta"}; --json prints that record.
+"measured_kl", "uniform", "rounds", "meta"}; --json prints that record. --rounds 2 re-chooses from
+marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14).
 Tune on text other than the one you evaluate on: the sensitivities are measured, not predicted.
 """
 
@@ -52,6 +53,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--context", type=parse_tokens, default=1024, help="tokens per window, e.g. 1k (default 1024)")
     p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
+    p.add_argument(
+        "--rounds", type=_positive, default=1,
+        help="1: choose from one-layer KLs; more: re-choose from marginal KLs around the previous mix, each "
+        "round as costly as the first (default 1)",
+    )  # fmt: skip
     p.add_argument("--name", help="name of the mix (default tuned-<budget>)")
     p.add_argument("--out", help="scheme JSON to write (and <out>.tune.json with the measurements)")
     p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     res = tune(
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
-        progress=not (args.no_progress or args.json),
+        rounds=args.rounds, progress=not (args.no_progress or args.json),
     )  # fmt: skip
     record = res.to_dict()
     if args.out:
@@ -106,5 +112,12 @@ def _print(res: Any, out: str | None) -> None:
             f"{n} {u['kl']:.4g} at {u['avg_bits']:.2f} b" for n, u in res.uniform.items()
         )
     console.print(line)
+    if len(res.rounds) > 1:
+        for k, r in enumerate(res.rounds, 1):
+            measured = r.get("measured_kl")
+            console.print(
+                f"round {k}: KL predicted {r['predicted_kl']:.4g}, measured "
+                + ("-" if measured is None else f"{measured:.4g}")
+            )
     if out:
         console.print(f"wrote {out} (kvbits eval --scheme {out}) and {out}.tune.json")
