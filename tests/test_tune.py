@@ -130,6 +130,8 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
     cands = [get_scheme(c) for c in one.candidates]
     costs, current = marginal_sensitivity(model, ids, cands, pick, context=128, windows=2)
     assert current == pytest.approx(one.measured_kl, rel=1e-6)
+    for got, want in zip(two.rounds[0]["marginal_sensitivity"], costs):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
     assert all(min(row) == 0 for row in costs)  # shifted per layer
     i, j = 0, (pick[0] + 1) % 3  # switch layer 0 alone and measure it directly
     switched = mixed_scheme(cands[pick[1]], {k: cands[j if k == i else p] for k, p in enumerate(pick)})

@@ -52,8 +52,9 @@ class TuneResult:
         budget_bits: the average-bits budget; ``avg_bits``: the mix's.
         predicted_kl: the sum of the chosen single-layer KLs; ``measured_kl``: the mix's own KL on the
             same windows; ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike.
-        rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}`` (and, after the first, the
-            ``"sensitivity"`` it solved: marginal KLs around the previous mix, shifted to 0 per layer).
+        rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}``, and where a next round was
+            computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
+            mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
         meta: model, data, context, windows, seconds.
     """
 
@@ -260,12 +261,13 @@ def tune(
     for _ in range(rounds - 1):
         costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, **run)
         log[-1]["measured_kl"] = current_kl
+        log[-1]["marginal_sensitivity"] = costs  # around this round's mix, whatever the next choice
         new = choose_layers(costs, bits, budget_bits)
         if new == pick:  # the mix is its own best answer: nothing more to measure
             break
         shift = sum(costs[i][pick[i]] for i in range(n_layers))  # the current mix's cost in these units
         predicted = current_kl + sum(costs[i][j] for i, j in enumerate(new)) - shift
-        log.append({"pick": new, "predicted_kl": predicted, "sensitivity": costs})
+        log.append({"pick": new, "predicted_kl": predicted})
         pick = new
     name = name or f"tuned-{budget_bits:g}"
     mix = _mix(cands, pick, name)
