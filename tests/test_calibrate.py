@@ -23,6 +23,7 @@ from kvbits.calibrate import (
     collect_samples,
     fit_artifact,
     fit_codebook,
+    fit_side,
     load_calibration,
     weighted_kmeans_1d,
 )
@@ -943,19 +944,73 @@ def test_fp8_post_rope_keys_are_needed_only_for_a_static_key_scale(fp8_calibrate
         "layers.1.value_scale"])  # fmt: skip
 
 
-def test_rotated_calibrated_specs_are_refused():
-    """Calibration fits scales to unrotated K/V: a rotated static spec is refused with the reason, before
-    any pass runs; a rotated dynamic side beside a calibrated one is fine (nothing of it is fitted)."""
+def _rotated(scheme: KVScheme, *sides: str) -> KVScheme:
     from dataclasses import replace
 
+    specs = {side: replace(getattr(scheme, side), rotate="hadamard") for side in sides}
+    return replace(scheme, name=scheme.name + "-rot", **specs)
+
+
+def test_rotated_fit_is_the_plain_fit_of_the_rotated_samples():
+    """A rotated int/nuq spec codes ``x @ R``: its static ranges, codebook and Fisher weights are those the
+    unrotated spec fits to ``x @ R`` (gradients ``grad @ R``), tensor for tensor; and they differ from the
+    unrotated fit of ``x`` itself (a rotation skipped anywhere fails one of the two)."""
+    from kvbits.quant.rotate import rotate
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 600, 16, generator=g) * torch.linspace(0.2, 6.0, 16)  # uneven channels
+    grad = torch.randn(2, 600, 16, generator=g)
     kv4 = get_scheme("kvquant-4")
-    rotated = replace(kv4, name="kvq-rot", value=replace(kv4.value, rotate="hadamard"))
-    with pytest.raises(ValueError, match="value: calibration fits scales and codebooks to unrotated"):
-        calibrate(tiny_llama(), token_ids(), rotated, context=64, windows=1, fisher=False)
-    fp8 = get_scheme("fp8-e4m3")
-    mixed = replace(fp8, name="fp8-rot-keys", key=replace(get_scheme("int4-token-hadamard").key))
-    art = calibrate(tiny_llama(), token_ids(), mixed, context=64, windows=1, fisher=False)
-    assert set(art.tensors) == {"layers.0.value_scale", "layers.1.value_scale"}
+    for side in ("key", "value"):
+        plain = getattr(kv4, side)
+        rot = getattr(_rotated(kv4, side), side)
+        got, got_stats = fit_side(rot, x, grad, kmeans_points=2000, kmeans_iterations=8)
+        want, want_stats = fit_side(plain, rotate(x, "hadamard"), rotate(grad, "hadamard"),
+                                    kmeans_points=2000, kmeans_iterations=8)  # fmt: skip
+        unrotated, _ = fit_side(plain, x, grad, kmeans_points=2000, kmeans_iterations=8)
+        assert got.keys() == want.keys() and "codebook" in got
+        for name in got:
+            assert torch.equal(got[name], want[name]), (side, name)
+        assert got_stats == pytest.approx(want_stats)
+        assert not torch.equal(got["codebook"], unrotated["codebook"])
+        if side == "key":  # static per-channel ranges
+            assert not torch.allclose(got["scale"], unrotated["scale"], rtol=0.05)
+
+
+def test_rotated_calibration_serves_the_cache_without_clipping_more():
+    """kvquant-4 with Hadamard-rotated keys and values calibrates on a model, round-trips through the
+    artifact folder, and the cache's fresh keys clip about as often as calibration measured; the same
+    scales read in the wrong basis (the unrotated calibration's, under the rotated spec) clip more."""
+    model, ids = tiny_llama(), token_ids()
+    rot = _rotated(get_scheme("kvquant-4"), "key", "value")
+    art = calibrate(model, ids, rot, context=128, windows=3, fisher=False)
+    plain = calibrate(model, ids, "kvquant-4", context=128, windows=3, fisher=False)
+    with KVCapture(model) as cap, torch.no_grad():
+        model(input_ids=token_ids(300, seed=11)[None])
+        keys = [cap.activations(i)[0][:, :, 1:] for i in range(2)]
+    for i, k in enumerate(keys):
+        right = quantize(k, rot.key, **art.quantize_kwargs(i, "key")).clipped / k.numel()
+        wrong = quantize(k, rot.key, **plain.quantize_kwargs(i, "key")).clipped / k.numel()
+        assert right <= 3 * art.layer_stats[i]["key_clip_rate"] + 0.01 and wrong > right
+    with pytest.raises(ValueError, match="rotated FP8 spec can not be calibrated yet"):
+        calibrate(model, ids, _rotated(get_scheme("fp8-e4m3"), "value"), context=64, windows=1, fisher=False)
+
+
+def test_rotated_calibration_round_trips(tmp_path):
+    from kvbits.cache import QuantizedKVCache
+
+    model, ids = tiny_llama(), token_ids()
+    rot = _rotated(get_scheme("kvquant-4"), "key", "value")
+    art = calibrate(model, ids, rot, context=128, windows=2, fisher=False, out_dir=str(tmp_path / "rot"))
+    cache = QuantizedKVCache(config=model.config, scheme=rot, calibration=str(tmp_path / "rot"))
+    assert cache.calibration.scheme.key.rotate == "hadamard"
+    for name, t in art.tensors.items():
+        assert torch.equal(cache.calibration.tensors[name], t)
+    with torch.no_grad():
+        x = token_ids(80, seed=5)[None]
+        ref = model(input_ids=x).logits
+        out = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+    assert torch.isfinite(out).all() and (out - ref).abs().max() < 1.0
 
 
 @torch.no_grad()

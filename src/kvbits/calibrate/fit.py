@@ -21,6 +21,11 @@
   functions here default to ``"amax"``, since only the caller knows whether its samples are the
   stored tensor.
 
+A Hadamard-rotated int/nuq side (``TensorSpec.rotate``) stores the codes of ``x @ R``, so its ranges,
+codebook inputs and Fisher weights are taken in that basis (the samples ``x @ R``, the gradients
+``grad @ R``); a rotated static FP8 side is refused, since its range is tracked over every calibration
+position unrotated.
+
 ``calibrate`` (``kvbits.calibrate.calibrate``) collects the samples from a model and calls
 ``artifact_from_samples``; tests and tools can call it with synthetic samples.
 """
@@ -39,6 +44,7 @@ from kvbits.calibrate.observers import channel_percentiles
 from kvbits.quant.affine import choose_qparams
 from kvbits.quant.fp8 import fp8_max
 from kvbits.quant.nuq import choose_nuq_params, uniform_codebook
+from kvbits.quant.rotate import rotate
 from kvbits.quant.tensor import codebook_inputs, quantize
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -67,10 +73,11 @@ def check_calibratable(scheme: KVScheme) -> None:
             "calibration is for schemes like kvquant-4 or fp8-e4m3"
         )
     for side, spec in zip(SIDES, (scheme.key, scheme.value)):
-        if spec_calibratable(spec) and spec.rotate is not None:
+        if spec_calibratable(spec) and spec.rotate is not None and spec.kind == "fp8":
             raise ValueError(
-                f"{side}: calibration fits scales and codebooks to unrotated K/V; a {spec.rotate!r}-rotated "
-                "spec can not be calibrated yet (rotate a spec with dynamic scales, e.g. int4-token-hadamard)"
+                f"{side}: a static FP8 scale is fitted to the largest |K/V| over every calibration position, "
+                f"which is tracked unrotated; a {spec.rotate!r}-rotated FP8 spec can not be calibrated yet "
+                "(rotated int/nuq specs can; FP8 with per-token scales needs no calibration)"
             )
         if not spec_calibratable(spec) or spec.kind == "fp8":  # an FP8 tensor scale fits any layout
             continue
@@ -145,14 +152,22 @@ def fit_side(
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
     if spec.kind == "fp8":
+        if spec.rotate is not None:
+            raise ValueError(f"a rotated FP8 spec can not be calibrated yet, got {spec}")
         return _fit_fp8(spec, x, absmax, fp8_scale)
     x = _trim_to_groups(x.float(), spec)
     grad = None if grad is None else _trim_to_groups(grad.float(), spec)
+    # A rotated spec codes x @ R: its ranges, codebook inputs and Fisher weights live in that basis
+    # (the gradient with respect to x @ R is grad @ R, R orthogonal). quantize / codebook_inputs rotate x
+    # themselves; the percentile ranges and the gradients are rotated here.
+    x_coded = x if spec.rotate is None else rotate(x, spec.rotate)
+    if grad is not None and spec.rotate is not None:
+        grad = rotate(grad, spec.rotate)
     tensors: dict[str, torch.Tensor] = {}
     stats: dict[str, float] = {}
     kw: dict[str, Any] = {}
     if spec.static:
-        scale, zero = _static_params(spec, x, percentile)
+        scale, zero = _static_params(spec, x_coded, percentile)
         tensors["scale"] = scale
         if zero is not None:
             tensors["zero"] = zero

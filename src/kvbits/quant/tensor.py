@@ -391,12 +391,15 @@ def codebook_inputs(
     Returns ``(u, kept)``: ``u`` float32 ``(B, H_kv, n, D)``, the normalised values (``[-1, 1]``
     inside the range, beyond it where a static scale clips) and ``kept`` bool, False for the
     dense-and-sparse outliers (stored exactly, never coded). Calibration fits codebooks to these,
-    so the codebook is trained on exactly what ``quantize`` will code.
+    so the codebook is trained on exactly what ``quantize`` will code (a rotated spec: of ``x @ R``).
     """
     if spec.kind != "nuq":
         raise ValueError(f"codebook_inputs needs a nuq spec, got kind={spec.kind!r}")
     _check_head_dim(x)
     n, D = x.shape[2], x.shape[3]
+    if spec.rotate is not None:  # as quantize: the codes are of x @ R
+        check_rotatable(D, spec.rotate)
+        x = rotate(x, spec.rotate)
     static_qp = _static_qparams(x, spec, static_scale, static_zero, check=True)
     xg = _group(x, spec)
     mask = select_outliers(x, spec, static_qp)[2]
