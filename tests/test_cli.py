@@ -361,6 +361,28 @@ def test_bounded_validators():
         bounded(str)
 
 
+def test_model_data_and_window_helpers():
+    from kvbits._argtypes import add_model_data_args, add_window_args
+
+    p = argparse.ArgumentParser()
+    add_model_data_args(p, model_help="m", data_help="d", data_default="wikitext2")
+    add_window_args(p, context=8192, windows=2, windows_help="windows of --context tokens")
+    args = p.parse_args(["--model", "x"])
+    assert (args.model, args.data, args.context, args.windows) == ("x", "wikitext2", 8192, 2)
+    assert not hasattr(args, "data_path") and p.parse_args(["--model", "x", "--context", "2k"]).context == 2048
+    helps = {a.dest: a.help for a in p._actions}
+    assert helps["context"] == "tokens per window, e.g. 8192 or 8k (default 8192)"
+    assert helps["windows"] == "windows of --context tokens (default 2)"
+
+    q = argparse.ArgumentParser()
+    add_model_data_args(q, model_help="m", data_help="d", data_path_help="p")
+    assert q.parse_args(["--model", "x", "--data", "y", "--data-path", "z"]).data_path == "z"
+    with pytest.raises(SystemExit):
+        q.parse_args(["--model", "x"])  # --data required without a default
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        add_window_args(argparse.ArgumentParser(), context=1000, windows=1)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -7,8 +7,11 @@ what was expected, so argparse prints ``argument --windows: expected an integer 
 Floats must be finite (``nan`` and ``inf`` are refused).
 
 ``MODEL_DTYPES`` and ``add_dtype_device`` give the commands that load a model (``analyze``,
-``calibrate``, ``eval``) the same ``--dtype`` choices and ``--device`` help; each command checks its
-device with ``kvbits.evaluate.request.check_device`` before the model loads.
+``calibrate``, ``eval``, ``monitor``, ``tune``) the same ``--dtype`` choices and ``--device`` help; each
+command checks its device with ``kvbits.evaluate.request.check_device`` before the model loads.
+``add_model_data_args`` adds their ``--model`` / ``--data`` (/ ``--data-path``), and
+``add_window_args`` the ``--context`` / ``--windows`` of those that cut the text into windows; the help
+texts stay each command's own.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["MODEL_DTYPES", "add_dtype_device", "bounded"]
+__all__ = ["MODEL_DTYPES", "add_dtype_device", "add_model_data_args", "add_window_args", "bounded"]
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 """``--dtype`` of every command that loads a model: torch dtype names (``getattr(torch, name)``)."""
@@ -96,4 +99,48 @@ def add_dtype_device(parser: argparse.ArgumentParser, devices: tuple[str, ...], 
         "--device",
         default="cpu",
         help=f"torch device: {', '.join(names[:-1])} or {names[-1]} (default cpu); checked before the model loads",
+    )
+
+
+def add_model_data_args(
+    parser: argparse.ArgumentParser,
+    *,
+    model_help: str,
+    data_help: str,
+    data_default: str | None = None,
+    data_path_help: str | None = None,
+) -> None:
+    """Add ``--model`` (required), ``--data`` and, when ``data_path_help`` is given, ``--data-path``.
+
+    ``--data`` is required unless ``data_default`` names the text used without it. The parsed
+    ``args.model``, ``args.data`` and ``args.data_path`` are the model and text specs of
+    ``kvbits.evaluate`` (``load_model``, ``load_text``); each command words their help for its use.
+    """
+    parser.add_argument("--model", required=True, help=model_help)
+    parser.add_argument("--data", required=data_default is None, default=data_default, help=data_help)
+    if data_path_help is not None:
+        parser.add_argument("--data-path", help=data_path_help)
+
+
+def add_window_args(
+    parser: argparse.ArgumentParser, *, context: int, windows: int, windows_help: str = "number of windows"
+) -> None:
+    """Add ``--context`` (tokens per window, ``kvbits.cli.parse_tokens``: ``8k`` works) and ``--windows``
+    (an integer >= 1) with these defaults.
+
+    ``context`` is a multiple of 1024, shown in the help both ways (``e.g. 8192 or 8k``);
+    ``windows_help`` is followed by ``(default N)``.
+    """
+    from kvbits.cli import _positive, parse_tokens  # on use: kvbits.cli imports this module
+
+    if context < 1024 or context % 1024:
+        raise ValueError(f"context must be a positive multiple of 1024, got {context}")
+    parser.add_argument(
+        "--context",
+        type=parse_tokens,
+        default=context,
+        help=f"tokens per window, e.g. {context} or {context // 1024}k (default {context})",
+    )
+    parser.add_argument(
+        "--windows", type=_positive, default=windows, help=f"{windows_help} (default {windows})"
     )

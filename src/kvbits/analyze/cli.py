@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ _fraction = bounded(float, 0, 1, hi_open=True, what="a layer fraction")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from kvbits.cli import _positive, parse_tokens
+    from kvbits.cli import _positive
 
     p = subparsers.add_parser(
         "analyze",
@@ -36,16 +36,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--out runs/analyze-qwen",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--model", required=True, help="registry name (smollm2-135m), .gguf file, model folder or hub id"
+    add_model_data_args(
+        p,
+        model_help="registry name (smollm2-135m), .gguf file, model folder or hub id",
+        data_help="text: registry name, file path or hub:NAME (default wikitext2)",
+        data_default="wikitext2",
     )
-    p.add_argument(
-        "--data", default="wikitext2", help="text: registry name, file path or hub:NAME (default wikitext2)"
-    )
-    p.add_argument(
-        "--context", type=parse_tokens, default=2048, help="tokens per window, e.g. 2048 or 2k (default 2048)"
-    )
-    p.add_argument("--windows", type=_positive, default=2, help="windows of --context tokens (default 2)")
+    add_window_args(p, context=2048, windows=2, windows_help="windows of --context tokens")
     p.add_argument(
         "--threshold",
         type=_threshold,

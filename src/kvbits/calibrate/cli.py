@@ -10,9 +10,9 @@ import json
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
 from kvbits.calibrate.calibrate import DEVICES
-from kvbits.cli import _positive, parse_tokens
+from kvbits.cli import _positive
 
 _percentile = bounded(float, 50, 100, what="a percentile")
 
@@ -28,22 +28,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "grid phase (--fp8-scale centred), as vLLM's k_scale / v_scale (kvbits export --format vllm). "
         "Writes DIR/calibration.safetensors and DIR/calibration.json.",
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="model: registry name (smollm2-135m), .gguf file, model folder or hub id",
-    )
-    p.add_argument(
-        "--data", required=True, help="calibration text: registry name (pride-and-prejudice) or file path"
+    add_model_data_args(
+        p,
+        model_help="model: registry name (smollm2-135m), .gguf file, model folder or hub id",
+        data_help="calibration text: registry name (pride-and-prejudice) or file path",
     )
     p.add_argument(
         "--scheme", required=True, help="scheme to calibrate for (kvquant-4, kvquant-3, fp8-e4m3, ... or a JSON file)"
     )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument(
-        "--context", type=parse_tokens, default=2048, help="tokens per window, e.g. 2048 or 2k (default 2048)"
-    )
-    p.add_argument("--windows", type=_positive, default=4, help="calibration windows (default 4)")
+    add_window_args(p, context=2048, windows=4, windows_help="calibration windows")
     p.add_argument(
         "--percentile",
         type=_percentile,

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
 
 __all__ = ["DEVICES", "add_parser", "run"]
 
@@ -75,22 +75,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
+    add_model_data_args(
+        p,
+        model_help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
+        data_help="registry text (wikitext2, war-and-peace, ...) or a text file",
+        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
     )
-    p.add_argument(
-        "--data", required=True, help="registry text (wikitext2, war-and-peace, ...) or a text file"
-    )
-    p.add_argument(
-        "--data-path",
-        help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
-    )
-    p.add_argument(
-        "--context", type=parse_tokens, default=8192, help="tokens per window, e.g. 8192 or 8k (default 8192)"
-    )
-    p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
+    add_window_args(p, context=8192, windows=1)
     p.add_argument(
         "--scheme",
         action="append",

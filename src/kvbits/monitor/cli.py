@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
 
 __all__ = ["add_parser", "run"]
 
@@ -42,9 +42,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="registry name, .gguf file, model folder or hub id")
-    p.add_argument("--data", required=True, help="registry text (war-and-peace, ...) or a text file")
-    p.add_argument("--data-path", help="folder searched first for registry texts")
+    add_model_data_args(
+        p,
+        model_help="registry name, .gguf file, model folder or hub id",
+        data_help="registry text (war-and-peace, ...) or a text file",
+        data_path_help="folder searched first for registry texts",
+    )
     p.add_argument("--context", type=parse_tokens, default=2048, help="tokens decoded (default 2048)")
     p.add_argument("--scheme", required=True, help="scheme preset or scheme JSON file")
     p.add_argument(

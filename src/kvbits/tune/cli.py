@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
 
 __all__ = ["add_parser", "run"]
 
@@ -41,9 +41,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="offline name, hub id, local folder or .gguf")
-    p.add_argument("--data", required=True, help="tuning text: a registered name or a file")
-    p.add_argument("--data-path", help="folder with the registered texts (default ../shared/data or $KVBITS_DATA)")
+    add_model_data_args(
+        p,
+        model_help="offline name, hub id, local folder or .gguf",
+        data_help="tuning text: a registered name or a file",
+        data_path_help="folder with the registered texts (default ../shared/data or $KVBITS_DATA)",
+    )
     p.add_argument(
         "--candidates", action="append", required=True, metavar="SCHEME",
         help="a flat scheme with dynamic scales; repeat (at least two)",
