@@ -12,8 +12,11 @@ GPU machine). Steps:
    bytes written: the practical ceiling of a memory-bound kernel (references.md, "Speed").
 2. correctness of every kernel variant against a float64 reference on this GPU (flash-attention
    criterion: error <= 2x the error of plain torch at fp16), ``dequant="f16"`` variants (``*-f16``) and
-   64-token tiles (``*-bt64``) included; a failure is recorded (``checks[].ok``,
-   ``check_failures``) and printed, and the run goes on. (2b) the
+   64-token tiles (``*-bt64``) included, and Hadamard-rotated per-token int8/int4 keys and values
+   (``int8-token-hadamard``, ``int4-token-hadamard``: the presets' codes of ``x @ R``; the decode entry point
+   rotates q and the tail into the codes' basis and the output back), judged against attention over the
+   model's K/V (rotated sides dequantized back, not through that rotation); a failure is recorded
+   (``checks[].ok``, ``check_failures``) and printed, and the run goes on. (2b) the
    quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
    flush one 128-token block.
 3. one decode step (``q (B, H_q, 1, D)``) for contexts 4K..128K and batch 1, 8, 32, with the KV shapes
@@ -25,7 +28,11 @@ GPU machine). Steps:
    from float32 half-width tables, as the cache keeps them; rows rotated in registers, and the gather
    path as ``triton-gather``), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings. The integer
-   schemes also with ``dequant="f16"`` (codes dequantized in float16: kernel ``triton-f16``).
+   schemes also with ``dequant="f16"`` (codes dequantized in float16: kernel ``triton-f16``). At batch 8
+   only (smoke: 1), both shapes, every context: int4 with keys and values per token (one scale per token and head, the
+   ``int4-token`` preset's layout) and the same Hadamard-rotated (``int4-token-hadamard``: its time includes
+   rotating q and the 128-token fp16 tail in and the output back; the same bytes, ``R`` is stored nowhere):
+   their difference is what the rotation costs.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
    (3b) with the time left before step 6's share: ``block_t`` x ``num_warps`` of the kernel for int4 and
    int4-prerope, and ``block_t`` x ``num_stages`` for int4 with ``dequant="f16"`` (``int4-f16``, rows'
@@ -71,9 +78,11 @@ from gpu_bench.common import (
     CONTEXTS,
     KEY_GROUP,
     RESIDUAL,
+    TOKEN_SCHEMES,
     VALUE_GROUP,
     Config,
     copy_bandwidth,
+    rotation_batch,
 )
 from gpu_bench.e2e import (
     E2E_BATCHES,
@@ -213,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
             "key": f"per-channel, {KEY_GROUP}-token groups",
             "value": f"per-token, {VALUE_GROUP}-channel groups",
             "residual_fp16": RESIDUAL,
+            "token_schemes": f"{', '.join(TOKEN_SCHEMES)}: keys and values per token (one scale per token and "
+            f"head), the same fp16 tail; batch {rotation_batch(cfg.batches)} only",
         },
         "prewarm": None,
         "checks": [],

@@ -10,7 +10,9 @@ instead of spending the run's time budget compiling:
 
 - ``sweep``: each decode variant at each KV shape (default launch, gather path, float16 dequantization), at
   every batch and context of the sweep (zero-stride stores: shapes and alignment without the memory; a
-  worker compiles each distinct specialisation once);
+  worker compiles each distinct specialisation once); the per-token layout at ``ROTATION_BATCH`` through its
+  Hadamard-rotated variant (``int4-token-hadamard``), whose launches cover the unrotated ``int4-token``'s
+  (the same decode kernel) and add the reduction into a float32 output that is rotated back;
 - ``tune``: step 3b's grids (``sweep.tune_launches``, float32 and float16 dequantization) at its batch and
   context;
 - ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
@@ -49,6 +51,8 @@ def jobs(tune: bool = True) -> list[Job]:
     from gpu_bench import checks, common, e2e, sweep
 
     out: list[Job] = [("check", shape) for shape in common.SHAPES]  # check_variants' variants: start these first
+    # the per-token layout: its rotated variant compiles every launch of the unrotated one too (see _run_job)
+    rotated = [name for name, (_codes, rot) in common.TOKEN_SCHEMES.items() if rot is not None]
     for shape in common.SHAPES:
         out.append(("sweep", shape, "fp16", False, None))
         for name, sch in common.SCHEMES.items():
@@ -57,6 +61,7 @@ def jobs(tune: bool = True) -> list[Job]:
                 out += [("sweep", shape, name, False, False), ("sweep", shape, name, False, "f16")]
         for name in common.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
+        out += [("sweep", shape, name, False, None) for name in rotated]
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
@@ -83,11 +88,17 @@ def _run_job(job: Job, programs: int) -> None:
     kind = job[0]
     if kind in ("sweep", "tune"):
         shape = common.SHAPES[job[1]]
+        store_kw: dict[str, Any] = {}
         if kind == "sweep":
             name, rope, path = job[2], job[3], job[4]
-            scheme = None if name == "fp16" else common.SCHEMES[name]
             kw: dict[str, Any] = dict(SWEEP_PATHS[path])
             combos = [(b, t) for b in common.BATCHES for t in common.CONTEXTS]
+            if name in common.TOKEN_SCHEMES:  # per-token layout (rotated: code_basis around the same kernel)
+                codes, rotate = common.TOKEN_SCHEMES[name]
+                scheme, store_kw = common.SCHEMES[codes], {"layout": "token", "rotate": rotate}
+                combos = [(common.ROTATION_BATCH, t) for t in common.CONTEXTS]
+            else:
+                scheme = None if name == "fp16" else common.SCHEMES[name]
         else:
             rope, dequant, (block_t, warps, stages) = job[2], job[3], job[4:]
             scheme, kw = common.SCHEMES["int4"], {"block_t": block_t, "num_warps": warps, "num_stages": stages}
@@ -96,7 +107,7 @@ def _run_job(job: Job, programs: int) -> None:
         for batch, context in combos:  # the same specialisation compiles once (Triton's in-process cache)
             tables = common.lazy_view((context, shape["D"] // 2), torch.float32, cpu) if rope else None
             store = common.random_store(batch, shape, context, scheme, cpu, gen, (tables, tables) if rope else None,
-                                        lazy=True)  # fmt: skip
+                                        lazy=True, **store_kw)  # fmt: skip
             q = torch.zeros(batch, shape["H_q"], 1, shape["D"], dtype=torch.float16)
             decode_attention_triton(q, store, target_programs=programs, **kw)
     elif kind == "check":

@@ -1071,6 +1071,11 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     ms = {r["scheme"]: r["ms"] for r in data["records"] if r["kernel"] == "reference" and r["context"] == 512}
     assert all(ms[f"int{b}-prerope"] > 0 for b in (8, 4, 2))
     assert by["int4"] < by["nuq4-outl"] < by["int8"]  # a codebook and 1 % outliers cost less than 4 more bits
+    # per-token int4, plain and Hadamard-rotated, at the smoke's one batch: the rotation stores no byte
+    # (one scale and zero per token and head: less metadata than KIVI's groups of 32)
+    assert by["int4-token-hadamard"] == by["int4-token"] < by["int4"]
+    rotated = [c for c in data["checks"] if c["variant"] == "int4-token-hadamard"]
+    assert (triton_decode is None) or (len(rotated) == 1 and rotated[0]["ok"])
     assert {b["scheme"] for b in data["break_even"]} == {
         "fp16",
         "int8",
@@ -1081,6 +1086,8 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         "int8-prerope",
         "int4-prerope",
         "int2-prerope",
+        "int4-token",
+        "int4-token-hadamard",
     }
     # end to end (step 6): a whole model decoding through each cache; the fused rows really were fused
     e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
@@ -1174,7 +1181,7 @@ def test_gpu_benchmark_records_launches_that_do_not_start():
                        smoke=True, kernel="reference")  # fmt: skip
     checks = bench.check_variants(cfg, refuse)
     assert [c["variant"] for c in checks if "error" in c] == ["int4-pre-rope"]  # smoke: 3 variants
-    assert all(c["ok"] for c in checks if "error" not in c) and len(checks) == 3
+    assert all(c["ok"] for c in checks if "error" not in c) and len(checks) == 4
     records = bench.sweep(cfg, refuse, copy_gbps=10.0)
     failed = {r["scheme"] for r in records if "error" in r}
     assert failed == {"int8-prerope", "int4-prerope", "int2-prerope"}
@@ -1249,19 +1256,21 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
                        kernel="triton")  # fmt: skip
     # step 2: the CPU smoke subset is unchanged; the full list ends with the f16 and 64-token-tile variants
     assert [c["variant"] for c in bench.check_variants(cfg, decode_attention_reference)] == [
-        "int4-kivi", "int4-pre-rope", "fp16-tail-only"]  # fmt: skip
+        "int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard"]  # fmt: skip
     full = bench.Config(**{**cfg.__dict__, "smoke": False})
     checks = bench.check_variants(full, record, shapes=["llama-3-8b"])
-    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 21
+    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 23
     new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:19]
     assert new == [("int8-kivi-f16", {"dequant": "f16"}), ("int4-kivi-f16", {"dequant": "f16"}),
                    ("int2-kivi-f16", {"dequant": "f16"}), ("int2-token-keys-f16", {"dequant": "f16"}),
                    ("int4-kivi-masked-f16", {"dequant": "f16"}), ("int4-kivi-bt64", {"block_t": 64}),
                    ("int4-kivi-f16-bt64", {"dequant": "f16", "block_t": 64})]  # fmt: skip
     # then bfloat16 queries, judged against torch at bfloat16
-    assert [(c["variant"], c["query_dtype"]) for c in checks[19:]] == [
+    assert [(c["variant"], c["query_dtype"]) for c in checks[19:21]] == [
         ("int4-kivi-bf16", "bfloat16"), ("int4-pre-rope-bf16", "bfloat16")]  # fmt: skip
-    assert {c["query_dtype"] for c in checks[:19]} == {"float16"}
+    assert {c["query_dtype"] for c in checks[:19] + checks[21:]} == {"float16"}
+    # then Hadamard-rotated per-token sides (default launch)
+    assert [c["variant"] for c in checks[21:]] == ["int8-token-hadamard", "int4-token-hadamard"]
     assert all(f16 == (True, True) for kw, f16 in seen if kw.get("dequant") == "f16")  # both sides in float16
     # step 3: kernel "triton-f16" for the integer schemes; break-even and the table carry it
     records = bench.sweep(cfg, lambda q, store, **kw: decode_attention_reference(q, store), copy_gbps=10.0)

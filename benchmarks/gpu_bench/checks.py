@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvbits.kernels.reference import decode_attention_reference, pack_store
+from kvbits.kernels.reference import materialize, pack_store
 from kvbits.quant import quantize
 from kvbits.schemes import TensorSpec
 
@@ -37,12 +37,28 @@ def pre_rope_args(D: int, positions: int, B: int, dev: torch.device) -> dict:
     return {"rope_cos": emb.cos().float().to(dev), "rope_sin": emb.sin().float().to(dev), "quant_pos0": [4] * B}
 
 
+def plain_attention(q: torch.Tensor, store, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax attention of ``q (B, H_q, 1, D)`` over the store's K/V as the model sees them, computed in
+    ``dtype``: ``materialize`` (rotated sides rotated back by ``dequantize_packed``, pre-RoPE keys rotated to
+    their positions), then plain torch. Never through ``reference.code_basis``, so a wrong rotation of the
+    query, tail or output in the decode entry points cannot hide in the truth; for a store without rotated
+    sides, the same operations as ``decode_attention_reference(q, store, dtype=dtype)``."""
+    B, H_q, _, D = q.shape
+    H_kv = store.n_kv_heads
+    k, v, mask = materialize(store, dtype)
+    qg = q.reshape(B, H_kv, H_q // H_kv, D).to(dtype)
+    s = torch.einsum("bhgd,bhtd->bhgt", qg, k) * (1.0 / math.sqrt(D))
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(s, dim=-1), v)
+    return out.reshape(B, H_q, 1, D).to(q.dtype)
+
+
 def fp64_truth(q: torch.Tensor, store, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, float]:
     """The float64 reference output for queries ``q (B, H_q, 1, D)`` over ``store``, and torch's max error
     against it at ``dtype`` (float16 or bfloat16): the yardstick of the flash-attention criterion
-    (``passes``)."""
-    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-    low = decode_attention_reference(q.to(dtype), store, dtype=dtype)
+    (``passes``). Both are ``plain_attention`` over the model's K/V (rotated sides dequantized back)."""
+    truth = plain_attention(q.double(), store, torch.float64)
+    low = plain_attention(q.to(dtype), store, dtype)
     return truth, (low.double() - truth).abs().max().item()
 
 
@@ -101,11 +117,15 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
         ("int4-kivi-bf16", {**kivi(4), "qdtype": torch.bfloat16}, {}),
         ("int4-pre-rope-bf16", {**kivi(4), "rope": True, "qdtype": torch.bfloat16}, {}),
     ]
+    # Hadamard-rotated sides (the int*-token-hadamard presets: per-token codes of x @ R, kvbits.quant.rotate):
+    # the decode entry point rotates q and the tail into the codes' basis and the output back (code_basis),
+    # judged against the model's K/V (plain_attention), so a missing or wrong rotation fails
+    rot = lambda b: {"key": _spec(b, "token", None, rotate="hadamard"), "value": _spec(b, "token", None, rotate="hadamard")}
+    variants += [("int8-token-hadamard", rot(8), {}), ("int4-token-hadamard", rot(4), {})]
     shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
-    if (
-        cfg.smoke and dev.type == "cpu"
-    ):  # the interpreter is slow: whole-row and gather + RoPE paths, one shape
-        variants = [variants[1], variants[6], variants[8]]
+    if cfg.smoke and dev.type == "cpu":  # the interpreter is slow: whole-row, gather + RoPE, rotated; one shape
+        smoke = ("int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard")
+        variants = [v for v in variants if v[0] in smoke]
         shapes = {"qwen2.5-0.5b": SHAPES["qwen2.5-0.5b"]}
     T_q, T_f = (64, 16) if cfg.smoke else (1024, 128)
     results = []

@@ -29,6 +29,13 @@ SCHEMES = {
 # the same integer layouts with pre-RoPE keys (KVQuant §3.2): RoPE applied in the kernel from float32 tables
 PRE_ROPE = ("int8", "int4", "int2")
 ROPE_SUFFIX = "-prerope"
+# the per-token layout of the int*-token presets (keys and values: one scale per token and head over all D
+# channels), plain and Hadamard-rotated (the *-token-hadamard presets, kvbits.quant.rotate: the codes of
+# x @ R; the decode entry points rotate q and the tail into that basis and the output back, no byte added):
+# name -> (SCHEMES key of the codes, rotation). Step 3 times them at ROTATION_BATCH only: the pair shows what
+# the rotation costs on one layout
+TOKEN_SCHEMES = {"int4-token": ("int4", None), "int4-token-hadamard": ("int4", "hadamard")}
+ROTATION_BATCH = 8
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # step 3's sweep (the issue's contexts and batches)
 BATCHES = (1, 8, 32)
 KEY_GROUP = 32  # KIVI: keys per-channel over groups of 32 tokens
@@ -47,6 +54,12 @@ class Config:
     smoke: bool
     kernel: str  # "triton" or "reference" for the quantized path
     deadline: float | None = None  # time.monotonic() after which no new sweep combo / e2e run starts
+
+
+def rotation_batch(batches: list[int]) -> int | None:
+    """The batch at which step 3 times ``TOKEN_SCHEMES``: ``ROTATION_BATCH``, or the largest of a run without
+    it (smoke: its one batch)."""
+    return ROTATION_BATCH if ROTATION_BATCH in batches else max(batches, default=None)
 
 
 def out_of_time(cfg: Config) -> bool:
@@ -158,12 +171,14 @@ def random_packed(
     device: torch.device,
     gen: torch.Generator,
     lazy: bool = False,
+    rotate: str | None = None,
 ) -> PackedTensor:
     """Random codes and metadata in the kernel layout (timing only: content does not change the work).
 
     ``scheme`` is a ``SCHEMES`` value; fp8 codes keep one scale per token row (``cps = D``, no zero).
     ``lazy``: every tensor a zero-stride view of one element (shapes, dtypes and alignment only: what
-    compiling a launch needs, ``prewarm.py``; nothing to read).
+    compiling a launch needs, ``prewarm.py``; nothing to read). ``rotate``: the codes say they hold
+    ``x @ R`` (``PackedTensor.rotate``; no byte more).
     """
     kind, bits, outlier_frac = scheme
     if kind == "fp8":
@@ -171,7 +186,7 @@ def random_packed(
     row, meta = (B, H, T, D * bits // 8), (B, H, T // tps, D // cps)
     k = outlier_count(D, outlier_frac)
     index_dtype = torch.uint8 if D <= 256 else torch.int16
-    extra: dict = {"kind": kind, "fmt": "e4m3" if kind == "fp8" else None}
+    extra: dict = {"kind": kind, "fmt": "e4m3" if kind == "fp8" else None, "rotate": rotate}
     if kind == "nuq":
         u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
         extra["codebook"] = (u.abs() ** 1.5 * u.sign()).half().to(device)
@@ -200,10 +215,15 @@ def lazy_view(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.T
 def random_store(
     B: int, shape: dict, context: int, scheme: tuple[str, int, float] | None, device: torch.device,
     gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False,
+    layout: str = "kivi", rotate: str | None = None,
 ) -> PackedStore:  # fmt: skip
     """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail);
     ``rope_tables`` (``(cos, sin)``, ``(>= context, D or D / 2)`` float32): the quantized keys are pre-RoPE.
-    ``lazy``: zero-stride views only (``random_packed``)."""
+    ``lazy``: zero-stride views only (``random_packed``). ``layout="token"``: keys per token like the values,
+    one scale per token and head over all ``D`` channels (``TOKEN_SCHEMES``), the same fp16 tail; ``rotate``:
+    both quantized sides hold rotated codes (``PackedTensor.rotate``)."""
+    if layout not in ("kivi", "token"):
+        raise ValueError(f"layout must be 'kivi' or 'token', got {layout!r}")
     H, D = shape["H_kv"], shape["D"]
     T_f = context if scheme is None else min(context, RESIDUAL + (context - RESIDUAL) % KEY_GROUP)
     T_q = context - T_f
@@ -214,8 +234,9 @@ def random_store(
         vf = torch.randn(B, H, T_f, D, device=device, generator=gen, dtype=torch.float16)
     key = value = None
     if T_q:
-        key = random_packed(B, H, T_q, D, scheme, KEY_GROUP, 1, device, gen, lazy)
-        value = random_packed(B, H, T_q, D, scheme, 1, VALUE_GROUP, device, gen, lazy)
+        key_tps, key_cps, value_cps = (1, D, D) if layout == "token" else (KEY_GROUP, 1, VALUE_GROUP)
+        key = random_packed(B, H, T_q, D, scheme, key_tps, key_cps, device, gen, lazy, rotate)
+        value = random_packed(B, H, T_q, D, scheme, 1, value_cps, device, gen, lazy, rotate)
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
     if rope_tables is None or key is None:
         return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))

@@ -14,11 +14,13 @@ from .common import (
     ROPE_SUFFIX,
     SCHEMES,
     SHAPES,
+    TOKEN_SCHEMES,
     Config,
     launch_error,
     out_of_time,
     random_store,
     rope_tables,
+    rotation_batch,
     time_ms,
 )
 
@@ -82,11 +84,14 @@ def fused_timing(
     gen: torch.Generator,
     flush: torch.Tensor | None,
     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store_kw: dict | None = None,
 ) -> tuple[float, bool, int, dict]:
     """(ms, cuda_graph, bytes_read, spread) of the fused path over a random KIVI-layout store (pre-RoPE keys
     with ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and
-    head)."""
-    store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables)
+    head). ``store_kw``: ``random_store``'s ``layout`` / ``rotate`` (``TOKEN_SCHEMES``); a rotated store's
+    time includes rotating q and the tail into the codes' basis and the output back (``decode`` does it),
+    and its bytes are the same as unrotated (``R`` is rebuilt per process, stored nowhere)."""
+    store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables, **(store_kw or {}))
     spread: dict = {}
     ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush, spread=spread)
     return ms, graph, store.nbytes, spread
@@ -112,19 +117,25 @@ def sweep(
 ) -> list[dict]:
     """Step (3)-(4): every (shape, batch, context) within the memory budget, batch by batch (the
     largest batch last); ``progress(records)`` after each combo. Combos not run (memory budget, or
-    past ``cfg.deadline``) are appended to ``skipped`` with the reason."""
+    past ``cfg.deadline``) are appended to ``skipped`` with the reason. The per-token layouts, plain and
+    Hadamard-rotated (``TOKEN_SCHEMES``), at one batch (``rotation_batch``: 8, smoke 1)."""
     skipped = [] if skipped is None else skipped
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
     records: list[dict] = []
-    variants = [("fp16", None, {}, False)] + [(name, sch, {}, False) for name, sch in SCHEMES.items()]
-    variants += [(name + ROPE_SUFFIX, SCHEMES[name], {}, True) for name in PRE_ROPE]
+    # (scheme, SCHEMES value, decode kwargs, pre-RoPE keys, random_store kwargs)
+    variants = [("fp16", None, {}, False, {})] + [(name, sch, {}, False, {}) for name, sch in SCHEMES.items()]
+    variants += [(name + ROPE_SUFFIX, SCHEMES[name], {}, True, {}) for name in PRE_ROPE]
     if cfg.kernel == "triton":  # both unpacking paths for the integer codes: whole rows (default), gathers
-        variants += [(name, sch, {"vectorized": False}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
-        variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True) for name in PRE_ROPE]
+        variants += [(name, sch, {"vectorized": False}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
+        variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True, {}) for name in PRE_ROPE]
         # and the integer codes dequantized in float16 (``dequant="f16"``; kernel "triton-f16")
-        variants += [(name, sch, {"dequant": "f16"}, False) for name, sch in SCHEMES.items() if sch[0] == "int"]
+        variants += [(name, sch, {"dequant": "f16"}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
+    # per-token keys and values, unrotated and Hadamard-rotated, default launch: at one batch only
+    token_variants = [(name, SCHEMES[codes], {}, False, {"layout": "token", "rotate": rot})
+                      for name, (codes, rot) in TOKEN_SCHEMES.items()]  # fmt: skip
+    token_batch = rotation_batch(cfg.batches)
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
             for context in cfg.contexts:
@@ -150,10 +161,12 @@ def sweep(
                 row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
                        for name, m in base.items()]  # fmt: skip
                 tables = rope_tables(context, shp["D"], dev)
-                for scheme, sch, kw, rope in variants:
+                combo_variants = variants + (token_variants if batch == token_batch else [])
+                for scheme, sch, kw, rope, store_kw in combo_variants:
                     kernel = variant_kernel(cfg.kernel, kw)
                     try:
-                        m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None)
+                        m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None,
+                                         store_kw)  # fmt: skip
                     except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
                         row.append({"kernel": kernel, "scheme": scheme, "shape": shape_name, "context": context,
                                     "batch": batch, "error": launch_error(exc)})  # fmt: skip
