@@ -1013,6 +1013,97 @@ def test_rotated_calibration_round_trips(tmp_path):
     assert torch.isfinite(out).all() and (out - ref).abs().max() < 1.0
 
 
+@pytest.fixture(scope="module")
+def three_layer_samples():
+    """A 3-layer tiny Llama and samples of it collected without sinks (every scheme's sinks can drop theirs)."""
+    model = tiny_llama(layers=3)
+    return model, collect_samples(model, token_ids(), sinks=0, context=128, windows=2, fisher=False)
+
+
+def _layer_tensors(art, i: int) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in art.tensors.items() if n.startswith(f"layers.{i}.")}
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        "kvquant-4,1=kvquant-2,2=fp16",  # codebooks of two sizes, one layer with nothing to fit
+        "fp8-e4m3,1=kvquant-4",  # float32 FP8 scales beside float16 NUQ tensors, post- and pre-RoPE keys
+        "sinks",  # the same recipe with more sinks in layer 2: its samples drop 4 tokens a window
+    ],
+)
+def test_mixed_scheme_calibrates_each_layer_by_its_own_scheme(three_layer_samples, mix, tmp_path):
+    """Each layer of a mixed scheme is fitted as the uniform fit of its own scheme fits that layer (same
+    samples without that scheme's sinks, same seed), tensor for tensor and stat for stat; the artifact
+    round-trips through its folder with each tensor in its own layer's dtype."""
+    from kvbits.schemes import mixed_scheme
+
+    model, samples = three_layer_samples
+    kv4 = get_scheme("kvquant-4")
+    scheme = mixed_scheme(kv4, {2: kv4.replace(name="kvq4-4sinks", sinks=4)}) if mix == "sinks" else get_scheme(mix)
+    art = fit_artifact(samples, scheme, kmeans_iterations=8)
+    for i in range(3):
+        sub = scheme.for_layer(i)
+        if not sub.calibratable():
+            assert _layer_tensors(art, i) == {} and art.layer_stats[i] == {}
+            continue
+        want = fit_artifact(samples, sub, kmeans_iterations=8)
+        got = _layer_tensors(art, i)
+        assert got.keys() == _layer_tensors(want, i).keys() != set()
+        for name, t in got.items():
+            assert t.dtype == want.tensors[name].dtype and torch.equal(t, want.tensors[name]), name
+        assert art.layer_stats[i] == pytest.approx(want.layer_stats[i])
+    if mix == "sinks":
+        assert art.meta["data"]["excluded_sink_tokens"] == [1, 1, 4]
+        assert art.meta["data"]["sampled_tokens_per_layer"] == [2 * 127] * 2 + [2 * 124]
+    art.save(tmp_path / "mix")
+    loaded = load_calibration(tmp_path / "mix", model_config=model.config, scheme=scheme)
+    assert loaded.scheme == scheme
+    for name, t in art.tensors.items():
+        assert loaded.tensors[name].dtype == t.dtype and torch.equal(loaded.tensors[name], t)
+
+
+def test_mixed_calibration_serves_and_is_checked_per_layer(three_layer_samples):
+    """The cache installs each layer's own calibrated parameters (its fixed bytes are the artifact's
+    tensors), and an artifact is refused for a scheme that stores some layer otherwise."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.schemes import mixed_scheme
+
+    model, samples = three_layer_samples
+    scheme = get_scheme("kvquant-4,1=kvquant-2,2=fp16")
+    art = fit_artifact(samples, scheme, kmeans_iterations=8)
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, calibration=art)
+    x = token_ids(100, seed=5)[None]
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        out = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+    assert torch.isfinite(out).all() and 0 < float((out - ref).abs().max()) < 2.0
+    assert cache.memory_report()["components"]["fixed"] == sum(t.numel() * t.element_size() for t in art.tensors.values())
+    # the simulated path installs the same per-layer parameters as the cache (float64: equal to 1e-9)
+    import copy
+
+    from kvbits.evaluate.simulate import simulate
+    from kvbits.evaluate.stream import stream_hidden
+
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad(), simulate(m64, scheme, calibration=art):
+        h_sim = m64.model(x).last_hidden_state
+    torch.testing.assert_close(h_sim, stream_hidden(m64, x, scheme, calibration=art), rtol=1e-9, atol=1e-9)
+    assert scheme.needs_calibration() == ["key", "value"]
+    with pytest.raises(ValueError, match="needs calibrated parameters"), simulate(m64, scheme):
+        pass
+    for other, layer in (("kvquant-4", 1), ("kvquant-4,1=kvquant-3,2=fp16", 1), ("kvquant-2,1=kvquant-2", 0)):
+        with pytest.raises(ValueError, match=f"layer {layer}: .*re-run kvbits calibrate"):
+            art.check_scheme(get_scheme(other))
+    art.check_scheme(get_scheme("kvquant-4,1=kvquant-2,2=int4-token"))  # layer 2 otherwise, nothing calibrated
+    with pytest.raises(ValueError, match=r"overrides layers \[5\], beyond the samples' 3 layers"):
+        fit_artifact(samples, "kvquant-4,5=kvquant-2")
+    kv4 = get_scheme("kvquant-4")
+    post = kv4.replace(name="kvq4-post", key=TensorSpec(**{**kv4.key.to_dict(), "pre_rope": False}))
+    with pytest.raises(ValueError, match="kvq4-post: key: calibration captures keys before RoPE"):
+        fit_artifact(samples, mixed_scheme("fp16", {1: post}))
+
+
 @torch.no_grad()
 def test_fp8_ranges_past_the_tracked_positions_fold_into_one_running_max(monkeypatch):
     """Windows longer than the positions tracked apart: the record keeps ABSMAX_POSITIONS columns plus one

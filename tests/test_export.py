@@ -112,6 +112,8 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
         export_vllm(artifact_from_samples("kvquant-4", k, k), tmp_path / "a")
     with pytest.raises(ValueError, match="e5m2 cache takes no scales"):
         export_vllm(artifact_from_samples(fp8_scheme("e5", fmt="e5m2"), k, k), tmp_path / "b")
+    with pytest.raises(ValueError, match="mixes schemes per layer"):
+        export_vllm(artifact_from_samples("fp8-e4m3,1=fp16", k, k), tmp_path / "m")
     with pytest.raises(ValueError, match="after RoPE"):
         export_vllm(artifact_from_samples(fp8_scheme("pre", pre_rope=True), k, k), tmp_path / "c")
     # a checkpoint of another shape

@@ -166,11 +166,7 @@ class QuantizedKVCache(Cache):
             types, kwargs = _layer_types(text_config(config), n_layers)
             if num_layers is not None and num_layers != len(types):
                 raise ValueError(f"num_layers={num_layers} but the config describes {len(types)} cached layers")
-            beyond = [i for i, _ in self.scheme.layers if i >= len(types)]
-            if beyond:
-                raise ValueError(
-                    f"mixed scheme {self.scheme.name!r} overrides layers {beyond}, beyond the config's {len(types)}"
-                )
+            self.scheme.check_layer_count(len(types), "the config's")
             layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(types, kwargs))]
             fallback = [f"{layer.layer_idx} (W={layer.sliding_window})" for layer in layers
                         if isinstance(layer, QuantizedKVLayer) and layer.mode == "fallback"]

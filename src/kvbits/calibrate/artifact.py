@@ -81,7 +81,8 @@ def expected_tensors(
     """Name -> shape of every tensor an artifact for ``scheme`` on this model must hold."""
     out: dict[str, tuple[int, ...]] = {}
     for i in range(num_layers):
-        for side, spec in zip(SIDES, (scheme.key, scheme.value)):
+        layer_scheme = scheme.for_layer(i)  # a mixed scheme: the layer's own
+        for side, spec in zip(SIDES, (layer_scheme.key, layer_scheme.value)):
             if spec.kind == "fp8" and spec.static:
                 out[f"layers.{i}.{side}_scale"] = (num_kv_heads,) if spec.granularity == "head" else ()
             if spec.static and spec.kind in ("int", "nuq"):
@@ -174,10 +175,17 @@ class CalibrationArtifact:
         return list(self.meta.get("stats", []))
 
     # ----------------------------------------------------------------------- what the cache calls
-    def _spec(self, side: str) -> TensorSpec:
+    def _spec(self, side: str, layer: int) -> TensorSpec:
+        """The spec ``layer``'s ``side`` is stored by (a mixed scheme resolves per layer)."""
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
-        return self.scheme.key if side == "key" else self.scheme.value
+        scheme = self.scheme.for_layer(layer)
+        return scheme.key if side == "key" else scheme.value
+
+    def _tensor_spec(self, name: str) -> TensorSpec:
+        """The spec of tensor ``layers.{i}.{side}_{what}``."""
+        layer, rest = name.split(".")[1:]
+        return self._spec(rest.split("_")[0], int(layer))
 
     def _layer(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
@@ -186,10 +194,10 @@ class CalibrationArtifact:
 
     def codebook(self, layer: int, side: str) -> torch.Tensor | None:
         """NUQ codebook of ``layer``'s ``side`` (float16 ``(2**bits,)``), or None if that side is not NUQ."""
-        spec = self._spec(side)
+        spec = self._spec(side, self._layer(layer))
         if spec.kind != "nuq":
             return None
-        return self.tensors[f"layers.{self._layer(layer)}.{side}_codebook"]
+        return self.tensors[f"layers.{layer}.{side}_codebook"]
 
     def static_qparams(self, layer: int, side: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Static per-channel ``(scale, zero)`` of ``layer``'s ``side``, float16, each ``(1, H_kv, 1, D)``
@@ -198,10 +206,10 @@ class CalibrationArtifact:
         minimum; for int, ``scale`` is the step and ``zero`` the minimum (as ``quantize`` expects). For
         a static FP8 spec: ``(scale, None)``, the float32 per-tensor scale ``()`` or per-head scales
         ``(1, H_kv, 1, 1)``."""
-        spec = self._spec(side)
+        spec = self._spec(side, self._layer(layer))
         if not spec.static:
             return None
-        i, H, D = self._layer(layer), self.num_kv_heads, self.head_dim
+        i, H, D = layer, self.num_kv_heads, self.head_dim
         if spec.kind == "fp8":
             scale = self.tensors[f"layers.{i}.{side}_scale"]
             return (scale.reshape(1, H, 1, 1) if spec.granularity == "head" else scale), None
@@ -229,15 +237,18 @@ class CalibrationArtifact:
 
     # -------------------------------------------------------------------------------- checks
     def check_scheme(self, scheme: KVScheme) -> None:
-        """Raise ``ValueError`` unless ``scheme`` stores K and V as this artifact was calibrated for."""
-        for side in SIDES:
-            mine, theirs = self._spec(side), getattr(scheme, side)
-            if spec_calibratable(theirs) and mine != theirs:
-                raise ValueError(
-                    f"calibration{'' if self.path is None else ' in ' + str(self.path)} was made for scheme "
-                    f"{self.scheme.name!r} ({side}: {mine}), not for scheme {scheme.name!r} ({side}: {theirs}); "
-                    "re-run kvbits calibrate with this scheme"
-                )
+        """Raise ``ValueError`` unless ``scheme`` stores K and V as this artifact was calibrated for (in
+        every layer, for mixed schemes)."""
+        for i in range(self.num_layers):
+            for side in SIDES:
+                mine, theirs = self._spec(side, i), getattr(scheme.for_layer(i), side)
+                if spec_calibratable(theirs) and mine != theirs:
+                    where = f" layer {i}" if self.scheme.is_mixed or scheme.is_mixed else ""
+                    raise ValueError(
+                        f"calibration{'' if self.path is None else ' in ' + str(self.path)} was made for scheme "
+                        f"{self.scheme.name!r} ({side}{where}: {mine}), not for scheme {scheme.name!r} "
+                        f"({side}{where}: {theirs}); re-run kvbits calibrate with this scheme"
+                    )
 
     def check_model(self, model_config: Any = None, fingerprint: str | None = None) -> None:
         """Raise ``ValueError`` if the artifact does not belong to this model (config shape or fingerprint)."""
@@ -282,7 +293,7 @@ class CalibrationArtifact:
             )
         for name, shape in expected.items():
             t = self.tensors[name]
-            spec = self._spec(name.rsplit(".", 1)[1].split("_")[0])
+            spec = self._tensor_spec(name)
             dtype = tensor_dtype(spec)
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(
@@ -292,9 +303,8 @@ class CalibrationArtifact:
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"calibration{where}: {name} holds non-finite values")
             if name.endswith("_codebook"):
-                side = name.rsplit(".", 1)[1].split("_")[0]
                 try:
-                    check_codebook(t, self._spec(side).bits)
+                    check_codebook(t, spec.bits)
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"calibration{where}: {name}: {exc}") from None
             elif spec.kind == "fp8" and not bool((t > 0).all()):
@@ -318,7 +328,7 @@ class CalibrationArtifact:
         out = Path(out_dir).expanduser()
         out.mkdir(parents=True, exist_ok=True)
         tensors = {
-            k: v.detach().to("cpu", tensor_dtype(self._spec(k.rsplit(".", 1)[1].split("_")[0]))).contiguous()
+            k: v.detach().to("cpu", tensor_dtype(self._tensor_spec(k))).contiguous()
             for k, v in sorted(self.tensors.items())
         }
         fd, tmp = tempfile.mkstemp(prefix=TENSORS_FILE + ".", suffix=".tmp", dir=out)

@@ -427,14 +427,20 @@ def fit_artifact(
     """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped).
 
     A static FP8 key spec that stores keys after RoPE is fitted on the post-RoPE samples and range; a
-    dynamic FP8 key spec fits nothing, so it needs no post-RoPE keys."""
+    dynamic FP8 key spec fits nothing, so it needs no post-RoPE keys. A mixed scheme fits each layer by
+    its own scheme (``KVScheme.for_layer``), without that scheme's sinks."""
     t0 = time.perf_counter()
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
-    s = samples.without_sinks(scheme.sinks)
+    layer_schemes = [scheme.for_layer(i) for i in range(len(samples.keys))]
+    sinks = [ls.sinks for ls in layer_schemes]
+    by_sinks = {k: samples.without_sinks(k) for k in sorted(set(sinks))}
+    per_layer = [by_sinks[k] for k in sinks]  # layer i's samples: without its scheme's sinks
+    s = per_layer[0]
     data_record = dict(s.data)
-    data_record["sampled_tokens_per_layer"] = int(s.keys[0].shape[1])
-    data_record["excluded_sink_tokens"] = scheme.sinks
+    sampled = [int(p.keys[i].shape[1]) for i, p in enumerate(per_layer)]
+    data_record["sampled_tokens_per_layer"] = sampled[0] if len(set(sampled)) == 1 else sampled
+    data_record["excluded_sink_tokens"] = sinks[0] if len(set(sinks)) == 1 else sinks
     meta: dict[str, Any] = {
         "model": s.model,
         "data": data_record,
@@ -443,57 +449,71 @@ def fit_artifact(
     }
     if max_tokens is not None:
         meta["max_tokens_per_layer"] = max_tokens
-    keys = s.keys
-    if any(spec.kind == "fp8" for spec in (scheme.key, scheme.value)):
+    if any(spec.kind == "fp8" for ls in layer_schemes for spec in (ls.key, ls.value)):
         meta["fp8_scale"] = fp8_scale
-    if scheme.key.kind == "fp8" and scheme.key.static and not scheme.key.pre_rope:
-        keys = s.keys_post_rope
-        if keys is None:
-            raise ValueError(
-                "an FP8 per-tensor key scale of post-RoPE keys needs the keys after RoPE, and this model's "
-                "RoPE could not be reproduced (kvbits.quant.rope; see the warning above); use pre_rope=True "
-                "keys or a dynamic FP8 spec (fp8-e4m3-token)"
-            )
+    keys = []
+    for i, (ls, p) in enumerate(zip(layer_schemes, per_layer)):
+        if ls.key.kind == "fp8" and ls.key.static and not ls.key.pre_rope:
+            if p.keys_post_rope is None:
+                raise ValueError(
+                    "an FP8 per-tensor key scale of post-RoPE keys needs the keys after RoPE, and this model's "
+                    "RoPE could not be reproduced (kvbits.quant.rope; see the warning above); use pre_rope=True "
+                    "keys or a dynamic FP8 spec (fp8-e4m3-token)"
+                )
+            keys.append(p.keys_post_rope[i])
+        else:
+            keys.append(p.keys[i])
     for key in ("dtype", "device"):  # what the passes ran in; the fit is float32/float64 on the CPU
         if getattr(s, key) is not None:
             meta[key] = getattr(s, key)
+
+    def layer_list(name: str) -> list[torch.Tensor] | None:
+        got = [getattr(p, name) for p in per_layer]
+        return None if got[0] is None else [g[i] for i, g in enumerate(got)]
+
     art = artifact_from_samples(
         scheme,
         keys,
-        s.values,
-        key_grads=s.key_grads,
-        value_grads=s.value_grads,
+        layer_list("values"),
+        key_grads=layer_list("key_grads"),
+        value_grads=layer_list("value_grads"),
         percentile=percentile,
         kmeans_points=kmeans_points,
         kmeans_iterations=kmeans_iterations,
         seed=seed,
         meta=meta,
         progress=progress,
-        key_absmax=_fp8_key_absmax(s, scheme),
-        value_absmax=(
-            s.layer_absmax("value", scheme.sinks, per_head=scheme.value.granularity == "head")
-            if scheme.value.kind == "fp8" and scheme.value.static
-            else None
-        ),
+        key_absmax=_fp8_absmax(samples, layer_schemes, "key"),
+        value_absmax=_fp8_absmax(samples, layer_schemes, "value"),
         fp8_scale=fp8_scale,
     )
     art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
     return art
 
 
-def _fp8_key_absmax(samples: CalibrationSamples, scheme: KVScheme) -> list[float] | None:
-    """Per layer, the largest ``|K|`` a static FP8 key spec stores: pre- or post-RoPE as the spec says."""
-    if not (scheme.key.kind == "fp8" and scheme.key.static):
-        return None
-    name = "key" if scheme.key.pre_rope else "key_post_rope"
-    out = samples.layer_absmax(name, scheme.sinks, per_head=scheme.key.granularity == "head")
-    if out is None:
-        raise ValueError(
-            "an FP8 per-tensor key scale needs the largest post-RoPE key, and this model's RoPE could not be "
-            "reproduced (kvbits.quant.rope; see the warning above) or the samples carry no key range; "
-            "use pre_rope=True keys or a dynamic FP8 spec (fp8-e4m3-token)"
-        )
-    return out
+def _fp8_absmax(samples: CalibrationSamples, layer_schemes: list[KVScheme], side: str) -> list[Any] | None:
+    """Per layer, the largest ``|K|`` / ``|V|`` a static FP8 spec of layer ``i``'s scheme stores past its
+    sinks (keys pre- or post-RoPE as the spec says; per head for per-head specs), None for other layers;
+    None when no layer has a static FP8 ``side``."""
+    out: list[Any] = []
+    ranges: dict[tuple[str, int, bool], list[Any] | None] = {}  # layer_absmax per (name, sinks, per head)
+    for i, ls in enumerate(layer_schemes):
+        spec = getattr(ls, side)
+        if not (spec.kind == "fp8" and spec.static):
+            out.append(None)
+            continue
+        name = "value" if side == "value" else "key" if spec.pre_rope else "key_post_rope"
+        how = (name, ls.sinks, spec.granularity == "head")
+        if how not in ranges:
+            ranges[how] = samples.layer_absmax(name, ls.sinks, per_head=how[2])
+        if ranges[how] is None and side == "key":
+            raise ValueError(
+                "an FP8 per-tensor key scale needs the largest post-RoPE key, and this model's RoPE could not be "
+                "reproduced (kvbits.quant.rope; see the warning above) or the samples carry no key range; "
+                "use pre_rope=True keys or a dynamic FP8 spec (fp8-e4m3-token)"
+            )
+        out.append(None if ranges[how] is None else ranges[how][i])  # values: None -> the samples' own max
+    return None if all(a is None for a in out) else out
 
 
 def calibrate(
@@ -552,12 +572,13 @@ def calibrate(
     """
     scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
     check_fp8_scale(fp8_scale)
-    if fisher and not any(spec.kind == "nuq" for spec in (scheme.key, scheme.value)):
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    if fisher and not any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value)):
         # the gradients weight the NUQ codebooks' k-means and nothing else: no backward pass for naught
         logger.info("scheme %s has no NUQ codebook to weight: Fisher pass skipped (forward only)", scheme.name)
         fisher = False
     samples = collect_samples(
-        model, data, sinks=scheme.sinks, context=context, windows=windows, fisher=fisher,
+        model, data, sinks=min(sub.sinks for sub in subs), context=context, windows=windows, fisher=fisher,
         max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress,
     )
     art = fit_artifact(

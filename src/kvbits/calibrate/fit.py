@@ -62,16 +62,21 @@ def check_fp8_scale(fp8_scale: str) -> None:
 
 
 def check_calibratable(scheme: KVScheme) -> None:
-    """Raise ``ValueError`` unless every side that needs calibration is one this module can fit."""
-    if scheme.is_mixed:
-        raise ValueError(
-            f"scheme {scheme.name!r} mixes schemes per layer; calibration fits one scheme for every layer yet"
-        )
-    if not any(spec_calibratable(s) for s in (scheme.key, scheme.value)):
+    """Raise ``ValueError`` unless every side that needs calibration is one this module can fit (in every
+    layer's scheme, for a mixed scheme)."""
+    if not scheme.calibratable():
         raise ValueError(
             f"scheme {scheme.name!r} has nothing to calibrate (no static int/nuq/fp8 scales, no nuq codebook); "
             "calibration is for schemes like kvquant-4 or fp8-e4m3"
         )
+    for sub in scheme.layer_schemes() if scheme.is_mixed else [scheme]:
+        try:
+            _check_sides(sub)
+        except ValueError as exc:
+            raise ValueError(f"{sub.name}: {exc}" if scheme.is_mixed else str(exc)) from None
+
+
+def _check_sides(scheme: KVScheme) -> None:
     for side, spec in zip(SIDES, (scheme.key, scheme.value)):
         if spec_calibratable(spec) and spec.rotate is not None and spec.kind == "fp8":
             raise ValueError(
@@ -326,6 +331,7 @@ def artifact_from_samples(
     for name, amax in (("key_absmax", key_absmax), ("value_absmax", value_absmax)):
         if amax is not None and len(amax) != len(keys):
             raise ValueError(f"{name} needs one value per layer ({len(keys)}), got {len(amax)}")
+    scheme.check_layer_count(len(keys), "the samples'")
     keys = [as_hnd(k) for k in keys]
     values = [as_hnd(v) for v in values]
     H, N, D = keys[0].shape
@@ -334,9 +340,10 @@ def artifact_from_samples(
     n_layers = len(keys)
     for i in range(n_layers):
         row: dict[str, float] = {}
+        layer_scheme = scheme.for_layer(i)  # a mixed scheme: the layer's own
         for side, spec, xs, gs in (
-            ("key", scheme.key, keys, key_grads),
-            ("value", scheme.value, values, value_grads),
+            ("key", layer_scheme.key, keys, key_grads),
+            ("value", layer_scheme.value, values, value_grads),
         ):
             if not spec_calibratable(spec):
                 continue

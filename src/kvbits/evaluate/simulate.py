@@ -645,9 +645,7 @@ def simulate(
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; cannot simulate")
     n_layers = max(m.layer_idx for m in modules) + 1
-    beyond = [i for i, _ in scheme.layers if i >= n_layers]
-    if beyond:
-        raise ValueError(f"mixed scheme {scheme.name!r} overrides layers {beyond}, beyond the model's {n_layers}")
+    scheme.check_layer_count(n_layers)
     rotary_layers: dict[int, Any] = {}
     pre_rope = [m for m in modules if scheme.for_layer(m.layer_idx).key.pre_rope
                 and not scheme.for_layer(m.layer_idx).is_identity]  # fmt: skip

@@ -82,6 +82,11 @@ def check_exportable(art: CalibrationArtifact) -> None:
     values, both per tensor or both per head (one ``kv_cache_scheme``), keys after RoPE (vLLM caches
     rotated keys)."""
     scheme = art.scheme
+    if scheme.is_mixed:
+        raise ValueError(
+            f"calibration of scheme {scheme.name!r} mixes schemes per layer; vLLM's kv_cache_scheme is one scheme "
+            "for every layer: calibrate a uniform FP8 scheme (fp8-e4m3)"
+        )
     for side in ("key", "value"):
         spec = getattr(scheme, side)
         if spec.kind != "fp8" or not spec.static or spec.granularity not in STRATEGIES:

@@ -224,11 +224,7 @@ def plan_shape(
     elements = 0
     per_layer = []
     rope_positions: dict[int, int] = {}  # fused pre-RoPE keys: head dim -> positions the tables must cover
-    beyond = [i for i, _ in scheme.layers if i >= len(shape.layers)]
-    if beyond:
-        raise ValueError(
-            f"mixed scheme {scheme.name!r} overrides layers {beyond}, beyond the model's {len(shape.layers)} layers"
-        )
+    scheme.check_layer_count(len(shape.layers))
     for i, layer in enumerate(shape.layers):
         layer_scheme = scheme.for_layer(i)
         rope_tables_held = fused_decode and _fused_pre_rope(layer_scheme)

@@ -288,9 +288,7 @@ def average_bits(scheme: KVScheme, head_dim: int = 128, n_heads: int = 8, n_laye
     if scheme.is_mixed:
         if n_layers is None or n_layers < 1:
             raise ValueError(f"mixed scheme {scheme.name!r}: average bits need n_layers (the model's layer count)")
-        beyond = [i for i, _ in scheme.layers if i >= n_layers]
-        if beyond:
-            raise ValueError(f"mixed scheme {scheme.name!r} overrides layers {beyond}, beyond the model's {n_layers}")
+        scheme.check_layer_count(n_layers)
         per = [average_bits(scheme.for_layer(i), head_dim, n_heads) for i in range(n_layers)]
         return sum(per) / n_layers
     check_scheme_head_dim(scheme, head_dim)

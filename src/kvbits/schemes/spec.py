@@ -227,8 +227,8 @@ class KVScheme:
         description, reference: for people (tables, README).
         layers: per-layer mixed precision (KVTuner-style): ``((layer_idx, scheme), ...)``, each layer
             listed stored by its own scheme (key, value, sinks, residual, block), every other layer by
-            this one; ``for_layer(i)`` resolves it. The overrides carry no overrides themselves, and
-            mixed schemes take no calibrated (static integer / NUQ) sides yet.
+            this one; ``for_layer(i)`` resolves it. The overrides carry no overrides themselves; calibrated
+            sides (static scales, NUQ codebooks) are fitted per layer by its own scheme.
     """
 
     name: str
@@ -285,13 +285,6 @@ class KVScheme:
                 raise TypeError(f"KVScheme.layers: layer {idx} needs a KVScheme, got {type(sub).__name__}")
             if sub.layers:
                 raise ValueError(f"KVScheme.layers: layer {idx}'s scheme {sub.name!r} has overrides of its own")
-        if self.layers:
-            calibrated = [s.name for s in self.layer_schemes() if s.key.calibrated or s.value.calibrated]
-            if calibrated:
-                raise ValueError(
-                    f"mixed per-layer scheme {self.name!r}: {', '.join(calibrated)} need calibrated static scales "
-                    "or NUQ codebooks, which mixed schemes do not take yet; mix schemes with dynamic scales"
-                )
 
     @property
     def is_mixed(self) -> bool:
@@ -304,6 +297,12 @@ class KVScheme:
             if idx == layer_idx:
                 return sub
         return dataclasses.replace(self, layers=()) if self.layers else self
+
+    def check_layer_count(self, n_layers: int, what: str = "the model's") -> None:
+        """``ValueError`` when an override names a layer ``>= n_layers`` (``what`` says whose count)."""
+        beyond = [i for i, _ in self.layers if i >= n_layers]
+        if beyond:
+            raise ValueError(f"mixed scheme {self.name!r} overrides layers {beyond}, beyond {what} {n_layers} layers")
 
     def layer_schemes(self) -> list[KVScheme]:
         """This scheme (without overrides) and every override, in order: what some layer may be stored by."""
@@ -318,13 +317,18 @@ class KVScheme:
 
     def needs_calibration(self) -> list[str]:
         """The sides (``"key"``, ``"value"``) whose parameters come from ``kvbits calibrate`` (static
-        integer scales, NUQ codebooks: ``TensorSpec.calibrated``) rather than from the data stored."""
-        return [side for side, spec in (("key", self.key), ("value", self.value)) if spec.calibrated]
+        integer scales, NUQ codebooks: ``TensorSpec.calibrated``) rather than from the data stored; for a
+        mixed scheme, those of any layer."""
+        return [side for side in ("key", "value") if any(getattr(s, side).calibrated for s in self._all())]
 
     def calibratable(self) -> list[str]:
         """The sides ``kvbits calibrate`` fits parameters for (``TensorSpec.calibratable``): those of
-        ``needs_calibration`` and static FP8 sides, whose per-tensor scale is optional (1.0 without)."""
-        return [side for side, spec in (("key", self.key), ("value", self.value)) if spec.calibratable]
+        ``needs_calibration`` and static FP8 sides, whose per-tensor scale is optional (1.0 without); for a
+        mixed scheme, those of any layer."""
+        return [side for side in ("key", "value") if any(getattr(s, side).calibratable for s in self._all())]
+
+    def _all(self) -> list[KVScheme]:
+        return self.layer_schemes() if self.layers else [self]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON types; ``layers`` (as ``{"<layer>": scheme dict}``) only when set, so schemes without
