@@ -46,6 +46,24 @@ if [[ $step == all || $step == rotation ]]; then
     --scheme int8-token-hadamard --scheme int4-token-hadamard --scheme int3-token-hadamard \
     --scheme int2-token-hadamard --scheme int2-token --out runs/qwen-wiki-4k-hadamard
 fi
+if [[ $step == all || $step == kvquant-rotation ]]; then
+  # KVQuant's recipe with K and V Hadamard-rotated (benchmarks/schemes/*.json), calibrated as the kvquant
+  # step calibrates (Pride and Prejudice, 2 x 2,048), beside the unrotated recipe on the same 8K window.
+  for b in 4 2; do
+    [[ -f runs/calib-smollm2-kvq$b/calibration.json ]] || \
+      $K calibrate --model smollm2-135m --data pride-and-prejudice --context 2048 --windows 2 \
+        --scheme kvquant-$b --out runs/calib-smollm2-kvq$b
+    [[ -f runs/calib-smollm2-kvq$b-hadamard/calibration.json ]] || \
+      $K calibrate --model smollm2-135m --data pride-and-prejudice --context 2048 --windows 2 \
+        --scheme benchmarks/schemes/kvquant-$b-hadamard.json --out runs/calib-smollm2-kvq$b-hadamard
+  done
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme kvquant-4 --scheme benchmarks/schemes/kvquant-4-hadamard.json \
+    --scheme kvquant-2 --scheme benchmarks/schemes/kvquant-2-hadamard.json \
+    --calibration runs/calib-smollm2-kvq4 --calibration runs/calib-smollm2-kvq4-hadamard \
+    --calibration runs/calib-smollm2-kvq2 --calibration runs/calib-smollm2-kvq2-hadamard \
+    --out runs/smollm2-wp-8k-kvquant-hadamard
+fi
 if [[ $step == all || $step == mixed ]]; then
   # Per-layer mixed precision: Qwen2.5's layer 0 (large k_proj bias channels) held at higher precision,
   # every other layer as the base scheme; compare with 3c and the rotation step (same window).
