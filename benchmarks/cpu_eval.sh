@@ -64,6 +64,20 @@ if [[ $step == all || $step == kvquant-rotation ]]; then
     --calibration runs/calib-smollm2-kvq2 --calibration runs/calib-smollm2-kvq2-hadamard \
     --out runs/smollm2-wp-8k-kvquant-hadamard
 fi
+if [[ $step == all || $step == kvquant-mixed ]]; then
+  # Mixed per-layer schemes with calibrated sides on Qwen2.5 (layer 0's biased keys): each scheme calibrated
+  # as itself (a mix fits each layer by its own scheme), WikiText-2 4K, the window of 3c and §13.
+  for s in kvquant-4 "kvquant-4,0=fp16" kvquant-2 "kvquant-2,0=kvquant-4"; do
+    d="runs/calib-qwen-$(echo "$s" | tr ',=' '__')"
+    [[ -f $d/calibration.json ]] || \
+      $K calibrate --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 2048 --windows 2 --scheme "$s" --out "$d"
+  done
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme kvquant-4 --scheme "kvquant-4,0=fp16" --scheme kvquant-2 --scheme "kvquant-2,0=kvquant-4" \
+    --calibration runs/calib-qwen-kvquant-4 --calibration runs/calib-qwen-kvquant-4_0_fp16 \
+    --calibration runs/calib-qwen-kvquant-2 --calibration runs/calib-qwen-kvquant-2_0_kvquant-4 \
+    --out runs/qwen-wiki-4k-kvquant-mixed
+fi
 if [[ $step == all || $step == mixed ]]; then
   # Per-layer mixed precision: Qwen2.5's layer 0 (large k_proj bias channels) held at higher precision,
   # every other layer as the base scheme; compare with 3c and the rotation step (same window).

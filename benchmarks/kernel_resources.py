@@ -16,7 +16,9 @@ and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launc
   (``vectorized=False``), and the opt-in ``dequant="f16"`` path where a side allows it, at the KV
   shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 /
   float32 ones for kivi-4 and kvquant-4-block);
-- ``sweep``: every variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16 launches;
+- ``sweep``: every ``SCHEMES`` variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16
+  launches (its per-token ``TOKEN_SCHEMES`` launch what the ``int4-token`` / ``int4-token-hadamard``
+  presets launch, which ``cache`` covers);
 - ``tune``: gpu_decode's step 3b grids (``sweep.TUNE_CASES``: int4 and int4-prerope, ``block_t`` x ``num_warps``
   x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x warps x
   stages; int4 with 2-byte scale reads, ``meta32=False``);
