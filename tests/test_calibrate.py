@@ -1104,6 +1104,76 @@ def test_mixed_calibration_serves_and_is_checked_per_layer(three_layer_samples):
         fit_artifact(samples, mixed_scheme("fp16", {1: post}))
 
 
+def test_composed_calibration_is_each_layers_own_schemes(three_layer_samples, tmp_path):
+    """compose_artifact takes layer i's tensors and stats from the artifact calibrated for layer i's scheme:
+    they equal those sources' (and the direct fit of the mix), the record names each layer's source, the
+    result validates and round-trips through its folder; the same calibrated sides under other sinks are
+    taken from the artifact of that very scheme."""
+    from kvbits.calibrate import compose_artifact
+    from kvbits.schemes import mixed_scheme
+
+    _, samples = three_layer_samples
+    kv4, kv2 = (fit_artifact(samples, n, kmeans_iterations=8) for n in ("kvquant-4", "kvquant-2"))
+    kv4.save(tmp_path / "kv4")
+    scheme = get_scheme("kvquant-2,0=kvquant-4,2=fp16")
+    art = compose_artifact(scheme, {"kvquant-2": kv2, "kvquant-4": tmp_path / "kv4"})  # objects or folders
+    assert art.scheme == scheme
+    assert _layer_tensors(art, 0).keys() == _layer_tensors(kv4, 0).keys() != set()
+    assert _layer_tensors(art, 1).keys() == _layer_tensors(kv2, 1).keys() != set()
+    assert _layer_tensors(art, 2) == {} and art.layer_stats[2] == {}
+    for i, src in ((0, kv4), (1, kv2)):
+        for name, t in _layer_tensors(art, i).items():
+            assert torch.equal(t, src.tensors[name]), name
+        assert art.layer_stats[i] == src.layer_stats[i]
+    direct = fit_artifact(samples, scheme, kmeans_iterations=8)
+    assert art.tensors.keys() == direct.tensors.keys()
+    assert all(torch.equal(t, direct.tensors[n]) for n, t in art.tensors.items())
+    assert [x and x["from"] for x in art.meta["composed"]["layers"]] == ["kvquant-4", "kvquant-2", None]
+    assert art.meta["composed"]["layers"][0]["path"] == str(tmp_path / "kv4")
+    art.check_scheme(scheme)
+    art.save(tmp_path / "mix")
+    loaded = load_calibration(tmp_path / "mix", scheme=scheme)
+    assert loaded.meta["composed"] == art.meta["composed"] and loaded.meta["data"]["context"] == 128
+    assert all(torch.equal(loaded.tensors[n], t) for n, t in art.tensors.items())
+    # a uniform scheme's artifact is its own source's; a mix's base layers (named after the mix) match too
+    assert compose_artifact("kvquant-4", [kv4, kv2]).tensors.keys() == kv4.tensors.keys()
+    # same calibrated sides, other sinks: the fit differs; each layer takes the artifact of its very scheme
+    kv4s = get_scheme("kvquant-4").replace(name="kvq4-4sinks", sinks=4)
+    kv4_sinks = fit_artifact(samples, kv4s, kmeans_iterations=8)
+    assert not torch.equal(kv4_sinks.tensors["layers.2.key_scale"], kv4.tensors["layers.2.key_scale"])
+    got = compose_artifact(mixed_scheme("kvquant-4", {2: kv4s}), [kv4_sinks, kv4])
+    assert torch.equal(got.tensors["layers.2.key_scale"], kv4_sinks.tensors["layers.2.key_scale"])
+    assert torch.equal(got.tensors["layers.1.key_scale"], kv4.tensors["layers.1.key_scale"])
+    assert [x["from"] for x in got.meta["composed"]["layers"]] == ["kvquant-4", "kvquant-4", "kvq4-4sinks"]
+
+
+def test_composed_calibration_refuses_what_it_can_not_compose(three_layer_samples):
+    """No artifact fits a calibrated layer; artifacts of other models (fingerprint, shape); two that fit a
+    layer equally well and differ; nothing given, or nothing to calibrate."""
+    from dataclasses import replace
+
+    from kvbits.calibrate import compose_artifact
+
+    _, samples = three_layer_samples
+    kv4, kv2 = (fit_artifact(samples, n, kmeans_iterations=8) for n in ("kvquant-4", "kvquant-2"))
+    with pytest.raises(ValueError, match=r"layer 1 of scheme .* by 'kvquant-2'.*kvbits calibrate --scheme kvquant-2"):
+        compose_artifact("kvquant-4,1=kvquant-2", [kv4])
+    for edit, what in (({"fingerprint": "other"}, r"fingerprint: \S+ vs other"), ({"num_kv_heads": 4}, "num_kv_heads: 2 vs 4")):
+        other = replace(kv2, meta={**kv2.meta, "model": {**kv2.meta["model"], **edit}})
+        with pytest.raises(ValueError, match=f"different models \\({what}\\)"):
+            compose_artifact("kvquant-4,1=kvquant-2", [kv4, other])
+    reseeded = fit_artifact(samples, "kvquant-4", kmeans_iterations=8, percentile=99.0)  # other scales
+    with pytest.raises(ValueError, match="both fit it and hold different parameters"):
+        compose_artifact("kvquant-4,1=kvquant-2", [kv4, kv2, reseeded])
+    compose_artifact("kvquant-4,1=kvquant-2", [kv4, kv2, replace(kv4)])  # the same parameters twice: fine
+    with pytest.raises(ValueError, match="at least one artifact"):
+        compose_artifact("kvquant-4", [])
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        compose_artifact("int4-token,1=fp16", [kv4])
+    with pytest.raises(ValueError, match=r"overrides layers \[3\]"):
+        compose_artifact("kvquant-4,3=kvquant-2", [kv4, kv2])
+
+
 @torch.no_grad()
 def test_fp8_ranges_past_the_tracked_positions_fold_into_one_running_max(monkeypatch):
     """Windows longer than the positions tracked apart: the record keeps ABSMAX_POSITIONS columns plus one

@@ -78,7 +78,7 @@ def test_tune_measures_each_layer_and_keeps_the_budget():
 
 def test_tune_refuses_bad_candidates_and_budgets():
     model, ids = _llama(), _ids(200)
-    for cands, match in ((["int4-token"], "at least two"), (["int4-token", "kvquant-4"], "dynamic scales"),
+    for cands, match in ((["int4-token"], "at least two"), (["int4-token", "kvquant-4"], "kvbits calibrate"),
                          (["int4-token", "int4-token,0=fp16"], "flat schemes")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             tune(model, ids, cands, 5.0, context=64)
@@ -140,3 +140,114 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
     assert row[j] - row[pick[0]] == pytest.approx(kl - current, rel=1e-5, abs=1e-9)
     with pytest.raises(ValueError, match="rounds must be"):
         tune(model, ids, ["int8-token", "int2-token"], 4.0, context=128, rounds=0)
+
+
+# ------------------------------------------------------------------------------ calibrated candidates
+CALIBRATED = ["fp16", "kvquant-4", "kvquant-2"]
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A 3-layer tiny Llama, its token ids, and kvquant-4 / kvquant-2 calibrations of it (objects, saved)."""
+    from kvbits.calibrate import calibrate
+
+    model, ids = _llama(layers=3), _ids(300)
+    root = tmp_path_factory.mktemp("tune-cal")
+    arts = {
+        n: calibrate(model, ids, n, context=128, windows=2, fisher=False, kmeans_iterations=4, out_dir=str(root / n))
+        for n in CALIBRATED[1:]
+    }
+    return model, ids, arts
+
+
+def _calibrate_like(model, ids, scheme):
+    """An independent calibration of ``scheme`` itself (mixes are fitted per layer by their own scheme)."""
+    from kvbits.calibrate import calibrate
+
+    return calibrate(model, ids, scheme, context=128, windows=2, fisher=False, kmeans_iterations=4)
+
+
+@torch.no_grad()
+def test_tune_mixes_calibrated_candidates(calibrated):
+    """Each probe of a calibrated candidate runs with layer i's own tensors of that candidate: its KL equals
+    evaluate()'s with the probe calibrated directly; the mix's measured KL equals evaluate()'s with the mix
+    calibrated directly, and the uniform ones with their own artifacts; the result carries the mix's
+    composed artifact, each layer's tensors those of its candidate's calibration."""
+    model, ids, arts = calibrated
+    res = tune(model, ids, CALIBRATED, 5.0, context=128, windows=2, calibrations=arts)
+    assert res.candidates == ["kvquant-2", "kvquant-4", "fp16"]
+    for i, name in ((1, "kvquant-2"), (2, "kvquant-4")):  # layers past 0: layer 0's tensors would not do
+        probe = mixed_scheme(EXACT, {i: name})
+        direct = evaluate(model, ids, 128, [probe], windows=2, attn_layers=[],
+                          calibration=_calibrate_like(model, ids, probe))  # fmt: skip
+        assert res.sensitivity[i][res.candidates.index(name)] == pytest.approx(direct["results"][0]["kl"], rel=1e-6)
+    assert all(row[0] > row[1] > row[2] >= 0 for row in res.sensitivity)
+    assert res.avg_bits <= 5.0 + 1e-9 and {"kvquant-4", "kvquant-2"} <= set(res.choice)
+    again = evaluate(model, ids, 128, [res.scheme], windows=2, attn_layers=[],
+                     calibration=_calibrate_like(model, ids, res.scheme))  # fmt: skip
+    assert res.measured_kl == pytest.approx(again["results"][0]["kl"], rel=1e-6)
+    uniform = evaluate(model, ids, 128, ["kvquant-2"], windows=2, attn_layers=[], calibration=arts["kvquant-2"])
+    assert res.uniform["kvquant-2"]["kl"] == pytest.approx(uniform["results"][0]["kl"], rel=1e-6)
+    cal = res.calibration
+    cal.check_scheme(res.scheme)
+    for i, name in enumerate(res.choice):
+        assert res.to_dict()["calibration"]["layers"][i]["from"] == name
+        if name == "fp16":
+            assert not any(n.startswith(f"layers.{i}.") for n in cal.tensors)
+            continue
+        mine = {n: t for n, t in cal.tensors.items() if n.startswith(f"layers.{i}.")}
+        assert mine and all(torch.equal(t, arts[name].tensors[n]) for n, t in mine.items())
+    assert res.meta["calibrations"] == {n: str(a.path) for n, a in arts.items()}
+    two = tune(model, ids, CALIBRATED, 5.0, context=128, windows=2, calibrations=arts, rounds=2)  # mixes composed
+    assert two.rounds[0]["measured_kl"] == pytest.approx(res.measured_kl, rel=1e-6) and two.calibration is not None
+    uncal = tune(model, ids, ["int8-token", "int4-token"], 6.0, context=128, check=False)
+    assert uncal.calibration is None and uncal.to_dict()["calibration"] is None
+
+
+def test_tune_refuses_calibrated_candidates_without_calibration(calibrated, monkeypatch):
+    """A calibrated candidate with no calibration, or one with optional calibrated sides beside given ones,
+    is refused before any pass; a calibration of another scheme, or for no candidate, too."""
+    from kvbits.evaluate import runner
+
+    model, ids, arts = calibrated
+
+    def no_pass(*a, **kw):
+        raise AssertionError("a pass ran before the refusal")
+
+    monkeypatch.setattr(runner, "evaluate", no_pass)
+    with pytest.raises(ValueError, match=r"candidate 'kvquant-2' \(key and value\) needs calibrated .*kvbits calibrate"):
+        tune(model, ids, CALIBRATED, 5.0, context=128, calibrations={"kvquant-4": arts["kvquant-4"]})
+    with pytest.raises(ValueError, match="'fp8-e4m3' has calibrated sides .* and no calibration"):
+        tune(model, ids, ["fp8-e4m3", "kvquant-4"], 8.0, context=128, calibrations=[arts["kvquant-4"]])
+    with pytest.raises(ValueError, match="not among the schemes evaluated"):
+        tune(model, ids, ["int4-token", "kvquant-4"], 8.0, context=128, calibrations=list(arts.values()))
+    with pytest.raises(ValueError, match="re-run kvbits calibrate"):
+        tune(model, ids, ["int4-token", "kvquant-4"], 8.0, context=128, calibrations={"kvquant-4": arts["kvquant-2"]})
+
+
+def test_cli_tune_writes_the_mixs_calibration_for_eval(calibrated, tmp_path, capsys, monkeypatch):
+    """--calibration DIR (matched by the scheme each was made for) reaches tune; --out writes the mix's
+    composed calibration beside the scheme JSON, the record says where, and evaluate() takes the two as
+    kvbits eval --scheme OUT --calibration DIR would, measuring the KL tune measured."""
+    from kvbits import tune as tune_pkg
+    from kvbits.calibrate import load_calibration
+    from kvbits.tune.cli import calibration_dir
+
+    model, ids, arts = calibrated
+    real = tune_pkg.tune
+    monkeypatch.setattr(tune_pkg, "tune", lambda _m, _d, *a, **kw: real(model, ids, *a, **kw))
+    out = tmp_path / "kvq.json"
+    argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "128", "--windows", "2", "--budget-bits", "5",
+            *(x for n in CALIBRATED for x in ("--candidates", n)),
+            *(x for a in arts.values() for x in ("--calibration", str(a.path))), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    folder = tmp_path / "kvq.calibration"
+    assert calibration_dir(out) == folder and calibration_dir("mix") == calibration_dir("mix.json")
+    assert "--calibration" in " ".join(capsys.readouterr().out.split())
+    record = json.loads((tmp_path / "kvq.json.tune.json").read_text())
+    assert record["calibration"]["path"] == str(folder)
+    scheme = get_scheme(str(out))
+    art = load_calibration(folder, model_config=model.config, scheme=scheme)
+    assert [x and x["from"] for x in art.meta["composed"]["layers"]] == record["choice"]
+    kl = evaluate(model, ids, 128, [str(out)], windows=2, attn_layers=[], calibration=str(folder))["results"][0]["kl"]
+    assert kl == pytest.approx(record["measured_kl"], rel=1e-6)

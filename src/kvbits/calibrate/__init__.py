@@ -2,7 +2,8 @@
 (KVQuant), and FP8 per-tensor K/V scales (vLLM's ``k_scale`` / ``v_scale``; ``kvbits.export``).
 
 ``calibrate(model, data, scheme, out_dir=...)`` writes an artifact; ``load_calibration(dir, ...)``
-reads and validates it; ``CalibrationArtifact.quantize_kwargs(layer, side)`` gives what
+reads and validates it; ``compose_artifact(mix, artifacts)`` puts a mixed per-layer scheme's together
+from those of the schemes its layers use; ``CalibrationArtifact.quantize_kwargs(layer, side)`` gives what
 ``kvbits.quant.quantize`` needs for that layer's keys or values.
 """
 
@@ -14,6 +15,7 @@ from kvbits.calibrate.artifact import (
     spec_needs_calibration,
 )
 from kvbits.calibrate.calibrate import CalibrationSamples, calibrate, collect_samples, fit_artifact
+from kvbits.calibrate.compose import compose_artifact
 from kvbits.calibrate.fit import artifact_from_samples, fit_side
 from kvbits.calibrate.kmeans import fit_codebook, weighted_kmeans_1d
 
@@ -24,6 +26,7 @@ __all__ = [
     "artifact_from_samples",
     "calibrate",
     "collect_samples",
+    "compose_artifact",
     "fit_artifact",
     "fit_codebook",
     "fit_side",

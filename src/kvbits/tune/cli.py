@@ -11,19 +11,27 @@ from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "calibration_dir", "run"]
 
 EPILOG = """\
 examples:
   kvbits tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k \\
       --candidates int8-token --candidates int4-token --candidates int2-token --budget-bits 5 --out tuned.json
   kvbits eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --scheme tuned.json --scheme int4-token
+  kvbits tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --candidates fp16 \\
+      --candidates kvquant-4 --candidates kvquant-2 --calibration cal/kvq4 --calibration cal/kvq2 \\
+      --budget-bits 3 --out kvq3.json
+  kvbits eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --scheme kvq3.json --calibration kvq3.calibration
 
 --out writes the chosen mix as a scheme JSON (any command's --scheme takes it) and, beside it,
 <out>.tune.json with the sensitivity table {"choice", "candidates", "bits", "sensitivity" (layers x
 candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits", "predicted_kl",
-"measured_kl", "uniform", "rounds", "meta"}; --json prints that record. --rounds 2 re-chooses from
+"measured_kl", "uniform", "rounds", "meta", "calibration"}; --json prints that record. --rounds 2 re-chooses from
 marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14).
+Calibrated candidates (kvquant-*) take their `kvbits calibrate` folders (--calibration, matched by the
+scheme each was calibrated for); every probe and mix runs with the calibration composed from them, and
+--out writes the chosen mix's beside the scheme JSON (<out without .json>.calibration/, recorded as
+"calibration" in <out>.tune.json) when the mix calibrates some layer.
 Tune on text other than the one you evaluate on: the sensitivities are measured, not predicted.
 """
 
@@ -49,7 +57,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--candidates", action="append", required=True, metavar="SCHEME",
-        help="a flat scheme with dynamic scales; repeat (at least two)",
+        help="a flat scheme (one with static scales or NUQ codebooks, e.g. kvquant-4, with its --calibration); "
+        "repeat (at least two)",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibration", action="append", metavar="DIR",
+        help="kvbits calibrate folder of a calibrated candidate (matched by the scheme it was made for); repeatable",
     )  # fmt: skip
     p.add_argument(
         "--budget-bits", type=bounded(float, 0, lo_open=True), required=True, help="largest average bits of the mix"
@@ -78,19 +91,29 @@ def run(args: argparse.Namespace) -> int:
     res = tune(
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
-        rounds=args.rounds, progress=not (args.no_progress or args.json),
+        rounds=args.rounds, progress=not (args.no_progress or args.json), calibrations=args.calibration,
     )  # fmt: skip
-    record = res.to_dict()
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(res.scheme.to_json() + "\n")
+        if res.calibration is not None:
+            res.calibration.save(calibration_dir(out))
+        record = res.to_dict()
         Path(str(out) + ".tune.json").write_text(json.dumps(record, indent=2) + "\n")
+    else:
+        record = res.to_dict()
     if args.json:
         sys.stdout.write(json.dumps(record, indent=2) + "\n")
         return 0
     _print(res, args.out)
     return 0
+
+
+def calibration_dir(out: str | Path) -> Path:
+    """Where ``--out OUT`` puts the chosen mix's calibration: ``OUT`` without ``.json``, then ``.calibration``."""
+    out = str(out)
+    return Path(out.removesuffix(".json") + ".calibration")
 
 
 def _print(res: Any, out: str | None) -> None:
@@ -122,5 +145,12 @@ def _print(res: Any, out: str | None) -> None:
                 f"round {k}: KL predicted {r['predicted_kl']:.4g}, measured "
                 + ("-" if measured is None else f"{measured:.4g}")
             )
-    if out:
+    if out and res.calibration is not None:
+        cal = calibration_dir(out)
+        console.print(
+            f"wrote {out}, its calibration {cal} (kvbits eval --scheme {out} --calibration {cal}) and {out}.tune.json"
+        )
+    elif out:
         console.print(f"wrote {out} (kvbits eval --scheme {out}) and {out}.tune.json")
+    elif res.calibration is not None:
+        console.print("the mix needs its composed calibration: give --out to write it beside the scheme")

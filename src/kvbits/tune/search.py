@@ -14,12 +14,18 @@
 4. **Check.** The chosen mix is evaluated on the same windows beside the uniform candidates; every
    round's prediction and measurement are reported, and the best measured mix is kept. Verifying on
    other text and longer contexts is ``kvbits eval``'s job.
+
+Calibrated candidates (static scales, NUQ codebooks: ``kvquant-4``, ``kvquant-2``) take their
+``kvbits calibrate`` artifacts (``calibrations``); every probe and mix that stores some layer by one of
+them runs with the artifact composed from those (``kvbits.calibrate.compose_artifact``), and the result
+carries the chosen mix's (``TuneResult.calibration``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +61,10 @@ class TuneResult:
         rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}``, and where a next round was
             computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
             mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
-        meta: model, data, context, windows, seconds.
+        meta: model, data, context, windows, seconds; ``calibrations``: candidate -> the folder of its
+            artifact (``"<in memory>"`` for objects), when calibrations were given.
+        calibration: the chosen mix's ``CalibrationArtifact`` (composed from the candidates' artifacts),
+            or None when the mix calibrates nothing; ``save(dir)`` writes it for ``kvbits eval``.
     """
 
     scheme: KVScheme
@@ -70,6 +79,7 @@ class TuneResult:
     uniform: dict[str, dict[str, float]] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    calibration: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +95,12 @@ class TuneResult:
             "uniform": self.uniform,
             "rounds": self.rounds,
             "meta": self.meta,
+            "calibration": None
+            if self.calibration is None
+            else {
+                "path": None if self.calibration.path is None else str(self.calibration.path),
+                "layers": self.calibration.meta["composed"]["layers"],
+            },
         }
 
 
@@ -145,10 +161,13 @@ def layer_sensitivity(
     dtype: str | None = None,
     device: str | None = None,
     progress: bool = False,
+    calibrations: Mapping[str, Any] | None = None,
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """``(sensitivity (layers, candidates), evaluate's summary)``: the KL with layer ``i`` stored by
     candidate ``c`` and every other layer exact (``EXACT``), decode semantics, simulate mode, for each of
-    the ``n_layers`` layers. ``model`` as ``kvbits.evaluate.evaluate`` takes it (loaded once by the caller)."""
+    the ``n_layers`` layers. ``model`` as ``kvbits.evaluate.evaluate`` takes it (loaded once by the caller).
+    ``calibrations``: candidate name -> ``CalibrationArtifact``; a probe of a calibrated candidate runs
+    with the artifact composed from them (``compose_artifact``: layer ``i``'s tensors of that candidate)."""
     from kvbits.evaluate.runner import evaluate
 
     probes = [
@@ -156,10 +175,20 @@ def layer_sensitivity(
     ]
     summary = evaluate(
         model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
-        device=device, progress=progress,
+        device=device, progress=progress, calibration=_composed(probes, calibrations),
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     return [[kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)], summary
+
+
+def _composed(schemes: list[KVScheme], calibrations: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Scheme name -> its artifact composed from ``calibrations`` (candidate name -> artifact), for each of
+    ``schemes`` that calibrates something; None when no calibrations were given."""
+    if not calibrations:
+        return None
+    from kvbits.calibrate import compose_artifact
+
+    return {s.name: compose_artifact(s, calibrations) for s in schemes if s.calibratable()} or None
 
 
 def _mix(candidates: list[KVScheme], pick: list[int], name: str) -> KVScheme:
@@ -176,7 +205,7 @@ def marginal_sensitivity(
     KL of the current mix (layer ``i`` by ``candidates[pick[i]]``) with layer ``i`` switched to ``c``, minus
     the current mix's KL, shifted per layer so its least entry is 0 (one candidate per layer is chosen, so a
     per-layer constant changes no choice). ``run``: ``evaluate``'s ``windows``, ``data_path``, ``dtype``,
-    ``device``, ``progress``."""
+    ``device``, ``progress``; ``calibrations``: candidate name -> artifact, as ``layer_sensitivity``."""
     from kvbits.evaluate.runner import evaluate
 
     current = _mix(candidates, pick, "current")
@@ -184,7 +213,11 @@ def marginal_sensitivity(
         (i, j): _mix(candidates, [j if k == i else p for k, p in enumerate(pick)], f"around,{i}={c.name}")
         for i in range(len(pick)) for j, c in enumerate(candidates) if j != pick[i]
     }  # fmt: skip
-    summary = evaluate(model, data, context, [current, *probes.values()], attn_layers=[], **run)
+    calibrations = run.pop("calibrations", None)
+    mixes = [current, *probes.values()]
+    summary = evaluate(
+        model, data, context, mixes, attn_layers=[], calibration=_composed(mixes, calibrations), **run
+    )
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     base = kl["current"]
     table = [
@@ -209,6 +242,7 @@ def tune(
     check: bool = True,
     rounds: int = 1,
     progress: bool = False,
+    calibrations: Any = None,
 ) -> TuneResult:
     """Measure each layer's sensitivity to each candidate, choose a mix within ``budget_bits`` average
     bits, and (``check``) measure the mix and the uniform candidates on the same windows.
@@ -217,12 +251,17 @@ def tune(
         model: a model spec (``smollm2-135m``, a hub id, a folder, a ``.gguf``), a ``LoadedModel`` or a
             transformers causal LM (then ``data`` must be token ids).
         data: a text spec, a ``TextSource`` or token ids, as ``kvbits eval`` takes them.
-        candidates: at least two flat schemes with dynamic scales (``int8-token``, ``int4-token``, ...).
+        candidates: at least two flat schemes (``int8-token``, ``int4-token``, ``fp16``, ``kvquant-4``, ...).
         budget_bits: the largest average bits of the mix (at the model's head dim and KV heads).
         context, windows: the calibration windows (tokens each, how many).
         name: the mix's name (default ``tuned-<budget>``).
         rounds: 1: choose from one-layer KLs around the exact model; more: re-choose from marginal KLs
             around the previous mix (``marginal_sensitivity``) until the choice repeats or the rounds end.
+        calibrations: ``kvbits calibrate`` artifacts of the candidates that take them: a mapping candidate
+            name -> artifact or folder, or artifacts/folders matched to the candidates by the scheme each
+            was calibrated for (as ``kvbits eval`` matches ``--calibration``). Required for candidates with
+            static scales or NUQ codebooks (``kvquant-4``); once any is given, every candidate with
+            calibrated sides (a static FP8 scale too) needs one, so that every mix can be composed.
     """
     import time
 
@@ -233,11 +272,9 @@ def tune(
     if len(cands) < 2 or len({c.name for c in cands}) != len(cands):
         raise ValueError(f"give at least two different candidate schemes, got {[c.name for c in cands]}")
     for c in cands:
-        if c.is_mixed or c.needs_calibration():
-            raise ValueError(
-                f"candidate {c.name!r}: candidates must be flat schemes with dynamic scales (mixed or calibrated "
-                "schemes can not be layered yet)"
-            )
+        if c.is_mixed:
+            raise ValueError(f"candidate {c.name!r}: candidates must be flat schemes (one scheme for every layer)")
+    arts = _candidate_calibrations(cands, calibrations)
     if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
         raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -255,6 +292,7 @@ def tune(
     order = sorted(range(len(cands)), key=lambda j: bits[j])
     cands, bits = [cands[j] for j in order], [bits[j] for j in order]
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
+    run["calibrations"] = arts or None
     sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
     pick = choose_layers(sens, bits, budget_bits)
     log: list[dict[str, Any]] = [{"pick": pick, "predicted_kl": sum(sens[i][j] for i, j in enumerate(pick))}]
@@ -292,7 +330,9 @@ def tune(
     if check:
         from kvbits.evaluate.runner import evaluate
 
-        checked = evaluate(model, data, context, [mix, *cands], attn_layers=[], **run)
+        check_run = {k: v for k, v in run.items() if k != "calibrations"}
+        calibration = {**arts, **(_composed([mix], arts) or {})} or None
+        checked = evaluate(model, data, context, [mix, *cands], attn_layers=[], calibration=calibration, **check_run)
         by = {r["scheme"]: r for r in checked["results"]}
         result.measured_kl = log[-1]["measured_kl"] = by[mix.name]["kl"]
         result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": by[c.name]["avg_bits"]} for c in cands}
@@ -304,6 +344,9 @@ def tune(
             result.choice = [cands[j].name for j in pick]
             result.predicted_kl = log[best]["predicted_kl"]
             result.avg_bits = average_bits(result.scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+    if arts:
+        result.calibration = (_composed([result.scheme], arts) or {}).get(result.scheme.name)
+        result.meta["calibrations"] = {n: str(a.path or "<in memory>") for n, a in arts.items()}
     result.rounds = [
         {"choice": [cands[j].name for j in r["pick"]], **{k: v for k, v in r.items() if k != "pick"}} for r in log
     ]
@@ -313,3 +356,31 @@ def tune(
         result.scheme.name, result.avg_bits, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def _candidate_calibrations(cands: list[KVScheme], calibrations: Any) -> dict[str, Any]:
+    """Candidate name -> its artifact (``kvbits eval``'s matching: ``_calibrations``), each checked against
+    its candidate; ``ValueError`` for a candidate that needs one and has none, or (once any is given) for a
+    candidate with optional calibrated sides and none, whose layers no mix could then be composed with."""
+    from kvbits.evaluate.inputs import _calibrations
+
+    arts = _calibrations(calibrations, cands)
+    for c in cands:
+        if c.name in arts:
+            arts[c.name].check_scheme(c)
+    missing = [c for c in cands if c.needs_calibration() and c.name not in arts]
+    if missing:
+        raise ValueError(
+            "candidate " + ", ".join(f"{c.name!r} ({' and '.join(c.needs_calibration())})" for c in missing)
+            + " needs calibrated parameters (static scales or NUQ codebooks) and none were given: create them "
+            "with `kvbits calibrate --scheme NAME --out DIR` on this model and pass the folder (CLI: "
+            "--calibration DIR; Python: calibrations={'NAME': DIR})"
+        )
+    optional = [c.name for c in cands if c.calibratable() and c.name not in arts] if arts else []
+    if optional:
+        raise ValueError(
+            f"candidate {', '.join(map(repr, optional))} has calibrated sides (a static FP8 scale) and no "
+            f"calibration, while {', '.join(map(repr, arts))} has one: a mix of both needs both; create it with "
+            "`kvbits calibrate --scheme NAME --out DIR` and pass it too"
+        )
+    return arts
