@@ -912,9 +912,15 @@ def test_realmodel_simulate_equals_stream(smollm2_window):
 
     kivi-2 flushes its first 32-token block at 160 tokens; t-sinks has 4 sinks, a 16-token residual
     window and 8-token blocks; int4-token quantizes every token at once (kivi-2 on the first 180
-    tokens, the others on 80, to keep the token-by-token runs short). Tolerance 1e-6 nats: in
-    float64 one-pass and token-by-token K/V differ by ~1e-16, which cannot move the float32 input
-    of the quantizer across a rounding boundary, so the codes are identical (measured: 0.0).
+    tokens, the others on 80, to keep the token-by-token runs short).
+
+    Tolerance 1e-4 nats. The two runs are not bit-identical even in float64: transformers' RMSNorm
+    computes in float32 whatever the model dtype, so the ~1e-14 by which a batched and a one-row
+    float64 matmul differ sometimes crosses a float32 rounding boundary there. A plain
+    ``DynamicCache`` decoded token by token differs from one forward by up to 5e-6 in the hidden
+    states on an AMD EPYC with AVX-512 (0.0 on the machine this test was first run on); simulate
+    and stream then differ by up to 2.9e-6 nats for kivi-2. A simulator that flushes one token
+    early (or late) misses by 0.094 (0.18) nats on kivi-2 (measured by patching ``_flushed``).
     """
     lm, ids = smollm2_window
     model = lm.model.to(torch.float64)
@@ -928,7 +934,7 @@ def test_realmodel_simulate_equals_stream(smollm2_window):
             h_st = stream_hidden(model, x, scheme)[0, :-1]
             sim, st = M.token_metrics(head, h_ref[: n - 1], [h_sim, h_st], x[0, 1:])
             name = getattr(scheme, "name", scheme)
-            assert (sim["nll"] - st["nll"]).abs().max() < 1e-6, name
+            assert (sim["nll"] - st["nll"]).abs().max() < 1e-4, name
             assert sim["kl"].mean() > 1e-3, name  # the scheme visibly quantizes
     finally:
         lm.model.to(torch.float32)
