@@ -154,3 +154,16 @@ if [[ $step == qwen32k-wiki-int2 ]]; then
     $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
       --scheme int2-token --scheme int2-channel --out runs/qwen-wiki-32k-int2
 fi
+if [[ $step == all || $step == needle ]]; then
+  # Passkey retrieval by context and depth (BENCHMARKS.md §17): War and Peace as the haystack, prefill
+  # semantics (the document prefilled exactly and stored in each scheme's real cache, the question and
+  # the key decoded over it); kvquant-4 calibrated on Pride and Prejudice as in the kvquant step.
+  [[ -f runs/calib-smollm2-kvq4/calibration.json ]] || \
+    $K calibrate --model smollm2-135m --data pride-and-prejudice --context 2048 --windows 2 \
+      --scheme kvquant-4 --out runs/calib-smollm2-kvq4
+  [[ -f runs/needle-smollm2-prefill/needle.json ]] || \
+    $K needle --model smollm2-135m --context 2k --context 4k --context 8k --trials 2 --no-progress \
+      --scheme int8-token --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
+      --scheme int2-token --scheme kvquant-4 --calibration runs/calib-smollm2-kvq4 \
+      --out runs/needle-smollm2-prefill
+fi

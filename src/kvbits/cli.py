@@ -422,6 +422,7 @@ COMMANDS: dict[str, Command | str] = {
     "calibrate": "kvbits.calibrate.cli",
     "tune": "kvbits.tune.cli",
     "eval": "kvbits.evaluate.cli",
+    "needle": "kvbits.evaluate.needle_cli",
     "monitor": "kvbits.monitor.cli",
     "export": "kvbits.export.cli",
 }

@@ -149,6 +149,19 @@ def _check_calibrated(schemes: list, calibrations: dict[str, Any]) -> None:
         )
 
 
+def _check_calibration_models(calibrations: dict[str, Any], model_spec: Any, config: Any, model_fp: str) -> None:
+    """Each artifact must fit the loaded model: its shape always, its weights where both sides pin them.
+
+    ``model_spec`` is what the caller asked for (a spec string or a ``LoadedModel`` pins weights by
+    content); an artifact fitted on a bare module records ``"config:<hash>"``, which pins only the
+    architecture.
+    """
+    loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
+    for art in calibrations.values():
+        pinned = loaded and not str(getattr(art, "fingerprint", "config:")).startswith("config:")
+        art.check_model(config, fingerprint=model_fp if pinned else None)
+
+
 def _calibration_paths(calibration: Any) -> list[str] | None:
     """The calibration folders as given (for ``config.json``), or None when given as objects."""
     if calibration is None:

@@ -70,6 +70,7 @@ from kvbits.evaluate.inputs import (
     _calibration_paths,
     _calibrations,
     _check_calibrated,
+    _check_calibration_models,
     _data_arg,
     _load_model,
     _load_windows,
@@ -315,12 +316,7 @@ def evaluate(
         model_spec = model
         model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, load_device)
         win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path)
-        loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
-        for art in calibrations.values():
-            # Made for these weights? Only when both sides pin weights: an artifact fitted on a bare module
-            # records "config:<hash>", which pins the architecture (its shape is still checked).
-            pinned = loaded and not str(getattr(art, "fingerprint", "config:")).startswith("config:")
-            art.check_model(model.config, fingerprint=model_fp if pinned else None)
+        _check_calibration_models(calibrations, model_spec, model.config, model_fp)
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)

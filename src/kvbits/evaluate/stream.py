@@ -35,7 +35,17 @@ from kvbits.schemes.spec import KVScheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PEER_SCHEMES", "PeerScheme", "base_model", "make_cache", "resolve_scheme", "stream_hidden"]
+__all__ = [
+    "PEER_SCHEMES",
+    "PeerScheme",
+    "base_model",
+    "decode_hidden",
+    "load_kv",
+    "make_cache",
+    "prefill_kv",
+    "resolve_scheme",
+    "stream_hidden",
+]
 
 QUANTO_INSTALL = "pip install optimum-quanto  (or: pip install 'kvbits[quanto]')"
 
@@ -184,6 +194,48 @@ def _step(base: Any, ids: torch.Tensor, cache: Any, kw: str) -> torch.Tensor:
 
 
 @torch.no_grad()
+def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A full-precision prefill of ``ids`` ``(B, T)``: final hidden states ``(B, T, hidden)`` and each
+    layer's ``(keys, values)`` ``(B, H_kv, T, D)`` as the model cached them (``DynamicCache``).
+
+    The ``DynamicCache`` gets no config, so every layer keeps all its tokens (a sliding layer would keep
+    only the last ``W - 1``, and the quantized cache counts its blocks from token 0).
+    """
+    from transformers import DynamicCache
+
+    base = base_model(model)
+    full = DynamicCache()
+    hidden = _step(base, ids, full, _cache_kwarg(base))
+    return hidden, [(layer.keys, layer.values) for layer in full.layers]
+
+
+def load_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append a prefill's per-layer ``(keys, values)`` (``prefill_kv``) to ``cache`` with ``update``,
+    which stores (and, for a quantized cache, flushes) them exactly as during generation. The tensors
+    are not modified, so one prefill can be loaded into several caches."""
+    for idx, (k, v) in enumerate(kv):
+        cache.update(k, v, idx)
+
+
+@torch.no_grad()
+def decode_hidden(
+    model: Any, ids: torch.Tensor, cache: Any, *, progress: Callable[[int], None] | None = None
+) -> torch.Tensor:
+    """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` fed one token per forward through
+    ``cache`` (which already holds whatever came before them), as generation decodes."""
+    base = base_model(model)
+    kw = _cache_kwarg(base)
+    chunks = []
+    for t in range(ids.shape[1]):
+        chunks.append(_step(base, ids[:, t : t + 1], cache, kw))
+        if progress:
+            progress(1)
+    if not chunks:
+        raise ValueError(f"decode_hidden needs at least one token, got ids of shape {tuple(ids.shape)}")
+    return torch.cat(chunks, dim=1)
+
+
+@torch.no_grad()
 def stream_hidden(
     model: Any,
     ids: torch.Tensor,
@@ -251,26 +303,19 @@ def _stream(
     on_cache: Callable[[Any], None] | None = None,
 ) -> torch.Tensor:
     """``stream_hidden`` once the attention implementation is set."""
-    from transformers import DynamicCache
-
     _B, T = ids.shape
-    base = base_model(model)
-    kw = _cache_kwarg(base)
     start = 0
     chunks: list[torch.Tensor] = []
     if semantics == "prefill":
         if not isinstance(prompt_len, int) or not 0 < prompt_len < T:
             raise ValueError(f"semantics='prefill' needs 0 < prompt_len < T={T}, got {prompt_len!r}")
-        # No config: every layer keeps all its tokens (a sliding DynamicCache layer would keep only
-        # the last W - 1, and the quantized cache counts its blocks from token 0).
-        full = DynamicCache()
-        chunks.append(_step(base, ids[:, :prompt_len], full, kw))
+        hidden, kv = prefill_kv(model, ids[:, :prompt_len])
+        chunks.append(hidden)
         cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused)
         if on_cache is not None:
             on_cache(cache)
-        for idx, layer in enumerate(full.layers):
-            cache.update(layer.keys, layer.values, idx)
-        del full
+        load_kv(cache, kv)
+        del kv
         start = prompt_len
         if progress:
             progress(prompt_len)
@@ -280,10 +325,7 @@ def _stream(
             on_cache(cache)
     else:
         raise ValueError(f"semantics must be 'decode' or 'prefill', got {semantics!r}")
-    for t in range(start, T):
-        chunks.append(_step(base, ids[:, t : t + 1], cache, kw))
-        if progress:
-            progress(1)
+    chunks.append(decode_hidden(model, ids[:, start:], cache, progress=progress))
     if not isinstance(scheme, PeerScheme):
         rep = cache.fused_report()
         if fused:

@@ -1,0 +1,349 @@
+"""Passkey retrieval ("needle in a haystack") by context length and depth: the task and its scoring.
+
+Perplexity averages over every token; retrieval asks for one fact, stated once, far back in the
+context. A key the cache no longer matches to its query loses that fact while the average perplexity
+barely moves. The task is the passkey retrieval of Mohtashami & Jaggi 2023 ("Landmark Attention"),
+the one KVQuant reports for long contexts, with real text as the haystack (as in Kamradt's "needle in a
+haystack") instead of a repeated filler sentence:
+
+- **haystack**: a slice of real text (by default *War and Peace*), starting at a seeded offset;
+- **needle**: ``"The pass key is 71432. Remember it. 71432 is the pass key."`` (a seeded key of
+  ``digits`` digits), inserted at ``depth`` (0: the start of the haystack, 1: its end), moved back to
+  the end of the nearest sentence within :data:`SNAP_TOKENS` tokens;
+- **question**: ``"What is the pass key? The pass key is "`` followed by the key itself.
+
+The trial is built in token ids, so it has exactly ``context`` tokens: haystack, needle, question, key.
+
+**Scoring, exact, without a generate loop.** The key's tokens are teacher-forced after the question.
+The model *retrieves* the key when the argmax at every key position is the key's next token: greedy
+decoding emits the key exactly then (it emits each key token given the earlier ones iff that token is
+the argmax), so this is greedy retrieval, computed from one pass. Also recorded per trial: the fraction
+of key tokens that are the argmax, the key's mean NLL per token (nats), and KL(reference || scheme) at
+the key positions. :func:`build_trials` and :func:`score_key` are here; the loop over models, schemes
+and semantics is :mod:`kvbits.evaluate.needle_run`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DEFAULT_DEPTHS",
+    "SNAP_TOKENS",
+    "NeedleTask",
+    "Trial",
+    "build_trials",
+    "check_contexts",
+    "check_depths",
+    "min_context",
+    "score_key",
+]
+
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SNAP_TOKENS = 48  # how far back a needle moves to sit after a sentence end
+MIN_HAYSTACK = 16  # tokens of haystack a trial must have at least
+_SENTENCE_ENDS = (".", "!", "?", "\n", '."', '!"', '?"', ".'")
+
+
+@dataclass(frozen=True)
+class NeedleTask:
+    """What is hidden and what is asked; ``{key}`` marks where the key goes.
+
+    Attributes:
+        needle: the sentence(s) hidden in the haystack; must contain ``{key}``.
+        question: asked after the haystack; must end with ``{key}`` (the answer, teacher-forced and
+            scored), and contain it only there.
+        digits: the key's length in decimal digits (1-18); its first digit is never 0.
+    """
+
+    needle: str = "The pass key is {key}. Remember it. {key} is the pass key."
+    question: str = "What is the pass key? The pass key is {key}"
+    digits: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.needle, str) or "{key}" not in self.needle:
+            raise ValueError(f"needle must be a string containing '{{key}}', got {self.needle!r}")
+        if not isinstance(self.question, str) or not self.question.endswith("{key}"):
+            raise ValueError(
+                f"question must be a string ending with '{{key}}' (the scored answer), got {self.question!r}"
+            )
+        if self.question.count("{key}") != 1:
+            raise ValueError(f"question must contain '{{key}}' once, at its end, got {self.question!r}")
+        if isinstance(self.digits, bool) or not isinstance(self.digits, int) or not 1 <= self.digits <= 18:
+            raise ValueError(f"digits must be an int in [1, 18], got {self.digits!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def needle_text(self, key: str) -> str:
+        """The needle as inserted: one space before it, so it reads as a new sentence."""
+        return " " + self.needle.replace("{key}", key)
+
+    def question_text(self, key: str) -> str:
+        """The question and the key, after a blank line."""
+        return "\n\n" + self.question.replace("{key}", key)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One retrieval trial: ``ids`` ``(context,)`` = haystack[:at] + needle + haystack[at:] + question + key.
+
+    Attributes:
+        context: total tokens.
+        depth: the depth asked for; ``depth_actual``: ``needle_at / haystack tokens`` after snapping.
+        index: the trial's number within its (context, depth) cell.
+        key: the key's digits.
+        offset: where the haystack starts in the text's token ids.
+        needle_at: index of the needle's first token in ``ids``; ``needle_len``: its tokens.
+        doc_len: tokens before the question (haystack and needle: what a prefill stores).
+        answer_start: index of the key's first token; the key is ``ids[answer_start:]``.
+    """
+
+    context: int
+    depth: float
+    depth_actual: float
+    index: int
+    key: str
+    offset: int
+    needle_at: int
+    needle_len: int
+    doc_len: int
+    answer_start: int
+    ids: torch.Tensor
+
+    @property
+    def key_tokens(self) -> int:
+        return int(self.context - self.answer_start)
+
+    def record(self) -> dict[str, Any]:
+        """The trial without its ids (JSON)."""
+        return {
+            "context": self.context, "depth": self.depth, "depth_actual": self.depth_actual,
+            "index": self.index, "key": self.key, "offset": self.offset, "needle_at": self.needle_at,
+            "needle_len": self.needle_len, "doc_len": self.doc_len, "answer_start": self.answer_start,
+        }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def check_contexts(contexts: Sequence[int] | int) -> list[int]:
+    """Distinct positive token counts, ascending; ``ValueError`` otherwise."""
+    if isinstance(contexts, (int, np.integer)) and not isinstance(contexts, bool):
+        contexts = [int(contexts)]
+    try:
+        items = list(contexts)
+    except TypeError:
+        raise ValueError(f"contexts must be an int or a list of ints, got {contexts!r}") from None
+    if not items:
+        raise ValueError("contexts must name at least one context length")
+    for c in items:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+            raise ValueError(f"each context must be a positive int (tokens), got {c!r}")
+    return sorted({int(c) for c in items})
+
+
+def check_depths(depths: Sequence[float]) -> list[float]:
+    """Distinct finite depths in [0, 1], ascending; ``ValueError`` otherwise."""
+    try:
+        items = list(depths)
+    except TypeError:
+        raise ValueError(f"depths must be a list of numbers in [0, 1], got {depths!r}") from None
+    if not items:
+        raise ValueError("depths must name at least one depth in [0, 1]")
+    out = []
+    for d in items:
+        if isinstance(d, bool) or not isinstance(d, (int, float, np.floating, np.integer)):
+            raise TypeError(f"each depth must be a number in [0, 1], got {d!r}")
+        if not math.isfinite(float(d)) or not 0.0 <= float(d) <= 1.0:
+            raise ValueError(
+                f"each depth must be in [0, 1] (0: start of the haystack, 1: its end), got {d!r}"
+            )
+        out.append(float(d))
+    return sorted(set(out))
+
+
+# ------------------------------------------------------------------------------------ building
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids]
+
+
+def _split_answer(tokenizer: Any, qa: list[int], key: str) -> int:
+    """Index in ``qa`` (question + key tokens) of the first token that carries the key: the largest
+    ``k`` whose tail ``qa[k:]`` still decodes to text containing the whole key."""
+    for k in range(len(qa) - 1, -1, -1):
+        if key in tokenizer.decode(qa[k:]):
+            return k
+    raise ValueError(
+        f"the tokenizer's decoding of the question does not contain the key {key!r}: "
+        f"{tokenizer.decode(qa)!r}; use a question whose key survives tokenization"
+    )
+
+
+def _fixed_tokens(tokenizer: Any, task: NeedleTask, key: str) -> tuple[list[int], list[int], int]:
+    """``(needle ids, question + key ids, index of the key's first token in the latter)``."""
+    needle = _encode(tokenizer, task.needle_text(key))
+    if key not in tokenizer.decode(needle):
+        raise ValueError(
+            f"the tokenizer's decoding of the needle lost the key {key!r}: {tokenizer.decode(needle)!r}"
+        )
+    qa = _encode(tokenizer, task.question_text(key))
+    return needle, qa, _split_answer(tokenizer, qa, key)
+
+
+def min_context(tokenizer: Any, task: NeedleTask | None = None) -> int:
+    """The shortest context a trial fits in: needle, question and key (for a key of the task's
+    length), plus :data:`MIN_HAYSTACK` tokens of haystack."""
+    task = task or NeedleTask()
+    key = "9" * task.digits
+    needle, qa, _ = _fixed_tokens(tokenizer, task, key)
+    return len(needle) + len(qa) + MIN_HAYSTACK
+
+
+def _snap(tokenizer: Any, hay: list[int], at: int) -> int:
+    """``at`` moved back to just after a sentence end within ``SNAP_TOKENS`` tokens (unchanged at the
+    ends of the haystack, or when no sentence ends there)."""
+    if at <= 0 or at >= len(hay):
+        return at
+    for j in range(at, max(0, at - SNAP_TOKENS), -1):
+        if tokenizer.decode(hay[j - 1 : j]).rstrip(" ").endswith(_SENTENCE_ENDS):
+            return j
+    return at
+
+
+def _rng(seed: int, context: int, depth: float, index: int) -> np.random.Generator:
+    """One generator per trial cell: adding a context or a depth changes no other trial."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(context), round(depth * 10000), int(index)])
+
+
+def build_trials(
+    tokenizer: Any,
+    text_ids: torch.Tensor,
+    contexts: Sequence[int] | int,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    trials: int = 1,
+    *,
+    task: NeedleTask | None = None,
+    seed: int = 0,
+) -> list[Trial]:
+    """Every (context, depth, index) trial, contexts outermost.
+
+    Args:
+        tokenizer: the model's tokenizer (``__call__(text, add_special_tokens=False)`` and ``decode``).
+        text_ids: the haystack text's token ids ``(N,)`` (``kvbits.evaluate.data.tokenize``).
+        contexts: total tokens per trial.
+        depths: where the needle goes, in [0, 1] of the haystack.
+        trials: trials per (context, depth): each with its own key and haystack offset.
+        task: needle and question templates (default :class:`NeedleTask`).
+        seed: keys and offsets come from ``(seed, context, depth, index)``.
+
+    Raises:
+        ValueError: a context too short for the task, a text shorter than a haystack, bad arguments.
+    """
+    task = task or NeedleTask()
+    contexts = check_contexts(contexts)
+    depths = check_depths(depths)
+    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
+        raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
+    if (
+        not isinstance(text_ids, torch.Tensor)
+        or text_ids.dim() != 1
+        or text_ids.dtype not in (torch.int64, torch.int32)
+    ):
+        raise ValueError(
+            f"text_ids must be a 1-D integer tensor of token ids, got "
+            f"{type(text_ids).__name__} {tuple(getattr(text_ids, 'shape', ()))} {getattr(text_ids, 'dtype', '')}"
+        )
+    shortest = min_context(tokenizer, task)
+    if contexts[0] < shortest:
+        raise ValueError(
+            f"context {contexts[0]} is too short for the retrieval task: needle, question and key take "
+            f"{shortest - MIN_HAYSTACK} tokens and the haystack at least {MIN_HAYSTACK}; use a context of at least {shortest}"
+        )
+    text = text_ids.long()
+    n_text = int(text.numel())
+    out = []
+    for context in contexts:
+        for depth in depths:
+            for index in range(int(trials)):
+                rng = _rng(seed, context, depth, index)
+                key = str(int(rng.integers(10 ** (task.digits - 1), 10**task.digits)))
+                needle, qa, k = _fixed_tokens(tokenizer, task, key)
+                n_hay = context - len(needle) - len(qa)
+                if n_hay > n_text:
+                    raise ValueError(
+                        f"the text has {n_text} tokens; a {context}-token trial needs a haystack of {n_hay}: use a "
+                        "longer text or a shorter context"
+                    )
+                offset = int(rng.integers(0, n_text - n_hay + 1))
+                hay = text[offset : offset + n_hay].tolist()
+                at = _snap(tokenizer, hay, round(depth * n_hay))
+                ids = torch.tensor(hay[:at] + needle + hay[at:] + qa, dtype=torch.long)
+                assert ids.numel() == context  # internal: lengths were computed to fit
+                doc_len = n_hay + len(needle)
+                out.append(Trial(
+                    context=context, depth=depth, depth_actual=at / n_hay, index=index, key=key, offset=offset,
+                    needle_at=at, needle_len=len(needle), doc_len=doc_len, answer_start=doc_len + k, ids=ids,
+                ))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------------------------ scoring
+
+
+def score_key(
+    logprobs: torch.Tensor, targets: torch.Tensor, logprobs_ref: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """Retrieval measures of one trial from the log-probabilities at the key positions.
+
+    Args:
+        logprobs: ``(K, V)`` log-softmax at the ``K`` positions that predict the key's tokens.
+        targets: ``(K,)`` the key's tokens.
+        logprobs_ref: the reference's ``(K, V)``, for the KL; None for the reference itself.
+
+    Returns:
+        ``{"retrieved": every argmax is the key token (greedy decoding emits the key), "token_acc":
+        fraction of key tokens that are the argmax, "nll": mean NLL of the key tokens in nats,
+        "pred": the argmax tokens}`` and, with ``logprobs_ref``, ``"kl"``: mean KL(reference || this)
+        over the key positions, nats.
+
+    Raises:
+        ValueError: mismatched shapes, or non-finite log-probabilities (NaN/inf logits upstream).
+    """
+    if (
+        logprobs.dim() != 2
+        or targets.dim() != 1
+        or logprobs.shape[0] != targets.shape[0]
+        or targets.numel() == 0
+    ):
+        raise ValueError(
+            f"logprobs must be (K, V) and targets (K,) with K >= 1, got {tuple(logprobs.shape)} and {tuple(targets.shape)}"
+        )
+    lp = logprobs.double()
+    if not torch.isfinite(lp).all():
+        raise ValueError(
+            "log-probabilities at the key positions are not finite (NaN or inf logits): the run is broken"
+        )
+    pred = lp.argmax(-1)
+    hit = pred == targets.to(pred.device)
+    out: dict[str, Any] = {
+        "retrieved": bool(hit.all()),
+        "token_acc": float(hit.double().mean()),
+        "nll": float(-lp.gather(-1, targets.to(pred.device)[:, None]).mean()),
+        "pred": [int(t) for t in pred.tolist()],
+    }
+    if logprobs_ref is not None:
+        ref = logprobs_ref.double()
+        if ref.shape != lp.shape:
+            raise ValueError(f"reference log-probabilities {tuple(ref.shape)} differ from {tuple(lp.shape)}")
+        out["kl"] = float((ref.exp() * (ref - lp)).sum(-1).clamp_min(0.0).mean())
+    return out

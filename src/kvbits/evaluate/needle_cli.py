@@ -1,0 +1,186 @@
+"""``kvbits needle``: passkey retrieval by context length and depth (thin wrapper over ``needle_eval``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+
+__all__ = ["add_parser", "parse_depths", "run"]
+
+EPILOG = """\
+examples:
+  kvbits needle --model smollm2-135m --context 2k --context 4k --context 8k --trials 2 \\
+      --scheme int8-token --scheme int4-token --scheme kivi-2 --out runs/needle-smollm2
+  kvbits needle --model qwen2.5-coder-0.5b --context 8k --depths 0.1,0.5,0.9 --scheme int4-token \\
+      --scheme int4-channel --semantics decode --json
+
+A trial hides "The pass key is 71432. Remember it. 71432 is the pass key." at a depth of a slice of real
+text (--data, War and Peace by default), asks "What is the pass key? The pass key is" and teacher-forces
+the key: it is retrieved when every key token is the argmax (exactly when greedy decoding writes the
+key). --semantics prefill (default): the document is prefilled in full precision and stored in each
+scheme's real cache, the question and key are decoded token by token over it; decode: every token
+attends over the quantized history (the one-pass simulator, kvbits eval's semantics).
+--json prints the summary: {"version", "task", "model", "data", "semantics", "contexts", "depths",
+"trials", "seed", "fingerprint", "reference": {"retrieved", "nll", "grid", "by_context"}, "results":
+[{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll", "delta_nll", "kl",
+"by_context": [{"context", "trials", "retrieved", "retrieved_ref", "nll", "nll_ref", "kl",
+"cache_bytes", "cache_bytes_ref"}], "grid", "calibration", "seconds", "decode"}], "records",
+"reference_seconds", "wall_seconds", "peak_rss_bytes", "date", "commit", "versions"}. grid: contexts x
+depths, fraction retrieved; kept: of the trials the reference retrieved, the fraction the scheme did;
+gained: trials the scheme retrieved and the reference did not. --out DIR writes needle.json (the same),
+report.md and needle.png.
+"""
+
+
+def parse_depths(text: str) -> list[float]:
+    """``"0,0.25,0.5"`` -> ``[0.0, 0.25, 0.5]``; each in [0, 1]."""
+    parse = bounded(float, 0, 1, what="a depth")
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated depths in [0, 1], got {text!r}")
+    return [parse(t) for t in items]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.cli import _positive, parse_tokens
+    from kvbits.evaluate.cli import DEVICES
+
+    p = subparsers.add_parser(
+        "needle",
+        help="passkey retrieval by context length and needle depth, quantized caches vs the unquantized model",
+        description="Hide a pass key in real text at several depths and context lengths, ask for it, and measure "
+        "whether each scheme's cache still lets the model retrieve it (and the key's NLL and KL) against the "
+        "unquantized model on the same trials.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_data_args(
+        p,
+        model_help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
+        data_help="the haystack: registry text (war-and-peace, wikitext2, ...) or a text file (default war-and-peace)",
+        data_default="war-and-peace",
+        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
+    )
+    p.add_argument(
+        "--context", action="append", type=parse_tokens, required=True, metavar="N",
+        help="total tokens per trial, e.g. 4096 or 4k; repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--depths", type=parse_depths, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths in [0, 1] of the haystack, comma-separated (default 0,0.25,0.5,0.75,1)",
+    )  # fmt: skip
+    p.add_argument("--trials", type=_positive, default=1, help="trials per context and depth (default 1)")
+    p.add_argument(
+        "--scheme", action="append", required=True, metavar="S",
+        help="scheme preset, scheme JSON file, or peer (hf-quanto-int4, prefill semantics); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--semantics", choices=("prefill", "decode"), default="prefill",
+        help="prefill: document prefilled exactly, stored in the real cache, question decoded over it (default); "
+        "decode: every token attends over the quantized history (simulator)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fused-decode", choices=("auto", "on", "off"), default="auto",
+        help="prefill semantics: decode steps through the fused kernel (auto: on CUDA with Triton)",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibration", action="append", metavar="DIR",
+        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
+    )  # fmt: skip
+    p.add_argument("--digits", type=bounded(int, 1, 18), default=5, help="digits of the pass key (default 5)")
+    p.add_argument(
+        "--needle", help="needle text with {key} (default: 'The pass key is {key}. Remember it. ...')"
+    )
+    p.add_argument(
+        "--question",
+        help="question text ending with {key} (default 'What is the pass key? The pass key is {key}')",
+    )
+    p.add_argument("--seed", type=int, default=0, help="keys and haystack offsets (default 0)")
+    p.add_argument(
+        "--chunk-size", type=_positive, default=256, help="queries per simulated attention chunk (decode)"
+    )
+    p.add_argument("--out", help="output folder (needle.json, report.md, needle.png)")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="write into a non-empty folder that holds no needle run (only needle.json, report.md, needle.png are replaced)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
+    add_dtype_device(p, DEVICES)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbits.evaluate.needle import NeedleTask
+    from kvbits.evaluate.needle_run import needle_eval
+    from kvbits.evaluate.request import check_device
+
+    if args.fused_decode != "auto" and args.semantics != "prefill":
+        raise ValueError(
+            f"--fused-decode {args.fused_decode} needs --semantics prefill (decode runs the simulator)"
+        )
+    defaults = NeedleTask()
+    task = NeedleTask(
+        needle=args.needle if args.needle is not None else defaults.needle,
+        question=args.question if args.question is not None else defaults.question,
+        digits=args.digits,
+    )
+    check_device(args.device)
+    if args.out:  # refused before the model loads, not after the trials ran
+        from kvbits.report.needle import check_needle_out
+
+        check_needle_out(args.out, overwrite=args.overwrite)
+    summary = needle_eval(
+        args.model, args.context, args.scheme, data=args.data, depths=args.depths, trials=args.trials, task=task,
+        semantics=args.semantics, calibration=args.calibration,
+        fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode], data_path=args.data_path,
+        dtype=args.dtype, device=args.device, chunk_size=args.chunk_size, seed=args.seed,
+        progress=not (args.no_progress or args.json),
+    )  # fmt: skip
+    if args.out:
+        from kvbits.report.needle import write_needle
+
+        write_needle(summary, args.out, overwrite=args.overwrite)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        return 0
+    _print(summary, args.out)
+    return 0
+
+
+def _print(summary: dict, out: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvbits.report.needle import _pct, _tokens
+
+    console = Console()
+    contexts, depths = summary["contexts"], summary["depths"]
+    table = Table(
+        title=f"passkey retrieved, {summary['model']} on {summary['data']} ({summary['semantics']} semantics)"
+    )
+    table.add_column("scheme")
+    table.add_column("bits", justify="right")
+    for c in contexts:
+        table.add_column(_tokens(c), justify="right")
+    table.add_column("all", justify="right")
+    table.add_column("kept", justify="right")
+    table.add_column("ΔNLL key", justify="right")
+    ref = summary["reference"]
+    table.add_row(
+        "unquantized", "", *(_pct(b["retrieved"]) for b in ref["by_context"]), _pct(ref["retrieved"]), "", ""
+    )
+    for r in summary["results"]:
+        table.add_row(
+            r["scheme"], f"{r['avg_bits']:.2f}", *(_pct(b["retrieved"]) for b in r["by_context"]), _pct(r["retrieved"]),
+            _pct(r["kept"]), f"{r['delta_nll']:+.3f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"{len(summary['records'])} trials: {len(contexts)} context(s) x {len(depths)} depth(s) x "
+                  f"{summary['trials']}; {summary['wall_seconds']:.0f} s")  # fmt: skip
+    if out:
+        console.print(f"wrote {out}/needle.json, report.md and needle.png")

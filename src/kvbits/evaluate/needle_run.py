@@ -1,0 +1,390 @@
+"""``needle_eval``: passkey retrieval of each scheme against the unquantized model, by context and depth.
+
+The trials and their scoring are :mod:`kvbits.evaluate.needle`; this is the loop. Two semantics:
+
+- ``"prefill"`` (the default): the document (haystack and needle, ``trial.doc_len`` tokens) is
+  prefilled once in full precision (``DynamicCache``); its K/V are loaded into each scheme's real
+  cache (``QuantizedKVCache``, or a peer's), which stores and flushes them as during generation; the
+  question and the key are then decoded one token per forward through that cache. This is a server
+  that attends the prompt exactly and answers from the stored cache: a chat's next turn, a cached
+  prefix, a document prefilled before the question. The reference decodes the same tokens over the
+  unquantized K/V. Cost per trial: one prefill shared by all schemes, plus ~20 decode steps each.
+  On CUDA with Triton the decode steps run the fused kernel (``fused_decode="auto"``), as in
+  ``kvbits eval --mode stream``.
+- ``"decode"``: every token, the document's included, attends over the quantized history, as in
+  token-by-token generation, computed in one pass by the simulator (``kvbits.evaluate.simulate``,
+  held to the real cache by the tests); the reference is a plain forward. Cost: one forward per
+  trial and scheme. This is the harsher case, and the semantics of ``kvbits eval``'s perplexity.
+
+Per (context, depth) cell the summary gives the fraction of trials retrieved, by the reference and by
+each scheme; per scheme also ``kept`` (of the trials the reference retrieved, the fraction the scheme
+retrieved too), the key's mean NLL and its change against the reference, and the KL at the key positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbits.evaluate.needle import (
+    DEFAULT_DEPTHS,
+    NeedleTask,
+    Trial,
+    build_trials,
+    check_contexts,
+    check_depths,
+    score_key,
+)
+from kvbits.evaluate.stream import PeerScheme, base_model, resolve_scheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NEEDLE_SEMANTICS", "NEEDLE_VERSION", "needle_eval"]
+
+NEEDLE_SEMANTICS = ("prefill", "decode")
+NEEDLE_VERSION = 1
+
+
+def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, chunk_size: Any) -> None:
+    if semantics not in NEEDLE_SEMANTICS:
+        raise ValueError(f"semantics must be one of {NEEDLE_SEMANTICS}, got {semantics!r}")
+    if not schemes:
+        raise ValueError("give at least one scheme to measure against the unquantized model")
+    names = [s.name for s in schemes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"schemes must have distinct names, got {names}")
+    peers = [s.name for s in schemes if isinstance(s, PeerScheme)]
+    if peers and semantics != "prefill":
+        raise ValueError(
+            f"{', '.join(peers)} exist only as a cache: use semantics='prefill' (the real cache), "
+            "not 'decode' (the simulator)"
+        )
+    if semantics == "decode" and fused_decode != "auto":
+        raise ValueError(
+            f"fused_decode={fused_decode!r} needs semantics='prefill': 'decode' runs the simulator, which never "
+            "decodes through the cache"
+        )
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _logprobs(head: Any, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(head(hidden).double(), dim=-1)
+
+
+def _key_slice(trial: Trial, first: int) -> slice:
+    """Rows of hidden states that start at position ``first`` and predict the key's tokens."""
+    return slice(trial.answer_start - 1 - first, trial.context - 1 - first)
+
+
+def _cache_bytes(cache: Any) -> int | None:
+    """Bytes a cache holds: kvbits' ``memory_report``; a ``DynamicCache``'s K/V tensors; None otherwise."""
+    report = getattr(cache, "memory_report", None)
+    if callable(report):
+        return int(report()["total_bytes"])
+    layers = getattr(cache, "layers", None)
+    try:
+        return int(sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values)))
+    except (AttributeError, TypeError):
+        return None
+
+
+@torch.no_grad()
+def _run_prefill(
+    model, head, trial, schemes, calibrations, fused_mode, stats
+) -> tuple[dict, dict, float, dict]:
+    """Reference and scheme scores of one trial, prefill semantics (module docstring)."""
+    from transformers import DynamicCache
+
+    from kvbits.cache.fused import wants
+    from kvbits.evaluate.stream import _fused_attention, decode_hidden, load_kv, make_cache, prefill_kv
+
+    dev = next(model.parameters()).device
+    ids = trial.ids[None].to(dev)
+    suffix = ids[:, trial.doc_len : trial.context - 1]  # every token after the document but the last
+    targets = trial.ids[trial.answer_start :]
+    rows = _key_slice(trial, trial.doc_len)
+    t0 = time.perf_counter()
+    _, kv = prefill_kv(model, ids[:, : trial.doc_len])
+    ref_cache = DynamicCache()
+    load_kv(ref_cache, kv)
+    lp_ref = _logprobs(head, decode_hidden(model, suffix, ref_cache)[0, rows]).cpu()
+    ref = score_key(lp_ref, targets)
+    ref["cache_bytes"] = _cache_bytes(ref_cache)
+    del ref_cache
+    ref_seconds = time.perf_counter() - t0
+    out, seconds = {}, {}
+    for scheme in schemes:
+        t0 = time.perf_counter()
+        fused = not isinstance(scheme, PeerScheme) and wants(fused_mode, dev)
+        with _fused_attention(model) if fused else contextlib.nullcontext():
+            cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused)
+            load_kv(cache, kv)
+            lp = _logprobs(head, decode_hidden(model, suffix, cache)[0, rows]).cpu()
+        out[scheme.name] = score_key(lp, targets, lp_ref)
+        out[scheme.name]["cache_bytes"] = _cache_bytes(cache)
+        if not isinstance(scheme, PeerScheme):
+            rep = cache.fused_report()
+            st = stats.setdefault(scheme.name, {"fused_steps": 0, "fallback_steps": 0})
+            for key in st:
+                st[key] += int(rep[key])
+        del cache
+        seconds[scheme.name] = time.perf_counter() - t0
+    return ref, out, ref_seconds, seconds
+
+
+@torch.no_grad()
+def _run_decode(model, head, trial, schemes, calibrations, chunk_size) -> tuple[dict, dict, float, dict]:
+    """Reference and scheme scores of one trial, decode semantics (the simulator)."""
+    from kvbits.evaluate.simulate import simulate
+
+    base = base_model(model)
+    dev = next(model.parameters()).device
+    ids = trial.ids[None, :-1].to(dev)
+    targets = trial.ids[trial.answer_start :]
+    rows = _key_slice(trial, 0)
+    t0 = time.perf_counter()
+    lp_ref = _logprobs(head, base(input_ids=ids, use_cache=False).last_hidden_state[0, rows]).cpu()
+    ref = score_key(lp_ref, targets)
+    ref_seconds = time.perf_counter() - t0
+    out, seconds = {}, {}
+    for scheme in schemes:
+        t0 = time.perf_counter()
+        with simulate(model, scheme, calibration=calibrations.get(scheme.name), chunk_size=chunk_size):
+            hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0, rows]
+        out[scheme.name] = score_key(_logprobs(head, hidden).cpu(), targets, lp_ref)
+        seconds[scheme.name] = time.perf_counter() - t0
+    return ref, out, ref_seconds, seconds
+
+
+def _mean(values: list[float]) -> float | None:
+    vals = [float(v) for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(vals)) if vals else None
+
+
+def _grid(records: list[dict], contexts: list[int], depths: list[float], pick) -> list[list[float | None]]:
+    """``(contexts, depths)`` of the mean of ``pick(record)`` over each cell's trials."""
+    return [
+        [_mean([float(pick(r)) for r in records if r["context"] == c and r["depth"] == d]) for d in depths]
+        for c in contexts
+    ]
+
+
+def _scheme_result(
+    name: str, bits: float, records: list[dict], contexts: list[int], depths: list[float]
+) -> dict:
+    """One scheme's summary from the trial records (module docstring)."""
+    mine = [r["schemes"][name] for r in records]
+    ref_hits = [r for r in records if r["reference"]["retrieved"]]
+    by_context = []
+    for c in contexts:
+        rc = [r for r in records if r["context"] == c]
+        sizes = [r["schemes"][name].get("cache_bytes") for r in rc]
+        ref_sizes = [r["reference"].get("cache_bytes") for r in rc]
+        by_context.append({
+            "context": c,
+            "trials": len(rc),
+            "retrieved": _mean([r["schemes"][name]["retrieved"] for r in rc]),
+            "retrieved_ref": _mean([r["reference"]["retrieved"] for r in rc]),
+            "nll": _mean([r["schemes"][name]["nll"] for r in rc]),
+            "nll_ref": _mean([r["reference"]["nll"] for r in rc]),
+            "kl": _mean([r["schemes"][name]["kl"] for r in rc]),
+            "cache_bytes": None if None in sizes else int(max(sizes)),
+            "cache_bytes_ref": None if None in ref_sizes else int(max(ref_sizes)),
+        })  # fmt: skip
+    return {
+        "scheme": name,
+        "avg_bits": bits,
+        "retrieved": _mean([m["retrieved"] for m in mine]),
+        "kept": _mean([r["schemes"][name]["retrieved"] for r in ref_hits]) if ref_hits else None,
+        "gained": sum(
+            1 for r in records if r["schemes"][name]["retrieved"] and not r["reference"]["retrieved"]
+        ),
+        "token_acc": _mean([m["token_acc"] for m in mine]),
+        "nll": _mean([m["nll"] for m in mine]),
+        "delta_nll": _mean([r["schemes"][name]["nll"] - r["reference"]["nll"] for r in records]),
+        "kl": _mean([m["kl"] for m in mine]),
+        "by_context": by_context,
+        "grid": _grid(records, contexts, depths, lambda r: r["schemes"][name]["retrieved"]),
+    }
+
+
+def needle_eval(
+    model: Any,
+    contexts: Sequence[int] | int,
+    schemes: Sequence[str | dict | Any],
+    *,
+    data: Any = "war-and-peace",
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    trials: int = 1,
+    task: NeedleTask | None = None,
+    semantics: str = "prefill",
+    calibration: Any = None,
+    fused_decode: bool | str = "auto",
+    data_path: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    chunk_size: int = 256,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Passkey retrieval of each scheme and of the unquantized model, by context length and depth.
+
+    Args:
+        model: registry name / path (``load_model``) or a ``LoadedModel``: the task writes text, so it
+            needs the tokenizer, and a bare transformers module is refused.
+        contexts: total tokens per trial (haystack, needle, question, key), one or several.
+        schemes: kvbits schemes (names, dicts, JSON paths, objects) or peers (``hf-quanto-int4``;
+            ``semantics="prefill"`` only).
+        data: the haystack: a registered text (``war-and-peace``, ...), a file, or a ``TextSource``.
+        depths: needle depths in [0, 1] of the haystack.
+        trials: trials per (context, depth), each with its own key and haystack offset.
+        task: the needle and question (default :class:`kvbits.evaluate.needle.NeedleTask`).
+        semantics: ``"prefill"`` or ``"decode"`` (module docstring).
+        calibration: ``kvbits calibrate`` artifacts or folders for calibrated schemes, as ``evaluate``.
+        fused_decode: prefill semantics: decode steps through the fused kernel (``"auto"``: on CUDA
+            with Triton; ``True``, ``False``).
+        data_path: a data root for registered texts.
+        dtype, device: as ``evaluate``.
+        chunk_size: queries per simulated attention chunk (decode semantics).
+        seed: keys and haystack offsets.
+        progress: a progress bar on stderr.
+
+    Returns:
+        ``{"version", "task", "model", "data", "semantics", "contexts", "depths", "trials", "seed",
+        "fingerprint": {"model", "tokens"}, "reference": {"retrieved", "nll", "grid", "by_context"},
+        "results": [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll",
+        "delta_nll", "kl", "by_context": [...], "grid", "calibration", "seconds", "decode"}],
+        "records": [one per trial: the trial, "reference" and "schemes" scores], "reference_seconds",
+        "wall_seconds", "peak_rss_bytes", "date", "commit", "versions"}``. ``grid`` is ``(contexts, depths)`` of retrieved fractions.
+    """
+    from kvbits.cache import attention_shape
+    from kvbits.cache.fused import check_mode
+    from kvbits.evaluate.data import data_search_path, load_text, token_fingerprint, tokenize
+    from kvbits.evaluate.inputs import (
+        _calibrations,
+        _check_calibrated,
+        _check_calibration_models,
+        _data_arg,
+        _load_model,
+        _model_arg,
+    )
+    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
+    from kvbits.evaluate.metrics import LogitHead
+    from kvbits.evaluate.outputs import _git_commit, _versions
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+    from kvbits.evaluate.runner import _check_head
+    from kvbits.plan.config import warn_beyond_max_positions
+    from kvbits.schemes.accounting import average_bits
+
+    task = task or NeedleTask()
+    contexts = check_contexts(contexts)
+    depths = check_depths(depths)
+    resolved = [resolve_scheme(s) for s in schemes]
+    _check_args(semantics, resolved, fused_decode, trials, chunk_size)
+    fused_mode = check_mode(fused_decode)
+    if data_path is not None:
+        data_search_path(data_path)
+    torch_dtype, _ = _resolve_dtype(dtype)
+    check_device(device)
+    calibrations = _calibrations(calibration, resolved)
+    _check_calibrated(resolved, calibrations)
+
+    text = (
+        load_text(data, data_path) if isinstance(data, str) else data
+    )  # a wrong text fails before the model loads
+    model_spec = model
+    model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
+    if tokenizer is None:
+        raise ValueError(
+            "the retrieval task writes text, so it needs the model's tokenizer: pass a model name, path or "
+            "LoadedModel (kvbits.evaluate.models.load_model), not a bare transformers module"
+        )
+    _check_calibration_models(calibrations, model_spec, model.config, model_fp)
+    warn_beyond_max_positions(model.config, contexts[-1])
+    n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    text_ids = tokenize(text, tokenizer)
+    trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
+    head = LogitHead.from_model(model)
+    _check_head(
+        model, base_model(model), head, trial_list[0].ids[None, :64].to(next(model.parameters()).device)
+    )
+
+    from kvbits.evaluate.runner import _progress
+
+    records: list[dict[str, Any]] = []
+    seconds = {s.name: 0.0 for s in resolved}
+    ref_seconds, stats = 0.0, {}
+    t_wall = time.perf_counter()
+    with _progress(progress, len(trial_list)) as bar:
+        job = bar.add_task("needle", total=len(trial_list)) if bar is not None else None
+        for trial in trial_list:
+            if semantics == "prefill":
+                ref, out, rs, ss = _run_prefill(model, head, trial, resolved, calibrations, fused_mode, stats)
+            else:
+                ref, out, rs, ss = _run_decode(model, head, trial, resolved, calibrations, chunk_size)
+            ref_seconds += rs
+            for name, s in ss.items():
+                seconds[name] += s
+            records.append({**trial.record(), "reference": ref, "schemes": out})
+            logger.debug("needle %d tokens, depth %.2f, trial %d: reference %s, %s", trial.context, trial.depth,
+                         trial.index, ref["retrieved"], {n: o["retrieved"] for n, o in out.items()})  # fmt: skip
+            if bar is not None:
+                bar.update(job, advance=1, description=f"needle {trial.context} @ {trial.depth:.2f}")
+    wall = time.perf_counter() - t_wall
+
+    results = []
+    for scheme in resolved:
+        bits = (
+            scheme.avg_bits
+            if isinstance(scheme, PeerScheme)
+            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+        )
+        res = _scheme_result(scheme.name, bits, records, contexts, depths)
+        res["calibration"] = _mismatch({}, calibrations.get(scheme.name), contexts[-1], "stream")
+        _warn_mismatch(scheme.name, res["calibration"], contexts[-1])
+        res["seconds"] = seconds[scheme.name]
+        res["decode"] = stats.get(scheme.name)
+        results.append(res)
+    reference = {
+        "retrieved": _mean([r["reference"]["retrieved"] for r in records]),
+        "nll": _mean([r["reference"]["nll"] for r in records]),
+        "grid": _grid(records, contexts, depths, lambda r: r["reference"]["retrieved"]),
+        "by_context": [
+            {
+                "context": c,
+                "retrieved": _mean([r["reference"]["retrieved"] for r in records if r["context"] == c]),
+            }
+            for c in contexts
+        ],
+    }
+    return {
+        "version": NEEDLE_VERSION,
+        "task": task.to_dict(),
+        "model": _model_arg(model_spec, model_name),
+        "data": _data_arg(data, text.name),
+        "semantics": semantics,
+        "contexts": contexts,
+        "depths": depths,
+        "trials": int(trials),
+        "seed": int(seed),
+        "fingerprint": {"model": model_fp, "tokens": token_fingerprint(text, tokenizer)},
+        "reference": reference,
+        "results": results,
+        "records": records,
+        "reference_seconds": ref_seconds,
+        "wall_seconds": wall,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "versions": _versions(),
+    }

@@ -1,0 +1,222 @@
+"""The passkey-retrieval report (``kvbits needle``): Markdown, a heatmap figure, the output folder.
+
+``write_needle(summary, out_dir)`` writes ``needle.json`` (the summary of
+``kvbits.evaluate.needle_run.needle_eval``, every trial included), ``report.md`` and, with matplotlib,
+``needle.png``: one panel per run (the reference, then each scheme), contexts down, depths across, each
+cell the fraction of trials that retrieved the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.fmt import fmt_kl
+
+__all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "write_needle"]
+
+NEEDLE_FILES = ("needle.json", "report.md", "needle.png")
+
+_SEMANTICS = {
+    "prefill": "the document (haystack and needle) prefilled in full precision and stored in each scheme's real "
+    "cache; the question and the key decoded token by token over it",
+    "decode": "every token, the document's included, attends over the quantized history (token-by-token "
+    "generation, one-pass simulator)",
+}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f}"
+
+
+def _grid_table(summary: Mapping[str, Any]) -> list[str]:
+    """One row per (run, context), one column per depth: the fraction of trials retrieved."""
+    contexts, depths = summary["contexts"], summary["depths"]
+    runs = [("unquantized", summary["reference"]["grid"])] + [
+        (r["scheme"], r["grid"]) for r in summary["results"]
+    ]
+    lines = [
+        (
+            "*Fraction of trials that retrieved the key, by context and needle depth (0: start of the haystack, "
+            "1: just before the question).*"
+        ),
+        "",
+        "| scheme | context | " + " | ".join(f"{d:g}" for d in depths) + " |",
+        "|:---|---:|" + "---:|" * len(depths),
+    ]
+    for name, grid in runs:
+        for c, row in zip(contexts, grid):
+            lines.append(f"| {name} | {_tokens(c)} | " + " | ".join(_pct(x) for x in row) + " |")
+    return lines + [""]
+
+
+def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
+    """The report as Markdown: the setting, one overall table, the per-context table, and a
+    (context × depth) retrieval table for the reference and each scheme; ``figure``: link needle.png."""
+    task, contexts, depths = summary["task"], summary["contexts"], summary["depths"]
+    ref = summary["reference"]
+    n = len(summary["records"])
+    lines = [
+        f"# Passkey retrieval: {summary['model']} on {summary['data']}",
+        "",
+        f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`)",
+        f"- **Haystack:** `{summary['data']}` (tokens fingerprint `{summary['fingerprint']['tokens']}`)",
+        (
+            f"- **Contexts:** {', '.join(_tokens(c) for c in contexts)} tokens; **depths** "
+            f"{', '.join(f'{d:g}' for d in depths)}; {summary['trials']} trial(s) per cell, {n} in all "
+            f"(seed {summary['seed']})"
+        ),
+        f"- **Semantics:** `{summary['semantics']}`: {_SEMANTICS.get(summary['semantics'], '')}",
+        f'- **Needle:** "{task["needle"]}" ({task["digits"]}-digit key); **question:** "{task["question"]}"',
+        f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`",
+        "",
+        (
+            "A trial is *retrieved* when the argmax at every key position is the key's token, which is exactly "
+            "when greedy decoding writes the key. *Kept*: of the trials the unquantized model retrieved, the "
+            "fraction the scheme retrieved too. ΔNLL: the key's mean NLL per token minus the reference's (nats); "
+            "KL: mean KL(reference ‖ scheme) at the key positions."
+        ),
+        "",
+        "## Overall",
+        "",
+        "| scheme | avg bits | retrieved | kept | ΔNLL key | KL key | seconds |",
+        "|:---|---:|---:|---:|---:|---:|---:|",
+        f"| unquantized | — | {_pct(ref['retrieved'])} | | | | {summary['reference_seconds']:.1f} |",
+    ]
+    for r in summary["results"]:
+        lines.append(
+            f"| {r['scheme']} | {r['avg_bits']:.2f} | {_pct(r['retrieved'])} | {_pct(r['kept'])} | "
+            f"{r['delta_nll']:+.3f} | {fmt_kl(r['kl'])} | {r['seconds']:.1f} |"
+        )
+    by_context_note = (
+        "*Retrieved (reference → scheme), key NLL (reference → scheme), and with prefill semantics the MiB the "
+        "scheme's real cache held at the end of the longest trial, of the reference's float cache.*"
+    )
+    lines += ["", "## By context", "", by_context_note, ""]
+    lines += [
+        "| scheme | " + " | ".join(_tokens(c) for c in contexts) + " |",
+        "|:---|" + "---:|" * len(contexts),
+    ]
+    for r in summary["results"]:
+        cells = []
+        for b in r["by_context"]:
+            cell = f"{_pct(b['retrieved_ref'])} → {_pct(b['retrieved'])}; NLL {b['nll_ref']:.2f} → {b['nll']:.2f}"
+            if b.get("cache_bytes") is not None:
+                cell += f"; {_mib(b['cache_bytes'])} of {_mib(b.get('cache_bytes_ref'))} MiB"
+            cells.append(cell)
+        lines.append(f"| {r['scheme']} | " + " | ".join(cells) + " |")
+    lines += ["", "## By context and depth", ""]
+    if figure:
+        lines += ["![retrieval by context and depth](needle.png)", ""]
+    lines += _grid_table(summary)
+    lost = [
+        (rec["context"], rec["depth"], rec["index"], name)
+        for rec in summary["records"]
+        for name, s in rec["schemes"].items()
+        if rec["reference"]["retrieved"] and not s["retrieved"]
+    ]
+    if lost:
+        lines += [
+            "## Trials lost",
+            "",
+            "*Retrieved by the reference, not by the scheme: context, depth, trial.*",
+            "",
+        ]
+        for name in [r["scheme"] for r in summary["results"]]:
+            mine = [f"{_tokens(c)} @ {d:g} #{i}" for c, d, i, nm in lost if nm == name]
+            if mine:
+                lines.append(f"- **{name}** ({len(mine)}): " + ", ".join(mine))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
+    """One panel per run (reference first): contexts × depths, colour = fraction retrieved."""
+    import numpy as np
+
+    from kvbits.report.plots.figure import new_figure, save_png
+
+    contexts, depths = summary["contexts"], summary["depths"]
+    panels = [("reference", summary["reference"]["grid"])] + [
+        (r["scheme"], r["grid"]) for r in summary["results"]
+    ]
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = new_figure(max(4.0, 2.3 * cols + 1.2), max(2.4, (0.35 * len(contexts) + 1.3) * rows))
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).reshape(-1)
+    im = None
+    for ax, (name, grid) in zip(axes, panels):
+        g = np.array([[np.nan if x is None else x for x in row] for row in grid], dtype=float)
+        im = ax.imshow(np.ma.masked_invalid(g), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        for (i, j), v in np.ndenumerate(g):
+            ax.text(
+                j,
+                i,
+                "n/a" if not math.isfinite(v) else f"{100 * v:.0f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        ax.set_yticks(range(len(contexts)), [_tokens(c) for c in contexts], fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("needle depth", fontsize=8)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    if im is not None:
+        cb = fig.colorbar(im, ax=list(axes[: len(panels)]), fraction=0.03)
+        cb.set_label("fraction retrieved", fontsize=8)
+    fig.suptitle(f"Passkey retrieval, {summary['model']} ({summary['semantics']} semantics)", fontsize=10)
+    return save_png(fig, path)
+
+
+def check_needle_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """``out_dir`` as a ``Path`` if a needle run may be written there (see :func:`write_needle`), else
+    ``ValueError``; call it before the trials run, so a wrong folder fails in a moment."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "needle.json").is_file() and not overwrite:
+        raise ValueError(
+            f"--out {out} is a non-empty folder that holds no kvbits needle run; choose another folder or pass "
+            "--overwrite (only needle.json, report.md and needle.png would be replaced)"
+        )
+    return out
+
+
+def write_needle(
+    summary: Mapping[str, Any], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Write ``needle.json``, ``report.md`` and (with matplotlib) ``needle.png`` into ``out_dir``.
+
+    A non-empty folder that holds no ``needle.json`` is refused (``ValueError``) unless ``overwrite``;
+    then only the files named in :data:`NEEDLE_FILES` are replaced, nothing else is deleted.
+    """
+    out = check_needle_out(out_dir, overwrite=overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "needle.json", json.dumps(summary, indent=2) + "\n")
+    try:
+        plot_needle(summary, out / "needle.png")
+        figure = True
+    except ImportError:
+        figure = False
+    _write(out / "report.md", needle_markdown(summary, figure=figure))
+    return out
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,340 @@
+"""Passkey retrieval (``kvbits needle``): trials, scoring, the two semantics, the report and the CLI.
+
+Tiny random-weight Llama models over a byte-level tokenizer (digits and punctuation survive
+tokenization) for everything but one real-model check on SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from _bytelevel import VOCAB, byte_tokenizer, save_byte_tokenizer, write_sentences
+
+from kvbits.evaluate.models import LoadedModel, ModelSource
+from kvbits.evaluate.needle import (
+    MIN_HAYSTACK,
+    SNAP_TOKENS,
+    NeedleTask,
+    build_trials,
+    min_context,
+    score_key,
+)
+from kvbits.evaluate.needle_run import needle_eval
+from kvbits.schemes import KVScheme, TensorSpec
+from kvbits.schemes.presets import get_scheme
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXACT = KVScheme(
+    "exact32",
+    key=TensorSpec(kind="float", bits=32, fmt="fp32"),
+    value=TensorSpec(kind="float", bits=32, fmt="fp32"),
+)
+# flushes 8-token blocks behind a 16-token window: the question (~50 byte tokens) sees flushes happen
+SMALL_KIVI = KVScheme(
+    "t-kivi",
+    key=TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=8),
+    value=TensorSpec(kind="int", bits=2, fmt=None, granularity="token", group_size=16),
+    residual=16,
+    block=8,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus(tok, tmp_path_factory):
+    path = write_sentences(tmp_path_factory.mktemp("hay") / "hay.txt", 400)
+    return path, torch.tensor(tok(path.read_text(), add_special_tokens=False)["input_ids"])
+
+
+def _tiny(seed: int = 0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def lm(tok):
+    return LoadedModel(_tiny(), tok, ModelSource(name="tiny-bytes", path="tiny-bytes"), "tinybytes0000000")
+
+
+# ------------------------------------------------------------------------------------ trials
+
+
+def test_trials_are_haystack_needle_question_key(tok, corpus):
+    _, ids = corpus
+    task = NeedleTask()
+    trials = build_trials(tok, ids, [300, 400], [0.0, 0.3, 0.7, 1.0], trials=2, seed=3)
+    assert len(trials) == 2 * 4 * 2
+    for t in trials:
+        assert t.ids.shape == (t.context,) and t.ids.dtype == torch.long
+        assert len(t.key) == task.digits and t.key[0] != "0" and t.key.isdigit()
+        x = t.ids.tolist()
+        assert tok.decode(x[t.needle_at : t.needle_at + t.needle_len]) == task.needle_text(t.key)
+        assert tok.decode(x[t.doc_len :]) == task.question_text(t.key)
+        assert tok.decode(x[t.answer_start :]) == t.key  # byte tokens: exactly the key's digits
+        n_hay = t.doc_len - t.needle_len
+        hay = ids[t.offset : t.offset + n_hay].tolist()
+        assert x[: t.needle_at] == hay[: t.needle_at]
+        assert x[t.needle_at + t.needle_len : t.doc_len] == hay[t.needle_at :]
+        assert t.depth_actual == pytest.approx(t.needle_at / n_hay)
+        if t.depth == 0.0:
+            assert t.needle_at == 0
+        elif t.depth == 1.0:
+            assert t.needle_at == n_hay  # right before the question
+        else:  # moved back to a sentence end, not far
+            assert 0 <= round(t.depth * n_hay) - t.needle_at < SNAP_TOKENS
+            assert tok.decode(x[t.needle_at - 1 : t.needle_at]) in (".", "!", "?", " ")
+            assert tok.decode(x[t.needle_at - 2 : t.needle_at]).rstrip(" ")[-1] in ".!?"
+
+
+def test_trials_are_seeded_per_cell(tok, corpus):
+    _, ids = corpus
+    a = build_trials(tok, ids, 300, [0.5], trials=3, seed=1)
+    b = build_trials(tok, ids, [300, 500], [0.0, 0.5], trials=3, seed=1)  # more cells: same keys in the shared ones
+    same = [t for t in b if t.context == 300 and t.depth == 0.5]
+    assert [(t.key, t.offset) for t in a] == [(t.key, t.offset) for t in same]
+    assert len({t.key for t in a}) == 3  # each trial its own key
+    c = build_trials(tok, ids, 300, [0.5], trials=3, seed=2)
+    assert [t.key for t in c] != [t.key for t in a]
+
+
+def test_trial_errors(tok, corpus):
+    _, ids = corpus
+    shortest = min_context(tok)
+    assert shortest == len(tok(NeedleTask().needle_text("99999"))["input_ids"]) + len(
+        tok(NeedleTask().question_text("99999"))["input_ids"]
+    ) + MIN_HAYSTACK
+    build_trials(tok, ids, shortest, [0.5])  # fits exactly
+    with pytest.raises(ValueError, match=f"at least {shortest}"):
+        build_trials(tok, ids, shortest - 1, [0.5])
+    with pytest.raises(ValueError, match="text has"):
+        build_trials(tok, ids[:200], 400, [0.5])
+    for bad in ([1.5], [-0.1], [float("nan")], []):
+        with pytest.raises(ValueError, match="depth"):
+            build_trials(tok, ids, 300, bad)
+    with pytest.raises(TypeError, match="depth"):
+        build_trials(tok, ids, 300, ["half"])
+    with pytest.raises(ValueError, match="trials"):
+        build_trials(tok, ids, 300, [0.5], trials=0)
+    with pytest.raises(ValueError, match="context"):
+        build_trials(tok, ids, [0], [0.5])
+    with pytest.raises(ValueError, match="1-D integer"):
+        build_trials(tok, ids.float(), 300, [0.5])
+    for kw, match in (
+        ({"needle": "no key here"}, "needle"),
+        ({"question": "{key} is the key?"}, "ending"),
+        ({"question": "{key}: what? {key}"}, "once"),
+        ({"digits": 0}, "digits"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            NeedleTask(**kw)
+
+
+# ------------------------------------------------------------------------------------ scoring
+
+
+def test_score_key_is_greedy_retrieval():
+    targets = torch.tensor([3, 1, 4])
+    logits = torch.full((3, 6), -2.0)
+    logits[torch.arange(3), targets] = 3.0
+    lp = torch.log_softmax(logits, -1)
+    s = score_key(lp, targets)
+    assert s["retrieved"] and s["token_acc"] == 1.0 and s["pred"] == [3, 1, 4]
+    assert s["nll"] == pytest.approx(float(-lp[0, 3]))
+    assert "kl" not in s
+    assert score_key(lp, targets, lp)["kl"] == pytest.approx(0.0, abs=1e-12)
+    wrong = logits.clone()
+    wrong[2, 5] = 9.0  # the last digit's argmax moves: greedy would write another key
+    lw = torch.log_softmax(wrong, -1)
+    s2 = score_key(lw, targets, lp)
+    assert not s2["retrieved"] and s2["token_acc"] == pytest.approx(2 / 3) and s2["pred"][2] == 5
+    kl = float((lp.exp() * (lp - lw)).sum(-1).mean())
+    assert s2["kl"] == pytest.approx(kl) and kl > 0
+    with pytest.raises(ValueError, match="not finite"):
+        score_key(torch.full((3, 6), float("nan")), targets)
+    with pytest.raises(ValueError, match="K >= 1"):
+        score_key(lp[:2], targets)
+    with pytest.raises(ValueError, match="reference"):
+        score_key(lp, targets, lp[:, :5])
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+
+def _key_nll_prefill_simulated(model, trial, scheme) -> float:
+    """The same trial through the one-pass simulator with prefill semantics (the document exact)."""
+    from kvbits.evaluate.simulate import simulate
+
+    ids = trial.ids[None, :-1]
+    with simulate(model, scheme, semantics="prefill", prompt_len=trial.doc_len), torch.no_grad():
+        h = model.model(ids).last_hidden_state[0, trial.answer_start - 1 :]
+        lp = torch.log_softmax(model.lm_head(h).double(), -1)
+    return float(-lp.gather(-1, trial.ids[trial.answer_start :, None]).mean())
+
+
+def test_prefill_semantics_real_cache_equals_simulator(lm, corpus, tok):
+    """Two implementations of one semantics: the real cache loaded from an exact prefill and decoded token
+    by token, and the simulator's one pass. They agree on the key's NLL for a scheme that flushes while
+    the question is decoded; a key row off by one, or a flush counted from the wrong token, would not."""
+    path, ids = corpus
+    s = needle_eval(lm, [300, 420], [SMALL_KIVI, "int4-token"], data=str(path), depths=[0.0, 0.6], trials=1)
+    trials = build_trials(tok, ids, [300, 420], [0.0, 0.6], 1)
+    assert len(s["records"]) == len(trials) == 4
+    for rec, trial in zip(s["records"], trials):
+        assert rec["key"] == trial.key and rec["answer_start"] == trial.answer_start
+        for name, scheme in (("t-kivi", SMALL_KIVI), ("int4-token", get_scheme("int4-token"))):
+            sim = _key_nll_prefill_simulated(lm.model, trial, scheme)
+            assert rec["schemes"][name]["nll"] == pytest.approx(sim, abs=1e-4), name
+            assert rec["schemes"][name]["kl"] > 1e-6  # the scheme visibly changes the key's distribution
+
+
+def test_exact_scheme_equals_reference_and_bytes_are_the_plan(lm, corpus):
+    from kvbits.plan import plan
+
+    path, _ = corpus
+    s = needle_eval(lm, [300, 420], [EXACT, "int2-token"], data=str(path), depths=[0.0, 0.5, 1.0], trials=2)
+    exact, int2 = s["results"]
+    for rec in s["records"]:
+        e, r = rec["schemes"]["exact32"], rec["reference"]
+        assert e["nll"] == pytest.approx(r["nll"], abs=1e-5) and e["kl"] < 1e-8
+        assert e["pred"] == r["pred"] and e["retrieved"] == r["retrieved"]
+        assert rec["schemes"]["int2-token"]["kl"] > 1e-4
+    assert abs(exact["delta_nll"]) < 1e-5 and int2["kl"] > 1e-4
+    assert s["results"][1]["avg_bits"] == pytest.approx(2.0 + 2 * 16 / 16)  # D = 16: one fp16 scale + zero per token
+    # the grid is (contexts, depths) of retrieved fractions, consistent with the records
+    assert len(int2["grid"]) == 2 and all(len(row) == 3 for row in int2["grid"])
+    for i, c in enumerate(s["contexts"]):
+        for j, d in enumerate(s["depths"]):
+            cell = [r["schemes"]["int2-token"]["retrieved"] for r in s["records"] if r["context"] == c and r["depth"] == d]
+            assert len(cell) == 2 and int2["grid"][i][j] == pytest.approx(sum(cell) / 2)
+    hits = [r for r in s["records"] if r["reference"]["retrieved"]]
+    expect_kept = None if not hits else sum(r["schemes"]["int2-token"]["retrieved"] for r in hits) / len(hits)
+    assert int2["kept"] == expect_kept
+    # real bytes = planned bytes: the cache holds context - 1 tokens when the last key token is predicted
+    for b in int2["by_context"]:
+        planned = plan(lm.model.config, context=b["context"] - 1, scheme="int2-token", dtype_bytes=4)["total_bytes"]
+        assert b["cache_bytes"] == planned
+        assert b["cache_bytes_ref"] == 2 * 2 * 2 * 16 * (b["context"] - 1) * 4  # K+V, layers, heads, D, float32
+
+
+def test_decode_semantics_equals_token_by_token_cache(lm, corpus, tok):
+    from kvbits.evaluate.stream import stream_hidden
+
+    path, ids = corpus
+    s = needle_eval(lm, 300, [SMALL_KIVI], data=str(path), depths=[0.5], semantics="decode")
+    (trial,) = build_trials(tok, ids, 300, [0.5])
+    h = stream_hidden(lm.model, trial.ids[None, :-1], SMALL_KIVI, fused_decode=False)[0, trial.answer_start - 1 :]
+    with torch.no_grad():
+        lp = torch.log_softmax(lm.model.lm_head(h).double(), -1)
+    nll = float(-lp.gather(-1, trial.ids[trial.answer_start :, None]).mean())
+    assert s["records"][0]["schemes"]["t-kivi"]["nll"] == pytest.approx(nll, abs=1e-4)
+    assert s["results"][0]["by_context"][0]["cache_bytes"] is None  # the simulator holds no cache
+    # decode semantics quantizes the document's own attention too: the key moves further than with prefill
+    p = needle_eval(lm, 300, [SMALL_KIVI], data=str(path), depths=[0.5], semantics="prefill")
+    assert p["records"][0]["reference"]["nll"] == pytest.approx(s["records"][0]["reference"]["nll"], abs=1e-4)
+    assert s["results"][0]["kl"] != pytest.approx(p["results"][0]["kl"], rel=1e-3)
+
+
+def test_needle_eval_errors(lm, corpus):
+    path, _ = corpus
+    with pytest.raises(ValueError, match="tokenizer"):
+        needle_eval(lm.model, 300, ["int4-token"], data=str(path))
+    with pytest.raises(ValueError, match="prefill"):
+        needle_eval(lm, 300, ["hf-quanto-int4"], data=str(path), semantics="decode")
+    with pytest.raises(ValueError, match="fused_decode"):
+        needle_eval(lm, 300, ["int4-token"], data=str(path), semantics="decode", fused_decode=True)
+    with pytest.raises(ValueError, match="semantics"):
+        needle_eval(lm, 300, ["int4-token"], data=str(path), semantics="chunked")
+    with pytest.raises(ValueError, match="distinct"):
+        needle_eval(lm, 300, ["int4-token", "int4-token"], data=str(path))
+    with pytest.raises(ValueError, match="kvbits calibrate"):
+        needle_eval(lm, 300, ["kvquant-4"], data=str(path))
+    with pytest.raises(ValueError, match="at least"):
+        needle_eval(lm, 64, ["int4-token"], data=str(path))
+    with pytest.raises(ValueError, match="at least one scheme"):
+        needle_eval(lm, 300, [], data=str(path))
+
+
+# ------------------------------------------------------------------------------------ report and CLI
+
+
+def _summary(lm, path):
+    return needle_eval(lm, [300], ["int4-token", "int2-token"], data=str(path), depths=[0.0, 1.0], trials=1)
+
+
+def test_report_and_folder(lm, corpus, tmp_path):
+    from kvbits.report.needle import needle_markdown, write_needle
+
+    path, _ = corpus
+    s = _summary(lm, path)
+    out = write_needle(s, tmp_path / "run")
+    assert json.loads((out / "needle.json").read_text())["records"] == json.loads(json.dumps(s["records"]))
+    md = (out / "report.md").read_text()
+    assert md == needle_markdown(s)
+    for r in s["results"]:
+        assert f"| {r['scheme']} | {r['avg_bits']:.2f} |" in md
+        assert f"| {r['scheme']} | 300 | " in md  # the (context, depth) grid
+    assert (out / "needle.png").stat().st_size > 1000
+    write_needle(s, out)  # a needle run's own folder is rewritten
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no kvbits needle run"):
+        write_needle(s, foreign)
+    write_needle(s, foreign, overwrite=True)
+    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "needle.json").is_file()
+    if not any(r["reference"]["retrieved"] for r in s["records"]):
+        assert all(r["kept"] is None for r in s["results"])
+        assert "n/a" in md
+
+
+def test_cli_end_to_end(corpus, tmp_path, capsys):
+    from kvbits.cli import main
+
+    path, _ = corpus
+    model_dir = tmp_path / "tiny"
+    _tiny().save_pretrained(model_dir)
+    save_byte_tokenizer(model_dir)
+    argv = ["needle", "--model", str(model_dir), "--data", str(path), "--context", "300", "--depths", "0,1",
+            "--scheme", "int4-token", "--digits", "4"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["task"]["digits"] == 4 and all(len(r["key"]) == 4 for r in s["records"])
+    assert s["depths"] == [0.0, 1.0] and s["results"][0]["scheme"] == "int4-token"
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert "passkey retrieved" in capsys.readouterr().out
+    assert (tmp_path / "out" / "report.md").is_file()
+    for bad in (["--depths", "1.5"], ["--context", "0"], ["--trials", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, *bad])
+        assert exc.value.code == 2
+    capsys.readouterr()
+    assert main([*argv, "--semantics", "decode", "--fused-decode", "on"]) != 0
+    assert "needs --semantics prefill" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ real model
+
+
+@pytest.mark.realmodel
+def test_realmodel_retrieval_survives_int8_not_int2():
+    """SmolLM2-135M finds the key in 768 tokens of War and Peace at every depth; INT8 per-token keeps
+    every trial, INT2 per-token (no residual window) loses them: retrieval is a measure that can fail."""
+    s = needle_eval("smollm2-135m", 768, ["int8-token", "int2-token"], depths=[0.0, 0.5, 1.0])
+    assert s["reference"]["retrieved"] == 1.0
+    int8, int2 = s["results"]
+    assert int8["kept"] == 1.0 and abs(int8["delta_nll"]) < 0.02
+    assert int2["kept"] < 0.5 and int2["delta_nll"] > 0.5
+    assert all(math.isfinite(r["schemes"]["int2-token"]["nll"]) for r in s["records"])
