@@ -102,7 +102,9 @@ def test_trials_are_haystack_needle_question_key(tok, corpus):
 def test_trials_are_seeded_per_cell(tok, corpus):
     _, ids = corpus
     a = build_trials(tok, ids, 300, [0.5], trials=3, seed=1)
-    b = build_trials(tok, ids, [300, 500], [0.0, 0.5], trials=3, seed=1)  # more cells: same keys in the shared ones
+    b = build_trials(
+        tok, ids, [300, 500], [0.0, 0.5], trials=3, seed=1
+    )  # more cells: same keys in the shared ones
     same = [t for t in b if t.context == 300 and t.depth == 0.5]
     assert [(t.key, t.offset) for t in a] == [(t.key, t.offset) for t in same]
     assert len({t.key for t in a}) == 3  # each trial its own key
@@ -113,9 +115,12 @@ def test_trials_are_seeded_per_cell(tok, corpus):
 def test_trial_errors(tok, corpus):
     _, ids = corpus
     shortest = min_context(tok)
-    assert shortest == len(tok(NeedleTask().needle_text("99999"))["input_ids"]) + len(
-        tok(NeedleTask().question_text("99999"))["input_ids"]
-    ) + MIN_HAYSTACK
+    assert (
+        shortest
+        == len(tok(NeedleTask().needle_text("99999"))["input_ids"])
+        + len(tok(NeedleTask().question_text("99999"))["input_ids"])
+        + MIN_HAYSTACK
+    )
     build_trials(tok, ids, shortest, [0.5])  # fits exactly
     with pytest.raises(ValueError, match=f"at least {shortest}"):
         build_trials(tok, ids, shortest - 1, [0.5])
@@ -212,21 +217,31 @@ def test_exact_scheme_equals_reference_and_bytes_are_the_plan(lm, corpus):
         assert e["pred"] == r["pred"] and e["retrieved"] == r["retrieved"]
         assert rec["schemes"]["int2-token"]["kl"] > 1e-4
     assert abs(exact["delta_nll"]) < 1e-5 and int2["kl"] > 1e-4
-    assert s["results"][1]["avg_bits"] == pytest.approx(2.0 + 2 * 16 / 16)  # D = 16: one fp16 scale + zero per token
+    assert s["results"][1]["avg_bits"] == pytest.approx(
+        2.0 + 2 * 16 / 16
+    )  # D = 16: one fp16 scale + zero per token
     # the grid is (contexts, depths) of retrieved fractions, consistent with the records
     assert len(int2["grid"]) == 2 and all(len(row) == 3 for row in int2["grid"])
     for i, c in enumerate(s["contexts"]):
         for j, d in enumerate(s["depths"]):
-            cell = [r["schemes"]["int2-token"]["retrieved"] for r in s["records"] if r["context"] == c and r["depth"] == d]
+            cell = [
+                r["schemes"]["int2-token"]["retrieved"]
+                for r in s["records"]
+                if r["context"] == c and r["depth"] == d
+            ]
             assert len(cell) == 2 and int2["grid"][i][j] == pytest.approx(sum(cell) / 2)
     hits = [r for r in s["records"] if r["reference"]["retrieved"]]
     expect_kept = None if not hits else sum(r["schemes"]["int2-token"]["retrieved"] for r in hits) / len(hits)
     assert int2["kept"] == expect_kept
     # real bytes = planned bytes: the cache holds context - 1 tokens when the last key token is predicted
     for b in int2["by_context"]:
-        planned = plan(lm.model.config, context=b["context"] - 1, scheme="int2-token", dtype_bytes=4)["total_bytes"]
+        planned = plan(lm.model.config, context=b["context"] - 1, scheme="int2-token", dtype_bytes=4)[
+            "total_bytes"
+        ]
         assert b["cache_bytes"] == planned
-        assert b["cache_bytes_ref"] == 2 * 2 * 2 * 16 * (b["context"] - 1) * 4  # K+V, layers, heads, D, float32
+        assert (
+            b["cache_bytes_ref"] == 2 * 2 * 2 * 16 * (b["context"] - 1) * 4
+        )  # K+V, layers, heads, D, float32
 
 
 def test_decode_semantics_equals_token_by_token_cache(lm, corpus, tok):
@@ -235,7 +250,9 @@ def test_decode_semantics_equals_token_by_token_cache(lm, corpus, tok):
     path, ids = corpus
     s = needle_eval(lm, 300, [SMALL_KIVI], data=str(path), depths=[0.5], semantics="decode")
     (trial,) = build_trials(tok, ids, 300, [0.5])
-    h = stream_hidden(lm.model, trial.ids[None, :-1], SMALL_KIVI, fused_decode=False)[0, trial.answer_start - 1 :]
+    h = stream_hidden(lm.model, trial.ids[None, :-1], SMALL_KIVI, fused_decode=False)[
+        0, trial.answer_start - 1 :
+    ]
     with torch.no_grad():
         lp = torch.log_softmax(lm.model.lm_head(h).double(), -1)
     nll = float(-lp.gather(-1, trial.ids[trial.answer_start :, None]).mean())

@@ -279,6 +279,11 @@ def build_trials(
                 key = str(int(rng.integers(10 ** (task.digits - 1), 10**task.digits)))
                 needle, qa, k = _fixed_tokens(tokenizer, task, key)
                 n_hay = context - len(needle) - len(qa)
+                if n_hay < 1:  # this key tokenized longer than the one min_context measured
+                    raise ValueError(
+                        f"context {context} leaves no haystack for key {key!r} (needle and question take "
+                        f"{len(needle) + len(qa)} tokens); use a longer context"
+                    )
                 if n_hay > n_text:
                     raise ValueError(
                         f"the text has {n_text} tokens; a {context}-token trial needs a haystack of {n_hay}: use a "

@@ -143,13 +143,13 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
 
 
 def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
-    """One panel per run (reference first): contexts × depths, colour = fraction retrieved."""
+    """One panel per run (the unquantized model first): contexts × depths, colour = fraction retrieved."""
     import numpy as np
 
     from kvbits.report.plots.figure import new_figure, save_png
 
     contexts, depths = summary["contexts"], summary["depths"]
-    panels = [("reference", summary["reference"]["grid"])] + [
+    panels = [("unquantized", summary["reference"]["grid"])] + [
         (r["scheme"], r["grid"]) for r in summary["results"]
     ]
     cols = min(4, len(panels))
@@ -164,7 +164,7 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
             ax.text(
                 j,
                 i,
-                "n/a" if not math.isfinite(v) else f"{100 * v:.0f}",
+                "n/a" if not math.isfinite(v) else f"{100 * v:.0f}%",
                 ha="center",
                 va="center",
                 fontsize=7,
