@@ -167,3 +167,18 @@ if [[ $step == all || $step == needle ]]; then
       --scheme int2-token --scheme kvquant-4 --calibration runs/calib-smollm2-kvq4 \
       --out runs/needle-smollm2-prefill
 fi
+if [[ $step == all || $step == needle-qwen ]]; then
+  # The same task on Qwen2.5-Coder-0.5B (32K-trained, GQA 7:1, layer-0 key bias) at 4K-16K, one trial per cell.
+  [[ -f runs/needle-qwen-prefill/needle.json ]] || \
+    $K needle --model qwen2.5-coder-0.5b --context 4k --context 8k --context 16k --trials 1 --no-progress \
+      --scheme int8-token --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
+      --scheme int2-token --out runs/needle-qwen-prefill
+fi
+if [[ $step == all || $step == needle-decode ]]; then
+  # Decode semantics for the same SmolLM2 trials at 4K (every token attends over the quantized history,
+  # the simulator): the harsher case beside needle's prefill semantics.
+  [[ -f runs/needle-smollm2-decode/needle.json ]] || \
+    $K needle --model smollm2-135m --context 4k --trials 2 --semantics decode --no-progress \
+      --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
+      --out runs/needle-smollm2-decode
+fi
