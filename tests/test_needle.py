@@ -355,3 +355,15 @@ def test_realmodel_retrieval_survives_int8_not_int2():
     assert int8["kept"] == 1.0 and abs(int8["delta_nll"]) < 0.02
     assert int2["kept"] < 0.5 and int2["delta_nll"] > 0.5
     assert all(math.isfinite(r["schemes"]["int2-token"]["nll"]) for r in s["records"])
+
+
+def test_prefill_decode_steps_through_the_fused_path(lm, corpus):
+    """``fused_decode=True`` decodes the question over the packed store (the torch reference on CPU) and
+    gives the dequantize path's key scores; the decode counters say which path ran."""
+    path, _ = corpus
+    kw = {"data": str(path), "depths": [0.0, 1.0]}
+    fused = needle_eval(lm, 300, ["int4-token", SMALL_KIVI], fused_decode=True, **kw)
+    plain = needle_eval(lm, 300, ["int4-token", SMALL_KIVI], fused_decode=False, **kw)
+    for f, p in zip(fused["results"], plain["results"]):
+        assert f["decode"]["fused_steps"] > 0 and p["decode"]["fused_steps"] == 0
+        assert f["nll"] == pytest.approx(p["nll"], abs=1e-4) and f["kl"] == pytest.approx(p["kl"], rel=1e-3, abs=1e-6)
