@@ -123,9 +123,9 @@ def generation_summary(
     }
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    """The mean of the finite values, None (JSON null) when there are none."""
-    vals = [float(v) for v in values if np.isfinite(v)]
+def _mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the finite values (None entries skipped), None (JSON null) when there are none."""
+    vals = [float(v) for v in values if v is not None and np.isfinite(v)]
     return float(np.mean(vals)) if vals else None
 
 

@@ -117,10 +117,6 @@ class Trial:
     answer_start: int
     ids: torch.Tensor
 
-    @property
-    def key_tokens(self) -> int:
-        return int(self.context - self.answer_start)
-
     def record(self) -> dict[str, Any]:
         """The trial without its ids (JSON)."""
         return {

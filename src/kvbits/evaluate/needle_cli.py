@@ -156,7 +156,8 @@ def _print(summary: dict, out: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvbits.report.needle import _pct, _tokens
+    from kvbits.report.fmt import fmt_pos
+    from kvbits.report.needle import _pct
 
     console = Console()
     contexts, depths = summary["contexts"], summary["depths"]
@@ -166,7 +167,7 @@ def _print(summary: dict, out: str | None) -> None:
     table.add_column("scheme")
     table.add_column("bits", justify="right")
     for c in contexts:
-        table.add_column(_tokens(c), justify="right")
+        table.add_column(fmt_pos(c), justify="right")
     table.add_column("all", justify="right")
     table.add_column("kept", justify="right")
     table.add_column("ΔNLL key", justify="right")

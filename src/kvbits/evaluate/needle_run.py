@@ -30,9 +30,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
     DEFAULT_DEPTHS,
     NeedleTask,
@@ -106,7 +106,14 @@ def _run_prefill(
     from transformers import DynamicCache
 
     from kvbits.cache.fused import wants
-    from kvbits.evaluate.stream import _fused_attention, decode_hidden, load_kv, make_cache, prefill_kv
+    from kvbits.evaluate.stream import (
+        _fused_attention,
+        add_decode_counts,
+        decode_hidden,
+        load_kv,
+        make_cache,
+        prefill_kv,
+    )
 
     dev = next(model.parameters()).device
     ids = trial.ids[None].to(dev)
@@ -133,10 +140,7 @@ def _run_prefill(
         out[scheme.name] = score_key(lp, targets, lp_ref)
         out[scheme.name]["cache_bytes"] = _cache_bytes(cache)
         if not isinstance(scheme, PeerScheme):
-            rep = cache.fused_report()
-            st = stats.setdefault(scheme.name, {"fused_steps": 0, "fallback_steps": 0})
-            for key in st:
-                st[key] += int(rep[key])
+            add_decode_counts(stats.setdefault(scheme.name, {}), cache.fused_report())
         del cache
         seconds[scheme.name] = time.perf_counter() - t0
     return ref, out, ref_seconds, seconds
@@ -164,11 +168,6 @@ def _run_decode(model, head, trial, schemes, calibrations, chunk_size) -> tuple[
         out[scheme.name] = score_key(_logprobs(head, hidden).cpu(), targets, lp_ref)
         seconds[scheme.name] = time.perf_counter() - t0
     return ref, out, ref_seconds, seconds
-
-
-def _mean(values: list[float]) -> float | None:
-    vals = [float(v) for v in values if v is not None and np.isfinite(v)]
-    return float(np.mean(vals)) if vals else None
 
 
 def _grid(records: list[dict], contexts: list[int], depths: list[float], pick) -> list[list[float | None]]:

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PEER_SCHEMES",
     "PeerScheme",
+    "add_decode_counts",
     "base_model",
     "decode_hidden",
     "load_kv",
@@ -332,6 +333,11 @@ def _stream(
             logger.info("%s: %d fused decode steps, %d fallback steps (layers x tokens)", scheme.name,
                         rep["fused_steps"], rep["fallback_steps"])  # fmt: skip
         if stats is not None:
-            for key in ("fused_steps", "fallback_steps"):
-                stats[key] = stats.get(key, 0) + rep[key]
+            add_decode_counts(stats, rep)
     return torch.cat(chunks, dim=1)
+
+
+def add_decode_counts(stats: dict[str, int], report: dict[str, Any]) -> None:
+    """Add a ``QuantizedKVCache.fused_report()``'s ``"fused_steps"`` and ``"fallback_steps"`` to ``stats``."""
+    for key in ("fused_steps", "fallback_steps"):
+        stats[key] = stats.get(key, 0) + int(report[key])

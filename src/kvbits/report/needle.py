@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.fmt import fmt_kl
+from kvbits.report.fmt import fmt_kl, fmt_pos
+from kvbits.report.render import _write_text
 
 __all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "write_needle"]
 
@@ -31,10 +32,6 @@ _SEMANTICS = {
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
-
-
-def _tokens(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def _mib(n: int | None) -> str:
@@ -58,7 +55,7 @@ def _grid_table(summary: Mapping[str, Any]) -> list[str]:
     ]
     for name, grid in runs:
         for c, row in zip(contexts, grid):
-            lines.append(f"| {name} | {_tokens(c)} | " + " | ".join(_pct(x) for x in row) + " |")
+            lines.append(f"| {name} | {fmt_pos(c)} | " + " | ".join(_pct(x) for x in row) + " |")
     return lines + [""]
 
 
@@ -74,7 +71,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`)",
         f"- **Haystack:** `{summary['data']}` (tokens fingerprint `{summary['fingerprint']['tokens']}`)",
         (
-            f"- **Contexts:** {', '.join(_tokens(c) for c in contexts)} tokens; **depths** "
+            f"- **Contexts:** {', '.join(fmt_pos(c) for c in contexts)} tokens; **depths** "
             f"{', '.join(f'{d:g}' for d in depths)}; {summary['trials']} trial(s) per cell, {n} in all "
             f"(seed {summary['seed']})"
         ),
@@ -106,7 +103,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     )
     lines += ["", "## By context", "", by_context_note, ""]
     lines += [
-        "| scheme | " + " | ".join(_tokens(c) for c in contexts) + " |",
+        "| scheme | " + " | ".join(fmt_pos(c) for c in contexts) + " |",
         "|:---|" + "---:|" * len(contexts),
     ]
     for r in summary["results"]:
@@ -135,7 +132,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             "",
         ]
         for name in [r["scheme"] for r in summary["results"]]:
-            mine = [f"{_tokens(c)} @ {d:g} #{i}" for c, d, i, nm in lost if nm == name]
+            mine = [f"{fmt_pos(c)} @ {d:g} #{i}" for c, d, i, nm in lost if nm == name]
             if mine:
                 lines.append(f"- **{name}** ({len(mine)}): " + ", ".join(mine))
         lines.append("")
@@ -170,7 +167,7 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
                 fontsize=7,
             )
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_yticks(range(len(contexts)), [_tokens(c) for c in contexts], fontsize=7)
+        ax.set_yticks(range(len(contexts)), [fmt_pos(c) for c in contexts], fontsize=7)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("needle depth", fontsize=8)
     for ax in axes[len(panels) :]:
@@ -206,17 +203,11 @@ def write_needle(
     """
     out = check_needle_out(out_dir, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "needle.json", json.dumps(summary, indent=2) + "\n")
+    _write_text(out / "needle.json", json.dumps(summary, indent=2) + "\n")
     try:
         plot_needle(summary, out / "needle.png")
         figure = True
     except ImportError:
         figure = False
-    _write(out / "report.md", needle_markdown(summary, figure=figure))
+    _write_text(out / "report.md", needle_markdown(summary, figure=figure))
     return out
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
