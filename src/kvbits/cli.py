@@ -423,6 +423,7 @@ COMMANDS: dict[str, Command | str] = {
     "tune": "kvbits.tune.cli",
     "eval": "kvbits.evaluate.cli",
     "needle": "kvbits.evaluate.needle_cli",
+    "speed": "kvbits.evaluate.speed_cli",
     "monitor": "kvbits.monitor.cli",
     "export": "kvbits.export.cli",
 }

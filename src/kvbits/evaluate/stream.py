@@ -139,13 +139,19 @@ def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerS
 
 
 def make_cache(
-    scheme: KVScheme | PeerScheme, model: Any, *, calibration: Any = None, fused_decode: bool = False
+    scheme: KVScheme | PeerScheme,
+    model: Any,
+    *,
+    calibration: Any = None,
+    fused_decode: bool = False,
+    workspace: bool | None = None,
 ) -> Any:
     """The cache that stores K/V following ``scheme`` (``QuantizedKVCache``, or a peer's).
 
     Pre-RoPE key specs get the model's own RoPE tables; ``calibration`` (an artifact or its folder)
-    supplies static scales and NUQ codebooks. ``fused_decode``: decode steps through the fused kernel
-    (no dequantized workspace); otherwise a workspace keeps the dequantized history.
+    supplies static scales and NUQ codebooks. ``fused_decode``: decode steps through the fused kernel.
+    ``workspace``: keep a dequantized history (``None``: exactly when not ``fused_decode``, the fast
+    token-by-token path on CPU; the fused path never reads it).
     """
     if isinstance(scheme, PeerScheme):
         if calibration is not None:
@@ -163,7 +169,8 @@ def make_cache(
 
         calibration = load_calibration(calibration, model_config=model.config, scheme=scheme)
     return QuantizedKVCache(
-        config=model.config, scheme=scheme, workspace=not fused_decode, rotary=rotary, calibration=calibration,
+        config=model.config, scheme=scheme, workspace=(not fused_decode) if workspace is None else workspace,
+        rotary=rotary, calibration=calibration,
         fused_decode=bool(fused_decode),
     )  # fmt: skip
 

@@ -8,7 +8,6 @@ cell the fraction of trials that retrieved the key.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits.report.fmt import fmt_kl, fmt_pos
-from kvbits.report.render import _write_text
+from kvbits.report.render import check_out_folder, write_json_report
 
 __all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "write_needle"]
 
@@ -182,15 +181,7 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
 def check_needle_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
     """``out_dir`` as a ``Path`` if a needle run may be written there (see :func:`write_needle`), else
     ``ValueError``; call it before the trials run, so a wrong folder fails in a moment."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "needle.json").is_file() and not overwrite:
-        raise ValueError(
-            f"--out {out} is a non-empty folder that holds no kvbits needle run; choose another folder or pass "
-            "--overwrite (only needle.json, report.md and needle.png would be replaced)"
-        )
-    return out
+    return check_out_folder(out_dir, "needle", NEEDLE_FILES, overwrite=overwrite)
 
 
 def write_needle(
@@ -201,13 +192,5 @@ def write_needle(
     A non-empty folder that holds no ``needle.json`` is refused (``ValueError``) unless ``overwrite``;
     then only the files named in :data:`NEEDLE_FILES` are replaced, nothing else is deleted.
     """
-    out = check_needle_out(out_dir, overwrite=overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_text(out / "needle.json", json.dumps(summary, indent=2) + "\n")
-    try:
-        plot_needle(summary, out / "needle.png")
-        figure = True
-    except ImportError:
-        figure = False
-    _write_text(out / "report.md", needle_markdown(summary, figure=figure))
-    return out
+    return write_json_report(summary, out_dir, "needle", NEEDLE_FILES, needle_markdown, plot_needle,
+                             overwrite=overwrite)  # fmt: skip

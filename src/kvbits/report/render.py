@@ -15,9 +15,12 @@ Input (written by :mod:`kvbits.evaluate.runner`)::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from kvbits.report.document import Heading, build_document
 from kvbits.report.fmt import DEFAULT_THRESHOLD
@@ -28,7 +31,14 @@ from kvbits.report.summary import RunSummary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_config", "load_token_arrays", "reproduce_command", "write_report"]
+__all__ = [
+    "check_out_folder",
+    "load_config",
+    "load_token_arrays",
+    "reproduce_command",
+    "write_json_report",
+    "write_report",
+]
 
 
 def _write_text(path: Path, text: str) -> Path:
@@ -36,6 +46,50 @@ def _write_text(path: Path, text: str) -> Path:
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def check_out_folder(out_dir: str | os.PathLike[str], command: str, files: tuple[str, ...], *,
+                     overwrite: bool = False) -> Path:  # fmt: skip
+    """``out_dir`` as a ``Path`` if a ``kvbits <command>`` run may be written there, else ``ValueError``.
+
+    ``files[0]`` is the JSON that marks a folder as one of this command's runs: a non-empty folder without it
+    is refused unless ``overwrite``, in which case only ``files`` are replaced. Call it before the work runs,
+    so a wrong folder fails in a moment.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / files[0]).is_file() and not overwrite:
+        raise ValueError(
+            f"--out {out} is a non-empty folder that holds no kvbits {command} run; choose another folder or pass "
+            f"--overwrite (only {', '.join(files[:-1])} and {files[-1]} would be replaced)"
+        )
+    return out
+
+
+def write_json_report(
+    summary: Mapping[str, Any],
+    out_dir: str | os.PathLike[str],
+    command: str,
+    files: tuple[str, str, str],
+    markdown: Callable[..., str],
+    plot: Callable[[Mapping[str, Any], Path], Path],
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write a command's ``files`` (its JSON summary, ``report.md`` from ``markdown(summary, figure=...)``,
+    and with matplotlib the PNG ``plot`` draws) into ``out_dir`` (``check_out_folder``'s rules)."""
+    out = check_out_folder(out_dir, command, files, overwrite=overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    json_name, md_name, png_name = files
+    _write_text(out / json_name, json.dumps(summary, indent=2) + "\n")
+    try:
+        plot(summary, out / png_name)
+        figure = True
+    except ImportError:
+        figure = False
+    _write_text(out / md_name, markdown(summary, figure=figure))
+    return out
 
 
 def write_report(

@@ -1,0 +1,465 @@
+"""``speed_eval``: decode throughput and memory of each scheme's real cache against ``DynamicCache``.
+
+For each (context, batch): ``batch`` prompts of ``context`` tokens (real text, one window per row) are
+prefilled once in full precision (``DynamicCache``); the prefill's K/V are loaded into each cache with
+``update`` (a quantized cache stores and flushes them as during generation), and the model then decodes
+``warmup + tokens`` greedy steps through it, one token per sequence per forward, from the same first
+token. Each of the last ``tokens`` steps is timed on its own (the device synchronised before and after):
+the median, 10th and 90th percentile of the step time, and tokens/s = ``batch`` / median step. The
+baseline is transformers' ``DynamicCache`` (the model's own layer kinds: sliding-window layers included),
+which the speed-ups divide by.
+
+How a kvbits decode step attends (``path`` in each record):
+
+- ``fused``: the fused kernel over the packed store (``fused_decode="auto"`` picks it on CUDA with Triton;
+  ``True`` forces it, on CPU through the torch reference, which dequantizes and is a correctness path, not
+  a speed path). A layer's first decode step attends over real K/V and claims the layer
+  (``kvbits.cache.fused``), so that step belongs in the warm-up; ``decode`` counts the layer x step
+  decodes that went through the kernel and those that fell back, in all and in the timed steps;
+- ``dequantize``: every step dequantizes the whole history, then SDPA: the memory the cache reports is
+  then all it holds;
+- ``workspace`` (``workspace=True``): a dequantized copy of the history is kept and appended to, so a step
+  only dequantizes what was flushed since; fast, but it holds the float history too
+  (``workspace_bytes``, reported apart).
+
+Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
+kvbits, every K/V tensor of a ``DynamicCache``) beside what ``kvbits.plan`` says for the same tokens
+(``planned_bytes``: they are equal unless something is wrong), and on CUDA the allocator's bytes held
+by the cache after the run (``cuda_resident_bytes``) and its peak above the pre-cache baseline during the
+decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
+``agreement`` (fraction of equal tokens) and ``first_divergence`` (the first step at which some row
+differs; ``None``: never).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import math
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvbits.evaluate.stream import PeerScheme, resolve_scheme
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
+
+SPEED_VERSION = 1
+BASELINE = "DynamicCache"
+
+
+def _check_int(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+def _check_list(name: str, values: Sequence[int] | int, lo: int) -> list[int]:
+    """Sorted distinct ints ``>= lo`` (each a ``name``) from one int or a sequence (``ValueError`` otherwise)."""
+    items = [values] if isinstance(values, int) and not isinstance(values, bool) else list(values)
+    if not items:
+        raise ValueError(f"give at least one {name}")
+    return sorted({_check_int(name, v, lo) for v in items})
+
+
+def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
+    """``ms_per_step`` (median), ``ms_p10``, ``ms_p90``, ``ms_mean`` of per-step times in ms, and
+    ``tokens_per_s`` (``batch`` tokens per median step)."""
+    if not ms:
+        raise ValueError("no step times")
+    if not all(math.isfinite(x) and x >= 0 for x in ms):
+        raise ValueError(f"step times must be finite and >= 0, got {list(ms)}")
+    t = torch.tensor(list(ms), dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+    med = q[1]
+    return {
+        "ms_per_step": round(med, 4),
+        "ms_p10": round(q[0], 4),
+        "ms_p90": round(q[2], 4),
+        "ms_mean": round(float(t.mean()), 4),
+        "tokens_per_s": round(batch * 1e3 / med, 2) if med > 0 else math.inf,
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cuda_allocated(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _head(model: Any) -> Any:
+    """The model's ``LogitHead``; ``ValueError`` for a model without an output embedding (greedy decoding
+    needs logits)."""
+    from kvbits.evaluate.metrics import LogitHead
+
+    proj = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if proj is None:
+        raise ValueError(f"speed_eval decodes greedily, so it needs a causal LM with an output embedding; got "
+                         f"{type(model).__name__}")  # fmt: skip
+    return LogitHead.from_model(model)
+
+
+def _cache_kw(model: Any) -> str:
+    from kvbits.evaluate.stream import _cache_kwarg
+
+    return _cache_kwarg(model)
+
+
+@torch.no_grad()
+def _decode(
+    model: Any, cache: Any, first: torch.Tensor, steps: int, warmup: int, on_timed: Any = None
+) -> tuple[torch.Tensor, list[float]]:
+    """``warmup + steps`` greedy steps from ``first`` ``(B, 1)`` through ``cache``: the generated tokens
+    ``(B, warmup + steps)`` and the times (ms) of the last ``steps``; ``on_timed()`` is called before the
+    first timed step."""
+    kw = _cache_kw(model)
+    dev = first.device
+    nxt, tokens, times = first, [], []
+    for i in range(warmup + steps):
+        if i == warmup and on_timed is not None:
+            on_timed()
+        _sync(dev)
+        t0 = time.perf_counter()
+        logits = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        _sync(dev)
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+        tokens.append(nxt)
+    return torch.cat(tokens, dim=1).cpu(), times
+
+
+def _dynamic_bytes(cache: Any) -> int | None:
+    """Bytes of every K/V tensor a ``DynamicCache`` holds (None if it does not look like one)."""
+    try:
+        return int(
+            sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        )
+    except (AttributeError, TypeError):
+        return None
+
+
+def _planned(model: Any, scheme: Any, batch: int, tokens: int) -> int | None:
+    """``kvbits.plan``'s K/V bytes for ``batch`` sequences of ``tokens`` tokens (None for peers): what
+    ``memory_report()["total_bytes"]`` counts (not the fused path's RoPE tables)."""
+    if isinstance(scheme, PeerScheme):
+        return None
+    from kvbits.plan import plan
+
+    dtype_bytes = next(model.parameters()).element_size()
+    return int(
+        plan(model.config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=dtype_bytes)["total_bytes"]
+    )
+
+
+def _dynamic_scheme(model: Any) -> Any:
+    """What a ``DynamicCache`` stores, as a scheme the planner counts: keys and values in the model's dtype."""
+    from kvbits.schemes.spec import KVScheme, TensorSpec
+
+    dtype = next(model.parameters()).dtype
+    fmt = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype)
+    if fmt is None:
+        raise ValueError(f"the model's dtype must be float16, bfloat16 or float32, got {dtype}")
+    spec = TensorSpec(kind="float", bits=32 if fmt == "fp32" else 16, fmt=fmt)
+    return KVScheme(name=BASELINE, key=spec, value=spec)
+
+
+def _divergence(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[float, int | None]:
+    """Fraction of equal tokens and the first step at which some row differs (None: none does)."""
+    same = tokens == ref
+    cols = (~same).any(dim=0).nonzero()
+    return float(same.double().mean()), (int(cols[0]) if len(cols) else None)
+
+
+def _counts(report: dict[str, Any]) -> dict[str, int]:
+    return {k: int(report[k]) for k in ("fused_steps", "fallback_steps")}
+
+
+def _path(scheme: Any, fused: bool, workspace: bool) -> str:
+    if scheme is None:
+        return "dynamic"
+    if isinstance(scheme, PeerScheme):
+        return "peer"
+    if fused:
+        return "fused"
+    return "workspace" if workspace else "dequantize"
+
+
+def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, warmup, calibration, fused,
+             workspace) -> dict[str, Any]:  # fmt: skip
+    """One cache's decode run (module docstring); ``scheme`` None is the ``DynamicCache`` baseline."""
+    import contextlib
+
+    from transformers import DynamicCache
+
+    from kvbits.evaluate.stream import _fused_attention, load_kv, make_cache
+
+    dev = first.device
+    base = _cuda_allocated(dev)
+    with _fused_attention(model) if fused else contextlib.nullcontext():
+        if scheme is None:
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = make_cache(
+                scheme, model, calibration=calibration, fused_decode=fused, workspace=workspace
+            )
+        load_kv(cache, kv)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        before: dict[str, int] = {}
+        counts = getattr(cache, "fused_report", None) if scheme is not None else None
+        on_timed = None if counts is None else (lambda: before.update(_counts(counts())))
+        out, times = _decode(model, cache, first, tokens, warmup, on_timed)
+    held = context + warmup + tokens
+    rec: dict[str, Any] = {
+        "cache": BASELINE if scheme is None else scheme.name,
+        "path": _path(scheme, fused, workspace),
+        "context": context,
+        "batch": batch,
+        "cached_tokens": held,
+        **step_stats(times, batch),
+        "step_ms": [round(x, 4) for x in times],
+    }
+    if scheme is None or isinstance(scheme, PeerScheme):
+        rec["cache_bytes"] = _dynamic_bytes(cache) if scheme is None else None
+        rec["workspace_bytes"] = 0 if scheme is None else None
+        rec["decode"] = None
+    else:
+        rep = cache.memory_report()
+        rec["cache_bytes"] = int(rep["total_bytes"])
+        rec["workspace_bytes"] = int(rep["workspace_bytes"])
+        after = _counts(cache.fused_report())
+        rec["decode"] = {**after, **{f"timed_{k}": after[k] - before.get(k, 0) for k in after}}
+    rec["planned_bytes"] = _planned(model, _dynamic_scheme(model) if scheme is None else scheme, batch, held)
+    rec["cuda_resident_bytes"] = rec["cuda_peak_bytes"] = None
+    if base is not None:  # the cache alive, the step's logits gone: what the cache holds on the device
+        rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev)) - base
+        rec["cuda_resident_bytes"] = _cuda_allocated(dev) - base
+    rec["agreement"], rec["first_divergence"] = (
+        (1.0, None) if ref_tokens is None else _divergence(out, ref_tokens)
+    )
+    del cache
+    rec["tokens"] = out
+    return rec
+
+
+def _check_args(schemes: list, tokens: Any, warmup: Any, fused_mode: Any, workspace: Any) -> None:
+    names = [s.name for s in schemes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"schemes must have distinct names, got {names}")
+    if BASELINE in names:
+        raise ValueError(
+            f"{BASELINE!r} is the baseline every run is measured against; it is not a scheme name"
+        )
+    _check_int("tokens", tokens, 1)
+    _check_int("warmup", warmup, 0)
+    if not isinstance(workspace, bool):
+        raise TypeError(f"workspace must be True or False, got {workspace!r}")
+    if workspace and fused_mode is True:
+        raise ValueError("workspace=True keeps a dequantized history for the dequantizing path; fused_decode=True "
+                         "never reads it")  # fmt: skip
+
+
+def _prompts(
+    data: Any, tokenizer: Any, context: int, batch: int, data_path: str | None
+) -> tuple[torch.Tensor, int, str, str]:
+    """``(ids (batch, context), distinct rows, data name, token fingerprint)``: consecutive windows of the
+    text, repeated when it holds fewer than ``batch`` of them (logged)."""
+    from kvbits.evaluate.inputs import _load_windows
+
+    win, name, fp = _load_windows(data, tokenizer, context, batch, data_path)
+    distinct = int(win.shape[0])
+    if distinct < batch:
+        logger.warning(
+            "the text holds %d window(s) of %d tokens; batch %d repeats them", distinct, context, batch
+        )
+        win = win.repeat((batch + distinct - 1) // distinct, 1)[:batch]
+    return win, distinct, name, fp
+
+
+def speed_eval(
+    model: Any,
+    contexts: Sequence[int] | int,
+    schemes: Sequence[str | dict | Any],
+    *,
+    batches: Sequence[int] | int = 1,
+    tokens: int = 32,
+    warmup: int = 4,
+    data: Any = "war-and-peace",
+    calibration: Any = None,
+    fused_decode: bool | str = "auto",
+    workspace: bool = False,
+    data_path: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Decode throughput and cache memory of each scheme against ``DynamicCache`` (module docstring).
+
+    Args:
+        model: registry name / path (``load_model``), a ``LoadedModel`` or a transformers causal LM.
+        contexts: prompt tokens per sequence, one or several; decoding starts after them.
+        schemes: kvbits schemes (names, dicts, JSON paths, objects) or peers (``hf-quanto-int4``).
+        batches: sequences decoded at once, one or several.
+        tokens: timed decode steps per run; ``warmup``: untimed steps before them.
+        data: the prompts: a registered text, a file, a ``TextSource``, or token ids (a tensor ``(N,)`` or
+            ``(W, context)``, for models without a tokenizer).
+        calibration: ``kvbits calibrate`` artifacts or folders for calibrated schemes, as ``evaluate``.
+        fused_decode: ``"auto"`` (the fused kernel on CUDA with Triton), ``True``, ``False``.
+        workspace: the dequantizing path keeps a dequantized history (faster, holds more; module docstring).
+        data_path, dtype, device: as ``evaluate``.
+        progress: a progress bar on stderr.
+
+    Returns:
+        ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
+        "tokens", "warmup", "fused_decode", "workspace", "schemes": [{"scheme", "avg_bits", "peer"}],
+        "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
+        "ms_mean", "tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
+        "cuda_resident_bytes", "cuda_peak_bytes", "decode", "agreement", "first_divergence",
+        "prefill_seconds"}], "fingerprint", "wall_seconds", "peak_rss_bytes", "date", "commit",
+        "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at the same context and batch.
+    """
+    from kvbits.cache import attention_shape
+    from kvbits.cache.fused import check_mode, wants
+    from kvbits.evaluate.data import data_search_path
+    from kvbits.evaluate.inputs import (
+        _calibrations,
+        _check_calibrated,
+        _check_calibration_models,
+        _data_arg,
+        _load_model,
+        _model_arg,
+    )
+    from kvbits.evaluate.measures import _peak_rss_bytes
+    from kvbits.evaluate.outputs import _git_commit, _versions
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+    from kvbits.evaluate.runner import _progress
+    from kvbits.evaluate.stream import prefill_kv
+    from kvbits.plan.config import warn_beyond_max_positions
+    from kvbits.schemes.accounting import average_bits
+
+    contexts = _check_list("context", contexts, 1)
+    batches = _check_list("batch", batches, 1)
+    resolved = [resolve_scheme(s) for s in schemes]
+    fused_mode = check_mode(fused_decode)
+    _check_args(resolved, tokens, warmup, fused_mode, workspace)
+    if data_path is not None:
+        data_search_path(data_path)
+    torch_dtype, dtype_name = _resolve_dtype(dtype)
+    check_device(device)
+    calibrations = _calibrations(calibration, resolved)
+    _check_calibrated(resolved, calibrations)
+    model_spec = model
+    model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
+    _check_calibration_models(calibrations, model_spec, model.config, model_fp)
+    head = _head(model)
+    warn_beyond_max_positions(model.config, contexts[-1] + warmup + tokens)
+    dev = next(model.parameters()).device
+    n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    fused = {s.name: not isinstance(s, PeerScheme) and wants(fused_mode, dev) for s in resolved}
+
+    runs: list[dict[str, Any]] = []
+    fps: dict[tuple[int, int], str] = {}
+    data_name = "tokens"
+    t_wall = time.perf_counter()
+    total = len(contexts) * len(batches) * (1 + len(resolved))
+    with _progress(progress, total) as bar:
+        job = bar.add_task("speed", total=total) if bar is not None else None
+        for context in contexts:
+            for batch in batches:
+                ids, distinct, data_name, fps[(context, batch)] = _prompts(
+                    data, tokenizer, context, batch, data_path
+                )
+                ids = ids.to(dev)
+                t0 = time.perf_counter()
+                hidden, kv = prefill_kv(model, ids)
+                with (
+                    torch.no_grad()
+                ):  # the first generated token, from the exact prefill (shared by every run)
+                    first = head(hidden[:, -1]).argmax(-1, keepdim=True)
+                _sync(dev)
+                prefill_s = time.perf_counter() - t0
+                del hidden
+                ref = None
+                if not runs:  # the process's first decode (allocations, lazy set-up) is timed by no run
+                    _run_one(model, None, kv, first, None, batch=batch, context=context, tokens=1, warmup=warmup,
+                             calibration=None, fused=False, workspace=False)  # fmt: skip
+                for scheme in [None, *resolved]:
+                    name = BASELINE if scheme is None else scheme.name
+                    if bar is not None:
+                        bar.update(job, description=f"speed {name} {context} x {batch}")
+                    rec = _run_one(
+                        model, scheme, kv, first, None if ref is None else ref["tokens"], batch=batch,
+                        context=context, tokens=tokens, warmup=warmup,
+                        calibration=None if scheme is None else calibrations.get(scheme.name),
+                        fused=False if scheme is None else fused[scheme.name], workspace=workspace and scheme is not None,
+                    )  # fmt: skip
+                    rec["prefill_seconds"] = round(prefill_s, 3)
+                    rec["distinct_rows"] = distinct
+                    if scheme is None:
+                        ref = rec
+                    rec["speedup"] = round(rec["tokens_per_s"] / ref["tokens_per_s"], 4)
+                    runs.append(rec)
+                    logger.info("speed %s: context %d, batch %d: %.3f ms/step, %.1f tokens/s (%.2fx)", name,
+                                context, batch, rec["ms_per_step"], rec["tokens_per_s"], rec["speedup"])  # fmt: skip
+                    if bar is not None:
+                        bar.update(job, advance=1)
+                del kv
+    for rec in runs:
+        rec.pop("tokens")
+    return {
+        "version": SPEED_VERSION,
+        "model": _model_arg(model_spec, model_name),
+        "data": "tokens" if isinstance(data, torch.Tensor) else _data_arg(data, data_name),
+        "device": {"type": dev.type, "name": _device_name(dev), "threads": torch.get_num_threads()},
+        "layers": n_layers,
+        "dtype": dtype_name or str(next(model.parameters()).dtype).removeprefix("torch."),
+        "contexts": contexts,
+        "batches": batches,
+        "tokens": tokens,
+        "warmup": warmup,
+        "fused_decode": fused_decode,
+        "workspace": workspace,
+        "schemes": [
+            {
+                "scheme": s.name,
+                "avg_bits": s.avg_bits
+                if isinstance(s, PeerScheme)
+                else average_bits(s, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers),
+                "peer": isinstance(s, PeerScheme),
+                "path": _path(s, fused[s.name], workspace),
+            }
+            for s in resolved
+        ],
+        "runs": runs,
+        "fingerprint": {"model": model_fp, "prompts": {f"{c}x{b}": fp for (c, b), fp in fps.items()}},
+        "wall_seconds": time.perf_counter() - t_wall,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "versions": _versions(),
+    }

@@ -1,0 +1,166 @@
+"""``kvbits speed``: decode throughput and cache memory by scheme (thin wrapper over ``speed_eval``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+examples:
+  kvbits speed --model smollm2-135m --context 1k --context 4k --batch 1 --batch 4 \\
+      --scheme int8-token --scheme kivi-4 --scheme kivi-2 --out runs/speed-smollm2
+  kvbits speed --model qwen2.5-coder-0.5b --context 32k --batch 8 --scheme kivi-4 --device cuda --dtype float16
+
+Each (context, batch) prefills the prompts (real text, one window per sequence) once in full precision,
+loads their K/V into each cache (transformers' DynamicCache first: the baseline), then decodes
+--warmup + --tokens greedy steps through it, timing each of the last --tokens on its own. kvbits decode
+steps run the fused kernel where --fused-decode auto picks it (CUDA with Triton); elsewhere they
+dequantize the history every step (--workspace: keep a dequantized copy instead: faster, and it holds the
+float history too). CPU figures time the torch paths, not the GPU kernel.
+--json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
+"tokens", "warmup", "fused_decode", "workspace", "schemes", "runs": [{"cache", "path", "context", "batch",
+"cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean", "tokens_per_s", "speedup", "step_ms",
+"cache_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes", "cuda_peak_bytes", "decode",
+"agreement", "first_divergence", "prefill_seconds", "distinct_rows"}], "fingerprint", "wall_seconds",
+"peak_rss_bytes", "date", "commit", "versions"}. speedup: tokens/s over DynamicCache's at the same context
+and batch. --out DIR writes speed.json (the same), report.md and speed.png.
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvbits.cli import _positive, parse_tokens
+    from kvbits.evaluate.cli import DEVICES
+
+    p = subparsers.add_parser(
+        "speed",
+        help="decode tokens/s and cache memory of each scheme against transformers' DynamicCache",
+        description="Prefill real prompts, then time greedy decode steps through each scheme's real cache and "
+        "through DynamicCache at each context and batch: tokens/s, step-time spread, the bytes each cache holds "
+        "(against kvbits plan), and whether the greedy tokens stay the same.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_data_args(
+        p,
+        model_help="registry name (smollm2-135m, qwen2.5-coder-0.5b), .gguf file, model folder or hub id",
+        data_help="the prompts: registry text (war-and-peace, wikitext2, ...) or a text file (default war-and-peace)",
+        data_default="war-and-peace",
+        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
+    )
+    p.add_argument(
+        "--context", action="append", type=parse_tokens, required=True, metavar="N",
+        help="prompt tokens per sequence, e.g. 4096 or 4k; repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch",
+        action="append",
+        type=_positive,
+        metavar="B",
+        help="sequences decoded at once; repeatable (default 1)",
+    )
+    p.add_argument(
+        "--scheme", action="append", required=True, metavar="S",
+        help="scheme preset, scheme JSON file, or peer (hf-quanto-int4); repeatable",
+    )  # fmt: skip
+    p.add_argument("--tokens", type=_positive, default=32, help="timed decode steps per run (default 32)")
+    p.add_argument(
+        "--warmup", type=bounded(int, 0), default=4, help="untimed decode steps before them (default 4)"
+    )
+    p.add_argument(
+        "--fused-decode", choices=("auto", "on", "off"), default="auto",
+        help="kvbits decode steps through the fused kernel (auto: on CUDA with Triton; on: also on CPU, through "
+        "the torch reference, a correctness path)",
+    )  # fmt: skip
+    p.add_argument(
+        "--workspace", action="store_true",
+        help="without the fused path: keep a dequantized history instead of dequantizing every step",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibration", action="append", metavar="DIR",
+        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
+    )  # fmt: skip
+    p.add_argument("--threads", type=_positive, help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--out", help="output folder (speed.json, report.md, speed.png)")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="write into a non-empty folder that holds no speed run (only speed.json, report.md, speed.png are replaced)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
+    add_dtype_device(p, DEVICES)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvbits.evaluate.request import check_device
+    from kvbits.evaluate.speed import speed_eval
+
+    if args.workspace and args.fused_decode == "on":
+        raise ValueError(
+            "--workspace keeps a dequantized history for the dequantizing path; --fused-decode on never reads it"
+        )
+    check_device(args.device)
+    if args.out:  # refused before the model loads, not after the runs
+        from kvbits.report.speed import check_speed_out
+
+        check_speed_out(args.out, overwrite=args.overwrite)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    summary = speed_eval(
+        args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
+        data=args.data, calibration=args.calibration,
+        fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode], workspace=args.workspace,
+        data_path=args.data_path, dtype=args.dtype, device=args.device, progress=not (args.no_progress or args.json),
+    )  # fmt: skip
+    if args.out:
+        from kvbits.report.speed import write_speed
+
+        write_speed(summary, args.out, overwrite=args.overwrite)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        return 0
+    _print(summary, args.out)
+    return 0
+
+
+def _print(summary: dict, out: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvbits.report.fmt import fmt_bytes, fmt_pos
+
+    console = Console()
+    for batch in summary["batches"]:
+        table = Table(title=f"decode tokens/s (x DynamicCache) and cache bytes, {summary['model']}, batch {batch}, "
+                      f"{summary['device']['name']}")  # fmt: skip
+        table.add_column("cache")
+        table.add_column("path")
+        for c in summary["contexts"]:
+            table.add_column(fmt_pos(c), justify="right")
+        names = ["DynamicCache"] + [s["scheme"] for s in summary["schemes"]]
+        for name in names:
+            rows = {r["context"]: r for r in summary["runs"] if r["cache"] == name and r["batch"] == batch}
+            cells = []
+            for c in summary["contexts"]:
+                r = rows.get(c)
+                if r is None:
+                    cells.append("n/a")
+                    continue
+                size = "" if r["cache_bytes"] is None else f", {fmt_bytes(r['cache_bytes'])}"
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x){size}")
+            path = next(iter(rows.values()))["path"] if rows else ""
+            table.add_row(name, path, *cells)
+        console.print(table)
+    console.print(
+        f"{len(summary['runs'])} runs, {summary['tokens']} timed steps each; {summary['wall_seconds']:.0f} s"
+    )
+    if out:
+        console.print(f"wrote {out}/speed.json, report.md and speed.png")

@@ -1,0 +1,231 @@
+"""The decode-speed report (``kvbits speed``): Markdown, a figure, the output folder.
+
+``write_speed(summary, out_dir)`` writes ``speed.json`` (the summary of
+``kvbits.evaluate.speed.speed_eval``, every step time included), ``report.md`` and, with matplotlib,
+``speed.png``: decode tokens/s against context, one line per cache, one panel per batch, and the bytes
+each cache holds at the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.fmt import fmt_bytes, fmt_pos
+from kvbits.report.render import check_out_folder, write_json_report
+
+__all__ = ["SPEED_FILES", "check_speed_out", "plot_speed", "speed_markdown", "write_speed"]
+
+SPEED_FILES = ("speed.json", "report.md", "speed.png")
+BASELINE = "DynamicCache"
+
+_PATHS = {
+    "dynamic": "transformers' `DynamicCache`, the model's own K/V tensors (the baseline)",
+    "fused": "the fused kernel over the packed store (no dequantized history)",
+    "dequantize": "each step dequantizes the whole history, then SDPA (the cache holds only what it reports)",
+    "workspace": "a dequantized copy of the history is kept and appended to (faster; holds the float history "
+    "too, `workspace` below)",
+    "peer": "a cache outside kvbits, as it ships",
+}
+
+
+def _caches(summary: Mapping[str, Any]) -> list[str]:
+    return [BASELINE] + [s["scheme"] for s in summary["schemes"]]
+
+
+def _run(summary: Mapping[str, Any], cache: str, context: int, batch: int) -> Mapping[str, Any] | None:
+    for r in summary["runs"]:
+        if r["cache"] == cache and r["context"] == context and r["batch"] == batch:
+            return r
+    return None
+
+
+def _table(summary: Mapping[str, Any], batch: int, cell) -> list[str]:
+    contexts = summary["contexts"]
+    lines = [
+        "| cache | " + " | ".join(fmt_pos(c) for c in contexts) + " |",
+        "|:---|" + "---:|" * len(contexts),
+    ]
+    for cache in _caches(summary):
+        cells = [cell(_run(summary, cache, c, batch)) for c in contexts]
+        lines.append(f"| {cache} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _speed_cell(r: Mapping[str, Any] | None) -> str:
+    if r is None:
+        return "n/a"
+    return f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x)"
+
+
+def _ms_cell(r: Mapping[str, Any] | None) -> str:
+    if r is None:
+        return "n/a"
+    return f"{r['ms_per_step']:.2f} [{r['ms_p10']:.2f}–{r['ms_p90']:.2f}]"
+
+
+def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> str:
+    if r is None or r.get("cache_bytes") is None:
+        return "n/a"
+    cell = fmt_bytes(r["cache_bytes"])
+    if base is not None and base.get("cache_bytes") and r is not base:
+        cell += f" ({base['cache_bytes'] / r['cache_bytes']:.2f}x smaller)"
+    if r.get("planned_bytes") is not None and r["planned_bytes"] != r["cache_bytes"]:
+        cell += f" **≠ plan {fmt_bytes(r['planned_bytes'])}**"
+    if r.get("workspace_bytes"):
+        cell += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
+    return cell
+
+
+def _agree_cell(r: Mapping[str, Any] | None) -> str:
+    if r is None:
+        return "n/a"
+    first = r.get("first_divergence")
+    return f"{100 * r['agreement']:.0f}%" + ("" if first is None else f", from step {first}")
+
+
+def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
+    """The report as Markdown: the setting, tokens/s and step times by context for each batch, the bytes
+    each cache holds, CUDA memory where measured, and greedy-token agreement; ``figure``: link speed.png."""
+    dev = summary["device"]
+    paths = {s["scheme"]: s["path"] for s in summary["schemes"]}
+    lines = [
+        f"# Decode speed: {summary['model']} on {dev['name']}",
+        "",
+        f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`), `{summary['dtype']}`",
+        f"- **Device:** {dev['type']}, {dev['name']}"
+        + (f", {dev['threads']} threads" if dev["type"] == "cpu" else ""),
+        (
+            f"- **Prompts:** `{summary['data']}`, contexts {', '.join(fmt_pos(c) for c in summary['contexts'])} tokens; "
+            f"batches {', '.join(str(b) for b in summary['batches'])}"
+        ),
+        f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run",
+        (
+            f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`; "
+            f"versions {', '.join(f'{k} {v}' for k, v in (summary.get('versions') or {}).items())}"
+        ),
+        "",
+        (
+            "Each run prefills the prompts once in full precision, loads their K/V into the cache, and decodes "
+            "greedily one token per sequence per forward; every timed step is measured on its own, with the "
+            "device synchronised. Tokens/s = batch / median step; the factor is against `DynamicCache` at the "
+            "same context and batch. Memory is what the cache holds after the last step, next to "
+            "`kvbits plan`'s bytes for the same tokens (marked where they differ)."
+        ),
+        "",
+        "How each cache's decode steps attend:",
+        "",
+        f"- `{BASELINE}`: {_PATHS['dynamic']}",
+    ]
+    for name, path in paths.items():
+        lines.append(f"- `{name}`: `{path}`, {_PATHS.get(path, path)}")
+    lines.append("")
+    for batch in summary["batches"]:
+        lines += [f"## Batch {batch}", ""]
+        lines += ["*Decode tokens/s (× DynamicCache).*", ""] + _table(summary, batch, _speed_cell)
+        lines += ["*Milliseconds per step, median [p10–p90].*", ""] + _table(summary, batch, _ms_cell)
+        lines += ["*Bytes the cache holds after the last step.*", ""]
+        lines += _table(
+            summary,
+            batch,
+            lambda r, b=batch: _bytes_cell(r, _run(summary, BASELINE, r["context"], b) if r else None),
+        )
+        if any(r.get("cuda_peak_bytes") is not None for r in summary["runs"] if r["batch"] == batch):
+            lines += [
+                "*CUDA: allocator bytes the cache held after the run · peak above the pre-cache baseline.*",
+                "",
+            ]
+            lines += _table(
+                summary, batch,
+                lambda r: "n/a" if r is None or r.get("cuda_peak_bytes") is None
+                else f"{fmt_bytes(r['cuda_resident_bytes'])} · {fmt_bytes(r['cuda_peak_bytes'])}",
+            )  # fmt: skip
+        lines += [
+            "*Greedy tokens equal to DynamicCache's, and the first step where some sequence differs.*",
+            "",
+        ]
+        lines += _table(summary, batch, _agree_cell)
+    if figure:
+        lines += ["## Figure", "", "![decode tokens/s by context](speed.png)", ""]
+    short = [r for r in summary["runs"] if r["path"] == "fused" and r.get("decode")
+             and r["decode"]["timed_fused_steps"] != summary["layers"] * summary["tokens"]]  # fmt: skip
+    if short:
+        lines += ["## Timed steps not all fused", "",
+                  (f"*Layer × step decodes of the timed steps through the fused kernel (of {summary['layers']} × "
+                  f"{summary['tokens']}), and those that fell back to SDPA over dequantized K/V.*"), ""]  # fmt: skip
+        lines += [f"- {r['cache']} at {fmt_pos(r['context'])} × {r['batch']}: {r['decode']['timed_fused_steps']} fused, "
+                  f"{r['decode']['timed_fallback_steps']} fallback" for r in short] + [""]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
+    """One column per batch: decode tokens/s against context (top) and the MiB each cache holds at the end
+    of the run (bottom), one line per cache, context on a log axis."""
+    import numpy as np
+
+    from kvbits.report.plots.figure import new_figure, save_png, unique_legend
+
+    batches, contexts = summary["batches"], summary["contexts"]
+    fig = new_figure(max(4.5, 3.6 * len(batches) + 1.6), 5.6)
+    axes = np.atleast_2d(fig.subplots(2, len(batches), squeeze=False))
+    palette = (
+        "#1f77b4",
+        "#ff7f0e",
+        "#2ca02c",
+        "#d62728",
+        "#9467bd",
+        "#8c564b",
+        "#e377c2",
+        "#bcbd22",
+        "#17becf",
+    )
+    colors = {c: palette[i % len(palette)] for i, c in enumerate(_caches(summary)[1:])}
+    colors[BASELINE] = "#7f7f7f"
+    panels = (("tokens_per_s", "decode tokens/s", 1.0), ("cache_bytes", "cache MiB", 2.0**-20))
+    for col, batch in enumerate(batches):
+        for row, (key, label, scale) in enumerate(panels):
+            ax = axes[row, col]
+            for cache in _caches(summary):
+                pts = [(c, r[key] * scale) for c in contexts
+                       if (r := _run(summary, cache, c, batch)) is not None and r.get(key) is not None]  # fmt: skip
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, marker="o", ms=3, label=cache, color=colors[cache],
+                            ls="--" if cache == BASELINE else "-")  # fmt: skip
+            if len(contexts) > 1:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [fmt_pos(c) for c in contexts], fontsize=7)
+            ax.minorticks_off()
+            ax.set_ylabel(label, fontsize=8)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"batch {batch}", fontsize=9)
+            else:
+                ax.set_xlabel("context (tokens)", fontsize=8)
+                ax.set_ylim(bottom=0)
+    handles, labels = unique_legend(axes.reshape(-1))
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
+    fig.suptitle(
+        f"Decode speed and cache memory, {summary['model']} on {summary['device']['name']}", fontsize=10
+    )
+    return save_png(fig, path)
+
+
+def check_speed_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """``out_dir`` as a ``Path`` if a speed run may be written there (see :func:`write_speed`), else
+    ``ValueError``; call it before the runs, so a wrong folder fails in a moment."""
+    return check_out_folder(out_dir, "speed", SPEED_FILES, overwrite=overwrite)
+
+
+def write_speed(
+    summary: Mapping[str, Any], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Write ``speed.json``, ``report.md`` and (with matplotlib) ``speed.png`` into ``out_dir``.
+
+    A non-empty folder that holds no ``speed.json`` is refused (``ValueError``) unless ``overwrite``; then
+    only the files named in :data:`SPEED_FILES` are replaced, nothing else is deleted.
+    """
+    return write_json_report(summary, out_dir, "speed", SPEED_FILES, speed_markdown, plot_speed,
+                             overwrite=overwrite)  # fmt: skip

@@ -1,0 +1,238 @@
+"""``kvbits speed``: decode throughput and cache memory by scheme against ``DynamicCache``.
+
+Tiny random-weight models (token ids or a byte-level tokenizer) for the mechanics; one real-model check.
+Times themselves are not asserted (benchmarks record them); what is asserted is that each run times what
+it says (a slowed cache shows up in its step times), holds the bytes the planner says, and decodes
+through the path it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import transformers
+from _bytelevel import VOCAB, save_byte_tokenizer, write_sentences
+
+from kvbits.evaluate.speed import speed_eval, step_stats
+from kvbits.schemes import KVScheme, TensorSpec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXACT = KVScheme(
+    "exact32",
+    key=TensorSpec(kind="float", bits=32, fmt="fp32"),
+    value=TensorSpec(kind="float", bits=32, fmt="fp32"),
+)
+# 8-token flush blocks behind a 16-token window: every run flushes during its decode steps
+SMALL_KIVI = KVScheme(
+    "t-kivi",
+    key=TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=8),
+    value=TensorSpec(kind="int", bits=2, fmt=None, granularity="token", group_size=16),
+    residual=16,
+    block=8,
+)
+
+
+def _tiny(seed: int = 0, layers: int = 2) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
+
+
+def _runs(s: dict, cache: str) -> list[dict]:
+    return [r for r in s["runs"] if r["cache"] == cache]
+
+
+def test_step_stats():
+    st = step_stats([4.0, 1.0, 3.0, 2.0, 5.0], batch=4)
+    assert st["ms_per_step"] == 3.0 and st["ms_mean"] == 3.0
+    assert st["ms_p10"] == pytest.approx(1.4) and st["ms_p90"] == pytest.approx(4.6)
+    assert st["tokens_per_s"] == pytest.approx(4 * 1000 / 3.0, abs=0.01)
+    for bad in ([], [1.0, float("nan")], [-1.0]):
+        with pytest.raises(ValueError):
+            step_stats(bad, batch=1)
+
+
+def test_runs_bytes_and_paths(model, ids):
+    s = speed_eval(
+        model, [64, 96], [EXACT, SMALL_KIVI, "int4-token"], batches=[1, 2], tokens=5, warmup=2, data=ids
+    )
+    assert s["contexts"] == [64, 96] and s["batches"] == [1, 2] and s["data"] == "tokens"
+    assert len(s["runs"]) == 2 * 2 * 4  # contexts x batches x (DynamicCache + 3 schemes)
+    assert [x["scheme"] for x in s["schemes"]] == ["exact32", "t-kivi", "int4-token"]
+    for r in s["runs"]:
+        assert len(r["step_ms"]) == 5 and r["cached_tokens"] == r["context"] + 7
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"], rel=1e-3)
+        assert r["cache_bytes"] == r["planned_bytes"], r  # real bytes are the planner's, DynamicCache's too
+        assert r["cuda_peak_bytes"] is None  # CPU
+    for r in _runs(s, "DynamicCache"):
+        assert r["path"] == "dynamic" and r["speedup"] == 1.0 and r["decode"] is None
+        # float32 model: 2 layers x (K, V) x 2 heads x 16 channels x 4 bytes per token and sequence
+        assert r["cache_bytes"] == r["batch"] * r["cached_tokens"] * 2 * 2 * 2 * 16 * 4
+    for r in _runs(s, "exact32"):  # stores what DynamicCache stores: the same bytes, the same greedy tokens
+        base = next(
+            b for b in _runs(s, "DynamicCache") if (b["context"], b["batch"]) == (r["context"], r["batch"])
+        )
+        assert r["cache_bytes"] == base["cache_bytes"]
+        assert r["agreement"] == 1.0 and r["first_divergence"] is None
+    for r in _runs(s, "t-kivi"):
+        assert r["path"] == "dequantize" and r["workspace_bytes"] == 0
+        assert r["decode"] == dict.fromkeys(
+            ("fused_steps", "fallback_steps", "timed_fused_steps", "timed_fallback_steps"), 0
+        )
+        base = next(
+            b for b in _runs(s, "DynamicCache") if (b["context"], b["batch"]) == (r["context"], r["batch"])
+        )
+        assert r["cache_bytes"] < base["cache_bytes"] / 2
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"], rel=1e-3)
+
+
+def test_workspace_and_fused_paths(model, ids):
+    ws = speed_eval(model, 64, [SMALL_KIVI], tokens=3, warmup=1, data=ids, workspace=True)
+    (r,) = _runs(ws, "t-kivi")
+    assert r["path"] == "workspace" and r["workspace_bytes"] > 0  # the float history it keeps, reported apart
+    assert ws["schemes"][0]["path"] == "workspace"
+    fu = speed_eval(model, 64, [SMALL_KIVI], tokens=3, warmup=1, data=ids, fused_decode=True)
+    (r,) = _runs(fu, "t-kivi")
+    # every decode step of every layer through the fused path (the torch reference on CPU) but the first,
+    # which attends over real K/V and claims the layer (kvbits.cache.fused): a warm-up step here
+    assert r["path"] == "fused"
+    assert r["decode"] == {
+        "fused_steps": 2 * 3,
+        "fallback_steps": 0,
+        "timed_fused_steps": 2 * 3,
+        "timed_fallback_steps": 0,
+    }
+    assert r["workspace_bytes"] == 0 and fu["layers"] == 2
+    from kvbits.report.speed import speed_markdown
+
+    assert "not all fused" not in speed_markdown(fu)
+    w0 = speed_eval(model, 64, [SMALL_KIVI], tokens=3, warmup=0, data=ids, fused_decode=True)
+    assert _runs(w0, "t-kivi")[0]["decode"]["timed_fused_steps"] == 2 * 2  # the claiming step was timed
+    assert "- t-kivi at 64 × 1: 4 fused, 0 fallback" in speed_markdown(w0)
+    assert (_runs(fu, "DynamicCache")[0]["path"], model.config._attn_implementation) == ("dynamic", "sdpa")
+
+
+def test_step_times_cover_the_cache(model, ids, monkeypatch):
+    """A cache slowed by 5 ms per update shows it in every timed step (2 layers: >= 10 ms), the
+    baseline does not: the timing covers the cache's own work."""
+    from kvbits.cache import QuantizedKVCache
+
+    real = QuantizedKVCache.update
+
+    def slow(self, *a, **kw):
+        time.sleep(0.005)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(QuantizedKVCache, "update", slow)
+    s = speed_eval(model, 32, ["int4-token"], tokens=3, warmup=1, data=ids)
+    (base,) = _runs(s, "DynamicCache")
+    (slowed,) = _runs(s, "int4-token")
+    assert min(slowed["step_ms"]) >= 10.0
+    assert slowed["ms_per_step"] > base["ms_per_step"] + 9.0 and slowed["speedup"] < 1.0
+
+
+def test_batch_beyond_the_text_repeats_rows(model):
+    few = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(1))
+    s = speed_eval(model, 64, ["int4-token"], batches=3, tokens=2, warmup=0, data=few)
+    assert {r["distinct_rows"] for r in s["runs"]} == {2} and {r["batch"] for r in s["runs"]} == {3}
+
+
+def test_errors(model, ids):
+    for kw, match in (
+        ({"tokens": 0}, "tokens must be an int >= 1"),
+        ({"warmup": -1}, "warmup must be an int >= 0"),
+        ({"batches": []}, "at least one batch"),
+        ({"batches": [0]}, "batch must be an int >= 1"),
+        ({"workspace": True, "fused_decode": True}, "never reads it"),
+        ({"fused_decode": "yes"}, "fused_decode must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            speed_eval(model, 64, ["int4-token"], data=ids, **kw)
+    with pytest.raises(ValueError, match="distinct names"):
+        speed_eval(model, 64, ["int4-token", "int4-token"], data=ids)
+    with pytest.raises(ValueError, match="baseline"):
+        speed_eval(model, 64, [KVScheme("DynamicCache")], data=ids)
+    with pytest.raises(ValueError, match="context must be an int >= 1"):
+        speed_eval(model, [0], ["int4-token"], data=ids)
+    with pytest.raises(ValueError, match="output embedding"):
+        speed_eval(model.model, 64, ["int4-token"], data=ids)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        speed_eval(model, 5000, ["int4-token"], data=ids)
+
+
+def test_report_and_folder(model, ids, tmp_path):
+    from kvbits.report.speed import speed_markdown, write_speed
+
+    s = speed_eval(model, [32, 64], ["int4-token", SMALL_KIVI], batches=[1, 2], tokens=2, warmup=0, data=ids)
+    out = write_speed(s, tmp_path / "run")
+    assert json.loads((out / "speed.json").read_text())["runs"] == json.loads(json.dumps(s["runs"]))
+    md = (out / "report.md").read_text()
+    assert md == speed_markdown(s)
+    assert "## Batch 1" in md and "## Batch 2" in md and "≠ plan" not in md
+    r = _runs(s, "t-kivi")[0]
+    assert f"| t-kivi | {r['tokens_per_s']:.1f} ({r['speedup']:.2f}x) |" in md
+    assert (out / "speed.png").stat().st_size > 1000
+    # a cache that holds other bytes than the plan is marked, not hidden
+    bad = json.loads(json.dumps(s))
+    bad["runs"][1]["planned_bytes"] += 1
+    assert "≠ plan" in speed_markdown(bad)
+    write_speed(s, out)  # a speed run's own folder is rewritten
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no kvbits speed run"):
+        write_speed(s, foreign)
+    write_speed(s, foreign, overwrite=True)
+    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "speed.json").is_file()
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    from kvbits.cli import main
+
+    text = write_sentences(tmp_path / "text.txt", 200)
+    model_dir = tmp_path / "tiny"
+    _tiny().save_pretrained(model_dir)
+    save_byte_tokenizer(model_dir)
+    argv = ["speed", "--model", str(model_dir), "--data", str(text), "--context", "64", "--batch", "1",
+            "--batch", "2", "--scheme", "int4-token", "--tokens", "2", "--warmup", "1"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["batches"] == [1, 2] and len(s["runs"]) == 4 and s["data"] == str(text)
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert "decode tokens/s" in capsys.readouterr().out
+    assert (tmp_path / "out" / "report.md").is_file()
+    for bad in (["--tokens", "0"], ["--batch", "0"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, *bad])
+        assert exc.value.code == 2
+    capsys.readouterr()
+    assert main([*argv, "--workspace", "--fused-decode", "on"]) != 0
+    assert "never reads it" in capsys.readouterr().err
+
+
+@pytest.mark.realmodel
+def test_realmodel_speed_smollm2():
+    """SmolLM2-135M on War and Peace: every cache holds the planner's bytes, INT8 per-token decodes the
+    baseline's greedy tokens, INT2 per-token (no residual window) leaves them at once."""
+    s = speed_eval("smollm2-135m", 256, ["int8-token", "int2-token"], tokens=6, warmup=1)
+    base, int8, int2 = (_runs(s, c)[0] for c in ("DynamicCache", "int8-token", "int2-token"))
+    assert all(r["cache_bytes"] == r["planned_bytes"] for r in (base, int8, int2))
+    assert int8["agreement"] == 1.0 and int2["first_divergence"] is not None and int2["first_divergence"] <= 2
+    assert base["cache_bytes"] / int8["cache_bytes"] > 3.5  # float32 model: 32 bits vs 8.5
