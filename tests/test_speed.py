@@ -236,3 +236,19 @@ def test_realmodel_speed_smollm2():
     assert all(r["cache_bytes"] == r["planned_bytes"] for r in (base, int8, int2))
     assert int8["agreement"] == 1.0 and int2["first_divergence"] is not None and int2["first_divergence"] <= 2
     assert base["cache_bytes"] / int8["cache_bytes"] > 3.5  # float32 model: 32 bits vs 8.5
+
+
+def test_cache_bytes_counts_only_what_it_can(model, ids):
+    """DynamicCache: every K/V tensor; transformers' QuantizedCache (quanto): None, not its residual alone."""
+    from transformers import DynamicCache
+
+    from kvbits.evaluate.stream import cache_bytes
+
+    dyn = DynamicCache()
+    k = torch.zeros(1, 2, 10, 16)
+    dyn.update(k, k, 0)
+    assert cache_bytes(dyn) == 2 * k.numel() * 4
+    pytest.importorskip("optimum.quanto")
+    s = speed_eval(model, 160, ["hf-quanto-int4"], tokens=2, warmup=1, data=ids)
+    (peer,) = _runs(s, "hf-quanto-int4")
+    assert peer["path"] == "peer" and peer["cache_bytes"] is None and peer["planned_bytes"] is None

@@ -42,7 +42,7 @@ from kvbits.evaluate.needle import (
     check_depths,
     score_key,
 )
-from kvbits.evaluate.stream import PeerScheme, base_model, resolve_scheme
+from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, resolve_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +86,6 @@ def _key_slice(trial: Trial, first: int) -> slice:
     return slice(trial.answer_start - 1 - first, trial.context - 1 - first)
 
 
-def _cache_bytes(cache: Any) -> int | None:
-    """Bytes a cache holds: kvbits' ``memory_report``; a ``DynamicCache``'s K/V tensors; None otherwise."""
-    report = getattr(cache, "memory_report", None)
-    if callable(report):
-        return int(report()["total_bytes"])
-    layers = getattr(cache, "layers", None)
-    try:
-        return int(sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values)))
-    except (AttributeError, TypeError):
-        return None
-
-
 @torch.no_grad()
 def _run_prefill(
     model, head, trial, schemes, calibrations, fused_mode, stats
@@ -126,7 +114,7 @@ def _run_prefill(
     load_kv(ref_cache, kv)
     lp_ref = _logprobs(head, decode_hidden(model, suffix, ref_cache)[0, rows]).cpu()
     ref = score_key(lp_ref, targets)
-    ref["cache_bytes"] = _cache_bytes(ref_cache)
+    ref["cache_bytes"] = cache_bytes(ref_cache)
     del ref_cache
     ref_seconds = time.perf_counter() - t0
     out, seconds = {}, {}
@@ -138,7 +126,7 @@ def _run_prefill(
             load_kv(cache, kv)
             lp = _logprobs(head, decode_hidden(model, suffix, cache)[0, rows]).cpu()
         out[scheme.name] = score_key(lp, targets, lp_ref)
-        out[scheme.name]["cache_bytes"] = _cache_bytes(cache)
+        out[scheme.name]["cache_bytes"] = cache_bytes(cache)
         if not isinstance(scheme, PeerScheme):
             add_decode_counts(stats.setdefault(scheme.name, {}), cache.fused_report())
         del cache

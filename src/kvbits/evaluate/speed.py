@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kvbits.evaluate.stream import PeerScheme, resolve_scheme
+from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -153,16 +153,6 @@ def _decode(
     return torch.cat(tokens, dim=1).cpu(), times
 
 
-def _dynamic_bytes(cache: Any) -> int | None:
-    """Bytes of every K/V tensor a ``DynamicCache`` holds (None if it does not look like one)."""
-    try:
-        return int(
-            sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        )
-    except (AttributeError, TypeError):
-        return None
-
-
 def _planned(model: Any, scheme: Any, batch: int, tokens: int) -> int | None:
     """``kvbits.plan``'s K/V bytes for ``batch`` sequences of ``tokens`` tokens (None for peers): what
     ``memory_report()["total_bytes"]`` counts (not the fused path's RoPE tables)."""
@@ -244,14 +234,12 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         **step_stats(times, batch),
         "step_ms": [round(x, 4) for x in times],
     }
+    rec["cache_bytes"] = cache_bytes(cache)
     if scheme is None or isinstance(scheme, PeerScheme):
-        rec["cache_bytes"] = _dynamic_bytes(cache) if scheme is None else None
         rec["workspace_bytes"] = 0 if scheme is None else None
         rec["decode"] = None
     else:
-        rep = cache.memory_report()
-        rec["cache_bytes"] = int(rep["total_bytes"])
-        rec["workspace_bytes"] = int(rep["workspace_bytes"])
+        rec["workspace_bytes"] = int(cache.memory_report()["workspace_bytes"])
         after = _counts(cache.fused_report())
         rec["decode"] = {**after, **{f"timed_{k}": after[k] - before.get(k, 0) for k in after}}
     rec["planned_bytes"] = _planned(model, _dynamic_scheme(model) if scheme is None else scheme, batch, held)

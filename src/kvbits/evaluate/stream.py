@@ -40,6 +40,7 @@ __all__ = [
     "PeerScheme",
     "add_decode_counts",
     "base_model",
+    "cache_bytes",
     "decode_hidden",
     "load_kv",
     "make_cache",
@@ -215,6 +216,21 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[
     full = DynamicCache()
     hidden = _step(base, ids, full, _cache_kwarg(base))
     return hidden, [(layer.keys, layer.values) for layer in full.layers]
+
+
+def cache_bytes(cache: Any) -> int | None:
+    """Bytes a cache holds: kvbits' ``memory_report()["total_bytes"]``; every K/V tensor of a
+    ``DynamicCache``; None for any other cache. transformers' ``QuantizedCache`` is one of those: its
+    layers are ``DynamicLayer``s whose ``keys`` / ``values`` are only the full-precision residual, the
+    codes live in quanto tensors beside them, so counting ``keys`` and ``values`` would undercount it."""
+    from transformers import DynamicCache
+
+    report = getattr(cache, "memory_report", None)
+    if callable(report):
+        return int(report()["total_bytes"])
+    if not isinstance(cache, DynamicCache):
+        return None
+    return int(sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)))
 
 
 def load_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
