@@ -208,6 +208,23 @@ def test_every_byte_pattern_unpacks_and_repacks(bits):
     assert torch.equal(pack_bits(unpack_bits(packed, bits, n), bits), packed)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 64, 65])
+def test_bytewise_unpack_reads_the_little_endian_words(bits, n):
+    """2- and 4-bit codes are unpacked byte by byte (no 64-bit words); the layout is still ``pack_bits``'s
+    word layout: code ``i`` of each 8-code word at bits ``[b*i, b*(i+1))`` of its little-endian bytes."""
+    packed = torch.randint(0, 256, (2, 3, packed_size(n, bits)), generator=torch.Generator().manual_seed(n),
+                           dtype=torch.uint8)  # fmt: skip
+    flat = packed.reshape(-1, packed.shape[-1]).tolist()
+    want = []
+    for row in flat:
+        value = int.from_bytes(bytes(row), "little")  # the whole row as one little-endian integer
+        want.append([(value >> (bits * i)) & ((1 << bits) - 1) for i in range(n)])
+    got = unpack_bits(packed, bits, n)
+    assert got.dtype == torch.uint8 and got.is_contiguous() and got.shape == (2, 3, n)
+    assert got.reshape(-1, n).tolist() == want
+
+
 def test_pack_rejects_bad_input():
     with pytest.raises(ValueError, match="bits must be one of"):
         pack_bits(torch.zeros(4, dtype=torch.uint8), 5)

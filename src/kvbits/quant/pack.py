@@ -66,6 +66,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"expected {packed_size(n, bits)} packed bytes for {n} {bits}-bit codes, got {packed.shape[-1]}")
     if bits == 8:
         return packed
+    if 8 % bits == 0:
+        return _unpack_bytewise(packed, bits, n)
     lead = packed.shape[:-1]
     n_words = math.ceil(n / 8)
     p = packed.to(torch.int64)
@@ -78,3 +80,14 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     shifts = torch.arange(8, device=p.device, dtype=torch.int64) * bits
     codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n_words, 8)
     return codes.reshape(*lead, n_words * 8)[..., :n].to(torch.uint8)
+
+
+def _unpack_bytewise(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """``unpack_bits`` for widths that divide 8 (2, 4): byte ``j`` holds codes ``j * 8 / bits + k`` at bit
+    ``k * bits`` (the little-endian words of ``pack_bits`` cut at byte boundaries), so the codes come out of
+    uint8 shifts and masks, without widening the history to 64-bit words (the general path)."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n_bytes, per)
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
