@@ -182,3 +182,17 @@ if [[ $step == all || $step == needle-decode ]]; then
       --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
       --out runs/needle-smollm2-decode
 fi
+if [[ $step == all || $step == speed ]]; then
+  # Decode tokens/s and cache bytes by context and batch (BENCHMARKS.md §18), this CPU, 2 threads: every
+  # kvbits step dequantizes the history (no fused kernel off CUDA); transformers' QuantizedCache (quanto)
+  # beside it; then the same with kvbits' dequantized workspace. (§18a/b ran at dc01ddc, before 0d6ca3c's
+  # byte-wise unpacking; §18c reran the 2- and 4-bit caches after it: runs/speed-smollm2-unpack.)
+  [[ -f runs/speed-smollm2/speed.json ]] || \
+    $K speed --model smollm2-135m --context 1k --context 4k --context 8k --batch 1 --batch 4 --tokens 16 \
+      --warmup 4 --threads 2 --no-progress --scheme int8-token --scheme int4-token --scheme kivi-4 \
+      --scheme kivi-2 --scheme hf-quanto-int4 --out runs/speed-smollm2
+  [[ -f runs/speed-smollm2-workspace/speed.json ]] || \
+    $K speed --model smollm2-135m --context 1k --context 4k --context 8k --batch 1 --batch 4 --tokens 16 \
+      --warmup 4 --threads 2 --no-progress --workspace --scheme kivi-4 --scheme kivi-2 \
+      --out runs/speed-smollm2-workspace
+fi
