@@ -85,9 +85,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def _unpack_bytewise(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """``unpack_bits`` for widths that divide 8 (2, 4): byte ``j`` holds codes ``j * 8 / bits + k`` at bit
     ``k * bits`` (the little-endian words of ``pack_bits`` cut at byte boundaries), so the codes come out of
-    uint8 shifts and masks, without widening the history to 64-bit words (the general path)."""
-    per = 8 // bits
-    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n_bytes, per)
-    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    uint8 shifts and masks, without widening the history to 64-bit words (the general path). Each shift is by
+    a Python int: a shift by a broadcast tensor of amounts is not vectorised on CPU (2.3-2.6x slower)."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [packed & mask] + [(packed >> (k * bits)) & mask for k in range(1, per)]
+    codes = torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
     return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
