@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-import transformers
-from _bytelevel import VOCAB, byte_tokenizer, save_byte_tokenizer, write_sentences
+from _bytelevel import byte_tokenizer, save_byte_tokenizer, write_sentences
+from _tinyllama import EXACT, SMALL_KIVI, tiny_llama
 
 from kvbits.evaluate.models import LoadedModel, ModelSource
 from kvbits.evaluate.needle import (
@@ -24,24 +24,9 @@ from kvbits.evaluate.needle import (
     score_key,
 )
 from kvbits.evaluate.needle_run import needle_eval
-from kvbits.schemes import KVScheme, TensorSpec
 from kvbits.schemes.presets import get_scheme
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-EXACT = KVScheme(
-    "exact32",
-    key=TensorSpec(kind="float", bits=32, fmt="fp32"),
-    value=TensorSpec(kind="float", bits=32, fmt="fp32"),
-)
-# flushes 8-token blocks behind a 16-token window: the question (~50 byte tokens) sees flushes happen
-SMALL_KIVI = KVScheme(
-    "t-kivi",
-    key=TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=8),
-    value=TensorSpec(kind="int", bits=2, fmt=None, granularity="token", group_size=16),
-    residual=16,
-    block=8,
-)
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +40,9 @@ def corpus(tok, tmp_path_factory):
     return path, torch.tensor(tok(path.read_text(), add_special_tokens=False)["input_ids"])
 
 
-def _tiny(seed: int = 0) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, attn_implementation="sdpa",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def lm(tok):
-    return LoadedModel(_tiny(), tok, ModelSource(name="tiny-bytes", path="tiny-bytes"), "tinybytes0000000")
+    return LoadedModel(tiny_llama(), tok, ModelSource(name="tiny-bytes", path="tiny-bytes"), "tinybytes0000000")
 
 
 # ------------------------------------------------------------------------------------ trials
@@ -322,7 +298,7 @@ def test_cli_end_to_end(corpus, tmp_path, capsys):
 
     path, _ = corpus
     model_dir = tmp_path / "tiny"
-    _tiny().save_pretrained(model_dir)
+    tiny_llama().save_pretrained(model_dir)
     save_byte_tokenizer(model_dir)
     argv = ["needle", "--model", str(model_dir), "--data", str(path), "--context", "300", "--depths", "0,1",
             "--scheme", "int4-token", "--digits", "4"]  # fmt: skip

@@ -13,41 +13,18 @@ import time
 
 import pytest
 import torch
-import transformers
 from _bytelevel import VOCAB, save_byte_tokenizer, write_sentences
+from _tinyllama import EXACT, SMALL_KIVI, tiny_llama
 
 from kvbits.evaluate.speed import speed_eval, step_stats
-from kvbits.schemes import KVScheme, TensorSpec
+from kvbits.schemes import KVScheme
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-EXACT = KVScheme(
-    "exact32",
-    key=TensorSpec(kind="float", bits=32, fmt="fp32"),
-    value=TensorSpec(kind="float", bits=32, fmt="fp32"),
-)
-# 8-token flush blocks behind a 16-token window: every run flushes during its decode steps
-SMALL_KIVI = KVScheme(
-    "t-kivi",
-    key=TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=8),
-    value=TensorSpec(kind="int", bits=2, fmt=None, granularity="token", group_size=16),
-    residual=16,
-    block=8,
-)
-
-
-def _tiny(seed: int = 0, layers: int = 2) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, attn_implementation="sdpa",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def model():
-    return _tiny()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +185,7 @@ def test_cli_end_to_end(tmp_path, capsys):
 
     text = write_sentences(tmp_path / "text.txt", 200)
     model_dir = tmp_path / "tiny"
-    _tiny().save_pretrained(model_dir)
+    tiny_llama().save_pretrained(model_dir)
     save_byte_tokenizer(model_dir)
     argv = ["speed", "--model", str(model_dir), "--data", str(text), "--context", "64", "--batch", "1",
             "--batch", "2", "--scheme", "int4-token", "--tokens", "2", "--warmup", "1"]  # fmt: skip

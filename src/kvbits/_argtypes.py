@@ -11,16 +11,31 @@ Floats must be finite (``nan`` and ``inf`` are refused).
 command checks its device with ``kvbits.evaluate.request.check_device`` before the model loads.
 ``add_model_data_args`` adds their ``--model`` / ``--data`` (/ ``--data-path``), and
 ``add_window_args`` the ``--context`` / ``--windows`` of those that cut the text into windows; the help
-texts stay each command's own.
+texts stay each command's own. ``FUSED_DECODE`` maps ``--fused-decode auto|on|off`` to the library's
+``fused_decode`` values; ``emit_summary`` ends the commands that write a summary folder and print a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["MODEL_DTYPES", "add_dtype_device", "add_model_data_args", "add_window_args", "bounded"]
+__all__ = [
+    "FUSED_DECODE",
+    "MODEL_DTYPES",
+    "add_dtype_device",
+    "add_model_data_args",
+    "add_window_args",
+    "bounded",
+    "emit_summary",
+]
+
+FUSED_DECODE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+"""``--fused-decode`` choices -> the ``fused_decode`` argument of ``QuantizedKVCache`` and the evaluators."""
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 """``--dtype`` of every command that loads a model: torch dtype names (``getattr(torch, name)``)."""
@@ -144,3 +159,21 @@ def add_window_args(
     parser.add_argument(
         "--windows", type=_positive, default=windows, help=f"{windows_help} (default {windows})"
     )
+
+
+def emit_summary(
+    summary: dict[str, Any],
+    args: argparse.Namespace,
+    write: Callable[..., Any],
+    show: Callable[[dict[str, Any], str | None], None],
+) -> int:
+    """The end of a command that makes one summary: ``write(summary, args.out, overwrite=args.overwrite)``
+    with ``--out``; then the summary as JSON on stdout with ``--json`` (nothing else), else ``show(summary,
+    args.out)``. Returns the exit code, 0."""
+    if args.out:
+        write(summary, args.out, overwrite=args.overwrite)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        return 0
+    show(summary, args.out)
+    return 0

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
+from kvbits._argtypes import FUSED_DECODE, add_dtype_device, add_model_data_args, add_window_args, bounded
 
 __all__ = ["DEVICES", "add_parser", "run"]
 
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             args.scheme,
             windows=args.windows,
             mode=args.mode,
-            fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode],
+            fused_decode=FUSED_DECODE[args.fused_decode],
             semantics=args.semantics,
             prompt_len=args.prompt_len,
             attn_layers=args.attn_layers,

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+from kvbits._argtypes import FUSED_DECODE, add_dtype_device, add_model_data_args, bounded, emit_summary
 
 __all__ = ["add_parser", "parse_depths", "run"]
 
@@ -137,19 +135,13 @@ def run(args: argparse.Namespace) -> int:
     summary = needle_eval(
         args.model, args.context, args.scheme, data=args.data, depths=args.depths, trials=args.trials, task=task,
         semantics=args.semantics, calibration=args.calibration,
-        fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode], data_path=args.data_path,
+        fused_decode=FUSED_DECODE[args.fused_decode], data_path=args.data_path,
         dtype=args.dtype, device=args.device, chunk_size=args.chunk_size, seed=args.seed,
         progress=not (args.no_progress or args.json),
     )  # fmt: skip
-    if args.out:
-        from kvbits.report.needle import write_needle
+    from kvbits.report.needle import write_needle
 
-        write_needle(summary, args.out, overwrite=args.overwrite)
-    if args.json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
-        return 0
-    _print(summary, args.out)
-    return 0
+    return emit_summary(summary, args, write_needle, _print)
 
 
 def _print(summary: dict, out: str | None) -> None:

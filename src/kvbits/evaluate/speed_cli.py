@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+from kvbits._argtypes import FUSED_DECODE, add_dtype_device, add_model_data_args, bounded, emit_summary
 
 __all__ = ["add_parser", "run"]
 
@@ -117,18 +115,12 @@ def run(args: argparse.Namespace) -> int:
     summary = speed_eval(
         args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
         data=args.data, calibration=args.calibration,
-        fused_decode={"auto": "auto", "on": True, "off": False}[args.fused_decode], workspace=args.workspace,
+        fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace,
         data_path=args.data_path, dtype=args.dtype, device=args.device, progress=not (args.no_progress or args.json),
     )  # fmt: skip
-    if args.out:
-        from kvbits.report.speed import write_speed
+    from kvbits.report.speed import write_speed
 
-        write_speed(summary, args.out, overwrite=args.overwrite)
-    if args.json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
-        return 0
-    _print(summary, args.out)
-    return 0
+    return emit_summary(summary, args, write_speed, _print)
 
 
 def _print(summary: dict, out: str | None) -> None:
