@@ -196,3 +196,10 @@ if [[ $step == all || $step == speed ]]; then
       --warmup 4 --threads 2 --no-progress --workspace --scheme kivi-4 --scheme kivi-2 \
       --out runs/speed-smollm2-workspace
 fi
+if [[ $step == all || $step == speed-qwen ]]; then
+  # The same on Qwen2.5-Coder-0.5B (GQA 7:1, 24 layers) at 4K and 16K, batch 1 (BENCHMARKS.md §18d).
+  [[ -f runs/speed-qwen/speed.json ]] || \
+    $K speed --model qwen2.5-coder-0.5b --context 4k --context 16k --batch 1 --tokens 16 --warmup 4 \
+      --threads 2 --no-progress --scheme int8-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
+      --scheme hf-quanto-int4 --out runs/speed-qwen
+fi
