@@ -53,6 +53,7 @@ def test_runs_bytes_and_paths(model, ids):
     assert s["contexts"] == [64, 96] and s["batches"] == [1, 2] and s["data"] == "tokens"
     assert len(s["runs"]) == 2 * 2 * 4  # contexts x batches x (DynamicCache + 3 schemes)
     assert [x["scheme"] for x in s["schemes"]] == ["exact32", "t-kivi", "int4-token"]
+    assert all(x["calibration"] == {} for x in s["schemes"])  # nothing calibrated, nothing to flag
     for r in s["runs"]:
         assert len(r["step_ms"]) == 5 and r["cached_tokens"] == r["context"] + 7
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"], rel=1e-3)

@@ -324,7 +324,8 @@ def speed_eval(
 
     Returns:
         ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
-        "tokens", "warmup", "fused_decode", "workspace", "schemes": [{"scheme", "avg_bits", "peer"}],
+        "tokens", "warmup", "fused_decode", "workspace", "layers", "schemes": [{"scheme", "avg_bits", "peer",
+        "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
         "cuda_resident_bytes", "cuda_peak_bytes", "decode", "agreement", "first_divergence",
@@ -342,7 +343,7 @@ def speed_eval(
         _load_model,
         _model_arg,
     )
-    from kvbits.evaluate.measures import _peak_rss_bytes
+    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.runner import _progress
@@ -385,9 +386,8 @@ def speed_eval(
                 ids = ids.to(dev)
                 t0 = time.perf_counter()
                 hidden, kv = prefill_kv(model, ids)
-                with (
-                    torch.no_grad()
-                ):  # the first generated token, from the exact prefill (shared by every run)
+                # the first generated token, from the exact prefill (shared by every run)
+                with torch.no_grad():
                     first = head(hidden[:, -1]).argmax(-1, keepdim=True)
                 _sync(dev)
                 prefill_s = time.perf_counter() - t0
@@ -419,6 +419,10 @@ def speed_eval(
                 del kv
     for rec in runs:
         rec.pop("tokens")
+    longest = contexts[-1] + warmup + tokens
+    mismatch = {s.name: _mismatch({}, calibrations.get(s.name), longest, "stream") for s in resolved}
+    for name, m in mismatch.items():
+        _warn_mismatch(name, m, longest)
     return {
         "version": SPEED_VERSION,
         "model": _model_arg(model_spec, model_name),
@@ -440,6 +444,7 @@ def speed_eval(
                 else average_bits(s, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers),
                 "peer": isinstance(s, PeerScheme),
                 "path": _path(s, fused[s.name], workspace),
+                "calibration": mismatch[s.name],
             }
             for s in resolved
         ],
