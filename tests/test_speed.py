@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import transformers
 from _bytelevel import VOCAB, save_byte_tokenizer, write_sentences
 from _tinyllama import EXACT, SMALL_KIVI, tiny_llama
 
@@ -230,3 +231,21 @@ def test_cache_bytes_counts_only_what_it_can(model, ids):
     s = speed_eval(model, 160, ["hf-quanto-int4"], tokens=2, warmup=1, data=ids)
     (peer,) = _runs(s, "hf-quanto-int4")
     assert peer["path"] == "peer" and peer["cache_bytes"] is None and peer["planned_bytes"] is None
+
+
+def test_sliding_window_bytes_are_the_plan(ids):
+    """Gemma 2 (sliding and global layers alternate): what DynamicCache and a kvbits cache hold past the
+    window is what the planner counts for them."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, sliding_window=48,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    s = speed_eval(model, [32, 200], ["int4-token"], tokens=2, warmup=1, data=ids)
+    for r in s["runs"]:
+        assert r["cache_bytes"] == r["planned_bytes"], r
+    short, long = (r["cache_bytes"] for r in _runs(s, "DynamicCache"))
+    # 3 decode steps after each prompt: the global layer holds every token, the sliding one the last W - 1
+    per_token = 2 * 2 * 16 * 4  # one layer's K and V: 2 heads, 16 channels, float32
+    assert short == 2 * 35 * per_token and long == (203 + 47) * per_token
