@@ -12,7 +12,9 @@ command checks its device with ``kvbits.evaluate.request.check_device`` before t
 ``add_model_data_args`` adds their ``--model`` / ``--data`` (/ ``--data-path``), and
 ``add_window_args`` the ``--context`` / ``--windows`` of those that cut the text into windows; the help
 texts stay each command's own. ``FUSED_DECODE`` maps ``--fused-decode auto|on|off`` to the library's
-``fused_decode`` values; ``emit_summary`` ends the commands that write a summary folder and print a table.
+``fused_decode`` values; ``add_calibration_arg`` adds the ``--calibration`` of the evaluating commands;
+``add_summary_output_args`` adds ``--out`` / ``--overwrite`` / ``--json`` to the commands that write a summary
+folder and print a table, and ``emit_summary`` ends them.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 __all__ = [
     "FUSED_DECODE",
     "MODEL_DTYPES",
+    "add_calibration_arg",
     "add_dtype_device",
     "add_model_data_args",
+    "add_summary_output_args",
     "add_window_args",
     "bounded",
     "emit_summary",
@@ -159,6 +163,26 @@ def add_window_args(
     parser.add_argument(
         "--windows", type=_positive, default=windows, help=f"{windows_help} (default {windows})"
     )
+
+
+def add_calibration_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--calibration DIR`` (repeatable): the ``kvbits calibrate`` folders of calibrated schemes."""
+    parser.add_argument(
+        "--calibration", action="append", metavar="DIR",
+        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
+    )  # fmt: skip
+
+
+def add_summary_output_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add ``--out`` (a folder for ``<command>.json``, ``report.md`` and ``<command>.png``: the files of
+    ``kvbits.report.render.write_json_report``), ``--overwrite`` and ``--json``, which ``emit_summary`` reads."""
+    files = f"{command}.json, report.md, {command}.png"
+    parser.add_argument("--out", help=f"output folder ({files})")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help=f"write into a non-empty folder that holds no {command} run (only {files} are replaced)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
 
 
 def emit_summary(

@@ -9,7 +9,14 @@ import os
 import sys
 from typing import Any
 
-from kvbits._argtypes import FUSED_DECODE, add_dtype_device, add_model_data_args, add_window_args, bounded
+from kvbits._argtypes import (
+    FUSED_DECODE,
+    add_calibration_arg,
+    add_dtype_device,
+    add_model_data_args,
+    add_window_args,
+    bounded,
+)
 
 __all__ = ["DEVICES", "add_parser", "run"]
 
@@ -131,12 +138,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "with each scheme's real cache: repetition (rep-1/2/4) and agreement with the reference continuation "
         "(default 0: off; any mode, and under torchrun)",
     )
-    p.add_argument(
-        "--calibration",
-        action="append",
-        metavar="DIR",
-        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
-    )
+    add_calibration_arg(p)
     p.add_argument("--out", help="output folder (config.json, summary.json, records.jsonl, tokens/, report)")
     p.add_argument(
         "--overwrite",

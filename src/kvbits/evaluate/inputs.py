@@ -162,6 +162,32 @@ def _check_calibration_models(calibrations: dict[str, Any], model_spec: Any, con
         art.check_model(config, fingerprint=model_fp if pinned else None)
 
 
+def _check_before_loading(
+    schemes: list, calibration: Any, data_path: str | None, dtype: Any, device: Any
+) -> tuple[torch.dtype | None, str | None, dict[str, Any]]:
+    """What an evaluation can refuse before the model loads: a ``data_path`` that is no folder, the dtype,
+    the device, and the calibrations (each matched to its scheme; none missing for a calibrated scheme).
+    Returns ``(torch dtype, dtype name for the record, calibrations by scheme name)``."""
+    from kvbits.evaluate.data import data_search_path
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+
+    if data_path is not None:
+        data_search_path(data_path)
+    torch_dtype, dtype_name = _resolve_dtype(dtype)
+    check_device(device)
+    calibrations = _calibrations(calibration, schemes)
+    _check_calibrated(schemes, calibrations)
+    return torch_dtype, dtype_name, calibrations
+
+
+def _load_checked_model(model: Any, torch_dtype: torch.dtype | None, device: Any, calibrations: dict[str, Any]):
+    """``_load_model``, then each calibration artifact checked against the model loaded
+    (``_check_calibration_models``): ``(model, tokenizer, name, fingerprint)``."""
+    loaded, tokenizer, name, fingerprint = _load_model(model, torch_dtype, device)
+    _check_calibration_models(calibrations, model, loaded.config, fingerprint)
+    return loaded, tokenizer, name, fingerprint
+
+
 def _calibration_paths(calibration: Any) -> list[str] | None:
     """The calibration folders as given (for ``config.json``), or None when given as objects."""
     if calibration is None:

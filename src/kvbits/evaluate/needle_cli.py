@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvbits._argtypes import FUSED_DECODE, add_dtype_device, add_model_data_args, bounded, emit_summary
+from kvbits._argtypes import (
+    FUSED_DECODE,
+    add_calibration_arg,
+    add_dtype_device,
+    add_model_data_args,
+    add_summary_output_args,
+    bounded,
+    emit_summary,
+)
 
 __all__ = ["add_parser", "parse_depths", "run"]
 
@@ -85,10 +93,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--fused-decode", choices=("auto", "on", "off"), default="auto",
         help="prefill semantics: decode steps through the fused kernel (auto: on CUDA with Triton)",
     )  # fmt: skip
-    p.add_argument(
-        "--calibration", action="append", metavar="DIR",
-        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
-    )  # fmt: skip
+    add_calibration_arg(p)
     p.add_argument("--digits", type=bounded(int, 1, 18), default=5, help="digits of the pass key (default 5)")
     p.add_argument(
         "--needle", help="needle text with {key} (default: 'The pass key is {key}. Remember it. ...')"
@@ -101,12 +106,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk-size", type=_positive, default=256, help="queries per simulated attention chunk (decode)"
     )
-    p.add_argument("--out", help="output folder (needle.json, report.md, needle.png)")
-    p.add_argument(
-        "--overwrite", action="store_true",
-        help="write into a non-empty folder that holds no needle run (only needle.json, report.md, needle.png are replaced)",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
+    add_summary_output_args(p, "needle")
     add_dtype_device(p, DEVICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

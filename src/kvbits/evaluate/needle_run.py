@@ -256,19 +256,11 @@ def needle_eval(
     """
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.data import data_search_path, load_text, token_fingerprint, tokenize
-    from kvbits.evaluate.inputs import (
-        _calibrations,
-        _check_calibrated,
-        _check_calibration_models,
-        _data_arg,
-        _load_model,
-        _model_arg,
-    )
+    from kvbits.evaluate.data import load_text, token_fingerprint, tokenize
+    from kvbits.evaluate.inputs import _check_before_loading, _data_arg, _load_checked_model, _model_arg
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
-    from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.runner import _check_head
     from kvbits.plan.config import warn_beyond_max_positions
     from kvbits.schemes.accounting import average_bits
@@ -279,24 +271,18 @@ def needle_eval(
     resolved = [resolve_scheme(s) for s in schemes]
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
     fused_mode = check_mode(fused_decode)
-    if data_path is not None:
-        data_search_path(data_path)
-    torch_dtype, _ = _resolve_dtype(dtype)
-    check_device(device)
-    calibrations = _calibrations(calibration, resolved)
-    _check_calibrated(resolved, calibrations)
+    torch_dtype, _, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
 
     text = (
         load_text(data, data_path) if isinstance(data, str) else data
     )  # a wrong text fails before the model loads
     model_spec = model
-    model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
+    model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
     if tokenizer is None:
         raise ValueError(
             "the retrieval task writes text, so it needs the model's tokenizer: pass a model name, path or "
             "LoadedModel (kvbits.evaluate.models.load_model), not a bare transformers module"
         )
-    _check_calibration_models(calibrations, model_spec, model.config, model_fp)
     warn_beyond_max_positions(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     text_ids = tokenize(text, tokenizer)

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits.evaluate.data import data_search_path, load_text
+from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
     check_can_generate,
@@ -68,11 +68,9 @@ from kvbits.evaluate.generation import (
 )
 from kvbits.evaluate.inputs import (
     _calibration_paths,
-    _calibrations,
-    _check_calibrated,
-    _check_calibration_models,
+    _check_before_loading,
     _data_arg,
-    _load_model,
+    _load_checked_model,
     _load_windows,
     _model_arg,
 )
@@ -108,9 +106,7 @@ from kvbits.evaluate.request import (
     OUTPUT_VERSION,
     _check_args,
     _request,
-    _resolve_dtype,
     _scheme_name,
-    check_device,
     config_hash,
     default_attn_layers,
 )
@@ -269,13 +265,8 @@ def evaluate(
             "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
             "--mode stream"
         )
-    if data_path is not None:
-        data_search_path(data_path)  # a --data-path that is no folder: refused before the model loads
-    torch_dtype, dtype_name = _resolve_dtype(dtype)
-    check_device(device)
+    torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
-    calibrations = _calibrations(calibration, resolved)
-    _check_calibrated(resolved, calibrations)
     request = _request(
         model=model,
         data=data,
@@ -314,9 +305,8 @@ def evaluate(
         # the text before the model: a wrong data spec fails in a moment, not after the weights load
         text = load_text(data, data_path) if isinstance(data, str) else data
         model_spec = model
-        model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, load_device)
+        model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, load_device, calibrations)
         win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path)
-        _check_calibration_models(calibrations, model_spec, model.config, model_fp)
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)

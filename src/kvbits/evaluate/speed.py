@@ -334,18 +334,9 @@ def speed_eval(
     """
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode, wants
-    from kvbits.evaluate.data import data_search_path
-    from kvbits.evaluate.inputs import (
-        _calibrations,
-        _check_calibrated,
-        _check_calibration_models,
-        _data_arg,
-        _load_model,
-        _model_arg,
-    )
+    from kvbits.evaluate.inputs import _check_before_loading, _data_arg, _load_checked_model, _model_arg
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.outputs import _git_commit, _versions
-    from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.runner import _progress
     from kvbits.evaluate.stream import prefill_kv
     from kvbits.plan.config import warn_beyond_max_positions
@@ -356,15 +347,9 @@ def speed_eval(
     resolved = [resolve_scheme(s) for s in schemes]
     fused_mode = check_mode(fused_decode)
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
-    if data_path is not None:
-        data_search_path(data_path)
-    torch_dtype, dtype_name = _resolve_dtype(dtype)
-    check_device(device)
-    calibrations = _calibrations(calibration, resolved)
-    _check_calibrated(resolved, calibrations)
+    torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     model_spec = model
-    model, tokenizer, model_name, model_fp = _load_model(model, torch_dtype, device)
-    _check_calibration_models(calibrations, model_spec, model.config, model_fp)
+    model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
     head = _head(model)
     warn_beyond_max_positions(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device

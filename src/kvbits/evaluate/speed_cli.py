@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvbits._argtypes import FUSED_DECODE, add_dtype_device, add_model_data_args, bounded, emit_summary
+from kvbits._argtypes import (
+    FUSED_DECODE,
+    add_calibration_arg,
+    add_dtype_device,
+    add_model_data_args,
+    add_summary_output_args,
+    bounded,
+    emit_summary,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -79,17 +87,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--workspace", action="store_true",
         help="without the fused path: keep a dequantized history instead of dequantizing every step",
     )  # fmt: skip
-    p.add_argument(
-        "--calibration", action="append", metavar="DIR",
-        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
-    )  # fmt: skip
+    add_calibration_arg(p)
     p.add_argument("--threads", type=_positive, help="torch intra-op threads on CPU (default: torch's)")
-    p.add_argument("--out", help="output folder (speed.json, report.md, speed.png)")
-    p.add_argument(
-        "--overwrite", action="store_true",
-        help="write into a non-empty folder that holds no speed run (only speed.json, report.md, speed.png are replaced)",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
+    add_summary_output_args(p, "speed")
     add_dtype_device(p, DEVICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
