@@ -123,12 +123,6 @@ def _head(model: Any) -> Any:
     return LogitHead.from_model(model)
 
 
-def _cache_kw(model: Any) -> str:
-    from kvbits.evaluate.stream import _cache_kwarg
-
-    return _cache_kwarg(model)
-
-
 @torch.no_grad()
 def _decode(
     model: Any, cache: Any, first: torch.Tensor, steps: int, warmup: int, on_timed: Any = None
@@ -136,7 +130,9 @@ def _decode(
     """``warmup + steps`` greedy steps from ``first`` ``(B, 1)`` through ``cache``: the generated tokens
     ``(B, warmup + steps)`` and the times (ms) of the last ``steps``; ``on_timed()`` is called before the
     first timed step."""
-    kw = _cache_kw(model)
+    from kvbits.evaluate.stream import _cache_kwarg
+
+    kw = _cache_kwarg(model)
     dev = first.device
     nxt, tokens, times = first, [], []
     for i in range(warmup + steps):

@@ -165,24 +165,13 @@ def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
     of the run (bottom), one line per cache, context on a log axis."""
     import numpy as np
 
-    from kvbits.report.plots.figure import new_figure, save_png, unique_legend
+    from kvbits.report.plots.figure import BASELINE_COLOR, PALETTE, new_figure, save_png, unique_legend
 
     batches, contexts = summary["batches"], summary["contexts"]
     fig = new_figure(max(4.5, 3.6 * len(batches) + 1.6), 5.6)
     axes = np.atleast_2d(fig.subplots(2, len(batches), squeeze=False))
-    palette = (
-        "#1f77b4",
-        "#ff7f0e",
-        "#2ca02c",
-        "#d62728",
-        "#9467bd",
-        "#8c564b",
-        "#e377c2",
-        "#bcbd22",
-        "#17becf",
-    )
-    colors = {c: palette[i % len(palette)] for i, c in enumerate(_caches(summary)[1:])}
-    colors[BASELINE] = "#7f7f7f"
+    colors = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(_caches(summary)[1:])}
+    colors[BASELINE] = BASELINE_COLOR
     panels = (("tokens_per_s", "decode tokens/s", 1.0), ("cache_bytes", "cache MiB", 2.0**-20))
     for col, batch in enumerate(batches):
         for row, (key, label, scale) in enumerate(panels):

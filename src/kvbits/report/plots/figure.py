@@ -19,8 +19,10 @@ from kvbits.report.fmt import fmt_end, fmt_pos
 from kvbits.report.summary import RunSummary
 
 __all__ = [
+    "BASELINE_COLOR",
     "DPI",
     "INSTALL_HINT",
+    "PALETTE",
     "TokenArrays",
     "log_lines",
     "new_figure",
@@ -34,6 +36,10 @@ __all__ = [
     "window_mean",
 ]
 
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39")  # fmt: skip
+"""One colour per quantized scheme, in order; unquantized runs are grey (``BASELINE_COLOR``)."""
+BASELINE_COLOR = "#7f7f7f"
 INSTALL_HINT = "plots need matplotlib: pip install 'kvbits[plot]' (or pip install matplotlib)"
 DPI = 110
 
@@ -69,12 +75,11 @@ def save_png(fig: Any, path: Path) -> Path:
 
 def scheme_colors(run: RunSummary) -> dict[str, str]:
     """One stable colour per scheme across all figures; unquantized schemes are grey."""
-    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-               "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39")
+    palette = PALETTE
     out, i = {}, 0
     for r in run.results:
         if r.is_baseline:
-            out[r.name] = "#7f7f7f"
+            out[r.name] = BASELINE_COLOR
         else:
             out[r.name] = palette[i % len(palette)]
             i += 1
