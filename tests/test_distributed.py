@@ -92,9 +92,17 @@ def _worker(rank: int, world: int, init_file: str, work: str) -> None:
             runner.token_metrics = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom on rank 1"))
         run("fails", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=[])
         results["touched"] = touched
+        dist.destroy_process_group()
+        results["threads_after_destroy"] = _thread_names()
         (work_dir / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _thread_names() -> list[str]:
+    """This process's threads by name (Linux ``/proc``; empty elsewhere)."""
+    return sorted(p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm"))
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +242,40 @@ def test_failure_on_one_rank_stops_every_rank(ranks):
     assert r1["fails"] == ("error", "RuntimeError", "boom on rank 1")
     assert r0["fails"][:2] == ("error", "RankFailed")
     assert "rank 1 of 2 failed while evaluating its windows: RuntimeError: boom on rank 1" in r0["fails"][2]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc")
+def test_destroy_frees_the_group(ranks):
+    """No gloo thread outlives ``destroy_process_group``: evaluate imported transformers (and with it
+    ``torch.distributed.nn``, whose default arguments would hold the group) after the group was
+    initialized, and a gloo thread left alive could abort the rank at interpreter exit."""
+    (r0, r1), _ = ranks
+    for r in (r0, r1):
+        assert r["threads_after_destroy"] and not [t for t in r["threads_after_destroy"] if "gloo" in t]
+
+
+_CAUGHT = """
+import logging, sys, tempfile
+import torch, torch.distributed as dist
+logging.basicConfig(level=logging.WARNING)
+if sys.argv[1] == "kvbits-first":
+    from kvbits.evaluate.distributed import resolve_ranks
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import torch.distributed.nn
+from kvbits.evaluate.distributed import resolve_ranks
+resolve_ranks(None)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("order", ["kvbits-first", "group-first"])
+def test_warns_when_the_group_is_caught_by_torch_distributed_nn(order):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", _CAUGHT, order], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    caught = "torch.distributed.nn was imported after init_process_group" in done.stderr
+    assert caught == (order == "group-first"), done.stderr[-2000:]
 
 
 def test_alone_without_a_process_group():

@@ -16,11 +16,20 @@ dies outright (killed, segfault) is not seen this way; ``torchrun`` stops the ot
 
 No home-made cluster: the process group is torch's, created by ``torchrun`` / the caller (or
 ``kvbits eval`` from torchrun's environment, :func:`init_from_env`).
+
+Shutdown: ``torch.distributed.nn.functional`` takes ``group.WORLD`` as a default argument when it
+is imported, and transformers imports it. Imported after ``init_process_group``, those defaults hold
+the group, so ``destroy_process_group()`` cannot free it: gloo's worker threads outlive it, and one
+that releases a collective's tensors during interpreter shutdown aborts the process ("terminate
+called without an active exception", SIGABRT, after the results were written). This module imports
+it first, so a program that imports kvbits before initializing the group is safe;
+:func:`resolve_ranks` warns when the group is already caught.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 from collections.abc import Iterator
@@ -31,7 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
+if torch.distributed.is_available():
+    import torch.distributed.nn  # noqa: F401 - before any process group exists (module docstring)
+
 __all__ = ["RankFailed", "Ranks", "init_from_env", "resolve_ranks"]
+
+logger = logging.getLogger(__name__)
 
 
 class RankFailed(RuntimeError):
@@ -158,6 +172,24 @@ class Ranks:
         return str(dev)
 
 
+def _warn_if_group_is_caught() -> None:
+    """Log a warning when ``torch.distributed.nn.functional``'s default arguments hold the current
+    default process group (it was imported after ``init_process_group``; module docstring)."""
+    import sys
+
+    import torch.distributed as dist
+
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    defaults = getattr(getattr(functional, "broadcast", None), "__defaults__", None) or ()
+    if dist.group.WORLD is not None and any(d is dist.group.WORLD for d in defaults):
+        logger.warning(
+            "torch.distributed.nn was imported after init_process_group (transformers imports it): its "
+            "default arguments keep the process group alive after destroy_process_group(), and gloo can "
+            "then abort at interpreter exit (SIGABRT) after the results are written. Import kvbits or "
+            "transformers before init_process_group."
+        )
+
+
 def resolve_ranks(distributed: bool | None) -> Ranks:
     """``distributed=None``: data-parallel when a default process group is initialized with more
     than one rank; ``True``: the group must be initialized (one rank is allowed); ``False``: alone,
@@ -172,6 +204,7 @@ def resolve_ranks(distributed: bool | None) -> Ranks:
             "distributed=True needs an initialized torch.distributed process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
+    _warn_if_group_is_caught()
     world = dist.get_world_size()
     if distributed is None and world == 1:
         return Ranks()
