@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 if torch.distributed.is_available():
-    import torch.distributed.nn  # noqa: F401 - before any process group exists (module docstring)
+    import torch.distributed.nn  # before any process group exists (module docstring)
 
 __all__ = ["RankFailed", "Ranks", "init_from_env", "resolve_ranks"]
 
