@@ -8,9 +8,12 @@ value specs; medians of 30 calls on one thread:
 - unpacking 2/4-bit codes: the former path (every byte widened to int64 words, the path 3-bit codes still
   take) against ``kvbits.quant.pack.unpack_bits`` (uint8 shifts by Python ints, then a stack);
 - the affine step: ``q * scale + zero`` out of place against ``dequantize_affine`` (in place on the
-  float32 copy of the codes).
+  float32 copy of the codes);
+- the whole history as ``KVStore.materialize`` builds it (the side plus a 100-token float buffer): decoded
+  apart then concatenated (sessions 17 and before) against decoded straight into one preallocated tensor
+  (``QuantizedTensor.dequantize(out=)``, session 18).
 
-Both pairs are checked equal bit for bit before they are timed. BENCHMARKS.md §18c.
+Every pair is checked equal bit for bit before it is timed. BENCHMARKS.md §18c, §18e.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main() -> None:
     torch.set_num_threads(1)
     scheme = get_scheme(a.scheme)
     x = torch.randn(a.batch, 3, a.tokens, 64, generator=torch.Generator().manual_seed(0))
+    buffer = torch.randn(a.batch, 3, 100, 64, generator=torch.Generator().manual_seed(1))
     for side in ("key", "value"):
         spec = getattr(scheme, side)
         if spec.kind != "int" or spec.bits not in (2, 4):
@@ -73,6 +77,20 @@ def main() -> None:
         assert torch.equal(d_old, d_new)
         print(f"{side} ({spec.granularity}, {spec.bits}-bit, {tuple(x.shape)}): unpack {old_u:.3f} -> {new_u:.3f} ms, "
               f"affine {old_a:.3f} -> {new_a:.3f} ms, both {old_u + old_a:.3f} -> {new_u + new_a:.3f} ms")  # fmt: skip
+        old_h, h_old = _median_ms(lambda qt=qt: torch.cat([qt.dequantize(torch.float32), buffer], dim=2))
+        new_h, h_new = _median_ms(lambda qt=qt: _into_one(qt, buffer))
+        assert torch.equal(h_old, h_new)
+        print(f"    history + {buffer.shape[2]}-token buffer: decode then cat {old_h:.3f} ms -> decoded in place "
+              f"{new_h:.3f} ms ({old_h / new_h:.2f}x)")  # fmt: skip
+
+
+def _into_one(qt, buffer: torch.Tensor) -> torch.Tensor:
+    """What ``KVStore.materialize`` does now: one tensor, the codes decoded into their place, the buffer copied."""
+    B, H, n, D = qt.shape
+    out = torch.empty(B, H, n + buffer.shape[2], D)
+    qt.dequantize(torch.float32, out=out[:, :, :n])
+    out[:, :, n:].copy_(buffer)
+    return out
 
 
 if __name__ == "__main__":

@@ -566,6 +566,45 @@ def test_nbytes_matches_accounting_extra_specs(spec: TensorSpec):
 
 
 # --------------------------------------------------------------------------------------------------
+# dequantize(out=): into a slice of a larger history, the same bits
+# --------------------------------------------------------------------------------------------------
+
+ROTATED = int_spec(4, "token", rotate="hadamard")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [s for scheme in list_schemes() for s in (scheme.key, scheme.value)] + EXTRA_SPECS + [ROTATED],
+    ids=str,
+)
+def test_dequantize_into_a_history_slice_is_bit_identical(spec: TensorSpec, dtype: torch.dtype):
+    """Decoded into the middle of a ``(B, H, 5 + n + 7, D)`` tensor (a strided view): equal bit for bit to
+    ``dequantize()``, and the tokens on either side untouched."""
+    B, H, n, D = 2, 3, 128, 64  # 128: whole per-channel blocks of every preset
+    x = gaussian(B, H, n, D, seed=n)
+    qt = quantize(x, spec, **calibration_kwargs(spec, H, D))
+    want = qt.dequantize(dtype)
+    history = torch.full((B, H, 5 + n + 7, D), 7.0, dtype=dtype)
+    got = qt.dequantize(dtype, out=history[:, :, 5 : 5 + n])
+    assert got.data_ptr() == history[:, :, 5:].data_ptr()
+    assert torch.equal(history[:, :, 5 : 5 + n].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))  # fmt: skip
+    assert (history[:, :, :5] == 7).all() and (history[:, :, 5 + n :] == 7).all()
+
+
+def test_dequantize_out_must_match_shape_and_dtype():
+    qt = quantize(gaussian(1, 2, 8, 16), int_spec(4))
+    with pytest.raises(ValueError, match=r"must be torch.float32 of shape \(1, 2, 8, 16\)"):
+        qt.dequantize(torch.float32, out=torch.empty(1, 2, 9, 16))
+    with pytest.raises(ValueError, match="got torch.float16"):
+        qt.dequantize(torch.float32, out=torch.empty(1, 2, 8, 16, dtype=torch.float16))
+    codes = torch.zeros(1, 2, 8, 1, 16, dtype=torch.uint8)  # grouped: one scale per token
+    with pytest.raises(ValueError, match="out= must be float32"):
+        dequantize_affine(codes, qt.scale, qt.zero, 4, torch.float32, out=torch.empty(codes.shape, dtype=torch.half))
+
+
+# --------------------------------------------------------------------------------------------------
 # Schemes: serialisation and lookup
 # --------------------------------------------------------------------------------------------------
 

@@ -344,31 +344,41 @@ class SideStore:
         self.chunks = [_map_chunk(c, fn) for c in self.chunks]
 
     # --------------------------------------------------------------- reading
-    def _dequantize(self, qt: QuantizedTensor, p0: int, dtype: torch.dtype) -> torch.Tensor:
-        """One chunk back to ``dtype`` (rotated back to its positions ``p0...`` for pre-RoPE keys)."""
-        out = qt.dequantize(dtype, sync=self.sync)
-        if self.spec.pre_rope:
-            out = rope_at(self.rotary, out, p0, offset=self.pos_offset)
-        return out
+    def _dequantize(
+        self, qt: QuantizedTensor, p0: int, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One chunk back to ``dtype`` (rotated back to its positions ``p0...`` for pre-RoPE keys), written
+        into ``out`` ``(B, H_kv, qt.n_tokens, D)`` when given."""
+        if not self.spec.pre_rope:
+            return qt.dequantize(dtype, sync=self.sync, out=out)
+        rotated = rope_at(self.rotary, qt.dequantize(dtype, sync=self.sync), p0, offset=self.pos_offset)
+        return rotated if out is None else out.copy_(rotated)
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
-        """Every stored token in order, in ``dtype``: ``(B, H_kv, sinks + quantized + buffer, D)``."""
-        parts = [self.sinks.to(dtype)]
+        """Every stored token in order, in ``dtype``: ``(B, H_kv, sinks + quantized + buffer, D)``.
+
+        One tensor is allocated and each part written into its place (the codes decoded straight into
+        it where ``QuantizedTensor.dequantize`` can), not decoded apart and concatenated: the same values,
+        one full-history copy fewer per call.
+        """
+        B, H, _, D = self.buffer.shape
+        S, Q = self.n_sinks, (self.work.shape[2] if self.work is not None else self.n_quantized)
+        out = torch.empty(B, H, S + Q + self.n_buffer, D, dtype=dtype, device=self.buffer.device)
+        out[:, :, :S].copy_(self.sinks)
+        middle = out[:, :, S : S + Q]
         if self.work is not None:
-            parts.append(self.work.to(dtype))
+            middle.copy_(self.work)
         elif len(self.chunks) > 1:  # one block per chunk (head / tensor granularity): one call for all
             stacked = _stack_blocks(self.chunks)
-            n = sum(c.n_tokens for c in self.chunks)
-            out = stacked.dequantize(dtype, sync=self.sync)  # (nb * B, H, block, D), blocks major
-            B, H, _, D = self.chunks[0].shape
-            out = out.reshape(len(self.chunks), B, H, -1, D).permute(1, 2, 0, 3, 4).reshape(B, H, n, D)
+            decoded = stacked.dequantize(dtype, sync=self.sync)  # (nb * B, H, block, D), blocks major
+            decoded = decoded.reshape(len(self.chunks), B, H, -1, D).permute(1, 2, 0, 3, 4).reshape(B, H, Q, D)
             if self.spec.pre_rope:
-                out = rope_at(self.rotary, out, self.n_sinks + self.n_dropped, offset=self.pos_offset)
-            parts.append(out)
+                decoded = rope_at(self.rotary, decoded, S + self.n_dropped, offset=self.pos_offset)
+            middle.copy_(decoded)
         elif self.chunks:
-            parts.append(self._dequantize(self.chunks[0], self.n_sinks + self.n_dropped, dtype))
-        parts.append(self.buffer.to(dtype))
-        return torch.cat(parts, dim=2)
+            self._dequantize(self.chunks[0], S + self.n_dropped, dtype, out=middle)
+        out[:, :, S + Q :].copy_(self.buffer)
+        return out
 
     def packed(self) -> PackedTensor | None:
         """The quantized chunks in the decode-kernel layout (``kvbits.kernels.reference.pack_side``), or

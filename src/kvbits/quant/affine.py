@@ -146,18 +146,34 @@ def quantize_affine(
 
 
 def dequantize_affine(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of ``quantize_affine`` (computed in float32, returned in ``dtype``).
 
     In place on the float32 copy of ``codes`` (one full-size tensor, not three): the same operations in
     the same order, so the same roundings as ``q * scale + zero``; 1.7-3x faster on CPU for a whole history.
+    ``out``: a float32 tensor (a strided view is fine) of the broadcast shape to hold that copy, returned
+    (``dtype`` must be float32 then): a caller's preallocated place, no tensor allocated.
     """
     check_bits(bits)
-    q = codes.float()
-    shape = torch.broadcast_shapes(q.shape, scale.shape, *(() if zero is None else (zero.shape,)))
-    if q.data_ptr() == codes.data_ptr() or q.shape != shape:  # never write into the caller's tensor
-        q = q.expand(shape).clone()
+    shape = torch.broadcast_shapes(codes.shape, scale.shape, *(() if zero is None else (zero.shape,)))
+    if out is not None:
+        if out.dtype != torch.float32 or dtype != torch.float32 or tuple(out.shape) != tuple(shape):
+            raise ValueError(
+                f"dequantize_affine out= must be float32 of shape {tuple(shape)} with dtype float32, "
+                f"got {out.dtype} {tuple(out.shape)} for dtype {dtype}"
+            )
+        q = out.copy_(codes.expand(shape))
+    else:
+        q = codes.float()
+        if q.data_ptr() == codes.data_ptr() or q.shape != shape:  # never write into the caller's tensor
+            q = q.expand(shape).clone()
     if zero is None:
         return q.sub_(2 ** (bits - 1) - 1).mul_(scale.float()).to(dtype)
     return q.mul_(scale.float()).add_(zero.float()).to(dtype)

@@ -87,15 +87,37 @@ class QuantizedTensor:
         return self.shape[2]
 
     def dequantize(
-        self, dtype: torch.dtype = torch.float32, *, codebook: torch.Tensor | None = None, sync: bool = True
+        self,
+        dtype: torch.dtype = torch.float32,
+        *,
+        codebook: torch.Tensor | None = None,
+        sync: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``).
 
         ``sync=False``: no host-device sync (the codebook's values are not re-checked, see ``quantize``).
         A rotated spec (``spec.rotate``) is decoded in float32 (float64 for float64), rotated back, then cast.
+        ``out``: a ``(B, H_kv, n, D)`` tensor of ``dtype`` (a slice of a larger history is fine) the values
+        are written into and returned, bit for bit those returned without it. Integer codes without
+        outliers or rotation are decoded in it directly (float32) or cast once into it; the rest are
+        computed as without ``out`` and copied in.
         """
         spec = self.spec
         _, _, n, D = self.shape
+        if out is not None and (tuple(out.shape) != tuple(self.shape) or out.dtype != dtype):
+            raise ValueError(f"dequantize out= must be {dtype} of shape {tuple(self.shape)}, got {out.dtype} "
+                             f"{tuple(out.shape)}")  # fmt: skip
+        if out is not None:
+            if spec.kind == "int" and self.outlier_values is None and spec.rotate is None:
+                if dtype != torch.float32:  # decoded in float32 as always, cast once while copied in
+                    return out.copy_(self.dequantize(torch.float32))
+                target = _group(out, spec)
+                if target.data_ptr() == out.data_ptr():  # a view of out, not a copy reshape made
+                    codes = _group(unpack_bits(self.data, spec.bits, D), spec)
+                    dequantize_affine(codes, self.scale, self.zero, spec.bits, torch.float32, out=target)
+                    return out
+            return out.copy_(self.dequantize(dtype, codebook=codebook, sync=sync))
         final = dtype
         if spec.rotate is not None:
             dtype = torch.float64 if dtype == torch.float64 else torch.float32
