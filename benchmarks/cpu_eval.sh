@@ -191,6 +191,11 @@ if [[ $step == all || $step == speed ]]; then
     $K speed --model smollm2-135m --context 1k --context 4k --context 8k --batch 1 --batch 4 --tokens 16 \
       --warmup 4 --threads 2 --no-progress --scheme int8-token --scheme int4-token --scheme kivi-4 \
       --scheme kivi-2 --scheme hf-quanto-int4 --out runs/speed-smollm2
+  # §18e: 18c's run again after 51c7d10 (the history decoded into its place): runs/speed-smollm2-into
+  [[ -f runs/speed-smollm2-into/speed.json ]] || \
+    $K speed --model smollm2-135m --context 1k --context 4k --context 8k --batch 1 --batch 4 --tokens 16 \
+      --warmup 4 --threads 2 --no-progress --scheme int4-token --scheme kivi-4 --scheme kivi-2 \
+      --scheme hf-quanto-int4 --out runs/speed-smollm2-into
   [[ -f runs/speed-smollm2-workspace/speed.json ]] || \
     $K speed --model smollm2-135m --context 1k --context 4k --context 8k --batch 1 --batch 4 --tokens 16 \
       --warmup 4 --threads 2 --no-progress --workspace --scheme kivi-4 --scheme kivi-2 \
