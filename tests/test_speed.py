@@ -150,6 +150,8 @@ def test_errors(model, ids):
         speed_eval(model, 64, [KVScheme("DynamicCache")], data=ids)
     with pytest.raises(ValueError, match="context must be an int >= 1"):
         speed_eval(model, [0], ["int4-token"], data=ids)
+    with pytest.raises(ValueError, match="context must be an int or a list of ints, got 3.5"):
+        speed_eval(model, 3.5, ["int4-token"], data=ids)
     with pytest.raises(ValueError, match="output embedding"):
         speed_eval(model.model, 64, ["int4-token"], data=ids)
     with pytest.raises(ValueError, match="fewer than one window"):

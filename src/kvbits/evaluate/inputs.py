@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvbits.evaluate.request import _ids_fingerprint, _model_fingerprint
 
 __all__: list[str] = []
+
+
+def check_int(name: str, value: Any, lo: int) -> int:
+    """``value`` as an int ``>= lo`` (a Python or NumPy integer, not a bool); ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return int(value)
+
+
+def check_ints(name: str, values: Sequence[int] | int, lo: int) -> list[int]:
+    """Sorted distinct ints ``>= lo`` (each a ``name``: context lengths, batch sizes) from one int or a
+    sequence of them; ``ValueError`` for anything else, an empty sequence included."""
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        values = [values]
+    try:
+        items = list(values)
+    except TypeError:
+        raise ValueError(f"{name} must be an int or a list of ints, got {values!r}") from None
+    if not items:
+        raise ValueError(f"give at least one {name}")
+    return sorted({check_int(name, v, lo) for v in items})
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits.evaluate.inputs import check_ints
+
 __all__ = [
     "DEFAULT_DEPTHS",
     "SNAP_TOKENS",
@@ -131,18 +133,7 @@ class Trial:
 
 def check_contexts(contexts: Sequence[int] | int) -> list[int]:
     """Distinct positive token counts, ascending; ``ValueError`` otherwise."""
-    if isinstance(contexts, (int, np.integer)) and not isinstance(contexts, bool):
-        contexts = [int(contexts)]
-    try:
-        items = list(contexts)
-    except TypeError:
-        raise ValueError(f"contexts must be an int or a list of ints, got {contexts!r}") from None
-    if not items:
-        raise ValueError("contexts must name at least one context length")
-    for c in items:
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
-            raise ValueError(f"each context must be a positive int (tokens), got {c!r}")
-    return sorted({int(c) for c in items})
+    return check_ints("context", contexts, 1)
 
 
 def check_depths(depths: Sequence[float]) -> list[float]:

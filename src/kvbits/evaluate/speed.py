@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_scheme
 
 logger = logging.getLogger(__name__)
@@ -51,20 +52,6 @@ __all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
 
 SPEED_VERSION = 1
 BASELINE = "DynamicCache"
-
-
-def _check_int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
-def _check_list(name: str, values: Sequence[int] | int, lo: int) -> list[int]:
-    """Sorted distinct ints ``>= lo`` (each a ``name``) from one int or a sequence (``ValueError`` otherwise)."""
-    items = [values] if isinstance(values, int) and not isinstance(values, bool) else list(values)
-    if not items:
-        raise ValueError(f"give at least one {name}")
-    return sorted({_check_int(name, v, lo) for v in items})
 
 
 def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
@@ -259,8 +246,8 @@ def _check_args(schemes: list, tokens: Any, warmup: Any, fused_mode: Any, worksp
         raise ValueError(
             f"{BASELINE!r} is the baseline every run is measured against; it is not a scheme name"
         )
-    _check_int("tokens", tokens, 1)
-    _check_int("warmup", warmup, 0)
+    check_int("tokens", tokens, 1)
+    check_int("warmup", warmup, 0)
     if not isinstance(workspace, bool):
         raise TypeError(f"workspace must be True or False, got {workspace!r}")
     if workspace and fused_mode is True:
@@ -338,8 +325,8 @@ def speed_eval(
     from kvbits.plan.config import warn_beyond_max_positions
     from kvbits.schemes.accounting import average_bits
 
-    contexts = _check_list("context", contexts, 1)
-    batches = _check_list("batch", batches, 1)
+    contexts = check_ints("context", contexts, 1)
+    batches = check_ints("batch", batches, 1)
     resolved = [resolve_scheme(s) for s in schemes]
     fused_mode = check_mode(fused_decode)
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
