@@ -992,8 +992,55 @@ def test_rotated_calibration_serves_the_cache_without_clipping_more():
         right = quantize(k, rot.key, **art.quantize_kwargs(i, "key")).clipped / k.numel()
         wrong = quantize(k, rot.key, **plain.quantize_kwargs(i, "key")).clipped / k.numel()
         assert right <= 3 * art.layer_stats[i]["key_clip_rate"] + 0.01 and wrong > right
-    with pytest.raises(ValueError, match="rotated FP8 spec can not be calibrated yet"):
-        calibrate(model, ids, _rotated(get_scheme("fp8-e4m3"), "value"), context=64, windows=1, fisher=False)
+
+
+@torch.no_grad()
+def test_rotated_fp8_scales_are_the_absmax_of_the_rotated_stored_tensor(tmp_path):
+    """fp8-e4m3-hadamard stores ``x @ R`` (keys after RoPE): its static scales are the largest ``|x @ R|``
+    over every calibration position over 448 (checked against a DynamicCache's keys and values, rotated),
+    not the unrotated range; the cache then clips nothing of the calibration windows, and the vLLM
+    export refuses the rotated basis."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.export.vllm import check_exportable
+    from kvbits.quant.rotate import rotate
+
+    model, ids = tiny_llama(), token_ids()
+    art = calibrate(model, ids, "fp8-e4m3-hadamard", context=128, windows=3, fisher=False,
+                    out_dir=str(tmp_path / "rot"), fp8_scale="amax")  # fmt: skip
+    plain = calibrate(model, ids, "fp8-e4m3", context=128, windows=3, fisher=False, fp8_scale="amax")
+    peaks = torch.zeros(2, 2)
+    for s in art.meta["data"]["starts"]:
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        for i in range(2):
+            for j, x in enumerate((cache.layers[i].keys, cache.layers[i].values)):
+                peaks[i, j] = max(peaks[i, j], rotate(x, "hadamard").abs().max())
+    for i in range(2):
+        for j, side in enumerate(("key", "value")):
+            scale = art.static_qparams(i, side)[0]
+            assert float(scale) * 448 == pytest.approx(float(peaks[i, j]), rel=1e-6) and float(scale) * 448 >= peaks[i, j]
+            assert float(scale) != float(plain.static_qparams(i, side)[0])  # equal only if the rotation were skipped
+    rot = QuantizedKVCache(config=model.config, scheme="fp8-e4m3-hadamard", calibration=str(tmp_path / "rot"))
+    for s in art.meta["data"]["starts"]:
+        model(ids[None, s : s + 128], past_key_values=rot, use_cache=True)
+    assert all(row["clipped_keys"] == 0 and row["clipped_values"] == 0 for row in rot.calibration_report()["layers"])
+    with pytest.raises(ValueError, match="after a hadamard rotation; vLLM stores K/V unrotated"):
+        check_exportable(art)
+
+
+def test_rotated_fp8_fit_is_the_plain_fit_of_the_rotated_samples():
+    """Model-free: a rotated static FP8 side fits ``x @ R`` (own range, least-error and centred phases)."""
+    from kvbits.quant.rotate import rotate
+
+    x = torch.randn(2, 400, 16, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.2, 6.0, 16)
+    for gran in ("tensor", "head"):
+        plain = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity=gran, static=True)
+        rot = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity=gran, static=True, rotate="hadamard")
+        for how in ("amax", "mse", "centred"):
+            got, got_stats = fit_side(rot, x, fp8_scale=how)
+            want, want_stats = fit_side(plain, rotate(x, "hadamard"), fp8_scale=how)
+            assert torch.equal(got["scale"], want["scale"]) and got_stats == pytest.approx(want_stats), (gran, how)
+            assert not torch.equal(got["scale"], fit_side(plain, x, fp8_scale=how)[0]["scale"])
 
 
 def test_rotated_calibration_round_trips(tmp_path):

@@ -29,8 +29,9 @@ from kvbits.calibrate.fit import Progress, artifact_from_samples, check_calibrat
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
 from kvbits.plan.config import warn_beyond_max_positions
+from kvbits.quant.rotate import check_rotatable, rotate
 from kvbits.schemes.presets import get_scheme
-from kvbits.schemes.spec import KVScheme
+from kvbits.schemes.spec import ROTATIONS, KVScheme
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,10 @@ class CalibrationSamples:
     windows and channels, every position (not only the sampled ones), and in one last column the largest
     at every later position (``P = min(T, ABSMAX_POSITIONS + 1)``: a scheme's sinks can be left out, and
     the size does not grow with the window), for FP8 per-tensor and per-head scales; ``"key_post_rope"`` is absent for
-    a model whose RoPE ``kvbits.quant.rope`` can not reproduce (and equals ``"key"`` without RoPE).
+    a model whose RoPE ``kvbits.quant.rope`` can not reproduce (and equals ``"key"`` without RoPE). Each
+    name also with ``"@hadamard"`` (``"key@hadamard"``, ...): the same after the Hadamard rotation of the
+    head dim (``kvbits.quant.rotate``), what a rotated FP8 side stores; absent when the head dim is not
+    a power of two.
     ``keys_post_rope``: the sampled keys after RoPE (what a post-RoPE cache stores), like ``keys``;
     None where ``"key_post_rope"`` is absent.
     """
@@ -311,10 +315,10 @@ def collect_samples(
         )
     W, T = ids.shape
     tables = _layer_rotary_tables(module, sites)
-    absmax = {
-        name: torch.zeros(len(sites), model_record["num_kv_heads"], min(T, ABSMAX_POSITIONS + 1))
-        for name in ("key", "value", *(("key_post_rope",) if tables is not None else ()))
-    }
+    names = ["key", "value", *(("key_post_rope",) if tables is not None else ())]
+    if _rotatable(model_record["head_dim"]):
+        names += [f"{n}@{r}" for r in ROTATIONS for n in list(names)]
+    absmax = {name: torch.zeros(len(sites), model_record["num_kv_heads"], min(T, ABSMAX_POSITIONS + 1)) for name in names}
     per_window = max(1, math.ceil(max_tokens / W))
     gen = torch.Generator().manual_seed(seed)
     samples: dict[str, list[list[torch.Tensor]]] = {
@@ -403,13 +407,25 @@ def _update_absmax(
             per_pos = torch.cat([per_pos[:, :ABSMAX_POSITIONS], tail], dim=1)
         return per_pos.cpu()
 
-    for name, x in (("key", k), ("value", v)):
+    post = None
+    if "key_post_rope" in absmax:
+        post = k if tables is None else tables.rotate(k, torch.arange(k.shape[2], device=k.device))
+    for name, x in (("key", k), ("value", v), ("key_post_rope", post)):
+        if x is None:
+            continue
         absmax[name][layer] = torch.maximum(absmax[name][layer], peak(x))
-    if "key_post_rope" not in absmax:
-        return None
-    post = k if tables is None else tables.rotate(k, torch.arange(k.shape[2], device=k.device))
-    absmax["key_post_rope"][layer] = torch.maximum(absmax["key_post_rope"][layer], peak(post))
+        for r in ROTATIONS:  # what a rotated side stores: x @ R
+            if f"{name}@{r}" in absmax:
+                absmax[f"{name}@{r}"][layer] = torch.maximum(absmax[f"{name}@{r}"][layer], peak(rotate(x, r)))
     return post
+
+
+def _rotatable(head_dim: int) -> bool:
+    try:
+        check_rotatable(head_dim, ROTATIONS[0])
+    except ValueError:
+        return False
+    return True
 
 
 def fit_artifact(
@@ -503,9 +519,17 @@ def _fp8_absmax(samples: CalibrationSamples, layer_schemes: list[KVScheme], side
             out.append(None)
             continue
         name = "value" if side == "value" else "key" if spec.pre_rope else "key_post_rope"
+        if spec.rotate is not None:
+            name = f"{name}@{spec.rotate}"
         how = (name, ls.sinks, spec.granularity == "head")
         if how not in ranges:
             ranges[how] = samples.layer_absmax(name, ls.sinks, per_head=how[2])
+        if ranges[how] is None and spec.rotate is not None:
+            raise ValueError(
+                f"a {spec.rotate}-rotated FP8 {side} scale needs the largest |x @ R|, which the samples do not "
+                f"carry (a {spec.rotate} rotation needs a head dim that is a power of two, got "
+                f"{samples.model.get('head_dim')})"
+            )
         if ranges[how] is None and side == "key":
             raise ValueError(
                 "an FP8 per-tensor key scale needs the largest post-RoPE key, and this model's RoPE could not be "

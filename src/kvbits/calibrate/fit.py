@@ -21,10 +21,11 @@
   functions here default to ``"amax"``, since only the caller knows whether its samples are the
   stored tensor.
 
-A Hadamard-rotated int/nuq side (``TensorSpec.rotate``) stores the codes of ``x @ R``, so its ranges,
-codebook inputs and Fisher weights are taken in that basis (the samples ``x @ R``, the gradients
-``grad @ R``); a rotated static FP8 side is refused, since its range is tracked over every calibration
-position unrotated.
+A Hadamard-rotated side (``TensorSpec.rotate``) stores the codes of ``x @ R``, so its ranges, codebook
+inputs, Fisher weights and FP8 scales are taken in that basis (the samples ``x @ R``, the gradients
+``grad @ R``; ``calibrate`` tracks the largest ``|x @ R|`` over every calibration position beside
+``|x|``). The squared error an FP8 scale is searched by is the same in either basis (``R`` is
+orthogonal), and so is the centred one: an error constant over tokens stays constant after ``R``.
 
 ``calibrate`` (``kvbits.calibrate.calibrate``) collects the samples from a model and calls
 ``artifact_from_samples``; tests and tools can call it with synthetic samples.
@@ -78,12 +79,6 @@ def check_calibratable(scheme: KVScheme) -> None:
 
 def _check_sides(scheme: KVScheme) -> None:
     for side, spec in zip(SIDES, (scheme.key, scheme.value)):
-        if spec_calibratable(spec) and spec.rotate is not None and spec.kind == "fp8":
-            raise ValueError(
-                f"{side}: a static FP8 scale is fitted to the largest |K/V| over every calibration position, "
-                f"which is tracked unrotated; a {spec.rotate!r}-rotated FP8 spec can not be calibrated yet "
-                "(rotated int/nuq specs can; FP8 with per-token scales needs no calibration)"
-            )
         if not spec_calibratable(spec) or spec.kind == "fp8":  # an FP8 tensor scale fits any layout
             continue
         if spec.static and spec.granularity != "channel":
@@ -143,7 +138,7 @@ def fit_side(
     over that of the fitted one, in dB, on the normalised values).
 
     A static FP8 spec gets ``scale``, a float32 ``absmax / fp8_max``: ``()`` per tensor, ``(H_kv,)`` per
-    head (``absmax``: the largest ``|x|`` the cache will store, a number per tensor, ``H_kv`` numbers per
+    head (``absmax``: the largest ``|x|`` the cache will store, ``|x @ R|`` for a rotated spec; a number per tensor, ``H_kv`` numbers per
     head; default ``x``'s own, then ``x`` is taken as the stored tensor), and the statistics ``absmax``
     (the largest over heads) and, without ``absmax``, ``clip_rate`` (0: the scale covers ``x``'s
     maximum); per head also ``head_spread_db`` (largest over smallest head scale, in dB). ``calibrate``
@@ -156,10 +151,8 @@ def fit_side(
     """
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
-    if spec.kind == "fp8":
-        if spec.rotate is not None:
-            raise ValueError(f"a rotated FP8 spec can not be calibrated yet, got {spec}")
-        return _fit_fp8(spec, x, absmax, fp8_scale)
+    if spec.kind == "fp8":  # a rotated side: x @ R, and absmax must be the largest |x @ R|
+        return _fit_fp8(spec, x if spec.rotate is None else rotate(x.float(), spec.rotate), absmax, fp8_scale)
     x = _trim_to_groups(x.float(), spec)
     grad = None if grad is None else _trim_to_groups(grad.float(), spec)
     # A rotated spec codes x @ R: its ranges, codebook inputs and Fisher weights live in that basis

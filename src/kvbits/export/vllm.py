@@ -104,6 +104,13 @@ def check_exportable(art: CalibrationArtifact) -> None:
             f"calibration of scheme {scheme.name!r} scales keys per {scheme.key.granularity} and values per "
             f"{scheme.value.granularity}; vLLM's kv_cache_scheme has one strategy for both"
         )
+    rotated = [side for side in ("key", "value") if getattr(scheme, side).rotate is not None]
+    if rotated:
+        raise ValueError(
+            f"calibration of scheme {scheme.name!r} scales {' and '.join(rotated)} after a "
+            f"{getattr(scheme, rotated[0]).rotate} rotation; vLLM stores K/V unrotated, whose range differs: "
+            "calibrate an unrotated FP8 scheme (fp8-e4m3)"
+        )
     if scheme.key.pre_rope:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} scales keys before RoPE; vLLM caches keys after RoPE, "

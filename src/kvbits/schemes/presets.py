@@ -51,6 +51,17 @@ for _name, _gran, _static, _desc, _ref in (
 ):  # fmt: skip
     _fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity=_gran, static=_static)
     register(KVScheme(_name, key=_fp8, value=_fp8, description=_desc, reference=_ref))
+_fp8_rot = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True, rotate="hadamard")
+register(
+    KVScheme(
+        "fp8-e4m3-hadamard",
+        key=_fp8_rot,
+        value=_fp8_rot,
+        description="FP8 E4M3 with a static per-tensor scale after a random-sign Hadamard rotation of the head "
+        "dim (1.0 until calibrated; keys and values; rotated back after dequantization)",
+        reference=QUAROT,
+    )
+)
 for _bits in (8, 4, 3, 2):
     register(
         KVScheme(

@@ -1,0 +1,89 @@
+"""FP8 E4M3 KV cache with one static scale per layer and side, with and without a Hadamard rotation of
+the head dim first (``fp8-e4m3-hadamard``: the cache stores ``fp8(x @ R / scale)`` and rotates back
+after decoding; QuaRot's idea on vLLM's FP8 format).
+
+A rotation spreads an outlier channel over every channel, which shrinks the largest |x| a per-tensor
+scale must cover. But FP8 is floating point: its relative step does not depend on the range, so a
+smaller range buys little unless values sat near 448 or in the subnormals (BENCHMARKS.md §10). This
+measures whether it matters.
+
+For each model: one calibration pass (``collect_samples``, which tracks the largest ``|x|`` and
+``|x @ R|`` over every position), four artifacts from the same samples (unrotated and rotated, each
+``amax`` and ``centred``), then ``evaluate`` on another text against the unquantized model: the four,
+both presets at scale 1.0 (uncalibrated), and ``fp8-e4m3-token`` (a dynamic scale per token and head).
+Per layer it records the largest stored |K| and |V| with and without the rotation.
+
+    PYTHONPATH=src python benchmarks/fp8_hadamard.py --out benchmarks/results/fp8_hadamard.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from fp8_calibration import calibrate_then_eval_args, run_models
+
+from kvbits.calibrate import collect_samples, fit_artifact
+from kvbits.evaluate.models import load_model
+from kvbits.evaluate.runner import evaluate
+from kvbits.schemes import get_scheme
+
+VARIANTS = {  # name -> (preset, fp8_scale)
+    "fp8-tensor-amax": ("fp8-e4m3", "amax"),
+    "fp8-tensor-centred": ("fp8-e4m3", "centred"),
+    "fp8-hadamard-amax": ("fp8-e4m3-hadamard", "amax"),
+    "fp8-hadamard-centred": ("fp8-e4m3-hadamard", "centred"),
+}
+
+
+def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
+    model = load_model(name)
+    t0 = time.perf_counter()
+    samples = collect_samples(
+        model, args.calibration_text, context=args.calibration_context, windows=args.calibration_windows,
+        fisher=False,
+    )  # fmt: skip
+    cal_s = time.perf_counter() - t0
+    arts = {}
+    for label, (preset, how) in VARIANTS.items():
+        arts[label] = fit_artifact(samples, get_scheme(preset).replace(name=label), fp8_scale=how)
+    summary = evaluate(
+        model, args.text, args.context,
+        ["fp8-e4m3", "fp8-e4m3-hadamard", *(a.scheme for a in arts.values()), "fp8-e4m3-token"],
+        windows=args.windows, calibration=arts, progress=False,
+    )  # fmt: skip
+    layers = []
+    for i in range(arts["fp8-tensor-amax"].num_layers):
+        row: dict = {"layer": i}
+        for side, short in (("key", "k"), ("value", "v")):
+            plain = arts["fp8-tensor-amax"].layer_stats[i][f"{side}_absmax"]
+            rotated = arts["fp8-hadamard-amax"].layer_stats[i][f"{side}_absmax"]
+            row[f"{short}_absmax"], row[f"{short}_absmax_rotated"] = plain, rotated
+            row[f"{short}_range_shrink_db"] = 20 * math.log10(plain / rotated) if plain > 0 and rotated > 0 else 0.0
+        layers.append(row)
+    return {
+        "model": name,
+        "calibration": {
+            "text": args.calibration_text,
+            "context": args.calibration_context,
+            "windows": args.calibration_windows,
+            "seconds": round(cal_s, 1),
+        },
+        "layers": layers,
+        "eval": summary,
+    }
+
+
+def main() -> None:
+    ap = calibrate_then_eval_args(__doc__, "/tmp/kvbits-fp8-hadamard", "benchmarks/results/fp8_hadamard.json")
+    run_models(
+        ap.parse_args(),
+        run_model,
+        lambda r: f"{r['scheme']}: kl {r['kl']:.5f} ppl {r['ppl']:.4f} (ref {r['ppl_ref']:.4f})",
+    )
+
+
+if __name__ == "__main__":
+    main()
