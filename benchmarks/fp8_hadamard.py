@@ -28,14 +28,17 @@ from fp8_calibration import calibrate_then_eval_args, run_models
 from kvbits.calibrate import collect_samples, fit_artifact
 from kvbits.evaluate.models import load_model
 from kvbits.evaluate.runner import evaluate
-from kvbits.schemes import get_scheme
+from kvbits.schemes import get_scheme, mixed_scheme
 
-VARIANTS = {  # name -> (preset, fp8_scale)
+VARIANTS = {  # name -> (scheme, fp8_scale)
     "fp8-tensor-amax": ("fp8-e4m3", "amax"),
     "fp8-tensor-centred": ("fp8-e4m3", "centred"),
     "fp8-hadamard-amax": ("fp8-e4m3-hadamard", "amax"),
     "fp8-hadamard-centred": ("fp8-e4m3-hadamard", "centred"),
+    # every layer rotated but layer 0, whose biased keys the rotation spreads (§19); added after the first run
+    "fp8-hadamard-centred-l0plain": ("fp8-e4m3-hadamard,0=fp8-e4m3", "centred"),
 }
+UNCALIBRATED = ["fp8-e4m3", "fp8-e4m3-hadamard", "fp8-e4m3-token"]
 
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
@@ -47,15 +50,18 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     )  # fmt: skip
     cal_s = time.perf_counter() - t0
     arts = {}
-    for label, (preset, how) in VARIANTS.items():
-        arts[label] = fit_artifact(samples, get_scheme(preset).replace(name=label), fp8_scale=how)
+    for label in args.variants:
+        spec, how = VARIANTS[label]
+        base, _, layer = spec.partition(",")
+        scheme = get_scheme(base) if not layer else mixed_scheme(base, {int(layer.split("=")[0]): layer.split("=")[1]})
+        arts[label] = fit_artifact(samples, scheme.replace(name=label), fp8_scale=how)
     summary = evaluate(
         model, args.text, args.context,
-        ["fp8-e4m3", "fp8-e4m3-hadamard", *(a.scheme for a in arts.values()), "fp8-e4m3-token"],
+        [*(UNCALIBRATED if args.uncalibrated else []), *(a.scheme for a in arts.values())],
         windows=args.windows, calibration=arts, progress=False,
     )  # fmt: skip
     layers = []
-    for i in range(arts["fp8-tensor-amax"].num_layers):
+    for i in range(arts["fp8-tensor-amax"].num_layers if {"fp8-tensor-amax", "fp8-hadamard-amax"} <= arts.keys() else 0):
         row: dict = {"layer": i}
         for side, short in (("key", "k"), ("value", "v")):
             plain = arts["fp8-tensor-amax"].layer_stats[i][f"{side}_absmax"]
@@ -78,6 +84,10 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
 
 def main() -> None:
     ap = calibrate_then_eval_args(__doc__, "/tmp/kvbits-fp8-hadamard", "benchmarks/results/fp8_hadamard.json")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="calibrated variants to fit and evaluate (default all)")  # fmt: skip
+    ap.add_argument("--no-uncalibrated", dest="uncalibrated", action="store_false",
+                    help=f"do not evaluate {', '.join(UNCALIBRATED)} at their default scales")  # fmt: skip
     run_models(
         ap.parse_args(),
         run_model,
