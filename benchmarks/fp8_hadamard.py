@@ -19,6 +19,7 @@ Per layer it records the largest stored |K| and |V| with and without the rotatio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from fp8_calibration import calibrate_then_eval_args, run_models
 from kvbits.calibrate import collect_samples, fit_artifact
 from kvbits.evaluate.models import load_model
 from kvbits.evaluate.runner import evaluate
-from kvbits.schemes import get_scheme, mixed_scheme
+from kvbits.schemes import KVScheme, get_scheme, mixed_scheme
 
 VARIANTS = {  # name -> (scheme, fp8_scale)
     "fp8-tensor-amax": ("fp8-e4m3", "amax"),
@@ -37,8 +38,26 @@ VARIANTS = {  # name -> (scheme, fp8_scale)
     "fp8-hadamard-centred": ("fp8-e4m3-hadamard", "centred"),
     # every layer rotated but layer 0, whose biased keys the rotation spreads (§19); added after the first run
     "fp8-hadamard-centred-l0plain": ("fp8-e4m3-hadamard,0=fp8-e4m3", "centred"),
+    # one side rotated, the other not (§19, second addition)
+    "fp8-hadamard-keys-centred": ("fp8-e4m3:key", "centred"),
+    "fp8-hadamard-values-centred": ("fp8-e4m3:value", "centred"),
 }
 UNCALIBRATED = ["fp8-e4m3", "fp8-e4m3-hadamard", "fp8-e4m3-token"]
+
+
+def _variant(label: str) -> tuple[KVScheme, str]:
+    """``VARIANTS[label]`` as a scheme: a preset, ``preset,L=other`` (layer ``L`` stored by ``other``), or
+    ``preset:side`` (that side alone rotated)."""
+    spec, how = VARIANTS[label]
+    if ":" in spec:
+        base, side = spec.split(":")
+        scheme = get_scheme(base)
+        return scheme.replace(**{side: dataclasses.replace(getattr(scheme, side), rotate="hadamard")}), how
+    base, _, layer = spec.partition(",")
+    if not layer:
+        return get_scheme(base), how
+    idx, other = layer.split("=")
+    return mixed_scheme(base, {int(idx): other}), how
 
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
@@ -51,9 +70,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     cal_s = time.perf_counter() - t0
     arts = {}
     for label in args.variants:
-        spec, how = VARIANTS[label]
-        base, _, layer = spec.partition(",")
-        scheme = get_scheme(base) if not layer else mixed_scheme(base, {int(layer.split("=")[0]): layer.split("=")[1]})
+        scheme, how = _variant(label)
         arts[label] = fit_artifact(samples, scheme.replace(name=label), fp8_scale=how)
     summary = evaluate(
         model, args.text, args.context,
