@@ -53,6 +53,27 @@ def _variant(
     return out.scheme, out
 
 
+def collect_timed(model, args: argparse.Namespace):
+    """``collect_samples`` on ``args``' calibration text, context and windows (no Fisher pass):
+    ``(samples, seconds)``."""
+    t0 = time.perf_counter()
+    samples = collect_samples(
+        model, args.calibration_text, context=args.calibration_context, windows=args.calibration_windows,
+        fisher=False,
+    )  # fmt: skip
+    return samples, time.perf_counter() - t0
+
+
+def calibration_record(args: argparse.Namespace, seconds: float) -> dict:
+    """What a result records of its calibration: text, context, windows and ``seconds`` taken."""
+    return {
+        "text": args.calibration_text,
+        "context": args.calibration_context,
+        "windows": args.calibration_windows,
+        "seconds": round(seconds, 1),
+    }
+
+
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     model = load_model(name)
     scheme = get_scheme("fp8-e4m3").replace(name=CALIBRATED)
@@ -82,12 +103,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     stats = art.layer_stats
     return {
         "model": name,
-        "calibration": {
-            "text": args.calibration_text,
-            "context": args.calibration_context,
-            "windows": args.calibration_windows,
-            "seconds": round(cal_s, 1),
-        },
+        "calibration": calibration_record(args, cal_s),
         "layers": [
             {
                 "layer": i,

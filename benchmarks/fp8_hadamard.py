@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import time
 from pathlib import Path
 
-from fp8_calibration import calibrate_then_eval_args, run_models
+from fp8_calibration import calibrate_then_eval_args, calibration_record, collect_timed, run_models
 
-from kvbits.calibrate import collect_samples, fit_artifact
+from kvbits.calibrate import fit_artifact
 from kvbits.evaluate.models import load_model
 from kvbits.evaluate.runner import evaluate
 from kvbits.schemes import KVScheme, get_scheme, mixed_scheme
@@ -62,12 +61,7 @@ def _variant(label: str) -> tuple[KVScheme, str]:
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     model = load_model(name)
-    t0 = time.perf_counter()
-    samples = collect_samples(
-        model, args.calibration_text, context=args.calibration_context, windows=args.calibration_windows,
-        fisher=False,
-    )  # fmt: skip
-    cal_s = time.perf_counter() - t0
+    samples, cal_s = collect_timed(model, args)
     arts = {}
     for label in args.variants:
         scheme, how = _variant(label)
@@ -88,12 +82,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
         layers.append(row)
     return {
         "model": name,
-        "calibration": {
-            "text": args.calibration_text,
-            "context": args.calibration_context,
-            "windows": args.calibration_windows,
-            "seconds": round(cal_s, 1),
-        },
+        "calibration": calibration_record(args, cal_s),
         "layers": layers,
         "eval": summary,
     }

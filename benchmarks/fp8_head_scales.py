@@ -22,12 +22,11 @@ its own; heads whose ranges differ by less than ~2^8 get nothing from the range 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-from fp8_calibration import calibrate_then_eval_args, run_models
+from fp8_calibration import calibrate_then_eval_args, calibration_record, collect_timed, run_models
 
-from kvbits.calibrate import collect_samples, fit_artifact
+from kvbits.calibrate import fit_artifact
 from kvbits.evaluate.models import load_model
 from kvbits.evaluate.runner import evaluate
 from kvbits.export import export_vllm
@@ -45,12 +44,7 @@ VARIANTS = {  # name -> (preset, fp8_scale)
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     model = load_model(name)
-    t0 = time.perf_counter()
-    samples = collect_samples(
-        model, args.calibration_text, context=args.calibration_context, windows=args.calibration_windows,
-        fisher=False,
-    )  # fmt: skip
-    cal_s = time.perf_counter() - t0
+    samples, cal_s = collect_timed(model, args)
     arts = {}
     for label, (preset, how) in VARIANTS.items():
         scheme = get_scheme(preset).replace(name=label)
@@ -75,12 +69,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     return {
         "model": name,
         "kv_heads": arts["fp8-head-amax"].num_kv_heads,
-        "calibration": {
-            "text": args.calibration_text,
-            "context": args.calibration_context,
-            "windows": args.calibration_windows,
-            "seconds": round(cal_s, 1),
-        },
+        "calibration": calibration_record(args, cal_s),
         "export": {"kv_cache_scheme": export["kv_cache_scheme"], "serve": export["serve"]},
         "layers": layers,
         "eval": summary,
