@@ -15,3 +15,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker process gets an equal share of the cores for torch's intra-op
+    threads: with the default (every core in every worker) two workers on two cores oversubscribe them."""
+    import os
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))

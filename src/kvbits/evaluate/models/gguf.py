@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbits.evaluate.models.locking import cache_lock
 from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
 
@@ -60,15 +61,25 @@ def _valid_conversion(folder: Path, record: dict[str, Any]) -> bool:
 
 def _convert_gguf(source: ModelSource) -> Path:
     """Return a verified float32 transformers folder for GGUF ``source``, converting once if needed."""
-    import torch
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     sha = _gguf_sha256(source)
     final = converted_dir(sha)
     record = _conversion_record(source, sha)
     if _valid_conversion(final, record):
         return final
+    # one process converts, the others wait and load its folder: a second conversion finishing later
+    # would replace the folder the first process is loading from
+    with cache_lock(cache_dir(), f"convert-{sha[:16]}", f"converting {source.gguf_file}"):
+        if _valid_conversion(final, record):
+            logger.info("%s was converted by another process: %s", source.gguf_file, final)
+            return final
+        return _convert_locked(source, final, record)
+
+
+def _convert_locked(source: ModelSource, final: Path, record: dict[str, Any]) -> Path:
+    """Convert GGUF ``source`` into ``final`` (no valid copy there; the caller holds its cache lock)."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to a float32 transformers folder (once; a minute or more)",
                 source.gguf_file)
@@ -97,7 +108,7 @@ def _convert_gguf(source: ModelSource) -> Path:
                 f"{(bad or sorted(set(reloaded) ^ set(expected)))[:5]}"
             )
         (tmp / _CONVERSION_MARKER).write_text(json.dumps(record, indent=1))
-        if final.exists():  # stale (other transformers version) or left by a concurrent run
+        if final.exists():  # stale: another transformers version, or a conversion cut short
             shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(tmp, final)

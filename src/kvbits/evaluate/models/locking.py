@@ -1,0 +1,77 @@
+"""One process at a time fills a cache entry: an inter-process lock per entry of the kvbits cache.
+
+Two processes that need the same model on a cold cache (the ranks of ``torchrun -m kvbits eval``, test
+workers, two shells) would otherwise each download its wheels and each convert its GGUF file. Both copies
+are written atomically, so neither would be corrupt, but the work is done twice (480 MB and a minute of
+conversion for Qwen2.5-Coder-0.5B), and a conversion that finishes second replaces the folder the first
+process may be loading from. The filler takes the entry's lock, checks the cache again under it, and
+fills it only if it is still missing; the others wait on the lock, then find it filled.
+
+The locks are ``fcntl.flock`` locks on files under ``$KVBITS_CACHE/locks/``: the kernel releases them
+when their holder exits, however it exits, so a crashed filler never leaves a stale lock. Where
+``fcntl`` does not exist (Windows) the lock is a no-op, logged once: concurrent fills there stay safe,
+only duplicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["cache_lock", "lock_path"]
+
+_NO_FCNTL_LOGGED = False
+
+
+def lock_path(cache_root: Path, name: str) -> Path:
+    """The lock file of cache entry ``name`` under ``cache_root`` (``locks/<name>.lock``).
+
+    ``name`` may hold only letters, digits, ``.``, ``_`` and ``-``: it becomes a file name.
+    """
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise ValueError(f"a cache lock name may hold only letters, digits, '.', '_' and '-', got {name!r}")
+    return cache_root / "locks" / f"{name}.lock"
+
+
+@contextlib.contextmanager
+def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[None]:
+    """Hold the exclusive lock of cache entry ``name`` while the block runs.
+
+    Args:
+        cache_root: the kvbits cache root (``registry.cache_dir()``).
+        name: the entry's lock name (``model-smollm2-135m``, ``convert-b179c9523d0e6a0f``).
+        what: what the holder is doing, for the log line of a process that has to wait
+            (``"fetching model 'smollm2-135m'"``).
+
+    A process that finds the lock held logs that it waits, and for how long it waited once it has the
+    lock. The lock is not re-entrant: do not take the same entry's lock twice in one thread.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock
+        global _NO_FCNTL_LOGGED
+        if not _NO_FCNTL_LOGGED:
+            logger.info("no fcntl on this platform: concurrent processes may fill the kvbits cache twice")
+            _NO_FCNTL_LOGGED = True
+        yield
+        return
+    path = lock_path(cache_root, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is %s; waiting for it (lock %s)", what, path)
+            t0 = time.perf_counter()
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            logger.info("waited %.1f s for another process %s", time.perf_counter() - t0, what)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
