@@ -682,8 +682,12 @@ def test_validation_errors():
         cache.update(k.long(), v.long(), 1)
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         cache.update(k[:, :1], v[:, :1], 1)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="config's head_dim=64"):
         cache.update(k[..., :32], v[..., :32], 0)
+    free = QuantizedKVCache(num_layers=2, scheme="kivi-2")  # no config: D comes with the first K/V
+    free.update(k, v, 0)
+    with pytest.raises(ValueError, match="does not match"):
+        free.update(k[..., :32], v[..., :32], 0)
     with pytest.raises(ValueError, match="out of range"):
         cache.update(k, v, 2)
     with pytest.raises(ValueError, match="num_attention_heads"):
@@ -748,6 +752,22 @@ def test_head_dim_and_kv_heads_from_config():
     with torch.no_grad():
         model(tokens(1, 10), **{CACHE_KW: cache})
     assert cache.materialize(0)[0].shape == (1, 1, 10, 32)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4-token"])
+@pytest.mark.parametrize(("k_dim", "v_dim"), [(16, 16), (32, 16), (16, 32)])
+def test_head_dim_other_than_the_configs_is_refused(scheme: str, k_dim: int, v_dim: int):
+    """K/V whose channel count is not the config's head_dim (32) would be stored at other bytes than
+    kvbits plan counts: refused with the shapes and the expected D, before anything is stored."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    cache = QuantizedKVCache(config=cfg, scheme=scheme)
+    with pytest.raises(ValueError, match=r"layer 0: .*do not have the config's head_dim=32 channels"):
+        cache.update(torch.randn(1, 1, 3, k_dim), torch.randn(1, 1, 3, v_dim), 0)
+    assert cache.get_seq_length(0) == 0
+    k, v = torch.randn(1, 1, 3, 32), torch.randn(1, 1, 3, 32)
+    cache.update(k, v, 0)  # the config's D is accepted
+    assert cache.get_seq_length(0) == 3
 
 
 @torch.no_grad()

@@ -290,6 +290,13 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
         raise TypeError(
             f"layer {layer.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}"
         )
+    D = layer.head_dim
+    if D is not None and (key_states.shape[-1] != D or value_states.shape[-1] != D):
+        raise ValueError(
+            f"layer {layer.layer_idx}: key_states {tuple(key_states.shape)} and value_states "
+            f"{tuple(value_states.shape)} (expected (B, H_kv, T, D)) do not have the config's head_dim={D} "
+            "channels: the cache would hold other bytes than kvbits plan counts for this model"
+        )
     H_kv, g = layer.num_key_value_heads, layer.head_repeat
     if H_kv is not None and kH not in (H_kv, H_kv * g):
         repeated = f", or each repeated {g} times: {H_kv * g}" if g > 1 else ""

@@ -176,6 +176,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if head_repeat > 1 and num_key_value_heads is None:
             raise ValueError(f"layer {layer_idx}: head_repeat={head_repeat} needs num_key_value_heads")
         self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim  # D from the config (what kvbits plan counts), checked at every update
         self.head_repeat = head_repeat
         # what the stored heads are repeated by in update's K/V: head_repeat once the first update with
         # tokens found the groups to be copies, else 1 (decided per request by lazy_initialization)
