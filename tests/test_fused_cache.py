@@ -109,7 +109,7 @@ SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-tok
            "int4-prerope": PRE_ROPE, "kvquant3-block": KVQUANT3, "kvquant4-static": KVQUANT4_STATIC,
            "fp8-e4m3-token": get_scheme("fp8-e4m3-token"), "fp8-e4m3": get_scheme("fp8-e4m3"),
            "fp8-e4m3-head": get_scheme("fp8-e4m3-head"), "int4-hadamard": get_scheme("int4-token-hadamard"),
-           "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES}  # fmt: skip
+           "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
@@ -517,12 +517,12 @@ def use_triton(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "scheme,padded",
     [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True), ("rot-keys", True),
-     ("rot-values", False)],
+     ("rot-values", False), ("fp8-hadamard", True)],
 )  # fmt: skip
 def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's
     NUQ codes with sparse outliers and FP8 codes, in a left-padded batch (slot masks); Hadamard-rotated keys
-    or values with a tail (the wrapper's basis change)."""
+    or values with a tail (the wrapper's basis change); static FP8 after a rotation (fp8-e4m3-hadamard)."""
     use_triton(monkeypatch)
     from kvbits.kernels import triton_decode
 
