@@ -40,18 +40,22 @@ VARIANTS = {  # name -> (scheme, fp8_scale)
     # one side rotated, the other not (§19, second addition)
     "fp8-hadamard-keys-centred": ("fp8-e4m3:key", "centred"),
     "fp8-hadamard-values-centred": ("fp8-e4m3:value", "centred"),
+    # one scale per KV head (vLLM's attn_head), plain and with both sides rotated (session 19)
+    "fp8-head-centred": ("fp8-e4m3-head", "centred"),
+    "fp8-head-hadamard-centred": ("fp8-e4m3-head:key+value", "centred"),
 }
 UNCALIBRATED = ["fp8-e4m3", "fp8-e4m3-hadamard", "fp8-e4m3-token"]
 
 
 def _variant(label: str) -> tuple[KVScheme, str]:
     """``VARIANTS[label]`` as a scheme: a preset, ``preset,L=other`` (layer ``L`` stored by ``other``), or
-    ``preset:side`` (that side alone rotated)."""
+    ``preset:side`` (that side rotated; ``key+value``: both)."""
     spec, how = VARIANTS[label]
     if ":" in spec:
-        base, side = spec.split(":")
+        base, sides = spec.split(":")
         scheme = get_scheme(base)
-        return scheme.replace(**{side: dataclasses.replace(getattr(scheme, side), rotate="hadamard")}), how
+        rotated = {side: dataclasses.replace(getattr(scheme, side), rotate="hadamard") for side in sides.split("+")}
+        return scheme.replace(**rotated), how
     base, _, layer = spec.partition(",")
     if not layer:
         return get_scheme(base), how
