@@ -109,22 +109,23 @@ def test_workspace_and_fused_paths(model, ids):
 
 
 def test_step_times_cover_the_cache(model, ids, monkeypatch):
-    """A cache slowed by 5 ms per update shows it in every timed step (2 layers: >= 10 ms), the
-    baseline does not: the timing covers the cache's own work."""
+    """A cache slowed by 50 ms per update shows it in every timed step (2 layers: >= 100 ms), the
+    baseline does not: the timing covers the cache's own work. (The margin is half the injected time, so a
+    baseline step slowed by another process on the machine, e.g. a second test worker, does not fail it.)"""
     from kvbits.cache import QuantizedKVCache
 
     real = QuantizedKVCache.update
 
     def slow(self, *a, **kw):
-        time.sleep(0.005)
+        time.sleep(0.05)
         return real(self, *a, **kw)
 
     monkeypatch.setattr(QuantizedKVCache, "update", slow)
     s = speed_eval(model, 32, ["int4-token"], tokens=3, warmup=1, data=ids)
     (base,) = _runs(s, "DynamicCache")
     (slowed,) = _runs(s, "int4-token")
-    assert min(slowed["step_ms"]) >= 10.0
-    assert slowed["ms_per_step"] > base["ms_per_step"] + 9.0 and slowed["speedup"] < 1.0
+    assert min(slowed["step_ms"]) >= 100.0
+    assert slowed["ms_per_step"] > base["ms_per_step"] + 50.0 and slowed["speedup"] < 1.0
 
 
 def test_batch_beyond_the_text_repeats_rows(model):
