@@ -320,7 +320,7 @@ def sass_rows(arch: str = "sm_90") -> list[dict]:
     from gpu_bench import common
     from kernel_resources import decode_rows
 
-    from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, resources
+    from kvbits.kernels.aot import compile_only
 
     global _KERNEL
     if _KERNEL is None:
@@ -351,7 +351,6 @@ def sass_rows(arch: str = "sm_90") -> list[dict]:
                                      "spill_bytes": r["local_bytes"], "blocks_per_sm": r["blocks_per_sm"],
                                      "loop_instructions": r["loop_instructions"],
                                      "warp_instructions_per_token": r["warp_instructions_per_token"]})  # fmt: skip
-    del LIMITS, hot_loop, resources
     return rows
 
 
