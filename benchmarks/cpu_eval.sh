@@ -175,10 +175,10 @@ if [[ $step == all || $step == needle-qwen ]]; then
       --scheme int2-token --out runs/needle-qwen-prefill
 fi
 if [[ $step == needle-qwen-32k ]]; then
-  # Qwen2.5-Coder-0.5B at its trained maximum, 32K, one trial per depth (float32: about 25 min per trial here,
-  # almost all of it the exact prefill; not part of `all`).
+  # Qwen2.5-Coder-0.5B at its trained maximum, 32K, one trial at each of three depths (float32: about 25 min
+  # per trial here, almost all of it the exact prefill; not part of `all`).
   [[ -f runs/needle-qwen-32k/needle.json ]] || \
-    $K needle --model qwen2.5-coder-0.5b --context 32k --trials 1 --no-progress \
+    $K needle --model qwen2.5-coder-0.5b --context 32k --depths 0.25,0.5,0.75 --trials 1 --no-progress \
       --scheme int8-token --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
       --scheme int2-token --out runs/needle-qwen-32k
 fi
