@@ -424,6 +424,7 @@ COMMANDS: dict[str, Command | str] = {
     "eval": "kvbits.evaluate.cli",
     "needle": "kvbits.evaluate.needle_cli",
     "speed": "kvbits.evaluate.speed_cli",
+    "report": "kvbits.report.cli",
     "monitor": "kvbits.monitor.cli",
     "export": "kvbits.export.cli",
 }

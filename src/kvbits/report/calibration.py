@@ -70,7 +70,18 @@ class CalibrationRow:
 
 
 def _config_calibration(config: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """``(scheme -> artifact id, artifact folders)`` recorded in ``config.json``."""
+    """``(scheme -> artifact id, artifact folders)`` recorded in ``config.json`` (of every run, for a
+    merged folder's ``merged_from``)."""
+    if isinstance(config.get("merged_from"), list):
+        ids: dict[str, str] = {}
+        paths: list[str] = []
+        for src in config["merged_from"]:
+            ok = isinstance(src, Mapping) and isinstance(src.get("config"), Mapping)
+            sub = src["config"] if ok else {}
+            i, p = _config_calibration(sub)
+            ids.update(i)
+            paths += p
+        return ids, paths
     request = config.get("request") if isinstance(config.get("request"), Mapping) else {}
     ids = request.get("calibration") if isinstance(request.get("calibration"), Mapping) else {}
     args = config.get("args") if isinstance(config.get("args"), Mapping) else {}

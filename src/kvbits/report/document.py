@@ -5,6 +5,7 @@ code) built once from a run, then written as Markdown (:mod:`.markdown`) and as 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvbits.report.inputs import reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary
 from kvbits.report.tables import (
+    Cell,
     TableData,
     attn_table,
     delta_table,
@@ -96,6 +98,46 @@ def decode_note(run: RunSummary) -> str | None:
     return ("*Decode path (stream mode):* " + "; ".join(parts) + ".") if parts else None
 
 
+def _merged_sources(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The runs a merged folder was made from (``config.json["merged_from"]``, see
+    :mod:`kvbits.report.merge`); empty for an ordinary run."""
+    sources = config.get("merged_from")
+    return [s for s in sources if isinstance(s, Mapping)] if isinstance(sources, list) else []
+
+
+def merged_runs_table(sources: list[Mapping[str, Any]]) -> TableData:
+    """One row per merged run: its folder, schemes, date, commit and versions."""
+    rows = []
+    for src in sources:
+        cfg = src.get("config") if isinstance(src.get("config"), Mapping) else {}
+        versions = cfg.get("versions") if isinstance(cfg.get("versions"), Mapping) else {}
+        rows.append((
+            Cell(f"`{src.get('path', '?')}`"), Cell(", ".join(str(x) for x in src.get("schemes") or ())),
+            Cell(str(cfg.get("date") or "n/a")), Cell(f"`{run_commit(cfg)}`" if run_commit(cfg) else "n/a"),
+            Cell(", ".join(f"{k} {v}" for k, v in versions.items()) or "n/a"),
+        ))  # fmt: skip
+    return TableData(
+        headers=("run folder", "schemes", "date", "commit", "versions"), rows=tuple(rows),
+        caption="The evaluations merged into this report (`kvbits report ... --out`): same model and tokens "
+        "(fingerprints), context, windows, semantics and mode, and the same unquantized reference in every bucket.",
+    )  # fmt: skip
+
+
+def _merged_commands(sources: list[Mapping[str, Any]], run: RunSummary, out_dir: Path) -> str:
+    """Each merged run's command line, then the ``kvbits report`` line that merges them."""
+    import shlex
+
+    lines = []
+    for src in sources:
+        cfg = src.get("config") if isinstance(src.get("config"), Mapping) else {}
+        names = set(src.get("schemes") or ())
+        sub = dataclasses.replace(run, results=tuple(r for r in run.results if r.name in names))
+        lines.append(reproduce_command(cfg, sub, src.get("path")))
+    paths = [str(src.get("path", "?")) for src in sources]
+    lines.append(shlex.join(["kvbits", "report", *paths, "--out", str(out_dir)]))
+    return "\n".join(lines)
+
+
 def build_document(
     run: RunSummary, config: Mapping[str, Any], figures: Mapping[str, Path], failed: Mapping[str, str],
     plot_note: str, threshold: float, out_dir: Path, has_tokens: bool,
@@ -104,7 +146,8 @@ def build_document(
     ctx = "unknown context" if not run.context else f"{ctx} context" if "K" in ctx else f"{ctx}-token context"
     blocks: list[Block] = [Heading(1, f"KV-cache quantization report: {run.model} on {run.data}, {ctx}")]
     fp = run.fingerprint or {}
-    versions = config.get("versions")
+    sources = _merged_sources(config)
+    versions = None if sources else config.get("versions")
     meta = [
         ("Model", f"`{run.model}`" + (f" (fingerprint `{fp['model']}`)" if fp.get("model") else "")),
         ("Data", f"`{run.data}`" + (f" (tokens fingerprint `{fp['tokens']}`)" if fp.get("tokens") else "")),
@@ -112,11 +155,17 @@ def build_document(
         ("Semantics", f"`{run.semantics}`, `{run.mode}` mode"),
     ]
     if run.peak_memory:
-        meta.append(("Peak memory", run.peak_memory))
-    meta += [
-        ("Date", str(config.get("date") or config.get("timestamp") or "n/a")),
-        ("Commit", f"`{run_commit(config)}`" if run_commit(config) else "n/a"),
-    ]
+        meta.append(
+            ("Peak memory", run.peak_memory + (" (the largest of the merged runs)" if sources else ""))
+        )
+    if sources:
+        merged_on = config.get("date") or "n/a"
+        meta.append(("Runs", f"{len(sources)} evaluations merged on {merged_on} (see *Runs merged*)"))
+    else:
+        meta += [
+            ("Date", str(config.get("date") or config.get("timestamp") or "n/a")),
+            ("Commit", f"`{run_commit(config)}`" if run_commit(config) else "n/a"),
+        ]
     if isinstance(versions, Mapping) and versions:
         meta.append(("Versions", ", ".join(f"{k} {v}" for k, v in versions.items())))
     blocks += [Meta(tuple(meta)), Heading(2, "Verdict"), Para(verdict(run, threshold))]
@@ -166,6 +215,12 @@ def build_document(
     if cal:
         blocks += [Heading(2, "Calibration"), Para(CALIBRATION_NOTE), Table(calibration_table(cal))]
         blocks += [Para(w) for w in calibration_warnings(cal)]
+    if sources:
+        blocks += [
+            Heading(2, "Runs merged"), Table(merged_runs_table(sources)),
+            Heading(2, "How to reproduce"), Code(_merged_commands(sources, run, out_dir)),
+        ]  # fmt: skip
+        return blocks
     blocks += [
         Heading(2, "How to reproduce"),
         Code(reproduce_command(config, run, out_dir)),

@@ -1,0 +1,96 @@
+"""``kvbits report``: write an evaluation folder's report again, or merge several evaluations of the same
+model, text and setting into one report (thin wrapper over :func:`kvbits.report.write_report` and
+:func:`kvbits.report.merge.merge_runs`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+examples:
+  kvbits report runs/smollm2-wp-8k                                  # report.md/.html again (after an upgrade)
+  kvbits report runs/smollm2-wp-8k --threshold 0.5                  # judged against a 0.5 % ΔPPL budget
+  kvbits report runs/qwen-4k runs/qwen-4k-hadamard --out runs/qwen-4k-all   # one report, both runs' schemes
+
+Merging checks that the runs share the model and tokens (fingerprints), context, windows, semantics, mode,
+dtype and prompt length, and the unquantized reference in every position bucket (within 0.01 %), and that
+no scheme is in two runs; the merged folder keeps each run's config.json under merged_from.
+--json prints {"out", "merged_from", "files"}.
+"""
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage such as 1 or 0.5, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a percentage > 0, got {text!r}")
+    return value / 100
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "report",
+        help="write an evaluation's report again, or merge several evaluations into one report",
+        description="Write report.md, report.html and the figures of a kvbits eval folder again, or merge "
+        "several kvbits eval folders of the same model, text and setting (checked, reference included) into a "
+        "new folder with one report of all their schemes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="kvbits eval output folder(s)")
+    p.add_argument(
+        "--out", metavar="DIR", help="with two or more runs: the folder for the merged run and report"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="merge into a non-empty folder that holds no merged report (only the merged files are replaced)",
+    )  # fmt: skip
+    p.add_argument(
+        "--threshold", type=_percent, default=None, metavar="PCT",
+        help="ΔPPL budget in percent the verdict and tables judge against (default 1)",
+    )  # fmt: skip
+    p.add_argument("--no-plots", action="store_true", help="write no figures")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvbits.report import print_summary, write_report
+    from kvbits.report.fmt import DEFAULT_THRESHOLD
+    from kvbits.report.merge import merge_runs
+
+    threshold = args.threshold if args.threshold is not None else DEFAULT_THRESHOLD
+    if len(args.runs) == 1:
+        if args.out is not None:
+            raise ValueError(
+                "--out is for merging two or more runs; to write one run's report again, name the run alone"
+            )
+        out = Path(args.runs[0])
+        if not (out / "summary.json").is_file():
+            raise FileNotFoundError(f"no summary.json in {out}; expected a kvbits eval output folder")
+        merged_from: list[str] = []
+    else:
+        if args.out is None:
+            raise ValueError(
+                f"merging {len(args.runs)} runs needs --out DIR, a new folder for the merged report"
+            )
+        out = merge_runs(args.runs, args.out, overwrite=args.overwrite)
+        merged_from = [str(Path(r)) for r in args.runs]
+    files = write_report(out, threshold=threshold, plots=False if args.no_plots else None)
+    if args.json:
+        record = {"out": str(out), "merged_from": merged_from, "files": {k: str(v) for k, v in files.items()}}
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        return 0
+    print_summary(out, threshold=threshold)
+    print(f"report: {files['markdown']}, {files['html']}")
+    return 0

@@ -1,0 +1,305 @@
+"""Several evaluation folders of the same model, text and setting as one run folder, for one report.
+
+Schemes are often evaluated a few at a time (a scheme added a week later, a calibrated scheme run
+apart); ``kvbits report A B --out C`` puts them in one table. That is only honest when every run
+measured its schemes against the same unquantized reference, so :func:`merge_runs` checks, before it
+writes anything:
+
+- the same model and the same tokens (the ``fingerprint`` of each ``summary.json``), the same context,
+  windows, semantics and mode, and (from ``config.json``, where both runs record it) the same model dtype
+  and scored prompt length;
+- the same reference: every position bucket's unquantized perplexity equal within ``REF_RTOL``
+  (a different device, torch or kvbits version may move it by float rounding; more is another setting);
+- scheme names that appear in one run only;
+- greedy continuations (``--generate``) of the same length, with the same reference tokens.
+
+The merged folder holds what a report reads (``summary.json`` with the results in the order of the runs,
+``tokens/<scheme>.safetensors``, ``records.jsonl``, ``generations.jsonl``) and a ``config.json`` that
+keeps every run's own configuration under ``merged_from``; it has no ``DONE``, so ``kvbits eval`` never
+takes it for one of its runs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MERGED_FILES", "REF_RTOL", "is_merged", "merge_runs"]
+
+REF_RTOL = 1e-4
+"""Largest relative difference of a bucket's reference perplexity between merged runs (0.01 %, the
+precision the report prints ΔPPL with)."""
+
+MERGED_FILES = (
+    "config.json",
+    "summary.json",
+    "records.jsonl",
+    "generations.jsonl",
+    "report.md",
+    "report.html",
+)
+"""The files :func:`merge_runs` writes or replaces (besides ``tokens/`` and the figures)."""
+
+_SETTING = ("model", "context", "windows", "semantics", "mode")
+_REQUEST_SETTING = ("dtype", "prompt_len")
+
+
+def is_merged(config: Mapping[str, Any]) -> bool:
+    """Whether ``config.json`` is that of a merged folder (it lists the runs under ``merged_from``)."""
+    return isinstance(config.get("merged_from"), list)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"can not read {what} {path}: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON ({exc}); is the run complete?") from exc
+
+
+def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(summary.json, config.json or {})`` of an evaluation folder."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits eval output folder")
+    if not (folder / "summary.json").is_file():
+        other = next((n for n in ("needle.json", "speed.json") if (folder / n).is_file()), None)
+        hint = (
+            f" (it holds a kvbits {other.split('.')[0]} run: only kvbits eval folders are merged)"
+            if other
+            else ""
+        )
+        raise FileNotFoundError(f"no summary.json in {folder}; expected a kvbits eval output folder{hint}")
+    summary = _read_json(folder / "summary.json", "summary")
+    if (
+        not isinstance(summary, dict)
+        or not isinstance(summary.get("results"), list)
+        or not summary["results"]
+    ):
+        raise ValueError(f"{folder / 'summary.json'} holds no scheme results; nothing to merge")
+    config = _read_json(folder / "config.json", "config") if (folder / "config.json").is_file() else {}
+    return summary, config if isinstance(config, dict) else {}
+
+
+def _reference_buckets(summary: Mapping[str, Any]) -> dict[tuple[int, int], float]:
+    """``(lo, hi) -> reference perplexity`` of a run (its first result's buckets: all share the reference)."""
+    first = summary["results"][0]
+    out = {}
+    for b in first.get("buckets") or ():
+        try:
+            out[(int(b["lo"]), int(b["hi"]))] = float(b["ppl_ref"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def _rel_diff(a: float, b: float) -> float:
+    """``|b / a - 1|``; 0 when both are the same non-finite value, inf when only one is finite or ``a <= 0``."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if (a == b or (math.isnan(a) and math.isnan(b))) else math.inf
+    return abs(b / a - 1) if a > 0 else (0.0 if a == b else math.inf)
+
+
+def _check_comparable(
+    folders: Sequence[Path], summaries: Sequence[Mapping[str, Any]], configs: Sequence[Mapping[str, Any]]
+) -> None:
+    """``ValueError`` naming the field and the runs when the runs can not share one report."""
+    first, first_dir = summaries[0], folders[0]
+    for folder, summary, config in zip(folders[1:], summaries[1:], configs[1:]):
+        for key in _SETTING:
+            if summary.get(key) != first.get(key):
+                raise ValueError(
+                    f"runs differ in {key}: {first.get(key)!r} in {first_dir}, {summary.get(key)!r} in {folder}; "
+                    "only runs of the same model, text and setting share a report"
+                )
+        for key in ("model", "tokens"):
+            a, b = ((s.get("fingerprint") or {}).get(key) for s in (first, summary))
+            if not a or not b:
+                raise ValueError(
+                    f"{first_dir if not a else folder} records no {key} fingerprint: kvbits can not tell that the runs "
+                    "measured the same model on the same tokens (re-run it with a current kvbits eval)"
+                )
+            if a != b:
+                what = "model weights" if key == "model" else "tokens (text, tokenizer or data file)"
+                raise ValueError(
+                    f"runs differ in their {what}: {key} fingerprint {a} in {first_dir}, {b} in {folder}"
+                )
+        req0, req = configs[0].get("request") or {}, config.get("request") or {}
+        for key in _REQUEST_SETTING:
+            if key in req0 and key in req and req0[key] != req[key]:
+                raise ValueError(
+                    f"runs differ in {key}: {req0[key]!r} in {first_dir}, {req[key]!r} in {folder}"
+                )
+        ref0, ref = _reference_buckets(first), _reference_buckets(summary)
+        if set(ref0) != set(ref):
+            raise ValueError(
+                f"runs have different position buckets ({sorted(ref0)} in {first_dir}, {sorted(ref)} in {folder})"
+            )
+        worst = max((_rel_diff(ref0[s], ref[s]) for s in ref0), default=0.0)
+        if worst > REF_RTOL:
+            raise ValueError(
+                f"the unquantized reference differs between {first_dir} and {folder} by up to {worst:.3%} of a "
+                f"bucket's perplexity (at most {REF_RTOL:.2%} allowed): the runs did not measure the same thing "
+                "(another device, dtype or prompt length?); evaluate the schemes together instead"
+            )
+    seen: dict[str, Path] = {}
+    for folder, summary in zip(folders, summaries):
+        for r in summary["results"]:
+            name = str(r.get("scheme"))
+            if name in seen:
+                raise ValueError(
+                    f"scheme {name!r} is in both {seen[name]} and {folder}; a merged report holds each scheme once "
+                    "(merge the runs without one of them)"
+                )
+            seen[name] = folder
+    gens = [
+        (folder, r["generation"]) for folder, s in zip(folders, summaries) for r in s["results"]
+        if isinstance(r.get("generation"), Mapping)
+    ]  # fmt: skip
+    for folder, g in gens[1:]:
+        for key in ("new_tokens", "prompt_tokens"):
+            if g.get(key) != gens[0][1].get(key):
+                raise ValueError(
+                    f"greedy continuations differ in {key}: {gens[0][1].get(key)} in {gens[0][0]}, {g.get(key)} "
+                    f"in {folder}"
+                )
+
+
+def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
+    """``generations.jsonl`` of the merged runs: the reference rows once, then each run's scheme rows;
+    ``ValueError`` when two runs' reference continuations differ; None when no run generated."""
+    reference: dict[int, list[int]] | None = None
+    ref_lines: list[str] = []
+    scheme_lines: list[str] = []
+    for folder in folders:
+        path = folder / "generations.jsonl"
+        if not path.is_file():
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        ref = {int(r["window"]): list(r["tokens"]) for r in rows if r.get("scheme") == "reference"}
+        if reference is None:
+            reference = ref
+            ref_lines = [json.dumps(r) + "\n" for r in rows if r.get("scheme") == "reference"]
+        elif ref != reference:
+            raise ValueError(
+                f"the reference's greedy continuations in {folder} differ from those of the first run that "
+                "generated: the runs' references are not the same"
+            )
+        scheme_lines += [json.dumps(r) + "\n" for r in rows if r.get("scheme") != "reference"]
+    return None if reference is None else ref_lines + scheme_lines
+
+
+def _check_out(out: Path, folders: Sequence[Path], overwrite: bool) -> None:
+    resolved = {f.resolve() for f in folders}
+    if out.resolve() in resolved:
+        raise ValueError(
+            f"--out {out} is one of the runs being merged; write the merged report to a new folder"
+        )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        cfg_path = out / "config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, ValueError):
+            cfg = {}
+        if not (isinstance(cfg, dict) and is_merged(cfg)):
+            raise ValueError(
+                f"--out {out} is a non-empty folder that holds no merged kvbits report; choose another folder or "
+                f"pass --overwrite (only {', '.join(MERGED_FILES)}, tokens/ and the figures would be replaced)"
+            )
+
+
+def _max_field(summaries: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    vals = [
+        float(s[key]) for s in summaries if isinstance(s.get(key), (int, float)) and math.isfinite(s[key])
+    ]
+    return max(vals) if vals else None
+
+
+def merge_runs(
+    runs: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Merge two or more ``kvbits eval`` output folders into ``out_dir`` (then :func:`kvbits.report.write_report`).
+
+    Args:
+        runs: the evaluation folders, in the order their schemes should appear.
+        out_dir: a new or empty folder, or one an earlier merge wrote (``overwrite`` for any other).
+        overwrite: write into a non-empty folder; only the merged files are replaced.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        FileNotFoundError: a run folder without ``summary.json``.
+        ValueError: fewer than two runs, runs that do not share the model, tokens, setting and reference
+            (the message names the field and both folders), a scheme in two runs, or a bad ``out_dir``.
+    """
+    folders = [Path(r) for r in runs]
+    if len(folders) < 2:
+        raise ValueError(f"merging needs at least two run folders, got {len(folders)}")
+    if len({f.resolve() for f in folders}) != len(folders):
+        raise ValueError("the same run folder is named twice")
+    loaded = [_load_run(f) for f in folders]
+    summaries = [s for s, _ in loaded]
+    configs = [c for _, c in loaded]
+    _check_comparable(folders, summaries, configs)
+    generations = _generation_lines(folders)
+    out = Path(out_dir)
+    _check_out(out, folders, overwrite)
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = out / "tokens"
+    if tokens.is_dir():
+        for f in tokens.glob("*.safetensors"):
+            f.unlink()
+    for name in ("records.jsonl", "generations.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    for folder, summary in zip(folders, summaries):
+        for r in summary["results"]:
+            src = folder / "tokens" / f"{r['scheme']}.safetensors"
+            if src.is_file():
+                tokens.mkdir(exist_ok=True)
+                shutil.copy2(src, tokens / src.name)
+    records = [folder / "records.jsonl" for folder in folders if (folder / "records.jsonl").is_file()]
+    if records:
+        (out / "records.jsonl").write_text("".join(p.read_text() for p in records))
+    if generations is not None:
+        (out / "generations.jsonl").write_text("".join(generations))
+
+    merged: dict[str, Any] = {k: v for k, v in summaries[0].items() if k != "results"}
+    merged["results"] = [r for s in summaries for r in s["results"]]
+    for key in ("peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"):  # the largest any run reached
+        if key in merged or any(key in s for s in summaries):
+            merged[key] = _max_field(summaries, key)
+    if "wall_seconds" in merged:
+        merged["wall_seconds"] = sum(float(s.get("wall_seconds") or 0.0) for s in summaries)
+    sources = [
+        {"path": str(f), "schemes": [str(r["scheme"]) for r in s["results"]], "config": c}
+        for f, s, c in zip(folders, summaries, configs)
+    ]
+    merged["merged_from"] = [{"path": src["path"], "schemes": src["schemes"]} for src in sources]
+    config = {
+        "version": 1,
+        "merged_from": sources,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    _write(out / "config.json", json.dumps(config, indent=2) + "\n")
+    _write(out / "summary.json", json.dumps(merged, indent=2) + "\n")
+    logger.info("merged %d runs (%d schemes) into %s", len(folders), len(merged["results"]), out)
+    return out
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -1,0 +1,213 @@
+"""``kvbits report``: several evaluations of the same model, text and setting merged into one report (and a
+single run's report written again). Merging two runs must give what evaluating their schemes together gives;
+runs that did not measure against the same reference must be refused."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from _tinyllama import SMALL_KIVI, tiny_llama
+
+from kvbits.cli import build_parser, main
+from kvbits.evaluate import evaluate
+from kvbits.report import RunSummary, write_report
+from kvbits.report.merge import merge_runs
+
+CONTEXT = 96
+A = ["int8-token", "int4-token"]
+B = [SMALL_KIVI.name]  # KIVI-2 with 8-token blocks behind a 16-token window
+NUMBERS = ("avg_bits", "ppl", "ppl_ref", "kl", "top1", "buckets", "attn_error", "attn_entropy", "generation")
+
+
+def _ids(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (2 * CONTEXT,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs ``a`` (A), ``b`` (B), ``ab`` (A + B together), each with 3 greedy tokens after each window; ``c``
+    at another context, ``d`` on other tokens, ``e`` (int2-token) as ``b``, ``g`` generating 5 tokens."""
+    root = tmp_path_factory.mktemp("merge")
+    model = tiny_llama(seed=3)
+    ids = _ids(1)
+    kw = {"windows": 2, "attn_layers": [1], "generate": 3}
+    evaluate(model, ids, CONTEXT, A, out_dir=root / "a", **kw)
+    evaluate(model, ids, CONTEXT, [SMALL_KIVI], out_dir=root / "b", **kw)
+    evaluate(model, ids, CONTEXT, [*A, SMALL_KIVI], out_dir=root / "ab", **kw)
+    evaluate(model, ids, CONTEXT // 2, [SMALL_KIVI], out_dir=root / "c", **kw)
+    evaluate(model, _ids(2), CONTEXT, [SMALL_KIVI], out_dir=root / "d", **kw)
+    evaluate(model, ids, CONTEXT, ["int2-token"], out_dir=root / "e", **kw)
+    evaluate(model, ids, CONTEXT, ["int3-token"], out_dir=root / "g", **{**kw, "generate": 5})
+    return root
+
+
+def _untimed(x):
+    """``x`` without its timings (``seconds``, ``reference_seconds``), the one thing two runs may differ in."""
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items() if not k.endswith("seconds")}
+    return [_untimed(v) for v in x] if isinstance(x, list) else x
+
+
+def _numbers(summary: dict) -> list[dict]:
+    return [_untimed({k: r.get(k) for k in ("scheme", *NUMBERS)}) for r in summary["results"]]
+
+
+def test_merging_equals_evaluating_together(runs, tmp_path):
+    from safetensors.numpy import load_file
+
+    out = merge_runs([runs / "a", runs / "b"], tmp_path / "m")
+    merged = json.loads((out / "summary.json").read_text())
+    together = json.loads((runs / "ab" / "summary.json").read_text())
+    assert [r["scheme"] for r in merged["results"]] == A + B
+    assert _numbers(merged) == _numbers(together)  # the same numbers, to the last bit
+    for key in ("model", "data", "context", "windows", "semantics", "mode", "fingerprint"):
+        assert merged[key] == together[key]
+    assert merged["merged_from"] == [
+        {"path": str(runs / "a"), "schemes": A},
+        {"path": str(runs / "b"), "schemes": B},
+    ]
+    for name in A + B:
+        got, want = (
+            load_file(str(out / "tokens" / f"{name}.safetensors")),
+            load_file(str(runs / "ab" / "tokens" / f"{name}.safetensors")),
+        )
+        assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    records = (out / "records.jsonl").read_text().splitlines()
+    assert sorted(records) == sorted((runs / "ab" / "records.jsonl").read_text().splitlines())
+    gens = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (runs / "ab" / "generations.jsonl").read_text().splitlines()]
+    key = lambda r: (r["scheme"], r["window"])
+    assert sorted(gens, key=key) == sorted(want, key=key)  # the reference once, each scheme's continuations
+    assert not (out / "DONE").exists()  # never taken for a kvbits eval run
+
+    paths = write_report(out, plots=False)
+    md = paths["markdown"].read_text()
+    assert "## Runs merged" in md and "2 evaluations merged" in md
+    for name in A + B:
+        assert f"| {name} " in md or f"**{name}**" in md
+    lines = md.split("## How to reproduce")[1].split("```bash")[1].split("```")[0].strip().splitlines()
+    assert len(lines) == 3 and lines[-1] == shlex.join(
+        ["kvbits", "report", str(runs / "a"), str(runs / "b"), "--out", str(out)]
+    )
+    args = build_parser(only="report").parse_args(shlex.split(lines[-1])[1:])
+    assert args.runs == [str(runs / "a"), str(runs / "b")] and args.out == str(out)
+    assert RunSummary.load(out).ppl_ref == RunSummary.load(runs / "ab").ppl_ref
+
+
+def test_runs_that_measured_something_else_are_refused(runs, tmp_path):
+    out = tmp_path / "m"
+    with pytest.raises(ValueError, match="differ in context: 96 .* 48"):
+        merge_runs([runs / "a", runs / "c"], out)
+    with pytest.raises(ValueError, match="tokens .* fingerprint"):
+        merge_runs([runs / "a", runs / "d"], out)
+    with pytest.raises(ValueError, match="'int8-token' is in both"):
+        merge_runs([runs / "a", runs / "ab"], out)
+    with pytest.raises(ValueError, match="new_tokens: 3 .* 5"):
+        merge_runs([runs / "a", runs / "g"], out)
+    with pytest.raises(ValueError, match="at least two"):
+        merge_runs([runs / "a"], out)
+    with pytest.raises(ValueError, match="named twice"):
+        merge_runs([runs / "a", runs / "a"], out)
+    with pytest.raises(FileNotFoundError, match="no summary.json"):
+        merge_runs([runs / "a", tmp_path], out)
+    assert not out.exists()  # nothing written for a refused merge
+
+    # a reference 0.05 % away (another device or dtype would do it): refused, naming both runs
+    moved = tmp_path / "moved"
+    shutil.copytree(runs / "b", moved)
+    summary = json.loads((moved / "summary.json").read_text())
+    for r in summary["results"]:
+        for b in r["buckets"]:
+            b["ppl_ref"] *= 1.0005
+    (moved / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="reference differs .* 0.050%"):
+        merge_runs([runs / "a", moved], out)
+    summary["fingerprint"].pop("tokens")
+    (moved / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="records no tokens fingerprint"):
+        merge_runs([runs / "a", moved], out)
+    cfg = json.loads((runs / "b" / "config.json").read_text())
+    shutil.copytree(runs / "b", tmp_path / "bf16", ignore=shutil.ignore_patterns("config.json"))
+    cfg["request"]["dtype"] = "bfloat16"
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="differ in dtype: None .* 'bfloat16'"):
+        merge_runs([runs / "a", tmp_path / "bf16"], out)
+
+
+def test_output_folder_rules(runs, tmp_path):
+    with pytest.raises(ValueError, match="one of the runs"):
+        merge_runs([runs / "a", runs / "b"], runs / "b")
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="holds no merged kvbits report"):
+        merge_runs([runs / "a", runs / "b"], foreign)
+    merge_runs([runs / "a", runs / "b"], foreign, overwrite=True)
+    assert (foreign / "mine.txt").read_text() == "keep me"
+    # a folder an earlier merge wrote is merged into again, and keeps nothing of the earlier merge's schemes
+    out = merge_runs([runs / "a", runs / "b"], tmp_path / "m")
+    merge_runs([runs / "b", runs / "e"], out)
+    assert [r["scheme"] for r in json.loads((out / "summary.json").read_text())["results"]] == [
+        SMALL_KIVI.name,
+        "int2-token",
+    ]
+    assert sorted(p.stem for p in (out / "tokens").glob("*.safetensors")) == sorted(
+        ["int2-token", SMALL_KIVI.name]
+    )
+    assert len((out / "records.jsonl").read_text().splitlines()) == sum(
+        len((runs / r / "records.jsonl").read_text().splitlines()) for r in ("b", "e")
+    )
+
+
+def test_cli_rerenders_one_run_and_merges_several(runs, tmp_path, capsys):
+    single = tmp_path / "single"
+    shutil.copytree(runs / "ab", single)
+    (single / "report.md").unlink()
+    assert main(["report", str(single), "--no-plots"]) == 0
+    strict = (single / "report.md").read_text()
+    assert "kvbits report" not in strict.split("## How to reproduce")[1]  # a single run keeps its own command
+    assert main(["report", str(single), "--no-plots", "--threshold", "1000000"]) == 0
+    lenient = (single / "report.md").read_text()
+    assert (
+        lenient.split("## Verdict")[1][:400] != strict.split("## Verdict")[1][:400]
+    )  # the budget changes the verdict
+    capsys.readouterr()
+    assert (
+        main(
+            ["report", str(runs / "a"), str(runs / "b"), "--out", str(tmp_path / "m"), "--no-plots", "--json"]
+        )
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert record["merged_from"] == [str(runs / "a"), str(runs / "b")] and set(record["files"]) == {
+        "markdown",
+        "html",
+    }
+    assert main(["report", str(runs / "a"), str(runs / "b")]) == 2  # no --out
+    assert "needs --out" in capsys.readouterr().err
+    assert main(["report", str(runs / "a"), "--out", str(tmp_path / "x")]) == 2
+    with pytest.raises(SystemExit) as bad:  # argparse: a usage error
+        main(["report", str(runs / "a"), "--threshold", "-1"])
+    assert bad.value.code == 2 and "percentage > 0" in capsys.readouterr().err
+
+
+def test_calibration_of_a_merged_run_comes_from_each_runs_config(tmp_path):
+    """Older runs name their calibration only in config.json: a merged folder finds it under merged_from."""
+    from kvbits.report.calibration import calibration_rows
+
+    summary = {
+        "context": 4096,
+        "results": [{"scheme": "int8-token", "buckets": []}, {"scheme": "kvquant-4", "buckets": []}],
+    }
+    sub = {"request": {"calibration": {"kvquant-4": "sha256:" + "ab" * 32}}, "args": {"calibration": []}}
+    merged = {"merged_from": [{"path": "a", "schemes": ["int8-token"], "config": {}},
+                              {"path": "b", "schemes": ["kvquant-4"], "config": sub}]}  # fmt: skip
+    rows = calibration_rows(summary, merged)
+    assert [(r.scheme, r.artifact) for r in rows] == [("kvquant-4", "sha256:abababababab")]
+    assert calibration_rows(summary, {"merged_from": [{"path": "a", "config": {}}]}) == []
