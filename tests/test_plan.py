@@ -625,3 +625,87 @@ def test_mixed_scheme_plans_each_layer_by_its_own_scheme():
     assert by["int4-token"]["max_concurrency"] > mixed["max_concurrency"] > by["fp16"]["max_concurrency"]
     with pytest.raises(ValueError, match=r"overrides layers \[7\], beyond the model's 4 layers"):
         plan(cfg, context=8192, batch=2, scheme="int4-token,7=fp16")
+
+
+# ------------------------------------------------------------------------------ the longest context
+
+
+def _first_misfit(shape, scheme, batch, free, fused=False) -> int:
+    """Brute force: grow the sequences one token at a time until they no longer fit."""
+    from kvbits.plan.limits import total_bytes
+
+    n = 1
+    while total_bytes(shape, scheme, n, batch, fused_decode=fused) <= free:
+        n += 1
+    return n
+
+
+def _shapes():
+    from kvbits.plan.shape import LayerShape
+
+    full = ModelShape.from_dims(3, 2, 64, dtype_bytes=2)
+    gemma_like = ModelShape(
+        layers=(LayerShape(2, 64, "sliding", 512), LayerShape(2, 64, "sliding", 512), LayerShape(1, 128),
+                LayerShape(2, 64, "sliding", 512)),
+        dtype_bytes=2,
+    )  # fmt: skip
+    return {"full": full, "gemma-like": gemma_like}
+
+
+@pytest.mark.parametrize("shape_name", ["full", "gemma-like"])
+@pytest.mark.parametrize(
+    "scheme", ["fp16", "int8-token", "int4-token", "kivi-2", "kvquant-4", "int4-channel-prerope", "int4-token,0=fp16"]
+)
+def test_max_context_is_the_first_length_that_does_not_fit_minus_one(shape_name, scheme):
+    """Against brute force, at budgets that end in a flush's sawtooth: just below and at a peak (the bytes
+    drop after it, so a bisection alone would land past it)."""
+    from kvbits.plan.limits import max_context, total_bytes
+
+    shape, s = _shapes()[shape_name], get_scheme(scheme)
+    fused = scheme == "int4-channel-prerope"
+    if scheme == "int4-token" and shape_name == "gemma-like":
+        return  # per-token int4 on head dim 128 and 64 alike: covered by the full shape
+    base = total_bytes(shape, s, 3000, 2, fused_decode=fused)
+    budgets = {base, base + 1}
+    split = s.for_layer(0)
+    if split.block > 1:  # the peak just before a flush, and one byte under it
+        peak = split.sinks + split.residual + 40 * split.block - 1
+        budgets |= {total_bytes(shape, s, peak, 2) - 1, total_bytes(shape, s, peak, 2)}
+    for free in sorted(budgets):
+        want = _first_misfit(shape, s, 2, free, fused) - 1
+        assert max_context(shape, s, batch=2, free_bytes=free, fused_decode=fused) == want, (scheme, free)
+
+
+def test_max_context_sawtooth_is_not_bisected_past():
+    """KIVI-2 holds 159 full-precision tokens just before a flush and 128 after: one byte under that peak, a
+    length beyond the peak fits again, but a sequence can not get there."""
+    from kvbits.plan.limits import max_context, total_bytes
+
+    shape, s = ModelShape.from_dims(2, 2, 64), get_scheme("kivi-2")
+    peak = 128 + 32 * 50 - 1
+    free = total_bytes(shape, s, peak, 1) - 1
+    assert total_bytes(shape, s, peak + 1, 1) <= free  # the flush: a longer context fits again
+    assert max_context(shape, s, batch=1, free_bytes=free) == peak - 1
+
+
+def test_max_context_in_plan_and_cli(capsys):
+    from kvbits.cli import main
+
+    shape = ModelShape.from_dims(32, 8, 128)  # fp16: 128 KiB per token and sequence
+    r = plan(shape, context=4096, batch=4, gpu_mem_gib=80, weights_gib=16, reserve_gib=0)
+    assert r["max_context"] == 64 * GIB // (4 * 128 * 1024) == 131072
+    for scheme in ("kivi-2", "kvquant-4", "int4-token,0=fp16"):
+        r = plan(shape, context=4096, batch=4, scheme=scheme, gpu_mem_gib=80, weights_gib=16)
+        t = r["max_context"]
+        again = plan(shape, context=[t, t + 1], batch=4, scheme=scheme, gpu_mem_gib=80, weights_gib=16)
+        assert [x["fits"] for x in again] == [True, False] and {x["max_context"] for x in again} == {t}
+    assert plan(shape, context=10, gpu_mem_gib=8, weights_gib=10)["max_context"] == 0
+    slides = ModelShape.from_dims(4, 2, 64, sliding_window=1024)
+    assert plan(slides, context=10, scheme="kivi-2", gpu_mem_gib=1, weights_gib=0)["max_context"] is None
+    tight = plan(slides, context=10, scheme="fp16", gpu_mem_gib=300_000 / GIB, weights_gib=0)
+    assert tight["max_context"] == _first_misfit(slides, get_scheme("fp16"), 1, 300_000) - 1 == 300_000 // (4 * 2 * 64 * 2 * 2)
+    assert "max_context" not in plan(shape, context=10)
+    assert main(["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--context", "4k", "--batch",
+                 "4", "--gpu-mem", "80", "--weights-gib", "16", "--scheme", "fp16"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "max context @4" in out and "131,072" in out

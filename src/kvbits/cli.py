@@ -256,7 +256,7 @@ def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"preset name or scheme JSON; repeat for several (default: {', '.join(DEFAULT_SCHEMES)})",
     )
     gpu = p.add_argument_group("GPU budget")
-    gpu.add_argument("--gpu-mem", type=_gib, metavar="GIB", help="GPU memory in GiB: adds max concurrency")
+    gpu.add_argument("--gpu-mem", type=_gib, metavar="GIB", help="GPU memory in GiB: adds max concurrency and max context")
     gpu.add_argument(
         "--weights-gib", type=_gib, metavar="GIB", help="weights memory (default: estimated from the config)"
     )
@@ -354,6 +354,13 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
             f"\nGPU {human_bytes(r0['gpu_mem_bytes'])}, weights {human_bytes(r0['weights_bytes'])} "
             f"({r0['weights_source']}), reserve {human_bytes(r0['reserve_bytes'])}"
         )
+        trained = shape.max_context or 1 << 62
+        beyond = [r["scheme"] for r in results if r["max_context"] is None or r["max_context"] > trained]
+        if beyond:
+            caption += (
+                f"\nmax context: the longest the batch can grow to in memory, fitting at every length; beyond the "
+                f"model's max_position_embeddings ({shape.max_context:,}) for {', '.join(beyond)}"
+            )
     tables = {r["scheme"]: r["rope_table_bytes"] for r in results if r.get("rope_table_bytes")}
     if tables:
         caption += "\nincluded, once per model: RoPE tables of fused pre-RoPE decode (" + ", ".join(
@@ -364,7 +371,7 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
     for col in ("context", "bytes/token", "KV total", "total bytes", "avg bits", "vs fp16"):
         table.add_column(col, justify="right", no_wrap=True)
     if gpu:
-        for col in ("per request", "max concurrency", "fits"):
+        for col in ("per request", "max concurrency", "fits", f"max context @{args.batch}"):
             table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         row = [
@@ -381,6 +388,7 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
                 human_bytes(r["kv_bytes_per_request"]),
                 f"{r['max_concurrency']:,}",
                 "[green]yes[/green]" if r["fits"] else "[red]no[/red]",
+                "unbounded" if r["max_context"] is None else f"{r['max_context']:,}",
             ]
         table.add_row(*row)
     console = _console()

@@ -2,7 +2,8 @@
 
 ``plan(config, context=32768, batch=8, scheme=["fp16", "kivi-2"], gpu_mem_gib=80)`` sums the exact
 bytes of :func:`kvbits.schemes.layer_bytes` over the model's layers (MHA, GQA, MQA, sliding-window
-and mixed layers). See :mod:`kvbits.plan.planner` for every field's definition.
+and mixed layers). See :mod:`kvbits.plan.planner` for every field's definition; with a GPU budget,
+:func:`max_context` (:mod:`kvbits.plan.limits`) adds the longest context the batch can grow to.
 """
 
 import sys as _sys
@@ -16,6 +17,7 @@ from kvbits.plan.config import (
     model_shape,
     resolve_config,
 )
+from kvbits.plan.limits import max_context
 from kvbits.plan.planner import DEFAULT_SCHEMES, GIB, plan, plan_shape
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "ModelShape",
     "estimate_params",
     "load_shape",
+    "max_context",
     "model_shape",
     "plan",
     "plan_shape",

@@ -34,6 +34,10 @@ With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
   where ``reserve`` (``reserve_gib``, default 0) stands for activations, CUDA context and
   fragmentation, and ``fixed`` is the per-layer constants and the RoPE tables. ``fits``:
   ``max_concurrency >= B``.
+- ``max_context``: the longest context ``B`` sequences can grow to, fitting at every length on the way
+  (a flush makes the bytes drop, so the first length that does not fit decides;
+  :func:`kvbits.plan.limits.max_context`); None when every length fits (layers that all slide).
+  Independent of ``T``; it may be beyond the model's ``max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from kvbits.plan.config import load_shape, warn_beyond_max_positions
+from kvbits.plan.limits import fused_pre_rope, max_context
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
-from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes
+from kvbits.schemes.accounting import rope_table_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -196,11 +201,6 @@ def _budget(
     }  # type: ignore[dict-item]
 
 
-def _fused_pre_rope(scheme: KVScheme) -> bool:
-    """Pre-RoPE keys the fused kernel reads from its packed layout (and rotates from RoPE tables)."""
-    return scheme.key.pre_rope and scheme.key.kind in PACKED_KINDS and scheme.value.kind in PACKED_KINDS
-
-
 def plan_shape(
     shape: ModelShape,
     scheme: SchemeLike,
@@ -227,7 +227,7 @@ def plan_shape(
     scheme.check_layer_count(len(shape.layers))
     for i, layer in enumerate(shape.layers):
         layer_scheme = scheme.for_layer(i)
-        rope_tables_held = fused_decode and _fused_pre_rope(layer_scheme)
+        rope_tables_held = fused_decode and fused_pre_rope(layer_scheme)
         row: dict[str, Any] = {
             "layer": i,
             "attention": layer.attention,
@@ -311,5 +311,9 @@ def plan_shape(
             kv_bytes_per_request=per_request,
             max_concurrency=int(max_conc),
             fits=bool(max_conc >= batch),
-        )
+            max_context=max_context(
+                shape, scheme, batch=batch, free_bytes=budget["gpu_mem_bytes"] - budget["weights_bytes"]
+                - budget["reserve_bytes"], fused_decode=fused_decode,
+            ),
+        )  # fmt: skip
     return out
