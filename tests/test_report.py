@@ -331,6 +331,9 @@ def test_empty_results_and_missing_summary(tmp_path):
         write_report(tmp_path / "nothing-here")
     with pytest.raises(ValueError, match="threshold"):
         write_report(d, threshold=0)
+    (d / "summary.json").write_text('{"model": "m", "results": [')  # cut short
+    with pytest.raises(ValueError, match=r"summary.json is not valid JSON .* interrupted"):
+        write_report(d)
 
 
 def test_without_matplotlib(tmp_path, monkeypatch):

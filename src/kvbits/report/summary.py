@@ -219,7 +219,11 @@ class RunSummary:
             p = p / "summary.json"
         if not p.is_file():
             raise FileNotFoundError(f"no summary.json at {p}; is this an evaluation output folder?")
-        return cls.from_dict(json.loads(p.read_text()))
+        try:
+            data = json.loads(p.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{p} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
+        return cls.from_dict(data)
 
     @classmethod
     def coerce(cls, summary: RunSummary | Mapping[str, Any] | str | Path) -> RunSummary:
