@@ -211,3 +211,21 @@ def test_calibration_of_a_merged_run_comes_from_each_runs_config(tmp_path):
     rows = calibration_rows(summary, merged)
     assert [(r.scheme, r.artifact) for r in rows] == [("kvquant-4", "sha256:abababababab")]
     assert calibration_rows(summary, {"merged_from": [{"path": "a", "config": {}}]}) == []
+
+
+def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
+    """Committed needle and speed runs: report.md comes back byte for byte from the JSON."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for name, command in (("needle-qwen-prefill", "needle"), ("speed-qwen", "speed")):
+        run = tmp_path / name
+        shutil.copytree(results / name, run)
+        want = (run / "report.md").read_text()
+        (run / "report.md").unlink()
+        assert main(["report", str(run)]) == 0
+        assert (run / "report.md").read_text() == want
+        assert main(["report", str(run), "--threshold", "2"]) == 2
+        assert f"holds a kvbits {command} run" in capsys.readouterr().err
+        with pytest.raises(FileNotFoundError, match=f"kvbits {command} run: only kvbits eval folders are merged"):
+            merge_runs([run, run.parent / "other"], tmp_path / "m")

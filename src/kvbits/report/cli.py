@@ -17,6 +17,7 @@ examples:
   kvbits report runs/smollm2-wp-8k                                  # report.md/.html again (after an upgrade)
   kvbits report runs/smollm2-wp-8k --threshold 0.5                  # judged against a 0.5 % ΔPPL budget
   kvbits report runs/qwen-4k runs/qwen-4k-hadamard --out runs/qwen-4k-all   # one report, both runs' schemes
+  kvbits report runs/needle-smollm2                                 # a needle or speed run: report.md again
 
 Merging checks that the runs share the model and tokens (fingerprints), context, windows, semantics, mode,
 dtype and prompt length, and the unquantized reference in every position bucket (within 0.01 %), and that
@@ -45,7 +46,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="kvbits eval output folder(s)")
+    p.add_argument(
+        "runs", nargs="+", metavar="RUN",
+        help="kvbits eval output folder(s); one kvbits needle or speed folder is written again too",
+    )  # fmt: skip
     p.add_argument(
         "--out", metavar="DIR", help="with two or more runs: the folder for the merged run and report"
     )
@@ -76,8 +80,13 @@ def run(args: argparse.Namespace) -> int:
                 "--out is for merging two or more runs; to write one run's report again, name the run alone"
             )
         out = Path(args.runs[0])
+        other = next((n for n in ("needle", "speed") if (out / f"{n}.json").is_file()), None)
+        if not (out / "summary.json").is_file() and other is not None:
+            return _rewrite_json_run(out, other, args)
         if not (out / "summary.json").is_file():
-            raise FileNotFoundError(f"no summary.json in {out}; expected a kvbits eval output folder")
+            raise FileNotFoundError(
+                f"no summary.json in {out}; expected a kvbits eval output folder (or a kvbits needle / speed folder)"
+            )
         merged_from: list[str] = []
     else:
         if args.out is None:
@@ -93,4 +102,30 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_summary(out, threshold=threshold)
     print(f"report: {files['markdown']}, {files['html']}")
+    return 0
+
+
+def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
+    """``report.md`` and the figure of a ``kvbits needle`` or ``kvbits speed`` folder, again from its JSON."""
+    from kvbits.report.needle import write_needle
+    from kvbits.report.speed import write_speed
+
+    if args.threshold is not None or args.no_plots:
+        raise ValueError(f"--threshold and --no-plots apply to kvbits eval runs; {out} holds a kvbits {command} run")
+    path = out / f"{command}.json"
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
+    if not isinstance(summary, dict):
+        raise TypeError(f"{path} holds no kvbits {command} summary (expected a JSON object)")
+    (write_needle if command == "needle" else write_speed)(summary, out)
+    files = {"markdown": str(out / "report.md")}
+    png = out / f"{command}.png"
+    if png.is_file():
+        files["figure"] = str(png)
+    if args.json:
+        sys.stdout.write(json.dumps({"out": str(out), "merged_from": [], "files": files}, indent=2) + "\n")
+    else:
+        print(f"report: {', '.join(files.values())}")
     return 0
