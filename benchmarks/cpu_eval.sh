@@ -46,6 +46,16 @@ if [[ $step == all || $step == rotation ]]; then
     --scheme int8-token-hadamard --scheme int4-token-hadamard --scheme int3-token-hadamard \
     --scheme int2-token-hadamard --scheme int2-token --out runs/qwen-wiki-4k-hadamard
 fi
+if [[ $step == all || $step == symmetric ]]; then
+  # Symmetric per-token INT8/INT4 (absmax / 127, no zero-point: the format of vLLM's int8_per_token_head)
+  # beside §3a/§3c's asymmetric rows: same model, text, window and semantics.
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/int8-token-sym.json --scheme benchmarks/schemes/int4-token-sym.json \
+    --out runs/qwen-wiki-4k-sym
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/int8-token-sym.json --scheme benchmarks/schemes/int4-token-sym.json \
+    --out runs/smollm2-wp-8k-sym
+fi
 if [[ $step == all || $step == kvquant-rotation ]]; then
   # KVQuant's recipe with K and V Hadamard-rotated (benchmarks/schemes/*.json), calibrated as the kvquant
   # step calibrates (Pride and Prejudice, 2 x 2,048), beside the unrotated recipe on the same 8K window.
