@@ -163,14 +163,15 @@ def step_plan(console: Any) -> list[dict[str, Any]]:
     table = Table(
         title=f"Step 1: KV-cache memory plan (batch {PLAN_BATCH}, GPU {PLAN_GPU_GIB:g} GiB, fp16 weights)",
         caption="avg bits and sizes include scales, zero-points and full-precision tokens; "
-        "max concurrency = sequences of this length that fit beside the weights",
+        "max concurrency = sequences of this length that fit beside the weights; max context = the longest "
+        f"{PLAN_BATCH} sequences can grow to there (memory only: the models were trained to 8K and 32K)",
     )
     for col, kw in (
         ("model", {"style": "bold", "no_wrap": True}), ("context", {"justify": "right"}),
         ("scheme", {"no_wrap": True}), ("avg bits", {"justify": "right"}),
         ("KV for the batch", {"justify": "right"}), ("vs fp16", {"justify": "right"}),
         ("per sequence", {"justify": "right"}), ("max concurrency", {"justify": "right"}),
-        ("fits", {"justify": "center"}),
+        ("fits", {"justify": "center"}), (f"max context @{PLAN_BATCH}", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
     last = None
@@ -184,6 +185,7 @@ def step_plan(console: Any) -> list[dict[str, Any]]:
             f"{r['avg_bits']:.2f}", _human_bytes(r["total_bytes"]), f"{r['compression']:.2f}x",
             _human_bytes(r["kv_bytes_per_request"]), f"{r['max_concurrency']:,}",
             "[green]yes[/green]" if r["fits"] else "[red]no[/red]",
+            "unbounded" if r["max_context"] is None else f"{r['max_context']:,}",
         )
     console.print(table)
     for name, _ in PLAN_MODELS:
