@@ -128,6 +128,13 @@ def test_runs_that_measured_something_else_are_refused(runs, tmp_path):
     (moved / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="reference differs .* 0.050%"):
         merge_runs([runs / "a", moved], out)
+    bare = json.loads(json.dumps(summary))
+    for r in bare["results"]:
+        r.pop("ppl_ref")
+        r["buckets"] = []
+    (moved / "summary.json").write_text(json.dumps(bare))
+    with pytest.raises(ValueError, match="records no reference perplexity"):
+        merge_runs([runs / "a", moved], out)
     summary["fingerprint"].pop("tokens")
     (moved / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="records no tokens fingerprint"):

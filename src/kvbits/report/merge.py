@@ -91,15 +91,24 @@ def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _reference_buckets(summary: Mapping[str, Any]) -> dict[tuple[int, int], float]:
-    """``(lo, hi) -> reference perplexity`` of a run (its first result's buckets: all share the reference)."""
+    """``(lo, hi) -> reference perplexity`` of a run, from its first result (all share the reference): each
+    position bucket, and the whole window as ``(0, -1)``."""
     first = summary["results"][0]
     out = {}
+    try:
+        out[(0, -1)] = float(first["ppl_ref"])  # the whole window
+    except (KeyError, TypeError, ValueError):
+        pass
     for b in first.get("buckets") or ():
         try:
             out[(int(b["lo"]), int(b["hi"]))] = float(b["ppl_ref"])
         except (KeyError, TypeError, ValueError):
             continue
     return out
+
+
+def _spans(ref: Mapping[tuple[int, int], float]) -> list[tuple[int, int]]:
+    return sorted(k for k in ref if k != (0, -1))
 
 
 def _rel_diff(a: float, b: float) -> float:
@@ -140,9 +149,14 @@ def _check_comparable(
                     f"runs differ in {key}: {req0[key]!r} in {first_dir}, {req[key]!r} in {folder}"
                 )
         ref0, ref = _reference_buckets(first), _reference_buckets(summary)
+        if not ref0 or not ref:
+            raise ValueError(
+                f"{first_dir if not ref0 else folder} records no reference perplexity: kvbits can not check that "
+                "the runs measured against the same unquantized model"
+            )
         if set(ref0) != set(ref):
             raise ValueError(
-                f"runs have different position buckets ({sorted(ref0)} in {first_dir}, {sorted(ref)} in {folder})"
+                f"runs have different position buckets ({_spans(ref0)} in {first_dir}, {_spans(ref)} in {folder})"
             )
         worst = max((_rel_diff(ref0[s], ref[s]) for s in ref0), default=0.0)
         if worst > REF_RTOL:
