@@ -272,6 +272,7 @@ def needle_eval(
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
     fused_mode = check_mode(fused_decode)
     torch_dtype, _, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
+    commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
 
     text = (
         load_text(data, data_path) if isinstance(data, str) else data
@@ -358,6 +359,6 @@ def needle_eval(
         "wall_seconds": wall,
         "peak_rss_bytes": _peak_rss_bytes(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": commit,
         "versions": _versions(),
     }

@@ -331,6 +331,7 @@ def speed_eval(
     fused_mode = check_mode(fused_decode)
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
+    commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
     model_spec = model
     model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
     head = _head(model)
@@ -421,6 +422,6 @@ def speed_eval(
         "wall_seconds": time.perf_counter() - t_wall,
         "peak_rss_bytes": _peak_rss_bytes(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": commit,
         "versions": _versions(),
     }
