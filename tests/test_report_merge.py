@@ -139,12 +139,15 @@ def test_runs_that_measured_something_else_are_refused(runs, tmp_path):
     (moved / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="records no tokens fingerprint"):
         merge_runs([runs / "a", moved], out)
-    cfg = json.loads((runs / "b" / "config.json").read_text())
-    shutil.copytree(runs / "b", tmp_path / "bf16", ignore=shutil.ignore_patterns("config.json"))
-    cfg["request"]["dtype"] = "bfloat16"
-    (tmp_path / "bf16" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="differ in dtype: None .* 'bfloat16'"):
-        merge_runs([runs / "a", tmp_path / "bf16"], out)
+    for run, dtype in (("a", "float32"), ("b", "bfloat16")):  # as kvbits eval --dtype records them
+        cfg = json.loads((runs / run / "config.json").read_text())
+        shutil.copytree(runs / run, tmp_path / f"{run}-{dtype}", ignore=shutil.ignore_patterns("config.json"))
+        cfg["request"]["dtype"] = dtype
+        (tmp_path / f"{run}-{dtype}" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="differ in dtype: 'float32' .* 'bfloat16'"):
+        merge_runs([tmp_path / "a-float32", tmp_path / "b-bfloat16"], out)
+    merge_runs([runs / "a", tmp_path / "b-bfloat16"], out)  # None: the model's own dtype, as loaded (float32 here)
+    assert out.is_dir()  # (a bfloat16 reference would differ, and the reference check refuses that)
 
 
 def test_output_folder_rules(runs, tmp_path):

@@ -6,8 +6,8 @@ measured its schemes against the same unquantized reference, so :func:`merge_run
 writes anything:
 
 - the same model and the same tokens (the ``fingerprint`` of each ``summary.json``), the same context,
-  windows, semantics and mode, and (from ``config.json``, where both runs record it) the same model dtype
-  and scored prompt length;
+  windows, semantics and mode, and (from ``config.json``, where both runs name it: None is the model's own)
+  the same model dtype and scored prompt length;
 - the same reference: every position bucket's unquantized perplexity equal within ``REF_RTOL``
   (a different device, torch or kvbits version may move it by float rounding; more is another setting);
 - scheme names that appear in one run only;
@@ -144,7 +144,7 @@ def _check_comparable(
                 )
         req0, req = configs[0].get("request") or {}, config.get("request") or {}
         for key in _REQUEST_SETTING:
-            if key in req0 and key in req and req0[key] != req[key]:
+            if req0.get(key) is not None and req.get(key) is not None and req0[key] != req[key]:
                 raise ValueError(
                     f"runs differ in {key}: {req0[key]!r} in {first_dir}, {req[key]!r} in {folder}"
                 )
