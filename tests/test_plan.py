@@ -709,3 +709,22 @@ def test_max_context_in_plan_and_cli(capsys):
                  "4", "--gpu-mem", "80", "--weights-gib", "16", "--scheme", "fp16"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "max context @4" in out and "131,072" in out
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kwargs"),
+    [("gemma3_text", {"num_hidden_layers": 12, "sliding_window": 512}), ("gemma4_text", {"num_hidden_layers": 6})],
+)
+@pytest.mark.parametrize("scheme", ["kivi-2", "kvquant-4", "int8-token,0=fp16"])
+def test_max_context_on_transformers_configs(model_type, kwargs, scheme):
+    """Gemma-3 (5 sliding layers to 1 full) and Gemma-4 (two head dims, KV shared across layers) as transformers
+    builds their configs: the first length that does not fit, against brute force."""
+    from transformers import AutoConfig
+
+    from kvbits.plan.limits import max_context, total_bytes
+
+    shape = model_shape(AutoConfig.for_model(model_type, **kwargs))
+    s = get_scheme(scheme)
+    for context in (700, 2500):
+        free = total_bytes(shape, s, context, 1) + 1
+        assert max_context(shape, s, batch=1, free_bytes=free) == _first_misfit(shape, s, 1, free) - 1

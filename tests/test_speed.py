@@ -261,9 +261,7 @@ def test_sliding_window_bytes_are_the_plan(ids):
 
 
 def test_commit_is_the_tree_the_run_started_from(model, ids, monkeypatch):
-    from kvbits.evaluate import outputs
-
-    from kvbits.evaluate import inputs
+    from kvbits.evaluate import inputs, outputs
 
     tree = ["started"]  # checked out until the model loads, then another commit
     load = inputs._load_checked_model
