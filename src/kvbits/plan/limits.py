@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvbits.plan.shape import LayerShape, ModelShape
 from kvbits.schemes import KVScheme, layer_bytes, token_split
 from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes
 
-__all__ = ["LIMIT", "max_context", "total_bytes"]
+__all__ = ["LIMIT", "fused_rope_table_bytes", "max_context", "total_bytes"]
 
 LIMIT = 1 << 40
 """Contexts beyond this are not searched: a budget that still fits there is reported as unbounded (None)."""
@@ -33,6 +33,19 @@ _Group = tuple[KVScheme, LayerShape]
 def fused_pre_rope(scheme: KVScheme) -> bool:
     """Pre-RoPE keys the fused kernel reads from its packed layout (and rotates from RoPE tables)."""
     return scheme.key.pre_rope and scheme.key.kind in PACKED_KINDS and scheme.value.kind in PACKED_KINDS
+
+
+def fused_rope_table_bytes(layers: Iterable[tuple[KVScheme, LayerShape]], n_tokens: int) -> int:
+    """The RoPE tables fused decode keeps for ``(layer scheme, layer shape)`` pairs after ``n_tokens`` tokens:
+    one float32 cos/sin pair per head dim, covering the positions the quantized pre-RoPE keys reach
+    (``RopeTableCache.get(rotary, n_sinks + n_dropped + T_q, ...)``), full-attention layers only."""
+    positions: dict[int, int] = {}  # head dim -> positions the tables must cover
+    for s, layer in layers:
+        if layer.attention == "full" and fused_pre_rope(s):
+            split = token_split(s, n_tokens)
+            if split.quantized:
+                positions[layer.head_dim] = max(positions.get(layer.head_dim, 0), split.sink + split.quantized)
+    return sum(rope_table_bytes(n, d // 2) for d, n in positions.items())
 
 
 def _groups(shape: ModelShape, scheme: KVScheme) -> Counter[_Group]:
@@ -63,14 +76,7 @@ def _total_fn(shape: ModelShape, scheme: KVScheme, batch: int, fused_decode: boo
 
     def total(n: int) -> int:
         out = sum(c * _layer_total(g, n, batch, shape.dtype_bytes) for g, c in groups.items())
-        rope: dict[int, int] = {}
-        if fused_decode:
-            for s, layer in groups:
-                if layer.attention == "full" and fused_pre_rope(s):
-                    split = token_split(s, n)
-                    if split.quantized:
-                        rope[layer.head_dim] = max(rope.get(layer.head_dim, 0), split.sink + split.quantized)
-        return out + sum(rope_table_bytes(p, d // 2) for d, p in rope.items())
+        return out + (fused_rope_table_bytes(groups, n) if fused_decode else 0)
 
     return total
 
@@ -129,9 +135,10 @@ def max_context(
     f = _total_fn(shape, scheme, batch, fused_decode)
     margin = _margin(shape, scheme, batch)
     if margin is None:  # bounded bytes: sliding layers only (or none), whose largest is reached early
-        span = max((2 * (layer.window or 0) for layer in shape.layers), default=0)
-        span += 4 * max(scheme.for_layer(i).sinks + scheme.for_layer(i).residual + scheme.for_layer(i).block
-                        for i in range(len(shape.layers)))  # fmt: skip
+        span = max(
+            (2 * (layer.window or 0) + 4 * (s.sinks + s.residual + s.block) for s, layer in _groups(shape, scheme)),
+            default=0,
+        )
         first = next((n for n in range(1, span + 1) if f(n) > free_bytes), None)
         return None if first is None else first - 1
     if f(1) > free_bytes:

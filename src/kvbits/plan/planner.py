@@ -48,10 +48,9 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from kvbits.plan.config import load_shape, warn_beyond_max_positions
-from kvbits.plan.limits import fused_pre_rope, max_context
+from kvbits.plan.limits import fused_rope_table_bytes, max_context
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
-from kvbits.schemes.accounting import rope_table_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -223,11 +222,9 @@ def plan_shape(
     per_request = 0
     elements = 0
     per_layer = []
-    rope_positions: dict[int, int] = {}  # fused pre-RoPE keys: head dim -> positions the tables must cover
     scheme.check_layer_count(len(shape.layers))
     for i, layer in enumerate(shape.layers):
         layer_scheme = scheme.for_layer(i)
-        rope_tables_held = fused_decode and fused_pre_rope(layer_scheme)
         row: dict[str, Any] = {
             "layer": i,
             "attention": layer.attention,
@@ -248,9 +245,6 @@ def plan_shape(
         b = layer_bytes(layer_scheme, context, batch=batch, **kw)
         one = layer_bytes(layer_scheme, context, batch=1, **kw)
         split = token_split(layer_scheme, context, layer.window)
-        if rope_tables_held and layer.attention == "full" and split.quantized:
-            n = split.sink + split.quantized  # RopeTableCache.get(rotary, n_sinks + n_dropped + T_q, ...)
-            rope_positions[layer.head_dim] = max(rope_positions.get(layer.head_dim, 0), n)
         stored_fp16 = token_split(fp16, context, layer.window).stored
         layer_elements = 2 * batch * stored_fp16 * layer.kv_heads * layer.head_dim
         elements += layer_elements
@@ -273,7 +267,8 @@ def plan_shape(
             fp16_bytes=2 * layer_elements,
         )
         per_layer.append(row)
-    rope_tables = sum(rope_table_bytes(n, D // 2) for D, n in rope_positions.items())
+    layers = [(scheme.for_layer(i), layer) for i, layer in enumerate(shape.layers)]
+    rope_tables = fused_rope_table_bytes(layers, context) if fused_decode else 0
     total = totals["key"] + totals["value"] + rope_tables
     assert total == totals["full"] + totals["quantized"] + totals["fixed"] + rope_tables, (
         "layer_bytes breakdown must add up"

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvbits.report import print_summary, write_report
     from kvbits.report.fmt import DEFAULT_THRESHOLD
-    from kvbits.report.merge import merge_runs
+    from kvbits.report.merge import merge_runs, other_run_kind
 
     threshold = args.threshold if args.threshold is not None else DEFAULT_THRESHOLD
     if len(args.runs) == 1:
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
                 "--out is for merging two or more runs; to write one run's report again, name the run alone"
             )
         out = Path(args.runs[0])
-        other = next((n for n in ("needle", "speed") if (out / f"{n}.json").is_file()), None)
-        if not (out / "summary.json").is_file() and other is not None:
+        other = other_run_kind(out)
+        if other is not None:
             return _rewrite_json_run(out, other, args)
         if not (out / "summary.json").is_file():
             raise FileNotFoundError(
@@ -109,14 +109,12 @@ def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
     """``report.md`` and the figure of a ``kvbits needle`` or ``kvbits speed`` folder, again from its JSON."""
     from kvbits.report.needle import write_needle
     from kvbits.report.speed import write_speed
+    from kvbits.report.summary import read_json
 
     if args.threshold is not None or args.no_plots:
         raise ValueError(f"--threshold and --no-plots apply to kvbits eval runs; {out} holds a kvbits {command} run")
     path = out / f"{command}.json"
-    try:
-        summary = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
+    summary = read_json(path)
     if not isinstance(summary, dict):
         raise TypeError(f"{path} holds no kvbits {command} summary (expected a JSON object)")
     (write_needle if command == "needle" else write_speed)(summary, out)

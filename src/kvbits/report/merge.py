@@ -31,9 +31,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits.report.inputs import load_config
+from kvbits.report.render import _write_text
+from kvbits.report.summary import read_json
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["MERGED_FILES", "REF_RTOL", "is_merged", "merge_runs"]
+__all__ = ["MERGED_FILES", "REF_RTOL", "is_merged", "merge_runs", "other_run_kind"]
 
 REF_RTOL = 1e-4
 """Largest relative difference of a bucket's reference perplexity between merged runs (0.01 %, the
@@ -58,13 +62,11 @@ def is_merged(config: Mapping[str, Any]) -> bool:
     return isinstance(config.get("merged_from"), list)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"can not read {what} {path}: {exc}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{what} {path} is not valid JSON ({exc}); is the run complete?") from exc
+def other_run_kind(folder: Path) -> str | None:
+    """``"needle"`` or ``"speed"`` for a folder that holds such a run and no evaluation, else None."""
+    if (folder / "summary.json").is_file():
+        return None
+    return next((kind for kind in ("needle", "speed") if (folder / f"{kind}.json").is_file()), None)
 
 
 def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -72,21 +74,17 @@ def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits eval output folder")
     if not (folder / "summary.json").is_file():
-        other = next((n for n in ("needle.json", "speed.json") if (folder / n).is_file()), None)
-        hint = (
-            f" (it holds a kvbits {other.split('.')[0]} run: only kvbits eval folders are merged)"
-            if other
-            else ""
-        )
+        other = other_run_kind(folder)
+        hint = f" (it holds a kvbits {other} run: only kvbits eval folders are merged)" if other else ""
         raise FileNotFoundError(f"no summary.json in {folder}; expected a kvbits eval output folder{hint}")
-    summary = _read_json(folder / "summary.json", "summary")
+    summary = read_json(folder / "summary.json")
     if (
         not isinstance(summary, dict)
         or not isinstance(summary.get("results"), list)
         or not summary["results"]
     ):
         raise ValueError(f"{folder / 'summary.json'} holds no scheme results; nothing to merge")
-    config = _read_json(folder / "config.json", "config") if (folder / "config.json").is_file() else {}
+    config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
     return summary, config if isinstance(config, dict) else {}
 
 
@@ -220,17 +218,11 @@ def _check_out(out: Path, folders: Sequence[Path], overwrite: bool) -> None:
         )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        cfg_path = out / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        except (OSError, ValueError):
-            cfg = {}
-        if not (isinstance(cfg, dict) and is_merged(cfg)):
-            raise ValueError(
-                f"--out {out} is a non-empty folder that holds no merged kvbits report; choose another folder or "
-                f"pass --overwrite (only {', '.join(MERGED_FILES)}, tokens/ and the figures would be replaced)"
-            )
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not is_merged(load_config(out)):
+        raise ValueError(
+            f"--out {out} is a non-empty folder that holds no merged kvbits report; choose another folder or "
+            f"pass --overwrite (only {', '.join(MERGED_FILES)}, tokens/ and the figures would be replaced)"
+        )
 
 
 def _max_field(summaries: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -307,13 +299,8 @@ def merge_runs(
         "merged_from": sources,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    _write(out / "config.json", json.dumps(config, indent=2) + "\n")
-    _write(out / "summary.json", json.dumps(merged, indent=2) + "\n")
+    _write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    _write_text(out / "summary.json", json.dumps(merged, indent=2) + "\n")
     logger.info("merged %d runs (%d schemes) into %s", len(folders), len(merged["results"]), out)
     return out
 
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)

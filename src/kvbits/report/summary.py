@@ -15,7 +15,15 @@ from typing import Any
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
 
-__all__ = ["AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult"]
+__all__ = ["AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult", "read_json"]
+
+
+def read_json(path: Path) -> Any:
+    """A run's JSON file (``summary.json``, ``needle.json``, ...), ``ValueError`` naming it when it does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
 
 
 @dataclass(frozen=True)
@@ -219,11 +227,7 @@ class RunSummary:
             p = p / "summary.json"
         if not p.is_file():
             raise FileNotFoundError(f"no summary.json at {p}; is this an evaluation output folder?")
-        try:
-            data = json.loads(p.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{p} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(p))
 
     @classmethod
     def coerce(cls, summary: RunSummary | Mapping[str, Any] | str | Path) -> RunSummary:
