@@ -351,21 +351,8 @@ def test_prefill_decode_steps_through_the_fused_path(lm, corpus):
         assert f["nll"] == pytest.approx(p["nll"], abs=1e-4) and f["kl"] == pytest.approx(p["kl"], rel=1e-3, abs=1e-6)
 
 
-def test_commit_is_the_tree_the_run_started_from(lm, corpus, monkeypatch):
+def test_commit_is_the_tree_the_run_started_from(lm, corpus, checkout_when_model_loads):
     """A run of hours records the commit read when it started, not the one checked out when it finished."""
-    from kvbits.evaluate import outputs
-
     path, _ = corpus
-    from kvbits.evaluate import inputs
-
-    tree = ["started"]  # checked out until the model loads, then another commit
-    load = inputs._load_checked_model
-
-    def load_then_checkout(*args, **kwargs):
-        tree[0] = "finished"
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(inputs, "_load_checked_model", load_then_checkout)
-    monkeypatch.setattr(outputs, "_git_commit", lambda: {"sha": tree[0], "dirty": False})
     s = needle_eval(lm, [300], ["int8-token"], data=str(path), depths=[0.5], trials=1)
     assert s["commit"] == {"sha": "started", "dirty": False}

@@ -260,17 +260,6 @@ def test_sliding_window_bytes_are_the_plan(ids):
     assert short == 2 * 35 * per_token and long == (203 + 47) * per_token
 
 
-def test_commit_is_the_tree_the_run_started_from(model, ids, monkeypatch):
-    from kvbits.evaluate import inputs, outputs
-
-    tree = ["started"]  # checked out until the model loads, then another commit
-    load = inputs._load_checked_model
-
-    def load_then_checkout(*args, **kwargs):
-        tree[0] = "finished"
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(inputs, "_load_checked_model", load_then_checkout)
-    monkeypatch.setattr(outputs, "_git_commit", lambda: {"sha": tree[0], "dirty": False})
+def test_commit_is_the_tree_the_run_started_from(model, ids, checkout_when_model_loads):
     s = speed_eval(model, [64], ["int4-token"], batches=[1], tokens=2, warmup=1, data=ids)
     assert s["commit"] == {"sha": "started", "dirty": False}
