@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvbits.plan import GIB, ModelShape, estimate_params, load_shape, model_shape, plan
+from kvbits.plan import GIB, ModelShape, estimate_params, load_shape, model_shape, plan, plan_shape
 from kvbits.schemes import average_bits, get_scheme, token_split
 
 WORKED_BYTES = 137_438_953_472  # 32 layers x 32 KV heads x 128 x 2 (K, V) x 2 bytes x 32,768 tokens x 8
@@ -699,6 +699,8 @@ def test_max_context_in_plan_and_cli(capsys):
         t = r["max_context"]
         again = plan(shape, context=[t, t + 1], batch=4, scheme=scheme, gpu_mem_gib=80, weights_gib=16)
         assert [x["fits"] for x in again] == [True, False] and {x["max_context"] for x in again} == {t}
+        budget = {"gpu_mem_bytes": 80 * GIB, "weights_bytes": 16 * GIB, "reserve_bytes": 0}  # plan_shape alone
+        assert plan_shape(shape, scheme, context=4096, batch=4, budget=budget)["max_context"] == t
     assert plan(shape, context=10, gpu_mem_gib=8, weights_gib=10)["max_context"] == 0
     slides = ModelShape.from_dims(4, 2, 64, sliding_window=1024)
     assert plan(slides, context=10, scheme="kivi-2", gpu_mem_gib=1, weights_gib=0)["max_context"] is None

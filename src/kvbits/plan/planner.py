@@ -168,10 +168,13 @@ def plan(
     elif weights_gib is not None:
         logger.info("weights_gib is used only with gpu_mem_gib; ignoring it")
 
+    budgets = [budget] * len(schemes)
+    if budget is not None:  # max_context does not depend on the context planned: once per scheme
+        budgets = [{**budget, "max_context": _max_context(shape, s, batch, budget, fused_decode)} for s in schemes]
     results = [
-        plan_shape(shape, s, context=t, batch=batch, budget=budget, fused_decode=fused_decode)
+        plan_shape(shape, s, context=t, batch=batch, budget=b, fused_decode=fused_decode)
         for t in contexts
-        for s in schemes
+        for s, b in zip(schemes, budgets)
     ]
     return results if (many_contexts or many_schemes) else results[0]
 
@@ -200,6 +203,13 @@ def _budget(
     }  # type: ignore[dict-item]
 
 
+def _max_context(
+    shape: ModelShape, scheme: KVScheme, batch: int, budget: dict[str, Any], fused_decode: bool
+) -> int | None:
+    free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"]
+    return max_context(shape, scheme, batch=batch, free_bytes=free, fused_decode=fused_decode)
+
+
 def plan_shape(
     shape: ModelShape,
     scheme: SchemeLike,
@@ -212,7 +222,7 @@ def plan_shape(
     """One plan: ``shape`` holding ``batch`` sequences of ``context`` tokens under ``scheme``.
 
     ``budget`` (``gpu_mem_bytes``, ``weights_bytes``, ``reserve_bytes``) adds the concurrency
-    fields. :func:`plan` is the friendlier entry point.
+    fields; its optional ``max_context`` is taken as computed (:func:`plan` computes it once per scheme). :func:`plan` is the friendlier entry point.
     """
     scheme = get_scheme(scheme)
     fp16 = get_scheme(_FP16)
@@ -306,9 +316,9 @@ def plan_shape(
             kv_bytes_per_request=per_request,
             max_concurrency=int(max_conc),
             fits=bool(max_conc >= batch),
-            max_context=max_context(
-                shape, scheme, batch=batch, free_bytes=budget["gpu_mem_bytes"] - budget["weights_bytes"]
-                - budget["reserve_bytes"], fused_decode=fused_decode,
+            max_context=(
+                budget["max_context"] if "max_context" in budget
+                else _max_context(shape, scheme, batch, budget, fused_decode)
             ),
         )  # fmt: skip
     return out
