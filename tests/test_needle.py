@@ -356,3 +356,139 @@ def test_commit_is_the_tree_the_run_started_from(lm, corpus, checkout_when_model
     path, _ = corpus
     s = needle_eval(lm, [300], ["int8-token"], data=str(path), depths=[0.5], trials=1)
     assert s["commit"] == {"sha": "started", "dirty": False}
+
+
+# ------------------------------------------------------------------------------------ merging runs
+
+_TIMINGS = ("reference_seconds", "wall_seconds", "peak_rss_bytes", "date", "commit", "versions")
+
+
+@pytest.fixture(scope="module")
+def needle_runs(lm, corpus):
+    """One run of two contexts and two schemes, and the same measured in three parts: the short context
+    with both schemes, and the long context once per scheme."""
+    path, _ = corpus
+    kw = {"data": str(path), "depths": [0.0, 0.5, 1.0], "trials": 2}
+    whole = needle_eval(lm, [300, 400], ["int4-token", SMALL_KIVI], **kw)
+    parts = [
+        needle_eval(lm, [300], ["int4-token", SMALL_KIVI], **kw),
+        needle_eval(lm, [400], ["int4-token"], **kw),
+        needle_eval(lm, [400], [SMALL_KIVI], **kw),
+    ]
+    return whole, parts
+
+
+def _json(x):
+    return json.loads(json.dumps(x))
+
+
+def test_merging_needle_runs_equals_running_them_together(needle_runs):
+    """Merging runs of other contexts and other schemes over the same trials gives exactly the summary of
+    one run of all of them: records, the reference, every scheme's overall, per-context and per-cell
+    figures (timings aside; seconds add up)."""
+    from kvbits.report.merge_needle import merge_needle
+
+    whole, parts = needle_runs
+    merged = merge_needle(parts, ["a", "b", "c"])
+    for key in whole:
+        if key in _TIMINGS:
+            continue
+        if key == "results":
+            for w, m in zip(whole["results"], merged["results"], strict=True):
+                assert {k: v for k, v in m.items() if k != "seconds"} == {k: v for k, v in w.items() if k != "seconds"}
+        else:
+            assert _json(merged[key]) == _json(whole[key]), key
+    seconds = {s: sum(r["seconds"] for p in parts for r in p["results"] if r["scheme"] == s) for s in ("int4-token",)}
+    assert merged["results"][0]["seconds"] == pytest.approx(seconds["int4-token"])
+    assert [m["schemes"] for m in merged["merged_from"]] == [["int4-token", SMALL_KIVI.name], ["int4-token"], [SMALL_KIVI.name]]
+    assert merged["commit"] == whole["commit"]  # one tree: kept; differing commits read None
+
+
+def test_merged_needle_grid_marks_cells_no_run_measured(lm, corpus, needle_runs):
+    """Runs of different depths merge into the union grid; a cell no run measured is n/a, not 0 %."""
+    from kvbits.report.merge_needle import merge_needle
+    from kvbits.report.needle import needle_markdown
+
+    path, _ = corpus
+    _, (short, *_) = needle_runs
+    longer = needle_eval(lm, [400], ["int4-token", SMALL_KIVI], data=str(path), depths=[0.25], trials=1)
+    m = merge_needle([short, longer])
+    assert m["contexts"] == [300, 400] and m["depths"] == [0.0, 0.25, 0.5, 1.0]
+    assert m["reference"]["grid"][1][0] is None and m["reference"]["grid"][0][1] is None
+    assert m["reference"]["grid"][1][1] in (0.0, 1.0) and m["results"][0]["grid"][1][1] in (0.0, 1.0)
+    md = needle_markdown(m, figure=False)
+    assert "1–2 trial(s) per cell" in md and "n/a: no run measured" in md and "## Runs merged" in md
+
+
+def test_needle_merge_refusals(needle_runs):
+    """Runs that do not measure the same thing, a trial measured twice, and a scheme that misses trials."""
+    import copy
+
+    from kvbits.report.merge_needle import NLL_ATOL, merge_needle
+
+    whole, (short, long_a, long_b) = needle_runs
+
+    def changed(s, fn):
+        s = copy.deepcopy(s)
+        fn(s)
+        return s
+
+    cases = [
+        (changed(long_a, lambda s: s["fingerprint"].update(tokens="0" * 16)), "tokens fingerprint"),
+        (changed(long_a, lambda s: s.update(seed=1)), "differ in seed"),
+        (changed(long_a, lambda s: s.update(semantics="decode")), "differ in semantics"),
+        (changed(long_a, lambda s: s["task"].update(digits=4)), "differ in task"),
+    ]
+    for other, match in cases:
+        with pytest.raises(ValueError, match=match):
+            merge_needle([short, other])
+    with pytest.raises(ValueError, match="int4-token' was measured on context 300, depth 0, trial 0 in both"):
+        merge_needle([short, whole])
+    with pytest.raises(ValueError, match=f"were not measured on context 400.*{SMALL_KIVI.name}|{SMALL_KIVI.name}.*not measured"):
+        merge_needle([short, long_a])
+    # the same trial must be the same trial, with the same unquantized result
+    moved = changed(long_b, lambda s: s["records"][0].update(key="12345"))
+    with pytest.raises(ValueError, match="context 400, depth 0, trial 0 is a different trial.*key"):
+        merge_needle([long_a, moved])
+    drift = changed(long_b, lambda s: s["records"][0]["reference"].update(nll=s["records"][0]["reference"]["nll"] + 3 * NLL_ATOL))
+    with pytest.raises(ValueError, match="unquantized model's result on context 400, depth 0, trial 0 differs"):
+        merge_needle([long_a, drift])
+    flipped = changed(long_b, lambda s: s["records"][0]["reference"].update(retrieved=not s["records"][0]["reference"]["retrieved"]))
+    with pytest.raises(ValueError, match="unquantized model's result"):
+        merge_needle([long_a, flipped])
+    # another machine's rounding is not a different reference
+    close = changed(long_b, lambda s: s["records"][0]["reference"].update(nll=s["records"][0]["reference"]["nll"] + NLL_ATOL / 3))
+    assert len(merge_needle([long_a, close])["records"]) == len(long_a["records"])
+    with pytest.raises(ValueError, match="two or more"):
+        merge_needle([short])
+
+
+def test_report_cli_merges_needle_folders(needle_runs, tmp_path, capsys):
+    """``kvbits report A B C --out D`` on needle folders writes the merged needle folder; an input folder, a
+    run's own folder, and a mix of eval and needle folders are refused."""
+    from kvbits.cli import main
+    from kvbits.report.merge_needle import merge_needle
+    from kvbits.report.needle import needle_markdown, write_needle
+
+    _, parts = needle_runs
+    folders = [write_needle(p, tmp_path / f"part{i}") for i, p in enumerate(parts)]
+    out = tmp_path / "all"
+    assert main(["report", *map(str, folders), "--out", str(out), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["out"] == str(out) and rec["merged_from"] == [str(f) for f in folders]
+    got = json.loads((out / "needle.json").read_text())
+    want = _json(merge_needle(parts, [str(f) for f in folders]))
+    assert {k: v for k, v in got.items() if k != "merge_date"} == {k: v for k, v in want.items() if k != "merge_date"}
+    assert (out / "report.md").read_text() == needle_markdown(got, figure=(out / "needle.png").is_file())
+    assert main(["report", *map(str, folders), "--out", str(out)]) == 0  # a merged folder is merged into again
+    capsys.readouterr()
+    assert main(["report", str(folders[1]), str(folders[2]), "--out", str(folders[0])]) == 2
+    assert "holds a kvbits needle run of its own" in capsys.readouterr().err
+    assert main(["report", str(folders[1]), str(folders[2]), "--out", str(folders[1])]) == 2
+    assert "is one of the runs being merged" in capsys.readouterr().err
+    evaluation = tmp_path / "eval"
+    evaluation.mkdir()
+    (evaluation / "summary.json").write_text("{}")
+    assert main(["report", str(folders[0]), str(evaluation), "--out", str(tmp_path / "mixed")]) == 2
+    assert "eval folders with each other, or kvbits needle folders" in capsys.readouterr().err
+    assert not (tmp_path / "mixed").exists()

@@ -46,7 +46,7 @@ from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, resolve_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NEEDLE_SEMANTICS", "NEEDLE_VERSION", "needle_eval"]
+__all__ = ["NEEDLE_SEMANTICS", "NEEDLE_VERSION", "needle_eval", "reference_result", "scheme_result"]
 
 NEEDLE_SEMANTICS = ("prefill", "decode")
 NEEDLE_VERSION = 1
@@ -166,7 +166,7 @@ def _grid(records: list[dict], contexts: list[int], depths: list[float], pick) -
     ]
 
 
-def _scheme_result(
+def scheme_result(
     name: str, bits: float, records: list[dict], contexts: list[int], depths: list[float]
 ) -> dict:
     """One scheme's summary from the trial records (module docstring)."""
@@ -202,6 +202,22 @@ def _scheme_result(
         "kl": _mean([m["kl"] for m in mine]),
         "by_context": by_context,
         "grid": _grid(records, contexts, depths, lambda r: r["schemes"][name]["retrieved"]),
+    }
+
+
+def reference_result(records: list[dict], contexts: list[int], depths: list[float]) -> dict:
+    """The unquantized model's summary from the trial records: ``{"retrieved", "nll", "grid", "by_context"}``."""
+    return {
+        "retrieved": _mean([r["reference"]["retrieved"] for r in records]),
+        "nll": _mean([r["reference"]["nll"] for r in records]),
+        "grid": _grid(records, contexts, depths, lambda r: r["reference"]["retrieved"]),
+        "by_context": [
+            {
+                "context": c,
+                "retrieved": _mean([r["reference"]["retrieved"] for r in records if r["context"] == c]),
+            }
+            for c in contexts
+        ],
     }
 
 
@@ -323,24 +339,13 @@ def needle_eval(
             if isinstance(scheme, PeerScheme)
             else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
         )
-        res = _scheme_result(scheme.name, bits, records, contexts, depths)
+        res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch({}, calibrations.get(scheme.name), contexts[-1], "stream")
         _warn_mismatch(scheme.name, res["calibration"], contexts[-1])
         res["seconds"] = seconds[scheme.name]
         res["decode"] = stats.get(scheme.name)
         results.append(res)
-    reference = {
-        "retrieved": _mean([r["reference"]["retrieved"] for r in records]),
-        "nll": _mean([r["reference"]["nll"] for r in records]),
-        "grid": _grid(records, contexts, depths, lambda r: r["reference"]["retrieved"]),
-        "by_context": [
-            {
-                "context": c,
-                "retrieved": _mean([r["reference"]["retrieved"] for r in records if r["context"] == c]),
-            }
-            for c in contexts
-        ],
-    }
+    reference = reference_result(records, contexts, depths)
     return {
         "version": NEEDLE_VERSION,
         "task": task.to_dict(),

@@ -18,10 +18,13 @@ examples:
   kvbits report runs/smollm2-wp-8k --threshold 0.5                  # judged against a 0.5 % ΔPPL budget
   kvbits report runs/qwen-4k runs/qwen-4k-hadamard --out runs/qwen-4k-all   # one report, both runs' schemes
   kvbits report runs/needle-smollm2                                 # a needle or speed run: report.md again
+  kvbits report runs/needle-4k-16k runs/needle-32k --out runs/needle-all   # one passkey grid from needle runs
 
 Merging checks that the runs share the model and tokens (fingerprints), context, windows, semantics, mode,
 dtype and prompt length, and the unquantized reference in every position bucket (within 0.01 %), and that
-no scheme is in two runs; the merged folder keeps each run's config.json under merged_from.
+no scheme is in two runs; the merged folder keeps each run's config.json under merged_from. Needle runs merge
+when they share the model and tokens, task, semantics and seed: trials both runs hold must be the same trials
+with the same unquantized result, and every scheme must cover every trial of the merged grid.
 --json prints {"out", "merged_from", "files"}.
 """
 
@@ -48,7 +51,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "runs", nargs="+", metavar="RUN",
-        help="kvbits eval output folder(s); one kvbits needle or speed folder is written again too",
+        help="kvbits eval output folder(s), or kvbits needle folders; one speed folder is written again too",
     )  # fmt: skip
     p.add_argument(
         "--out", metavar="DIR", help="with two or more runs: the folder for the merged run and report"
@@ -93,6 +96,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"merging {len(args.runs)} runs needs --out DIR, a new folder for the merged report"
             )
+        kinds = {other_run_kind(Path(r)) for r in args.runs}
+        if kinds == {"needle"}:
+            return _merge_needle(args)
+        if kinds != {None}:
+            raise ValueError(
+                "kvbits report merges kvbits eval folders with each other, or kvbits needle folders with each "
+                f"other; these runs are of kinds {sorted(k or 'eval' for k in kinds)} (speed runs do not merge)"
+            )
         out = merge_runs(args.runs, args.out, overwrite=args.overwrite)
         merged_from = [str(Path(r)) for r in args.runs]
     files = write_report(out, threshold=threshold, plots=False if args.no_plots else None)
@@ -102,6 +113,26 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_summary(out, threshold=threshold)
     print(f"report: {files['markdown']}, {files['html']}")
+    return 0
+
+
+def _merge_needle(args: argparse.Namespace) -> int:
+    """``kvbits report NEEDLE1 NEEDLE2 ... --out DIR``: one passkey grid from several needle runs."""
+    from pathlib import Path
+
+    from kvbits.report.merge_needle import merge_needle_runs
+
+    if args.threshold is not None or args.no_plots:
+        raise ValueError("--threshold and --no-plots apply to kvbits eval runs; these are kvbits needle runs")
+    out = merge_needle_runs(args.runs, args.out, overwrite=args.overwrite)
+    files = {"markdown": str(out / "report.md")}
+    if (out / "needle.png").is_file():
+        files["figure"] = str(out / "needle.png")
+    if args.json:
+        record = {"out": str(out), "merged_from": [str(Path(r)) for r in args.runs], "files": files}
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+    else:
+        print(f"report: {', '.join(files.values())}")
     return 0
 
 

@@ -75,7 +75,11 @@ def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits eval output folder")
     if not (folder / "summary.json").is_file():
         other = other_run_kind(folder)
-        hint = f" (it holds a kvbits {other} run: only kvbits eval folders are merged)" if other else ""
+        hint = {
+            "needle": " (it holds a kvbits needle run: needle runs merge with each other, "
+            "kvbits.report.merge_needle.merge_needle_runs)",
+            "speed": " (it holds a kvbits speed run: speed runs do not merge)",
+        }.get(other or "", "")
         raise FileNotFoundError(f"no summary.json in {folder}; expected a kvbits eval output folder{hint}")
     summary = read_json(folder / "summary.json")
     if (

@@ -64,6 +64,12 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     task, contexts, depths = summary["task"], summary["contexts"], summary["depths"]
     ref = summary["reference"]
     n = len(summary["records"])
+    merged = summary.get("merged_from")
+    when = (
+        f"- **Merged** from {len(merged)} runs (below) on {summary.get('merge_date', 'n/a')}"
+        if isinstance(merged, list)
+        else f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`"
+    )
     lines = [
         f"# Passkey retrieval: {summary['model']} on {summary['data']}",
         "",
@@ -71,12 +77,12 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         f"- **Haystack:** `{summary['data']}` (tokens fingerprint `{summary['fingerprint']['tokens']}`)",
         (
             f"- **Contexts:** {', '.join(fmt_pos(c) for c in contexts)} tokens; **depths** "
-            f"{', '.join(f'{d:g}' for d in depths)}; {summary['trials']} trial(s) per cell, {n} in all "
+            f"{', '.join(f'{d:g}' for d in depths)}; {_trials_per_cell(summary)} trial(s) per cell, {n} in all "
             f"(seed {summary['seed']})"
         ),
         f"- **Semantics:** `{summary['semantics']}`: {_SEMANTICS.get(summary['semantics'], '')}",
         f'- **Needle:** "{task["needle"]}" ({task["digits"]}-digit key); **question:** "{task["question"]}"',
-        f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`",
+        when,
         "",
         (
             "A trial is *retrieved* when the argmax at every key position is the key's token, which is exactly "
@@ -117,6 +123,8 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     if figure:
         lines += ["![retrieval by context and depth](needle.png)", ""]
     lines += _grid_table(summary)
+    if any(x is None for row in ref["grid"] for x in row):
+        lines += ["*n/a: no run measured that context at that depth.*", ""]
     lost = [
         (rec["context"], rec["depth"], rec["index"], name)
         for rec in summary["records"]
@@ -135,7 +143,38 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             if mine:
                 lines.append(f"- **{name}** ({len(mine)}): " + ", ".join(mine))
         lines.append("")
+    if isinstance(merged, list):
+        lines += _merged_table(merged)
     return "\n".join(lines) + "\n"
+
+
+def _trials_per_cell(summary: Mapping[str, Any]) -> str:
+    """Trials per measured (context, depth) cell: ``"2"``, or ``"1–2"`` when merged runs differ."""
+    counts: dict[tuple[Any, Any], int] = {}
+    for r in summary["records"]:
+        counts[(r["context"], r["depth"])] = counts.get((r["context"], r["depth"]), 0) + 1
+    lo, hi = (min(counts.values()), max(counts.values())) if counts else (summary["trials"],) * 2
+    return str(lo) if lo == hi else f"{lo}–{hi}"
+
+
+def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
+    """The runs a merged report was made of, with what each measured and where it ran."""
+    lines = [
+        "## Runs merged",
+        "",
+        "| run | contexts | depths | trials | schemes | date | commit | torch |",
+        "|:---|:---|:---|---:|:---|:---|:---|:---|",
+    ]
+    for m in merged:
+        commit = m.get("commit") or {}
+        sha = str(commit.get("sha") or "n/a")[:10] + (" (dirty)" if commit.get("dirty") else "")
+        lines.append(
+            f"| `{m.get('path')}` | {', '.join(fmt_pos(c) for c in m.get('contexts') or [])} | "
+            f"{', '.join(f'{d:g}' for d in m.get('depths') or [])} | {m.get('trials')} | "
+            f"{', '.join(m.get('schemes') or [])} | {m.get('date') or 'n/a'} | `{sha}` | "
+            f"{(m.get('versions') or {}).get('torch', 'n/a')} |"
+        )
+    return lines + [""]
 
 
 def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:

@@ -1,0 +1,264 @@
+"""Several ``kvbits needle`` folders of the same model, text and task as one passkey grid.
+
+A 32K trial of a 0.5B model takes minutes per scheme on a CPU, so the long contexts are often run apart
+from the short ones, and a scheme added later runs on the trials already measured. ``kvbits report A B
+--out C`` (with needle folders) puts them in one report. A trial is identified by ``(context, depth,
+index)``: with the same seed, two runs build the same trial (the same key, haystack offset and needle
+position), so the merge checks, before it writes anything:
+
+- the same model and tokens (fingerprints), text, task, semantics, seed and summary version;
+- for a trial both runs hold: the same trial, and the same unquantized result (retrieved, predicted
+  tokens, cache bytes; the key's NLL within ``NLL_ATOL`` nats, the rounding of another machine);
+- every (trial, scheme) from one run only, and every scheme measured on every trial of the merged grid,
+  so each scheme's overall figures are over the same trials as the reference's.
+
+Contexts and depths are the union of the runs'; a (context, depth) cell no run measured reads ``n/a``.
+The overall, per-context and per-cell figures are computed again from the merged trial records with the
+functions ``kvbits needle`` uses (so merging runs of disjoint contexts gives what one run of all the
+contexts gives, timings aside). Seconds are summed, the peak RSS is the largest; ``merged_from`` lists each
+run's folder, contexts, depths, trials, schemes, date, commit and versions.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.summary import read_json
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NLL_ATOL", "merge_needle", "merge_needle_runs"]
+
+NLL_ATOL = 1e-4
+"""Largest difference of the unquantized key NLL (nats per key token) of one trial between merged runs."""
+
+_SAME = ("version", "model", "data", "task", "semantics", "seed")
+_TRIAL = ("depth_actual", "key", "offset", "needle_at", "needle_len", "doc_len", "answer_start")
+TrialId = tuple[int, float, int]
+
+
+def _load(folder: Path) -> dict[str, Any]:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits needle output folder")
+    path = folder / "needle.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no needle.json in {folder}; expected a kvbits needle output folder")
+    summary = read_json(path)
+    if not (
+        isinstance(summary, dict)
+        and isinstance(summary.get("records"), list)
+        and isinstance(summary.get("results"), list)
+        and summary["records"]
+        and summary["results"]
+    ):
+        raise ValueError(f"{path} holds no trials or no scheme results; nothing to merge")
+    return summary
+
+
+def _trial_id(record: Mapping[str, Any]) -> TrialId:
+    return int(record["context"]), float(record["depth"]), int(record["index"])
+
+
+def _cell(tid: TrialId) -> str:
+    return f"context {tid[0]}, depth {tid[1]:g}, trial {tid[2]}"
+
+
+def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]]) -> None:
+    first = summaries[0]
+    for name, s in zip(names[1:], summaries[1:]):
+        for key in _SAME:
+            if s.get(key) != first.get(key):
+                raise ValueError(
+                    f"runs differ in {key}: {first.get(key)!r} in {names[0]}, {s.get(key)!r} in {name}; only "
+                    "passkey runs of the same model, text, task, semantics and seed share a report"
+                )
+        for key in ("model", "tokens"):
+            a, b = ((x.get("fingerprint") or {}).get(key) for x in (first, s))
+            if not a or not b or a != b:
+                what = "model weights" if key == "model" else "tokens (text, tokenizer or data file)"
+                raise ValueError(
+                    f"runs differ in their {what}: {key} fingerprint {a} in {names[0]}, {b} in {name}"
+                )
+
+
+def _same_reference(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if (a.get("retrieved"), a.get("pred"), a.get("cache_bytes")) != (b.get("retrieved"), b.get("pred"), b.get("cache_bytes")):
+        return False
+    x, y = a.get("nll"), b.get("nll")
+    if x is None or y is None:
+        return x is y
+    return math.isclose(float(x), float(y), rel_tol=0.0, abs_tol=NLL_ATOL)
+
+
+def _merge_records(
+    names: Sequence[str], summaries: Sequence[Mapping[str, Any]], order: list[str]
+) -> list[dict[str, Any]]:
+    """The union of the runs' trial records, each with the schemes of every run that measured it."""
+    merged: dict[TrialId, dict[str, Any]] = {}
+    source: dict[tuple[TrialId, str], str] = {}
+    first_run: dict[TrialId, str] = {}
+    for name, s in zip(names, summaries):
+        for rec in s["records"]:
+            tid = _trial_id(rec)
+            have = merged.get(tid)
+            if have is None:
+                merged[tid] = {**rec, "schemes": {}}
+                first_run[tid] = name
+            else:
+                diff = [k for k in _TRIAL if have.get(k) != rec.get(k)]
+                if diff:
+                    raise ValueError(
+                        f"{_cell(tid)} is a different trial in {first_run[tid]} and {name} (its {', '.join(diff)} "
+                        "differ): the runs did not build the same trials"
+                    )
+                if not _same_reference(have["reference"], rec["reference"]):
+                    raise ValueError(
+                        f"the unquantized model's result on {_cell(tid)} differs between {first_run[tid]} and "
+                        f"{name} (retrieved, predicted tokens, cache bytes, or the key's NLL by more than "
+                        f"{NLL_ATOL} nats): the runs did not measure the same reference; run the schemes together"
+                    )
+            for scheme, score in rec["schemes"].items():
+                if (tid, scheme) in source:
+                    raise ValueError(
+                        f"scheme {scheme!r} was measured on {_cell(tid)} in both {source[(tid, scheme)]} and "
+                        f"{name}; a merged report holds each trial's scheme once (merge without one of them)"
+                    )
+                source[(tid, scheme)] = name
+                merged[tid]["schemes"][scheme] = score
+    records = [merged[t] for t in sorted(merged)]
+    for rec in records:
+        missing = [n for n in order if n not in rec["schemes"]]
+        if missing:
+            raise ValueError(
+                f"scheme(s) {', '.join(missing)} were not measured on {_cell(_trial_id(rec))} (a trial of "
+                f"{first_run[_trial_id(rec)]}); every scheme of a merged report must cover every trial, so "
+                "that its figures compare with the reference's: run it there too, or merge fewer runs"
+            )
+        rec["schemes"] = {n: rec["schemes"][n] for n in order}
+    return records
+
+
+def _decode_counts(results: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
+    """The summed fused / fallback decode-step counters, None when no run recorded them."""
+    counts = [r.get("decode") for r in results if isinstance(r.get("decode"), Mapping)]
+    if not counts:
+        return None
+    keys = dict.fromkeys(k for c in counts for k in c)
+    return {k: sum(int(c.get(k) or 0) for c in counts) for k in keys}
+
+
+def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None) -> dict[str, Any]:
+    """One ``kvbits needle`` summary from several (module docstring); ``names`` label the runs in errors
+    and in ``merged_from`` (default ``run 1``, ``run 2``, ...). ``ValueError`` when they can not merge."""
+    from kvbits.evaluate.needle_run import reference_result, scheme_result
+
+    names = list(names) if names is not None else [f"run {i + 1}" for i in range(len(summaries))]
+    if len(summaries) < 2 or len(names) != len(summaries):
+        raise ValueError(f"merging needs two or more needle summaries (and a name each), got {len(summaries)}")
+    _check_setting(names, summaries)
+    order = list(dict.fromkeys(str(r["scheme"]) for s in summaries for r in s["results"]))
+    records = _merge_records(names, summaries, order)
+    contexts = sorted({int(r["context"]) for r in records})
+    depths = sorted({float(r["depth"]) for r in records})
+    per_cell: dict[tuple[int, float], int] = {}
+    for r in records:
+        per_cell[(int(r["context"]), float(r["depth"]))] = per_cell.get((int(r["context"]), float(r["depth"])), 0) + 1
+
+    results = []
+    for name in order:
+        mine = [(s, r) for s in summaries for r in s["results"] if r["scheme"] == name]
+        bits = [float(r["avg_bits"]) for _, r in mine]
+        if not all(math.isclose(b, bits[0], rel_tol=1e-9) for b in bits):
+            raise ValueError(f"scheme {name!r} has different average bits in the runs ({bits}): not the same scheme")
+        res = scheme_result(name, bits[0], records, contexts, depths)
+        longest = max(mine, key=lambda sr: max(sr[0]["contexts"]))  # calibration mismatch: the longest context
+        res["calibration"] = longest[1].get("calibration", {})
+        res["seconds"] = sum(float(r.get("seconds") or 0.0) for _, r in mine)
+        res["decode"] = _decode_counts([r for _, r in mine])
+        results.append(res)
+
+    def common(key: str) -> Any:
+        values = [s.get(key) for s in summaries]
+        return values[0] if all(v == values[0] for v in values) else None
+
+    rss = [float(s["peak_rss_bytes"]) for s in summaries if isinstance(s.get("peak_rss_bytes"), (int, float))]
+    dates = [str(s["date"]) for s in summaries if s.get("date")]
+    first = summaries[0]
+    return {
+        **{k: first[k] for k in ("version", "task", "model", "data", "semantics")},
+        "contexts": contexts,
+        "depths": depths,
+        "trials": max(per_cell.values()),
+        "seed": first["seed"],
+        "fingerprint": dict(first["fingerprint"]),
+        "reference": reference_result(records, contexts, depths),
+        "results": results,
+        "records": records,
+        "reference_seconds": sum(float(s.get("reference_seconds") or 0.0) for s in summaries),
+        "wall_seconds": sum(float(s.get("wall_seconds") or 0.0) for s in summaries),
+        "peak_rss_bytes": max(rss) if rss else None,
+        "date": max(dates) if dates else None,
+        "commit": common("commit"),
+        "versions": common("versions"),
+        "merged_from": [
+            {
+                "path": name,
+                "contexts": s.get("contexts"),
+                "depths": s.get("depths"),
+                "trials": s.get("trials"),
+                "schemes": [str(r["scheme"]) for r in s["results"]],
+                "date": s.get("date"),
+                "commit": s.get("commit"),
+                "versions": s.get("versions"),
+            }
+            for name, s in zip(names, summaries)
+        ],
+        "merge_date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def merge_needle_runs(
+    runs: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Merge two or more ``kvbits needle`` folders into ``out_dir`` (``needle.json``, ``report.md``, the figure).
+
+    Args:
+        runs: the needle folders; schemes appear in the order the runs first name them.
+        out_dir: a new or empty folder, or one an earlier merge wrote (``overwrite``: any other; only the
+            needle files are replaced).
+
+    Raises:
+        FileNotFoundError: a folder without ``needle.json``.
+        ValueError: fewer than two runs, runs that can not share one grid (module docstring; the message
+            names the field, the trial and both folders), or a bad ``out_dir``.
+    """
+    from kvbits.report.needle import NEEDLE_FILES, write_needle
+
+    folders = [Path(r) for r in runs]
+    if len(folders) < 2:
+        raise ValueError(f"merging needs at least two run folders, got {len(folders)}")
+    if len({f.resolve() for f in folders}) != len(folders):
+        raise ValueError("the same run folder is named twice")
+    summaries = [_load(f) for f in folders]
+    merged = merge_needle(summaries, [str(f) for f in folders])
+    out = Path(out_dir)
+    if out.resolve() in {f.resolve() for f in folders}:
+        raise ValueError(f"--out {out} is one of the runs being merged; write the merged report to a new folder")
+    existing = out / NEEDLE_FILES[0]
+    if existing.is_file() and not overwrite:
+        previous = read_json(existing)
+        if not (isinstance(previous, dict) and isinstance(previous.get("merged_from"), list)):
+            raise ValueError(
+                f"--out {out} holds a kvbits needle run of its own, not a merged one; choose another folder or "
+                f"pass --overwrite (only {', '.join(NEEDLE_FILES)} would be replaced)"
+            )
+    write_needle(merged, out, overwrite=overwrite)
+    logger.info("merged %d needle runs (%d trials, %d schemes) into %s", len(folders), len(merged["records"]),
+                len(merged["results"]), out)  # fmt: skip
+    return out
