@@ -228,7 +228,7 @@ def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-    for name, command in (("needle-qwen-prefill", "needle"), ("speed-qwen", "speed")):
+    for name, command in (("needle-qwen-prefill", "needle"), ("needle-qwen-all", "needle"), ("speed-qwen", "speed")):
         run = tmp_path / name
         shutil.copytree(results / name, run)
         want = (run / "report.md").read_text()
