@@ -13,6 +13,10 @@ scale only reduces over one token, or over a group of tokens inside one block (`
 of the channel group, see ``KVScheme``). Head / tensor granularity reduce over a whole block, so each
 block stays its own chunk.
 
+A long flush (a prefill) is quantized, and a long quantized history decoded, ``SLICE_TOKENS`` tokens at a
+time (whole blocks; whole scale groups): the same bits as one call, with the float32 working copies of
+one slice instead of the whole history beside what the store holds and returns.
+
 Flushes go through ``kvbits.kernels.quantize.quantize_pack``: one Triton quantize-and-pack kernel on
 CUDA for the integer formats it covers, ``kvbits.quant.quantize`` otherwise; both give the same
 codes and metadata bit for bit.
@@ -27,6 +31,7 @@ reads them), so every sequence's keys are quantized in their own pre-RoPE frame.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -43,7 +48,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvbits.kernels.reference import PackedTensor
     from kvbits.quant.rope import RotaryTables
 
-__all__ = ["SideStore", "mergeable", "rope_at"]
+__all__ = ["SLICE_TOKENS", "SideStore", "mergeable", "rope_at"]
+
+SLICE_TOKENS = 4096
+"""Tokens quantized (at a flush) or decoded (at a step) in one call, rounded to whole blocks and scale
+groups: bounds the float32 working copies to one slice. At 32K tokens a side takes 8 calls instead of 1."""
 
 
 def mergeable(spec: TensorSpec) -> bool:
@@ -75,40 +84,48 @@ def rope_at(
     return (invert_rope if inverse else apply_rope)(x, cos.to(x.device), sin.to(x.device))
 
 
-def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int) -> torch.Tensor:
-    """Tokens ``[start, stop)`` of a tensor whose dim 2 covers ``n_tokens`` tokens in equal units."""
+def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int, copy: bool = True) -> torch.Tensor:
+    """Tokens ``[start, stop)`` of a tensor whose dim 2 covers ``n_tokens`` tokens in equal units (a clone,
+    or with ``copy=False`` a view)."""
     unit = n_tokens // t.shape[2]
     if unit * t.shape[2] != n_tokens or start % unit or stop % unit:
         raise AssertionError(
             f"slice [{start}, {stop}) does not align with {t.shape[2]} groups of {n_tokens} tokens"
         )
-    return t[:, :, start // unit : stop // unit].clone()
+    view = t[:, :, start // unit : stop // unit]
+    return view.clone() if copy else view
 
 
-def _slice_chunk(qt: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
-    """Tokens ``[start, stop)`` of a chunk, as a new chunk owning its own (cloned) storage."""
-    n = qt.n_tokens
-    own = {
-        name: (_slice_tokens(getattr(qt, name), n, start, stop) if getattr(qt, name) is not None else None)
-        for name in ("data", "outlier_values", "outlier_index")
-    }
-    if not qt.static:
-        for name in ("scale", "zero"):
-            t = getattr(qt, name)
-            own[name] = _slice_tokens(t, n, start, stop) if t is not None else None
+def _token_tensors(qt: QuantizedTensor) -> list[str]:
+    """The names of a chunk's tensors that run along its tokens (static scales do not)."""
+    names = ["data", "outlier_values", "outlier_index"] + ([] if qt.static else ["scale", "zero"])
+    return [n for n in names if getattr(qt, n) is not None]
+
+
+def _slice_chunk(qt: QuantizedTensor, start: int, stop: int, copy: bool = True) -> QuantizedTensor:
+    """Tokens ``[start, stop)`` of a chunk, as a new chunk owning its own (cloned) storage, or with
+    ``copy=False`` viewing the chunk's."""
+    own = {name: _slice_tokens(getattr(qt, name), qt.n_tokens, start, stop, copy) for name in _token_tensors(qt)}
     B, H, _, D = qt.shape
     return replace(qt, shape=(B, H, stop - start, D), **own)
 
 
-def _cat_chunks(a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
-    """One chunk holding ``a``'s tokens then ``b``'s (both of a ``mergeable`` spec)."""
-    cat = {}
-    names = ["data", "outlier_values", "outlier_index"] + ([] if a.static else ["scale", "zero"])
-    for name in names:
-        ta, tb = getattr(a, name), getattr(b, name)
-        cat[name] = None if ta is None else torch.cat([ta, tb], dim=2)
-    B, H, na, D = a.shape
-    return replace(a, shape=(B, H, na + b.n_tokens, D), clipped=a.clipped + b.clipped, **cat)
+def _slice_step(qt: QuantizedTensor, tokens: int) -> int:
+    """The largest number of tokens, at most ``tokens`` (at least one unit), that slices every tensor of ``qt``
+    along whole rows: a multiple of each tensor's tokens per row (a per-channel scale group, ...)."""
+    unit = math.lcm(*(qt.n_tokens // getattr(qt, n).shape[2] for n in _token_tensors(qt)))
+    return max(unit, tokens // unit * unit)
+
+
+def _cat_chunks(*chunks: QuantizedTensor) -> QuantizedTensor:
+    """One chunk holding the chunks' tokens in order (all of one ``mergeable`` spec)."""
+    first = chunks[0]
+    if len(chunks) == 1:
+        return first
+    cat = {name: torch.cat([getattr(c, name) for c in chunks], dim=2) for name in _token_tensors(first)}
+    B, H, _, D = first.shape
+    clipped = sum((c.clipped for c in chunks[1:]), first.clipped)
+    return replace(first, shape=(B, H, sum(c.n_tokens for c in chunks), D), clipped=clipped, **cat)
 
 
 def _map_chunk(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
@@ -264,31 +281,29 @@ class SideStore:
         if n_tokens <= 0:
             return
         assert n_tokens % block == 0 and n_tokens <= self.n_buffer
-        x = self.buffer[:, :, :n_tokens]
-        if self.spec.kind == "float":  # quantize may return a view of x, which would pin the old buffer
-            x = x.clone()
         p0 = self.n_sinks + self.n_dropped + self.n_quantized
-        if self.spec.pre_rope:
-            x = rope_at(self.rotary, x, p0, inverse=True, offset=self.pos_offset)
         kw = {"static_scale": self.static_scale, "static_zero": self.static_zero, "sync": self.sync}
         if self.static_scale is not None:
             kw["zero_scales"] = self.zero_scales
         if self.codebook is not None:
             kw["codebook"] = self.codebook
-        # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).
-        if mergeable(self.spec):
-            new = [quantize_pack(x, self.spec, validate=False, **kw)]
-        else:
-            new = [
-                quantize_pack(x[:, :, i : i + block], self.spec, validate=False, **kw)
-                for i in range(0, n_tokens, block)
-            ]
+        # whole blocks per quantize call; mergeable blocks up to SLICE_TOKENS at a time, then one chunk
+        step = max(block, SLICE_TOKENS // block * block) if mergeable(self.spec) else block
+        new = []
+        for i in range(0, n_tokens, step):
+            x = self.buffer[:, :, i : min(n_tokens, i + step)]
+            if self.spec.kind == "float":  # quantize may return a view of x, which would pin the old buffer
+                x = x.clone()
+            if self.spec.pre_rope:
+                x = rope_at(self.rotary, x, p0 + i, inverse=True, offset=self.pos_offset)
+            # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).
+            qt = quantize_pack(x, self.spec, validate=False, **kw)
+            if self.observer is not None:
+                self.observer(x, qt)
+            new.append(qt)
         self._packed = None
-        if self.observer is not None:
-            i = 0
-            for qt in new:
-                self.observer(x[:, :, i : i + qt.n_tokens], qt)
-                i += qt.n_tokens
+        if mergeable(self.spec):
+            new = [_cat_chunks(*new)]
         for qt in new:
             self.clipped += qt.clipped
             if self.work is not None:
@@ -368,15 +383,23 @@ class SideStore:
         middle = out[:, :, S : S + Q]
         if self.work is not None:
             middle.copy_(self.work)
-        elif len(self.chunks) > 1:  # one block per chunk (head / tensor granularity): one call for all
-            stacked = _stack_blocks(self.chunks)
-            decoded = stacked.dequantize(dtype, sync=self.sync)  # (nb * B, H, block, D), blocks major
-            decoded = decoded.reshape(len(self.chunks), B, H, -1, D).permute(1, 2, 0, 3, 4).reshape(B, H, Q, D)
-            if self.spec.pre_rope:
-                decoded = rope_at(self.rotary, decoded, S + self.n_dropped, offset=self.pos_offset)
-            middle.copy_(decoded)
+        elif len(self.chunks) > 1:  # one block per chunk (head / tensor granularity): one call per slice
+            blk = self.chunks[0].n_tokens
+            per = max(1, SLICE_TOKENS // blk)
+            for i in range(0, len(self.chunks), per):
+                group = self.chunks[i : i + per]
+                decoded = _stack_blocks(group).dequantize(dtype, sync=self.sync)  # (nb * B, H, block, D)
+                decoded = decoded.reshape(len(group), B, H, blk, D).permute(1, 2, 0, 3, 4).reshape(B, H, -1, D)
+                if self.spec.pre_rope:
+                    decoded = rope_at(self.rotary, decoded, S + self.n_dropped + i * blk, offset=self.pos_offset)
+                middle[:, :, i * blk : i * blk + decoded.shape[2]].copy_(decoded)
         elif self.chunks:
-            self._dequantize(self.chunks[0], S + self.n_dropped, dtype, out=middle)
+            qt, p0 = self.chunks[0], S + self.n_dropped
+            step = _slice_step(qt, SLICE_TOKENS)
+            for a in range(0, Q, step):
+                b = min(Q, a + step)
+                part = qt if (a, b) == (0, Q) else _slice_chunk(qt, a, b, copy=False)
+                self._dequantize(part, p0 + a, dtype, out=middle[:, :, a:b])
         out[:, :, S + Q :].copy_(self.buffer)
         return out
 
