@@ -97,7 +97,7 @@ def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int, copy: b
 
 
 def _token_tensors(qt: QuantizedTensor) -> list[str]:
-    """The names of a chunk's tensors that run along its tokens (static scales do not)."""
+    """The names of a chunk's tensors that run along its tokens and batch (static scales do not)."""
     names = ["data", "outlier_values", "outlier_index"] + ([] if qt.static else ["scale", "zero"])
     return [n for n in names if getattr(qt, n) is not None]
 
@@ -130,8 +130,7 @@ def _cat_chunks(*chunks: QuantizedTensor) -> QuantizedTensor:
 
 def _map_chunk(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
     """Apply a batch-dimension map (index_select, repeat_interleave, ...) to every per-sequence tensor."""
-    names = ["data", "outlier_values", "outlier_index"] + ([] if qt.static else ["scale", "zero"])
-    new = {name: fn(getattr(qt, name)) for name in names if getattr(qt, name) is not None}
+    new = {name: fn(getattr(qt, name)) for name in _token_tensors(qt)}
     data = new["data"]
     return replace(qt, shape=(data.shape[0], *qt.shape[1:]), **new)
 
@@ -139,13 +138,10 @@ def _map_chunk(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) 
 def _stack_blocks(chunks: list[QuantizedTensor]) -> QuantizedTensor:
     """Equal-sized chunks stacked along the batch dim (block-major), to dequantize them in one call:
     every granularity reduces within one block of one sequence, so dequantization is unchanged."""
-    names = ["data", "outlier_values", "outlier_index"] + ([] if chunks[0].static else ["scale", "zero"])
     first = chunks[0]
     if any(c.n_tokens != first.n_tokens for c in chunks):
         raise AssertionError("only equal-sized chunks can be stacked")
-    stacked = {
-        n: torch.cat([getattr(c, n) for c in chunks], dim=0) for n in names if getattr(first, n) is not None
-    }
+    stacked = {n: torch.cat([getattr(c, n) for c in chunks], dim=0) for n in _token_tensors(first)}
     B, H, n, D = first.shape
     return replace(first, shape=(B * len(chunks), H, n, D), **stacked)
 
