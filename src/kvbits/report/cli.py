@@ -125,15 +125,7 @@ def _merge_needle(args: argparse.Namespace) -> int:
     if args.threshold is not None or args.no_plots:
         raise ValueError("--threshold and --no-plots apply to kvbits eval runs; these are kvbits needle runs")
     out = merge_needle_runs(args.runs, args.out, overwrite=args.overwrite)
-    files = {"markdown": str(out / "report.md")}
-    if (out / "needle.png").is_file():
-        files["figure"] = str(out / "needle.png")
-    if args.json:
-        record = {"out": str(out), "merged_from": [str(Path(r)) for r in args.runs], "files": files}
-        sys.stdout.write(json.dumps(record, indent=2) + "\n")
-    else:
-        print(f"report: {', '.join(files.values())}")
-    return 0
+    return _print_json_run(out, "needle", args, [str(Path(r)) for r in args.runs])
 
 
 def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
@@ -149,12 +141,17 @@ def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
     if not isinstance(summary, dict):
         raise TypeError(f"{path} holds no kvbits {command} summary (expected a JSON object)")
     (write_needle if command == "needle" else write_speed)(summary, out)
+    return _print_json_run(out, command, args, [])
+
+
+def _print_json_run(out: Any, command: str, args: argparse.Namespace, merged_from: list[str]) -> int:
+    """What a ``kvbits needle`` or ``speed`` folder's report holds: ``--json``'s record, or a ``report:`` line."""
     files = {"markdown": str(out / "report.md")}
     png = out / f"{command}.png"
     if png.is_file():
         files["figure"] = str(png)
     if args.json:
-        sys.stdout.write(json.dumps({"out": str(out), "merged_from": [], "files": files}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({"out": str(out), "merged_from": merged_from, "files": files}, indent=2) + "\n")
     else:
         print(f"report: {', '.join(files.values())}")
     return 0

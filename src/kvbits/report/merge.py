@@ -37,7 +37,16 @@ from kvbits.report.summary import read_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MERGED_FILES", "REF_RTOL", "is_merged", "merge_runs", "other_run_kind"]
+__all__ = [
+    "MERGED_FILES",
+    "REF_RTOL",
+    "check_fingerprints",
+    "check_run_folders",
+    "is_merged",
+    "merge_runs",
+    "other_run_kind",
+    "refuse_out_among",
+]
 
 REF_RTOL = 1e-4
 """Largest relative difference of a bucket's reference perplexity between merged runs (0.01 %, the
@@ -120,6 +129,40 @@ def _rel_diff(a: float, b: float) -> float:
     return abs(b / a - 1) if a > 0 else (0.0 if a == b else math.inf)
 
 
+def check_run_folders(runs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The run folders as paths; ``ValueError`` for fewer than two or one named twice."""
+    folders = [Path(r) for r in runs]
+    if len(folders) < 2:
+        raise ValueError(f"merging needs at least two run folders, got {len(folders)}")
+    if len({f.resolve() for f in folders}) != len(folders):
+        raise ValueError("the same run folder is named twice")
+    return folders
+
+
+def refuse_out_among(out: Path, folders: Sequence[Path]) -> None:
+    """``ValueError`` when the merged report would be written into one of the runs being merged."""
+    if out.resolve() in {f.resolve() for f in folders}:
+        raise ValueError(
+            f"--out {out} is one of the runs being merged; write the merged report to a new folder"
+        )
+
+
+def check_fingerprints(
+    first_name: object, first: Mapping[str, Any], name: object, summary: Mapping[str, Any], command: str = "eval"
+) -> None:
+    """``ValueError`` unless both run summaries record the same model and tokens ``fingerprint``."""
+    for key in ("model", "tokens"):
+        a, b = ((s.get("fingerprint") or {}).get(key) for s in (first, summary))
+        if not a or not b:
+            raise ValueError(
+                f"{first_name if not a else name} records no {key} fingerprint: kvbits can not tell that the runs "
+                f"measured the same model on the same tokens (re-run it with a current kvbits {command})"
+            )
+        if a != b:
+            what = "model weights" if key == "model" else "tokens (text, tokenizer or data file)"
+            raise ValueError(f"runs differ in their {what}: {key} fingerprint {a} in {first_name}, {b} in {name}")
+
+
 def _check_comparable(
     folders: Sequence[Path], summaries: Sequence[Mapping[str, Any]], configs: Sequence[Mapping[str, Any]]
 ) -> None:
@@ -132,18 +175,7 @@ def _check_comparable(
                     f"runs differ in {key}: {first.get(key)!r} in {first_dir}, {summary.get(key)!r} in {folder}; "
                     "only runs of the same model, text and setting share a report"
                 )
-        for key in ("model", "tokens"):
-            a, b = ((s.get("fingerprint") or {}).get(key) for s in (first, summary))
-            if not a or not b:
-                raise ValueError(
-                    f"{first_dir if not a else folder} records no {key} fingerprint: kvbits can not tell that the runs "
-                    "measured the same model on the same tokens (re-run it with a current kvbits eval)"
-                )
-            if a != b:
-                what = "model weights" if key == "model" else "tokens (text, tokenizer or data file)"
-                raise ValueError(
-                    f"runs differ in their {what}: {key} fingerprint {a} in {first_dir}, {b} in {folder}"
-                )
+        check_fingerprints(first_dir, first, folder, summary)
         req0, req = configs[0].get("request") or {}, config.get("request") or {}
         for key in _REQUEST_SETTING:
             if req0.get(key) is not None and req.get(key) is not None and req0[key] != req[key]:
@@ -215,11 +247,7 @@ def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
 
 
 def _check_out(out: Path, folders: Sequence[Path], overwrite: bool) -> None:
-    resolved = {f.resolve() for f in folders}
-    if out.resolve() in resolved:
-        raise ValueError(
-            f"--out {out} is one of the runs being merged; write the merged report to a new folder"
-        )
+    refuse_out_among(out, folders)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite and not is_merged(load_config(out)):
@@ -254,11 +282,7 @@ def merge_runs(
         ValueError: fewer than two runs, runs that do not share the model, tokens, setting and reference
             (the message names the field and both folders), a scheme in two runs, or a bad ``out_dir``.
     """
-    folders = [Path(r) for r in runs]
-    if len(folders) < 2:
-        raise ValueError(f"merging needs at least two run folders, got {len(folders)}")
-    if len({f.resolve() for f in folders}) != len(folders):
-        raise ValueError("the same run folder is named twice")
+    folders = check_run_folders(runs)
     loaded = [_load_run(f) for f in folders]
     summaries = [s for s, _ in loaded]
     configs = [c for _, c in loaded]

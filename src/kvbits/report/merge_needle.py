@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits.report.merge import check_fingerprints, check_run_folders, refuse_out_among
 from kvbits.report.summary import read_json
 
 logger = logging.getLogger(__name__)
@@ -78,13 +79,7 @@ def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]])
                     f"runs differ in {key}: {first.get(key)!r} in {names[0]}, {s.get(key)!r} in {name}; only "
                     "passkey runs of the same model, text, task, semantics and seed share a report"
                 )
-        for key in ("model", "tokens"):
-            a, b = ((x.get("fingerprint") or {}).get(key) for x in (first, s))
-            if not a or not b or a != b:
-                what = "model weights" if key == "model" else "tokens (text, tokenizer or data file)"
-                raise ValueError(
-                    f"runs differ in their {what}: {key} fingerprint {a} in {names[0]}, {b} in {name}"
-                )
+        check_fingerprints(names[0], first, name, s, "needle")
 
 
 def _same_reference(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -157,6 +152,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     """One ``kvbits needle`` summary from several (module docstring); ``names`` label the runs in errors
     and in ``merged_from`` (default ``run 1``, ``run 2``, ...). ``ValueError`` when they can not merge."""
     from kvbits.evaluate.needle_run import reference_result, scheme_result
+    from kvbits.report.needle import trial_counts
 
     names = list(names) if names is not None else [f"run {i + 1}" for i in range(len(summaries))]
     if len(summaries) < 2 or len(names) != len(summaries):
@@ -166,9 +162,6 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     records = _merge_records(names, summaries, order)
     contexts = sorted({int(r["context"]) for r in records})
     depths = sorted({float(r["depth"]) for r in records})
-    per_cell: dict[tuple[int, float], int] = {}
-    for r in records:
-        per_cell[(int(r["context"]), float(r["depth"]))] = per_cell.get((int(r["context"]), float(r["depth"])), 0) + 1
 
     results = []
     for name in order:
@@ -194,7 +187,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         **{k: first[k] for k in ("version", "task", "model", "data", "semantics")},
         "contexts": contexts,
         "depths": depths,
-        "trials": max(per_cell.values()),
+        "trials": max(trial_counts(records).values()),
         "seed": first["seed"],
         "fingerprint": dict(first["fingerprint"]),
         "reference": reference_result(records, contexts, depths),
@@ -240,16 +233,11 @@ def merge_needle_runs(
     """
     from kvbits.report.needle import NEEDLE_FILES, write_needle
 
-    folders = [Path(r) for r in runs]
-    if len(folders) < 2:
-        raise ValueError(f"merging needs at least two run folders, got {len(folders)}")
-    if len({f.resolve() for f in folders}) != len(folders):
-        raise ValueError("the same run folder is named twice")
+    folders = check_run_folders(runs)
     summaries = [_load(f) for f in folders]
     merged = merge_needle(summaries, [str(f) for f in folders])
     out = Path(out_dir)
-    if out.resolve() in {f.resolve() for f in folders}:
-        raise ValueError(f"--out {out} is one of the runs being merged; write the merged report to a new folder")
+    refuse_out_among(out, folders)
     existing = out / NEEDLE_FILES[0]
     if existing.is_file() and not overwrite:
         previous = read_json(existing)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvbits.report.fmt import fmt_kl, fmt_pos
 from kvbits.report.render import check_out_folder, write_json_report
 
-__all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "write_needle"]
+__all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "trial_counts", "write_needle"]
 
 NEEDLE_FILES = ("needle.json", "report.md", "needle.png")
 
@@ -148,11 +149,14 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def trial_counts(records: Sequence[Mapping[str, Any]]) -> Counter[tuple[int, float]]:
+    """Trials per measured ``(context, depth)`` cell of a run's records."""
+    return Counter((int(r["context"]), float(r["depth"])) for r in records)
+
+
 def _trials_per_cell(summary: Mapping[str, Any]) -> str:
     """Trials per measured (context, depth) cell: ``"2"``, or ``"1–2"`` when merged runs differ."""
-    counts: dict[tuple[Any, Any], int] = {}
-    for r in summary["records"]:
-        counts[(r["context"], r["depth"])] = counts.get((r["context"], r["depth"]), 0) + 1
+    counts = trial_counts(summary["records"])
     lo, hi = (min(counts.values()), max(counts.values())) if counts else (summary["trials"],) * 2
     return str(lo) if lo == hi else f"{lo}–{hi}"
 
