@@ -28,7 +28,13 @@ PRE_ROPE_SINKS = KVScheme(
     value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32),
     sinks=3, residual=16, block=32,
 )  # fmt: skip
-SCHEMES = [s for s in list_schemes() if not s.needs_calibration()] + [HEAD_BLOCKS, PRE_ROPE_SINKS]
+FLOAT_VALUES = KVScheme(  # a float side flushes too
+    "test-float-values",
+    key=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
+    value=TensorSpec(kind="float", bits=32, fmt="fp32"),  # float32 K/V: quantize may return x itself
+    residual=8, block=8,
+)  # fmt: skip
+SCHEMES = [s for s in list_schemes() if not s.needs_calibration()] + [HEAD_BLOCKS, PRE_ROPE_SINKS, FLOAT_VALUES]
 
 
 def _run(scheme: KVScheme, slice_tokens: int, patch: pytest.MonkeyPatch, T: int = 333, steps: int = 40):

@@ -288,8 +288,8 @@ class SideStore:
         new = []
         for i in range(0, n_tokens, step):
             x = self.buffer[:, :, i : min(n_tokens, i + step)]
-            if self.spec.kind == "float":  # quantize may return a view of x, which would pin the old buffer
-                x = x.clone()
+            if self.spec.kind == "float" and step >= n_tokens:  # quantize may return a view of x, which would
+                x = x.clone()  # pin the old buffer (several slices are concatenated into a new tensor anyway)
             if self.spec.pre_rope:
                 x = rope_at(self.rotary, x, p0 + i, inverse=True, offset=self.pos_offset)
             # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).
