@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvbits.quant import QuantizedTensor, pack_bits, packed_size, quantize, unpack_bits
-from kvbits.quant.affine import choose_qparams, dequantize_affine, quantize_affine
+from kvbits.quant.affine import broadcast_shape, choose_qparams, dequantize_affine, quantize_affine
 from kvbits.schemes import (
     KVScheme,
     TensorSpec,
@@ -126,6 +126,19 @@ def test_per_channel_codes_by_hand():
     assert qt.scale.flatten().float().tolist() == [1, 1, 0, 0.5]  # constant channel 2 -> scale 0
     assert qt.zero.flatten().float().tolist() == [0, -1, 5, 0.5]
     assert torch.equal(qt.dequantize(), x)  # every value is on its grid
+
+
+@pytest.mark.parametrize("shapes", [((1, 2, 1, 64), (1, 2, 1, 1)), ((3, 1), (4,)), ((2, 0, 5), (1, 5)), ((), (2, 3)),
+                                    ((1, 4, 8, 2, 16), (1, 4, 8, 1, 16), (4, 8, 2, 1))])
+def test_broadcast_shape_is_torchs(shapes):
+    assert broadcast_shape(*shapes) == torch.broadcast_shapes(*shapes)
+
+
+def test_broadcast_shape_refuses_what_torch_refuses():
+    with pytest.raises(RuntimeError):
+        torch.broadcast_shapes((2, 3), (3, 3))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        broadcast_shape((2, 3), (3, 3))
 
 
 def test_affine_primitives_by_hand():

@@ -14,6 +14,7 @@ import torch
 from kvbits.quant.affine import (
     META_DTYPE,
     _round_up_fp16,
+    broadcast_shape,
     choose_qparams,
     dequantize_affine,
     div_rn,
@@ -362,8 +363,8 @@ def _static_qparams(
             t = t.reshape(1, H, 1, D)
         grouped = _group(x, spec).shape
         try:
-            ok = torch.broadcast_shapes(t.shape, grouped) == grouped
-        except RuntimeError:
+            ok = broadcast_shape(t.shape, grouped) == grouped
+        except ValueError:
             ok = False
         if not ok:
             raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
