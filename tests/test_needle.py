@@ -329,9 +329,9 @@ def test_cli_end_to_end(corpus, tmp_path, capsys):
 
 @pytest.mark.realmodel
 def test_realmodel_retrieval_survives_int8_not_int2():
-    """SmolLM2-135M finds the key in 768 tokens of War and Peace at every depth; INT8 per-token keeps
+    """SmolLM2-135M finds the key in 512 tokens of War and Peace at every depth; INT8 per-token keeps
     every trial, INT2 per-token (no residual window) loses them: retrieval is a measure that can fail."""
-    s = needle_eval("smollm2-135m", 768, ["int8-token", "int2-token"], depths=[0.0, 0.5, 1.0])
+    s = needle_eval("smollm2-135m", 512, ["int8-token", "int2-token"], depths=[0.0, 0.5, 1.0])
     assert s["reference"]["retrieved"] == 1.0
     int8, int2 = s["results"]
     assert int8["kept"] == 1.0 and abs(int8["delta_nll"]) < 0.02
