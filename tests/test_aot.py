@@ -40,6 +40,31 @@ def test_occupancy_arithmetic():
     assert LIMITS["sm_90"].blocks_per_sm(res(32, 0, warps=16)) == 4
 
 
+def test_sass_is_disassembled_once_per_cubin(monkeypatch):
+    """``instruction_mix`` and ``hot_loop`` share one ``cuobjdump -sass`` per distinct cubin (~0.7 s each); a
+    failed disassembly raises instead of reading as a kernel without loads."""
+    from types import SimpleNamespace
+
+    from kvbits.kernels import aot
+
+    calls = []
+    text = "        /*0000*/  LDG.E.128 R0, [R2.64] ;\n        /*0010*/  BRA 0x0 ;\n"
+
+    def fake(kernel, option):
+        calls.append((kernel.asm["cubin"], option))
+        ok = kernel.asm["cubin"] != b"bad"
+        return subprocess.CompletedProcess([], 0 if ok else 1, text if ok else "", "" if ok else "no cubin")
+
+    monkeypatch.setattr(aot, "_cuobjdump", fake)
+    monkeypatch.setattr(aot, "_SASS", {})
+    a, b = (SimpleNamespace(name="k", asm={"cubin": c}) for c in (b"one", b"two"))
+    assert aot.instruction_mix(a)["loads_128"] == 1 and aot.hot_loop(a) == (2, {"LDG": 1, "BRA": 1})
+    aot.hot_loop(b)
+    assert calls == [(b"one", "-sass"), (b"two", "-sass")]
+    with pytest.raises(RuntimeError, match="cuobjdump -sass failed"):
+        aot.hot_loop(SimpleNamespace(name="k", asm={"cubin": b"bad"}))
+
+
 def _run(code: str, timeout: int = 300, cache: Path | None = None) -> subprocess.CompletedProcess:
     """``python -c code`` with compiled Triton kernels (``cache``: a Triton cache folder of its own)."""
     pytest.importorskip("triton")
@@ -202,7 +227,8 @@ def test_f16_dequant_compiles_without_int_to_float_conversions():
     issues fewer instructions per token than the default float32 path, at both benchmark shapes and 8, 4
     and 2 bits; ``maxnreg=128`` keeps at least the default's blocks per SM. Neither path's tile loop waits on
     a synchronous global load (``LDG``): scales and zero-points come as int32 words that ``cp.async``
-    prefetches (``meta32``), where the 2-byte reads (``meta32=False``) left such loads in the loop."""
+    prefetches (``meta32``), where the 2-byte reads (``meta32=False``, checked at int4) left such loads in the
+    loop."""
     code = """
 import json, torch
 from gpu_bench import common
@@ -214,8 +240,10 @@ for shape_name, shp in common.SHAPES.items():
         store = common.random_store(2, shp, 4096, common.SCHEMES[sch], torch.device("cpu"), torch.Generator().manual_seed(0),
                                     lazy=True)
         q = torch.zeros(2, shp["H_q"], 1, shp["D"], dtype=torch.float16)
-        for label, kw in (("f32", {}), ("f16", {"dequant": "f16"}), ("r128", {"dequant": "f16", "maxnreg": 128}),
-                          ("halves", {"meta32": False}), ("f16-halves", {"dequant": "f16", "meta32": False})):
+        paths = [("f32", {}), ("f16", {"dequant": "f16"}), ("r128", {"dequant": "f16", "maxnreg": 128})]
+        if sch == "int4":  # the 2-byte reads kept for comparison: one width (each SASS dump takes ~0.7 s)
+            paths += [("halves", {"meta32": False}), ("f16-halves", {"dequant": "f16", "meta32": False})]
+        for label, kw in paths:
             with compile_only("sm_90") as ks:
                 decode_attention_triton(q, store, splits=4, **kw)
             k = ks[0]
@@ -232,6 +260,7 @@ print(json.dumps(rows))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     by = {(r["shape"], r["scheme"], r["path"]): r for r in rows}
+    assert len(by) == 2 * (3 * 3 + 2)
     for (shape, scheme, path), r in by.items():
         assert r["fails"] is None, r
         if path in ("halves", "f16-halves"):  # session 9's reads: synchronous 2-byte loads in the loop

@@ -23,6 +23,7 @@ Usage (a process whose kernels are compiled, not interpreted: ``TRITON_INTERPRET
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -41,6 +42,7 @@ __all__ = [
     "hot_loop",
     "instruction_mix",
     "resources",
+    "sass",
 ]
 
 _COMPILING = 0  # compile_only blocks entered and not yet left
@@ -186,6 +188,29 @@ def compile_only(arch: str = "sm_90") -> Iterator[list[Any]]:
         driver._active = previous
 
 
+_SASS: dict[str, str] = {}  # sha256 of a cubin -> its SASS text (the most recent _SASS_KEEP kernels)
+_SASS_KEEP = 64
+
+
+def sass(kernel: Any) -> str:
+    """The kernel's SASS (``cuobjdump -sass`` on its cubin), disassembled once per distinct cubin.
+
+    Disassembling takes ~0.7 s a kernel; ``instruction_mix`` and ``hot_loop`` both read it.
+
+    Raises:
+        RuntimeError: ``cuobjdump`` failed.
+    """
+    key = hashlib.sha256(kernel.asm["cubin"]).hexdigest()
+    if key not in _SASS:
+        out = _cuobjdump(kernel, "-sass")
+        if out.returncode != 0:
+            raise RuntimeError(f"cuobjdump -sass failed for {kernel.name}: {out.stderr[-300:]}")
+        if len(_SASS) >= _SASS_KEEP:
+            _SASS.pop(next(iter(_SASS)))
+        _SASS[key] = out.stdout
+    return _SASS[key]
+
+
 _USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
@@ -244,7 +269,7 @@ def instruction_mix(kernel: Any) -> dict[str, int]:
     access width (``LDGSTS``, the asynchronous global-to-shared copies of a pipelined loop, also counted
     in ``async_loads``) and of ``HMMA``. Wide loads are what a memory-bound kernel wants on its hot path.
     """
-    sass = _cuobjdump(kernel, "-sass").stdout
+    text = sass(kernel)
     mix = {
         "loads_128": 0,
         "loads_64": 0,
@@ -254,7 +279,7 @@ def instruction_mix(kernel: Any) -> dict[str, int]:
         "async_loads": 0,
         "mma": 0,
     }
-    for op in _SASS_OP.findall(sass):
+    for op in _SASS_OP.findall(text):
         if op.startswith("HMMA"):
             mix["mma"] += 1
             continue
@@ -273,10 +298,10 @@ _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
 _BACK_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
 
 
-def sass_loops(sass: str) -> list[tuple[int, Counter]]:
+def sass_loops(sass_text: str) -> list[tuple[int, Counter]]:
     """``(instructions, opcode counts)`` of each loop body in SASS text: the instructions from a backward
     branch's target to the branch, in program order (a nested loop is also counted in its outer one)."""
-    code = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
+    code = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass_text)]
     loops = []
     for addr, text in code:
         m = _BACK_BRANCH.search(text)
@@ -296,7 +321,7 @@ def hot_loop(kernel: Any) -> tuple[int, dict[str, int]]:
     instructions an SM issues per token and KV head (BENCHMARKS.md §6 sets it beside the H200's decode
     times). ``(0, {})`` for a kernel without a loop.
     """
-    loops = sass_loops(_cuobjdump(kernel, "-sass").stdout)
+    loops = sass_loops(sass(kernel))
     if not loops:
         return 0, {}
     n, ops = loops[0]
