@@ -81,6 +81,7 @@ def test_plan_json_worked_example(capsys):
     assert r["total_bytes"] == WORKED_BYTES and r["bytes_per_token"] == 524288
     assert r["avg_bits"] == 16 and r["compression"] == 1
     assert "per_layer" not in r and "max_concurrency" not in r
+    assert r["step_bytes"] == 4 * 2**30  # one of 32 layers of K/V in fp16: 128 GiB / 32
 
 
 def test_plan_fused_decode_adds_rope_tables(capsys):
@@ -99,6 +100,7 @@ def test_plan_table_worked_example(capsys):
     assert main(["plan", *WORKED, "--scheme", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "137,438,953,472" in out and "128.00 GiB" in out and "512.00 KiB" in out
+    assert "a step also allocates at least 4.00 GiB at 32,768 tokens" in out
 
 
 def test_plan_default_schemes_gpu_and_per_layer(capsys):
@@ -128,6 +130,9 @@ def test_plan_default_schemes_gpu_and_per_layer(capsys):
     assert main([*argv, "--gpu-mem", "80", "--weights-gib", "14", "--per-layer"]) == 0
     out = capsys.readouterr().out
     assert "max concurrency" in out and "per layer" in out and "kivi-2" in out
+    assert "at least 128.00 MiB at 32,768 tokens" in out and "--reserve-gib is below it" in out
+    assert main([*argv, "--gpu-mem", "80", "--weights-gib", "14", "--reserve-gib", "1"]) == 0
+    assert "--reserve-gib is below it" not in capsys.readouterr().out
 
 
 def test_plan_from_config_file_with_override(tmp_path, capsys):

@@ -730,3 +730,50 @@ def test_max_context_on_transformers_configs(model_type, kwargs, scheme):
     for context in (700, 2500):
         free = total_bytes(shape, s, context, 1) + 1
         assert max_context(shape, s, batch=1, free_bytes=free) == _first_misfit(shape, s, 1, free) - 1
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4-token", "kivi-2", "int8-channel", "int4-token-hadamard", "fp8-e4m3"])
+def test_step_bytes_is_what_a_step_hands_attention(scheme: str, monkeypatch):
+    """``step_bytes`` (one layer's K/V at ``T`` in the model dtype) is what a prefill of ``T`` tokens and a
+    decode step reaching ``T`` allocate at least, measured with ``LiveBytes`` (every storage allocated until
+    freed): exactly that for ``DynamicCache`` (its concatenation) and for kvbits' fp16 cache (the buffer is
+    returned as it is), and for a quantized scheme at most that, the layer's held bytes (a flush's copy) and
+    5 float32 slices of one side (``SLICE_TOKENS``; 4.5 measured, Hadamard's prefill)."""
+    import torch
+    import transformers
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache import store as store_mod
+    from kvbits.evaluate.livebytes import LiveBytes
+
+    monkeypatch.setattr(store_mod, "SLICE_TOKENS", 256)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    B, H, T, D = 2, 2, 1000, 64
+    want = plan(cfg, context=T, batch=B, scheme=scheme, dtype_bytes=2)["step_bytes"]
+    assert want == 2 * B * T * H * D * 2
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(B, H, T, D, generator=g).half() for _ in range(2))
+
+    dyn = transformers.DynamicCache(config=cfg)
+    dyn.update(k[:, :, : T - 1], v[:, :, : T - 1], 0)
+    with LiveBytes() as step:
+        dyn.update(k[:, :, T - 1 :], v[:, :, T - 1 :], 0)
+    assert step.peak == want
+
+    slice_f32 = B * H * 256 * D * 4
+    for prompt in (T, T - 1):  # a prefill of T tokens; a prefill of T - 1 and the step to T
+        cache = QuantizedKVCache(config=cfg, scheme=scheme)
+        with LiveBytes() as prefill:
+            out = cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
+            del out
+        peak = prefill.peak
+        if prompt < T:
+            with LiveBytes() as step:
+                out = cache.update(k[:, :, prompt:], v[:, :, prompt:], 0)
+                del out
+            peak = step.peak
+        held = cache.memory_report()["total_bytes"]
+        if scheme == "fp16":
+            assert peak == want
+        assert want <= peak <= want + held + 5 * slice_f32, (prompt, peak / want, held / want)

@@ -361,6 +361,13 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
                 f"\nmax context: the longest the batch can grow to in memory, fitting at every length; beyond the "
                 f"model's max_position_embeddings ({shape.max_context:,}) for {', '.join(beyond)}"
             )
+    top = max(results, key=lambda r: r["context"])
+    caption += (
+        f"\nnot counted: a step also allocates at least {human_bytes(top['step_bytes'])} at {top['context']:,} "
+        "tokens (one layer's K/V in the model dtype: every prefill, and decode steps without the fused kernel)"
+    )
+    if gpu and top["reserve_bytes"] < top["step_bytes"]:
+        caption += "; --reserve-gib is below it"
     tables = {r["scheme"]: r["rope_table_bytes"] for r in results if r.get("rope_table_bytes")}
     if tables:
         caption += "\nincluded, once per model: RoPE tables of fused pre-RoPE decode (" + ", ".join(

@@ -370,10 +370,15 @@ class SideStore:
 
         One tensor is allocated and each part written into its place (the codes decoded straight into
         it where ``QuantizedTensor.dequantize`` can), not decoded apart and concatenated: the same values,
-        one full-history copy fewer per call.
+        one full-history copy fewer per call. With nothing to decode (no sinks, nothing quantized) and the
+        buffer already in ``dtype``, a view of the buffer: no copy at all.
         """
         B, H, _, D = self.buffer.shape
         S, Q = self.n_sinks, (self.work.shape[2] if self.work is not None else self.n_quantized)
+        if S == Q == 0 and self.buffer.dtype == dtype:
+            # nothing decoded (fp16, or a residual window not yet flushed): a view of the buffer, no copy, as
+            # DynamicCache returns its own tensors. Safe: the buffer is only ever replaced, never written
+            return self.buffer[:]
         out = torch.empty(B, H, S + Q + self.n_buffer, D, dtype=dtype, device=self.buffer.device)
         out[:, :, :S].copy_(self.sinks)
         middle = out[:, :, S : S + Q]

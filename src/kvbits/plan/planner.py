@@ -23,6 +23,17 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   (:func:`kvbits.schemes.accounting.rope_table_bytes`; half width: rotate-half RoPE over the whole head).
   It is added to ``total_bytes`` (and, with ``fused_decode``, ``components["rope_tables"]``); an upper bound of what the cache
   holds, reached unless the tables last grew at fewer positions. 0 otherwise.
+- ``step_bytes``: what one step allocates beside the held bytes, at least: the K and V of the largest
+  layer for ``B`` sequences of ``T`` tokens in the model dtype, ``2 * B * T * max_l(H_l * D_l) *
+  dtype_bytes``. Every scheme's cache hands attention that much from each layer in turn at a prefill of
+  ``T`` tokens (sliding layers too: the prompt's queries need all its keys), and from each full layer at
+  every decode step without the fused kernel (``fused_decode`` decode steps return none; a sliding
+  layer's step returns at most ``W`` tokens). ``DynamicCache`` allocates it too, growing a layer by
+  concatenation, and so does kvbits' fp16 cache. Scheme-independent. A quantized scheme's step allocates
+  more: float32 working copies of a slice (``kvbits.cache.store.SLICE_TOKENS`` tokens) and, when it
+  flushes, a copy of the layer's codes. Measured (``benchmarks/cache_working_set.py``, BENCHMARKS.md
+  §18f): 1.2-1.8x this at 32K tokens; below one slice (4,096 tokens) up to 4x at a decode step and 5.8x at a
+  prefill (Hadamard). Not in ``total_bytes`` nor in ``max_concurrency``: it is what ``reserve_gib`` is for.
 
 With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
@@ -231,6 +242,7 @@ def plan_shape(
     totals = {"key": 0, "value": 0, "full": 0, "quantized": 0, "fixed": 0}
     per_request = 0
     elements = 0
+    step = 0
     per_layer = []
     scheme.check_layer_count(len(shape.layers))
     for i, layer in enumerate(shape.layers):
@@ -258,6 +270,7 @@ def plan_shape(
         stored_fp16 = token_split(fp16, context, layer.window).stored
         layer_elements = 2 * batch * stored_fp16 * layer.kv_heads * layer.head_dim
         elements += layer_elements
+        step = max(step, 2 * batch * context * layer.kv_heads * layer.head_dim * shape.dtype_bytes)
         per_request += one["key"] + one["value"] - one["fixed"]
         for k in totals:
             totals[k] += b[k]
@@ -300,6 +313,7 @@ def plan_shape(
         "value_bytes": totals["value"],
         "components": {"full": totals["full"], "quantized": totals["quantized"], "fixed": totals["fixed"]},
         "rope_table_bytes": rope_tables,
+        "step_bytes": step,
         "per_layer": per_layer,
     }
     if fused_decode:
