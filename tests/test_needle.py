@@ -490,5 +490,5 @@ def test_report_cli_merges_needle_folders(needle_runs, tmp_path, capsys):
     evaluation.mkdir()
     (evaluation / "summary.json").write_text("{}")
     assert main(["report", str(folders[0]), str(evaluation), "--out", str(tmp_path / "mixed")]) == 2
-    assert "eval folders with each other, or kvbits needle folders" in capsys.readouterr().err
+    assert "eval folders with each other, kvbits needle folders" in capsys.readouterr().err
     assert not (tmp_path / "mixed").exists()

@@ -237,6 +237,6 @@ def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
         assert (run / "report.md").read_text() == want
         assert main(["report", str(run), "--threshold", "2"]) == 2
         assert f"holds a kvbits {command} run" in capsys.readouterr().err
-        hint = "needle runs merge with each other" if command == "needle" else "speed runs do not merge"
+        hint = f"{command} runs merge with each other"
         with pytest.raises(FileNotFoundError, match=f"kvbits {command} run: {hint}"):
             merge_runs([run, run.parent / "other"], tmp_path / "m")

@@ -191,6 +191,64 @@ def test_report_and_folder(model, ids, tmp_path):
     assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "speed.json").is_file()
 
 
+_UNTIMED = ("cache", "path", "context", "batch", "cached_tokens", "cache_bytes", "planned_bytes", "workspace_bytes",
+            "agreement", "first_divergence", "distinct_rows", "decode")  # fmt: skip
+
+
+def test_merging_speed_runs_equals_running_them_together(model, ids, tmp_path, capsys):
+    """Runs of other contexts and batches merge into the report one run of them all gives, timings aside
+    (a cell no run timed reads n/a); each cell keeps its own run's baseline. Refused: a cell in two runs,
+    other schemes or steps, another model, a run without a fingerprint, a needle run among speed runs."""
+    from kvbits.cli import main
+    from kvbits.report.merge_speed import merge_speed
+    from kvbits.report.speed import write_speed
+
+    kw = {"tokens": 2, "warmup": 0, "data": ids}
+    schemes = ["int4-token", SMALL_KIVI]
+    a = speed_eval(model, [32], schemes, batches=[1, 2], **kw)
+    b = speed_eval(model, [64], schemes, batches=[1], **kw)
+    both = speed_eval(model, [32, 64], schemes, batches=[1, 2], **kw)
+    ra, rb = write_speed(a, tmp_path / "a"), write_speed(b, tmp_path / "b")
+    assert main(["report", str(ra), str(rb), "--out", str(tmp_path / "m"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["merged_from"] == [str(ra), str(rb)]
+    m = json.loads((tmp_path / "m" / "speed.json").read_text())
+    assert (m["contexts"], m["batches"], m["schemes"]) == ([32, 64], [1, 2], both["schemes"])
+    want = {(r["cache"], r["context"], r["batch"]): {k: r[k] for k in _UNTIMED} for r in both["runs"]}
+    got = {(r["cache"], r["context"], r["batch"]): {k: r[k] for k in _UNTIMED} for r in m["runs"]}
+    assert got == {key: json.loads(json.dumps(v)) for key, v in want.items() if key[1:] != (64, 2)}
+    for r in m["runs"]:  # each speed-up is against the baseline of its own run
+        own = a if r["context"] == 32 else b
+        assert r["speedup"] == next(x["speedup"] for x in own["runs"] if x["cache"] == r["cache"]
+                                    and (x["context"], x["batch"]) == (r["context"], r["batch"]))  # fmt: skip
+    assert m["fingerprint"]["prompts"] == {**a["fingerprint"]["prompts"], **b["fingerprint"]["prompts"]}
+    md = (tmp_path / "m" / "report.md").read_text()
+    assert "## Runs merged" in md and "| n/a | n/a |" not in md.split("## Batch 2")[0]
+    assert "| DynamicCache | " in md.split("## Batch 2")[1] and "| n/a |" in md.split("## Batch 2")[1]
+    assert main(["report", str(ra), str(rb), "--out", str(tmp_path / "m")]) == 0  # an earlier merge: rewritten
+
+    with pytest.raises(ValueError, match="context 32 x batch 1 was timed in both"):
+        merge_speed([a, a])
+    with pytest.raises(ValueError, match="runs timed other schemes"):
+        merge_speed([a, speed_eval(model, [64], ["int4-token"], batches=[1], **kw)])
+    with pytest.raises(ValueError, match="runs differ in tokens"):
+        merge_speed([a, {**b, "tokens": 3}])
+    with pytest.raises(ValueError, match="differ in their model weights"):
+        merge_speed([a, {**b, "fingerprint": {"model": "0" * 16}}])
+    with pytest.raises(ValueError, match="records no model fingerprint"):
+        merge_speed([a, {**b, "fingerprint": {}}])
+    with pytest.raises(ValueError, match="two or more"):
+        merge_speed([a])
+    needle = tmp_path / "needle"
+    needle.mkdir()
+    (needle / "needle.json").write_text("{}")
+    assert main(["report", str(ra), str(needle), "--out", str(tmp_path / "x")]) == 2
+    assert "these runs are of kinds ['needle', 'speed']" in capsys.readouterr().err
+    (tmp_path / "own").mkdir()
+    write_speed(b, tmp_path / "own")
+    assert main(["report", str(ra), str(rb), "--out", str(tmp_path / "own")]) == 2
+    assert "holds a kvbits speed run of its own" in capsys.readouterr().err
+
+
 def test_cli_end_to_end(tmp_path, capsys):
     from kvbits.cli import main
 

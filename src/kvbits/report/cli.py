@@ -1,6 +1,7 @@
 """``kvbits report``: write an evaluation folder's report again, or merge several evaluations of the same
 model, text and setting into one report (thin wrapper over :func:`kvbits.report.write_report` and
-:func:`kvbits.report.merge.merge_runs`)."""
+:func:`kvbits.report.merge.merge_runs`; needle and speed folders: :mod:`kvbits.report.merge_needle`,
+:mod:`kvbits.report.merge_speed`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ examples:
   kvbits report runs/qwen-4k runs/qwen-4k-hadamard --out runs/qwen-4k-all   # one report, both runs' schemes
   kvbits report runs/needle-smollm2                                 # a needle or speed run: report.md again
   kvbits report runs/needle-4k-16k runs/needle-32k --out runs/needle-all   # one passkey grid from needle runs
+  kvbits report runs/speed-4k runs/speed-32k --out runs/speed-all          # one speed report from speed runs
 
 Merging checks that the runs share the model and tokens (fingerprints), context, windows, semantics, mode,
 dtype and prompt length, and the unquantized reference in every position bucket (within 0.01 %), and that
 no scheme is in two runs; the merged folder keeps each run's config.json under merged_from. Needle runs merge
 when they share the model and tokens, task, semantics and seed: trials both runs hold must be the same trials
-with the same unquantized result, and every scheme must cover every trial of the merged grid.
+with the same unquantized result, and every scheme must cover every trial of the merged grid. Speed runs
+merge when they share the model, prompts' text, dtype, device and threads, steps and schemes; each
+(context, batch) cell comes whole from one run (step times compare only within a run).
 --json prints {"out", "merged_from", "files"}.
 """
 
@@ -51,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "runs", nargs="+", metavar="RUN",
-        help="kvbits eval output folder(s), or kvbits needle folders; one speed folder is written again too",
+        help="kvbits eval output folder(s), or kvbits needle folders, or kvbits speed folders",
     )  # fmt: skip
     p.add_argument(
         "--out", metavar="DIR", help="with two or more runs: the folder for the merged run and report"
@@ -97,12 +101,13 @@ def run(args: argparse.Namespace) -> int:
                 f"merging {len(args.runs)} runs needs --out DIR, a new folder for the merged report"
             )
         kinds = {other_run_kind(Path(r)) for r in args.runs}
-        if kinds == {"needle"}:
-            return _merge_needle(args)
+        if kinds in ({"needle"}, {"speed"}):
+            return _merge_json_runs(args, kinds.pop())
         if kinds != {None}:
             raise ValueError(
-                "kvbits report merges kvbits eval folders with each other, or kvbits needle folders with each "
-                f"other; these runs are of kinds {sorted(k or 'eval' for k in kinds)} (speed runs do not merge)"
+                "kvbits report merges kvbits eval folders with each other, kvbits needle folders with each "
+                f"other, or kvbits speed folders with each other; these runs are of kinds "
+                f"{sorted(k or 'eval' for k in kinds)}"
             )
         out = merge_runs(args.runs, args.out, overwrite=args.overwrite)
         merged_from = [str(Path(r)) for r in args.runs]
@@ -116,16 +121,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _merge_needle(args: argparse.Namespace) -> int:
-    """``kvbits report NEEDLE1 NEEDLE2 ... --out DIR``: one passkey grid from several needle runs."""
+def _merge_json_runs(args: argparse.Namespace, kind: str) -> int:
+    """``kvbits report RUN1 RUN2 ... --out DIR`` for needle folders (one passkey grid) or speed folders (one
+    decode-speed report)."""
     from pathlib import Path
 
     from kvbits.report.merge_needle import merge_needle_runs
+    from kvbits.report.merge_speed import merge_speed_runs
 
     if args.threshold is not None or args.no_plots:
-        raise ValueError("--threshold and --no-plots apply to kvbits eval runs; these are kvbits needle runs")
-    out = merge_needle_runs(args.runs, args.out, overwrite=args.overwrite)
-    return _print_json_run(out, "needle", args, [str(Path(r)) for r in args.runs])
+        raise ValueError(f"--threshold and --no-plots apply to kvbits eval runs; these are kvbits {kind} runs")
+    merge = merge_needle_runs if kind == "needle" else merge_speed_runs
+    out = merge(args.runs, args.out, overwrite=args.overwrite)
+    return _print_json_run(out, kind, args, [str(Path(r)) for r in args.runs])
 
 
 def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:

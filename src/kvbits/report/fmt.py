@@ -9,6 +9,7 @@ the reference, ``kl`` is the mean KL(reference ‖ quantized) in nats per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "fmt_kl",
     "fmt_pct",
     "fmt_pos",
+    "merged_runs_table",
 ]
 
 DEFAULT_THRESHOLD = 0.01  # "hurts" = perplexity more than 1 % above the unquantized reference
@@ -107,3 +109,24 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_float(x: float, digits: int = 3) -> str:
     return NA if not _ok(x) else f"{x:.{digits}f}"
+
+
+def merged_runs_table(
+    merged: Sequence[Mapping[str, Any]],
+    columns: Sequence[tuple[str, str, Callable[[Mapping[str, Any]], str]]],
+    note: str | None = None,
+) -> list[str]:
+    """Markdown lines of a merged report's "Runs merged" section: one row per run (``merged_from``), its folder,
+    then ``columns`` (``(header, alignment, cell)``: what that run measured), date, commit and torch version."""
+    lines = ["## Runs merged", ""] + ([note, ""] if note else [])
+    lines += [
+        "| run | " + "".join(f"{h} | " for h, _, _ in columns) + "date | commit | torch |",
+        "|:---|" + "".join(f"{a}|" for _, a, _ in columns) + ":---|:---|:---|",
+    ]
+    for m in merged:
+        commit = m.get("commit") or {}
+        sha = str(commit.get("sha") or NA)[:10] + (" (dirty)" if commit.get("dirty") else "")
+        cells = "".join(f"{cell(m)} | " for _, _, cell in columns)
+        lines.append(f"| `{m.get('path')}` | {cells}{m.get('date') or NA} | `{sha}` | "
+                     f"{(m.get('versions') or {}).get('torch', NA)} |")  # fmt: skip
+    return lines + [""]

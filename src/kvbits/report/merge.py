@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,8 @@ def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         hint = {
             "needle": " (it holds a kvbits needle run: needle runs merge with each other, "
             "kvbits.report.merge_needle.merge_needle_runs)",
-            "speed": " (it holds a kvbits speed run: speed runs do not merge)",
+            "speed": " (it holds a kvbits speed run: speed runs merge with each other, "
+            "kvbits.report.merge_speed.merge_speed_runs)",
         }.get(other or "", "")
         raise FileNotFoundError(f"no summary.json in {folder}; expected a kvbits eval output folder{hint}")
     summary = read_json(folder / "summary.json")
@@ -145,6 +146,50 @@ def refuse_out_among(out: Path, folders: Sequence[Path]) -> None:
         raise ValueError(
             f"--out {out} is one of the runs being merged; write the merged report to a new folder"
         )
+
+
+def json_run_meta(
+    names: Sequence[str], summaries: Sequence[Mapping[str, Any]], measured: Callable[[Mapping[str, Any]], dict]
+) -> dict[str, Any]:
+    """The bookkeeping of a merged needle or speed summary: summed ``wall_seconds``, the largest
+    ``peak_rss_bytes``, the latest ``date``, ``commit`` and ``versions`` where all runs agree (else None),
+    ``merged_from`` (each run's folder, ``measured(summary)``, date, commit, versions) and ``merge_date``."""
+
+    def common(key: str) -> Any:
+        values = [s.get(key) for s in summaries]
+        return values[0] if all(v == values[0] for v in values) else None
+
+    dates = [str(s["date"]) for s in summaries if s.get("date")]
+    return {
+        "wall_seconds": sum(float(s.get("wall_seconds") or 0.0) for s in summaries),
+        "peak_rss_bytes": _max_field(summaries, "peak_rss_bytes"),
+        "date": max(dates) if dates else None,
+        "commit": common("commit"),
+        "versions": common("versions"),
+        "merged_from": [
+            {"path": name, **measured(s), **{k: s.get(k) for k in ("date", "commit", "versions")}}
+            for name, s in zip(names, summaries)
+        ],
+        "merge_date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json_merge(
+    merged: Mapping[str, Any], out: Path, folders: Sequence[Path], kind: str, files: Sequence[str],
+    write: Callable[..., Path], *, overwrite: bool,
+) -> Path:  # fmt: skip
+    """Write a merged needle or speed summary with ``write`` into ``out``: refused when ``out`` is one of the
+    runs, or holds a run of its own (not an earlier merge) and ``overwrite`` is not given."""
+    refuse_out_among(out, folders)
+    existing = out / files[0]
+    if existing.is_file() and not overwrite:
+        previous = read_json(existing)
+        if not (isinstance(previous, dict) and isinstance(previous.get("merged_from"), list)):
+            raise ValueError(
+                f"--out {out} holds a kvbits {kind} run of its own, not a merged one; choose another folder or "
+                f"pass --overwrite (only {', '.join(files)} would be replaced)"
+            )
+    return write(merged, out, overwrite=overwrite)
 
 
 def check_fingerprints(

@@ -21,7 +21,6 @@ run's folder, contexts, depths, trials, schemes, date, commit and versions.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import math
 import os
@@ -29,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.merge import check_fingerprints, check_run_folders, refuse_out_among
+from kvbits.report.merge import check_fingerprints, check_run_folders, json_run_meta, write_json_merge
 from kvbits.report.summary import read_json
 
 logger = logging.getLogger(__name__)
@@ -176,12 +175,6 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         res["decode"] = _decode_counts([r for _, r in mine])
         results.append(res)
 
-    def common(key: str) -> Any:
-        values = [s.get(key) for s in summaries]
-        return values[0] if all(v == values[0] for v in values) else None
-
-    rss = [float(s["peak_rss_bytes"]) for s in summaries if isinstance(s.get("peak_rss_bytes"), (int, float))]
-    dates = [str(s["date"]) for s in summaries if s.get("date")]
     first = summaries[0]
     return {
         **{k: first[k] for k in ("version", "task", "model", "data", "semantics")},
@@ -194,26 +187,13 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         "results": results,
         "records": records,
         "reference_seconds": sum(float(s.get("reference_seconds") or 0.0) for s in summaries),
-        "wall_seconds": sum(float(s.get("wall_seconds") or 0.0) for s in summaries),
-        "peak_rss_bytes": max(rss) if rss else None,
-        "date": max(dates) if dates else None,
-        "commit": common("commit"),
-        "versions": common("versions"),
-        "merged_from": [
-            {
-                "path": name,
-                "contexts": s.get("contexts"),
-                "depths": s.get("depths"),
-                "trials": s.get("trials"),
-                "schemes": [str(r["scheme"]) for r in s["results"]],
-                "date": s.get("date"),
-                "commit": s.get("commit"),
-                "versions": s.get("versions"),
-            }
-            for name, s in zip(names, summaries)
-        ],
-        "merge_date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **json_run_meta(names, summaries, _measured),
     }
+
+
+def _measured(s: Mapping[str, Any]) -> dict[str, Any]:
+    """What one needle run measured, for ``merged_from``."""
+    return {**{k: s.get(k) for k in ("contexts", "depths", "trials")}, "schemes": [str(r["scheme"]) for r in s["results"]]}
 
 
 def merge_needle_runs(
@@ -236,17 +216,7 @@ def merge_needle_runs(
     folders = check_run_folders(runs)
     summaries = [_load(f) for f in folders]
     merged = merge_needle(summaries, [str(f) for f in folders])
-    out = Path(out_dir)
-    refuse_out_among(out, folders)
-    existing = out / NEEDLE_FILES[0]
-    if existing.is_file() and not overwrite:
-        previous = read_json(existing)
-        if not (isinstance(previous, dict) and isinstance(previous.get("merged_from"), list)):
-            raise ValueError(
-                f"--out {out} holds a kvbits needle run of its own, not a merged one; choose another folder or "
-                f"pass --overwrite (only {', '.join(NEEDLE_FILES)} would be replaced)"
-            )
-    write_needle(merged, out, overwrite=overwrite)
+    out = write_json_merge(merged, Path(out_dir), folders, "needle", NEEDLE_FILES, write_needle, overwrite=overwrite)
     logger.info("merged %d needle runs (%d trials, %d schemes) into %s", len(folders), len(merged["records"]),
                 len(merged["results"]), out)  # fmt: skip
     return out

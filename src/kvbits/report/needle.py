@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.fmt import fmt_kl, fmt_pos
+from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
 
 __all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "trial_counts", "write_needle"]
@@ -163,22 +163,12 @@ def _trials_per_cell(summary: Mapping[str, Any]) -> str:
 
 def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
     """The runs a merged report was made of, with what each measured and where it ran."""
-    lines = [
-        "## Runs merged",
-        "",
-        "| run | contexts | depths | trials | schemes | date | commit | torch |",
-        "|:---|:---|:---|---:|:---|:---|:---|:---|",
-    ]
-    for m in merged:
-        commit = m.get("commit") or {}
-        sha = str(commit.get("sha") or "n/a")[:10] + (" (dirty)" if commit.get("dirty") else "")
-        lines.append(
-            f"| `{m.get('path')}` | {', '.join(fmt_pos(c) for c in m.get('contexts') or [])} | "
-            f"{', '.join(f'{d:g}' for d in m.get('depths') or [])} | {m.get('trials')} | "
-            f"{', '.join(m.get('schemes') or [])} | {m.get('date') or 'n/a'} | `{sha}` | "
-            f"{(m.get('versions') or {}).get('torch', 'n/a')} |"
-        )
-    return lines + [""]
+    return merged_runs_table(merged, [
+        ("contexts", ":---", lambda m: ", ".join(fmt_pos(c) for c in m.get("contexts") or [])),
+        ("depths", ":---", lambda m: ", ".join(f"{d:g}" for d in m.get("depths") or [])),
+        ("trials", "---:", lambda m: str(m.get("trials"))),
+        ("schemes", ":---", lambda m: ", ".join(m.get("schemes") or [])),
+    ])  # fmt: skip
 
 
 def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:

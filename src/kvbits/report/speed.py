@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.fmt import fmt_bytes, fmt_pos
+from kvbits.report.fmt import fmt_bytes, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
 
 __all__ = ["SPEED_FILES", "check_speed_out", "plot_speed", "speed_markdown", "write_speed"]
@@ -86,6 +86,14 @@ def _agree_cell(r: Mapping[str, Any] | None) -> str:
     return f"{100 * r['agreement']:.0f}%" + ("" if first is None else f", from step {first}")
 
 
+def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
+    """The runs a merged report was made of: the cells each timed, when and with what."""
+    return merged_runs_table(merged, [
+        ("contexts", ":---", lambda m: ", ".join(fmt_pos(c) for c in m.get("contexts") or [])),
+        ("batches", ":---", lambda m: ", ".join(str(b) for b in m.get("batches") or [])),
+    ], note="*Each (context, batch) cell comes whole from one run: its baseline and schemes timed together.*")  # fmt: skip
+
+
 def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     """The report as Markdown: the setting, tokens/s and step times by context for each batch, the bytes
     each cache holds, CUDA memory where measured, and greedy-token agreement; ``figure``: link speed.png."""
@@ -147,6 +155,8 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             "",
         ]
         lines += _table(summary, batch, _agree_cell)
+    if summary.get("merged_from"):
+        lines += _merged_table(summary["merged_from"])
     if figure:
         lines += ["## Figure", "", "![decode tokens/s by context](speed.png)", ""]
     short = [r for r in summary["runs"] if r["path"] == "fused" and r.get("decode")

@@ -1,0 +1,151 @@
+"""Several ``kvbits speed`` folders of the same model, machine and setting as one decode-speed report.
+
+Long contexts take long on a CPU, so they are often timed apart from the short ones (or another batch
+later). ``kvbits report A B --out C`` (with speed folders) puts them in one report. A step time is only
+comparable with times taken in the same run: a shared machine's speed drifts between runs (this project's
+VM by up to 1.4x in one session). So a (context, batch) cell is merged whole, from one run: its
+``DynamicCache`` baseline and every scheme timed together, its speed-up against its own baseline. Before
+it writes anything the merge checks:
+
+- the same summary version, model (fingerprint), prompts' text, dtype, device (type, name, threads),
+  layers, timed and warm-up steps, fused-decode and workspace setting;
+- the same schemes in every run (name, average bits, peer or not, decode path), in the same order;
+- every (context, batch) cell in one run only.
+
+Contexts and batches are the union of the runs'; a cell no run timed reads ``n/a``. Seconds are summed,
+the peak RSS is the largest; ``merged_from`` lists each run's folder, contexts, batches, date, commit and
+versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbits.report.merge import check_run_folders, json_run_meta, write_json_merge
+from kvbits.report.summary import read_json
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["merge_speed", "merge_speed_runs"]
+
+_SAME = ("version", "model", "data", "dtype", "device", "layers", "tokens", "warmup", "fused_decode", "workspace")
+_SCHEME = ("scheme", "peer", "path")
+
+
+def _load(folder: Path) -> dict[str, Any]:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits speed output folder")
+    path = folder / "speed.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no speed.json in {folder}; expected a kvbits speed output folder")
+    summary = read_json(path)
+    if not (isinstance(summary, dict) and isinstance(summary.get("runs"), list) and summary["runs"]
+            and isinstance(summary.get("schemes"), list)):  # fmt: skip
+        raise ValueError(f"{path} holds no timed runs; nothing to merge")
+    return summary
+
+
+def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]]) -> None:
+    first = summaries[0]
+    model = (first.get("fingerprint") or {}).get("model")
+    for name, s in zip(names[1:], summaries[1:]):
+        for key in _SAME:
+            if s.get(key) != first.get(key):
+                raise ValueError(
+                    f"runs differ in {key}: {first.get(key)!r} in {names[0]}, {s.get(key)!r} in {name}; only "
+                    "speed runs of the same model, prompts, machine and setting share a report (step times from "
+                    "other settings do not compare)"
+                )
+        other = (s.get("fingerprint") or {}).get("model")
+        if not model or not other:
+            raise ValueError(
+                f"{names[0] if not model else name} records no model fingerprint: kvbits can not tell that the "
+                "runs timed the same model (re-run it with a current kvbits speed)"
+            )
+        if other != model:
+            raise ValueError(f"runs differ in their model weights: fingerprint {model} in {names[0]}, {other} in {name}")
+        a, b = ([{k: x.get(k) for k in _SCHEME} for x in t["schemes"]] for t in (first, s))
+        bits_a, bits_b = ([x.get("avg_bits") for x in t["schemes"]] for t in (first, s))
+        same_bits = len(bits_a) == len(bits_b) and all(
+            (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, rel_tol=1e-9))
+            for x, y in zip(bits_a, bits_b)
+        )
+        if a != b or not same_bits:
+            raise ValueError(
+                f"runs timed other schemes: {[x['scheme'] for x in a]} in {names[0]}, {[x['scheme'] for x in b]} "
+                f"in {name} (or the same names with other bits or decode paths); a merged report holds the same "
+                "caches in every cell: time the same schemes"
+            )
+
+
+def _cells(names: Sequence[str], summaries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Every run's timed runs, each (context, batch) cell from one run only."""
+    owner: dict[tuple[int, int], str] = {}
+    runs = []
+    for name, s in zip(names, summaries):
+        mine = {(int(r["context"]), int(r["batch"])) for r in s["runs"]}
+        for cell in sorted(mine):
+            if cell in owner:
+                raise ValueError(
+                    f"context {cell[0]} x batch {cell[1]} was timed in both {owner[cell]} and {name}; a merged "
+                    "report takes each cell's baseline and schemes from one run (their times compare only "
+                    "with each other): merge without one of them"
+                )
+            owner[cell] = name
+        runs += [dict(r) for r in s["runs"]]
+    return sorted(runs, key=lambda r: (int(r["batch"]), int(r["context"])))
+
+
+def merge_speed(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None) -> dict[str, Any]:
+    """One ``kvbits speed`` summary from several (module docstring); ``names`` label the runs in errors and
+    in ``merged_from`` (default ``run 1``, ``run 2``, ...). ``ValueError`` when they can not merge."""
+    names = list(names) if names is not None else [f"run {i + 1}" for i in range(len(summaries))]
+    if len(summaries) < 2 or len(names) != len(summaries):
+        raise ValueError(f"merging needs two or more speed summaries (and a name each), got {len(summaries)}")
+    _check_setting(names, summaries)
+    runs = _cells(names, summaries)
+    first = summaries[0]
+    longest = max(summaries, key=lambda s: max(int(c) for c in s["contexts"]))  # calibration mismatch there
+
+    prompts: dict[str, Any] = {}
+    for s in summaries:
+        prompts.update((s.get("fingerprint") or {}).get("prompts") or {})
+    return {
+        **{k: first[k] for k in _SAME if k in first},
+        "contexts": sorted({int(r["context"]) for r in runs}),
+        "batches": sorted({int(r["batch"]) for r in runs}),
+        "schemes": [dict(x) for x in longest["schemes"]],
+        "runs": runs,
+        "fingerprint": {"model": first["fingerprint"]["model"], "prompts": prompts},
+        **json_run_meta(names, summaries, lambda s: {k: s.get(k) for k in ("contexts", "batches")}),
+    }
+
+
+def merge_speed_runs(
+    runs: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Merge two or more ``kvbits speed`` folders into ``out_dir`` (``speed.json``, ``report.md``, the figure).
+
+    Args:
+        runs: the speed folders.
+        out_dir: a new or empty folder, or one an earlier merge wrote (``overwrite``: any other; only the
+            speed files are replaced).
+
+    Raises:
+        FileNotFoundError: a folder without ``speed.json``.
+        ValueError: fewer than two runs, runs that can not share one report (module docstring; the message
+            names the field or the cell and both folders), or a bad ``out_dir``.
+    """
+    from kvbits.report.speed import SPEED_FILES, write_speed
+
+    folders = check_run_folders(runs)
+    summaries = [_load(f) for f in folders]
+    merged = merge_speed(summaries, [str(f) for f in folders])
+    out = write_json_merge(merged, Path(out_dir), folders, "speed", SPEED_FILES, write_speed, overwrite=overwrite)
+    logger.info("merged %d speed runs (%d timed runs) into %s", len(folders), len(merged["runs"]), out)
+    return out
