@@ -42,10 +42,14 @@ __all__ = [
     "REF_RTOL",
     "check_fingerprints",
     "check_run_folders",
+    "check_same",
     "is_merged",
+    "json_run_meta",
+    "load_json_run",
     "merge_runs",
     "other_run_kind",
     "refuse_out_among",
+    "write_json_merge",
 ]
 
 REF_RTOL = 1e-4
@@ -192,11 +196,39 @@ def write_json_merge(
     return write(merged, out, overwrite=overwrite)
 
 
+def check_same(
+    first_name: object, first: Mapping[str, Any], name: object, summary: Mapping[str, Any], keys: Sequence[str],
+    hint: str,
+) -> None:  # fmt: skip
+    """``ValueError`` naming the field and both runs (then ``hint``) unless the summaries agree on ``keys``."""
+    for key in keys:
+        if summary.get(key) != first.get(key):
+            raise ValueError(
+                f"runs differ in {key}: {first.get(key)!r} in {first_name}, {summary.get(key)!r} in {name}; {hint}"
+            )
+
+
+def load_json_run(folder: Path, kind: str, ok: Callable[[Any], bool], empty: str) -> dict[str, Any]:
+    """The ``<kind>.json`` summary of a ``kvbits needle`` / ``speed`` folder: ``FileNotFoundError`` without one,
+    ``ValueError`` (``"<path> holds <empty>"``) unless ``ok(summary)``."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits {kind} output folder")
+    path = folder / f"{kind}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {kind}.json in {folder}; expected a kvbits {kind} output folder")
+    summary = read_json(path)
+    if not (isinstance(summary, dict) and ok(summary)):
+        raise ValueError(f"{path} holds {empty}; nothing to merge")
+    return summary
+
+
 def check_fingerprints(
-    first_name: object, first: Mapping[str, Any], name: object, summary: Mapping[str, Any], command: str = "eval"
-) -> None:
-    """``ValueError`` unless both run summaries record the same model and tokens ``fingerprint``."""
-    for key in ("model", "tokens"):
+    first_name: object, first: Mapping[str, Any], name: object, summary: Mapping[str, Any], command: str = "eval",
+    keys: Sequence[str] = ("model", "tokens"),
+) -> None:  # fmt: skip
+    """``ValueError`` unless both run summaries record the same ``fingerprint`` entries ``keys`` (a speed run's
+    prompts are fingerprinted per cell, so it checks the model only)."""
+    for key in keys:
         a, b = ((s.get("fingerprint") or {}).get(key) for s in (first, summary))
         if not a or not b:
             raise ValueError(
@@ -214,12 +246,7 @@ def _check_comparable(
     """``ValueError`` naming the field and the runs when the runs can not share one report."""
     first, first_dir = summaries[0], folders[0]
     for folder, summary, config in zip(folders[1:], summaries[1:], configs[1:]):
-        for key in _SETTING:
-            if summary.get(key) != first.get(key):
-                raise ValueError(
-                    f"runs differ in {key}: {first.get(key)!r} in {first_dir}, {summary.get(key)!r} in {folder}; "
-                    "only runs of the same model, text and setting share a report"
-                )
+        check_same(first_dir, first, folder, summary, _SETTING, "only runs of the same model, text and setting share a report")
         check_fingerprints(first_dir, first, folder, summary)
         req0, req = configs[0].get("request") or {}, config.get("request") or {}
         for key in _REQUEST_SETTING:

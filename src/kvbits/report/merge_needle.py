@@ -28,8 +28,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.merge import check_fingerprints, check_run_folders, json_run_meta, write_json_merge
-from kvbits.report.summary import read_json
+from kvbits.report.merge import (
+    check_fingerprints,
+    check_run_folders,
+    check_same,
+    json_run_meta,
+    load_json_run,
+    write_json_merge,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +50,10 @@ TrialId = tuple[int, float, int]
 
 
 def _load(folder: Path) -> dict[str, Any]:
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits needle output folder")
-    path = folder / "needle.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no needle.json in {folder}; expected a kvbits needle output folder")
-    summary = read_json(path)
-    if not (
-        isinstance(summary, dict)
-        and isinstance(summary.get("records"), list)
-        and isinstance(summary.get("results"), list)
-        and summary["records"]
-        and summary["results"]
-    ):
-        raise ValueError(f"{path} holds no trials or no scheme results; nothing to merge")
-    return summary
+    return load_json_run(
+        folder, "needle", lambda s: isinstance(s.get("records"), list) and isinstance(s.get("results"), list)
+        and bool(s["records"]) and bool(s["results"]), "no trials or no scheme results",
+    )  # fmt: skip
 
 
 def _trial_id(record: Mapping[str, Any]) -> TrialId:
@@ -72,12 +67,8 @@ def _cell(tid: TrialId) -> str:
 def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]]) -> None:
     first = summaries[0]
     for name, s in zip(names[1:], summaries[1:]):
-        for key in _SAME:
-            if s.get(key) != first.get(key):
-                raise ValueError(
-                    f"runs differ in {key}: {first.get(key)!r} in {names[0]}, {s.get(key)!r} in {name}; only "
-                    "passkey runs of the same model, text, task, semantics and seed share a report"
-                )
+        check_same(names[0], first, name, s, _SAME,
+                   "only passkey runs of the same model, text, task, semantics and seed share a report")  # fmt: skip
         check_fingerprints(names[0], first, name, s, "needle")
 
 

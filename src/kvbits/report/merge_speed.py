@@ -26,8 +26,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.merge import check_run_folders, json_run_meta, write_json_merge
-from kvbits.report.summary import read_json
+from kvbits.report.merge import (
+    check_fingerprints,
+    check_run_folders,
+    check_same,
+    json_run_meta,
+    load_json_run,
+    write_json_merge,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,37 +44,18 @@ _SCHEME = ("scheme", "peer", "path")
 
 
 def _load(folder: Path) -> dict[str, Any]:
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder; expected a kvbits speed output folder")
-    path = folder / "speed.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no speed.json in {folder}; expected a kvbits speed output folder")
-    summary = read_json(path)
-    if not (isinstance(summary, dict) and isinstance(summary.get("runs"), list) and summary["runs"]
-            and isinstance(summary.get("schemes"), list)):  # fmt: skip
-        raise ValueError(f"{path} holds no timed runs; nothing to merge")
-    return summary
+    return load_json_run(
+        folder, "speed", lambda s: isinstance(s.get("runs"), list) and bool(s["runs"])
+        and isinstance(s.get("schemes"), list), "no timed runs",
+    )  # fmt: skip
 
 
 def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]]) -> None:
     first = summaries[0]
-    model = (first.get("fingerprint") or {}).get("model")
     for name, s in zip(names[1:], summaries[1:]):
-        for key in _SAME:
-            if s.get(key) != first.get(key):
-                raise ValueError(
-                    f"runs differ in {key}: {first.get(key)!r} in {names[0]}, {s.get(key)!r} in {name}; only "
-                    "speed runs of the same model, prompts, machine and setting share a report (step times from "
-                    "other settings do not compare)"
-                )
-        other = (s.get("fingerprint") or {}).get("model")
-        if not model or not other:
-            raise ValueError(
-                f"{names[0] if not model else name} records no model fingerprint: kvbits can not tell that the "
-                "runs timed the same model (re-run it with a current kvbits speed)"
-            )
-        if other != model:
-            raise ValueError(f"runs differ in their model weights: fingerprint {model} in {names[0]}, {other} in {name}")
+        check_same(names[0], first, name, s, _SAME, "only speed runs of the same model, prompts, machine and setting "
+                   "share a report (step times from other settings do not compare)")  # fmt: skip
+        check_fingerprints(names[0], first, name, s, "speed", keys=("model",))
         a, b = ([{k: x.get(k) for k in _SCHEME} for x in t["schemes"]] for t in (first, s))
         bits_a, bits_b = ([x.get("avg_bits") for x in t["schemes"]] for t in (first, s))
         same_bits = len(bits_a) == len(bits_b) and all(
