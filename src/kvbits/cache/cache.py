@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
-from kvbits.cache.layer import QuantizedKVLayer, find_position_ids
+from kvbits.cache.layer import QuantizedKVLayer, check_max_cache_len, find_position_ids
 from kvbits.plan.config import attention_heads, layer_heads, text_config
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
@@ -122,6 +122,13 @@ class QuantizedKVCache(Cache):
             names the layer, side, update steps and token positions. ``"auto"`` (default): eager on CPU,
             lazy on CUDA (and other accelerators). Clipped counts are exact either way.
         check_every: update steps between lazy checks (default 64).
+        max_cache_len: the longest sequence (prompt + generated tokens) to reserve quantized storage for, as
+            a server reserves a request's memory up front (``None``, default: nothing reserved). Each full
+            layer allocates its quantized codes and metadata for that length at its first flush and writes
+            every later flush in place, where a growing cache copies the layer's whole quantized history
+            at every flush (every decode step for per-token schemes). ``memory_report()`` then counts the
+            reservation, and at ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
+            sequences still work: the layer logs it and grows by copying.
     """
 
     def __init__(
@@ -136,8 +143,10 @@ class QuantizedKVCache(Cache):
         fused_decode: bool | str = "auto",
         checks: str = "auto",
         check_every: int = kv_checks.DEFAULT_CHECK_EVERY,
+        max_cache_len: int | None = None,
     ) -> None:
         self.scheme = get_scheme(scheme)
+        self.max_cache_len = check_max_cache_len(max_cache_len)
         self.checks_mode = kv_checks.check_mode(checks)
         self.check_every = kv_checks.check_every_arg(check_every)
         self._input_error: str | None = None  # a failed lazy check: every update raises it until reset()
@@ -225,7 +234,7 @@ class QuantizedKVCache(Cache):
             num_key_value_heads=kv_heads, head_repeat=repeat, head_dim=head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
-            checks=self.checks_mode, check_every=self.check_every,
+            checks=self.checks_mode, check_every=self.check_every, max_cache_len=self.max_cache_len,
         )
         if getattr(self, "calibration", None) is not None:  # lazily created layers
             self._calibrate_layer(layer)

@@ -281,7 +281,8 @@ def slot_masks(
 def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> PackedStore:
     """The layer's tokens in the decode-kernel layout (``kvbits.kernels.reference``), no validation syncs.
 
-    Quantized slots: the stored chunks (``SideStore.packed``); tail: sinks then buffer
+    Quantized slots: the stored chunks (``SideStore.packed``: all reserved slots when the cache has
+    ``max_cache_len``, of which ``quant_lens`` and ``quant_used`` say the first ``n_quantized``); tail: sinks then buffer
     (``SideStore.full_tail``). Every sequence has the same lengths; pre-RoPE keys start at position
     ``n_sinks + n_dropped``. ``keep`` ``(B, tokens_seen)`` bool: the cache positions each sequence may
     attend to (``False``: left padding), turned into slot masks (``slot_masks``).
@@ -291,7 +292,8 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
     key_full, value_full = k.full_tail(), v.full_tail()
     ref = key_full if key_full is not None else key.codes
     B, device = ref.shape[0], ref.device
-    T_q = 0 if key is None else key.n_slots
+    T_q = k.n_quantized if key is not None else 0  # slots in use; key.n_slots more with a reservation
+    slots = 0 if key is None else key.n_slots
     T_f = 0 if key_full is None else key_full.shape[2]
     quant_lens = torch.full((B,), T_q, dtype=torch.int32, device=device)
     full_lens = torch.full((B,), T_f, dtype=torch.int32, device=device)
@@ -307,6 +309,9 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
     quant_mask = full_mask = None
     if keep is not None:
         quant_mask, full_mask = slot_masks(layer, keep)
+        if quant_mask is not None and slots > T_q:  # reserved slots: the mask spans them all (never read)
+            quant_mask = torch.nn.functional.pad(quant_mask, (0, slots - T_q), value=False)
     return PackedStore(
-        key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0, quant_mask, full_mask
-    )
+        key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0, quant_mask, full_mask,
+        quant_used=T_q if slots > T_q else None,
+    )  # fmt: skip

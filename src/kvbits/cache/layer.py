@@ -31,7 +31,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
-from kvbits.cache.store import SideStore
+from kvbits.cache.store import SideStore, mergeable
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.nuq import check_codebook
 from kvbits.quant.tensor import FLOAT_DTYPES, check_finite, check_static_scale
@@ -106,6 +106,13 @@ def _repeats_heads(x: torch.Tensor, g: int) -> torch.Tensor:
     return (groups == groups[:, :, :1]).all()
 
 
+def check_max_cache_len(value: Any) -> int | None:
+    """``max_cache_len`` as given (a positive int or ``None``); ``ValueError`` otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"max_cache_len must be a positive int (tokens per sequence) or None, got {value!r}")
+    return value
+
+
 class QuantizedKVLayer(CacheLayerMixin):
     """Quantized K/V of one attention layer (full attention or sliding window).
 
@@ -136,6 +143,12 @@ class QuantizedKVLayer(CacheLayerMixin):
             ``check_every`` update steps and by ``materialize()`` (no sync per step), ``"auto"`` (default):
             eager on CPU, lazy on CUDA and other accelerators.
         check_every: update steps between lazy checks (default 64).
+        max_cache_len: tokens per sequence to reserve quantized storage for (``None``: none reserved). A
+            full-attention layer whose key or value spec keeps one growing chunk (``store.mergeable``)
+            allocates it at the first flush for the tokens ``token_split`` quantizes at ``max_cache_len``
+            and writes later flushes in place: no copy of the history per flush, and from then on the bytes
+            ``kvbits.plan`` counts at that context (see ``kvbits.cache.store``). Past it, logged, the layer
+            grows by copying as without it. Sliding-window layers reserve nothing.
 
     Calibrated parameters (static scales, NUQ codebooks) are installed with ``set_static_qparams``.
 
@@ -163,8 +176,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         rope_tables: fused.RopeTableCache | None = None,
         checks: str = "auto",
         check_every: int = kv_checks.DEFAULT_CHECK_EVERY,
+        max_cache_len: int | None = None,
     ) -> None:
         super().__init__()
+        self.max_cache_len = check_max_cache_len(max_cache_len)
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         self.scheme = scheme
@@ -205,6 +220,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             scheme.value, name=f"layer {layer_idx} values", workspace=workspace and quantized,
             static_scale=_fixed_scale(scheme.value, num_key_value_heads) if quantized else None,
         )
+        if quantized and not self.is_sliding and self.max_cache_len is not None:
+            reserve = token_split(scheme, self.max_cache_len).quantized
+            for store in (self._k, self._v):
+                store.reserve_tokens = reserve if mergeable(store.spec) else 0
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
         # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less; bf16/fp32 more
@@ -556,6 +575,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             "tokens_seen": self.tokens_seen,
             "sink_tokens": sinks,
             "quantized_tokens": quant,
+            "reserved_tokens": max(self._k.reserved_slots, self._v.reserved_slots),  # max_cache_len: slots held
             "full_tokens": full,
             "dropped_tokens": self.dropped_tokens,
             "sliding_window": self.sliding_window,

@@ -13,6 +13,14 @@ scale only reduces over one token, or over a group of tokens inside one block (`
 of the channel group, see ``KVScheme``). Head / tensor granularity reduce over a whole block, so each
 block stays its own chunk.
 
+Growing that one chunk by concatenation copies the layer's whole quantized history at every flush: at
+every decode step for per-token schemes (``block = 1``), more bytes than the fused kernel reads. A store
+with ``reserve_tokens`` (``QuantizedKVCache(max_cache_len=...)``) allocates the chunk's tensors for that
+many tokens at its first flush, zero-filled, and writes each flush in place; the chunk views the slots in
+use. The held bytes are then the reservation (``components``), which at ``max_cache_len`` tokens is what
+``kvbits.plan`` counts for that context. Past the reservation it is released (logged) and the chunk grows
+by concatenation again.
+
 A long flush (a prefill) is quantized, and a long quantized history decoded, ``SLICE_TOKENS`` tokens at a
 time (whole blocks; whole scale groups): the same bits as one call, with the float32 working copies of
 one slice instead of the whole history beside what the store holds and returns.
@@ -31,6 +39,7 @@ reads them), so every sequence's keys are quantized in their own pre-RoPE frame.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -47,6 +56,8 @@ from kvbits.schemes.spec import TensorSpec
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.kernels.reference import PackedTensor
     from kvbits.quant.rope import RotaryTables
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SLICE_TOKENS", "SideStore", "mergeable", "rope_at"]
 
@@ -192,6 +203,13 @@ class SideStore:
         self._pos_offset: torch.Tensor | None = None
         self._positions_ahead: int | None = None  # host copy of -min(pos_offset, 0), read when first needed
         self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
+        # quantized slots to allocate once, at the first flush (QuantizedKVLayer's max_cache_len); 0: the one chunk
+        # of a mergeable spec grows by concatenation, a copy of the whole history at every flush
+        self.reserve_tokens = 0
+        # the reserved storage: each token tensor of the chunk for reserve_tokens slots (zeros past the chunk,
+        # which views its first n_quantized); None: no reservation held
+        self._slots: dict[str, torch.Tensor] | None = None
+        self._told_exceeded = False
         # called with (x, qt) for each chunk a flush quantizes: x (B, H_kv, n, D) the tokens as quantized (un-rotated
         # for pre-RoPE keys), qt their QuantizedTensor (kvbits.monitor's online error signal); None: no cost
         self.observer: Callable[[torch.Tensor, QuantizedTensor], None] | None = None
@@ -210,7 +228,8 @@ class SideStore:
         self.chunks = []
         self.work = like.new_empty((B, H, 0, D)) if self.use_workspace else None
         self.clipped = self.n_dropped = 0
-        self._packed = None
+        self._packed = self._slots = None
+        self._told_exceeded = False
         self.pos_offset = None
         for name in ("static_scale", "static_zero", "codebook"):
             if getattr(self, name) is not None:
@@ -223,7 +242,7 @@ class SideStore:
         self.sinks = self.buffer = self.work = None
         self.chunks = []
         self.clipped = self.n_dropped = 0
-        self._packed = None
+        self._packed = self._slots = None
         self.pos_offset = None
 
     @property
@@ -252,6 +271,11 @@ class SideStore:
     @property
     def n_quantized(self) -> int:
         return sum(c.n_tokens for c in self.chunks)
+
+    @property
+    def reserved_slots(self) -> int:
+        """Quantized slots allocated by a reservation (``reserve_tokens`` once held), 0 when none is held."""
+        return self.reserve_tokens if self._slots is not None else 0
 
     @property
     def n_buffer(self) -> int:
@@ -298,26 +322,74 @@ class SideStore:
                 self.observer(x, qt)
             new.append(qt)
         self._packed = None
-        if mergeable(self.spec):
-            new = [_cat_chunks(*new)]
         for qt in new:
             self.clipped += qt.clipped
             if self.work is not None:
                 self.work = torch.cat([self.work, self._dequantize(qt, p0, self.work.dtype)], dim=2)
             p0 += qt.n_tokens
-            if self.chunks and mergeable(self.spec):
-                self.chunks[-1] = _cat_chunks(self.chunks[-1], qt)
-            else:
-                self.chunks.append(qt)
+        if mergeable(self.spec):
+            self._append_merged(new)
+        else:
+            self.chunks += new
         # clone: a view would keep the flushed tokens' full-precision storage alive
         self.buffer = self.buffer[:, :, n_tokens:].clone()
+
+    def _append_merged(self, new: list[QuantizedTensor]) -> None:
+        """Append the slices one flush quantized to the one chunk of a ``mergeable`` spec: written into the
+        reserved slots when they hold them (no copy of the history), else concatenated into a new chunk."""
+        have, n_new = self.n_quantized, sum(qt.n_tokens for qt in new)
+        if not self._reserve(new[0], have + n_new):
+            self.chunks = [_cat_chunks(*self.chunks, *new)]
+            return
+        C, at = self.reserve_tokens, have
+        for qt in new:
+            for name in _token_tensors(qt):
+                _slice_tokens(self._slots[name], C, at, at + qt.n_tokens, copy=False).copy_(getattr(qt, name))
+            at += qt.n_tokens
+        clipped = sum((qt.clipped for qt in new[1:]), new[0].clipped)
+        if self.chunks:
+            clipped = self.chunks[0].clipped + clipped
+        views = {name: _slice_tokens(t, C, 0, at, copy=False) for name, t in self._slots.items()}
+        B, H, _, D = new[0].shape
+        self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
+
+    def _reserve(self, like: QuantizedTensor, needed: int) -> bool:
+        """Whether the reserved slots (allocated here, zero-filled, from ``like``'s shapes, the chunk so far copied
+        in) hold ``needed`` quantized tokens. Beyond the reservation it is released (logged once per request): the
+        chunk is concatenated as without one, so the held bytes again follow the tokens."""
+        C = self.reserve_tokens
+        if C <= 0:
+            return False
+        if needed > C:
+            if not self._told_exceeded:
+                logger.warning(
+                    "%s: %d quantized tokens exceed the %d reserved for max_cache_len; the reservation is released "
+                    "and the history grows by copying, as without one", self.name, needed, C,
+                )  # fmt: skip
+                self._told_exceeded = True
+            self._slots = None
+            return False
+        if self._slots is None:
+            slots = {}
+            for name in _token_tensors(like):
+                t = getattr(like, name)
+                unit = like.n_tokens // t.shape[2]
+                if C % unit:
+                    raise AssertionError(f"{self.name}: {C} reserved tokens are not whole groups of {unit}")
+                slots[name] = t.new_zeros((*t.shape[:2], C // unit, *t.shape[3:]))
+            if self.chunks:  # reserved after the chunk began (a batch map released the slots): copy it in once
+                first = self.chunks[0]
+                for name, t in slots.items():
+                    _slice_tokens(t, C, 0, first.n_tokens, copy=False).copy_(getattr(first, name))
+            self._slots = slots
+        return True
 
     # -------------------------------------------------------------- removing
     def drop_quantized_front(self, n_tokens: int) -> None:
         """Forget the ``n_tokens`` oldest quantized tokens (whole blocks; sliding-window layers)."""
         if n_tokens <= 0:
             return
-        self._packed = None
+        self._packed = self._slots = None  # the chunk left is a copy (_slice_chunk): a reservation would be stale
         left = n_tokens
         while left and self.chunks and self.chunks[0].n_tokens <= left:
             left -= self.chunks.pop(0).n_tokens
@@ -346,7 +418,7 @@ class SideStore:
         """Apply ``fn`` to the batch dimension of every per-sequence tensor (beam search, expansion)."""
         if self.buffer is None:
             return
-        self._packed = None
+        self._packed = self._slots = None  # the mapped chunk is new storage; the next flush reserves again
         self.sinks, self.buffer = fn(self.sinks), fn(self.buffer)
         if self.pos_offset is not None:
             self.pos_offset = fn(self.pos_offset)
@@ -406,7 +478,9 @@ class SideStore:
 
     def packed(self) -> PackedTensor | None:
         """The quantized chunks in the decode-kernel layout (``kvbits.kernels.reference.pack_side``), or
-        ``None`` when nothing is quantized. NotImplementedError for specs the layout cannot hold.
+        ``None`` when nothing is quantized. NotImplementedError for specs the layout cannot hold. With
+        reserved slots (``reserve_tokens``) it covers all of them, ``n_slots >= n_quantized``: the slots past
+        ``n_quantized`` are zeros the kernels never read (``kvbits.cache.fused.packed_store`` sets the lengths).
 
         A single chunk (every ``mergeable`` spec) is handed over without a copy and the view is kept until
         the chunks change; several chunks (head / tensor granularity) are concatenated on every call and
@@ -418,7 +492,11 @@ class SideStore:
             return self._packed
         from kvbits.kernels.reference import pack_side
 
-        p = pack_side(self.chunks, self.name)
+        chunks = self.chunks
+        if self._slots is not None:  # every reserved slot: the kernels read the first n_quantized (quant_lens)
+            B, H, _, D = chunks[0].shape
+            chunks = [replace(chunks[0], shape=(B, H, self.reserve_tokens, D), **self._slots)]
+        p = pack_side(chunks, self.name)
         own = {t.untyped_storage().data_ptr() for c in self.chunks for t in c.stored_tensors()}
         if all(t.untyped_storage().data_ptr() in own for t in (p.codes, p.scale, p.zero) if t is not None):
             self._packed = p  # views of the chunk: keeping them costs nothing
@@ -442,6 +520,11 @@ class SideStore:
         if self.buffer is None:
             return out
         out["full_precision"] = [self.sinks, self.buffer]
+        if self._slots is not None:  # what is allocated: every reserved slot, used or not
+            kinds = {"data": "codes", "scale": "scales", "zero": "zero_points"}
+            for name, t in self._slots.items():
+                out[kinds.get(name, "outliers")].append(t)
+            return out
         for c in self.chunks:
             out["codes"].append(c.data)
             if not c.static:

@@ -27,6 +27,8 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
 
     def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":  # shape only, no memory (the fused path's placeholder K/V)
+            return
         storage = t.untyped_storage()
         key, n = storage.data_ptr(), storage.nbytes()
         if n == 0 or key in self.live:

@@ -184,6 +184,9 @@ class PackedStore:
             negative for a left-padded row (its pad slots, masked, sit before position 0).
         quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots a sequence must not
             attend to (left padding), or ``None`` (every slot within the lengths).
+        quant_used: ``max(quant_lens)`` when the host knows it and it is below ``T_q`` (a cache's reserved
+            slots: ``QuantizedKVCache(max_cache_len=...)``), else ``None``. The kernels split only those
+            slots and the reference reads only those; the lengths still decide what each sequence attends.
     """
 
     key: PackedTensor | None
@@ -197,6 +200,12 @@ class PackedStore:
     quant_pos0: torch.Tensor | None = None
     quant_mask: torch.Tensor | None = None
     full_mask: torch.Tensor | None = None
+    quant_used: int | None = None
+
+    def __post_init__(self) -> None:
+        T_q = 0 if self.key is None else self.key.n_slots
+        if self.quant_used is not None and not 0 <= self.quant_used <= T_q:
+            raise ValueError(f"quant_used must be in [0, {T_q}] (the quantized slots), got {self.quant_used}")
 
     @property
     def batch(self) -> int:
@@ -488,6 +497,30 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     return out.to(dtype)
 
 
+def _head_slots(p: PackedTensor, n: int) -> PackedTensor:
+    """The first ``n`` slots of a side (views): codes and outliers by slot, scales by their rows."""
+    rows = -(-n // p.tps)  # static scales (tps = STATIC_TPS): their one row
+
+    def first(t: torch.Tensor | None, k: int) -> torch.Tensor | None:
+        return None if t is None else t[:, :, :k]
+
+    return replace(
+        p, codes=first(p.codes, n), scale=first(p.scale, rows), zero=first(p.zero, rows),
+        outlier_values=first(p.outlier_values, n), outlier_index=first(p.outlier_index, n),
+    )  # fmt: skip
+
+
+def used_slots(store: PackedStore) -> PackedStore:
+    """``store`` cut to the quantized slots in use (``quant_used``, views; the store itself when ``None``)."""
+    u = store.quant_used
+    if u is None or store.key is None or u == store.key.n_slots:
+        return store
+    qm = None if store.quant_mask is None else store.quant_mask[:, :u]
+    return replace(
+        store, key=_head_slots(store.key, u), value=_head_slots(store.value, u), quant_mask=qm, quant_used=None
+    )
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``(x1, x2) -> (-x2, x1)`` over the halves of the last dim (transformers' ``rotate_half``)."""
     h = x.shape[-1] // 2
@@ -520,6 +553,7 @@ def materialize(
     pre-RoPE keys then rotated to their positions (in ``dtype``): the model's K/V.
     """
     ks, vs, masks = [], [], []
+    store = used_slots(store)
     if store.key is not None:
         k = dequantize_packed(store.key, dtype)
         if store.pre_rope:

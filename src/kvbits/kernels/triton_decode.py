@@ -196,11 +196,17 @@ def _meta_words(ptr, rows, mask_r, SCOLS, NC: tl.constexpr, R: tl.constexpr):
 def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr):
     """One float16 value per token (``D / CPS == 1``: a scale for the whole row) for tokens ``t (BLOCK_T,)``
     (consecutive, ``t[0]`` even), read as int32 words of two tokens each: ``(BLOCK_T,)`` float16. The values of
-    consecutive tokens are contiguous, so the words are too (``_meta_words`` reads along a row instead)."""
+    consecutive tokens are contiguous, so the words are too (``_meta_words`` reads along a row instead).
+
+    A word read for a valid token also brings its pair, which may be a slot past the sequence's length
+    (padding, reserved slots): that half is zeroed, as a masked load reads it. Kept, a NaN or inf there
+    would reach the output through ``p = 0`` times NaN (found with NaN-filled padding, tests/test_reserve.py).
+    """
     first = tl.min(tl.reshape(t, (BLOCK_T // 2, 2)), axis=1)
     ok = tl.max(tl.reshape(mask_t.to(tl.int32), (BLOCK_T // 2, 2)), axis=1) > 0
     w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + first // 2, mask=ok, other=0)
-    return tl.reshape(_f16_pairs(w), (BLOCK_T,))
+    vals = tl.reshape(_f16_pairs(w), (BLOCK_T,))
+    return tl.where(mask_t, vals, tl.zeros_like(vals))
 
 
 @triton.jit
@@ -902,7 +908,8 @@ def decode_attention_triton(
         splits = _num_splits(store, dev, target_programs)
     T_q = store.key.n_slots if store.key is not None else 0
     T_f = store.key_full.shape[2] if store.key_full is not None else 0
-    n_q, chunk_q = _chunk(T_q, splits, block_t)
+    # reserved slots past quant_used are never read: split only the used ones (T_q still strides the slabs)
+    n_q, chunk_q = _chunk(T_q if store.quant_used is None else store.quant_used, splits, block_t)
     n_f, chunk_f = _chunk(T_f, splits, block_t)
     n_split = n_q + n_f
     m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)

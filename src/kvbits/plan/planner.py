@@ -9,6 +9,8 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   scales, zero-points, outliers, full-precision tokens (sinks, residual window, not-yet-flushed
   buffer, in the model dtype ``dtype_bytes``) and per-layer constants (static scales, codebooks).
   Sliding-window layers hold at most their window (``token_split(..., sliding_window=W)``).
+  A ``QuantizedKVCache(max_cache_len=T)`` holds the quantized part of this from its first flush on (reserved
+  slots) and exactly this at ``T`` tokens.
 - ``bytes_per_token``: ``total_bytes / (T * B)``.
 - ``elements``: what an fp16 cache of the same model stores at ``T``:
   ``sum_l 2 * B * stored_l * H_l * D_l`` with ``stored_l = T`` for full layers and
@@ -31,7 +33,8 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   layer's step returns at most ``W`` tokens). ``DynamicCache`` allocates it too, growing a layer by
   concatenation, and so does kvbits' fp16 cache. Scheme-independent. A quantized scheme's step allocates
   more: float32 working copies of a slice (``kvbits.cache.store.SLICE_TOKENS`` tokens) and, when it
-  flushes, a copy of the layer's codes. Measured (``benchmarks/cache_working_set.py``, BENCHMARKS.md
+  flushes, a copy of the layer's codes (none with ``QuantizedKVCache(max_cache_len=...)``, which writes
+  flushes into reserved slots). Measured (``benchmarks/cache_working_set.py``, BENCHMARKS.md
   §18f): 1.2-1.8x this at 32K tokens; below one slice (4,096 tokens) up to 4x at a decode step and 5.8x at a
   prefill (Hadamard). Not in ``total_bytes`` nor in ``max_concurrency``: it is what ``reserve_gib`` is for.
   Falcon's ``new_decoder_architecture`` (40B/180B) repeats each KV head for its query heads before the

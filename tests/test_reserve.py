@@ -1,0 +1,267 @@
+"""Reserved quantized storage: ``QuantizedKVCache(max_cache_len=...)``.
+
+Without a reservation the one growing chunk of a per-token or per-channel spec is concatenated at every
+flush, a copy of the layer's whole quantized history (every decode step when ``block = 1``). With one, each
+full layer allocates its chunk for the tokens ``token_split`` quantizes at ``max_cache_len`` and writes
+flushes in place. Checked here on tiny random-weight models: the same tokens, logits and codes as without
+it (dequantize path and fused path), the codes never move, the cache holds exactly the reservation (all of
+it counted, nothing else), which at ``max_cache_len`` tokens is ``kvbits.plan`` at that context; past it, a
+logged release and the unreserved bytes again; beam-style batch maps and sliding layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from unittest import mock
+
+import pytest
+import torch
+from test_cache import storage_bytes, walk_tensors
+from test_fused_cache import NEW, PROMPT, SCHEMES, attention, build, install, prompt, use_triton
+
+from kvbits.cache import QuantizedKVCache
+from kvbits.cache import fused as fused_mod
+from kvbits.kernels import dispatch
+from kvbits.kernels.reference import PackedStore, decode_attention_reference, pack_store
+from kvbits.plan import plan
+from kvbits.quant import quantize
+from kvbits.schemes import TensorSpec, token_split
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FULL = PROMPT + NEW - 1  # tokens a generation of NEW tokens leaves in the cache
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernel(monkeypatch):
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+
+
+@torch.no_grad()
+def run(model, scheme, *, fused: bool, new: int = NEW, ids=None, steps: list | None = None, **cache_kw):
+    """Greedy generation; returns (sequences, logits (new, B, V), cache). ``steps``: filled with the codes'
+    storage address of layer 0's keys after every model call (None before the first flush)."""
+    ids = prompt() if ids is None else ids
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused, **cache_kw)
+    install(cache, scheme)
+    hook = None
+    if steps is not None:
+
+        def record(*_):
+            chunks = cache.layers[0]._k.chunks
+            steps.append(chunks[0].data.untyped_storage().data_ptr() if chunks else None)
+
+        hook = model.register_forward_hook(record)
+    try:
+        with attention(model, fused):
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    finally:
+        if hook is not None:
+            hook.remove()
+    return out.sequences, torch.stack(out.logits), cache
+
+
+RESERVED = ["int8-token", "int4-kivi", "int4-prerope", "kvquant3-block", "fp8-e4m3-token", "int4-hadamard"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("scheme", RESERVED)
+def test_reservation_changes_no_result_and_holds_what_the_planner_counts(scheme: str, fused: bool):
+    model, sch = build("llama"), SCHEMES[scheme]
+    seq_ref, logits_ref, ref = run(model, sch, fused=fused)
+    addresses: list = []
+    seq, logits, cache = run(model, sch, fused=fused, steps=addresses, max_cache_len=FULL)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=0)
+    if fused:
+        rep = cache.fused_report()
+        assert rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0, rep
+    for la, lb in zip(ref.layers, cache.layers):  # the same codes and metadata, bit for bit
+        for sa, sb in ((la._k, lb._k), (la._v, lb._v)):
+            assert len(sa.chunks) == len(sb.chunks) == 1
+            for name in ("data", "scale", "zero", "outlier_values", "outlier_index"):
+                a, b = getattr(sa.chunks[0], name), getattr(sb.chunks[0], name)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    # flushed in place: the codes never moved after the first flush (without it, every flush moves them)
+    flushed = [a for a in addresses if a is not None]
+    assert len(flushed) == NEW and len(set(flushed)) == 1, addresses
+    # full at max_cache_len: exactly the planned bytes, and the unreserved cache's
+    want = plan(model.config, context=FULL, batch=seq.shape[0], scheme=sch, dtype_bytes=4)
+    report = cache.memory_report()
+    assert report["total_bytes"] == want["total_bytes"] == ref.memory_report()["total_bytes"]
+    assert all(r["reserved_tokens"] == token_split(sch, FULL).quantized for r in report["layers"])
+    extra = report["position_bytes"] + (cache.fused_report()["rope_table_bytes"] if fused else 0)
+    assert storage_bytes(walk_tensors(cache)) == report["total_bytes"] + extra  # no hidden copy
+
+
+def test_reservation_is_held_from_the_first_flush():
+    """Before ``max_cache_len`` the cache holds the whole reservation (what a server sets aside), not less:
+    the quantized components are those the planner counts at ``max_cache_len``, from the prefill on."""
+    model, sch = build("llama"), SCHEMES["int4-kivi"]
+    T = 200
+    _, _, cache = run(model, sch, fused=False, new=3, max_cache_len=T)
+    quant = ("codes", "scales", "zero_points", "outliers")
+    held = sum(cache.memory_report()["components"][c] for c in quant)
+    want = plan(model.config, context=T, batch=2, scheme=sch, dtype_bytes=4)["components"]["quantized"]
+    assert held == want
+    layer = cache.layers[0]
+    assert layer._k.n_quantized == token_split(sch, PROMPT + 2).quantized < layer._k.reserved_slots
+    # the slots past the chunk are zeros: a store that reads them would see finite values, never garbage
+    codes = layer._k._slots["data"]
+    assert not codes[:, :, layer._k.n_quantized :].any()
+
+
+def test_beyond_the_reservation_is_logged_and_grows_as_without(caplog):
+    model, sch = build("llama"), SCHEMES["int8-token"]
+    seq_ref, logits_ref, ref = run(model, sch, fused=True)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache.store"):
+        seq, logits, cache = run(model, sch, fused=True, max_cache_len=PROMPT + 5)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=0)
+    told = [r.getMessage() for r in caplog.records if "exceed" in r.getMessage()]
+    assert len(told) == 4, told  # once per side and layer
+    assert "layer 0 keys: 46 quantized tokens exceed the 45 reserved for max_cache_len" in told[0]
+    assert cache.memory_report()["total_bytes"] == ref.memory_report()["total_bytes"]  # released
+    assert all(r["reserved_tokens"] == 0 for r in cache.memory_report()["layers"])
+    cache.reset()  # the next request reserves again
+    assert all(layer._k.reserve_tokens == PROMPT + 5 for layer in cache.layers)
+
+
+def test_batch_maps_release_and_the_next_flush_reserves_again():
+    model, sch = build("llama"), SCHEMES["int8-token"]
+    cache = QuantizedKVCache(config=model.config, scheme=sch, max_cache_len=64)
+    ref = QuantizedKVCache(config=model.config, scheme=sch)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 12, 32, generator=g), torch.randn(2, 2, 12, 32, generator=g)
+    for c in (cache, ref):
+        c.update(k[:, :, :10], v[:, :, :10], 0)
+        c.reorder_cache(torch.tensor([1, 1]))
+    store = cache.layers[0]._k
+    assert store.reserved_slots == 0 and store.nbytes() == ref.layers[0]._k.nbytes()
+    for c in (cache, ref):
+        out = c.update(k[:, :, 10:11], v[:, :, 10:11], 0)
+    assert store.reserved_slots == 64 and store.n_quantized == 11
+    torch.testing.assert_close(out[0], cache.materialize(0)[0], atol=0, rtol=0)
+    for a, b in zip(out, ref.materialize(0)):
+        assert torch.equal(a, b)
+
+
+def test_sliding_layers_reserve_nothing():
+    model = build("gemma3")
+    cache = QuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=64)
+    assert [layer._k.reserve_tokens for layer in cache.layers] == [0, 64]
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "64"])
+def test_bad_max_cache_len_is_refused(bad):
+    with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+        QuantizedKVCache(config=build("llama").config, scheme="int8-token", max_cache_len=bad)
+
+
+def test_fused_store_spans_the_reserved_slots_and_says_which_are_used():
+    model, sch = build("llama"), SCHEMES["int4-kivi"]
+    with mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel:
+        run(model, sch, fused=True, new=4, max_cache_len=128)
+    store = kernel.call_args.args[1]
+    n = token_split(sch, PROMPT + 2).quantized
+    assert store.key.n_slots == store.value.n_slots == token_split(sch, 128).quantized
+    assert store.quant_used == n and store.quant_lens.tolist() == [n, n]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels: slots past quant_used are never read
+# --------------------------------------------------------------------------------------------------
+
+
+def _store_with_garbage(spec: TensorSpec, used: int, slots: int, B: int = 2, H: int = 2, D: int = 64, half: bool = False):
+    """A store of ``slots`` slots whose slots past ``used`` hold NaN scales and random codes, and the same
+    store cut to ``used`` slots."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, H, slots, D, generator=g)
+    qt = quantize(x, spec)
+    rows = -(-used // (slots // qt.scale.shape[2]))  # scale rows in use
+    qt.scale[:, :, rows:] = float("nan")
+    qt.data[:, :, used:] = torch.randint(0, 255, qt.data[:, :, used:].shape, generator=g, dtype=torch.uint8)
+    tail = torch.randn(B, H, 3, D, generator=g).to(torch.float16 if half else torch.float32)
+    full = pack_store([qt], [qt], tail, tail.clone())
+    reserved = PackedStore(**{**full.__dict__, "quant_lens": torch.full((B,), used, dtype=torch.int32),
+                              "quant_used": used})  # fmt: skip
+    cut = pack_store([_head(qt, used)], [_head(qt, used)], tail, tail.clone())
+    return reserved, cut, torch.randn(B, 4, 1, D, generator=g).to(tail.dtype)
+
+
+def _head(qt, n):
+    from kvbits.cache.store import _slice_chunk
+
+    return _slice_chunk(qt, 0, n)
+
+
+SPECS = {
+    "int4-token": TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=None),
+    "int8-token": TensorSpec(kind="int", bits=8, fmt=None, granularity="token", group_size=None),
+    "int2-channel": TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=16),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_reference_reads_only_the_used_slots(name: str):
+    reserved, cut, q = _store_with_garbage(SPECS[name], used=33 if name != "int2-channel" else 32, slots=96)
+    out = decode_attention_reference(q, reserved)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_attention_reference(q, cut), atol=0, rtol=0)
+
+
+def test_quant_used_beyond_the_slots_is_refused():
+    reserved, _, _ = _store_with_garbage(SPECS["int8-token"], used=8, slots=16)
+    with pytest.raises(ValueError, match=r"quant_used must be in \[0, 16\]"):
+        PackedStore(**{**reserved.__dict__, "quant_used": 17})
+
+
+@pytest.mark.parametrize(
+    "name,dequant", [("int4-token", "f32"), ("int8-token", "f16"), ("int2-channel", "f32")]
+)  # fmt: skip
+def test_triton_kernel_reads_only_the_used_slots(monkeypatch, name: str, dequant: str):
+    """33 used slots: the int32 word that reads slot 32's per-token scale also brings slot 33's NaN, which
+    reached the output (0 * NaN) before ``_token_words`` zeroed the pair's padding half."""
+    use_triton(monkeypatch)
+    from kvbits.kernels.triton_decode import decode_attention_triton
+
+    half = dequant == "f16"
+    used = 33 if name != "int2-channel" else 32
+    reserved, cut, q = _store_with_garbage(SPECS[name], used=used, slots=96, half=half)
+    out = decode_attention_triton(q, reserved, target_programs=4, dequant=dequant)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_attention_reference(q, cut), atol=2e-3 if half else 2e-6, rtol=0)
+
+
+def test_a_fused_decode_step_allocates_no_history_with_a_reservation():
+    """Measured with ``LiveBytes`` (meta placeholders count nothing): a claimed layer's decode step stores
+    one token; without a reservation it also allocates a new copy of every code and scale (per-token
+    flush), with one only the new token's few bytes."""
+    from kvbits.evaluate.livebytes import LiveBytes
+
+    model = build("llama")
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(2))
+    peaks = {}
+    for reserve in (None, 300):
+        cache = QuantizedKVCache(config=model.config, scheme="int8-token", fused_decode=True, max_cache_len=reserve)
+        cache.update(k[:, :, :256], v[:, :, :256], 0)
+        layer = cache.layers[0]
+        assert fused_mod.claim(layer, torch.zeros(1, 4, 1, 32))
+        with LiveBytes() as live:
+            keys, _ = cache.update(k[:, :, 256:257], v[:, :, 256:257], 0)
+        assert keys.device.type == "meta"
+        peaks[reserve] = live.peak
+    history = layer._k.nbytes() * 257 // 300 * 2  # both sides' codes and scales for 257 tokens
+    assert peaks[None] >= history > 10 * peaks[300], peaks
+
+
+def test_livebytes_counts_no_meta_tensor():
+    from kvbits.evaluate.livebytes import LiveBytes
+
+    with LiveBytes() as live:
+        a = torch.empty(1024, 1024, device="meta")
+        b = torch.ones(256)
+    assert live.peak == b.nbytes and a.device.type == "meta"
