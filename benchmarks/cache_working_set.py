@@ -1,7 +1,7 @@
 """What one layer's cache allocates while it serves: the prefill's and a decode step's peak beside the K/V it
 returns (the dequantize path: no fused kernel), and a decode step's time.
 
-    PYTHONPATH=src python benchmarks/cache_working_set.py [--tokens 32768] [--heads 2] [--head-dim 64]
+    PYTHONPATH=src python benchmarks/cache_working_set.py [--tokens 32768] [--heads 2] [--head-dim 64] [--reserve]
 
 Peaks are measured with ``kvbits.evaluate.livebytes.LiveBytes`` (every storage an op allocates inside the
 call, counted until freed), so they are exact on any device. Ratios are to the bytes a step returns (both
@@ -23,13 +23,15 @@ from kvbits.evaluate.livebytes import LiveBytes
 SCHEMES = ["int8-token", "int4-token", "int4-channel", "kivi-4", "kivi-2", "int4-token-hadamard", "fp8-e4m3"]
 
 
-def measure(scheme: str, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, reps: int) -> dict:
+def measure(
+    scheme: str, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, reps: int, reserve: bool = False
+) -> dict:
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=heads * head_dim * 2, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=heads * 2, num_key_value_heads=heads,
                                    head_dim=head_dim)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(1, heads, tokens + reps + 1, head_dim, generator=g).to(dtype) for _ in range(2))
-    cache = QuantizedKVCache(config=cfg, scheme=scheme)
+    cache = QuantizedKVCache(config=cfg, scheme=scheme, max_cache_len=tokens + reps + 1 if reserve else None)
     with LiveBytes() as prefill:
         out = cache.update(k[:, :, :tokens], v[:, :, :tokens], 0)
         del out
@@ -61,14 +63,16 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--reps", type=int, default=9, help="decode steps timed (median)")
     p.add_argument("--scheme", action="append", help=f"default: {', '.join(SCHEMES)}")
+    p.add_argument("--reserve", action="store_true", help="max_cache_len = every token the run stores")
     a = p.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
-    print(f"one layer, {a.tokens} tokens, {a.heads} KV heads x {a.head_dim}, {a.dtype}, 1 thread")
+    print(f"one layer, {a.tokens} tokens, {a.heads} KV heads x {a.head_dim}, {a.dtype}, 1 thread"
+          + (", max_cache_len reserved" if a.reserve else ""))  # fmt: skip
     print("| scheme | returned MiB | prefill peak (x returned) | step peak (x) | held (x) | step ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for scheme in a.scheme or SCHEMES:
-        r = measure(scheme, a.tokens, a.heads, a.head_dim, dtype, a.reps)
+        r = measure(scheme, a.tokens, a.heads, a.head_dim, dtype, a.reps, a.reserve)
         print(f"| {r['scheme']} | {r['returned_mib']:.1f} | {r['prefill_x']:.2f} | {r['step_x']:.2f} | "
               f"{r['held_x']:.2f} | {r['step_ms']:.2f} |")  # fmt: skip
 

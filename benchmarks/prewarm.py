@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 Job = tuple  # ("sweep", shape, variant, rope, path) | ("tune", shape, rope, dequant, block_t, warps, stages)
-#              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup)
+#              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup[, reserve])
 # path: None (default launch), False (gather path, vectorized=False) or "f16" (dequant="f16");
 # dequant: a sweep.TUNE_DEQUANT key ("f32", "f16", "f16-r128", "f32-halves"; sweep.TUNE_CASES)
 SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}, "f16": {"dequant": "f16"}}
@@ -65,6 +65,8 @@ def jobs(tune: bool = True) -> list[Job]:
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
+    out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP, False)
+            for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_GROWING]  # fmt: skip
     if tune:
         for shape in common.SHAPES:  # round robin over step 3b's cases, as it times them: nearest first
             cases = [[("tune", shape, rope, dequant, *launch)
@@ -130,8 +132,8 @@ def _run_job(job: Job, programs: int) -> None:
         raise ValueError(f"unknown prewarm job {job!r}")
 
 
-def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int, programs: int,
-                 stub_prefill: bool = True) -> None:  # fmt: skip
+def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int, reserve: bool = True, *,
+                 programs: int, stub_prefill: bool = True) -> None:  # fmt: skip
     """Step 6's fused run of ``scheme`` at ``batch`` on CPU tensors, for ``compile_only``: the benchmark's
     own ``kvbits_cache`` and ``decode_run`` (prefill of ``context`` tokens, ``warmup + tokens`` decode
     steps) through a float16 model with step 6's KV shape, settings resolved as on CUDA (the Triton
@@ -169,7 +171,9 @@ def e2e_launches(scheme: str, batch: int, context: int, tokens: int, warmup: int
                             smoke=True, kernel="triton")  # fmt: skip
         model = e2e.e2e_model(cfg, context, tokens, dtype=torch.float16)
         use_fused_decode(model)
-        cache = e2e.kvbits_cache(model, scheme, fused=True, checks="lazy")
+        # the run's reservation (e2e_reserve): the kernels see the same slot counts as in step 6
+        max_cache_len = e2e.e2e_reserve(context, tokens, warmup) if reserve else None
+        cache = e2e.kvbits_cache(model, scheme, fused=True, checks="lazy", max_cache_len=max_cache_len)
         ids = torch.zeros(batch, context, dtype=torch.long)
         e2e.decode_run(cfg, model, cache, ids, tokens, warmup, profile=False)
     finally:

@@ -1106,6 +1106,10 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
             (t["self_ms"] for t in prof["top"]), reverse=True
         )
     assert e2e[("kvbits-dequant-sdpa", "kivi-4")]["note"].startswith("0 fused steps")
+    # int8-token also runs growing: the same bytes at the end (the fused rows reserve exactly the run's tokens)
+    growing = e2e[("kvbits-fused-growing", "int8-token")]
+    assert growing["note"] == "12 fused steps; no reservation (max_cache_len=None); greedy tokens equal to fused: True"
+    assert growing["cache_bytes"] == e2e[("kvbits-fused", "int8-token")]["cache_bytes"]
     # the planner agrees with what each cache stores (GPU-held bytes are measured on CUDA only)
     # (fused pre-RoPE keys: their float32 RoPE tables too, which memory_report() leaves out)
     # and nothing else is held but, for pre-RoPE keys, one 8-byte position offset per sequence and layer,

@@ -260,7 +260,9 @@ def test_cli_end_to_end(tmp_path, capsys):
             "--batch", "2", "--scheme", "int4-token", "--tokens", "2", "--warmup", "1"]  # fmt: skip
     assert main([*argv, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["batches"] == [1, 2] and len(s["runs"]) == 4 and s["data"] == str(text)
+    assert s["batches"] == [1, 2] and len(s["runs"]) == 4 and s["data"] == str(text) and s["reserve"] is True
+    assert main([*argv, "--grow", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reserve"] is False
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
     assert "decode tokens/s" in capsys.readouterr().out
     assert (tmp_path / "out" / "report.md").is_file()
@@ -321,3 +323,29 @@ def test_sliding_window_bytes_are_the_plan(ids):
 def test_commit_is_the_tree_the_run_started_from(model, ids, checkout_when_model_loads):
     s = speed_eval(model, [64], ["int4-token"], batches=[1], tokens=2, warmup=1, data=ids)
     assert s["commit"] == {"sha": "started", "dirty": False}
+
+
+def test_reservation_is_recorded_and_changes_no_result(model, ids, tmp_path):
+    """``reserve`` (default) builds each kvbits cache with ``max_cache_len`` = the run's tokens: the same greedy
+    tokens and held bytes as a growing cache (``reserve=False``), said in the record and the report; runs of
+    the two settings do not merge, and a folder from before the key counts as growing."""
+    from kvbits.report.merge_speed import _load, merge_speed
+    from kvbits.report.speed import speed_markdown, write_speed
+
+    kw = {"tokens": 3, "warmup": 1, "data": ids}
+    r = speed_eval(model, 64, ["int8-token", SMALL_KIVI], **kw)
+    g = speed_eval(model, 64, ["int8-token", SMALL_KIVI], reserve=False, **kw)
+    assert r["reserve"] is True and g["reserve"] is False
+    for name in ("int8-token", "t-kivi"):
+        (a,), (b,) = _runs(r, name), _runs(g, name)
+        assert a["cache_bytes"] == b["cache_bytes"] == a["planned_bytes"]
+        assert (a["agreement"], a["first_divergence"]) == (b["agreement"], b["first_divergence"])
+    assert "kvbits caches reserve quantized storage" in speed_markdown(r)
+    assert "kvbits caches grow by concatenation" in speed_markdown(g)
+    with pytest.raises(ValueError, match="runs differ in reserve"):
+        merge_speed([r, {**g, "contexts": [32], "runs": [{**x, "context": 32} for x in g["runs"]]}])
+    old = {k: v for k, v in g.items() if k != "reserve"}
+    write_speed(old, tmp_path / "old")
+    assert _load(tmp_path / "old")["reserve"] is False
+    with pytest.raises(TypeError, match="reserve must be True or False"):
+        speed_eval(model, 64, ["int8-token"], reserve="yes", **kw)

@@ -23,6 +23,14 @@ E2E_MODEL = {  # Qwen2.5-0.5B (config.json); the smoke model keeps its KV shape,
 # calibration data on the GPU machine; the codebook's values do not change the work).
 E2E_KVBITS = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token")
 E2E_HF = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers QuantizedCache backends, if importable
+# fused runs reserve their quantized storage for the whole run (max_cache_len, as a server reserves a request);
+# these schemes also run growing (no reservation: per-token flushes copy the layer's codes at every step)
+E2E_GROWING = ("int8-token",)
+
+
+def e2e_reserve(context: int, tokens: int, warmup: int) -> int:
+    """``max_cache_len`` of a step-6 kvbits run: the prompt, ``warmup + tokens`` steps and the profiled one."""
+    return context + warmup + tokens + 1
 
 
 def e2e_model(cfg: Config, context: int, tokens: int, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -118,15 +126,17 @@ def profile_step(cfg: Config, step: Callable[[], object], top: int = 10) -> dict
             "top": [{"name": e.key[:80], "calls": e.count, "self_ms": round(self_us(e) / 1e3, 4)} for e in ranked]}  # fmt: skip
 
 
-def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto"):
+def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto", max_cache_len: int | None = None):
     """The ``QuantizedKVCache`` of one step-6 run: ``fused`` decode steps (``use_fused_decode`` on the model)
     or dequantize + SDPA; NUQ sides get uniform codebooks. Off CUDA ``fused`` forces the fused path (the
     torch reference, or Triton under ``KVBITS_KERNEL=triton``); on CUDA ``"auto"`` must pick the kernel.
-    ``checks="auto"`` checks incoming K/V lazily on CUDA (no sync per step), eagerly on CPU."""
+    ``checks="auto"`` checks incoming K/V lazily on CUDA (no sync per step), eagerly on CPU.
+    ``max_cache_len``: reserved quantized storage (``e2e_reserve``), ``None`` for a growing cache."""
     from kvbits.cache import QuantizedKVCache
 
     mode = (True if model.device.type == "cpu" else "auto") if fused else False
-    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks=checks)
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks=checks,
+                             max_cache_len=max_cache_len)  # fmt: skip
     _install_uniform_codebooks(cache, model.config.num_hidden_layers)
     return cache
 
@@ -189,6 +199,7 @@ def end_to_end(
     # compile CUDA extensions on first use: it must not take the time of the runs the issue is about)
     runs = [(batch, name, scheme, how) for batch in batches for name, scheme, how in
             [("dynamic-fp16", "fp16", None)] + [("kvbits-fused", s, True) for s in E2E_KVBITS]
+            + [("kvbits-fused-growing", s, True) for s in E2E_GROWING]
             + [("kvbits-dequant-sdpa", "kivi-4", False)]]  # fmt: skip
     runs += [(batch, f"hf-quantized-{b}", n, b) for batch in batches for b, n in E2E_HF]
     for batch, name, scheme, how in runs:
@@ -213,7 +224,8 @@ def end_to_end(
                 use_fused_decode(model)
             else:
                 model.set_attn_implementation("sdpa")
-            cache = kvbits_cache(model, scheme, how)
+            reserve = None if name == "kvbits-fused-growing" else e2e_reserve(context, tokens, warmup)
+            cache = kvbits_cache(model, scheme, how, max_cache_len=reserve)
         else:
             model.set_attn_implementation("sdpa")
             cache, note = _hf_cache(model.config, how, scheme)
@@ -250,7 +262,9 @@ def end_to_end(
                 raise SystemExit(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
                                  f"(want {want}), {fr['fallback_steps']} fallbacks: {fr['layers']}")  # fmt: skip
             note = f"{fr['fused_steps']} fused steps"
-            if how:
+            if name == "kvbits-fused-growing":
+                note += "; no reservation (max_cache_len=None)"
+            if how and name == "kvbits-fused":
                 fused_tokens[scheme] = r["tokens"]
             elif scheme in fused_tokens:
                 note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"

@@ -22,6 +22,12 @@ How a kvbits decode step attends (``path`` in each record):
   only dequantizes what was flushed since; fast, but it holds the float history too
   (``workspace_bytes``, reported apart).
 
+Every kvbits cache reserves its quantized storage for the run's tokens (``reserve=True``, the default:
+``QuantizedKVCache(max_cache_len=context + warmup + tokens)``, as a server reserves a request), so a flush
+writes in place instead of copying the layer's quantized history (``kvbits.cache.store``); the bytes after
+the last step are the same either way. ``reserve=False`` measures a growing cache (every run before
+``reserve`` existed; their records lack the key).
+
 Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
 kvbits, every K/V tensor of a ``DynamicCache``) beside what ``kvbits.plan`` says for the same tokens
 (``planned_bytes``: they are equal unless something is wrong), and on CUDA the allocator's bytes held
@@ -183,7 +189,7 @@ def _path(scheme: Any, fused: bool, workspace: bool) -> str:
 
 
 def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, warmup, calibration, fused,
-             workspace) -> dict[str, Any]:  # fmt: skip
+             workspace, reserve=False) -> dict[str, Any]:  # fmt: skip
     """One cache's decode run (module docstring); ``scheme`` None is the ``DynamicCache`` baseline."""
     import contextlib
 
@@ -193,13 +199,15 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
 
     dev = first.device
     base = _cuda_allocated(dev)
+    held = context + warmup + tokens
     with _fused_attention(model) if fused else contextlib.nullcontext():
         if scheme is None:
             cache = DynamicCache(config=model.config)
         else:
             cache = make_cache(
-                scheme, model, calibration=calibration, fused_decode=fused, workspace=workspace
-            )
+                scheme, model, calibration=calibration, fused_decode=fused, workspace=workspace,
+                max_cache_len=held if reserve else None,
+            )  # fmt: skip
         load_kv(cache, kv)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -207,7 +215,6 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         counts = getattr(cache, "fused_report", None) if scheme is not None else None
         on_timed = None if counts is None else (lambda: before.update(_counts(counts())))
         out, times = _decode(model, cache, first, tokens, warmup, on_timed)
-    held = context + warmup + tokens
     rec: dict[str, Any] = {
         "cache": BASELINE if scheme is None else scheme.name,
         "path": _path(scheme, fused, workspace),
@@ -284,6 +291,7 @@ def speed_eval(
     calibration: Any = None,
     fused_decode: bool | str = "auto",
     workspace: bool = False,
+    reserve: bool = True,
     data_path: str | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
@@ -302,12 +310,14 @@ def speed_eval(
         calibration: ``kvbits calibrate`` artifacts or folders for calibrated schemes, as ``evaluate``.
         fused_decode: ``"auto"`` (the fused kernel on CUDA with Triton), ``True``, ``False``.
         workspace: the dequantizing path keeps a dequantized history (faster, holds more; module docstring).
+        reserve: kvbits caches reserve quantized storage for the run's tokens (``max_cache_len``; module
+            docstring); ``False``: they grow by concatenation.
         data_path, dtype, device: as ``evaluate``.
         progress: a progress bar on stderr.
 
     Returns:
         ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
-        "tokens", "warmup", "fused_decode", "workspace", "layers", "schemes": [{"scheme", "avg_bits", "peer",
+        "tokens", "warmup", "fused_decode", "workspace", "reserve", "layers", "schemes": [{"scheme", "avg_bits", "peer",
         "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
@@ -330,6 +340,8 @@ def speed_eval(
     resolved = [resolve_scheme(s) for s in schemes]
     fused_mode = check_mode(fused_decode)
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
+    if not isinstance(reserve, bool):
+        raise TypeError(f"reserve must be True or False, got {reserve!r}")
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
     model_spec = model
@@ -374,6 +386,7 @@ def speed_eval(
                         context=context, tokens=tokens, warmup=warmup,
                         calibration=None if scheme is None else calibrations.get(scheme.name),
                         fused=False if scheme is None else fused[scheme.name], workspace=workspace and scheme is not None,
+                        reserve=reserve,
                     )  # fmt: skip
                     rec["prefill_seconds"] = round(prefill_s, 3)
                     rec["distinct_rows"] = distinct
@@ -405,6 +418,7 @@ def speed_eval(
         "warmup": warmup,
         "fused_decode": fused_decode,
         "workspace": workspace,
+        "reserve": reserve,
         "schemes": [
             {
                 "scheme": s.name,

@@ -146,13 +146,15 @@ def make_cache(
     calibration: Any = None,
     fused_decode: bool = False,
     workspace: bool | None = None,
+    max_cache_len: int | None = None,
 ) -> Any:
     """The cache that stores K/V following ``scheme`` (``QuantizedKVCache``, or a peer's).
 
     Pre-RoPE key specs get the model's own RoPE tables; ``calibration`` (an artifact or its folder)
     supplies static scales and NUQ codebooks. ``fused_decode``: decode steps through the fused kernel.
     ``workspace``: keep a dequantized history (``None``: exactly when not ``fused_decode``, the fast
-    token-by-token path on CPU; the fused path never reads it).
+    token-by-token path on CPU; the fused path never reads it). ``max_cache_len``: quantized storage reserved
+    for that many tokens per sequence (``QuantizedKVCache``; peers take none).
     """
     if isinstance(scheme, PeerScheme):
         if calibration is not None:
@@ -172,7 +174,7 @@ def make_cache(
     return QuantizedKVCache(
         config=model.config, scheme=scheme, workspace=(not fused_decode) if workspace is None else workspace,
         rotary=rotary, calibration=calibration,
-        fused_decode=bool(fused_decode),
+        fused_decode=bool(fused_decode), max_cache_len=max_cache_len,
     )  # fmt: skip
 
 

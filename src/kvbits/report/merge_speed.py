@@ -8,7 +8,8 @@ VM by up to 1.4x in one session). So a (context, batch) cell is merged whole, fr
 it writes anything the merge checks:
 
 - the same summary version, model (fingerprint), prompts' text, dtype, device (type, name, threads),
-  layers, timed and warm-up steps, fused-decode and workspace setting;
+  layers, timed and warm-up steps, fused-decode, workspace and reservation setting (a run from before
+  ``reserve`` existed counts as growing);
 - the same schemes in every run (name, average bits, peer or not, decode path), in the same order;
 - every (context, batch) cell in one run only.
 
@@ -39,15 +40,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["merge_speed", "merge_speed_runs"]
 
-_SAME = ("version", "model", "data", "dtype", "device", "layers", "tokens", "warmup", "fused_decode", "workspace")
+_SAME = ("version", "model", "data", "dtype", "device", "layers", "tokens", "warmup", "fused_decode", "workspace",
+         "reserve")
 _SCHEME = ("scheme", "peer", "path")
 
 
 def _load(folder: Path) -> dict[str, Any]:
-    return load_json_run(
+    summary = load_json_run(
         folder, "speed", lambda s: isinstance(s.get("runs"), list) and bool(s["runs"])
         and isinstance(s.get("schemes"), list), "no timed runs",
     )  # fmt: skip
+    summary.setdefault("reserve", False)  # runs from before the option: growing caches
+    return summary
 
 
 def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]]) -> None:

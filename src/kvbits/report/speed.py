@@ -109,7 +109,12 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             f"- **Prompts:** `{summary['data']}`, contexts {', '.join(fmt_pos(c) for c in summary['contexts'])} tokens; "
             f"batches {', '.join(str(b) for b in summary['batches'])}"
         ),
-        f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run",
+        f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run"
+        + {  # runs from before the setting say nothing (their caches grew): their reports come back as written
+            True: "; kvbits caches reserve quantized storage for the run's tokens (`max_cache_len`: a flush writes "
+            "in place)",
+            False: "; kvbits caches grow by concatenation (a flush copies the layer's quantized history)",
+        }.get(summary.get("reserve"), ""),
         (
             f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`; "
             f"versions {', '.join(f'{k} {v}' for k, v in (summary.get('versions') or {}).items())}"
