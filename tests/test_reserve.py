@@ -265,3 +265,23 @@ def test_livebytes_counts_no_meta_tensor():
         a = torch.empty(1024, 1024, device="meta")
         b = torch.ones(256)
     assert live.peak == b.nbytes and a.device.type == "meta"
+
+
+def test_the_workspace_is_reserved_too():
+    """``workspace=True`` keeps the dequantized history: reserved alike, so it never moves either, and it
+    holds the same values as a growing workspace; ``workspace_bytes`` counts the reservation."""
+    model, sch = build("llama"), SCHEMES["int8-token"]
+    seq_ref, logits_ref, ref = run(model, sch, fused=False, workspace=True)
+    seq, logits, cache = run(model, sch, fused=False, workspace=True, max_cache_len=FULL + 10)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=0)
+    for la, lb in zip(ref.layers, cache.layers):
+        for sa, sb in ((la._k, lb._k), (la._v, lb._v)):
+            assert torch.equal(sa.work, sb.work)
+            assert sb.work.untyped_storage().data_ptr() == sb._work_slots.untyped_storage().data_ptr()
+            assert sb.workspace_bytes() == sa.workspace_bytes() * (FULL + 10) // FULL
+    assert cache.memory_report()["workspace_bytes"] > ref.memory_report()["workspace_bytes"]
+    # past the reservation: released with the chunk's (logged there), grown as without one
+    seq, logits, short = run(model, sch, fused=False, workspace=True, max_cache_len=PROMPT + 5)
+    assert torch.equal(seq, seq_ref) and short.layers[0]._k._work_slots is None
+    assert short.memory_report()["workspace_bytes"] == ref.memory_report()["workspace_bytes"]

@@ -126,8 +126,9 @@ class QuantizedKVCache(Cache):
             a server reserves a request's memory up front (``None``, default: nothing reserved). Each full
             layer allocates its quantized codes and metadata for that length at its first flush and writes
             every later flush in place, where a growing cache copies the layer's whole quantized history
-            at every flush (every decode step for per-token schemes). ``memory_report()`` then counts the
-            reservation, and at ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
+            at every flush (every decode step for per-token schemes); a ``workspace`` is reserved alike.
+            ``memory_report()`` then counts the reservation (``workspace_bytes`` too), and at
+            ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
             sequences still work: the layer logs it and grows by copying.
     """
 

@@ -18,8 +18,8 @@ every decode step for per-token schemes (``block = 1``), more bytes than the fus
 with ``reserve_tokens`` (``QuantizedKVCache(max_cache_len=...)``) allocates the chunk's tensors for that
 many tokens at its first flush, zero-filled, and writes each flush in place; the chunk views the slots in
 use. The held bytes are then the reservation (``components``), which at ``max_cache_len`` tokens is what
-``kvbits.plan`` counts for that context. Past the reservation it is released (logged) and the chunk grows
-by concatenation again.
+``kvbits.plan`` counts for that context. A dequantized workspace is reserved alike (``workspace_bytes``).
+Past the reservation it is released (logged) and the chunk grows by concatenation again.
 
 A long flush (a prefill) is quantized, and a long quantized history decoded, ``SLICE_TOKENS`` tokens at a
 time (whole blocks; whole scale groups): the same bits as one call, with the float32 working copies of
@@ -209,6 +209,7 @@ class SideStore:
         # the reserved storage: each token tensor of the chunk for reserve_tokens slots (zeros past the chunk,
         # which views its first n_quantized); None: no reservation held
         self._slots: dict[str, torch.Tensor] | None = None
+        self._work_slots: torch.Tensor | None = None  # the workspace's reserved (B, H, reserve_tokens, D), `work` views it
         self._told_exceeded = False
         # called with (x, qt) for each chunk a flush quantizes: x (B, H_kv, n, D) the tokens as quantized (un-rotated
         # for pre-RoPE keys), qt their QuantizedTensor (kvbits.monitor's online error signal); None: no cost
@@ -228,7 +229,7 @@ class SideStore:
         self.chunks = []
         self.work = like.new_empty((B, H, 0, D)) if self.use_workspace else None
         self.clipped = self.n_dropped = 0
-        self._packed = self._slots = None
+        self._packed = self._slots = self._work_slots = None
         self._told_exceeded = False
         self.pos_offset = None
         for name in ("static_scale", "static_zero", "codebook"):
@@ -242,7 +243,7 @@ class SideStore:
         self.sinks = self.buffer = self.work = None
         self.chunks = []
         self.clipped = self.n_dropped = 0
-        self._packed = self._slots = None
+        self._packed = self._slots = self._work_slots = None
         self.pos_offset = None
 
     @property
@@ -325,7 +326,7 @@ class SideStore:
         for qt in new:
             self.clipped += qt.clipped
             if self.work is not None:
-                self.work = torch.cat([self.work, self._dequantize(qt, p0, self.work.dtype)], dim=2)
+                self._append_work(self._dequantize(qt, p0, self.work.dtype))
             p0 += qt.n_tokens
         if mergeable(self.spec):
             self._append_merged(new)
@@ -352,6 +353,21 @@ class SideStore:
         views = {name: _slice_tokens(t, C, 0, at, copy=False) for name, t in self._slots.items()}
         B, H, _, D = new[0].shape
         self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
+
+    def _append_work(self, x: torch.Tensor) -> None:
+        """Append dequantized tokens ``x`` ``(B, H, n, D)`` to the workspace: into its reserved slots while they
+        hold them (allocated at the first append, like the chunk's), else by concatenation."""
+        have, C = self.work.shape[2], self.reserve_tokens
+        if not 0 < have + x.shape[2] <= C:
+            self._work_slots = None
+            self.work = torch.cat([self.work, x], dim=2)
+            return
+        if self._work_slots is None:
+            B, H, _, D = x.shape
+            self._work_slots = x.new_zeros((B, H, C, D), dtype=self.work.dtype)
+            self._work_slots[:, :, :have].copy_(self.work)
+        self._work_slots[:, :, have : have + x.shape[2]].copy_(x)
+        self.work = self._work_slots[:, :, : have + x.shape[2]]
 
     def _reserve(self, like: QuantizedTensor, needed: int) -> bool:
         """Whether the reserved slots (allocated here, zero-filled, from ``like``'s shapes, the chunk so far copied
@@ -389,7 +405,7 @@ class SideStore:
         """Forget the ``n_tokens`` oldest quantized tokens (whole blocks; sliding-window layers)."""
         if n_tokens <= 0:
             return
-        self._packed = self._slots = None  # the chunk left is a copy (_slice_chunk): a reservation would be stale
+        self._packed = self._slots = self._work_slots = None  # what is left is copies (_slice_chunk, clone)
         left = n_tokens
         while left and self.chunks and self.chunks[0].n_tokens <= left:
             left -= self.chunks.pop(0).n_tokens
@@ -418,7 +434,7 @@ class SideStore:
         """Apply ``fn`` to the batch dimension of every per-sequence tensor (beam search, expansion)."""
         if self.buffer is None:
             return
-        self._packed = self._slots = None  # the mapped chunk is new storage; the next flush reserves again
+        self._packed = self._slots = self._work_slots = None  # mapped: new storage; the next flush reserves again
         self.sinks, self.buffer = fn(self.sinks), fn(self.buffer)
         if self.pos_offset is not None:
             self.pos_offset = fn(self.pos_offset)
@@ -537,4 +553,6 @@ class SideStore:
         return sum(t.numel() * t.element_size() for ts in self.components().values() for t in ts)
 
     def workspace_bytes(self) -> int:
+        if self._work_slots is not None:  # allocated: every reserved slot
+            return self._work_slots.numel() * self._work_slots.element_size()
         return 0 if self.work is None else self.work.numel() * self.work.element_size()
