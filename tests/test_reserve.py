@@ -285,3 +285,18 @@ def test_the_workspace_is_reserved_too():
     seq, logits, short = run(model, sch, fused=False, workspace=True, max_cache_len=PROMPT + 5)
     assert torch.equal(seq, seq_ref) and short.layers[0]._k._work_slots is None
     assert short.memory_report()["workspace_bytes"] == ref.memory_report()["workspace_bytes"]
+
+
+def test_append_copy_benchmark_runs_and_shows_the_copy():
+    """``benchmarks/append_copy.py`` at a small size: a growing int8-token layer allocates its quantized
+    history per step (what the kernel then reads), a reserved one a few bytes; both hold the same."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "append_copy.py"
+    spec = importlib.util.spec_from_file_location("append_copy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    grow, res = (mod.measure("int8-token", r, 512, 1, 2, 64, 3) for r in (False, True))
+    assert grow["peak_mib"] >= grow["kernel_reads_mib"] > 20 * res["peak_mib"] > 0
+    assert grow["held_mib"] == res["held_mib"] and grow["kernel_reads_mib"] == res["kernel_reads_mib"]
