@@ -342,17 +342,21 @@ class SideStore:
         if not self._reserve(new[0], have + n_new):
             self.chunks = [_cat_chunks(*self.chunks, *new)]
             return
-        C, at = self.reserve_tokens, have
+        at = have
         for qt in new:
-            for name in _token_tensors(qt):
-                _slice_tokens(self._slots[name], C, at, at + qt.n_tokens, copy=False).copy_(getattr(qt, name))
+            self._write_slots(qt, at)
             at += qt.n_tokens
-        clipped = sum((qt.clipped for qt in new[1:]), new[0].clipped)
-        if self.chunks:
-            clipped = self.chunks[0].clipped + clipped
-        views = {name: _slice_tokens(t, C, 0, at, copy=False) for name, t in self._slots.items()}
+        parts = [*self.chunks, *new]
+        clipped = sum((c.clipped for c in parts[1:]), parts[0].clipped)  # as _cat_chunks sums them
+        views = {name: _slice_tokens(t, self.reserve_tokens, 0, at, copy=False) for name, t in self._slots.items()}
         B, H, _, D = new[0].shape
         self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
+
+    def _write_slots(self, qt: QuantizedTensor, at: int) -> None:
+        """Write chunk ``qt``'s token tensors into the reserved slots, from quantized token ``at`` on."""
+        for name in _token_tensors(qt):
+            dst = _slice_tokens(self._slots[name], self.reserve_tokens, at, at + qt.n_tokens, copy=False)
+            dst.copy_(getattr(qt, name))
 
     def _append_work(self, x: torch.Tensor) -> None:
         """Append dequantized tokens ``x`` ``(B, H, n, D)`` to the workspace: into its reserved slots while they
@@ -393,11 +397,9 @@ class SideStore:
                 if C % unit:
                     raise AssertionError(f"{self.name}: {C} reserved tokens are not whole groups of {unit}")
                 slots[name] = t.new_zeros((*t.shape[:2], C // unit, *t.shape[3:]))
-            if self.chunks:  # reserved after the chunk began (a batch map released the slots): copy it in once
-                first = self.chunks[0]
-                for name, t in slots.items():
-                    _slice_tokens(t, C, 0, first.n_tokens, copy=False).copy_(getattr(first, name))
             self._slots = slots
+            if self.chunks:  # reserved after the chunk began (a batch map released the slots): copy it in once
+                self._write_slots(self.chunks[0], 0)
         return True
 
     # -------------------------------------------------------------- removing
