@@ -147,6 +147,45 @@ def test_batch_maps_release_and_the_next_flush_reserves_again():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("workspace", [False, True])
+def test_holding_a_layer_in_full_precision_gives_the_unused_slots_back(workspace: bool, caplog):
+    """The monitor's fallback (``hold_full_precision``) stops a layer's flushes: the slots reserved past what
+    it has quantized would never be written, so they are released; the layer then holds the bytes of a cache
+    without a reservation, pins no other storage, and decodes the same values."""
+    model, sch = build("llama"), SCHEMES["int8-token"]
+    cache = QuantizedKVCache(config=model.config, scheme=sch, max_cache_len=64, workspace=workspace)
+    ref = QuantizedKVCache(config=model.config, scheme=sch, workspace=workspace)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 16, 32, generator=g), torch.randn(2, 2, 16, 32, generator=g)
+    for c in (cache, ref):
+        for li in range(len(c.layers)):
+            c.update(k[:, :, :10], v[:, :, :10], li)
+    held, other = cache.layers[0], cache.layers[1]
+    assert held._k.reserved_slots == 64 and held._k.nbytes() > ref.layers[0]._k.nbytes()
+    with caplog.at_level(logging.INFO, logger="kvbits.cache.layer"):
+        assert held.hold_full_precision() and ref.layers[0].hold_full_precision()
+    freed = [r.getMessage() for r in caplog.records if "reserved bytes released" in r.getMessage()]
+    assert len(freed) == 1, freed
+    for sa, sb in ((ref.layers[0]._k, held._k), (ref.layers[0]._v, held._v)):
+        assert sb.reserved_slots == 0 and sb.nbytes() == sa.nbytes()
+        assert sb.workspace_bytes() == sa.workspace_bytes()
+    assert other._k.reserved_slots == 64  # only the held layer gives its reservation back
+    assert held.hold_full_precision()  # holding again: nothing more to release, no second message
+    assert sum("released" in r.getMessage() for r in caplog.records) == 1
+    report = cache.memory_report()
+    assert report["layers"][0]["reserved_tokens"] == 0
+    held_bytes = report["total_bytes"] + report["position_bytes"] + report["workspace_bytes"]
+    assert storage_bytes(walk_tensors(cache)) == held_bytes
+    for i in range(10, 16):  # held: later tokens stay in full precision, the same values as without a reservation
+        for c in (cache, ref):
+            for li in range(len(c.layers)):
+                c.update(k[:, :, i : i + 1], v[:, :, i : i + 1], li)
+        for li in range(len(cache.layers)):
+            for a, b in zip(cache.materialize(li), ref.materialize(li)):
+                assert torch.equal(a, b)
+    assert held._k.n_quantized == ref.layers[0]._k.n_quantized and held._k.reserved_slots == 0
+
+
 def test_sliding_layers_reserve_nothing():
     model = build("gemma3")
     cache = QuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=64)

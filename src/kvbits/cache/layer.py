@@ -490,7 +490,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         quantized stays as it is (its precision is gone); ``reset()`` (a new request) quantizes again.
 
         Memory grows by the incoming dtype's bytes per token from here on, and ``memory_report()`` counts
-        them (``full_tokens``, ``held_at``). Returns whether the layer now holds: ``False`` for a layer that
+        them (``full_tokens``, ``held_at``). Quantized slots reserved for ``max_cache_len`` past the tokens
+        already quantized are released (``SideStore.release_reservation``): they would never be written. Returns whether the layer now holds: ``False`` for a layer that
         does not quantize (identity scheme, sliding fallback) and for sliding-window layers, whose buffer
         would outgrow the window.
         """
@@ -498,7 +499,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             return False
         if self.held_at is None:
             self.held_at = self.tokens_seen
-            logger.info("layer %d: held in full precision from token %d on", self.layer_idx, self.held_at)
+            # slots reserved for max_cache_len past what is quantized would never be written: given back
+            freed = self._k.release_reservation() + self._v.release_reservation()
+            logger.info("layer %d: held in full precision from token %d on%s", self.layer_idx, self.held_at,
+                        f" ({freed} reserved bytes released)" if freed else "")  # fmt: skip
         return True
 
     def tokens_to_crop(self, tokens_to_remove: int) -> int:

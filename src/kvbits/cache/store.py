@@ -402,6 +402,21 @@ class SideStore:
                 self._write_slots(self.chunks[0], 0)
         return True
 
+    def release_reservation(self) -> int:
+        """Give back the reserved slots the store will not fill: the chunk (and a reserved workspace) is copied
+        into tensors of the tokens in use and the reservation dropped, so the held bytes follow the tokens
+        again. For a layer that stops quantizing mid-request (``QuantizedKVLayer.hold_full_precision``): its
+        later tokens stay in full precision, so the slots past ``n_quantized`` would never be written. A flush
+        after this reserves again (as after a batch map). Returns the bytes given back (0 when none was held)."""
+        before = self.nbytes() + self.workspace_bytes()
+        if self._slots is not None:
+            self._slots = self._packed = None
+            if self.chunks:
+                self.chunks = [_slice_chunk(self.chunks[0], 0, self.chunks[0].n_tokens)]
+        if self._work_slots is not None:
+            self._work_slots, self.work = None, self.work.clone()
+        return before - self.nbytes() - self.workspace_bytes()
+
     # -------------------------------------------------------------- removing
     def drop_quantized_front(self, n_tokens: int) -> None:
         """Forget the ``n_tokens`` oldest quantized tokens (whole blocks; sliding-window layers)."""
