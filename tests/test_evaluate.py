@@ -243,6 +243,30 @@ def test_simulate_equals_stream_float32(models, model_name, scheme):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("semantics", ["decode", "prefill"])
+def test_stream_reserves_the_window_and_changes_no_result(models, monkeypatch, semantics):
+    """Stream mode builds each cache with ``max_cache_len`` = the window's tokens, as a server reserves a
+    request: flushes write in place; the hidden states and the bytes at the end are those of a growing cache."""
+    from kvbits.evaluate import stream as stream_mod
+    from kvbits.plan import plan
+
+    model = models("llama", torch.float64)
+    ids, prompt = _ids(60, seed=5), (23 if semantics == "prefill" else None)
+    caches: list = []
+    reserved = stream_hidden(model, ids, "int4-token", semantics=semantics, prompt_len=prompt, on_cache=caches.append)
+    make = stream_mod.make_cache
+    monkeypatch.setattr(stream_mod, "make_cache", lambda *a, max_cache_len=None, **kw: make(*a, **kw))
+    grown = stream_hidden(model, ids, "int4-token", semantics=semantics, prompt_len=prompt, on_cache=caches.append)
+    assert torch.equal(reserved, grown)
+    res, grow = caches
+    assert res.max_cache_len == ids.shape[1] and grow.max_cache_len is None
+    rep = res.memory_report()
+    assert all(r["reserved_tokens"] > 0 for r in rep["layers"])
+    assert rep["total_bytes"] == grow.memory_report()["total_bytes"]
+    assert rep["total_bytes"] == plan(model.config, context=60, batch=1, scheme="int4-token", dtype_bytes=8)["total_bytes"]
+
+
+@torch.no_grad()
 @pytest.mark.parametrize(
     "scheme,semantics", [(SINKS, "decode"), (CHANNEL, "prefill")], ids=["sinks", "channel"]
 )

@@ -122,7 +122,9 @@ def _run_prefill(
         t0 = time.perf_counter()
         fused = not isinstance(scheme, PeerScheme) and wants(fused_mode, dev)
         with _fused_attention(model) if fused else contextlib.nullcontext():
-            cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused)
+            # reserved for the context - 1 tokens the trial leaves in it: the same bytes at the end, no per-flush copy
+            cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused,
+                               max_cache_len=trial.context - 1)  # fmt: skip
             load_kv(cache, kv)
             lp = _logprobs(head, decode_hidden(model, suffix, cache)[0, rows]).cpu()
         out[scheme.name] = score_key(lp, targets, lp_ref)
