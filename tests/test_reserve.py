@@ -326,6 +326,60 @@ def test_the_workspace_is_reserved_too():
     assert short.memory_report()["workspace_bytes"] == ref.memory_report()["workspace_bytes"]
 
 
+@pytest.mark.parametrize("scheme", ["int8-token", "int4-kivi", "int4-prerope", "kvquant3-block", "fp8-e4m3"])
+def test_a_reserved_workspace_is_returned_as_a_view(monkeypatch, scheme: str):
+    """With a reserved workspace, ``update`` returns views of it (sinks | dequantized history | buffer, the
+    sinks and buffer copied in): the same tokens and logits as the growing workspace, every step after the
+    first flush returned without a copy of the history, and the public ``materialize()`` still a new tensor.
+    Sinks, a residual window, pre-RoPE keys and one-chunk-per-block FP8 included."""
+    from kvbits.cache.store import SideStore
+
+    model, sch = build("llama"), SCHEMES[scheme]
+    seq_ref, logits_ref, ref = run(model, sch, fused=False, workspace=True)
+    plain, views = SideStore.materialize, []
+
+    def spy(self, dtype, *, view=False):
+        out = plain(self, dtype, view=view)
+        slots = self._work_slots
+        views.append(view and slots is not None and out.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr())
+        return out
+
+    monkeypatch.setattr(SideStore, "materialize", spy)
+    seq, logits, cache = run(model, sch, fused=False, workspace=True, max_cache_len=FULL)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=0)
+    assert len(views) == 2 * 2 * NEW and all(views[-4 * (NEW - 1) :]), views  # (layers x sides) per model call
+    B, H, D = seq.shape[0], 2, 32
+    assert cache.memory_report()["workspace_bytes"] == 2 * 2 * B * H * FULL * D * 4  # every token's slot, float32
+    for li in range(2):
+        layer = cache.layers[li]
+        keys, values = layer.materialize()
+        assert keys.untyped_storage().data_ptr() != layer._k._work_slots.untyped_storage().data_ptr()
+        for a, b in zip((keys, values), ref.layers[li].materialize()):
+            assert torch.equal(a, b)
+
+
+def test_a_dequantize_step_copies_no_history_with_a_reserved_workspace():
+    """``LiveBytes``: a decode step of a layer with a growing workspace allocates the history it returns; with
+    a reserved one, the new token's few bytes (the returned K/V view the workspace)."""
+    from kvbits.evaluate.livebytes import LiveBytes
+
+    model = build("llama")
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(2))
+    peaks = {}
+    for reserve in (None, 300):
+        cache = QuantizedKVCache(config=model.config, scheme="int8-token", workspace=True, max_cache_len=reserve)
+        cache.update(k[:, :, :256], v[:, :, :256], 0)
+        with LiveBytes() as live:
+            keys, values = cache.update(k[:, :, 256:257], v[:, :, 256:257], 0)
+        assert keys.shape == (1, 2, 257, 32)
+        peaks[reserve] = live.peak
+        del keys, values
+    history = 2 * 257 * 2 * 32 * 4  # K and V, float32, what a step returns
+    assert peaks[None] >= history > 10 * peaks[300], peaks
+
+
 def test_append_copy_benchmark_runs_and_shows_the_copy():
     """``benchmarks/append_copy.py`` at a small size: a growing int8-token layer allocates its quantized
     history per step (what the kernel then reads), a reserved one a few bytes; both hold the same."""

@@ -103,7 +103,7 @@ def fused_attention(
     if layer.fused.fallbacks == 0:
         logger.info("layer %d: decode step attends over dequantized K/V: %s", layer.layer_idx, reason)
     layer.fused.fallbacks += 1
-    keys, values = layer.materialize(check=False)  # per step: the lazy K/V check stays periodic (no sync)
+    keys, values = layer.materialize(check=False, view=True)  # per step: the lazy K/V check stays periodic (no sync)
     return _sdpa(module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

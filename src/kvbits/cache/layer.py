@@ -224,6 +224,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             reserve = token_split(scheme, self.max_cache_len).quantized
             for store in (self._k, self._v):
                 store.reserve_tokens = reserve if mergeable(store.spec) else 0
+                store.reserve_total = self.max_cache_len  # a workspace spans every token (materialize's layout)
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
         # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less; bf16/fp32 more
@@ -411,7 +412,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._v.flush(n_flush, self.scheme.block)
         if self.fused.claimed and q == 1 and fused.serving(self):
             return fused.placeholders(self)  # kvbits_fused attends over packed_store(self): no dequantization
-        keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
+        # view: with a reserved workspace, the returned K/V view it (no copy of the history; used at once)
+        keys, values = self._k.materialize(self.dtype, view=True), self._v.materialize(self.dtype, view=True)
         if self.is_sliding:
             start = max(0, n_before - self.sliding_window + 1) - dropped_before
             keys, values = keys[:, :, start:], values[:, :, start:]
@@ -549,19 +551,21 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.map_batch(fn)
 
     # ---------------------------------------------------------------- reading
-    def materialize(self, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def materialize(self, *, check: bool = True, view: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V attention would see now, ``(B, H_kv, T_visible, D)`` in the incoming dtype (the stored
         heads repeated back as ``update`` returns them: ``(B, repeat * H_kv, T_visible, D)``).
 
         Full attention: every token; sliding window: the last ``min(T, W - 1)`` tokens (what
         ``DynamicSlidingWindowLayer`` holds). ``check``: run the pending lazy K/V check first (one host
-        sync; ``False`` on per-step paths, which leave it to the periodic check).
+        sync; ``False`` on per-step paths, which leave it to the periodic check). ``view``: where a reserved
+        workspace holds them, views of it that later steps overwrite (``SideStore.materialize``), for K/V
+        used at once; by default new tensors.
         """
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx} holds no tokens yet")
         if check:
             kv_checks.run_checks([self])
-        keys, values = self._k.materialize(self.dtype), self._v.materialize(self.dtype)
+        keys, values = self._k.materialize(self.dtype, view=view), self._v.materialize(self.dtype, view=view)
         if self.is_sliding:
             visible = min(self.tokens_seen, self.sliding_window - 1)
             keys, values = keys[:, :, keys.shape[2] - visible :], values[:, :, values.shape[2] - visible :]

@@ -206,10 +206,15 @@ class SideStore:
         # quantized slots to allocate once, at the first flush (QuantizedKVLayer's max_cache_len); 0: the one chunk
         # of a mergeable spec grows by concatenation, a copy of the whole history at every flush
         self.reserve_tokens = 0
+        # tokens per sequence the layer holds at max_cache_len (sinks + quantized + buffer); 0: none. A reserved
+        # workspace spans them all, laid out as materialize returns them (sinks | dequantized | buffer), so a step
+        # returns a view of it instead of copying the history (materialize(view=True))
+        self.reserve_total = 0
         # the reserved storage: each token tensor of the chunk for reserve_tokens slots (zeros past the chunk,
         # which views its first n_quantized); None: no reservation held
         self._slots: dict[str, torch.Tensor] | None = None
-        self._work_slots: torch.Tensor | None = None  # the workspace's reserved (B, H, reserve_tokens, D), `work` views it
+        # the workspace's reserved (B, H, reserve_total, D): `work` views tokens n_sinks... of it (materialize's layout)
+        self._work_slots: torch.Tensor | None = None
         self._told_exceeded = False
         # called with (x, qt) for each chunk a flush quantizes: x (B, H_kv, n, D) the tokens as quantized (un-rotated
         # for pre-RoPE keys), qt their QuantizedTensor (kvbits.monitor's online error signal); None: no cost
@@ -360,18 +365,34 @@ class SideStore:
 
     def _append_work(self, x: torch.Tensor) -> None:
         """Append dequantized tokens ``x`` ``(B, H, n, D)`` to the workspace: into its reserved slots while they
-        hold them (allocated at the first append, like the chunk's), else by concatenation."""
-        have, C = self.work.shape[2], self.reserve_tokens
-        if not 0 < have + x.shape[2] <= C:
+        hold them (allocated at the first append, like the chunk's, for all ``reserve_total`` tokens, the
+        workspace from slot ``n_sinks`` on), else by concatenation."""
+        have, S, n = self.work.shape[2], self.n_sinks, x.shape[2]
+        if not 0 < S + have + n <= self.reserve_total:
             self._work_slots = None
             self.work = torch.cat([self.work, x], dim=2)
             return
         if self._work_slots is None:
             B, H, _, D = x.shape
-            self._work_slots = x.new_zeros((B, H, C, D), dtype=self.work.dtype)
-            self._work_slots[:, :, :have].copy_(self.work)
-        self._work_slots[:, :, have : have + x.shape[2]].copy_(x)
-        self.work = self._work_slots[:, :, : have + x.shape[2]]
+            self._work_slots = x.new_zeros((B, H, self.reserve_total, D), dtype=self.work.dtype)
+            self._work_slots[:, :, S : S + have].copy_(self.work)
+        self._work_slots[:, :, S + have : S + have + n].copy_(x)
+        self.work = self._work_slots[:, :, S : S + have + n]
+
+    def _workspace_view(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``materialize(dtype)``'s values as a view of the reserved workspace, the sinks and buffer copied into
+        their slots (a few tokens: the history stays where it is), or ``None`` where the slots cannot hold them:
+        no reservation, another dtype, more tokens than reserved, or a workspace not at slot ``n_sinks``."""
+        slots = self._work_slots
+        if slots is None or slots.dtype != dtype or self.buffer.dtype != dtype:
+            return None
+        S, Q, nb = self.n_sinks, self.work.shape[2], self.n_buffer
+        at = (self.work.data_ptr() - slots.data_ptr()) // (slots.stride(2) * slots.element_size())
+        if S + Q + nb > slots.shape[2] or at != S or self.work.untyped_storage().data_ptr() != slots.untyped_storage().data_ptr():
+            return None
+        slots[:, :, :S].copy_(self.sinks)
+        slots[:, :, S + Q : S + Q + nb].copy_(self.buffer)
+        return slots[:, :, : S + Q + nb]
 
     def _reserve(self, like: QuantizedTensor, needed: int) -> bool:
         """Whether the reserved slots (allocated here, zero-filled, from ``like``'s shapes, the chunk so far copied
@@ -470,14 +491,21 @@ class SideStore:
         rotated = rope_at(self.rotary, qt.dequantize(dtype, sync=self.sync), p0, offset=self.pos_offset)
         return rotated if out is None else out.copy_(rotated)
 
-    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
+    def materialize(self, dtype: torch.dtype, *, view: bool = False) -> torch.Tensor:
         """Every stored token in order, in ``dtype``: ``(B, H_kv, sinks + quantized + buffer, D)``.
 
         One tensor is allocated and each part written into its place (the codes decoded straight into
         it where ``QuantizedTensor.dequantize`` can), not decoded apart and concatenated: the same values,
         one full-history copy fewer per call. With nothing to decode (no sinks, nothing quantized) and the
         buffer already in ``dtype``, a view of the buffer: no copy at all.
+
+        ``view=True`` (a decode step's K/V, used at once): with a reserved workspace (``reserve_total``), a
+        view of it, only the sinks and buffer copied in: the same values, no copy of the history. The view's
+        buffer slots are overwritten later (by the tokens' dequantized values when they are flushed), as
+        transformers' ``StaticCache`` returns its own tensors; keep a ``clone()`` to hold on to it.
         """
+        if view and (mirrored := self._workspace_view(dtype)) is not None:
+            return mirrored
         B, H, _, D = self.buffer.shape
         S, Q = self.n_sinks, (self.work.shape[2] if self.work is not None else self.n_quantized)
         if S == Q == 0 and self.buffer.dtype == dtype:
