@@ -126,7 +126,9 @@ class QuantizedKVCache(Cache):
             a server reserves a request's memory up front (``None``, default: nothing reserved). Each full
             layer allocates its quantized codes and metadata for that length at its first flush and writes
             every later flush in place, where a growing cache copies the layer's whole quantized history
-            at every flush (every decode step for per-token schemes); a ``workspace`` is reserved alike.
+            at every flush (every decode step for per-token schemes); a ``workspace`` is reserved alike, for
+            all ``max_cache_len`` tokens in attention's order, and each step returns views of it (no copy of
+            the history; later steps overwrite them, as ``StaticCache``'s: ``materialize()`` gives copies).
             ``memory_report()`` then counts the reservation (``workspace_bytes`` too), and at
             ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
             sequences still work: the layer logs it and grows by copying.

@@ -18,7 +18,9 @@ every decode step for per-token schemes (``block = 1``), more bytes than the fus
 with ``reserve_tokens`` (``QuantizedKVCache(max_cache_len=...)``) allocates the chunk's tensors for that
 many tokens at its first flush, zero-filled, and writes each flush in place; the chunk views the slots in
 use. The held bytes are then the reservation (``components``), which at ``max_cache_len`` tokens is what
-``kvbits.plan`` counts for that context. A dequantized workspace is reserved alike (``workspace_bytes``).
+``kvbits.plan`` counts for that context. A dequantized workspace is reserved alike (``workspace_bytes``), for
+every token of the layer (``reserve_total``) laid out as ``materialize`` returns them, so a decode step hands
+attention a view of it (``materialize(view=True)``) instead of a new copy of the history.
 Past the reservation it is released (logged) and the chunk grows by concatenation again.
 
 A long flush (a prefill) is quantized, and a long quantized history decoded, ``SLICE_TOKENS`` tokens at a
