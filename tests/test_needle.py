@@ -165,14 +165,26 @@ def _key_nll_prefill_simulated(model, trial, scheme) -> float:
     return float(-lp.gather(-1, trial.ids[trial.answer_start :, None]).mean())
 
 
-def test_prefill_semantics_real_cache_equals_simulator(lm, corpus, tok):
+def test_prefill_semantics_real_cache_equals_simulator(lm, corpus, tok, monkeypatch):
     """Two implementations of one semantics: the real cache loaded from an exact prefill and decoded token
     by token, and the simulator's one pass. They agree on the key's NLL for a scheme that flushes while
-    the question is decoded; a key row off by one, or a flush counted from the wrong token, would not."""
+    the question is decoded; a key row off by one, or a flush counted from the wrong token, would not.
+    Each real cache is reserved for the ``context - 1`` tokens it ends with (``max_cache_len``)."""
+    from kvbits.evaluate import stream as stream_mod
+
     path, ids = corpus
+    make, reserved = stream_mod.make_cache, []
+
+    def spy(*args, **kw):
+        cache = make(*args, **kw)
+        reserved.append(cache.max_cache_len)
+        return cache
+
+    monkeypatch.setattr(stream_mod, "make_cache", spy)
     s = needle_eval(lm, [300, 420], [SMALL_KIVI, "int4-token"], data=str(path), depths=[0.0, 0.6], trials=1)
     trials = build_trials(tok, ids, [300, 420], [0.0, 0.6], 1)
     assert len(s["records"]) == len(trials) == 4
+    assert reserved == [t.context - 1 for t in trials for _ in range(2)]  # two schemes per trial
     for rec, trial in zip(s["records"], trials):
         assert rec["key"] == trial.key and rec["answer_start"] == trial.answer_start
         for name, scheme in (("t-kivi", SMALL_KIVI), ("int4-token", get_scheme("int4-token"))):
