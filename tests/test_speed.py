@@ -341,6 +341,7 @@ def test_reservation_is_recorded_and_changes_no_result(model, ids, tmp_path):
         assert a["cache_bytes"] == b["cache_bytes"] == a["planned_bytes"]
         assert (a["agreement"], a["first_divergence"]) == (b["agreement"], b["first_divergence"])
     assert "kvbits caches reserve quantized storage" in speed_markdown(r)
+    assert "returns views" not in speed_markdown(r) and "returns views" in speed_markdown({**r, "workspace": True})
     assert "kvbits caches grow by concatenation" in speed_markdown(g)
     with pytest.raises(ValueError, match="runs differ in reserve"):
         merge_speed([r, {**g, "contexts": [32], "runs": [{**x, "context": 32} for x in g["runs"]]}])

@@ -112,7 +112,8 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run"
         + {  # runs from before the setting say nothing (their caches grew): their reports come back as written
             True: "; kvbits caches reserve quantized storage for the run's tokens (`max_cache_len`: a flush writes "
-            "in place)",
+            "in place" + ("; the workspace holds every token in attention's order and a step returns views of it)"
+                          if summary.get("workspace") else ")"),
             False: "; kvbits caches grow by concatenation (a flush copies the layer's quantized history)",
         }.get(summary.get("reserve"), ""),
         (
