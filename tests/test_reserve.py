@@ -359,6 +359,27 @@ def test_a_reserved_workspace_is_returned_as_a_view(monkeypatch, scheme: str):
             assert torch.equal(a, b)
 
 
+@torch.no_grad()
+def test_beam_search_with_a_reserved_workspace_equals_a_growing_one():
+    """Beam search maps the batch at every step (``reorder_cache``): the workspace's reservation is released
+    and taken again, in its layout, at the next flush; the beams and scores stay those of a growing workspace."""
+    model, sch = build("llama"), SCHEMES["int4-kivi"]
+    outs = []
+    for reserve in (None, FULL + 8):
+        cache = QuantizedKVCache(config=model.config, scheme=sch, workspace=True, max_cache_len=reserve)
+        out = model.generate(prompt(), past_key_values=cache, max_new_tokens=NEW, num_beams=2, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        outs.append((out, cache))
+    (a, grown), (b, reserved) = outs
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), atol=1e-5, rtol=0)
+    # the last step's map released it; KIVI flushes every 16 tokens, so no flush has taken it again since
+    assert reserved.layers[0]._k._work_slots is None and reserved.layers[0]._k.reserve_total == FULL + 8
+    for la, lb in zip(grown.layers, reserved.layers):
+        for x, y in zip(la.materialize(), lb.materialize()):
+            assert torch.equal(x, y)
+
+
 def test_a_dequantize_step_copies_no_history_with_a_reserved_workspace():
     """``LiveBytes``: a decode step of a layer with a growing workspace allocates the history it returns; with
     a reserved one, the new token's few bytes (the returned K/V view the workspace)."""
