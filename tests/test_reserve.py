@@ -274,26 +274,35 @@ def test_triton_kernel_reads_only_the_used_slots(monkeypatch, name: str, dequant
     torch.testing.assert_close(out, decode_attention_reference(q, cut), atol=2e-3 if half else 2e-6, rtol=0)
 
 
-def test_a_fused_decode_step_allocates_no_history_with_a_reservation():
-    """Measured with ``LiveBytes`` (meta placeholders count nothing): a claimed layer's decode step stores
-    one token; without a reservation it also allocates a new copy of every code and scale (per-token
-    flush), with one only the new token's few bytes."""
+def _decode_step_peaks(*, claim: bool = False, **cache_kw) -> dict:
+    """``LiveBytes`` peak of one int8-token decode step of layer 0 (token 256 of 300 random K/V), growing
+    (``None``) and with ``max_cache_len=300``: ``{reserve: (peak, cache, keys the step returned)}``.
+    ``claim``: the layer is claimed for fused decode first."""
     from kvbits.evaluate.livebytes import LiveBytes
 
     model = build("llama")
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(2))
-    peaks = {}
+    out = {}
     for reserve in (None, 300):
-        cache = QuantizedKVCache(config=model.config, scheme="int8-token", fused_decode=True, max_cache_len=reserve)
+        cache = QuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=reserve, **cache_kw)
         cache.update(k[:, :, :256], v[:, :, :256], 0)
-        layer = cache.layers[0]
-        assert fused_mod.claim(layer, torch.zeros(1, 4, 1, 32))
+        if claim:
+            assert fused_mod.claim(cache.layers[0], torch.zeros(1, 4, 1, 32))
         with LiveBytes() as live:
             keys, _ = cache.update(k[:, :, 256:257], v[:, :, 256:257], 0)
-        assert keys.device.type == "meta"
-        peaks[reserve] = live.peak
-    history = layer._k.nbytes() * 257 // 300 * 2  # both sides' codes and scales for 257 tokens
+        out[reserve] = (live.peak, cache, keys)
+    return out
+
+
+def test_a_fused_decode_step_allocates_no_history_with_a_reservation():
+    """Measured with ``LiveBytes`` (meta placeholders count nothing): a claimed layer's decode step stores
+    one token; without a reservation it also allocates a new copy of every code and scale (per-token
+    flush), with one only the new token's few bytes."""
+    runs = _decode_step_peaks(claim=True, fused_decode=True)
+    assert all(keys.device.type == "meta" for _, _, keys in runs.values())
+    peaks = {reserve: peak for reserve, (peak, _, _) in runs.items()}
+    history = runs[300][1].layers[0]._k.nbytes() * 257 // 300 * 2  # both sides' codes and scales for 257 tokens
     assert peaks[None] >= history > 10 * peaks[300], peaks
 
 
@@ -383,20 +392,9 @@ def test_beam_search_with_a_reserved_workspace_equals_a_growing_one():
 def test_a_dequantize_step_copies_no_history_with_a_reserved_workspace():
     """``LiveBytes``: a decode step of a layer with a growing workspace allocates the history it returns; with
     a reserved one, the new token's few bytes (the returned K/V view the workspace)."""
-    from kvbits.evaluate.livebytes import LiveBytes
-
-    model = build("llama")
-    g = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(2))
-    peaks = {}
-    for reserve in (None, 300):
-        cache = QuantizedKVCache(config=model.config, scheme="int8-token", workspace=True, max_cache_len=reserve)
-        cache.update(k[:, :, :256], v[:, :, :256], 0)
-        with LiveBytes() as live:
-            keys, values = cache.update(k[:, :, 256:257], v[:, :, 256:257], 0)
-        assert keys.shape == (1, 2, 257, 32)
-        peaks[reserve] = live.peak
-        del keys, values
+    runs = _decode_step_peaks(workspace=True)
+    assert all(keys.shape == (1, 2, 257, 32) for _, _, keys in runs.values())
+    peaks = {reserve: peak for reserve, (peak, _, _) in runs.items()}
     history = 2 * 257 * 2 * 32 * 4  # K and V, float32, what a step returns
     assert peaks[None] >= history > 10 * peaks[300], peaks
 

@@ -493,9 +493,9 @@ class QuantizedKVLayer(CacheLayerMixin):
 
         Memory grows by the incoming dtype's bytes per token from here on, and ``memory_report()`` counts
         them (``full_tokens``, ``held_at``). Quantized slots reserved for ``max_cache_len`` past the tokens
-        already quantized are released (``SideStore.release_reservation``): they would never be written. Returns whether the layer now holds: ``False`` for a layer that
-        does not quantize (identity scheme, sliding fallback) and for sliding-window layers, whose buffer
-        would outgrow the window.
+        already quantized are released (``SideStore.release_reservation``): they would never be written.
+        Returns whether the layer now holds: ``False`` for a layer that does not quantize (identity scheme,
+        sliding fallback) and for sliding-window layers, whose buffer would outgrow the window.
         """
         if self.mode != "quantized" or self.is_sliding:
             return False

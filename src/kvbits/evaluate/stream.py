@@ -332,13 +332,13 @@ def _stream(
     _B, T = ids.shape
     start = 0
     chunks: list[torch.Tensor] = []
-    reserve = T  # the cache ends holding all T tokens: reserved for them, flushes write in place (peers take none)
     if semantics == "prefill":
         if not isinstance(prompt_len, int) or not 0 < prompt_len < T:
             raise ValueError(f"semantics='prefill' needs 0 < prompt_len < T={T}, got {prompt_len!r}")
         hidden, kv = prefill_kv(model, ids[:, :prompt_len])
         chunks.append(hidden)
-        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=reserve)
+        # the cache ends holding all T tokens: reserved for them, flushes write in place (peers take none)
+        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T)
         if on_cache is not None:
             on_cache(cache)
         load_kv(cache, kv)
@@ -347,7 +347,7 @@ def _stream(
         if progress:
             progress(prompt_len)
     elif semantics == "decode":
-        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=reserve)
+        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T)
         if on_cache is not None:
             on_cache(cache)
     else:

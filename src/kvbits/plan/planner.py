@@ -31,8 +31,8 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   ``T`` tokens (sliding layers too: the prompt's queries need all its keys), and from each full layer at
   every decode step without the fused kernel (``fused_decode`` decode steps return none; a sliding
   layer's step returns at most ``W`` tokens; with ``workspace=True`` and ``max_cache_len`` a step returns
-  views of the workspace, which holds a dequantized copy of every layer: ``workspace_bytes``, not here). ``DynamicCache`` allocates it too, growing a layer by
-  concatenation, and so does kvbits' fp16 cache. Scheme-independent. A quantized scheme's step allocates
+  views of the workspace, which holds a dequantized copy of every layer: ``workspace_bytes``, not here).
+  ``DynamicCache`` allocates it too, growing a layer by concatenation, and so does kvbits' fp16 cache. Scheme-independent. A quantized scheme's step allocates
   more: float32 working copies of a slice (``kvbits.cache.store.SLICE_TOKENS`` tokens) and, when it
   flushes, a copy of the layer's codes (none with ``QuantizedKVCache(max_cache_len=...)``, which writes
   flushes into reserved slots). Measured (``benchmarks/cache_working_set.py``, BENCHMARKS.md
