@@ -340,6 +340,32 @@ def test_simulate_equals_stream_prerope_calibrated(models):
     _assert_agree(h_sim, stream_hidden(model, ids, scheme, calibration=art), "llama/kvquant-4")
 
 
+@torch.no_grad()
+def test_simulate_equals_stream_centred_smoothed_keys(models):
+    """Per-token keys centred and smoothed with calibrated channel vectors (int4-token-smooth), post-RoPE."""
+    from transformers import DynamicCache
+
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = models("llama", torch.float64)
+    scheme = get_scheme("int4-token-smooth")
+    full = DynamicCache()
+    model.model(
+        _ids(200, seed=9), use_cache=True, **{"cache" if _has_cache_kw(model) else "past_key_values": full}
+    )
+    keys = [layer.keys for layer in full.layers]  # post-RoPE, as the cache stores them
+    art = artifact_from_samples(scheme, keys, [layer.values for layer in full.layers],
+                                meta={"model": describe_model(model.config)})  # fmt: skip
+    ids = _ids(120, seed=4)
+    with simulate(model, scheme, calibration=art):
+        h_sim = model.model(ids).last_hidden_state
+    _assert_agree(h_sim, stream_hidden(model, ids, scheme, calibration=art), "llama/int4-token-smooth")
+    with simulate(model, "int4-token"):  # and the transform changes what is computed
+        h_plain = model.model(ids).last_hidden_state
+    assert _agreement(h_sim, h_plain)[1] > 1e-3
+
+
 def _has_cache_kw(model) -> bool:
     from kvbits.evaluate.stream import _cache_kwarg
 

@@ -556,6 +556,10 @@ def calibration_kwargs(spec: TensorSpec, H: int, D: int) -> dict:
         from kvbits.quant.nuq import uniform_codebook
 
         kw["codebook"] = uniform_codebook(spec.bits)
+    if spec.centre:  # centred / smoothed keys: a channel mean and a factor per (head, channel)
+        kw["channel_mean"] = torch.linspace(-2, 2, H * D).reshape(H, D).half()
+    if spec.smooth is not None:
+        kw["channel_factor"] = torch.linspace(0.5, 2, H * D).reshape(H, D).half()
     return kw
 
 

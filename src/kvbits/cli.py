@@ -102,6 +102,10 @@ def _spec_str(spec: Any) -> str:
         parts.append(f"+{spec.outlier_frac:.1%} outliers")
     if getattr(spec, "pre_rope", False):
         parts.append("pre-RoPE")
+    if getattr(spec, "centre", False):
+        parts.append("+centred")
+    if getattr(spec, "smooth", None) is not None:
+        parts.append(f"+smooth{spec.smooth:g}")
     if getattr(spec, "rotate", None):
         parts.append(f"+{spec.rotate}")
     return " ".join(parts)

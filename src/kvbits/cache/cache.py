@@ -270,9 +270,10 @@ class QuantizedKVCache(Cache):
         for side in ("key", "value"):
             qp = self.calibration.static_qparams(layer.layer_idx, side)
             codebook = self.calibration.codebook(layer.layer_idx, side)
-            if qp is not None or codebook is not None:
+            mean, factor = self.calibration.channel_transform(layer.layer_idx, side)
+            if any(t is not None for t in (qp, codebook, mean, factor)):
                 scale, zero = qp if qp is not None else (None, None)
-                layer.set_static_qparams(side, scale, zero, codebook=codebook)
+                layer.set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
 
     def __repr__(self) -> str:
         return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"
@@ -355,9 +356,12 @@ class QuantizedKVCache(Cache):
         zero: torch.Tensor | None = None,
         *,
         codebook: torch.Tensor | None = None,
+        mean: torch.Tensor | None = None,
+        factor: torch.Tensor | None = None,
     ) -> None:
-        """Install calibrated scales / codebook of one layer (see ``QuantizedKVLayer.set_static_qparams``)."""
-        self._layer(layer_idx).set_static_qparams(side, scale, zero, codebook=codebook)
+        """Install calibrated scales / codebook / channel means and smoothing factors of one layer (see
+        ``QuantizedKVLayer.set_static_qparams``)."""
+        self._layer(layer_idx).set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
 
     def _layer(self, layer_idx: int) -> QuantizedKVLayer:
         quantized = {layer.layer_idx: layer for layer in self._quantized_layers()}

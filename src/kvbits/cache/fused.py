@@ -160,6 +160,8 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
     for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
         if spec.kind not in PACKED_KINDS:
             return f"{side} kind {spec.kind!r} (the packed layout holds {', '.join(PACKED_KINDS)} codes)"
+        if spec.has_channel_transform:
+            return f"{side}: centred / smoothed channels (the kernels read codes in the model's basis)"
     if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
         return "key and value head dims differ"
     if layer.scheme.key.pre_rope:

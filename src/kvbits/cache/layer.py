@@ -249,13 +249,17 @@ class QuantizedKVLayer(CacheLayerMixin):
         zero: torch.Tensor | None = None,
         *,
         codebook: torch.Tensor | None = None,
+        mean: torch.Tensor | None = None,
+        factor: torch.Tensor | None = None,
     ) -> None:
         """Install calibrated fixed parameters for ``side`` (``"key"`` or ``"value"``).
 
         ``scale``/``zero``: static specs (and FP8 per-tensor scales), broadcastable to the grouped view
         ``quantize`` uses (static per-channel: ``(H_kv, D)``); ``codebook``: NUQ specs, float16
-        ``(2**bits,)``. They are owned by the layer and reported as ``fixed`` bytes. A no-op for layers
-        that quantize nothing (identity schemes, sliding fallback).
+        ``(2**bits,)``; ``mean`` / ``factor``: ``centre`` / ``smooth`` specs, ``(H_kv, D)`` (or
+        ``(1, H_kv, 1, D)``) channel means and smoothing factors (``> 0``), stored float16 ``(H_kv, D)``.
+        They are owned by the layer and reported as ``fixed`` bytes. A no-op for layers that quantize
+        nothing (identity schemes, sliding fallback).
 
         Scales must be finite and ``>= 0`` (FP8: ``> 0``), zero-points finite, in the dtype they are
         stored in (float16; FP8 scales float32): checked here, once (one host sync), since the per-step
@@ -270,11 +274,16 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx} {side}: spec is not static; static scales would be ignored")
         if codebook is not None and spec.kind != "nuq":
             raise ValueError(f"layer {self.layer_idx} {side}: a codebook needs kind='nuq', got {spec.kind!r}")
+        if mean is not None and not spec.centre:
+            raise ValueError(f"layer {self.layer_idx} {side}: channel means need a centre spec; they would be ignored")
+        if factor is not None and spec.smooth is None:
+            raise ValueError(f"layer {self.layer_idx} {side}: smoothing factors need a smooth spec; they would be ignored")
         what = f"layer {self.layer_idx} {side}"
-        for name, t in (("scale", scale), ("zero", zero), ("codebook", codebook)):
+        named = (("scale", scale), ("zero", zero), ("codebook", codebook), ("mean", mean), ("factor", factor))
+        for name, t in named:
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{what}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
-        given = [t for t in (scale, zero, codebook) if t is not None]
+        given = [t for _, t in named if t is not None]
         device = self.device or (given[0].device if given else torch.device("cpu"))
         # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact;
         # checked in the stored dtype (a huge float32 scale is inf in float16)
@@ -286,8 +295,23 @@ class QuantizedKVLayer(CacheLayerMixin):
         if zero is not None:
             zero = zero.detach().to(device, torch.float16).clone()
             check_finite(zero, f"{what} static zero-point")
+        channel = {}
+        for name, t in (("channel_mean", mean), ("channel_factor", factor)):
+            if t is None:
+                continue
+            heads, D = self._stored_heads(), t.shape[-1]
+            if t.dim() not in (2, 4) or (heads is not None and t.numel() != heads * D):
+                raise ValueError(f"{what}: {name} must be (H_kv, D) = ({heads}, D), got {tuple(t.shape)}")
+            t = t.detach().to(device, torch.float16).reshape(-1, D).clone()
+            if name == "channel_mean":
+                check_finite(t, f"{what} channel mean")
+            else:
+                check_static_scale(t, f"{what} smoothing factor", positive=True)
+            channel[name] = t
         if self.mode != "quantized":
             return
+        for name, t in channel.items():
+            setattr(store, name, t)
         if scale is not None:
             store.static_scale, store.static_zero = scale, zero
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
@@ -319,6 +343,10 @@ class QuantizedKVLayer(CacheLayerMixin):
                 missing.append(f"{side} static zero-points")
             if spec.kind == "nuq" and store.codebook is None:
                 missing.append(f"{side} NUQ codebook")
+            if spec.centre and store.channel_mean is None:
+                missing.append(f"{side} channel means")
+            if spec.smooth is not None and store.channel_factor is None:
+                missing.append(f"{side} smoothing factors")
         return missing
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -66,6 +66,8 @@ __all__ = ["SLICE_TOKENS", "SideStore", "mergeable", "rope_at"]
 SLICE_TOKENS = 4096
 """Tokens quantized (at a flush) or decoded (at a step) in one call, rounded to whole blocks and scale
 groups: bounds the float32 working copies to one slice. At 32K tokens a side takes 8 calls instead of 1."""
+FIXED_TENSORS = ("static_scale", "static_zero", "codebook", "channel_mean", "channel_factor")
+"""The layer-owned parameters a side quantizes with: ``fixed`` bytes, counted once per layer, not per token."""
 
 
 def mergeable(spec: TensorSpec) -> bool:
@@ -169,7 +171,8 @@ class SideStore:
             decode step dequantizes only what was flushed since the previous one.
         static_scale, static_zero, codebook: fixed quantization parameters owned by the layer (FP8
             per-tensor scale, calibrated scales, NUQ codebook); passed to ``quantize`` and counted as
-            ``fixed`` bytes.
+            ``fixed`` bytes; so are ``channel_mean`` / ``channel_factor`` (``centre`` / ``smooth`` specs,
+            float16 ``(H_kv, D)``), set by ``QuantizedKVLayer.set_static_qparams``.
         rotary: RoPE tables of this layer, for a ``pre_rope`` spec.
     """
 
@@ -191,6 +194,8 @@ class SideStore:
         self.use_workspace = workspace
         self.static_scale = static_scale
         self.static_zero = static_zero
+        self.channel_mean: torch.Tensor | None = None
+        self.channel_factor: torch.Tensor | None = None
         # False once the static scale is known to have no zero entry (QuantizedKVLayer.set_static_qparams):
         # the kernel path then skips counting what zero scales clip (quantize_pack's zero_scales)
         self.zero_scales = True
@@ -239,7 +244,7 @@ class SideStore:
         self._packed = self._slots = self._work_slots = None
         self._told_exceeded = False
         self.pos_offset = None
-        for name in ("static_scale", "static_zero", "codebook"):
+        for name in FIXED_TENSORS:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(like.device))
         if self.static_scale is not None and self.spec.kind == "fp8" and self.spec.granularity == "head":
@@ -313,8 +318,9 @@ class SideStore:
         kw = {"static_scale": self.static_scale, "static_zero": self.static_zero, "sync": self.sync}
         if self.static_scale is not None:
             kw["zero_scales"] = self.zero_scales
-        if self.codebook is not None:
-            kw["codebook"] = self.codebook
+        for name in ("codebook", "channel_mean", "channel_factor"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         # whole blocks per quantize call; mergeable blocks up to SLICE_TOKENS at a time, then one chunk
         step = max(block, SLICE_TOKENS // block * block) if mergeable(self.spec) else block
         new = []
@@ -580,7 +586,7 @@ class SideStore:
         out: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
         }
-        out["fixed"] = [t for t in (self.static_scale, self.static_zero, self.codebook) if t is not None]
+        out["fixed"] = [getattr(self, n) for n in FIXED_TENSORS if getattr(self, n) is not None]
         if self.buffer is None:
             return out
         out["full_precision"] = [self.sinks, self.buffer]

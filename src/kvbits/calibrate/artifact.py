@@ -6,6 +6,8 @@ layer ``i`` and side ``s`` in ``key``/``value`` whose spec takes them (``TensorS
 - ``layers.{i}.{s}_scale``, ``layers.{i}.{s}_zero``: ``(H_kv, D)`` float16 static per-channel
   parameters (``zero`` only for asymmetric specs), in the form ``kvbits.quant.quantize`` takes them;
 - ``layers.{i}.{s}_codebook``: ``(2**bits,)`` float16 sorted NUQ codebook in ``[-1, 1]``;
+- ``layers.{i}.{s}_mean`` (``centre``), ``layers.{i}.{s}_factor`` (``smooth``): ``(H_kv, D)`` float16 channel
+  means and smoothing factors (``> 0``): ``quantize`` codes ``(x - mean) / factor``;
 - ``layers.{i}.{s}_scale`` of a static FP8 spec: float32, ``()`` the per-tensor scale or ``(H_kv,)``
   one per KV head (``x ~ fp8(x / s) * s``, as vLLM's ``k_scale`` / ``v_scale``, strategies ``tensor``
   and ``attn_head``; ``kvbits.export.vllm`` exports them).
@@ -91,6 +93,10 @@ def expected_tensors(
                     out[f"layers.{i}.{side}_zero"] = (num_kv_heads, head_dim)
             if spec.kind == "nuq":
                 out[f"layers.{i}.{side}_codebook"] = (2**spec.bits,)
+            if spec.centre:
+                out[f"layers.{i}.{side}_mean"] = (num_kv_heads, head_dim)
+            if spec.smooth is not None:
+                out[f"layers.{i}.{side}_factor"] = (num_kv_heads, head_dim)
     return out
 
 
@@ -217,12 +223,27 @@ class CalibrationArtifact:
         zero = self.tensors.get(f"layers.{i}.{side}_zero")
         return scale, None if zero is None else zero.reshape(1, H, 1, D)
 
+    def channel_transform(self, layer: int, side: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(mean, factor)`` of ``layer``'s ``side``, float16 ``(1, H_kv, 1, D)`` each, or None where the spec
+        has no ``centre`` / ``smooth``."""
+        spec = self._spec(side, self._layer(layer))
+        H, D = self.num_kv_heads, self.head_dim
+        mean = self.tensors[f"layers.{layer}.{side}_mean"].reshape(1, H, 1, D) if spec.centre else None
+        factor = self.tensors[f"layers.{layer}.{side}_factor"].reshape(1, H, 1, D) if spec.smooth is not None else None
+        return mean, factor
+
     def quantize_kwargs(
         self, layer: int, side: str, *, device: torch.device | str | None = None
     ) -> dict[str, Any]:
         """Keyword arguments for ``kvbits.quant.quantize`` / ``fake_quantize`` of ``layer``'s ``side``:
-        ``static_scale``, ``static_zero``, ``codebook`` (only those that side needs; moved to ``device``)."""
+        ``static_scale``, ``static_zero``, ``codebook``, ``channel_mean``, ``channel_factor`` (only those that
+        side needs; moved to ``device``)."""
         out: dict[str, Any] = {}
+        mean, factor = self.channel_transform(layer, side)
+        if mean is not None:
+            out["channel_mean"] = mean
+        if factor is not None:
+            out["channel_factor"] = factor
         qp = self.static_qparams(layer, side)
         if qp is not None:
             out["static_scale"] = qp[0]
@@ -310,6 +331,11 @@ class CalibrationArtifact:
             elif spec.kind == "fp8" and not bool((t > 0).all()):
                 raise ValueError(
                     f"calibration{where}: {name} is {t.tolist()}; an FP8 scale divides, it must be > 0"
+                )
+            elif name.endswith("_factor") and not bool((t > 0).all()):
+                raise ValueError(
+                    f"calibration{where}: {name} has {int((t <= 0).sum())} factors <= 0; a smoothing factor "
+                    "divides, it must be > 0"
                 )
             elif name.endswith("_scale") and bool((t < 0).any()):
                 raise ValueError(

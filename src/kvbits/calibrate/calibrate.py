@@ -469,12 +469,16 @@ def fit_artifact(
         meta["fp8_scale"] = fp8_scale
     keys = []
     for i, (ls, p) in enumerate(zip(layer_schemes, per_layer)):
-        if ls.key.kind == "fp8" and ls.key.static and not ls.key.pre_rope:
+        post_rope_fp8 = ls.key.kind == "fp8" and ls.key.static
+        if (post_rope_fp8 or ls.key.has_channel_transform) and not ls.key.pre_rope:
             if p.keys_post_rope is None:
+                what = (
+                    "an FP8 per-tensor key scale" if post_rope_fp8 else "the channel means / smoothing factors"
+                )
                 raise ValueError(
-                    "an FP8 per-tensor key scale of post-RoPE keys needs the keys after RoPE, and this model's "
-                    "RoPE could not be reproduced (kvbits.quant.rope; see the warning above); use pre_rope=True "
-                    "keys or a dynamic FP8 spec (fp8-e4m3-token)"
+                    f"{what} of post-RoPE keys needs the keys after RoPE, and this model's RoPE could not be "
+                    "reproduced (kvbits.quant.rope; see the warning above); use pre_rope=True keys"
+                    + (" or a dynamic FP8 spec (fp8-e4m3-token)" if post_rope_fp8 else "")
                 )
             keys.append(p.keys_post_rope[i])
         else:

@@ -33,6 +33,7 @@ orthogonal), and so is the centred one: an error constant over tokens stays cons
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ from kvbits.quant.affine import choose_qparams
 from kvbits.quant.fp8 import fp8_max
 from kvbits.quant.nuq import choose_nuq_params, uniform_codebook
 from kvbits.quant.rotate import rotate
-from kvbits.quant.tensor import codebook_inputs, quantize
+from kvbits.quant.tensor import channel_params, codebook_inputs, quantize, to_channel_basis
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -86,7 +87,8 @@ def _check_sides(scheme: KVScheme) -> None:
                 f"{side}: static {spec.granularity!r} scales can not be calibrated yet; static scales are "
                 "calibrated per channel (granularity='channel')"
             )
-        if side == "key" and not spec.pre_rope:
+        if side == "key" and not spec.pre_rope and (spec.static or spec.kind == "nuq"):
+            # channel means / smoothing factors alone are fitted on the keys as stored (after RoPE)
             raise ValueError(
                 "key: calibration captures keys before RoPE (k_proj/k_norm outputs); post-RoPE per-channel "
                 "statistics mix channel pairs by position (KVQuant §3.2). Set pre_rope=True on the key spec"
@@ -132,10 +134,12 @@ def fit_side(
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
 
-    Returns ``(tensors, stats)``: tensors named ``scale``/``zero``/``codebook`` (float16) as that
-    spec needs, and statistics: ``clip_rate`` (fraction of sampled entries clipped against static
-    scales, outliers excluded), and for NUQ ``codebook_gain_db`` (weighted MSE of a uniform codebook
-    over that of the fitted one, in dB, on the normalised values).
+    Returns ``(tensors, stats)``: tensors named ``scale``/``zero``/``codebook``/``mean``/``factor``
+    (float16) as that spec needs, and statistics: ``clip_rate`` (fraction of sampled entries clipped
+    against static scales, outliers excluded), for NUQ ``codebook_gain_db`` (weighted MSE of a uniform
+    codebook over that of the fitted one, in dB, on the normalised values), for ``smooth``
+    ``smooth_spread_db`` (``_channel_transform``). A ``centre`` / ``smooth`` spec's static ranges are
+    fitted on ``(x - mean) / factor``, what it codes.
 
     A static FP8 spec gets ``scale``, a float32 ``absmax / fp8_max``: ``()`` per tensor, ``(H_kv,)`` per
     head (``absmax``: the largest ``|x|`` the cache will store, ``|x @ R|`` for a rotated spec; a number per tensor, ``H_kv`` numbers per
@@ -155,14 +159,22 @@ def fit_side(
         return _fit_fp8(spec, x if spec.rotate is None else rotate(x.float(), spec.rotate), absmax, fp8_scale)
     x = _trim_to_groups(x.float(), spec)
     grad = None if grad is None else _trim_to_groups(grad.float(), spec)
+    tensors: dict[str, torch.Tensor] = {}
+    stats: dict[str, float] = {}
+    channel_kw: dict[str, torch.Tensor] = {}
+    if spec.has_channel_transform:  # what follows (static ranges) is fitted on (x - mean) / factor
+        channel_kw, stats = _channel_transform(spec, x, percentile)
+        tensors.update({k.removeprefix("channel_"): v for k, v in channel_kw.items()})
+        x = to_channel_basis(x, *channel_params(x[None], spec, channel_kw.get("channel_mean"),
+                                                channel_kw.get("channel_factor")))[0]  # fmt: skip
+        if grad is not None and spec.smooth is not None:  # d loss / d(x / f) = grad * f
+            grad = grad * channel_kw["channel_factor"].float()[:, None, :]
     # A rotated spec codes x @ R: its ranges, codebook inputs and Fisher weights live in that basis
     # (the gradient with respect to x @ R is grad @ R, R orthogonal). quantize / codebook_inputs rotate x
     # themselves; the percentile ranges and the gradients are rotated here.
     x_coded = x if spec.rotate is None else rotate(x, spec.rotate)
     if grad is not None and spec.rotate is not None:
         grad = rotate(grad, spec.rotate)
-    tensors: dict[str, torch.Tensor] = {}
-    stats: dict[str, float] = {}
     kw: dict[str, Any] = {}
     if spec.static:
         scale, zero = _static_params(spec, x_coded, percentile)
@@ -183,10 +195,52 @@ def fit_side(
         mse_fit = weighted_mse(pts_c, cb, w)
         mse_uni = weighted_mse(pts_c, uniform_codebook(spec.bits), w)
         stats["codebook_gain_db"] = 10 * math.log10(mse_uni / mse_fit) if mse_fit > 0 and mse_uni > 0 else 0.0
-    if spec.static:
-        qt = quantize(x[None], spec, validate=False, **kw)
+    if spec.static:  # x is already in the centred / smoothed basis: quantize it as the identity there
+        qt = quantize(x[None], _without_channel_transform(spec), validate=False, **kw)
         stats["clip_rate"] = qt.clipped / x.numel()
     return tensors, stats
+
+
+SMOOTH_FLOOR = 1e-3
+"""A channel's spread is floored at this fraction of its head's largest before the exponent: a channel
+constant over the calibration samples would otherwise get a factor near 0 and blow up any later value."""
+
+
+def _channel_transform(
+    spec: TensorSpec, x: torch.Tensor, percentile: float = 99.9
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``centre`` / ``smooth`` vectors of one layer's side from samples ``x`` ``(H_kv, N, D)`` float32.
+
+    Returns ``({"channel_mean": (H_kv, D), "channel_factor": (H_kv, D)}`` (those the spec has, float16), stats)``:
+    the mean over the samples; the factor ``spread ** alpha``, ``spread`` the larger of ``|x - mean|``'s
+    ``100 - percentile`` and ``percentile`` percentiles over the samples (``mean`` 0 without ``centre``; as
+    static ranges are taken, so a few extreme tokens do not set a channel's factor), floored at
+    ``SMOOTH_FLOOR`` of the head's largest and divided by the mean factor of the layer (per-token scales
+    absorb a common constant). Stats: ``smooth_spread_db``, the largest factor over the smallest, in dB
+    (20 log10)."""
+    if x.shape[1] == 0:
+        raise ValueError("no samples to take channel means / smoothing factors from")
+    out: dict[str, torch.Tensor] = {}
+    stats: dict[str, float] = {}
+    mean = x.double().mean(dim=1)
+    if spec.centre:
+        out["channel_mean"] = mean.to(torch.float16)
+    if spec.smooth is not None:
+        ref = out["channel_mean"].double() if spec.centre else torch.zeros_like(mean)  # as the cache subtracts it
+        lo, hi = channel_percentiles(x.double() - ref[:, None, :], percentile)
+        spread = torch.maximum(lo.abs(), hi.abs())
+        top = spread.amax(dim=-1, keepdim=True)
+        if bool((top <= 0).any()):
+            raise ValueError("a head's samples are all equal to their mean: no range to smooth")
+        factor = spread.clamp_min(SMOOTH_FLOOR * top).pow(spec.smooth)
+        factor = (factor / factor.mean()).to(torch.float16)
+        out["channel_factor"] = factor
+        stats["smooth_spread_db"] = 20 * math.log10(float(factor.max()) / float(factor.min()))
+    return out, stats
+
+
+def _without_channel_transform(spec: TensorSpec) -> TensorSpec:
+    return dataclasses.replace(spec, centre=False, smooth=None)
 
 
 def _fit_fp8(

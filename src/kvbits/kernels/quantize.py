@@ -49,6 +49,8 @@ def quantize_pack(
     static_scale: torch.Tensor | None = None,
     static_zero: torch.Tensor | None = None,
     codebook: torch.Tensor | None = None,
+    channel_mean: torch.Tensor | None = None,
+    channel_factor: torch.Tensor | None = None,
     validate: bool = True,
     sync: bool = True,
     zero_scales: bool = True,
@@ -75,7 +77,10 @@ def quantize_pack(
         if zero_scales and spec.static and spec.kind in ("int", "nuq"):
             qt.clipped = qt.clipped + _count(_zero_scale_clips(x, qt), sync)
         return qt
-    kw = {"codebook": codebook} if codebook is not None else {}
+    kw = {
+        n: t for n, t in (("codebook", codebook), ("channel_mean", channel_mean), ("channel_factor", channel_factor))
+        if t is not None
+    }
     return quantize(
         x, spec, static_scale=static_scale, static_zero=static_zero, validate=validate, sync=sync, **kw
     )

@@ -57,6 +57,9 @@ class QuantizedTensor:
             a 0-dim int64 tensor on the block's device when quantized with ``sync=False``.
         codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
             layer, like static scales, not by the block).
+        channel_mean, channel_factor: ``centre`` / ``smooth`` specs: the layer's float16 ``(1, H_kv, 1, D)``
+            vectors the codes were taken under (references owned by the layer, like the codebook);
+            ``dequantize`` returns ``dequant * channel_factor + channel_mean``.
     """
 
     spec: TensorSpec
@@ -69,6 +72,8 @@ class QuantizedTensor:
     clipped: int | torch.Tensor = 0
     static: bool = field(default=False)
     codebook: torch.Tensor | None = None
+    channel_mean: torch.Tensor | None = None
+    channel_factor: torch.Tensor | None = None
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """The tensors this block owns (static scales are owned by the layer, not the block)."""
@@ -98,7 +103,9 @@ class QuantizedTensor:
         """Back to floats, ``(B, H_kv, n, D)`` in ``dtype`` (``codebook`` overrides ``self.codebook``).
 
         ``sync=False``: no host-device sync (the codebook's values are not re-checked, see ``quantize``).
-        A rotated spec (``spec.rotate``) is decoded in float32 (float64 for float64), rotated back, then cast.
+        A rotated spec (``spec.rotate``) is decoded in float32 (float64 for float64), rotated back, then cast;
+        so is a ``centre`` / ``smooth`` spec, multiplied by ``channel_factor`` and shifted by ``channel_mean``
+        after the rotation back.
         ``out``: a ``(B, H_kv, n, D)`` tensor of ``dtype`` (a slice of a larger history is fine) the values
         are written into and returned, bit for bit those returned without it. Integer codes without
         outliers or rotation are decoded in it directly (float32) or cast once into it; the rest are
@@ -110,7 +117,8 @@ class QuantizedTensor:
             raise ValueError(f"dequantize out= must be {dtype} of shape {tuple(self.shape)}, got {out.dtype} "
                              f"{tuple(out.shape)}")  # fmt: skip
         if out is not None:
-            if spec.kind == "int" and self.outlier_values is None and spec.rotate is None:
+            if spec.kind == "int" and self.outlier_values is None and spec.rotate is None \
+                    and not spec.has_channel_transform:
                 if dtype != torch.float32:  # decoded in float32 as always, cast once while copied in
                     return out.copy_(self.dequantize(torch.float32))
                 target = _group(out, spec)
@@ -120,7 +128,7 @@ class QuantizedTensor:
                     return out
             return out.copy_(self.dequantize(dtype, codebook=codebook, sync=sync))
         final = dtype
-        if spec.rotate is not None:
+        if spec.rotate is not None or spec.has_channel_transform:
             dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if spec.kind == "float":
             out = self.data.to(dtype)
@@ -142,8 +150,57 @@ class QuantizedTensor:
         if self.outlier_values is not None:
             out = scatter_outliers(out, self.outlier_values, self.outlier_index)
         if spec.rotate is not None:
-            out = unrotate(out, spec.rotate, final)
-        return out
+            out = unrotate(out, spec.rotate, dtype)
+        if spec.has_channel_transform:
+            out = from_channel_basis(out, spec, self.channel_mean, self.channel_factor)
+        return out.to(final)
+
+
+def _channel_vector(t: torch.Tensor | None, x: torch.Tensor, name: str, spec: TensorSpec) -> torch.Tensor | None:
+    """``t`` as a ``(1, H_kv, 1, D)`` float32 tensor on ``x``'s device (``x`` ``(B, H_kv, n, D)``)."""
+    if t is None:
+        return None
+    H, D = x.shape[1], x.shape[3]
+    if not isinstance(t, torch.Tensor) or t.numel() != H * D or t.shape[-1] != D:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be ({H}, {D}) or (1, {H}, 1, {D}) for this block, got {got}")
+    return t.reshape(1, H, 1, D).to(x.device, torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def channel_params(
+    x: torch.Tensor, spec: TensorSpec, channel_mean: torch.Tensor | None, channel_factor: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``centre`` / ``smooth`` vectors of ``spec`` for block ``x``, ``(1, H_kv, 1, D)`` float32 each (None
+    where the spec has none); ``ValueError`` when the spec needs one that is missing or misshapen."""
+    for need, t, what in ((spec.centre, channel_mean, "channel_mean"), (spec.smooth is not None, channel_factor, "channel_factor")):
+        if need and t is None:
+            raise ValueError(f"a {'centre' if what == 'channel_mean' else 'smooth'} spec needs {what} (from a calibration artifact)")
+    mean = _channel_vector(channel_mean, x, "channel_mean", spec) if spec.centre else None
+    factor = _channel_vector(channel_factor, x, "channel_factor", spec) if spec.smooth is not None else None
+    return mean, factor
+
+
+def to_channel_basis(x: torch.Tensor, mean: torch.Tensor | None, factor: torch.Tensor | None) -> torch.Tensor:
+    """``(x - mean) / factor`` in float32 (float64 for float64 ``x``), ``(B, H_kv, n, D)``: what a ``centre`` /
+    ``smooth`` spec codes."""
+    out = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if mean is not None:
+        out = out - mean
+    if factor is not None:
+        out = out / factor
+    return out
+
+
+def from_channel_basis(
+    y: torch.Tensor, spec: TensorSpec, mean: torch.Tensor | None, factor: torch.Tensor | None
+) -> torch.Tensor:
+    """``y * factor + mean`` (the inverse of ``to_channel_basis``), ``(B, H_kv, n, D)``, in ``y``'s dtype."""
+    mean, factor = channel_params(y, spec, mean, factor)
+    if factor is not None:
+        y = y * factor.to(y.dtype)
+    if mean is not None:
+        y = y + mean.to(y.dtype)
+    return y
 
 
 def _codebook(codebook: torch.Tensor | None, bits: int, sync: bool) -> torch.Tensor:
@@ -189,6 +246,8 @@ def quantize(
     static_scale: torch.Tensor | None = None,
     static_zero: torch.Tensor | None = None,
     codebook: torch.Tensor | None = None,
+    channel_mean: torch.Tensor | None = None,
+    channel_factor: torch.Tensor | None = None,
     validate: bool = True,
     sync: bool = True,
 ) -> QuantizedTensor:
@@ -202,18 +261,25 @@ def quantize(
             ``(H_kv, D)`` and do not depend on ``n``; outliers are then the entries farthest from their
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
+        channel_mean, channel_factor: ``spec.centre`` / ``spec.smooth`` (required there): calibrated
+            ``(H_kv, D)`` or ``(1, H_kv, 1, D)`` vectors; the codes are those of ``(x - mean) / factor``
+            (before any ``spec.rotate``), in float32.
         validate: check finiteness and range (``ValueError`` on NaN/inf), and that static scales are
-            finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points (``check_block``).
+            finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points, channel means finite and smoothing
+            factors finite and ``> 0`` (``check_block``).
         sync: ``False``: never wait for the device (``kvbits.cache`` per-step path): ``clipped`` stays a
             0-dim int64 tensor on ``x``'s device, the codebook's values are not re-checked (its dtype
             and shape are) and neither are asymmetric NUQ ranges (``choose_nuq_params``: a ``ValueError``
             otherwise when a group spans more than float16 holds); pair with ``validate=False``.
     """
     if validate:
-        check_block(x, spec, static_scale, static_zero)
+        check_block(x, spec, static_scale, static_zero, channel_mean, channel_factor)
     _check_head_dim(x)
     B, H, n, D = x.shape
     shape = (B, H, n, D)
+    if spec.has_channel_transform:  # (x - mean) / factor: everything below lives in that basis
+        mean, factor = channel_params(x, spec, channel_mean, channel_factor)
+        x = to_channel_basis(x, mean, factor)
     if spec.rotate is not None:  # everything below (scales, outliers, codes) lives in the rotated basis
         check_rotatable(D, spec.rotate)
         x = rotate(x, spec.rotate)
@@ -269,6 +335,8 @@ def quantize(
     return QuantizedTensor(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
         clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
+        # the caller's tensors (the layer's), not float32 copies: a block holds references, no bytes
+        channel_mean=channel_mean if spec.centre else None, channel_factor=channel_factor if spec.smooth is not None else None,
     )
 
 
@@ -277,13 +345,22 @@ def check_block(
     spec: TensorSpec,
     static_scale: torch.Tensor | None = None,
     static_zero: torch.Tensor | None = None,
+    channel_mean: torch.Tensor | None = None,
+    channel_factor: torch.Tensor | None = None,
 ) -> None:
     """What ``quantize(validate=True)`` checks before quantizing ``x`` ``(B, H_kv, n, D)`` (and what
     ``kvbits.kernels.quantize_pack`` checks before its kernel): finite K/V within float16 (``check_kv``),
     ``D >= 1``, and the calibrated parameters' values: static scales finite and ``>= 0`` (FP8: ``> 0``),
-    finite zero-points. Host syncs: for checks, not for the per-step path."""
+    finite zero-points, finite channel means, finite smoothing factors ``> 0``. Host syncs: for checks,
+    not for the per-step path."""
     check_kv(x, "K/V block")
     _check_head_dim(x)
+    if spec.has_channel_transform:
+        mean, factor = channel_params(x, spec, channel_mean, channel_factor)
+        if mean is not None:
+            check_finite(mean, "channel_mean")
+        if factor is not None:
+            check_static_scale(factor, "channel_factor", positive=True)
     if spec.kind == "fp8":
         if static_scale is not None:
             check_static_scale(static_scale, "static FP8 scale", positive=True)

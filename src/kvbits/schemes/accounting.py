@@ -189,7 +189,8 @@ def per_block_meta_bytes(spec: TensorSpec, n_heads: int) -> int:
 
 
 def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
-    """Per-layer bytes that do not grow with tokens or batch: static scales, NUQ codebooks."""
+    """Per-layer bytes that do not grow with tokens or batch: static scales, NUQ codebooks, the float16
+    ``(H_kv, D)`` channel means (``centre``) and smoothing factors (``smooth``)."""
     if not spec.is_quantized:
         return 0
     total = 0
@@ -205,6 +206,7 @@ def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
             total += per_scale
     if spec.kind == "nuq":
         total += (2**spec.bits) * SCALE_BYTES
+    total += (int(spec.centre) + int(spec.smooth is not None)) * n_heads * head_dim * SCALE_BYTES
     return total
 
 

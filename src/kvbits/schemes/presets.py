@@ -11,6 +11,7 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 KIVI = "https://arxiv.org/abs/2402.02750"
 FLEXGEN = "https://arxiv.org/abs/2303.06865"
 KVQUANT = "https://arxiv.org/abs/2401.18079"
+QSERVE = "https://arxiv.org/abs/2405.04532"
 QUAROT = "https://arxiv.org/abs/2404.00456"
 VLLM_FP8 = "https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache.html"
 
@@ -81,6 +82,17 @@ for _bits in (8, 4, 3, 2):
             description=f"INT{_bits} per token and head after a random-sign Hadamard rotation of the head dim "
             "(keys and values; rotated back after dequantization)",
             reference=QUAROT,
+        )
+    )
+for _bits in (8, 4, 3, 2):
+    register(
+        KVScheme(
+            f"int{_bits}-token-smooth",
+            key=dataclasses.replace(_tok(_bits), centre=True, smooth=0.5),
+            value=_tok(_bits),
+            description=f"INT{_bits} per token and head; keys first centred on calibrated channel means and divided "
+            "by calibrated factors max|k - mean| ** 0.5 per channel (SmoothAttention with centring; kvbits calibrate)",
+            reference=QSERVE,
         )
     )
 for _bits in (8, 4, 2):

@@ -62,6 +62,14 @@ class TensorSpec:
             rotation of the head dim, ``kvbits.quant.rotate``) and rotate back after dequantization, so an
             outlier channel is spread over all channels (QuaRot); needs a power-of-two head dim, stores
             no extra bytes.
+        centre: quantize ``x - m`` and add ``m`` back after dequantization, ``m`` a calibrated
+            per-(head, channel) mean (``kvbits calibrate``; one float16 ``(H_kv, D)`` vector per layer): a
+            channel's constant offset (Qwen2's ``k_proj`` bias) then takes no part of a per-token range.
+        smooth: ``None``, or an exponent ``alpha`` in ``(0, 1]``: quantize ``x / s`` and multiply by ``s``
+            after dequantization, ``s_c = max |x_c - m_c| ** alpha`` calibrated per (head, channel) (``m``:
+            the mean with ``centre``, else 0), so outlier channels are scaled down before a per-token range
+            is taken (QServe's SmoothAttention, ``alpha`` 0.5; one float16 ``(H_kv, D)`` vector per layer).
+            Order: ``(x - m) / s``, then ``rotate``, then the codes.
     """
 
     kind: str = "float"
@@ -74,6 +82,8 @@ class TensorSpec:
     outlier_frac: float = 0.0
     pre_rope: bool = False
     rotate: str | None = None
+    centre: bool = False
+    smooth: float | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -133,6 +143,13 @@ class TensorSpec:
             raise ValueError(f"rotate must be None or one of {ROTATIONS}, got {self.rotate!r}")
         if self.rotate is not None and self.kind == "float":
             raise ValueError("rotate applies to quantized specs; a float spec stores K/V exactly, rotated or not")
+        if (self.centre or self.smooth is not None) and self.kind != "int":
+            raise ValueError(
+                f"centre / smooth apply to integer specs (kind='int'), got kind={self.kind!r}: a float spec "
+                "stores K/V exactly, and FP8 / NUQ codes are not fitted to the transformed channels yet"
+            )
+        if self.smooth is not None and not 0.0 < self.smooth <= 1.0:
+            raise ValueError(f"smooth is an exponent alpha in (0, 1] (QServe: 0.5) or None, got {self.smooth}")
         if self.kind == "fp8" and self.static and self.granularity == "token":
             raise ValueError(
                 "a static FP8 spec has one calibrated scale per tensor ('tensor') or per KV head ('head'); "
@@ -149,8 +166,10 @@ class TensorSpec:
         _require_int(self, "bits")
         if self.group_size is not None:
             _require_int(self, "group_size", "an int or None")
-        for name in ("symmetric", "static", "pre_rope"):
+        for name in ("symmetric", "static", "pre_rope", "centre"):
             _require(self, name, bool, "a bool (true / false)")
+        if self.smooth is not None and (isinstance(self.smooth, bool) or not isinstance(self.smooth, (int, float))):
+            raise TypeError(f"TensorSpec.smooth must be a number or None, got {self.smooth!r}")
         if isinstance(self.outlier_frac, bool) or not isinstance(self.outlier_frac, (int, float)):
             raise TypeError(f"TensorSpec.outlier_frac must be a number, got {self.outlier_frac!r}")
 
@@ -161,8 +180,14 @@ class TensorSpec:
 
     @property
     def calibrated(self) -> bool:
-        """True when parameters come from ``kvbits calibrate``: static integer/NUQ scales, NUQ codebooks."""
-        return self.kind == "nuq" or (self.static and self.kind == "int")
+        """True when parameters come from ``kvbits calibrate``: static integer/NUQ scales, NUQ codebooks,
+        the channel means of ``centre`` and the factors of ``smooth``."""
+        return self.kind == "nuq" or (self.static and self.kind == "int") or self.has_channel_transform
+
+    @property
+    def has_channel_transform(self) -> bool:
+        """True with ``centre`` or ``smooth``: calibrated per-(head, channel) vectors applied before coding."""
+        return self.centre or self.smooth is not None
 
     @property
     def calibratable(self) -> bool:
@@ -177,11 +202,12 @@ class TensorSpec:
         return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON types; ``rotate`` only when set, so specs without it keep the JSON (and the
-        run and artifact hashes) they had before the field existed."""
+        """The fields as JSON types; ``rotate``, ``centre`` and ``smooth`` only when set, so specs without
+        them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
         d = dataclasses.asdict(self)
-        if d["rotate"] is None:
-            del d["rotate"]
+        for name, unset in (("rotate", None), ("centre", False), ("smooth", None)):
+            if d[name] == unset and type(d[name]) is type(unset):
+                del d[name]
         return d
 
     @classmethod

@@ -1,0 +1,195 @@
+"""Centred and smoothed keys (``TensorSpec.centre`` / ``smooth``, the ``int*-token-smooth`` presets).
+
+The codes are those of ``(x - mean) / factor`` with calibrated per-(head, channel) vectors; dequantizing
+multiplies and shifts back. Tested: the identity transform gives the plain codes; on keys with a biased and
+an outlier channel the transform cuts the per-token error several-fold; bad parameters are refused; the
+bytes (two float16 ``(H_kv, D)`` vectors per layer) are counted by the planner and held by the cache; the
+calibration fits and stores them; the fused path and the quantize kernel leave such sides to the torch path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from _tinyllama import tiny_llama
+from transformers import LlamaForCausalLM
+
+from kvbits.cache import QuantizedKVCache
+from kvbits.calibrate import calibrate, load_calibration
+from kvbits.calibrate.fit import SMOOTH_FLOOR, fit_side
+from kvbits.plan import plan
+from kvbits.quant.tensor import quantize
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme
+from kvbits.schemes.accounting import fixed_layer_bytes
+
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+INT4 = TensorSpec(kind="int", bits=4, fmt=None, granularity="token")
+SMOOTH4 = dataclasses.replace(INT4, centre=True, smooth=0.5)
+
+
+def biased_keys(B: int = 2, H: int = 2, n: int = 256, D: int = 64, seed: int = 0) -> torch.Tensor:
+    """Gaussian keys ``(B, H, n, D)`` with channel 3 offset by 40 (a ``k_proj`` bias) and channel 7 spread 12x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, n, D, generator=g)
+    x[..., 3] += 40.0
+    x[..., 7] *= 12.0
+    return x
+
+
+def token_ids(n: int = 1200, seed: int = 0) -> torch.Tensor:
+    """``(n,)`` calibration text for ``tiny_llama``."""
+    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def fitted(spec: TensorSpec, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``quantize`` keyword arguments fitted on ``x`` ``(B, H, n, D)`` as ``kvbits calibrate`` would."""
+    tensors, _ = fit_side(spec, x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3]))
+    return {f"channel_{k}": v for k, v in tensors.items()}
+
+
+def test_identity_transform_gives_the_plain_codes():
+    x = biased_keys()
+    H, D = x.shape[1], x.shape[3]
+    plain = quantize(x, INT4)
+    same = quantize(x, SMOOTH4, channel_mean=torch.zeros(H, D).half(), channel_factor=torch.ones(H, D).half())
+    assert torch.equal(plain.data, same.data) and torch.equal(plain.scale, same.scale)
+    assert torch.equal(plain.dequantize(), same.dequantize())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_centring_and_smoothing_cut_the_error_of_biased_outlier_channels(bits: int):
+    x = biased_keys(seed=bits)
+    calib, test = x[:, :, :128], x[:, :, 128:]  # fitted on one half, measured on the other
+    plain = dataclasses.replace(INT4, bits=bits)
+    centre = dataclasses.replace(plain, centre=True)
+    both = dataclasses.replace(plain, centre=True, smooth=0.5)
+    err = {
+        name: rel_err(quantize(test, spec, **(fitted(spec, calib) if spec.centre else {})).dequantize(), test)
+        for name, spec in (("plain", plain), ("centre", centre), ("both", both))
+    }
+    assert err["centre"] < err["plain"] / 1.5, err  # the offset no longer takes the range
+    assert err["both"] < err["plain"] / 4, err  # nor does the outlier channel
+    assert err["both"] > 0  # still quantized
+
+
+def test_smoothing_alone_divides_by_the_spread_of_each_channel():
+    x = biased_keys()
+    spec = dataclasses.replace(INT4, smooth=1.0)
+    kw = fitted(spec, x)
+    assert set(kw) == {"channel_factor"}
+    f = kw["channel_factor"].float()  # (H, D); mean 1 over the layer
+    assert abs(float(f.mean()) - 1) < 1e-2
+    assert bool((f[:, 3] > 3 * f[:, 10]).all()) and bool((f[:, 7] > 3 * f[:, 10]).all())
+    y = quantize(x, spec, **kw).dequantize()
+    assert rel_err(y, x) < rel_err(quantize(x, INT4).dequantize(), x)
+
+
+def test_a_constant_channel_gets_a_floored_factor():
+    x = biased_keys()
+    x[..., 5] = 2.0  # constant over every sample: spread 0
+    kw = fitted(SMOOTH4, x)
+    f = kw["channel_factor"].float()
+    ratio = f[:, 5] / f.amax(dim=-1)  # the floor: SMOOTH_FLOOR of the head's largest spread, to the power 0.5
+    assert torch.allclose(ratio, torch.full_like(ratio, SMOOTH_FLOOR**0.5), rtol=2e-2), ratio
+    y = quantize(x, SMOOTH4, **kw).dequantize()
+    assert bool(torch.isfinite(y).all())
+
+
+def test_missing_or_bad_parameters_are_refused():
+    x = biased_keys(n=8)
+    H, D = x.shape[1], x.shape[3]
+    mean, factor = torch.zeros(H, D).half(), torch.ones(H, D).half()
+    with pytest.raises(ValueError, match="needs channel_mean"):
+        quantize(x, SMOOTH4, channel_factor=factor)
+    with pytest.raises(ValueError, match="needs channel_factor"):
+        quantize(x, SMOOTH4, channel_mean=mean)
+    with pytest.raises(ValueError, match=r"channel_factor must be \(2, 64\)"):
+        quantize(x, SMOOTH4, channel_mean=mean, channel_factor=torch.ones(3, D))
+    bad = factor.clone()
+    bad[1, 4] = 0
+    with pytest.raises(ValueError, match="channel_factor must be finite and > 0"):
+        quantize(x, SMOOTH4, channel_mean=mean, channel_factor=bad)
+    nan = mean.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="channel_mean"):
+        quantize(x, SMOOTH4, channel_mean=nan, channel_factor=factor)
+
+
+def test_spec_checks_and_json():
+    for kind in ({"kind": "fp8", "bits": 8, "fmt": "e4m3"}, {"kind": "nuq", "bits": 4, "fmt": None}, {}):
+        with pytest.raises(ValueError, match="centre / smooth apply to integer specs"):
+            TensorSpec(**kind, centre=True)
+    for alpha in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"smooth is an exponent alpha in \(0, 1\]"):
+            dataclasses.replace(INT4, smooth=alpha)
+    with pytest.raises(TypeError, match="smooth must be a number"):
+        dataclasses.replace(INT4, smooth="0.5")
+    with pytest.raises(TypeError, match="centre must be a bool"):
+        dataclasses.replace(INT4, centre="yes")
+    scheme = get_scheme("int4-token-smooth")
+    assert KVScheme.from_json(scheme.to_json()) == scheme
+    assert scheme.key.to_dict()["centre"] is True and scheme.key.to_dict()["smooth"] == 0.5
+    # specs without the fields keep their JSON (and so the hashes of runs and artifacts made before)
+    assert "centre" not in INT4.to_dict() and "smooth" not in INT4.to_dict()
+    assert scheme.needs_calibration() == ["key"]
+
+
+def test_the_vectors_are_counted_once_per_layer_and_held_by_the_cache():
+    model = tiny_llama()
+    cfg = model.config
+    H, D = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    scheme = get_scheme("int4-token-smooth")
+    assert fixed_layer_bytes(scheme.key, H, D) == 2 * H * D * 2 and fixed_layer_bytes(scheme.value, H, D) == 0
+    ids = token_ids(200, seed=1)[None]
+    art = calibrate(model, token_ids(), scheme, context=128, windows=2)
+    cache = QuantizedKVCache(config=cfg, scheme=scheme, calibration=art)
+    with torch.no_grad():
+        model(ids, **{CACHE_KW: cache}, use_cache=True)
+    rep = cache.memory_report()
+    planned = plan(cfg, context=ids.shape[1], batch=1, scheme=scheme, dtype_bytes=4)
+    assert rep["total_bytes"] == planned["total_bytes"]
+    fixed = cache.layers[0].components()["fixed"]
+    assert sorted(tuple(t.shape) for t in fixed) == [(H, D), (H, D)] and all(t.dtype == torch.float16 for t in fixed)
+
+
+def test_calibration_fits_stores_and_checks_the_vectors(tmp_path):
+    model = tiny_llama()
+    art = calibrate(model, token_ids(), "int4-token-smooth", context=128, windows=2, out_dir=str(tmp_path / "c"))
+    n = model.config.num_hidden_layers
+    assert sorted(art.tensors) == sorted(f"layers.{i}.key_{w}" for i in range(n) for w in ("factor", "mean"))
+    assert all("key_smooth_spread_db" in row for row in art.layer_stats)
+    loaded = load_calibration(tmp_path / "c", model_config=model.config, scheme="int4-token-smooth")
+    mean, factor = loaded.channel_transform(1, "key")
+    assert mean.shape == factor.shape == (1, model.config.num_key_value_heads, 1, art.head_dim)
+    assert loaded.channel_transform(1, "value") == (None, None)
+    art.tensors["layers.0.key_factor"][0, 0] = 0
+    with pytest.raises(ValueError, match="factors <= 0"):
+        art.validate()
+
+
+def test_a_cache_without_the_vectors_refuses_to_quantize():
+    model = tiny_llama()
+    cache = QuantizedKVCache(config=model.config, scheme="int4-token-smooth")
+    assert cache.layers[0].needs_calibration() == ["key channel means", "key smoothing factors"]
+    with pytest.raises(ValueError, match="calibrat"), torch.no_grad():
+        model(token_ids(64)[None], **{CACHE_KW: cache})
+
+
+def test_fused_decode_and_the_quantize_kernel_leave_the_transform_to_torch():
+    from kvbits.cache.fused import layout_reason
+    from kvbits.kernels.triton_quantize import supported
+
+    assert "centred / smoothed" in supported(biased_keys(n=32).half(), SMOOTH4)
+    model = tiny_llama()
+    art = calibrate(model, token_ids(), "int4-token-smooth", context=128, windows=2)
+    cache = QuantizedKVCache(config=model.config, scheme="int4-token-smooth", calibration=art)
+    with torch.no_grad():
+        model(token_ids(40, seed=2)[None], **{CACHE_KW: cache}, use_cache=True)
+    assert "centred / smoothed" in layout_reason(cache.layers[0])
