@@ -15,7 +15,9 @@ GPU machine). Steps:
    64-token tiles (``*-bt64``) included, and Hadamard-rotated per-token int8/int4 keys and values
    (``int8-token-hadamard``, ``int4-token-hadamard``: the presets' codes of ``x @ R``; the decode entry point
    rotates q and the tail into the codes' basis and the output back), judged against attention over the
-   model's K/V (rotated sides dequantized back, not through that rotation); a failure is recorded
+   model's K/V (rotated sides dequantized back, not through that rotation), and per-token int4 keys centred
+   and smoothed per channel (``int4-token-smooth``: codes of ``(k - mean) / factor``; the entry point scales q
+   and moves the key tail into that basis), judged the same way; a failure is recorded
    (``checks[].ok``, ``check_failures``) and printed, and the run goes on. (2b) the
    quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
    flush one 128-token block.

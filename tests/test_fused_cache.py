@@ -105,17 +105,28 @@ ROT_KEYS = KVScheme("t-int4-rot-keys", key=spec(4, "token", **HAD), value=spec(4
                     sinks=2, residual=4, block=16)  # fmt: skip
 ROT_VALUES = KVScheme("t-int4-rot-values", key=spec(4, "channel", 16), value=spec(4, "token", 16, **HAD),
                       sinks=2, residual=4, block=16)  # fmt: skip
+# keys centred and smoothed with calibrated channel vectors (install: a mean and a factor per channel), moved
+# into the codes' basis at each step (q * factor, tail (k - mean) / factor); the preset flushes every token, this
+# one keeps sinks and a residual window (a tail to move too)
+SMOOTH_TAIL = KVScheme("t-int4-smooth-tail", key=spec(4, "token", centre=True, smooth=0.5), value=spec(4, "token", 16),
+                       sinks=2, residual=4, block=16)  # fmt: skip
 SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-token": get_scheme("int2-token"),
            "int4-prerope": PRE_ROPE, "kvquant3-block": KVQUANT3, "kvquant4-static": KVQUANT4_STATIC,
            "fp8-e4m3-token": get_scheme("fp8-e4m3-token"), "fp8-e4m3": get_scheme("fp8-e4m3"),
            "fp8-e4m3-head": get_scheme("fp8-e4m3-head"), "int4-hadamard": get_scheme("int4-token-hadamard"),
-           "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES}  # fmt: skip
+           "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES,
+           "int4-smooth": get_scheme("int4-token-smooth"), "smooth-tail": SMOOTH_TAIL}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
     """What a calibration artifact would install: NUQ codebooks (non-uniform), static key ranges, FP8
     per-head scales (a different one per head: the kernel must read each head's own)."""
     for side, spec in (("key", scheme.key), ("value", scheme.value)):
+        if spec.has_channel_transform:  # a mean and a factor per (head, channel), different per layer
+            for i in range(n_layers):
+                grid = torch.linspace(0, 1, H_kv * D).reshape(H_kv, D)
+                cache.set_static_qparams(i, side, mean=((grid - 0.5) * (i + 1)).half(),
+                                         factor=(0.5 + 1.5 * grid.flip(-1)).half())  # fmt: skip
         if spec.kind == "fp8" and spec.granularity == "head":
             for i in range(n_layers):
                 cache.set_static_qparams(i, side, torch.linspace(0.004, 0.012, H_kv) * (i + 1))
@@ -295,6 +306,33 @@ def test_rotated_scheme_is_served_fused(caplog, scheme: str):
     assert_same_bytes(ref, cache)
     parts = parts_that_matter(sch.key.rotate is not None, sch.value.rotate is not None, has_tail)
     assert len(parts) >= 2
+    for part in parts:
+        with skipping(part):
+            _, bad, _ = generate(model, sch, fused=True, attn=True, new=3)
+        assert (bad[1:] - logits_ref[1:3]).abs().max() > 1e-3, part  # logits[0] come from the prefill
+
+
+@pytest.mark.parametrize("scheme", ["int4-smooth", "smooth-tail"])
+def test_smoothed_keys_are_served_fused(scheme: str):
+    """Centred / smoothed keys (codes of (k - mean) / factor) are served by the kernel in the codes' basis:
+    every decode step fused, the packed keys carry the layer's vectors, tokens and logits those of the
+    dequantized path, same bytes. The test can fail: leaving the query unscaled or the tail in the model's
+    basis changes the logits."""
+    model, sch = build("qwen2"), SCHEMES[scheme]
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False)
+    with mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel:
+        seq, logits, cache = generate(model, sch, fused=True, attn=True)
+    rep = cache.fused_report()
+    assert kernel.call_count == rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0, rep
+    store = kernel.call_args.args[1]
+    layer = cache.layers[1]
+    assert store.key.channel_mean is layer._k.channel_mean and store.key.channel_factor is layer._k.channel_factor
+    assert not store.value.has_channel_transform
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+    assert_same_bytes(ref, cache)
+    parts = parts_that_matter(True, False, sch.sinks + sch.residual > 0)
+    assert parts == (["query", "tail"] if scheme == "smooth-tail" else ["query"])
     for part in parts:
         with skipping(part):
             _, bad, _ = generate(model, sch, fused=True, attn=True, new=3)

@@ -309,7 +309,27 @@ ROTATED_SIDES = {
     "both": (spec(4, "token", **HAD), spec(4, "token", 32, **HAD)),
     "keys": (spec(4, "token", **HAD), KIVI4_VALUES),
     "values": (KIVI4_KEYS, spec(4, "token", 32, **HAD)),
+    # keys centred / smoothed with channel vectors (codes of (k - mean) / factor), alone and then rotated
+    "smooth-keys": (spec(4, "token", centre=True, smooth=0.5), KIVI4_VALUES),
+    "smooth-rotated": (spec(4, "token", centre=True, smooth=0.5, **HAD), spec(4, "token", 32, **HAD)),
 }
+
+
+def key_basis_changed(s: TensorSpec) -> bool:
+    """Whether keys of ``s`` are attended in another basis (a query and key tail to move)."""
+    return s.rotate is not None or s.has_channel_transform
+
+
+def channel_kwargs(s: TensorSpec, k: torch.Tensor) -> dict:
+    """Channel vectors for ``s`` from keys ``k`` ``(B, H, T, D)``: the mean, and the spread ** 0.5 about it."""
+    kw = {}
+    m = k.mean(dim=(0, 2))
+    if s.centre:
+        kw["channel_mean"] = m.half()
+    if s.smooth is not None:
+        spread = (k - (m if s.centre else 0)[None, :, None, :]).abs().amax(dim=(0, 2))
+        kw["channel_factor"] = spread.pow(s.smooth).half()
+    return kw
 
 
 @pytest.mark.parametrize("s", ROTATED_SPECS, ids=str)
@@ -344,10 +364,12 @@ def rotated_case(
     B, H, D, T_q, T_f = 2, 2, 64, 96, 24
     k = torch.randn(B, H, T_q, D, generator=g)
     k[..., : D // 8] *= 6
+    k[..., D // 8 : D // 4] += 5  # an offset channel band (a k_proj bias), for the centred keys
     v = torch.randn(B, H, T_q, D, generator=g)
-    kb = [quantize(k[:, :, a : a + 32].to(device), keys) for a in range(0, T_q, 32)]
+    kw = {n: t.to(device) for n, t in channel_kwargs(keys, k).items()}
+    kb = [quantize(k[:, :, a : a + 32].to(device), keys, **kw) for a in range(0, T_q, 32)]
     vb = [quantize(v[:, :, a : a + 32].to(device), values) for a in range(0, T_q, 32)]
-    kf = (torch.randn(B, H, T_f, D, generator=g) * 2).half().to(device)
+    kf = (torch.randn(B, H, T_f, D, generator=g) * 2 + 5 * (torch.arange(D) // (D // 8) == 1)).half().to(device)
     vf = torch.randn(B, H, T_f, D, generator=g).half().to(device)
     ql, fl = [96, 64], [24, 7]
     store = pack_store(kb, vb, kf, vf, quant_lens=ql, full_lens=fl)
@@ -377,8 +399,9 @@ def test_reference_over_rotated_store_equals_attention_over_dequantized_kv(monke
     k, v, mask = materialize(store, torch.float64)  # the model's K/V, rotated back
     dense = pack_store([], [], k, v, full_mask=mask)
     assert max_err(decode_attention_reference(q.double(), dense, dtype=torch.float64), truth) < 1e-12
-    parts = parts_that_matter(key_spec.rotate is not None, value_spec.rotate is not None, True)
-    assert ("query" in parts) == (sides != "values") and ("output" in parts) == (sides != "keys")
+    parts = parts_that_matter(key_basis_changed(key_spec), value_spec.rotate is not None, True)
+    assert ("query" in parts) == (sides != "values")
+    assert ("output" in parts) == (sides in ("both", "values", "smooth-rotated"))
     for part in parts:
         with skipping(part):
             bad = decode_attention_reference(q.double(), store, dtype=torch.float64)
@@ -786,10 +809,10 @@ def test_kernel_rotated_store(monkeypatch, sides: str, vectorized: bool | None):
     monkeypatch.setenv("KVBITS_KERNEL", "triton")
     assert max_err(dispatch.decode_attention(q, store), truth) < 1e-5
     for p in (store.key, store.value):
-        if p.rotate is not None:
+        if p.rotate is not None or p.has_channel_transform:
             got = triton_decode.dequantize_packed_triton(p, vectorized=vectorized is None)
             torch.testing.assert_close(got, dequantize_packed(p), rtol=1e-6, atol=1e-5)
-    for part in parts_that_matter(key_spec.rotate is not None, value_spec.rotate is not None, True):
+    for part in parts_that_matter(key_basis_changed(key_spec), value_spec.rotate is not None, True):
         with skipping(part):
             bad = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
         assert max_err(bad, truth) > 1e-2, part
@@ -1263,7 +1286,7 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
         "int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard"]  # fmt: skip
     full = bench.Config(**{**cfg.__dict__, "smoke": False})
     checks = bench.check_variants(full, record, shapes=["llama-3-8b"])
-    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 23
+    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 24
     new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:19]
     assert new == [("int8-kivi-f16", {"dequant": "f16"}), ("int4-kivi-f16", {"dequant": "f16"}),
                    ("int2-kivi-f16", {"dequant": "f16"}), ("int2-token-keys-f16", {"dequant": "f16"}),
@@ -1273,8 +1296,8 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
     assert [(c["variant"], c["query_dtype"]) for c in checks[19:21]] == [
         ("int4-kivi-bf16", "bfloat16"), ("int4-pre-rope-bf16", "bfloat16")]  # fmt: skip
     assert {c["query_dtype"] for c in checks[:19] + checks[21:]} == {"float16"}
-    # then Hadamard-rotated per-token sides (default launch)
-    assert [c["variant"] for c in checks[21:]] == ["int8-token-hadamard", "int4-token-hadamard"]
+    # then Hadamard-rotated per-token sides (default launch), then centred / smoothed per-token keys
+    assert [c["variant"] for c in checks[21:]] == ["int8-token-hadamard", "int4-token-hadamard", "int4-token-smooth"]
     assert all(f16 == (True, True) for kw, f16 in seen if kw.get("dequant") == "f16")  # both sides in float16
     # step 3: kernel "triton-f16" for the integer schemes; break-even and the table carry it
     records = bench.sweep(cfg, lambda q, store, **kw: decode_attention_reference(q, store), copy_gbps=10.0)

@@ -182,14 +182,27 @@ def test_a_cache_without_the_vectors_refuses_to_quantize():
         model(token_ids(64)[None], **{CACHE_KW: cache})
 
 
-def test_fused_decode_and_the_quantize_kernel_leave_the_transform_to_torch():
+def test_the_quantize_kernel_leaves_the_transform_to_torch_and_fused_decode_takes_keys_only():
+    """The Triton flush kernel does not transform channels (the torch reference quantizes such blocks); fused
+    decode serves centred / smoothed post-RoPE keys (``code_basis``; tests/test_fused_cache.py) and declines
+    smoothed values and pre-RoPE smoothed keys, whose codes the kernel would read in the wrong basis."""
     from kvbits.cache.fused import layout_reason
     from kvbits.kernels.triton_quantize import supported
 
     assert "centred / smoothed" in supported(biased_keys(n=32).half(), SMOOTH4)
     model = tiny_llama()
-    art = calibrate(model, token_ids(), "int4-token-smooth", context=128, windows=2)
-    cache = QuantizedKVCache(config=model.config, scheme="int4-token-smooth", calibration=art)
-    with torch.no_grad():
-        model(token_ids(40, seed=2)[None], **{CACHE_KW: cache}, use_cache=True)
-    assert "centred / smoothed" in layout_reason(cache.layers[0])
+    smooth_values = KVScheme("t-smooth-values", key=INT4, value=SMOOTH4)
+    smooth_prerope = KVScheme("t-smooth-prerope", key=dataclasses.replace(SMOOTH4, pre_rope=True), value=INT4)
+    reasons = {}
+    for scheme in (get_scheme("int4-token-smooth"), smooth_values, smooth_prerope):
+        cache = QuantizedKVCache(config=model.config, scheme=scheme)
+        H, D = model.config.num_key_value_heads, model.config.head_dim
+        for i in range(model.config.num_hidden_layers):
+            side = "value" if scheme is smooth_values else "key"
+            cache.set_static_qparams(i, side, mean=torch.zeros(H, D), factor=torch.ones(H, D))
+        with torch.no_grad():
+            model(token_ids(40, seed=2)[None], **{CACHE_KW: cache}, use_cache=True)
+        reasons[scheme.name] = layout_reason(cache.layers[0])
+    assert reasons["int4-token-smooth"] is None
+    assert reasons["t-smooth-values"].startswith("centred / smoothed values")
+    assert reasons["t-smooth-prerope"].startswith("pre-RoPE keys stored centred / smoothed")

@@ -21,7 +21,15 @@ def _spec(bits: int, gran: str, group: int | None, kind: str = "int", **kw) -> T
 
 
 def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
-    """``quantize`` with a non-uniform codebook for NUQ specs."""
+    """``quantize`` with a non-uniform codebook for NUQ specs, and for centred / smoothed specs the channel
+    vectors ``kvbits calibrate`` would fit on ``x`` ``(B, H, T, D)`` (mean; spread about it ** alpha)."""
+    if spec.has_channel_transform:
+        m = x.float().mean(dim=(0, 2))
+        spread = (x.float() - (m if spec.centre else 0 * m)[None, :, None, :]).abs().amax(dim=(0, 2))
+        kw = {"channel_mean": m.half()} if spec.centre else {}
+        if spec.smooth is not None:
+            kw["channel_factor"] = spread.clamp_min(1e-3 * float(spread.max())).pow(spec.smooth).half()
+        return quantize(x, spec, **kw)
     if spec.kind != "nuq":
         return quantize(x, spec)
     u = torch.linspace(-1, 1, 2**spec.bits, dtype=torch.float64)
@@ -122,6 +130,10 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
     # judged against the model's K/V (plain_attention), so a missing or wrong rotation fails
     rot = lambda b: {"key": _spec(b, "token", None, rotate="hadamard"), "value": _spec(b, "token", None, rotate="hadamard")}
     variants += [("int8-token-hadamard", rot(8), {}), ("int4-token-hadamard", rot(4), {})]
+    # keys centred and smoothed per channel (the int*-token-smooth presets: codes of (k - mean) / factor): the
+    # decode entry point scales q by the factors and moves the key tail into that basis (code_basis)
+    smooth = {"key": _spec(4, "token", None, centre=True, smooth=0.5), "value": _spec(4, "token", None)}
+    variants += [("int4-token-smooth", smooth, {})]
     shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     if cfg.smoke and dev.type == "cpu":  # the interpreter is slow: whole-row, gather + RoPE, rotated; one shape
         smoke = ("int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard")
@@ -134,6 +146,8 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
         for name, specs, kw in variants:
             kq = torch.randn(B, H, T_q, D, generator=gen)
             kq[..., : D // 8] *= 6
+            if specs is not None and specs["key"].has_channel_transform:
+                kq[..., D // 8 : D // 4] += 4  # an offset band (a k_proj bias): what centred keys take out
             vq = torch.randn(B, H, T_q, D, generator=gen)
             kf = (torch.randn(B, H, T_f, D, generator=gen)).half().to(dev)
             vf = torch.randn(B, H, T_f, D, generator=gen).half().to(dev)

@@ -23,7 +23,9 @@ Rotated sides (``TensorSpec.rotate``, the ``*-hadamard`` presets): ``packed_stor
 stored (of ``x @ R``) and the tail as the model's K/V; the decode entry points rotate the query and tail
 into the codes' basis and the output back (``kvbits.kernels.reference.code_basis``: ``R`` is orthogonal),
 so the history is never dequantized and no byte is added. Post-RoPE keys only: pre-RoPE rotated keys are
-declined (``layout_reason``).
+declined (``layout_reason``). Centred / smoothed keys (``TensorSpec.centre`` / ``smooth``, the
+``*-token-smooth`` presets) likewise: the query is scaled by the factors and the tail moved to
+``(k - mean) / factor`` (``code_basis``); centred / smoothed values and pre-RoPE keys are declined.
 
 Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
@@ -160,11 +162,13 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
     for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
         if spec.kind not in PACKED_KINDS:
             return f"{side} kind {spec.kind!r} (the packed layout holds {', '.join(PACKED_KINDS)} codes)"
-        if spec.has_channel_transform:
-            return f"{side}: centred / smoothed channels (the kernels read codes in the model's basis)"
+    if layer.scheme.value.has_channel_transform:
+        return "centred / smoothed values (the kernels move only the keys' query and tail into the codes' basis)"
     if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
         return "key and value head dims differ"
     if layer.scheme.key.pre_rope:
+        if layer.scheme.key.has_channel_transform:
+            return "pre-RoPE keys stored centred / smoothed (the kernel applies RoPE to the dequantized codes)"
         if layer.scheme.key.rotate is not None:
             return (
                 f"pre-RoPE keys with a {layer.scheme.key.rotate} rotation (the kernel applies RoPE to the "

@@ -47,7 +47,7 @@ from kvbits.quant.affine import choose_qparams
 from kvbits.quant.fp8 import fp8_max
 from kvbits.quant.nuq import choose_nuq_params, uniform_codebook
 from kvbits.quant.rotate import rotate
-from kvbits.quant.tensor import channel_params, codebook_inputs, quantize, to_channel_basis
+from kvbits.quant.tensor import codebook_inputs, quantize, to_channel_basis
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -165,8 +165,7 @@ def fit_side(
     if spec.has_channel_transform:  # what follows (static ranges) is fitted on (x - mean) / factor
         channel_kw, stats = _channel_transform(spec, x, percentile)
         tensors.update({k.removeprefix("channel_"): v for k, v in channel_kw.items()})
-        x = to_channel_basis(x, *channel_params(x[None], spec, channel_kw.get("channel_mean"),
-                                                channel_kw.get("channel_factor")))[0]  # fmt: skip
+        x = to_channel_basis(x[None], channel_kw.get("channel_mean"), channel_kw.get("channel_factor"))[0]
         if grad is not None and spec.smooth is not None:  # d loss / d(x / f) = grad * f
             grad = grad * channel_kw["channel_factor"].float()[:, None, :]
     # A rotated spec codes x @ R: its ranges, codebook inputs and Fisher weights live in that basis

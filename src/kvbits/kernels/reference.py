@@ -68,7 +68,7 @@ import torch
 from kvbits.quant.fp8 import fp8_dtype
 from kvbits.quant.pack import unpack_bits
 from kvbits.quant.rotate import check_rotatable, rotate, unrotate
-from kvbits.quant.tensor import QuantizedTensor
+from kvbits.quant.tensor import QuantizedTensor, from_channel_basis, to_channel_basis
 from kvbits.schemes.accounting import PACKED_KINDS
 
 STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
@@ -102,6 +102,10 @@ class PackedTensor:
         rotate: ``None``, or the rotation the codes were stored under (``"hadamard"``: they decode to
             ``x @ R``, ``kvbits.quant.rotate``); ``dequantize_packed`` rotates back, the decode entry points
             rotate the query, tail and output instead (``code_basis``).
+        channel_mean, channel_factor: a ``centre`` / ``smooth`` spec's float16 ``(H_kv, D)`` vectors (the
+            layer's, not counted in ``nbytes``): the codes decode to ``(x - mean) / factor`` (before any
+            ``rotate``); ``dequantize_packed`` undoes it, the decode entry points move the query and the key
+            tail into that basis instead (``code_basis``; keys only).
     """
 
     codes: torch.Tensor
@@ -117,6 +121,12 @@ class PackedTensor:
     outlier_values: torch.Tensor | None = None
     outlier_index: torch.Tensor | None = None
     rotate: str | None = None
+    channel_mean: torch.Tensor | None = None
+    channel_factor: torch.Tensor | None = None
+
+    @property
+    def has_channel_transform(self) -> bool:
+        return self.channel_mean is not None or self.channel_factor is not None
 
     def __post_init__(self) -> None:
         """Shape-level consistency (no device reads): what the kernels would otherwise read as garbage."""
@@ -314,6 +324,10 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
             if not same:
                 raise ValueError(f"{what} block {i}: static scales differ from block 0's")
         scales, zeros, tps = scales[:1], zeros[:1], STATIC_TPS
+    for name in ("channel_mean", "channel_factor"):
+        first = getattr(blocks[0], name)
+        if any(getattr(b, name) is not first and not torch.equal(getattr(b, name), first) for b in blocks[1:]):
+            raise ValueError(f"{what}: the blocks of one layer must share its {name}")
     codebook = None
     if spec.kind == "nuq":
         codebook = blocks[0].codebook
@@ -340,6 +354,9 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
         outlier_values=_cat_tokens(o_vals) if o_vals else None,
         outlier_index=_cat_tokens(o_idx) if o_idx else None,
         rotate=spec.rotate,
+        # the layer's vectors, shared by every block (quantize keeps the caller's tensors)
+        channel_mean=blocks[0].channel_mean,
+        channel_factor=blocks[0].channel_factor,
     )
 
 
@@ -468,7 +485,8 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     Computed in float32 (float64 when ``dtype`` is float64) with the formulas of
     ``kvbits.quant.affine.dequantize_affine`` / ``kvbits.quant.nuq.dequantize_nuq`` / ``dequantize_fp8``,
     so float32 results equal ``QuantizedTensor.dequantize``; outliers are written back last, then a
-    rotated side (``p.rotate``) is rotated back (``@ R^T``, as ``QuantizedTensor.dequantize`` does).
+    rotated side (``p.rotate``) is rotated back (``@ R^T``) and a centred / smoothed one multiplied by its
+    factor and shifted by its mean, as ``QuantizedTensor.dequantize`` does.
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
     rows = torch.arange(p.n_slots, device=p.codes.device) // p.tps  # slot t -> scale row t // tps
@@ -493,7 +511,9 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     if p.outlier_values is not None:
         out = out.scatter(-1, p.outlier_index.long(), p.outlier_values.to(work))
     if p.rotate is not None:
-        return unrotate(out, p.rotate, dtype)
+        out = unrotate(out, p.rotate, work)
+    if p.has_channel_transform:
+        out = from_channel_basis(out, p.channel_mean, p.channel_factor)
     return out.to(dtype)
 
 
@@ -585,6 +605,12 @@ def code_basis(
     ``store'`` the sides share the codes and metadata (no copy) and say ``rotate=None``: in that basis they
     decode to exactly the vectors attention needs. A store with no rotated side comes back as is.
 
+    Centred / smoothed keys (``PackedTensor.channel_mean`` / ``channel_factor``) decode to ``(k - m) / f``:
+    ``q . k = (q * f) . ((k - m) / f) + q . m``, and ``q . m`` is the same for every key of a query, which
+    softmax ignores. So ``q' = q * f`` (each KV head's ``f`` for its ``G`` query heads) and the key tail
+    ``(key_full - m) / f``, before a rotation of the keys if there is one (the codes are of
+    ``((k - m) / f) @ R``); the output needs nothing.
+
     Cost per step: two ``(D, D)`` products over the query heads and the tail (sinks, residual window,
     unflushed buffer), never over the quantized history.
 
@@ -597,20 +623,32 @@ def code_basis(
             ``dtype`` or the input is float64.
 
     Raises:
-        NotImplementedError: pre-RoPE keys stored rotated; the kernels apply RoPE to the dequantized codes,
-            which are in the rotated basis, not the model's.
+        NotImplementedError: pre-RoPE keys stored rotated or centred / smoothed (the kernels apply RoPE to the
+            dequantized codes, which are not the model's keys); centred / smoothed values.
     """
     key, value = store.key, store.value
     k_rot = None if key is None else key.rotate
     v_rot = None if value is None else value.rotate
-    if k_rot is None and v_rot is None:
+    k_chan = key is not None and key.has_channel_transform
+    if value is not None and value.has_channel_transform:
+        raise NotImplementedError(
+            "values stored centred / smoothed: the decode entry points move only the keys' query and tail "
+            "into the codes' basis (attend over materialize()'s K/V instead)"
+        )
+    if k_rot is None and v_rot is None and not k_chan:
         return q, store, None
     if k_rot is not None and store.pre_rope:
         raise NotImplementedError(
             f"pre-RoPE keys stored with a {k_rot!r} rotation: the decode kernels apply RoPE to the "
             "dequantized codes, which are in the rotated basis (attend over materialize()'s K/V instead)"
         )
+    if k_chan and store.pre_rope:
+        raise NotImplementedError(
+            "pre-RoPE keys stored centred / smoothed: the decode kernels apply RoPE to the dequantized codes, "
+            "which are (k - mean) / factor, not the model's keys (attend over materialize()'s K/V instead)"
+        )
     wide = dtype == torch.float64
+    q_dtype = q.dtype
 
     def rot(x: torch.Tensor | None, kind: str, out: torch.dtype) -> torch.Tensor | None:
         return None if x is None else rotate(x.double() if wide else x, kind).to(out)
@@ -619,8 +657,20 @@ def code_basis(
     tail_dtype = dtype
     if tail_dtype is None and key_full is not None:
         tail_dtype = torch.promote_types(key_full.dtype, q.dtype)
+    if k_chan:  # q . k = (q * f) . ((k - m) / f) + q . m, and softmax ignores q . m, the same for every key
+        work = torch.float64 if wide else torch.float32
+        H_q, H_kv, D = q.shape[1], key.codes.shape[1], key.head_dim
+        if key.channel_factor is not None:
+            f = key.channel_factor.reshape(H_kv, D).to(q.device, work).repeat_interleave(H_q // H_kv, 0)
+            q = q.to(work) * f[None, :, None, :]
+        if k_rot is None:  # else the rotation below casts
+            q = q.to(dtype or q_dtype)
+        if key_full is not None:
+            key_full = to_channel_basis(key_full.double() if wide else key_full, key.channel_mean,
+                                        key.channel_factor).to(tail_dtype)  # fmt: skip
+        key = replace(key, channel_mean=None, channel_factor=None)
     if k_rot is not None:
-        q = rot(q, k_rot, dtype or q.dtype)
+        q = rot(q, k_rot, dtype or q_dtype)
         key = replace(key, rotate=None)
         key_full = rot(key_full, k_rot, tail_dtype)
     if v_rot is not None:

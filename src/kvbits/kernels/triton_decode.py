@@ -41,6 +41,7 @@ import triton.language as tl
 from kvbits.kernels.dispatch import DEQUANT_MODES
 from kvbits.kernels.reference import PackedStore, PackedTensor, code_basis
 from kvbits.quant.rotate import unrotate
+from kvbits.quant.tensor import from_channel_basis
 
 __all__ = [
     "DEQUANT_MODES",
@@ -1026,7 +1027,8 @@ def dequantize_packed_triton(
     ``vectorized``: whole-row reads (``_load_rows``, 2/4/8-bit with a power-of-two number of scale
     columns) instead of per-element gathers (``_load_kv``). ``dequant="f16"``: ``_load_rows16`` (float16
     values, returned as float32; ``ValueError`` unless ``f16_ok(p, block_t, torch.float16)``). A rotated side
-    (``p.rotate``) is rotated back after the kernel, like ``reference.dequantize_packed``.
+    (``p.rotate``) is rotated back after the kernel, and a centred / smoothed one multiplied and shifted back,
+    like ``reference.dequantize_packed``.
     """
     if dequant not in DEQUANT_MODES:
         raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
@@ -1046,4 +1048,6 @@ def dequantize_packed_triton(
         D=p.head_dim, BITS=p.bits, TPS=p.tps, CPS=p.cps, SYM=p.zero is None, KIND=_kind_code(p),
         NOUT=p.n_outliers, BLOCK_T=block_t, VEC=vectorized, F16=f16, ASM=f16 and _asm_ok(),
     )  # fmt: skip
-    return out if p.rotate is None else unrotate(out, p.rotate)
+    if p.rotate is not None:
+        out = unrotate(out, p.rotate)
+    return out if not p.has_channel_transform else from_channel_basis(out, p.channel_mean, p.channel_factor)

@@ -152,12 +152,14 @@ class QuantizedTensor:
         if spec.rotate is not None:
             out = unrotate(out, spec.rotate, dtype)
         if spec.has_channel_transform:
-            out = from_channel_basis(out, spec, self.channel_mean, self.channel_factor)
+            mean, factor = channel_params(out, spec, self.channel_mean, self.channel_factor)
+            out = from_channel_basis(out, mean, factor)
         return out.to(final)
 
 
-def _channel_vector(t: torch.Tensor | None, x: torch.Tensor, name: str, spec: TensorSpec) -> torch.Tensor | None:
-    """``t`` as a ``(1, H_kv, 1, D)`` float32 tensor on ``x``'s device (``x`` ``(B, H_kv, n, D)``)."""
+def _channel_vector(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """``t`` ``(H_kv, D)`` / ``(1, H_kv, 1, D)`` as a ``(1, H_kv, 1, D)`` tensor on ``x``'s device, float32
+    (float64 for float64 ``x``), for ``x`` ``(B, H_kv, n, D)``; ``ValueError`` when it does not fit."""
     if t is None:
         return None
     H, D = x.shape[1], x.shape[3]
@@ -172,34 +174,32 @@ def channel_params(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The ``centre`` / ``smooth`` vectors of ``spec`` for block ``x``, ``(1, H_kv, 1, D)`` float32 each (None
     where the spec has none); ``ValueError`` when the spec needs one that is missing or misshapen."""
-    for need, t, what in ((spec.centre, channel_mean, "channel_mean"), (spec.smooth is not None, channel_factor, "channel_factor")):
-        if need and t is None:
-            raise ValueError(f"a {'centre' if what == 'channel_mean' else 'smooth'} spec needs {what} (from a calibration artifact)")
-    mean = _channel_vector(channel_mean, x, "channel_mean", spec) if spec.centre else None
-    factor = _channel_vector(channel_factor, x, "channel_factor", spec) if spec.smooth is not None else None
+    if spec.centre and channel_mean is None:
+        raise ValueError("a centre spec needs channel_mean (from a calibration artifact)")
+    if spec.smooth is not None and channel_factor is None:
+        raise ValueError("a smooth spec needs channel_factor (from a calibration artifact)")
+    mean = _channel_vector(channel_mean, x, "channel_mean") if spec.centre else None
+    factor = _channel_vector(channel_factor, x, "channel_factor") if spec.smooth is not None else None
     return mean, factor
 
 
 def to_channel_basis(x: torch.Tensor, mean: torch.Tensor | None, factor: torch.Tensor | None) -> torch.Tensor:
-    """``(x - mean) / factor`` in float32 (float64 for float64 ``x``), ``(B, H_kv, n, D)``: what a ``centre`` /
-    ``smooth`` spec codes."""
+    """``(x - mean) / factor`` in float32 (float64 for float64 ``x``), ``x`` ``(B, H_kv, n, D)``, the vectors
+    ``(H_kv, D)`` or ``(1, H_kv, 1, D)`` (None: left out): what a ``centre`` / ``smooth`` spec codes."""
     out = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     if mean is not None:
-        out = out - mean
+        out = out - _channel_vector(mean, out, "channel_mean")
     if factor is not None:
-        out = out / factor
+        out = out / _channel_vector(factor, out, "channel_factor")
     return out
 
 
-def from_channel_basis(
-    y: torch.Tensor, spec: TensorSpec, mean: torch.Tensor | None, factor: torch.Tensor | None
-) -> torch.Tensor:
+def from_channel_basis(y: torch.Tensor, mean: torch.Tensor | None, factor: torch.Tensor | None) -> torch.Tensor:
     """``y * factor + mean`` (the inverse of ``to_channel_basis``), ``(B, H_kv, n, D)``, in ``y``'s dtype."""
-    mean, factor = channel_params(y, spec, mean, factor)
     if factor is not None:
-        y = y * factor.to(y.dtype)
+        y = y * _channel_vector(factor, y, "channel_factor").to(y.dtype)
     if mean is not None:
-        y = y + mean.to(y.dtype)
+        y = y + _channel_vector(mean, y, "channel_mean").to(y.dtype)
     return y
 
 
