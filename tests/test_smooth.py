@@ -122,6 +122,27 @@ def test_missing_or_bad_parameters_are_refused():
         quantize(x, SMOOTH4, channel_mean=nan, channel_factor=factor)
 
 
+def test_values_the_transform_takes_past_float16_are_refused():
+    """A small factor can take (x - mean) / factor past what float16 scales hold (inf scale, NaN rows): refused by
+    ``quantize`` and, with the bound lowered at install, by the cache before anything is stored."""
+    x = biased_keys(n=8) * 100  # |x| up to a few thousand
+    H, D = x.shape[1], x.shape[3]
+    tiny = torch.full((H, D), 0.01).half()
+    with pytest.raises(ValueError, match=r"as coded, \(x - channel_mean\) / channel_factor.*beyond float16"):
+        quantize(x, SMOOTH4, channel_mean=torch.zeros(H, D).half(), channel_factor=tiny)
+    model = tiny_llama()
+    cache = QuantizedKVCache(config=model.config, scheme="int4-token-smooth")
+    Hm, Dm = model.config.num_key_value_heads, model.config.head_dim
+    for i in range(model.config.num_hidden_layers):
+        cache.set_static_qparams(i, "key", mean=torch.full((Hm, Dm), 5.0), factor=torch.full((Hm, Dm), 0.01))
+    bound, why = cache.layers[0].checks.bounds[0]
+    assert bound == pytest.approx(65504 * 0.01 - 5.0, rel=1e-3) and "covers (x - mean) / factor" in why
+    k = torch.full((1, Hm, 3, Dm), 1000.0)  # within float16, beyond what the factors leave
+    with pytest.raises(ValueError, match="covers \\(x - mean\\) / factor"):
+        cache.update(k, torch.zeros_like(k), 0)
+    cache.update(k / 10, torch.zeros_like(k), 1)  # below the bound: stored
+
+
 def test_spec_checks_and_json():
     for kind in ({"kind": "fp8", "bits": 8, "fmt": "e4m3"}, {"kind": "nuq", "bits": 4, "fmt": None}, {}):
         with pytest.raises(ValueError, match="centre / smooth apply to integer specs"):

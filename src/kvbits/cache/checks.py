@@ -26,6 +26,8 @@ Some specs store more than ``|x|`` in float16, so their bound is lower (``input_
 stores the group range ``max - min`` (``|x| <= 65504 / 2``), and pre-RoPE keys are un-rotated before
 quantization, which mixes the two channels of a rotation pair (``|x| <= 65504 / sqrt(2)``, both at once
 for KVQuant's NUQ keys). Beyond them a scale or zero-point would be inf and the stored rows decode to NaN.
+Centred / smoothed sides code ``(x - mean) / factor``: installing their vectors lowers the bound to
+``bound * min(factor) - max |mean|`` (``QuantizedKVLayer.set_static_qparams``).
 
 Structural checks (types, ``(B, H_kv, T, D)`` shapes, dtype/device changes, calibration) never need the
 device and stay eager in both modes (``validate``).

@@ -312,12 +312,29 @@ class QuantizedKVLayer(CacheLayerMixin):
             return
         for name, t in channel.items():
             setattr(store, name, t)
+        if channel:  # the float16 scales cover (x - mean) / factor: accept only |x| that keeps it in range
+            self._bound_channel_transform(side)
         if scale is not None:
             store.static_scale, store.static_zero = scale, zero
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
             store.zero_scales = bool((scale == 0).any())
         if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
             store.codebook = check_codebook(codebook.detach().to(device).clone(), spec.bits)
+
+    def _bound_channel_transform(self, side: str) -> None:
+        """Lower ``side``'s input bound (``checks.bounds``) for its channel vectors: ``|(x - mean) / factor|`` stays
+        within the spec's bound when ``|x| <= bound * min(factor) - max |mean|`` (one host sync, at install)."""
+        i = 0 if side == "key" else 1
+        store = (self._k, self._v)[i]
+        bound, why = kv_checks.input_bound(store.spec, self.mode)
+        top = 0.0 if store.channel_mean is None else float(store.channel_mean.float().abs().max())
+        low = 1.0 if store.channel_factor is None else float(store.channel_factor.float().min())
+        bounds = list(self.checks.bounds)
+        bounds[i] = (
+            max(0.0, bound * low - top),
+            f"{why}, and it covers (x - mean) / factor (largest |mean| {top:.4g}, smallest factor {low:.4g})",
+        )
+        self.checks.bounds = (bounds[0], bounds[1])
 
     def set_rotary(self, rotary: RotaryTables) -> None:
         """Replace this layer's RoPE tables (e.g. the same tables built on the K/V device)."""

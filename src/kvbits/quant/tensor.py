@@ -361,6 +361,8 @@ def check_block(
             check_finite(mean, "channel_mean")
         if factor is not None:
             check_static_scale(factor, "channel_factor", positive=True)
+        # what the float16 scales cover is (x - mean) / factor: a small factor can take it past float16
+        check_kv(to_channel_basis(x, mean, factor), "K/V block as coded, (x - channel_mean) / channel_factor,")
     if spec.kind == "fp8":
         if static_scale is not None:
             check_static_scale(static_scale, "static FP8 scale", positive=True)
