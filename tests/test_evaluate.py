@@ -366,6 +366,36 @@ def test_simulate_equals_stream_centred_smoothed_keys(models):
     assert _agreement(h_sim, h_plain)[1] > 1e-3
 
 
+@torch.no_grad()
+def test_simulate_equals_stream_centred_smoothed_pre_rope_keys(models):
+    """Per-token keys centred and smoothed before RoPE (vectors fitted on pre-RoPE keys): the cache un-rotates,
+    transforms, quantizes, and rotates back, as the simulator does."""
+    import dataclasses
+
+    from transformers import DynamicCache
+
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.quant.rope import RotaryTables
+
+    model = models("llama", torch.float64)
+    base = get_scheme("int4-token-smooth")
+    scheme = base.replace(name="t-smooth-prerope", key=dataclasses.replace(base.key, pre_rope=True))
+    full = DynamicCache()
+    model.model(
+        _ids(200, seed=9), use_cache=True, **{"cache" if _has_cache_kw(model) else "past_key_values": full}
+    )
+    tables = RotaryTables.from_config(model.config)
+    keys = [tables.tables_for_layer(i).unrotate(layer.keys, torch.arange(layer.keys.shape[2]))
+            for i, layer in enumerate(full.layers)]  # fmt: skip
+    art = artifact_from_samples(scheme, keys, [layer.values for layer in full.layers],
+                                meta={"model": describe_model(model.config)})  # fmt: skip
+    ids = _ids(120, seed=4)
+    with simulate(model, scheme, calibration=art):
+        h_sim = model.model(ids).last_hidden_state
+    _assert_agree(h_sim, stream_hidden(model, ids, scheme, calibration=art), "llama/t-smooth-prerope")
+
+
 def _has_cache_kw(model) -> bool:
     from kvbits.evaluate.stream import _cache_kwarg
 

@@ -1,7 +1,7 @@
 """Calibration/serving mismatch of a run, as the report shows it.
 
-Schemes with static scales or NUQ codebooks (``kvquant-*``) serve constants fitted offline by
-``kvbits calibrate``. The evaluator records, per scheme, in ``summary.json``
+Schemes with static scales, NUQ codebooks (``kvquant-*``) or channel vectors (``*-token-smooth``) serve
+constants fitted offline by ``kvbits calibrate``. The evaluator records, per scheme, in ``summary.json``
 ``results[].calibration`` (see ``kvbits.evaluate.measures._mismatch``):
 
 - ``clipped_keys`` / ``clipped_values`` and their ``*_frac``: cached elements that fell outside the
@@ -42,7 +42,8 @@ __all__ = [
 CLIP_WARN_FRAC = 0.001  # warn when more than 0.1 % of the cached keys or values were clipped
 
 CALIBRATION_NOTE = (
-    "Schemes with static scales or NUQ codebooks serve constants fitted offline by `kvbits calibrate`. "
+    "Schemes with static scales, NUQ codebooks or channel means and smoothing factors serve constants fitted "
+    "offline by `kvbits calibrate`. "
     "*Clipped* is the fraction of the cached key/value elements that fell outside the calibrated range "
     "and were saturated to it (counted in simulate mode; n/a where not measured); *beyond calibrated* is "
     "the number of positions in each window past the longest context the calibration saw, where its "

@@ -91,7 +91,17 @@ for _bits in (8, 4, 3, 2):
             key=dataclasses.replace(_tok(_bits), centre=True, smooth=0.5),
             value=_tok(_bits),
             description=f"INT{_bits} per token and head; keys first centred on calibrated channel means and divided "
-            "by calibrated factors max|k - mean| ** 0.5 per channel (SmoothAttention with centring; kvbits calibrate)",
+            "by calibrated factors spread ** 0.5 per channel (SmoothAttention with centring; kvbits calibrate)",
+            reference=QSERVE,
+        )
+    )
+    register(
+        KVScheme(
+            f"int{_bits}-token-smooth-prerope",
+            key=dataclasses.replace(_tok(_bits), centre=True, smooth=0.5, pre_rope=True),
+            value=_tok(_bits),
+            description=f"INT{_bits} per token and head; keys centred and smoothed per channel before RoPE, where "
+            "a bias is a constant (calibrated on pre-RoPE keys), rotated back after decoding",
             reference=QSERVE,
         )
     )
