@@ -56,6 +56,55 @@ if [[ $step == all || $step == symmetric ]]; then
     --scheme benchmarks/schemes/int8-token-sym.json --scheme benchmarks/schemes/int4-token-sym.json \
     --out runs/smollm2-wp-8k-sym
 fi
+if [[ $step == all || $step == smooth ]]; then
+  # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
+  # calibrated on Pride and Prejudice (2 x 2,048) as the kvquant step is; on Qwen2.5 also the halves of the
+  # recipe apart (benchmarks/schemes/int4-token-centre.json, int4-token-smooth-only.json). Windows of §3c and §2.
+  cal() {  # --scheme S --calibration DIR for each scheme, calibrating those not yet calibrated
+    for s in "$@"; do
+      d="runs/calib-$m-$(basename "$s" .json)"
+      [[ -f $d/calibration.json ]] || \
+        $K calibrate --model $m --data pride-and-prejudice --context 2048 --windows 2 --scheme "$s" --out "$d" >&2
+      echo --scheme "$s" --calibration "$d"
+    done
+  }
+  m=qwen2.5-coder-0.5b
+  args=$(cal int8-token-smooth int4-token-smooth int2-token-smooth benchmarks/schemes/int4-token-centre.json \
+    benchmarks/schemes/int4-token-smooth-only.json)
+  $K eval --model $m --data wikitext2 --context 4k --windows 1 --no-progress $args --out runs/qwen-wiki-4k-smooth
+  m=smollm2-135m
+  args=$(cal int8-token-smooth int4-token-smooth int2-token-smooth)
+  $K eval --model $m --data war-and-peace --context 8k --windows 1 --no-progress $args --out runs/smollm2-wp-8k-smooth
+fi
+if [[ $step == all || $step == smooth-hadamard ]]; then
+  # The centred and smoothed keys, then Hadamard-rotated (values rotated too, as int4-token-hadamard), on Qwen2.5.
+  m=qwen2.5-coder-0.5b
+  d=runs/calib-$m-int4-token-smooth-hadamard
+  [[ -f $d/calibration.json ]] || $K calibrate --model $m --data pride-and-prejudice --context 2048 --windows 2 \
+    --scheme benchmarks/schemes/int4-token-smooth-hadamard.json --out $d
+  $K eval --model $m --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/int4-token-smooth-hadamard.json --calibration $d --out runs/qwen-wiki-4k-smooth-hadamard
+fi
+if [[ $step == all || $step == smooth-prerope ]]; then
+  # Why int4-token-smooth grows with position on SmolLM2 (calibrated on 2K, served 8K): post-RoPE channel means
+  # move with position. Centred / smoothed before RoPE instead (int4-token-smooth-prerope; the runs of 2026-12-03
+  # used a scheme JSON of that name and the same specs, made the preset after them), both models; and the
+  # post-RoPE preset calibrated on 8K-token windows for SmolLM2's 8K window.
+  for m in qwen2.5-coder-0.5b smollm2-135m; do
+    d=runs/calib-$m-int4-token-smooth-prerope
+    [[ -f $d/calibration.json ]] || $K calibrate --model $m --data pride-and-prejudice --context 2048 --windows 2 \
+      --scheme int4-token-smooth-prerope --out $d
+  done
+  d=runs/calib-smollm2-135m-int4-token-smooth-8k
+  [[ -f $d/calibration.json ]] || $K calibrate --model smollm2-135m --data pride-and-prejudice --context 8192 \
+    --windows 1 --scheme int4-token-smooth --out $d
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme int4-token-smooth-prerope \
+    --calibration runs/calib-qwen2.5-coder-0.5b-int4-token-smooth-prerope --out runs/qwen-wiki-4k-smooth-prerope
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme int4-token-smooth-prerope --scheme int4-token-smooth \
+    --calibration runs/calib-smollm2-135m-int4-token-smooth-prerope --calibration $d --out runs/smollm2-wp-8k-smooth-8kcal
+fi
 if [[ $step == all || $step == kvquant-rotation ]]; then
   # KVQuant's recipe with K and V Hadamard-rotated (benchmarks/schemes/*.json), calibrated as the kvquant
   # step calibrates (Pride and Prejudice, 2 x 2,048), beside the unrotated recipe on the same 8K window.
