@@ -199,6 +199,13 @@ def test_a_cache_without_the_vectors_refuses_to_quantize():
     model = tiny_llama()
     cache = QuantizedKVCache(config=model.config, scheme="int4-token-smooth")
     assert cache.layers[0].needs_calibration() == ["key channel means", "key smoothing factors"]
+    H, D = model.config.num_key_value_heads, model.config.head_dim
+    with pytest.raises(ValueError, match="channel means need a centre spec"):
+        cache.set_static_qparams(0, "value", mean=torch.zeros(H, D))
+    with pytest.raises(ValueError, match=r"channel_factor must be \(H_kv, D\)"):
+        cache.set_static_qparams(0, "key", mean=torch.zeros(H, D), factor=torch.ones(H + 1, D))
+    with pytest.raises(ValueError, match="smoothing factor must be finite and > 0"):
+        cache.set_static_qparams(0, "key", mean=torch.zeros(H, D), factor=-torch.ones(H, D))
     with pytest.raises(ValueError, match="calibrat"), torch.no_grad():
         model(token_ids(64)[None], **{CACHE_KW: cache})
 

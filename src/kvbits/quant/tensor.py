@@ -57,8 +57,8 @@ class QuantizedTensor:
             a 0-dim int64 tensor on the block's device when quantized with ``sync=False``.
         codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
             layer, like static scales, not by the block).
-        channel_mean, channel_factor: ``centre`` / ``smooth`` specs: the layer's float16 ``(1, H_kv, 1, D)``
-            vectors the codes were taken under (references owned by the layer, like the codebook);
+        channel_mean, channel_factor: ``centre`` / ``smooth`` specs: the layer's ``(H_kv, D)`` (or
+            ``(1, H_kv, 1, D)``) vectors the codes were taken under (references owned by the layer, like the codebook);
             ``dequantize`` returns ``dequant * channel_factor + channel_mean``.
     """
 
