@@ -341,35 +341,11 @@ def test_simulate_equals_stream_prerope_calibrated(models):
 
 
 @torch.no_grad()
-def test_simulate_equals_stream_centred_smoothed_keys(models):
-    """Per-token keys centred and smoothed with calibrated channel vectors (int4-token-smooth), post-RoPE."""
-    from transformers import DynamicCache
-
-    from kvbits.calibrate import artifact_from_samples
-    from kvbits.calibrate.artifact import describe_model
-
-    model = models("llama", torch.float64)
-    scheme = get_scheme("int4-token-smooth")
-    full = DynamicCache()
-    model.model(
-        _ids(200, seed=9), use_cache=True, **{"cache" if _has_cache_kw(model) else "past_key_values": full}
-    )
-    keys = [layer.keys for layer in full.layers]  # post-RoPE, as the cache stores them
-    art = artifact_from_samples(scheme, keys, [layer.values for layer in full.layers],
-                                meta={"model": describe_model(model.config)})  # fmt: skip
-    ids = _ids(120, seed=4)
-    with simulate(model, scheme, calibration=art):
-        h_sim = model.model(ids).last_hidden_state
-    _assert_agree(h_sim, stream_hidden(model, ids, scheme, calibration=art), "llama/int4-token-smooth")
-    with simulate(model, "int4-token"):  # and the transform changes what is computed
-        h_plain = model.model(ids).last_hidden_state
-    assert _agreement(h_sim, h_plain)[1] > 1e-3
-
-
-@torch.no_grad()
-def test_simulate_equals_stream_centred_smoothed_pre_rope_keys(models):
-    """Per-token keys centred and smoothed before RoPE (vectors fitted on pre-RoPE keys): the cache un-rotates,
-    transforms, quantizes, and rotates back, as the simulator does."""
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_simulate_equals_stream_centred_smoothed_keys(models, pre_rope: bool):
+    """Per-token keys centred and smoothed with calibrated channel vectors (int4-token-smooth, and the same before
+    RoPE with vectors fitted on pre-RoPE keys: the cache un-rotates, transforms, quantizes and rotates back, as the
+    simulator does); and the transform changes what is computed."""
     import dataclasses
 
     from transformers import DynamicCache
@@ -379,21 +355,26 @@ def test_simulate_equals_stream_centred_smoothed_pre_rope_keys(models):
     from kvbits.quant.rope import RotaryTables
 
     model = models("llama", torch.float64)
-    base = get_scheme("int4-token-smooth")
-    scheme = base.replace(name="t-smooth-prerope", key=dataclasses.replace(base.key, pre_rope=True))
+    scheme = get_scheme("int4-token-smooth")
+    if pre_rope:
+        scheme = scheme.replace(name="t-smooth-prerope", key=dataclasses.replace(scheme.key, pre_rope=True))
     full = DynamicCache()
     model.model(
         _ids(200, seed=9), use_cache=True, **{"cache" if _has_cache_kw(model) else "past_key_values": full}
     )
-    tables = RotaryTables.from_config(model.config)
-    keys = [tables.tables_for_layer(i).unrotate(layer.keys, torch.arange(layer.keys.shape[2]))
-            for i, layer in enumerate(full.layers)]  # fmt: skip
+    keys = [layer.keys for layer in full.layers]  # post-RoPE, as the cache stores them
+    if pre_rope:
+        tables = RotaryTables.from_config(model.config)
+        keys = [tables.tables_for_layer(i).unrotate(k, torch.arange(k.shape[2])) for i, k in enumerate(keys)]
     art = artifact_from_samples(scheme, keys, [layer.values for layer in full.layers],
                                 meta={"model": describe_model(model.config)})  # fmt: skip
     ids = _ids(120, seed=4)
     with simulate(model, scheme, calibration=art):
         h_sim = model.model(ids).last_hidden_state
-    _assert_agree(h_sim, stream_hidden(model, ids, scheme, calibration=art), "llama/t-smooth-prerope")
+    _assert_agree(h_sim, stream_hidden(model, ids, scheme, calibration=art), f"llama/{scheme.name}")
+    with simulate(model, "int4-token"):
+        h_plain = model.model(ids).last_hidden_state
+    assert _agreement(h_sim, h_plain)[1] > 1e-3
 
 
 def _has_cache_kw(model) -> bool:
