@@ -17,7 +17,10 @@ GPU machine). Steps:
    rotates q and the tail into the codes' basis and the output back), judged against attention over the
    model's K/V (rotated sides dequantized back, not through that rotation), and per-token int4 keys centred
    and smoothed per channel (``int4-token-smooth``: codes of ``(k - mean) / factor``; the entry point scales q
-   and moves the key tail into that basis), judged the same way; a failure is recorded
+   and moves the key tail into that basis), and the same keys before RoPE (``int4-token-smooth-pre-rope``:
+   the kernel decodes ``code * factor + mean`` in registers, then applies RoPE; ``-tied``: factors equal over
+   RoPE pairs, folded into q, the kernel decoding ``code + mean / factor``), judged the same way; a
+   failure is recorded
    (``checks[].ok``, ``check_failures``) and printed, and the run goes on. (2b) the
    quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
    flush one 128-token block.

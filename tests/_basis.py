@@ -11,14 +11,15 @@ from unittest import mock
 
 from kvbits.kernels import reference
 
-PARTS = ("query", "tail", "output")
+PARTS = ("query", "tail", "output", "channels")
 
 
 @contextlib.contextmanager
 def skipping(part: str) -> Iterator[None]:
     """Inside, the decode entry points (reference and, when imported, Triton) rotate everything but ``part``:
     ``"query"`` (``q`` stays in the model's basis), ``"tail"`` (the full-precision tail does) or ``"output"``
-    (the output is not rotated back)."""
+    (the output is not rotated back) or ``"channels"`` (pre-RoPE centred / smoothed keys lose their mean and
+    factor: the codes are read as the keys)."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     real = reference.code_basis
@@ -29,8 +30,10 @@ def skipping(part: str) -> Iterator[None]:
             q2 = q.to(q2.dtype)
         elif part == "tail":
             store2 = replace(store2, key_full=store.key_full, value_full=store.value_full)
-        else:
+        elif part == "output":
             out_rotate = None
+        elif store2.key is not None:
+            store2 = replace(store2, key=replace(store2.key, channel_mean=None, channel_factor=None))
         return q2, store2, out_rotate
 
     with contextlib.ExitStack() as stack:
@@ -40,8 +43,10 @@ def skipping(part: str) -> Iterator[None]:
         yield
 
 
-def parts_that_matter(key_rotated: bool, value_rotated: bool, has_tail: bool) -> list[str]:
-    """The parts of the basis change a store with these rotations needs."""
-    return [
-        p for p, needed in (("query", key_rotated), ("tail", has_tail), ("output", value_rotated)) if needed
-    ]
+def parts_that_matter(
+    key_rotated: bool, value_rotated: bool, has_tail: bool, key_channels: bool = False
+) -> list[str]:
+    """The parts of the basis change a store with these rotations needs (``key_channels``: pre-RoPE centred /
+    smoothed keys, decoded with their vectors in place; the query and tail stay in the model's basis)."""
+    needs = (("query", key_rotated), ("tail", has_tail), ("output", value_rotated), ("channels", key_channels))
+    return [p for p, needed in needs if needed]

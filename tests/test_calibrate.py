@@ -608,9 +608,12 @@ def test_cli_calibrate(tmp_path, monkeypatch, capsys):
     assert art.meta["data"]["tokenizer"].split(":")[1] == "21"  # class:size:vocab-hash
     # refused before the model loads (this one does not exist): a scheme with nothing to calibrate, a window
     # of one token
-    for scheme, context, why in (("int4-token", "128", "nothing to calibrate"), ("kvquant-2", "1", "context must be")):
+    # of one token, RoPE pairs to tie in a scheme without smoothed pre-RoPE keys
+    cases = (("int4-token", "128", "nothing to calibrate", []), ("kvquant-2", "1", "context must be", []),
+             ("int4-token-smooth", "128", "has none", ["--tie-rope-pairs"]))  # fmt: skip
+    for scheme, context, why, extra in cases:
         status = main(["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", str(text),
-                       "--scheme", scheme, "--context", context, "--out", str(tmp_path / "x")])  # fmt: skip
+                       "--scheme", scheme, "--context", context, "--out", str(tmp_path / "x"), *extra])  # fmt: skip
         assert status == 2 and why in capsys.readouterr().err
 
 

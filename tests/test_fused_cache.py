@@ -34,6 +34,7 @@ from transformers import (
 from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, track_positions, use_fused_decode
 from kvbits.cache import fused as fused_mod
 from kvbits.cache.layer import _position_offset
+from kvbits.calibrate.fit import tie_rope_pairs
 from kvbits.kernels import dispatch
 from kvbits.plan import plan
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, token_split
@@ -110,12 +111,18 @@ ROT_VALUES = KVScheme("t-int4-rot-values", key=spec(4, "channel", 16), value=spe
 # one keeps sinks and a residual window (a tail to move too)
 SMOOTH_TAIL = KVScheme("t-int4-smooth-tail", key=spec(4, "token", centre=True, smooth=0.5), value=spec(4, "token", 16),
                        sinks=2, residual=4, block=16)  # fmt: skip
+# ... before RoPE: a factor tied over RoPE pairs (as kvbits calibrate fits it) moves into the query and tail, the
+# kernel decodes code + mean / factor and rotates; an untied factor stays in the kernel (code * factor + mean)
+SMOOTH_PRE_ROPE = KVScheme("t-int4-smooth-prerope", key=spec(4, "token", centre=True, smooth=0.5, pre_rope=True),
+                           value=spec(4, "token", 16), sinks=2, residual=4, block=16)  # fmt: skip
+SMOOTH_PRE_ROPE_UNTIED = SMOOTH_PRE_ROPE.replace(name="t-int4-smooth-prerope-untied")
 SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-token": get_scheme("int2-token"),
            "int4-prerope": PRE_ROPE, "kvquant3-block": KVQUANT3, "kvquant4-static": KVQUANT4_STATIC,
            "fp8-e4m3-token": get_scheme("fp8-e4m3-token"), "fp8-e4m3": get_scheme("fp8-e4m3"),
            "fp8-e4m3-head": get_scheme("fp8-e4m3-head"), "int4-hadamard": get_scheme("int4-token-hadamard"),
            "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES,
-           "int4-smooth": get_scheme("int4-token-smooth"), "smooth-tail": SMOOTH_TAIL}  # fmt: skip
+           "int4-smooth": get_scheme("int4-token-smooth"), "smooth-tail": SMOOTH_TAIL,
+           "smooth-prerope": SMOOTH_PRE_ROPE, "smooth-prerope-untied": SMOOTH_PRE_ROPE_UNTIED}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
@@ -125,8 +132,10 @@ def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: 
         if spec.has_channel_transform:  # a mean and a factor per (head, channel), different per layer
             for i in range(n_layers):
                 grid = torch.linspace(0, 1, H_kv * D).reshape(H_kv, D)
-                cache.set_static_qparams(i, side, mean=((grid - 0.5) * (i + 1)).half(),
-                                         factor=(0.5 + 1.5 * grid.flip(-1)).half())  # fmt: skip
+                factor = 0.5 + 1.5 * grid.flip(-1)
+                if spec.pre_rope and not scheme.name.endswith("-untied"):  # tied over RoPE pairs, as calibrated
+                    factor = tie_rope_pairs(factor)
+                cache.set_static_qparams(i, side, mean=((grid - 0.5) * (i + 1)).half(), factor=factor.half())
         if spec.kind == "fp8" and spec.granularity == "head":
             for i in range(n_layers):
                 cache.set_static_qparams(i, side, torch.linspace(0.004, 0.012, H_kv) * (i + 1))
@@ -312,12 +321,14 @@ def test_rotated_scheme_is_served_fused(caplog, scheme: str):
         assert (bad[1:] - logits_ref[1:3]).abs().max() > 1e-3, part  # logits[0] come from the prefill
 
 
-@pytest.mark.parametrize("scheme", ["int4-smooth", "smooth-tail"])
+@pytest.mark.parametrize("scheme", ["int4-smooth", "smooth-tail", "smooth-prerope", "smooth-prerope-untied"])
 def test_smoothed_keys_are_served_fused(scheme: str):
-    """Centred / smoothed keys (codes of (k - mean) / factor) are served by the kernel in the codes' basis:
-    every decode step fused, the packed keys carry the layer's vectors, tokens and logits those of the
-    dequantized path, same bytes. The test can fail: leaving the query unscaled or the tail in the model's
-    basis changes the logits."""
+    """Centred / smoothed keys (codes of (k - mean) / factor) are served by the kernel: post-RoPE in the
+    codes' basis; pre-RoPE with a factor tied over RoPE pairs in the query and tail and ``mean / factor``
+    decoded before RoPE, with an untied factor both vectors decoded before RoPE. Every decode step fused, the
+    packed keys carry the layer's vectors, tokens and logits those of the dequantized path, same bytes. The
+    test can fail: leaving the query unscaled, the tail in the model's basis or (pre-RoPE) the vectors out
+    changes the logits."""
     model, sch = build("qwen2"), SCHEMES[scheme]
     seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False)
     with mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention) as kernel:
@@ -331,8 +342,11 @@ def test_smoothed_keys_are_served_fused(scheme: str):
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
     assert_same_bytes(ref, cache)
-    parts = parts_that_matter(True, False, sch.sinks + sch.residual > 0)
-    assert parts == (["query", "tail"] if scheme == "smooth-tail" else ["query"])
+    untied = scheme.endswith("-untied")
+    parts = parts_that_matter(not untied, False, sch.sinks + sch.residual > 0 and not untied,
+                              key_channels=sch.key.pre_rope)  # fmt: skip
+    assert parts == {"int4-smooth": ["query"], "smooth-tail": ["query", "tail"],
+                     "smooth-prerope": ["query", "tail", "channels"], "smooth-prerope-untied": ["channels"]}[scheme]
     for part in parts:
         with skipping(part):
             _, bad, _ = generate(model, sch, fused=True, attn=True, new=3)
@@ -555,12 +569,14 @@ def use_triton(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "scheme,padded",
     [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True), ("rot-keys", True),
-     ("rot-values", False), ("fp8-hadamard", True)],
+     ("rot-values", False), ("fp8-hadamard", True), ("smooth-prerope", True), ("smooth-prerope-untied", False)],
 )  # fmt: skip
 def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's
     NUQ codes with sparse outliers and FP8 codes, in a left-padded batch (slot masks); Hadamard-rotated keys
-    or values with a tail (the wrapper's basis change); static FP8 after a rotation (fp8-e4m3-hadamard)."""
+    or values with a tail (the wrapper's basis change); static FP8 after a rotation (fp8-e4m3-hadamard);
+    pre-RoPE centred / smoothed keys (``mean / factor`` decoded in the kernel before RoPE, the tied factor in
+    the query), left-padded, and with an untied factor (both decoded in the kernel)."""
     use_triton(monkeypatch)
     from kvbits.kernels import triton_decode
 

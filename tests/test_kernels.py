@@ -19,15 +19,18 @@ import torch
 from _basis import parts_that_matter, skipping
 from _launch import LaunchSpy
 
+from kvbits.calibrate.fit import tie_rope_pairs
 from kvbits.kernels import dispatch
 from kvbits.kernels.reference import (
     PackedStore,
     PackedTensor,
     apply_rope_at,
+    code_basis,
     decode_attention_reference,
     dequantize_packed,
     materialize,
     pack_store,
+    rope_pairs_tied,
 )
 from kvbits.quant import quantize, unpack_bits
 from kvbits.schemes import TensorSpec
@@ -327,7 +330,7 @@ def channel_kwargs(s: TensorSpec, k: torch.Tensor) -> dict:
     if s.centre:
         kw["channel_mean"] = m.half()
     if s.smooth is not None:
-        spread = (k - (m if s.centre else 0)[None, :, None, :]).abs().amax(dim=(0, 2))
+        spread = (k - (m if s.centre else torch.zeros_like(m))[None, :, None, :]).abs().amax(dim=(0, 2))
         kw["channel_factor"] = spread.pow(s.smooth).half()
     return kw
 
@@ -431,6 +434,111 @@ def test_pre_rope_rotated_keys_are_refused():
     dense = pack_store([], [], k, v, full_mask=mask)
     want = decode_attention_reference(q.double(), dense, dtype=torch.float64)
     assert max_err(decode_attention_reference(q.double(), values_only, dtype=torch.float64), want) < 1e-12
+
+
+# pre-RoPE keys centred / smoothed (int*-token-smooth-prerope): codes of (k - mean) / factor before RoPE,
+# decoded to code * factor + mean, then rotated; 4-bit per token, 2-bit groups of 32 channels, smoothed only.
+# (spec, factor tied over RoPE pairs): tied factors move into the query (code_basis), untied ones stay in the kernel
+SMOOTH_PRE_ROPE = {
+    "int4-token": (spec(4, "token", centre=True, smooth=0.5, pre_rope=True), False),
+    "int4-token-tied": (spec(4, "token", centre=True, smooth=0.5, pre_rope=True), True),
+    "int2-group-tied": (spec(2, "token", 32, centre=True, smooth=0.5, pre_rope=True), True),
+    "int8-smooth-only": (spec(8, "token", smooth=0.5, pre_rope=True), False),
+    "int8-smooth-only-tied": (spec(8, "token", smooth=0.5, pre_rope=True), True),
+}
+
+
+def smooth_pre_rope_case(
+    g: torch.Generator, key_spec: TensorSpec, tied: bool, *, device: str = DEVICE, G: int = 3
+) -> tuple[torch.Tensor, PackedStore, torch.Tensor]:
+    """``(q, store, truth)`` for pre-RoPE centred / smoothed keys: float32 queries ``(2, 2 * G, 1, 64)``, a
+    ragged store of 96 quantized slots (pre-RoPE keys with outlier channels and an offset band, quantized with
+    their channel vectors, the factor ``tied`` over RoPE pairs or not; first position 4) and 24 fp16 tail
+    slots (post-RoPE, as the cache keeps them), and float64 attention over RoPE of the K the blocks decode to
+    (``code * f + m``) and the tail."""
+    B, H, D, T_q, T_f = 2, 2, 64, 96, 24
+    k = torch.randn(B, H, T_q, D, generator=g)
+    k[..., : D // 8] *= 6
+    k[..., D // 8 : D // 4] += 5  # an offset band (a k_proj bias): what the mean takes out
+    v = torch.randn(B, H, T_q, D, generator=g)
+    kw = {n: t.to(device) for n, t in channel_kwargs(key_spec, k).items()}
+    if tied:
+        kw["channel_factor"] = tie_rope_pairs(kw["channel_factor"].float()).half()
+    assert rope_pairs_tied(kw["channel_factor"]) == tied
+    kb = [quantize(k[:, :, a : a + 32].to(device), key_spec, **kw) for a in range(0, T_q, 32)]
+    vb = [quantize(v[:, :, a : a + 32].to(device), KIVI4_VALUES) for a in range(0, T_q, 32)]
+    kf = (torch.randn(B, H, T_f, D, generator=g) * 2).half().to(device)
+    vf = torch.randn(B, H, T_f, D, generator=g).half().to(device)
+    ql, fl, pos0 = [96, 64], [24, 7], [4, 4]
+    cos, sin = rope_tables(T_q + 8, D)
+    store = pack_store(kb, vb, kf, vf, quant_lens=ql, full_lens=fl, rope_cos=cos.to(device),
+                       rope_sin=sin.to(device), quant_pos0=pos0)  # fmt: skip
+    q = (torch.randn(B, H * G, 1, D, generator=g) * 1.5).to(device)
+    K_pre = torch.cat([b.dequantize(torch.float64) for b in kb], 2)  # code * f + m, the model's pre-RoPE keys
+    K = torch.cat([apply_rope_at(K_pre, cos.double().to(device), sin.double().to(device),
+                                 torch.tensor(pos0, device=device)), kf.double()], 2)  # fmt: skip
+    V = torch.cat([b.dequantize(torch.float64) for b in vb] + [vf.double()], 2)
+    mask = torch.cat([torch.arange(T_q)[None] < torch.tensor(ql)[:, None],
+                      torch.arange(T_f)[None] < torch.tensor(fl)[:, None]], 1).to(device)  # fmt: skip
+    truth = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), K.repeat_interleave(G, 1), V.repeat_interleave(G, 1), attn_mask=mask[:, None, None, :]
+    )
+    return q, store, truth
+
+
+def smooth_pre_rope_parts(key_spec: TensorSpec, tied: bool) -> list[str]:
+    """The parts of ``code_basis`` a pre-RoPE centred / smoothed store needs: a tied factor moves into the query
+    and the tail (what stays with the codes: ``m / f`` if centred); an untied one stays with the codes."""
+    return parts_that_matter(tied, False, tied, key_channels=key_spec.centre or not tied)
+
+
+@pytest.mark.parametrize("name", list(SMOOTH_PRE_ROPE))
+def test_reference_pre_rope_smoothed_keys_decode_before_rope(monkeypatch, name: str):
+    """Pre-RoPE centred / smoothed keys decode to ``code * f + m`` before RoPE. ``code_basis`` moves a factor
+    tied over RoPE pairs into the query and tail (the codes then decode to ``code + m / f``) and leaves any
+    other with the codes (RoPE mixes each pair at its position's angle). The reference is the float64
+    attention over those keys rotated, to 1e-12, float32 (and the dispatcher) to float32's error; leaving
+    out any part is far off."""
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+    key_spec, tied = SMOOTH_PRE_ROPE[name]
+    q, store, truth = smooth_pre_rope_case(torch.Generator().manual_seed(36), key_spec, tied, device="cpu")
+    assert store.pre_rope and store.key.has_channel_transform
+    q2, store2, out_rotate = code_basis(q, store)
+    assert out_rotate is None
+    if tied:  # q * f, tail / f, codes + m / f
+        f = store.key.channel_factor.float().repeat_interleave(3, 0)
+        assert torch.equal(q2, q * f[None, :, None, :]) and store2.key.channel_factor is None
+        assert max_err(store2.key_full, store.key_full.float() / store.key.channel_factor.float()[:, None]) < 1e-6
+        if key_spec.centre:
+            want = store.key.channel_mean.float() / store.key.channel_factor.float()
+            assert max_err(store2.key.channel_mean, want) == 0
+    else:
+        assert q2 is q and store2 is store
+    assert max_err(decode_attention_reference(q.double(), store, dtype=torch.float64), truth) < 1e-12
+    assert max_err(decode_attention_reference(q, store), truth) < 1e-5
+    assert max_err(dispatch.decode_attention(q, store), truth) < 1e-5
+    parts = smooth_pre_rope_parts(key_spec, tied)
+    assert parts == {"int4-token": ["channels"], "int8-smooth-only": ["channels"],
+                     "int8-smooth-only-tied": ["query", "tail"]}.get(name, ["query", "tail", "channels"])  # fmt: skip
+    for part in parts:
+        with skipping(part):
+            bad = decode_attention_reference(q.double(), store, dtype=torch.float64)
+        assert max_err(bad, truth) > 1e-2, part
+
+
+def test_rope_pairs_tied_is_memoised_per_tensor_version():
+    """``rope_pairs_tied`` compares the halves once per tensor (one host sync per installed vector, not per
+    decode step) and again after an in-place change; an odd head dim is never tied."""
+    f = torch.ones(2, 8)
+    assert rope_pairs_tied(f)
+    f[0, 1] = 2.0  # in place: a new version, compared again
+    assert not rope_pairs_tied(f)
+    f[0, 5] = 2.0
+    assert rope_pairs_tied(f)
+    assert not rope_pairs_tied(torch.ones(2, 7))
+    g = torch.rand(3, 16) + 0.5
+    assert rope_pairs_tied(tie_rope_pairs(g)) and not rope_pairs_tied(g)
+    assert torch.equal(tie_rope_pairs(g)[:, :8], torch.maximum(g[:, :8], g[:, 8:]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -815,6 +923,37 @@ def test_kernel_rotated_store(monkeypatch, sides: str, vectorized: bool | None):
     for part in parts_that_matter(key_basis_changed(key_spec), value_spec.rotate is not None, True):
         with skipping(part):
             bad = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
+        assert max_err(bad, truth) > 1e-2, part
+
+
+@needs_triton
+@pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
+@pytest.mark.parametrize("name", list(SMOOTH_PRE_ROPE))
+def test_kernel_pre_rope_smoothed_keys(monkeypatch, name: str, vectorized: bool | None):
+    """The Triton kernel decodes pre-RoPE centred / smoothed keys to ``code * f + m`` in registers (a factor
+    tied over RoPE pairs moved into the query instead: ``code + m / f``), then applies RoPE (whole rows, or per
+    element with the partner channel's own vectors): float16 queries within twice torch's float16 error of
+    the float64 attention over those keys, float32 within float32's, also through the dispatcher; leaving out
+    any part (the in-kernel vectors: ``K_MEAN`` / ``K_FACTOR`` off) far off."""
+    key_spec, tied = SMOOTH_PRE_ROPE[name]
+    q, store, truth = smooth_pre_rope_case(torch.Generator().manual_seed(37), key_spec, tied)
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    meta = spy.seen[-1]
+    assert meta["ROPE"] and meta["K_MEAN"] == key_spec.centre and meta["K_FACTOR"] == (not tied)
+    assert meta["VEC_K"] == (vectorized is None)
+    out32 = triton_decode.decode_attention_triton(q, store, splits=3, vectorized=vectorized)
+    assert max_err(out32, truth) < 1e-5
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    assert max_err(dispatch.decode_attention(q, store), truth) < 1e-5
+    for part in smooth_pre_rope_parts(key_spec, tied):
+        with skipping(part):
+            bad = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
+        if part == "channels":
+            assert not spy.seen[-1]["K_MEAN"] and not spy.seen[-1]["K_FACTOR"]
         assert max_err(bad, truth) > 1e-2, part
 
 
@@ -1286,7 +1425,7 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
         "int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard"]  # fmt: skip
     full = bench.Config(**{**cfg.__dict__, "smoke": False})
     checks = bench.check_variants(full, record, shapes=["llama-3-8b"])
-    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 24
+    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 26
     new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:19]
     assert new == [("int8-kivi-f16", {"dequant": "f16"}), ("int4-kivi-f16", {"dequant": "f16"}),
                    ("int2-kivi-f16", {"dequant": "f16"}), ("int2-token-keys-f16", {"dequant": "f16"}),
@@ -1296,8 +1435,11 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
     assert [(c["variant"], c["query_dtype"]) for c in checks[19:21]] == [
         ("int4-kivi-bf16", "bfloat16"), ("int4-pre-rope-bf16", "bfloat16")]  # fmt: skip
     assert {c["query_dtype"] for c in checks[:19] + checks[21:]} == {"float16"}
-    # then Hadamard-rotated per-token sides (default launch), then centred / smoothed per-token keys
-    assert [c["variant"] for c in checks[21:]] == ["int8-token-hadamard", "int4-token-hadamard", "int4-token-smooth"]
+    # then Hadamard-rotated per-token sides (default launch), then centred / smoothed per-token keys, post-
+    # and pre-RoPE
+    assert [c["variant"] for c in checks[21:]] == [
+        "int8-token-hadamard", "int4-token-hadamard", "int4-token-smooth", "int4-token-smooth-pre-rope",
+        "int4-token-smooth-pre-rope-tied"]  # fmt: skip
     assert all(f16 == (True, True) for kw, f16 in seen if kw.get("dequant") == "f16")  # both sides in float16
     # step 3: kernel "triton-f16" for the integer schemes; break-even and the table carry it
     records = bench.sweep(cfg, lambda q, store, **kw: decode_attention_reference(q, store), copy_gbps=10.0)

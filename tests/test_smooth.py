@@ -48,9 +48,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def fitted(spec: TensorSpec, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def fitted(spec: TensorSpec, x: torch.Tensor, **kw) -> dict[str, torch.Tensor]:
     """``quantize`` keyword arguments fitted on ``x`` ``(B, H, n, D)`` as ``kvbits calibrate`` would."""
-    tensors, _ = fit_side(spec, x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3]))
+    tensors, _ = fit_side(spec, x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3]), **kw)
     return {f"channel_{k}": v for k, v in tensors.items()}
 
 
@@ -89,6 +89,43 @@ def test_smoothing_alone_divides_by_the_spread_of_each_channel():
     assert bool((f[:, 3] > 3 * f[:, 10]).all()) and bool((f[:, 7] > 3 * f[:, 10]).all())
     y = quantize(x, spec, **kw).dequantize()
     assert rel_err(y, x) < rel_err(quantize(x, INT4).dequantize(), x)
+
+
+def test_pre_rope_factors_are_tied_over_rope_pairs_on_request():
+    """``tie_rope``: a pre-RoPE spec gets one factor per RoPE pair (channels d and d + D/2, the larger spread:
+    QServe's rule), which fused decode moves into the query; without it, and for post-RoPE specs, one per
+    channel. Channel 7's spread then sets channel 39's factor too; the means stay per channel."""
+    x = biased_keys()
+    pre = dataclasses.replace(SMOOTH4, pre_rope=True)
+    tied, untied, post = fitted(pre, x, tie_rope=True), fitted(pre, x), fitted(SMOOTH4, x, tie_rope=True)
+    f, g = tied["channel_factor"].float(), untied["channel_factor"].float()
+    assert torch.equal(f[:, :32], f[:, 32:]) and not torch.equal(g[:, :32], g[:, 32:])
+    assert torch.equal(untied["channel_factor"], post["channel_factor"])  # post-RoPE: never tied
+    assert bool((f[:, 39] > 3 * f[:, 40]).all()) and bool((g[:, 39] < 2 * g[:, 40]).all())
+    assert torch.equal(tied["channel_mean"], untied["channel_mean"])
+    y = quantize(x, pre, **tied).dequantize()
+    assert rel_err(y, x) < 0.5 * rel_err(quantize(x, INT4).dequantize(), x)
+
+
+def test_calibration_ties_rope_pairs_records_it_and_checks_it(tmp_path):
+    """``calibrate(..., tie_rope_pairs=True)`` fits tied pre-RoPE factors, records ``tie_rope_pairs`` and the
+    artifact's check refuses factors that differ within a pair; a scheme without smoothed pre-RoPE keys is
+    refused before any pass."""
+    model = tiny_llama()
+    art = calibrate(model, token_ids(), "int4-token-smooth-prerope", context=128, windows=2, tie_rope_pairs=True,
+                    out_dir=str(tmp_path / "c"))  # fmt: skip
+    assert art.meta["tie_rope_pairs"] is True
+    D = art.head_dim
+    for i in range(model.config.num_hidden_layers):
+        f = art.tensors[f"layers.{i}.key_factor"]
+        assert torch.equal(f[:, : D // 2], f[:, D // 2 :])
+    loaded = load_calibration(tmp_path / "c", model_config=model.config, scheme="int4-token-smooth-prerope")
+    assert loaded.meta["tie_rope_pairs"] is True
+    art.tensors["layers.1.key_factor"][0, 0] *= 2
+    with pytest.raises(ValueError, match="differs between RoPE pair channels"):
+        art.validate()
+    with pytest.raises(ValueError, match="has none"):
+        calibrate(model, token_ids(), "int4-token-smooth", context=128, windows=2, tie_rope_pairs=True)
 
 
 def test_a_constant_channel_gets_a_floored_factor():
@@ -212,8 +249,9 @@ def test_a_cache_without_the_vectors_refuses_to_quantize():
 
 def test_the_quantize_kernel_leaves_the_transform_to_torch_and_fused_decode_takes_keys_only():
     """The Triton flush kernel does not transform channels (the torch reference quantizes such blocks); fused
-    decode serves centred / smoothed post-RoPE keys (``code_basis``; tests/test_fused_cache.py) and declines
-    smoothed values and pre-RoPE smoothed keys, whose codes the kernel would read in the wrong basis."""
+    decode serves centred / smoothed keys, post-RoPE (``code_basis``) and pre-RoPE (decoded with their vectors
+    before RoPE; tests/test_fused_cache.py), and declines smoothed values, whose output it would not move
+    back."""
     from kvbits.cache.fused import layout_reason
     from kvbits.kernels.triton_quantize import supported
 
@@ -233,4 +271,4 @@ def test_the_quantize_kernel_leaves_the_transform_to_torch_and_fused_decode_take
         reasons[scheme.name] = layout_reason(cache.layers[0])
     assert reasons["int4-token-smooth"] is None
     assert reasons["t-smooth-values"].startswith("centred / smoothed values")
-    assert reasons["t-smooth-prerope"].startswith("pre-RoPE keys stored centred / smoothed")
+    assert reasons["t-smooth-prerope"] is None

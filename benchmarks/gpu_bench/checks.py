@@ -20,12 +20,16 @@ def _spec(bits: int, gran: str, group: int | None, kind: str = "int", **kw) -> T
     return TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=gran, group_size=group, **kw)
 
 
-def _quantize(x: torch.Tensor, spec: TensorSpec) -> object:
+def _quantize(x: torch.Tensor, spec: TensorSpec, tie: bool = False) -> object:
     """``quantize`` with a non-uniform codebook for NUQ specs, and for centred / smoothed specs the channel
-    vectors ``kvbits calibrate`` would fit on ``x`` ``(B, H, T, D)`` (mean; spread about it ** alpha)."""
+    vectors ``kvbits calibrate`` would fit on ``x`` ``(B, H, T, D)`` (mean; spread about it ** alpha; with
+    ``tie`` each RoPE pair's larger spread, as ``--tie-rope-pairs``)."""
     if spec.has_channel_transform:
         m = x.float().mean(dim=(0, 2))
         spread = (x.float() - (m if spec.centre else 0 * m)[None, :, None, :]).abs().amax(dim=(0, 2))
+        if tie:
+            half = spread.shape[-1] // 2
+            spread = torch.maximum(spread[..., :half], spread[..., half:]).repeat(1, 2)
         kw = {"channel_mean": m.half()} if spec.centre else {}
         if spec.smooth is not None:
             kw["channel_factor"] = spread.clamp_min(1e-3 * float(spread.max())).pow(spec.smooth).half()
@@ -133,7 +137,10 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
     # keys centred and smoothed per channel (the int*-token-smooth presets: codes of (k - mean) / factor): the
     # decode entry point scales q by the factors and moves the key tail into that basis (code_basis)
     smooth = {"key": _spec(4, "token", None, centre=True, smooth=0.5), "value": _spec(4, "token", None)}
-    variants += [("int4-token-smooth", smooth, {})]
+    # ... and before RoPE (int*-token-smooth-prerope): the kernel decodes code * factor + mean, then RoPE; with
+    # factors tied over RoPE pairs (--tie-rope-pairs) the factor moves into q and the kernel decodes code + m / f
+    variants += [("int4-token-smooth", smooth, {}), ("int4-token-smooth-pre-rope", {**smooth, "rope": True}, {}),
+                 ("int4-token-smooth-pre-rope-tied", {**smooth, "rope": True, "tie": True}, {})]
     shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     if cfg.smoke and dev.type == "cpu":  # the interpreter is slow: whole-row, gather + RoPE, rotated; one shape
         smoke = ("int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard")
@@ -162,7 +169,7 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
                     qm[1, : T_q // 8], fm[1, :4], qm[0, 3] = False, False, False
                     masks = {"quant_mask": qm.to(dev), "full_mask": fm.to(dev)}
                 store = pack_store(
-                    [_quantize(kq.to(dev), specs["key"])],
+                    [_quantize(kq.to(dev), specs["key"], specs.get("tie", False))],
                     [_quantize(vq.to(dev), specs["value"])],
                     kf,
                     vf,

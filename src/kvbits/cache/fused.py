@@ -25,7 +25,9 @@ into the codes' basis and the output back (``kvbits.kernels.reference.code_basis
 so the history is never dequantized and no byte is added. Post-RoPE keys only: pre-RoPE rotated keys are
 declined (``layout_reason``). Centred / smoothed keys (``TensorSpec.centre`` / ``smooth``, the
 ``*-token-smooth`` presets) likewise: the query is scaled by the factors and the tail moved to
-``(k - mean) / factor`` (``code_basis``); centred / smoothed values and pre-RoPE keys are declined.
+``(k - mean) / factor`` (``code_basis``). Pre-RoPE centred / smoothed keys (``*-token-smooth-prerope``)
+cannot move into the query (RoPE mixes channel pairs at each position's angle): the kernel decodes
+``code * factor + mean`` in registers before it applies RoPE. Centred / smoothed values are declined.
 
 Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to position
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
@@ -167,8 +169,6 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
     if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
         return "key and value head dims differ"
     if layer.scheme.key.pre_rope:
-        if layer.scheme.key.has_channel_transform:
-            return "pre-RoPE keys stored centred / smoothed (the kernel applies RoPE to the dequantized codes)"
         if layer.scheme.key.rotate is not None:
             return (
                 f"pre-RoPE keys with a {layer.scheme.key.rotate} rotation (the kernel applies RoPE to the "

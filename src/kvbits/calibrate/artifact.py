@@ -337,6 +337,13 @@ class CalibrationArtifact:
                     f"calibration{where}: {name} has {int((t <= 0).sum())} factors <= 0; a smoothing factor "
                     "divides, it must be > 0"
                 )
+            elif name.endswith("_factor") and self.meta.get("tie_rope_pairs") and spec.pre_rope:
+                D = t.shape[-1]
+                if not torch.equal(t[..., : D // 2], t[..., D // 2 :]):
+                    raise ValueError(
+                        f"calibration{where}: {name} differs between RoPE pair channels d and d + {D // 2}, "
+                        "but the artifact says tie_rope_pairs (fitted equal over each pair)"
+                    )
             elif name.endswith("_scale") and bool((t < 0).any()):
                 raise ValueError(
                     f"calibration{where}: {name} has {int((t < 0).sum())} negative scales; scales must be >= 0"

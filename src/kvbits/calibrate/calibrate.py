@@ -25,7 +25,13 @@ import torch
 
 from kvbits.calibrate.artifact import CalibrationArtifact, describe_model
 from kvbits.calibrate.fisher import activation_gradients, window_loss
-from kvbits.calibrate.fit import Progress, artifact_from_samples, check_calibratable, check_fp8_scale
+from kvbits.calibrate.fit import (
+    Progress,
+    artifact_from_samples,
+    check_calibratable,
+    check_fp8_scale,
+    check_tie_rope_pairs,
+)
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
 from kvbits.plan.config import warn_beyond_max_positions
@@ -439,6 +445,7 @@ def fit_artifact(
     max_tokens: int | None = None,
     progress: Progress | None = None,
     fp8_scale: str = "centred",
+    tie_rope_pairs: bool = False,
 ) -> CalibrationArtifact:
     """Fit ``scheme``'s calibration from collected ``samples`` (the sinks it keeps exact are dropped).
 
@@ -506,6 +513,7 @@ def fit_artifact(
         key_absmax=_fp8_absmax(samples, layer_schemes, "key"),
         value_absmax=_fp8_absmax(samples, layer_schemes, "value"),
         fp8_scale=fp8_scale,
+        tie_rope_pairs=tie_rope_pairs,
     )
     art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
     return art
@@ -562,6 +570,7 @@ def calibrate(
     device: str | None = None,
     progress: Progress | None = None,
     fp8_scale: str = "centred",
+    tie_rope_pairs: bool = False,
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
 
@@ -597,9 +606,16 @@ def calibrate(
             token / ``fp8_max``, llm-compressor's minmax observer). On Qwen2.5-Coder-0.5B ``mse`` had
             40 % less KL than ``amax`` per tensor but none per head; ``centred`` about a third less with
             either (BENCHMARKS.md §8, §10). None saturates on the calibration tokens.
+        tie_rope_pairs: pre-RoPE centred / smoothed keys (``int*-token-smooth-prerope``) get one smoothing
+            factor per RoPE pair (channels ``d`` and ``d + D/2``, the larger spread: QServe's rule). Such a
+            factor commutes with RoPE, so fused decode moves it into the query and the kernel decodes only
+            ``code + mean / factor`` (fewer registers per thread). It costs quality: KL 0.0345 → 0.0393 on
+            Qwen2.5-Coder-0.5B at 4K, 0.035 → 0.046 on SmolLM2-135M at 8K (BENCHMARKS.md §21). Default: one
+            factor per channel, decoded in the kernel.
     """
     scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
     check_fp8_scale(fp8_scale)
+    check_tie_rope_pairs(scheme, tie_rope_pairs)
     subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
     if fisher and not any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value)):
         # the gradients weight the NUQ codebooks' k-means and nothing else: no backward pass for naught
@@ -612,7 +628,7 @@ def calibrate(
     art = fit_artifact(
         samples, scheme, percentile=percentile, kmeans_points=kmeans_points,
         kmeans_iterations=kmeans_iterations, seed=seed, max_tokens=max_tokens, progress=progress,
-        fp8_scale=fp8_scale,
+        fp8_scale=fp8_scale, tie_rope_pairs=tie_rope_pairs,
     )
     if out_dir is not None:
         art.save(out_dir)

@@ -57,6 +57,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "/ fp8 max (llm-compressor's minmax)",
     )
     p.add_argument(
+        "--tie-rope-pairs",
+        action="store_true",
+        help="pre-RoPE smoothed keys (int*-token-smooth-prerope): one smoothing factor per RoPE pair (channels d "
+        "and d + D/2), which fused decode folds into the query (fewer kernel registers); costs some quality "
+        "(BENCHMARKS.md section 21)",
+    )
+    p.add_argument(
         "--max-tokens",
         type=_positive,
         default=8192,
@@ -87,7 +94,9 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     console.print(
         f"scheme {art.scheme.name} | model {m.get('name') or m['model_type']} (fingerprint {m['fingerprint']}) | "
         f"data {d['name']}: {d['windows']} x {d['context']} tokens | percentile {art.meta['percentile']} | "
-        f"Fisher {'on' if art.meta['fisher'] else 'off'} | {art.meta.get('dtype', '?')} on "
+        f"Fisher {'on' if art.meta['fisher'] else 'off'} | "
+        f"{'smoothing factors tied over RoPE pairs | ' if art.meta.get('tie_rope_pairs') else ''}"
+        f"{art.meta.get('dtype', '?')} on "
         f"{art.meta.get('device', '?')} | {art.meta.get('timing_s', {}).get('total', '?')} s"
     )
     stats = art.layer_stats
@@ -132,12 +141,15 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
+    from kvbits.calibrate.fit import check_tie_rope_pairs
     from kvbits.evaluate.data import load_text
     from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import DTYPES
 
     # before the model loads: the scheme, the window sizes, the output folder, the dtype and the device
-    check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype, device=args.device)
+    scheme = check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype,
+                                  device=args.device)  # fmt: skip
+    check_tie_rope_pairs(scheme, args.tie_rope_pairs)
 
     progress = Progress(
         TextColumn("{task.description}"),
@@ -176,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=report,
             fp8_scale=args.fp8_scale,
+            tie_rope_pairs=args.tie_rope_pairs,
         )
     if args.json:
         sys.stdout.write(json.dumps({"path": str(art.path), **art.meta}, indent=2) + "\n")

@@ -131,7 +131,7 @@ def compose_artifact(
     data["context"] = min(u.max_calibrated_length for u in used)  # positions beyond it: beyond some layer's
     meta: dict[str, Any] = {
         k: used[0].meta[k]
-        for k in ("percentile", "fisher", "kmeans", "dtype", "device", "fp8_scale")
+        for k in ("percentile", "fisher", "kmeans", "dtype", "device", "fp8_scale", "tie_rope_pairs")
         if k in used[0].meta and all(u.meta.get(k) == used[0].meta[k] for u in used)
     }
     import kvbits

@@ -131,6 +131,7 @@ def fit_side(
     seed: int = 0,
     absmax: float | Sequence[float] | torch.Tensor | None = None,
     fp8_scale: str = "amax",
+    tie_rope: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
 
@@ -139,7 +140,8 @@ def fit_side(
     against static scales, outliers excluded), for NUQ ``codebook_gain_db`` (weighted MSE of a uniform
     codebook over that of the fitted one, in dB, on the normalised values), for ``smooth``
     ``smooth_spread_db`` (``_channel_transform``). A ``centre`` / ``smooth`` spec's static ranges are
-    fitted on ``(x - mean) / factor``, what it codes.
+    fitted on ``(x - mean) / factor``, what it codes. ``tie_rope``: a ``pre_rope`` spec's factor is fitted
+    equal over each RoPE pair (``tie_rope_pairs``), which fused decode moves into the query.
 
     A static FP8 spec gets ``scale``, a float32 ``absmax / fp8_max``: ``()`` per tensor, ``(H_kv,)`` per
     head (``absmax``: the largest ``|x|`` the cache will store, ``|x @ R|`` for a rotated spec; a number per tensor, ``H_kv`` numbers per
@@ -163,7 +165,7 @@ def fit_side(
     stats: dict[str, float] = {}
     channel_kw: dict[str, torch.Tensor] = {}
     if spec.has_channel_transform:  # what follows (static ranges) is fitted on (x - mean) / factor
-        channel_kw, stats = _channel_transform(spec, x, percentile)
+        channel_kw, stats = _channel_transform(spec, x, percentile, tie_rope)
         tensors.update({k.removeprefix("channel_"): v for k, v in channel_kw.items()})
         x = to_channel_basis(x[None], channel_kw.get("channel_mean"), channel_kw.get("channel_factor"))[0]
         if grad is not None and spec.smooth is not None:  # d loss / d(x / f) = grad * f
@@ -206,14 +208,15 @@ constant over the calibration samples would otherwise get a factor near 0 and bl
 
 
 def _channel_transform(
-    spec: TensorSpec, x: torch.Tensor, percentile: float = 99.9
+    spec: TensorSpec, x: torch.Tensor, percentile: float = 99.9, tie: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``centre`` / ``smooth`` vectors of one layer's side from samples ``x`` ``(H_kv, N, D)`` float32.
 
     Returns ``({"channel_mean": (H_kv, D), "channel_factor": (H_kv, D)}`` (those the spec has, float16), stats)``:
     the mean over the samples; the factor ``spread ** alpha``, ``spread`` the larger of ``|x - mean|``'s
     ``100 - percentile`` and ``percentile`` percentiles over the samples (``mean`` 0 without ``centre``; as
-    static ranges are taken, so a few extreme tokens do not set a channel's factor), floored at
+    static ranges are taken, so a few extreme tokens do not set a channel's factor; with ``tie``, for
+    ``pre_rope`` specs, the larger of each RoPE pair's: ``tie_rope_pairs``), floored at
     ``SMOOTH_FLOOR`` of the head's largest and divided by the mean factor of the layer (per-token scales
     absorb a common constant). Stats: ``smooth_spread_db``, the largest factor over the smallest, in dB
     (20 log10)."""
@@ -228,6 +231,8 @@ def _channel_transform(
         ref = out["channel_mean"].double() if spec.centre else torch.zeros_like(mean)  # as the cache subtracts it
         lo, hi = channel_percentiles(x.double() - ref[:, None, :], percentile)
         spread = torch.maximum(lo.abs(), hi.abs())
+        if tie and spec.pre_rope:  # one factor per RoPE pair (d, d + D/2): it commutes with RoPE (QServe's rule)
+            spread = tie_rope_pairs(spread)
         top = spread.amax(dim=-1, keepdim=True)
         if bool((top <= 0).any()):
             raise ValueError("a head's samples are all equal to their mean: no range to smooth")
@@ -236,6 +241,30 @@ def _channel_transform(
         out["channel_factor"] = factor
         stats["smooth_spread_db"] = 20 * math.log10(float(factor.max()) / float(factor.min()))
     return out, stats
+
+
+def check_tie_rope_pairs(scheme: KVScheme, tie: bool) -> None:
+    """``ValueError`` when factors are to be tied over RoPE pairs but no layer of ``scheme`` has smoothed
+    pre-RoPE keys (nothing to tie: the option would silently do nothing)."""
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    if tie and not any(sub.key.pre_rope and sub.key.smooth is not None for sub in subs):
+        raise ValueError(
+            f"tie_rope_pairs ties the smoothing factors of pre-RoPE keys, and scheme {scheme.name} has none "
+            "(the int*-token-smooth-prerope presets have)"
+        )
+
+
+def tie_rope_pairs(spread: torch.Tensor) -> torch.Tensor:
+    """``spread (..., D)`` with channels ``d`` and ``d + D/2`` (a rotate-half RoPE pair) both given the larger.
+
+    A factor equal over each pair commutes with RoPE: ``RoPE(f * c) = f * RoPE(c)``, so fused decode folds it
+    into the query (``q * f``) instead of decoding ``code * f`` per element before the in-kernel RoPE.
+    """
+    D = spread.shape[-1]
+    if D % 2:
+        raise ValueError(f"RoPE pairs need an even head dim, got {D}")
+    top = torch.maximum(spread[..., : D // 2], spread[..., D // 2 :])
+    return torch.cat([top, top], dim=-1)
 
 
 def _without_channel_transform(spec: TensorSpec) -> TensorSpec:
@@ -339,6 +368,7 @@ def artifact_from_samples(
     key_absmax: Sequence[float | torch.Tensor] | None = None,
     value_absmax: Sequence[float | torch.Tensor] | None = None,
     fp8_scale: str = "amax",
+    tie_rope_pairs: bool = False,
 ) -> CalibrationArtifact:
     """Fit an artifact from per-layer samples, without a model (``calibrate`` calls this).
 
@@ -359,10 +389,13 @@ def artifact_from_samples(
             values by plain squared error; see ``fit_side``); with ``"mse"`` / ``"centred"`` the samples
             must be of the stored tensor (``calibrate`` passes post-RoPE key samples for post-RoPE FP8
             keys).
+        tie_rope_pairs: pre-RoPE centred / smoothed keys get one factor per RoPE pair (see ``fit_side``);
+            recorded as ``tie_rope_pairs`` in the artifact's JSON.
     """
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
     check_fp8_scale(fp8_scale)
+    check_tie_rope_pairs(scheme, tie_rope_pairs)
     if len(keys) != len(values) or not keys:
         raise ValueError(
             f"need one key and one value sample tensor per layer, got {len(keys)} and {len(values)}"
@@ -405,6 +438,7 @@ def artifact_from_samples(
                 seed=seed + i,
                 absmax=None if amax is None else amax[i],
                 fp8_scale="mse" if fp8_scale == "centred" and side == "value" else fp8_scale,
+                tie_rope=tie_rope_pairs,
             )
             tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
             row.update({f"{side}_{k}": v for k, v in s.items()})
@@ -430,6 +464,8 @@ def artifact_from_samples(
         },
         "data": {"name": "samples", "tokens": N, "context": N},
     }
+    if tie_rope_pairs:
+        record["tie_rope_pairs"] = True
     record.update(meta or {})
     record["stats"] = stats
     art = CalibrationArtifact(scheme=scheme, tensors=tensors, meta=record)

@@ -64,6 +64,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kvbits.quant.fp8 import fp8_dtype
 from kvbits.quant.pack import unpack_bits
@@ -611,6 +612,13 @@ def code_basis(
     ``(key_full - m) / f``, before a rotation of the keys if there is one (the codes are of
     ``((k - m) / f) @ R``); the output needs nothing.
 
+    Pre-RoPE centred / smoothed keys: RoPE mixes channels ``d`` and ``d + D/2`` at a position-dependent angle,
+    so ``q . m`` is not the same for every key and stays with the codes. A factor equal over each such pair
+    (``rope_pairs_tied``; what ``kvbits calibrate`` fits) commutes with RoPE: ``q' = q * f``, the (post-RoPE)
+    tail ``key_full / f``, and the keys decode to ``code + m / f`` (``channel_mean`` becomes ``m / f`` in
+    float32, ``channel_factor`` ``None``). Any other factor stays too. What stays is decoded before RoPE, by
+    ``materialize`` (``dequantize_packed``) and by the Triton kernel (``K_MEAN`` / ``K_FACTOR``).
+
     Cost per step: two ``(D, D)`` products over the query heads and the tail (sinks, residual window,
     unflushed buffer), never over the quantized history.
 
@@ -623,29 +631,29 @@ def code_basis(
             ``dtype`` or the input is float64.
 
     Raises:
-        NotImplementedError: pre-RoPE keys stored rotated or centred / smoothed (the kernels apply RoPE to the
-            dequantized codes, which are not the model's keys); centred / smoothed values.
+        NotImplementedError: pre-RoPE keys stored rotated (the kernels apply RoPE to the dequantized codes,
+            which are in the rotated basis); centred / smoothed values.
     """
     key, value = store.key, store.value
     k_rot = None if key is None else key.rotate
     v_rot = None if value is None else value.rotate
-    k_chan = key is not None and key.has_channel_transform
+    k_chan = key is not None and key.has_channel_transform and not store.pre_rope
+    # pre-RoPE centred / smoothed keys: a factor equal over each RoPE pair commutes with RoPE and moves into the
+    # query (the rest, code + m / f, is decoded before RoPE); any other factor stays with the codes
+    k_fold = (
+        key is not None and store.pre_rope and key.channel_factor is not None and rope_pairs_tied(key.channel_factor)
+    )
     if value is not None and value.has_channel_transform:
         raise NotImplementedError(
             "values stored centred / smoothed: the decode entry points move only the keys' query and tail "
             "into the codes' basis (attend over materialize()'s K/V instead)"
         )
-    if k_rot is None and v_rot is None and not k_chan:
+    if k_rot is None and v_rot is None and not k_chan and not k_fold:
         return q, store, None
     if k_rot is not None and store.pre_rope:
         raise NotImplementedError(
             f"pre-RoPE keys stored with a {k_rot!r} rotation: the decode kernels apply RoPE to the "
             "dequantized codes, which are in the rotated basis (attend over materialize()'s K/V instead)"
-        )
-    if k_chan and store.pre_rope:
-        raise NotImplementedError(
-            "pre-RoPE keys stored centred / smoothed: the decode kernels apply RoPE to the dequantized codes, "
-            "which are (k - mean) / factor, not the model's keys (attend over materialize()'s K/V instead)"
         )
     wide = dtype == torch.float64
     q_dtype = q.dtype
@@ -657,7 +665,9 @@ def code_basis(
     tail_dtype = dtype
     if tail_dtype is None and key_full is not None:
         tail_dtype = torch.promote_types(key_full.dtype, q.dtype)
-    if k_chan:  # q . k = (q * f) . ((k - m) / f) + q . m, and softmax ignores q . m, the same for every key
+    if k_chan or k_fold:
+        # post-RoPE: q . k = (q * f) . ((k - m) / f) + q . m, and softmax ignores q . m, the same for every key;
+        # pre-RoPE with f tied over RoPE pairs: q . RoPE(f * c + m) = (q * f) . RoPE(c + m / f)
         work = torch.float64 if wide else torch.float32
         H_q, H_kv, D = q.shape[1], key.codes.shape[1], key.head_dim
         if key.channel_factor is not None:
@@ -665,10 +675,14 @@ def code_basis(
             q = q.to(work) * f[None, :, None, :]
         if k_rot is None:  # else the rotation below casts
             q = q.to(dtype or q_dtype)
+        tail_mean = None if k_fold else key.channel_mean  # pre-RoPE: the tail is the model's keys, divided by f
         if key_full is not None:
-            key_full = to_channel_basis(key_full.double() if wide else key_full, key.channel_mean,
+            key_full = to_channel_basis(key_full.double() if wide else key_full, tail_mean,
                                         key.channel_factor).to(tail_dtype)  # fmt: skip
-        key = replace(key, channel_mean=None, channel_factor=None)
+        mean = None
+        if k_fold and key.channel_mean is not None:
+            mean = key.channel_mean.to(work) / key.channel_factor.to(work)
+        key = replace(key, channel_mean=mean, channel_factor=None)
     if k_rot is not None:
         q = rot(q, k_rot, dtype or q_dtype)
         key = replace(key, rotate=None)
@@ -677,6 +691,26 @@ def code_basis(
         value = replace(value, rotate=None)
         value_full = rot(value_full, v_rot, tail_dtype)
     return q, replace(store, key=key, value=value, key_full=key_full, value_full=value_full), v_rot
+
+
+_TIED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # factor tensor -> (its version, tied over RoPE pairs)
+
+
+def rope_pairs_tied(factor: torch.Tensor) -> bool:
+    """Whether ``factor`` ``(H_kv, D)`` is equal at channels ``d`` and ``d + D/2`` (rotate-half RoPE pairs),
+    so that it commutes with RoPE (``kvbits calibrate`` fits pre-RoPE factors so: ``tie_rope_pairs``).
+
+    Memoised per tensor and in-place version: decode steps pass the layer's installed vector, so the host sync
+    of the comparison happens once per layer, not at every step.
+    """
+    hit = _TIED.get(factor)
+    if hit is not None and hit[0] == factor._version:
+        return hit[1]
+    D = factor.shape[-1]
+    f = factor.reshape(-1, D)
+    tied = D % 2 == 0 and torch.equal(f[:, : D // 2], f[:, D // 2 :])
+    _TIED[factor] = (factor._version, tied)
+    return tied
 
 
 def decode_attention_reference(

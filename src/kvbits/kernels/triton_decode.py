@@ -509,6 +509,7 @@ def _decode_kernel(
     KF, VF, FLEN,                                  # full-precision tail; lengths
     QMASK, FMASK,                                  # (B, T_q) / (B, T_f) uint8 slot masks (padding)
     COS, SIN, POS0,                                # pre-RoPE keys: tables (T_pos, D or D/2), first positions
+    KMEAN, KFACTOR,                                # pre-RoPE centred / smoothed keys: float32 (H_kv, D) vectors
     qk_scale, H_kv, T_q, T_f,
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
     n_split_q, n_split, chunk_q, chunk_f,
@@ -521,6 +522,7 @@ def _decode_kernel(
     ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
     K_W32: tl.constexpr = False, V_W32: tl.constexpr = False, QMASK_W32: tl.constexpr = False,
+    K_MEAN: tl.constexpr = False, K_FACTOR: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
     pid_bh = tl.program_id(0)
@@ -571,6 +573,10 @@ def _decode_kernel(
                 kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
                                 K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT, K_W32)
                 if ROPE:  # pre-RoPE keys (KVQuant §3.2): rotate the dequantized rows in registers
+                    if K_FACTOR:  # pre-RoPE centred / smoothed keys: code * f + m, then RoPE
+                        kr = kr * tl.load(KFACTOR + h * D + offs_d)[None, :]
+                    if K_MEAN:
+                        kr = kr + tl.load(KMEAN + h * D + offs_d)[None, :]
                     pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
                     kr = _rope_rows(kr, COS, SIN, pos, valid, ROPE_W, D, BLOCK_T)
                 k = tl.trans(kr)
@@ -584,6 +590,12 @@ def _decode_kernel(
                 partner = (offs_d + D // 2) % D
                 kp = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], partner[:, None], valid[None, :], K_ROW,
                               K_SCOLS, K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT)
+                if K_FACTOR:  # centred / smoothed: code * f + m, each channel and its partner
+                    k = k * tl.load(KFACTOR + h * D + offs_d)[:, None]
+                    kp = kp * tl.load(KFACTOR + h * D + partner)[:, None]
+                if K_MEAN:
+                    k = k + tl.load(KMEAN + h * D + offs_d)[:, None]
+                    kp = kp + tl.load(KMEAN + h * D + partner)[:, None]
                 pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
                 cs_off = pos[None, :] * ROPE_W + (offs_d % ROPE_W)[:, None]  # ROPE_W = D or D / 2 (halves repeat)
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
@@ -943,6 +955,11 @@ def decode_attention_triton(
     cos = store.rope_cos if rope else dummy
     sin = store.rope_sin if rope else dummy
     pos0 = store.quant_pos0 if rope else dummy
+    # pre-RoPE centred / smoothed keys (code_basis leaves them): the kernel decodes code * f + m, then RoPE
+    k_mean = k.channel_mean if rope and k is not None else None
+    k_factor = k.channel_factor if rope and k is not None else None
+    kmean = k_mean.reshape(H_kv, D).float().contiguous() if k_mean is not None else dummy
+    kfactor = k_factor.reshape(H_kv, D).float().contiguous() if k_factor is not None else dummy
     qmask = store.quant_mask.view(torch.uint8) if store.quant_mask is not None else dummy
     fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
 
@@ -954,6 +971,7 @@ def decode_attention_triton(
         kf, vf, store.full_lens,
         qmask, fmask,
         cos, sin, pos0,
+        kmean, kfactor,
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
         n_q, n_split, chunk_q, chunk_f,
@@ -966,6 +984,7 @@ def decode_attention_triton(
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
         "K_W32": bool(meta32) and _words_ok(k), "V_W32": bool(meta32) and _words_ok(v),
         "QMASK_W32": bool(meta32) and _mask_words_ok(store.quant_mask, T_q, block_t),
+        "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None,
         "num_warps": num_warps, "num_stages": num_stages,
     }
     if maxnreg is not None:
