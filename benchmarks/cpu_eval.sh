@@ -105,6 +105,31 @@ if [[ $step == all || $step == smooth-prerope ]]; then
     --scheme int4-token-smooth-prerope --scheme int4-token-smooth \
     --calibration runs/calib-smollm2-135m-int4-token-smooth-prerope --calibration $d --out runs/smollm2-wp-8k-smooth-8kcal
 fi
+if [[ $step == all || $step == smooth-prerope-int8 ]]; then
+  # INT8 keys centred and smoothed before RoPE on Qwen2.5 (beside int8-token-smooth, after RoPE).
+  m=qwen2.5-coder-0.5b
+  d=runs/calib-$m-int8-token-smooth-prerope
+  [[ -f $d/calibration.json ]] || $K calibrate --model $m --data pride-and-prejudice --context 2048 --windows 2 \
+    --scheme int8-token-smooth-prerope --out $d
+  $K eval --model $m --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme int8-token-smooth-prerope --calibration $d --out runs/qwen-wiki-4k-smooth-prerope-int8
+fi
+if [[ $step == all || $step == smooth-prerope-tied ]]; then
+  # int4-token-smooth-prerope with its smoothing factors tied over RoPE pairs (--tie-rope-pairs: fused decode folds
+  # them into the query), beside the untied runs of the smooth-prerope step. The runs of 2026-12-03 calibrated
+  # with tying on for pre-RoPE specs in the fit (before it became this flag): same factors.
+  for m in qwen2.5-coder-0.5b smollm2-135m; do
+    d=runs/calib-$m-int4-token-smooth-prerope-tied
+    [[ -f $d/calibration.json ]] || $K calibrate --model $m --data pride-and-prejudice --context 2048 --windows 2 \
+      --scheme int4-token-smooth-prerope --tie-rope-pairs --out $d
+  done
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme int4-token-smooth-prerope \
+    --calibration runs/calib-qwen2.5-coder-0.5b-int4-token-smooth-prerope-tied --out runs/qwen-wiki-4k-smooth-prerope-tied
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme int4-token-smooth-prerope \
+    --calibration runs/calib-smollm2-135m-int4-token-smooth-prerope-tied --out runs/smollm2-wp-8k-smooth-prerope-tied
+fi
 if [[ $step == all || $step == kvquant-rotation ]]; then
   # KVQuant's recipe with K and V Hadamard-rotated (benchmarks/schemes/*.json), calibrated as the kvquant
   # step calibrates (Pride and Prejudice, 2 x 2,048), beside the unrotated recipe on the same 8K window.
