@@ -379,12 +379,20 @@ def rotated_case(
     q = (torch.randn(B, H * G, 1, D, generator=g) * 1.5).to(device)
     K = torch.cat([b.dequantize(torch.float64) for b in kb] + [kf.double()], 2)
     V = torch.cat([b.dequantize(torch.float64) for b in vb] + [vf.double()], 2)
+    return q, store, ragged_attention(q, K, V, T_q, ql, fl)
+
+
+def ragged_attention(
+    q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, T_q: int, ql: list[int], fl: list[int]
+) -> torch.Tensor:
+    """Float64 attention of ``q (B, H_kv * G, 1, D)`` over ``K``, ``V`` ``(B, H_kv, T_q + T_f, D)``: the first
+    ``T_q`` slots quantized, the rest the tail, of which sequence ``b`` attends ``ql[b]`` and ``fl[b]``."""
+    T_f, G = K.shape[2] - T_q, q.shape[1] // K.shape[1]
     mask = torch.cat([torch.arange(T_q)[None] < torch.tensor(ql)[:, None],
-                      torch.arange(T_f)[None] < torch.tensor(fl)[:, None]], 1).to(device)  # fmt: skip
-    truth = torch.nn.functional.scaled_dot_product_attention(
+                      torch.arange(T_f)[None] < torch.tensor(fl)[:, None]], 1).to(q.device)  # fmt: skip
+    return torch.nn.functional.scaled_dot_product_attention(
         q.double(), K.repeat_interleave(G, 1), V.repeat_interleave(G, 1), attn_mask=mask[:, None, None, :]
     )
-    return q, store, truth
 
 
 @pytest.mark.parametrize("sides", list(ROTATED_SIDES))
@@ -478,12 +486,7 @@ def smooth_pre_rope_case(
     K = torch.cat([apply_rope_at(K_pre, cos.double().to(device), sin.double().to(device),
                                  torch.tensor(pos0, device=device)), kf.double()], 2)  # fmt: skip
     V = torch.cat([b.dequantize(torch.float64) for b in vb] + [vf.double()], 2)
-    mask = torch.cat([torch.arange(T_q)[None] < torch.tensor(ql)[:, None],
-                      torch.arange(T_f)[None] < torch.tensor(fl)[:, None]], 1).to(device)  # fmt: skip
-    truth = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), K.repeat_interleave(G, 1), V.repeat_interleave(G, 1), attn_mask=mask[:, None, None, :]
-    )
-    return q, store, truth
+    return q, store, ragged_attention(q, K, V, T_q, ql, fl)
 
 
 def smooth_pre_rope_parts(key_spec: TensorSpec, tied: bool) -> list[str]:
