@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 from typing import TYPE_CHECKING
 from unittest import mock
 
@@ -38,6 +39,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
 from kvbits.plan import plan
+from kvbits.quant import quantize
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme, layer_bytes, list_schemes, token_split
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -1144,6 +1146,37 @@ def test_pre_rope_keys_bound_leaves_room_for_unrotation(dtype):
             continue
         layer.update(k, k.clone())
         assert bool(torch.isfinite(layer.materialize()[0]).all())
+
+
+@pytest.mark.parametrize("head_dim", [64, None], ids=["from-config", "from-first-kv"])
+@pytest.mark.parametrize("checks", ["eager", "lazy"])
+def test_rotated_side_bound_leaves_room_for_the_rotation(checks: str, head_dim: int | None):
+    """A Hadamard-rotated side codes x @ R, which can gather a row's norm in one channel: a row of 30000s
+    (within float16) became one entry of 240000 and a NaN row, through every check. Rotated sides accept
+    |x| <= 65504 / sqrt(D), D from the config or, without one, from the first K/V; quantize(validate=True)
+    checks the rotated block itself."""
+    sch = get_scheme("int4-token-hadamard")
+    D = 64
+    ones = torch.ones(1, 2, 4, D)
+    bound = 65504 / math.sqrt(D)
+    for magnitude, ok in ((30000.0, False), (0.99 * bound, True)):
+        k = ones * magnitude * torch.where(torch.arange(D) % 2 == 0, 1.0, -1.0)  # aligned with some Hadamard row
+        layer = QuantizedKVLayer(sch, head_dim=head_dim, fused_decode=False, checks=checks)
+        if ok:
+            layer.update(k, ones.clone())
+            assert bool(torch.isfinite(layer.materialize()[0]).all())
+        elif checks == "eager":
+            with pytest.raises(ValueError, match=r"beyond 8188 \(.*hadamard rotation can gather"):
+                layer.update(k, ones.clone())
+        else:
+            layer.update(k, ones.clone())
+            with pytest.raises(ValueError, match=r"\|x\| <= 8188, .*hadamard rotation"):
+                layer.materialize()
+    x = ones * 30000.0
+    x[..., 1::2] *= -1
+    with pytest.raises(ValueError, match=r"as coded, rotated \(hadamard\)"):
+        quantize(x, sch.key, validate=True)
+    assert quantize(x / 4, sch.key, validate=True).dequantize().isfinite().all()
 
 
 def test_set_static_qparams_checks_values():

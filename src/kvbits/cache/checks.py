@@ -25,9 +25,11 @@ their window in the K/V dtype only need finite values. Two ways:
 Some specs store more than ``|x|`` in float16, so their bound is lower (``input_bound``): asymmetric NUQ
 stores the group range ``max - min`` (``|x| <= 65504 / 2``), and pre-RoPE keys are un-rotated before
 quantization, which mixes the two channels of a rotation pair (``|x| <= 65504 / sqrt(2)``, both at once
-for KVQuant's NUQ keys). Beyond them a scale or zero-point would be inf and the stored rows decode to NaN.
-Centred / smoothed sides code ``(x - mean) / factor``: installing their vectors lowers the bound to
-``bound * min(factor) - max |mean|`` (``QuantizedKVLayer.set_static_qparams``).
+for KVQuant's NUQ keys); Hadamard-rotated sides code ``x @ R``, which can gather a row's norm in one
+channel (``|x| <= 65504 / sqrt(D)``, once ``D`` is known: from the config, else the first K/V). Beyond them
+a scale or zero-point would be inf and the stored rows decode to NaN. Centred / smoothed sides code
+``(x - mean) / factor``: installing their vectors lowers the bound to ``bound * min(factor) - max |mean|``
+(``QuantizedKVLayer.set_static_qparams``).
 
 Structural checks (types, ``(B, H_kv, T, D)`` shapes, dtype/device changes, calibration) never need the
 device and stay eager in both modes (``validate``).
@@ -80,15 +82,18 @@ def check_every_arg(n: object) -> int:
     return n
 
 
-def input_bound(spec: TensorSpec | None, layer_mode: str = "quantized") -> tuple[float, str]:
+def input_bound(
+    spec: TensorSpec | None, layer_mode: str = "quantized", head_dim: int | None = None
+) -> tuple[float, str]:
     """``(bound, why)``: the largest ``|x|`` a side of a layer in ``layer_mode`` stores faithfully, and the
     reason in words (``inf``: finiteness only).
 
     float16 holds the values or their metadata for int / NUQ / FP8 codes (float16 scales, zero-points and
     outliers) and for float16 storage (``None``: that plain case): 65504, less where a spec stores more than
     ``|x|`` (asymmetric NUQ stores the range ``max - min``; pre-RoPE keys are un-rotated before quantizing,
-    which mixes the channels of a rotation pair). bf16 / fp32 storage and ``"fallback"`` sliding layers
-    (their window kept in the K/V dtype) hold any finite value.
+    which mixes the channels of a rotation pair; a rotated spec codes ``x @ R``, up to ``sqrt(D) max |x|``
+    in one channel, so its bound needs ``head_dim``: without it, none is set for the rotation yet). bf16 /
+    fp32 storage and ``"fallback"`` sliding layers (their window kept in the K/V dtype) hold any finite value.
     """
     if layer_mode == "fallback":
         return math.inf, "the window is kept in the K/V dtype"
@@ -105,6 +110,9 @@ def input_bound(spec: TensorSpec | None, layer_mode: str = "quantized") -> tuple
     if spec.pre_rope:
         bound /= math.sqrt(2)  # un-rotating a pair (a, b) gives up to |(a, b)| = sqrt(2) max(|a|, |b|)
         why.append("pre-RoPE keys are un-rotated first, which mixes channel pairs (1/sqrt(2) of it)")
+    if spec.rotate is not None and head_dim is not None:
+        bound /= math.sqrt(head_dim)  # |x @ R| <= ||x||_2 <= sqrt(D) max |x| (R orthonormal)
+        why.append(f"a {spec.rotate} rotation can gather a row's norm in one channel (1/sqrt({head_dim}) of it)")
     return bound, "; ".join(why)
 
 

@@ -227,10 +227,10 @@ class QuantizedKVLayer(CacheLayerMixin):
                 store.reserve_total = self.max_cache_len  # a workspace spans every token (materialize's layout)
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
-        # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys) accept less; bf16/fp32 more
-        self.checks.bounds = (
-            kv_checks.input_bound(scheme.key, self.mode), kv_checks.input_bound(scheme.value, self.mode)
-        )  # fmt: skip
+        # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys, rotations) accept less;
+        # bf16/fp32 more
+        self._head_dims = (head_dim, head_dim)  # the K and V head dims, once known (the config, or the first K/V)
+        self._set_bounds(*self._head_dims)
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.held_at: int | None = None  # tokens seen when hold_full_precision() stopped flushing; None: quantizing
@@ -313,7 +313,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         for name, t in channel.items():
             setattr(store, name, t)
         if channel:  # the float16 scales cover (x - mean) / factor: accept only |x| that keeps it in range
-            self._bound_channel_transform(side)
+            self._set_bounds(*self._head_dims)
         if scale is not None:
             store.static_scale, store.static_zero = scale, zero
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
@@ -321,19 +321,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
             store.codebook = check_codebook(codebook.detach().to(device).clone(), spec.bits)
 
-    def _bound_channel_transform(self, side: str) -> None:
-        """Lower ``side``'s input bound (``checks.bounds``) for its channel vectors: ``|(x - mean) / factor|`` stays
-        within the spec's bound when ``|x| <= bound * min(factor) - max |mean|`` (one host sync, at install)."""
-        i = 0 if side == "key" else 1
-        store = (self._k, self._v)[i]
-        bound, why = kv_checks.input_bound(store.spec, self.mode)
-        top = 0.0 if store.channel_mean is None else float(store.channel_mean.float().abs().max())
-        low = 1.0 if store.channel_factor is None else float(store.channel_factor.float().min())
-        bounds = list(self.checks.bounds)
-        bounds[i] = (
-            max(0.0, bound * low - top),
-            f"{why}, and it covers (x - mean) / factor (largest |mean| {top:.4g}, smallest factor {low:.4g})",
-        )
+    def _set_bounds(self, key_dim: int | None, value_dim: int | None) -> None:
+        """The input bounds (``checks.bounds``) of both sides: ``kv_checks.input_bound`` at head dims ``key_dim``
+        / ``value_dim`` (``None``: not known yet; a rotated side's bound is set once they are), lowered for
+        installed channel vectors: ``|(x - mean) / factor|`` stays within the spec's bound when
+        ``|x| <= bound * min(factor) - max |mean|`` (one host sync per side with vectors)."""
+        bounds = []
+        for store, D in ((self._k, key_dim), (self._v, value_dim)):
+            bound, why = kv_checks.input_bound(store.spec, self.mode, D)
+            if store.channel_mean is not None or store.channel_factor is not None:
+                top = 0.0 if store.channel_mean is None else float(store.channel_mean.float().abs().max())
+                low = 1.0 if store.channel_factor is None else float(store.channel_factor.float().min())
+                bound = max(0.0, bound * low - top)
+                why = f"{why}, and it covers (x - mean) / factor (largest |mean| {top:.4g}, smallest factor {low:.4g})"
+            bounds.append((bound, why))
         self.checks.bounds = (bounds[0], bounds[1])
 
     def set_rotary(self, rotary: RotaryTables) -> None:
@@ -431,6 +432,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         kv_checks.validate(self, key_states, value_states)
         if not self.is_initialized:
             self.checks.resolve(key_states.device)
+            dims = (key_states.shape[-1], value_states.shape[-1])
+            if self.mode == "quantized" and dims != self._head_dims:  # a rotated side's bound depends on D
+                self._head_dims = dims
+                self._set_bounds(*dims)
         elif self.checks.due:  # a layer used on its own (QuantizedKVCache checks all its layers at once)
             kv_checks.run_checks([self])
         self.checks.observe(f"layer {self.layer_idx}", key_states, value_states)

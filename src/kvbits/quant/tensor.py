@@ -351,10 +351,12 @@ def check_block(
     """What ``quantize(validate=True)`` checks before quantizing ``x`` ``(B, H_kv, n, D)`` (and what
     ``kvbits.kernels.quantize_pack`` checks before its kernel): finite K/V within float16 (``check_kv``),
     ``D >= 1``, and the calibrated parameters' values: static scales finite and ``>= 0`` (FP8: ``> 0``),
-    finite zero-points, finite channel means, finite smoothing factors ``> 0``. Host syncs: for checks,
+    finite zero-points, finite channel means, finite smoothing factors ``> 0``; a centred / smoothed or rotated
+    spec's coded block (``(x - mean) / factor``, then ``@ R``) within float16 too. Host syncs: for checks,
     not for the per-step path."""
     check_kv(x, "K/V block")
     _check_head_dim(x)
+    coded = x
     if spec.has_channel_transform:
         mean, factor = channel_params(x, spec, channel_mean, channel_factor)
         if mean is not None:
@@ -362,7 +364,11 @@ def check_block(
         if factor is not None:
             check_static_scale(factor, "channel_factor", positive=True)
         # what the float16 scales cover is (x - mean) / factor: a small factor can take it past float16
-        check_kv(to_channel_basis(x, mean, factor), "K/V block as coded, (x - channel_mean) / channel_factor,")
+        coded = to_channel_basis(x, mean, factor)
+        check_kv(coded, "K/V block as coded, (x - channel_mean) / channel_factor,")
+    if spec.rotate is not None:  # x @ R can gather a row's whole norm in one channel: up to sqrt(D) max |x|
+        check_rotatable(x.shape[3], spec.rotate)
+        check_kv(rotate(coded.float(), spec.rotate), f"K/V block as coded, rotated ({spec.rotate}),")
     if spec.kind == "fp8":
         if static_scale is not None:
             check_static_scale(static_scale, "static FP8 scale", positive=True)
