@@ -66,11 +66,16 @@ def _shape_config(shape: dict) -> Any:
 
 
 def _install(cache: Any, scheme: Any, H_kv: int, D: int) -> None:
-    """What a calibration artifact installs: NUQ codebooks, static ranges (values do not change the code)."""
+    """What a calibration artifact installs: NUQ codebooks, static ranges, channel means and smoothing factors
+    (one per channel, as ``kvbits calibrate`` fits them by default; values do not change the code)."""
     from kvbits.quant.nuq import uniform_codebook
 
     for side in ("key", "value"):
         spec = getattr(scheme, side)
+        if spec.has_channel_transform:
+            grid = torch.linspace(0.5, 2.0, H_kv * D).reshape(H_kv, D)  # distinct per channel: not tied over pairs
+            cache.set_static_qparams(0, side, mean=(grid - 1).half() if spec.centre else None,
+                                     factor=grid.half() if spec.smooth is not None else None)  # fmt: skip
         if not (spec.static or spec.kind == "nuq"):
             continue
         scale = zero = None
