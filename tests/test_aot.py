@@ -293,3 +293,24 @@ def test_kernel_cost_sets_the_issue_floor_beside_a_measured_time(tmp_path):
     assert row["issue_floor_cycles"] == round(row["warp_instructions_per_token"] / 4, 1)
     assert row["warp_instructions_per_token"] == round(row["loop_instructions"] * 4 / row["block_t"], 1)
     assert 0 < row["issued_per_cycle"] < 4 and row["int_to_float"] > 0
+
+
+def test_every_preset_builds_its_cache_store_for_the_resource_rows(monkeypatch):
+    """``benchmarks/kernel_resources.py`` builds each preset's store through ``QuantizedKVCache`` with what a
+    calibration installs: every preset gets a store or a reason the fused path skips it, none raises (the
+    full run stopped at the centred / smoothed presets, whose channel vectors it did not install)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kernel_resources as kr
+    from gpu_bench import common
+
+    from kvbits.schemes import list_schemes
+
+    monkeypatch.setattr(kr, "PROMPT", 40)
+    served = {}
+    for s in list_schemes():
+        store, why = kr.cache_store(s.name, common.SHAPES["qwen2.5-0.5b"])
+        assert (store is None) != (why is None), s.name
+        served[s.name] = store
+    for name in ("int4-token-smooth", "int4-token-smooth-prerope", "kivi-4", "kvquant-4-block"):
+        assert served[name] is not None, name
+    assert served["int4-token-smooth-prerope"].key.channel_factor is not None
