@@ -238,6 +238,37 @@ if [[ $step == qwen32k-wiki-int2 ]]; then
     $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
       --scheme int2-token --scheme int2-channel --out runs/qwen-wiki-32k-int2
 fi
+if [[ $step == all || $step == smooth-alpha ]]; then
+  # The smoothing exponent: int4-token-smooth-prerope at alpha 0.25 / 0.75 / 1.0 (benchmarks/schemes/*-a0*.json)
+  # beside the preset's 0.5 (the smooth-prerope step), same calibration text and windows.
+  for m in qwen2.5-coder-0.5b smollm2-135m; do
+    cals=()
+    for a in a025 a075 a100; do
+      d=runs/calib-$m-int4-token-smooth-prerope-$a
+      [[ -f $d/calibration.json ]] || $K calibrate --model $m --data pride-and-prejudice --context 2048 --windows 2 \
+        --scheme benchmarks/schemes/int4-token-smooth-prerope-$a.json --out $d
+      cals+=(--scheme benchmarks/schemes/int4-token-smooth-prerope-$a.json --calibration $d)
+    done
+    if [[ $m == qwen2.5-coder-0.5b ]]; then
+      $K eval --model $m --data wikitext2 --context 4k --windows 1 --no-progress "${cals[@]}" --out runs/qwen-wiki-4k-smooth-alpha
+    else
+      $K eval --model $m --data war-and-peace --context 8k --windows 1 --no-progress "${cals[@]}" --out runs/smollm2-wp-8k-smooth-alpha
+    fi
+  done
+fi
+if [[ $step == qwen32k-wiki-smooth ]]; then
+  # Centred / smoothed per-token keys out to 32K on WikiText-2 (§3f's window and precision), from the 2 x 2,048-token
+  # calibrations of the smooth and smooth-prerope steps: does the post-RoPE preset drift with length, the pre-RoPE not?
+  c=runs/calib-qwen2.5-coder-0.5b
+  for s in int8-token-smooth int4-token-smooth int8-token-smooth-prerope int4-token-smooth-prerope; do
+    [[ -f $c-$s/calibration.json ]] || { echo "missing $c-$s: run the smooth, smooth-prerope(-int8) steps" >&2; exit 1; }
+  done
+  /usr/bin/time -v -o runs/qwen-wiki-32k-smooth.time.txt \
+    $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
+      --scheme int8-token-smooth --scheme int8-token-smooth-prerope --scheme int4-token-smooth \
+      --scheme int4-token-smooth-prerope --calibration $c-int8-token-smooth --calibration $c-int8-token-smooth-prerope \
+      --calibration $c-int4-token-smooth --calibration $c-int4-token-smooth-prerope --out runs/qwen-wiki-32k-smooth
+fi
 if [[ $step == all || $step == needle ]]; then
   # Passkey retrieval by context and depth (BENCHMARKS.md §17): War and Peace as the haystack, prefill
   # semantics (the document prefilled exactly and stored in each scheme's real cache, the question and
