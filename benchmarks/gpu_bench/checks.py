@@ -27,9 +27,10 @@ def _quantize(x: torch.Tensor, spec: TensorSpec, tie: bool = False) -> object:
     if spec.has_channel_transform:
         m = x.float().mean(dim=(0, 2))
         spread = (x.float() - (m if spec.centre else 0 * m)[None, :, None, :]).abs().amax(dim=(0, 2))
-        if tie:
-            half = spread.shape[-1] // 2
-            spread = torch.maximum(spread[..., :half], spread[..., half:]).repeat(1, 2)
+        if tie:  # kvbits.calibrate imports only torch and numpy beside kvbits: fine on the GPU machine
+            from kvbits.calibrate.fit import tie_rope_pairs
+
+            spread = tie_rope_pairs(spread)
         kw = {"channel_mean": m.half()} if spec.centre else {}
         if spec.smooth is not None:
             kw["channel_factor"] = spread.clamp_min(1e-3 * float(spread.max())).pow(spec.smooth).half()
