@@ -1,9 +1,10 @@
 """What a ``QuantizedKVCache`` really holds, against what ``kvbits.plan`` says (CPU; predicts the GPU figure).
 
-    PYTHONPATH=src python benchmarks/cache_bytes.py [--context 32768] [--steps 600] [--batch 1]
+    PYTHONPATH=src python benchmarks/cache_bytes.py [--context 32768] [--steps 600] [--batch 1] [--schemes S ...]
 
 For the Qwen2.5-0.5B KV shape (24 layers, 2 KV heads, head dim 64) and each scheme of
-``gpu_decode.py``'s end-to-end step: prefill ``--context`` random fp16 tokens, decode ``--steps`` more
+``gpu_decode.py``'s end-to-end step, plus the centred / smoothed per-token keys (stand-in channel vectors
+installed; calibrated ones weigh the same): prefill ``--context`` random fp16 tokens, decode ``--steps`` more
 one at a time (so blocks are flushed during decode too), then compare
 
 - ``planned``: ``kvbits.plan`` for the same shape, batch and tokens (the K/V);
@@ -33,7 +34,8 @@ from kvbits.cache import QuantizedKVCache, fused
 from kvbits.plan import plan
 from kvbits.quant.nuq import uniform_codebook
 
-SCHEMES = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token")
+SCHEMES = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token", "int4-token-smooth",
+           "int4-token-smooth-prerope")
 SHAPE = {"vocab_size": 1000, "hidden_size": 896, "intermediate_size": 128, "num_hidden_layers": 24,
          "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
 
@@ -75,6 +77,13 @@ def measure(scheme: str, context: int, steps: int, batch: int) -> dict:
             for i in range(n_layers):
                 cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
     gen = torch.Generator().manual_seed(0)
+    for side in ("key", "value"):  # stand-in channel means / smoothing factors (calibrated ones weigh the same)
+        spec = getattr(cache.scheme, side)
+        for i in range(n_layers):
+            mean = torch.randn(H, D, generator=gen) * 0.1 if spec.centre else None
+            factor = torch.rand(H, D, generator=gen) + 0.5 if spec.smooth is not None else None
+            if mean is not None or factor is not None:
+                cache.set_static_qparams(i, side, mean=mean, factor=factor)
     for layer in range(n_layers):
         k = torch.randn(batch, H, context, D, generator=gen).half()
         cache.update(k, k.clone(), layer)
@@ -114,10 +123,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), metavar="SCHEME", help="presets (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     t0 = time.time()
-    rows = [measure(s, args.context, args.steps, args.batch) for s in SCHEMES]
+    rows = [measure(s, args.context, args.steps, args.batch) for s in args.schemes]
     print("| scheme | tokens | planned K/V | reported K/V | held K/V storages | RoPE tables held | "
           "planned, fused decode | CUDA 512-B blocks of all (est.) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

@@ -554,9 +554,14 @@ def _mixed_config():
     return AutoConfig.for_model("qwen2", **small, **heads, **window)
 
 
-@pytest.mark.parametrize("scheme", ["fp16", "int8-token", "int4-g64", "int4-channel", "kivi-2", "fp8-e4m3", "fp8-e4m3-head"])
+@pytest.mark.parametrize(
+    "scheme",
+    ["fp16", "int8-token", "int4-g64", "int4-channel", "kivi-2", "fp8-e4m3", "fp8-e4m3-head", "int4-token-smooth",
+     "int4-token-smooth-prerope"],
+)  # fmt: skip
 def test_planned_bytes_equal_cache_bytes(scheme):
-    """Real storage after a prefill and token-by-token steps equals the plan, byte for byte."""
+    """Real storage after a prefill and token-by-token steps equals the plan, byte for byte (channel means and
+    smoothing factors included)."""
     cache_mod = pytest.importorskip("kvbits.cache")
     import torch
 
@@ -565,6 +570,10 @@ def test_planned_bytes_equal_cache_bytes(scheme):
     torch.manual_seed(0)
     batch, kv, d = 2, 1, 64
     cache = cache_mod.QuantizedKVCache(cfg, scheme)
+    channel = {"mean": torch.randn(kv, d), "factor": torch.rand(kv, d) + 0.5}
+    if cache.scheme.key.centre:
+        for layer in range(2):
+            cache.set_static_qparams(layer, "key", **channel)
     for n in (150, 1, 1, 1):  # prefill past KIVI's residual + block, then decode steps
         for layer in range(2):
             cache.update(torch.randn(batch, kv, n, d), torch.randn(batch, kv, n, d), layer)

@@ -137,19 +137,26 @@ def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto", max_cach
     mode = (True if model.device.type == "cpu" else "auto") if fused else False
     cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks=checks,
                              max_cache_len=max_cache_len)  # fmt: skip
-    _install_uniform_codebooks(cache, model.config.num_hidden_layers)
+    _install_stand_ins(cache, model.config)
     return cache
 
 
-def _install_uniform_codebooks(cache, n_layers: int) -> None:
-    """NUQ sides of ``cache.scheme`` get the uniform codebook (what an artifact would install)."""
+def _install_stand_ins(cache, config) -> None:
+    """What an artifact would install, with values that do not change the work: NUQ sides get the uniform
+    codebook; centred / smoothed sides channel means and factors distinct per channel (so not tied over RoPE
+    pairs: the kernel's general path, as ``kvbits calibrate`` fits them by default)."""
     from kvbits.quant.nuq import uniform_codebook
 
+    H_kv, D = config.num_key_value_heads, config.head_dim
+    grid = torch.linspace(0.5, 2.0, H_kv * D).reshape(H_kv, D)
     for side in ("key", "value"):
         spec = getattr(cache.scheme, side)
-        if spec.kind == "nuq":
-            for i in range(n_layers):
+        for i in range(config.num_hidden_layers):
+            if spec.kind == "nuq":
                 cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
+            if spec.has_channel_transform:
+                cache.set_static_qparams(i, side, mean=(grid - 1) if spec.centre else None,
+                                         factor=grid if spec.smooth is not None else None)  # fmt: skip
 
 
 def _allocated(cfg: Config) -> int | None:
