@@ -37,7 +37,9 @@ GPU machine). Steps:
    only (smoke: 1), both shapes, every context: int4 with keys and values per token (one scale per token and head, the
    ``int4-token`` preset's layout) and the same Hadamard-rotated (``int4-token-hadamard``: its time includes
    rotating q and the 128-token fp16 tail in and the output back; the same bytes, ``R`` is stored nowhere):
-   their difference is what the rotation costs.
+   their difference is what the rotation costs; and with keys centred and smoothed per channel
+   (``int4-token-smooth``; before RoPE ``int4-token-smooth-prerope``, the mean and factor decoded in
+   registers, and ``-tied``; stand-in channel vectors, the same bytes per token): what each costs.
 4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
    (3b) with the time left before step 6's share: ``block_t`` x ``num_warps`` of the kernel for int4 and
    int4-prerope, and ``block_t`` x ``num_stages`` for int4 with ``dequant="f16"`` (``int4-f16``, rows'
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
             "value": f"per-token, {VALUE_GROUP}-channel groups",
             "residual_fp16": RESIDUAL,
             "token_schemes": f"{', '.join(TOKEN_SCHEMES)}: keys and values per token (one scale per token and "
-            f"head), the same fp16 tail; batch {rotation_batch(cfg.batches)} only",
+            f"head; -smooth: keys centred and smoothed per channel, stand-in vectors), the same fp16 tail; "
+            f"batch {rotation_batch(cfg.batches)} only",
         },
         "prewarm": None,
         "checks": [],

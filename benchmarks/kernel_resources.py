@@ -17,8 +17,9 @@ and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launc
   shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 /
   float32 ones for kivi-4 and kvquant-4-block);
 - ``sweep``: every ``SCHEMES`` variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16
-  launches (its per-token ``TOKEN_SCHEMES`` launch what the ``int4-token`` / ``int4-token-hadamard``
-  presets launch, which ``cache`` covers);
+  launches (its per-token ``TOKEN_SCHEMES`` launch what the ``int4-token``, ``-hadamard``, ``-smooth`` and
+  ``-smooth-prerope`` presets launch, which ``cache`` covers; the tied factors of ``-smooth-prerope-tied``
+  come from ``kvbits calibrate --tie-rope-pairs``, not from a preset's default store);
 - ``tune``: gpu_decode's step 3b grids (``sweep.TUNE_CASES``: int4 and int4-prerope, ``block_t`` x ``num_warps``
   x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x warps x
   stages; int4 with 2-byte scale reads, ``meta32=False``);

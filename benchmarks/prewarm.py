@@ -10,9 +10,10 @@ instead of spending the run's time budget compiling:
 
 - ``sweep``: each decode variant at each KV shape (default launch, gather path, float16 dequantization), at
   every batch and context of the sweep (zero-stride stores: shapes and alignment without the memory; a
-  worker compiles each distinct specialisation once); the per-token layout at ``ROTATION_BATCH`` through its
+  worker compiles each distinct specialisation once); the per-token layouts at ``ROTATION_BATCH``: the
   Hadamard-rotated variant (``int4-token-hadamard``), whose launches cover the unrotated ``int4-token``'s
-  (the same decode kernel) and add the reduction into a float32 output that is rotated back;
+  (the same decode kernel) and add the reduction into a float32 output that is rotated back, and the
+  centred / smoothed keys, post- and pre-RoPE, untied and tied;
 - ``tune``: step 3b's grids (``sweep.tune_launches``, float32 and float16 dequantization) at its batch and
   context;
 - ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
@@ -51,8 +52,8 @@ def jobs(tune: bool = True) -> list[Job]:
     from gpu_bench import checks, common, e2e, sweep
 
     out: list[Job] = [("check", shape) for shape in common.SHAPES]  # check_variants' variants: start these first
-    # the per-token layout: its rotated variant compiles every launch of the unrotated one too (see _run_job)
-    rotated = [name for name, (_codes, rot) in common.TOKEN_SCHEMES.items() if rot is not None]
+    # the per-token layouts: the plain one launches what its rotated variant does (see _run_job); the others
+    token = [(name, ts.pre_rope) for name, ts in common.TOKEN_SCHEMES.items() if ts.rotate or ts.channels]
     for shape in common.SHAPES:
         out.append(("sweep", shape, "fp16", False, None))
         for name, sch in common.SCHEMES.items():
@@ -61,7 +62,7 @@ def jobs(tune: bool = True) -> list[Job]:
                 out += [("sweep", shape, name, False, False), ("sweep", shape, name, False, "f16")]
         for name in common.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
-        out += [("sweep", shape, name, False, None) for name in rotated]
+        out += [("sweep", shape, name, rope, None) for name, rope in token]
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
@@ -96,8 +97,9 @@ def _run_job(job: Job, programs: int) -> None:
             kw: dict[str, Any] = dict(SWEEP_PATHS[path])
             combos = [(b, t) for b in common.BATCHES for t in common.CONTEXTS]
             if name in common.TOKEN_SCHEMES:  # per-token layout (rotated: code_basis around the same kernel)
-                codes, rotate = common.TOKEN_SCHEMES[name]
-                scheme, store_kw = common.SCHEMES[codes], {"layout": "token", "rotate": rotate}
+                ts = common.TOKEN_SCHEMES[name]
+                scheme = common.SCHEMES[ts.codes]
+                store_kw = {"layout": "token", "rotate": ts.rotate, "channels": ts.channels}
                 combos = [(common.ROTATION_BATCH, t) for t in common.CONTEXTS]
             else:
                 scheme = None if name == "fp16" else common.SCHEMES[name]

@@ -134,18 +134,20 @@ def test_gather_fallback_fits_at_head_dim_128():
 def test_prewarm_compiles_what_the_gpu_sweep_then_launches(tmp_path):
     """``benchmarks/prewarm.py`` fills Triton's on-disk cache in worker processes from zero-stride stores;
     the benchmark's own sweep (real tensors, every batch and context given, this process) then finds every
-    kernel it launches there (the ``dequant="f16"`` variant included, and the per-token layouts at batch 8,
-    plain and Hadamard-rotated): no new cache entry, i.e. nothing left to compile in the timed run."""
+    kernel it launches there (the ``dequant="f16"`` variant included, and the per-token layouts at batch 8:
+    plain, Hadamard-rotated, centred / smoothed keys): no new cache entry, i.e. nothing left to compile in the
+    timed run."""
     code = """
 import functools, os, torch, prewarm
 from gpu_bench import common, sweep
 from kvbits.kernels.aot import compile_only
 from kvbits.kernels.triton_decode import decode_attention_triton
 cache = os.environ["TRITON_CACHE_DIR"]
-variants = {"fp16", "int4", "int4-token-hadamard"}
+variants = {"fp16", "int4", *common.TOKEN_SCHEMES}
 job_list = [j for j in prewarm.jobs(tune=False) if j[0] == "sweep" and j[1] == "qwen2.5-0.5b" and j[2] in variants]
-r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=240)
-assert r["done"] == len(job_list) == 7 and not r["failed"], r  # default, gather and f16 paths; rotated per-token
+r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=300)
+# default, gather and f16 paths; per-token: rotated, smoothed (post-RoPE, pre-RoPE untied and tied)
+assert r["done"] == len(job_list) == 6 + 4 and not r["failed"], r
 before = set(os.listdir(cache))
 sweep.SHAPES = {"qwen2.5-0.5b": common.SHAPES["qwen2.5-0.5b"]}
 sweep.SCHEMES = {"int4": common.SCHEMES["int4"]}
@@ -154,8 +156,8 @@ cfg = common.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[
                 max_bytes=1e12, smoke=False, kernel="triton")
 with compile_only("sm_90") as launched:
     records = sweep.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
-# batch 8: int4-token and int4-token-hadamard too (the rotated job's launches cover both)
-assert len(records) == 4 * (2 + 6) + 2 * 2 and len(launched) > 0, (len(records), len(launched))
+# batch 8: the per-token layouts too (the rotated job's launches cover the plain one's)
+assert len(records) == 4 * (2 + 6) + 2 * 5 and len(launched) > 0, (len(records), len(launched))
 assert sum(r["kernel"] == "triton-f16" for r in records) == 4, records  # dequant="f16" launched too
 print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before))
 """

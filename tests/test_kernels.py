@@ -1253,7 +1253,12 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         "int2-prerope",
         "int4-token",
         "int4-token-hadamard",
+        "int4-token-smooth",
+        "int4-token-smooth-prerope",
+        "int4-token-smooth-prerope-tied",
     }
+    # the centred / smoothed keys read the bytes of int4-token (the layer's channel vectors are not per token)
+    assert by["int4-token-smooth"] == by["int4-token-smooth-prerope"] == by["int4-token-smooth-prerope-tied"] == by["int4-token"]
     # end to end (step 6): a whole model decoding through each cache; the fused rows really were fused
     e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
     fp16 = e2e[("dynamic-fp16", "fp16")]
@@ -1306,6 +1311,31 @@ def _load_bench():
     return bench
 
 
+@pytest.mark.parametrize("scheme", ["kvquant-4-block", "int4-token-smooth", "int4-token-smooth-prerope"])
+def test_gpu_benchmark_e2e_cache_installs_what_an_artifact_would(scheme):
+    """Step 6's ``kvbits_cache`` serves calibrated presets without an artifact: stand-in codebooks and channel
+    vectors (untied over RoPE pairs) are installed, and a model decodes through the fused path at every step."""
+    _load_bench()  # puts benchmarks/ on the path
+    from gpu_bench import e2e
+    from gpu_bench.common import Config
+
+    from kvbits.cache import use_fused_decode
+    from kvbits.kernels.reference import rope_pairs_tied
+
+    cfg = Config(device=torch.device("cpu"), contexts=[64], batches=[1], reps=1, warmup=0, max_bytes=1e9,
+                 smoke=True, kernel="reference")  # fmt: skip
+    model = e2e.e2e_model(cfg, 64, 3)
+    use_fused_decode(model)
+    cache = e2e.kvbits_cache(model, scheme, fused=True)
+    key = cache.layers[0]._k
+    if cache.scheme.key.has_channel_transform:
+        assert key.channel_factor is not None and not rope_pairs_tied(key.channel_factor)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))
+    r = e2e.decode_run(cfg, model, cache, ids, tokens=2, warmup=1, profile=False)
+    fr = cache.fused_report()
+    assert fr["fused_steps"] == r["steps"] * model.config.num_hidden_layers and fr["fallback_steps"] == 0
+
+
 def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     """Past ``--budget-s`` no sweep combo or e2e run starts: each is listed as skipped and the file is
     complete; a run killed midway leaves ``complete: false`` with what it had (written after each step)."""
@@ -1353,7 +1383,8 @@ def test_gpu_benchmark_records_launches_that_do_not_start():
     assert all(c["ok"] for c in checks if "error" not in c) and len(checks) == 4
     records = bench.sweep(cfg, refuse, copy_gbps=10.0)
     failed = {r["scheme"] for r in records if "error" in r}
-    assert failed == {"int8-prerope", "int4-prerope", "int2-prerope"}
+    assert failed == {"int8-prerope", "int4-prerope", "int2-prerope", "int4-token-smooth-prerope",
+                      "int4-token-smooth-prerope-tied"}  # fmt: skip
     assert all(r["error"].startswith("RuntimeError: out of resource") for r in records if "error" in r)
     assert {b["scheme"] for b in bench.break_even(records)} & failed == set()
     assert {"int4", "int8", "fp16"} <= {r["scheme"] for r in records if "ms" in r}

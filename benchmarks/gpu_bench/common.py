@@ -7,7 +7,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -29,12 +30,30 @@ SCHEMES = {
 # the same integer layouts with pre-RoPE keys (KVQuant §3.2): RoPE applied in the kernel from float32 tables
 PRE_ROPE = ("int8", "int4", "int2")
 ROPE_SUFFIX = "-prerope"
+class TokenScheme(NamedTuple):
+    """A per-token layout of the ``int*-token*`` presets timed in step 3 (``TOKEN_SCHEMES``)."""
+
+    codes: str  # the SCHEMES key of the codes
+    rotate: str | None  # both sides hold codes of x @ R (PackedTensor.rotate), or None
+    channels: str | None  # keys centred / smoothed per channel: "untied", "tied" (over RoPE pairs), or None
+    pre_rope: bool  # keys stored before RoPE (the kernel applies it from the float32 tables)
+
+
 # the per-token layout of the int*-token presets (keys and values: one scale per token and head over all D
-# channels), plain and Hadamard-rotated (the *-token-hadamard presets, kvbits.quant.rotate: the codes of
-# x @ R; the decode entry points rotate q and the tail into that basis and the output back, no byte added):
-# name -> (SCHEMES key of the codes, rotation). Step 3 times them at ROTATION_BATCH only: the pair shows what
-# the rotation costs on one layout
-TOKEN_SCHEMES = {"int4-token": ("int4", None), "int4-token-hadamard": ("int4", "hadamard")}
+# channels): plain; Hadamard-rotated (the *-token-hadamard presets, kvbits.quant.rotate: the codes of x @ R;
+# the decode entry points rotate q and the tail into that basis and the output back, no byte added); keys
+# centred and smoothed per channel after RoPE (*-token-smooth: q scaled by the factors, the tail moved into
+# the codes' basis) and before it (*-token-smooth-prerope: the kernel decodes code * factor + mean in
+# registers, then applies RoPE; -tied: factors equal over RoPE pairs, folded into q, the kernel adding
+# mean / factor only). Stand-in channel vectors (``channel_vectors``); the layer's vectors are not K/V bytes
+# read per token. Step 3 times them at ROTATION_BATCH only: beside int4-token they show what each costs
+TOKEN_SCHEMES = {
+    "int4-token": TokenScheme("int4", None, None, False),
+    "int4-token-hadamard": TokenScheme("int4", "hadamard", None, False),
+    "int4-token-smooth": TokenScheme("int4", None, "untied", False),
+    "int4-token-smooth-prerope": TokenScheme("int4", None, "untied", True),
+    "int4-token-smooth-prerope-tied": TokenScheme("int4", None, "tied", True),
+}
 ROTATION_BATCH = 8
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)  # step 3's sweep (the issue's contexts and batches)
 BATCHES = (1, 8, 32)
@@ -215,13 +234,15 @@ def lazy_view(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.T
 def random_store(
     B: int, shape: dict, context: int, scheme: tuple[str, int, float] | None, device: torch.device,
     gen: torch.Generator, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False,
-    layout: str = "kivi", rotate: str | None = None,
+    layout: str = "kivi", rotate: str | None = None, channels: str | None = None,
 ) -> PackedStore:  # fmt: skip
     """A KIVI-layout store of ``context`` tokens (``scheme=None``: everything in the fp16 tail);
     ``rope_tables`` (``(cos, sin)``, ``(>= context, D or D / 2)`` float32): the quantized keys are pre-RoPE.
     ``lazy``: zero-stride views only (``random_packed``). ``layout="token"``: keys per token like the values,
     one scale per token and head over all ``D`` channels (``TOKEN_SCHEMES``), the same fp16 tail; ``rotate``:
-    both quantized sides hold rotated codes (``PackedTensor.rotate``)."""
+    both quantized sides hold rotated codes (``PackedTensor.rotate``); ``channels`` (``"untied"`` /
+    ``"tied"``): the quantized keys are centred and smoothed per channel (``channel_vectors``, real tensors
+    even when ``lazy``: whether the factors are tied decides the kernel's path)."""
     if layout not in ("kivi", "token"):
         raise ValueError(f"layout must be 'kivi' or 'token', got {layout!r}")
     H, D = shape["H_kv"], shape["D"]
@@ -237,10 +258,24 @@ def random_store(
         key_tps, key_cps, value_cps = (1, D, D) if layout == "token" else (KEY_GROUP, 1, VALUE_GROUP)
         key = random_packed(B, H, T_q, D, scheme, key_tps, key_cps, device, gen, lazy, rotate)
         value = random_packed(B, H, T_q, D, scheme, 1, value_cps, device, gen, lazy, rotate)
+        if channels is not None:
+            key = replace(key, **channel_vectors(H, D, channels, device))
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
     if rope_tables is None or key is None:
         return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
     return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f), *rope_tables, lens(0))
+
+
+def channel_vectors(H: int, D: int, tie: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """Stand-in ``channel_mean`` / ``channel_factor`` of centred and smoothed keys, float16 ``(H, D)``: factors
+    in [0.5, 2] distinct per channel (``tie="untied"``, as ``kvbits calibrate`` fits them by default) or equal
+    at channels ``d`` and ``d + D/2`` (``"tied"``, ``--tie-rope-pairs``); means ``factor - 1``."""
+    if tie not in ("untied", "tied"):
+        raise ValueError(f"channels must be 'untied' or 'tied', got {tie!r}")
+    factor = torch.linspace(0.5, 2.0, H * D, dtype=torch.float32).reshape(H, D)
+    if tie == "tied":
+        factor[:, D // 2 :] = factor[:, : D // 2]
+    return {"channel_mean": (factor - 1).half().to(device), "channel_factor": factor.half().to(device)}
 
 
 def rope_tables(positions: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

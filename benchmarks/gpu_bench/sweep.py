@@ -88,7 +88,7 @@ def fused_timing(
 ) -> tuple[float, bool, int, dict]:
     """(ms, cuda_graph, bytes_read, spread) of the fused path over a random KIVI-layout store (pre-RoPE keys
     with ``tables``; bytes read count K/V and metadata, not the RoPE tables, shared by every sequence and
-    head). ``store_kw``: ``random_store``'s ``layout`` / ``rotate`` (``TOKEN_SCHEMES``); a rotated store's
+    head). ``store_kw``: ``random_store``'s ``layout`` / ``rotate`` / ``channels`` (``TOKEN_SCHEMES``); a rotated store's
     time includes rotating q and the tail into the codes' basis and the output back (``decode`` does it),
     and its bytes are the same as unrotated (``R`` is rebuilt per process, stored nowhere)."""
     store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables, **(store_kw or {}))
@@ -117,8 +117,8 @@ def sweep(
 ) -> list[dict]:
     """Step (3)-(4): every (shape, batch, context) within the memory budget, batch by batch (the
     largest batch last); ``progress(records)`` after each combo. Combos not run (memory budget, or
-    past ``cfg.deadline``) are appended to ``skipped`` with the reason. The per-token layouts, plain and
-    Hadamard-rotated (``TOKEN_SCHEMES``), at one batch (``rotation_batch``: 8, smoke 1)."""
+    past ``cfg.deadline``) are appended to ``skipped`` with the reason. The per-token layouts (``TOKEN_SCHEMES``:
+    plain, Hadamard-rotated, centred / smoothed keys) at one batch (``rotation_batch``: 8, smoke 1)."""
     skipped = [] if skipped is None else skipped
     dev = cfg.device
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -132,9 +132,11 @@ def sweep(
         variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True, {}) for name in PRE_ROPE]
         # and the integer codes dequantized in float16 (``dequant="f16"``; kernel "triton-f16")
         variants += [(name, sch, {"dequant": "f16"}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
-    # per-token keys and values, unrotated and Hadamard-rotated, default launch: at one batch only
-    token_variants = [(name, SCHEMES[codes], {}, False, {"layout": "token", "rotate": rot})
-                      for name, (codes, rot) in TOKEN_SCHEMES.items()]  # fmt: skip
+    # per-token keys and values: plain, Hadamard-rotated, keys centred / smoothed (post- and pre-RoPE), default
+    # launch: at one batch only
+    token_variants = [(name, SCHEMES[ts.codes], {}, ts.pre_rope,
+                       {"layout": "token", "rotate": ts.rotate, "channels": ts.channels})
+                      for name, ts in TOKEN_SCHEMES.items()]  # fmt: skip
     token_batch = rotation_batch(cfg.batches)
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
