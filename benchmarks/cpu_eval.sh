@@ -297,6 +297,31 @@ if [[ $step == needle-qwen-32k ]]; then
       --scheme int8-token --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
       --scheme int2-token --out runs/needle-qwen-32k
 fi
+if [[ $step == needle-qwen-smooth ]]; then
+  # §17b's trials (4K-16K, one per cell, the same seed) through the centred / smoothed per-token INT4 keys, from the
+  # Pride and Prejudice calibrations of the smooth and smooth-prerope steps, beside plain per-token INT4 again.
+  c=runs/calib-qwen2.5-coder-0.5b
+  for s in int4-token-smooth int4-token-smooth-prerope; do
+    [[ -f $c-$s/calibration.json ]] || { echo "missing $c-$s: run the smooth, smooth-prerope steps" >&2; exit 1; }
+  done
+  [[ -f runs/needle-qwen-smooth/needle.json ]] || \
+    $K needle --model qwen2.5-coder-0.5b --context 4k --context 8k --context 16k --trials 1 --no-progress \
+      --scheme int4-token --scheme int4-token-smooth --scheme int4-token-smooth-prerope \
+      --calibration $c-int4-token-smooth --calibration $c-int4-token-smooth-prerope --out runs/needle-qwen-smooth
+fi
+if [[ $step == needle-qwen-32k-smooth ]]; then
+  # §17d's depths at 32K through the centred / smoothed INT4 keys beside plain per-token and per-channel INT4, in
+  # bfloat16 (the float32 prefills of §17d took 71 min; bfloat16 has float32's range): not §17d's reference.
+  c=runs/calib-qwen2.5-coder-0.5b
+  for s in int4-token-smooth int4-token-smooth-prerope; do
+    [[ -f $c-$s/calibration.json ]] || { echo "missing $c-$s: run the smooth, smooth-prerope steps" >&2; exit 1; }
+  done
+  [[ -f runs/needle-qwen-32k-smooth/needle.json ]] || \
+    $K needle --model qwen2.5-coder-0.5b --context 32k --depths 0.25,0.5,0.75 --trials 1 --no-progress \
+      --dtype bfloat16 --scheme int4-token --scheme int4-channel --scheme int4-token-smooth \
+      --scheme int4-token-smooth-prerope --calibration $c-int4-token-smooth \
+      --calibration $c-int4-token-smooth-prerope --out runs/needle-qwen-32k-smooth
+fi
 if [[ $step == all || $step == needle-decode ]]; then
   # Decode semantics for the same SmolLM2 trials at 4K (every token attends over the quantized history,
   # the simulator): the harsher case beside needle's prefill semantics.
