@@ -102,7 +102,7 @@ def test_recommendation_is_computed_from_the_numbers(result):
     assert "1/3 layers" in rec["reason"] and "kvbits eval" in rec["next_steps"][-1]
     rows = result.to_dict()["layers"]
     strict = recommend(rows, layer_fraction=0.5)  # 1/3 of layers is not more than half
-    assert strict["keys"] == "per-token" and strict["scheme"] == "int4-token"
+    assert strict["keys"] == "per-token" and strict["scheme"] == "int4-token" and strict["per_token_scheme"] is None
     clean = [dict(r, key_outlier_channels_pre_rope=[]) for r in rows]
     assert recommend(clean)["keys"] == "per-token"
 
@@ -113,15 +113,19 @@ def test_next_steps_are_commands_that_run_as_printed(result):
 
     rows = result.to_dict()["layers"]
     rec = recommend(rows, model="smollm2-135m", data="pride-and-prejudice")
-    assert rec["calibrated_scheme"] == "kvquant-4"
-    calib, verify = rec["next_steps"]
-    argv = calib.split(": ", 1)[1].split()[1:]
-    args = build_parser(only="calibrate").parse_args(argv)
-    assert (args.model, args.data, args.scheme) == ("smollm2-135m", "pride-and-prejudice", "kvquant-4")
+    assert rec["calibrated_scheme"] == "kvquant-4" and rec["per_token_scheme"] == "int4-token-smooth-prerope"
+    *calibs, verify = rec["next_steps"]
+    outs = []
+    for calib, scheme in zip(calibs, ("kvquant-4", "int4-token-smooth-prerope"), strict=True):
+        argv = calib.split(": ", 1)[1].split()[1:]
+        args = build_parser(only="calibrate").parse_args(argv)
+        assert (args.model, args.data, args.scheme) == ("smollm2-135m", "pride-and-prejudice", scheme)
+        outs.append(args.out)
     argv = verify.split(": ", 1)[1].split(" at several")[0].split()[1:]
     args = build_parser(only="eval").parse_args(argv)
-    assert args.data == "pride-and-prejudice" and args.scheme[-1] == "kvquant-4"
-    assert args.calibration == [calib.split("--out ")[1]]  # the folder the calibrate step writes
+    assert args.data == "pride-and-prejudice" and args.scheme == ["int4-channel-prerope", "kvquant-4",
+                                                                   "int4-token-smooth-prerope"]  # fmt: skip
+    assert args.calibration == outs  # the folders the calibrate steps write
     assert "--data TEXT" in recommend(rows)["next_steps"][-1]  # no names known: placeholders, not gaps
 
 

@@ -203,6 +203,7 @@ def _print_table(result: Any, written: list[str]) -> None:
         f"[bold]keys:[/bold] {rec['keys']}   [bold]values:[/bold] {rec['values']}   "
         f"[bold]scheme:[/bold] {rec['scheme']}"
         + (f"   [bold]calibrated:[/bold] {rec['calibrated_scheme']}" if rec.get("calibrated_scheme") else "")
+        + (f"   [bold]per-token:[/bold] {rec['per_token_scheme']}" if rec.get("per_token_scheme") else "")
     )
     console.print(rec["reason"], markup=False)
     for step in rec["next_steps"]:

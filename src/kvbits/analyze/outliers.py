@@ -150,6 +150,9 @@ def recommend(
     channels, and pre-RoPE when per-channel SQNR is at least as good before RoPE as after it (it
     is when outlier channels are consistent, KVQuant §3.2); otherwise per-token. Values stay
     per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length.
+
+    With outlier channels, ``per_token_scheme`` names the calibrated per-token alternative for deployments
+    that need one scale per token (``int{bits}-token-smooth-prerope``), calibrated and verified beside.
     """
     from kvbits.schemes import list_schemes
 
@@ -202,11 +205,18 @@ def recommend(
         if scheme != candidates[0]:
             reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
         calibrated = f"kvquant-{bits}" if f"kvquant-{bits}" in names else None
+        # per-token keys with the channels' bias removed before coding (BENCHMARKS §21, §17e-f)
+        per_token = f"int{bits}-token-smooth-prerope" if f"int{bits}-token-smooth-prerope" in names else None
+        if per_token:
+            reason += (
+                f". If keys must stay per-token (one scale per token and head, as some engines store them), "
+                f"{per_token} keeps them so, centred and smoothed per channel before RoPE by calibrated vectors"
+            )
     else:
         keys = "per-token"
         scheme = f"int{bits}-token"
         reason = f"{facts}. Few layers have outlier key channels, so per-token keys lose little"
-        calibrated = None
+        calibrated = per_token = None
     reason += (
         f". Values per-token (mean int{bits} value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
         + (f"; value outlier channels in {len(v_out)}/{n} layers" if v_out else "")
@@ -215,12 +225,11 @@ def recommend(
     # runnable as printed: eval needs --data, and a calibrated scheme the folder calibrate writes
     m = f" --model {model}" if model else " --model MODEL"
     d = f" --data {data}" if data else " --data TEXT"
-    next_steps = []
-    if calibrated:
-        next_steps.append(f"calibrate: kvbits calibrate{m}{d} --scheme {calibrated} --out calib-{calibrated}")
+    to_calibrate = [c for c in (calibrated, per_token) if c]
+    next_steps = [f"calibrate: kvbits calibrate{m}{d} --scheme {c} --out calib-{c}" for c in to_calibrate]
     next_steps.append(
         f"verify by length: kvbits eval{m}{d} --scheme {scheme}"
-        + (f" --scheme {calibrated} --calibration calib-{calibrated}" if calibrated else "")
+        + "".join(f" --scheme {c} --calibration calib-{c}" for c in to_calibrate)
         + " at several --context lengths"
     )
     return {
@@ -228,6 +237,7 @@ def recommend(
         "values": "per-token",
         "scheme": scheme,
         "calibrated_scheme": calibrated,
+        "per_token_scheme": per_token,
         "reason": reason,
         "next_steps": next_steps,
         "layers_with_key_outliers_pre_rope": k_pre,
