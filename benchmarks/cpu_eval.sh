@@ -321,6 +321,12 @@ if [[ $step == needle-qwen-32k-smooth ]]; then
       --dtype bfloat16 --scheme int4-token --scheme int4-channel --scheme int4-token-smooth \
       --scheme int4-token-smooth-prerope --calibration $c-int4-token-smooth \
       --calibration $c-int4-token-smooth-prerope --out runs/needle-qwen-32k-smooth
+  # then five depths, two trials each (10 more trials; about 45 min here)
+  [[ -f runs/needle-qwen-32k-smooth-wide/needle.json ]] || \
+    $K needle --model qwen2.5-coder-0.5b --context 32k --trials 2 --seed 1 --no-progress \
+      --dtype bfloat16 --scheme int4-token --scheme int4-channel --scheme int4-token-smooth \
+      --scheme int4-token-smooth-prerope --calibration $c-int4-token-smooth \
+      --calibration $c-int4-token-smooth-prerope --out runs/needle-qwen-32k-smooth-wide
 fi
 if [[ $step == all || $step == needle-decode ]]; then
   # Decode semantics for the same SmolLM2 trials at 4K (every token attends over the quantized history,
