@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench.common import install_stand_ins
+
 from kvbits.cache import QuantizedKVCache, fused
 from kvbits.plan import plan
-from kvbits.quant.nuq import uniform_codebook
 
 SCHEMES = ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token", "int4-token-smooth",
            "int4-token-smooth-prerope")
@@ -71,19 +75,8 @@ def measure(scheme: str, context: int, steps: int, batch: int) -> dict:
     config = Qwen2Config(max_position_embeddings=context + steps + 64, **SHAPE)
     cache = QuantizedKVCache(config=config, scheme=scheme, fused_decode=True)
     n_layers, H, D = SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], SHAPE["head_dim"]
-    for side in ("key", "value"):
-        spec = getattr(cache.scheme, side)
-        if spec.kind == "nuq":
-            for i in range(n_layers):
-                cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
+    install_stand_ins(cache, n_layers, H, D)  # codebooks, channel vectors: calibrated ones weigh the same
     gen = torch.Generator().manual_seed(0)
-    for side in ("key", "value"):  # stand-in channel means / smoothing factors (calibrated ones weigh the same)
-        spec = getattr(cache.scheme, side)
-        for i in range(n_layers):
-            mean = torch.randn(H, D, generator=gen) * 0.1 if spec.centre else None
-            factor = torch.rand(H, D, generator=gen) + 0.5 if spec.smooth is not None else None
-            if mean is not None or factor is not None:
-                cache.set_static_qparams(i, side, mean=mean, factor=factor)
     for layer in range(n_layers):
         k = torch.randn(batch, H, context, D, generator=gen).half()
         cache.update(k, k.clone(), layer)

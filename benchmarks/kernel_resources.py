@@ -66,28 +66,6 @@ def _shape_config(shape: dict) -> Any:
     )  # fmt: skip
 
 
-def _install(cache: Any, scheme: Any, H_kv: int, D: int) -> None:
-    """What a calibration artifact installs: NUQ codebooks, static ranges, channel means and smoothing factors
-    (one per channel, as ``kvbits calibrate`` fits them by default; values do not change the code)."""
-    from kvbits.quant.nuq import uniform_codebook
-
-    for side in ("key", "value"):
-        spec = getattr(scheme, side)
-        if spec.has_channel_transform:
-            grid = torch.linspace(0.5, 2.0, H_kv * D).reshape(H_kv, D)  # distinct per channel: not tied over pairs
-            cache.set_static_qparams(0, side, mean=(grid - 1).half() if spec.centre else None,
-                                     factor=grid.half() if spec.smooth is not None else None)  # fmt: skip
-        if not (spec.static or spec.kind == "nuq"):
-            continue
-        scale = zero = None
-        if spec.static and spec.kind == "fp8":  # one scale per tensor
-            scale = torch.ones(())
-        elif spec.static:
-            scale, zero = torch.full((H_kv, D), 4.0).half(), torch.full((H_kv, D), -2.0).half()
-        codebook = uniform_codebook(spec.bits) if spec.kind == "nuq" else None
-        cache.set_static_qparams(0, side, scale, zero, codebook=codebook)
-
-
 def cache_store(scheme_name: str, shape: dict) -> tuple[Any, str | None]:
     """``(PackedStore, None)`` of one layer after a prefill, or ``(None, why the fused path skips it)``."""
     from kvbits.cache import QuantizedKVCache
@@ -97,7 +75,7 @@ def cache_store(scheme_name: str, shape: dict) -> tuple[Any, str | None]:
 
     scheme = get_scheme(scheme_name)
     cache = QuantizedKVCache(config=_shape_config(shape), scheme=scheme, fused_decode=True)
-    _install(cache, scheme, shape["H_kv"], shape["D"])
+    common.install_stand_ins(cache, 1, shape["H_kv"], shape["D"])
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(1, shape["H_kv"], PROMPT, shape["D"], generator=gen).half() for _ in range(2))
     cache.update(k, v, 0)

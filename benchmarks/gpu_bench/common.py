@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -276,6 +276,30 @@ def channel_vectors(H: int, D: int, tie: str, device: torch.device) -> dict[str,
     if tie == "tied":
         factor[:, D // 2 :] = factor[:, : D // 2]
     return {"channel_mean": (factor - 1).half().to(device), "channel_factor": factor.half().to(device)}
+
+
+def install_stand_ins(cache: Any, n_layers: int, H_kv: int, D: int) -> None:
+    """What a calibration artifact would install in ``cache`` (a ``QuantizedKVCache``), with values that do not
+    change the work: NUQ codebooks (uniform), static ranges (integer: scale 4, zero-point -2 per channel; FP8:
+    one scale of 1), channel means and smoothing factors (``channel_vectors``, untied: one factor per channel,
+    as ``kvbits calibrate`` fits them by default), in each of ``n_layers`` layers of ``H_kv`` heads of ``D``."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    vectors = channel_vectors(H_kv, D, "untied", torch.device("cpu"))
+    for side in ("key", "value"):
+        spec = getattr(cache.scheme, side)
+        scale = zero = None
+        if spec.static and spec.kind == "fp8":  # one scale per tensor
+            scale = torch.ones(())
+        elif spec.static:
+            scale, zero = torch.full((H_kv, D), 4.0).half(), torch.full((H_kv, D), -2.0).half()
+        codebook = uniform_codebook(spec.bits) if spec.kind == "nuq" else None
+        mean = vectors["channel_mean"] if spec.centre else None
+        factor = vectors["channel_factor"] if spec.smooth is not None else None
+        if scale is None and codebook is None and mean is None and factor is None:
+            continue
+        for i in range(n_layers):
+            cache.set_static_qparams(i, side, scale, zero, codebook=codebook, mean=mean, factor=factor)
 
 
 def rope_tables(positions: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

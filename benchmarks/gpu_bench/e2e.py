@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import RESIDUAL, Config, out_of_time, sync
+from .common import RESIDUAL, Config, install_stand_ins, out_of_time, sync
 
 # decode after a 32K-token prompt (the issue's context), batches 1 and 8, 4 warm-up + 32 timed steps
 E2E_CONTEXT, E2E_BATCHES, E2E_TOKENS, E2E_WARMUP = 32768, (1, 8), 32, 4
@@ -128,7 +128,7 @@ def profile_step(cfg: Config, step: Callable[[], object], top: int = 10) -> dict
 
 def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto", max_cache_len: int | None = None):
     """The ``QuantizedKVCache`` of one step-6 run: ``fused`` decode steps (``use_fused_decode`` on the model)
-    or dequantize + SDPA; NUQ sides get uniform codebooks. Off CUDA ``fused`` forces the fused path (the
+    or dequantize + SDPA; what an artifact would install comes from stand-ins (``install_stand_ins``). Off CUDA ``fused`` forces the fused path (the
     torch reference, or Triton under ``KVBITS_KERNEL=triton``); on CUDA ``"auto"`` must pick the kernel.
     ``checks="auto"`` checks incoming K/V lazily on CUDA (no sync per step), eagerly on CPU.
     ``max_cache_len``: reserved quantized storage (``e2e_reserve``), ``None`` for a growing cache."""
@@ -137,26 +137,9 @@ def kvbits_cache(model, scheme: str, fused: bool, checks: str = "auto", max_cach
     mode = (True if model.device.type == "cpu" else "auto") if fused else False
     cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks=checks,
                              max_cache_len=max_cache_len)  # fmt: skip
-    _install_stand_ins(cache, model.config)
+    c = model.config
+    install_stand_ins(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
     return cache
-
-
-def _install_stand_ins(cache, config) -> None:
-    """What an artifact would install, with values that do not change the work: NUQ sides get the uniform
-    codebook; centred / smoothed sides channel means and factors distinct per channel (so not tied over RoPE
-    pairs: the kernel's general path, as ``kvbits calibrate`` fits them by default)."""
-    from kvbits.quant.nuq import uniform_codebook
-
-    H_kv, D = config.num_key_value_heads, config.head_dim
-    grid = torch.linspace(0.5, 2.0, H_kv * D).reshape(H_kv, D)
-    for side in ("key", "value"):
-        spec = getattr(cache.scheme, side)
-        for i in range(config.num_hidden_layers):
-            if spec.kind == "nuq":
-                cache.set_static_qparams(i, side, codebook=uniform_codebook(spec.bits))
-            if spec.has_channel_transform:
-                cache.set_static_qparams(i, side, mean=(grid - 1) if spec.centre else None,
-                                         factor=grid if spec.smooth is not None else None)  # fmt: skip
 
 
 def _allocated(cfg: Config) -> int | None:
