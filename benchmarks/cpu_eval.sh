@@ -5,6 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 K=".venv/bin/python -m kvbits"
 step="${1:-all}"
+need_qwen_calibrations() {  # exits unless the smooth / smooth-prerope(-int8) steps calibrated each scheme given
+  for s in "$@"; do
+    [[ -f runs/calib-qwen2.5-coder-0.5b-$s/calibration.json ]] || \
+      { echo "missing runs/calib-qwen2.5-coder-0.5b-$s: run the smooth, smooth-prerope(-int8) steps" >&2; exit 1; }
+  done
+}
 
 if [[ $step == all || $step == smollm2 ]]; then
   # The demo (make demo) covers fp16 int8-token int4-token int4-channel kivi-4 kivi-2; this adds the rest.
@@ -260,9 +266,7 @@ if [[ $step == qwen32k-wiki-smooth ]]; then
   # Centred / smoothed per-token keys out to 32K on WikiText-2 (§3f's window and precision), from the 2 x 2,048-token
   # calibrations of the smooth and smooth-prerope steps: does the post-RoPE preset drift with length, the pre-RoPE not?
   c=runs/calib-qwen2.5-coder-0.5b
-  for s in int8-token-smooth int4-token-smooth int8-token-smooth-prerope int4-token-smooth-prerope; do
-    [[ -f $c-$s/calibration.json ]] || { echo "missing $c-$s: run the smooth, smooth-prerope(-int8) steps" >&2; exit 1; }
-  done
+  need_qwen_calibrations int8-token-smooth int4-token-smooth int8-token-smooth-prerope int4-token-smooth-prerope
   /usr/bin/time -v -o runs/qwen-wiki-32k-smooth.time.txt \
     $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
       --scheme int8-token-smooth --scheme int8-token-smooth-prerope --scheme int4-token-smooth \
@@ -301,9 +305,7 @@ if [[ $step == needle-qwen-smooth ]]; then
   # §17b's trials (4K-16K, one per cell, the same seed) through the centred / smoothed per-token INT4 keys, from the
   # Pride and Prejudice calibrations of the smooth and smooth-prerope steps, beside plain per-token INT4 again.
   c=runs/calib-qwen2.5-coder-0.5b
-  for s in int4-token-smooth int4-token-smooth-prerope; do
-    [[ -f $c-$s/calibration.json ]] || { echo "missing $c-$s: run the smooth, smooth-prerope steps" >&2; exit 1; }
-  done
+  need_qwen_calibrations int4-token-smooth int4-token-smooth-prerope
   [[ -f runs/needle-qwen-smooth/needle.json ]] || \
     $K needle --model qwen2.5-coder-0.5b --context 4k --context 8k --context 16k --trials 1 --no-progress \
       --scheme int4-token --scheme int4-token-smooth --scheme int4-token-smooth-prerope \
@@ -313,9 +315,7 @@ if [[ $step == needle-qwen-32k-smooth ]]; then
   # §17d's depths at 32K through the centred / smoothed INT4 keys beside plain per-token and per-channel INT4, in
   # bfloat16 (the float32 prefills of §17d took 71 min; bfloat16 has float32's range): not §17d's reference.
   c=runs/calib-qwen2.5-coder-0.5b
-  for s in int4-token-smooth int4-token-smooth-prerope; do
-    [[ -f $c-$s/calibration.json ]] || { echo "missing $c-$s: run the smooth, smooth-prerope steps" >&2; exit 1; }
-  done
+  need_qwen_calibrations int4-token-smooth int4-token-smooth-prerope
   [[ -f runs/needle-qwen-32k-smooth/needle.json ]] || \
     $K needle --model qwen2.5-coder-0.5b --context 32k --depths 0.25,0.5,0.75 --trials 1 --no-progress \
       --dtype bfloat16 --scheme int4-token --scheme int4-channel --scheme int4-token-smooth \
