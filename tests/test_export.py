@@ -121,6 +121,14 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
     tiny_llama(layers=3).save_pretrained(other)
     with pytest.raises(ValueError, match="3 layers, the calibration has 2"):
         export_vllm(cal, tmp_path / "d", checkpoint=other)
+    assert not (tmp_path / "d").exists()  # a refused export leaves no empty --out behind
+    with pytest.raises(ValueError, match="no config.json"):
+        export_vllm(cal, tmp_path / "e" / "f", checkpoint=tmp_path / "missing")
+    assert not (tmp_path / "e" / "f").exists()
+    (tmp_path / "g").mkdir()  # a folder the user made stays
+    with pytest.raises(ValueError, match="no config.json"):
+        export_vllm(cal, tmp_path / "g", checkpoint=tmp_path / "missing")
+    assert (tmp_path / "g").is_dir()
     # a checkpoint quantized by another method: vLLM reads one quant_method
     gptq = tmp_path / "gptq"
     tiny_llama().save_pretrained(gptq)

@@ -22,8 +22,8 @@ vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per
 KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors
 kv_cache_scheme: 8-bit float, strategy tensor or attn_head, static, symmetric). vLLM applies
 per-head scales in its FlashAttention backend only (--attention-backend FLASH_ATTN). With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
-checkpoint: DIR's files linked, config.json and model.safetensors.index.json written with the
-scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
+checkpoint: DIR's files linked, config.json (and model.safetensors.index.json, when DIR has one) written
+with the scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
 "kv_cache_scheme", "layers": [{"k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
 "v_absmax", "module"}], "serve",

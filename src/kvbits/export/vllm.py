@@ -342,14 +342,20 @@ def export_vllm(
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {out} exists and is not a folder")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     record["out_dir"] = str(out)
-    if checkpoint is not None:
-        ck = Path(checkpoint).expanduser()
-        record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
-        record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
-    else:
-        _save_tensors(out / SCALES_FILE, scales)
+    try:
+        if checkpoint is not None:
+            ck = Path(checkpoint).expanduser()
+            record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
+            record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
+        else:
+            _save_tensors(out / SCALES_FILE, scales)
+    except Exception:
+        if created and not any(out.iterdir()):  # a refused checkpoint leaves no empty --out behind
+            out.rmdir()
+        raise
     _atomic_json(out / CONFIG_FILE, {"quantization_config": quantization_config(strategy)})
     _atomic_json(out / RECORD_FILE, record)
     logger.info("exported %d layers' FP8 K/V scales for vLLM", art.num_layers)

@@ -1,0 +1,45 @@
+"""The README's Python snippets run as written, one after the other in one namespace, as a reader pastes
+them (real SmolLM2-135M; only the monitor's 500 new tokens are cut to 40 to keep the suite short)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    """The bodies of the fenced ```python blocks of ``text``, in order."""
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def test_python_blocks_are_found() -> None:
+    blocks = python_blocks("intro\n```python\na = 1\n```\ntext\n```bash\nls\n```\n```python\nb = a\n```\n")
+    assert blocks == ["a = 1\n", "b = a\n"]
+
+
+@pytest.mark.realmodel
+def test_readme_python_snippets_run_in_order() -> None:
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) == 2, "a README Python block was added or removed: extend this test"
+    quickstart, monitor = blocks
+    assert "max_new_tokens=500" in monitor
+    monitor = monitor.replace("max_new_tokens=500", "max_new_tokens=40")
+    ns: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(quickstart, "README quickstart", "exec"), ns)  # noqa: S102 - our own README
+        first = out.getvalue()
+        exec(compile(monitor, "README monitor", "exec"), ns)  # noqa: S102
+    lines = first.splitlines()
+    assert [ln.split()[0] for ln in lines[-2:]] == ["fp16", "kivi-2"]  # the plan's rows
+    assert int(lines[-2].split()[1]) == 2 * 30 * 3 * 64 * 8192 * 8 * 2  # fp16 bytes, SmolLM2 at 8K, batch 8
+    held = ns["ids"].shape[1] + 40 - 1  # the monitor's fresh cache: the prompt and all new tokens but the last
+    assert ns["cache"].get_seq_length() == held
+    prom = out.getvalue()[len(first):]
+    assert f'kvbits_cache_tokens{{scheme="kivi-2",request="r1"}} {held}' in prom
