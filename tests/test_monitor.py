@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import re
+import stat
 from types import SimpleNamespace
 
 import pytest
@@ -299,6 +301,22 @@ def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> N
     assert text == '# HELP ok help\n# TYPE ok gauge\nok NaN\nok{a="b"} 3\n'
     path = write_textfile(text, tmp_path / "sub" / "kvbits.prom")
     assert path.read_text() == text and [p.name for p in path.parent.iterdir()] == ["kvbits.prom"]
+    # readable by node_exporter running as another user: a normal file's mode, not mkstemp's 0600
+    umask = os.umask(0o022)
+    try:
+        assert stat.S_IMODE(write_textfile(text, tmp_path / "m.prom").stat().st_mode) == 0o644
+    finally:
+        os.umask(umask)
+    with pytest.raises(ValueError, match="label name 'a b'"):  # refused when the monitor is made
+        CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), labels={"a b": "c"})
+
+
+def test_an_empty_batch_flushes_without_a_signal() -> None:
+    cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, value_error=0.0))
+    empty = torch.zeros(0, 2, 200, 32)
+    cache.update(empty, empty, 0)  # 200 tokens: a block flushes, of no sequence
+    assert mon.events == [] and mon.held_layers() == []
 
 
 def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
@@ -359,6 +377,11 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     assert main(["monitor", "--model", str(folder), "--data", str(text), "--context", "200", "--scheme", "kivi-2",
                  "--label", "nokey"]) != 0  # fmt: skip
     assert "KEY=VALUE" in capsys.readouterr().err
+    # what the end of a run would trip on is refused before the model loads (no model at "nowhere")
+    for bad, msg in ((["--label", "a b=c"], "label name 'a b'"), (["--prom", str(tmp_path)], "is a folder"),
+                     (["--events", str(text / "ev.jsonl")], "can not write there")):  # fmt: skip
+        assert main(["monitor", "--model", "nowhere", "--data", str(text), "--scheme", "kivi-2", *bad]) != 0
+        assert msg in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["monitor", "--model", "m", "--data", "d", "--scheme", "kivi-2", "--key-error", "-1"])
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvbits._files import chmod_default
 from kvbits.quant.nuq import check_codebook
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -372,7 +373,7 @@ class CalibrationArtifact:
                 tmp,
                 metadata={"format": "kvbits-calibration", "format_version": str(ARTIFACT_FORMAT_VERSION)},
             )
-            _chmod_default(tmp)
+            chmod_default(tmp)
             final = out / TENSORS_FILE
             meta = dict(self.meta)
             meta["format_version"] = ARTIFACT_FORMAT_VERSION
@@ -383,7 +384,7 @@ class CalibrationArtifact:
             Path(tmp).unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=META_FILE + ".", suffix=".tmp", dir=out)
         try:
-            _chmod_default(tmp)
+            chmod_default(tmp)
             with os.fdopen(fd, "w") as f:
                 json.dump(meta, f, indent=1, sort_keys=True)
                 f.write("\n")
@@ -393,13 +394,6 @@ class CalibrationArtifact:
         self.meta, self.path = meta, out
         logger.info("calibration written to %s", out)
         return out
-
-
-def _chmod_default(path: str) -> None:
-    """mkstemp creates files 0600; give the artifact the permissions of a normally created file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def now_utc() -> str:

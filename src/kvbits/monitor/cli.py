@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+from kvbits.monitor.export import check_label_name
 
 __all__ = ["add_parser", "run"]
 
@@ -27,8 +30,8 @@ precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "polic
 "events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]}.
 """
 
-_threshold = bounded(float, 0, what="a relative error >= 0")
-_fraction = bounded(float, 0, 1, what="a fraction in [0, 1]")
+_threshold = bounded(float, 0, what="a relative error")
+_fraction = bounded(float, 0, 1, what="a fraction")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -73,26 +76,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _labels(pairs: list[str]) -> dict[str, str]:
+    """``--label K=V`` pairs as a dict; ``ValueError`` (before any model loads) for a malformed pair or a
+    name Prometheus would refuse."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--label expects KEY=VALUE, got {pair!r}")
+        check_label_name(key, " (--label)")
         out[key] = value
     return out
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    """``ValueError`` (before the run) when ``path`` can not be written: a folder, or a parent that is not a
+    writable folder (created on write when missing, so its nearest existing ancestor must be writable)."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, expected a file path")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: can not write there ({parent} is not a writable folder)")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvbits.monitor.policy import FallbackPolicy
     from kvbits.monitor.watch import watch
 
+    labels = _labels(args.label)  # everything a finished run would trip on, checked before it starts
+    _check_output(args.prom, "--prom")
+    _check_output(args.events, "--events")
     policy = FallbackPolicy(
         key_error=args.key_error, value_error=args.value_error, clipped_fraction=args.clipped_fraction,
         beyond_calibration=args.beyond_calibration, scope=args.scope, patience=args.patience,
         sample_every=args.sample_every,
     )  # fmt: skip
     mon = watch(args.model, args.data, args.context, args.scheme, policy, calibration=args.calibration,
-                data_path=args.data_path, dtype=args.dtype, device=args.device, labels=_labels(args.label))  # fmt: skip
+                data_path=args.data_path, dtype=args.dtype, device=args.device, labels=labels)  # fmt: skip
     if args.prom:
         mon.write_prometheus(args.prom)
     if args.events:

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbits._files import chmod_default
+
 __all__ = ["MetricFamily", "prometheus_text", "write_textfile"]
 
 TYPES = ("gauge", "counter", "histogram")
@@ -51,6 +53,14 @@ def _number(v: float) -> str:
     return repr(int(v)) if v == int(v) and abs(v) < 2**53 else repr(v)
 
 
+def check_label_name(name: str, where: str = "") -> None:
+    """``ValueError`` unless ``name`` is a valid Prometheus label name (``[a-zA-Z_][a-zA-Z0-9_]*``)."""
+    if not name or not all((c.isascii() and c.isalnum()) or c == "_" for c in name) or name[0].isdigit():
+        raise ValueError(
+            f"invalid Prometheus label name {name!r}{where}: expected letters, digits and _, not starting with a digit"
+        )
+
+
 def prometheus_text(families: Iterable[MetricFamily]) -> str:
     """The text exposition format: ``# HELP`` / ``# TYPE`` lines, then one line per sample."""
     lines = []
@@ -59,8 +69,7 @@ def prometheus_text(families: Iterable[MetricFamily]) -> str:
         lines.append(f"# TYPE {fam.name} {fam.type}")
         for suffix, labels, value in fam.samples:
             for k in labels:
-                if not k or not all(c.isalnum() or c == "_" for c in k) or k[0].isdigit():
-                    raise ValueError(f"invalid Prometheus label name {k!r} in {fam.name}")
+                check_label_name(k, f" in {fam.name}")
             lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
             lines.append(
                 f"{fam.name}{suffix}{{{lab}}} {_number(value)}"
@@ -77,6 +86,7 @@ def write_textfile(text: str, path: str | os.PathLike[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        chmod_default(tmp)  # readable by a collector running as another user, as a normally created file
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

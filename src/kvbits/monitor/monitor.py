@@ -30,7 +30,7 @@ from typing import Any, Self
 
 import torch
 
-from kvbits.monitor.export import MetricFamily, prometheus_text, write_textfile
+from kvbits.monitor.export import MetricFamily, check_label_name, prometheus_text, write_textfile
 from kvbits.monitor.policy import FallbackPolicy
 from kvbits.monitor.signals import ERROR_BUCKETS, SideSignals, flush_error, worst_index
 
@@ -71,6 +71,8 @@ class CacheMonitor:
             )
         self.cache = cache
         self.policy = policy or FallbackPolicy()
+        for name in labels or {}:
+            check_label_name(name)
         self.labels = {"scheme": cache.scheme.name, **{k: str(v) for k, v in (labels or {}).items()}}
         self.on_event = on_event
         self.layers = {layer.layer_idx: layer for layer in layers}
@@ -100,6 +102,8 @@ class CacheMonitor:
         if (self._flushes[key] - 1) % self.policy.sample_every:
             return
         errors = flush_error(x, qt.dequantize(torch.float32)).tolist()
+        if not errors:  # an empty batch flushed: no sequence to measure
+            return
         clipped = int(qt.clipped)
         sig = self.signals[key]
         sig.add(errors, x.shape[2], clipped, x.numel())
