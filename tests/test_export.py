@@ -4,6 +4,7 @@ compressed-tensors checkpoint. Tiny random-weight Llama built from a config (no 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,105 @@ def test_module_template_for_artifacts_without_recorded_names(tmp_path):
     }
 
 
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [
+        ("model.layers.{{i}}.self_attn", "must contain the field '{i}'"),  # a literal brace: one name for all
+        ("model.layers.self_attn", "must contain the field '{i}'"),
+        ("model.layers.{i}.{j}", r"no other field \(it has \{j\}\)"),  # was KeyError
+        ("model.{0}.layers.{i}", r"no other field \(it has \{0\}\)"),  # was IndexError
+        ("model.{}.layers.{i}", r"no other field \(it has \{\}\)"),
+        ("model.layers.{i:{w}}", r"no other field \(it has \{w\}\)"),
+        ("model.layers.{i", "not a valid format string"),
+        ("model.layers.{i:s}", "can not format a layer index"),
+    ],
+)
+def test_module_template_must_name_each_layer_once(tmp_path, template, why):
+    """A template without an ``{i}`` field (or with other fields) is refused before anything is
+    written: ``{{i}}`` formats to one name for every layer, whose scales would overwrite each other."""
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    art = artifact_from_samples("fp8-e4m3", k, k)
+    with pytest.raises(ValueError, match=why):
+        export_vllm(art, tmp_path / "out", module_template=template)
+    assert not (tmp_path / "out").exists()
+    # a format spec is fine: still one name per layer
+    export_vllm(art, tmp_path / "ok", module_template="model.layers.{i:02d}.self_attn")
+    names = load_file(str(tmp_path / "ok" / "kv_cache_scales.safetensors"))
+    assert set(names) == {f"model.layers.0{i}.self_attn.{s}_scale" for i in range(3) for s in "kv"}
+
+
+def test_recorded_module_names_must_be_unique(tmp_path):
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    art = artifact_from_samples("fp8-e4m3", k, k)
+    art.meta["model"]["attention_modules"] = ["model.layers.0.self_attn"] * 2 + ["model.layers.2.self_attn"]
+    art.save(tmp_path / "cal")
+    with pytest.raises(ValueError, match=r"calibration\.json name the 3 layers with only 2 distinct") as err:
+        export_vllm(tmp_path / "cal", tmp_path / "out")
+    assert "model.layers.0.self_attn" in str(err.value) and "--module-template" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    # an explicit template replaces the recorded names
+    export_vllm(tmp_path / "cal", tmp_path / "out", module_template="model.layers.{i}.self_attn")
+    assert len(load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))) == 6
+
+
+def _copy(ckpt: Path, where: Path) -> Path:
+    shutil.copytree(ckpt, where)
+    return where
+
+
+def _edit_json(path: Path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "why"),
+    [
+        ("config.json", "[1, 2]", r"config\.json holds a JSON list, expected an object"),
+        ("config.json", lambda c: {**c, "num_hidden_layers": "2"},
+         r"config\.json: num_hidden_layers is '2', expected a positive whole number"),
+        ("config.json", lambda c: {**c, "num_key_value_heads": 2.0},
+         r"config\.json: num_key_value_heads is 2\.0, expected a positive whole number"),
+        ("model.safetensors.index.json", "[]",
+         r"model\.safetensors\.index\.json holds a JSON list, expected an object"),
+        ("model.safetensors.index.json", lambda x: {**x, "weight_map": list(x["weight_map"])},
+         r"model\.safetensors\.index\.json: weight_map is a JSON list, expected an object"),
+        ("model.safetensors.index.json", '{"weight_map": {',
+         r"model\.safetensors\.index\.json is not valid JSON \(a safetensors index"),
+    ],
+)  # fmt: skip
+def test_checkpoint_files_of_the_wrong_shape_are_refused(fp8, tmp_path, file, content, why):
+    """A config or index that is not the JSON object expected: a ValueError naming the file and what it
+    should hold (not an AttributeError, nor "2 layers, the calibration has 2")."""
+    _, _, cal, ckpt = fp8
+    ck = _copy(ckpt, tmp_path / "ck")
+    if callable(content):
+        _edit_json(ck / file, content)
+    else:
+        (ck / file).write_text(content)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    with pytest.raises(ValueError, match=why):
+        export_vllm(cal, tmp_path / "out", checkpoint=ck)
+    assert not (tmp_path / "out").exists()
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+def test_out_inside_the_checkpoint_is_refused(fp8, tmp_path):
+    """The checkpoint is left untouched: no --out folder in it (which would also link into itself)."""
+    _, _, cal, ckpt = fp8
+    ck = _copy(ckpt, tmp_path / "ck")
+    (tmp_path / "alias").symlink_to(ck)
+    before = sorted(p.name for p in ck.iterdir())
+    for out in (ck / "servable", ck / "a" / "b", tmp_path / "alias" / "servable", ck / ".." / "ck" / "s"):
+        with pytest.raises(ValueError, match="is inside the checkpoint"):
+            export_vllm(cal, out, checkpoint=ck)
+        assert sorted(p.name for p in ck.iterdir()) == before
+    with pytest.raises(ValueError, match="must differ"):
+        export_vllm(cal, tmp_path / "alias", checkpoint=ck)
+    # beside it is fine
+    export_vllm(cal, tmp_path / "servable", checkpoint=ck)
+    assert sorted(p.name for p in ck.iterdir()) == before
+
+
 def test_cli_export(fp8, tmp_path):
     _, art, cal, _ = fp8
     cmd = [sys.executable, "-m", "kvbits", "export", "--calibration", str(cal), "--out", str(tmp_path / "x")]
@@ -228,3 +328,8 @@ def test_cli_export(fp8, tmp_path):
         [*cmd[:-2], "--out", str(Path(cal) / "calibration.json")], check=False, capture_output=True, text=True
     )
     assert bad.returncode != 0 and "not a folder" in bad.stderr
+    # a template with a literal {{i}}: refused with a message, not 2 layers written as one pair
+    braces = [*cmd[:-2], "--out", str(tmp_path / "y"), "--module-template", "model.layers.{{i}}.self_attn"]
+    bad = subprocess.run(braces, check=False, capture_output=True, text=True)
+    assert bad.returncode != 0 and "must contain the field '{i}'" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "y").exists()

@@ -39,13 +39,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import string
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvbits.calibrate.artifact import CalibrationArtifact, load_calibration, now_utc
+from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +119,53 @@ def check_exportable(art: CalibrationArtifact) -> None:
         )
 
 
+def _template_names(template: str, n: int) -> list[str]:
+    """``template`` formatted for layers ``0..n-1``; ``ValueError`` unless its only field is ``{i}``
+    (a format spec such as ``{i:02d}`` is fine; ``{{i}}`` is a literal brace, not a field)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+        fields = [f for _, f, _, _ in parsed if f is not None]
+        nested = [string.Formatter().parse(spec) for _, _, spec, _ in parsed if spec]  # {i:{w}}
+        fields += [f for spec in nested for _, f, _, _ in spec if f is not None]
+    except ValueError as exc:
+        raise ValueError(f"module template {template!r} is not a valid format string: {exc}") from None
+    other = sorted({f for f in fields if f != "i"})
+    if "i" not in fields or other:
+        extra = f" and no other field (it has {', '.join('{' + f + '}' for f in other)})" if other else ""
+        raise ValueError(
+            f"module template must contain the field '{{i}}' (the layer index){extra}, got {template!r}; "
+            "e.g. model.layers.{i}.self_attn"
+        )
+    try:
+        return [template.format(i=i) for i in range(n)]
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise ValueError(f"module template {template!r} can not format a layer index: {exc}") from None
+
+
 def _module_names(art: CalibrationArtifact, module_template: str | None) -> list[str]:
+    """One attention module name per layer: ``module_template``, else the names calibration recorded,
+    else ``DEFAULT_MODULE``. ``ValueError`` on a bad template or names that are not unique (layers would
+    share, and overwrite, one pair of scale tensors)."""
     n = art.num_layers
     recorded = art.meta["model"].get("attention_modules")
     if module_template is None and isinstance(recorded, list) and len(recorded) == n:
-        return [str(x) for x in recorded]
-    template = module_template or DEFAULT_MODULE
-    if "{i}" not in template:
-        raise ValueError(f"module template must contain '{{i}}' (the layer index), got {template!r}")
-    return [template.format(i=i) for i in range(n)]
+        names, source = [str(x) for x in recorded], f"attention_modules recorded in {_meta_file(art)}"
+    else:
+        template = DEFAULT_MODULE if module_template is None else module_template
+        names, source = _template_names(template, n), f"module template {template!r}"
+    dup = sorted({x for x in names if names.count(x) > 1})
+    if dup:
+        raise ValueError(
+            f"the {source} name the {n} layers with only {len(set(names))} distinct modules "
+            f"(repeated: {dup[:3]}); each layer needs its own k_scale/v_scale: pass a module template "
+            "with {i}, e.g. --module-template 'model.layers.{i}.self_attn'"
+        )
+    return names
+
+
+def _meta_file(art: CalibrationArtifact) -> str:
+    """Where ``art``'s metadata lives, for error messages."""
+    return "the calibration" if art.path is None else str(Path(art.path) / META_FILE)
 
 
 def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) -> dict[str, torch.Tensor]:
@@ -211,22 +250,20 @@ def _servable(
     checkpoint: Path, out: Path, scales: dict[str, torch.Tensor], art: CalibrationArtifact
 ) -> dict[str, list[str]]:
     """Make ``out`` a copy of ``checkpoint`` (links) with the scales; returns the files linked and written."""
-    if checkpoint.resolve() == out.resolve():
-        raise ValueError(
-            f"the output folder must differ from the checkpoint ({checkpoint}), which is left untouched"
-        )
     cfg_path = checkpoint / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{checkpoint} is not a Hugging Face checkpoint folder (no config.json)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
+    config = _read_json_object(cfg_path, "a Hugging Face model config")
     _check_config(config, art, cfg_path)
     index_path = checkpoint / "model.safetensors.index.json"
     index = None
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        index = _read_json_object(index_path, 'a safetensors index ({"weight_map": {tensor: file}})')
+        if not isinstance(index.get("weight_map", {}), dict):
+            raise ValueError(
+                f"{index_path}: weight_map is a JSON {_json_type(index['weight_map'])}, expected an object "
+                "mapping tensor names to files"
+            )
         clash = sorted(
             n for n in scales if n in index.get("weight_map", {}) and index["weight_map"][n] != SCALES_FILE
         )
@@ -262,6 +299,41 @@ def _servable(
     return {"linked": linked, "written": [*written, SCALES_FILE]}
 
 
+def _check_out_outside(checkpoint: Path, out: Path) -> None:
+    """``ValueError`` when ``out`` is ``checkpoint`` or inside it (after resolving links): the checkpoint
+    is promised untouched, and linking its files into a folder within it would link that folder into
+    itself."""
+    ck, dst = checkpoint.resolve(), out.resolve()
+    if dst == ck:
+        raise ValueError(
+            f"the output folder must differ from the checkpoint ({checkpoint}), which is left untouched"
+        )
+    if dst.is_relative_to(ck):
+        raise ValueError(
+            f"the output folder {out} is inside the checkpoint {checkpoint}, which is left untouched; "
+            "choose an --out outside it"
+        )
+
+
+def _json_type(obj: Any) -> str:
+    """The JSON name of ``obj``'s type, for error messages."""
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if obj is None else names.get(type(obj), type(obj).__name__)
+
+
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """``path`` parsed as a JSON object; ``ValueError`` naming ``path`` and ``what`` it should hold."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({what} expected): {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(  # noqa: TRY004 - bad file content
+            f"{path} holds a JSON {_json_type(obj)}, expected an object: {what}"
+        )
+    return obj
+
+
 def _number_or_list(t: torch.Tensor) -> float | list[float]:
     """A per-tensor scale as a number, per-head scales as a list (the export record)."""
     return float(t) if t.numel() == 1 else [float(v) for v in t.reshape(-1)]
@@ -270,7 +342,11 @@ def _number_or_list(t: torch.Tensor) -> float | list[float]:
 def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path) -> None:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     layers = text.get("num_hidden_layers")
-    kv = text.get("num_key_value_heads", text.get("num_attention_heads"))
+    kv_key = "num_key_value_heads" if "num_key_value_heads" in text else "num_attention_heads"
+    kv = text.get(kv_key)
+    for key, value in (("num_hidden_layers", layers), (kv_key, kv)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}: {key} is {value!r}, expected a positive whole number")
     if layers is not None and layers != art.num_layers:
         raise ValueError(f"{where}: {layers} layers, the calibration has {art.num_layers}; wrong model?")
     if kv is not None and kv != art.num_kv_heads:
@@ -297,8 +373,10 @@ def export_vllm(
             default the names calibration recorded, else ``model.layers.{i}.self_attn``.
 
     Raises:
-        ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys), a
-            checkpoint of another shape, or one already quantized by another method.
+        ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys), module
+            names that are not one per layer (a template without an ``{i}`` field, or with other fields),
+            a checkpoint of another shape, one already quantized by another method, one whose
+            ``config.json`` or index is not the JSON object expected, or an ``out_dir`` inside it.
     """
     art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
     scales = vllm_scales(art, module_template)
@@ -342,12 +420,14 @@ def export_vllm(
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {out} exists and is not a folder")
+    ck = None if checkpoint is None else Path(checkpoint).expanduser()
+    if ck is not None:
+        _check_out_outside(ck, out)  # before mkdir: nothing is created inside the checkpoint
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     record["out_dir"] = str(out)
     try:
-        if checkpoint is not None:
-            ck = Path(checkpoint).expanduser()
+        if ck is not None:
             record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
             record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
         else:
