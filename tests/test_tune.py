@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -86,6 +87,10 @@ def test_tune_refuses_bad_candidates_and_budgets():
         tune(model, ids, ["int4-token", "int8-token"], float("nan"), context=64)
     with pytest.raises(ValueError, match="below the cheapest"):
         tune(model, ids, ["int4-token", "int8-token"], 2.0, context=64, check=False)
+    # refused before the sensitivity sweep: it would run a forward pass per layer and candidate
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", side_effect=AssertionError("swept"))
+    with swept, pytest.raises(ValueError, match="below the cheapest"):
+        tune(model, ids, ["int4-token", "int8-token"], 2.0, context=64, check=False)
 
 
 def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypatch):
@@ -112,6 +117,11 @@ def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypa
                  "--scheme", str(out)]) == 0  # fmt: skip
     with pytest.raises(SystemExit):
         main([*argv[:-4], "--budget-bits", "0", "--out", str(out)])
+    (tmp_path / "d.json").mkdir()
+    for bad, msg in ((tmp_path / "mix.txt", "expected a .json path"), (tmp_path / "d.json", "is a folder")):
+        assert main([*argv[:-2], "--out", str(bad)]) != 0  # refused before the model loads
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "mix.txt").exists()
 
 
 @torch.no_grad()

@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.tune import tune
 
     check_device(args.device)  # before the model loads
+    if args.out and Path(args.out).suffix.lower() != ".json":
+        raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
+    if args.out and Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: is a folder, expected a .json file path")
     res = tune(
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,

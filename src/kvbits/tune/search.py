@@ -104,6 +104,18 @@ class TuneResult:
         }
 
 
+def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], int]:
+    """The candidates' bits and the budget of ``n`` layers in knapsack units (1/``BIT_STEP`` bit; bits rounded
+    up, the budget down); ``ValueError`` when even the cheapest candidate in every layer exceeds the budget."""
+    units = [math.ceil(b * BIT_STEP - 1e-9) for b in bits]
+    cap = math.floor(budget_bits * n * BIT_STEP + 1e-9)
+    if cap < n * min(units):
+        raise ValueError(
+            f"budget {budget_bits:g} bits is below the cheapest candidate ({min(bits):.3g} bits) in every layer"
+        )
+    return units, cap
+
+
 def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits: float) -> list[int]:
     """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
     ``mean_i bits[c_i] <= budget_bits`` (exact, bits rounded up to 1/100).
@@ -121,12 +133,7 @@ def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits
         raise ValueError(f"sensitivity must be (layers, {len(bits)} candidates), got {n} rows")
     if any(not math.isfinite(x) or x < 0 for row in sensitivity for x in row):
         raise ValueError("sensitivities must be finite and >= 0")
-    units = [math.ceil(b * BIT_STEP - 1e-9) for b in bits]
-    cap = math.floor(budget_bits * n * BIT_STEP + 1e-9)
-    if cap < n * min(units):
-        raise ValueError(
-            f"budget {budget_bits:g} bits is below the cheapest candidate ({min(bits):.3g} bits) in every layer"
-        )
+    units, cap = _units(bits, budget_bits, n)
     inf = math.inf
     # best[u]: least cost of the layers so far using exactly u units; how[i][u]: (candidate, previous u)
     best = {0: 0.0}
@@ -291,6 +298,7 @@ def tune(
     bits = [average_bits(c, head_dim=head_dim, n_heads=kv_heads) for c in cands]
     order = sorted(range(len(cands)), key=lambda j: bits[j])
     cands, bits = [cands[j] for j in order], [bits[j] for j in order]
+    _units(bits, budget_bits, n_layers)  # an impossible budget is refused before the sensitivity sweep
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
     run["calibrations"] = arts or None
     sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
