@@ -139,6 +139,23 @@ def test_a_constant_channel_gets_a_floored_factor():
     assert bool(torch.isfinite(y).all())
 
 
+def test_a_constant_head_gets_factor_one_logged_and_stays_exact(caplog):
+    """A dead head (every sample equal: an all-zero ``k_proj`` head) has no range to smooth: logged with its
+    layer and side, factor 1, and the centred head codes to exact zeros."""
+    x = biased_keys()
+    x[:, 1] = 0.0  # head 1 of 2 is dead
+    for spec in (SMOOTH4, dataclasses.replace(INT4, smooth=0.5)):  # centred or not
+        with caplog.at_level("WARNING", logger="kvbits.calibrate.fit"):
+            tensors, stats = fit_side(spec, x.transpose(0, 1).reshape(2, -1, 64), where="layer 3 key")
+        assert "layer 3 key: KV head(s) [1]" in caplog.text and stats["constant_heads"] == 1
+        f = tensors["factor"].float()
+        assert bool(torch.isfinite(f).all()) and torch.allclose(f[1], f[1, :1].expand(64))  # one value: 1 / mean
+        kw = {f"channel_{k}": v for k, v in tensors.items()}
+        y = quantize(x, spec, **kw).dequantize()
+        assert torch.equal(y[:, 1], x[:, 1]) and rel_err(y[:, 0], x[:, 0]) < 0.1
+        caplog.clear()
+
+
 def test_missing_or_bad_parameters_are_refused():
     x = biased_keys(n=8)
     H, D = x.shape[1], x.shape[3]

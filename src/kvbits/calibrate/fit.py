@@ -34,6 +34,7 @@ orthogonal), and so is the centred one: an error constant over tokens stays cons
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,8 @@ from kvbits.quant.rotate import rotate
 from kvbits.quant.tensor import codebook_inputs, quantize, to_channel_basis
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
+
+logger = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FP8_SCALES = ("amax", "mse", "centred")
@@ -132,6 +135,7 @@ def fit_side(
     absmax: float | Sequence[float] | torch.Tensor | None = None,
     fp8_scale: str = "amax",
     tie_rope: bool = False,
+    where: str = "",
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Calibrate one side of one layer from samples ``x`` ``(H_kv, N, D)`` (and gradients like it).
 
@@ -165,7 +169,7 @@ def fit_side(
     stats: dict[str, float] = {}
     channel_kw: dict[str, torch.Tensor] = {}
     if spec.has_channel_transform:  # what follows (static ranges) is fitted on (x - mean) / factor
-        channel_kw, stats = _channel_transform(spec, x, percentile, tie_rope)
+        channel_kw, stats = _channel_transform(spec, x, percentile, tie_rope, where)
         tensors.update({k.removeprefix("channel_"): v for k, v in channel_kw.items()})
         x = to_channel_basis(x[None], channel_kw.get("channel_mean"), channel_kw.get("channel_factor"))[0]
         if grad is not None and spec.smooth is not None:  # d loss / d(x / f) = grad * f
@@ -208,7 +212,7 @@ constant over the calibration samples would otherwise get a factor near 0 and bl
 
 
 def _channel_transform(
-    spec: TensorSpec, x: torch.Tensor, percentile: float = 99.9, tie: bool = False
+    spec: TensorSpec, x: torch.Tensor, percentile: float = 99.9, tie: bool = False, where: str = ""
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``centre`` / ``smooth`` vectors of one layer's side from samples ``x`` ``(H_kv, N, D)`` float32.
 
@@ -219,7 +223,9 @@ def _channel_transform(
     ``pre_rope`` specs, the larger of each RoPE pair's: ``tie_rope_pairs``), floored at
     ``SMOOTH_FLOOR`` of the head's largest and divided by the mean factor of the layer (per-token scales
     absorb a common constant). Stats: ``smooth_spread_db``, the largest factor over the smallest, in dB
-    (20 log10)."""
+    (20 log10); ``constant_heads``, when a head's samples all equal their reference (a dead head: every
+    channel's spread 0), whose factors are then 1 before that division (logged with ``where``, e.g. "layer 3
+    key"): the coded head is its samples minus the reference, zero, exact at any factor."""
     if x.shape[1] == 0:
         raise ValueError("no samples to take channel means / smoothing factors from")
     out: dict[str, torch.Tensor] = {}
@@ -234,8 +240,16 @@ def _channel_transform(
         if tie and spec.pre_rope:  # one factor per RoPE pair (d, d + D/2): it commutes with RoPE (QServe's rule)
             spread = tie_rope_pairs(spread)
         top = spread.amax(dim=-1, keepdim=True)
-        if bool((top <= 0).any()):
-            raise ValueError("a head's samples are all equal to their mean: no range to smooth")
+        dead = (top <= 0).squeeze(-1)  # (H_kv,)
+        if bool(dead.any()):
+            heads = dead.nonzero().flatten().tolist()
+            logger.warning(
+                "%sKV head(s) %s: every calibration sample equals the %s (a constant head); smoothing factor "
+                "1 there", f"{where}: " if where else "", heads, "channel mean" if spec.centre else "zero",
+            )  # fmt: skip
+            spread = torch.where(dead[:, None], torch.ones_like(spread), spread)
+            top = spread.amax(dim=-1, keepdim=True)
+            stats["constant_heads"] = float(len(heads))
         factor = spread.clamp_min(SMOOTH_FLOOR * top).pow(spec.smooth)
         factor = (factor / factor.mean()).to(torch.float16)
         out["channel_factor"] = factor
@@ -439,6 +453,7 @@ def artifact_from_samples(
                 absmax=None if amax is None else amax[i],
                 fp8_scale="mse" if fp8_scale == "centred" and side == "value" else fp8_scale,
                 tie_rope=tie_rope_pairs,
+                where=f"layer {i} {side}",
             )
             tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
             row.update({f"{side}_{k}": v for k, v in s.items()})
