@@ -138,14 +138,14 @@ def _merge_json_runs(args: argparse.Namespace, kind: str) -> int:
 
 def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
     """``report.md`` and the figure of a ``kvbits needle`` or ``kvbits speed`` folder, again from its JSON."""
-    from kvbits.report.needle import write_needle
+    from kvbits.report.needle import load_needle, write_needle
     from kvbits.report.speed import write_speed
     from kvbits.report.summary import read_json
 
     if args.threshold is not None or args.no_plots:
         raise ValueError(f"--threshold and --no-plots apply to kvbits eval runs; {out} holds a kvbits {command} run")
     path = out / f"{command}.json"
-    summary = read_json(path)
+    summary = load_needle(path) if command == "needle" else read_json(path)  # needle.json: checked field by field
     if not isinstance(summary, dict):
         raise TypeError(f"{path} holds no kvbits {command} summary (expected a JSON object)")
     (write_needle if command == "needle" else write_speed)(summary, out)

@@ -3,7 +3,8 @@
 ``summary.json`` (written by :mod:`kvbits.evaluate.runner`): ``delta_rel`` and its CI are
 *fractions* (``0.01`` = +1 % perplexity), ``top1`` is the fraction of positions whose argmax matches
 the reference, ``kl`` is the mean KL(reference ‖ quantized) in nats per token. Missing numbers
-(absent keys, ``null``, NaN) become NaN in the records and print as ``n/a``.
+(absent keys, ``null``, NaN) become NaN in the records and print as ``n/a``; an infinite ΔPPL prints as
+``+inf%``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def bucket_label(lo: int, hi: int) -> str:
 
 
 def fmt_pct(frac: float, digits: int = 2) -> str:
-    """A relative change (fraction) as a signed percentage: ``0.0042 -> '+0.42%'``."""
+    """A relative change (fraction) as a signed percentage: ``0.0042 -> '+0.42%'``; ``inf -> '+inf%'``
+    (a perplexity that overflowed: shown, not hidden as ``n/a``)."""
+    if math.isinf(frac):
+        return "+inf%" if frac > 0 else "-inf%"
     if not _ok(frac):
         return NA
     pct = frac * 100
@@ -108,6 +112,9 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_float(x: float, digits: int = 3) -> str:
+    """``x`` with ``digits`` decimals; ``n/a`` for NaN, ``inf`` for an overflowed value (a perplexity)."""
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
     return NA if not _ok(x) else f"{x:.{digits}f}"
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvbits.report.inputs import load_config
 from kvbits.report.render import _write_text
-from kvbits.report.summary import read_json
+from kvbits.report.summary import RunSummary, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def _load_run(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         or not summary["results"]
     ):
         raise ValueError(f"{folder / 'summary.json'} holds no scheme results; nothing to merge")
+    RunSummary.parse(summary, folder / "summary.json")  # a malformed field: ValueError naming it, not a KeyError
     config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
     return summary, config if isinstance(config, dict) else {}
 

@@ -50,10 +50,15 @@ TrialId = tuple[int, float, int]
 
 
 def _load(folder: Path) -> dict[str, Any]:
-    return load_json_run(
+    """A folder's ``needle.json``, checked field by field (:func:`kvbits.report.needle.check_needle`)."""
+    from kvbits.report.needle import check_needle
+
+    summary = load_json_run(
         folder, "needle", lambda s: isinstance(s.get("records"), list) and isinstance(s.get("results"), list)
         and bool(s["records"]) and bool(s["results"]), "no trials or no scheme results",
     )  # fmt: skip
+    check_needle(summary, folder / "needle.json")
+    return summary
 
 
 def _trial_id(record: Mapping[str, Any]) -> TrialId:

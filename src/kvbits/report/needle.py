@@ -3,7 +3,8 @@
 ``write_needle(summary, out_dir)`` writes ``needle.json`` (the summary of
 ``kvbits.evaluate.needle_run.needle_eval``, every trial included), ``report.md`` and, with matplotlib,
 ``needle.png``: one panel per run (the reference, then each scheme), contexts down, depths across, each
-cell the fraction of trials that retrieved the key.
+cell the fraction of trials that retrieved the key. ``load_needle(path)`` reads a ``needle.json`` back,
+checked (:func:`check_needle`): a hand-edited or foreign file is a ``ValueError`` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -11,16 +12,24 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
+from kvbits.report.summary import _json_kind, read_json
 
-__all__ = ["NEEDLE_FILES", "check_needle_out", "needle_markdown", "plot_needle", "trial_counts", "write_needle"]
+__all__ = [
+    "NEEDLE_FILES", "READS_VERSION", "check_needle", "check_needle_out", "load_needle", "needle_markdown",
+    "plot_needle", "trial_counts", "write_needle",
+]  # fmt: skip
 
 NEEDLE_FILES = ("needle.json", "report.md", "needle.png")
+
+READS_VERSION = 1
+"""The ``needle.json`` version this report reads: ``kvbits.evaluate.needle_run.NEEDLE_VERSION`` (not imported
+from there, which needs torch; a test keeps the two equal)."""
 
 _SEMANTICS = {
     "prefill": "the document (haystack and needle) prefilled in full precision and stored in each scheme's real "
@@ -32,6 +41,11 @@ _SEMANTICS = {
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
+
+
+def _fixed(x: float | None, spec: str) -> str:
+    """``x`` formatted with ``spec`` (``"+.3f"``), ``n/a`` for null or NaN (a mean over no finite values)."""
+    return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def _mib(n: int | None) -> str:
@@ -96,12 +110,13 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         "",
         "| scheme | avg bits | retrieved | kept | ΔNLL key | KL key | seconds |",
         "|:---|---:|---:|---:|---:|---:|---:|",
-        f"| unquantized | — | {_pct(ref['retrieved'])} | | | | {summary['reference_seconds']:.1f} |",
+        f"| unquantized | — | {_pct(ref['retrieved'])} | | | | {_fixed(summary['reference_seconds'], '.1f')} |",
     ]
     for r in summary["results"]:
         lines.append(
-            f"| {r['scheme']} | {r['avg_bits']:.2f} | {_pct(r['retrieved'])} | {_pct(r['kept'])} | "
-            f"{r['delta_nll']:+.3f} | {fmt_kl(r['kl'])} | {r['seconds']:.1f} |"
+            f"| {r['scheme']} | {_fixed(r['avg_bits'], '.2f')} | {_pct(r['retrieved'])} | {_pct(r['kept'])} | "
+            f"{_fixed(r['delta_nll'], '+.3f')} | {fmt_kl(math.nan if r['kl'] is None else r['kl'])} | "
+            f"{_fixed(r['seconds'], '.1f')} |"
         )
     by_context_note = (
         "*Retrieved (reference → scheme), key NLL (reference → scheme), and with prefill semantics the MiB the "
@@ -115,7 +130,10 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     for r in summary["results"]:
         cells = []
         for b in r["by_context"]:
-            cell = f"{_pct(b['retrieved_ref'])} → {_pct(b['retrieved'])}; NLL {b['nll_ref']:.2f} → {b['nll']:.2f}"
+            cell = (
+                f"{_pct(b['retrieved_ref'])} → {_pct(b['retrieved'])}; "
+                f"NLL {_fixed(b['nll_ref'], '.2f')} → {_fixed(b['nll'], '.2f')}"
+            )
             if b.get("cache_bytes") is not None:
                 cell += f"; {_mib(b['cache_bytes'])} of {_mib(b.get('cache_bytes_ref'))} MiB"
             cells.append(cell)
@@ -209,6 +227,146 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
         cb.set_label("fraction retrieved", fontsize=8)
     fig.suptitle(f"Passkey retrieval, {summary['model']} ({summary['semantics']} semantics)", fontsize=10)
     return save_png(fig, path)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# what a field of needle.json may hold: (test, what the error says was expected)
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "whole": (lambda v: _is_number(v) and math.isfinite(v) and v == int(v) and v >= 0, "a whole number >= 0"),
+    "number": (_is_number, "a number"),
+    "mean": (lambda v: v is None or _is_number(v), "a number or null"),
+    "bytes": (lambda v: v is None or (_is_number(v) and math.isfinite(v) and v >= 0), "a byte count or null"),
+    "flag": (lambda v: isinstance(v, bool), "true or false"),
+    "object": (lambda v: isinstance(v, Mapping), "an object"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+}
+
+
+def _of_kind(value: Any, kind: str, at: str) -> Any:
+    """``value`` when it is of ``kind`` (:data:`_KINDS`), else ``ValueError`` naming the field ``at``."""
+    test, what = _KINDS[kind]
+    if not test(value):
+        raise ValueError(f"{at} is {_json_kind(value)}; expected {what}")
+    return value
+
+
+def _need(d: Mapping[str, Any], key: str, kind: str, where: str = "", *, optional: bool = False) -> Any:
+    """``d[key]`` when it is of ``kind``, else ``ValueError`` naming ``where.key``; ``optional``: absent is None."""
+    at = f"{where}.{key}" if where else key
+    if key not in d:
+        if optional:
+            return None
+        raise ValueError(f"{at} is missing; expected {_KINDS[kind][1]}")
+    return _of_kind(d[key], kind, at)
+
+
+def _entries(d: Mapping[str, Any], key: str, kind: str, where: str = "") -> list[Any]:
+    """``d[key]``: a list whose every entry is of ``kind``, else ``ValueError`` naming the entry."""
+    at = f"{where}.{key}" if where else key
+    return [_of_kind(v, kind, f"{at}[{i}]") for i, v in enumerate(_need(d, key, "list", where))]
+
+
+def _check_grid(d: Mapping[str, Any], where: str, contexts: Sequence[int], depths: Sequence[float]) -> None:
+    """``d["grid"]``: one row per context, one fraction (or null) per depth."""
+    rows = _entries(d, "grid", "list", where)
+    if len(rows) != len(contexts) or any(len(row) != len(depths) for row in rows):
+        raise ValueError(
+            f"{where}.grid is not {len(contexts)} × {len(depths)} (contexts × depths): it does not match the run's "
+            "contexts and depths"
+        )
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            _of_kind(v, "mean", f"{where}.grid[{i}][{j}]")
+
+
+def _check_version(summary: Mapping[str, Any]) -> None:
+    """``ValueError`` unless ``version`` is :data:`READS_VERSION` (as ``kvbits needle`` has always written it)."""
+    version = _need(summary, "version", "whole")
+    if version != READS_VERSION:
+        raise ValueError(
+            f"version is {version}; this kvbits reads needle.json version {READS_VERSION} (a newer kvbits wrote it? "
+            "upgrade kvbits, or run kvbits needle again)"
+        )
+
+
+def _check_result(r: Mapping[str, Any], where: str, contexts: Sequence[int], depths: Sequence[float]) -> None:
+    """One entry of ``results``: a scheme's overall, per-context and per-cell figures."""
+    _need(r, "scheme", "text", where)
+    for key in ("avg_bits", "seconds"):
+        _need(r, key, "number", where)
+    for key in ("retrieved", "kept", "delta_nll", "kl"):
+        _need(r, key, "mean", where)
+    for i, b in enumerate(_entries(r, "by_context", "object", where)):
+        at = f"{where}.by_context[{i}]"
+        for key in ("retrieved", "retrieved_ref", "nll", "nll_ref"):
+            _need(b, key, "mean", at)
+        for key in ("cache_bytes", "cache_bytes_ref"):
+            _need(b, key, "bytes", at, optional=True)
+    _check_grid(r, where, contexts, depths)
+
+
+def _check_record(rec: Mapping[str, Any], where: str) -> None:
+    """One trial of ``records``: where it was, and whether the reference and each scheme retrieved the key."""
+    _need(rec, "context", "whole", where)
+    _need(rec, "depth", "number", where)
+    _need(rec, "index", "whole", where)
+    _need(_need(rec, "reference", "object", where), "retrieved", "flag", f"{where}.reference")
+    for name, score in _need(rec, "schemes", "object", where).items():
+        at = f"{where}.schemes.{name}"
+        _need(_of_kind(score, "object", at), "retrieved", "flag", at)
+
+
+def _check_needle_fields(s: Mapping[str, Any]) -> None:
+    """Every field :func:`needle_markdown` and :func:`plot_needle` read, of the kind they need."""
+    _check_version(s)
+    for key in ("model", "data", "semantics"):
+        _need(s, key, "text")
+    task = _need(s, "task", "object")
+    for key in ("needle", "question"):
+        _need(task, key, "text", "task")
+    _need(task, "digits", "whole", "task")
+    fingerprint = _need(s, "fingerprint", "object")
+    for key in ("model", "tokens"):
+        _need(fingerprint, key, "text", "fingerprint")
+    contexts, depths = _entries(s, "contexts", "whole"), _entries(s, "depths", "number")
+    for key in ("trials", "seed"):
+        _need(s, key, "whole")
+    _need(s, "reference_seconds", "number")
+    reference = _need(s, "reference", "object")
+    _need(reference, "retrieved", "mean", "reference")
+    _check_grid(reference, "reference", contexts, depths)
+    for i, r in enumerate(_entries(s, "results", "object")):
+        _check_result(r, f"results[{i}]", contexts, depths)
+    for i, rec in enumerate(_entries(s, "records", "object")):
+        _check_record(rec, f"records[{i}]")
+    if s.get("commit") is not None:
+        _need(s, "commit", "object")
+    if s.get("merged_from") is not None:
+        _entries(s, "merged_from", "object")
+
+
+def check_needle(summary: Any, source: str | os.PathLike[str]) -> None:
+    """``ValueError`` naming ``source`` (the file) and the field unless ``summary`` is a ``needle.json`` this
+    kvbits reports: the version it reads, and every field the report uses, of the kind it uses."""
+    if not isinstance(summary, Mapping):
+        raise ValueError(  # noqa: TRY004 - bad file content
+            f"{source} holds {_json_kind(summary)}; expected a kvbits needle summary (a JSON object)"
+        )
+    try:
+        _check_needle_fields(summary)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def load_needle(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``needle.json`` read back and checked (:func:`check_needle`)."""
+    summary = read_json(Path(path))
+    check_needle(summary, path)
+    return summary
 
 
 def check_needle_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

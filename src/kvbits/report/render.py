@@ -27,7 +27,7 @@ from kvbits.report.fmt import DEFAULT_THRESHOLD
 from kvbits.report.html_page import to_html
 from kvbits.report.inputs import load_config, load_token_arrays, reproduce_command
 from kvbits.report.markdown import to_markdown
-from kvbits.report.summary import RunSummary
+from kvbits.report.summary import RunSummary, log_non_finite
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ def write_report(
         raise TypeError(f"plots must be True, False or None, got {plots!r}")
     out = Path(out_dir)
     run = RunSummary.load(out)
+    log_non_finite(run, out / "summary.json")
     config = load_config(out)
     tokens = load_token_arrays(out, [r.name for r in run.results])
 

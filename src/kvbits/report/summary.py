@@ -7,15 +7,20 @@ all read these records, so they can never disagree about a number.
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
 
-__all__ = ["AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult", "read_json"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AttnLayer", "Bucket", "EntropyLayer", "Generation", "RunSummary", "SchemeResult", "log_non_finite", "read_json",
+]
 
 
 def read_json(path: Path) -> Any:
@@ -24,6 +29,47 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
+
+
+def _json_kind(x: Any) -> str:
+    """What a JSON value is, for error messages: ``a string ('abc')``, ``a list``, ``null``."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return f"a boolean ({str(x).lower()})"
+    if isinstance(x, (int, float)):
+        return f"a number ({x!r})"
+    if isinstance(x, str):
+        return f"a string ({x[:40]!r})"
+    return "a list" if isinstance(x, (list, tuple)) else "an object" if isinstance(x, Mapping) else type(x).__name__
+
+
+def _mapping(x: Any, where: str, what: str) -> Mapping[str, Any]:
+    """``x`` when it is a JSON object, else ``ValueError``: ``where`` (a field path) is not ``what``."""
+    if not isinstance(x, Mapping):
+        raise ValueError(f"{where} is {_json_kind(x)}; expected {what}")  # noqa: TRY004 - bad file content
+    return x
+
+
+def _items(x: Any, where: str, what: str) -> Sequence[Mapping[str, Any]]:
+    """A JSON list of objects, each ``what`` (absent or ``null``: empty), else ``ValueError`` naming ``where``."""
+    if x is None:
+        return ()
+    if not isinstance(x, list):
+        raise ValueError(f"{where} is {_json_kind(x)}; expected a list, each entry {what}")  # noqa: TRY004
+    return [_mapping(v, f"{where}[{i}]", what) for i, v in enumerate(x)]
+
+
+def _whole(d: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """``d[key]`` as a whole number >= 0 (``default`` when absent, if given), else ``ValueError``."""
+    if key not in d and default is not None:
+        return default
+    if key not in d:
+        raise ValueError(f"{where}.{key} is missing; expected a token position (a whole number >= 0)")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
+        raise ValueError(f"{where}.{key} is {_json_kind(v)}; expected a whole number >= 0")
+    return int(v)
 
 
 @dataclass(frozen=True)
@@ -44,17 +90,32 @@ class Bucket:
     def label(self) -> str:
         return bucket_label(self.lo, self.hi)
 
+    @property
+    def judged(self) -> bool:
+        """Whether the bucket has a ΔPPL to judge: a number, or +inf (worse than any budget); NaN is not."""
+        return not math.isnan(self.delta)
+
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Bucket:
+    def from_dict(cls, d: Mapping[str, Any], where: str = "bucket") -> Bucket:
+        """A bucket of ``summary.json``; ``ValueError`` naming ``where`` (its field path) without ``lo`` / ``hi``.
+
+        ``delta_rel`` missing or NaN is derived from the PPLs when they allow it (an infinite ``ppl`` gives
+        +inf: a failure); what stays NaN is a bucket the verdict does not judge. ``-inf`` can not be a ΔPPL
+        (PPL >= 0) and reads as NaN.
+        """
+        d = _mapping(d, where, "a position bucket object")
+        lo, hi = _whole(d, "lo", where), _whole(d, "hi", where)
         ppl, ppl_ref = _num(d.get("ppl")), _num(d.get("ppl_ref"))
         delta = _num(d.get("delta_rel"))
-        if not _ok(delta) and _ok(ppl) and _ok(ppl_ref) and ppl_ref > 0:
+        if math.isnan(delta) and (_ok(ppl) or ppl == math.inf) and _ok(ppl_ref) and ppl_ref > 0:
             delta = ppl / ppl_ref - 1
+        if delta == -math.inf:
+            delta = math.nan
         ci = d.get("delta_rel_ci") or (None, None)
         ci_t = (_num(ci[0]), _num(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else (math.nan,) * 2
         tokens = _num(d.get("tokens"))
         return cls(
-            lo=int(d["lo"]), hi=int(d["hi"]), tokens=int(tokens) if _ok(tokens) else 0, ppl=ppl,
+            lo=lo, hi=hi, tokens=int(tokens) if _ok(tokens) else 0, ppl=ppl,
             ppl_ref=ppl_ref, delta=delta, ci=ci_t, kl=_num(d.get("kl")), top1=_num(d.get("top1")),
         )
 
@@ -76,14 +137,17 @@ class EntropyLayer:
     buckets: tuple[tuple[int, int, float, float, float], ...]
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], default_layer: int = 0) -> EntropyLayer:
+    def from_dict(cls, d: Mapping[str, Any], default_layer: int = 0, where: str = "attn_entropy") -> EntropyLayer:
+        """One layer of ``attn_entropy``; ``ValueError`` naming ``where`` for a malformed entry."""
+        d = _mapping(d, where, "an object {layer, buckets}")
         rows = []
-        for b in d.get("buckets") or ():
+        for i, b in enumerate(_items(d.get("buckets"), f"{where}.buckets", "a position bucket object")):
             h, h_ref, delta = _num(b.get("entropy")), _num(b.get("entropy_ref")), _num(b.get("delta"))
             if not _ok(delta) and _ok(h) and _ok(h_ref):
                 delta = h - h_ref
-            rows.append((int(b["lo"]), int(b["hi"]), h, h_ref, delta))
-        return cls(layer=int(d.get("layer", default_layer)), buckets=tuple(rows))
+            at = f"{where}.buckets[{i}]"
+            rows.append((_whole(b, "lo", at), _whole(b, "hi", at), h, h_ref, delta))
+        return cls(layer=_whole(d, "layer", where, default_layer), buckets=tuple(rows))
 
 
 @dataclass(frozen=True)
@@ -136,8 +200,8 @@ class SchemeResult:
 
     @property
     def delta(self) -> float:
-        """Overall relative ΔPPL (fraction), from the overall PPLs."""
-        if _ok(self.ppl) and _ok(self.ppl_ref) and self.ppl_ref > 0:
+        """Overall relative ΔPPL (fraction), from the overall PPLs (+inf when ``ppl`` is)."""
+        if (_ok(self.ppl) or self.ppl == math.inf) and _ok(self.ppl_ref) and self.ppl_ref > 0:
             return self.ppl / self.ppl_ref - 1
         return math.nan
 
@@ -153,26 +217,36 @@ class SchemeResult:
 
     @property
     def max_delta(self) -> float:
-        vals = [b.delta for b in self.buckets if _ok(b.delta)]
+        """The worst bucket ΔPPL (+inf when a bucket's is), NaN without any; unjudged (NaN) buckets are skipped."""
+        vals = [b.delta for b in self.buckets if b.judged]
         return max(vals) if vals else math.nan
 
+    @property
+    def unjudged(self) -> tuple[Bucket, ...]:
+        """The buckets without a ΔPPL (missing or NaN in ``summary.json``): neither a pass nor a failure."""
+        return tuple(b for b in self.buckets if not b.judged)
+
     def first_failure(self, threshold: float = DEFAULT_THRESHOLD) -> Bucket | None:
-        """The first position bucket whose ΔPPL exceeds ``threshold`` (a fraction), or None."""
-        return next((b for b in self.buckets if _ok(b.delta) and b.delta > threshold), None)
+        """The first position bucket whose ΔPPL exceeds ``threshold`` (a fraction; +inf does), or None."""
+        return next((b for b in self.buckets if b.judged and b.delta > threshold), None)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SchemeResult:
-        buckets = tuple(sorted((Bucket.from_dict(b) for b in d.get("buckets") or ()), key=lambda b: b.lo))
+    def from_dict(cls, d: Mapping[str, Any], where: str = "result") -> SchemeResult:
+        """One entry of ``results``; ``ValueError`` naming the field (under ``where``) that is malformed."""
+        d = _mapping(d, where, "a scheme result object")
+        buckets = tuple(sorted(
+            (Bucket.from_dict(b, f"{where}.buckets[{i}]")
+             for i, b in enumerate(_items(d.get("buckets"), f"{where}.buckets", "a position bucket object"))),
+            key=lambda b: b.lo,
+        ))  # fmt: skip
         attn = tuple(
-            AttnLayer(
-                layer=int(a.get("layer", i)),
-                buckets=tuple(
-                    (int(b["lo"]), int(b["hi"]), _num(b.get("rel_err"))) for b in a.get("buckets") or ()
-                ),
-            )
-            for i, a in enumerate(d.get("attn_error") or ())
+            _attn_layer(a, i, f"{where}.attn_error[{i}]")
+            for i, a in enumerate(_items(d.get("attn_error"), f"{where}.attn_error", "a layer object"))
         )
-        entropy = tuple(EntropyLayer.from_dict(a, i) for i, a in enumerate(d.get("attn_entropy") or ()))
+        entropy = tuple(
+            EntropyLayer.from_dict(a, i, f"{where}.attn_entropy[{i}]")
+            for i, a in enumerate(_items(d.get("attn_entropy"), f"{where}.attn_entropy", "a layer object"))
+        )
         gen = d.get("generation")
         return cls(
             name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")), ppl=_num(d.get("ppl")),
@@ -182,6 +256,15 @@ class SchemeResult:
             calibration=dict(d.get("calibration") or {}) if isinstance(d.get("calibration"), Mapping) else {},
             decode=dict(d["decode"]) if isinstance(d.get("decode"), Mapping) else None,
         )
+
+
+def _attn_layer(a: Mapping[str, Any], index: int, where: str) -> AttnLayer:
+    """One layer of ``attn_error`` (``layer`` defaults to ``index``); ``ValueError`` naming ``where``."""
+    rows = []
+    for i, b in enumerate(_items(a.get("buckets"), f"{where}.buckets", "a position bucket object")):
+        at = f"{where}.buckets[{i}]"
+        rows.append((_whole(b, "lo", at), _whole(b, "hi", at), _num(b.get("rel_err"))))
+    return AttnLayer(layer=_whole(a, "layer", where, index), buckets=tuple(rows))
 
 
 @dataclass(frozen=True)
@@ -204,15 +287,21 @@ class RunSummary:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
+        """A parsed ``summary.json``: ``TypeError`` when it is not a mapping, ``ValueError`` naming the field
+        (``results[2].buckets[0].lo``, ``fingerprint``) that is malformed."""
         if not isinstance(d, Mapping):
             raise TypeError(f"summary must be a mapping (parsed summary.json), got {type(d).__name__}")
+        fingerprint = d.get("fingerprint")
+        if fingerprint is not None:
+            _mapping(fingerprint, "fingerprint", 'an object such as {"model": "...", "tokens": "..."}')
+        results = _items(d.get("results"), "results", "a scheme result object")
         ctx, win = _num(d.get("context")), _num(d.get("windows"))
         return cls(
             model=str(d.get("model", "?")), data=str(d.get("data", "?")),
             context=int(ctx) if _ok(ctx) else 0, semantics=str(d.get("semantics", "?")),
             mode=str(d.get("mode", "?")), windows=int(win) if _ok(win) else 0,
-            fingerprint=dict(d.get("fingerprint") or {}),
-            results=tuple(SchemeResult.from_dict(r) for r in d.get("results") or ()),
+            fingerprint=dict(fingerprint or {}),
+            results=tuple(SchemeResult.from_dict(r, f"results[{i}]") for i, r in enumerate(results)),
             reference_seconds=_num(d.get("reference_seconds")),
             peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
             run_peak_rss_bytes=_num(d.get("run_peak_rss_bytes")),
@@ -227,7 +316,20 @@ class RunSummary:
             p = p / "summary.json"
         if not p.is_file():
             raise FileNotFoundError(f"no summary.json at {p}; is this an evaluation output folder?")
-        return cls.from_dict(read_json(p))
+        return cls.parse(read_json(p), p)
+
+    @classmethod
+    def parse(cls, data: Any, path: str | Path) -> RunSummary:
+        """:meth:`from_dict` of the parsed file ``path``: ``ValueError`` naming the file and the malformed field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(  # noqa: TRY004 - bad file content
+                f"{path} holds {_json_kind(data)}; expected a kvbits eval summary (a JSON object)"
+            )
+        try:
+            run = cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        return run
 
     @classmethod
     def coerce(cls, summary: RunSummary | Mapping[str, Any] | str | Path) -> RunSummary:
@@ -259,6 +361,19 @@ class RunSummary:
         if _ok(self.peak_cuda_bytes) and self.peak_cuda_bytes > 0:
             parts.append(f"{fmt_bytes(self.peak_cuda_bytes)} CUDA allocated (run peak)")
         return ", ".join(parts)
+
+
+def log_non_finite(run: RunSummary, path: str | Path) -> None:
+    """Warn (naming ``path``) about each scheme's buckets whose ΔPPL is NaN (not judged) or +inf (a failure)."""
+    for r in run.results:
+        if r.unjudged and len(r.unjudged) < len(r.buckets):
+            logger.warning(
+                "%s: %s has no ΔPPL (delta_rel and ppl missing or NaN) at %s; those buckets are not judged",
+                path, r.name, ", ".join(b.label for b in r.unjudged),
+            )  # fmt: skip
+        infinite = [b.label for b in r.buckets if b.delta == math.inf]
+        if infinite:
+            logger.warning("%s: %s has an infinite ΔPPL at %s (judged as a failure)", path, r.name, ", ".join(infinite))
 
 
 def _bucket_at(r: SchemeResult, span: tuple[int, int]) -> Bucket | None:

@@ -79,7 +79,8 @@ class TableData:
 
 
 def _tone(delta: float, threshold: float) -> str:
-    if not _ok(delta):
+    """``muted`` for an unknown (NaN) ΔPPL, ``bad`` above ``threshold`` (+inf included), else ``good``."""
+    if math.isnan(delta):
         return "muted"
     return "bad" if delta > threshold else "good"
 

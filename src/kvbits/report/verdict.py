@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_pct, fmt_pos
-from kvbits.report.summary import RunSummary
+from kvbits.report.summary import RunSummary, SchemeResult
 
 __all__ = ["verdict"]
 
@@ -17,10 +18,29 @@ def _join(names: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
+def _unjudged_labels(r: SchemeResult) -> str:
+    """``1K–2K, 4K–8K``: the buckets of ``r`` without a ΔPPL (missing or NaN)."""
+    return ", ".join(b.label for b in r.unjudged)
+
+
+def _incomplete(schemes: list[SchemeResult], thr: str) -> str:
+    """The sentence for schemes within ``thr`` wherever measured but with buckets without a ΔPPL: not passes."""
+    one = len(schemes) == 1
+    items = _join([f"**{r.name}** (no ΔPPL at {_unjudged_labels(r)})" for r in schemes])
+    return (
+        f"Not judged: {items} {'is' if one else 'are'} incomplete (ΔPPL missing or NaN in summary.json), "
+        f"not {'a pass' if one else 'passes'}; {'it stays' if one else 'they stay'} within {thr} in the "
+        f"buckets {'it has' if one else 'they have'}."
+    )
+
+
 def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_THRESHOLD) -> str:
     """One paragraph, computed from the numbers: who stays within ``threshold`` ΔPPL in every
     position bucket, where each other scheme first exceeds it, the best bits/quality trade-off,
-    and which schemes get worse along the context. Inline ``**bold**`` marks scheme names."""
+    and which schemes get worse along the context. Inline ``**bold**`` marks scheme names.
+
+    A bucket whose ΔPPL is NaN (missing in ``summary.json``) is not judged: a scheme with one passes
+    nowhere, it is named as incomplete; an infinite ΔPPL is a failure."""
     run = RunSummary.coerce(summary)
     thr = fmt_pct(threshold, 0).lstrip("+")
     parts: list[str] = []
@@ -28,15 +48,16 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         return "The run holds no results."
     quant = [r for r in run.results if not r.is_baseline]
     for r in run.results:
-        if r.is_baseline and _ok(r.max_delta) and abs(r.max_delta) > 1e-4:
+        if r.is_baseline and not math.isnan(r.max_delta) and abs(r.max_delta) > 1e-4:
             parts.append(
                 f"Warning: the unquantized **{r.name}** differs from the reference by up to "
                 f"{fmt_pct(r.max_delta)}, so the evaluation path itself adds error."
             )
-    no_data = [r for r in quant if not any(_ok(b.delta) for b in r.buckets)]
+    no_data = [r for r in quant if not any(b.judged for b in r.buckets)]
     judged = [r for r in quant if r not in no_data]
-    passing = [r for r in judged if r.first_failure(threshold) is None]
     failing = [r for r in judged if r.first_failure(threshold) is not None]
+    incomplete = [r for r in judged if r not in failing and r.unjudged]
+    passing = [r for r in judged if r not in failing and r not in incomplete]
     upto = f" up to {fmt_pos(run.context)} tokens" if run.context else ""
     if not quant:
         parts.append("Only unquantized schemes were evaluated; there is no quantization to judge.")
@@ -47,17 +68,21 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
             f"reference in every position bucket{upto}."
         )
     elif judged:
-        parts.append(f"No quantized scheme stays within {thr} ΔPPL in every position bucket{upto}.")
+        shown = "is shown to stay" if incomplete else "stays"
+        parts.append(f"No quantized scheme {shown} within {thr} ΔPPL in every position bucket{upto}.")
     fails = []
     for r in failing:
         b = r.first_failure(threshold)
         assert b is not None
         where = f"already in the first bucket, {b.label}" if b is r.buckets[0] else f"at {b.label}"
         ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
-        fails.append(f"**{r.name}** {where} ({fmt_pct(b.delta)}{ci})")
+        holes = f"; no ΔPPL at {_unjudged_labels(r)}" if r.unjudged else ""
+        fails.append(f"**{r.name}** {where} ({fmt_pct(b.delta)}{ci}{holes})")
     if fails:
         parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
-    ranked = passing or sorted(judged, key=lambda r: r.max_delta)[:1]
+    if incomplete:
+        parts.append(_incomplete(incomplete, thr))
+    ranked = passing or sorted(failing, key=lambda r: r.max_delta)[:1]
     with_bits = [r for r in ranked if _ok(r.avg_bits)]
     if with_bits:
         best = min(with_bits, key=lambda r: (r.avg_bits, r.max_delta))

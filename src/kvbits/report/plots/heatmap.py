@@ -19,7 +19,7 @@ _DELTA_COLORS = ("#1a9850", "#91cf60", "#d9ef8b", "#fee08b", "#fc8d59", "#e34a33
 
 
 def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THRESHOLD) -> Path:
-    """Scheme × bucket ΔPPL % as coloured, annotated cells (NaN cells grey, 'n/a')."""
+    """Scheme × bucket ΔPPL % as coloured, annotated cells (NaN cells grey, 'n/a'; +inf in the worst colour)."""
     require_matplotlib()
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
@@ -36,8 +36,12 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
     norm = BoundaryNorm(_DELTA_BINS, cmap.N)
     fig = new_figure(max(5.5, 1.45 * len(spans) + 3.2), max(2.4, 0.55 * len(names) + 1.6))
     ax = fig.subplots()
-    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+    shown = np.where(np.isposinf(grid), _DELTA_BINS[-2] + 1.0, grid)  # +inf: the worst bin, not masked
+    im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
+        if v == math.inf:
+            ax.text(j, i, fmt_pct(v), ha="center", va="center", fontsize=8, color="white")
+            continue
         if not math.isfinite(v):
             ax.text(j, i, "n/a", ha="center", va="center", fontsize=8, color="#555555")
             continue
