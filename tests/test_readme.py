@@ -15,7 +15,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def python_blocks(text: str) -> list[str]:
     """The bodies of the fenced ```python blocks of ``text``, in order."""
-    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
 
 def test_python_blocks_are_found() -> None:

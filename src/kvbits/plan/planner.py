@@ -96,7 +96,13 @@ def _as_list(value: Any) -> tuple[list[Any], bool]:
     return [value], False
 
 
+MAX_GIB = 1 << 30
+"""The largest memory amount taken, in GiB (1 EiB): far beyond any GPU or node, and small enough that the
+byte counts stay finite (``1e308`` GiB overflowed a float)."""
+
+
 def _non_negative_gib(value: Any, what: str) -> int:
+    """``value`` GiB in bytes, for a number in ``[0, MAX_GIB]``; ``ValueError`` naming ``what`` otherwise."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -104,6 +110,10 @@ def _non_negative_gib(value: Any, what: str) -> int:
         or value < 0
     ):
         raise ValueError(f"{what} must be a finite number of GiB >= 0, got {value!r}")
+    if value > MAX_GIB:
+        raise ValueError(
+            f"{what} must be at most {MAX_GIB} GiB (1 EiB; a number of GiB, not of bytes), got {value!r}"
+        )
     return round(float(value) * GIB)  # a Python float, so round() gives an int (numpy floats too)
 
 

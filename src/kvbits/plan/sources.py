@@ -8,9 +8,11 @@ transformers is imported only when a config has to be built or loaded.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,16 +53,19 @@ def resolve_config(source: Any) -> tuple[Any, str]:
     return source, str(name)
 
 
-def _from_mapping(d: dict[str, Any]) -> Any:
+def _from_mapping(d: dict[str, Any], source: str = "the config dict") -> Any:
     """Build the transformers config class for ``d["model_type"]`` so that class defaults apply.
 
     A config.json may leave out fields whose class default matters (Gemma's ``head_dim=256``, the
-    default ``layer_types``). Dicts without a ``model_type``, or that transformers refuses, are read
-    as they are.
+    default ``layer_types``). Dicts without a ``model_type``, or whose type transformers does not know,
+    are read as they are. A config its class refuses (a field of the wrong type, a field transformers
+    divides by set to 0, too few ``layer_types``, an unknown dtype) is a ``ValueError`` naming ``source``
+    (the file, in messages) and the field.
     """
     model_type = d.get("model_type")
     if not model_type:
         return d
+    _check_fields(d, source)
     from transformers import AutoConfig
 
     rest = {k: v for k, v in d.items() if k != "model_type"}
@@ -74,6 +79,83 @@ def _from_mapping(d: dict[str, Any]) -> Any:
             exc,
         )
         return d
+    except _strict_errors() as exc:  # huggingface_hub's validation of the config dataclass
+        raise ValueError(f"{source} is not a valid {model_type!r} config: {_refusal(d, exc)}") from exc
+    except ZeroDivisionError as exc:
+        zeros = _zero_counts(d)
+        raise ValueError(
+            f"{source} is not a valid {model_type!r} config: transformers divides by a field that is 0 "
+            f"({', '.join(zeros) or 'a size or head count'}); expected a positive integer"
+        ) from exc
+
+
+_COUNT_WORDS = ("head", "layer", "size", "dim", "embd", "n_")
+_HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads")
+_DTYPE_FIELDS = ("dtype", "torch_dtype")
+
+
+def _is_count(key: str) -> bool:
+    """True for config keys that hold a size or a count (``num_attention_heads``, ``hidden_size``, ...)."""
+    return any(word in key for word in _COUNT_WORDS) and not key.endswith("_id")
+
+
+def _zero_counts(d: dict[str, Any], prefix: str = "") -> list[str]:
+    """The size and count fields of ``d`` (and of its sub-configs, dotted) that are 0."""
+    out = []
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out += _zero_counts(value, f"{prefix}{key}.")
+        elif type(value) is int and value == 0 and _is_count(key):
+            out.append(prefix + key)
+    return out
+
+
+def _check_fields(d: dict[str, Any], source: str, prefix: str = "") -> None:
+    """``ValueError`` for fields transformers would fail on deep inside (ZeroDivisionError,
+    AttributeError), naming ``source`` and the field: a head count below 1, an unknown dtype name; in
+    sub-configs (``text_config``) too."""
+    for key, value in d.items():
+        if isinstance(value, dict):
+            _check_fields(value, source, f"{prefix}{key}.")
+        elif key in _HEAD_FIELDS and type(value) is int and value < 1:
+            raise ValueError(
+                f"{source}: {prefix}{key} must be a positive integer (the attention heads), got {value}"
+            )
+        elif key in _DTYPE_FIELDS and isinstance(value, str) and not _is_torch_dtype(value):
+            raise ValueError(
+                f"{source}: {prefix}{key} {value!r} is not a torch dtype; expected a name such as "
+                "'float16', 'bfloat16' or 'float32'"
+            )
+
+
+def _refusal(d: dict[str, Any], exc: Exception) -> str:
+    """Why transformers' validation refused ``d``, by field names where kvbits can tell (its own messages
+    say "the hidden size" for ``hidden_size``)."""
+    cause = str(exc.__cause__ if exc.__cause__ is not None else exc)
+    hidden, heads = d.get("hidden_size"), d.get("num_attention_heads")
+    divides = type(hidden) is int and type(heads) is int and heads > 0 and hidden % heads == 0
+    if "hidden size" in cause.lower() and type(hidden) is int and type(heads) is int and not divides:
+        return f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})"
+    return cause
+
+
+def _is_torch_dtype(name: str) -> bool:
+    """True when ``torch.<name>`` is a dtype; True as well without torch (transformers then keeps the
+    name as it is)."""
+    if importlib.util.find_spec("torch") is None:
+        return True
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _strict_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's strict-dataclass validation errors (transformers 5 configs), or none."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: configs are not validated
+        return ()
+    return (StrictDataclassError,)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -86,10 +168,49 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+_GGUF_MAGIC = b"GGUF"
+
+
 def _from_gguf(path: Path) -> Any:
+    """The config transformers reads from the GGUF file ``path``; ``ValueError`` when the file is empty,
+    not a GGUF file, cut short (a partial download: ``struct.error`` or a numpy reshape deep inside) or
+    holds a model transformers can not read."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as exc:  # numpy's "cannot reshape array", transformers' own refusals
+        problem = _gguf_problem(path)
+        message = f"{path} {problem}" if problem else f"could not read a model config from {path}: {exc}"
+        raise ValueError(message) from exc
+    except (struct.error, EOFError, IndexError) as exc:
+        problem = _gguf_problem(path)
+        if problem is None:
+            raise
+        raise ValueError(f"{path} {problem}") from exc
+
+
+def _gguf_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole GGUF file (a phrase following the path), or None when gguf's reader
+    reads it through (or the ``gguf`` package is not installed to tell)."""
+    with path.open("rb") as f:
+        head = f.read(len(_GGUF_MAGIC))
+    if not head:
+        return "is empty, not a GGUF file"
+    if head != _GGUF_MAGIC:
+        return f"is not a GGUF file: it does not start with the GGUF magic bytes (got {head!r})"
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    try:
+        GGUFReader(path)
+    except Exception:  # noqa: BLE001 - any failure to read the file through is the answer
+        return (
+            f"is not a complete GGUF file: its {path.stat().st_size} bytes end before the metadata and "
+            "tensors it declares do, or it is corrupt (a download cut short? fetch it again)"
+        )
+    return None
 
 
 def _from_string(spec: str) -> tuple[Any, str]:
@@ -101,11 +222,11 @@ def _from_string(spec: str) -> tuple[Any, str]:
             return _from_gguf(p), p.stem
         if p.suffix.lower() == ".json":
             name = p.parent.name if p.name == "config.json" else p.stem
-            return _from_mapping(_read_json(p)), name
+            return _from_mapping(_read_json(p), str(p)), name
         raise ValueError(f"config file {spec!r}: expected a config.json (or other .json) or a .gguf file")
     if p.is_dir():
         if (p / "config.json").is_file():
-            return _from_mapping(_read_json(p / "config.json")), p.resolve().name
+            return _from_mapping(_read_json(p / "config.json"), str(p / "config.json")), p.resolve().name
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return _from_gguf(ggufs[0]), ggufs[0].stem

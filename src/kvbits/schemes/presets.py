@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -211,19 +212,42 @@ def mixed_scheme(base: str | KVScheme | dict, layers: dict[int, str | KVScheme |
     return b.replace(name=name, layers=tuple(sorted(subs.items(), key=lambda t: t[0])))
 
 
+MAX_LAYERS = 1 << 16
+"""Layer indices of a mixed scheme string must be below this (the deepest models have a few hundred
+layers): a range such as ``0-99999999`` is refused before it is expanded into one override per layer."""
+
+_LAYER_INDEX = re.compile(r"[0-9]+")
+
+
+def _layer_index(text: str, spec: str, where: str) -> int:
+    """One layer index of the mixed scheme string ``spec`` (``where``: the range it is part of), checked
+    against ``MAX_LAYERS`` before any range is expanded."""
+    digits = text.strip()
+    if len(digits.lstrip("0")) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:
+        raise ValueError(
+            f"mixed scheme {spec!r}: layer {digits} (in {where!r}) is out of range: layer indices count "
+            f"from 0 and must be below the model's layer count (kvbits takes at most {MAX_LAYERS} layers)"
+        )
+    return int(digits)
+
+
 def _parse_mixed(spec: str) -> KVScheme:
-    """``"BASE,L=SCHEME,L1-L2=SCHEME,..."`` -> ``mixed_scheme`` (layer ranges inclusive)."""
+    """``"BASE,L=SCHEME,L1-L2=SCHEME,..."`` -> ``mixed_scheme`` (layer ranges inclusive, indices below
+    ``MAX_LAYERS``)."""
     base, *parts = (p.strip() for p in spec.split(","))
     layers: dict[int, str] = {}
     for part in parts:
         where, eq, sub = part.partition("=")
         lo, dash, hi = where.partition("-")
-        if not eq or not sub or not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
+        if not eq or not sub or not _LAYER_INDEX.fullmatch(lo.strip()) or (
+            dash and not _LAYER_INDEX.fullmatch(hi.strip())
+        ):
             raise ValueError(
                 f"mixed scheme {spec!r}: expected BASE,LAYER=SCHEME or BASE,FIRST-LAST=SCHEME (layer indices "
                 f"from 0, e.g. 'int4-token,0-1=int8-token'), got {part!r}"
             )
-        first, last = int(lo), int(hi) if dash else int(lo)
+        first = _layer_index(lo, spec, where)
+        last = _layer_index(hi, spec, where) if dash else first
         if last < first:
             raise ValueError(f"mixed scheme {spec!r}: layer range {where!r} is empty")
         for i in range(first, last + 1):
@@ -233,13 +257,58 @@ def _parse_mixed(spec: str) -> KVScheme:
     return mixed_scheme(base, layers, name=spec)
 
 
+def _builtin(name: str) -> KVScheme | None:
+    """What ``name`` resolves to without reading any file: a preset, or a mixed scheme string of presets
+    (``"int4-token,0=fp16"``); None when it is neither."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if "," not in name or "=" not in name:
+        return None
+    base, *parts = (p.strip() for p in name.split(","))
+    if base not in _REGISTRY or any(p.partition("=")[2].strip() not in _REGISTRY for p in parts):
+        return None
+    try:
+        return _parse_mixed(name)
+    except ValueError:
+        return None
+
+
+def _content(scheme: KVScheme) -> dict:
+    """``scheme.to_dict()`` less what does not change the storage (``name``, ``description``,
+    ``reference``, in the per-layer overrides too)."""
+    d = {k: v for k, v in scheme.to_dict().items() if k not in ("name", "description", "reference")}
+    if "layers" in d:
+        d["layers"] = {i: _content(sub) for i, sub in scheme.layers}
+    return d
+
+
+def _check_name(scheme: KVScheme, source: str) -> KVScheme:
+    """``scheme`` (read from ``source``), unless it, or one of its per-layer overrides, takes the name of a
+    preset (or of a mixed scheme string of presets) but stores K/V differently: results are reported, and
+    resolved again, by name, so a file named ``fp16`` holding INT2 would pass for the unquantized baseline."""
+    for where, s in (("", scheme), *((f"layer {i}'s override ", sub) for i, sub in scheme.layers)):
+        builtin = _builtin(s.name)
+        if builtin is None:
+            continue
+        mine, theirs = _content(s), _content(builtin)
+        if mine != theirs:
+            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            what = "preset" if s.name in _REGISTRY else "mixed scheme of presets"
+            raise ValueError(
+                f"{source}: {where}scheme name {s.name!r} is the name of a kvbits {what}, but this scheme "
+                f"differs from it ({', '.join(differ)}); rename it (e.g. \"{s.name}-custom\") so that its "
+                f"results are not taken for those of {s.name!r}"
+            )
+    return scheme
+
+
 def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
     """Resolve a preset name, a path to a scheme JSON file, a dict, a ``KVScheme``, or a per-layer mix
     ``"BASE,LAYER=SCHEME,FIRST-LAST=SCHEME"`` of those names (``mixed_scheme``)."""
     if isinstance(spec, KVScheme):
         return spec
     if isinstance(spec, dict):
-        return KVScheme.from_dict(spec)
+        return _check_name(KVScheme.from_dict(spec), "scheme dict")
     if not isinstance(spec, str):
         raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
     if spec in _REGISTRY:
@@ -254,7 +323,8 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         )
     if path.suffix.lower() == ".json":
         try:
-            return KVScheme.from_dict(json.loads(path.read_text()))
+            scheme = KVScheme.from_dict(json.loads(path.read_text()))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path} is not a valid kvbits scheme JSON: {exc}") from exc
+        return _check_name(scheme, f"scheme file {path}")
     raise ValueError(f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)")

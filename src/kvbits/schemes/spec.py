@@ -327,8 +327,14 @@ class KVScheme:
     def check_layer_count(self, n_layers: int, what: str = "the model's") -> None:
         """``ValueError`` when an override names a layer ``>= n_layers`` (``what`` says whose count)."""
         beyond = [i for i, _ in self.layers if i >= n_layers]
+        if len(beyond) > 8:  # a range such as 0-60000 on a 2-layer model: not 59,998 numbers in a message
+            listed = f"[{beyond[0]}, {beyond[1]}, {beyond[2]}, ..., {beyond[-1]}] ({len(beyond)} layers)"
+        else:
+            listed = str(beyond)
         if beyond:
-            raise ValueError(f"mixed scheme {self.name!r} overrides layers {beyond}, beyond {what} {n_layers} layers")
+            raise ValueError(
+                f"mixed scheme {self.name!r} overrides layers {listed}, beyond {what} {n_layers} layers"
+            )
 
     def layer_schemes(self) -> list[KVScheme]:
         """This scheme (without overrides) and every override, in order: what some layer may be stored by."""

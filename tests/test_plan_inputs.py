@@ -1,0 +1,147 @@
+"""The planner refuses malformed inputs with a clear ``ValueError``: config files transformers refuses deep
+inside, truncated GGUF files, absurd memory budgets."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvbits.plan import ModelShape, plan
+from kvbits.plan.planner import MAX_GIB
+
+
+def llama_dict(**overrides):
+    d = {
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    }
+    d.update(overrides)
+    return d
+
+
+# ------------------------------------------------------------------------------ malformed config.json
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        # ZeroDivisionError inside LlamaConfig
+        (llama_dict(num_attention_heads=0), r"num_attention_heads must be a positive integer .*got 0"),
+        # huggingface_hub StrictDataclass*ValidationError
+        (llama_dict(hidden_size=250), r"'llama' config: hidden_size \(250\) is not a multiple of num_attention_heads"),
+        (llama_dict(num_hidden_layers=2.5), r"'llama' config: .*'num_hidden_layers' expected int, got float"),
+        (llama_dict(num_hidden_layers="2"), r"'num_hidden_layers' expected int, got str"),
+        (
+            {"model_type": "gemma3_text", "num_hidden_layers": 4, "layer_types": ["sliding_attention"]},
+            r"'gemma3_text' config: `num_hidden_layers` \(4\) must be equal to the number of `layer_types` \(1\)",
+        ),
+        # AttributeError: module 'torch' has no attribute 'weird'
+        (llama_dict(torch_dtype="weird"), r"torch_dtype 'weird' is not a torch dtype"),
+        (llama_dict(dtype="weird"), r"dtype 'weird' is not a torch dtype"),
+    ],
+    ids=["zero-heads", "hidden-not-multiple", "float-layers", "str-layers", "few-layer-types", "torch_dtype",
+         "dtype"],
+)  # fmt: skip
+def test_malformed_config_file_is_a_value_error_naming_file_and_field(tmp_path, config, match):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match) as info:
+        plan(str(path), context=100)
+    assert str(info.value).startswith(str(path))
+    with pytest.raises(ValueError, match=match):  # a folder holding config.json names that file
+        plan(str(tmp_path), context=100)
+    with pytest.raises(ValueError, match=match):  # a dict: named as such
+        plan(config, context=100)
+
+
+def test_zero_in_a_sub_config_is_named(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"model_type": "gemma3", "text_config": {"num_attention_heads": 0}}))
+    with pytest.raises(ValueError, match=r"cfg\.json: text_config\.num_attention_heads must be a positive"):
+        plan(str(path), context=100)
+
+
+def test_a_valid_config_file_still_plans(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(llama_dict(torch_dtype="bfloat16")))
+    r = plan(str(path), context=100)
+    assert r["total_bytes"] == 2 * (2 * 2 * 64 * 100 * 2)  # 2 layers, K and V, 2 heads x 64, bf16
+
+
+# ------------------------------------------------------------------------------ truncated GGUF
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path) -> Path:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "whole" / "tiny.gguf"
+    path.parent.mkdir()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(3)
+    w.add_context_length(2048)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(512)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.ones((16, 256), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_truncated_gguf_is_not_a_complete_gguf_file(tiny_gguf, tmp_path):
+    """A 50 KB prefix of a real GGUF raised struct.error, a 2 MB one numpy's 'cannot reshape array'."""
+    data = tiny_gguf.read_bytes()
+    assert plan(tiny_gguf, context=10)["total_bytes"] > 0
+    cuts = {"magic": 4, "header": 20, "metadata": 200, "tensor-info": len(data) - 16 * 256 * 4 - 8,
+            "tensor-data": len(data) // 2, "last-byte": len(data) - 1}  # fmt: skip
+    for what, n in cuts.items():
+        cut = tmp_path / f"cut-{what}.gguf"
+        cut.write_bytes(data[:n])
+        with pytest.raises(ValueError, match=rf"cut-{what}\.gguf is not a complete GGUF file: its {n} bytes"):
+            plan(cut, context=10)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [(b"", "is empty"), (b"hello, world", "is not a GGUF file: it does not start with the GGUF magic")],
+)
+def test_empty_or_foreign_file_is_not_a_gguf_file(tmp_path, content, match):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"x\.gguf {match}"):
+        plan(path, context=10)
+
+
+# ------------------------------------------------------------------------------ memory budgets
+
+
+@pytest.mark.parametrize("field", ["gpu_mem_gib", "weights_gib", "reserve_gib"])
+@pytest.mark.parametrize("value", [1e308, 1.7e299, MAX_GIB + 1])
+def test_absurd_memory_amounts_are_refused(field, value):
+    """--gpu-mem 1e308 raised OverflowError (the bytes overflowed a float)."""
+    kwargs = {"gpu_mem_gib": 80, "weights_gib": 1, field: value}
+    with pytest.raises(
+        ValueError, match=rf"{field} must be at most {MAX_GIB} GiB .*got {re.escape(repr(value))}"
+    ):
+        plan(ModelShape.from_dims(2, 2, 64), context=1024, **kwargs)
+
+
+def test_the_largest_memory_amount_plans():
+    r = plan(ModelShape.from_dims(2, 2, 64), context=1024, gpu_mem_gib=MAX_GIB, weights_gib=1)
+    assert r["gpu_mem_bytes"] == MAX_GIB * (1 << 30) and r["fits"]

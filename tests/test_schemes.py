@@ -1,0 +1,116 @@
+"""Resolving schemes from user input: mixed-scheme layer ranges, scheme files and dicts named like presets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvbits.plan import ModelShape, plan
+from kvbits.schemes import KVScheme, get_scheme
+from kvbits.schemes.presets import MAX_LAYERS
+
+# ------------------------------------------------------------------------------ mixed-scheme layer ranges
+
+
+def test_huge_layer_range_is_refused_before_it_is_expanded():
+    """'0-99999999' was expanded into one override per layer before the layer count was checked: the
+    process never returned and kept allocating. Run in a child with a memory cap and a timeout, so the
+    old behaviour fails the test instead of the machine."""
+    code = textwrap.dedent(
+        """
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+        from kvbits.schemes import get_scheme
+        try:
+            get_scheme("int8-token,0-99999999=fp16")
+        except ValueError as exc:
+            print(exc)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "layer 99999999 (in '0-99999999') is out of range" in out.stdout
+    assert f"at most {MAX_LAYERS} layers" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "spec, bad",
+    [
+        (f"int4-token,{MAX_LAYERS}=fp16", str(MAX_LAYERS)),
+        (f"int4-token,0-{MAX_LAYERS}=fp16", str(MAX_LAYERS)),
+        ("int4-token,0-" + "9" * 5000 + "=fp16", "9" * 5000),  # int() refuses over 4300 digits
+    ],
+)
+def test_layer_indices_beyond_the_limit_are_a_clear_error(spec, bad):
+    with pytest.raises(ValueError, match=rf"layer {bad} \(in '.*'\) is out of range"):
+        get_scheme(spec)
+
+
+def test_non_ascii_digits_are_not_layer_indices():
+    """str.isdigit() took '²', which int() then refused with a bare 'invalid literal' error."""
+    with pytest.raises(ValueError, match=r"expected BASE,LAYER=SCHEME.*got '0-²=fp16'"):
+        get_scheme("int4-token,0-²=fp16")
+
+
+def test_the_last_allowed_layer_index_parses():
+    m = get_scheme(f"int4-token,{MAX_LAYERS - 1}=fp16")
+    assert [i for i, _ in m.layers] == [MAX_LAYERS - 1]
+
+
+def test_a_range_past_the_model_keeps_its_message_and_a_long_one_is_shortened():
+    shape = ModelShape.from_dims(2, 2, 64)
+    with pytest.raises(ValueError, match=r"overrides layers \[2, 3, 4, 5\], beyond the model's 2 layers"):
+        plan(shape, context=1024, scheme="int8-token,0-5=fp16")
+    with pytest.raises(ValueError) as info:
+        plan(shape, context=1024, scheme="int8-token,0-60000=fp16")
+    assert str(info.value) == (
+        "mixed scheme 'int8-token,0-60000=fp16' overrides layers [2, 3, 4, ..., 60000] (59999 layers), "
+        "beyond the model's 2 layers"
+    )
+
+
+# ------------------------------------------------------------------------------ preset names taken by files
+
+
+def _int2_named(name: str) -> dict:
+    return {**get_scheme("int2-token").to_dict(), "name": name}
+
+
+def test_scheme_file_named_like_a_preset_but_different_is_refused(tmp_path):
+    """A file holding int2-token under the name 'fp16' was planned, reported and resolved by name as the
+    unquantized baseline."""
+    path = tmp_path / "fakefp16.json"
+    path.write_text(json.dumps(_int2_named("fp16")))
+    with pytest.raises(ValueError, match=r"fakefp16\.json: scheme name 'fp16' is the name of a kvbits preset.*"
+                       r"differs from it \(key, value\); rename it"):  # fmt: skip
+        get_scheme(str(path))
+    with pytest.raises(ValueError, match="rename it"):
+        plan(ModelShape.from_dims(2, 2, 64), context=1024, scheme=str(path))
+
+
+def test_scheme_dict_named_like_a_preset_but_different_is_refused():
+    with pytest.raises(ValueError, match=r"scheme dict: scheme name 'fp16' is the name of a kvbits preset"):
+        get_scheme(_int2_named("fp16"))
+    # a per-layer override under a preset's name, and a name that is a mixed scheme string of presets
+    with pytest.raises(ValueError, match=r"layer 0's override scheme name 'fp16'"):
+        get_scheme({"name": "my-mix", "layers": {"0": _int2_named("fp16")}})
+    with pytest.raises(ValueError, match=r"'fp16,0=bf16' is the name of a kvbits mixed scheme of presets"):
+        get_scheme(_int2_named("fp16,0=bf16"))
+
+
+def test_scheme_file_with_a_preset_name_and_the_same_content_is_accepted(tmp_path):
+    for name in ("fp16", "kivi-2", "int4-token,0-1=int8-token,5=fp16"):
+        preset = get_scheme(name)
+        path = tmp_path / "same.json"
+        path.write_text(preset.to_json())
+        assert get_scheme(str(path)) == preset
+        # the description and reference are for people: an edited one stores the same cache
+        assert get_scheme({**preset.to_dict(), "description": "mine", "reference": ""}).name == name
+    renamed = get_scheme(_int2_named("int2-mine"))
+    assert isinstance(renamed, KVScheme) and renamed.key == get_scheme("int2-token").key
