@@ -1251,3 +1251,23 @@ def test_fp8_ranges_past_the_tracked_positions_fold_into_one_running_max(monkeyp
                 assert per_layer[i] == pytest.approx(float(want.max()), rel=1e-6)
     with pytest.raises(ValueError, match="first 40 tokens only"):
         samples.layer_absmax("value", 41)
+
+
+def test_fp8_on_all_zero_samples_takes_scale_one_and_says_so(caplog):
+    """Zeros are stored exactly at any scale; the fallback (vLLM's 1.0) is logged with where it happened."""
+    from kvbits.calibrate.fit import fit_side
+
+    tensor = get_scheme("fp8-e4m3").key
+    head = get_scheme("fp8-e4m3-head").key
+    x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="kvbits.calibrate.fit"):
+        t, _ = fit_side(tensor, torch.zeros_like(x), where="layer 2 value")
+        assert float(t["scale"]) == 1.0 and "layer 2 value: FP8 tensor: every calibration sample is 0" in caplog.text
+        caplog.clear()
+        x[1] = 0
+        t, _ = fit_side(head, x, where="layer 0 key")
+        assert t["scale"].flatten()[1] == 1.0 and t["scale"].flatten()[0] != 1.0
+        assert "layer 0 key: FP8 KV head(s) [1]" in caplog.text
+        caplog.clear()
+        fit_side(tensor, x)  # one head is not the whole tensor: nothing to say
+        assert caplog.text == ""

@@ -162,7 +162,8 @@ def fit_side(
     if x.dim() != 3:
         raise ValueError(f"samples must be (H_kv, N, D), got {tuple(x.shape)}")
     if spec.kind == "fp8":  # a rotated side: x @ R, and absmax must be the largest |x @ R|
-        return _fit_fp8(spec, x if spec.rotate is None else rotate(x.float(), spec.rotate), absmax, fp8_scale)
+        xr = x if spec.rotate is None else rotate(x.float(), spec.rotate)
+        return _fit_fp8(spec, xr, absmax, fp8_scale, where)
     x = _trim_to_groups(x.float(), spec)
     grad = None if grad is None else _trim_to_groups(grad.float(), spec)
     tensors: dict[str, torch.Tensor] = {}
@@ -286,7 +287,11 @@ def _without_channel_transform(spec: TensorSpec) -> TensorSpec:
 
 
 def _fit_fp8(
-    spec: TensorSpec, x: torch.Tensor, absmax: float | Sequence[float] | torch.Tensor | None, fp8_scale: str = "amax"
+    spec: TensorSpec,
+    x: torch.Tensor,
+    absmax: float | Sequence[float] | torch.Tensor | None,
+    fp8_scale: str = "amax",
+    where: str = "",
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The FP8 scale of one layer and side (see ``fit_side``): per tensor ``()``, per head ``(H_kv,)``."""
     check_fp8_scale(fp8_scale)
@@ -304,6 +309,12 @@ def _fit_fp8(
             raise ValueError(f"per-head FP8 calibration: {len(groups)} heads, but absmax has {len(amaxes)} values")
     else:
         amaxes = [float(absmax)]
+    if 0.0 in amaxes:  # stored exactly at any scale; what serving brings there later meets scale 1.0
+        zero = [h for h, a in enumerate(amaxes) if a == 0.0]
+        logger.warning(
+            "%sFP8 %s: every calibration sample is 0; scale 1.0 (vLLM's default) there",
+            f"{where}: " if where else "", f"KV head(s) {zero}" if len(amaxes) > 1 else "tensor",
+        )  # fmt: skip
     fits = [_fit_fp8_group(spec, g, a, fp8_scale) for g, a in zip(groups, amaxes)]
     scale = torch.stack([f[0] for f in fits]) if per_head else fits[0][0]
     stats: dict[str, float] = {"absmax": max(amaxes)}
