@@ -273,7 +273,7 @@ def check_channel_groups(scheme: KVScheme, key_dim: int, value_dim: int, where: 
             )
         if not token_groups_fit(spec, D):
             g = spec.group_size
-            allowed = [d for d in range(1, D + 1) if D % d == 0]
+            allowed = [d for d in range(2, D + 1) if D % d == 0]  # 1 is refused by TensorSpec (lossless)
             raise ValueError(
                 f"{where}: scheme {scheme.name!r} quantizes {side} per token in groups of group_size channels, "
                 f"which must divide head_dim {D}: group_size must be one of {allowed} (or None: all {D} "
