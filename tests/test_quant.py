@@ -918,3 +918,21 @@ def test_mixed_scheme_fields_are_checked():
         KVScheme.from_dict({**base.to_dict(), "layers": [1]})
     with pytest.raises(ValueError, match="keys are layer indices"):
         KVScheme.from_dict({**base.to_dict(), "layers": {"first": sub.to_dict()}})
+
+
+def test_tiny_values_meet_float16s_smallest_scale_not_zero():
+    """README, "Range of the stored values": a scale rounds up to float16's smallest step (2**-24), never to
+    0; down to |x| ~ 1e-5 the relative error is the scheme's own, below it the absolute error is at most
+    half that step."""
+    x0 = torch.randn(1, 2, 128, 64, generator=torch.Generator().manual_seed(0))
+    for name in ("int8-token", "int4-token", "kivi-4"):
+        spec = get_scheme(name).key
+        base = float((quantize(x0, spec).dequantize().float() - x0).norm() / x0.norm())
+        for m, ratio in ((1e-5, 1.2), (1e-4, 1.2)):
+            x = x0 * m
+            y = quantize(x, spec).dequantize().float()
+            assert float((y - x).norm() / x.norm()) < ratio * base, (name, m)
+        for m in (1e-8, 1e-9):
+            qt = quantize(x0 * m, spec)
+            assert float(qt.scale.float().min()) == 2**-24, (name, m)  # rounded up, not underflowed to 0
+            assert float((qt.dequantize().float() - x0 * m).abs().max()) <= 2**-25 * 1.001, (name, m)
