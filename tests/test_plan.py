@@ -7,6 +7,7 @@ import logging
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -270,11 +271,12 @@ def test_dtype_bytes_from_config_and_override():
     assert plan({**d, "dtype": "float32"}, context=100, scheme="kivi-2")["avg_bits"] == 32.0
 
 
-def test_gguf_file(tmp_path):
+def write_tiny_gguf(path: Path) -> Path:
+    """A Llama GGUF at ``path``: 3 layers, 4 query / 2 KV heads, hidden 256 (head dim 64), 2,048 context,
+    one 16 x 256 embedding of zeros (skips the test when the ``gguf`` package is missing)."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(3)
     w.add_context_length(2048)
@@ -289,6 +291,11 @@ def test_gguf_file(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_gguf_file(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
     for source in (path, tmp_path):  # the file, or a folder holding exactly one .gguf
         shape = load_shape(source)
         assert (shape.n_layers, shape.layers[0].kv_heads, shape.layers[0].head_dim) == (3, 2, 64)

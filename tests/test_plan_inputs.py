@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_plan import write_tiny_gguf
 
 from kvbits.plan import ModelShape, plan
 from kvbits.plan.planner import MAX_GIB
@@ -82,26 +83,9 @@ def test_a_valid_config_file_still_plans(tmp_path):
 
 @pytest.fixture
 def tiny_gguf(tmp_path) -> Path:
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-
     path = tmp_path / "whole" / "tiny.gguf"
     path.parent.mkdir()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(3)
-    w.add_context_length(2048)
-    w.add_embedding_length(256)
-    w.add_feed_forward_length(512)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tensor("token_embd.weight", np.ones((16, 256), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tiny_gguf(path)
 
 
 def test_truncated_gguf_is_not_a_complete_gguf_file(tiny_gguf, tmp_path):
