@@ -300,9 +300,34 @@ def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tm
     argv = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt"]
     status = main([*argv, "--scheme", "kvquant-4", "--out", str(out)])
     err = capsys.readouterr().err
-    assert status == 2 and "kvbits calibrate: error: output path" in err and "is not a folder" in err, err
+    assert status == 2 and f"kvbits calibrate: error: --out {out}: exists and is not a folder" in err, err
     assert "no-such-model" not in err and "Errno" not in err
     assert out.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "args"),
+    [
+        ("eval", ["--scheme", "int4-token"]),
+        ("analyze", []),
+        ("calibrate", ["--scheme", "kvquant-4"]),
+        ("needle", ["--scheme", "int4-token", "--context", "1k"]),
+        ("speed", ["--scheme", "int4-token", "--context", "1k"]),
+        ("tune", ["--candidates", "int8-token", "--candidates", "int4-token", "--budget-bits", "6"]),
+        ("export", ["--calibration", "cal"]),
+    ],
+)
+def test_an_out_that_can_not_be_written_is_refused_before_the_run(capsys, tmp_path, command, args):
+    """``--out`` below a file ran the whole command (a needle sweep, a calibration), then failed with
+    ``[Errno 20] Not a directory``; kvbits.cli now checks every --out first (tune's as a file)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine\n")
+    model = [] if command == "export" else ["--model", str(tmp_path / "no-such-model"), "--data", "x.txt"]
+    out = blocker / ("mix.json" if command == "tune" else "run")
+    status = main([command, *model, *args, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and f"--out {out}: can not write there ({blocker} is a file, not a folder)" in err, err
+    assert "no-such-model" not in err and "Errno" not in err and blocker.read_text() == "mine\n"
 
 
 @pytest.mark.parametrize(

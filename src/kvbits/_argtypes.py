@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "add_summary_output_args",
     "add_window_args",
     "bounded",
+    "check_output_path",
     "emit_summary",
 ]
 
@@ -201,3 +204,26 @@ def emit_summary(
         return 0
     show(summary, args.out)
     return 0
+
+
+def check_output_path(path: str | os.PathLike[str] | None, flag: str, kind: str = "folder") -> None:
+    """``ValueError`` before a run when its output can not be written: ``path`` (a ``kind`` of "folder" or
+    "file") exists as the other kind, or its nearest existing ancestor is not a folder this process can
+    write (missing folders are created on write). None: nothing to check. What a finished run would
+    otherwise trip on after minutes or hours of work."""
+    if path is None:
+        return
+    if kind not in ("folder", "file"):
+        raise ValueError(f"kind must be 'folder' or 'file', got {kind!r}")
+    p = Path(path).expanduser()
+    if kind == "folder" and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a folder")
+    if kind == "file" and p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, expected a file path")
+    parent = p if kind == "folder" else p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: can not write there ({parent} is a file, not a folder)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: can not write there (no write permission in {parent})")

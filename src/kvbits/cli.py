@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbits._argtypes import bounded
+from kvbits._argtypes import bounded, check_output_path
 
 logger = logging.getLogger("kvbits.cli")
 
@@ -528,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        # an --out that can not be written fails now, not after the run (tune's --out is a file)
+        check_output_path(getattr(args, "out", None), "--out", getattr(args, "_out_kind", "folder"))
         status = run(args)
     except (ValueError, TypeError) as exc:
         logger.debug("details", exc_info=True)

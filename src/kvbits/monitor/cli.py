@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_output_path
 from kvbits.monitor.export import check_label_name
 
 __all__ = ["add_parser", "run"]
@@ -88,28 +86,13 @@ def _labels(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def _check_output(path: str | None, flag: str) -> None:
-    """``ValueError`` (before the run) when ``path`` can not be written: a folder, or a parent that is not a
-    writable folder (created on write when missing, so its nearest existing ancestor must be writable)."""
-    if path is None:
-        return
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise ValueError(f"{flag} {path}: is a folder, expected a file path")
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: can not write there ({parent} is not a writable folder)")
-
-
 def run(args: argparse.Namespace) -> int:
     from kvbits.monitor.policy import FallbackPolicy
     from kvbits.monitor.watch import watch
 
     labels = _labels(args.label)  # everything a finished run would trip on, checked before it starts
-    _check_output(args.prom, "--prom")
-    _check_output(args.events, "--events")
+    check_output_path(args.prom, "--prom", "file")
+    check_output_path(args.events, "--events", "file")
     policy = FallbackPolicy(
         key_error=args.key_error, value_error=args.value_error, clipped_fraction=args.clipped_fraction,
         beyond_calibration=args.beyond_calibration, scope=args.scope, patience=args.patience,

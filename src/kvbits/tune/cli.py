@@ -76,6 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--name", help="name of the mix (default tuned-<budget>)")
     p.add_argument("--out", help="scheme JSON to write (and <out>.tune.json with the measurements)")
+    p.set_defaults(_out_kind="file")  # kvbits.cli checks it before the run as a file path, not a folder
     p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")
     p.add_argument("--json", action="store_true", help="print the tune record as JSON")
     add_dtype_device(p, DEVICES)
@@ -90,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)  # before the model loads
     if args.out and Path(args.out).suffix.lower() != ".json":
         raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
-    if args.out and Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out}: is a folder, expected a .json file path")
     res = tune(
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
