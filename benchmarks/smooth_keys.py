@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import importlib
 import json
 import platform
 import subprocess
@@ -33,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-import kvbits.evaluate.simulate as sim_mod
 from kvbits.evaluate import evaluate
 from kvbits.evaluate.data import load_text, make_windows, tokenize
 from kvbits.evaluate.models import load_model
 from kvbits.schemes import get_scheme
+
+sim_mod = importlib.import_module("kvbits.evaluate.simulate")  # the module (kvbits.evaluate.simulate is the function)
 
 _LAYER: contextvars.ContextVar[int | None] = contextvars.ContextVar("smooth_layer", default=None)
 _STATS: dict[int, dict[str, torch.Tensor]] = {}  # calibration: per layer, sums and maxima over tokens

@@ -128,15 +128,19 @@ def check_calibrate_args(
     return scheme
 
 
-def _windows(data: Any, tokenizer: Any, context: int, windows: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record."""
+def _windows(
+    data: Any, tokenizer: Any, context: int, windows: int, model: Any = None
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record; token ids
+    must be integers within ``model``'s embedding table."""
     _check_windows(context, windows)
     record: dict[str, Any] = {}
     if isinstance(data, torch.Tensor):
-        if data.dtype.is_floating_point or data.dim() not in (1, 2):
-            raise TypeError(
-                f"token ids must be an integer tensor (N,) or (W, T), got {data.dtype} {tuple(data.shape)}"
-            )
+        from kvbits.evaluate.data import check_token_ids
+
+        if data.dim() not in (1, 2):
+            raise TypeError(f"token ids must be an integer tensor (N,) or (W, T), got shape {tuple(data.shape)}")
+        check_token_ids(data, model)
         ids = data.long()
         record.update(
             name="token-ids",
@@ -295,7 +299,7 @@ def collect_samples(
     torch_dtype, _ = _resolve_dtype(dtype)
     check_device(device, DEVICES)  # before the model loads
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
-    ids, data_record = _windows(data, tokenizer, context, windows)
+    ids, data_record = _windows(data, tokenizer, context, windows, module)
     warn_beyond_max_positions(module.config, ids.shape[1])
     sites = find_kv_sites(module)
     model_record = describe_model(module.config, fingerprint=fingerprint, name=name)

@@ -8,9 +8,26 @@ simulator, ``stream_hidden`` the token-by-token ground truth through the real ca
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 __all__ = ["PEER_SCHEMES", "evaluate", "load_model", "load_text", "needle_eval", "simulate", "stream_hidden"]
+
+
+class _Package(types.ModuleType):
+    """This package's module type. Loading the submodule ``kvbits.evaluate.simulate`` (as the runner does)
+    would bind that module over the function ``simulate`` of the same name: ``from kvbits.evaluate import
+    simulate`` then gave a module. The binding is dropped, so the name always resolves to the function
+    (the submodule stays importable by its full name and in ``sys.modules``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "simulate" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +42,7 @@ def __getattr__(name: str) -> Any:
     if name == "simulate":
         from kvbits.evaluate.simulate import simulate
 
+        globals()["simulate"] = simulate  # the function, bound once (see _Package)
         return simulate
     if name in ("stream_hidden", "PEER_SCHEMES"):
         from kvbits.evaluate import stream

@@ -348,3 +348,25 @@ def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) 
                        "using %d", n_windows, context, ids.numel(), fit, fit)
         n_windows = fit
     return ids[: n_windows * context].reshape(n_windows, context).clone()
+
+
+def check_token_ids(ids: torch.Tensor, model: Any = None, what: str = "token ids") -> None:
+    """``TypeError`` unless ``ids`` is an integer tensor (float ids were truncated, bools read as 0 / 1);
+    ``ValueError`` when an id is outside ``model``'s embedding table (torch's ``index out of range``
+    otherwise, deep inside the first layer). ``model``: anything with ``get_input_embeddings()``, or None
+    (no range check)."""
+    import torch
+
+    if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.is_complex():
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{what} must be an integer tensor, got {got}")
+    embed = getattr(model, "get_input_embeddings", lambda: None)() if model is not None else None
+    n = getattr(embed, "num_embeddings", None)
+    if n is None or ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= n:
+        raise ValueError(
+            f"{what} must lie in [0, {n}) (the model's embedding table), got ids from {lo} to {hi}: "
+            "token ids of another tokenizer?"
+        )

@@ -95,11 +95,22 @@ def _data_arg(data: Any, name: str) -> str:
     return name if name in TEXTS or not isinstance(path, str) else path
 
 
-def _load_windows(data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None):
-    """``(windows (W, context) int64, data name, token fingerprint)``."""
-    from kvbits.evaluate.data import TextSource, load_text, make_windows, token_fingerprint, tokenize
+def _load_windows(
+    data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None, model: Any = None
+):
+    """``(windows (W, context) int64, data name, token fingerprint)``; token ids given as ``data`` must be
+    integers within ``model``'s embedding table (``check_token_ids``)."""
+    from kvbits.evaluate.data import (
+        TextSource,
+        check_token_ids,
+        load_text,
+        make_windows,
+        token_fingerprint,
+        tokenize,
+    )
 
     if isinstance(data, torch.Tensor):
+        check_token_ids(data, model)
         ids = data.detach().cpu().long()
         if ids.dim() == 2:
             if ids.shape[1] != context:

@@ -42,7 +42,7 @@ from kvbits.evaluate.needle import (
     check_depths,
     score_key,
 )
-from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, resolve_scheme
+from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, resolve_schemes
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def needle_eval(
     task = task or NeedleTask()
     contexts = check_contexts(contexts)
     depths = check_depths(depths)
-    resolved = [resolve_scheme(s) for s in schemes]
+    resolved = resolve_schemes(schemes)
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
     fused_mode = check_mode(fused_decode)
     torch_dtype, _, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)

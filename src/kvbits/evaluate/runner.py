@@ -111,7 +111,7 @@ from kvbits.evaluate.request import (
     default_attn_layers,
 )
 from kvbits.evaluate.simulate import simulate
-from kvbits.evaluate.stream import PeerScheme, base_model, resolve_scheme, stream_hidden
+from kvbits.evaluate.stream import PeerScheme, base_model, resolve_schemes, stream_hidden
 from kvbits.plan.config import warn_beyond_max_positions
 from kvbits.schemes.accounting import average_bits
 from kvbits.schemes.spec import KVScheme
@@ -251,7 +251,7 @@ def evaluate(
     """
     ranks = resolve_ranks(distributed)
     generate = check_generate(generate)
-    resolved = [resolve_scheme(s) for s in schemes]
+    resolved = resolve_schemes(schemes)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if mode == "stream" and attn_layers:
         raise ValueError(
@@ -306,7 +306,7 @@ def evaluate(
         text = load_text(data, data_path) if isinstance(data, str) else data
         model_spec = model
         model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, load_device, calibrations)
-        win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path)
+        win, data_name, tokens_fp = _load_windows(text, tokenizer, context, windows, data_path, model)
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)

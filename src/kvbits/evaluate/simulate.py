@@ -128,6 +128,11 @@ class Simulation:
                 self._layouts.clear()
             pos = torch.arange(T, device=device)
             prompt = self.prompt_len if self.semantics == "prefill" else 0
+            if prompt >= T:  # every query would sit in the exact prefill: nothing measured, silently
+                raise ValueError(
+                    f"semantics='prefill' with prompt_len={prompt} and a forward of {T} tokens: no query comes "
+                    "after the prompt, so nothing would be quantized; give prompt_len < the sequence length"
+                )
             lo, hi = quantized_bounds(scheme, pos, T, sliding_window=window, prompt_len=prompt)
             self._layouts[key] = (lo, hi, _plan(T, self.chunk_size, lo, hi, window, exact=exact))
         return self._layouts[key]

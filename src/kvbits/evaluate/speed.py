@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from kvbits.evaluate.inputs import check_int, check_ints
-from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_scheme
+from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_schemes
 
 logger = logging.getLogger(__name__)
 
@@ -263,13 +263,13 @@ def _check_args(schemes: list, tokens: Any, warmup: Any, fused_mode: Any, worksp
 
 
 def _prompts(
-    data: Any, tokenizer: Any, context: int, batch: int, data_path: str | None
+    data: Any, tokenizer: Any, context: int, batch: int, data_path: str | None, model: Any = None
 ) -> tuple[torch.Tensor, int, str, str]:
     """``(ids (batch, context), distinct rows, data name, token fingerprint)``: consecutive windows of the
     text, repeated when it holds fewer than ``batch`` of them (logged)."""
     from kvbits.evaluate.inputs import _load_windows
 
-    win, name, fp = _load_windows(data, tokenizer, context, batch, data_path)
+    win, name, fp = _load_windows(data, tokenizer, context, batch, data_path, model)
     distinct = int(win.shape[0])
     if distinct < batch:
         logger.warning(
@@ -337,7 +337,7 @@ def speed_eval(
 
     contexts = check_ints("context", contexts, 1)
     batches = check_ints("batch", batches, 1)
-    resolved = [resolve_scheme(s) for s in schemes]
+    resolved = resolve_schemes(schemes)
     fused_mode = check_mode(fused_decode)
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     if not isinstance(reserve, bool):
@@ -362,7 +362,7 @@ def speed_eval(
         for context in contexts:
             for batch in batches:
                 ids, distinct, data_name, fps[(context, batch)] = _prompts(
-                    data, tokenizer, context, batch, data_path
+                    data, tokenizer, context, batch, data_path, model
                 )
                 ids = ids.to(dev)
                 t0 = time.perf_counter()

@@ -127,6 +127,14 @@ PEER_SCHEMES: dict[str, PeerScheme] = {
 }
 
 
+def resolve_schemes(schemes: Any) -> list[KVScheme | PeerScheme]:
+    """``resolve_scheme`` of each entry of the list ``schemes``; ``TypeError`` for one scheme given bare (a
+    string was read letter by letter: "unknown scheme 'i'")."""
+    if isinstance(schemes, (str, dict, KVScheme, PeerScheme)) or not hasattr(schemes, "__iter__"):
+        raise TypeError(f"schemes must be a list of schemes, got {schemes!r}; for one scheme pass [{schemes!r}]")
+    return [resolve_scheme(s) for s in schemes]
+
+
 def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerScheme:
     """A kvbits scheme (preset, dict, JSON path, object) or a peer name from ``PEER_SCHEMES``."""
     if isinstance(spec, PeerScheme):
@@ -297,6 +305,9 @@ def stream_hidden(
     scheme = resolve_scheme(scheme)
     if ids.dim() != 2:
         raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
+    from kvbits.evaluate.data import check_token_ids
+
+    check_token_ids(ids, model, "ids")
     fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
     with _fused_attention(model) if fused else contextlib.nullcontext():
         return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused,

@@ -1,0 +1,81 @@
+"""Bad input to the evaluation entry points, refused with a message instead of a wrong number or a torch
+error from inside the model. Tiny random-weight Llama (vocabulary 101)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from test_evaluate import VOCAB, _ids, _llama
+
+from kvbits.calibrate import calibrate
+from kvbits.evaluate import evaluate, stream_hidden
+from kvbits.evaluate.simulate import simulate as simulate_fn
+from kvbits.evaluate.speed import speed_eval
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_simulate_from_the_package_is_the_function_even_after_its_module_loads():
+    """Loading the submodule kvbits.evaluate.simulate bound it over the function of the same name, so
+    ``from kvbits.evaluate import simulate`` gave a module ('module' object is not callable)."""
+    import kvbits.evaluate as pkg
+    from kvbits.evaluate import simulate
+
+    assert simulate is simulate_fn and pkg.simulate is simulate_fn  # the submodule is loaded by now
+    assert isinstance(sys.modules["kvbits.evaluate.simulate"], types.ModuleType)
+    code = (  # a fresh interpreter: the runner loads the submodule first
+        "import kvbits.evaluate.runner, types\n"
+        "from kvbits.evaluate import simulate\n"
+        "import kvbits.evaluate as e\n"
+        "assert callable(simulate) and not isinstance(simulate, types.ModuleType), simulate\n"
+        "assert e.simulate is simulate and e.simulate is simulate\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        (torch.full((64,), VOCAB), ValueError, rf"must lie in \[0, {VOCAB}\).*from {VOCAB} to {VOCAB}"),
+        (torch.full((64,), -1), ValueError, r"from -1 to -1"),
+        (torch.rand(64) * 99, TypeError, "must be an integer tensor, got torch.float32"),
+        (torch.ones(64, dtype=torch.bool), TypeError, "must be an integer tensor, got torch.bool"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(ids, error, message):
+    """Float ids were truncated and bools read as 0 / 1 (evaluate ran and reported a perplexity); ids past
+    the embedding table raised torch's 'index out of range in self' from the first layer."""
+    model = _llama()
+    with pytest.raises(error, match=message):
+        evaluate(model, ids, 16, ["int4-token"])
+    with pytest.raises(error, match=message):
+        calibrate(model, ids, "kvquant-4", context=16, windows=1)
+    with pytest.raises(error, match=message):
+        stream_hidden(model, ids.reshape(1, -1)[:, :8], "int4-token")
+    with pytest.raises(error, match=message):
+        speed_eval(model, 16, ["int4-token"], data=ids, tokens=2, warmup=0)
+
+
+def test_one_scheme_given_bare_is_refused_with_how_to_pass_it():
+    """evaluate(model, ids, 16, "int4-token") read the string letter by letter: "unknown scheme 'i'"."""
+    model = _llama()
+    for call in (lambda: evaluate(model, _ids(64)[0], 16, "int4-token"),
+                 lambda: speed_eval(model, 16, "int4-token", data=_ids(64)[0], tokens=2, warmup=0)):  # fmt: skip
+        with pytest.raises(TypeError, match=r"schemes must be a list .* pass \['int4-token'\]"):
+            call()
+
+
+def test_simulated_prefill_longer_than_the_forward_is_refused():
+    """prompt_len >= T put every query in the exact prefill: logits equal to the unquantized model's."""
+    model = _llama()
+    with simulate_fn(model, "int2-token", semantics="prefill", prompt_len=100), pytest.raises(
+        ValueError, match="no query comes after the prompt"
+    ):
+        model(_ids(40))
+    with simulate_fn(model, "int2-token", semantics="prefill", prompt_len=20):  # shorter: quantizes
+        out = model(_ids(40)).logits
+    assert not torch.equal(out, model(_ids(40)).logits)
