@@ -311,6 +311,18 @@ def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> N
         CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), labels={"a b": "c"})
 
 
+def test_a_second_monitor_on_one_cache_is_refused_until_the_first_detaches() -> None:
+    """The second monitor took the flushes over and the first went silent (0 events against 2)."""
+    cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
+    first = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    with pytest.raises(ValueError, match="already has a CacheMonitor"):
+        CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    first.detach()
+    second = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    run(llama(), cache, ids_of(1, 160))
+    assert first.events == [] and len(second.events) == 2
+
+
 def test_an_empty_batch_flushes_without_a_signal() -> None:
     cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
     mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, value_error=0.0))

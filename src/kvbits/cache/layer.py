@@ -536,6 +536,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         for side, store in (("key", self._k), ("value", self._v)):
             store.observer = None if fn is None else functools.partial(fn, self, side)
 
+    @property
+    def flushes_observed(self) -> bool:
+        """Whether ``observe_flushes`` has a function set (a monitor is attached)."""
+        return self._k.observer is not None or self._v.observer is not None
+
     def hold_full_precision(self) -> bool:
         """Stop quantizing this layer for the rest of the request: later tokens stay in the full-precision
         buffer, which is no longer flushed (the monitor's fallback, ``kvbits.monitor``). What is already

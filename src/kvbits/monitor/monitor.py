@@ -69,6 +69,11 @@ class CacheMonitor:
                 "CacheMonitor needs a QuantizedKVCache with its layers built (pass config= to the cache); "
                 f"got {type(cache).__name__} with no quantized layers"
             )
+        if any(layer.flushes_observed for layer in layers):  # a second monitor would silently unhook the first
+            raise ValueError(
+                "this cache already has a CacheMonitor attached (a cache reports its flushes to one monitor); "
+                "detach() that one, or leave its with-block, first"
+            )
         self.cache = cache
         self.policy = policy or FallbackPolicy()
         for name in labels or {}:
