@@ -265,9 +265,13 @@ def test_fisher_gradients_equal_ordinary_backward():
 
 def test_hooks_and_flags_restored_after_error():
     model = tiny_llama()
-    bad = torch.full((300,), 10_000)  # out of the vocabulary: the embedding raises mid-calibration
-    with pytest.raises((IndexError, RuntimeError)):
-        calibrate(model, bad, "kvquant-4", context=64, windows=2)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the final norm fails mid-calibration")
+
+    model.model.norm.forward = boom  # after every layer's K/V hooks ran (out-of-vocabulary ids are refused early)
+    with pytest.raises(RuntimeError, match="mid-calibration"):
+        calibrate(model, token_ids(300), "kvquant-4", context=64, windows=2)
     assert n_hooks(model) == 0 and all(p.requires_grad for p in model.parameters())
 
 
