@@ -79,3 +79,23 @@ def test_simulated_prefill_longer_than_the_forward_is_refused():
     with simulate_fn(model, "int2-token", semantics="prefill", prompt_len=20):  # shorter: quantizes
         out = model(_ids(40)).logits
     assert not torch.equal(out, model(_ids(40)).logits)
+
+
+def test_a_context_past_a_learned_position_table_is_refused_before_the_run(caplog):
+    """GPT-2 has no embedding past n_positions: kvbits warned "extrapolation", then torch raised 'index out
+    of range'. RoPE models still run there, with the warning."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kvbits.plan.config import check_context_fits
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)).eval()
+    ids = _ids(300)[0]
+    with pytest.raises(ValueError, match="exceeds the 64 positions of this gpt2 model's learned position table"):
+        evaluate(gpt2, ids, 100, ["int4-token"])
+    with pytest.raises(ValueError, match="learned position table"):
+        speed_eval(gpt2, 100, ["int4-token"], data=ids, tokens=2, warmup=0)
+    check_context_fits(gpt2.config, 64)  # within the table: fine
+    llama = _llama()
+    with caplog.at_level("WARNING"):
+        check_context_fits(llama.config, 10 * llama.config.max_position_embeddings)  # RoPE: warned, not refused
+    assert "extrapolation" in caplog.text

@@ -33,7 +33,7 @@ from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD, r
 from kvbits.analyze.sites import KVSite, attention_sites
 from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
 from kvbits.analyze.taps import KVTap, to_bhtd
-from kvbits.plan.config import warn_beyond_max_positions
+from kvbits.plan.config import check_context_fits
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def analyze(
     if sample_tokens < block:
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
     if getattr(model, "config", None) is not None:
-        warn_beyond_max_positions(model.config, T)
+        check_context_fits(model.config, T)
     tables = _rotary_tables(model)
     sites = attention_sites(model)
     device = next(model.parameters()).device

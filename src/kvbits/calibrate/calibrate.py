@@ -34,7 +34,7 @@ from kvbits.calibrate.fit import (
 )
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
-from kvbits.plan.config import warn_beyond_max_positions
+from kvbits.plan.config import check_context_fits
 from kvbits.quant.rotate import check_rotatable, rotate
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import ROTATIONS, KVScheme
@@ -300,7 +300,7 @@ def collect_samples(
     check_device(device, DEVICES)  # before the model loads
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
     ids, data_record = _windows(data, tokenizer, context, windows, module)
-    warn_beyond_max_positions(module.config, ids.shape[1])
+    check_context_fits(module.config, ids.shape[1])
     sites = find_kv_sites(module)
     model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
     # the attention modules' qualified names, layer by layer: engines name their scales after them

@@ -280,7 +280,7 @@ def needle_eval(
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _check_head
-    from kvbits.plan.config import warn_beyond_max_positions
+    from kvbits.plan.config import check_context_fits
     from kvbits.schemes.accounting import average_bits
 
     task = task or NeedleTask()
@@ -302,7 +302,7 @@ def needle_eval(
             "the retrieval task writes text, so it needs the model's tokenizer: pass a model name, path or "
             "LoadedModel (kvbits.evaluate.models.load_model), not a bare transformers module"
         )
-    warn_beyond_max_positions(model.config, contexts[-1])
+    check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     text_ids = tokenize(text, tokenizer)
     trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)

@@ -112,7 +112,7 @@ from kvbits.evaluate.request import (
 )
 from kvbits.evaluate.simulate import simulate
 from kvbits.evaluate.stream import PeerScheme, base_model, resolve_schemes, stream_hidden
-from kvbits.plan.config import warn_beyond_max_positions
+from kvbits.plan.config import check_context_fits
 from kvbits.schemes.accounting import average_bits
 from kvbits.schemes.spec import KVScheme
 
@@ -313,7 +313,7 @@ def evaluate(
         if generate:
             check_can_generate(model)
         if ranks.main:
-            warn_beyond_max_positions(model.config, context + generate)
+            check_context_fits(model.config, context + generate)
         layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
         if any(not 0 <= x < n_layers for x in layers):
             raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")

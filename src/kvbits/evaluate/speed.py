@@ -332,7 +332,7 @@ def speed_eval(
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _progress
     from kvbits.evaluate.stream import prefill_kv
-    from kvbits.plan.config import warn_beyond_max_positions
+    from kvbits.plan.config import check_context_fits
     from kvbits.schemes.accounting import average_bits
 
     contexts = check_ints("context", contexts, 1)
@@ -347,7 +347,7 @@ def speed_eval(
     model_spec = model
     model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
     head = _head(model)
-    warn_beyond_max_positions(model.config, contexts[-1] + warmup + tokens)
+    check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     fused = {s.name: not isinstance(s, PeerScheme) and wants(fused_mode, dev) for s in resolved}

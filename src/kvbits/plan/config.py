@@ -237,6 +237,27 @@ def warn_beyond_max_positions(config: Any, context: int, note: str = "") -> bool
     return True
 
 
+LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")
+"""Model types with a learned table of absolute positions: a position past it has no embedding at all."""
+
+
+def check_context_fits(config: Any, context: int) -> None:
+    """Before running a model over ``context`` tokens: ``ValueError`` when its positions come from a learned
+    table (``LEARNED_POSITIONS``) shorter than ``context`` (torch's ``index out of range`` otherwise, inside
+    the model); else :func:`warn_beyond_max_positions` (RoPE and ALiBi models extrapolate)."""
+    model_type = str(_get(text_config(config), "model_type", default=""))
+    try:
+        max_ctx = max_positions(config)
+    except ValueError:
+        max_ctx = None
+    if model_type in LEARNED_POSITIONS and max_ctx is not None and 0 < max_ctx < context:
+        raise ValueError(
+            f"context {context} exceeds the {max_ctx} positions of this {model_type} model's learned position "
+            f"table: it has no embedding for positions past {max_ctx - 1}; use a context of at most {max_ctx}"
+        )
+    warn_beyond_max_positions(config, context)
+
+
 def _positive_window(value: Any, what: str) -> int | None:
     w = _int(value, what)
     return w if w is not None and w > 0 else None
