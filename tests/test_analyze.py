@@ -226,6 +226,18 @@ def test_unsupported_model_says_why():
         analyze(gpt2, torch.zeros(1, 8, dtype=torch.long))
 
 
+def test_windows_must_be_token_ids_of_the_model():
+    """The check evaluate and calibrate make: ids past the embedding table raised inside torch, bools ran."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+        intermediate_size=64,
+    )).eval()  # fmt: skip
+    with pytest.raises(ValueError, match=r"windows must lie in \[0, 100\)"):
+        analyze(model, torch.full((1, 32), 100))
+    with pytest.raises(TypeError, match="windows must be an integer tensor, got torch.bool"):
+        analyze(model, torch.ones(1, 32, dtype=torch.bool))
+
+
 # ----------------------------------------------------------------------------- statistics
 
 

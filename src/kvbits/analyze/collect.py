@@ -215,10 +215,13 @@ def analyze(
         keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
         progress: called as ``progress(done, total)`` after each window.
     """
-    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype.is_floating_point:
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
         raise TypeError(
             f"windows must be an integer tensor (W, T), got {getattr(windows, 'shape', windows)!r}"
         )
+    from kvbits.evaluate.data import check_token_ids
+
+    check_token_ids(windows, model, "windows")  # integers within the embedding table, as evaluate's
     W, T = windows.shape
     block = min(channel_group, T)
     if block < 2:
