@@ -99,3 +99,55 @@ def test_a_context_past_a_learned_position_table_is_refused_before_the_run(caplo
     with caplog.at_level("WARNING"):
         check_context_fits(llama.config, 10 * llama.config.max_position_embeddings)  # RoPE: warned, not refused
     assert "extrapolation" in caplog.text
+
+
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    return MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4))
+
+
+@pytest.mark.parametrize("bad", [None, "module", "config-less"])
+def test_something_other_than_a_model_is_refused_by_every_entry_point(bad):
+    """None (or a module without a config) raised AttributeError from kvbits' own code ('NoneType' object has
+    no attribute 'config' / 'modules') in evaluate, simulate, stream_hidden and use_fused_decode."""
+    from kvbits.cache import use_fused_decode
+    from kvbits.evaluate import needle_eval
+
+    model = {"module": torch.nn.Linear(2, 2), "config-less": object()}.get(bad)
+    got = "None" if model is None else type(model).__name__
+    ids = _ids(64)
+    calls = {
+        "evaluate": lambda: evaluate(model, ids, 16, ["int4-token"]),
+        "speed_eval": lambda: speed_eval(model, 16, ["int4-token"], data=ids, tokens=2, warmup=0),
+        "needle_eval": lambda: needle_eval(model, [64], ["int4-token"]),
+        "simulate": lambda: simulate_fn(model, "int4-token").__enter__(),
+        "stream_hidden": lambda: stream_hidden(model, ids.reshape(1, -1)[:, :8], "int4-token"),
+        "use_fused_decode": lambda: use_fused_decode(model),
+    }
+    for where, call in calls.items():
+        also = "a model name or path, a LoadedModel, or " if where in ("evaluate", "speed_eval", "needle_eval") else ""
+        with pytest.raises(TypeError, match=rf"^{where}: model must be {also}a transformers model .*, got {got}$"):
+            call()
+
+
+def test_a_model_without_attention_layers_is_refused_not_switched():
+    """A Mamba model keeps no KV cache: use_fused_decode switched its attention implementation anyway (and
+    returned as if done); stream_hidden / evaluate failed inside the cache with advice to pass num_layers=."""
+    from kvbits.cache import use_fused_decode
+
+    model = _mamba()
+    before = model.config._attn_implementation
+    ids = _ids(64)
+    message = r"MambaForCausalLM has no attention modules .* no KV cache for kvbits to quantize"
+    with pytest.raises(ValueError, match="use_fused_decode: " + message):
+        use_fused_decode(model)
+    assert model.config._attn_implementation == before
+    for where, call in {
+        "evaluate": lambda: evaluate(model, ids, 16, ["int4-token"]),
+        "simulate": lambda: simulate_fn(model, "int4-token").__enter__(),
+        "stream_hidden": lambda: stream_hidden(model, ids.reshape(1, -1)[:, :8], "int4-token"),
+    }.items():
+        with pytest.raises(ValueError, match=f"{where}: " + message):
+            call()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvbits._model import check_model
 from kvbits.cache import fused
 from kvbits.kernels import dispatch
 
@@ -134,6 +135,7 @@ def use_fused_decode(model: Any) -> str:
     Also ``track_positions(model)`` (``kvbits.cache.positions``), so pre-RoPE keys of a left-padded batch
     are un-rotated at the model's positions on transformers that do not pass them to the cache.
     """
+    check_model(model, "use_fused_decode", attention=True)
     from kvbits.cache.positions import track_positions
 
     register_fused_attention()

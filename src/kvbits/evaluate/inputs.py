@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._model import check_model
 from kvbits.evaluate.request import _ids_fingerprint, _model_fingerprint
 
 __all__: list[str] = []
@@ -60,11 +61,9 @@ def _load_model(model: Any, dtype: torch.dtype | None, device: str | None):
     elif isinstance(model, LoadedModel) and (dtype is not None or device is not None):
         cast_model(model.model, dtype, device)
     if isinstance(model, LoadedModel):
+        check_model(model.model, attention=True)
         return model.model.eval(), model.tokenizer, model.source.name, model.fingerprint
-    if not hasattr(model, "config"):
-        raise TypeError(
-            f"model must be a name/path, a LoadedModel or a transformers model, got {type(model).__name__}"
-        )
+    check_model(model, attention=True, by_name=True)
     if dtype is not None or device is not None:
         model = cast_model(model, dtype, device)
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvbits._model import check_model_arg
 from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
     DEFAULT_DEPTHS,
@@ -272,6 +273,7 @@ def needle_eval(
         "records": [one per trial: the trial, "reference" and "schemes" scores], "reference_seconds",
         "wall_seconds", "peak_rss_bytes", "date", "commit", "versions"}``. ``grid`` is ``(contexts, depths)`` of retrieved fractions.
     """
+    check_model_arg(model, "needle_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
     from kvbits.evaluate.data import load_text, token_fingerprint, tokenize

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._model import check_model_arg
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -249,6 +250,7 @@ def evaluate(
         over the run (its peak counter is reset once the model is loaded; it counts the weights and
         what the run adds, not the loading) on CUDA, None otherwise.
     """
+    check_model_arg(model, "evaluate")
     ranks = resolve_ranks(distributed)
     generate = check_generate(generate)
     resolved = resolve_schemes(schemes)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbits._model import attention_modules, check_model
 from kvbits.evaluate.entropy import attention_entropy
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes.accounting import sliding_falls_back
@@ -543,15 +544,6 @@ def _register() -> None:
 # -------------------------------------------------------------------------------------- context
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Attention modules (they carry a ``layer_idx`` and call the attention interface with ``self``)."""
-    return [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "layer_idx", None), int) and "Attention" in type(m).__name__
-    ]
-
-
 def _set_impl(model: Any, impl: str) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
@@ -630,6 +622,7 @@ def simulate(
 
     The model's attention implementation is restored on exit, also when the block raises.
     """
+    check_model(model, "simulate", attention=True)
     scheme = get_scheme(scheme)
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
@@ -646,9 +639,7 @@ def simulate(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     qkw = _calibration_kwargs(model, scheme, calibration)
-    modules = _attention_modules(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; cannot simulate")
+    modules = attention_modules(model)
     n_layers = max(m.layer_idx for m in modules) + 1
     scheme.check_layer_count(n_layers)
     rotary_layers: dict[int, Any] = {}

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from kvbits._model import check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_schemes
 
@@ -325,6 +326,7 @@ def speed_eval(
         "prefill_seconds"}], "fingerprint", "wall_seconds", "peak_rss_bytes", "date", "commit",
         "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at the same context and batch.
     """
+    check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode, wants
     from kvbits.evaluate.inputs import _check_before_loading, _data_arg, _load_checked_model, _model_arg

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvbits._model import check_model
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -300,6 +301,7 @@ def stream_hidden(
         on_cache: called with the cache once it is built, before any token reaches it (e.g. to attach a
             ``kvbits.monitor.CacheMonitor``).
     """
+    check_model(model, "stream_hidden", attention=True)
     from kvbits.cache.fused import check_mode, wants
 
     scheme = resolve_scheme(scheme)
