@@ -4,7 +4,9 @@ compressed-tensors checkpoint. Tiny random-weight Llama built from a config (no 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -270,15 +272,15 @@ def _edit_json(path: Path, edit) -> None:
 @pytest.mark.parametrize(
     ("file", "content", "why"),
     [
-        ("config.json", "[1, 2]", r"config\.json holds a JSON list, expected an object"),
+        ("config.json", "[1, 2]", r"config\.json holds a list; expected a Hugging Face model config \(a JSON object\)"),
         ("config.json", lambda c: {**c, "num_hidden_layers": "2"},
-         r"config\.json: num_hidden_layers is '2', expected a positive whole number"),
+         r"config\.json: num_hidden_layers is a string \('2'\); expected a positive whole number"),
         ("config.json", lambda c: {**c, "num_key_value_heads": 2.0},
-         r"config\.json: num_key_value_heads is 2\.0, expected a positive whole number"),
+         r"config\.json: num_key_value_heads is a number \(2\.0\); expected a positive whole number"),
         ("model.safetensors.index.json", "[]",
-         r"model\.safetensors\.index\.json holds a JSON list, expected an object"),
+         r"model\.safetensors\.index\.json holds a list; expected a safetensors index .*\(a JSON object\)"),
         ("model.safetensors.index.json", lambda x: {**x, "weight_map": list(x["weight_map"])},
-         r"model\.safetensors\.index\.json: weight_map is a JSON list, expected an object"),
+         r"model\.safetensors\.index\.json: weight_map is a list; expected an object \{tensor name: file\}"),
         ("model.safetensors.index.json", '{"weight_map": {',
          r"model\.safetensors\.index\.json is not valid JSON \(a safetensors index"),
     ],
@@ -297,6 +299,28 @@ def test_checkpoint_files_of_the_wrong_shape_are_refused(fp8, tmp_path, file, co
         export_vllm(cal, tmp_path / "out", checkpoint=ck)
     assert not (tmp_path / "out").exists()
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o600), (0o022, 0o644)])
+def test_exported_files_follow_the_umask(fp8, tmp_path, umask, mode):
+    """The files export writes get the permissions of a normally created file (0666 & ~umask), as
+    calibration artifacts and metrics do: not a fixed 0644, which a private umask (0077) did not ask for."""
+    _, _, cal, ckpt = fp8
+    old = os.umask(umask)
+    try:
+        export_vllm(cal, tmp_path / "plain")
+        export_vllm(cal, tmp_path / "served", checkpoint=ckpt)
+    finally:
+        os.umask(old)
+    written = {
+        "plain": ("kv_cache_scales.safetensors", "quantization_config.json", "kvbits_export.json"),
+        "served": ("kv_cache_scales.safetensors", "quantization_config.json", "kvbits_export.json",
+                   "config.json", "model.safetensors.index.json"),
+    }  # fmt: skip
+    for folder, names in written.items():
+        for name in names:
+            p = tmp_path / folder / name
+            assert not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) == mode, (p, oct(p.stat().st_mode))
 
 
 def test_out_inside_the_checkpoint_is_refused(fp8, tmp_path):

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from kvbits._files import chmod_default
+from kvbits._json import describe, json_object, mapping
 from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
 
 logger = logging.getLogger(__name__)
@@ -204,7 +206,7 @@ def _atomic_json(path: Path, obj: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2)
             f.write("\n")
-        os.chmod(tmp, 0o644)
+        chmod_default(tmp)  # mkstemp makes it 0600; readable as a normally created file
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -217,7 +219,7 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"format": "pt", "producer": "kvbits"})
-        os.chmod(tmp, 0o644)
+        chmod_default(tmp)  # mkstemp makes it 0600; readable as a normally created file
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -258,12 +260,8 @@ def _servable(
     index_path = checkpoint / "model.safetensors.index.json"
     index = None
     if index_path.is_file():
-        index = _read_json_object(index_path, 'a safetensors index ({"weight_map": {tensor: file}})')
-        if not isinstance(index.get("weight_map", {}), dict):
-            raise ValueError(
-                f"{index_path}: weight_map is a JSON {_json_type(index['weight_map'])}, expected an object "
-                "mapping tensor names to files"
-            )
+        index = _read_json_object(index_path, 'a safetensors index {"weight_map": {tensor: file}}')
+        mapping(index.get("weight_map", {}), f"{index_path}: weight_map", "an object {tensor name: file}")
         clash = sorted(
             n for n in scales if n in index.get("weight_map", {}) and index["weight_map"][n] != SCALES_FILE
         )
@@ -315,23 +313,13 @@ def _check_out_outside(checkpoint: Path, out: Path) -> None:
         )
 
 
-def _json_type(obj: Any) -> str:
-    """The JSON name of ``obj``'s type, for error messages."""
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if obj is None else names.get(type(obj), type(obj).__name__)
-
-
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
     """``path`` parsed as a JSON object; ``ValueError`` naming ``path`` and ``what`` it should hold."""
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON ({what} expected): {exc}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(  # noqa: TRY004 - bad file content
-            f"{path} holds a JSON {_json_type(obj)}, expected an object: {what}"
-        )
-    return obj
+    return dict(json_object(obj, path, what))
 
 
 def _number_or_list(t: torch.Tensor) -> float | list[float]:
@@ -346,7 +334,7 @@ def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path)
     kv = text.get(kv_key)
     for key, value in (("num_hidden_layers", layers), (kv_key, kv)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}: {key} is {value!r}, expected a positive whole number")
+            raise ValueError(f"{where}: {key} is {describe(value)}; expected a positive whole number")
     if layers is not None and layers != art.num_layers:
         raise ValueError(f"{where}: {layers} layers, the calibration has {art.num_layers}; wrong model?")
     if kv is not None and kv != art.num_kv_heads:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import check, entries, field, json_object
 from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
-from kvbits.report.summary import _json_kind, read_json
+from kvbits.report.summary import read_json
 
 __all__ = [
     "NEEDLE_FILES", "READS_VERSION", "check_needle", "check_needle_out", "load_needle", "needle_markdown",
@@ -229,50 +230,9 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
     return save_png(fig, path)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# what a field of needle.json may hold: (test, what the error says was expected)
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "text": (lambda v: isinstance(v, str), "a string"),
-    "whole": (lambda v: _is_number(v) and math.isfinite(v) and v == int(v) and v >= 0, "a whole number >= 0"),
-    "number": (_is_number, "a number"),
-    "mean": (lambda v: v is None or _is_number(v), "a number or null"),
-    "bytes": (lambda v: v is None or (_is_number(v) and math.isfinite(v) and v >= 0), "a byte count or null"),
-    "flag": (lambda v: isinstance(v, bool), "true or false"),
-    "object": (lambda v: isinstance(v, Mapping), "an object"),
-    "list": (lambda v: isinstance(v, list), "a list"),
-}
-
-
-def _of_kind(value: Any, kind: str, at: str) -> Any:
-    """``value`` when it is of ``kind`` (:data:`_KINDS`), else ``ValueError`` naming the field ``at``."""
-    test, what = _KINDS[kind]
-    if not test(value):
-        raise ValueError(f"{at} is {_json_kind(value)}; expected {what}")
-    return value
-
-
-def _need(d: Mapping[str, Any], key: str, kind: str, where: str = "", *, optional: bool = False) -> Any:
-    """``d[key]`` when it is of ``kind``, else ``ValueError`` naming ``where.key``; ``optional``: absent is None."""
-    at = f"{where}.{key}" if where else key
-    if key not in d:
-        if optional:
-            return None
-        raise ValueError(f"{at} is missing; expected {_KINDS[kind][1]}")
-    return _of_kind(d[key], kind, at)
-
-
-def _entries(d: Mapping[str, Any], key: str, kind: str, where: str = "") -> list[Any]:
-    """``d[key]``: a list whose every entry is of ``kind``, else ``ValueError`` naming the entry."""
-    at = f"{where}.{key}" if where else key
-    return [_of_kind(v, kind, f"{at}[{i}]") for i, v in enumerate(_need(d, key, "list", where))]
-
-
 def _check_grid(d: Mapping[str, Any], where: str, contexts: Sequence[int], depths: Sequence[float]) -> None:
     """``d["grid"]``: one row per context, one fraction (or null) per depth."""
-    rows = _entries(d, "grid", "list", where)
+    rows = entries(d, "grid", "list", where)
     if len(rows) != len(contexts) or any(len(row) != len(depths) for row in rows):
         raise ValueError(
             f"{where}.grid is not {len(contexts)} × {len(depths)} (contexts × depths): it does not match the run's "
@@ -280,12 +240,12 @@ def _check_grid(d: Mapping[str, Any], where: str, contexts: Sequence[int], depth
         )
     for i, row in enumerate(rows):
         for j, v in enumerate(row):
-            _of_kind(v, "mean", f"{where}.grid[{i}][{j}]")
+            check(v, "mean", f"{where}.grid[{i}][{j}]")
 
 
 def _check_version(summary: Mapping[str, Any]) -> None:
     """``ValueError`` unless ``version`` is :data:`READS_VERSION` (as ``kvbits needle`` has always written it)."""
-    version = _need(summary, "version", "whole")
+    version = field(summary, "version", "whole")
     if version != READS_VERSION:
         raise ValueError(
             f"version is {version}; this kvbits reads needle.json version {READS_VERSION} (a newer kvbits wrote it? "
@@ -295,69 +255,66 @@ def _check_version(summary: Mapping[str, Any]) -> None:
 
 def _check_result(r: Mapping[str, Any], where: str, contexts: Sequence[int], depths: Sequence[float]) -> None:
     """One entry of ``results``: a scheme's overall, per-context and per-cell figures."""
-    _need(r, "scheme", "text", where)
+    field(r, "scheme", "text", where)
     for key in ("avg_bits", "seconds"):
-        _need(r, key, "number", where)
+        field(r, key, "number", where)
     for key in ("retrieved", "kept", "delta_nll", "kl"):
-        _need(r, key, "mean", where)
-    for i, b in enumerate(_entries(r, "by_context", "object", where)):
+        field(r, key, "mean", where)
+    for i, b in enumerate(entries(r, "by_context", "object", where)):
         at = f"{where}.by_context[{i}]"
         for key in ("retrieved", "retrieved_ref", "nll", "nll_ref"):
-            _need(b, key, "mean", at)
+            field(b, key, "mean", at)
         for key in ("cache_bytes", "cache_bytes_ref"):
-            _need(b, key, "bytes", at, optional=True)
+            field(b, key, "bytes", at, default=None)
     _check_grid(r, where, contexts, depths)
 
 
 def _check_record(rec: Mapping[str, Any], where: str) -> None:
     """One trial of ``records``: where it was, and whether the reference and each scheme retrieved the key."""
-    _need(rec, "context", "whole", where)
-    _need(rec, "depth", "number", where)
-    _need(rec, "index", "whole", where)
-    _need(_need(rec, "reference", "object", where), "retrieved", "flag", f"{where}.reference")
-    for name, score in _need(rec, "schemes", "object", where).items():
+    field(rec, "context", "whole", where)
+    field(rec, "depth", "number", where)
+    field(rec, "index", "whole", where)
+    field(field(rec, "reference", "object", where), "retrieved", "flag", f"{where}.reference")
+    for name, score in field(rec, "schemes", "object", where).items():
         at = f"{where}.schemes.{name}"
-        _need(_of_kind(score, "object", at), "retrieved", "flag", at)
+        field(check(score, "object", at), "retrieved", "flag", at)
 
 
 def _check_needle_fields(s: Mapping[str, Any]) -> None:
     """Every field :func:`needle_markdown` and :func:`plot_needle` read, of the kind they need."""
     _check_version(s)
     for key in ("model", "data", "semantics"):
-        _need(s, key, "text")
-    task = _need(s, "task", "object")
+        field(s, key, "text")
+    task = field(s, "task", "object")
     for key in ("needle", "question"):
-        _need(task, key, "text", "task")
-    _need(task, "digits", "whole", "task")
-    fingerprint = _need(s, "fingerprint", "object")
+        field(task, key, "text", "task")
+    field(task, "digits", "whole", "task")
+    fingerprint = field(s, "fingerprint", "object")
     for key in ("model", "tokens"):
-        _need(fingerprint, key, "text", "fingerprint")
-    contexts, depths = _entries(s, "contexts", "whole"), _entries(s, "depths", "number")
+        field(fingerprint, key, "text", "fingerprint")
+    contexts, depths = entries(s, "contexts", "whole"), entries(s, "depths", "number")
     for key in ("trials", "seed"):
-        _need(s, key, "whole")
-    _need(s, "reference_seconds", "number")
-    reference = _need(s, "reference", "object")
-    _need(reference, "retrieved", "mean", "reference")
+        field(s, key, "whole")
+    field(s, "reference_seconds", "number")
+    reference = field(s, "reference", "object")
+    field(reference, "retrieved", "mean", "reference")
     _check_grid(reference, "reference", contexts, depths)
-    for i, r in enumerate(_entries(s, "results", "object")):
+    for i, r in enumerate(entries(s, "results", "object")):
         _check_result(r, f"results[{i}]", contexts, depths)
-    for i, rec in enumerate(_entries(s, "records", "object")):
+    for i, rec in enumerate(entries(s, "records", "object")):
         _check_record(rec, f"records[{i}]")
     if s.get("commit") is not None:
-        _need(s, "commit", "object")
+        field(s, "commit", "object")
     if s.get("merged_from") is not None:
-        _entries(s, "merged_from", "object")
+        entries(s, "merged_from", "object")
 
 
 def check_needle(summary: Any, source: str | os.PathLike[str]) -> None:
     """``ValueError`` naming ``source`` (the file) and the field unless ``summary`` is a ``needle.json`` this
     kvbits reports: the version it reads, and every field the report uses, of the kind it uses."""
-    if not isinstance(summary, Mapping):
-        raise ValueError(  # noqa: TRY004 - bad file content
-            f"{source} holds {_json_kind(summary)}; expected a kvbits needle summary (a JSON object)"
-        )
+    document = json_object(summary, source, "a kvbits needle summary")
     try:
-        _check_needle_fields(summary)
+        _check_needle_fields(document)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import json_object, mapping, objects, whole
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -29,47 +30,6 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
-
-
-def _json_kind(x: Any) -> str:
-    """What a JSON value is, for error messages: ``a string ('abc')``, ``a list``, ``null``."""
-    if x is None:
-        return "null"
-    if isinstance(x, bool):
-        return f"a boolean ({str(x).lower()})"
-    if isinstance(x, (int, float)):
-        return f"a number ({x!r})"
-    if isinstance(x, str):
-        return f"a string ({x[:40]!r})"
-    return "a list" if isinstance(x, (list, tuple)) else "an object" if isinstance(x, Mapping) else type(x).__name__
-
-
-def _mapping(x: Any, where: str, what: str) -> Mapping[str, Any]:
-    """``x`` when it is a JSON object, else ``ValueError``: ``where`` (a field path) is not ``what``."""
-    if not isinstance(x, Mapping):
-        raise ValueError(f"{where} is {_json_kind(x)}; expected {what}")  # noqa: TRY004 - bad file content
-    return x
-
-
-def _items(x: Any, where: str, what: str) -> Sequence[Mapping[str, Any]]:
-    """A JSON list of objects, each ``what`` (absent or ``null``: empty), else ``ValueError`` naming ``where``."""
-    if x is None:
-        return ()
-    if not isinstance(x, list):
-        raise ValueError(f"{where} is {_json_kind(x)}; expected a list, each entry {what}")  # noqa: TRY004
-    return [_mapping(v, f"{where}[{i}]", what) for i, v in enumerate(x)]
-
-
-def _whole(d: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
-    """``d[key]`` as a whole number >= 0 (``default`` when absent, if given), else ``ValueError``."""
-    if key not in d and default is not None:
-        return default
-    if key not in d:
-        raise ValueError(f"{where}.{key} is missing; expected a token position (a whole number >= 0)")
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
-        raise ValueError(f"{where}.{key} is {_json_kind(v)}; expected a whole number >= 0")
-    return int(v)
 
 
 @dataclass(frozen=True)
@@ -103,8 +63,8 @@ class Bucket:
         +inf: a failure); what stays NaN is a bucket the verdict does not judge. ``-inf`` can not be a ΔPPL
         (PPL >= 0) and reads as NaN.
         """
-        d = _mapping(d, where, "a position bucket object")
-        lo, hi = _whole(d, "lo", where), _whole(d, "hi", where)
+        d = mapping(d, where, "a position bucket object")
+        lo, hi = whole(d, "lo", where), whole(d, "hi", where)
         ppl, ppl_ref = _num(d.get("ppl")), _num(d.get("ppl_ref"))
         delta = _num(d.get("delta_rel"))
         if math.isnan(delta) and (_ok(ppl) or ppl == math.inf) and _ok(ppl_ref) and ppl_ref > 0:
@@ -139,15 +99,15 @@ class EntropyLayer:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], default_layer: int = 0, where: str = "attn_entropy") -> EntropyLayer:
         """One layer of ``attn_entropy``; ``ValueError`` naming ``where`` for a malformed entry."""
-        d = _mapping(d, where, "an object {layer, buckets}")
+        d = mapping(d, where, "an object {layer, buckets}")
         rows = []
-        for i, b in enumerate(_items(d.get("buckets"), f"{where}.buckets", "a position bucket object")):
+        for i, b in enumerate(objects(d.get("buckets"), f"{where}.buckets", "a position bucket object")):
             h, h_ref, delta = _num(b.get("entropy")), _num(b.get("entropy_ref")), _num(b.get("delta"))
             if not _ok(delta) and _ok(h) and _ok(h_ref):
                 delta = h - h_ref
             at = f"{where}.buckets[{i}]"
-            rows.append((_whole(b, "lo", at), _whole(b, "hi", at), h, h_ref, delta))
-        return cls(layer=_whole(d, "layer", where, default_layer), buckets=tuple(rows))
+            rows.append((whole(b, "lo", at), whole(b, "hi", at), h, h_ref, delta))
+        return cls(layer=whole(d, "layer", where, default=default_layer), buckets=tuple(rows))
 
 
 @dataclass(frozen=True)
@@ -233,19 +193,19 @@ class SchemeResult:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "result") -> SchemeResult:
         """One entry of ``results``; ``ValueError`` naming the field (under ``where``) that is malformed."""
-        d = _mapping(d, where, "a scheme result object")
+        d = mapping(d, where, "a scheme result object")
         buckets = tuple(sorted(
             (Bucket.from_dict(b, f"{where}.buckets[{i}]")
-             for i, b in enumerate(_items(d.get("buckets"), f"{where}.buckets", "a position bucket object"))),
+             for i, b in enumerate(objects(d.get("buckets"), f"{where}.buckets", "a position bucket object"))),
             key=lambda b: b.lo,
         ))  # fmt: skip
         attn = tuple(
             _attn_layer(a, i, f"{where}.attn_error[{i}]")
-            for i, a in enumerate(_items(d.get("attn_error"), f"{where}.attn_error", "a layer object"))
+            for i, a in enumerate(objects(d.get("attn_error"), f"{where}.attn_error", "a layer object"))
         )
         entropy = tuple(
             EntropyLayer.from_dict(a, i, f"{where}.attn_entropy[{i}]")
-            for i, a in enumerate(_items(d.get("attn_entropy"), f"{where}.attn_entropy", "a layer object"))
+            for i, a in enumerate(objects(d.get("attn_entropy"), f"{where}.attn_entropy", "a layer object"))
         )
         gen = d.get("generation")
         return cls(
@@ -261,10 +221,10 @@ class SchemeResult:
 def _attn_layer(a: Mapping[str, Any], index: int, where: str) -> AttnLayer:
     """One layer of ``attn_error`` (``layer`` defaults to ``index``); ``ValueError`` naming ``where``."""
     rows = []
-    for i, b in enumerate(_items(a.get("buckets"), f"{where}.buckets", "a position bucket object")):
+    for i, b in enumerate(objects(a.get("buckets"), f"{where}.buckets", "a position bucket object")):
         at = f"{where}.buckets[{i}]"
-        rows.append((_whole(b, "lo", at), _whole(b, "hi", at), _num(b.get("rel_err"))))
-    return AttnLayer(layer=_whole(a, "layer", where, index), buckets=tuple(rows))
+        rows.append((whole(b, "lo", at), whole(b, "hi", at), _num(b.get("rel_err"))))
+    return AttnLayer(layer=whole(a, "layer", where, default=index), buckets=tuple(rows))
 
 
 @dataclass(frozen=True)
@@ -293,8 +253,8 @@ class RunSummary:
             raise TypeError(f"summary must be a mapping (parsed summary.json), got {type(d).__name__}")
         fingerprint = d.get("fingerprint")
         if fingerprint is not None:
-            _mapping(fingerprint, "fingerprint", 'an object such as {"model": "...", "tokens": "..."}')
-        results = _items(d.get("results"), "results", "a scheme result object")
+            mapping(fingerprint, "fingerprint", 'an object such as {"model": "...", "tokens": "..."}')
+        results = objects(d.get("results"), "results", "a scheme result object")
         ctx, win = _num(d.get("context")), _num(d.get("windows"))
         return cls(
             model=str(d.get("model", "?")), data=str(d.get("data", "?")),
@@ -321,12 +281,9 @@ class RunSummary:
     @classmethod
     def parse(cls, data: Any, path: str | Path) -> RunSummary:
         """:meth:`from_dict` of the parsed file ``path``: ``ValueError`` naming the file and the malformed field."""
-        if not isinstance(data, Mapping):
-            raise ValueError(  # noqa: TRY004 - bad file content
-                f"{path} holds {_json_kind(data)}; expected a kvbits eval summary (a JSON object)"
-            )
+        document = json_object(data, path, "a kvbits eval summary")
         try:
-            run = cls.from_dict(data)
+            run = cls.from_dict(document)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
         return run
