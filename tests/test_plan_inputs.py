@@ -129,3 +129,52 @@ def test_absurd_memory_amounts_are_refused(field, value):
 def test_the_largest_memory_amount_plans():
     r = plan(ModelShape.from_dims(2, 2, 64), context=1024, gpu_mem_gib=MAX_GIB, weights_gib=1)
     assert r["gpu_mem_bytes"] == MAX_GIB * (1 << 30) and r["fits"]
+
+
+# ------------------------------------------------------------------------------ repeated schemes
+
+
+def _write_scheme(path: Path, scheme, **changes) -> str:
+    from kvbits.schemes import get_scheme
+
+    path.write_text(get_scheme(scheme).replace(**changes).to_json())
+    return str(path)
+
+
+def test_a_repeated_scheme_is_refused_naming_it(tmp_path):
+    from kvbits.schemes import get_scheme
+
+    shape = ModelShape.from_dims(2, 2, 64)
+    with pytest.raises(ValueError, match=r"scheme 'fp16' is listed twice; .*typo"):
+        plan(shape, context=100, scheme=["fp16", "fp16"])
+    with pytest.raises(ValueError, match=r"scheme 'kivi-2' is listed twice"):
+        plan(shape, context=[100, 200], scheme=("kivi-2", "fp16", "kivi-2"))
+    # two spellings of one scheme: the preset, a JSON file of it (a description does not change the
+    # storage), the KVScheme object
+    path = _write_scheme(tmp_path / "fp16.json", "fp16", description="my copy")
+    with pytest.raises(ValueError, match=rf"scheme 'fp16' is listed twice \(given as 'fp16' and '{re.escape(path)}'\)"):
+        plan(shape, context=100, scheme=["fp16", path])
+    with pytest.raises(ValueError, match=r"'int4-token' is listed twice \(given as KVScheme 'int4-token' and 'int4"):
+        plan(shape, context=100, scheme=[get_scheme("int4-token"), "int4-token"])
+    # distinct schemes still plan, one row each, in order
+    rows = plan(shape, context=100, scheme=["fp16", "kivi-2"])
+    assert [r["scheme"] for r in rows] == ["fp16", "kivi-2"]
+
+
+def test_two_different_schemes_of_one_name_are_refused(tmp_path):
+    a = _write_scheme(tmp_path / "a.json", "int4-token", name="custom")
+    b = _write_scheme(tmp_path / "b.json", "int8-token", name="custom")
+    with pytest.raises(ValueError, match=r"two different schemes are named 'custom' .*rename one"):
+        plan(ModelShape.from_dims(2, 2, 64), context=100, scheme=[a, b])
+    # the same content under another name is another row (a name the user chose)
+    c = _write_scheme(tmp_path / "c.json", "int4-token", name="custom-int4")
+    assert len(plan(ModelShape.from_dims(2, 2, 64), context=100, scheme=[a, c])) == 2
+
+
+def test_cli_refuses_a_repeated_scheme(capsys):
+    from kvbits.cli import main
+
+    dims = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--context", "100"]
+    assert main(["plan", *dims, "--scheme", "kivi-2", "--scheme", "kivi-2"]) == 2
+    err = capsys.readouterr().err
+    assert "kvbits plan: error: scheme 'kivi-2' is listed twice" in err

@@ -49,6 +49,7 @@ from kvbits.quant.fp8 import fp8_max
 from kvbits.quant.nuq import choose_nuq_params, uniform_codebook
 from kvbits.quant.rotate import rotate
 from kvbits.quant.tensor import codebook_inputs, quantize, to_channel_basis
+from kvbits.schemes.accounting import check_scheme_head_dim
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -416,11 +417,26 @@ def artifact_from_samples(
             keys).
         tie_rope_pairs: pre-RoPE centred / smoothed keys get one factor per RoPE pair (see ``fit_side``);
             recorded as ``tie_rope_pairs`` in the artifact's JSON.
+
+    Raises:
+        TypeError: ``keys`` / ``values`` / gradients not a list of tensors (a single tensor is refused, not
+            taken as one layer per entry), or a tensor that is not floating.
+        ValueError: checked before any fitting, naming the layer (``keys[3] (layer 3)``): a tensor of
+            neither 3 nor 4 dims; ``H_kv`` or ``D`` differing between layers, between keys and values, or
+            from ``meta["model"]``'s ``num_kv_heads`` / ``head_dim`` (and ``num_layers``); a head dim the
+            scheme can not store; a gradient list of another length or a gradient of another shape than its
+            samples; samples of a side to fit with no tokens or with NaN / inf (gradients too).
     """
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
+    for name, seq in (("keys", keys), ("values", values), ("key_grads", key_grads), ("value_grads", value_grads)):
+        if seq is not None and (isinstance(seq, (torch.Tensor, str, bytes)) or not isinstance(seq, Sequence)):
+            what = f"a tensor of shape {tuple(seq.shape)}" if isinstance(seq, torch.Tensor) else type(seq).__name__
+            raise TypeError(
+                f"{name} must be a list with one (H_kv, N, D) or (B, H_kv, T, D) tensor per layer, got {what}"
+            )
     if len(keys) != len(values) or not keys:
         raise ValueError(
             f"need one key and one value sample tensor per layer, got {len(keys)} and {len(values)}"
@@ -436,6 +452,10 @@ def artifact_from_samples(
         if amax is not None and len(amax) != len(keys):
             raise ValueError(f"{name} needs one value per layer ({len(keys)}), got {len(amax)}")
     scheme.check_layer_count(len(keys), "the samples'")
+    _check_samples(
+        scheme, keys, values, key_grads, value_grads,
+        key_absmax=key_absmax, value_absmax=value_absmax, meta=meta, tie_rope_pairs=tie_rope_pairs,
+    )  # fmt: skip
     keys = [as_hnd(k) for k in keys]
     values = [as_hnd(v) for v in values]
     H, N, D = keys[0].shape
@@ -497,6 +517,109 @@ def artifact_from_samples(
     art = CalibrationArtifact(scheme=scheme, tensors=tensors, meta=record)
     art.validate()
     return art
+
+
+def _check_samples(
+    scheme: KVScheme,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    key_grads: Sequence[torch.Tensor] | None = None,
+    value_grads: Sequence[torch.Tensor] | None = None,
+    *,
+    key_absmax: Sequence[Any] | None = None,
+    value_absmax: Sequence[Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    tie_rope_pairs: bool = False,
+) -> None:
+    """``TypeError`` / ``ValueError`` naming the layer for per-layer samples ``artifact_from_samples`` can not
+    fit ``scheme`` from (``keys`` and ``values`` as long, one per layer).
+
+    Every tensor: a floating ``torch.Tensor`` of 3 dims ``(H_kv, N, D)`` or 4 ``(B, H_kv, T, D)``, with the
+    ``H_kv`` and ``D`` of ``keys[0]`` (the artifact has one shape: every layer, keys and values), at least
+    one KV head and channel; that shape one ``scheme`` can store (``check_scheme_head_dim``; even for
+    ``tie_rope_pairs``) and, where ``meta["model"]`` gives them, its ``num_kv_heads`` / ``head_dim`` /
+    ``num_layers``. Gradients: one per layer, each of its samples' shape. A side that is fitted (its layer's
+    spec is calibratable) needs at least one token (except a static FP8 side given its ``*_absmax``, fitted
+    from that alone) and finite samples and gradients: one ``isfinite`` pass over each."""
+    n_layers = len(keys)
+    grads = {"key": key_grads, "value": value_grads}
+    absmax = {"key": key_absmax, "value": value_absmax}
+    for side in SIDES:
+        g = grads[side]
+        if g is not None and len(g) != n_layers:
+            raise ValueError(f"{side}_grads needs one gradient tensor per layer ({n_layers}), got {len(g)}")
+    ref: tuple[int, int] | None = None  # (H_kv, D) of keys[0]
+    for i in range(n_layers):
+        layer_scheme = scheme.for_layer(i)
+        for side, xs in (("key", keys), ("value", values)):
+            arg = f"{side}s[{i}]"
+            x = _check_sample_tensor(xs[i], arg, i)
+            H, D = x.shape[-3], x.shape[-1]
+            if H < 1 or D < 1:
+                raise ValueError(f"{arg} (layer {i}) has shape {tuple(x.shape)}: no KV heads or no channels")
+            if ref is None:
+                ref = (H, D)
+            elif (H, D) != ref:
+                raise ValueError(
+                    f"{arg} (layer {i}) has {H} KV heads of dim {D} (shape {tuple(x.shape)}), but keys[0] has "
+                    f"{ref[0]} of dim {ref[1]}: every layer's keys and values need the same (H_kv, D)"
+                )
+            g = None if grads[side] is None else grads[side][i]
+            if grads[side] is not None:
+                _check_sample_tensor(g, f"{side}_grads[{i}]", i)
+                if g.shape != x.shape:
+                    raise ValueError(
+                        f"{side}_grads[{i}] (layer {i}) has shape {tuple(g.shape)}, but its samples {arg} have "
+                        f"{tuple(x.shape)}: a gradient must have the shape of its samples"
+                    )
+            spec = getattr(layer_scheme, side)
+            if not spec_calibratable(spec):
+                continue  # not read
+            n_tokens = x.numel() // (H * D)
+            given_absmax = absmax[side] is not None and absmax[side][i] is not None
+            if n_tokens == 0 and not (spec.kind == "fp8" and given_absmax):
+                raise ValueError(
+                    f"{arg} (layer {i}) has no tokens (shape {tuple(x.shape)}); calibrating its {side}s needs at "
+                    "least one sample"
+                )
+            for t, what in ((x, arg), (g, f"{side}_grads[{i}]")):
+                if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
+                    n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+                    raise ValueError(
+                        f"{what} (layer {i}) contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to "
+                        "calibrate from it"
+                    )
+    assert ref is not None  # keys is not empty
+    H, D = ref
+    check_scheme_head_dim(scheme, D)
+    if tie_rope_pairs and D % 2:
+        raise ValueError(f"tie_rope_pairs ties RoPE pairs of channels and needs an even head dim, got {D}")
+    model = (meta or {}).get("model")
+    if isinstance(model, dict):
+        got = {"num_layers": n_layers, "num_kv_heads": H, "head_dim": D}
+        diff = [
+            f"{k} {model[k]} vs {v}"
+            for k, v in got.items()
+            if isinstance(model.get(k), int) and not isinstance(model.get(k), bool) and model[k] != v
+        ]
+        if diff:
+            raise ValueError(
+                f"the samples do not match meta['model'] ({'; '.join(diff)} [meta vs samples]): samples of "
+                f"{n_layers} layers of {H} KV heads of dim {D} were given"
+            )
+
+
+def _check_sample_tensor(t: Any, arg: str, layer: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} (layer {layer}) must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{arg} (layer {layer}) must be a floating tensor, got {t.dtype}")
+    if t.dim() not in (3, 4):
+        raise ValueError(
+            f"{arg} (layer {layer}) must be (H_kv, N, D) or (B, H_kv, T, D), got {t.dim()} dims: shape "
+            f"{tuple(t.shape)}"
+        )
+    return t
 
 
 def _kvbits_version() -> str:

@@ -96,6 +96,44 @@ def _as_list(value: Any) -> tuple[list[Any], bool]:
     return [value], False
 
 
+def _check_distinct(specs: list[Any], schemes: list[KVScheme]) -> None:
+    """``ValueError`` when two of ``specs`` resolve to the same scheme name: results are reported (and
+    told apart) by name, so a repeat would print two identical rows, and is most likely a typo for
+    another scheme. Two spellings of one name count (``"fp16"`` and a ``fp16.json`` file, which
+    ``get_scheme`` only accepts when it stores K/V as the preset does)."""
+    first: dict[str, tuple[Any, KVScheme]] = {}
+    for spec, s in zip(specs, schemes):
+        if s.name not in first:
+            first[s.name] = (spec, s)
+            continue
+        given = [_spelling(first[s.name][0]), _spelling(spec)]
+        if _storage(first[s.name][1]) != _storage(s):
+            raise ValueError(
+                f"two different schemes are named {s.name!r} (given as {given[0]} and {given[1]}); plans are "
+                "reported by scheme name: rename one of them"
+            )
+        how = f" (given as {given[0]} and {given[1]})" if given[0] != given[1] else ""
+        raise ValueError(
+            f"scheme {s.name!r} is listed twice{how}; each scheme is planned once, so name each only once "
+            "(a repeat is most likely a typo for another scheme)"
+        )
+
+
+def _storage(s: KVScheme) -> KVScheme:
+    """``s`` less what does not change how K/V are stored (its and its overrides' description, reference)."""
+    layers = tuple((i, _storage(sub)) for i, sub in s.layers)
+    return s.replace(description="", reference="", layers=layers)
+
+
+def _spelling(spec: Any) -> str:
+    """How a scheme was given, for messages: a name or path as typed, else the kind of object."""
+    if isinstance(spec, str):
+        return repr(spec)
+    if isinstance(spec, KVScheme):
+        return f"KVScheme {spec.name!r}"
+    return f"a {type(spec).__name__}"
+
+
 MAX_GIB = 1 << 30
 """The largest memory amount taken, in GiB (1 EiB): far beyond any GPU or node, and small enough that the
 byte counts stay finite (``1e308`` GiB overflowed a float)."""
@@ -155,7 +193,9 @@ def plan(
     Raises:
         ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
             heads or layers, a scheme the cache can not store at the model's head dim (per-token groups
-            that do not divide it), or ``gpu_mem_gib`` without any way to know the weights.
+            that do not divide it), ``gpu_mem_gib`` without any way to know the weights, or a scheme
+            listed twice (two spellings that resolve to one scheme name count: plans are told apart by
+            name).
 
     Example:
         >>> from kvbits.plan import ModelShape, plan
@@ -188,6 +228,7 @@ def plan(
             warn_beyond_max_positions(shape.max_context, c, " (the bytes are planned all the same)")
     scheme_specs, many_schemes = _as_list(scheme)
     schemes = [get_scheme(s) for s in scheme_specs]
+    _check_distinct(scheme_specs, schemes)
 
     budget = None
     if gpu_mem_gib is not None:

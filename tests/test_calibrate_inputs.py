@@ -1,0 +1,155 @@
+"""``artifact_from_samples`` refuses malformed samples and gradients up front, with a ``TypeError`` /
+``ValueError`` that names the argument and layer and says what was expected, instead of an
+``IndexError`` / unpacking error from deep inside the fit, or a silent NaN fit. Model-free."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvbits.calibrate import artifact_from_samples
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme
+
+H, N, D = 2, 64, 16
+
+
+def samples(layers: int = 2, shape: tuple[int, ...] = (H, N, D), seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen) for _ in range(layers)]
+
+
+def with_layer(ts: list[torch.Tensor], i: int, t: torch.Tensor) -> list[torch.Tensor]:
+    out = list(ts)
+    out[i] = t
+    return out
+
+
+def non_finite(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    t.view(-1)[1] = float("inf")
+    t.view(-1)[2] = float("-inf")
+    return t
+
+
+def test_well_formed_samples_still_fit():
+    k, v = samples(), samples(seed=1)
+    art = artifact_from_samples("kvquant-4", k, v, key_grads=samples(seed=2), value_grads=samples(seed=3))
+    assert art.num_kv_heads == H and art.head_dim == D and art.num_layers == 2
+    # (B, H_kv, T, D) blocks, mixed with (H_kv, N, D) ones, and float64 / bfloat16 samples are taken
+    blocks = [k[0].reshape(H, 2, N // 2, D).transpose(0, 1), k[1].double()]
+    assert artifact_from_samples("kvquant-4", blocks, [v[0].bfloat16(), v[1]]).num_layers == 2
+
+
+def test_a_single_tensor_is_not_a_list_of_layers():
+    k = samples()
+    with pytest.raises(TypeError, match=r"keys must be a list with one \(H_kv, N, D\) .*got a tensor of shape \(2, 2, 64, 16\)"):
+        artifact_from_samples("kvquant-4", torch.stack(k), k)
+    with pytest.raises(TypeError, match=r"value_grads must be a list .*got a tensor"):
+        artifact_from_samples("kvquant-4", k, k, value_grads=k[0])
+
+
+@pytest.mark.parametrize("shape", [(N, D), (1, 1, H, N, D)], ids=["2-dims", "5-dims"])
+def test_wrong_number_of_dims_names_the_layer(shape):
+    k = samples()
+    bad = with_layer(k, 1, torch.randn(*shape))
+    with pytest.raises(ValueError, match=rf"keys\[1\] \(layer 1\) must be \(H_kv, N, D\) or \(B, H_kv, T, D\), got {len(shape)} dims"):
+        artifact_from_samples("kvquant-4", bad, k)
+    with pytest.raises(ValueError, match=r"values\[1\] \(layer 1\) must be"):
+        artifact_from_samples("kvquant-4", k, bad)
+
+
+def test_head_count_or_head_dim_differing_between_layers_or_sides():
+    k = samples()
+    with pytest.raises(ValueError, match=r"keys\[1\] \(layer 1\) has 3 KV heads of dim 16 .*keys\[0\] has 2 of dim 16"):
+        artifact_from_samples("kvquant-4", with_layer(k, 1, torch.randn(3, N, D)), k)
+    with pytest.raises(ValueError, match=r"values\[0\] \(layer 0\) has 2 KV heads of dim 8 .*keys\[0\] has 2 of dim 16"):
+        artifact_from_samples("kvquant-4", k, with_layer(k, 0, torch.randn(H, N, 8)))
+    # a block (B, H_kv, T, D) with another head count
+    with pytest.raises(ValueError, match=r"values\[1\] \(layer 1\) has 4 KV heads"):
+        artifact_from_samples("kvquant-4", k, with_layer(k, 1, torch.randn(1, 4, N, D)))
+    with pytest.raises(ValueError, match=r"keys\[0\] \(layer 0\) has shape \(0, 64, 16\): no KV heads or no channels"):
+        artifact_from_samples("kvquant-4", samples(shape=(0, N, D)), samples(shape=(0, N, D)))
+
+
+def test_shape_against_the_model_record_and_the_scheme():
+    k = samples()
+    model = {"num_layers": 2, "num_kv_heads": H, "head_dim": D}
+    assert artifact_from_samples("kvquant-4", k, k, meta={"model": model}).num_kv_heads == H
+    with pytest.raises(ValueError, match=r"do not match meta\['model'\] \(num_kv_heads 4 vs 2 \[meta vs samples\]\)"):
+        artifact_from_samples("kvquant-4", k, k, meta={"model": {**model, "num_kv_heads": 4}})
+    # an FP8 per-tensor scale has no per-head shape, so nothing later would notice
+    with pytest.raises(ValueError, match=r"do not match meta\['model'\] \(num_kv_heads 8 vs 2"):
+        artifact_from_samples("fp8-e4m3", k, k, meta={"model": {**model, "num_kv_heads": 8}})
+    with pytest.raises(ValueError, match=r"head_dim 128 vs 16; num_layers 3 vs 2|num_layers 3 vs 2; head_dim 128 vs 16"):
+        artifact_from_samples("kvquant-4", k, k, meta={"model": {**model, "head_dim": 128, "num_layers": 3}})
+    # a Hadamard-rotated side needs a power-of-two head dim
+    k12 = samples(shape=(H, N, 12))
+    with pytest.raises(ValueError, match=r"scheme 'fp8-e4m3-hadamard' can not store head_dim 12: .*power-of-two"):
+        artifact_from_samples("fp8-e4m3-hadamard", k12, k12)
+    # RoPE pairs need an even head dim
+    k15 = samples(shape=(H, N, 15))
+    with pytest.raises(ValueError, match=r"tie_rope_pairs .*even head dim, got 15"):
+        artifact_from_samples("int4-token-smooth-prerope", k15, k15, tie_rope_pairs=True)
+
+
+def test_gradients_must_match_their_samples():
+    k, v = samples(), samples(seed=1)
+    with pytest.raises(ValueError, match=r"key_grads\[1\] \(layer 1\) has shape \(2, 63, 16\), but its samples keys\[1\] have \(2, 64, 16\)"):
+        artifact_from_samples("kvquant-4", k, v, key_grads=with_layer(k, 1, torch.randn(H, N - 1, D)))
+    with pytest.raises(ValueError, match=r"value_grads\[0\] \(layer 0\) has shape \(64, 2, 16\)"):
+        artifact_from_samples("kvquant-4", k, v, value_grads=with_layer(v, 0, v[0].transpose(0, 1)))
+    with pytest.raises(ValueError, match=r"key_grads needs one gradient tensor per layer \(2\), got 1"):
+        artifact_from_samples("kvquant-4", k, v, key_grads=k[:1])
+    with pytest.raises(TypeError, match=r"value_grads\[1\] \(layer 1\) must be a torch.Tensor, got NoneType"):
+        artifact_from_samples("kvquant-4", k, v, value_grads=[v[0], None])
+    with pytest.raises(TypeError, match=r"key_grads\[0\] \(layer 0\) must be a floating tensor, got torch.int64"):
+        artifact_from_samples("kvquant-4", k, v, key_grads=[torch.ones(H, N, D, dtype=torch.long), k[1]])
+
+
+def test_samples_without_tokens_are_refused():
+    k = samples()
+    empty = torch.randn(H, 0, D)
+    with pytest.raises(ValueError, match=r"keys\[1\] \(layer 1\) has no tokens \(shape \(2, 0, 16\)\); .*at least one sample"):
+        artifact_from_samples("kvquant-4", with_layer(k, 1, empty), k)
+    with pytest.raises(ValueError, match=r"values\[0\] \(layer 0\) has no tokens"):
+        artifact_from_samples("fp8-e4m3", k, with_layer(k, 0, torch.randn(0, H, 5, D)))
+    # a static FP8 side given its largest |x| is fitted from that alone
+    art = artifact_from_samples("fp8-e4m3", with_layer(k, 1, empty), k, key_absmax=[4.0, 8.0])
+    assert float(art.tensors["layers.1.key_scale"]) * 448 == pytest.approx(8.0)
+    # a layer the scheme does not calibrate (fp16 there) is not read
+    art = artifact_from_samples("kvquant-4,1=fp16", with_layer(k, 1, empty), with_layer(k, 1, empty))
+    assert "layers.1.key_scale" not in art.tensors
+
+
+def test_non_floating_samples_are_refused():
+    k = samples()
+    with pytest.raises(TypeError, match=r"values\[1\] \(layer 1\) must be a floating tensor, got torch.int32"):
+        artifact_from_samples("kvquant-4", k, with_layer(k, 1, k[1].to(torch.int32)))
+    with pytest.raises(TypeError, match=r"keys\[0\] \(layer 0\) must be a torch.Tensor, got list"):
+        artifact_from_samples("kvquant-4", [k[0].tolist(), k[1]], k)
+
+
+@pytest.mark.parametrize("scheme", ["kvquant-4", "fp8-e4m3", "int4-token-smooth"])
+def test_non_finite_samples_and_gradients_are_refused(scheme):
+    k, v = samples(), samples(seed=1)
+    msg = r"contains non-finite values \(1 NaN, 2 inf\); refusing to calibrate from it"
+    with pytest.raises(ValueError, match=r"keys\[1\] \(layer 1\) " + msg):
+        artifact_from_samples(scheme, with_layer(k, 1, non_finite(k[1])), v)
+    if get_scheme(scheme).value.calibratable:  # int4-token-smooth: dynamic values, not read
+        with pytest.raises(ValueError, match=r"values\[0\] \(layer 0\) " + msg):
+            artifact_from_samples(scheme, k, with_layer(v, 0, non_finite(v[0])))
+    if get_scheme(scheme).key.kind == "nuq":  # Fisher weights: the gradients are read
+        with pytest.raises(ValueError, match=r"key_grads\[1\] \(layer 1\) " + msg):
+            artifact_from_samples(scheme, k, v, key_grads=with_layer(k, 1, non_finite(k[1])))
+
+
+def test_non_finite_samples_of_a_side_not_calibrated_are_not_read():
+    """A float value side fits nothing: its samples are shape-checked only."""
+    nuq = TensorSpec(kind="nuq", bits=4, fmt=None, granularity="channel", static=True, pre_rope=True)
+    scheme = KVScheme("k-only", key=nuq)
+    k = samples()
+    art = artifact_from_samples(scheme, k, [non_finite(t) for t in k])
+    assert re.fullmatch(r"layers\.\d\.key_(scale|zero|codebook)", next(iter(art.tensors)))
