@@ -178,3 +178,16 @@ def test_cli_refuses_a_repeated_scheme(capsys):
     assert main(["plan", *dims, "--scheme", "kivi-2", "--scheme", "kivi-2"]) == 2
     err = capsys.readouterr().err
     assert "kvbits plan: error: scheme 'kivi-2' is listed twice" in err
+
+
+def test_a_repeated_context_is_refused_naming_it(capsys):
+    """plan(context=[4096, 4096]) returned two identical rows per scheme; '4k' and '4096' are one context."""
+    from kvbits.cli import main
+
+    shape = ModelShape.from_dims(2, 2, 64)
+    with pytest.raises(ValueError, match=r"context 4096 is listed twice \(\[4096, 1024, 4096\]\); .*typo"):
+        plan(shape, context=[4096, 1024, 4096], scheme="fp16")
+    assert [r["context"] for r in plan(shape, context=[4096, 1024], scheme="fp16")] == [4096, 1024]
+    dims = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--scheme", "fp16"]
+    assert main(["plan", *dims, "--context", "4k", "--context", "4096"]) == 2
+    assert "kvbits plan: error: context 4096 is listed twice" in capsys.readouterr().err

@@ -223,6 +223,12 @@ def plan(
         context = shape.max_context
     contexts, many_contexts = _as_list(context)
     contexts = [_positive_int(c, "context") for c in contexts]
+    repeated = sorted({c for c in contexts if contexts.count(c) > 1})
+    if repeated:
+        raise ValueError(
+            f"context {repeated[0]} is listed twice ({list(contexts)}); each context is planned once, so name "
+            "each only once (a repeat is most likely a typo for another length)"
+        )
     if shape.max_context is not None:
         for c in contexts:  # the bytes are still exact; whether the model works there is another question
             warn_beyond_max_positions(shape.max_context, c, " (the bytes are planned all the same)")
