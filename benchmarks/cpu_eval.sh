@@ -286,6 +286,26 @@ if [[ $step == all || $step == needle ]]; then
       --scheme int2-token --scheme kvquant-4 --calibration runs/calib-smollm2-kvq4 \
       --out runs/needle-smollm2-prefill
 fi
+if [[ $step == needle-wide ]]; then
+  # §17a's trials widened to 4 per cell (trials 0-1 of each cell are §17a's: keys and offsets come from the seed,
+  # context, depth and index), with the centred / smoothed per-token INT4 keys of §21 (2K calibrations) beside them.
+  for b in 4; do
+    [[ -f runs/calib-smollm2-kvq$b/calibration.json ]] || \
+      $K calibrate --model smollm2-135m --data pride-and-prejudice --context 2048 --windows 2 \
+        --scheme kvquant-$b --out runs/calib-smollm2-kvq$b
+  done
+  for s in int4-token-smooth int4-token-smooth-prerope; do
+    d=runs/calib-smollm2-135m-$s
+    [[ -f $d/calibration.json ]] || $K calibrate --model smollm2-135m --data pride-and-prejudice --context 2048 \
+      --windows 2 --scheme $s --out $d
+  done
+  [[ -f runs/needle-smollm2-wide/needle.json ]] || \
+    $K needle --model smollm2-135m --context 2k --context 4k --context 8k --trials 4 --no-progress \
+      --scheme int8-token --scheme int4-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
+      --scheme int2-token --scheme kvquant-4 --scheme int4-token-smooth --scheme int4-token-smooth-prerope \
+      --calibration runs/calib-smollm2-kvq4 --calibration runs/calib-smollm2-135m-int4-token-smooth \
+      --calibration runs/calib-smollm2-135m-int4-token-smooth-prerope --out runs/needle-smollm2-wide
+fi
 if [[ $step == all || $step == needle-qwen ]]; then
   # The same task on Qwen2.5-Coder-0.5B (32K-trained, GQA 7:1, layer-0 key bias) at 4K-16K, one trial per cell.
   [[ -f runs/needle-qwen-prefill/needle.json ]] || \
