@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -29,7 +30,13 @@ from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.fused import RopeTableCache, check_mode
-from kvbits.cache.layer import QuantizedKVLayer, check_max_cache_len, find_position_ids
+from kvbits.cache.layer import (
+    QuantizedKVLayer,
+    check_beam_idx,
+    check_crop_arg,
+    check_max_cache_len,
+    find_position_ids,
+)
 from kvbits.plan.config import attention_heads, layer_heads, text_config
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
@@ -132,6 +139,14 @@ class QuantizedKVCache(Cache):
             ``memory_report()`` then counts the reservation (``workspace_bytes`` too), and at
             ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
             sequences still work: the layer logs it and grows by copying.
+
+    Served beyond its calibration, the cache says so, once per calibration artifact (a WARNING on the
+    ``kvbits.cache.cache`` logger; a server's cache per request does not repeat it, nor does ``reset()``): when a layer's cached tokens
+    first pass the artifact's ``max_calibrated_length`` (one int comparison per ``update``), and when a layer
+    first clips more than ``kvbits.cache.checks.CLIP_WARN_FRAC`` (0.1 %, the report's warning level) of its
+    quantized keys or values against static scales (looked at after each flush with eager checks, where the
+    counts are host ints, and with each lazy check, read back in its one transfer). ``calibration_report()`` has both
+    per layer.
     """
 
     def __init__(
@@ -164,6 +179,11 @@ class QuantizedKVCache(Cache):
         self._config = config
         self._rotary, self._rotary_owned = self._rope_tables(config, rotary)
         self.calibration = None
+        # tokens past which update logs, once, that the calibration is exceeded (sys.maxsize: nothing to say)
+        self._warn_past = sys.maxsize
+        self._told_clipping = False  # the clipping warning was logged (QuantizedKVLayer.clip_watch unset)
+        # warnings said: the artifact's own set once one is installed (once per artifact), else this cache's
+        self._logged: set[str] = set()
         self.num_key_value_heads: int | None = None
         self.head_repeat = 1  # K/V heads repeated by the model before update (Falcon new arch): stored once
         self.head_dim: int | None = None
@@ -241,6 +261,8 @@ class QuantizedKVCache(Cache):
         )
         if getattr(self, "calibration", None) is not None:  # lazily created layers
             self._calibrate_layer(layer)
+        if layer.can_clip and not self._told_clipping:
+            layer.clip_watch = self._look_at_clipping
         return layer
 
     def install_calibration(self, artifact: Any) -> None:
@@ -263,8 +285,14 @@ class QuantizedKVCache(Cache):
         if self._config is not None:
             artifact.check_model(self._config)
         self.calibration = artifact
+        longest = self.max_calibrated_length
+        # each warning once per artifact (artifact.logged), so a cache per request does not repeat it
+        self._logged = artifact.logged
+        self._warn_past = sys.maxsize if longest is None or "length" in self._logged else longest
+        self._told_clipping = "clipping" in self._logged
         for layer in self._quantized_layers():
             self._calibrate_layer(layer)
+            layer.clip_watch = self._look_at_clipping if layer.can_clip and not self._told_clipping else None
 
     def _calibrate_layer(self, layer: QuantizedKVLayer) -> None:
         for side in ("key", "value"):
@@ -300,11 +328,62 @@ class QuantizedKVCache(Cache):
         if self._input_error is not None:
             raise ValueError(self._input_error)
         layer = self.layers[layer_idx]
-        if isinstance(layer, QuantizedKVLayer) and layer.checks.due:
+        quantized = isinstance(layer, QuantizedKVLayer)
+        if quantized and layer.checks.due:
             self.check_inputs()  # every layer's lazy check in one host sync, not one per layer
-        if self._rotary is not None and isinstance(layer, QuantizedKVLayer) and layer.tokens_seen == 0:
+        if self._rotary is not None and quantized and layer.tokens_seen == 0:
             kwargs = self._with_position_ids(key_states, args, kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if quantized and layer.tokens_seen > self._warn_past:  # the per-step cost: one int comparison
+            self._warn_beyond_calibration(layer.tokens_seen)
+        return out
+
+    def _warn_beyond_calibration(self, tokens: int) -> None:
+        """Log, once per artifact (``CalibrationArtifact.logged``), that ``tokens`` cached tokens passed the
+        calibrated length."""
+        longest, self._warn_past = self._warn_past, sys.maxsize
+        if "length" in self._logged:  # another cache serving the artifact said so since this one was made
+            return
+        self._logged.add("length")
+        logger.warning(
+            "QuantizedKVCache (scheme %s): %d tokens cached, past the %d-token context its calibration artifact "
+            "was calibrated on (max_calibrated_length): later positions are served with statistics extrapolated "
+            "from shorter contexts. calibration_report() counts them per layer (positions_beyond_calibrated); "
+            "recalibrate with `kvbits calibrate --context` covering the longest context served. Logged once per "
+            "calibration artifact.", self.scheme.name, tokens, longest,
+        )  # fmt: skip
+
+    def _look_at_clipping(self, layer: QuantizedKVLayer | list[QuantizedKVLayer]) -> None:
+        """Log, once per artifact (``CalibrationArtifact.logged``; without one, once per cache), the first of
+        ``layer`` (one, after its eager flush, or the lazily checked ones) whose keys or values clipped more than
+        ``CLIP_WARN_FRAC`` of their quantized elements so far. Host ints only: eager counts, or lazy ones as the
+        last lazy check read them back (``InputChecks.clipped``)."""
+        layers = layer if isinstance(layer, list) else [layer]
+        if self._told_clipping or "clipping" in self._logged:
+            self._told_clipping = True
+            for other in self._quantized_layers():
+                other.clip_watch = None
+            return
+        for lay in layers:
+            counts = lay.checks.clipped if lay.checks.lazy else lay.clipped_counts()
+            if counts is None:
+                continue
+            totals = lay.quantized_elements()
+            lay.clip_floor = (kv_checks.CLIP_WARN_FRAC * totals[0], kv_checks.CLIP_WARN_FRAC * totals[1])
+            for side, n, total in zip(("keys", "values"), counts, totals):
+                if total and n > kv_checks.CLIP_WARN_FRAC * total:
+                    self._told_clipping = True
+                    self._logged.add("clipping")
+                    for other in self._quantized_layers():
+                        other.clip_watch = None  # said once: no more cost per flush
+                    logger.warning(
+                        "QuantizedKVCache (scheme %s): layer %d clipped %.3f%% of its %s (%d of %d quantized values) "
+                        "against their static scales (warning level %g%%): the K/V served lie outside the ranges "
+                        "those scales cover. calibration_report() counts clipped values per layer; recalibrate "
+                        "(`kvbits calibrate`) on data like what is served. Logged once per calibration artifact.",
+                        self.scheme.name, lay.layer_idx, 100 * n / total, side, n, total, 100 * kv_checks.CLIP_WARN_FRAC,
+                    )  # fmt: skip
+                    return
 
     def _with_position_ids(self, key_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
         """A request's first update of a pre-RoPE layer: add the tracked ``position_ids`` when transformers
@@ -327,11 +406,15 @@ class QuantizedKVCache(Cache):
         no sync). ``ValueError`` naming the first failed layer (and the others) if NaN, inf or values
         beyond float16 scales were stored since the last check. Reports and ``materialize`` call it;
         call it after a generation to cover its last steps. Eager layers have nothing pending."""
+        layers = self._quantized_layers()
+        watched = [layer for layer in layers if layer.checks.pending and layer.clip_watch is not None]
         try:
-            kv_checks.run_checks(self._quantized_layers())
+            kv_checks.run_checks(layers)
         except ValueError as exc:
             self._input_error = str(exc)
             raise
+        if watched:  # lazy: their clipped counts came back with the check's maxima (no sync of their own)
+            self._look_at_clipping(watched)
 
     def reset(self) -> None:
         """Empty every layer (and forget a failed lazy K/V check)."""
@@ -342,11 +425,25 @@ class QuantizedKVCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end of every layer (``QuantizedKVLayer.crop``: negative = that many tokens,
         positive = keep that absolute length). All or nothing: every layer is checked before any is cropped,
-        so a ``ValueError`` (tokens already quantized, or dropped by a sliding window) leaves the layers
-        agreeing on the sequence length."""
+        so a ``ValueError`` (tokens already quantized, or dropped by a sliding window, or more than a layer
+        holds) leaves the layers agreeing on the sequence length. ``TypeError`` unless an int (not a bool)."""
+        tokens_to_remove = check_crop_arg(tokens_to_remove)
         for layer in self._quantized_layers():
             layer.tokens_to_crop(tokens_to_remove)
         super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` of every layer becomes cached row ``beam_idx[i]`` (a 1-D int64 tensor; its length
+        is the new batch, which may differ from the old one, as in transformers). Checked once for all layers
+        (``kvbits.cache.layer.check_beam_idx``: ``TypeError`` / ``ValueError``, indices within the cached batch,
+        one host sync) before any layer changes."""
+        batches = [b for b in (layer.batch_size for layer in self._quantized_layers()) if b is not None]
+        check_beam_idx(beam_idx, min(batches, default=None), "QuantizedKVCache.reorder_cache")
+        for layer in self.layers:
+            if isinstance(layer, QuantizedKVLayer):
+                layer._reorder(beam_idx)
+            else:
+                layer.reorder_cache(beam_idx)
 
     def set_static_qparams(
         self,

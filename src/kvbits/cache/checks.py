@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "CHECK_MODES",
+    "CLIP_WARN_FRAC",
     "DEFAULT_CHECK_EVERY",
     "InputChecks",
     "check_channel_groups",
@@ -65,6 +66,9 @@ __all__ = [
 
 CHECK_MODES = ("auto", "eager", "lazy")
 DEFAULT_CHECK_EVERY = 64
+# QuantizedKVCache logs (once) a layer clipping more than this fraction of its quantized keys or values against
+# static scales: the warning level of kvbits.report.calibration.CLIP_WARN_FRAC (and of `kvbits evaluate`)
+CLIP_WARN_FRAC = 0.001
 SIDES = ("key_states", "value_states")
 
 
@@ -130,6 +134,8 @@ class InputChecks:
         amax: lazy: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked steps, on the device.
         pending: lazy: K/V arrived since the last check (``amax`` holds something to read).
         error: the message of a failed lazy check (sticky until ``reset``).
+        clipped: lazy, for a layer whose clipping the cache watches (``QuantizedKVLayer.clip_watch``): its
+            ``(keys, values)`` clipped counts as read back with the last check (same transfer), else ``None``.
         bounds: largest ``|K|`` and ``|V|`` accepted, with the reasons (``input_bound`` of the layer's
             specs; ``inf``: finiteness only); non-finite values always fail.
     """
@@ -143,6 +149,7 @@ class InputChecks:
     amax: torch.Tensor | None = None
     pending: bool = False
     error: str | None = None
+    clipped: tuple[int, int] | None = None
     bounds: tuple[tuple[float, str], tuple[float, str]] = (input_bound(None), input_bound(None))
 
     def resolve(self, device: torch.device) -> None:
@@ -152,7 +159,7 @@ class InputChecks:
     def reset(self) -> None:
         self.lazy = False
         self.steps = self.checked_steps = self.checked_tokens = 0
-        self.amax = self.error = None
+        self.amax = self.error = self.clipped = None
         self.pending = False
 
     @property
@@ -235,6 +242,21 @@ def _host_maxima(pending: list[torch.Tensor]) -> list[list[float]]:
     return out
 
 
+def _pending_rows(pending: list[QuantizedKVLayer]) -> list[torch.Tensor]:
+    """What a lazy check reads back per pending layer: ``amax`` ``(2,)``, followed, when the cache watches some
+    layer's clipping (``clip_watch``), by the clipped counts of keys and values (float32; 0 for unwatched
+    layers), so that they come back in the same transfer as the maxima (no sync of their own)."""
+    if all(layer.clip_watch is None for layer in pending):
+        return [layer.checks.amax for layer in pending]
+    rows = []
+    for layer in pending:
+        amax = layer.checks.amax
+        counts = layer.clipped_counts() if layer.clip_watch is not None else (0, 0)
+        tail = [c.reshape(1).float() if isinstance(c, torch.Tensor) else amax.new_full((1,), float(c)) for c in counts]
+        rows.append(torch.cat([amax, *tail]))
+    return rows
+
+
 def run_checks(layers: Iterable[QuantizedKVLayer]) -> None:
     """Run the pending lazy checks of ``layers`` together; ``ValueError`` naming every failed layer.
 
@@ -243,9 +265,11 @@ def run_checks(layers: Iterable[QuantizedKVLayer]) -> None:
     layers = list(layers)
     pending = [layer for layer in layers if layer.checks.pending]
     if pending:
-        maxima = _host_maxima([layer.checks.amax for layer in pending])
-        for layer, amax in zip(pending, maxima):
-            layer.checks.verdict(amax, f"layer {layer.layer_idx}", layer.tokens_seen)
+        maxima = _host_maxima(_pending_rows(pending))
+        for layer, row in zip(pending, maxima):
+            if layer.clip_watch is not None:
+                layer.checks.clipped = (int(row[2]), int(row[3]))
+            layer.checks.verdict(row[:2], f"layer {layer.layer_idx}", layer.tokens_seen)
     failed = []
     for layer in layers:
         checks = layer.checks

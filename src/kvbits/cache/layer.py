@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,46 @@ def _repeats_heads(x: torch.Tensor, g: int) -> torch.Tensor:
     B, Hg, q, D = x.shape
     groups = x.view(B, Hg // g, g, q, D) if x.is_contiguous() else x.reshape(B, Hg // g, g, q, D)
     return (groups == groups[:, :, :1]).all()
+
+
+def check_crop_arg(tokens_to_remove: Any) -> int:
+    """``crop``'s argument as an ``int``: ``TypeError`` for anything else (a bool, float, str, tensor, ...)."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+        raise TypeError(
+            "crop(tokens_to_remove) takes an int (negative: remove that many tokens from the end; positive: keep "
+            f"that absolute length), got {type(tokens_to_remove).__name__} {tokens_to_remove!r}"
+        )
+    return int(tokens_to_remove)
+
+
+BEAM_IDX_DTYPES = (torch.int64, torch.int32)  # what index_select takes
+
+
+def check_beam_idx(beam_idx: Any, batch: int | None, where: str) -> None:
+    """``reorder_cache``'s ``beam_idx``: a 1-D int64 / int32 tensor of batch indices, each in ``[0, batch)`` when the
+    cached ``batch`` is known (``None``: nothing cached yet, not checked). Its length may differ from ``batch``:
+    transformers' layers ``index_select`` any number of rows. ``TypeError`` / ``ValueError`` saying what was
+    expected; the range check reads the indices' minimum and maximum back (one host sync)."""
+    if not isinstance(beam_idx, torch.Tensor):
+        raise TypeError(
+            f"{where}: beam_idx must be a 1-D integer torch.Tensor of batch indices (transformers passes a "
+            f"LongTensor), got {type(beam_idx).__name__}"
+        )
+    if beam_idx.dtype not in BEAM_IDX_DTYPES:
+        raise TypeError(f"{where}: beam_idx must hold integer batch indices (torch.long), got dtype {beam_idx.dtype}")
+    if beam_idx.dim() != 1:
+        raise ValueError(
+            f"{where}: beam_idx must be 1-D (the cached row each new row takes), got shape {tuple(beam_idx.shape)}"
+        )
+    if batch is None or beam_idx.numel() == 0:
+        return
+    lo, hi = torch.aminmax(beam_idx.detach())
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= batch:
+        raise ValueError(
+            f"{where}: beam_idx must index the cached batch of {batch} sequences (0..{batch - 1}), got indices "
+            f"from {lo} to {hi}"
+        )
 
 
 def check_max_cache_len(value: Any) -> int | None:
@@ -236,6 +277,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.held_at: int | None = None  # tokens seen when hold_full_precision() stopped flushing; None: quantizing
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
+        # called with this layer after a flush whose clipped counts (host ints: eager checks) passed clip_floor, by
+        # QuantizedKVCache's once-per-cache clipping warning (set only where a spec is static); None: no cost
+        self.clip_watch: Callable[[QuantizedKVLayer], None] | None = None
+        # (keys, values) clipped counts at or under which the warning cannot be due (CLIP_WARN_FRAC of the elements
+        # quantized when clip_watch last looked; they only grow): a flush compares two ints, most call nothing
+        self.clip_floor: tuple[float, float] = (0.0, 0.0)
 
     def __repr__(self) -> str:
         kind = f"sliding={self.sliding_window}" if self.is_sliding else "full"
@@ -460,6 +507,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
             self._k.flush(n_flush, self.scheme.block)
             self._v.flush(n_flush, self.scheme.block)
+            if (
+                n_flush and self.clip_watch is not None and self._k.sync  # eager: the counts are host ints
+                and (self._k.clipped > self.clip_floor[0] or self._v.clipped > self.clip_floor[1])
+            ):  # fmt: skip
+                self.clip_watch(self)
         if self.fused.claimed and q == 1 and fused.serving(self):
             return fused.placeholders(self)  # kvbits_fused attends over packed_store(self): no dequantization
         # view: with a reserved workspace, the returned K/V view it (no copy of the history; used at once)
@@ -510,14 +562,18 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.repeat, self._repeat_pending = 1, False
         self.fused.claimed = False
         self.checks.reset()
+        self.clip_floor = (0.0, 0.0)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end: negative = that many tokens, positive = keep that absolute length
-        (transformers 5.17's legacy meaning; a no-op when not shorter than the cache).
+        (transformers 5.17's legacy meaning; a no-op when not shorter than the cache, as there), 0 or a layer
+        holding nothing yet: a no-op (as transformers' ``DynamicLayer``).
 
         Only tokens still in full precision can be removed (the buffer, or the sinks when nothing was
         quantized yet): quantized blocks are never dequantized and re-split. Anything else raises
-        ``ValueError``, and the layer is left as it was.
+        ``ValueError`` (also removing more tokens than the layer holds, which transformers' slicing would
+        silently turn into an empty or wrong-length cache), and the layer is left as it was; an argument that
+        is not an int (a bool, float, str or tensor) raises ``TypeError``.
         """
         r = self.tokens_to_crop(tokens_to_remove)
         if r == 0:
@@ -564,7 +620,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def tokens_to_crop(self, tokens_to_remove: int) -> int:
         """How many tokens ``crop(tokens_to_remove)`` removes (0: none); ``ValueError`` when it cannot. Changes
-        nothing (``QuantizedKVCache.crop`` asks every layer before cropping any)."""
+        nothing (``QuantizedKVCache.crop`` asks every layer before cropping any); ``TypeError`` unless an int."""
+        tokens_to_remove = check_crop_arg(tokens_to_remove)
         n = self.tokens_seen
         if tokens_to_remove > 0:
             if tokens_to_remove >= n:
@@ -574,6 +631,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             r = -tokens_to_remove
         if r == 0 or not self.is_initialized:
             return 0
+        if r > n:
+            raise ValueError(
+                f"layer {self.layer_idx}: crop({tokens_to_remove}) would remove {r} tokens but the layer holds {n}"
+            )
         removable = self._k.n_buffer + (self._k.n_sinks if self._k.n_quantized == 0 else 0)
         if r > removable:
             raise ValueError(
@@ -588,10 +649,41 @@ class QuantizedKVLayer(CacheLayerMixin):
         return r
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Select sequences ``beam_idx`` (beam search) in every stored tensor, scales included."""
+        """Select sequences ``beam_idx`` (beam search) in every stored tensor, scales included: row ``i`` becomes
+        cached row ``beam_idx[i]``. ``beam_idx``: a 1-D int64 (or int32) tensor, each index in ``[0, batch)``;
+        its length is the new batch and may differ from the old one (as transformers' ``index_select``). Anything
+        else raises ``TypeError`` / ``ValueError`` (``check_beam_idx``: one host sync for the range) and leaves
+        the layer as it was. A layer holding nothing yet checks the type and shape only."""
+        check_beam_idx(beam_idx, self.batch_size, f"layer {self.layer_idx} reorder_cache")
+        self._reorder(beam_idx)
+
+    def _reorder(self, beam_idx: torch.Tensor) -> None:
+        """``reorder_cache`` with ``beam_idx`` already checked (``QuantizedKVCache`` checks once for all layers)."""
         if self.is_initialized:
             idx = beam_idx.to(self.device)
             self._map_batch(lambda t: t.index_select(0, idx))
+
+    @property
+    def batch_size(self) -> int | None:
+        """Sequences cached (``None`` before the first update)."""
+        return None if self._k.buffer is None else self._k.buffer.shape[0]
+
+    @property
+    def can_clip(self) -> bool:
+        """Whether flushes can count clipped values: a quantizing layer with a static (fixed-scale) spec."""
+        return self.mode == "quantized" and (self.scheme.key.static or self.scheme.value.static)
+
+    def quantized_elements(self) -> tuple[int, int]:
+        """K and V elements quantized so far, including blocks a sliding window dropped since (what ``clipped()``
+        counts against)."""
+
+        def side(store: SideStore) -> int:
+            if store.buffer is None:
+                return 0
+            B, H, _, D = store.buffer.shape
+            return (store.n_quantized + store.n_dropped) * B * H * D
+
+        return side(self._k), side(self._v)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -659,6 +751,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Every stored tensor of K and V by kind (see ``SideStore.components``)."""
         k, v = self._k.components(), self._v.components()
         return {name: k[name] + v[name] for name in k}
+
+    def clipped_counts(self) -> tuple[int | torch.Tensor, int | torch.Tensor]:
+        """``clipped()`` as kept: host ints (eager checks) or 0-dim int64 device tensors (lazy; no sync here)."""
+        return self._k.clipped, self._v.clipped
 
     def clipped(self) -> tuple[int, int]:
         """Values that saturated against their (static) scales so far, for keys and values (exact; with

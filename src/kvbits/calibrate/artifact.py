@@ -145,12 +145,16 @@ class CalibrationArtifact:
         tensors: ``layers.{i}.{side}_{scale|zero|codebook}`` float16 tensors (see the module docstring).
         meta: the JSON record (model, data, percentile, fisher, per-layer ``stats``, ...).
         path: the folder it was read from or written to, if any.
+        logged: what ``QuantizedKVCache`` has already warned about serving it in this process (``"length"``:
+            past ``max_calibrated_length``; ``"clipping"``): each is logged once per artifact, not once per cache
+            (a server makes a cache per request). Not saved.
     """
 
     scheme: KVScheme
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    logged: set[str] = field(default_factory=set, repr=False, compare=False)
 
     # ---------------------------------------------------------------------------------- facts
     @property

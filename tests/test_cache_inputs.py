@@ -1,0 +1,326 @@
+"""`QuantizedKVCache` served beyond its calibration, and the arguments transformers hands it.
+
+- Past the calibration artifact's ``max_calibrated_length`` the cache logs one warning per artifact (not per
+  cache, layer or step: a server makes a cache per request), through ``generate`` or direct ``update`` calls; clipping more than ``CLIP_WARN_FRAC`` of
+  a layer's keys or values against static scales is logged once too (eager and lazy checks).
+- ``crop`` / ``reorder_cache`` (cache and layer) refuse what transformers never passes with a ``TypeError`` /
+  ``ValueError`` saying what was expected, and leave the cache as it was; what transformers allows (a
+  ``beam_idx`` of another length, a positive crop past the end) still works.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from _tinyllama import tiny_llama
+from transformers import DynamicCache
+
+from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
+from kvbits.cache import checks as kv_checks
+from kvbits.schemes import get_scheme
+
+transformers.logging.set_verbosity_error()
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CACHE_KW = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+# static per-tensor FP8 scales (calibrated: amax / 448), every token flushed
+STATIC = get_scheme("fp8-e4m3")
+CALIBRATED = 24  # the artifact's max_calibrated_length
+
+
+def rand_kv(B: int, T: int, seed: int, H: int = 2, D: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+
+
+def ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 200, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@functools.cache
+def model_and_artifact():
+    """The tiny Llama and an artifact for ``STATIC`` fitted on its K/V over 64 tokens (post-RoPE keys, as stored;
+    ranges widened 2x so quantized inputs never clip), recorded as calibrated up to ``CALIBRATED`` tokens."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = tiny_llama()
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids(64), **{CACHE_KW: ref})
+    keys = [torch.cat([layer.keys, 2 * layer.keys], dim=2) for layer in ref.layers]
+    values = [torch.cat([layer.values, 2 * layer.values], dim=2) for layer in ref.layers]
+    meta = {"model": describe_model(model.config), "data": {"name": "t", "tokens": 128, "context": CALIBRATED}}
+    art = artifact_from_samples(STATIC, keys, values, meta=meta)
+    assert art.max_calibrated_length == CALIBRATED
+    return model, art
+
+
+def sample_artifact(context: int = CALIBRATED):
+    """A ``STATIC`` artifact from random samples (2 layers, 2 heads of 16 channels), no model."""
+    from kvbits.calibrate import artifact_from_samples
+
+    k, v = rand_kv(1, 64, seed=3)
+    meta = {"data": {"name": "t", "tokens": 64, "context": context}}
+    return artifact_from_samples(STATIC, [4 * k, 4 * k], [4 * v, 4 * v], meta=meta)
+
+
+def warnings_of(caplog, text: str = "") -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and text in r.getMessage()]
+
+
+# ------------------------------------------------------------------------------- beyond the calibrated length
+@torch.no_grad()
+def test_generate_past_calibrated_length_warns_once(caplog):
+    """``generate`` with a calibrated cache: nothing logged up to the calibrated length; past it one warning
+    for the whole cache (2 layers, 11 more steps), naming the length reached, the calibrated length, the
+    scheme and what to do."""
+    model, art = model_and_artifact()
+    kw = {"do_sample": False, "pad_token_id": 0}
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        within = QuantizedKVCache(config=model.config, scheme=STATIC, calibration=art)
+        model.generate(ids(16), **{CACHE_KW: within}, max_new_tokens=9, **kw)  # 16 + 8 cached = 24
+        assert within.get_seq_length() == CALIBRATED
+        assert warnings_of(caplog) == []
+        past = QuantizedKVCache(config=model.config, scheme=STATIC, calibration=art)
+        model.generate(ids(16), **{CACHE_KW: past}, max_new_tokens=20, **kw)  # 16 + 19 cached = 35
+    assert past.get_seq_length() == 35
+    msgs = warnings_of(caplog)
+    assert len(msgs) == 1, msgs
+    msg = msgs[0]
+    assert msg.startswith("QuantizedKVCache (scheme fp8-e4m3): 25 tokens cached, past the 24-token context")
+    assert "calibration_report()" in msg and "positions_beyond_calibrated" in msg
+    assert "recalibrate with `kvbits calibrate --context`" in msg and "once per calibration artifact" in msg
+    rows = past.calibration_report()["layers"]
+    assert [r["positions_beyond_calibrated"] for r in rows] == [11, 11]
+    assert [r["clipped_keys"] for r in rows] == [0, 0]  # the widened ranges: no clipping warning either
+
+
+def test_length_warning_once_per_cache_and_artifact(caplog):
+    """Direct ``update`` calls: exactly at the calibrated length nothing, one token past it one warning
+    (the prefill that crosses it names its length), none for later steps, other layers, ``reset()`` and a
+    new request; installing an artifact again arms it again. No artifact: no length, nothing said."""
+    cache = QuantizedKVCache(scheme=STATIC, num_layers=2, calibration=sample_artifact())
+    k, v = rand_kv(1, 60, seed=4)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        for layer in (0, 1):
+            cache.update(k[:, :, :CALIBRATED], v[:, :, :CALIBRATED], layer)
+        assert warnings_of(caplog, "tokens cached") == []
+        for t in range(CALIBRATED, 40):
+            for layer in (0, 1):
+                cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], layer)
+        assert len(warnings_of(caplog, "tokens cached")) == 1
+        assert "25 tokens cached, past the 24-token context" in warnings_of(caplog, "tokens cached")[0]
+        cache.reset()
+        for layer in (0, 1):
+            cache.update(k, v, layer)
+        assert len(warnings_of(caplog, "tokens cached")) == 1  # once per artifact
+        again = QuantizedKVCache(scheme=STATIC, num_layers=2, calibration=cache.calibration)  # the next request
+        for layer in (0, 1):
+            again.update(k, v, layer)
+        assert len(warnings_of(caplog, "tokens cached")) == 1
+        assert again.calibration_report()["layers"][0]["positions_beyond_calibrated"] == 60 - CALIBRATED
+        caplog.clear()
+        cache.install_calibration(sample_artifact(context=50))
+        cache.update(k[:, :, :1], v[:, :, :1], 0)  # 61 tokens: past the new 50
+        assert [m.split(",")[0] for m in warnings_of(caplog, "tokens cached")] == [
+            "QuantizedKVCache (scheme fp8-e4m3): 61 tokens cached"
+        ]
+        caplog.clear()
+        plain = QuantizedKVCache(scheme="kivi-2", num_layers=1)
+        plain.update(torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64), 0)
+        assert plain.max_calibrated_length is None and warnings_of(caplog) == []
+
+
+def test_length_check_is_one_int_comparison():
+    """The per-step cost: without an artifact, or once warned, ``update`` compares against ``sys.maxsize``."""
+    import sys
+
+    cache = QuantizedKVCache(scheme=STATIC, num_layers=1, calibration=sample_artifact())
+    assert cache._warn_past == CALIBRATED
+    k, v = rand_kv(1, 30, seed=5)
+    cache.update(k, v, 0)
+    assert cache._warn_past == sys.maxsize
+    assert QuantizedKVCache(scheme="kivi-2", num_layers=1)._warn_past == sys.maxsize
+
+
+# ------------------------------------------------------------------------------- clipping against static scales
+def test_clipping_warning_eager_once(caplog):
+    """FP8 E4M3 with its uncalibrated scale 1.0 saturates beyond 448. Under the warning level (one value of
+    2560): nothing; over it: one warning for the cache, naming layer, side and fraction, not repeated by
+    more clipping steps in any layer. The counts stay in ``calibration_report()``."""
+    k, v = rand_kv(1, 40, seed=6, D=64)
+    cache = QuantizedKVCache(scheme="fp8-e4m3", num_layers=2, checks="eager")
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        one = k[:, :, :20].clone()
+        one[0, 0, 3, 5] = 1000.0
+        cache.update(one, v[:, :, :20], 0)
+        cache.update(k[:, :, :20], v[:, :, :20], 1)
+        assert cache.calibration_report()["layers"][0]["clipped_keys"] == 1
+        assert warnings_of(caplog) == []  # 1 / 2560 is under 0.1 %
+        for t in range(20, 40):
+            for layer in (0, 1):
+                cache.update(k[:, :, t : t + 1] * 1000, v[:, :, t : t + 1], layer)
+    msgs = warnings_of(caplog)
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("QuantizedKVCache (scheme fp8-e4m3): layer 0 clipped ")
+    assert "% of its keys (" in msgs[0] and "of 2688 quantized values) against their static scales" in msgs[0]
+    assert "(warning level 0.1%)" in msgs[0] and "calibration_report()" in msgs[0]
+    assert all(layer.clip_watch is None for layer in cache.layers)  # said: no more cost per flush
+
+
+def test_clipping_warning_lazy_at_the_check(caplog):
+    """Lazy checks keep the counts on the device: nothing is read per step; the warning comes with the
+    lazy check (every ``check_every`` steps), once, and reports do not repeat it."""
+    k, v = rand_kv(1, 10, seed=7, D=64)
+    cache = QuantizedKVCache(scheme="fp8-e4m3", num_layers=2, checks="lazy", check_every=4)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        for t in range(4):
+            for layer in (0, 1):
+                cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1] * (1000 if layer else 1), layer)
+        assert warnings_of(caplog) == []  # not checked yet
+        cache.update(k[:, :, 4:5], v[:, :, 4:5], 0)  # 4 steps since the last check: the lazy check runs
+        assert len(warnings_of(caplog)) == 1
+        assert "layer 1 clipped" in warnings_of(caplog)[0] and "% of its values (" in warnings_of(caplog)[0]
+        cache.update(k[:, :, 4:5], v[:, :, 4:5] * 1000, 1)
+        cache.calibration_report()
+        cache.check_inputs()
+    assert len(warnings_of(caplog)) == 1
+    assert isinstance(cache.layers[1].clipped_counts()[1], torch.Tensor)  # kept on the device (no sync per step)
+
+
+def test_clipping_warning_once_per_artifact(caplog):
+    """Two caches (two requests) serving one artifact past its ranges: one clipping warning in all; both
+    reports still count their own clipped values. Another artifact is said again."""
+    k, v = rand_kv(1, 20, seed=11)
+    art = sample_artifact(context=100)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        caches = [QuantizedKVCache(scheme=STATIC, num_layers=2, calibration=art, checks="eager") for _ in range(2)]
+        for cache in caches:
+            for layer in (0, 1):
+                cache.update(k * 1000, v, layer)
+        assert len(warnings_of(caplog, "clipped")) == 1
+        assert all(c.calibration_report()["layers"][0]["clipped_keys"] > 0 for c in caches)
+        other = QuantizedKVCache(scheme=STATIC, num_layers=2, calibration=sample_artifact(context=100), checks="eager")
+        other.update(k * 1000, v, 0)
+    assert len(warnings_of(caplog, "clipped")) == 2
+
+
+def test_clip_watch_costs_two_int_comparisons_per_flush():
+    """Eager flushes call the cache's clipping look only when a count passed its floor (nothing clipped: never)."""
+    k, v = rand_kv(1, 30, seed=10, D=64)
+    cache = QuantizedKVCache(scheme="fp8-e4m3", num_layers=1, checks="eager")
+    calls: list = []
+    cache.layers[0].clip_watch = calls.append
+    for t in range(29):
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+    assert calls == []
+    cache.update(k[:, :, 29:] * 1000, v[:, :, 29:], 0)
+    assert calls == [cache.layers[0]]
+
+
+def test_clip_warn_frac_is_the_reports():
+    from kvbits.report.calibration import CLIP_WARN_FRAC
+
+    assert kv_checks.CLIP_WARN_FRAC == CLIP_WARN_FRAC
+
+
+# ------------------------------------------------------------------------------- crop
+def _filled(T: int = 40) -> QuantizedKVCache:
+    cache = QuantizedKVCache(scheme="kivi-2", num_layers=2)  # residual 128: nothing quantized at 40
+    k, v = rand_kv(1, T, seed=8, D=64)
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    return cache
+
+
+@pytest.mark.parametrize("bad", [1.5, -2.0, True, False, "3", None, torch.tensor(-3), [3]])
+def test_crop_refuses_non_ints(bad):
+    cache = _filled()
+    before = cache.materialize(0)
+    for target in (cache, cache.layers[0]):
+        with pytest.raises(TypeError, match=rf"crop\(tokens_to_remove\) takes an int .*got {type(bad).__name__} "):
+            target.crop(bad)
+    assert cache.get_seq_length() == 40 and all(torch.equal(a, b) for a, b in zip(cache.materialize(0), before))
+    with pytest.raises(TypeError, match="takes an int"):  # also with no layer to ask (lazily created layers)
+        QuantizedKVCache(scheme="int8-token").crop(bad)
+
+
+def test_crop_range():
+    """Removing more tokens than cached: ``ValueError``, nothing cropped. transformers' own meanings stay: a
+    positive argument keeps that absolute length (5.17; past the end a no-op), 0 is a no-op, numpy ints
+    are ints, and a layer holding nothing yet ignores the crop (``DynamicLayer`` too)."""
+    cache = _filled()
+    for target in (cache, cache.layers[1]):
+        with pytest.raises(ValueError, match=r"layer \d: crop\(-41\) would remove 41 tokens but the layer holds 40"):
+            target.crop(-41)
+    assert [cache.get_seq_length(i) for i in (0, 1)] == [40, 40]
+    cache.crop(0)
+    cache.crop(100)
+    assert cache.get_seq_length() == 40
+    cache.crop(np.int64(-2))
+    cache.crop(30)
+    assert [cache.get_seq_length(i) for i in (0, 1)] == [30, 30]
+    cache.crop(-30)
+    assert cache.get_seq_length() == 0
+    empty = QuantizedKVLayer(get_scheme("kivi-2"))
+    empty.crop(-3)
+    assert empty.get_seq_length() == 0
+
+
+# ------------------------------------------------------------------------------- reorder_cache
+def _batch3() -> QuantizedKVCache:
+    cache = QuantizedKVCache(scheme="kivi-2", num_layers=2)  # nothing quantized: exact
+    k, v = rand_kv(3, 10, seed=9, D=64)
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    return cache
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ([0, 1, 2], TypeError, "beam_idx must be a 1-D integer torch.Tensor .*got list"),
+        (np.array([0, 1, 2]), TypeError, "beam_idx must be a 1-D integer torch.Tensor .*got ndarray"),
+        (torch.tensor([0.0, 1.0, 2.0]), TypeError, r"integer batch indices \(torch.long\), got dtype torch.float32"),
+        (torch.tensor([True, False, True]), TypeError, "got dtype torch.bool"),
+        (torch.tensor([[0, 1, 2]]), ValueError, r"beam_idx must be 1-D .*got shape \(1, 3\)"),
+        (torch.tensor(1), ValueError, r"beam_idx must be 1-D .*got shape \(\)"),
+        (torch.tensor([0, 3, 1]), ValueError, r"cached batch of 3 sequences \(0..2\), got indices from 0 to 3"),
+        (torch.tensor([0, -1, 1]), ValueError, "got indices from -1 to 1"),
+    ],
+)
+def test_reorder_cache_refuses(bad, error, match):
+    cache = _batch3()
+    before = [cache.materialize(i) for i in (0, 1)]
+    with pytest.raises(error, match="QuantizedKVCache.reorder_cache: .*" + match):
+        cache.reorder_cache(bad)
+    with pytest.raises(error, match="layer 1 reorder_cache: .*" + match):
+        cache.layers[1].reorder_cache(bad)
+    for i in (0, 1):  # checked before any layer changed
+        assert all(torch.equal(a, b) for a, b in zip(cache.materialize(i), before[i]))
+
+
+def test_reorder_cache_allows_what_transformers_allows():
+    """A ``beam_idx`` of another length changes the batch, as ``DynamicLayer.index_select`` does; int32
+    indices work; a layer holding nothing checks the type only."""
+    cache, ref = _batch3(), DynamicCache()
+    k, v = rand_kv(3, 10, seed=9, D=64)
+    for layer in (0, 1):
+        ref.update(k, v, layer)
+    for idx in (torch.tensor([2, 0]), torch.tensor([1, 1, 0, 0, 1], dtype=torch.int32)):
+        cache.reorder_cache(idx)
+        ref.reorder_cache(idx)
+        assert cache.memory_report()["batch"] == ref.layers[0].keys.shape[0] == idx.numel()
+        for i in (0, 1):
+            assert torch.equal(cache.materialize(i)[0], ref.layers[i].keys)
+    empty = QuantizedKVLayer(get_scheme("kivi-2"))
+    empty.reorder_cache(torch.tensor([5, 7]))  # nothing cached: no batch to index
+    with pytest.raises(TypeError, match="got dtype torch.float32"):
+        empty.reorder_cache(torch.tensor([0.0]))
