@@ -415,7 +415,8 @@ def test_bytes_equal_storage_and_accounting(scheme, window):
         assert rep["components"]["full_precision"] == sum(e["full"] for e in expect)
         assert rep["components"]["fixed"] == sum(e["fixed"] for e in expect)
         assert rep["seq_length"] == T and rep["batch"] == B and rep["scheme"] == sch.name
-        elements = sum(2 * B * H * D * token_split(sch, T, w).stored for w in (window, None))
+        # per element of what an fp16 cache holds (kvbits.plan's definition: W - 1 tokens of a sliding layer)
+        elements = sum(2 * B * H * D * (T if w is None else min(T, w - 1)) for w in (window, None))
         assert rep["avg_bits"] == pytest.approx(8 * rep["total_bytes"] / elements)
 
 
@@ -534,6 +535,34 @@ def test_gemma_sliding_layer_follows_token_split():
     assert 0 < (a.log_softmax(-1) - b.log_softmax(-1)).abs().max() < 0.05
     assert cache.layers[0].mode == "quantized" and cache.layers[0].is_sliding
     assert cache.materialize(0)[0].shape == ref.layers[0].keys.shape
+
+
+@pytest.mark.parametrize("scheme", ["kivi-2", "int4-channel"])
+def test_sliding_layer_avg_bits_is_the_plans(scheme):
+    """memory_report's avg_bits divided by the elements still held (with quantized tokens already out of the
+    window but in a block not yet dropped: 18.20 bits for kivi-2 here) where the plan divides by what an fp16
+    cache holds (W - 1 tokens: 18.41); the bytes agreed. Now both, at every length."""
+    from transformers import Gemma3TextConfig
+
+    from kvbits.plan import plan
+
+    cfg = Gemma3TextConfig(
+        vocab_size=64, hidden_size=512, intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, sliding_window=200, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 400, 64, generator=g), torch.randn(1, 2, 400, 64, generator=g)
+    cache, seen, held = QuantizedKVCache(config=cfg, scheme=scheme), 0, []
+    for n in (150, 183, 333, 400):
+        for layer in range(2):
+            cache.update(k[:, :, seen:n], v[:, :, seen:n], layer)
+        seen = n
+        rep, want = cache.memory_report(), plan(cfg, context=n, batch=1, scheme=scheme, dtype_bytes=4)
+        assert rep["total_bytes"] == want["total_bytes"]
+        assert rep["avg_bits"] == pytest.approx(want["avg_bits"], rel=1e-12), n
+        row = rep["layers"][0]
+        held.append(row["sink_tokens"] + row["quantized_tokens"] + row["full_tokens"])
+    assert max(held) > 199  # blocks reaching out of the window are still held: where the two definitions differ
 
 
 def test_sliding_fallback_logged(caplog):

@@ -1078,6 +1078,30 @@ def test_served_beyond_calibration_and_clipping_are_logged(caplog):
     assert caplog.text == ""
 
 
+def test_stream_mode_counts_what_the_real_cache_clipped():
+    """Stream mode recorded no clipping (simulate mode only): the real caches' counts
+    (``calibration_report()``) now fill the same fields, over every quantized element, and agree in size
+    with the simulator's on the same narrow calibration; a dynamic scheme clips nothing."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = _llama()
+    scheme = get_scheme("kvquant-4")
+    g = torch.Generator().manual_seed(0)
+    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]  # far narrower than served
+    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
+    s = evaluate(model, _ids(128)[0], 128, [scheme, "kivi-4"], calibration=art, mode="stream")
+    cal, plain = (r["calibration"] for r in s["results"])
+    assert 0.01 < cal["clipped_keys_frac"] <= 1 and cal["clipped_keys"] > 0
+    assert plain["clipped_keys"] == plain["clipped_values"] == 0 and plain["clipped_keys_frac"] == 0.0
+    # decode semantics: the cache flushes every token past the sink as the simulator quantizes it (2 layers x 2
+    # KV heads x 127 tokens x 32 channels), so the counts are the same to the element
+    sim = evaluate(model, _ids(128)[0], 128, [scheme], calibration=art, attn_layers=[])["results"][0]["calibration"]
+    assert (cal["clipped_keys"], cal["clipped_keys_frac"]) == (sim["clipped_keys"], sim["clipped_keys_frac"])
+    assert round(cal["clipped_keys"] / cal["clipped_keys_frac"]) == 2 * 2 * 127 * 32
+
+
 @torch.no_grad()
 def test_simulate_counts_clipping_against_calibrated_ranges(models):
     """A calibration on narrower data than what is served must show up as clipped values."""

@@ -504,3 +504,24 @@ def test_report_cli_merges_needle_folders(needle_runs, tmp_path, capsys):
     assert main(["report", str(folders[0]), str(evaluation), "--out", str(tmp_path / "mixed")]) == 2
     assert "eval folders with each other, kvbits needle folders" in capsys.readouterr().err
     assert not (tmp_path / "mixed").exists()
+
+
+@pytest.mark.parametrize("semantics", ["prefill", "decode"])
+def test_clipping_against_a_narrow_calibration_is_recorded(lm, corpus, semantics):
+    """needle.json's calibration record had no clipping counts in either semantics; now the real caches'
+    (prefill: ``calibration_report()``) or the simulator's (decode), over all trials; a dynamic scheme: 0."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    path, _ = corpus
+    g = torch.Generator().manual_seed(0)
+    narrow = [0.01 * torch.randn(1, 2, 64, 16, generator=g) for _ in range(2)]  # far narrower than served
+    art = artifact_from_samples("fp8-e4m3", narrow, narrow, meta={"model": describe_model(lm.model.config)})
+    s = needle_eval(
+        lm, 300, ["fp8-e4m3", "int4-token"], data=str(path), depths=[0.5], trials=2, calibration=art,
+        semantics=semantics,
+    )  # fmt: skip
+    fp8, int4 = (r["calibration"] for r in s["results"])
+    assert fp8["clipped_keys"] > 0 and 0.01 < fp8["clipped_keys_frac"] <= 1 and fp8["clipped_values_frac"] > 0.01
+    assert fp8["max_calibrated_length"] == art.max_calibrated_length
+    assert int4["clipped_keys"] == int4["clipped_values"] == 0 and int4["clipped_keys_frac"] == 0.0

@@ -485,7 +485,10 @@ class QuantizedKVCache(Cache):
         per-layer tensors; ``workspace_bytes`` (dequantized history, optional) and ``position_bytes``
         (pre-RoPE layers: the int64 position offset of each sequence, read from the model's position ids
         for left-padded batches; 8 bytes per sequence and layer) are reported apart.
-        ``avg_bits`` is ``8 * total_bytes / (K + V stored elements)``. Runs the lazy K/V checks first.
+        ``avg_bits`` is ``8 * total_bytes / elements``, ``elements`` being what an fp16 cache holds at this length
+        (``kvbits.plan``'s definition: a sliding layer counts its last ``W - 1`` tokens, though it may still hold
+        more in a block partly out of its window), so ``16 / avg_bits`` is the compression against fp16 and a
+        cache equals its plan in ``avg_bits`` as in ``total_bytes``. Runs the lazy K/V checks first.
         """
         self.check_inputs()
         components = dict.fromkeys(COMPONENTS, 0)
@@ -496,7 +499,7 @@ class QuantizedKVCache(Cache):
             rep = layer.report()
             workspace += rep.pop("workspace_bytes")
             positions += rep.pop("position_bytes")
-            elements += rep.pop("stored_elements")
+            elements += rep.pop("fp16_elements")
             batch = max(batch, rep.pop("batch"))
             layers.append(rep)
         total = sum(components.values())
@@ -539,7 +542,8 @@ class QuantizedKVCache(Cache):
 
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch, measured per layer: values clipped against their scales so far
-        (keys, values), the last position seen and, with a calibration artifact installed, how many
+        (``clipped_keys``, ``clipped_values``) out of the elements quantized so far (``quantized_keys``,
+        ``quantized_values``), the last position seen and, with a calibration artifact installed, how many
         positions lie beyond the longest calibrated length. Runs the lazy K/V checks first; the counts are
         exact (device counters read back here)."""
         self.check_inputs()
@@ -547,7 +551,11 @@ class QuantizedKVCache(Cache):
         rows = []
         for layer in self._quantized_layers():
             ck, cv = layer.clipped()
-            row = {"layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "max_position": layer.tokens_seen - 1}
+            nk, nv = layer.quantized_elements()
+            row = {
+                "layer": layer.layer_idx, "clipped_keys": ck, "clipped_values": cv, "quantized_keys": nk,
+                "quantized_values": nv, "max_position": layer.tokens_seen - 1,
+            }  # fmt: skip
             if longest is not None:
                 row["positions_beyond_calibrated"] = max(0, layer.tokens_seen - longest)
             rows.append(row)

@@ -723,6 +723,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         sinks = self._k.n_sinks
         quant = self._k.n_quantized
         full = self._k.n_buffer
+        stored = min(self.tokens_seen, self.sliding_window - 1) if self.is_sliding else self.tokens_seen
         return {
             "layer": self.layer_idx,
             "key_bytes": self._k.nbytes(),
@@ -741,9 +742,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             "batch": 0 if self._k.buffer is None else self._k.buffer.shape[0],
             "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
             "position_bytes": 0 if self._k.pos_offset is None else self._k.pos_offset.nbytes,
-            "stored_elements": sum(
-                0 if s.buffer is None else (s.n_sinks + s.n_quantized + s.n_buffer) * s.buffer.shape[0]
-                * s.buffer.shape[1] * s.buffer.shape[3] for s in (self._k, self._v)
+            # K + V elements an fp16 cache holds at this length (kvbits.plan's ``elements``: a sliding layer keeps
+            # W - 1 tokens), whatever this layer still holds of blocks partly out of its window
+            "fp16_elements": sum(
+                0 if s.buffer is None else stored * s.buffer.shape[0] * s.buffer.shape[1] * s.buffer.shape[3]
+                for s in (self._k, self._v)
             ),
         }
 

@@ -37,7 +37,7 @@ examples:
 "buckets": [{"lo", "hi", "entropy", "entropy_ref", "delta"}]}], "generation": {"prompt_tokens",
 "new_tokens", "rep_n", "rep", "rep_ref", "agreement", "first_divergence", "first_divergence_mean",
 "seconds", "reference_seconds"} (with --generate; null otherwise), "calibration":
-{"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (simulate mode),
+{"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (kvbits schemes),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
 "context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",

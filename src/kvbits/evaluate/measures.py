@@ -15,11 +15,25 @@ logger = logging.getLogger(__name__)
 __all__: list[str] = []
 
 
+def add_clipping(into: dict[str, int], cache: Any) -> None:
+    """Add what a real ``QuantizedKVCache`` clipped (``calibration_report()``, summed over layers) to ``into``,
+    in the simulator's form: ``keys`` / ``values`` (values clipped against their scales) and ``keys_elements`` /
+    ``values_elements`` (elements quantized). A peer's cache (no ``calibration_report``) adds nothing."""
+    report = getattr(cache, "calibration_report", None)
+    if report is None:
+        return
+    for row in report()["layers"]:
+        for side in ("keys", "values"):
+            into[side] = into.get(side, 0) + int(row[f"clipped_{side}"])
+            into[side + "_elements"] = into.get(side + "_elements", 0) + int(row[f"quantized_{side}"])
+
+
 def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -> dict[str, Any]:
-    """Calibration/serving mismatch, measured: values clipped by their scales (simulate mode) and
-    positions beyond the longest calibrated length (with a calibration artifact)."""
+    """Calibration/serving mismatch, measured: values clipped by their scales (simulate mode: the
+    simulator's counts; stream mode: the real caches', ``add_clipping``; none for a peer) and positions
+    beyond the longest calibrated length (with a calibration artifact)."""
     out: dict[str, Any] = {}
-    if mode == "simulate":
+    if mode == "simulate" or clipped:
         for side in ("keys", "values"):
             n, total = clipped.get(side, 0), clipped.get(side + "_elements", 0)
             out[f"clipped_{side}"] = n

@@ -89,12 +89,14 @@ def _key_slice(trial: Trial, first: int) -> slice:
 
 @torch.no_grad()
 def _run_prefill(
-    model, head, trial, schemes, calibrations, fused_mode, stats
+    model, head, trial, schemes, calibrations, fused_mode, stats, clipped
 ) -> tuple[dict, dict, float, dict]:
-    """Reference and scheme scores of one trial, prefill semantics (module docstring)."""
+    """Reference and scheme scores of one trial, prefill semantics (module docstring); decode counts are added to
+    ``stats[name]``, what each scheme's cache clipped to ``clipped[name]``."""
     from transformers import DynamicCache
 
     from kvbits.cache.fused import wants
+    from kvbits.evaluate.measures import add_clipping
     from kvbits.evaluate.stream import (
         _fused_attention,
         add_decode_counts,
@@ -132,14 +134,16 @@ def _run_prefill(
         out[scheme.name]["cache_bytes"] = cache_bytes(cache)
         if not isinstance(scheme, PeerScheme):
             add_decode_counts(stats.setdefault(scheme.name, {}), cache.fused_report())
+            add_clipping(clipped.setdefault(scheme.name, {}), cache)
         del cache
         seconds[scheme.name] = time.perf_counter() - t0
     return ref, out, ref_seconds, seconds
 
 
 @torch.no_grad()
-def _run_decode(model, head, trial, schemes, calibrations, chunk_size) -> tuple[dict, dict, float, dict]:
-    """Reference and scheme scores of one trial, decode semantics (the simulator)."""
+def _run_decode(model, head, trial, schemes, calibrations, chunk_size, clipped) -> tuple[dict, dict, float, dict]:
+    """Reference and scheme scores of one trial, decode semantics (the simulator); what each scheme clipped is
+    added to ``clipped[name]``."""
     from kvbits.evaluate.simulate import simulate
 
     base = base_model(model)
@@ -154,8 +158,11 @@ def _run_decode(model, head, trial, schemes, calibrations, chunk_size) -> tuple[
     out, seconds = {}, {}
     for scheme in schemes:
         t0 = time.perf_counter()
-        with simulate(model, scheme, calibration=calibrations.get(scheme.name), chunk_size=chunk_size):
+        with simulate(model, scheme, calibration=calibrations.get(scheme.name), chunk_size=chunk_size) as sim:
             hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0, rows]
+        into = clipped.setdefault(scheme.name, {})
+        for k, n in sim.clipped.items():
+            into[k] = into.get(k, 0) + n
         out[scheme.name] = score_key(_logprobs(head, hidden).cpu(), targets, lp_ref)
         seconds[scheme.name] = time.perf_counter() - t0
     return ref, out, ref_seconds, seconds
@@ -318,14 +325,15 @@ def needle_eval(
     records: list[dict[str, Any]] = []
     seconds = {s.name: 0.0 for s in resolved}
     ref_seconds, stats = 0.0, {}
+    clipped: dict[str, dict[str, int]] = {}  # per scheme, over all trials: as the simulator counts (add_clipping)
     t_wall = time.perf_counter()
     with _progress(progress, len(trial_list)) as bar:
         job = bar.add_task("needle", total=len(trial_list)) if bar is not None else None
         for trial in trial_list:
             if semantics == "prefill":
-                ref, out, rs, ss = _run_prefill(model, head, trial, resolved, calibrations, fused_mode, stats)
+                ref, out, rs, ss = _run_prefill(model, head, trial, resolved, calibrations, fused_mode, stats, clipped)
             else:
-                ref, out, rs, ss = _run_decode(model, head, trial, resolved, calibrations, chunk_size)
+                ref, out, rs, ss = _run_decode(model, head, trial, resolved, calibrations, chunk_size, clipped)
             ref_seconds += rs
             for name, s in ss.items():
                 seconds[name] += s
@@ -344,7 +352,9 @@ def needle_eval(
             else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
         )
         res = scheme_result(scheme.name, bits, records, contexts, depths)
-        res["calibration"] = _mismatch({}, calibrations.get(scheme.name), contexts[-1], "stream")
+        res["calibration"] = _mismatch(
+            clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1], "simulate" if semantics == "decode" else "stream"
+        )
         _warn_mismatch(scheme.name, res["calibration"], contexts[-1])
         res["seconds"] = seconds[scheme.name]
         res["decode"] = stats.get(scheme.name)

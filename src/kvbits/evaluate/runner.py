@@ -82,6 +82,7 @@ from kvbits.evaluate.measures import (
     _reset_peak_rss,
     _run_peak_rss_bytes,
     _warn_mismatch,
+    add_clipping,
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
@@ -428,6 +429,7 @@ def evaluate(
                             ent[i, j, 1, w] = sim.attn_entropy_ref[layer][0].cpu().numpy()
                     advance(T)
                 else:
+                    caches: list[Any] = []
                     h = stream_hidden(
                         model,
                         ids,
@@ -438,7 +440,11 @@ def evaluate(
                         calibration=calibrations.get(name),
                         fused_decode=fused_decode,
                         stats=decode[name],
+                        on_cache=caches.append,
                     )[0]
+                    for cache in caches:  # what the real cache clipped, counted as the simulator counts
+                        add_clipping(clipped[name], cache)
+                    del caches
                 seconds[name] += time.perf_counter() - t0
                 if not bool(torch.isfinite(h).all()):
                     raise RuntimeError(

@@ -5,7 +5,9 @@ constants fitted offline by ``kvbits calibrate``. The evaluator records, per sch
 ``results[].calibration`` (see ``kvbits.evaluate.measures._mismatch``):
 
 - ``clipped_keys`` / ``clipped_values`` and their ``*_frac``: cached elements that fell outside the
-  calibrated range and were saturated to it (counted in simulate mode only);
+  calibrated range and were saturated to it (simulate mode: every element the simulator quantized; stream
+  mode and ``kvbits needle``: what the real caches quantized, from ``QuantizedKVCache.calibration_report()``;
+  runs from before stream mode counted them have none);
 - ``max_calibrated_length`` and ``positions_beyond_calibrated``: the longest context the calibration
   saw, and how many positions of each window lie past it;
 - ``artifact``: ``{"id", "path", "data", "context", "windows", "tokens"}`` (runs from before it was
