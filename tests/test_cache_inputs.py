@@ -324,3 +324,20 @@ def test_reorder_cache_allows_what_transformers_allows():
     empty.reorder_cache(torch.tensor([5, 7]))  # nothing cached: no batch to index
     with pytest.raises(TypeError, match="got dtype torch.float32"):
         empty.reorder_cache(torch.tensor([0.0]))
+
+
+def test_calibration_warnings_off_for_a_caller_that_reports_them(caplog):
+    """``calibration_warnings=False`` (kvbits' runners, which warn once per run): past the calibrated length and
+    clipping heavily, the cache logs nothing; ``calibration_report()`` still counts both."""
+    k, v = rand_kv(1, 60, seed=12)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        cache = QuantizedKVCache(
+            scheme=STATIC, num_layers=2, calibration=sample_artifact(), checks="eager", calibration_warnings=False
+        )
+        for layer in (0, 1):
+            cache.update(k * 1000, v, layer)
+    assert warnings_of(caplog) == []
+    row = cache.calibration_report()["layers"][0]
+    assert row["positions_beyond_calibrated"] == 60 - CALIBRATED and row["clipped_keys"] > 0
+    with pytest.raises(TypeError, match="calibration_warnings must be True or False"):
+        QuantizedKVCache(scheme=STATIC, num_layers=1, calibration_warnings="no")

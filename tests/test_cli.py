@@ -555,3 +555,64 @@ def test_console_script_entry_point():
         [str(script), "plan", *WORKED, "--scheme", "fp16"], capture_output=True, text=True, check=True
     )
     assert "137,438,953,472" in out.stdout
+
+
+def test_library_log_records_are_not_printed_again_as_kvbits_lines():
+    """``logging.basicConfig`` put a handler on the root logger: every huggingface_hub retry of a mistyped model
+    name printed twice (the hub's own line, then 'kvbits: WARNING: ...'). Only kvbits' records get kvbits' line."""
+    code = textwrap.dedent(
+        """
+        import logging, sys
+        from kvbits.cli import main
+        main(["schemes", "--json"])
+        logging.getLogger("huggingface_hub.utils._http").warning("retrying in 1s")
+        logging.getLogger("kvbits.evaluate").warning("a kvbits warning")
+        logging.getLogger("kvbits.evaluate").info("not at -v 0")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "kvbits: WARNING: a kvbits warning" in out.stderr
+    assert "retrying" not in out.stderr.replace("retrying in 1s\n", "", 1)  # at most the library's own line
+    assert "kvbits: WARNING: retrying" not in out.stderr and "not at -v 0" not in out.stderr
+
+
+def test_no_progress_json_or_a_pipe_turn_library_progress_bars_off():
+    """transformers' 'Loading weights' bar printed under --no-progress and --json (and into log files)."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from kvbits.cli import main
+        main(sys.argv[1:])
+        from transformers.utils import logging as hf_logging
+        print(os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"), hf_logging.is_progress_bar_enabled())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run(  # stderr is a pipe here, not a terminal
+        [sys.executable, "-c", code, "schemes"], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "1 False"
+
+
+def test_a_missing_input_folder_is_a_usage_error(tmp_path, capsys):
+    """`kvbits report NONEXISTENT` exited 1 (a failure) where every other bad input exits 2."""
+    assert main(["report", str(tmp_path / "nonexistent")]) == 2
+    assert capsys.readouterr().err.startswith("kvbits report: error: no summary.json in ")
+
+
+def test_eval_says_where_it_wrote(tmp_path, capsys, monkeypatch):
+    """`kvbits eval --out` printed its tables and not where the report went (needle and speed say it)."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+    from test_distributed import _model
+
+    folder, text = tmp_path / "model", write_word_text(tmp_path / "book.txt", 200)
+    save_word_tokenizer(folder)
+    _model().save_pretrained(folder)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    argv = ["eval", "--model", str(folder), "--data", str(text), "--context", "64", "--scheme", "int4-token",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}/summary.json, report.md, report.html")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -1078,10 +1079,11 @@ def test_served_beyond_calibration_and_clipping_are_logged(caplog):
     assert caplog.text == ""
 
 
-def test_stream_mode_counts_what_the_real_cache_clipped():
+def test_stream_mode_counts_what_the_real_cache_clipped(caplog):
     """Stream mode recorded no clipping (simulate mode only): the real caches' counts
     (``calibration_report()``) now fill the same fields, over every quantized element, and agree in size
-    with the simulator's on the same narrow calibration; a dynamic scheme clips nothing."""
+    with the simulator's on the same narrow calibration; a dynamic scheme clips nothing. The run warns once
+    (the runner's words); the caches it drives say nothing of their own (they said it three times)."""
     from kvbits.calibrate import artifact_from_samples
     from kvbits.calibrate.artifact import describe_model
 
@@ -1091,7 +1093,11 @@ def test_stream_mode_counts_what_the_real_cache_clipped():
     keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]  # far narrower than served
     values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
     art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
-    s = evaluate(model, _ids(128)[0], 128, [scheme, "kivi-4"], calibration=art, mode="stream")
+    art.meta["data"]["context"] = 64
+    with caplog.at_level("WARNING", logger="kvbits"):
+        s = evaluate(model, _ids(128)[0], 128, [scheme, "kivi-4"], calibration=art, mode="stream", generate=4)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("kvquant-4 serves 64 of 128 positions"), warned
     cal, plain = (r["calibration"] for r in s["results"])
     assert 0.01 < cal["clipped_keys_frac"] <= 1 and cal["clipped_keys"] > 0
     assert plain["clipped_keys"] == plain["clipped_values"] == 0 and plain["clipped_keys_frac"] == 0.0

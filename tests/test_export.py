@@ -111,7 +111,9 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
         spec = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
         return KVScheme(name, key=TensorSpec(**{**spec.to_dict(), **key}), value=spec)
 
-    with pytest.raises(ValueError, match="static per-tensor or per-head FP8"):
+    # the spec in words, not a TensorSpec(...) repr
+    with pytest.raises(ValueError, match=r"static per-tensor or per-head FP8 scales; its keys are static 4-bit nuq per "
+                       r"channel\. Calibrate an FP8 scheme"):
         export_vllm(artifact_from_samples("kvquant-4", k, k), tmp_path / "a")
     with pytest.raises(ValueError, match="e5m2 cache takes no scales"):
         export_vllm(artifact_from_samples(fp8_scheme("e5", fmt="e5m2"), k, k), tmp_path / "b")

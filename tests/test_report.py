@@ -259,6 +259,9 @@ def test_peak_memory_in_header_and_terminal(tmp_path):
     s.update(run_peak_rss_bytes=2**30, peak_cuda_bytes=None)
     md = write_report(_write_run(tmp_path / "run", s, tokens=False), plots=False)["markdown"].read_text()
     assert "- **Peak memory:** 1.00 GiB resident (run peak, model loaded), 1.50 GiB resident (process peak)\n" in md
+    s.update(run_peak_rss_bytes=int(1.5 * 2**30) - 1000)  # the same printed figure: said once
+    md = write_report(_write_run(tmp_path / "same", s, tokens=False), plots=False)["markdown"].read_text()
+    assert "- **Peak memory:** 1.50 GiB resident (run peak, model loaded; also the process peak)\n" in md
 
 
 # ---------------------------------------------------------------------------------------- edge cases

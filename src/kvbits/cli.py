@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -515,14 +516,60 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """kvbits' log lines (``kvbits: WARNING: ...``) on ``sys.stderr`` as it is at each record (callers and tests
+    may swap it after the handler is made)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("kvbits: %(levelname)s: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it: always sys.stderr instead
+        pass
+
+
+def setup_logging(verbose: int) -> None:
+    """Log kvbits' own records to stderr at WARNING (``-v``: INFO, ``-vv``: DEBUG).
+
+    Only the ``kvbits`` logger gets a handler: a handler on the root logger (``logging.basicConfig``) printed
+    every library's records a second time, prefixed ``kvbits:`` (each huggingface_hub retry of a mistyped model
+    name twice), since those libraries print through their own handlers already.
+    """
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    log = logging.getLogger("kvbits")
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        log.addHandler(_StderrHandler())
+    log.setLevel(level)
+
+
+def quiet_library_progress() -> None:
+    """No transformers / huggingface_hub progress bars (transformers' "Loading weights" bar on every model
+    load): for ``--no-progress``, ``--json`` and a stderr that is not a terminal (a log file, CI)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is first imported
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error)."""
+    """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error: bad arguments or input,
+    a path given that does not exist)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(only=requested_command(argv))
     args = parser.parse_args(argv)
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, stream=sys.stderr, format="kvbits: %(levelname)s: %(message)s")
-    logging.getLogger("kvbits").setLevel(level)
+    setup_logging(args.verbose)
+    if getattr(args, "no_progress", False) or getattr(args, "json", False) or not sys.stderr.isatty():
+        quiet_library_progress()
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help(sys.stderr)
@@ -531,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # an --out that can not be written fails now, not after the run (tune's --out is a file)
         check_output_path(getattr(args, "out", None), "--out", getattr(args, "_out_kind", "folder"))
         status = run(args)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as exc:
         logger.debug("details", exc_info=True)
         print(f"kvbits {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -139,14 +139,17 @@ class QuantizedKVCache(Cache):
             ``memory_report()`` then counts the reservation (``workspace_bytes`` too), and at
             ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
             sequences still work: the layer logs it and grows by copying.
+        calibration_warnings: ``False`` for a caller that reports calibration/serving mismatch itself, once
+            per run (``kvbits eval``, ``needle``, ``speed``): the cache then logs neither warning below; the
+            counts stay in ``calibration_report()``.
 
     Served beyond its calibration, the cache says so, once per calibration artifact (a WARNING on the
-    ``kvbits.cache.cache`` logger; a server's cache per request does not repeat it, nor does ``reset()``): when a layer's cached tokens
-    first pass the artifact's ``max_calibrated_length`` (one int comparison per ``update``), and when a layer
-    first clips more than ``kvbits.cache.checks.CLIP_WARN_FRAC`` (0.1 %, the report's warning level) of its
-    quantized keys or values against static scales (looked at after each flush with eager checks, where the
-    counts are host ints, and with each lazy check, read back in its one transfer). ``calibration_report()`` has both
-    per layer.
+    ``kvbits.cache.cache`` logger; a server's cache per request does not repeat it, nor does ``reset()``): when
+    a layer's cached tokens first pass the artifact's ``max_calibrated_length`` (one int comparison per
+    ``update``), and when a layer first clips more than ``kvbits.cache.checks.CLIP_WARN_FRAC`` (0.1 %, the
+    report's warning level) of its quantized keys or values against static scales (looked at after each flush
+    with eager checks, where the counts are host ints, and with each lazy check, read back in its one
+    transfer). ``calibration_report()`` has both per layer.
     """
 
     def __init__(
@@ -162,8 +165,12 @@ class QuantizedKVCache(Cache):
         checks: str = "auto",
         check_every: int = kv_checks.DEFAULT_CHECK_EVERY,
         max_cache_len: int | None = None,
+        calibration_warnings: bool = True,
     ) -> None:
         self.scheme = get_scheme(scheme)
+        if not isinstance(calibration_warnings, bool):
+            raise TypeError(f"calibration_warnings must be True or False, got {calibration_warnings!r}")
+        self.calibration_warnings = calibration_warnings
         self.max_cache_len = check_max_cache_len(max_cache_len)
         self.checks_mode = kv_checks.check_mode(checks)
         self.check_every = kv_checks.check_every_arg(check_every)
@@ -181,7 +188,8 @@ class QuantizedKVCache(Cache):
         self.calibration = None
         # tokens past which update logs, once, that the calibration is exceeded (sys.maxsize: nothing to say)
         self._warn_past = sys.maxsize
-        self._told_clipping = False  # the clipping warning was logged (QuantizedKVLayer.clip_watch unset)
+        # the clipping warning was logged, or is not wanted (QuantizedKVLayer.clip_watch unset)
+        self._told_clipping = not calibration_warnings
         # warnings said: the artifact's own set once one is installed (once per artifact), else this cache's
         self._logged: set[str] = set()
         self.num_key_value_heads: int | None = None
@@ -288,8 +296,9 @@ class QuantizedKVCache(Cache):
         longest = self.max_calibrated_length
         # each warning once per artifact (artifact.logged), so a cache per request does not repeat it
         self._logged = artifact.logged
-        self._warn_past = sys.maxsize if longest is None or "length" in self._logged else longest
-        self._told_clipping = "clipping" in self._logged
+        quiet = not self.calibration_warnings
+        self._warn_past = sys.maxsize if quiet or longest is None or "length" in self._logged else longest
+        self._told_clipping = quiet or "clipping" in self._logged
         for layer in self._quantized_layers():
             self._calibrate_layer(layer)
             layer.clip_watch = self._look_at_clipping if layer.can_clip and not self._told_clipping else None

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import (
@@ -236,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
         return 0
     print_summary(summary)
+    if args.out is not None:  # as needle and speed say where their files went
+        written = [n for n in ("summary.json", "report.md", "report.html") if (Path(args.out) / n).is_file()]
+        print(f"wrote {args.out}/{', '.join(written)}")
     return 0
 
 

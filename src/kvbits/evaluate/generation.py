@@ -222,7 +222,7 @@ def continuations(
         with _fused_attention(model) if fused else contextlib.nullcontext():
             # reserved for the prompt and every new token: no copy of the quantized history per flush (same tokens)
             cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused,
-                               max_cache_len=ids.shape[1] + new_tokens)  # fmt: skip
+                               max_cache_len=ids.shape[1] + new_tokens, calibration_warnings=False)  # fmt: skip
             outs.append(greedy_continuation(model, ids, new_tokens, cache))
         seconds.append(time.perf_counter() - t0)
     return outs, seconds

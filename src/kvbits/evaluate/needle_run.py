@@ -127,7 +127,7 @@ def _run_prefill(
         with _fused_attention(model) if fused else contextlib.nullcontext():
             # reserved for the context - 1 tokens the trial leaves in it: the same bytes at the end, no per-flush copy
             cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused,
-                               max_cache_len=trial.context - 1)  # fmt: skip
+                               max_cache_len=trial.context - 1, calibration_warnings=False)  # fmt: skip
             load_kv(cache, kv)
             lp = _logprobs(head, decode_hidden(model, suffix, cache)[0, rows]).cpu()
         out[scheme.name] = score_key(lp, targets, lp_ref)

@@ -441,6 +441,7 @@ def evaluate(
                         fused_decode=fused_decode,
                         stats=decode[name],
                         on_cache=caches.append,
+                        calibration_warnings=False,  # said once per run, below (_warn_mismatch)
                     )[0]
                     for cache in caches:  # what the real cache clipped, counted as the simulator counts
                         add_clipping(clipped[name], cache)

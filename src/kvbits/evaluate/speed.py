@@ -207,7 +207,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         else:
             cache = make_cache(
                 scheme, model, calibration=calibration, fused_decode=fused, workspace=workspace,
-                max_cache_len=held if reserve else None,
+                max_cache_len=held if reserve else None, calibration_warnings=False,  # said once per run
             )  # fmt: skip
         load_kv(cache, kv)
         if dev.type == "cuda":

@@ -156,8 +156,11 @@ def make_cache(
     fused_decode: bool = False,
     workspace: bool | None = None,
     max_cache_len: int | None = None,
+    calibration_warnings: bool = True,
 ) -> Any:
     """The cache that stores K/V following ``scheme`` (``QuantizedKVCache``, or a peer's).
+
+    ``calibration_warnings=False``: the caller reports calibration/serving mismatch itself (``QuantizedKVCache``).
 
     Pre-RoPE key specs get the model's own RoPE tables; ``calibration`` (an artifact or its folder)
     supplies static scales and NUQ codebooks. ``fused_decode``: decode steps through the fused kernel.
@@ -183,7 +186,7 @@ def make_cache(
     return QuantizedKVCache(
         config=model.config, scheme=scheme, workspace=(not fused_decode) if workspace is None else workspace,
         rotary=rotary, calibration=calibration,
-        fused_decode=bool(fused_decode), max_cache_len=max_cache_len,
+        fused_decode=bool(fused_decode), max_cache_len=max_cache_len, calibration_warnings=calibration_warnings,
     )  # fmt: skip
 
 
@@ -283,6 +286,7 @@ def stream_hidden(
     fused_decode: bool | str = "auto",
     stats: dict[str, int] | None = None,
     on_cache: Callable[[Any], None] | None = None,
+    calibration_warnings: bool = True,
 ) -> torch.Tensor:
     """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` run through the scheme's cache.
 
@@ -300,6 +304,8 @@ def stream_hidden(
             attended by the fused kernel / over dequantized K/V after a claim) are added to it.
         on_cache: called with the cache once it is built, before any token reaches it (e.g. to attach a
             ``kvbits.monitor.CacheMonitor``).
+        calibration_warnings: ``False`` when the caller reports calibration/serving mismatch itself (the
+            cache then logs none; ``QuantizedKVCache``), as ``kvbits eval`` does once per run.
     """
     check_model(model, "stream_hidden", attention=True)
     from kvbits.cache.fused import check_mode, wants
@@ -313,7 +319,7 @@ def stream_hidden(
     fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
     with _fused_attention(model) if fused else contextlib.nullcontext():
         return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused,
-                       on_cache=on_cache)  # fmt: skip
+                       on_cache=on_cache, calibration_warnings=calibration_warnings)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -340,6 +346,7 @@ def _stream(
     *,
     fused: bool,
     on_cache: Callable[[Any], None] | None = None,
+    calibration_warnings: bool = True,
 ) -> torch.Tensor:
     """``stream_hidden`` once the attention implementation is set."""
     _B, T = ids.shape
@@ -351,7 +358,8 @@ def _stream(
         hidden, kv = prefill_kv(model, ids[:, :prompt_len])
         chunks.append(hidden)
         # the cache ends holding all T tokens: reserved for them, flushes write in place (peers take none)
-        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T)
+        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T,
+                           calibration_warnings=calibration_warnings)  # fmt: skip
         if on_cache is not None:
             on_cache(cache)
         load_kv(cache, kv)
@@ -360,7 +368,8 @@ def _stream(
         if progress:
             progress(prompt_len)
     elif semantics == "decode":
-        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T)
+        cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T,
+                           calibration_warnings=calibration_warnings)  # fmt: skip
         if on_cache is not None:
             on_cache(cache)
     else:

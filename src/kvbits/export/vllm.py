@@ -93,9 +93,10 @@ def check_exportable(art: CalibrationArtifact) -> None:
     for side in ("key", "value"):
         spec = getattr(scheme, side)
         if spec.kind != "fp8" or not spec.static or spec.granularity not in STRATEGIES:
+            how = f"{'static' if spec.static else 'dynamic'} {spec.bits}-bit {spec.kind} per {spec.granularity}"
             raise ValueError(
                 f"calibration of scheme {scheme.name!r}: vLLM loads static per-tensor or per-head FP8 scales; "
-                f"the {side} spec is {spec}. Calibrate an FP8 scheme: kvbits calibrate --scheme fp8-e4m3"
+                f"its {side}s are {how}. Calibrate an FP8 scheme: kvbits calibrate --scheme fp8-e4m3"
             )
         if spec.fmt != "e4m3":
             raise ValueError(

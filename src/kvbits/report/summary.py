@@ -309,12 +309,18 @@ class RunSummary:
     @property
     def peak_memory(self) -> str:
         """``1.20 GiB resident (process peak), 3.50 GiB CUDA allocated (run peak)``: what the run
-        recorded, or '' for neither (runs from before it was recorded)."""
+        recorded, or '' for neither (runs from before it was recorded). Run and process peaks that print
+        alike are said once."""
         parts = []
-        if _ok(self.run_peak_rss_bytes) and self.run_peak_rss_bytes > 0:
-            parts.append(f"{fmt_bytes(self.run_peak_rss_bytes)} resident (run peak, model loaded)")
-        if _ok(self.peak_rss_bytes) and self.peak_rss_bytes > 0:
-            parts.append(f"{fmt_bytes(self.peak_rss_bytes)} resident (process peak)")
+        run = fmt_bytes(self.run_peak_rss_bytes) if _ok(self.run_peak_rss_bytes) and self.run_peak_rss_bytes > 0 else ""
+        proc = fmt_bytes(self.peak_rss_bytes) if _ok(self.peak_rss_bytes) and self.peak_rss_bytes > 0 else ""
+        if run and run == proc:
+            parts.append(f"{run} resident (run peak, model loaded; also the process peak)")
+        else:
+            if run:
+                parts.append(f"{run} resident (run peak, model loaded)")
+            if proc:
+                parts.append(f"{proc} resident (process peak)")
         if _ok(self.peak_cuda_bytes) and self.peak_cuda_bytes > 0:
             parts.append(f"{fmt_bytes(self.peak_cuda_bytes)} CUDA allocated (run peak)")
         return ", ".join(parts)
