@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -460,6 +461,22 @@ def _tiny_llama_folder(folder: Path) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(folder)
     _tiny_tokenizer().save_pretrained(folder)  # type: ignore[attr-defined]
     return folder
+
+
+@pytest.mark.parametrize(
+    ("spec", "near"),
+    [("smollm2", "smollm2-135m"), ("SmolLM2-135M", "smollm2-135m"), ("qwen2.5-coder", "qwen2.5-coder-0.5b"),
+     ("qwen-coder-0.5b", "qwen2.5-coder-0.5b")],
+)  # fmt: skip
+def test_a_near_miss_of_a_registry_name_is_refused_with_the_name(spec: str, near: str) -> None:
+    """`--model smollm2` went to the hub as a hub id: 23 s of retries offline, then 'could not load'."""
+    with pytest.raises(ValueError, match=rf"model '{re.escape(spec)}' is not a registry name; did you mean '{near}'"):
+        resolve_model(spec)
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "distilgpt2", "someorg/smollm2", "Qwen/Qwen2.5-Coder-0.5B", "m"])
+def test_hub_ids_far_from_registry_names_stay_hub_ids(spec: str) -> None:
+    assert resolve_model(spec) == ModelSource(spec, spec)
 
 
 def test_resolve_local_specs(tmp_path: Path) -> None:

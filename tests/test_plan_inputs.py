@@ -191,3 +191,11 @@ def test_a_repeated_context_is_refused_naming_it(capsys):
     dims = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--scheme", "fp16"]
     assert main(["plan", *dims, "--context", "4k", "--context", "4096"]) == 2
     assert "kvbits plan: error: context 4096 is listed twice" in capsys.readouterr().err
+
+
+def test_a_near_miss_of_an_offline_model_name_is_refused_at_once(capsys):
+    """`kvbits plan --model smollm2` tried the hub (35 s of retries offline) before failing."""
+    from kvbits.cli import main
+
+    assert main(["plan", "--model", "smollm2", "--context", "128", "--scheme", "fp16"]) == 2
+    assert "model 'smollm2' is not a kvbits offline model; did you mean 'smollm2-135m'?" in capsys.readouterr().err

@@ -239,7 +239,23 @@ def _from_string(spec: str) -> tuple[Any, str]:
     offline = _offline_config(spec)
     if offline is not None:
         return offline, spec
+    near = _near_offline_name(spec)
+    if near is not None:
+        raise ValueError(
+            f"model {spec!r} is not a kvbits offline model; did you mean {near!r}? (taken as a Hugging Face hub id "
+            "it would be fetched from the hub, with retries where there is no network; a hub id has the form "
+            "org/name)"
+        )
     return _from_hub(spec), spec
+
+
+def _near_offline_name(spec: str) -> str | None:
+    """The offline model name ``spec`` is a likely typo of (``kvbits.evaluate.models``), else None."""
+    try:
+        source = importlib.import_module("kvbits.evaluate.models.source")
+    except ModuleNotFoundError:
+        return None
+    return source.near_registry_name(spec)
 
 
 def _offline_config(name: str) -> Any | None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvbits.evaluate.models.registry import OFFLINE_MODELS, fetch_offline_model
 
-__all__ = ["ModelSource", "resolve_model"]
+__all__ = ["ModelSource", "near_registry_name", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,29 @@ def resolve_model(spec: str, *, download: bool = True) -> ModelSource:
             f"model path {spec!r} does not exist; expected a registry name {sorted(OFFLINE_MODELS)}, "
             "an existing .gguf file or model folder, or a hub id"
         )
+    near = near_registry_name(spec)
+    if near is not None:
+        raise ValueError(
+            f"model {spec!r} is not a registry name; did you mean {near!r}? (taken as a Hugging Face hub id it "
+            "would be fetched from the hub, with retries where there is no network; a hub id has the form org/name)"
+        )
     return ModelSource(spec, spec)
+
+
+def near_registry_name(spec: str) -> str | None:
+    """The registry name ``spec`` is a likely typo of (``smollm2``, ``SmolLM2-135M``, ``qwen2.5-coder``), else None.
+    Only a spec without ``/`` (a hub id has the form ``org/name``; a bare hub id near a registry name is unlikely)."""
+    import difflib
+
+    if "/" in spec:
+        return None
+    names = sorted(OFFLINE_MODELS)
+    low = spec.lower()
+    for name in names:
+        if low == name or (len(low) >= 4 and name.startswith(low)):
+            return name
+    close = difflib.get_close_matches(low, names, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _hub_error(source: ModelSource, exc: Exception) -> RuntimeError:
