@@ -153,3 +153,22 @@ def test_non_finite_samples_of_a_side_not_calibrated_are_not_read():
     k = samples()
     art = artifact_from_samples(scheme, k, [non_finite(t) for t in k])
     assert re.fullmatch(r"layers\.\d\.key_(scale|zero|codebook)", next(iter(art.tensors)))
+
+
+@pytest.mark.parametrize(
+    ("scheme", "said", "unsaid"),
+    [("kvquant-4", ["clip rate:", "gain: weighted MSE"], ["absmax:"]), ("fp8-e4m3", ["clip rate:", "absmax:"], ["gain:"])],
+)
+def test_the_summary_caption_explains_the_columns_it_has(scheme, said, unsaid, capsys):
+    """`kvbits calibrate`'s table caption explained an absmax column a kvquant table does not have."""
+    from kvbits.calibrate.cli import _summary
+    from kvbits.calibrate.fit import artifact_from_samples
+
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=g) for _ in range(2)]
+    art = artifact_from_samples(scheme, k, k)
+    art.meta["data"]["windows"] = 1
+    _summary(art)
+    out = capsys.readouterr().out
+    caption = out[out.index("per-layer calibration") :].split("\n\n")[0]
+    assert all(s in caption for s in said) and not any(s in caption for s in unsaid), caption

@@ -101,14 +101,17 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     )
     stats = art.layer_stats
     cols = sorted({k for row in stats for k in row})
-    table = Table(
-        title="per-layer calibration (clip rate: entries beyond the calibrated range after outliers; "
-        "gain: weighted MSE of a uniform codebook over the fitted one; absmax: largest |x| stored, "
-        "FP8 scale = absmax / fp8 max)"
-    )
+    # the caption explains the columns this scheme's statistics have, and only those
+    meaning = {
+        "clip_rate": "clip rate: entries beyond the calibrated range after outliers",
+        "gain_db": "gain: weighted MSE of a uniform codebook over the fitted one",
+        "absmax": "absmax: largest |x| stored, FP8 scale = absmax / fp8 max",
+    }
+    said = [text for suffix, text in meaning.items() if any(c.endswith(suffix) for c in cols)]
+    table = Table(title="per-layer calibration" + (f" ({'; '.join(said)})" if said else ""))
     table.add_column("layer", justify="right")
     for c in cols:
-        table.add_column(c.replace("_", " "), justify="right")
+        table.add_column(c.replace("_db", "").replace("_", " "), justify="right")
     for i, row in enumerate(stats):
         table.add_row(
             str(i),
