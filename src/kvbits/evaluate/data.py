@@ -222,7 +222,7 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         )
     raise ValueError(
         f"unknown text {spec!r}: expected one of {sorted(TEXTS)}, a path to a text file, or "
-        f"'hub:NAME[:CONFIG[:SPLIT]]'; data roots searched: {[str(r) for r in roots]}"
+        f"'hub:NAME[:CONFIG[:SPLIT]]'; data roots searched: {', '.join(str(r.resolve()) for r in roots)}"
     )
 
 
