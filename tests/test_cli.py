@@ -130,9 +130,10 @@ def test_plan_default_schemes_gpu_and_per_layer(capsys):
     assert main([*argv, "--gpu-mem", "80", "--weights-gib", "14", "--per-layer"]) == 0
     out = capsys.readouterr().out
     assert "max concurrency" in out and "per layer" in out and "kivi-2" in out
-    assert "at least 128.00 MiB at 32,768 tokens" in out and "--reserve-gib is below it" in out
+    assert "at least 128.00 MiB at 32,768 tokens" in out and "the reserve is below it" in out
+    assert "pass --reserve-gib 0.125 or more" in " ".join(out.split())  # the caption may wrap
     assert main([*argv, "--gpu-mem", "80", "--weights-gib", "14", "--reserve-gib", "1"]) == 0
-    assert "--reserve-gib is below it" not in capsys.readouterr().out
+    assert "the reserve is below it" not in capsys.readouterr().out
 
 
 def test_plan_from_config_file_with_override(tmp_path, capsys):

@@ -372,7 +372,8 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
         "tokens (one layer's K/V in the model dtype: every prefill, and decode steps without the fused kernel)"
     )
     if gpu and top["reserve_bytes"] < top["step_bytes"]:
-        caption += "; --reserve-gib is below it"
+        need = top["step_bytes"] / 2**30
+        caption += f"; the reserve is below it: pass --reserve-gib {need:.3g} or more to keep room for it"
     tables = {r["scheme"]: r["rope_table_bytes"] for r in results if r.get("rope_table_bytes")}
     if tables:
         caption += "\nincluded, once per model: RoPE tables of fused pre-RoPE decode (" + ", ".join(
