@@ -151,3 +151,15 @@ def test_a_model_without_attention_layers_is_refused_not_switched():
     }.items():
         with pytest.raises(ValueError, match=f"{where}: " + message):
             call()
+
+
+def test_a_calibration_for_no_scheme_evaluated_is_named_plainly():
+    """The message read "calibration given for ['kvquant-4'], ... (['kivi-2'])": list reprs."""
+    from kvbits.calibrate import artifact_from_samples
+
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=g) for _ in range(2)]
+    art = artifact_from_samples("kvquant-4", k, k)
+    with pytest.raises(ValueError, match=r"^calibration given for kvquant-4, which is not among the schemes evaluated "
+                       r"\(kivi-2, int4-token\); a calibration serves the scheme it was made for$"):
+        evaluate(_llama(), _ids(64), 16, ["kivi-2", "int4-token"], calibration=art)

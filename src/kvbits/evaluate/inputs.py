@@ -160,7 +160,8 @@ def _calibrations(calibration: Any, schemes: list) -> dict[str, Any]:
     unknown = sorted(set(out) - set(names))
     if unknown:
         raise ValueError(
-            f"calibration given for {unknown}, which is not among the schemes evaluated ({names})"
+            f"calibration given for {', '.join(unknown)}, which is not among the schemes evaluated "
+            f"({', '.join(names)}); a calibration serves the scheme it was made for"
         )
     return out
 
