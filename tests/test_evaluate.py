@@ -1053,10 +1053,11 @@ def test_realmodel_cli_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == s
 
 
-def test_served_beyond_calibration_and_clipping_are_logged(caplog):
+def _narrow_kvquant(context: int):
+    """The tiny Llama, kvquant-4, and an artifact for it calibrated on keys far narrower than those served,
+    recorded as calibrated over ``context`` tokens."""
     from kvbits.calibrate import artifact_from_samples
     from kvbits.calibrate.artifact import describe_model
-    from kvbits.evaluate.measures import _warn_mismatch
 
     model = _llama()
     scheme = get_scheme("kvquant-4")
@@ -1064,7 +1065,14 @@ def test_served_beyond_calibration_and_clipping_are_logged(caplog):
     keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]  # far narrower than served
     values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
     art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
-    art.meta["data"]["context"] = 64
+    art.meta["data"]["context"] = context
+    return model, scheme, art
+
+
+def test_served_beyond_calibration_and_clipping_are_logged(caplog):
+    from kvbits.evaluate.measures import _warn_mismatch
+
+    model, scheme, art = _narrow_kvquant(64)
     with caplog.at_level("WARNING", logger="kvbits"):
         s = evaluate(model, _ids(128)[0], 128, [scheme], calibration=art, attn_layers=[])
     cal = s["results"][0]["calibration"]
@@ -1084,16 +1092,7 @@ def test_stream_mode_counts_what_the_real_cache_clipped(caplog):
     (``calibration_report()``) now fill the same fields, over every quantized element, and agree in size
     with the simulator's on the same narrow calibration; a dynamic scheme clips nothing. The run warns once
     (the runner's words); the caches it drives say nothing of their own (they said it three times)."""
-    from kvbits.calibrate import artifact_from_samples
-    from kvbits.calibrate.artifact import describe_model
-
-    model = _llama()
-    scheme = get_scheme("kvquant-4")
-    g = torch.Generator().manual_seed(0)
-    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]  # far narrower than served
-    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
-    art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(model.config)})
-    art.meta["data"]["context"] = 64
+    model, scheme, art = _narrow_kvquant(64)
     with caplog.at_level("WARNING", logger="kvbits"):
         s = evaluate(model, _ids(128)[0], 128, [scheme, "kivi-4"], calibration=art, mode="stream", generate=4)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

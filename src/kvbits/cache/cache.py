@@ -188,8 +188,6 @@ class QuantizedKVCache(Cache):
         self.calibration = None
         # tokens past which update logs, once, that the calibration is exceeded (sys.maxsize: nothing to say)
         self._warn_past = sys.maxsize
-        # the clipping warning was logged, or is not wanted (QuantizedKVLayer.clip_watch unset)
-        self._told_clipping = not calibration_warnings
         # warnings said: the artifact's own set once one is installed (once per artifact), else this cache's
         self._logged: set[str] = set()
         self.num_key_value_heads: int | None = None
@@ -269,7 +267,7 @@ class QuantizedKVCache(Cache):
         )
         if getattr(self, "calibration", None) is not None:  # lazily created layers
             self._calibrate_layer(layer)
-        if layer.can_clip and not self._told_clipping:
+        if layer.can_clip and not self._clipping_said:
             layer.clip_watch = self._look_at_clipping
         return layer
 
@@ -298,10 +296,9 @@ class QuantizedKVCache(Cache):
         self._logged = artifact.logged
         quiet = not self.calibration_warnings
         self._warn_past = sys.maxsize if quiet or longest is None or "length" in self._logged else longest
-        self._told_clipping = quiet or "clipping" in self._logged
         for layer in self._quantized_layers():
             self._calibrate_layer(layer)
-            layer.clip_watch = self._look_at_clipping if layer.can_clip and not self._told_clipping else None
+            layer.clip_watch = self._look_at_clipping if layer.can_clip and not self._clipping_said else None
 
     def _calibrate_layer(self, layer: QuantizedKVLayer) -> None:
         for side in ("key", "value"):
@@ -362,16 +359,24 @@ class QuantizedKVCache(Cache):
             "calibration artifact.", self.scheme.name, tokens, longest,
         )  # fmt: skip
 
+    @property
+    def _clipping_said(self) -> bool:
+        """The clipping warning was logged for this artifact (without one, this cache), or is not wanted."""
+        return not self.calibration_warnings or "clipping" in self._logged
+
+    def _stop_watching_clipping(self) -> None:
+        """No layer calls ``_look_at_clipping`` any more: said once, no more cost per flush."""
+        for layer in self._quantized_layers():
+            layer.clip_watch = None
+
     def _look_at_clipping(self, layer: QuantizedKVLayer | list[QuantizedKVLayer]) -> None:
         """Log, once per artifact (``CalibrationArtifact.logged``; without one, once per cache), the first of
         ``layer`` (one, after its eager flush, or the lazily checked ones) whose keys or values clipped more than
         ``CLIP_WARN_FRAC`` of their quantized elements so far. Host ints only: eager counts, or lazy ones as the
         last lazy check read them back (``InputChecks.clipped``)."""
         layers = layer if isinstance(layer, list) else [layer]
-        if self._told_clipping or "clipping" in self._logged:
-            self._told_clipping = True
-            for other in self._quantized_layers():
-                other.clip_watch = None
+        if self._clipping_said:  # another cache serving the artifact said so since this one was made
+            self._stop_watching_clipping()
             return
         for lay in layers:
             counts = lay.checks.clipped if lay.checks.lazy else lay.clipped_counts()
@@ -381,10 +386,8 @@ class QuantizedKVCache(Cache):
             lay.clip_floor = (kv_checks.CLIP_WARN_FRAC * totals[0], kv_checks.CLIP_WARN_FRAC * totals[1])
             for side, n, total in zip(("keys", "values"), counts, totals):
                 if total and n > kv_checks.CLIP_WARN_FRAC * total:
-                    self._told_clipping = True
                     self._logged.add("clipping")
-                    for other in self._quantized_layers():
-                        other.clip_watch = None  # said once: no more cost per flush
+                    self._stop_watching_clipping()
                     logger.warning(
                         "QuantizedKVCache (scheme %s): layer %d clipped %.3f%% of its %s (%d of %d quantized values) "
                         "against their static scales (warning level %g%%): the K/V served lie outside the ranges "

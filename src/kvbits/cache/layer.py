@@ -739,7 +739,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             "held_at": self.held_at,
             "kv_heads": 0 if self._k.buffer is None else self._k.buffer.shape[1],
             "head_repeat": self.repeat,
-            "batch": 0 if self._k.buffer is None else self._k.buffer.shape[0],
+            "batch": self.batch_size or 0,
             "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
             "position_bytes": 0 if self._k.pos_offset is None else self._k.pos_offset.nbytes,
             # K + V elements an fp16 cache holds at this length (kvbits.plan's ``elements``: a sliding layer keeps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,6 +16,12 @@ logger = logging.getLogger(__name__)
 __all__: list[str] = []
 
 
+def add_counts(into: dict[str, int], counts: Mapping[str, int]) -> None:
+    """Add ``counts`` to ``into`` key by key (clipping or decode-step counters of windows, trials or ranks)."""
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + int(n)
+
+
 def add_clipping(into: dict[str, int], cache: Any) -> None:
     """Add what a real ``QuantizedKVCache`` clipped (``calibration_report()``, summed over layers) to ``into``,
     in the simulator's form: ``keys`` / ``values`` (values clipped against their scales) and ``keys_elements`` /
@@ -24,8 +31,7 @@ def add_clipping(into: dict[str, int], cache: Any) -> None:
         return
     for row in report()["layers"]:
         for side in ("keys", "values"):
-            into[side] = into.get(side, 0) + int(row[f"clipped_{side}"])
-            into[side + "_elements"] = into.get(side + "_elements", 0) + int(row[f"quantized_{side}"])
+            add_counts(into, {side: row[f"clipped_{side}"], side + "_elements": row[f"quantized_{side}"]})
 
 
 def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -> dict[str, Any]:

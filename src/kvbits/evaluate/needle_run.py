@@ -144,6 +144,7 @@ def _run_prefill(
 def _run_decode(model, head, trial, schemes, calibrations, chunk_size, clipped) -> tuple[dict, dict, float, dict]:
     """Reference and scheme scores of one trial, decode semantics (the simulator); what each scheme clipped is
     added to ``clipped[name]``."""
+    from kvbits.evaluate.measures import add_counts
     from kvbits.evaluate.simulate import simulate
 
     base = base_model(model)
@@ -160,9 +161,7 @@ def _run_decode(model, head, trial, schemes, calibrations, chunk_size, clipped) 
         t0 = time.perf_counter()
         with simulate(model, scheme, calibration=calibrations.get(scheme.name), chunk_size=chunk_size) as sim:
             hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0, rows]
-        into = clipped.setdefault(scheme.name, {})
-        for k, n in sim.clipped.items():
-            into[k] = into.get(k, 0) + n
+        add_counts(clipped.setdefault(scheme.name, {}), sim.clipped)
         out[scheme.name] = score_key(_logprobs(head, hidden).cpu(), targets, lp_ref)
         seconds[scheme.name] = time.perf_counter() - t0
     return ref, out, ref_seconds, seconds

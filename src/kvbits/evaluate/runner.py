@@ -83,6 +83,7 @@ from kvbits.evaluate.measures import (
     _run_peak_rss_bytes,
     _warn_mismatch,
     add_clipping,
+    add_counts,
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
@@ -420,8 +421,7 @@ def evaluate(
                         raise RuntimeError(
                             f"{type(model).__name__}: the simulated attention was never called"
                         )
-                    for k, n in sim.clipped.items():
-                        clipped[name][k] = clipped[name].get(k, 0) + n
+                    add_counts(clipped[name], sim.clipped)
                     for j, layer in enumerate(layers):
                         if layer in sim.attn_error:
                             attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
@@ -597,10 +597,9 @@ def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any
     }
     for p in parts:
         for n in names:
-            for k, v in p["clipped"][n].items():
-                clipped[n][k] = clipped[n].get(k, 0) + v
-            for k, v in (p["decode"][n] or {}).items():
-                decode[n][k] = decode[n].get(k, 0) + v
+            add_counts(clipped[n], p["clipped"][n])
+            if p["decode"][n]:
+                add_counts(decode[n], p["decode"][n])
     return {
         "clipped": clipped,
         "decode": decode,
