@@ -801,20 +801,38 @@ def test_head_dim_other_than_the_configs_is_refused(scheme: str, k_dim: int, v_d
     assert cache.get_seq_length(0) == 3
 
 
+@functools.cache
+@torch.no_grad()
+def falcon_repeats_kv_heads() -> bool:
+    """Whether the installed transformers' Falcon with ``new_decoder_architecture`` hands ``Cache.update``
+    its KV heads repeated for every query head (before 5.25) or as they are (5.25 on: its attention repeats
+    them itself, as Llama's does). Asked of a 1-layer model with 4 query heads sharing 2 KV heads."""
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                    new_decoder_architecture=True, num_kv_heads=2)  # fmt: skip
+    cache = transformers.DynamicCache()
+    transformers.FalconForCausalLM(cfg).eval()(tokens(1, 3), **{CACHE_KW: cache}, use_cache=True)
+    heads = cache.layers[0].keys.shape[1]
+    assert heads in (2, 4), f"Falcon cached {heads} heads, neither its 2 KV heads nor its 4 query heads"
+    return heads == 4
+
+
 @torch.no_grad()
 @pytest.mark.parametrize(
     ("layout", "cached_heads", "expected"),
     [
         ({"multi_query": True, "new_decoder_architecture": False}, 1, 1),  # Falcon-7B: one shared KV head
         ({"multi_query": False, "new_decoder_architecture": False}, 4, 4),  # plain MHA
-        # Falcon-40B: 2 KV heads in the config, broadcast to the 4 query heads before the cache: stored once,
-        # repeated back for attention (tests/test_falcon_heads.py)
-        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4, 2),
+        # Falcon-40B: 2 KV heads in the config; before transformers 5.25 broadcast to the 4 query heads before
+        # the cache (stored once, repeated back for attention: tests/test_falcon_heads.py), from 5.25 handed
+        # over as they are (None: what the installed Falcon hands over)
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, None, 2),
     ],
 )
 def test_falcon_kv_head_layouts(layout, cached_heads, expected):
     """Falcon states its KV heads with ``multi_query`` / ``new_decoder_architecture`` / ``num_kv_heads``
     (no ``num_key_value_heads``): the cache expects what transformers' Falcon attention caches."""
+    if cached_heads is None:
+        cached_heads = 4 if falcon_repeats_kv_heads() else 2
     cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     **layout)  # fmt: skip
     model = transformers.FalconForCausalLM(cfg).eval()

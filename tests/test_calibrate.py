@@ -170,7 +170,7 @@ def test_k_norm_is_hooked_when_present():
 @pytest.mark.parametrize(
     ("layout", "kv_heads"),
     [
-        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2),  # Falcon-40B: repeated before caching
+        ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2),  # Falcon-40B: repeated before caching before 5.25
         ({"new_decoder_architecture": False, "multi_query": True}, 1),  # Falcon-7B: one shared head
     ],
 )

@@ -1,9 +1,12 @@
 """Falcon's new decoder architecture (Falcon-40B/180B): K/V heads repeated by the model, stored once.
 
-transformers' Falcon with ``new_decoder_architecture`` broadcasts its ``num_kv_heads`` K/V heads to all
-``num_attention_heads`` query heads before ``Cache.update`` (heads ``i*g ... i*g + g - 1`` are copies of
-KV head ``i``). ``QuantizedKVCache`` stores each KV head once, as the planner counts them, and hands the
-model the repeated heads back: the same tokens and logits as storing every copy, ``g`` times fewer bytes.
+transformers' Falcon with ``new_decoder_architecture`` before 5.25 broadcasts its ``num_kv_heads`` K/V
+heads to all ``num_attention_heads`` query heads before ``Cache.update`` (heads ``i*g ... i*g + g - 1``
+are copies of KV head ``i``). ``QuantizedKVCache`` stores each KV head once, as the planner counts them,
+and hands the model the repeated heads back: the same tokens and logits as storing every copy, ``g``
+times fewer bytes. From 5.25 Falcon hands over its KV heads as they are (``test_cache``'s
+``test_falcon_kv_head_layouts``); the model tests here then hand the cache what older Falcon did
+(``as_older_falcon``), so the repeated-heads path is tested whichever transformers is installed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import pytest
 import torch
 import transformers
-from test_cache import CACHE_KW, VOCAB, storage_bytes, tokens, walk_tensors
+from test_cache import CACHE_KW, VOCAB, falcon_repeats_kv_heads, storage_bytes, tokens, walk_tensors
 
 from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
 from kvbits.cache import fused as fused_mod
@@ -42,10 +45,34 @@ def falcon() -> torch.nn.Module:
     return transformers.FalconForCausalLM(cfg).eval()
 
 
+def as_older_falcon(cache: QuantizedKVCache) -> QuantizedKVCache:
+    """``cache``, handed K/V as Falcon before transformers 5.25 hands them: each KV head repeated ``G``
+    times, in a row. Where the installed Falcon hands over its ``KV_HEADS`` heads as they are, ``update``
+    repeats them before the cache and gives the model one copy of each back (which its attention repeats
+    itself); where it repeats them already, ``cache`` is returned as it is."""
+    if falcon_repeats_kv_heads():
+        return cache
+    update = cache.update
+
+    def repeating_update(key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = update(key_states.repeat_interleave(G, dim=1), value_states.repeat_interleave(G, dim=1),
+                              layer_idx, *args, **kwargs)  # fmt: skip
+        assert keys.shape[1] == values.shape[1] == HEADS  # the cache hands back what it was handed
+        return keys[:, ::G], values[:, ::G]
+
+    cache.update = repeating_update
+    return cache
+
+
 def storing_every_copy(scheme: str) -> QuantizedKVCache:
     """A cache that stores every head the model hands it (no config: layers take ``(B, H, *, D)`` from their
     first update), as ``QuantizedKVCache(config=...)`` did for this model before it knew of repeated heads."""
-    return QuantizedKVCache(num_layers=2, scheme=scheme)
+    return as_older_falcon(QuantizedKVCache(num_layers=2, scheme=scheme))
+
+
+def storing_once(scheme: str) -> QuantizedKVCache:
+    """The cache under test: built from the model's config, so it knows the KV heads come repeated."""
+    return as_older_falcon(QuantizedKVCache(config=falcon().config, scheme=scheme))
 
 
 @torch.no_grad()
@@ -64,7 +91,7 @@ def test_repeated_heads_are_stored_once_with_the_same_logits(scheme: str):
     model = falcon()
     every = storing_every_copy(scheme)
     seq_ref, logits_ref = generate(model, every)
-    cache = QuantizedKVCache(config=model.config, scheme=scheme)
+    cache = storing_once(scheme)
     seq, logits = generate(model, cache)
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits, logits_ref, atol=0, rtol=0)
@@ -91,7 +118,7 @@ def test_beam_search_reorders_the_stored_heads():
     model = falcon()
     every = storing_every_copy("kivi-2")
     seq_ref, logits_ref = generate(model, every, num_beams=3)
-    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    cache = storing_once("kivi-2")
     seq, logits = generate(model, cache, num_beams=3)
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits, logits_ref, atol=0, rtol=0)

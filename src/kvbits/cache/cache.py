@@ -10,11 +10,12 @@ Decode steps can skip dequantization: with ``kvbits.cache.use_fused_decode(model
 ``kvbits_fused`` attention function) they run the fused kernel over the packed store on CUDA
 (``fused_decode="auto"``), or on any device with ``fused_decode=True`` (``kvbits.cache.fused``).
 
-Built on transformers' public ``Cache`` / ``CacheLayerMixin`` API only (tested with 5.17 and 5.24):
+Built on transformers' public ``Cache`` / ``CacheLayerMixin`` API only (tested with 5.17, 5.24 and 5.25):
 no private attributes, no patched modeling code. Layer types come from the model config
 (``get_layer_types_and_kwargs``), so hybrid sliding/full models (Gemma 3) get sliding layers. Falcon's
-``new_decoder_architecture`` (Falcon-40B/180B) hands ``update`` its KV heads repeated for every query
-head: each is stored once, as ``kvbits.plan`` counts them, and repeated back for attention (``_head_repeat``).
+``new_decoder_architecture`` (Falcon-40B/180B) before transformers 5.25 hands ``update`` its KV heads repeated
+for every query head: each is stored once, as ``kvbits.plan`` counts them, and repeated back for attention
+(``_head_repeat``); from 5.25 it hands them over as they are, and they are stored as they come.
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ def _head_repeat(text: Any, heads: int, kv_heads: int) -> int:
     """``g``: how many times the model's attention repeats each of its ``kv_heads`` K/V heads, in a row,
     before handing them to ``Cache.update`` (1: it hands them over as they are).
 
-    transformers' Falcon with ``new_decoder_architecture`` (Falcon-40B/180B) broadcasts its
+    transformers' Falcon with ``new_decoder_architecture`` (Falcon-40B/180B) before 5.25 broadcasts its
     ``num_kv_heads`` K/V heads to every query head before caching them (``heads / kv_heads`` copies of each,
     consecutive). The layers store one copy (what the planner counts) and check once per request that the
     groups really are copies, storing every head when they are not (``QuantizedKVLayer``'s ``head_repeat``).
+    From 5.25 Falcon hands over its ``kv_heads`` heads, which the layers take as they are (``repeat`` 1).
     """
     if getattr(text, "new_decoder_architecture", False):
         return heads // kv_heads
@@ -484,7 +486,8 @@ class QuantizedKVCache(Cache):
 
     def materialize(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V that attention in layer ``layer_idx`` would see now, ``(B, H_kv, T_visible, D)`` (heads the
-        model repeats before caching, Falcon's new architecture, repeated back as ``update`` returns them); runs
+        model repeats before caching, Falcon's new architecture before transformers 5.25, repeated back as
+        ``update`` returns them); runs
         the lazy K/V checks first."""
         layer = self._layer(layer_idx)
         self.check_inputs()

@@ -39,7 +39,8 @@ def config_head_dim(config: Any) -> int:
 def config_kv_heads(config: Any) -> int:
     """``H_kv`` as the planner and ``QuantizedKVCache`` count it (``kvbits.plan.config.attention_heads``):
     also ``num_kv_heads`` / ``multi_query`` (Falcon), so calibrated ``(H_kv, D)`` scales match the stored
-    heads (Falcon's new architecture repeats its KV heads before caching; the cache stores them once)."""
+    heads (Falcon's new architecture before transformers 5.25 repeats its KV heads before caching; the cache
+    stores them once)."""
     return attention_heads(text_config(config))[1]
 
 

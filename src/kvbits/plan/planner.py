@@ -38,8 +38,9 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   flushes into reserved slots). Measured (``benchmarks/cache_working_set.py``, BENCHMARKS.md
   §18f): 1.2-1.8x this at 32K tokens; below one slice (4,096 tokens) up to 4x at a decode step and 5.8x at a
   prefill (Hadamard). Not in ``total_bytes`` nor in ``max_concurrency``: it is what ``reserve_gib`` is for.
-  Falcon's ``new_decoder_architecture`` (40B/180B) repeats each KV head for its query heads before the
-  cache sees it; kvbits stores one copy but returns the repeats, ``H_q / H_kv`` times this.
+  Falcon's ``new_decoder_architecture`` (40B/180B) before transformers 5.25 repeats each KV head for its
+  query heads before the cache sees it; kvbits stores one copy but returns the repeats, ``H_q / H_kv``
+  times this.
 
 With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
