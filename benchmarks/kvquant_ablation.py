@@ -13,11 +13,20 @@ Sets (``--set``):
   1% outliers, 1 sink), and the static ranges at lower clipping percentiles;
 - ``bits``: the ladder's best recipe and kvquant-N at 3 and 2 bits;
 - ``goals``: the ladder's full recipe at 4/3/2 bits, kvquant-4, and kvquant-4 calibrated on short
-  windows (``--short-context``, 512 tokens) served at the full context: the calibration mismatch.
+  windows (``--short-context``, 512 tokens) served at the full context: the calibration mismatch;
+- ``edges``: kvquant-4 with the static key ranges taken from the whole calibration range (percentile 100:
+  nothing the calibration saw is clipped), with 4 or 32 first tokens in full precision, and
+  ``kvquant-4-block`` (key ranges per 128-token block, from the tokens themselves).
 
-Example (the runs recorded in BENCHMARKS.md §3)::
+``--task needle`` scores the schemes by passkey retrieval (``kvbits.evaluate.needle_eval``, prefill
+semantics, War and Peace haystack) at ``--context`` and ``--depths`` with ``--trials`` trials per cell
+instead of perplexity; it writes ``needle.json`` / ``report.md`` / ``needle.png`` to ``--out``.
+
+Example (the runs recorded in BENCHMARKS.md §3 and §17h)::
 
     PYTHONPATH=src python benchmarks/kvquant_ablation.py --set ladder --out runs/ablation-smollm2-ladder
+    PYTHONPATH=src python benchmarks/kvquant_ablation.py --set loo --set edges --calib-sinks scheme \
+        --task needle --context 2048 --depths 0 --trials 4 --out runs/needle-smollm2-kvquant-depth0
 """
 
 from __future__ import annotations
@@ -101,8 +110,19 @@ def goals() -> list[tuple[KVScheme, float]]:
     return out
 
 
+def edges() -> list[tuple[KVScheme, float]]:
+    """kvquant-4 with unclipped calibration ranges; with more first tokens in full precision."""
+    full = get_scheme("kvquant-4")
+    return [
+        (full.replace(name="kvquant-4-p100"), 100.0),
+        (full.replace(name="kvquant-4-sinks4", sinks=4), 99.9),
+        (full.replace(name="kvquant-4-sinks32", sinks=32), 99.9),
+        (get_scheme("kvquant-4-block"), 99.9),  # key ranges per 128-token block, not calibrated: none clipped
+    ]
+
+
 SHORT_NAME = "kvquant-4-short-calibration"
-SETS = {"ladder": ladder, "loo": leave_one_out, "bits": bits_set, "goals": goals}
+SETS = {"ladder": ladder, "loo": leave_one_out, "bits": bits_set, "goals": goals, "edges": edges}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-context", type=int, default=2048)
     p.add_argument("--calib-windows", type=int, default=2)
     p.add_argument("--short-context", type=int, default=512, help="calibration window of --set goals' mismatch case")
+    p.add_argument("--calib-sinks", choices=("none", "scheme"), default="none",
+                   help="none: one sample pass for all schemes, every token sampled (the runs of BENCHMARKS.md "
+                        "§3); scheme: a pass per sink count, the first `sinks` tokens of each window left out, "
+                        "as `kvbits calibrate` samples for the scheme")
+    p.add_argument("--task", choices=("ppl", "needle"), default="ppl",
+                   help="ppl: perplexity / KL by position (evaluate); needle: passkey retrieval (needle_eval)")
     p.add_argument("--data", default="war-and-peace")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--windows", type=int, default=1)
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="--task needle: needle depths, comma-separated")
+    p.add_argument("--trials", type=int, default=1, help="--task needle: trials per depth")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True, help="run folder (artifacts under OUT/calibration/)")
@@ -133,20 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     calibrated = [(s, pct) for s, pct in schemes if any(spec_needs_calibration(x) for x in (s.key, s.value))]
     artifacts = {}
     if calibrated:
-        t0 = time.perf_counter()
-        samples = collect_samples(lm, args.calib_data, sinks=0, context=args.calib_context,
-                                  windows=args.calib_windows, fisher=True)
-        logger.info("collected samples in %.1f s", time.perf_counter() - t0)
-        short = None
-        if any(s.name == SHORT_NAME for s, _ in calibrated):
-            short = collect_samples(lm, args.calib_data, sinks=0, context=args.short_context,
-                                    windows=args.calib_windows, fisher=True)
+        passes = {}  # (context, sinks) -> samples: one pass each
         for s, pct in calibrated:
-            art = fit_artifact(short if s.name == SHORT_NAME else samples, s, percentile=pct)
+            key = (args.short_context if s.name == SHORT_NAME else args.calib_context,
+                   s.sinks if args.calib_sinks == "scheme" else 0)  # fmt: skip
+            if key not in passes:
+                t0 = time.perf_counter()
+                passes[key] = collect_samples(lm, args.calib_data, sinks=key[1], context=key[0],
+                                              windows=args.calib_windows, fisher=True)  # fmt: skip
+                logger.info("collected samples (context %d, %d sinks left out) in %.1f s", *key,
+                            time.perf_counter() - t0)  # fmt: skip
+            art = fit_artifact(passes[key], s, percentile=pct)
             folder = out / "calibration" / s.name
             art.save(folder)
             artifacts[s.name] = art
             logger.info("fitted %s (p%s): %s", s.name, pct, folder)
+    if args.task == "needle":
+        return _needle(lm, [s for s, _ in schemes], artifacts, args, out)
     summary = evaluate(lm, args.data, args.context, [s for s, _ in schemes], windows=args.windows,
                        calibration=artifacts or None, out_dir=out, dtype=args.dtype,
                        argv=[sys.executable, *sys.argv])
@@ -154,6 +185,21 @@ def main(argv: list[str] | None = None) -> int:
              "delta_rel_pct": [round(100 * b["delta_rel"], 2) for b in r["buckets"]],
              "kl": r["kl"]} for r in summary["results"]]
     print(json.dumps(rows, indent=1))
+    return 0
+
+
+def _needle(lm, schemes: list[KVScheme], artifacts: dict, args: argparse.Namespace, out: Path) -> int:
+    """Passkey retrieval of ``schemes`` (prefill semantics, as ``kvbits needle``); writes needle.json."""
+    from kvbits.evaluate import needle_eval
+    from kvbits.report.needle import write_needle
+
+    depths = [float(d) for d in args.depths.split(",")]
+    summary = needle_eval(lm, [args.context], schemes, data=args.data, depths=depths, trials=args.trials,
+                          calibration=list(artifacts.values()) or None, dtype=args.dtype)
+    write_needle(summary, out, overwrite=True)  # beside OUT/calibration/, which stays
+    for r in summary["results"]:
+        print(f"{r['scheme']:28s} kept {r['kept']:.3f}  retrieved {r['retrieved']:.3f}  "
+              f"dNLL {r['delta_nll']:+.3f}  KL {r['kl']:.4f}")
     return 0
 
 
