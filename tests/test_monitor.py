@@ -217,6 +217,41 @@ def test_sliding_layers_are_not_held() -> None:
     assert {e["layer"]: e["action"] for e in mon.events} == {0: "none", 1: "hold_layer"}
 
 
+def test_printed_table_shows_clipping_and_the_calibrated_length(capsys, caplog) -> None:
+    """kvquant-4 calibrated on keys far narrower than served, over 64 tokens, watched over 120: the printed
+    table gains clipped columns (keys clipped, values never: they have no static scales) and the summary
+    says the calibrated length was passed and which events fired. kivi-2 (no static scales): no columns."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.monitor import watch
+    from kvbits.monitor.cli import _print
+
+    model = llama()
+    g = torch.Generator().manual_seed(0)
+    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    art = artifact_from_samples("kvquant-4", keys, values, meta={"model": describe_model(model.config)})
+    art.meta["data"]["context"] = 64
+    with caplog.at_level("WARNING", logger="kvbits"):
+        snap = watch(model, ids_of(1, 200)[0], 120, "kvquant-4", FallbackPolicy(), calibration=art).snapshot()
+    assert "QuantizedKVCache" not in caplog.text  # said once, by the monitor, not by the cache too
+    side = {(r["layer"], r["side"]): r for r in snap["signals"]}
+    assert all(side[i, "key"]["clipped_fraction"] > 0.5 and side[i, "value"]["clipped"] == 0 for i in (0, 1))
+    _print(snap)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "K clipped" in out and "V clipped" in out and "0.000%" in out
+    assert f"{100 * side[0, 'key']['clipped_fraction']:.3f}%" in out
+    assert "served 120 tokens, past the 64 the calibration saw" in out
+    assert "events: 2 (beyond_calibration 2)" in out
+    snap = watch(model, ids_of(1, 200)[0], 120, "kivi-2").snapshot()  # residual 128: nothing flushed yet
+    assert all(r["measured"] == 0 and r["max_error"] is r["last_error"] is r["mean_error"] is None
+               for r in snap["signals"])  # fmt: skip
+    _print(snap)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "clipped" not in out and "calibration saw" not in out and out.endswith("events: 0")
+    assert "0.000" not in out  # no error measured: "-", not 0.000
+
+
 def test_beyond_calibration_is_reported_once_per_layer() -> None:
     model, ids = llama(), ids_of(1, 160)
     for hold in (False, True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_output_path
@@ -24,7 +25,8 @@ of the block just quantized (worst sequence), values clipped against static scal
 calibrated context. A threshold crossed holds the layer (--scope request: every layer) in full
 precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "policy", "tokens",
 "total_bytes", "held_layers", "calibrated_length", "signals": [{"layer", "side", "flushes", "measured",
-"tokens_measured", "last_error", "max_error", "mean_error", "clipped", "clipped_fraction", "held_at"}],
+"tokens_measured", "last_error", "max_error", "mean_error" (null before a measured flush), "clipped",
+"clipped_fraction", "held_at"}],
 "events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]}.
 """
 
@@ -120,18 +122,30 @@ def _print(snap: dict[str, Any]) -> None:
     rows: dict[int, dict[str, Any]] = {}
     for r in snap["signals"]:
         rows.setdefault(r["layer"], {"held_at": r["held_at"]})[r["side"]] = r
+    # values clipped against static scales: columns only when some were (schemes without static scales never clip)
+    clipped = any(r["clipped"] for r in snap["signals"])
     t = Table(title=f"{snap['labels']['scheme']}: flush relative error by layer ({snap['tokens']} tokens)")
-    for col in ("layer", "K mean", "K max", "V mean", "V max", "flushes", "held from"):
+    columns = ["layer", "K mean", "K max", "V mean", "V max", *(["K clipped", "V clipped"] if clipped else []),
+               "flushes", "held from"]  # fmt: skip
+    for col in columns:
         t.add_column(col, justify="right")
+    if clipped:
+        t.caption = "clipped: values saturated against the calibration's static scales, in the blocks measured"
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     for layer, r in sorted(rows.items()):
         k, v = r["key"], r["value"]
-        t.add_row(str(layer), f(k["mean_error"]), f(k["max_error"]), f(v["mean_error"]), f(v["max_error"]),
+        clips = [f"{100 * x['clipped_fraction']:.3f}%" for x in (k, v)] if clipped else []
+        t.add_row(str(layer), f(k["mean_error"]), f(k["max_error"]), f(v["mean_error"]), f(v["max_error"]), *clips,
                   str(k["flushes"]), "-" if r["held_at"] is None else str(r["held_at"]))  # fmt: skip
     console = _console()
     console.print(t)
+    longest = snap["calibrated_length"]
+    if longest is not None and snap["tokens"] > longest:
+        console.print(f"served {snap['tokens']:,} tokens, past the {longest:,} the calibration saw")
+    kinds = Counter(e["signal"] for e in snap["events"])
+    said = f" ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})" if kinds else ""
     console.print(f"cache bytes at the end: {human_bytes(snap['total_bytes'])}; held layers: "
-                  f"{snap['held_layers'] or 'none'}; events: {len(snap['events'])}")  # fmt: skip
+                  f"{snap['held_layers'] or 'none'}; events: {len(snap['events'])}{said}")  # fmt: skip

@@ -186,13 +186,15 @@ class CacheMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
-        layers, events, the cache's tokens and bytes (``memory_report()``'s totals)."""
+        layers, events, the cache's tokens and bytes (``memory_report()``'s totals). A side with no
+        measured flush yet has ``None`` errors (not 0: nothing was measured)."""
         mem = self.cache.memory_report()
         rows = []
         for (i, side), s in sorted(self.signals.items()):
             rows.append({
                 "layer": i, "side": side, "flushes": self._flushes[(i, side)], "measured": s.flushes,
-                "tokens_measured": s.tokens, "last_error": s.last, "max_error": s.worst,
+                "tokens_measured": s.tokens, "last_error": s.last if s.flushes else None,
+                "max_error": s.worst if s.flushes else None,
                 "mean_error": s.total / s.count if s.count else None, "clipped": s.clipped,
                 "clipped_fraction": s.clipped / s.elements if s.elements else 0.0,
                 "held_at": self.layers[i].held_at,

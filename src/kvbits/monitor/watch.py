@@ -33,7 +33,8 @@ def watch(
 
     ``model``, ``data``, ``calibration``, ``dtype``, ``device`` as ``kvbits.evaluate.evaluate`` takes them
     (registry names, paths, hub ids, loaded models; token ids ``(N,)`` for ``data``; a calibration folder is
-    loaded and checked by ``stream_hidden``'s cache).
+    loaded and checked by ``stream_hidden``'s cache). The cache logs no calibration warnings of its own: the
+    monitor's signals count the clipped values and say when the calibrated length is passed.
     """
     from kvbits.evaluate.inputs import _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
@@ -55,7 +56,7 @@ def watch(
     ids = windows[:1].to(next(lm.parameters()).device)
     monitors: list[CacheMonitor] = []
     stream_hidden(
-        lm, ids, resolved, calibration=calibration, progress=progress,
+        lm, ids, resolved, calibration=calibration, progress=progress, calibration_warnings=False,
         on_cache=lambda cache: monitors.append(CacheMonitor(cache, policy, labels=labels)),
     )  # fmt: skip
     (mon,) = monitors
