@@ -27,6 +27,10 @@ Example (the runs recorded in BENCHMARKS.md §3 and §17h)::
     PYTHONPATH=src python benchmarks/kvquant_ablation.py --set ladder --out runs/ablation-smollm2-ladder
     PYTHONPATH=src python benchmarks/kvquant_ablation.py --set loo --set edges --calib-sinks scheme \
         --task needle --context 2048 --depths 0 --trials 4 --out runs/needle-smollm2-kvquant-depth0
+    PYTHONPATH=src python benchmarks/kvquant_ablation.py --set loo --set edges --calib-sinks scheme \
+        --only kvquant-4 --only kvquant-4-p100 --only kvquant-4-sinks4 --only kvquant-4-sinks32 \
+        --only kvquant-4-no-nuq --only kvquant-4-no-outl --only kvquant-4-no-sink --only kvquant-4-block \
+        --task needle --context 2048 --depths 0 --trials 16 --out runs/needle-smollm2-kvquant-depth0-16
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", choices=sorted(SETS), required=True, action="append",
                    help="repeatable: the sets' schemes are scored in one run (one reference pass)")
+    p.add_argument("--only", action="append", default=None, metavar="NAME",
+                   help="repeatable: score only these of the sets' schemes")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib-data", default="pride-and-prejudice")
     p.add_argument("--calib-context", type=int, default=2048)
@@ -156,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     schemes: list[tuple[KVScheme, float]] = []
     for name in args.set:
         schemes += [x for x in SETS[name]() if x[0].name not in {s.name for s, _ in schemes}]
+    if args.only:
+        unknown = sorted(set(args.only) - {s.name for s, _ in schemes})
+        if unknown:
+            p.error(f"--only {', '.join(unknown)}: not in the sets chosen ({', '.join(s.name for s, _ in schemes)})")
+        schemes = [x for x in schemes if x[0].name in args.only]
     out = Path(args.out)
     lm = load_model(args.model)  # float32: the Fisher pass needs it
     calibrated = [(s, pct) for s, pct in schemes if any(spec_needs_calibration(x) for x in (s.key, s.value))]
