@@ -270,6 +270,60 @@ def test_cpu_default_keeps_the_dequantized_path():
         assert torch.equal(seq, seq_ref) and torch.equal(logits, logits_ref)
 
 
+@torch.no_grad()
+def test_attention_that_does_not_dispatch_is_refused_or_logged(monkeypatch, caplog):
+    """A model whose attention does not dispatch through the AttentionInterface keeps its implementation when
+    asked for another (transformers logs it; Falcon before 5.25): ``use_fused_decode`` said "sdpa" as if done
+    and every decode step attended over dequantized K/V, with no fused and no fallback step counted. It is
+    refused, the implementation untouched; runners refuse it under ``fused_decode=True`` and, under ``"auto"``,
+    log it once and decode over dequantized K/V (the same hidden states as ``fused_decode=False``)."""
+    from kvbits.cache import UnsupportedAttention
+    from kvbits.cache import fused as fused_mod
+    from kvbits.evaluate import stream
+
+    model = build("llama")
+    monkeypatch.setattr(model, "set_attn_implementation", lambda impl: None)  # kept, as transformers keeps it
+    with pytest.raises(UnsupportedAttention, match="LlamaForCausalLM did not accept attn_implementation='kvbits_"):
+        use_fused_decode(model)
+    assert model.config._attn_implementation == "sdpa"
+    ids = prompt()
+    with pytest.raises(UnsupportedAttention, match="AttentionInterface"):
+        stream.stream_hidden(model, ids, KIVI4, fused_decode=True)
+    want = stream.stream_hidden(model, ids, KIVI4, fused_decode=False)
+    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # "auto" as on CUDA with Triton
+    monkeypatch.setattr(stream, "_UNFUSABLE_SAID", set())
+    stats: dict[str, int] = {}
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.stream"):
+        for _ in range(2):
+            got = stream.stream_hidden(model, ids, KIVI4, fused_decode="auto", stats=stats)
+    assert torch.equal(got, want) and stats.get("fused_steps", 0) == 0
+    assert caplog.text.count("did not accept") == 1 and "decoding over dequantized K/V" in caplog.text
+
+
+@torch.no_grad()
+def test_falcon_decode_is_fused_where_its_attention_dispatches():
+    """transformers' Falcon dispatches its attention through the AttentionInterface from 5.25: its decode steps
+    are fused (the same tokens as dequantizing, every step through the kernel); before, it is refused."""
+    from packaging.version import Version
+
+    from kvbits.cache import UnsupportedAttention
+
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_kv_heads=2, new_decoder_architecture=True, bias=False)  # fmt: skip
+    model = transformers.FalconForCausalLM(cfg).eval()
+    if Version(transformers.__version__) < Version("5.25"):
+        with pytest.raises(UnsupportedAttention, match="FalconForCausalLM did not accept"):
+            use_fused_decode(model)
+        return
+    seq_ref, logits_ref, _ = generate(model, KIVI4, fused=False, attn=False)
+    seq, logits, cache = generate(model, KIVI4, fused=True, attn=True)
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+
+
 def test_unsupported_scheme_falls_back_logged(caplog):
     """Float keys beside integer values: nothing to unpack on the key side; declined, logged, identical."""
     model = build("qwen2")

@@ -7,7 +7,7 @@ steps of a ``QuantizedKVCache`` from its packed store with the fused kernel (``k
 """
 
 from kvbits.cache.attention import IMPLEMENTATION as FUSED_ATTENTION
-from kvbits.cache.attention import register_fused_attention, use_fused_decode
+from kvbits.cache.attention import UnsupportedAttention, register_fused_attention, use_fused_decode
 from kvbits.cache.cache import QuantizedKVCache, attention_shape
 from kvbits.cache.layer import QuantizedKVLayer
 from kvbits.cache.positions import track_positions
@@ -16,6 +16,7 @@ __all__ = [
     "FUSED_ATTENTION",
     "QuantizedKVCache",
     "QuantizedKVLayer",
+    "UnsupportedAttention",
     "attention_shape",
     "register_fused_attention",
     "track_positions",

@@ -33,9 +33,20 @@ from kvbits.kernels import dispatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IMPLEMENTATION", "fused_attention", "register_fused_attention", "use_fused_decode"]
+__all__ = [
+    "IMPLEMENTATION",
+    "UnsupportedAttention",
+    "fused_attention",
+    "register_fused_attention",
+    "use_fused_decode",
+]
 
 IMPLEMENTATION = "kvbits_fused"
+
+
+class UnsupportedAttention(ValueError):
+    """The model's attention does not dispatch through transformers' ``AttentionInterface`` (e.g. Falcon before
+    transformers 5.25), so ``kvbits_fused`` can not serve its decode steps."""
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -134,6 +145,11 @@ def use_fused_decode(model: Any) -> str:
     (``fused_decode=True``), the torch reference elsewhere; other caches and steps are unchanged SDPA.
     Also ``track_positions(model)`` (``kvbits.cache.positions``), so pre-RoPE keys of a left-padded batch
     are un-rotated at the model's positions on transformers that do not pass them to the cache.
+
+    Raises:
+        UnsupportedAttention: the model's attention does not dispatch through transformers'
+            ``AttentionInterface`` (transformers then keeps its implementation): its decode steps would
+            attend over dequantized K/V whatever the cache's ``fused_decode`` says.
     """
     check_model(model, "use_fused_decode", attention=True)
     from kvbits.cache.positions import track_positions
@@ -144,5 +160,14 @@ def use_fused_decode(model: Any) -> str:
     if setter is None:
         raise TypeError(f"{type(model).__name__} has no set_attn_implementation(): not a transformers model?")
     setter(IMPLEMENTATION)
+    if model.config._attn_implementation != IMPLEMENTATION:  # transformers logged and kept the previous one
+        import transformers
+
+        raise UnsupportedAttention(
+            f"{type(model).__name__} did not accept attn_implementation={IMPLEMENTATION!r}: its attention "
+            "does not dispatch through transformers' AttentionInterface (transformers "
+            f"{transformers.__version__}), so kvbits can not fuse its decode steps; they attend over "
+            "dequantized K/V (fused_decode=False, `--fused-decode off`)"
+        )
     track_positions(model)
     return previous

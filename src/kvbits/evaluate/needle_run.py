@@ -101,6 +101,7 @@ def _run_prefill(
         _fused_attention,
         add_decode_counts,
         decode_hidden,
+        fusable,
         load_kv,
         make_cache,
         prefill_kv,
@@ -124,6 +125,7 @@ def _run_prefill(
     for scheme in schemes:
         t0 = time.perf_counter()
         fused = not isinstance(scheme, PeerScheme) and wants(fused_mode, dev)
+        fused = fused and fusable(model, forced=fused_mode is True)
         with _fused_attention(model) if fused else contextlib.nullcontext():
             # reserved for the context - 1 tokens the trial leaves in it: the same bytes at the end, no per-flush copy
             cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused,

@@ -333,7 +333,7 @@ def speed_eval(
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _progress
-    from kvbits.evaluate.stream import prefill_kv
+    from kvbits.evaluate.stream import fusable, prefill_kv
     from kvbits.plan.config import check_context_fits
     from kvbits.schemes.accounting import average_bits
 
@@ -352,7 +352,8 @@ def speed_eval(
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    fused = {s.name: not isinstance(s, PeerScheme) and wants(fused_mode, dev) for s in resolved}
+    can_fuse = wants(fused_mode, dev) and fusable(model, forced=fused_mode is True)
+    fused = {s.name: not isinstance(s, PeerScheme) and can_fuse for s in resolved}
 
     runs: list[dict[str, Any]] = []
     fps: dict[tuple[int, int], str] = {}

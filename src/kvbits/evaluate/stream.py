@@ -316,10 +316,37 @@ def stream_hidden(
     from kvbits.evaluate.data import check_token_ids
 
     check_token_ids(ids, model, "ids")
-    fused = not isinstance(scheme, PeerScheme) and wants(check_mode(fused_decode), ids.device)
+    mode = check_mode(fused_decode)
+    fused = not isinstance(scheme, PeerScheme) and wants(mode, ids.device)
+    fused = fused and fusable(model, forced=mode is True)
     with _fused_attention(model) if fused else contextlib.nullcontext():
         return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused,
                        on_cache=on_cache, calibration_warnings=calibration_warnings)  # fmt: skip
+
+
+_UNFUSABLE_SAID: set[str] = set()  # model classes whose unfusable attention was logged (once per process)
+
+
+def fusable(model: Any, *, forced: bool) -> bool:
+    """Whether ``model``'s attention can be routed through ``kvbits_fused`` (tried, then undone).
+
+    When it can not (``kvbits.cache.UnsupportedAttention``: its attention does not dispatch through
+    transformers' ``AttentionInterface``): raised when fused decode was asked for (``forced``,
+    ``fused_decode=True``), else (``"auto"``) logged once per model class and ``False``, so the run decodes
+    over dequantized K/V and says so (``fused_steps`` stay 0; ``kvbits speed`` labels the path ``dequantize``).
+    """
+    from kvbits.cache import UnsupportedAttention
+
+    try:
+        with _fused_attention(model):
+            return True
+    except UnsupportedAttention as e:
+        if forced:
+            raise
+        if type(model).__name__ not in _UNFUSABLE_SAID:
+            _UNFUSABLE_SAID.add(type(model).__name__)
+            logger.warning("%s; decoding over dequantized K/V", e)
+        return False
 
 
 @contextlib.contextmanager
