@@ -306,6 +306,18 @@ if [[ $step == needle-wide ]]; then
       --calibration runs/calib-smollm2-kvq4 --calibration runs/calib-smollm2-135m-int4-token-smooth \
       --calibration runs/calib-smollm2-135m-int4-token-smooth-prerope --out runs/needle-smollm2-wide
 fi
+if [[ $step == kvquant-depth0 ]]; then
+  # §17g's kvquant-4 losses (2K, depth 0): the same trials and more, through kvquant-4 with one ingredient changed
+  # at a time (calibrations sampled as `kvbits calibrate` samples for each scheme's sinks; not part of `all`).
+  [[ -f runs/needle-smollm2-kvquant-depth0/needle.json ]] || \
+    PYTHONPATH=src .venv/bin/python benchmarks/kvquant_ablation.py --set loo --set edges --calib-sinks scheme \
+      --task needle --context 2048 --depths 0 --trials 4 --out runs/needle-smollm2-kvquant-depth0
+  [[ -f runs/needle-smollm2-kvquant-depth0-16/needle.json ]] || \
+    PYTHONPATH=src .venv/bin/python benchmarks/kvquant_ablation.py --set loo --set edges --calib-sinks scheme \
+      --only kvquant-4 --only kvquant-4-p100 --only kvquant-4-sinks4 --only kvquant-4-sinks32 \
+      --only kvquant-4-no-nuq --only kvquant-4-no-outl --only kvquant-4-no-sink --only kvquant-4-block \
+      --task needle --context 2048 --depths 0 --trials 16 --out runs/needle-smollm2-kvquant-depth0-16
+fi
 if [[ $step == all || $step == needle-qwen ]]; then
   # The same task on Qwen2.5-Coder-0.5B (32K-trained, GQA 7:1, layer-0 key bias) at 4K-16K, one trial per cell.
   [[ -f runs/needle-qwen-prefill/needle.json ]] || \
