@@ -163,3 +163,35 @@ def test_a_calibration_for_no_scheme_evaluated_is_named_plainly():
     with pytest.raises(ValueError, match=r"^calibration given for kvquant-4, which is not among the schemes evaluated "
                        r"\(kivi-2, int4-token\); a calibration serves the scheme it was made for$"):
         evaluate(_llama(), _ids(64), 16, ["kivi-2", "int4-token"], calibration=art)
+
+
+def _falcon(**layout):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    bias=False, **layout)  # fmt: skip
+    return transformers.FalconForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def test_an_alibi_model_is_refused_by_the_simulator_and_runs_in_stream_mode():
+    """Falcon with ALiBi adds its position bias to the attention mask, which the simulator does not build:
+    transformers 5.25's Falcon (which dispatches through the AttentionInterface) failed inside its forward
+    ('NoneType' object has no attribute 'dtype'). Refused before the run, naming the mode that works."""
+    model = _falcon(alibi=True, new_decoder_architecture=False, multi_query=False)
+    ids = _ids(64)[0]
+    with pytest.raises(ValueError, match=r"ALiBi position bias .* mode='stream'"):
+        evaluate(model, ids, 64, ["int4-token"], attn_layers=[])
+    out = evaluate(model, ids, 64, ["int4-token"], mode="stream", attn_layers=[])
+    assert out["results"][0]["kl"] > 0
+
+
+def test_a_model_that_keeps_its_attention_is_refused_naming_stream_mode(monkeypatch):
+    """A model whose attention does not dispatch through the AttentionInterface keeps its implementation when
+    asked for another (transformers logs it): the simulator can not see its K/V, and says which mode can."""
+    model = _llama()
+    monkeypatch.setattr(model, "set_attn_implementation", lambda impl: None)
+    with pytest.raises(RuntimeError, match=r"did not accept attn_implementation='kvbits_simulate'.*mode='stream'"):
+        evaluate(model, _ids(64)[0], 64, ["int4-token"], attn_layers=[])
+    assert model.config._attn_implementation == "sdpa"

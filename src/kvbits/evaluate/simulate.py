@@ -544,6 +544,20 @@ def _register() -> None:
 # -------------------------------------------------------------------------------------- context
 
 
+def _check_no_alibi(model: Any) -> None:
+    """``ValueError`` for a model that adds an ALiBi position bias to its attention mask (Falcon with
+    ``alibi=True``): the simulator builds its causal masks from positions and would drop the bias
+    (transformers 5.25's Falcon then failed inside its forward on the mask the simulator does not build)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "alibi", False) is True:
+        raise ValueError(
+            f"{type(model).__name__} adds an ALiBi position bias to its attention mask, which the simulator "
+            "(it builds causal masks from positions) does not apply: evaluate it with mode='stream' "
+            "(`kvbits eval --mode stream`), which runs the real cache through the model's own attention"
+        )
+
+
 def _set_impl(model: Any, impl: str) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
@@ -623,6 +637,7 @@ def simulate(
     The model's attention implementation is restored on exit, also when the block raises.
     """
     check_model(model, "simulate", attention=True)
+    _check_no_alibi(model)
     scheme = get_scheme(scheme)
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
@@ -670,7 +685,8 @@ def simulate(
         if model.config._attn_implementation != IMPLEMENTATION:
             raise RuntimeError(
                 f"{type(model).__name__} did not accept attn_implementation={IMPLEMENTATION!r} (it does not "
-                "dispatch attention through transformers' AttentionInterface)"
+                "dispatch attention through transformers' AttentionInterface): evaluate it with mode='stream' "
+                "(`kvbits eval --mode stream`), which runs the real cache through the model's own attention"
             )
         yield sim
     finally:
