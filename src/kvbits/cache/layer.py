@@ -166,12 +166,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         num_key_value_heads: ``H_kv`` of the model (from its config), or ``None`` (taken from the first update).
         head_repeat: ``g``: the model's attention hands ``update`` each of its ``H_kv`` heads repeated ``g``
             times in a row, ``(B, g * H_kv, q, D)`` (transformers' Falcon with ``new_decoder_architecture``
-            before 5.25 broadcasts its KV heads to every query head). The layer then stores every ``g``-th head, ``H_kv``
-            heads as the planner counts them, and repeats them back in what ``update`` / ``materialize``
-            return, after checking once per request (its first update with tokens) that the groups really
-            are copies; when they are not, it logs a warning and stores all ``g * H_kv`` heads. K/V arriving
-            with ``H_kv`` heads (not repeated) are stored and returned as they are. Needs
-            ``num_key_value_heads``.
+            before 5.25 broadcasts its KV heads to every query head). The layer then stores every ``g``-th
+            head, ``H_kv`` heads as the planner counts them, and repeats them back in what ``update`` /
+            ``materialize`` return, after checking once per request (its first update with tokens) that the
+            groups really are copies; when they are not, it logs a warning and stores all ``g * H_kv`` heads.
+            K/V arriving with ``H_kv`` heads (not repeated: Falcon from 5.25) are stored and returned as they
+            are. Needs ``num_key_value_heads``.
         head_dim: ``D`` from the model config, to check the scheme's channel groups against it now
             (``None``: checked against the K/V of the first update).
         rotary: this layer's RoPE tables (``RotaryTables.tables_for_layer``), needed by ``pre_rope`` keys.
