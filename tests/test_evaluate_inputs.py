@@ -195,3 +195,16 @@ def test_a_model_that_keeps_its_attention_is_refused_naming_stream_mode(monkeypa
     with pytest.raises(RuntimeError, match=r"did not accept attn_implementation='kvbits_simulate'.*mode='stream'"):
         evaluate(model, _ids(64)[0], 64, ["int4-token"], attn_layers=[])
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_scheme_listed_twice_is_named_in_words_by_every_runner():
+    """evaluate said "scheme names must be unique, repeated: ['int4-token']", needle and speed "schemes must
+    have distinct names, got [...]"; plan named the scheme in words. One wording for all (before any model
+    loads: no model at "nowhere")."""
+    from kvbits.evaluate import needle_eval
+
+    twice = ["int4-token", "kivi-2", "int4-token"]
+    with pytest.raises(ValueError, match=r"^scheme 'int4-token' is listed twice; each scheme is evaluated"):
+        evaluate(_llama(), _ids(64)[0], 64, twice, attn_layers=[])
+    with pytest.raises(ValueError, match=r"^scheme 'int4-token' is listed twice; each scheme is measured"):
+        needle_eval("nowhere", [1024], twice)

@@ -262,7 +262,7 @@ def test_needle_eval_errors(lm, corpus):
         needle_eval(lm, 300, ["int4-token"], data=str(path), semantics="decode", fused_decode=True)
     with pytest.raises(ValueError, match="semantics"):
         needle_eval(lm, 300, ["int4-token"], data=str(path), semantics="chunked")
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(ValueError, match="listed twice"):
         needle_eval(lm, 300, ["int4-token", "int4-token"], data=str(path))
     with pytest.raises(ValueError, match="kvbits calibrate"):
         needle_eval(lm, 300, ["kvquant-4"], data=str(path))

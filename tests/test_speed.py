@@ -145,7 +145,7 @@ def test_errors(model, ids):
     ):
         with pytest.raises(ValueError, match=match):
             speed_eval(model, 64, ["int4-token"], data=ids, **kw)
-    with pytest.raises(ValueError, match="distinct names"):
+    with pytest.raises(ValueError, match="scheme 'int4-token' is listed twice; each scheme is timed once"):
         speed_eval(model, 64, ["int4-token", "int4-token"], data=ids)
     with pytest.raises(ValueError, match="baseline"):
         speed_eval(model, 64, [KVScheme("DynamicCache")], data=ids)

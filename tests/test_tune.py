@@ -80,7 +80,8 @@ def test_tune_measures_each_layer_and_keeps_the_budget():
 def test_tune_refuses_bad_candidates_and_budgets():
     model, ids = _llama(), _ids(200)
     for cands, match in ((["int4-token"], "at least two"), (["int4-token", "kvquant-4"], "kvbits calibrate"),
-                         (["int4-token", "int4-token,0=fp16"], "flat schemes")):  # fmt: skip
+                         (["int4-token", "int4-token,0=fp16"], "flat schemes"),
+                         (["int4-token", "int8-token", "int4-token"], "'int4-token' is listed twice")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             tune(model, ids, cands, 5.0, context=64)
     with pytest.raises(ValueError, match="positive number"):

@@ -44,6 +44,7 @@ from kvbits.evaluate.needle import (
     score_key,
 )
 from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, resolve_schemes
+from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,7 @@ def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, c
         raise ValueError(f"semantics must be one of {NEEDLE_SEMANTICS}, got {semantics!r}")
     if not schemes:
         raise ValueError("give at least one scheme to measure against the unquantized model")
-    names = [s.name for s in schemes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"schemes must have distinct names, got {names}")
+    check_unique_names([s.name for s in schemes], "measured")
     peers = [s.name for s in schemes if isinstance(s, PeerScheme)]
     if peers and semantics != "prefill":
         raise ValueError(

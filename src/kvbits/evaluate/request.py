@@ -17,6 +17,7 @@ import torch
 
 from kvbits._argtypes import MODEL_DTYPES
 from kvbits.evaluate.stream import PeerScheme
+from kvbits.schemes import check_unique_names
 from kvbits.schemes.spec import KVScheme
 
 __all__ = [
@@ -115,9 +116,7 @@ def _check_args(context, windows, mode, semantics, prompt_len, schemes) -> None:
     if not schemes:
         raise ValueError("give at least one scheme")
     names = [_scheme_name(s) for s in schemes]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"scheme names must be unique, repeated: {dup}")
+    check_unique_names(names, "evaluated")
     for n in names:
         if not _SAFE_NAME.match(n):
             raise ValueError(

@@ -52,6 +52,7 @@ import torch
 from kvbits._model import check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_schemes
+from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
 
@@ -248,8 +249,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
 
 def _check_args(schemes: list, tokens: Any, warmup: Any, fused_mode: Any, workspace: Any) -> None:
     names = [s.name for s in schemes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"schemes must have distinct names, got {names}")
+    check_unique_names(names, "timed")
     if BASELINE in names:
         raise ValueError(
             f"{BASELINE!r} is the baseline every run is measured against; it is not a scheme name"

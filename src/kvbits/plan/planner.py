@@ -68,7 +68,7 @@ from typing import Any, Union
 from kvbits.plan.config import load_shape, warn_beyond_max_positions
 from kvbits.plan.limits import fused_rope_table_bytes, max_context
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
-from kvbits.schemes import KVScheme, get_scheme, layer_bytes, token_split
+from kvbits.schemes import KVScheme, check_unique_names, get_scheme, layer_bytes, token_split
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +113,8 @@ def _check_distinct(specs: list[Any], schemes: list[KVScheme]) -> None:
                 f"two different schemes are named {s.name!r} (given as {given[0]} and {given[1]}); plans are "
                 "reported by scheme name: rename one of them"
             )
-        how = f" (given as {given[0]} and {given[1]})" if given[0] != given[1] else ""
-        raise ValueError(
-            f"scheme {s.name!r} is listed twice{how}; each scheme is planned once, so name each only once "
-            "(a repeat is most likely a typo for another scheme)"
-        )
+        how = {s.name: " and ".join(given)} if given[0] != given[1] else None
+        check_unique_names([s.name, s.name], "planned", how)
 
 
 def _storage(s: KVScheme) -> KVScheme:

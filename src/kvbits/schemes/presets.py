@@ -302,6 +302,22 @@ def _check_name(scheme: KVScheme, source: str) -> KVScheme:
     return scheme
 
 
+def check_unique_names(names: list[str], verb: str, how: dict[str, str] | None = None) -> None:
+    """``ValueError`` naming the first scheme ``names`` lists twice: results are reported (and told apart)
+    by scheme name, so a repeat would give two identical rows, and is most likely a typo for another
+    scheme. ``verb``: what each scheme gets once (``"planned"``, ``"evaluated"``, ...); ``how``: a name ->
+    how its two spellings were given, when they differ (``"'fp16' and 'fp16.json'"``)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            given = f" (given as {how[name]})" if how and name in how else ""
+            raise ValueError(
+                f"scheme {name!r} is listed twice{given}; each scheme is {verb} once, so name each only once "
+                "(a repeat is most likely a typo for another scheme)"
+            )
+        seen.add(name)
+
+
 def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
     """Resolve a preset name, a path to a scheme JSON file, a dict, a ``KVScheme``, or a per-layer mix
     ``"BASE,LAYER=SCHEME,FIRST-LAST=SCHEME"`` of those names (``mixed_scheme``)."""

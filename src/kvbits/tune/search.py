@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbits.schemes import KVScheme, TensorSpec, average_bits, get_scheme
+from kvbits.schemes import KVScheme, TensorSpec, average_bits, check_unique_names, get_scheme
 from kvbits.schemes.presets import mixed_scheme
 
 logger = logging.getLogger(__name__)
@@ -276,8 +276,9 @@ def tune(
 
     t0 = time.perf_counter()
     cands = [get_scheme(c) for c in candidates]
-    if len(cands) < 2 or len({c.name for c in cands}) != len(cands):
-        raise ValueError(f"give at least two different candidate schemes, got {[c.name for c in cands]}")
+    check_unique_names([c.name for c in cands], "measured")
+    if len(cands) < 2:
+        raise ValueError(f"give at least two candidate schemes to choose between, got {len(cands)}")
     for c in cands:
         if c.is_mixed:
             raise ValueError(f"candidate {c.name!r}: candidates must be flat schemes (one scheme for every layer)")
