@@ -6,7 +6,7 @@ Usage::
 
     use_fused_decode(model)              # model.set_attn_implementation("kvbits_fused")
     cache = QuantizedKVCache(config=model.config, scheme="kivi-2")   # fused_decode="auto"
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)   # past_key_values=cache before transformers 5.24
 
 ``kvbits_fused`` is transformers' SDPA attention (same mask function, same call) except for decode steps
 (one query token per sequence) of layers a ``QuantizedKVCache`` has handed over (``kvbits.cache.fused``):

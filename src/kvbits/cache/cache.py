@@ -3,7 +3,7 @@
 Usage::
 
     cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
-    out = model.generate(**inputs, past_key_values=cache)
+    out = model.generate(**inputs, cache=cache)   # past_key_values=cache before transformers 5.24
     cache.memory_report()["total_bytes"]
 
 Decode steps can skip dequantization: with ``kvbits.cache.use_fused_decode(model)`` (the

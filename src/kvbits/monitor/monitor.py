@@ -4,7 +4,7 @@ Usage::
 
     cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
     mon = CacheMonitor(cache, FallbackPolicy(key_error=0.25, value_error=0.25), labels={"request": "r1"})
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)   # past_key_values=cache before transformers 5.24
     mon.prometheus()          # text exposition, for a scrape endpoint or write_textfile(...)
     mon.events                # every threshold crossed: layer, side, value, action
 
