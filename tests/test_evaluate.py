@@ -472,7 +472,7 @@ def test_bad_arguments(models):
         pass
     with pytest.raises(ValueError, match="stream"):
         evaluate(model, _ids(64)[0], 32, ["hf-quanto-int4"])
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match="listed twice"):
         evaluate(model, _ids(64)[0], 32, ["int8-token", "int8-token"])
     with pytest.raises(ValueError, match=r"attn_layers=\[1\] needs mode='simulate'"):  # not silently dropped
         evaluate(model, _ids(64)[0], 32, ["int8-token"], mode="stream", attn_layers=[1])
