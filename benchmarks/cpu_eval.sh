@@ -317,6 +317,10 @@ if [[ $step == kvquant-depth0 ]]; then
       --only kvquant-4 --only kvquant-4-p100 --only kvquant-4-sinks4 --only kvquant-4-sinks32 \
       --only kvquant-4-no-nuq --only kvquant-4-no-outl --only kvquant-4-no-sink --only kvquant-4-block \
       --task needle --context 2048 --depths 0 --trials 16 --out runs/needle-smollm2-kvquant-depth0-16
+  # the same 16 trials through the uncalibrated 4- and 2-bit schemes of §17g
+  [[ -f runs/needle-smollm2-depth0-16-uncalibrated/needle.json ]] || \
+    $K needle --model smollm2-135m --context 2k --depths 0 --trials 16 --no-progress --scheme int4-token \
+      --scheme int4-channel --scheme kivi-4 --scheme kivi-2 --out runs/needle-smollm2-depth0-16-uncalibrated
 fi
 if [[ $step == all || $step == needle-qwen ]]; then
   # The same task on Qwen2.5-Coder-0.5B (32K-trained, GQA 7:1, layer-0 key bias) at 4K-16K, one trial per cell.
