@@ -525,3 +525,25 @@ def test_clipping_against_a_narrow_calibration_is_recorded(lm, corpus, semantics
     assert fp8["clipped_keys"] > 0 and 0.01 < fp8["clipped_keys_frac"] <= 1 and fp8["clipped_values_frac"] > 0.01
     assert fp8["max_calibrated_length"] == art.max_calibrated_length
     assert int4["clipped_keys"] == int4["clipped_values"] == 0 and int4["clipped_keys_frac"] == 0.0
+
+
+def test_report_counts_trials_and_bounds_kept_rates():
+    """A rate alone hid how few trials stood behind it (§17g's 4 trials per cell at 2K depth 0 had every 4-bit
+    scheme keep all; 16 trials did not): the overall table counts the trials and gives kept its 95 % Wilson
+    interval. Checked on a recorded run (BENCHMARKS §17h) and against the interval's known values."""
+    from pathlib import Path
+
+    from kvbits.report.needle import load_needle, needle_markdown, wilson_interval
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    run = results / "needle-smollm2-depth0-16-uncalibrated" / "needle.json"
+    md = needle_markdown(load_needle(run), figure=False)
+    assert "| unquantized | — | 75% (12/16) |" in md
+    assert "| int4-token | 4.50 | 56% (9/16) | 75% (9/12; 47–91%) |" in md
+    assert "| kivi-2 | 3.00 | 31% (5/16) | 25% (3/12; 9–53%) |" in md
+    assert "(of 12 trials, one moves it by 8 points)" in md
+    lo, hi = wilson_interval(9, 12)
+    # (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n), worked by hand
+    assert (round(lo, 4), round(hi, 4)) == (0.4677, 0.9111)
+    assert wilson_interval(0, 5)[0] == 0.0 and 0 < wilson_interval(0, 5)[1] < 1  # not empty at 0 of n
+    assert wilson_interval(5, 5)[1] == 1.0 and wilson_interval(5, 5)[0] < 1

@@ -149,7 +149,7 @@ def _print(summary: dict, out: str | None) -> None:
     from rich.table import Table
 
     from kvbits.report.fmt import fmt_pos
-    from kvbits.report.needle import _pct
+    from kvbits.report.needle import _pct, kept_cell
 
     console = Console()
     contexts, depths = summary["contexts"], summary["depths"]
@@ -161,7 +161,7 @@ def _print(summary: dict, out: str | None) -> None:
     for c in contexts:
         table.add_column(fmt_pos(c), justify="right")
     table.add_column("all", justify="right")
-    table.add_column("kept", justify="right")
+    table.add_column("kept (95% interval)", justify="right")
     table.add_column("ΔNLL key", justify="right")
     ref = summary["reference"]
     table.add_row(
@@ -170,7 +170,7 @@ def _print(summary: dict, out: str | None) -> None:
     for r in summary["results"]:
         table.add_row(
             r["scheme"], f"{r['avg_bits']:.2f}", *(_pct(b["retrieved"]) for b in r["by_context"]), _pct(r["retrieved"]),
-            _pct(r["kept"]), f"{r['delta_nll']:+.3f}",
+            kept_cell(summary, r["scheme"]), f"{r['delta_nll']:+.3f}",
         )  # fmt: skip
     console.print(table)
     console.print(f"{len(summary['records'])} trials: {len(contexts)} context(s) x {len(depths)} depth(s) x "

@@ -44,6 +44,39 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
 
 
+def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of ``k`` successes in ``n`` trials (95 % for the default ``z``); ``n`` > 0.
+    Unlike ``p ± z·se`` it stays within [0, 1] and is not empty at 0 or ``n`` successes."""
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def kept_count(summary: Mapping[str, Any], scheme: str) -> tuple[int, int]:
+    """(trials ``scheme`` kept, trials the reference retrieved), counted from ``summary["records"]``."""
+    ref_ok = [rec["reference"]["retrieved"] for rec in summary["records"]]
+    got = [rec["schemes"][scheme]["retrieved"] for rec in summary["records"]]
+    return sum(g and ok for g, ok in zip(got, ref_ok)), sum(ref_ok)
+
+
+def kept_cell(summary: Mapping[str, Any], scheme: str) -> str:
+    """``75% (9/12; 47–91%)``: the trials ``scheme`` kept, counted, with its 95 % Wilson interval."""
+    return _count(*kept_count(summary, scheme), interval=True)
+
+
+def _count(k: int, n: int, interval: bool = False) -> str:
+    """``75% (9/12)``; with ``interval``, its 95 % Wilson interval too: ``75% (9/12; 47–91%)``; ``n/a``
+    for no trials."""
+    if n == 0:
+        return "n/a"
+    if not interval:
+        return f"{100 * k / n:.0f}% ({k}/{n})"
+    lo, hi = wilson_interval(k, n)
+    return f"{100 * k / n:.0f}% ({k}/{n}; {100 * lo:.0f}–{100 * hi:.0f}%)"
+
+
 def _fixed(x: float | None, spec: str) -> str:
     """``x`` formatted with ``spec`` (``"+.3f"``), ``n/a`` for null or NaN (a mean over no finite values)."""
     return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
@@ -109,13 +142,27 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         "",
         "## Overall",
         "",
+    ]
+    records = summary["records"]
+    ref_ok = [rec["reference"]["retrieved"] for rec in records]
+    m = sum(ref_ok)
+    moves = f" (of {m} trials, one moves it by {100 / m:.0f} points)" if m else ""
+    lines += [
+        (
+            f"*Trials retrieved and kept, counted; kept with its 95 % Wilson interval{moves}: schemes whose "
+            "intervals overlap widely are not told apart by these trials.*"
+        ),
+        "",
         "| scheme | avg bits | retrieved | kept | ΔNLL key | KL key | seconds |",
         "|:---|---:|---:|---:|---:|---:|---:|",
-        f"| unquantized | — | {_pct(ref['retrieved'])} | | | | {_fixed(summary['reference_seconds'], '.1f')} |",
     ]
+    seconds = _fixed(summary["reference_seconds"], ".1f")
+    lines.append(f"| unquantized | — | {_count(m, n)} | | | | {seconds} |")
     for r in summary["results"]:
+        got = sum(rec["schemes"][r["scheme"]]["retrieved"] for rec in records)
         lines.append(
-            f"| {r['scheme']} | {_fixed(r['avg_bits'], '.2f')} | {_pct(r['retrieved'])} | {_pct(r['kept'])} | "
+            f"| {r['scheme']} | {_fixed(r['avg_bits'], '.2f')} | {_count(got, n)} | "
+            f"{kept_cell(summary, r['scheme'])} | "
             f"{_fixed(r['delta_nll'], '+.3f')} | {fmt_kl(math.nan if r['kl'] is None else r['kl'])} | "
             f"{_fixed(r['seconds'], '.1f')} |"
         )
