@@ -270,7 +270,7 @@ def test_valid_needle_json_rewrites_with_null_means(tmp_path, capsys):
     assert load_needle(d / "needle.json") == s
     status, out, err = _cli(capsys, str(d))
     assert status == 0 and err == "" and "report:" in out
-    assert "| int4-token | 4.50 | 50% | 50% | n/a | n/a | 2.0 |" in (d / "report.md").read_text()
+    assert "| int4-token | 4.50 | 50% (2/4) | 50% (2/4; 15–85%) | n/a | n/a | 2.0 |" in (d / "report.md").read_text()
 
 
 def _grid_short(s: dict[str, Any]) -> None:
