@@ -225,6 +225,22 @@ def test_clip_watch_costs_two_int_comparisons_per_flush():
     assert calls == [cache.layers[0]]
 
 
+def test_a_cache_is_made_where_transformers_declares_max_cache_len_read_only(monkeypatch):
+    """transformers 5.17's ``Cache`` has a read-only ``max_cache_len`` property (deprecated; gone by 5.24):
+    ``QuantizedKVCache.__init__`` assigned the attribute, so no cache could be made there (AttributeError:
+    property 'max_cache_len' of 'QuantizedKVCache' object has no setter), the GPU machine's version
+    included. The property is declared on the installed ``Cache`` here to stand in for 5.17's."""
+    from transformers import cache_utils
+
+    monkeypatch.setattr(cache_utils.Cache, "max_cache_len", property(lambda self: -1), raising=False)
+    for reserve in (None, 48):
+        cache = QuantizedKVCache(scheme="int8-token", num_layers=1, max_cache_len=reserve)
+        assert cache.max_cache_len == reserve
+        k, v = rand_kv(1, 40, seed=3, D=64)
+        cache.update(k, v, 0)
+        assert cache.layers[0].max_cache_len == reserve and cache.get_seq_length(0) == 40
+
+
 def test_clip_warn_frac_is_the_reports():
     from kvbits.report.calibration import CLIP_WARN_FRAC
 

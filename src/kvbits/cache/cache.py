@@ -173,7 +173,7 @@ class QuantizedKVCache(Cache):
         if not isinstance(calibration_warnings, bool):
             raise TypeError(f"calibration_warnings must be True or False, got {calibration_warnings!r}")
         self.calibration_warnings = calibration_warnings
-        self.max_cache_len = check_max_cache_len(max_cache_len)
+        self._max_cache_len = check_max_cache_len(max_cache_len)
         self.checks_mode = kv_checks.check_mode(checks)
         self.check_every = kv_checks.check_every_arg(check_every)
         self._input_error: str | None = None  # a failed lazy check: every update raises it until reset()
@@ -548,6 +548,14 @@ class QuantizedKVCache(Cache):
             "rope_table_bytes": self._fused_tables.nbytes,
             "layers": rows,
         }
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """Tokens per sequence the quantized storage is reserved for (``max_cache_len=``), or ``None``.
+
+        Read-only, as transformers' ``Cache.max_cache_len`` (a property without a setter in 5.17, where
+        assigning it in ``__init__`` raised AttributeError: no cache could be made there)."""
+        return self._max_cache_len
 
     @property
     def max_calibrated_length(self) -> int | None:
