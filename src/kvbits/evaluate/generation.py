@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits.evaluate.stream import PeerScheme, _cache_kwarg, _fused_attention, base_model, fusable, make_cache
+from kvbits.evaluate.stream import PeerScheme, _cache_kwarg, _fused_attention, base_model, fuses, make_cache
 from kvbits.schemes.spec import KVScheme
 
 __all__ = [
@@ -209,7 +209,7 @@ def continuations(
     """
     from transformers import DynamicCache
 
-    from kvbits.cache.fused import check_mode, wants
+    from kvbits.cache.fused import check_mode
 
     mode = check_mode(fused_decode)
     calibrations = calibrations or {}
@@ -218,8 +218,7 @@ def continuations(
     seconds = [time.perf_counter() - t0]
     for scheme in schemes:
         t0 = time.perf_counter()
-        fused = not isinstance(scheme, PeerScheme) and wants(mode, ids.device)
-        fused = fused and fusable(model, forced=mode is True)
+        fused = not isinstance(scheme, PeerScheme) and fuses(model, mode, ids.device)
         with _fused_attention(model) if fused else contextlib.nullcontext():
             # reserved for the prompt and every new token: no copy of the quantized history per flush (same tokens)
             cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused,

@@ -94,13 +94,12 @@ def _run_prefill(
     ``stats[name]``, what each scheme's cache clipped to ``clipped[name]``."""
     from transformers import DynamicCache
 
-    from kvbits.cache.fused import wants
     from kvbits.evaluate.measures import add_clipping
     from kvbits.evaluate.stream import (
         _fused_attention,
         add_decode_counts,
         decode_hidden,
-        fusable,
+        fuses,
         load_kv,
         make_cache,
         prefill_kv,
@@ -123,8 +122,7 @@ def _run_prefill(
     out, seconds = {}, {}
     for scheme in schemes:
         t0 = time.perf_counter()
-        fused = not isinstance(scheme, PeerScheme) and wants(fused_mode, dev)
-        fused = fused and fusable(model, forced=fused_mode is True)
+        fused = not isinstance(scheme, PeerScheme) and fuses(model, fused_mode, dev)
         with _fused_attention(model) if fused else contextlib.nullcontext():
             # reserved for the context - 1 tokens the trial leaves in it: the same bytes at the end, no per-flush copy
             cache = make_cache(scheme, model, calibration=calibrations.get(scheme.name), fused_decode=fused,

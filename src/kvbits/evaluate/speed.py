@@ -328,12 +328,12 @@ def speed_eval(
     """
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
-    from kvbits.cache.fused import check_mode, wants
+    from kvbits.cache.fused import check_mode
     from kvbits.evaluate.inputs import _check_before_loading, _data_arg, _load_checked_model, _model_arg
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _progress
-    from kvbits.evaluate.stream import fusable, prefill_kv
+    from kvbits.evaluate.stream import fuses, prefill_kv
     from kvbits.plan.config import check_context_fits
     from kvbits.schemes.accounting import average_bits
 
@@ -352,7 +352,7 @@ def speed_eval(
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    can_fuse = wants(fused_mode, dev) and fusable(model, forced=fused_mode is True)
+    can_fuse = fuses(model, fused_mode, dev)
     fused = {s.name: not isinstance(s, PeerScheme) and can_fuse for s in resolved}
 
     runs: list[dict[str, Any]] = []

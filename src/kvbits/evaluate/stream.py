@@ -308,7 +308,7 @@ def stream_hidden(
             cache then logs none; ``QuantizedKVCache``), as ``kvbits eval`` does once per run.
     """
     check_model(model, "stream_hidden", attention=True)
-    from kvbits.cache.fused import check_mode, wants
+    from kvbits.cache.fused import check_mode
 
     scheme = resolve_scheme(scheme)
     if ids.dim() != 2:
@@ -316,9 +316,7 @@ def stream_hidden(
     from kvbits.evaluate.data import check_token_ids
 
     check_token_ids(ids, model, "ids")
-    mode = check_mode(fused_decode)
-    fused = not isinstance(scheme, PeerScheme) and wants(mode, ids.device)
-    fused = fused and fusable(model, forced=mode is True)
+    fused = not isinstance(scheme, PeerScheme) and fuses(model, check_mode(fused_decode), ids.device)
     with _fused_attention(model) if fused else contextlib.nullcontext():
         return _stream(model, ids, scheme, semantics, prompt_len, progress, calibration, stats, fused=fused,
                        on_cache=on_cache, calibration_warnings=calibration_warnings)  # fmt: skip
@@ -327,21 +325,26 @@ def stream_hidden(
 _UNFUSABLE_SAID: set[str] = set()  # model classes whose unfusable attention was logged (once per process)
 
 
-def fusable(model: Any, *, forced: bool) -> bool:
-    """Whether ``model``'s attention can be routed through ``kvbits_fused`` (tried, then undone).
+def fuses(model: Any, mode: bool | str, device: torch.device) -> bool:
+    """Whether ``model``'s decode steps on ``device`` go through ``kvbits_fused`` under ``mode`` (``True``,
+    ``False`` or ``"auto"``, as ``kvbits.cache.fused.check_mode`` returns it): the mode wants the fused path
+    there (``wants``) and the model's attention can be routed through it (tried, then undone).
 
     When it can not (``kvbits.cache.UnsupportedAttention``: its attention does not dispatch through
-    transformers' ``AttentionInterface``): raised when fused decode was asked for (``forced``,
-    ``fused_decode=True``), else (``"auto"``) logged once per model class and ``False``, so the run decodes
-    over dequantized K/V and says so (``fused_steps`` stay 0; ``kvbits speed`` labels the path ``dequantize``).
+    transformers' ``AttentionInterface``): raised when fused decode was asked for (``mode`` True), else
+    (``"auto"``) logged once per model class and ``False``, so the run decodes over dequantized K/V and says
+    so (``fused_steps`` stay 0; ``kvbits speed`` labels the path ``dequantize``).
     """
     from kvbits.cache import UnsupportedAttention
+    from kvbits.cache.fused import wants
 
+    if not wants(mode, device):
+        return False
     try:
         with _fused_attention(model):
             return True
     except UnsupportedAttention as e:
-        if forced:
+        if mode is True:
             raise
         if type(model).__name__ not in _UNFUSABLE_SAID:
             _UNFUSABLE_SAID.add(type(model).__name__)
