@@ -103,6 +103,7 @@ def _check_distinct(specs: list[Any], schemes: list[KVScheme]) -> None:
     another scheme. Two spellings of one name count (``"fp16"`` and a ``fp16.json`` file, which
     ``get_scheme`` only accepts when it stores K/V as the preset does)."""
     first: dict[str, tuple[Any, KVScheme]] = {}
+    how: dict[str, str] = {}  # the first repeated name -> its two spellings, when they differ
     for spec, s in zip(specs, schemes):
         if s.name not in first:
             first[s.name] = (spec, s)
@@ -113,8 +114,10 @@ def _check_distinct(specs: list[Any], schemes: list[KVScheme]) -> None:
                 f"two different schemes are named {s.name!r} (given as {given[0]} and {given[1]}); plans are "
                 "reported by scheme name: rename one of them"
             )
-        how = {s.name: " and ".join(given)} if given[0] != given[1] else None
-        check_unique_names([s.name, s.name], "planned", how)
+        if given[0] != given[1]:
+            how[s.name] = " and ".join(given)
+        break  # check_unique_names names this first repeat
+    check_unique_names([s.name for s in schemes], "planned", how)
 
 
 def _storage(s: KVScheme) -> KVScheme:
