@@ -13,7 +13,15 @@ TORCH_SPEC ?= $(shell ls $${PIP_FIND_LINKS:-/opt/wheels}/torch-2.13.0*.whl >/dev
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup demo test test-all bench-cpu clean
+# The GPU machine's transformers (5.17; it cannot install packages): the prepared device run (cache, fused decode,
+# benchmarks/gpu_decode.py) must work there, so CI also runs those tests under it (`make test-compat`, ~2 min).
+# Installed beside the venv's newer transformers, in a folder that goes first on PYTHONPATH.
+TF_COMPAT     ?= 5.17.0
+COMPAT_DIR    := $(VENV)/compat-transformers-$(TF_COMPAT)
+COMPAT_TESTS  := tests/test_cache.py tests/test_cache_inputs.py tests/test_cache_slices.py tests/test_fused_cache.py \
+                 tests/test_reserve.py tests/test_falcon_heads.py tests/test_speed.py
+
+.PHONY: setup demo test test-all test-compat bench-cpu clean
 
 setup: $(STAMP)
 
@@ -34,6 +42,14 @@ test: setup
 
 test-all: setup
 	$(PYTEST)
+
+test-compat: setup
+	test -d $(COMPAT_DIR) || $(BIN)/python -m pip install -q --no-deps --target $(COMPAT_DIR) \
+		"transformers==$(TF_COMPAT)" "huggingface-hub>=1.5,<2" "httpx>=0.23,<1" httpcore h11
+	PYTHONPATH=$(COMPAT_DIR) $(BIN)/python -c "import transformers as t; v = t.__version__; \
+		assert v == '$(TF_COMPAT)', f'expected transformers $(TF_COMPAT) from $(COMPAT_DIR), got {v}'; print('transformers', v)"
+	PYTHONPATH=$(COMPAT_DIR) $(PYTEST) -m "not slow" $(COMPAT_TESTS)
+	PYTHONPATH=$(COMPAT_DIR) $(PYTEST) -m "not slow" tests/test_kernels.py -k gpu_benchmark
 
 clean:
 	rm -rf $(VENV) build *.egg-info
