@@ -43,12 +43,12 @@ def test_schemes_marks_schemes_that_can_not_store_the_head_dim(capsys):
     listed as n/a with the reason, not priced."""
     rows = run_json(capsys, ["schemes", "--json", "--head-dim", "80"])
     na = {r["name"]: r["unsupported"] for r in rows if r["average_bits"] is None}
-    hadamard = {"fp8-e4m3-hadamard", *(f"int{b}-token-hadamard" for b in (8, 4, 3, 2))}
+    hadamard = {"fp8-e4m3-hadamard", *(f"int{b}-token-hadamard" for b in (8, 4, 3, 2)), "vllm-int4"}
     assert set(na) == {"int4-g64", "kivi-4", "kivi-2"} | hadamard
     assert "per-token groups of 32 channels do not divide head_dim 80" in na["kivi-2"]
     assert "hadamard rotation needs a power-of-two head_dim, got 80" in na["int4-token-hadamard"]
     assert main(["schemes", "--head-dim", "80"]) == 0
-    assert "n/a: fp8-e4m3-hadamard, int8-token-hadamard, int4-token-hadamard, int3-token-hadamard, int2-token-hadamard, int4-g64, kivi-4, kivi-2 can not" in (
+    assert "n/a: fp8-e4m3-hadamard, int8-token-hadamard, int4-token-hadamard, int3-token-hadamard, int2-token-hadamard, vllm-int4, int4-g64, kivi-4, kivi-2 can not" in (
         capsys.readouterr().out.replace("\n", " ")
     )
 

@@ -122,7 +122,8 @@ SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-tok
            "fp8-e4m3-head": get_scheme("fp8-e4m3-head"), "int4-hadamard": get_scheme("int4-token-hadamard"),
            "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES,
            "int4-smooth": get_scheme("int4-token-smooth"), "smooth-tail": SMOOTH_TAIL,
-           "smooth-prerope": SMOOTH_PRE_ROPE, "smooth-prerope-untied": SMOOTH_PRE_ROPE_UNTIED}  # fmt: skip
+           "smooth-prerope": SMOOTH_PRE_ROPE, "smooth-prerope-untied": SMOOTH_PRE_ROPE_UNTIED,
+           "vllm-int4": get_scheme("vllm-int4")}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
@@ -339,7 +340,7 @@ def test_unsupported_scheme_falls_back_logged(caplog):
     assert_same_bytes(ref, cache)
 
 
-@pytest.mark.parametrize("scheme", ["int4-hadamard", "rot-keys", "rot-values"])
+@pytest.mark.parametrize("scheme", ["int4-hadamard", "rot-keys", "rot-values", "vllm-int4"])
 def test_rotated_scheme_is_served_fused(caplog, scheme: str):
     """Hadamard-rotated sides (codes of x @ R) are served by the kernel in the codes' basis: every decode
     step fused, nothing declined, the packed store carries each side's rotation and the tail as the model's
@@ -623,7 +624,8 @@ def use_triton(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "scheme,padded",
     [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True), ("rot-keys", True),
-     ("rot-values", False), ("fp8-hadamard", True), ("smooth-prerope", True), ("smooth-prerope-untied", False)],
+     ("rot-values", False), ("fp8-hadamard", True), ("smooth-prerope", True), ("smooth-prerope-untied", False),
+     ("vllm-int4", True)],
 )  # fmt: skip
 def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's

@@ -94,6 +94,8 @@ def _spec_str(spec: Any) -> str:
     parts = [f"fp8-{spec.fmt}" if kind == "fp8" else f"{kind}{spec.bits}"]
     if kind in ("int", "nuq"):
         parts.append("sym" if getattr(spec, "symmetric", False) else "asym")
+        if getattr(spec, "integer_zero", False):
+            parts.append("int-zero")
     parts.append(f"per-{spec.granularity}")
     if getattr(spec, "group_size", None):
         parts.append(f"g{spec.group_size}")

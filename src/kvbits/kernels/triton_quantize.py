@@ -356,6 +356,8 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
         return f"{spec.kind} {spec.bits}-bit codes (the quantize kernel writes 2/3/4/8-bit integer/NUQ and FP8 codes)"
     if spec.rotate is not None:
         return f"{spec.rotate} rotation (the torch reference rotates, then quantizes)"
+    if spec.integer_zero:
+        return "integer zero-points (the torch reference chooses them)"
     if spec.has_channel_transform:
         return "centred / smoothed channels (the torch reference transforms, then quantizes)"
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -6,6 +6,9 @@ codes in ``[0, 2c]``. Scales and zero-points are stored in float16; they are rou
 (zero down, scale up) so the stored range always covers the data and the round-trip error stays
 within ``scale / 2`` per element. A constant group gets ``scale = 0`` and decodes exactly to its
 (float16) value: no division by zero, no NaN.
+
+Integer zero-points (``TensorSpec.integer_zero``, vLLM's ``int4_per_token_head``): ``x ≈ (code - z) * scale``
+with ``z`` a code, stored as ``zero = -z * scale`` so the same decoder applies (:func:`integer_zero_qparams`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,36 @@ def range_qparams(
     lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo)
     return _round_up_fp16(div_rn((hi - zero.float()).clamp_min(0.0), steps)), zero
+
+
+INTEGER_ZERO_MIN_SCALE = 1e-6  # vLLM's int4_per_token_head floor: a zero-range group gets this scale
+
+
+def integer_zero_qparams(
+    x: torch.Tensor, bits: int, dims: tuple[int, ...], *, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` over ``dims`` of ``x``, keepdim, float16, for codes whose zero-point is an integer code.
+
+    As vLLM's ``int4_per_token_head`` write kernel: ``scale = max((max - min) / (2**bits - 1), 1e-6)``,
+    ``z = round(-min / scale)`` (half away from zero) clamped to ``[0, 2**bits - 1]``, codes
+    ``round(x / scale + z)`` clamped. Stored as float16 ``scale`` (rounded up) and ``zero = -z * scale``
+    (nearest), so ``quantize_affine`` / ``dequantize_affine`` decode ``code * scale + zero = (code - z) *
+    scale`` to within 1 % of a step of vLLM's float32 scale (int4). Unlike :func:`range_qparams` the grid
+    need not cover the range: an end may fall up to half a step inside it when ``z`` rounds (values there
+    still round to it, within half a step; only an exact tie rounds past it), and a range that excludes 0
+    (``z`` clamped) loses everything past the far end; ``quantize_affine`` counts what clips.
+    ``mask`` (bool like ``x``) marks elements excluded from the range.
+    """
+    check_bits(bits)
+    empty = empty_groups(x, dims, False)
+    if empty is not None:
+        return empty  # type: ignore[return-value]
+    steps = 2**bits - 1
+    lo, hi = masked_range(x.float(), dims, mask)
+    scale = _round_up_fp16(div_rn(hi - lo, steps).clamp_min(INTEGER_ZERO_MIN_SCALE))
+    v = -lo / scale.float()
+    z = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(0, steps)
+    return scale, (-z * scale.float()).to(META_DTYPE)
 
 
 def empty_groups(

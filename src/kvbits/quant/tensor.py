@@ -18,6 +18,7 @@ from kvbits.quant.affine import (
     choose_qparams,
     dequantize_affine,
     div_rn,
+    integer_zero_qparams,
     quantize_affine,
 )
 from kvbits.quant.checks import check_kv
@@ -317,6 +318,8 @@ def quantize(
     mg = _group(mask, spec) if mask is not None else None
     if static_qp is not None:
         scale, zero = static_qp
+    elif spec.integer_zero:
+        scale, zero = integer_zero_qparams(xg, spec.bits, _reduce_dims(spec), mask=mg)
     elif spec.kind == "int":
         scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
     else:  # the range check reads the device: not with sync=False (the cache bounds |x| instead)

@@ -15,6 +15,7 @@ KVQUANT = "https://arxiv.org/abs/2401.18079"
 QSERVE = "https://arxiv.org/abs/2405.04532"
 QUAROT = "https://arxiv.org/abs/2404.00456"
 VLLM_FP8 = "https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache.html"
+VLLM_INT4 = "https://docs.vllm.ai/en/latest/api/vllm/v1/attention/ops/int4_per_token_head/"
 
 _REGISTRY: dict[str, KVScheme] = {}
 
@@ -85,6 +86,18 @@ for _bits in (8, 4, 3, 2):
             reference=QUAROT,
         )
     )
+_vllm4 = dataclasses.replace(_tok(4), rotate="hadamard", integer_zero=True)
+register(
+    KVScheme(
+        "vllm-int4",
+        key=_vllm4,
+        value=_vllm4,
+        description="vLLM's kv_cache_dtype=int4_per_token_head: INT4 per token and head after a random-sign "
+        "Hadamard rotation, with an integer zero-point code (keys and values; vLLM's own sign vector, float32 "
+        "scale and rounding ties are not reproduced)",
+        reference=VLLM_INT4,
+    )
+)
 for _bits in (8, 4, 3, 2):
     register(
         KVScheme(

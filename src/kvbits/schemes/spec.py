@@ -55,6 +55,12 @@ class TensorSpec:
         group_size: channels per scale group (token granularity; ``None`` = all of ``D``) or tokens per
             scale group (channel granularity; required).
         symmetric: symmetric codes (no zero-point) instead of asymmetric (scale + minimum).
+        integer_zero: asymmetric integer codes whose zero-point is itself a code (GPTQ-style, vLLM's
+            ``int4_per_token_head``): ``x ≈ (code - z) * scale`` with ``scale = max(range / (2**bits - 1),
+            1e-6)`` and ``z = round(-min / scale)`` clamped to the codes, so the grid is anchored at 0: its
+            ends may fall up to half a step inside the range (every value still within half a step), and a
+            range that excludes 0 loses what lies past 15 steps from 0 (``z`` clamps; counted as clipped). Stored as float16 ``scale`` and ``zero = -z * scale``, the bytes of ``symmetric=False``;
+            dynamic ``kind="int"`` only.
         static: scales come from a calibration artifact instead of the data being stored.
         outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
@@ -84,6 +90,7 @@ class TensorSpec:
     rotate: str | None = None
     centre: bool = False
     smooth: float | None = None
+    integer_zero: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -150,6 +157,12 @@ class TensorSpec:
             )
         if self.smooth is not None and not 0.0 < self.smooth <= 1.0:
             raise ValueError(f"smooth is an exponent alpha in (0, 1] (QServe: 0.5) or None, got {self.smooth}")
+        if self.integer_zero and (self.kind != "int" or self.symmetric or self.static):
+            raise ValueError(
+                "integer_zero applies to dynamic asymmetric integer specs (kind='int', symmetric=False, "
+                f"static=False: the zero-point code is chosen from each group's range), got kind={self.kind!r}, "
+                f"symmetric={self.symmetric}, static={self.static}"
+            )
         if self.kind == "fp8" and self.static and self.granularity == "token":
             raise ValueError(
                 "a static FP8 spec has one calibrated scale per tensor ('tensor') or per KV head ('head'); "
@@ -166,7 +179,7 @@ class TensorSpec:
         _require_int(self, "bits")
         if self.group_size is not None:
             _require_int(self, "group_size", "an int or None")
-        for name in ("symmetric", "static", "pre_rope", "centre"):
+        for name in ("symmetric", "static", "pre_rope", "centre", "integer_zero"):
             _require(self, name, bool, "a bool (true / false)")
         if self.smooth is not None and (isinstance(self.smooth, bool) or not isinstance(self.smooth, (int, float))):
             raise TypeError(f"TensorSpec.smooth must be a number or None, got {self.smooth!r}")
@@ -202,10 +215,10 @@ class TensorSpec:
         return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON types; ``rotate``, ``centre`` and ``smooth`` only when set, so specs without
-        them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
+        """The fields as JSON types; ``rotate``, ``centre``, ``smooth`` and ``integer_zero`` only when set, so
+        specs without them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
         d = dataclasses.asdict(self)
-        for name, unset in (("rotate", None), ("centre", False), ("smooth", None)):
+        for name, unset in (("rotate", None), ("centre", False), ("smooth", None), ("integer_zero", False)):
             if d[name] == unset and type(d[name]) is type(unset):
                 del d[name]
         return d
