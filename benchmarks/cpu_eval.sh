@@ -62,6 +62,19 @@ if [[ $step == all || $step == symmetric ]]; then
     --scheme benchmarks/schemes/int8-token-sym.json --scheme benchmarks/schemes/int4-token-sym.json \
     --out runs/smollm2-wp-8k-sym
 fi
+if [[ $step == all || $step == vllm-int4 ]]; then
+  # vLLM's int4_per_token_head format (vllm-int4: Hadamard rotation, per-token INT4, integer zero-point), and
+  # the integer zero-point without the rotation, beside §11's int4-token-hadamard and §2/§3c's int4-token:
+  # same model, text, window and semantics (BENCHMARKS.md §23).
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme vllm-int4 --scheme benchmarks/schemes/int4-token-intzero.json --out runs/qwen-wiki-4k-vllm-int4
+  # which side the integer zero-point hurts on Qwen2.5: one side as vllm-int4, the other as int4-token-hadamard
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/vllm-int4-keys.json --scheme benchmarks/schemes/vllm-int4-values.json \
+    --out runs/qwen-wiki-4k-vllm-int4-sides
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme vllm-int4 --scheme benchmarks/schemes/int4-token-intzero.json --out runs/smollm2-wp-8k-vllm-int4
+fi
 if [[ $step == all || $step == smooth ]]; then
   # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
   # calibrated on Pride and Prejudice (2 x 2,048) as the kvquant step is; on Qwen2.5 also the halves of the
