@@ -59,8 +59,9 @@ class TensorSpec:
             ``int4_per_token_head``): ``x ≈ (code - z) * scale`` with ``scale = max(range / (2**bits - 1),
             1e-6)`` and ``z = round(-min / scale)`` clamped to the codes, so the grid is anchored at 0: its
             ends may fall up to half a step inside the range (every value still within half a step), and a
-            range that excludes 0 loses what lies past 15 steps from 0 (``z`` clamps; counted as clipped). Stored as float16 ``scale`` and ``zero = -z * scale``, the bytes of ``symmetric=False``;
-            dynamic ``kind="int"`` only.
+            range that excludes 0 loses what lies past ``2**bits - 1`` steps from 0 (``z`` clamps; counted as
+            clipped). Stored as float16 ``scale`` and ``zero = -z * scale``, the bytes of
+            ``symmetric=False``; dynamic ``kind="int"`` only.
         static: scales come from a calibration artifact instead of the data being stored.
         outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
@@ -211,7 +212,8 @@ class TensorSpec:
 
     @property
     def has_zero_point(self) -> bool:
-        """Asymmetric integer and NUQ codes store a zero-point (the group minimum) beside each scale."""
+        """Asymmetric integer and NUQ codes store a zero-point (the group minimum, or ``-z * scale`` with
+        ``integer_zero``) beside each scale."""
         return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
