@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbits.quant.checks import FP16_MAX, check_kv
+from kvbits.report.calibration import CLIP_WARN_FRAC  # one warning level for the cache, report and evaluate
 from kvbits.schemes.accounting import rotation_fits, token_groups_fit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,9 +67,8 @@ __all__ = [
 
 CHECK_MODES = ("auto", "eager", "lazy")
 DEFAULT_CHECK_EVERY = 64
-# QuantizedKVCache logs (once) a layer clipping more than this fraction of its quantized keys or values against
-# static scales: the warning level of kvbits.report.calibration.CLIP_WARN_FRAC (and of `kvbits evaluate`)
-CLIP_WARN_FRAC = 0.001
+# QuantizedKVCache logs (once) a layer clipping more than CLIP_WARN_FRAC of its quantized keys or values against
+# static scales (imported above from kvbits.report.calibration, the calibration report's level)
 SIDES = ("key_states", "value_states")
 
 

@@ -41,7 +41,7 @@ __all__ = [
     "calibration_warnings",
 ]
 
-CLIP_WARN_FRAC = 0.001  # warn when more than 0.1 % of the cached keys or values were clipped
+CLIP_WARN_FRAC = 0.001  # warn when more than 0.1 % of the cached keys or values were clipped (also the cache's level)
 
 CALIBRATION_NOTE = (
     "Schemes with static scales, NUQ codebooks or channel means and smoothing factors serve constants fitted "
