@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -572,6 +574,38 @@ def test_dispatch_forced_triton_without_triton_raises(monkeypatch):
     store = make_store(torch.Generator().manual_seed(5), device="cpu")
     with pytest.raises(ImportError, match="pip install"):
         dispatch.decode_attention(torch.randn(2, 6, 1, 64), store)
+
+
+def test_every_triton_kernel_module_is_guarded_by_enable_interpreter():
+    """A module that decorates ``@triton.jit`` kernels at import must be in ``TRITON_KERNEL_MODULES``, so that
+    importing it before ``enable_interpreter()`` (a test module doing so at top level) is refused by name."""
+    from pathlib import Path
+
+    import kvbits.kernels
+    from kvbits.kernels.interpret import TRITON_KERNEL_MODULES
+
+    folder = Path(kvbits.kernels.__file__).parent
+    decorator = re.compile(r"^@triton\.jit\b", re.MULTILINE)
+    jitted = {f"kvbits.kernels.{p.stem}" for p in folder.glob("*.py") if decorator.search(p.read_text())}
+    assert jitted and jitted == set(TRITON_KERNEL_MODULES)
+
+
+@needs_triton
+@pytest.mark.parametrize("module", ["kvbits.kernels.triton_decode", "kvbits.kernels.triton_quantize"])
+def test_enable_interpreter_refuses_a_kernel_module_imported_before_it(module):
+    """Importing a kernel module first decorates its kernels compiled; enable_interpreter then raises, naming
+    it (before: only triton_decode was checked, and an early triton_quantize import made 66 interpreter tests
+    of the same xdist worker fail far from the cause). In a fresh interpreter without TRITON_INTERPRET."""
+    code = (
+        f"import {module}\n"
+        "from kvbits.kernels.interpret import enable_interpreter\n"
+        "try:\n    enable_interpreter()\nexcept RuntimeError as e:\n    print('REFUSED', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("REFUSED") and module in out.stdout, out.stdout
 
 
 @needs_triton

@@ -1,7 +1,7 @@
 """Run the Triton kernels on CPU through Triton's interpreter (``TRITON_INTERPRET=1``): tests, ``--smoke``.
 
-Call ``enable_interpreter()`` before ``kvbits.kernels.triton_decode`` is first imported: Triton decides
-at ``@triton.jit`` decoration time whether a kernel is compiled or interpreted.
+Call ``enable_interpreter()`` before a module of ``TRITON_KERNEL_MODULES`` is first imported: Triton decides at
+``@triton.jit`` decoration time whether a kernel is compiled or interpreted.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["enable_interpreter"]
+__all__ = ["TRITON_KERNEL_MODULES", "enable_interpreter"]
+
+# the modules whose @triton.jit kernels are decorated at import (compiled or interpreted, fixed then)
+TRITON_KERNEL_MODULES = ("kvbits.kernels.triton_decode", "kvbits.kernels.triton_quantize")
 
 _PATCHED = False
 
@@ -53,10 +56,14 @@ def enable_interpreter() -> None:
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
     global _PATCHED
-    if "kvbits.kernels.triton_decode" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "kvbits.kernels.triton_decode was imported before enable_interpreter(); its kernels are compiled"
-        )
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        early = sorted(name for name in sys.modules if name in TRITON_KERNEL_MODULES)
+        if early:
+            raise RuntimeError(
+                f"{', '.join(early)} imported before enable_interpreter(): its kernels were decorated in compiled "
+                "mode and cannot run on CPU tensors; call enable_interpreter() before importing them (tests: "
+                "import Triton kernel modules inside the test, or after test_kernels' set-up)"
+            )
     already_imported = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
     os.environ["TRITON_INTERPRET"] = "1"
     if _PATCHED:
