@@ -439,6 +439,9 @@ def test_sliding_layer_falls_back_full_layer_fused():
     assert full["claimed"] and full["steps"] == NEW - 1
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="layer 0 is a sliding-window layer: the packed layout serves full-attention"):
+        fused_mod.packed_store(cache.layers[0])  # a direct call is refused, not served past the window
+    assert fused_mod.packed_store(cache.layers[1]).key is not None
 
 
 def padded_prompt() -> tuple[torch.Tensor, torch.Tensor]:

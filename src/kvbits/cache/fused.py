@@ -293,6 +293,11 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
     ``n_sinks + n_dropped``. ``keep`` ``(B, tokens_seen)`` bool: the cache positions each sequence may
     attend to (``False``: left padding), turned into slot masks (``slot_masks``).
     """
+    if layer.is_sliding:  # a direct call: the kernel would attend past the window (and build uncounted RoPE tables)
+        raise ValueError(
+            f"layer {layer.layer_idx} is a sliding-window layer: the packed layout serves full-attention layers only "
+            "(layout_reason declines it; decode it through QuantizedKVCache, which falls back to SDPA)"
+        )
     k, v = layer._k, layer._v
     key, value = k.packed(), v.packed()
     key_full, value_full = k.full_tail(), v.full_tail()
