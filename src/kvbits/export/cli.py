@@ -17,6 +17,12 @@ examples:
   kvbits export --format vllm --calibration cal-fp8/ --checkpoint /models/SmolLM2-135M --out smollm2-fp8kv/
   kvbits calibrate --model qwen2.5-coder-0.5b --data pride-and-prejudice --scheme fp8-e4m3-head --out cal-head/
   kvbits export --format vllm --calibration cal-head/ --out vllm-head-scales/
+  kvbits export --format vllm --scheme "vllm-int4,0=fp16"
+
+--scheme S prints vLLM's KV-cache settings for a scheme vLLM stores as kvbits measured it: vllm-int4
+(int4_per_token_head), fp8-e4m3 / fp8-e4m3-head (fp8), fp16 / bf16 (auto), each with layers stored as fp16 or
+bf16 given to --kv-cache-dtype-skip-layers (read from vLLM's source, not run here); anything else is refused,
+saying why. --json: {"scheme", "kv_cache_dtype", "skip_layers", "cli", "engine_kwargs", "notes"}.
 
 vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer, or one per
 KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors
@@ -34,16 +40,21 @@ with the scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "export",
-        help="write calibrated FP8 KV-cache scales in the format vLLM loads",
+        help="write calibrated FP8 KV-cache scales in the format vLLM loads, or vLLM's flags for a scheme",
         description="Export a kvbits calibration for a serving engine. vllm: the per-layer (or per-head) FP8 "
-        "K/V scales of an fp8-e4m3 (fp8-e4m3-head) calibration as a compressed-tensors checkpoint carries them.",
+        "K/V scales of an fp8-e4m3 (fp8-e4m3-head) calibration as a compressed-tensors checkpoint carries them; "
+        "with --scheme, vLLM's KV-cache flags for a scheme it stores as kvbits measured it.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--format", choices=("vllm",), default="vllm", help="target engine format (default vllm)")
-    p.add_argument("--calibration", required=True, metavar="DIR", help="kvbits calibrate folder (fp8-e4m3 or fp8-e4m3-head)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--calibration", metavar="DIR", help="kvbits calibrate folder (fp8-e4m3 or fp8-e4m3-head)")
+    what.add_argument(
+        "--scheme", metavar="S", help="print vLLM's serving flags for this scheme (preset, JSON, mixed string)"
+    )
     p.add_argument(
-        "--out", required=True, metavar="DIR", help="folder for the scales, the config block and the record"
+        "--out", metavar="DIR", help="folder for the scales, the config block and the record (with --calibration)"
     )
     p.add_argument(
         "--checkpoint", metavar="DIR", help="Hugging Face checkpoint folder: --out becomes it plus the scales"
@@ -61,6 +72,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from kvbits.export import export_vllm
 
+    if args.scheme is not None:
+        return _run_scheme(args)
+    if args.out is None:
+        raise ValueError("--calibration needs --out DIR (the folder for the scales)")
     record = export_vllm(
         args.calibration, args.out, checkpoint=args.checkpoint, module_template=args.module_template
     )
@@ -82,6 +97,24 @@ def run(args: argparse.Namespace) -> int:
             f"checkpoint {ck['path']}: {len(ck['linked'])} files linked, {', '.join(ck['written'])} written"
         )
     print(f"serve: {record['serve']}")
+    return 0
+
+
+def _run_scheme(args: argparse.Namespace) -> int:
+    from kvbits.export.vllm_flags import vllm_cache_args
+
+    extra = [f for f, v in (("--out", args.out), ("--checkpoint", args.checkpoint),
+                            ("--module-template", args.module_template)) if v is not None]  # fmt: skip
+    if extra:
+        raise ValueError(f"{', '.join(extra)} go with --calibration, not --scheme")
+    serve = vllm_cache_args(args.scheme)
+    if args.json:
+        sys.stdout.write(json.dumps(serve.to_dict(), indent=2) + "\n")
+        return 0
+    print(f"serve: vllm serve <model> {' '.join(serve.cli())}".rstrip())
+    print(f"python: vllm.LLM(<model>, {', '.join(f'{k}={v!r}' for k, v in serve.engine_kwargs().items())})")
+    for note in serve.notes:
+        print(f"note: {note}")
     return 0
 
 

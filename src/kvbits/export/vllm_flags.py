@@ -1,0 +1,116 @@
+"""A kvbits scheme as vLLM's KV-cache settings, when vLLM stores what kvbits measured.
+
+vLLM serves one KV-cache format per engine (``--kv-cache-dtype``) and can leave chosen layers unquantized
+(``--kv-cache-dtype-skip-layers 0 5``, ``CacheConfig.kv_cache_dtype_skip_layers``: those layers keep K/V in the
+model's dtype). Both read from vLLM's source (``vllm/config/cache.py``); vLLM was not run here. A kvbits scheme maps
+onto them when every layer is either the base format or unquantized:
+
+- base ``vllm-int4`` (Hadamard-rotated per-token INT4 with an integer zero-point) -> ``int4_per_token_head``;
+- base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
+  carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
+- base ``fp16`` / ``bf16`` -> ``auto``;
+- a layer stored as ``fp16`` or ``bf16`` -> a skipped layer.
+
+Anything vLLM has no setting for (sinks or a full-precision residual window, a layer at another quantized
+format, an FP8 rotation) is refused with what to change: flags that serve something other than what was measured
+would make kvbits' figures describe the wrong cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbits.schemes import KVScheme, get_scheme
+
+__all__ = ["VllmCacheArgs", "vllm_cache_args"]
+
+# the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
+_FORMATS = {"vllm-int4": "int4_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8"}
+_UNQUANTIZED = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class VllmCacheArgs:
+    """vLLM's settings for a kvbits scheme: ``kv_cache_dtype`` and the layers it leaves unquantized."""
+
+    scheme: str
+    kv_cache_dtype: str
+    skip_layers: tuple[int, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def cli(self) -> list[str]:
+        """``vllm serve`` arguments, e.g. ``["--kv-cache-dtype", "int4_per_token_head",
+        "--kv-cache-dtype-skip-layers", "0"]`` (nothing for ``auto`` with no skipped layer)."""
+        out = [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.skip_layers:
+            out += ["--kv-cache-dtype-skip-layers", *(str(i) for i in self.skip_layers)]
+        return out
+
+    def engine_kwargs(self) -> dict[str, object]:
+        """The same as ``vllm.LLM(...)`` keyword arguments (layer indices as strings, vLLM's type)."""
+        kw: dict[str, object] = {"kv_cache_dtype": self.kv_cache_dtype}
+        if self.skip_layers:
+            kw["kv_cache_dtype_skip_layers"] = [str(i) for i in self.skip_layers]
+        return kw
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "scheme": self.scheme, "kv_cache_dtype": self.kv_cache_dtype, "skip_layers": list(self.skip_layers),
+            "cli": self.cli(), "engine_kwargs": self.engine_kwargs(), "notes": list(self.notes),
+        }  # fmt: skip
+
+
+def _same_storage(a: KVScheme, b: KVScheme) -> bool:
+    """Whether ``a`` stores K/V as ``b`` does (formats, sinks, residual window, block; names aside)."""
+    return (a.key, a.value, a.sinks, a.residual, a.block) == (b.key, b.value, b.sinks, b.residual, b.block)
+
+
+def _match(scheme: KVScheme, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if _same_storage(scheme, get_scheme(n))), None)
+
+
+def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
+    """vLLM's KV-cache settings for ``scheme`` (a preset, scheme JSON, mixed string such as
+    ``"vllm-int4,0=fp16"``, or a ``kvbits tune`` output); ``ValueError`` saying why when vLLM can not store it.
+
+    Layers are matched by what they store, not by name: a scheme JSON equal to a preset maps as the preset.
+    """
+    s = get_scheme(scheme)
+    base = s.replace(layers=()) if s.is_mixed else s
+    supported = ", ".join([*_FORMATS, *_UNQUANTIZED])
+    name = _match(base, tuple(_FORMATS) + _UNQUANTIZED)
+    if name is None:
+        why = ""
+        if base.sinks or base.residual:
+            why = f" (it keeps {base.sinks} sink and {base.residual} recent tokens in full precision; vLLM can not)"
+        what = f"the layers of {s.name!r} that no override names" if s.is_mixed else repr(s.name)
+        raise ValueError(
+            f"vLLM has no KV-cache format storing {what}{why}: kvbits maps only "
+            f"{supported} (optionally with layers stored as fp16 or bf16); measure one of those with kvbits eval"
+        )
+    dtype = _FORMATS.get(name, "auto")
+    skip: list[int] = []
+    for idx, sub in s.layers:
+        if _match(sub, _UNQUANTIZED):
+            skip.append(idx)
+        elif not _same_storage(sub, base):
+            raise ValueError(
+                f"{s.name!r} stores layer {idx} as {sub.name!r}: vLLM can only leave a layer unquantized "
+                f"(--kv-cache-dtype-skip-layers) beside one {dtype} format; give that layer fp16 or bf16 "
+                f"(e.g. kvbits tune --candidates {name} --candidates fp16)"
+            )
+    notes = []
+    if dtype == "fp8":
+        notes.append(
+            "vLLM's FP8 scales are 1.0 unless the checkpoint carries calibrated ones: kvbits calibrate --scheme "
+            f"{name}, then kvbits export --calibration DIR --checkpoint MODEL --out DIR"
+            + ("; per-head scales are applied by --attention-backend FLASH_ATTN only" if name == "fp8-e4m3-head" else "")
+        )
+    if dtype == "int4_per_token_head":
+        notes.append(
+            "kvbits emulates vLLM's int4_per_token_head grid (within 1 % of a step; vLLM's own sign vector and "
+            "rounding ties not reproduced)"
+        )
+    if dtype == "auto" or skip:
+        notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
+    return VllmCacheArgs(s.name, dtype, tuple(sorted(skip)), tuple(notes))

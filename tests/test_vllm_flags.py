@@ -1,0 +1,113 @@
+"""``kvbits.export.vllm_flags`` and ``kvbits export --scheme``: a scheme as vLLM's KV-cache settings, or a refusal
+that says why vLLM would store something else."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvbits.cli import main
+from kvbits.export.vllm_flags import vllm_cache_args
+from kvbits.schemes import get_scheme
+
+
+@pytest.mark.parametrize(
+    ("scheme", "dtype", "skip", "cli"),
+    [
+        ("vllm-int4", "int4_per_token_head", (), ["--kv-cache-dtype", "int4_per_token_head"]),
+        ("vllm-int4,0=fp16", "int4_per_token_head", (0,),
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0"]),
+        ("vllm-int4,5=bf16,0-1=fp16", "int4_per_token_head", (0, 1, 5),
+         ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0", "1", "5"]),
+        ("fp8-e4m3,23=fp16", "fp8", (23,), ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "23"]),
+        ("fp8-e4m3-head", "fp8", (), ["--kv-cache-dtype", "fp8"]),
+        ("fp16", "auto", (), []),
+        ("bf16", "auto", (), []),
+    ],
+)  # fmt: skip
+def test_schemes_vllm_stores_map_to_its_settings(scheme, dtype, skip, cli):
+    got = vllm_cache_args(scheme)
+    assert (got.kv_cache_dtype, got.skip_layers, got.cli()) == (dtype, skip, cli)
+    kwargs = got.engine_kwargs()
+    assert kwargs["kv_cache_dtype"] == dtype
+    assert kwargs.get("kv_cache_dtype_skip_layers", []) == [str(i) for i in skip]  # vLLM's list[str]
+
+
+def test_fp8_notes_say_where_calibrated_scales_come_from():
+    tensor, head = vllm_cache_args("fp8-e4m3"), vllm_cache_args("fp8-e4m3-head")
+    assert any("scales are 1.0 unless" in n and "kvbits export --calibration" in n for n in tensor.notes)
+    assert any("FLASH_ATTN" in n for n in head.notes) and not any("FLASH_ATTN" in n for n in tensor.notes)
+
+
+def test_layers_are_matched_by_storage_not_by_name(tmp_path):
+    """A scheme JSON with vllm-int4's content under another name maps as vllm-int4; one field changed does not."""
+    same = dataclasses.replace(get_scheme("vllm-int4"), name="my-int4", description="renamed")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(same.to_dict()))
+    assert vllm_cache_args(str(path)).kv_cache_dtype == "int4_per_token_head"
+    float_zero = dataclasses.replace(same, key=dataclasses.replace(same.key, integer_zero=False))
+    with pytest.raises(ValueError, match="vLLM has no KV-cache format storing 'my-int4'"):
+        vllm_cache_args(float_zero)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "why"),
+    [
+        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, fp8-e4m3"),
+        ("kivi-4", "storing 'kivi-4'"),
+        ("fp8-e4m3-hadamard", "storing 'fp8-e4m3-hadamard'"),  # vLLM stores K/V unrotated
+        ("int4-token-hadamard,0=fp16", "the layers of 'int4-token-hadamard,0=fp16' that no override names"),
+        ("vllm-int4,0=int8-token-hadamard",
+         (r"stores layer 0 as 'int8-token-hadamard': vLLM can only leave a layer unquantized .*"
+          r"kvbits tune --candidates vllm-int4 --candidates fp16")),
+        ("fp8-e4m3,3=vllm-int4", "stores layer 3 as 'vllm-int4'.* beside one fp8 format"),
+    ],
+)  # fmt: skip
+def test_what_vllm_can_not_store_is_refused_with_the_reason(scheme, why):
+    with pytest.raises(ValueError, match=why):
+        vllm_cache_args(scheme)
+
+
+@pytest.mark.parametrize("field", ["sinks", "residual"])
+def test_full_precision_tokens_are_refused(field):
+    """vLLM has no sink or residual-window setting: vllm-int4 with either is not what vLLM stores."""
+    s = dataclasses.replace(get_scheme("vllm-int4"), name="with-tokens", **{field: 4})
+    with pytest.raises(ValueError, match=r"storing 'with-tokens' \(it keeps .* full precision; vLLM can not\)"):
+        vllm_cache_args(s)
+
+
+def test_a_mixed_override_equal_to_the_base_is_no_skip():
+    """``vllm-int4,2=vllm-int4`` overrides layer 2 with the base itself: served as plain int4_per_token_head."""
+    assert vllm_cache_args("vllm-int4,2=vllm-int4").skip_layers == ()
+
+
+def test_cli_prints_the_flags_and_json(capsys):
+    assert main(["export", "--format", "vllm", "--scheme", "vllm-int4,0=fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "serve: vllm serve <model> --kv-cache-dtype int4_per_token_head --kv-cache-dtype-skip-layers 0\n" in out
+    assert "kv_cache_dtype_skip_layers=['0']" in out and "note: " in out
+    assert main(["export", "--scheme", "vllm-int4", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["kv_cache_dtype"] == "int4_per_token_head" and record["skip_layers"] == []
+    assert record["cli"] == ["--kv-cache-dtype", "int4_per_token_head"] and record["scheme"] == "vllm-int4"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scheme", "kivi-4"], "vLLM has no KV-cache format storing 'kivi-4'"),
+        (["--scheme", "vllm-int4", "--checkpoint", "ck"], "--checkpoint go with --calibration, not --scheme"),
+        (["--calibration", "cal"], "--calibration needs --out DIR"),
+    ],
+)
+def test_cli_usage_errors(capsys, argv, message):
+    assert main(["export", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_needs_a_calibration_or_a_scheme(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "--scheme", "vllm-int4", "--calibration", "cal"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
