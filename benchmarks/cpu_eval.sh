@@ -75,6 +75,36 @@ if [[ $step == all || $step == vllm-int4 ]]; then
   $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
     --scheme vllm-int4 --scheme benchmarks/schemes/int4-token-intzero.json --out runs/smollm2-wp-8k-vllm-int4
 fi
+if [[ $step == all || $step == vllm-int4-layers ]]; then
+  # Where vllm-int4 breaks Qwen2.5 (BENCHMARKS.md §23b): one layer or range stored as vllm-int4, the rest as
+  # int4-token-hadamard (mixed scheme strings), and the reverse; a float16 first token (sinks); layer 0 kept
+  # at higher precision. Then kvbits tune on another text (Pride and Prejudice, 1K) choosing between the two.
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/vllm-int4-sink1.json --scheme benchmarks/schemes/int4-token-hadamard-sink1.json \
+    --out runs/qwen-wiki-4k-sink1
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme "int4-token-hadamard,1=vllm-int4" --scheme "vllm-int4,1=int4-token-hadamard" \
+    --out runs/qwen-wiki-4k-vllm-int4-layer1
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme "int4-token-hadamard,0-11=vllm-int4" --scheme "int4-token-hadamard,12-23=vllm-int4" \
+    --scheme "int4-token-hadamard,0-5=vllm-int4" --out runs/qwen-wiki-4k-vllm-int4-halves
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme "int4-token-hadamard,0=vllm-int4" --scheme "int4-token-hadamard,2=vllm-int4" \
+    --scheme "int4-token-hadamard,3-5=vllm-int4" --out runs/qwen-wiki-4k-vllm-int4-early
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme "vllm-int4,0=fp16" --scheme "int4-token-hadamard,0=fp16" --scheme "vllm-int4,0=int8-token-hadamard" \
+    --out runs/qwen-wiki-4k-vllm-int4-layer0
+  [[ -f runs/tune-qwen-vllm-int4/tuned.json ]] || \
+    $K tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --candidates vllm-int4 \
+      --candidates int8-token-hadamard --budget-bits 4.7 --context 1k --no-progress \
+      --out runs/tune-qwen-vllm-int4/tuned.json
+  # the layers' attention with the model's own queries (under a minute each)
+  PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model qwen2.5-coder-0.5b --data wikitext2 \
+    --context 4096 --layers 0 1 2 12 --out runs/layer-attention-kl-qwen-wiki-4k.json
+  PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model smollm2-135m --data war-and-peace \
+    --context 8192 --layers 0 1 14 --scheme vllm-int4 --scheme int4-token-hadamard --scheme int4-token \
+    --scheme int4-channel --out runs/layer-attention-kl-smollm2-wp-8k.json
+fi
 if [[ $step == all || $step == smooth ]]; then
   # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
   # calibrated on Pride and Prejudice (2 x 2,048) as the kvquant step is; on Qwen2.5 also the halves of the

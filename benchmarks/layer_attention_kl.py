@@ -1,0 +1,114 @@
+"""What quantized keys do to one layer's attention, with the model's own queries (BENCHMARKS.md §23).
+
+Runs the model once over the evaluation window (``make_windows``, the first of ``kvbits eval --windows 1``),
+records the post-RoPE queries and keys that the chosen layers hand to attention (a registered transformers
+attention function that then calls SDPA), and for each scheme replaces the keys by what the scheme stores
+(``kvbits.quant.quantize`` over the whole window: the cache's codes for per-token schemes; per-channel blocks
+are taken from token 0, no residual window). For every ``--stride``-th query from position 256 it compares
+the attention distribution over the keys the query sees (values are not involved):
+
+- ``kl``: KL(exact || quantized) in nats, mean over query heads and sampled queries;
+- ``logit_rms``: RMS over the visible keys of the logit error after removing its mean over those keys (a
+  shift shared by every key cancels in the softmax), mean over heads and queries;
+- ``entropy`` exact and quantized (nats), and ``argmax_agree``: the fraction of (head, query) whose most
+  attended key is the same.
+
+Example::
+
+    PYTHONPATH=src python benchmarks/layer_attention_kl.py --model qwen2.5-coder-0.5b --data wikitext2 \\
+        --context 4096 --layers 0 1 12 --out benchmarks/results/layer-attention-kl-qwen-wiki-4k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvbits.evaluate.data import load_text, make_windows, tokenize
+from kvbits.evaluate.models import load_model
+from kvbits.quant import quantize
+from kvbits.schemes import get_scheme
+
+SCHEMES = (
+    "vllm-int4", "int4-token-hadamard", "benchmarks/schemes/int4-token-intzero.json", "int4-token",
+    "int8-token-hadamard", "int4-channel",
+)  # fmt: skip
+
+
+def attention_logprobs(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Log-probabilities ``(H, S, T)`` of queries ``q`` ``(H, T, D)`` at positions ``rows`` ``(S,)`` over
+    the causal prefix of keys ``k`` ``(H_kv, T, D)`` (``-inf`` past each query); query head ``h`` reads KV
+    head ``h // (H / H_kv)``."""
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+    logits = (q[:, rows] @ k.transpose(-1, -2)) * scaling
+    visible = torch.arange(k.shape[1])[None, :] <= rows[:, None]
+    return logits.masked_fill(~visible, -math.inf).log_softmax(-1), logits, visible
+
+
+def compare(q: torch.Tensor, k: torch.Tensor, kq: torch.Tensor, rows: torch.Tensor, scaling: float) -> dict:
+    """The figures of the module docstring for exact keys ``k`` against quantized ``kq`` (both ``(H_kv, T, D)``)."""
+    p0, l0, visible = attention_logprobs(q, k, rows, scaling)
+    p1, l1, _ = attention_logprobs(q, kq, rows, scaling)
+    kl = (p0.exp() * (p0 - p1)).masked_fill(~visible, 0).sum(-1)
+    n = visible.sum(-1)
+    err = (l1 - l0).masked_fill(~visible, 0)
+    centred = (err - err.sum(-1, keepdim=True) / n[:, None]).masked_fill(~visible, 0)
+    entropy = [-(p.exp() * p).masked_fill(~visible, 0).sum(-1).mean().item() for p in (p0, p1)]
+    return {
+        "kl": kl.mean().item(), "logit_rms": (centred.pow(2).sum(-1) / n).sqrt().mean().item(),
+        "entropy_exact": entropy[0], "entropy_quantized": entropy[1],
+        "argmax_agree": (p0.argmax(-1) == p1.argmax(-1)).float().mean().item(),
+    }  # fmt: skip
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--data", default="wikitext2")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--layers", type=int, nargs="+", default=[0, 1, 12])
+    p.add_argument("--scheme", action="append", help=f"repeatable (default: {', '.join(SCHEMES)})")
+    p.add_argument("--stride", type=int, default=97, help="query positions sampled: 256, 256+stride, ...")
+    p.add_argument("--out", default=None, help="JSON file for the table")
+    args = p.parse_args(argv)
+
+    lm = load_model(args.model)
+    ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context, 1)
+    taps: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def tap(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if module.layer_idx in args.layers:  # (1, H, T, D) queries and (1, H_kv, T, D) keys, post-RoPE
+            taps[module.layer_idx] = (query[0].float(), key[0].float(), scaling or query.shape[-1] ** -0.5)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("kvbits_layer_tap", tap)
+    lm.model.set_attn_implementation("kvbits_layer_tap")
+    lm.model(ids, past_key_values=DynamicCache(config=lm.model.config), use_cache=True)
+    rows = torch.arange(256, ids.shape[1], args.stride)
+    out = []
+    for name in args.scheme or SCHEMES:
+        spec = get_scheme(name).key
+        for layer in args.layers:
+            q, k, scaling = taps[layer]
+            kq = quantize(k[None], spec).dequantize(torch.float32)[0]
+            r = {"scheme": get_scheme(name).name, "layer": layer, **compare(q, k, kq, rows, scaling)}
+            out.append(r)
+            print(
+                f"{r['scheme'][:28]:28s} layer {layer:2d}  KL {r['kl']:8.3f}  logit error {r['logit_rms']:7.2f}  "
+                f"entropy {r['entropy_exact']:.2f} -> {r['entropy_quantized']:.2f}  argmax agree {r['argmax_agree']:.2f}"
+            )
+    if args.out:
+        meta = {"model": args.model, "data": args.data, "context": args.context, "queries": len(rows)}
+        Path(args.out).write_text(json.dumps({**meta, "rows": out}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
