@@ -68,6 +68,30 @@ def compare(q: torch.Tensor, k: torch.Tensor, kq: torch.Tensor, rows: torch.Tens
 
 
 @torch.no_grad()
+def record_attention(model, ids: torch.Tensor, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, float]]:
+    """One forward of ``ids`` ``(1, T)``; for each of ``layers``: its post-RoPE queries ``(H, T, D)``, keys
+    ``(H_kv, T, D)`` (float32) and softmax scaling, as handed to attention (which then runs as SDPA)."""
+    taps: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def tap(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if module.layer_idx in layers:
+            taps[module.layer_idx] = (query[0].float(), key[0].float(), scaling or query.shape[-1] ** -0.5)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("kvbits_layer_tap", tap)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("kvbits_layer_tap")
+    try:
+        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    finally:
+        model.set_attn_implementation(before)
+    missing = sorted(set(layers) - set(taps))
+    if missing:
+        raise ValueError(f"layers {missing} were not seen (the model has {model.config.num_hidden_layers})")
+    return taps
+
+
+@torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -81,16 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_model(args.model)
     ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context, 1)
-    taps: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
-
-    def tap(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if module.layer_idx in args.layers:  # (1, H, T, D) queries and (1, H_kv, T, D) keys, post-RoPE
-            taps[module.layer_idx] = (query[0].float(), key[0].float(), scaling or query.shape[-1] ** -0.5)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-    AttentionInterface.register("kvbits_layer_tap", tap)
-    lm.model.set_attn_implementation("kvbits_layer_tap")
-    lm.model(ids, past_key_values=DynamicCache(config=lm.model.config), use_cache=True)
+    taps = record_attention(lm.model, ids, args.layers)
     rows = torch.arange(256, ids.shape[1], args.stride)
     out = []
     for name in args.scheme or SCHEMES:

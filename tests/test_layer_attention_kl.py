@@ -1,0 +1,78 @@
+"""``benchmarks/layer_attention_kl.py`` (BENCHMARKS.md §23b): the attention figures and the query/key tap."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvbits.quant import quantize
+from kvbits.schemes import get_scheme
+
+
+def _load():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_attention_kl.py"
+    spec = importlib.util.spec_from_file_location("layer_attention_kl_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    return mod
+
+
+bench = _load()
+g = torch.Generator().manual_seed(0)
+Q, K = torch.randn(4, 300, 16, generator=g), torch.randn(2, 300, 16, generator=g)
+ROWS = torch.arange(256, 300, 7)
+
+
+def test_exact_keys_give_zero_error():
+    r = bench.compare(Q, K, K.clone(), ROWS, 0.25)
+    assert r["kl"] == pytest.approx(0, abs=1e-6) and r["logit_rms"] == pytest.approx(0, abs=1e-6)
+    assert r["argmax_agree"] == 1 and r["entropy_exact"] == pytest.approx(r["entropy_quantized"])
+
+
+def test_an_error_every_key_shares_cancels_but_a_varying_one_does_not():
+    """A vector added to every key shifts all of a query's logits equally: no KL, no centred error."""
+    shifted = bench.compare(Q, K, K + 3 * torch.randn(2, 1, 16, generator=g), ROWS, 0.25)
+    assert shifted["kl"] == pytest.approx(0, abs=1e-5) and shifted["logit_rms"] == pytest.approx(0, abs=1e-4)
+    noisy = bench.compare(Q, K, K + 0.5 * torch.randn(K.shape, generator=g), ROWS, 0.25)
+    assert noisy["kl"] > 1e-3 and noisy["logit_rms"] > 0.05 and noisy["argmax_agree"] < 1
+
+
+def test_kl_matches_a_direct_computation():
+    kq = quantize(K[None], get_scheme("int2-token").key).dequantize(torch.float32)[0]
+    r = bench.compare(Q, K, kq, ROWS, 0.25)
+    want = []
+    for h in range(4):
+        for t in ROWS.tolist():
+            p = torch.softmax(Q[h, t] @ K[h // 2, : t + 1].T * 0.25, -1)
+            lq = torch.log_softmax(Q[h, t] @ kq[h // 2, : t + 1].T * 0.25, -1)
+            want.append((p * (p.log() - lq)).sum())
+    assert r["kl"] == pytest.approx(torch.stack(want).mean().item(), rel=1e-4)
+
+
+def test_record_attention_taps_the_cached_keys():
+    """The keys recorded are the ones the cache stores (post-RoPE); queries have the query heads; the
+    model's own attention implementation is restored afterwards."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 64, (1, 20), generator=g)
+    taps = bench.record_attention(model, ids, [1])
+    q, k, scaling = taps[1]
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    assert q.shape == (4, 20, 8) and scaling == pytest.approx(8**-0.5)
+    assert torch.equal(k, out.past_key_values.layers[1].keys[0].float())
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"layers \[5\] were not seen"):
+        bench.record_attention(model, ids, [5])
