@@ -104,6 +104,10 @@ if [[ $step == all || $step == vllm-int4-layers ]]; then
   PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model smollm2-135m --data war-and-peace \
     --context 8192 --layers 0 1 14 --scheme vllm-int4 --scheme int4-token-hadamard --scheme int4-token \
     --scheme int4-channel --out runs/layer-attention-kl-smollm2-wp-8k.json
+  # the layer-0 repair out to 32K (bfloat16 as §3f; about 40 min on 2 cores)
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
+    --scheme "vllm-int4,0=fp16" --scheme vllm-int4 --scheme "vllm-int4,0=int8-token-hadamard" \
+    --out runs/qwen-wiki-32k-vllm-int4
 fi
 if [[ $step == all || $step == smooth ]]; then
   # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
