@@ -109,6 +109,24 @@ if [[ $step == all || $step == vllm-int4-layers ]]; then
     --scheme "vllm-int4,0=fp16" --scheme vllm-int4 --scheme "vllm-int4,0=int8-token-hadamard" \
     --out runs/qwen-wiki-32k-vllm-int4
 fi
+if [[ $step == all || $step == rotation-seeds ]]; then
+  # the same rotated formats with other random-sign vectors in the Hadamard rotation (BENCHMARKS.md §23c; seed 0,
+  # kvbits' own, is the runs above); about 1.5 min per Qwen2.5 run, 3 min per SmolLM2 run
+  for seed in 1 2 3 4 5; do
+    PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model qwen2.5-coder-0.5b --data wikitext2 \
+      --context 4k --windows 1 --no-progress --scheme vllm-int4 --scheme int4-token-hadamard --out runs/seed-hadamard-$seed
+  done
+  for seed in 1 2 3; do
+    PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model qwen2.5-coder-0.5b --data wikitext2 \
+      --context 4k --windows 1 --no-progress --scheme "vllm-int4,0=fp16" --scheme "int4-token-hadamard,0=fp16" \
+      --out runs/seed-hadamard-layer0-$seed
+  done
+  for seed in 1 2; do
+    PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model smollm2-135m --data war-and-peace \
+      --context 8k --windows 1 --no-progress --scheme vllm-int4 --scheme int4-token-hadamard \
+      --out runs/seed-hadamard-smollm2-$seed
+  done
+fi
 if [[ $step == all || $step == smooth ]]; then
   # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
   # calibrated on Pride and Prejudice (2 x 2,048) as the kvquant step is; on Qwen2.5 also the halves of the
