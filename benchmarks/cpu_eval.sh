@@ -65,7 +65,8 @@ fi
 if [[ $step == all || $step == vllm-int4 ]]; then
   # vLLM's int4_per_token_head format (vllm-int4: Hadamard rotation, per-token INT4, integer zero-point), and
   # the integer zero-point without the rotation, beside §11's int4-token-hadamard and §2/§3c's int4-token:
-  # same model, text, window and semantics (BENCHMARKS.md §23).
+  # same model, text, window and semantics (BENCHMARKS.md §23). §23 measured vllm-int4 with kvbits' own Hadamard
+  # signs (now benchmarks/schemes/int4-token-hadamard-intzero.json); the preset has vLLM's since §23d.
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
     --scheme vllm-int4 --scheme benchmarks/schemes/int4-token-intzero.json --out runs/qwen-wiki-4k-vllm-int4
   # which side the integer zero-point hurts on Qwen2.5: one side as vllm-int4, the other as int4-token-hadamard
@@ -79,6 +80,7 @@ if [[ $step == all || $step == vllm-int4-layers ]]; then
   # Where vllm-int4 breaks Qwen2.5 (BENCHMARKS.md §23b): one layer or range stored as vllm-int4, the rest as
   # int4-token-hadamard (mixed scheme strings), and the reverse; a float16 first token (sinks); layer 0 kept
   # at higher precision. Then kvbits tune on another text (Pride and Prejudice, 1K) choosing between the two.
+  # §23b measured vllm-int4 with kvbits' own Hadamard signs; the preset has vLLM's since §23d (reruns differ).
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
     --scheme benchmarks/schemes/vllm-int4-sink1.json --scheme benchmarks/schemes/int4-token-hadamard-sink1.json \
     --out runs/qwen-wiki-4k-sink1
@@ -109,21 +111,37 @@ if [[ $step == all || $step == vllm-int4-layers ]]; then
     --scheme "vllm-int4,0=fp16" --scheme vllm-int4 --scheme "vllm-int4,0=int8-token-hadamard" \
     --out runs/qwen-wiki-32k-vllm-int4
 fi
+if [[ $step == all || $step == vllm-int4-signs ]]; then
+  # the vllm-int4 preset with vLLM's own Hadamard signs (BENCHMARKS.md §23d): §23's and §23b's windows, layer 0's
+  # attention, and 32K (bfloat16, about 30 min)
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme vllm-int4 --scheme "vllm-int4,0=fp16" --scheme "vllm-int4,0=int8-token-hadamard" \
+    --out runs/qwen-wiki-4k-vllm-int4-vllm-signs
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme vllm-int4 --out runs/smollm2-wp-8k-vllm-int4-vllm-signs
+  PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model qwen2.5-coder-0.5b --data wikitext2 \
+    --context 4096 --layers 0 1 12 --scheme vllm-int4 --scheme benchmarks/schemes/int4-token-hadamard-intzero.json \
+    --scheme int4-token-hadamard --out runs/layer-attention-kl-qwen-wiki-4k-vllm-signs.json
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
+    --scheme "vllm-int4,0=fp16" --scheme vllm-int4 --out runs/qwen-wiki-32k-vllm-int4-vllm-signs
+fi
 if [[ $step == all || $step == rotation-seeds ]]; then
   # the same rotated formats with other random-sign vectors in the Hadamard rotation (BENCHMARKS.md §23c; seed 0,
-  # kvbits' own, is the runs above); about 1.5 min per Qwen2.5 run, 3 min per SmolLM2 run
+  # kvbits' own, is the runs above); about 1.5 min per Qwen2.5 run, 3 min per SmolLM2 run. The integer zero-point
+  # under kvbits' signs is a scheme file: the vllm-int4 preset has vLLM's own signs since §23d, which no seed moves.
+  IZ=benchmarks/schemes/int4-token-hadamard-intzero.json
   for seed in 1 2 3 4 5; do
     PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model qwen2.5-coder-0.5b --data wikitext2 \
-      --context 4k --windows 1 --no-progress --scheme vllm-int4 --scheme int4-token-hadamard --out runs/seed-hadamard-$seed
+      --context 4k --windows 1 --no-progress --scheme $IZ --scheme int4-token-hadamard --out runs/seed-hadamard-$seed
   done
   for seed in 1 2 3; do
     PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model qwen2.5-coder-0.5b --data wikitext2 \
-      --context 4k --windows 1 --no-progress --scheme "vllm-int4,0=fp16" --scheme "int4-token-hadamard,0=fp16" \
+      --context 4k --windows 1 --no-progress --scheme "$IZ,0=fp16" --scheme "int4-token-hadamard,0=fp16" \
       --out runs/seed-hadamard-layer0-$seed
   done
   for seed in 1 2; do
     PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model smollm2-135m --data war-and-peace \
-      --context 8k --windows 1 --no-progress --scheme vllm-int4 --scheme int4-token-hadamard \
+      --context 8k --windows 1 --no-progress --scheme $IZ --scheme int4-token-hadamard \
       --out runs/seed-hadamard-smollm2-$seed
   done
 fi

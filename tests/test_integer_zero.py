@@ -14,6 +14,7 @@ import torch
 
 from kvbits.cli import _spec_str
 from kvbits.quant import quantize, unpack_bits
+from kvbits.quant.rotate import rotate, rotation_matrix, unrotate
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 from kvbits.schemes.accounting import quantized_bytes
 
@@ -71,6 +72,59 @@ def test_codes_and_zero_points_follow_vllms_write_kernel():
     assert close[(diff == 0) & (scale > 1e-4)].all() and (dec - want_dec)[diff == 0].abs().max() < 0.02
 
 
+def vllm_signs(d: int) -> torch.Tensor:
+    """vLLM's RHT signs restated: ``2 * bernoulli(0.5) - 1`` from a CPU generator seeded ``0x9E3779B9``."""
+    gen = torch.Generator(device="cpu").manual_seed(0x9E3779B9)
+    return (2.0 * torch.bernoulli(torch.full((d,), 0.5), generator=gen) - 1.0).double()
+
+
+def butterfly(y: torch.Tensor) -> torch.Tensor:
+    """The unnormalised Walsh-Hadamard transform over the last dim (vLLM's ``fast_hadamard_transform``
+    torch fallback, tier 3), in float64."""
+    y, d, h = y.double(), y.shape[-1], 1
+    while h < d:
+        yv = y.view(*y.shape[:-1], d // (2 * h), 2, h)
+        y = torch.stack([yv[..., 0, :] + yv[..., 1, :], yv[..., 0, :] - yv[..., 1, :]], dim=-2).reshape(y.shape)
+        h <<= 1
+    return y
+
+
+def vllm_rht(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``single_rht``: ``H (s * x)``; its inverse is ``H y * s``, then divided by ``D``."""
+    return butterfly(x.double() * vllm_signs(x.shape[-1]))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hadamard_vllm_is_vllms_transform(d):
+    """``rotate(x, "hadamard-vllm")`` is vLLM's RHT divided by ``sqrt(D)``; kvbits' own signs are another
+    matrix (the same rows up to sign)."""
+    x = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
+    torch.testing.assert_close(rotate(x, "hadamard-vllm") * d**0.5, vllm_rht(x), rtol=0, atol=1e-10)
+    torch.testing.assert_close(unrotate(rotate(x, "hadamard-vllm"), "hadamard-vllm"), x, rtol=0, atol=1e-12)
+    ours = rotation_matrix(d, "hadamard", dtype=torch.float64)
+    theirs = rotation_matrix(d, "hadamard-vllm", dtype=torch.float64)
+    torch.testing.assert_close(ours.abs(), theirs.abs())
+    assert not torch.equal(ours, theirs)
+
+
+def test_vllm_int4_preset_stores_vllms_codes():
+    """The preset's codes of ``x`` are vLLM's codes of its rotated ``x`` (to a tie; vLLM's scale is
+    ``sqrt(D)`` larger and float32, which moves no code but at a tie), and decode back to ``x``'s basis."""
+    x = torch.randn(1, 2, 128, 64, generator=torch.Generator().manual_seed(7))
+    spec = get_scheme("vllm-int4").key
+    qt = quantize(x, spec)
+    want, zp, scale, _ = vllm_int4(vllm_rht(x))
+    diff = (codes_of(qt) - want.long()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (diff > 0).float().mean()
+    # what vLLM's attention reads back in x's basis: its inverse RHT (the butterfly, then the signs) over D
+    vllm_dec = butterfly((want - zp) * scale) * vllm_signs(64) / 64
+    dec = qt.dequantize(torch.float64)
+    err = (dec - x.double()).pow(2).mean()
+    assert 0 < err < 0.02 * x.pow(2).mean()  # INT4: a real error
+    # and the same one as vLLM's, to the odd tie code (another sign vector's error is independent: 2x err)
+    assert (dec - vllm_dec).pow(2).mean() < 0.05 * err
+
+
 def test_ranges_that_exclude_zero_clip_and_are_counted():
     """A row whose values share a sign gets zp clamped to 0 or 15: everything past 15 steps from 0 clips to
     the last code. The clipped count is the reference's out-of-range codes; the error is seen, not hidden."""
@@ -119,7 +173,7 @@ def test_vllm_int4_preset_is_rotated_and_decodes_close():
     """The preset quantizes the Hadamard-rotated rows with integer zero-points and rotates back; its error is
     that of the float zero-point format to within a few percent (the grids differ by a shift)."""
     s = get_scheme("vllm-int4")
-    assert s.key == s.value and s.key.rotate == "hadamard" and s.key.integer_zero
+    assert s.key == s.value and s.key.rotate == "hadamard-vllm" and s.key.integer_zero
     assert (s.sinks, s.residual, s.block) == (0, 0, 1)
     x = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(3))
     mse = {
@@ -146,5 +200,5 @@ def test_spec_rules_and_json():
     scheme = KVScheme("x", key=INT_ZERO, value=FLOAT_ZERO)
     assert KVScheme.from_json(scheme.to_json()) == scheme
     assert json.loads(scheme.to_json())["key"]["integer_zero"] is True
-    assert _spec_str(get_scheme("vllm-int4").key) == "int4 asym int-zero per-token +hadamard"
+    assert _spec_str(get_scheme("vllm-int4").key) == "int4 asym int-zero per-token +hadamard-vllm"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -43,14 +44,20 @@ def test_seed_replaces_the_signs_and_passes_the_eval_arguments(monkeypatch, rest
 
 
 def test_a_rotated_scheme_stores_other_codes_under_another_seed(monkeypatch, restore_seed):
+    """kvbits' signs (``rotate="hadamard"``: §23c's integer zero-point file and int4-token-hadamard) change;
+    vLLM's (``"hadamard-vllm"``, the vllm-int4 preset) are vLLM's whatever the seed."""
     bench = _load()
     monkeypatch.setattr(bench, "kvbits_main", lambda argv: 0)
     x = torch.randn(1, 2, 16, 64, generator=torch.Generator().manual_seed(0))
-    spec = get_scheme("vllm-int4").key
-    q0 = quantize(x, spec).dequantize(torch.float32)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schemes" / "int4-token-hadamard-intzero.json"
+    ours, theirs = get_scheme(str(path)).key, get_scheme("vllm-int4").key
+    assert (ours.rotate, theirs.rotate) == ("hadamard", "hadamard-vllm")
+    assert dataclasses.replace(ours, rotate="hadamard-vllm") == theirs  # the same format otherwise
+    q0, v0 = (quantize(x, s).dequantize(torch.float32) for s in (ours, theirs))
     bench.main(["1"])
-    q1 = quantize(x, spec).dequantize(torch.float32)
+    q1, v1 = (quantize(x, s).dequantize(torch.float32) for s in (ours, theirs))
     assert not torch.equal(q0, q1)
+    assert torch.equal(v0, v1)
     # both are a 4-bit reconstruction of the same x: errors of the same size, not identical
     e0, e1 = (q0 - x).pow(2).mean(), (q1 - x).pow(2).mean()
     assert 0.5 < float(e0 / e1) < 2.0

@@ -50,6 +50,10 @@ def test_layers_are_matched_by_storage_not_by_name(tmp_path):
     float_zero = dataclasses.replace(same, key=dataclasses.replace(same.key, integer_zero=False))
     with pytest.raises(ValueError, match="vLLM has no KV-cache format storing 'my-int4'"):
         vllm_cache_args(float_zero)
+    # kvbits' own Hadamard signs are another rotation than vLLM's (BENCHMARKS.md §23c): not what vLLM stores
+    ours = dataclasses.replace(same.key, rotate="hadamard")
+    with pytest.raises(ValueError, match="vLLM has no KV-cache format storing 'my-int4'"):
+        vllm_cache_args(dataclasses.replace(same, key=ours, value=ours))
 
 
 @pytest.mark.parametrize(

@@ -108,8 +108,8 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
         )
     if dtype == "int4_per_token_head":
         notes.append(
-            "kvbits emulates vLLM's int4_per_token_head grid (within 1 % of a step; vLLM's own sign vector and "
-            "rounding ties not reproduced)"
+            "kvbits emulates vLLM's int4_per_token_head with vLLM's own Hadamard signs and grid (within 1 % of a "
+            "step: vLLM's float32 scale and rounding ties are not reproduced)"
         )
     if dtype == "auto" or skip:
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")

@@ -86,15 +86,15 @@ for _bits in (8, 4, 3, 2):
             reference=QUAROT,
         )
     )
-_vllm4 = dataclasses.replace(_tok(4), rotate="hadamard", integer_zero=True)
+_vllm4 = dataclasses.replace(_tok(4), rotate="hadamard-vllm", integer_zero=True)
 register(
     KVScheme(
         "vllm-int4",
         key=_vllm4,
         value=_vllm4,
-        description="vLLM's kv_cache_dtype=int4_per_token_head: INT4 per token and head after a random-sign "
-        "Hadamard rotation, with an integer zero-point code (keys and values; vLLM's own sign vector, float32 "
-        "scale and rounding ties are not reproduced)",
+        description="vLLM's kv_cache_dtype=int4_per_token_head: INT4 per token and head after vLLM's "
+        "random-sign Hadamard rotation (its sign vector), with an integer zero-point code (keys and values; "
+        "vLLM's float32 scale and rounding ties are not reproduced)",
         reference=VLLM_INT4,
     )
 )

@@ -39,7 +39,7 @@ INT_BITS = (2, 3, 4, 8)
 NUQ_BITS = (2, 3, 4)
 FP8_FORMATS = ("e4m3", "e5m2")
 FLOAT_FORMATS = ("fp16", "bf16", "fp32")
-ROTATIONS = ("hadamard",)  # kvbits.quant.rotate
+ROTATIONS = ("hadamard", "hadamard-vllm")  # kvbits.quant.rotate: the same Hadamard, two sign vectors
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,9 @@ class TensorSpec:
         rotate: ``None``, or ``"hadamard"``: quantize ``x @ R`` (a fixed random-sign Walsh-Hadamard
             rotation of the head dim, ``kvbits.quant.rotate``) and rotate back after dequantization, so an
             outlier channel is spread over all channels (QuaRot); needs a power-of-two head dim, stores
-            no extra bytes.
+            no extra bytes. ``"hadamard-vllm"``: the same with vLLM's sign vector (its
+            ``int4_per_token_head`` RHT), which on some models changes the error several-fold
+            (BENCHMARKS.md §23c).
         centre: quantize ``x - m`` and add ``m`` back after dequantization, ``m`` a calibrated
             per-(head, channel) mean (``kvbits calibrate``; one float16 ``(H_kv, D)`` vector per layer): a
             channel's constant offset (Qwen2's ``k_proj`` bias) then takes no part of a per-token range.
