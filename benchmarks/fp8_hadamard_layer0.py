@@ -4,6 +4,7 @@ over tokens (per head and channel; softmax ignores it for keys) and the token-va
 import torch
 import transformers
 
+from kvbits.cache.compat import cache_kwargs
 from kvbits.evaluate.data import load_text, tokenize
 from kvbits.evaluate.models import load_model
 from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
@@ -15,7 +16,7 @@ for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
     ids = tokenize(load_text("war-and-peace"), lm.tokenizer)[:1024]
     cache = transformers.DynamicCache(config=lm.model.config)
     with torch.no_grad():
-        lm.model(ids[None], past_key_values=cache, use_cache=True)
+        lm.model(ids[None], **cache_kwargs(cache, lm.model), use_cache=True)
     rows = []
     for i, layer in enumerate(cache.layers):
         row = []

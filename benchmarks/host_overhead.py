@@ -23,7 +23,7 @@ def main() -> None:
     a = p.parse_args()
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-    from kvbits.cache import QuantizedKVCache, use_fused_decode
+    from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -38,11 +38,12 @@ def main() -> None:
         else:
             model.set_attn_implementation("sdpa")
         with torch.no_grad():
-            nxt = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            kw = cache_kwargs(cache, model)
+            nxt = model(ids, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             for i in range(3 + a.steps):
                 if i == 3:
                     t0 = time.perf_counter()
-                out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(nxt, **kw, use_cache=True, logits_to_keep=1)
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         return 1e3 * (time.perf_counter() - t0) / a.steps
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvbits.cache.compat import cache_kwargs
 from kvbits.evaluate.data import load_text, make_windows, tokenize
 from kvbits.evaluate.models import load_model
 from kvbits.quant import quantize
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model)
     ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context, 1)
     cache = DynamicCache(config=lm.model.config)
-    lm.model(ids, past_key_values=cache, use_cache=True)
+    lm.model(ids, **cache_kwargs(cache, lm.model), use_cache=True)
     rows = []
     for name in SCHEMES:
         scheme = get_scheme(name)

@@ -30,6 +30,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbits.cache.compat import cache_kwargs
 from kvbits.evaluate.data import load_text, make_windows, tokenize
 from kvbits.evaluate.models import load_model
 from kvbits.quant import quantize
@@ -82,7 +83,7 @@ def record_attention(model, ids: torch.Tensor, layers: list[int]) -> dict[int, t
     before = model.config._attn_implementation
     model.set_attn_implementation("kvbits_layer_tap")
     try:
-        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        model(ids, **cache_kwargs(DynamicCache(config=model.config), model), use_cache=True)
     finally:
         model.set_attn_implementation(before)
     missing = sorted(set(layers) - set(taps))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _wordlevel import save_word_tokenizer, write_word_text
 
+from kvbits.cache.compat import cache_kwargs
 from kvbits.calibrate import (
     ARTIFACT_FORMAT_VERSION,
     artifact_from_samples,
@@ -665,7 +666,7 @@ def test_fp8_scales_are_the_post_rope_absmax_of_what_the_cache_stores(fp8_calibr
     pre = torch.zeros(2)
     for s in starts:
         cache = transformers.DynamicCache(config=model.config)
-        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        model(ids[None, s : s + 128], **cache_kwargs(cache, model), use_cache=True)
         for i in range(2):
             k, v = cache.layers[i].keys, cache.layers[i].values
             peaks[i, 0] = max(peaks[i, 0], k.abs().max())
@@ -700,7 +701,7 @@ def test_fp8_artifact_round_trips_and_the_cache_uses_it(fp8_calibrated):
     for cal in (None, out):
         cache = QuantizedKVCache(model.config, "fp8-e4m3", calibration=cal)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(cache, model), use_cache=True)
         kv[cal] = cache.materialize(0)
         scale = cache.layers[1]._k.static_scale
         assert float(scale) == (1.0 if cal is None else float(art.tensors["layers.1.key_scale"]))
@@ -708,7 +709,7 @@ def test_fp8_artifact_round_trips_and_the_cache_uses_it(fp8_calibrated):
         assert cache.memory_report()["components"]["fixed"] == 2 * 2 * 4
     ref = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=ref, use_cache=True)
+        model(ids, **cache_kwargs(ref, model), use_cache=True)
     # layer 0: its keys come from the embeddings alone (layer 1's also from layer 0's quantized attention)
     k = ref.layers[0].keys
     s = art.tensors["layers.0.key_scale"]
@@ -794,7 +795,7 @@ def test_fp8_per_head_scales_cover_each_heads_stored_range(fp8_calibrated, tmp_p
     stored = {i: {"key": [], "value": []} for i in range(2)}
     for s in art.meta["data"]["starts"]:
         cache = transformers.DynamicCache(config=model.config)
-        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        model(ids[None, s : s + 128], **cache_kwargs(cache, model), use_cache=True)
         for i in range(2):
             stored[i]["key"].append(cache.layers[i].keys)
             stored[i]["value"].append(cache.layers[i].values)
@@ -823,7 +824,7 @@ def test_fp8_per_head_scales_cover_each_heads_stored_range(fp8_calibrated, tmp_p
     assert all(torch.equal(loaded.tensors[n], t) for n, t in art.tensors.items())
     cache = QuantizedKVCache(model.config, "fp8-e4m3-head", calibration=out)
     assert torch.equal(cache.layers[1]._k.static_scale.flatten(), art.tensors["layers.1.key_scale"])
-    model(token_ids(160, seed=3)[None], past_key_values=cache, use_cache=True)
+    model(token_ids(160, seed=3)[None], **cache_kwargs(cache, model), use_cache=True)
     assert cache.memory_report()["components"]["fixed"] == 2 * 2 * 2 * 4  # layers x sides x heads x float32
     m64 = copy.deepcopy(model).double()
     x = token_ids(80, seed=5)[None]
@@ -871,7 +872,7 @@ def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):
     for s in starts:
         cache = transformers.DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+            model(ids[None, s : s + 128], **cache_kwargs(cache, model), use_cache=True)
         keys.append(cache.layers[1].keys)
     x = torch.cat(keys, dim=2)  # every position: the samples are all of them at this size
     base = amax_art.tensors["layers.1.key_scale"]
@@ -902,7 +903,7 @@ def test_fp8_centred_key_error_ignores_what_softmax_ignores(fp8_calibrated):
     for s in art.meta["data"]["starts"]:
         cache = transformers.DynamicCache(config=model.config)
         with torch.no_grad():
-            model(token_ids()[None, s : s + 128], past_key_values=cache, use_cache=True)
+            model(token_ids()[None, s : s + 128], **cache_kwargs(cache, model), use_cache=True)
         stored["key"].append(cache.layers[1].keys[0])
         stored["value"].append(cache.layers[1].values[0])
     for side, centred in (("key", True), ("value", False)):
@@ -1018,7 +1019,7 @@ def test_rotated_fp8_scales_are_the_absmax_of_the_rotated_stored_tensor(tmp_path
     peaks = torch.zeros(2, 2)
     for s in art.meta["data"]["starts"]:
         cache = transformers.DynamicCache(config=model.config)
-        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        model(ids[None, s : s + 128], **cache_kwargs(cache, model), use_cache=True)
         for i in range(2):
             for j, x in enumerate((cache.layers[i].keys, cache.layers[i].values)):
                 peaks[i, j] = max(peaks[i, j], rotate(x, "hadamard").abs().max())
@@ -1029,7 +1030,7 @@ def test_rotated_fp8_scales_are_the_absmax_of_the_rotated_stored_tensor(tmp_path
             assert float(scale) != float(plain.static_qparams(i, side)[0])  # equal only if the rotation were skipped
     rot = QuantizedKVCache(config=model.config, scheme="fp8-e4m3-hadamard", calibration=str(tmp_path / "rot"))
     for s in art.meta["data"]["starts"]:
-        model(ids[None, s : s + 128], past_key_values=rot, use_cache=True)
+        model(ids[None, s : s + 128], **cache_kwargs(rot, model), use_cache=True)
     assert all(row["clipped_keys"] == 0 and row["clipped_values"] == 0 for row in rot.calibration_report()["layers"])
     with pytest.raises(ValueError, match="after a hadamard rotation; vLLM stores K/V unrotated"):
         check_exportable(art)
@@ -1063,7 +1064,7 @@ def test_rotated_calibration_round_trips(tmp_path):
     with torch.no_grad():
         x = token_ids(80, seed=5)[None]
         ref = model(input_ids=x).logits
-        out = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+        out = model(input_ids=x, **cache_kwargs(cache, model), use_cache=True).logits
     assert torch.isfinite(out).all() and (out - ref).abs().max() < 1.0
 
 
@@ -1130,7 +1131,7 @@ def test_mixed_calibration_serves_and_is_checked_per_layer(three_layer_samples):
     x = token_ids(100, seed=5)[None]
     with torch.no_grad():
         ref = model(input_ids=x).logits
-        out = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+        out = model(input_ids=x, **cache_kwargs(cache, model), use_cache=True).logits
     assert torch.isfinite(out).all() and 0 < float((out - ref).abs().max()) < 2.0
     assert cache.memory_report()["components"]["fixed"] == sum(t.numel() * t.element_size() for t in art.tensors.values())
     # the simulated path installs the same per-layer parameters as the cache (float64: equal to 1e-9)
@@ -1242,7 +1243,7 @@ def test_fp8_ranges_past_the_tracked_positions_fold_into_one_running_max(monkeyp
     stored = []
     for s in samples.data["starts"]:
         cache = transformers.DynamicCache(config=model.config)
-        model(ids[None, s : s + 128], past_key_values=cache, use_cache=True)
+        model(ids[None, s : s + 128], **cache_kwargs(cache, model), use_cache=True)
         stored.append([(cache.layers[i].keys, cache.layers[i].values) for i in range(2)])
     for sinks in (0, 3, 40):
         for j, name in enumerate(("key_post_rope", "value")):

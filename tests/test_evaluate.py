@@ -379,9 +379,9 @@ def test_simulate_equals_stream_centred_smoothed_keys(models, pre_rope: bool):
 
 
 def _has_cache_kw(model) -> bool:
-    from kvbits.evaluate.stream import _cache_kwarg
+    from kvbits.cache import cache_kwarg
 
-    return _cache_kwarg(model.model) == "cache"
+    return cache_kwarg(model.model) == "cache"
 
 
 # ------------------------------------------------------------------------------------ identity

@@ -33,6 +33,7 @@ from transformers import (
 
 from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, track_positions, use_fused_decode
 from kvbits.cache import fused as fused_mod
+from kvbits.cache.compat import cache_kwargs
 from kvbits.cache.layer import _position_offset
 from kvbits.calibrate.fit import tie_rope_pairs
 from kvbits.kernels import dispatch
@@ -178,7 +179,7 @@ def generate(model, scheme, *, fused: bool | str, attn: bool, new: int = NEW, id
     cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
     install(cache, scheme)
     with attention(model, attn):
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+        out = model.generate(ids, **cache_kwargs(cache, model), max_new_tokens=new, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True, **kw)  # fmt: skip
     return out.sequences, torch.stack(out.logits), cache
 
@@ -497,7 +498,7 @@ def test_float_mask_falls_back_logged(caplog):
     from kvbits.cache.attention import fused_attention
 
     with attention(model, True), torch.no_grad():  # placeholders only while the model's attention is fused
-        model(prompt(), past_key_values=cache)
+        model(prompt(), **cache_kwargs(cache, model))
         layer = cache.layers[0]
         k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
         pk, pv = cache.update(k, v, 0)
@@ -521,7 +522,7 @@ def test_claimed_decode_steps_return_placeholders():
     model = build("llama")
     cache = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
     with attention(model, True):  # placeholders only while the model's attention is fused
-        model(prompt(), past_key_values=cache)
+        model(prompt(), **cache_kwargs(cache, model))
         layer = cache.layers[0]
         assert layer.fused.claimed
         k, v = torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32)
@@ -554,14 +555,14 @@ def test_switching_away_from_fused_attention_mid_generation(caplog):
     assert all(r["claimed"] for r in cache.fused_report()["layers"])
     kw = {"do_sample": False, "pad_token_id": 0, "output_logits": True, "return_dict_in_generate": True}
     with caplog.at_level(logging.INFO, logger="kvbits.cache"):
-        out = model.generate(seq, past_key_values=cache, max_new_tokens=5, **kw)
+        out = model.generate(seq, **cache_kwargs(cache, model), max_new_tokens=5, **kw)
     assert torch.equal(out.sequences, seq_ref)
     torch.testing.assert_close(torch.stack(out.logits), logits_ref[NEW:], atol=1e-3, rtol=0)
     assert any("changed from 'kvbits_fused' to 'sdpa'" in r.getMessage() for r in caplog.records)
     rep = cache.fused_report()
     assert not any(r["claimed"] for r in rep["layers"]) and rep["fused_steps"] == (NEW - 1) * n_layers
     with attention(model, True):
-        model.generate(out.sequences, past_key_values=cache, max_new_tokens=3, **kw)
+        model.generate(out.sequences, **cache_kwargs(cache, model), max_new_tokens=3, **kw)
     rep = cache.fused_report()
     assert all(r["claimed"] for r in rep["layers"]) and rep["fused_steps"] == (NEW - 1 + 2) * n_layers
 
@@ -575,14 +576,14 @@ def test_deepcopy_of_a_claimed_cache_decodes_fused():
     ids = prompt(batch=1)
     with attention(model, True):
         base = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
-        model(ids, past_key_values=base)
+        model(ids, **cache_kwargs(base, model))
         for seed in (2, 3):
             x = torch.cat([ids, prompt(batch=1, seed=seed)[:, :4]], 1)
             copied = copy.deepcopy(base)
             fresh = QuantizedKVCache(config=model.config, scheme=PRE_ROPE, fused_decode=True)
-            model(ids, past_key_values=fresh)
+            model(ids, **cache_kwargs(fresh, model))
             outs = [
-                model.generate(x, past_key_values=c, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                model.generate(x, **cache_kwargs(c, model), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                                output_logits=True, return_dict_in_generate=True)
                 for c in (copied, fresh)
             ]  # fmt: skip
@@ -692,7 +693,7 @@ def test_lazy_checks_fused_generation_matches_eager(scheme: str):
             config=model.config, scheme=sch, fused_decode=True, checks=mode, check_every=4
         )
         with attention(model, True), torch.no_grad():
-            gen = model.generate(prompt(), past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+            gen = model.generate(prompt(), **cache_kwargs(cache, model), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                                  output_logits=True, return_dict_in_generate=True)  # fmt: skip
         assert cache.layers[0].checks.lazy == (mode == "lazy")
         out[mode] = (gen.sequences, torch.stack(gen.logits), cache.memory_report(), cache.fused_report())
@@ -721,7 +722,7 @@ def test_nan_during_fused_generation_is_caught(mode: str):
     try:
         with attention(model, True), torch.no_grad(), pytest.raises(ValueError) as err:
             model.generate(
-                prompt(), past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0
+                prompt(), **cache_kwargs(cache, model), max_new_tokens=NEW, do_sample=False, pad_token_id=0
             )
     finally:
         handle.remove()
@@ -785,7 +786,7 @@ def test_padded_pre_rope_keys_are_the_models(monkeypatch, caplog, source: str):
     cache = QuantizedKVCache(config=model.config, scheme=sch)
     try:
         with caplog.at_level(logging.INFO, logger="kvbits.cache.cache"):
-            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+            model.generate(ids, attention_mask=mask, **cache_kwargs(cache, model), max_new_tokens=1, do_sample=False,
                            pad_token_id=0)  # fmt: skip
     finally:
         for h in hooks:
@@ -822,7 +823,7 @@ def test_track_positions_hands_the_calls_positions_only_during_the_call():
     assert track_positions(model) is tracking
     pos = torch.arange(5).unsqueeze(0)
     with torch.no_grad():
-        model(torch.ones(1, 5, dtype=torch.long), past_key_values=cache, position_ids=pos)
+        model(torch.ones(1, 5, dtype=torch.long), **cache_kwargs(cache, model), position_ids=pos)
     assert during and torch.equal(during[-1], pos) and cache.position_ids_hint is None
 
     def boom(m, a):
@@ -830,12 +831,12 @@ def test_track_positions_hands_the_calls_positions_only_during_the_call():
 
     failing = model.model.embed_tokens.register_forward_pre_hook(boom)
     with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
-        model(torch.ones(1, 5, dtype=torch.long), past_key_values=cache, position_ids=pos + 5)
+        model(torch.ones(1, 5, dtype=torch.long), **cache_kwargs(cache, model), position_ids=pos + 5)
     failing.remove()
     assert torch.equal(during[-1], pos + 5) and cache.position_ids_hint is None
     tracking.remove()
     with torch.no_grad():
-        model(torch.ones(1, 1, dtype=torch.long), past_key_values=cache, position_ids=pos[:, :1] + 5)
+        model(torch.ones(1, 1, dtype=torch.long), **cache_kwargs(cache, model), position_ids=pos[:, :1] + 5)
     assert during[-1] is None  # no tracking: no hint
     probe.remove()
     assert track_positions(model) is not tracking  # tracks again after remove()
@@ -849,9 +850,9 @@ def _decode_at(model, cache, ids: torch.Tensor, start: int, fused: bool, prefill
     outs = []
     with attention(model, fused):
         pos = torch.arange(start, start + ids.shape[1])[None]
-        outs.append(model(ids[:, :prefill], past_key_values=cache, position_ids=pos[:, :prefill]).logits[:, -1])
+        outs.append(model(ids[:, :prefill], **cache_kwargs(cache, model), position_ids=pos[:, :prefill]).logits[:, -1])
         for i in range(prefill, ids.shape[1]):
-            outs.append(model(ids[:, i : i + 1], past_key_values=cache, position_ids=pos[:, i : i + 1]).logits[:, -1])
+            outs.append(model(ids[:, i : i + 1], **cache_kwargs(cache, model), position_ids=pos[:, i : i + 1]).logits[:, -1])
     return torch.stack(outs)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbits.cache.compat import cache_kwargs
 from kvbits.plan import GIB, ModelShape, estimate_params, load_shape, model_shape, plan, plan_shape
 from kvbits.schemes import average_bits, get_scheme, token_split
 
@@ -598,8 +599,8 @@ def test_planned_bytes_equal_cache_bytes_in_a_forward_pass():
     model = AutoModelForCausalLM.from_config(cfg).eval()
     cache = cache_mod.QuantizedKVCache(cfg, "kivi-2")
     with torch.no_grad():
-        model(torch.randint(0, 64, (2, 170)), past_key_values=cache, use_cache=True)
-        model(torch.randint(0, 64, (2, 1)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 64, (2, 170)), **cache_kwargs(cache, model), use_cache=True)
+        model(torch.randint(0, 64, (2, 1)), **cache_kwargs(cache, model), use_cache=True)
     planned = plan(cfg, context=171, batch=2, scheme="kivi-2", dtype_bytes=4)
     assert planned["total_bytes"] == cache.memory_report()["total_bytes"]
     assert planned["components"]["quantized"] > 0

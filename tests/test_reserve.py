@@ -21,6 +21,7 @@ from test_fused_cache import NEW, PROMPT, SCHEMES, attention, build, install, pr
 
 from kvbits.cache import QuantizedKVCache
 from kvbits.cache import fused as fused_mod
+from kvbits.cache.compat import cache_kwargs
 from kvbits.kernels import dispatch
 from kvbits.kernels.reference import PackedStore, decode_attention_reference, pack_store
 from kvbits.plan import plan
@@ -54,7 +55,7 @@ def run(model, scheme, *, fused: bool, new: int = NEW, ids=None, steps: list | N
         hook = model.register_forward_hook(record)
     try:
         with attention(model, fused):
-            out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+            out = model.generate(ids, **cache_kwargs(cache, model), max_new_tokens=new, do_sample=False, pad_token_id=0,
                                  output_logits=True, return_dict_in_generate=True)  # fmt: skip
     finally:
         if hook is not None:
@@ -376,7 +377,7 @@ def test_beam_search_with_a_reserved_workspace_equals_a_growing_one():
     outs = []
     for reserve in (None, FULL + 8):
         cache = QuantizedKVCache(config=model.config, scheme=sch, workspace=True, max_cache_len=reserve)
-        out = model.generate(prompt(), past_key_values=cache, max_new_tokens=NEW, num_beams=2, do_sample=False,
+        out = model.generate(prompt(), **cache_kwargs(cache, model), max_new_tokens=NEW, num_beams=2, do_sample=False,
                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
         outs.append((out, cache))
     (a, grown), (b, reserved) = outs

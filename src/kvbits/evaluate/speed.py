@@ -125,9 +125,9 @@ def _decode(
     """``warmup + steps`` greedy steps from ``first`` ``(B, 1)`` through ``cache``: the generated tokens
     ``(B, warmup + steps)`` and the times (ms) of the last ``steps``; ``on_timed()`` is called before the
     first timed step."""
-    from kvbits.evaluate.stream import _cache_kwarg
+    from kvbits.cache.compat import cache_kwarg
 
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     dev = first.device
     nxt, tokens, times = first, [], []
     for i in range(warmup + steps):

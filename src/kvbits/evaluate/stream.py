@@ -22,7 +22,6 @@ elements): 4.5 and 2.5. They only exist as a cache, so they run in stream mode o
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from kvbits._model import check_model
+from kvbits.cache.compat import cache_kwarg
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -203,15 +203,6 @@ def base_model(model: Any) -> Any:
     return base
 
 
-def _cache_kwarg(base: Any) -> str:
-    """``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier 5.x)."""
-    try:
-        params = inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _step(base: Any, ids: torch.Tensor, cache: Any, kw: str) -> torch.Tensor:
     return base(input_ids=ids, use_cache=True, **{kw: cache}).last_hidden_state
 
@@ -228,7 +219,7 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[
 
     base = base_model(model)
     full = DynamicCache()
-    hidden = _step(base, ids, full, _cache_kwarg(base))
+    hidden = _step(base, ids, full, cache_kwarg(base))
     return hidden, [(layer.keys, layer.values) for layer in full.layers]
 
 
@@ -262,7 +253,7 @@ def decode_hidden(
     """Final hidden states ``(B, T, hidden)`` of ``ids`` ``(B, T)`` fed one token per forward through
     ``cache`` (which already holds whatever came before them), as generation decodes."""
     base = base_model(model)
-    kw = _cache_kwarg(base)
+    kw = cache_kwarg(base)
     chunks = []
     for t in range(ids.shape[1]):
         chunks.append(_step(base, ids[:, t : t + 1], cache, kw))
