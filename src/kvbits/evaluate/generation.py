@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits.cache.compat import cache_kwarg
+from kvbits.cache.compat import cache_kwargs
 from kvbits.evaluate.stream import PeerScheme, _fused_attention, base_model, fuses, make_cache
 from kvbits.schemes.spec import KVScheme
 
@@ -174,7 +174,7 @@ def greedy_continuation(model: Any, ids: torch.Tensor, new_tokens: int, cache: A
         eos_token_id=[],
         pad_token_id=pad if isinstance(pad, int) else 0,
     )
-    kw = {cache_kwarg(base_model(model)): cache}  # `cache` from transformers 5.24, `past_key_values` before
+    kw = cache_kwargs(cache, base_model(model))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **kw)
     if out.shape != (1, ids.shape[1] + new_tokens):
         raise RuntimeError(
