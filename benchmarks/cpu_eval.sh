@@ -125,6 +125,18 @@ if [[ $step == all || $step == vllm-int4-signs ]]; then
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
     --scheme "vllm-int4,0=fp16" --scheme vllm-int4 --out runs/qwen-wiki-32k-vllm-int4-vllm-signs
 fi
+if [[ $step == all || $step == vllm-int8 ]]; then
+  # vLLM's int8_per_token_head as its write kernel stores it (vllm-int8: symmetric per-token INT8, codes rounded
+  # toward zero; BENCHMARKS.md §24) beside the same format rounded to nearest (§20's scheme file): §20's windows,
+  # then §3f's 32K window (bfloat16, about 30 min)
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme vllm-int8 --scheme benchmarks/schemes/int8-token-sym.json --scheme "vllm-int8,0=fp16" \
+    --out runs/qwen-wiki-4k-vllm-int8
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme vllm-int8 --scheme benchmarks/schemes/int8-token-sym.json --out runs/smollm2-wp-8k-vllm-int8
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
+    --scheme vllm-int8 --scheme benchmarks/schemes/int8-token-sym.json --out runs/qwen-wiki-32k-vllm-int8
+fi
 if [[ $step == all || $step == rotation-seeds ]]; then
   # the same rotated formats with other random-sign vectors in the Hadamard rotation (BENCHMARKS.md §23c; seed 0,
   # kvbits' own, is the runs above); about 1.5 min per Qwen2.5 run, 3 min per SmolLM2 run. The integer zero-point

@@ -316,3 +316,37 @@ def test_every_preset_builds_its_cache_store_for_the_resource_rows(monkeypatch):
     for name in ("int4-token-smooth", "int4-token-smooth-prerope", "kivi-4", "kvquant-4-block"):
         assert served[name] is not None, name
     assert served["int4-token-smooth-prerope"].key.channel_factor is not None
+
+
+VLLM_INT8_WRITE = '''
+import re, sys, torch, triton, triton.language as tl
+from kvbits.kernels.aot import compile_only
+
+
+@triton.jit
+def vllm_int8_write(x_ptr, out_ptr, D: tl.constexpr):
+    """The quantize-and-store of vLLM's int8_per_token_head write kernel (``_reshape_cache_per_token_head``),
+    restated for one (token, head) row: a float32 value stored into an int8 cache."""
+    offs = tl.arange(0, D)
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x)) / 127.0, 1e-6)
+    q = tl.clamp(x * (1.0 / scale), -128.0, 127.0)
+    tl.store(out_ptr + offs, q)
+
+
+with compile_only("sm_90") as compiled:
+    vllm_int8_write[(1,)](torch.zeros(128, dtype=torch.float16), torch.zeros(128, dtype=torch.int8), D=128)
+print(" ".join(sorted(set(re.findall(r"cvt\\.[a-z0-9.]+\\.f32", compiled[0].asm["ptx"])))))
+'''
+
+
+def test_triton_stores_float_into_int8_by_truncating(tmp_path):
+    """Why ``vllm-int8`` rounds its codes toward zero (``TensorSpec(rounding="trunc")``): vLLM's int8 write
+    stores a float32 ``clamp(x * (1 / scale))`` into an int8 pointer with no rounding of its own, and Triton
+    compiles that store cast for sm_90 as ``cvt.rzi`` (round toward zero), not ``cvt.rni`` (nearest)."""
+    src = tmp_path / "vllm_int8_write.py"
+    src.write_text(VLLM_INT8_WRITE)
+    out = _run(f"import runpy; runpy.run_path({str(src)!r}, run_name='__main__')")
+    assert out.returncode == 0, out.stderr[-3000:]
+    cvts = out.stdout.split()
+    assert any(c.startswith("cvt.rzi.s") for c in cvts) and not any(c.startswith("cvt.rni.s") for c in cvts), cvts

@@ -124,7 +124,7 @@ SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-tok
            "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES,
            "int4-smooth": get_scheme("int4-token-smooth"), "smooth-tail": SMOOTH_TAIL,
            "smooth-prerope": SMOOTH_PRE_ROPE, "smooth-prerope-untied": SMOOTH_PRE_ROPE_UNTIED,
-           "vllm-int4": get_scheme("vllm-int4")}  # fmt: skip
+           "vllm-int4": get_scheme("vllm-int4"), "vllm-int8": get_scheme("vllm-int8")}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
@@ -184,14 +184,22 @@ def generate(model, scheme, *, fused: bool | str, attn: bool, new: int = NEW, id
     return out.sequences, torch.stack(out.logits), cache
 
 
-def code_flips(a: QuantizedKVCache, b: QuantizedKVCache) -> tuple[int, int]:
-    """(stored code bytes that differ between two caches of one generation, code bytes in all)."""
+def code_flips(a: QuantizedKVCache, b: QuantizedKVCache, *, edges: bool = False) -> tuple[int, int]:
+    """(stored code bytes that differ between two caches of one generation, code bytes in all).
+
+    Codes truncated toward zero (``vllm-int8``) put each row's largest value on a code boundary (``x / scale``
+    is 127 up to float rounding), so float-level differences between the two paths move it between 126 and 127
+    (as they would in vLLM); those are counted only with ``edges``. Every other flip is."""
     flips = total = 0
     for la, lb in zip(a.layers, b.layers):
         for sa, sb in ((la._k, lb._k), (la._v, lb._v)):
             for ca, cb in zip(sa.chunks, sb.chunks):
                 da, db = ca.data.view(torch.uint8), cb.data.view(torch.uint8)
-                flips += int((da != db).sum())
+                differ = da != db
+                if not edges and sa.spec.rounding == "trunc" and sa.spec.bits == 8:  # a code per byte, offset 127
+                    ma, mb = (da.long() - 127).abs(), (db.long() - 127).abs()
+                    differ &= ~((torch.minimum(ma, mb) == 126) & (torch.maximum(ma, mb) == 127))
+                flips += int(differ.sum())
                 total += da.numel()
     return flips, total
 
@@ -226,7 +234,8 @@ def test_fused_decode_matches_dequantized_path(arch: str, scheme: str):
     # can round the other way (seen with static fp8, a coarse grid) and shift later logits by ~1e-4.
     flips, n_codes = code_flips(ref, cache)
     assert flips <= max(2, n_codes // 10_000), (flips, n_codes)
-    torch.testing.assert_close(logits, logits_ref, atol=ATOL if flips == 0 else 1e-3, rtol=0)
+    moved = code_flips(ref, cache, edges=True)[0]
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL if moved == 0 else 1e-3, rtol=0)
     # the kernel read quantized slots, and blocks were flushed while decoding (new packed views)
     assert 0 < token_split(sch, PROMPT).quantized < token_split(sch, PROMPT + NEW - 1).quantized
     assert (
@@ -629,7 +638,7 @@ def use_triton(monkeypatch) -> None:
     "scheme,padded",
     [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True), ("rot-keys", True),
      ("rot-values", False), ("fp8-hadamard", True), ("smooth-prerope", True), ("smooth-prerope-untied", False),
-     ("vllm-int4", True)],
+     ("vllm-int4", True), ("vllm-int8", True)],
 )  # fmt: skip
 def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's
@@ -650,7 +659,8 @@ def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     assert k.call_count == cache.fused_report()["fused_steps"] == 4 * 2
     assert (k.call_args.args[1].quant_mask is not None) == padded
     assert torch.equal(seq, seq_ref) and code_flips(ref, cache)[0] == 0
-    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+    moved = code_flips(ref, cache, edges=True)[0]  # vllm-int8's row maxima, on their truncation boundary
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL if moved == 0 else 1e-3, rtol=0)
 
 
 def test_fused_decode_triton_f16_dequant(monkeypatch):

@@ -95,12 +95,14 @@ def test_quantize_kernel_sync_free_count_and_unsupported():
         spec(4, "head"),
         spec(4, "channel", 48),
         spec(4, "token", integer_zero=True),  # the kernel chooses float zero-points (vllm-int4: the reference)
+        spec(8, "token", symmetric=True, rounding="trunc"),  # the kernel rounds to nearest (vllm-int8: the reference)
     ):
         assert supported(x, bad) is not None
         with pytest.raises(NotImplementedError, match="quantize_pack_triton"):
             quantize_pack_triton(x, bad)
     assert "head_dim" in supported(torch.zeros(1, 1, 4, 48), spec(4, "token"))
     assert "integer zero-points" in supported(x, spec(4, "token", integer_zero=True))
+    assert "trunc rounding" in supported(x, spec(8, "token", symmetric=True, rounding="trunc"))
 
 
 def test_quantize_dispatch(monkeypatch, caplog):

@@ -59,7 +59,7 @@ def test_layers_are_matched_by_storage_not_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("scheme", "why"),
     [
-        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, fp8-e4m3"),
+        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, vllm-int8, fp8-e4m3"),
         ("kivi-4", "storing 'kivi-4'"),
         ("fp8-e4m3-hadamard", "storing 'fp8-e4m3-hadamard'"),  # vLLM stores K/V unrotated
         ("int4-token-hadamard,0=fp16", "the layers of 'int4-token-hadamard,0=fp16' that no override names"),

@@ -96,6 +96,8 @@ def _spec_str(spec: Any) -> str:
         parts.append("sym" if getattr(spec, "symmetric", False) else "asym")
         if getattr(spec, "integer_zero", False):
             parts.append("int-zero")
+        if getattr(spec, "rounding", "nearest") != "nearest":
+            parts.append(spec.rounding)
     parts.append(f"per-{spec.granularity}")
     if getattr(spec, "group_size", None):
         parts.append(f"g{spec.group_size}")

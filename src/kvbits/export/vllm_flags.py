@@ -6,6 +6,7 @@ model's dtype). Both read from vLLM's source (``vllm/config/cache.py``); vLLM wa
 onto them when every layer is either the base format or unquantized:
 
 - base ``vllm-int4`` (Hadamard-rotated per-token INT4 with an integer zero-point) -> ``int4_per_token_head``;
+- base ``vllm-int8`` (symmetric per-token INT8, codes rounded toward zero) -> ``int8_per_token_head``;
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
   carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
 - base ``fp16`` / ``bf16`` -> ``auto``;
@@ -25,7 +26,9 @@ from kvbits.schemes import KVScheme, get_scheme
 __all__ = ["VllmCacheArgs", "vllm_cache_args"]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
-_FORMATS = {"vllm-int4": "int4_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8"}
+_FORMATS = {
+    "vllm-int4": "int4_per_token_head", "vllm-int8": "int8_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
+}  # fmt: skip
 _UNQUANTIZED = ("fp16", "bf16")
 
 
@@ -110,6 +113,13 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
         notes.append(
             "kvbits emulates vLLM's int4_per_token_head with vLLM's own Hadamard signs and grid (within 1 % of a "
             "step: vLLM's float32 scale and rounding ties are not reproduced)"
+        )
+    if dtype == "int8_per_token_head":
+        notes.append(
+            "vLLM's int8_per_token_head rounds its codes toward zero (its write kernel's float-to-int8 store), as "
+            "kvbits' vllm-int8 does; vLLM keeps each scale in float32, so its cache holds 16 bits per token and "
+            "head more than kvbits plan counts for vllm-int8 (kvbits' float16 scale decodes within 6.2 % of a step "
+            "of vLLM's)"
         )
     if dtype == "auto" or skip:
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")

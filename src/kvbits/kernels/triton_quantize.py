@@ -358,6 +358,8 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
         return f"{spec.rotate} rotation (the torch reference rotates, then quantizes)"
     if spec.integer_zero:
         return "integer zero-points (the torch reference chooses them)"
+    if spec.rounding != "nearest":
+        return f"{spec.rounding} rounding (the torch reference rounds toward zero from a float32 scale)"
     if spec.has_channel_transform:
         return "centred / smoothed channels (the torch reference transforms, then quantizes)"
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):

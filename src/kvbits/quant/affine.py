@@ -9,6 +9,9 @@ within ``scale / 2`` per element. A constant group gets ``scale = 0`` and decode
 
 Integer zero-points (``TensorSpec.integer_zero``, vLLM's ``int4_per_token_head``): ``x ≈ (code - z) * scale``
 with ``z`` a code, stored as ``zero = -z * scale`` so the same decoder applies (:func:`integer_zero_qparams`).
+
+Truncated symmetric codes (``TensorSpec(rounding="trunc")``, vLLM's ``int8_per_token_head``): codes rounded
+toward zero from vLLM's float32 scale, the scale stored to the nearest float16 (:func:`trunc_symmetric`).
 """
 
 from __future__ import annotations
@@ -139,6 +142,49 @@ def integer_zero_qparams(
     v = -lo / scale.float()
     z = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(0, steps)
     return scale, (-z * scale.float()).to(META_DTYPE)
+
+
+TRUNC_MIN_SCALE = 1e-6  # vLLM's int8_per_token_head floor (``max(absmax / 127, 1e-6)``)
+
+
+def trunc_symmetric(
+    x: torch.Tensor, bits: int, dims: tuple[int, ...], *, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, codes, clipped)`` of symmetric codes rounded toward zero, as vLLM's ``int8_per_token_head``.
+
+    vLLM's write kernel computes, in float32, ``scale = max(absmax / c, 1e-6)`` (``c = 2**(bits-1) - 1``) and
+    stores ``clamp(x * (1 / scale), -c - 1, c)`` into an int8 cache: Triton's float-to-int store cast
+    truncates (``cvt.rzi``), so every value moves toward zero by up to a whole step (``tests/test_trunc_codes.py``
+    compiles that store for sm_90 and reads the instruction). Here the codes come from that float32 scale
+    (IEEE division and reciprocal; vLLM's ``div.full.f32`` may differ by an ulp or two, which moves a code only
+    where ``x / scale`` lies that close to an integer, as the row maximum does); the scale is stored to the
+    nearest float16, so ``(code - c) * scale`` decodes within ``c * 2**-11`` steps (6.2 % of a step at INT8's largest code) of vLLM's float32 decode.
+
+    Args:
+        x: any shape, floating.
+        bits: code width.
+        dims: the dimensions one scale reduces over (keepdim).
+        mask: optional bool tensor like ``x``; ``True`` marks elements excluded from the range.
+
+    Returns:
+        ``scale`` (float16, keepdim over ``dims``), ``codes`` (uint8 like ``x``, offset by ``c`` as
+        :func:`quantize_affine`'s symmetric codes) and ``clipped`` (bool like ``x``: beyond ``c`` steps, as a
+        row whose largest magnitude is under ``c * 1e-6`` is beyond the floor scale, and clamped).
+    """
+    check_bits(bits)
+    c = 2 ** (bits - 1) - 1
+    empty = empty_groups(x, dims, True)
+    if empty is not None:
+        return empty[0], torch.full(x.shape, c, dtype=torch.uint8, device=x.device), torch.zeros(
+            x.shape, dtype=torch.bool, device=x.device
+        )
+    xf = x.float()
+    a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
+    scale32 = div_rn(a.amax(dim=dims, keepdim=True), c).clamp_min(TRUNC_MIN_SCALE)
+    q = torch.trunc(xf * torch.reciprocal(scale32))
+    clipped = (q < -c) | (q > c)
+    codes = (q.clamp(-c, c) + c).to(torch.uint8)
+    return scale32.to(META_DTYPE), codes, clipped
 
 
 def empty_groups(

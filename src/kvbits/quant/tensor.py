@@ -20,6 +20,7 @@ from kvbits.quant.affine import (
     div_rn,
     integer_zero_qparams,
     quantize_affine,
+    trunc_symmetric,
 )
 from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8, static_fp8_scale
@@ -316,17 +317,23 @@ def quantize(
         raise NotImplementedError(f"quantize for kind={spec.kind!r} is not implemented")
     xg = _group(x, spec)
     mg = _group(mask, spec) if mask is not None else None
+    trunc = None
     if static_qp is not None:
         scale, zero = static_qp
     elif spec.integer_zero:
         scale, zero = integer_zero_qparams(xg, spec.bits, _reduce_dims(spec), mask=mg)
+    elif spec.rounding == "trunc":  # codes from vLLM's float32 scale, not from the stored float16 one
+        scale, *trunc = trunc_symmetric(xg, spec.bits, _reduce_dims(spec), mask=mg)
+        zero = None
     elif spec.kind == "int":
         scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
     else:  # the range check reads the device: not with sync=False (the cache bounds |x| instead)
         scale, zero = choose_nuq_params(
             xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg, check=validate or sync
         )
-    if spec.kind == "int":
+    if trunc is not None:
+        codes, clipped = trunc
+    elif spec.kind == "int":
         codes, clipped = quantize_affine(xg, scale, zero, spec.bits)
     else:
         codes, clipped = quantize_nuq(xg, scale, zero, codebook)

@@ -16,6 +16,7 @@ QSERVE = "https://arxiv.org/abs/2405.04532"
 QUAROT = "https://arxiv.org/abs/2404.00456"
 VLLM_FP8 = "https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache.html"
 VLLM_INT4 = "https://docs.vllm.ai/en/latest/api/vllm/v1/attention/ops/int4_per_token_head/"
+VLLM_INT8 = "https://docs.vllm.ai/en/latest/api/vllm/v1/attention/ops/triton_reshape_and_cache_flash/"
 
 _REGISTRY: dict[str, KVScheme] = {}
 
@@ -96,6 +97,18 @@ register(
         "random-sign Hadamard rotation (its sign vector), with an integer zero-point code (keys and values; "
         "vLLM's float32 scale and rounding ties are not reproduced)",
         reference=VLLM_INT4,
+    )
+)
+_vllm8 = dataclasses.replace(_tok(8), symmetric=True, rounding="trunc")
+register(
+    KVScheme(
+        "vllm-int8",
+        key=_vllm8,
+        value=_vllm8,
+        description="vLLM's kv_cache_dtype=int8_per_token_head: INT8 symmetric per token and head, scale "
+        "max(absmax / 127, 1e-6), codes rounded toward zero as vLLM's write kernel stores them (keys and values; "
+        "vLLM keeps the scale in float32, 16 bits per token and head more than kvbits' float16)",
+        reference=VLLM_INT8,
     )
 )
 for _bits in (8, 4, 3, 2):

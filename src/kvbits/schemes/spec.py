@@ -40,6 +40,7 @@ NUQ_BITS = (2, 3, 4)
 FP8_FORMATS = ("e4m3", "e5m2")
 FLOAT_FORMATS = ("fp16", "bf16", "fp32")
 ROTATIONS = ("hadamard", "hadamard-vllm")  # kvbits.quant.rotate: the same Hadamard, two sign vectors
+ROUNDINGS = ("nearest", "trunc")  # how a scaled value becomes an integer code (TensorSpec.rounding)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class TensorSpec:
             range that excludes 0 loses what lies past ``2**bits - 1`` steps from 0 (``z`` clamps; counted as
             clipped). Stored as float16 ``scale`` and ``zero = -z * scale``, the bytes of
             ``symmetric=False``; dynamic ``kind="int"`` only.
+        rounding: how a scaled value becomes a code: ``"nearest"`` (the default), or ``"trunc"``, toward zero,
+            as vLLM's ``int8_per_token_head`` write kernel stores ``clamp(x * (1 / scale))`` into an int8 cache
+            (Triton's float-to-int store cast, ``cvt.rzi``): every value loses up to a whole step instead of half
+            of one, always toward zero. ``"trunc"`` takes vLLM's float32 scale ``max(absmax / (2**(bits-1) - 1),
+            1e-6)`` for the codes and stores it to the nearest float16; dynamic symmetric ``kind="int"`` only.
         static: scales come from a calibration artifact instead of the data being stored.
         outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
@@ -94,6 +100,7 @@ class TensorSpec:
     centre: bool = False
     smooth: float | None = None
     integer_zero: bool = False
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -166,6 +173,14 @@ class TensorSpec:
                 f"static=False: the zero-point code is chosen from each group's range), got kind={self.kind!r}, "
                 f"symmetric={self.symmetric}, static={self.static}"
             )
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.rounding == "trunc" and (self.kind != "int" or not self.symmetric or self.static):
+            raise ValueError(
+                "rounding='trunc' applies to dynamic symmetric integer specs (kind='int', symmetric=True, "
+                f"static=False: vLLM's int8_per_token_head), got kind={self.kind!r}, symmetric={self.symmetric}, "
+                f"static={self.static}"
+            )
         if self.kind == "fp8" and self.static and self.granularity == "token":
             raise ValueError(
                 "a static FP8 spec has one calibrated scale per tensor ('tensor') or per KV head ('head'); "
@@ -174,7 +189,7 @@ class TensorSpec:
 
     def _check_types(self) -> None:
         """``TypeError`` for fields of the wrong type (a scheme JSON may carry ``2.0`` or ``"false"``)."""
-        for name in ("kind", "granularity"):
+        for name in ("kind", "granularity", "rounding"):
             _require(self, name, str, "a str")
         for name in ("fmt", "rotate"):
             if getattr(self, name) is not None:
@@ -219,10 +234,12 @@ class TensorSpec:
         return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON types; ``rotate``, ``centre``, ``smooth`` and ``integer_zero`` only when set, so
-        specs without them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
+        """The fields as JSON types; ``rotate``, ``centre``, ``smooth``, ``integer_zero`` and ``rounding`` only when
+        set, so specs without them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
         d = dataclasses.asdict(self)
-        for name, unset in (("rotate", None), ("centre", False), ("smooth", None), ("integer_zero", False)):
+        for name, unset in (
+            ("rotate", None), ("centre", False), ("smooth", None), ("integer_zero", False), ("rounding", "nearest"),
+        ):  # fmt: skip
             if d[name] == unset and type(d[name]) is type(unset):
                 del d[name]
         return d
