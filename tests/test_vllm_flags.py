@@ -23,6 +23,9 @@ from kvbits.schemes import get_scheme
          ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0", "1", "5"]),
         ("fp8-e4m3,23=fp16", "fp8", (23,), ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "23"]),
         ("fp8-e4m3-head", "fp8", (), ["--kv-cache-dtype", "fp8"]),
+        ("vllm-int8,0=fp16", "int8_per_token_head", (0,),
+         ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0"]),
+        ("fp8-e4m3-token", "fp8_per_token_head", (), ["--kv-cache-dtype", "fp8_per_token_head"]),
         ("fp16", "auto", (), []),
         ("bf16", "auto", (), []),
     ],
@@ -59,7 +62,7 @@ def test_layers_are_matched_by_storage_not_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("scheme", "why"),
     [
-        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, vllm-int8, fp8-e4m3"),
+        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, vllm-int8, fp8-e4m3-token, fp8-e4m3"),
         ("kivi-4", "storing 'kivi-4'"),
         ("fp8-e4m3-hadamard", "storing 'fp8-e4m3-hadamard'"),  # vLLM stores K/V unrotated
         ("int4-token-hadamard,0=fp16", "the layers of 'int4-token-hadamard,0=fp16' that no override names"),
@@ -115,3 +118,30 @@ def test_cli_needs_a_calibration_or_a_scheme(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["export", "--scheme", "vllm-int4", "--calibration", "cal"])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_fp8_per_token_codes_are_vllms():
+    """``fp8-e4m3-token`` against vLLM's ``fp8_per_token_head`` write restated: a float32 scale ``max(absmax /
+    448, 1e-6)`` per token and head, ``clamp(x * (1 / scale), -448, 448)`` stored into an E4M3 cache, which
+    Triton converts to the nearest (``cvt.rn.satfinite``, read from the sm_90 compile like the int8 store in
+    tests/test_aot.py). kvbits' float16 scale (rounded up) moves a code by one E4M3 step only near a rounding
+    boundary, and the decoded values agree to a small fraction of a step."""
+    import torch
+
+    from kvbits.quant import quantize
+
+    x = torch.randn(2, 4, 128, 64, generator=torch.Generator().manual_seed(8))
+    x[:, 1, :, 3] += 30.0  # an outlier channel
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-6)
+    want = (xf * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    qt = quantize(x, get_scheme("fp8-e4m3-token").key)
+    got = qt.data.view(torch.float8_e4m3fn)
+    same = got.view(torch.uint8) == want.view(torch.uint8)
+    assert same.float().mean() > 0.99, same.float().mean()
+    # where they differ, by one E4M3 code (adjacent bit patterns of the same sign)
+    diff = (got.view(torch.uint8).long() - want.view(torch.uint8).long()).abs()
+    assert diff.max() == 1
+    err_vllm = (want.float() * scale - xf).pow(2).mean()
+    err_kvbits = (qt.dequantize(torch.float32) - xf).pow(2).mean()
+    assert abs(err_kvbits / err_vllm - 1) < 0.02, (err_kvbits, err_vllm)

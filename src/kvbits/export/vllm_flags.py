@@ -7,6 +7,8 @@ onto them when every layer is either the base format or unquantized:
 
 - base ``vllm-int4`` (Hadamard-rotated per-token INT4 with an integer zero-point) -> ``int4_per_token_head``;
 - base ``vllm-int8`` (symmetric per-token INT8, codes rounded toward zero) -> ``int8_per_token_head``;
+- base ``fp8-e4m3-token`` (FP8 E4M3 with a dynamic ``absmax / 448`` scale per token and head) -> ``fp8_per_token_head``
+  (vLLM's codes are the nearest E4M3, ``cvt.rn``, as kvbits'; its scale float32);
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
   carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
 - base ``fp16`` / ``bf16`` -> ``auto``;
@@ -27,7 +29,8 @@ __all__ = ["VllmCacheArgs", "vllm_cache_args"]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
 _FORMATS = {
-    "vllm-int4": "int4_per_token_head", "vllm-int8": "int8_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
+    "vllm-int4": "int4_per_token_head", "vllm-int8": "int8_per_token_head", "fp8-e4m3-token": "fp8_per_token_head",
+    "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
 }  # fmt: skip
 _UNQUANTIZED = ("fp16", "bf16")
 
@@ -120,6 +123,12 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
             "kvbits' vllm-int8 does; vLLM keeps each scale in float32, so its cache holds 16 bits per token and "
             "head more than kvbits plan counts for vllm-int8 (kvbits' float16 scale decodes within 6.2 % of a step "
             "of vLLM's)"
+        )
+    if dtype == "fp8_per_token_head":
+        notes.append(
+            "vLLM's fp8_per_token_head keeps each scale in float32 (16 bits per token and head more than kvbits plan "
+            "counts for fp8-e4m3-token); kvbits' float16 scale, rounded up, moves a code only where x / scale lies "
+            "within 2**-10 of an E4M3 rounding boundary"
         )
     if dtype == "auto" or skip:
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
