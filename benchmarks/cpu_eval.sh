@@ -157,6 +157,30 @@ if [[ $step == all || $step == rotation-seeds ]]; then
       --out runs/seed-hadamard-smollm2-$seed
   done
 fi
+if [[ $step == all || $step == vllm-int8-sides ]]; then
+  # which side carries vllm-int8's truncation (BENCHMARKS.md §24): keys truncated and values rounded, and the reverse
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/vllm-int8-keys.json --scheme benchmarks/schemes/vllm-int8-values.json \
+    --out runs/qwen-wiki-4k-vllm-int8-sides
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme benchmarks/schemes/vllm-int8-keys.json --scheme benchmarks/schemes/vllm-int8-values.json \
+    --out runs/smollm2-wp-8k-vllm-int8-sides
+fi
+if [[ $step == all || $step == vllm-fp8-token ]]; then
+  # vLLM's other per-token-head format, fp8_per_token_head (fp8-e4m3-token), on §24's windows beside vllm-int8
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme fp8-e4m3-token --out runs/qwen-wiki-4k-fp8-token
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme fp8-e4m3-token --out runs/smollm2-wp-8k-fp8-token
+fi
+if [[ $step == all || $step == rotation-seeds-int8 ]]; then
+  # §11's rotated INT8 and INT3 (one draw of the signs there) under three more sign vectors (BENCHMARKS.md §23e)
+  for seed in 1 2 3; do
+    PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model qwen2.5-coder-0.5b --data wikitext2 \
+      --context 4k --windows 1 --no-progress --scheme int8-token-hadamard --scheme int3-token-hadamard \
+      --out runs/seed-hadamard-int8-$seed
+  done
+fi
 if [[ $step == all || $step == smooth ]]; then
   # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
   # calibrated on Pride and Prejudice (2 x 2,048) as the kvquant step is; on Qwen2.5 also the halves of the

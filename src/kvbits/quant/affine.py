@@ -154,11 +154,12 @@ def trunc_symmetric(
 
     vLLM's write kernel computes, in float32, ``scale = max(absmax / c, 1e-6)`` (``c = 2**(bits-1) - 1``) and
     stores ``clamp(x * (1 / scale), -c - 1, c)`` into an int8 cache: Triton's float-to-int store cast
-    truncates (``cvt.rzi``), so every value moves toward zero by up to a whole step (``tests/test_trunc_codes.py``
+    truncates (``cvt.rzi``), so every value moves toward zero by up to a whole step (``tests/test_aot.py``
     compiles that store for sm_90 and reads the instruction). Here the codes come from that float32 scale
     (IEEE division and reciprocal; vLLM's ``div.full.f32`` may differ by an ulp or two, which moves a code only
     where ``x / scale`` lies that close to an integer, as the row maximum does); the scale is stored to the
-    nearest float16, so ``(code - c) * scale`` decodes within ``c * 2**-11`` steps (6.2 % of a step at INT8's largest code) of vLLM's float32 decode.
+    nearest float16, so ``(code - c) * scale`` decodes within ``c * 2**-11`` steps of vLLM's float32 decode
+    (6.2 % of a step at INT8's largest code).
 
     Args:
         x: any shape, floating.
