@@ -115,7 +115,9 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
     if dtype == "int4_per_token_head":
         notes.append(
             "kvbits emulates vLLM's int4_per_token_head with vLLM's own Hadamard signs and grid (within 1 % of a "
-            "step: vLLM's float32 scale and rounding ties are not reproduced)"
+            "step: vLLM's float32 scale and rounding ties are not reproduced), as written in vLLM's "
+            "ops/int4_per_token_head.py and triton_quant_kv/int4_per_token_head.py; other vLLM sources store a "
+            "signed 4-bit codebook with per-group scales under the same name: check your vLLM's write kernel"
         )
     if dtype == "int8_per_token_head":
         notes.append(
