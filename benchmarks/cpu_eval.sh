@@ -166,6 +166,15 @@ if [[ $step == all || $step == vllm-int8-sides ]]; then
     --scheme benchmarks/schemes/vllm-int8-keys.json --scheme benchmarks/schemes/vllm-int8-values.json \
     --out runs/smollm2-wp-8k-vllm-int8-sides
 fi
+if [[ $step == all || $step == vllm-int8-layers ]]; then
+  # every layer's attention with the model's own queries, truncated against rounded INT8 keys (BENCHMARKS.md §24):
+  # KL, entropy and the slope of the quantized logits on the exact ones
+  SYM8=benchmarks/schemes/int8-token-sym.json
+  PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model qwen2.5-coder-0.5b --data wikitext2 \
+    --context 4096 --layers $(seq 0 23) --scheme vllm-int8 --scheme $SYM8 --out runs/layer-attention-kl-qwen-wiki-4k-int8.json
+  PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model smollm2-135m --data war-and-peace \
+    --context 8192 --layers $(seq 0 29) --scheme vllm-int8 --scheme $SYM8 --out runs/layer-attention-kl-smollm2-wp-8k-int8.json
+fi
 if [[ $step == all || $step == vllm-fp8-token ]]; then
   # vLLM's other per-token-head format, fp8_per_token_head (fp8-e4m3-token), on §24's windows beside vllm-int8
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \

@@ -10,6 +10,9 @@ the attention distribution over the keys the query sees (values are not involved
 - ``kl``: KL(exact || quantized) in nats, mean over query heads and sampled queries;
 - ``logit_rms``: RMS over the visible keys of the logit error after removing its mean over those keys (a
   shift shared by every key cancels in the softmax), mean over heads and queries;
+- ``logit_slope``: the least-squares slope of the quantized logits on the exact ones over the visible keys (both
+  centred on their mean over those keys), mean over heads and queries: below 1 the quantized keys compress a
+  query's logits (a flatter attention, as from a higher temperature), above 1 they stretch them;
 - ``entropy`` exact and quantized (nats), and ``argmax_agree``: the fraction of (head, query) whose most
   attended key is the same.
 
@@ -60,9 +63,13 @@ def compare(q: torch.Tensor, k: torch.Tensor, kq: torch.Tensor, rows: torch.Tens
     n = visible.sum(-1)
     err = (l1 - l0).masked_fill(~visible, 0)
     centred = (err - err.sum(-1, keepdim=True) / n[:, None]).masked_fill(~visible, 0)
+    c0, c1 = ((x.masked_fill(~visible, 0) - (x.masked_fill(~visible, 0).sum(-1, keepdim=True) / n[:, None]))
+              .masked_fill(~visible, 0) for x in (l0, l1))  # fmt: skip
+    slope = (c0 * c1).sum(-1) / c0.pow(2).sum(-1).clamp_min(1e-30)
     entropy = [-(p.exp() * p).masked_fill(~visible, 0).sum(-1).mean().item() for p in (p0, p1)]
     return {
         "kl": kl.mean().item(), "logit_rms": (centred.pow(2).sum(-1) / n).sqrt().mean().item(),
+        "logit_slope": slope.mean().item(),
         "entropy_exact": entropy[0], "entropy_quantized": entropy[1],
         "argmax_agree": (p0.argmax(-1) == p1.argmax(-1)).float().mean().item(),
     }  # fmt: skip
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             out.append(r)
             print(
                 f"{r['scheme'][:28]:28s} layer {layer:2d}  KL {r['kl']:8.3f}  logit error {r['logit_rms']:7.2f}  "
+                f"slope {r['logit_slope']:.4f}  "
                 f"entropy {r['entropy_exact']:.2f} -> {r['entropy_quantized']:.2f}  argmax agree {r['argmax_agree']:.2f}"
             )
     if args.out:

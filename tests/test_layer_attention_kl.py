@@ -27,6 +27,7 @@ def _load():
 
 
 bench = _load()
+SYM8 = Path(__file__).resolve().parents[1] / "benchmarks" / "schemes" / "int8-token-sym.json"  # rounded to nearest
 g = torch.Generator().manual_seed(0)
 Q, K = torch.randn(4, 300, 16, generator=g), torch.randn(2, 300, 16, generator=g)
 ROWS = torch.arange(256, 300, 7)
@@ -76,3 +77,23 @@ def test_record_attention_taps_the_cached_keys():
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match=r"layers \[5\] were not seen"):
         bench.record_attention(model, ids, [5])
+
+
+def test_logit_slope_reads_a_compression_of_the_logits():
+    """Keys scaled by 0.9 give every query's logits a slope of exactly 0.9 (a flatter attention); noise added
+    to the keys leaves the slope near 1; truncated INT8 codes (vllm-int8) compress the logits, rounded ones
+    do not (BENCHMARKS.md §24)."""
+    assert bench.compare(Q, K, K.clone(), ROWS, 0.25)["logit_slope"] == pytest.approx(1.0, abs=1e-6)
+    scaled = bench.compare(Q, K, 0.9 * K, ROWS, 0.25)
+    assert scaled["logit_slope"] == pytest.approx(0.9, abs=1e-5) and scaled["entropy_quantized"] > scaled["entropy_exact"]
+    noisy = bench.compare(Q, K, K + 0.3 * torch.randn(K.shape, generator=g), ROWS, 0.25)
+    assert abs(noisy["logit_slope"] - 1) < 0.05
+    # queries that attend to their own keys (as a model's do): truncation shrinks exactly those logits
+    kk = torch.randn(2, 300, 16, generator=g)
+    qq = kk.repeat_interleave(2, 0).roll(1, 1) + 0.5 * torch.randn(4, 300, 16, generator=g)
+    slopes = {
+        name: bench.compare(qq, kk, quantize(kk[None], get_scheme(name).key).dequantize(torch.float32)[0], ROWS,
+                            0.25)["logit_slope"]
+        for name in ("vllm-int8", str(SYM8))
+    }  # fmt: skip
+    assert slopes["vllm-int8"] < 0.999 and abs(slopes[str(SYM8)] - 1) < 5e-4, slopes
