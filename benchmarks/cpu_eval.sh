@@ -175,6 +175,11 @@ if [[ $step == all || $step == vllm-int8-layers ]]; then
   PYTHONPATH=src .venv/bin/python benchmarks/layer_attention_kl.py --model smollm2-135m --data war-and-peace \
     --context 8192 --layers $(seq 0 29) --scheme vllm-int8 --scheme $SYM8 --out runs/layer-attention-kl-smollm2-wp-8k-int8.json
 fi
+if [[ $step == all || $step == needle-vllm-int8 ]]; then
+  # passkeys through vLLM's truncated INT8 and the same format rounded: §17b's 15 trials (4K-16K; about 30 min)
+  $K needle --model qwen2.5-coder-0.5b --context 4k --context 8k --context 16k --trials 1 --no-progress \
+    --scheme vllm-int8 --scheme benchmarks/schemes/int8-token-sym.json --out runs/needle-qwen-vllm-int8
+fi
 if [[ $step == all || $step == vllm-fp8-token ]]; then
   # vLLM's other per-token-head format, fp8_per_token_head (fp8-e4m3-token), on §24's windows beside vllm-int8
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \

@@ -1,4 +1,4 @@
-"""What quantized keys do to one layer's attention, with the model's own queries (BENCHMARKS.md §23).
+"""What quantized keys do to one layer's attention, with the model's own queries (BENCHMARKS.md §23, §24).
 
 Runs the model once over the evaluation window (``make_windows``, the first of ``kvbits eval --windows 1``),
 records the post-RoPE queries and keys that the chosen layers hand to attention (a registered transformers
