@@ -61,10 +61,13 @@ def compare(q: torch.Tensor, k: torch.Tensor, kq: torch.Tensor, rows: torch.Tens
     p1, l1, _ = attention_logprobs(q, kq, rows, scaling)
     kl = (p0.exp() * (p0 - p1)).masked_fill(~visible, 0).sum(-1)
     n = visible.sum(-1)
-    err = (l1 - l0).masked_fill(~visible, 0)
-    centred = (err - err.sum(-1, keepdim=True) / n[:, None]).masked_fill(~visible, 0)
-    c0, c1 = ((x.masked_fill(~visible, 0) - (x.masked_fill(~visible, 0).sum(-1, keepdim=True) / n[:, None]))
-              .masked_fill(~visible, 0) for x in (l0, l1))  # fmt: skip
+
+    def centre(x: torch.Tensor) -> torch.Tensor:  # x less its mean over the keys each query sees; 0 elsewhere
+        x = x.masked_fill(~visible, 0)
+        return (x - x.sum(-1, keepdim=True) / n[:, None]).masked_fill(~visible, 0)
+
+    centred = centre(l1 - l0)
+    c0, c1 = centre(l0), centre(l1)
     slope = (c0 * c1).sum(-1) / c0.pow(2).sum(-1).clamp_min(1e-30)
     entropy = [-(p.exp() * p).masked_fill(~visible, 0).sum(-1).mean().item() for p in (p0, p1)]
     return {
