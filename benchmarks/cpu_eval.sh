@@ -187,6 +187,14 @@ if [[ $step == all || $step == vllm-fp8-token ]]; then
   $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
     --scheme fp8-e4m3-token --out runs/smollm2-wp-8k-fp8-token
 fi
+if [[ $step == all || $step == vllm-fp32-scales ]]; then
+  # the vllm-* per-token presets with vLLM's float32 scales (scale_dtype="fp32", since 2026-12-04; §24's runs above
+  # stored vllm-int8's scale in float16) and vllm-fp8-token, fp8-e4m3-token's codes under float32 scales
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --windows 1 --no-progress \
+    --scheme vllm-int8 --scheme vllm-fp8-token --out runs/qwen-wiki-4k-vllm-fp32-scales
+  $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
+    --scheme vllm-int8 --scheme vllm-fp8-token --out runs/smollm2-wp-8k-vllm-fp32-scales
+fi
 if [[ $step == all || $step == rotation-seeds-int8 ]]; then
   # §11's rotated INT8 and INT3 (one draw of the signs there) under three more sign vectors (BENCHMARKS.md §23e)
   for seed in 1 2 3; do

@@ -124,7 +124,8 @@ SCHEMES = {"int8-token": get_scheme("int8-token"), "int4-kivi": KIVI4, "int2-tok
            "fp8-hadamard": get_scheme("fp8-e4m3-hadamard"), "rot-keys": ROT_KEYS, "rot-values": ROT_VALUES,
            "int4-smooth": get_scheme("int4-token-smooth"), "smooth-tail": SMOOTH_TAIL,
            "smooth-prerope": SMOOTH_PRE_ROPE, "smooth-prerope-untied": SMOOTH_PRE_ROPE_UNTIED,
-           "vllm-int4": get_scheme("vllm-int4"), "vllm-int8": get_scheme("vllm-int8")}  # fmt: skip
+           "vllm-int4": get_scheme("vllm-int4"), "vllm-int8": get_scheme("vllm-int8"),
+           "vllm-fp8-token": get_scheme("vllm-fp8-token")}  # fmt: skip
 
 
 def install(cache: QuantizedKVCache, scheme: KVScheme, n_layers: int = 2, H_kv: int = 2, D: int = 32) -> None:
@@ -638,7 +639,7 @@ def use_triton(monkeypatch) -> None:
     "scheme,padded",
     [("int4-prerope", False), ("kvquant3-block", True), ("fp8-e4m3-token", True), ("rot-keys", True),
      ("rot-values", False), ("fp8-hadamard", True), ("smooth-prerope", True), ("smooth-prerope-untied", False),
-     ("vllm-int4", True), ("vllm-int8", True)],
+     ("vllm-int4", True), ("vllm-int8", True), ("vllm-fp8-token", False)],
 )  # fmt: skip
 def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     """Through the Triton kernel itself: pre-RoPE keys with sinks (RoPE in-kernel, gather path); KVQuant's

@@ -204,6 +204,10 @@ KIND_SPECS = [
     fp8("e4m3", "token"),
     fp8("e5m2", "token", outlier_frac=0.02),
     fp8("e4m3", "tensor", static=True),
+    # float32 scales and zero-points (scale_dtype="fp32": vLLM's per-token-head caches)
+    fp8("e4m3", "token", scale_dtype="fp32"),
+    spec(8, "token", symmetric=True, rounding="trunc", scale_dtype="fp32"),
+    spec(4, "channel", 32, scale_dtype="fp32"),
 ]
 
 
@@ -216,6 +220,9 @@ def test_pack_store_kinds_decode_like_quantized_blocks(s: TensorSpec):
     blocks = [quantize(x, s, **kw) for x in xs]
     p = pack_store(blocks, blocks).key
     assert (p.kind, p.n_outliers > 0) == (s.kind, s.outlier_frac > 0)
+    wide = s.scale_dtype == "fp32" or (s.kind == "fp8" and s.static)  # kept float32, not cast to float16
+    assert p.scale.dtype == (torch.float32 if wide else torch.float16)
+    assert p.zero is None or p.zero.dtype == p.scale.dtype
     want = torch.cat([b.dequantize() for b in blocks], 2)
     assert torch.equal(dequantize_packed(p), want)
     # every stored byte is read, nothing more (static scales are per layer: counted once per sequence/head)
@@ -771,6 +778,19 @@ ATTENTION_CASES = [
         False,
     ),
     ("no-tail-d128-g4", {"T_f": 0, "D": 128, "G": 4, "B": 1}, 2, None),
+    (
+        "vllm-int8-fp32-scales",
+        {"key_spec": spec(8, "token", symmetric=True, rounding="trunc", scale_dtype="fp32"),
+         "value_spec": spec(8, "token", symmetric=True, rounding="trunc", scale_dtype="fp32")},
+        2,
+        None,
+    ),
+    (
+        "int4-kivi-fp32-scales",
+        {"key_spec": spec(4, "channel", 32, scale_dtype="fp32"), "value_spec": spec(4, "token", 32, scale_dtype="fp32")},
+        2,
+        None,
+    ),
 ]
 
 
@@ -1075,6 +1095,16 @@ def test_f16_dequant_rounds_once_to_float16(s: TensorSpec, block_t: int):
     got = triton_decode.dequantize_packed_triton(p, block_t=block_t, dequant="f16")
     want = dequantize_packed(p, dtype=torch.float64).half()
     assert torch.equal(got.half(), want), float((got - want.float()).abs().max())
+
+
+@needs_triton
+def test_f16_dequant_declines_float32_scales():
+    """``dequant="f16"`` reads float16 metadata (as int32 words, a float16 multiply-add): a side with float32
+    scales and zero-points (``scale_dtype="fp32"``) keeps the float32 path, the same layout otherwise."""
+    x = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for s, ok in ((spec(4, "token", 32), True), (spec(4, "token", 32, scale_dtype="fp32"), False)):
+        p = pack_store([quantize(x, s)], [quantize(x, s)]).key
+        assert triton_decode.f16_ok(p, 32, torch.float16) is ok, s
 
 
 F16_CASES = [  # (name, make_store kwargs, query dtype, (F16_K, F16_V) expected)

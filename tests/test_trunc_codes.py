@@ -9,6 +9,7 @@ the sm_90 compile).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -21,6 +22,7 @@ from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 from kvbits.schemes.accounting import quantized_bytes
 
 TRUNC = TensorSpec(kind="int", bits=8, fmt=None, symmetric=True, rounding="trunc")
+VLLM8 = dataclasses.replace(TRUNC, scale_dtype="fp32")  # the preset: vLLM's float32 scale kept as it is
 NEAREST = TensorSpec(kind="int", bits=8, fmt=None, symmetric=True)
 
 
@@ -69,6 +71,19 @@ def test_decode_is_vllms_within_six_percent_of_a_step():
     assert 127 * 2.0**-12 < gap.max() <= 127 * 2.0**-11 * 1.001, gap.max()
 
 
+def test_float32_scales_decode_as_vllm_bit_for_bit():
+    """``scale_dtype="fp32"`` (the preset) stores vLLM's float32 scale itself: same codes, same scale, and
+    ``(code - 127) * scale`` is vLLM's decode exactly, the floor-scale rows included."""
+    x = rows(1)
+    qt = quantize(x, VLLM8)
+    want, scale = vllm_int8(x)
+    assert qt.scale.dtype == torch.float32 and torch.equal(qt.scale.reshape(scale.shape), scale)
+    assert torch.equal(codes_of(qt), want.long())
+    assert torch.equal(qt.dequantize(torch.float32), want * scale)
+    # the float16-scale variant does not (the test can tell them apart)
+    assert not torch.equal(quantize(x, TRUNC).dequantize(torch.float32), want * scale)
+
+
 def test_truncation_moves_every_value_toward_zero_by_up_to_a_step():
     """|decoded| <= |x| (to the float16 scale's rounding), the error is below one step, its mean is half a
     step toward zero, and the squared error is about 4x that of nearest rounding (uniform on a step against
@@ -102,12 +117,15 @@ def test_floor_scale_rows_clip_and_are_counted():
 
 def test_bytes_and_preset():
     s = get_scheme("vllm-int8")
-    assert s.key == s.value == TRUNC and (s.sinks, s.residual, s.block) == (0, 0, 1)
+    assert s.key == s.value == VLLM8 and (s.sinks, s.residual, s.block) == (0, 0, 1)
     B, H, n, D = 2, 3, 16, 64
     x = torch.randn(B, H, n, D)
     qt = quantize(x, s.key)
-    # one byte per element and a float16 scale per token and head (vLLM: float32, 2 bytes more)
-    assert qt.nbytes == quantized_bytes(s.key, n, H, D) * B == B * H * n * (D + 2) == quantize(x, NEAREST).nbytes
+    # one byte per element and a float32 scale per token and head, as vLLM's cache holds them
+    assert qt.nbytes == quantized_bytes(s.key, n, H, D) * B == B * H * n * (D + 4)
+    # the float16-scale variants: 2 bytes less per token and head
+    for spec in (TRUNC, NEAREST):
+        assert quantize(x, spec).nbytes == quantized_bytes(spec, n, H, D) * B == B * H * n * (D + 2)
 
 
 def test_cache_serves_the_preset_with_its_error():
@@ -149,6 +167,7 @@ def test_spec_rules_json_and_export():
     assert KVScheme.from_json(scheme.to_json()) == scheme
     assert json.loads(scheme.to_json())["key"]["rounding"] == "trunc"
     assert _spec_str(TRUNC) == "int8 sym trunc per-token"
+    assert _spec_str(VLLM8) == "int8 sym trunc fp32-scales per-token"
     args = vllm_cache_args("vllm-int8,0=fp16")
     assert args.cli() == ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0"]
     assert any("toward zero" in n and "float32" in n for n in args.notes)

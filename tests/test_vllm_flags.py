@@ -26,6 +26,8 @@ from kvbits.schemes import get_scheme
         ("vllm-int8,0=fp16", "int8_per_token_head", (0,),
          ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0"]),
         ("fp8-e4m3-token", "fp8_per_token_head", (), ["--kv-cache-dtype", "fp8_per_token_head"]),
+        ("vllm-fp8-token,2=fp16", "fp8_per_token_head", (2,),
+         ["--kv-cache-dtype", "fp8_per_token_head", "--kv-cache-dtype-skip-layers", "2"]),
         ("fp16", "auto", (), []),
         ("bf16", "auto", (), []),
     ],
@@ -62,7 +64,7 @@ def test_layers_are_matched_by_storage_not_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("scheme", "why"),
     [
-        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, vllm-int8, fp8-e4m3-token, fp8-e4m3"),
+        ("int4-token-hadamard", r"storing 'int4-token-hadamard': kvbits maps only vllm-int4, vllm-int8, vllm-fp8-token, fp8-e4m3-token, fp8-e4m3"),
         ("kivi-4", "storing 'kivi-4'"),
         ("fp8-e4m3-hadamard", "storing 'fp8-e4m3-hadamard'"),  # vLLM stores K/V unrotated
         ("int4-token-hadamard,0=fp16", "the layers of 'int4-token-hadamard,0=fp16' that no override names"),
@@ -145,3 +147,12 @@ def test_fp8_per_token_codes_are_vllms():
     err_vllm = (want.float() * scale - xf).pow(2).mean()
     err_kvbits = (qt.dequantize(torch.float32) - xf).pow(2).mean()
     assert abs(err_kvbits / err_vllm - 1) < 0.02, (err_kvbits, err_vllm)
+    # vllm-fp8-token keeps vLLM's float32 scale: every code, every scale and the decode are vLLM's, and the row
+    # maxima that saturate onto 448 within a float32 ulp are not counted as clipped
+    exact = quantize(x, get_scheme("vllm-fp8-token").key)
+    assert exact.scale.dtype == torch.float32 and torch.equal(exact.scale, scale)
+    assert torch.equal(exact.data.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(exact.dequantize(torch.float32), want.float() * scale)
+    assert exact.clipped == 0 and (xf / scale).abs().max() > 448  # such a row is there (the test can tell)
+    notes = vllm_cache_args("vllm-fp8-token").notes + vllm_cache_args("fp8-e4m3-token").notes
+    assert any("same bytes" in n for n in notes[:1]) and "vllm-fp8-token counts them" in notes[1]

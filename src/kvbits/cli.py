@@ -98,6 +98,8 @@ def _spec_str(spec: Any) -> str:
             parts.append("int-zero")
         if getattr(spec, "rounding", "nearest") != "nearest":
             parts.append(spec.rounding)
+    if getattr(spec, "scale_dtype", "fp16") != "fp16":
+        parts.append(f"{spec.scale_dtype}-scales")
     parts.append(f"per-{spec.granularity}")
     if getattr(spec, "group_size", None):
         parts.append(f"g{spec.group_size}")

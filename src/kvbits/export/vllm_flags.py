@@ -6,9 +6,10 @@ model's dtype). Both read from vLLM's source (``vllm/config/cache.py``); vLLM wa
 onto them when every layer is either the base format or unquantized:
 
 - base ``vllm-int4`` (Hadamard-rotated per-token INT4 with an integer zero-point) -> ``int4_per_token_head``;
-- base ``vllm-int8`` (symmetric per-token INT8, codes rounded toward zero) -> ``int8_per_token_head``;
-- base ``fp8-e4m3-token`` (FP8 E4M3 with a dynamic ``absmax / 448`` scale per token and head) -> ``fp8_per_token_head``
-  (vLLM's codes are the nearest E4M3, ``cvt.rn``, as kvbits'; its scale float32);
+- base ``vllm-int8`` (symmetric per-token INT8, float32 scales, codes rounded toward zero) -> ``int8_per_token_head``;
+- base ``vllm-fp8-token`` or ``fp8-e4m3-token`` (FP8 E4M3 with a dynamic ``absmax / 448`` scale per token and head,
+  float32 or float16) -> ``fp8_per_token_head`` (vLLM's codes are the nearest E4M3, ``cvt.rn``, as kvbits'; its
+  scale float32, as ``vllm-fp8-token``'s);
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
   carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
 - base ``fp16`` / ``bf16`` -> ``auto``;
@@ -29,8 +30,8 @@ __all__ = ["VllmCacheArgs", "vllm_cache_args"]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
 _FORMATS = {
-    "vllm-int4": "int4_per_token_head", "vllm-int8": "int8_per_token_head", "fp8-e4m3-token": "fp8_per_token_head",
-    "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
+    "vllm-int4": "int4_per_token_head", "vllm-int8": "int8_per_token_head", "vllm-fp8-token": "fp8_per_token_head",
+    "fp8-e4m3-token": "fp8_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
 }  # fmt: skip
 _UNQUANTIZED = ("fp16", "bf16")
 
@@ -121,16 +122,21 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
         )
     if dtype == "int8_per_token_head":
         notes.append(
-            "vLLM's int8_per_token_head rounds its codes toward zero (its write kernel's float-to-int8 store), as "
-            "kvbits' vllm-int8 does; vLLM keeps each scale in float32, so its cache holds 16 bits per token and "
-            "head more than kvbits plan counts for vllm-int8 (kvbits' float16 scale decodes within 6.2 % of a step "
-            "of vLLM's)"
+            "vLLM's int8_per_token_head rounds its codes toward zero (its write kernel's float-to-int8 store) from a "
+            "float32 scale, as kvbits' vllm-int8 does (same scale, same bytes; vLLM's approximate division may move "
+            "a code that lies within an ulp or two of an integer)"
         )
-    if dtype == "fp8_per_token_head":
+    if dtype == "fp8_per_token_head" and name == "vllm-fp8-token":
+        notes.append(
+            "vLLM's fp8_per_token_head: the nearest E4M3 code under a float32 scale absmax / 448 per token and head, "
+            "as kvbits' vllm-fp8-token stores it (same bytes; vLLM floors the scale at 1e-6, kvbits keeps a zero "
+            "row's scale 0, and rounds the scale up an ulp where absmax / scale would pass 448)"
+        )
+    elif dtype == "fp8_per_token_head":
         notes.append(
             "vLLM's fp8_per_token_head keeps each scale in float32 (16 bits per token and head more than kvbits plan "
-            "counts for fp8-e4m3-token); kvbits' float16 scale, rounded up, moves a code only where x / scale lies "
-            "within 2**-10 of an E4M3 rounding boundary"
+            "counts for fp8-e4m3-token; --scheme vllm-fp8-token counts them); kvbits' float16 scale, rounded up, "
+            "moves a code only where x / scale lies within 2**-10 of an E4M3 rounding boundary"
         )
     if dtype == "auto" or skip:
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")

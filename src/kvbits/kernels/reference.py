@@ -11,7 +11,7 @@ Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
   bit-packed along ``D`` exactly as ``kvbits.quant.pack``: code ``i`` of each 8-code word sits at bits
   ``[bits*i, bits*(i+1))`` of the word, little-endian, so for 2/4/8 bits channel ``d`` is in byte
   ``d // (8 / bits)`` at shift ``(d % (8 / bits)) * bits``; 3-bit codes may straddle two bytes.
-- ``scale`` (and ``zero`` when asymmetric): float16 ``(B, H_kv, T_q / tps, D / cps)``, where one scale
+- ``scale`` (and ``zero`` when asymmetric): float16 (float32 for ``scale_dtype="fp32"`` specs) ``(B, H_kv, T_q / tps, D / cps)``, where one scale
   covers ``tps`` consecutive tokens ("tokens per scale") and ``cps`` consecutive channels ("channels
   per scale"). The element at (token ``t``, channel ``d``) uses ``scale[..., t // tps, d // cps]``:
 
@@ -91,7 +91,7 @@ class PackedTensor:
 
     Attributes:
         codes: ``(B, H_kv, T_q, ceil(D * bits / 8))`` uint8 (fp8: the ``(B, H_kv, T_q, D)`` float8 bytes).
-        scale: ``(B, H_kv, T_q // tps, D // cps)`` float16 (a static fp8 scale: float32).
+        scale: ``(B, H_kv, T_q // tps, D // cps)`` float16 (a static fp8 scale and ``scale_dtype="fp32"``: float32).
         zero: same shape as ``scale`` (asymmetric) or ``None`` (symmetric).
         bits: 2, 3, 4 or 8.
         tps: tokens per scale; cps: channels per scale.
@@ -339,12 +339,14 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
         if any(b.codebook is not codebook and not torch.equal(b.codebook, codebook) for b in blocks[1:]):
             raise ValueError(f"{what}: NUQ blocks of one layer must share its codebook")
         codebook = codebook.to(torch.float16).contiguous()
-    # fp8's static scale stays float32 (quantize keeps it so); every other scale is float16 already
-    meta_dtype = torch.float32 if spec.kind == "fp8" and tps == STATIC_TPS else torch.float16
+    # fp8's static scale stays float32 (quantize keeps it so), as do scale_dtype="fp32" scales and zero-points;
+    # every other scale is float16 already
+    wide = spec.kind == "fp8" and tps == STATIC_TPS or spec.scale_dtype == "fp32"
+    meta_dtype = torch.float32 if wide else torch.float16
     return PackedTensor(
         codes=codes_t,
         scale=_cat_tokens(scales).to(meta_dtype).contiguous(),
-        zero=_cat_tokens(zeros).to(torch.float16).contiguous() if zeros else None,
+        zero=_cat_tokens(zeros).to(meta_dtype).contiguous() if zeros else None,
         bits=spec.bits,
         tps=tps,
         cps=cps,

@@ -784,11 +784,13 @@ def _asm_ok() -> bool:
 def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
     """Whether ``dequant="f16"`` (``_load_rows16``) can read side ``p`` with ``block_t``-token tiles.
 
-    Float16 queries; integer codes of 2, 4 or 8 bits without sparse outliers, in int32-aligned rows; scale
-    groups that are whole tiles, several per tile, or per token; a power-of-two number of scale columns.
+    Float16 queries; integer codes of 2, 4 or 8 bits without sparse outliers, in int32-aligned rows; float16
+    scales and zero-points; scale groups that are whole tiles, several per tile, or per token; a power-of-two number of scale columns.
     """
     if p is None or q_dtype != torch.float16 or p.kind != "int" or p.bits not in (2, 4, 8) or p.n_outliers:
         return False
+    if any(m is not None and m.dtype != torch.float16 for m in (p.scale, p.zero)):
+        return False  # float32 scales (scale_dtype="fp32"): the float32 path reads them
     if p.codes.shape[-1] % 4 or p.codes.data_ptr() % 4:
         return False
     tps_ok = p.tps == 1 or p.tps % block_t == 0 or block_t % p.tps == 0

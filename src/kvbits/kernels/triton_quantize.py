@@ -360,6 +360,8 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
         return "integer zero-points (the torch reference chooses them)"
     if spec.rounding != "nearest":
         return f"{spec.rounding} rounding (the torch reference rounds toward zero from a float32 scale)"
+    if spec.scale_dtype != "fp16":
+        return f"{spec.scale_dtype} scales (the kernel writes float16 ones; the torch reference keeps float32)"
     if spec.has_channel_transform:
         return "centred / smoothed channels (the torch reference transforms, then quantizes)"
     if x.dim() != 4 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):

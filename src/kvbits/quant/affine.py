@@ -4,7 +4,8 @@ Asymmetric codes (KIVI, the default): ``x ≈ code * scale + zero`` with ``zero`
 codes in ``[0, 2**b - 1]``. Symmetric codes: ``x ≈ (code - c) * scale`` with ``c = 2**(b-1) - 1``,
 codes in ``[0, 2c]``. Scales and zero-points are stored in float16; they are rounded *outward*
 (zero down, scale up) so the stored range always covers the data and the round-trip error stays
-within ``scale / 2`` per element. A constant group gets ``scale = 0`` and decodes exactly to its
+within ``scale / 2`` per element. ``TensorSpec(scale_dtype="fp32")`` keeps them in float32, unrounded
+(``meta=torch.float32``: the range ends and ``range / steps`` as computed, vLLM's per-token-head caches). A constant group gets ``scale = 0`` and decodes exactly to its
 (float16) value: no division by zero, no NaN.
 
 Integer zero-points (``TensorSpec.integer_zero``, vLLM's ``int4_per_token_head``): ``x ≈ (code - z) * scale``
@@ -50,6 +51,16 @@ def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
+def _check_meta(meta: torch.dtype) -> None:
+    if meta not in (torch.float16, torch.float32):
+        raise ValueError(f"scales are stored in float16 or float32, got meta={meta}")
+
+
+def _stored_scale(scale: torch.Tensor, meta: torch.dtype) -> torch.Tensor:
+    """A float32 ``scale`` as stored in ``meta``: float16 rounded up, float32 as computed."""
+    return scale if meta == torch.float32 else _round_up_fp16(scale)
+
+
 def div_rn(x: torch.Tensor, d: float) -> torch.Tensor:
     """``x / d`` correctly rounded on every device (``x`` float32, ``d`` a Python number).
 
@@ -69,8 +80,9 @@ def choose_qparams(
     *,
     symmetric: bool = False,
     mask: torch.Tensor | None = None,
+    meta: torch.dtype = META_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero-point) over ``dims`` of ``x``, keepdim, float16.
+    """Scale (and zero-point) over ``dims`` of ``x``, keepdim, in ``meta`` (float16, or float32 unrounded).
 
     Args:
         x: any shape, floating.
@@ -85,7 +97,7 @@ def choose_qparams(
     """
     check_bits(bits)  # 1-bit symmetric has no level (scale inf), > 8 bits overflow uint8
     steps = 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1
-    return range_qparams(x, dims, steps, symmetric=symmetric, mask=mask)
+    return range_qparams(x, dims, steps, symmetric=symmetric, mask=mask, meta=meta)
 
 
 def range_qparams(
@@ -95,23 +107,26 @@ def range_qparams(
     *,
     symmetric: bool = False,
     mask: torch.Tensor | None = None,
+    meta: torch.dtype = META_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(scale, zero)`` over ``dims`` of ``x``, keepdim, float16, rounded outward: ``zero`` = the group
     minimum rounded down and ``scale`` = ``(max - zero) / steps`` rounded up; symmetric: ``scale`` =
-    the largest magnitude ``/ steps`` rounded up, ``zero`` None. ``mask`` (bool like ``x``) marks
-    elements excluded from the range. Affine codes take ``steps`` = the code levels
-    (:func:`choose_qparams`), NUQ ``1`` (``kvbits.quant.nuq.choose_nuq_params``).
+    the largest magnitude ``/ steps`` rounded up, ``zero`` None. ``meta=torch.float32``: the same in float32,
+    not rounded (``zero`` the minimum itself; a code may then land a float32 ulp past the last level, which
+    rounds back onto it). ``mask`` (bool like ``x``) marks elements excluded from the range. Affine codes
+    take ``steps`` = the code levels (:func:`choose_qparams`), NUQ ``1`` (``kvbits.quant.nuq.choose_nuq_params``).
     """
-    empty = empty_groups(x, dims, symmetric)
+    _check_meta(meta)
+    empty = empty_groups(x, dims, symmetric, meta)
     if empty is not None:
         return empty
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
-        return _round_up_fp16(div_rn(a.amax(dim=dims, keepdim=True), steps)), None
+        return _stored_scale(div_rn(a.amax(dim=dims, keepdim=True), steps), meta), None
     lo, hi = masked_range(xf, dims, mask)
-    zero = _round_down_fp16(lo)
-    return _round_up_fp16(div_rn((hi - zero.float()).clamp_min(0.0), steps)), zero
+    zero = _round_down_fp16(lo) if meta == torch.float16 else lo
+    return _stored_scale(div_rn((hi - zero.float()).clamp_min(0.0), steps), meta), zero
 
 
 INTEGER_ZERO_MIN_SCALE = 1e-6  # vLLM's int4_per_token_head floor: a zero-range group gets this scale
@@ -148,7 +163,12 @@ TRUNC_MIN_SCALE = 1e-6  # vLLM's int8_per_token_head floor (``max(absmax / 127, 
 
 
 def trunc_symmetric(
-    x: torch.Tensor, bits: int, dims: tuple[int, ...], *, mask: torch.Tensor | None = None
+    x: torch.Tensor,
+    bits: int,
+    dims: tuple[int, ...],
+    *,
+    mask: torch.Tensor | None = None,
+    meta: torch.dtype = META_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(scale, codes, clipped)`` of symmetric codes rounded toward zero, as vLLM's ``int8_per_token_head``.
 
@@ -159,7 +179,8 @@ def trunc_symmetric(
     (IEEE division and reciprocal; vLLM's ``div.full.f32`` may differ by an ulp or two, which moves a code only
     where ``x / scale`` lies that close to an integer, as the row maximum does); the scale is stored to the
     nearest float16, so ``(code - c) * scale`` decodes within ``c * 2**-11`` steps of vLLM's float32 decode
-    (6.2 % of a step at INT8's largest code).
+    (6.2 % of a step at INT8's largest code); ``meta=torch.float32`` stores vLLM's float32 scale itself, so the
+    decode is vLLM's.
 
     Args:
         x: any shape, floating.
@@ -168,13 +189,14 @@ def trunc_symmetric(
         mask: optional bool tensor like ``x``; ``True`` marks elements excluded from the range.
 
     Returns:
-        ``scale`` (float16, keepdim over ``dims``), ``codes`` (uint8 like ``x``, offset by ``c`` as
+        ``scale`` (``meta``, keepdim over ``dims``), ``codes`` (uint8 like ``x``, offset by ``c`` as
         :func:`quantize_affine`'s symmetric codes) and ``clipped`` (bool like ``x``: beyond ``c`` steps, as a
         row whose largest magnitude is under ``c * 1e-6`` is beyond the floor scale, and clamped).
     """
     check_bits(bits)
+    _check_meta(meta)
     c = 2 ** (bits - 1) - 1
-    empty = empty_groups(x, dims, True)
+    empty = empty_groups(x, dims, True, meta)
     if empty is not None:
         return empty[0], torch.full(x.shape, c, dtype=torch.uint8, device=x.device), torch.zeros(
             x.shape, dtype=torch.bool, device=x.device
@@ -185,13 +207,13 @@ def trunc_symmetric(
     q = torch.trunc(xf * torch.reciprocal(scale32))
     clipped = (q < -c) | (q > c)
     codes = (q.clamp(-c, c) + c).to(torch.uint8)
-    return scale32.to(META_DTYPE), codes, clipped
+    return scale32.to(meta), codes, clipped
 
 
 def empty_groups(
-    x: torch.Tensor, dims: tuple[int, ...], symmetric: bool
+    x: torch.Tensor, dims: tuple[int, ...], symmetric: bool, meta: torch.dtype = META_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(scale, zero)`` of zeros (keepdim over ``dims``, float16) when a reduced dim of ``x`` is empty,
+    """``(scale, zero)`` of zeros (keepdim over ``dims``, in ``meta``) when a reduced dim of ``x`` is empty,
     else ``None``.
 
     A block of 0 tokens (or 0 heads) at head / tensor granularity reduces over nothing, where torch's
@@ -201,7 +223,7 @@ def empty_groups(
     if all(x.shape[d] for d in dims):
         return None
     shape = [1 if i in {d % x.dim() for d in dims} else n for i, n in enumerate(x.shape)]
-    scale = torch.zeros(shape, dtype=META_DTYPE, device=x.device)
+    scale = torch.zeros(shape, dtype=meta, device=x.device)
     return scale, None if symmetric else scale.clone()
 
 

@@ -51,7 +51,8 @@ class QuantizedTensor:
         shape: logical shape ``(B, H_kv, n, D)``.
         data: packed uint8 codes ``(B, H_kv, n, ceil(D*bits/8))``, fp8 codes ``(B, H_kv, n, D)``, or
             float values for ``kind="float"``.
-        scale, zero: float16 metadata, keepdim shapes of the granularity (``zero`` only asymmetric).
+        scale, zero: float16 metadata (float32: ``spec.scale_dtype="fp32"`` and static FP8 scales), keepdim
+            shapes of the granularity (``zero`` only asymmetric).
         outlier_values, outlier_index: sparse exact values ``(B, H_kv, n, k)`` float16 and their
             channel indices (uint8 / int16), or ``None``.
         clipped: how many elements saturated against static scales (calibration mismatch signal),
@@ -305,8 +306,14 @@ def quantize(
             # Round the float16 scale *up* (as affine scales are): rounding to nearest could land
             # below amax / fp8_max, so the row maximum saturated and was counted in `clipped`, and a
             # tiny amax (e5m2: below ~3e-3) underflowed to scale 0 and decoded the row to zeros.
-            scale = _round_up_fp16(div_rn(amax, fp8_max(spec.fmt)))
+            # float32 scales (scale_dtype="fp32") are vLLM's amax / fp8_max as computed.
+            scale = div_rn(amax, fp8_max(spec.fmt))
+            scale = scale if spec.scale_dtype == "fp32" else _round_up_fp16(scale)
         codes, clipped = quantize_fp8(x, scale, spec.fmt)
+        if spec.scale_dtype == "fp32":
+            # a dynamic row's maximum lands within a float32 ulp of fp8_max (amax / (amax / fp8_max)) and
+            # saturates onto it, as in vLLM: rounding, not a value beyond the range its scale was taken from
+            clipped = clipped & (x.float().abs() > amax)
         if mask is not None:
             clipped = clipped & ~mask
         return QuantizedTensor(
@@ -322,11 +329,13 @@ def quantize(
         scale, zero = static_qp
     elif spec.integer_zero:
         scale, zero = integer_zero_qparams(xg, spec.bits, _reduce_dims(spec), mask=mg)
-    elif spec.rounding == "trunc":  # codes from vLLM's float32 scale, not from the stored float16 one
-        scale, *trunc = trunc_symmetric(xg, spec.bits, _reduce_dims(spec), mask=mg)
+    elif spec.rounding == "trunc":  # codes from vLLM's float32 scale, whichever dtype stores it
+        scale, *trunc = trunc_symmetric(xg, spec.bits, _reduce_dims(spec), mask=mg, meta=_meta_dtype(spec))
         zero = None
     elif spec.kind == "int":
-        scale, zero = choose_qparams(xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg)
+        scale, zero = choose_qparams(
+            xg, spec.bits, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg, meta=_meta_dtype(spec)
+        )
     else:  # the range check reads the device: not with sync=False (the cache bounds |x| instead)
         scale, zero = choose_nuq_params(
             xg, _reduce_dims(spec), symmetric=spec.symmetric, mask=mg, check=validate or sync
@@ -391,6 +400,11 @@ def _check_head_dim(x: torch.Tensor) -> None:
     batches, heads or token counts are fine (``check_kv`` lets them through too)."""
     if x.dim() != 4 or x.shape[3] < 1:
         raise ValueError(f"K/V block must be (B, H_kv, T, D) with head_dim D >= 1, got shape {tuple(x.shape)}")
+
+
+def _meta_dtype(spec: TensorSpec) -> torch.dtype:
+    """What ``spec``'s dynamic scales and zero-points are stored in (``TensorSpec.scale_dtype``)."""
+    return torch.float32 if spec.scale_dtype == "fp32" else torch.float16
 
 
 def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:

@@ -7,8 +7,9 @@ a byte of metadata (scales, zero-points, outliers, sinks, residual window).
 Storage conventions (one sequence, one layer, one of K or V, ``H`` KV heads, head dim ``D``):
 
 - integer / NUQ codes: bit-packed along ``D``, ``ceil(D * bits / 8)`` bytes per (token, head) row;
-- scales and zero-points: float16, 2 bytes each (zero-point = group minimum, asymmetric only);
-- FP8 codes: 1 byte per element, per-token scales float16, static scales in the layer's fixed bytes;
+- scales and zero-points: float16, 2 bytes each (zero-point = group minimum, asymmetric only); float32, 4 bytes,
+  for dynamic specs with ``scale_dtype="fp32"`` (``TensorSpec.scale_bytes``);
+- FP8 codes: 1 byte per element, per-token scales as above, static scales in the layer's fixed bytes;
 - dense-and-sparse outliers: ``outlier_count(D, frac)`` per row, each a float16 value and an index
   (uint8 when ``D <= 256``, else int16);
 - full-precision tokens (sinks, residual window, not-yet-flushed): the cache's float dtype.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
-SCALE_BYTES = 2  # float16 scales and zero-points
+SCALE_BYTES = 2  # float16 static scales, codebooks, channel vectors, outlier values (dynamic: spec.scale_bytes)
 PACKED_KINDS = ("int", "nuq", "fp8")  # kinds stored as codes + metadata: the fused decode kernel's layout
 
 
@@ -156,10 +157,10 @@ def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int
     rows = n_tokens * n_heads
     if spec.kind == "fp8":
         codes = rows * head_dim
-        meta = rows * SCALE_BYTES if spec.granularity == "token" else 0
+        meta = rows * spec.scale_bytes if spec.granularity == "token" else 0
     else:
         codes = rows * packed_row_bytes(head_dim, spec.bits)
-        per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
+        per_scale = spec.scale_bytes * (2 if spec.has_zero_point else 1)
         if spec.static:
             meta = 0
         elif spec.granularity == "token":
@@ -180,7 +181,7 @@ def per_block_meta_bytes(spec: TensorSpec, n_heads: int) -> int:
     """Metadata stored once per flushed block (head / tensor granularity, dynamic scales)."""
     if spec.kind != "int" and spec.kind != "nuq" or spec.static:
         return 0
-    per_scale = SCALE_BYTES * (2 if spec.has_zero_point else 1)
+    per_scale = spec.scale_bytes * (2 if spec.has_zero_point else 1)
     if spec.granularity == "head":
         return n_heads * per_scale
     if spec.granularity == "tensor":

@@ -99,16 +99,26 @@ register(
         reference=VLLM_INT4,
     )
 )
-_vllm8 = dataclasses.replace(_tok(8), symmetric=True, rounding="trunc")
+_vllm8 = dataclasses.replace(_tok(8), symmetric=True, rounding="trunc", scale_dtype="fp32")
 register(
     KVScheme(
         "vllm-int8",
         key=_vllm8,
         value=_vllm8,
-        description="vLLM's kv_cache_dtype=int8_per_token_head: INT8 symmetric per token and head, scale "
-        "max(absmax / 127, 1e-6), codes rounded toward zero as vLLM's write kernel stores them (keys and values; "
-        "vLLM keeps the scale in float32, 16 bits per token and head more than kvbits' float16)",
+        description="vLLM's kv_cache_dtype=int8_per_token_head: INT8 symmetric per token and head, float32 scale "
+        "max(absmax / 127, 1e-6), codes rounded toward zero as vLLM's write kernel stores them (keys and values)",
         reference=VLLM_INT8,
+    )
+)
+_vllm_fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token", scale_dtype="fp32")
+register(
+    KVScheme(
+        "vllm-fp8-token",
+        key=_vllm_fp8,
+        value=_vllm_fp8,
+        description="vLLM's kv_cache_dtype=fp8_per_token_head: FP8 E4M3 with a float32 scale absmax / 448 per "
+        "token and head (keys and values; fp8-e4m3-token stores the scale in float16)",
+        reference=VLLM_INT8,  # the same write kernel (triton_reshape_and_cache_flash) serves both
     )
 )
 for _bits in (8, 4, 3, 2):

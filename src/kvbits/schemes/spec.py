@@ -41,6 +41,7 @@ FP8_FORMATS = ("e4m3", "e5m2")
 FLOAT_FORMATS = ("fp16", "bf16", "fp32")
 ROTATIONS = ("hadamard", "hadamard-vllm")  # kvbits.quant.rotate: the same Hadamard, two sign vectors
 ROUNDINGS = ("nearest", "trunc")  # how a scaled value becomes an integer code (TensorSpec.rounding)
+SCALE_DTYPES = ("fp16", "fp32")  # what a dynamic scale / zero-point is stored in (TensorSpec.scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,13 @@ class TensorSpec:
             as vLLM's ``int8_per_token_head`` write kernel stores ``clamp(x * (1 / scale))`` into an int8 cache
             (Triton's float-to-int store cast, ``cvt.rzi``): every value loses up to a whole step instead of half
             of one, always toward zero. ``"trunc"`` takes vLLM's float32 scale ``max(absmax / (2**(bits-1) - 1),
-            1e-6)`` for the codes and stores it to the nearest float16; dynamic symmetric ``kind="int"`` only.
+            1e-6)`` for the codes and stores it to the nearest float16 (``scale_dtype="fp32"``: as it is);
+            dynamic symmetric ``kind="int"`` only.
+        scale_dtype: what the dynamic scales (and zero-points) are stored in: ``"fp16"`` (the default, 2 bytes
+            each, rounded outward) or ``"fp32"`` (4 bytes, unrounded: ``absmax / c``, ``(max - min) / steps``),
+            as vLLM's per-token-head caches (``int8_per_token_head``, ``fp8_per_token_head``) keep them; dynamic
+            ``kind="int"`` (not ``integer_zero``) and dynamic ``kind="fp8"`` only. The input bound stays
+            float16's (``|x| <= 65504``, ``kvbits.cache.checks``).
         static: scales come from a calibration artifact instead of the data being stored.
         outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
@@ -101,6 +108,7 @@ class TensorSpec:
     smooth: float | None = None
     integer_zero: bool = False
     rounding: str = "nearest"
+    scale_dtype: str = "fp16"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -181,6 +189,14 @@ class TensorSpec:
                 f"static=False: vLLM's int8_per_token_head), got kind={self.kind!r}, symmetric={self.symmetric}, "
                 f"static={self.static}"
             )
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if self.scale_dtype == "fp32" and (self.kind not in ("int", "fp8") or self.static or self.integer_zero):
+            raise ValueError(
+                "scale_dtype='fp32' applies to dynamic integer (not integer_zero) and dynamic FP8 specs, whose "
+                f"scales are computed from the data; got kind={self.kind!r}, static={self.static}, "
+                f"integer_zero={self.integer_zero} (static scales live in the calibration artifact)"
+            )
         if self.kind == "fp8" and self.static and self.granularity == "token":
             raise ValueError(
                 "a static FP8 spec has one calibrated scale per tensor ('tensor') or per KV head ('head'); "
@@ -189,7 +205,7 @@ class TensorSpec:
 
     def _check_types(self) -> None:
         """``TypeError`` for fields of the wrong type (a scheme JSON may carry ``2.0`` or ``"false"``)."""
-        for name in ("kind", "granularity", "rounding"):
+        for name in ("kind", "granularity", "rounding", "scale_dtype"):
             _require(self, name, str, "a str")
         for name in ("fmt", "rotate"):
             if getattr(self, name) is not None:
@@ -228,17 +244,23 @@ class TensorSpec:
         return self.calibrated or (self.kind == "fp8" and self.static)
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of one dynamic scale or zero-point: 2 (float16), 4 with ``scale_dtype="fp32"``."""
+        return 4 if self.scale_dtype == "fp32" else 2
+
+    @property
     def has_zero_point(self) -> bool:
         """Asymmetric integer and NUQ codes store a zero-point (the group minimum, or ``-z * scale`` with
         ``integer_zero``) beside each scale."""
         return self.kind in ("int", "nuq") and not self.symmetric
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON types; ``rotate``, ``centre``, ``smooth``, ``integer_zero`` and ``rounding`` only when
-        set, so specs without them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
+        """The fields as JSON types; ``rotate``, ``centre``, ``smooth``, ``integer_zero``, ``rounding`` and
+        ``scale_dtype`` only when set, so specs without them keep the JSON (and the run and artifact hashes) they had before the fields existed."""
         d = dataclasses.asdict(self)
         for name, unset in (
             ("rotate", None), ("centre", False), ("smooth", None), ("integer_zero", False), ("rounding", "nearest"),
+            ("scale_dtype", "fp16"),
         ):  # fmt: skip
             if d[name] == unset and type(d[name]) is type(unset):
                 del d[name]
