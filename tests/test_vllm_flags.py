@@ -156,3 +156,17 @@ def test_fp8_per_token_codes_are_vllms():
     assert exact.clipped == 0 and (xf / scale).abs().max() > 448  # such a row is there (the test can tell)
     notes = vllm_cache_args("vllm-fp8-token").notes + vllm_cache_args("fp8-e4m3-token").notes
     assert any("same bytes" in n for n in notes[:1]) and "vllm-fp8-token counts them" in notes[1]
+
+
+def test_skipped_layers_beside_per_token_head_formats_warn_about_vllms_pages():
+    """A 16-bit page (4D bytes per head and token) is never a whole multiple of a per-token-head one (int8 / fp8:
+    2D + 8, int4: D + 8, for the head dims served), which vLLM needs when it unifies page sizes across KV cache
+    groups (models with sliding-window layers): the export says so, only where it applies."""
+    for D in (64, 80, 96, 128, 256):
+        assert (4 * D) % (2 * D + 8) and (4 * D) % (D + 8)
+    for scheme in ("vllm-int8,0=fp16", "vllm-int4,0-1=fp16", "vllm-fp8-token,3=bf16"):
+        notes = vllm_cache_args(scheme).notes
+        assert sum("uniform-type KV cache group" in n and "sliding-window" in n for n in notes) == 1, scheme
+    for scheme in ("vllm-int8", "fp8-e4m3,23=fp16"):  # no skipped layer; FP8 pages (2D) divide 4D
+        assert not any("uniform-type" in n for n in vllm_cache_args(scheme).notes), scheme
+

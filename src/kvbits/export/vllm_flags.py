@@ -34,6 +34,17 @@ _FORMATS = {
     "fp8-e4m3-token": "fp8_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
 }  # fmt: skip
 _UNQUANTIZED = ("fp16", "bf16")
+# bytes per (KV head, token) of K and V together in vLLM's per-token-head caches: codes plus one inline float32 scale
+# per side (its Triton backend's customize_spec), against 4D for a 16-bit layer
+_PER_TOKEN_HEAD = {"int8_per_token_head": "2D + 8", "fp8_per_token_head": "2D + 8", "int4_per_token_head": "D + 8"}
+_SKIP_PAGES_NOTE = (
+    "skipped layers and vLLM's pages (read from vLLM's kv_cache_utils, not run): on a model whose layers are all full "
+    "attention, vLLM groups them into one uniform-type KV cache group whose page is the sum of the layers' own, so "
+    "each layer holds its own bytes, as kvbits plan counts them; on a model that also has sliding-window layers, "
+    "vLLM must give every group one page size, and a 16-bit page (4D bytes per head and token) is not a whole "
+    "multiple of a {page}-byte one, so vLLM pads the quantized pages to the 16-bit size (the savings of those "
+    "layers lost) or refuses to start, depending on the attention backend: check the KV cache size vLLM logs"
+)
 
 
 @dataclass(frozen=True)
@@ -140,4 +151,6 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
         )
     if dtype == "auto" or skip:
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
+    if skip and dtype in _PER_TOKEN_HEAD:
+        notes.append(_SKIP_PAGES_NOTE.format(page=_PER_TOKEN_HEAD[dtype]))
     return VllmCacheArgs(s.name, dtype, tuple(sorted(skip)), tuple(notes))
