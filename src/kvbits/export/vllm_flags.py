@@ -2,7 +2,9 @@
 
 vLLM serves one KV-cache format per engine (``--kv-cache-dtype``) and can leave chosen layers unquantized
 (``--kv-cache-dtype-skip-layers 0 5``, ``CacheConfig.kv_cache_dtype_skip_layers``: those layers keep K/V in the
-model's dtype). Both read from vLLM's source (``vllm/config/cache.py``); vLLM was not run here. A kvbits scheme maps
+model's dtype). Both read from vLLM's source (``vllm/config/cache.py``) and its quantized KV cache page, whose
+examples write the same forms (``--kv-cache-dtype-skip-layers 0 1 23``; ``kv_cache_dtype_skip_layers=[...]``, a list
+of strings, which also takes layer-type names such as ``"sliding_window"``); vLLM was not run here. A kvbits scheme maps
 onto them when every layer is either the base format or unquantized:
 
 - base ``vllm-int4`` (Hadamard-rotated per-token INT4 with an integer zero-point) -> ``int4_per_token_head``;
