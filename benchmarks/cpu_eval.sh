@@ -203,6 +203,17 @@ if [[ $step == all || $step == rotation-seeds-int8 ]]; then
       --out runs/seed-hadamard-int8-$seed
   done
 fi
+if [[ $step == all || $step == rotation-seeds-fp8 ]]; then
+  # §19's rotated static FP8 at scale 1.0 (uncalibrated) under kvbits' signs (seed 0) and three other sign vectors,
+  # on §19's evaluation text (War and Peace, 2 x 4K); seed 0 also runs unrotated fp8-e4m3 beside it (BENCHMARKS.md §19b)
+  for seed in 0 1 2 3; do
+    extra=""; [[ $seed == 0 ]] && extra="--scheme fp8-e4m3"
+    for model in smollm2-135m qwen2.5-coder-0.5b; do
+      PYTHONPATH=src .venv/bin/python benchmarks/rotation_seed_eval.py $seed --model $model --data war-and-peace \
+        --context 4k --windows 2 --no-progress --scheme fp8-e4m3-hadamard $extra --out runs/seed-fp8-$model-$seed
+    done
+  done
+fi
 if [[ $step == all || $step == smooth ]]; then
   # Per-token keys centred and smoothed with calibrated channel vectors (int*-token-smooth, BENCHMARKS.md §21),
   # calibrated on Pride and Prejudice (2 x 2,048) as the kvquant step is; on Qwen2.5 also the halves of the

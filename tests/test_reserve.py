@@ -63,7 +63,7 @@ def run(model, scheme, *, fused: bool, new: int = NEW, ids=None, steps: list | N
     return out.sequences, torch.stack(out.logits), cache
 
 
-RESERVED = ["int8-token", "int4-kivi", "int4-prerope", "kvquant3-block", "fp8-e4m3-token", "int4-hadamard"]
+RESERVED = ["int8-token", "int4-kivi", "int4-prerope", "kvquant3-block", "fp8-e4m3-token", "int4-hadamard", "vllm-int8"]
 
 
 @pytest.mark.parametrize("fused", [False, True])
