@@ -195,6 +195,12 @@ if [[ $step == all || $step == vllm-fp32-scales ]]; then
   $K eval --model smollm2-135m --data war-and-peace --context 8k --windows 1 --no-progress \
     --scheme vllm-int8 --scheme vllm-fp8-token --out runs/smollm2-wp-8k-vllm-fp32-scales
 fi
+if [[ $step == all || $step == vllm-32k-fp8 ]]; then
+  # vLLM's two FP8 caches on §3f's 32K window (bfloat16, about 30 min): fp8 (per-tensor scale 1.0, uncalibrated)
+  # and fp8_per_token_head (vllm-fp8-token), beside §24's vllm-int8 and §23d's vllm-int4 there (BENCHMARKS.md §24b)
+  $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
+    --scheme vllm-fp8-token --scheme fp8-e4m3 --out runs/qwen-wiki-32k-vllm-fp8
+fi
 if [[ $step == all || $step == rotation-seeds-int8 ]]; then
   # §11's rotated INT8 and INT3 (one draw of the signs there) under three more sign vectors (BENCHMARKS.md §23e)
   for seed in 1 2 3; do
