@@ -338,7 +338,9 @@ def pack_side(blocks: list[QuantizedTensor], what: str = "key") -> PackedTensor:
             )
         if any(b.codebook is not codebook and not torch.equal(b.codebook, codebook) for b in blocks[1:]):
             raise ValueError(f"{what}: NUQ blocks of one layer must share its codebook")
-        codebook = codebook.to(torch.float16).contiguous()
+        # on the codes' device: quantize reads a codebook from any device (it moves it), and a block built that way
+        # keeps the caller's tensor, which the kernel could not read (found on the H200: a CPU codebook beside CUDA codes)
+        codebook = codebook.to(device=codes_t.device, dtype=torch.float16).contiguous()
     # fp8's static scale stays float32 (quantize keeps it so), as do scale_dtype="fp32" scales and zero-points;
     # every other scale is float16 already
     wide = spec.kind == "fp8" and tps == STATIC_TPS or spec.scale_dtype == "fp32"
