@@ -142,8 +142,8 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
     if dtype == "fp8_per_token_head" and name == "vllm-fp8-token":
         notes.append(
             "vLLM's fp8_per_token_head: the nearest E4M3 code under a float32 scale absmax / 448 per token and head, "
-            "as kvbits' vllm-fp8-token stores it (same bytes; vLLM floors the scale at 1e-6, kvbits keeps a zero "
-            "row's scale 0, and rounds the scale up an ulp where absmax / scale would pass 448)"
+            "as kvbits' vllm-fp8-token stores it (same bytes, scale and codes; vLLM floors the scale at 1e-6, kvbits "
+            "keeps a zero row's scale 0)"
         )
     elif dtype == "fp8_per_token_head":
         notes.append(

@@ -13,7 +13,7 @@ import torch
 
 from kvbits.quant.affine import (
     META_DTYPE,
-    _round_up_fp16,
+    _stored_scale,
     broadcast_shape,
     choose_qparams,
     dequantize_affine,
@@ -307,8 +307,7 @@ def quantize(
             # below amax / fp8_max, so the row maximum saturated and was counted in `clipped`, and a
             # tiny amax (e5m2: below ~3e-3) underflowed to scale 0 and decoded the row to zeros.
             # float32 scales (scale_dtype="fp32") are vLLM's amax / fp8_max as computed.
-            scale = div_rn(amax, fp8_max(spec.fmt))
-            scale = scale if spec.scale_dtype == "fp32" else _round_up_fp16(scale)
+            scale = _stored_scale(div_rn(amax, fp8_max(spec.fmt)), _meta_dtype(spec))
         codes, clipped = quantize_fp8(x, scale, spec.fmt)
         if spec.scale_dtype == "fp32":
             # a dynamic row's maximum lands within a float32 ulp of fp8_max (amax / (amax / fp8_max)) and
@@ -404,7 +403,7 @@ def _check_head_dim(x: torch.Tensor) -> None:
 
 def _meta_dtype(spec: TensorSpec) -> torch.dtype:
     """What ``spec``'s dynamic scales and zero-points are stored in (``TensorSpec.scale_dtype``)."""
-    return torch.float32 if spec.scale_dtype == "fp32" else torch.float16
+    return FLOAT_DTYPES[spec.scale_dtype]
 
 
 def _count(mask: torch.Tensor, sync: bool) -> int | torch.Tensor:
