@@ -350,3 +350,56 @@ def test_triton_stores_float_into_int8_by_truncating(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     cvts = out.stdout.split()
     assert any(c.startswith("cvt.rzi.s") for c in cvts) and not any(c.startswith("cvt.rni.s") for c in cvts), cvts
+
+
+def test_fold_kernel_compiles_leaner_than_the_dequantizing_paths():
+    """The folded-scale kernel (``triton_fold``) compiled for sm_90 with its inline PTX (which the interpreter
+    never runs: ptxas assembles it here): at both benchmark shapes and 8, 4 and 2 bits, on the per-token layout
+    it serves, it launches without spills, converts no integer to float in its tile loop (the byte-permute
+    conversion) and issues fewer instructions per token than the product kernel's float32 path (at Llama-3-8B's
+    shape under 0.6 of them: BENCHMARKS.md §6, session 38); at head dims 16 to 256 its default launch fits."""
+    code = """
+import json, torch
+from gpu_bench import common
+from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, resources
+from kvbits.kernels.reference import PackedStore
+from kvbits.kernels.triton_decode import decode_attention_triton
+rows = []
+def compiled(q, store, **kw):
+    with compile_only("sm_90") as ks:
+        decode_attention_triton(q, store, **kw)
+    k = [c for c in ks if "reduce" not in c.name][0]
+    r = resources(k)
+    n, ops = hot_loop(k)
+    return dict(name=k.name, per_token=n * r.num_warps / r.constants["BLOCK_T"], spill=r.local_bytes,
+                conv=ops.get("I2F", 0) + ops.get("I2FP", 0), prmt=k.asm["ptx"].count("prmt.b32"),
+                fails=LIMITS["sm_90"].check(r))
+for shape_name, shp in common.SHAPES.items():
+    for sch in ("int8", "int4", "int2"):
+        store = common.random_store(8, shp, 32768, common.SCHEMES[sch], torch.device("cpu"), torch.Generator().manual_seed(0),
+                                    lazy=True, layout="token")
+        q = torch.zeros(8, shp["H_q"], 1, shp["D"], dtype=torch.float16)
+        for path, kw in (("f32", {}), ("fold", {"dequant": "fold"})):
+            rows.append(dict(shape=shape_name, scheme=sch, path=path, **compiled(q, store, **kw)))
+for D in (16, 32, 256):
+    shp = dict(H_kv=2, H_q=4, D=D)
+    store = common.random_store(2, shp, 4096, common.SCHEMES["int8"], torch.device("cpu"), torch.Generator().manual_seed(0),
+                                lazy=True, layout="token")
+    rows.append(dict(shape=f"D{D}", scheme="int8", path="fold",
+                     **compiled(torch.zeros(2, 4, 1, D, dtype=torch.float16), store, dequant="fold")))
+print(json.dumps(rows))
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    by = {(r["shape"], r["scheme"], r["path"]): r for r in rows}
+    assert len(by) == 2 * 3 * 2 + 3
+    for (shape, scheme, path), r in by.items():
+        assert r["fails"] is None and r["spill"] == 0, r
+        if path != "fold":
+            continue
+        assert r["name"] == "_fold_kernel" and r["prmt"] > 0 and r["conv"] == 0, r
+        if shape.startswith("D"):
+            continue
+        ratio = r["per_token"] / by[(shape, scheme, "f32")]["per_token"]
+        assert ratio < (0.6 if shape == "llama-3-8b" else 1.0), (r, ratio)

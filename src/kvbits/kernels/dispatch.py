@@ -3,7 +3,9 @@
 ``KVBITS_KERNEL=reference|triton`` overrides the automatic choice (``auto``, the default). Triton is
 imported lazily, on the first call that wants it, never at ``import kvbits``. ``KVBITS_DEQUANT=f16`` makes
 the Triton kernel dequantize plain integer codes in float16 for float16 queries (``decode_attention_triton``'s
-``dequant``; opt-in until a GPU run has checked and timed it, BENCHMARKS.md §6); ``f32`` is the default.
+``dequant``; opt-in until a GPU run has checked and timed it, BENCHMARKS.md §6); ``KVBITS_DEQUANT=fold`` takes the
+folded-scale kernel (``kvbits.kernels.triton_fold``) for stores of one scale per token row, also opt-in until a
+GPU run; ``f32`` is the default.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ __all__ = [
 
 KERNEL_ENV = "KVBITS_KERNEL"
 DEQUANT_ENV = "KVBITS_DEQUANT"
-DEQUANT_MODES = ("f32", "f16")  # decode_attention_triton's ``dequant`` (triton_decode imports these)
+DEQUANT_MODES = ("f32", "f16", "fold")  # decode_attention_triton's ``dequant`` (triton_decode imports these)
 MODES = ("auto", "reference", "triton")
 INSTALL_HINT = "install Triton (pip install 'kvbits[triton]'; Linux + CUDA, or TRITON_INTERPRET=1 on CPU)"
 
@@ -56,7 +58,7 @@ def kernel_mode() -> str:
 
 
 def dequant_mode() -> str:
-    """``KVBITS_DEQUANT`` (``f32``, the default, or ``f16``); ``ValueError`` for anything else."""
+    """``KVBITS_DEQUANT`` (``f32``, the default, ``f16`` or ``fold``); ``ValueError`` for anything else."""
     mode = os.environ.get(DEQUANT_ENV, "f32").strip().lower() or "f32"
     if mode not in DEQUANT_MODES:
         raise ValueError(f"{DEQUANT_ENV} must be one of {DEQUANT_MODES}, got {mode!r}")

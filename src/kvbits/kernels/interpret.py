@@ -12,7 +12,7 @@ import sys
 __all__ = ["TRITON_KERNEL_MODULES", "enable_interpreter"]
 
 # the modules whose @triton.jit kernels are decorated at import (compiled or interpreted, fixed then)
-TRITON_KERNEL_MODULES = ("kvbits.kernels.triton_decode", "kvbits.kernels.triton_quantize")
+TRITON_KERNEL_MODULES = ("kvbits.kernels.triton_decode", "kvbits.kernels.triton_fold", "kvbits.kernels.triton_quantize")
 
 _PATCHED = False
 

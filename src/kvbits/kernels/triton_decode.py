@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 _VEC_BROKEN: set[tuple] = set()  # kernel configurations whose vectorised variant did not compile
 _F16_BROKEN: set[tuple] = set()  # ... whose dequant="f16" variant did not compile
+_FOLD_BROKEN: set[tuple] = set()  # (G, D, key bits, value bits) whose dequant="fold" launch failed on CUDA
 TRITON_BITS = (2, 3, 4, 8)
 # The whole-row path (``_load_rows``, then ``tl.trans``) needs tiles of 32 tokens at least: on an H200
 # (Triton 3.6, sm_90) every 16-token launch of it at D = 128 returned wrong attention (max error 3.8-4.6
@@ -862,7 +863,10 @@ def decode_attention_triton(
             tokens, which it computes wrongly on sm_90 (``True`` with such a ``block_t`` is refused).
             Unless ``block_t`` is given, a side the whole-row path can read gets 32-token tiles at
             D <= 128 and the gather path at D = 256.
-        dequant: ``"f32"`` (default) dequantizes in float32 and casts to the dots' type; ``"f16"``, with
+        dequant: ``"fold"``: stores ``triton_fold.fold_supported`` accepts (one scale per token row on both sides,
+            2/4/8-bit integer codes, float16 queries) go to ``triton_fold.decode_attention_fold`` (scales folded
+            out of the tiles; its own launch defaults, so ``block_t`` etc. apply to the fallback only); others
+            take the ``"f32"`` path (the reason logged at debug level). ``"f32"`` (default) dequantizes in float32 and casts to the dots' type; ``"f16"``, with
             float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
             outliers or pre-RoPE rotation directly in float16 (``_load_rows16``: int32 word reads,
             magic-number conversion, one fused multiply-add); other sides keep ``"f32"``. Same rounding
@@ -884,6 +888,23 @@ def decode_attention_triton(
     reason = supported(store, q)
     if reason:
         raise NotImplementedError(reason)
+    if dequant == "fold":
+        from kvbits.kernels.triton_fold import decode_attention_fold, fold_supported
+
+        why = fold_supported(store, q)
+        key = (q.shape[1] // store.n_kv_heads, store.head_dim, store.key.bits if store.key is not None else 0,
+               store.value.bits if store.value is not None else 0)  # fmt: skip
+        if why is None and key not in _FOLD_BROKEN:
+            try:
+                return decode_attention_fold(q, store, scale, splits=splits, target_programs=target_programs)
+            except Exception as exc:  # the opt-in kernel failed: the float32 path (raised off CUDA)
+                if not _compile_fallbacks(q):
+                    raise
+                _FOLD_BROKEN.add(key)
+                logger.warning("dequant='fold' failed (%s: %s); dequantizing in float32", type(exc).__name__, exc)
+        else:
+            logger.debug("dequant='fold' does not read this store (%s): the float32 path", why or "failed before")
+        dequant = "f32"
     B, H_q, one, D = q.shape
     H_kv = store.n_kv_heads
     if one != 1 or B != store.batch or D != store.head_dim or H_q % H_kv:
@@ -1051,8 +1072,8 @@ def dequantize_packed_triton(
     (``p.rotate``) is rotated back after the kernel, and a centred / smoothed one multiplied and shifted back,
     like ``reference.dequantize_packed``.
     """
-    if dequant not in DEQUANT_MODES:
-        raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
+    if dequant not in ("f32", "f16"):
+        raise ValueError(f"dequant must be 'f32' or 'f16' here (the folded kernel never dequantizes), got {dequant!r}")
     f16 = dequant == "f16"
     if f16 and not f16_ok(p, block_t, torch.float16):
         raise ValueError(f"dequant='f16' cannot read this side with block_t={block_t} (see f16_ok)")

@@ -1,0 +1,403 @@
+"""Fused decode attention with the scales folded out of the tiles: a leaner Triton kernel for per-token rows.
+
+For sides whose every (token, head) row has **one** scale (and zero-point) over all ``D`` channels (``tps == 1``,
+``cps == D``: ``int8-token``, ``int2-token``, vLLM's ``int8_per_token_head`` as ``vllm-int8``), a row decodes to
+``x = c * s_t + z_t`` (symmetric codes: ``z_t = -(2**(bits-1) - 1) * s_t``), so
+
+- scores ``q . k_t = s_t (q . c_t) + z_t sum(q)``: a dot of the query with the **raw codes**, then one multiply-add
+  per score instead of one per code;
+- values ``sum_t p_t v_t = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1``: the scales go into the probabilities.
+
+The codes become float16 exactly (``1024 + c`` is the float16 with bit pattern ``0x6400 | c``; one subtraction of
+1024 is exact), four per 32-bit register through one inline-PTX block (mask, two byte permutes onto the ``0x64``
+exponent byte, two packed subtractions: FasterTransformer's conversion, Kim et al. 2022), with no layout work on
+the codes: the stored little-endian rows (``kvbits.quant.pack``) hold, in part ``k`` of each byte (bits
+``[k bits, (k + 1) bits)``), the channels ``P i + k`` (``P = 8 / bits`` codes per byte), so a byte tile gives ``P``
+code tiles of ``W = D / P`` channels each by a shift and a mask, and ``q . c = sum_k q[P i + k] . part_k``: the
+query is read at those strided channels, and each part's output rows are written back to them.
+
+Orientation: the codes are the tensor cores' row operand, ``S^T (BLOCK_T, N) = part_k(K) (BLOCK_T, W) @ q_k^T (W, N)``
+and ``acc_k^T (W, N) += part_k(V)^T (W, BLOCK_T) @ (p s)^T (BLOCK_T, N)``, with the ``G`` query heads of the
+KV head as the narrow ``N`` side (padded to 8 at least, not 16).
+
+Compiled for sm_90 (``benchmarks/kernel_cost.py --fold``; BENCHMARKS.md §6 session 38) the tile loop issues about
+half the product kernel's instructions per token (Llama-3-8B's shape, INT4: 29 against 48-55). Not yet run on a
+GPU: opt-in (``KVBITS_DEQUANT=fold``, ``decode_attention_triton(dequant="fold")``) until the device run has checked
+and timed it. Sides it cannot read (per-channel keys, channel groups, NUQ, FP8, outliers, pre-RoPE keys, 3-bit
+codes, bfloat16 / float32 queries) go to the product kernel (``fold_supported`` says why).
+
+The full-precision tail (sinks, residual window) is attended in its own splits with the product kernel's helpers,
+and the partials are merged by its ``_reduce_kernel``. This module imports Triton; import it through
+``kvbits.kernels.dispatch`` / ``triton_decode``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbits.kernels.reference import PackedStore, PackedTensor, code_basis
+from kvbits.kernels.triton_decode import (
+    LOG2E,
+    _attend,
+    _chunk,
+    _load_kv,
+    _mask_words,
+    _mask_words_ok,
+    _num_splits,
+    _pow2,
+    _reduce_kernel,
+    _token_words,
+    _words_ok,
+)
+from kvbits.quant.rotate import unrotate
+
+__all__ = ["FOLD_BITS", "decode_attention_fold", "fold_defaults", "fold_supported"]
+
+FOLD_BITS = (2, 4, 8)
+FOLD_TILE_BYTES = 16384  # block_t * W of the default tile: 128 tokens up to D = 128 at INT8
+
+
+# fmt: off
+@triton.jit
+def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Part ``k`` of packed bytes ``b`` (uint8, any shape): the codes at bits ``[k BITS, (k + 1) BITS)`` as exact
+    float16. ``ASM``: four bytes per 32-bit register in one PTX block; else the same arithmetic per element (the
+    interpreter)."""
+    if ASM:
+        if BITS == 8:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m; mov.b32 m, 0x64006400;"
+                " prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        elif BITS == 4 and k == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; and.b32 t, $2, 0x0F0F0F0F;"
+                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        elif BITS == 4:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;"
+                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        elif k == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; and.b32 t, $2, 0x03030303;"
+                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        elif k == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;"
+                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        elif k == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;"
+                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;"
+                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        c = (b.to(tl.int16) >> (k * BITS)) & ((1 << BITS) - 1)
+        return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _row_meta(s_ptr, z_ptr, t, valid, BITS: tl.constexpr, SYM: tl.constexpr, W32: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """Scale and additive term ``(s_t, z_t)`` of rows ``t`` (consecutive, ``t[0]`` even), float32: symmetric codes
+    ``z_t = -(2**(BITS-1) - 1) s_t``. Slots outside ``valid`` read 0 (their probability is 0: never NaN times 0).
+    ``W32``: float16 values read as int32 words of two tokens (``triton_decode._token_words``), which ``cp.async``
+    prefetches with the codes, where 2-byte loads stay synchronous in the tile loop (their latency can overlap
+    the key dots, issued before the scales are needed). Compiled for sm_90 the words cost 6-8 more instructions
+    per token and 30-70 more registers (BENCHMARKS.md §6, session 38): an option for the device run to time."""
+    if W32:
+        s = _token_words(s_ptr, t, valid, BLOCK_T).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + t, mask=valid, other=0.0).to(tl.float32)
+    if SYM:
+        z = s * (-((1 << (BITS - 1)) - 1))
+    elif W32:
+        z = _token_words(z_ptr, t, valid, BLOCK_T).to(tl.float32)
+    else:
+        z = tl.load(z_ptr + t, mask=valid, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _q_part(Q, row, gmask, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """``q_k^T (W, N)``: the queries at channels ``P i + k`` (part ``k`` of a packed byte)."""
+    ch = tl.arange(0, W) * P + k
+    return tl.load(Q + row[None, :] * D + ch[:, None], mask=gmask[None, :], other=0.0)
+
+
+@triton.jit
+def _scores_part(kb, qk, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    return tl.dot(_codes(kb, k, BITS, ASM), qk)
+
+
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split"])
+def _fold_kernel(
+    Q, M_OUT, L_OUT, ACC_OUT,
+    KC, KS, KZ, VC, VS, VZ, QLEN, KF, VF, FLEN, QMASK, FMASK,
+    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f,
+    G: tl.constexpr, N: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+    K_BITS: tl.constexpr, K_SYM: tl.constexpr, V_BITS: tl.constexpr, V_SYM: tl.constexpr,
+    HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr, QMASK_W32: tl.constexpr, ASM: tl.constexpr,
+    K_W32: tl.constexpr, V_W32: tl.constexpr,
+):
+    """Grid ``(B * H_kv, n_split)``: splits ``[0, n_split_q)`` over the quantized slots (folded scales), the rest
+    over the full-precision tail (``triton_decode``'s helpers). Writes ``M/L (B*H_q, n_split)`` and
+    ``ACC (B*H_q, n_split, D)`` as ``triton_decode._decode_kernel`` does, for its ``_reduce_kernel``.
+
+    Quantized codes ``(B*H_kv, T_q, D * bits / 8)`` uint8; scales / zero-points ``(B*H_kv, T_q)`` (one per row).
+    """
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // H_kv
+    h = pid_bh % H_kv
+    bh = pid_bh.to(tl.int64)
+    KP: tl.constexpr = 8 // K_BITS
+    KW: tl.constexpr = D // KP
+    VP: tl.constexpr = 8 // V_BITS
+    VW: tl.constexpr = D // VP
+    if pid_s < n_split_q:
+        offs_n = tl.arange(0, N)
+        gmask = offs_n < G
+        row = b * (H_kv * G) + h * G + offs_n  # rows of (B * H_q), repeat_kv order
+        q0 = _q_part(Q, row, gmask, 0, KP, KW, D)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if KP > 1:
+            q1 = _q_part(Q, row, gmask, 1, KP, KW, D)
+        if KP > 2:
+            q2 = _q_part(Q, row, gmask, 2, KP, KW, D)
+            q3 = _q_part(Q, row, gmask, 3, KP, KW, D)
+        qsum = tl.sum(tl.load(Q + row[None, :] * D + tl.arange(0, D)[:, None], mask=gmask[None, :],
+                              other=0.0).to(tl.float32), 0)  # (N,)
+        m_i = tl.full([N], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
+        l_i = tl.zeros([N], tl.float32)
+        a0 = tl.zeros([VW, N], tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        az = tl.zeros([N], tl.float32)  # sum_t p_t z_t: the values' additive terms, on every channel
+        start = pid_s * chunk_q
+        end = tl.minimum(start + chunk_q, tl.load(QLEN + b))
+        kc = KC + bh * T_q * KW
+        vc = VC + bh * T_q * VW
+        ks = KS + bh * T_q
+        kz = KZ + bh * T_q
+        vs = VS + bh * T_q
+        vz = VZ + bh * T_q
+        offs_t = tl.arange(0, BLOCK_T)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + offs_t
+            valid = t < end
+            if HAS_QMASK:
+                if QMASK_W32:
+                    valid = valid & (_mask_words(QMASK, b * T_q + t0, t0 < end, BLOCK_T) != 0)
+                else:
+                    valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
+            kb = tl.load(kc + t[:, None] * KW + tl.arange(0, KW)[None, :], mask=valid[:, None], other=0)
+            s = _scores_part(kb, q0, 0, K_BITS, ASM)
+            if KP > 1:
+                s += _scores_part(kb, q1, 1, K_BITS, ASM)
+            if KP > 2:
+                s += _scores_part(kb, q2, 2, K_BITS, ASM)
+                s += _scores_part(kb, q3, 3, K_BITS, ASM)
+            k_s, k_z = _row_meta(ks, kz, t, valid, K_BITS, K_SYM, K_W32, BLOCK_T)
+            s = s * k_s[:, None] + k_z[:, None] * qsum[None, :]  # (BLOCK_T, N)
+            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+            v_s, v_z = _row_meta(vs, vz, t, valid, V_BITS, V_SYM, V_W32, BLOCK_T)
+            az = az * alpha + tl.sum(p * v_z[:, None], 0)
+            ps = (p * v_s[:, None]).to(tl.float16)  # (BLOCK_T, N): the values' scales in the probabilities
+            vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
+            a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps)
+            if VP > 1:
+                a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps)
+            if VP > 2:
+                a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps)
+                a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps)
+        out = row * n_split + pid_s
+        tl.store(M_OUT + out, m_i, mask=gmask)
+        tl.store(L_OUT + out, l_i, mask=gmask)
+        acc_p = ACC_OUT + out[None, :] * D + tl.arange(0, VW)[:, None] * VP  # part k: channels P i + k
+        gm = gmask[None, :]
+        tl.store(acc_p, a0 + az[None, :], mask=gm)
+        if VP > 1:
+            tl.store(acc_p + 1, a1 + az[None, :], mask=gm)
+        if VP > 2:
+            tl.store(acc_p + 2, a2 + az[None, :], mask=gm)
+            tl.store(acc_p + 3, a3 + az[None, :], mask=gm)
+    else:  # the full-precision tail: triton_decode's loop (float16 dots, float32 accumulation); own names, as
+        # Triton needs a variable to keep one type across the branches
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D)
+        fmask_g = offs_g < G
+        frow = b * (H_kv * G) + h * G + offs_g
+        fq = tl.load(Q + frow[:, None] * D + offs_d[None, :], mask=fmask_g[:, None], other=0.0)
+        fm = tl.full([G_PAD], -1.0e30, tl.float32)
+        fl = tl.zeros([G_PAD], tl.float32)
+        facc = tl.zeros([G_PAD, D], tl.float32)
+        fstart = (pid_s - n_split_q) * chunk_f
+        fend = tl.minimum(fstart + chunk_f, tl.load(FLEN + b))
+        kf = KF + bh * T_f * D
+        vf = VF + bh * T_f * D
+        for f0 in range(fstart, fend, BLOCK_F):
+            ft = f0 + tl.arange(0, BLOCK_F)
+            fvalid = ft < fend
+            if HAS_FMASK:
+                fvalid = fvalid & (tl.load(FMASK + b * T_f + ft, mask=fvalid, other=0) != 0)
+            fk = _load_kv(kf, kf, kf, kf, kf, kf, ft[None, :], offs_d[:, None], fvalid[None, :], D, 1,
+                          16, 1, 1, True, 0, 0)
+            fv = _load_kv(vf, vf, vf, vf, vf, vf, ft[:, None], offs_d[None, :], fvalid[:, None], D, 1,
+                          16, 1, 1, True, 0, 0)
+            fm, fl, facc = _attend(fq, fk, fv, fvalid, fm, fl, facc, qk_scale, False)
+        fout = frow * n_split + pid_s
+        tl.store(M_OUT + fout, fm, mask=fmask_g)
+        tl.store(L_OUT + fout, fl, mask=fmask_g)
+        tl.store(ACC_OUT + fout[:, None] * D + offs_d[None, :], facc, mask=fmask_g[:, None])
+# fmt: on
+
+
+def _side_ok(p: PackedTensor | None, which: str) -> str | None:
+    if p is None:
+        return f"the {which} have no quantized side"
+    if p.kind != "int" or p.bits not in FOLD_BITS:
+        return f"{which}: {p.kind} {p.bits}-bit codes (the folded kernel reads 2/4/8-bit integer codes)"
+    if p.tps != 1 or p.cps != p.head_dim:
+        return f"{which}: one scale per {p.tps} tokens and {p.cps} channels (the folded kernel needs one per token row)"
+    if p.n_outliers:
+        return f"{which}: sparse outliers"
+    if p.head_dim * p.bits < 128:
+        return f"{which}: rows of {p.head_dim * p.bits // 8} bytes (the folded kernel's dots need 16 at least)"
+    if p.codes.shape[-1] != p.head_dim * p.bits // 8:
+        return f"{which}: codes rows of {p.codes.shape[-1]} bytes, expected {p.head_dim * p.bits // 8}"
+    return None
+
+
+def fold_supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
+    """``None`` when ``decode_attention_fold`` reads ``store`` (and ``q``), else why not."""
+    if q is not None and q.dtype != torch.float16:
+        return f"the folded kernel takes float16 queries, got {q.dtype}"
+    D = store.head_dim
+    if D < 16 or D & (D - 1):
+        return f"head_dim must be a power of two >= 16, got {D}"
+    if store.pre_rope:
+        return "pre-RoPE keys (the folded kernel does not rotate keys)"
+    for p, which in ((store.key, "keys"), (store.value, "values")):
+        reason = _side_ok(p, which)
+        if reason:
+            return reason
+    return None
+
+
+def fold_defaults(D: int, k_bits: int, v_bits: int, G: int) -> dict[str, int]:
+    """``block_t``, ``num_warps``, ``num_stages``, ``n_rows`` of a folded launch: 128-token tiles (fewer where a
+    row is wider than 128 bytes), 4 warps, 2 stages, the ``G`` query heads padded to a power of two, 8 at least.
+    Chosen from sm_90 compiles (registers, spills, instructions per token; BENCHMARKS.md §6 session 38), not yet
+    from a GPU timing."""
+    W = D * max(k_bits, v_bits) // 8
+    return {"block_t": max(16, min(128, FOLD_TILE_BYTES // W)), "num_warps": 4, "num_stages": 2,
+            "n_rows": max(8, _pow2(G))}  # fmt: skip
+
+
+def _asm_ok() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def decode_attention_fold(
+    q: torch.Tensor,
+    store: PackedStore,
+    scale: float | None = None,
+    *,
+    block_t: int | None = None,
+    splits: int | None = None,
+    target_programs: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    n_rows: int | None = None,
+    meta32: bool = False,
+) -> torch.Tensor:
+    """Fused decode attention with folded scales: ``q (B, H_q, 1, D)`` float16 over ``store`` → ``(B, H_q, 1, D)``.
+
+    Same contract as ``triton_decode.decode_attention_triton`` (rotated sides attended in the codes' basis,
+    ragged lengths, slot masks, the full-precision tail) for stores ``fold_supported`` accepts
+    (``NotImplementedError`` with its reason otherwise). ``block_t``, ``num_warps``, ``num_stages``, ``n_rows``
+    (query rows per tile, ``>= G``) default to ``fold_defaults``; ``splits`` / ``target_programs`` as there.
+    ``meta32``: read float16 scales and zero-points as int32 words of two tokens where aligned (``_row_meta``).
+    """
+    reason = fold_supported(store, q)
+    if reason:
+        raise NotImplementedError(reason)
+    B, H_q, one, D = q.shape
+    H_kv = store.n_kv_heads
+    if one != 1 or B != store.batch or D != store.head_dim or H_q % H_kv:
+        raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
+    G = H_q // H_kv
+    q, store, out_rotate = code_basis(q, store)
+    k, v = store.key, store.value
+    d = fold_defaults(D, k.bits, v.bits, G)
+    block_t = d["block_t"] if block_t is None else int(block_t)
+    n_rows = d["n_rows"] if n_rows is None else int(n_rows)
+    if n_rows < G or n_rows & (n_rows - 1) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"n_rows must be a power of two >= G={G} and block_t one >= 16, got {n_rows}, {block_t}")
+    dev = q.device
+    q2 = q.reshape(B * H_q, D).contiguous()
+    if splits is None:
+        splits = _num_splits(store, dev, target_programs)
+    T_q = k.n_slots
+    T_f = store.key_full.shape[2] if store.key_full is not None else 0
+    block_f = max(16, min(64, 4096 // D))
+    n_q, chunk_q = _chunk(T_q if store.quant_used is None else store.quant_used, splits, block_t)
+    n_f, chunk_f = _chunk(T_f, splits, block_f)
+    n_split = n_q + n_f
+    m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(B * H_q, n_split, D, device=dev, dtype=torch.float32)
+    dummy = torch.empty(1, device=dev, dtype=torch.uint8)
+    kf = store.key_full if store.key_full is not None else dummy
+    vf = store.value_full if store.value_full is not None else dummy
+    qmask = store.quant_mask.view(torch.uint8) if store.quant_mask is not None else dummy
+    fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    _fold_kernel[(B * H_kv, n_split)](
+        q2, m, l_, acc,
+        k.codes, k.scale, k.zero if k.zero is not None else k.scale,
+        v.codes, v.scale, v.zero if v.zero is not None else v.scale,
+        store.quant_lens, kf, vf, store.full_lens, qmask, fmask,
+        scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f,
+        G=G, N=n_rows, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t, BLOCK_F=block_f,
+        K_BITS=k.bits, K_SYM=k.zero is None, V_BITS=v.bits, V_SYM=v.zero is None,
+        HAS_QMASK=store.quant_mask is not None, HAS_FMASK=store.full_mask is not None,
+        QMASK_W32=_mask_words_ok(store.quant_mask, T_q, block_t), ASM=_asm_ok(),
+        K_W32=meta32 and _words_ok(k), V_W32=meta32 and _words_ok(v),
+        num_warps=d["num_warps"] if num_warps is None else num_warps,
+        num_stages=d["num_stages"] if num_stages is None else num_stages,
+    )  # fmt: skip
+    out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype if out_rotate is None else torch.float32)
+    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
+    out = out.reshape(B, H_q, 1, D)
+    return out if out_rotate is None else unrotate(out, out_rotate, torch.float16)

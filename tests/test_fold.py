@@ -1,0 +1,194 @@
+"""The folded-scale decode kernel (``kvbits.kernels.triton_fold``): accuracy, what it refuses, the dispatch.
+
+Runs compiled on CUDA, else through Triton's interpreter (which takes the kernel's plain-arithmetic branch for the
+inline-PTX code conversion; ``tests/test_aot.py`` compiles the PTX branch for sm_90). Accuracy criterion as in
+``test_kernels.py``: the max error against float64 attention over the same quantized store is at most twice the
+error of plain torch attention at float16.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _launch import LaunchSpy
+from test_kernels import (
+    DEVICE,
+    HAD,
+    KIVI4_KEYS,
+    KIVI4_VALUES,
+    make_store,
+    max_err,
+    needs_triton,
+    rotated_case,
+    spec,
+)
+
+from kvbits.kernels import dispatch
+from kvbits.kernels.reference import decode_attention_reference
+
+try:
+    from kvbits.kernels import triton_decode, triton_fold  # the interpreter is enabled by test_kernels
+except ImportError:  # Triton not installed (needs_triton skips)
+    triton_decode = triton_fold = None
+
+
+def token(bits: int, symmetric: bool = False, **kw):
+    """One scale (and zero-point) per token row over all channels: what the folded kernel reads."""
+    return spec(bits, "token", None, symmetric=symmetric, **kw)
+
+
+FOLD_CASES = [  # (D, G, key spec, value spec, quantized slots, block_t, splits)
+    (64, 7, token(4), token(4), 192, None, 3),  # Qwen2.5's GQA group, default tile (128)
+    (128, 4, token(8, True), token(8, True), 192, 32, 2),  # Llama-3-8B's, vLLM's symmetric INT8 rows
+    (64, 3, token(2), token(4, True), 160, 64, 4),  # mixed widths, 2-bit keys (4 parts per byte)
+    (32, 1, token(4), token(8), 96, 16, 1),  # MHA, the narrowest INT4 rows (16 bytes)
+    (16, 2, token(8), token(8), 64, 16, 2),  # the narrowest INT8 rows
+    (256, 16, token(4), token(2), 96, None, 2),  # wide heads, 16 query heads per KV head
+]
+
+
+def fold_case(g: torch.Generator, D: int, ks, vs, T_q: int):
+    store = make_store(g, D=D, key_spec=ks, value_spec=vs, T_q=T_q, quant_lens=[T_q, T_q // 2 - 3], full_lens=[40, 3])
+    store.quant_mask = torch.ones(2, T_q, dtype=torch.bool, device=store.device)
+    store.quant_mask[1, :9] = False  # sequence 1 left-padded
+    return store
+
+
+@needs_triton
+@pytest.mark.parametrize("D,G,ks,vs,T_q,block_t,splits", FOLD_CASES, ids=[f"D{c[0]}-G{c[1]}" for c in FOLD_CASES])
+def test_fold_within_twice_torch_error(D, G, ks, vs, T_q, block_t, splits):
+    """Ragged, left-padded, with a fp16 tail: within twice torch's float16 error, below the product kernel's
+    (the codes enter the dots exactly and the scales are applied in float32)."""
+    g = torch.Generator().manual_seed(D * 7 + G)
+    store = fold_case(g, D, ks, vs, T_q)
+    assert triton_fold.fold_supported(store) is None
+    q = (torch.randn(2, 2 * G, 1, D, generator=g) * 1.5).to(DEVICE).half()
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    out = triton_fold.decode_attention_fold(q, store, block_t=block_t, splits=splits)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    one_split = triton_fold.decode_attention_fold(q, store, splits=1)
+    assert max_err(one_split, truth) <= 2 * err_pt + 1e-6
+
+
+@needs_triton
+def test_fold_scales_matter():
+    """The scales and zero-points reach the scores and outputs: a store whose value zero-points are shifted, or
+    whose key scales are doubled, gives another output (a kernel that ignored them would not)."""
+    g = torch.Generator().manual_seed(5)
+    store = fold_case(g, 64, token(4), token(4), 128)
+    q = (torch.randn(2, 4, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    base = triton_fold.decode_attention_fold(q, store)
+    store.value.zero.add_(1.0)
+    shifted = triton_fold.decode_attention_fold(q, store)
+    assert 0.1 < max_err(shifted, base) <= 1.01  # +1 times the quantized slots' attention weight (<= 1)
+    store.value.zero.sub_(1.0)
+    store.key.scale.mul_(2.0)
+    assert max_err(triton_fold.decode_attention_fold(q, store), base) > 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("meta32", [False, True])
+def test_fold_meta32_reads_the_same_scales(meta32: bool):
+    """Scales read as int32 words of two tokens (``meta32``) give the output of the 2-byte reads, padding and odd
+    lengths included (a word's second row past a sequence's length is zeroed)."""
+    g = torch.Generator().manual_seed(6)
+    store = fold_case(g, 64, token(8), token(4), 128)
+    q = (torch.randn(2, 4, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    store.value.scale[1, :, 61:] = float("nan")  # past sequence 1's 61 slots: never read into the output
+    out = triton_fold.decode_attention_fold(q, store, meta32=meta32)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, triton_fold.decode_attention_fold(q, store, meta32=not meta32))
+
+
+@needs_triton
+@pytest.mark.parametrize("which", ["both", "smooth-rotated"])
+def test_fold_attends_rotated_and_smoothed_keys(which: str):
+    """Rotated (Hadamard) sides and centred / smoothed keys: attended in the codes' basis (``code_basis``), within
+    twice torch's error against the float64 attention over what the blocks decode to."""
+    keys = token(4, **HAD) if which == "both" else token(4, centre=True, smooth=0.5, **HAD)
+    q, store, truth = rotated_case(torch.Generator().manual_seed(36), keys, token(4, **HAD), G=4)
+    q = q.half()
+    assert triton_fold.fold_supported(store, q) is None
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    assert max_err(triton_fold.decode_attention_fold(q, store), truth) <= 2 * err_pt + 1e-6
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "kw,q_dtype,reason",
+    [
+        ({"key_spec": KIVI4_KEYS}, torch.float16, "one scale per 32 tokens and 1 channels"),
+        ({"value_spec": KIVI4_VALUES}, torch.float16, "one scale per 1 tokens and 32 channels"),
+        ({"key_spec": token(3)}, torch.float16, "3-bit codes"),
+        ({"key_spec": spec(4, "token", None, outlier_frac=0.05)}, torch.float16, "sparse outliers"),
+        ({}, torch.bfloat16, "float16 queries"),
+        ({}, torch.float32, "float16 queries"),
+        ({"D": 16, "key_spec": token(4)}, torch.float16, "rows of 8 bytes"),
+    ],
+)
+def test_fold_refuses_what_it_cannot_read(kw: dict, q_dtype: torch.dtype, reason: str):
+    g = torch.Generator().manual_seed(7)
+    base = {"key_spec": token(4), "value_spec": token(4), "T_q": 64}
+    store = make_store(g, **{**base, **kw})
+    q = torch.randn(2, 4, 1, store.head_dim, generator=g).to(DEVICE).to(q_dtype)
+    assert reason in (triton_fold.fold_supported(store, q) or "")
+    with pytest.raises(NotImplementedError, match=reason.split(" (")[0]):
+        triton_fold.decode_attention_fold(q, store)
+
+
+@needs_triton
+def test_fold_launch_arguments_are_checked():
+    g = torch.Generator().manual_seed(8)
+    store = make_store(g, key_spec=token(4), value_spec=token(4), T_q=64)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    with pytest.raises(ValueError, match="n_rows must be a power of two >= G=3"):
+        triton_fold.decode_attention_fold(q, store, n_rows=2)
+    with pytest.raises(ValueError, match="block_t one >= 16"):
+        triton_fold.decode_attention_fold(q, store, block_t=8)
+    with pytest.raises(ValueError, match="q must be"):
+        triton_fold.decode_attention_fold(q[:, :5], store)
+
+
+@needs_triton
+def test_dequant_fold_takes_the_folded_kernel_where_it_can(monkeypatch):
+    """``KVBITS_DEQUANT=fold``: a store of per-token rows goes to the folded kernel; a KIVI store (per-channel keys)
+    to the float32 path, with the same output as without the mode."""
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    spy = LaunchSpy(triton_fold._fold_kernel)
+    monkeypatch.setattr(triton_fold, "_fold_kernel", spy)
+    g = torch.Generator().manual_seed(9)
+    rows = make_store(g, key_spec=token(8, True), value_spec=token(8, True), T_q=64, T_f=16)
+    kivi = make_store(g, T_q=64, T_f=16)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    default_rows = dispatch.decode_attention(q, rows)
+    default_kivi = dispatch.decode_attention(q, kivi)
+    monkeypatch.setenv("KVBITS_DEQUANT", "fold")
+    folded = dispatch.decode_attention(q, rows)
+    assert len(spy.seen) == 1 and max_err(folded, default_rows) < 2e-3
+    assert torch.equal(dispatch.decode_attention(q, kivi), default_kivi) and len(spy.seen) == 1
+
+
+@needs_triton
+def test_fold_failure_falls_back_logged(monkeypatch, caplog):
+    """On CUDA a folded launch that fails (a compile error) is logged, remembered and served by the float32 path;
+    elsewhere (tests, the interpreter) the error is raised."""
+    monkeypatch.setattr(triton_fold, "_fold_kernel", LaunchSpy(triton_fold._fold_kernel, fail=lambda meta: True))
+    monkeypatch.setattr(triton_decode, "_FOLD_BROKEN", set())
+    g = torch.Generator().manual_seed(10)
+    store = make_store(g, key_spec=token(4), value_spec=token(4), T_q=64)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    want = triton_decode.decode_attention_triton(q, store)
+    monkeypatch.setattr(triton_decode, "_compile_fallbacks", lambda q: False)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        triton_decode.decode_attention_triton(q, store, dequant="fold")
+    monkeypatch.setattr(triton_decode, "_compile_fallbacks", lambda q: True)
+    with caplog.at_level(logging.WARNING, logger="kvbits.kernels.triton_decode"):
+        out = triton_decode.decode_attention_triton(q, store, dequant="fold")
+        again = triton_decode.decode_attention_triton(q, store, dequant="fold")
+    assert torch.equal(out, want) and torch.equal(again, want)
+    assert sum("dequant='fold' failed" in r.message for r in caplog.records) == 1
+    assert len(triton_decode._FOLD_BROKEN) == 1
