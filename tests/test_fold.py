@@ -46,11 +46,18 @@ FOLD_CASES = [  # (D, G, key spec, value spec, quantized slots, block_t, splits)
     (32, 1, token(4), token(8), 96, 16, 1),  # MHA, the narrowest INT4 rows (16 bytes)
     (16, 2, token(8), token(8), 64, 16, 2),  # the narrowest INT8 rows
     (256, 16, token(4), token(2), 96, None, 2),  # wide heads, 16 query heads per KV head
+    # KIVI: keys per channel over 32 tokens (four scale rows per 128-token tile), values per 32 channels
+    (64, 7, KIVI4_KEYS, KIVI4_VALUES, 192, None, 3),
+    (128, 4, spec(2, "channel", 32), spec(2, "token", 32), 192, 64, 2),  # 8 rows of a 2-bit part per group
+    (64, 3, spec(8, "channel", 128), token(8), 256, None, 2),  # int8-channel: one scale row per tile
+    (64, 2, spec(4, "channel", 64, symmetric=True), spec(4, "token", 16, symmetric=True), 128, 32, 2),  # rows > tile
 ]
 
 
 def fold_case(g: torch.Generator, D: int, ks, vs, T_q: int):
-    store = make_store(g, D=D, key_spec=ks, value_spec=vs, T_q=T_q, quant_lens=[T_q, T_q // 2 - 3], full_lens=[40, 3])
+    block = max(32, ks.group_size or 0) if ks.granularity == "channel" else 32  # whole key scale groups
+    store = make_store(g, D=D, key_spec=ks, value_spec=vs, T_q=T_q, quant_lens=[T_q, T_q // 2 - 3], full_lens=[40, 3],
+                       block=block)  # fmt: skip
     store.quant_mask = torch.ones(2, T_q, dtype=torch.bool, device=store.device)
     store.quant_mask[1, :9] = False  # sequence 1 left-padded
     return store
@@ -121,8 +128,9 @@ def test_fold_attends_rotated_and_smoothed_keys(which: str):
 @pytest.mark.parametrize(
     "kw,q_dtype,reason",
     [
-        ({"key_spec": KIVI4_KEYS}, torch.float16, "one scale per 32 tokens and 1 channels"),
-        ({"value_spec": KIVI4_VALUES}, torch.float16, "one scale per 1 tokens and 32 channels"),
+        ({"key_spec": spec(4, "token", 32)}, torch.float16, "keys: one scale per 1 tokens and 32 channels"),
+        ({"value_spec": spec(4, "channel", 32)}, torch.float16, "values: one scale per 32 tokens and 1 channels"),
+        ({"key_spec": spec(4, "channel", 32), "rope": True}, torch.float16, "pre-RoPE keys"),
         ({"key_spec": token(3)}, torch.float16, "3-bit codes"),
         ({"key_spec": spec(4, "token", None, outlier_frac=0.05)}, torch.float16, "sparse outliers"),
         ({}, torch.bfloat16, "float16 queries"),
@@ -155,14 +163,14 @@ def test_fold_launch_arguments_are_checked():
 
 @needs_triton
 def test_dequant_fold_takes_the_folded_kernel_where_it_can(monkeypatch):
-    """``KVBITS_DEQUANT=fold``: a store of per-token rows goes to the folded kernel; a KIVI store (per-channel keys)
-    to the float32 path, with the same output as without the mode."""
+    """``KVBITS_DEQUANT=fold``: a store of per-token rows goes to the folded kernel; a store it does not read
+    (per-token keys in channel groups) to the float32 path, with the same output as without the mode."""
     monkeypatch.setenv("KVBITS_KERNEL", "triton")
     spy = LaunchSpy(triton_fold._fold_kernel)
     monkeypatch.setattr(triton_fold, "_fold_kernel", spy)
     g = torch.Generator().manual_seed(9)
     rows = make_store(g, key_spec=token(8, True), value_spec=token(8, True), T_q=64, T_f=16)
-    kivi = make_store(g, T_q=64, T_f=16)
+    kivi = make_store(g, key_spec=spec(4, "token", 32), T_q=64, T_f=16)
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
     default_rows = dispatch.decode_attention(q, rows)
     default_kivi = dispatch.decode_attention(q, kivi)

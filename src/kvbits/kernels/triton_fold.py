@@ -1,12 +1,17 @@
-"""Fused decode attention with the scales folded out of the tiles: a leaner Triton kernel for per-token rows.
+"""Fused decode attention with the scales folded out of the tiles: a leaner Triton kernel for integer codes.
 
-For sides whose every (token, head) row has **one** scale (and zero-point) over all ``D`` channels (``tps == 1``,
-``cps == D``: ``int8-token``, ``int2-token``, vLLM's ``int8_per_token_head`` as ``vllm-int8``), a row decodes to
-``x = c * s_t + z_t`` (symmetric codes: ``z_t = -(2**(bits-1) - 1) * s_t``), so
+A row with one scale (and zero-point) over all ``D`` channels (``tps == 1``, ``cps == D``: ``int8-token``,
+``int4-token-hadamard``, vLLM's ``int8_per_token_head`` as ``vllm-int8``) decodes to ``x = c * s_t + z_t``
+(symmetric codes: ``z_t = -(2**(bits-1) - 1) * s_t``), so
 
 - scores ``q . k_t = s_t (q . c_t) + z_t sum(q)``: a dot of the query with the **raw codes**, then one multiply-add
   per score instead of one per code;
 - values ``sum_t p_t v_t = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1``: the scales go into the probabilities.
+
+Keys scaled per channel over ``TPS`` tokens (KIVI, ``int4-channel``, static rows): the scale row folds into the
+query instead, ``(q * s_j) . c_t + q . z_j`` for the tokens of row ``j`` (a batched dot when a tile spans several
+rows). Values scaled per token over groups of ``C`` channels (KIVI's values): the codes are multiplied by their
+float16 scales in the tile (one rounding, as a float16 dequantization) and the zero-points summed per group.
 
 The codes become float16 exactly (``1024 + c`` is the float16 with bit pattern ``0x6400 | c``; one subtraction of
 1024 is exact), four per 32-bit register through one inline-PTX block (mask, two byte permutes onto the ``0x64``
@@ -20,11 +25,13 @@ Orientation: the codes are the tensor cores' row operand, ``S^T (BLOCK_T, N) = p
 and ``acc_k^T (W, N) += part_k(V)^T (W, BLOCK_T) @ (p s)^T (BLOCK_T, N)``, with the ``G`` query heads of the
 KV head as the narrow ``N`` side (padded to 8 at least, not 16).
 
-Compiled for sm_90 (``benchmarks/kernel_cost.py --fold``; BENCHMARKS.md §6 session 38) the tile loop issues about
-half the product kernel's instructions per token (Llama-3-8B's shape, INT4: 29 against 48-55). Not yet run on a
-GPU: opt-in (``KVBITS_DEQUANT=fold``, ``decode_attention_triton(dequant="fold")``) until the device run has checked
-and timed it. Sides it cannot read (per-channel keys, channel groups, NUQ, FP8, outliers, pre-RoPE keys, 3-bit
-codes, bfloat16 / float32 queries) go to the product kernel (``fold_supported`` says why).
+Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, session 38) the tile loop issues 20-36 warp-instructions
+per token on per-token rows and 25-48 on KIVI's groups, against the product kernel's float32 path's 38-85 (Llama-3-8B's
+shape, INT4: 29 / 41 against 76 / 83). Not yet run on a GPU: opt-in (``KVBITS_DEQUANT=fold``,
+``decode_attention_triton(dequant="fold")``) until the device run has checked and timed it. Sides it cannot read
+(NUQ, FP8, 3-bit codes, outliers, pre-RoPE keys, keys in per-token channel groups, values per channel, float16
+dots narrower than 16 bytes of codes, bfloat16 / float32 queries) go to the product kernel (``fold_supported``
+says why).
 
 The full-precision tail (sinks, residual window) is attended in its own splits with the product kernel's helpers,
 and the partials are merged by its ``_reduce_kernel``. This module imports Triton; import it through
@@ -40,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbits.kernels.reference import PackedStore, PackedTensor, code_basis
+from kvbits.kernels.reference import STATIC_TPS, PackedStore, PackedTensor, code_basis
 from kvbits.kernels.triton_decode import (
     LOG2E,
     _attend,
@@ -147,25 +154,65 @@ def _q_part(Q, row, gmask, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D:
 
 @triton.jit
 def _scores_part(kb, qk, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """``part_k(kb) (BLOCK_T, W) @ q_k^T (W, N)``: the codes' dot with the query, float32."""
     return tl.dot(_codes(kb, k, BITS, ASM), qk)
 
 
-@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split"])
+@triton.jit
+def _scaled(vb, s3, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, VG: tl.constexpr, RPG: tl.constexpr,
+            VW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Part ``k`` of value bytes ``vb (VW, BLOCK_T)`` times its float16 scales ``s3 (VG, 1, BLOCK_T)``: row ``i`` of the
+    part is channel ``P i + k``, in scale group ``i // RPG``. ``(VW, BLOCK_T)`` float16."""
+    c = tl.reshape(_codes(vb, k, BITS, ASM), (VG, RPG, BLOCK_T))
+    return tl.reshape(c * s3, (VW, BLOCK_T))
+
+
+@triton.jit
+def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr,
+                 D: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr,
+                 TPS: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr):
+    """Scores of part ``k`` for keys scaled per channel (one row of ``D`` scales per ``TPS`` tokens), float32
+    ``(BLOCK_T, N)``: the scale row folds into the query, ``(q_k * s) @ part_k + q_k . z``, for each of the tile's
+    ``R`` rows ``srow + arange(R)`` (``mask_r``: rows that hold a valid token); ``R > 1`` is a batched dot over the
+    rows' ``TPS``-token groups."""
+    ch = tl.arange(0, W) * P + k
+    rows = srow + tl.arange(0, R)
+    sc = tl.load(s_ptr + rows[:, None] * D + ch[None, :], mask=mask_r[:, None], other=0.0).to(tl.float32)  # (R, W)
+    if SYM:
+        zc = sc * (-((1 << (BITS - 1)) - 1))
+    else:
+        zc = tl.load(z_ptr + rows[:, None] * D + ch[None, :], mask=mask_r[:, None], other=0.0).to(tl.float32)
+    qf = qk.to(tl.float32)  # (W, N)
+    if R == 1:
+        q_s = (qf * tl.reshape(sc, (W,))[:, None]).to(tl.float16)
+        bias = tl.sum(qf * tl.reshape(zc, (W,))[:, None], 0)
+        return tl.dot(_codes(kb, k, BITS, ASM), q_s) + bias[None, :]
+    else:
+        q_s = (qf[None, :, :] * sc[:, :, None]).to(tl.float16)  # (R, W, N)
+        bias = tl.sum(qf[None, :, :] * zc[:, :, None], 1)  # (R, N)
+        c3 = tl.reshape(_codes(kb, k, BITS, ASM), (R, TPS, W))
+        return tl.reshape(tl.dot(c3, q_s) + bias[:, None, :], (BLOCK_T, N))
+
+
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "K_SROWS"])
 def _fold_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,
     KC, KS, KZ, VC, VS, VZ, QLEN, KF, VF, FLEN, QMASK, FMASK,
-    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f,
+    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f, K_SROWS,
     G: tl.constexpr, N: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, V_BITS: tl.constexpr, V_SYM: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr, QMASK_W32: tl.constexpr, ASM: tl.constexpr,
-    K_W32: tl.constexpr, V_W32: tl.constexpr,
+    K_W32: tl.constexpr, V_W32: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, V_CPS: tl.constexpr,
+    K_R: tl.constexpr,
 ):
     """Grid ``(B * H_kv, n_split)``: splits ``[0, n_split_q)`` over the quantized slots (folded scales), the rest
     over the full-precision tail (``triton_decode``'s helpers). Writes ``M/L (B*H_q, n_split)`` and
     ``ACC (B*H_q, n_split, D)`` as ``triton_decode._decode_kernel`` does, for its ``_reduce_kernel``.
 
-    Quantized codes ``(B*H_kv, T_q, D * bits / 8)`` uint8; scales / zero-points ``(B*H_kv, T_q)`` (one per row).
+    Quantized codes ``(B*H_kv, T_q, D * bits / 8)`` uint8. Keys: one scale (and zero-point) per row
+    (``K_CPS == D``: ``(B*H_kv, T_q)``), or per channel over ``K_TPS`` tokens (``K_CPS == 1``:
+    ``(B*H_kv, K_SROWS, D)``). Values: per row, or per token and ``V_CPS`` channels (``(B*H_kv, T_q, D / V_CPS)``).
     """
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -176,6 +223,8 @@ def _fold_kernel(
     KW: tl.constexpr = D // KP
     VP: tl.constexpr = 8 // V_BITS
     VW: tl.constexpr = D // VP
+    VG: tl.constexpr = D // V_CPS  # value scale groups per row
+    RPG: tl.constexpr = VW // VG  # rows of a part's accumulator per value group
     if pid_s < n_split_q:
         offs_n = tl.arange(0, N)
         gmask = offs_n < G
@@ -194,18 +243,21 @@ def _fold_kernel(
         m_i = tl.full([N], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
         l_i = tl.zeros([N], tl.float32)
         a0 = tl.zeros([VW, N], tl.float32)
+        if VG == 1:
+            az = tl.zeros([N], tl.float32)  # sum_t p_t z_t: the values' additive terms, on every channel
+        else:  # per value group g (the rows of each part whose channels P i + k lie in it)
+            az = tl.zeros([VG, N], tl.float32)
         a1 = a0
         a2 = a0
         a3 = a0
-        az = tl.zeros([N], tl.float32)  # sum_t p_t z_t: the values' additive terms, on every channel
         start = pid_s * chunk_q
         end = tl.minimum(start + chunk_q, tl.load(QLEN + b))
         kc = KC + bh * T_q * KW
         vc = VC + bh * T_q * VW
-        ks = KS + bh * T_q
-        kz = KZ + bh * T_q
-        vs = VS + bh * T_q
-        vz = VZ + bh * T_q
+        ks = KS + bh * K_SROWS * (D // K_CPS)
+        kz = KZ + bh * K_SROWS * (D // K_CPS)
+        vs = VS + bh * T_q * VG
+        vz = VZ + bh * T_q * VG
         offs_t = tl.arange(0, BLOCK_T)
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
@@ -216,41 +268,76 @@ def _fold_kernel(
                 else:
                     valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             kb = tl.load(kc + t[:, None] * KW + tl.arange(0, KW)[None, :], mask=valid[:, None], other=0)
-            s = _scores_part(kb, q0, 0, K_BITS, ASM)
-            if KP > 1:
-                s += _scores_part(kb, q1, 1, K_BITS, ASM)
-            if KP > 2:
-                s += _scores_part(kb, q2, 2, K_BITS, ASM)
-                s += _scores_part(kb, q3, 3, K_BITS, ASM)
-            k_s, k_z = _row_meta(ks, kz, t, valid, K_BITS, K_SYM, K_W32, BLOCK_T)
-            s = s * k_s[:, None] + k_z[:, None] * qsum[None, :]  # (BLOCK_T, N)
+            if K_CPS == D:  # one scale per row: s_t (q . c_t) + z_t sum(q)
+                s = _scores_part(kb, q0, 0, K_BITS, ASM)
+                if KP > 1:
+                    s += _scores_part(kb, q1, 1, K_BITS, ASM)
+                if KP > 2:
+                    s += _scores_part(kb, q2, 2, K_BITS, ASM)
+                    s += _scores_part(kb, q3, 3, K_BITS, ASM)
+                k_s, k_z = _row_meta(ks, kz, t, valid, K_BITS, K_SYM, K_W32, BLOCK_T)
+                s = s * k_s[:, None] + k_z[:, None] * qsum[None, :]  # (BLOCK_T, N)
+            else:  # per channel: the tile's scale rows fold into the query
+                srow = t0 // K_TPS
+                mask_r = t0 + tl.arange(0, K_R) * K_TPS < end
+                s = _chan_scores(kb, q0, ks, kz, srow, mask_r, 0, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS, BLOCK_T, N)
+                if KP > 1:
+                    s += _chan_scores(kb, q1, ks, kz, srow, mask_r, 1, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS,
+                                      BLOCK_T, N)
+                if KP > 2:
+                    s += _chan_scores(kb, q2, ks, kz, srow, mask_r, 2, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS,
+                                      BLOCK_T, N)
+                    s += _chan_scores(kb, q3, ks, kz, srow, mask_r, 3, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS,
+                                      BLOCK_T, N)
             s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
-            v_s, v_z = _row_meta(vs, vz, t, valid, V_BITS, V_SYM, V_W32, BLOCK_T)
-            az = az * alpha + tl.sum(p * v_z[:, None], 0)
-            ps = (p * v_s[:, None]).to(tl.float16)  # (BLOCK_T, N): the values' scales in the probabilities
             vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
-            a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps)
-            if VP > 1:
-                a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps)
-            if VP > 2:
-                a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps)
-                a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps)
+            if VG == 1:  # one scale per row: into the probabilities
+                v_s, v_z = _row_meta(vs, vz, t, valid, V_BITS, V_SYM, V_W32, BLOCK_T)
+                az = az * alpha + tl.sum(p * v_z[:, None], 0)
+                ps = (p * v_s[:, None]).to(tl.float16)  # (BLOCK_T, N)
+                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps)
+                if VP > 1:
+                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps)
+                if VP > 2:
+                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps)
+                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps)
+            else:  # VG scale groups per row: the codes scaled in float16 (one rounding, as a float16 dequantization)
+                offs_vg = tl.arange(0, VG)
+                vsc = tl.load(vs + t[:, None] * VG + offs_vg[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                if V_SYM:
+                    vzc = vsc * (-((1 << (V_BITS - 1)) - 1))
+                else:
+                    vzc = tl.load(vz + t[:, None] * VG + offs_vg[None, :], mask=valid[:, None],
+                                  other=0.0).to(tl.float32)
+                az = az * alpha[None, :] + tl.sum(p[:, None, :] * vzc[:, :, None], 0)  # (VG, N)
+                s3 = tl.trans(vsc).to(tl.float16)[:, None, :]  # (VG, 1, BLOCK_T)
+                p16 = p.to(tl.float16)
+                a0 = a0 * alpha[None, :] + tl.dot(_scaled(vb, s3, 0, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
+                if VP > 1:
+                    a1 = a1 * alpha[None, :] + tl.dot(_scaled(vb, s3, 1, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
+                if VP > 2:
+                    a2 = a2 * alpha[None, :] + tl.dot(_scaled(vb, s3, 2, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
+                    a3 = a3 * alpha[None, :] + tl.dot(_scaled(vb, s3, 3, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
         out = row * n_split + pid_s
         tl.store(M_OUT + out, m_i, mask=gmask)
         tl.store(L_OUT + out, l_i, mask=gmask)
         acc_p = ACC_OUT + out[None, :] * D + tl.arange(0, VW)[:, None] * VP  # part k: channels P i + k
         gm = gmask[None, :]
-        tl.store(acc_p, a0 + az[None, :], mask=gm)
+        if VG == 1:
+            azw = az[None, :]
+        else:
+            azw = tl.reshape(tl.broadcast_to(az[:, None, :], (VG, RPG, N)), (VW, N))
+        tl.store(acc_p, a0 + azw, mask=gm)
         if VP > 1:
-            tl.store(acc_p + 1, a1 + az[None, :], mask=gm)
+            tl.store(acc_p + 1, a1 + azw, mask=gm)
         if VP > 2:
-            tl.store(acc_p + 2, a2 + az[None, :], mask=gm)
-            tl.store(acc_p + 3, a3 + az[None, :], mask=gm)
+            tl.store(acc_p + 2, a2 + azw, mask=gm)
+            tl.store(acc_p + 3, a3 + azw, mask=gm)
     else:  # the full-precision tail: triton_decode's loop (float16 dots, float32 accumulation); own names, as
         # Triton needs a variable to keep one type across the branches
         offs_g = tl.arange(0, G_PAD)
@@ -287,8 +374,14 @@ def _side_ok(p: PackedTensor | None, which: str) -> str | None:
         return f"the {which} have no quantized side"
     if p.kind != "int" or p.bits not in FOLD_BITS:
         return f"{which}: {p.kind} {p.bits}-bit codes (the folded kernel reads 2/4/8-bit integer codes)"
-    if p.tps != 1 or p.cps != p.head_dim:
-        return f"{which}: one scale per {p.tps} tokens and {p.cps} channels (the folded kernel needs one per token row)"
+    D, P = p.head_dim, 8 // p.bits
+    row = p.tps == 1 and p.cps == D
+    if which == "keys" and not (row or (p.cps == 1 and p.tps & (p.tps - 1) == 0)):
+        return (f"keys: one scale per {p.tps} tokens and {p.cps} channels (the folded kernel reads one per token row, "
+                "or per channel over a power-of-two number of tokens)")  # fmt: skip
+    if which == "values" and not (row or (p.tps == 1 and p.cps & (p.cps - 1) == 0 and p.cps >= P)):
+        return (f"values: one scale per {p.tps} tokens and {p.cps} channels (the folded kernel reads one per token "
+                f"row, or per token over power-of-two groups of {P} channels or more)")  # fmt: skip
     if p.n_outliers:
         return f"{which}: sparse outliers"
     if p.head_dim * p.bits < 128:
@@ -388,12 +481,13 @@ def decode_attention_fold(
         k.codes, k.scale, k.zero if k.zero is not None else k.scale,
         v.codes, v.scale, v.zero if v.zero is not None else v.scale,
         store.quant_lens, kf, vf, store.full_lens, qmask, fmask,
-        scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f,
+        scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f, k.scale.shape[2],
         G=G, N=n_rows, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t, BLOCK_F=block_f,
         K_BITS=k.bits, K_SYM=k.zero is None, V_BITS=v.bits, V_SYM=v.zero is None,
         HAS_QMASK=store.quant_mask is not None, HAS_FMASK=store.full_mask is not None,
         QMASK_W32=_mask_words_ok(store.quant_mask, T_q, block_t), ASM=_asm_ok(),
         K_W32=meta32 and _words_ok(k), V_W32=meta32 and _words_ok(v),
+        K_TPS=min(k.tps, STATIC_TPS), K_CPS=k.cps, V_CPS=v.cps, K_R=max(1, block_t // k.tps),
         num_warps=d["num_warps"] if num_warps is None else num_warps,
         num_stages=d["num_stages"] if num_stages is None else num_stages,
     )  # fmt: skip
