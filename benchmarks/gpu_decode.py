@@ -74,6 +74,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,8 +117,16 @@ def _decoder(cfg: Config) -> Callable | None:
 
         enable_interpreter()
     from kvbits.kernels.triton_decode import decode_attention_triton
+    from kvbits.kernels.triton_fold import decode_attention_fold
 
-    return decode_attention_triton
+    def decode(q: torch.Tensor, store: Any, dequant: str = "f32", **kw: Any) -> torch.Tensor:
+        """``decode_attention_triton``; ``dequant="fold"`` straight to the folded kernel, so that a variant named
+        fold never times the float32 path it would fall back to (a failure is the variant's error)."""
+        if dequant == "fold":
+            return decode_attention_fold(q, store, **kw)
+        return decode_attention_triton(q, store, dequant=dequant, **kw)
+
+    return decode
 
 
 def _prewarm(device: torch.device, timeout_s: float) -> dict:

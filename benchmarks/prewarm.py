@@ -42,9 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 Job = tuple  # ("sweep", shape, variant, rope, path) | ("tune", shape, rope, dequant, block_t, warps, stages)
 #              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup[, reserve])
-# path: None (default launch), False (gather path, vectorized=False) or "f16" (dequant="f16");
+# path: None (default launch), False (gather path, vectorized=False), "f16" (dequant="f16") or "fold" (dequant="fold");
 # dequant: a sweep.TUNE_DEQUANT key ("f32", "f16", "f16-r128", "f32-halves"; sweep.TUNE_CASES)
-SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}, "f16": {"dequant": "f16"}}
+SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}, "f16": {"dequant": "f16"},
+                                          "fold": {"dequant": "fold"}}
 
 
 def jobs(tune: bool = True) -> list[Job]:
@@ -60,9 +61,12 @@ def jobs(tune: bool = True) -> list[Job]:
             out.append(("sweep", shape, name, False, None))
             if sch[0] == "int":
                 out += [("sweep", shape, name, False, False), ("sweep", shape, name, False, "f16")]
+                if sch[2] == 0:
+                    out.append(("sweep", shape, name, False, "fold"))
         for name in common.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
         out += [("sweep", shape, name, rope, None) for name, rope in token]
+        out += [("sweep", shape, name, False, "fold") for name, ts in common.TOKEN_SCHEMES.items() if not ts.pre_rope]
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip

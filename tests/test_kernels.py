@@ -1469,6 +1469,7 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
         TUNE_R128_LAUNCHES,
         tune_grid,
         tune_grid_f16,
+        tune_grid_for,
         tune_launches,
     )
 
@@ -1493,6 +1494,11 @@ def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
         assert {c[0] for c in f16} == {32, 64, 128} and {c[1] for c in f16} == {2, 4} and {c[2] for c in f16} == {2, 3}
         assert tune_launches(D, "f16") == [c[:3] for c in f16]
         assert tune_launches(D, "f16-r128") == [c[:3] for c in f16[:TUNE_R128_LAUNCHES]]  # its nearest only
+        # the folded kernel: its own default (128-token tiles at INT4), its split counts, then its grid nearest first
+        fold = tune_grid_for(D, "fold")
+        assert fold[: 1 + n_splits] == [(128, 4, 2, None)] + [(128, 4, 2, p) for p in TUNE_PROGRAMS_PER_SM]
+        dist = [sum(x != y for x, y in zip(c[:3], (128, 4, 2), strict=True)) for c in fold[1 + n_splits :]]
+        assert dist == sorted(dist) and 0 not in dist and len(dist) == 3 * 2 * 2 - 1
     assert td.launch_defaults(64)["block_t"] == 64 and td.launch_defaults(128)["block_t"] == 32
 
 
@@ -1523,7 +1529,7 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
         "int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard"]  # fmt: skip
     full = bench.Config(**{**cfg.__dict__, "smoke": False})
     checks = bench.check_variants(full, record, shapes=["llama-3-8b"])
-    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 26
+    assert all(c["ok"] for c in checks) and len(checks) == len(seen) == 37
     new = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][12:19]
     assert new == [("int8-kivi-f16", {"dequant": "f16"}), ("int4-kivi-f16", {"dequant": "f16"}),
                    ("int2-kivi-f16", {"dequant": "f16"}), ("int2-token-keys-f16", {"dequant": "f16"}),
@@ -1535,9 +1541,16 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
     assert {c["query_dtype"] for c in checks[:19] + checks[21:]} == {"float16"}
     # then Hadamard-rotated per-token sides (default launch), then centred / smoothed per-token keys, post-
     # and pre-RoPE
-    assert [c["variant"] for c in checks[21:]] == [
+    assert [c["variant"] for c in checks[21:26]] == [
         "int8-token-hadamard", "int4-token-hadamard", "int4-token-smooth", "int4-token-smooth-pre-rope",
         "int4-token-smooth-pre-rope-tied"]  # fmt: skip
+    # then the folded-scale kernel (dequant="fold"): KIVI's groups, per-token rows, rotated and smoothed sides
+    fold = [(c["variant"], kw) for c, (kw, _) in zip(checks, seen, strict=True)][26:]
+    assert [v for v, _ in fold] == [
+        "int8-kivi-fold", "int4-kivi-fold", "int2-kivi-fold", "int4-kivi-masked-fold", "int8-token-sym-fold",
+        "int4-token-fold", "int2-token-fold", "int4-token-hadamard-fold", "int4-token-smooth-fold",
+        "int4-kivi-fold-bt64-2w", "int4-kivi-fold-bt256-3s"]  # fmt: skip
+    assert all(kw["dequant"] == "fold" for _, kw in fold)
     assert all(f16 == (True, True) for kw, f16 in seen if kw.get("dequant") == "f16")  # both sides in float16
     # step 3: kernel "triton-f16" for the integer schemes; break-even and the table carry it
     records = bench.sweep(cfg, lambda q, store, **kw: decode_attention_reference(q, store), copy_gbps=10.0)
@@ -1548,10 +1561,16 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
     assert {(b["scheme"], b["kernel"]) for b in be if b["kernel"] == "triton-f16"} == {
         (s, "triton-f16") for s in ("int8", "int4", "int2")}  # fmt: skip
     assert "| triton-f16 | int4 |" in bench.markdown(records, be, 10.0)
+    # and the folded-scale kernel (kernel "triton-fold"): the integer KIVI schemes, the per-token layouts but pre-RoPE
+    fold = {(r["shape"], r["scheme"]) for r in records if r["kernel"] == "triton-fold"}
+    token = [name for name, ts in common.TOKEN_SCHEMES.items() if not ts.pre_rope]
+    assert fold == {(shape, s) for shape in common.SHAPES for s in ("int8", "int4", "int2", *token)}
     # prewarm: the sweep's f16 variants and step 3b's f16 launches, compiled as the benchmark launches them
     jobs = prewarm.jobs()
     assert {j[1:] for j in jobs if j[0] == "sweep" and j[4] == "f16"} == {
         (shape, s, False, "f16") for shape in common.SHAPES for s in ("int8", "int4", "int2")}  # fmt: skip
+    assert {j[1:] for j in jobs if j[0] == "sweep" and j[4] == "fold"} == {
+        (shape, s, False, "fold") for shape in common.SHAPES for s in ("int8", "int4", "int2", *token)}  # fmt: skip
     for shape, shp in common.SHAPES.items():
         tunes = [j[2:] for j in jobs if j[0] == "tune" and j[1] == shape]
         assert [j[2:] for j in tunes if j[1] == "f16"] == sweep.tune_launches(shp["D"], "f16")
@@ -1600,15 +1619,16 @@ def test_gpu_benchmark_tuning_step(monkeypatch):
         return bench._decoder(cfg)(q, store, **kw)
 
     rows = bench.tune(cfg, counted, copy_gbps=10.0)
-    assert sum(not kw for kw in launches) == 5  # the default launch (no keywords): once per case, not per row
+    assert sum(not kw for kw in launches) == 6  # the default launch (no keywords): once per case, not per row
     # round robin over int4, int4-prerope and int4 dequantized in float16 (its grid: block_t x num_stages), with
     # and without the 128-register cap (which the interpreter ignores), and int4 with 2-byte scale reads
     assert [(r["scheme"], r["dequant"], r["block_t"], r["num_warps"], r["num_stages"], r["programs_per_sm"])
             for r in rows] == [
         ("int4", "f32", 64, 4, 2, None), ("int4-prerope", "f32", 64, 4, 2, None), ("int4-f16", "f16", 64, 4, 2, None),
         ("int4-f16-r128", "f16-r128", 64, 4, 2, None), ("int4-halves", "f32-halves", 64, 4, 2, None),
+        ("int4-fold", "fold", 128, 4, 2, None),
         ("int4", "f32", 64, 4, 2, 8), ("int4-prerope", "f32", 64, 4, 2, 8), ("int4-f16", "f16", 32, 4, 2, None),
-        ("int4-f16-r128", "f16-r128", 32, 4, 2, None)]  # fmt: skip
+        ("int4-f16-r128", "f16-r128", 32, 4, 2, None), ("int4-fold", "fold", 128, 4, 2, 8)]  # fmt: skip
     assert all(r["ms"] > 0 and r["context"] == 512 for r in rows)
     assert rows[4]["max_diff_vs_default"] == 0.0  # 2-byte scale reads (meta32=False): the same values
     # each launch's output is compared with the default launch's: equal here, a number a wrong launch would show

@@ -142,6 +142,24 @@ def check_variants(cfg: Config, decode: Callable | None, shapes: list[str] | Non
     # factors tied over RoPE pairs (--tie-rope-pairs) the factor moves into q and the kernel decodes code + m / f
     variants += [("int4-token-smooth", smooth, {}), ("int4-token-smooth-pre-rope", {**smooth, "rope": True}, {}),
                  ("int4-token-smooth-pre-rope-tied", {**smooth, "rope": True, "tie": True}, {})]
+    # the folded-scale kernel (kvbits.kernels.triton_fold; dequant="fold", opt-in until checked here): its inline PTX
+    # code conversion runs only compiled. KIVI's groups, per-token rows (vLLM's symmetric INT8 among them), a
+    # left-padded batch, rotated and smoothed sides, and the launches step 3b tunes around its default
+    fold = {"dequant": "fold"}
+    row = lambda b, **kw: {"key": _spec(b, "token", None, **kw), "value": _spec(b, "token", None, **kw)}
+    variants += [
+        ("int8-kivi-fold", kivi(8), fold),
+        ("int4-kivi-fold", kivi(4), fold),
+        ("int2-kivi-fold", kivi(2), fold),
+        ("int4-kivi-masked-fold", {**kivi(4), "mask": True}, fold),
+        ("int8-token-sym-fold", row(8, symmetric=True), fold),
+        ("int4-token-fold", row(4), fold),
+        ("int2-token-fold", row(2), fold),
+        ("int4-token-hadamard-fold", rot(4), fold),
+        ("int4-token-smooth-fold", smooth, fold),
+        ("int4-kivi-fold-bt64-2w", kivi(4), {**fold, "block_t": 64, "num_warps": 2}),
+        ("int4-kivi-fold-bt256-3s", kivi(4), {**fold, "block_t": 256, "num_stages": 3}),
+    ]
     shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     if cfg.smoke and dev.type == "cpu":  # the interpreter is slow: whole-row, gather + RoPE, rotated; one shape
         smoke = ("int4-kivi", "int4-pre-rope", "fp16-tail-only", "int4-token-hadamard")

@@ -97,15 +97,16 @@ def fused_timing(
     return ms, graph, store.nbytes, spread
 
 
-KERNEL_MARKS = {"gather": "(g)", "f16": "(h)"}  # the progress line's mark of each kernel suffix
+KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)"}  # the progress line's mark of each kernel suffix
 
 
 def variant_kernel(kernel: str, kw: dict) -> str:
     """The ``kernel`` of a sweep record: ``kernel`` for the default launch, ``-gather`` for the per-element
-    path (``vectorized=False``), ``-f16`` for float16 dequantization (``dequant="f16"``)."""
+    path (``vectorized=False``), ``-f16`` for float16 dequantization (``dequant="f16"``), ``-fold`` for the
+    folded-scale kernel (``dequant="fold"``)."""
     if kw.get("vectorized") is False:
         return kernel + "-gather"
-    return kernel + ("-f16" if kw.get("dequant") == "f16" else "")
+    return kernel + {"f16": "-f16", "fold": "-fold"}.get(kw.get("dequant", ""), "")
 
 
 def sweep(
@@ -132,11 +133,18 @@ def sweep(
         variants += [(name + ROPE_SUFFIX, SCHEMES[name], {"vectorized": False}, True, {}) for name in PRE_ROPE]
         # and the integer codes dequantized in float16 (``dequant="f16"``; kernel "triton-f16")
         variants += [(name, sch, {"dequant": "f16"}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
+        # and the folded-scale kernel (``dequant="fold"``, kvbits.kernels.triton_fold; kernel "triton-fold")
+        variants += [(name, sch, {"dequant": "fold"}, False, {}) for name, sch in SCHEMES.items()
+                     if sch[0] == "int" and sch[2] == 0]  # fmt: skip
     # per-token keys and values: plain, Hadamard-rotated, keys centred / smoothed (post- and pre-RoPE), default
     # launch: at one batch only
     token_variants = [(name, SCHEMES[ts.codes], {}, ts.pre_rope,
                        {"layout": "token", "rotate": ts.rotate, "channels": ts.channels})
                       for name, ts in TOKEN_SCHEMES.items()]  # fmt: skip
+    if cfg.kernel == "triton":  # the folded-scale kernel on the per-token layouts it reads (not pre-RoPE)
+        token_variants += [(name, SCHEMES[ts.codes], {"dequant": "fold"}, False,
+                            {"layout": "token", "rotate": ts.rotate, "channels": ts.channels})
+                           for name, ts in TOKEN_SCHEMES.items() if not ts.pre_rope]  # fmt: skip
     token_batch = rotation_batch(cfg.batches)
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():
@@ -239,12 +247,29 @@ def tune_grid_f16(D: int) -> list[tuple[int, int, int, int | None]]:
 # "f32-halves" is session 9's code (2-byte scale reads, synchronous in the tile loop) beside today's default
 # (int32 words that cp.async prefetches, meta32), at the default launch and the 64-token tile session 9 found fastest
 TUNE_DEQUANT = {"f32": {}, "f16": {"dequant": "f16"}, "f16-r128": {"dequant": "f16", "maxnreg": 128},
-                "f32-halves": {"meta32": False}}  # fmt: skip
+                "f32-halves": {"meta32": False}, "fold": {"dequant": "fold"}}  # fmt: skip
+TUNE_FOLD_BLOCK_T = (64, 128, 256)  # the folded kernel's grid: its default launch (triton_fold.fold_defaults) first
+TUNE_FOLD_WARPS = (2, 4)
+TUNE_FOLD_STAGES = (2, 3)
 TUNE_HALVES_LAUNCHES = 2  # "f32-halves": the first launches of the f32 grid's block_t axis
+
+
+def tune_grid_fold(D: int) -> list[tuple[int, int, int, int | None]]:
+    """The folded kernel's rows (int4 codes): its default launch, the default with ``TUNE_PROGRAMS_PER_SM``, then
+    ``TUNE_FOLD_BLOCK_T`` x ``TUNE_FOLD_WARPS`` x ``TUNE_FOLD_STAGES``, nearest first."""
+    from kvbits.kernels.triton_fold import fold_defaults
+
+    d = fold_defaults(D, 4, 4, 1)
+    default = (d["block_t"], d["num_warps"], d["num_stages"])
+    grid = [(b, w, s) for b in TUNE_FOLD_BLOCK_T for w in TUNE_FOLD_WARPS for s in TUNE_FOLD_STAGES if (b, w, s) != default]
+    grid.sort(key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
 
 
 def tune_grid_for(D: int, dequant: str) -> list[tuple[int, int, int, int | None]]:
     """Step 3b's grid of one ``TUNE_DEQUANT`` setting at head dim ``D``."""
+    if dequant == "fold":
+        return tune_grid_fold(D)
     if dequant == "f32":
         return tune_grid(D)
     if dequant == "f32-halves":  # the default launch, then the default with 64-token tiles
@@ -267,6 +292,7 @@ TUNE_CASES = (  # step 3b's cases per shape: (scheme, pre-RoPE keys, TUNE_DEQUAN
     ("int4-f16", False, "f16"),
     ("int4-f16-r128", False, "f16-r128"),
     ("int4-halves", False, "f32-halves"),
+    ("int4-fold", False, "fold"),
 )
 
 

@@ -865,7 +865,8 @@ def decode_attention_triton(
             D <= 128 and the gather path at D = 256.
         dequant: ``"fold"``: stores ``triton_fold.fold_supported`` accepts (one scale per token row on both sides,
             2/4/8-bit integer codes, float16 queries) go to ``triton_fold.decode_attention_fold`` (scales folded
-            out of the tiles; its own launch defaults, so ``block_t`` etc. apply to the fallback only); others
+            out of the tiles; ``block_t``, ``num_warps``, ``num_stages``, ``splits`` passed on, its own defaults
+            otherwise); others
             take the ``"f32"`` path (the reason logged at debug level). ``"f32"`` (default) dequantizes in float32 and casts to the dots' type; ``"f16"``, with
             float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
             outliers or pre-RoPE rotation directly in float16 (``_load_rows16``: int32 word reads,
@@ -896,7 +897,9 @@ def decode_attention_triton(
                store.value.bits if store.value is not None else 0)  # fmt: skip
         if why is None and key not in _FOLD_BROKEN:
             try:
-                return decode_attention_fold(q, store, scale, splits=splits, target_programs=target_programs)
+                return decode_attention_fold(q, store, scale, block_t=block_t, splits=splits,
+                                             target_programs=target_programs, num_warps=num_warps,
+                                             num_stages=num_stages)  # fmt: skip
             except Exception as exc:  # the opt-in kernel failed: the float32 path (raised off CUDA)
                 if not _compile_fallbacks(q):
                     raise
