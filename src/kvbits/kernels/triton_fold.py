@@ -295,11 +295,11 @@ def _fold_kernel(
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
-            vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
             if VG == 1:  # one scale per row: into the probabilities
                 v_s, v_z = _row_meta(vs, vz, t, valid, V_BITS, V_SYM, V_W32, BLOCK_T)
                 az = az * alpha + tl.sum(p * v_z[:, None], 0)
                 ps = (p * v_s[:, None]).to(tl.float16)  # (BLOCK_T, N)
+                vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
                 a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps)
                 if VP > 1:
                     a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps)
@@ -317,6 +317,7 @@ def _fold_kernel(
                 az = az * alpha[None, :] + tl.sum(p[:, None, :] * vzc[:, :, None], 0)  # (VG, N)
                 s3 = tl.trans(vsc).to(tl.float16)[:, None, :]  # (VG, 1, BLOCK_T)
                 p16 = p.to(tl.float16)
+                vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
                 a0 = a0 * alpha[None, :] + tl.dot(_scaled(vb, s3, 0, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
                 if VP > 1:
                     a1 = a1 * alpha[None, :] + tl.dot(_scaled(vb, s3, 1, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
