@@ -318,7 +318,7 @@ def tables_match(tk: ModuleType) -> dict:
     spec = lambda s: tk.spec(s.bits, s.gran, s.group, symmetric=s.symmetric)
     want_f16 = (f16.D, f16.G, spec(f16.key), spec(f16.value), f16.block_t, f16.splits)
     want_m32 = (m32.D, spec(m32.key), spec(m32.value), m32.block_t, m32.dequant)
-    return {
+    return {  # F16_SHAPES[0] became D32-G1 when f16_ok started declining head dim 16 (session 38): False since
         "F16_SHAPES[0]": bool(tk.F16_SHAPES and tuple(tk.F16_SHAPES[0]) == want_f16),
         "META32_CASES[2]": bool(len(tk.META32_CASES) > 2 and tuple(tk.META32_CASES[2][:5]) == want_m32),
     }
@@ -393,6 +393,8 @@ def main() -> None:
     import test_kernels as tk  # tests/: make_store, spec, max_err, the tests' tables
 
     from kvbits.kernels import triton_decode as td
+
+    td.F16_MIN_HEAD_DIM = 16  # f16_ok declines head dim 16 since session 38 (this failure): map it regardless
 
     t_start = time.monotonic()
     plan: list[tuple[str, F16Variant | Meta32Variant]] = []

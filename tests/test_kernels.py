@@ -1148,7 +1148,7 @@ def test_decode_f16_dequant(monkeypatch, name: str, kw: dict, dtype: torch.dtype
 
 
 F16_SHAPES = [  # (D, G, key spec, value spec, block_t, splits): head dims, GQA groups, groups and tiles
-    (16, 1, spec(2, "channel", 16), spec(2, "token", 16), 32, 1),
+    (32, 1, spec(2, "channel", 16), spec(2, "token", 16), 32, 1),
     (32, 7, spec(4, "channel", 64), spec(8, "token"), 64, 3),
     (256, 2, spec(8, "channel", 32), spec(4, "token", 64), 32, 2),
     (128, 16, spec(4, "channel", None, static=True), spec(2, "token", 32, symmetric=True), 64, 4),
@@ -1177,6 +1177,22 @@ def test_decode_f16_dequant_shapes(D: int, G: int, ks: TensorSpec, vs: TensorSpe
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
     ref32 = triton_decode.decode_attention_triton(q, store, splits=splits, block_t=block_t)
     assert max_err(out, ref32) <= err_pt + 1e-6
+
+
+@needs_triton
+def test_f16_dequant_declines_head_dim_16():
+    """Head dim 16 keeps the float32 path under ``dequant="f16"`` (the H200 computed a wrong f16 output there,
+    session 37): ``f16_ok`` says no and the output is the float32 path's, bit for bit."""
+    g = torch.Generator().manual_seed(16 * 31 + 1)
+    store = make_store(g, D=16, key_spec=spec(2, "channel", 16), value_spec=spec(2, "token", 16), T_q=192,
+                       quant_lens=[192, 70], full_lens=[40, 3])  # fmt: skip
+    assert not triton_decode.f16_ok(store.key, 32, torch.float16)
+    assert not triton_decode.f16_ok(store.value, 32, torch.float16)
+    q = (torch.randn(2, 2, 1, 16, generator=g) * 1.5).to(DEVICE).half()
+    out = triton_decode.decode_attention_triton(q, store, splits=1, block_t=32, dequant="f16")
+    assert torch.equal(out, triton_decode.decode_attention_triton(q, store, splits=1, block_t=32))
+    wider = make_store(g, D=32, key_spec=spec(2, "channel", 16), value_spec=spec(2, "token", 16), T_q=192)
+    assert triton_decode.f16_ok(wider.key, 32, torch.float16)
 
 
 @needs_triton

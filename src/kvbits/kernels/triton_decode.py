@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 _VEC_BROKEN: set[tuple] = set()  # kernel configurations whose vectorised variant did not compile
 _F16_BROKEN: set[tuple] = set()  # ... whose dequant="f16" variant did not compile
+F16_MIN_HEAD_DIM = 32  # f16_ok: below it the float32 path (a wrong output on the H200 at head dim 16)
 _FOLD_BROKEN: set[tuple] = set()  # (G, D, key bits, value bits) whose dequant="fold" launch failed on CUDA
 TRITON_BITS = (2, 3, 4, 8)
 # The whole-row path (``_load_rows``, then ``tl.trans``) needs tiles of 32 tokens at least: on an H200
@@ -786,9 +787,14 @@ def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
     """Whether ``dequant="f16"`` (``_load_rows16``) can read side ``p`` with ``block_t``-token tiles.
 
     Float16 queries; integer codes of 2, 4 or 8 bits without sparse outliers, in int32-aligned rows; float16
-    scales and zero-points; scale groups that are whole tiles, several per tile, or per token; a power-of-two number of scale columns.
+    scales and zero-points; scale groups that are whole tiles, several per tile, or per token; a power-of-two number of scale columns;
+    head dim 32 or more: at head dim 16 the H200 (Triton 3.6, sm_90) computed a wrong output (max 2.77 from the
+    float32 path, one query per KV head; BENCHMARKS.md §6z), which Triton's interpreter computes right, so that
+    shape keeps the float32 path until ``benchmarks/kernel_failure_map.py`` has located the fault on a GPU.
     """
     if p is None or q_dtype != torch.float16 or p.kind != "int" or p.bits not in (2, 4, 8) or p.n_outliers:
+        return False
+    if p.head_dim < F16_MIN_HEAD_DIM:
         return False
     if any(m is not None and m.dtype != torch.float16 for m in (p.scale, p.zero)):
         return False  # float32 scales (scale_dtype="fp32"): the float32 path reads them
