@@ -112,6 +112,26 @@ def test_fold_meta32_reads_the_same_scales(meta32: bool):
 
 
 @needs_triton
+def test_fold_reads_only_the_used_slots():
+    """Reserved slots past ``quant_used`` (a cache's ``max_cache_len``) and past each sequence's length are never
+    read: NaN codes' scales there change nothing."""
+    g = torch.Generator().manual_seed(11)
+    store = fold_case(g, 64, KIVI4_KEYS, token(4), 192)
+    store.quant_lens = torch.tensor([150, 61], dtype=torch.int32, device=store.device)
+    store.quant_used = 150
+    q = (torch.randn(2, 4, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    clean = triton_fold.decode_attention_fold(q, store)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    store.key.scale[:, :, 150 // 32 + 1 :] = float("nan")  # key scale rows wholly past the used slots
+    store.value.scale[:, :, 150:] = float("nan")
+    store.value.scale[1, :, 61:] = float("nan")
+    poisoned = triton_fold.decode_attention_fold(q, store)
+    assert torch.isfinite(poisoned).all() and torch.equal(poisoned, clean)
+    assert max_err(clean, truth) <= 2 * err_pt + 1e-6
+
+
+@needs_triton
 @pytest.mark.parametrize("which", ["both", "smooth-rotated"])
 def test_fold_attends_rotated_and_smoothed_keys(which: str):
     """Rotated (Hadamard) sides and centred / smoothed keys: attended in the codes' basis (``code_basis``), within

@@ -688,6 +688,32 @@ def test_fused_decode_triton_f16_dequant(monkeypatch):
         assert torch.equal(logits16, logits32)
 
 
+@pytest.mark.parametrize("scheme", ["int4-kivi", "int8-token", "vllm-int8", "int4-hadamard", "smooth-tail"])
+def test_fused_decode_triton_fold(monkeypatch, scheme: str):
+    """``KVBITS_DEQUANT=fold`` through the cache: a float16 model's every fused decode step takes the folded-scale
+    kernel (KIVI's groups, per-token rows, vLLM's truncated INT8, rotated sides, smoothed keys with sinks and a
+    residual window), with the tokens of the default float32-dequantizing kernel and its logits up to float16
+    rounding: until a step whose two best logits are that close (a near tie of this random model), after which
+    the inputs differ."""
+    use_triton(monkeypatch)
+    from kvbits.kernels import triton_fold
+
+    model, sch = copy.deepcopy(build("llama")).half(), SCHEMES[scheme]
+    seq32, logits32, _ = generate(model, sch, fused=True, attn=True, new=5)
+    spy = LaunchSpy(triton_fold._fold_kernel)
+    monkeypatch.setattr(triton_fold, "_fold_kernel", spy)
+    monkeypatch.setenv("KVBITS_DEQUANT", "fold")
+    seq, logits, cache = generate(model, sch, fused=True, attn=True, new=5)
+    assert len(spy.seen) == cache.fused_report()["fused_steps"] == 4 * 2
+    new = seq.shape[1] - logits.shape[0]
+    same = int((seq[:, new:] == seq32[:, new:]).all(dim=0).long().cumprod(0).sum())  # steps before a divergence
+    torch.testing.assert_close(logits[: same + 1].float(), logits32[: same + 1].float(), atol=2e-2, rtol=0)
+    if same < logits.shape[0]:  # a flip only at a near tie
+        top2 = logits32[same].float().topk(2, dim=-1).values
+        assert float((top2[:, 0] - top2[:, 1]).min()) < 4e-2, (scheme, same)
+    assert same >= 3, (scheme, same)
+
+
 # --------------------------------------------------------------------------------------------------
 # Lazy K/V checks (the default on CUDA) through fused generation
 # --------------------------------------------------------------------------------------------------
