@@ -13,21 +13,22 @@ and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launc
 
 - ``cache``: every preset the fused decode path serves, its store built by ``QuantizedKVCache`` from a
   prefill (as the cache launches it), default launch (``launch_defaults``) and the gather fallback
-  (``vectorized=False``), and the opt-in ``dequant="f16"`` path where a side allows it, at the KV
+  (``vectorized=False``), the opt-in ``dequant="f16"`` path where a side allows it and the opt-in folded-scale
+  kernel (``dequant="fold"``, ``kvbits.kernels.triton_fold``) where it reads the store, at the KV
   shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 /
   float32 ones for kivi-4 and kvquant-4-block);
-- ``sweep``: every ``SCHEMES`` variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather and f16
+- ``sweep``: every ``SCHEMES`` variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather, f16 and fold
   launches (its per-token ``TOKEN_SCHEMES`` launch what the ``int4-token``, ``-hadamard``, ``-smooth`` and
   ``-smooth-prerope`` presets launch, which ``cache`` covers; the tied factors of ``-smooth-prerope-tied``
   come from ``kvbits calibrate --tie-rope-pairs``, not from a preset's default store);
 - ``tune``: gpu_decode's step 3b grids (``sweep.TUNE_CASES``: int4 and int4-prerope, ``block_t`` x ``num_warps``
   x ``num_stages``; int4 with ``dequant="f16"``, with and without a 128-register cap, ``block_t`` x warps x
-  stages; int4 with 2-byte scale reads, ``meta32=False``);
+  stages; int4 with 2-byte scale reads, ``meta32=False``; int4 through the folded kernel, its tiles x warps x stages);
 - ``quantize``: the quantize-and-pack kernel for gpu_decode's ``QUANTIZE_SPECS`` at D = 128.
 
 Must run in a process whose kernels are compiled (``TRITON_INTERPRET`` unset); exits 1 if a default
 launch (``cache``, ``sweep``, ``quantize``) would fail on the target, or a decode kernel would spill
-registers on the default (vectorised) path.
+registers on the default (vectorised) path or the f16 one (the opt-in folded kernel's few spills are in the table).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from gpu_bench import checks, common, sweep
 
 from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, instruction_mix, resources
 from kvbits.kernels.triton_decode import f16_ok
+from kvbits.kernels.triton_fold import fold_supported
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
 # the benchmark's KV shapes plus a head dim of 256 (Gemma-2-9B: 8 KV heads, 16 query heads) for the cache rows
@@ -96,7 +98,8 @@ def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str
     blocks = lim.blocks_per_sm(r)
     loop, ops = hot_loop(kernel)
     block_t = r.constants.get("BLOCK_T")
-    per_token = round(loop * r.num_warps / block_t, 1) if loop and block_t and r.kernel == "_decode_kernel" else None
+    decode = r.kernel in ("_decode_kernel", "_fold_kernel")
+    per_token = round(loop * r.num_warps / block_t, 1) if loop and block_t and decode else None
     return {
         "group": group, "name": name, "shape": shape, **launch, "kernel": r.kernel,
         "block_t": block_t, "num_warps": r.num_warps, "num_stages": r.num_stages,
@@ -129,11 +132,13 @@ def decode_rows(
         name = f"{name} ({str(dtype).removeprefix('torch.')} queries)"
     with compile_only(arch) as compiled:
         decode_attention_triton(q, store, splits=4, **launch)
-    path = "gather" if launch.get("vectorized") is False else "f16" if launch.get("dequant") == "f16" else "default"
+    path = "gather" if launch.get("vectorized") is False else launch.get("dequant", "default").replace("f32", "default")
     if launch.get("meta32") is False:
         path += " (2-byte scale reads)"
     return [
-        _row(group, name, shape_name, {"path": path}, k, arch) for k in compiled if k.name == "_decode_kernel"
+        _row(group, name, shape_name, {"path": path}, k, arch)
+        for k in compiled
+        if k.name in ("_decode_kernel", "_fold_kernel")
     ]
 
 
@@ -167,6 +172,8 @@ def collect(arch: str, quick: bool) -> dict:
                 not quick or name == "kivi-4"
             ):
                 paths += ({"dequant": "f16"},)  # the opt-in float16 dequantization (sides it can read)
+            if fold_supported(store, torch.empty(0, dtype=torch.float16)) is None and (not quick or name == "kivi-4"):
+                paths += ({"dequant": "fold"},)  # the opt-in folded-scale kernel (stores it reads)
             for launch in paths:
                 rows += decode_rows("cache", name, shape_name, store, arch, **launch)
             if name in ("kivi-4", "kvquant-4-block"):  # models served in bfloat16 / float32
@@ -181,6 +188,8 @@ def collect(arch: str, quick: bool) -> dict:
                     store = common.random_store(2, shp, 4096, sch, CPU, gen, tables if rope else None)
                     label = name + (common.ROPE_SUFFIX if rope else "")
                     paths = ({}, {"vectorized": False}, {"dequant": "f16"}) if sch[0] == "int" else ({},)
+                    if sch[0] == "int" and not rope:
+                        paths += ({"dequant": "fold"},)
                     for launch in paths:
                         rows += decode_rows("sweep", label, shape_name, store, arch, **launch)
                     if name == "int4":
