@@ -105,7 +105,8 @@ ARCHS = ["sm_90", pytest.param("sm_80", marks=pytest.mark.slow), pytest.param("s
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_launches_fit_hopper_ampere_and_ada(tmp_path, arch: str):
     """Every kind of default launch (decode kernel over stores the cache builds: KIVI and pre-RoPE NUQ with
-    outliers at both head dims, float16 and float32 queries; the quantize kernel) compiles for the arch,
+    outliers at both head dims, float16 and float32 queries, KIVI through the opt-in f16 path and folded kernel;
+    the quantize kernel) compiles for the arch,
     fits, and spills no registers. The quick run includes the NUQ quantize kernel, which once compiled
     only under the interpreter. The machine code is what a memory-bound decode wants: pipelined 128-bit
     loads and tensor-core MMAs (none with float32 queries, whose exact products use the CUDA cores)."""
@@ -116,7 +117,9 @@ def test_default_launches_fit_hopper_ampere_and_ada(tmp_path, arch: str):
     assert data["problems"] == [] and "PROBLEM" not in out.stdout
     rows = data["rows"]
     decode = [r for r in rows if r["group"] == "cache"]
-    assert len(decode) == 10 and sum(r["kernel"] == "_quantize_kernel" for r in rows) == 2
+    # kivi-4 at both shapes: default, f16 and the folded kernel; float32 queries; kvquant-4-block default and float32
+    assert len(decode) == 12 and sum(r["kernel"] == "_quantize_kernel" for r in rows) == 2
+    assert sum(r["kernel"] == "_fold_kernel" for r in decode) == 2
     assert all(r["fails"] is None and r["local_bytes"] == 0 for r in decode)
     assert all(r["loads_128"] > 0 and r["async_loads"] > 0 for r in decode)
     assert all((r["mma"] == 0) == ("float32 queries" in r["name"]) for r in decode)
