@@ -493,6 +493,31 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 # fmt: on
 
 
+@triton.jit
+def _tail_loop(q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, chunk_f, qk_scale, D: tl.constexpr,
+               BLOCK_T: tl.constexpr, HAS_FMASK: tl.constexpr, IEEE: tl.constexpr):
+    """The online-softmax state ``(m_i, l_i, acc)`` of queries ``q (G_PAD, D)`` carried over the full-precision tail
+    slots ``[start, start + chunk_f)`` of sequence ``b`` (``(B*H_kv, T_f, D)`` rows from slab ``bh``), in
+    ``BLOCK_T``-token tiles (``FMASK``: its ``(B, T_f)`` slot mask). Shared by ``_decode_kernel`` and
+    ``triton_fold._fold_kernel``."""
+    end = tl.minimum(start + chunk_f, tl.load(FLEN + b))
+    kf = KF + bh * T_f * D
+    vf = VF + bh * T_f * D
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + offs_t
+        valid = t < end
+        if HAS_FMASK:
+            valid = valid & (tl.load(FMASK + b * T_f + t, mask=valid, other=0) != 0)
+        k = _load_kv(kf, kf, kf, kf, kf, kf, t[None, :], offs_d[:, None], valid[None, :], D, 1,
+                     16, 1, 1, True, 0, 0)
+        v = _load_kv(vf, vf, vf, vf, vf, vf, t[:, None], offs_d[None, :], valid[:, None], D, 1,
+                     16, 1, 1, True, 0, 0)
+        m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+    return m_i, l_i, acc
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
@@ -616,20 +641,8 @@ def _decode_kernel(
         if F16_V:  # the accumulator's columns are in the values' pair order
             acc_cols = _pair_channels(D, V_BITS)
     else:
-        start = (pid_s - n_split_q) * chunk_f
-        end = tl.minimum(start + chunk_f, tl.load(FLEN + b))
-        kf = KF + bh * T_f * D
-        vf = VF + bh * T_f * D
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + offs_t
-            valid = t < end
-            if HAS_FMASK:
-                valid = valid & (tl.load(FMASK + b * T_f + t, mask=valid, other=0) != 0)
-            k = _load_kv(kf, kf, kf, kf, kf, kf, t[None, :], offs_d[:, None], valid[None, :], D, 1,
-                         16, 1, 1, True, 0, 0)
-            v = _load_kv(vf, vf, vf, vf, vf, vf, t[:, None], offs_d[None, :], valid[:, None], D, 1,
-                         16, 1, 1, True, 0, 0)
-            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+        m_i, l_i, acc = _tail_loop(q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, (pid_s - n_split_q) * chunk_f,
+                                   chunk_f, qk_scale, D, BLOCK_T, HAS_FMASK, IEEE)
     out = row * n_split + pid_s
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)

@@ -41,7 +41,6 @@ and the partials are merged by its ``_reduce_kernel``. This module imports Trito
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -50,14 +49,14 @@ import triton.language as tl
 from kvbits.kernels.reference import STATIC_TPS, PackedStore, PackedTensor, code_basis
 from kvbits.kernels.triton_decode import (
     LOG2E,
-    _attend,
+    _asm_ok,
     _chunk,
-    _load_kv,
     _mask_words,
     _mask_words_ok,
     _num_splits,
     _pow2,
     _reduce_kernel,
+    _tail_loop,
     _token_words,
     _words_ok,
 )
@@ -69,55 +68,44 @@ FOLD_BITS = (2, 4, 8)
 FOLD_TILE_BYTES = 16384  # block_t * W of the default tile: 128 tokens up to D = 128 at INT8
 
 
+# the inline-PTX conversion of four bytes (``$2``) into four exact float16 codes (``$0``, ``$1``): after ``t`` holds the
+# part's codes, one per byte, two byte permutes put 0x64 above each (float16 ``1024 + c``) and two packed
+# subtractions take 1024 off
+_PTX_HEAD = tl.constexpr("{ .reg .b32 m, t; mov.b32 m, 0x64006400; ")
+_PTX_TAIL = tl.constexpr(" prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
+                         " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }")
+
+
 # fmt: off
+@triton.jit
+def _ptx_codes(b, PART: tl.constexpr):
+    """Four bytes of ``b`` per 32-bit register (``$2``) → four float16 (``$0``, ``$1``): ``PART`` leaves the part's
+    codes in ``t``, one per byte; ``_PTX_TAIL`` turns them into float16."""
+    return tl.inline_asm_elementwise(_PTX_HEAD + PART + _PTX_TAIL, "=r,=r,r", [b], dtype=tl.float16, is_pure=True,
+                                     pack=4)
+
+
 @triton.jit
 def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Part ``k`` of packed bytes ``b`` (uint8, any shape): the codes at bits ``[k BITS, (k + 1) BITS)`` as exact
-    float16. ``ASM``: four bytes per 32-bit register in one PTX block; else the same arithmetic per element (the
-    interpreter)."""
+    float16. ``ASM``: four bytes per 32-bit register in one PTX block (``_ptx_codes``); else the same arithmetic
+    per element (the interpreter)."""
     if ASM:
         if BITS == 8:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m; mov.b32 m, 0x64006400;"
-                " prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-        elif BITS == 4 and k == 0:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; and.b32 t, $2, 0x0F0F0F0F;"
-                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+            return _ptx_codes(b, "mov.b32 t, $2;")
         elif BITS == 4:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;"
-                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+            if k == 0:
+                return _ptx_codes(b, "and.b32 t, $2, 0x0F0F0F0F;")
+            else:
+                return _ptx_codes(b, "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;")
         elif k == 0:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; and.b32 t, $2, 0x03030303;"
-                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+            return _ptx_codes(b, "and.b32 t, $2, 0x03030303;")
         elif k == 1:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;"
-                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+            return _ptx_codes(b, "shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;")
         elif k == 2:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;"
-                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+            return _ptx_codes(b, "shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;")
         else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m, t; mov.b32 m, 0x64006400; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;"
-                " prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
-                " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-                "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+            return _ptx_codes(b, "shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;")
     else:
         c = (b.to(tl.int16) >> (k * BITS)) & ((1 << BITS) - 1)
         return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
@@ -349,20 +337,8 @@ def _fold_kernel(
         fm = tl.full([G_PAD], -1.0e30, tl.float32)
         fl = tl.zeros([G_PAD], tl.float32)
         facc = tl.zeros([G_PAD, D], tl.float32)
-        fstart = (pid_s - n_split_q) * chunk_f
-        fend = tl.minimum(fstart + chunk_f, tl.load(FLEN + b))
-        kf = KF + bh * T_f * D
-        vf = VF + bh * T_f * D
-        for f0 in range(fstart, fend, BLOCK_F):
-            ft = f0 + tl.arange(0, BLOCK_F)
-            fvalid = ft < fend
-            if HAS_FMASK:
-                fvalid = fvalid & (tl.load(FMASK + b * T_f + ft, mask=fvalid, other=0) != 0)
-            fk = _load_kv(kf, kf, kf, kf, kf, kf, ft[None, :], offs_d[:, None], fvalid[None, :], D, 1,
-                          16, 1, 1, True, 0, 0)
-            fv = _load_kv(vf, vf, vf, vf, vf, vf, ft[:, None], offs_d[None, :], fvalid[:, None], D, 1,
-                          16, 1, 1, True, 0, 0)
-            fm, fl, facc = _attend(fq, fk, fv, fvalid, fm, fl, facc, qk_scale, False)
+        fm, fl, facc = _tail_loop(fq, fm, fl, facc, KF, VF, FLEN, FMASK, b, bh, T_f, (pid_s - n_split_q) * chunk_f,
+                                  chunk_f, qk_scale, D, BLOCK_F, HAS_FMASK, False)
         fout = frow * n_split + pid_s
         tl.store(M_OUT + fout, fm, mask=fmask_g)
         tl.store(L_OUT + fout, fl, mask=fmask_g)
@@ -416,10 +392,6 @@ def fold_defaults(D: int, k_bits: int, v_bits: int, G: int) -> dict[str, int]:
     W = D * max(k_bits, v_bits) // 8
     return {"block_t": max(16, min(128, FOLD_TILE_BYTES // W)), "num_warps": 4, "num_stages": 2,
             "n_rows": max(8, _pow2(G))}  # fmt: skip
-
-
-def _asm_ok() -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def decode_attention_fold(
