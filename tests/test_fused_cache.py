@@ -688,11 +688,11 @@ def test_fused_decode_triton_f16_dequant(monkeypatch):
         assert torch.equal(logits16, logits32)
 
 
-@pytest.mark.parametrize("scheme", ["int4-kivi", "int8-token", "vllm-int8", "int4-hadamard", "smooth-tail"])
+@pytest.mark.parametrize("scheme", ["int4-kivi", "vllm-int8", "smooth-tail"])
 def test_fused_decode_triton_fold(monkeypatch, scheme: str):
     """``KVBITS_DEQUANT=fold`` through the cache: a float16 model's every fused decode step takes the folded-scale
-    kernel (KIVI's groups, per-token rows, vLLM's truncated INT8, rotated sides, smoothed keys with sinks and a
-    residual window), with the tokens of the default float32-dequantizing kernel and its logits up to float16
+    kernel (KIVI's groups; vLLM's truncated INT8 rows with float32 scales; smoothed keys with sinks and a residual
+    window; rotated sides are tested in tests/test_fold.py), with the tokens of the default float32-dequantizing kernel and its logits up to float16
     rounding: until a step whose two best logits are that close (a near tie of this random model), after which
     the inputs differ."""
     use_triton(monkeypatch)
