@@ -24,7 +24,9 @@ pre-RoPE keys, float16 queries):
   ``(p * s_t) @ c + (p . z) 1``.
 
 Same bytes as the product's layout (only the order of codes within a row changes), so a cache could store it;
-nothing in the product uses it yet. ``--check`` runs the kernel (CUDA, else Triton's interpreter) against a
+nothing in the product uses it. Session 38's ``kvbits.kernels.triton_fold`` took its folding further without the
+split packing (kvbits' own rows, codes as the dots' row operand, four codes per register converted in inline PTX),
+and it is that kernel the device run times. ``--check`` runs the kernel (CUDA, else Triton's interpreter) against a
 float64 reference; ``--sass`` compiles it and the product kernel for sm_90 on this CPU (no GPU needed) and
 prints each tile loop's instructions per token.
 
