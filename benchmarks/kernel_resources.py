@@ -51,6 +51,7 @@ from kvbits.kernels.triton_decode import f16_ok
 from kvbits.kernels.triton_fold import fold_supported
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
+DECODE_KERNELS = ("_decode_kernel", "_fold_kernel")  # the decode kernels' rows (their split reduction is not listed)
 # the benchmark's KV shapes plus a head dim of 256 (Gemma-2-9B: 8 KV heads, 16 query heads) for the cache rows
 SHAPES = {**common.SHAPES, "gemma-2-9b": {"H_kv": 8, "H_q": 16, "D": 256}}
 CPU = torch.device("cpu")
@@ -98,8 +99,7 @@ def _row(group: str, name: str, shape: str, launch: dict, kernel: Any, arch: str
     blocks = lim.blocks_per_sm(r)
     loop, ops = hot_loop(kernel)
     block_t = r.constants.get("BLOCK_T")
-    decode = r.kernel in ("_decode_kernel", "_fold_kernel")
-    per_token = round(loop * r.num_warps / block_t, 1) if loop and block_t and decode else None
+    per_token = round(loop * r.num_warps / block_t, 1) if loop and block_t and r.kernel in DECODE_KERNELS else None
     return {
         "group": group, "name": name, "shape": shape, **launch, "kernel": r.kernel,
         "block_t": block_t, "num_warps": r.num_warps, "num_stages": r.num_stages,
@@ -138,7 +138,7 @@ def decode_rows(
     return [
         _row(group, name, shape_name, {"path": path}, k, arch)
         for k in compiled
-        if k.name in ("_decode_kernel", "_fold_kernel")
+        if k.name in DECODE_KERNELS
     ]
 
 
@@ -172,7 +172,7 @@ def collect(arch: str, quick: bool) -> dict:
                 not quick or name == "kivi-4"
             ):
                 paths += ({"dequant": "f16"},)  # the opt-in float16 dequantization (sides it can read)
-            if fold_supported(store, torch.empty(0, dtype=torch.float16)) is None and (not quick or name == "kivi-4"):
+            if fold_supported(store) is None and (not quick or name == "kivi-4"):  # (float16 queries)
                 paths += ({"dequant": "fold"},)  # the opt-in folded-scale kernel (stores it reads)
             for launch in paths:
                 rows += decode_rows("cache", name, shape_name, store, arch, **launch)
@@ -188,7 +188,7 @@ def collect(arch: str, quick: bool) -> dict:
                     store = common.random_store(2, shp, 4096, sch, CPU, gen, tables if rope else None)
                     label = name + (common.ROPE_SUFFIX if rope else "")
                     paths = ({}, {"vectorized": False}, {"dequant": "f16"}) if sch[0] == "int" else ({},)
-                    if sch[0] == "int" and not rope:
+                    if common.fold_reads(sch) and not rope:
                         paths += ({"dequant": "fold"},)
                     for launch in paths:
                         rows += decode_rows("sweep", label, shape_name, store, arch, **launch)

@@ -61,8 +61,8 @@ def jobs(tune: bool = True) -> list[Job]:
             out.append(("sweep", shape, name, False, None))
             if sch[0] == "int":
                 out += [("sweep", shape, name, False, False), ("sweep", shape, name, False, "f16")]
-                if sch[2] == 0:
-                    out.append(("sweep", shape, name, False, "fold"))
+            if common.fold_reads(sch):
+                out.append(("sweep", shape, name, False, "fold"))
         for name in common.PRE_ROPE:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
         out += [("sweep", shape, name, rope, None) for name, rope in token]

@@ -27,6 +27,14 @@ SCHEMES = {
     "nuq4-outl": ("nuq", 4, 0.01),  # KVQuant-style: 4-bit codebook + 1 % dense-and-sparse outliers
     "fp8-e4m3": ("fp8", 8, 0.0),  # vLLM-style FP8 (per-token scales here)
 }
+
+
+def fold_reads(scheme: tuple[str, int, float]) -> bool:
+    """Whether the folded-scale kernel (``kvbits.kernels.triton_fold``) reads a ``SCHEMES`` entry's stores (post-RoPE):
+    integer codes without outliers."""
+    return scheme[0] == "int" and scheme[2] == 0
+
+
 # the same integer layouts with pre-RoPE keys (KVQuant §3.2): RoPE applied in the kernel from float32 tables
 PRE_ROPE = ("int8", "int4", "int2")
 ROPE_SUFFIX = "-prerope"

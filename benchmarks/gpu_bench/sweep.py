@@ -16,6 +16,7 @@ from .common import (
     SHAPES,
     TOKEN_SCHEMES,
     Config,
+    fold_reads,
     launch_error,
     out_of_time,
     random_store,
@@ -134,8 +135,7 @@ def sweep(
         # and the integer codes dequantized in float16 (``dequant="f16"``; kernel "triton-f16")
         variants += [(name, sch, {"dequant": "f16"}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
         # and the folded-scale kernel (``dequant="fold"``, kvbits.kernels.triton_fold; kernel "triton-fold")
-        variants += [(name, sch, {"dequant": "fold"}, False, {}) for name, sch in SCHEMES.items()
-                     if sch[0] == "int" and sch[2] == 0]  # fmt: skip
+        variants += [(name, sch, {"dequant": "fold"}, False, {}) for name, sch in SCHEMES.items() if fold_reads(sch)]
     # per-token keys and values: plain, Hadamard-rotated, keys centred / smoothed (post- and pre-RoPE), default
     # launch: at one batch only
     token_variants = [(name, SCHEMES[ts.codes], {}, ts.pre_rope,
@@ -207,16 +207,28 @@ TUNE_STAGES = (1, 2, 3)  # num_stages: software-pipelining depth of the tile loo
 TUNE_PROGRAMS_PER_SM = (8, 32)  # split counts beyond the default 2 programs per SM (decode's target_programs)
 
 
+def _nearest_first(default: tuple, block_ts: tuple[int, ...], warps: tuple[int, ...],
+                   stages: tuple[int, ...]) -> list[tuple]:  # fmt: skip
+    """The launches ``block_ts`` x ``warps`` x ``stages`` but ``default``, by how many of the three parameters differ
+    from it (a run cut short keeps the nearest)."""
+    grid = [(b, w, s) for b in block_ts for w in warps for s in stages if (b, w, s) != default]
+    return sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+
+
 def _default_then_nearest(D: int, warps: tuple[int, ...], stages: tuple[int, ...]) -> tuple[tuple, list[tuple]]:
     """The default launch ``(block_t, num_warps, num_stages)`` at head dim ``D`` (``launch_defaults``) and the
-    other launches of ``TUNE_BLOCK_T`` x ``warps`` x ``stages``, by how many of the three parameters differ
-    from it (a run cut short keeps the nearest)."""
+    other launches of ``TUNE_BLOCK_T`` x ``warps`` x ``stages``, nearest first (``_nearest_first``)."""
     from kvbits.kernels.triton_decode import launch_defaults
 
     d = launch_defaults(D)
     default = (d["block_t"], d["num_warps"], d["num_stages"])
-    grid = [(b, w, s) for b in TUNE_BLOCK_T for w in warps for s in stages if (b, w, s) != default]
-    return default, sorted(grid, key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
+    return default, _nearest_first(default, TUNE_BLOCK_T, warps, stages)
+
+
+def _with_split_counts(default: tuple, grid: list[tuple]) -> list[tuple[int, int, int, int | None]]:
+    """The default launch (``None``: the default split count, 2 programs per SM), the default at the other split
+    counts (``TUNE_PROGRAMS_PER_SM``), then ``grid`` at the default split count."""
+    return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
 
 
 def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
@@ -224,8 +236,7 @@ def tune_grid(D: int) -> list[tuple[int, int, int, int | None]]:
     first (``None``: the default split count, 2 programs per SM), then the default with other split counts
     (``TUNE_PROGRAMS_PER_SM``: on the H200 the kernel was bound by its per-tile cost, not bandwidth), then
     ``TUNE_BLOCK_T`` x ``TUNE_WARPS`` x ``TUNE_STAGES`` nearest first (``_default_then_nearest``)."""
-    default, grid = _default_then_nearest(D, TUNE_WARPS, TUNE_STAGES)
-    return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
+    return _with_split_counts(*_default_then_nearest(D, TUNE_WARPS, TUNE_STAGES))
 
 
 TUNE_F16_WARPS = (2, 4)  # dequant="f16": block_t x num_warps x num_stages (2 warps: fewer cross-warp steps)
@@ -261,9 +272,7 @@ def tune_grid_fold(D: int) -> list[tuple[int, int, int, int | None]]:
 
     d = fold_defaults(D, 4, 4, 1)
     default = (d["block_t"], d["num_warps"], d["num_stages"])
-    grid = [(b, w, s) for b in TUNE_FOLD_BLOCK_T for w in TUNE_FOLD_WARPS for s in TUNE_FOLD_STAGES if (b, w, s) != default]
-    grid.sort(key=lambda c: sum(x != y for x, y in zip(c, default, strict=True)))
-    return [(*default, None)] + [(*default, p) for p in TUNE_PROGRAMS_PER_SM] + [(*c, None) for c in grid]
+    return _with_split_counts(default, _nearest_first(default, TUNE_FOLD_BLOCK_T, TUNE_FOLD_WARPS, TUNE_FOLD_STAGES))
 
 
 def tune_grid_for(D: int, dequant: str) -> list[tuple[int, int, int, int | None]]:

@@ -4,8 +4,8 @@
 imported lazily, on the first call that wants it, never at ``import kvbits``. ``KVBITS_DEQUANT=f16`` makes
 the Triton kernel dequantize plain integer codes in float16 for float16 queries (``decode_attention_triton``'s
 ``dequant``; opt-in until a GPU run has checked and timed it, BENCHMARKS.md §6); ``KVBITS_DEQUANT=fold`` takes the
-folded-scale kernel (``kvbits.kernels.triton_fold``) for stores of one scale per token row, also opt-in until a
-GPU run; ``f32`` is the default.
+folded-scale kernel (``kvbits.kernels.triton_fold``) for the integer stores it reads (``fold_supported``), also
+opt-in until a GPU run; ``f32`` is the default.
 """
 
 from __future__ import annotations

@@ -882,11 +882,12 @@ def decode_attention_triton(
             tokens, which it computes wrongly on sm_90 (``True`` with such a ``block_t`` is refused).
             Unless ``block_t`` is given, a side the whole-row path can read gets 32-token tiles at
             D <= 128 and the gather path at D = 256.
-        dequant: ``"fold"``: stores ``triton_fold.fold_supported`` accepts (one scale per token row on both sides,
-            2/4/8-bit integer codes, float16 queries) go to ``triton_fold.decode_attention_fold`` (scales folded
-            out of the tiles; ``block_t``, ``num_warps``, ``num_stages``, ``splits`` passed on, its own defaults
-            otherwise); others
-            take the ``"f32"`` path (the reason logged at debug level). ``"f32"`` (default) dequantizes in float32 and casts to the dots' type; ``"f16"``, with
+        dequant: ``"fold"``: stores ``triton_fold.fold_supported`` accepts (2/4/8-bit integer codes with one scale
+            per token row, keys per channel over token groups, values per channel group; float16 queries) go to
+            ``triton_fold.decode_attention_fold`` (scales folded out of the tiles; ``block_t``, ``num_warps``,
+            ``num_stages``, ``splits`` passed on, its own defaults otherwise); others take the ``"f32"`` path (the
+            reason logged at debug level). ``"f32"`` (default) dequantizes in float32 and casts to the dots' type;
+            ``"f16"``, with
             float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
             outliers or pre-RoPE rotation directly in float16 (``_load_rows16``: int32 word reads,
             magic-number conversion, one fused multiply-add); other sides keep ``"f32"``. Same rounding

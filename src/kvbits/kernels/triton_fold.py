@@ -112,24 +112,38 @@ def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _sym_zero(s, BITS: tl.constexpr):
+    """The additive term of symmetric codes: ``(c - (2**(BITS-1) - 1)) s = c s + z`` with ``z = -(2**(BITS-1) - 1) s``."""
+    return s * (-((1 << (BITS - 1)) - 1))
+
+
+@triton.jit
+def _scale_zero(s_ptr, z_ptr, offs, mask, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Scales and additive terms at ``offs`` (any shape), float32 (symmetric codes: ``_sym_zero``); elements outside
+    ``mask`` read 0 (their probability is 0: never NaN times 0)."""
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SYM:
+        z = _sym_zero(s, BITS)
+    else:
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _row_meta(s_ptr, z_ptr, t, valid, BITS: tl.constexpr, SYM: tl.constexpr, W32: tl.constexpr,
               BLOCK_T: tl.constexpr):
-    """Scale and additive term ``(s_t, z_t)`` of rows ``t`` (consecutive, ``t[0]`` even), float32: symmetric codes
-    ``z_t = -(2**(BITS-1) - 1) s_t``. Slots outside ``valid`` read 0 (their probability is 0: never NaN times 0).
+    """Scale and additive term ``(s_t, z_t)`` of rows ``t`` (consecutive, ``t[0]`` even), float32, as ``_scale_zero``.
     ``W32``: float16 values read as int32 words of two tokens (``triton_decode._token_words``), which ``cp.async``
     prefetches with the codes, where 2-byte loads stay synchronous in the tile loop (their latency can overlap
     the key dots, issued before the scales are needed). Compiled for sm_90 the words cost 6-8 more instructions
     per token and 30-70 more registers (BENCHMARKS.md §6, session 38): an option for the device run to time."""
-    if W32:
-        s = _token_words(s_ptr, t, valid, BLOCK_T).to(tl.float32)
-    else:
-        s = tl.load(s_ptr + t, mask=valid, other=0.0).to(tl.float32)
+    if not W32:
+        return _scale_zero(s_ptr, z_ptr, t, valid, BITS, SYM)
+    s = _token_words(s_ptr, t, valid, BLOCK_T).to(tl.float32)
     if SYM:
-        z = s * (-((1 << (BITS - 1)) - 1))
-    elif W32:
-        z = _token_words(z_ptr, t, valid, BLOCK_T).to(tl.float32)
+        z = _sym_zero(s, BITS)
     else:
-        z = tl.load(z_ptr + t, mask=valid, other=0.0).to(tl.float32)
+        z = _token_words(z_ptr, t, valid, BLOCK_T).to(tl.float32)
     return s, z
 
 
@@ -165,11 +179,7 @@ def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.cons
     rows' ``TPS``-token groups."""
     ch = tl.arange(0, W) * P + k
     rows = srow + tl.arange(0, R)
-    sc = tl.load(s_ptr + rows[:, None] * D + ch[None, :], mask=mask_r[:, None], other=0.0).to(tl.float32)  # (R, W)
-    if SYM:
-        zc = sc * (-((1 << (BITS - 1)) - 1))
-    else:
-        zc = tl.load(z_ptr + rows[:, None] * D + ch[None, :], mask=mask_r[:, None], other=0.0).to(tl.float32)
+    sc, zc = _scale_zero(s_ptr, z_ptr, rows[:, None] * D + ch[None, :], mask_r[:, None], BITS, SYM)  # (R, W)
     qf = qk.to(tl.float32)  # (W, N)
     if R == 1:
         q_s = (qf * tl.reshape(sc, (W,))[:, None]).to(tl.float16)
@@ -295,13 +305,8 @@ def _fold_kernel(
                     a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps)
                     a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps)
             else:  # VG scale groups per row: the codes scaled in float16 (one rounding, as a float16 dequantization)
-                offs_vg = tl.arange(0, VG)
-                vsc = tl.load(vs + t[:, None] * VG + offs_vg[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                if V_SYM:
-                    vzc = vsc * (-((1 << (V_BITS - 1)) - 1))
-                else:
-                    vzc = tl.load(vz + t[:, None] * VG + offs_vg[None, :], mask=valid[:, None],
-                                  other=0.0).to(tl.float32)
+                vsc, vzc = _scale_zero(vs, vz, t[:, None] * VG + tl.arange(0, VG)[None, :], valid[:, None], V_BITS,
+                                       V_SYM)  # (BLOCK_T, VG)
                 az = az * alpha[None, :] + tl.sum(p[:, None, :] * vzc[:, :, None], 0)  # (VG, N)
                 s3 = tl.trans(vsc).to(tl.float16)[:, None, :]  # (VG, 1, BLOCK_T)
                 p16 = p.to(tl.float16)
