@@ -25,9 +25,9 @@ Orientation: the codes are the tensor cores' row operand, ``S^T (BLOCK_T, N) = p
 and ``acc_k^T (W, N) += part_k(V)^T (W, BLOCK_T) @ (p s)^T (BLOCK_T, N)``, with the ``G`` query heads of the
 KV head as the narrow ``N`` side (padded to 8 at least, not 16).
 
-Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, session 38) the tile loop issues 20-36 warp-instructions
+Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, session 38) the tile loop issues 22-37 warp-instructions
 per token on per-token rows and 25-48 on KIVI's groups, against the product kernel's float32 path's 38-85 (Llama-3-8B's
-shape, INT4: 29 / 41 against 76 / 83). Not yet run on a GPU: opt-in (``KVBITS_DEQUANT=fold``,
+shape, INT4: 31 / 41 against 76 / 83). Not yet run on a GPU: opt-in (``KVBITS_DEQUANT=fold``,
 ``decode_attention_triton(dequant="fold")``) until the device run has checked and timed it. Sides it cannot read
 (NUQ, FP8, 3-bit codes, outliers, pre-RoPE keys, keys in per-token channel groups, values per channel, float16
 dots narrower than 16 bytes of codes, bfloat16 / float32 queries) go to the product kernel (``fold_supported``
@@ -145,6 +145,18 @@ def _row_meta(s_ptr, z_ptr, t, valid, BITS: tl.constexpr, SYM: tl.constexpr, W32
     else:
         z = _token_words(z_ptr, t, valid, BLOCK_T).to(tl.float32)
     return s, z
+
+
+@triton.jit
+def _unit_probs(p, s):
+    """``p (BLOCK_T, N) * s (BLOCK_T,)`` as float16 in units of ``u = max(s)`` (1 where every scale is 0), and ``u``:
+    the products enter the value dots as ``(p s / u) @ codes`` and the float32 result is multiplied by ``u``. Without
+    the unit, ``p s`` of small values (scales of 1e-4, a probability of 1e-2) falls among float16's subnormals, and the
+    output's error grows as the values shrink (INT8 rows of values of magnitude 5e-3: 3x float16 torch's error;
+    of 5e-4: 20x; ``tests/test_fold.py::test_fold_small_values_keep_their_precision``)."""
+    u = tl.max(s, 0)
+    u = tl.where(u > 0, u, 1.0)
+    return (p * (s * (1.0 / u))[:, None]).to(tl.float16), u
 
 
 @triton.jit
@@ -296,14 +308,14 @@ def _fold_kernel(
             if VG == 1:  # one scale per row: into the probabilities
                 v_s, v_z = _row_meta(vs, vz, t, valid, V_BITS, V_SYM, V_W32, BLOCK_T)
                 az = az * alpha + tl.sum(p * v_z[:, None], 0)
-                ps = (p * v_s[:, None]).to(tl.float16)  # (BLOCK_T, N)
+                ps, v_u = _unit_probs(p, v_s)  # (BLOCK_T, N) float16, in units of the tile's largest scale
                 vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
-                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps)
+                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps) * v_u
                 if VP > 1:
-                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps)
+                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps) * v_u
                 if VP > 2:
-                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps)
-                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps)
+                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps) * v_u
+                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps) * v_u
             else:  # VG scale groups per row: the codes scaled in float16 (one rounding, as a float16 dequantization)
                 vsc, vzc = _scale_zero(vs, vz, t[:, None] * VG + tl.arange(0, VG)[None, :], valid[:, None], V_BITS,
                                        V_SYM)  # (BLOCK_T, VG)
