@@ -361,7 +361,7 @@ def test_fold_kernel_compiles_leaner_than_the_dequantizing_paths():
     """The folded-scale kernel (``triton_fold``) compiled for sm_90 with its inline PTX (which the interpreter
     never runs: ptxas assembles it here): at both benchmark shapes and 8, 4 and 2 bits, on the layouts it serves, it launches without spills, converts no integer to float in its tile loop (the byte-permute
     conversion) and issues fewer instructions per token than the product kernel's float32 path (at Llama-3-8B's
-    shape under 0.6 of them: BENCHMARKS.md §6, session 38); at head dims 16 to 256 its default launch fits."""
+    shape under 0.6 of them on per-token rows, 0.7 on KIVI's: BENCHMARKS.md §6, sessions 38-39); at head dims 16 to 256 its default launch fits."""
     code = """
 import json, torch
 from gpu_bench import common
@@ -401,15 +401,17 @@ print(json.dumps(rows))
     assert len(by) == 2 * 3 * 2 * 2 + 3
     for (shape, scheme, path), r in by.items():
         assert r["fails"] is None, r
-        # KIVI's groups at D = 128 spill a little at the default 128-token tile (INT8 160 bytes, INT2 40; 64-token tiles
-        # do not, at 57 against 45 warp-instructions per token for INT8); everything else fits its registers
+        # KIVI's groups at D = 128 spill at the default 128-token tile, more since the keys' q * s is split in two
+        # float16 halves (INT8 352 bytes, INT4 and INT2 8; 64-token tiles spill 56 / 8 / 0 at 70 / 67 / 79
+        # warp-instructions per token against 52 / 46 / 53); everything else fits its registers
         kivi_d128 = path == "fold" and shape == "llama-3-8b" and scheme.endswith("kivi")
-        assert r["spill"] == 0 or (kivi_d128 and r["spill"] <= 256), r
+        assert r["spill"] == 0 or (kivi_d128 and r["spill"] <= 384), r
         if path != "fold":
             continue
         assert r["name"] == "_fold_kernel" and r["prmt"] > 0 and r["conv"] == 0, r
         if shape.startswith("D"):
             continue
         ratio = r["per_token"] / by[(shape, scheme, "f32")]["per_token"]
-        assert ratio < (0.6 if shape == "llama-3-8b" and scheme.endswith("token") else 0.65 if shape == "llama-3-8b"
+        # KIVI at Llama-3-8B's shape: 0.65 / 0.60 / 0.67 since the keys' q * s takes two dots (session 39)
+        assert ratio < (0.6 if shape == "llama-3-8b" and scheme.endswith("token") else 0.7 if shape == "llama-3-8b"
                         else 1.0), (r, ratio)  # fmt: skip

@@ -6,11 +6,18 @@ A row with one scale (and zero-point) over all ``D`` channels (``tps == 1``, ``c
 
 - scores ``q . k_t = s_t (q . c_t) + z_t sum(q)``: a dot of the query with the **raw codes**, then one multiply-add
   per score instead of one per code;
-- values ``sum_t p_t v_t = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1``: the scales go into the probabilities.
+- values ``sum_t p_t v_t = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1``: the scales go into the probabilities (as
+  float16 ``p_t s_t / u`` in units ``u`` of the tile's largest scale, so small values stay clear of the subnormals).
+  The value codes enter centred, ``c - 2**(bits-1)`` (free in the conversion below), their row term
+  ``z_t + 2**(bits-1) s_t`` in float32: the rounding of ``p_t s_t`` is shared by a token's channels, and on uncentred
+  codes (all >= 0) it was a common offset of the output's channels, which a Hadamard-rotated store's output
+  rotation gathers into one channel (``int4-token-hadamard`` on Qwen2.5: 1.56x float16 torch's error, 1.00x
+  centred; ``benchmarks/fold_real_kv.py``).
 
 Keys scaled per channel over ``TPS`` tokens (KIVI, ``int4-channel``, static rows): the scale row folds into the
 query instead, ``(q * s_j) . c_t + q . z_j`` for the tokens of row ``j`` (a batched dot when a tile spans several
-rows). Values scaled per token over groups of ``C`` channels (KIVI's values): the codes are multiplied by their
+rows; ``q * s_j`` split into two float16 halves, as one float16 rounding shared by the row's tokens was too coarse
+on real caches). Values scaled per token over groups of ``C`` channels (KIVI's values): the codes are multiplied by their
 float16 scales in the tile (one rounding, as a float16 dequantization) and the zero-points summed per group.
 
 The codes become float16 exactly (``1024 + c`` is the float16 with bit pattern ``0x6400 | c``; one subtraction of
@@ -25,9 +32,9 @@ Orientation: the codes are the tensor cores' row operand, ``S^T (BLOCK_T, N) = p
 and ``acc_k^T (W, N) += part_k(V)^T (W, BLOCK_T) @ (p s)^T (BLOCK_T, N)``, with the ``G`` query heads of the
 KV head as the narrow ``N`` side (padded to 8 at least, not 16).
 
-Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, session 38) the tile loop issues 22-37 warp-instructions
-per token on per-token rows and 25-48 on KIVI's groups, against the product kernel's float32 path's 38-85 (Llama-3-8B's
-shape, INT4: 31 / 41 against 76 / 83). Not yet run on a GPU: opt-in (``KVBITS_DEQUANT=fold``,
+Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, sessions 38-39) the tile loop issues 22-37 warp-instructions
+per token on per-token rows and 29-56 on KIVI's groups, against the product kernel's float32 path's 38-85 (Llama-3-8B's
+shape, INT4: 31 / 49 against 76 / 83). Not yet run on a GPU: opt-in (``KVBITS_DEQUANT=fold``,
 ``decode_attention_triton(dequant="fold")``) until the device run has checked and timed it. Sides it cannot read
 (NUQ, FP8, 3-bit codes, outliers, pre-RoPE keys, keys in per-token channel groups, values per channel, float16
 dots narrower than 16 bytes of codes, bfloat16 / float32 queries) go to the product kernel (``fold_supported``
@@ -70,45 +77,63 @@ FOLD_TILE_BYTES = 16384  # block_t * W of the default tile: 128 tokens up to D =
 
 # the inline-PTX conversion of four bytes (``$2``) into four exact float16 codes (``$0``, ``$1``): after ``t`` holds the
 # part's codes, one per byte, two byte permutes put 0x64 above each (float16 ``1024 + c``) and two packed
-# subtractions take 1024 off
-_PTX_HEAD = tl.constexpr("{ .reg .b32 m, t; mov.b32 m, 0x64006400; ")
+# subtractions take ``m`` off: 1024 (``_PTX_M0``), or 1024 + 2**(bits-1) for centred codes ``c - 2**(bits-1)``
+_PTX_HEAD = tl.constexpr("{ .reg .b32 m, t; ")
+_PTX_M0 = tl.constexpr("mov.b32 m, 0x64006400; ")
+_PTX_M2 = tl.constexpr("mov.b32 m, 0x64026402; ")
+_PTX_M4 = tl.constexpr("mov.b32 m, 0x64086408; ")
+_PTX_M8 = tl.constexpr("mov.b32 m, 0x64806480; ")
 _PTX_TAIL = tl.constexpr(" prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
                          " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }")
 
 
 # fmt: off
 @triton.jit
-def _ptx_codes(b, PART: tl.constexpr):
+def _ptx_codes(b, M: tl.constexpr, PART: tl.constexpr):
     """Four bytes of ``b`` per 32-bit register (``$2``) → four float16 (``$0``, ``$1``): ``PART`` leaves the part's
-    codes in ``t``, one per byte; ``_PTX_TAIL`` turns them into float16."""
-    return tl.inline_asm_elementwise(_PTX_HEAD + PART + _PTX_TAIL, "=r,=r,r", [b], dtype=tl.float16, is_pure=True,
-                                     pack=4)
+    codes in ``t``, one per byte; ``_PTX_TAIL`` turns them into float16 less ``M``'s offset."""
+    return tl.inline_asm_elementwise(_PTX_HEAD + M + PART + _PTX_TAIL, "=r,=r,r", [b], dtype=tl.float16,
+                                     is_pure=True, pack=4)
 
 
 @triton.jit
-def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Part ``k`` of packed bytes ``b`` (uint8, any shape): the codes at bits ``[k BITS, (k + 1) BITS)`` as exact
-    float16. ``ASM``: four bytes per 32-bit register in one PTX block (``_ptx_codes``); else the same arithmetic
-    per element (the interpreter)."""
-    if ASM:
-        if BITS == 8:
-            return _ptx_codes(b, "mov.b32 t, $2;")
-        elif BITS == 4:
-            if k == 0:
-                return _ptx_codes(b, "and.b32 t, $2, 0x0F0F0F0F;")
-            else:
-                return _ptx_codes(b, "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;")
-        elif k == 0:
-            return _ptx_codes(b, "and.b32 t, $2, 0x03030303;")
-        elif k == 1:
-            return _ptx_codes(b, "shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;")
-        elif k == 2:
-            return _ptx_codes(b, "shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;")
+def _ptx_part(b, k: tl.constexpr, BITS: tl.constexpr, M: tl.constexpr):
+    """``_ptx_codes`` of part ``k`` of ``BITS``-bit codes."""
+    if BITS == 8:
+        return _ptx_codes(b, M, "mov.b32 t, $2;")
+    elif BITS == 4:
+        if k == 0:
+            return _ptx_codes(b, M, "and.b32 t, $2, 0x0F0F0F0F;")
         else:
-            return _ptx_codes(b, "shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;")
+            return _ptx_codes(b, M, "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;")
+    elif k == 0:
+        return _ptx_codes(b, M, "and.b32 t, $2, 0x03030303;")
+    elif k == 1:
+        return _ptx_codes(b, M, "shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;")
+    elif k == 2:
+        return _ptx_codes(b, M, "shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;")
     else:
+        return _ptx_codes(b, M, "shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;")
+
+
+@triton.jit
+def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, CENTER: tl.constexpr):
+    """Part ``k`` of packed bytes ``b`` (uint8, any shape): the codes at bits ``[k BITS, (k + 1) BITS)`` as exact
+    float16, less ``2**(BITS-1)`` if ``CENTER``. ``ASM``: four bytes per 32-bit register in one PTX block
+    (``_ptx_codes``); else the same arithmetic per element (the interpreter)."""
+    if ASM:
+        if not CENTER:
+            return _ptx_part(b, k, BITS, _PTX_M0)
+        elif BITS == 8:
+            return _ptx_part(b, k, BITS, _PTX_M8)
+        elif BITS == 4:
+            return _ptx_part(b, k, BITS, _PTX_M4)
+        else:
+            return _ptx_part(b, k, BITS, _PTX_M2)
+    else:
+        OFF: tl.constexpr = (1 << (BITS - 1)) if CENTER else 0
         c = (b.to(tl.int16) >> (k * BITS)) & ((1 << BITS) - 1)
-        return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFF)
 
 
 @triton.jit
@@ -169,7 +194,7 @@ def _q_part(Q, row, gmask, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D:
 @triton.jit
 def _scores_part(kb, qk, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """``part_k(kb) (BLOCK_T, W) @ q_k^T (W, N)``: the codes' dot with the query, float32."""
-    return tl.dot(_codes(kb, k, BITS, ASM), qk)
+    return tl.dot(_codes(kb, k, BITS, ASM, False), qk)
 
 
 @triton.jit
@@ -177,7 +202,7 @@ def _scaled(vb, s3, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, VG: 
             VW: tl.constexpr, BLOCK_T: tl.constexpr):
     """Part ``k`` of value bytes ``vb (VW, BLOCK_T)`` times its float16 scales ``s3 (VG, 1, BLOCK_T)``: row ``i`` of the
     part is channel ``P i + k``, in scale group ``i // RPG``. ``(VW, BLOCK_T)`` float16."""
-    c = tl.reshape(_codes(vb, k, BITS, ASM), (VG, RPG, BLOCK_T))
+    c = tl.reshape(_codes(vb, k, BITS, ASM, True), (VG, RPG, BLOCK_T))
     return tl.reshape(c * s3, (VW, BLOCK_T))
 
 
@@ -188,20 +213,28 @@ def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.cons
     """Scores of part ``k`` for keys scaled per channel (one row of ``D`` scales per ``TPS`` tokens), float32
     ``(BLOCK_T, N)``: the scale row folds into the query, ``(q_k * s) @ part_k + q_k . z``, for each of the tile's
     ``R`` rows ``srow + arange(R)`` (``mask_r``: rows that hold a valid token); ``R > 1`` is a batched dot over the
-    rows' ``TPS``-token groups."""
+    rows' ``TPS``-token groups. ``q * s`` enters as two float16 halves, ``hi + lo`` (two dots into one float32
+    accumulator: exact to float32's precision). One float16 rounding of ``q * s``, shared by every token of the row,
+    was up to 3.75x float16 torch's error on Qwen2.5's KIVI cache (``benchmarks/fold_real_kv.py``; BENCHMARKS.md
+    §6, session 39); the second dot costs 3 warp-instructions per token at Qwen2.5's shape, 5-7 at Llama-3-8B's."""
     ch = tl.arange(0, W) * P + k
     rows = srow + tl.arange(0, R)
     sc, zc = _scale_zero(s_ptr, z_ptr, rows[:, None] * D + ch[None, :], mask_r[:, None], BITS, SYM)  # (R, W)
     qf = qk.to(tl.float32)  # (W, N)
     if R == 1:
-        q_s = (qf * tl.reshape(sc, (W,))[:, None]).to(tl.float16)
+        qs = qf * tl.reshape(sc, (W,))[:, None]
+        hi = qs.to(tl.float16)
+        lo = (qs - hi.to(tl.float32)).to(tl.float16)
         bias = tl.sum(qf * tl.reshape(zc, (W,))[:, None], 0)
-        return tl.dot(_codes(kb, k, BITS, ASM), q_s) + bias[None, :]
+        c = _codes(kb, k, BITS, ASM, False)
+        return tl.dot(c, lo, tl.dot(c, hi)) + bias[None, :]
     else:
-        q_s = (qf[None, :, :] * sc[:, :, None]).to(tl.float16)  # (R, W, N)
+        qs = qf[None, :, :] * sc[:, :, None]  # (R, W, N)
+        hi = qs.to(tl.float16)
+        lo = (qs - hi.to(tl.float32)).to(tl.float16)
         bias = tl.sum(qf[None, :, :] * zc[:, :, None], 1)  # (R, N)
-        c3 = tl.reshape(_codes(kb, k, BITS, ASM), (R, TPS, W))
-        return tl.reshape(tl.dot(c3, q_s) + bias[:, None, :], (BLOCK_T, N))
+        c3 = tl.reshape(_codes(kb, k, BITS, ASM, False), (R, TPS, W))
+        return tl.reshape(tl.dot(c3, lo, tl.dot(c3, hi)) + bias[:, None, :], (BLOCK_T, N))
 
 
 @triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "K_SROWS"])
@@ -235,6 +268,7 @@ def _fold_kernel(
     VW: tl.constexpr = D // VP
     VG: tl.constexpr = D // V_CPS  # value scale groups per row
     RPG: tl.constexpr = VW // VG  # rows of a part's accumulator per value group
+    V_OFF: tl.constexpr = 1 << (V_BITS - 1)  # value codes enter the dots centred, c - V_OFF (``_codes``)
     if pid_s < n_split_q:
         offs_n = tl.arange(0, N)
         gmask = offs_n < G
@@ -307,19 +341,19 @@ def _fold_kernel(
             m_i = m_new
             if VG == 1:  # one scale per row: into the probabilities
                 v_s, v_z = _row_meta(vs, vz, t, valid, V_BITS, V_SYM, V_W32, BLOCK_T)
-                az = az * alpha + tl.sum(p * v_z[:, None], 0)
+                az = az * alpha + tl.sum(p * (v_z + V_OFF * v_s)[:, None], 0)  # centred codes' row term
                 ps, v_u = _unit_probs(p, v_s)  # (BLOCK_T, N) float16, in units of the tile's largest scale
                 vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
-                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM), ps) * v_u
+                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM, True), ps) * v_u
                 if VP > 1:
-                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM), ps) * v_u
+                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM, True), ps) * v_u
                 if VP > 2:
-                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM), ps) * v_u
-                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM), ps) * v_u
+                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM, True), ps) * v_u
+                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM, True), ps) * v_u
             else:  # VG scale groups per row: the codes scaled in float16 (one rounding, as a float16 dequantization)
                 vsc, vzc = _scale_zero(vs, vz, t[:, None] * VG + tl.arange(0, VG)[None, :], valid[:, None], V_BITS,
                                        V_SYM)  # (BLOCK_T, VG)
-                az = az * alpha[None, :] + tl.sum(p[:, None, :] * vzc[:, :, None], 0)  # (VG, N)
+                az = az * alpha[None, :] + tl.sum(p[:, None, :] * (vzc + V_OFF * vsc)[:, :, None], 0)  # (VG, N)
                 s3 = tl.trans(vsc).to(tl.float16)[:, None, :]  # (VG, 1, BLOCK_T)
                 p16 = p.to(tl.float16)
                 vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)

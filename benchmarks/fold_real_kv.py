@@ -1,0 +1,156 @@
+"""The fused decode kernels on a real model's packed caches: per layer, each kernel's error against float64 attention.
+
+Runs a GGUF model (float32, CPU) over a window of real text with a ``QuantizedKVCache`` (fused decode on), then
+``--steps`` decode steps on the text's next tokens. Every fused step hands ``(query, packed store)`` to
+``kvbits.kernels.decode_attention``; here each call is also attended, over the very same store, by
+
+- float64 attention (``decode_attention_reference(..., dtype=float64)``: the truth the kernels are held to),
+- float16 torch attention (dequantize to float16, then attention: the precision the issue's criterion names),
+- the product kernel (``triton_decode``, float32 dequantization) and the folded-scale kernel (``triton_fold``),
+  both through Triton's interpreter (the compiled PTX conversion is not what runs here: ``tests/test_aot.py``
+  compiles it; the interpreter takes the same arithmetic per element),
+
+with float16 queries (the model's float32 queries rounded). The model's own step takes the float32 reference, so
+the cache evolves as it would. Per scheme and layer: the largest error of each kernel over the steps' heads and
+channels, relative to the largest output magnitude, and its ratio to float16 torch's (the issue's criterion: at most 2).
+Real caches carry what random tests do not: Qwen2.5's outlier key channels and biases, attention sinks, values
+whose magnitude differs by orders between layers.
+
+    PYTHONPATH=src python benchmarks/fold_real_kv.py --model qwen2.5-coder-0.5b --data wikitext2 --context 2048 \\
+        --out benchmarks/results/fold-real-kv-qwen-wiki-2k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvbits.kernels.interpret import enable_interpreter
+
+enable_interpreter()  # before Triton is imported: CPU tensors launch through the interpreter
+
+from kvbits.cache import QuantizedKVCache, use_fused_decode
+from kvbits.cache import attention as fused_attention
+from kvbits.cache.compat import cache_kwargs
+from kvbits.evaluate.data import load_text, make_windows, tokenize
+from kvbits.evaluate.models import load_model
+from kvbits.kernels import triton_decode, triton_fold
+from kvbits.kernels.reference import PackedStore, code_basis, decode_attention_reference
+from kvbits.quant.rotate import unrotate
+from kvbits.schemes import get_scheme
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import commit, host
+
+SCHEMES = ("int8-token", "int4-token", "vllm-int8", "kivi-4", "kivi-2", "int4-token-hadamard")
+KERNELS = ("torch16", "product", "fold")
+
+
+def errors(q: torch.Tensor, store: PackedStore, scaling: float | None) -> dict[str, float]:
+    """Max abs error of each of ``KERNELS`` against float64 attention over ``store`` for float16 ``q``
+    ``(B, H_q, 1, D)``; ``<kernel>_own``: against float64 attention with the float16 query in the codes' basis
+    that every kernel (and float16 torch) attends a rotated store with (``code_basis``: its rounding is shared, and
+    can decide which kernel's max error lands lower); and the largest output magnitude (``scale``)."""
+    truth = decode_attention_reference(q.double(), store, scaling, dtype=torch.float64)
+    qb, sb, out_rotate = code_basis(q, store)  # the float16 query every kernel attends rotated codes with
+    own = decode_attention_reference(qb.double(), sb, scaling, dtype=torch.float64)
+    own = own if out_rotate is None else unrotate(own, out_rotate, torch.float64)
+    outs = {
+        "torch16": decode_attention_reference(q, store, scaling, dtype=torch.float16),
+        "product": triton_decode.decode_attention_triton(q, store, scaling),
+        "fold": triton_fold.decode_attention_fold(q, store, scaling),
+    }
+    r = {k: float((o.double() - truth).abs().max()) for k, o in outs.items()}
+    r.update({f"{k}_own": float((o.double() - own).abs().max()) for k, o in outs.items()})
+    return {**r, "scale": float(truth.abs().max())}
+
+
+@torch.no_grad()
+def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str) -> list[dict]:
+    """Prefill ``ids[:, :prompt]``, then ``steps`` fused decode steps; one row per layer (worst over steps)."""
+    scheme = get_scheme(name)
+    cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=True)
+    worst: dict[int, dict[str, float]] = {}
+    original = fused_attention.dispatch.decode_attention
+    n_layers, calls = model.config.num_hidden_layers, [0]
+
+    def record(query: torch.Tensor, store: PackedStore, scaling: float | None = None) -> torch.Tensor:
+        layer = calls[0] % n_layers  # each step attends its layers in order
+        calls[0] += 1
+        reason = triton_fold.fold_supported(store, query.half())
+        if reason:
+            raise ValueError(f"{name}: the folded kernel cannot read this store: {reason}")
+        e = errors(query.half(), store, scaling)
+        w = worst.setdefault(layer, dict.fromkeys(e, 0.0))
+        for k, v in e.items():
+            w[k] = max(w[k], v)
+        return original(query, store, scaling)
+
+    previous = use_fused_decode(model)
+    fused_attention.dispatch.decode_attention = record
+    try:
+        model(ids[:, :prompt], **cache_kwargs(cache, model), use_cache=True)
+        for i in range(steps):
+            model(ids[:, prompt + i : prompt + i + 1], **cache_kwargs(cache, model), use_cache=True)
+    finally:
+        fused_attention.dispatch.decode_attention = original
+        model.set_attn_implementation(previous)
+    if calls[0] != n_layers * steps:
+        raise RuntimeError(f"{name}: {calls[0]} fused layer steps, expected {n_layers} layers x {steps} steps")
+    rows = []
+    for layer, w in sorted(worst.items()):
+        row = {"scheme": scheme.name, "layer": layer, "out_max": w["scale"]}
+        for k in KERNELS:
+            row[f"{k}_rel"] = w[k] / w["scale"]
+        for k in ("product", "fold"):
+            row[f"{k}_ratio"] = w[k] / max(w["torch16"], 1e-30)
+            row[f"{k}_ratio_own"] = w[f"{k}_own"] / max(w["torch16_own"], 1e-30)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--data", default="wikitext2")
+    p.add_argument("--context", type=int, default=2048, help="prefill tokens")
+    p.add_argument("--steps", type=int, default=2, help="decode steps after the prefill (each layer's worst kept)")
+    p.add_argument("--scheme", action="append", help=f"repeatable (default: {', '.join(SCHEMES)})")
+    p.add_argument("--out", default=None, help="JSON file for the table")
+    args = p.parse_args(argv)
+
+    t0, rev = time.time(), commit()
+    lm = load_model(args.model)
+    ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context + args.steps, 1)
+    out = []
+    for name in args.scheme or SCHEMES:
+        rows = run_scheme(lm.model, ids, args.context, args.steps, name)
+        out += rows
+        worst = {k: max(r[f"{k}_ratio"] for r in rows) for k in ("product", "fold")}
+        at = {k: max(rows, key=lambda r, k=k: r[f"{k}_ratio"])["layer"] for k in worst}
+        own = {k: max(r[f"{k}_ratio_own"] for r in rows) for k in ("product", "fold")}
+        print(f"{rows[0]['scheme'][:24]:24s} worst ratio to float16 torch: product {worst['product']:.2f} "
+              f"(layer {at['product']}), fold {worst['fold']:.2f} (layer {at['fold']}); against the codes' basis "
+              f"query: product {own['product']:.2f}, fold {own['fold']:.2f}; "
+              f"output magnitude {min(r['out_max'] for r in rows):.3g} .. {max(r['out_max'] for r in rows):.3g}",
+              flush=True)  # fmt: skip
+    seconds = round(time.time() - t0, 1)
+    print(f"{len(out)} layer rows in {seconds} s")
+    if args.out:
+        meta = {"model": args.model, "data": args.data, "context": args.context, "steps": args.steps,
+                "seconds": seconds, "date": time.strftime("%Y-%m-%d"), "commit": rev, "host": host()}  # fmt: skip
+        Path(args.out).write_text(json.dumps({**meta, "rows": out}, indent=1) + "\n")
+    bad = [r for r in out if r["fold_ratio"] > 2 or not math.isfinite(r["fold_ratio"])]
+    for r in bad:
+        print(f"ABOVE 2x: {r['scheme']} layer {r['layer']}: fold {r['fold_ratio']:.2f}x float16 torch's error")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
