@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import pytest
 import torch
 from _launch import LaunchSpy
@@ -294,3 +295,67 @@ def test_fold_on_a_real_kivi_cache_within_twice_torch_error():
         model.set_attn_implementation(previous)
     assert len(ratios) == n_layers  # one fused step per layer
     assert max(ratios) <= 2.0, {i: round(r, 2) for i, r in enumerate(ratios) if r > 2.0}
+
+
+def _run_ptx(asm: str, word: int) -> tuple[int, int]:
+    """The PTX subset of ``triton_fold``'s conversion blocks (``mov`` / ``and`` / ``shr`` ``.b32``, ``prmt.b32`` in its
+    default mode, ``sub.f16x2``) on 32-bit values: the block's outputs ``($0, $1)`` for input ``$2 = word``."""
+    body = asm.strip()
+    assert body.startswith("{") and body.endswith("}"), asm
+    regs = {"$2": word}
+
+    def val(x: str) -> int:
+        return int(x, 0) if x[0].isdigit() else regs[x]
+
+    def f16(bits: int) -> np.float16:
+        return np.array([bits], np.uint16).view(np.float16)[0]
+
+    for stmt in filter(None, (x.strip() for x in body[1:-1].split(";"))):
+        if stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        a = [x.strip() for x in rest.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "shr.b32":  # .b32: a logical shift
+            regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "prmt.b32":  # byte i of d = byte (selector nibble i) of {b, a}, a's bytes 0-3, b's 4-7
+            src, sel, out = val(a[1]) | (val(a[2]) << 32), val(a[3]), 0
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 0xF
+                assert nib < 8, "sign-replicating selectors are not emulated"
+                out |= ((src >> (8 * nib)) & 0xFF) << (8 * i)
+            regs[a[0]] = out
+        elif op == "sub.f16x2":  # per 16-bit half, IEEE float16 (numpy rounds each operation once)
+            x, y, out = val(a[1]), val(a[2]), 0
+            for sh in (0, 16):
+                d = np.float16(f16((x >> sh) & 0xFFFF) - f16((y >> sh) & 0xFFFF))
+                out |= int(np.array([d]).view(np.uint16)[0]) << sh
+            regs[a[0]] = out
+        else:
+            raise AssertionError(f"unexpected PTX {stmt!r}")
+    return regs["$0"], regs["$1"]
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("center", [False, True])
+def test_fold_ptx_conversion_gives_the_codes(bits: int, center: bool):
+    """The inline-PTX blocks the compiled kernel converts codes with (never run by the interpreter), executed by a
+    small PTX emulator: for every part ``k`` and 4 bytes per 32-bit register (Triton's ``pack=4``: element ``i`` in
+    byte ``i``, outputs two float16 per register, low half first), the four float16 are the part's codes, less
+    ``2**(bits-1)`` when centred, exactly: what the interpreter's branch computes."""
+    rng = np.random.default_rng(bits * 2 + center)
+    words = [0, 0xFFFFFFFF, 0x01234567, 0x89ABCDEF, *rng.integers(0, 2**32, 64).tolist()]
+    m = triton_fold._PTX_M0 if not center else getattr(triton_fold, f"_PTX_M{bits}")
+    off = (1 << (bits - 1)) if center else 0
+    for k in range(8 // bits):
+        part = getattr(triton_fold, f"_P{bits}_{k}")  # what _ptx_part(b, k, bits, m) assembles
+        asm = triton_fold._PTX_HEAD.value + m.value + part.value + triton_fold._PTX_TAIL.value
+        for w in words:
+            lo, hi = _run_ptx(asm, w)
+            got = [np.array([(r >> sh) & 0xFFFF], np.uint16).view(np.float16)[0] for r in (lo, hi) for sh in (0, 16)]
+            want = [(((w >> (8 * i)) >> (k * bits)) & ((1 << bits) - 1)) - off for i in range(4)]
+            assert [float(x) for x in got] == want, (bits, k, center, hex(w), got, want)

@@ -85,6 +85,14 @@ _PTX_M4 = tl.constexpr("mov.b32 m, 0x64086408; ")
 _PTX_M8 = tl.constexpr("mov.b32 m, 0x64806480; ")
 _PTX_TAIL = tl.constexpr(" prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
                          " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }")
+# part k of BITS-bit codes into t, one per byte (``tests/test_fold.py`` runs these strings through a PTX emulator)
+_P8_0 = tl.constexpr("mov.b32 t, $2;")
+_P4_0 = tl.constexpr("and.b32 t, $2, 0x0F0F0F0F;")
+_P4_1 = tl.constexpr("shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;")
+_P2_0 = tl.constexpr("and.b32 t, $2, 0x03030303;")
+_P2_1 = tl.constexpr("shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;")
+_P2_2 = tl.constexpr("shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;")
+_P2_3 = tl.constexpr("shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;")
 
 
 # fmt: off
@@ -98,22 +106,22 @@ def _ptx_codes(b, M: tl.constexpr, PART: tl.constexpr):
 
 @triton.jit
 def _ptx_part(b, k: tl.constexpr, BITS: tl.constexpr, M: tl.constexpr):
-    """``_ptx_codes`` of part ``k`` of ``BITS``-bit codes."""
+    """``_ptx_codes`` of part ``k`` of ``BITS``-bit codes (``_P{BITS}_{k}``)."""
     if BITS == 8:
-        return _ptx_codes(b, M, "mov.b32 t, $2;")
+        return _ptx_codes(b, M, _P8_0)
     elif BITS == 4:
         if k == 0:
-            return _ptx_codes(b, M, "and.b32 t, $2, 0x0F0F0F0F;")
+            return _ptx_codes(b, M, _P4_0)
         else:
-            return _ptx_codes(b, M, "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;")
+            return _ptx_codes(b, M, _P4_1)
     elif k == 0:
-        return _ptx_codes(b, M, "and.b32 t, $2, 0x03030303;")
+        return _ptx_codes(b, M, _P2_0)
     elif k == 1:
-        return _ptx_codes(b, M, "shr.b32 t, $2, 2; and.b32 t, t, 0x03030303;")
+        return _ptx_codes(b, M, _P2_1)
     elif k == 2:
-        return _ptx_codes(b, M, "shr.b32 t, $2, 4; and.b32 t, t, 0x03030303;")
+        return _ptx_codes(b, M, _P2_2)
     else:
-        return _ptx_codes(b, M, "shr.b32 t, $2, 6; and.b32 t, t, 0x03030303;")
+        return _ptx_codes(b, M, _P2_3)
 
 
 @triton.jit
