@@ -564,3 +564,11 @@ if [[ $step == all || $step == speed-qwen ]]; then
       --threads 2 --no-progress --scheme int8-token --scheme int4-channel --scheme kivi-4 --scheme kivi-2 \
       --scheme hf-quanto-int4 --out runs/speed-qwen
 fi
+if [[ $step == all || $step == fold-real-kv ]]; then
+  # The folded-scale decode kernel on real caches, through Triton's interpreter (BENCHMARKS.md §6, session 39;
+  # about 10 and 13 minutes)
+  PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model qwen2.5-coder-0.5b --data wikitext2 \
+    --context 2048 --steps 2 --out benchmarks/results/fold-real-kv-qwen-wiki-2k.json
+  PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model smollm2-135m --data war-and-peace \
+    --context 2048 --steps 2 --out benchmarks/results/fold-real-kv-smollm2-wp-2k.json
+fi
