@@ -215,6 +215,13 @@ def _scaled(vb, s3, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, VG: 
 
 
 @triton.jit
+def _halves(x):
+    """Float32 ``x`` as two float16, ``hi + lo == x`` to float32's precision (``lo``: the rounding of ``hi``)."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr,
                  D: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr,
                  TPS: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr):
@@ -230,16 +237,12 @@ def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.cons
     sc, zc = _scale_zero(s_ptr, z_ptr, rows[:, None] * D + ch[None, :], mask_r[:, None], BITS, SYM)  # (R, W)
     qf = qk.to(tl.float32)  # (W, N)
     if R == 1:
-        qs = qf * tl.reshape(sc, (W,))[:, None]
-        hi = qs.to(tl.float16)
-        lo = (qs - hi.to(tl.float32)).to(tl.float16)
+        hi, lo = _halves(qf * tl.reshape(sc, (W,))[:, None])
         bias = tl.sum(qf * tl.reshape(zc, (W,))[:, None], 0)
         c = _codes(kb, k, BITS, ASM, False)
         return tl.dot(c, lo, tl.dot(c, hi)) + bias[None, :]
     else:
-        qs = qf[None, :, :] * sc[:, :, None]  # (R, W, N)
-        hi = qs.to(tl.float16)
-        lo = (qs - hi.to(tl.float32)).to(tl.float16)
+        hi, lo = _halves(qf[None, :, :] * sc[:, :, None])  # (R, W, N)
         bias = tl.sum(qf[None, :, :] * zc[:, :, None], 1)  # (R, N)
         c3 = tl.reshape(_codes(kb, k, BITS, ASM, False), (R, TPS, W))
         return tl.reshape(tl.dot(c3, lo, tl.dot(c3, hi)) + bias[:, None, :], (BLOCK_T, N))
