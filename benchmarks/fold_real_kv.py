@@ -63,8 +63,10 @@ def errors(q: torch.Tensor, store: PackedStore, scaling: float | None) -> dict[s
     can decide which kernel's max error lands lower); and the largest output magnitude (``scale``)."""
     truth = decode_attention_reference(q.double(), store, scaling, dtype=torch.float64)
     qb, sb, out_rotate = code_basis(q, store)  # the float16 query every kernel attends rotated codes with
-    own = decode_attention_reference(qb.double(), sb, scaling, dtype=torch.float64)
-    own = own if out_rotate is None else unrotate(own, out_rotate, torch.float64)
+    own = truth  # a store in the model's basis: the same query
+    if qb is not q:
+        own = decode_attention_reference(qb.double(), sb, scaling, dtype=torch.float64)
+        own = own if out_rotate is None else unrotate(own, out_rotate, torch.float64)
     outs = {
         "torch16": decode_attention_reference(q, store, scaling, dtype=torch.float16),
         "product": triton_decode.decode_attention_triton(q, store, scaling),
