@@ -106,8 +106,8 @@ ARCHS = ["sm_90", pytest.param("sm_80", marks=pytest.mark.slow), pytest.param("s
 def test_default_launches_fit_hopper_ampere_and_ada(tmp_path, arch: str):
     """Every kind of default launch (decode kernel over stores the cache builds: KIVI and pre-RoPE NUQ with
     outliers at both head dims, float16 and float32 queries, KIVI through the opt-in f16 path and folded kernel;
-    the quantize kernel) compiles for the arch,
-    fits, and spills no registers (the folded kernel's KIVI at D = 128: at most 16 bytes). The quick run includes the NUQ quantize kernel, which once compiled
+    the quantize kernel) compiles for the arch, fits, and spills no registers (the folded kernel's KIVI at
+    D = 128: at most 16 bytes). The quick run includes the NUQ quantize kernel, which once compiled
     only under the interpreter. The machine code is what a memory-bound decode wants: pipelined 128-bit
     loads and tensor-core MMAs (none with float32 queries, whose exact products use the CUDA cores)."""
     path = tmp_path / f"{arch}.json"
@@ -363,9 +363,11 @@ def test_triton_stores_float_into_int8_by_truncating(tmp_path):
 
 def test_fold_kernel_compiles_leaner_than_the_dequantizing_paths():
     """The folded-scale kernel (``triton_fold``) compiled for sm_90 with its inline PTX (which the interpreter
-    never runs: ptxas assembles it here): at both benchmark shapes and 8, 4 and 2 bits, on the layouts it serves, it launches without spills, converts no integer to float in its tile loop (the byte-permute
-    conversion) and issues fewer instructions per token than the product kernel's float32 path (at Llama-3-8B's
-    shape under 0.6 of them on per-token rows, 0.7 on KIVI's: BENCHMARKS.md §6, sessions 38-39); at head dims 16 to 256 its default launch fits."""
+    never runs: ptxas assembles it here): at both benchmark shapes and 8, 4 and 2 bits, on the layouts it serves,
+    it launches without spills (KIVI at D = 128: a few hundred bytes), converts no integer to float in its tile loop
+    (the byte-permute conversion) and issues fewer instructions per token than the product kernel's float32 path
+    (at Llama-3-8B's shape under 0.6 of them on per-token rows, 0.7 on KIVI's: BENCHMARKS.md §6, sessions 38-39);
+    at head dims 16 to 256 its default launch fits."""
     code = """
 import json, torch
 from gpu_bench import common

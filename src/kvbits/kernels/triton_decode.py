@@ -887,8 +887,7 @@ def decode_attention_triton(
             ``triton_fold.decode_attention_fold`` (scales folded out of the tiles; ``block_t``, ``num_warps``,
             ``num_stages``, ``splits`` passed on, its own defaults otherwise); others take the ``"f32"`` path (the
             reason logged at debug level). ``"f32"`` (default) dequantizes in float32 and casts to the dots' type;
-            ``"f16"``, with
-            float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
+            ``"f16"``, with float16 queries, dequantizes the sides that are whole-row 2/4/8-bit integer codes without
             outliers or pre-RoPE rotation directly in float16 (``_load_rows16``: int32 word reads,
             magic-number conversion, one fused multiply-add); other sides keep ``"f32"``. Same rounding
             (one, to float16) and 21-37 % fewer instructions per token in sm_90 code
