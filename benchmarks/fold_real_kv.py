@@ -14,9 +14,11 @@ with float16 queries and a float16 tail (the model's float32 queries and tail ro
 them; ``half_tail``). The model's own step takes the float32 reference, so
 the cache evolves as it would. Per scheme and layer: the largest error of each kernel over the steps' heads and
 channels, relative to the largest output magnitude, and its ratio to float16 torch's (the issue's criterion: at most
-2), also against float64 attention with the float16 query in the codes' basis (a rotated store: ``code_basis``
-rounds ``q @ R`` to float16 for every path alike, and that shared rounding, gathered by the output's rotation, can
-decide whose max error lands lower). Exit status 1 if the folded kernel is above 2x on the latter.
+2). For the product kernel also against float64 attention with the float16 query in the codes' basis
+(``product_ratio_own``): on a rotated store ``code_basis`` rounds ``q @ R`` to float16 for the product kernel and
+float16 torch alike, and that shared rounding, gathered by the output's rotation, can decide whose max error lands
+lower. The folded kernel keeps ``q @ R`` float32 (two float16 halves per dot), so its ratio needs no such reading.
+Exit status 1 if the folded kernel is above 2x float16 torch's error at any layer.
 Real caches carry what random tests do not: Qwen2.5's outlier key channels and biases, attention sinks, values
 whose magnitude differs by orders between layers.
 
@@ -58,11 +60,12 @@ KERNELS = ("torch16", "product", "fold")
 
 def errors(q: torch.Tensor, store: PackedStore, scaling: float | None) -> dict[str, float]:
     """Max abs error of each of ``KERNELS`` against float64 attention over ``store`` for float16 ``q``
-    ``(B, H_q, 1, D)``; ``<kernel>_own``: against float64 attention with the float16 query in the codes' basis
-    that every kernel (and float16 torch) attends a rotated store with (``code_basis``: its rounding is shared, and
-    can decide which kernel's max error lands lower); and the largest output magnitude (``scale``)."""
+    ``(B, H_q, 1, D)``; ``torch16_own`` / ``product_own``: against float64 attention with the float16 query in the
+    codes' basis that float16 torch and the product kernel attend a rotated store with (``code_basis``: its rounding
+    is theirs alike, and can decide which max error lands lower; the folded kernel keeps that query float32); and the
+    largest output magnitude (``scale``)."""
     truth = decode_attention_reference(q.double(), store, scaling, dtype=torch.float64)
-    qb, sb, out_rotate = code_basis(q, store)  # the float16 query every kernel attends rotated codes with
+    qb, sb, out_rotate = code_basis(q, store)  # the float16 query torch16 and the product attend rotated codes with
     own = truth  # a store in the model's basis: the same query
     if qb is not q:
         own = decode_attention_reference(qb.double(), sb, scaling, dtype=torch.float64)
@@ -73,7 +76,7 @@ def errors(q: torch.Tensor, store: PackedStore, scaling: float | None) -> dict[s
         "fold": triton_fold.decode_attention_fold(q, store, scaling),
     }
     r = {k: float((o.double() - truth).abs().max()) for k, o in outs.items()}
-    r.update({f"{k}_own": float((o.double() - own).abs().max()) for k, o in outs.items()})
+    r.update({f"{k}_own": float((outs[k].double() - own).abs().max()) for k in ("torch16", "product")})
     return {**r, "scale": float(truth.abs().max())}
 
 
@@ -126,7 +129,7 @@ def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str) -> 
             row[f"{k}_rel"] = w[k] / w["scale"]
         for k in ("product", "fold"):
             row[f"{k}_ratio"] = w[k] / max(w["torch16"], 1e-30)
-            row[f"{k}_ratio_own"] = w[f"{k}_own"] / max(w["torch16_own"], 1e-30)
+        row["product_ratio_own"] = w["product_own"] / max(w["torch16_own"], 1e-30)
         rows.append(row)
     return rows
 
@@ -150,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         out += rows
         worst = {k: max(r[f"{k}_ratio"] for r in rows) for k in ("product", "fold")}
         at = {k: max(rows, key=lambda r, k=k: r[f"{k}_ratio"])["layer"] for k in worst}
-        own = {k: max(r[f"{k}_ratio_own"] for r in rows) for k in ("product", "fold")}
+        own = max(r["product_ratio_own"] for r in rows)
         print(f"{rows[0]['scheme'][:24]:24s} worst ratio to float16 torch: product {worst['product']:.2f} "
-              f"(layer {at['product']}), fold {worst['fold']:.2f} (layer {at['fold']}); against the codes' basis "
-              f"query: product {own['product']:.2f}, fold {own['fold']:.2f}; "
+              f"(layer {at['product']}), fold {worst['fold']:.2f} (layer {at['fold']}); product against the codes' "
+              f"basis query: {own:.2f}; "
               f"output magnitude {min(r['out_max'] for r in rows):.3g} .. {max(r['out_max'] for r in rows):.3g}",
               flush=True)  # fmt: skip
     seconds = round(time.time() - t0, 1)
@@ -162,13 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": args.model, "data": args.data, "context": args.context, "steps": args.steps,
                 "seconds": seconds, "date": time.strftime("%Y-%m-%d"), "commit": rev, "host": host()}  # fmt: skip
         Path(args.out).write_text(json.dumps({**meta, "rows": out}, indent=1) + "\n")
-    for r in out:
-        if r["fold_ratio"] > 2 and r["fold_ratio_own"] <= 2:
-            print(f"above 2x: {r['scheme']} layer {r['layer']}: fold {r['fold_ratio']:.2f}x float16 torch's error, "
-                  f"{r['fold_ratio_own']:.2f}x against the codes' basis query every path rounds alike")
-    bad = [r for r in out if not r["fold_ratio_own"] <= 2]  # NaN included
+    bad = [r for r in out if not r["fold_ratio"] <= 2]  # NaN included
     for r in bad:
-        print(f"ABOVE 2x: {r['scheme']} layer {r['layer']}: fold {r['fold_ratio_own']:.2f}x float16 torch's error")
+        print(f"ABOVE 2x: {r['scheme']} layer {r['layer']}: fold {r['fold_ratio']:.2f}x float16 torch's error")
     return 1 if bad else 0
 
 

@@ -428,6 +428,23 @@ def test_reference_over_rotated_store_equals_attention_over_dequantized_kv(monke
         assert max_err(bad, truth) > 1e-2, part
 
 
+@pytest.mark.parametrize("sides", ["keys", "smooth-rotated", "values"])
+def test_code_basis_query_dtype_sets_the_query_alone(sides: str):
+    """``code_basis(..., query_dtype=float32)`` (the folded kernel's call) keeps a changed ``q'`` float32, the same
+    products as the default call before its float16 rounding, and leaves the tail's dtype as the default's; a query
+    the store does not change (rotated values only) comes back as is."""
+    q, store, _ = rotated_case(torch.Generator().manual_seed(35), *ROTATED_SIDES[sides], device="cpu")
+    q = q.half()
+    q16, s16, r16 = code_basis(q, store)
+    q32, s32, r32 = code_basis(q, store, query_dtype=torch.float32)
+    assert r16 == r32 and s32.key_full.dtype == s16.key_full.dtype == torch.float16
+    if sides == "values":
+        assert q16 is q and q32 is q
+    else:
+        assert q16.dtype == torch.float16 and q32.dtype == torch.float32
+        assert torch.equal(q32.half(), q16) and not torch.equal(q32, q16.float())
+
+
 def test_pre_rope_rotated_keys_are_refused():
     """Pre-RoPE keys stored rotated: the kernels would apply RoPE to codes in the rotated basis. Refused by
     every entry point (``materialize`` still decodes them right: rotated back, then RoPE). Rotated values

@@ -598,7 +598,7 @@ def materialize(
 
 
 def code_basis(
-    q: torch.Tensor, store: PackedStore, dtype: torch.dtype | None = None
+    q: torch.Tensor, store: PackedStore, dtype: torch.dtype | None = None, *, query_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, PackedStore, str | None]:
     """The decode step ``(q, store)`` in the basis its codes are stored in: ``(q', store', out_rotate)``.
 
@@ -633,6 +633,8 @@ def code_basis(
             of its own and ``q``'s (a rotated tail is new values: kept at the query's precision when that is
             finer, as for float32 queries over a float16 tail). The products run in float32, float64 when
             ``dtype`` or the input is float64.
+        query_dtype: dtype of ``q'`` alone, over ``dtype`` (the folded kernel keeps ``q'`` float32 and splits it
+            into two float16 halves, where one float16 rounding of ``q @ R`` cost more than its own arithmetic).
 
     Raises:
         NotImplementedError: pre-RoPE keys stored rotated (the kernels apply RoPE to the dequantized codes,
@@ -660,7 +662,7 @@ def code_basis(
             "dequantized codes, which are in the rotated basis (attend over materialize()'s K/V instead)"
         )
     wide = dtype == torch.float64
-    q_dtype = q.dtype
+    q_dtype = query_dtype or dtype or q.dtype
 
     def rot(x: torch.Tensor | None, kind: str, out: torch.dtype) -> torch.Tensor | None:
         return None if x is None else rotate(x.double() if wide else x, kind).to(out)
@@ -678,7 +680,7 @@ def code_basis(
             f = key.channel_factor.reshape(H_kv, D).to(q.device, work).repeat_interleave(H_q // H_kv, 0)
             q = q.to(work) * f[None, :, None, :]
         if k_rot is None:  # else the rotation below casts
-            q = q.to(dtype or q_dtype)
+            q = q.to(q_dtype)
         tail_mean = None if k_fold else key.channel_mean  # pre-RoPE: the tail is the model's keys, divided by f
         if key_full is not None:
             key_full = to_channel_basis(key_full.double() if wide else key_full, tail_mean,
@@ -688,7 +690,7 @@ def code_basis(
             mean = key.channel_mean.to(work) / key.channel_factor.to(work)
         key = replace(key, channel_mean=mean, channel_factor=None)
     if k_rot is not None:
-        q = rot(q, k_rot, dtype or q_dtype)
+        q = rot(q, k_rot, q_dtype)
         key = replace(key, rotate=None)
         key_full = rot(key_full, k_rot, tail_dtype)
     if v_rot is not None:

@@ -474,10 +474,14 @@ def _rope_rows(x, cos_ptr, sin_ptr, pos, valid, ROPE_W: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
-    """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles."""
+def _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+    """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles. ``SPLIT``:
+    the query is ``q + q_lo`` (float16 halves of a float32 query), two dots into one accumulator."""
     if IEEE:
         s = tl.dot(q, k, input_precision="ieee")
+    elif SPLIT:
+        k16 = k.to(q.dtype)
+        s = tl.dot(q_lo, k16, tl.dot(q, k16))
     else:
         s = tl.dot(q, k.to(q.dtype))
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -494,12 +498,12 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tail_loop(q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, chunk_f, qk_scale, D: tl.constexpr,
-               BLOCK_T: tl.constexpr, HAS_FMASK: tl.constexpr, IEEE: tl.constexpr):
+def _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, chunk_f, qk_scale, D: tl.constexpr,
+               BLOCK_T: tl.constexpr, HAS_FMASK: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     """The online-softmax state ``(m_i, l_i, acc)`` of queries ``q (G_PAD, D)`` carried over the full-precision tail
     slots ``[start, start + chunk_f)`` of sequence ``b`` (``(B*H_kv, T_f, D)`` rows from slab ``bh``), in
-    ``BLOCK_T``-token tiles (``FMASK``: its ``(B, T_f)`` slot mask). Shared by ``_decode_kernel`` and
-    ``triton_fold._fold_kernel``."""
+    ``BLOCK_T``-token tiles (``FMASK``: its ``(B, T_f)`` slot mask). ``SPLIT``: float16 queries ``q + q_lo``
+    (``_attend``). Shared by ``_decode_kernel`` and ``triton_fold._fold_kernel``."""
     end = tl.minimum(start + chunk_f, tl.load(FLEN + b))
     kf = KF + bh * T_f * D
     vf = VF + bh * T_f * D
@@ -514,7 +518,7 @@ def _tail_loop(q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, chunk_f
                      16, 1, 1, True, 0, 0)
         v = _load_kv(vf, vf, vf, vf, vf, vf, t[:, None], offs_d[None, :], valid[:, None], D, 1,
                      16, 1, 1, True, 0, 0)
-        m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+        m_i, l_i, acc = _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, SPLIT)
     return m_i, l_i, acc
 
 
@@ -637,12 +641,12 @@ def _decode_kernel(
             else:
                 v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
                              V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
-            m_i, l_i, acc = _attend(qk, k, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _attend(qk, qk, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, False)
         if F16_V:  # the accumulator's columns are in the values' pair order
             acc_cols = _pair_channels(D, V_BITS)
     else:
-        m_i, l_i, acc = _tail_loop(q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, (pid_s - n_split_q) * chunk_f,
-                                   chunk_f, qk_scale, D, BLOCK_T, HAS_FMASK, IEEE)
+        m_i, l_i, acc = _tail_loop(q, q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f,
+                                   (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_T, HAS_FMASK, IEEE, False)
     out = row * n_split + pid_s
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)

@@ -32,6 +32,12 @@ Orientation: the codes are the tensor cores' row operand, ``S^T (BLOCK_T, N) = p
 and ``acc_k^T (W, N) += part_k(V)^T (W, BLOCK_T) @ (p s)^T (BLOCK_T, N)``, with the ``G`` query heads of the
 KV head as the narrow ``N`` side (padded to 8 at least, not 16).
 
+Rotated (Hadamard) keys and centred / smoothed ones are attended in the codes' basis (``reference.code_basis``), with
+``q' = q R`` (``q f``) kept float32 and split into two float16 halves for every key dot (``Q_SPLIT``; the tail's too):
+one float16 rounding of ``q'``, shared by every score of a query, was 2.61x float16 torch's error at one of
+Qwen2.5's layers (``int4-token-hadamard``; 0.76x split; BENCHMARKS.md §6, session 40), for +1.1 warp-instructions per
+token at Qwen2.5's shape and +1.4-1.9 at Llama-3-8B's.
+
 Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, sessions 38-39) the tile loop issues 22-37 warp-instructions
 per token on per-token rows and 29-56 on KIVI's groups, against the product kernel's float32 path's 38-85 (Llama-3-8B's
 shape, INT4: 31 / 49 against 76 / 83). Not yet run on a GPU: opt-in (``KVBITS_DEQUANT=fold``,
@@ -200,9 +206,13 @@ def _q_part(Q, row, gmask, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D:
 
 
 @triton.jit
-def _scores_part(kb, qk, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """``part_k(kb) (BLOCK_T, W) @ q_k^T (W, N)``: the codes' dot with the query, float32."""
-    return tl.dot(_codes(kb, k, BITS, ASM, False), qk)
+def _scores_part(kb, qk, qk_lo, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr):
+    """``part_k(kb) (BLOCK_T, W) @ q_k^T (W, N)``: the codes' dot with the query, float32; ``SPLIT``: the query is
+    ``qk + qk_lo`` (float16 halves of a float32 query, ``_halves``), two dots into one accumulator."""
+    c = _codes(kb, k, BITS, ASM, False)
+    if SPLIT:
+        return tl.dot(c, qk_lo, tl.dot(c, qk))
+    return tl.dot(c, qk)
 
 
 @triton.jit
@@ -258,7 +268,7 @@ def _fold_kernel(
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, V_BITS: tl.constexpr, V_SYM: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr, QMASK_W32: tl.constexpr, ASM: tl.constexpr,
     K_W32: tl.constexpr, V_W32: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, V_CPS: tl.constexpr,
-    K_R: tl.constexpr,
+    K_R: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     """Grid ``(B * H_kv, n_split)``: splits ``[0, n_split_q)`` over the quantized slots (folded scales), the rest
     over the full-precision tail (``triton_decode``'s helpers). Writes ``M/L (B*H_q, n_split)`` and
@@ -267,6 +277,8 @@ def _fold_kernel(
     Quantized codes ``(B*H_kv, T_q, D * bits / 8)`` uint8. Keys: one scale (and zero-point) per row
     (``K_CPS == D``: ``(B*H_kv, T_q)``), or per channel over ``K_TPS`` tokens (``K_CPS == 1``:
     ``(B*H_kv, K_SROWS, D)``). Values: per row, or per token and ``V_CPS`` channels (``(B*H_kv, T_q, D / V_CPS)``).
+    Queries ``(B*H_q, D)`` float16, or float32 with ``Q_SPLIT`` (``q'`` of a rotated / smoothed store, ``code_basis``:
+    per-row key dots take it as two float16 halves, per-channel ones fold it into ``q * s`` in float32 anyway).
     """
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -293,6 +305,17 @@ def _fold_kernel(
         if KP > 2:
             q2 = _q_part(Q, row, gmask, 2, KP, KW, D)
             q3 = _q_part(Q, row, gmask, 3, KP, KW, D)
+        q0l = q0  # the float16 halves of a float32 query (Q_SPLIT) for the per-row key dots: q_k = q_k + q_kl
+        q1l = q1
+        q2l = q2
+        q3l = q3
+        if Q_SPLIT and K_CPS == D:
+            q0, q0l = _halves(q0)
+            if KP > 1:
+                q1, q1l = _halves(q1)
+            if KP > 2:
+                q2, q2l = _halves(q2)
+                q3, q3l = _halves(q3)
         qsum = tl.sum(tl.load(Q + row[None, :] * D + tl.arange(0, D)[:, None], mask=gmask[None, :],
                               other=0.0).to(tl.float32), 0)  # (N,)
         m_i = tl.full([N], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
@@ -324,12 +347,12 @@ def _fold_kernel(
                     valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             kb = tl.load(kc + t[:, None] * KW + tl.arange(0, KW)[None, :], mask=valid[:, None], other=0)
             if K_CPS == D:  # one scale per row: s_t (q . c_t) + z_t sum(q)
-                s = _scores_part(kb, q0, 0, K_BITS, ASM)
+                s = _scores_part(kb, q0, q0l, 0, K_BITS, ASM, Q_SPLIT)
                 if KP > 1:
-                    s += _scores_part(kb, q1, 1, K_BITS, ASM)
+                    s += _scores_part(kb, q1, q1l, 1, K_BITS, ASM, Q_SPLIT)
                 if KP > 2:
-                    s += _scores_part(kb, q2, 2, K_BITS, ASM)
-                    s += _scores_part(kb, q3, 3, K_BITS, ASM)
+                    s += _scores_part(kb, q2, q2l, 2, K_BITS, ASM, Q_SPLIT)
+                    s += _scores_part(kb, q3, q3l, 3, K_BITS, ASM, Q_SPLIT)
                 k_s, k_z = _row_meta(ks, kz, t, valid, K_BITS, K_SYM, K_W32, BLOCK_T)
                 s = s * k_s[:, None] + k_z[:, None] * qsum[None, :]  # (BLOCK_T, N)
             else:  # per channel: the tile's scale rows fold into the query
@@ -396,11 +419,14 @@ def _fold_kernel(
         fmask_g = offs_g < G
         frow = b * (H_kv * G) + h * G + offs_g
         fq = tl.load(Q + frow[:, None] * D + offs_d[None, :], mask=fmask_g[:, None], other=0.0)
+        fq_lo = fq
+        if Q_SPLIT:  # float32 q' of a rotated / smoothed store: two float16 halves here too
+            fq, fq_lo = _halves(fq)
         fm = tl.full([G_PAD], -1.0e30, tl.float32)
         fl = tl.zeros([G_PAD], tl.float32)
         facc = tl.zeros([G_PAD, D], tl.float32)
-        fm, fl, facc = _tail_loop(fq, fm, fl, facc, KF, VF, FLEN, FMASK, b, bh, T_f, (pid_s - n_split_q) * chunk_f,
-                                  chunk_f, qk_scale, D, BLOCK_F, HAS_FMASK, False)
+        fm, fl, facc = _tail_loop(fq, fq_lo, fm, fl, facc, KF, VF, FLEN, FMASK, b, bh, T_f,
+                                  (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_F, HAS_FMASK, False, Q_SPLIT)
         fout = frow * n_split + pid_s
         tl.store(M_OUT + fout, fm, mask=fmask_g)
         tl.store(L_OUT + fout, fl, mask=fmask_g)
@@ -485,7 +511,9 @@ def decode_attention_fold(
     if one != 1 or B != store.batch or D != store.head_dim or H_q % H_kv:
         raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
     G = H_q // H_kv
-    q, store, out_rotate = code_basis(q, store)
+    # a rotated / smoothed store's q' = q R (q f) stays float32: one float16 rounding of it, shared by every key
+    # score, was 2.6x float16 torch's error at one of Qwen2.5's layers (int4-token-hadamard; fold_real_kv.py)
+    q, store, out_rotate = code_basis(q, store, query_dtype=torch.float32)
     k, v = store.key, store.value
     d = fold_defaults(D, k.bits, v.bits, G)
     block_t = d["block_t"] if block_t is None else int(block_t)
@@ -523,10 +551,11 @@ def decode_attention_fold(
         QMASK_W32=_mask_words_ok(store.quant_mask, T_q, block_t), ASM=_asm_ok(),
         K_W32=meta32 and _words_ok(k), V_W32=meta32 and _words_ok(v),
         K_TPS=min(k.tps, STATIC_TPS), K_CPS=k.cps, V_CPS=v.cps, K_R=max(1, block_t // k.tps),
+        Q_SPLIT=q.dtype == torch.float32,
         num_warps=d["num_warps"] if num_warps is None else num_warps,
         num_stages=d["num_stages"] if num_stages is None else num_stages,
     )  # fmt: skip
-    out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype if out_rotate is None else torch.float32)
+    out = torch.empty(B * H_q, D, device=dev, dtype=torch.float16 if out_rotate is None else torch.float32)
     _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
     out = out.reshape(B, H_q, 1, D)
     return out if out_rotate is None else unrotate(out, out_rotate, torch.float16)
