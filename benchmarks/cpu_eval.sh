@@ -565,10 +565,14 @@ if [[ $step == all || $step == speed-qwen ]]; then
       --scheme hf-quanto-int4 --out runs/speed-qwen
 fi
 if [[ $step == all || $step == fold-real-kv ]]; then
-  # The folded-scale decode kernel on real caches, through Triton's interpreter (BENCHMARKS.md §6, session 39;
-  # about 10 and 13 minutes)
+  # The folded-scale decode kernel on real caches, through Triton's interpreter (BENCHMARKS.md §6, sessions 39-40;
+  # about 10, 13 and 4 minutes)
   PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model qwen2.5-coder-0.5b --data wikitext2 \
     --context 2048 --steps 2 --out benchmarks/results/fold-real-kv-qwen-wiki-2k.json
   PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model smollm2-135m --data war-and-peace \
     --context 2048 --steps 2 --out benchmarks/results/fold-real-kv-smollm2-wp-2k.json
+  # the other rotated stores the split query serves (session 40; about 4 minutes)
+  PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model qwen2.5-coder-0.5b --data wikitext2 \
+    --context 2048 --steps 2 --scheme int8-token-hadamard --scheme int2-token-hadamard --scheme vllm-int4 \
+    --out benchmarks/results/fold-real-kv-qwen-wiki-2k-rotated.json
 fi

@@ -14,11 +14,9 @@ with float16 queries and a float16 tail (the model's float32 queries and tail ro
 them; ``half_tail``). The model's own step takes the float32 reference, so
 the cache evolves as it would. Per scheme and layer: the largest error of each kernel over the steps' heads and
 channels, relative to the largest output magnitude, and its ratio to float16 torch's (the issue's criterion: at most
-2). For the product kernel also against float64 attention with the float16 query in the codes' basis
-(``product_ratio_own``): on a rotated store ``code_basis`` rounds ``q @ R`` to float16 for the product kernel and
-float16 torch alike, and that shared rounding, gathered by the output's rotation, can decide whose max error lands
-lower. The folded kernel keeps ``q @ R`` float32 (two float16 halves per dot), so its ratio needs no such reading.
-Exit status 1 if the folded kernel is above 2x float16 torch's error at any layer.
+2). On a rotated store both kernels attend with ``q @ R`` kept float32 (two float16 halves per key dot; BENCHMARKS.md
+§6, session 40), float16 torch with it rounded to float16. Exit status 1 if the folded kernel is above 2x float16
+torch's error at any layer.
 Real caches carry what random tests do not: Qwen2.5's outlier key channels and biases, attention sinks, values
 whose magnitude differs by orders between layers.
 
@@ -47,8 +45,7 @@ from kvbits.cache.compat import cache_kwargs
 from kvbits.evaluate.data import load_text, make_windows, tokenize
 from kvbits.evaluate.models import load_model
 from kvbits.kernels import triton_decode, triton_fold
-from kvbits.kernels.reference import PackedStore, code_basis, decode_attention_reference
-from kvbits.quant.rotate import unrotate
+from kvbits.kernels.reference import PackedStore, decode_attention_reference
 from kvbits.schemes import get_scheme
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,23 +57,14 @@ KERNELS = ("torch16", "product", "fold")
 
 def errors(q: torch.Tensor, store: PackedStore, scaling: float | None) -> dict[str, float]:
     """Max abs error of each of ``KERNELS`` against float64 attention over ``store`` for float16 ``q``
-    ``(B, H_q, 1, D)``; ``torch16_own`` / ``product_own``: against float64 attention with the float16 query in the
-    codes' basis that float16 torch and the product kernel attend a rotated store with (``code_basis``: its rounding
-    is theirs alike, and can decide which max error lands lower; the folded kernel keeps that query float32); and the
-    largest output magnitude (``scale``)."""
+    ``(B, H_q, 1, D)``, and the largest output magnitude (``scale``)."""
     truth = decode_attention_reference(q.double(), store, scaling, dtype=torch.float64)
-    qb, sb, out_rotate = code_basis(q, store)  # the float16 query torch16 and the product attend rotated codes with
-    own = truth  # a store in the model's basis: the same query
-    if qb is not q:
-        own = decode_attention_reference(qb.double(), sb, scaling, dtype=torch.float64)
-        own = own if out_rotate is None else unrotate(own, out_rotate, torch.float64)
     outs = {
         "torch16": decode_attention_reference(q, store, scaling, dtype=torch.float16),
         "product": triton_decode.decode_attention_triton(q, store, scaling),
         "fold": triton_fold.decode_attention_fold(q, store, scaling),
     }
     r = {k: float((o.double() - truth).abs().max()) for k, o in outs.items()}
-    r.update({f"{k}_own": float((outs[k].double() - own).abs().max()) for k in ("torch16", "product")})
     return {**r, "scale": float(truth.abs().max())}
 
 
@@ -129,7 +117,6 @@ def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str) -> 
             row[f"{k}_rel"] = w[k] / w["scale"]
         for k in ("product", "fold"):
             row[f"{k}_ratio"] = w[k] / max(w["torch16"], 1e-30)
-        row["product_ratio_own"] = w["product_own"] / max(w["torch16_own"], 1e-30)
         rows.append(row)
     return rows
 
@@ -153,10 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         out += rows
         worst = {k: max(r[f"{k}_ratio"] for r in rows) for k in ("product", "fold")}
         at = {k: max(rows, key=lambda r, k=k: r[f"{k}_ratio"])["layer"] for k in worst}
-        own = max(r["product_ratio_own"] for r in rows)
         print(f"{rows[0]['scheme'][:24]:24s} worst ratio to float16 torch: product {worst['product']:.2f} "
-              f"(layer {at['product']}), fold {worst['fold']:.2f} (layer {at['fold']}); product against the codes' "
-              f"basis query: {own:.2f}; "
+              f"(layer {at['product']}), fold {worst['fold']:.2f} (layer {at['fold']}); "
               f"output magnitude {min(r['out_max'] for r in rows):.3g} .. {max(r['out_max'] for r in rows):.3g}",
               flush=True)  # fmt: skip
     seconds = round(time.time() - t0, 1)

@@ -24,8 +24,8 @@ def skipping(part: str) -> Iterator[None]:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     real = reference.code_basis
 
-    def partial(q, store, dtype=None):
-        q2, store2, out_rotate = real(q, store, dtype)
+    def partial(q, store, dtype=None, *, query_dtype=None):
+        q2, store2, out_rotate = real(q, store, dtype, query_dtype=query_dtype)
         if part == "query":
             q2 = q.to(q2.dtype)
         elif part == "tail":

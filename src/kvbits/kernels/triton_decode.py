@@ -18,8 +18,11 @@ NUQ codes looked up in a 2**bits-entry codebook (KVQuant), or FP8 bytes decoded 
 (``_fp8_to_f32``: exact, no float8 type needed); then up to ``NOUT`` sparse outliers per row replace
 their channels (``_outliers``). Slot masks (``quant_mask`` / ``full_mask``, left padding) narrow
 ``valid``, the same predicate that hides slots past a sequence's length. Rotated sides (Hadamard,
-``PackedTensor.rotate``) need nothing of the kernels: ``decode_attention_triton`` rotates the query and
-the tail into the codes' basis and the output back (``reference.code_basis``).
+``PackedTensor.rotate``) need nothing of the kernels but the query's precision: ``decode_attention_triton``
+rotates the query and the tail into the codes' basis and the output back (``reference.code_basis``), and for
+float16 queries keeps the rotated (or smoothed) query ``q'`` float32, which the kernel takes as two float16
+halves in every key dot (``Q_SPLIT``, ``_halves``): one float16 rounding of ``q'`` is shared by every score of a
+query, and cost up to 1.78x float16 torch's error on a real rotated cache (BENCHMARKS.md §6, session 40).
 
 Precision follows the query dtype: float16/bfloat16 queries use tensor-core dots on dequantized K/V
 and probabilities cast to that dtype with float32 accumulation (FlashAttention's recipe); float32
@@ -474,6 +477,13 @@ def _rope_rows(x, cos_ptr, sin_ptr, pos, valid, ROPE_W: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _halves(x):
+    """Float32 ``x`` as two float16, ``hi + lo == x`` to float32's precision (``lo``: the rounding of ``hi``)."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles. ``SPLIT``:
     the query is ``q + q_lo`` (float16 halves of a float32 query), two dots into one accumulator."""
@@ -553,9 +563,11 @@ def _decode_kernel(
     ROPE: tl.constexpr, ROPE_W: tl.constexpr, IEEE: tl.constexpr, VEC_K: tl.constexpr, VEC_V: tl.constexpr,
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
     K_W32: tl.constexpr = False, V_W32: tl.constexpr = False, QMASK_W32: tl.constexpr = False,
-    K_MEAN: tl.constexpr = False, K_FACTOR: tl.constexpr = False,
+    K_MEAN: tl.constexpr = False, K_FACTOR: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
 ):
-    """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``."""
+    """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``.
+    ``Q_SPLIT``: ``Q`` is the float32 ``q'`` of a rotated / smoothed store for float16 queries, taken as two
+    float16 halves (``_halves``) in every key dot."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // H_kv
@@ -566,6 +578,9 @@ def _decode_kernel(
     gmask = offs_g < G
     row = b * (H_kv * G) + h * G + offs_g  # rows of (B * H_q): query heads h*G .. h*G+G-1 (repeat_kv order)
     q = tl.load(Q + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q_lo = q
+    if Q_SPLIT:
+        q, q_lo = _halves(q)
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -585,8 +600,12 @@ def _decode_kernel(
         vov = VOV + bh * T_q * V_NOUT
         voi = VOI + bh * T_q * V_NOUT
         qk = q
+        qk_lo = q_lo
         if F16_K:  # the key tiles' columns are in pair order: so are the queries' channels
             qk = tl.load(Q + row[:, None] * D + _pair_channels(D, K_BITS)[None, :], mask=gmask[:, None], other=0.0)
+            qk_lo = qk
+            if Q_SPLIT:
+                qk, qk_lo = _halves(qk)
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
             valid = t < end
@@ -641,12 +660,13 @@ def _decode_kernel(
             else:
                 v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
                              V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
-            m_i, l_i, acc = _attend(qk, qk, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, False)
+            m_i, l_i, acc = _attend(qk, qk_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, Q_SPLIT)
         if F16_V:  # the accumulator's columns are in the values' pair order
             acc_cols = _pair_channels(D, V_BITS)
     else:
-        m_i, l_i, acc = _tail_loop(q, q, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f,
-                                   (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_T, HAS_FMASK, IEEE, False)
+        m_i, l_i, acc = _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f,
+                                   (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_T, HAS_FMASK, IEEE,
+                                   Q_SPLIT)
     out = row * n_split + pid_s
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
@@ -938,13 +958,17 @@ def decode_attention_triton(
     G = H_q // H_kv
     dev = q.device
     out_dtype = q.dtype
-    q, store, out_rotate = code_basis(q, store)  # rotated sides: the step in the codes' basis
+    # rotated / smoothed keys: the step in the codes' basis, q' = q R (q f) kept float32 for float16 queries and
+    # split into two float16 halves in the kernel (Q_SPLIT): one float16 rounding of q', shared by every score,
+    # put this kernel at 1.78x float16 torch's error at one of Qwen2.5's layers (int8-token-hadamard)
+    q, store, out_rotate = code_basis(q, store, query_dtype=torch.float32 if out_dtype == torch.float16 else None)
+    q_split = out_dtype == torch.float16 and q.dtype == torch.float32
 
     def vec_ok(p: PackedTensor | None) -> bool:
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps
 
     sides = [p for p in (store.key, store.value) if p is not None]
-    ieee = q.dtype == torch.float32
+    ieee = out_dtype == torch.float32
     heavy = vectorized is False or any(not vec_ok(p) or p.n_outliers for p in sides)
     defaults = launch_defaults(D, per_element=heavy, ieee=ieee)
     if block_t is None:
@@ -1030,7 +1054,7 @@ def decode_attention_triton(
         **dict(zip(("K_BITS", "K_TPS", "K_CPS", "K_SYM", "K_KIND", "K_NOUT"), k_const)),
         **dict(zip(("V_BITS", "V_TPS", "V_CPS", "V_SYM", "V_KIND", "V_NOUT"), v_const)),
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
-        "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": q.dtype == torch.float32,
+        "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": ieee, "Q_SPLIT": q_split,
         "K_W32": bool(meta32) and _words_ok(k), "V_W32": bool(meta32) and _words_ok(v),
         "QMASK_W32": bool(meta32) and _mask_words_ok(store.quant_mask, T_q, block_t),
         "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None,
@@ -1043,7 +1067,7 @@ def decode_attention_triton(
     use_vec = vectorized is not False and config not in _VEC_BROKEN
     vec_k, vec_v = use_vec and vec_ok(k), use_vec and vec_ok(v)
     f16_k, f16_v = (
-        dequant == "f16" and vec and f16_ok(p, block_t, q.dtype) and not (p is k and rope)
+        dequant == "f16" and vec and f16_ok(p, block_t, out_dtype) and not (p is k and rope)
         for vec, p in ((vec_k, k), (vec_v, v))
     )
     grid = (B * H_kv, n_split)
@@ -1070,8 +1094,8 @@ def decode_attention_triton(
                 _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
         else:
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
-    # rotated values: the merged output stays float32 until it is rotated back (one rounding to q.dtype)
-    out = torch.empty(B * H_q, D, device=dev, dtype=q.dtype if out_rotate is None else torch.float32)
+    # rotated values: the merged output stays float32 until it is rotated back (one rounding to the query's dtype)
+    out = torch.empty(B * H_q, D, device=dev, dtype=out_dtype if out_rotate is None else torch.float32)
     _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
     out = out.reshape(B, H_q, 1, D)
     return out if out_rotate is None else unrotate(out, out_rotate, out_dtype)

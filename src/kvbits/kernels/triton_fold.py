@@ -33,10 +33,10 @@ and ``acc_k^T (W, N) += part_k(V)^T (W, BLOCK_T) @ (p s)^T (BLOCK_T, N)``, with 
 KV head as the narrow ``N`` side (padded to 8 at least, not 16).
 
 Rotated (Hadamard) keys and centred / smoothed ones are attended in the codes' basis (``reference.code_basis``), with
-``q' = q R`` (``q f``) kept float32 and split into two float16 halves for every key dot (``Q_SPLIT``; the tail's too):
-one float16 rounding of ``q'``, shared by every score of a query, was 2.61x float16 torch's error at one of
-Qwen2.5's layers (``int4-token-hadamard``; 0.76x split; BENCHMARKS.md §6, session 40), for +1.1 warp-instructions per
-token at Qwen2.5's shape and +1.4-1.9 at Llama-3-8B's.
+``q' = q R`` (``q f``) kept float32 and split into two float16 halves for every key dot (``Q_SPLIT``; the tail's too;
+as the product kernel does): one float16 rounding of ``q'``, shared by every score of a query, was 2.61x float16
+torch's error at one of Qwen2.5's layers (``int4-token-hadamard``; 0.76x split; BENCHMARKS.md §6, session 40), for
++0.9 to +5.0 warp-instructions per token on sm_90.
 
 Compiled for sm_90 (``tests/test_aot.py``; BENCHMARKS.md §6, sessions 38-39) the tile loop issues 22-37 warp-instructions
 per token on per-token rows and 29-56 on KIVI's groups, against the product kernel's float32 path's 38-85 (Llama-3-8B's
@@ -64,6 +64,7 @@ from kvbits.kernels.triton_decode import (
     LOG2E,
     _asm_ok,
     _chunk,
+    _halves,
     _mask_words,
     _mask_words_ok,
     _num_splits,
@@ -222,13 +223,6 @@ def _scaled(vb, s3, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, VG: 
     part is channel ``P i + k``, in scale group ``i // RPG``. ``(VW, BLOCK_T)`` float16."""
     c = tl.reshape(_codes(vb, k, BITS, ASM, True), (VG, RPG, BLOCK_T))
     return tl.reshape(c * s3, (VW, BLOCK_T))
-
-
-@triton.jit
-def _halves(x):
-    """Float32 ``x`` as two float16, ``hi + lo == x`` to float32's precision (``lo``: the rounding of ``hi``)."""
-    hi = x.to(tl.float16)
-    return hi, (x - hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit
