@@ -10,10 +10,10 @@ instead of spending the run's time budget compiling:
 
 - ``sweep``: each decode variant at each KV shape (default launch, gather path, float16 dequantization), at
   every batch and context of the sweep (zero-stride stores: shapes and alignment without the memory; a
-  worker compiles each distinct specialisation once); the per-token layouts at ``ROTATION_BATCH``: the
-  Hadamard-rotated variant (``int4-token-hadamard``), whose launches cover the unrotated ``int4-token``'s
-  (the same decode kernel) and add the reduction into a float32 output that is rotated back, and the
-  centred / smoothed keys, post- and pre-RoPE, untied and tied;
+  worker compiles each distinct specialisation once); the per-token layouts at ``ROTATION_BATCH``: plain
+  (``int4-token``), Hadamard-rotated (``int4-token-hadamard``: the query enters float32, split in the kernel,
+  ``Q_SPLIT``, and the output is reduced into float32 and rotated back), and the centred / smoothed keys, post-
+  and pre-RoPE, untied and tied;
 - ``tune``: step 3b's grids (``sweep.tune_launches``, float32 and float16 dequantization) at its batch and
   context;
 - ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
@@ -53,8 +53,8 @@ def jobs(tune: bool = True) -> list[Job]:
     from gpu_bench import checks, common, e2e, sweep
 
     out: list[Job] = [("check", shape) for shape in common.SHAPES]  # check_variants' variants: start these first
-    # the per-token layouts: the plain one launches what its rotated variant does (see _run_job); the others
-    token = [(name, ts.pre_rope) for name, ts in common.TOKEN_SCHEMES.items() if ts.rotate or ts.channels]
+    # the per-token layouts (the rotated one's split query is another specialisation than the plain one's)
+    token = [(name, ts.pre_rope) for name, ts in common.TOKEN_SCHEMES.items()]
     for shape in common.SHAPES:
         out.append(("sweep", shape, "fp16", False, None))
         for name, sch in common.SCHEMES.items():

@@ -153,9 +153,9 @@ cache = os.environ["TRITON_CACHE_DIR"]
 variants = {"fp16", "int4", *common.TOKEN_SCHEMES}
 job_list = [j for j in prewarm.jobs(tune=False) if j[0] == "sweep" and j[1] == "qwen2.5-0.5b" and j[2] in variants]
 r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=300)
-# default, gather and f16 paths; per-token: rotated, smoothed (post-RoPE, pre-RoPE untied and tied); the folded
-# kernel on int4 and the three per-token layouts it reads (plain, rotated, smoothed post-RoPE)
-assert r["done"] == len(job_list) == 6 + 4 + 1 + 3 and not r["failed"], r
+# default, gather and f16 paths; per-token: plain, rotated, smoothed (post-RoPE, pre-RoPE untied and tied); the
+# folded kernel on int4 and the three per-token layouts it reads (plain, rotated, smoothed post-RoPE)
+assert r["done"] == len(job_list) == 6 + 5 + 1 + 3 and not r["failed"], r
 before = set(os.listdir(cache))
 sweep.SHAPES = {"qwen2.5-0.5b": common.SHAPES["qwen2.5-0.5b"]}
 sweep.SCHEMES = {"int4": common.SCHEMES["int4"]}
@@ -164,7 +164,7 @@ cfg = common.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[
                 max_bytes=1e12, smoke=False, kernel="triton")
 with compile_only("sm_90") as launched:
     records = sweep.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
-# batch 8: the per-token layouts too (the rotated job's launches cover the plain one's)
+# batch 8: the per-token layouts too (the rotated one's split query is a launch of its own)
 assert len(records) == 4 * (2 + 7) + 2 * (5 + 3) and len(launched) > 0, (len(records), len(launched))
 assert sum(r["kernel"] == "triton-f16" for r in records) == 4, records  # dequant="f16" launched too
 assert sum(r["kernel"] == "triton-fold" for r in records) == 4 + 2 * 3, records  # and dequant="fold"
