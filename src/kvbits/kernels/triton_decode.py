@@ -484,6 +484,15 @@ def _halves(x):
 
 
 @triton.jit
+def _query_halves(x, SPLIT: tl.constexpr):
+    """``(hi, lo)`` of a query tile: ``_halves(x)`` of a float32 ``q'`` if ``SPLIT``, else ``(x, x)`` (``lo`` unread)."""
+    if SPLIT:
+        return _halves(x)
+    else:
+        return x, x
+
+
+@triton.jit
 def _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles. ``SPLIT``:
     the query is ``q + q_lo`` (float16 halves of a float32 query), two dots into one accumulator."""
@@ -577,10 +586,7 @@ def _decode_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     gmask = offs_g < G
     row = b * (H_kv * G) + h * G + offs_g  # rows of (B * H_q): query heads h*G .. h*G+G-1 (repeat_kv order)
-    q = tl.load(Q + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    q_lo = q
-    if Q_SPLIT:
-        q, q_lo = _halves(q)
+    q, q_lo = _query_halves(tl.load(Q + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0), Q_SPLIT)
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -599,13 +605,10 @@ def _decode_kernel(
         vz = VZ + bh * V_SROWS * V_SCOLS
         vov = VOV + bh * T_q * V_NOUT
         voi = VOI + bh * T_q * V_NOUT
-        qk = q
-        qk_lo = q_lo
+        qk, qk_lo = q, q_lo
         if F16_K:  # the key tiles' columns are in pair order: so are the queries' channels
-            qk = tl.load(Q + row[:, None] * D + _pair_channels(D, K_BITS)[None, :], mask=gmask[:, None], other=0.0)
-            qk_lo = qk
-            if Q_SPLIT:
-                qk, qk_lo = _halves(qk)
+            qk, qk_lo = _query_halves(tl.load(Q + row[:, None] * D + _pair_channels(D, K_BITS)[None, :],
+                                              mask=gmask[:, None], other=0.0), Q_SPLIT)
         for t0 in range(start, end, BLOCK_T):
             t = t0 + offs_t
             valid = t < end
@@ -962,7 +965,7 @@ def decode_attention_triton(
     # split into two float16 halves in the kernel (Q_SPLIT): one float16 rounding of q', shared by every score,
     # put this kernel at 1.78x float16 torch's error at one of Qwen2.5's layers (int8-token-hadamard)
     q, store, out_rotate = code_basis(q, store, query_dtype=torch.float32 if out_dtype == torch.float16 else None)
-    q_split = out_dtype == torch.float16 and q.dtype == torch.float32
+    q_split = q.dtype != out_dtype  # only a float16 query's q' comes back float32
 
     def vec_ok(p: PackedTensor | None) -> bool:
         return p is not None and p.bits in (2, 4, 8) and _pow2(D // p.cps) == D // p.cps

@@ -69,6 +69,7 @@ from kvbits.kernels.triton_decode import (
     _mask_words_ok,
     _num_splits,
     _pow2,
+    _query_halves,
     _reduce_kernel,
     _tail_loop,
     _token_words,
@@ -299,17 +300,13 @@ def _fold_kernel(
         if KP > 2:
             q2 = _q_part(Q, row, gmask, 2, KP, KW, D)
             q3 = _q_part(Q, row, gmask, 3, KP, KW, D)
-        q0l = q0  # the float16 halves of a float32 query (Q_SPLIT) for the per-row key dots: q_k = q_k + q_kl
-        q1l = q1
-        q2l = q2
-        q3l = q3
-        if Q_SPLIT and K_CPS == D:
-            q0, q0l = _halves(q0)
-            if KP > 1:
-                q1, q1l = _halves(q1)
-            if KP > 2:
-                q2, q2l = _halves(q2)
-                q3, q3l = _halves(q3)
+        # a float32 query (Q_SPLIT) as float16 halves q_k + q_kl for the per-row key dots (per-channel ones fold it
+        # into q * s in float32)
+        SPLIT_K: tl.constexpr = Q_SPLIT and K_CPS == D
+        q0, q0l = _query_halves(q0, SPLIT_K)
+        q1, q1l = _query_halves(q1, SPLIT_K)
+        q2, q2l = _query_halves(q2, SPLIT_K)
+        q3, q3l = _query_halves(q3, SPLIT_K)
         qsum = tl.sum(tl.load(Q + row[None, :] * D + tl.arange(0, D)[:, None], mask=gmask[None, :],
                               other=0.0).to(tl.float32), 0)  # (N,)
         m_i = tl.full([N], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
@@ -412,10 +409,8 @@ def _fold_kernel(
         offs_d = tl.arange(0, D)
         fmask_g = offs_g < G
         frow = b * (H_kv * G) + h * G + offs_g
-        fq = tl.load(Q + frow[:, None] * D + offs_d[None, :], mask=fmask_g[:, None], other=0.0)
-        fq_lo = fq
-        if Q_SPLIT:  # float32 q' of a rotated / smoothed store: two float16 halves here too
-            fq, fq_lo = _halves(fq)
+        fq, fq_lo = _query_halves(tl.load(Q + frow[:, None] * D + offs_d[None, :], mask=fmask_g[:, None], other=0.0),
+                                  Q_SPLIT)  # float32 q' of a rotated / smoothed store: two float16 halves here too
         fm = tl.full([G_PAD], -1.0e30, tl.float32)
         fl = tl.zeros([G_PAD], tl.float32)
         facc = tl.zeros([G_PAD, D], tl.float32)
