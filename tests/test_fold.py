@@ -139,6 +139,24 @@ def test_fold_meta32_reads_the_same_scales(meta32: bool):
 
 
 @needs_triton
+def test_fold_word_reads_over_an_odd_slot_count(monkeypatch):
+    """An odd number of slots (a growing cache every other step): slabs of per-token scales start in a word's
+    middle alternately, and the word reads (``K_W32 == 2``) still give the 2-byte reads' output bit for bit."""
+    spy = LaunchSpy(triton_fold._fold_kernel)
+    monkeypatch.setattr(triton_fold, "_fold_kernel", spy)
+    g = torch.Generator().manual_seed(7)
+    store = fold_case(g, 64, token(8), token(8), 127)
+    for m in (store.key.scale, store.key.zero, store.value.scale, store.value.zero):
+        m[1, :, :9] = float("nan")  # sequence 1's left padding ...
+        m[1, :, 127 // 2 - 3 :] = float("nan")  # ... and its slots past its length: never in the output
+    q = (torch.randn(2, 4, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    words = triton_fold.decode_attention_fold(q, store, meta32=True)
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == (2, 2)
+    assert torch.isfinite(words).all()
+    assert torch.equal(words, triton_fold.decode_attention_fold(q, store, meta32=False))
+
+
+@needs_triton
 def test_fold_reads_only_the_used_slots():
     """Reserved slots past ``quant_used`` (a cache's ``max_cache_len``) and past each sequence's length are never
     read: NaN codes' scales there change nothing."""

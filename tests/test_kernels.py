@@ -1748,6 +1748,43 @@ def test_meta32_word_reads_give_the_same_output(monkeypatch, D: int, ks: TensorS
     assert max_err(words, truth) <= 2 * max_err(decode_attention_reference(q, store, dtype=torch.float16), truth) + 1e-6
 
 
+ODD_CASES = [  # (D, key spec, value spec, dequant): one float16 value per token row on at least one side
+    (64, spec(8, "token"), spec(8, "token"), "f32"),  # int8-token, the end-to-end benchmark's INT8
+    (64, spec(8, "token"), spec(2, "token"), "f16"),
+    (32, spec(4, "token", symmetric=True), spec(8, "token"), "f32"),  # symmetric keys: scales alone
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("T_q", [191, 63])
+@pytest.mark.parametrize("D,ks,vs,dequant", ODD_CASES, ids=[f"case{i}" for i in range(len(ODD_CASES))])
+def test_word_reads_over_an_odd_slot_count(monkeypatch, T_q: int, D: int, ks: TensorSpec, vs: TensorSpec,
+                                           dequant: str):  # fmt: skip
+    """A growing cache holds an odd number of slots every other step, and a reservation may: then every other
+    (sequence, head) slab of one-value-per-token scales starts in the middle of a word. Word reads there
+    (``_token_words(ODD=True)``, ``K_W32 == 2``) give the 2-byte reads' output bit for bit, with NaN scales in
+    the slots no sequence reads (past a length, left padding) that a word brings along."""
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    g = torch.Generator().manual_seed(T_q + D)
+    store = make_store(g, D=D, key_spec=ks, value_spec=vs, T_q=T_q, quant_lens=[T_q, T_q // 2 + 1],
+                       full_lens=[40, 3], block=32)  # fmt: skip
+    store.quant_mask = torch.ones(2, T_q, dtype=torch.bool, device=store.device)
+    store.quant_mask[1, :9] = False
+    for p in (store.key, store.value):
+        for m in (p.scale, p.zero):
+            if m is not None:
+                m[1, :, T_q // 2 + 1 :] = float("nan")
+                m[1, :, :9] = float("nan")
+    q = (torch.randn(2, 4, 1, D, generator=g) * 1.5).to(DEVICE).half()
+    words = triton_decode.decode_attention_triton(q, store, splits=3, dequant=dequant)
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == (2, 2)
+    halves = triton_decode.decode_attention_triton(q, store, splits=3, dequant=dequant, meta32=False)
+    assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == (0, 0)
+    assert torch.isfinite(words).all()
+    assert torch.equal(words, halves)
+
+
 @needs_triton
 def test_words_ok_refuses_what_words_can_not_read():
     """Word reads need float16 metadata, 4-byte alignment and whole words: an even number of values per row,
@@ -1759,8 +1796,13 @@ def test_words_ok_refuses_what_words_can_not_read():
         return SimpleNamespace(scale=flat[offset:].view(shape), zero=None, tps=tps)
 
     ok = triton_decode._words_ok
-    assert ok(side((2, 2, 6, 4))) and ok(side((2, 2, 6, 1)))
-    assert not ok(side((2, 2, 5, 1)))  # one per token, odd row count: a word would straddle two slabs
+    assert ok(side((2, 2, 6, 4))) == ok(side((2, 2, 6, 1))) == 1
+    assert ok(side((2, 2, 5, 1))) == 2  # one per token, odd row count: slabs start in a word's middle alternately
+    assert ok(side((1, 1, 5, 1))) == 0  # ... and an odd count in all: the last word would leave the tensor
+    assert ok(side((2, 2, 5, 4))) == 1  # several per token: words along each row, whatever the row count
+    assert not ok(side((2, 2, 5, 3)))  # odd columns per row
+    cut = SimpleNamespace(scale=torch.zeros(2, 2, 6, 1, dtype=torch.float16)[:, :, :5], zero=None, tps=1)
+    assert not ok(cut)  # odd rows, not contiguous: the slabs' parity does not alternate
     assert not ok(side((2, 2, 6, 1), tps=32))  # one per block of tokens: not contiguous per token
     assert not ok(side((2, 2, 6, 4), offset=1))  # 2-byte aligned only
     assert not ok(side((2, 2, 6, 4), dtype=torch.float32))  # fp8's float32 static scales

@@ -275,6 +275,34 @@ def test_triton_kernel_reads_only_the_used_slots(monkeypatch, name: str, dequant
     torch.testing.assert_close(out, decode_attention_reference(q, cut), atol=2e-3 if half else 2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("reserve", [None, FULL])
+def test_triton_kernel_reads_scales_as_words_at_every_slot_count(monkeypatch, reserve: int | None):
+    """One scale per token row (``int8-token``): a growing cache holds an odd number of slots every other step
+    and an odd reservation at every step. The kernel still reads the scales as int32 words there
+    (``K_W32 == 2``, ``_token_words(ODD=True)``), where it used to fall back to 2-byte loads (synchronous in
+    the tile loop on sm_90) on those steps only, so that a growing and a reserved cache launched different
+    kernels. The tokens and logits are those of the reference kernel."""
+    from _launch import LaunchSpy
+
+    from kvbits.schemes import get_scheme
+
+    use_triton(monkeypatch)
+    from kvbits.kernels import triton_decode  # after use_triton: interpreted on CPU
+
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    model, sch = build("qwen2"), get_scheme("int8-token")
+    seq, logits, _ = run(model, sch, fused=True, max_cache_len=reserve)
+    words = [(m["K_W32"], m["V_W32"]) for m in spy.seen]
+    assert len(words) == (NEW - 1) * 2
+    odd = {pair for pair in words if pair == (2, 2)}
+    assert FULL % 2 == 1 and set(words) <= {(1, 1), (2, 2)} and odd, words
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+    seq_ref, logits_ref, _ = run(model, sch, fused=True, max_cache_len=reserve)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=0)
+
+
 def _decode_step_peaks(*, claim: bool = False, **cache_kw) -> dict:
     """``LiveBytes`` peak of one int8-token decode step of layer 0 (token 256 of 300 random K/V), growing
     (``None``) and with ``max_cache_len=300``: ``{reserve: (peak, cache, keys the step returned)}``.

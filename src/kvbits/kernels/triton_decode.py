@@ -199,7 +199,7 @@ def _meta_words(ptr, rows, mask_r, SCOLS, NC: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr):
+def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr, ODD: tl.constexpr = False):
     """One float16 value per token (``D / CPS == 1``: a scale for the whole row) for tokens ``t (BLOCK_T,)``
     (consecutive, ``t[0]`` even), read as int32 words of two tokens each: ``(BLOCK_T,)`` float16. The values of
     consecutive tokens are contiguous, so the words are too (``_meta_words`` reads along a row instead).
@@ -207,10 +207,25 @@ def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr):
     A word read for a valid token also brings its pair, which may be a slot past the sequence's length
     (padding, reserved slots): that half is zeroed, as a masked load reads it. Kept, a NaN or inf there
     would reach the output through ``p = 0`` times NaN (found with NaN-filled padding, tests/test_reserve.py).
+
+    ``ODD``: the slabs hold an odd number of slots (a growing cache every other step, an odd reservation), so
+    every other ``(sequence, head)`` slab ``ptr`` starts in the high half of a word. Such a slab's pair
+    ``(t, t + 1)`` is the high half of word ``t / 2`` and the low half of the next (counted from ``ptr - 1``),
+    joined with one shift each; slabs that start on a word read one word per pair, as without ``ODD``. The
+    tensor must start on a word and hold an even number of values (``_words_ok``), so no word leaves it.
     """
-    first = tl.min(tl.reshape(t, (BLOCK_T // 2, 2)), axis=1)
-    ok = tl.max(tl.reshape(mask_t.to(tl.int32), (BLOCK_T // 2, 2)), axis=1) > 0
-    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + first // 2, mask=ok, other=0)
+    if ODD:
+        first, _ = tl.split(tl.reshape(t, (BLOCK_T // 2, 2)))
+        ok0, ok1 = tl.split(tl.reshape(mask_t, (BLOCK_T // 2, 2)))
+        par = ((ptr.to(tl.int64) >> 1) & 1).to(tl.int32)  # 1: the slab starts in a word's high half
+        words = (ptr - par).to(tl.pointer_type(tl.int32))
+        a = tl.load(words + first // 2, mask=ok0 | ok1, other=0)
+        b = tl.load(words + first // 2 + 1, mask=ok1 & (par == 1), other=0)
+        w = tl.where(par == 1, ((a >> 16) & 0xFFFF) | (b << 16), a)
+    else:
+        first = tl.min(tl.reshape(t, (BLOCK_T // 2, 2)), axis=1)
+        ok = tl.max(tl.reshape(mask_t.to(tl.int32), (BLOCK_T // 2, 2)), axis=1) > 0
+        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + first // 2, mask=ok, other=0)
     vals = tl.reshape(_f16_pairs(w), (BLOCK_T,))
     return tl.where(mask_t, vals, tl.zeros_like(vals))
 
@@ -231,12 +246,12 @@ def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TP
     """Scales (or zero-points) of rows ``t (BLOCK_T,)`` expanded to ``(BLOCK_T, D)`` float32.
 
     Loads the ``D / CPS`` stored columns of each row (contiguous) and repeats each ``CPS`` times. ``W32``
-    (float16 metadata in int32-aligned rows, ``_words_ok``): per-token rows are read as int32 words
-    (``_meta_words``).
+    (float16 metadata in int32-aligned rows, ``_words_ok``: 1, or 2 for one value per token over an odd slot
+    count): per-token rows are read as int32 words (``_meta_words``, ``_token_words``).
     """
     NC: tl.constexpr = D // CPS
     if TPS == 1 and W32 and NC == 1:
-        m = _token_words(ptr, t, mask_t, BLOCK_T).to(tl.float32)[:, None]
+        m = _token_words(ptr, t, mask_t, BLOCK_T, W32 == 2).to(tl.float32)[:, None]
     elif TPS == 1 and W32:
         m = _meta_words(ptr, t, mask_t, SCOLS, NC, BLOCK_T).to(tl.float32)
     else:
@@ -397,7 +412,7 @@ def _meta16(ptr, t0, t, mask_t, end, SCOLS, D: tl.constexpr, BLOCK_T: tl.constex
         offs_c = tl.arange(0, NC)
     if TPS == 1 and CPS > 1:  # per token, groups of whole words: build each float16 pair as one int32
         if W32 and NC == 1:
-            m = _token_words(ptr, t, mask_t, BLOCK_T)[:, None]
+            m = _token_words(ptr, t, mask_t, BLOCK_T, W32 == 2)[:, None]
         elif W32:
             m = _meta_words(ptr, t, mask_t, SCOLS, NC, BLOCK_T)
         else:
@@ -845,18 +860,25 @@ def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
     return tps_ok and cps_ok and _pow2(p.head_dim // p.cps) == p.head_dim // p.cps
 
 
-def _words_ok(p: PackedTensor | None) -> bool:
-    """Whether side ``p``'s scales and zero-points can be read as int32 words: float16, 4-byte-aligned, and
-    an even number of stored columns per row (``_meta_words``), or one per token with an even number of
-    rows (``_token_words``)."""
+def _words_ok(p: PackedTensor | None) -> int:
+    """How side ``p``'s float16 scales and zero-points can be read as int32 words (the ``K_W32`` / ``V_W32``
+    constexpr): 1 for an even number of stored columns per row (``_meta_words``) or one value per token over
+    an even number of rows (``_token_words``); 2 for one value per token over an odd number of rows
+    (``_token_words(ODD=True)``: slabs alternate between starting on a word and in its middle), where the
+    tensor is contiguous and holds an even number of values; 0 (2-byte reads) otherwise: float32 metadata,
+    a base not 4-byte aligned, odd rows of several columns."""
     if p is None:
-        return False
+        return 0
     metas = [m for m in (p.scale, p.zero) if m is not None]
-
-    def even(m: torch.Tensor) -> bool:
-        return m.shape[-1] % 2 == 0 or (m.shape[-1] == 1 and p.tps == 1 and m.shape[-2] % 2 == 0)
-
-    return all(m.dtype == torch.float16 and even(m) and m.data_ptr() % 4 == 0 for m in metas)
+    if not metas or not all(m.dtype == torch.float16 and m.data_ptr() % 4 == 0 for m in metas):
+        return 0
+    if all(m.shape[-1] % 2 == 0 for m in metas):
+        return 1
+    if p.tps != 1 or any(m.shape[-1] != 1 for m in metas):
+        return 0
+    if all(m.shape[-2] % 2 == 0 for m in metas):
+        return 1
+    return 2 if all(m.is_contiguous() and m.numel() % 2 == 0 for m in metas) else 0
 
 
 def _mask_words_ok(mask: torch.Tensor | None, T: int, block_t: int) -> bool:
@@ -924,7 +946,8 @@ def decode_attention_triton(
             Llama-3-8B's shape ``dequant="f16"`` takes 160, three blocks per SM where the default path's 128
             allow four; ``maxnreg=128`` restores four at a few spilled bytes (a device-tuning knob).
         meta32: read float16 scales and zero-points as int32 words where a side allows it (``_words_ok``):
-            per-token metadata (and, with ``dequant="f16"``, per-channel rows), and the quantized slots' padding
+            per-token metadata (and, with ``dequant="f16"``, per-channel rows; one value per token over an odd
+            slot count too, a growing cache's every other step), and the quantized slots' padding
             mask (``_mask_words_ok``). Two-byte (one-byte) loads
             are too narrow for ``cp.async``, so compiled for sm_90 they stayed synchronous loads inside
             the tile loop; as words they are prefetched with the codes (``benchmarks/kernel_cost.py``).
@@ -1058,7 +1081,7 @@ def decode_attention_triton(
         **dict(zip(("V_BITS", "V_TPS", "V_CPS", "V_SYM", "V_KIND", "V_NOUT"), v_const)),
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": ieee, "Q_SPLIT": q_split,
-        "K_W32": bool(meta32) and _words_ok(k), "V_W32": bool(meta32) and _words_ok(v),
+        "K_W32": _words_ok(k) if meta32 else 0, "V_W32": _words_ok(v) if meta32 else 0,
         "QMASK_W32": bool(meta32) and _mask_words_ok(store.quant_mask, T_q, block_t),
         "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None,
         "num_warps": num_warps, "num_stages": num_stages,

@@ -174,17 +174,18 @@ def _scale_zero(s_ptr, z_ptr, offs, mask, BITS: tl.constexpr, SYM: tl.constexpr)
 def _row_meta(s_ptr, z_ptr, t, valid, BITS: tl.constexpr, SYM: tl.constexpr, W32: tl.constexpr,
               BLOCK_T: tl.constexpr):
     """Scale and additive term ``(s_t, z_t)`` of rows ``t`` (consecutive, ``t[0]`` even), float32, as ``_scale_zero``.
-    ``W32``: float16 values read as int32 words of two tokens (``triton_decode._token_words``), which ``cp.async``
+    ``W32`` (``_words_ok``: 1, or 2 over an odd slot count): float16 values read as int32 words of two tokens
+    (``triton_decode._token_words``), which ``cp.async``
     prefetches with the codes, where 2-byte loads stay synchronous in the tile loop (their latency can overlap
     the key dots, issued before the scales are needed). Compiled for sm_90 the words cost 6-8 more instructions
     per token and 30-70 more registers (BENCHMARKS.md §6, session 38): an option for the device run to time."""
     if not W32:
         return _scale_zero(s_ptr, z_ptr, t, valid, BITS, SYM)
-    s = _token_words(s_ptr, t, valid, BLOCK_T).to(tl.float32)
+    s = _token_words(s_ptr, t, valid, BLOCK_T, W32 == 2).to(tl.float32)
     if SYM:
         z = _sym_zero(s, BITS)
     else:
-        z = _token_words(z_ptr, t, valid, BLOCK_T).to(tl.float32)
+        z = _token_words(z_ptr, t, valid, BLOCK_T, W32 == 2).to(tl.float32)
     return s, z
 
 
@@ -490,7 +491,8 @@ def decode_attention_fold(
     ragged lengths, slot masks, the full-precision tail) for stores ``fold_supported`` accepts
     (``NotImplementedError`` with its reason otherwise). ``block_t``, ``num_warps``, ``num_stages``, ``n_rows``
     (query rows per tile, ``>= G``) default to ``fold_defaults``; ``splits`` / ``target_programs`` as there.
-    ``meta32``: read float16 scales and zero-points as int32 words of two tokens where aligned (``_row_meta``).
+    ``meta32``: read float16 scales and zero-points as int32 words of two tokens (``_row_meta``; over an odd slot
+    count too, ``_words_ok`` 2).
     """
     reason = fold_supported(store, q)
     if reason:
@@ -538,7 +540,7 @@ def decode_attention_fold(
         K_BITS=k.bits, K_SYM=k.zero is None, V_BITS=v.bits, V_SYM=v.zero is None,
         HAS_QMASK=store.quant_mask is not None, HAS_FMASK=store.full_mask is not None,
         QMASK_W32=_mask_words_ok(store.quant_mask, T_q, block_t), ASM=_asm_ok(),
-        K_W32=meta32 and _words_ok(k), V_W32=meta32 and _words_ok(v),
+        K_W32=_words_ok(k) if meta32 else 0, V_W32=_words_ok(v) if meta32 else 0,
         K_TPS=min(k.tps, STATIC_TPS), K_CPS=k.cps, V_CPS=v.cps, K_R=max(1, block_t // k.tps),
         Q_SPLIT=q.dtype == torch.float32,
         num_warps=d["num_warps"] if num_warps is None else num_warps,
