@@ -17,6 +17,9 @@ and KV head, which BENCHMARKS.md §6 sets beside the H200's decode times). Launc
   kernel (``dequant="fold"``, ``kvbits.kernels.triton_fold``) where it reads the store, at the KV
   shapes of Qwen2.5-0.5B, Llama-3-8B and Gemma-2-9B (head dim 256), float16 queries (and bfloat16 /
   float32 ones for kivi-4 and kvquant-4-block);
+- ``cache-odd``: the presets with one scale per token row, after a prefill of an odd number of tokens (a
+  growing cache's every other step, an odd reservation): their scales are read as words across slabs that
+  alternately start in a word's middle (``_words_ok`` 2), default launch and ``dequant="f16"``;
 - ``sweep``: every ``SCHEMES`` variant ``benchmarks/gpu_decode.py`` times (step 3): default, gather, f16 and fold
   launches (its per-token ``TOKEN_SCHEMES`` launch what the ``int4-token``, ``-hadamard``, ``-smooth`` and
   ``-smooth-prerope`` presets launch, which ``cache`` covers; the tied factors of ``-smooth-prerope-tied``
@@ -47,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import checks, common, sweep
 
 from kvbits.kernels.aot import LIMITS, compile_only, hot_loop, instruction_mix, resources
-from kvbits.kernels.triton_decode import f16_ok
+from kvbits.kernels.triton_decode import _words_ok, f16_ok
 from kvbits.kernels.triton_fold import fold_supported
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
@@ -69,8 +72,9 @@ def _shape_config(shape: dict) -> Any:
     )  # fmt: skip
 
 
-def cache_store(scheme_name: str, shape: dict) -> tuple[Any, str | None]:
-    """``(PackedStore, None)`` of one layer after a prefill, or ``(None, why the fused path skips it)``."""
+def cache_store(scheme_name: str, shape: dict, prompt: int = PROMPT) -> tuple[Any, str | None]:
+    """``(PackedStore, None)`` of one layer after a prefill of ``prompt`` tokens, or ``(None, why the fused path
+    skips it)``."""
     from kvbits.cache import QuantizedKVCache
     from kvbits.cache.fused import layout_reason, packed_store
     from kvbits.kernels.triton_decode import supported
@@ -80,7 +84,7 @@ def cache_store(scheme_name: str, shape: dict) -> tuple[Any, str | None]:
     cache = QuantizedKVCache(config=_shape_config(shape), scheme=scheme, fused_decode=True)
     common.install_stand_ins(cache, 1, shape["H_kv"], shape["D"])
     gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(1, shape["H_kv"], PROMPT, shape["D"], generator=gen).half() for _ in range(2))
+    k, v = (torch.randn(1, shape["H_kv"], prompt, shape["D"], generator=gen).half() for _ in range(2))
     cache.update(k, v, 0)
     layer = cache.layers[0]
     reason = layout_reason(layer)
@@ -180,6 +184,17 @@ def collect(arch: str, quick: bool) -> dict:
                 for dtype in (torch.float32,) if quick else (torch.bfloat16, torch.float32):
                     rows += decode_rows("cache", name, shape_name, store, arch, dtype)
     if not quick:
+        # an odd slot count (a growing cache's every other step): one scale per token row is read as words
+        # across slabs that alternately start in a word's middle (_words_ok 2); the default launch and f16
+        for shape_name in shapes:
+            for name in presets:
+                store, _ = cache_store(name, SHAPES[shape_name], PROMPT + 1)
+                if store is None or 2 not in (_words_ok(store.key), _words_ok(store.value)):
+                    continue
+                paths = ({},) + (({"dequant": "f16"},) if any(f16_ok(p, 32, torch.float16)
+                                                              for p in (store.key, store.value)) else ())  # fmt: skip
+                for launch in paths:
+                    rows += decode_rows("cache-odd", name, shape_name, store, arch, **launch)
         gen = torch.Generator().manual_seed(0)
         for shape_name, shp in common.SHAPES.items():
             tables = common.rope_tables(4096, shp["D"], CPU)

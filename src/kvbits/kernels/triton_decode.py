@@ -219,9 +219,9 @@ def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr, ODD: tl.constexpr = Fals
         ok0, ok1 = tl.split(tl.reshape(mask_t, (BLOCK_T // 2, 2)))
         par = ((ptr.to(tl.int64) >> 1) & 1).to(tl.int32)  # 1: the slab starts in a word's high half
         words = (ptr - par).to(tl.pointer_type(tl.int32))
-        a = tl.load(words + first // 2, mask=ok0 | ok1, other=0)
-        b = tl.load(words + first // 2 + 1, mask=ok1 & (par == 1), other=0)
-        w = tl.where(par == 1, ((a >> 16) & 0xFFFF) | (b << 16), a)
+        a = tl.load(words + first // 2, mask=ok0 | ok1, other=0).to(tl.uint32, bitcast=True)
+        b = tl.load(words + first // 2 + 1, mask=ok1 & (par == 1), other=0).to(tl.uint32, bitcast=True)
+        w = ((a >> (16 * par).to(tl.uint32)) | (b << 16)).to(tl.int32, bitcast=True)  # b = 0 where par = 0
     else:
         first = tl.min(tl.reshape(t, (BLOCK_T // 2, 2)), axis=1)
         ok = tl.max(tl.reshape(mask_t.to(tl.int32), (BLOCK_T // 2, 2)), axis=1) > 0
@@ -231,12 +231,16 @@ def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr, ODD: tl.constexpr = Fals
 
 
 @triton.jit
-def _mask_words(ptr, start, ok, BLOCK_T: tl.constexpr):
+def _mask_words(ptr, start, n, BLOCK_T: tl.constexpr):
     """``BLOCK_T`` uint8 slot-mask bytes from ``ptr + start`` (4-byte aligned) as int32 ``(BLOCK_T,)``, read as
-    ``BLOCK_T / 4`` int32 words (``ok``: whether to read at all): one-byte loads stay synchronous in the tile
-    loop (too narrow for ``cp.async``), words are prefetched (``_meta_words``)."""
+    ``BLOCK_T / 4`` int32 words: one-byte loads stay synchronous in the tile loop (too narrow for ``cp.async``),
+    words are prefetched (``_meta_words``). Only the words holding one of the first ``n`` bytes (the tile's slots
+    before the split's end) are read, the rest are 0: the mask's rows are whole words (``_mask_words_ok``), so
+    no word leaves the row. Reading the whole tile read up to ``BLOCK_T - 4`` bytes past the last row's end
+    when the slot count is not a multiple of the tile (``tests/test_bounds.py``)."""
     words = ptr.to(tl.pointer_type(tl.int32))
-    w = tl.load(words + start // 4 + tl.arange(0, BLOCK_T // 4), mask=(tl.arange(0, BLOCK_T // 4) >= 0) & ok, other=0)
+    j = tl.arange(0, BLOCK_T // 4)
+    w = tl.load(words + start // 4 + j, mask=4 * j < n, other=0)
     return tl.reshape(_tree4(w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, (w >> 24) & 0xFF), (BLOCK_T,))
 
 
@@ -629,7 +633,7 @@ def _decode_kernel(
             valid = t < end
             if HAS_QMASK:
                 if QMASK_W32:
-                    valid = valid & (_mask_words(QMASK, b * T_q + t0, t0 < end, BLOCK_T) != 0)
+                    valid = valid & (_mask_words(QMASK, b * T_q + t0, end - t0, BLOCK_T) != 0)
                 else:
                     valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k

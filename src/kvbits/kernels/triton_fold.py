@@ -334,7 +334,7 @@ def _fold_kernel(
             valid = t < end
             if HAS_QMASK:
                 if QMASK_W32:
-                    valid = valid & (_mask_words(QMASK, b * T_q + t0, t0 < end, BLOCK_T) != 0)
+                    valid = valid & (_mask_words(QMASK, b * T_q + t0, end - t0, BLOCK_T) != 0)
                 else:
                     valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
             kb = tl.load(kc + t[:, None] * KW + tl.arange(0, KW)[None, :], mask=valid[:, None], other=0)

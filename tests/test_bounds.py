@@ -1,0 +1,122 @@
+"""No decode kernel reads past the end of a tensor it is given.
+
+A masked lane's value never reaches the output, so output tests can not see an out-of-bounds read; on a GPU
+it reads whatever lies after the tensor, and faults ("illegal memory access") where nothing is mapped. Here
+every tensor of the store is ``fenced`` (``tests/_fence.py``: it ends just before a page no access is allowed
+to) and both kernels run through Triton's interpreter, which reads host memory at the kernel's addresses:
+a read past an end is a segmentation fault. The kernels run in a subprocess (``python tests/test_bounds.py
+CASE``), forced onto the CPU, which prints each launch before it starts, so a fault names the launch.
+
+Found this way (session 41): the padding mask's int32-word reads (``_mask_words``) read whole tiles, up to
+``BLOCK_T - 4`` bytes past the last sequence's row when the slot count is not a multiple of the tile.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# (name, sides and slot count): slot counts that are multiples of 4 (word reads of the padding mask) and of
+# the key groups but not of the 64-token tile, odd ones (one scale per token read as words across slabs);
+# every layout family
+BOUNDS_CASES = {
+    "int8-token-t100": {"key": ("int", 8, "token", None), "value": ("int", 8, "token", None), "T_q": 100},
+    "int8-token-t101": {"key": ("int", 8, "token", None), "value": ("int", 8, "token", None), "T_q": 101},
+    "int2-token-t99": {"key": ("int", 2, "token", None), "value": ("int", 2, "token", None), "T_q": 99},
+    "int4-token-g16-t100": {"key": ("int", 4, "token", 16), "value": ("int", 4, "token", 16), "T_q": 100},
+    "int4-kivi-t160": {"key": ("int", 4, "channel", 32), "value": ("int", 4, "token", 32), "T_q": 160},
+    "int2-channel16-t80": {"key": ("int", 2, "channel", 16), "value": ("int", 2, "token", None), "T_q": 80},
+    "int3-token-t100": {"key": ("int", 3, "token", 32), "value": ("int", 3, "token", None), "T_q": 100},
+    "nuq4-outliers-t160": {"key": ("nuq", 4, "channel", 32), "value": ("nuq", 4, "token", None), "T_q": 160,
+                           "outliers": True},
+    "fp8-token-t100": {"key": ("fp8", 8, "token", None), "value": ("fp8", 8, "token", None), "T_q": 100},
+    "int4-kivi-prerope-t160": {"key": ("int", 4, "channel", 32), "value": ("int", 4, "token", 32), "T_q": 160,
+                               "rope": True},
+    "int8-token-d128-t100": {"key": ("int", 8, "token", None), "value": ("int", 8, "token", None), "T_q": 100,
+                             "D": 128},
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDS_CASES))
+def test_kernels_read_nothing_past_a_tensor(case: str):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{HERE}"}
+    env.pop("KVBITS_KERNEL", None)
+    run = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, env=env, timeout=600,
+                         check=False)  # fmt: skip
+    if "Triton is not importable" in run.stdout:
+        pytest.skip(run.stdout.strip())
+    launches = [line for line in run.stdout.splitlines() if line.startswith("launch ")]
+    assert run.returncode == 0, (
+        f"{case}: exit {run.returncode} (-11: a read past a tensor's end) during {launches[-1] if launches else '?'}\n"
+        f"{run.stderr[-2000:]}"
+    )
+    assert launches and run.stdout.rstrip().endswith("done"), run.stdout
+
+
+def _spec(kind: str, bits: int, gran: str, group: int | None, outliers: bool):
+    from kvbits.schemes import TensorSpec
+
+    fmt = "e4m3" if kind == "fp8" else None
+    return TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=gran, group_size=group,
+                      outlier_frac=0.03 if outliers else 0.0)  # fmt: skip
+
+
+def main(case: str) -> int:
+    """Runs one case's launches on fenced stores; prints ``launch ...`` before each and ``done`` at the end."""
+    import torch
+
+    try:
+        import test_kernels  # enables Triton's interpreter on a CPU-only process
+    except ImportError as exc:
+        print(f"Triton is not importable: {exc}")
+        return 0
+    if test_kernels.triton_decode is None:
+        print(f"Triton is not importable: {test_kernels.TRITON_SKIP}")
+        return 0
+    from _fence import fence_store
+
+    from kvbits.kernels import triton_decode, triton_fold
+    from kvbits.kernels.triton_decode import f16_ok
+
+    c = BOUNDS_CASES[case]
+    outl = bool(c.get("outliers"))
+    ks, vs = _spec(*c["key"], outl), _spec(*c["value"], outl)
+    T_q, D, B, H_kv, G = c["T_q"], c.get("D", 64), 2, 2, 3
+    g = torch.Generator().manual_seed(T_q)
+    block = 4 if ks.granularity == "token" else max(32, ks.group_size or 0)
+    store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
+                                    quant_lens=[T_q // 2 + 1, T_q], full_lens=[5, 13], block=block,
+                                    rope=bool(c.get("rope")))  # fmt: skip
+    store.quant_mask = torch.ones(B, T_q, dtype=torch.bool)
+    store.quant_mask[1, :9] = False  # sequence 1 left-padded
+    store.full_mask = torch.ones(B, 13, dtype=torch.bool)
+    store.full_mask[1, 0] = False  # the last row is the longest: its tiles end at the tensors' ends
+    q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).half()
+    fenced = fence_store(store)
+    want = triton_decode.decode_attention_triton(q, store, block_t=64, splits=2)
+    launches = [("product", {}), ("product gather", {"vectorized": False})]
+    if any(f16_ok(p, 64, torch.float16) for p in (store.key, store.value)):
+        launches.append(("product f16", {"dequant": "f16"}))
+    for name, kw in launches:
+        print(f"launch {name}", flush=True)
+        out = triton_decode.decode_attention_triton(q, fenced, block_t=64, splits=2, **kw)
+        assert torch.isfinite(out).all() and (name != "product" or torch.equal(out, want)), name
+    if triton_fold.fold_supported(store, q) is None:
+        for meta32 in (False, True):
+            print(f"launch fold meta32={meta32}", flush=True)
+            out = triton_fold.decode_attention_fold(q, fenced, splits=2, meta32=meta32)
+            assert torch.isfinite(out).all()
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    raise SystemExit(main(sys.argv[1]))
