@@ -1,10 +1,10 @@
-"""No decode kernel reads past the end of a tensor it is given.
+"""No kernel reads (or writes) past the end of a tensor it is given.
 
 A masked lane's value never reaches the output, so output tests can not see an out-of-bounds read; on a GPU
 it reads whatever lies after the tensor, and faults ("illegal memory access") where nothing is mapped. Here
 every tensor of the store is ``fenced`` (``tests/_fence.py``: it ends just before a page no access is allowed
 to) and both kernels run through Triton's interpreter, which reads host memory at the kernel's addresses:
-a read past an end is a segmentation fault. The kernels run in a subprocess (``python tests/test_bounds.py
+a read past an end is a segmentation fault. The quantize-and-pack kernel also writes into fenced outputs. The kernels run in a subprocess (``python tests/test_bounds.py
 CASE``), forced onto the CPU, which prints each launch before it starts, so a fault names the launch.
 
 Found this way (session 41): the padding mask's int32-word reads (``_mask_words``) read whole tiles, up to
@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,8 +44,21 @@ BOUNDS_CASES = {
                              "D": 128},
 }
 
+# the quantize-and-pack kernel, reading fenced new tokens (B = 2, H_kv = 2, n, D = 64) and writing into fenced
+# outputs: (name, (kind, bits, granularity, group size), n, static ranges)
+QUANTIZE_CASES = {
+    "quantize-int8-token-n37": (("int", 8, "token", None), 37, False),
+    "quantize-int4-token-g32-n37": (("int", 4, "token", 32), 37, False),
+    "quantize-int3-token-n37": (("int", 3, "token", None), 37, False),
+    "quantize-int2-channel-g32-n64": (("int", 2, "channel", 32), 64, False),
+    "quantize-int4-channel-static-n37": (("int", 4, "channel", None), 37, True),
+    "quantize-nuq3-channel-g32-outl-n64": (("nuq", 3, "channel", 32), 64, False),
+    "quantize-fp8-token-n37": (("fp8", 8, "token", None), 37, False),
+}
+CASES = [*BOUNDS_CASES, *QUANTIZE_CASES]
 
-@pytest.mark.parametrize("case", list(BOUNDS_CASES))
+
+@pytest.mark.parametrize("case", CASES)
 def test_kernels_read_nothing_past_a_tensor(case: str):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{HERE}"}
     env.pop("KVBITS_KERNEL", None)
@@ -60,12 +74,56 @@ def test_kernels_read_nothing_past_a_tensor(case: str):
     assert launches and run.stdout.rstrip().endswith("done"), run.stdout
 
 
-def _spec(kind: str, bits: int, gran: str, group: int | None, outliers: bool):
+def _spec(kind: str, bits: int, gran: str, group: int | None, outliers: bool, static: bool = False):
     from kvbits.schemes import TensorSpec
 
     fmt = "e4m3" if kind == "fp8" else None
-    return TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=gran, group_size=group,
+    return TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=gran, group_size=group, static=static,
                       outlier_frac=0.03 if outliers else 0.0)  # fmt: skip
+
+
+class _FencedAllocations:
+    """Stands in for the ``torch`` module of a kernel's host code: what it allocates with ``empty``,
+    ``empty_like`` or ``zeros`` is ``fenced``, so the kernel's stores past an output's end fault too."""
+
+    def __init__(self, torch_module: Any) -> None:
+        self._torch = torch_module
+
+    def __getattr__(self, name: str) -> Any:
+        from _fence import fenced
+
+        real = getattr(self._torch, name)
+        if name in ("empty", "empty_like", "zeros"):
+            return lambda *a, **kw: fenced(real(*a, **kw))
+        return real
+
+
+def quantize_main(case: str) -> int:
+    """One quantize case: fenced input and outputs; the codes must equal the torch reference's."""
+    import torch
+    from _fence import fenced
+
+    from kvbits.kernels import triton_quantize
+    from kvbits.quant import quantize
+
+    (kind, bits, gran, group), n, static = QUANTIZE_CASES[case]
+    spec = _spec(kind, bits, gran, group, outliers="outl" in case, static=static)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 2, n, 64, generator=g).half()
+    kw: dict = {}
+    if static:
+        kw = {"static_scale": torch.full((2, 64), 0.4).half(), "static_zero": torch.full((2, 64), -3.0).half()}
+    if kind == "nuq":
+        u = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+        kw["codebook"] = (u.abs() ** 1.5 * u.sign()).half()
+    assert triton_quantize.supported(x, spec) is None, triton_quantize.supported(x, spec)
+    want = quantize(x, spec, **kw)
+    triton_quantize.torch = _FencedAllocations(torch)
+    print(f"launch {case}", flush=True)
+    got = triton_quantize.quantize_pack_triton(fenced(x), spec, **kw)
+    assert torch.equal(got.data, want.data), case
+    print("done", flush=True)
+    return 0
 
 
 def main(case: str) -> int:
@@ -80,6 +138,8 @@ def main(case: str) -> int:
     if test_kernels.triton_decode is None:
         print(f"Triton is not importable: {test_kernels.TRITON_SKIP}")
         return 0
+    if case in QUANTIZE_CASES:
+        return quantize_main(case)
     from _fence import fence_store
 
     from kvbits.kernels import triton_decode, triton_fold
