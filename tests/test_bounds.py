@@ -4,7 +4,8 @@ A masked lane's value never reaches the output, so output tests can not see an o
 it reads whatever lies after the tensor, and faults ("illegal memory access") where nothing is mapped. Here
 every tensor of the store is ``fenced`` (``tests/_fence.py``: it ends just before a page no access is allowed
 to) and both kernels run through Triton's interpreter, which reads host memory at the kernel's addresses:
-a read past an end is a segmentation fault. The quantize-and-pack kernel also writes into fenced outputs. The kernels run in a subprocess (``python tests/test_bounds.py
+a read past an end is a segmentation fault. What the kernels' host code allocates (split partials, outputs, the
+quantize kernel's codes and scales) is fenced too, so writes past an end fault as well. The kernels run in a subprocess (``python tests/test_bounds.py
 CASE``), forced onto the CPU, which prints each launch before it starts, so a fault names the launch.
 
 Found this way (session 41): the padding mask's int32-word reads (``_mask_words``) read whole tiles, up to
@@ -161,6 +162,8 @@ def main(case: str) -> int:
     q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).half()
     fenced = fence_store(store)
     want = triton_decode.decode_attention_triton(q, store, block_t=64, splits=2)
+    # the partial outputs and the output the host code allocates are fenced too (reads and writes)
+    triton_decode.torch = triton_fold.torch = _FencedAllocations(torch)
     launches = [("product", {}), ("product gather", {"vectorized": False})]
     if any(f16_ok(p, 64, torch.float16) for p in (store.key, store.value)):
         launches.append(("product f16", {"dequant": "f16"}))
