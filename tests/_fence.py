@@ -25,8 +25,14 @@ _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def fenced(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of ``t`` (same shape and dtype) that ends at most 3 bytes before a page no access
-    is allowed to; its first byte is 4-byte aligned."""
+    """A CPU copy of ``t`` (same shape, dtype and strides: a view of padded rows stays one) whose last element
+    ends at most 3 bytes before a page no access is allowed to; its first byte is 4-byte aligned."""
+    if not t.is_contiguous() and t.dim() and all(s >= 0 for s in t.stride()):
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+        flat = fenced(torch.zeros(extent, dtype=t.dtype))
+        out = flat.as_strided(t.shape, t.stride())
+        out.copy_(t)
+        return out
     n = t.numel() * t.element_size()
     page = mmap.PAGESIZE
     pages = -(-max(n, 1) // page) + 1

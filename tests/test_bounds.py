@@ -144,6 +144,7 @@ def main(case: str) -> int:
     from _fence import fence_store
 
     from kvbits.kernels import triton_decode, triton_fold
+    from kvbits.kernels.reference import word_rows
     from kvbits.kernels.triton_decode import f16_ok
 
     c = BOUNDS_CASES[case]
@@ -155,8 +156,9 @@ def main(case: str) -> int:
     store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
                                     quant_lens=[T_q // 2 + 1, T_q], full_lens=[5, 13], block=block,
                                     rope=bool(c.get("rope")))  # fmt: skip
-    store.quant_mask = torch.ones(B, T_q, dtype=torch.bool)
-    store.quant_mask[1, :9] = False  # sequence 1 left-padded
+    mask = torch.ones(B, T_q, dtype=torch.bool)
+    mask[1, :9] = False  # sequence 1 left-padded
+    store.quant_mask = word_rows(mask)  # as pack_store and the cache hold it: rows of whole words
     store.full_mask = torch.ones(B, 13, dtype=torch.bool)
     store.full_mask[1, 0] = False  # the last row is the longest: its tiles end at the tensors' ends
     q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).half()

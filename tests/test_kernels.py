@@ -8,6 +8,7 @@ is at most twice the error of plain torch attention at the kernel's precision.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -33,6 +34,7 @@ from kvbits.kernels.reference import (
     materialize,
     pack_store,
     rope_pairs_tied,
+    word_rows,
 )
 from kvbits.quant import quantize, unpack_bits
 from kvbits.schemes import TensorSpec
@@ -1783,6 +1785,33 @@ def test_word_reads_over_an_odd_slot_count(monkeypatch, T_q: int, D: int, ks: Te
     assert (spy.seen[-1]["K_W32"], spy.seen[-1]["V_W32"]) == (0, 0)
     assert torch.isfinite(words).all()
     assert torch.equal(words, halves)
+
+
+@needs_triton
+@pytest.mark.parametrize("T_q", [97, 98, 99])
+def test_mask_words_at_any_slot_count(monkeypatch, T_q: int):
+    """``pack_store`` (and the cache) hold a slot mask as rows of whole int32 words (``word_rows``), so the
+    kernels read a left-padded batch's mask as words (``QMASK_W32``) at slot counts that are not multiples of
+    4 too, where byte loads used to stay synchronous in the tile loop; the output is the byte reads', bit
+    for bit."""
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    g = torch.Generator().manual_seed(T_q)
+    store = make_store(g, key_spec=spec(8, "token"), value_spec=spec(4, "token", 16), T_q=T_q, block=4,
+                       quant_lens=[T_q // 2, T_q], full_lens=[5, 13])  # fmt: skip
+    mask = torch.ones(2, T_q, dtype=torch.bool)
+    mask[1, :9] = False
+    store = dataclasses.replace(store, quant_mask=word_rows(mask.to(DEVICE)))
+    assert store.quant_mask.stride(0) % 4 == 0 and torch.equal(store.quant_mask.cpu(), mask)
+    q = (torch.randn(2, 6, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    words = triton_decode.decode_attention_triton(q, store, splits=2, block_t=32)
+    assert spy.seen[-1]["QMASK_W32"] and spy.seen[-1]["HAS_QMASK"]
+    plain = dataclasses.replace(store, quant_mask=mask.to(DEVICE))  # contiguous rows of T_q bytes
+    halves = triton_decode.decode_attention_triton(q, plain, splits=2, block_t=32)
+    assert not spy.seen[-1]["QMASK_W32"]
+    assert torch.equal(words, halves)
+    truth = decode_attention_reference(q.double(), plain, dtype=torch.float64)
+    assert max_err(words, truth) <= 2 * max_err(decode_attention_reference(q, plain, dtype=torch.float16), truth) + 1e-6
 
 
 @needs_triton

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbits.kernels import dispatch
-from kvbits.kernels.reference import PACKED_KINDS, PackedStore
+from kvbits.kernels.reference import PACKED_KINDS, PackedStore, word_rows
 from kvbits.schemes.accounting import rope_table_positions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -320,8 +320,8 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
     quant_mask = full_mask = None
     if keep is not None:
         quant_mask, full_mask = slot_masks(layer, keep)
-        if quant_mask is not None and slots > T_q:  # reserved slots: the mask spans them all (never read)
-            quant_mask = torch.nn.functional.pad(quant_mask, (0, slots - T_q), value=False)
+        if quant_mask is not None:  # rows of whole words; reserved slots: the mask spans them all (never read)
+            quant_mask = word_rows(quant_mask, slots)
     return PackedStore(
         key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0, quant_mask, full_mask,
         quant_used=T_q if slots > T_q else None,

@@ -476,7 +476,19 @@ def _mask(
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
         got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"{what} must be a bool tensor of shape {shape}, got {got}")
-    return mask.to(device).contiguous()
+    return word_rows(mask.to(device)) if what == "quant_mask" else mask.to(device).contiguous()
+
+
+def word_rows(mask: torch.Tensor, slots: int | None = None) -> torch.Tensor:
+    """A ``(B, T)`` bool slot mask as the ``(B, slots)`` view (default ``slots = T``; slots past ``T`` are
+    ``False``) of a buffer whose rows are whole int32 words (``round_up(slots, 4)`` bytes, the rest ``False``),
+    so the decode kernels read it as words (``triton_decode._mask_words``) whatever the slot count; a mask
+    of contiguous ``(B, T)`` rows is read a byte at a time unless ``T`` is a multiple of 4."""
+    B, T = mask.shape
+    slots = T if slots is None else slots
+    buf = torch.zeros(B, -(-slots // 4) * 4, dtype=torch.bool, device=mask.device)
+    buf[:, :T] = mask
+    return buf[:, :slots]
 
 
 # --------------------------------------------------------------------------------------------------

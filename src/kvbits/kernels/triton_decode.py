@@ -570,7 +570,7 @@ def _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, c
 # the partials' row: none is specialised, so decode steps whose residual window length (every step) or
 # split count (as a short context grows) changes divisibility by 16 reuse the compiled kernel.
 # fmt: off
-@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split"])
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "QM_ROW"])
 def _decode_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
     KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
@@ -581,7 +581,7 @@ def _decode_kernel(
     KMEAN, KFACTOR,                                # pre-RoPE centred / smoothed keys: float32 (H_kv, D) vectors
     qk_scale, H_kv, T_q, T_f,
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
-    n_split_q, n_split, chunk_q, chunk_f,
+    n_split_q, n_split, chunk_q, chunk_f, QM_ROW,   # QM_ROW: QMASK's row stride (rows of whole words)
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_BITS: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, K_SYM: tl.constexpr,
     K_KIND: tl.constexpr, K_NOUT: tl.constexpr,
@@ -633,9 +633,9 @@ def _decode_kernel(
             valid = t < end
             if HAS_QMASK:
                 if QMASK_W32:
-                    valid = valid & (_mask_words(QMASK, b * T_q + t0, end - t0, BLOCK_T) != 0)
+                    valid = valid & (_mask_words(QMASK, b * QM_ROW + t0, end - t0, BLOCK_T) != 0)
                 else:
-                    valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
+                    valid = valid & (tl.load(QMASK + b * QM_ROW + t, mask=valid, other=0) != 0)
             # keys as a transposed (D, BLOCK_T) tile for q @ k
             if F16_K:  # float16 queries, plain integer codes: dequantized in float16, pair order (no RoPE)
                 kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
@@ -885,10 +885,21 @@ def _words_ok(p: PackedTensor | None) -> int:
     return 2 if all(m.is_contiguous() and m.numel() % 2 == 0 for m in metas) else 0
 
 
-def _mask_words_ok(mask: torch.Tensor | None, T: int, block_t: int) -> bool:
-    """Whether a ``(B, T)`` slot mask can be read as int32 words (``_mask_words``): rows of whole words,
-    4-byte aligned (tiles start at multiples of ``block_t``)."""
-    return mask is not None and T % 4 == 0 and block_t % 4 == 0 and mask.data_ptr() % 4 == 0
+def _slot_mask(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A ``(B, T)`` bool slot mask as the uint8 tensor the kernels read (rows of contiguous bytes, any row
+    stride: ``QM_ROW``), or ``dummy`` without one."""
+    if mask is None:
+        return dummy
+    return (mask if mask.stride(1) == 1 else mask.contiguous()).view(torch.uint8)
+
+
+def _mask_words_ok(mask: torch.Tensor | None, block_t: int) -> bool:
+    """Whether a ``(B, T)`` slot mask can be read as int32 words (``_mask_words``): rows of whole words, 4-byte
+    aligned (``reference.word_rows`` makes them so at any ``T``; tiles start at multiples of ``block_t``)."""
+    return (
+        mask is not None and mask.stride(1) == 1 and mask.stride(0) % 4 == 0 and block_t % 4 == 0
+        and mask.data_ptr() % 4 == 0
+    )  # fmt: skip
 
 
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
@@ -1063,7 +1074,7 @@ def decode_attention_triton(
     k_factor = k.channel_factor if rope and k is not None else None
     kmean = k_mean.reshape(H_kv, D).float().contiguous() if k_mean is not None else dummy
     kfactor = k_factor.reshape(H_kv, D).float().contiguous() if k_factor is not None else dummy
-    qmask = store.quant_mask.view(torch.uint8) if store.quant_mask is not None else dummy
+    qmask = _slot_mask(store.quant_mask, dummy)
     fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
 
     # fmt: off
@@ -1077,7 +1088,7 @@ def decode_attention_triton(
         kmean, kfactor,
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
-        n_q, n_split, chunk_q, chunk_f,
+        n_q, n_split, chunk_q, chunk_f, qmask.stride(0) if store.quant_mask is not None else 0,
     )
     meta = {
         "G": G, "G_PAD": max(16, _pow2(G)), "D": D, "BLOCK_T": block_t,
@@ -1086,7 +1097,7 @@ def decode_attention_triton(
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": ieee, "Q_SPLIT": q_split,
         "K_W32": _words_ok(k) if meta32 else 0, "V_W32": _words_ok(v) if meta32 else 0,
-        "QMASK_W32": bool(meta32) and _mask_words_ok(store.quant_mask, T_q, block_t),
+        "QMASK_W32": bool(meta32) and _mask_words_ok(qmask if store.quant_mask is not None else None, block_t),
         "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None,
         "num_warps": num_warps, "num_stages": num_stages,
     }

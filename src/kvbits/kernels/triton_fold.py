@@ -71,6 +71,7 @@ from kvbits.kernels.triton_decode import (
     _pow2,
     _query_halves,
     _reduce_kernel,
+    _slot_mask,
     _tail_loop,
     _token_words,
     _words_ok,
@@ -254,11 +255,11 @@ def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.cons
         return tl.reshape(tl.dot(c3, lo, tl.dot(c3, hi)) + bias[:, None, :], (BLOCK_T, N))
 
 
-@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "K_SROWS"])
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "K_SROWS", "QM_ROW"])
 def _fold_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,
     KC, KS, KZ, VC, VS, VZ, QLEN, KF, VF, FLEN, QMASK, FMASK,
-    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f, K_SROWS,
+    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f, K_SROWS, QM_ROW,
     G: tl.constexpr, N: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, V_BITS: tl.constexpr, V_SYM: tl.constexpr,
@@ -334,9 +335,9 @@ def _fold_kernel(
             valid = t < end
             if HAS_QMASK:
                 if QMASK_W32:
-                    valid = valid & (_mask_words(QMASK, b * T_q + t0, end - t0, BLOCK_T) != 0)
+                    valid = valid & (_mask_words(QMASK, b * QM_ROW + t0, end - t0, BLOCK_T) != 0)
                 else:
-                    valid = valid & (tl.load(QMASK + b * T_q + t, mask=valid, other=0) != 0)
+                    valid = valid & (tl.load(QMASK + b * QM_ROW + t, mask=valid, other=0) != 0)
             kb = tl.load(kc + t[:, None] * KW + tl.arange(0, KW)[None, :], mask=valid[:, None], other=0)
             if K_CPS == D:  # one scale per row: s_t (q . c_t) + z_t sum(q)
                 s = _scores_part(kb, q0, q0l, 0, K_BITS, ASM, Q_SPLIT)
@@ -527,7 +528,7 @@ def decode_attention_fold(
     dummy = torch.empty(1, device=dev, dtype=torch.uint8)
     kf = store.key_full if store.key_full is not None else dummy
     vf = store.value_full if store.value_full is not None else dummy
-    qmask = store.quant_mask.view(torch.uint8) if store.quant_mask is not None else dummy
+    qmask = _slot_mask(store.quant_mask, dummy)
     fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     _fold_kernel[(B * H_kv, n_split)](
@@ -536,10 +537,11 @@ def decode_attention_fold(
         v.codes, v.scale, v.zero if v.zero is not None else v.scale,
         store.quant_lens, kf, vf, store.full_lens, qmask, fmask,
         scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f, k.scale.shape[2],
+        qmask.stride(0) if store.quant_mask is not None else 0,
         G=G, N=n_rows, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t, BLOCK_F=block_f,
         K_BITS=k.bits, K_SYM=k.zero is None, V_BITS=v.bits, V_SYM=v.zero is None,
         HAS_QMASK=store.quant_mask is not None, HAS_FMASK=store.full_mask is not None,
-        QMASK_W32=_mask_words_ok(store.quant_mask, T_q, block_t), ASM=_asm_ok(),
+        QMASK_W32=_mask_words_ok(qmask if store.quant_mask is not None else None, block_t), ASM=_asm_ok(),
         K_W32=_words_ok(k) if meta32 else 0, V_W32=_words_ok(v) if meta32 else 0,
         K_TPS=min(k.tps, STATIC_TPS), K_CPS=k.cps, V_CPS=v.cps, K_R=max(1, block_t // k.tps),
         Q_SPLIT=q.dtype == torch.float32,
