@@ -53,7 +53,8 @@ Ragged batches: sequence ``b`` owns quantized slots ``[0, quant_lens[b])`` and t
 ``[0, full_lens[b])`` (``(B,)`` int32 each); the slots after them are padding, never read. Masks,
 optional: ``quant_mask`` ``(B, T_q)`` and ``full_mask`` ``(B, T_f)`` bool, ``False`` for slots the
 sequence must not attend to although they are within its length (left padding of a batch, whose pad
-tokens the cache stores like any other). Softmax
+tokens the cache stores like any other; ``quant_mask`` is held as the view of rows padded to whole int32 words,
+``word_rows``, which the kernels read as words). Softmax
 attention does not depend on the order of the tokens, so the kernels visit quantized tokens then tail
 tokens, although in the cache the sinks come first; only RoPE needs true positions (``quant_pos0``).
 """
@@ -194,7 +195,8 @@ class PackedStore:
         quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count;
             negative for a left-padded row (its pad slots, masked, sit before position 0).
         quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots a sequence must not
-            attend to (left padding), or ``None`` (every slot within the lengths).
+            attend to (left padding), or ``None`` (every slot within the lengths). ``quant_mask``'s rows may be
+            padded to whole words (``word_rows``: a view with a row stride that is a multiple of 4).
         quant_used: ``max(quant_lens)`` when the host knows it and it is below ``T_q`` (a cache's reserved
             slots: ``QuantizedKVCache(max_cache_len=...)``), else ``None``. The kernels split only those
             slots and the reference reads only those; the lengths still decide what each sequence attends.
