@@ -211,7 +211,8 @@ def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr, ODD: tl.constexpr = Fals
     ``ODD``: the slabs hold an odd number of slots (a growing cache every other step, an odd reservation), so
     every other ``(sequence, head)`` slab ``ptr`` starts in the high half of a word. Such a slab's pair
     ``(t, t + 1)`` is the high half of word ``t / 2`` and the low half of the next (counted from ``ptr - 1``),
-    joined with one shift each; slabs that start on a word read one word per pair, as without ``ODD``. The
+    joined by shifts; slabs that start on a word read one word per pair (the second load is off), as without
+    ``ODD``. The
     tensor must start on a word and hold an even number of values (``_words_ok``), so no word leaves it.
     """
     if ODD:
