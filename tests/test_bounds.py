@@ -43,6 +43,8 @@ BOUNDS_CASES = {
                                "rope": True},
     "int8-token-d128-t100": {"key": ("int", 8, "token", None), "value": ("int", 8, "token", None), "T_q": 100,
                              "D": 128},
+    "int4-token-reserved-101-of-131": {"key": ("int", 4, "token", None), "value": ("int", 4, "token", None),
+                                       "T_q": 131, "used": 101},
 }
 
 # the quantize-and-pack kernel, reading fenced new tokens (B = 2, H_kv = 2, n, D = 64) and writing into fenced
@@ -153,9 +155,12 @@ def main(case: str) -> int:
     T_q, D, B, H_kv, G = c["T_q"], c.get("D", 64), 2, 2, 3
     g = torch.Generator().manual_seed(T_q)
     block = 4 if ks.granularity == "token" else max(32, ks.group_size or 0)
+    used = c.get("used", T_q)  # a reservation: T_q slots, the first `used` written (the rest never read)
     store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
-                                    quant_lens=[T_q // 2 + 1, T_q], full_lens=[5, 13], block=block,
+                                    quant_lens=[used // 2 + 1, used], full_lens=[5, 13], block=block,
                                     rope=bool(c.get("rope")))  # fmt: skip
+    if used < T_q:
+        store.quant_used = used
     mask = torch.ones(B, T_q, dtype=torch.bool)
     mask[1, :9] = False  # sequence 1 left-padded
     store.quant_mask = word_rows(mask)  # as pack_store and the cache hold it: rows of whole words
