@@ -276,10 +276,11 @@ def slot_masks(
 
     Cache position ``i`` is sink ``i`` (``i < n_sinks``), quantized slot ``i - n_sinks`` or buffer slot
     ``i - n_sinks - T_q``; the tail is sinks then buffer (``packed_store``). Device ops only (no sync).
+    ``quant_mask`` is a view of ``keep`` (``packed_store`` copies it into rows of whole words).
     """
     k = layer._k
     S, T_q = k.n_sinks, k.n_quantized
-    quant = keep[:, S : S + T_q].contiguous() if T_q else None
+    quant = keep[:, S : S + T_q] if T_q else None
     full = torch.cat([keep[:, :S], keep[:, S + T_q :]], dim=1) if keep.shape[1] > T_q else None
     return quant, full
 
