@@ -466,7 +466,9 @@ def pack_store(
     elif quant_pos0 is not None:
         raise ValueError("quant_pos0 is only meaningful with rope tables (pre-RoPE keys)")
     qm = _mask(quant_mask, (B, T_q), device, "quant_mask")
+    qm = word_rows(qm) if qm is not None else None
     fm = _mask(full_mask, (B, T_f), device, "full_mask")
+    fm = fm.contiguous() if fm is not None else None
     return PackedStore(key, value, key_full, value_full, ql, fl, rope_cos, rope_sin, pos0, qm, fm)
 
 
@@ -478,7 +480,7 @@ def _mask(
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
         got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"{what} must be a bool tensor of shape {shape}, got {got}")
-    return word_rows(mask.to(device)) if what == "quant_mask" else mask.to(device).contiguous()
+    return mask.to(device)
 
 
 def word_rows(mask: torch.Tensor, slots: int | None = None) -> torch.Tensor:

@@ -212,8 +212,8 @@ def _token_words(ptr, t, mask_t, BLOCK_T: tl.constexpr, ODD: tl.constexpr = Fals
     every other ``(sequence, head)`` slab ``ptr`` starts in the high half of a word. Such a slab's pair
     ``(t, t + 1)`` is the high half of word ``t / 2`` and the low half of the next (counted from ``ptr - 1``),
     joined by shifts; slabs that start on a word read one word per pair (the second load is off), as without
-    ``ODD``. The
-    tensor must start on a word and hold an even number of values (``_words_ok``), so no word leaves it.
+    ``ODD``. The tensor must start on a word and hold an even number of values (``_words_ok``), so no word
+    leaves it.
     """
     if ODD:
         first, _ = tl.split(tl.reshape(t, (BLOCK_T // 2, 2)))
@@ -236,7 +236,7 @@ def _mask_words(ptr, start, n, BLOCK_T: tl.constexpr):
     """``BLOCK_T`` uint8 slot-mask bytes from ``ptr + start`` (4-byte aligned) as int32 ``(BLOCK_T,)``, read as
     ``BLOCK_T / 4`` int32 words: one-byte loads stay synchronous in the tile loop (too narrow for ``cp.async``),
     words are prefetched (``_meta_words``). Only the words holding one of the first ``n`` bytes (the tile's slots
-    before the split's end) are read, the rest are 0: the mask's rows are whole words (``_mask_words_ok``), so
+    before the split's end) are read, the rest are 0: the mask's rows are whole words (``_slot_mask``), so
     no word leaves the row. Reading the whole tile read up to ``BLOCK_T - 4`` bytes past the last row's end
     when the slot count is not a multiple of the tile (``tests/test_bounds.py``)."""
     words = ptr.to(tl.pointer_type(tl.int32))
@@ -886,21 +886,15 @@ def _words_ok(p: PackedTensor | None) -> int:
     return 2 if all(m.is_contiguous() and m.numel() % 2 == 0 for m in metas) else 0
 
 
-def _slot_mask(mask: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
-    """A ``(B, T)`` bool slot mask as the uint8 tensor the kernels read (rows of contiguous bytes, any row
-    stride: ``QM_ROW``), or ``dummy`` without one."""
+def _slot_mask(mask: torch.Tensor | None, dummy: torch.Tensor, block_t: int) -> tuple[torch.Tensor, int, bool]:
+    """A ``(B, T)`` bool slot mask as the kernels take it: the uint8 tensor (rows of contiguous bytes), its row
+    stride (``QM_ROW``) and whether its rows can be read as int32 words (``_mask_words``: whole words, 4-byte
+    aligned, as ``reference.word_rows`` holds them at any ``T``; tiles start at multiples of ``block_t``);
+    ``(dummy, 0, False)`` without a mask."""
     if mask is None:
-        return dummy
-    return (mask if mask.stride(1) == 1 else mask.contiguous()).view(torch.uint8)
-
-
-def _mask_words_ok(mask: torch.Tensor | None, block_t: int) -> bool:
-    """Whether a ``(B, T)`` slot mask can be read as int32 words (``_mask_words``): rows of whole words, 4-byte
-    aligned (``reference.word_rows`` makes them so at any ``T``; tiles start at multiples of ``block_t``)."""
-    return (
-        mask is not None and mask.stride(1) == 1 and mask.stride(0) % 4 == 0 and block_t % 4 == 0
-        and mask.data_ptr() % 4 == 0
-    )  # fmt: skip
+        return dummy, 0, False
+    m = (mask if mask.stride(1) == 1 else mask.contiguous()).view(torch.uint8)
+    return m, m.stride(0), m.stride(0) % 4 == 0 and block_t % 4 == 0 and m.data_ptr() % 4 == 0
 
 
 def _chunk(T: int, splits: int, block_t: int) -> tuple[int, int]:
@@ -964,7 +958,7 @@ def decode_attention_triton(
         meta32: read float16 scales and zero-points as int32 words where a side allows it (``_words_ok``):
             per-token metadata (and, with ``dequant="f16"``, per-channel rows; one value per token over an odd
             slot count too, a growing cache's every other step), and the quantized slots' padding
-            mask (``_mask_words_ok``). Two-byte (one-byte) loads
+            mask (``_slot_mask``). Two-byte (one-byte) loads
             are too narrow for ``cp.async``, so compiled for sm_90 they stayed synchronous loads inside
             the tile loop; as words they are prefetched with the codes (``benchmarks/kernel_cost.py``).
             Same values either way; ``False`` restores the 2-byte loads (the code session 9's H200 ran).
@@ -1075,7 +1069,7 @@ def decode_attention_triton(
     k_factor = k.channel_factor if rope and k is not None else None
     kmean = k_mean.reshape(H_kv, D).float().contiguous() if k_mean is not None else dummy
     kfactor = k_factor.reshape(H_kv, D).float().contiguous() if k_factor is not None else dummy
-    qmask = _slot_mask(store.quant_mask, dummy)
+    qmask, qm_row, qmask_words = _slot_mask(store.quant_mask, dummy, block_t)
     fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
 
     # fmt: off
@@ -1089,7 +1083,7 @@ def decode_attention_triton(
         kmean, kfactor,
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
-        n_q, n_split, chunk_q, chunk_f, qmask.stride(0) if store.quant_mask is not None else 0,
+        n_q, n_split, chunk_q, chunk_f, qm_row,
     )
     meta = {
         "G": G, "G_PAD": max(16, _pow2(G)), "D": D, "BLOCK_T": block_t,
@@ -1098,7 +1092,7 @@ def decode_attention_triton(
         "HAS_QMASK": store.quant_mask is not None, "HAS_FMASK": store.full_mask is not None,
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": ieee, "Q_SPLIT": q_split,
         "K_W32": _words_ok(k) if meta32 else 0, "V_W32": _words_ok(v) if meta32 else 0,
-        "QMASK_W32": bool(meta32) and _mask_words_ok(qmask if store.quant_mask is not None else None, block_t),
+        "QMASK_W32": bool(meta32) and qmask_words,
         "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None,
         "num_warps": num_warps, "num_stages": num_stages,
     }

@@ -66,7 +66,6 @@ from kvbits.kernels.triton_decode import (
     _chunk,
     _halves,
     _mask_words,
-    _mask_words_ok,
     _num_splits,
     _pow2,
     _query_halves,
@@ -528,7 +527,7 @@ def decode_attention_fold(
     dummy = torch.empty(1, device=dev, dtype=torch.uint8)
     kf = store.key_full if store.key_full is not None else dummy
     vf = store.value_full if store.value_full is not None else dummy
-    qmask = _slot_mask(store.quant_mask, dummy)
+    qmask, qm_row, qmask_words = _slot_mask(store.quant_mask, dummy, block_t)
     fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     _fold_kernel[(B * H_kv, n_split)](
@@ -536,12 +535,11 @@ def decode_attention_fold(
         k.codes, k.scale, k.zero if k.zero is not None else k.scale,
         v.codes, v.scale, v.zero if v.zero is not None else v.scale,
         store.quant_lens, kf, vf, store.full_lens, qmask, fmask,
-        scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f, k.scale.shape[2],
-        qmask.stride(0) if store.quant_mask is not None else 0,
+        scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f, k.scale.shape[2], qm_row,
         G=G, N=n_rows, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t, BLOCK_F=block_f,
         K_BITS=k.bits, K_SYM=k.zero is None, V_BITS=v.bits, V_SYM=v.zero is None,
         HAS_QMASK=store.quant_mask is not None, HAS_FMASK=store.full_mask is not None,
-        QMASK_W32=_mask_words_ok(qmask if store.quant_mask is not None else None, block_t), ASM=_asm_ok(),
+        QMASK_W32=qmask_words, ASM=_asm_ok(),
         K_W32=_words_ok(k) if meta32 else 0, V_W32=_words_ok(v) if meta32 else 0,
         K_TPS=min(k.tps, STATIC_TPS), K_CPS=k.cps, V_CPS=v.cps, K_R=max(1, block_t // k.tps),
         Q_SPLIT=q.dtype == torch.float32,
