@@ -5,8 +5,14 @@ it reads whatever lies after the tensor, and faults ("illegal memory access") wh
 every tensor of the store is ``fenced`` (``tests/_fence.py``: it ends just before a page no access is allowed
 to) and both kernels run through Triton's interpreter, which reads host memory at the kernel's addresses:
 a read past an end is a segmentation fault. What the kernels' host code allocates (split partials, outputs, the
-quantize kernel's codes and scales) is fenced too, so writes past an end fault as well. The kernels run in a subprocess (``python tests/test_bounds.py
-CASE``), forced onto the CPU, which prints each launch before it starts, so a fault names the launch.
+quantize kernel's codes and scales) is fenced too, so writes past an end fault as well. The kernels run in a
+subprocess (``python tests/test_bounds.py CASE``), forced onto the CPU, which prints each launch before it
+starts, so a fault names the launch.
+
+Each decode layout runs the product kernel at tiles of 32, 64 and 128 tokens (the device run's step 3b) over
+splits that end mid-tile or hold no tile, its gather and f16 paths, and the folded kernel at 64-, 128- and
+256-token tiles, with scales read as words and as 2-byte values; rotated and smoothed stores have the query and
+tails ``code_basis`` moves into the codes' basis fenced as well.
 
 Found this way (session 41): the padding mask's int32-word reads (``_mask_words``) read whole tiles, up to
 ``BLOCK_T - 4`` bytes past the last sequence's row when the slot count is not a multiple of the tile.
@@ -17,6 +23,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +54,23 @@ BOUNDS_CASES = {
                              "D": 128},
     "int4-token-reserved-101-of-131": {"key": ("int", 4, "token", None), "value": ("int", 4, "token", None),
                                        "T_q": 131, "used": 101},
+    # rotated sides (the query split into two float16 halves, the tails rotated in, the output rotated out), keys
+    # centred and smoothed per channel, and both: the launches of the *-hadamard and *-smooth presets
+    "int4-token-hadamard-t101": {"key": ("int", 4, "token", None), "value": ("int", 4, "token", None),
+                                 "T_q": 101, "rotate": True},
+    "int4-token-smooth-t99": {"key": ("int", 4, "token", None), "value": ("int", 4, "token", None), "T_q": 99,
+                              "smooth": True},
+    "int8-token-smooth-hadamard-g1-t100": {"key": ("int", 8, "token", None), "value": ("int", 8, "token", None),
+                                           "T_q": 100, "smooth": True, "rotate": True, "G": 1},
+    # bfloat16 queries (the product kernel only), eight query heads per KV head
+    "int4-kivi-bf16-g8-t96": {"key": ("int", 4, "channel", 32), "value": ("int", 4, "token", 32), "T_q": 96,
+                              "G": 8, "dtype": "bfloat16"},
 }
+
+# (block_t, splits) of each kernel: tiles of every size the device run's step 3b launches (32-128; the folded
+# kernel's 64-256), a split count that leaves splits without a whole tile and one that leaves some empty
+PRODUCT_LAUNCHES = ((64, 2), (32, 3), (128, 8))
+FOLD_LAUNCHES = ((None, 2), (64, 3), (256, 1))
 
 # the quantize-and-pack kernel, reading fenced new tokens (B = 2, H_kv = 2, n, D = 64) and writing into fenced
 # outputs: (name, (kind, bits, granularity, group size), n, static ranges)
@@ -101,6 +126,49 @@ class _FencedAllocations:
         return real
 
 
+@contextmanager
+def _fenced_allocations(*modules: Any) -> Iterator[None]:
+    """Within it, what the host code of ``modules`` allocates is fenced (``_FencedAllocations``), and so is what
+    their ``code_basis`` returns (a rotated / smoothed store's ``q'`` and its tails moved into the codes' basis)."""
+    import torch
+    from _fence import fence_store, fenced
+
+    def basis(*args: Any, **kwargs: Any) -> Any:
+        q, store, out_rotate = code_basis(*args, **kwargs)
+        return fenced(q), fence_store(store), out_rotate
+
+    code_basis = modules[0].code_basis
+    for m in modules:
+        m.torch, m.code_basis = _FencedAllocations(torch), basis
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.torch, m.code_basis = torch, code_basis
+
+
+def _transformed_store(g: Any, ks: Any, vs: Any, *, B: int, H_kv: int, D: int, T_q: int, quant_lens: list[int]):
+    """A store of per-token sides whose keys are rotated and / or centred and smoothed per channel (channel
+    vectors from all keys, ``test_kernels.channel_kwargs``), values rotated or not; blocks of 4 tokens and a
+    13-slot float16 tail as ``test_kernels.make_store`` builds them."""
+    import test_kernels
+    import torch
+
+    from kvbits.kernels.reference import pack_store
+    from kvbits.quant import quantize
+
+    k = torch.randn(B, H_kv, T_q, D, generator=g)
+    k[..., : D // 8] *= 6
+    k[..., D // 8 : D // 4] += 5  # an offset channel band, for the centred keys
+    v = torch.randn(B, H_kv, T_q, D, generator=g)
+    kw = test_kernels.channel_kwargs(ks, k)
+    kb = [quantize(k[:, :, a : a + 4], ks, **kw) for a in range(0, T_q, 4)]
+    vb = [quantize(v[:, :, a : a + 4], vs) for a in range(0, T_q, 4)]
+    kf = (torch.randn(B, H_kv, 13, D, generator=g) * 2).half()
+    vf = torch.randn(B, H_kv, 13, D, generator=g).half()
+    return pack_store(kb, vb, kf, vf, quant_lens=quant_lens, full_lens=[5, 13])
+
+
 def quantize_main(case: str) -> int:
     """One quantize case: fenced input and outputs; the codes must equal the torch reference's."""
     import torch
@@ -144,6 +212,7 @@ def main(case: str) -> int:
     if case in QUANTIZE_CASES:
         return quantize_main(case)
     from _fence import fence_store
+    from _fence import fenced as fenced_tensor
 
     from kvbits.kernels import triton_decode, triton_fold
     from kvbits.kernels.reference import word_rows
@@ -152,13 +221,19 @@ def main(case: str) -> int:
     c = BOUNDS_CASES[case]
     outl = bool(c.get("outliers"))
     ks, vs = _spec(*c["key"], outl), _spec(*c["value"], outl)
-    T_q, D, B, H_kv, G = c["T_q"], c.get("D", 64), 2, 2, 3
+    T_q, D, B, H_kv, G = c["T_q"], c.get("D", 64), 2, 2, c.get("G", 3)
     g = torch.Generator().manual_seed(T_q)
     block = 4 if ks.granularity == "token" else max(32, ks.group_size or 0)
     used = c.get("used", T_q)  # a reservation: T_q slots, the first `used` written (the rest never read)
-    store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
-                                    quant_lens=[used // 2 + 1, used], full_lens=[5, 13], block=block,
-                                    rope=bool(c.get("rope")))  # fmt: skip
+    if c.get("rotate") or c.get("smooth"):
+        rot = "hadamard" if c.get("rotate") else None
+        ks = replace(ks, rotate=rot, centre=bool(c.get("smooth")), smooth=0.5 if c.get("smooth") else None)
+        store = _transformed_store(g, ks, replace(vs, rotate=rot), B=B, H_kv=H_kv, D=D, T_q=T_q,
+                                   quant_lens=[used // 2 + 1, used])  # fmt: skip
+    else:
+        store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
+                                        quant_lens=[used // 2 + 1, used], full_lens=[5, 13], block=block,
+                                        rope=bool(c.get("rope")))  # fmt: skip
     if used < T_q:
         store.quant_used = used
     mask = torch.ones(B, T_q, dtype=torch.bool)
@@ -166,23 +241,29 @@ def main(case: str) -> int:
     store.quant_mask = word_rows(mask)  # as pack_store and the cache hold it: rows of whole words
     store.full_mask = torch.ones(B, 13, dtype=torch.bool)
     store.full_mask[1, 0] = False  # the last row is the longest: its tiles end at the tensors' ends
-    q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).half()
-    fenced = fence_store(store)
-    want = triton_decode.decode_attention_triton(q, store, block_t=64, splits=2)
-    # the partial outputs and the output the host code allocates are fenced too (reads and writes)
-    triton_decode.torch = triton_fold.torch = _FencedAllocations(torch)
-    launches = [("product", {}), ("product gather", {"vectorized": False})]
-    if any(f16_ok(p, 64, torch.float16) for p in (store.key, store.value)):
-        launches.append(("product f16", {"dequant": "f16"}))
+    dtype = getattr(torch, c.get("dtype", "float16"))
+    q = (torch.randn(B, H_kv * G, 1, D, generator=g) * 1.5).to(dtype)
+    fenced, fq = fence_store(store), fenced_tensor(q)
+    # the partial outputs and the output the host code allocates are fenced too (reads and writes); the first
+    # launch of each kernel also runs on the unfenced store: the fenced one's output must be its, bit for bit
+    launches = [(f"product block_t={t} splits={n}", {"block_t": t, "splits": n}) for t, n in PRODUCT_LAUNCHES]
+    launches.append(("product gather", {"block_t": 64, "splits": 2, "vectorized": False}))
+    if dtype == torch.float16 and any(f16_ok(p, 64, dtype) for p in (store.key, store.value)):
+        launches.append(("product f16", {"block_t": 64, "splits": 2, "dequant": "f16"}))
+    want = triton_decode.decode_attention_triton(q, store, **launches[0][1])
     for name, kw in launches:
-        print(f"launch {name}", flush=True)
-        out = triton_decode.decode_attention_triton(q, fenced, block_t=64, splits=2, **kw)
-        assert torch.isfinite(out).all() and (name != "product" or torch.equal(out, want)), name
+        with _fenced_allocations(triton_decode):
+            print(f"launch {name}", flush=True)
+            out = triton_decode.decode_attention_triton(fq, fenced, **kw)
+        assert torch.isfinite(out).all() and (kw != launches[0][1] or torch.equal(out, want)), name
     if triton_fold.fold_supported(store, q) is None:
-        for meta32 in (False, True):
-            print(f"launch fold meta32={meta32}", flush=True)
-            out = triton_fold.decode_attention_fold(q, fenced, splits=2, meta32=meta32)
-            assert torch.isfinite(out).all()
+        want = triton_fold.decode_attention_fold(q, store, splits=FOLD_LAUNCHES[0][1])
+        for (t, n), meta32 in [*((launch, False) for launch in FOLD_LAUNCHES), (FOLD_LAUNCHES[0], True)]:
+            with _fenced_allocations(triton_decode, triton_fold):
+                print(f"launch fold block_t={t} splits={n} meta32={meta32}", flush=True)
+                out = triton_fold.decode_attention_fold(fq, fenced, block_t=t, splits=n, meta32=meta32)
+            first = (t, n, meta32) == (*FOLD_LAUNCHES[0], False)
+            assert torch.isfinite(out).all() and (not first or torch.equal(out, want)), (t, n, meta32)
     print("done", flush=True)
     return 0
 
