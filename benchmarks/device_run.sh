@@ -20,15 +20,25 @@
 # With .whl/ carried (benchmarks/device_wheels.sh), its wheels are installed first (optimum-quanto, step 6's peer).
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
 # pytest is importable there, else cuda_tests.log says so.
+#
+# DEVICE_RUN_DRY=1 runs the same steps on this CPU in under a minute, to check the plumbing before device time is
+# spent on it (tests/test_device_run.py): gpu_decode.py --smoke --device cpu, the failure map's --smoke on Triton's
+# interpreter, and the CUDA tests' selection collected (pytest --collect-only), not run; wheels go under $OUT/site.
 set -u
 OUT=${OUT:-benchmarks/results}
 # the GPU image's interpreter with torch is python3 (/opt/torch/.venv, Python 3.12); "python" may not exist
 PY=${PYTHON:-$(command -v python3 || command -v python)}
+DRY=${DEVICE_RUN_DRY:-0}
+if [ "$DRY" = 1 ]; then
+    DECODE_DEFAULT="--smoke --device cpu" MAP_ARGS="--device cpu --smoke" TEST_ARGS="--collect-only" SITE="$OUT/site"
+else
+    DECODE_DEFAULT="--e2e no --budget-s 300 --prewarm-s 90" MAP_ARGS="--budget-s 80" TEST_ARGS="" SITE=/tmp/site
+fi
 mkdir -p "$OUT"
 export PYTHONPATH=src
 if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (benchmarks/device_wheels.sh): step 6's quanto peer
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=src:/tmp/site
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        && export PYTHONPATH="src:$SITE"
 fi
 {
     echo "commit: ${1:-unknown}"
@@ -41,11 +51,11 @@ fi
 cat "$OUT/device.txt"
 
 timeout 330 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" \
-    ${GPU_DECODE_ARGS:---e2e no --budget-s 300 --prewarm-s 90} 2>&1 | tee "$OUT/gpu_decode.log"
+    ${GPU_DECODE_ARGS:-$DECODE_DEFAULT} 2>&1 | tee "$OUT/gpu_decode.log"
 echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 
 # session 37's f16 (head dim 16) and meta32 (case2) failures, variant by variant (its tier 1 first; needs tests/)
-PYTHONPATH=src:tests timeout 110 "$PY" benchmarks/kernel_failure_map.py --out "$OUT/failure_map.json" --budget-s 80 \
+PYTHONPATH=src:tests timeout 110 "$PY" benchmarks/kernel_failure_map.py --out "$OUT/failure_map.json" $MAP_ARGS \
     > "$OUT/failure_map.log" 2>&1
 echo "failure map exit: $?; $(tail -1 "$OUT/failure_map.log" | cut -c1-300)"
 
@@ -56,7 +66,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     # (meta32) against the 2-byte reads, bit for bit
     # (tests/test_fold.py: the folded-scale kernel, its inline PTX compiled, on CUDA tensors; not its real-model
     # check, which needs a model wheel the machine cannot fetch)
-    timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not realmodel" tests/test_cache.py tests/test_evaluate.py tests/test_quant.py \
+    timeout 150 "$PY" -m pytest -q -p no:cacheprovider $TEST_ARGS -m "not realmodel" tests/test_cache.py tests/test_evaluate.py tests/test_quant.py \
         tests/test_kernels.py tests/test_fold.py -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda \
         or exact_quotient or f16_dequant_rounds_once or decode_f16_dequant or within_twice or bf16_queries or meta32 \
         or fold" 2>&1 | tee "$OUT/cuda_tests.log"

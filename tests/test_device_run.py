@@ -1,0 +1,71 @@
+"""The prepared device run (``benchmarks/device_run.sh``) works here before any device time is spent on it.
+
+A session is lent a GPU by chance, for 15 minutes, and the run is one call: a typo in the script, a failure map
+that does not start, or a test the CUDA selection no longer finds (renamed, moved) would cost that session. So
+the whole script runs here in its dry mode (``DEVICE_RUN_DRY=1``: ``gpu_decode.py --smoke --device cpu``, the
+failure map's ``--smoke`` through Triton's interpreter, the CUDA tests collected, not run; about 25 s), and every
+term of its pytest ``-k`` selection must still name a collected test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "device_run.sh"
+
+
+def selection_terms(script: str) -> list[str]:
+    """The terms of the ``-k "a or b or ..."`` expression of ``script``'s pytest call (bash joins a
+    backslash-newline inside double quotes)."""
+    found = re.search(r'-k "((?:[^"\\]|\\.|\\\n)*)"', script)
+    assert found, "no -k selection in device_run.sh"
+    expr = " ".join(found.group(1).replace("\\\n", " ").split())
+    return [t.strip() for t in expr.split(" or ")]
+
+
+def test_selection_terms_are_read_as_bash_reads_them():
+    script = 'pytest tests/a.py -k "alpha or beta \\\n        or gamma_delta" 2>&1'
+    assert selection_terms(script) == ["alpha", "beta", "gamma_delta"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_device_run_dry_on_cpu(tmp_path: Path):
+    """Every step of the prepared run starts, writes what it says, and exits 0; its CUDA tests' selection
+    collects tests, and each of its ``-k`` terms names at least one."""
+    pytest.importorskip("triton", reason="the failure map and kernel checks need Triton's interpreter")
+    out = tmp_path / "out"
+    env = {**os.environ, "DEVICE_RUN_DRY": "1", "OUT": str(out), "PYTHON": sys.executable}
+    for name in ("PYTHONPATH", "KVBITS_KERNEL", "KVBITS_DEQUANT", "TRITON_INTERPRET", "GPU_DECODE_ARGS"):
+        env.pop(name, None)
+    run = subprocess.run(["bash", str(SCRIPT), "dry-commit"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "commit: dry-commit" in (out / "device.txt").read_text()
+    assert "gpu_decode exit: 0" in run.stdout and "failure map exit: 0" in run.stdout, run.stdout[-3000:]
+
+    decode = json.loads((out / "gpu_decode.json").read_text())
+    assert decode["complete"] and decode["smoke"] and decode["records"]
+    assert decode["checks"] and all(c["ok"] for c in decode["checks"])
+
+    fmap = json.loads((out / "failure_map.json").read_text())
+    stale = [k for k, ok in fmap["tests_tables_match"].items() if not ok]
+    assert not stale, f"kernel_failure_map's base cases are no longer the tests' rows {stale}"
+    for part in ("f16", "meta32"):
+        counts = fmap["summary"][part]
+        assert counts["ok"] > 0 and counts["fail"] == counts["error"] == 0, fmap["summary"]
+
+    log = (out / "cuda_tests.log").read_text()
+    ids = [line for line in log.splitlines() if "::" in line]
+    assert re.search(r"\d+/\d+ tests collected", log) and ids, log[-2000:]
+    names = [i.split("::", 1)[1].lower() for i in ids]
+    missing = [t for t in selection_terms(SCRIPT.read_text()) if not any(t.lower() in n for n in names)]
+    assert not missing, f"device_run.sh's -k terms that select no test any more: {missing}"
