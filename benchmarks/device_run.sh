@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The one prepared GPU run of issue 5: gpu_decode.py (steps 0-3b under a 300 s budget), then where session 37's two
-# CUDA-only failures occur (kernel_failure_map.py, 80 s), then the CUDA-only tests.
+# The one prepared GPU run of issue 5: gpu_decode.py (steps 0-3b under a 300 s budget), then the CUDA-only tests,
+# then where session 37's two CUDA-only failures occur (kernel_failure_map.py, 80 s).
 #
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
-# At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 110 s (the failure map: 80 s budget)
-# + 150 s (tests; about 80 s expected): give the device tool's run a timeout_s of about 595 (one call may run 600 s;
-# a warm machine is handed back after 30 s idle, so a second call would start a fresh one); what is under $OUT comes
-# back even if it is cut short.
+# At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (tests: 118 selected, where
+# session 37's 59 took 100 s; cut by SIGINT, so pytest's summary stays) + 110 s (the failure map: 80 s budget): give the
+# device tool's run a timeout_s of about 595 (one call may run 600 s; a warm machine is handed back after 30 s idle,
+# so a second call would start a fresh one); what is under $OUT comes back even if it is cut short.
 #
 # Default gpu_decode arguments: "--e2e no --budget-s 300 --prewarm-s 90". Step 6 (end to end) was measured on the
 # H200 twice (§6, §6z) and is bound by the host, while the sweep is what the folded kernel (session 38) needs: with
@@ -54,22 +54,27 @@ timeout 330 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_decode.json" \
     ${GPU_DECODE_ARGS:-$DECODE_DEFAULT} 2>&1 | tee "$OUT/gpu_decode.log"
 echo "gpu_decode exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_decode.log"
 
+if "$PY" -c "import pytest" 2>/dev/null; then
+    # one -k for all (a -k also filters explicit node ids): the CUDA-only tests; the scales' rounding on the
+    # device; the kernel tests on CUDA tensors (compiled, inline PTX included): dequant="f16" bit for bit, the
+    # attention error of every preset path against float64, bfloat16 queries, scales read as int32 words
+    # (meta32; over odd slot counts too) and the padding mask read as words, against the 2-byte (byte) reads, bit
+    # for bit, and the rotated query kept exact (Q_SPLIT)
+    # (tests/test_fold.py: the folded-scale kernel, its inline PTX compiled, on CUDA tensors; not its real-model
+    # check, which needs a model wheel the machine cannot fetch)
+    # Before the failure map: these cover code no GPU has run yet, the map diagnoses two known failures.
+    # Cut at 150 s with SIGINT (a hard kill 10 s later): pytest then still prints the failures and the summary
+    # of the tests that ran (118 selected, against 59 in 100 s in session 37's run).
+    timeout -s INT -k 10 150 "$PY" -m pytest -q -p no:cacheprovider $TEST_ARGS -m "not realmodel" \
+        tests/test_cache.py tests/test_evaluate.py tests/test_quant.py tests/test_kernels.py tests/test_fold.py \
+        -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda or exact_quotient or f16_dequant_rounds_once \
+        or decode_f16_dequant or within_twice or bf16_queries or meta32 or word_reads or mask_words \
+        or rotated_query_exact or fold" 2>&1 | tee "$OUT/cuda_tests.log"
+else
+    echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
+fi
+
 # session 37's f16 (head dim 16) and meta32 (case2) failures, variant by variant (its tier 1 first; needs tests/)
 PYTHONPATH=src:tests timeout 110 "$PY" benchmarks/kernel_failure_map.py --out "$OUT/failure_map.json" $MAP_ARGS \
     > "$OUT/failure_map.log" 2>&1
 echo "failure map exit: $?; $(tail -1 "$OUT/failure_map.log" | cut -c1-300)"
-
-if "$PY" -c "import pytest" 2>/dev/null; then
-    # one -k for all (a -k also filters explicit node ids): the CUDA-only tests; the scales' rounding on the
-    # device; the kernel tests on CUDA tensors (compiled, inline PTX included): dequant="f16" bit for bit, the
-    # attention error of every preset path against float64, bfloat16 queries, and scales read as int32 words
-    # (meta32) against the 2-byte reads, bit for bit
-    # (tests/test_fold.py: the folded-scale kernel, its inline PTX compiled, on CUDA tensors; not its real-model
-    # check, which needs a model wheel the machine cannot fetch)
-    timeout 150 "$PY" -m pytest -q -p no:cacheprovider $TEST_ARGS -m "not realmodel" tests/test_cache.py tests/test_evaluate.py tests/test_quant.py \
-        tests/test_kernels.py tests/test_fold.py -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda \
-        or exact_quotient or f16_dequant_rounds_once or decode_f16_dequant or within_twice or bf16_queries or meta32 \
-        or fold" 2>&1 | tee "$OUT/cuda_tests.log"
-else
-    echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
-fi
