@@ -4,8 +4,8 @@
 #
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
-# At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (tests: 118 selected, where
-# session 37's 59 took 100 s; cut by SIGINT, so pytest's summary stays) + 110 s (the failure map: 80 s budget): give the
+# At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (118 tests in 8 processes, cut
+# by SIGINT at 135 s, so pytest's summaries stay) + 110 s (the failure map: 80 s budget): give the
 # device tool's run a timeout_s of about 595 (one call may run 600 s; a warm machine is handed back after 30 s idle,
 # so a second call would start a fresh one); what is under $OUT comes back even if it is cut short.
 #
@@ -63,13 +63,16 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     # (tests/test_fold.py: the folded-scale kernel, its inline PTX compiled, on CUDA tensors; not its real-model
     # check, which needs a model wheel the machine cannot fetch)
     # Before the failure map: these cover code no GPU has run yet, the map diagnoses two known failures.
-    # Cut at 150 s with SIGINT (a hard kill 10 s later): pytest then still prints the failures and the summary
-    # of the tests that ran (118 selected, against 59 in 100 s in session 37's run).
-    timeout -s INT -k 10 150 "$PY" -m pytest -q -p no:cacheprovider $TEST_ARGS -m "not realmodel" \
+    # 118 tests, about 120 kernel specialisations to compile (session 37's 59 tests took 100 s in one process):
+    # parallel_pytest.py deals them out to 8 processes on the one GPU, each test function's cases together, and
+    # sends SIGINT to any still running at 135 s (pytest then prints its failures and summary; killed 10 s later).
+    timeout 150 "$PY" benchmarks/parallel_pytest.py --workers 8 --timeout-s 135 --log "$OUT/cuda_tests.log" \
+        $TEST_ARGS -- -m "not realmodel" \
         tests/test_cache.py tests/test_evaluate.py tests/test_quant.py tests/test_kernels.py tests/test_fold.py \
         -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda or exact_quotient or f16_dequant_rounds_once \
         or decode_f16_dequant or within_twice or bf16_queries or meta32 or word_reads or mask_words \
-        or rotated_query_exact or fold" 2>&1 | tee "$OUT/cuda_tests.log"
+        or rotated_query_exact or fold"
+    echo "cuda tests exit: $?; $(tail -1 "$OUT/cuda_tests.log")"
 else
     echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
 fi
