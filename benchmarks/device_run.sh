@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one prepared GPU run of issue 5: gpu_decode.py (steps 0-3b under a 300 s budget), then the CUDA-only tests,
-# then where session 37's two CUDA-only failures occur (kernel_failure_map.py, 80 s).
+# then where session 37's two CUDA-only failures occur (kernel_failure_map.py, its two maps side by side, 80 s).
 #
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
 # At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (118 tests in 8 processes, cut
-# by SIGINT at 135 s, so pytest's summaries stay) + 110 s (the failure map: 80 s budget): give the
+# by SIGINT at 135 s, so pytest's summaries stay) + 110 s (the failure map's two halves side by side, 80 s budget each): give the
 # device tool's run a timeout_s of about 595 (one call may run 600 s; a warm machine is handed back after 30 s idle,
 # so a second call would start a fresh one); what is under $OUT comes back even if it is cut short.
 #
@@ -15,7 +15,7 @@
 # GPU_DECODE_ARGS replaces them (e.g. "--e2e only --budget-s 200" for step 6 alone).
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
-# short keeps its figures), gpu_decode.log, failure_map.json / .log, cuda_tests.log, device.txt (nvidia-smi,
+# short keeps its figures), gpu_decode.log, failure_map_{f16,meta32}.json / .log, cuda_tests.log, device.txt (nvidia-smi,
 # versions, COMMIT).
 # With .whl/ carried (benchmarks/device_wheels.sh), its wheels are installed first (optimum-quanto, step 6's peer).
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
@@ -77,7 +77,15 @@ else
     echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"
 fi
 
-# session 37's f16 (head dim 16) and meta32 (case2) failures, variant by variant (its tier 1 first; needs tests/)
-PYTHONPATH=src:tests timeout 110 "$PY" benchmarks/kernel_failure_map.py --out "$OUT/failure_map.json" $MAP_ARGS \
-    > "$OUT/failure_map.log" 2>&1
-echo "failure map exit: $?; $(tail -1 "$OUT/failure_map.log" | cut -c1-300)"
+# session 37's f16 (head dim 16) and meta32 (case2) failures, variant by variant (tier 1 first; needs tests/): the two
+# maps side by side, each with the whole budget (one process compiles one kernel at a time)
+declare -A MAP_PID
+for part in f16 meta32; do
+    PYTHONPATH=src:tests timeout 110 "$PY" benchmarks/kernel_failure_map.py --only $part \
+        --out "$OUT/failure_map_$part.json" $MAP_ARGS > "$OUT/failure_map_$part.log" 2>&1 &
+    MAP_PID[$part]=$!
+done
+for part in f16 meta32; do
+    wait "${MAP_PID[$part]}"
+    echo "failure map $part exit: $?; $(tail -1 "$OUT/failure_map_$part.log" | cut -c1-300)"
+done

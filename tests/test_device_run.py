@@ -50,16 +50,17 @@ def test_device_run_dry_on_cpu(tmp_path: Path):
                          timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "commit: dry-commit" in (out / "device.txt").read_text()
-    assert "gpu_decode exit: 0" in run.stdout and "failure map exit: 0" in run.stdout, run.stdout[-3000:]
+    for step in ("gpu_decode exit: 0", "cuda tests exit: 0", "failure map f16 exit: 0", "failure map meta32 exit: 0"):
+        assert step in run.stdout, (step, run.stdout[-3000:])
 
     decode = json.loads((out / "gpu_decode.json").read_text())
     assert decode["complete"] and decode["smoke"] and decode["records"]
     assert decode["checks"] and all(c["ok"] for c in decode["checks"])
 
-    fmap = json.loads((out / "failure_map.json").read_text())
-    stale = [k for k, ok in fmap["tests_tables_match"].items() if not ok]
-    assert not stale, f"kernel_failure_map's base cases are no longer the tests' rows {stale}"
-    for part in ("f16", "meta32"):
+    for part in ("f16", "meta32"):  # the two maps, run side by side
+        fmap = json.loads((out / f"failure_map_{part}.json").read_text())
+        stale = [k for k, ok in fmap["tests_tables_match"].items() if not ok]
+        assert not stale, f"kernel_failure_map's base cases are no longer the tests' rows {stale}"
         counts = fmap["summary"][part]
         assert counts["ok"] > 0 and counts["fail"] == counts["error"] == 0, fmap["summary"]
 
