@@ -97,7 +97,9 @@ from gpu_bench.e2e import (
     E2E_CONTEXT,
     E2E_TOKENS,
     E2E_WARMUP,
+    GROWING_CHECK,
     end_to_end,
+    growing_vs_reserved,
 )
 from gpu_bench.report import markdown
 from gpu_bench.sweep import break_even, sweep, tune
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         "checks": [],
         "check_failures": [],
         "quantize": [],
+        "growing_vs_reserved": None,
         "records": [],
         "skipped": [],
         "tuning": [],
@@ -275,6 +278,13 @@ def main(argv: list[str] | None = None) -> dict:
         print("(2b) quantize-and-pack kernel vs kvbits.quant.quantize (bit for bit), flush time")
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
         save(quantize=check_and_time_quantize(cfg, flush))
+        print("(2c) a growing and a reserved cache, the same greedy decode: logits bit for bit")
+        small = {"context": 37, "tokens": 2} if cfg.smoke else {}  # the interpreter: a short prompt, two steps
+        grow = growing_vs_reserved(check_cfg, **{**GROWING_CHECK, **small})
+        save(growing_vs_reserved=grow)
+        print(f"  {grow['scheme']} B={grow['batch']} prompt {grow['context']}, {grow['tokens']} steps: logits bit-identical "
+              f"{grow['logits_bit_identical']} (max diff {grow['logits_max_diff']:.3g}, first at step "
+              f"{grow['first_diff_step']}), greedy tokens equal {grow['greedy_tokens_equal']}")  # fmt: skip
     if args.e2e != "only":
         decode = _decoder(cfg)
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")

@@ -1334,6 +1334,9 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     assert bool(data["checks"]) == (triton_decode is not None) and all(c["ok"] for c in data["checks"])
     if triton_decode is not None:  # the quantize kernel, bit for bit on this device (interpreter here)
         assert len(data["quantize"]) == 10 and all(r["bit_exact"] for r in data["quantize"])
+        # step 2c: a growing and a reserved cache decode alike, every step of both layers fused
+        grow = data["growing_vs_reserved"]
+        assert grow["fused_steps"] == [4, 4] and grow["logits_bit_identical"] and grow["greedy_tokens_equal"], grow
     need = {"kernel", "scheme", "shape", "context", "batch", "ms", "gbps", "frac_of_copy", "speedup_vs_fp16"}
     assert data["records"] and all(need <= set(r) for r in data["records"])
     assert all(r["ms_p10"] <= r["ms"] <= r["ms_p90"] for r in data["records"])

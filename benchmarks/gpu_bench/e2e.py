@@ -33,11 +33,16 @@ def e2e_reserve(context: int, tokens: int, warmup: int) -> int:
     return context + warmup + tokens + 1
 
 
-def e2e_model(cfg: Config, context: int, tokens: int, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Random-weight Qwen2 model (``dtype``; default fp16 on CUDA, float32 on CPU), built on the device."""
+def e2e_model(
+    cfg: Config, context: int, tokens: int, dtype: torch.dtype | None = None, layers: int | None = None
+) -> torch.nn.Module:
+    """Random-weight Qwen2 model (``dtype``; default fp16 on CUDA, float32 on CPU), built on the device;
+    ``layers``: that many decoder layers instead of the shape's."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    shape = E2E_MODEL["smoke" if cfg.smoke else "full"]
+    shape = dict(E2E_MODEL["smoke" if cfg.smoke else "full"])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
     config = Qwen2Config(max_position_embeddings=context + tokens + 64, **shape)
     torch.manual_seed(0)
     with cfg.device:
@@ -47,6 +52,60 @@ def e2e_model(cfg: Config, context: int, tokens: int, dtype: torch.dtype | None 
     model = model.to(dtype).eval()
     model.set_attn_implementation("sdpa")
     return model
+
+
+# step (2c): an odd prompt, so that a growing cache's slot count changes parity at every step (its one-scale-per-token
+# rows are read as words across half-word slabs every other step, _token_words(ODD=True)); a reservation's does not
+GROWING_CHECK = {"scheme": "int8-token", "context": 301, "tokens": 24, "batch": 2, "layers": 2}
+
+
+@torch.no_grad()
+def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 301, tokens: int = 24,
+                        batch: int = 2, layers: int = 2) -> dict:  # fmt: skip
+    """Step (2c): greedy decode of ``tokens`` steps after a ``context``-token random prompt through step 6's model
+    (``layers`` of its layers), once with a growing ``QuantizedKVCache`` and once with quantized storage reserved
+    for the whole run, both fused. The two hold the same codes in differently sized slabs, so their logits should be
+    equal bit for bit: §6z's growing cache decoded other tokens than the reserved one (session 41 traced that to
+    the growing cache alternating word and 2-byte scale reads; both now read words). Off CUDA the fused steps take
+    the Triton interpreter when ``cfg.kernel`` is ``triton``, else the torch reference.
+
+    Returns ``{scheme, context, tokens, batch, layers, fused_steps (growing, reserved), greedy_tokens_equal,
+    logits_bit_identical, logits_max_diff, first_diff_step}`` (``first_diff_step``: the first decode step whose
+    logits differ, or ``None``)."""
+    import inspect
+    import os
+
+    from kvbits.cache import use_fused_decode
+
+    model = e2e_model(cfg, context, tokens, layers=layers)
+    use_fused_decode(model)
+    gen = torch.Generator(device=cfg.device).manual_seed(context)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=cfg.device, generator=gen)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    force = cfg.device.type != "cuda" and cfg.kernel == "triton" and "KVBITS_KERNEL" not in os.environ
+    if force:
+        os.environ["KVBITS_KERNEL"] = "triton"
+    runs = {}
+    try:
+        for name, reserve in (("growing", None), ("reserved", context + tokens)):
+            cache = kvbits_cache(model, scheme, True, max_cache_len=reserve)
+            out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
+            nxt, logits = out.logits[:, -1].argmax(-1, keepdim=True), []
+            for _ in range(tokens):
+                out = model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
+                logits.append(out.logits[:, -1].float())
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            runs[name] = (torch.stack(logits), cache.fused_report()["fused_steps"])
+    finally:
+        if force:
+            del os.environ["KVBITS_KERNEL"]
+    (grow, grow_steps), (res, res_steps) = runs["growing"], runs["reserved"]
+    differ = [i for i in range(tokens) if not torch.equal(grow[i], res[i])]
+    return {"scheme": scheme, "context": context, "tokens": tokens, "batch": batch, "layers": layers,
+            "fused_steps": [grow_steps, res_steps],
+            "greedy_tokens_equal": torch.equal(grow.argmax(-1), res.argmax(-1)),
+            "logits_bit_identical": not differ, "logits_max_diff": float((grow - res).abs().max()),
+            "first_diff_step": differ[0] if differ else None}  # fmt: skip
 
 
 def _hf_cache(config, backend: str, nbits: int | None):
