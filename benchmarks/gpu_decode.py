@@ -23,7 +23,8 @@ GPU machine). Steps:
    failure is recorded
    (``checks[].ok``, ``check_failures``) and printed, and the run goes on. (2b) the
    quantize-and-pack kernel against ``kvbits.quant.quantize``, bit for bit, and the time each takes to
-   flush one 128-token block.
+   flush one 128-token block. (2c) a growing and a reserved ``int8-token`` cache through 2 layers of step 6's
+   model, the same greedy decode after an odd prompt: logits bit for bit (``growing_vs_reserved``).
 3. one decode step (``q (B, H_q, 1, D)``) for contexts 4K..128K and batch 1, 8, 32, with the KV shapes
    of Qwen2.5-0.5B (H_kv=2, H_q=14, D=64) and Llama-3-8B (H_kv=8, H_q=32, D=128):
    fp16 ``scaled_dot_product_attention`` (``enable_gqa=True``, and K/V expanded to H_q heads when that
