@@ -30,14 +30,15 @@ from pathlib import Path
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 
 
-def collect(pytest_args: list[str]) -> list[str]:
-    """The node ids ``pytest --collect-only -q pytest_args`` lists."""
+def collect(pytest_args: list[str]) -> tuple[list[str], str | None]:
+    """The node ids ``pytest --collect-only -q pytest_args`` lists, and its output when it failed (a module that
+    does not import: then nothing runs, as in one pytest process, and the log says why)."""
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           *pytest_args], capture_output=True, text=True, check=False)  # fmt: skip
     ids = [line.strip() for line in run.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if run.returncode not in (0, 5) or (run.returncode == 0 and not ids):  # 5: nothing collected
-        raise RuntimeError(f"pytest --collect-only failed (exit {run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
-    return ids
+        return [], f"pytest --collect-only failed (exit {run.returncode}):\n{run.stdout[-4000:]}{run.stderr[-4000:]}"
+    return ids, None
 
 
 def deal(ids: list[str], workers: int) -> list[list[str]]:
@@ -74,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
     t0 = time.monotonic()
-    ids = collect(args)
+    ids, failed = collect(args)
     a.log.parent.mkdir(parents=True, exist_ok=True)
+    if failed:
+        a.log.write_text(failed + "\n")
+        print(failed.splitlines()[0])
+        return 1
     with a.log.open("w") as log:
         log.write("\n".join(ids) + f"\n\n{len(ids)} tests collected\n")
     if a.collect_only or not ids:
