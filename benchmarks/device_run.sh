@@ -12,7 +12,11 @@
 # Default gpu_decode arguments: "--e2e no --budget-s 300 --prewarm-s 90". Step 6 (end to end) was measured on the
 # H200 twice (§6, §6z) and is bound by the host, while the sweep is what the folded kernel (session 38) needs: with
 # e2e on, its 90 s share and a 120 s prewarm left the sweep under a minute of a 290 s budget (session 37's first call).
-# GPU_DECODE_ARGS replaces them (e.g. "--e2e only --budget-s 200" for step 6 alone).
+# GPU_DECODE_ARGS replaces them (e.g. "--e2e only --budget-s 200" for step 6 alone). transformers' QuantizedCache
+# peers come last in step 6 and no run has reached them; with device time left after this call, and the machine still
+# warm (it is handed back after 30 s idle), a second call measures them alone (about 2 minutes):
+#   PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_decode.py --e2e only --prewarm-s 0 --budget-s 150 \
+#       --e2e-runs dynamic-fp16,kvbits-fused:kivi-4,hf-quantized-quanto --out $OUT/gpu_decode_peers.json
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
 # short keeps its figures), gpu_decode.log, failure_map_{f16,meta32}.json / .log, cuda_tests.log, device.txt (nvidia-smi,

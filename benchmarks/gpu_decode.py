@@ -101,6 +101,7 @@ from gpu_bench.e2e import (
     GROWING_CHECK,
     end_to_end,
     growing_vs_reserved,
+    wanted_runs,
 )
 from gpu_bench.report import markdown
 from gpu_bench.sweep import break_even, sweep, tune
@@ -174,6 +175,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--e2e-batch", type=int, action="append", default=None, help="repeatable (default 1 and 8)"
     )
     p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
+    p.add_argument(
+        "--e2e-runs", default=None, help="comma-separated step-6 runs, cache or cache:scheme (default: all), e.g. "
+        "dynamic-fp16,kvbits-fused:kivi-4,hf-quantized-quanto",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
         "--prewarm-s",
@@ -197,6 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device; run with --device cpu (add --smoke for a quick check)")
     kernel = args.kernel if args.kernel != "auto" else ("triton" if device.type == "cuda" else "reference")
+    only = args.e2e_runs.split(",") if args.e2e_runs else None
+    try:
+        wanted_runs(only)  # a misspelt run fails here, not after the steps before 6
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     cfg = Config(
         device=device,
         contexts=[256, 512] if args.smoke else list(CONTEXTS),
@@ -305,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         tokens = args.e2e_tokens or (4 if cfg.smoke else E2E_TOKENS)
         print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
         e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else E2E_WARMUP,
-                         progress=lambda rows: save(e2e=rows))  # fmt: skip
+                         progress=lambda rows: save(e2e=rows), only=only)  # fmt: skip
     save(e2e=e2e, complete=True)
     print(markdown(records, be, copy_gbps, e2e))
     print(f"\nwrote {args.out} in {time.time() - t0:.0f} s")

@@ -1418,6 +1418,29 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     assert data["complete"] and data["skipped"] == [] and data["budget_s"] == 290
 
 
+def test_gpu_benchmark_e2e_runs_only_what_is_named(tmp_path):
+    """``--e2e-runs`` keeps step 6 to the named runs (a second device call for transformers' QuantizedCache peers,
+    which a whole step 6 never reached); a misspelt one stops the script before any step."""
+    import json
+
+    bench = _load_bench()
+    from gpu_bench.e2e import wanted_runs
+
+    out = tmp_path / "e2e.json"
+    bench.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
+                "dynamic-fp16,kvbits-fused:kivi-4,kvbits-fused-growing", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["e2e"]
+    assert [(r["cache"], r["scheme"]) for r in rows] == [
+        ("dynamic-fp16", "fp16"), ("kvbits-fused", "kivi-4"), ("kvbits-fused-growing", "int8-token")
+    ]
+    assert rows[1]["speedup_vs_fp16"] > 0 and rows[2]["note"].startswith("12 fused steps")
+    wanted = wanted_runs(["hf-quantized-quanto:2", "kvbits-fused"])
+    assert wanted("hf-quantized-quanto", 2) and not wanted("hf-quantized-quanto", 4)
+    assert wanted("kvbits-fused", "kivi-2") and not wanted("dynamic-fp16", "fp16") and wanted_runs(None)("x", 1)
+    with pytest.raises(SystemExit, match="unknown step-6 caches"):
+        bench.main(["--smoke", "--device", "cpu", "--e2e-runs", "kvbits-fussed", "--out", str(out)])
+
+
 def _load_bench():
     import importlib.util
     from pathlib import Path
