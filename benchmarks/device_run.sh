@@ -5,9 +5,9 @@
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
 # At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (118 tests in 8 processes, cut
-# by SIGINT at 135 s, so pytest's summaries stay) + 110 s (the failure map's two halves side by side, 80 s budget each): give the
-# device tool's run a timeout_s of about 595 (one call may run 600 s; a warm machine is handed back after 30 s idle,
-# so a second call would start a fresh one); what is under $OUT comes back even if it is cut short.
+# by SIGINT at 135 s, so pytest's summaries stay) + 110 s (the failure map's two halves side by side, 80 s budget
+# each): give the device tool's run a timeout_s of about 595 (one call may run 600 s; a warm machine is handed back
+# after 30 s idle, so a later call may start a fresh one); what is under $OUT comes back even if it is cut short.
 #
 # Default gpu_decode arguments: "--e2e no --budget-s 300 --prewarm-s 90". Step 6 (end to end) was measured on the
 # H200 twice (§6, §6z) and is bound by the host, while the sweep is what the folded kernel (session 38) needs: with
@@ -19,15 +19,16 @@
 #       --e2e-runs dynamic-fp16,kvbits-fused:kivi-4,hf-quantized-quanto --out $OUT/gpu_decode_peers.json
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
-# short keeps its figures), gpu_decode.log, failure_map_{f16,meta32}.json / .log, cuda_tests.log, device.txt (nvidia-smi,
-# versions, COMMIT).
+# short keeps its figures), gpu_decode.log, failure_map_{f16,meta32}.json / .log, cuda_tests.log, device.txt
+# (nvidia-smi, versions, COMMIT).
 # With .whl/ carried (benchmarks/device_wheels.sh), its wheels are installed first (optimum-quanto, step 6's peer).
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
 # pytest is importable there, else cuda_tests.log says so.
 #
 # DEVICE_RUN_DRY=1 runs the same steps on this CPU in under a minute, to check the plumbing before device time is
 # spent on it (tests/test_device_run.py): gpu_decode.py --smoke --device cpu, the failure map's --smoke on Triton's
-# interpreter, and the CUDA tests' selection collected (pytest --collect-only), not run; wheels go under $OUT/site.
+# interpreter, and the CUDA tests' selection collected (parallel_pytest.py --collect-only), not run; wheels go under
+# $OUT/site.
 set -u
 OUT=${OUT:-benchmarks/results}
 # the GPU image's interpreter with torch is python3 (/opt/torch/.venv, Python 3.12); "python" may not exist

@@ -119,7 +119,8 @@ def test_parallel_pytest_runs_workers_and_cuts_them_with_their_summaries(tmp_pat
     listed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel_pytest.py"), "--collect-only",
                              "--log", str(log), "--", "test_sample.py"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120, check=False)  # fmt: skip
-    assert listed.returncode == 0 and "6 tests collected" in listed.stdout and "test_sample.py::test_fail" in log.read_text()
+    assert listed.returncode == 0 and "6 tests collected" in listed.stdout
+    assert "test_sample.py::test_fail" in log.read_text()
     (tmp_path / "test_broken.py").write_text("import no_such_module_here\n")
     broken = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel_pytest.py"), "--log", str(log), "--",
                              "test_sample.py", "test_broken.py"], cwd=tmp_path, capture_output=True, text=True,
