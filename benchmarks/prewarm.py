@@ -19,6 +19,7 @@ instead of spending the run's time budget compiling:
 - ``check``: step 2's correctness variants, per shape (the worker returns the reference's output so the
   step's own accuracy gate passes while it compiles);
 - ``quantize``: step 2b's append layouts at its Llama-3-8B block shape;
+- ``growing``: step 2c's growing and reserved caches (``e2e_launches`` at that step's sizes, no warm-up steps);
 - ``e2e``: step 6's fused runs, one per scheme and batch: ``e2e_launches`` drives the benchmark's own
   cache and decode loop through a model with step 6's KV shape, in float16 as on the GPU (2 layers: the
   others launch the same kernels), its prefill attention left out (see there).
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 Job = tuple  # ("sweep", shape, variant, rope, path) | ("tune", shape, rope, dequant, block_t, warps, stages)
 #              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup[, reserve])
+#              | ("growing", scheme, batch, context, tokens, reserve)  (step 2c)
 # path: None (default launch), False (gather path, vectorized=False), "f16" (dequant="f16") or "fold" (dequant="fold");
 # dequant: a sweep.TUNE_DEQUANT key ("f32", "f16", "f16-r128", "f32-halves"; sweep.TUNE_CASES)
 SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}, "f16": {"dequant": "f16"},
@@ -49,7 +51,7 @@ SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}
 
 
 def jobs(tune: bool = True) -> list[Job]:
-    """Every launch group of the benchmark's steps 2, 2b, 3 and (``tune``) 3b, longest first."""
+    """Every launch group of the benchmark's steps 2, 2b, 2c, 3, (``tune``) 3b and 6, longest first."""
     from gpu_bench import checks, common, e2e, sweep
 
     out: list[Job] = [("check", shape) for shape in common.SHAPES]  # check_variants' variants: start these first
@@ -68,6 +70,9 @@ def jobs(tune: bool = True) -> list[Job]:
         out += [("sweep", shape, name, rope, None) for name, rope in token]
         out += [("sweep", shape, name, False, "fold") for name, ts in common.TOKEN_SCHEMES.items() if not ts.pre_rope]
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
+    # step 2c (a growing and a reserved cache, the same decode): step 6's run at its own sizes
+    g = e2e.GROWING_CHECK
+    out += [("growing", g["scheme"], g["batch"], g["context"], g["tokens"], reserve) for reserve in (False, True)]
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP)
             for batch in e2e.E2E_BATCHES for scheme in e2e.E2E_KVBITS]  # fmt: skip
     out += [("e2e", scheme, batch, e2e.E2E_CONTEXT, e2e.E2E_TOKENS, e2e.E2E_WARMUP, False)
@@ -134,6 +139,9 @@ def _run_job(job: Job, programs: int) -> None:
         quantize_pack_triton(x, checks.QUANTIZE_SPECS[job[1]], **kw)
     elif kind == "e2e":
         e2e_launches(*job[1:], programs=programs)
+    elif kind == "growing":  # step 2c: no warm-up steps
+        scheme, batch, context, tokens, reserve = job[1:]
+        e2e_launches(scheme, batch, context, tokens, 0, reserve, programs=programs)
     else:
         raise ValueError(f"unknown prewarm job {job!r}")
 

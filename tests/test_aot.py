@@ -208,6 +208,38 @@ print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before), "LAUNCHES"
     assert kernels.count("_quantize_kernel") >= 2, line  # keys per channel, values per token
 
 
+def test_prewarm_covers_step_2c(tmp_path):
+    """Step 2c's prewarm jobs (a growing and a reserved ``int8-token`` cache at that step's sizes) fill Triton's
+    cache with every kernel the step then launches (float16 queries, as on the GPU): nothing left to compile
+    there."""
+    code = """
+import os, torch, prewarm
+from gpu_bench import common, e2e
+from kvbits.kernels.aot import compile_only
+cache = os.environ["TRITON_CACHE_DIR"]
+jobs = [j for j in prewarm.jobs(tune=False) if j[0] == "growing"]
+assert len(jobs) == 2, jobs
+r = prewarm.prewarm("sm_90", 264, jobs, processes=1, timeout_s=300)
+assert r["done"] == 2 and not r["failed"], r
+before = set(os.listdir(cache))
+os.environ["KVBITS_KERNEL"] = "triton"
+from kvbits.cache import QuantizedKVCache
+QuantizedKVCache.check_inputs = lambda self: None  # compile-only: no kernel output is written, the K/V are garbage
+cfg = common.Config(device=torch.device("cpu"), contexts=[], batches=[], reps=1, warmup=0, max_bytes=0.0, smoke=True,
+                    kernel="triton")
+with compile_only("sm_90") as launched:
+    e2e.growing_vs_reserved(cfg, **e2e.GROWING_CHECK, dtype=torch.float16, checks="lazy")
+print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before), "LAUNCHES", len(launched))
+"""
+    out = _run(code, timeout=600, cache=tmp_path / "triton")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    new, total = (int(x) for x in line.split("NEW ")[1].split(" LAUNCHES")[0].split(" OF "))
+    launches = int(line.split("LAUNCHES ")[1])
+    assert new == 0 and total >= 3, line
+    assert launches >= 2 * 2 * 24 * 2, line  # 2 caches x 2 layers x 24 steps x (decode + reduce), and the flushes
+
+
 def test_decode_compiles_once_as_a_context_grows():
     """Serving from a short prompt: the split count grows with the context (a split per tile until the
     device's target), the slot counts with every token; none is specialised, so the decode and reduce

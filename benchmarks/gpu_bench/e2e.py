@@ -54,20 +54,24 @@ def e2e_model(
     return model
 
 
-# step (2c): an odd prompt, so that a growing cache's slot count changes parity at every step (its one-scale-per-token
-# rows are read as words across half-word slabs every other step, _token_words(ODD=True)); a reservation's does not
+# step (2c): a growing cache's slot count changes parity at every step (its one-scale-per-token rows are read as words
+# across half-word slabs every other step, _token_words(ODD=True)), while the reservation (e2e_reserve: 326 slots)
+# reads whole words at every step, as step 6's did in §6z
 GROWING_CHECK = {"scheme": "int8-token", "context": 301, "tokens": 24, "batch": 2, "layers": 2}
 
 
 @torch.no_grad()
 def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 301, tokens: int = 24,
-                        batch: int = 2, layers: int = 2) -> dict:  # fmt: skip
+                        batch: int = 2, layers: int = 2, dtype: torch.dtype | None = None,
+                        checks: str = "auto") -> dict:  # fmt: skip
     """Step (2c): greedy decode of ``tokens`` steps after a ``context``-token random prompt through step 6's model
     (``layers`` of its layers), once with a growing ``QuantizedKVCache`` and once with quantized storage reserved
-    for the whole run, both fused. The two hold the same codes in differently sized slabs, so their logits should be
+    for the whole run (``e2e_reserve``), both fused. The two hold the same codes in differently sized slabs, so their logits should be
     equal bit for bit: §6z's growing cache decoded other tokens than the reserved one (session 41 traced that to
     the growing cache alternating word and 2-byte scale reads; both now read words). Off CUDA the fused steps take
-    the Triton interpreter when ``cfg.kernel`` is ``triton``, else the torch reference.
+    the Triton interpreter when ``cfg.kernel`` is ``triton``, else the torch reference. ``dtype``: the model's
+    (``e2e_model``'s default: float16 on CUDA, float32 elsewhere); ``checks``: the caches' K/V checks
+    (``kvbits_cache``; ``"lazy"`` for ``prewarm``'s compile-only runs, whose outputs are never written).
 
     Returns ``{scheme, context, tokens, batch, layers, fused_steps (growing, reserved), greedy_tokens_equal,
     logits_bit_identical, logits_max_diff, first_diff_step}`` (``first_diff_step``: the first decode step whose
@@ -77,7 +81,7 @@ def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 
 
     from kvbits.cache import use_fused_decode
 
-    model = e2e_model(cfg, context, tokens, layers=layers)
+    model = e2e_model(cfg, context, tokens, dtype=dtype, layers=layers)
     use_fused_decode(model)
     gen = torch.Generator(device=cfg.device).manual_seed(context)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=cfg.device, generator=gen)
@@ -87,8 +91,8 @@ def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 
         os.environ["KVBITS_KERNEL"] = "triton"
     runs = {}
     try:
-        for name, reserve in (("growing", None), ("reserved", context + tokens)):
-            cache = kvbits_cache(model, scheme, True, max_cache_len=reserve)
+        for name, reserve in (("growing", None), ("reserved", e2e_reserve(context, tokens, 0))):
+            cache = kvbits_cache(model, scheme, True, checks=checks, max_cache_len=reserve)
             out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
             nxt, logits = out.logits[:, -1].argmax(-1, keepdim=True), []
             for _ in range(tokens):
