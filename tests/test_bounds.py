@@ -147,28 +147,6 @@ def _fenced_allocations(*modules: Any) -> Iterator[None]:
             m.torch, m.code_basis = torch, code_basis
 
 
-def _transformed_store(g: Any, ks: Any, vs: Any, *, B: int, H_kv: int, D: int, T_q: int, quant_lens: list[int]):
-    """A store of per-token sides whose keys are rotated and / or centred and smoothed per channel (channel
-    vectors from all keys, ``test_kernels.channel_kwargs``), values rotated or not; blocks of 4 tokens and a
-    13-slot float16 tail as ``test_kernels.make_store`` builds them."""
-    import test_kernels
-    import torch
-
-    from kvbits.kernels.reference import pack_store
-    from kvbits.quant import quantize
-
-    k = torch.randn(B, H_kv, T_q, D, generator=g)
-    k[..., : D // 8] *= 6
-    k[..., D // 8 : D // 4] += 5  # an offset channel band, for the centred keys
-    v = torch.randn(B, H_kv, T_q, D, generator=g)
-    kw = test_kernels.channel_kwargs(ks, k)
-    kb = [quantize(k[:, :, a : a + 4], ks, **kw) for a in range(0, T_q, 4)]
-    vb = [quantize(v[:, :, a : a + 4], vs) for a in range(0, T_q, 4)]
-    kf = (torch.randn(B, H_kv, 13, D, generator=g) * 2).half()
-    vf = torch.randn(B, H_kv, 13, D, generator=g).half()
-    return pack_store(kb, vb, kf, vf, quant_lens=quant_lens, full_lens=[5, 13])
-
-
 def quantize_main(case: str) -> int:
     """One quantize case: fenced input and outputs; the codes must equal the torch reference's."""
     import torch
@@ -225,15 +203,13 @@ def main(case: str) -> int:
     g = torch.Generator().manual_seed(T_q)
     block = 4 if ks.granularity == "token" else max(32, ks.group_size or 0)
     used = c.get("used", T_q)  # a reservation: T_q slots, the first `used` written (the rest never read)
-    if c.get("rotate") or c.get("smooth"):
+    if c.get("rotate") or c.get("smooth"):  # channel vectors from all keys: test_kernels.extras
         rot = "hadamard" if c.get("rotate") else None
         ks = replace(ks, rotate=rot, centre=bool(c.get("smooth")), smooth=0.5 if c.get("smooth") else None)
-        store = _transformed_store(g, ks, replace(vs, rotate=rot), B=B, H_kv=H_kv, D=D, T_q=T_q,
-                                   quant_lens=[used // 2 + 1, used])  # fmt: skip
-    else:
-        store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
-                                        quant_lens=[used // 2 + 1, used], full_lens=[5, 13], block=block,
-                                        rope=bool(c.get("rope")))  # fmt: skip
+        vs = replace(vs, rotate=rot)
+    store = test_kernels.make_store(g, B=B, H_kv=H_kv, D=D, key_spec=ks, value_spec=vs, T_q=T_q, T_f=13,
+                                    quant_lens=[used // 2 + 1, used], full_lens=[5, 13], block=block,
+                                    rope=bool(c.get("rope")))  # fmt: skip
     if used < T_q:
         store.quant_used = used
     mask = torch.ones(B, T_q, dtype=torch.bool)

@@ -121,10 +121,13 @@ def codebook(bits: int) -> torch.Tensor:
 
 
 def extras(s: TensorSpec, x: torch.Tensor) -> dict:
-    """``quantize`` keyword arguments a spec needs: a NUQ codebook; static ranges from all of ``x``."""
+    """``quantize`` keyword arguments a spec needs: a NUQ codebook; static ranges from all of ``x``; centred /
+    smoothed channel vectors from all of ``x`` (``channel_kwargs``)."""
     kw: dict = {}
     if s.kind == "nuq":
         kw["codebook"] = codebook(s.bits).to(x.device)
+    if s.has_channel_transform:
+        kw.update({n: v.to(x.device) for n, v in channel_kwargs(s, x).items()})
     if s.static and s.kind in ("int", "nuq"):  # calibrated per-channel range (H, D), a bit narrow: clips
         lo, hi = x.amin(dim=(0, 2), keepdim=True)[0] * 0.9, x.amax(dim=(0, 2), keepdim=True)[0] * 0.9
         kw["static_scale"] = ((hi - lo) / (1 if s.kind == "nuq" else 2**s.bits - 1)).half().to(x.device)
