@@ -76,7 +76,6 @@ def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 
     Returns ``{scheme, context, tokens, batch, layers, fused_steps (growing, reserved), greedy_tokens_equal,
     logits_bit_identical, logits_max_diff, first_diff_step}`` (``first_diff_step``: the first decode step whose
     logits differ, or ``None``)."""
-    import inspect
     import os
 
     from kvbits.cache import use_fused_decode
@@ -85,7 +84,6 @@ def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 
     use_fused_decode(model)
     gen = torch.Generator(device=cfg.device).manual_seed(context)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=cfg.device, generator=gen)
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     force = cfg.device.type != "cuda" and cfg.kernel == "triton" and "KVBITS_KERNEL" not in os.environ
     if force:
         os.environ["KVBITS_KERNEL"] = "triton"
@@ -93,13 +91,8 @@ def growing_vs_reserved(cfg: Config, scheme: str = "int8-token", context: int = 
     try:
         for name, reserve in (("growing", None), ("reserved", e2e_reserve(context, tokens, 0))):
             cache = kvbits_cache(model, scheme, True, checks=checks, max_cache_len=reserve)
-            out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
-            nxt, logits = out.logits[:, -1].argmax(-1, keepdim=True), []
-            for _ in range(tokens):
-                out = model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
-                logits.append(out.logits[:, -1].float())
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            runs[name] = (torch.stack(logits), cache.fused_report()["fused_steps"])
+            r = decode_run(cfg, model, cache, ids, tokens, 0, profile=False, keep_logits=True)
+            runs[name] = (r["logits"], cache.fused_report()["fused_steps"])
     finally:
         if force:
             del os.environ["KVBITS_KERNEL"]
@@ -127,16 +120,18 @@ def _hf_cache(config, backend: str, nbits: int | None):
 
 @torch.no_grad()
 def decode_run(
-    cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int, profile: bool = True
+    cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int, profile: bool = True,
+    keep_logits: bool = False,
 ) -> dict:
     """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps; ``profile``: one
-    more step under ``torch.profiler`` (``profile_step``). ``steps``: the decode steps taken in all."""
+    more step under ``torch.profiler`` (``profile_step``). ``steps``: the decode steps taken in all.
+    ``keep_logits``: also ``logits``, the timed steps' float32 logits ``(tokens, B, V)``."""
     import inspect
 
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    generated = []
+    generated, logits = [], []
     for i in range(warmup + tokens):
         if i == warmup:
             sync(cfg.device)
@@ -144,11 +139,15 @@ def decode_run(
         out = model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         generated.append(nxt)
+        if keep_logits and i >= warmup:
+            logits.append(out.logits[:, -1].float())
     sync(cfg.device)
     seconds = time.perf_counter() - t0
     B = ids.shape[0]
     out = {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
            "tokens": torch.cat(generated, 1)[:, warmup:].cpu(), "steps": warmup + tokens}  # fmt: skip
+    if keep_logits:
+        out["logits"] = torch.stack(logits)
     if profile:
         out["profile"] = profile_step(
             cfg, lambda: model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
