@@ -284,15 +284,17 @@ def _offline_names() -> list[str]:
 def _from_hub(model_id: str) -> Any:
     from transformers import AutoConfig
 
+    from kvbits._hub import hub_failure, hub_load_kwargs
+
+    kwargs, unreachable = hub_load_kwargs(f"the config of {model_id!r}")
     try:
-        return AutoConfig.from_pretrained(model_id)
+        return AutoConfig.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as exc:
         names = _offline_names()
-        first_line = (str(exc).splitlines() or [""])[0]
         raise ValueError(
             f"could not load a config for {model_id!r}: it is not an existing file or folder"
             + (f", not a kvbits offline model ({', '.join(names)})" if names else "")
-            + f", and loading it as a Hugging Face hub id failed ({type(exc).__name__}: {first_line}). "
+            + f", and loading it as a Hugging Face hub id failed ({hub_failure(exc, unreachable)}). "
             "Offline? Pass a config.json, a model folder or a .gguf file, or plan from dimensions "
             "(layers, kv_heads, head_dim)."
         ) from exc

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbits._hub import hub_load_kwargs
 from kvbits.evaluate.models.gguf import (
     _conversion_record,
     _convert_gguf,
@@ -117,17 +118,18 @@ def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
     from transformers import AutoConfig
 
     source = spec if isinstance(spec, ModelSource) else resolve_model(spec, download=download)
+    hub_kwargs, unreachable = ({}, None) if source.is_local else hub_load_kwargs(f"the config of {source.path!r}")
     try:
         if source.gguf_file is not None:
             folder = converted_dir(_gguf_sha256(source))
             if _valid_conversion(folder, _conversion_record(source, _gguf_sha256(source))):
                 return AutoConfig.from_pretrained(folder)
             return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-        return AutoConfig.from_pretrained(source.path)
+        return AutoConfig.from_pretrained(source.path, **hub_kwargs)
     except (OSError, ValueError) as exc:
         if source.is_local:
             raise
-        raise _hub_error(source, exc) from exc
+        raise _hub_error(source, exc, unreachable) from exc
 
 
 def load_model(
@@ -164,6 +166,9 @@ def load_model(
     t0 = time.perf_counter()
     path: str | Path = source.path
     kwargs: dict[str, Any] = {}
+    unreachable = None
+    if not source.is_local:
+        kwargs, unreachable = hub_load_kwargs(f"model {source.path!r}")
     if source.gguf_file is not None:
         if convert:
             path = _convert_gguf(source)
@@ -177,7 +182,7 @@ def load_model(
     except (OSError, ValueError) as exc:
         if source.is_local:
             raise
-        raise _hub_error(source, exc) from exc
+        raise _hub_error(source, exc, unreachable) from exc
     model = model.to(device).eval()
     if source.max_context is None:
         ctx = max_positions(model.config)  # the text config's, as the planner reads it

@@ -101,9 +101,12 @@ def near_registry_name(spec: str) -> str | None:
     return close[0] if close else None
 
 
-def _hub_error(source: ModelSource, exc: Exception) -> RuntimeError:
+def _hub_error(source: ModelSource, exc: Exception, unreachable: str | None = None) -> RuntimeError:
+    """The error for a hub id that did not load; ``unreachable``: why the hub can not be reached, if known."""
+    from kvbits._hub import hub_failure
+
     return RuntimeError(
         f"could not load model {source.path!r}: it is not a registry name, a local .gguf file or a "
-        f"model folder, and loading it as a Hugging Face hub id failed ({type(exc).__name__}: {exc}). "
+        f"model folder, and loading it as a Hugging Face hub id failed ({hub_failure(exc, unreachable)}). "
         f"Offline models available: {sorted(OFFLINE_MODELS)}."
     )

@@ -1,0 +1,185 @@
+"""Loading by hub id where there is no network: one name lookup, then the local hub cache only (kvbits._hub)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbits import _hub
+
+CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+    "max_position_embeddings": 2048, "torch_dtype": "float16",
+}  # fmt: skip
+
+
+@pytest.fixture
+def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (
+        "https_proxy",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+        "http_proxy",
+        "HTTP_PROXY",
+        "HF_HUB_OFFLINE",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Hosts looked up; every lookup fails as it does with no network."""
+    seen: list[str] = []
+
+    def fail(host: str, *args: Any, **kwargs: Any) -> None:
+        seen.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    return seen
+
+
+def test_unresolvable_host_is_the_reason(no_proxy: None, lookups: list[str]) -> None:
+    reason = _hub.hub_unreachable()
+    assert reason is not None and "does not resolve" in reason and "Name or service not known" in reason
+    assert lookups == ["huggingface.co"]
+    assert _hub.hub_load_kwargs("x") == ({"local_files_only": True}, reason)
+
+
+def test_resolvable_host_leaves_the_load_alone(no_proxy: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda *a, **k: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", 443))],
+    )
+    assert _hub.hub_unreachable() is None
+    assert _hub.hub_load_kwargs("x") == ({}, None)
+
+
+def test_endpoint_host_is_the_one_looked_up(
+    no_proxy: None, lookups: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.mirror.example:8443")
+    assert "hub.mirror.example" in (_hub.hub_unreachable() or "")
+    assert lookups == ["hub.mirror.example"]
+
+
+def test_a_hanging_lookup_is_cut_at_the_timeout(no_proxy: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(5))
+    t0 = time.perf_counter()
+    reason = _hub.hub_unreachable(timeout_s=0.2)
+    assert time.perf_counter() - t0 < 2.0
+    assert reason is not None and "took over 0.2 s" in reason
+
+
+def test_offline_flag_is_a_reason_without_a_lookup(
+    no_proxy: None, lookups: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _hub.hub_unreachable() == "HF_HUB_OFFLINE is set"
+    assert lookups == []
+
+
+def test_a_proxy_resolves_names_itself(
+    no_proxy: None, lookups: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    assert _hub.hub_unreachable() is None
+    assert lookups == []
+
+
+def _hub_cache(root: Path, repo: str, config: dict[str, Any]) -> None:
+    """``root`` laid out as huggingface_hub's cache holding ``repo``'s config.json at one revision."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    rev = "0" * 40
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(rev)
+    (folder / "snapshots" / rev).mkdir(parents=True)
+    (folder / "snapshots" / rev / "config.json").write_text(json.dumps(config))
+
+
+def test_plan_reads_a_cached_hub_config_without_network(
+    no_proxy: None, lookups: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    from kvbits.plan import plan
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    _hub_cache(tmp_path, "some-org/cached-model", CONFIG)
+    t0 = time.perf_counter()
+    cached = plan("some-org/cached-model", context=1024)
+    assert time.perf_counter() - t0 < 10.0  # no retries: huggingface_hub's would take about 23 s
+    assert cached["total_bytes"] == plan(dict(CONFIG), context=1024)["total_bytes"] > 0
+    assert lookups == ["huggingface.co"]
+
+
+def test_plan_of_an_uncached_hub_id_fails_at_once_with_the_reason(
+    no_proxy: None, lookups: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+    from huggingface_hub import constants
+
+    from kvbits.plan import plan
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    calls: list[dict[str, Any]] = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
+    t0 = time.perf_counter()
+    with pytest.raises(
+        ValueError, match=r"some-org/not-cached.*hub is unreachable \(huggingface\.co does not resolve"
+    ):
+        plan("some-org/not-cached", context=1024)
+    assert time.perf_counter() - t0 < 10.0
+    assert calls == [{"local_files_only": True}]
+
+
+def test_evaluate_load_config_reads_the_cache_and_names_the_reason(
+    no_proxy: None, lookups: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    from kvbits.evaluate.models import load_config
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    _hub_cache(tmp_path, "some-org/cached-model", CONFIG)
+    assert load_config("some-org/cached-model").num_key_value_heads == 2
+    with pytest.raises(RuntimeError, match=r"some-org/other.*hub is unreachable.*not in the local hub cache"):
+        load_config("some-org/other")
+
+
+def test_load_model_by_hub_id_reads_only_the_cache(
+    no_proxy: None, lookups: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    from kvbits.evaluate.models import load_model
+
+    seen: list[dict[str, Any]] = []
+
+    def offline(*args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs)
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(RuntimeError, match=r"some-org/some-model.*hub is unreachable.*smollm2-135m"):
+        load_model("some-org/some-model")
+    assert seen == [{"local_files_only": True}]
