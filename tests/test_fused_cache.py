@@ -31,7 +31,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from kvbits.cache import FUSED_ATTENTION, QuantizedKVCache, track_positions, use_fused_decode
+from kvbits.cache import (
+    FUSED_ATTENTION,
+    QuantizedKVCache,
+    observe_fused_decode,
+    track_positions,
+    use_fused_decode,
+)
 from kvbits.cache import fused as fused_mod
 from kvbits.cache.compat import cache_kwargs
 from kvbits.cache.layer import _position_offset
@@ -251,6 +257,49 @@ def test_fused_decode_matches_dequantized_path(arch: str, scheme: str):
                    fused_decode=True)  # fmt: skip
     assert planned["rope_table_bytes"] == rep["rope_table_bytes"]
     assert planned["total_bytes"] == cache.memory_report()["total_bytes"] + rep["rope_table_bytes"]
+
+
+@torch.no_grad()
+def test_observer_sees_every_fused_step_and_is_removed():
+    """``observe_fused_decode``: each fused step's (layer, query, store, scaling), in layer order, before the kernel
+    attends over that very store; afterwards the observer is gone and SDPA is back, also after an exception."""
+    model, sch = build("llama"), SCHEMES["int4-kivi"]
+    cache = QuantizedKVCache(config=model.config, scheme=sch, fused_decode=True)
+    install(cache, sch)
+    seen: list[tuple[int, tuple[int, ...], int]] = []
+    stores: list[object] = []
+
+    def observer(layer, query, store, scaling):
+        seen.append((layer, tuple(query.shape), int(store.quant_lens.max())))
+        stores.append(store)
+
+    ids = prompt()
+    steps = 3
+    wrapped = mock.patch.object(dispatch, "decode_attention", wraps=dispatch.decode_attention)
+    with wrapped as kernel, observe_fused_decode(model, observer):
+        assert model.config._attn_implementation == FUSED_ATTENTION
+        model(ids, **cache_kwargs(cache, model), use_cache=True)  # prefill: SDPA, nothing observed
+        assert seen == []
+        nxt = ids[:, -1:]
+        for _ in range(steps):
+            model(nxt, **cache_kwargs(cache, model), use_cache=True)
+    assert model.config._attn_implementation == "sdpa"
+    n_layers = model.config.num_hidden_layers
+    assert [layer for layer, _, _ in seen] == list(range(n_layers)) * steps
+    assert all(shape == (ids.shape[0], 4, 1, 32) for _, shape, _ in seen)
+    assert seen[0][2] == token_split(sch, PROMPT + 1).quantized > 0
+    # the observer saw the kernel's own store object, call by call
+    assert [c.args[1] for c in kernel.call_args_list] == stores
+
+    def broken(*args):
+        raise RuntimeError("observer failed")
+
+    with pytest.raises(RuntimeError, match="observer failed"), observe_fused_decode(model, broken):
+        model(ids[:, -1:], **cache_kwargs(cache, model), use_cache=True)
+    assert model.config._attn_implementation == "sdpa"
+    from kvbits.cache import attention as attention_mod
+
+    assert attention_mod._OBSERVERS == []
 
 
 def test_rope_tables_keep_full_width_unless_the_halves_repeat():

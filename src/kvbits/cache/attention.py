@@ -22,7 +22,9 @@ builder under the same name in ``AttentionMaskInterface``); nothing of transform
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,18 +32,27 @@ import torch
 from kvbits._model import check_model
 from kvbits.cache import fused
 from kvbits.kernels import dispatch
+from kvbits.kernels.reference import PackedStore
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "IMPLEMENTATION",
+    "DecodeObserver",
     "UnsupportedAttention",
     "fused_attention",
+    "observe_fused_decode",
     "register_fused_attention",
     "use_fused_decode",
 ]
 
 IMPLEMENTATION = "kvbits_fused"
+
+DecodeObserver = Callable[[int, torch.Tensor, PackedStore, "float | None"], None]
+"""``observer(layer_idx, query (B, H_q, 1, D), store, scaling)``: a fused step's kernel inputs (see
+:func:`observe_fused_decode`)."""
+
+_OBSERVERS: list[DecodeObserver] = []
 
 
 class UnsupportedAttention(ValueError):
@@ -108,7 +119,10 @@ def fused_attention(
         keep = None
         if attention_mask is not None:  # (B, 1, 1, T) bool, True = attend: left padding
             keep = attention_mask[:, 0, 0, :].expand(key.shape[0], -1)
-        out = dispatch.decode_attention(query, fused.packed_store(layer, keep), scaling)  # (B, H_q, 1, D)
+        store = fused.packed_store(layer, keep)
+        for observe in _OBSERVERS:
+            observe(layer.layer_idx, query, store, scaling)
+        out = dispatch.decode_attention(query, store, scaling)  # (B, H_q, 1, D)
         layer.fused.steps += 1
         return out.transpose(1, 2).contiguous(), None
     # a claimed layer whose step cannot be fused: attend over exactly what update() would have returned
@@ -171,3 +185,23 @@ def use_fused_decode(model: Any) -> str:
         )
     track_positions(model)
     return previous
+
+
+@contextlib.contextmanager
+def observe_fused_decode(model: Any, observer: DecodeObserver) -> Iterator[None]:
+    """Fused decode through ``model`` inside the block, each fused step's kernel inputs shown to ``observer`` first.
+
+    ``observer(layer_idx, query, store, scaling)`` gets the layer's index, the post-RoPE query
+    ``(B, H_q, 1, D)``, the layer's :class:`~kvbits.kernels.reference.PackedStore` and the attention scaling,
+    before ``kvbits.kernels.decode_attention`` attends over that store; it must not modify them. For
+    diagnostics on a real model's own caches: hold a kernel against a float64 reference at every layer
+    (``benchmarks/fold_real_kv.py``). On exit the observer is removed and the model's previous attention
+    implementation restored, also when the block raises.
+    """
+    previous = use_fused_decode(model)
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+        model.set_attn_implementation(previous)
