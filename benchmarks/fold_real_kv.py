@@ -55,13 +55,13 @@ KERNELS = ("torch16", "product", "fold")
 STEP_RATIOS = ("product_step", "fold_step")
 
 
-def errors(q: torch.Tensor, store: PackedStore, scaling: float | None) -> dict[str, float]:
+def errors(q: torch.Tensor, store: PackedStore, scaling: float | None, row_keys: bool = True) -> dict[str, float]:
     """Max abs error of each of ``KERNELS`` against float64 attention over ``store`` for float16 ``q``
-    ``(B, H_q, 1, D)``, and the largest output magnitude (``scale``)."""
+    ``(B, H_q, 1, D)``, and the largest output magnitude (``scale``). ``row_keys``: the product kernel's."""
     truth = decode_attention_reference(q.double(), store, scaling, dtype=torch.float64)
     outs = {
         "torch16": decode_attention_reference(q, store, scaling, dtype=torch.float16),
-        "product": triton_decode.decode_attention_triton(q, store, scaling),
+        "product": triton_decode.decode_attention_triton(q, store, scaling, row_keys=row_keys),
         "fold": triton_fold.decode_attention_fold(q, store, scaling),
     }
     r = {k: float((o.double() - truth).abs().max()) for k, o in outs.items()}
@@ -79,7 +79,7 @@ def half_tail(store: PackedStore) -> PackedStore:
 
 
 @torch.no_grad()
-def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str) -> list[dict]:
+def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str, row_keys: bool = True) -> list[dict]:
     """Prefill ``ids[:, :prompt]``, then ``steps`` fused decode steps; one row per layer (worst over steps)."""
     scheme = get_scheme(name)
     cache = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=True)
@@ -91,7 +91,7 @@ def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str) -> 
         reason = triton_fold.fold_supported(store, query.half())
         if reason:
             raise ValueError(f"{name}: the folded kernel cannot read this store: {reason}")
-        e = errors(query.half(), half_tail(store), scaling)
+        e = errors(query.half(), half_tail(store), scaling, row_keys)
         w = worst.setdefault(layer, {**dict.fromkeys(e, 0.0), **dict.fromkeys(STEP_RATIOS, 0.0)})
         for k, v in e.items():
             w[k] = max(w[k], v)
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="decode steps after the prefill (each layer's worst kept)")
     p.add_argument("--scheme", action="append", help=f"repeatable (default: {', '.join(SCHEMES)})")
     p.add_argument("--out", default=None, help="JSON file for the table")
+    p.add_argument("--rounded-keys", action="store_true",
+                   help="the product kernel dequantizes per-token keys and rounds them to float16 (row_keys=False), "
+                   "as before session 43, instead of taking their codes into the dots")  # fmt: skip
     args = p.parse_args(argv)
 
     t0, rev = time.time(), commit()
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = make_windows(tokenize(load_text(args.data), lm.tokenizer), args.context + args.steps, 1)
     out = []
     for name in args.scheme or SCHEMES:
-        rows = run_scheme(lm.model, ids, args.context, args.steps, name)
+        rows = run_scheme(lm.model, ids, args.context, args.steps, name, row_keys=not args.rounded_keys)
         out += rows
         worst = {k: max(r[f"{k}_ratio"] for r in rows) for k in ("product", "fold")}
         at = {k: max(rows, key=lambda r, k=k: r[f"{k}_ratio"])["layer"] for k in worst}
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(out)} layer rows in {seconds} s")
     if args.out:
         meta = {"model": args.model, "data": args.data, "context": args.context, "steps": args.steps,
+                "product_row_keys": not args.rounded_keys,
                 "seconds": seconds, "date": time.strftime("%Y-%m-%d"), "commit": rev, "host": host()}  # fmt: skip
         Path(args.out).write_text(json.dumps({**meta, "rows": out}, indent=1) + "\n")
     bad = [r for r in out if not r["fold_step_ratio"] <= 2]  # NaN included

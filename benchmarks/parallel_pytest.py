@@ -4,7 +4,7 @@
         -m "not realmodel" tests/test_kernels.py -k "within_twice or meta32"
 
 On the GPU machine nearly all of a kernel test's time is Triton compiling the kernels it launches, one after
-another (session 37: 59 tests in 100 s; 118 are selected now, about 120 distinct kernel specialisations). The
+another (session 37: 59 tests in 100 s; 136 are selected now, about 130 distinct kernel specialisations). The
 machine has 16 cores and cannot install pytest-xdist, so this collects the selection once (``--collect-only``),
 deals the tests out to ``--workers`` processes, all parametrisations of a test function to one worker (they share
 its compiled kernels), and runs them side by side on the same GPU (correctness tests, not timings). At

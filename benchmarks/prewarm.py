@@ -44,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 Job = tuple  # ("sweep", shape, variant, rope, path) | ("tune", shape, rope, dequant, block_t, warps, stages)
 #              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup[, reserve])
 #              | ("growing", scheme, batch, context, tokens, reserve)  (step 2c)
-# path: None (default launch), False (gather path, vectorized=False), "f16" (dequant="f16") or "fold" (dequant="fold");
+# path: None (default launch), False (gather path, vectorized=False), "f16" (dequant="f16"), "fold" (dequant="fold")
+#       or "rounded" (row_keys=False: per-token keys dequantized and rounded, not K_ROWS);
 # dequant: a sweep.TUNE_DEQUANT key ("f32", "f16", "f16-r128", "f32-halves"; sweep.TUNE_CASES)
 SWEEP_PATHS: dict[Any, dict[str, Any]] = {None: {}, False: {"vectorized": False}, "f16": {"dequant": "f16"},
-                                          "fold": {"dequant": "fold"}}
+                                          "fold": {"dequant": "fold"}, "rounded": {"row_keys": False}}
 
 
 def jobs(tune: bool = True) -> list[Job]:
@@ -69,6 +70,7 @@ def jobs(tune: bool = True) -> list[Job]:
             out += [("sweep", shape, name, True, None), ("sweep", shape, name, True, False)]
         out += [("sweep", shape, name, rope, None) for name, rope in token]
         out += [("sweep", shape, name, False, "fold") for name, ts in common.TOKEN_SCHEMES.items() if not ts.pre_rope]
+        out.append(("sweep", shape, sweep.ROUNDED_KEYS, False, "rounded"))
     out += [("quantize", name) for name in checks.QUANTIZE_SPECS]
     # step 2c (a growing and a reserved cache, the same decode): step 6's run at its own sizes
     g = e2e.GROWING_CHECK

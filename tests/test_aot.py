@@ -142,8 +142,8 @@ def test_prewarm_compiles_what_the_gpu_sweep_then_launches(tmp_path):
     """``benchmarks/prewarm.py`` fills Triton's on-disk cache in worker processes from zero-stride stores;
     the benchmark's own sweep (real tensors, every batch and context given, this process) then finds every
     kernel it launches there (the ``dequant="f16"`` and ``dequant="fold"`` variants included, and the per-token
-    layouts at batch 8: plain, Hadamard-rotated, centred / smoothed keys): no new cache entry, i.e. nothing left to
-    compile in the timed run."""
+    layouts at batch 8: plain, Hadamard-rotated, centred / smoothed keys, and plain with its keys rounded): no new
+    cache entry, i.e. nothing left to compile in the timed run."""
     code = """
 import functools, os, torch, prewarm
 from gpu_bench import common, sweep
@@ -154,8 +154,9 @@ variants = {"fp16", "int4", *common.TOKEN_SCHEMES}
 job_list = [j for j in prewarm.jobs(tune=False) if j[0] == "sweep" and j[1] == "qwen2.5-0.5b" and j[2] in variants]
 r = prewarm.prewarm("sm_90", 264, job_list, processes=2, timeout_s=300)
 # default, gather and f16 paths; per-token: plain, rotated, smoothed (post-RoPE, pre-RoPE untied and tied); the
-# folded kernel on int4 and the three per-token layouts it reads (plain, rotated, smoothed post-RoPE)
-assert r["done"] == len(job_list) == 6 + 5 + 1 + 3 and not r["failed"], r
+# folded kernel on int4 and the three per-token layouts it reads (plain, rotated, smoothed post-RoPE); the plain
+# per-token layout with its keys rounded (row_keys=False)
+assert r["done"] == len(job_list) == 6 + 5 + 1 + 3 + 1 and not r["failed"], r
 before = set(os.listdir(cache))
 sweep.SHAPES = {"qwen2.5-0.5b": common.SHAPES["qwen2.5-0.5b"]}
 sweep.SCHEMES = {"int4": common.SCHEMES["int4"]}
@@ -165,7 +166,8 @@ cfg = common.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[
 with compile_only("sm_90") as launched:
     records = sweep.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
 # batch 8: the per-token layouts too (the rotated one's split query is a launch of its own)
-assert len(records) == 4 * (2 + 7) + 2 * (5 + 3) and len(launched) > 0, (len(records), len(launched))
+assert len(records) == 4 * (2 + 7) + 2 * (5 + 3 + 1) and len(launched) > 0, (len(records), len(launched))
+assert sum(r["kernel"] == "triton-rounded-keys" for r in records) == 2, records  # row_keys=False
 assert sum(r["kernel"] == "triton-f16" for r in records) == 4, records  # dequant="f16" launched too
 assert sum(r["kernel"] == "triton-fold" for r in records) == 4 + 2 * 3, records  # and dequant="fold"
 print("NEW", len(set(os.listdir(cache)) - before), "OF", len(before))

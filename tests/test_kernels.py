@@ -1025,6 +1025,97 @@ def test_kernel_keeps_the_rotated_query_exact(monkeypatch, seed: int):
     assert max_err(out, truth) <= 0.8 * max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
 
 
+ROW_KEYS = {  # per-token integer keys the kernel reads as codes (K_ROWS), and its error bound against float16 torch's
+    "int4": spec(4), "int8": spec(8), "int8-sym": spec(8, symmetric=True), "int2": spec(2),
+}  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("name", list(ROW_KEYS))
+def test_per_token_keys_enter_the_dots_as_codes(monkeypatch, name: str, seed: int):
+    """Keys with one scale per token: the codes are the dots' operand (exact in float16) and ``s_t (q . c_t) +
+    z_t sum(q)`` the score, in float32 (``K_ROWS``). What is left is the values' and probabilities' rounding: at
+    most 0.5x float16 torch's error (0.18-0.47x here), and never above the kernel with its keys dequantized and
+    rounded to float16 (``row_keys=False``: 0.32-0.92x, int4 seeds 0 and 3 above 0.5x). On SmolLM2's real INT4
+    per-token caches that rounding put single decode steps at up to 3.1x float16 torch's error
+    (``benchmarks/fold_real_kv.py``, BENCHMARKS.md §6 session 43). A ragged batch, INT8 values, no tail."""
+    g = torch.Generator().manual_seed(seed)
+    store = make_store(g, key_spec=ROW_KEYS[name], value_spec=spec(8), T_f=0, quant_lens=[160, 137],
+                       full_lens=[0, 0])  # fmt: skip
+    q = (torch.randn(2, 8, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    out = triton_decode.decode_attention_triton(q, store, splits=2)
+    assert spy.seen[-1]["K_ROWS"] and out.dtype == torch.float16
+    rounded = triton_decode.decode_attention_triton(q, store, splits=2, row_keys=False)
+    assert not spy.seen[-1]["K_ROWS"]
+    assert max_err(out, truth) <= 0.5 * err_pt, (max_err(out, truth), err_pt)
+    assert max_err(out, truth) <= max_err(rounded, truth) + 1e-6
+
+
+@needs_triton
+def test_per_token_keys_as_codes_in_bfloat16_and_through_padding(monkeypatch):
+    """``K_ROWS`` with bfloat16 queries (codes up to 255 are exact in bfloat16), a Hadamard-rotated store (a float32
+    ``q'`` split in two halves, both in ``sum(q')``), and a left-padded batch over reserved slots holding NaN scales:
+    within twice torch's error at the query's precision, nothing leaks from the masked slots."""
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    g = torch.Generator().manual_seed(5)
+    store = make_store(g, key_spec=spec(4), value_spec=spec(4), quant_lens=[160, 96], full_lens=[40, 9])
+    store.quant_mask = torch.ones(2, 160, dtype=torch.bool, device=store.device)
+    store.quant_mask[1, :20] = False  # sequence 1 left-padded
+    store.key.scale[1, :, 96:] = float("nan")  # slots past sequence 1's length: never read
+    q = (torch.randn(2, 6, 1, 64, generator=g) * 1.5).to(DEVICE)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    for dtype in (torch.bfloat16, torch.float16):
+        err_pt = max_err(decode_attention_reference(q.to(dtype), store, dtype=dtype), truth)
+        out = triton_decode.decode_attention_triton(q.to(dtype), store, splits=3)
+        assert spy.seen[-1]["K_ROWS"] and out.isfinite().all()
+        assert max_err(out, truth) <= 2 * err_pt, (dtype, max_err(out, truth), err_pt)
+    q2, rot, _ = rotated_case(g, spec(4, "token", **HAD), spec(8, "token", **HAD), G=4)
+    truth = decode_attention_reference(q2.half().double(), rot, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q2.half(), rot, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q2.half(), rot)
+    assert spy.seen[-1]["K_ROWS"] and spy.seen[-1]["Q_SPLIT"]
+    assert max_err(out, truth) <= err_pt, (max_err(out, truth), err_pt)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "key_spec,kw",
+    [
+        (spec(4, "channel", 32), {}),  # KIVI's per-channel keys: a scale per channel
+        (spec(4, "token", 32), {}),  # per-token groups of 32 channels: several scales per row
+        (spec(4, "token", outlier_frac=0.03), {}),  # outliers written back into the rows
+        (nuq(4, "token"), {}),  # codebook values
+        (fp8(), {}),
+        (spec(4), {"rope": True}),  # pre-RoPE keys: RoPE rotates the dequantized rows
+        (spec(4), {"float32": True}),  # float32 queries: the dots are exact float32 already
+        (spec(4), {"row_keys": False}),
+        (spec(4), {"vectorized": False}),  # the gather path
+    ],
+    ids=["channel", "token-g32", "outliers", "nuq", "fp8", "pre-rope", "float32", "off", "gather"],
+)
+def test_keys_outside_k_rows_keep_the_dequantized_path(monkeypatch, key_spec, kw: dict):
+    """Only whole-row integer keys with one scale per token and no outliers take ``K_ROWS``; the rest dequantize as
+    before, and stay within twice torch's error."""
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    g = torch.Generator().manual_seed(11)
+    store = make_store(g, key_spec=key_spec, value_spec=spec(4, "token", 32), rope=kw.get("rope", False))
+    dtype = torch.float32 if kw.get("float32") else torch.float16
+    q = (torch.randn(2, 4, 1, 64, generator=g) * 1.5).to(DEVICE).to(dtype)
+    call = {k: v for k, v in kw.items() if k in ("row_keys", "vectorized")}
+    out = triton_decode.decode_attention_triton(q, store, splits=2, **call)
+    assert not spy.seen[-1].get("K_ROWS", False)
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=dtype), truth)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6
+
+
 @needs_triton
 @pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
 @pytest.mark.parametrize("name", list(SMOOTH_PRE_ROPE))
@@ -1171,7 +1262,7 @@ F16_CASES = [  # (name, make_store kwargs, query dtype, (F16_K, F16_V) expected)
 @pytest.mark.parametrize("name,kw,dtype,want", F16_CASES, ids=[c[0] for c in F16_CASES])
 def test_decode_f16_dequant(monkeypatch, name: str, kw: dict, dtype: torch.dtype, want: tuple[bool, bool]):
     """``dequant="f16"`` takes the sides it can (and only those) and stays within twice torch's error at
-    float16; on a ragged, left-padded batch it equals the float32 path up to the dots' rounding."""
+    float16; on a ragged, left-padded batch it equals the float32 dequantization up to the dots' rounding."""
     spy = LaunchSpy(triton_decode._decode_kernel)
     monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
     g = torch.Generator().manual_seed(sum(map(ord, name)))
@@ -1185,7 +1276,9 @@ def test_decode_f16_dequant(monkeypatch, name: str, kw: dict, dtype: torch.dtype
     out = triton_decode.decode_attention_triton(q, store, splits=2, dequant="f16")
     assert (spy.seen[-1].get("F16_K", False), spy.seen[-1].get("F16_V", False)) == want
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
-    ref32 = triton_decode.decode_attention_triton(q, store, splits=2)
+    # the float32 dequantization, keys rounded to float16 for the dots as here (row_keys=False: per-token keys
+    # would otherwise enter as exact codes, K_ROWS)
+    ref32 = triton_decode.decode_attention_triton(q, store, splits=2, row_keys=False)
     assert max_err(out, ref32) <= err_pt + 1e-6
 
 

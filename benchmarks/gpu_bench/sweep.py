@@ -26,6 +26,7 @@ from .common import (
 )
 
 TUNE_BATCH, TUNE_CONTEXT = 8, 32768  # step 3b
+ROUNDED_KEYS = "int4-token"  # the per-token layout also timed with its keys rounded (row_keys=False)
 
 
 def _record(
@@ -98,15 +99,18 @@ def fused_timing(
     return ms, graph, store.nbytes, spread
 
 
-KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)"}  # the progress line's mark of each kernel suffix
+KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)", "rounded-keys": "(r)"}  # the progress line's marks
 
 
 def variant_kernel(kernel: str, kw: dict) -> str:
     """The ``kernel`` of a sweep record: ``kernel`` for the default launch, ``-gather`` for the per-element
     path (``vectorized=False``), ``-f16`` for float16 dequantization (``dequant="f16"``), ``-fold`` for the
-    folded-scale kernel (``dequant="fold"``)."""
+    folded-scale kernel (``dequant="fold"``), ``-rounded-keys`` for per-token keys dequantized and rounded to
+    float16 instead of entering the dots as codes (``row_keys=False``)."""
     if kw.get("vectorized") is False:
         return kernel + "-gather"
+    if kw.get("row_keys") is False:
+        return kernel + "-rounded-keys"
     return kernel + {"f16": "-f16", "fold": "-fold"}.get(kw.get("dequant", ""), "")
 
 
@@ -145,6 +149,10 @@ def sweep(
         token_variants += [(name, SCHEMES[ts.codes], {"dequant": "fold"}, False,
                             {"layout": "token", "rotate": ts.rotate, "channels": ts.channels})
                            for name, ts in TOKEN_SCHEMES.items() if not ts.pre_rope]  # fmt: skip
+        # and per-token INT4 keys dequantized and rounded to float16 (the kernel before K_ROWS): what K_ROWS costs
+        ts = TOKEN_SCHEMES[ROUNDED_KEYS]
+        token_variants.append((ROUNDED_KEYS, SCHEMES[ts.codes], {"row_keys": False}, False,
+                               {"layout": "token", "rotate": ts.rotate, "channels": ts.channels}))  # fmt: skip
     token_batch = rotation_batch(cfg.batches)
     for batch in cfg.batches:
         for shape_name, shp in SHAPES.items():

@@ -22,7 +22,11 @@ their channels (``_outliers``). Slot masks (``quant_mask`` / ``full_mask``, left
 rotates the query and the tail into the codes' basis and the output back (``reference.code_basis``), and for
 float16 queries keeps the rotated (or smoothed) query ``q'`` float32, which the kernel takes as two float16
 halves in every key dot (``Q_SPLIT``, ``_halves``): one float16 rounding of ``q'`` is shared by every score of a
-query, and cost up to 1.78x float16 torch's error on a real rotated cache (BENCHMARKS.md §6, session 40).
+query, and cost up to 1.78x float16 torch's error on a real rotated cache (BENCHMARKS.md §6, session 40). Keys with
+one scale per token (whole 2/4/8-bit integer rows, no outliers, not pre-RoPE) are not dequantized at all: the query
+multiplies their codes, exact in float16, and each token's scale and zero-point apply to its score in float32,
+``s_t (q . c_t) + z_t sum(q)`` (``K_ROWS``); dequantized and rounded to float16 they cost single decode steps of
+real per-token INT4 caches up to 3.1x float16 torch's error (session 43).
 
 Precision follows the query dtype: float16/bfloat16 queries use tensor-core dots on dequantized K/V
 and probabilities cast to that dtype with float32 accumulation (FlashAttention's recipe); float32
@@ -269,10 +273,8 @@ def _meta_rows(ptr, t, mask_t, SCOLS, D: tl.constexpr, BLOCK_T: tl.constexpr, TP
 
 
 @triton.jit
-def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t, ROW, SCOLS, D: tl.constexpr,
-               BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
-               SYM: tl.constexpr, KIND: tl.constexpr, NOUT: tl.constexpr, W32: tl.constexpr = False):
-    """Vectorised ``_load_kv`` for 2/4/8-bit codes: whole rows ``t (BLOCK_T,)`` → ``(BLOCK_T, D)`` float32.
+def _row_codes(codes_ptr, t, mask_t, ROW, D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr):
+    """The 2/4/8-bit codes of whole rows ``t (BLOCK_T,)`` → ``(BLOCK_T, D)`` int32 in channel order.
 
     Each packed row is read once as ``D * BITS / 8`` contiguous bytes; the codes of a byte are split
     with shifts and put back in channel order with ``tl.interleave`` (``interleave(a, b)[2i] = a[i]``,
@@ -288,6 +290,34 @@ def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t
         even = tl.interleave(byte & 3, (byte >> 4) & 3)  # codes 0, 2 of each byte
         odd = tl.interleave((byte >> 2) & 3, byte >> 6)  # codes 1, 3
         code = tl.interleave(even, odd)
+    return code
+
+
+@triton.jit
+def _key_row_meta(s_ptr, z_ptr, t, mask_t, SYM: tl.constexpr, W32: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Scale and zero-point ``(s_t, z_t)`` of per-token rows ``t (BLOCK_T,)`` (one value per row: ``TPS == 1``,
+    ``CPS == D``), float32; ``z_t`` is 0 for symmetric codes (the kernel centres those codes instead). ``W32`` as
+    ``_meta_rows``: int32 words of two tokens (``_token_words``). Rows outside ``mask_t`` read 0."""
+    if W32:
+        sc = _token_words(s_ptr, t, mask_t, BLOCK_T, W32 == 2).to(tl.float32)
+    else:
+        sc = tl.load(s_ptr + t, mask=mask_t, other=0.0).to(tl.float32)
+    if SYM:
+        zp = tl.zeros_like(sc)
+    elif W32:
+        zp = _token_words(z_ptr, t, mask_t, BLOCK_T, W32 == 2).to(tl.float32)
+    else:
+        zp = tl.load(z_ptr + t, mask=mask_t, other=0.0).to(tl.float32)
+    return sc, zp
+
+
+@triton.jit
+def _load_rows(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ov_ptr, oi_ptr, t, mask_t, ROW, SCOLS, D: tl.constexpr,
+               BLOCK_T: tl.constexpr, BITS: tl.constexpr, TPS: tl.constexpr, CPS: tl.constexpr,
+               SYM: tl.constexpr, KIND: tl.constexpr, NOUT: tl.constexpr, W32: tl.constexpr = False):
+    """Vectorised ``_load_kv`` for 2/4/8-bit codes: whole rows ``t (BLOCK_T,)`` → ``(BLOCK_T, D)`` float32
+    (``_row_codes``, then each code's scale and zero-point)."""
+    code = _row_codes(codes_ptr, t, mask_t, ROW, D, BLOCK_T, BITS)
     s = _meta_rows(scale_ptr, t, mask_t, SCOLS, D, BLOCK_T, TPS, CPS, W32)
     z = s
     if not SYM:
@@ -513,9 +543,10 @@ def _query_halves(x, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, SPLIT: tl.constexpr):
-    """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles. ``SPLIT``:
-    the query is ``q + q_lo`` (float16 halves of a float32 query), two dots into one accumulator."""
+def _scores(q, q_lo, k, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+    """``q @ k``, float32 ``(G_PAD, BLOCK_T)``, for ``q (G_PAD, D)`` and ``k (D, BLOCK_T)``: in float32 (``IEEE``),
+    else with ``k`` in the query's dtype on the tensor cores. ``SPLIT``: the query is ``q + q_lo`` (float16 halves
+    of a float32 query), two dots into one accumulator."""
     if IEEE:
         s = tl.dot(q, k, input_precision="ieee")
     elif SPLIT:
@@ -523,6 +554,20 @@ def _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, S
         s = tl.dot(q_lo, k16, tl.dot(q, k16))
     else:
         s = tl.dot(q, k.to(q.dtype))
+    return s
+
+
+@triton.jit
+def _attend(q, q_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+    """One online-softmax step: ``q (G_PAD, D)``, ``k (D, BLOCK_T)``, ``v (BLOCK_T, D)`` float32 tiles. ``SPLIT``:
+    the query is ``q + q_lo`` (float16 halves of a float32 query), two dots into one accumulator."""
+    return _online(_scores(q, q_lo, k, IEEE, SPLIT), q, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+
+
+@triton.jit
+def _online(s, q, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """The online-softmax step of ``_attend`` from its scores ``s (G_PAD, BLOCK_T)`` (before ``qk_scale``); ``q``
+    gives the dtype of the value dot's operands."""
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -593,10 +638,14 @@ def _decode_kernel(
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
     K_W32: tl.constexpr = False, V_W32: tl.constexpr = False, QMASK_W32: tl.constexpr = False,
     K_MEAN: tl.constexpr = False, K_FACTOR: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
+    K_ROWS: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``.
     ``Q_SPLIT``: ``Q`` is the float32 ``q'`` of a rotated / smoothed store for float16 queries, taken as two
-    float16 halves (``_halves``) in every key dot."""
+    float16 halves (``_halves``) in every key dot. ``K_ROWS`` (whole-row integer keys with one scale per token,
+    no RoPE, no outliers): the query multiplies the codes, exact in float16, and each token's scale and
+    zero-point apply to its score, ``s_t (q . c_t) + z_t sum(q)``, in float32; dequantized keys would be
+    rounded to float16 for the dot."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // H_kv
@@ -626,6 +675,10 @@ def _decode_kernel(
         vov = VOV + bh * T_q * V_NOUT
         voi = VOI + bh * T_q * V_NOUT
         qk, qk_lo = q, q_lo
+        if K_ROWS:  # sum(q') for the zero-points' term of the scores (both halves of a split query)
+            q_sum = tl.sum(q.to(tl.float32), 1)
+            if Q_SPLIT:
+                q_sum += tl.sum(q_lo.to(tl.float32), 1)
         if F16_K:  # the key tiles' columns are in pair order: so are the queries' channels
             qk, qk_lo = _query_halves(tl.load(Q + row[:, None] * D + _pair_channels(D, K_BITS)[None, :],
                                               mask=gmask[:, None], other=0.0), Q_SPLIT)
@@ -642,6 +695,13 @@ def _decode_kernel(
                 kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
                                   K_CPS, K_SYM, ASM, K_W32)
                 k = tl.trans(kr)
+            elif K_ROWS:  # the codes themselves (symmetric ones centred), exact in the dots' type
+                kr = _row_codes(kc, t, valid, K_ROW, D, BLOCK_T, K_BITS)
+                if K_SYM:
+                    kr = kr - ((1 << (K_BITS - 1)) - 1)
+                # through float32: the interpreter converts int32 to bfloat16 as a bit pattern (Triton 3.6)
+                k = tl.trans(kr.to(tl.float32))
+                k_s, k_z = _key_row_meta(ks, kz, t, valid, K_SYM, K_W32, BLOCK_T)
             elif VEC_K:
                 kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
                                 K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT, K_W32)
@@ -683,7 +743,13 @@ def _decode_kernel(
             else:
                 v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
                              V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
-            m_i, l_i, acc = _attend(qk, qk_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, Q_SPLIT)
+            if K_ROWS:
+                sc = _scores(qk, qk_lo, k, IEEE, Q_SPLIT) * k_s[None, :]
+                if not K_SYM:
+                    sc += k_z[None, :] * q_sum[:, None]
+                m_i, l_i, acc = _online(sc, qk, v, valid, m_i, l_i, acc, qk_scale, IEEE)
+            else:
+                m_i, l_i, acc = _attend(qk, qk_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, Q_SPLIT)
         if F16_V:  # the accumulator's columns are in the values' pair order
             acc_cols = _pair_channels(D, V_BITS)
     else:
@@ -920,6 +986,7 @@ def decode_attention_triton(
     dequant: str = "f32",
     maxnreg: int | None = None,
     meta32: bool = True,
+    row_keys: bool = True,
 ) -> torch.Tensor:
     """Fused decode attention: ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
@@ -962,6 +1029,12 @@ def decode_attention_triton(
             are too narrow for ``cp.async``, so compiled for sm_90 they stayed synchronous loads inside
             the tile loop; as words they are prefetched with the codes (``benchmarks/kernel_cost.py``).
             Same values either way; ``False`` restores the 2-byte loads (the code session 9's H200 ran).
+        row_keys: keys with one scale per token (2/4/8-bit integer codes read as whole rows, no outliers, not
+            pre-RoPE; float16 or bfloat16 queries) enter the key dots as their codes, exact in the dots' type, and
+            each token's scale and zero-point apply to its score in float32 (``K_ROWS``). ``False``: dequantized in
+            float32 and rounded to the dots' type, as float16 torch rounds them; on SmolLM2's real per-token INT4
+            caches that rounding put single decode steps at up to 3.1x float16 torch's error (BENCHMARKS.md §6,
+            session 43).
     """
     if dequant not in DEQUANT_MODES:
         raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
@@ -1106,12 +1179,18 @@ def decode_attention_triton(
         dequant == "f16" and vec and f16_ok(p, block_t, out_dtype) and not (p is k and rope)
         for vec, p in ((vec_k, k), (vec_v, v))
     )
+    # per-token integer keys read as whole rows: the codes enter the key dots, their scales the scores (K_ROWS)
+    rows_ok = (
+        row_keys and vec_k and not f16_k and not ieee and not rope and k is not None
+        and k.kind == "int" and k.tps == 1 and k.cps == D and not k.n_outliers
+    )  # fmt: skip
     grid = (B * H_kv, n_split)
     fall_back = _compile_fallbacks(q)
     launched = False
     if (f16_k or f16_v) and config not in _F16_BROKEN:
         try:
-            _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, F16_K=f16_k, F16_V=f16_v, ASM=_asm_ok(), **meta)
+            _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, F16_K=f16_k, F16_V=f16_v, ASM=_asm_ok(),
+                                 K_ROWS=rows_ok, **meta)
             launched = True
         except Exception as exc:  # a compile error of the opt-in path: keep the float32 one (re-raised off CUDA)
             if not fall_back:
@@ -1121,7 +1200,7 @@ def decode_attention_triton(
     if not launched:
         if (vec_k or vec_v) and vectorized is None and fall_back:
             try:
-                _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
+                _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, K_ROWS=rows_ok, **meta)
             except Exception as exc:  # noqa: BLE001 - any compile error of the interleave path: keep the gather path
                 _VEC_BROKEN.add(config)
                 logger.warning(
@@ -1129,7 +1208,7 @@ def decode_attention_triton(
                 )
                 _decode_kernel[grid](*args, VEC_K=False, VEC_V=False, **meta)
         else:
-            _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, **meta)
+            _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, K_ROWS=rows_ok, **meta)
     # rotated values: the merged output stays float32 until it is rotated back (one rounding to the query's dtype)
     out = torch.empty(B * H_q, D, device=dev, dtype=out_dtype if out_rotate is None else torch.float32)
     _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
