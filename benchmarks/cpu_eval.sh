@@ -575,4 +575,13 @@ if [[ $step == all || $step == fold-real-kv ]]; then
   PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model qwen2.5-coder-0.5b --data wikitext2 \
     --context 2048 --steps 2 --scheme int8-token-hadamard --scheme int2-token-hadamard --scheme vllm-int4 \
     --out benchmarks/results/fold-real-kv-qwen-wiki-2k-rotated.json
+  # step by step, the product kernel's per-token keys as codes (K_ROWS) and dequantized and rounded (session 43;
+  # about 5 minutes each)
+  for flag in "" --rounded-keys; do
+    for model in smollm2-135m:smollm2 qwen2.5-coder-0.5b:qwen; do
+      PYTHONPATH=src .venv/bin/python benchmarks/fold_real_kv.py --model ${model%%:*} --data wikitext2 \
+        --context 1024 --steps 4 --scheme int4-token --scheme int8-token --scheme int4-token-hadamard $flag \
+        --out benchmarks/results/fold-real-kv-${model##*:}-wiki-1k-steps${flag:+-rounded-keys}.json
+    done
+  done
 fi
