@@ -294,21 +294,41 @@ def _row_codes(codes_ptr, t, mask_t, ROW, D: tl.constexpr, BLOCK_T: tl.constexpr
 
 
 @triton.jit
-def _key_row_meta(s_ptr, z_ptr, t, mask_t, SYM: tl.constexpr, W32: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Scale and zero-point ``(s_t, z_t)`` of per-token rows ``t (BLOCK_T,)`` (one value per row: ``TPS == 1``,
-    ``CPS == D``), float32; ``z_t`` is 0 for symmetric codes (the kernel centres those codes instead). ``W32`` as
-    ``_meta_rows``: int32 words of two tokens (``_token_words``). Rows outside ``mask_t`` read 0."""
-    if W32:
-        sc = _token_words(s_ptr, t, mask_t, BLOCK_T, W32 == 2).to(tl.float32)
-    else:
-        sc = tl.load(s_ptr + t, mask=mask_t, other=0.0).to(tl.float32)
+def _sym_zero(s, BITS: tl.constexpr):
+    """The additive term of symmetric codes: ``(c - (2**(BITS-1) - 1)) s = c s + z`` with ``z = -(2**(BITS-1) - 1) s``."""
+    return s * (-((1 << (BITS - 1)) - 1))
+
+
+@triton.jit
+def _scale_zero(s_ptr, z_ptr, offs, mask, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Scales and additive terms at ``offs`` (any shape), float32 (symmetric codes: ``_sym_zero``); elements outside
+    ``mask`` read 0 (their probability is 0: never NaN times 0)."""
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if SYM:
-        zp = tl.zeros_like(sc)
-    elif W32:
-        zp = _token_words(z_ptr, t, mask_t, BLOCK_T, W32 == 2).to(tl.float32)
+        z = _sym_zero(s, BITS)
     else:
-        zp = tl.load(z_ptr + t, mask=mask_t, other=0.0).to(tl.float32)
-    return sc, zp
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _row_meta(s_ptr, z_ptr, t, valid, BITS: tl.constexpr, SYM: tl.constexpr, W32: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """Scale and additive term ``(s_t, z_t)`` of rows ``t`` (consecutive, ``t[0]`` even) with one value each (``TPS ==
+    1``, ``CPS == D``), float32, as ``_scale_zero``; ``x = c s_t + z_t``. Read by the folded kernel and by ``K_ROWS``.
+    ``W32`` (``_words_ok``: 1, or 2 over an odd slot count): float16 values read as int32 words of two tokens
+    (``_token_words``), which ``cp.async``
+    prefetches with the codes, where 2-byte loads stay synchronous in the tile loop (their latency can overlap
+    the key dots, issued before the scales are needed). Compiled for sm_90 the words cost 6-8 more instructions
+    per token and 30-70 more registers (BENCHMARKS.md §6, session 38): an option for the device run to time."""
+    if not W32:
+        return _scale_zero(s_ptr, z_ptr, t, valid, BITS, SYM)
+    s = _token_words(s_ptr, t, valid, BLOCK_T, W32 == 2).to(tl.float32)
+    if SYM:
+        z = _sym_zero(s, BITS)
+    else:
+        z = _token_words(z_ptr, t, valid, BLOCK_T, W32 == 2).to(tl.float32)
+    return s, z
 
 
 @triton.jit
@@ -695,13 +715,11 @@ def _decode_kernel(
                 kr = _load_rows16(kc, ks, kz, t0, t, valid, end, K_ROW, K_SCOLS, D, BLOCK_T, K_BITS, K_TPS,
                                   K_CPS, K_SYM, ASM, K_W32)
                 k = tl.trans(kr)
-            elif K_ROWS:  # the codes themselves (symmetric ones centred), exact in the dots' type
+            elif K_ROWS:  # the codes themselves, exact in the dots' type (symmetric ones: z_t = -(2^(b-1) - 1) s_t)
                 kr = _row_codes(kc, t, valid, K_ROW, D, BLOCK_T, K_BITS)
-                if K_SYM:
-                    kr = kr - ((1 << (K_BITS - 1)) - 1)
                 # through float32: the interpreter converts int32 to bfloat16 as a bit pattern (Triton 3.6)
                 k = tl.trans(kr.to(tl.float32))
-                k_s, k_z = _key_row_meta(ks, kz, t, valid, K_SYM, K_W32, BLOCK_T)
+                k_s, k_z = _row_meta(ks, kz, t, valid, K_BITS, K_SYM, K_W32, BLOCK_T)
             elif VEC_K:
                 kr = _load_rows(kc, ks, kz, KCB, kov, koi, t, valid, K_ROW, K_SCOLS, D, BLOCK_T,
                                 K_BITS, K_TPS, K_CPS, K_SYM, K_KIND, K_NOUT, K_W32)
@@ -744,9 +762,7 @@ def _decode_kernel(
                 v = _load_kv(vc, vs, vz, VCB, vov, voi, t[:, None], offs_d[None, :], valid[:, None], V_ROW,
                              V_SCOLS, V_BITS, V_TPS, V_CPS, V_SYM, V_KIND, V_NOUT)
             if K_ROWS:
-                sc = _scores(qk, qk_lo, k, IEEE, Q_SPLIT) * k_s[None, :]
-                if not K_SYM:
-                    sc += k_z[None, :] * q_sum[:, None]
+                sc = _scores(qk, qk_lo, k, IEEE, Q_SPLIT) * k_s[None, :] + k_z[None, :] * q_sum[:, None]
                 m_i, l_i, acc = _online(sc, qk, v, valid, m_i, l_i, acc, qk_scale, IEEE)
             else:
                 m_i, l_i, acc = _attend(qk, qk_lo, k, v, valid, m_i, l_i, acc, qk_scale, IEEE, Q_SPLIT)

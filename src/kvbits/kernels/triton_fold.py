@@ -70,9 +70,10 @@ from kvbits.kernels.triton_decode import (
     _pow2,
     _query_halves,
     _reduce_kernel,
+    _row_meta,
+    _scale_zero,
     _slot_mask,
     _tail_loop,
-    _token_words,
     _words_ok,
 )
 from kvbits.quant.rotate import unrotate
@@ -150,43 +151,6 @@ def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, CENTER: tl
         OFF: tl.constexpr = (1 << (BITS - 1)) if CENTER else 0
         c = (b.to(tl.int16) >> (k * BITS)) & ((1 << BITS) - 1)
         return (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFF)
-
-
-@triton.jit
-def _sym_zero(s, BITS: tl.constexpr):
-    """The additive term of symmetric codes: ``(c - (2**(BITS-1) - 1)) s = c s + z`` with ``z = -(2**(BITS-1) - 1) s``."""
-    return s * (-((1 << (BITS - 1)) - 1))
-
-
-@triton.jit
-def _scale_zero(s_ptr, z_ptr, offs, mask, BITS: tl.constexpr, SYM: tl.constexpr):
-    """Scales and additive terms at ``offs`` (any shape), float32 (symmetric codes: ``_sym_zero``); elements outside
-    ``mask`` read 0 (their probability is 0: never NaN times 0)."""
-    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SYM:
-        z = _sym_zero(s, BITS)
-    else:
-        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return s, z
-
-
-@triton.jit
-def _row_meta(s_ptr, z_ptr, t, valid, BITS: tl.constexpr, SYM: tl.constexpr, W32: tl.constexpr,
-              BLOCK_T: tl.constexpr):
-    """Scale and additive term ``(s_t, z_t)`` of rows ``t`` (consecutive, ``t[0]`` even), float32, as ``_scale_zero``.
-    ``W32`` (``_words_ok``: 1, or 2 over an odd slot count): float16 values read as int32 words of two tokens
-    (``triton_decode._token_words``), which ``cp.async``
-    prefetches with the codes, where 2-byte loads stay synchronous in the tile loop (their latency can overlap
-    the key dots, issued before the scales are needed). Compiled for sm_90 the words cost 6-8 more instructions
-    per token and 30-70 more registers (BENCHMARKS.md §6, session 38): an option for the device run to time."""
-    if not W32:
-        return _scale_zero(s_ptr, z_ptr, t, valid, BITS, SYM)
-    s = _token_words(s_ptr, t, valid, BLOCK_T, W32 == 2).to(tl.float32)
-    if SYM:
-        z = _sym_zero(s, BITS)
-    else:
-        z = _token_words(z_ptr, t, valid, BLOCK_T, W32 == 2).to(tl.float32)
-    return s, z
 
 
 @triton.jit
