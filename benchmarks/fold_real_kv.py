@@ -52,7 +52,7 @@ from _provenance import commit, host
 
 SCHEMES = ("int8-token", "int4-token", "vllm-int8", "kivi-4", "kivi-2", "int4-token-hadamard")
 KERNELS = ("torch16", "product", "fold")
-STEP_RATIOS = ("product_step", "fold_step")
+RATIOS = KERNELS[1:]  # the kernels held against float16 torch
 
 
 def errors(q: torch.Tensor, store: PackedStore, scaling: float | None, row_keys: bool = True) -> dict[str, float]:
@@ -92,10 +92,10 @@ def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str, row
         if reason:
             raise ValueError(f"{name}: the folded kernel cannot read this store: {reason}")
         e = errors(query.half(), half_tail(store), scaling, row_keys)
-        w = worst.setdefault(layer, {**dict.fromkeys(e, 0.0), **dict.fromkeys(STEP_RATIOS, 0.0)})
+        w = worst.setdefault(layer, {**dict.fromkeys(e, 0.0), **{f"{k}_step": 0.0 for k in RATIOS}})
         for k, v in e.items():
             w[k] = max(w[k], v)
-        for k in ("product", "fold"):  # this step's ratio: both errors over the very same query and store
+        for k in RATIOS:  # this step's ratio: both errors over the very same query and store
             w[f"{k}_step"] = max(w[f"{k}_step"], e[k] / max(e["torch16"], 1e-30))
 
     n_layers = model.config.num_hidden_layers
@@ -110,7 +110,7 @@ def run_scheme(model, ids: torch.Tensor, prompt: int, steps: int, name: str, row
         row = {"scheme": scheme.name, "layer": layer, "out_max": w["scale"]}
         for k in KERNELS:
             row[f"{k}_rel"] = w[k] / w["scale"]
-        for k in ("product", "fold"):
+        for k in RATIOS:
             row[f"{k}_ratio"] = w[k] / max(w["torch16"], 1e-30)
             row[f"{k}_step_ratio"] = w[f"{k}_step"]
         rows.append(row)
@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scheme or SCHEMES:
         rows = run_scheme(lm.model, ids, args.context, args.steps, name, row_keys=not args.rounded_keys)
         out += rows
-        worst = {k: max(r[f"{k}_ratio"] for r in rows) for k in ("product", "fold")}
+        worst = {k: max(r[f"{k}_ratio"] for r in rows) for k in RATIOS}
         at = {k: max(rows, key=lambda r, k=k: r[f"{k}_ratio"])["layer"] for k in worst}
-        step = {k: max(r[f"{k}_step_ratio"] for r in rows) for k in ("product", "fold")}
+        step = {k: max(r[f"{k}_step_ratio"] for r in rows) for k in RATIOS}
         print(f"{rows[0]['scheme'][:24]:24s} worst ratio to float16 torch: product {worst['product']:.2f} "
               f"(layer {at['product']}), fold {worst['fold']:.2f} (layer {at['fold']}); at one step: product "
               f"{step['product']:.2f}, fold {step['fold']:.2f}; "
