@@ -1025,7 +1025,7 @@ def test_kernel_keeps_the_rotated_query_exact(monkeypatch, seed: int):
     assert max_err(out, truth) <= 0.8 * max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
 
 
-ROW_KEYS = {  # per-token integer keys the kernel reads as codes (K_ROWS), and its error bound against float16 torch's
+ROW_KEYS = {  # per-token integer keys the kernel reads as codes (K_ROWS)
     "int4": spec(4), "int8": spec(8), "int8-sym": spec(8, symmetric=True), "int2": spec(2),
 }  # fmt: skip
 
