@@ -5,7 +5,9 @@ imported lazily, on the first call that wants it, never at ``import kvbits``. ``
 the Triton kernel dequantize plain integer codes in float16 for float16 queries (``decode_attention_triton``'s
 ``dequant``; opt-in until a GPU run has checked and timed it, BENCHMARKS.md §6); ``KVBITS_DEQUANT=fold`` takes the
 folded-scale kernel (``kvbits.kernels.triton_fold``) for the integer stores it reads (``fold_supported``), also
-opt-in until a GPU run; ``f32`` is the default.
+opt-in until a GPU run; ``f32`` is the default. ``KVBITS_AUTOTUNE=on`` times a few launches of the Triton kernel on
+the first decode step of each shape and takes the fastest one that matches the default launch's output
+(``kvbits.kernels.autotune``); an explicit ``KVBITS_DEQUANT`` then limits the candidates to that dequantization.
 """
 
 from __future__ import annotations
@@ -113,11 +115,15 @@ def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = 
     """Decode attention ``q (B, H_q, 1, D)`` over a packed store → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
     Fused Triton kernel on CUDA when Triton imports and supports the store, else the float32 torch
-    reference (``decode_attention_reference``); ``KVBITS_KERNEL`` forces either. Both attend rotated sides
+    reference (``decode_attention_reference``); ``KVBITS_KERNEL`` forces either; ``KVBITS_AUTOTUNE=on`` picks the
+    Triton kernel's launch by timing (``kvbits.kernels.autotune``). Both attend rotated sides
     (``PackedTensor.rotate``) in the codes' basis (``reference.code_basis``).
     """
     if resolve_kernel(q, store) == "triton":
+        from kvbits.kernels import autotune
         from kvbits.kernels.triton_decode import decode_attention_triton
 
+        if autotune.autotune_mode() == "on":
+            return decode_attention_triton(q, store, scale, **autotune.launch_kwargs(q, store, scale))
         return decode_attention_triton(q, store, scale, dequant=dequant_mode())
     return decode_attention_reference(q, store, scale)

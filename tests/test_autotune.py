@@ -1,0 +1,247 @@
+"""``kvbits.kernels.autotune``: the decode launch chosen by timing, checked against the default launch's output.
+
+Most tests drive ``DecodeTuner`` with a stand-in kernel and timer (what each launch returns and how long it takes are
+set by the test); two run the real kernel through Triton's interpreter, one of them through ``dispatch``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvbits.kernels import autotune, dispatch
+from kvbits.kernels.autotune import CANDIDATES, Candidate, DecodeTuner, tune_key
+from kvbits.kernels.reference import decode_attention_reference, pack_store
+from kvbits.quant import quantize
+from kvbits.schemes import TensorSpec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+try:
+    if DEVICE == "cpu":
+        from kvbits.kernels.interpret import enable_interpreter
+
+        enable_interpreter()
+    import triton  # noqa: F401
+
+    from kvbits.kernels import triton_decode
+except ImportError as exc:  # Triton not installed
+    triton_decode = None
+    SKIP = f"Triton is not importable ({exc})"
+else:
+    SKIP = ""
+pytestmark = pytest.mark.skipif(triton_decode is None, reason=SKIP or "n/a")
+
+KEYS = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=32)
+VALUES = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32)
+
+
+def store_and_query(T: int = 64, B: int = 1, H_kv: int = 2, G: int = 2, D: int = 64, seed: int = 0,
+                    dtype: torch.dtype = torch.float16, keys: TensorSpec = KEYS):  # fmt: skip
+    """A KIVI-layout int4 store of ``T`` quantized tokens (+ 8 float16 ones) and a query ``(B, G * H_kv, 1, D)``."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H_kv, T, D, generator=g), torch.randn(B, H_kv, T, D, generator=g)
+    kb = [quantize(k[:, :, a : a + 32].to(DEVICE), keys) for a in range(0, T, 32)]
+    vb = [quantize(v[:, :, a : a + 32].to(DEVICE), VALUES) for a in range(0, T, 32)]
+    tail = [torch.randn(B, H_kv, 8, D, generator=g).half().to(DEVICE) for _ in range(2)]
+    q = torch.randn(B, G * H_kv, 1, D, generator=g).to(dtype).to(DEVICE)
+    return pack_store(kb, vb, *tail), q
+
+
+class StandIn:
+    """A kernel whose launches return the reference output (``wrong``: + 1; ``nan``: NaN; ``fails``: raise) and a
+    timer that reports ``ms[launch name]`` for the launch its thunk ran."""
+
+    def __init__(self, ms: dict[str, float], wrong=(), nan=(), fails=(), D: int = 64) -> None:
+        self.ms, self.wrong, self.nan, self.fails = ms, set(wrong), set(nan), set(fails)
+        self.names = {json.dumps(c.kwargs(D, 1), sort_keys=True): c.name for c in CANDIDATES}
+        self.calls: list[str] = []
+        self.timed: list[str] = []
+
+    def __call__(self, q, store, scale=None, **kw) -> torch.Tensor:
+        name = self.names[json.dumps(kw, sort_keys=True)]
+        self.calls.append(name)
+        if name in self.fails:
+            raise RuntimeError("out of resources: shared memory")
+        out = decode_attention_reference(q, store, scale).to(q.dtype)
+        if name in self.wrong:
+            out = out + 1
+        if name in self.nan:
+            out = out.clone()
+            out[0, 0, 0, 0] = float("nan")
+        return out
+
+    def timer(self, thunk) -> float:
+        thunk()
+        self.timed.append(self.calls[-1])
+        return self.ms[self.calls[-1]] / 1e3
+
+
+def times(**fast: float) -> dict[str, float]:
+    """1 ms for every candidate, except those given."""
+    return {c.name: fast.get(c.name.replace("-", "_"), 1.0) for c in CANDIDATES}
+
+
+def test_the_fastest_launch_that_matches_the_default_is_chosen(caplog):
+    store, q = store_and_query()
+    fake = StandIn(times(f16_tile2_w2_s3=0.3, fold=0.2, f16=0.5, stages3=0.1), wrong={"fold"}, nan={"stages3"},
+                   fails={"programs8"})  # fmt: skip
+    tuner = DecodeTuner(None, runner=fake, timer=fake.timer, rounds=3)
+    with caplog.at_level(logging.WARNING, logger="kvbits.kernels.autotune"):
+        tuning = tuner.tune(q, store)
+    assert tuning.launch == "f16-tile2-w2-s3"
+    assert set(tuning.rejected) == {"fold", "stages3", "programs8"}
+    assert "differs from the default launch by 1" in tuning.rejected["fold"]
+    assert "non-finite" in tuning.rejected["stages3"]
+    assert "RuntimeError: out of resources" in tuning.rejected["programs8"]
+    assert {"fold", "stages3", "programs8"} <= {r.message.split("'")[1] for r in caplog.records}
+    assert "fold" not in fake.timed and "stages3" not in fake.timed  # rejected launches are never timed
+    assert fake.timed.count("default") == 3 and tuning.ms["f16-tile2-w2-s3"] == pytest.approx(0.3)
+    kw = tuner.launch_kwargs(q, store)  # the key is tuned: no more launches or timings
+    n_calls = len(fake.calls)
+    assert kw == {"dequant": "f16", "block_t": 128, "num_warps": 2, "num_stages": 3}
+    assert tuner.launch_kwargs(q, store) == kw and len(fake.calls) == n_calls
+
+
+def test_a_launch_within_the_margin_keeps_the_default():
+    store, q = store_and_query()
+    fake = StandIn(times(f16=0.98))
+    assert DecodeTuner(None, runner=fake, timer=fake.timer).tune(q, store).launch == "default"
+    fake = StandIn(times(f16=0.95))
+    assert DecodeTuner(None, runner=fake, timer=fake.timer).tune(q, store).launch == "f16"
+
+
+def test_a_failing_default_launch_is_raised_not_tuned_around():
+    store, q = store_and_query()
+    fake = StandIn(times(), fails={"default"})
+    with pytest.raises(RuntimeError, match="out of resources"):
+        DecodeTuner(None, runner=fake, timer=fake.timer).tune(q, store)
+
+
+def test_choices_persist_and_a_corrupt_file_is_replaced(tmp_path, caplog):
+    path = tmp_path / "tuning" / "decode.json"
+    store, q = store_and_query()
+    fake = StandIn(times(f16_w2_s3=0.4))
+    DecodeTuner(path, runner=fake, timer=fake.timer).tune(q, store)
+    saved = json.loads(path.read_text())
+    assert saved["format"] == autotune.FORMAT and saved["keys"][tune_key(q, store)]["launch"] == "f16-w2-s3"
+
+    def no_timing(thunk):
+        raise AssertionError("a tuned key must not be timed again")
+
+    again = DecodeTuner(path, runner=fake, timer=no_timing)  # a new process: the file's choice
+    assert again.launch_kwargs(q, store) == {"dequant": "f16", "num_warps": 2, "num_stages": 3}
+
+    path.write_text('{"format": 1, "keys": {"x": {"launch": 3}}}')  # corrupt: the entry's launch is not a string
+    with caplog.at_level(logging.WARNING, logger="kvbits.kernels.autotune"):
+        fresh = DecodeTuner(path, runner=fake, timer=fake.timer)
+    assert fresh.tunings == {} and "ignoring the decode tuning file" in caplog.text
+    path.write_text("{not json")
+    assert DecodeTuner(path, runner=fake, timer=fake.timer).tunings == {}
+    fresh.tune(q, store)  # rewritten whole
+    assert list(json.loads(path.read_text())["keys"]) == [tune_key(q, store)]
+
+
+def test_another_process_keys_are_kept_when_saving(tmp_path):
+    path = tmp_path / "decode.json"
+    (s1, q1), (s2, q2) = store_and_query(T=64), store_and_query(T=64, D=32)
+    a, b = StandIn(times()), StandIn(times(), D=32)
+    ta, tb = DecodeTuner(path, runner=a, timer=a.timer), DecodeTuner(path, runner=b, timer=b.timer)
+    ta.tune(q1, s1)
+    tb.tune(q2, s2)  # tb loaded the file before ta wrote it
+    assert set(json.loads(path.read_text())["keys"]) == {tune_key(q1, s1), tune_key(q2, s2)}
+
+
+def test_keys_bucket_batch_and_context_and_tell_layouts_apart():
+    s1, q1 = store_and_query(T=1120)
+    s2, q2 = store_and_query(T=2016)
+    s3, q3 = store_and_query(T=2048)  # + 8 tail tokens: past 2048
+    assert tune_key(q1, s1) == tune_key(q2, s2) != tune_key(q3, s3)
+    assert "T2048" in tune_key(q2, s2) and "T4096" in tune_key(q3, s3)
+    s4, q4 = store_and_query(B=3)
+    s5, q5 = store_and_query(B=4)
+    assert tune_key(q4, s4) == tune_key(q5, s5)
+    s6, q6 = store_and_query(keys=VALUES)  # per-token keys: another kernel specialisation
+    s7, q7 = store_and_query(dtype=torch.bfloat16)
+    assert len({tune_key(q5, s5), tune_key(q6, s6), tune_key(q7, s7), tune_key(q1, s1)}) == 4
+
+
+def test_nothing_is_timed_while_a_graph_is_captured(monkeypatch):
+    store, q = store_and_query()
+    fake = StandIn(times(f16=0.1))
+    tuner = DecodeTuner(None, runner=fake, timer=fake.timer)
+    monkeypatch.setattr(autotune, "_no_timing_now", lambda: True)
+    assert tuner.launch_kwargs(q, store) == {"dequant": "f32"} and fake.calls == [] and tuner.tunings == {}
+    monkeypatch.setattr(autotune, "_no_timing_now", lambda: False)
+    assert tuner.launch_kwargs(q, store) == {"dequant": "f16"}
+    monkeypatch.setattr(autotune, "_no_timing_now", lambda: True)
+    assert tuner.launch_kwargs(q, store) == {"dequant": "f16"}  # tuned before the capture: its choice
+
+
+def test_candidate_launches():
+    by = {c.name: c for c in CANDIDATES}
+    assert CANDIDATES[0] == Candidate("default")
+    assert by["f16-tile2-w2-s3"].kwargs(128, 132) == {"dequant": "f16", "block_t": 64, "num_warps": 2,
+                                                      "num_stages": 3}  # fmt: skip
+    assert by["f16-tile2-s3"].kwargs(64, 132)["block_t"] == 128 and by["f16-tile2-s3"].kwargs(256, 1)["block_t"] == 64
+    assert by["programs8"].kwargs(64, 132) == {"dequant": "f32", "target_programs": 1056}
+    with pytest.raises(ValueError, match="distinct"):
+        DecodeTuner(None, candidates=(Candidate("a"), Candidate("a", num_stages=3)))
+
+
+def test_the_environment_switch(monkeypatch):
+    for raw, mode in (("", "off"), ("0", "off"), ("on", "on"), ("1", "on"), ("TRUE", "on")):
+        monkeypatch.setenv(autotune.AUTOTUNE_ENV, raw)
+        assert autotune.autotune_mode() == mode
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "fast")
+    with pytest.raises(ValueError, match="KVBITS_AUTOTUNE must be one of"):
+        autotune.autotune_mode()
+
+
+def test_the_real_kernel_tuned_through_dispatch(monkeypatch, tmp_path):
+    """Three of the real candidates through Triton's interpreter (compiled on CUDA): the decode step's output is the
+    default launch's up to the tolerance, the choice is written, and an explicit ``KVBITS_DEQUANT`` limits the
+    candidates to its own launches."""
+    path = tmp_path / "decode.json"
+    monkeypatch.setenv(dispatch.KERNEL_ENV, "triton")
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "on")
+    monkeypatch.setenv(autotune.FILE_ENV, str(path))
+    monkeypatch.delenv(dispatch.DEQUANT_ENV, raising=False)
+    by = {c.name: c for c in CANDIDATES}
+    monkeypatch.setattr(autotune, "CANDIDATES", (by["default"], by["stages3"], by["f16-w2-s3"]))
+    monkeypatch.setattr(autotune, "ROUNDS", 1)
+    monkeypatch.setattr(autotune, "_TUNERS", {})
+    store, q = store_and_query()
+    out = dispatch.decode_attention(q, store)
+    default = triton_decode.decode_attention_triton(q, store)
+    assert autotune._mismatch(out, default) is None
+    assert (out.float() - decode_attention_reference(q, store)).abs().max() < 0.01
+    (entry,) = json.loads(path.read_text())["keys"].values()
+    assert set(entry["ms"]) == {"default", "stages3", "f16-w2-s3"} and entry["rejected"] == {}
+
+    monkeypatch.setenv(dispatch.DEQUANT_ENV, "f16")
+    tuner = autotune.default_tuner("f16")
+    assert [c.name for c in tuner.candidates.values()] == ["f16", "f16-w2-s3"]
+    assert tuner.candidates["f16"].kwargs(64, 1) == {"dequant": "f16"}
+
+
+def test_the_prepared_gpu_benchmark_runs_here(tmp_path):
+    """``benchmarks/autotune_decode.py --smoke`` on the CPU: a row per case with the tuner's choice and the timings."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import autotune_decode
+
+    out = tmp_path / "autotune.json"
+    result = autotune_decode.main(["--smoke", "--device", "cpu", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and saved == json.loads(json.dumps(result))
+    assert [(r["shape"], r["layout"]) for r in saved["rows"]] == [("qwen2.5-0.5b", "kivi"), ("qwen2.5-0.5b", "token")]
+    for row in saved["rows"]:
+        assert set(row["tuner_ms"]) | set(row["rejected"]) == set(autotune_decode.SMOKE_CANDIDATES)
+        assert row["launch"] in row["tuner_ms"]
+        assert row["tuned_vs_default"] == pytest.approx(row["ms_default"] / row["ms_tuned"], rel=1e-2)
+        assert (row["launch"] == "default") == (row["ms_tuned"] == row["ms_default"])
