@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 Job = tuple  # ("sweep", shape, variant, rope, path) | ("tune", shape, rope, dequant, block_t, warps, stages)
 #              | ("check", shape) | ("quantize", spec name) | ("e2e", scheme, batch, context, tokens, warmup[, reserve])
 #              | ("growing", scheme, batch, context, tokens, reserve)  (step 2c)
+#              | ("autotune", shape, layout, batch, context, candidate name)  (autotune_decode.py)
 # path: None (default launch), False (gather path, vectorized=False), "f16" (dequant="f16"), "fold" (dequant="fold")
 #       or "rounded" (row_keys=False: per-token keys dequantized and rounded, not K_ROWS);
 # dequant: a sweep.TUNE_DEQUANT key ("f32", "f16", "f16-r128", "f32-halves"; sweep.TUNE_CASES)
@@ -134,6 +135,15 @@ def _run_job(job: Job, programs: int) -> None:
             return decode_attention_reference(q, store)
 
         checks.check_variants(cfg, compile_then_reference, shapes=[job[1]])
+    elif kind == "autotune":  # autotune_decode.py: one candidate launch of one case (real stores: random data)
+        from autotune_decode import make_case
+
+        from kvbits.kernels import autotune
+
+        shape, layout, batch, context, name = job[1:]
+        (cand,) = [c for c in autotune.CANDIDATES if c.name == name]
+        q, store = make_case(shape, layout, batch, context, cpu, lazy=True)
+        decode_attention_triton(q, store, **{"target_programs": programs, **cand.kwargs(q.shape[-1], programs // 2)})
     elif kind == "quantize":
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 
