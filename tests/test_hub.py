@@ -183,3 +183,41 @@ def test_load_model_by_hub_id_reads_only_the_cache(
     with pytest.raises(RuntimeError, match=r"some-org/some-model.*hub is unreachable.*smollm2-135m"):
         load_model("some-org/some-model")
     assert seen == [{"local_files_only": True}]
+
+
+def test_hub_datasets_load_offline_where_the_hub_is_unreachable(
+    no_proxy: None, lookups: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hub:`` texts: ``datasets.load_dataset`` runs with huggingface_hub's (and datasets') offline switch on, so a
+    dataset not cached fails at once with the reason; the switch is restored afterwards, and with a reachable hub it
+    is left alone."""
+    import sys
+    import types
+
+    from huggingface_hub import constants
+
+    from kvbits.evaluate.data import load_text
+
+    seen: list[bool] = []
+    fake_config = types.SimpleNamespace(HF_HUB_OFFLINE=False)
+
+    def load_dataset(name: str, config: str | None, split: str) -> Any:
+        seen.append(constants.HF_HUB_OFFLINE and fake_config.HF_HUB_OFFLINE)
+        raise ConnectionError(f"Couldn't reach {name!r} on the Hub (LocalEntryNotFoundError)")
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = load_dataset  # type: ignore[attr-defined]
+    fake.config = fake_config  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setitem(sys.modules, "datasets.config", fake_config)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"could not load hub dataset 'wikitext'.*the hub is unreachable.*does not "
+                                         r"resolve.*not in the local hub cache"):  # fmt: skip
+        load_text("hub:wikitext:wikitext-2-raw-v1")
+    assert time.monotonic() - t0 < 5 and seen == [True] and lookups == ["huggingface.co"]
+    assert constants.HF_HUB_OFFLINE is False and fake_config.HF_HUB_OFFLINE is False
+
+    monkeypatch.setattr(_hub, "hub_unreachable", lambda *a, **k: None)  # a reachable hub: online, the error as raised
+    with pytest.raises(ValueError, match="ConnectionError: Couldn't reach 'wikitext'"):
+        load_text("hub:wikitext:wikitext-2-raw-v1")
+    assert seen == [True, False]

@@ -3,20 +3,25 @@
 Where there is no network, ``huggingface_hub`` retries a failed connection five times with backoff
 (about 23 s) before transformers reports it. One name lookup of the hub's host says the same in
 milliseconds; the load then reads the local hub cache only (``local_files_only=True``), so a model
-already cached still loads offline, and one that is not fails at once with the reason.
+already cached still loads offline, and one that is not fails at once with the reason. ``datasets.load_dataset``
+takes no such argument: ``hub_offline()`` turns huggingface_hub's and datasets' offline switches on around it
+(both read them at call time), with the same effect.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import socket
 import threading
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["hub_failure", "hub_load_kwargs", "hub_unreachable"]
+__all__ = ["hub_failure", "hub_load_kwargs", "hub_offline", "hub_unreachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +106,27 @@ def hub_failure(exc: BaseException, unreachable: str | None) -> str:
     if unreachable:
         return f"the hub is unreachable ({unreachable}) and it is not in the local hub cache"
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+OFFLINE_SWITCHES = ("huggingface_hub.constants", "datasets.config")  # modules whose HF_HUB_OFFLINE is read per call
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """Within the block, huggingface_hub and datasets (where installed) run offline: the hub cache alone, no
+    connection attempts and so no retries. Their ``HF_HUB_OFFLINE`` attributes are set and then restored (they
+    read them at call time; the environment variable only at import)."""
+    saved = []
+    for name in OFFLINE_SWITCHES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "HF_HUB_OFFLINE"):
+            saved.append((module, module.HF_HUB_OFFLINE))
+            module.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for module, value in saved:
+            module.HF_HUB_OFFLINE = value

@@ -11,6 +11,7 @@ The data root is searched in this order (the first root holding the file wins):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -168,13 +169,17 @@ def _load_hub(spec: str) -> TextSource:
         raise ValueError(
             f"text {spec!r} needs the 'datasets' package (pip install datasets), which is not installed"
         ) from None
+    from kvbits._hub import hub_failure, hub_offline, hub_unreachable
+
+    unreachable = hub_unreachable()  # no network: the datasets cache alone, not ~24 s of retries
+    if unreachable:
+        logger.info("the Hugging Face hub is unreachable (%s): loading %s from the local cache only", unreachable, name)
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        with hub_offline() if unreachable else contextlib.nullcontext():
+            ds = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # any hub/network failure becomes one clear error (re-raised below)
-        raise ValueError(
-            f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+        why = hub_failure(exc, unreachable) if unreachable else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): {why}") from exc
     column = "text" if "text" in ds.column_names else next(
         (c for c in ds.column_names if ds.features[c].dtype == "string"), None)
     if column is None:
