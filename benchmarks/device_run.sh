@@ -4,7 +4,7 @@
 #
 #   OUT=/some/dir bash benchmarks/device_run.sh [COMMIT]     # on the GPU machine, from the repo root
 #
-# At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (136 tests in 8 processes, cut
+# At most 330 s (gpu_decode.py: 300 s budget, prewarm included, killed at 330) + 150 s (138 tests in 8 processes, cut
 # by SIGINT at 135 s, so pytest's summaries stay) + 110 s (the failure map's two halves side by side, 80 s budget
 # each): give the device tool's run a timeout_s of about 595 (one call may run 600 s; a warm machine is handed back
 # after 30 s idle, so a later call may start a fresh one); what is under $OUT comes back even if it is cut short.
@@ -69,17 +69,19 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     # (meta32; over odd slot counts too) and the padding mask read as words, against the 2-byte (byte) reads, bit
     # for bit, the rotated query kept exact (Q_SPLIT), and per-token keys entering the dots as codes (K_ROWS)
     # (tests/test_fold.py: the folded-scale kernel, its inline PTX compiled, on CUDA tensors; not its real-model
-    # check, which needs a model wheel the machine cannot fetch)
+    # check, which needs a model wheel the machine cannot fetch); the decode autotuner through dispatch, its CUDA-event
+    # timer included (tests/test_autotune.py, "tuned")
     # Before the failure map: these cover code no GPU has run yet, the map diagnoses two known failures.
-    # 136 tests, about 130 kernel specialisations to compile (session 37's 59 tests took 100 s in one process):
+    # 138 tests, about 133 kernel specialisations to compile (session 37's 59 tests took 100 s in one process):
     # parallel_pytest.py deals them out to 8 processes on the one GPU, each test function's cases together, and
     # sends SIGINT to any still running at 135 s (pytest then prints its failures and summary; killed 10 s later).
     timeout 150 "$PY" benchmarks/parallel_pytest.py --workers 8 --timeout-s 135 --log "$OUT/cuda_tests.log" \
         $TEST_ARGS -- -m "not realmodel" \
         tests/test_cache.py tests/test_evaluate.py tests/test_quant.py tests/test_kernels.py tests/test_fold.py \
+        tests/test_autotune.py \
         -k "cuda_decode_steps_do_not_sync or peak_cuda_bytes_on_cuda or exact_quotient or f16_dequant_rounds_once \
         or decode_f16_dequant or within_twice or bf16_queries or meta32 or word_reads or mask_words \
-        or rotated_query_exact or per_token_keys or k_rows or fold"
+        or rotated_query_exact or per_token_keys or k_rows or fold or tuned"
     echo "cuda tests exit: $?; $(tail -1 "$OUT/cuda_tests.log")"
 else
     echo "pytest is not installed on this machine: CUDA-only tests not run" | tee "$OUT/cuda_tests.log"

@@ -737,6 +737,30 @@ def test_fused_decode_triton_f16_dequant(monkeypatch):
         assert torch.equal(logits16, logits32)
 
 
+def test_fused_decode_triton_autotuned(monkeypatch, tmp_path):
+    """``KVBITS_AUTOTUNE=on`` through the cache: the float16 model's first fused decode step tunes its launch key
+    (two candidates here, both timed), every later step of every layer takes the chosen launch without timing
+    again, and the tokens are the default launch's (logits up to the tolerance the tuner allows)."""
+    use_triton(monkeypatch)
+    from kvbits.kernels import autotune
+
+    model = copy.deepcopy(build("llama")).half()
+    seq0, logits0, _ = generate(model, KIVI4, fused=True, attn=True, new=5)
+    by = {c.name: c for c in autotune.CANDIDATES}
+    monkeypatch.setattr(autotune, "CANDIDATES", (by["default"], by["f16-w2-s3"]))
+    monkeypatch.setattr(autotune, "_TUNERS", {})
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "on")
+    monkeypatch.setenv(autotune.FILE_ENV, str(tmp_path / "decode.json"))
+    tune = autotune.DecodeTuner.tune
+    with mock.patch.object(autotune.DecodeTuner, "tune", autospec=True, side_effect=tune) as tunes:
+        seq, logits, cache = generate(model, KIVI4, fused=True, attn=True, new=5)
+    assert cache.fused_report()["fused_steps"] == 4 * 2 and tunes.call_count == 1
+    (entry,) = autotune.read_tunings(tmp_path / "decode.json").values()
+    assert set(entry.ms) == {"default", "f16-w2-s3"} and entry.rejected == {}
+    assert torch.equal(seq, seq0)
+    torch.testing.assert_close(logits.float(), logits0.float(), atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("scheme", ["int4-kivi", "vllm-int8", "smooth-tail"])
 def test_fused_decode_triton_fold(monkeypatch, scheme: str):
     """``KVBITS_DEQUANT=fold`` through the cache: a float16 model's every fused decode step takes the folded-scale
