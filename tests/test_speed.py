@@ -350,3 +350,40 @@ def test_reservation_is_recorded_and_changes_no_result(model, ids, tmp_path):
     assert _load(tmp_path / "old")["reserve"] is False
     with pytest.raises(TypeError, match="reserve must be True or False"):
         speed_eval(model, 64, ["int8-token"], reserve="yes", **kw)
+
+
+def test_kernel_settings_are_recorded_and_keep_runs_apart(model, ids, tmp_path, monkeypatch):
+    """The decode-kernel settings (``KVBITS_KERNEL``, ``KVBITS_DEQUANT``, ``KVBITS_AUTOTUNE``) go into the record and
+    the report, with the autotuner's launches when it is on; runs of other settings do not merge, a folder from
+    before the field counts as the defaults, and a bad value fails before the model runs."""
+    from kvbits.kernels import autotune
+    from kvbits.report.merge_speed import _load, merge_speed
+    from kvbits.report.speed import speed_markdown, write_speed
+
+    for var in ("KVBITS_KERNEL", "KVBITS_DEQUANT", "KVBITS_AUTOTUNE"):
+        monkeypatch.delenv(var, raising=False)
+    kw = {"tokens": 2, "warmup": 1, "data": ids}
+    plain = speed_eval(model, 64, ["int8-token"], **kw)
+    assert plain["kernel_settings"] == {"kernel": "auto", "dequant": "f32", "autotune": "off"}
+    assert plain["tuned_launches"] == {}
+    assert "`KVBITS_KERNEL=auto`, `KVBITS_DEQUANT=f32`, `KVBITS_AUTOTUNE=off`" in speed_markdown(plain)
+
+    monkeypatch.setenv("KVBITS_DEQUANT", "f16")
+    monkeypatch.setenv("KVBITS_AUTOTUNE", "on")
+    monkeypatch.setattr(autotune, "chosen_launches", lambda: {"a": "f16-w2-s3", "b": "f16-w2-s3", "c": "default"})
+    tuned = speed_eval(model, 32, ["int8-token"], **kw)
+    assert tuned["kernel_settings"] == {"kernel": "auto", "dequant": "f16", "autotune": "on"}
+    assert "tuned launches: default (1 key), f16-w2-s3 (2 keys)" in speed_markdown(tuned)
+    with pytest.raises(ValueError, match="runs differ in kernel_settings"):
+        merge_speed([plain, tuned])
+    old = {k: v for k, v in plain.items() if k not in ("kernel_settings", "tuned_launches")}
+    write_speed(old, tmp_path / "old")
+    assert _load(tmp_path / "old")["kernel_settings"] == plain["kernel_settings"]
+    assert "Decode kernel" not in speed_markdown(old)
+
+    monkeypatch.setenv("KVBITS_AUTOTUNE", "fast")
+    loads = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: loads.append(1))
+    with pytest.raises(ValueError, match="KVBITS_AUTOTUNE must be one of"):
+        speed_eval(model, 64, ["int8-token"], **kw)
+    assert not loads

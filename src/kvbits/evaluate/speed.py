@@ -318,8 +318,10 @@ def speed_eval(
 
     Returns:
         ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
-        "tokens", "warmup", "fused_decode", "workspace", "reserve", "layers", "schemes": [{"scheme", "avg_bits", "peer",
-        "path", "calibration"}],
+        "tokens", "warmup", "fused_decode", "workspace", "reserve", "kernel_settings": {"kernel", "dequant",
+        "autotune"} (``kvbits.kernels.dispatch.kernel_settings``), "tuned_launches": {launch key: candidate} (the
+        autotuner's choices in this process, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
+        "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
         "cuda_resident_bytes", "cuda_peak_bytes", "decode", "agreement", "first_divergence",
@@ -341,6 +343,9 @@ def speed_eval(
     batches = check_ints("batch", batches, 1)
     resolved = resolve_schemes(schemes)
     fused_mode = check_mode(fused_decode)
+    from kvbits.kernels import autotune, dispatch
+
+    settings = dispatch.kernel_settings()  # before any model work: a bad KVBITS_* value fails here
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     if not isinstance(reserve, bool):
         raise TypeError(f"reserve must be True or False, got {reserve!r}")
@@ -422,6 +427,8 @@ def speed_eval(
         "fused_decode": fused_decode,
         "workspace": workspace,
         "reserve": reserve,
+        "kernel_settings": settings,
+        "tuned_launches": autotune.chosen_launches() if settings["autotune"] == "on" else {},
         "schemes": [
             {
                 "scheme": s.name,

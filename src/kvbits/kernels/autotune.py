@@ -56,6 +56,7 @@ __all__ = [
     "DecodeTuner",
     "Tuning",
     "autotune_mode",
+    "chosen_launches",
     "default_tuner",
     "launch_kwargs",
     "tune_key",
@@ -318,6 +319,7 @@ class DecodeTuner:
         self.rounds = max(1, int(rounds))
         self.margin = margin
         self.tunings: dict[str, Tuning] = read_tunings(path) if path is not None else {}
+        self.served: dict[str, str] = {}  # key -> the launch it served in this process (``chosen_launches``)
 
     # ----------------------------------------------------------------------------------------- the file
 
@@ -360,6 +362,7 @@ class DecodeTuner:
         if cand is None:  # a file written with other candidates
             logger.info("tuned launch %r of %s is not a candidate here: the default launch", tuning.launch, key)
             cand = self.default
+        self.served[key] = cand.name
         return self.kwargs_for(cand, q)
 
     def kwargs_for(self, cand: Candidate, q: torch.Tensor) -> dict[str, Any]:
@@ -436,6 +439,12 @@ def default_tuner(dequant: str | None = None) -> DecodeTuner:
             cands = (Candidate(dequant, dequant=dequant), *same)
         tuner = _TUNERS[(path, dequant)] = DecodeTuner(path, candidates=cands)
     return tuner
+
+
+def chosen_launches() -> dict[str, str]:
+    """Launch key → the candidate that served it, over this process's tuners (keys served untuned during a graph
+    capture are not listed)."""
+    return {k: v for tuner in _TUNERS.values() for k, v in tuner.served.items()}
 
 
 def launch_kwargs(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> dict[str, Any]:

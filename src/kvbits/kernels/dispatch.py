@@ -29,6 +29,7 @@ __all__ = [
     "decode_attention",
     "dequant_mode",
     "kernel_mode",
+    "kernel_settings",
     "resolve_kernel",
     "triton_available",
 ]
@@ -65,6 +66,18 @@ def dequant_mode() -> str:
     if mode not in DEQUANT_MODES:
         raise ValueError(f"{DEQUANT_ENV} must be one of {DEQUANT_MODES}, got {mode!r}")
     return mode
+
+
+def kernel_settings() -> dict[str, str]:
+    """The decode-kernel settings in force, as a timing or an evaluation should record them:
+    ``{"kernel": KVBITS_KERNEL, "dequant": KVBITS_DEQUANT, "autotune": KVBITS_AUTOTUNE}`` (their defaults when
+    unset: ``auto``, ``f32``, ``off``). ``ValueError`` for a value those variables do not take."""
+    from kvbits.kernels.autotune import autotune_mode
+
+    return {"kernel": kernel_mode(), "dequant": dequant_mode(), "autotune": autotune_mode()}
+
+
+DEFAULT_SETTINGS = {"kernel": "auto", "dequant": "f32", "autotune": "off"}  # kernel_settings() with nothing set
 
 
 def check_triton_device(x: torch.Tensor, what: str) -> None:

@@ -9,7 +9,8 @@ it writes anything the merge checks:
 
 - the same summary version, model (fingerprint), prompts' text, dtype, device (type, name, threads),
   layers, timed and warm-up steps, fused-decode, workspace and reservation setting (a run from before
-  ``reserve`` existed counts as growing);
+  ``reserve`` existed counts as growing), and decode-kernel settings (``KVBITS_KERNEL``, ``KVBITS_DEQUANT``,
+  ``KVBITS_AUTOTUNE``; a run from before they were recorded counts as the defaults);
 - the same schemes in every run (name, average bits, peer or not, decode path), in the same order;
 - every (context, batch) cell in one run only.
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["merge_speed", "merge_speed_runs"]
 
 _SAME = ("version", "model", "data", "dtype", "device", "layers", "tokens", "warmup", "fused_decode", "workspace",
-         "reserve")
+         "reserve", "kernel_settings")
 _SCHEME = ("scheme", "peer", "path")
 
 
@@ -51,6 +52,9 @@ def _load(folder: Path) -> dict[str, Any]:
         and isinstance(s.get("schemes"), list), "no timed runs",
     )  # fmt: skip
     summary.setdefault("reserve", False)  # runs from before the option: growing caches
+    from kvbits.kernels.dispatch import DEFAULT_SETTINGS
+
+    summary.setdefault("kernel_settings", dict(DEFAULT_SETTINGS))  # runs from before the field: the defaults
     return summary
 
 
@@ -111,6 +115,7 @@ def merge_speed(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | N
         "contexts": sorted({int(r["context"]) for r in runs}),
         "batches": sorted({int(r["batch"]) for r in runs}),
         "schemes": [dict(x) for x in longest["schemes"]],
+        "tuned_launches": {k: v for s in summaries for k, v in (s.get("tuned_launches") or {}).items()},
         "runs": runs,
         "fingerprint": {"model": first["fingerprint"]["model"], "prompts": prompts},
         **json_run_meta(names, summaries, lambda s: {k: s.get(k) for k in ("contexts", "batches")}),

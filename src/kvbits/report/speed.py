@@ -94,6 +94,22 @@ def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
     ], note="*Each (context, batch) cell comes whole from one run: its baseline and schemes timed together.*")  # fmt: skip
 
 
+def _kernel_line(summary: Mapping[str, Any]) -> list[str]:
+    """The decode-kernel settings line (none for a run from before they were recorded)."""
+    ks = summary.get("kernel_settings")
+    if not isinstance(ks, Mapping):
+        return []
+    line = (f"- **Decode kernel:** `KVBITS_KERNEL={ks.get('kernel')}`, `KVBITS_DEQUANT={ks.get('dequant')}`, "
+            f"`KVBITS_AUTOTUNE={ks.get('autotune')}`")  # fmt: skip
+    tuned = summary.get("tuned_launches") or {}
+    if tuned:
+        counts: dict[str, int] = {}
+        for launch in tuned.values():
+            counts[launch] = counts.get(launch, 0) + 1
+        line += "; tuned launches: " + ", ".join(f"{n} ({c} key{'s' * (c > 1)})" for n, c in sorted(counts.items()))
+    return [line]
+
+
 def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     """The report as Markdown: the setting, tokens/s and step times by context for each batch, the bytes
     each cache holds, CUDA memory where measured, and greedy-token agreement; ``figure``: link speed.png."""
@@ -116,6 +132,7 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
                           if summary.get("workspace") else ")"),
             False: "; kvbits caches grow by concatenation (a flush copies the layer's quantized history)",
         }.get(summary.get("reserve"), ""),
+        *_kernel_line(summary),
         (
             f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`; "
             f"versions {', '.join(f'{k} {v}' for k, v in (summary.get('versions') or {}).items())}"
