@@ -192,19 +192,31 @@ def _scaled(vb, s3, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, VG: 
 
 
 @triton.jit
-def _chan_scores(kb, qk, s_ptr, z_ptr, srow, mask_r, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr,
-                 D: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr,
-                 TPS: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr):
+def _part(x, k: tl.constexpr, P: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """Columns ``P i + k`` (``i < W``) of rows ``x (R, P W)`` in channel order: ``(R, W)``, part ``k`` of ``P``-code bytes."""
+    if P == 1:
+        return x
+    elif P == 2:
+        even, odd = tl.split(tl.reshape(x, (R, W, 2)))
+        return odd if k == 1 else even
+    else:  # channel 4 i + 2 a + c: split c, then a; k = 2 a + c
+        c0, c1 = tl.split(tl.reshape(x, (R, W, 2, 2)))
+        a0, a1 = tl.split(c1 if k % 2 == 1 else c0)
+        return a1 if k // 2 == 1 else a0
+
+
+@triton.jit
+def _chan_scores(kb, qk, sc, zc, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
+                 R: tl.constexpr, TPS: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr):
     """Scores of part ``k`` for keys scaled per channel (one row of ``D`` scales per ``TPS`` tokens), float32
-    ``(BLOCK_T, N)``: the scale row folds into the query, ``(q_k * s) @ part_k + q_k . z``, for each of the tile's
-    ``R`` rows ``srow + arange(R)`` (``mask_r``: rows that hold a valid token); ``R > 1`` is a batched dot over the
-    rows' ``TPS``-token groups. ``q * s`` enters as two float16 halves, ``hi + lo`` (two dots into one float32
-    accumulator: exact to float32's precision). One float16 rounding of ``q * s``, shared by every token of the row,
-    was up to 3.75x float16 torch's error on Qwen2.5's KIVI cache (``benchmarks/fold_real_kv.py``; BENCHMARKS.md
-    §6, session 39); the second dot costs 3 warp-instructions per token at Qwen2.5's shape, 5-7 at Llama-3-8B's."""
-    ch = tl.arange(0, W) * P + k
-    rows = srow + tl.arange(0, R)
-    sc, zc = _scale_zero(s_ptr, z_ptr, rows[:, None] * D + ch[None, :], mask_r[:, None], BITS, SYM)  # (R, W)
+    ``(BLOCK_T, N)``: the part's scale and additive rows ``sc, zc (R, W)`` float32 (``_part`` of the tile's ``R``
+    rows, read whole: contiguous, so ``cp.async`` prefetches them with the codes, where reading part ``k``'s
+    channels ``P i + k`` apart took 2-byte loads that stayed synchronous in the tile loop) fold into the query,
+    ``(q_k * s) @ part_k + q_k . z``; ``R > 1`` is a batched dot over the rows' ``TPS``-token groups. ``q * s``
+    enters as two float16 halves, ``hi + lo`` (two dots into one float32 accumulator: exact to float32's
+    precision). One float16 rounding of ``q * s``, shared by every token of the row, was up to 3.75x float16
+    torch's error on Qwen2.5's KIVI cache (``benchmarks/fold_real_kv.py``; BENCHMARKS.md §6, session 39); the
+    second dot costs 3 warp-instructions per token at Qwen2.5's shape, 5-7 at Llama-3-8B's."""
     qf = qk.to(tl.float32)  # (W, N)
     if R == 1:
         hi, lo = _halves(qf * tl.reshape(sc, (W,))[:, None])
@@ -312,17 +324,20 @@ def _fold_kernel(
                 k_s, k_z = _row_meta(ks, kz, t, valid, K_BITS, K_SYM, K_W32, BLOCK_T)
                 s = s * k_s[:, None] + k_z[:, None] * qsum[None, :]  # (BLOCK_T, N)
             else:  # per channel: the tile's scale rows fold into the query
-                srow = t0 // K_TPS
+                rows = t0 // K_TPS + tl.arange(0, K_R)
                 mask_r = t0 + tl.arange(0, K_R) * K_TPS < end
-                s = _chan_scores(kb, q0, ks, kz, srow, mask_r, 0, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS, BLOCK_T, N)
+                sc, zc = _scale_zero(ks, kz, rows[:, None] * D + tl.arange(0, D)[None, :], mask_r[:, None], K_BITS,
+                                     K_SYM)  # (K_R, D): the tile's scale rows, whole
+                s = _chan_scores(kb, q0, _part(sc, 0, KP, K_R, KW), _part(zc, 0, KP, K_R, KW), 0, K_BITS, ASM, KW, K_R,
+                                 K_TPS, BLOCK_T, N)
                 if KP > 1:
-                    s += _chan_scores(kb, q1, ks, kz, srow, mask_r, 1, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS,
-                                      BLOCK_T, N)
+                    s += _chan_scores(kb, q1, _part(sc, 1, KP, K_R, KW), _part(zc, 1, KP, K_R, KW), 1, K_BITS, ASM, KW,
+                                      K_R, K_TPS, BLOCK_T, N)
                 if KP > 2:
-                    s += _chan_scores(kb, q2, ks, kz, srow, mask_r, 2, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS,
-                                      BLOCK_T, N)
-                    s += _chan_scores(kb, q3, ks, kz, srow, mask_r, 3, KP, KW, D, K_BITS, K_SYM, ASM, K_R, K_TPS,
-                                      BLOCK_T, N)
+                    s += _chan_scores(kb, q2, _part(sc, 2, KP, K_R, KW), _part(zc, 2, KP, K_R, KW), 2, K_BITS, ASM, KW,
+                                      K_R, K_TPS, BLOCK_T, N)
+                    s += _chan_scores(kb, q3, _part(sc, 3, KP, K_R, KW), _part(zc, 3, KP, K_R, KW), 3, K_BITS, ASM, KW,
+                                      K_R, K_TPS, BLOCK_T, N)
             s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
