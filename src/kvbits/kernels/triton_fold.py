@@ -206,17 +206,19 @@ def _part(x, k: tl.constexpr, P: tl.constexpr, R: tl.constexpr, W: tl.constexpr)
 
 
 @triton.jit
-def _chan_scores(kb, qk, sc, zc, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
-                 R: tl.constexpr, TPS: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr):
+def _chan_scores(kb, qk, sc, zc, k: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+                 W: tl.constexpr, R: tl.constexpr, TPS: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr):
     """Scores of part ``k`` for keys scaled per channel (one row of ``D`` scales per ``TPS`` tokens), float32
-    ``(BLOCK_T, N)``: the part's scale and additive rows ``sc, zc (R, W)`` float32 (``_part`` of the tile's ``R``
-    rows, read whole: contiguous, so ``cp.async`` prefetches them with the codes, where reading part ``k``'s
-    channels ``P i + k`` apart took 2-byte loads that stayed synchronous in the tile loop) fold into the query,
+    ``(BLOCK_T, N)``: the tile's ``R`` scale and additive rows ``sc, zc (R, D)`` float32, read whole (contiguous, so
+    ``cp.async`` prefetches them with the codes, where reading part ``k``'s channels ``P i + k`` apart took 2-byte
+    loads that stayed synchronous in the tile loop), give the part's columns (``_part``), which fold into the query,
     ``(q_k * s) @ part_k + q_k . z``; ``R > 1`` is a batched dot over the rows' ``TPS``-token groups. ``q * s``
     enters as two float16 halves, ``hi + lo`` (two dots into one float32 accumulator: exact to float32's
     precision). One float16 rounding of ``q * s``, shared by every token of the row, was up to 3.75x float16
     torch's error on Qwen2.5's KIVI cache (``benchmarks/fold_real_kv.py``; BENCHMARKS.md §6, session 39); the
     second dot costs 3 warp-instructions per token at Qwen2.5's shape, 5-7 at Llama-3-8B's."""
+    sc = _part(sc, k, P, R, W)  # (R, W)
+    zc = _part(zc, k, P, R, W)
     qf = qk.to(tl.float32)  # (W, N)
     if R == 1:
         hi, lo = _halves(qf * tl.reshape(sc, (W,))[:, None])
@@ -328,16 +330,12 @@ def _fold_kernel(
                 mask_r = t0 + tl.arange(0, K_R) * K_TPS < end
                 sc, zc = _scale_zero(ks, kz, rows[:, None] * D + tl.arange(0, D)[None, :], mask_r[:, None], K_BITS,
                                      K_SYM)  # (K_R, D): the tile's scale rows, whole
-                s = _chan_scores(kb, q0, _part(sc, 0, KP, K_R, KW), _part(zc, 0, KP, K_R, KW), 0, K_BITS, ASM, KW, K_R,
-                                 K_TPS, BLOCK_T, N)
+                s = _chan_scores(kb, q0, sc, zc, 0, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
                 if KP > 1:
-                    s += _chan_scores(kb, q1, _part(sc, 1, KP, K_R, KW), _part(zc, 1, KP, K_R, KW), 1, K_BITS, ASM, KW,
-                                      K_R, K_TPS, BLOCK_T, N)
+                    s += _chan_scores(kb, q1, sc, zc, 1, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
                 if KP > 2:
-                    s += _chan_scores(kb, q2, _part(sc, 2, KP, K_R, KW), _part(zc, 2, KP, K_R, KW), 2, K_BITS, ASM, KW,
-                                      K_R, K_TPS, BLOCK_T, N)
-                    s += _chan_scores(kb, q3, _part(sc, 3, KP, K_R, KW), _part(zc, 3, KP, K_R, KW), 3, K_BITS, ASM, KW,
-                                      K_R, K_TPS, BLOCK_T, N)
+                    s += _chan_scores(kb, q2, sc, zc, 2, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
+                    s += _chan_scores(kb, q3, sc, zc, 3, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
             s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
