@@ -11,43 +11,28 @@ import logging
 
 import pytest
 import torch
+from test_kernels import DEVICE, KIVI4_KEYS, KIVI4_VALUES, make_store, needs_triton
 
 from kvbits.kernels import autotune, dispatch
 from kvbits.kernels.autotune import CANDIDATES, Candidate, DecodeTuner, tune_key
-from kvbits.kernels.reference import decode_attention_reference, pack_store
-from kvbits.quant import quantize
+from kvbits.kernels.reference import decode_attention_reference
 from kvbits.schemes import TensorSpec
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 try:
-    if DEVICE == "cpu":
-        from kvbits.kernels.interpret import enable_interpreter
-
-        enable_interpreter()
-    import triton  # noqa: F401
-
-    from kvbits.kernels import triton_decode
-except ImportError as exc:  # Triton not installed
+    from kvbits.kernels import triton_decode  # the interpreter is enabled by test_kernels
+except ImportError:  # Triton not installed (needs_triton skips)
     triton_decode = None
-    SKIP = f"Triton is not importable ({exc})"
-else:
-    SKIP = ""
-pytestmark = pytest.mark.skipif(triton_decode is None, reason=SKIP or "n/a")
-
-KEYS = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=32)
-VALUES = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32)
+pytestmark = needs_triton
 
 
 def store_and_query(T: int = 64, B: int = 1, H_kv: int = 2, G: int = 2, D: int = 64, seed: int = 0,
-                    dtype: torch.dtype = torch.float16, keys: TensorSpec = KEYS):  # fmt: skip
-    """A KIVI-layout int4 store of ``T`` quantized tokens (+ 8 float16 ones) and a query ``(B, G * H_kv, 1, D)``."""
+                    dtype: torch.dtype = torch.float16, keys: TensorSpec = KIVI4_KEYS):  # fmt: skip
+    """A KIVI-layout int4 store of ``T`` quantized tokens (+ 8 float16 ones; ``test_kernels.make_store``) and a query
+    ``(B, G * H_kv, 1, D)``."""
     g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(B, H_kv, T, D, generator=g), torch.randn(B, H_kv, T, D, generator=g)
-    kb = [quantize(k[:, :, a : a + 32].to(DEVICE), keys) for a in range(0, T, 32)]
-    vb = [quantize(v[:, :, a : a + 32].to(DEVICE), VALUES) for a in range(0, T, 32)]
-    tail = [torch.randn(B, H_kv, 8, D, generator=g).half().to(DEVICE) for _ in range(2)]
+    store = make_store(g, B=B, H_kv=H_kv, D=D, T_q=T, T_f=8, key_spec=keys, value_spec=KIVI4_VALUES)
     q = torch.randn(B, G * H_kv, 1, D, generator=g).to(dtype).to(DEVICE)
-    return pack_store(kb, vb, *tail), q
+    return store, q
 
 
 class StandIn:
@@ -163,7 +148,7 @@ def test_keys_bucket_batch_and_context_and_tell_layouts_apart():
     s4, q4 = store_and_query(B=3)
     s5, q5 = store_and_query(B=4)
     assert tune_key(q4, s4) == tune_key(q5, s5)
-    s6, q6 = store_and_query(keys=VALUES)  # per-token keys: another kernel specialisation
+    s6, q6 = store_and_query(keys=KIVI4_VALUES)  # per-token keys: another kernel specialisation
     s7, q7 = store_and_query(dtype=torch.bfloat16)
     assert len({tune_key(q5, s5), tune_key(q6, s6), tune_key(q7, s7), tune_key(q1, s1)}) == 4
 
