@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _provenance
 from gpu_bench import common
 from gpu_bench.sweep import fp16_baselines
 
@@ -66,7 +66,7 @@ def run_case(case: dict, candidates: tuple, cfg: common.Config, flush: torch.Ten
     q, store = make_case(case["shape"], case["layout"], case["batch"], case["context"], device)
     tuner = autotune.DecodeTuner(None, candidates=candidates, rounds=rounds)
     tuning = tuner.tune(q, store)
-    kw = tuner.launch_kwargs(q, store)
+    kw = tuner.kwargs_for(tuner.candidates[tuning.launch], q)
     default_kw = tuner.kwargs_for(tuner.default, q)
     ms_default, _ = common.time_ms(lambda: decode_attention_triton(q, store, **default_kw), cfg, flush)
     ms_tuned = ms_default
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     result: dict[str, Any] = {
         "script": "benchmarks/autotune_decode.py", "argv": sys.argv[1:] if argv is None else argv,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d"), "commit": _provenance.commit(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _provenance.host(),
         "torch": torch.__version__, "candidates": list(names), "margin": autotune.MARGIN,
         "tolerance_ulps": autotune.TOLERANCE_ULPS, "rows": [], "skipped": [], "complete": False,
     }  # fmt: skip

@@ -9,6 +9,7 @@ each cache holds at the end of the run.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,11 +102,8 @@ def _kernel_line(summary: Mapping[str, Any]) -> list[str]:
         return []
     line = (f"- **Decode kernel:** `KVBITS_KERNEL={ks.get('kernel')}`, `KVBITS_DEQUANT={ks.get('dequant')}`, "
             f"`KVBITS_AUTOTUNE={ks.get('autotune')}`")  # fmt: skip
-    tuned = summary.get("tuned_launches") or {}
-    if tuned:
-        counts: dict[str, int] = {}
-        for launch in tuned.values():
-            counts[launch] = counts.get(launch, 0) + 1
+    counts = Counter((summary.get("tuned_launches") or {}).values())
+    if counts:
         line += "; tuned launches: " + ", ".join(f"{n} ({c} key{'s' * (c > 1)})" for n, c in sorted(counts.items()))
     return [line]
 
