@@ -165,6 +165,82 @@ def test_nothing_is_timed_while_a_graph_is_captured(monkeypatch):
     assert tuner.launch_kwargs(q, store) == {"dequant": "f16"}  # tuned before the capture: its choice
 
 
+def test_a_tuned_launch_is_checked_again_and_revoked_when_it_differs(tmp_path, caplog):
+    """``attend`` compares a chosen launch with the default launch on later calls (``verify_due``): one that goes
+    wrong is revoked on the next check, that call returns the default launch's output, later calls take the default
+    launch, and the file says why."""
+    path = tmp_path / "decode.json"
+    store, q = store_and_query()
+    ref = decode_attention_reference(q, store).to(q.dtype)
+    fake = StandIn(times(f16=0.5))
+    tuner = DecodeTuner(path, runner=fake, timer=fake.timer, rounds=1)
+    assert torch.equal(tuner.attend(q, store), ref)  # call 1 tunes (every candidate checked on these inputs)
+    assert tuner.tunings[tune_key(q, store)].launch == "f16" and fake.calls[-1] == "f16"
+    n = len(fake.calls)
+    fake.wrong.add("f16")  # wrong from now on, as on other inputs
+    with caplog.at_level(logging.WARNING, logger="kvbits.kernels.autotune"):
+        out = tuner.attend(q, store)  # call 2: checked
+    assert fake.calls[n:] == ["default", "f16"] and torch.equal(out, ref)
+    assert "revoked" in caplog.text
+    entry = json.loads(path.read_text())["keys"][tune_key(q, store)]
+    assert entry["launch"] == "default" and entry["rejected"]["f16"].startswith("on call 2 of this key: differs")
+    assert autotune.DecodeTuner(path, runner=fake, timer=fake.timer).launch_kwargs(q, store) == {"dequant": "f32"}
+    n = len(fake.calls)
+    assert torch.equal(tuner.attend(q, store), ref) and fake.calls[n:] == ["default"]  # no more checks
+    assert tuner.served[tune_key(q, store)] == "default"
+
+
+def test_a_tuned_launch_that_fails_later_is_revoked():
+    store, q = store_and_query()
+    fake = StandIn(times(f16=0.5))
+    tuner = DecodeTuner(None, runner=fake, timer=fake.timer, rounds=1)
+    tuner.attend(q, store)
+    fake.fails.add("f16")
+    assert torch.equal(tuner.attend(q, store), decode_attention_reference(q, store).to(q.dtype))
+    assert "failed: RuntimeError: out of resources" in tuner.tunings[tune_key(q, store)].rejected["f16"]
+
+
+def test_checks_fall_on_powers_of_two_and_not_during_a_capture(tmp_path, monkeypatch):
+    """64 calls after the tuning call check 6 times (calls 2, 4, ..., 64); a choice read from the file is checked on
+    its first call too; nothing is compared while a graph is captured."""
+    assert [n for n in range(1, 70) if autotune.verify_due(n)] == [1, 2, 4, 8, 16, 32, 64]
+    path = tmp_path / "decode.json"
+    store, q = store_and_query()
+    fake = StandIn(times(f16=0.5))
+    tuner = DecodeTuner(path, runner=fake, timer=fake.timer, rounds=1)
+    tuner.attend(q, store)
+    n = len(fake.calls)
+    for _ in range(63):
+        tuner.attend(q, store)
+    assert fake.calls[n:].count("default") == 6 and fake.calls[n:].count("f16") == 63
+
+    again = DecodeTuner(path, runner=fake, timer=fake.timer)  # another process: the file's choice
+    n = len(fake.calls)
+    again.attend(q, store)
+    assert fake.calls[n:] == ["default", "f16"]
+    monkeypatch.setattr(autotune, "_no_timing_now", lambda: True)
+    n = len(fake.calls)
+    again.attend(q, store)  # call 2, due, but inside a capture: the launch alone
+    assert fake.calls[n:] == ["f16"]
+
+
+def test_chosen_launches_since_a_mark(monkeypatch):
+    """``chosen_launches(since=launch_counts())`` lists the keys served after the mark, not the process's earlier
+    ones (``kvbits speed`` records its own run's launches)."""
+    (s1, q1), (s2, q2) = store_and_query(T=64), store_and_query(T=64, D=32)
+    fake1, fake2 = StandIn(times(f16=0.5)), StandIn(times(), D=32)
+    t1 = DecodeTuner(None, runner=fake1, timer=fake1.timer, rounds=1)
+    t2 = DecodeTuner(None, runner=fake2, timer=fake2.timer, rounds=1)
+    monkeypatch.setattr(autotune, "_TUNERS", {("a", None): t1, ("b", None): t2})
+    t1.attend(q1, s1)
+    mark = autotune.launch_counts()
+    t2.attend(q2, s2)
+    assert autotune.chosen_launches() == {tune_key(q1, s1): "f16", tune_key(q2, s2): "default"}
+    assert autotune.chosen_launches(since=mark) == {tune_key(q2, s2): "default"}
+    t1.attend(q1, s1)
+    assert set(autotune.chosen_launches(since=mark)) == {tune_key(q1, s1), tune_key(q2, s2)}
+
+
 def test_candidate_launches():
     by = {c.name: c for c in CANDIDATES}
     assert CANDIDATES[0] == Candidate("default")

@@ -370,7 +370,8 @@ def test_kernel_settings_are_recorded_and_keep_runs_apart(model, ids, tmp_path, 
 
     monkeypatch.setenv("KVBITS_DEQUANT", "f16")
     monkeypatch.setenv("KVBITS_AUTOTUNE", "on")
-    monkeypatch.setattr(autotune, "chosen_launches", lambda: {"a": "f16-w2-s3", "b": "f16-w2-s3", "c": "default"})
+    monkeypatch.setattr(autotune, "chosen_launches",
+                        lambda since=None: {"a": "f16-w2-s3", "b": "f16-w2-s3", "c": "default"})  # fmt: skip
     tuned = speed_eval(model, 32, ["int8-token"], **kw)
     assert tuned["kernel_settings"] == {"kernel": "auto", "dequant": "f16", "autotune": "on"}
     assert "tuned launches: default (1 key), f16-w2-s3 (2 keys)" in speed_markdown(tuned)

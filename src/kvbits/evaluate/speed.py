@@ -320,7 +320,7 @@ def speed_eval(
         ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
         "tokens", "warmup", "fused_decode", "workspace", "reserve", "kernel_settings": {"kernel", "dequant",
         "autotune"} (``kvbits.kernels.dispatch.kernel_settings``), "tuned_launches": {launch key: candidate} (the
-        autotuner's choices in this process, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
+        autotuner's launches this run served, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
@@ -346,6 +346,7 @@ def speed_eval(
     from kvbits.kernels import autotune, dispatch
 
     settings = dispatch.kernel_settings()  # before any model work: a bad KVBITS_* value fails here
+    launches_before = autotune.launch_counts()  # this run's tuned launches are those served after it
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     if not isinstance(reserve, bool):
         raise TypeError(f"reserve must be True or False, got {reserve!r}")
@@ -428,7 +429,7 @@ def speed_eval(
         "workspace": workspace,
         "reserve": reserve,
         "kernel_settings": settings,
-        "tuned_launches": autotune.chosen_launches() if settings["autotune"] == "on" else {},
+        "tuned_launches": autotune.chosen_launches(since=launches_before) if settings["autotune"] == "on" else {},
         "schemes": [
             {
                 "scheme": s.name,

@@ -21,11 +21,18 @@ overrides), keyed by ``tune_key`` (which includes a hash of the kernels' source,
 reuse them); a corrupt or foreign file is logged and replaced. While a CUDA graph is being captured, or under
 ``torch.compile``, nothing is timed: a key already tuned takes its choice, others the default launch.
 
-Limits: the inputs tuned on are one decode step's, so a launch that fails only on other data (another padding
-pattern, say) is not caught here; the candidates are launches the test suite checks through Triton's interpreter,
-and ``benchmarks/device_run.sh``'s CUDA tests check them compiled. Timing runs the kernel ``ROUNDS`` x ``INNER``
-times per candidate (without flushing the L2 cache), a few milliseconds at 32K context on an H200 plus each
-candidate's one-time compile.
+The inputs tuned on are one decode step's, so a launch could still be wrong only on other data (another padding
+pattern, a length at a split boundary). ``DecodeTuner.attend`` (what ``dispatch.decode_attention`` calls) therefore
+keeps checking a chosen launch that is not the default: on the 1st, 2nd, 4th, 8th, ... call of each key in this
+process (``verify_due``; the 1st only where the choice came from the file, not from tuning on that very call) it runs
+the default launch too and compares. A launch that differs, or fails, is revoked: that call returns the default
+launch's output, the key serves the default launch from then on, and the file records why. Calls between two checks
+are not compared, so a launch wrong on rare inputs can serve a few of them before a check finds it: the checks cost
+one extra launch and one device sync each, about ``log2(calls)`` per key. The candidates are launches the test suite
+checks through Triton's interpreter, and ``benchmarks/device_run.sh``'s CUDA tests check them compiled.
+
+Timing runs the kernel ``ROUNDS`` x ``INNER`` times per candidate (without flushing the L2 cache), a few milliseconds
+at 32K context on an H200 plus each candidate's one-time compile.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import math
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,16 +63,19 @@ __all__ = [
     "Candidate",
     "DecodeTuner",
     "Tuning",
+    "attend",
     "autotune_mode",
     "chosen_launches",
     "default_tuner",
+    "launch_counts",
     "launch_kwargs",
     "tune_key",
+    "verify_due",
 ]
 
 AUTOTUNE_ENV = "KVBITS_AUTOTUNE"
 FILE_ENV = "KVBITS_AUTOTUNE_FILE"
-MODES = ("off", "on")
+MODES = ("off", "on")  # KVBITS_AUTOTUNE; the default first
 FORMAT = 1
 TOLERANCE_ULPS = 8  # a candidate may differ from the default launch by this many ulps of max |output|
 MARGIN = 0.03  # a candidate must be this much faster than the default launch to be chosen
@@ -126,7 +137,7 @@ CANDIDATES: tuple[Candidate, ...] = (
 
 def autotune_mode() -> str:
     """``KVBITS_AUTOTUNE``: ``off`` (the default) or ``on``; ``ValueError`` for anything else."""
-    raw = os.environ.get(AUTOTUNE_ENV, "off").strip().lower() or "off"
+    raw = os.environ.get(AUTOTUNE_ENV, "").strip().lower() or MODES[0]
     mode = {"0": "off", "false": "off", "no": "off", "1": "on", "true": "on", "yes": "on"}.get(raw, raw)
     if mode not in MODES:
         raise ValueError(f"{AUTOTUNE_ENV} must be one of {MODES} (or 1/0), got {raw!r}")
@@ -284,6 +295,12 @@ def _mismatch(out: torch.Tensor, ref: torch.Tensor) -> str | None:
     return None if diff <= tol else f"differs from the default launch by {diff:.3g} (tolerance {tol:.3g})"
 
 
+def verify_due(call: int) -> bool:
+    """Whether a key's ``call``-th served call (from 1) compares a tuned launch with the default launch: powers of
+    two, so ``n`` calls make about ``log2(n) + 1`` checks."""
+    return call >= 1 and call & (call - 1) == 0
+
+
 class DecodeTuner:
     """Launch choices per ``tune_key``, timed on first use and kept in memory and (``path``) on disk.
 
@@ -320,6 +337,7 @@ class DecodeTuner:
         self.margin = margin
         self.tunings: dict[str, Tuning] = read_tunings(path) if path is not None else {}
         self.served: dict[str, str] = {}  # key -> the launch it served in this process (``chosen_launches``)
+        self.calls: Counter[str] = Counter()  # key -> calls ``attend`` served in this process (``verify_due``)
 
     # ----------------------------------------------------------------------------------------- the file
 
@@ -348,22 +366,61 @@ class DecodeTuner:
 
     def launch_kwargs(self, q: torch.Tensor, store: PackedStore, scale: float | None = None) -> dict[str, Any]:
         """The ``decode_attention_triton`` keyword arguments for this call: the tuned launch of its key, tuning
-        it now (on these inputs) if the key is new and timing is allowed, else the default launch."""
+        it now (on these inputs) if the key is new and timing is allowed, else the default launch. Nothing is
+        checked after the tuning here; ``attend`` runs the launch and keeps checking it."""
+        return self.kwargs_for(self._choose(q, store, scale)[1], q)
+
+    def attend(self, q: torch.Tensor, store: PackedStore, scale: float | None = None) -> torch.Tensor:
+        """Decode attention ``q (B, H_q, 1, D)`` over ``store`` → ``(B, H_q, 1, D)`` through this call's launch
+        (``launch_kwargs``). A chosen launch that is not the default is compared with the default launch on the
+        calls ``verify_due`` names (not during a graph capture or a compile) and revoked if it differs or fails;
+        that call then returns the default launch's output."""
+        key, cand, tuned_now = self._choose(q, store, scale)
+        run = self._run()
+        if key is not None:
+            self.calls[key] += 1
+        call = self.calls[key] if key is not None else 0
+        check = (
+            cand is not self.default and verify_due(call) and not (tuned_now and call == 1) and not _no_timing_now()
+        )
+        if not check:
+            return run(q, store, scale, **self.kwargs_for(cand, q))
+        ref = run(q, store, scale, **self.kwargs_for(self.default, q))
+        try:
+            why = _mismatch(run(q, store, scale, **self.kwargs_for(cand, q)), ref)
+        except Exception as exc:  # noqa: BLE001 - a tuned launch that fails on later inputs is revoked, logged
+            why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        if why is not None:
+            self._revoke(key, cand.name, f"on call {call} of this key: {why}")
+        return ref
+
+    def _choose(self, q: torch.Tensor, store: PackedStore, scale: float | None
+                ) -> tuple[str | None, Candidate, bool]:  # fmt: skip
+        """``(key, candidate, tuned on this call)`` for this call (``key`` ``None``: a lone default candidate)."""
         if len(self.candidates) == 1:
-            return self.kwargs_for(self.default, q)
+            return None, self.default, False
         key = tune_key(q, store)
-        tuning = self.tunings.get(key)
+        tuning, tuned_now = self.tunings.get(key), False
         if tuning is None:
             if _no_timing_now():
                 logger.debug("decode launch %s not tuned (graph capture or compile): the default launch", key)
-                return self.kwargs_for(self.default, q)
-            tuning = self.tune(q, store, scale, key=key)
+                return key, self.default, False
+            tuning, tuned_now = self.tune(q, store, scale, key=key), True
         cand = self.candidates.get(tuning.launch)
         if cand is None:  # a file written with other candidates
             logger.info("tuned launch %r of %s is not a candidate here: the default launch", tuning.launch, key)
             cand = self.default
         self.served[key] = cand.name
-        return self.kwargs_for(cand, q)
+        return key, cand, tuned_now
+
+    def _revoke(self, key: str, name: str, why: str) -> None:
+        """Stop serving launch ``name`` for ``key``: the default launch from now on, recorded (and saved) as why."""
+        tuning = self.tunings[key]
+        tuning.rejected[name] = why
+        tuning.launch = self.default.name
+        self.served[key] = self.default.name
+        logger.warning("decode launch %r revoked for %s (%s); the default launch from now on", name, key, why)
+        self._save()
 
     def kwargs_for(self, cand: Candidate, q: torch.Tensor) -> dict[str, Any]:
         """``cand``'s keyword arguments for queries ``q (B, H_q, 1, D)`` on their device."""
@@ -441,16 +498,41 @@ def default_tuner(dequant: str | None = None) -> DecodeTuner:
     return tuner
 
 
-def chosen_launches() -> dict[str, str]:
-    """Launch key → the candidate that served it, over this process's tuners (keys served untuned during a graph
-    capture are not listed)."""
-    return {k: v for tuner in _TUNERS.values() for k, v in tuner.served.items()}
+def launch_counts() -> Counter[str]:
+    """Launch key → calls ``attend`` served, over this process's tuners: what ``chosen_launches(since=...)``
+    compares with."""
+    total: Counter[str] = Counter()
+    for tuner in _TUNERS.values():
+        total.update(tuner.calls)
+    return total
 
 
-def launch_kwargs(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> dict[str, Any]:
-    """``decode_attention_triton``'s keyword arguments under ``KVBITS_AUTOTUNE=on`` (``dispatch.decode_attention``):
-    the process tuner's launch for this call; an explicitly set ``KVBITS_DEQUANT`` limits the candidates to it."""
+def chosen_launches(since: Counter[str] | None = None) -> dict[str, str]:
+    """Launch key → the candidate that served it (as it stands now: ``default`` after a revocation), over this
+    process's tuners (keys served untuned during a graph capture are not listed). ``since``: a ``launch_counts()``
+    taken before a run: only the keys ``attend`` served after it."""
+    served = {k: v for tuner in _TUNERS.values() for k, v in tuner.served.items()}
+    if since is None:
+        return served
+    now = launch_counts()
+    return {k: v for k, v in served.items() if now[k] > since[k]}
+
+
+def _process_tuner() -> DecodeTuner:
+    """``default_tuner`` for the environment: an explicitly set ``KVBITS_DEQUANT`` limits the candidates to it."""
     from kvbits.kernels.dispatch import DEQUANT_ENV, dequant_mode
 
     explicit = dequant_mode() if os.environ.get(DEQUANT_ENV, "").strip() else None
-    return default_tuner(explicit).launch_kwargs(q, store, scale)
+    return default_tuner(explicit)
+
+
+def launch_kwargs(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> dict[str, Any]:
+    """``decode_attention_triton``'s keyword arguments under ``KVBITS_AUTOTUNE=on``: the process tuner's launch for
+    this call (``DecodeTuner.launch_kwargs``; not checked after its tuning)."""
+    return _process_tuner().launch_kwargs(q, store, scale)
+
+
+def attend(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> torch.Tensor:
+    """Decode attention under ``KVBITS_AUTOTUNE=on`` (``dispatch.decode_attention``): the process tuner's launch,
+    kept checked against the default launch (``DecodeTuner.attend``)."""
+    return _process_tuner().attend(q, store, scale)

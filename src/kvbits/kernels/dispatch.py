@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from kvbits.kernels import autotune
 from kvbits.kernels.reference import PackedStore, decode_attention_reference
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ __all__ = [
 
 KERNEL_ENV = "KVBITS_KERNEL"
 DEQUANT_ENV = "KVBITS_DEQUANT"
-DEQUANT_MODES = ("f32", "f16", "fold")  # decode_attention_triton's ``dequant`` (triton_decode imports these)
-MODES = ("auto", "reference", "triton")
+DEQUANT_MODES = ("f32", "f16", "fold")  # decode_attention_triton's ``dequant`` (triton_decode imports these); default first
+MODES = ("auto", "reference", "triton")  # KVBITS_KERNEL; the default first
 INSTALL_HINT = "install Triton (pip install 'kvbits[triton]'; Linux + CUDA, or TRITON_INTERPRET=1 on CPU)"
 
 
@@ -54,7 +55,7 @@ def triton_available() -> bool:
 
 def kernel_mode() -> str:
     """``KVBITS_KERNEL`` (``auto``, ``reference`` or ``triton``); ``ValueError`` for anything else."""
-    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    mode = os.environ.get(KERNEL_ENV, "").strip().lower() or MODES[0]
     if mode not in MODES:
         raise ValueError(f"{KERNEL_ENV} must be one of {MODES}, got {mode!r}")
     return mode
@@ -62,7 +63,7 @@ def kernel_mode() -> str:
 
 def dequant_mode() -> str:
     """``KVBITS_DEQUANT`` (``f32``, the default, ``f16`` or ``fold``); ``ValueError`` for anything else."""
-    mode = os.environ.get(DEQUANT_ENV, "f32").strip().lower() or "f32"
+    mode = os.environ.get(DEQUANT_ENV, "").strip().lower() or DEQUANT_MODES[0]
     if mode not in DEQUANT_MODES:
         raise ValueError(f"{DEQUANT_ENV} must be one of {DEQUANT_MODES}, got {mode!r}")
     return mode
@@ -72,12 +73,11 @@ def kernel_settings() -> dict[str, str]:
     """The decode-kernel settings in force, as a timing or an evaluation should record them:
     ``{"kernel": KVBITS_KERNEL, "dequant": KVBITS_DEQUANT, "autotune": KVBITS_AUTOTUNE}`` (their defaults when
     unset: ``auto``, ``f32``, ``off``). ``ValueError`` for a value those variables do not take."""
-    from kvbits.kernels.autotune import autotune_mode
-
-    return {"kernel": kernel_mode(), "dequant": dequant_mode(), "autotune": autotune_mode()}
+    return {"kernel": kernel_mode(), "dequant": dequant_mode(), "autotune": autotune.autotune_mode()}
 
 
-DEFAULT_SETTINGS = {"kernel": "auto", "dequant": "f32", "autotune": "off"}  # kernel_settings() with nothing set
+# kernel_settings() with nothing set: each parser's first mode
+DEFAULT_SETTINGS = {"kernel": MODES[0], "dequant": DEQUANT_MODES[0], "autotune": autotune.MODES[0]}
 
 
 def check_triton_device(x: torch.Tensor, what: str) -> None:
@@ -133,10 +133,9 @@ def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = 
     (``PackedTensor.rotate``) in the codes' basis (``reference.code_basis``).
     """
     if resolve_kernel(q, store) == "triton":
-        from kvbits.kernels import autotune
         from kvbits.kernels.triton_decode import decode_attention_triton
 
         if autotune.autotune_mode() == "on":
-            return decode_attention_triton(q, store, scale, **autotune.launch_kwargs(q, store, scale))
+            return autotune.attend(q, store, scale)
         return decode_attention_triton(q, store, scale, dequant=dequant_mode())
     return decode_attention_reference(q, store, scale)
