@@ -23,7 +23,7 @@
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut
 # short keeps its figures), gpu_decode.log, failure_map_{f16,meta32}.json / .log, cuda_tests.log, device.txt
-# (nvidia-smi, versions, COMMIT).
+# (nvidia-smi, versions, COMMIT, the host's speed: benchmarks/host_speed.py).
 # With .whl/ carried (benchmarks/device_wheels.sh), its wheels are installed first (optimum-quanto, step 6's peer).
 # Needs only torch, Triton and transformers (the GPU machine cannot install packages); the tests run when
 # pytest is importable there, else cuda_tests.log says so.
@@ -55,6 +55,9 @@ fi
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
     "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1
+    # the host's CPU, load, and times of a Python call and of a tiny torch op on the CPU and launched on CUDA: §6z's
+    # end-to-end steps were bound by the host (benchmarks/host_speed.py, a few seconds)
+    timeout 60 "$PY" benchmarks/host_speed.py $([ "$DRY" = 1 ] && echo "--calls 200") 2>&1
 } > "$OUT/device.txt"
 cat "$OUT/device.txt"
 

@@ -1,27 +1,78 @@
 """Host time of one decode step per cache, on a model too small to compute much (CPU, one thread).
 
-    PYTHONPATH=src python benchmarks/host_overhead.py [--layers 24] [--steps 20]
+    PYTHONPATH=src python benchmarks/host_overhead.py [--layers 24] [--steps 20] [--launch] [--repeat 3]
+        [--dtype float16]
 
 A 24-layer Qwen2-shaped model (hidden 128, 14 query heads, 2 KV heads, head dim 64: the e2e step's heads)
 decodes after a 256-token prompt through ``DynamicCache``, ``QuantizedKVCache`` dequantizing kivi-4, and the
 fused path (its torch reference off CUDA). With so little arithmetic the per-step times are mostly the
 Python of transformers and of each cache: a lead for the end-to-end step times of BENCHMARKS.md §6.
+
+``--launch`` adds ``DynamicCache`` with an attention function that returns zeros, and two runs of the fused path
+that isolate what a GPU step adds on the host: ``attention zeroed``
+(the cache's update and ``packed_store``, then a zero output in place of the attention: every kvbits cost but the
+kernel's launch) and ``Triton launch, compiled only`` (the same, through ``dispatch`` and ``decode_attention_triton``
+with Triton's own launch code, inside ``kvbits.kernels.aot.compile_only("sm_90")``: each launch binds and
+specialises its arguments and finds its compiled kernel, and nothing runs; the output is zeroed). Their
+difference is the launch path's host time per step (kvbits' argument preparation and Triton's ``JITFunction.run``,
+less the driver call itself, which needs a GPU). ``--repeat`` runs the whole set that many times (medians printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
+ZEROS = "host_overhead_zeros"  # the attention implementation of the "DynamicCache, attention zeroed" run
 
-def main() -> None:
+
+def zeros_attention(module, query: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+    """A transformers attention function that attends to nothing: zeros ``(B, q, H_q, D)`` for ``query``
+    ``(B, H_q, q, D)``, so a ``DynamicCache`` step's host work can be timed without its attention."""
+    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def attention_stubbed(launch: bool) -> Iterator[None]:
+    """Fused decode steps whose attention output is zeros: ``launch=False`` replaces the torch reference outright;
+    ``launch=True`` forces the Triton path and compiles its launches for sm_90 without running them
+    (``aot.compile_only``), then zeroes the unwritten output."""
+    from kvbits.kernels import aot, dispatch
+
+    if not launch:
+        with mock.patch.object(dispatch, "decode_attention_reference", lambda q, store, scale=None: torch.zeros_like(q)):
+            yield
+        return
+    import kvbits.kernels.triton_decode as td
+
+    real = td.decode_attention_triton
+
+    def zeroed(*args, **kwargs):  # compile_only leaves the output unwritten (torch.empty)
+        return real(*args, **kwargs).zero_()
+
+    with aot.compile_only("sm_90"), mock.patch.object(td, "decode_attention_triton", zeroed), \
+            mock.patch.object(dispatch, "resolve_kernel", lambda q, store: "triton"):  # fmt: skip
+        yield
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    """Print (and return) milliseconds per decode step of each run, one figure per repeat."""
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--steps", type=int, default=20)
-    a = p.parse_args()
-    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+    p.add_argument("--launch", action="store_true", help="also the fused path with its attention zeroed, and "
+                   "through Triton's launch code compiled for sm_90 (nothing runs)")  # fmt: skip
+    p.add_argument("--repeat", type=int, default=1, help="run the set this many times; medians")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                   help="the model's (float16: the GPU's queries; slow arithmetic on a CPU)")  # fmt: skip
+    a = p.parse_args(argv)
+    from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
     from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
 
@@ -29,14 +80,16 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=a.layers,
                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)  # fmt: skip
-    model = Qwen2ForCausalLM(cfg).eval()
+    model = Qwen2ForCausalLM(cfg).eval().to(getattr(torch, a.dtype))
     ids = torch.randint(0, 256, (1, 256))
 
-    def ms_per_step(cache, fused: bool) -> float:
+    AttentionInterface.register(ZEROS, zeros_attention)
+
+    def ms_per_step(cache, fused: bool, attention: str = "sdpa") -> float:
         if fused:
             use_fused_decode(model)
         else:
-            model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(attention)
         with torch.no_grad():
             kw = cache_kwargs(cache, model)
             nxt = model(ids, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
@@ -47,13 +100,33 @@ def main() -> None:
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         return 1e3 * (time.perf_counter() - t0) / a.steps
 
+    def fused_cache() -> QuantizedKVCache:
+        return QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=True)
+
     runs = {
-        "DynamicCache": (lambda: DynamicCache(config=cfg), False),
-        "kvbits kivi-4, dequantize + SDPA": (lambda: QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=False), False),
-        "kvbits kivi-4, fused (torch reference)": (lambda: QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=True), True),
+        "DynamicCache": (lambda: DynamicCache(config=cfg), False, None),
+        "kvbits kivi-4, dequantize + SDPA": (lambda: QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=False), False, None),
+        "kvbits kivi-4, fused (torch reference)": (fused_cache, True, None),
     }  # fmt: skip
-    for name, (make, fused) in runs.items():
-        print(f"{name:40s} {ms_per_step(make(), fused):7.1f} ms/step ({a.layers} layers)")
+    if a.launch:
+        runs["DynamicCache, attention zeroed"] = (lambda: DynamicCache(config=cfg), False, ZEROS)
+        runs["kvbits kivi-4, fused, attention zeroed"] = (fused_cache, True, False)
+        runs["kvbits kivi-4, fused, Triton launch, compiled only"] = (fused_cache, True, True)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(max(1, a.repeat)):
+        for name, (make, fused, launch) in runs.items():
+            if launch == ZEROS:
+                times[name].append(ms_per_step(make(), fused, ZEROS))
+                continue
+            with contextlib.nullcontext() if launch is None else attention_stubbed(launch):
+                times[name].append(ms_per_step(make(), fused))
+    for name, t in times.items():
+        print(f"{name:52s} {statistics.median(t):7.2f} ms/step ({a.layers} layers; runs {', '.join(f'{x:.2f}' for x in t)})")
+    if a.launch:
+        zeroed = statistics.median(times["kvbits kivi-4, fused, attention zeroed"])
+        launched = statistics.median(times["kvbits kivi-4, fused, Triton launch, compiled only"])
+        print(f"launch path: {1e3 * (launched - zeroed) / a.layers:.0f} us per layer call on the host")
+    return times
 
 
 if __name__ == "__main__":

@@ -266,6 +266,39 @@ print("LAUNCHES", len(launched), "KERNELS", ",".join(sorted({id(k): k.name for k
     assert line.split("KERNELS ")[1].split(",") == ["_decode_kernel", "_reduce_kernel"], line
 
 
+def test_host_overhead_times_the_launch_path_without_running_it():
+    """``benchmarks/host_overhead.py --launch``: the fused steps go through Triton's launch code compiled for sm_90
+    (the decode and reduce kernels compiled, nothing run), their zeroed output keeps the model finite, and the
+    attention-zeroed run skips the launch path."""
+    code = """
+import host_overhead
+from unittest import mock
+from kvbits.kernels import aot
+seen = []
+real = aot.compile_only
+def counting(arch):
+    cm = real(arch)
+    class Wrap:
+        def __enter__(self):
+            self.launched = cm.__enter__()
+            return self.launched
+        def __exit__(self, *exc):
+            seen.append(sorted({k.name for k in self.launched}))
+            return cm.__exit__(*exc)
+    return Wrap()
+with mock.patch.object(aot, "compile_only", counting):
+    times = host_overhead.main(["--layers", "2", "--steps", "2", "--launch"])
+print("TIMES", len(times), all(len(t) == 1 and t[0] > 0 for t in times.values()))
+print("LAUNCHED", seen)
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "TIMES 6 True", out.stdout[-2000:]
+    assert lines[-1] == "LAUNCHED [['_decode_kernel', '_reduce_kernel']]", out.stdout[-2000:]
+    assert any(line.startswith("launch path: ") for line in lines)
+
+
 def test_f16_dequant_compiles_without_int_to_float_conversions():
     """``dequant="f16"`` compiled for sm_90 (its inline ``lop3`` included, which the interpreter never runs):
     it launches without spills, its tile loop converts no integer to float (the magic-number codes) and

@@ -49,7 +49,8 @@ def test_device_run_dry_on_cpu(tmp_path: Path):
     run = subprocess.run(["bash", str(SCRIPT), "dry-commit"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "commit: dry-commit" in (out / "device.txt").read_text()
+    device = (out / "device.txt").read_text()
+    assert "commit: dry-commit" in device and "torch op on the cpu (x.add_(1), 1 element): " in device
     for step in ("gpu_decode exit: 0", "cuda tests exit: 0", "failure map f16 exit: 0", "failure map meta32 exit: 0"):
         assert step in run.stdout, (step, run.stdout[-3000:])
 
