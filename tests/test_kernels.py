@@ -1485,6 +1485,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         row = e2e[("kvbits-fused", scheme)]
         # (1 warm-up + 4 timed + 1 profiled) x 2 layers
         assert row["tokens_per_s"] > 0 and row["note"] == "12 fused steps"
+        assert 0 <= row["final_sync_ms"] < row["ms_per_step"] * 4  # a CPU has nothing queued to wait for
         assert row["cache_bytes"] < fp16["cache_bytes"]
         # the profiled step says where its time went (CPU operators here; kernels on CUDA)
         prof = row["profile"]

@@ -128,6 +128,35 @@ def test_step_times_cover_the_cache(model, ids, monkeypatch):
     assert slowed["ms_per_step"] > base["ms_per_step"] + 50.0 and slowed["speedup"] < 1.0
 
 
+def test_host_time_stops_before_the_device_sync(model, ids, monkeypatch):
+    """``host_ms_per_step`` is the step's Python before the sync: a sync that waits 30 ms (a busy device, simulated)
+    lengthens every step time and no host time. On CUDA the record keeps its median and the report shows it; off
+    CUDA the two times are the same by construction, so the record says ``None`` and the report nothing."""
+    from transformers import DynamicCache
+
+    from kvbits.evaluate import speed
+    from kvbits.report.speed import speed_markdown
+
+    def busy_device(device):
+        time.sleep(0.03)
+
+    monkeypatch.setattr(speed, "_sync", busy_device)
+    first = ids[:2].reshape(2, 1)
+    _, times, host = speed._decode(model, DynamicCache(config=model.config), first, steps=3, warmup=1)
+    assert len(times) == len(host) == 3
+    assert all(t - h >= 25.0 for t, h in zip(times, host)), (times, host)
+    assert speed.host_ms_per_step(host, torch.device("cpu")) is None
+    assert speed.host_ms_per_step([3.0, 1.0, 2.0], torch.device("cuda")) == 2.0
+    monkeypatch.undo()
+
+    s = speed_eval(model, 32, ["int4-token"], tokens=2, warmup=1, data=ids)
+    assert {r["host_ms_per_step"] for r in s["runs"]} == {None}
+    assert ", host " not in speed_markdown(s) and "before the device sync" not in speed_markdown(s)
+    on_gpu = {**s, "runs": [{**r, "host_ms_per_step": 0.5 * r["ms_per_step"]} for r in s["runs"]]}
+    md = speed_markdown(on_gpu)
+    assert f"{on_gpu['runs'][0]['ms_per_step']:.2f} [" in md and ", host " in md and "before the device sync" in md
+
+
 def test_batch_beyond_the_text_repeats_rows(model):
     few = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(1))
     s = speed_eval(model, 64, ["int4-token"], batches=3, tokens=2, warmup=0, data=few)

@@ -125,6 +125,9 @@ def decode_run(
 ) -> dict:
     """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps; ``profile``: one
     more step under ``torch.profiler`` (``profile_step``). ``steps``: the decode steps taken in all.
+    ``final_sync_ms``: how long the device sync after the last step waited. The steps are not synchronised one by
+    one, so a GPU slower than the host leaves work queued there (up to the launch queue's depth) and this wait is
+    long; near 0, the GPU had kept up and the steps were bound by the host.
     ``keep_logits``: also ``logits``, the timed steps' float32 logits ``(tokens, B, V)``."""
     import inspect
 
@@ -141,10 +144,12 @@ def decode_run(
         generated.append(nxt)
         if keep_logits and i >= warmup:
             logits.append(out.logits[:, -1].float())
+    t_host = time.perf_counter()
     sync(cfg.device)
     seconds = time.perf_counter() - t0
     B = ids.shape[0]
     out = {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
+           "final_sync_ms": round(1e3 * (t0 + seconds - t_host), 3),
            "tokens": torch.cat(generated, 1)[:, warmup:].cpu(), "steps": warmup + tokens}  # fmt: skip
     if keep_logits:
         out["logits"] = torch.stack(logits)
@@ -351,7 +356,7 @@ def end_to_end(
             bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
             fp16_tps = fp16_by_batch[batch] = r["tokens_per_s"]
         row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
-               "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"],
+               "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"], "final_sync_ms": r["final_sync_ms"],
                "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
                "cache_bytes": bytes_, **mem, "note": note, "profile": r.get("profile")}  # fmt: skip
         rows.append(row)
@@ -361,7 +366,7 @@ def end_to_end(
                   f"({mem['resident_bytes'] / mem['planned_bytes']:.3f}x) + {(mem['extra_bytes'] or 0) / 2**20:.1f} MiB "
                   f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
         print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
-              f"({r['ms_per_step']:.2f} ms/step) {note or ''}")  # fmt: skip
+              f"({r['ms_per_step']:.2f} ms/step; final sync waited {r['final_sync_ms']:.2f} ms) {note or ''}")  # fmt: skip
         if r.get("profile"):
             pr = r["profile"]
             print(f"      profiled step: {pr['wall_ms']:.2f} ms wall, device {pr['device_ms']} ms; top: "

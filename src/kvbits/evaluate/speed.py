@@ -5,7 +5,9 @@ prefilled once in full precision (``DynamicCache``); the prefill's K/V are loade
 ``update`` (a quantized cache stores and flushes them as during generation), and the model then decodes
 ``warmup + tokens`` greedy steps through it, one token per sequence per forward, from the same first
 token. Each of the last ``tokens`` steps is timed on its own (the device synchronised before and after):
-the median, 10th and 90th percentile of the step time, and tokens/s = ``batch`` / median step. The
+the median, 10th and 90th percentile of the step time, and tokens/s = ``batch`` / median step. On CUDA also
+``host_ms_per_step``: the median time until the step's Python returned, before the sync; close to the step time,
+the step is bound by the host (Python and kernel launches), and the speed-ups compare host work. The
 baseline is transformers' ``DynamicCache`` (the model's own layer kinds: sliding-window layers included),
 which the speed-ups divide by.
 
@@ -121,15 +123,16 @@ def _head(model: Any) -> Any:
 @torch.no_grad()
 def _decode(
     model: Any, cache: Any, first: torch.Tensor, steps: int, warmup: int, on_timed: Any = None
-) -> tuple[torch.Tensor, list[float]]:
+) -> tuple[torch.Tensor, list[float], list[float]]:
     """``warmup + steps`` greedy steps from ``first`` ``(B, 1)`` through ``cache``: the generated tokens
-    ``(B, warmup + steps)`` and the times (ms) of the last ``steps``; ``on_timed()`` is called before the
-    first timed step."""
+    ``(B, warmup + steps)``, the times (ms) of the last ``steps``, and of each the time (ms) until the step's
+    Python returned, before the device was synchronised (``host_ms_per_step``); ``on_timed()`` is called before
+    the first timed step."""
     from kvbits.cache.compat import cache_kwarg
 
     kw = cache_kwarg(model)
     dev = first.device
-    nxt, tokens, times = first, [], []
+    nxt, tokens, times, host = first, [], [], []
     for i in range(warmup + steps):
         if i == warmup and on_timed is not None:
             on_timed()
@@ -137,11 +140,22 @@ def _decode(
         t0 = time.perf_counter()
         logits = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
+        t_host = time.perf_counter()
         _sync(dev)
         if i >= warmup:
             times.append(1e3 * (time.perf_counter() - t0))
+            host.append(1e3 * (t_host - t0))
         tokens.append(nxt)
-    return torch.cat(tokens, dim=1).cpu(), times
+    return torch.cat(tokens, dim=1).cpu(), times, host
+
+
+def host_ms_per_step(host_ms: Sequence[float], device: torch.device) -> float | None:
+    """The median time a step's Python took before the device sync, on a device that runs asynchronously (CUDA):
+    near the step's time, the step waits on the host (Python, launches), not on the GPU. ``None`` elsewhere (on
+    the CPU every operation finishes before the Python goes on, so the two are the same by construction)."""
+    if device.type != "cuda" or not host_ms:
+        return None
+    return round(float(torch.tensor(list(host_ms), dtype=torch.float64).median()), 4)
 
 
 def _planned(model: Any, scheme: Any, batch: int, tokens: int) -> int | None:
@@ -216,7 +230,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         before: dict[str, int] = {}
         counts = getattr(cache, "fused_report", None) if scheme is not None else None
         on_timed = None if counts is None else (lambda: before.update(_counts(counts())))
-        out, times = _decode(model, cache, first, tokens, warmup, on_timed)
+        out, times, host = _decode(model, cache, first, tokens, warmup, on_timed)
     rec: dict[str, Any] = {
         "cache": BASELINE if scheme is None else scheme.name,
         "path": _path(scheme, fused, workspace),
@@ -224,6 +238,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         "batch": batch,
         "cached_tokens": held,
         **step_stats(times, batch),
+        "host_ms_per_step": host_ms_per_step(host, dev),
         "step_ms": [round(x, 4) for x in times],
     }
     rec["cache_bytes"] = cache_bytes(cache)
@@ -323,7 +338,7 @@ def speed_eval(
         autotuner's launches this run served, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
-        "ms_mean", "tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
+        "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
         "cuda_resident_bytes", "cuda_peak_bytes", "decode", "agreement", "first_divergence",
         "prefill_seconds"}], "fingerprint", "wall_seconds", "peak_rss_bytes", "date", "commit",
         "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at the same context and batch.

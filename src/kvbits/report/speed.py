@@ -64,7 +64,9 @@ def _speed_cell(r: Mapping[str, Any] | None) -> str:
 def _ms_cell(r: Mapping[str, Any] | None) -> str:
     if r is None:
         return "n/a"
-    return f"{r['ms_per_step']:.2f} [{r['ms_p10']:.2f}–{r['ms_p90']:.2f}]"
+    cell = f"{r['ms_per_step']:.2f} [{r['ms_p10']:.2f}–{r['ms_p90']:.2f}]"
+    host = r.get("host_ms_per_step")
+    return cell if host is None else f"{cell}, host {host:.2f}"
 
 
 def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> str:
@@ -154,7 +156,12 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     for batch in summary["batches"]:
         lines += [f"## Batch {batch}", ""]
         lines += ["*Decode tokens/s (× DynamicCache).*", ""] + _table(summary, batch, _speed_cell)
-        lines += ["*Milliseconds per step, median [p10–p90].*", ""] + _table(summary, batch, _ms_cell)
+        timed_host = any(r.get("host_ms_per_step") is not None for r in summary["runs"] if r["batch"] == batch)
+        caption = "*Milliseconds per step, median [p10–p90]" + (
+            "; host: the median time until the step's Python returned, before the device sync (close to the step's "
+            "time: the step waits on the host, Python and kernel launches, not on the GPU).*" if timed_host else ".*"
+        )
+        lines += [caption, ""] + _table(summary, batch, _ms_cell)
         lines += ["*Bytes the cache holds after the last step.*", ""]
         lines += _table(
             summary,
