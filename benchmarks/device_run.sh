@@ -18,7 +18,9 @@
 #   PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_decode.py --e2e only --prewarm-s 0 --budget-s 150 \
 #       --e2e-runs dynamic-fp16,kvbits-fused:kivi-4,hf-quantized-quanto --out $OUT/gpu_decode_peers.json
 # and the decode autotuner (kvbits.kernels.autotune, KVBITS_AUTOTUNE=on; session 44), whose candidates are mostly
-# step 3b's launches, already in Triton's cache on a warm machine (about 3 minutes):
+# step 3b's launches, already in Triton's cache on a warm machine (about 3 minutes), after the split merge before
+# and after session 45 (reduce_ab.py, about 20 s; the sweep's rows already time the new one inside each step):
+#   PYTHONPATH=src python3 benchmarks/reduce_ab.py --out $OUT/reduce_ab.json; \
 #   PYTHONPATH=src python3 benchmarks/autotune_decode.py --budget-s 150 --prewarm-s 60 --out $OUT/autotune_decode.json
 #
 # Writes under $OUT (default benchmarks/results): gpu_decode.json (rewritten after every step, so a run cut

@@ -142,7 +142,7 @@ def _kernels():
         """Grid ``(B * H_kv, n_split)``. Split-packed codes ``(B * H_kv, T, W)``; values per token (scale and
         zero ``(B * H_kv, T)``); keys per token (same) or per channel (``(B * H_kv, T / KG, D)``,
         ``BLOCK_T == KG``). Writes the same partials as the product kernel (``M/L (B*H_q, n_split)``,
-        ``ACC (B*H_q, n_split, D)``), reduced by its ``_reduce_kernel``."""
+        ``ACC (B*H_q, n_split, D)``), reduced by its ``_reduce_kernel`` (``reduce_splits``)."""
         P: tl.constexpr = 8 // BITS
         W: tl.constexpr = D // P
         pid_bh = tl.program_id(0)
@@ -256,7 +256,7 @@ def lean_decode(
     """``q (B, H_q, 1, D)`` float16 over a store (``random_store``; codes split-packed here) →
     ``(B, H_q, 1, D)`` float16. Per-channel keys need ``block_t == KEY_GROUP``."""
     global _KERNEL
-    from kvbits.kernels.triton_decode import LOG2E, _chunk, _reduce_kernel
+    from kvbits.kernels.triton_decode import LOG2E, _chunk, reduce_splits
 
     if _KERNEL is None:
         _KERNEL = _kernels()
@@ -281,8 +281,7 @@ def lean_decode(
         G=G, G_PAD=max(16, triton_pow2(G)), D=D, BLOCK_T=block_t, BITS=bits,
         K_CHANNEL=st["keys"] == "channel", KG=KEY_GROUP, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D)
-    return out.reshape(B, H_q, 1, D)
+    return reduce_splits(m, l_, acc, out).reshape(B, H_q, 1, D)
 
 
 def triton_pow2(n: int) -> int:

@@ -107,7 +107,7 @@ def test_default_launches_fit_hopper_ampere_and_ada(tmp_path, arch: str):
     """Every kind of default launch (decode kernel over stores the cache builds: KIVI and pre-RoPE NUQ with
     outliers at both head dims, float16 and float32 queries, KIVI through the opt-in f16 path and folded kernel;
     the quantize kernel) compiles for the arch, fits, and spills no registers (the folded kernel's KIVI at
-    D = 128: at most 16 bytes). The quick run includes the NUQ quantize kernel, which once compiled
+    D = 128: at most 32 bytes). The quick run includes the NUQ quantize kernel, which once compiled
     only under the interpreter. The machine code is what a memory-bound decode wants: pipelined 128-bit
     loads and tensor-core MMAs (none with float32 queries, whose exact products use the CUDA cores)."""
     path = tmp_path / f"{arch}.json"
@@ -120,11 +120,12 @@ def test_default_launches_fit_hopper_ampere_and_ada(tmp_path, arch: str):
     # kivi-4 at both shapes: default, f16 and the folded kernel; float32 queries; kvquant-4-block default and float32
     assert len(decode) == 12 and sum(r["kernel"] == "_quantize_kernel" for r in rows) == 2
     assert sum(r["kernel"] == "_fold_kernel" for r in decode) == 2
-    # the opt-in folded kernel's KIVI at D = 128 spills 8 bytes on sm_90 since its keys' q * s takes two dots (session
-    # 39; tests/test_fold.py's real-cache check): a few bytes, not the default path
+    # the opt-in folded kernel's KIVI at D = 128 spills since its keys' q * s takes two dots (session 39;
+    # tests/test_fold.py's real-cache check), more since its key scale rows are read whole (session 44): 16 bytes on
+    # sm_90 and sm_89, 24 on sm_80. A few bytes, not the default path
     fold_d128 = [r for r in decode if r["kernel"] == "_fold_kernel" and r["shape"] == "llama-3-8b"]
     assert all(r["fails"] is None and r["local_bytes"] == 0 for r in decode if r not in fold_d128)
-    assert all(r["fails"] is None and r["local_bytes"] <= 16 for r in fold_d128)
+    assert all(r["fails"] is None and r["local_bytes"] <= 32 for r in fold_d128)
     assert all(r["loads_128"] > 0 and r["async_loads"] > 0 for r in decode)
     assert all((r["mma"] == 0) == ("float32 queries" in r["name"]) for r in decode)
 

@@ -1419,6 +1419,55 @@ def test_gpu_benchmark_timings_carry_their_spread(monkeypatch):
     assert spread["ms_p10"] == pytest.approx(2.0) and spread["ms_p90"] == pytest.approx(10.0), spread
 
 
+@needs_triton
+def test_split_merge_over_many_chunks():
+    """``reduce_splits`` (``_reduce_kernel``) merges more splits than one chunk holds (150 = 3 chunks of 64) with a
+    running maximum: the largest split last (every earlier sum rescaled), empty splits (``m`` = -1e30, ``l`` = 0,
+    as a padded or short split leaves them) and a row whose first two chunks are all empty, all within float32
+    rounding of the float64 merge ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. Dropping the rescale fails
+    it."""
+    g = torch.Generator().manual_seed(3)
+    rows, n_split, D = 3, 150, 16
+    assert n_split > 2 * triton_decode.REDUCE_BLOCK_S
+    m = torch.randn(rows, n_split, generator=g) * 4
+    m[:, -1] = 20.0  # the maximum in the last chunk: the first chunks' sums must be scaled down to it
+    l_ = torch.rand(rows, n_split, generator=g) * 9 + 1
+    acc = torch.randn(rows, n_split, D, generator=g) * l_[..., None]
+    empty = torch.rand(rows, n_split, generator=g) < 0.2
+    empty[2, :128] = True  # row 2: only its last chunk holds anything
+    empty[:, -1] = False
+    m[empty], l_[empty], acc[empty] = -1.0e30, 0.0, 0.0
+    m, l_, acc = (x.to(DEVICE) for x in (m, l_, acc))
+    out = triton_decode.reduce_splits(m, l_, acc, torch.empty(rows, D, device=DEVICE))
+    md, ld, ad = m.double(), l_.double(), acc.double()
+    w = torch.exp2(md - md.max(1, keepdim=True).values)
+    ref = (w[..., None] * ad).sum(1) / (w * ld).sum(1, keepdim=True)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), float((out.double() - ref).abs().max())
+
+
+def test_split_merge_benchmark_smoke_on_cpu(tmp_path):
+    """``benchmarks/reduce_ab.py --smoke --device cpu``: the merge before and after session 45 on the same partials,
+    both within float16 rounding of the float64 merge, at the default launch's split counts (Qwen2.5's 32K at batch
+    1: more than two chunks)."""
+    import json
+    from pathlib import Path
+
+    if triton_decode is None:
+        pytest.skip(TRITON_SKIP)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import reduce_ab
+
+    out = tmp_path / "reduce_ab.json"
+    result = reduce_ab.main(["--smoke", "--device", DEVICE, "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and result["complete"]
+    (qwen, llama) = result["rows"]
+    assert qwen["n_split"] > 2 * triton_decode.REDUCE_BLOCK_S and llama["n_split"] < 16
+    for row in result["rows"]:
+        assert row["max_err_two_pass"] < 4e-3 and row["max_err_one_pass"] < 4e-3, row
+        assert row["ms_two_pass"] > 0 and row["ms_one_pass"] > 0
+
+
 def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     import json
 

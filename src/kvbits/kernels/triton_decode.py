@@ -779,31 +779,46 @@ def _decode_kernel(
 # fmt: on
 
 
+REDUCE_BLOCK_S = 64  # splits per chunk of _reduce_kernel: one chunk up to 64 splits, 5 at the most a default launch makes
+
+
 @triton.jit(do_not_specialize=["n_split"])
 def _reduce_kernel(M, L, ACC, OUT, n_split, BLOCK_S: tl.constexpr, D: tl.constexpr):
     """Grid ``(B * H_q,)``: merge the split partials of one query row (log-sum-exp rescaling).
 
-    Two passes over the splits in ``BLOCK_S`` chunks (the row maximum, then the weighted sums): one
-    compiled kernel for any number of splits.
+    One pass over the splits in ``BLOCK_S`` chunks with a running maximum: each chunk's ``M``, ``L`` and ``ACC``
+    loads are issued together, and the sums so far are rescaled when the maximum grows (FlashAttention's online
+    softmax over the splits). One compiled kernel for any number of splits. Until session 45 the kernel made two
+    passes in 16-split chunks, the row maximum first: compiled for sm_90 every chunk was a synchronous round trip
+    to memory, 18 of them at Qwen2.5's 130-odd splits (batch 1, 32K), and the H200's profile of a decode step timed it at
+    6.1 µs against the decode kernel's 12 (BENCHMARKS.md §6, session 45); 64-split chunks make that 3.
     """
     row = tl.program_id(0).to(tl.int64)
-    m_max = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), 0)
-    for s0 in range(0, n_split, BLOCK_S):
-        offs = s0 + tl.arange(0, BLOCK_S)
-        m_max = tl.maximum(m_max, tl.max(tl.load(M + row * n_split + offs, mask=offs < n_split, other=-1.0e30), 0))
     offs_d = tl.arange(0, D)
+    m_run = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), 0)  # finite: empty splits weigh 0, not NaN
     num = tl.zeros([D], tl.float32)
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     for s0 in range(0, n_split, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
         sm = offs < n_split
         m = tl.load(M + row * n_split + offs, mask=sm, other=-1.0e30)
-        w = tl.where(sm, tl.exp2(m - m_max), 0.0)
         l_s = tl.load(L + row * n_split + offs, mask=sm, other=0.0)
         a = tl.load(ACC + (row * n_split + offs)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0)
-        num += tl.sum(w[:, None] * a, 0)
-        den += tl.sum(w * l_s, 0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)  # the sums so far, to the new maximum (1 while it holds)
+        w = tl.where(sm, tl.exp2(m - m_new), 0.0)
+        num = num * alpha + tl.sum(w[:, None] * a, 0)
+        den = den * alpha + tl.sum(w * l_s, 0)
+        m_run = m_new
     tl.store(OUT + row * D + offs_d, (num / den).to(OUT.dtype.element_ty))
+
+
+def reduce_splits(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge split partials ``m, l_ (rows, n_split)`` and ``acc (rows, n_split, D)`` float32 into ``out
+    (rows, D)`` (``_reduce_kernel``; ``out``'s dtype) and return ``out``."""
+    rows, n_split, D = acc.shape
+    _reduce_kernel[(rows,)](m, l_, acc, out, n_split, BLOCK_S=REDUCE_BLOCK_S, D=D, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -1227,8 +1242,7 @@ def decode_attention_triton(
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, K_ROWS=rows_ok, **meta)
     # rotated values: the merged output stays float32 until it is rotated back (one rounding to the query's dtype)
     out = torch.empty(B * H_q, D, device=dev, dtype=out_dtype if out_rotate is None else torch.float32)
-    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
-    out = out.reshape(B, H_q, 1, D)
+    out = reduce_splits(m, l_, acc, out).reshape(B, H_q, 1, D)
     return out if out_rotate is None else unrotate(out, out_rotate, out_dtype)
 
 

@@ -47,7 +47,7 @@ dots narrower than 16 bytes of codes, bfloat16 / float32 queries) go to the prod
 says why).
 
 The full-precision tail (sinks, residual window) is attended in its own splits with the product kernel's helpers,
-and the partials are merged by its ``_reduce_kernel``. This module imports Triton; import it through
+and the partials are merged by its ``_reduce_kernel`` (``reduce_splits``). This module imports Triton; import it through
 ``kvbits.kernels.dispatch`` / ``triton_decode``.
 """
 
@@ -69,12 +69,12 @@ from kvbits.kernels.triton_decode import (
     _num_splits,
     _pow2,
     _query_halves,
-    _reduce_kernel,
     _row_meta,
     _scale_zero,
     _slot_mask,
     _tail_loop,
     _words_ok,
+    reduce_splits,
 )
 from kvbits.quant.rotate import unrotate
 
@@ -524,6 +524,5 @@ def decode_attention_fold(
         num_stages=d["num_stages"] if num_stages is None else num_stages,
     )  # fmt: skip
     out = torch.empty(B * H_q, D, device=dev, dtype=torch.float16 if out_rotate is None else torch.float32)
-    _reduce_kernel[(B * H_q,)](m, l_, acc, out, n_split, BLOCK_S=16, D=D, num_warps=4)
-    out = out.reshape(B, H_q, 1, D)
+    out = reduce_splits(m, l_, acc, out).reshape(B, H_q, 1, D)
     return out if out_rotate is None else unrotate(out, out_rotate, torch.float16)
