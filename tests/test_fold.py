@@ -177,6 +177,26 @@ def test_fold_reads_only_the_used_slots():
 
 
 @needs_triton
+def test_fold_takes_uniform_lengths_as_integers(monkeypatch):
+    """``PackedStore.uniform_lens``: the folded kernel takes ``quant_used`` and ``T_f`` (``UNIFORM``) instead of loading
+    the length tensors, with their output bit for bit; the last of 3 splits is cut short by ``quant_used``, past which
+    the reserved slots hold NaN scales, never read (as ``test_kernels``' check of the default kernel)."""
+    g = torch.Generator().manual_seed(23)
+    store = make_store(g, T_q=192, T_f=40, key_spec=token(4), value_spec=token(4))
+    store = dataclasses.replace(store, quant_lens=torch.full_like(store.quant_lens, 160), quant_used=160)
+    assert store.uniform_lens
+    store.key.scale[:, :, 160:] = float("nan")
+    store.value.scale[:, :, 160:] = float("nan")
+    q = (torch.randn(2, 8, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    spy = LaunchSpy(triton_fold._fold_kernel)
+    monkeypatch.setattr(triton_fold, "_fold_kernel", spy)
+    out = triton_fold.decode_attention_fold(q, store, splits=3, block_t=32)
+    loaded = triton_fold.decode_attention_fold(q, dataclasses.replace(store, uniform_lens=False), splits=3, block_t=32)
+    assert [m["UNIFORM"] for m in spy.seen] == [True, False]
+    assert torch.isfinite(out).all() and torch.equal(out, loaded)
+
+
+@needs_triton
 @pytest.mark.parametrize("which", ["both", "smooth-rotated"])
 def test_fold_attends_rotated_and_smoothed_keys(which: str):
     """Rotated (Hadamard) sides and centred / smoothed keys: attended in the codes' basis (``code_basis``), within

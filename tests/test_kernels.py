@@ -1420,6 +1420,31 @@ def test_gpu_benchmark_timings_carry_their_spread(monkeypatch):
 
 
 @needs_triton
+def test_uniform_lengths_are_taken_as_integers(monkeypatch):
+    """A store whose lengths are the host's integers (``PackedStore.uniform_lens``: the cache's ``packed_store``,
+    ``pack_store`` without lengths, the GPU benchmark's stores) launches with ``UNIFORM``: the kernel takes
+    ``quant_used`` (else ``T_q``) and ``T_f`` instead of loading ``quant_lens`` / ``full_lens``, with the output of
+    loading them bit for bit (3 splits of 64 slots over the 160 used quantized slots, the last cut short by
+    ``quant_used``, and 2 over the 40 tail slots; the reserved slots past ``quant_used`` hold NaN scales, never
+    read). ``pack_store`` declares uniform lengths only when it makes them."""
+    g = torch.Generator().manual_seed(21)
+    store = make_store(g, T_q=192, T_f=40, key_spec=spec(4), value_spec=KIVI4_VALUES)
+    assert store.uniform_lens and store.quant_slots_used == 192
+    store = replace(store, quant_lens=torch.full_like(store.quant_lens, 160), quant_used=160)
+    store.key.scale[:, :, 160:] = float("nan")  # the reserved, unwritten slots' per-token scales
+    store.value.scale[:, :, 160:] = float("nan")
+    q = torch.randn(2, 8, 1, 64, generator=g).to(DEVICE).half()
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    out = triton_decode.decode_attention_triton(q, store, splits=3, block_t=32)
+    loaded = triton_decode.decode_attention_triton(q, replace(store, uniform_lens=False), splits=3, block_t=32)
+    assert [m["UNIFORM"] for m in spy.seen] == [True, False]
+    assert torch.isfinite(out).all() and torch.equal(out, loaded)
+    assert max_err(out, decode_attention_reference(q.double(), store, dtype=torch.float64)) < 0.02
+    assert not make_store(g, T_q=64, T_f=8, quant_lens=[64, 64]).uniform_lens  # lengths given: loaded
+
+
+@needs_triton
 def test_split_merge_over_many_chunks():
     """``reduce_splits`` (``_reduce_kernel``) merges more splits than one chunk holds (150 = 3 chunks of 64) with a
     running maximum: the largest split last (every earlier sum rescaled), empty splits (``m`` = -1e30, ``l`` = 0,

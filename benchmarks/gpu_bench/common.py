@@ -270,8 +270,8 @@ def random_store(
             key = replace(key, **channel_vectors(H, D, channels, device))
     lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=device)
     if rope_tables is None or key is None:
-        return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f))
-    return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f), *rope_tables, lens(0))
+        return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f), uniform_lens=True)
+    return PackedStore(key, value, kf, vf, lens(T_q), lens(T_f), *rope_tables, lens(0), uniform_lens=True)
 
 
 def channel_vectors(H: int, D: int, tie: str, device: torch.device) -> dict[str, torch.Tensor]:

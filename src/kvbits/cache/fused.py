@@ -325,5 +325,5 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
             quant_mask = word_rows(quant_mask, slots)
     return PackedStore(
         key, value, key_full, value_full, quant_lens, full_lens, cos, sin, pos0, quant_mask, full_mask,
-        quant_used=T_q if slots > T_q else None,
+        quant_used=T_q if slots > T_q else None, uniform_lens=True,
     )  # fmt: skip

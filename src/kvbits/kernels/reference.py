@@ -200,6 +200,13 @@ class PackedStore:
         quant_used: ``max(quant_lens)`` when the host knows it and it is below ``T_q`` (a cache's reserved
             slots: ``QuantizedKVCache(max_cache_len=...)``), else ``None``. The kernels split only those
             slots and the reference reads only those; the lengths still decide what each sequence attends.
+        uniform_lens: every sequence's lengths are the host's integers, ``quant_used`` (else ``T_q``) quantized
+            slots and ``T_f`` tail slots, as ``quant_lens`` / ``full_lens`` hold them. The Triton kernels then
+            take the integers instead of loading the tensors, which spares each split a memory round trip before
+            its first tile (its loop bounds would wait for the load). Set by the producers that build the lengths
+            from those integers (``kvbits.cache.fused.packed_store``; ``pack_store`` without lengths). Like
+            ``quant_used``, a fact the host declares: checking it against the tensors would cost a device sync per
+            decode step, which the cache's step never makes (``tests/test_cache.py``'s sync checks).
     """
 
     key: PackedTensor | None
@@ -214,11 +221,19 @@ class PackedStore:
     quant_mask: torch.Tensor | None = None
     full_mask: torch.Tensor | None = None
     quant_used: int | None = None
+    uniform_lens: bool = False
 
     def __post_init__(self) -> None:
         T_q = 0 if self.key is None else self.key.n_slots
         if self.quant_used is not None and not 0 <= self.quant_used <= T_q:
             raise ValueError(f"quant_used must be in [0, {T_q}] (the quantized slots), got {self.quant_used}")
+
+    @property
+    def quant_slots_used(self) -> int:
+        """The quantized slots the kernels walk: ``quant_used``, else all ``T_q``."""
+        if self.quant_used is not None:
+            return self.quant_used
+        return 0 if self.key is None else self.key.n_slots
 
     @property
     def batch(self) -> int:
@@ -400,7 +415,8 @@ def pack_store(
         key_blocks, value_blocks: ``QuantizedTensor`` blocks ``(B, H_kv, n_i, D)`` in token order, as
             ``kvbits.quant.quantize`` produces them (int kinds, no outliers); may be empty.
         key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys) or ``None``.
-        quant_lens, full_lens: ``(B,)`` valid slots per sequence (default: all ``T_q`` / ``T_f``).
+        quant_lens, full_lens: ``(B,)`` valid slots per sequence (default: all ``T_q`` / ``T_f``, and the store's
+            ``uniform_lens``).
         rope_cos, rope_sin: ``(T_pos, D)`` (or half-width ``(T_pos, D / 2)``) tables when the quantized
             keys are pre-RoPE.
         quant_pos0: ``(B,)`` position of the first quantized slot (default 0), pre-RoPE keys only.
@@ -469,7 +485,8 @@ def pack_store(
     qm = word_rows(qm) if qm is not None else None
     fm = _mask(full_mask, (B, T_f), device, "full_mask")
     fm = fm.contiguous() if fm is not None else None
-    return PackedStore(key, value, key_full, value_full, ql, fl, rope_cos, rope_sin, pos0, qm, fm)
+    return PackedStore(key, value, key_full, value_full, ql, fl, rope_cos, rope_sin, pos0, qm, fm,
+                       uniform_lens=quant_lens is None and full_lens is None)  # fmt: skip
 
 
 def _mask(

@@ -603,12 +603,18 @@ def _online(s, q, v, valid, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 
 @triton.jit
 def _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, chunk_f, qk_scale, D: tl.constexpr,
-               BLOCK_T: tl.constexpr, HAS_FMASK: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+               BLOCK_T: tl.constexpr, HAS_FMASK: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+               UNIFORM: tl.constexpr = False):
     """The online-softmax state ``(m_i, l_i, acc)`` of queries ``q (G_PAD, D)`` carried over the full-precision tail
     slots ``[start, start + chunk_f)`` of sequence ``b`` (``(B*H_kv, T_f, D)`` rows from slab ``bh``), in
     ``BLOCK_T``-token tiles (``FMASK``: its ``(B, T_f)`` slot mask). ``SPLIT``: float16 queries ``q + q_lo``
-    (``_attend``). Shared by ``_decode_kernel`` and ``triton_fold._fold_kernel``."""
-    end = tl.minimum(start + chunk_f, tl.load(FLEN + b))
+    (``_attend``). ``UNIFORM``: every sequence holds all ``T_f`` slots (``PackedStore.uniform_lens``), so ``FLEN``
+    is not read. Shared by ``_decode_kernel`` and ``triton_fold._fold_kernel``."""
+    if UNIFORM:
+        n_f = T_f
+    else:
+        n_f = tl.load(FLEN + b)
+    end = tl.minimum(start + chunk_f, n_f)
     kf = KF + bh * T_f * D
     vf = VF + bh * T_f * D
     offs_t = tl.arange(0, BLOCK_T)
@@ -636,7 +642,7 @@ def _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, c
 # the partials' row: none is specialised, so decode steps whose residual window length (every step) or
 # split count (as a short context grows) changes divisibility by 16 reuse the compiled kernel.
 # fmt: off
-@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "QM_ROW"])
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "QM_ROW", "q_used"])
 def _decode_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
     KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
@@ -648,6 +654,7 @@ def _decode_kernel(
     qk_scale, H_kv, T_q, T_f,
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
     n_split_q, n_split, chunk_q, chunk_f, QM_ROW,   # QM_ROW: QMASK's row stride (rows of whole words)
+    q_used,                                        # UNIFORM: every sequence's quantized length (QLEN not read)
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_BITS: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, K_SYM: tl.constexpr,
     K_KIND: tl.constexpr, K_NOUT: tl.constexpr,
@@ -658,9 +665,11 @@ def _decode_kernel(
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
     K_W32: tl.constexpr = False, V_W32: tl.constexpr = False, QMASK_W32: tl.constexpr = False,
     K_MEAN: tl.constexpr = False, K_FACTOR: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
-    K_ROWS: tl.constexpr = False,
+    K_ROWS: tl.constexpr = False, UNIFORM: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``.
+    ``UNIFORM`` (``PackedStore.uniform_lens``): every sequence's lengths are ``q_used`` and ``T_f``, so ``QLEN`` and
+    ``FLEN`` are not read and a split's first tile loads need not wait for them.
     ``Q_SPLIT``: ``Q`` is the float32 ``q'`` of a rotated / smoothed store for float16 queries, taken as two
     float16 halves (``_halves``) in every key dot. ``K_ROWS`` (whole-row integer keys with one scale per token,
     no RoPE, no outliers): the query multiplies the codes, exact in float16, and each token's scale and
@@ -683,7 +692,11 @@ def _decode_kernel(
     acc_cols = offs_d
     if pid_s < n_split_q:
         start = pid_s * chunk_q
-        end = tl.minimum(start + chunk_q, tl.load(QLEN + b))
+        if UNIFORM:
+            n_q = q_used
+        else:
+            n_q = tl.load(QLEN + b)
+        end = tl.minimum(start + chunk_q, n_q)
         kc = KC + bh * T_q * K_ROW
         ks = KS + bh * K_SROWS * K_SCOLS
         kz = KZ + bh * K_SROWS * K_SCOLS
@@ -771,7 +784,7 @@ def _decode_kernel(
     else:
         m_i, l_i, acc = _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f,
                                    (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_T, HAS_FMASK, IEEE,
-                                   Q_SPLIT)
+                                   Q_SPLIT, UNIFORM)
     out = row * n_split + pid_s
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
@@ -1188,6 +1201,7 @@ def decode_attention_triton(
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
         n_q, n_split, chunk_q, chunk_f, qm_row,
+        store.quant_slots_used,
     )
     meta = {
         "G": G, "G_PAD": max(16, _pow2(G)), "D": D, "BLOCK_T": block_t,
@@ -1197,7 +1211,7 @@ def decode_attention_triton(
         "ROPE": rope, "ROPE_W": cos.shape[1] if rope else D, "IEEE": ieee, "Q_SPLIT": q_split,
         "K_W32": _words_ok(k) if meta32 else 0, "V_W32": _words_ok(v) if meta32 else 0,
         "QMASK_W32": bool(meta32) and qmask_words,
-        "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None,
+        "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None, "UNIFORM": store.uniform_lens,
         "num_warps": num_warps, "num_stages": num_stages,
     }
     if maxnreg is not None:

@@ -232,17 +232,17 @@ def _chan_scores(kb, qk, sc, zc, k: tl.constexpr, P: tl.constexpr, BITS: tl.cons
         return tl.reshape(tl.dot(c3, lo, tl.dot(c3, hi)) + bias[:, None, :], (BLOCK_T, N))
 
 
-@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "K_SROWS", "QM_ROW"])
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "K_SROWS", "QM_ROW", "q_used"])
 def _fold_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,
     KC, KS, KZ, VC, VS, VZ, QLEN, KF, VF, FLEN, QMASK, FMASK,
-    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f, K_SROWS, QM_ROW,
+    qk_scale, H_kv, T_q, T_f, n_split_q, n_split, chunk_q, chunk_f, K_SROWS, QM_ROW, q_used,
     G: tl.constexpr, N: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, V_BITS: tl.constexpr, V_SYM: tl.constexpr,
     HAS_QMASK: tl.constexpr, HAS_FMASK: tl.constexpr, QMASK_W32: tl.constexpr, ASM: tl.constexpr,
     K_W32: tl.constexpr, V_W32: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, V_CPS: tl.constexpr,
-    K_R: tl.constexpr, Q_SPLIT: tl.constexpr,
+    K_R: tl.constexpr, Q_SPLIT: tl.constexpr, UNIFORM: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``: splits ``[0, n_split_q)`` over the quantized slots (folded scales), the rest
     over the full-precision tail (``triton_decode``'s helpers). Writes ``M/L (B*H_q, n_split)`` and
@@ -253,6 +253,8 @@ def _fold_kernel(
     ``(B*H_kv, K_SROWS, D)``). Values: per row, or per token and ``V_CPS`` channels (``(B*H_kv, T_q, D / V_CPS)``).
     Queries ``(B*H_q, D)`` float16, or float32 with ``Q_SPLIT`` (``q'`` of a rotated / smoothed store, ``code_basis``:
     per-row key dots take it as two float16 halves, per-channel ones fold it into ``q * s`` in float32 anyway).
+    ``UNIFORM`` (``PackedStore.uniform_lens``): every sequence's lengths are ``q_used`` and ``T_f`` (``QLEN`` and
+    ``FLEN`` not read), as in ``_decode_kernel``.
     """
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -299,7 +301,11 @@ def _fold_kernel(
         a2 = a0
         a3 = a0
         start = pid_s * chunk_q
-        end = tl.minimum(start + chunk_q, tl.load(QLEN + b))
+        if UNIFORM:
+            n_q = q_used
+        else:
+            n_q = tl.load(QLEN + b)
+        end = tl.minimum(start + chunk_q, n_q)
         kc = KC + bh * T_q * KW
         vc = VC + bh * T_q * VW
         ks = KS + bh * K_SROWS * (D // K_CPS)
@@ -393,7 +399,8 @@ def _fold_kernel(
         fl = tl.zeros([G_PAD], tl.float32)
         facc = tl.zeros([G_PAD, D], tl.float32)
         fm, fl, facc = _tail_loop(fq, fq_lo, fm, fl, facc, KF, VF, FLEN, FMASK, b, bh, T_f,
-                                  (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_F, HAS_FMASK, False, Q_SPLIT)
+                                  (pid_s - n_split_q) * chunk_f, chunk_f, qk_scale, D, BLOCK_F, HAS_FMASK, False, Q_SPLIT,
+                                  UNIFORM)
         fout = frow * n_split + pid_s
         tl.store(M_OUT + fout, fm, mask=fmask_g)
         tl.store(L_OUT + fout, fl, mask=fmask_g)
@@ -513,6 +520,7 @@ def decode_attention_fold(
         v.codes, v.scale, v.zero if v.zero is not None else v.scale,
         store.quant_lens, kf, vf, store.full_lens, qmask, fmask,
         scale * LOG2E, H_kv, T_q, T_f, n_q, n_split, chunk_q, chunk_f, k.scale.shape[2], qm_row,
+        store.quant_slots_used, UNIFORM=store.uniform_lens,
         G=G, N=n_rows, G_PAD=max(16, _pow2(G)), D=D, BLOCK_T=block_t, BLOCK_F=block_f,
         K_BITS=k.bits, K_SYM=k.zero is None, V_BITS=v.bits, V_SYM=v.zero is None,
         HAS_QMASK=store.quant_mask is not None, HAS_FMASK=store.full_mask is not None,
