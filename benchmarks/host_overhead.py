@@ -103,23 +103,26 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     def fused_cache() -> QuantizedKVCache:
         return QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=True)
 
+    def dynamic() -> DynamicCache:
+        return DynamicCache(config=cfg)
+
+    plain = contextlib.nullcontext
+    # name: (cache, fused decode, the attention of unfused steps, what the fused steps' attention is swapped for)
     runs = {
-        "DynamicCache": (lambda: DynamicCache(config=cfg), False, None),
-        "kvbits kivi-4, dequantize + SDPA": (lambda: QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=False), False, None),
-        "kvbits kivi-4, fused (torch reference)": (fused_cache, True, None),
+        "DynamicCache": (dynamic, False, "sdpa", plain),
+        "kvbits kivi-4, dequantize + SDPA": (lambda: QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=False), False, "sdpa", plain),
+        "kvbits kivi-4, fused (torch reference)": (fused_cache, True, "sdpa", plain),
     }  # fmt: skip
     if a.launch:
-        runs["DynamicCache, attention zeroed"] = (lambda: DynamicCache(config=cfg), False, ZEROS)
-        runs["kvbits kivi-4, fused, attention zeroed"] = (fused_cache, True, False)
-        runs["kvbits kivi-4, fused, Triton launch, compiled only"] = (fused_cache, True, True)
+        runs["DynamicCache, attention zeroed"] = (dynamic, False, ZEROS, plain)
+        runs["kvbits kivi-4, fused, attention zeroed"] = (fused_cache, True, "sdpa", lambda: attention_stubbed(False))
+        runs["kvbits kivi-4, fused, Triton launch, compiled only"] = (fused_cache, True, "sdpa",
+                                                                      lambda: attention_stubbed(True))  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(max(1, a.repeat)):
-        for name, (make, fused, launch) in runs.items():
-            if launch == ZEROS:
-                times[name].append(ms_per_step(make(), fused, ZEROS))
-                continue
-            with contextlib.nullcontext() if launch is None else attention_stubbed(launch):
-                times[name].append(ms_per_step(make(), fused))
+        for name, (make, fused, attention, stub) in runs.items():
+            with stub():
+                times[name].append(ms_per_step(make(), fused, attention))
     for name, t in times.items():
         print(f"{name:52s} {statistics.median(t):7.2f} ms/step ({a.layers} layers; runs {', '.join(f'{x:.2f}' for x in t)})")
     if a.launch:

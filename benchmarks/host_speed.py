@@ -15,22 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
-
-
-def cpu_model() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cpu_quota() -> str:
@@ -62,13 +49,15 @@ def us_per_call(fn: Callable[[], object], calls: int, sync: Callable[[], object]
 def measure(calls: int = 20000) -> dict[str, str]:
     import torch
 
+    from kvbits.evaluate.speed import cpu_name
+
     def noop() -> None:
         return None
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     out = {
-        "host cpu": cpu_model(),
+        "host cpu": cpu_name(),
         "host cores": f"{os.cpu_count()} ({affinity} usable), torch threads {torch.get_num_threads()}",
         "host cpu quota": cpu_quota(),
         "host load average (1, 5, 15 min)": load,

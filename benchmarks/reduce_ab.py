@@ -7,7 +7,7 @@ makes.
 
 Why: the H200's profile of an end-to-end decode step (BENCHMARKS.md §6z, Qwen2.5-0.5B's shape, batch 1, 32K) put the
 merge at 6.1 µs per layer against the decode kernel's 12. Compiled for sm_90, the old merge's two loops issue only
-synchronous loads, so it waits on memory once per 16 splits, twice: 18 times at the 132 splits of that launch.
+synchronous loads, so it waits on memory once per 16 splits, twice: 18 times at the 130-odd splits of that launch.
 
 For each case (both KV shapes of ``gpu_decode.py`` x batch 1, 8, 32 x 4K, 32K, 128K context) the split count is the
 default launch's (``_num_splits`` at 2 programs per SM, ``_chunk`` over the quantized slots and a 128-token fp16 tail)
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,6 @@ from gpu_bench import common
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reduce_ab.json"
 BATCHES, CONTEXTS = (1, 8, 32), (4096, 32768, 131072)
-TAIL = 128  # KIVI's residual window: the fp16 tail's splits
 
 
 def two_pass_kernel():
@@ -69,12 +67,14 @@ def two_pass_kernel():
 
 
 def split_count(shape: dict, batch: int, context: int, programs: int) -> int:
-    """The default launch's ``n_split`` for a KIVI store of ``context`` tokens (``TAIL`` of them fp16)."""
-    from kvbits.kernels.triton_decode import MIN_VEC_BLOCK_T, _chunk, launch_defaults
+    """The default launch's ``n_split`` for the KIVI store of ``context`` tokens that ``gpu_decode.py`` times
+    (``common.random_store``, shapes only) with ``programs`` programs aimed at."""
+    from kvbits.kernels.triton_decode import _chunk, _num_splits, whole_row_block_t
 
-    splits = max(1, math.ceil(programs / (batch * shape["H_kv"])))
-    block_t = max(MIN_VEC_BLOCK_T, launch_defaults(shape["D"])["block_t"])
-    return _chunk(context - TAIL, splits, block_t)[0] + _chunk(TAIL, splits, block_t)[0]
+    cpu = torch.device("cpu")
+    store = common.random_store(batch, shape, context, common.SCHEMES["int4"], cpu, torch.Generator(), lazy=True)
+    splits, block_t = _num_splits(store, cpu, programs), whole_row_block_t(shape["D"])
+    return _chunk(store.quant_slots_used, splits, block_t)[0] + _chunk(store.key_full.shape[2], splits, block_t)[0]
 
 
 def partials(rows: int, n_split: int, D: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -146,10 +146,11 @@ def decode_run(
             logits.append(out.logits[:, -1].float())
     t_host = time.perf_counter()
     sync(cfg.device)
-    seconds = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    seconds = t_end - t0
     B = ids.shape[0]
     out = {"ms_per_step": round(1e3 * seconds / tokens, 3), "tokens_per_s": round(B * tokens / seconds, 1),
-           "final_sync_ms": round(1e3 * (t0 + seconds - t_host), 3),
+           "final_sync_ms": round(1e3 * (t_end - t_host), 3),
            "tokens": torch.cat(generated, 1)[:, warmup:].cpu(), "steps": warmup + tokens}  # fmt: skip
     if keep_logits:
         out["logits"] = torch.stack(logits)

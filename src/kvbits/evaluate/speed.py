@@ -95,9 +95,8 @@ def _cuda_allocated(device: torch.device) -> int | None:
     return int(torch.cuda.memory_allocated(device))
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -106,6 +105,10 @@ def _device_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def _head(model: Any) -> Any:
@@ -155,7 +158,7 @@ def host_ms_per_step(host_ms: Sequence[float], device: torch.device) -> float | 
     the CPU every operation finishes before the Python goes on, so the two are the same by construction)."""
     if device.type != "cuda" or not host_ms:
         return None
-    return round(float(torch.tensor(list(host_ms), dtype=torch.float64).median()), 4)
+    return step_stats(host_ms, 1)["ms_per_step"]  # the same median as the step times
 
 
 def _planned(model: Any, scheme: Any, batch: int, tokens: int) -> int | None:

@@ -68,7 +68,6 @@ __all__ = [
     "chosen_launches",
     "default_tuner",
     "launch_counts",
-    "launch_kwargs",
     "tune_key",
     "verify_due",
 ]
@@ -108,10 +107,9 @@ class Candidate:
         device with ``sms`` multiprocessors (1 off CUDA)."""
         kw: dict[str, Any] = {"dequant": self.dequant}
         if self.tile is not None:
-            from kvbits.kernels.triton_decode import MIN_VEC_BLOCK_T, launch_defaults
+            from kvbits.kernels.triton_decode import whole_row_block_t
 
-            base = max(MIN_VEC_BLOCK_T, launch_defaults(head_dim)["block_t"])
-            kw["block_t"] = min(128, base * self.tile)
+            kw["block_t"] = min(128, whole_row_block_t(head_dim) * self.tile)
         if self.num_warps is not None:
             kw["num_warps"] = self.num_warps
         if self.num_stages is not None:
@@ -180,10 +178,8 @@ def _bucket(n: int, floor: int = 1) -> int:
 
 def context_slots(store: PackedStore) -> int:
     """Quantized slots the kernel walks plus full-precision slots (the tail, sinks)."""
-    side = store.key if store.key is not None else store.value
-    quant = store.quant_used if store.quant_used is not None else (side.codes.shape[2] if side is not None else 0)
     full = store.key_full if store.key_full is not None else store.value_full
-    return int(quant) + (int(full.shape[2]) if full is not None else 0)
+    return store.quant_slots_used + (int(full.shape[2]) if full is not None else 0)
 
 
 def tune_key(q: torch.Tensor, store: PackedStore) -> str:
@@ -295,6 +291,15 @@ def _mismatch(out: torch.Tensor, ref: torch.Tensor) -> str | None:
     return None if diff <= tol else f"differs from the default launch by {diff:.3g} (tolerance {tol:.3g})"
 
 
+def _verdict(launch: Callable[[], torch.Tensor], ref: torch.Tensor) -> str | None:
+    """Why a candidate launch must not serve (its output is not the default launch's ``ref``, or it fails to
+    launch), or ``None``."""
+    try:
+        return _mismatch(launch(), ref)
+    except Exception as exc:  # noqa: BLE001 - any launch failure rejects the candidate, logged by the caller
+        return f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+
 def verify_due(call: int) -> bool:
     """Whether a key's ``call``-th served call (from 1) compares a tuned launch with the default launch: powers of
     two, so ``n`` calls make about ``log2(n) + 1`` checks."""
@@ -377,19 +382,17 @@ class DecodeTuner:
         that call then returns the default launch's output."""
         key, cand, tuned_now = self._choose(q, store, scale)
         run = self._run()
+        call = 0
         if key is not None:
             self.calls[key] += 1
-        call = self.calls[key] if key is not None else 0
+            call = self.calls[key]
         check = (
             cand is not self.default and verify_due(call) and not (tuned_now and call == 1) and not _no_timing_now()
         )
         if not check:
             return run(q, store, scale, **self.kwargs_for(cand, q))
         ref = run(q, store, scale, **self.kwargs_for(self.default, q))
-        try:
-            why = _mismatch(run(q, store, scale, **self.kwargs_for(cand, q)), ref)
-        except Exception as exc:  # noqa: BLE001 - a tuned launch that fails on later inputs is revoked, logged
-            why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        why = _verdict(lambda: run(q, store, scale, **self.kwargs_for(cand, q)), ref)
         if why is not None:
             self._revoke(key, cand.name, f"on call {call} of this key: {why}")
         return ref
@@ -446,10 +449,7 @@ class DecodeTuner:
                 return run(q, store, scale, **kw)
 
             if cand is not self.default:
-                try:
-                    why = _mismatch(thunk(), ref)
-                except Exception as exc:  # noqa: BLE001 - any launch failure rejects the candidate, logged
-                    why = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                why = _verdict(thunk, ref)
                 if why is not None:
                     rejected[name] = why
                     logger.warning("decode launch %r rejected for %s: %s", name, key, why)
@@ -524,12 +524,6 @@ def _process_tuner() -> DecodeTuner:
 
     explicit = dequant_mode() if os.environ.get(DEQUANT_ENV, "").strip() else None
     return default_tuner(explicit)
-
-
-def launch_kwargs(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> dict[str, Any]:
-    """``decode_attention_triton``'s keyword arguments under ``KVBITS_AUTOTUNE=on``: the process tuner's launch for
-    this call (``DecodeTuner.launch_kwargs``; not checked after its tuning)."""
-    return _process_tuner().launch_kwargs(q, store, scale)
 
 
 def attend(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> torch.Tensor:

@@ -942,6 +942,12 @@ def launch_defaults(D: int, per_element: bool = False, ieee: bool = False) -> di
     return {"block_t": block_t, "num_warps": warps, "num_stages": DEFAULT_STAGES}
 
 
+def whole_row_block_t(D: int) -> int:
+    """Tokens per tile of the default launch over whole-row sides (2/4/8-bit codes, no outliers) at head dim ``D``:
+    ``launch_defaults``' tile, at least ``MIN_VEC_BLOCK_T``."""
+    return max(MIN_VEC_BLOCK_T, launch_defaults(D)["block_t"])
+
+
 def _compile_fallbacks(q: torch.Tensor) -> bool:
     """Whether a launch that fails to compile falls back to a plainer variant (logged): on CUDA, where the
     product runs. Elsewhere (the interpreter, ``aot.compile_only``) the error is raised: those are tests."""
@@ -1148,7 +1154,7 @@ def decode_attention_triton(
     T_q = store.key.n_slots if store.key is not None else 0
     T_f = store.key_full.shape[2] if store.key_full is not None else 0
     # reserved slots past quant_used are never read: split only the used ones (T_q still strides the slabs)
-    n_q, chunk_q = _chunk(T_q if store.quant_used is None else store.quant_used, splits, block_t)
+    n_q, chunk_q = _chunk(store.quant_slots_used, splits, block_t)
     n_f, chunk_f = _chunk(T_f, splits, block_t)
     n_split = n_q + n_f
     m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)

@@ -502,7 +502,7 @@ def decode_attention_fold(
     T_q = k.n_slots
     T_f = store.key_full.shape[2] if store.key_full is not None else 0
     block_f = max(16, min(64, 4096 // D))
-    n_q, chunk_q = _chunk(T_q if store.quant_used is None else store.quant_used, splits, block_t)
+    n_q, chunk_q = _chunk(store.quant_slots_used, splits, block_t)
     n_f, chunk_f = _chunk(T_f, splits, block_f)
     n_split = n_q + n_f
     m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)
