@@ -1,7 +1,7 @@
 """Host time of one decode step per cache, on a model too small to compute much (CPU, one thread).
 
     PYTHONPATH=src python benchmarks/host_overhead.py [--layers 24] [--steps 20] [--launch] [--repeat 3]
-        [--dtype float16]
+        [--dtype float16] [--checks lazy|eager]
 
 A 24-layer Qwen2-shaped model (hidden 128, 14 query heads, 2 KV heads, head dim 64: the e2e step's heads)
 decodes after a 256-token prompt through ``DynamicCache``, ``QuantizedKVCache`` dequantizing kivi-4, and the
@@ -16,18 +16,27 @@ with Triton's own launch code, inside ``kvbits.kernels.aot.compile_only("sm_90")
 specialises its arguments and finds its compiled kernel, and nothing runs; the output is zeroed). Their
 difference is the launch path's host time per step (kvbits' argument preparation and Triton's ``JITFunction.run``,
 less the driver call itself, which needs a GPU). ``--repeat`` runs the whole set that many times (medians printed).
+
+The kvbits caches check K/V as they do on a GPU (``--checks lazy``: ``checks="auto"`` is lazy on CUDA, eager on a
+CPU, where each step's eager check waits for its maxima). After its timed steps, each run decodes one more step
+under a ``TorchDispatchMode`` that counts, per layer, the torch operators that would launch device work on a GPU
+(views, allocations and host reads left out), and the Triton launches: each is a kernel launch, whose host cost
+on a GPU (the driver call) this CPU does not see.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import statistics
 import time
 from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ZEROS = "host_overhead_zeros"  # the attention implementation of the "DynamicCache, attention zeroed" run
 
@@ -35,7 +44,50 @@ ZEROS = "host_overhead_zeros"  # the attention implementation of the "DynamicCac
 def zeros_attention(module, query: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
     """A transformers attention function that attends to nothing: zeros ``(B, q, H_q, D)`` for ``query``
     ``(B, H_q, q, D)``, so a ``DynamicCache`` step's host work can be timed without its attention."""
-    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+    return torch.empty_like(query).zero_().transpose(1, 2).contiguous(), None  # one kernel, as the stubs below
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operators dispatched in its block: ``kernels`` (what launches device work on a GPU) and,
+    apart, ``allocations`` (``empty*``), ``views`` and ``host_reads`` (``_local_scalar_dense``: ``item()``, a sync on
+    a GPU); ``kernel_ops`` names each counted kernel operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel_ops: collections.Counter[str] = collections.Counter()
+        self.allocations = self.views = self.host_reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = str(func)
+        if func.is_view:
+            self.views += 1
+        elif name.startswith(("aten.empty", "aten.new_empty")):
+            self.allocations += 1
+        elif name.startswith("aten._local_scalar_dense"):
+            self.host_reads += 1
+        else:
+            self.kernel_ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def kernels(self) -> int:
+        return sum(self.kernel_ops.values())
+
+
+@contextlib.contextmanager
+def triton_launches() -> Iterator[list[int]]:
+    """Counts Triton kernel launches (``JITFunction.run`` calls) in the block into the yielded one-element list."""
+    from triton.runtime.jit import JITFunction
+
+    count = [0]
+    real = JITFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    with mock.patch.object(JITFunction, "run", run):
+        yield count
 
 
 @contextlib.contextmanager
@@ -46,7 +98,7 @@ def attention_stubbed(launch: bool) -> Iterator[None]:
     from kvbits.kernels import aot, dispatch
 
     if not launch:
-        with mock.patch.object(dispatch, "decode_attention_reference", lambda q, store, scale=None: torch.zeros_like(q)):
+        with mock.patch.object(dispatch, "decode_attention_reference", lambda q, store, scale=None: torch.empty_like(q).zero_()):
             yield
         return
     import kvbits.kernels.triton_decode as td
@@ -71,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     p.add_argument("--repeat", type=int, default=1, help="run the set this many times; medians")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="the model's (float16: the GPU's queries; slow arithmetic on a CPU)")  # fmt: skip
+    p.add_argument("--checks", choices=("lazy", "eager"), default="lazy",
+                   help="the kvbits caches' K/V checks (lazy: as checks='auto' on a GPU)")  # fmt: skip
     a = p.parse_args(argv)
     from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
@@ -85,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
     AttentionInterface.register(ZEROS, zeros_attention)
 
-    def ms_per_step(cache, fused: bool, attention: str = "sdpa") -> float:
+    def ms_per_step(cache, fused: bool, attention: str, launch: bool) -> tuple[float, OpCounter, int]:
+        """Milliseconds per timed step, then one more step's operators (``OpCounter``) and Triton launches."""
         if fused:
             use_fused_decode(model)
         else:
@@ -98,10 +153,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                     t0 = time.perf_counter()
                 out = model(nxt, **kw, use_cache=True, logits_to_keep=1)
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        return 1e3 * (time.perf_counter() - t0) / a.steps
+            ms = 1e3 * (time.perf_counter() - t0) / a.steps
+            with OpCounter() as ops, triton_launches() if launch else contextlib.nullcontext([0]) as launches:
+                model(nxt, **kw, use_cache=True, logits_to_keep=1)
+        return ms, ops, launches[0]
+
+    def quantized(fused: bool) -> QuantizedKVCache:
+        return QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=fused, checks=a.checks)
 
     def fused_cache() -> QuantizedKVCache:
-        return QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=True)
+        return quantized(True)
 
     def dynamic() -> DynamicCache:
         return DynamicCache(config=cfg)
@@ -110,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     # name: (cache, fused decode, the attention of unfused steps, what the fused steps' attention is swapped for)
     runs = {
         "DynamicCache": (dynamic, False, "sdpa", plain),
-        "kvbits kivi-4, dequantize + SDPA": (lambda: QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=False), False, "sdpa", plain),
+        "kvbits kivi-4, dequantize + SDPA": (lambda: quantized(False), False, "sdpa", plain),
         "kvbits kivi-4, fused (torch reference)": (fused_cache, True, "sdpa", plain),
     }  # fmt: skip
     if a.launch:
@@ -118,13 +179,29 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         runs["kvbits kivi-4, fused, attention zeroed"] = (fused_cache, True, "sdpa", lambda: attention_stubbed(False))
         runs["kvbits kivi-4, fused, Triton launch, compiled only"] = (fused_cache, True, "sdpa",
                                                                       lambda: attention_stubbed(True))  # fmt: skip
+    launching = "kvbits kivi-4, fused, Triton launch, compiled only"
     times: dict[str, list[float]] = {name: [] for name in runs}
+    counts: dict[str, tuple[OpCounter, int]] = {}
     for _ in range(max(1, a.repeat)):
         for name, (make, fused, attention, stub) in runs.items():
             with stub():
-                times[name].append(ms_per_step(make(), fused, attention))
+                ms, ops, launches = ms_per_step(make(), fused, attention, launch=name == launching)
+            times[name].append(ms)
+            counts.setdefault(name, (ops, launches))
+    print(f"{a.layers} layers, {a.dtype}, kvbits checks {a.checks}; per step, then per layer and step: torch operators "
+          "that launch device work on a GPU (+ Triton launches), allocations, views")  # fmt: skip
     for name, t in times.items():
-        print(f"{name:52s} {statistics.median(t):7.2f} ms/step ({a.layers} layers; runs {', '.join(f'{x:.2f}' for x in t)})")
+        ops, launches = counts[name]
+        per = [x / a.layers for x in (ops.kernels, ops.allocations, ops.views)]
+        print(f"{name:52s} {statistics.median(t):7.2f} ms/step (runs {', '.join(f'{x:.2f}' for x in t)}); "
+              f"ops/layer {per[0]:.1f}" + (f" + {launches / a.layers:.1f} Triton" if launches else "")
+              + f", alloc {per[1]:.1f}, views {per[2]:.1f}")  # fmt: skip
+    if a.launch:
+        base = counts["DynamicCache, attention zeroed"][0].kernel_ops
+        extra = counts[launching][0].kernel_ops.copy()
+        extra.subtract(base)
+        more = ", ".join(f"{k} {v / a.layers:+.1f}" for k, v in extra.most_common() if v)
+        print(f"kvbits' fused step beside DynamicCache's (attention zeroed in both), operators per layer: {more or 'none'}")
     if a.launch:
         zeroed = statistics.median(times["kvbits kivi-4, fused, attention zeroed"])
         launched = statistics.median(times["kvbits kivi-4, fused, Triton launch, compiled only"])

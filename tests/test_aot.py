@@ -270,7 +270,10 @@ print("LAUNCHES", len(launched), "KERNELS", ",".join(sorted({id(k): k.name for k
 def test_host_overhead_times_the_launch_path_without_running_it():
     """``benchmarks/host_overhead.py --launch``: the fused steps go through Triton's launch code compiled for sm_90
     (the decode and reduce kernels compiled, nothing run), their zeroed output keeps the model finite, and the
-    attention-zeroed run skips the launch path."""
+    attention-zeroed run skips the launch path. Its operator count holds what a fused decode step launches on a
+    GPU beyond a ``DynamicCache`` step (both attentions zeroed): per layer, the lazy K/V check's two maxima, the two
+    length vectors of ``packed_store`` and the two Triton kernels; a change that adds device work to the step
+    shows here."""
     code = """
 import host_overhead
 from unittest import mock
@@ -298,6 +301,10 @@ print("LAUNCHED", seen)
     assert lines[-2] == "TIMES 6 True", out.stdout[-2000:]
     assert lines[-1] == "LAUNCHED [['_decode_kernel', '_reduce_kernel']]", out.stdout[-2000:]
     assert any(line.startswith("launch path: ") for line in lines)
+    extra = [line for line in lines if line.startswith("kvbits' fused step beside DynamicCache's")]
+    assert extra and extra[0].endswith(": aten.linalg_vector_norm.out +2.0, aten.full.default +2.0"), out.stdout[-2000:]
+    launching = [line for line in lines if line.startswith("kvbits kivi-4, fused, Triton launch, compiled only")]
+    assert launching and "+ 2.0 Triton" in launching[0], out.stdout[-2000:]
 
 
 def test_f16_dequant_compiles_without_int_to_float_conversions():

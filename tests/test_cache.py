@@ -1342,6 +1342,33 @@ def test_lazy_check_of_a_layer_on_its_own():
         layer.update(k[:, :, 5:6], v[:, :, 5:6])
 
 
+
+@pytest.mark.parametrize("bad_step", [1, 70])
+def test_lazy_check_window_longer_than_its_table(bad_step):
+    """``check_every`` past ``MAX_ROWS``: each update writes its maxima into one row of a 64-row table, and the
+    65th update of a window first folds the table into its first row. A NaN that arrived in an early (folded)
+    row or a late one is found by the check at step 100, and a clean window after it passes."""
+    from kvbits.cache import checks as kv_checks
+    from kvbits.cache.checks import MAX_ROWS
+
+    layer = QuantizedKVLayer(get_scheme("int8-token"), layer_idx=2, checks="lazy", check_every=100)
+    k, v = rand_kv(1, 2, 202, 64, seed=35)
+    layer.update(k[:, :, :2], v[:, :, :2])
+    assert layer.checks.maxima.shape == (MAX_ROWS, 2)
+    for step in range(1, 100):
+        t = step + 1
+        src = _nan_at(v, t) if step == bad_step else v
+        layer.update(k[:, :, t : t + 1], src[:, :, t : t + 1])
+    assert layer.checks.filled == 100 - MAX_ROWS + 1  # folded once, at the 65th update
+    with pytest.raises(ValueError, match=r"layer 2 value_states contain NaN .*update steps 0\.\.99"):
+        layer.update(k[:, :, 101:102], v[:, :, 101:102])
+    layer.reset()
+    layer.update(k[:, :, :2], v[:, :, :2])
+    for t in range(2, 102):
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    kv_checks.run_checks([layer])  # a clean window: passes, the table emptied
+    assert layer.checks.error is None and layer.checks.filled == 0
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.set_sync_debug_mode)")
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["kivi-2", "int8-token", "test-prerope", "kvquant-4"])

@@ -9,9 +9,10 @@ their window in the K/V dtype only need finite values. Two ways:
 - **eager** (``checks="eager"``; ``"auto"`` on CPU, where a sync costs nothing): every ``update`` checks
   its K/V before storing them (``kvbits.quant.checks.check_kv``: one sync per layer per step) and bad
   K/V are refused; clipped counts are host ints.
-- **lazy** (``checks="lazy"``; ``"auto"`` on CUDA and other accelerators): ``update`` only folds
-  ``max |K|`` and ``max |V|`` of its new tokens into a running ``(2,)`` float32 maximum on the device
-  (NaN propagates through ``torch.maximum``; inf, and ``|x| > 65504`` where bounded, fail) and clipped counts
+- **lazy** (``checks="lazy"``; ``"auto"`` on CUDA and other accelerators): ``update`` only writes
+  ``max |K|`` and ``max |V|`` of its new tokens into its row of a small float32 table on the device (two
+  kernels, nothing else: the table's maximum is taken when the check reads it, and NaN propagates through both
+  reductions; inf, and ``|x| > 65504`` where bounded, fail) and clipped counts
   stay 0-dim int64 device tensors: the per-step path never waits for the device. The pending maxima are
   read (one sync per device, for all layers of a cache together, ``run_checks``) every ``check_every``
   update steps of a layer (default 64) and whenever the cache is read: ``memory_report()``,
@@ -67,6 +68,10 @@ __all__ = [
 
 CHECK_MODES = ("auto", "eager", "lazy")
 DEFAULT_CHECK_EVERY = 64
+# rows of a lazy layer's maxima table; a longer window folds its rows into the first (two kernels). 64 rows of
+# (max |K|, max |V|) in float32 are 512 bytes: the CUDA caching allocator's smallest block, which the (2,) running
+# maximum this table replaced took as well
+MAX_ROWS = 64
 # QuantizedKVCache logs (once) a layer clipping more than CLIP_WARN_FRAC of its quantized keys or values against
 # static scales (imported above from kvbits.report.calibration, the calibration report's level)
 SIDES = ("key_states", "value_states")
@@ -131,8 +136,10 @@ class InputChecks:
         steps: update steps seen (0-based index of the next one).
         checked_steps, checked_tokens: steps ``[0, checked_steps)`` / positions ``[0, checked_tokens)``
             are known good.
-        amax: lazy: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked steps, on the device.
-        pending: lazy: K/V arrived since the last check (``amax`` holds something to read).
+        maxima: lazy: ``(rows, 2)`` float32 ``max |K|``, ``max |V|`` of the unchecked steps, one row per step
+            (``rows = min(every, MAX_ROWS)``), on the device; the first ``filled`` rows hold them.
+        filled: lazy: rows of ``maxima`` written since the last check.
+        pending: lazy: K/V arrived since the last check (``amax()`` has something to read).
         error: the message of a failed lazy check (sticky until ``reset``).
         clipped: lazy, for a layer whose clipping the cache watches (``QuantizedKVLayer.clip_watch``): its
             ``(keys, values)`` clipped counts as read back with the last check (same transfer), else ``None``.
@@ -146,7 +153,8 @@ class InputChecks:
     steps: int = 0
     checked_steps: int = 0
     checked_tokens: int = 0
-    amax: torch.Tensor | None = None
+    maxima: torch.Tensor | None = None
+    filled: int = 0
     pending: bool = False
     error: str | None = None
     clipped: tuple[int, int] | None = None
@@ -158,8 +166,8 @@ class InputChecks:
 
     def reset(self) -> None:
         self.lazy = False
-        self.steps = self.checked_steps = self.checked_tokens = 0
-        self.amax = self.error = self.clipped = None
+        self.steps = self.checked_steps = self.checked_tokens = self.filled = 0
+        self.maxima = self.error = self.clipped = None
         self.pending = False
 
     @property
@@ -179,13 +187,28 @@ class InputChecks:
         self.steps += 1
 
     def _record(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Lazy: fold ``max |K|``, ``max |V|`` into ``amax`` on the device (two kernels per side, no sync)."""
-        if self.amax is None:
-            self.amax = torch.zeros(2, dtype=torch.float32, device=key_states.device)
+        """Lazy: write ``max |K|``, ``max |V|`` into the next row of ``maxima`` on the device (one kernel per side,
+        no sync; a full table first folds into its first row)."""
+        if self.maxima is None:
+            rows = min(self.every, MAX_ROWS)
+            self.maxima = torch.zeros(rows, 2, dtype=torch.float32, device=key_states.device)
+        if self.filled == self.maxima.shape[0]:  # a window longer than the table: keep its maximum in row 0
+            self.maxima[0] = self.maxima.amax(0)
+            self.filled = 1
+        row = self.maxima[self.filled]
         for i, x in enumerate((key_states, value_states)):
-            top = torch.linalg.vector_norm(x.detach(), math.inf, dtype=torch.float32)  # max |x|, NaN kept
-            torch.maximum(self.amax[i], top, out=self.amax[i])  # NaN propagates through maximum
+            # max |x| (NaN kept), straight into the table (out= takes no tensor that records gradients)
+            x = x.detach() if x.requires_grad else x
+            torch.linalg.vector_norm(x, math.inf, dtype=torch.float32, out=row[i])
+        self.filled += 1
         self.pending = True
+
+    def amax(self) -> torch.Tensor:
+        """Lazy: ``(2,)`` float32 ``max |K|``, ``max |V|`` since the last check, on the device (NaN propagates;
+        zeros when nothing arrived)."""
+        if self.maxima is None:
+            raise RuntimeError("no lazy maxima: the layer's checks are eager or nothing was stored yet")
+        return self.maxima[: self.filled].amax(0) if self.filled else self.maxima.new_zeros(2)
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Eager: one device sync for both sides (NaN propagates through amax)."""
@@ -207,7 +230,7 @@ class InputChecks:
         ]  # fmt: skip
         first, last, p0 = self.checked_steps, self.steps - 1, self.checked_tokens
         self.checked_steps, self.checked_tokens, self.pending = self.steps, tokens_seen, False
-        self.amax.zero_()
+        self.filled = 0
         if not bad:
             return None
         what = " and ".join(f"{side} {_what(a)}" for side, a, _ in bad)
@@ -247,10 +270,10 @@ def _pending_rows(pending: list[QuantizedKVLayer]) -> list[torch.Tensor]:
     layer's clipping (``clip_watch``), by the clipped counts of keys and values (float32; 0 for unwatched
     layers), so that they come back in the same transfer as the maxima (no sync of their own)."""
     if all(layer.clip_watch is None for layer in pending):
-        return [layer.checks.amax for layer in pending]
+        return [layer.checks.amax() for layer in pending]
     rows = []
     for layer in pending:
-        amax = layer.checks.amax
+        amax = layer.checks.amax()
         counts = layer.clipped_counts() if layer.clip_watch is not None else (0, 0)
         tail = [c.reshape(1).float() if isinstance(c, torch.Tensor) else amax.new_full((1,), float(c)) for c in counts]
         rows.append(torch.cat([amax, *tail]))

@@ -37,6 +37,7 @@ This module imports Triton at import time; import it through ``kvbits.kernels.di
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -878,7 +879,8 @@ def _dequant_kernel(C, S, Z, CB, OV, OI, OUT, T, ROW, SROWS, SCOLS, D: tl.conste
 
 
 def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
@@ -901,11 +903,26 @@ def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
 def _num_splits(store: PackedStore, device: torch.device, target_programs: int | None) -> int:
     """Splits per (sequence, KV head): about two programs per SM on a GPU, a few on the interpreter."""
     if target_programs is None:
-        if device.type == "cuda":
-            target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            target_programs = 4
+        target_programs = 2 * _sm_count(device) if device.type == "cuda" else 4
     return max(1, math.ceil(target_programs / (store.batch * store.n_kv_heads)))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (read once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A one-byte tensor on ``device`` standing for the pointer arguments a launch does not read (one per device,
+    kept: it is never written or read)."""
+    t = _DUMMIES.get(device)
+    if t is None:
+        t = _DUMMIES[device] = torch.empty(1, device=device, dtype=torch.uint8)
+    return t
 
 
 TILE_ELEMENTS = 4096  # block_t * D of the default tile: 64 tokens at D = 64, 32 at D = 128, 16 at D = 256
@@ -1160,7 +1177,7 @@ def decode_attention_triton(
     m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(B * H_q, n_split, D, device=dev, dtype=torch.float32)
-    dummy = torch.empty(1, device=dev, dtype=torch.uint8)  # never read; no fill kernel
+    dummy = _dummy(dev)  # never read
     k, v = store.key, store.value
     kf = store.key_full if store.key_full is not None else dummy
     vf = store.value_full if store.value_full is not None else dummy
@@ -1223,8 +1240,10 @@ def decode_attention_triton(
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
     # fmt: on
-    config = tuple(sorted(meta.items()))
-    use_vec = vectorized is not False and config not in _VEC_BROKEN
+    def config() -> tuple:  # the launch's key in the sets of variants that failed to compile (rarely needed)
+        return tuple(sorted(meta.items()))
+
+    use_vec = vectorized is not False and not (_VEC_BROKEN and config() in _VEC_BROKEN)
     vec_k, vec_v = use_vec and vec_ok(k), use_vec and vec_ok(v)
     f16_k, f16_v = (
         dequant == "f16" and vec and f16_ok(p, block_t, out_dtype) and not (p is k and rope)
@@ -1238,7 +1257,7 @@ def decode_attention_triton(
     grid = (B * H_kv, n_split)
     fall_back = _compile_fallbacks(q)
     launched = False
-    if (f16_k or f16_v) and config not in _F16_BROKEN:
+    if (f16_k or f16_v) and not (_F16_BROKEN and config() in _F16_BROKEN):
         try:
             _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, F16_K=f16_k, F16_V=f16_v, ASM=_asm_ok(),
                                  K_ROWS=rows_ok, **meta)
@@ -1246,14 +1265,14 @@ def decode_attention_triton(
         except Exception as exc:  # a compile error of the opt-in path: keep the float32 one (re-raised off CUDA)
             if not fall_back:
                 raise
-            _F16_BROKEN.add(config)
+            _F16_BROKEN.add(config())
             logger.warning("dequant='f16' failed to compile (%s); dequantizing in float32", type(exc).__name__)
     if not launched:
         if (vec_k or vec_v) and vectorized is None and fall_back:
             try:
                 _decode_kernel[grid](*args, VEC_K=vec_k, VEC_V=vec_v, K_ROWS=rows_ok, **meta)
             except Exception as exc:  # noqa: BLE001 - any compile error of the interleave path: keep the gather path
-                _VEC_BROKEN.add(config)
+                _VEC_BROKEN.add(config())
                 logger.warning(
                     "vectorised unpacking failed to compile (%s); using per-element loads", type(exc).__name__
                 )

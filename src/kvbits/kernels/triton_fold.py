@@ -64,6 +64,7 @@ from kvbits.kernels.triton_decode import (
     LOG2E,
     _asm_ok,
     _chunk,
+    _dummy,
     _halves,
     _mask_words,
     _num_splits,
@@ -508,7 +509,7 @@ def decode_attention_fold(
     m = torch.empty(B * H_q, n_split, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(B * H_q, n_split, D, device=dev, dtype=torch.float32)
-    dummy = torch.empty(1, device=dev, dtype=torch.uint8)
+    dummy = _dummy(dev)  # never read
     kf = store.key_full if store.key_full is not None else dummy
     vf = store.value_full if store.value_full is not None else dummy
     qmask, qm_row, qmask_words = _slot_mask(store.quant_mask, dummy, block_t)
