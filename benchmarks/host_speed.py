@@ -8,7 +8,11 @@ Python at 12–16 ms on the 2-core CPU of the development machines. These lines 
 host itself: its CPU, CPU quota and load, the time of a Python function call, the time of one tiny torch operation
 on the CPU (and of one over 65536 elements, which torch spreads over its threads), and of one launched on CUDA
 (where there is one), asynchronously as a decode step launches its kernels (one sync at the end of each timed
-loop). Medians of 5 loops of ``--calls`` each; a line per figure, ``name: value``.
+loop), and of a trivial Triton kernel launched there (the host side of each of the fused step's two launches per
+layer). Also the settings that make every launch slower, whatever the code: ``CUDA_LAUNCH_BLOCKING`` (each launch
+waits for its kernel), torch's CUDA sync debug mode, autograd anomaly detection, and the other ``CUDA_*`` /
+``PYTORCH_*`` / ``TORCH_*`` / ``TRITON_*`` variables set. Medians of 5 loops of ``--calls`` each; a line per figure,
+``name: value``.
 """
 
 from __future__ import annotations
@@ -68,11 +72,45 @@ def measure(calls: int = 20000) -> dict[str, str]:
     out["torch op on the cpu (x.add_(1), 65536 elements, torch's threads)"] = (
         f"{us_per_call(lambda: big.add_(1), max(1, calls // 10)):.2f} us"
     )
+    out["launch settings"] = launch_settings()
     if torch.cuda.is_available():
         y = torch.zeros(1, device="cuda")
         sync = torch.cuda.synchronize
         out["torch op launched on cuda (y.add_(1), 1 element)"] = f"{us_per_call(lambda: y.add_(1), calls, sync):.2f} us"
+        out["triton launch on cuda (a 1-element kernel, 2 arguments)"] = triton_launch_us(y, max(1, calls // 4), sync)
     return out
+
+
+def launch_settings() -> str:
+    """What in this process slows every launch: the variables that steer CUDA, torch and Triton, torch's sync debug
+    mode and anomaly detection (``none set`` when nothing is)."""
+    import torch
+
+    prefixes = ("CUDA_", "PYTORCH_", "TORCH_", "TRITON_")
+    found = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefixes)]
+    if torch.cuda.is_available() and torch.cuda.get_sync_debug_mode():
+        found.append(f"torch.cuda sync debug mode {torch.cuda.get_sync_debug_mode()}")
+    if torch.is_anomaly_enabled():
+        found.append("autograd anomaly detection on")
+    return ", ".join(found) or "none set"
+
+
+def triton_launch_us(y: object, calls: int, sync: Callable[[], object]) -> str:
+    """Microseconds per launch of a trivial Triton kernel on ``y`` (CUDA), or why it could not be timed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        return f"n/a (Triton: {exc})"
+
+    @triton.jit
+    def _bump(Y, n):
+        tl.store(Y, tl.load(Y) + n)
+
+    try:
+        return f"{us_per_call(lambda: _bump[(1,)](y, 1), calls, sync):.2f} us"
+    except Exception as exc:  # noqa: BLE001 - a diagnostic line: say why, the run goes on
+        return f"n/a ({type(exc).__name__}: {str(exc)[:120]})"
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:

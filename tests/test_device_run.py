@@ -51,6 +51,7 @@ def test_device_run_dry_on_cpu(tmp_path: Path):
     assert run.returncode == 0, run.stderr[-2000:]
     device = (out / "device.txt").read_text()
     assert "commit: dry-commit" in device and "torch op on the cpu (x.add_(1), 1 element): " in device
+    assert "launch settings: " in device
     for step in ("gpu_decode exit: 0", "cuda tests exit: 0", "failure map f16 exit: 0", "failure map meta32 exit: 0"):
         assert step in run.stdout, (step, run.stdout[-3000:])
 
@@ -128,3 +129,30 @@ def test_parallel_pytest_runs_workers_and_cuts_them_with_their_summaries(tmp_pat
                             timeout=120, check=False)  # fmt: skip
     assert broken.returncode == 1 and "pytest --collect-only failed" in broken.stdout
     assert "no_such_module_here" in log.read_text()  # the log says why nothing ran
+
+
+def test_host_speed_names_launch_settings_and_times_a_triton_launch(monkeypatch):
+    """``host_speed.py``'s launch lines: the variables that slow every launch are named (``none set`` without them),
+    and the Triton launch it times runs its kernel (here through the interpreter, on a CPU tensor)."""
+    pytest.importorskip("triton", reason="the launch runs through Triton's interpreter")
+    import torch
+
+    from kvbits.kernels.interpret import enable_interpreter
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    enable_interpreter()
+    for name in list(os.environ):
+        if name.startswith(("CUDA_", "PYTORCH_", "TORCH_", "TRITON_")):
+            monkeypatch.delenv(name)
+    assert host_speed.launch_settings() == "none set"
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    assert host_speed.launch_settings() == "CUDA_LAUNCH_BLOCKING=1"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    y = torch.zeros(1)
+    line = host_speed.triton_launch_us(y, 3, lambda: None)
+    assert line.endswith(" us") and float(line.split()[0]) > 0, line
+    assert y.item() == 1 + 5 * 3  # the warm-up call, then 5 timed loops of 3 launches, each adding 1

@@ -195,11 +195,7 @@ class InputChecks:
         if self.filled == self.maxima.shape[0]:  # a window longer than the table: keep its maximum in row 0
             self.maxima[0] = self.maxima.amax(0)
             self.filled = 1
-        row = self.maxima[self.filled]
-        for i, x in enumerate((key_states, value_states)):
-            # max |x| (NaN kept), straight into the table (out= takes no tensor that records gradients)
-            x = x.detach() if x.requires_grad else x
-            torch.linalg.vector_norm(x, math.inf, dtype=torch.float32, out=row[i])
+        _write_maxima(self.maxima[self.filled], key_states, value_states)
         self.filled += 1
         self.pending = True
 
@@ -211,8 +207,9 @@ class InputChecks:
         return self.maxima[: self.filled].amax(0) if self.filled else self.maxima.new_zeros(2)
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Eager: one device sync for both sides (NaN propagates through amax)."""
-        amax = torch.stack([x.detach().abs().amax().float() for x in (key_states, value_states)]).tolist()
+        """Eager: one device sync for both sides (NaN propagates through the maxima)."""
+        amax = _write_maxima(torch.empty(2, dtype=torch.float32, device=key_states.device), key_states, value_states)
+        amax = amax.tolist()
         for x, side, a, (bound, why) in zip((key_states, value_states), SIDES, amax, self.bounds):
             if not math.isfinite(a):
                 check_kv(x, f"{name} {side}")  # the precise error: where the NaN / inf is
@@ -244,6 +241,17 @@ class InputChecks:
             f"since step {first} are invalid; reset() the cache (checks='eager' refuses such K/V before storing them)"
         )
         return self.error
+
+
+def _write_maxima(row: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+    """Write ``max |K|``, ``max |V|`` (float32, NaN kept) into ``row`` ``(2,)``, one kernel per side; returns ``row``."""
+    for i, x in enumerate((key_states, value_states)):
+        x = x.detach() if x.requires_grad else x  # out= takes no tensor that records gradients
+        if x.dtype == torch.float64:  # vector_norm does not narrow its input: float64, then the copy narrows
+            row[i].copy_(torch.linalg.vector_norm(x, math.inf))
+        else:
+            torch.linalg.vector_norm(x, math.inf, dtype=torch.float32, out=row[i])
+    return row
 
 
 def _what(amax: float) -> str:
