@@ -48,7 +48,8 @@ GPU machine). Steps:
    today's int32-word reads), at 32K, batch 8 (``tuning``), to choose its defaults.
 5. break-even context per scheme (shortest measured context from which the kernel beats fp16).
 6. end to end: greedy decode tokens/s after a 32K-token prompt through a random-weight model shaped like
-   Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA) vs ``QuantizedKVCache``
+   Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA, as torch picks its backend and
+   without cuDNN's, which builds a graph per sequence length: ``gpu_bench.e2e``) vs ``QuantizedKVCache``
    with the fused decode path (``use_fused_decode``: attention function ``kvbits_fused``; every decode
    step of every layer must be served by the kernel, else the run aborts) vs the same cache
    dequantizing into SDPA vs transformers' ``QuantizedCache`` (when one of its backends imports).
@@ -177,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument(
         "--e2e-runs", default=None, help="comma-separated step-6 runs, cache or cache:scheme (default: all), e.g. "
-        "dynamic-fp16,kvbits-fused:kivi-4,hf-quantized-quanto",
+        "dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:kivi-4,hf-quantized-quanto",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(

@@ -1513,6 +1513,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     schemes = {(r["kernel"], r["scheme"]) for r in data["records"]}
     assert {
         ("sdpa-gqa", "fp16"),
+        ("sdpa-gqa-no-cudnn", "fp16"),  # SDPA kept off cuDNN's backend: a second fp16 baseline
         ("reference", "int8"),
         ("reference", "int4"),
         ("reference", "int2"),
@@ -1555,6 +1556,15 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     e2e = {(r["cache"], r["scheme"]): r for r in data["e2e"]}
     fp16 = e2e[("dynamic-fp16", "fp16")]
     assert fp16["tokens_per_s"] > 0 and fp16["context"] == 256
+    # DynamicCache again, SDPA kept off cuDNN's backend (a graph per sequence length): the same bytes; each row's
+    # speed-up against the faster of the two as well
+    no_cudnn = e2e[("dynamic-fp16-no-cudnn", "fp16")]
+    assert no_cudnn["tokens_per_s"] > 0 and no_cudnn["cache_bytes"] == fp16["cache_bytes"]
+    assert no_cudnn["note"].startswith("SDPA without its cuDNN backend")
+    best = max(fp16["tokens_per_s"], no_cudnn["tokens_per_s"])
+    kivi4 = e2e[("kvbits-fused", "kivi-4")]
+    assert kivi4["speedup_vs_best_fp16"] == round(kivi4["tokens_per_s"] / best, 3)
+    assert kivi4["speedup_vs_fp16"] == round(kivi4["tokens_per_s"] / fp16["tokens_per_s"], 3)
     for scheme in ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token"):
         row = e2e[("kvbits-fused", scheme)]
         # (1 warm-up + 4 timed + 1 profiled) x 2 layers
@@ -1564,6 +1574,8 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
         # the profiled step says where its time went (CPU operators here; kernels on CUDA)
         prof = row["profile"]
         assert prof["wall_ms"] > 0 and prof["device_ms"] is None and len(prof["top"]) == 10
+        # and what the host spent (on a CPU the same operators: all of it is host time)
+        assert 0 < prof["host_ms"] and prof["top_host"] == prof["top"]
         assert all(t["calls"] >= 1 and t["self_ms"] >= 0 for t in prof["top"])
         assert [t["self_ms"] for t in prof["top"]] == sorted(
             (t["self_ms"] for t in prof["top"]), reverse=True

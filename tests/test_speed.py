@@ -417,3 +417,41 @@ def test_kernel_settings_are_recorded_and_keep_runs_apart(model, ids, tmp_path, 
     with pytest.raises(ValueError, match="KVBITS_AUTOTUNE must be one of"):
         speed_eval(model, 64, ["int8-token"], **kw)
     assert not loads
+
+
+def test_sdpa_backends_are_applied_recorded_and_keep_runs_apart(model, ids, monkeypatch):
+    """``sdpa="no-cudnn"`` keeps SDPA off cuDNN's backend while every run decodes (the baseline's SDPA included), and
+    ``auto`` leaves torch's flags alone; the setting goes into the record and the report, runs of different settings
+    do not merge, a folder from before the field counts as ``auto``, and a bad value fails before the model runs."""
+    from kvbits.evaluate import speed
+    from kvbits.report.merge_speed import merge_speed
+    from kvbits.report.speed import speed_markdown
+
+    seen = []
+    real = speed._decode
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speed, "_decode", spy)
+    kw = {"tokens": 2, "warmup": 1, "data": ids}
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    off = speed_eval(model, 64, ["int8-token"], sdpa="no-cudnn", **kw)
+    assert seen and not any(seen), seen  # the warm-up run, the baseline and the scheme: cuDNN off in each
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the run
+    seen.clear()
+    auto = speed_eval(model, 64, ["int8-token"], **kw)
+    assert seen and all(seen)
+    assert off["sdpa"] == "no-cudnn" and auto["sdpa"] == "auto"
+    assert "flash, memory-efficient or math, not cuDNN" in speed_markdown(off)
+    assert "`--sdpa no-cudnn` times the baseline without it" in speed_markdown(auto)
+    with pytest.raises(ValueError, match="runs differ in sdpa"):
+        merge_speed([off, auto])
+    old = {k: v for k, v in auto.items() if k != "sdpa"}
+    assert "**SDPA**" not in speed_markdown(old)
+    loads = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: loads.append(1))
+    with pytest.raises(ValueError, match="sdpa must be one of"):
+        speed_eval(model, 64, ["int8-token"], sdpa="flash", **kw)
+    assert not loads

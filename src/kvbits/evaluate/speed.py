@@ -30,6 +30,12 @@ writes in place instead of copying the layer's quantized history (``kvbits.cache
 the last step are the same either way. ``reserve=False`` measures a growing cache (every run before
 ``reserve`` existed; their records lack the key).
 
+SDPA's backend (``sdpa``, for the ``DynamicCache`` baseline, the dequantizing paths and the prefill): ``"auto"``
+lets torch pick; ``"no-cudnn"`` leaves cuDNN's out (flash, memory-efficient or math). torch keys its cuDNN attention
+plans on the exact key length and builds one on the host for each new length, so on a GPU where SDPA picks cuDNN
+every decode step through SDPA builds a plan, a host cost that kvbits' fused steps (no SDPA) never pay
+(BENCHMARKS.md §6, session 46): compare both before reading a fused speed-up as the kernel's.
+
 Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
 kvbits, every K/V tensor of a ``DynamicCache``) beside what ``kvbits.plan`` says for the same tokens
 (``planned_bytes``: they are equal unless something is wrong), and on CUDA the allocator's bytes held
@@ -41,12 +47,13 @@ differs; ``None``: never).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,10 +65,26 @@ from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
+__all__ = ["SDPA_MODES", "SPEED_VERSION", "sdpa_backends", "speed_eval", "step_stats"]
 
 SPEED_VERSION = 1
 BASELINE = "DynamicCache"
+SDPA_MODES = ("auto", "no-cudnn")  # speed_eval's sdpa; the default first
+
+
+@contextlib.contextmanager
+def sdpa_backends(mode: str) -> Iterator[None]:
+    """SDPA calls in the block as ``mode`` says: ``"auto"`` (torch's choice) or ``"no-cudnn"`` (flash, memory-efficient
+    or math; the flags are process-wide while the block runs). ``ValueError`` for another mode."""
+    if mode not in SDPA_MODES:
+        raise ValueError(f"sdpa must be one of {SDPA_MODES}, got {mode!r}")
+    if mode == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
@@ -311,6 +334,7 @@ def speed_eval(
     fused_decode: bool | str = "auto",
     workspace: bool = False,
     reserve: bool = True,
+    sdpa: str = "auto",
     data_path: str | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
@@ -331,12 +355,13 @@ def speed_eval(
         workspace: the dequantizing path keeps a dequantized history (faster, holds more; module docstring).
         reserve: kvbits caches reserve quantized storage for the run's tokens (``max_cache_len``; module
             docstring); ``False``: they grow by concatenation.
+        sdpa: SDPA's backends for the whole run, ``"auto"`` or ``"no-cudnn"`` (module docstring).
         data_path, dtype, device: as ``evaluate``.
         progress: a progress bar on stderr.
 
     Returns:
         ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
-        "tokens", "warmup", "fused_decode", "workspace", "reserve", "kernel_settings": {"kernel", "dequant",
+        "tokens", "warmup", "fused_decode", "workspace", "reserve", "sdpa", "kernel_settings": {"kernel", "dequant",
         "autotune"} (``kvbits.kernels.dispatch.kernel_settings``), "tuned_launches": {launch key: candidate} (the
         autotuner's launches this run served, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
         "avg_bits", "peer", "path", "calibration"}],
@@ -368,6 +393,8 @@ def speed_eval(
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     if not isinstance(reserve, bool):
         raise TypeError(f"reserve must be True or False, got {reserve!r}")
+    if sdpa not in SDPA_MODES:
+        raise ValueError(f"sdpa must be one of {SDPA_MODES}, got {sdpa!r}")
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
     model_spec = model
@@ -384,7 +411,7 @@ def speed_eval(
     data_name = "tokens"
     t_wall = time.perf_counter()
     total = len(contexts) * len(batches) * (1 + len(resolved))
-    with _progress(progress, total) as bar:
+    with _progress(progress, total) as bar, sdpa_backends(sdpa):
         job = bar.add_task("speed", total=total) if bar is not None else None
         for context in contexts:
             for batch in batches:
@@ -446,6 +473,7 @@ def speed_eval(
         "fused_decode": fused_decode,
         "workspace": workspace,
         "reserve": reserve,
+        "sdpa": sdpa,
         "kernel_settings": settings,
         "tuned_launches": autotune.chosen_launches(since=launches_before) if settings["autotune"] == "on" else {},
         "schemes": [

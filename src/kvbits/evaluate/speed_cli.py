@@ -30,7 +30,7 @@ steps run the fused kernel where --fused-decode auto picks it (CUDA with Triton)
 dequantize the history every step (--workspace: keep a dequantized copy instead: faster, and it holds the
 float history too). CPU figures time the torch paths, not the GPU kernel.
 --json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
-"tokens", "warmup", "fused_decode", "workspace", "reserve", "schemes", "runs": [{"cache", "path", "context", "batch",
+"tokens", "warmup", "fused_decode", "workspace", "reserve", "sdpa", "schemes", "runs": [{"cache", "path", "context", "batch",
 "cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean", "tokens_per_s", "speedup", "step_ms",
 "cache_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes", "cuda_peak_bytes", "decode",
 "agreement", "first_divergence", "prefill_seconds", "distinct_rows"}], "fingerprint", "wall_seconds",
@@ -92,6 +92,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="kvbits caches grow by concatenation (a copy of the quantized history per flush) instead of "
         "reserving storage for the run's tokens (max_cache_len), as every run before the option did",
     )  # fmt: skip
+    p.add_argument(
+        "--sdpa", choices=("auto", "no-cudnn"), default="auto",
+        help="SDPA's backends for the DynamicCache baseline, the dequantizing paths and the prefill (auto: torch's "
+        "choice; no-cudnn: flash, memory-efficient or math, since cuDNN builds a plan for every new key length, "
+        "that is, every decode step)",
+    )  # fmt: skip
     add_calibration_arg(p)
     p.add_argument("--threads", type=_positive, help="torch intra-op threads on CPU (default: torch's)")
     add_summary_output_args(p, "speed")
@@ -120,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     summary = speed_eval(
         args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
         data=args.data, calibration=args.calibration,
-        fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow,
+        fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow, sdpa=args.sdpa,
         data_path=args.data_path, dtype=args.dtype, device=args.device, progress=not (args.no_progress or args.json),
     )  # fmt: skip
     from kvbits.report.speed import write_speed

@@ -9,7 +9,8 @@ it writes anything the merge checks:
 
 - the same summary version, model (fingerprint), prompts' text, dtype, device (type, name, threads),
   layers, timed and warm-up steps, fused-decode, workspace and reservation setting (a run from before
-  ``reserve`` existed counts as growing), and decode-kernel settings (``KVBITS_KERNEL``, ``KVBITS_DEQUANT``,
+  ``reserve`` existed counts as growing), SDPA's backends (``sdpa``; ``auto`` before it was recorded), and
+  decode-kernel settings (``KVBITS_KERNEL``, ``KVBITS_DEQUANT``,
   ``KVBITS_AUTOTUNE``; a run from before they were recorded counts as the defaults);
 - the same schemes in every run (name, average bits, peer or not, decode path), in the same order;
 - every (context, batch) cell in one run only.
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["merge_speed", "merge_speed_runs"]
 
 _SAME = ("version", "model", "data", "dtype", "device", "layers", "tokens", "warmup", "fused_decode", "workspace",
-         "reserve", "kernel_settings")
+         "reserve", "sdpa", "kernel_settings")
 _SCHEME = ("scheme", "peer", "path")
 
 
@@ -52,6 +53,7 @@ def _load(folder: Path) -> dict[str, Any]:
         and isinstance(s.get("schemes"), list), "no timed runs",
     )  # fmt: skip
     summary.setdefault("reserve", False)  # runs from before the option: growing caches
+    summary.setdefault("sdpa", "auto")  # runs from before the option: torch's choice of SDPA backend
     from kvbits.kernels.dispatch import DEFAULT_SETTINGS
 
     summary.setdefault("kernel_settings", dict(DEFAULT_SETTINGS))  # runs from before the field: the defaults

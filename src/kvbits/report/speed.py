@@ -110,6 +110,20 @@ def _kernel_line(summary: Mapping[str, Any]) -> list[str]:
     return [line]
 
 
+def _sdpa_line(summary: Mapping[str, Any]) -> list[str]:
+    """SDPA's backends for the baseline and the dequantizing paths (none for a run from before they were recorded)."""
+    mode = summary.get("sdpa")
+    head = "- **SDPA** (`DynamicCache`, dequantizing paths, prefill): "
+    if mode == "no-cudnn":
+        return [head + "flash, memory-efficient or math, not cuDNN (which builds a plan for every new key length, so "
+                "every decode step)"]  # fmt: skip
+    if mode == "auto":
+        return [head + "torch's choice of backend; where it picks cuDNN (a GPU), a plan is built for every new key "
+                "length, so every decode step through SDPA pays for one on the host, and `--sdpa no-cudnn` times the "
+                "baseline without it"]  # fmt: skip
+    return []
+
+
 def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     """The report as Markdown: the setting, tokens/s and step times by context for each batch, the bytes
     each cache holds, CUDA memory where measured, and greedy-token agreement; ``figure``: link speed.png."""
@@ -133,6 +147,7 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             False: "; kvbits caches grow by concatenation (a flush copies the layer's quantized history)",
         }.get(summary.get("reserve"), ""),
         *_kernel_line(summary),
+        *_sdpa_line(summary),
         (
             f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`; "
             f"versions {', '.join(f'{k} {v}' for k, v in (summary.get('versions') or {}).items())}"
