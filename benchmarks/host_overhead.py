@@ -1,10 +1,10 @@
 """Host time of one decode step per cache, on a model too small to compute much (CPU, one thread).
 
     PYTHONPATH=src python benchmarks/host_overhead.py [--layers 24] [--steps 20] [--launch] [--repeat 3]
-        [--dtype float16] [--checks lazy|eager]
+        [--dtype float16] [--checks lazy|eager] [--scheme kivi-4] [--reserve]
 
 A 24-layer Qwen2-shaped model (hidden 128, 14 query heads, 2 KV heads, head dim 64: the e2e step's heads)
-decodes after a 256-token prompt through ``DynamicCache``, ``QuantizedKVCache`` dequantizing kivi-4, and the
+decodes after a 256-token prompt through ``DynamicCache``, ``QuantizedKVCache`` dequantizing ``--scheme`` (kivi-4), and the
 fused path (its torch reference off CUDA). With so little arithmetic the per-step times are mostly the
 Python of transformers and of each cache: a lead for the end-to-end step times of BENCHMARKS.md §6.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -94,7 +95,9 @@ def triton_launches() -> Iterator[list[int]]:
 def attention_stubbed(launch: bool) -> Iterator[None]:
     """Fused decode steps whose attention output is zeros: ``launch=False`` replaces the torch reference outright;
     ``launch=True`` forces the Triton path and compiles its launches for sm_90 without running them
-    (``aot.compile_only``), then zeroes the unwritten output."""
+    (``aot.compile_only``), then zeroes the unwritten output. Flushes then quantize through the Triton kernel too
+    (``KVBITS_KERNEL=triton``, as on a GPU), compiled only: the stored codes are never written, and never read
+    (the attention is zeroed; the K/V checks read the incoming K/V)."""
     from kvbits.kernels import aot, dispatch
 
     if not launch:
@@ -109,7 +112,8 @@ def attention_stubbed(launch: bool) -> Iterator[None]:
         return real(*args, **kwargs).zero_()
 
     with aot.compile_only("sm_90"), mock.patch.object(td, "decode_attention_triton", zeroed), \
-            mock.patch.object(dispatch, "resolve_kernel", lambda q, store: "triton"):  # fmt: skip
+            mock.patch.object(dispatch, "resolve_kernel", lambda q, store: "triton"), \
+            mock.patch.dict(os.environ, {dispatch.KERNEL_ENV: "triton"}):  # fmt: skip
         yield
 
 
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     p.add_argument("--repeat", type=int, default=1, help="run the set this many times; medians")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="the model's (float16: the GPU's queries; slow arithmetic on a CPU)")  # fmt: skip
+    p.add_argument("--scheme", default="kivi-4", help="the kvbits caches' scheme (default kivi-4)")
+    p.add_argument("--reserve", action="store_true", help="kvbits caches reserve storage for the run's tokens "
+                   "(max_cache_len, as a server and gpu_decode's step 6 do); default: they grow")  # fmt: skip
     p.add_argument("--checks", choices=("lazy", "eager"), default="lazy",
                    help="the kvbits caches' K/V checks (lazy: as checks='auto' on a GPU)")  # fmt: skip
     a = p.parse_args(argv)
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         return ms, ops, launches[0]
 
     def quantized(fused: bool) -> QuantizedKVCache:
-        return QuantizedKVCache(config=cfg, scheme="kivi-4", fused_decode=fused, checks=a.checks)
+        reserve = 256 + 3 + a.steps + 1 if a.reserve else None  # the prompt, the warm-up, timed and counted steps
+        return QuantizedKVCache(config=cfg, scheme=a.scheme, fused_decode=fused, checks=a.checks, max_cache_len=reserve)
 
     def fused_cache() -> QuantizedKVCache:
         return quantized(True)
@@ -168,18 +176,18 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         return DynamicCache(config=cfg)
 
     plain = contextlib.nullcontext
+    zeroed_run, launching = f"kvbits {a.scheme}, fused, attention zeroed", f"kvbits {a.scheme}, fused, Triton launch, compiled only"
     # name: (cache, fused decode, the attention of unfused steps, what the fused steps' attention is swapped for)
     runs = {
         "DynamicCache": (dynamic, False, "sdpa", plain),
-        "kvbits kivi-4, dequantize + SDPA": (lambda: quantized(False), False, "sdpa", plain),
-        "kvbits kivi-4, fused (torch reference)": (fused_cache, True, "sdpa", plain),
+        f"kvbits {a.scheme}, dequantize + SDPA": (lambda: quantized(False), False, "sdpa", plain),
+        f"kvbits {a.scheme}, fused (torch reference)": (fused_cache, True, "sdpa", plain),
     }  # fmt: skip
     if a.launch:
         runs["DynamicCache, attention zeroed"] = (dynamic, False, ZEROS, plain)
-        runs["kvbits kivi-4, fused, attention zeroed"] = (fused_cache, True, "sdpa", lambda: attention_stubbed(False))
-        runs["kvbits kivi-4, fused, Triton launch, compiled only"] = (fused_cache, True, "sdpa",
+        runs[zeroed_run] = (fused_cache, True, "sdpa", lambda: attention_stubbed(False))
+        runs[launching] = (fused_cache, True, "sdpa",
                                                                       lambda: attention_stubbed(True))  # fmt: skip
-    launching = "kvbits kivi-4, fused, Triton launch, compiled only"
     times: dict[str, list[float]] = {name: [] for name in runs}
     counts: dict[str, tuple[OpCounter, int]] = {}
     for _ in range(max(1, a.repeat)):
@@ -203,8 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         more = ", ".join(f"{k} {v / a.layers:+.1f}" for k, v in extra.most_common() if v)
         print(f"kvbits' fused step beside DynamicCache's (attention zeroed in both), operators per layer: {more or 'none'}")
     if a.launch:
-        zeroed = statistics.median(times["kvbits kivi-4, fused, attention zeroed"])
-        launched = statistics.median(times["kvbits kivi-4, fused, Triton launch, compiled only"])
+        zeroed = statistics.median(times[zeroed_run])
+        launched = statistics.median(times[launching])
         print(f"launch path: {1e3 * (launched - zeroed) / a.layers:.0f} us per layer call on the host")
     return times
 

@@ -270,11 +270,13 @@ print("LAUNCHES", len(launched), "KERNELS", ",".join(sorted({id(k): k.name for k
 
 def test_host_overhead_times_the_launch_path_without_running_it():
     """``benchmarks/host_overhead.py --launch``: the fused steps go through Triton's launch code compiled for sm_90
-    (the decode and reduce kernels compiled, nothing run), their zeroed output keeps the model finite, and the
-    attention-zeroed run skips the launch path. Its operator count holds what a fused decode step launches on a
-    GPU beyond a ``DynamicCache`` step (both attentions zeroed): per layer, the lazy K/V check's two maxima, the two
-    length vectors of ``packed_store`` and the two Triton kernels; a change that adds device work to the step
-    shows here."""
+    (the decode, reduce and, for the flushes, quantize kernels compiled, nothing run), their zeroed output keeps the
+    model finite, and the attention-zeroed run skips the launch path. Its operator count holds what a fused decode
+    step launches on a GPU beyond a ``DynamicCache`` step (both attentions zeroed), per layer: kivi-4 adds the lazy
+    K/V check's two maxima, the two length vectors of ``packed_store`` and two Triton kernels; reserved int8-token,
+    which flushes its new token at every step, adds only the quantize kernel of each side, which writes the codes,
+    scales and zero-points straight into the reserved slots (no copies, no clip counter: dynamic ranges clip nothing).
+    A change that adds device work to the step shows here."""
     code = """
 import host_overhead
 from unittest import mock
@@ -293,19 +295,24 @@ def counting(arch):
     return Wrap()
 with mock.patch.object(aot, "compile_only", counting):
     times = host_overhead.main(["--layers", "2", "--steps", "2", "--launch"])
-print("TIMES", len(times), all(len(t) == 1 and t[0] > 0 for t in times.values()))
-print("LAUNCHED", seen)
+    print("TIMES", len(times), all(len(t) == 1 and t[0] > 0 for t in times.values()))
+    print("LAUNCHED", seen)
+    host_overhead.main(["--layers", "2", "--steps", "2", "--launch", "--scheme", "int8-token", "--reserve"])
 """
     out = _run(code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[-2] == "TIMES 6 True", out.stdout[-2000:]
-    assert lines[-1] == "LAUNCHED [['_decode_kernel', '_reduce_kernel']]", out.stdout[-2000:]
+    assert "TIMES 6 True" in lines, out.stdout[-2000:]
+    # the prompt's flush quantizes through the Triton kernel too, compiled only (KVBITS_KERNEL=triton, as on a GPU)
+    assert "LAUNCHED [['_decode_kernel', '_quantize_kernel', '_reduce_kernel']]" in lines, out.stdout[-2000:]
     assert any(line.startswith("launch path: ") for line in lines)
     extra = [line for line in lines if line.startswith("kvbits' fused step beside DynamicCache's")]
-    assert extra and extra[0].endswith(": aten.linalg_vector_norm.out +2.0, aten.full.default +2.0"), out.stdout[-2000:]
-    launching = [line for line in lines if line.startswith("kvbits kivi-4, fused, Triton launch, compiled only")]
-    assert launching and "+ 2.0 Triton" in launching[0], out.stdout[-2000:]
+    assert len(extra) == 2, out.stdout[-2000:]
+    assert extra[0].endswith(": aten.linalg_vector_norm.out +2.0, aten.full.default +2.0"), out.stdout[-2000:]
+    assert extra[1].endswith(": aten.linalg_vector_norm.out +2.0, aten.full.default +2.0"), out.stdout[-2000:]
+    for scheme, triton in (("kivi-4", 2), ("int8-token", 4)):  # + the quantize kernel of each side
+        launching = [line for line in lines if line.startswith(f"kvbits {scheme}, fused, Triton launch, compiled only")]
+        assert launching and f"+ {triton}.0 Triton" in launching[0], out.stdout[-2000:]
 
 
 def test_f16_dequant_compiles_without_int_to_float_conversions():

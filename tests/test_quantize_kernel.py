@@ -89,6 +89,11 @@ def test_quantize_kernel_sync_free_count_and_unsupported():
     qt = quantize_pack_triton(x, s, static_scale=scale, static_zero=zero, sync=False)
     assert isinstance(qt.clipped, torch.Tensor) and qt.clipped.dtype == torch.int64
     assert int(qt.clipped) == quantize(x, s, static_scale=scale, static_zero=zero).clipped > 0
+    # dynamic ranges cover their data: no counter on the device, a host 0 even without syncs (a per-token flush
+    # launches no counter fill and no conversion), as the reference counts
+    for dyn in (spec(8, "token"), spec(4, "channel", 32), TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")):
+        qt = quantize_pack_triton(x, dyn, sync=False)
+        assert type(qt.clipped) is int and qt.clipped == 0 == quantize(x, dyn).clipped, dyn
     for bad in (
         spec(3, "token", 4),  # half a 3-bit packing unit per group
         spec(4, "tensor"),
@@ -345,3 +350,101 @@ def test_kernel_path_counts_what_zero_static_scales_clip(monkeypatch, s: TensorS
     kernel_only = qmod.quantize_pack(x, s, zero_scales=False, **kw).clipped  # the caller's promise
     assert 0 < kernel_only < want.clipped
     assert int(qmod.quantize_pack(x, s, sync=False, **kw).clipped) == want.clipped
+
+
+OUT_SPECS = [
+    spec(8, "token"),  # per-token scale and zero-point
+    spec(4, "token", 32, symmetric=True),  # per-token groups, no zero-point
+    spec(2, "channel", 32),  # per-channel ranges over 32-token groups (KIVI keys)
+    TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"),
+]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` comparable with ``torch.equal``: one-byte codes (uint8, float8) as their bytes."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@needs_triton
+@pytest.mark.parametrize("s", OUT_SPECS, ids=str)
+def test_quantize_kernel_writes_into_a_token_range_in_place(s: TensorSpec):
+    """``out``: a token range of larger tensors, as a cache's reserved slots hold them. The kernel writes the reference's
+    codes and ranges there, bit for bit, returns views of them, and leaves every other slot as it was; a layout it
+    would address wrongly (sequences interleaved with heads) is not taken: fresh tensors, the same values."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    x = hard_block(torch.Generator().manual_seed(53), n=64).to(DEVICE)  # 2 sequences x 3 heads
+    want = quantize(x, s)
+    C, at = 160, 64  # reserved tokens; the range [64, 128)
+    names = ["data", "scale"] + ([] if want.zero is None else ["zero"])
+    slots, views, ranges = {}, {}, {}
+    for name in names:
+        w = getattr(want, name)
+        unit = want.n_tokens // w.shape[2]  # tokens per row of dim 2 (32 for per-channel group ranges)
+        shape = (*w.shape[:2], C // unit, *w.shape[3:])
+        slots[name] = (torch.full(shape, 7, dtype=torch.uint8).view(w.dtype) if w.dtype.itemsize == 1
+                       else torch.full(shape, 7.0, dtype=w.dtype))  # fmt: skip
+        ranges[name] = slice(at // unit, at // unit + w.shape[2])
+        views[name] = slots[name][:, :, ranges[name]]
+    before = {name: t.clone() for name, t in slots.items()}
+    got = quantize_pack_triton(x, s, out=views)
+    for name in names:
+        g, v = getattr(got, name), views[name]
+        assert g.data_ptr() == v.data_ptr() and g.stride() == v.stride(), name  # written in place
+        assert torch.equal(_bytes(g), _bytes(getattr(want, name))), name
+        rest = torch.ones(slots[name].shape[2], dtype=torch.bool)
+        rest[ranges[name]] = False
+        assert torch.equal(_bytes(slots[name])[:, :, rest], _bytes(before[name])[:, :, rest]), name  # untouched
+    # sequences interleaved with heads (a (H, B, ...) store seen as (B, H, ...)): not slabs of (sequence, head)
+    bad = dict(views)
+    bad["data"] = slots["data"].transpose(0, 1).contiguous().transpose(0, 1)[:, :, ranges["data"]]
+    kept = quantize_pack_triton(x, s, out=bad)
+    assert kept.data.data_ptr() != bad["data"].data_ptr() and kept.scale.data_ptr() != views["scale"].data_ptr()
+    assert torch.equal(_bytes(kept.data), _bytes(want.data)) and torch.equal(kept.scale, want.scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme", ["int8-token", "fp8-e4m3-token", "int4-kivi"])
+def test_reserved_flushes_quantize_into_the_slots_bit_for_bit(monkeypatch, scheme: str):
+    """A cache with reserved storage (``max_cache_len``) flushing through the kernel (``KVBITS_KERNEL=triton``,
+    interpreted here): once the first flush of a side has allocated its slots, every later flush writes its codes
+    and ranges straight into them (no copy), and the slots hold, bit for bit, what the torch reference's cache holds.
+    The per-token schemes flush at every step."""
+    from unittest import mock
+
+    from test_fused_cache import SCHEMES
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.kernels import triton_quantize
+
+    sch = SCHEMES[scheme]
+    g = torch.Generator().manual_seed(54)
+    k, v = (torch.randn(2, 2, 48, 32, generator=g) for _ in range(2))
+
+    def run(kernel: str) -> QuantizedKVCache:
+        monkeypatch.setenv("KVBITS_KERNEL", kernel)
+        cache = QuantizedKVCache(num_layers=1, scheme=sch, max_cache_len=48, checks="eager")
+        cache.update(k[:, :, :24], v[:, :, :24], 0)
+        for t in range(24, 48):
+            cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+        return cache
+
+    ref = run("reference")
+    in_place = []
+    real = triton_quantize.quantize_pack_triton
+
+    def spy(x, spec, **kw):
+        qt = real(x, spec, **kw)
+        out = kw.get("out")
+        in_place.append(out is not None and qt.data.data_ptr() == out["data"].data_ptr())
+        return qt
+
+    with mock.patch.object(triton_quantize, "quantize_pack_triton", spy):
+        got = run("triton")
+    assert in_place.count(False) == 2 and len(in_place) > 2, in_place  # each side's first flush allocates
+    if sch.residual == 0:
+        assert len(in_place) == 2 * (1 + 24)  # the prefill's flush, then one per step
+    for sa, sb in ((ref.layers[0]._k, got.layers[0]._k), (ref.layers[0]._v, got.layers[0]._v)):
+        assert sa._slots.keys() == sb._slots.keys() and sa.n_quantized == sb.n_quantized > 0
+        for name in sa._slots:
+            assert torch.equal(_bytes(sa._slots[name]), _bytes(sb._slots[name])), name

@@ -323,6 +323,9 @@ class SideStore:
                 kw[name] = getattr(self, name)
         # whole blocks per quantize call; mergeable blocks up to SLICE_TOKENS at a time, then one chunk
         step = max(block, SLICE_TOKENS // block * block) if mergeable(self.spec) else block
+        # reserved slots already allocated that hold these tokens: the quantize kernel may write straight into them
+        have = self.n_quantized
+        in_place = mergeable(self.spec) and self._slots is not None and have + n_tokens <= self.reserve_tokens
         new = []
         for i in range(0, n_tokens, step):
             x = self.buffer[:, :, i : min(n_tokens, i + step)]
@@ -331,13 +334,18 @@ class SideStore:
             if self.spec.pre_rope:
                 x = rope_at(self.rotary, x, p0 + i, inverse=True, offset=self.pos_offset)
             # Finiteness and range: checked on the incoming K/V, eagerly or lazily (kvbits.cache.checks).
-            qt = quantize_pack(x, self.spec, validate=False, **kw)
+            out = None
+            if in_place:  # the slots of these tokens (_write_slots then finds them written, or copies)
+                a, b = have + i, have + i + x.shape[2]
+                out = {name: _slice_tokens(t, self.reserve_tokens, a, b, copy=False) for name, t in self._slots.items()}
+            qt = quantize_pack(x, self.spec, validate=False, out=out, **kw)
             if self.observer is not None:
                 self.observer(x, qt)
             new.append(qt)
         self._packed = None
         for qt in new:
-            self.clipped += qt.clipped
+            if not (isinstance(qt.clipped, int) and qt.clipped == 0):  # dynamic ranges report a host 0: no add kernel
+                self.clipped += qt.clipped
             if self.work is not None:
                 self._append_work(self._dequantize(qt, p0, self.work.dtype))
             p0 += qt.n_tokens
@@ -345,8 +353,13 @@ class SideStore:
             self._append_merged(new)
         else:
             self.chunks += new
-        # clone: a view would keep the flushed tokens' full-precision storage alive
-        self.buffer = self.buffer[:, :, n_tokens:].clone()
+        # clone: a view would keep the flushed tokens' full-precision storage alive; an emptied buffer (every token
+        # flushed, as a per-token scheme does at each step) needs no copy kernel, only an empty tensor
+        if n_tokens == self.n_buffer:
+            B, H, _, D = self.buffer.shape
+            self.buffer = self.buffer.new_empty((B, H, 0, D))
+        else:
+            self.buffer = self.buffer[:, :, n_tokens:].clone()
 
     def _append_merged(self, new: list[QuantizedTensor]) -> None:
         """Append the slices one flush quantized to the one chunk of a ``mergeable`` spec: written into the
@@ -366,10 +379,14 @@ class SideStore:
         self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
 
     def _write_slots(self, qt: QuantizedTensor, at: int) -> None:
-        """Write chunk ``qt``'s token tensors into the reserved slots, from quantized token ``at`` on."""
+        """Write chunk ``qt``'s token tensors into the reserved slots, from quantized token ``at`` on; those the
+        quantize kernel already wrote there (``quantize_pack``'s ``out``) are left as they are."""
         for name in _token_tensors(qt):
             dst = _slice_tokens(self._slots[name], self.reserve_tokens, at, at + qt.n_tokens, copy=False)
-            dst.copy_(getattr(qt, name))
+            src = getattr(qt, name)
+            if src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride() and src.dtype == dst.dtype:
+                continue  # written in place: the same elements
+            dst.copy_(src)
 
     def _append_work(self, x: torch.Tensor) -> None:
         """Append dequantized tokens ``x`` ``(B, H, n, D)`` to the workspace: into its reserved slots while they

@@ -54,6 +54,7 @@ def quantize_pack(
     validate: bool = True,
     sync: bool = True,
     zero_scales: bool = True,
+    out: dict[str, torch.Tensor] | None = None,
 ) -> QuantizedTensor:
     """``kvbits.quant.quantize`` with the same arguments, through the Triton kernel where it applies.
 
@@ -65,6 +66,11 @@ def quantize_pack(
     cache knows from installing it), which spares the kernel path counting the values such a scale clips
     (``zero_scale_clipped``, a few kernels per flush: the Triton kernel counts only values beyond a
     range). The reference path counts them anyway.
+
+    ``out``: tensors to write the codes and per-token or per-group ranges into where they can be written in place (a
+    cache's reserved slots; ``quantize_pack_triton``'s ``out``). The Triton path takes them when their layout allows;
+    the reference path never does. Either way the returned tensor's values are the same: check whether they landed
+    there (``data_ptr``) before copying them in.
     """
     if resolve_quantize_kernel(x, spec) == "triton":
         if validate:
@@ -72,7 +78,7 @@ def quantize_pack(
         from kvbits.kernels.triton_quantize import quantize_pack_triton
 
         qt = quantize_pack_triton(
-            x, spec, static_scale=static_scale, static_zero=static_zero, codebook=codebook, sync=sync
+            x, spec, static_scale=static_scale, static_zero=static_zero, codebook=codebook, sync=sync, out=out
         )
         if zero_scales and spec.static and spec.kind in ("int", "nuq"):
             qt.clipped = qt.clipped + _count(_zero_scale_clips(x, qt), sync)

@@ -2,7 +2,8 @@
 
 ``quantize_pack_triton(x, spec)`` returns the ``QuantizedTensor`` that ``kvbits.quant.quantize(x, spec)``
 returns (the torch reference beside it), **bit for bit**: same packed codes, same float16 scales and
-zero-points, same clipped count. One program reads a tile of ``x`` once and writes its codes and
+zero-points, same clipped count (0 for dynamic ranges, which cover their data: only a static spec's kernel keeps a
+counter, so a per-token flush launches no counter fill and reads back no count). One program reads a tile of ``x`` once and writes its codes and
 metadata; no float32 copy of ``x``, no separate min/max, divide, round, clamp and pack passes.
 
 Exactness follows the reference's formulas (``kvbits.quant.affine``) operation by operation:
@@ -174,11 +175,11 @@ def _pack_store(ptr, code, t, tmask, NU: tl.constexpr, CPW: tl.constexpr, BPU: t
 
 
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=["OUT_T"])
 def _quantize_kernel(
-    X, CODES, SCALE, ZERO, SS, SZ, CLIP,   # x (B*H, n, D); codes (B*H, n, NB); scale/zero out; static (H, D); count
+    X, CODES, SCALE, ZERO, SS, SZ, CLIP,   # x (B*H, n, D); codes (B*H, OUT_T, NB); scale/zero out; static (H, D); count
     OM, MIDS,                              # outlier mask (B*H, n, D) uint8; NUQ codebook midpoints float32
-    n, H,
+    n, H, OUT_T,                           # OUT_T: tokens per (sequence, head) slab of the outputs (n, or reserved slots)
     D: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, GC: tl.constexpr, MODE: tl.constexpr,
     SYM: tl.constexpr, NUQ: tl.constexpr, OUTL: tl.constexpr, CPW: tl.constexpr, BPU: tl.constexpr,
 ):
@@ -189,7 +190,9 @@ def _quantize_kernel(
     ``SS`` / ``SZ`` ``(H, D)`` float16. ``NUQ``: codebook codes (``MIDS``) instead of integer ones.
     ``OUTL``: entries flagged in ``OM`` (outliers, stored apart) are left out of the ranges and of the
     clipped count (their codes are written, as the reference writes them). Clipped elements are added
-    to ``CLIP``. Codes are packed in units of ``CPW`` codes / ``BPU`` bytes (``_pack_store``).
+    to ``CLIP``. Codes are packed in units of ``CPW`` codes / ``BPU`` bytes (``_pack_store``). The outputs
+    (codes, per-token or per-group scales and zero-points) hold ``OUT_T`` tokens per (sequence, head), of which
+    these are the first ``n`` (``OUT_T > n``: a token range of a cache's reserved slots, written in place).
     """
     NU: tl.constexpr = D // CPW  # packing units per row
     bh = tl.program_id(0).to(tl.int64)
@@ -197,7 +200,7 @@ def _quantize_kernel(
     t = blk * ROWS + tl.arange(0, ROWS)
     tmask = t < n
     x_row = X + bh * n * D
-    c_row = CODES + bh * n * (NU * BPU)
+    c_row = CODES + bh * OUT_T * (NU * BPU)
     if MODE == 0:
         # (ROWS, NG, GC / CPW, CPW): channel d = g * GC + j * CPW + k
         NG: tl.constexpr = D // GC
@@ -221,7 +224,7 @@ def _quantize_kernel(
         clipped = clipped & ~out
         n_clip = tl.sum(tl.sum(tl.sum(tl.sum((clipped & m4).to(tl.int32), axis=3), axis=2), axis=1), axis=0)
         _pack_store(c_row, tl.reshape(code, (ROWS, NU, CPW)), t, tmask, NU, CPW, BPU, BITS)
-        s_off = (bh * n + t[:, None]) * NG + offs_g[None, :]
+        s_off = (bh * OUT_T + t[:, None]) * NG + offs_g[None, :]
         s_mask = tmask[:, None]
         tl.store(SCALE + s_off, tl.reshape(scale, (ROWS, NG)), mask=s_mask)
         if not SYM:
@@ -238,7 +241,7 @@ def _quantize_kernel(
             out = tl.load(OM + bh * n * D + offs, mask=m3, other=0) != 0
         if MODE == 1:
             scale, zero = _group_params(x, out, 0, BITS, SYM, NUQ)  # (1, NU, CPW)
-            s_off = (bh * (n // ROWS) + blk) * D + d
+            s_off = (bh * (OUT_T // ROWS) + blk) * D + d
             tl.store(SCALE + s_off, scale)
             if not SYM:
                 tl.store(ZERO + s_off, zero)
@@ -253,7 +256,8 @@ def _quantize_kernel(
         clipped = clipped & ~out
         n_clip = tl.sum(tl.sum(tl.sum((clipped & m3).to(tl.int32), axis=2), axis=1), axis=0)
         _pack_store(c_row, code, t, tmask, NU, CPW, BPU, BITS)
-    tl.atomic_add(CLIP, n_clip)  # dynamic ranges clip nothing (scale rounded up, zero down); static ones may
+    if MODE == 2:  # dynamic ranges clip nothing (scale rounded up, zero down): only static ones count (CLIP unread else)
+        tl.atomic_add(CLIP, n_clip)
 # fmt: on
 
 
@@ -291,13 +295,14 @@ def _to_fp8_bits(y, FMT: tl.constexpr):
 
 
 # fmt: off
-@triton.jit
-def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, H, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
+@triton.jit(do_not_specialize=["OUT_T"])
+def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, H, OUT_T, D: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
                 STATIC: tl.constexpr, FMAX: tl.constexpr, OUTL: tl.constexpr):
     """Grid ``(B * H_kv, cdiv(n, ROWS))``: FP8 codes ``(B*H, n, D)`` (uint8) with one float16 scale per
     row (``SCALE (B*H, n)``: ``amax / FMAX`` rounded up) or a static float32 scale per head ``SS (H,)``
     (a per-tensor scale repeated). ``OUTL``:
-    entries flagged in ``OM`` are left out of the row maximum and of the clipped count."""
+    entries flagged in ``OM`` are left out of the row maximum and of the clipped count. Codes and per-row scales
+    hold ``OUT_T`` tokens per (sequence, head), of which these are the first ``n`` (as ``_quantize_kernel``)."""
     bh = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
@@ -312,15 +317,50 @@ def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, H, D: tl.constexpr, ROWS: tl.c
     else:
         amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=1, keep_dims=True)  # (ROWS, 1)
         sh = _fp16_up(tl.math.div_rn(amax, FMAX))
-        tl.store(SCALE + bh * n + t[:, None], sh, mask=tmask[:, None])
+        tl.store(SCALE + bh * OUT_T + t[:, None], sh, mask=tmask[:, None])
         s = sh.to(tl.float32)
     y = tl.math.div_rn(x, tl.where(s > 0, s, 1.0))
     clipped = (tl.abs(y) > FMAX) & tmask[:, None] & ~out
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
     code = _to_fp8_bits(y, FMT)
-    tl.store(CODES + bh * n * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=tmask[:, None])
-    tl.atomic_add(CLIP, tl.sum(tl.sum(clipped.to(tl.int32), axis=1), axis=0))
+    tl.store(CODES + bh * OUT_T * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=tmask[:, None])
+    if STATIC:  # a row's own scale covers its maximum (rounded up): only static scales clip (CLIP unread else)
+        tl.atomic_add(CLIP, tl.sum(tl.sum(clipped.to(tl.int32), axis=1), axis=0))
 # fmt: on
+
+
+def _slab_tokens(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, unit: int) -> int | None:
+    """Tokens per (sequence, head) slab of ``t`` when it can take an output of ``shape`` and ``dtype`` in place: a
+    token range (dim 2, ``unit`` tokens per row) of a tensor that is contiguous apart from that dimension's length,
+    as a cache's reserved slots are; else ``None``. Any other layout would be written wrongly by the kernels, which
+    address their outputs as ``(B * H, slab, ...)`` rows."""
+    if t is None or t.dtype != dtype or tuple(t.shape) != shape:
+        return None
+    inner = 1
+    for size, stride in zip(reversed(shape[3:]), reversed(t.stride()[3:])):
+        if size != 1 and stride != inner:
+            return None
+        inner *= size
+    B, H, rows = shape[:3]
+    if (rows > 1 and t.stride(2) != inner) or t.stride(1) % inner or (B > 1 and t.stride(0) != H * t.stride(1)):
+        return None
+    slab = t.stride(1) // inner if H > 1 or B > 1 else rows  # a single slab: its length is all that is read
+    return slab * unit if slab >= rows else None
+
+
+def _outputs(
+    out: dict[str, torch.Tensor] | None, wanted: dict[str, tuple[tuple[int, ...], torch.dtype, int]], n: int,
+    device: torch.device,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The caller's ``out`` tensors for the outputs ``wanted`` (``{name: (shape, dtype, tokens per row)}``) and their
+    slab length in tokens, when every one of them can be written in place with one common slab (``_slab_tokens``)
+    on ``device``; else fresh contiguous tensors and ``n``."""
+    if out:
+        slabs = {name: _slab_tokens(out.get(name), *spec) for name, spec in wanted.items()}
+        same_device = all(out[name].device == device for name in wanted if out.get(name) is not None)
+        if same_device and None not in slabs.values() and len(set(slabs.values())) == 1:
+            return {name: out[name] for name in wanted}, next(iter(slabs.values()))
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype, _) in wanted.items()}, n
 
 
 def _clip_count(clip: torch.Tensor, sync: bool) -> int | torch.Tensor:
@@ -392,6 +432,7 @@ def quantize_pack_triton(
     static_zero: torch.Tensor | None = None,
     codebook: torch.Tensor | None = None,
     sync: bool = True,
+    out: dict[str, torch.Tensor] | None = None,
 ) -> QuantizedTensor:
     """``kvbits.quant.quantize(x, spec, ...)`` in one kernel: the same ``QuantizedTensor``, bit for bit.
 
@@ -404,12 +445,17 @@ def quantize_pack_triton(
         static_scale, static_zero: static specs: the calibrated ``(H_kv, D)`` (or ``(1, H_kv, 1, D)``) ranges.
         codebook: NUQ specs: the float16 ``(2**bits,)`` codebook (as ``quantize``).
         sync: ``False`` keeps the clipped count a 0-dim int64 device tensor (no host sync).
+        out: where to write the codes (``"data"``) and per-token or per-group ``"scale"`` / ``"zero"``: a token range
+            of tensors that are contiguous apart from their token dimension (a cache's reserved slots,
+            ``kvbits.cache.store``), so a flush needs no copy into them. Taken only when every output it names has
+            the expected shape, dtype, device and such a layout (``_slab_tokens``), with one slab length; else the
+            outputs are fresh tensors, as without it. The returned tensor then views them.
     """
     reason = supported(x, spec)
     if reason:
         raise NotImplementedError(f"quantize_pack_triton: {reason}")
     if spec.kind == "fp8":
-        return _quantize_fp8(x, spec, static_scale, sync)
+        return _quantize_fp8(x, spec, static_scale, sync, out)
     B, H, n, D = x.shape
     bits, sym, nuq = spec.bits, spec.symmetric, spec.kind == "nuq"
     dev = x.device
@@ -419,23 +465,26 @@ def quantize_pack_triton(
         codebook = _codebook(codebook, bits, sync)
         c = codebook.to(dev, torch.float32)
         mids = ((c[1:] + c[:-1]) / 2).contiguous()  # as quantize_nuq computes them
-    codes = torch.empty(B, H, n, D * bits // 8, dtype=torch.uint8, device=dev)
-    clip = torch.zeros(1, dtype=torch.int32, device=dev)
     dummy = torch.empty(1, dtype=torch.float16, device=dev)
-    scale = zero = None
+    # dynamic ranges clip nothing, so only a static spec's kernel counts (no counter, no count to read back else)
+    clip = torch.zeros(1, dtype=torch.int32, device=dev) if spec.static else dummy
+    wanted = {"data": ((B, H, n, D * bits // 8), torch.uint8, 1)}  # name: (shape, dtype, tokens per row of dim 2)
     ss = sz = dummy
     if spec.granularity == "token":
         g = spec.group_size or D
         mode, rows, gc = 0, TOKEN_ROWS, g
-        scale = torch.empty(B, H, n, D // g, 1, dtype=torch.float16, device=dev)
-        zero = None if sym else torch.empty_like(scale)
+        meta = ((B, H, n, D // g, 1), torch.float16, 1)
     elif not spec.static:
         G = spec.group_size
         mode, rows, gc = 1, G, 1
-        scale = torch.empty(B, H, n // G, 1, D, dtype=torch.float16, device=dev)
-        zero = None if sym else torch.empty_like(scale)
+        meta = ((B, H, n // G, 1, D), torch.float16, G)
     else:
         mode, rows, gc = 2, TOKEN_ROWS, 1
+    if mode != 2:  # the kernel writes the ranges it computes
+        wanted.update({"scale": meta, **({} if sym else {"zero": meta})})
+    outs, out_t = _outputs(out, wanted, n, dev)
+    codes, scale, zero = outs["data"], outs.get("scale"), outs.get("zero")
+    if mode == 2:
         scale, zero = _static_qparams(
             x, spec, static_scale, static_zero
         )  # (1, H, 1, D)-broadcastable float16
@@ -446,11 +495,11 @@ def quantize_pack_triton(
     if n:
         _quantize_kernel[(B * H, triton.cdiv(n, rows))](
             xc, codes, scale if mode != 2 else dummy, zero if (zero is not None and mode != 2) else dummy,
-            ss, sz, clip, om, mids, n, H,
+            ss, sz, clip, om, mids, n, H, out_t,
             D=D, BITS=bits, ROWS=rows, GC=gc, MODE=mode, SYM=sym, NUQ=nuq, OUTL=mask is not None,
             CPW=_packing(bits)[0], BPU=_packing(bits)[1], num_warps=_warps(rows * D),
         )  # fmt: skip
-    clipped = _clip_count(clip, sync)
+    clipped = _clip_count(clip, sync) if spec.static else 0
     return QuantizedTensor(
         spec, (B, H, n, D), codes, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
         clipped=clipped, static=spec.static, codebook=codebook if nuq else None,
@@ -458,7 +507,8 @@ def quantize_pack_triton(
 
 
 def _quantize_fp8(
-    x: torch.Tensor, spec: TensorSpec, static_scale: torch.Tensor | None, sync: bool
+    x: torch.Tensor, spec: TensorSpec, static_scale: torch.Tensor | None, sync: bool,
+    out: dict[str, torch.Tensor] | None = None,
 ) -> QuantizedTensor:
     """FP8 through ``_fp8_kernel``: what ``kvbits.quant.quantize`` stores for ``kind="fp8"``."""
     from kvbits.quant.fp8 import fp8_dtype, fp8_max, static_fp8_scale
@@ -466,25 +516,27 @@ def _quantize_fp8(
     B, H, n, D = x.shape
     dev = x.device
     static = spec.static  # TensorSpec: FP8 tensor/head scales are static, token scales dynamic
-    codes = torch.empty(B, H, n, D, dtype=torch.uint8, device=dev)
-    clip = torch.zeros(1, dtype=torch.int32, device=dev)
+    fp8 = fp8_dtype(spec.fmt)
+    wanted = {"data": ((B, H, n, D), fp8, 1), **({} if static else {"scale": ((B, H, n, 1), torch.float16, 1)})}
+    outs, out_t = _outputs(out, wanted, n, dev)
+    codes, out_scale = outs["data"].view(torch.uint8), outs.get("scale")
+    clip = torch.zeros(1, dtype=torch.int32, device=dev) if static else codes  # dynamic: never counted, never read
     if static:  # quantize's rule: the static scale, else 1; the kernel reads one float32 per head
         scale = static_scale if static_scale is not None else torch.ones((), dtype=torch.float32)
         scale = static_fp8_scale(scale.to(dev, torch.float32), spec.granularity, H, "static FP8 scale")
-        ss, out_scale = scale.reshape(-1).expand(H).contiguous(), None
+        ss = scale.reshape(-1).expand(H).contiguous()
     else:
         ss = torch.empty(H, dtype=torch.float32, device=dev)
-        out_scale = torch.empty(B, H, n, 1, dtype=torch.float16, device=dev)
     o_vals, o_idx, mask = select_outliers(x, spec, None)
-    om = clip if mask is None else mask.contiguous().view(torch.uint8)
+    om = codes if mask is None else mask.contiguous().view(torch.uint8)  # OUTL=False: never read
     if n:
         _fp8_kernel[(B * H, triton.cdiv(n, TOKEN_ROWS))](
-            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, om, n, H,
+            x.contiguous(), codes, out_scale if out_scale is not None else ss, ss, clip, om, n, H, out_t,
             D=D, ROWS=TOKEN_ROWS, FMT=0 if spec.fmt == "e4m3" else 1, STATIC=static, FMAX=fp8_max(spec.fmt),
             OUTL=mask is not None,
         )  # fmt: skip
-    clipped = _clip_count(clip, sync)
+    clipped = _clip_count(clip, sync) if static else 0
     return QuantizedTensor(
-        spec, (B, H, n, D), codes.view(fp8_dtype(spec.fmt)), scale=scale if static else out_scale,
+        spec, (B, H, n, D), codes.view(fp8), scale=scale if static else out_scale,
         outlier_values=o_vals, outlier_index=o_idx, clipped=clipped, static=static,
     )  # fmt: skip
