@@ -13,7 +13,8 @@ that isolate what a GPU step adds on the host: ``attention zeroed``
 (the cache's update and ``packed_store``, then a zero output in place of the attention: every kvbits cost but the
 kernel's launch) and ``Triton launch, compiled only`` (the same, through ``dispatch`` and ``decode_attention_triton``
 with Triton's own launch code, inside ``kvbits.kernels.aot.compile_only("sm_90")``: each launch binds and
-specialises its arguments and finds its compiled kernel, and nothing runs; the output is zeroed). Their
+specialises its arguments and finds its compiled kernel, and nothing runs; the output is zeroed). Both flush
+through the Triton quantize kernel, compiled only, as a GPU would (``attention_stubbed``). Their
 difference is the launch path's host time per step (kvbits' argument preparation and Triton's ``JITFunction.run``,
 less the driver call itself, which needs a GPU). ``--repeat`` runs the whole set that many times (medians printed).
 
@@ -93,28 +94,30 @@ def triton_launches() -> Iterator[list[int]]:
 
 @contextlib.contextmanager
 def attention_stubbed(launch: bool) -> Iterator[None]:
-    """Fused decode steps whose attention output is zeros: ``launch=False`` replaces the torch reference outright;
-    ``launch=True`` forces the Triton path and compiles its launches for sm_90 without running them
-    (``aot.compile_only``), then zeroes the unwritten output. Flushes then quantize through the Triton kernel too
-    (``KVBITS_KERNEL=triton``, as on a GPU), compiled only: the stored codes are never written, and never read
-    (the attention is zeroed; the K/V checks read the incoming K/V)."""
+    """Fused decode steps whose attention output is zeros, and flushes through the Triton quantize kernel as on a
+    GPU (``KVBITS_KERNEL=triton``), compiled for sm_90 and not run (``aot.compile_only``: the stored codes are never
+    written, and never read, since the attention is zeroed and the K/V checks read the incoming K/V).
+    ``launch=False`` replaces the decode attention outright; ``launch=True`` goes through the Triton decode path,
+    compiled only, then zeroes the unwritten output. The two runs differ by the decode launch path alone."""
     from kvbits.kernels import aot, dispatch
 
-    if not launch:
-        with mock.patch.object(dispatch, "decode_attention_reference", lambda q, store, scale=None: torch.empty_like(q).zero_()):
+    with aot.compile_only("sm_90"), mock.patch.dict(os.environ, {dispatch.KERNEL_ENV: "triton"}):
+        if not launch:
+            with mock.patch.object(dispatch, "resolve_kernel", lambda q, store: "reference"), \
+                    mock.patch.object(dispatch, "decode_attention_reference",
+                                      lambda q, store, scale=None: torch.empty_like(q).zero_()):  # fmt: skip
+                yield
+            return
+        import kvbits.kernels.triton_decode as td
+
+        real = td.decode_attention_triton
+
+        def zeroed(*args, **kwargs):  # compile_only leaves the output unwritten (torch.empty)
+            return real(*args, **kwargs).zero_()
+
+        with mock.patch.object(td, "decode_attention_triton", zeroed), \
+                mock.patch.object(dispatch, "resolve_kernel", lambda q, store: "triton"):  # fmt: skip
             yield
-        return
-    import kvbits.kernels.triton_decode as td
-
-    real = td.decode_attention_triton
-
-    def zeroed(*args, **kwargs):  # compile_only leaves the output unwritten (torch.empty)
-        return real(*args, **kwargs).zero_()
-
-    with aot.compile_only("sm_90"), mock.patch.object(td, "decode_attention_triton", zeroed), \
-            mock.patch.object(dispatch, "resolve_kernel", lambda q, store: "triton"), \
-            mock.patch.dict(os.environ, {dispatch.KERNEL_ENV: "triton"}):  # fmt: skip
-        yield
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
