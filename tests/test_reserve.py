@@ -129,6 +129,36 @@ def test_beyond_the_reservation_is_logged_and_grows_as_without(caplog):
     assert all(layer._k.reserve_tokens == PROMPT + 5 for layer in cache.layers)
 
 
+def test_flushes_into_the_same_slots_keep_the_packed_view():
+    """The packed view of a reserved store covers every slot, so a per-token scheme's flush at each step (into the
+    same slots) keeps it: no rebuild per step. New slots (a batch map releases them, the next flush reserves again)
+    give a new view; every view reads what the store holds, and the fused reference step over it equals attention
+    over the dequantized history."""
+    from kvbits.kernels import reference
+
+    model, sch = build("llama"), SCHEMES["int8-token"]
+    cache = QuantizedKVCache(config=model.config, scheme=sch, max_cache_len=64, fused_decode=True)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 16, 32, generator=g), torch.randn(2, 2, 16, 32, generator=g)
+    cache.update(k[:, :, :8], v[:, :, :8], 0)
+    store = cache.layers[0]._k
+    first = store.packed()
+    with mock.patch.object(reference, "pack_side", wraps=reference.pack_side) as pack:
+        for t in range(8, 12):
+            cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+            assert store.packed() is first
+        assert pack.call_count == 0 and store.n_quantized == 12
+        cache.reorder_cache(torch.tensor([1, 0]))  # new storage: the next flush reserves new slots
+        cache.update(k[:, :, 12:13], v[:, :, 12:13], 0)
+        again = store.packed()
+        assert again is not first and pack.call_count == 1 and again.codes.data_ptr() == store._slots["data"].data_ptr()
+    q = torch.randn(2, 4, 1, 32, generator=g)
+    keys, values = cache.materialize(0)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1))
+    got = decode_attention_reference(q, fused_mod.packed_store(cache.layers[0]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_batch_maps_release_and_the_next_flush_reserves_again():
     model, sch = build("llama"), SCHEMES["int8-token"]
     cache = QuantizedKVCache(config=model.config, scheme=sch, max_cache_len=64)

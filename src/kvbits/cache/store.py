@@ -325,7 +325,8 @@ class SideStore:
         step = max(block, SLICE_TOKENS // block * block) if mergeable(self.spec) else block
         # reserved slots already allocated that hold these tokens: the quantize kernel may write straight into them
         have = self.n_quantized
-        in_place = mergeable(self.spec) and self._slots is not None and have + n_tokens <= self.reserve_tokens
+        slots = self._slots
+        in_place = mergeable(self.spec) and slots is not None and have + n_tokens <= self.reserve_tokens
         new = []
         for i in range(0, n_tokens, step):
             x = self.buffer[:, :, i : min(n_tokens, i + step)]
@@ -342,7 +343,6 @@ class SideStore:
             if self.observer is not None:
                 self.observer(x, qt)
             new.append(qt)
-        self._packed = None
         for qt in new:
             if not (isinstance(qt.clipped, int) and qt.clipped == 0):  # dynamic ranges report a host 0: no add kernel
                 self.clipped += qt.clipped
@@ -353,6 +353,11 @@ class SideStore:
             self._append_merged(new)
         else:
             self.chunks += new
+        if slots is None or self._slots is not slots:
+            # the kernel-layout view covers every reserved slot (packed()): a flush into the same slots leaves it as
+            # it was, so a per-token scheme does not rebuild it at every step; new or released slots, or new chunks,
+            # need a new one
+            self._packed = None
         # clone: a view would keep the flushed tokens' full-precision storage alive; an emptied buffer (every token
         # flushed, as a per-token scheme does at each step) needs no copy kernel, only an empty tensor
         if n_tokens == self.n_buffer:
