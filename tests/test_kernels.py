@@ -1565,6 +1565,9 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     kivi4 = e2e[("kvbits-fused", "kivi-4")]
     assert kivi4["speedup_vs_best_fp16"] == round(kivi4["tokens_per_s"] / best, 3)
     assert kivi4["speedup_vs_fp16"] == round(kivi4["tokens_per_s"] / fp16["tokens_per_s"], 3)
+    table = bench.markdown(data["records"], data["break_even"], data["copy_gbps"], data["e2e"])
+    row = next(line for line in table.splitlines() if line.startswith("| kvbits-fused | kivi-4 |"))
+    assert f"| {kivi4['speedup_vs_fp16']:.2f}x | {kivi4['speedup_vs_best_fp16']:.2f}x |" in row, row
     for scheme in ("int8-token", "kivi-4", "kivi-2", "kvquant-4-block", "fp8-e4m3-token"):
         row = e2e[("kvbits-fused", scheme)]
         # (1 warm-up + 4 timed + 1 profiled) x 2 layers
