@@ -3,11 +3,10 @@ timing, the copy ceiling and random packed stores in the kernel layout."""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -102,17 +101,6 @@ def out_of_time(cfg: Config) -> bool:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def sdpa_without_cudnn() -> Iterator[None]:
-    """SDPA calls in the block choose among the flash, memory-efficient and math backends, not cuDNN's: torch keys
-    its cuDNN plans on the exact key length and builds one on the host for each new length (a decode step attends
-    over one more token than the last; pytorch/pytorch#155958). The flags are process-wide while the block runs."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
 
 
 def time_ms(

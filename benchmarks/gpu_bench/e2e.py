@@ -11,13 +11,14 @@ faster of the two is the fairer fp16 baseline (``speedup_vs_best_fp16``)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
 import torch
 
-from .common import RESIDUAL, Config, install_stand_ins, out_of_time, sdpa_without_cudnn, sync
+from kvbits.evaluate.sdpa import sdpa_backends
+
+from .common import RESIDUAL, Config, install_stand_ins, out_of_time, sync
 
 # decode after a 32K-token prompt (the issue's context), batches 1 and 8, 4 warm-up + 32 timed steps
 E2E_CONTEXT, E2E_BATCHES, E2E_TOKENS, E2E_WARMUP = 32768, (1, 8), 32, 4
@@ -342,7 +343,7 @@ def end_to_end(
                 print(f"  e2e {name:20s} skipped: {note}")
                 continue
         try:
-            with sdpa_without_cudnn() if name == "dynamic-fp16-no-cudnn" else contextlib.nullcontext():
+            with sdpa_backends("no-cudnn" if name == "dynamic-fp16-no-cudnn" else "auto"):
                 r = decode_run(cfg, model, cache, ids, tokens, warmup)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. an HF backend failing on this device
             rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,

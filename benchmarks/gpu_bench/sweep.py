@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kvbits.evaluate.sdpa import sdpa_backends
+
 from .common import (
     PRE_ROPE,
     ROPE_SUFFIX,
@@ -22,7 +24,6 @@ from .common import (
     random_store,
     rope_tables,
     rotation_batch,
-    sdpa_without_cudnn,
     time_ms,
 )
 
@@ -71,7 +72,7 @@ def fp16_baselines(
     ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush, spread=spread)
     out["sdpa-gqa"] = (ms, graph, kv_bytes, spread)
     spread = {}
-    with sdpa_without_cudnn():  # the graph captures the backend chosen here; its replays need no flag
+    with sdpa_backends("no-cudnn"):  # the graph captures the backend chosen here; its replays need no flag
         ms, graph = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), cfg, flush,
                             spread=spread)  # fmt: skip
     out["sdpa-gqa-no-cudnn"] = (ms, graph, kv_bytes, spread)

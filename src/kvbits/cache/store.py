@@ -338,7 +338,7 @@ class SideStore:
             out = None
             if in_place:  # the slots of these tokens (_write_slots then finds them written, or copies)
                 a, b = have + i, have + i + x.shape[2]
-                out = {name: _slice_tokens(t, self.reserve_tokens, a, b, copy=False) for name, t in self._slots.items()}
+                out = {name: _slice_tokens(t, self.reserve_tokens, a, b, copy=False) for name, t in slots.items()}
             qt = quantize_pack(x, self.spec, validate=False, out=out, **kw)
             if self.observer is not None:
                 self.observer(x, qt)

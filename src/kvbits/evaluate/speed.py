@@ -31,10 +31,9 @@ the last step are the same either way. ``reserve=False`` measures a growing cach
 ``reserve`` existed; their records lack the key).
 
 SDPA's backend (``sdpa``, for the ``DynamicCache`` baseline, the dequantizing paths and the prefill): ``"auto"``
-lets torch pick; ``"no-cudnn"`` leaves cuDNN's out (flash, memory-efficient or math). torch keys its cuDNN attention
-plans on the exact key length and builds one on the host for each new length, so on a GPU where SDPA picks cuDNN
-every decode step through SDPA builds a plan, a host cost that kvbits' fused steps (no SDPA) never pay
-(BENCHMARKS.md §6, session 46): compare both before reading a fused speed-up as the kernel's.
+lets torch pick; ``"no-cudnn"`` leaves cuDNN's out (flash, memory-efficient or math; ``kvbits.evaluate.sdpa``). Where
+SDPA picks cuDNN, every decode step through SDPA builds a cuDNN plan on the host, a cost kvbits' fused steps (no SDPA)
+never pay: compare both before reading a fused speed-up as the kernel's.
 
 Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
 kvbits, every K/V tensor of a ``DynamicCache``) beside what ``kvbits.plan`` says for the same tokens
@@ -47,46 +46,28 @@ differs; ``None``: never).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import logging
 import math
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvbits._model import check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
+from kvbits.evaluate.sdpa import check_sdpa_mode, sdpa_backends
 from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_schemes
 from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SDPA_MODES", "SPEED_VERSION", "sdpa_backends", "speed_eval", "step_stats"]
+__all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
 
 SPEED_VERSION = 1
 BASELINE = "DynamicCache"
-SDPA_MODES = ("auto", "no-cudnn")  # speed_eval's sdpa; the default first
-
-
-@contextlib.contextmanager
-def sdpa_backends(mode: str) -> Iterator[None]:
-    """SDPA calls in the block as ``mode`` says: ``"auto"`` (torch's choice) or ``"no-cudnn"`` (flash, memory-efficient
-    or math; the flags are process-wide while the block runs). ``ValueError`` for another mode."""
-    if mode not in SDPA_MODES:
-        raise ValueError(f"sdpa must be one of {SDPA_MODES}, got {mode!r}")
-    if mode == "auto":
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
-
-
 def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
     """``ms_per_step`` (median), ``ms_p10``, ``ms_p90``, ``ms_mean`` of per-step times in ms, and
     ``tokens_per_s`` (``batch`` tokens per median step)."""
@@ -393,8 +374,7 @@ def speed_eval(
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     if not isinstance(reserve, bool):
         raise TypeError(f"reserve must be True or False, got {reserve!r}")
-    if sdpa not in SDPA_MODES:
-        raise ValueError(f"sdpa must be one of {SDPA_MODES}, got {sdpa!r}")
+    check_sdpa_mode(sdpa)  # before the model loads
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
     model_spec = model

@@ -14,6 +14,7 @@ from kvbits._argtypes import (
     bounded,
     emit_summary,
 )
+from kvbits.evaluate.sdpa import SDPA_MODES
 
 __all__ = ["add_parser", "run"]
 
@@ -93,7 +94,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "reserving storage for the run's tokens (max_cache_len), as every run before the option did",
     )  # fmt: skip
     p.add_argument(
-        "--sdpa", choices=("auto", "no-cudnn"), default="auto",
+        "--sdpa", choices=SDPA_MODES, default=SDPA_MODES[0],
         help="SDPA's backends for the DynamicCache baseline, the dequantizing paths and the prefill (auto: torch's "
         "choice; no-cudnn: flash, memory-efficient or math, since cuDNN builds a plan for every new key length, "
         "that is, every decode step)",
