@@ -1,7 +1,7 @@
 """Host time of one decode step per cache, on a model too small to compute much (CPU, one thread).
 
     PYTHONPATH=src python benchmarks/host_overhead.py [--layers 24] [--steps 20] [--launch] [--repeat 3]
-        [--dtype float16] [--checks lazy|eager] [--scheme kivi-4] [--reserve]
+        [--dtype float16] [--checks lazy|eager] [--scheme kivi-4] [--reserve] [--compile [--recompile-limit 64]]
 
 A 24-layer Qwen2-shaped model (hidden 128, 14 query heads, 2 KV heads, head dim 64: the e2e step's heads)
 decodes after a 256-token prompt through ``DynamicCache``, ``QuantizedKVCache`` dequantizing ``--scheme`` (kivi-4), and the
@@ -23,6 +23,13 @@ CPU, where each step's eager check waits for its maxima). After its timed steps,
 under a ``TorchDispatchMode`` that counts, per layer, the torch operators that would launch device work on a GPU
 (views, allocations and host reads left out), and the Triton launches: each is a kernel launch, whose host cost
 on a GPU (the driver call) this CPU does not see.
+
+``--compile`` times every run through ``torch.compile(model)`` (inductor; dynamo reset before each run, 8 warm-up
+steps where there are 3, no operator counts: inductor's generated code runs outside the dispatcher). The kvbits
+caches' ``update`` and the fused attention run eagerly inside the compiled model (``torch.compiler.disable``), so
+the model breaks its graph at each layer's cache, and each layer's attention compiles apart (its ``layer_idx`` is a
+static int): past dynamo's ``recompile_limit`` (8) the later layers' frames run eagerly, with a warning.
+``--recompile-limit`` raises it.
 """
 
 from __future__ import annotations
@@ -135,7 +142,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                    "(max_cache_len, as a server and gpu_decode's step 6 do); default: they grow")  # fmt: skip
     p.add_argument("--checks", choices=("lazy", "eager"), default="lazy",
                    help="the kvbits caches' K/V checks (lazy: as checks='auto' on a GPU)")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="every run through torch.compile(model) (inductor)")
+    p.add_argument("--recompile-limit", type=int, default=None,
+                   help="with --compile: torch._dynamo.config.recompile_limit (default: torch's, 8)")  # fmt: skip
     a = p.parse_args(argv)
+    if a.recompile_limit is not None:
+        if not a.compile:
+            p.error("--recompile-limit goes with --compile")
+        torch._dynamo.config.recompile_limit = a.recompile_limit
     from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
     from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
@@ -155,21 +169,28 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
             use_fused_decode(model)
         else:
             model.set_attn_implementation(attention)
+        forward, warm = model, 3
+        if a.compile:
+            torch._dynamo.reset()
+            forward, warm = torch.compile(model), 8
         with torch.no_grad():
             kw = cache_kwargs(cache, model)
-            nxt = model(ids, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-            for i in range(3 + a.steps):
-                if i == 3:
+            nxt = forward(ids, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            for i in range(warm + a.steps):
+                if i == warm:
                     t0 = time.perf_counter()
-                out = model(nxt, **kw, use_cache=True, logits_to_keep=1)
+                out = forward(nxt, **kw, use_cache=True, logits_to_keep=1)
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             ms = 1e3 * (time.perf_counter() - t0) / a.steps
-            with OpCounter() as ops, triton_launches() if launch else contextlib.nullcontext([0]) as launches:
+            ops = OpCounter()
+            if a.compile:  # inductor's kernels run outside the dispatcher: no operator counts
+                return ms, ops, 0
+            with ops, triton_launches() if launch else contextlib.nullcontext([0]) as launches:
                 model(nxt, **kw, use_cache=True, logits_to_keep=1)
         return ms, ops, launches[0]
 
     def quantized(fused: bool) -> QuantizedKVCache:
-        reserve = 256 + 3 + a.steps + 1 if a.reserve else None  # the prompt, the warm-up, timed and counted steps
+        reserve = 256 + 8 + a.steps + 1 if a.reserve else None  # the prompt, the warm-up, timed and counted steps
         return QuantizedKVCache(config=cfg, scheme=a.scheme, fused_decode=fused, checks=a.checks, max_cache_len=reserve)
 
     def fused_cache() -> QuantizedKVCache:
@@ -199,15 +220,19 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                 ms, ops, launches = ms_per_step(make(), fused, attention, launch=name == launching)
             times[name].append(ms)
             counts.setdefault(name, (ops, launches))
-    print(f"{a.layers} layers, {a.dtype}, kvbits checks {a.checks}; per step, then per layer and step: torch operators "
-          "that launch device work on a GPU (+ Triton launches), allocations, views")  # fmt: skip
+    compiled = f", torch.compile(model), recompile_limit {torch._dynamo.config.recompile_limit}" if a.compile else ""
+    print(f"{a.layers} layers, {a.dtype}, kvbits checks {a.checks}{compiled}"
+          + "; per step, then per layer and step: torch operators that launch device work on a GPU (+ Triton "
+          "launches), allocations, views")  # fmt: skip
     for name, t in times.items():
         ops, launches = counts[name]
         per = [x / a.layers for x in (ops.kernels, ops.allocations, ops.views)]
-        print(f"{name:52s} {statistics.median(t):7.2f} ms/step (runs {', '.join(f'{x:.2f}' for x in t)}); "
-              f"ops/layer {per[0]:.1f}" + (f" + {launches / a.layers:.1f} Triton" if launches else "")
-              + f", alloc {per[1]:.1f}, views {per[2]:.1f}")  # fmt: skip
-    if a.launch:
+        line = f"{name:52s} {statistics.median(t):7.2f} ms/step (runs {', '.join(f'{x:.2f}' for x in t)})"
+        if not a.compile:
+            line += (f"; ops/layer {per[0]:.1f}" + (f" + {launches / a.layers:.1f} Triton" if launches else "")
+                     + f", alloc {per[1]:.1f}, views {per[2]:.1f}")  # fmt: skip
+        print(line)
+    if a.launch and not a.compile:
         base = counts["DynamicCache, attention zeroed"][0].kernel_ops
         extra = counts[launching][0].kernel_ops.copy()
         extra.subtract(base)

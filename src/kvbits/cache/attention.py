@@ -91,6 +91,7 @@ def _step_reason(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return None
 
 
+@torch.compiler.disable
 def fused_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -105,7 +106,8 @@ def fused_attention(
 
     ``query`` ``(B, H_q, q, D)`` post-RoPE; ``key`` / ``value`` ``(B, H_kv, T, D)`` as the cache's
     ``update`` returned them (placeholders on claimed decode steps). Returns ``((B, q, H_q, D), None)``
-    like ``sdpa_attention_forward``.
+    like ``sdpa_attention_forward``. Runs eagerly under ``torch.compile``, as ``QuantizedKVCache.update``
+    does (the fused step's store and launch depend on the layer's host state).
     """
     tagged = fused.tag_of(key)
     if tagged is None:  # not from a QuantizedKVLayer: plain SDPA

@@ -1,0 +1,107 @@
+"""``QuantizedKVCache`` under ``torch.compile``: the cache's ``update`` and the ``kvbits_fused`` attention run
+eagerly (``torch.compiler.disable``), the model around them compiles.
+
+Before, dynamo traced into the cache: the fused decode path crashed inside ``kvbits.kernels.reference`` (a
+symbolic shape compared as a constant), and the unfused path compiled kvbits' quantizer into the model's graphs,
+whose codes then followed inductor's arithmetic instead of ``kvbits.quant``'s.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from _tinyllama import SMALL_KIVI, tiny_llama
+
+import kvbits
+from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
+
+KVBITS_SOURCE = str(Path(kvbits.__file__).parent)
+STEPS = 20  # SMALL_KIVI flushes 8-token blocks behind a 16-token window: flushes happen within these steps
+
+
+def decode(forward: Callable, model: torch.nn.Module, fused: bool) -> tuple[torch.Tensor, QuantizedKVCache]:
+    """Logits ``(STEPS, 1, V)`` of greedy decode steps after a 40-token prompt (batch 1), and the cache."""
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = QuantizedKVCache(model.config, SMALL_KIVI, fused_decode=fused)
+    kw = cache_kwargs(cache, model)
+    logits = []
+    with torch.no_grad():
+        out = forward(input_ids=ids, **kw, use_cache=True)
+        for _ in range(STEPS):
+            out = forward(input_ids=out.logits[:, -1:].argmax(-1), **kw, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits), cache
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["dequantize", "fused"])
+def test_compiled_model_keeps_the_cache_eager(fused: bool):
+    """Compiled with a backend that records dynamo's graphs and runs them as traced: the decode is the eager
+    one, bit for bit (logits and every stored K/V), the fused steps stay fused, and no graph holds an
+    operation from kvbits' source (the cache and the fused attention ran outside them)."""
+    model = tiny_llama()
+    if fused:
+        use_fused_decode(model)
+    want, eager_cache = decode(model.forward, model, fused)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    got, cache = decode(torch.compile(model.forward, backend=recording), model, fused)
+    assert graphs, "dynamo compiled nothing: the test no longer looks at a compiled model"
+    traced = sorted({
+        line.strip() for gm in graphs for node in gm.graph.nodes
+        for line in (node.meta.get("stack_trace") or "").splitlines() if KVBITS_SOURCE in line
+    })  # fmt: skip
+    assert not traced, f"dynamo traced kvbits code into the model's graphs: {traced[:5]}"
+    assert torch.equal(got, want)
+    for layer in range(model.config.num_hidden_layers):
+        for a, b in zip(cache.materialize(layer), eager_cache.materialize(layer)):
+            assert torch.equal(a, b)
+    assert cache.memory_report()["total_bytes"] == eager_cache.memory_report()["total_bytes"]
+    fused_steps = cache.fused_report()["fused_steps"]
+    assert fused_steps == (STEPS * model.config.num_hidden_layers if fused else 0)
+    assert fused_steps == eager_cache.fused_report()["fused_steps"]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler")
+def test_inductor_compiled_fused_decode():
+    """The default backend (inductor, CPU code generated and compiled): every decode step fused, logits within
+    float rounding of the eager model's (inductor's K/V differ from eager's in the last bits, and the quantizer
+    sees those)."""
+    model = tiny_llama()
+    use_fused_decode(model)
+    want, _ = decode(model.forward, model, True)
+    got, cache = decode(torch.compile(model), model, True)
+    assert cache.fused_report()["fused_steps"] == STEPS * model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_host_overhead_times_compiled_runs(capsys, monkeypatch):
+    """``benchmarks/host_overhead.py --compile``: every run through ``torch.compile(model)``, times without
+    operator counts (inductor's kernels bypass the dispatcher the counter watches), the recompile limit recorded;
+    ``--recompile-limit`` without ``--compile`` is refused."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import host_overhead
+
+    limit = torch._dynamo.config.recompile_limit
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)  # restored after the test
+    times = host_overhead.main(["--layers", "1", "--steps", "1", "--compile", "--recompile-limit", "16"])
+    assert len(times) == 3 and all(len(t) == 1 and t[0] > 0 for t in times.values())
+    out = capsys.readouterr().out
+    assert "torch.compile(model), recompile_limit 16" in out
+    assert "ops/layer" not in out
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--recompile-limit", "16"])
