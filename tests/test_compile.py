@@ -20,6 +20,9 @@ import kvbits
 from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
 
 KVBITS_SOURCE = str(Path(kvbits.__file__).parent)
+# the layer's length queries, which transformers' mask code calls inside the compiled model (integer arithmetic on
+# the layer's host counts, as DynamicCache's own; under transformers 5.17 with a symbolic query length)
+LENGTH_QUERIES = {"get_mask_sizes", "get_seq_length", "get_max_length"}
 STEPS = 20  # SMALL_KIVI flushes 8-token blocks behind a 16-token window: flushes happen within these steps
 
 
@@ -48,7 +51,8 @@ def _fresh_dynamo():
 def test_compiled_model_keeps_the_cache_eager(fused: bool):
     """Compiled with a backend that records dynamo's graphs and runs them as traced: the decode is the eager
     one, bit for bit (logits and every stored K/V), the fused steps stay fused, and no graph holds an
-    operation from kvbits' source (the cache and the fused attention ran outside them)."""
+    operation from kvbits' source but the layers' length queries (the cache and the fused attention ran outside
+    them)."""
     model = tiny_llama()
     if fused:
         use_fused_decode(model)
@@ -63,7 +67,8 @@ def test_compiled_model_keeps_the_cache_eager(fused: bool):
     assert graphs, "dynamo compiled nothing: the test no longer looks at a compiled model"
     traced = sorted({
         line.strip() for gm in graphs for node in gm.graph.nodes
-        for line in (node.meta.get("stack_trace") or "").splitlines() if KVBITS_SOURCE in line
+        for line in (node.meta.get("stack_trace") or "").splitlines()
+        if KVBITS_SOURCE in line and line.rsplit(" in ", 1)[-1].strip() not in LENGTH_QUERIES
     })  # fmt: skip
     assert not traced, f"dynamo traced kvbits code into the model's graphs: {traced[:5]}"
     assert torch.equal(got, want)

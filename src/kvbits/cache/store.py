@@ -378,7 +378,10 @@ class SideStore:
             self._write_slots(qt, at)
             at += qt.n_tokens
         parts = [*self.chunks, *new]
-        clipped = sum((c.clipped for c in parts[1:]), parts[0].clipped)  # as _cat_chunks sums them
+        clipped = parts[0].clipped  # as _cat_chunks sums them, less the host zeros (no add kernel for those)
+        for c in parts[1:]:
+            if not (isinstance(c.clipped, int) and c.clipped == 0):
+                clipped = clipped + c.clipped
         views = {name: _slice_tokens(t, self.reserve_tokens, 0, at, copy=False) for name, t in self._slots.items()}
         B, H, _, D = new[0].shape
         self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
