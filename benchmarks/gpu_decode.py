@@ -177,8 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--e2e-tokens", type=int, default=None, help="timed decode steps (default 32; smoke 4)")
     p.add_argument(
-        "--e2e-runs", default=None, help="comma-separated step-6 runs, cache or cache:scheme (default: all), e.g. "
-        "dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:kivi-4,hf-quantized-quanto",
+        "--e2e-runs", default=None, help="comma-separated step-6 runs, cache or cache:scheme (default: all but "
+        "static-fp16-graphs, transformers' StaticCache decoded through CUDA graphs), e.g. "
+        "dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:kivi-4,hf-quantized-quanto,static-fp16-graphs",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(

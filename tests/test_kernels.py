@@ -1627,6 +1627,31 @@ def test_gpu_benchmark_e2e_runs_only_what_is_named(tmp_path):
         bench.main(["--smoke", "--device", "cpu", "--e2e-runs", "kvbits-fussed", "--out", str(out)])
 
 
+
+def test_gpu_benchmark_static_graphs_baseline_runs_when_named(tmp_path):
+    """``static-fp16-graphs`` (transformers' StaticCache, decode steps through ``torch.compile(mode="reduce-overhead")``)
+    runs only when ``--e2e-runs`` names it. It holds the same fp16 bytes as ``DynamicCache`` after the same steps, does
+    not become the eager loop's fp16 baseline, and every timed row gets its speed-up against it. On the CPU the
+    compile runs without CUDA graphs."""
+    import json
+
+    bench = _load_bench()
+    from gpu_bench.e2e import STATIC_GRAPHS, wanted_runs
+
+    assert not wanted_runs(None)(STATIC_GRAPHS, "fp16") and wanted_runs([STATIC_GRAPHS])(STATIC_GRAPHS, "fp16")
+    out = tmp_path / "e2e.json"
+    bench.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
+                f"dynamic-fp16,kvbits-fused:kivi-4,{STATIC_GRAPHS}", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["e2e"]
+    assert [r["cache"] for r in rows] == ["dynamic-fp16", "kvbits-fused", STATIC_GRAPHS]
+    dynamic, fused, static = rows
+    assert static["tokens_per_s"] > 0 and static["cache_bytes"] == dynamic["cache_bytes"]
+    assert static["planned_bytes"] == dynamic["planned_bytes"]
+    assert static["speedup_vs_best_fp16"] == static["speedup_vs_fp16"]  # against DynamicCache, not itself
+    assert static["speedup_vs_static_graphs"] == 1.0
+    assert fused["speedup_vs_static_graphs"] == round(fused["tokens_per_s"] / static["tokens_per_s"], 3)
+    assert fused["speedup_vs_best_fp16"] == round(fused["tokens_per_s"] / dynamic["tokens_per_s"], 3)
+
 def _load_bench():
     import importlib.util
     from pathlib import Path

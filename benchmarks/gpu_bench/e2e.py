@@ -7,7 +7,13 @@ left out (``dynamic-fp16-no-cudnn``: flash, memory-efficient or math). §6z's H2
 cuDNN (``aten::_cudnn_attention_forward``), and torch builds a cuDNN graph per sequence length unless
 ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` (pytorch/pytorch#155958): a decode step attends over one more token than the
 last, so each step may build a graph on the host, a cost kvbits' fused decode steps (no SDPA) never pay. The
-faster of the two is the fairer fp16 baseline (``speedup_vs_best_fp16``)."""
+faster of the two is the fairer fp16 baseline (``speedup_vs_best_fp16``).
+
+``static-fp16-graphs`` (only when ``--e2e-runs`` names it): transformers' own fast fp16 decode, a ``StaticCache``
+with the decode steps through ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; the prompt runs
+eagerly). It takes the host out of the loop, which no kvbits cache can do yet (its ``update`` runs eagerly inside
+a compiled model, BENCHMARKS.md §6 session 47), so it says what a host-bound kvbits step gives up. It is not
+among the fp16 baselines of ``speedup_vs_best_fp16``, which compare caches under the same eager loop."""
 
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ E2E_GROWING = ("int8-token",)
 
 
 DYNAMIC = ("dynamic-fp16", "dynamic-fp16-no-cudnn")  # DynamicCache: SDPA's backends as torch picks them; no cuDNN
+STATIC_GRAPHS = "static-fp16-graphs"  # StaticCache + torch.compile(mode="reduce-overhead"): run only when named
+OPT_IN = (STATIC_GRAPHS,)
 
 
 def e2e_reserve(context: int, tokens: int, warmup: int) -> int:
@@ -133,25 +141,38 @@ def _hf_cache(config, backend: str, nbits: int | None):
 @torch.no_grad()
 def decode_run(
     cfg: Config, model, cache, ids: torch.Tensor, tokens: int, warmup: int, profile: bool = True,
-    keep_logits: bool = False,
+    keep_logits: bool = False, step_model: Callable | None = None,
 ) -> dict:
     """Prefill ``ids`` then ``warmup + tokens`` greedy steps; times the last ``tokens`` steps; ``profile``: one
     more step under ``torch.profiler`` (``profile_step``). ``steps``: the decode steps taken in all.
     ``final_sync_ms``: how long the device sync after the last step waited. The steps are not synchronised one by
     one, so a GPU slower than the host leaves work queued there (up to the launch queue's depth) and this wait is
     long; near 0, the GPU had kept up and the steps were bound by the host.
-    ``keep_logits``: also ``logits``, the timed steps' float32 logits ``(tokens, B, V)``."""
+    ``keep_logits``: also ``logits``, the timed steps' float32 logits ``(tokens, B, V)``.
+    ``step_model``: what runs the decode steps (a compiled ``model``), which then get their ``cache_position``
+    (a ``(1,)`` tensor, as ``generate`` passes it); default ``model``, which also runs the prompt."""
     import inspect
 
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     generated, logits = [], []
+    position = ids.shape[1]
+
+    def step(tok: torch.Tensor):
+        nonlocal position
+        extra = {}
+        if step_model is not None:
+            extra["cache_position"] = torch.full((1,), position, dtype=torch.long, device=tok.device)
+        position += 1
+        forward = model if step_model is None else step_model
+        return forward(tok, **{kw: cache}, use_cache=True, logits_to_keep=1, **extra)
+
     for i in range(warmup + tokens):
         if i == warmup:
             sync(cfg.device)
             t0 = time.perf_counter()
-        out = model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
+        out = step(nxt)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         generated.append(nxt)
         if keep_logits and i >= warmup:
@@ -167,9 +188,7 @@ def decode_run(
     if keep_logits:
         out["logits"] = torch.stack(logits)
     if profile:
-        out["profile"] = profile_step(
-            cfg, lambda: model(nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
-        )
+        out["profile"] = profile_step(cfg, lambda: step(nxt))
         out["steps"] += 1
     return out
 
@@ -248,12 +267,13 @@ def _planned_bytes(model, scheme: str, batch: int, tokens: int, fused: bool) -> 
 
 
 E2E_CACHES = (*DYNAMIC, "kvbits-fused", "kvbits-fused-growing", "kvbits-dequant-sdpa", "hf-quantized-quanto",
-              "hf-quantized-fp8")  # fmt: skip
+              "hf-quantized-fp8", *OPT_IN)  # fmt: skip
 
 
 def wanted_runs(only: list[str] | None) -> Callable[[str, object], bool]:
     """Whether step 6 runs cache ``name`` with ``scheme``: every run without ``only``, else those it names as
-    ``cache`` or ``cache:scheme`` (``kvbits-fused:kivi-4``, ``hf-quantized-quanto:2``).
+    ``cache`` or ``cache:scheme`` (``kvbits-fused:kivi-4``, ``hf-quantized-quanto:2``). The ``OPT_IN`` runs
+    only when named.
 
     Raises:
         ValueError: a cache name not in ``E2E_CACHES``."""
@@ -263,7 +283,7 @@ def wanted_runs(only: list[str] | None) -> Callable[[str, object], bool]:
 
     def wanted(name: str, scheme: object) -> bool:
         if not only:
-            return True
+            return name not in OPT_IN
         return any(n == name and s in ("", str(scheme)) for n, _, s in (o.partition(":") for o in only))
 
     return wanted
@@ -306,6 +326,7 @@ def end_to_end(
             + [("kvbits-fused-growing", s, True) for s in E2E_GROWING]
             + [("kvbits-dequant-sdpa", "kivi-4", False)]]  # fmt: skip
     runs += [(batch, f"hf-quantized-{b}", n, b) for batch in batches for b, n in E2E_HF]
+    runs += [(batch, STATIC_GRAPHS, "fp16", None) for batch in batches]  # last: its compile may take a while
     runs = [r for r in runs if wanted(r[1], r[2])]
     for batch, name, scheme, how in runs:
         ids, fused_tokens, fp16_tps = prompts[batch], fused_by_batch[batch], fp16_by_batch.get(batch)
@@ -319,7 +340,16 @@ def end_to_end(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(cfg.device)
         base = _allocated(cfg)
-        if name in DYNAMIC:
+        step_model = None
+        if name == STATIC_GRAPHS:
+            from transformers import StaticCache
+
+            model.set_attn_implementation("sdpa")
+            torch._dynamo.reset()
+            cache = StaticCache(config=model.config, max_cache_len=e2e_reserve(context, tokens, warmup))
+            step_model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            note = "StaticCache, decode steps through torch.compile(mode='reduce-overhead'); not an eager-loop baseline"
+        elif name in DYNAMIC:
             from transformers import DynamicCache
 
             model.set_attn_implementation("sdpa")
@@ -344,7 +374,7 @@ def end_to_end(
                 continue
         try:
             with sdpa_backends("no-cudnn" if name == "dynamic-fp16-no-cudnn" else "auto"):
-                r = decode_run(cfg, model, cache, ids, tokens, warmup)
+                r = decode_run(cfg, model, cache, ids, tokens, warmup, step_model=step_model)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. an HF backend failing on this device
             rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
                          "skipped": f"{type(exc).__name__}: {str(exc)[:160]}"})  # fmt: skip
@@ -352,7 +382,7 @@ def end_to_end(
             continue
         mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
                "rope_table_bytes": None}  # fmt: skip
-        if name in DYNAMIC or isinstance(cache, QuantizedKVCache):
+        if name in DYNAMIC or name == STATIC_GRAPHS or isinstance(cache, QuantizedKVCache):
             mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + r["steps"], how is True)
             if base is not None:
                 mem["resident_bytes"] = _allocated(cfg) - base
@@ -376,11 +406,12 @@ def end_to_end(
                 fused_tokens[scheme] = r["tokens"]
             elif scheme in fused_tokens:
                 note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
-        elif name in DYNAMIC:
+        elif name in DYNAMIC or name == STATIC_GRAPHS:
             bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
             if name == "dynamic-fp16":
                 fp16_tps = fp16_by_batch[batch] = r["tokens_per_s"]
-            best_fp16_by_batch[batch] = max(best_fp16_by_batch.get(batch, 0.0), r["tokens_per_s"])
+            if name in DYNAMIC:
+                best_fp16_by_batch[batch] = max(best_fp16_by_batch.get(batch, 0.0), r["tokens_per_s"])
         best = best_fp16_by_batch.get(batch)
         row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
                "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"], "final_sync_ms": r["final_sync_ms"],
@@ -407,4 +438,9 @@ def end_to_end(
         if progress is not None:
             progress(rows)
     model.set_attn_implementation("sdpa")
+    graphs = {r["batch"]: r["tokens_per_s"] for r in rows if r["cache"] == STATIC_GRAPHS and "tokens_per_s" in r}
+    for r in rows:  # against transformers' CUDA-graph fp16 decode, where it ran (it runs last)
+        if "tokens_per_s" in r:
+            tps = graphs.get(r["batch"])
+            r["speedup_vs_static_graphs"] = round(r["tokens_per_s"] / tps, 3) if tps else None
     return rows
