@@ -332,6 +332,37 @@ print("TIMES", len(times), all(t[0] > 0 for t in times.values()))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "TIMES 6 True" in out.stdout.splitlines(), out.stdout[-2000:]
 
+
+def test_graph_blockers_name_what_changes_between_decode_steps(tmp_path):
+    """``benchmarks/graph_blockers.py`` compares consecutive decode steps' operators and Triton launches (compiled for
+    sm_90, not run): ``StaticCache`` launches the same work with the same arguments at every step, ``DynamicCache``
+    grows its ``torch.cat``, and kvbits' fused step names its per-step changes: the buffer's append, the tail length
+    in ``packed_store`` and the decode kernel, the lazy check's table row, and for a per-token scheme the quantize
+    kernel's slot (a view whose storage offset moves)."""
+    out_kivi, out_token = tmp_path / "kivi.json", tmp_path / "token.json"
+    code = f"""
+import graph_blockers
+graph_blockers.main(["--layers", "1", "--steps", "6", "--json", {str(out_kivi)!r}])
+graph_blockers.main(["--layers", "1", "--steps", "4", "--scheme", "int8-token", "--caches", "kvbits-fused",
+                     "--json", {str(out_token)!r}])
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["cache"]: r for r in json.loads(out_kivi.read_text())}
+    assert rows["static"]["same_sequence"] == rows["static"]["pairs"] == 5
+    assert rows["static"]["varying_per_step"] == 0 and rows["static"]["host_reads"] == 0
+    assert "transformers/cache_utils.py:update aten.cat.default" in rows["dynamic"]["varying_sites"]
+    fused = rows["kvbits-fused"]
+    assert fused["same_sequence"] == 5 and fused["host_reads"] == 0
+    assert set(fused["varying_sites"]) == {
+        "kvbits/cache/store.py:append_buffer aten.cat.default",
+        "kvbits/cache/fused.py:packed_store aten.full.default",
+        "kvbits/kernels/triton_decode.py:decode_attention_triton triton._decode_kernel",
+        "kvbits/cache/checks.py:_write_maxima aten.linalg_vector_norm.out",
+    }, fused["varying_sites"]
+    (token,) = json.loads(out_token.read_text())
+    assert "kvbits/kernels/triton_quantize.py:quantize_pack_triton triton._quantize_kernel" in token["varying_sites"]
+
 def test_f16_dequant_compiles_without_int_to_float_conversions():
     """``dequant="f16"`` compiled for sm_90 (its inline ``lop3`` included, which the interpreter never runs):
     it launches without spills, its tile loop converts no integer to float (the magic-number codes) and
