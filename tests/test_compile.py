@@ -102,11 +102,26 @@ def test_host_overhead_times_compiled_runs(capsys, monkeypatch):
     import host_overhead
 
     limit = torch._dynamo.config.recompile_limit
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)  # restored after the test
-    times = host_overhead.main(["--layers", "1", "--steps", "1", "--compile", "--recompile-limit", "16"])
+    try:  # (monkeypatch's undo leaves dynamo's config without the option: restored by hand)
+        times = host_overhead.main(["--layers", "1", "--steps", "1", "--compile", "--recompile-limit", "16"])
+    finally:
+        torch._dynamo.config.recompile_limit = limit
     assert len(times) == 3 and all(len(t) == 1 and t[0] > 0 for t in times.values())
     out = capsys.readouterr().out
     assert "torch.compile(model), recompile_limit 16" in out
     assert "ops/layer" not in out
     with pytest.raises(SystemExit):
         host_overhead.main(["--recompile-limit", "16"])
+
+
+def test_fullgraph_compile_says_why_it_cannot():
+    """``fullgraph=True`` cannot break the graph at the cache: dynamo's error carries kvbits' reason and the remedy
+    (torch's own hint says to remove the ``torch.compiler.disable`` call)."""
+    from kvbits.cache.eager import EAGER_REASON
+
+    model = tiny_llama()
+    cache = QuantizedKVCache(model.config, SMALL_KIVI)
+    ids = torch.randint(0, 200, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), pytest.raises(Exception, match="compile the model without fullgraph=True") as err:
+        torch.compile(model, fullgraph=True)(input_ids=ids, **cache_kwargs(cache, model), use_cache=True)
+    assert EAGER_REASON in str(err.value)

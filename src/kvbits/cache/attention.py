@@ -31,6 +31,7 @@ import torch
 
 from kvbits._model import check_model
 from kvbits.cache import fused
+from kvbits.cache.eager import run_eagerly
 from kvbits.kernels import dispatch
 from kvbits.kernels.reference import PackedStore
 
@@ -91,7 +92,7 @@ def _step_reason(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return None
 
 
-@torch.compiler.disable
+@run_eagerly
 def fused_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -30,6 +30,7 @@ from transformers import cache_utils
 from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
+from kvbits.cache.eager import run_eagerly
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import (
     QuantizedKVLayer,
@@ -314,13 +315,13 @@ class QuantizedKVCache(Cache):
     def __repr__(self) -> str:
         return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"
 
-    @torch.compiler.disable
+    @run_eagerly
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store K/V ``(B, H_kv, q, D)`` of layer ``layer_idx``; return what its attention uses.
 
-        Runs eagerly under ``torch.compile`` (``torch.compiler.disable``: the compiled model breaks its graph
+        Runs eagerly under ``torch.compile`` (``kvbits.cache.eager.run_eagerly``: the compiled model breaks its graph
         here): the quantization is bit for bit the eager one, the layer's host integers (lengths, flush
         points) cause no recompiles, and the lazy checks' host reads and the fused path's tagged placeholders
         stay outside any graph. Costs about 0.4 us per call when not compiling.
