@@ -132,6 +132,20 @@ def _slice_step(qt: QuantizedTensor, tokens: int) -> int:
     return max(unit, tokens // unit * unit)
 
 
+def _host_zero(clipped: int | torch.Tensor) -> bool:
+    """Whether a clip count is the host 0 a dynamic range reports (adding it would launch a kernel for nothing)."""
+    return isinstance(clipped, int) and clipped == 0
+
+
+def _sum_clipped(counts: list[int | torch.Tensor]) -> int | torch.Tensor:
+    """The sum of clip counts (host ints or device tensors) in order, the host zeros after the first skipped."""
+    total = counts[0]
+    for c in counts[1:]:
+        if not _host_zero(c):
+            total = total + c
+    return total
+
+
 def _cat_chunks(*chunks: QuantizedTensor) -> QuantizedTensor:
     """One chunk holding the chunks' tokens in order (all of one ``mergeable`` spec)."""
     first = chunks[0]
@@ -139,7 +153,7 @@ def _cat_chunks(*chunks: QuantizedTensor) -> QuantizedTensor:
         return first
     cat = {name: torch.cat([getattr(c, name) for c in chunks], dim=2) for name in _token_tensors(first)}
     B, H, _, D = first.shape
-    clipped = sum((c.clipped for c in chunks[1:]), first.clipped)
+    clipped = _sum_clipped([c.clipped for c in chunks])
     return replace(first, shape=(B, H, sum(c.n_tokens for c in chunks), D), clipped=clipped, **cat)
 
 
@@ -344,7 +358,7 @@ class SideStore:
                 self.observer(x, qt)
             new.append(qt)
         for qt in new:
-            if not (isinstance(qt.clipped, int) and qt.clipped == 0):  # dynamic ranges report a host 0: no add kernel
+            if not _host_zero(qt.clipped):  # dynamic ranges report a host 0: no add kernel
                 self.clipped += qt.clipped
             if self.work is not None:
                 self._append_work(self._dequantize(qt, p0, self.work.dtype))
@@ -378,10 +392,7 @@ class SideStore:
             self._write_slots(qt, at)
             at += qt.n_tokens
         parts = [*self.chunks, *new]
-        clipped = parts[0].clipped  # as _cat_chunks sums them, less the host zeros (no add kernel for those)
-        for c in parts[1:]:
-            if not (isinstance(c.clipped, int) and c.clipped == 0):
-                clipped = clipped + c.clipped
+        clipped = _sum_clipped([c.clipped for c in parts])  # as _cat_chunks sums them
         views = {name: _slice_tokens(t, self.reserve_tokens, 0, at, copy=False) for name, t in self._slots.items()}
         B, H, _, D = new[0].shape
         self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
