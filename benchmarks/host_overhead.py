@@ -4,8 +4,8 @@
         [--dtype float16] [--checks lazy|eager] [--scheme kivi-4] [--reserve] [--compile [--recompile-limit 64]]
 
 A 24-layer Qwen2-shaped model (hidden 128, 14 query heads, 2 KV heads, head dim 64: the e2e step's heads)
-decodes after a 256-token prompt (and untimed steps that include a flush) through ``DynamicCache``, ``QuantizedKVCache`` dequantizing ``--scheme`` (kivi-4), and the
-fused path (its torch reference off CUDA). With so little arithmetic the per-step times are mostly the
+decodes after a 256-token prompt and untimed steps (3, then one flush block of the scheme) through ``DynamicCache``,
+``QuantizedKVCache`` dequantizing ``--scheme`` (kivi-4), and the fused path (its torch reference off CUDA). With so little arithmetic the per-step times are mostly the
 Python of transformers and of each cache: a lead for the end-to-end step times of BENCHMARKS.md §6.
 
 ``--launch`` adds ``DynamicCache`` with an attention function that returns zeros, and two runs of the fused path
@@ -24,8 +24,8 @@ under a ``TorchDispatchMode`` that counts, per layer, the torch operators that w
 (views, allocations and host reads left out), and the Triton launches: each is a kernel launch, whose host cost
 on a GPU (the driver call) this CPU does not see.
 
-``--compile`` times every run through ``torch.compile(model)`` (inductor; dynamo reset before each run, 8 warm-up
-steps where there are 3, no operator counts: inductor's generated code runs outside the dispatcher). The kvbits
+``--compile`` times every run through ``torch.compile(model)`` (inductor; dynamo reset before each run, 8 untimed
+steps before the flush block where there are 3, no operator counts: inductor's generated code runs outside the dispatcher). The kvbits
 caches' ``update`` and the fused attention run eagerly inside the compiled model (``torch.compiler.disable``), so
 the model breaks its graph at each layer's cache, and each layer's attention compiles apart (its ``layer_idx`` is a
 static int): past dynamo's ``recompile_limit`` (8) the later layers' frames run eagerly, with a warning.
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         return DynamicCache(config=cfg)
 
     plain = contextlib.nullcontext
-    zeroed_run, launching = f"kvbits {a.scheme}, fused, attention zeroed", f"kvbits {a.scheme}, fused, Triton launch, compiled only"
+    zeroed_run = f"kvbits {a.scheme}, fused, attention zeroed"
+    launching = f"kvbits {a.scheme}, fused, Triton launch, compiled only"
     # name: (cache, fused decode, the attention of unfused steps, what the fused steps' attention is swapped for)
     runs = {
         "DynamicCache": (dynamic, False, "sdpa", plain),
@@ -219,8 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     if a.launch:
         runs["DynamicCache, attention zeroed"] = (dynamic, False, ZEROS, plain)
         runs[zeroed_run] = (fused_cache, True, "sdpa", lambda: attention_stubbed(False))
-        runs[launching] = (fused_cache, True, "sdpa",
-                                                                      lambda: attention_stubbed(True))  # fmt: skip
+        runs[launching] = (fused_cache, True, "sdpa", lambda: attention_stubbed(True))
     times: dict[str, list[float]] = {name: [] for name in runs}
     counts: dict[str, tuple[OpCounter, int]] = {}
     for _ in range(max(1, a.repeat)):

@@ -46,6 +46,7 @@ E2E_GROWING = ("int8-token",)
 DYNAMIC = ("dynamic-fp16", "dynamic-fp16-no-cudnn")  # DynamicCache: SDPA's backends as torch picks them; no cuDNN
 STATIC_GRAPHS = "static-fp16-graphs"  # StaticCache + torch.compile(mode="reduce-overhead"): run only when named
 OPT_IN = (STATIC_GRAPHS,)
+FP16_CACHES = (*DYNAMIC, STATIC_GRAPHS)  # transformers' caches of plain fp16 K/V (bytes: every layer's keys and values)
 
 
 def e2e_reserve(context: int, tokens: int, warmup: int) -> int:
@@ -382,7 +383,7 @@ def end_to_end(
             continue
         mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
                "rope_table_bytes": None}  # fmt: skip
-        if name in DYNAMIC or name == STATIC_GRAPHS or isinstance(cache, QuantizedKVCache):
+        if name in FP16_CACHES or isinstance(cache, QuantizedKVCache):
             mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + r["steps"], how is True)
             if base is not None:
                 mem["resident_bytes"] = _allocated(cfg) - base
@@ -406,7 +407,7 @@ def end_to_end(
                 fused_tokens[scheme] = r["tokens"]
             elif scheme in fused_tokens:
                 note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
-        elif name in DYNAMIC or name == STATIC_GRAPHS:
+        elif name in FP16_CACHES:
             bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
             if name == "dynamic-fp16":
                 fp16_tps = fp16_by_batch[batch] = r["tokens_per_s"]

@@ -68,6 +68,8 @@ __all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
 
 SPEED_VERSION = 1
 BASELINE = "DynamicCache"
+
+
 def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
     """``ms_per_step`` (median), ``ms_p10``, ``ms_p90``, ``ms_mean`` of per-step times in ms, and
     ``tokens_per_s`` (``batch`` tokens per median step)."""
