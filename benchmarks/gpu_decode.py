@@ -34,7 +34,9 @@ GPU machine). Steps:
    from float32 half-width tables, as the cache keeps them; rows rotated in registers, and the gather
    path as ``triton-gather``), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings. The integer
-   schemes also with ``dequant="f16"`` (codes dequantized in float16: kernel ``triton-f16``). At batch 8
+   schemes also with ``dequant="f16"`` (codes dequantized in float16: kernel ``triton-f16``) and through the
+   folded-scale kernel (``triton-fold``), and int4 through both at 8 programs per SM instead of 2 (``triton-p8``,
+   ``triton-fold-p8``: the split count step 3b found faster at 32K and batch 8, at every batch and context). At batch 8
    only (smoke: 1), both shapes, every context: int4 with keys and values per token (one scale per token and head, the
    ``int4-token`` preset's layout) and the same Hadamard-rotated (``int4-token-hadamard``: its time includes
    rotating q and the 128-token fp16 tail in and the output back; the same bytes, ``R`` is stored nowhere):

@@ -248,6 +248,9 @@ def test_candidate_launches():
                                                       "num_stages": 3}  # fmt: skip
     assert by["f16-tile2-s3"].kwargs(64, 132)["block_t"] == 128 and by["f16-tile2-s3"].kwargs(256, 1)["block_t"] == 64
     assert by["programs8"].kwargs(64, 132) == {"dequant": "f32", "target_programs": 1056}
+    assert by["f16-tile2-w2-s3-p8"].kwargs(128, 132) == {**by["f16-tile2-w2-s3"].kwargs(128, 132), "target_programs": 1056}
+    assert by["fold-p8"].kwargs(64, 132) == {"dequant": "fold", "target_programs": 1056}
+    assert len({json.dumps(c.kwargs(64, 1), sort_keys=True) for c in CANDIDATES}) == len(CANDIDATES)  # all distinct
     with pytest.raises(ValueError, match="distinct"):
         DecodeTuner(None, candidates=(Candidate("a"), Candidate("a", num_stages=3)))
 

@@ -1857,6 +1857,18 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
     fold = {(r["shape"], r["scheme"]) for r in records if r["kernel"] == "triton-fold"}
     token = [name for name, ts in common.TOKEN_SCHEMES.items() if not ts.pre_rope]
     assert fold == {(shape, s) for shape in common.SHAPES for s in ("int8", "int4", "int2", *token)}
+    # and int4 through both kernels at 8 programs per SM (kernels "triton-p8", "triton-fold-p8"), each with its
+    # break-even, the split count reaching the decoder as target_programs (off CUDA: 8 programs in all)
+    p8 = sweep.SPLIT_PROGRAMS_PER_SM
+    for kernel in (f"triton-p{p8}", f"triton-fold-p{p8}"):
+        rows = {(r["shape"], r["scheme"]) for r in records if r["kernel"] == kernel}
+        assert rows == {(shape, "int4") for shape in common.SHAPES}, kernel
+        assert (kernel, "int4") in {(b["kernel"], b["scheme"]) for b in be}
+    seen.clear()
+    sweep.sweep(cfg, record, copy_gbps=10.0)
+    split = sorted((kw.get("dequant", "f32"), kw["target_programs"]) for kw, _ in seen if "target_programs" in kw)
+    assert split == sorted([("f32", p8), ("fold", p8)] * len(common.SHAPES))
+    assert not any("programs_per_sm" in kw for kw, _ in seen)
     # prewarm: the sweep's f16 variants and step 3b's f16 launches, compiled as the benchmark launches them
     jobs = prewarm.jobs()
     assert {j[1:] for j in jobs if j[0] == "sweep" and j[4] == "f16"} == {

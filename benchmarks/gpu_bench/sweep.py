@@ -104,23 +104,46 @@ def fused_timing(
     and its bytes are the same as unrotated (``R`` is rebuilt per process, stored nowhere)."""
     store = random_store(q.shape[0], shape, context, scheme, cfg.device, gen, tables, **(store_kw or {}))
     spread: dict = {}
+    kw = launch_kwargs(kw, cfg.device)
     ms, graph = time_ms(lambda: decode(q, store, **kw), cfg, flush, spread=spread)
     return ms, graph, store.nbytes, spread
 
 
-KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)", "rounded-keys": "(r)"}  # the progress line's marks
+# the split count the sweep also times int4 at, beside the default's 2 programs per SM (kernels "triton-p8" and
+# "triton-fold-p8"): §6z's step 3b timed 8 programs per SM 1.13x (Llama-3-8B's shape) and 1.35x (Qwen2.5's) faster
+# than the default at 32K and batch 8, its only point; every batch and context says where the default should change
+SPLIT_PROGRAMS_PER_SM = 8
+SPLIT_SCHEMES = ("int4",)
+# the progress line's marks
+KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)", "rounded-keys": "(r)",
+                f"p{SPLIT_PROGRAMS_PER_SM}": f"(p{SPLIT_PROGRAMS_PER_SM})",
+                f"fold-p{SPLIT_PROGRAMS_PER_SM}": f"(f,p{SPLIT_PROGRAMS_PER_SM})"}  # fmt: skip
 
 
 def variant_kernel(kernel: str, kw: dict) -> str:
     """The ``kernel`` of a sweep record: ``kernel`` for the default launch, ``-gather`` for the per-element
     path (``vectorized=False``), ``-f16`` for float16 dequantization (``dequant="f16"``), ``-fold`` for the
     folded-scale kernel (``dequant="fold"``), ``-rounded-keys`` for per-token keys dequantized and rounded to
-    float16 instead of entering the dots as codes (``row_keys=False``)."""
+    float16 instead of entering the dots as codes (``row_keys=False``); then ``-p<N>`` for a launch that aims at
+    ``N`` programs per SM (``programs_per_sm``, see ``launch_kwargs``) instead of the default 2."""
     if kw.get("vectorized") is False:
-        return kernel + "-gather"
-    if kw.get("row_keys") is False:
-        return kernel + "-rounded-keys"
-    return kernel + {"f16": "-f16", "fold": "-fold"}.get(kw.get("dequant", ""), "")
+        name = kernel + "-gather"
+    elif kw.get("row_keys") is False:
+        name = kernel + "-rounded-keys"
+    else:
+        name = kernel + {"f16": "-f16", "fold": "-fold"}.get(kw.get("dequant", ""), "")
+    return name if kw.get("programs_per_sm") is None else f"{name}-p{kw['programs_per_sm']}"
+
+
+def launch_kwargs(kw: dict, device: torch.device) -> dict:
+    """A variant's keyword arguments for ``decode``: ``programs_per_sm`` becomes ``target_programs``, that many
+    programs per SM of ``device`` (per program elsewhere, as step 3b counts them: 1 SM off CUDA)."""
+    kw = dict(kw)
+    per_sm = kw.pop("programs_per_sm", None)
+    if per_sm is not None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        kw["target_programs"] = per_sm * sms
+    return kw
 
 
 def sweep(
@@ -149,6 +172,11 @@ def sweep(
         variants += [(name, sch, {"dequant": "f16"}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
         # and the folded-scale kernel (``dequant="fold"``, kvbits.kernels.triton_fold; kernel "triton-fold")
         variants += [(name, sch, {"dequant": "fold"}, False, {}) for name, sch in SCHEMES.items() if fold_reads(sch)]
+        # and int4 through both at SPLIT_PROGRAMS_PER_SM programs per SM (kernels "triton-p8", "triton-fold-p8"); the
+        # split counts are not specialised (do_not_specialize), so these launch the kernels compiled above
+        for name in (n for n in SPLIT_SCHEMES if n in SCHEMES):
+            variants += [(name, SCHEMES[name], {**extra, "programs_per_sm": SPLIT_PROGRAMS_PER_SM}, False, {})
+                         for extra in ({}, {"dequant": "fold"})]  # fmt: skip
     # per-token keys and values: plain, Hadamard-rotated, keys centred / smoothed (post- and pre-RoPE), default
     # launch: at one batch only
     token_variants = [(name, SCHEMES[ts.codes], {}, ts.pre_rope,
@@ -347,7 +375,6 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
             store = random_store(batch, shp, context, SCHEMES["int4"], dev, gen, tables if rope else None)
             grid = tune_grid_for(shp["D"], dequant)
             cases.append((shape_name, scheme, dequant, q, store, grid[:2] if cfg.smoke else grid))
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     rows: list[dict] = []
     defaults: dict[int, torch.Tensor] = {}  # case index -> the default launch's output (one launch per case)
     for i in range(max(len(c[5]) for c in cases)):
@@ -359,10 +386,8 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
             block_t, warps, stages, per_sm = grid[i]
             row = {"shape": shape_name, "batch": batch, "context": context, "scheme": scheme, "dequant": dequant,
                    "block_t": block_t, "num_warps": warps, "num_stages": stages, "programs_per_sm": per_sm}  # fmt: skip
-            launch = {"block_t": block_t, "num_warps": warps, "num_stages": stages}
-            launch.update(TUNE_DEQUANT[dequant])
-            if per_sm is not None:
-                launch["target_programs"] = per_sm * sms
+            launch = launch_kwargs({"block_t": block_t, "num_warps": warps, "num_stages": stages,
+                                    **TUNE_DEQUANT[dequant], "programs_per_sm": per_sm}, dev)  # fmt: skip
             run = lambda q=q, st=store, kw=launch: decode(q, st, **kw)
             spread: dict = {}
             try:

@@ -120,7 +120,9 @@ class Candidate:
 
 
 # the default launch first; the others from the H200's step 3b (BENCHMARKS.md §6z): its fastest launches at each
-# shape, the default with more stages or more programs, and the folded-scale kernel (not yet timed on a GPU)
+# shape, the default with more stages or more programs, and the folded-scale kernel (not yet timed on a GPU). Step
+# 3b timed more programs per SM with the default launch only (1.13x and 1.35x faster); the "-p8" candidates try
+# them with the fastest launches and the folded kernel, untimed so far
 CANDIDATES: tuple[Candidate, ...] = (
     Candidate("default"),
     Candidate("stages3", num_stages=3),
@@ -130,6 +132,9 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("f16-tile2-s3", dequant="f16", tile=2, num_stages=3),
     Candidate("f16-tile2-w2-s3", dequant="f16", tile=2, num_warps=2, num_stages=3),
     Candidate("fold", dequant="fold"),
+    Candidate("f16-tile2-s3-p8", dequant="f16", tile=2, num_stages=3, programs_per_sm=8),
+    Candidate("f16-tile2-w2-s3-p8", dequant="f16", tile=2, num_warps=2, num_stages=3, programs_per_sm=8),
+    Candidate("fold-p8", dequant="fold", programs_per_sm=8),
 )
 
 
