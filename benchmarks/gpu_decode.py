@@ -35,8 +35,10 @@ GPU machine). Steps:
    path as ``triton-gather``), 4-bit NUQ with 1 % sparse outliers (KVQuant's codes) and FP8 e4m3 (per-token
    scales), each as a CUDA graph, L2 flushed before every rep, median of CUDA-event timings. The integer
    schemes also with ``dequant="f16"`` (codes dequantized in float16: kernel ``triton-f16``) and through the
-   folded-scale kernel (``triton-fold``), and int4 through both at 8 programs per SM instead of 2 (``triton-p8``,
-   ``triton-fold-p8``: the split count step 3b found faster at 32K and batch 8, at every batch and context). At batch 8
+   folded-scale kernel (``triton-fold``). Then, apart and while the sweep's time lasts (``split_sweep``), int4
+   through the default and the folded kernel at 8 programs per SM instead of 2 (``triton-p8``, ``triton-fold-p8``)
+   at every cell the sweep timed, against its fp16 baselines: the split count step 3b found faster at 32K and
+   batch 8, its only point. At batch 8
    only (smoke: 1), both shapes, every context: int4 with keys and values per token (one scale per token and head, the
    ``int4-token`` preset's layout) and the same Hadamard-rotated (``int4-token-hadamard``: its time includes
    rotating q and the 128-token fp16 tail in and the output back; the same bytes, ``R`` is stored nowhere):
@@ -107,7 +109,7 @@ from gpu_bench.e2e import (
     wanted_runs,
 )
 from gpu_bench.report import markdown
-from gpu_bench.sweep import break_even, sweep, tune
+from gpu_bench.sweep import SPLIT_PROGRAMS_PER_SM, break_even, split_sweep, sweep, tune
 
 from kvbits.kernels.reference import decode_attention_reference
 
@@ -307,6 +309,11 @@ def main(argv: list[str] | None = None) -> dict:
             cfg, decode, copy_gbps, lambda rows: save(records=rows, break_even=break_even(rows)), result["skipped"]
         )
         if kernel == "triton":
+            print(f"(3) and int4 at {SPLIT_PROGRAMS_PER_SM} programs per SM (the default aims at 2) in every cell, "
+                  "while the sweep's time lasts")  # fmt: skip
+            swept = records
+            records = swept + split_sweep(cfg, decode, copy_gbps, swept,
+                                          lambda rows: save(records=swept + rows, break_even=break_even(swept + rows)))  # fmt: skip
             print("(3b) kernel launch parameters (block_t x num_warps), while the sweep's time lasts")
             tune(cfg, decode, copy_gbps, lambda rows: save(tuning=rows))
     be = break_even(records)

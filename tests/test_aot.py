@@ -143,8 +143,9 @@ def test_prewarm_compiles_what_the_gpu_sweep_then_launches(tmp_path):
     """``benchmarks/prewarm.py`` fills Triton's on-disk cache in worker processes from zero-stride stores;
     the benchmark's own sweep (real tensors, every batch and context given, this process) then finds every
     kernel it launches there (the ``dequant="f16"`` and ``dequant="fold"`` variants included, and the per-token
-    layouts at batch 8: plain, Hadamard-rotated, centred / smoothed keys, and plain with its keys rounded): no new
-    cache entry, i.e. nothing left to compile in the timed run."""
+    layouts at batch 8: plain, Hadamard-rotated, centred / smoothed keys, and plain with its keys rounded), and so
+    does ``split_sweep`` at its other split counts: no new cache entry, i.e. nothing left to compile in the timed
+    run."""
     code = """
 import functools, os, torch, prewarm
 from gpu_bench import common, sweep
@@ -166,11 +167,12 @@ cfg = common.Config(device=torch.device("cpu"), contexts=[4096, 8192], batches=[
                 max_bytes=1e12, smoke=False, kernel="triton")
 with compile_only("sm_90") as launched:
     records = sweep.sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), copy_gbps=1.0)
-# per combo 3 fp16 SDPA baselines (GQA, GQA without cuDNN, expanded) and 9 kernel rows (int4 at 8 programs per SM
-# through both kernels among them); batch 8: the per-token layouts too (the rotated one's split query is a launch of
-# its own)
-assert len(records) == 4 * (3 + 9) + 2 * (5 + 3 + 1) and len(launched) > 0, (len(records), len(launched))
-assert sum(r["kernel"] == "triton-p8" for r in records) == sum(r["kernel"] == "triton-fold-p8" for r in records) == 4
+    # and int4 at 8 programs per SM through the default and the folded kernel in every cell (other split counts)
+    split = sweep.split_sweep(cfg, functools.partial(decode_attention_triton, target_programs=264), 1.0, records)
+# per combo 3 fp16 SDPA baselines (GQA, GQA without cuDNN, expanded) and 7 kernel rows; batch 8: the per-token
+# layouts too (the rotated one's split query is a launch of its own)
+assert len(records) == 4 * (3 + 7) + 2 * (5 + 3 + 1) and len(launched) > 0, (len(records), len(launched))
+assert sorted(r["kernel"] for r in split) == ["triton-fold-p8"] * 4 + ["triton-p8"] * 4, split
 assert sum(r["kernel"] == "triton-rounded-keys" for r in records) == 2, records  # row_keys=False
 assert sum(r["kernel"] == "triton-f16" for r in records) == 4, records  # dequant="f16" launched too
 assert sum(r["kernel"] == "triton-fold" for r in records) == 4 + 2 * 3, records  # and dequant="fold"

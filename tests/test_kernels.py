@@ -1857,18 +1857,25 @@ def test_gpu_benchmark_measures_f16_dequant(monkeypatch):
     fold = {(r["shape"], r["scheme"]) for r in records if r["kernel"] == "triton-fold"}
     token = [name for name, ts in common.TOKEN_SCHEMES.items() if not ts.pre_rope]
     assert fold == {(shape, s) for shape in common.SHAPES for s in ("int8", "int4", "int2", *token)}
-    # and int4 through both kernels at 8 programs per SM (kernels "triton-p8", "triton-fold-p8"), each with its
-    # break-even, the split count reaching the decoder as target_programs (off CUDA: 8 programs in all)
+    # and, apart (split_sweep), int4 through both kernels at 8 programs per SM in every cell the sweep timed
+    # (kernels "triton-p8", "triton-fold-p8"), against that cell's fastest fp16 SDPA, each with its break-even; the
+    # split count reaches the decoder as target_programs (off CUDA: 8 programs in all)
     p8 = sweep.SPLIT_PROGRAMS_PER_SM
-    for kernel in (f"triton-p{p8}", f"triton-fold-p{p8}"):
-        rows = {(r["shape"], r["scheme"]) for r in records if r["kernel"] == kernel}
-        assert rows == {(shape, "int4") for shape in common.SHAPES}, kernel
-        assert (kernel, "int4") in {(b["kernel"], b["scheme"]) for b in be}
     seen.clear()
-    sweep.sweep(cfg, record, copy_gbps=10.0)
-    split = sorted((kw.get("dequant", "f32"), kw["target_programs"]) for kw, _ in seen if "target_programs" in kw)
-    assert split == sorted([("f32", p8), ("fold", p8)] * len(common.SHAPES))
-    assert not any("programs_per_sm" in kw for kw, _ in seen)
+    split = sweep.split_sweep(cfg, record, 10.0, records)
+    fp16 = {(r["shape"], r["batch"], r["context"]): r["ms"] for r in records if r["kernel"] == "sdpa-gqa"}
+    for kernel in (f"triton-p{p8}", f"triton-fold-p{p8}"):
+        rows = [r for r in split if r["kernel"] == kernel]
+        assert {(r["shape"], r["batch"], r["context"], r["scheme"]) for r in rows} == {(*c, "int4") for c in fp16}
+        best = {c: min(r["ms"] for r in records if r["kernel"].startswith("sdpa") and (r["shape"], r["batch"],
+                r["context"]) == c) for c in fp16}  # fmt: skip
+        assert all(r["speedup_vs_fp16"] == round(best[r["shape"], r["batch"], r["context"]] / r["ms"], 3) for r in rows)
+        assert (kernel, "int4") in {(b["kernel"], b["scheme"]) for b in bench.break_even(records + split)}
+    assert sorted((kw.get("dequant", "f32"), kw["target_programs"]) for kw, _ in seen) == sorted(
+        [("f32", p8), ("fold", p8)] * len(fp16))  # fmt: skip
+    cfg.deadline = 0.0  # past: the split counts stop before their first cell, and the sweep's rows are kept
+    assert sweep.split_sweep(cfg, record, 10.0, records) == []
+    cfg.deadline = None
     # prewarm: the sweep's f16 variants and step 3b's f16 launches, compiled as the benchmark launches them
     jobs = prewarm.jobs()
     assert {j[1:] for j in jobs if j[0] == "sweep" and j[4] == "f16"} == {

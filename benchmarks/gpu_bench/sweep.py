@@ -109,15 +109,13 @@ def fused_timing(
     return ms, graph, store.nbytes, spread
 
 
-# the split count the sweep also times int4 at, beside the default's 2 programs per SM (kernels "triton-p8" and
-# "triton-fold-p8"): §6z's step 3b timed 8 programs per SM 1.13x (Llama-3-8B's shape) and 1.35x (Qwen2.5's) faster
-# than the default at 32K and batch 8, its only point; every batch and context says where the default should change
+# step 3's split counts (``split_sweep``): int4 at this many programs per SM, beside the default's 2 (kernels "triton-p8" and
+# "triton-fold-p8"); §6z's step 3b timed 8 programs per SM 1.13x (Llama-3-8B's shape) and 1.35x (Qwen2.5's) faster
+# than the default at 32K and batch 8, its only point: every cell of the sweep says where the default should change
 SPLIT_PROGRAMS_PER_SM = 8
-SPLIT_SCHEMES = ("int4",)
-# the progress line's marks
-KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)", "rounded-keys": "(r)",
-                f"p{SPLIT_PROGRAMS_PER_SM}": f"(p{SPLIT_PROGRAMS_PER_SM})",
-                f"fold-p{SPLIT_PROGRAMS_PER_SM}": f"(f,p{SPLIT_PROGRAMS_PER_SM})"}  # fmt: skip
+SPLIT_SCHEME = "int4"
+SPLIT_PATHS = ({}, {"dequant": "fold"})  # the default kernel and the folded one
+KERNEL_MARKS = {"gather": "(g)", "f16": "(h)", "fold": "(f)", "rounded-keys": "(r)"}  # the progress line's marks
 
 
 def variant_kernel(kernel: str, kw: dict) -> str:
@@ -172,11 +170,6 @@ def sweep(
         variants += [(name, sch, {"dequant": "f16"}, False, {}) for name, sch in SCHEMES.items() if sch[0] == "int"]
         # and the folded-scale kernel (``dequant="fold"``, kvbits.kernels.triton_fold; kernel "triton-fold")
         variants += [(name, sch, {"dequant": "fold"}, False, {}) for name, sch in SCHEMES.items() if fold_reads(sch)]
-        # and int4 through both at SPLIT_PROGRAMS_PER_SM programs per SM (kernels "triton-p8", "triton-fold-p8"); the
-        # split counts are not specialised (do_not_specialize), so these launch the kernels compiled above
-        for name in (n for n in SPLIT_SCHEMES if n in SCHEMES):
-            variants += [(name, SCHEMES[name], {**extra, "programs_per_sm": SPLIT_PROGRAMS_PER_SM}, False, {})
-                         for extra in ({}, {"dequant": "fold"})]  # fmt: skip
     # per-token keys and values: plain, Hadamard-rotated, keys centred / smoothed (post- and pre-RoPE), default
     # launch: at one batch only
     token_variants = [(name, SCHEMES[ts.codes], {}, ts.pre_rope,
@@ -244,6 +237,55 @@ def sweep(
                 if progress is not None:
                     progress(records)
     return records
+
+
+def split_sweep(
+    cfg: Config, decode: Callable, copy_gbps: float, records: list[dict],
+    progress: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:  # fmt: skip
+    """Step (3)'s split counts, Triton only, after the sweep and while its time lasts: ``SPLIT_SCHEME`` at
+    ``SPLIT_PROGRAMS_PER_SM`` programs per SM through the default and the folded kernel (``SPLIT_PATHS``; kernels ``triton-p8`` and
+    ``triton-fold-p8``, as ``variant_kernel`` names them), at every (shape, batch, context) of ``records`` in the
+    sweep's order, against the fastest fp16 SDPA the sweep timed there. Rows as the sweep's (``error`` for a launch
+    that did not start); ``progress(rows)`` after each cell. Apart from the sweep, so that these rows never cut its
+    own cells short. Split counts are not specialised (``do_not_specialize``): the sweep's kernels serve them."""
+    if cfg.kernel != "triton":
+        return []
+    fp16: dict[tuple[str, int, int], float] = {}  # (shape, batch, context) -> the fastest fp16 SDPA
+    for r in records:
+        if r["kernel"].startswith("sdpa") and "ms" in r:
+            cell = (r["shape"], r["batch"], r["context"])
+            fp16[cell] = min(fp16.get(cell, float("inf")), r["ms"])
+    dev = cfg.device
+    gen = torch.Generator(device=dev).manual_seed(2)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    rows: list[dict] = []
+    for (shape_name, batch, context), fp16_ms in fp16.items():  # dicts keep the sweep's order
+        if out_of_time(cfg):
+            print(f"  split counts: stopped before {shape_name} B={batch} T={context}: time budget")
+            break
+        shp = SHAPES[shape_name]
+        q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
+        cells = []
+        for path in SPLIT_PATHS:
+            kw = {**path, "programs_per_sm": SPLIT_PROGRAMS_PER_SM}
+            kernel = variant_kernel(cfg.kernel, kw)
+            try:
+                m = fused_timing(cfg, decode, q, shp, context, SCHEMES[SPLIT_SCHEME], kw, gen, flush)
+            except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
+                rows.append({"kernel": kernel, "scheme": SPLIT_SCHEME, "shape": shape_name, "context": context,
+                             "batch": batch, "error": launch_error(exc)})  # fmt: skip
+                cells.append(f"{kernel} did not launch")
+                continue
+            rows.append(_record(kernel, SPLIT_SCHEME, shape_name, context, batch, *m, fp16_ms, copy_gbps))
+            cells.append(f"{kernel} {rows[-1]['ms']:.4f} ms x{rows[-1]['speedup_vs_fp16']:.2f}")
+        print(f"  {shape_name:13s} B={batch:<3d} T={context:<7d} {SPLIT_SCHEME}: " + " | ".join(cells))
+        del q
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        if progress is not None:
+            progress(rows)
+    return rows
 
 
 TUNE_BLOCK_T = (32, 64, 128)  # tokens per inner tile (decode_attention_triton's block_t)
