@@ -117,32 +117,44 @@ def compare(steps: list[StepRecorder]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def record(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, Any]:
-    """Decode ``steps`` recorded steps through ``cache_name`` (``CACHES``) and compare them (``compare``)."""
+def warm_steps(cache_name: str, scheme: str) -> int:
+    """Untimed decode steps before the recorded ones: 3, and one flush block of ``scheme`` for a kvbits cache."""
+    from kvbits.schemes import get_scheme
+
+    return 3 + (get_scheme(scheme).block if cache_name.startswith("kvbits") else 0)
+
+
+def build(cache_name: str, layers: int, scheme: str, tokens: int) -> tuple[Any, Any, dict[str, Any], torch.Tensor]:
+    """The same model, cache and prompt at every call (seed 0): ``(model, cache, cache keyword arguments, prompt
+    ids (1, PROMPT))``. The model is Qwen2-shaped with ``layers`` layers and the e2e step's heads; the cache
+    (``CACHES``) holds ``tokens`` tokens (``StaticCache`` and kvbits' reserve them, as a server does)."""
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache
 
     from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
-    from kvbits.schemes import get_scheme
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)  # fmt: skip
     model = Qwen2ForCausalLM(cfg).eval()
-    warm = 3 + (get_scheme(scheme).block if cache_name.startswith("kvbits") else 0)
-    total = PROMPT + warm + steps
     fused = cache_name == "kvbits-fused"
     if fused:
         use_fused_decode(model)
     else:
         model.set_attn_implementation("sdpa")
     if cache_name == "static":
-        cache = StaticCache(config=cfg, max_cache_len=total)
+        cache = StaticCache(config=cfg, max_cache_len=tokens)
     elif cache_name == "dynamic":
         cache = DynamicCache(config=cfg)
     else:
-        cache = QuantizedKVCache(config=cfg, scheme=scheme, fused_decode=fused, checks="lazy", max_cache_len=total)
-    kw = cache_kwargs(cache, model)
-    ids = torch.randint(0, 256, (1, PROMPT))
+        cache = QuantizedKVCache(config=cfg, scheme=scheme, fused_decode=fused, checks="lazy", max_cache_len=tokens)
+    return model, cache, cache_kwargs(cache, model), torch.randint(0, 256, (1, PROMPT))
+
+
+def record(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, Any]:
+    """Decode ``steps`` recorded steps through ``cache_name`` (``CACHES``) and compare them (``compare``)."""
+    warm = warm_steps(cache_name, scheme)
+    fused = cache_name == "kvbits-fused"
+    model, _cache, kw, ids = build(cache_name, layers, scheme, PROMPT + warm + steps)
     recorded: list[StepRecorder] = []
     with torch.no_grad():
         nxt = model(ids, **kw, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
@@ -166,10 +178,12 @@ def record(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, A
             "steps": steps, **compare(recorded)}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(doc: str, steps: int, steps_help: str, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The options this script and ``graph_replay.py`` share (``--layers --steps --scheme --caches --json``), parsed
+    from ``argv``; returns them and the caches named (an unknown one is a usage error). One torch thread."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40, help="recorded decode steps (default 40)")
+    p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default {steps})")
     p.add_argument("--scheme", default="kivi-4", help="the kvbits caches' scheme (default kivi-4)")
     p.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated, of {CACHES}")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -179,6 +193,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if bad:
         p.error(f"unknown caches {bad}; expected some of {CACHES}")
     torch.set_num_threads(1)
+    return a, names
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    a, names = parse_args(__doc__, 40, "recorded decode steps", argv)
     rows = [record(n, a.layers, a.steps, a.scheme) for n in names]
     print(f"{a.layers} layers, {a.steps} recorded decode steps after a {PROMPT}-token prompt")
     print("| cache | ops per step | pairs with the same operators | operators varying per step | host reads |")

@@ -367,6 +367,28 @@ graph_blockers.main(["--layers", "1", "--steps", "4", "--scheme", "int8-token", 
     (token,) = json.loads(out_token.read_text())
     assert "kvbits/kernels/triton_quantize.py:quantize_pack_triton triton._quantize_kernel" in token["varying_sites"]
 
+
+def test_graph_replay_emulation_tells_a_replayable_step_from_one_that_is_not(tmp_path):
+    """``benchmarks/graph_replay.py`` records one decode step's operators with their tensors and replays them as a
+    CUDA graph would (after writing the next token and position into the recorded inputs), beside eager decoding.
+    ``StaticCache`` replays bit for bit at every step; ``DynamicCache``'s replay attends over the history it was
+    recorded with, wrong from the first replayed step. kvbits' steps (kivi-4, fused through the torch reference, and
+    dequantizing) read no host value in a step, as a capture requires, and do not replay yet: their appends and
+    lengths are host sizes (``graph_blockers``)."""
+    out_json = tmp_path / "replay.json"
+    code = f"""
+import graph_replay
+graph_replay.main(["--layers", "1", "--steps", "3", "--json", {str(out_json)!r}])
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["cache"]: r for r in json.loads(out_json.read_text())}
+    assert rows["static"]["first_wrong_step"] is None and rows["static"]["max_logit_diff"] == 0.0
+    assert rows["dynamic"]["first_wrong_step"] == 1 and rows["dynamic"]["max_logit_diff"] > 1e-3
+    assert all(r["tape_ops"] > 50 and r["host_reads"] == 0 for r in rows.values()), rows
+    for name in ("kvbits-fused", "kvbits-dequant"):
+        assert rows[name]["first_wrong_step"] == 1, rows[name]
+
 def test_f16_dequant_compiles_without_int_to_float_conversions():
     """``dequant="f16"`` compiled for sm_90 (its inline ``lop3`` included, which the interpreter never runs):
     it launches without spills, its tile loop converts no integer to float (the magic-number codes) and
