@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import json
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -178,10 +179,16 @@ def record(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, A
             "steps": steps, **compare(recorded)}  # fmt: skip
 
 
-def parse_args(doc: str, steps: int, steps_help: str, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """The options this script and ``graph_replay.py`` share (``--layers --steps --scheme --caches --json``), parsed
-    from ``argv``; returns them and the caches named (an unknown one is a usage error). One torch thread."""
+def parse_args(
+    doc: str, steps: int, steps_help: str, argv: list[str] | None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> tuple[argparse.Namespace, list[str]]:  # fmt: skip
+    """The options this script and ``graph_replay.py`` share (``--layers --steps --scheme --caches --json``, and
+    what ``extra`` adds), parsed from ``argv``; returns them and the caches named (an unknown one is a usage error).
+    One torch thread."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if extra is not None:
+        extra(p)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default {steps})")
     p.add_argument("--scheme", default="kivi-4", help="the kvbits caches' scheme (default kivi-4)")

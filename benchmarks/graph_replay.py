@@ -1,7 +1,7 @@
 """Would a captured decode step replay correctly? A CUDA graph's replay, emulated on the CPU, per cache.
 
-    PYTHONPATH=src python benchmarks/graph_replay.py [--layers 2] [--steps 12] [--scheme kivi-4]
-        [--caches static,dynamic,kvbits-fused,kvbits-dequant] [--json out.json]
+    PYTHONPATH=src:benchmarks python benchmarks/graph_replay.py [--layers 2] [--steps 12] [--scheme kivi-4]
+        [--caches static,dynamic,kvbits-fused,kvbits-dequant] [--kernel reference|triton] [--json out.json]
 
 A CUDA graph records the kernels one step launches, with their arguments and the addresses of every tensor they
 read and write, and replays exactly those: no Python runs, the sizes and scalars are the captured ones, and what
@@ -18,8 +18,10 @@ one step with its token, ``position_ids`` and ``cache_position`` in tensors of t
 the next ``--steps`` steps after writing each step's token and position into them. The same model, prompt and tokens
 decode eagerly beside it; ``first_wrong_step`` is the first step whose logits differ from the eager step's, the
 recorded step counted 0 and the replays from 1 (``None``: every one equal, bit for bit), with the largest difference. Host reads during the recorded step (``item()``:
-a device sync on a GPU, which a capture refuses) are counted. The fused path runs its torch reference here (no GPU);
-its tape then holds the reference's operators, not the Triton launches a GPU step makes.
+a device sync on a GPU, which a capture refuses) are counted. kvbits' kernels run their torch reference by default;
+``--kernel triton`` runs Triton's kernels through its interpreter instead (slow), as a GPU step launches them (the
+fused decode and merge, the flushes' quantize kernel): each launch is a tape entry (``TritonLaunch``), rerun on its
+recorded arguments and grid.
 
 The emulation is sufficient for what it sees: a cache that replays wrongly here would replay wrongly as a graph. A
 tape that replays right here can still fail on a GPU (a kernel outside torch's dispatcher, an allocation the graph's
@@ -28,8 +30,12 @@ pool places elsewhere), so equality here is necessary, not sufficient, for a cap
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from graph_blockers import PROMPT, build, parse_args, warm_steps
@@ -38,25 +44,76 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class OpTape(TorchDispatchMode):
     """Records ``(operator, args, kwargs, outputs)`` of every operator in its block, with the tensors themselves,
-    and counts host reads (``_local_scalar_dense``)."""
+    and counts host reads (``_local_scalar_dense``). Triton launches land on it too, as ``TritonLaunch`` entries,
+    while ``triton_on_tape`` is active; the operators Triton's interpreter runs inside a launch (its copies of the
+    arguments) are part of the launch, not entries of their own."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple, dict, Any]] = []
         self.host_reads = 0
+        self.depth = 0  # > 0 inside a Triton launch
+        self.launches = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.depth:
+            return out
         if str(func).startswith("aten._local_scalar_dense"):
             self.host_reads += 1
         self.ops.append((func, args, kwargs, out))
         return out
 
 
+class TritonLaunch:
+    """A tape entry for one Triton launch: replayed by running the same kernel on the same arguments and grid."""
+
+    is_view = False
+
+    def __init__(self, kernel: Any, run: Callable[..., Any]) -> None:
+        self.kernel, self.run = kernel, run
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.run(self.kernel, *args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"triton.{self.kernel.__name__}"
+
+
+@contextlib.contextmanager
+def triton_on_tape(tape: OpTape) -> Iterator[None]:
+    """Record the Triton launches of the block on ``tape`` (kernels run through Triton's interpreter; nothing to
+    record without Triton)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        yield
+        return
+
+    real = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tape.depth += 1
+        try:
+            out = real(self, *args, **kwargs)
+        finally:
+            tape.depth -= 1
+        if not tape.depth and not kwargs.get("warmup"):
+            tape.ops.append((TritonLaunch(self, real), args, kwargs, None))
+            tape.launches += 1
+        return out
+
+    with mock.patch.object(InterpretedFunction, "run", run):
+        yield
+
+
 def _write_back(recorded: Any, fresh: Any) -> None:
     """Copy ``fresh`` (a rerun operator's result) into ``recorded`` (what it returned on the tape), tensor by tensor;
-    a result that is the recorded tensor's memory (an in-place or ``out=`` operator) is left as it is."""
+    a result that is the recorded tensor's memory (an in-place or ``out=`` operator) is left as it is, and so is a
+    Triton launch's (it wrote into its arguments)."""
+    if recorded is None:
+        return
     if isinstance(recorded, torch.Tensor):
         if not isinstance(fresh, torch.Tensor) or fresh.shape != recorded.shape:
             raise RuntimeError(f"a replayed operator returned {type(fresh).__name__} "
@@ -77,8 +134,17 @@ def replay(tape: OpTape) -> None:
         _write_back(out, func(*args, **kwargs))
 
 
-def check(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, Any]:
-    """Replay one recorded decode step of ``cache_name`` for ``steps`` steps beside eager decoding (see above)."""
+def check(cache_name: str, layers: int, steps: int, scheme: str, kernel: str = "reference") -> dict[str, Any]:
+    """Replay one recorded decode step of ``cache_name`` for ``steps`` steps beside eager decoding (see above).
+    ``kernel="triton"``: kvbits' kernels (fused decode, flushes) through Triton's interpreter, as a GPU step
+    launches them (``enable_interpreter`` first); ``"reference"``: their torch reference, as on a CPU."""
+    kvbits = cache_name.startswith("kvbits")
+    with mock.patch.dict(os.environ, {"KVBITS_KERNEL": "triton"} if kvbits and kernel == "triton" else {}):
+        row = _replayed_beside_eager(cache_name, layers, steps, scheme)
+    return {**row, "kernel": kernel if kvbits else None}
+
+
+def _replayed_beside_eager(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, Any]:
     warm = warm_steps(cache_name, scheme)
     tokens = torch.randint(0, 256, (warm + 1 + steps,), generator=torch.Generator().manual_seed(1))
     logits: dict[str, list[torch.Tensor]] = {}
@@ -98,14 +164,13 @@ def check(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, An
                     replay(tape)
                     got.append(recorded.clone())
                     continue
-                block = tape if mode == "replay" and i == warm else None
                 args = {"use_cache": True, "logits_to_keep": 1, "cache_position": position, "position_ids": position[None]}
-                if block is None:
-                    out = model(token, **kw, **args)
-                else:
-                    with block:
+                if mode == "replay" and i == warm:
+                    with tape, triton_on_tape(tape):
                         out = model(token, **kw, **args)
                     recorded = out.logits
+                else:
+                    out = model(token, **kw, **args)
                 if i >= warm:
                     got.append(out.logits.clone())
     first, worst = None, 0.0
@@ -115,23 +180,35 @@ def check(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, An
             first = i
         worst = max(worst, diff)
     return {"cache": cache_name, "scheme": scheme if cache_name.startswith("kvbits") else "fp32", "layers": layers,
-            "replayed_steps": steps, "tape_ops": len(tape.ops), "host_reads": tape.host_reads,
+            "replayed_steps": steps,
+            "tape_ops": len(tape.ops), "triton_launches": tape.launches, "host_reads": tape.host_reads,
             "first_wrong_step": first, "max_logit_diff": worst}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    a, names = parse_args(__doc__, 12, "replayed decode steps", argv)
-    rows = [check(n, a.layers, a.steps, a.scheme) for n in names]
+    a, names = parse_args(__doc__, 12, "replayed decode steps", argv, extra=_kernel_option)
+    if a.kernel == "triton":
+        from kvbits.kernels.interpret import enable_interpreter
+
+        enable_interpreter()
+    rows = [check(n, a.layers, a.steps, a.scheme, a.kernel) for n in names]
     print(f"{a.layers} layers, one decode step recorded after a {PROMPT}-token prompt and replayed {a.steps} times")
-    print("| cache | operators on the tape | host reads | first wrong replayed step | largest logit difference |")
-    print("|---|---:|---:|---:|---:|")
+    print("| cache | kvbits' kernels | operators on the tape (Triton launches) | host reads | first wrong step "
+          "(replays from 1) | largest logit difference |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         wrong = "none" if r["first_wrong_step"] is None else r["first_wrong_step"]
-        print(f"| {r['cache']} ({r['scheme']}) | {r['tape_ops']} | {r['host_reads']} | {wrong} | "
-              f"{r['max_logit_diff']:.3g} |")  # fmt: skip
+        print(f"| {r['cache']} ({r['scheme']}) | {r['kernel'] or ''} | {r['tape_ops']} ({r['triton_launches']}) | "
+              f"{r['host_reads']} | {wrong} | {r['max_logit_diff']:.3g} |")  # fmt: skip
     if a.json is not None:
         a.json.write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def _kernel_option(p: Any) -> None:
+    p.add_argument("--kernel", choices=("reference", "triton"), default="reference",
+                   help="kvbits' kernels: the torch reference (default) or Triton's, through its interpreter, as a "
+                   "GPU step launches them (slow)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -375,19 +375,55 @@ def test_graph_replay_emulation_tells_a_replayable_step_from_one_that_is_not(tmp
     recorded with, wrong from the first replayed step. kvbits' steps (kivi-4, fused through the torch reference, and
     dequantizing) read no host value in a step, as a capture requires, and do not replay yet: their appends and
     lengths are host sizes (``graph_blockers``)."""
-    out_json = tmp_path / "replay.json"
+    out_json, out_triton = tmp_path / "replay.json", tmp_path / "triton.json"
     code = f"""
 import graph_replay
 graph_replay.main(["--layers", "1", "--steps", "3", "--json", {str(out_json)!r}])
+graph_replay.main(["--layers", "1", "--steps", "2", "--scheme", "int8-token", "--caches", "kvbits-fused",
+                   "--kernel", "triton", "--json", {str(out_triton)!r}])
 """
     out = _run(code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {r["cache"]: r for r in json.loads(out_json.read_text())}
+    (triton_row,) = json.loads(out_triton.read_text())  # the fused step as a GPU launches it: Triton's kernels
+    assert triton_row["triton_launches"] > 0 and triton_row["host_reads"] == 0, triton_row
+    assert triton_row["first_wrong_step"] == 1, triton_row
     assert rows["static"]["first_wrong_step"] is None and rows["static"]["max_logit_diff"] == 0.0
     assert rows["dynamic"]["first_wrong_step"] == 1 and rows["dynamic"]["max_logit_diff"] > 1e-3
     assert all(r["tape_ops"] > 50 and r["host_reads"] == 0 for r in rows.values()), rows
     for name in ("kvbits-fused", "kvbits-dequant"):
         assert rows[name]["first_wrong_step"] == 1, rows[name]
+
+
+def test_graph_replay_reruns_operators_and_triton_launches_on_their_recorded_tensors():
+    """The emulation itself: a replayed tape reads its inputs' new contents, an operator's fresh result reaches the
+    tensor it returned when recorded (which a later entry reads), and a Triton launch (interpreted) runs again on
+    its recorded arguments; a host read is counted."""
+    code = """
+from kvbits.kernels.interpret import enable_interpreter
+enable_interpreter()
+import torch, triton, triton.language as tl
+from graph_replay import OpTape, replay, triton_on_tape
+
+@triton.jit
+def plus_one(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n) + 1.0, mask=i < n)
+
+x, y = torch.zeros(8), torch.empty(8)
+tape = OpTape()
+with tape, triton_on_tape(tape):
+    z = x * 2
+    plus_one[(1,)](z, y, 8, BLOCK=8)
+    seen = int(z.sum().item())
+assert y.tolist() == [1.0] * 8 and seen == 0 and tape.launches == 1 and tape.host_reads == 1
+x.fill_(3.0)
+replay(tape)
+assert z.tolist() == [6.0] * 8 and y.tolist() == [7.0] * 8, (z, y)
+print("OK")
+"""
+    out = _run(code)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 def test_f16_dequant_compiles_without_int_to_float_conversions():
     """``dequant="f16"`` compiled for sm_90 (its inline ``lop3`` included, which the interpreter never runs):
