@@ -144,6 +144,28 @@ def launch_kwargs(kw: dict, device: torch.device) -> dict:
     return kw
 
 
+def variant_row(
+    cfg: Config, decode: Callable, q: torch.Tensor, shape_name: str, shape: dict, context: int, batch: int,
+    gen: torch.Generator, flush: torch.Tensor | None, fp16_ms: float, copy_gbps: float, scheme: str,
+    sch: tuple[str, int, float] | None, kw: dict, tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store_kw: dict | None = None,
+) -> dict:  # fmt: skip
+    """One fused variant of one sweep cell (``fused_timing``) as a record against ``fp16_ms``, or, for a launch that
+    did not start (e.g. ``OutOfResources``), a row with its ``error``: a result for this variant only."""
+    kernel = variant_kernel(cfg.kernel, kw)
+    try:
+        m = fused_timing(cfg, decode, q, shape, context, sch, kw, gen, flush, tables, store_kw)
+    except Exception as exc:  # noqa: BLE001 - a launch the GPU refuses is a result, not the end of the run
+        return {"kernel": kernel, "scheme": scheme, "shape": shape_name, "context": context, "batch": batch,
+                "error": launch_error(exc)}  # fmt: skip
+    return _record(kernel, scheme, shape_name, context, batch, *m, fp16_ms, copy_gbps)
+
+
+def _timing(r: dict) -> str:
+    """A row's time and speed-up on the progress line, or that it did not launch."""
+    return f"{r['ms']:.4f} ms x{r['speedup_vs_fp16']:.2f}" if "ms" in r else "did not launch"
+
+
 def sweep(
     cfg: Config,
     decode: Callable,
@@ -209,21 +231,13 @@ def sweep(
                 row = [_record(name, "fp16", shape_name, context, batch, *m, best, copy_gbps)
                        for name, m in base.items()]  # fmt: skip
                 tables = rope_tables(context, shp["D"], dev)
+                cell = (cfg, decode, q, shape_name, shp, context, batch, gen, flush, best, copy_gbps)
                 combo_variants = variants + (token_variants if batch == token_batch else [])
-                for scheme, sch, kw, rope, store_kw in combo_variants:
-                    kernel = variant_kernel(cfg.kernel, kw)
-                    try:
-                        m = fused_timing(cfg, decode, q, shp, context, sch, kw, gen, flush, tables if rope else None,
-                                         store_kw)  # fmt: skip
-                    except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
-                        row.append({"kernel": kernel, "scheme": scheme, "shape": shape_name, "context": context,
-                                    "batch": batch, "error": launch_error(exc)})  # fmt: skip
-                        continue
-                    row.append(_record(kernel, scheme, shape_name, context, batch, *m, best, copy_gbps))
+                row += [variant_row(*cell, scheme, sch, kw, tables if rope else None, store_kw)
+                        for scheme, sch, kw, rope, store_kw in combo_variants]  # fmt: skip
                 records += row
                 cells = [
-                    f"{r['scheme']}{KERNEL_MARKS.get(r['kernel'].partition('-')[2], '')} "
-                    + (f"{r['ms']:.4f} ms x{r['speedup_vs_fp16']:.2f}" if "ms" in r else "did not launch")
+                    f"{r['scheme']}{KERNEL_MARKS.get(r['kernel'].partition('-')[2], '')} {_timing(r)}"
                     for r in row
                     if not r["kernel"].startswith("sdpa")
                 ]
@@ -266,20 +280,12 @@ def split_sweep(
             break
         shp = SHAPES[shape_name]
         q = torch.randn(batch, shp["H_q"], 1, shp["D"], device=dev, dtype=torch.float16, generator=gen)
-        cells = []
-        for path in SPLIT_PATHS:
-            kw = {**path, "programs_per_sm": SPLIT_PROGRAMS_PER_SM}
-            kernel = variant_kernel(cfg.kernel, kw)
-            try:
-                m = fused_timing(cfg, decode, q, shp, context, SCHEMES[SPLIT_SCHEME], kw, gen, flush)
-            except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: a result for this variant only
-                rows.append({"kernel": kernel, "scheme": SPLIT_SCHEME, "shape": shape_name, "context": context,
-                             "batch": batch, "error": launch_error(exc)})  # fmt: skip
-                cells.append(f"{kernel} did not launch")
-                continue
-            rows.append(_record(kernel, SPLIT_SCHEME, shape_name, context, batch, *m, fp16_ms, copy_gbps))
-            cells.append(f"{kernel} {rows[-1]['ms']:.4f} ms x{rows[-1]['speedup_vs_fp16']:.2f}")
-        print(f"  {shape_name:13s} B={batch:<3d} T={context:<7d} {SPLIT_SCHEME}: " + " | ".join(cells))
+        cell = (cfg, decode, q, shape_name, shp, context, batch, gen, flush, fp16_ms, copy_gbps)
+        new = [variant_row(*cell, SPLIT_SCHEME, SCHEMES[SPLIT_SCHEME], {**path, "programs_per_sm": SPLIT_PROGRAMS_PER_SM})
+               for path in SPLIT_PATHS]  # fmt: skip
+        rows += new
+        print(f"  {shape_name:13s} B={batch:<3d} T={context:<7d} {SPLIT_SCHEME}: "
+              + " | ".join(f"{r['kernel']} {_timing(r)}" for r in new))  # fmt: skip
         del q
         if dev.type == "cuda":
             torch.cuda.empty_cache()
