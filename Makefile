@@ -20,7 +20,7 @@ TF_COMPAT     ?= 5.17.0
 COMPAT_DIR    := $(VENV)/compat-transformers-$(TF_COMPAT)
 COMPAT_TESTS  := tests/test_cache.py tests/test_cache_inputs.py tests/test_cache_slices.py tests/test_fused_cache.py \
                  tests/test_reserve.py tests/test_falcon_heads.py tests/test_speed.py tests/test_cache_compat.py \
-                 tests/test_compile.py
+                 tests/test_compile.py tests/test_static_cache.py
 
 .PHONY: setup demo test test-all test-compat bench-cpu clean
 

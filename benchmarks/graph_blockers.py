@@ -1,7 +1,7 @@
 """What keeps a decode step from being captured as one CUDA graph, per cache (CPU, no GPU needed).
 
     PYTHONPATH=src python benchmarks/graph_blockers.py [--layers 2] [--steps 40] [--scheme kivi-4]
-        [--caches static,dynamic,kvbits-fused,kvbits-dequant] [--json out.json]
+        [--static-scheme int4-token] [--caches static,dynamic,kvbits-fused,kvbits-dequant,...] [--json out.json]
 
 A CUDA graph replays the kernels of one captured step with the arguments they had then: the same sizes, the same
 scalars, the same addresses, and no host work in between. A decode loop can replay one captured step only if every
@@ -38,7 +38,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PROMPT = 256
-CACHES = ("static", "dynamic", "kvbits-fused", "kvbits-dequant")
+CACHES = ("static", "dynamic", "kvbits-fused", "kvbits-dequant", "kvbits-static-fused", "kvbits-static")
+# kvbits-static*: StaticQuantizedKVCache (kvbits.cache.static), fused or dequantizing, with --static-scheme
 
 
 def _describe(x: Any) -> Any:
@@ -118,6 +119,16 @@ def compare(steps: list[StepRecorder]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def is_fused(cache_name: str) -> bool:
+    """Whether the cache's decode steps go through ``kvbits_fused`` (``use_fused_decode``)."""
+    return cache_name in ("kvbits-fused", "kvbits-static-fused")
+
+
+def scheme_of(cache_name: str, args: argparse.Namespace) -> str:
+    """The scheme a kvbits cache runs: ``--static-scheme`` for ``StaticQuantizedKVCache``, else ``--scheme``."""
+    return args.static_scheme if cache_name.startswith("kvbits-static") else args.scheme
+
+
 def warm_steps(cache_name: str, scheme: str) -> int:
     """Untimed decode steps before the recorded ones: 3, and one flush block of ``scheme`` for a kvbits cache."""
     from kvbits.schemes import get_scheme
@@ -131,13 +142,13 @@ def build(cache_name: str, layers: int, scheme: str, tokens: int) -> tuple[Any, 
     (``CACHES``) holds ``tokens`` tokens (``StaticCache`` and kvbits' reserve them, as a server does)."""
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, StaticCache
 
-    from kvbits.cache import QuantizedKVCache, cache_kwargs, use_fused_decode
+    from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, cache_kwargs, use_fused_decode
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)  # fmt: skip
     model = Qwen2ForCausalLM(cfg).eval()
-    fused = cache_name == "kvbits-fused"
+    fused = is_fused(cache_name)
     if fused:
         use_fused_decode(model)
     else:
@@ -146,6 +157,8 @@ def build(cache_name: str, layers: int, scheme: str, tokens: int) -> tuple[Any, 
         cache = StaticCache(config=cfg, max_cache_len=tokens)
     elif cache_name == "dynamic":
         cache = DynamicCache(config=cfg)
+    elif cache_name.startswith("kvbits-static"):
+        cache = StaticQuantizedKVCache(config=cfg, scheme=scheme, max_cache_len=tokens, fused_decode=fused, checks="lazy")
     else:
         cache = QuantizedKVCache(config=cfg, scheme=scheme, fused_decode=fused, checks="lazy", max_cache_len=tokens)
     return model, cache, cache_kwargs(cache, model), torch.randint(0, 256, (1, PROMPT))
@@ -154,7 +167,7 @@ def build(cache_name: str, layers: int, scheme: str, tokens: int) -> tuple[Any, 
 def record(cache_name: str, layers: int, steps: int, scheme: str) -> dict[str, Any]:
     """Decode ``steps`` recorded steps through ``cache_name`` (``CACHES``) and compare them (``compare``)."""
     warm = warm_steps(cache_name, scheme)
-    fused = cache_name == "kvbits-fused"
+    fused = is_fused(cache_name)
     model, _cache, kw, ids = build(cache_name, layers, scheme, PROMPT + warm + steps)
     recorded: list[StepRecorder] = []
     with torch.no_grad():
@@ -191,7 +204,9 @@ def parse_args(
         extra(p)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default {steps})")
-    p.add_argument("--scheme", default="kivi-4", help="the kvbits caches' scheme (default kivi-4)")
+    p.add_argument("--scheme", default="kivi-4", help="the QuantizedKVCache runs' scheme (default kivi-4)")
+    p.add_argument("--static-scheme", default="int4-token",
+                   help="the StaticQuantizedKVCache runs' scheme, a per-token one (default int4-token)")
     p.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated, of {CACHES}")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     a = p.parse_args(argv)
@@ -205,7 +220,7 @@ def parse_args(
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     a, names = parse_args(__doc__, 40, "recorded decode steps", argv)
-    rows = [record(n, a.layers, a.steps, a.scheme) for n in names]
+    rows = [record(n, a.layers, a.steps, scheme_of(n, a)) for n in names]
     print(f"{a.layers} layers, {a.steps} recorded decode steps after a {PROMPT}-token prompt")
     print("| cache | ops per step | pairs with the same operators | operators varying per step | host reads |")
     print("|---|---:|---:|---:|---:|")

@@ -1,7 +1,8 @@
 """Would a captured decode step replay correctly? A CUDA graph's replay, emulated on the CPU, per cache.
 
     PYTHONPATH=src:benchmarks python benchmarks/graph_replay.py [--layers 2] [--steps 12] [--scheme kivi-4]
-        [--caches static,dynamic,kvbits-fused,kvbits-dequant] [--kernel reference|triton] [--json out.json]
+        [--static-scheme int4-token] [--caches static,dynamic,kvbits-fused,kvbits-dequant,...]
+        [--kernel reference|triton] [--json out.json]
 
 A CUDA graph records the kernels one step launches, with their arguments and the addresses of every tensor they
 read and write, and replays exactly those: no Python runs, the sizes and scalars are the captured ones, and what
@@ -38,7 +39,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from graph_blockers import PROMPT, build, parse_args, warm_steps
+from graph_blockers import PROMPT, build, parse_args, scheme_of, warm_steps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         from kvbits.kernels.interpret import enable_interpreter
 
         enable_interpreter()
-    rows = [check(n, a.layers, a.steps, a.scheme, a.kernel) for n in names]
+    rows = [check(n, a.layers, a.steps, scheme_of(n, a), a.kernel) for n in names]
     print(f"{a.layers} layers, one decode step recorded after a {PROMPT}-token prompt and replayed {a.steps} times")
     print("| cache | kvbits' kernels | operators on the tape (Triton launches) | host reads | first wrong step "
           "(replays from 1) | largest logit difference |")  # fmt: skip

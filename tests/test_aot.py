@@ -342,7 +342,8 @@ def test_graph_blockers_name_what_changes_between_decode_steps(tmp_path):
     sm_90, not run): ``StaticCache`` launches the same work with the same arguments at every step, ``DynamicCache``
     grows its ``torch.cat``, and kvbits' fused step names its per-step changes: the buffer's append, the tail length
     in ``packed_store`` and the decode kernel, the lazy check's table row, and for a per-token scheme the quantize
-    kernel's slot (a view whose storage offset moves)."""
+    kernel's slot (a view whose storage offset moves). ``StaticQuantizedKVCache``'s steps, fused or not, change
+    nothing from one to the next."""
     out_kivi, out_token = tmp_path / "kivi.json", tmp_path / "token.json"
     code = f"""
 import graph_blockers
@@ -362,10 +363,15 @@ graph_blockers.main(["--layers", "1", "--steps", "4", "--scheme", "int8-token", 
         "kvbits/cache/store.py:append_buffer aten.cat.default",
         "kvbits/cache/fused.py:packed_store aten.full.default",
         "kvbits/kernels/triton_decode.py:decode_attention_triton triton._decode_kernel",
-        "kvbits/cache/checks.py:_write_maxima aten.linalg_vector_norm.out",
+        "kvbits/cache/checks.py:write_maxima aten.linalg_vector_norm.out",
     }, fused["varying_sites"]
     (token,) = json.loads(out_token.read_text())
     assert "kvbits/kernels/triton_quantize.py:quantize_pack_triton triton._quantize_kernel" in token["varying_sites"]
+    for name in ("kvbits-static-fused", "kvbits-static"):  # StaticQuantizedKVCache: nothing varies, Triton launches included
+        row = rows[name]
+        assert row["scheme"] == "int4-token" and row["same_sequence"] == row["pairs"] == 5, row
+        assert row["varying_per_step"] == 0 and row["host_reads"] == 0 and not row["varying_sites"], row
+    assert rows["kvbits-static-fused"]["ops_per_step"] > 0
 
 
 def test_graph_replay_emulation_tells_a_replayable_step_from_one_that_is_not(tmp_path):
@@ -373,21 +379,28 @@ def test_graph_replay_emulation_tells_a_replayable_step_from_one_that_is_not(tmp
     CUDA graph would (after writing the next token and position into the recorded inputs), beside eager decoding.
     ``StaticCache`` replays bit for bit at every step; ``DynamicCache``'s replay attends over the history it was
     recorded with, wrong from the first replayed step. kvbits' steps (kivi-4, fused through the torch reference, and
-    dequantizing) read no host value in a step, as a capture requires, and do not replay yet: their appends and
-    lengths are host sizes (``graph_blockers``)."""
+    dequantizing) read no host value in a step, as a capture requires, and do not replay: their appends and
+    lengths are host sizes (``graph_blockers``). ``StaticQuantizedKVCache`` (fused, through the torch reference or
+    Triton's kernels, and dequantizing) replays bit for bit."""
     out_json, out_triton = tmp_path / "replay.json", tmp_path / "triton.json"
     code = f"""
 import graph_replay
 graph_replay.main(["--layers", "1", "--steps", "3", "--json", {str(out_json)!r}])
-graph_replay.main(["--layers", "1", "--steps", "2", "--scheme", "int8-token", "--caches", "kvbits-fused",
-                   "--kernel", "triton", "--json", {str(out_triton)!r}])
+graph_replay.main(["--layers", "1", "--steps", "2", "--scheme", "int8-token", "--static-scheme", "int8-token",
+                   "--caches", "kvbits-fused,kvbits-static-fused", "--kernel", "triton", "--json", {str(out_triton)!r}])
 """
     out = _run(code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {r["cache"]: r for r in json.loads(out_json.read_text())}
-    (triton_row,) = json.loads(out_triton.read_text())  # the fused step as a GPU launches it: Triton's kernels
+    # the fused step as a GPU launches it: Triton's kernels
+    triton_row, static_triton = json.loads(out_triton.read_text())
     assert triton_row["triton_launches"] > 0 and triton_row["host_reads"] == 0, triton_row
     assert triton_row["first_wrong_step"] == 1, triton_row
+    # StaticQuantizedKVCache: its recorded step, Triton's launches included, replays bit for bit
+    assert static_triton["cache"] == "kvbits-static-fused" and static_triton["triton_launches"] > 0, static_triton
+    assert static_triton["first_wrong_step"] is None and static_triton["max_logit_diff"] == 0.0, static_triton
+    for name in ("kvbits-static-fused", "kvbits-static"):
+        assert rows[name]["first_wrong_step"] is None and rows[name]["max_logit_diff"] == 0.0, rows[name]
     assert rows["static"]["first_wrong_step"] is None and rows["static"]["max_logit_diff"] == 0.0
     assert rows["dynamic"]["first_wrong_step"] == 1 and rows["dynamic"]["max_logit_diff"] > 1e-3
     assert all(r["tape_ops"] > 50 and r["host_reads"] == 0 for r in rows.values()), rows

@@ -125,3 +125,32 @@ def test_fullgraph_compile_says_why_it_cannot():
     with torch.no_grad(), pytest.raises(Exception, match="compile the model without fullgraph=True") as err:
         torch.compile(model, fullgraph=True)(input_ids=ids, **cache_kwargs(cache, model), use_cache=True)
     assert EAGER_REASON in str(err.value)
+
+
+def test_static_quantized_cache_compiles_whole_without_recompiles():
+    """``StaticQuantizedKVCache`` (``kvbits.cache.static``) is traced, not run eagerly: a decode step with SDPA over
+    its dequantized slabs compiles as one graph (``fullgraph=True``), once for all steps (its lengths are device
+    tensors, so nothing the graph guards on changes), with the logits of the eager steps."""
+    from torch._dynamo.testing import CompileCounter
+
+    from kvbits.cache import StaticQuantizedKVCache
+
+    model = tiny_llama()
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    counter = CompileCounter()
+    for mode in ("eager", "compiled"):
+        cache = StaticQuantizedKVCache(model.config, "int4-token", max_cache_len=40 + STEPS)
+        kw = cache_kwargs(cache, model)
+        step = model.forward if mode == "eager" else torch.compile(model.forward, fullgraph=True, backend=counter)
+        got = logits[mode] = []
+        with torch.no_grad():
+            out = model(input_ids=ids, **kw, use_cache=True)
+            for i in range(STEPS - 1):
+                pos = torch.tensor([40 + i])
+                out = step(input_ids=out.logits[:, -1:].argmax(-1), **kw, use_cache=True, cache_position=pos,
+                           position_ids=pos[None])  # fmt: skip
+                got.append(out.logits[:, -1])
+        assert cache.layers[0].tokens_written == (40 + STEPS - 1 if mode == "eager" else 40)  # not counted when traced
+    assert counter.frame_count == 1, counter.frame_count
+    torch.testing.assert_close(torch.stack(logits["compiled"]), torch.stack(logits["eager"]), atol=1e-5, rtol=0)

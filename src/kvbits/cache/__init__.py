@@ -20,17 +20,20 @@ from kvbits.cache.cache import QuantizedKVCache, attention_shape
 from kvbits.cache.compat import cache_kwarg, cache_kwargs
 from kvbits.cache.layer import QuantizedKVLayer
 from kvbits.cache.positions import track_positions
+from kvbits.cache.static import StaticQuantizedKVCache, static_reason
 
 __all__ = [
     "FUSED_ATTENTION",
     "QuantizedKVCache",
     "QuantizedKVLayer",
+    "StaticQuantizedKVCache",
     "UnsupportedAttention",
     "attention_shape",
     "cache_kwarg",
     "cache_kwargs",
     "observe_fused_decode",
     "register_fused_attention",
+    "static_reason",
     "track_positions",
     "use_fused_decode",
 ]

@@ -122,7 +122,8 @@ def fused_attention(
         keep = None
         if attention_mask is not None:  # (B, 1, 1, T) bool, True = attend: left padding
             keep = attention_mask[:, 0, 0, :].expand(key.shape[0], -1)
-        store = fused.packed_store(layer, keep)
+        # a StaticQuantizedLayer's slabs (kvbits.cache.static) come as they are, sized for its max_cache_len
+        store = layer.fused_store(keep) if hasattr(layer, "fused_store") else fused.packed_store(layer, keep)
         for observe in _OBSERVERS:
             observe(layer.layer_idx, query, store, scaling)
         out = dispatch.decode_attention(query, store, scaling)  # (B, H_q, 1, D)

@@ -64,6 +64,7 @@ __all__ = [
     "input_bound",
     "run_checks",
     "validate",
+    "write_maxima",
 ]
 
 CHECK_MODES = ("auto", "eager", "lazy")
@@ -195,7 +196,7 @@ class InputChecks:
         if self.filled == self.maxima.shape[0]:  # a window longer than the table: keep its maximum in row 0
             self.maxima[0] = self.maxima.amax(0)
             self.filled = 1
-        _write_maxima(self.maxima[self.filled], key_states, value_states)
+        write_maxima(self.maxima[self.filled], key_states, value_states)
         self.filled += 1
         self.pending = True
 
@@ -208,7 +209,7 @@ class InputChecks:
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Eager: one device sync for both sides (NaN propagates through the maxima)."""
-        amax = _write_maxima(torch.empty(2, dtype=torch.float32, device=key_states.device), key_states, value_states)
+        amax = write_maxima(torch.empty(2, dtype=torch.float32, device=key_states.device), key_states, value_states)
         amax = amax.tolist()
         for x, side, a, (bound, why) in zip((key_states, value_states), SIDES, amax, self.bounds):
             if not math.isfinite(a):
@@ -243,7 +244,7 @@ class InputChecks:
         return self.error
 
 
-def _write_maxima(row: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+def write_maxima(row: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
     """Write ``max |K|``, ``max |V|`` (float32, NaN kept) into ``row`` ``(2,)``, one kernel per side; returns ``row``."""
     for i, x in enumerate((key_states, value_states)):
         x = x.detach() if x.requires_grad else x  # out= takes no tensor that records gradients

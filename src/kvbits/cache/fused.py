@@ -208,7 +208,10 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
         return True
     if not wants(state.mode, query.device):
         return False
-    reason = layout_reason(layer) or _kernel_reason(layer, query)
+    if hasattr(layer, "fused_store"):  # a StaticQuantizedLayer (kvbits.cache.static): its own layout
+        reason = layer.fused_reason(query)
+    else:
+        reason = layout_reason(layer) or _kernel_reason(layer, query)
     if reason is not None:
         if state.declined != reason:
             logger.info(

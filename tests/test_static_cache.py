@@ -1,0 +1,194 @@
+"""``StaticQuantizedKVCache`` (``kvbits.cache.static``): fixed per-token slabs a CUDA graph can replay.
+
+Checked on tiny random-weight models: it stores what ``QuantizedKVCache`` stores for the same scheme (the same
+greedy tokens and logits, through SDPA over dequantized slabs and through the fused path, a left-padded batch
+included), its error is the scheme's (visible against an unquantized cache), its bytes are ``kvbits.plan``'s at
+``max_cache_len``, its slabs keep their addresses across steps and ``reset()``, and bad input is refused with a
+clear error. That one recorded step replays correctly is ``tests/test_aot.py``'s replay test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_cache import PROMPT, attention, build, prompt, use_triton
+from transformers import DynamicCache
+
+from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, static_reason
+from kvbits.cache.compat import cache_kwargs
+from kvbits.plan import plan
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 12
+MAX_LEN = PROMPT + NEW + 4  # a few slots never written
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernel(monkeypatch):
+    monkeypatch.setenv("KVBITS_KERNEL", "reference")
+
+
+@torch.no_grad()
+def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
+    """Greedy generation of ``NEW`` tokens; ``(sequences, logits (NEW, B, V))``."""
+    ids = prompt() if ids is None else ids
+    extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+    with attention(model, fused):
+        out = model.generate(ids, **cache_kwargs(cache, model), **extra, max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
+@pytest.mark.parametrize(
+    "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
+               "int4-token,0=fp16"],
+)  # fmt: skip
+def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
+    """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
+    through the fused path when asked (mixed schemes: the float layer too, as a tail-only store)."""
+    model = build("llama")
+    if scheme == "int4-g16":  # groups of 16 channels per token (int4-g64's groups do not divide this model's D = 32)
+        spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16)
+        scheme = KVScheme("int4-g16", key=spec, value=spec)
+    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused), fused=fused)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
+    seq, got = generate(model, cache, fused=fused)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert [layer.fused.steps for layer in cache.layers] == [NEW - 1 if fused else 0] * 2
+    assert int(cache.get_seq_length()) == PROMPT + NEW - 1 and cache.get_mask_sizes(1, 0) == (MAX_LEN, 0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
+def test_static_cache_left_padded_batch(fused):
+    """Left padding: the pads take slots like any token; the mask transformers builds hides them (SDPA), and on
+    fused steps it becomes the slabs' slot mask. Same tokens and logits as ``QuantizedKVCache``."""
+    model = build("qwen2")
+    ids = prompt(batch=3, seed=4)
+    ids[0, :7] = 0
+    ids[2, :3] = 0
+    mask = (ids != 0).long()
+    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme="int4-token", fused_decode=fused),
+                              fused=fused, ids=ids, attention_mask=mask)  # fmt: skip
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=MAX_LEN, fused_decode=fused)
+    seq, got = generate(model, cache, fused=fused, ids=ids, attention_mask=mask)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert all(layer.fused.fallbacks == 0 for layer in cache.layers)
+
+
+def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch):
+    """The fused steps through the Triton kernels (interpreted on a CPU), launched for all ``max_cache_len`` slots
+    with each sequence's length read from the device: the logits of the torch reference over the same slabs."""
+    model = build("llama")
+    want_seq, want = generate(model, StaticQuantizedKVCache(config=model.config, scheme="int4-token",
+                                                            max_cache_len=MAX_LEN, fused_decode=True), fused=True)  # fmt: skip
+    use_triton(monkeypatch)
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=MAX_LEN, fused_decode=True)
+    seq, got = generate(model, cache, fused=True)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert [layer.fused.steps for layer in cache.layers] == [NEW - 1] * 2
+
+
+def test_static_cache_error_is_the_schemes():
+    """Quantizing shows: INT2 per token moves the logits far more than INT8 from an unquantized cache, and the
+    slabs hold packed codes (uint8, ``D * bits / 8`` bytes per row) with a scale and zero-point per token."""
+    model = build("llama")
+    _, exact = generate(model, DynamicCache(config=model.config), fused=False)
+    err = {}
+    for scheme in ("int8-token", "int2-token"):
+        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+        _, got = generate(model, cache, fused=False)
+        err[scheme] = float((got - exact).abs().max())
+        layer = cache.layers[0]
+        bits = get_scheme(scheme).key.bits
+        assert layer.key.codes.dtype == torch.uint8 and layer.key.codes.shape == (2, 2, MAX_LEN, 32 * bits // 8)
+        assert layer.key.scale.shape == (2, 2, MAX_LEN, 1) and layer.key.zero is not None
+    assert 0 < err["int8-token"] < 0.05 < err["int2-token"], err
+
+
+@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16"])
+def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
+    """Every byte of the slabs (codes, scales, zero-points, float layers) is counted, and the total is what
+    ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved)."""
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    generate(model, cache, fused=False)
+    held = sum(t.nbytes for layer in cache.layers for p in (layer.key, layer.value) if p is not None for t in p.tensors())
+    held += sum(t.nbytes for layer in cache.layers for t in (layer.key_full, layer.value_full) if t is not None)
+    report = cache.memory_report()
+    want = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)["total_bytes"]
+    assert report["total_bytes"] == held == want
+    # apart: per layer the token count (int64), the lengths and the empty side's (int32 per sequence), the check maxima
+    assert report["state_bytes"] == 2 * (8 + 2 * 4 * 2 + 2 * 4 * 2)
+
+
+def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
+    """The slabs are allocated once: every step writes into them (what a captured graph needs), ``reset()`` empties
+    them in place, and a second generation after it gives the first one's tokens and logits."""
+    model = build("qwen2")
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=MAX_LEN, fused_decode=True)
+    seen = []
+    hook = model.register_forward_hook(lambda *_: seen.append((cache.layers[1].key.codes.data_ptr(),
+                                                                cache.layers[1].length.data_ptr())))  # fmt: skip
+    try:
+        seq1, logits1 = generate(model, cache, fused=True)
+        cache.reset()
+        assert int(cache.layers[0].length) == 0 and cache.layers[0].tokens_written == 0
+        assert not cache.layers[0].key.codes.any()
+        seq2, logits2 = generate(model, cache, fused=True)
+    finally:
+        hook.remove()
+    assert len(set(seen)) == 1 and len(seen) == 2 * NEW
+    assert torch.equal(seq1, seq2) and torch.equal(logits1, logits2)
+
+
+def test_static_cache_refuses_what_it_cannot_hold():
+    """Schemes that need the host's flush bookkeeping or calibration are named with the reason; so are sliding
+    layers, a missing ``max_cache_len`` and more tokens than it."""
+    for scheme, words in (("kivi-4", "residual=128"), ("int4-channel", "block=128"), ("kvquant-4", "sinks=1"),
+                          ("fp8-e4m3", "tensor granularity"), ("int4-token-smooth", "centred")):  # fmt: skip
+        why = static_reason(get_scheme(scheme))
+        assert why is not None and words in why, (scheme, why)
+        with pytest.raises(ValueError, match="fixed per-token slabs"):
+            StaticQuantizedKVCache(num_layers=2, scheme=scheme, max_cache_len=8)
+    for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16"):
+        assert static_reason(get_scheme(scheme).for_layer(0)) is None
+    with pytest.raises(ValueError, match="max_cache_len is required"):
+        StaticQuantizedKVCache(num_layers=2, max_cache_len=None)
+    with pytest.raises(NotImplementedError, match="full-attention layers only"):
+        StaticQuantizedKVCache(config=build("gemma3").config, max_cache_len=8)
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, max_cache_len=PROMPT + 3)
+    with pytest.raises(ValueError, match="> max_cache_len"):
+        generate(model, cache, fused=False)
+
+
+def test_static_cache_checks_bad_kv_eagerly_or_lazily():
+    """NaN / inf / wrong shapes or dtypes: eager checks refuse them before anything is stored; lazy ones (no host
+    read in a step) are read by ``check_inputs()`` and ``memory_report()``, naming the layer."""
+    k = torch.randn(1, 2, 3, 32)
+    eager = StaticQuantizedKVCache(num_layers=1, max_cache_len=8, checks="eager")
+    bad = k.clone()
+    bad[0, 1, 2, 5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        eager.update(bad, k, 0)
+    assert int(eager.layers[0].length) == 0 and eager.layers[0].tokens_written == 0
+    lazy = StaticQuantizedKVCache(num_layers=1, max_cache_len=8, checks="lazy")
+    lazy.update(k, k, 0)
+    lazy.check_inputs()
+    lazy.update(k[:, :, :1], bad[:, :, 2:], 0)
+    with pytest.raises(ValueError, match="layer 0: values .*NaN or inf"):
+        lazy.memory_report()
+    with pytest.raises(ValueError, match=r"must be \(B=1, H_kv=2, q, D=32\)"):
+        lazy.update(torch.randn(1, 3, 1, 32), k[:, :, :1], 0)
+    with pytest.raises(ValueError, match="torch.float16"):
+        lazy.update(k[:, :, :1].half(), k[:, :, :1].half(), 0)
+    big = StaticQuantizedKVCache(num_layers=1, max_cache_len=8, checks="lazy")
+    big.update(k * 1e5, k, 0)
+    with pytest.raises(ValueError, match=r"layer 0: keys .*\|x\| up to"):
+        big.check_inputs()
