@@ -16,11 +16,13 @@
 # peers come last in step 6 and no run has reached them; with device time left after this call, and the machine still
 # warm (it is handed back after 30 s idle), a second call measures them alone (about 2 minutes):
 #   PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_decode.py --e2e only --prewarm-s 0 --budget-s 150 \
-#       --e2e-runs dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:kivi-4,hf-quantized-quanto,static-fp16-graphs \
+#       --e2e-runs dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:int8-token,kvbits-fused:kivi-4,kvbits-static-fused,kvbits-static-graphs,hf-quantized-quanto,static-fp16-graphs \
 #       --out $OUT/gpu_decode_peers.json
 # (DynamicCache twice: SDPA as torch picks it, and without cuDNN's backend, which may build a graph per step;
-# static-fp16-graphs runs last: transformers' StaticCache decoded through CUDA graphs, the host-free fp16 decode that a
-# kvbits cache, eager inside a compiled model, cannot reach yet; its compile falls in the warm-up steps)
+# kvbits-static-fused / kvbits-static-graphs: StaticQuantizedKVCache (session 49, int8-token and int4-token), fused
+# steps eagerly and replayed from one captured CUDA graph, against kvbits-fused:int8-token's greedy tokens;
+# static-fp16-graphs runs last: transformers' StaticCache decoded through CUDA graphs, the host-free fp16 decode that
+# kvbits-static-graphs is to be compared with; its compile falls in the warm-up steps)
 # and the decode autotuner (kvbits.kernels.autotune, KVBITS_AUTOTUNE=on; session 44), whose candidates are mostly
 # step 3b's launches, already in Triton's cache on a warm machine (about 3 minutes), after the split merge before
 # and after session 45 (reduce_ab.py, about 20 s; the sweep's rows already time the new one inside each step):

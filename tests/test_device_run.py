@@ -156,3 +156,16 @@ def test_host_speed_names_launch_settings_and_times_a_triton_launch(monkeypatch)
     line = host_speed.triton_launch_us(y, 3, lambda: None)
     assert line.endswith(" us") and float(line.split()[0]) > 0, line
     assert y.item() == 1 + 5 * 3  # the warm-up call, then 5 timed loops of 3 launches, each adding 1
+
+
+def test_the_optional_second_calls_step6_runs_exist():
+    """The second device call that ``device_run.sh``'s header prepares names its step-6 runs (``--e2e-runs``); a
+    misspelt one would stop that call before its first step, on the device's time. Each name must be a run
+    ``gpu_bench.e2e`` knows, and the runs it adds (``StaticQuantizedKVCache``'s, opt-in) must be among them."""
+    from gpu_bench.e2e import STATIC_KVBITS, wanted_runs
+
+    found = re.search(r"--e2e-runs (\S+)", SCRIPT.read_text())
+    assert found, "no --e2e-runs in device_run.sh's header"
+    names = found.group(1).split(",")
+    wanted = wanted_runs(names)  # ValueError for an unknown cache name
+    assert all(wanted(name, "int8-token") for name in STATIC_KVBITS), names

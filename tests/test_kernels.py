@@ -1652,6 +1652,33 @@ def test_gpu_benchmark_static_graphs_baseline_runs_when_named(tmp_path):
     assert fused["speedup_vs_static_graphs"] == round(fused["tokens_per_s"] / static["tokens_per_s"], 3)
     assert fused["speedup_vs_best_fp16"] == round(fused["tokens_per_s"] / dynamic["tokens_per_s"], 3)
 
+def test_gpu_benchmark_times_the_static_kvbits_cache_eager_and_from_one_captured_step(tmp_path):
+    """Step 6's ``kvbits-static-fused`` and ``kvbits-static-graphs`` (``StaticQuantizedKVCache``, opt-in): fused steps
+    run eagerly, and the same steps replayed from one captured step (``GraphedDecode``; on the CPU the replay is
+    ``graph_replay.py``'s emulation). Both decode the greedy tokens of ``QuantizedKVCache``'s fused int8-token run,
+    hold exactly what ``kvbits.plan`` says of their ``max_cache_len``, and every layer went through the fused path."""
+    import json
+
+    bench = _load_bench()
+    from gpu_bench.e2e import STATIC_KVBITS, wanted_runs
+
+    assert not any(wanted_runs(None)(name, "int8-token") for name in STATIC_KVBITS)
+    out = tmp_path / "e2e.json"
+    bench.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
+                "kvbits-fused:int8-token,kvbits-static-fused:int8-token,kvbits-static-graphs", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["e2e"]
+    assert [(r["cache"], r["scheme"]) for r in rows] == [
+        ("kvbits-fused", "int8-token"), ("kvbits-static-fused", "int8-token"),
+        ("kvbits-static-graphs", "int8-token"), ("kvbits-static-graphs", "int4-token"),
+    ]  # fmt: skip
+    for r in rows[1:]:
+        assert r["tokens_per_s"] > 0 and r["cache_bytes"] == r["planned_bytes"], r
+    eager, graphed, graphed4 = rows[1:]
+    assert "greedy tokens equal to kvbits-fused: True" in eager["note"], eager["note"]
+    assert "greedy tokens equal to kvbits-fused: True" in graphed["note"], graphed["note"]
+    assert "then 4 from one captured step" in graphed["note"] and graphed4["cache_bytes"] < graphed["cache_bytes"]
+
+
 def _load_bench():
     import importlib.util
     from pathlib import Path

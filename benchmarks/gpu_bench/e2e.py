@@ -13,7 +13,12 @@ faster of the two is the fairer fp16 baseline (``speedup_vs_best_fp16``).
 with the decode steps through ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; the prompt runs
 eagerly). It takes the host out of the loop, which no kvbits cache can do yet (its ``update`` runs eagerly inside
 a compiled model, BENCHMARKS.md §6 session 47), so it says what a host-bound kvbits step gives up. It is not
-among the fp16 baselines of ``speedup_vs_best_fp16``, which compare caches under the same eager loop."""
+among the fp16 baselines of ``speedup_vs_best_fp16``, which compare caches under the same eager loop.
+
+``kvbits-static-fused`` and ``kvbits-static-graphs`` (only when named, schemes ``E2E_STATIC``): kvbits'
+``StaticQuantizedKVCache`` (fixed per-token slabs, lengths on the device), fused decode steps run eagerly, and the
+same steps replayed from one captured CUDA graph (``gpu_bench.graphs.GraphedDecode``): kvbits' answer to
+``static-fp16-graphs``. Their bytes are the slabs reserved for ``e2e_reserve`` tokens, planned at that context."""
 
 from __future__ import annotations
 
@@ -45,7 +50,9 @@ E2E_GROWING = ("int8-token",)
 
 DYNAMIC = ("dynamic-fp16", "dynamic-fp16-no-cudnn")  # DynamicCache: SDPA's backends as torch picks them; no cuDNN
 STATIC_GRAPHS = "static-fp16-graphs"  # StaticCache + torch.compile(mode="reduce-overhead"): run only when named
-OPT_IN = (STATIC_GRAPHS,)
+STATIC_KVBITS = ("kvbits-static-fused", "kvbits-static-graphs")  # StaticQuantizedKVCache: eager, one captured step
+E2E_STATIC = ("int8-token", "int4-token")  # their schemes (per-token: every token quantized as it arrives)
+OPT_IN = (STATIC_GRAPHS, *STATIC_KVBITS)
 FP16_CACHES = (*DYNAMIC, STATIC_GRAPHS)  # transformers' caches of plain fp16 K/V (bytes: every layer's keys and values)
 
 
@@ -271,6 +278,23 @@ E2E_CACHES = (*DYNAMIC, "kvbits-fused", "kvbits-fused-growing", "kvbits-dequant-
               "hf-quantized-fp8", *OPT_IN)  # fmt: skip
 
 
+def _static_note(name: str, cache, steps: int, graphed) -> str:
+    """What a ``STATIC_KVBITS`` run did; ``SystemExit`` unless every layer was claimed by the fused path with no
+    fallback and, run eagerly, attended every decode step through it (a graph's replays run no Python: its layers
+    count the eager steps and the captured one)."""
+    layers = cache.layers
+    fused = sum(layer.fused.steps for layer in layers)
+    python_steps = steps if graphed is None else min(steps, graphed.eager + 1)
+    if not all(layer.fused.claimed for layer in layers) or any(layer.fused.fallbacks for layer in layers) \
+            or fused != python_steps * len(layers):
+        raise SystemExit(f"E2E FAILURE: {name}: {fused} fused layer steps (want {python_steps * len(layers)}), claimed "
+                         f"{[layer.fused.claimed for layer in layers]}, fallbacks {[layer.fused.fallbacks for layer in layers]}")  # fmt: skip
+    if graphed is None:
+        return f"{fused} fused steps; StaticQuantizedKVCache"
+    return (f"StaticQuantizedKVCache; {graphed.eager} eager decode steps, then {steps - graphed.eager} from one captured "
+            "step")
+
+
 def wanted_runs(only: list[str] | None) -> Callable[[str, object], bool]:
     """Whether step 6 runs cache ``name`` with ``scheme``: every run without ``only``, else those it names as
     ``cache`` or ``cache:scheme`` (``kvbits-fused:kivi-4``, ``hf-quantized-quanto:2``). The ``OPT_IN`` runs
@@ -326,6 +350,7 @@ def end_to_end(
             [(d, "fp16", None) for d in DYNAMIC] + [("kvbits-fused", s, True) for s in E2E_KVBITS]
             + [("kvbits-fused-growing", s, True) for s in E2E_GROWING]
             + [("kvbits-dequant-sdpa", "kivi-4", False)]]  # fmt: skip
+    runs += [(batch, name, s, True) for batch in batches for name in STATIC_KVBITS for s in E2E_STATIC]
     runs += [(batch, f"hf-quantized-{b}", n, b) for batch in batches for b, n in E2E_HF]
     runs += [(batch, STATIC_GRAPHS, "fp16", None) for batch in batches]  # last: its compile may take a while
     runs = [r for r in runs if wanted(r[1], r[2])]
@@ -357,6 +382,17 @@ def end_to_end(
             cache = DynamicCache(config=model.config)
             if name == "dynamic-fp16-no-cudnn":
                 note = "SDPA without its cuDNN backend (flash, memory-efficient or math)"
+        elif name in STATIC_KVBITS:
+            from kvbits.cache import StaticQuantizedKVCache
+
+            use_fused_decode(model)
+            mode = True if model.device.type == "cpu" else "auto"
+            cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks="lazy",
+                                           max_cache_len=e2e_reserve(context, tokens, warmup))  # fmt: skip
+            if name == "kvbits-static-graphs":
+                from .graphs import GraphedDecode
+
+                step_model = GraphedDecode(model)
         elif name.startswith("kvbits"):
             if how:
                 use_fused_decode(model)
@@ -388,7 +424,16 @@ def end_to_end(
             if base is not None:
                 mem["resident_bytes"] = _allocated(cfg) - base
                 mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
-        if isinstance(cache, QuantizedKVCache):
+        if name in STATIC_KVBITS:
+            bytes_ = cache.memory_report()["total_bytes"]  # the slabs, reserved for every e2e_reserve slot
+            mem["planned_bytes"] = _planned_bytes(model, scheme, batch, cache.max_cache_len, False)
+            if base is not None:
+                mem["resident_bytes"] = _allocated(cfg) - base
+                mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
+            note = _static_note(name, cache, r["steps"], step_model)
+            if scheme in fused_tokens:
+                note += f"; greedy tokens equal to kvbits-fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+        elif isinstance(cache, QuantizedKVCache):
             report = cache.memory_report()
             bytes_ = report["total_bytes"]
             fr = cache.fused_report()
