@@ -381,13 +381,16 @@ def test_graph_replay_emulation_tells_a_replayable_step_from_one_that_is_not(tmp
     recorded with, wrong from the first replayed step. kvbits' steps (kivi-4, fused through the torch reference, and
     dequantizing) read no host value in a step, as a capture requires, and do not replay: their appends and
     lengths are host sizes (``graph_blockers``). ``StaticQuantizedKVCache`` (fused, through the torch reference or
-    Triton's kernels, and dequantizing) replays bit for bit."""
-    out_json, out_triton = tmp_path / "replay.json", tmp_path / "triton.json"
+    Triton's kernels, and dequantizing) replays bit for bit, KIVI-4's flushes included."""
+    out_json, out_triton, out_kivi = tmp_path / "replay.json", tmp_path / "triton.json", tmp_path / "kivi.json"
     code = f"""
 import graph_replay
 graph_replay.main(["--layers", "1", "--steps", "3", "--json", {str(out_json)!r}])
 graph_replay.main(["--layers", "1", "--steps", "2", "--scheme", "int8-token", "--static-scheme", "int8-token",
                    "--caches", "kvbits-fused,kvbits-static-fused", "--kernel", "triton", "--json", {str(out_triton)!r}])
+# KIVI-4 in fixed slabs: 30 replays from step 36 cross the flush at 320 tokens (a 256-token prompt)
+graph_replay.main(["--layers", "1", "--steps", "30", "--static-scheme", "kivi-4", "--caches", "kvbits-static-fused",
+                   "--json", {str(out_kivi)!r}])
 """
     out = _run(code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -401,6 +404,8 @@ graph_replay.main(["--layers", "1", "--steps", "2", "--scheme", "int8-token", "-
     assert static_triton["first_wrong_step"] is None and static_triton["max_logit_diff"] == 0.0, static_triton
     for name in ("kvbits-static-fused", "kvbits-static"):
         assert rows[name]["first_wrong_step"] is None and rows[name]["max_logit_diff"] == 0.0, rows[name]
+    (kivi,) = json.loads(out_kivi.read_text())  # a windowed scheme: its flush replayed from the same step
+    assert kivi["scheme"] == "kivi-4" and kivi["host_reads"] == 0 and kivi["first_wrong_step"] is None, kivi
     assert rows["static"]["first_wrong_step"] is None and rows["static"]["max_logit_diff"] == 0.0
     assert rows["dynamic"]["first_wrong_step"] == 1 and rows["dynamic"]["max_logit_diff"] > 1e-3
     assert all(r["tape_ops"] > 50 and r["host_reads"] == 0 for r in rows.values()), rows

@@ -127,20 +127,28 @@ def test_fullgraph_compile_says_why_it_cannot():
     assert EAGER_REASON in str(err.value)
 
 
-def test_static_quantized_cache_compiles_whole_without_recompiles():
+@pytest.mark.parametrize("windowed", [False, True], ids=["int4-token", "kivi"])
+def test_static_quantized_cache_compiles_whole_without_recompiles(windowed: bool):
     """``StaticQuantizedKVCache`` (``kvbits.cache.static``) is traced, not run eagerly: a decode step with SDPA over
     its dequantized slabs compiles as one graph (``fullgraph=True``), once for all steps (its lengths are device
-    tensors, so nothing the graph guards on changes), with the logits of the eager steps."""
+    tensors, so nothing the graph guards on changes; a windowed scheme's flushes included), with the logits of the
+    eager steps."""
     from torch._dynamo.testing import CompileCounter
 
     from kvbits.cache import StaticQuantizedKVCache
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    scheme = "int4-token"
+    if windowed:  # KIVI's recipe at head dim 16: a 4-token window, flushes of 4 tokens (4 of them in the steps)
+        scheme = KVScheme("kivi-tiny", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
+                          value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), residual=4, block=4)  # fmt: skip
 
     model = tiny_llama()
     ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
     logits = {}
     counter = CompileCounter()
     for mode in ("eager", "compiled"):
-        cache = StaticQuantizedKVCache(model.config, "int4-token", max_cache_len=40 + STEPS)
+        cache = StaticQuantizedKVCache(model.config, scheme, max_cache_len=40 + STEPS)
         kw = cache_kwargs(cache, model)
         step = model.forward if mode == "eager" else torch.compile(model.forward, fullgraph=True, backend=counter)
         got = logits[mode] = []

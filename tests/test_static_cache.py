@@ -1,10 +1,11 @@
-"""``StaticQuantizedKVCache`` (``kvbits.cache.static``): fixed per-token slabs a CUDA graph can replay.
+"""``StaticQuantizedKVCache`` (``kvbits.cache.static``): fixed slabs a CUDA graph can replay.
 
-Checked on tiny random-weight models: it stores what ``QuantizedKVCache`` stores for the same scheme (the same
-greedy tokens and logits, through SDPA over dequantized slabs and through the fused path, a left-padded batch
-included), its error is the scheme's (visible against an unquantized cache), its bytes are ``kvbits.plan``'s at
-``max_cache_len``, its slabs keep their addresses across steps and ``reset()``, and bad input is refused with a
-clear error. That one recorded step replays correctly is ``tests/test_aot.py``'s replay test.
+Checked on tiny random-weight models: it stores what ``QuantizedKVCache`` stores for the same scheme, per-token and
+windowed (KIVI-style) alike (the same greedy tokens and logits, through SDPA over dequantized slabs and through the
+fused path, a left-padded batch included, flushes during the decode), its error is the scheme's (visible against an
+unquantized cache), its bytes are ``kvbits.plan``'s at ``max_cache_len`` (plus, windowed, one block ahead and a full
+window), its slabs keep their addresses across steps and ``reset()``, and bad input is refused with a clear error.
+That one recorded step replays correctly is ``tests/test_aot.py``'s replay test.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 12
 MAX_LEN = PROMPT + NEW + 4  # a few slots never written
+# KIVI's recipe at this model's size: keys per channel over groups of 4 tokens, values per token in groups of 16
+# channels, 8 recent tokens in full precision, blocks of 4: the prompt flushes 8 blocks, the decode 3 more
+KIVI_SMALL = KVScheme(
+    "kivi-small", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
+    value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16), residual=8, block=4,
+)  # fmt: skip
+# no window, blocks of 8 (int4-channel's shape): the flushed block holds the token that fills it
+CHANNEL_SMALL = KVScheme(
+    "channel-small", key=TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=8),
+    value=TensorSpec(kind="int", bits=2, fmt=None, granularity="token"), block=8,
+)  # fmt: skip
+NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL)}
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +57,7 @@ def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 @pytest.mark.parametrize(
     "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
-               "int4-token,0=fp16"],
+               "int4-token,0=fp16", "kivi-small", "channel-small"],
 )  # fmt: skip
 def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
@@ -53,6 +66,7 @@ def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     if scheme == "int4-g16":  # groups of 16 channels per token (int4-g64's groups do not divide this model's D = 32)
         spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16)
         scheme = KVScheme("int4-g16", key=spec, value=spec)
+    scheme = NAMED.get(scheme, scheme)
     want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused), fused=fused)
     cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
     seq, got = generate(model, cache, fused=fused)
@@ -60,34 +74,42 @@ def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert [layer.fused.steps for layer in cache.layers] == [NEW - 1 if fused else 0] * 2
     assert int(cache.get_seq_length()) == PROMPT + NEW - 1 and cache.get_mask_sizes(1, 0) == (MAX_LEN, 0)
+    if isinstance(scheme, KVScheme) and scheme.block > 1:  # windowed: flushed during the decode, as QuantizedKVCache
+        R, blk = scheme.residual, scheme.block
+        assert int(cache.layers[0].qlen) == (PROMPT + NEW - 1 - R) // blk * blk > (PROMPT - R) // blk * blk
 
 
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small"])
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
-def test_static_cache_left_padded_batch(fused):
+def test_static_cache_left_padded_batch(fused, scheme):
     """Left padding: the pads take slots like any token; the mask transformers builds hides them (SDPA), and on
-    fused steps it becomes the slabs' slot mask. Same tokens and logits as ``QuantizedKVCache``."""
+    fused steps it becomes the slabs' slot mask (and the window's). Same tokens and logits as ``QuantizedKVCache``."""
     model = build("qwen2")
+    scheme = NAMED.get(scheme, scheme)
     ids = prompt(batch=3, seed=4)
     ids[0, :7] = 0
     ids[2, :3] = 0
     mask = (ids != 0).long()
-    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme="int4-token", fused_decode=fused),
+    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused),
                               fused=fused, ids=ids, attention_mask=mask)  # fmt: skip
-    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=MAX_LEN, fused_decode=fused)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
     seq, got = generate(model, cache, fused=fused, ids=ids, attention_mask=mask)
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert all(layer.fused.fallbacks == 0 for layer in cache.layers)
 
 
-def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch):
-    """The fused steps through the Triton kernels (interpreted on a CPU), launched for all ``max_cache_len`` slots
-    with each sequence's length read from the device: the logits of the torch reference over the same slabs."""
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small"])
+def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch, scheme):
+    """The fused steps through the Triton kernels (interpreted on a CPU), launched for all reserved slots with each
+    sequence's length read from the device (and a windowed scheme's window as the masked tail): the logits of the
+    torch reference over the same slabs."""
     model = build("llama")
-    want_seq, want = generate(model, StaticQuantizedKVCache(config=model.config, scheme="int4-token",
+    scheme = NAMED.get(scheme, scheme)
+    want_seq, want = generate(model, StaticQuantizedKVCache(config=model.config, scheme=scheme,
                                                             max_cache_len=MAX_LEN, fused_decode=True), fused=True)  # fmt: skip
     use_triton(monkeypatch)
-    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=MAX_LEN, fused_decode=True)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=True)
     seq, got = generate(model, cache, fused=True)
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
@@ -111,20 +133,31 @@ def test_static_cache_error_is_the_schemes():
     assert 0 < err["int8-token"] < 0.05 < err["int2-token"], err
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16"])
+@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16", "kivi-small"])
 def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
-    """Every byte of the slabs (codes, scales, zero-points, float layers) is counted, and the total is what
-    ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved)."""
+    """Every byte of the slabs (codes, scales, zero-points, float layers, windows) is counted, and the total is what
+    ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved); a windowed
+    scheme also holds one quantized block ahead and a whole window, where the plan counts the tokens left in it."""
     model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
     cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
     generate(model, cache, fused=False)
     held = sum(t.nbytes for layer in cache.layers for p in (layer.key, layer.value) if p is not None for t in p.tensors())
     held += sum(t.nbytes for layer in cache.layers for t in (layer.key_full, layer.value_full) if t is not None)
     report = cache.memory_report()
-    want = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)["total_bytes"]
+    at = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)
+    want = at["total_bytes"]
+    if isinstance(scheme, KVScheme) and scheme.block > 1:
+        n_q = (MAX_LEN - scheme.residual) // scheme.block * scheme.block  # quantized at max_cache_len
+        window = scheme.residual + scheme.block
+        c = at["components"]
+        want = c["quantized"] * (n_q + scheme.block) // n_q + c["full"] * window // (MAX_LEN - n_q)
+        assert want > at["total_bytes"]
     assert report["total_bytes"] == held == want
-    # apart: per layer the token count (int64), the lengths and the empty side's (int32 per sequence), the check maxima
-    assert report["state_bytes"] == 2 * (8 + 2 * 4 * 2 + 2 * 4 * 2)
+    # apart: per layer the two counts (int64), the lengths of both sides (int32 per sequence), the check maxima, and
+    # a windowed layer's window positions (int64 each)
+    window = scheme.residual + scheme.block if isinstance(scheme, KVScheme) and scheme.block > 1 else 0
+    assert report["state_bytes"] == 2 * (2 * 8 + 2 * 4 * 2 + 2 * 4 * 2 + 8 * window)
 
 
 def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
@@ -150,13 +183,15 @@ def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
 def test_static_cache_refuses_what_it_cannot_hold():
     """Schemes that need the host's flush bookkeeping or calibration are named with the reason; so are sliding
     layers, a missing ``max_cache_len`` and more tokens than it."""
-    for scheme, words in (("kivi-4", "residual=128"), ("int4-channel", "block=128"), ("kvquant-4", "sinks=1"),
-                          ("fp8-e4m3", "tensor granularity"), ("int4-token-smooth", "centred")):  # fmt: skip
+    for scheme, words in (("kvquant-4", "sinks=1"), ("int4-channel-prerope", "pre-RoPE"),
+                          ("fp8-e4m3", "tensor granularity"), ("int4-token-smooth", "centred"),
+                          ("fp8-e4m3-head", "head granularity")):  # fmt: skip
         why = static_reason(get_scheme(scheme))
         assert why is not None and words in why, (scheme, why)
-        with pytest.raises(ValueError, match="fixed per-token slabs"):
+        with pytest.raises(ValueError, match="fixed slabs"):
             StaticQuantizedKVCache(num_layers=2, scheme=scheme, max_cache_len=8)
-    for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16"):
+    for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16", "kivi-4",
+                   "kivi-2", "int4-channel", "int2-channel"):  # fmt: skip
         assert static_reason(get_scheme(scheme).for_layer(0)) is None
     with pytest.raises(ValueError, match="max_cache_len is required"):
         StaticQuantizedKVCache(num_layers=2, max_cache_len=None)

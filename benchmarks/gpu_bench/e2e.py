@@ -51,7 +51,7 @@ E2E_GROWING = ("int8-token",)
 DYNAMIC = ("dynamic-fp16", "dynamic-fp16-no-cudnn")  # DynamicCache: SDPA's backends as torch picks them; no cuDNN
 STATIC_GRAPHS = "static-fp16-graphs"  # StaticCache + torch.compile(mode="reduce-overhead"): run only when named
 STATIC_KVBITS = ("kvbits-static-fused", "kvbits-static-graphs")  # StaticQuantizedKVCache: eager, one captured step
-E2E_STATIC = ("int8-token", "int4-token")  # their schemes (per-token: every token quantized as it arrives)
+E2E_STATIC = ("int8-token", "kivi-4")  # their schemes: per-token, and KIVI's window (§6z's headline scheme)
 OPT_IN = (STATIC_GRAPHS, *STATIC_KVBITS)
 FP16_CACHES = (*DYNAMIC, STATIC_GRAPHS)  # transformers' caches of plain fp16 K/V (bytes: every layer's keys and values)
 
