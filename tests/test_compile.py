@@ -162,3 +162,37 @@ def test_static_quantized_cache_compiles_whole_without_recompiles(windowed: bool
         assert cache.layers[0].tokens_written == (40 + STEPS - 1 if mode == "eager" else 40)  # not counted when traced
     assert counter.frame_count == 1, counter.frame_count
     torch.testing.assert_close(torch.stack(logits["compiled"]), torch.stack(logits["eager"]), atol=1e-5, rtol=0)
+
+
+def test_static_quantized_cache_under_compile_with_fused_attention():
+    """A model routed through ``kvbits_fused`` and compiled (``fullgraph=False``, as transformers' ``generate`` compiles
+    decode steps on CUDA when the cache is compileable): the traced cache returns the K/V themselves, untagged, so the
+    eager ``kvbits_fused`` call between graphs attends over them with SDPA; the logits are those of eager fused steps
+    (within float noise), and the slabs and counters are marked as static addresses for CUDA graphs."""
+    from kvbits.cache import StaticQuantizedKVCache
+
+    model = tiny_llama()
+    use_fused_decode(model)
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    try:
+        for mode in ("eager", "compiled"):
+            cache = StaticQuantizedKVCache(model.config, "int4-token", max_cache_len=40 + STEPS, fused_decode=True)
+            kw = cache_kwargs(cache, model)
+            step = model.forward if mode == "eager" else torch.compile(model.forward, backend="eager")
+            got = logits[mode] = []
+            with torch.no_grad():
+                out = model(input_ids=ids, **kw, use_cache=True)
+                for i in range(STEPS - 1):
+                    pos = torch.tensor([40 + i])
+                    out = step(input_ids=out.logits[:, -1:].argmax(-1), **kw, use_cache=True, cache_position=pos,
+                               position_ids=pos[None])  # fmt: skip
+                    got.append(out.logits[:, -1])
+            steps = [layer.fused.steps for layer in cache.layers]
+            assert steps == ([STEPS - 1] * 2 if mode == "eager" else [0, 0]), (mode, steps)
+            from torch._dynamo.utils import get_static_address_type
+
+            assert all(get_static_address_type(t) is not None for t in cache.layers[0].tensors())
+    finally:
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(torch.stack(logits["compiled"]), torch.stack(logits["eager"]), atol=1e-4, rtol=0)

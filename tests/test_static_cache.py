@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_cache import PROMPT, attention, build, prompt, use_triton
+from test_fused_cache import PROMPT, attention, build, install, prompt, use_triton
 from transformers import DynamicCache
 
 from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, static_reason
@@ -57,18 +57,22 @@ def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 @pytest.mark.parametrize(
     "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
-               "int4-token,0=fp16", "kivi-small", "channel-small"],
+               "int4-token,0=fp16", "kivi-small", "channel-small", "fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3-hadamard"],
 )  # fmt: skip
 def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
-    through the fused path when asked (mixed schemes: the float layer too, as a tail-only store)."""
+    through the fused path when asked (mixed schemes: the float layer too, as a tail-only store). Static FP8 scales:
+    vLLM's 1.0, and per-head scales installed in both (``set_static_qparams``, a different one per head and layer)."""
     model = build("llama")
     if scheme == "int4-g16":  # groups of 16 channels per token (int4-g64's groups do not divide this model's D = 32)
         spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16)
         scheme = KVScheme("int4-g16", key=spec, value=spec)
     scheme = NAMED.get(scheme, scheme)
-    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused), fused=fused)
+    reference = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
     cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
+    for c in (reference, cache):
+        install(c, get_scheme(scheme))  # per-head FP8 scales; nothing for the other schemes
+    want_seq, want = generate(model, reference, fused=fused)
     seq, got = generate(model, cache, fused=fused)
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
@@ -154,10 +158,10 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
         want = c["quantized"] * (n_q + scheme.block) // n_q + c["full"] * window // (MAX_LEN - n_q)
         assert want > at["total_bytes"]
     assert report["total_bytes"] == held == want
-    # apart: per layer the two counts (int64), the lengths of both sides (int32 per sequence), the check maxima, and
-    # a windowed layer's window positions (int64 each)
+    # apart: per layer the two counts (int64), the lengths of both sides (int32 per sequence), the check maxima
+    # (float32, two pairs), the clip counts (int64 per side) and a windowed layer's window positions (int64 each)
     window = scheme.residual + scheme.block if isinstance(scheme, KVScheme) and scheme.block > 1 else 0
-    assert report["state_bytes"] == 2 * (2 * 8 + 2 * 4 * 2 + 2 * 4 * 2 + 8 * window)
+    assert report["state_bytes"] == 2 * (2 * 8 + 2 * 4 * 2 + 2 * 4 * 2 + 2 * 8 + 8 * window)
 
 
 def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
@@ -184,14 +188,13 @@ def test_static_cache_refuses_what_it_cannot_hold():
     """Schemes that need the host's flush bookkeeping or calibration are named with the reason; so are sliding
     layers, a missing ``max_cache_len`` and more tokens than it."""
     for scheme, words in (("kvquant-4", "sinks=1"), ("int4-channel-prerope", "pre-RoPE"),
-                          ("fp8-e4m3", "tensor granularity"), ("int4-token-smooth", "centred"),
-                          ("fp8-e4m3-head", "head granularity")):  # fmt: skip
+                          ("int4-token-smooth", "centred"), ("kvquant-4-block", "sinks=1")):  # fmt: skip
         why = static_reason(get_scheme(scheme))
         assert why is not None and words in why, (scheme, why)
         with pytest.raises(ValueError, match="fixed slabs"):
             StaticQuantizedKVCache(num_layers=2, scheme=scheme, max_cache_len=8)
     for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16", "kivi-4",
-                   "kivi-2", "int4-channel", "int2-channel"):  # fmt: skip
+                   "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head"):  # fmt: skip
         assert static_reason(get_scheme(scheme).for_layer(0)) is None
     with pytest.raises(ValueError, match="max_cache_len is required"):
         StaticQuantizedKVCache(num_layers=2, max_cache_len=None)
@@ -227,3 +230,43 @@ def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     big.update(k * 1e5, k, 0)
     with pytest.raises(ValueError, match=r"layer 0: keys .*\|x\| up to"):
         big.check_inputs()
+
+
+def test_static_fp8_scales_installed_counted_and_clipping_seen():
+    """Static FP8 (vLLM's ``fp8`` KV cache): scales installed by hand or from a calibration artifact, checked (finite,
+    ``> 0``, one per head), refused once tokens are stored; values beyond a scale's range saturate and are counted on
+    the device, as ``QuantizedKVCache`` counts them; the bytes are the plan's plus the scale in the kernels' layout
+    (float32 per sequence and head, each side and layer)."""
+    from kvbits.calibrate import CalibrationArtifact
+
+    model = build("llama")
+    scheme = get_scheme("fp8-e4m3-head")
+    tiny = torch.tensor([1e-4, 2e-4])  # far below these K/V: most values saturate
+    counts = {}
+    for name in ("quantized", "static"):
+        cache = (QuantizedKVCache(config=model.config, scheme=scheme) if name == "quantized" else
+                 StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN))  # fmt: skip
+        for i in range(2):
+            for side in ("key", "value"):
+                cache.set_static_qparams(i, side, tiny)
+        generate(model, cache, fused=False)
+        if name == "quantized":
+            counts[name] = [(r["clipped_keys"], r["clipped_values"]) for r in cache.calibration_report()["layers"]]
+        else:
+            counts[name] = [(r["clipped_keys"], r["clipped_values"]) for r in cache.clipped()]
+            report = cache.memory_report()
+            at = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)["total_bytes"]
+            assert report["total_bytes"] == at + 2 * 2 * (2 * 2 * 4) and report["fixed_bytes"] == 2 * 2 * 2 * 4
+            with pytest.raises(ValueError, match="before the first token"):
+                cache.set_static_qparams(0, "key", tiny)
+    assert counts["static"] == counts["quantized"] and all(k > 0 and v > 0 for k, v in counts["static"]), counts
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    with pytest.raises(ValueError, match="per-head FP8 scale must be"):
+        cache.set_static_qparams(0, "key", torch.ones(3))
+    with pytest.raises(ValueError, match="> 0|positive|finite"):
+        cache.set_static_qparams(0, "key", torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="not a static FP8 side"):
+        StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=8).set_static_qparams(0, "key", tiny)
+    with pytest.raises(TypeError, match="CalibrationArtifact"):
+        StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=8, calibration=42)
+    assert CalibrationArtifact is not None

@@ -30,19 +30,30 @@ and its fused step launches kernels sized by them: BENCHMARKS.md §6, sessions 4
   not yet quantized), launched for all reserved slots (``PackedStore(uniform_lens=False)``), the same at every step;
 - K/V checks are kept on the device (a running ``max |x|`` per side, NaN propagating) and read by ``check_inputs()``
   and ``memory_report()`` (``checks="lazy"``), or made before each write (``checks="eager"``: a host sync, so not
-  inside a captured step); ``"auto"``: eager on CPU, lazy elsewhere. Inside ``torch.compile`` they are lazy whatever
-  the mode, and the host's token count (below) is not kept.
+  inside a captured step); ``"auto"``: eager on CPU, lazy elsewhere.
+
+Under ``torch.compile`` the cache is traced, not run eagerly (``QuantizedKVCache`` is: ``kvbits.cache.eager``): a
+decode step with SDPA compiles as one graph, once for every step, and its slabs and counters are marked as static
+addresses (``StaticLayer`` does the same), so ``mode="reduce-overhead"`` replays it as a CUDA graph. transformers'
+``generate`` compiles so by itself on CUDA with a compileable cache. Traced steps attend over the K/V ``update``
+returns, whatever the model's attention: ``kvbits_fused`` runs eagerly (``torch.compiler.disable``), so it cannot sit
+inside such a graph; a fused step is captured whole with ``torch.cuda.graph`` instead
+(``benchmarks/gpu_bench/graphs.py``). Inside ``torch.compile`` the K/V checks are lazy whatever the mode, and the
+host's token count (below) is not kept.
 
 Schemes (``static_reason``): INT2/3/4/8 and FP8 codes with one scale per token (whole rows or channel groups, affine or
 symmetric, vLLM's rounding and integer zero-points, Hadamard rotations) or per-channel groups of tokens within the
-flush block (KIVI's keys); float layers of a mixed scheme (``"kivi-4,0=fp16"``) keep float slabs. Sinks, pre-RoPE
-keys, outliers and calibrated parameters (static scales, NUQ codebooks, centring) need positions or statistics the
-host tracks: ``QuantizedKVCache`` serves them.
+flush block (KIVI's keys); static FP8 with one scale per tensor or per head (vLLM's ``fp8`` KV cache: 1.0 until
+calibrated, ``calibration=`` or ``set_static_qparams``; values beyond it saturate and are counted on the device,
+``clipped()``); float layers of a mixed scheme (``"kivi-4,0=fp16"``) keep float slabs. Sinks, pre-RoPE keys, outliers
+and calibrated integer parameters (static ranges, NUQ codebooks, centring) need positions or statistics the host
+tracks: ``QuantizedKVCache`` serves them.
 
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
-where the plan counts those left unquantized at ``max_cache_len`` (``residual`` to ``residual + block - 1``).
-``memory_report()`` counts what is held.
+where the plan counts those left unquantized at ``max_cache_len`` (``residual`` to ``residual + block - 1``); a static
+FP8 scale is also held in the kernels' layout, once per sequence and head (float32). ``memory_report()`` counts what
+is held.
 
 What the host still tracks: ``tokens_written`` counts the tokens of eager ``update`` calls, to refuse a sequence
 longer than ``max_cache_len`` with a clear error. Replayed steps do not run ``update``, so a graph's caller keeps
@@ -52,6 +63,7 @@ its positions below ``max_cache_len`` itself (as with ``StaticCache``).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -61,9 +73,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbits.cache import fused
 from kvbits.cache.checks import check_channel_groups, check_mode, input_bound, write_maxima
 from kvbits.kernels.quantize import quantize_pack
-from kvbits.kernels.reference import PackedStore, PackedTensor, dequantize_packed, pack_side, word_rows
+from kvbits.kernels.reference import (
+    STATIC_TPS,
+    PackedStore,
+    PackedTensor,
+    dequantize_packed,
+    pack_side,
+    word_rows,
+)
 from kvbits.quant.checks import check_kv
-from kvbits.quant.tensor import FLOAT_DTYPES, quantize
+from kvbits.quant.fp8 import static_fp8_scale
+from kvbits.quant.tensor import FLOAT_DTYPES, check_static_scale, quantize
 from kvbits.schemes import get_scheme
 from kvbits.schemes.accounting import PACKED_KINDS, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -71,17 +91,20 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 __all__ = ["StaticQuantizedKVCache", "StaticQuantizedLayer", "static_reason"]
 
 _SLOT_FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_index")  # PackedTensor fields with a slot axis
+SIDES = ("key", "value")
 
 
 def _side_reason(spec: TensorSpec, block: int) -> str | None:
     if spec.kind not in PACKED_KINDS or spec.kind == "nuq":
         return f"kind {spec.kind!r} (int and fp8 codes only; NUQ codebooks are calibrated)"
+    if spec.kind == "fp8" and spec.static:  # one scale per tensor or head: 1.0 until calibrated (set_static_qparams)
+        return None if block == 1 else "static FP8 scales in a windowed scheme"
     if spec.granularity == "channel" and (spec.group_size is None or block % spec.group_size):
         return "per-channel scales without a token group dividing the flush block (static ranges are calibrated)"
     if spec.granularity not in ("token", "channel"):
         return f"{spec.granularity} granularity (one scale per token or per channel group only)"
     if spec.static:
-        return "static (calibrated) scales"
+        return "static (calibrated) integer scales"
     if spec.pre_rope:
         return "pre-RoPE keys (un-rotated at positions the host tracks)"
     if spec.outlier_frac:
@@ -125,7 +148,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def __init__(
         self, scheme: KVScheme, max_cache_len: int, layer_idx: int, *, fused_decode: fused.FusedMode = "auto",
-        checks: str = "auto",
+        checks: str = "auto", num_key_value_heads: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         reason = static_reason(scheme)
@@ -135,6 +158,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 "QuantizedKVCache (with max_cache_len=) serves it"
             )
         self.scheme, self.max_cache_len, self.layer_idx = scheme, max_cache_len, layer_idx
+        self.num_key_value_heads = num_key_value_heads  # from the config, for checks before the first update
         self.checks = check_mode(checks)
         self.fused = fused.FusedState(mode=fused_decode)
         self.tokens_written = 0
@@ -151,6 +175,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self._shape: tuple[int, int, int] | None = None  # (B, H_kv, D)
         self._bounds: tuple[float, float] = (float("inf"), float("inf"))
         self._lazy = False
+        self._scales: dict[str, torch.Tensor] = {}  # installed static FP8 scales, by side, as given
+        self._static: dict[str, torch.Tensor] = {}  # the scales quantize takes, on the K/V device (from the first update)
+        self.clipped: torch.Tensor | None = None  # (2,) int64: K, V values saturated against static scales
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -174,6 +201,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.maxima = torch.zeros(2, dtype=torch.float32, device=device)
         self._step_max = torch.zeros(2, dtype=torch.float32, device=device)  # this update's, before the maximum
         self._other_lens = torch.zeros(B, dtype=torch.int32, device=device)  # the other side's: 0, or the window's
+        self.clipped = torch.zeros(2, dtype=torch.int64, device=device)
         self._lazy = self.checks == "lazy" or (self.checks == "auto" and device.type != "cpu")
         if self.scheme.is_identity:  # fp16 / bf16 schemes store every token in their own format
             shape = (B, H, self.max_cache_len, D)
@@ -181,6 +209,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.value_full = torch.zeros(shape, dtype=FLOAT_DTYPES[self.scheme.value.fmt], device=device)
         else:
             check_channel_groups(self.scheme, D, D, f"layer {self.layer_idx}")
+            for side in SIDES:  # static FP8: () per tensor, (1, H_kv, 1, 1) per head
+                if (scale := self._static_scale(side, H, device)) is not None:
+                    self._static[side] = scale.clone()
             slots = self.max_cache_len
             if self.windowed:  # the tokens quantized at max_cache_len, and one block written ahead of them
                 slots = token_split(self.scheme, self.max_cache_len).quantized + self.scheme.block
@@ -189,24 +220,73 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 self.value_full = torch.zeros_like(self.key_full)
                 self.window_pos = torch.full((window,), -1, dtype=torch.int64, device=device)
                 self._other_lens.fill_(window)
-            self.key = self._slab(self.scheme.key, key_states, slots)
-            self.value = self._slab(self.scheme.value, value_states, slots)
+            self.key = self._slab("key", key_states, slots)
+            self.value = self._slab("value", value_states, slots)
         self._bounds = (input_bound(self.scheme.key, "quantized", D)[0], input_bound(self.scheme.value, "quantized", D)[0])
+        if not torch.compiler.is_compiling():  # fixed addresses for torch.compile's CUDA graphs, as StaticLayer's
+            for t in self.tensors():
+                torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
-    def _slab(self, spec: TensorSpec, like: torch.Tensor, slots: int) -> PackedTensor:
-        """A zero ``PackedTensor`` of ``slots`` token slots in the layout ``quantize`` + ``pack_side`` give ``spec``."""
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds: the slabs (K/V) and the step's state (``state_tensors``)."""
+        slabs = [t for p in (self.key, self.value) if p is not None for t in p.tensors()]
+        slabs += [t for t in (self.key_full, self.value_full) if t is not None] + list(self._static.values())
+        return slabs + self.state_tensors()
+
+    def _slab(self, side: str, like: torch.Tensor, slots: int) -> PackedTensor:
+        """A zero ``PackedTensor`` of ``slots`` token slots in the layout ``quantize`` + ``pack_side`` give ``side``'s
+        spec (a static scale's one row as it is)."""
+        spec = self._spec(side)
         B, H, _, D = like.shape
         n = self.scheme.block  # a whole flush block: per-channel groups need their tokens
         one = pack_side([quantize(torch.zeros((B, H, n, D), dtype=like.dtype, device=like.device), spec,
-                                  validate=False, sync=False)])  # fmt: skip
+                                  static_scale=self._static.get(side), validate=False, sync=False)])  # fmt: skip
         fields = {}
         for name in _SLOT_FIELDS:
             t = getattr(one, name)
-            if t is not None:
-                rows = slots // one.tps if name in ("scale", "zero") else slots
-                fields[name] = torch.zeros((B, H, rows, t.shape[3]), dtype=t.dtype, device=t.device)
+            if t is None:
+                continue
+            if name in ("scale", "zero") and one.tps == STATIC_TPS:  # one static row for every slot: kept as it is
+                fields[name] = t.clone()
+                continue
+            rows = slots // one.tps if name in ("scale", "zero") else slots
+            fields[name] = torch.zeros((B, H, rows, t.shape[3]), dtype=t.dtype, device=t.device)
         return replace(one, **fields)
+
+    def _static_scale(self, side: str, heads: int, device: torch.device) -> torch.Tensor | None:
+        """A static FP8 side's float32 scale (``()`` per tensor, ``(1, H_kv, 1, 1)`` per head): the installed one, else
+        1.0 (vLLM's uncalibrated default); ``None`` for other sides."""
+        spec = self._spec(side)
+        if not (spec.kind == "fp8" and spec.static):
+            return None
+        scale = self._scales.get(side)
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32)
+        return static_fp8_scale(scale.to(device, torch.float32), spec.granularity, heads, f"{side} static FP8 scale")
+
+    def set_static_qparams(self, side: str, scale: torch.Tensor) -> None:
+        """Install a static FP8 side's calibrated scale (per tensor: one number; per head: ``(H_kv,)``,
+        ``(H_kv, 1, 1)`` or ``(1, H_kv, 1, 1)``), finite and ``> 0`` (one host sync). Before the first token only:
+        codes already stored were taken under the old scale."""
+        spec = self._spec(side) if side in SIDES else None
+        if spec is None or not (spec.kind == "fp8" and spec.static):
+            raise ValueError(f"layer {self.layer_idx}: {side!r} is not a static FP8 side of {self.scheme.name!r}")
+        if self.tokens_written:
+            raise ValueError(f"layer {self.layer_idx}: static scales are installed before the first token; reset() first")
+        scale = torch.as_tensor(scale).detach().to(torch.float32)
+        heads = self.num_key_value_heads if self._shape is None else self._shape[1]
+        static_fp8_scale(scale, spec.granularity, heads, f"layer {self.layer_idx} {side} static FP8 scale")
+        check_static_scale(scale, f"layer {self.layer_idx} {side} static FP8 scale", positive=True)
+        self._scales[side] = scale.clone()
+        slab = self.key if side == "key" else self.value
+        if slab is not None:  # allocated (reset() since): written in place, the addresses stay
+            new = self._static_scale(side, self._shape[1], slab.scale.device)
+            self._static[side].copy_(new)
+            slab.scale.copy_(new.expand(slab.scale.shape))
+
+    def _spec(self, side: str) -> TensorSpec:
+        return self.scheme.key if side == "key" else self.scheme.value
 
     # ------------------------------------------------------------------ writing
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -272,6 +352,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self._window_step(key_states, value_states)
         elif q:
             self._window_many(key_states, value_states)
+        if compiling:  # traced: the compiled step attends over the K/V (the fused path runs outside graphs)
+            return self.materialize()
         if q == 1 and self.fused.claimed and fused.serving(self):
             B, H, D = self._shape  # type: ignore[misc]
             keys = torch.empty((B, H, self.max_cache_len, D), dtype=self.dtype, device="meta")
@@ -283,12 +365,16 @@ class StaticQuantizedLayer(CacheLayerMixin):
         """Quantize ``(B, H_kv, n, D)`` K/V and write them at slots ``slot0 + arange(n)`` (``slot0`` a 0-dim tensor;
         scale rows ``slot0 / tps + arange(n / tps)``)."""
         n = k.shape[2]
-        for slab, x, spec in ((self.key, k, self.scheme.key), (self.value, v, self.scheme.value)):
-            new = pack_side([quantize_pack(x, spec, validate=False, sync=False)])  # Triton on CUDA: one launch
+        for i, (side, slab, x) in enumerate(zip(SIDES, (self.key, self.value), (k, v))):
+            static = slab.tps == STATIC_TPS  # the side's static scale: passed in, its row never rewritten
+            qt = quantize_pack(x, self._spec(side), static_scale=self._static.get(side), validate=False, sync=False)
+            if static:  # values beyond the calibrated range saturate: counted on the device (calibration mismatch)
+                self.clipped[i] += qt.clipped
+            new = pack_side([qt])  # Triton on CUDA: one launch
             slots = torch.arange(n, device=self.device) + slot0
-            rows = slots if slab.tps == 1 else torch.arange(n // slab.tps, device=self.device) + slot0 // slab.tps
+            rows = slots if slab.tps in (1, STATIC_TPS) else torch.arange(n // slab.tps, device=self.device) + slot0 // slab.tps
             for name in _SLOT_FIELDS:
-                if getattr(slab, name) is not None:
+                if getattr(slab, name) is not None and not (static and name in ("scale", "zero")):
                     getattr(slab, name).index_copy_(2, rows if name in ("scale", "zero") else slots, getattr(new, name))
 
     def _window_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -400,15 +486,18 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The counters, lengths, window positions and check maxima: the step's state, not K/V."""
-        ts = (self.length, self.qlen, self.lens, self._other_lens, self.window_pos, self.maxima, self._step_max)
+        ts = (self.length, self.qlen, self.lens, self._other_lens, self.window_pos, self.maxima, self._step_max,
+              self.clipped)
         return [t for t in ts if t is not None]
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``quantized`` (codes, scales, zero-points) and ``full`` (float slabs, a windowed layer's
-        window)."""
+        """Bytes held: ``quantized`` (codes, scales, zero-points; a static FP8 scale in the kernels' layout, once per
+        sequence and head), ``full`` (float slabs, a windowed layer's window) and ``fixed`` (static FP8 scales as
+        calibrated, per tensor or head: the plan's ``fixed``)."""
         quantized = sum(p.nbytes for p in (self.key, self.value) if p is not None)
         full = sum(t.nbytes for t in (self.key_full, self.value_full) if t is not None)
-        return {"quantized": quantized, "full": full}
+        fixed = sum(t.nbytes for t in self._static.values())
+        return {"quantized": quantized, "full": full, "fixed": fixed}
 
     def read_checks(self) -> None:
         """Read the lazy K/V checks (one host sync); ``ValueError`` naming the side. Eager layers: nothing."""
@@ -432,6 +521,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             return
         self.lens.zero_()
         self.qlen.zero_()
+        self.clipped.zero_()
         self.maxima.zero_()
         if self.window_pos is not None:
             self.window_pos.fill_(-1)
@@ -464,23 +554,27 @@ class StaticQuantizedKVCache(Cache):
             attention is ``kvbits_fused``).
         checks: ``"auto"`` (eager on CPU, lazy elsewhere), ``"eager"`` (a host sync per update: not for captured
             steps) or ``"lazy"`` (read by ``check_inputs()`` and ``memory_report()``).
+        calibration: a ``kvbits.calibrate`` artifact or the folder it wrote, for static FP8 scales (default 1.0,
+            vLLM's); ``set_static_qparams`` installs one layer's by hand.
     """
 
     def __init__(
         self, config: Any = None, scheme: str | dict | KVScheme = "int8-token", *, max_cache_len: int,
-        num_layers: int | None = None, fused_decode: bool | str = "auto", checks: str = "auto",
+        num_layers: int | None = None, fused_decode: bool | str = "auto", checks: str = "auto", calibration: Any = None,
     ) -> None:  # fmt: skip
         from kvbits.cache.cache import _layer_types, attention_shape
         from kvbits.cache.layer import check_max_cache_len
         from kvbits.plan.config import text_config
 
         self.scheme = get_scheme(scheme)
+        self._config = config
         if check_max_cache_len(max_cache_len) is None:
             raise ValueError("max_cache_len is required: the slabs are reserved for it")
         self._max_len = max_cache_len
         self.fused_decode = fused.check_mode(fused_decode)
+        kv_heads = None
         if config is not None:
-            n_layers = attention_shape(config)[0]
+            n_layers, _, kv_heads, _ = attention_shape(config)
             types, _ = _layer_types(text_config(config), n_layers)
             other = sorted({t for t in types if t != "full_attention"})
             if other:
@@ -495,8 +589,10 @@ class StaticQuantizedKVCache(Cache):
             raise ValueError(f"give config= or a positive num_layers, got num_layers={num_layers!r}")
         self.scheme.check_layer_count(num_layers, "the cache's")
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
-                                       checks=checks) for i in range(num_layers)]  # fmt: skip
+                                       checks=checks, num_key_value_heads=kv_heads) for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)
+        if calibration is not None:
+            self.install_calibration(calibration)
 
     def __repr__(self) -> str:
         return f"StaticQuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, max_cache_len={self._max_len})"
@@ -511,12 +607,47 @@ class StaticQuantizedKVCache(Cache):
             layer.read_checks()
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes of the slabs (every reserved slot: what ``kvbits.plan`` counts at ``max_cache_len``), after the
-        lazy checks. ``state_bytes``: the length counters and check maxima, reported apart (not K/V)."""
+        """Bytes of the slabs (every reserved slot: what ``kvbits.plan`` counts at ``max_cache_len``, see the module
+        docstring for what a windowed scheme and static FP8 scales add), by kind, after the lazy checks.
+        ``state_bytes``: the counters, lengths, window positions, check maxima and clip counts, reported apart (not
+        K/V)."""
         self.check_inputs()
-        quantized = sum(layer.nbytes()["quantized"] for layer in self.layers)
-        full = sum(layer.nbytes()["full"] for layer in self.layers)
+        parts = {k: sum(layer.nbytes()[k] for layer in self.layers) for k in ("quantized", "full", "fixed")}
         state = sum(t.nbytes for layer in self.layers if layer.is_initialized
                     for t in layer.state_tensors())  # fmt: skip
-        return {"scheme": self.scheme.name, "total_bytes": quantized + full, "quantized_bytes": quantized,
-                "full_bytes": full, "state_bytes": state, "max_cache_len": self._max_len}  # fmt: skip
+        return {"scheme": self.scheme.name, "total_bytes": sum(parts.values()), "quantized_bytes": parts["quantized"],
+                "full_bytes": parts["full"], "fixed_bytes": parts["fixed"], "state_bytes": state,
+                "max_cache_len": self._max_len}  # fmt: skip
+
+    def clipped(self) -> list[dict[str, int]]:
+        """Per layer, the keys and values that saturated against static FP8 scales so far (one host sync): served
+        beyond the calibrated range. Dynamic scales never clip."""
+        return [{"layer": layer.layer_idx, "clipped_keys": int(layer.clipped[0]), "clipped_values": int(layer.clipped[1])}
+                for layer in self.layers if layer.is_initialized]  # fmt: skip
+
+    def set_static_qparams(self, layer_idx: int, side: str, scale: torch.Tensor) -> None:
+        """Install a static FP8 scale of one layer (``StaticQuantizedLayer.set_static_qparams``)."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
+        self.layers[layer_idx].set_static_qparams(side, scale)
+
+    def install_calibration(self, artifact: Any) -> None:
+        """Install a ``kvbits calibrate`` artifact (or the folder it wrote) made for this scheme: its static FP8 scales,
+        layer by layer (``CalibrationArtifact.static_qparams``)."""
+        if isinstance(artifact, (str, os.PathLike)):
+            from kvbits.calibrate import load_calibration
+
+            artifact = load_calibration(artifact)
+        if not callable(getattr(artifact, "check_scheme", None)):
+            raise TypeError(
+                "calibration must be a kvbits.calibrate.CalibrationArtifact or the folder `kvbits calibrate` wrote, got "
+                f"{type(artifact).__name__}"
+            )
+        artifact.check_scheme(self.scheme)
+        if self._config is not None:
+            artifact.check_model(self._config)
+        for layer in self.layers:
+            for side in ("key", "value"):
+                qp = artifact.static_qparams(layer.layer_idx, side)
+                if qp is not None:
+                    layer.set_static_qparams(side, qp[0])
