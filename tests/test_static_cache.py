@@ -270,3 +270,32 @@ def test_static_fp8_scales_installed_counted_and_clipping_seen():
     with pytest.raises(TypeError, match="CalibrationArtifact"):
         StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=8, calibration=42)
     assert CalibrationArtifact is not None
+
+
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-small"])
+def test_static_cache_prefill_attends_over_the_written_positions_only(scheme):
+    """A prefill (an eager update of several tokens) is announced to transformers' mask code as the positions written
+    so far plus its own (``get_mask_sizes``), and ``update`` returns those: a prompt on an empty cache then needs no
+    mask (causal SDPA), and a second chunk a mask over its past and itself, not over all ``max_cache_len`` slots. A
+    decode step keeps the whole slab, the same size at every step. The prompt's logits are ``DynamicCache``'s up to
+    the quantization, and a prefill in two chunks gives ``QuantizedKVCache``'s in the same chunks (a windowed scheme
+    flushes what each chunk completes, so chunks change what the prompt's early positions attend to)."""
+    model = build("llama")
+    ids = prompt()
+    scheme = NAMED.get(scheme, scheme)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    assert cache.get_mask_sizes(PROMPT, 0) == (PROMPT, 0) and cache.get_mask_sizes(1, 0) == (MAX_LEN, 0)
+    with torch.no_grad():
+        whole = model(ids, **cache_kwargs(cache, model), use_cache=True).logits
+        assert cache.get_mask_sizes(5, 0) == (PROMPT + 5, 0) and cache.get_mask_sizes(1, 0) == (MAX_LEN, 0)
+        chunks = {}
+        for name in ("static", "quantized"):
+            c = (StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN) if name == "static"
+                 else QuantizedKVCache(config=model.config, scheme=scheme))  # fmt: skip
+            chunks[name] = torch.cat([model(part, **cache_kwargs(c, model), use_cache=True).logits
+                                      for part in (ids[:, :24], ids[:, 24:])], dim=1)  # fmt: skip
+        one = model(ids, **cache_kwargs(QuantizedKVCache(config=model.config, scheme=scheme), model), use_cache=True)
+        exact = model(ids, **cache_kwargs(DynamicCache(config=model.config), model), use_cache=True).logits
+    torch.testing.assert_close(whole, one.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunks["static"], chunks["quantized"], atol=1e-5, rtol=0)
+    assert 0 < float((whole - exact).abs().max()) < 0.05

@@ -22,9 +22,11 @@ and its fused step launches kernels sized by them: BENCHMARKS.md §6, sessions 4
   flush rewrites it. So every step launches the same work, flush or not, and stores what ``QuantizedKVCache``
   stores (it flushes when its buffer holds ``residual + block`` tokens). An update of several tokens (a prefill)
   reads the lengths once (a host sync) and flushes whole blocks at once;
-- attention sees every position: ``update`` returns ``(B, H_kv, max_cache_len, D)`` K/V (quantized slots
-  dequantized, the window's tokens at their positions; the mask transformers builds for ``get_mask_sizes``'
-  ``max_cache_len`` hides the rest), or, on decode steps of a model routed through ``kvbits_fused``
+- a decode step's attention sees every position: ``update`` returns ``(B, H_kv, max_cache_len, D)`` K/V (quantized
+  slots dequantized, the window's tokens at their positions; the mask transformers builds for ``get_mask_sizes``'
+  ``max_cache_len`` hides the rest; an eager update of several tokens, a prefill, gets only the positions written so
+  far, and its mask is sized for them: none at all for a prompt on an empty cache), or, on decode steps of a model
+  routed through ``kvbits_fused``
   (``use_fused_decode``), zero-byte placeholders: the fused kernel then reads the packed slots with each sequence's
   length taken from the device and the window as its full-precision tail (its slots masked unless they hold tokens
   not yet quantized), launched for all reserved slots (``PackedStore(uniform_lens=False)``), the same at every step;
@@ -354,6 +356,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self._window_many(key_states, value_states)
         if compiling:  # traced: the compiled step attends over the K/V (the fused path runs outside graphs)
             return self.materialize()
+        if q > 1:  # an eager prefill: the positions written so far, as get_mask_sizes announced
+            keys, values = (t[:, :, : self.tokens_written] for t in self.materialize())
+            return fused.tag(self, keys), values
         if q == 1 and self.fused.claimed and fused.serving(self):
             B, H, D = self._shape  # type: ignore[misc]
             keys = torch.empty((B, H, self.max_cache_len, D), dtype=self.dtype, device="meta")
@@ -474,8 +479,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
         """Tokens written, as the device tensor (``StaticLayer`` does the same: no host read)."""
         return self.length if self.is_initialized else 0
 
-    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        """``(max_cache_len, 0)``: attention spans every slot (transformers 5.17 and 5.25 call this differently)."""
+    def get_mask_sizes(self, query_length: Any = None, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask transformers builds: ``(max_cache_len, 0)`` for a decode step (every
+        slot, the same at every step), and for an eager update of several tokens (a prefill) ``(tokens so far + q,
+        0)``, the K/V ``update`` then returns: a prompt on an empty cache needs no mask at all (causal SDPA), where
+        ``(B, 1, q, max_cache_len)`` booleans would be 8.6 GB at batch 8 and 32K."""
+        q = query_length if isinstance(query_length, int) else None
+        if q is not None and q > 1 and not torch.compiler.is_compiling():
+            return self.tokens_written + q, 0
         return self.max_cache_len, 0
 
     def get_max_length(self) -> int:
