@@ -21,7 +21,6 @@ for every query head: each is stored once, as ``kvbits.plan`` counts them, and r
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
@@ -281,18 +280,9 @@ class QuantizedKVCache(Cache):
         the parameters become the layers' ``fixed`` bytes. A path is loaded with
         ``kvbits.calibrate.load_calibration``.
         """
-        if isinstance(artifact, (str, os.PathLike)):
-            from kvbits.calibrate import load_calibration
+        from kvbits.calibrate import checked_artifact
 
-            artifact = load_calibration(artifact)
-        if not callable(getattr(artifact, "check_scheme", None)):
-            raise TypeError(
-                "calibration must be a kvbits.calibrate.CalibrationArtifact or the folder `kvbits calibrate` "
-                f"wrote, got {type(artifact).__name__}"
-            )
-        artifact.check_scheme(self.scheme)
-        if self._config is not None:
-            artifact.check_model(self._config)
+        artifact = checked_artifact(artifact, self.scheme, self._config)
         self.calibration = artifact
         longest = self.max_calibrated_length
         # each warning once per artifact (artifact.logged), so a cache per request does not repeat it

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ from kvbits.schemes.accounting import rope_table_positions
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.layer import QuantizedKVLayer
     from kvbits.quant.rope import RotaryTables
+    from kvbits.schemes.spec import KVScheme
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ __all__ = [
     "RopeTableCache",
     "check_mode",
     "claim",
+    "kernel_reason",
     "layout_reason",
     "packed_store",
     "placeholders",
@@ -184,17 +187,20 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
     return None
 
 
-def _kernel_reason(layer: QuantizedKVLayer, query: torch.Tensor) -> str | None:
-    """``"auto"`` on CUDA: why the Triton kernel would not take this layer (SDPA then stays faster)."""
-    if layer.fused.mode != "auto" or dispatch.kernel_mode() != "auto":
+def kernel_reason(
+    mode: FusedMode, scheme: KVScheme, store: Callable[[], PackedStore], query: torch.Tensor
+) -> str | None:
+    """``"auto"`` on CUDA: why the Triton kernel would not take a layer stored by ``scheme`` (SDPA then stays faster).
+    ``store()`` builds the layer's packed store, asked only then (``packed_store``, or a static layer's
+    ``fused_store``)."""
+    if mode != "auto" or dispatch.kernel_mode() != "auto":
         return None
     from kvbits.kernels.triton_decode import TRITON_BITS, supported
 
-    if layer.mode == "quantized":
-        for side, spec in (("key", layer.scheme.key), ("value", layer.scheme.value)):
-            if spec.kind in ("int", "nuq") and spec.bits not in TRITON_BITS:
-                return f"{side}: {spec.bits}-bit codes (Triton kernel: {TRITON_BITS})"
-    return supported(packed_store(layer), query)
+    for side, spec in (("key", scheme.key), ("value", scheme.value)):  # float sides: nothing to check here
+        if spec.kind in ("int", "nuq") and spec.bits not in TRITON_BITS:
+            return f"{side}: {spec.bits}-bit codes (Triton kernel: {TRITON_BITS})"
+    return supported(store(), query)
 
 
 def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module | None = None) -> bool:
@@ -209,9 +215,9 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
     if not wants(state.mode, query.device):
         return False
     if hasattr(layer, "fused_store"):  # a StaticQuantizedLayer (kvbits.cache.static): its own layout
-        reason = layer.fused_reason(query)
+        reason = kernel_reason(state.mode, layer.scheme, layer.fused_store, query)
     else:
-        reason = layout_reason(layer) or _kernel_reason(layer, query)
+        reason = layout_reason(layer) or kernel_reason(state.mode, layer.scheme, lambda: packed_store(layer), query)
     if reason is not None:
         if state.declined != reason:
             logger.info(

@@ -65,7 +65,6 @@ its positions below ``max_cache_len`` itself (as with ``StaticCache``).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 from typing import Any
 
@@ -370,13 +369,13 @@ class StaticQuantizedLayer(CacheLayerMixin):
         """Quantize ``(B, H_kv, n, D)`` K/V and write them at slots ``slot0 + arange(n)`` (``slot0`` a 0-dim tensor;
         scale rows ``slot0 / tps + arange(n / tps)``)."""
         n = k.shape[2]
+        slots = torch.arange(n, device=self.device) + slot0  # the same token slots for keys and values
         for i, (side, slab, x) in enumerate(zip(SIDES, (self.key, self.value), (k, v))):
             static = slab.tps == STATIC_TPS  # the side's static scale: passed in, its row never rewritten
             qt = quantize_pack(x, self._spec(side), static_scale=self._static.get(side), validate=False, sync=False)
             if static:  # values beyond the calibrated range saturate: counted on the device (calibration mismatch)
                 self.clipped[i] += qt.clipped
             new = pack_side([qt])  # Triton on CUDA: one launch
-            slots = torch.arange(n, device=self.device) + slot0
             rows = slots if slab.tps in (1, STATIC_TPS) else torch.arange(n // slab.tps, device=self.device) + slot0 // slab.tps
             for name in _SLOT_FIELDS:
                 if getattr(slab, name) is not None and not (static and name in ("scale", "zero")):
@@ -463,17 +462,6 @@ class StaticQuantizedLayer(CacheLayerMixin):
             in_window = in_window & keep.gather(1, at)
         return PackedStore(self.key, self.value, self.key_full, self.value_full, self.lens, self._other_lens,
                            quant_mask=quant_mask, full_mask=in_window.contiguous())  # fmt: skip
-
-    def fused_reason(self, query: torch.Tensor) -> str | None:
-        """Why the fused path would not take this layer for ``query`` (``"auto"`` on CUDA: what Triton declines)."""
-        if self.fused.mode != "auto" or fused.dispatch.kernel_mode() != "auto":
-            return None
-        from kvbits.kernels.triton_decode import TRITON_BITS, supported
-
-        for side, spec in (("key", self.scheme.key), ("value", self.scheme.value)):
-            if spec.kind == "int" and spec.bits not in TRITON_BITS:
-                return f"{side}: {spec.bits}-bit codes (Triton kernel: {TRITON_BITS})"
-        return supported(self.fused_store(), query)
 
     def get_seq_length(self) -> torch.Tensor | int:
         """Tokens written, as the device tensor (``StaticLayer`` does the same: no host read)."""
@@ -645,18 +633,9 @@ class StaticQuantizedKVCache(Cache):
     def install_calibration(self, artifact: Any) -> None:
         """Install a ``kvbits calibrate`` artifact (or the folder it wrote) made for this scheme: its static FP8 scales,
         layer by layer (``CalibrationArtifact.static_qparams``)."""
-        if isinstance(artifact, (str, os.PathLike)):
-            from kvbits.calibrate import load_calibration
+        from kvbits.calibrate import checked_artifact
 
-            artifact = load_calibration(artifact)
-        if not callable(getattr(artifact, "check_scheme", None)):
-            raise TypeError(
-                "calibration must be a kvbits.calibrate.CalibrationArtifact or the folder `kvbits calibrate` wrote, got "
-                f"{type(artifact).__name__}"
-            )
-        artifact.check_scheme(self.scheme)
-        if self._config is not None:
-            artifact.check_model(self._config)
+        artifact = checked_artifact(artifact, self.scheme, self._config)
         for layer in self.layers:
             for side in ("key", "value"):
                 qp = artifact.static_qparams(layer.layer_idx, side)

@@ -10,6 +10,7 @@ from those of the schemes its layers use; ``CalibrationArtifact.quantize_kwargs(
 from kvbits.calibrate.artifact import (
     ARTIFACT_FORMAT_VERSION,
     CalibrationArtifact,
+    checked_artifact,
     load_calibration,
     spec_calibratable,
     spec_needs_calibration,
@@ -25,6 +26,7 @@ __all__ = [
     "CalibrationSamples",
     "artifact_from_samples",
     "calibrate",
+    "checked_artifact",
     "collect_samples",
     "compose_artifact",
     "fit_artifact",

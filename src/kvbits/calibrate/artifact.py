@@ -463,6 +463,27 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     return None
 
 
+def checked_artifact(artifact: Any, scheme: KVScheme, model_config: Any = None) -> CalibrationArtifact:
+    """What a cache installs: ``artifact`` (a ``CalibrationArtifact``, or the folder ``kvbits calibrate`` wrote, loaded
+    with ``load_calibration``), checked against ``scheme`` and, when given, the model's config.
+
+    Raises:
+        TypeError: neither an artifact nor a path.
+        ValueError: an artifact made for another scheme or model (``check_scheme``, ``check_model``).
+    """
+    if isinstance(artifact, (str, os.PathLike)):
+        artifact = load_calibration(artifact)
+    if not callable(getattr(artifact, "check_scheme", None)):
+        raise TypeError(
+            "calibration must be a kvbits.calibrate.CalibrationArtifact or the folder `kvbits calibrate` "
+            f"wrote, got {type(artifact).__name__}"
+        )
+    artifact.check_scheme(scheme)
+    if model_config is not None:
+        artifact.check_model(model_config)
+    return artifact
+
+
 def load_calibration(
     path: str | os.PathLike[str],
     model_config: Any = None,
