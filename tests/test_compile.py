@@ -127,6 +127,23 @@ def test_fullgraph_compile_says_why_it_cannot():
     assert EAGER_REASON in str(err.value)
 
 
+def static_steps(step: Callable, model: torch.nn.Module, cache) -> torch.Tensor:
+    """Logits ``(STEPS - 1, 1, V)`` of greedy decode steps through ``step`` (the model, or it compiled) after a 40-token
+    prompt run by the model into ``cache`` (a ``StaticQuantizedKVCache``), each step given its position tensors as
+    ``generate`` passes them."""
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
+    kw = cache_kwargs(cache, model)
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, **kw, use_cache=True)
+        for i in range(STEPS - 1):
+            pos = torch.tensor([40 + i])
+            out = step(input_ids=out.logits[:, -1:].argmax(-1), **kw, use_cache=True, cache_position=pos,
+                       position_ids=pos[None])  # fmt: skip
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits)
+
+
 @pytest.mark.parametrize("windowed", [False, True], ids=["int4-token", "kivi"])
 def test_static_quantized_cache_compiles_whole_without_recompiles(windowed: bool):
     """``StaticQuantizedKVCache`` (``kvbits.cache.static``) is traced, not run eagerly: a decode step with SDPA over
@@ -144,24 +161,15 @@ def test_static_quantized_cache_compiles_whole_without_recompiles(windowed: bool
                           value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), residual=4, block=4)  # fmt: skip
 
     model = tiny_llama()
-    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
     logits = {}
     counter = CompileCounter()
     for mode in ("eager", "compiled"):
         cache = StaticQuantizedKVCache(model.config, scheme, max_cache_len=40 + STEPS)
-        kw = cache_kwargs(cache, model)
         step = model.forward if mode == "eager" else torch.compile(model.forward, fullgraph=True, backend=counter)
-        got = logits[mode] = []
-        with torch.no_grad():
-            out = model(input_ids=ids, **kw, use_cache=True)
-            for i in range(STEPS - 1):
-                pos = torch.tensor([40 + i])
-                out = step(input_ids=out.logits[:, -1:].argmax(-1), **kw, use_cache=True, cache_position=pos,
-                           position_ids=pos[None])  # fmt: skip
-                got.append(out.logits[:, -1])
+        logits[mode] = static_steps(step, model, cache)
         assert cache.layers[0].tokens_written == (40 + STEPS - 1 if mode == "eager" else 40)  # not counted when traced
     assert counter.frame_count == 1, counter.frame_count
-    torch.testing.assert_close(torch.stack(logits["compiled"]), torch.stack(logits["eager"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-5, rtol=0)
 
 
 def test_static_quantized_cache_under_compile_with_fused_attention():
@@ -173,21 +181,12 @@ def test_static_quantized_cache_under_compile_with_fused_attention():
 
     model = tiny_llama()
     use_fused_decode(model)
-    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(3))
     logits = {}
     try:
         for mode in ("eager", "compiled"):
             cache = StaticQuantizedKVCache(model.config, "int4-token", max_cache_len=40 + STEPS, fused_decode=True)
-            kw = cache_kwargs(cache, model)
             step = model.forward if mode == "eager" else torch.compile(model.forward, backend="eager")
-            got = logits[mode] = []
-            with torch.no_grad():
-                out = model(input_ids=ids, **kw, use_cache=True)
-                for i in range(STEPS - 1):
-                    pos = torch.tensor([40 + i])
-                    out = step(input_ids=out.logits[:, -1:].argmax(-1), **kw, use_cache=True, cache_position=pos,
-                               position_ids=pos[None])  # fmt: skip
-                    got.append(out.logits[:, -1])
+            logits[mode] = static_steps(step, model, cache)
             steps = [layer.fused.steps for layer in cache.layers]
             assert steps == ([STEPS - 1] * 2 if mode == "eager" else [0, 0]), (mode, steps)
             from torch._dynamo.utils import get_static_address_type
@@ -195,4 +194,4 @@ def test_static_quantized_cache_under_compile_with_fused_attention():
             assert all(get_static_address_type(t) is not None for t in cache.layers[0].tensors())
     finally:
         model.set_attn_implementation("sdpa")
-    torch.testing.assert_close(torch.stack(logits["compiled"]), torch.stack(logits["eager"]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)

@@ -16,7 +16,7 @@ a compiled model, BENCHMARKS.md §6 session 47), so it says what a host-bound kv
 among the fp16 baselines of ``speedup_vs_best_fp16``, which compare caches under the same eager loop.
 
 ``kvbits-static-fused`` and ``kvbits-static-graphs`` (only when named, schemes ``E2E_STATIC``): kvbits'
-``StaticQuantizedKVCache`` (fixed per-token slabs, lengths on the device), fused decode steps run eagerly, and the
+``StaticQuantizedKVCache`` (fixed slabs, lengths on the device), fused decode steps run eagerly, and the
 same steps replayed from one captured CUDA graph (``gpu_bench.graphs.GraphedDecode``): kvbits' answer to
 ``static-fp16-graphs``. Their bytes are the slabs reserved for ``e2e_reserve`` tokens, planned at that context."""
 
@@ -419,17 +419,14 @@ def end_to_end(
             continue
         mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
                "rope_table_bytes": None}  # fmt: skip
-        if name in FP16_CACHES or isinstance(cache, QuantizedKVCache):
+        # planned at context + steps: a StaticQuantizedKVCache's max_cache_len too (e2e_reserve)
+        if name in FP16_CACHES or name in STATIC_KVBITS or isinstance(cache, QuantizedKVCache):
             mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + r["steps"], how is True)
             if base is not None:
                 mem["resident_bytes"] = _allocated(cfg) - base
                 mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
         if name in STATIC_KVBITS:
             bytes_ = cache.memory_report()["total_bytes"]  # the slabs, reserved for every e2e_reserve slot
-            mem["planned_bytes"] = _planned_bytes(model, scheme, batch, cache.max_cache_len, False)
-            if base is not None:
-                mem["resident_bytes"] = _allocated(cfg) - base
-                mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
             note = _static_note(name, cache, r["steps"], step_model)
             if scheme in fused_tokens:
                 note += f"; greedy tokens equal to kvbits-fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
