@@ -135,6 +135,27 @@ def replay(tape: OpTape) -> None:
         _write_back(out, func(*args, **kwargs))
 
 
+def tape_capture(step: Any) -> tuple[torch.Tensor, Any]:
+    """``kvbits.evaluate.graphs``' capture for the CPU: record ``step()`` on a tape (the recording runs it, Triton
+    launches included) and return its logits and the tape's replay; ``RuntimeError`` if the step read a host value,
+    which a CUDA capture refuses."""
+    tape = OpTape()
+    with tape, triton_on_tape(tape):
+        logits = step()
+    if tape.host_reads:
+        raise RuntimeError(f"the captured decode step read {tape.host_reads} host values (a CUDA capture refuses them)")
+    return logits, lambda: replay(tape)
+
+
+@contextlib.contextmanager
+def emulated_graphs() -> Iterator[None]:
+    """Inside, ``kvbits.evaluate.graphs`` captures CPU decode steps with ``tape_capture`` (tests, CPU smoke runs)."""
+    from kvbits.evaluate import graphs
+
+    with mock.patch.dict(graphs.CAPTURES, {"cpu": tape_capture}):
+        yield
+
+
 def check(cache_name: str, layers: int, steps: int, scheme: str, kernel: str = "reference") -> dict[str, Any]:
     """Replay one recorded decode step of ``cache_name`` for ``steps`` steps beside eager decoding (see above).
     ``kernel="triton"``: kvbits' kernels (fused decode, flushes) through Triton's interpreter, as a GPU step

@@ -455,3 +455,148 @@ def test_sdpa_backends_are_applied_recorded_and_keep_runs_apart(model, ids, monk
     with pytest.raises(ValueError, match="sdpa must be one of"):
         speed_eval(model, 64, ["int8-token"], sdpa="flash", **kw)
     assert not loads
+
+
+def test_static_caches_time_against_both_baselines(model, ids, tmp_path, monkeypatch):
+    """``static=True``: kvbits schemes decode through ``StaticQuantizedKVCache`` and transformers' ``StaticCache`` is
+    timed as a second baseline. The static cache decodes the greedy tokens ``QuantizedKVCache`` decodes, holds the
+    planner's bytes for every reserved slot (a windowed scheme more: its ring and one block ahead), goes through the
+    fused path when asked, and says so in the record and the report; static and non-static runs do not merge."""
+    from kvbits.cache import StaticQuantizedKVCache
+    from kvbits.report.merge_speed import _load, merge_speed
+    from kvbits.report.speed import speed_markdown, write_speed
+
+    kw = {"tokens": 4, "warmup": 1, "data": ids, "batches": [1, 2]}
+    schemes = ["int4-token", SMALL_KIVI, "int8-token,0=fp16"]
+    st = speed_eval(model, 64, schemes, static=True, **kw)
+    qu = speed_eval(model, 64, schemes, **kw)
+    assert (st["static"], st["graphs"], st["baselines"]) == (True, False, ["DynamicCache", "StaticCache"])
+    assert (qu["static"], qu["baselines"]) == (False, ["DynamicCache"])
+    assert len(st["runs"]) == 2 * 5 and [x["path"] for x in st["schemes"]] == ["static-dequantize"] * 3
+    for r in _runs(st, "StaticCache"):  # float K/V in every reserved slot: DynamicCache's bytes and tokens
+        base = next(b for b in _runs(st, "DynamicCache") if b["batch"] == r["batch"])
+        assert r["path"] == "static-float" and r["decode"] is None and r["workspace_bytes"] == 0
+        assert r["cache_bytes"] == r["planned_bytes"] == base["cache_bytes"]
+        assert r["agreement"] == 1.0 and r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"], rel=1e-3)
+    for name in ("int4-token", "t-kivi", "int8-token,0=fp16"):
+        for r, q in zip(_runs(st, name), _runs(qu, name), strict=True):
+            assert r["path"] == "static-dequantize" and r["workspace_bytes"] == 0
+            assert (r["agreement"], r["first_divergence"]) == (q["agreement"], q["first_divergence"])
+            if name == "t-kivi":  # the ring of residual + block slots and one block written ahead
+                assert r["cache_bytes"] > r["planned_bytes"] == q["cache_bytes"]
+            else:
+                assert r["cache_bytes"] == r["planned_bytes"] == q["cache_bytes"]
+    assert min(r["agreement"] for r in _runs(st, "int4-token")) < 1.0  # the codes' error reaches the tokens
+    md = speed_markdown(st)
+    assert "`StaticCache`: `static-float`" in md and "`int4-token`: `static-dequantize`, `StaticQuantizedKVCache`" in md
+    assert "| StaticCache | " in md and "kvbits caches reserve" not in md and "captured CUDA graph" not in md
+    with pytest.raises(ValueError, match="runs differ in static"):
+        merge_speed([st, {**qu, "batches": [3], "runs": [{**x, "batch": 3} for x in qu["runs"]]}])
+
+    calls = []
+    real = StaticQuantizedKVCache.__init__
+
+    def spy(self, *a, **k):
+        calls.append(k["max_cache_len"])
+        real(self, *a, **k)
+
+    monkeypatch.setattr(StaticQuantizedKVCache, "__init__", spy)
+    fu = speed_eval(model, 64, [SMALL_KIVI], static=True, fused_decode=True, tokens=3, warmup=1, data=ids)
+    assert calls == [64 + 1 + 3]
+    (r,) = _runs(fu, "t-kivi")
+    assert r["path"] == "static-fused" and fu["schemes"][0]["path"] == "static-fused"
+    assert r["decode"] == {"fused_steps": 2 * 3, "fallback_steps": 0, "timed_fused_steps": 2 * 3, "timed_fallback_steps": 0}
+    old = {k: v for k, v in qu.items() if k not in ("static", "graphs", "baselines")}
+    write_speed(old, tmp_path / "old")  # a run from before the options: QuantizedKVCache, no graphs
+    loaded = _load(tmp_path / "old")
+    assert (loaded["static"], loaded["graphs"], loaded["baselines"]) == (False, False, ["DynamicCache"])
+
+
+def test_graphs_replay_the_static_steps(model, ids, monkeypatch):
+    """``graphs=True``: the static caches' decode steps after 2 eager ones and the captured one are replayed (here
+    through ``benchmarks/graph_replay.py``'s emulation of a CUDA graph, registered for the CPU): the same greedy tokens
+    as the same caches run eagerly, the layers' Python run only for the steps before the replays, and the record and the
+    report say so. Without a capture for the device, or with too few warm-up steps, it is refused before any decode."""
+    from pathlib import Path
+
+    from kvbits.report.speed import speed_markdown
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import emulated_graphs
+
+    kw = {"tokens": 4, "warmup": 3, "data": ids, "batches": [2], "static": True, "fused_decode": True}
+    eager = speed_eval(model, 64, ["int4-token", SMALL_KIVI], **kw)
+    with emulated_graphs():
+        g = speed_eval(model, 64, ["int4-token", SMALL_KIVI], graphs=True, **kw)
+    assert g["graphs"] is True and [x["path"] for x in g["schemes"]] == ["static-fused-graphs"] * 2
+    for name in ("StaticCache", "int4-token", "t-kivi"):
+        (r,), (e,) = _runs(g, name), _runs(eager, name)
+        assert r["path"] == e["path"] + "-graphs"
+        assert r["graph"] == {"eager_steps": 2, "captured_step": 2, "replayed_steps": 3 + 4 - 3}
+        assert (r["agreement"], r["first_divergence"], r["cache_bytes"]) == (
+            e["agreement"], e["first_divergence"], e["cache_bytes"])  # fmt: skip
+        if name != "StaticCache":  # the claiming step, then one eager and the captured one through the kernel
+            assert r["decode"]["fused_steps"] == 2 * 2 and r["decode"]["timed_fused_steps"] == 0
+    assert "graph" not in _runs(g, "DynamicCache")[0]
+    md = speed_markdown(g)
+    assert "replayed from one captured CUDA graph after 2 eager steps" in md and "not all fused" not in md
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the model is on cpu"):
+        speed_eval(model, 64, ["int4-token"], graphs=True, **kw)
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    with pytest.raises(ValueError, match="eager must be an int >= 1"):
+        GraphedDecode(model, eager=0)
+    with pytest.raises(ValueError, match=r"tokens \(B, 1\) and cache_position \(1,\), got \(1, 2\)"):
+        GraphedDecode(model)(torch.zeros(1, 2, dtype=torch.long), cache_position=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):  # no capture for the CPU: said, not run
+        step = GraphedDecode(lambda *a, **k: None, eager=1)
+        for _ in range(2):
+            step(torch.zeros(1, 1, dtype=torch.long), cache_position=torch.zeros(1, dtype=torch.long))
+    with emulated_graphs(), pytest.raises(ValueError, match="warmup must be at least 3, got 2"):
+        speed_eval(model, 64, ["int4-token"], graphs=True, **{**kw, "warmup": 2})
+
+
+def test_static_errors(model, ids, monkeypatch):
+    """Settings a static run can not have, and schemes ``StaticQuantizedKVCache`` does not hold, fail before any
+    decode step, naming why."""
+    from kvbits.evaluate import speed
+
+    decodes = []
+    monkeypatch.setattr(speed, "_decode", lambda *a, **k: decodes.append(1))
+    kw = {"tokens": 2, "warmup": 3, "data": ids}
+    for extra, match in (
+        ({"graphs": True}, "graphs=True replays the steps of a static cache: it needs static=True"),
+        ({"static": True, "reserve": False}, "reserve=False asks for growing caches"),
+        ({"static": True, "workspace": True}, "holds no dequantized workspace"),
+        ({"static": "yes"}, "static must be True or False"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            speed_eval(model, 64, ["int4-token"], **kw, **extra)
+    with pytest.raises(ValueError, match=r"does not hold 'int4-channel-prerope' \(keys: pre-RoPE keys"):
+        speed_eval(model, 64, ["int4-token", "int4-channel-prerope"], static=True, **kw)
+    with pytest.raises(ValueError, match=r"'int4-token,1=int4-channel-prerope' \(layer 1: keys: pre-RoPE"):
+        speed_eval(model, 64, ["int4-token,1=int4-channel-prerope"], static=True, **kw)
+    with pytest.raises(ValueError, match="'StaticCache' is a baseline"):
+        speed_eval(model, 64, [KVScheme("StaticCache")], static=True, **kw)
+    assert not decodes
+
+
+def test_cli_static_and_graphs(tmp_path, capsys):
+    from kvbits.cli import main
+
+    model_dir = tmp_path / "tiny"
+    tiny_llama().save_pretrained(model_dir)
+    save_byte_tokenizer(model_dir)
+    text = write_sentences(tmp_path / "text.txt", 200)
+    argv = ["speed", "--model", str(model_dir), "--data", str(text), "--context", "64", "--scheme", "int4-token",
+            "--tokens", "2", "--warmup", "3"]  # fmt: skip
+    assert main([*argv, "--static", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["static"] is True and [r["cache"] for r in s["runs"]] == ["DynamicCache", "StaticCache", "int4-token"]
+    assert main([*argv, "--static"]) == 0
+    assert "StaticCache" in capsys.readouterr().out
+    for bad, match in ((["--graphs"], "add --static"), (["--static", "--grow"], "drop --grow"),
+                       (["--static", "--graphs"], "CUDA graphs need a CUDA device")):  # fmt: skip
+        assert main([*argv, *bad]) != 0
+        assert match in capsys.readouterr().err

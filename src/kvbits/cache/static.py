@@ -40,7 +40,7 @@ addresses (``StaticLayer`` does the same), so ``mode="reduce-overhead"`` replays
 ``generate`` compiles so by itself on CUDA with a compileable cache. Traced steps attend over the K/V ``update``
 returns, whatever the model's attention: ``kvbits_fused`` runs eagerly (``torch.compiler.disable``), so it cannot sit
 inside such a graph; a fused step is captured whole with ``torch.cuda.graph`` instead
-(``benchmarks/gpu_bench/graphs.py``). Inside ``torch.compile`` the K/V checks are lazy whatever the mode, and the
+(``kvbits.evaluate.graphs``). Inside ``torch.compile`` the K/V checks are lazy whatever the mode, and the
 host's token count (below) is not kept.
 
 Schemes (``static_reason``): INT2/3/4/8 and FP8 codes with one scale per token (whole rows or channel groups, affine or
@@ -617,6 +617,20 @@ class StaticQuantizedKVCache(Cache):
         return {"scheme": self.scheme.name, "total_bytes": sum(parts.values()), "quantized_bytes": parts["quantized"],
                 "full_bytes": parts["full"], "fixed_bytes": parts["fixed"], "state_bytes": state,
                 "max_cache_len": self._max_len}  # fmt: skip
+
+    def fused_report(self) -> dict[str, Any]:
+        """Fused decode per quantized layer, as ``QuantizedKVCache.fused_report``: claimed, the decode steps attended
+        over the packed slabs, fallbacks, why a layer was not claimed. Steps replayed from a captured graph run no
+        Python and are not counted (the captured step is). ``rope_table_bytes`` is 0 (no pre-RoPE keys here). Runs the
+        lazy K/V checks first."""
+        self.check_inputs()
+        rows = [
+            {"layer": layer.layer_idx, "claimed": layer.fused.claimed, "steps": layer.fused.steps,
+             "fallbacks": layer.fused.fallbacks, "declined": layer.fused.declined}
+            for layer in self.layers if not layer.scheme.is_identity
+        ]  # fmt: skip
+        return {"mode": self.fused_decode, "fused_steps": sum(r["steps"] for r in rows),
+                "fallback_steps": sum(r["fallbacks"] for r in rows), "rope_table_bytes": 0, "layers": rows}  # fmt: skip
 
     def clipped(self) -> list[dict[str, int]]:
         """Per layer, the keys and values that saturated against static FP8 scales so far (one host sync): served

@@ -68,6 +68,8 @@ __all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
 
 SPEED_VERSION = 1
 BASELINE = "DynamicCache"
+STATIC_BASELINE = "StaticCache"  # transformers' fixed-slot float cache: the baseline of static runs
+GRAPH_EAGER = 2  # decode steps run eagerly before the captured one (``kvbits.evaluate.graphs.GraphedDecode``)
 
 
 def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
@@ -131,23 +133,28 @@ def _head(model: Any) -> Any:
 
 @torch.no_grad()
 def _decode(
-    model: Any, cache: Any, first: torch.Tensor, steps: int, warmup: int, on_timed: Any = None
+    model: Any, cache: Any, first: torch.Tensor, steps: int, warmup: int, on_timed: Any = None,
+    position0: int | None = None, step: Any = None,
 ) -> tuple[torch.Tensor, list[float], list[float]]:
     """``warmup + steps`` greedy steps from ``first`` ``(B, 1)`` through ``cache``: the generated tokens
     ``(B, warmup + steps)``, the times (ms) of the last ``steps``, and of each the time (ms) until the step's
     Python returned, before the device was synchronised (``host_ms_per_step``); ``on_timed()`` is called before
-    the first timed step."""
+    the first timed step. ``position0``: each step gets its ``cache_position`` (a ``(1,)`` tensor, as ``generate``
+    passes it to a static cache), ``position0`` for the first; ``step``: what runs a step in place of ``model``
+    (``GraphedDecode``, which needs them)."""
     from kvbits.cache.compat import cache_kwarg
 
     kw = cache_kwarg(model)
     dev = first.device
+    forward = model if step is None else step
     nxt, tokens, times, host = first, [], [], []
     for i in range(warmup + steps):
         if i == warmup and on_timed is not None:
             on_timed()
+        extra = {} if position0 is None else {"cache_position": torch.full((1,), position0 + i, device=dev)}
         _sync(dev)
         t0 = time.perf_counter()
-        logits = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+        logits = forward(nxt, use_cache=True, logits_to_keep=1, **{kw: cache}, **extra).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         t_host = time.perf_counter()
         _sync(dev)
@@ -203,19 +210,55 @@ def _counts(report: dict[str, Any]) -> dict[str, int]:
     return {k: int(report[k]) for k in ("fused_steps", "fallback_steps")}
 
 
-def _path(scheme: Any, fused: bool, workspace: bool) -> str:
+def _path(scheme: Any, fused: bool, workspace: bool, static: bool = False, graphs: bool = False) -> str:
     if scheme is None:
         return "dynamic"
     if isinstance(scheme, PeerScheme):
         return "peer"
+    if static:
+        path = "static-float" if scheme == STATIC_BASELINE else "static-fused" if fused else "static-dequantize"
+        return path + "-graphs" if graphs else path
     if fused:
         return "fused"
     return "workspace" if workspace else "dequantize"
 
 
+def _static_cache(model: Any, scheme: Any, held: int, fused: bool, calibration: Any, graphs: bool) -> Any:
+    """transformers' ``StaticCache`` (``scheme`` is ``STATIC_BASELINE``) or a ``StaticQuantizedKVCache`` of ``held``
+    slots per sequence; its K/V checks lazy (read by ``memory_report``) on CUDA and for a captured step (eager checks
+    read the device), eager otherwise."""
+    if scheme == STATIC_BASELINE:
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=held)
+    from kvbits.cache import StaticQuantizedKVCache
+
+    return StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=held, fused_decode=fused,
+                                  checks="lazy" if graphs else "auto", calibration=calibration)  # fmt: skip
+
+
+def static_refusals(schemes: Sequence[Any], n_layers: int) -> dict[str, str]:
+    """Why each kvbits scheme of ``schemes`` can not run in a ``StaticQuantizedKVCache`` of ``n_layers`` layers
+    (``kvbits.cache.static_reason``, the first refused layer), by name; peers run their own caches."""
+    from kvbits.cache import static_reason
+
+    out = {}
+    for s in schemes:
+        if isinstance(s, PeerScheme):
+            continue
+        for i in range(n_layers):
+            why = static_reason(s.for_layer(i))
+            if why is not None:
+                out[s.name] = f"layer {i}: {why}" if s.is_mixed else why
+                break
+    return out
+
+
 def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, warmup, calibration, fused,
-             workspace, reserve=False) -> dict[str, Any]:  # fmt: skip
-    """One cache's decode run (module docstring); ``scheme`` None is the ``DynamicCache`` baseline."""
+             workspace, reserve=False, static=False, graphs=False) -> dict[str, Any]:  # fmt: skip
+    """One cache's decode run (module docstring); ``scheme`` None is the ``DynamicCache`` baseline,
+    ``STATIC_BASELINE`` transformers' ``StaticCache``; ``static``: kvbits schemes in a ``StaticQuantizedKVCache``,
+    ``graphs``: its (and ``StaticCache``'s) steps replayed from one captured step."""
     import contextlib
 
     from transformers import DynamicCache
@@ -225,9 +268,17 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
     dev = first.device
     base = _cuda_allocated(dev)
     held = context + warmup + tokens
+    static = static and scheme is not None and not isinstance(scheme, PeerScheme)
+    graphed = None
     with _fused_attention(model) if fused else contextlib.nullcontext():
         if scheme is None:
             cache = DynamicCache(config=model.config)
+        elif static:
+            cache = _static_cache(model, scheme, held, fused, calibration, graphs)
+            if graphs:
+                from kvbits.evaluate.graphs import GraphedDecode
+
+                graphed = GraphedDecode(model, eager=GRAPH_EAGER)
         else:
             cache = make_cache(
                 scheme, model, calibration=calibration, fused_decode=fused, workspace=workspace,
@@ -239,10 +290,14 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         before: dict[str, int] = {}
         counts = getattr(cache, "fused_report", None) if scheme is not None else None
         on_timed = None if counts is None else (lambda: before.update(_counts(counts())))
-        out, times, host = _decode(model, cache, first, tokens, warmup, on_timed)
+        out, times, host = _decode(model, cache, first, tokens, warmup, on_timed,
+                                   position0=context if static else None, step=graphed)  # fmt: skip
+    if graphed is not None and (not graphed.captured or graphed.calls != warmup + tokens):
+        raise RuntimeError(f"the decode steps were not replayed from a captured step: {graphed.calls} calls, "
+                           f"captured {graphed.captured}")  # fmt: skip
     rec: dict[str, Any] = {
-        "cache": BASELINE if scheme is None else scheme.name,
-        "path": _path(scheme, fused, workspace),
+        "cache": BASELINE if scheme is None else scheme if scheme == STATIC_BASELINE else scheme.name,
+        "path": _path(scheme, fused, workspace, static, graphs),
         "context": context,
         "batch": batch,
         "cached_tokens": held,
@@ -251,14 +306,18 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         "step_ms": [round(x, 4) for x in times],
     }
     rec["cache_bytes"] = cache_bytes(cache)
-    if scheme is None or isinstance(scheme, PeerScheme):
-        rec["workspace_bytes"] = 0 if scheme is None else None
+    if scheme is None or scheme == STATIC_BASELINE or isinstance(scheme, PeerScheme):
+        rec["workspace_bytes"] = None if isinstance(scheme, PeerScheme) else 0
         rec["decode"] = None
     else:
-        rec["workspace_bytes"] = int(cache.memory_report()["workspace_bytes"])
+        rec["workspace_bytes"] = int(cache.memory_report().get("workspace_bytes", 0))  # a static cache has none
         after = _counts(cache.fused_report())
         rec["decode"] = {**after, **{f"timed_{k}": after[k] - before.get(k, 0) for k in after}}
-    rec["planned_bytes"] = _planned(model, _dynamic_scheme(model) if scheme is None else scheme, batch, held)
+    if graphed is not None:  # its replays run no Python: the layers count the eager steps and the captured one
+        rec["graph"] = {"eager_steps": graphed.eager, "captured_step": graphed.eager,
+                        "replayed_steps": graphed.calls - graphed.eager - 1}  # fmt: skip
+    float_cache = scheme is None or scheme == STATIC_BASELINE
+    rec["planned_bytes"] = _planned(model, _dynamic_scheme(model) if float_cache else scheme, batch, held)
     rec["cuda_resident_bytes"] = rec["cuda_peak_bytes"] = None
     if base is not None:  # the cache alive, the step's logits gone: what the cache holds on the device
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev)) - base
@@ -274,10 +333,9 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
 def _check_args(schemes: list, tokens: Any, warmup: Any, fused_mode: Any, workspace: Any) -> None:
     names = [s.name for s in schemes]
     check_unique_names(names, "timed")
-    if BASELINE in names:
-        raise ValueError(
-            f"{BASELINE!r} is the baseline every run is measured against; it is not a scheme name"
-        )
+    for base in (BASELINE, STATIC_BASELINE):
+        if base in names:
+            raise ValueError(f"{base!r} is a baseline the runs are measured against; it is not a scheme name")
     check_int("tokens", tokens, 1)
     check_int("warmup", warmup, 0)
     if not isinstance(workspace, bool):
@@ -285,6 +343,22 @@ def _check_args(schemes: list, tokens: Any, warmup: Any, fused_mode: Any, worksp
     if workspace and fused_mode is True:
         raise ValueError("workspace=True keeps a dequantized history for the dequantizing path; fused_decode=True "
                          "never reads it")  # fmt: skip
+
+
+def _check_static(static: Any, graphs: Any, reserve: bool, workspace: bool, warmup: int) -> None:
+    for name, v in (("static", static), ("graphs", graphs)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
+    if graphs and not static:
+        raise ValueError("graphs=True replays the steps of a static cache: it needs static=True")
+    if static and not reserve:
+        raise ValueError("static=True reserves every slot (StaticQuantizedKVCache); reserve=False asks for growing "
+                         "caches")  # fmt: skip
+    if static and workspace:
+        raise ValueError("static=True holds no dequantized workspace; workspace=True is for QuantizedKVCache")
+    if graphs and warmup < GRAPH_EAGER + 1:
+        raise ValueError(f"graphs=True runs {GRAPH_EAGER} eager steps and captures the next, all untimed: warmup must "
+                         f"be at least {GRAPH_EAGER + 1}, got {warmup}")  # fmt: skip
 
 
 def _prompts(
@@ -317,6 +391,8 @@ def speed_eval(
     fused_decode: bool | str = "auto",
     workspace: bool = False,
     reserve: bool = True,
+    static: bool = False,
+    graphs: bool = False,
     sdpa: str = "auto",
     data_path: str | None = None,
     dtype: str | torch.dtype | None = None,
@@ -338,21 +414,28 @@ def speed_eval(
         workspace: the dequantizing path keeps a dequantized history (faster, holds more; module docstring).
         reserve: kvbits caches reserve quantized storage for the run's tokens (``max_cache_len``; module
             docstring); ``False``: they grow by concatenation.
+        static: kvbits schemes decode through a ``StaticQuantizedKVCache`` of the run's tokens (fixed slabs, lengths
+            on the device; ``ValueError`` for a scheme it does not hold, ``kvbits.cache.static_reason``), and
+            transformers' ``StaticCache`` is timed as a second baseline (module docstring).
+        graphs: with ``static``, the static caches' decode steps are replayed from one captured CUDA graph
+            (``kvbits.evaluate.graphs``; a CUDA device, ``warmup`` of 3 or more).
         sdpa: SDPA's backends for the whole run, ``"auto"`` or ``"no-cudnn"`` (module docstring).
         data_path, dtype, device: as ``evaluate``.
         progress: a progress bar on stderr.
 
     Returns:
         ``{"version", "model", "data", "device": {"type", "name", "threads"}, "dtype", "contexts", "batches",
-        "tokens", "warmup", "fused_decode", "workspace", "reserve", "sdpa", "kernel_settings": {"kernel", "dequant",
+        "tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa",
+        "kernel_settings": {"kernel", "dequant",
         "autotune"} (``kvbits.kernels.dispatch.kernel_settings``), "tuned_launches": {launch key: candidate} (the
         autotuner's launches this run served, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
-        "cuda_resident_bytes", "cuda_peak_bytes", "decode", "agreement", "first_divergence",
-        "prefill_seconds"}], "fingerprint", "wall_seconds", "peak_rss_bytes", "date", "commit",
-        "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at the same context and batch.
+        "cuda_resident_bytes", "cuda_peak_bytes", "decode", "graph" (graphs only: eager, captured and replayed
+        steps), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",
+        "peak_rss_bytes", "date", "commit", "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at
+        the same context and batch; ``baselines``: ``["DynamicCache"]``, and ``"StaticCache"`` with ``static``.
     """
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
@@ -376,6 +459,7 @@ def speed_eval(
     _check_args(resolved, tokens, warmup, fused_mode, workspace)
     if not isinstance(reserve, bool):
         raise TypeError(f"reserve must be True or False, got {reserve!r}")
+    _check_static(static, graphs, reserve, workspace, warmup)
     check_sdpa_mode(sdpa)  # before the model loads
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
@@ -385,14 +469,26 @@ def speed_eval(
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    if static:
+        refused = static_refusals(resolved, n_layers)
+        if refused:
+            raise ValueError("static=True: StaticQuantizedKVCache does not hold " + "; ".join(
+                f"{name!r} ({why})" for name, why in refused.items()) + "; QuantizedKVCache serves them (static=False)")
+    if graphs:
+        from kvbits.evaluate.graphs import graph_reason
+
+        why = graph_reason(dev)
+        if why is not None:
+            raise ValueError(f"graphs=True: {why}")
     can_fuse = fuses(model, fused_mode, dev)
     fused = {s.name: not isinstance(s, PeerScheme) and can_fuse for s in resolved}
+    baselines = [BASELINE, STATIC_BASELINE] if static else [BASELINE]
 
     runs: list[dict[str, Any]] = []
     fps: dict[tuple[int, int], str] = {}
     data_name = "tokens"
     t_wall = time.perf_counter()
-    total = len(contexts) * len(batches) * (1 + len(resolved))
+    total = len(contexts) * len(batches) * (len(baselines) + len(resolved))
     with _progress(progress, total) as bar, sdpa_backends(sdpa):
         job = bar.add_task("speed", total=total) if bar is not None else None
         for context in contexts:
@@ -413,16 +509,15 @@ def speed_eval(
                 if not runs:  # the process's first decode (allocations, lazy set-up) is timed by no run
                     _run_one(model, None, kv, first, None, batch=batch, context=context, tokens=1, warmup=warmup,
                              calibration=None, fused=False, workspace=False)  # fmt: skip
-                for scheme in [None, *resolved]:
-                    name = BASELINE if scheme is None else scheme.name
+                for scheme in [None, *([STATIC_BASELINE] if static else []), *resolved]:
+                    name = BASELINE if scheme is None else scheme if scheme == STATIC_BASELINE else scheme.name
                     if bar is not None:
                         bar.update(job, description=f"speed {name} {context} x {batch}")
                     rec = _run_one(
                         model, scheme, kv, first, None if ref is None else ref["tokens"], batch=batch,
                         context=context, tokens=tokens, warmup=warmup,
-                        calibration=None if scheme is None else calibrations.get(scheme.name),
-                        fused=False if scheme is None else fused[scheme.name], workspace=workspace and scheme is not None,
-                        reserve=reserve,
+                        calibration=calibrations.get(name), fused=fused.get(name, False),
+                        workspace=workspace and scheme is not None, reserve=reserve, static=static, graphs=graphs,
                     )  # fmt: skip
                     rec["prefill_seconds"] = round(prefill_s, 3)
                     rec["distinct_rows"] = distinct
@@ -455,6 +550,9 @@ def speed_eval(
         "fused_decode": fused_decode,
         "workspace": workspace,
         "reserve": reserve,
+        "static": static,
+        "graphs": graphs,
+        "baselines": baselines,
         "sdpa": sdpa,
         "kernel_settings": settings,
         "tuned_launches": autotune.chosen_launches(since=launches_before) if settings["autotune"] == "on" else {},
@@ -465,7 +563,7 @@ def speed_eval(
                 if isinstance(s, PeerScheme)
                 else average_bits(s, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers),
                 "peer": isinstance(s, PeerScheme),
-                "path": _path(s, fused[s.name], workspace),
+                "path": _path(s, fused[s.name], workspace, static, graphs),
                 "calibration": mismatch[s.name],
             }
             for s in resolved

@@ -30,11 +30,15 @@ loads their K/V into each cache (transformers' DynamicCache first: the baseline)
 steps run the fused kernel where --fused-decode auto picks it (CUDA with Triton); elsewhere they
 dequantize the history every step (--workspace: keep a dequantized copy instead: faster, and it holds the
 float history too). CPU figures time the torch paths, not the GPU kernel.
+--static: kvbits schemes decode through StaticQuantizedKVCache (fixed slabs, lengths on the device), and
+transformers' StaticCache is timed as a second baseline; --graphs (with --static, on CUDA): the static caches'
+decode steps are replayed from one captured CUDA graph after 2 eager steps and the captured one (all warm-up).
 --json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
-"tokens", "warmup", "fused_decode", "workspace", "reserve", "sdpa", "schemes", "runs": [{"cache", "path", "context", "batch",
-"cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean", "tokens_per_s", "speedup", "step_ms",
-"cache_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes", "cuda_peak_bytes", "decode",
-"agreement", "first_divergence", "prefill_seconds", "distinct_rows"}], "fingerprint", "wall_seconds",
+"tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa", "schemes",
+"runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean",
+"tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes",
+"cuda_peak_bytes", "decode", "graph", "agreement", "first_divergence", "prefill_seconds", "distinct_rows"}],
+"fingerprint", "wall_seconds",
 "peak_rss_bytes", "date", "commit", "versions"}. speedup: tokens/s over DynamicCache's at the same context
 and batch. --out DIR writes speed.json (the same), report.md and speed.png.
 """
@@ -94,6 +98,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "reserving storage for the run's tokens (max_cache_len), as every run before the option did",
     )  # fmt: skip
     p.add_argument(
+        "--static", action="store_true",
+        help="kvbits schemes decode through StaticQuantizedKVCache (fixed slabs, as transformers' StaticCache, which "
+        "is timed beside DynamicCache); per-token and KIVI-style schemes and static FP8",
+    )  # fmt: skip
+    p.add_argument(
+        "--graphs", action="store_true",
+        help="with --static, on CUDA: replay each static cache's decode step from one captured CUDA graph",
+    )  # fmt: skip
+    p.add_argument(
         "--sdpa", choices=SDPA_MODES, default=SDPA_MODES[0],
         help="SDPA's backends for the DynamicCache baseline, the dequantizing paths and the prefill (auto: torch's "
         "choice; no-cudnn: flash, memory-efficient or math, since cuDNN builds a plan for every new key length, "
@@ -117,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--workspace keeps a dequantized history for the dequantizing path; --fused-decode on never reads it"
         )
+    if args.graphs and not args.static:
+        raise ValueError("--graphs replays the decode steps of the static caches: add --static")
+    if args.static and (args.grow or args.workspace):
+        raise ValueError(f"--static reserves every slot and holds no workspace; drop {'--grow' if args.grow else '--workspace'}")
     check_device(args.device)
     if args.out:  # refused before the model loads, not after the runs
         from kvbits.report.speed import check_speed_out
@@ -127,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     summary = speed_eval(
         args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
         data=args.data, calibration=args.calibration,
-        fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow, sdpa=args.sdpa,
+        fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow,
+        static=args.static, graphs=args.graphs, sdpa=args.sdpa,
         data_path=args.data_path, dtype=args.dtype, device=args.device, progress=not (args.no_progress or args.json),
     )  # fmt: skip
     from kvbits.report.speed import write_speed
@@ -149,7 +167,7 @@ def _print(summary: dict, out: str | None) -> None:
         table.add_column("path")
         for c in summary["contexts"]:
             table.add_column(fmt_pos(c), justify="right")
-        names = ["DynamicCache"] + [s["scheme"] for s in summary["schemes"]]
+        names = summary.get("baselines", ["DynamicCache"]) + [s["scheme"] for s in summary["schemes"]]
         for name in names:
             rows = {r["context"]: r for r in summary["runs"] if r["cache"] == name and r["batch"] == batch}
             cells = []

@@ -225,17 +225,19 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[
 
 def cache_bytes(cache: Any) -> int | None:
     """Bytes a cache holds: kvbits' ``memory_report()["total_bytes"]``; every K/V tensor of a
-    ``DynamicCache``; None for any other cache. transformers' ``QuantizedCache`` is one of those: its
-    layers are ``DynamicLayer``s whose ``keys`` / ``values`` are only the full-precision residual, the
-    codes live in quanto tensors beside them, so counting ``keys`` and ``values`` would undercount it."""
-    from transformers import DynamicCache
+    ``DynamicCache`` or a ``StaticCache`` (all its reserved slots); None for any other cache. transformers'
+    ``QuantizedCache`` is one of those: its layers are ``DynamicLayer``s whose ``keys`` / ``values`` are only the
+    full-precision residual, the codes live in quanto tensors beside them, so counting ``keys`` and ``values``
+    would undercount it."""
+    from transformers import DynamicCache, StaticCache
 
     report = getattr(cache, "memory_report", None)
     if callable(report):
         return int(report()["total_bytes"])
-    if not isinstance(cache, DynamicCache):
+    if not isinstance(cache, (DynamicCache, StaticCache)):
         return None
-    return int(sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)))
+    return int(sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values)))  # fmt: skip
 
 
 def load_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -9,7 +9,8 @@ it writes anything the merge checks:
 
 - the same summary version, model (fingerprint), prompts' text, dtype, device (type, name, threads),
   layers, timed and warm-up steps, fused-decode, workspace and reservation setting (a run from before
-  ``reserve`` existed counts as growing), SDPA's backends (``sdpa``; ``auto`` before it was recorded), and
+  ``reserve`` existed counts as growing), static caches and CUDA graphs (``static``, ``graphs``; off before
+  they existed), SDPA's backends (``sdpa``; ``auto`` before it was recorded), and
   decode-kernel settings (``KVBITS_KERNEL``, ``KVBITS_DEQUANT``,
   ``KVBITS_AUTOTUNE``; a run from before they were recorded counts as the defaults);
 - the same schemes in every run (name, average bits, peer or not, decode path), in the same order;
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["merge_speed", "merge_speed_runs"]
 
 _SAME = ("version", "model", "data", "dtype", "device", "layers", "tokens", "warmup", "fused_decode", "workspace",
-         "reserve", "sdpa", "kernel_settings")
+         "reserve", "static", "graphs", "sdpa", "kernel_settings")
 _SCHEME = ("scheme", "peer", "path")
 
 
@@ -54,6 +55,9 @@ def _load(folder: Path) -> dict[str, Any]:
     )  # fmt: skip
     summary.setdefault("reserve", False)  # runs from before the option: growing caches
     summary.setdefault("sdpa", "auto")  # runs from before the option: torch's choice of SDPA backend
+    summary.setdefault("static", False)  # runs from before the options: QuantizedKVCache, no graphs
+    summary.setdefault("graphs", False)
+    summary.setdefault("baselines", ["DynamicCache"])
     from kvbits.kernels.dispatch import DEFAULT_SETTINGS
 
     summary.setdefault("kernel_settings", dict(DEFAULT_SETTINGS))  # runs from before the field: the defaults
@@ -114,6 +118,7 @@ def merge_speed(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | N
         prompts.update((s.get("fingerprint") or {}).get("prompts") or {})
     return {
         **{k: first[k] for k in _SAME if k in first},
+        "baselines": list(first.get("baselines") or ["DynamicCache"]),
         "contexts": sorted({int(r["context"]) for r in runs}),
         "batches": sorted({int(r["batch"]) for r in runs}),
         "schemes": [dict(x) for x in longest["schemes"]],

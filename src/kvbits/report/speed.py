@@ -29,11 +29,22 @@ _PATHS = {
     "workspace": "a dequantized copy of the history is kept and appended to (faster; holds the float history "
     "too, `workspace` below)",
     "peer": "a cache outside kvbits, as it ships",
+    "static-float": "transformers' `StaticCache`, float K/V in slots reserved for the run's tokens (the static "
+    "baseline)",
+    "static-fused": "`StaticQuantizedKVCache` (fixed slabs, lengths on the device), the fused kernel launched over "
+    "every reserved slot",
+    "static-dequantize": "`StaticQuantizedKVCache`, every reserved slot dequantized each step, then SDPA",
 }
+_GRAPHS = "; each step after the warm-up replayed from one captured CUDA graph"
+
+
+def _path_text(path: str) -> str:
+    base = path.removesuffix("-graphs")
+    return _PATHS.get(base, base) + (_GRAPHS if path.endswith("-graphs") else "")
 
 
 def _caches(summary: Mapping[str, Any]) -> list[str]:
-    return [BASELINE] + [s["scheme"] for s in summary["schemes"]]
+    return list(summary.get("baselines") or [BASELINE]) + [s["scheme"] for s in summary["schemes"]]
 
 
 def _run(summary: Mapping[str, Any], cache: str, context: int, batch: int) -> Mapping[str, Any] | None:
@@ -140,12 +151,16 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             f"batches {', '.join(str(b) for b in summary['batches'])}"
         ),
         f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run"
-        + {  # runs from before the setting say nothing (their caches grew): their reports come back as written
+        + ("" if summary.get("static") else {  # runs from before the setting say nothing (their caches grew)
             True: "; kvbits caches reserve quantized storage for the run's tokens (`max_cache_len`: a flush writes "
             "in place" + ("; the workspace holds every token in attention's order and a step returns views of it)"
                           if summary.get("workspace") else ")"),
             False: "; kvbits caches grow by concatenation (a flush copies the layer's quantized history)",
-        }.get(summary.get("reserve"), ""),
+        }.get(summary.get("reserve"), ""))
+        + ("; kvbits schemes in `StaticQuantizedKVCache` (every slot reserved for the run's tokens), transformers' "
+           "`StaticCache` timed beside `DynamicCache`"
+           + ("; the static caches' steps replayed from one captured CUDA graph after 2 eager steps and the "
+              "captured one, all in the warm-up" if summary.get("graphs") else "") if summary.get("static") else ""),
         *_kernel_line(summary),
         *_sdpa_line(summary),
         (
@@ -165,8 +180,11 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         "",
         f"- `{BASELINE}`: {_PATHS['dynamic']}",
     ]
+    static_base = next((r["path"] for r in summary["runs"] if r["cache"] == "StaticCache"), None)
+    if static_base is not None:
+        lines.append(f"- `StaticCache`: `{static_base}`, {_path_text(static_base)}")
     for name, path in paths.items():
-        lines.append(f"- `{name}`: `{path}`, {_PATHS.get(path, path)}")
+        lines.append(f"- `{name}`: `{path}`, {_path_text(path)}")
     lines.append("")
     for batch in summary["batches"]:
         lines += [f"## Batch {batch}", ""]
@@ -202,7 +220,7 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         lines += _merged_table(summary["merged_from"])
     if figure:
         lines += ["## Figure", "", "![decode tokens/s by context](speed.png)", ""]
-    short = [r for r in summary["runs"] if r["path"] == "fused" and r.get("decode")
+    short = [r for r in summary["runs"] if r["path"] in ("fused", "static-fused") and r.get("decode")
              and r["decode"]["timed_fused_steps"] != summary["layers"] * summary["tokens"]]  # fmt: skip
     if short:
         lines += ["## Timed steps not all fused", "",
