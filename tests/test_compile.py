@@ -195,3 +195,40 @@ def test_static_quantized_cache_under_compile_with_fused_attention():
     finally:
         model.set_attn_implementation("sdpa")
     torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["int4-token", "kivi"])
+def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(windowed: bool):
+    """transformers' ``generate`` compiles its decode steps by itself when the cache is compileable (on CUDA; here
+    ``CompileConfig._compile_all_devices``, with a counting backend in place of inductor and CUDA graphs, and
+    ``fullgraph=True``, stricter than its default): with a ``StaticQuantizedKVCache`` every decode step runs through one
+    compiled frame, and the greedy tokens and logits are those ``generate`` decodes eagerly through the same cache."""
+    from transformers import CompileConfig
+
+    from kvbits.cache import StaticQuantizedKVCache
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    scheme = "int4-token"
+    if windowed:  # flushes of 4 tokens during the decode
+        scheme = KVScheme("kivi-tiny", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
+                          value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), residual=4, block=4)  # fmt: skip
+    model = tiny_llama()
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(3))
+    frames: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        frames.append(gm)
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    out = {}
+    for mode in ("eager", "compiled"):
+        cache = StaticQuantizedKVCache(model.config, scheme, max_cache_len=40 + STEPS)
+        extra = {"compile_config": config} if mode == "compiled" else {"disable_compile": True}
+        with torch.no_grad():
+            out[mode] = model.generate(ids, **cache_kwargs(cache, model), max_new_tokens=STEPS, do_sample=False,
+                                       pad_token_id=0, output_logits=True, return_dict_in_generate=True, **extra)  # fmt: skip
+    assert len(frames) == 1, [len(f.graph.nodes) for f in frames]  # the prompt runs eagerly, every decode step here
+    assert torch.equal(out["compiled"].sequences, out["eager"].sequences)
+    torch.testing.assert_close(torch.stack(out["compiled"].logits), torch.stack(out["eager"].logits), atol=1e-5, rtol=0)

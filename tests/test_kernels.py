@@ -27,6 +27,7 @@ from kvbits.kernels import dispatch
 from kvbits.kernels.reference import (
     PackedStore,
     PackedTensor,
+    _head_slots,
     apply_rope_at,
     code_basis,
     decode_attention_reference,
@@ -180,6 +181,8 @@ def test_pack_store_layout_equals_quantized_blocks(s: TensorSpec, tps: int, cps:
     )
     # the layout decodes to exactly what QuantizedTensor decodes (same float32 formulas)
     assert torch.equal(dequantize_packed(p), torch.cat([b.dequantize() for b in blocks], 2))
+    # slots cut mid scale row (``used_slots``): each slot still reads its own row (the gathered path)
+    assert torch.equal(dequantize_packed(_head_slots(p, 70)), dequantize_packed(p)[:, :, :70])
     assert p.nbytes == sum(b.nbytes for b in blocks) + (
         0 if s.granularity != "tensor" else (H - 1) * B * 3 * 2  # tensor scales repeated per head
     )

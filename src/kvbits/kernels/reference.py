@@ -527,16 +527,29 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     factor and shifted by its mean, as ``QuantizedTensor.dequantize`` does.
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    rows = torch.arange(p.n_slots, device=p.codes.device) // p.tps  # slot t -> scale row t // tps
-    cols = torch.arange(p.head_dim, device=p.codes.device) // p.cps  # channel d -> scale column d // cps
+    T, D = p.n_slots, p.head_dim
+    tps = max(T, 1) if p.tps == STATIC_TPS else p.tps
+    grouped = T % tps == 0 and D % p.cps == 0 and p.scale.shape[2] >= T // tps
+    if grouped:  # each scale broadcast over its (tps, cps) block: no (B, H, T, D) copy of the scales
+        B, H = p.codes.shape[:2]
+        blocks = (B, H, T // tps, tps, D // p.cps, p.cps)
 
-    def expand(m: torch.Tensor) -> torch.Tensor:
-        return m.to(work)[:, :, rows][:, :, :, cols]
+        def expand(m: torch.Tensor) -> torch.Tensor:
+            return m[:, :, : T // tps].to(work)[:, :, :, None, :, None]
+    else:
+        rows = torch.arange(T, device=p.codes.device) // p.tps  # slot t -> scale row t // tps
+        cols = torch.arange(D, device=p.codes.device) // p.cps  # channel d -> scale column d // cps
+
+        def expand(m: torch.Tensor) -> torch.Tensor:
+            return m.to(work)[:, :, rows][:, :, :, cols]
+
+    def view(x: torch.Tensor) -> torch.Tensor:  # codes (B, H, T, D) in the layout ``expand`` broadcasts against
+        return x.reshape(blocks) if grouped else x
 
     if p.kind == "fp8":
-        out = p.codes.view(fp8_dtype(p.fmt)).to(work) * expand(p.scale)
+        out = view(p.codes.view(fp8_dtype(p.fmt)).to(work)) * expand(p.scale)
     else:
-        codes = unpack_bits(p.codes, p.bits, p.head_dim)
+        codes = view(unpack_bits(p.codes, p.bits, p.head_dim))
         if p.kind == "nuq":
             u = p.codebook.to(codes.device, work)[codes.long()]
             out = (
@@ -546,6 +559,8 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
             out = (codes.to(work) - (2 ** (p.bits - 1) - 1)) * expand(p.scale)
         else:
             out = codes.to(work) * expand(p.scale) + expand(p.zero)
+    if grouped:
+        out = out.reshape(p.codes.shape[:3] + (D,))
     if p.outlier_values is not None:
         out = out.scatter(-1, p.outlier_index.long(), p.outlier_values.to(work))
     if p.rotate is not None:
