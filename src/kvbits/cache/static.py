@@ -435,9 +435,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         n = min(T, keys.shape[2])
         at = torch.where(self._in_window(), self.window_pos, T)  # the window's tokens at their positions; the rest: T
         out = []
-        for dense_q, window in ((keys, self.key_full), (values, self.value_full)):
-            dense = dense_q.new_zeros((*dense_q.shape[:2], T + 1, dense_q.shape[3]))
-            dense[:, :, :n] = dense_q[:, :, :n]
+        for dense_q, window in ((keys, self.key_full), (values, self.value_full)):  # one copy, zeros past the slots
+            dense = torch.cat((dense_q[:, :, :n], dense_q.new_zeros((*dense_q.shape[:2], T + 1 - n, dense_q.shape[3]))), 2)
             dense.index_copy_(2, at, window.to(dense.dtype))
             out.append(dense[:, :, :T])
         return out[0], out[1]

@@ -546,19 +546,21 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
     def view(x: torch.Tensor) -> torch.Tensor:  # codes (B, H, T, D) in the layout ``expand`` broadcasts against
         return x.reshape(blocks) if grouped else x
 
+    # in place on the one float copy of the codes (the same operations and roundings; a + b == b + a exactly)
     if p.kind == "fp8":
-        out = view(p.codes.view(fp8_dtype(p.fmt)).to(work)) * expand(p.scale)
+        out = view(p.codes.view(fp8_dtype(p.fmt)).to(work)).mul_(expand(p.scale))
     else:
         codes = view(unpack_bits(p.codes, p.bits, p.head_dim))
         if p.kind == "nuq":
-            u = p.codebook.to(codes.device, work)[codes.long()]
-            out = (
-                u * expand(p.scale) if p.zero is None else expand(p.zero) + (u + 1.0) * (expand(p.scale) / 2)
-            )
+            out = p.codebook.to(codes.device, work)[codes.long()]
+            if p.zero is None:
+                out.mul_(expand(p.scale))
+            else:
+                out.add_(1.0).mul_(expand(p.scale) / 2).add_(expand(p.zero))
         elif p.zero is None:
-            out = (codes.to(work) - (2 ** (p.bits - 1) - 1)) * expand(p.scale)
+            out = codes.to(work).sub_(2 ** (p.bits - 1) - 1).mul_(expand(p.scale))
         else:
-            out = codes.to(work) * expand(p.scale) + expand(p.zero)
+            out = codes.to(work).mul_(expand(p.scale)).add_(expand(p.zero))
     if grouped:
         out = out.reshape(p.codes.shape[:3] + (D,))
     if p.outlier_values is not None:
