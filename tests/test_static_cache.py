@@ -35,7 +35,10 @@ CHANNEL_SMALL = KVScheme(
     "channel-small", key=TensorSpec(kind="int", bits=2, fmt=None, granularity="channel", group_size=8),
     value=TensorSpec(kind="int", bits=2, fmt=None, granularity="token"), block=8,
 )  # fmt: skip
-NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL)}
+# per-token INT4 with the first 4 tokens kept in full precision (attention sinks)
+SINKS4 = KVScheme("int4-sinks", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
+                  value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), sinks=4)  # fmt: skip
+NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL, SINKS4)}
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +60,8 @@ def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 @pytest.mark.parametrize(
     "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
-               "int4-token,0=fp16", "kivi-small", "channel-small", "fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3-hadamard"],
+               "int4-token,0=fp16", "kivi-small", "channel-small", "fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3-hadamard",
+               "int4-sinks"],
 )  # fmt: skip
 def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
@@ -83,7 +87,7 @@ def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
         assert int(cache.layers[0].qlen) == (PROMPT + NEW - 1 - R) // blk * blk > (PROMPT - R) // blk * blk
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small"])
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks"])
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 def test_static_cache_left_padded_batch(fused, scheme):
     """Left padding: the pads take slots like any token; the mask transformers builds hides them (SDPA), and on
@@ -103,7 +107,7 @@ def test_static_cache_left_padded_batch(fused, scheme):
     assert all(layer.fused.fallbacks == 0 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small"])
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks"])
 def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch, scheme):
     """The fused steps through the Triton kernels (interpreted on a CPU), launched for all reserved slots with each
     sequence's length read from the device (and a windowed scheme's window as the masked tail): the logits of the
@@ -137,7 +141,7 @@ def test_static_cache_error_is_the_schemes():
     assert 0 < err["int8-token"] < 0.05 < err["int2-token"], err
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16", "kivi-small"])
+@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16", "kivi-small", "int4-sinks"])
 def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     """Every byte of the slabs (codes, scales, zero-points, float layers, windows) is counted, and the total is what
     ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved); a windowed
@@ -187,14 +191,18 @@ def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
 def test_static_cache_refuses_what_it_cannot_hold():
     """Schemes that need the host's flush bookkeeping or calibration are named with the reason; so are sliding
     layers, a missing ``max_cache_len`` and more tokens than it."""
-    for scheme, words in (("kvquant-4", "sinks=1"), ("int4-channel-prerope", "pre-RoPE"),
-                          ("int4-token-smooth", "centred"), ("kvquant-4-block", "sinks=1")):  # fmt: skip
+    sinks_kivi = KVScheme("kivi-sinks", key=KIVI_SMALL.key, value=KIVI_SMALL.value, residual=8, block=4, sinks=2)
+    for scheme, words in (("kvquant-4", "NUQ"), ("int4-channel-prerope", "pre-RoPE"),
+                          ("int4-token-smooth", "centred"), ("kvquant-4-block", "sinks=1 beside a flush window"),
+                          (sinks_kivi, "sinks=2 beside a flush window")):  # fmt: skip
         why = static_reason(get_scheme(scheme))
         assert why is not None and words in why, (scheme, why)
         with pytest.raises(ValueError, match="fixed slabs"):
             StaticQuantizedKVCache(num_layers=2, scheme=scheme, max_cache_len=8)
+    with pytest.raises(ValueError, match="max_cache_len=4 leaves no slot past the 4 sinks"):
+        StaticQuantizedKVCache(num_layers=2, scheme=SINKS4, max_cache_len=4)
     for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16", "kivi-4",
-                   "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head"):  # fmt: skip
+                   "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head", SINKS4):  # fmt: skip
         assert static_reason(get_scheme(scheme).for_layer(0)) is None
     with pytest.raises(ValueError, match="max_cache_len is required"):
         StaticQuantizedKVCache(num_layers=2, max_cache_len=None)
@@ -299,3 +307,49 @@ def test_static_cache_prefill_attends_over_the_written_positions_only(scheme):
     torch.testing.assert_close(whole, one.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(chunks["static"], chunks["quantized"], atol=1e-5, rtol=0)
     assert 0 < float((whole - exact).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
+def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, monkeypatch):
+    """A 2-token prompt under 4 sinks: decode steps fill the last sinks on the device (no host read), then quantize.
+    The same tokens and logits as ``QuantizedKVCache``, eagerly; and one step recorded while the sinks still fill,
+    replayed across the boundary (``benchmarks/graph_replay.py``'s emulation of a CUDA graph), gives the eager steps'
+    logits bit for bit."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model = build("llama")
+    ids = prompt()[:, :2]
+    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=SINKS4, fused_decode=fused),
+                              fused=fused, ids=ids)  # fmt: skip
+    cache = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=fused)
+    seq, got = generate(model, cache, fused=fused, ids=ids)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert int(cache.layers[0]._other_lens[0]) == 4 and int(cache.layers[0].lens[0]) == 2 + NEW - 1 - 4
+
+    logits = {}
+    for mode in ("eager", "replayed"):
+        c = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=fused,
+                                   checks="lazy")  # fmt: skip
+        kw = cache_kwargs(c, model)
+        step = GraphedDecode(model, eager=1, capture=tape_capture) if mode == "replayed" else None
+        out = []
+        with torch.no_grad(), attention(model, fused):
+            nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+            for i in range(8):  # positions 2, 3 (sinks; the second one recorded), then 4 .. 9 (quantized)
+                pos = torch.tensor([2 + i])
+                if step is None:
+                    lg = model(nxt, **kw, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
+                else:
+                    lg = step(nxt, cache_position=pos, **kw, use_cache=True).logits
+                out.append(lg[:, -1].clone())
+                nxt = lg[:, -1:].argmax(-1)
+        logits[mode] = torch.stack(out)
+        if step is not None:
+            assert step.captured and step.calls == 8
+    assert torch.equal(logits["replayed"], logits["eager"])

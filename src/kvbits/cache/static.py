@@ -47,9 +47,12 @@ Schemes (``static_reason``): INT2/3/4/8 and FP8 codes with one scale per token (
 symmetric, vLLM's rounding and integer zero-points, Hadamard rotations) or per-channel groups of tokens within the
 flush block (KIVI's keys); static FP8 with one scale per tensor or per head (vLLM's ``fp8`` KV cache: 1.0 until
 calibrated, ``calibration=`` or ``set_static_qparams``; values beyond it saturate and are counted on the device,
-``clipped()``); float layers of a mixed scheme (``"kivi-4,0=fp16"``) keep float slabs. Sinks, pre-RoPE keys, outliers
-and calibrated integer parameters (static ranges, NUQ codebooks, centring) need positions or statistics the host
-tracks: ``QuantizedKVCache`` serves them.
+``clipped()``); float layers of a mixed scheme (``"kivi-4,0=fp16"``) keep float slabs. Per-token schemes may keep their
+first ``sinks`` tokens in full precision (attention sinks): a sink slab of ``sinks`` slots, the kernels'
+full-precision tail; quantized slot ``i`` then holds position ``sinks + i``, and a decode step picks sink or slot on
+the device (a prefill reads the length once). Sinks beside a flush window, pre-RoPE keys, outliers and calibrated
+integer parameters (static ranges, NUQ codebooks, centring) need positions or statistics the host tracks:
+``QuantizedKVCache`` serves them.
 
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
@@ -119,8 +122,8 @@ def static_reason(scheme: KVScheme) -> str | None:
     """Why a (flat) scheme cannot be stored in fixed slabs (``None``: it can); see the module docstring."""
     if scheme.is_identity:
         return None
-    if scheme.sinks:
-        return f"sinks={scheme.sinks} (attention sinks kept apart; none here)"
+    if scheme.sinks and (scheme.residual or scheme.block > 1):
+        return f"sinks={scheme.sinks} beside a flush window (sinks are held for per-token schemes only)"
     for side, spec in (("key", scheme.key), ("value", scheme.value)):
         if spec.kind == "float":
             return f"{side}s kept in {spec.fmt} beside quantized {'values' if side == 'key' else 'keys'}"
@@ -136,7 +139,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
     Attributes (after the first ``update``):
         key, value: ``PackedTensor`` slabs of quantized slots (quantized schemes), else ``None``.
         key_full, value_full: ``(B, H_kv, max_cache_len, D)`` float slabs (float schemes), a windowed scheme's
-            ``(B, H_kv, residual + block, D)`` window, else ``None``.
+            ``(B, H_kv, residual + block, D)`` window, a per-token scheme's ``(B, H_kv, sinks, D)`` sinks (positions
+            ``0 .. sinks - 1``; its quantized slot ``i`` then holds position ``sinks + i``), else ``None``.
         length, qlen: 0-dim int64, tokens written and tokens quantized (device); ``lens``: ``(B,)`` int32, the
             quantized slots each sequence attends (its written ones for float layers), for the kernels.
         window_pos: ``(residual + block,)`` int64, the position each window slot holds (``-1``: none yet).
@@ -158,6 +162,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 f"layer {layer_idx}: scheme {scheme.name!r} cannot be stored in fixed slabs: {reason}; "
                 "QuantizedKVCache (with max_cache_len=) serves it"
             )
+        if not scheme.is_identity and scheme.sinks >= max_cache_len:
+            raise ValueError(f"layer {layer_idx}: max_cache_len={max_cache_len} leaves no slot past the "
+                             f"{scheme.sinks} sinks of {scheme.name!r}")  # fmt: skip
         self.scheme, self.max_cache_len, self.layer_idx = scheme, max_cache_len, layer_idx
         self.num_key_value_heads = num_key_value_heads  # from the config, for checks before the first update
         self.checks = check_mode(checks)
@@ -213,7 +220,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
             for side in SIDES:  # static FP8: () per tensor, (1, H_kv, 1, 1) per head
                 if (scale := self._static_scale(side, H, device)) is not None:
                     self._static[side] = scale.clone()
-            slots = self.max_cache_len
+            slots = self.max_cache_len - self.scheme.sinks
+            if self.scheme.sinks:  # the first tokens, kept in the K/V dtype: the kernels' full-precision tail
+                shape = (B, H, self.scheme.sinks, D)
+                self.key_full = torch.zeros(shape, dtype=key_states.dtype, device=device)
+                self.value_full = torch.zeros(shape, dtype=value_states.dtype, device=device)
             if self.windowed:  # the tokens quantized at max_cache_len, and one block written ahead of them
                 slots = token_split(self.scheme, self.max_cache_len).quantized + self.scheme.block
                 window = self.scheme.residual + self.scheme.block
@@ -345,6 +356,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.value_full.index_copy_(2, pos, value_states.to(self.value_full.dtype))
             self.length.add_(q)
             self.lens.copy_(self.length.expand(self.lens.shape[0]))
+        elif not self.windowed and self.scheme.sinks:
+            self._write_with_sinks(key_states, value_states)
         elif not self.windowed:  # every token quantized as it arrives
             self._write_codes(key_states, value_states, self.length)
             self.length.add_(q)
@@ -380,6 +393,34 @@ class StaticQuantizedLayer(CacheLayerMixin):
             for name in _SLOT_FIELDS:
                 if getattr(slab, name) is not None and not (static and name in ("scale", "zero")):
                     getattr(slab, name).index_copy_(2, rows if name in ("scale", "zero") else slots, getattr(new, name))
+
+    def _write_with_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Per-token scheme with sinks: positions ``< sinks`` go to the sink slabs, the others are quantized into slots
+        ``position - sinks``. A decode step decides on the device alone (what a captured step replays): it writes the
+        sink slot ``min(length, sinks - 1)`` (its old value unless ``length < sinks``) and quantizes the token into
+        slot ``max(length - sinks, 0)``, which nothing attends while ``length < sinks``. Several tokens at once (a
+        prefill) read the length once (a host sync) and split exactly."""
+        S, q = self.scheme.sinks, k.shape[2]
+        if q == 1:
+            at = self.length.clamp(max=S - 1).view(1)
+            is_sink = self.length < S
+            for slab, x in ((self.key_full, k), (self.value_full, v)):
+                slab.index_copy_(2, at, torch.where(is_sink, x.to(slab.dtype), slab.index_select(2, at)))
+            self._write_codes(k, v, (self.length - S).clamp(min=0))
+        else:
+            L0 = int(self.length)
+            n = max(0, min(q, S - L0))
+            if n:
+                at = torch.arange(L0, L0 + n, device=self.device)
+                self.key_full.index_copy_(2, at, k[:, :, :n].to(self.key_full.dtype))
+                self.value_full.index_copy_(2, at, v[:, :, :n].to(self.value_full.dtype))
+            if q > n:
+                slot0 = torch.full((), L0 + n - S, dtype=torch.int64, device=self.device)
+                self._write_codes(k[:, :, n:], v[:, :, n:], slot0)
+        self.length.add_(q)
+        B = self.lens.shape[0]
+        self.lens.copy_((self.length - S).clamp(min=0).expand(B))
+        self._other_lens.copy_(self.length.clamp(max=S).expand(B))
 
     def _window_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One token through the window, on the device alone (what a captured step replays).
@@ -429,6 +470,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if self.scheme.is_identity:
             return self.key_full.to(self.dtype), self.value_full.to(self.dtype)
         keys, values = dequantize_packed(self.key, self.dtype), dequantize_packed(self.value, self.dtype)
+        if not self.windowed and self.scheme.sinks:  # positions 0 .. sinks - 1, then the quantized slots
+            return (torch.cat((self.key_full.to(self.dtype), keys), 2),
+                    torch.cat((self.value_full.to(self.dtype), values), 2))  # fmt: skip
         if not self.windowed:
             return keys, values
         T = self.max_cache_len
@@ -449,6 +493,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if self.scheme.is_identity:
             mask = None if keep is None else word_rows(keep)
             return PackedStore(None, None, self.key_full, self.value_full, self._other_lens, self.lens, full_mask=mask)
+        if not self.windowed and self.scheme.sinks:  # the sinks as the full-precision tail
+            S = self.scheme.sinks
+            qm = None if keep is None else word_rows(keep[:, S:], self.key.n_slots)
+            fm = None if keep is None else keep[:, :S].contiguous()
+            return PackedStore(self.key, self.value, self.key_full, self.value_full, self.lens, self._other_lens,
+                               quant_mask=qm, full_mask=fm)  # fmt: skip
         if not self.windowed:
             mask = None if keep is None else word_rows(keep)
             return PackedStore(self.key, self.value, None, None, self.lens, self._other_lens, quant_mask=mask)
