@@ -490,6 +490,7 @@ def test_static_caches_time_against_both_baselines(model, ids, tmp_path, monkeyp
     md = speed_markdown(st)
     assert "`StaticCache`: `static-float`" in md and "`int4-token`: `static-dequantize`, `StaticQuantizedKVCache`" in md
     assert "| StaticCache | " in md and "kvbits caches reserve" not in md and "captured CUDA graph" not in md
+    assert "holds more than the plan by design" in md and "by design" not in speed_markdown(qu)
     with pytest.raises(ValueError, match="runs differ in static"):
         merge_speed([st, {**qu, "batches": [3], "runs": [{**x, "batch": 3} for x in qu["runs"]]}])
 
