@@ -210,6 +210,11 @@ def _counts(report: dict[str, Any]) -> dict[str, int]:
     return {k: int(report[k]) for k in ("fused_steps", "fallback_steps")}
 
 
+def _cache_name(scheme: Any) -> str:
+    """A run's ``cache``: the baseline's name (``None``: ``DynamicCache``; ``STATIC_BASELINE``), else the scheme's."""
+    return BASELINE if scheme is None else scheme if scheme == STATIC_BASELINE else scheme.name
+
+
 def _path(scheme: Any, fused: bool, workspace: bool, static: bool = False, graphs: bool = False) -> str:
     if scheme is None:
         return "dynamic"
@@ -296,7 +301,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         raise RuntimeError(f"the decode steps were not replayed from a captured step: {graphed.calls} calls, "
                            f"captured {graphed.captured}")  # fmt: skip
     rec: dict[str, Any] = {
-        "cache": BASELINE if scheme is None else scheme if scheme == STATIC_BASELINE else scheme.name,
+        "cache": _cache_name(scheme),
         "path": _path(scheme, fused, workspace, static, graphs),
         "context": context,
         "batch": batch,
@@ -510,7 +515,7 @@ def speed_eval(
                     _run_one(model, None, kv, first, None, batch=batch, context=context, tokens=1, warmup=warmup,
                              calibration=None, fused=False, workspace=False)  # fmt: skip
                 for scheme in [None, *([STATIC_BASELINE] if static else []), *resolved]:
-                    name = BASELINE if scheme is None else scheme if scheme == STATIC_BASELINE else scheme.name
+                    name = _cache_name(scheme)
                     if bar is not None:
                         bar.update(job, description=f"speed {name} {context} x {batch}")
                     rec = _run_one(

@@ -43,6 +43,11 @@ def _path_text(path: str) -> str:
     return _PATHS.get(base, base) + (_GRAPHS if path.endswith("-graphs") else "")
 
 
+def _eager_steps(summary: Mapping[str, Any]) -> int | str:
+    """The decode steps run eagerly before the captured one, as the graphed runs recorded them."""
+    return next((r["graph"]["eager_steps"] for r in summary["runs"] if r.get("graph")), "?")
+
+
 def _caches(summary: Mapping[str, Any]) -> list[str]:
     return list(summary.get("baselines") or [BASELINE]) + [s["scheme"] for s in summary["schemes"]]
 
@@ -159,8 +164,9 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         }.get(summary.get("reserve"), ""))
         + ("; kvbits schemes in `StaticQuantizedKVCache` (every slot reserved for the run's tokens), transformers' "
            "`StaticCache` timed beside `DynamicCache`"
-           + ("; the static caches' steps replayed from one captured CUDA graph after 2 eager steps and the "
-              "captured one, all in the warm-up" if summary.get("graphs") else "") if summary.get("static") else ""),
+           + (f"; the static caches' steps replayed from one captured CUDA graph after {_eager_steps(summary)} eager "
+              "steps and the captured one, all in the warm-up" if summary.get("graphs") else "")
+           if summary.get("static") else ""),
         *_kernel_line(summary),
         *_sdpa_line(summary),
         (
@@ -180,9 +186,9 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         "",
         f"- `{BASELINE}`: {_PATHS['dynamic']}",
     ]
-    static_base = next((r["path"] for r in summary["runs"] if r["cache"] == "StaticCache"), None)
-    if static_base is not None:
-        lines.append(f"- `StaticCache`: `{static_base}`, {_path_text(static_base)}")
+    for name in (summary.get("baselines") or [BASELINE])[1:]:  # StaticCache in a static run
+        path = next(r["path"] for r in summary["runs"] if r["cache"] == name)
+        lines.append(f"- `{name}`: `{path}`, {_path_text(path)}")
     for name, path in paths.items():
         lines.append(f"- `{name}`: `{path}`, {_path_text(path)}")
     lines.append("")
