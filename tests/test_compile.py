@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,22 +145,29 @@ def static_steps(step: Callable, model: torch.nn.Module, cache) -> torch.Tensor:
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("windowed", [False, True], ids=["int4-token", "kivi"])
-def test_static_quantized_cache_compiles_whole_without_recompiles(windowed: bool):
+def _static_scheme(kind: str) -> Any:
+    """``int4-token``; ``kivi``: KIVI's recipe at head dim 16, a 4-token window, flushes of 4 tokens (4 of them in the
+    steps); ``kivi-prerope``: the same with keys quantized before RoPE (un-rotated and rotated back on the device)."""
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    if kind == "int4-token":
+        return kind
+    key = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4, pre_rope=kind == "kivi-prerope")
+    return KVScheme(f"{kind}-tiny", key=key, value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
+                    residual=4, block=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int4-token", "kivi", "kivi-prerope"])
+def test_static_quantized_cache_compiles_whole_without_recompiles(kind: str):
     """``StaticQuantizedKVCache`` (``kvbits.cache.static``) is traced, not run eagerly: a decode step with SDPA over
     its dequantized slabs compiles as one graph (``fullgraph=True``), once for all steps (its lengths are device
-    tensors, so nothing the graph guards on changes; a windowed scheme's flushes included), with the logits of the
-    eager steps."""
+    tensors, so nothing the graph guards on changes; a windowed scheme's flushes and pre-RoPE keys' rotations
+    included), with the logits of the eager steps."""
     from torch._dynamo.testing import CompileCounter
 
     from kvbits.cache import StaticQuantizedKVCache
-    from kvbits.schemes import KVScheme, TensorSpec
 
-    scheme = "int4-token"
-    if windowed:  # KIVI's recipe at head dim 16: a 4-token window, flushes of 4 tokens (4 of them in the steps)
-        scheme = KVScheme("kivi-tiny", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
-                          value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), residual=4, block=4)  # fmt: skip
-
+    scheme = _static_scheme(kind)
     model = tiny_llama()
     logits = {}
     counter = CompileCounter()
@@ -197,8 +205,8 @@ def test_static_quantized_cache_under_compile_with_fused_attention():
     torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("windowed", [False, True], ids=["int4-token", "kivi"])
-def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(windowed: bool):
+@pytest.mark.parametrize("kind", ["int4-token", "kivi", "kivi-prerope"])
+def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(kind: str):
     """transformers' ``generate`` compiles its decode steps by itself when the cache is compileable (on CUDA; here
     ``CompileConfig._compile_all_devices``, with a counting backend in place of inductor and CUDA graphs, and
     ``fullgraph=True``, stricter than its default): with a ``StaticQuantizedKVCache`` every decode step runs through one
@@ -206,12 +214,8 @@ def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(windowe
     from transformers import CompileConfig
 
     from kvbits.cache import StaticQuantizedKVCache
-    from kvbits.schemes import KVScheme, TensorSpec
 
-    scheme = "int4-token"
-    if windowed:  # flushes of 4 tokens during the decode
-        scheme = KVScheme("kivi-tiny", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4),
-                          value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), residual=4, block=4)  # fmt: skip
+    scheme = _static_scheme(kind)  # the KIVI ones flush 4 tokens at a time during the decode
     model = tiny_llama()
     ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(3))
     frames: list[torch.fx.GraphModule] = []

@@ -40,7 +40,7 @@ from kvbits.cache import (
 )
 from kvbits.cache import fused as fused_mod
 from kvbits.cache.compat import cache_kwargs
-from kvbits.cache.layer import _position_offset
+from kvbits.cache.layer import position_offset
 from kvbits.calibrate.fit import tie_rope_pairs
 from kvbits.kernels import dispatch
 from kvbits.plan import plan
@@ -1029,14 +1029,14 @@ def test_position_offset_rules():
 
     def offset(row: list[int], n_before: int = 0) -> int:
         pos = torch.tensor([row])
-        return int(_position_offset((), {"kwargs": {"position_ids": pos}}, n_before, k)[0])
+        return int(position_offset((), {"kwargs": {"position_ids": pos}}, n_before, k)[0])
 
     assert offset([0, 0, 0, 0, 1, 2]) == 3 == offset([1, 1, 1, 0, 1, 2])  # left padded by 3
     assert offset([1, 1, 1, 1, 1, 0]) == 5 == offset([0, 0, 0, 0, 0, 0])  # one real token after 5 pads
     assert offset([0, 1, 2, 3, 0, 0]) == 0 == offset([0, 1, 2, 3, 1, 1])  # right padded by 2
     assert offset([0, 1, 2, 3, 4, 5], n_before=7) == 7 and offset([10, 11, 12, 13, 14, 15]) == -10
     empty = torch.zeros(1, 0, dtype=torch.long)  # a zero-token update (it raised IndexError)
-    assert _position_offset((), {"kwargs": {"position_ids": empty}}, 0, k[:, :, :0]) is None
+    assert position_offset((), {"kwargs": {"position_ids": empty}}, 0, k[:, :, :0]) is None
 
 
 def test_position_offsets_are_read_once_per_request():

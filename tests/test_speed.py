@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from _bytelevel import VOCAB, save_byte_tokenizer, write_sentences
 from _tinyllama import EXACT, SMALL_KIVI, tiny_llama
 
 from kvbits.evaluate.speed import speed_eval, step_stats
-from kvbits.schemes import KVScheme
+from kvbits.schemes import KVScheme, get_scheme
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -461,28 +462,31 @@ def test_static_caches_time_against_both_baselines(model, ids, tmp_path, monkeyp
     """``static=True``: kvbits schemes decode through ``StaticQuantizedKVCache`` and transformers' ``StaticCache`` is
     timed as a second baseline. The static cache decodes the greedy tokens ``QuantizedKVCache`` decodes, holds the
     planner's bytes for every reserved slot (a windowed scheme more: its ring and one block ahead), goes through the
-    fused path when asked, and says so in the record and the report; static and non-static runs do not merge."""
+    fused path when asked, and says so in the record and the report; static and non-static runs do not merge.
+    Pre-RoPE keys (per channel over blocks of 8 tokens, no window: ``int4-channel-prerope``'s shape) included."""
     from kvbits.cache import StaticQuantizedKVCache
     from kvbits.report.merge_speed import _load, merge_speed
     from kvbits.report.speed import speed_markdown, write_speed
 
     kw = {"tokens": 4, "warmup": 1, "data": ids, "batches": [1, 2]}
-    schemes = ["int4-token", SMALL_KIVI, "int8-token,0=fp16"]
+    pre_rope = KVScheme("t-channel-prerope", key=replace(SMALL_KIVI.key, bits=4, pre_rope=True),
+                        value=replace(SMALL_KIVI.value, bits=4, group_size=None), block=8)  # fmt: skip
+    schemes = ["int4-token", SMALL_KIVI, "int8-token,0=fp16", pre_rope]
     st = speed_eval(model, 64, schemes, static=True, **kw)
     qu = speed_eval(model, 64, schemes, **kw)
     assert (st["static"], st["graphs"], st["baselines"]) == (True, False, ["DynamicCache", "StaticCache"])
     assert (qu["static"], qu["baselines"]) == (False, ["DynamicCache"])
-    assert len(st["runs"]) == 2 * 5 and [x["path"] for x in st["schemes"]] == ["static-dequantize"] * 3
+    assert len(st["runs"]) == 2 * 6 and [x["path"] for x in st["schemes"]] == ["static-dequantize"] * 4
     for r in _runs(st, "StaticCache"):  # float K/V in every reserved slot: DynamicCache's bytes and tokens
         base = next(b for b in _runs(st, "DynamicCache") if b["batch"] == r["batch"])
         assert r["path"] == "static-float" and r["decode"] is None and r["workspace_bytes"] == 0
         assert r["cache_bytes"] == r["planned_bytes"] == base["cache_bytes"]
         assert r["agreement"] == 1.0 and r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"], rel=1e-3)
-    for name in ("int4-token", "t-kivi", "int8-token,0=fp16"):
+    for name in ("int4-token", "t-kivi", "int8-token,0=fp16", "t-channel-prerope"):
         for r, q in zip(_runs(st, name), _runs(qu, name), strict=True):
             assert r["path"] == "static-dequantize" and r["workspace_bytes"] == 0
             assert (r["agreement"], r["first_divergence"]) == (q["agreement"], q["first_divergence"])
-            if name == "t-kivi":  # the ring of residual + block slots and one block written ahead
+            if name in ("t-kivi", "t-channel-prerope"):  # the ring of residual + block slots and one block written ahead
                 assert r["cache_bytes"] > r["planned_bytes"] == q["cache_bytes"]
             else:
                 assert r["cache_bytes"] == r["planned_bytes"] == q["cache_bytes"]
@@ -574,10 +578,13 @@ def test_static_errors(model, ids, monkeypatch):
     ):
         with pytest.raises((ValueError, TypeError), match=match):
             speed_eval(model, 64, ["int4-token"], **kw, **extra)
-    with pytest.raises(ValueError, match=r"does not hold 'int4-channel-prerope' \(keys: pre-RoPE keys"):
-        speed_eval(model, 64, ["int4-token", "int4-channel-prerope"], static=True, **kw)
-    with pytest.raises(ValueError, match=r"'int4-token,1=int4-channel-prerope' \(layer 1: keys: pre-RoPE"):
-        speed_eval(model, 64, ["int4-token,1=int4-channel-prerope"], static=True, **kw)
+    kivi = get_scheme("kivi-4")
+    sinks_kivi = replace(kivi, name="kivi-sinks", sinks=2)  # sinks beside a flush window: QuantizedKVCache's
+    with pytest.raises(ValueError, match=r"does not hold 'kivi-sinks' \(sinks=2 beside a flush window"):
+        speed_eval(model, 64, ["int4-token", sinks_kivi], static=True, **kw)
+    mixed = replace(get_scheme("int4-token"), name="int4-token,1=kivi-sinks", layers=((1, sinks_kivi),))
+    with pytest.raises(ValueError, match=r"'int4-token,1=kivi-sinks' \(layer 1: sinks=2 beside"):
+        speed_eval(model, 64, [mixed], static=True, **kw)
     with pytest.raises(ValueError, match="'StaticCache' is a baseline"):
         speed_eval(model, 64, [KVScheme("StaticCache")], static=True, **kw)
     assert not decodes

@@ -10,12 +10,14 @@ That one recorded step replays correctly is ``tests/test_aot.py``'s replay test.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_fused_cache import PROMPT, attention, build, install, prompt, use_triton
 from transformers import DynamicCache
 
-from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, static_reason
+from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, static_reason, track_positions
 from kvbits.cache.compat import cache_kwargs
 from kvbits.plan import plan
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
@@ -38,7 +40,11 @@ CHANNEL_SMALL = KVScheme(
 # per-token INT4 with the first 4 tokens kept in full precision (attention sinks)
 SINKS4 = KVScheme("int4-sinks", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
                   value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), sinks=4)  # fmt: skip
-NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL, SINKS4)}
+# the same three with keys quantized before RoPE (KVQuant; int4-channel-prerope's shape is CHANNEL_SMALL's)
+KIVI_PREROPE = replace(KIVI_SMALL, name="kivi-prerope", key=replace(KIVI_SMALL.key, pre_rope=True))
+CHANNEL_PREROPE = replace(CHANNEL_SMALL, name="channel-prerope", key=replace(CHANNEL_SMALL.key, pre_rope=True))
+SINKS4_PREROPE = replace(SINKS4, name="int4-sinks-prerope", key=replace(SINKS4.key, pre_rope=True))
+NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL, SINKS4, KIVI_PREROPE, CHANNEL_PREROPE, SINKS4_PREROPE)}
 
 
 @pytest.fixture(autouse=True)
@@ -57,11 +63,42 @@ def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
     return out.sequences, torch.stack(out.logits)
 
 
+@torch.no_grad()
+def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None) -> torch.Tensor:
+    """A prefill of ``ids`` (no padding), then ``steps`` greedy decode steps: logits ``(steps, B, V)``. With
+    ``monkeypatch``, the steps after the first are replayed from the second, recorded by ``benchmarks/graph_replay.py``'s
+    emulation of a CUDA graph (``GraphedDecode``; the cache's checks must be lazy)."""
+    step = None
+    if monkeypatch is not None:
+        from pathlib import Path
+
+        from kvbits.evaluate.graphs import GraphedDecode
+
+        monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from graph_replay import tape_capture
+
+        step = GraphedDecode(model, eager=1, capture=tape_capture)
+    kw, out = cache_kwargs(cache, model), []
+    with attention(model, fused):
+        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            pos = torch.tensor([ids.shape[1] + i])
+            if step is None:
+                lg = model(nxt, **kw, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
+            else:
+                lg = step(nxt, cache_position=pos, **kw, use_cache=True).logits
+            out.append(lg[:, -1].clone())
+            nxt = lg[:, -1:].argmax(-1)
+    if step is not None:
+        assert step.captured and step.calls == steps
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 @pytest.mark.parametrize(
     "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
                "int4-token,0=fp16", "kivi-small", "channel-small", "fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3-hadamard",
-               "int4-sinks"],
+               "int4-sinks", "kivi-prerope", "channel-prerope", "int4-sinks-prerope"],
 )  # fmt: skip
 def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
@@ -87,27 +124,37 @@ def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
         assert int(cache.layers[0].qlen) == (PROMPT + NEW - 1 - R) // blk * blk > (PROMPT - R) // blk * blk
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks"])
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "channel-prerope",
+                                    "int4-sinks-prerope"])  # fmt: skip
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 def test_static_cache_left_padded_batch(fused, scheme):
     """Left padding: the pads take slots like any token; the mask transformers builds hides them (SDPA), and on
-    fused steps it becomes the slabs' slot mask (and the window's). Same tokens and logits as ``QuantizedKVCache``."""
+    fused steps it becomes the slabs' slot mask (and the window's). Same tokens and logits as ``QuantizedKVCache``.
+    Pre-RoPE keys are un-rotated at the model's positions: each row's pad count is read from the position ids of the
+    prefill (``track_positions`` hands them over where transformers passes none, 5.17), for every layer."""
     model = build("qwen2")
     scheme = NAMED.get(scheme, scheme)
     ids = prompt(batch=3, seed=4)
     ids[0, :7] = 0
     ids[2, :3] = 0
     mask = (ids != 0).long()
-    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused),
-                              fused=fused, ids=ids, attention_mask=mask)  # fmt: skip
-    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
-    seq, got = generate(model, cache, fused=fused, ids=ids, attention_mask=mask)
+    tracking = track_positions(model)
+    try:
+        want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused),
+                                  fused=fused, ids=ids, attention_mask=mask)  # fmt: skip
+        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
+        seq, got = generate(model, cache, fused=fused, ids=ids, attention_mask=mask)
+    finally:
+        tracking.remove()
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert all(layer.fused.fallbacks == 0 for layer in cache.layers)
+    if get_scheme(scheme).key.pre_rope:
+        assert all(layer.rope.offset.tolist() == [7, 0, 3] for layer in cache.layers)
+        assert cache.position_ids_hint is None  # forgotten after each call
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks"])
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope"])
 def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch, scheme):
     """The fused steps through the Triton kernels (interpreted on a CPU), launched for all reserved slots with each
     sequence's length read from the device (and a windowed scheme's window as the masked tail): the logits of the
@@ -141,11 +188,15 @@ def test_static_cache_error_is_the_schemes():
     assert 0 < err["int8-token"] < 0.05 < err["int2-token"], err
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16", "kivi-small", "int4-sinks"])
+@pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16", "kivi-small", "int4-sinks",
+                                    "channel-prerope", "int4-sinks-prerope"])  # fmt: skip
 def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     """Every byte of the slabs (codes, scales, zero-points, float layers, windows) is counted, and the total is what
     ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved); a windowed
-    scheme also holds one quantized block ahead and a whole window, where the plan counts the tokens left in it."""
+    scheme also holds one quantized block ahead and a whole window, where the plan counts the tokens left in it.
+    Pre-RoPE keys add, apart, their RoPE tables (the bytes ``plan(..., fused_decode=True)`` adds for them; a windowed
+    scheme's rows also cover its block ahead, within the same rounding here) and a position offset per sequence and
+    layer."""
     model = build("llama")
     scheme = NAMED.get(scheme, scheme)
     cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
@@ -158,14 +209,21 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     if isinstance(scheme, KVScheme) and scheme.block > 1:
         n_q = (MAX_LEN - scheme.residual) // scheme.block * scheme.block  # quantized at max_cache_len
         window = scheme.residual + scheme.block
-        c = at["components"]
-        want = c["quantized"] * (n_q + scheme.block) // n_q + c["full"] * window // (MAX_LEN - n_q)
+        layer = cache.layers[0]
+        full_token = 2 * len(cache.layers) * layer.key_full[:, :, 0].nelement() * 4  # K and V of one token, float32
+        assert at["components"]["full"] == (MAX_LEN - n_q) * full_token
+        want = at["components"]["quantized"] * (n_q + scheme.block) // n_q + window * full_token
         assert want > at["total_bytes"]
     assert report["total_bytes"] == held == want
     # apart: per layer the two counts (int64), the lengths of both sides (int32 per sequence), the check maxima
     # (float32, two pairs), the clip counts (int64 per side) and a windowed layer's window positions (int64 each)
     window = scheme.residual + scheme.block if isinstance(scheme, KVScheme) and scheme.block > 1 else 0
-    assert report["state_bytes"] == 2 * (2 * 8 + 2 * 4 * 2 + 2 * 4 * 2 + 2 * 8 + 8 * window)
+    pre_rope = get_scheme(scheme).key.pre_rope
+    assert report["state_bytes"] == 2 * (2 * 8 + 2 * 4 * 2 + 2 * 4 * 2 + 2 * 8 + 8 * window + 8 * 2 * pre_rope)
+    tables = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4, fused_decode=True)
+    assert report["rope_table_bytes"] == cache.fused_report()["rope_table_bytes"]
+    assert report["rope_table_bytes"] == (tables["total_bytes"] - at["total_bytes"] if pre_rope else 0)
+    assert (report["rope_table_bytes"] > 0) == pre_rope
 
 
 def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
@@ -192,7 +250,8 @@ def test_static_cache_refuses_what_it_cannot_hold():
     """Schemes that need the host's flush bookkeeping or calibration are named with the reason; so are sliding
     layers, a missing ``max_cache_len`` and more tokens than it."""
     sinks_kivi = KVScheme("kivi-sinks", key=KIVI_SMALL.key, value=KIVI_SMALL.value, residual=8, block=4, sinks=2)
-    for scheme, words in (("kvquant-4", "NUQ"), ("int4-channel-prerope", "pre-RoPE"),
+    rotated = replace(SINKS4_PREROPE, name="rotated-prerope", key=replace(SINKS4_PREROPE.key, rotate="hadamard"))
+    for scheme, words in (("kvquant-4", "NUQ"), (rotated, "pre-RoPE keys with a hadamard rotation"),
                           ("int4-token-smooth", "centred"), ("kvquant-4-block", "sinks=1 beside a flush window"),
                           (sinks_kivi, "sinks=2 beside a flush window")):  # fmt: skip
         why = static_reason(get_scheme(scheme))
@@ -202,7 +261,8 @@ def test_static_cache_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="max_cache_len=4 leaves no slot past the 4 sinks"):
         StaticQuantizedKVCache(num_layers=2, scheme=SINKS4, max_cache_len=4)
     for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16", "kivi-4",
-                   "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head", SINKS4):  # fmt: skip
+                   "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head", SINKS4,
+                   "int4-channel-prerope", "int3-channel-prerope", SINKS4_PREROPE):  # fmt: skip
         assert static_reason(get_scheme(scheme).for_layer(0)) is None
     with pytest.raises(ValueError, match="max_cache_len is required"):
         StaticQuantizedKVCache(num_layers=2, max_cache_len=None)
@@ -315,13 +375,6 @@ def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, monkeypat
     The same tokens and logits as ``QuantizedKVCache``, eagerly; and one step recorded while the sinks still fill,
     replayed across the boundary (``benchmarks/graph_replay.py``'s emulation of a CUDA graph), gives the eager steps'
     logits bit for bit."""
-    from pathlib import Path
-
-    from kvbits.evaluate.graphs import GraphedDecode
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from graph_replay import tape_capture
-
     model = build("llama")
     ids = prompt()[:, :2]
     want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=SINKS4, fused_decode=fused),
@@ -333,23 +386,64 @@ def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, monkeypat
     assert int(cache.layers[0]._other_lens[0]) == 4 and int(cache.layers[0].lens[0]) == 2 + NEW - 1 - 4
 
     logits = {}
-    for mode in ("eager", "replayed"):
+    for mode in ("eager", "replayed"):  # positions 2, 3 (sinks; the second one recorded), then 4 .. 9 (quantized)
         c = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=fused,
                                    checks="lazy")  # fmt: skip
-        kw = cache_kwargs(c, model)
-        step = GraphedDecode(model, eager=1, capture=tape_capture) if mode == "replayed" else None
-        out = []
-        with torch.no_grad(), attention(model, fused):
-            nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
-            for i in range(8):  # positions 2, 3 (sinks; the second one recorded), then 4 .. 9 (quantized)
-                pos = torch.tensor([2 + i])
-                if step is None:
-                    lg = model(nxt, **kw, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
-                else:
-                    lg = step(nxt, cache_position=pos, **kw, use_cache=True).logits
-                out.append(lg[:, -1].clone())
-                nxt = lg[:, -1:].argmax(-1)
-        logits[mode] = torch.stack(out)
-        if step is not None:
-            assert step.captured and step.calls == 8
+        logits[mode] = decode_steps(model, c, ids, 8, fused=fused, monkeypatch=monkeypatch if mode == "replayed" else None)
+    assert torch.equal(logits["replayed"], logits["eager"])
+
+
+def test_static_cache_pre_rope_refusals():
+    """Pre-RoPE keys need the model's RoPE as fixed tables on the device: no config, a partial rotary embedding, rope
+    types whose tables depend on the sequence length, tables of another head dim and position ids that run past the
+    tables are refused, each saying what was expected."""
+    from transformers import LlamaConfig, StableLmConfig
+
+    from kvbits.quant.rope import RotaryTables
+
+    small = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    with pytest.raises(ValueError, match="pass config= \\(or rotary=\\)"):
+        StaticQuantizedKVCache(num_layers=2, scheme=SINKS4_PREROPE, max_cache_len=16)
+    with pytest.raises(ValueError, match="partial rotary embedding \\(4 of 16 channels\\)"):
+        StaticQuantizedKVCache(config=StableLmConfig(**small, partial_rotary_factor=0.25), scheme=SINKS4_PREROPE,
+                               max_cache_len=16)  # fmt: skip
+    dynamic = LlamaConfig(**small, head_dim=32, rope_parameters={"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'dynamic' has tables that depend on the sequence length"):
+        StaticQuantizedKVCache(config=dynamic, scheme=CHANNEL_PREROPE, max_cache_len=16)
+    # a scheme without pre-RoPE keys asks for no tables
+    assert StaticQuantizedKVCache(config=dynamic, scheme="int4-token", max_cache_len=16).layers[0].rotary is None
+
+    wide = RotaryTables.from_config(LlamaConfig(**small, head_dim=64))
+    cache = StaticQuantizedKVCache(num_layers=1, scheme=SINKS4_PREROPE, max_cache_len=16, rotary=wide)
+    k = torch.randn(1, 2, 5, 32)
+    with pytest.raises(ValueError, match="keys have head dim 32, the RoPE tables 64"):
+        cache.update(k, k, 0)
+
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, scheme=SINKS4_PREROPE, max_cache_len=MAX_LEN)
+    ids = prompt()[:, :4]
+    P = 1024  # the tables' rows (kvbits.schemes.accounting.rope_table_positions(MAX_LEN))
+    with torch.no_grad(), pytest.raises(ValueError, match=f"run {P} positions past the cache indices"):
+        model(ids, **cache_kwargs(cache, model), position_ids=torch.arange(4)[None].expand(2, -1) + P, use_cache=True)
+    cache.reset()
+    with torch.no_grad():  # ahead by less than the tables' spare rows: taken, the offsets negative
+        model(ids, **cache_kwargs(cache, model), position_ids=torch.arange(4)[None].expand(2, -1) + 100, use_cache=True)
+    assert cache.layers[0].rope.offset.tolist() == [-100, -100] and cache.layers[0].rope.positions == P
+
+
+@pytest.mark.parametrize("scheme", ["channel-prerope", "kivi-prerope"])
+def test_static_cache_pre_rope_step_replayed_across_flushes(scheme, monkeypatch):
+    """One fused decode step of pre-RoPE keys recorded (``benchmarks/graph_replay.py``'s emulation of a CUDA graph)
+    and replayed across flushes of the window (the un-rotation at the flushed block's positions included): every
+    replayed step's logits equal the eager steps' bit for bit, and the eager steps are ``QuantizedKVCache``'s."""
+    model, scheme = build("qwen2"), NAMED[scheme]
+    logits = {}
+    for mode in ("quantized", "eager", "replayed"):  # flushes at the 8-token (channel) or 4-token (kivi) boundaries
+        c = (QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=True) if mode == "quantized" else
+             StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=True,
+                                    checks="lazy"))  # fmt: skip
+        logits[mode] = decode_steps(model, c, prompt(), NEW, fused=True,
+                                    monkeypatch=monkeypatch if mode == "replayed" else None)  # fmt: skip
+    torch.testing.assert_close(logits["eager"], logits["quantized"], atol=1e-4, rtol=0)
     assert torch.equal(logits["replayed"], logits["eager"])

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 # (layer, side, x, qt): QuantizedKVLayer.observe_flushes
 FlushObserver = Callable[[Any, str, torch.Tensor, Any], None]
 
-__all__ = ["QuantizedKVLayer"]
+__all__ = ["QuantizedKVLayer", "find_position_ids", "position_offset"]
 
 
 def _fixed_scale(spec: TensorSpec, n_heads: int | None) -> torch.Tensor | None:
@@ -69,7 +69,7 @@ def find_position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _position_offset(
+def position_offset(
     args: tuple, kwargs: dict, n_before: int, key_states: torch.Tensor
 ) -> torch.Tensor | None:
     """``(B,)`` cache index minus the model's position of each sequence's newest token, from the
@@ -494,7 +494,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.mode == "quantized" and self.scheme.key.pre_rope and n_before == 0:
             # read once per request, from its first update (the prefill), then kept: every block is
             # un-rotated and rotated back with the same offsets, whatever later position ids say
-            self._k.pos_offset = _position_offset(args, kwargs, n_before, key_states)
+            self._k.pos_offset = position_offset(args, kwargs, n_before, key_states)
         take = 0
         if self.mode == "quantized" and not self.is_sliding:
             take = max(0, min(q, self.scheme.sinks - self._k.n_sinks))

@@ -1,4 +1,5 @@
-"""Hand the model's ``position_ids`` to a ``QuantizedKVCache`` on transformers that do not pass them.
+"""Hand the model's ``position_ids`` to a ``QuantizedKVCache`` or ``StaticQuantizedKVCache`` on transformers that do
+not pass them.
 
 Pre-RoPE keys are un-rotated at the model's positions. transformers 5.24 passes ``position_ids`` to
 ``Cache.update`` (``kwargs=...``); 5.17 passes nothing, so a left-padded sequence would be un-rotated at
@@ -35,10 +36,11 @@ class PositionTracking:
 
 def _call_cache(kwargs: dict) -> Any:
     from kvbits.cache.cache import QuantizedKVCache
+    from kvbits.cache.static import StaticQuantizedKVCache
 
     for name in ("past_key_values", "cache"):
         cache = kwargs.get(name)
-        if isinstance(cache, QuantizedKVCache):
+        if isinstance(cache, (QuantizedKVCache, StaticQuantizedKVCache)):
             return cache
     return None
 
@@ -57,7 +59,7 @@ def _after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> N
 
 
 def track_positions(model: torch.nn.Module) -> PositionTracking:
-    """Give each ``QuantizedKVCache`` passed to ``model(...)`` (``past_key_values=`` or ``cache=``) the
+    """Give each ``QuantizedKVCache`` or ``StaticQuantizedKVCache`` passed to ``model(...)`` (``past_key_values=`` or ``cache=``) the
     call's ``position_ids`` ``(B, q)``. Idempotent: a second call returns the first tracking."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(

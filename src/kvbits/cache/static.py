@@ -50,9 +50,12 @@ calibrated, ``calibration=`` or ``set_static_qparams``; values beyond it saturat
 ``clipped()``); float layers of a mixed scheme (``"kivi-4,0=fp16"``) keep float slabs. Per-token schemes may keep their
 first ``sinks`` tokens in full precision (attention sinks): a sink slab of ``sinks`` slots, the kernels'
 full-precision tail; quantized slot ``i`` then holds position ``sinks + i``, and a decode step picks sink or slot on
-the device (a prefill reads the length once). Sinks beside a flush window, pre-RoPE keys, outliers and calibrated
-integer parameters (static ranges, NUQ codebooks, centring) need positions or statistics the host tracks:
-``QuantizedKVCache`` serves them.
+the device (a prefill reads the length once). Pre-RoPE keys (``int4-channel-prerope``; KVQuant §3.2) are un-rotated
+before they are quantized and rotated back after, at positions kept on the device with fixed RoPE tables
+(``kvbits.cache.static_rope``: a request's left padding is read once from the position ids of its first update;
+``track_positions`` hands them over on transformers that pass none); the fused kernels rotate them as they read them.
+Sinks beside a flush window, rotated pre-RoPE keys, outliers and calibrated integer parameters (static ranges, NUQ
+codebooks, centring) need positions or statistics the host tracks: ``QuantizedKVCache`` serves them.
 
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
@@ -69,13 +72,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
 from kvbits.cache.checks import check_channel_groups, check_mode, input_bound, write_maxima
+from kvbits.cache.layer import find_position_ids, position_offset
+from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
 from kvbits.kernels.reference import (
     STATIC_TPS,
@@ -91,6 +96,9 @@ from kvbits.quant.tensor import FLOAT_DTYPES, check_static_scale, quantize
 from kvbits.schemes import get_scheme
 from kvbits.schemes.accounting import PACKED_KINDS, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvbits.quant.rope import RotaryTables
 
 __all__ = ["StaticQuantizedKVCache", "StaticQuantizedLayer", "static_reason"]
 
@@ -109,8 +117,8 @@ def _side_reason(spec: TensorSpec, block: int) -> str | None:
         return f"{spec.granularity} granularity (one scale per token or per channel group only)"
     if spec.static:
         return "static (calibrated) integer scales"
-    if spec.pre_rope:
-        return "pre-RoPE keys (un-rotated at positions the host tracks)"
+    if spec.pre_rope and spec.rotate is not None:
+        return f"pre-RoPE keys with a {spec.rotate} rotation (RoPE acts on the model's channel pairs, not the codes')"
     if spec.outlier_frac:
         return "dense-and-sparse outliers"
     if spec.has_channel_transform:
@@ -145,6 +153,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             quantized slots each sequence attends (its written ones for float layers), for the kernels.
         window_pos: ``(residual + block,)`` int64, the position each window slot holds (``-1``: none yet).
         maxima: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked tokens (lazy checks).
+        rope: pre-RoPE keys' tables and position offsets (``kvbits.cache.static_rope.StaticRope``), else ``None``.
     """
 
     is_compileable = True
@@ -153,7 +162,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def __init__(
         self, scheme: KVScheme, max_cache_len: int, layer_idx: int, *, fused_decode: fused.FusedMode = "auto",
-        checks: str = "auto", num_key_value_heads: int | None = None,
+        checks: str = "auto", num_key_value_heads: int | None = None, rotary: RotaryTables | None = None,
+        rope_tables: fused.RopeTableCache | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         reason = static_reason(scheme)
@@ -165,6 +175,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not scheme.is_identity and scheme.sinks >= max_cache_len:
             raise ValueError(f"layer {layer_idx}: max_cache_len={max_cache_len} leaves no slot past the "
                              f"{scheme.sinks} sinks of {scheme.name!r}")  # fmt: skip
+        self.rotary: RotaryTables | None = None  # pre-RoPE keys: the layer's RoPE tables (kvbits.cache.static_rope)
+        if not scheme.is_identity and scheme.key.pre_rope:
+            if rotary is None:
+                raise ValueError(f"layer {layer_idx}: scheme {scheme.name!r} quantizes keys before RoPE: the layer "
+                                 "needs the model's RoPE tables (give the cache config= or rotary=)")  # fmt: skip
+            check_rotary(rotary, f"layer {layer_idx}")
+            self.rotary = rotary if rotary.rot_dim else None  # a layer without RoPE: its keys are pre-RoPE already
+        self._rope_tables = rope_tables if rope_tables is not None else fused.RopeTableCache()
+        self.rope: StaticRope | None = None  # made with the slabs
         self.scheme, self.max_cache_len, self.layer_idx = scheme, max_cache_len, layer_idx
         self.num_key_value_heads = num_key_value_heads  # from the config, for checks before the first update
         self.checks = check_mode(checks)
@@ -234,6 +253,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 self._other_lens.fill_(window)
             self.key = self._slab("key", key_states, slots)
             self.value = self._slab("value", value_states, slots)
+            if self.rotary is not None:
+                if self.rotary.head_dim != D:
+                    raise ValueError(f"layer {self.layer_idx}: keys have head dim {D}, the RoPE tables "
+                                     f"{self.rotary.head_dim} (a config of another model?)")  # fmt: skip
+                self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, slots, B, device)
         self._bounds = (input_bound(self.scheme.key, "quantized", D)[0], input_bound(self.scheme.value, "quantized", D)[0])
         if not torch.compiler.is_compiling():  # fixed addresses for torch.compile's CUDA graphs, as StaticLayer's
             for t in self.tensors():
@@ -244,6 +268,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         """Every tensor the layer holds: the slabs (K/V) and the step's state (``state_tensors``)."""
         slabs = [t for p in (self.key, self.value) if p is not None for t in p.tensors()]
         slabs += [t for t in (self.key_full, self.value_full) if t is not None] + list(self._static.values())
+        if self.rope is not None:  # shared with the cache's other layers
+            slabs += [self.rope.cos, self.rope.sin]
         return slabs + self.state_tensors()
 
     def _slab(self, side: str, like: torch.Tensor, slots: int) -> PackedTensor:
@@ -346,6 +372,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not compiling:
             self._check(key_states, value_states)
         q = key_states.shape[2]
+        if self.rope is not None and not compiling and self.tokens_written == 0:  # a request's first update
+            self.rope.start(position_offset(args, kwargs, 0, key_states))
         if not compiling:
             self.tokens_written += q
         if (self._lazy or compiling) and q:  # three kernels: max |K|, max |V| (NaN kept), the running maximum
@@ -384,6 +412,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         n = k.shape[2]
         slots = torch.arange(n, device=self.device) + slot0  # the same token slots for keys and values
         for i, (side, slab, x) in enumerate(zip(SIDES, (self.key, self.value), (k, v))):
+            if i == 0 and self.rope is not None:  # pre-RoPE keys: un-rotated at the positions these slots hold
+                x = self.rope.unrotate(x, slot0)
             static = slab.tps == STATIC_TPS  # the side's static scale: passed in, its row never rewritten
             qt = quantize_pack(x, self._spec(side), static_scale=self._static.get(side), validate=False, sync=False)
             if static:  # values beyond the calibrated range saturate: counted on the device (calibration mismatch)
@@ -470,6 +500,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if self.scheme.is_identity:
             return self.key_full.to(self.dtype), self.value_full.to(self.dtype)
         keys, values = dequantize_packed(self.key, self.dtype), dequantize_packed(self.value, self.dtype)
+        if self.rope is not None:
+            keys = self.rope.rotate(keys)
         if not self.windowed and self.scheme.sinks:  # positions 0 .. sinks - 1, then the quantized slots
             return (torch.cat((self.key_full.to(self.dtype), keys), 2),
                     torch.cat((self.value_full.to(self.dtype), values), 2))  # fmt: skip
@@ -493,15 +525,17 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if self.scheme.is_identity:
             mask = None if keep is None else word_rows(keep)
             return PackedStore(None, None, self.key_full, self.value_full, self._other_lens, self.lens, full_mask=mask)
+        rope = {} if self.rope is None else {"rope_cos": self.rope.cos, "rope_sin": self.rope.sin,
+                                             "quant_pos0": self.rope.pos0()}  # fmt: skip
         if not self.windowed and self.scheme.sinks:  # the sinks as the full-precision tail
             S = self.scheme.sinks
             qm = None if keep is None else word_rows(keep[:, S:], self.key.n_slots)
             fm = None if keep is None else keep[:, :S].contiguous()
             return PackedStore(self.key, self.value, self.key_full, self.value_full, self.lens, self._other_lens,
-                               quant_mask=qm, full_mask=fm)  # fmt: skip
+                               quant_mask=qm, full_mask=fm, **rope)  # fmt: skip
         if not self.windowed:
             mask = None if keep is None else word_rows(keep)
-            return PackedStore(self.key, self.value, None, None, self.lens, self._other_lens, quant_mask=mask)
+            return PackedStore(self.key, self.value, None, None, self.lens, self._other_lens, quant_mask=mask, **rope)
         B = self.lens.shape[0]
         in_window = self._in_window().expand(B, -1)
         quant_mask = None
@@ -510,7 +544,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             at = self.window_pos.clamp(0, keep.shape[1] - 1).expand(B, -1)
             in_window = in_window & keep.gather(1, at)
         return PackedStore(self.key, self.value, self.key_full, self.value_full, self.lens, self._other_lens,
-                           quant_mask=quant_mask, full_mask=in_window.contiguous())  # fmt: skip
+                           quant_mask=quant_mask, full_mask=in_window.contiguous(), **rope)  # fmt: skip
 
     def get_seq_length(self) -> torch.Tensor | int:
         """Tokens written, as the device tensor (``StaticLayer`` does the same: no host read)."""
@@ -535,7 +569,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def state_tensors(self) -> list[torch.Tensor]:
         """The counters, lengths, window positions and check maxima: the step's state, not K/V."""
         ts = (self.length, self.qlen, self.lens, self._other_lens, self.window_pos, self.maxima, self._step_max,
-              self.clipped)
+              self.clipped, None if self.rope is None else self.rope.offset)
         return [t for t in ts if t is not None]
 
     def nbytes(self) -> dict[str, int]:
@@ -571,6 +605,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.qlen.zero_()
         self.clipped.zero_()
         self.maxima.zero_()
+        if self.rope is not None:
+            self.rope.offset.zero_()
         if self.window_pos is not None:
             self.window_pos.fill_(-1)
         for p in (self.key, self.value):
@@ -589,6 +625,23 @@ class StaticQuantizedLayer(CacheLayerMixin):
         raise NotImplementedError("StaticQuantizedKVCache cannot be cropped; QuantizedKVCache can")
 
 
+def _rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[RotaryTables | None, bool]:
+    """RoPE tables for a scheme with pre-RoPE keys: ``(tables, built_here)``; ``(None, False)`` when none are needed."""
+    if not any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
+        return None, False
+    if rotary is not None:
+        return rotary, False
+    if config is None:
+        raise ValueError(f"scheme {scheme.name!r} quantizes keys before RoPE: pass config= (or rotary=) so the cache "
+                         "can un-rotate and re-rotate keys")  # fmt: skip
+    from kvbits.quant.rope import RotaryTables
+
+    try:
+        return RotaryTables.from_config(config), True
+    except ValueError as exc:
+        raise ValueError(f"scheme {scheme.name!r} needs a model with RoPE keys: {exc}") from exc
+
+
 class StaticQuantizedKVCache(Cache):
     """A transformers ``Cache`` of fixed quantized slabs that a CUDA graph can replay (see the module docstring).
 
@@ -604,11 +657,14 @@ class StaticQuantizedKVCache(Cache):
             steps) or ``"lazy"`` (read by ``check_inputs()`` and ``memory_report()``).
         calibration: a ``kvbits.calibrate`` artifact or the folder it wrote, for static FP8 scales (default 1.0,
             vLLM's); ``set_static_qparams`` installs one layer's by hand.
+        rotary: RoPE tables for pre-RoPE key schemes (``RotaryTables.from_model(model)``); default: built from
+            ``config`` on the K/V device (``kvbits.cache.static_rope``).
     """
 
     def __init__(
         self, config: Any = None, scheme: str | dict | KVScheme = "int8-token", *, max_cache_len: int,
         num_layers: int | None = None, fused_decode: bool | str = "auto", checks: str = "auto", calibration: Any = None,
+        rotary: Any = None,
     ) -> None:  # fmt: skip
         from kvbits.cache.cache import _layer_types, attention_shape
         from kvbits.cache.layer import check_max_cache_len
@@ -636,8 +692,17 @@ class StaticQuantizedKVCache(Cache):
         if num_layers is None or isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"give config= or a positive num_layers, got num_layers={num_layers!r}")
         self.scheme.check_layer_count(num_layers, "the cache's")
+        for i in range(num_layers):  # refuse an unsupported scheme before the RoPE tables are asked for
+            if (why := static_reason(self.scheme.for_layer(i))) is not None:
+                raise ValueError(f"layer {i}: scheme {self.scheme.name!r} cannot be stored in fixed slabs: {why}; "
+                                 "QuantizedKVCache (with max_cache_len=) serves it")  # fmt: skip
+        self._rotary, self._rotary_owned = _rotary_for(self.scheme, config, rotary)
+        self._rope_tables = fused.RopeTableCache()
+        self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
-                                       checks=checks, num_key_value_heads=kv_heads) for i in range(num_layers)]  # fmt: skip
+                                       checks=checks, num_key_value_heads=kv_heads, rope_tables=self._rope_tables,
+                                       rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
+                  for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)
         if calibration is not None:
             self.install_calibration(calibration)
@@ -649,6 +714,31 @@ class StaticQuantizedKVCache(Cache):
     def max_cache_len(self) -> int:
         return self._max_len
 
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V ``(B, H_kv, q, D)`` of layer ``layer_idx`` (``StaticQuantizedLayer.update``). A pre-RoPE layer's
+        first update of a request also gets the RoPE tables made on the K/V device (as the model computes them) and
+        the ``position_ids`` ``track_positions`` saw, when transformers passed none."""
+        if self._rotary is not None and not torch.compiler.is_compiling():
+            layer = self.layers[layer_idx] if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers) else None
+            if layer is not None and layer.rotary is not None and layer.tokens_written == 0:
+                self._rotary_on(key_states.device)
+                if self.position_ids_hint is not None and find_position_ids(args, kwargs) is None:
+                    kwargs = {**kwargs, "position_ids": self.position_ids_hint}
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _rotary_on(self, device: torch.device) -> None:
+        """Tables built from the config are remade on the K/V device before any layer allocates its own."""
+        if not self._rotary_owned or self._rotary.device == device or any(layer.rope is not None for layer in self.layers):
+            return
+        from kvbits.quant.rope import RotaryTables
+
+        self._rotary = RotaryTables.from_config(self._config, device=device)
+        for layer in self.layers:
+            if layer.rotary is not None:
+                layer.rotary = self._rotary.tables_for_layer(layer.layer_idx)
+
     def check_inputs(self) -> None:
         """Read every layer's lazy K/V checks (a host sync); ``ValueError`` for NaN, inf or ``|x|`` past a bound."""
         for layer in self.layers:
@@ -657,21 +747,23 @@ class StaticQuantizedKVCache(Cache):
     def memory_report(self) -> dict[str, Any]:
         """Bytes of the slabs (every reserved slot: what ``kvbits.plan`` counts at ``max_cache_len``, see the module
         docstring for what a windowed scheme and static FP8 scales add), by kind, after the lazy checks.
-        ``state_bytes``: the counters, lengths, window positions, check maxima and clip counts, reported apart (not
-        K/V)."""
+        ``state_bytes``: the counters, lengths, window positions, check maxima, clip counts and pre-RoPE position
+        offsets, reported apart (not K/V); ``rope_table_bytes``: pre-RoPE keys' float32 RoPE tables, shared by the
+        layers, apart too (``kvbits.plan(..., fused_decode=True)`` counts them)."""
         self.check_inputs()
         parts = {k: sum(layer.nbytes()[k] for layer in self.layers) for k in ("quantized", "full", "fixed")}
         state = sum(t.nbytes for layer in self.layers if layer.is_initialized
                     for t in layer.state_tensors())  # fmt: skip
         return {"scheme": self.scheme.name, "total_bytes": sum(parts.values()), "quantized_bytes": parts["quantized"],
                 "full_bytes": parts["full"], "fixed_bytes": parts["fixed"], "state_bytes": state,
-                "max_cache_len": self._max_len}  # fmt: skip
+                "rope_table_bytes": self._rope_tables.nbytes, "max_cache_len": self._max_len}  # fmt: skip
 
     def fused_report(self) -> dict[str, Any]:
         """Fused decode per quantized layer, as ``QuantizedKVCache.fused_report``: claimed, the decode steps attended
         over the packed slabs, fallbacks, why a layer was not claimed. Steps replayed from a captured graph run no
-        Python and are not counted (the captured step is). ``rope_table_bytes`` is 0 (no pre-RoPE keys here). Runs the
-        lazy K/V checks first."""
+        Python and are not counted (the captured step is). ``rope_table_bytes``: the float32 RoPE tables of pre-RoPE
+        keys (``kvbits.cache.static_rope``; made with the slabs, for the SDPA path too). Runs the lazy K/V checks
+        first."""
         self.check_inputs()
         rows = [
             {"layer": layer.layer_idx, "claimed": layer.fused.claimed, "steps": layer.fused.steps,
@@ -679,7 +771,8 @@ class StaticQuantizedKVCache(Cache):
             for layer in self.layers if not layer.scheme.is_identity
         ]  # fmt: skip
         return {"mode": self.fused_decode, "fused_steps": sum(r["steps"] for r in rows),
-                "fallback_steps": sum(r["fallbacks"] for r in rows), "rope_table_bytes": 0, "layers": rows}  # fmt: skip
+                "fallback_steps": sum(r["fallbacks"] for r in rows), "rope_table_bytes": self._rope_tables.nbytes,
+                "layers": rows}  # fmt: skip
 
     def clipped(self) -> list[dict[str, int]]:
         """Per layer, the keys and values that saturated against static FP8 scales so far (one host sync): served
