@@ -145,34 +145,41 @@ def static_steps(step: Callable, model: torch.nn.Module, cache) -> torch.Tensor:
     return torch.stack(logits)
 
 
-def _static_scheme(kind: str) -> Any:
-    """``int4-token``; ``kivi``: KIVI's recipe at head dim 16, a 4-token window, flushes of 4 tokens (4 of them in the
-    steps); ``kivi-prerope``: the same with keys quantized before RoPE (un-rotated and rotated back on the device)."""
-    from kvbits.schemes import KVScheme, TensorSpec
+def _static_cache(model: Any, kind: str, max_cache_len: int) -> Any:
+    """A ``StaticQuantizedKVCache`` of ``kind``: ``int4-token``; ``kivi``: KIVI's recipe at head dim 16, a 4-token
+    window, flushes of 4 tokens (4 of them in the steps); ``kivi-prerope``: the same with keys quantized before RoPE
+    (un-rotated and rotated back on the device); ``kvquant-4``: KVQuant's calibrated recipe (static pre-RoPE key
+    ranges, NUQ codebooks, 1 % outliers, a sink), parameters installed as an artifact would."""
+    from test_fused_cache import install
 
-    if kind == "int4-token":
-        return kind
-    key = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4, pre_rope=kind == "kivi-prerope")
-    return KVScheme(f"{kind}-tiny", key=key, value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
-                    residual=4, block=4)  # fmt: skip
+    from kvbits.cache import StaticQuantizedKVCache
+    from kvbits.schemes import KVScheme, TensorSpec, get_scheme
+
+    scheme: Any = kind
+    if kind.startswith("kivi"):
+        key = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=4, pre_rope=kind == "kivi-prerope")
+        scheme = KVScheme(f"{kind}-tiny", key=key, value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
+                          residual=4, block=4)  # fmt: skip
+    cache = StaticQuantizedKVCache(model.config, scheme, max_cache_len=max_cache_len)
+    cfg = model.config
+    install(cache, get_scheme(scheme), n_layers=cfg.num_hidden_layers, H_kv=cfg.num_key_value_heads,
+            D=cfg.hidden_size // cfg.num_attention_heads)  # fmt: skip
+    return cache
 
 
-@pytest.mark.parametrize("kind", ["int4-token", "kivi", "kivi-prerope"])
+@pytest.mark.parametrize("kind", ["int4-token", "kivi", "kivi-prerope", "kvquant-4"])
 def test_static_quantized_cache_compiles_whole_without_recompiles(kind: str):
     """``StaticQuantizedKVCache`` (``kvbits.cache.static``) is traced, not run eagerly: a decode step with SDPA over
     its dequantized slabs compiles as one graph (``fullgraph=True``), once for all steps (its lengths are device
-    tensors, so nothing the graph guards on changes; a windowed scheme's flushes and pre-RoPE keys' rotations
-    included), with the logits of the eager steps."""
+    tensors, so nothing the graph guards on changes; a windowed scheme's flushes, pre-RoPE keys' rotations and
+    KVQuant's calibrated quantizer included), with the logits of the eager steps."""
     from torch._dynamo.testing import CompileCounter
 
-    from kvbits.cache import StaticQuantizedKVCache
-
-    scheme = _static_scheme(kind)
     model = tiny_llama()
     logits = {}
     counter = CompileCounter()
     for mode in ("eager", "compiled"):
-        cache = StaticQuantizedKVCache(model.config, scheme, max_cache_len=40 + STEPS)
+        cache = _static_cache(model, kind, 40 + STEPS)
         step = model.forward if mode == "eager" else torch.compile(model.forward, fullgraph=True, backend=counter)
         logits[mode] = static_steps(step, model, cache)
         assert cache.layers[0].tokens_written == (40 + STEPS - 1 if mode == "eager" else 40)  # not counted when traced
@@ -205,7 +212,7 @@ def test_static_quantized_cache_under_compile_with_fused_attention():
     torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["int4-token", "kivi", "kivi-prerope"])
+@pytest.mark.parametrize("kind", ["int4-token", "kivi", "kivi-prerope", "kvquant-4"])
 def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(kind: str):
     """transformers' ``generate`` compiles its decode steps by itself when the cache is compileable (on CUDA; here
     ``CompileConfig._compile_all_devices``, with a counting backend in place of inductor and CUDA graphs, and
@@ -213,10 +220,7 @@ def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(kind: s
     compiled frame, and the greedy tokens and logits are those ``generate`` decodes eagerly through the same cache."""
     from transformers import CompileConfig
 
-    from kvbits.cache import StaticQuantizedKVCache
-
-    scheme = _static_scheme(kind)  # the KIVI ones flush 4 tokens at a time during the decode
-    model = tiny_llama()
+    model = tiny_llama()  # the KIVI schemes flush 4 tokens at a time during the decode
     ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(3))
     frames: list[torch.fx.GraphModule] = []
 
@@ -228,7 +232,7 @@ def test_generate_compiles_its_decode_steps_with_the_static_cache_itself(kind: s
     config._compile_all_devices = True
     out = {}
     for mode in ("eager", "compiled"):
-        cache = StaticQuantizedKVCache(model.config, scheme, max_cache_len=40 + STEPS)
+        cache = _static_cache(model, kind, 40 + STEPS)
         extra = {"compile_config": config} if mode == "compiled" else {"disable_compile": True}
         with torch.no_grad():
             out[mode] = model.generate(ids, **cache_kwargs(cache, model), max_new_tokens=STEPS, do_sample=False,

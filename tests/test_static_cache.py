@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_fused_cache import PROMPT, attention, build, install, prompt, use_triton
+from test_fused_cache import PROMPT, VOCAB, attention, build, install, prompt, use_triton
 from transformers import DynamicCache
 
 from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, static_reason, track_positions
@@ -98,12 +98,15 @@ def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None
 @pytest.mark.parametrize(
     "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
                "int4-token,0=fp16", "kivi-small", "channel-small", "fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3-hadamard",
-               "int4-sinks", "kivi-prerope", "channel-prerope", "int4-sinks-prerope"],
+               "int4-sinks", "kivi-prerope", "channel-prerope", "int4-sinks-prerope", "kvquant-4", "kvquant-2",
+               "int4-token-smooth-prerope"],
 )  # fmt: skip
 def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
     through the fused path when asked (mixed schemes: the float layer too, as a tail-only store). Static FP8 scales:
-    vLLM's 1.0, and per-head scales installed in both (``set_static_qparams``, a different one per head and layer)."""
+    vLLM's 1.0, and per-head scales installed in both (``set_static_qparams``, a different one per head and layer);
+    KVQuant's calibrated parameters (static pre-RoPE key ranges, NUQ codebooks, 1 % outliers, a sink) and centred /
+    smoothed pre-RoPE keys, installed alike."""
     model = build("llama")
     if scheme == "int4-g16":  # groups of 16 channels per token (int4-g64's groups do not divide this model's D = 32)
         spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16)
@@ -125,7 +128,7 @@ def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
 
 
 @pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "channel-prerope",
-                                    "int4-sinks-prerope"])  # fmt: skip
+                                    "int4-sinks-prerope", "kvquant-4"])  # fmt: skip
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 def test_static_cache_left_padded_batch(fused, scheme):
     """Left padding: the pads take slots like any token; the mask transformers builds hides them (SDPA), and on
@@ -138,11 +141,13 @@ def test_static_cache_left_padded_batch(fused, scheme):
     ids[0, :7] = 0
     ids[2, :3] = 0
     mask = (ids != 0).long()
+    reference = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
+    for c in (reference, cache):
+        install(c, get_scheme(scheme))  # calibrated schemes: their parameters; nothing for the others
     tracking = track_positions(model)
     try:
-        want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused),
-                                  fused=fused, ids=ids, attention_mask=mask)  # fmt: skip
-        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
+        want_seq, want = generate(model, reference, fused=fused, ids=ids, attention_mask=mask)
         seq, got = generate(model, cache, fused=fused, ids=ids, attention_mask=mask)
     finally:
         tracking.remove()
@@ -154,17 +159,19 @@ def test_static_cache_left_padded_batch(fused, scheme):
         assert cache.position_ids_hint is None  # forgotten after each call
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope"])
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "kvquant-4"])
 def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch, scheme):
     """The fused steps through the Triton kernels (interpreted on a CPU), launched for all reserved slots with each
     sequence's length read from the device (and a windowed scheme's window as the masked tail): the logits of the
     torch reference over the same slabs."""
     model = build("llama")
     scheme = NAMED.get(scheme, scheme)
-    want_seq, want = generate(model, StaticQuantizedKVCache(config=model.config, scheme=scheme,
-                                                            max_cache_len=MAX_LEN, fused_decode=True), fused=True)  # fmt: skip
+    reference = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=True)
+    install(reference, get_scheme(scheme))
+    want_seq, want = generate(model, reference, fused=True)
     use_triton(monkeypatch)
     cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=True)
+    install(cache, get_scheme(scheme))
     seq, got = generate(model, cache, fused=True)
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
@@ -251,8 +258,11 @@ def test_static_cache_refuses_what_it_cannot_hold():
     layers, a missing ``max_cache_len`` and more tokens than it."""
     sinks_kivi = KVScheme("kivi-sinks", key=KIVI_SMALL.key, value=KIVI_SMALL.value, residual=8, block=4, sinks=2)
     rotated = replace(SINKS4_PREROPE, name="rotated-prerope", key=replace(SINKS4_PREROPE.key, rotate="hadamard"))
-    for scheme, words in (("kvquant-4", "NUQ"), (rotated, "pre-RoPE keys with a hadamard rotation"),
-                          ("int4-token-smooth", "centred"), ("kvquant-4-block", "sinks=1 beside a flush window"),
+    smooth = get_scheme("int4-token-smooth")
+    centred_values = replace(smooth, name="centred-values", value=smooth.key)
+    for scheme, words in ((centred_values, "values: centred / smoothed values"),
+                          (rotated, "pre-RoPE keys with a hadamard rotation"),
+                          ("kvquant-4-block", "sinks=1 beside a flush window"),
                           (sinks_kivi, "sinks=2 beside a flush window")):  # fmt: skip
         why = static_reason(get_scheme(scheme))
         assert why is not None and words in why, (scheme, why)
@@ -262,7 +272,8 @@ def test_static_cache_refuses_what_it_cannot_hold():
         StaticQuantizedKVCache(num_layers=2, scheme=SINKS4, max_cache_len=4)
     for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16", "kivi-4",
                    "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head", SINKS4,
-                   "int4-channel-prerope", "int3-channel-prerope", SINKS4_PREROPE):  # fmt: skip
+                   "int4-channel-prerope", "int3-channel-prerope", SINKS4_PREROPE, "kvquant-4", "kvquant-2",
+                   "int4-token-smooth", "int2-token-smooth-prerope"):  # fmt: skip
         assert static_reason(get_scheme(scheme).for_layer(0)) is None
     with pytest.raises(ValueError, match="max_cache_len is required"):
         StaticQuantizedKVCache(num_layers=2, max_cache_len=None)
@@ -333,7 +344,7 @@ def test_static_fp8_scales_installed_counted_and_clipping_seen():
         cache.set_static_qparams(0, "key", torch.ones(3))
     with pytest.raises(ValueError, match="> 0|positive|finite"):
         cache.set_static_qparams(0, "key", torch.tensor([1.0, 0.0]))
-    with pytest.raises(ValueError, match="not a static FP8 side"):
+    with pytest.raises(ValueError, match="spec is not static; static scales would be ignored"):
         StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=8).set_static_qparams(0, "key", tiny)
     with pytest.raises(TypeError, match="CalibrationArtifact"):
         StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=8, calibration=42)
@@ -432,18 +443,94 @@ def test_static_cache_pre_rope_refusals():
     assert cache.layers[0].rope.offset.tolist() == [-100, -100] and cache.layers[0].rope.positions == P
 
 
-@pytest.mark.parametrize("scheme", ["channel-prerope", "kivi-prerope"])
+@pytest.mark.parametrize("scheme", ["channel-prerope", "kivi-prerope", "kvquant-4"])
 def test_static_cache_pre_rope_step_replayed_across_flushes(scheme, monkeypatch):
     """One fused decode step of pre-RoPE keys recorded (``benchmarks/graph_replay.py``'s emulation of a CUDA graph)
-    and replayed across flushes of the window (the un-rotation at the flushed block's positions included): every
-    replayed step's logits equal the eager steps' bit for bit, and the eager steps are ``QuantizedKVCache``'s."""
-    model, scheme = build("qwen2"), NAMED[scheme]
+    and replayed across flushes of the window (the un-rotation at the flushed block's positions included), and
+    KVQuant's calibrated per-token step (static ranges, codebooks, outliers): every replayed step's logits equal the
+    eager steps' bit for bit, and the eager steps are ``QuantizedKVCache``'s."""
+    model, scheme = build("qwen2"), get_scheme(NAMED.get(scheme, scheme))
     logits = {}
     for mode in ("quantized", "eager", "replayed"):  # flushes at the 8-token (channel) or 4-token (kivi) boundaries
         c = (QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=True) if mode == "quantized" else
              StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=True,
                                     checks="lazy"))  # fmt: skip
+        install(c, scheme)
         logits[mode] = decode_steps(model, c, prompt(), NEW, fused=True,
                                     monkeypatch=monkeypatch if mode == "replayed" else None)  # fmt: skip
     torch.testing.assert_close(logits["eager"], logits["quantized"], atol=1e-4, rtol=0)
     assert torch.equal(logits["replayed"], logits["eager"])
+
+
+def test_static_cache_calibrated_parameters(caplog):
+    """KVQuant's recipe from a real ``kvbits calibrate`` artifact (``calibration=``): the tokens, logits and clip counts
+    of ``QuantizedKVCache`` with the same artifact; the bytes are the plan's, its ``fixed`` the installed parameters,
+    plus a static key range's row per sequence in the kernels' layout. Ranges narrowed by hand clip, counted alike on
+    both caches, once per token (not for the sinks decode steps fill). Parameters installed after ``reset()`` are
+    written in place (the addresses a captured step reads stay) and give what a fresh cache with them gives. A cache
+    without its parameters says what is missing; one reserving positions past the calibrated context says so, once
+    per artifact."""
+    from kvbits.calibrate import calibrate
+
+    model, scheme = build("llama"), get_scheme("kvquant-4")
+    ids = torch.randint(1, VOCAB, (1, 200), generator=torch.Generator().manual_seed(7))
+    art = calibrate(model, ids, "kvquant-4", context=64, windows=2, fisher=False)
+    reference = QuantizedKVCache(config=model.config, scheme=scheme, calibration=art)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, calibration=art)
+    want_seq, want = generate(model, reference, fused=False)
+    seq, got = generate(model, cache, fused=False)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    report = cache.memory_report()
+    at = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)
+    rows = 2 * 2 * (2 * 2 * 32 * 2)  # layers x (scale, zero) x (B, H_kv, D) float16: the key range per sequence
+    assert report["fixed_bytes"] == at["components"]["fixed"] > 0
+    assert report["total_bytes"] == at["total_bytes"] + rows
+
+    def counts(c):
+        if isinstance(c, QuantizedKVCache):
+            return [(r["clipped_keys"], r["clipped_values"]) for r in c.calibration_report()["layers"]]
+        return [(r["clipped_keys"], r["clipped_values"]) for r in c.clipped()]
+
+    # the same parameters with 4 sinks, key ranges halved: a 2-token prompt, whose last sinks decode steps fill
+    sinks4 = replace(scheme, name="kvquant-4-sinks4", sinks=4)
+    narrow, caches = {}, {}
+    for name in ("quantized", "static", "fresh"):
+        c = (QuantizedKVCache(config=model.config, scheme=sinks4) if name == "quantized" else
+             StaticQuantizedKVCache(config=model.config, scheme=sinks4, max_cache_len=MAX_LEN))  # fmt: skip
+        for i in range(2):
+            qp = art.static_qparams(i, "key")
+            args = (qp[0], qp[1]) if name == "static" else (qp[0] * 0.5, qp[1] * 0.5)  # static: halved after a reset
+            c.set_static_qparams(i, "key", *args, codebook=art.codebook(i, "key"))
+            c.set_static_qparams(i, "value", codebook=art.codebook(i, "value"))
+        if name == "static":
+            generate(model, c, fused=False)
+            c.reset()
+            slab, fixed = c.layers[0].key, c.layers[0]._fixed["key"]
+            before = (slab.scale.data_ptr(), slab.codebook.data_ptr(), fixed["static_scale"].data_ptr())
+            for i in range(2):
+                qp = art.static_qparams(i, "key")
+                c.set_static_qparams(i, "key", qp[0] * 0.5, qp[1] * 0.5)
+            assert (slab.scale.data_ptr(), slab.codebook.data_ptr(), fixed["static_scale"].data_ptr()) == before
+        narrow[name], caches[name] = generate(model, c, fused=False, ids=prompt()[:, :2]), c
+    for name in ("static", "fresh"):
+        assert torch.equal(narrow[name][0], narrow["quantized"][0])
+        torch.testing.assert_close(narrow[name][1], narrow["quantized"][1], atol=1e-4, rtol=0)
+        assert counts(caches[name]) == counts(caches["quantized"]), (name, counts(caches[name]))
+    assert all(k > 0 for k, _ in counts(caches["static"])), counts(caches["static"])
+
+    bare = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    with pytest.raises(ValueError, match="needs calibrated parameters \\(key static scales, key static zero-points, key "
+                                         "NUQ codebook, value NUQ codebook\\)"):  # fmt: skip
+        generate(model, bare, fused=False)
+    with pytest.raises(ValueError, match="a codebook needs kind='nuq'"):
+        StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=8).set_static_qparams(
+            0, "key", codebook=art.codebook(0, "key"))  # fmt: skip
+    longest = int(art.max_calibrated_length)
+    assert MAX_LEN < longest < 100  # the caches above reserve no position past it: nothing said
+    assert not [r for r in caplog.records if "max_calibrated_length" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="kvbits.cache.static"):
+        for _ in range(2):
+            StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=100, calibration=art)
+    said = [r.getMessage() for r in caplog.records if "max_calibrated_length" in r.getMessage()]
+    assert len(said) == 1 and f"max_cache_len=100 reserves positions past the {longest}-token context" in said[0]

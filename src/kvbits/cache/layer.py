@@ -32,10 +32,10 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
+from kvbits.cache.fixed import PARAM_NAMES, channel_bound, checked_params, missing_params
 from kvbits.cache.store import SideStore, mergeable
 from kvbits.quant.fp8 import static_fp8_scale
-from kvbits.quant.nuq import check_codebook
-from kvbits.quant.tensor import FLOAT_DTYPES, check_finite, check_static_scale
+from kvbits.quant.tensor import FLOAT_DTYPES
 from kvbits.schemes.accounting import sliding_falls_back, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -316,57 +316,23 @@ class QuantizedKVLayer(CacheLayerMixin):
         store = {"key": self._k, "value": self._v}.get(side)
         if store is None:
             raise ValueError(f"side must be 'key' or 'value', got {side!r}")
-        spec = store.spec
-        if scale is not None and not spec.static:  # FP8 per-tensor specs are static (TensorSpec)
-            raise ValueError(f"layer {self.layer_idx} {side}: spec is not static; static scales would be ignored")
-        if codebook is not None and spec.kind != "nuq":
-            raise ValueError(f"layer {self.layer_idx} {side}: a codebook needs kind='nuq', got {spec.kind!r}")
-        if mean is not None and not spec.centre:
-            raise ValueError(f"layer {self.layer_idx} {side}: channel means need a centre spec; they would be ignored")
-        if factor is not None and spec.smooth is None:
-            raise ValueError(f"layer {self.layer_idx} {side}: smoothing factors need a smooth spec; they would be ignored")
-        what = f"layer {self.layer_idx} {side}"
-        named = (("scale", scale), ("zero", zero), ("codebook", codebook), ("mean", mean), ("factor", factor))
-        for name, t in named:
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"{what}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
-        given = [t for _, t in named if t is not None]
+        given = [t for t in (scale, zero, codebook, mean, factor) if isinstance(t, torch.Tensor)]
         device = self.device or (given[0].device if given else torch.device("cpu"))
-        # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact;
-        # checked in the stored dtype (a huge float32 scale is inf in float16)
-        if scale is not None:
-            scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16).clone()
-            if spec.kind == "fp8":  # () per tensor, (1, H_kv, 1, 1) per head
-                scale = static_fp8_scale(scale, spec.granularity, self._stored_heads(), f"{what} static scale")
-            check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
-        if zero is not None:
-            zero = zero.detach().to(device, torch.float16).clone()
-            check_finite(zero, f"{what} static zero-point")
-        channel = {}
-        for name, t in (("channel_mean", mean), ("channel_factor", factor)):
-            if t is None:
-                continue
-            heads, D = self._stored_heads(), t.shape[-1]
-            if t.dim() not in (2, 4) or (heads is not None and t.numel() != heads * D):
-                raise ValueError(f"{what}: {name} must be (H_kv, D) = ({heads}, D), got {tuple(t.shape)}")
-            t = t.detach().to(device, torch.float16).reshape(-1, D).clone()
-            if name == "channel_mean":
-                check_finite(t, f"{what} channel mean")
-            else:
-                check_static_scale(t, f"{what} smoothing factor", positive=True)
-            channel[name] = t
+        params = checked_params(store.spec, f"layer {self.layer_idx} {side}", self._stored_heads(), device,
+                                scale=scale, zero=zero, codebook=codebook, mean=mean, factor=factor)  # fmt: skip
         if self.mode != "quantized":
             return
-        for name, t in channel.items():
-            setattr(store, name, t)
-        if channel:  # the float16 scales cover (x - mean) / factor: accept only |x| that keeps it in range
+        for name in ("channel_mean", "channel_factor"):
+            if name in params:
+                setattr(store, name, params[name])
+        if "channel_mean" in params or "channel_factor" in params:  # the float16 scales cover (x - mean) / factor
             self._set_bounds(*self._head_dims)
-        if scale is not None:
-            store.static_scale, store.static_zero = scale, zero
+        if "static_scale" in params:
+            store.static_scale, store.static_zero = params["static_scale"], params.get("static_zero")
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
-            store.zero_scales = bool((scale == 0).any())
-        if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
-            store.codebook = check_codebook(codebook.detach().to(device).clone(), spec.bits)
+            store.zero_scales = bool((store.static_scale == 0).any())
+        if "codebook" in params:
+            store.codebook = params["codebook"]
 
     def _set_bounds(self, key_dim: int | None, value_dim: int | None) -> None:
         """The input bounds (``checks.bounds``) of both sides: ``kv_checks.input_bound`` at head dims ``key_dim``
@@ -376,12 +342,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         bounds = []
         for store, D in ((self._k, key_dim), (self._v, value_dim)):
             bound, why = kv_checks.input_bound(store.spec, self.mode, D)
-            if store.channel_mean is not None or store.channel_factor is not None:
-                top = 0.0 if store.channel_mean is None else float(store.channel_mean.float().abs().max())
-                low = 1.0 if store.channel_factor is None else float(store.channel_factor.float().min())
-                bound = max(0.0, bound * low - top)
-                why = f"{why}, and it covers (x - mean) / factor (largest |mean| {top:.4g}, smallest factor {low:.4g})"
-            bounds.append((bound, why))
+            bounds.append(channel_bound(bound, why, store.channel_mean, store.channel_factor))
         self.checks.bounds = (bounds[0], bounds[1])
 
     def set_rotary(self, rotary: RotaryTables) -> None:
@@ -401,17 +362,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             return []
         missing = []
         for side, store in (("key", self._k), ("value", self._v)):
-            spec = store.spec
-            if spec.kind in ("int", "nuq") and spec.static and store.static_scale is None:
-                missing.append(f"{side} static scales")
-            if spec.kind in ("int", "nuq") and spec.static and spec.has_zero_point and store.static_zero is None:
-                missing.append(f"{side} static zero-points")
-            if spec.kind == "nuq" and store.codebook is None:
-                missing.append(f"{side} NUQ codebook")
-            if spec.centre and store.channel_mean is None:
-                missing.append(f"{side} channel means")
-            if spec.smooth is not None and store.channel_factor is None:
-                missing.append(f"{side} smoothing factors")
+            have = {name: getattr(store, name) for name in PARAM_NAMES}
+            missing += missing_params(store.spec, side, have)
         return missing
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

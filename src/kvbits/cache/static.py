@@ -54,14 +54,20 @@ the device (a prefill reads the length once). Pre-RoPE keys (``int4-channel-prer
 before they are quantized and rotated back after, at positions kept on the device with fixed RoPE tables
 (``kvbits.cache.static_rope``: a request's left padding is read once from the position ids of its first update;
 ``track_positions`` hands them over on transformers that pass none); the fused kernels rotate them as they read them.
-Sinks beside a flush window, rotated pre-RoPE keys, outliers and calibrated integer parameters (static ranges, NUQ
-codebooks, centring) need positions or statistics the host tracks: ``QuantizedKVCache`` serves them.
+Calibrated parameters (``kvbits.cache.fixed``; ``calibration=``, ``install_calibration`` or ``set_static_qparams``,
+before the first token; written in place after ``reset()``): static integer or NUQ ranges (KVQuant's per-channel keys:
+one row per sequence in the kernels' layout), NUQ codebooks, dense-and-sparse outliers (a fixed number per token, in
+slots like the codes), centred / smoothed keys; so KVQuant's recipe (``kvquant-4``: pre-RoPE NUQ keys, NUQ values, 1 %
+outliers, a sink) and ``*-token-smooth[-prerope]`` are held. Values saturated against static ranges are counted on the
+device when a token's codes are final (``clipped()``). A cache reserving positions past the artifact's calibrated
+context says so once, when the artifact is installed (replayed steps are not seen by the host). Sinks beside a flush
+window, Hadamard-rotated pre-RoPE keys and centred values stay with ``QuantizedKVCache``.
 
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
 where the plan counts those left unquantized at ``max_cache_len`` (``residual`` to ``residual + block - 1``); a static
-FP8 scale is also held in the kernels' layout, once per sequence and head (float32). ``memory_report()`` counts what
-is held.
+scale is also held in the kernels' layout, once per sequence (FP8: float32 per head; KVQuant's key ranges: float16 scale
+and zero-point rows per head and channel). ``memory_report()`` counts what is held.
 
 What the host still tracks: ``tokens_written`` counts the tokens of eager ``update`` calls, to refuse a sequence
 longer than ``max_cache_len`` with a clear error. Replayed steps do not run ``update``, so a graph's caller keeps
@@ -70,6 +76,7 @@ its positions below ``max_cache_len`` itself (as with ``StaticCache``).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -79,6 +86,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
 from kvbits.cache.checks import check_channel_groups, check_mode, input_bound, write_maxima
+from kvbits.cache.fixed import channel_bound, checked_params, missing_params
 from kvbits.cache.layer import find_position_ids, position_offset
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
@@ -92,7 +100,7 @@ from kvbits.kernels.reference import (
 )
 from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import static_fp8_scale
-from kvbits.quant.tensor import FLOAT_DTYPES, check_static_scale, quantize
+from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes import get_scheme
 from kvbits.schemes.accounting import PACKED_KINDS, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -100,29 +108,29 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.quant.rope import RotaryTables
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["StaticQuantizedKVCache", "StaticQuantizedLayer", "static_reason"]
 
 _SLOT_FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_index")  # PackedTensor fields with a slot axis
 SIDES = ("key", "value")
 
 
-def _side_reason(spec: TensorSpec, block: int) -> str | None:
-    if spec.kind not in PACKED_KINDS or spec.kind == "nuq":
-        return f"kind {spec.kind!r} (int and fp8 codes only; NUQ codebooks are calibrated)"
+def _side_reason(spec: TensorSpec, block: int, side: str) -> str | None:
+    if spec.kind not in PACKED_KINDS:
+        return f"kind {spec.kind!r} (int, NUQ and fp8 codes only)"
     if spec.kind == "fp8" and spec.static:  # one scale per tensor or head: 1.0 until calibrated (set_static_qparams)
         return None if block == 1 else "static FP8 scales in a windowed scheme"
-    if spec.granularity == "channel" and (spec.group_size is None or block % spec.group_size):
-        return "per-channel scales without a token group dividing the flush block (static ranges are calibrated)"
+    if spec.granularity == "channel" and spec.group_size is None and not spec.static:
+        return "per-channel scales over every token without calibrated (static) ranges"
+    if spec.granularity == "channel" and spec.group_size is not None and block % spec.group_size:
+        return f"per-channel groups of {spec.group_size} tokens that do not divide the flush block of {block}"
     if spec.granularity not in ("token", "channel"):
         return f"{spec.granularity} granularity (one scale per token or per channel group only)"
-    if spec.static:
-        return "static (calibrated) integer scales"
     if spec.pre_rope and spec.rotate is not None:
         return f"pre-RoPE keys with a {spec.rotate} rotation (RoPE acts on the model's channel pairs, not the codes')"
-    if spec.outlier_frac:
-        return "dense-and-sparse outliers"
-    if spec.has_channel_transform:
-        return "centred / smoothed channels (calibrated vectors)"
+    if side == "value" and spec.has_channel_transform:
+        return "centred / smoothed values (the fused kernels move only the keys' query and tail into the codes' basis)"
     return None
 
 
@@ -135,7 +143,7 @@ def static_reason(scheme: KVScheme) -> str | None:
     for side, spec in (("key", scheme.key), ("value", scheme.value)):
         if spec.kind == "float":
             return f"{side}s kept in {spec.fmt} beside quantized {'values' if side == 'key' else 'keys'}"
-        why = _side_reason(spec, scheme.block)
+        why = _side_reason(spec, scheme.block, side)
         if why is not None:
             return f"{side}s: {why}"
     return None
@@ -202,8 +210,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self._shape: tuple[int, int, int] | None = None  # (B, H_kv, D)
         self._bounds: tuple[float, float] = (float("inf"), float("inf"))
         self._lazy = False
-        self._scales: dict[str, torch.Tensor] = {}  # installed static FP8 scales, by side, as given
-        self._static: dict[str, torch.Tensor] = {}  # the scales quantize takes, on the K/V device (from the first update)
+        # calibrated parameters by side, as quantize takes them (kvbits.cache.fixed), on the K/V device from the first
+        # update; a static FP8 side without an installed scale gets 1.0 there
+        self._fixed: dict[str, dict[str, torch.Tensor]] = {side: {} for side in SIDES}
+        self._zero_scales: dict[str, bool] = {}  # a static int/NUQ scale with a zero entry (the kernel counts its clips)
+        self._why: tuple[str, str] = ("", "")  # the input bounds' reasons
         self.clipped: torch.Tensor | None = None  # (2,) int64: K, V values saturated against static scales
 
     # ------------------------------------------------------------------ allocation
@@ -236,9 +247,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.value_full = torch.zeros(shape, dtype=FLOAT_DTYPES[self.scheme.value.fmt], device=device)
         else:
             check_channel_groups(self.scheme, D, D, f"layer {self.layer_idx}")
-            for side in SIDES:  # static FP8: () per tensor, (1, H_kv, 1, 1) per head
-                if (scale := self._static_scale(side, H, device)) is not None:
-                    self._static[side] = scale.clone()
+            self._params_on(device, H)
             slots = self.max_cache_len - self.scheme.sinks
             if self.scheme.sinks:  # the first tokens, kept in the K/V dtype: the kernels' full-precision tail
                 shape = (B, H, self.scheme.sinks, D)
@@ -258,7 +267,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                     raise ValueError(f"layer {self.layer_idx}: keys have head dim {D}, the RoPE tables "
                                      f"{self.rotary.head_dim} (a config of another model?)")  # fmt: skip
                 self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, slots, B, device)
-        self._bounds = (input_bound(self.scheme.key, "quantized", D)[0], input_bound(self.scheme.value, "quantized", D)[0])
+        self._set_bounds(D)
         if not torch.compiler.is_compiling():  # fixed addresses for torch.compile's CUDA graphs, as StaticLayer's
             for t in self.tensors():
                 torch._dynamo.mark_static_address(t)
@@ -267,19 +276,24 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer holds: the slabs (K/V) and the step's state (``state_tensors``)."""
         slabs = [t for p in (self.key, self.value) if p is not None for t in p.tensors()]
-        slabs += [t for t in (self.key_full, self.value_full) if t is not None] + list(self._static.values())
+        slabs += [t for t in (self.key_full, self.value_full) if t is not None]
+        slabs += [t for side in SIDES for t in self._fixed[side].values()]
         if self.rope is not None:  # shared with the cache's other layers
             slabs += [self.rope.cos, self.rope.sin]
         return slabs + self.state_tensors()
 
-    def _slab(self, side: str, like: torch.Tensor, slots: int) -> PackedTensor:
-        """A zero ``PackedTensor`` of ``slots`` token slots in the layout ``quantize`` + ``pack_side`` give ``side``'s
-        spec (a static scale's one row as it is)."""
-        spec = self._spec(side)
+    def _template(self, side: str, like: torch.Tensor) -> PackedTensor:
+        """One flush block of zeros (per-channel groups need their tokens) in the layout ``quantize`` + ``pack_side``
+        give ``side``'s spec with the installed parameters; ``like``: ``(B, H_kv, *, D)`` K/V."""
         B, H, _, D = like.shape
-        n = self.scheme.block  # a whole flush block: per-channel groups need their tokens
-        one = pack_side([quantize(torch.zeros((B, H, n, D), dtype=like.dtype, device=like.device), spec,
-                                  static_scale=self._static.get(side), validate=False, sync=False)])  # fmt: skip
+        zeros = torch.zeros((B, H, self.scheme.block, D), dtype=like.dtype, device=like.device)
+        return pack_side([quantize(zeros, self._spec(side), **self._fixed[side], validate=False, sync=False)])
+
+    def _slab(self, side: str, like: torch.Tensor, slots: int) -> PackedTensor:
+        """A zero ``PackedTensor`` of ``slots`` token slots in ``_template``'s layout (a static scale's one row as it
+        is)."""
+        B, H = like.shape[:2]
+        one = self._template(side, like)
         fields = {}
         for name in _SLOT_FIELDS:
             t = getattr(one, name)
@@ -292,36 +306,78 @@ class StaticQuantizedLayer(CacheLayerMixin):
             fields[name] = torch.zeros((B, H, rows, t.shape[3]), dtype=t.dtype, device=t.device)
         return replace(one, **fields)
 
-    def _static_scale(self, side: str, heads: int, device: torch.device) -> torch.Tensor | None:
-        """A static FP8 side's float32 scale (``()`` per tensor, ``(1, H_kv, 1, 1)`` per head): the installed one, else
-        1.0 (vLLM's uncalibrated default); ``None`` for other sides."""
-        spec = self._spec(side)
-        if not (spec.kind == "fp8" and spec.static):
-            return None
-        scale = self._scales.get(side)
-        if scale is None:
-            scale = torch.ones((), dtype=torch.float32)
-        return static_fp8_scale(scale.to(device, torch.float32), spec.granularity, heads, f"{side} static FP8 scale")
+    def _params_on(self, device: torch.device, heads: int) -> None:
+        """The installed parameters on the K/V device (static FP8 without one: 1.0, vLLM's uncalibrated default);
+        ``ValueError`` naming what a calibrated side still lacks."""
+        missing = [m for side in SIDES for m in missing_params(self._spec(side), side, self._fixed[side])]
+        if missing:
+            raise ValueError(
+                f"layer {self.layer_idx}: scheme {self.scheme.name!r} needs calibrated parameters ({', '.join(missing)}); "
+                "run `kvbits calibrate` and pass calibration= (or install them with set_static_qparams()) before use"
+            )
+        for side in SIDES:
+            spec, fixed = self._spec(side), self._fixed[side]
+            for name, t in fixed.items():
+                fixed[name] = t.to(device)
+            if spec.kind == "fp8" and spec.static and "static_scale" not in fixed:
+                fixed["static_scale"] = static_fp8_scale(torch.ones((), dtype=torch.float32, device=device),
+                                                         spec.granularity, heads, f"{side} static FP8 scale")  # fmt: skip
+            scale = fixed.get("static_scale")
+            self._zero_scales[side] = scale is not None and spec.kind != "fp8" and bool((scale == 0).any())
 
-    def set_static_qparams(self, side: str, scale: torch.Tensor) -> None:
-        """Install a static FP8 side's calibrated scale (per tensor: one number; per head: ``(H_kv,)``,
-        ``(H_kv, 1, 1)`` or ``(1, H_kv, 1, 1)``), finite and ``> 0`` (one host sync). Before the first token only:
-        codes already stored were taken under the old scale."""
-        spec = self._spec(side) if side in SIDES else None
-        if spec is None or not (spec.kind == "fp8" and spec.static):
-            raise ValueError(f"layer {self.layer_idx}: {side!r} is not a static FP8 side of {self.scheme.name!r}")
+    def _set_bounds(self, D: int) -> None:
+        """Each side's input bound (``input_bound``), lowered for installed channel vectors (``channel_bound``)."""
+        bounds = [channel_bound(*input_bound(self._spec(side), "quantized", D), self._fixed[side].get("channel_mean"),
+                                self._fixed[side].get("channel_factor")) for side in SIDES]  # fmt: skip
+        self._bounds = (bounds[0][0], bounds[1][0])
+        self._why = (bounds[0][1], bounds[1][1])
+
+    def set_static_qparams(
+        self, side: str, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, *,
+        codebook: torch.Tensor | None = None, mean: torch.Tensor | None = None, factor: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Install calibrated parameters for ``side``, as ``QuantizedKVLayer.set_static_qparams`` takes them
+        (``kvbits.cache.fixed.checked_params``: static scales and zero-points, a NUQ codebook, channel means and
+        smoothing factors; a static FP8 scale per tensor, or per head ``(H_kv,)``), checked once (one host sync).
+        Before the first token only: codes already stored were taken under the old parameters. Once the slabs exist
+        (``reset()`` since) they are written in place, so the addresses a captured step reads stay. A no-op for a layer
+        kept in float."""
+        if side not in SIDES:
+            raise ValueError(f"side must be 'key' or 'value', got {side!r}")
+        if self.scheme.is_identity:
+            return
         if self.tokens_written:
             raise ValueError(f"layer {self.layer_idx}: static scales are installed before the first token; reset() first")
-        scale = torch.as_tensor(scale).detach().to(torch.float32)
+        given = [t for t in (scale, zero, codebook, mean, factor) if isinstance(t, torch.Tensor)]
+        device = self.device if self._shape is not None else (given[0].device if given else torch.device("cpu"))
         heads = self.num_key_value_heads if self._shape is None else self._shape[1]
-        static_fp8_scale(scale, spec.granularity, heads, f"layer {self.layer_idx} {side} static FP8 scale")
-        check_static_scale(scale, f"layer {self.layer_idx} {side} static FP8 scale", positive=True)
-        self._scales[side] = scale.clone()
+        params = checked_params(self._spec(side), f"layer {self.layer_idx} {side}", heads, device, scale=scale,
+                                zero=zero, codebook=codebook, mean=mean, factor=factor)  # fmt: skip
+        fixed = self._fixed[side]
+        for name, t in params.items():
+            old = fixed.get(name)
+            if self._shape is not None and old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                old.copy_(t)  # allocated: the address a captured step reads stays
+            else:
+                fixed[name] = t
+        if self._shape is not None:
+            self._refresh(side)
+
+    def _refresh(self, side: str) -> None:
+        """Allocated slabs after an install: the parameters the slab holds itself (a static scale's row per sequence,
+        the codebook, channel vectors) rewritten in place from a fresh zero block's layout; bounds and clip flags."""
+        B, H, D = self._shape  # type: ignore[misc]
+        self._params_on(self.device, H)
         slab = self.key if side == "key" else self.value
-        if slab is not None:  # allocated (reset() since): written in place, the addresses stay
-            new = self._static_scale(side, self._shape[1], slab.scale.device)
-            self._static[side].copy_(new)
-            slab.scale.copy_(new.expand(slab.scale.shape))
+        fresh = self._template(side, torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device))
+        names = ("codebook", "channel_mean", "channel_factor")
+        if slab.tps == STATIC_TPS:
+            names += ("scale", "zero")
+        for name in names:
+            t = getattr(slab, name)
+            if t is not None and t is not getattr(fresh, name):
+                t.copy_(getattr(fresh, name))
+        self._set_bounds(D)
 
     def _spec(self, side: str) -> TensorSpec:
         return self.scheme.key if side == "key" else self.scheme.value
@@ -353,7 +409,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 if bound < float("inf") and x.numel() and float(x.detach().abs().amax()) > bound:
                     raise ValueError(
                         f"layer {self.layer_idx} {what}: |x| up to {float(x.abs().amax()):.4g}, beyond {bound:.4g} "
-                        f"({input_bound(self.scheme.key if what == 'keys' else self.scheme.value, 'quantized', x.shape[3])[1]})"
+                        f"({self._why[0 if what == 'keys' else 1]})"
                     )
 
     def update(
@@ -406,18 +462,24 @@ class StaticQuantizedLayer(CacheLayerMixin):
         keys, values = self.materialize()
         return fused.tag(self, keys), values
 
-    def _write_codes(self, k: torch.Tensor, v: torch.Tensor, slot0: torch.Tensor) -> None:
+    def _write_codes(
+        self, k: torch.Tensor, v: torch.Tensor, slot0: torch.Tensor, final: torch.Tensor | None = None
+    ) -> None:
         """Quantize ``(B, H_kv, n, D)`` K/V and write them at slots ``slot0 + arange(n)`` (``slot0`` a 0-dim tensor;
-        scale rows ``slot0 / tps + arange(n / tps)``)."""
+        scale rows ``slot0 / tps + arange(n / tps)``). ``final``: a 0-dim bool, whether these codes are the tokens'
+        last (a decode step also writes codes that a later step rewrites: a sink's, a window's block before its flush);
+        values saturated against static scales are counted only then (``None``: always)."""
         n = k.shape[2]
         slots = torch.arange(n, device=self.device) + slot0  # the same token slots for keys and values
         for i, (side, slab, x) in enumerate(zip(SIDES, (self.key, self.value), (k, v))):
             if i == 0 and self.rope is not None:  # pre-RoPE keys: un-rotated at the positions these slots hold
                 x = self.rope.unrotate(x, slot0)
             static = slab.tps == STATIC_TPS  # the side's static scale: passed in, its row never rewritten
-            qt = quantize_pack(x, self._spec(side), static_scale=self._static.get(side), validate=False, sync=False)
-            if static:  # values beyond the calibrated range saturate: counted on the device (calibration mismatch)
-                self.clipped[i] += qt.clipped
+            spec = self._spec(side)
+            qt = quantize_pack(x, spec, **self._fixed[side], validate=False, sync=False,
+                               zero_scales=self._zero_scales[side])  # fmt: skip
+            if spec.static:  # values beyond the calibrated range saturate: counted on the device (calibration mismatch)
+                self.clipped[i] += qt.clipped if final is None else qt.clipped * final
             new = pack_side([qt])  # Triton on CUDA: one launch
             rows = slots if slab.tps in (1, STATIC_TPS) else torch.arange(n // slab.tps, device=self.device) + slot0 // slab.tps
             for name in _SLOT_FIELDS:
@@ -436,7 +498,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             is_sink = self.length < S
             for slab, x in ((self.key_full, k), (self.value_full, v)):
                 slab.index_copy_(2, at, torch.where(is_sink, x.to(slab.dtype), slab.index_select(2, at)))
-            self._write_codes(k, v, (self.length - S).clamp(min=0))
+            self._write_codes(k, v, (self.length - S).clamp(min=0), final=~is_sink)
         else:
             L0 = int(self.length)
             n = max(0, min(q, S - L0))
@@ -466,8 +528,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.window_pos.index_copy_(0, slot, self.length.view(1))
         self.length.add_(1)
         oldest = torch.remainder(torch.arange(blk, device=self.device) + self.qlen, W)
-        self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen)
-        self.qlen.add_((self.length - self.qlen >= W).to(torch.int64) * blk)
+        flush = self.length - self.qlen >= W
+        self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen,
+                          final=flush)  # fmt: skip
+        self.qlen.add_(flush.to(torch.int64) * blk)
         self.lens.copy_(self.qlen.expand(self.lens.shape[0]))
 
     def _window_many(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -573,12 +637,25 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return [t for t in ts if t is not None]
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``quantized`` (codes, scales, zero-points; a static FP8 scale in the kernels' layout, once per
-        sequence and head), ``full`` (float slabs, a windowed layer's window) and ``fixed`` (static FP8 scales as
-        calibrated, per tensor or head: the plan's ``fixed``)."""
-        quantized = sum(p.nbytes for p in (self.key, self.value) if p is not None)
-        full = sum(t.nbytes for t in (self.key_full, self.value_full) if t is not None)
-        fixed = sum(t.nbytes for t in self._static.values())
+        """Bytes held: ``quantized`` (codes, scales, zero-points, outliers of every slot; a static scale in the kernels'
+        layout, once per sequence: its row), ``full`` (float slabs, a windowed layer's window) and ``fixed`` (the
+        calibrated parameters as installed, and any copy the slabs keep of a codebook or channel vectors: the plan's
+        ``fixed``), each storage counted once."""
+        seen: set[int] = set()
+
+        def count(ts: Any) -> int:
+            n = 0
+            for t in ts:
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    n += t.nbytes
+            return n
+
+        slabs = [p for p in (self.key, self.value) if p is not None]
+        quantized = count(getattr(p, name) for p in slabs for name in _SLOT_FIELDS)
+        full = count((self.key_full, self.value_full))
+        fixed = count(t for side in SIDES for t in self._fixed[side].values())
+        fixed += count(getattr(p, name) for p in slabs for name in ("codebook", "channel_mean", "channel_factor"))
         return {"quantized": quantized, "full": full, "fixed": fixed}
 
     def read_checks(self) -> None:
@@ -780,20 +857,36 @@ class StaticQuantizedKVCache(Cache):
         return [{"layer": layer.layer_idx, "clipped_keys": int(layer.clipped[0]), "clipped_values": int(layer.clipped[1])}
                 for layer in self.layers if layer.is_initialized]  # fmt: skip
 
-    def set_static_qparams(self, layer_idx: int, side: str, scale: torch.Tensor) -> None:
-        """Install a static FP8 scale of one layer (``StaticQuantizedLayer.set_static_qparams``)."""
+    def set_static_qparams(
+        self, layer_idx: int, side: str, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, *,
+        codebook: torch.Tensor | None = None, mean: torch.Tensor | None = None, factor: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Install calibrated parameters of one layer's side (``StaticQuantizedLayer.set_static_qparams``)."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
-        self.layers[layer_idx].set_static_qparams(side, scale)
+        self.layers[layer_idx].set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
 
     def install_calibration(self, artifact: Any) -> None:
-        """Install a ``kvbits calibrate`` artifact (or the folder it wrote) made for this scheme: its static FP8 scales,
-        layer by layer (``CalibrationArtifact.static_qparams``)."""
+        """Install a ``kvbits calibrate`` artifact (or the folder it wrote) made for this scheme, layer by layer: static
+        scales and zero-points (``CalibrationArtifact.static_qparams``), NUQ codebooks and channel vectors."""
         from kvbits.calibrate import checked_artifact
 
         artifact = checked_artifact(artifact, self.scheme, self._config)
+        longest = getattr(artifact, "max_calibrated_length", None)
+        if longest is not None and self._max_len > int(longest) and "length" not in artifact.logged:
+            artifact.logged.add("length")  # once per artifact, as QuantizedKVCache says it
+            logger.warning(
+                "StaticQuantizedKVCache (scheme %s): max_cache_len=%d reserves positions past the %d-token context its "
+                "calibration artifact was calibrated on (max_calibrated_length): they would be served with statistics "
+                "extrapolated from shorter contexts (clipped() counts what saturates). Replayed steps are not seen by "
+                "the host, so this is said here, once per artifact; recalibrate with `kvbits calibrate --context` "
+                "covering the longest context served.", self.scheme.name, self._max_len, int(longest),
+            )  # fmt: skip
         for layer in self.layers:
             for side in ("key", "value"):
                 qp = artifact.static_qparams(layer.layer_idx, side)
-                if qp is not None:
-                    layer.set_static_qparams(side, qp[0])
+                codebook = artifact.codebook(layer.layer_idx, side)
+                mean, factor = artifact.channel_transform(layer.layer_idx, side)
+                if any(t is not None for t in (qp, codebook, mean, factor)):
+                    scale, zero = qp if qp is not None else (None, None)
+                    layer.set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)

@@ -30,7 +30,7 @@ def broadcast_shape(*shapes: tuple[int, ...]) -> torch.Size:
     Plain Python: ``torch.broadcast_shapes`` goes through symbolic-shape checks that cost ~0.4 ms a call on
     CPU, more than dequantizing a decode step's history of a small layer.
     """
-    n = max((len(s) for s in shapes), default=0)
+    n = max([len(s) for s in shapes]) if shapes else 0  # (no generator: dynamo traces this under torch.compile)
     out = [1] * n
     for s in shapes:
         for i, d in enumerate(s, n - len(s)):

@@ -1,0 +1,121 @@
+"""Calibrated parameters of one cache side: checked once when installed, named when missing, bounding the inputs.
+
+A side's *fixed* parameters come from ``kvbits calibrate`` rather than from the data stored: static scales and
+zero-points (``TensorSpec.static``), a NUQ codebook (``kind="nuq"``), channel means and smoothing factors
+(``centre`` / ``smooth``). ``QuantizedKVLayer`` and ``StaticQuantizedLayer`` install them alike:
+
+- ``checked_params``: the given tensors, validated (finite; scales ``>= 0``, FP8 ``> 0``; codebooks sorted in
+  ``[-1, 1]``; factors ``> 0``; shapes), cloned in the dtype they are stored in, under the names ``quantize`` takes
+  (``static_scale``, ``static_zero``, ``codebook``, ``channel_mean``, ``channel_factor``). One host sync: the per-step
+  path never re-checks them;
+- ``missing_params``: what a spec still lacks before it can quantize, in words;
+- ``channel_bound``: the input bound of a side whose codes cover ``(x - mean) / factor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvbits.quant.fp8 import static_fp8_scale
+from kvbits.quant.nuq import check_codebook
+from kvbits.quant.tensor import check_finite, check_static_scale
+from kvbits.schemes.spec import TensorSpec
+
+__all__ = ["PARAM_NAMES", "channel_bound", "checked_params", "missing_params"]
+
+PARAM_NAMES = ("static_scale", "static_zero", "codebook", "channel_mean", "channel_factor")  # quantize's arguments
+
+
+def checked_params(
+    spec: TensorSpec,
+    what: str,
+    heads: int | None,
+    device: torch.device,
+    *,
+    scale: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
+    mean: torch.Tensor | None = None,
+    factor: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The given parameters of ``spec``'s side, checked and cloned onto ``device`` (see the module docstring).
+
+    ``scale``/``zero``: static specs, broadcastable to ``quantize``'s grouped view (static per-channel: ``(H_kv, D)``),
+    stored float16 (FP8: float32, ``()`` per tensor or ``(1, H_kv, 1, 1)`` per head); ``codebook``: NUQ, float16
+    ``(2**bits,)``; ``mean`` / ``factor``: ``centre`` / ``smooth`` specs, ``(H_kv, D)`` or ``(1, H_kv, 1, D)``, stored
+    float16 ``(H_kv, D)``. ``heads``: ``H_kv`` as stored (``None``: not known yet, shapes checked later by use).
+    ``what`` names the side in errors. ``ValueError`` / ``TypeError`` saying what was expected.
+    """
+    if scale is not None and not spec.static:  # FP8 per-tensor specs are static (TensorSpec)
+        raise ValueError(f"{what}: spec is not static; static scales would be ignored")
+    if codebook is not None and spec.kind != "nuq":
+        raise ValueError(f"{what}: a codebook needs kind='nuq', got {spec.kind!r}")
+    if mean is not None and not spec.centre:
+        raise ValueError(f"{what}: channel means need a centre spec; they would be ignored")
+    if factor is not None and spec.smooth is None:
+        raise ValueError(f"{what}: smoothing factors need a smooth spec; they would be ignored")
+    named = (("scale", scale), ("zero", zero), ("codebook", codebook), ("mean", mean), ("factor", factor))
+    for name, t in named:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+    out: dict[str, torch.Tensor] = {}
+    # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact;
+    # checked in the stored dtype (a huge float32 scale is inf in float16)
+    if scale is not None:
+        scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16).clone()
+        if spec.kind == "fp8":  # () per tensor, (1, H_kv, 1, 1) per head
+            scale = static_fp8_scale(scale, spec.granularity, heads, f"{what} static scale")
+        check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
+        out["static_scale"] = scale
+    if zero is not None:
+        zero = zero.detach().to(device, torch.float16).clone()
+        check_finite(zero, f"{what} static zero-point")
+        out["static_zero"] = zero
+    for name, t in (("channel_mean", mean), ("channel_factor", factor)):
+        if t is None:
+            continue
+        D = t.shape[-1] if t.dim() else 0
+        if t.dim() not in (2, 4) or (heads is not None and t.numel() != heads * D):
+            raise ValueError(f"{what}: {name} must be (H_kv, D) = ({heads}, D), got {tuple(t.shape)}")
+        t = t.detach().to(device, torch.float16).reshape(-1, D).clone()
+        if name == "channel_mean":
+            check_finite(t, f"{what} channel mean")
+        else:
+            check_static_scale(t, f"{what} smoothing factor", positive=True)
+        out[name] = t
+    if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
+        out["codebook"] = check_codebook(codebook.detach().to(device).clone(), spec.bits)
+    return out
+
+
+def missing_params(spec: TensorSpec, side: str, have: Mapping[str, torch.Tensor | None]) -> list[str]:
+    """What ``spec``'s side still needs before it can quantize, given the installed ``have`` (``PARAM_NAMES`` keys;
+    absent or ``None``: not installed), in words (``"key static scales"``, ...). Static FP8 needs nothing (1.0)."""
+    missing = []
+    if spec.kind in ("int", "nuq") and spec.static and have.get("static_scale") is None:
+        missing.append(f"{side} static scales")
+    if spec.kind in ("int", "nuq") and spec.static and spec.has_zero_point and have.get("static_zero") is None:
+        missing.append(f"{side} static zero-points")
+    if spec.kind == "nuq" and have.get("codebook") is None:
+        missing.append(f"{side} NUQ codebook")
+    if spec.centre and have.get("channel_mean") is None:
+        missing.append(f"{side} channel means")
+    if spec.smooth is not None and have.get("channel_factor") is None:
+        missing.append(f"{side} smoothing factors")
+    return missing
+
+
+def channel_bound(
+    bound: float, why: str, mean: torch.Tensor | None, factor: torch.Tensor | None
+) -> tuple[float, str]:
+    """A side's input bound lowered for installed channel vectors: ``|(x - mean) / factor|`` stays within ``bound``
+    when ``|x| <= bound * min(factor) - max |mean|`` (one host sync when there are vectors)."""
+    if mean is None and factor is None:
+        return bound, why
+    top = 0.0 if mean is None else float(mean.float().abs().max())
+    low = 1.0 if factor is None else float(factor.float().min())
+    return max(0.0, bound * low - top), (
+        f"{why}, and it covers (x - mean) / factor (largest |mean| {top:.4g}, smallest factor {low:.4g})"
+    )
