@@ -204,8 +204,10 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         caption = "*Bytes the cache holds after the last step.*"
         if any(r["path"].startswith("static-") and r.get("planned_bytes") not in (None, r.get("cache_bytes"))
                for r in summary["runs"] if r["batch"] == batch):  # fmt: skip
-            caption += (" *A windowed scheme in `StaticQuantizedKVCache` holds more than the plan by design: its whole "
-                        "ring of `residual + block` full-precision slots and one quantized block written ahead.*")
+            caption += (" *A scheme in `StaticQuantizedKVCache` holds more than the plan by design where it has a window "
+                        "or static ranges: a windowed scheme its whole ring of `residual + block` full-precision slots "
+                        "and one quantized block written ahead; calibrated static integer ranges (KVQuant's keys) a copy "
+                        "per sequence in the kernels' layout.*")
         lines += [caption, ""]
         lines += _table(
             summary,
