@@ -140,7 +140,9 @@ def tape_capture(step: Any) -> tuple[torch.Tensor, Any]:
     launches included) and return its logits and the tape's replay; ``RuntimeError`` if the step read a host value,
     which a CUDA capture refuses."""
     tape = OpTape()
-    with tape, triton_on_tape(tape):
+    # what a CUDA capture tells the code it runs: transformers' mask code then builds a padding mask without reading it
+    # back (is_tracing), as it does under torch.cuda.graph
+    with tape, triton_on_tape(tape), mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
         logits = step()
     if tape.host_reads:
         raise RuntimeError(f"the captured decode step read {tape.host_reads} host values (a CUDA capture refuses them)")

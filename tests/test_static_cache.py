@@ -64,10 +64,11 @@ def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
 
 
 @torch.no_grad()
-def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None) -> torch.Tensor:
-    """A prefill of ``ids`` (no padding), then ``steps`` greedy decode steps: logits ``(steps, B, V)``. With
-    ``monkeypatch``, the steps after the first are replayed from the second, recorded by ``benchmarks/graph_replay.py``'s
-    emulation of a CUDA graph (``GraphedDecode``; the cache's checks must be lazy)."""
+def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None, attention_mask=None) -> torch.Tensor:
+    """A prefill of ``ids``, then ``steps`` greedy decode steps: logits ``(steps, B, V)``. With ``monkeypatch``, the
+    steps after the first are replayed from the second, recorded by ``benchmarks/graph_replay.py``'s emulation of a
+    CUDA graph (``GraphedDecode``; the cache's checks must be lazy). ``attention_mask`` ``(B, T)``: a left-padded
+    batch; every step then passes the grown mask and each row's ``position_ids``, as ``generate`` does."""
     step = None
     if monkeypatch is not None:
         from pathlib import Path
@@ -78,15 +79,21 @@ def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None
         from graph_replay import tape_capture
 
         step = GraphedDecode(model, eager=1, capture=tape_capture)
-    kw, out = cache_kwargs(cache, model), []
+    kw, out, extra = cache_kwargs(cache, model), [], {}
+    mask, pos = attention_mask, None
+    if mask is not None:
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        extra = {"attention_mask": mask, "position_ids": pos}
     with attention(model, fused):
-        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        nxt = model(ids, **kw, **extra, use_cache=True).logits[:, -1:].argmax(-1)
         for i in range(steps):
-            pos = torch.tensor([ids.shape[1] + i])
-            if step is None:
-                lg = model(nxt, **kw, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
+            cpos = torch.tensor([ids.shape[1] + i])
+            if mask is None:
+                extra = {"position_ids": cpos[None]} if step is None else {}
             else:
-                lg = step(nxt, cache_position=pos, **kw, use_cache=True).logits
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                extra = {"attention_mask": mask, "position_ids": pos[:, -1:] + 1 + i}
+            lg = (model if step is None else step)(nxt, **kw, use_cache=True, cache_position=cpos, **extra).logits
             out.append(lg[:, -1].clone())
             nxt = lg[:, -1:].argmax(-1)
     if step is not None:
@@ -534,3 +541,78 @@ def test_static_cache_calibrated_parameters(caplog):
             StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=100, calibration=art)
     said = [r.getMessage() for r in caplog.records if "max_calibrated_length" in r.getMessage()]
     assert len(said) == 1 and f"max_cache_len=100 reserves positions past the {longest}-token context" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "fused"),
+    [(s, f) for s in ("int4-token", "kivi-prerope", "kvquant-4") for f in (False, True)] + [("StaticCache", False)],
+)  # StaticCache holds no packed slots: its steps attend through SDPA
+def test_left_padded_batch_replayed_from_one_captured_step(scheme, fused, monkeypatch):
+    """``GraphedDecode`` with a left-padded batch: each call passes the grown padding mask and each row's position ids;
+    the captured step reads them from its own tensors (the mask one of ``max_cache_len`` columns), and transformers
+    builds the 4D mask without a host read, as under a CUDA capture. Every replayed step's logits equal the eager steps'
+    bit for bit (kvbits' caches, KIVI's flushes and KVQuant's pre-RoPE offsets included, and transformers'
+    ``StaticCache``), and the eager steps are ``QuantizedKVCache``'s."""
+    from transformers import StaticCache
+
+    model = build("qwen2")
+    ids = prompt(batch=3, seed=4)
+    ids[0, :7] = 0
+    ids[2, :3] = 0
+    mask = (ids != 0).long()
+    scheme = NAMED.get(scheme, scheme)
+
+    def make(mode):
+        if scheme == "StaticCache":
+            return (DynamicCache(config=model.config) if mode == "quantized" else
+                    StaticCache(config=model.config, max_cache_len=MAX_LEN))  # fmt: skip
+        c = (QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused) if mode == "quantized" else
+             StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused,
+                                    checks="lazy"))  # fmt: skip
+        install(c, get_scheme(scheme))
+        return c
+
+    logits = {mode: decode_steps(model, make(mode), ids, NEW, fused=fused, attention_mask=mask,
+                                 monkeypatch=monkeypatch if mode == "replayed" else None)
+              for mode in ("quantized", "eager", "replayed")}  # fmt: skip
+    torch.testing.assert_close(logits["eager"], logits["quantized"], atol=1e-4, rtol=0)
+    assert torch.equal(logits["replayed"], logits["eager"])
+
+
+def test_graphed_decode_refuses_inputs_it_cannot_replay(monkeypatch):
+    """``GraphedDecode``'s inputs: ``position_ids`` of another shape than ``(B, 1)``, a mask that is not ``(B, L)``, a
+    mask beside a cache without a fixed length, a mask longer than the cache, and a replayed call that drops the mask
+    or position ids the step was captured with are refused with what was expected."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model = build("llama")
+    tok, cpos = torch.ones(2, 1, dtype=torch.long), torch.tensor([4])
+    step = GraphedDecode(model, eager=1, capture=tape_capture)
+    with pytest.raises(ValueError, match="position_ids must be \\(B, 1\\) = \\(2, 1\\), got \\(2, 2\\)"):
+        step(tok, cache_position=cpos, position_ids=torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask must be \\(B, L\\) with B = 2"):
+        step(tok, cache_position=cpos, attention_mask=torch.ones(3, 5, dtype=torch.long))
+    ids, mask = prompt()[:, :4], torch.ones(2, 5, dtype=torch.long)
+    cache = QuantizedKVCache(config=model.config, scheme="int4-token")
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache, model), use_cache=True)
+        step = GraphedDecode(model, eager=1, capture=tape_capture)
+        step(tok, cache_position=cpos, **cache_kwargs(cache, model), attention_mask=mask)  # eager: any cache
+        with pytest.raises(ValueError, match="needs a cache of fixed length .* got QuantizedKVCache"):
+            step(tok, cache_position=cpos + 1, **cache_kwargs(cache, model), attention_mask=torch.ones(2, 6, dtype=torch.long))
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=8, checks="lazy")
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache, model), use_cache=True)
+        step = GraphedDecode(model, eager=1, capture=tape_capture)
+        for i in range(2):  # the first eagerly, the second captured
+            step(tok, cache_position=cpos + i, **cache_kwargs(cache, model), attention_mask=torch.ones(2, 5 + i, dtype=torch.long))
+        assert step.captured and step.mask.shape == (2, 8)
+        with pytest.raises(ValueError, match="captured step decodes tokens \\(2, 1\\), with an attention mask"):
+            step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model))
+        with pytest.raises(ValueError, match="attention_mask covers 9 positions, past the cache's 8 slots"):
+            step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model), attention_mask=torch.ones(2, 9, dtype=torch.long))

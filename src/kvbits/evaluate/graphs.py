@@ -53,8 +53,12 @@ class GraphedDecode:
 
     Called as ``graphed(tok (B, 1), cache_position=(1,) int64, **model_kwargs)`` (the cache among the keyword
     arguments, the same at every call); returns an object whose ``logits`` ``(B, 1, V)`` are the captured output,
-    overwritten by the next call (read it before calling again). Every sequence of the batch is at the same
-    position (``position_ids`` is ``cache_position`` for all of them: no left padding).
+    overwritten by the next call (read it before calling again). Without ``position_ids`` every sequence is at
+    ``cache_position``. A left-padded batch passes its ``position_ids`` ``(B, 1)`` and its ``attention_mask`` ``(B, L)``
+    (``L`` cache positions so far, as ``generate`` grows it) at every call: the captured step reads them from tensors of
+    its own, the mask one of the cache's full length (``max_cache_len``; positions not written yet are hidden by the
+    causal mask), into which each call copies the caller's before the replay. Under a CUDA capture transformers builds
+    the mask without reading it back (``is_cuda_stream_capturing``), so the captured step holds no host read.
 
     Args:
         model: a causal LM.
@@ -69,6 +73,8 @@ class GraphedDecode:
         self.capture = capture
         self.token: torch.Tensor | None = None
         self.position: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None  # (B, 1), when the caller passes them
+        self.mask: torch.Tensor | None = None  # (B, max_cache_len), when the caller passes a padding mask
         self.logits: torch.Tensor | None = None
         self._replay: Callable[[], None] | None = None
 
@@ -77,30 +83,90 @@ class GraphedDecode:
         """Whether the step is captured (later calls replay it)."""
         return self._replay is not None
 
-    def _forward(self, tok: torch.Tensor, position: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        return self.model(tok, cache_position=position, position_ids=position[None], **kwargs)
+    def _forward(self, tok: torch.Tensor, position: torch.Tensor, kwargs: dict[str, Any],
+                 position_ids: torch.Tensor | None = None) -> Any:  # fmt: skip
+        return self.model(tok, cache_position=position, position_ids=position[None] if position_ids is None else position_ids,
+                          **kwargs)  # fmt: skip
 
-    def __call__(self, tok: torch.Tensor, *, cache_position: torch.Tensor, **kwargs: Any) -> Any:
+    def __call__(
+        self, tok: torch.Tensor, *, cache_position: torch.Tensor, position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
         if tok.dim() != 2 or tok.shape[1] != 1 or cache_position.shape != (1,):
             raise ValueError(f"a decode step takes tokens (B, 1) and cache_position (1,), got {tuple(tok.shape)} and "
                              f"{tuple(cache_position.shape)}")  # fmt: skip
+        B = tok.shape[0]
+        if position_ids is not None and tuple(position_ids.shape) not in ((B, 1), (1, 1)):
+            raise ValueError(f"position_ids must be (B, 1) = ({B}, 1), got {tuple(position_ids.shape)}")
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B):
+            raise ValueError(f"attention_mask must be (B, L) with B = {B} (a 2-D padding mask), got "
+                             f"{tuple(attention_mask.shape)}")  # fmt: skip
         self.calls += 1
         if self.calls <= self.eager:
-            return self._forward(tok, cache_position, kwargs)
+            mask = {} if attention_mask is None else {"attention_mask": attention_mask}
+            return self._forward(tok, cache_position, {**kwargs, **mask}, position_ids)
         if self._replay is None:
-            capture = self.capture
-            if capture is None:
-                why = graph_reason(tok.device)
-                if why is not None:
-                    raise RuntimeError(why)
-                capture = CAPTURES[tok.device.type]
-            self.token, self.position = tok.clone(), cache_position.clone()
-            self.logits, self._replay = capture(lambda: self._forward(self.token, self.position, kwargs).logits)
-            return SimpleNamespace(logits=self.logits)
-        if tok.shape != self.token.shape:
-            raise ValueError(f"the captured step decodes tokens of shape {tuple(self.token.shape)}, got "
-                             f"{tuple(tok.shape)}")  # fmt: skip
+            return self._capture(tok, cache_position, position_ids, attention_mask, kwargs)
+        if tok.shape != self.token.shape or (attention_mask is None) != (self.mask is None) or (
+            (position_ids is None) != (self.position_ids is None)
+        ):  # fmt: skip
+            raise ValueError(
+                f"the captured step decodes tokens {tuple(self.token.shape)}, "
+                f"{'with' if self.mask is not None else 'without'} an attention mask and "
+                f"{'with' if self.position_ids is not None else 'without'} position_ids; got {tuple(tok.shape)}, "
+                f"{'with' if attention_mask is not None else 'without'} and "
+                f"{'with' if position_ids is not None else 'without'}"
+            )
         self.token.copy_(tok)
         self.position.copy_(cache_position)
+        if position_ids is not None:
+            self.position_ids.copy_(position_ids)
+        if attention_mask is not None:
+            self._copy_mask(attention_mask)
         self._replay()
         return SimpleNamespace(logits=self.logits)
+
+    def _capture(
+        self, tok: torch.Tensor, cache_position: torch.Tensor, position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None, kwargs: dict[str, Any],
+    ) -> Any:  # fmt: skip
+        capture = self.capture
+        if capture is None:
+            why = graph_reason(tok.device)
+            if why is not None:
+                raise RuntimeError(why)
+            capture = CAPTURES[tok.device.type]
+        self.token, self.position = tok.clone(), cache_position.clone()
+        self.position_ids = None if position_ids is None else position_ids.clone()
+        if attention_mask is not None:  # the cache's full length: the captured step's mask never changes shape
+            size = _cache_length(kwargs)
+            self.mask = torch.ones((tok.shape[0], size), dtype=attention_mask.dtype, device=attention_mask.device)
+            self._copy_mask(attention_mask)
+            kwargs = {**kwargs, "attention_mask": self.mask}
+        self.logits, self._replay = capture(
+            lambda: self._forward(self.token, self.position, kwargs, self.position_ids).logits
+        )
+        return SimpleNamespace(logits=self.logits)
+
+    def _copy_mask(self, attention_mask: torch.Tensor) -> None:
+        L = attention_mask.shape[1]
+        if L > self.mask.shape[1]:
+            raise ValueError(f"attention_mask covers {L} positions, past the cache's {self.mask.shape[1]} slots")
+        self.mask[:, :L].copy_(attention_mask)
+
+
+def _cache_length(kwargs: dict[str, Any]) -> int:
+    """The slots per sequence of the cache among a step's keyword arguments (a static cache: ``max_cache_len``)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    for name in ("max_cache_len", "get_max_cache_shape"):
+        value = getattr(cache, name, None)
+        value = value() if callable(value) else value
+        if isinstance(value, int) and value > 0:
+            return value
+    sizes = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", [])]  # transformers 5.25's
+    if sizes and all(isinstance(n, int) and n > 0 for n in sizes):
+        return max(sizes)
+    raise ValueError(
+        "a captured step with an attention mask needs a cache of fixed length among its arguments (past_key_values= "
+        f"a StaticCache or StaticQuantizedKVCache), got {type(cache).__name__}"
+    )
