@@ -96,7 +96,7 @@ class GraphedDecode:
             raise ValueError(f"a decode step takes tokens (B, 1) and cache_position (1,), got {tuple(tok.shape)} and "
                              f"{tuple(cache_position.shape)}")  # fmt: skip
         B = tok.shape[0]
-        if position_ids is not None and tuple(position_ids.shape) not in ((B, 1), (1, 1)):
+        if position_ids is not None and tuple(position_ids.shape) != (B, 1):
             raise ValueError(f"position_ids must be (B, 1) = ({B}, 1), got {tuple(position_ids.shape)}")
         if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B):
             raise ValueError(f"attention_mask must be (B, L) with B = {B} (a 2-D padding mask), got "
