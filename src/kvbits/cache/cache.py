@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
+from kvbits.cache.fixed import install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import (
     QuantizedKVLayer,
@@ -44,7 +45,7 @@ from kvbits.schemes.spec import KVScheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizedKVCache", "attention_shape"]
+__all__ = ["QuantizedKVCache", "attention_shape", "rotary_for"]
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
@@ -103,6 +104,26 @@ def _layer_types(text: Any, n_layers: int) -> tuple[list[str], list[dict]]:
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return types, list(kwargs)
+
+
+def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
+    """RoPE tables for a scheme's pre-RoPE keys (any layer's): ``(tables, built_here)``; ``(None, False)`` when none
+    are needed. ``rotary``: tables the caller made (``RotaryTables.from_model``); else built from ``config``."""
+    if not any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
+        return None, False
+    if rotary is not None:
+        return rotary, False
+    if config is None:
+        raise ValueError(
+            f"scheme {scheme.name!r} quantizes keys before RoPE: pass config= (or rotary=) so the cache "
+            "can un-rotate and re-rotate keys"
+        )
+    from kvbits.quant.rope import RotaryTables
+
+    try:
+        return RotaryTables.from_config(config), True
+    except ValueError as exc:
+        raise ValueError(f"scheme {scheme.name!r} needs a model with RoPE keys: {exc}") from exc
 
 
 class QuantizedKVCache(Cache):
@@ -186,7 +207,7 @@ class QuantizedKVCache(Cache):
         self.workspace = bool(workspace)
         self._lazy = False
         self._config = config
-        self._rotary, self._rotary_owned = self._rope_tables(config, rotary)
+        self._rotary, self._rotary_owned = rotary_for(self.scheme, config, rotary)
         self.calibration = None
         # tokens past which update logs, once, that the calibration is exceeded (sys.maxsize: nothing to say)
         self._warn_past = sys.maxsize
@@ -223,24 +244,6 @@ class QuantizedKVCache(Cache):
         super().__init__(layers=layers)
         if calibration is not None:
             self.install_calibration(calibration)
-
-    def _rope_tables(self, config: Any, rotary: Any) -> tuple[Any, bool]:
-        """RoPE tables for pre-RoPE keys: ``(tables, built_here)``; ``(None, False)`` when not needed."""
-        if not any(s.key.pre_rope and not s.is_identity for s in self.scheme.layer_schemes()):
-            return None, False
-        if rotary is not None:
-            return rotary, False
-        if config is None:
-            raise ValueError(
-                f"scheme {self.scheme.name!r} quantizes keys before RoPE: pass config= (or rotary=) so the cache "
-                "can un-rotate and re-rotate keys"
-            )
-        from kvbits.quant.rope import RotaryTables
-
-        try:
-            return RotaryTables.from_config(config), True
-        except ValueError as exc:
-            raise ValueError(f"scheme {self.scheme.name!r} needs a model with RoPE keys: {exc}") from exc
 
     def _make_layer(self, idx: int, layer_type: str, kwargs: dict) -> Any:
         if layer_type == "full_attention":
@@ -294,13 +297,7 @@ class QuantizedKVCache(Cache):
             layer.clip_watch = self._look_at_clipping if layer.can_clip and not self._clipping_said else None
 
     def _calibrate_layer(self, layer: QuantizedKVLayer) -> None:
-        for side in ("key", "value"):
-            qp = self.calibration.static_qparams(layer.layer_idx, side)
-            codebook = self.calibration.codebook(layer.layer_idx, side)
-            mean, factor = self.calibration.channel_transform(layer.layer_idx, side)
-            if any(t is not None for t in (qp, codebook, mean, factor)):
-                scale, zero = qp if qp is not None else (None, None)
-                layer.set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
+        install_artifact(layer, self.calibration)
 
     def __repr__(self) -> str:
         return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"

@@ -9,12 +9,14 @@ zero-points (``TensorSpec.static``), a NUQ codebook (``kind="nuq"``), channel me
   (``static_scale``, ``static_zero``, ``codebook``, ``channel_mean``, ``channel_factor``). One host sync: the per-step
   path never re-checks them;
 - ``missing_params``: what a spec still lacks before it can quantize, in words;
-- ``channel_bound``: the input bound of a side whose codes cover ``(x - mean) / factor``.
+- ``channel_bound``: the input bound of a side whose codes cover ``(x - mean) / factor``;
+- ``install_artifact``: a calibration artifact's parameters of one layer, through its ``set_static_qparams``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -23,7 +25,7 @@ from kvbits.quant.nuq import check_codebook
 from kvbits.quant.tensor import check_finite, check_static_scale
 from kvbits.schemes.spec import TensorSpec
 
-__all__ = ["PARAM_NAMES", "channel_bound", "checked_params", "missing_params"]
+__all__ = ["PARAM_NAMES", "channel_bound", "checked_params", "install_artifact", "missing_params"]
 
 PARAM_NAMES = ("static_scale", "static_zero", "codebook", "channel_mean", "channel_factor")  # quantize's arguments
 
@@ -119,3 +121,16 @@ def channel_bound(
     return max(0.0, bound * low - top), (
         f"{why}, and it covers (x - mean) / factor (largest |mean| {top:.4g}, smallest factor {low:.4g})"
     )
+
+
+def install_artifact(layer: Any, artifact: Any) -> None:
+    """Install ``artifact``'s parameters for ``layer`` (its ``layer_idx``): static scales and zero-points
+    (``CalibrationArtifact.static_qparams``), NUQ codebooks and channel vectors, side by side, through
+    ``layer.set_static_qparams`` (``QuantizedKVLayer`` or ``StaticQuantizedLayer``); sides it has none for are left."""
+    for side in ("key", "value"):
+        qp = artifact.static_qparams(layer.layer_idx, side)
+        codebook = artifact.codebook(layer.layer_idx, side)
+        mean, factor = artifact.channel_transform(layer.layer_idx, side)
+        if any(t is not None for t in (qp, codebook, mean, factor)):
+            scale, zero = qp if qp is not None else (None, None)
+            layer.set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)

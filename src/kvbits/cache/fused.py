@@ -75,7 +75,6 @@ __all__ = [
 
 TAG = "_kvbits_fused"  # attribute set on the key tensor update() returns: (layer, is_placeholder)
 FusedMode = bool | str
-_LENGTH_DEPENDENT = ("dynamic", "longrope")  # rope types whose tables depend on the sequence length
 
 
 def check_mode(mode: Any) -> FusedMode:
@@ -182,7 +181,7 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
             return (
                 f"partial rotary embedding ({rot.rot_dim} of {rot.head_dim} channels; the kernel rotates all)"
             )
-        if any(k in rot.rope_type for k in _LENGTH_DEPENDENT):
+        if rot.length_dependent:
             return f"rope_type {rot.rope_type!r} (tables depend on the sequence length)"
     return None
 

@@ -86,7 +86,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
 from kvbits.cache.checks import check_channel_groups, check_mode, input_bound, write_maxima
-from kvbits.cache.fixed import channel_bound, checked_params, missing_params
+from kvbits.cache.fixed import channel_bound, checked_params, install_artifact, missing_params
 from kvbits.cache.layer import find_position_ids, position_offset
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
@@ -702,23 +702,6 @@ class StaticQuantizedLayer(CacheLayerMixin):
         raise NotImplementedError("StaticQuantizedKVCache cannot be cropped; QuantizedKVCache can")
 
 
-def _rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[RotaryTables | None, bool]:
-    """RoPE tables for a scheme with pre-RoPE keys: ``(tables, built_here)``; ``(None, False)`` when none are needed."""
-    if not any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
-        return None, False
-    if rotary is not None:
-        return rotary, False
-    if config is None:
-        raise ValueError(f"scheme {scheme.name!r} quantizes keys before RoPE: pass config= (or rotary=) so the cache "
-                         "can un-rotate and re-rotate keys")  # fmt: skip
-    from kvbits.quant.rope import RotaryTables
-
-    try:
-        return RotaryTables.from_config(config), True
-    except ValueError as exc:
-        raise ValueError(f"scheme {scheme.name!r} needs a model with RoPE keys: {exc}") from exc
-
-
 class StaticQuantizedKVCache(Cache):
     """A transformers ``Cache`` of fixed quantized slabs that a CUDA graph can replay (see the module docstring).
 
@@ -743,7 +726,7 @@ class StaticQuantizedKVCache(Cache):
         num_layers: int | None = None, fused_decode: bool | str = "auto", checks: str = "auto", calibration: Any = None,
         rotary: Any = None,
     ) -> None:  # fmt: skip
-        from kvbits.cache.cache import _layer_types, attention_shape
+        from kvbits.cache.cache import _layer_types, attention_shape, rotary_for
         from kvbits.cache.layer import check_max_cache_len
         from kvbits.plan.config import text_config
 
@@ -773,7 +756,7 @@ class StaticQuantizedKVCache(Cache):
             if (why := static_reason(self.scheme.for_layer(i))) is not None:
                 raise ValueError(f"layer {i}: scheme {self.scheme.name!r} cannot be stored in fixed slabs: {why}; "
                                  "QuantizedKVCache (with max_cache_len=) serves it")  # fmt: skip
-        self._rotary, self._rotary_owned = _rotary_for(self.scheme, config, rotary)
+        self._rotary, self._rotary_owned = rotary_for(self.scheme, config, rotary)
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
@@ -883,10 +866,4 @@ class StaticQuantizedKVCache(Cache):
                 "covering the longest context served.", self.scheme.name, self._max_len, int(longest),
             )  # fmt: skip
         for layer in self.layers:
-            for side in ("key", "value"):
-                qp = artifact.static_qparams(layer.layer_idx, side)
-                codebook = artifact.codebook(layer.layer_idx, side)
-                mean, factor = artifact.channel_transform(layer.layer_idx, side)
-                if any(t is not None for t in (qp, codebook, mean, factor)):
-                    scale, zero = qp if qp is not None else (None, None)
-                    layer.set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
+            install_artifact(layer, artifact)

@@ -37,8 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["StaticRope", "check_rotary"]
 
-_LENGTH_DEPENDENT = ("dynamic", "longrope")
-
 
 def check_rotary(rotary: RotaryTables, where: str) -> None:
     """``ValueError`` for RoPE the static layers cannot hold on the device (see the module docstring)."""
@@ -47,7 +45,7 @@ def check_rotary(rotary: RotaryTables, where: str) -> None:
             f"{where}: partial rotary embedding ({rotary.rot_dim} of {rotary.head_dim} channels): pre-RoPE keys in "
             "fixed slabs rotate every channel; QuantizedKVCache serves this model"
         )
-    if any(k in str(rotary.rope_type) for k in _LENGTH_DEPENDENT):
+    if rotary.length_dependent:
         raise ValueError(
             f"{where}: rope_type {rotary.rope_type!r} has tables that depend on the sequence length; pre-RoPE keys "
             "in fixed slabs need fixed tables: QuantizedKVCache serves this model"

@@ -287,6 +287,11 @@ class RotaryTables:
             torch.equal(t[..., :h], t[..., h : 2 * h]) for t in (cos, sin)
         )
 
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the tables depend on the sequence length of the forward call (``dynamic``, ``longrope``)."""
+        return any(k in self.rope_type for k in _LENGTH_DEPENDENT)
+
     def tables_for_layer(self, layer_idx: int) -> RotaryTables:
         """The tables decoder layer ``layer_idx`` uses.
 
@@ -340,7 +345,7 @@ class RotaryTables:
         pos = positions.to(self.device, torch.long)
         n_real = pos.shape[1]
         module = self.rotary
-        if any(k in self.rope_type for k in _LENGTH_DEPENDENT):
+        if self.length_dependent:
             module = copy.deepcopy(self.rotary)  # the module mutates its frequencies: stay stateless
             if seq_len is not None:
                 # one extra position makes the forward see max(position_ids) + 1 == seq_len;
