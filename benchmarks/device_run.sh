@@ -19,8 +19,9 @@
 #       --e2e-runs dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:int8-token,kvbits-fused:kivi-4,kvbits-static-fused,kvbits-static-graphs,hf-quantized-quanto,static-fp16-graphs \
 #       --out $OUT/gpu_decode_peers.json
 # (DynamicCache twice: SDPA as torch picks it, and without cuDNN's backend, which may build a graph per step;
-# kvbits-static-fused / kvbits-static-graphs: StaticQuantizedKVCache (session 49, int8-token and int4-token), fused
-# steps eagerly and replayed from one captured CUDA graph, against kvbits-fused:int8-token's greedy tokens;
+# kvbits-static-fused / kvbits-static-graphs: StaticQuantizedKVCache (session 49, int8-token and kivi-4; another
+# scheme when named with it, e.g. kvbits-static-graphs:kvquant-4-block beside kvbits-fused:kvquant-4-block), fused
+# steps eagerly and replayed from one captured CUDA graph, against kvbits-fused's greedy tokens of the same scheme;
 # static-fp16-graphs runs last: transformers' StaticCache decoded through CUDA graphs, the host-free fp16 decode that
 # kvbits-static-graphs is to be compared with; its compile falls in the warm-up steps)
 # and the decode autotuner (kvbits.kernels.autotune, KVBITS_AUTOTUNE=on; session 44), whose candidates are mostly

@@ -162,10 +162,11 @@ print("OK")
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
-def test_the_optional_second_calls_step6_runs_exist():
+def test_the_optional_second_calls_step6_runs_exist(monkeypatch):
     """The second device call that ``device_run.sh``'s header prepares names its step-6 runs (``--e2e-runs``); a
     misspelt one would stop that call before its first step, on the device's time. Each name must be a run
     ``gpu_bench.e2e`` knows, and the runs it adds (``StaticQuantizedKVCache``'s, opt-in) must be among them."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # not left there by another test of this process
     from gpu_bench.e2e import STATIC_KVBITS, wanted_runs
 
     found = re.search(r"--e2e-runs (\S+)", SCRIPT.read_text())

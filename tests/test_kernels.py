@@ -1660,7 +1660,8 @@ def test_gpu_benchmark_times_the_static_kvbits_cache_eager_and_from_one_captured
     run eagerly, and the same steps replayed from one captured step (``GraphedDecode``; on the CPU the replay is
     ``graph_replay.py``'s emulation). Both decode the greedy tokens of ``QuantizedKVCache``'s fused int8-token run,
     hold what ``kvbits.plan`` says of their ``max_cache_len`` (KIVI-4: one block and a whole window more), and every
-    layer went through the fused path."""
+    layer went through the fused path. A scheme outside ``E2E_STATIC`` runs when named with it: KVQuant's block
+    recipe (a sink beside the flush window, stand-in codebooks) replays ``QuantizedKVCache``'s greedy tokens."""
     import json
 
     bench = _load_bench()
@@ -1668,14 +1669,17 @@ def test_gpu_benchmark_times_the_static_kvbits_cache_eager_and_from_one_captured
 
     assert not any(wanted_runs(None)(name, "int8-token") for name in STATIC_KVBITS)
     out = tmp_path / "e2e.json"
-    bench.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
-                "kvbits-fused:int8-token,kvbits-static-fused:int8-token,kvbits-static-graphs", "--out", str(out)])  # fmt: skip
+    runs = ("kvbits-fused:int8-token,kvbits-static-fused:int8-token,kvbits-static-graphs,kvbits-fused:kvquant-4-block,"
+            "kvbits-static-graphs:kvquant-4-block")
+    bench.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs", runs, "--out", str(out)])
     rows = json.loads(out.read_text())["e2e"]
     assert [(r["cache"], r["scheme"]) for r in rows] == [
-        ("kvbits-fused", "int8-token"), ("kvbits-static-fused", "int8-token"),
+        ("kvbits-fused", "int8-token"), ("kvbits-fused", "kvquant-4-block"), ("kvbits-static-fused", "int8-token"),
         ("kvbits-static-graphs", "int8-token"), ("kvbits-static-graphs", "kivi-4"),
+        ("kvbits-static-graphs", "kvquant-4-block"),
     ]  # fmt: skip
-    eager, graphed, kivi = rows[1:]
+    eager, graphed, kivi, kvquant = rows[2:]
+    assert "greedy tokens equal to kvbits-fused: True" in kvquant["note"], kvquant["note"]
     for r in (eager, graphed):
         assert r["tokens_per_s"] > 0 and r["cache_bytes"] == r["planned_bytes"], r
         assert "greedy tokens equal to kvbits-fused: True" in r["note"], r["note"]

@@ -578,12 +578,12 @@ def test_static_errors(model, ids, monkeypatch):
     ):
         with pytest.raises((ValueError, TypeError), match=match):
             speed_eval(model, 64, ["int4-token"], **kw, **extra)
-    kivi = get_scheme("kivi-4")
-    sinks_kivi = replace(kivi, name="kivi-sinks", sinks=2)  # sinks beside a flush window: QuantizedKVCache's
-    with pytest.raises(ValueError, match=r"does not hold 'kivi-sinks' \(sinks=2 beside a flush window"):
-        speed_eval(model, 64, ["int4-token", sinks_kivi], static=True, **kw)
-    mixed = replace(get_scheme("int4-token"), name="int4-token,1=kivi-sinks", layers=((1, sinks_kivi),))
-    with pytest.raises(ValueError, match=r"'int4-token,1=kivi-sinks' \(layer 1: sinks=2 beside"):
+    hadamard = get_scheme("int4-token-hadamard")  # rotated pre-RoPE keys: QuantizedKVCache's
+    rotated = replace(hadamard, name="rotated-prerope", key=replace(hadamard.key, pre_rope=True))
+    with pytest.raises(ValueError, match=r"does not hold 'rotated-prerope' \(keys: pre-RoPE keys with a hadamard"):
+        speed_eval(model, 64, ["int4-token", rotated], static=True, **kw)
+    mixed = replace(get_scheme("int4-token"), name="int4-token,1=rotated-prerope", layers=((1, rotated),))
+    with pytest.raises(ValueError, match=r"'int4-token,1=rotated-prerope' \(layer 1: keys: pre-RoPE keys with"):
         speed_eval(model, 64, [mixed], static=True, **kw)
     with pytest.raises(ValueError, match="'StaticCache' is a baseline"):
         speed_eval(model, 64, [KVScheme("StaticCache")], static=True, **kw)

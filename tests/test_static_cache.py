@@ -44,7 +44,14 @@ SINKS4 = KVScheme("int4-sinks", key=TensorSpec(kind="int", bits=4, fmt=None, gra
 KIVI_PREROPE = replace(KIVI_SMALL, name="kivi-prerope", key=replace(KIVI_SMALL.key, pre_rope=True))
 CHANNEL_PREROPE = replace(CHANNEL_SMALL, name="channel-prerope", key=replace(CHANNEL_SMALL.key, pre_rope=True))
 SINKS4_PREROPE = replace(SINKS4, name="int4-sinks-prerope", key=replace(SINKS4.key, pre_rope=True))
-NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL, SINKS4, KIVI_PREROPE, CHANNEL_PREROPE, SINKS4_PREROPE)}
+# sinks beside a flush window: KIVI's with 3 sinks, and KVQuant's block recipe at this size (kvquant-4-block: pre-RoPE NUQ
+# keys per channel over blocks, NUQ values per token, 1 % outliers), blocks of 4 and 3 sinks
+KIVI_SINKS = replace(KIVI_SMALL, name="kivi-sinks", sinks=3)
+_KVQ_BLOCK = get_scheme("kvquant-4-block")
+KVQUANT_BLOCK = replace(_KVQ_BLOCK, name="kvquant-block-small", key=replace(_KVQ_BLOCK.key, group_size=4), block=4,
+                        sinks=3)  # fmt: skip
+NAMED = {s.name: s for s in (KIVI_SMALL, CHANNEL_SMALL, SINKS4, KIVI_PREROPE, CHANNEL_PREROPE, SINKS4_PREROPE,
+                             KIVI_SINKS, KVQUANT_BLOCK)}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -106,14 +113,14 @@ def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None
     "scheme", ["int8-token", "int2-token", "int4-token-hadamard", "vllm-fp8-token", "int4-g16", "vllm-int4",
                "int4-token,0=fp16", "kivi-small", "channel-small", "fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3-hadamard",
                "int4-sinks", "kivi-prerope", "channel-prerope", "int4-sinks-prerope", "kvquant-4", "kvquant-2",
-               "int4-token-smooth-prerope"],
+               "int4-token-smooth-prerope", "kivi-sinks", "kvquant-block-small"],
 )  # fmt: skip
 def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     """The same scheme through both caches: the same greedy tokens and logits, every decode step of every layer
     through the fused path when asked (mixed schemes: the float layer too, as a tail-only store). Static FP8 scales:
     vLLM's 1.0, and per-head scales installed in both (``set_static_qparams``, a different one per head and layer);
     KVQuant's calibrated parameters (static pre-RoPE key ranges, NUQ codebooks, 1 % outliers, a sink) and centred /
-    smoothed pre-RoPE keys, installed alike."""
+    smoothed pre-RoPE keys, installed alike; sinks beside a flush window (KIVI's, and KVQuant's block recipe)."""
     model = build("llama")
     if scheme == "int4-g16":  # groups of 16 channels per token (int4-g64's groups do not divide this model's D = 32)
         spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=16)
@@ -130,12 +137,12 @@ def test_static_cache_stores_what_the_quantized_cache_stores(scheme, fused):
     assert [layer.fused.steps for layer in cache.layers] == [NEW - 1 if fused else 0] * 2
     assert int(cache.get_seq_length()) == PROMPT + NEW - 1 and cache.get_mask_sizes(1, 0) == (MAX_LEN, 0)
     if isinstance(scheme, KVScheme) and scheme.block > 1:  # windowed: flushed during the decode, as QuantizedKVCache
-        R, blk = scheme.residual, scheme.block
+        R, blk = scheme.residual + scheme.sinks, scheme.block
         assert int(cache.layers[0].qlen) == (PROMPT + NEW - 1 - R) // blk * blk > (PROMPT - R) // blk * blk
 
 
 @pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "channel-prerope",
-                                    "int4-sinks-prerope", "kvquant-4"])  # fmt: skip
+                                    "int4-sinks-prerope", "kvquant-4", "kvquant-block-small"])  # fmt: skip
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
 def test_static_cache_left_padded_batch(fused, scheme):
     """Left padding: the pads take slots like any token; the mask transformers builds hides them (SDPA), and on
@@ -166,7 +173,8 @@ def test_static_cache_left_padded_batch(fused, scheme):
         assert cache.position_ids_hint is None  # forgotten after each call
 
 
-@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "kvquant-4"])
+@pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "kvquant-4",
+                                    "kvquant-block-small"])  # fmt: skip
 def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch, scheme):
     """The fused steps through the Triton kernels (interpreted on a CPU), launched for all reserved slots with each
     sequence's length read from the device (and a windowed scheme's window as the masked tail): the logits of the
@@ -203,11 +211,12 @@ def test_static_cache_error_is_the_schemes():
 
 
 @pytest.mark.parametrize("scheme", ["int4-token", "vllm-int8", "int8-token,1=fp16", "kivi-small", "int4-sinks",
-                                    "channel-prerope", "int4-sinks-prerope"])  # fmt: skip
+                                    "channel-prerope", "int4-sinks-prerope", "kivi-sinks"])  # fmt: skip
 def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     """Every byte of the slabs (codes, scales, zero-points, float layers, windows) is counted, and the total is what
     ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved); a windowed
-    scheme also holds one quantized block ahead and a whole window, where the plan counts the tokens left in it.
+    scheme also holds one quantized block ahead and a whole window (and its sinks), where the plan counts the tokens
+    left in it.
     Pre-RoPE keys add, apart, their RoPE tables (the bytes ``plan(..., fused_decode=True)`` adds for them; a windowed
     scheme's rows also cover its block ahead, within the same rounding here) and a position offset per sequence and
     layer."""
@@ -221,8 +230,8 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     at = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4)
     want = at["total_bytes"]
     if isinstance(scheme, KVScheme) and scheme.block > 1:
-        n_q = (MAX_LEN - scheme.residual) // scheme.block * scheme.block  # quantized at max_cache_len
-        window = scheme.residual + scheme.block
+        n_q = (MAX_LEN - scheme.sinks - scheme.residual) // scheme.block * scheme.block  # quantized at max_cache_len
+        window = scheme.sinks + scheme.residual + scheme.block
         layer = cache.layers[0]
         full_token = 2 * len(cache.layers) * layer.key_full[:, :, 0].nelement() * 4  # K and V of one token, float32
         assert at["components"]["full"] == (MAX_LEN - n_q) * full_token
@@ -231,7 +240,7 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     assert report["total_bytes"] == held == want
     # apart: per layer the two counts (int64), the lengths of both sides (int32 per sequence), the check maxima
     # (float32, two pairs), the clip counts (int64 per side) and a windowed layer's window positions (int64 each)
-    window = scheme.residual + scheme.block if isinstance(scheme, KVScheme) and scheme.block > 1 else 0
+    window = scheme.sinks + scheme.residual + scheme.block if isinstance(scheme, KVScheme) and scheme.block > 1 else 0
     pre_rope = get_scheme(scheme).key.pre_rope
     assert report["state_bytes"] == 2 * (2 * 8 + 2 * 4 * 2 + 2 * 4 * 2 + 2 * 8 + 8 * window + 8 * 2 * pre_rope)
     tables = plan(model.config, context=MAX_LEN, batch=2, scheme=scheme, dtype_bytes=4, fused_decode=True)
@@ -263,14 +272,11 @@ def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
 def test_static_cache_refuses_what_it_cannot_hold():
     """Schemes that need the host's flush bookkeeping or calibration are named with the reason; so are sliding
     layers, a missing ``max_cache_len`` and more tokens than it."""
-    sinks_kivi = KVScheme("kivi-sinks", key=KIVI_SMALL.key, value=KIVI_SMALL.value, residual=8, block=4, sinks=2)
     rotated = replace(SINKS4_PREROPE, name="rotated-prerope", key=replace(SINKS4_PREROPE.key, rotate="hadamard"))
     smooth = get_scheme("int4-token-smooth")
     centred_values = replace(smooth, name="centred-values", value=smooth.key)
     for scheme, words in ((centred_values, "values: centred / smoothed values"),
-                          (rotated, "pre-RoPE keys with a hadamard rotation"),
-                          ("kvquant-4-block", "sinks=1 beside a flush window"),
-                          (sinks_kivi, "sinks=2 beside a flush window")):  # fmt: skip
+                          (rotated, "pre-RoPE keys with a hadamard rotation")):  # fmt: skip
         why = static_reason(get_scheme(scheme))
         assert why is not None and words in why, (scheme, why)
         with pytest.raises(ValueError, match="fixed slabs"):
@@ -280,7 +286,8 @@ def test_static_cache_refuses_what_it_cannot_hold():
     for scheme in ("int8-token", "int4-token-hadamard", "vllm-fp8-token", "fp16", "int4-token,0=fp16", "kivi-4",
                    "kivi-2", "int4-channel", "int2-channel", "fp8-e4m3", "fp8-e4m3-head", SINKS4,
                    "int4-channel-prerope", "int3-channel-prerope", SINKS4_PREROPE, "kvquant-4", "kvquant-2",
-                   "int4-token-smooth", "int2-token-smooth-prerope"):  # fmt: skip
+                   "int4-token-smooth", "int2-token-smooth-prerope", "kvquant-4-block", "kvquant-2-block",
+                   KIVI_SINKS):  # fmt: skip
         assert static_reason(get_scheme(scheme).for_layer(0)) is None
     with pytest.raises(ValueError, match="max_cache_len is required"):
         StaticQuantizedKVCache(num_layers=2, max_cache_len=None)
@@ -387,27 +394,37 @@ def test_static_cache_prefill_attends_over_the_written_positions_only(scheme):
     assert 0 < float((whole - exact).abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("scheme", ["int4-sinks", "kivi-sinks", "kvquant-block-small"])
 @pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
-def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, monkeypatch):
-    """A 2-token prompt under 4 sinks: decode steps fill the last sinks on the device (no host read), then quantize.
-    The same tokens and logits as ``QuantizedKVCache``, eagerly; and one step recorded while the sinks still fill,
-    replayed across the boundary (``benchmarks/graph_replay.py``'s emulation of a CUDA graph), gives the eager steps'
-    logits bit for bit."""
-    model = build("llama")
-    ids = prompt()[:, :2]
-    want_seq, want = generate(model, QuantizedKVCache(config=model.config, scheme=SINKS4, fused_decode=fused),
-                              fused=fused, ids=ids)  # fmt: skip
-    cache = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=fused)
+def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, scheme, monkeypatch):
+    """A 2-token prompt under 4 (per-token) or 3 (windowed) sinks: decode steps fill the last sinks on the device (no
+    host read), then quantize (per token), or go through the window and flush (windowed). The same tokens and logits
+    as ``QuantizedKVCache``, eagerly; and one step recorded while the sinks still fill, replayed across the boundary
+    and the flushes (``benchmarks/graph_replay.py``'s emulation of a CUDA graph), gives the eager steps' logits bit
+    for bit."""
+    model, scheme = build("llama"), NAMED[scheme]
+    ids, S = prompt()[:, :2], scheme.sinks
+    reference = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused)
+    for c in (reference, cache):
+        install(c, scheme)
+    want_seq, want = generate(model, reference, fused=fused, ids=ids)
     seq, got = generate(model, cache, fused=fused, ids=ids)
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    assert int(cache.layers[0]._other_lens[0]) == 4 and int(cache.layers[0].lens[0]) == 2 + NEW - 1 - 4
+    tokens, R, blk = 2 + NEW - 1, scheme.residual, scheme.block
+    quantized = tokens - S if blk == 1 else (tokens - S - R) // blk * blk
+    assert int(cache.layers[0]._other_lens[0]) == S + (R + blk if blk > 1 else 0)
+    assert int(cache.layers[0].lens[0]) == quantized
 
     logits = {}
-    for mode in ("eager", "replayed"):  # positions 2, 3 (sinks; the second one recorded), then 4 .. 9 (quantized)
-        c = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=fused,
+    for mode in ("eager", "replayed"):  # positions 2 .. S - 1 (sinks; the second step recorded), then quantized
+        c = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused,
                                    checks="lazy")  # fmt: skip
-        logits[mode] = decode_steps(model, c, ids, 8, fused=fused, monkeypatch=monkeypatch if mode == "replayed" else None)
+        install(c, scheme)
+        logits[mode] = decode_steps(model, c, ids, 16, fused=fused, monkeypatch=monkeypatch if mode == "replayed" else None)
+        tokens = 2 + 16
+        assert int(c.layers[0].lens[0]) == (tokens - S if blk == 1 else (tokens - S - R) // blk * blk) > 0  # replayed too
     assert torch.equal(logits["replayed"], logits["eager"])
 
 
@@ -450,7 +467,7 @@ def test_static_cache_pre_rope_refusals():
     assert cache.layers[0].rope.offset.tolist() == [-100, -100] and cache.layers[0].rope.positions == P
 
 
-@pytest.mark.parametrize("scheme", ["channel-prerope", "kivi-prerope", "kvquant-4"])
+@pytest.mark.parametrize("scheme", ["channel-prerope", "kivi-prerope", "kvquant-4", "kvquant-block-small"])
 def test_static_cache_pre_rope_step_replayed_across_flushes(scheme, monkeypatch):
     """One fused decode step of pre-RoPE keys recorded (``benchmarks/graph_replay.py``'s emulation of a CUDA graph)
     and replayed across flushes of the window (the un-rotation at the flushed block's positions included), and
@@ -545,14 +562,15 @@ def test_static_cache_calibrated_parameters(caplog):
 
 @pytest.mark.parametrize(
     ("scheme", "fused"),
-    [(s, f) for s in ("int4-token", "kivi-prerope", "kvquant-4") for f in (False, True)] + [("StaticCache", False)],
+    [(s, f) for s in ("int4-token", "kivi-prerope", "kvquant-4") for f in (False, True)]
+    + [("kvquant-block-small", True), ("StaticCache", False)],
 )  # StaticCache holds no packed slots: its steps attend through SDPA
 def test_left_padded_batch_replayed_from_one_captured_step(scheme, fused, monkeypatch):
     """``GraphedDecode`` with a left-padded batch: each call passes the grown padding mask and each row's position ids;
     the captured step reads them from its own tensors (the mask one of ``max_cache_len`` columns), and transformers
     builds the 4D mask without a host read, as under a CUDA capture. Every replayed step's logits equal the eager steps'
-    bit for bit (kvbits' caches, KIVI's flushes and KVQuant's pre-RoPE offsets included, and transformers'
-    ``StaticCache``), and the eager steps are ``QuantizedKVCache``'s."""
+    bit for bit (kvbits' caches, KIVI's flushes, KVQuant's pre-RoPE offsets and its block recipe's sinks beside the
+    window included, and transformers' ``StaticCache``), and the eager steps are ``QuantizedKVCache``'s."""
     from transformers import StaticCache
 
     model = build("qwen2")

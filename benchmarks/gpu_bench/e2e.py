@@ -15,7 +15,8 @@ eagerly). It takes the host out of the loop, which no kvbits cache can do yet (i
 a compiled model, BENCHMARKS.md §6 session 47), so it says what a host-bound kvbits step gives up. It is not
 among the fp16 baselines of ``speedup_vs_best_fp16``, which compare caches under the same eager loop.
 
-``kvbits-static-fused`` and ``kvbits-static-graphs`` (only when named, schemes ``E2E_STATIC``): kvbits'
+``kvbits-static-fused`` and ``kvbits-static-graphs`` (only when named, schemes ``E2E_STATIC``, or any of
+``E2E_KVBITS`` named as ``cache:scheme``, e.g. ``kvbits-static-graphs:kvquant-4-block``): kvbits'
 ``StaticQuantizedKVCache`` (fixed slabs, lengths on the device), fused decode steps run eagerly, and the
 same steps replayed from one captured CUDA graph (``gpu_bench.graphs.GraphedDecode``): kvbits' answer to
 ``static-fp16-graphs``. Their bytes are the slabs reserved for ``e2e_reserve`` tokens, planned at that context."""
@@ -350,7 +351,9 @@ def end_to_end(
             [(d, "fp16", None) for d in DYNAMIC] + [("kvbits-fused", s, True) for s in E2E_KVBITS]
             + [("kvbits-fused-growing", s, True) for s in E2E_GROWING]
             + [("kvbits-dequant-sdpa", "kivi-4", False)]]  # fmt: skip
-    runs += [(batch, name, s, True) for batch in batches for name in STATIC_KVBITS for s in E2E_STATIC]
+    named = set(only or [])  # a static run of another scheme: only when named with it
+    runs += [(batch, name, s, True) for batch in batches for name in STATIC_KVBITS for s in E2E_KVBITS
+             if s in E2E_STATIC or f"{name}:{s}" in named]  # fmt: skip
     runs += [(batch, f"hf-quantized-{b}", n, b) for batch in batches for b, n in E2E_HF]
     runs += [(batch, STATIC_GRAPHS, "fp16", None) for batch in batches]  # last: its compile may take a while
     runs = [r for r in runs if wanted(r[1], r[2])]
@@ -389,6 +392,8 @@ def end_to_end(
             mode = True if model.device.type == "cpu" else "auto"
             cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks="lazy",
                                            max_cache_len=e2e_reserve(context, tokens, warmup))  # fmt: skip
+            c = model.config
+            install_stand_ins(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
             if name == "kvbits-static-graphs":
                 from .graphs import GraphedDecode
 

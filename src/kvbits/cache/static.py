@@ -60,8 +60,10 @@ one row per sequence in the kernels' layout), NUQ codebooks, dense-and-sparse ou
 slots like the codes), centred / smoothed keys; so KVQuant's recipe (``kvquant-4``: pre-RoPE NUQ keys, NUQ values, 1 %
 outliers, a sink) and ``*-token-smooth[-prerope]`` are held. Values saturated against static ranges are counted on the
 device when a token's codes are final (``clipped()``). A cache reserving positions past the artifact's calibrated
-context says so once, when the artifact is installed (replayed steps are not seen by the host). Sinks beside a flush
-window, Hadamard-rotated pre-RoPE keys and centred values stay with ``QuantizedKVCache``.
+context says so once, when the artifact is installed (replayed steps are not seen by the host). A windowed scheme may
+keep sinks too (``kvquant-4-block``: KVQuant's per-channel keys over 128-token blocks, a sink): its full-precision slab
+holds the ``sinks`` slots, then the window's ring; quantized slot ``i`` holds position ``sinks + i``. Hadamard-rotated
+pre-RoPE keys and centred values stay with ``QuantizedKVCache``.
 
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
@@ -138,8 +140,6 @@ def static_reason(scheme: KVScheme) -> str | None:
     """Why a (flat) scheme cannot be stored in fixed slabs (``None``: it can); see the module docstring."""
     if scheme.is_identity:
         return None
-    if scheme.sinks and (scheme.residual or scheme.block > 1):
-        return f"sinks={scheme.sinks} beside a flush window (sinks are held for per-token schemes only)"
     for side, spec in (("key", scheme.key), ("value", scheme.value)):
         if spec.kind == "float":
             return f"{side}s kept in {spec.fmt} beside quantized {'values' if side == 'key' else 'keys'}"
@@ -155,11 +155,13 @@ class StaticQuantizedLayer(CacheLayerMixin):
     Attributes (after the first ``update``):
         key, value: ``PackedTensor`` slabs of quantized slots (quantized schemes), else ``None``.
         key_full, value_full: ``(B, H_kv, max_cache_len, D)`` float slabs (float schemes), a windowed scheme's
-            ``(B, H_kv, residual + block, D)`` window, a per-token scheme's ``(B, H_kv, sinks, D)`` sinks (positions
-            ``0 .. sinks - 1``; its quantized slot ``i`` then holds position ``sinks + i``), else ``None``.
+            ``(B, H_kv, sinks + residual + block, D)`` sinks and window, a per-token scheme's ``(B, H_kv, sinks, D)``
+            sinks (positions ``0 .. sinks - 1``; quantized slot ``i`` then holds position ``sinks + i``), else
+            ``None``.
         length, qlen: 0-dim int64, tokens written and tokens quantized (device); ``lens``: ``(B,)`` int32, the
             quantized slots each sequence attends (its written ones for float layers), for the kernels.
-        window_pos: ``(residual + block,)`` int64, the position each window slot holds (``-1``: none yet).
+        window_pos: ``(sinks + residual + block,)`` int64, the position each full-precision slot of a windowed layer
+            holds (``-1``: none yet).
         maxima: ``(2,)`` float32 running ``max |K|``, ``max |V|`` of the unchecked tokens (lazy checks).
         rope: pre-RoPE keys' tables and position offsets (``kvbits.cache.static_rope.StaticRope``), else ``None``.
     """
@@ -255,11 +257,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 self.value_full = torch.zeros(shape, dtype=value_states.dtype, device=device)
             if self.windowed:  # the tokens quantized at max_cache_len, and one block written ahead of them
                 slots = token_split(self.scheme, self.max_cache_len).quantized + self.scheme.block
-                window = self.scheme.residual + self.scheme.block
-                self.key_full = torch.zeros((B, H, window, D), dtype=key_states.dtype, device=device)
+                tail = self.scheme.sinks + self.scheme.residual + self.scheme.block  # the sinks, then the window
+                self.key_full = torch.zeros((B, H, tail, D), dtype=key_states.dtype, device=device)
                 self.value_full = torch.zeros_like(self.key_full)
-                self.window_pos = torch.full((window,), -1, dtype=torch.int64, device=device)
-                self._other_lens.fill_(window)
+                self.window_pos = torch.full((tail,), -1, dtype=torch.int64, device=device)
+                self._other_lens.fill_(tail)
             self.key = self._slab("key", key_states, slots)
             self.value = self._slab("value", value_states, slots)
             if self.rotary is not None:
@@ -514,49 +516,70 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.lens.copy_((self.length - S).clamp(min=0).expand(B))
         self._other_lens.copy_(self.length.clamp(max=S).expand(B))
 
+    def _tail_slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """The full-precision slots of positions ``pos`` (int64, any shape, ``>= sinks``): the window is a ring of
+        ``W = residual + block`` slots after the ``sinks`` sink slots, position ``p`` at ``sinks + (p - sinks) % W``."""
+        S, W = self.scheme.sinks, self.scheme.residual + self.scheme.block
+        return torch.remainder(pos - S, W) + S if S else torch.remainder(pos, W)
+
     def _window_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One token through the window, on the device alone (what a captured step replays).
 
-        The token goes to window slot ``length % W`` (``W = residual + block``). Then the oldest ``block`` tokens of
-        the window, positions ``qlen + arange(block)``, are quantized and written at quantized slots ``qlen`` on, at
-        every step: when the window holds ``W`` tokens that is the flush and ``qlen`` advances by ``block``; before,
-        the write lands past ``qlen``, where nothing attends, and the flush rewrites it."""
-        W, blk = self.key_full.shape[2], self.scheme.block
-        slot = torch.remainder(self.length, W).view(1)
+        The token goes to its full-precision slot: sink slot ``length`` while ``length < sinks``, else window slot
+        ``_tail_slots(length)``. Then the oldest ``block`` tokens of the window, positions ``sinks + qlen +
+        arange(block)``, are quantized and written at quantized slots ``qlen`` on, at every step: when the window holds
+        ``W`` tokens that is the flush and ``qlen`` advances by ``block``; before, the write lands past ``qlen``, where
+        nothing attends, and the flush rewrites it."""
+        S, W, blk = self.scheme.sinks, self.scheme.residual + self.scheme.block, self.scheme.block
+        if S:
+            slot = torch.where(self.length < S, self.length, self._tail_slots(self.length.clamp(min=S))).view(1)
+        else:
+            slot = self._tail_slots(self.length).view(1)
         self.key_full.index_copy_(2, slot, k)
         self.value_full.index_copy_(2, slot, v)
         self.window_pos.index_copy_(0, slot, self.length.view(1))
         self.length.add_(1)
-        oldest = torch.remainder(torch.arange(blk, device=self.device) + self.qlen, W)
-        flush = self.length - self.qlen >= W
+        oldest = self._tail_slots(torch.arange(blk, device=self.device) + self.qlen + S)
+        flush = self.length - self.qlen >= W + S
         self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen,
                           final=flush)  # fmt: skip
         self.qlen.add_(flush.to(torch.int64) * blk)
         self.lens.copy_(self.qlen.expand(self.lens.shape[0]))
 
     def _window_many(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``q > 1`` tokens (a prefill): the lengths read once (a host sync), whole blocks flushed, the rest kept."""
-        W, blk, R = self.key_full.shape[2], self.scheme.block, self.scheme.residual
-        L0, Q0 = int(self.length), int(self.qlen)
-        held = torch.remainder(torch.arange(Q0, L0, device=self.device), W)
-        ks = torch.cat([self.key_full.index_select(2, held), k], dim=2)  # positions Q0 .. L0 + q - 1
+        """``q > 1`` tokens (a prefill): the lengths read once (a host sync); the first ``sinks`` positions to the sink
+        slots, then whole blocks flushed, the rest kept in the window."""
+        S, blk, R = self.scheme.sinks, self.scheme.block, self.scheme.residual
+        L0, Q0, q = int(self.length), int(self.qlen), k.shape[2]
+        n_sinks = max(0, min(q, S - L0))
+        if n_sinks:
+            at = torch.arange(L0, L0 + n_sinks, device=self.device)
+            self.key_full.index_copy_(2, at, k[:, :, :n_sinks])
+            self.value_full.index_copy_(2, at, v[:, :, :n_sinks])
+            self.window_pos.index_copy_(0, at, at)
+            k, v = k[:, :, n_sinks:], v[:, :, n_sinks:]
+        held = self._tail_slots(torch.arange(S + Q0, max(L0, S + Q0), device=self.device))
+        ks = torch.cat([self.key_full.index_select(2, held), k], dim=2)  # positions S + Q0 .. L0 + q - 1
         vs = torch.cat([self.value_full.index_select(2, held), v], dim=2)
         n = max(0, (ks.shape[2] - R) // blk) * blk
         if n:
             self._write_codes(ks[:, :, :n], vs[:, :, :n], self.qlen)
-        pos = torch.arange(Q0 + n, L0 + k.shape[2], device=self.device)
-        slots = torch.remainder(pos, W)
+        pos = torch.arange(S + Q0 + n, max(L0 + q, S + Q0 + n), device=self.device)  # none: the prompt filled sinks only
+        slots = self._tail_slots(pos)
         self.key_full.index_copy_(2, slots, ks[:, :, n:])
         self.value_full.index_copy_(2, slots, vs[:, :, n:])
         self.window_pos.index_copy_(0, slots, pos)
-        self.length.fill_(L0 + k.shape[2])
+        self.length.fill_(L0 + q)
         self.qlen.fill_(Q0 + n)
         self.lens.copy_(self.qlen.expand(self.lens.shape[0]))
 
     # ------------------------------------------------------------------ reading
     def _in_window(self) -> torch.Tensor:
-        """``(W,)`` bool: the window slots holding tokens not yet quantized (positions in ``[qlen, length)``)."""
-        return (self.window_pos >= self.qlen) & (self.window_pos < self.length)
+        """``(sinks + W,)`` bool: the full-precision slots attended: sinks written, and window slots holding tokens not
+        yet quantized (positions in ``[sinks + qlen, length)``)."""
+        S, pos = self.scheme.sinks, self.window_pos
+        window = (pos >= self.qlen + S) & (pos < self.length) if S else (pos >= self.qlen) & (pos < self.length)
+        return window | ((pos >= 0) & (pos < S)) if S else window
 
     def materialize(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Every position, dequantized: K and V ``(B, H_kv, max_cache_len, D)`` in the K/V dtype (positions not
@@ -571,12 +594,13 @@ class StaticQuantizedLayer(CacheLayerMixin):
                     torch.cat((self.value_full.to(self.dtype), values), 2))  # fmt: skip
         if not self.windowed:
             return keys, values
-        T = self.max_cache_len
-        n = min(T, keys.shape[2])
-        at = torch.where(self._in_window(), self.window_pos, T)  # the window's tokens at their positions; the rest: T
+        T, S = self.max_cache_len, self.scheme.sinks
+        n = min(T - S, keys.shape[2])  # quantized slot i holds position S + i
+        at = torch.where(self._in_window(), self.window_pos, T)  # sinks and window at their positions; the rest: T
         out = []
         for dense_q, window in ((keys, self.key_full), (values, self.value_full)):  # one copy, zeros past the slots
-            dense = torch.cat((dense_q[:, :, :n], dense_q.new_zeros((*dense_q.shape[:2], T + 1 - n, dense_q.shape[3]))), 2)
+            zeros = dense_q.new_zeros((*dense_q.shape[:2], T + 1 - n, dense_q.shape[3]))
+            dense = torch.cat((zeros[:, :, :S], dense_q[:, :, :n], zeros[:, :, S:]), 2)
             dense.index_copy_(2, at, window.to(dense.dtype))
             out.append(dense[:, :, :T])
         return out[0], out[1]
@@ -604,7 +628,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         in_window = self._in_window().expand(B, -1)
         quant_mask = None
         if keep is not None:
-            quant_mask = word_rows(keep[:, : self.key.n_slots], self.key.n_slots)
+            S = self.scheme.sinks
+            quant_mask = word_rows(keep[:, S : S + self.key.n_slots], self.key.n_slots)
             at = self.window_pos.clamp(0, keep.shape[1] - 1).expand(B, -1)
             in_window = in_window & keep.gather(1, at)
         return PackedStore(self.key, self.value, self.key_full, self.value_full, self.lens, self._other_lens,
