@@ -189,8 +189,8 @@ def _replayed_beside_eager(cache_name: str, layers: int, steps: int, scheme: str
                     got.append(recorded.clone())
                     continue
                 args = {"use_cache": True, "logits_to_keep": 1, "cache_position": position, "position_ids": position[None]}
-                if mode == "replay" and i == warm:
-                    with tape, triton_on_tape(tape):
+                if mode == "replay" and i == warm:  # told it is captured, as tape_capture and a CUDA capture tell it
+                    with tape, triton_on_tape(tape), mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
                         out = model(token, **kw, **args)
                     recorded = out.logits
                 else:

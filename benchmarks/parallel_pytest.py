@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     logs = [a.log.with_name(f"{a.log.stem}.worker{n}.log") for n in range(len(chunks))]
     opts = [o for o in args if not o.endswith(".py") and "::" not in o]  # -m / -k / -p ...: the ids replace the files
     procs = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a worker killed after the SIGINT keeps what it printed
     for chunk, path in zip(chunks, logs):
         with path.open("w") as f:
             procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                           *opts, *chunk], stdout=f, stderr=subprocess.STDOUT))  # fmt: skip
+                                           *opts, *chunk], stdout=f, stderr=subprocess.STDOUT, env=env))  # fmt: skip
     deadline = t0 + a.timeout_s
     for proc in procs:
         try:

@@ -183,6 +183,7 @@ def test_static_quantized_cache_compiles_whole_without_recompiles(kind: str):
         step = model.forward if mode == "eager" else torch.compile(model.forward, fullgraph=True, backend=counter)
         logits[mode] = static_steps(step, model, cache)
         assert cache.layers[0].tokens_written == (40 + STEPS - 1 if mode == "eager" else 40)  # not counted when traced
+        assert cache.layers[0].host_counts == (mode == "eager")  # so later eager steps quantize blocks at every step
     assert counter.frame_count == 1, counter.frame_count
     torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-5, rtol=0)
 

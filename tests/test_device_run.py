@@ -114,7 +114,7 @@ def test_parallel_pytest_runs_workers_and_cuts_them_with_their_summaries(tmp_pat
     assert run.returncode == 1, run.stdout + run.stderr
     text = log.read_text()
     assert "6 tests collected" in text and text.count("===== worker") == 3
-    assert "deliberate" in text and "KeyboardInterrupt" in text  # the failure's traceback; the cut worker's report
+    assert "deliberate" in text and "KeyboardInterrupt" in text, text  # the failure's traceback; the cut worker's report
     last = text.strip().splitlines()[-1]
     assert "3 workers, 6 tests: 1 failed, 4 passed; 1 cut at 15 s" in last, last
     assert last in run.stdout and not list(log.parent.glob("*.worker*.log"))

@@ -71,11 +71,13 @@ def generate(model, cache, *, fused: bool, ids=None, attention_mask=None):
 
 
 @torch.no_grad()
-def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None, attention_mask=None) -> torch.Tensor:
+def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None, attention_mask=None,
+                 graphed: list | None = None) -> torch.Tensor:
     """A prefill of ``ids``, then ``steps`` greedy decode steps: logits ``(steps, B, V)``. With ``monkeypatch``, the
     steps after the first are replayed from the second, recorded by ``benchmarks/graph_replay.py``'s emulation of a
     CUDA graph (``GraphedDecode``; the cache's checks must be lazy). ``attention_mask`` ``(B, T)``: a left-padded
-    batch; every step then passes the grown mask and each row's ``position_ids``, as ``generate`` does."""
+    batch; every step then passes the grown mask and each row's ``position_ids``, as ``generate`` does. ``graphed``: a
+    list that receives the ``GraphedDecode``."""
     step = None
     if monkeypatch is not None:
         from pathlib import Path
@@ -86,6 +88,8 @@ def decode_steps(model, cache, ids, steps: int, *, fused: bool, monkeypatch=None
         from graph_replay import tape_capture
 
         step = GraphedDecode(model, eager=1, capture=tape_capture)
+        if graphed is not None:
+            graphed.append(step)
     kw, out, extra = cache_kwargs(cache, model), [], {}
     mask, pos = attention_mask, None
     if mask is not None:
@@ -634,3 +638,80 @@ def test_graphed_decode_refuses_inputs_it_cannot_replay(monkeypatch):
             step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model))
         with pytest.raises(ValueError, match="attention_mask covers 9 positions, past the cache's 8 slots"):
             step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model), attention_mask=torch.ones(2, 9, dtype=torch.long))
+
+
+def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
+    """While the host's counts are the device's, a windowed decode step quantizes its block only when it flushes
+    (decided on the host, no device read), and ``GraphedDecode`` captures the plain step and the flushing one apart
+    (each after one eager run), replays the one the counts call for, and counts the replays, so the counts stay the
+    device's. A step captured without that bookkeeping (a plain capture) quantizes the block at every step instead, so
+    its replays are right across flushes, and so are the eager steps after them. All of these give the logits of
+    ``QuantizedKVCache``; a replay past ``max_cache_len`` is refused before anything runs."""
+    from pathlib import Path
+
+    from kvbits.cache import static as static_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model, ids = build("qwen2"), prompt()
+    quantized = []  # one entry per quantize_pack call (a side of a layer)
+    real = static_module.quantize_pack
+    monkeypatch.setattr(static_module, "quantize_pack", lambda *a, **k: (quantized.append(1), real(*a, **k))[1])
+
+    def static(max_cache_len: int = MAX_LEN) -> StaticQuantizedKVCache:
+        return StaticQuantizedKVCache(config=model.config, scheme=KIVI_SMALL, max_cache_len=max_cache_len,
+                                      fused_decode=True, checks="lazy")  # fmt: skip
+
+    want = decode_steps(model, QuantizedKVCache(config=model.config, scheme=KIVI_SMALL, fused_decode=True), ids, NEW,
+                        fused=True)  # fmt: skip
+    # KIVI_SMALL: 8 recent tokens and blocks of 4; the 40-token prompt flushes 32, the decode flushes at 44, 48, 52
+    quantized.clear()
+    eager = static()
+    got = decode_steps(model, eager, ids, NEW, fused=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert len(quantized) == 2 * 2 * (1 + 3)  # layers x sides x (the prompt's blocks, then each flush)
+    assert all(layer.host_counts and layer._host_qlen == int(layer.qlen) == 44 for layer in eager.layers)
+
+    steps: list = []
+    cache = static()
+    replayed = decode_steps(model, cache, ids, NEW, fused=True, monkeypatch=monkeypatch, graphed=steps)
+    assert torch.equal(replayed, got)
+    (step,) = steps
+    # call 1 eager, 2 captured (plain), 4 the first flush (eager), 8 the second (captured), the others replayed
+    assert step.captured_at == {(): 2, (0, 1): 8} and step.replays == NEW - 4
+    assert all(layer.tokens_written == PROMPT + NEW and layer.host_counts for layer in cache.layers)
+    assert all(layer._host_qlen == int(layer.qlen) == 44 for layer in cache.layers)
+
+    # a plain capture (no bookkeeping) at step 1, replayed over steps 2 .. NEW - 2 (flushes at 3 and 7), the last
+    # step eager again (a flush)
+    raw = static()
+    kw, out = cache_kwargs(raw, model), []
+    with torch.no_grad(), attention(model, True):
+        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        token, position = torch.zeros_like(nxt), torch.zeros(1, dtype=torch.long)
+
+        def run() -> torch.Tensor:
+            return model(token, **kw, use_cache=True, cache_position=position, position_ids=position[None]).logits
+
+        for i in range(NEW):
+            token.copy_(nxt)
+            position.fill_(PROMPT + i)
+            if i == 1:
+                logits, replay = tape_capture(run)
+            elif 1 < i < NEW - 1:
+                replay()
+            else:
+                logits = run()
+            out.append(logits[:, -1].clone())
+            nxt = logits[:, -1:].argmax(-1)
+    assert torch.equal(torch.stack(out), got)
+    assert not any(layer.host_counts for layer in raw.layers)  # its replays were not counted
+    raw.reset()
+    assert all(layer.host_counts for layer in raw.layers)
+
+    short = static(PROMPT + 4)
+    steps.clear()
+    with pytest.raises(ValueError, match="44 tokens cached \\+ 1 new > max_cache_len=44"):  # the 5th step's replay
+        decode_steps(model, short, ids, 5, fused=True, monkeypatch=monkeypatch, graphed=steps)
+    assert steps[0].calls == 4 and all(layer.tokens_written == PROMPT + 4 for layer in short.layers)

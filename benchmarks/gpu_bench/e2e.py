@@ -285,15 +285,15 @@ def _static_note(name: str, cache, steps: int, graphed) -> str:
     count the eager steps and the captured one)."""
     layers = cache.layers
     fused = sum(layer.fused.steps for layer in layers)
-    python_steps = steps if graphed is None else min(steps, graphed.eager + 1)
+    python_steps = steps if graphed is None else graphed.calls - graphed.replays
     if not all(layer.fused.claimed for layer in layers) or any(layer.fused.fallbacks for layer in layers) \
             or fused != python_steps * len(layers):
         raise SystemExit(f"E2E FAILURE: {name}: {fused} fused layer steps (want {python_steps * len(layers)}), claimed "
                          f"{[layer.fused.claimed for layer in layers]}, fallbacks {[layer.fused.fallbacks for layer in layers]}")  # fmt: skip
     if graphed is None:
         return f"{fused} fused steps; StaticQuantizedKVCache"
-    return (f"StaticQuantizedKVCache; {graphed.eager} eager decode steps, then {steps - graphed.eager} from one captured "
-            "step")
+    return (f"StaticQuantizedKVCache; {graphed.eager} eager decode steps, then {graphed.replays} of {steps - graphed.eager} "
+            f"replayed from {len(graphed.captured_at)} captured step(s) (at calls {sorted(graphed.captured_at.values())})")
 
 
 def wanted_runs(only: list[str] | None) -> Callable[[str, object], bool]:

@@ -16,12 +16,17 @@ and its fused step launches kernels sized by them: BENCHMARKS.md §6, sessions 4
   no host sync) and writes them at slots ``length + arange(q)`` with ``index_copy_``;
 - **windowed schemes** (KIVI: a full-precision residual window, tokens quantized ``block`` at a time, per-channel
   key groups within a block): a window of ``residual + block`` full-precision slots, used as a ring. A decode step
-  writes its token at slot ``length % W``, then quantizes the window's oldest ``block`` tokens and writes them at
-  quantized slots ``qlen`` on, at every step: when the window is full that is the flush, and ``qlen`` advances by
-  ``block`` (a device ``where``, not a branch); before, the write lands past ``qlen``, where nothing attends, and the
-  flush rewrites it. So every step launches the same work, flush or not, and stores what ``QuantizedKVCache``
-  stores (it flushes when its buffer holds ``residual + block`` tokens). An update of several tokens (a prefill)
-  reads the lengths once (a host sync) and flushes whole blocks at once;
+  writes its token at slot ``length % W``; when the window is then full (the flush: ``QuantizedKVCache`` flushes when
+  its buffer holds ``residual + block`` tokens) it quantizes the window's oldest ``block`` tokens, writes them at
+  quantized slots ``qlen`` on, and ``qlen`` advances by ``block``. Whether a step flushes is decided on the host from
+  its counts (``tokens_written`` and the blocks flushed), so the other steps quantize nothing. Once a step has been
+  traced (``torch.compile``) or captured as a CUDA graph without ``GraphedDecode``'s bookkeeping, its replays run no
+  Python and the host's counts are no longer the device's (``host_counts``, until ``reset()``): every step then
+  quantizes the oldest block, a flush or not, and the write lands past ``qlen``, where nothing attends, until the
+  flush rewrites it and ``qlen`` advances (a device ``where``, not a branch), so one captured step replays right
+  across flushes. ``GraphedDecode`` instead captures the plain and the flushing step apart and counts its replays
+  (``step_variant``, ``count_replayed_step``). An update of several tokens (a prefill) takes the lengths from the
+  host's counts (else reads them once, a host sync) and flushes whole blocks at once;
 - a decode step's attention sees every position: ``update`` returns ``(B, H_kv, max_cache_len, D)`` K/V (quantized
   slots dequantized, the window's tokens at their positions; the mask transformers builds for ``get_mask_sizes``'
   ``max_cache_len`` hides the rest; an eager update of several tokens, a prefill, gets only the positions written so
@@ -72,8 +77,9 @@ scale is also held in the kernels' layout, once per sequence (FP8: float32 per h
 and zero-point rows per head and channel). ``memory_report()`` counts what is held.
 
 What the host still tracks: ``tokens_written`` counts the tokens of eager ``update`` calls, to refuse a sequence
-longer than ``max_cache_len`` with a clear error. Replayed steps do not run ``update``, so a graph's caller keeps
-its positions below ``max_cache_len`` itself (as with ``StaticCache``).
+longer than ``max_cache_len`` with a clear error, and a windowed layer's flushed tokens. Replayed steps do not run
+``update``: ``GraphedDecode`` counts them (``count_replayed_step``, which refuses a step past ``max_cache_len``);
+another graph's caller keeps its positions below ``max_cache_len`` itself (as with ``StaticCache``).
 """
 
 from __future__ import annotations
@@ -116,6 +122,15 @@ __all__ = ["StaticQuantizedKVCache", "StaticQuantizedLayer", "static_reason"]
 
 _SLOT_FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_index")  # PackedTensor fields with a slot axis
 SIDES = ("key", "value")
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (``False`` on a build or machine without CUDA), as
+    transformers asks it (``is_cuda_stream_capturing``)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - a CPU build raises from its stub
+        return False
 
 
 def _side_reason(spec: TensorSpec, block: int, side: str) -> str | None:
@@ -199,6 +214,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.checks = check_mode(checks)
         self.fused = fused.FusedState(mode=fused_decode)
         self.tokens_written = 0
+        # the host's counts (tokens_written, _host_qlen) are the device's until a step is traced (torch.compile) or
+        # captured (a CUDA graph) without GraphedDecode's bookkeeping, whose replays run no Python; reset() restores
+        # them. While they hold, a windowed decode step quantizes its block only when it flushes (decided here).
+        self.host_counts = True
+        self.graph_bookkeeping = False  # set by kvbits.evaluate.graphs.GraphedDecode while it captures a step
+        self._host_qlen = 0  # tokens quantized, as the host counts them (windowed layers)
         self.key: PackedTensor | None = None
         self.value: PackedTensor | None = None
         self.key_full: torch.Tensor | None = None
@@ -427,6 +448,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         compiling = torch.compiler.is_compiling()  # traced once, replayed: the host's count and eager checks stay out
+        if compiling or (not self.graph_bookkeeping and stream_capturing()):
+            self.host_counts = False  # its replays run no Python: the host's counts are not the device's from here on
         if not compiling:
             self._check(key_states, value_states)
         q = key_states.shape[2]
@@ -449,7 +472,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.length.add_(q)
             self.lens.copy_(self.length.expand(self.lens.shape[0]))
         elif q == 1:
-            self._window_step(key_states, value_states)
+            self._window_step(key_states, value_states, self._host_flush() if self.host_counts else None)
         elif q:
             self._window_many(key_states, value_states)
         if compiling:  # traced: the compiled step attends over the K/V (the fused path runs outside graphs)
@@ -522,14 +545,41 @@ class StaticQuantizedLayer(CacheLayerMixin):
         S, W = self.scheme.sinks, self.scheme.residual + self.scheme.block
         return torch.remainder(pos - S, W) + S if S else torch.remainder(pos, W)
 
-    def _window_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _host_flush(self) -> bool:
+        """Whether the token just counted (``tokens_written``) fills the window, from the host's counts (which then
+        count the flush): a windowed decode step's flush, decided without reading the device."""
+        flush = self.tokens_written - self.scheme.sinks - self._host_qlen >= self.scheme.residual + self.scheme.block
+        self._host_qlen += self.scheme.block if flush else 0
+        return flush
+
+    def next_step_flushes(self) -> bool:
+        """Whether the next one-token step flushes a block, by the host's counts (``False`` without them, or for a
+        layer without a window: its steps are the same at every token)."""
+        if not (self.windowed and self.host_counts and self.is_initialized):
+            return False
+        S, W = self.scheme.sinks, self.scheme.residual + self.scheme.block
+        return self.tokens_written + 1 - S - self._host_qlen >= W
+
+    def count_replayed_step(self) -> None:
+        """Count on the host one decode step replayed from a captured graph (``GraphedDecode``'s bookkeeping): what
+        ``update`` counts for one token. ``ValueError`` past ``max_cache_len`` (before anything is replayed)."""
+        if self.tokens_written + 1 > self.max_cache_len:
+            raise ValueError(f"layer {self.layer_idx}: {self.tokens_written} tokens cached + 1 new > max_cache_len="
+                             f"{self.max_cache_len} (the slabs are fixed: make the cache with a larger max_cache_len)")  # fmt: skip
+        self.tokens_written += 1
+        if self.windowed and self.host_counts:
+            self._host_flush()
+
+    def _window_step(self, k: torch.Tensor, v: torch.Tensor, flush: bool | None) -> None:
         """One token through the window, on the device alone (what a captured step replays).
 
         The token goes to its full-precision slot: sink slot ``length`` while ``length < sinks``, else window slot
-        ``_tail_slots(length)``. Then the oldest ``block`` tokens of the window, positions ``sinks + qlen +
-        arange(block)``, are quantized and written at quantized slots ``qlen`` on, at every step: when the window holds
-        ``W`` tokens that is the flush and ``qlen`` advances by ``block``; before, the write lands past ``qlen``, where
-        nothing attends, and the flush rewrites it."""
+        ``_tail_slots(length)``. When the window then holds ``W`` tokens (the flush), its oldest ``block`` tokens,
+        positions ``sinks + qlen + arange(block)``, are quantized and written at quantized slots ``qlen`` on, and
+        ``qlen`` advances by ``block``. ``flush``: whether this step flushes, decided by the host (``_host_flush``); the
+        step then quantizes only when it does. ``None`` (the host's counts are not the device's: a traced or captured
+        step whose replays run no Python): the block is quantized and written at every step, where nothing attends
+        before the flush, which rewrites it, and ``qlen`` advances by a device ``where``."""
         S, W, blk = self.scheme.sinks, self.scheme.residual + self.scheme.block, self.scheme.block
         if S:
             slot = torch.where(self.length < S, self.length, self._tail_slots(self.length.clamp(min=S))).view(1)
@@ -539,18 +589,27 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.value_full.index_copy_(2, slot, v)
         self.window_pos.index_copy_(0, slot, self.length.view(1))
         self.length.add_(1)
+        if flush is False:
+            return
         oldest = self._tail_slots(torch.arange(blk, device=self.device) + self.qlen + S)
-        flush = self.length - self.qlen >= W + S
-        self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen,
-                          final=flush)  # fmt: skip
-        self.qlen.add_(flush.to(torch.int64) * blk)
+        if flush:
+            self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen)
+            self.qlen.add_(blk)
+        else:
+            full = self.length - self.qlen >= W + S
+            self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen,
+                              final=full)  # fmt: skip
+            self.qlen.add_(full.to(torch.int64) * blk)
         self.lens.copy_(self.qlen.expand(self.lens.shape[0]))
 
     def _window_many(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``q > 1`` tokens (a prefill): the lengths read once (a host sync); the first ``sinks`` positions to the sink
-        slots, then whole blocks flushed, the rest kept in the window."""
-        S, blk, R = self.scheme.sinks, self.scheme.block, self.scheme.residual
-        L0, Q0, q = int(self.length), int(self.qlen), k.shape[2]
+        """``q > 1`` tokens (a prefill): the first ``sinks`` positions to the sink slots, then whole blocks flushed, the
+        rest kept in the window. The lengths come from the host's counts, else are read once (a host sync)."""
+        S, blk, R, q = self.scheme.sinks, self.scheme.block, self.scheme.residual, k.shape[2]
+        if self.host_counts:  # tokens_written already counts these q
+            L0, Q0 = self.tokens_written - q, self._host_qlen
+        else:
+            L0, Q0 = int(self.length), int(self.qlen)
         n_sinks = max(0, min(q, S - L0))
         if n_sinks:
             at = torch.arange(L0, L0 + n_sinks, device=self.device)
@@ -571,6 +630,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.window_pos.index_copy_(0, slots, pos)
         self.length.fill_(L0 + q)
         self.qlen.fill_(Q0 + n)
+        self._host_qlen = Q0 + n
         self.lens.copy_(self.qlen.expand(self.lens.shape[0]))
 
     # ------------------------------------------------------------------ reading
@@ -697,8 +757,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 )
 
     def reset(self) -> None:
-        """Back to no tokens, in place (the slabs keep their addresses, so a captured graph stays valid)."""
-        self.tokens_written = 0
+        """Back to no tokens, in place (the slabs keep their addresses, so a captured graph stays valid); the host's
+        counts are the device's again."""
+        self.tokens_written, self._host_qlen, self.host_counts = 0, 0, True
         self.length.zero_()
         self.fused.claimed, self.fused.claimed_by = False, None
         if not self.is_initialized:
@@ -823,6 +884,17 @@ class StaticQuantizedKVCache(Cache):
         for layer in self.layers:
             if layer.rotary is not None:
                 layer.rotary = self._rotary.tables_for_layer(layer.layer_idx)
+
+    def step_variant(self) -> tuple[int, ...]:
+        """The layers whose next one-token decode step flushes a block, by the host's counts: ``()`` at most steps.
+        ``GraphedDecode`` captures one step per variant and replays the one called for."""
+        return tuple(layer.layer_idx for layer in self.layers if layer.next_step_flushes())
+
+    def count_replayed_step(self) -> None:
+        """Count on every layer's host a decode step replayed from a captured graph (``GraphedDecode``);
+        ``ValueError`` if it would pass ``max_cache_len`` (nothing counted)."""
+        for layer in self.layers:  # every layer holds as many tokens: the first refuses before any counts
+            layer.count_replayed_step()
 
     def check_inputs(self) -> None:
         """Read every layer's lazy K/V checks (a host sync); ``ValueError`` for NaN, inf or ``|x|`` past a bound."""

@@ -11,11 +11,20 @@ the model as it is (Triton compiles its kernels, cuBLAS makes its handles, the f
 of that may happen inside a capture); the next call is captured, and every later one replays. How a step is
 captured depends on the device (``CAPTURES``): on CUDA a ``torch.cuda.CUDAGraph``. Nothing is registered for other
 devices; ``benchmarks/graph_replay.py``'s CPU emulation registers itself in tests and the benchmarks' CPU smoke runs.
+
+Steps that differ: a ``StaticQuantizedKVCache`` with a flush window quantizes a block only at the steps that flush
+(one in ``block``), which its host counts decide (``step_variant``). ``GraphedDecode`` keeps one captured step per
+variant (the plain step and the flushing one), replays the one the cache's counts call for, and counts each replay on
+the cache's host (``count_replayed_step``: so the counts stay the device's, and a step past ``max_cache_len`` is
+refused). A variant is captured the second time it comes, after one eager run (its kernels compiled outside the
+capture). A step captured without this bookkeeping (a plain ``torch.cuda.graph``) makes the cache quantize the block
+at every step, which replays right across flushes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -64,24 +73,30 @@ class GraphedDecode:
         model: a causal LM.
         eager: calls run as they are before the capture (at least 1: the first decode step sets the caches up).
         capture: how a step is captured (default: ``CAPTURES`` for the device of the first captured token).
+
+    Attributes:
+        calls, replays: calls so far, and those replayed; ``captured_at``: the call (1-based) at which each variant
+            (module docstring) was captured; the other calls ran eagerly.
     """
 
     def __init__(self, model: Any, eager: int = 2, capture: Capture | None = None) -> None:
         if isinstance(eager, bool) or not isinstance(eager, int) or eager < 1:
             raise ValueError(f"eager must be an int >= 1 (the first decode step sets the caches up), got {eager!r}")
-        self.model, self.eager, self.calls = model, eager, 0
+        self.model, self.eager, self.calls, self.replays = model, eager, 0, 0
         self.capture = capture
         self.token: torch.Tensor | None = None
         self.position: torch.Tensor | None = None
         self.position_ids: torch.Tensor | None = None  # (B, 1), when the caller passes them
         self.mask: torch.Tensor | None = None  # (B, max_cache_len), when the caller passes a padding mask
-        self.logits: torch.Tensor | None = None
-        self._replay: Callable[[], None] | None = None
+        self.logits: torch.Tensor | None = None  # the last replayed or captured step's
+        self.captured_at: dict[Any, int] = {}
+        self._graphs: dict[Any, tuple[torch.Tensor, Callable[[], None]]] = {}  # variant -> (logits, replay)
+        self._seen: set[Any] = set()  # variants run eagerly
 
     @property
     def captured(self) -> bool:
-        """Whether the step is captured (later calls replay it)."""
-        return self._replay is not None
+        """Whether a step is captured (later calls of its variant replay it)."""
+        return bool(self._graphs)
 
     def _forward(self, tok: torch.Tensor, position: torch.Tensor, kwargs: dict[str, Any],
                  position_ids: torch.Tensor | None = None) -> Any:  # fmt: skip
@@ -101,12 +116,15 @@ class GraphedDecode:
         if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B):
             raise ValueError(f"attention_mask must be (B, L) with B = {B} (a 2-D padding mask), got "
                              f"{tuple(attention_mask.shape)}")  # fmt: skip
+        cache = _cache_of(kwargs)
+        variant = cache.step_variant() if hasattr(cache, "step_variant") else None
         self.calls += 1
-        if self.calls <= self.eager:
+        if self.calls <= self.eager or (variant not in self._graphs and variant not in self._seen):
+            self._seen.add(variant)  # a variant's first step runs eagerly: its kernels compile outside a capture
             mask = {} if attention_mask is None else {"attention_mask": attention_mask}
             return self._forward(tok, cache_position, {**kwargs, **mask}, position_ids)
-        if self._replay is None:
-            return self._capture(tok, cache_position, position_ids, attention_mask, kwargs)
+        if not self._graphs:
+            return self._capture(tok, cache_position, position_ids, attention_mask, kwargs, variant, cache)
         if tok.shape != self.token.shape or (attention_mask is None) != (self.mask is None) or (
             (position_ids is None) != (self.position_ids is None)
         ):  # fmt: skip
@@ -117,25 +135,31 @@ class GraphedDecode:
                 f"{'with' if attention_mask is not None else 'without'} and "
                 f"{'with' if position_ids is not None else 'without'}"
             )
+        if variant in self._graphs and hasattr(cache, "count_replayed_step"):
+            try:  # before the inputs change: past max_cache_len it refuses, nothing replayed
+                cache.count_replayed_step()
+            except ValueError:
+                self.calls -= 1
+                raise
         self.token.copy_(tok)
         self.position.copy_(cache_position)
         if position_ids is not None:
             self.position_ids.copy_(position_ids)
         if attention_mask is not None:
             self._copy_mask(attention_mask)
-        self._replay()
+        if variant not in self._graphs:
+            return self._capture_variant(variant, cache)
+        self.logits, replay = self._graphs[variant]
+        replay()
+        self.replays += 1
         return SimpleNamespace(logits=self.logits)
 
     def _capture(
         self, tok: torch.Tensor, cache_position: torch.Tensor, position_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None, kwargs: dict[str, Any],
+        attention_mask: torch.Tensor | None, kwargs: dict[str, Any], variant: Any, cache: Any,
     ) -> Any:  # fmt: skip
-        capture = self.capture
-        if capture is None:
-            why = graph_reason(tok.device)
-            if why is not None:
-                raise RuntimeError(why)
-            capture = CAPTURES[tok.device.type]
+        """The first capture: the step's input tensors (the token, its position, position ids, the padding mask) are
+        made here, and every captured variant reads them."""
         self.token, self.position = tok.clone(), cache_position.clone()
         self.position_ids = None if position_ids is None else position_ids.clone()
         if attention_mask is not None:  # the cache's full length: the captured step's mask never changes shape
@@ -143,9 +167,23 @@ class GraphedDecode:
             self.mask = torch.ones((tok.shape[0], size), dtype=attention_mask.dtype, device=attention_mask.device)
             self._copy_mask(attention_mask)
             kwargs = {**kwargs, "attention_mask": self.mask}
-        self.logits, self._replay = capture(
-            lambda: self._forward(self.token, self.position, kwargs, self.position_ids).logits
-        )
+        self._kwargs = kwargs
+        return self._capture_variant(variant, cache)
+
+    def _capture_variant(self, variant: Any, cache: Any) -> Any:
+        """Capture this call's step (its inputs already in the step's tensors) as ``variant``'s."""
+        capture = self.capture
+        if capture is None:
+            why = graph_reason(self.token.device)
+            if why is not None:
+                raise RuntimeError(why)
+            capture = CAPTURES[self.token.device.type]
+        with _bookkeeping(cache):
+            self.logits, replay = capture(
+                lambda: self._forward(self.token, self.position, self._kwargs, self.position_ids).logits
+            )
+        self._graphs[variant] = (self.logits, replay)
+        self.captured_at[variant] = self.calls
         return SimpleNamespace(logits=self.logits)
 
     def _copy_mask(self, attention_mask: torch.Tensor) -> None:
@@ -155,9 +193,28 @@ class GraphedDecode:
         self.mask[:, :L].copy_(attention_mask)
 
 
+def _cache_of(kwargs: dict[str, Any]) -> Any:
+    """The cache among a step's keyword arguments (``None`` if none)."""
+    return kwargs.get("past_key_values", kwargs.get("cache"))
+
+
+@contextlib.contextmanager
+def _bookkeeping(cache: Any) -> Iterator[None]:
+    """While a step is captured, the cache's layers know that its replays will be counted (``count_replayed_step``),
+    so they keep their host counts and capture the step their counts call for."""
+    layers = [layer for layer in getattr(cache, "layers", []) if hasattr(layer, "graph_bookkeeping")]
+    for layer in layers:
+        layer.graph_bookkeeping = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.graph_bookkeeping = False
+
+
 def _cache_length(kwargs: dict[str, Any]) -> int:
     """The slots per sequence of the cache among a step's keyword arguments (a static cache: ``max_cache_len``)."""
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    cache = _cache_of(kwargs)
     for name in ("max_cache_len", "get_max_cache_shape"):
         value = getattr(cache, name, None)
         value = value() if callable(value) else value

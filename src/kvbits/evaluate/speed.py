@@ -318,9 +318,9 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         rec["workspace_bytes"] = int(cache.memory_report().get("workspace_bytes", 0))  # a static cache has none
         after = _counts(cache.fused_report())
         rec["decode"] = {**after, **{f"timed_{k}": after[k] - before.get(k, 0) for k in after}}
-    if graphed is not None:  # its replays run no Python: the layers count the eager steps and the captured one
-        rec["graph"] = {"eager_steps": graphed.eager, "captured_step": graphed.eager,
-                        "replayed_steps": graphed.calls - graphed.eager - 1}  # fmt: skip
+    if graphed is not None:  # its replays run no Python: the layers count the other steps
+        rec["graph"] = {"eager_steps": graphed.eager, "captured_steps": sorted(c - 1 for c in graphed.captured_at.values()),
+                        "python_steps": graphed.calls - graphed.replays, "replayed_steps": graphed.replays}  # fmt: skip
     float_cache = scheme is None or scheme == STATIC_BASELINE
     rec["planned_bytes"] = _planned(model, _dynamic_scheme(model) if float_cache else scheme, batch, held)
     rec["cuda_resident_bytes"] = rec["cuda_peak_bytes"] = None
@@ -437,8 +437,8 @@ def speed_eval(
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
-        "cuda_resident_bytes", "cuda_peak_bytes", "decode", "graph" (graphs only: eager, captured and replayed
-        steps), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",
+        "cuda_resident_bytes", "cuda_peak_bytes", "decode", "graph" (graphs only: the warm-up's eager steps, the steps
+        captured (0-based; one per step variant), those run in Python (eager or captured) and those replayed), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",
         "peak_rss_bytes", "date", "commit", "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at
         the same context and batch; ``baselines``: ``["DynamicCache"]``, and ``"StaticCache"`` with ``static``.
     """

@@ -35,7 +35,7 @@ _PATHS = {
     "every reserved slot",
     "static-dequantize": "`StaticQuantizedKVCache`, every reserved slot dequantized each step, then SDPA",
 }
-_GRAPHS = "; each step after the warm-up replayed from one captured CUDA graph"
+_GRAPHS = "; each step after the warm-up replayed from a captured CUDA graph"
 
 
 def _path_text(path: str) -> str:
@@ -164,8 +164,10 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         }.get(summary.get("reserve"), ""))
         + ("; kvbits schemes in `StaticQuantizedKVCache` (every slot reserved for the run's tokens), transformers' "
            "`StaticCache` timed beside `DynamicCache`"
-           + (f"; the static caches' steps replayed from one captured CUDA graph after {_eager_steps(summary)} eager "
-              "steps and the captured one, all in the warm-up" if summary.get("graphs") else "")
+           + (f"; the static caches' steps replayed from a captured CUDA graph after {_eager_steps(summary)} eager "
+              "steps and the captured one, in the warm-up (a windowed scheme's flushing step is a second graph: its "
+              "first flush runs eagerly, its second is captured; `graph` in speed.json lists the steps)"
+              if summary.get("graphs") else "")
            if summary.get("static") else ""),
         *_kernel_line(summary),
         *_sdpa_line(summary),
