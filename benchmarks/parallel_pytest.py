@@ -65,6 +65,15 @@ def summary(outputs: list[str]) -> Counter:
     return total
 
 
+def _default_sigint() -> None:
+    """SIGINT handled here, so that the workers start with it at its default and Python turns it into
+    KeyboardInterrupt there. A job a non-interactive shell started in the background (``cmd &``) inherits SIGINT
+    ignored, Python keeps it ignored, and so would the workers: they would not stop at the deadline and would be
+    killed without their summaries. (A handled signal is reset to its default by ``exec``; an ignored one is not.)"""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(ids)} tests collected")
         return 0
     chunks = deal(ids, a.workers)
+    _default_sigint()
     logs = [a.log.with_name(f"{a.log.stem}.worker{n}.log") for n in range(len(chunks))]
     opts = [o for o in args if not o.endswith(".py") and "::" not in o]  # -m / -k / -p ...: the ids replace the files
     procs = []

@@ -604,7 +604,7 @@ def test_left_padded_batch_replayed_from_one_captured_step(scheme, fused, monkey
 def test_graphed_decode_refuses_inputs_it_cannot_replay(monkeypatch):
     """``GraphedDecode``'s inputs: ``position_ids`` of another shape than ``(B, 1)``, a mask that is not ``(B, L)``, a
     mask beside a cache without a fixed length, a mask longer than the cache, and a replayed call that drops the mask
-    or position ids the step was captured with are refused with what was expected."""
+    or position ids the step was captured with are refused with what was expected, and not counted."""
     from pathlib import Path
 
     from kvbits.evaluate.graphs import GraphedDecode
@@ -638,6 +638,8 @@ def test_graphed_decode_refuses_inputs_it_cannot_replay(monkeypatch):
             step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model))
         with pytest.raises(ValueError, match="attention_mask covers 9 positions, past the cache's 8 slots"):
             step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model), attention_mask=torch.ones(2, 9, dtype=torch.long))
+        # refused calls are not counted, here or on the cache's host
+        assert step.calls == 2 and step.replays == 0 and cache.layers[0].tokens_written == 6
 
 
 def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
@@ -684,31 +686,35 @@ def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
     assert all(layer._host_qlen == int(layer.qlen) == 44 for layer in cache.layers)
 
     # a plain capture (no bookkeeping) at step 1, replayed over steps 2 .. NEW - 2 (flushes at 3 and 7), the last
-    # step eager again (a flush)
+    # step eager again (a flush); then, after reset(), a second request replays the same graph
     raw = static()
-    kw, out = cache_kwargs(raw, model), []
-    with torch.no_grad(), attention(model, True):
-        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
-        token, position = torch.zeros_like(nxt), torch.zeros(1, dtype=torch.long)
+    kw = cache_kwargs(raw, model)
+    token, position = torch.zeros((2, 1), dtype=torch.long), torch.zeros(1, dtype=torch.long)
 
-        def run() -> torch.Tensor:
-            return model(token, **kw, use_cache=True, cache_position=position, position_ids=position[None]).logits
+    def run() -> torch.Tensor:
+        return model(token, **kw, use_cache=True, cache_position=position, position_ids=position[None]).logits
 
-        for i in range(NEW):
-            token.copy_(nxt)
-            position.fill_(PROMPT + i)
-            if i == 1:
-                logits, replay = tape_capture(run)
-            elif 1 < i < NEW - 1:
-                replay()
-            else:
-                logits = run()
-            out.append(logits[:, -1].clone())
-            nxt = logits[:, -1:].argmax(-1)
-    assert torch.equal(torch.stack(out), got)
-    assert not any(layer.host_counts for layer in raw.layers)  # its replays were not counted
-    raw.reset()
-    assert all(layer.host_counts for layer in raw.layers)
+    replay = None
+    for request in range(2):
+        out = []
+        with torch.no_grad(), attention(model, True):
+            nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+            for i in range(NEW):
+                token.copy_(nxt)
+                position.fill_(PROMPT + i)
+                if i == 1 and replay is None:
+                    logits = captured = (recorded := tape_capture(run))[0]
+                    replay = recorded[1]
+                elif 1 <= i < NEW - 1:
+                    replay()
+                    logits = captured
+                else:
+                    logits = run()
+                out.append(logits[:, -1].clone())
+                nxt = logits[:, -1:].argmax(-1)
+        assert torch.equal(torch.stack(out), got), request
+        assert not any(layer.host_counts for layer in raw.layers)  # the replays are not counted, after reset() too
+        raw.reset()
 
     short = static(PROMPT + 4)
     steps.clear()

@@ -21,7 +21,8 @@ and its fused step launches kernels sized by them: BENCHMARKS.md §6, sessions 4
   quantized slots ``qlen`` on, and ``qlen`` advances by ``block``. Whether a step flushes is decided on the host from
   its counts (``tokens_written`` and the blocks flushed), so the other steps quantize nothing. Once a step has been
   traced (``torch.compile``) or captured as a CUDA graph without ``GraphedDecode``'s bookkeeping, its replays run no
-  Python and the host's counts are no longer the device's (``host_counts``, until ``reset()``): every step then
+  Python and the host's counts are no longer the device's (``host_counts``; for good: after ``reset()`` the graph may
+  still be replayed): every step then
   quantizes the oldest block, a flush or not, and the write lands past ``qlen``, where nothing attends, until the
   flush rewrites it and ``qlen`` advances (a device ``where``, not a branch), so one captured step replays right
   across flushes. ``GraphedDecode`` instead captures the plain and the flushing step apart and counts its replays
@@ -215,8 +216,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.fused = fused.FusedState(mode=fused_decode)
         self.tokens_written = 0
         # the host's counts (tokens_written, _host_qlen) are the device's until a step is traced (torch.compile) or
-        # captured (a CUDA graph) without GraphedDecode's bookkeeping, whose replays run no Python; reset() restores
-        # them. While they hold, a windowed decode step quantizes its block only when it flushes (decided here).
+        # captured (a CUDA graph) without GraphedDecode's bookkeeping, whose replays run no Python; for good, since
+        # reset() does not stop those replays. While they hold, a windowed decode step quantizes its block only when
+        # it flushes (decided here), and a prefill takes the lengths from them.
         self.host_counts = True
         self.graph_bookkeeping = False  # set by kvbits.evaluate.graphs.GraphedDecode while it captures a step
         self._host_qlen = 0  # tokens quantized, as the host counts them (windowed layers)
@@ -757,9 +759,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 )
 
     def reset(self) -> None:
-        """Back to no tokens, in place (the slabs keep their addresses, so a captured graph stays valid); the host's
-        counts are the device's again."""
-        self.tokens_written, self._host_qlen, self.host_counts = 0, 0, True
+        """Back to no tokens, in place (the slabs keep their addresses, so a captured graph stays valid). The host's
+        counts restart too, but stay unused once a step was traced or captured without bookkeeping
+        (``host_counts``): that graph's replays, which the host does not see, may go on after the reset."""
+        self.tokens_written, self._host_qlen = 0, 0
         self.length.zero_()
         self.fused.claimed, self.fused.claimed_by = False, None
         if not self.is_initialized:

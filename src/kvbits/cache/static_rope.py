@@ -12,7 +12,7 @@ captured decode step cannot read the host, so a static layer keeps what those ro
   position ids of a request's first ``update`` (``kvbits.cache.layer.position_offset``; none: 0) and written in place.
 
 Quantized slot ``t`` of sequence ``b`` holds the key of position ``first + t - offset[b]`` (``first``: the layer's sink
-count, 0 for windowed layers), negative positions taken as 0 (pad slots, masked), as ``rope_at`` and the decode kernels
+count), negative positions taken as 0 (pad slots, masked), as ``rope_at`` and the decode kernels
 take them. Keys are un-rotated there before they are quantized (``unrotate``), and rotated back after they are
 dequantized (``rotate``, ``kvbits.kernels.reference.apply_rope_at``) or by the fused kernels (``pos0``). The tables are
 the ones the model's rotary module gives (``RotaryTables``, computed on the K/V device), so both rotations are those of

@@ -119,10 +119,22 @@ class GraphedDecode:
         cache = _cache_of(kwargs)
         variant = cache.step_variant() if hasattr(cache, "step_variant") else None
         self.calls += 1
+        try:  # a refused or failed call is not counted
+            return self._step(tok, cache_position, position_ids, attention_mask, kwargs, cache, variant)
+        except BaseException:
+            self.calls -= 1
+            raise
+
+    def _step(
+        self, tok: torch.Tensor, cache_position: torch.Tensor, position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None, kwargs: dict[str, Any], cache: Any, variant: Any,
+    ) -> Any:  # fmt: skip
+        """This call's step: eager, captured or replayed (``__call__`` has counted it)."""
         if self.calls <= self.eager or (variant not in self._graphs and variant not in self._seen):
-            self._seen.add(variant)  # a variant's first step runs eagerly: its kernels compile outside a capture
             mask = {} if attention_mask is None else {"attention_mask": attention_mask}
-            return self._forward(tok, cache_position, {**kwargs, **mask}, position_ids)
+            out = self._forward(tok, cache_position, {**kwargs, **mask}, position_ids)
+            self._seen.add(variant)  # a variant's first step runs eagerly: its kernels compile outside a capture
+            return out
         if not self._graphs:
             return self._capture(tok, cache_position, position_ids, attention_mask, kwargs, variant, cache)
         if tok.shape != self.token.shape or (attention_mask is None) != (self.mask is None) or (
@@ -135,20 +147,16 @@ class GraphedDecode:
                 f"{'with' if attention_mask is not None else 'without'} and "
                 f"{'with' if position_ids is not None else 'without'}"
             )
-        if variant in self._graphs and hasattr(cache, "count_replayed_step"):
-            try:  # before the inputs change: past max_cache_len it refuses, nothing replayed
-                cache.count_replayed_step()
-            except ValueError:
-                self.calls -= 1
-                raise
+        if attention_mask is not None:  # refused before anything is counted or replayed
+            self._copy_mask(attention_mask)
         self.token.copy_(tok)
         self.position.copy_(cache_position)
         if position_ids is not None:
             self.position_ids.copy_(position_ids)
-        if attention_mask is not None:
-            self._copy_mask(attention_mask)
         if variant not in self._graphs:
             return self._capture_variant(variant, cache)
+        if hasattr(cache, "count_replayed_step"):  # past max_cache_len it refuses: nothing replayed
+            cache.count_replayed_step()
         self.logits, replay = self._graphs[variant]
         replay()
         self.replays += 1

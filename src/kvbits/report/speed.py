@@ -165,9 +165,9 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         + ("; kvbits schemes in `StaticQuantizedKVCache` (every slot reserved for the run's tokens), transformers' "
            "`StaticCache` timed beside `DynamicCache`"
            + (f"; the static caches' steps replayed from a captured CUDA graph after {_eager_steps(summary)} eager "
-              "steps and the captured one, in the warm-up (a windowed scheme's flushing step is a second graph: its "
-              "first flush runs eagerly, its second is captured; `graph` in speed.json lists the steps)"
-              if summary.get("graphs") else "")
+              "steps and the captured one, in the warm-up; a windowed scheme's flushing step is a graph of its own, run "
+              "eagerly at its first flush and captured at its second, wherever they fall (`graph` in speed.json lists "
+              "the steps)" if summary.get("graphs") else "")
            if summary.get("static") else ""),
         *_kernel_line(summary),
         *_sdpa_line(summary),
