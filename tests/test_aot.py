@@ -632,3 +632,22 @@ print(json.dumps(rows))
         # KIVI at Llama-3-8B's shape: 0.65 / 0.60 / 0.67 since the keys' q * s takes two dots (session 39)
         assert ratio < (0.6 if shape == "llama-3-8b" and scheme.endswith("token") else 0.7 if shape == "llama-3-8b"
                         else 1.0), (r, ratio)  # fmt: skip
+
+
+def test_step_kernels_counts_what_graphed_decode_leaves_out(tmp_path):
+    """``benchmarks/step_kernels.py``: one fused decode step of ``StaticQuantizedKVCache`` as a plain capture records
+    it (the window's oldest block quantized at every step, the host's counts turned off) and as ``GraphedDecode``
+    captures its plain variant (nothing quantized but a per-token scheme's token, the counts kept). KIVI-4's plain
+    variant launches fewer kernels; ``int8-token``'s is the same step either way."""
+    out_json = tmp_path / "kernels.json"
+    code = f"""
+import step_kernels
+step_kernels.main(["kivi-4", "int8-token", "--layers", "1", "--kernel", "reference", "--json", {str(out_json)!r}])
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    kivi, int8 = json.loads(out_json.read_text())
+    assert not kivi["plain_capture"]["host_counts"] and kivi["graphed_decode"]["host_counts"]
+    assert kivi["graphed_decode"]["kernels"] < kivi["plain_capture"]["kernels"], kivi
+    assert int8["graphed_decode"]["kernels"] == int8["plain_capture"]["kernels"] > 0, int8
+    assert "| kivi-4 |" in out.stdout

@@ -403,9 +403,9 @@ def test_static_cache_prefill_attends_over_the_written_positions_only(scheme):
 def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, scheme, monkeypatch):
     """A 2-token prompt under 4 (per-token) or 3 (windowed) sinks: decode steps fill the last sinks on the device (no
     host read), then quantize (per token), or go through the window and flush (windowed). The same tokens and logits
-    as ``QuantizedKVCache``, eagerly; and one step recorded while the sinks still fill, replayed across the boundary
-    and the flushes (``benchmarks/graph_replay.py``'s emulation of a CUDA graph), gives the eager steps' logits bit
-    for bit."""
+    as ``QuantizedKVCache``, eagerly; and steps recorded while the sinks still fill and after, replayed across the
+    boundary and the flushes (``benchmarks/graph_replay.py``'s emulation of a CUDA graph), give the eager steps' logits
+    bit for bit."""
     model, scheme = build("llama"), NAMED[scheme]
     ids, S = prompt()[:, :2], scheme.sinks
     reference = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
@@ -421,15 +421,18 @@ def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, scheme, m
     assert int(cache.layers[0]._other_lens[0]) == S + (R + blk if blk > 1 else 0)
     assert int(cache.layers[0].lens[0]) == quantized
 
-    logits = {}
+    logits, graphed = {}, []
     for mode in ("eager", "replayed"):  # positions 2 .. S - 1 (sinks; the second step recorded), then quantized
         c = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=fused,
                                    checks="lazy")  # fmt: skip
         install(c, scheme)
-        logits[mode] = decode_steps(model, c, ids, 16, fused=fused, monkeypatch=monkeypatch if mode == "replayed" else None)
+        logits[mode] = decode_steps(model, c, ids, 16, fused=fused, graphed=graphed,
+                                    monkeypatch=monkeypatch if mode == "replayed" else None)  # fmt: skip
         tokens = 2 + 16
         assert int(c.layers[0].lens[0]) == (tokens - S if blk == 1 else (tokens - S - R) // blk * blk) > 0  # replayed too
     assert torch.equal(logits["replayed"], logits["eager"])
+    if blk == 1:  # per token: a sink step is a variant of its own (the host's counts say which), as a flush is
+        assert graphed[0].captured_at == {(0, 1): 2, (): 4}, graphed[0].captured_at
 
 
 def test_static_cache_pre_rope_refusals():

@@ -55,8 +55,9 @@ flush block (KIVI's keys); static FP8 with one scale per tensor or per head (vLL
 calibrated, ``calibration=`` or ``set_static_qparams``; values beyond it saturate and are counted on the device,
 ``clipped()``); float layers of a mixed scheme (``"kivi-4,0=fp16"``) keep float slabs. Per-token schemes may keep their
 first ``sinks`` tokens in full precision (attention sinks): a sink slab of ``sinks`` slots, the kernels'
-full-precision tail; quantized slot ``i`` then holds position ``sinks + i``, and a decode step picks sink or slot on
-the device (a prefill reads the length once). Pre-RoPE keys (``int4-channel-prerope``; KVQuant §3.2) are un-rotated
+full-precision tail; quantized slot ``i`` then holds position ``sinks + i``. A decode step writes the sink or
+quantizes the token as the host's counts say (a sink step is a step variant of its own, as a flush is), or, once those
+counts are off, picks sink or slot on the device. Pre-RoPE keys (``int4-channel-prerope``; KVQuant §3.2) are un-rotated
 before they are quantized and rotated back after, at positions kept on the device with fixed RoPE tables
 (``kvbits.cache.static_rope``: a request's left padding is read once from the position ids of its first update;
 ``track_positions`` hands them over on transformers that pass none); the fused kernels rotate them as they read them.
@@ -467,8 +468,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.value_full.index_copy_(2, pos, value_states.to(self.value_full.dtype))
             self.length.add_(q)
             self.lens.copy_(self.length.expand(self.lens.shape[0]))
-        elif not self.windowed and self.scheme.sinks:
-            self._write_with_sinks(key_states, value_states)
+        elif not self.windowed and self.scheme.sinks:  # the host says whether a decode step's token is a sink
+            sink = self.tokens_written - 1 < self.scheme.sinks if q == 1 and self.host_counts else None
+            self._write_with_sinks(key_states, value_states, sink)
         elif not self.windowed:  # every token quantized as it arrives
             self._write_codes(key_states, value_states, self.length)
             self.length.add_(q)
@@ -513,13 +515,26 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 if getattr(slab, name) is not None and not (static and name in ("scale", "zero")):
                     getattr(slab, name).index_copy_(2, rows if name in ("scale", "zero") else slots, getattr(new, name))
 
-    def _write_with_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_with_sinks(self, k: torch.Tensor, v: torch.Tensor, sink: bool | None) -> None:
         """Per-token scheme with sinks: positions ``< sinks`` go to the sink slabs, the others are quantized into slots
-        ``position - sinks``. A decode step decides on the device alone (what a captured step replays): it writes the
-        sink slot ``min(length, sinks - 1)`` (its old value unless ``length < sinks``) and quantizes the token into
-        slot ``max(length - sinks, 0)``, which nothing attends while ``length < sinks``. Several tokens at once (a
-        prefill) read the length once (a host sync) and split exactly."""
+        ``position - sinks``. ``sink``: whether a decode step's token is a sink, from the host's counts; the step then
+        does only that. ``None`` (the host's counts are not the device's, see ``update``): the step decides on the
+        device alone, as a captured step replayed across the last sink must: it writes the sink slot
+        ``min(length, sinks - 1)`` (its old value unless ``length < sinks``) and quantizes the token into slot
+        ``max(length - sinks, 0)``, which nothing attends while ``length < sinks``. Several tokens at once (a prefill)
+        take the length from the host's counts (else read it once, a host sync) and split exactly."""
         S, q = self.scheme.sinks, k.shape[2]
+        if q == 1 and sink is not None:
+            if sink:
+                at = self.length.view(1)
+                self.key_full.index_copy_(2, at, k.to(self.key_full.dtype))
+                self.value_full.index_copy_(2, at, v.to(self.value_full.dtype))
+                self._other_lens.add_(1)
+            else:
+                self._write_codes(k, v, self.length - S)
+                self.lens.add_(1)
+            self.length.add_(1)
+            return
         if q == 1:
             at = self.length.clamp(max=S - 1).view(1)
             is_sink = self.length < S
@@ -527,7 +542,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 slab.index_copy_(2, at, torch.where(is_sink, x.to(slab.dtype), slab.index_select(2, at)))
             self._write_codes(k, v, (self.length - S).clamp(min=0), final=~is_sink)
         else:
-            L0 = int(self.length)
+            L0 = self.tokens_written - q if self.host_counts else int(self.length)
             n = max(0, min(q, S - L0))
             if n:
                 at = torch.arange(L0, L0 + n, device=self.device)
@@ -554,13 +569,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self._host_qlen += self.scheme.block if flush else 0
         return flush
 
-    def next_step_flushes(self) -> bool:
-        """Whether the next one-token step flushes a block, by the host's counts (``False`` without them, or for a
-        layer without a window: its steps are the same at every token)."""
-        if not (self.windowed and self.host_counts and self.is_initialized):
+    def next_step_differs(self) -> bool:
+        """Whether the next one-token step is not the layer's plain one, by the host's counts: a windowed layer's flush,
+        or a sink of a per-token layer (``False`` without the counts: the steps are then the same at every token)."""
+        if not (self.host_counts and self.is_initialized) or self.scheme.is_identity:
             return False
-        S, W = self.scheme.sinks, self.scheme.residual + self.scheme.block
-        return self.tokens_written + 1 - S - self._host_qlen >= W
+        S = self.scheme.sinks
+        if not self.windowed:
+            return self.tokens_written < S
+        return self.tokens_written + 1 - S - self._host_qlen >= self.scheme.residual + self.scheme.block
 
     def count_replayed_step(self) -> None:
         """Count on the host one decode step replayed from a captured graph (``GraphedDecode``'s bookkeeping): what
@@ -889,9 +906,9 @@ class StaticQuantizedKVCache(Cache):
                 layer.rotary = self._rotary.tables_for_layer(layer.layer_idx)
 
     def step_variant(self) -> tuple[int, ...]:
-        """The layers whose next one-token decode step flushes a block, by the host's counts: ``()`` at most steps.
-        ``GraphedDecode`` captures one step per variant and replays the one called for."""
-        return tuple(layer.layer_idx for layer in self.layers if layer.next_step_flushes())
+        """The layers whose next one-token decode step is not their plain one (a flush, a sink), by the host's counts:
+        ``()`` at most steps. ``GraphedDecode`` captures one step per variant and replays the one called for."""
+        return tuple(layer.layer_idx for layer in self.layers if layer.next_step_differs())
 
     def count_replayed_step(self) -> None:
         """Count on every layer's host a decode step replayed from a captured graph (``GraphedDecode``);
