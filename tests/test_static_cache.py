@@ -724,3 +724,79 @@ def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
     with pytest.raises(ValueError, match="44 tokens cached \\+ 1 new > max_cache_len=44"):  # the 5th step's replay
         decode_steps(model, short, ids, 5, fused=True, monkeypatch=monkeypatch, graphed=steps)
     assert steps[0].calls == 4 and all(layer.tokens_written == PROMPT + 4 for layer in short.layers)
+
+
+def test_static_cache_host_counts_across_requests_and_unseen_replays(monkeypatch):
+    """The host's counts where they can go wrong: after ``reset()`` a 1-token prompt's sink step starts from no sinks
+    (the sink count is reset with the slabs); after a plain capture's replays, which the host does not count, an
+    update of several tokens reads the length first (its mask and K/V cover every position written); and a
+    ``GraphedDecode`` whose variants were told apart by host counts that are since off refuses to replay. Each gives
+    ``QuantizedKVCache``'s logits or a clear error."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    # a second request of one token after reset(): the sink step, then the sinks filled by decode steps
+    model, one = build("llama"), prompt()[:, :1]
+    cache = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=True)
+    generate(model, cache, fused=True)
+    cache.reset()
+    seq, got = generate(model, cache, fused=True, ids=one)
+    fresh = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN, fused_decode=True)
+    want_seq, want = generate(model, fresh, fused=True, ids=one)
+    assert torch.equal(seq, want_seq) and torch.equal(got, want)
+    # the tails' lengths too (the torch reference reads a sink slab no further than it holds; Triton's kernel would)
+    assert all(torch.equal(a._other_lens, b._other_lens) and torch.equal(a.lens, b.lens)
+               for a, b in zip(cache.layers, fresh.layers))  # fmt: skip
+
+    # replays the host does not see, then a 3-token chunk and single steps, eagerly (KIVI_SMALL: flushes among them)
+    model, ids = build("qwen2"), prompt()
+    tokens = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    plan_ = [1, 1, 1, 1, 1, 3, 1, 1, 1]  # tokens per call; calls 1-4 after the capture at call 1 are replayed
+    logits = {}
+    for name in ("quantized", "static"):
+        c = (QuantizedKVCache(config=model.config, scheme=KIVI_SMALL) if name == "quantized" else
+             StaticQuantizedKVCache(config=model.config, scheme=KIVI_SMALL, max_cache_len=MAX_LEN, checks="lazy"))  # fmt: skip
+        kw, out, at = cache_kwargs(c, model), [], 0
+        token, position = torch.zeros((2, 1), dtype=torch.long), torch.zeros(1, dtype=torch.long)
+
+        def run(token=token, kw=kw, position=position) -> torch.Tensor:  # this cache's captured inputs
+            return model(token, **kw, use_cache=True, cache_position=position, position_ids=position[None]).logits
+
+        with torch.no_grad():
+            model(ids, **kw, use_cache=True)
+            for call, n in enumerate(plan_):
+                chunk, pos0 = tokens[:, at : at + n], PROMPT + at
+                if n == 1:
+                    token.copy_(chunk)
+                    position.fill_(pos0)
+                    if name == "static" and call == 1:
+                        captured, replay = tape_capture(run)
+                        lg = captured
+                    elif name == "static" and 1 < call < 5:
+                        replay()
+                        lg = captured
+                    else:
+                        lg = run()
+                else:
+                    cpos = torch.arange(pos0, pos0 + n)
+                    lg = model(chunk, **kw, use_cache=True, cache_position=cpos, position_ids=cpos[None]).logits
+                out.append(lg[:, -1].clone())
+                at += n
+        logits[name] = torch.stack(out)
+        if name == "static":
+            assert not any(layer.host_counts for layer in c.layers) and c.layers[0].tokens_written == PROMPT + at
+    torch.testing.assert_close(logits["static"], logits["quantized"], atol=1e-4, rtol=0)
+
+    # GraphedDecode's variants, then a plain capture of the same cache: refused, not replayed wrong
+    steps: list = []
+    cache = StaticQuantizedKVCache(config=model.config, scheme=KIVI_SMALL, max_cache_len=MAX_LEN, fused_decode=True,
+                                   checks="lazy")  # fmt: skip
+    decode_steps(model, cache, ids, 3, fused=True, monkeypatch=monkeypatch, graphed=steps)
+    kw, tok, cpos = cache_kwargs(cache, model), torch.ones((2, 1), dtype=torch.long), torch.tensor([PROMPT + 3])
+    with torch.no_grad(), attention(model, True):
+        tape_capture(lambda: model(tok, **kw, use_cache=True, cache_position=cpos, position_ids=cpos[None]).logits)
+        assert not any(layer.host_counts for layer in cache.layers)
+        with pytest.raises(RuntimeError, match="host counts are off since this step was captured"):
+            steps[0](tok, cache_position=cpos + 1, **kw)

@@ -445,17 +445,19 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
         Returns every position's K/V ``(B, H_kv, max_cache_len, D)`` in the K/V dtype (quantized ones dequantized), or,
         on a claimed layer's decode step (``q == 1``, ``kvbits_fused``), tagged zero-byte placeholders of that shape.
-        Device work only, no host read, unless ``checks`` is eager or a windowed layer gets ``q > 1`` tokens at once
-        (a prefill: it reads the lengths once).
+        Device work only, no host read, unless ``checks`` is eager or, once the host's counts are off
+        (``host_counts``), an update of ``q > 1`` tokens (a prefill) reads the length once.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         compiling = torch.compiler.is_compiling()  # traced once, replayed: the host's count and eager checks stay out
         if compiling or (not self.graph_bookkeeping and stream_capturing()):
             self.host_counts = False  # its replays run no Python: the host's counts are not the device's from here on
+        q = key_states.shape[2]
+        if not compiling and not self.host_counts and q > 1:  # replays the host did not count: read the length (a prefill)
+            self.tokens_written = int(self.length)
         if not compiling:
             self._check(key_states, value_states)
-        q = key_states.shape[2]
         if self.rope is not None and not compiling and self.tokens_written == 0:  # a request's first update
             self.rope.start(position_offset(args, kwargs, 0, key_states))
         if not compiling:
@@ -572,7 +574,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def next_step_differs(self) -> bool:
         """Whether the next one-token step is not the layer's plain one, by the host's counts: a windowed layer's flush,
         or a sink of a per-token layer (``False`` without the counts: the steps are then the same at every token)."""
-        if not (self.host_counts and self.is_initialized) or self.scheme.is_identity:
+        if not self.host_counts or self.scheme.is_identity:  # (before the first update too: it may be a sink)
             return False
         S = self.scheme.sinks
         if not self.windowed:
@@ -724,8 +726,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         0)``, the K/V ``update`` then returns: a prompt on an empty cache needs no mask at all (causal SDPA), where
         ``(B, 1, q, max_cache_len)`` booleans would be 8.6 GB at batch 8 and 32K."""
         q = query_length if isinstance(query_length, int) else None
-        if q is not None and q > 1 and not torch.compiler.is_compiling():
-            return self.tokens_written + q, 0
+        if q is not None and q > 1 and not torch.compiler.is_compiling():  # without the host's counts: read (a sync)
+            return (self.tokens_written if self.host_counts or not self.is_initialized else int(self.length)) + q, 0
         return self.max_cache_len, 0
 
     def get_max_length(self) -> int:
@@ -785,6 +787,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.lens.zero_()
+        if not self.windowed and not self.scheme.is_identity and self.scheme.sinks:  # the sinks written (a window's: fixed)
+            self._other_lens.zero_()
         self.qlen.zero_()
         self.clipped.zero_()
         self.maxima.zero_()

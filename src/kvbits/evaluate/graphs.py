@@ -18,7 +18,9 @@ variant (the plain step and the flushing one), replays the one the cache's count
 the cache's host (``count_replayed_step``: so the counts stay the device's, and a step past ``max_cache_len`` is
 refused). A variant is captured the second time it comes, after one eager run (its kernels compiled outside the
 capture). A step captured without this bookkeeping (a plain ``torch.cuda.graph``) makes the cache quantize the block
-at every step, which replays right across flushes.
+at every step, which replays right across flushes; a ``GraphedDecode`` whose cache has had such a step since its
+capture refuses to replay (its variants no longer match the cache's steps). A per-token scheme's sink steps are a
+variant of their own likewise.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class GraphedDecode:
         self.captured_at: dict[Any, int] = {}
         self._graphs: dict[Any, tuple[torch.Tensor, Callable[[], None]]] = {}  # variant -> (logits, replay)
         self._seen: set[Any] = set()  # variants run eagerly
+        self._counted = False  # captured while the cache's host counts held
 
     @property
     def captured(self) -> bool:
@@ -156,6 +159,12 @@ class GraphedDecode:
         if variant not in self._graphs:
             return self._capture_variant(variant, cache)
         if hasattr(cache, "count_replayed_step"):  # past max_cache_len it refuses: nothing replayed
+            if self._counted and not _host_counted(cache):
+                raise RuntimeError(
+                    "the cache's host counts are off since this step was captured (a step of it was traced by "
+                    "torch.compile or captured as a plain CUDA graph): its captured variants no longer say which step "
+                    "comes next; make a new GraphedDecode and cache"
+                )
             cache.count_replayed_step()
         self.logits, replay = self._graphs[variant]
         replay()
@@ -176,6 +185,7 @@ class GraphedDecode:
             self._copy_mask(attention_mask)
             kwargs = {**kwargs, "attention_mask": self.mask}
         self._kwargs = kwargs
+        self._counted = _host_counted(cache)  # the variants are told apart by the host's counts
         return self._capture_variant(variant, cache)
 
     def _capture_variant(self, variant: Any, cache: Any) -> Any:
@@ -218,6 +228,13 @@ def _bookkeeping(cache: Any) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.graph_bookkeeping = False
+
+
+def _host_counted(cache: Any) -> bool:
+    """Whether every layer of ``cache`` that keeps host counts (``StaticQuantizedKVCache``'s) still has them."""
+    return any(hasattr(layer, "host_counts") for layer in getattr(cache, "layers", [])) and all(
+        getattr(layer, "host_counts", True) for layer in cache.layers
+    )
 
 
 def _cache_length(kwargs: dict[str, Any]) -> int:
