@@ -1,4 +1,4 @@
-"""Decode steps replayed from one captured CUDA graph (``kvbits speed --graphs``, the device run's step 6).
+"""Decode steps replayed from captured CUDA graphs (``kvbits speed --graphs``, the device run's step 6).
 
 A decode step of a cache whose step replays (``kvbits.cache.StaticQuantizedKVCache``, transformers' ``StaticCache``)
 is recorded once and replayed for every later token: the token and its position are copied into the recorded

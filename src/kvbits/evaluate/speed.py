@@ -422,7 +422,7 @@ def speed_eval(
         static: kvbits schemes decode through a ``StaticQuantizedKVCache`` of the run's tokens (fixed slabs, lengths
             on the device; ``ValueError`` for a scheme it does not hold, ``kvbits.cache.static_reason``), and
             transformers' ``StaticCache`` is timed as a second baseline (module docstring).
-        graphs: with ``static``, the static caches' decode steps are replayed from one captured CUDA graph
+        graphs: with ``static``, the static caches' decode steps are replayed from captured CUDA graphs
             (``kvbits.evaluate.graphs``; a CUDA device, ``warmup`` of 3 or more).
         sdpa: SDPA's backends for the whole run, ``"auto"`` or ``"no-cudnn"`` (module docstring).
         data_path, dtype, device: as ``evaluate``.

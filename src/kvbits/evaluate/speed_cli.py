@@ -32,7 +32,8 @@ dequantize the history every step (--workspace: keep a dequantized copy instead:
 float history too). CPU figures time the torch paths, not the GPU kernel.
 --static: kvbits schemes decode through StaticQuantizedKVCache (fixed slabs, lengths on the device), and
 transformers' StaticCache is timed as a second baseline; --graphs (with --static, on CUDA): the static caches'
-decode steps are replayed from one captured CUDA graph after 2 eager steps and the captured one (all warm-up).
+decode steps are replayed from a captured CUDA graph after 2 eager steps and the captured one (warm-up); a windowed
+scheme's flushing step is a graph of its own, run eagerly at its first flush and captured at its second.
 --json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
 "tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa", "schemes",
 "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean",
