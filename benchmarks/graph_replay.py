@@ -135,14 +135,19 @@ def replay(tape: OpTape) -> None:
         _write_back(out, func(*args, **kwargs))
 
 
+def as_captured() -> Any:
+    """What a CUDA capture tells the code it runs (``torch.cuda.is_current_stream_capturing()`` is true): transformers'
+    mask code then builds a padding mask without reading it back (``is_tracing``), and ``StaticQuantizedKVCache``
+    stops trusting its host counts, as under ``torch.cuda.graph``."""
+    return mock.patch("torch.cuda.is_current_stream_capturing", return_value=True)
+
+
 def tape_capture(step: Any) -> tuple[torch.Tensor, Any]:
     """``kvbits.evaluate.graphs``' capture for the CPU: record ``step()`` on a tape (the recording runs it, Triton
     launches included) and return its logits and the tape's replay; ``RuntimeError`` if the step read a host value,
     which a CUDA capture refuses."""
     tape = OpTape()
-    # what a CUDA capture tells the code it runs: transformers' mask code then builds a padding mask without reading it
-    # back (is_tracing), as it does under torch.cuda.graph
-    with tape, triton_on_tape(tape), mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
+    with tape, triton_on_tape(tape), as_captured():
         logits = step()
     if tape.host_reads:
         raise RuntimeError(f"the captured decode step read {tape.host_reads} host values (a CUDA capture refuses them)")
@@ -189,8 +194,8 @@ def _replayed_beside_eager(cache_name: str, layers: int, steps: int, scheme: str
                     got.append(recorded.clone())
                     continue
                 args = {"use_cache": True, "logits_to_keep": 1, "cache_position": position, "position_ids": position[None]}
-                if mode == "replay" and i == warm:  # told it is captured, as tape_capture and a CUDA capture tell it
-                    with tape, triton_on_tape(tape), mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
+                if mode == "replay" and i == warm:
+                    with tape, triton_on_tape(tape), as_captured():
                         out = model(token, **kw, **args)
                     recorded = out.logits
                 else:

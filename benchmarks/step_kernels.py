@@ -35,7 +35,7 @@ def count(scheme: str, layers: int, bookkept: bool) -> dict[str, int]:
     """Tape entries, kernel-like entries and Triton launches of one fused decode step of ``scheme``."""
     from gpu_bench.common import install_stand_ins
     from graph_blockers import build
-    from graph_replay import OpTape, triton_on_tape
+    from graph_replay import OpTape, as_captured, triton_on_tape
 
     from kvbits.evaluate.graphs import _bookkeeping
 
@@ -47,8 +47,7 @@ def count(scheme: str, layers: int, bookkept: bool) -> dict[str, int]:
         pos = torch.tensor([ids.shape[1]])
         model(nxt, **kw, use_cache=True, cache_position=pos, position_ids=pos[None])
         tape = OpTape()
-        # a plain capture: what a CUDA capture tells the code it runs (graph_replay.tape_capture does the same)
-        how = _bookkeeping(cache) if bookkept else mock.patch("torch.cuda.is_current_stream_capturing", return_value=True)
+        how = _bookkeeping(cache) if bookkept else as_captured()  # GraphedDecode's capture, or a plain one
         with how, tape, triton_on_tape(tape):
             model(nxt, **kw, use_cache=True, cache_position=pos + 1, position_ids=(pos + 1)[None])
     kernels = [f for f, *_ in tape.ops if not getattr(f, "is_view", False) and not str(f).startswith("triton")

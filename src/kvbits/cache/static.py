@@ -409,6 +409,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return self.scheme.key if side == "key" else self.scheme.value
 
     # ------------------------------------------------------------------ writing
+    def _check_room(self, q: int) -> None:
+        """``ValueError`` if ``q`` more tokens would pass ``max_cache_len`` (by the host's count)."""
+        if self.tokens_written + q > self.max_cache_len:
+            raise ValueError(
+                f"layer {self.layer_idx}: {self.tokens_written} tokens cached + {q} new > max_cache_len="
+                f"{self.max_cache_len} (the slabs are fixed: make the cache with a larger max_cache_len)"
+            )
+
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Structural checks (host metadata only), the host's token count, and the K/V checks (eager: now)."""
         B, H, D = self._shape  # type: ignore[misc]
@@ -424,11 +432,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         q = key_states.shape[2]
         if value_states.shape[2] != q:
             raise ValueError(f"layer {self.layer_idx}: {q} keys but {value_states.shape[2]} values")
-        if self.tokens_written + q > self.max_cache_len:
-            raise ValueError(
-                f"layer {self.layer_idx}: {self.tokens_written} tokens cached + {q} new > max_cache_len="
-                f"{self.max_cache_len} (the slabs are fixed: make the cache with a larger max_cache_len)"
-            )
+        self._check_room(q)
         if not self._lazy:
             for what, x, bound in (("keys", key_states, self._bounds[0]), ("values", value_states, self._bounds[1])):
                 check_kv(x, f"layer {self.layer_idx} {what}")
@@ -451,7 +455,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         compiling = torch.compiler.is_compiling()  # traced once, replayed: the host's count and eager checks stay out
-        if compiling or (not self.graph_bookkeeping and stream_capturing()):
+        if compiling or (self.host_counts and not self.graph_bookkeeping and stream_capturing()):
             self.host_counts = False  # its replays run no Python: the host's counts are not the device's from here on
         q = key_states.shape[2]
         if not compiling and not self.host_counts and q > 1:  # replays the host did not count: read the length (a prefill)
@@ -564,10 +568,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
         S, W = self.scheme.sinks, self.scheme.residual + self.scheme.block
         return torch.remainder(pos - S, W) + S if S else torch.remainder(pos, W)
 
+    def _fills_window(self, tokens: int) -> bool:
+        """Whether ``tokens`` written fill the window, by the host's count of those quantized (a windowed layer)."""
+        return tokens - self.scheme.sinks - self._host_qlen >= self.scheme.residual + self.scheme.block
+
     def _host_flush(self) -> bool:
         """Whether the token just counted (``tokens_written``) fills the window, from the host's counts (which then
         count the flush): a windowed decode step's flush, decided without reading the device."""
-        flush = self.tokens_written - self.scheme.sinks - self._host_qlen >= self.scheme.residual + self.scheme.block
+        flush = self._fills_window(self.tokens_written)
         self._host_qlen += self.scheme.block if flush else 0
         return flush
 
@@ -576,17 +584,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
         or a sink of a per-token layer (``False`` without the counts: the steps are then the same at every token)."""
         if not self.host_counts or self.scheme.is_identity:  # (before the first update too: it may be a sink)
             return False
-        S = self.scheme.sinks
         if not self.windowed:
-            return self.tokens_written < S
-        return self.tokens_written + 1 - S - self._host_qlen >= self.scheme.residual + self.scheme.block
+            return self.tokens_written < self.scheme.sinks
+        return self._fills_window(self.tokens_written + 1)
 
     def count_replayed_step(self) -> None:
         """Count on the host one decode step replayed from a captured graph (``GraphedDecode``'s bookkeeping): what
         ``update`` counts for one token. ``ValueError`` past ``max_cache_len`` (before anything is replayed)."""
-        if self.tokens_written + 1 > self.max_cache_len:
-            raise ValueError(f"layer {self.layer_idx}: {self.tokens_written} tokens cached + 1 new > max_cache_len="
-                             f"{self.max_cache_len} (the slabs are fixed: make the cache with a larger max_cache_len)")  # fmt: skip
+        self._check_room(1)
         self.tokens_written += 1
         if self.windowed and self.host_counts:
             self._host_flush()
@@ -613,13 +618,13 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if flush is False:
             return
         oldest = self._tail_slots(torch.arange(blk, device=self.device) + self.qlen + S)
+        block_k, block_v = self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest)
         if flush:
-            self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen)
+            self._write_codes(block_k, block_v, self.qlen)
             self.qlen.add_(blk)
         else:
             full = self.length - self.qlen >= W + S
-            self._write_codes(self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest), self.qlen,
-                              final=full)  # fmt: skip
+            self._write_codes(block_k, block_v, self.qlen, final=full)
             self.qlen.add_(full.to(torch.int64) * blk)
         self.lens.copy_(self.qlen.expand(self.lens.shape[0]))
 
@@ -659,7 +664,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         """``(sinks + W,)`` bool: the full-precision slots attended: sinks written, and window slots holding tokens not
         yet quantized (positions in ``[sinks + qlen, length)``)."""
         S, pos = self.scheme.sinks, self.window_pos
-        window = (pos >= self.qlen + S) & (pos < self.length) if S else (pos >= self.qlen) & (pos < self.length)
+        window = (pos >= (self.qlen + S if S else self.qlen)) & (pos < self.length)
         return window | ((pos >= 0) & (pos < S)) if S else window
 
     def materialize(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
