@@ -800,3 +800,33 @@ def test_static_cache_host_counts_across_requests_and_unseen_replays(monkeypatch
         assert not any(layer.host_counts for layer in cache.layers)
         with pytest.raises(RuntimeError, match="host counts are off since this step was captured"):
             steps[0](tok, cache_position=cpos + 1, **kw)
+
+
+def test_step_variant_from_the_first_update_on():
+    """``step_variant()`` says which layers' next decode step is not their plain one, from the host's counts, before any
+    update too: a per-token layer with ``sinks`` writes its first ``sinks`` tokens as sinks (a 1-token prompt's step
+    included), a windowed layer's step differs only when it flushes, and a scheme without either never differs."""
+    model = build("llama")
+    layers = tuple(range(model.config.num_hidden_layers))
+    k = torch.randn(1, model.config.num_key_value_heads, 1, model.config.head_dim)
+    sinks = StaticQuantizedKVCache(config=model.config, scheme=SINKS4, max_cache_len=MAX_LEN)
+    seen = []
+    for _ in range(SINKS4.sinks + 2):
+        seen.append(sinks.step_variant())
+        for i in layers:
+            sinks.update(k, k, i)
+    assert seen == [layers] * SINKS4.sinks + [(), ()]
+
+    kivi = StaticQuantizedKVCache(config=model.config, scheme=KIVI_SMALL, max_cache_len=MAX_LEN)
+    window, flushes = KIVI_SMALL.residual + KIVI_SMALL.block, []
+    for t in range(window + 2 * KIVI_SMALL.block):
+        if kivi.step_variant():
+            assert kivi.step_variant() == layers
+            flushes.append(t)
+        for i in layers:
+            kivi.update(k, k, i)
+    assert flushes == [window - 1, window - 1 + KIVI_SMALL.block, window - 1 + 2 * KIVI_SMALL.block]
+    assert int(kivi.layers[0].qlen) == 3 * KIVI_SMALL.block
+
+    plain = StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=MAX_LEN)
+    assert plain.step_variant() == ()
