@@ -266,6 +266,19 @@ def test_beyond_calibration_is_reported_once_per_layer() -> None:
         assert "kvbits_tokens_beyond_calibration{" in mon.prometheus()
 
 
+def test_beyond_calibration_holds_after_patience_flushes() -> None:
+    """Every flush past the calibrated length counts towards ``patience``: with 2, the layer is held at its second
+    such flush (said then, besides the first report), not never."""
+    model, ids = llama(), ids_of(1, 160)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-4")  # flushes at 160 (the prompt), then every 32
+    cache.calibration = SimpleNamespace(max_calibrated_length=100)
+    mon = CacheMonitor(cache, FallbackPolicy(beyond_calibration=True, patience=2))
+    run(model, cache, ids, decode=40)
+    said = [(e["layer"], e["tokens"], e["action"]) for e in mon.events if e["signal"] == "beyond_calibration"]
+    assert said == [(0, 160, "none"), (1, 160, "none"), (0, 192, "hold_layer"), (1, 192, "hold_layer")]
+    assert mon.held_layers() == [0, 1]
+
+
 def test_stream_hidden_hands_the_cache_over_before_tokens() -> None:
     model, ids = llama(), ids_of(1, 170)
     seen: list[CacheMonitor] = []
@@ -344,6 +357,12 @@ def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> N
         os.umask(umask)
     with pytest.raises(ValueError, match="label name 'a b'"):  # refused when the monitor is made
         CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), labels={"a b": "c"})
+    # names the monitor sets itself would replace which layer, signal or bucket a sample or event is about
+    for name in ("layer", "side", "signal", "action", "le", "scheme", "tokens", "__name__"):
+        with pytest.raises(ValueError, match=f"label name '{name}'"):
+            CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), labels={name: "x"})
+    with pytest.raises(ValueError, match="names starting with __ are Prometheus' own"):
+        prometheus_text([MetricFamily("m", "h", "gauge", [("", {"__x": "1"}, 1.0)])])
 
 
 def test_a_second_monitor_on_one_cache_is_refused_until_the_first_detaches() -> None:
@@ -426,6 +445,7 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     assert "KEY=VALUE" in capsys.readouterr().err
     # what the end of a run would trip on is refused before the model loads (no model at "nowhere")
     for bad, msg in ((["--label", "a b=c"], "label name 'a b'"), (["--prom", str(tmp_path)], "is a folder"),
+                     (["--label", "layer=all"], "label name 'layer' (--label) is set by kvbits itself"),
                      (["--events", str(text / "ev.jsonl")], "can not write there")):  # fmt: skip
         assert main(["monitor", "--model", "nowhere", "--data", str(text), "--scheme", "kivi-2", *bad]) != 0
         assert msg in capsys.readouterr().err

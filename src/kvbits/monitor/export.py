@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvbits._files import chmod_default
 
-__all__ = ["MetricFamily", "prometheus_text", "write_textfile"]
+__all__ = ["EVENT_FIELDS", "MONITOR_LABELS", "MetricFamily", "check_label_name", "prometheus_text", "write_textfile"]
 
 TYPES = ("gauge", "counter", "histogram")
 
@@ -53,11 +53,25 @@ def _number(v: float) -> str:
     return repr(int(v)) if v == int(v) and abs(v) < 2**53 else repr(v)
 
 
-def check_label_name(name: str, where: str = "") -> None:
-    """``ValueError`` unless ``name`` is a valid Prometheus label name (``[a-zA-Z_][a-zA-Z0-9_]*``)."""
+MONITOR_LABELS = ("scheme", "layer", "side", "signal", "action", "le")
+"""Labels ``CacheMonitor`` sets itself (``le``: histogram buckets); a constant label of the same name would
+replace them (the scheme, which layer, which signal) in its metrics and events."""
+EVENT_FIELDS = ("time", "value", "threshold", "sequence", "tokens")
+"""The fields of a ``CacheMonitor`` event besides its labels (each event carries the constant labels too)."""
+
+
+def check_label_name(name: str, where: str = "", reserved: tuple[str, ...] = ()) -> None:
+    """``ValueError`` unless ``name`` is a valid Prometheus label name (``[a-zA-Z_][a-zA-Z0-9_]*``, not starting
+    with ``__``, which Prometheus keeps for itself) and not one of ``reserved`` (names the caller sets itself)."""
     if not name or not all((c.isascii() and c.isalnum()) or c == "_" for c in name) or name[0].isdigit():
         raise ValueError(
             f"invalid Prometheus label name {name!r}{where}: expected letters, digits and _, not starting with a digit"
+        )
+    if name.startswith("__"):
+        raise ValueError(f"invalid Prometheus label name {name!r}{where}: names starting with __ are Prometheus' own")
+    if name in reserved:
+        raise ValueError(
+            f"label name {name!r}{where} is set by kvbits itself (reserved: {', '.join(reserved)}); choose another name"
         )
 
 

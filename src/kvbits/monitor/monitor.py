@@ -30,7 +30,14 @@ from typing import Any, Self
 
 import torch
 
-from kvbits.monitor.export import MetricFamily, check_label_name, prometheus_text, write_textfile
+from kvbits.monitor.export import (
+    EVENT_FIELDS,
+    MONITOR_LABELS,
+    MetricFamily,
+    check_label_name,
+    prometheus_text,
+    write_textfile,
+)
 from kvbits.monitor.policy import FallbackPolicy
 from kvbits.monitor.signals import ERROR_BUCKETS, SideSignals, flush_error, worst_index
 
@@ -47,7 +54,8 @@ class CacheMonitor:
     Args:
         cache: the cache to watch (its quantized layers must exist: build it with ``config=``).
         policy: thresholds and scope (``FallbackPolicy``); ``None`` only records signals.
-        labels: constant labels added to every exported sample (``scheme`` is always there).
+        labels: constant labels added to every exported sample and event (``scheme`` is always there); the names
+            the monitor sets itself (``export.MONITOR_LABELS``, ``export.EVENT_FIELDS``) are refused.
         on_event: called with each event dict as it happens (e.g. to forward it to a log pipeline).
     """
 
@@ -77,7 +85,7 @@ class CacheMonitor:
         self.cache = cache
         self.policy = policy or FallbackPolicy()
         for name in labels or {}:
-            check_label_name(name)
+            check_label_name(name, " (CacheMonitor labels)", MONITOR_LABELS + EVENT_FIELDS)
         self.labels = {"scheme": cache.scheme.name, **{k: str(v) for k, v in (labels or {}).items()}}
         self.on_event = on_event
         self.layers = {layer.layer_idx: layer for layer in layers}
@@ -126,18 +134,14 @@ class CacheMonitor:
         if pol.clipped_fraction is not None and clipped_frac > pol.clipped_fraction:
             crossed.append(("clipped_fraction", clipped_frac, pol.clipped_fraction))
         longest = self.calibrated_length()
-        if (
-            longest is not None
-            and layer.tokens_seen > longest
-            and layer.layer_idx not in self._beyond_reported
-        ):
+        beyond = longest is not None and layer.tokens_seen > longest
+        first_beyond = beyond and layer.layer_idx not in self._beyond_reported
+        if first_beyond:
             self._beyond_reported.add(layer.layer_idx)
-            if pol.beyond_calibration:
-                crossed.append(("beyond_calibration", float(layer.tokens_seen), float(longest)))
-            else:
-                self._event(
-                    layer, side, "beyond_calibration", float(layer.tokens_seen), float(longest), None, "none"
-                )
+        if beyond and pol.beyond_calibration:  # every flush past it counts towards patience
+            crossed.append(("beyond_calibration", float(layer.tokens_seen), float(longest)))
+        elif first_beyond:
+            self._event(layer, side, "beyond_calibration", float(layer.tokens_seen), float(longest), None, "none")
         sig.over = sig.over + 1 if crossed else 0
         if not crossed:
             return
@@ -147,7 +151,9 @@ class CacheMonitor:
         elif sig.over >= pol.patience:
             action = self._fall_back(layer)
         for signal, value, threshold in crossed:
-            self._event(layer, side, signal, value, threshold, worst, action)
+            # past the calibrated length: said once per layer, and again when it acts
+            if signal != "beyond_calibration" or first_beyond or action.startswith("hold"):
+                self._event(layer, side, signal, value, threshold, worst, action)
 
     def _fall_back(self, layer: Any) -> str:
         """Hold ``layer`` (or every layer) in full precision; the action's name for the event."""
