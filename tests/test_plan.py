@@ -189,6 +189,9 @@ def _transformers_kinds(cfg):
             },
         ),
         ("qwen2", {"num_hidden_layers": 6, "use_sliding_window": False, "sliding_window": 64}),
+        # no layer_types: the window (set by use_sliding_window) slides every layer, whatever max_window_layers says
+        ("qwen3_moe", {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 4}),
+        ("mistral", {"num_hidden_layers": 2, "sliding_window": 64, "use_sliding_window": False}),  # not Mistral's key
         ("gemma2", {"num_hidden_layers": 5}),
         ("gemma3_text", {"num_hidden_layers": 13, "sliding_window": 100}),
         ("gemma4_text", {"num_hidden_layers": 6}),  # heterogeneous per-layer head_dim, KV sharing
@@ -360,6 +363,9 @@ def test_config_without_heads_or_layers_is_a_clear_error():
         ({"num_key_value_heads": 16}, "num_key_value_heads must divide num_attention_heads"),
         ({"num_key_value_heads": 3}, r"got num_attention_heads=8, num_key_value_heads=3"),
         ({"kv_sharing_modes": ["reuse", "none"]}, "kv_sharing_modes has 2 entries for 4 layers"),
+        # a string was read letter by letter ('s', 'l', ... planned as full attention); a dict raised TypeError
+        ({"layer_types": "sliding_attention"}, "layer_types must be a list of strings, one per layer"),
+        ({"layer_types": [{"type": "full_attention"}] * 4}, "layer_types must be a list of strings"),
     ],
 )
 def test_inconsistent_config_is_a_clear_error(overrides, match):
@@ -530,6 +536,8 @@ def test_weights_from_config_estimate():
         ("qwen3", {"head_dim": 48, "tie_word_embeddings": True, "num_key_value_heads": 2}, 0.0),
         ("mixtral", {"num_local_experts": 4, "num_key_value_heads": 4}, 0.0),
         ("gpt2", {}, 0.01),  # MLP and LayerNorm biases are not counted
+        ("opt", {}, 0.01),  # its learned positions: 2 rows more than max_position_embeddings
+        ("gpt_neo", {}, 0.01),
     ],
 )
 def test_param_estimate_against_real_model(model_type, kwargs, rel):
@@ -539,6 +547,11 @@ def test_param_estimate_against_real_model(model_type, kwargs, rel):
     small = {"vocab_size": 1000, "num_hidden_layers": 2, "num_attention_heads": 4}
     if model_type == "gpt2":
         small = {"vocab_size": 1000, "n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 256}
+    elif model_type in ("opt", "gpt_neo"):  # a position table as large as the rest: missing it is a 20 % error
+        small = {"vocab_size": 1000, "num_layers" if model_type == "gpt_neo" else "num_hidden_layers": 2,
+                 "num_attention_heads" if model_type == "opt" else "num_heads": 4, "hidden_size": 128,
+                 "max_position_embeddings": 1024, **({"attention_types": [[["global"], 2]]}
+                                                    if model_type == "gpt_neo" else {"ffn_dim": 352})}  # fmt: skip
     else:
         small.update(hidden_size=128, intermediate_size=352)
     cfg = AutoConfig.for_model(model_type, **small, **kwargs)
@@ -728,6 +741,11 @@ def test_max_context_in_plan_and_cli(capsys):
                  "4", "--gpu-mem", "80", "--weights-gib", "16", "--scheme", "fp16"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "max context @4" in out and "131,072" in out
+    # sliding layers planned from dimensions: unbounded, and no max_position_embeddings to compare it with
+    assert main(["plan", "--layers", "4", "--kv-heads", "8", "--head-dim", "128", "--sliding-window", "4096",
+                 "--context", "8k", "--gpu-mem", "80", "--weights-gib", "10", "--scheme", "kivi-2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "unbounded" in out and "max_position_embeddings" not in out
 
 
 @pytest.mark.parametrize(

@@ -365,8 +365,11 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
             f"\nGPU {human_bytes(r0['gpu_mem_bytes'])}, weights {human_bytes(r0['weights_bytes'])} "
             f"({r0['weights_source']}), reserve {human_bytes(r0['reserve_bytes'])}"
         )
-        trained = shape.max_context or 1 << 62
-        beyond = [r["scheme"] for r in results if r["max_context"] is None or r["max_context"] > trained]
+        trained = shape.max_context  # None: planned from dimensions, no max_position_embeddings to compare with
+        beyond = [
+            r["scheme"] for r in results
+            if trained is not None and (r["max_context"] is None or r["max_context"] > trained)
+        ]  # fmt: skip
         if beyond:
             caption += (
                 f"\nmax context: the longest the batch can grow to in memory, fitting at every length; beyond the "

@@ -15,9 +15,10 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   (``transformers.cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when present
   (``sliding_attention`` holds a window of ``sliding_window`` tokens, ``chunked_attention`` is cached
   like a window of ``attention_chunk_size``, linear-attention / SSM / MLP-only layers and layers that
-  reuse another layer's KV hold nothing); otherwise ``sliding_window`` applies to every layer
-  (Mistral). Raw dicts that transformers can not build get the same rules plus Qwen2's
-  (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
+  reuse another layer's KV hold nothing); otherwise ``sliding_window``, when set, applies to every layer
+  (Mistral, Qwen3-MoE: a config's ``use_sliding_window`` / ``max_window_layers`` are its class's business,
+  already in its ``sliding_window`` or ``layer_types``). Raw dicts that transformers can not build get the same
+  rules plus Qwen2's (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
   ``sliding_window_pattern`` (every ``pattern``-th layer is global).
 - **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
 - **parameter count** (for weights memory, see :func:`estimate_params`).
@@ -284,6 +285,8 @@ def _attention(
             )
         return "full", None
     window = _positive_window(_get(layer_cfg, "sliding_window"), "sliding_window")
+    if not isinstance(text, Mapping):  # a transformers config: its window, when set, applies to every layer
+        return ("sliding", window) if window else _chunked(layer_cfg)
     use = _get(text, "use_sliding_window")
     if window and use is False:
         window = None  # Qwen2-style configs carry a window that is switched off
@@ -297,10 +300,25 @@ def _attention(
             # Gemma legacy: every `pattern`-th layer is global
             return ("sliding", window) if (index + 1) % pattern else ("full", None)
         return "sliding", window  # Mistral: the window applies to every layer
+    return _chunked(layer_cfg)
+
+
+def _chunked(layer_cfg: Any) -> tuple[str, int | None]:
+    """A layer without a sliding window: chunked attention (cached as a window of ``attention_chunk_size``), or
+    full attention."""
     chunk = _positive_window(_get(layer_cfg, "attention_chunk_size"), "attention_chunk_size")
-    if chunk:
-        return "sliding", chunk
-    return "full", None
+    return ("sliding", chunk) if chunk else ("full", None)
+
+
+def _learned_positions(text: Any, model_type: str) -> int:
+    """Rows of a learned absolute-position table (``LEARNED_POSITIONS``; 0 for other models): GPT-2's and
+    GPT-BigCode's ``n_positions``, GPT-Neo's ``max_position_embeddings``, OPT's plus the 2 rows it offsets by."""
+    if model_type in ("gpt2", "gpt_bigcode") or (not model_type and "n_embd" in _keys(text)):
+        return _int(_get(text, "n_positions"), "n_positions") or 0
+    if model_type in ("gpt_neo", "opt"):
+        n = _int(_get(text, "max_position_embeddings"), "max_position_embeddings") or 0
+        return n + 2 if n and model_type == "opt" else n
+    return 0
 
 
 def _dtype_field(cfg: Any) -> Any:
@@ -336,6 +354,13 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
     layer_cfgs = layer_configs(text, n_layers)
     layer_types = _get(text, "layer_types")
     if layer_types is not None:
+        if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, Sequence) or not all(
+            isinstance(t, str) for t in layer_types
+        ):
+            raise ValueError(
+                f"layer_types must be a list of strings, one per layer (e.g. 'full_attention', 'sliding_attention'), "
+                f"got {layer_types!r}"
+            )
         layer_types = list(layer_types)
         if len(layer_types) < n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
@@ -381,7 +406,8 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     With ``h`` hidden size, ``V`` vocabulary, ``H_q`` query heads, per layer ``H_kv`` KV heads and
     head dim ``D``, ``I`` MLP width, ``L`` layers::
 
-        embeddings = V*h  (+ P*h learned positions, GPT-2 style ``n_positions``)
+        embeddings = V*h  (+ P*h learned positions: GPT-2 and GPT-BigCode ``n_positions``, GPT-Neo and OPT
+                          ``max_position_embeddings``, OPT's + 2)
         attention  = sum over layers of  h*H_q*D (q) + 2*h*H_kv*D (k, v) + H_q*D*h (o)
                      (+ q/k/v biases for Qwen2 or ``attention_bias``)
         mlp        = L * m*h*I,  m = 3 for gated MLPs (Llama, Mistral, Qwen, Gemma), 2 otherwise (GPT-2);
@@ -408,9 +434,7 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     q_heads = _int(_get(text, "num_attention_heads", "n_head", "num_heads", "n_heads"), "num_attention_heads")
     n_layers = shape.n_layers
     embeddings = vocab * h
-    positions = _int(_get(text, "n_positions"), "n_positions")
-    if positions and (model_type in ("gpt2", "gpt_bigcode") or (not model_type and "n_embd" in _keys(text))):
-        embeddings += positions * h  # learned absolute positions
+    embeddings += _learned_positions(text, model_type) * h
     qkv_bias = bool(_get(text, "attention_bias", "qkv_bias")) or model_type.startswith("qwen2")
     attention = 0
     for layer in shape.layers:
