@@ -142,12 +142,35 @@ def test_length_check_is_one_int_comparison():
     """The per-step cost: without an artifact, or once warned, ``update`` compares against ``sys.maxsize``."""
     import sys
 
-    cache = QuantizedKVCache(scheme=STATIC, num_layers=1, calibration=sample_artifact())
+    cache = QuantizedKVCache(scheme=STATIC, num_layers=2, calibration=sample_artifact())
     assert cache._warn_past == CALIBRATED
     k, v = rand_kv(1, 30, seed=5)
     cache.update(k, v, 0)
     assert cache._warn_past == sys.maxsize
     assert QuantizedKVCache(scheme="kivi-2", num_layers=1)._warn_past == sys.maxsize
+
+
+def test_calibration_of_another_layer_count_is_refused(caplog):
+    """A 2-layer artifact: a cache that knows its layers (``num_layers=``) and has another count refuses it when it is
+    installed, before anything is logged (not silently for fewer layers, not "layer must be an int in [0, 2)" for
+    more); a lazy cache (no config, no ``num_layers``) refuses the first layer the artifact has no parameters for."""
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    art = sample_artifact(context=8)  # shorter than the static cache's reservation: it would warn
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        for n in (1, 3):
+            with pytest.raises(ValueError, match=f"calibration has 2 layers; this cache has {n} "):
+                QuantizedKVCache(scheme=STATIC, num_layers=n, calibration=art)
+            with pytest.raises(ValueError, match=f"calibration has 2 layers; this cache has {n} "):
+                StaticQuantizedKVCache(None, STATIC, max_cache_len=64, num_layers=n, calibration=art)
+    assert warnings_of(caplog) == [] and art.logged == set()
+    lazy = QuantizedKVCache(scheme=STATIC, calibration=art)
+    k, v = rand_kv(1, 4, seed=7)
+    for layer in (0, 1):
+        lazy.update(k, v, layer)
+    with pytest.raises(ValueError, match=r"calibration has 2 layers; this model has at least 3 \(the cache is creating "
+                       r"layer 2\)"):
+        lazy.update(k, v, 2)
 
 
 # ------------------------------------------------------------------------------- clipping against static scales

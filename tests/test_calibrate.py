@@ -1229,6 +1229,38 @@ def test_composed_calibration_refuses_what_it_can_not_compose(three_layer_sample
         compose_artifact("kvquant-4,3=kvquant-2", [kv4, kv2])
 
 
+def test_a_calibration_serves_only_the_sides_the_scheme_calibrates(three_layer_samples):
+    """kvquant-4's artifact (keys and values calibrated) for a scheme of kvquant-4 keys and dynamic int4 per-token
+    values (equal calibrated sides: check_scheme accepts it): compose takes its key tensors and stats only, and the
+    caches install its keys only (their fixed bytes are the key tensors'). A scheme that calibrates nothing at all
+    is refused by the check, naming both schemes, before any cache installs anything."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.static import StaticQuantizedKVCache
+    from kvbits.calibrate import compose_artifact
+
+    model, samples = three_layer_samples
+    kv4 = fit_artifact(samples, "kvquant-4", kmeans_iterations=8)
+    int4_token = TensorSpec(kind="int", bits=4, granularity="token")
+    keys_only = get_scheme("kvquant-4").replace(name="kvq4-keys", value=int4_token)
+    kv4.check_scheme(keys_only)
+    art = compose_artifact(keys_only, [kv4])
+    key_tensors = {n: t for n, t in kv4.tensors.items() if ".key_" in n}
+    assert art.tensors.keys() == key_tensors.keys() != set()
+    assert all(torch.equal(t, key_tensors[n]) for n, t in art.tensors.items())
+    key_stats = [{k for k in row if k.startswith("key_")} for row in kv4.layer_stats]
+    assert [row.keys() for row in art.layer_stats] == key_stats
+    key_bytes = sum(t.numel() * t.element_size() for t in key_tensors.values())
+    cache = QuantizedKVCache(config=model.config, scheme=keys_only, calibration=kv4)
+    assert cache.memory_report()["components"]["fixed"] == key_bytes
+    for dynamic in ("fp8-e4m3-token", "int4-token"):
+        with pytest.raises(ValueError, match=f"scheme '{dynamic}' calibrates nothing .* this calibration \\(made for "
+                           "'kvquant-4'\\) would be ignored"):
+            QuantizedKVCache(config=model.config, scheme=dynamic, calibration=kv4)
+    fp8 = fit_artifact(samples, "fp8-e4m3")
+    with pytest.raises(ValueError, match="scheme 'fp8-e4m3-token' calibrates nothing"):
+        StaticQuantizedKVCache(config=model.config, scheme="fp8-e4m3-token", max_cache_len=16, calibration=fp8)
+
+
 @torch.no_grad()
 def test_fp8_ranges_past_the_tracked_positions_fold_into_one_running_max(monkeypatch):
     """Windows longer than the positions tracked apart: the record keeps ABSMAX_POSITIONS columns plus one

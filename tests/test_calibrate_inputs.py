@@ -43,6 +43,18 @@ def test_well_formed_samples_still_fit():
     assert artifact_from_samples("kvquant-4", blocks, [v[0].bfloat16(), v[1]]).num_layers == 2
 
 
+def test_calibrated_context_is_the_window_length_of_4d_blocks():
+    """8 windows of 16 tokens as (B, H_kv, T, D) blocks: calibrated up to 16 tokens, not 8 * 16 = 128 (serving 100
+    tokens is beyond calibration); layers of different windows: the shortest. (H_kv, N, D) samples do not say their
+    window: N."""
+    blocks = samples(shape=(8, H, 16, D))
+    art = artifact_from_samples("fp8-e4m3", blocks, samples(shape=(8, H, 16, D), seed=1))
+    assert art.max_calibrated_length == 16 and art.meta["data"]["tokens"] == 128
+    shorter = with_layer(blocks, 1, torch.randn(16, H, 8, D))
+    assert artifact_from_samples("fp8-e4m3", shorter, shorter).max_calibrated_length == 8
+    assert artifact_from_samples("fp8-e4m3", samples(), samples(seed=1)).max_calibrated_length == N
+
+
 def test_a_single_tensor_is_not_a_list_of_layers():
     k = samples()
     with pytest.raises(TypeError, match=r"keys must be a list with one \(H_kv, N, D\) .*got a tensor of shape \(2, 2, 64, 16\)"):
@@ -107,6 +119,30 @@ def test_gradients_must_match_their_samples():
         artifact_from_samples("kvquant-4", k, v, value_grads=[v[0], None])
     with pytest.raises(TypeError, match=r"key_grads\[0\] \(layer 0\) must be a floating tensor, got torch.int64"):
         artifact_from_samples("kvquant-4", k, v, key_grads=[torch.ones(H, N, D, dtype=torch.long), k[1]])
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, 2.5])
+def test_kmeans_and_token_counts_below_one_are_refused_up_front(bad, tmp_path):
+    """``kmeans_points`` / ``kmeans_iterations`` / ``max_tokens`` that are not ints >= 1: a ValueError naming the
+    argument before any fitting (0 points failed with an IndexError inside k-means, -5 dropped points silently and
+    was recorded) and, through ``calibrate`` / ``collect_samples``, before the model is even loaded (this one
+    does not exist)."""
+    from kvbits.calibrate import calibrate, collect_samples, weighted_kmeans_1d
+
+    k = samples()
+    with pytest.raises(ValueError, match=rf"kmeans_points must be an int >= 1 .*got {re.escape(repr(bad))}"):
+        artifact_from_samples("kvquant-4", k, k, kmeans_points=bad)
+    with pytest.raises(ValueError, match=rf"kmeans_iterations must be an int >= 1 .*got {re.escape(repr(bad))}"):
+        artifact_from_samples("kvquant-4", k, k, kmeans_iterations=bad)
+    with pytest.raises(ValueError, match="max_points must be an int >= 1"):
+        weighted_kmeans_1d(torch.randn(100), 4, max_points=bad)
+    missing = str(tmp_path / "no-such-model")
+    for kw, name in (({"kmeans_points": bad}, "kmeans_points"), ({"kmeans_iterations": bad}, "kmeans_iterations"),
+                     ({"max_tokens": bad}, "max_tokens")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            calibrate(missing, "pride-and-prejudice", "kvquant-4", context=64, windows=1, **kw)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        collect_samples(missing, "pride-and-prejudice", context=64, windows=1, max_tokens=bad)
 
 
 def test_samples_without_tokens_are_refused():

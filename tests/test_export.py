@@ -303,6 +303,25 @@ def test_checkpoint_files_of_the_wrong_shape_are_refused(fp8, tmp_path, file, co
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
 
 
+def test_checkpoint_of_another_model_with_the_same_layers_and_kv_heads_is_refused(fp8, tmp_path):
+    """Same layer and KV head counts, another model (type, heads, head dim, sizes): refused, naming each
+    field artifact vs checkpoint. An artifact fitted from samples records only its shape: the fields it
+    leaves None are not compared."""
+    _, _, cal, ckpt = fp8
+    other = tmp_path / "qwen"
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=200,
+    )).save_pretrained(other)  # fmt: skip
+    with pytest.raises(ValueError, match=r"config\.json: .*differs \(model_type: llama vs qwen2; head_dim: 16 vs 32; "
+                       r"hidden_size: 64 vs 128; vocab_size: 96 vs 200 \[artifact vs model\]\)"):
+        export_vllm(cal, tmp_path / "out", checkpoint=other)
+    assert not (tmp_path / "out").exists()
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    rec = export_vllm(artifact_from_samples("fp8-e4m3", k, k), tmp_path / "samples", checkpoint=ckpt)
+    assert "kv_cache_scales.safetensors" in rec["checkpoint"]["written"]
+
+
 @pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o600), (0o022, 0o644)])
 def test_exported_files_follow_the_umask(fp8, tmp_path, umask, mode):
     """The files export writes get the permissions of a normally created file (0666 & ~umask), as

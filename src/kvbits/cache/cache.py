@@ -285,7 +285,7 @@ class QuantizedKVCache(Cache):
         """
         from kvbits.calibrate import checked_artifact
 
-        artifact = checked_artifact(artifact, self.scheme, self._config)
+        artifact = checked_artifact(artifact, self.scheme, self._config, None if self._lazy else len(self.layers))
         self.calibration = artifact
         longest = self.max_calibrated_length
         # each warning once per artifact (artifact.logged), so a cache per request does not repeat it

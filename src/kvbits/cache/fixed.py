@@ -126,8 +126,22 @@ def channel_bound(
 def install_artifact(layer: Any, artifact: Any) -> None:
     """Install ``artifact``'s parameters for ``layer`` (its ``layer_idx``): static scales and zero-points
     (``CalibrationArtifact.static_qparams``), NUQ codebooks and channel vectors, side by side, through
-    ``layer.set_static_qparams`` (``QuantizedKVLayer`` or ``StaticQuantizedLayer``); sides it has none for are left."""
+    ``layer.set_static_qparams`` (``QuantizedKVLayer`` or ``StaticQuantizedLayer``), for the sides the layer's own
+    ``scheme`` calibrates (``TensorSpec.calibratable``; ``check_scheme`` has matched their specs): an artifact also
+    calibrated for a side the layer stores with dynamic scales leaves that side as it is; sides it has none for too.
+
+    ``ValueError`` when the artifact has no layer ``layer_idx``: a cache that learns its layers lazily (no config, no
+    ``num_layers``) serving a model of more layers than the calibrated one."""
+    if not 0 <= layer.layer_idx < artifact.num_layers:
+        where = "" if getattr(artifact, "path", None) is None else f" in {artifact.path}"
+        raise ValueError(
+            f"calibration{where} has {artifact.num_layers} layers; this model has at least {layer.layer_idx + 1} "
+            f"(the cache is creating layer {layer.layer_idx}); re-run kvbits calibrate for this model, or give the "
+            "cache config= to catch this before the forward pass"
+        )
     for side in ("key", "value"):
+        if not getattr(layer.scheme, side).calibratable:
+            continue
         qp = artifact.static_qparams(layer.layer_idx, side)
         codebook = artifact.codebook(layer.layer_idx, side)
         mean, factor = artifact.channel_transform(layer.layer_idx, side)

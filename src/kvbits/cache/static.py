@@ -980,7 +980,7 @@ class StaticQuantizedKVCache(Cache):
         scales and zero-points (``CalibrationArtifact.static_qparams``), NUQ codebooks and channel vectors."""
         from kvbits.calibrate import checked_artifact
 
-        artifact = checked_artifact(artifact, self.scheme, self._config)
+        artifact = checked_artifact(artifact, self.scheme, self._config, len(self.layers))
         longest = getattr(artifact, "max_calibrated_length", None)
         if longest is not None and self._max_len > int(longest) and "length" not in artifact.logged:
             artifact.logged.add("length")  # once per artifact, as QuantizedKVCache says it

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,23 +102,33 @@ def expected_tensors(
     return out
 
 
+def _config_value(cfg: Any, name: str) -> Any:
+    """``cfg``'s field ``name``: an attribute of a transformers config, a key of a parsed ``config.json``."""
+    return cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name)
+
+
 def describe_model(config: Any, *, fingerprint: str | None = None, name: str | None = None) -> dict[str, Any]:
-    """The ``model`` record of an artifact from a transformers config.
+    """The ``model`` record of an artifact from a transformers config (or a checkpoint's ``config.json``
+    as a dict: a field it lacks is None).
 
     ``fingerprint`` is ``LoadedModel.fingerprint`` when the model came from ``load_model`` (it pins
     the weights); otherwise ``config:`` + a hash of the shape fields (it pins the architecture only).
     """
     from kvbits.calibrate.observers import config_head_dim, config_kv_heads, text_config
 
+    def as_int(key: str) -> int | None:
+        value = _config_value(cfg, key)
+        return None if value is None else int(value)
+
     cfg = text_config(config)
     d: dict[str, Any] = {
-        "model_type": getattr(cfg, "model_type", None),
-        "num_layers": int(cfg.num_hidden_layers),
-        "num_attention_heads": int(cfg.num_attention_heads),
+        "model_type": cfg.get("model_type") if isinstance(cfg, Mapping) else getattr(cfg, "model_type", None),
+        "num_layers": as_int("num_hidden_layers"),
+        "num_attention_heads": as_int("num_attention_heads"),
         "num_kv_heads": config_kv_heads(cfg),
         "head_dim": config_head_dim(cfg),
-        "hidden_size": int(cfg.hidden_size),
-        "vocab_size": int(cfg.vocab_size),
+        "hidden_size": as_int("hidden_size"),
+        "vocab_size": as_int("vocab_size"),
     }
     config_hash = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     return {
@@ -264,7 +275,15 @@ class CalibrationArtifact:
     # -------------------------------------------------------------------------------- checks
     def check_scheme(self, scheme: KVScheme) -> None:
         """Raise ``ValueError`` unless ``scheme`` stores K and V as this artifact was calibrated for (in
-        every layer, for mixed schemes)."""
+        every layer, for mixed schemes): each side ``scheme`` calibrates (``TensorSpec.calibratable``) by the spec
+        the artifact's scheme has there; the artifact's other sides are not installed. A ``scheme`` that calibrates
+        nothing at all is refused: the whole artifact would be ignored."""
+        if not scheme.calibratable():
+            raise ValueError(
+                f"scheme {scheme.name!r} calibrates nothing (no static scales, codebooks or channel vectors); this "
+                f"calibration{self._where()} (made for {self.scheme.name!r}) would be ignored; give no calibration, "
+                f"or serve scheme {self.scheme.name!r}"
+            )
         for i in range(self.num_layers):
             for side in SIDES:
                 mine, theirs = self._spec(side, i), getattr(scheme.for_layer(i), side)
@@ -276,8 +295,15 @@ class CalibrationArtifact:
                         f"({side}{where}: {theirs}); re-run kvbits calibrate with this scheme"
                     )
 
-    def check_model(self, model_config: Any = None, fingerprint: str | None = None) -> None:
-        """Raise ``ValueError`` if the artifact does not belong to this model (config shape or fingerprint)."""
+    def check_model(
+        self, model_config: Any = None, fingerprint: str | None = None, *, known_only: bool = False
+    ) -> None:
+        """Raise ``ValueError`` if the artifact does not belong to this model (config shape or fingerprint).
+
+        ``model_config``: a transformers config, or a checkpoint's ``config.json`` as a dict. ``known_only``:
+        compare only the fields both sides record (an artifact fitted from samples has no ``model_type``,
+        ``hidden_size``, ... ; a ``config.json`` may lack one); otherwise an unrecorded field differs.
+        """
         made_for = self._made_for()
         if fingerprint is not None and fingerprint != self.fingerprint:
             raise ValueError(
@@ -287,7 +313,11 @@ class CalibrationArtifact:
         if model_config is not None:
             mine = self.meta["model"]
             theirs = describe_model(model_config)
-            diff = [f"{k}: {mine.get(k)} vs {theirs[k]}" for k in _MODEL_FIELDS if mine.get(k) != theirs[k]]
+            diff = [
+                f"{k}: {mine.get(k)} vs {theirs[k]}"
+                for k in _MODEL_FIELDS
+                if mine.get(k) != theirs[k] and not (known_only and None in (mine.get(k), theirs[k]))
+            ]
             if diff:
                 raise ValueError(
                     f"calibration{self._where()} was made for {made_for}; this model differs "
@@ -463,13 +493,17 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def checked_artifact(artifact: Any, scheme: KVScheme, model_config: Any = None) -> CalibrationArtifact:
+def checked_artifact(
+    artifact: Any, scheme: KVScheme, model_config: Any = None, num_layers: int | None = None
+) -> CalibrationArtifact:
     """What a cache installs: ``artifact`` (a ``CalibrationArtifact``, or the folder ``kvbits calibrate`` wrote, loaded
-    with ``load_calibration``), checked against ``scheme`` and, when given, the model's config.
+    with ``load_calibration``), checked against ``scheme`` and, when given, the model's config and the cache's layer
+    count ``num_layers`` (a cache built with ``num_layers=`` and no config).
 
     Raises:
         TypeError: neither an artifact nor a path.
-        ValueError: an artifact made for another scheme or model (``check_scheme``, ``check_model``).
+        ValueError: an artifact made for another scheme or model (``check_scheme``, ``check_model``), or for
+            another number of layers than ``num_layers``.
     """
     if isinstance(artifact, (str, os.PathLike)):
         artifact = load_calibration(artifact)
@@ -481,6 +515,11 @@ def checked_artifact(artifact: Any, scheme: KVScheme, model_config: Any = None) 
     artifact.check_scheme(scheme)
     if model_config is not None:
         artifact.check_model(model_config)
+    if num_layers is not None and artifact.num_layers != num_layers:
+        raise ValueError(
+            f"calibration{artifact._where()} has {artifact.num_layers} layers; this cache has {num_layers} (the "
+            f"calibration was made for {artifact._made_for()}); re-run kvbits calibrate for this model"
+        )
     return artifact
 
 

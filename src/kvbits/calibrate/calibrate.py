@@ -32,7 +32,7 @@ from kvbits.calibrate.fit import (
     check_fp8_scale,
     check_tie_rope_pairs,
 )
-from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS
+from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, check_kmeans_args
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
 from kvbits.plan.config import check_context_fits
 from kvbits.quant.rotate import check_rotatable, rotate
@@ -100,6 +100,11 @@ def _check_windows(context: int, windows: int) -> None:
         raise ValueError(f"windows must be a positive int, got {windows!r}")
 
 
+def _check_max_tokens(max_tokens: Any) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1 (tokens sampled per layer), got {max_tokens!r}")
+
+
 def check_calibrate_args(
     scheme: KVScheme | str,
     context: int,
@@ -108,15 +113,21 @@ def check_calibrate_args(
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
+    max_tokens: int = 8192,
+    kmeans_points: int = MAX_POINTS,
+    kmeans_iterations: int = ITERATIONS,
 ) -> KVScheme:
     """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
-    that this module can fit, ``context >= 2``, ``windows >= 1``, an ``out_dir`` that is not an
-    existing file, a known ``dtype`` and a ``device`` this torch can use (``ValueError`` otherwise)."""
+    that this module can fit, ``context >= 2``, ``windows >= 1``, ``max_tokens``, ``kmeans_points`` and
+    ``kmeans_iterations`` ints >= 1, an ``out_dir`` that is not an existing file, a known ``dtype`` and a
+    ``device`` this torch can use (``ValueError`` otherwise)."""
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
     _check_windows(context, windows)
+    _check_max_tokens(max_tokens)
+    check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
     _resolve_dtype(dtype)
     check_device(device, DEVICES)
     out = None if out_dir is None else Path(out_dir).expanduser()
@@ -151,6 +162,8 @@ def _windows(
         if ids.dim() == 2:
             if ids.shape[1] < context:
                 raise ValueError(f"token windows have {ids.shape[1]} tokens, fewer than context={context}")
+            if ids.shape[0] == 0:
+                raise ValueError(f"token windows (W, T) = {tuple(ids.shape)}: no window; expected at least one row")
             ids = ids[:, :context]
             pick = torch.linspace(0, ids.shape[0] - 1, min(windows, ids.shape[0])).round().long().unique()
             out = ids[pick]
@@ -296,6 +309,7 @@ def collect_samples(
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
     t0 = time.perf_counter()
+    _check_max_tokens(max_tokens)
     torch_dtype, _ = _resolve_dtype(dtype)
     check_device(device, DEVICES)  # before the model loads
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
@@ -617,7 +631,10 @@ def calibrate(
             Qwen2.5-Coder-0.5B at 4K, 0.035 → 0.046 on SmolLM2-135M at 8K (BENCHMARKS.md §21). Default: one
             factor per channel, decoded in the kernel.
     """
-    scheme = check_calibrate_args(scheme, context, windows, out_dir, dtype=dtype, device=device)
+    scheme = check_calibrate_args(
+        scheme, context, windows, out_dir, dtype=dtype, device=device, max_tokens=max_tokens,
+        kmeans_points=kmeans_points, kmeans_iterations=kmeans_iterations,
+    )  # fmt: skip
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
     subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]

@@ -45,7 +45,8 @@ def compose_artifact(
     """The artifact of ``scheme`` (usually mixed per layer) built from ``artifacts`` of the same model.
 
     Layer ``i``'s tensors (and statistics) are those of the artifact whose layer ``i`` was calibrated with
-    the same calibrated sides as ``scheme.for_layer(i)`` (``CalibrationArtifact.check_scheme``'s test); an
+    the same calibrated sides as ``scheme.for_layer(i)`` (``CalibrationArtifact.check_scheme``'s test), of those
+    sides only (a source that also calibrated a side the layer stores with dynamic scales leaves it out); an
     artifact calibrated for that very scheme is preferred to one that only shares its calibrated sides.
     Layers with nothing to calibrate take nothing. ``meta["composed"]`` records the source of each layer.
 
@@ -111,10 +112,11 @@ def compose_artifact(
             )
         best = min(r for r, _ in ranked)
         fits = [a for r, a in ranked if r == best]
-        prefix = f"layers.{i}."
-        mine = {k: v for k, v in fits[0].tensors.items() if k.startswith(prefix)}
+        # only the sides layer i's scheme calibrates: a source's other sides (rank 2) are stored otherwise here
+        prefixes = tuple(f"layers.{i}.{side}_" for side in sub.calibratable())
+        mine = {k: v for k, v in fits[0].tensors.items() if k.startswith(prefixes)}
         for a in fits[1:]:
-            theirs = {k: v for k, v in a.tensors.items() if k.startswith(prefix)}
+            theirs = {k: v for k, v in a.tensors.items() if k.startswith(prefixes)}
             if theirs.keys() != mine.keys() or any(not bool((theirs[k] == v).all()) for k, v in mine.items()):
                 raise ValueError(
                     f"layer {i} ({sub.name!r}) of scheme {scheme.name!r}: calibrations {_describe(fits[0])} and "
@@ -123,7 +125,7 @@ def compose_artifact(
         src = fits[0]
         tensors.update(mine)
         row = src.layer_stats[i] if i < len(src.layer_stats) else {}
-        stats.append(dict(row))
+        stats.append({k: v for k, v in row.items() if k.startswith(tuple(f"{side}_" for side in sub.calibratable()))})
         layers.append({"from": src.scheme.name, "path": None if src.path is None else str(src.path)})
         if all(u is not src for u in used):
             used.append(src)

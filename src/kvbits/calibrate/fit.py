@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kvbits.calibrate.artifact import SIDES, CalibrationArtifact, now_utc, spec_calibratable
-from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, fit_codebook, weighted_mse
+from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, check_kmeans_args, fit_codebook, weighted_mse
 from kvbits.calibrate.observers import channel_percentiles
 from kvbits.quant.affine import choose_qparams
 from kvbits.quant.fp8 import fp8_max
@@ -405,7 +405,9 @@ def artifact_from_samples(
         key_grads, value_grads: loss gradients like ``keys``/``values`` (Fisher weights = their
             squares), or None for unweighted k-means.
         meta: JSON fields to record (``model``, ``data``, ...); ``model`` defaults to the shape of the
-            samples and ``data`` to the sample count.
+            samples and ``data`` to the sample count ``tokens`` (``N``, or ``B * T``, of ``keys[0]``) and the
+            calibrated ``context`` (``max_calibrated_length``): the window length ``T`` of ``(B, H_kv, T, D)``
+            blocks (the smallest, if they differ), else ``N`` (3-D samples do not say how long their windows were).
         key_absmax, value_absmax: static FP8 sides only: per layer, the largest ``|K|`` / ``|V|`` the
             cache stores (per-head specs: ``H_kv`` numbers per layer; ``calibrate`` passes the maximum over
             every calibration token, post-RoPE for post-RoPE keys); default each layer's samples' own
@@ -421,7 +423,8 @@ def artifact_from_samples(
     Raises:
         TypeError: ``keys`` / ``values`` / gradients not a list of tensors (a single tensor is refused, not
             taken as one layer per entry), or a tensor that is not floating.
-        ValueError: checked before any fitting, naming the layer (``keys[3] (layer 3)``): a tensor of
+        ValueError: ``kmeans_points`` or ``kmeans_iterations`` not an int >= 1; checked before any fitting,
+            naming the layer (``keys[3] (layer 3)``): a tensor of
             neither 3 nor 4 dims; ``H_kv`` or ``D`` differing between layers, between keys and values, or
             from ``meta["model"]``'s ``num_kv_heads`` / ``head_dim`` (and ``num_layers``); a head dim the
             scheme can not store; a gradient list of another length or a gradient of another shape than its
@@ -431,6 +434,7 @@ def artifact_from_samples(
     check_calibratable(scheme)
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
+    check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
     for name, seq in (("keys", keys), ("values", values), ("key_grads", key_grads), ("value_grads", value_grads)):
         if seq is not None and (isinstance(seq, (torch.Tensor, str, bytes)) or not isinstance(seq, Sequence)):
             what = f"a tensor of shape {tuple(seq.shape)}" if isinstance(seq, torch.Tensor) else type(seq).__name__
@@ -456,9 +460,12 @@ def artifact_from_samples(
         scheme, keys, values, key_grads, value_grads,
         key_absmax=key_absmax, value_absmax=value_absmax, meta=meta, tie_rope_pairs=tie_rope_pairs,
     )  # fmt: skip
+    # T of each (B, H_kv, T, D) block holding tokens: the windows' length
+    window_lengths = [x.shape[2] for x in (*keys, *values) if x.dim() == 4 and x.shape[0] * x.shape[2] > 0]
     keys = [as_hnd(k) for k in keys]
     values = [as_hnd(v) for v in values]
     H, N, D = keys[0].shape
+    context = min(window_lengths) if window_lengths else N
     tensors: dict[str, torch.Tensor] = {}
     stats: list[dict[str, float]] = []
     n_layers = len(keys)
@@ -508,7 +515,7 @@ def artifact_from_samples(
             "hidden_size": None,
             "vocab_size": None,
         },
-        "data": {"name": "samples", "tokens": N, "context": N},
+        "data": {"name": "samples", "tokens": N, "context": context},
     }
     if tie_rope_pairs:
         record["tie_rope_pairs"] = True

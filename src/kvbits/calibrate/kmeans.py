@@ -24,6 +24,7 @@ Deterministic: the subsample uses a seeded generator; Lloyd's updates have no ra
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -34,6 +35,19 @@ logger = logging.getLogger(__name__)
 MAX_POINTS = 200_000
 ITERATIONS = 20
 _MULTINOMIAL_MAX = 2**24  # torch.multinomial's category limit
+
+
+def check_kmeans_args(max_points: Any, iterations: Any, names: tuple[str, str] = ("max_points", "iterations")) -> None:
+    """``ValueError`` unless ``max_points`` (points a codebook is fitted on) and ``iterations`` (Lloyd iterations per
+    start) are ints >= 1; ``names`` are the caller's names for them (``calibrate``: ``kmeans_points``,
+    ``kmeans_iterations``). Checked before any fitting: 0 points would fail deep inside the fit, and a negative count
+    would silently drop points from the end (``x[idx][:n]``)."""
+    for name, value, what in (
+        (names[0], max_points, "points per codebook fit"),
+        (names[1], iterations, "Lloyd iterations"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1 ({what}), got {value!r}")
 
 
 def subsample(
@@ -143,8 +157,7 @@ def weighted_kmeans_1d(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if iterations < 1:
-        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    check_kmeans_args(max_points, iterations)
     if x.numel() == 0:
         raise ValueError("weighted_kmeans_1d needs at least one point")
     x = x.detach().float().reshape(-1)

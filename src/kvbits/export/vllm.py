@@ -329,6 +329,10 @@ def _number_or_list(t: torch.Tensor) -> float | list[float]:
 
 
 def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path) -> None:
+    """``ValueError`` naming ``where`` unless the checkpoint's ``config`` (its parsed ``config.json``) describes
+    the model ``art`` was calibrated on: the layers and KV heads, then every other field the artifact records
+    (``model_type``, ``num_attention_heads``, ``head_dim``, ``hidden_size``, ``vocab_size``; those it records as
+    None, as an artifact fitted from samples does, are not compared)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     layers = text.get("num_hidden_layers")
     kv_key = "num_key_value_heads" if "num_key_value_heads" in text else "num_attention_heads"
@@ -340,6 +344,10 @@ def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path)
         raise ValueError(f"{where}: {layers} layers, the calibration has {art.num_layers}; wrong model?")
     if kv is not None and kv != art.num_kv_heads:
         raise ValueError(f"{where}: {kv} KV heads, the calibration has {art.num_kv_heads}; wrong model?")
+    try:
+        art.check_model(config, known_only=True)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def export_vllm(
@@ -357,7 +365,8 @@ def export_vllm(
             put in ``config.json``) and ``kvbits_export.json``.
         checkpoint: a Hugging Face checkpoint folder (left untouched): ``out_dir`` becomes that checkpoint
             with the scales, ready for ``vllm serve`` (see the module docstring); its ``config.json`` must
-            describe the calibrated model's layers and KV heads.
+            describe the calibrated model (layers, KV heads, and each of ``model_type``, attention heads, head
+            dim, hidden size, vocabulary the calibration records).
         module_template: attention module names, e.g. ``model.language_model.layers.{i}.self_attn``;
             default the names calibration recorded, else ``model.layers.{i}.self_attn``.
 
