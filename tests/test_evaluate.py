@@ -621,6 +621,24 @@ def test_summarize_by_hand():
     assert sum(r.nll_sum for r in recs) == pytest.approx(nll[:, 100:].sum())
 
 
+def test_summarize_an_nll_past_floats_range_is_infinite(recwarn):
+    """A mean NLL above ~709 nats (a broken scheme on a model with large logits) is an infinite PPL and ΔPPL, as
+    the report prints them, not an ``OverflowError`` after every forward pass has run, with its interval; a good
+    bucket beside it is unaffected. No overflow warnings."""
+    nll_ref = np.full((1, 2048), 3.0)
+    nll = nll_ref.copy()
+    nll[:, 1024:] = 800.0
+    nll[:, 1024:1034] = 3.0  # resampled chunks of 128 tokens: 800 nats or just under
+    per = {"nll": nll, "nll_ref": nll_ref, "kl": np.ones_like(nll), "top1": np.zeros_like(nll)}
+    s = M.summarize(per)
+    good, bad = s["buckets"]
+    assert good["ppl"] == pytest.approx(math.exp(3.0)) and good["delta_rel"] == 0 and good["delta_rel_ci"] == [0, 0]
+    assert bad["ppl"] == math.inf == bad["delta_rel"] and bad["ppl_ref"] == pytest.approx(math.exp(3.0))
+    assert bad["delta_rel_ci"] == [math.inf, math.inf]
+    assert s["ppl"] == pytest.approx(math.exp(nll.mean()))  # ~401 nats: still a float
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 @torch.no_grad()
 def test_token_metrics_match_full_logits():
     torch.manual_seed(0)

@@ -60,6 +60,34 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(ids, error
         speed_eval(model, 16, ["int4-token"], data=ids, tokens=2, warmup=0)
 
 
+def test_no_token_window_is_refused_before_the_model_runs():
+    """``(0, T)`` token windows raised torch's 'cannot reshape tensor of 0 elements' inside the model (evaluate)
+    or ZeroDivisionError (calibrate)."""
+    model, empty = _llama(), torch.zeros((0, 16), dtype=torch.long)
+    for call in (lambda: evaluate(model, empty, 16, ["int4-token"]),
+                 lambda: calibrate(model, empty, "kvquant-4", context=16, windows=1),
+                 lambda: speed_eval(model, 16, ["int4-token"], data=empty, tokens=2, warmup=0)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"token windows \(W, T\) = \(0, 16\): no window"):
+            call()
+
+
+def test_non_finite_logits_of_the_unquantized_model_are_named():
+    """A NaN in the output embedding (hidden states finite, logits NaN) was reported as a logit post-processing
+    kvbits does not reproduce; NaN hidden states of the unquantized model are named as such too."""
+    model = _llama()
+    with torch.no_grad():
+        model.lm_head.weight[3, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="model's own logits hold NaN or inf at 64 of 64 positions"):
+        evaluate(model, _ids(64), 64, ["int4-token"], attn_layers=[])
+    model, ids = _llama(), _ids(128)
+    bad = int(ids[0, 100])
+    ids[0, :100][ids[0, :100] == bad] = (bad + 1) % VOCAB  # only at 100: past the head check's 64-token prefix
+    with torch.no_grad():
+        model.model.embed_tokens.weight[bad] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite hidden states of the unquantized model in window 0"):
+        evaluate(model, ids, 128, ["int4-token"], attn_layers=[])
+
+
 def test_one_scheme_given_bare_is_refused_with_how_to_pass_it():
     """evaluate(model, ids, 16, "int4-token") read the string letter by letter: "unknown scheme 'i'"."""
     model = _llama()

@@ -114,6 +114,8 @@ def _load_windows(
         if ids.dim() == 2:
             if ids.shape[1] != context:
                 raise ValueError(f"token windows have {ids.shape[1]} tokens, context is {context}")
+            if ids.shape[0] == 0:
+                raise ValueError(f"token windows (W, T) = {tuple(ids.shape)}: no window; expected at least one row")
             win = ids[:windows].clone()
         elif ids.dim() == 1:
             win = make_windows(ids, context, windows)

@@ -116,10 +116,16 @@ def check_logit_head(
         The largest relative difference.
 
     Raises:
-        RuntimeError: it exceeds ``tolerance``.
+        RuntimeError: it exceeds ``tolerance``, or the model's logits are not finite.
     """
     ours = head(hidden).double()
     theirs = logits.double().reshape(ours.shape)
+    bad = int((~torch.isfinite(theirs)).any(dim=-1).sum())
+    if bad:
+        raise RuntimeError(
+            f"the model's own logits hold NaN or inf at {bad} of {theirs.shape[0]} positions (unquantized, before "
+            "any KV scheme): its weights or inputs are broken, so no PPL or KL can be measured"
+        )
     err = float(((ours - theirs).std(dim=-1) / theirs.std(dim=-1).clamp_min(1e-12)).max())
     if not err <= tolerance:  # also NaN
         raise RuntimeError(
@@ -280,14 +286,25 @@ def bootstrap_delta_rel(
     s, c = np.asarray(sums), np.asarray(counts, dtype=np.float64)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(s), size=(resamples, len(s)))
-    stats = np.expm1(s[idx].sum(axis=1) / c[idx].sum(axis=1))
+    with np.errstate(over="ignore"):  # a mean difference past ~709 nats: +inf, as summarize says it
+        stats = np.expm1(s[idx].sum(axis=1) / c[idx].sum(axis=1))
     alpha = (1.0 - level) / 2
-    lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])
-    return float(lo), float(hi)
+    big = np.finfo(np.float64).max  # +inf resamples as the largest float, so quantiles interpolate no inf - inf
+    lo, hi = (math.inf if v >= big else float(v) for v in np.quantile(np.minimum(stats, big), [alpha, 1.0 - alpha]))
+    return lo, hi
+
+
+def _exp(x: float, minus_one: bool = False) -> float:
+    """``exp(x)`` (``expm1`` with ``minus_one``), ``+inf`` past float64's range (a mean NLL above ~709 nats)
+    instead of ``OverflowError``: the report prints an infinite PPL or ΔPPL as such."""
+    try:
+        return math.expm1(x) if minus_one else math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 def _ppl(nll_sum: float, n: int) -> float:
-    return math.exp(nll_sum / n) if n else math.nan
+    return _exp(nll_sum / n) if n else math.nan
 
 
 def summarize(
@@ -320,7 +337,7 @@ def summarize(
                 "tokens": n,
                 "ppl": _ppl(s, n),
                 "ppl_ref": _ppl(s_ref, n),
-                "delta_rel": math.expm1((s - s_ref) / n),
+                "delta_rel": _exp((s - s_ref) / n, minus_one=True),
                 "delta_rel_ci": [ci[0], ci[1]],
                 "kl": float(kl[sl].sum()) / n,
                 "top1": float(top1[sl].sum()) / n,

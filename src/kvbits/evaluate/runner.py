@@ -400,6 +400,11 @@ def evaluate(
             ids = win[w : w + 1].to(dev)
             t0 = time.perf_counter()
             h_ref = _hidden_plain(base, ids)[0]
+            if not bool(torch.isfinite(h_ref).all()):
+                raise RuntimeError(
+                    f"non-finite hidden states of the unquantized model in window {w} (NaN/inf in its weights or "
+                    "inputs, before any KV scheme): nothing to measure a scheme against"
+                )
             ref_seconds += time.perf_counter() - t0
             advance(T, f"window {w + 1}/{W}: reference")
             hs = []

@@ -103,7 +103,7 @@ def delta_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFA
     return TableData(
         headers=("scheme", "bits", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 2 + len(spans))),
-        caption=f"ΔPPL by position of the predicted token, % [95% CI]; above {fmt_pct(threshold, 0)} marked.",
+        caption=f"ΔPPL by position t in the context (predicting token t + 1), % [95% CI]; above {fmt_pct(threshold, 0)} marked.",
     )
 
 
