@@ -41,6 +41,30 @@ def test_choose_layers_is_the_brute_force_optimum():
         assert sum(sens[i][c] for i, c in enumerate(pick)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choose_layers_is_exact_for_bits_that_are_not_hundredths():
+    """Head dim 96 (Phi-3's): int4-token stores 4.333... bits, int8-token 8.333... The knapsack rounded bits up to
+    1/100 and the budget down, so it missed the mix int8, int4, int4 (5.667 bits) within a budget of 5.67 and
+    refused a budget of 4.335 as 'below the cheapest candidate (4.33 bits)'."""
+    from kvbits.schemes import average_bits, get_scheme
+
+    bits = [average_bits(get_scheme(s), head_dim=96, n_heads=8) for s in ("int4-token", "int8-token")]
+    assert bits == [pytest.approx(13 / 3), pytest.approx(25 / 3)]
+    assert choose_layers([[1.0, 0.0], [0.5, 0.0], [0.5, 0.0]], bits, 5.67) == [1, 0, 0]
+    assert choose_layers([[1.0, 0.0], [0.5, 0.0], [0.5, 0.0]], bits, 17 / 3) == [1, 0, 0]  # exactly the mix's
+    assert choose_layers([[1.0, 0.0]] * 3, bits, 17 / 3 - 1e-9) == [0, 0, 0]  # a hair under it
+    assert choose_layers([[0.0, 0.0]] * 32, bits, 4.335) == [0] * 32
+    rng = random.Random(1)  # and against brute force, at thirds and random budgets
+    for _ in range(40):
+        layers = rng.randint(1, 5)
+        sens = [[rng.random() ** 3 for _ in bits] for _ in range(layers)]
+        budget = rng.uniform(min(bits), max(bits))
+        pick = choose_layers(sens, bits, budget)
+        assert sum(bits[c] for c in pick) / layers <= budget + 1e-12
+        best = min(sum(sens[i][c] for i, c in enumerate(combo)) for combo in itertools.product(range(2), repeat=layers)
+                   if sum(bits[c] for c in combo) / layers <= budget)  # fmt: skip
+        assert sum(sens[i][c] for i, c in enumerate(pick)) == pytest.approx(best, abs=1e-12)
+
+
 def test_choose_layers_refuses_what_it_can_not_solve():
     with pytest.raises(ValueError, match="below the cheapest candidate"):
         choose_layers([[1.0, 0.0]], [4.5, 8.5], 4.0)

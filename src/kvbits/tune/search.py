@@ -6,7 +6,7 @@
    one simulated pass per (layer, candidate)).
 2. **Choice.** The assignment of one candidate per layer with the least *sum* of those KLs whose average
    bits stay within a budget: a multiple-choice knapsack, solved exactly by dynamic programming over the
-   bits in steps of 1/100 bit.
+   bits, each read as the exact fraction it stands for (4.333... bits as 13/3).
 3. **Refine** (``rounds > 1``). The layers' errors do not add up (they compound: BENCHMARKS.md §14), so
    each further round measures the *marginal* KL of changing one layer's candidate with every other layer
    as the current mix stores it, and solves the knapsack again on those costs: sensitivity measured
@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from kvbits.schemes import KVScheme, TensorSpec, average_bits, check_unique_names, get_scheme
@@ -43,7 +44,7 @@ EXACT = KVScheme(
     value=TensorSpec(kind="float", bits=32, fmt="fp32"),
     description="float32 K/V: no storage error (the background of a per-layer sensitivity run)",
 )
-BIT_STEP = 100  # the knapsack counts bits in 1/100 bit
+BIT_DENOMINATOR = 1 << 20  # bits are ratios of bytes to elements: read as fractions of at most this denominator
 
 
 @dataclass
@@ -104,11 +105,23 @@ class TuneResult:
         }
 
 
+def _fraction(x: float) -> Fraction:
+    """The fraction a float stands for: the simplest one of denominator <= ``BIT_DENOMINATOR`` within float64's
+    rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value."""
+    near = Fraction(x).limit_denominator(BIT_DENOMINATOR)
+    return near if abs(near - Fraction(x)) <= abs(Fraction(x)) * Fraction(1, 1 << 50) else Fraction(x)
+
+
 def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], int]:
-    """The candidates' bits and the budget of ``n`` layers in knapsack units (1/``BIT_STEP`` bit; bits rounded
-    up, the budget down); ``ValueError`` when even the cheapest candidate in every layer exceeds the budget."""
-    units = [math.ceil(b * BIT_STEP - 1e-9) for b in bits]
-    cap = math.floor(budget_bits * n * BIT_STEP + 1e-9)
+    """The candidates' bits and the budget of ``n`` layers in exact knapsack units: each number read as the
+    fraction it stands for (``4.333...`` as 13/3, a budget ``5.67`` as 567/100; denominators up to
+    ``BIT_DENOMINATOR``), all over their common denominator, so no mix within the budget is lost to rounding;
+    ``ValueError`` when even the cheapest candidate in every layer exceeds the budget."""
+    exact = [_fraction(b) for b in bits]
+    budget = _fraction(budget_bits)
+    scale = math.lcm(*(f.denominator for f in exact), budget.denominator)
+    units = [int(f * scale) for f in exact]
+    cap = math.floor(budget * n * scale)
     if cap < n * min(units):
         raise ValueError(
             f"budget {budget_bits:g} bits is below the cheapest candidate ({min(bits):.3g} bits) in every layer"
@@ -118,7 +131,7 @@ def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], in
 
 def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits: float) -> list[int]:
     """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
-    ``mean_i bits[c_i] <= budget_bits`` (exact, bits rounded up to 1/100).
+    ``mean_i bits[c_i] <= budget_bits`` (exact: the bits and the budget as fractions, ``_units``).
 
     Args:
         sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
