@@ -105,6 +105,11 @@ def test_recommendation_is_computed_from_the_numbers(result):
     assert strict["keys"] == "per-token" and strict["scheme"] == "int4-token" and strict["per_token_scheme"] is None
     clean = [dict(r, key_outlier_channels_pre_rope=[]) for r in rows]
     assert recommend(clean)["keys"] == "per-token"
+    # no post-RoPE statistics (OPT, GPT-J's interleaved pairs): pre-RoPE schemes do not run there, so none is named
+    no_rope = recommend([dict(r, key_post_rope=None, key_outlier_channels_post_rope=[]) for r in rows])
+    assert no_rope["keys"] == "per-channel" and no_rope["scheme"] == "int4-channel"
+    assert no_rope["calibrated_scheme"] is None and no_rope["per_token_scheme"] == "int4-token-smooth"
+    assert "no pre-RoPE scheme" in no_rope["reason"] and "prerope" not in " ".join(no_rope["next_steps"])
 
 
 def test_next_steps_are_commands_that_run_as_printed(result):

@@ -190,8 +190,10 @@ def recommend(
             f"(~{math.log2(1 / max(worst, 1e-6)):.1f} bits lost)"
         )
     if frac > layer_fraction:
-        pre_better = not has_post or not (post_ch > pre_ch)
-        keys = "per-channel, pre-RoPE" if pre_better else "per-channel, post-RoPE"
+        # without post-RoPE statistics (no RoPE kvbits can apply: none, or interleaved pairs) no pre-RoPE scheme
+        # runs on this model: keys are quantized as the model caches them
+        pre_better = has_post and not (post_ch > pre_ch)
+        keys = "per-channel, pre-RoPE" if pre_better else "per-channel, post-RoPE" if has_post else "per-channel"
         candidates = (
             [f"int{bits}-channel-prerope", f"int{bits}-channel"] if pre_better else [f"int{bits}-channel"]
         )
@@ -202,15 +204,22 @@ def recommend(
                 f"; before RoPE the channels are consistent (per-channel SQNR {_fmt_db(pre_ch)} pre vs "
                 f"{_fmt_db(post_ch)} post), so quantize keys before RoPE"
             )
+        if not has_post:
+            reason += (
+                "; no post-RoPE statistics (the model has no RoPE that kvbits applies), so no pre-RoPE scheme "
+                "(KVQuant's included) runs on it: keys are quantized as the model caches them"
+            )
         if scheme != candidates[0]:
             reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
-        calibrated = f"kvquant-{bits}" if f"kvquant-{bits}" in names else None
+        calibrated = f"kvquant-{bits}" if has_post and f"kvquant-{bits}" in names else None  # pre-RoPE keys
         # per-token keys with the channels' bias removed before coding (BENCHMARKS §21, §17e-f)
-        per_token = f"int{bits}-token-smooth-prerope" if f"int{bits}-token-smooth-prerope" in names else None
+        smooth = f"int{bits}-token-smooth-prerope" if has_post else f"int{bits}-token-smooth"
+        per_token = smooth if smooth in names else None
         if per_token:
             reason += (
                 f". If keys must stay per-token (one scale per token and head, as some engines store them), "
-                f"{per_token} keeps them so, centred and smoothed per channel before RoPE by calibrated vectors"
+                f"{per_token} keeps them so, centred and smoothed per channel"
+                f"{' before RoPE' if has_post else ''} by calibrated vectors"
             )
     else:
         keys = "per-token"
