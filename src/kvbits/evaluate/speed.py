@@ -17,7 +17,8 @@ How a kvbits decode step attends (``path`` in each record):
   ``True`` forces it, on CPU through the torch reference, which dequantizes and is a correctness path, not
   a speed path). A layer's first decode step attends over real K/V and claims the layer
   (``kvbits.cache.fused``), so that step belongs in the warm-up; ``decode`` counts the layer x step
-  decodes that went through the kernel and those that fell back, in all and in the timed steps;
+  decodes that went through the kernel and those that fell back, in all and in the timed steps, and
+  ``kernel_calls`` what served them (``triton`` or ``reference``: the report says which);
 - ``dequantize``: every step dequantizes the whole history, then SDPA: the memory the cache reports is
   then all it holds;
 - ``workspace`` (``workspace=True``): a dequantized copy of the history is kept and appended to, so a step
@@ -59,7 +60,7 @@ import torch
 from kvbits._model import check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.sdpa import check_sdpa_mode, sdpa_backends
-from kvbits.evaluate.stream import PeerScheme, cache_bytes, resolve_schemes
+from kvbits.evaluate.stream import PeerScheme, cache_bytes, check_schemes_fit, resolve_schemes
 from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
@@ -269,6 +270,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
     from transformers import DynamicCache
 
     from kvbits.evaluate.stream import _fused_attention, load_kv, make_cache
+    from kvbits.kernels import dispatch
 
     dev = first.device
     base = _cuda_allocated(dev)
@@ -292,6 +294,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         load_kv(cache, kv)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        calls0 = dispatch.kernel_calls()
         before: dict[str, int] = {}
         counts = getattr(cache, "fused_report", None) if scheme is not None else None
         on_timed = None if counts is None else (lambda: before.update(_counts(counts())))
@@ -318,6 +321,8 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         rec["workspace_bytes"] = int(cache.memory_report().get("workspace_bytes", 0))  # a static cache has none
         after = _counts(cache.fused_report())
         rec["decode"] = {**after, **{f"timed_{k}": after[k] - before.get(k, 0) for k in after}}
+        calls = dispatch.kernel_calls()  # the steps the host ran (warm-up included), by what attended them
+        rec["decode"]["kernel_calls"] = {k: calls[k] - calls0[k] for k in calls}
     if graphed is not None:  # its replays run no Python: the layers count the other steps
         rec["graph"] = {"eager_steps": graphed.eager, "captured_steps": sorted(c - 1 for c in graphed.captured_at.values()),
                         "python_steps": graphed.calls - graphed.replays, "replayed_steps": graphed.replays}  # fmt: skip
@@ -437,7 +442,9 @@ def speed_eval(
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
-        "cuda_resident_bytes", "cuda_peak_bytes", "decode", "graph" (graphs only: the warm-up's eager steps, the steps
+        "cuda_resident_bytes", "cuda_peak_bytes", "decode" (kvbits caches: fused and fallback steps, all and timed,
+        and ``kernel_calls``: the fused steps' ``decode_attention`` calls the host ran, warm-up included, by what
+        served them, ``{"triton", "reference"}``), "graph" (graphs only: the warm-up's eager steps, the steps
         captured (0-based; one per step variant), those run in Python (eager or captured) and those replayed), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",
         "peak_rss_bytes", "date", "commit", "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at
         the same context and batch; ``baselines``: ``["DynamicCache"]``, and ``"StaticCache"`` with ``static``.
@@ -474,6 +481,7 @@ def speed_eval(
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    check_schemes_fit(resolved, head_dim)
     if static:
         refused = static_refusals(resolved, n_layers)
         if refused:

@@ -136,6 +136,17 @@ def resolve_schemes(schemes: Any) -> list[KVScheme | PeerScheme]:
     return [resolve_scheme(s) for s in schemes]
 
 
+def check_schemes_fit(schemes: list[KVScheme | PeerScheme], head_dim: int) -> None:
+    """``ValueError`` (``check_scheme_head_dim``'s, naming the scheme and side) for a kvbits scheme of ``schemes``
+    that can not store the model's ``head_dim``: checked once the model's config is read, before any forward pass,
+    so that a run does not fail at that scheme after the others' work (peers store their own way)."""
+    from kvbits.schemes.accounting import check_scheme_head_dim
+
+    for s in schemes:
+        if not isinstance(s, PeerScheme):
+            check_scheme_head_dim(s, head_dim)
+
+
 def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerScheme:
     """A kvbits scheme (preset, dict, JSON path, object) or a peer name from ``PEER_SCHEMES``."""
     if isinstance(spec, PeerScheme):

@@ -29,6 +29,7 @@ __all__ = [
     "check_triton_device",
     "decode_attention",
     "dequant_mode",
+    "kernel_calls",
     "kernel_mode",
     "kernel_settings",
     "resolve_kernel",
@@ -124,6 +125,16 @@ def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
     return "triton"
 
 
+_CALLS: dict[str, int] = {"triton": 0, "reference": 0}  # decode_attention's calls by what served them
+
+
+def kernel_calls() -> dict[str, int]:
+    """``{"triton": n, "reference": m}``: ``decode_attention`` calls so far in this process by the implementation
+    that served them (calls traced by ``torch.compile`` or replayed from a CUDA graph run no Python: not counted).
+    A timing reads it before and after, so that a run of the torch reference is not reported as the kernel's."""
+    return dict(_CALLS)
+
+
 def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = None) -> torch.Tensor:
     """Decode attention ``q (B, H_q, 1, D)`` over a packed store → ``(B, H_q, 1, D)`` in ``q.dtype``.
 
@@ -132,7 +143,10 @@ def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = 
     Triton kernel's launch by timing (``kvbits.kernels.autotune``). Both attend rotated sides
     (``PackedTensor.rotate``) in the codes' basis (``reference.code_basis``).
     """
-    if resolve_kernel(q, store) == "triton":
+    kernel = resolve_kernel(q, store)
+    if not torch.compiler.is_compiling():
+        _CALLS[kernel] += 1
+    if kernel == "triton":
         from kvbits.kernels.triton_decode import decode_attention_triton
 
         if autotune.autotune_mode() == "on":

@@ -24,7 +24,8 @@ BASELINE = "DynamicCache"
 
 _PATHS = {
     "dynamic": "transformers' `DynamicCache`, the model's own K/V tensors (the baseline)",
-    "fused": "the fused kernel over the packed store (no dequantized history)",
+    "fused": "decode attention over the packed store (`kvbits.kernels.decode_attention`; the cache builds no "
+    "dequantized history)",
     "dequantize": "each step dequantizes the whole history, then SDPA (the cache holds only what it reports)",
     "workspace": "a dequantized copy of the history is kept and appended to (faster; holds the float history "
     "too, `workspace` below)",
@@ -41,6 +42,22 @@ _GRAPHS = "; each step after the warm-up replayed from a captured CUDA graph"
 def _path_text(path: str) -> str:
     base = path.removesuffix("-graphs")
     return _PATHS.get(base, base) + (_GRAPHS if path.endswith("-graphs") else "")
+
+
+def _served_by(summary: Mapping[str, Any], name: str) -> str:
+    """What attended cache ``name``'s fused steps in this run, from its runs' ``kernel_calls``: the Triton kernel,
+    or the torch reference, which dequantizes the history in torch (``kvbits.kernels.reference``): its timings are
+    a correctness path's, not the kernel's. ``""`` when nothing was counted (runs from before the count)."""
+    calls = [r["decode"].get("kernel_calls") for r in summary["runs"] if r["cache"] == name and r.get("decode")]
+    triton = sum(c["triton"] for c in calls if c)
+    reference = sum(c["reference"] for c in calls if c)
+    if not triton and not reference:
+        return ""
+    if not reference:
+        return "; attended by the Triton kernel"
+    ref = ("the torch reference (`KVBITS_KERNEL`, or no Triton on this device), which dequantizes the history in "
+           "torch each step: these timings are a correctness path's, not the fused kernel's")  # fmt: skip
+    return f"; attended by {ref}" if not triton else f"; {reference} of {triton + reference} calls attended by {ref}"
 
 
 def _eager_steps(summary: Mapping[str, Any]) -> int | str:
@@ -192,7 +209,7 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         path = next(r["path"] for r in summary["runs"] if r["cache"] == name)
         lines.append(f"- `{name}`: `{path}`, {_path_text(path)}")
     for name, path in paths.items():
-        lines.append(f"- `{name}`: `{path}`, {_path_text(path)}")
+        lines.append(f"- `{name}`: `{path}`, {_path_text(path)}{_served_by(summary, name)}")
     lines.append("")
     for batch in summary["batches"]:
         lines += [f"## Batch {batch}", ""]
