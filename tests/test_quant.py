@@ -118,10 +118,10 @@ def test_packed_bytes_by_hand():
 
 
 def test_per_channel_codes_by_hand():
-    # tokens x channels; one scale per channel over the 2-token group (KIVI keys).
-    x = torch.tensor([[0, -1, 5, 2], [3, 2, 5, 0.5]]).reshape(1, 1, 2, 4)
-    qt = quantize(x, int_spec(2, "channel", 2))
-    assert unpack_bits(qt.data, 2, 4).reshape(2, 4).tolist() == [[0, 0, 0, 3], [3, 3, 0, 0]]
+    # tokens x channels; one scale per channel over the 3-token group (KIVI keys).
+    x = torch.tensor([[0, -1, 5, 2], [3, 2, 5, 0.5], [1, 0, 5, 2]]).reshape(1, 1, 3, 4)
+    qt = quantize(x, int_spec(2, "channel", 3))
+    assert unpack_bits(qt.data, 2, 4).reshape(3, 4).tolist() == [[0, 0, 0, 3], [3, 3, 0, 0], [1, 1, 0, 3]]
     assert qt.scale.shape == (1, 1, 1, 1, 4)  # (B, H, n/G, 1, D)
     assert qt.scale.flatten().float().tolist() == [1, 1, 0, 0.5]  # constant channel 2 -> scale 0
     assert qt.zero.flatten().float().tolist() == [0, -1, 5, 0.5]
@@ -772,10 +772,20 @@ def test_group_size_rejected_where_it_would_be_ignored(kw):
 
 
 def test_per_token_group_of_one_channel_rejected():
-    """The mirror of the per-channel rule: a per-token group of one channel stores every value exactly."""
+    """The mirror of the per-channel rule: a per-token group of one channel stores every value exactly, and so
+    does an asymmetric group of two (its minimum and scale are the two values: int2 at 18 bits per value came
+    back within float16's rounding); a symmetric group of two still quantizes one of them."""
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         int_spec(2, "token", 1)
-    assert int_spec(2, "token", 2).group_size == 2
+    for granularity in ("token", "channel"):
+        with pytest.raises(ValueError, match="an asymmetric group of 2 is lossless"):
+            int_spec(2, granularity, 2)
+        with pytest.raises(ValueError, match="an asymmetric group of 2 is lossless"):
+            TensorSpec(kind="nuq", bits=4, fmt=None, granularity=granularity, group_size=2)
+    assert int_spec(2, "token", 3).group_size == 3
+    sym = TensorSpec(kind="int", bits=2, fmt=None, group_size=2, symmetric=True)
+    x = torch.tensor([1.0, 0.3] * 8).reshape(1, 1, 1, 16)
+    assert not torch.equal(quantize(x, sym).dequantize(torch.float32), x)  # 0.3 is not on its 1-step grid
 
 
 # ------------------------------------------------------------------------------ Hadamard rotation
@@ -936,3 +946,19 @@ def test_tiny_values_meet_float16s_smallest_scale_not_zero():
             qt = quantize(x0 * m, spec)
             assert float(qt.scale.float().min()) == 2**-24, (name, m)  # rounded up, not underflowed to 0
             assert float((qt.dequantize().float() - x0 * m).abs().max()) <= 2**-25 * 1.001, (name, m)
+
+
+def test_float8_kv_and_a_list_of_scales_are_refused_by_type():
+    """float8 K/V passed ``is_floating_point`` and failed inside torch ('"isfinite" not implemented for
+    Float8_e4m3fn', 'Promotion for Float8 Types is not supported'); a list as static_scale raised AttributeError."""
+    from kvbits.cache import QuantizedKVCache
+
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = torch.randn(1, 2, 4, 8).to(dtype)
+        with pytest.raises(TypeError, match=f"K/V block must be float16, bfloat16, float32 or float64, got {dtype}"):
+            quantize(x, int_spec(4))
+        with pytest.raises(TypeError, match="layer 0 key_states must be float16, bfloat16, float32 or float64"):
+            QuantizedKVCache(scheme="int4-token", num_layers=1).update(x, x, 0)
+    static = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", static=True, symmetric=True)
+    with pytest.raises(TypeError, match="static_scale must be a torch.Tensor, got list"):
+        quantize(torch.randn(1, 2, 4, 8), static, static_scale=[0.5] * 8)

@@ -114,3 +114,40 @@ def test_scheme_file_with_a_preset_name_and_the_same_content_is_accepted(tmp_pat
         assert get_scheme({**preset.to_dict(), "description": "mine", "reference": ""}).name == name
     renamed = get_scheme(_int2_named("int2-mine"))
     assert isinstance(renamed, KVScheme) and renamed.key == get_scheme("int2-token").key
+
+
+def test_a_spec_dict_of_codes_without_fmt_is_the_presets():
+    """An int / NUQ spec written without ``fmt`` took the dataclass default ``"fp16"``, which the presets do not
+    have: ``{"kind": "int", "bits": 4}`` named int4-token was refused as differing from the preset it stores."""
+    d = {"name": "int4-token", "key": {"kind": "int", "bits": 4}, "value": {"kind": "int", "bits": 4}}
+    assert get_scheme(d).replace(description="") == get_scheme("int4-token").replace(description="")
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"kind": "int", "bits": 4, "fmt": "bogus"}, "a int TensorSpec stores codes, not a float format"),
+        ({"kind": "nuq", "bits": 4, "fmt": "e5m2"}, "a nuq TensorSpec stores codes"),
+        ({"kind": "float", "outlier_frac": 0.2}, "outlier_frac, static and pre_rope apply to quantized specs"),
+        ({"kind": "float", "static": True}, "apply to quantized specs"),
+        ({"kind": "float", "pre_rope": True}, "apply to quantized specs"),
+    ],
+)
+def test_spec_fields_that_would_be_ignored_are_refused(spec, match):
+    """Each was accepted and then ignored: a float spec stored no outliers, an int spec had no float format."""
+    from kvbits.schemes import TensorSpec
+
+    with pytest.raises(ValueError, match=match):
+        TensorSpec.from_dict(spec)
+
+
+def test_a_scheme_version_of_another_type_is_named_with_its_type():
+    with pytest.raises(ValueError, match=r"scheme format version '1' is not supported \(expected 1\)"):
+        KVScheme.from_dict({"name": "x", "version": "1"})
+
+
+def test_spaces_around_a_mixed_schemes_parts_are_not_part_of_the_names():
+    """'int4-token,0= fp16' was refused as "unknown scheme ' fp16'"; spaces around the commas were already stripped."""
+    for spec in ("int4-token,0= fp16", "int4-token, 0 = fp16 ", "int4-token,0=fp16"):
+        s = get_scheme(spec)
+        assert s.for_layer(0).name == "fp16" and s.for_layer(1).key == get_scheme("int4-token").key

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbits.quant.checks import FP16_MAX, check_kv
+from kvbits.quant.checks import FP16_MAX, KV_DTYPES, check_kv
 from kvbits.report.calibration import CLIP_WARN_FRAC  # one warning level for the cache, report and evaluate
 from kvbits.schemes.accounting import rotation_fits, token_groups_fit
 
@@ -343,7 +343,7 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
     ``(B, H_kv, *, D)``, dtype/device, calibration."""
     names = (f"layer {layer.layer_idx} key_states", f"layer {layer.layer_idx} value_states")
     for x, what in zip((key_states, value_states), names):
-        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
+        if not isinstance(x, torch.Tensor) or x.dtype not in KV_DTYPES or x.dim() != 4:
             check_kv(x, what)  # raises the precise TypeError / ValueError before looking at values
     kB, kH, kT, _ = key_states.shape
     vB, vH, vT, _ = value_states.shape

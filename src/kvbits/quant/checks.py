@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 FP16_MAX = 65504.0
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what K/V may arrive in (not float8)
 
 
 def check_kv(x: torch.Tensor, what: str = "tensor", *, ndim: int | None = 4) -> None:
@@ -17,6 +18,8 @@ def check_kv(x: torch.Tensor, what: str = "tensor", *, ndim: int | None = 4) -> 
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"{what} must be a floating tensor, got {x.dtype}")
+    if x.dtype not in KV_DTYPES:  # float8: torch has no isfinite / max / promotion for it
+        raise TypeError(f"{what} must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{what} must have {ndim} dims (B, H_kv, T, D), got shape {tuple(x.shape)}")
     if x.numel() == 0:

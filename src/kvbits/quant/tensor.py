@@ -467,6 +467,8 @@ def _static_qparams(
         if t is None:
             out.append(None)
             continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if spec.granularity == "channel" and spec.group_size is None and tuple(t.shape) == (H, D):
             t = t.reshape(1, H, 1, D)
         grouped = _group(x, spec).shape

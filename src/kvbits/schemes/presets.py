@@ -274,6 +274,7 @@ def _parse_mixed(spec: str) -> KVScheme:
     layers: dict[int, str] = {}
     for part in parts:
         where, eq, sub = part.partition("=")
+        sub = sub.strip()  # "0= fp16" as "0=fp16", as spaces around the commas are
         lo, dash, hi = where.partition("-")
         if not eq or not sub or not _LAYER_INDEX.fullmatch(lo.strip()) or (
             dash and not _LAYER_INDEX.fullmatch(hi.strip())

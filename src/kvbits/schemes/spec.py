@@ -123,6 +123,15 @@ class TensorSpec:
             raise ValueError(f"float format {self.fmt} has {16 if self.fmt != 'fp32' else 32} bits, got bits={self.bits}")
         if self.kind == "fp8" and self.fmt not in FP8_FORMATS:
             raise ValueError(f"fp8 TensorSpec needs fmt in {FP8_FORMATS}, got {self.fmt!r}")
+        if self.kind == "float" and (self.outlier_frac or self.static or self.pre_rope):
+            raise ValueError(  # each would be accepted and then ignored: float K/V are stored as they come
+                "a float TensorSpec stores K/V as they are: outlier_frac, static and pre_rope apply to quantized "
+                f"specs, got outlier_frac={self.outlier_frac}, static={self.static}, pre_rope={self.pre_rope}"
+            )
+        if self.kind in ("int", "nuq") and self.fmt not in (None, "fp16"):  # "fp16": the dataclass default
+            raise ValueError(
+                f"a {self.kind} TensorSpec stores codes, not a float format: fmt must be None, got {self.fmt!r}"
+            )
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.group_size is not None and (
@@ -153,6 +162,12 @@ class TensorSpec:
                 )
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size must be positive, got {self.group_size}")
+        if self.group_size == 2 and self.kind in ("int", "nuq") and not self.symmetric and not self.integer_zero:
+            raise ValueError(
+                "an asymmetric group of 2 is lossless and quantizes nothing (its scale and zero-point store the "
+                "group's two values exactly, at more bits than float16); group_size must be >= 3 here, or the "
+                f"spec symmetric, got group_size={self.group_size}"
+            )
         if not 0.0 <= self.outlier_frac < 0.5:
             raise ValueError(f"outlier_frac must be in [0, 0.5), got {self.outlier_frac}")
         if self.kind == "fp8" and self.granularity not in ("token", "head", "tensor"):
@@ -274,6 +289,8 @@ class TensorSpec:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown TensorSpec fields {sorted(unknown)}; expected a subset of {sorted(known)}")
+        if d.get("kind") in ("int", "nuq") and "fmt" not in d:  # codes have no float format: as the presets say it
+            d = {**d, "fmt": None}
         return cls(**d)
 
 
@@ -440,7 +457,7 @@ class KVScheme:
         d = dict(d)
         version = d.get("version", SCHEME_FORMAT_VERSION)
         if version != SCHEME_FORMAT_VERSION:
-            raise ValueError(f"scheme format version {version} is not supported (expected {SCHEME_FORMAT_VERSION})")
+            raise ValueError(f"scheme format version {version!r} is not supported (expected {SCHEME_FORMAT_VERSION!r})")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
