@@ -88,6 +88,22 @@ def test_non_finite_logits_of_the_unquantized_model_are_named():
         evaluate(model, ids, 128, ["int4-token"], attn_layers=[])
 
 
+def test_a_scheme_that_can_not_store_the_head_dim_is_refused_before_any_forward_pass():
+    """kivi-2's values are grouped in 32 channels; at head_dim 16 evaluate ran the reference and int8-token (and
+    speed_eval timed DynamicCache and int8-token) before failing at kivi-2's cache."""
+    from _tinyllama import tiny_llama
+
+    model, calls = tiny_llama(), []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    ids = _ids(256)[0] % model.config.vocab_size
+    message = "scheme 'kivi-2' can not store head_dim 16: values: per-token groups of 32 channels"
+    with pytest.raises(ValueError, match=message):
+        evaluate(model, ids, 128, ["int8-token", "kivi-2"], attn_layers=[])
+    with pytest.raises(ValueError, match=message):
+        speed_eval(model, 64, ["int8-token", "kivi-2"], data=ids, tokens=2, warmup=1)
+    assert calls == []
+
+
 def test_one_scheme_given_bare_is_refused_with_how_to_pass_it():
     """evaluate(model, ids, 16, "int4-token") read the string letter by letter: "unknown scheme 'i'"."""
     model = _llama()

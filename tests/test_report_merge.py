@@ -148,6 +148,10 @@ def test_runs_that_measured_something_else_are_refused(runs, tmp_path):
         merge_runs([tmp_path / "a-float32", tmp_path / "b-bfloat16"], out)
     merge_runs([runs / "a", tmp_path / "b-bfloat16"], out)  # None: the model's own dtype, as loaded (float32 here)
     assert out.is_dir()  # (a bfloat16 reference would differ, and the reference check refuses that)
+    # a merged folder's settings are its runs': merging it with a run of another dtype is refused as the runs are
+    bf16 = merge_runs([tmp_path / "b-bfloat16", runs / "e"], tmp_path / "merged-bf16")
+    with pytest.raises(ValueError, match="differ in dtype: 'bfloat16' .* 'float32'"):
+        merge_runs([bf16, tmp_path / "a-float32"], tmp_path / "merged-again")
 
 
 def test_output_folder_rules(runs, tmp_path):
@@ -160,6 +164,10 @@ def test_output_folder_rules(runs, tmp_path):
         merge_runs([runs / "a", runs / "b"], foreign)
     merge_runs([runs / "a", runs / "b"], foreign, overwrite=True)
     assert (foreign / "mine.txt").read_text() == "keep me"
+    # merged over an eval run: its DONE goes, so kvbits eval does not return the merge as that run
+    run = shutil.copytree(runs / "e", tmp_path / "was-a-run")
+    merge_runs([runs / "a", runs / "b"], run, overwrite=True)
+    assert not (run / "DONE").exists()
     # a folder an earlier merge wrote is merged into again, and keeps nothing of the earlier merge's schemes
     out = merge_runs([runs / "a", runs / "b"], tmp_path / "m")
     merge_runs([runs / "b", runs / "e"], out)
@@ -240,3 +248,10 @@ def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
         hint = f"{command} runs merge with each other"
         with pytest.raises(FileNotFoundError, match=f"kvbits {command} run: {hint}"):
             merge_runs([run, run.parent / "other"], tmp_path / "m")
+    # a speed.json without a field it needs: a one-line error (it was a KeyError traceback)
+    summary = json.loads((tmp_path / "speed-qwen" / "speed.json").read_text())
+    for r in summary["runs"]:
+        del r["ms_per_step"]
+    (tmp_path / "speed-qwen" / "speed.json").write_text(json.dumps(summary))
+    assert main(["report", str(tmp_path / "speed-qwen")]) == 2
+    assert "is not a kvbits speed summary this kvbits can read (KeyError: 'ms_per_step')" in capsys.readouterr().err

@@ -43,7 +43,7 @@ from kvbits.evaluate.needle import (
     check_depths,
     score_key,
 )
-from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, resolve_schemes
+from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, check_schemes_fit, resolve_schemes
 from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
@@ -311,6 +311,7 @@ def needle_eval(
         )
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    check_schemes_fit(resolved, head_dim)
     text_ids = tokenize(text, tokenizer)
     trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
     head = LogitHead.from_model(model)

@@ -114,7 +114,7 @@ from kvbits.evaluate.request import (
     default_attn_layers,
 )
 from kvbits.evaluate.simulate import simulate
-from kvbits.evaluate.stream import PeerScheme, base_model, resolve_schemes, stream_hidden
+from kvbits.evaluate.stream import PeerScheme, base_model, check_schemes_fit, resolve_schemes, stream_hidden
 from kvbits.plan.config import check_context_fits
 from kvbits.schemes.accounting import average_bits
 from kvbits.schemes.spec import KVScheme
@@ -314,6 +314,7 @@ def evaluate(
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+        check_schemes_fit(resolved, head_dim)
         if generate:
             check_can_generate(model)
         if ranks.main:

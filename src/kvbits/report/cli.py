@@ -148,7 +148,16 @@ def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
     summary = load_needle(path) if command == "needle" else read_json(path)  # needle.json: checked field by field
     if not isinstance(summary, dict):
         raise TypeError(f"{path} holds no kvbits {command} summary (expected a JSON object)")
-    (write_needle if command == "needle" else write_speed)(summary, out)
+    if command == "needle":
+        write_needle(summary, out)
+    else:
+        try:  # speed.json is read as written: a field missing or of another type is named, not a traceback
+            write_speed(summary, out)
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise ValueError(
+                f"{path} is not a kvbits speed summary this kvbits can read ({type(exc).__name__}: {exc}); write "
+                "it again with kvbits speed"
+            ) from None
     return _print_json_run(out, command, args, [])
 
 

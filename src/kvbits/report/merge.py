@@ -57,6 +57,7 @@ REF_RTOL = 1e-4
 precision the report prints ΔPPL with)."""
 
 MERGED_FILES = (
+    "DONE",
     "config.json",
     "summary.json",
     "records.jsonl",
@@ -64,7 +65,8 @@ MERGED_FILES = (
     "report.md",
     "report.html",
 )
-"""The files :func:`merge_runs` writes or replaces (besides ``tokens/`` and the figures)."""
+"""The files :func:`merge_runs` writes, replaces or removes (``DONE``, an eval run's mark; besides ``tokens/`` and
+the figures)."""
 
 _SETTING = ("model", "context", "windows", "semantics", "mode")
 _REQUEST_SETTING = ("dtype", "prompt_len")
@@ -241,6 +243,15 @@ def check_fingerprints(
             raise ValueError(f"runs differ in their {what}: {key} fingerprint {a} in {first_name}, {b} in {name}")
 
 
+def _request(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An evaluation folder's ``request`` (its settings, ``config.json``); a merged folder's is that of the runs it
+    merged, which agreed on ``_REQUEST_SETTING`` when they were merged (``{}`` when none is recorded)."""
+    if config.get("request"):
+        return config["request"]
+    merged = [src.get("config") or {} for src in config.get("merged_from") or []]
+    return next((r for r in map(_request, merged) if r), {})
+
+
 def _check_comparable(
     folders: Sequence[Path], summaries: Sequence[Mapping[str, Any]], configs: Sequence[Mapping[str, Any]]
 ) -> None:
@@ -249,7 +260,7 @@ def _check_comparable(
     for folder, summary, config in zip(folders[1:], summaries[1:], configs[1:]):
         check_same(first_dir, first, folder, summary, _SETTING, "only runs of the same model, text and setting share a report")
         check_fingerprints(first_dir, first, folder, summary)
-        req0, req = configs[0].get("request") or {}, config.get("request") or {}
+        req0, req = _request(configs[0]), _request(config)
         for key in _REQUEST_SETTING:
             if req0.get(key) is not None and req.get(key) is not None and req0[key] != req[key]:
                 raise ValueError(
@@ -369,7 +380,7 @@ def merge_runs(
     if tokens.is_dir():
         for f in tokens.glob("*.safetensors"):
             f.unlink()
-    for name in ("records.jsonl", "generations.jsonl"):
+    for name in ("DONE", "records.jsonl", "generations.jsonl"):  # DONE: an eval run's, so eval never takes this
         (out / name).unlink(missing_ok=True)
     for folder, summary in zip(folders, summaries):
         for r in summary["results"]:
