@@ -965,6 +965,27 @@ def test_kernel_masked_slots(vectorized: bool | None):
 
 
 @needs_triton
+@pytest.mark.parametrize("dequant", ["f32", "fold"])
+def test_kernel_reads_a_tail_mask_of_padded_rows(dequant: str):
+    """A ``full_mask`` that is a view of wider rows (``word_rows``: rows padded to 4 bytes, here 8 for 5 slots) was
+    read at ``b * T_f``: the second sequence's mask came from the first row's padding (NaN: every slot masked).
+    The launchers pack it first; the result is the contiguous mask's."""
+    g = torch.Generator().manual_seed(43)
+    B, T_f, D = 2, 5, 64
+    kf, vf = (torch.randn(B, 1, T_f, D, generator=g).half().to(DEVICE) for _ in range(2))
+    keep = torch.tensor([[True] * 5, [False, False, True, True, True]], device=DEVICE)
+    padded = word_rows(keep)
+    assert padded.stride(0) == 8 and not padded.is_contiguous()
+    lens = torch.zeros(B, dtype=torch.int32, device=DEVICE), torch.full((B,), T_f, dtype=torch.int32, device=DEVICE)
+    store = PackedStore(None, None, kf, vf, *lens, full_mask=padded)
+    q = torch.randn(B, 3, 1, D, generator=g).half().to(DEVICE)
+    truth = decode_attention_reference(q.double(), PackedStore(**{**store.__dict__, "full_mask": keep}), dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q, store, splits=1, dequant=dequant)
+    assert not out.isnan().any() and max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
+@needs_triton
 def test_kernel_pre_rope_nuq_keys_with_outliers():
     """kvquant-*-block's keys: pre-RoPE, NUQ, per-channel over 32-token blocks, sparse outliers."""
     g = torch.Generator().manual_seed(42)

@@ -197,6 +197,28 @@ def test_static_cache_fused_steps_through_the_triton_kernel(monkeypatch, scheme)
     assert [layer.fused.steps for layer in cache.layers] == [NEW - 1] * 2
 
 
+@pytest.mark.parametrize("scheme", ["fp16", "int4-token,0=fp16", "int4-token"])
+def test_static_cache_left_padded_batch_through_the_triton_kernel(monkeypatch, scheme):
+    """A left-padded batch through the Triton kernels with ``max_cache_len`` not a multiple of 4: a float layer's
+    tail mask was a view of 4-byte-padded rows (``word_rows``) that the kernels read in rows of ``max_cache_len``
+    bytes, so rows after the first were masked at the wrong slots (float32 logits 0.11 away from the reference's,
+    NaN where a row's every slot read masked). The logits of the torch reference over the same slabs."""
+    model = build("qwen2")
+    ids = prompt(batch=2, seed=4)
+    ids[1, :5] = 0
+    mask = (ids != 0).long()
+    odd = MAX_LEN + 1 if MAX_LEN % 4 == 0 else MAX_LEN
+    assert odd % 4
+    reference = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=odd, fused_decode=True)
+    want_seq, want = generate(model, reference, fused=True, ids=ids, attention_mask=mask)
+    use_triton(monkeypatch)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=odd, fused_decode=True)
+    seq, got = generate(model, cache, fused=True, ids=ids, attention_mask=mask)
+    assert torch.equal(seq, want_seq) and not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert all(layer.fused.steps == NEW - 1 and layer.fused.fallbacks == 0 for layer in cache.layers)
+
+
 def test_static_cache_error_is_the_schemes():
     """Quantizing shows: INT2 per token moves the logits far more than INT8 from an unquantized cache, and the
     slabs hold packed codes (uint8, ``D * bits / 8`` bytes per row) with a scale and zero-point per token."""

@@ -696,8 +696,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         slots with each sequence's length from the device (``lens``), and a windowed layer's window as the tail, its
         slots masked unless they hold tokens not yet quantized. ``keep`` ``(B, max_cache_len)`` bool (``False``: left
         padding) masks positions."""
-        if self.scheme.is_identity:
-            mask = None if keep is None else word_rows(keep)
+        if self.scheme.is_identity:  # the tail's mask is read a byte at a time, in rows of max_cache_len
+            mask = None if keep is None else keep.contiguous()
             return PackedStore(None, None, self.key_full, self.value_full, self._other_lens, self.lens, full_mask=mask)
         rope = {} if self.rope is None else {"rope_cos": self.rope.cos, "rope_sin": self.rope.sin,
                                              "quant_pos0": self.rope.pos0()}  # fmt: skip

@@ -1210,7 +1210,8 @@ def decode_attention_triton(
     kmean = k_mean.reshape(H_kv, D).float().contiguous() if k_mean is not None else dummy
     kfactor = k_factor.reshape(H_kv, D).float().contiguous() if k_factor is not None else dummy
     qmask, qm_row, qmask_words = _slot_mask(store.quant_mask, dummy, block_t)
-    fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
+    # rows read at b * T_f: a view of wider rows (word_rows) is packed first (no copy when already contiguous)
+    fmask = store.full_mask.contiguous().view(torch.uint8) if store.full_mask is not None else dummy
 
     # fmt: off
     args = (

@@ -513,7 +513,8 @@ def decode_attention_fold(
     kf = store.key_full if store.key_full is not None else dummy
     vf = store.value_full if store.value_full is not None else dummy
     qmask, qm_row, qmask_words = _slot_mask(store.quant_mask, dummy, block_t)
-    fmask = store.full_mask.view(torch.uint8) if store.full_mask is not None else dummy
+    # rows read at b * T_f: a view of wider rows (word_rows) is packed first (no copy when already contiguous)
+    fmask = store.full_mask.contiguous().view(torch.uint8) if store.full_mask is not None else dummy
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     _fold_kernel[(B * H_kv, n_split)](
         q2, m, l_, acc,
