@@ -321,3 +321,24 @@ def test_cli_under_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     one = evaluate(str(folder), str(text), CONTEXT, ["int4-token"], windows=3, attn_layers=[1])
     assert _numbers(summary) == _numbers(one)
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1, WORLD_SIZE=1"),  # kvbits eval printed nothing: a rank > 0 alone
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "expected 0 <= RANK < WORLD_SIZE"),  # hung in init_process_group
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "expected 0 <= RANK < WORLD_SIZE"),
+        ({"RANK": "abc"}, "RANK='abc' is not an integer"),
+    ],
+)
+def test_a_torchrun_environment_that_can_not_be_is_refused(env, match, monkeypatch):
+    from kvbits.evaluate.distributed import env_world
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert env_world() == (0, 1, 1)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        env_world()

