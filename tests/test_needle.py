@@ -450,7 +450,11 @@ def test_needle_merge_refusals(needle_runs):
         (changed(long_a, lambda s: s.update(seed=1)), "differ in seed"),
         (changed(long_a, lambda s: s.update(semantics="decode")), "differ in semantics"),
         (changed(long_a, lambda s: s["task"].update(digits=4)), "differ in task"),
+        (changed(long_a, lambda s: s.update(dtype="bfloat16")), "differ in dtype: 'float32'"),  # recorded since 53
     ]
+    assert short["dtype"] == "float32"
+    old_run = changed(long_a, lambda s: s.pop("dtype"))  # a run from before the field: merged as before
+    assert merge_needle([short, old_run, long_b])["dtype"] == "float32"
     for other, match in cases:
         with pytest.raises(ValueError, match=match):
             merge_needle([short, other])

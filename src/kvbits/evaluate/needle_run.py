@@ -296,7 +296,7 @@ def needle_eval(
     resolved = resolve_schemes(schemes)
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
     fused_mode = check_mode(fused_decode)
-    torch_dtype, _, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
+    torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
 
     text = (
@@ -365,6 +365,7 @@ def needle_eval(
         "model": _model_arg(model_spec, model_name),
         "data": _data_arg(data, text.name),
         "semantics": semantics,
+        "dtype": dtype_name or str(next(model.parameters()).dtype).removeprefix("torch."),  # what the model ran in
         "contexts": contexts,
         "depths": depths,
         "trials": int(trials),

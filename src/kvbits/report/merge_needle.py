@@ -74,6 +74,9 @@ def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]])
     for name, s in zip(names[1:], summaries[1:]):
         check_same(names[0], first, name, s, _SAME,
                    "only passkey runs of the same model, text, task, semantics and seed share a report")  # fmt: skip
+        if first.get("dtype") and s.get("dtype") and first["dtype"] != s["dtype"]:  # (runs before 53 record none)
+            raise ValueError(f"runs differ in dtype: {first['dtype']!r} in {names[0]}, {s['dtype']!r} in {name}; "
+                             "a passkey grid compares schemes on one model as it ran, in one dtype")  # fmt: skip
         check_fingerprints(names[0], first, name, s, "needle")
 
 
@@ -174,6 +177,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     first = summaries[0]
     return {
         **{k: first[k] for k in ("version", "task", "model", "data", "semantics")},
+        **({"dtype": dt} if (dt := next((s["dtype"] for s in summaries if s.get("dtype")), None)) else {}),
         "contexts": contexts,
         "depths": depths,
         "trials": max(trial_counts(records).values()),

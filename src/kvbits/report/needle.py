@@ -122,7 +122,8 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     lines = [
         f"# Passkey retrieval: {summary['model']} on {summary['data']}",
         "",
-        f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`)",
+        f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`)"
+        + (f", `{summary['dtype']}`" if summary.get("dtype") else ""),
         f"- **Haystack:** `{summary['data']}` (tokens fingerprint `{summary['fingerprint']['tokens']}`)",
         (
             f"- **Contexts:** {', '.join(fmt_pos(c) for c in contexts)} tokens; **depths** "
