@@ -110,6 +110,7 @@ def test_recommendation_is_computed_from_the_numbers(result):
     assert no_rope["keys"] == "per-channel" and no_rope["scheme"] == "int4-channel"
     assert no_rope["calibrated_scheme"] is None and no_rope["per_token_scheme"] == "int4-token-smooth"
     assert "no pre-RoPE scheme" in no_rope["reason"] and "prerope" not in " ".join(no_rope["next_steps"])
+    assert no_rope["reason"].startswith("key outlier channels") and "SQNR per-token" in no_rope["reason"]
 
 
 def test_next_steps_are_commands_that_run_as_printed(result):

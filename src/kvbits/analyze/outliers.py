@@ -173,14 +173,15 @@ def recommend(
     worst = min((r["key_pre_rope"]["range_used_per_token"] for r in layers), default=float("nan"))
     names = {s.name for s in list_schemes()}
 
+    pre = "pre-RoPE " if has_post else ""  # without RoPE statistics: the keys as the model caches them
     facts = (
-        f"pre-RoPE key outlier channels (absmax > {threshold:g}x the head's median channel) in "
+        f"{pre}key outlier channels (absmax > {threshold:g}x the head's median channel) in "
         f"{len(k_pre)}/{n} layers ({frac:.0%}; rule: > {layer_fraction:.0%})"
     )
     if has_post:
         facts += f", post-RoPE in {len(k_post)}/{n}"
     facts += (
-        f"; mean int{bits} key SQNR pre-RoPE per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
+        f"; mean int{bits} key SQNR {pre}per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
     )
     if has_post:
         facts += f", post-RoPE per-token {_fmt_db(post_tok)} vs per-channel {_fmt_db(post_ch)}"
