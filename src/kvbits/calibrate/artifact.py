@@ -102,9 +102,10 @@ def expected_tensors(
     return out
 
 
-def _config_value(cfg: Any, name: str) -> Any:
-    """``cfg``'s field ``name``: an attribute of a transformers config, a key of a parsed ``config.json``."""
-    return cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name)
+def _config_value(cfg: Any, name: str, *default: Any) -> Any:
+    """``cfg``'s field ``name``: an attribute of a transformers config (``AttributeError`` when it has none, unless
+    a ``default`` is given), a key of a parsed ``config.json`` (None when absent)."""
+    return cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, *default)
 
 
 def describe_model(config: Any, *, fingerprint: str | None = None, name: str | None = None) -> dict[str, Any]:
@@ -122,7 +123,7 @@ def describe_model(config: Any, *, fingerprint: str | None = None, name: str | N
 
     cfg = text_config(config)
     d: dict[str, Any] = {
-        "model_type": cfg.get("model_type") if isinstance(cfg, Mapping) else getattr(cfg, "model_type", None),
+        "model_type": _config_value(cfg, "model_type", None),
         "num_layers": as_int("num_hidden_layers"),
         "num_attention_heads": as_int("num_attention_heads"),
         "num_kv_heads": config_kv_heads(cfg),

@@ -113,7 +113,8 @@ def compose_artifact(
         best = min(r for r, _ in ranked)
         fits = [a for r, a in ranked if r == best]
         # only the sides layer i's scheme calibrates: a source's other sides (rank 2) are stored otherwise here
-        prefixes = tuple(f"layers.{i}.{side}_" for side in sub.calibratable())
+        sides = tuple(f"{side}_" for side in sub.calibratable())
+        prefixes = tuple(f"layers.{i}.{side}" for side in sides)
         mine = {k: v for k, v in fits[0].tensors.items() if k.startswith(prefixes)}
         for a in fits[1:]:
             theirs = {k: v for k, v in a.tensors.items() if k.startswith(prefixes)}
@@ -125,7 +126,7 @@ def compose_artifact(
         src = fits[0]
         tensors.update(mine)
         row = src.layer_stats[i] if i < len(src.layer_stats) else {}
-        stats.append({k: v for k, v in row.items() if k.startswith(tuple(f"{side}_" for side in sub.calibratable()))})
+        stats.append({k: v for k, v in row.items() if k.startswith(sides)})
         layers.append({"from": src.scheme.name, "path": None if src.path is None else str(src.path)})
         if all(u is not src for u in used):
             used.append(src)

@@ -216,6 +216,11 @@ def _check_before_loading(
     return torch_dtype, dtype_name, calibrations
 
 
+def _run_dtype(model: torch.nn.Module, dtype_name: str | None) -> str:
+    """The dtype a run records: as asked (``_check_before_loading``'s name), else the loaded model's own."""
+    return dtype_name or str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def _load_checked_model(model: Any, torch_dtype: torch.dtype | None, device: Any, calibrations: dict[str, Any]):
     """``_load_model``, then each calibration artifact checked against the model loaded
     (``_check_calibration_models``): ``(model, tokenizer, name, fingerprint)``."""

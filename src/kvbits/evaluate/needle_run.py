@@ -282,7 +282,13 @@ def needle_eval(
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
     from kvbits.evaluate.data import load_text, token_fingerprint, tokenize
-    from kvbits.evaluate.inputs import _check_before_loading, _data_arg, _load_checked_model, _model_arg
+    from kvbits.evaluate.inputs import (
+        _check_before_loading,
+        _data_arg,
+        _load_checked_model,
+        _model_arg,
+        _run_dtype,
+    )
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
@@ -365,7 +371,7 @@ def needle_eval(
         "model": _model_arg(model_spec, model_name),
         "data": _data_arg(data, text.name),
         "semantics": semantics,
-        "dtype": dtype_name or str(next(model.parameters()).dtype).removeprefix("torch."),  # what the model ran in
+        "dtype": _run_dtype(model, dtype_name),
         "contexts": contexts,
         "depths": depths,
         "trials": int(trials),

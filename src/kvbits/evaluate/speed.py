@@ -452,7 +452,13 @@ def speed_eval(
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.inputs import _check_before_loading, _data_arg, _load_checked_model, _model_arg
+    from kvbits.evaluate.inputs import (
+        _check_before_loading,
+        _data_arg,
+        _load_checked_model,
+        _model_arg,
+        _run_dtype,
+    )
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _progress
@@ -555,7 +561,7 @@ def speed_eval(
         "data": "tokens" if isinstance(data, torch.Tensor) else _data_arg(data, data_name),
         "device": {"type": dev.type, "name": _device_name(dev), "threads": torch.get_num_threads()},
         "layers": n_layers,
-        "dtype": dtype_name or str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": _run_dtype(model, dtype_name),
         "contexts": contexts,
         "batches": batches,
         "tokens": tokens,

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_output_path
-from kvbits.monitor.export import EVENT_FIELDS, MONITOR_LABELS, check_label_name
+from kvbits.monitor.export import RESERVED_LABELS, check_label_name
 
 __all__ = ["add_parser", "run"]
 
@@ -83,7 +83,7 @@ def _labels(pairs: list[str]) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--label expects KEY=VALUE, got {pair!r}")
-        check_label_name(key, " (--label)", MONITOR_LABELS + EVENT_FIELDS)
+        check_label_name(key, " (--label)", RESERVED_LABELS)
         out[key] = value
     return out
 

@@ -16,7 +16,15 @@ from pathlib import Path
 
 from kvbits._files import chmod_default
 
-__all__ = ["EVENT_FIELDS", "MONITOR_LABELS", "MetricFamily", "check_label_name", "prometheus_text", "write_textfile"]
+__all__ = [
+    "EVENT_FIELDS",
+    "MONITOR_LABELS",
+    "RESERVED_LABELS",
+    "MetricFamily",
+    "check_label_name",
+    "prometheus_text",
+    "write_textfile",
+]
 
 TYPES = ("gauge", "counter", "histogram")
 
@@ -58,6 +66,8 @@ MONITOR_LABELS = ("scheme", "layer", "side", "signal", "action", "le")
 replace them (the scheme, which layer, which signal) in its metrics and events."""
 EVENT_FIELDS = ("time", "value", "threshold", "sequence", "tokens")
 """The fields of a ``CacheMonitor`` event besides its labels (each event carries the constant labels too)."""
+RESERVED_LABELS = MONITOR_LABELS + EVENT_FIELDS
+"""What a ``CacheMonitor``'s constant labels (``labels=``, ``kvbits monitor --label``) may not be named."""
 
 
 def check_label_name(name: str, where: str = "", reserved: tuple[str, ...] = ()) -> None:

@@ -31,8 +31,7 @@ from typing import Any, Self
 import torch
 
 from kvbits.monitor.export import (
-    EVENT_FIELDS,
-    MONITOR_LABELS,
+    RESERVED_LABELS,
     MetricFamily,
     check_label_name,
     prometheus_text,
@@ -55,7 +54,7 @@ class CacheMonitor:
         cache: the cache to watch (its quantized layers must exist: build it with ``config=``).
         policy: thresholds and scope (``FallbackPolicy``); ``None`` only records signals.
         labels: constant labels added to every exported sample and event (``scheme`` is always there); the names
-            the monitor sets itself (``export.MONITOR_LABELS``, ``export.EVENT_FIELDS``) are refused.
+            the monitor sets itself (``export.RESERVED_LABELS``) are refused.
         on_event: called with each event dict as it happens (e.g. to forward it to a log pipeline).
     """
 
@@ -85,7 +84,7 @@ class CacheMonitor:
         self.cache = cache
         self.policy = policy or FallbackPolicy()
         for name in labels or {}:
-            check_label_name(name, " (CacheMonitor labels)", MONITOR_LABELS + EVENT_FIELDS)
+            check_label_name(name, " (CacheMonitor labels)", RESERVED_LABELS)
         self.labels = {"scheme": cache.scheme.name, **{k: str(v) for k, v in (labels or {}).items()}}
         self.on_event = on_event
         self.layers = {layer.layer_idx: layer for layer in layers}

@@ -311,14 +311,12 @@ def _chunked(layer_cfg: Any) -> tuple[str, int | None]:
 
 
 def _learned_positions(text: Any, model_type: str) -> int:
-    """Rows of a learned absolute-position table (``LEARNED_POSITIONS``; 0 for other models): GPT-2's and
-    GPT-BigCode's ``n_positions``, GPT-Neo's ``max_position_embeddings``, OPT's plus the 2 rows it offsets by."""
-    if model_type in ("gpt2", "gpt_bigcode") or (not model_type and "n_embd" in _keys(text)):
-        return _int(_get(text, "n_positions"), "n_positions") or 0
-    if model_type in ("gpt_neo", "opt"):
-        n = _int(_get(text, "max_position_embeddings"), "max_position_embeddings") or 0
-        return n + 2 if n and model_type == "opt" else n
-    return 0
+    """Rows of a learned absolute-position table (``LEARNED_POSITIONS``, or a GPT-2-style dict without a
+    ``model_type``; 0 for other models): :func:`max_positions`, OPT's plus the 2 rows it offsets by."""
+    if model_type not in LEARNED_POSITIONS and (model_type or "n_embd" not in _keys(text)):
+        return 0
+    n = max_positions(text) or 0
+    return n + 2 if n and model_type == "opt" else n
 
 
 def _dtype_field(cfg: Any) -> Any:

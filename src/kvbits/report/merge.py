@@ -201,13 +201,16 @@ def write_json_merge(
 
 def check_same(
     first_name: object, first: Mapping[str, Any], name: object, summary: Mapping[str, Any], keys: Sequence[str],
-    hint: str,
+    hint: str = "", *, recorded_only: bool = False,
 ) -> None:  # fmt: skip
-    """``ValueError`` naming the field and both runs (then ``hint``) unless the summaries agree on ``keys``."""
+    """``ValueError`` naming the field and both runs (then ``hint``) unless the summaries agree on ``keys``;
+    ``recorded_only``: a key either leaves unrecorded (None: a run from before the field, or the model's own
+    default) is not compared."""
     for key in keys:
-        if summary.get(key) != first.get(key):
+        a, b = first.get(key), summary.get(key)
+        if a != b and not (recorded_only and (a is None or b is None)):
             raise ValueError(
-                f"runs differ in {key}: {first.get(key)!r} in {first_name}, {summary.get(key)!r} in {name}; {hint}"
+                f"runs differ in {key}: {a!r} in {first_name}, {b!r} in {name}" + (f"; {hint}" if hint else "")
             )
 
 
@@ -260,12 +263,7 @@ def _check_comparable(
     for folder, summary, config in zip(folders[1:], summaries[1:], configs[1:]):
         check_same(first_dir, first, folder, summary, _SETTING, "only runs of the same model, text and setting share a report")
         check_fingerprints(first_dir, first, folder, summary)
-        req0, req = _request(configs[0]), _request(config)
-        for key in _REQUEST_SETTING:
-            if req0.get(key) is not None and req.get(key) is not None and req0[key] != req[key]:
-                raise ValueError(
-                    f"runs differ in {key}: {req0[key]!r} in {first_dir}, {req[key]!r} in {folder}"
-                )
+        check_same(first_dir, _request(configs[0]), folder, _request(config), _REQUEST_SETTING, recorded_only=True)
         ref0, ref = _reference_buckets(first), _reference_buckets(summary)
         if not ref0 or not ref:
             raise ValueError(
