@@ -452,6 +452,47 @@ def test_constant_and_zero_inputs(spec, value):
         assert torch.allclose(deq, x, rtol=rtol, atol=0), (deq.flatten()[0], value)
 
 
+def float16_end_block() -> torch.Tensor:
+    """``(2, 2, 32, 64)`` float16 K/V whose groups reach float16's end: rows and channels topped at 65504,
+    65480 (within a scale rounding of it) and -65504, asymmetric ranges on either side of 0."""
+    x = torch.randn(2, 2, 32, 64, generator=torch.Generator().manual_seed(7))
+    x = x / x.abs().amax() * 60000
+    x[0, 0, :, 0] = 65504.0  # a channel at the end, every token
+    x[0, 1, 3, :] = 65480.0  # a token row of it
+    x[1, 0, 5, 7] = -65504.0
+    x[1, 1] = x[1, 1].abs() * 1.09  # an all-positive range up to 65400
+    return x.clamp(-65504, 65504).half()
+
+
+FLOAT16_END_SPECS = [int_spec(b, g, gs, symmetric=s) for b in (2, 4, 8) for g, gs in GRANULARITIES for s in (False, True)] + [
+    TensorSpec(kind="fp8", bits=8, fmt=f, granularity="token") for f in ("e4m3", "e5m2")
+] + [TensorSpec(kind="nuq", bits=4, fmt=None, granularity=g, group_size=gs, symmetric=True) for g, gs in GRANULARITIES[:3]]
+
+
+@pytest.mark.parametrize("spec", FLOAT16_END_SPECS, ids=str)
+def test_groups_at_float16s_end_decode_finite_within_half_a_step(spec):
+    """README, "Range of the stored values": K/V up to 65504 are stored, never decoded to inf. A float16 scale
+    rounded up let a group's top level decode past 65519 (int8 per token at 65480: ``127 * 516 = 65532``, inf
+    in float16); it is now capped a step lower, where the top value still rounds onto the top level: nothing
+    is clipped and the error stays within half a step."""
+    from kvbits.quant.nuq import uniform_codebook
+
+    x = float16_end_block()
+    qt = quantize(x, spec, **({"codebook": uniform_codebook(4)} if spec.kind == "nuq" else {}))
+    y16 = qt.dequantize(torch.float16)
+    assert bool(torch.isfinite(y16).all()), f"{int((~torch.isfinite(y16)).sum())} decoded to inf"
+    assert qt.clipped == 0
+    err = (qt.dequantize().float() - x.float()).abs()
+    if spec.kind == "int":
+        steps = 2 ** (spec.bits - 1) - 1 if spec.symmetric else 2**spec.bits - 1
+        top = (qt.scale.float() * steps + (0 if qt.zero is None else qt.zero.float())).amax()
+        assert float(top) <= 65504.0
+        half = qt.scale.float().flatten(2).amax(-1)[..., None, None] / 2  # each (sequence, head)'s largest half step
+        assert bool((err <= half * 1.001).all())
+    elif spec.kind == "fp8":  # round to nearest: within 2**-4 (e4m3) / 2**-3 (e5m2) of |x|, below float16's end
+        assert bool((err <= x.float().abs() * 2.0 ** -(4 if spec.fmt == "e4m3" else 3) + 1e-3).all())
+
+
 @pytest.mark.parametrize(
     "spec",
     [int_spec(4), TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"), TensorSpec()],

@@ -448,3 +448,34 @@ def test_reserved_flushes_quantize_into_the_slots_bit_for_bit(monkeypatch, schem
         assert sa._slots.keys() == sb._slots.keys() and sa.n_quantized == sb.n_quantized > 0
         for name in sa._slots:
             assert torch.equal(_bytes(sa._slots[name]), _bytes(sb._slots[name])), name
+
+
+FLOAT16_END_KERNEL_SPECS = [
+    spec(8, "token"),
+    spec(4, "token", 32, symmetric=True),
+    spec(2, "channel", 32),
+    spec(8, "channel", 32, symmetric=True),
+    nuq(4, "token"),
+    nuq(4, "channel", 32, symmetric=True),
+    TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token"),
+    TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="token"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("s", FLOAT16_END_KERNEL_SPECS, ids=str)
+def test_quantize_kernel_caps_scales_at_float16s_end_as_the_reference(s: TensorSpec):
+    """Groups topped at 65504 / 65480: the kernel caps a float16 scale whose top level would decode past
+    65504 as ``kvbits.quant.affine._stored_scale`` does, bit for bit, and the result decodes finite."""
+    from test_quant import float16_end_block
+
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    x = float16_end_block().to(DEVICE)
+    kw = {"codebook": warped_codebook(s.bits).to(DEVICE)} if s.kind == "nuq" else {}
+    if s.kind == "nuq" and not s.symmetric:
+        x = x / 2  # asymmetric NUQ stores the range max - min: half of float16's end
+    want, got = quantize(x, s, **kw), quantize_pack_triton(x, s, **kw)
+    assert_same_quantized(got, want)
+    assert got.clipped == want.clipped == 0
+    assert bool(torch.isfinite(got.dequantize(torch.float16)).all())

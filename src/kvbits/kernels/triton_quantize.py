@@ -10,7 +10,7 @@ Exactness follows the reference's formulas (``kvbits.quant.affine``) operation b
 
 - ranges in float32; zero-point rounded *down* and scale rounded *up* to float16 (``_fp16_down`` /
   ``_fp16_up``: round to nearest, then one float16 step outward when that landed inside, as
-  ``torch.nextafter`` does);
+  ``torch.nextafter`` does), the scale capped where its top level would decode past 65504 (``_fp16_capped``);
 - IEEE divisions (``tl.math.div_rn``; Triton's plain ``/`` is approximate on GPUs);
 - round half to even (``_rint``, as ``torch.round``), clamp, then the little-endian bit packing of
   ``kvbits.quant.pack`` (code ``k`` of a byte at bits ``[k * bits, (k + 1) * bits)``).
@@ -65,6 +65,15 @@ def _fp16_down(x):
 
 
 @triton.jit
+def _fp16_capped(scale, zero, steps):
+    """float16 ``scale`` capped so its top level ``steps * scale + zero`` (float32 ``zero``; 0 when symmetric)
+    stays within 65504, as ``kvbits.quant.affine._stored_scale`` (an inf scale stays inf)."""
+    # a top above 65504 * steps caps at 65504 either way; bounded, its cast to float16 does not overflow
+    cap = _fp16_down(tl.math.div_rn(tl.minimum(65504.0 - zero, 65504.0 * steps), steps))
+    return tl.where(scale.to(tl.float32) > 65504.0, scale, tl.minimum(scale, cap))
+
+
+@triton.jit
 def _rint(y):
     """Round half to even (``torch.round``), exact for every float32: ``y - floor(y)`` is exact."""
     r = tl.floor(y)
@@ -94,11 +103,14 @@ def _codes(x, s, z, BITS: tl.constexpr, SYM: tl.constexpr):
 def _qparams(lo, hi, amax, BITS: tl.constexpr, SYM: tl.constexpr):
     """float16 ``(scale, zero)`` of a group from its float32 range (``choose_qparams``); ``zero`` = scale when SYM."""
     if SYM:
-        scale = _fp16_up(tl.math.div_rn(amax, ((1 << (BITS - 1)) - 1) * 1.0))
+        steps = ((1 << (BITS - 1)) - 1) * 1.0
+        scale = _fp16_capped(_fp16_up(tl.math.div_rn(amax, steps)), 0.0 * amax, steps)
         zero = scale
     else:
+        steps = ((1 << BITS) - 1) * 1.0
         zero = _fp16_down(lo)
-        scale = _fp16_up(tl.math.div_rn(tl.maximum(hi - zero.to(tl.float32), 0.0), ((1 << BITS) - 1) * 1.0))
+        zf = zero.to(tl.float32)
+        scale = _fp16_capped(_fp16_up(tl.math.div_rn(tl.maximum(hi - zf, 0.0), steps)), zf, steps)
     return scale, zero
 
 
@@ -125,11 +137,12 @@ def _nuq_codes(x, s, z, MIDS, BITS: tl.constexpr, SYM: tl.constexpr):
 def _nuq_qparams(lo, hi, amax, SYM: tl.constexpr):
     """float16 ``(scale, zero)`` of a NUQ group (``choose_nuq_params``): the range itself, no levels."""
     if SYM:
-        scale = _fp16_up(amax)
+        scale = _fp16_capped(_fp16_up(amax), 0.0 * amax, 1.0)
         zero = scale
     else:
         zero = _fp16_down(lo)
-        scale = _fp16_up(tl.maximum(hi - zero.to(tl.float32), 0.0))
+        zf = zero.to(tl.float32)
+        scale = _fp16_capped(_fp16_up(tl.maximum(hi - zf, 0.0)), zf, 1.0)
     return scale, zero
 
 
@@ -316,7 +329,7 @@ def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, H, OUT_T, D: tl.constexpr, ROW
         s = tl.load(SS + bh % H).to(tl.float32)
     else:
         amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=1, keep_dims=True)  # (ROWS, 1)
-        sh = _fp16_up(tl.math.div_rn(amax, FMAX))
+        sh = _fp16_capped(_fp16_up(tl.math.div_rn(amax, FMAX)), 0.0 * amax, FMAX)
         tl.store(SCALE + bh * OUT_T + t[:, None], sh, mask=tmask[:, None])
         s = sh.to(tl.float32)
     y = tl.math.div_rn(x, tl.where(s > 0, s, 1.0))

@@ -4,7 +4,8 @@ Asymmetric codes (KIVI, the default): ``x ≈ code * scale + zero`` with ``zero`
 codes in ``[0, 2**b - 1]``. Symmetric codes: ``x ≈ (code - c) * scale`` with ``c = 2**(b-1) - 1``,
 codes in ``[0, 2c]``. Scales and zero-points are stored in float16; they are rounded *outward*
 (zero down, scale up) so the stored range always covers the data and the round-trip error stays
-within ``scale / 2`` per element. ``TensorSpec(scale_dtype="fp32")`` keeps them in float32, unrounded
+within ``scale / 2`` per element. Near float16's end the scale is capped instead (:func:`_stored_scale`):
+rounded up, the top level of a group reaching 65504 would decode past it, to inf in float16 K/V. ``TensorSpec(scale_dtype="fp32")`` keeps them in float32, unrounded
 (``meta=torch.float32``: the range ends and ``range / steps`` as computed, vLLM's per-token-head caches). A constant group gets ``scale = 0`` and decodes exactly to its
 (float16) value: no division by zero, no NaN.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbits.quant.checks import FP16_MAX
 from kvbits.quant.pack import check_bits
 
 META_DTYPE = torch.float16
@@ -56,9 +58,25 @@ def _check_meta(meta: torch.dtype) -> None:
         raise ValueError(f"scales are stored in float16 or float32, got meta={meta}")
 
 
-def _stored_scale(scale: torch.Tensor, meta: torch.dtype) -> torch.Tensor:
-    """A float32 ``scale`` as stored in ``meta``: float16 rounded up, float32 as computed."""
-    return scale if meta == torch.float32 else _round_up_fp16(scale)
+def _stored_scale(
+    scale: torch.Tensor, meta: torch.dtype, steps: float, zero: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A float32 ``scale`` as stored in ``meta``: float32 as computed; float16 rounded up, but at most the
+    largest float16 whose top level ``steps * scale`` (``+ zero``, a stored float16 zero-point) stays within
+    65504.
+
+    Rounded up alone, a group whose largest value is within ~0.1 % of 65504 decoded its top level past
+    65519, to inf in float16 K/V (int8 per token at ``|x|`` = 65480: ``127 * 516 = 65532``). The cap is at
+    most one float16 step below the rounded-up scale, so the top value's code still rounds onto the top
+    level (``steps * 2**-10 < 0.5`` for up to 9 bits; FP8's largest value saturates onto it) and the error
+    stays within half a step. A scale beyond float16 stays inf: an asymmetric NUQ group spanning more than
+    65504 is refused on it (``kvbits.quant.nuq.choose_nuq_params``), not stored clipped.
+    """
+    if meta == torch.float32:
+        return scale
+    top = torch.full_like(scale, FP16_MAX) if zero is None else FP16_MAX - zero.float()
+    up = _round_up_fp16(scale)
+    return torch.where(torch.isinf(up), up, torch.minimum(up, _round_down_fp16(div_rn(top, steps))))
 
 
 def div_rn(x: torch.Tensor, d: float) -> torch.Tensor:
@@ -111,7 +129,8 @@ def range_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(scale, zero)`` over ``dims`` of ``x``, keepdim, float16, rounded outward: ``zero`` = the group
     minimum rounded down and ``scale`` = ``(max - zero) / steps`` rounded up; symmetric: ``scale`` =
-    the largest magnitude ``/ steps`` rounded up, ``zero`` None. ``meta=torch.float32``: the same in float32,
+    the largest magnitude ``/ steps`` rounded up, ``zero`` None (a float16 scale capped where its top level
+    would decode past 65504, :func:`_stored_scale`). ``meta=torch.float32``: the same in float32,
     not rounded (``zero`` the minimum itself; a code may then land a float32 ulp past the last level, which
     rounds back onto it). ``mask`` (bool like ``x``) marks elements excluded from the range. Affine codes
     take ``steps`` = the code levels (:func:`choose_qparams`), NUQ ``1`` (``kvbits.quant.nuq.choose_nuq_params``).
@@ -123,10 +142,10 @@ def range_qparams(
     xf = x.float()
     if symmetric:
         a = xf.abs() if mask is None else xf.abs().masked_fill(mask, 0.0)
-        return _stored_scale(div_rn(a.amax(dim=dims, keepdim=True), steps), meta), None
+        return _stored_scale(div_rn(a.amax(dim=dims, keepdim=True), steps), meta, steps), None
     lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo) if meta == torch.float16 else lo
-    return _stored_scale(div_rn((hi - zero.float()).clamp_min(0.0), steps), meta), zero
+    return _stored_scale(div_rn((hi - zero.float()).clamp_min(0.0), steps), meta, steps, zero), zero
 
 
 INTEGER_ZERO_MIN_SCALE = 1e-6  # vLLM's int4_per_token_head floor: a zero-range group gets this scale

@@ -306,12 +306,14 @@ def quantize(
             # Round the float16 scale *up* (as affine scales are): rounding to nearest could land
             # below amax / fp8_max, so the row maximum saturated and was counted in `clipped`, and a
             # tiny amax (e5m2: below ~3e-3) underflowed to scale 0 and decoded the row to zeros.
-            # float32 scales (scale_dtype="fp32") are vLLM's amax / fp8_max as computed.
-            scale = _stored_scale(div_rn(amax, fp8_max(spec.fmt)), _meta_dtype(spec))
+            # float32 scales (scale_dtype="fp32") are vLLM's amax / fp8_max as computed. Near 65504 the float16
+            # scale is capped a step lower (_stored_scale), so fp8_max * scale still decodes within float16.
+            scale = _stored_scale(div_rn(amax, fp8_max(spec.fmt)), _meta_dtype(spec), fp8_max(spec.fmt))
         codes, clipped = quantize_fp8(x, scale, spec.fmt)
-        if spec.scale_dtype == "fp32":
-            # a dynamic row's maximum lands within a float32 ulp of fp8_max (amax / (amax / fp8_max)) and
-            # saturates onto it, as in vLLM: rounding, not a value beyond the range its scale was taken from
+        if not spec.static:
+            # a dynamic row's maximum lands within a float32 ulp of fp8_max (float32 scales: amax / (amax /
+            # fp8_max)) or, under a capped float16 scale, within 2**-10 of it, and saturates onto it, as in
+            # vLLM: rounding, not a value beyond the range its scale was taken from
             clipped = clipped & (x.float().abs() > amax)
         if mask is not None:
             clipped = clipped & ~mask
