@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, static_reason, track_positions
 from kvbits.cache.compat import cache_kwargs
+from kvbits.kernels.reference import STATIC_TPS
 from kvbits.plan import plan
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 
@@ -292,6 +293,27 @@ def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
     finally:
         hook.remove()
     assert len(set(seen)) == 1 and len(seen) == 2 * NEW
+    assert torch.equal(seq1, seq2) and torch.equal(logits1, logits2)
+
+
+@pytest.mark.parametrize("name", ["kvquant-4", "fp8-e4m3", "fp8-e4m3-head"])
+def test_reset_keeps_the_static_scale_rows(name: str):
+    """A side with static scales keeps one calibrated row (FP8: the default 1.0 or its install), not slot data:
+    ``reset()`` zeroed it with the slots, so every generation after a reset decoded its keys with scale 0
+    (kvquant-4: logits 0.48 away, other tokens; fp8-e4m3: 0.80). The second generation is now the first's."""
+    model = build("llama")
+    scheme = get_scheme(name)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN, fused_decode=False)
+    install(cache, scheme)
+    seq1, logits1 = generate(model, cache, fused=False)
+    static = [p for p in (cache.layers[0].key, cache.layers[0].value) if p.tps == STATIC_TPS]
+    assert len(static) == (1 if name == "kvquant-4" else 2)  # kvquant-4's values: dynamic per-token scales
+    rows = [(p.scale.clone(), None if p.zero is None else p.zero.clone()) for p in static]
+    assert all(bool(scale.any()) for scale, _ in rows)
+    cache.reset()
+    for (scale, zero), p in zip(rows, static):
+        assert torch.equal(p.scale, scale) and (zero is None or torch.equal(p.zero, zero))
+    seq2, logits2 = generate(model, cache, fused=False)
     assert torch.equal(seq1, seq2) and torch.equal(logits1, logits2)
 
 

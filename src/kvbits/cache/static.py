@@ -804,6 +804,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         for p in (self.key, self.value):
             if p is not None:
                 for name in _SLOT_FIELDS:
+                    if name in ("scale", "zero") and p.tps == STATIC_TPS:
+                        continue  # the calibrated (or FP8's default) static row, not slot data: written once
                     if getattr(p, name) is not None:
                         getattr(p, name).zero_()
         for t in (self.key_full, self.value_full):
