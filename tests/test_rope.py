@@ -8,6 +8,7 @@ attention module wrote them into.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import pytest
@@ -146,6 +147,36 @@ def test_llama_dynamic_beyond_max_positions_and_stateless():
         tables.cos_sin(torch.arange(8), seq_len=4)
 
 
+LENGTH_DEPENDENT = {
+    "dynamic": ("LlamaConfig", {"max_position_embeddings": 16,
+                                "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}),
+    "longrope": ("Phi3Config", {"max_position_embeddings": 64, "original_max_position_embeddings": 16,
+                                "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                                                    "original_max_position_embeddings": 16}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_tables_are_framed_by_slot(rope: str):
+    """``frame`` is the longest forward on the original frequencies (16 for both); ``framed_cos_sin`` gives a
+    slot the same tables whatever slice asks for it: the model's own up to the frame, a forward of the
+    frame's multiple beyond it."""
+    name, kw = LENGTH_DEPENDENT[rope]
+    tables = RotaryTables.from_config(_config(name, head_dim=16, **kw))
+    assert tables.frame == 16
+    pos = torch.arange(48)[None]
+    whole = tables.framed_cos_sin(pos, 0, torch.float32)
+    for a, b in ((0, 5), (5, 17), (17, 48), (30, 33)):
+        part = tables.framed_cos_sin(pos[:, a:b], a, torch.float32)
+        assert all(torch.equal(w[:, a:b], p) for w, p in zip(whole, part)), (a, b)
+    torch.testing.assert_close(whole[0][:, :16], tables.cos_sin(torch.arange(16))[0], atol=0, rtol=0)
+    torch.testing.assert_close(whole[0][:, 16:32], tables.cos_sin(torch.arange(32))[0][:, 16:], atol=0, rtol=0)
+    # dynamic frequencies keep changing with the length (each frame its own); longrope's long factors do not
+    assert torch.equal(whole[0][:, 16:32], tables.cos_sin(torch.arange(48))[0][:, 16:32]) == (rope == "longrope")
+    assert RotaryTables.from_config(_config("LlamaConfig")).frame is None  # default rope: one table for all
+
+
 def test_qwen2_with_kv_bias():
     tables, model = _check_roundtrip(
         _config("Qwen2Config", rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
@@ -271,3 +302,35 @@ def test_interleaved_sinusoid_families_are_refused(model_type):
     cfg = transformers.AutoConfig.for_model(model_type, n_layer=2, n_embd=256, n_head=4, rotary_dim=32)
     with pytest.raises(NotImplementedError, match=rf"model_type '{model_type}'.*rotate-half convention only"):
         RotaryTables.from_config(cfg)
+
+
+@pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))
+def test_pre_rope_keys_past_the_original_context_come_back_as_stored(rope: str):
+    """A length-dependent rope past its original context (16): pre-RoPE keys were un-rotated at a flush with the
+    tables of the flushed block's length and rotated back on each read with those of the slice read (the whole
+    history), so the two no longer cancelled: 11-113 % key error on every history read (5e-3 with
+    ``workspace=True``, which decodes each block once). Both now give INT8's error at every position."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.compat import cache_kwargs
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    name, kw = LENGTH_DEPENDENT[rope]
+    cfg = _config(name, head_dim=16, attn_implementation="sdpa", pad_token_id=0, bos_token_id=0, eos_token_id=0, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 128, (1, 40))
+    spec = TensorSpec(kind="int", bits=8, fmt=None, granularity="token")
+    scheme = KVScheme("int8-prerope-keys", key=dataclasses.replace(spec, pre_rope=True), value=spec)
+    caches = [DynamicCache(config=cfg)] + [QuantizedKVCache(cfg, scheme, fused_decode=False, workspace=w) for w in (False, True)]
+    with torch.no_grad():
+        for c in caches:
+            model(ids[:, :8], use_cache=True, **cache_kwargs(c, model))  # prefill within the original context
+            for t in range(8, 40):  # decode past it
+                model(ids[:, t : t + 1], use_cache=True, **cache_kwargs(c, model))
+    want = caches[0].layers[1].keys
+    for c in caches[1:]:
+        got = c.materialize(1)[0]
+        err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).amax()
+        assert float(err) < 0.02, (c.layers[1]._k.work is not None, float(err))

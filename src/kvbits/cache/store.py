@@ -86,7 +86,10 @@ def rope_at(
     Negative positions are taken as 0, as the fused decode kernels read them (``kvbits.kernels``): a
     block is un-rotated and rotated back at the same clamped positions on every path, so attention stays
     exact; only the frame such tokens are quantized in differs (pads, which are masked, or position ids
-    that start below 0)."""
+    that start below 0). Length-dependent rope types (``dynamic``, ``longrope``) take tables that depend on the
+    slot alone (``RotaryTables.framed_cos_sin``): a block un-rotated when it was flushed is rotated back by the
+    same tables on every read, whatever slice the read decodes. (Tables of the slice's length let the two differ
+    once a sequence passed the original context: 11-113 % key error on every read without the workspace.)"""
     rotary._check_x(x)
     n = x.shape[2]
     if rotary.rot_dim == 0:  # a layer without RoPE: empty tables, as cos_sin returns them
@@ -95,7 +98,7 @@ def rope_at(
         pos = torch.arange(p0, p0 + n, device=x.device)[None]
         if offset is not None:
             pos = (pos - offset.to(x.device)[:, None]).clamp_min(0)  # (B, n), as the kernels clamp
-        cos, sin = rotary._forward(pos, x.dtype, None)
+        cos, sin = rotary.framed_cos_sin(pos, p0, x.dtype)
     return (invert_rope if inverse else apply_rope)(x, cos.to(x.device), sin.to(x.device))
 
 

@@ -25,6 +25,13 @@ exact for keys produced by one prefill pass; for keys cached during decoding pas
 ``max_position_embeddings``, pass the ``seq_len`` the model had grown to when it produced them (and
 note that transformers itself then mixes keys rotated with different frequencies in one cache).
 ``longrope`` is handled the same way (short or long factors chosen from ``seq_len``).
+
+A cache un-rotates a block when it flushes it and rotates it back on every read, in other slices:
+``framed_cos_sin`` gives it tables that depend on the slot alone, so the two always cancel. Slots
+``[k W, (k + 1) W)`` take the tables of a forward of length ``(k + 1) W``, where ``W`` (``frame``, probed) is the
+longest sequence still on the original frequencies (``max_position_embeddings`` for ``dynamic``,
+``original_max_position_embeddings`` for ``longrope``): exactly the model's frame up to ``W``, within ``W``
+tokens of the length a later token was decoded at beyond it.
 """
 
 from __future__ import annotations
@@ -286,6 +293,50 @@ class RotaryTables:
         self.halves_equal = self.rot_dim % 2 == 0 and all(
             torch.equal(t[..., :h], t[..., h : 2 * h]) for t in (cos, sin)
         )
+
+    @property
+    def frame(self) -> int | None:
+        """Length-dependent rope types: ``W``, the longest forward whose tables are still the shortest one's
+        (probed once by bisection on position 1: 24 forwards), ``None`` when they never change up to 2**24 or
+        for other rope types (see the module docstring)."""
+        if not self.length_dependent or self.rot_dim == 0:
+            return None
+        cached = self.__dict__.get("_frame_probe")
+        if cached is None:
+            one = torch.ones((1, 1), dtype=torch.long)
+
+            def same(n: int) -> bool:
+                return all(torch.equal(a, b) for a, b in zip(self._forward(one, torch.float32, n), base))
+
+            base = self._forward(one, torch.float32, 2)
+            lo, hi = 2, 1 << 24  # same(lo); the answer is in [lo, hi]
+            if same(hi):
+                cached = (None,)
+            else:
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if same(mid) else (lo, mid)
+                cached = (lo,)
+            self.__dict__["_frame_probe"] = cached
+        return cached[0]
+
+    def framed_cos_sin(
+        self, positions: torch.Tensor, slot0: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(B, n, D_rot)`` for ``positions`` ``(B, n)`` (``>= 0``, at most their slot index) held in
+        cache slots ``slot0 ... slot0 + n - 1``, without a host sync: tables that depend on the slot, not on the
+        slice asked for (module docstring), so a block un-rotated at a flush is rotated back exactly by any
+        later read. Rope types whose tables do not depend on the length: ``cos_sin``'s tables."""
+        W, n = self.frame, positions.shape[1]
+        if W is None or n == 0:
+            return self._forward(positions, dtype, None)
+        parts = []
+        for k in range(slot0 // W, (slot0 + n - 1) // W + 1):
+            a, b = max(slot0, k * W) - slot0, min(slot0 + n, (k + 1) * W) - slot0
+            parts.append(self._forward(positions[:, a:b], dtype, (k + 1) * W))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([c for c, _ in parts], dim=1), torch.cat([s_ for _, s_ in parts], dim=1)
 
     @property
     def length_dependent(self) -> bool:
