@@ -121,6 +121,9 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
         export_vllm(artifact_from_samples("fp8-e4m3,1=fp16", k, k), tmp_path / "m")
     with pytest.raises(ValueError, match="after RoPE"):
         export_vllm(artifact_from_samples(fp8_scheme("pre", pre_rope=True), k, k), tmp_path / "c")
+    # outliers kept exactly: vLLM stores every value in FP8 (exported silently before)
+    with pytest.raises(ValueError, match=r"keeps a fraction of its keys exactly \(outliers\)"):
+        export_vllm(artifact_from_samples(fp8_scheme("outl", outlier_frac=0.01), k, k), tmp_path / "o")
     # a checkpoint of another shape
     other = tmp_path / "other"
     tiny_llama(layers=3).save_pretrained(other)
@@ -378,3 +381,50 @@ def test_cli_export(fp8, tmp_path):
     bad = subprocess.run(braces, check=False, capture_output=True, text=True)
     assert bad.returncode != 0 and "must contain the field '{i}'" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "y").exists()
+
+
+def test_single_file_checkpoint_already_holding_scales_is_refused(fp8, tmp_path):
+    """Without an index vLLM loads every *.safetensors file: scales already in model.safetensors (an
+    llm-compressor FP8-KV checkpoint) and the exported file beside them both named
+    model.layers.0.self_attn.k_scale, whichever vLLM read last won. Refused, as an index mapping them is."""
+    from safetensors.torch import save_file
+
+    model, _, cal, _ = fp8
+    single = tmp_path / "single"
+    model.save_pretrained(single)  # one model.safetensors, no index
+    assert not (single / "model.safetensors.index.json").exists()
+    export_vllm(cal, tmp_path / "ok", checkpoint=single)  # the plain single-file checkpoint exports
+    state = load_file(str(single / "model.safetensors"))
+    state["model.layers.0.self_attn.k_scale"] = torch.tensor([0.5])
+    save_file(state, str(single / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors already holds \['model\.layers\.0\.self_attn\.k_scale'\]"):
+        export_vllm(cal, tmp_path / "out", checkpoint=single)
+    assert not (tmp_path / "out").exists()
+
+
+def test_scales_named_for_modules_the_checkpoint_lacks_are_refused(fp8, tmp_path):
+    """A mistyped --module-template exported "successfully": vLLM skips scales of modules it does not have
+    (a warning) and serves those layers at scale 1.0. Refused with the checkpoint's names that end alike."""
+    _, _, cal, ckpt = fp8
+    with pytest.raises(ValueError, match=r"2 of 2 attention modules .* \(e\.g\. 'model\.layer\.0\.self_attn'\).*"
+                       r"ending alike: \['model\.layers\.0\.self_attn', 'model\.layers\.1\.self_attn'\]"):
+        export_vllm(cal, tmp_path / "out", checkpoint=ckpt, module_template="model.layer.{i}.self_attn")
+    assert not (tmp_path / "out").exists()
+    export_vllm(cal, tmp_path / "plain", module_template="model.layer.{i}.self_attn")  # no checkpoint: not checked
+
+
+def test_a_failed_scales_write_leaves_no_config_naming_it(fp8, tmp_path, monkeypatch):
+    """config.json and the index (which names kv_cache_scales.safetensors) were written before the scales: a
+    write that failed (disk full) left a folder that looked servable and named a missing file."""
+    from kvbits.export import vllm
+
+    _, _, cal, ckpt = fp8
+
+    def full(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(vllm, "_save_tensors", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_vllm(cal, tmp_path / "out", checkpoint=ckpt)
+    assert not (tmp_path / "out" / "config.json").exists()
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()

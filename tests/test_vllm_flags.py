@@ -92,6 +92,28 @@ def test_a_mixed_override_equal_to_the_base_is_no_skip():
     assert vllm_cache_args("vllm-int4,2=vllm-int4").skip_layers == ()
 
 
+def test_an_unquantized_base_with_one_vllm_format_on_some_layers_needs_the_layer_count(capsys):
+    """``kvbits tune --candidates vllm-int4 --candidates fp16`` with a roomy budget takes fp16 as base (most
+    layers) and vllm-int4 on a few: vLLM serves that as int4_per_token_head with the other layers skipped. It
+    was refused, suggesting ``--candidates fp16 --candidates fp16``; the layer count lists the skipped layers."""
+    mix = "fp16,1=vllm-int4,3=vllm-int4"
+    with pytest.raises(ValueError, match=r"stores layers \[1, 3\] as vllm-int4: vLLM serves that as int4_per_token_head "
+                       r"with every other layer skipped, which needs the model's layer count.*--layers N"):
+        vllm_cache_args(mix)
+    args = vllm_cache_args(mix, num_layers=5)
+    assert (args.kv_cache_dtype, args.skip_layers) == ("int4_per_token_head", (0, 2, 4))
+    assert args.to_dict() == {**vllm_cache_args("vllm-int4,0=fp16,2=fp16,4=fp16").to_dict(), "scheme": mix}
+    with pytest.raises(ValueError, match=r"overrides layers \[3\], beyond the given 3 layers"):
+        vllm_cache_args(mix, num_layers=3)
+    with pytest.raises(ValueError, match=r"stores its quantized layers as vllm-int4, vllm-int8: vLLM serves one "
+                       r"quantized format per engine.*--candidates vllm-int4 --candidates fp16\)"):  # fmt: skip
+        vllm_cache_args("fp16,1=vllm-int4,3=vllm-int8", num_layers=5)
+    assert main(["export", "--scheme", mix, "--layers", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [0, 2, 4]
+    assert main(["export", "--calibration", "cal", "--out", "o", "--layers", "5"]) == 2
+    assert "--layers goes with --scheme" in capsys.readouterr().err
+
+
 def test_cli_prints_the_flags_and_json(capsys):
     assert main(["export", "--format", "vllm", "--scheme", "vllm-int4,0=fp16"]) == 0
     out = capsys.readouterr().out

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from kvbits._argtypes import bounded
+
 __all__ = ["add_parser", "run"]
 
 EPILOG = """\
@@ -66,6 +68,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="attention module names with {i} for the layer (default: as calibrated, else "
         "model.layers.{i}.self_attn)",
     )
+    p.add_argument(
+        "--layers", metavar="N", type=bounded(int, 1),
+        help="the model's layer count (with --scheme): needed by a mix whose base is fp16/bf16 and whose other "
+        "layers store one vLLM format, to list the layers vLLM skips",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the export record as JSON")
     return p
 
@@ -75,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.scheme is not None:
         return _run_scheme(args)
+    if args.layers is not None:
+        raise ValueError("--layers goes with --scheme, not --calibration (the calibration records its layers)")
     if args.out is None:
         raise ValueError("--calibration needs --out DIR (the folder for the scales)")
     record = export_vllm(
@@ -108,7 +117,7 @@ def _run_scheme(args: argparse.Namespace) -> int:
                             ("--module-template", args.module_template)) if v is not None]  # fmt: skip
     if extra:
         raise ValueError(f"{', '.join(extra)} go with --calibration, not --scheme")
-    serve = vllm_cache_args(args.scheme)
+    serve = vllm_cache_args(args.scheme, args.layers)
     if args.json:
         sys.stdout.write(json.dumps(serve.to_dict(), indent=2) + "\n")
         return 0

@@ -120,6 +120,13 @@ def check_exportable(art: CalibrationArtifact) -> None:
             f"calibration of scheme {scheme.name!r} scales keys before RoPE; vLLM caches keys after RoPE, "
             "whose range differs: calibrate a post-RoPE scheme (fp8-e4m3)"
         )
+    kept = [side for side in ("key", "value") if getattr(scheme, side).outlier_frac]
+    if kept:
+        raise ValueError(
+            f"calibration of scheme {scheme.name!r} keeps a fraction of its {' and '.join(kept)}s exactly (outliers); "
+            "vLLM stores every value in FP8, so kvbits' measurements would not describe its cache: calibrate "
+            "without outliers (fp8-e4m3)"
+        )
 
 
 def _template_names(template: str, n: int) -> list[str]:
@@ -270,12 +277,25 @@ def _servable(
             raise ValueError(
                 f"{index_path} already maps {clash[:3]} to another file; refusing to shadow them"
             )
+        tensors = set(index.get("weight_map", {}))
     elif not list(checkpoint.glob("*.safetensors")):
         raise ValueError(
             f"{checkpoint} holds no *.safetensors weights; vLLM would not load the scales beside them"
         )
+    else:
+        # no index: vLLM loads every *.safetensors file, so a scale already in one would be loaded twice
+        # (whichever file it reads last wins)
+        held = _safetensors_names(checkpoint)
+        clash = sorted(n for n in scales if n in held)
+        if clash:
+            raise ValueError(
+                f"{held[clash[0]]} already holds {clash[:3]}; vLLM loads every *.safetensors file of a checkpoint "
+                "without an index, so the exported scales would shadow them or be shadowed: refusing"
+            )
+        tensors = set(held)
     if (checkpoint / SCALES_FILE).exists():
         raise ValueError(f"{checkpoint} already holds {SCALES_FILE}; export from the original checkpoint")
+    _check_modules(scales, tensors, checkpoint)
     merged = _merged_config(config, cfg_path, _strategy(art))  # refusals before anything is written
     written = {cfg_path.name: merged}
     if index is not None:
@@ -292,10 +312,41 @@ def _servable(
         else:
             dst.symlink_to(src.resolve())
         linked.append(src.name)
+    # the scales first: a config and index naming them are written only once they exist (a failed write leaves
+    # no folder that looks servable and names a missing file)
+    _save_tensors(out / SCALES_FILE, scales)
     for name, obj in written.items():
         _atomic_json(out / name, obj)
-    _save_tensors(out / SCALES_FILE, scales)
     return {"linked": linked, "written": [*written, SCALES_FILE]}
+
+
+def _safetensors_names(checkpoint: Path) -> dict[str, str]:
+    """``{tensor name: file name}`` over the ``*.safetensors`` files of ``checkpoint`` (their headers only)."""
+    from safetensors import safe_open
+
+    names: dict[str, str] = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names.update(dict.fromkeys(f.keys(), path.name))
+        except Exception as exc:  # safetensors raises its own SafetensorError (no public base class)
+            raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
+    return names
+
+
+def _check_modules(scales: dict[str, torch.Tensor], tensors: set[str], checkpoint: Path) -> None:
+    """``ValueError`` unless each attention module a scale names (``{module}.k_scale``) has tensors in the
+    checkpoint: vLLM skips a scale of no module it has (a warning) and serves that layer at scale 1.0."""
+    modules = sorted({n.rsplit(".", 1)[0] for n in scales})
+    prefixes = {t.rsplit(".", i)[0] for t in tensors for i in range(1, t.count(".") + 1)}
+    missing = [m for m in modules if m not in prefixes]
+    if missing:
+        near = sorted(p for p in prefixes if p.endswith(missing[0].rsplit(".", 1)[-1]))[:3]
+        raise ValueError(
+            f"{len(missing)} of {len(modules)} attention modules the scales are named for are not in {checkpoint} "
+            f"(e.g. {missing[0]!r}); vLLM would skip those scales and serve at scale 1.0. Modules of the checkpoint "
+            f"ending alike: {near or 'none'}; set --module-template to the checkpoint's names"
+        )
 
 
 def _check_out_outside(checkpoint: Path, out: Path) -> None:

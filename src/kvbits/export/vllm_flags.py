@@ -15,7 +15,10 @@ onto them when every layer is either the base format or unquantized:
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
   carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
 - base ``fp16`` / ``bf16`` -> ``auto``;
-- a layer stored as ``fp16`` or ``bf16`` -> a skipped layer.
+- a layer stored as ``fp16`` or ``bf16`` -> a skipped layer;
+- base ``fp16`` / ``bf16`` with layers stored in one of the formats above (``kvbits tune`` takes as base the
+  candidate most layers use) -> that format, every other layer skipped: this needs the model's layer count
+  (``num_layers``, ``kvbits export --scheme S --layers N``).
 
 Anything vLLM has no setting for (sinks or a full-precision residual window, a layer at another quantized
 format, an FP8 rotation) is refused with what to change: flags that serve something other than what was measured
@@ -89,13 +92,42 @@ def _match(scheme: KVScheme, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if _same_storage(scheme, get_scheme(n))), None)
 
 
-def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
+def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[int]] | None:
+    """``(format preset, skipped layers)`` of a scheme whose base is unquantized and whose quantized overrides all
+    store one vLLM format; ``None`` when it is not such a scheme; ``ValueError`` when it is but ``num_layers``,
+    needed to list the skipped layers, is missing."""
+    if not s.is_mixed or _match(s.replace(layers=()), _UNQUANTIZED) is None:
+        return None
+    quantized = {idx: _match(sub, tuple(_FORMATS)) for idx, sub in s.layers if _match(sub, _UNQUANTIZED) is None}
+    formats = set(quantized.values())
+    if not quantized or None in formats or len(formats) > 1:
+        return None
+    (fmt,) = formats
+    if num_layers is None:
+        raise ValueError(
+            f"{s.name!r} keeps its layers unquantized but stores layers {sorted(quantized)} as {fmt}: vLLM serves that "
+            f"as {_FORMATS[fmt]} with every other layer skipped, which needs the model's layer count: give it "
+            "(kvbits export --scheme S --layers N; a kvbits tune record has it as meta.layers)"
+        )
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    s.check_layer_count(num_layers, "the given")
+    return fmt, [i for i in range(num_layers) if i not in quantized]
+
+
+def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None) -> VllmCacheArgs:
     """vLLM's KV-cache settings for ``scheme`` (a preset, scheme JSON, mixed string such as
     ``"vllm-int4,0=fp16"``, or a ``kvbits tune`` output); ``ValueError`` saying why when vLLM can not store it.
 
     Layers are matched by what they store, not by name: a scheme JSON equal to a preset maps as the preset.
+    ``num_layers``: the model's layer count, needed (only) by an unquantized base whose overrides store one vLLM
+    format (``vllm-int4`` on some layers of an ``fp16`` mix): every layer no override names is skipped.
     """
     s = get_scheme(scheme)
+    flipped = _quantized_layers(s, num_layers)
+    if flipped is not None:
+        fmt, skipped = flipped
+        return _with_notes(s.name, fmt, _FORMATS[fmt], skipped)
     base = s.replace(layers=()) if s.is_mixed else s
     supported = ", ".join([*_FORMATS, *_UNQUANTIZED])
     name = _match(base, tuple(_FORMATS) + _UNQUANTIZED)
@@ -114,11 +146,23 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
         if _match(sub, _UNQUANTIZED):
             skip.append(idx)
         elif not _same_storage(sub, base):
+            if name in _UNQUANTIZED:  # an unquantized base whose layers store more than one format (or none of vLLM's)
+                formats = sorted({_match(o, tuple(_FORMATS)) or o.name for _, o in s.layers if _match(o, _UNQUANTIZED) is None})
+                raise ValueError(
+                    f"{s.name!r} stores its quantized layers as {', '.join(formats)}: vLLM serves one quantized format "
+                    f"per engine, the other layers unquantized; keep one format of {', '.join(_FORMATS)} "
+                    f"(e.g. kvbits tune --candidates vllm-int4 --candidates {name})"
+                )
             raise ValueError(
                 f"{s.name!r} stores layer {idx} as {sub.name!r}: vLLM can only leave a layer unquantized "
                 f"(--kv-cache-dtype-skip-layers) beside one {dtype} format; give that layer fp16 or bf16 "
                 f"(e.g. kvbits tune --candidates {name} --candidates fp16)"
             )
+    return _with_notes(s.name, name, dtype, skip)
+
+
+def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCacheArgs:
+    """``VllmCacheArgs`` of format preset ``name`` (vLLM's ``dtype``) with layers ``skip`` skipped, and its notes."""
     notes = []
     if dtype == "fp8":
         notes.append(
@@ -155,4 +199,4 @@ def vllm_cache_args(scheme: str | KVScheme | dict) -> VllmCacheArgs:
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
     if skip and dtype in _PER_TOKEN_HEAD:
         notes.append(_SKIP_PAGES_NOTE.format(page=_PER_TOKEN_HEAD[dtype]))
-    return VllmCacheArgs(s.name, dtype, tuple(sorted(skip)), tuple(notes))
+    return VllmCacheArgs(scheme, dtype, tuple(sorted(skip)), tuple(notes))
