@@ -398,6 +398,26 @@ def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
     assert {e["scheme"] for e in got} == {"kivi-2"} and all(e["tokens"] == 160 for e in got)
 
 
+def test_events_and_snapshots_are_strict_json(tmp_path) -> None:
+    """An error of ``inf`` (a zero block not reproduced exactly) was written as the bare token ``Infinity``,
+    which jq, Go and ``JSON.parse`` reject: it is the string ``"+Inf"``, as the exposition format spells it."""
+    import json
+    import math
+
+    from kvbits.monitor.export import strict_json
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON token {c}"))
+
+    assert strict(strict_json({"a": [math.inf, -math.inf, math.nan, 1.5], "b": (2, "x")})) == {
+        "a": ["+Inf", "-Inf", "NaN", 1.5], "b": [2, "x"]}  # fmt: skip
+    cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    mon.events.append({"layer": 0, "side": "key", "signal": "error", "value": math.inf, "threshold": 0.0})
+    (line,) = mon.write_events(tmp_path / "ev.jsonl").read_text().splitlines()
+    assert strict(line)["value"] == "+Inf"
+
+
 # ------------------------------------------------------------------------------------------- watch / CLI
 
 
@@ -431,7 +451,7 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)  # fmt: skip
     text = write_word_text(tmp_path / "book.txt", 400)
-    prom, events = tmp_path / "m" / "kvbits.prom", tmp_path / "ev.jsonl"
+    prom, events = tmp_path / "m" / "kvbits.prom", tmp_path / "new" / "ev.jsonl"  # missing folders are created
     argv = ["monitor", "--model", str(folder), "--data", str(text), "--context", "200", "--scheme", "kivi-2",
             "--value-error", "0", "--label", "request=r7", "--prom", str(prom), "--events", str(events), "--json"]  # fmt: skip
     assert main(argv) == 0
@@ -446,6 +466,7 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     # what the end of a run would trip on is refused before the model loads (no model at "nowhere")
     for bad, msg in ((["--label", "a b=c"], "label name 'a b'"), (["--prom", str(tmp_path)], "is a folder"),
                      (["--label", "layer=all"], "label name 'layer' (--label) is set by kvbits itself"),
+                     (["--label", "a=1", "--label", "a=2"], "--label a is given twice ('1' and '2')"),
                      (["--events", str(text / "ev.jsonl")], "can not write there")):  # fmt: skip
         assert main(["monitor", "--model", "nowhere", "--data", str(text), "--scheme", "kivi-2", *bad]) != 0
         assert msg in capsys.readouterr().err

@@ -4,13 +4,12 @@ metrics and JSON events (thin wrapper over ``kvbits.monitor.watch``)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_output_path
-from kvbits.monitor.export import RESERVED_LABELS, check_label_name
+from kvbits.monitor.export import RESERVED_LABELS, check_label_name, strict_json
 
 __all__ = ["add_parser", "run"]
 
@@ -84,6 +83,8 @@ def _labels(pairs: list[str]) -> dict[str, str]:
         if not sep or not key:
             raise ValueError(f"--label expects KEY=VALUE, got {pair!r}")
         check_label_name(key, " (--label)", RESERVED_LABELS)
+        if key in out:
+            raise ValueError(f"--label {key} is given twice ({out[key]!r} and {value!r}); give each label once")
         out[key] = value
     return out
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         mon.write_events(args.events)
     snap = mon.snapshot()
     if args.json:
-        sys.stdout.write(json.dumps(snap, indent=2) + "\n")
+        sys.stdout.write(strict_json(snap, indent=2) + "\n")
         return 0
     _print(snap)
     return 0

@@ -2,11 +2,13 @@
 
 ``prometheus_text(families)`` renders metric families; ``write_textfile`` writes them atomically for
 node_exporter's textfile collector (``--collector.textfile.directory``), the usual way a batch or
-sidecar process hands metrics to Prometheus without serving HTTP.
+sidecar process hands metrics to Prometheus without serving HTTP. ``strict_json`` writes events and
+snapshots as strict JSON (RFC 8259), non-finite numbers spelled as Prometheus spells them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -23,6 +25,7 @@ __all__ = [
     "MetricFamily",
     "check_label_name",
     "prometheus_text",
+    "strict_json",
     "write_textfile",
 ]
 
@@ -68,6 +71,24 @@ EVENT_FIELDS = ("time", "value", "threshold", "sequence", "tokens")
 """The fields of a ``CacheMonitor`` event besides its labels (each event carries the constant labels too)."""
 RESERVED_LABELS = MONITOR_LABELS + EVENT_FIELDS
 """What a ``CacheMonitor``'s constant labels (``labels=``, ``kvbits monitor --label``) may not be named."""
+
+
+def _finite_or_named(obj: object) -> object:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return _number(obj)
+    if isinstance(obj, dict):
+        return {k: _finite_or_named(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_named(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: object, indent: int | None = None) -> str:
+    """``obj`` as strict JSON: a non-finite float becomes the string ``"+Inf"``, ``"-Inf"`` or ``"NaN"`` (the
+    exposition format's spelling), not Python's bare ``Infinity`` / ``NaN`` tokens, which jq, Go's
+    ``encoding/json`` and ``JSON.parse`` reject (an error of a zero block that was not reproduced exactly is
+    ``inf``, ``kvbits.monitor.signals.flush_error``)."""
+    return json.dumps(_finite_or_named(obj), indent=indent, allow_nan=False)
 
 
 def check_label_name(name: str, where: str = "", reserved: tuple[str, ...] = ()) -> None:

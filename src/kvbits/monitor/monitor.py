@@ -19,7 +19,6 @@ read-back of a few numbers (a host sync) per flush, i.e. every ``block`` tokens 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -35,6 +34,7 @@ from kvbits.monitor.export import (
     MetricFamily,
     check_label_name,
     prometheus_text,
+    strict_json,
     write_textfile,
 )
 from kvbits.monitor.policy import FallbackPolicy
@@ -276,9 +276,11 @@ class CacheMonitor:
         return write_textfile(self.prometheus(), path)
 
     def write_events(self, path: str | os.PathLike[str]) -> Path:
-        """Append the events as JSON lines to ``path``."""
+        """Append the events as strict JSON lines to ``path`` (``strict_json``: an infinite error is the string
+        ``"+Inf"``), creating its missing folders as ``write_prometheus`` does."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             for ev in self.events:
-                f.write(json.dumps(ev) + "\n")
+                f.write(strict_json(ev) + "\n")
         return path
