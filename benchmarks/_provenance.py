@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -13,7 +14,10 @@ import torch
 
 
 def commit() -> str:
-    """The short hash of HEAD (``"unknown"`` outside a git checkout)."""
+    """``$KVBITS_COMMIT`` when set (``device_run.sh`` sets it from its argument: the device's copy of the tree has
+    no ``.git``), else the short hash of HEAD (``"unknown"`` outside a git checkout)."""
+    if os.environ.get("KVBITS_COMMIT"):
+        return os.environ["KVBITS_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True

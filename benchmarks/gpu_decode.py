@@ -55,7 +55,8 @@ GPU machine). Steps:
    Qwen2.5-0.5B (24 layers, H_kv=2, H_q=14, D=64; fp16): ``DynamicCache`` (SDPA, as torch picks its backend and
    without cuDNN's, which builds a graph per sequence length: ``gpu_bench.e2e``) vs ``QuantizedKVCache``
    with the fused decode path (``use_fused_decode``: attention function ``kvbits_fused``; every decode
-   step of every layer must be served by the kernel, else the run aborts) vs the same cache
+   step of every layer must be served by the kernel, else that run records a `failure`, the
+   others go on and the script exits non-zero at the end) vs the same cache
    dequantizing into SDPA vs transformers' ``QuantizedCache`` (when one of its backends imports).
    ``QuantizedKVCache`` checks incoming K/V lazily on CUDA (``checks="auto"``, ``kvbits.cache.checks``):
    no host-device sync per decode step; the pending NaN/inf check (one sync for all layers) runs every
@@ -86,6 +87,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the steps (gpu_bench/), prewarm.py: beside this file
 
+import _provenance
 from gpu_bench.checks import check_and_time_quantize, check_variants
 from gpu_bench.common import (
     BATCHES,
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": _provenance.commit(),
         "complete": False,  # True once every step ran; a killed run leaves what it had measured
         "smoke": cfg.smoke,
         "env": env,
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         "check_failures": [],
         "quantize": [],
         "growing_vs_reserved": None,
+        "failures": [],
         "records": [],
         "skipped": [],
         "tuning": [],
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
         result.update(fields, seconds=round(time.time() - t0, 1))
         args.out.write_text(json.dumps(result, indent=1))
 
+    failures: list[dict] = []  # steps that raised: recorded, and the run goes on to the next step (guarded)
+
     if kernel == "triton" and device.type == "cuda" and args.prewarm_s > 0:
         save(prewarm=_prewarm(device, args.prewarm_s, e2e=args.e2e != "no"))
     copy_gbps = copy_bandwidth(cfg)
@@ -290,18 +296,22 @@ def main(argv: list[str] | None = None) -> dict:
     if run_check and args.e2e != "only":
         print("(2) correctness vs float64")
         check_cfg = Config(**{**cfg.__dict__, "kernel": "triton"})
-        checks = check_variants(check_cfg, _decoder(check_cfg))
-        save(checks=checks, check_failures=[f"{c['variant']} on {c['shape']}" for c in checks if not c["ok"]])
+        checks = guarded("(2) checks", lambda: check_variants(check_cfg, _decoder(check_cfg)), failures)
+        if checks is not None:
+            save(checks=checks, check_failures=[f"{c['variant']} on {c['shape']}" for c in checks if not c["ok"]])
         print("(2b) quantize-and-pack kernel vs kvbits.quant.quantize (bit for bit), flush time")
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-        save(quantize=check_and_time_quantize(cfg, flush))
+        quantized = guarded("(2b) quantize", lambda: check_and_time_quantize(cfg, flush), failures)
+        save(quantize=quantized or [], failures=failures)
         print("(2c) a growing and a reserved cache, the same greedy decode: logits bit for bit")
         small = {"context": 37, "tokens": 2} if cfg.smoke else {}  # the interpreter: a short prompt, two steps
-        grow = growing_vs_reserved(check_cfg, **{**GROWING_CHECK, **small})
-        save(growing_vs_reserved=grow)
-        print(f"  {grow['scheme']} B={grow['batch']} prompt {grow['context']}, {grow['tokens']} steps: logits bit-identical "
-              f"{grow['logits_bit_identical']} (max diff {grow['logits_max_diff']:.3g}, first at step "
-              f"{grow['first_diff_step']}), greedy tokens equal {grow['greedy_tokens_equal']}")  # fmt: skip
+        grow = guarded("(2c) growing vs reserved", lambda: growing_vs_reserved(check_cfg, **{**GROWING_CHECK, **small}),
+                       failures)  # fmt: skip
+        save(growing_vs_reserved=grow, failures=failures)
+        if grow is not None:
+            print(f"  {grow['scheme']} B={grow['batch']} prompt {grow['context']}, {grow['tokens']} steps: logits "
+                  f"bit-identical {grow['logits_bit_identical']} (max diff {grow['logits_max_diff']:.3g}, first at "
+                  f"step {grow['first_diff_step']}), greedy tokens equal {grow['greedy_tokens_equal']}")  # fmt: skip
     if args.e2e != "only":
         decode = _decoder(cfg)
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
@@ -327,10 +337,24 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
         e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else E2E_WARMUP,
                          progress=lambda rows: save(e2e=rows), only=only)  # fmt: skip
-    save(e2e=e2e, complete=True)
+    failures += [{"step": "(6) " + r["cache"], "error": r["failure"]} for r in e2e if "failure" in r]
+    save(e2e=e2e, failures=failures, complete=True)
     print(markdown(records, be, copy_gbps, e2e))
     print(f"\nwrote {args.out} in {time.time() - t0:.0f} s")
+    if failures:  # after every step ran and the figures were written
+        raise SystemExit(f"{len(failures)} step(s) failed: " + "; ".join(f"{f['step']}: {f['error']}" for f in failures))
     return result
+
+
+def guarded(step: str, fn, failures: list[dict]):
+    """``fn()``, or ``None`` with ``{"step", "error"}`` appended to ``failures`` and printed when it raises: one
+    step's failure (a kernel no GPU has run yet) must not cost the device call the steps after it."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - recorded with its type and message, the run goes on
+        failures.append({"step": step, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        print(f"  {step} FAILED: {type(exc).__name__}: {exc}")
+        return None
 
 
 if __name__ == "__main__":

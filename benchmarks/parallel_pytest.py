@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -97,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     chunks = deal(ids, a.workers)
     _default_sigint()
-    logs = [a.log.with_name(f"{a.log.stem}.worker{n}.log") for n in range(len(chunks))]
+    # the workers' own logs in a temporary folder, not beside --log: on the device that is $OUT, which returns at
+    # most 8 files; a timeout killing this script before it merges them would leave 8 more there
+    tmp = Path(tempfile.mkdtemp(prefix="parallel_pytest."))
+    logs = [tmp / f"{a.log.stem}.worker{n}.log" for n in range(len(chunks))]
     opts = [o for o in args if not o.endswith(".py") and "::" not in o]  # -m / -k / -p ...: the ids replace the files
     procs = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a worker killed after the SIGINT keeps what it printed
@@ -129,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, (chunk, out, proc) in enumerate(zip(chunks, outputs, procs)):
             log.write(f"\n===== worker {n}: {len(chunk)} tests, exit {proc.returncode} =====\n{out}")
         log.write(f"\n{line}\n")
-    for path in logs:
-        path.unlink()
+    shutil.rmtree(tmp, ignore_errors=True)
     print(line)
     return 0 if all(proc.returncode == 0 for proc in procs) else 1
 

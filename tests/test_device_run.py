@@ -165,12 +165,73 @@ print("OK")
 def test_the_optional_second_calls_step6_runs_exist(monkeypatch):
     """The second device call that ``device_run.sh``'s header prepares names its step-6 runs (``--e2e-runs``); a
     misspelt one would stop that call before its first step, on the device's time. Each name must be a run
-    ``gpu_bench.e2e`` knows, and the runs it adds (``StaticQuantizedKVCache``'s, opt-in) must be among them."""
+    ``gpu_bench.e2e`` knows; the call exists for transformers' ``QuantizedCache`` (quanto, 4 bits), never measured,
+    beside the fp16 baseline it is compared with, and a graph-replayed ``StaticQuantizedKVCache``."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # not left there by another test of this process
-    from gpu_bench.e2e import STATIC_KVBITS, wanted_runs
+    from gpu_bench.e2e import wanted_runs
 
     found = re.search(r"--e2e-runs (\S+)", SCRIPT.read_text())
     assert found, "no --e2e-runs in device_run.sh's header"
     names = found.group(1).split(",")
     wanted = wanted_runs(names)  # ValueError for an unknown cache name
-    assert all(wanted(name, "int8-token") for name in STATIC_KVBITS), names
+    assert wanted("dynamic-fp16", "fp16") and wanted("hf-quantized-quanto", 4) and not wanted("hf-quantized-quanto", 2)
+    assert wanted("kvbits-static-graphs", "kivi-4"), names
+
+
+def test_a_failing_step_is_recorded_and_the_next_ones_run(monkeypatch, tmp_path: Path):
+    """Step 2c (never run on a GPU) raising ended gpu_decode.py before the sweep; one fp16 baseline raising ended
+    the sweep at that cell. Each is now recorded (``failures``, ``skipped``), the steps after it run, and the script
+    exits non-zero once everything ran."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+    from gpu_bench import sweep
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    real, calls = sweep.fp16_baselines, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected baseline")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_decode, "growing_vs_reserved", boom)
+    monkeypatch.setattr(gpu_decode, "check_variants", lambda *a, **k: [])  # (the interpreter's checks: minutes)
+    monkeypatch.setattr(gpu_decode, "check_and_time_quantize", lambda *a, **k: [])
+    monkeypatch.setattr(sweep, "fp16_baselines", flaky)
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit, match=r"1 step\(s\) failed: \(2c\) growing vs reserved: RuntimeError: injected"):
+        gpu_decode.main(["--smoke", "--device", "cpu", "--check", "yes", "--e2e", "no", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["records"] and d["growing_vs_reserved"] is None and len(d["failures"]) == 1
+    assert [s["reason"] for s in d["skipped"]] == ["fp16 baseline failed: RuntimeError: injected baseline"]
+    assert len({(r["shape"], r["context"]) for r in d["records"]}) == len(calls) - 1  # every other cell timed
+
+
+def test_a_failing_end_to_end_run_is_recorded_and_the_next_ones_run(monkeypatch, tmp_path: Path):
+    """A step-6 run whose fused path missed steps raised SystemExit: every later run (the quanto and CUDA-graph
+    peers the second device call exists for) was lost. It is a ``failure`` row now; a run that raises is
+    ``skipped`` with its error, and a transformers backend that failed is not tried again."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+    from gpu_bench import e2e
+
+    real = e2e._finish
+
+    def miss(cfg, model, name, *args, **kwargs):
+        if name == "kvbits-fused":
+            raise e2e.E2EFailure("E2E FAILURE: kvbits-fused kivi-4: injected")
+        return real(cfg, model, name, *args, **kwargs)
+
+    monkeypatch.setattr(e2e, "_finish", miss)
+    monkeypatch.setattr(e2e, "_hf_cache", lambda *a: (object(), None))  # a backend that fails on this device
+    out = tmp_path / "e.json"
+    with pytest.raises(SystemExit, match=r"1 step\(s\) failed: \(6\) kvbits-fused: E2E FAILURE: kvbits-fused kivi-4"):
+        gpu_decode.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
+                         "dynamic-fp16,kvbits-fused:kivi-4,kvbits-dequant-sdpa,hf-quantized-quanto", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["e2e"]
+    assert [r["cache"] for r in rows] == ["dynamic-fp16", "kvbits-fused", "kvbits-dequant-sdpa"] + ["hf-quantized-quanto"] * 2
+    assert "failure" in rows[1] and rows[2]["tokens_per_s"] > 0
+    assert rows[3]["skipped"].startswith("AttributeError") and rows[4]["skipped"].startswith("the quanto backend failed before")

@@ -279,8 +279,13 @@ E2E_CACHES = (*DYNAMIC, "kvbits-fused", "kvbits-fused-growing", "kvbits-dequant-
               "hf-quantized-fp8", *OPT_IN)  # fmt: skip
 
 
+class E2EFailure(RuntimeError):
+    """A step-6 run that did not do what it measures (the fused path not taken on every step): recorded as the
+    run's ``failure`` and printed, and step 6 goes on; ``gpu_decode.py`` exits non-zero once every step ran."""
+
+
 def _static_note(name: str, cache, steps: int, graphed) -> str:
-    """What a ``STATIC_KVBITS`` run did; ``SystemExit`` unless every layer was claimed by the fused path with no
+    """What a ``STATIC_KVBITS`` run did; ``E2EFailure`` unless every layer was claimed by the fused path with no
     fallback and, run eagerly, attended every decode step through it (a graph's replays run no Python: its layers
     count the eager steps and the captured one)."""
     layers = cache.layers
@@ -288,7 +293,7 @@ def _static_note(name: str, cache, steps: int, graphed) -> str:
     python_steps = steps if graphed is None else graphed.calls - graphed.replays
     if not all(layer.fused.claimed for layer in layers) or any(layer.fused.fallbacks for layer in layers) \
             or fused != python_steps * len(layers):
-        raise SystemExit(f"E2E FAILURE: {name}: {fused} fused layer steps (want {python_steps * len(layers)}), claimed "
+        raise E2EFailure(f"E2E FAILURE: {name}: {fused} fused layer steps (want {python_steps * len(layers)}), claimed "
                          f"{[layer.fused.claimed for layer in layers]}, fallbacks {[layer.fused.fallbacks for layer in layers]}")  # fmt: skip
     if graphed is None:
         return f"{fused} fused steps; StaticQuantizedKVCache"
@@ -324,8 +329,10 @@ def end_to_end(
     progress: Callable[[list[dict]], None] | None = None,
     only: list[str] | None = None,
 ) -> list[dict]:
-    """Step (6): decode tokens/s per cache at ``context``; raises ``SystemExit`` if the fused path was
-    not taken on every decode step of every layer. On CUDA each kvbits and ``DynamicCache`` run also
+    """Step (6): decode tokens/s per cache at ``context``; a run whose fused path was not taken on every decode
+    step of every layer gets a ``failure`` instead of its figures, and the others still run. A run that raises
+    gets ``skipped`` with the error; a transformers ``QuantizedCache`` backend that failed once (quanto builds a
+    CUDA extension on first use) is not tried again. On CUDA each kvbits and ``DynamicCache`` run also
     records the bytes its cache holds on the device after the run (``resident_bytes``: allocated now
     minus before the cache was made, the generated logits freed) against ``kvbits.plan``
     (``planned_bytes``), and the run's peak above that baseline (``peak_bytes``: activations included).
@@ -333,7 +340,7 @@ def end_to_end(
     just these runs (``wanted_runs``; a second device call that measures transformers' ``QuantizedCache``
     peers, which come last and which a full step 6 has never reached within its budget)."""
     wanted = wanted_runs(only)
-    from kvbits.cache import QuantizedKVCache, use_fused_decode
+    from kvbits.cache import use_fused_decode
 
     model = e2e_model(cfg, context, tokens)
     n_layers = model.config.num_hidden_layers
@@ -357,9 +364,15 @@ def end_to_end(
     runs += [(batch, f"hf-quantized-{b}", n, b) for batch in batches for b, n in E2E_HF]
     runs += [(batch, STATIC_GRAPHS, "fp16", None) for batch in batches]  # last: its compile may take a while
     runs = [r for r in runs if wanted(r[1], r[2])]
+    failed_backends: dict[str, str] = {}  # transformers QuantizedCache backend -> why its first run failed
     for batch, name, scheme, how in runs:
-        ids, fused_tokens, fp16_tps = prompts[batch], fused_by_batch[batch], fp16_by_batch.get(batch)
-        bytes_ = note = None
+        ids, fused_tokens = prompts[batch], fused_by_batch[batch]
+        note = None
+        if name.startswith("hf-quantized") and how in failed_backends:
+            rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                         "skipped": f"the {how} backend failed before: {failed_backends[how]}"})  # fmt: skip
+            print(f"  e2e {name:20s} skipped: the {how} backend failed before")
+            continue
         if out_of_time(cfg):
             rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
                          "skipped": "time budget (--budget-s)"})  # fmt: skip
@@ -369,117 +382,70 @@ def end_to_end(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(cfg.device)
         base = _allocated(cfg)
-        step_model = None
-        if name == STATIC_GRAPHS:
-            from transformers import StaticCache
+        cache = None
+        try:  # building the cache too: a run that can not even start is a result, not the end of step 6
+            step_model = None
+            if name == STATIC_GRAPHS:
+                from transformers import StaticCache
 
-            model.set_attn_implementation("sdpa")
-            torch._dynamo.reset()
-            cache = StaticCache(config=model.config, max_cache_len=e2e_reserve(context, tokens, warmup))
-            step_model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-            note = "StaticCache, decode steps through torch.compile(mode='reduce-overhead'); not an eager-loop baseline"
-        elif name in DYNAMIC:
-            from transformers import DynamicCache
+                model.set_attn_implementation("sdpa")
+                torch._dynamo.reset()
+                cache = StaticCache(config=model.config, max_cache_len=e2e_reserve(context, tokens, warmup))
+                step_model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+                note = "StaticCache, decode steps through torch.compile(mode='reduce-overhead'); not an eager-loop baseline"
+            elif name in DYNAMIC:
+                from transformers import DynamicCache
 
-            model.set_attn_implementation("sdpa")
-            cache = DynamicCache(config=model.config)
-            if name == "dynamic-fp16-no-cudnn":
-                note = "SDPA without its cuDNN backend (flash, memory-efficient or math)"
-        elif name in STATIC_KVBITS:
-            from kvbits.cache import StaticQuantizedKVCache
+                model.set_attn_implementation("sdpa")
+                cache = DynamicCache(config=model.config)
+                if name == "dynamic-fp16-no-cudnn":
+                    note = "SDPA without its cuDNN backend (flash, memory-efficient or math)"
+            elif name in STATIC_KVBITS:
+                from kvbits.cache import StaticQuantizedKVCache
 
-            use_fused_decode(model)
-            mode = True if model.device.type == "cpu" else "auto"
-            cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks="lazy",
-                                           max_cache_len=e2e_reserve(context, tokens, warmup))  # fmt: skip
-            c = model.config
-            install_stand_ins(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-            if name == "kvbits-static-graphs":
-                from .graphs import GraphedDecode
-
-                step_model = GraphedDecode(model)
-        elif name.startswith("kvbits"):
-            if how:
                 use_fused_decode(model)
+                mode = True if model.device.type == "cpu" else "auto"
+                cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, fused_decode=mode, checks="lazy",
+                                               max_cache_len=e2e_reserve(context, tokens, warmup))  # fmt: skip
+                c = model.config
+                install_stand_ins(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+                if name == "kvbits-static-graphs":
+                    from .graphs import GraphedDecode
+
+                    step_model = GraphedDecode(model)
+            elif name.startswith("kvbits"):
+                if how:
+                    use_fused_decode(model)
+                else:
+                    model.set_attn_implementation("sdpa")
+                reserve = None if name == "kvbits-fused-growing" else e2e_reserve(context, tokens, warmup)
+                cache = kvbits_cache(model, scheme, how, max_cache_len=reserve)
             else:
                 model.set_attn_implementation("sdpa")
-            reserve = None if name == "kvbits-fused-growing" else e2e_reserve(context, tokens, warmup)
-            cache = kvbits_cache(model, scheme, how, max_cache_len=reserve)
-        else:
-            model.set_attn_implementation("sdpa")
-            cache, note = _hf_cache(model.config, how, scheme)
-            scheme = f"{how}-int{scheme}" if scheme else how
-            if cache is None:
-                rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
-                             "skipped": note})  # fmt: skip
-                print(f"  e2e {name:20s} skipped: {note}")
-                continue
-        try:
+                cache, note = _hf_cache(model.config, how, scheme)
+                scheme = f"{how}-int{scheme}" if scheme else how
+                if cache is None:
+                    rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
+                                 "skipped": note})  # fmt: skip
+                    print(f"  e2e {name:20s} skipped: {note}")
+                    continue
             with sdpa_backends("no-cudnn" if name == "dynamic-fp16-no-cudnn" else "auto"):
                 r = decode_run(cfg, model, cache, ids, tokens, warmup, step_model=step_model)
-        except (RuntimeError, NotImplementedError) as exc:  # e.g. an HF backend failing on this device
-            rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context,
-                         "skipped": f"{type(exc).__name__}: {str(exc)[:160]}"})  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - e.g. an HF backend failing on this device; the next runs go on
+            why = f"{type(exc).__name__}: {str(exc)[:160]}"
+            rows.append({"cache": name, "scheme": scheme, "batch": batch, "context": context, "skipped": why})
             print(f"  e2e {name:20s} failed: {exc}")
+            if name.startswith("hf-quantized"):
+                failed_backends[how] = why
+            del cache
             continue
-        mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
-               "rope_table_bytes": None}  # fmt: skip
-        # planned at context + steps: a StaticQuantizedKVCache's max_cache_len too (e2e_reserve)
-        if name in FP16_CACHES or name in STATIC_KVBITS or isinstance(cache, QuantizedKVCache):
-            mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + r["steps"], how is True)
-            if base is not None:
-                mem["resident_bytes"] = _allocated(cfg) - base
-                mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
-        if name in STATIC_KVBITS:
-            bytes_ = cache.memory_report()["total_bytes"]  # the slabs, reserved for every e2e_reserve slot
-            note = _static_note(name, cache, r["steps"], step_model)
-            if scheme in fused_tokens:
-                note += f"; greedy tokens equal to kvbits-fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
-        elif isinstance(cache, QuantizedKVCache):
-            report = cache.memory_report()
-            bytes_ = report["total_bytes"]
-            fr = cache.fused_report()
-            # held beside the K/V, not planned: per-sequence position offsets, a dequantization workspace;
-            # the float32 RoPE tables of fused pre-RoPE keys are held apart from memory_report() but planned
-            mem["extra_bytes"] = report["position_bytes"] + report["workspace_bytes"]
-            mem["rope_table_bytes"] = fr["rope_table_bytes"]
-            want = r["steps"] * n_layers if how else 0
-            if fr["fused_steps"] != want or fr["fallback_steps"]:
-                raise SystemExit(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
-                                 f"(want {want}), {fr['fallback_steps']} fallbacks: {fr['layers']}")  # fmt: skip
-            note = f"{fr['fused_steps']} fused steps"
-            if name == "kvbits-fused-growing":
-                note += "; no reservation (max_cache_len=None)"
-            if how and name == "kvbits-fused":
-                fused_tokens[scheme] = r["tokens"]
-            elif scheme in fused_tokens:
-                note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
-        elif name in FP16_CACHES:
-            bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-            if name == "dynamic-fp16":
-                fp16_tps = fp16_by_batch[batch] = r["tokens_per_s"]
-            if name in DYNAMIC:
-                best_fp16_by_batch[batch] = max(best_fp16_by_batch.get(batch, 0.0), r["tokens_per_s"])
-        best = best_fp16_by_batch.get(batch)
-        row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
-               "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"], "final_sync_ms": r["final_sync_ms"],
-               "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
-               "speedup_vs_best_fp16": round(r["tokens_per_s"] / best, 3) if best else None,
-               "cache_bytes": bytes_, **mem, "note": note, "profile": r.get("profile")}  # fmt: skip
+        try:
+            row = _finish(cfg, model, name, scheme, how, batch, context, cache, r, base, step_model, note,
+                          fused_tokens, fp16_by_batch, best_fp16_by_batch, n_layers)  # fmt: skip
+        except E2EFailure as exc:
+            row = {"cache": name, "scheme": scheme, "batch": batch, "context": context, "failure": str(exc)}
+            print(f"  {exc}")
         rows.append(row)
-        if mem["resident_bytes"] is not None:
-            print(f"  e2e {name:20s} cache on the GPU: {mem['resident_bytes'] / 2**20:.1f} MiB held, "
-                  f"{mem['planned_bytes'] / 2**20:.1f} MiB planned "
-                  f"({mem['resident_bytes'] / mem['planned_bytes']:.3f}x) + {(mem['extra_bytes'] or 0) / 2**20:.1f} MiB "
-                  f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
-        print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
-              f"({r['ms_per_step']:.2f} ms/step; final sync waited {r['final_sync_ms']:.2f} ms) {note or ''}")  # fmt: skip
-        if r.get("profile"):
-            pr = r["profile"]
-            print(f"      profiled step: {pr['wall_ms']:.2f} ms wall, device {pr['device_ms']} ms; top: "
-                  + ", ".join(f"{t['name']} {t['self_ms']:.3f} ms x{t['calls']}" for t in pr["top"][:5]))  # fmt: skip
-            print(f"      host {pr['host_ms']:.2f} ms; top: "
-                  + ", ".join(f"{t['name']} {t['self_ms']:.3f} ms x{t['calls']}" for t in pr["top_host"][:5]))  # fmt: skip
         del cache
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -492,3 +458,72 @@ def end_to_end(
             tps = graphs.get(r["batch"])
             r["speedup_vs_static_graphs"] = round(r["tokens_per_s"] / tps, 3) if tps else None
     return rows
+
+
+def _finish(cfg: Config, model, name: str, scheme: str, how, batch: int, context: int, cache, r: dict, base,
+            step_model, note, fused_tokens: dict, fp16_by_batch: dict, best_fp16_by_batch: dict,
+            n_layers: int) -> dict:  # fmt: skip
+    """The row of a step-6 run that decoded (``r``: ``decode_run``'s figures): bytes held against the plan, what the
+    fused path did (``E2EFailure`` when it did not take every step), speed-ups; prints it."""
+    from kvbits.cache import QuantizedKVCache
+
+    bytes_ = None
+    fp16_tps = fp16_by_batch.get(batch)
+    mem = {"resident_bytes": None, "planned_bytes": None, "extra_bytes": None, "peak_bytes": None,
+           "rope_table_bytes": None}  # fmt: skip
+    # planned at context + steps: a StaticQuantizedKVCache's max_cache_len too (e2e_reserve)
+    if name in FP16_CACHES or name in STATIC_KVBITS or isinstance(cache, QuantizedKVCache):
+        mem["planned_bytes"] = _planned_bytes(model, scheme, batch, context + r["steps"], how is True)
+        if base is not None:
+            mem["resident_bytes"] = _allocated(cfg) - base
+            mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
+    if name in STATIC_KVBITS:
+        bytes_ = cache.memory_report()["total_bytes"]  # the slabs, reserved for every e2e_reserve slot
+        note = _static_note(name, cache, r["steps"], step_model)
+        if scheme in fused_tokens:
+            note += f"; greedy tokens equal to kvbits-fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+    elif isinstance(cache, QuantizedKVCache):
+        report = cache.memory_report()
+        bytes_ = report["total_bytes"]
+        fr = cache.fused_report()
+        # held beside the K/V, not planned: per-sequence position offsets, a dequantization workspace;
+        # the float32 RoPE tables of fused pre-RoPE keys are held apart from memory_report() but planned
+        mem["extra_bytes"] = report["position_bytes"] + report["workspace_bytes"]
+        mem["rope_table_bytes"] = fr["rope_table_bytes"]
+        want = r["steps"] * n_layers if how else 0
+        if fr["fused_steps"] != want or fr["fallback_steps"]:
+            raise E2EFailure(f"E2E FAILURE: {name} {scheme}: {fr['fused_steps']} fused decode steps "
+                             f"(want {want}), {fr['fallback_steps']} fallbacks: {fr['layers']}")  # fmt: skip
+        note = f"{fr['fused_steps']} fused steps"
+        if name == "kvbits-fused-growing":
+            note += "; no reservation (max_cache_len=None)"
+        if how and name == "kvbits-fused":
+            fused_tokens[scheme] = r["tokens"]
+        elif scheme in fused_tokens:
+            note += f"; greedy tokens equal to fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
+    elif name in FP16_CACHES:
+        bytes_ = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        if name == "dynamic-fp16":
+            fp16_tps = fp16_by_batch[batch] = r["tokens_per_s"]
+        if name in DYNAMIC:
+            best_fp16_by_batch[batch] = max(best_fp16_by_batch.get(batch, 0.0), r["tokens_per_s"])
+    best = best_fp16_by_batch.get(batch)
+    row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
+           "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"], "final_sync_ms": r["final_sync_ms"],
+           "speedup_vs_fp16": round(r["tokens_per_s"] / fp16_tps, 3) if fp16_tps else None,
+           "speedup_vs_best_fp16": round(r["tokens_per_s"] / best, 3) if best else None,
+           "cache_bytes": bytes_, **mem, "note": note, "profile": r.get("profile")}  # fmt: skip
+    if mem["resident_bytes"] is not None:
+        print(f"  e2e {name:20s} cache on the GPU: {mem['resident_bytes'] / 2**20:.1f} MiB held, "
+              f"{mem['planned_bytes'] / 2**20:.1f} MiB planned "
+              f"({mem['resident_bytes'] / mem['planned_bytes']:.3f}x) + {(mem['extra_bytes'] or 0) / 2**20:.1f} MiB "
+              f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+    print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
+          f"({r['ms_per_step']:.2f} ms/step; final sync waited {r['final_sync_ms']:.2f} ms) {note or ''}")  # fmt: skip
+    if r.get("profile"):
+        pr = r["profile"]
+        print(f"      profiled step: {pr['wall_ms']:.2f} ms wall, device {pr['device_ms']} ms; top: "
+              + ", ".join(f"{t['name']} {t['self_ms']:.3f} ms x{t['calls']}" for t in pr["top"][:5]))  # fmt: skip
+        print(f"      host {pr['host_ms']:.2f} ms; top: "
+              + ", ".join(f"{t['name']} {t['self_ms']:.3f} ms x{t['calls']}" for t in pr["top_host"][:5]))  # fmt: skip
+    return row

@@ -33,10 +33,9 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
                 "cache bytes | GPU held / planned | note |")  # fmt: skip
         lines += ["", head, "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in e2e:
-            if "skipped" in r:
-                lines.append(
-                    f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | | | {r['skipped']} |"
-                )
+            if "skipped" in r or "failure" in r:
+                why = r.get("skipped") or f"**{r['failure']}**"
+                lines.append(f"| {r['cache']} | {r['scheme']} | {r['batch']} | {r['context']} | | | | | | | {why} |")
                 continue
             sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
             best = r.get("speedup_vs_best_fp16")  # absent from runs before the second DynamicCache run
