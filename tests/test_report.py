@@ -219,6 +219,46 @@ def test_verdict_when_nothing_passes_and_baseline_drifts():
     assert "Warning: the unquantized **fp16** differs from the reference by up to +0.20%" in v
 
 
+def test_a_budget_is_named_as_it_is_applied(tmp_path):
+    """``--threshold 0.5`` (the CLI's own example) was printed as a 0 % budget and 2.5 % as 2 %: the verdict,
+    captions and figures named a budget they did not apply. The heatmap's colours follow the budget too."""
+    v = verdict(_summary(), threshold=0.005)
+    assert "stay within 0.5% ΔPPL" in v and "First bucket above 0.5%" in v
+    assert "First bucket above 2.5%: **kivi-2** already in the first bucket, 0–1K (+3.00%" in verdict(_summary(), threshold=0.025)
+    assert delta_table(_summary(), threshold=0.005).caption.endswith("above +0.5% marked.")
+    md = write_report(_write_run(tmp_path / "run"), threshold=0.005, strict=True)["markdown"].read_text()
+    assert "the dotted red line is the 0.5% budget" in md and "above +0.5% marked" in md
+
+
+def test_a_baseline_below_the_reference_is_warned_about_too():
+    """The warning looked at the largest signed bucket ΔPPL: fp16 3 % *below* the reference went unsaid."""
+    for deltas, shown in (([0.0, -0.03, 0.0, 0.0], "-3.00%"), ([0.00005, -0.03, 0.0, 0.0], "-3.00%"),
+                          ([0.0, 0.03, -0.01, 0.0], "+3.00%")):  # fmt: skip
+        v = verdict(_summary({"fp16": (16.0, deltas), "kivi-4": SCHEMES["kivi-4"]}))
+        assert f"Warning: the unquantized **fp16** differs from the reference by up to {shown}" in v, deltas
+
+
+def test_names_are_text_not_markup(tmp_path):
+    """Names from summary.json went to rich as markup: a data path with ``[/tmp]`` raised MarkupError after the
+    report was written, ``llama-[instruct]`` showed as ``llama-``. In Markdown, ``<``/``>`` outside code spans are
+    entities (a scheme JSON may name its scheme anything); in HTML, a code span is kept as it is."""
+    from rich.console import Console
+
+    from kvbits.report.html_page import _inline
+    from kvbits.report.markdown import _md_cell, _md_text
+
+    s = _summary({"fp16": SCHEMES["fp16"], "k[/]": SCHEMES["kivi-4"], "int4-[bold]g32": SCHEMES["int4-token"]})
+    s.update(model="llama-[instruct]", data="/corpora/[/tmp]/book.txt")
+    con = Console(record=True, width=250, color_system=None)
+    print_summary(s, con)
+    text = con.export_text()
+    for name in ("llama-[instruct]", "/corpora/[/tmp]/book.txt", "k[/]", "int4-[bold]g32"):
+        assert name in text, name
+    assert _md_text("a <img src=x> `b <c>` d") == "a &lt;img src=x&gt; `b <c>` d"
+    assert _md_cell("x|y\nz") == "x\\|y z"
+    assert _inline("- `/corpora/*/part-*.txt` *it*") == "- <code>/corpora/*/part-*.txt</code> <em>it</em>"
+
+
 # ---------------------------------------------------------------------------------------- terminal
 
 
@@ -571,3 +611,13 @@ def test_stream_decode_path_is_reported(tmp_path):
     assert "4,140 layer-steps through the fused kernel over the packed cache, 12 over dequantized K/V" in md
     md = write_report(_write_run(tmp_path / "sim", _summary(), tokens=False), plots=False)["markdown"].read_text()
     assert "Decode path" not in md
+
+
+def test_speed_report_says_larger_for_a_cache_holding_more():
+    """A cache holding twice DynamicCache's bytes (a StaticCache, a reservation) read "(0.50x smaller)"."""
+    from kvbits.report.speed import _bytes_cell
+
+    base = {"cache_bytes": 48107520}
+    assert _bytes_cell({"cache_bytes": 96215040}, base) == "91.76 MiB (2.00x larger)"
+    assert _bytes_cell({"cache_bytes": 24053760}, base) == "22.94 MiB (2.00x smaller)"
+    assert _bytes_cell(base, base) == "45.88 MiB"

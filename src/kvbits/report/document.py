@@ -17,7 +17,7 @@ from kvbits.report.calibration import (
     calibration_table,
     calibration_warnings,
 )
-from kvbits.report.fmt import fmt_pos
+from kvbits.report.fmt import fmt_budget, fmt_pos
 from kvbits.report.inputs import reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary
@@ -73,7 +73,7 @@ Block = Heading | Para | Meta | Table | Figure | Code
 
 FIGURE_TEXT = {
     "ppl_vs_position": "Perplexity (top) and ΔPPL against the unquantized reference (bottom) along the "
-    "context; the dotted red line is the 1% budget.",
+    "context; the dotted red line is the {budget} budget.",
     "delta_heatmap": "ΔPPL % per scheme and position bucket, with 95% confidence intervals.",
     "kl_by_bucket": "KL divergence from the reference per position bucket (log scale; zeros are not drawn).",
     "bits_vs_delta": "Memory against quality: average bits per cached element vs ΔPPL, overall (filled) "
@@ -174,7 +174,7 @@ def build_document(
 
     def fig(key: str) -> None:
         if key in figures:
-            blocks.append(Figure(figures[key], PLOT_FILES[key], FIGURE_TEXT[key]))
+            blocks.append(Figure(figures[key], PLOT_FILES[key], FIGURE_TEXT[key].format(budget=fmt_budget(threshold, sign=False))))
         elif key in failed:
             blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {failed[key]}.*"))
 

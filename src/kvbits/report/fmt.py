@@ -77,6 +77,14 @@ def fmt_pct(frac: float, digits: int = 2) -> str:
     return f"{pct:+.{d}f}%"
 
 
+def fmt_budget(threshold: float, sign: bool = True) -> str:
+    """A ΔPPL budget (fraction) as the percentage it is, no digit rounded away: ``0.005 -> '+0.5%'``,
+    ``0.01 -> '+1%'``, ``0.025 -> '+2.5%'`` (``sign=False``: ``'0.5%'``). ``fmt_pct(t, 0)`` printed a 0.5 %
+    budget as ``+0%`` and 2.5 % as ``+2%``, naming a budget the verdict did not apply."""
+    pct = f"{round(threshold * 100, 6):g}%"
+    return f"+{pct}" if sign else pct
+
+
 def fmt_ci(ci: tuple[float, float]) -> str:
     """A 95 % CI of a relative change: ``[+0.10, +0.80]`` (percent), or '' when unknown."""
     lo, hi = ci

@@ -34,11 +34,18 @@ pre{background:#f6f8fa;padding:.8em 1em;overflow-x:auto;border-radius:6px}
 
 
 def _inline(text: str) -> str:
-    """Escape, then render ``**bold**``, ``*italic*`` and ```code``` spans."""
-    s = html.escape(text, quote=False)
-    s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
-    s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
-    return re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", s)
+    """Escape, then render ``**bold**``, ``*italic*`` and ```code``` spans; a code span is taken as it is (a path
+    ``/corpora/*/part-*.txt`` stays that, not ``/corpora/<em>/part-</em>.txt``)."""
+    parts = re.split(r"(`[^`]+`)", text)
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2:  # a code span
+            out.append(f"<code>{html.escape(part[1:-1], quote=False)}</code>")
+            continue
+        s = html.escape(part, quote=False)
+        s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
+        out.append(re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", s))
+    return "".join(out)
 
 
 def _cls(*names: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table
@@ -11,8 +12,16 @@ from kvbits.report.tables import TableData
 __all__ = ["to_markdown"]
 
 
+def _md_text(text: str) -> str:
+    """``text`` with ``<`` and ``>`` outside code spans as entities: names and paths from ``summary.json`` (a scheme
+    JSON may name its scheme anything) are shown, never rendered as HTML by viewers that allow it."""
+    parts = re.split(r"(`[^`]+`)", text)
+    return "".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
+
+
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """A table cell: ``_md_text``, ``|`` escaped, a newline (which would end the row) as a space."""
+    return _md_text(text).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def _md_table(t: TableData) -> str:
@@ -22,18 +31,18 @@ def _md_table(t: TableData) -> str:
         cells = [f"**{_md_cell(c.text)}**" if c.tone == "bad" and c.text else _md_cell(c.text) for c in row]
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines)
-    return (f"*{t.caption}*\n\n" + out) if t.caption else out
+    return (f"*{_md_text(t.caption)}*\n\n" + out) if t.caption else out
 
 
 def to_markdown(blocks: list[Block], out_dir: Path) -> str:
     parts = []
     for b in blocks:
         if isinstance(b, Heading):
-            parts.append("#" * b.level + " " + b.text)
+            parts.append("#" * b.level + " " + _md_text(b.text).replace("\n", " "))
         elif isinstance(b, Para):
-            parts.append(b.text)
+            parts.append(_md_text(b.text))
         elif isinstance(b, Meta):
-            parts.append("\n".join(f"- **{k}:** {v}" for k, v in b.items))
+            parts.append("\n".join(f"- **{_md_text(k)}:** {_md_text(v)}" for k, v in b.items))
         elif isinstance(b, Table):
             parts.append(_md_table(b.data))
         elif isinstance(b, Figure):

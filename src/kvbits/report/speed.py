@@ -107,7 +107,8 @@ def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> 
         return "n/a"
     cell = fmt_bytes(r["cache_bytes"])
     if base is not None and base.get("cache_bytes") and r is not base:
-        cell += f" ({base['cache_bytes'] / r['cache_bytes']:.2f}x smaller)"
+        ratio = base["cache_bytes"] / r["cache_bytes"]  # a StaticCache or a reserved cache may hold more, not less
+        cell += f" ({ratio:.2f}x smaller)" if ratio >= 1 else f" ({1 / ratio:.2f}x larger)"
     if r.get("planned_bytes") is not None and r["planned_bytes"] != r["cache_bytes"]:
         cell += f" **≠ plan {fmt_bytes(r['planned_bytes'])}**"
     if r.get("workspace_bytes"):

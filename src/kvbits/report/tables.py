@@ -18,6 +18,7 @@ from kvbits.report.fmt import (
     NA,
     _ok,
     bucket_label,
+    fmt_budget,
     fmt_bytes,
     fmt_ci,
     fmt_end,
@@ -103,7 +104,7 @@ def delta_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFA
     return TableData(
         headers=("scheme", "bits", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
         right=frozenset(range(1, 2 + len(spans))),
-        caption=f"ΔPPL by position t in the context (predicting token t + 1), % [95% CI]; above {fmt_pct(threshold, 0)} marked.",
+        caption=f"ΔPPL by position t in the context (predicting token t + 1), % [95% CI]; above {fmt_budget(threshold)} marked.",
     )
 
 
@@ -251,22 +252,24 @@ _RICH_TONE = {"good": "green", "bad": "bold red", "muted": "dim", "": ""}
 def bucket_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_THRESHOLD) -> Table:
     """A rich table for the terminal: per scheme and position bucket, ΔPPL % (green within
     ``threshold``, red above), its 95 % CI, and KL / top-1 agreement on a dim second line."""
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
     run = RunSummary.coerce(summary)
     spans = run.bucket_spans
-    title = f"ΔPPL by position — {run.model} on {run.data}, {fmt_pos(run.context)} context, {run.semantics}"
+    # names from summary.json are text, not rich markup ("[/tmp]" in a path raised MarkupError; "[bold]" vanished)
+    title = escape(f"ΔPPL by position — {run.model} on {run.data}, {fmt_pos(run.context)} context, {run.semantics}")
     table = Table(
         title=title,
-        caption=f"ΔPPL (red above {fmt_pct(threshold, 0)}), its 95% CI, then KL (nats) · top-1 agreement",
+        caption=f"ΔPPL (red above {fmt_budget(threshold)}), its 95% CI, then KL (nats) · top-1 agreement",
     )
     table.add_column("scheme", style="bold")
     table.add_column("bits", justify="right")
     for span in spans:
         table.add_column(bucket_label(*span), justify="right")
     for r in run.results:
-        cells: list[Any] = [r.name, fmt_float(r.avg_bits, 2)]
+        cells: list[Any] = [Text(r.name), fmt_float(r.avg_bits, 2)]
         for span in spans:
             b = _bucket_at(r, span)
             if b is None:

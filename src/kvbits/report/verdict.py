@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_pct, fmt_pos
+from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_budget, fmt_pct, fmt_pos
 from kvbits.report.summary import RunSummary, SchemeResult
 
 __all__ = ["verdict"]
@@ -42,16 +42,18 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
     A bucket whose ΔPPL is NaN (missing in ``summary.json``) is not judged: a scheme with one passes
     nowhere, it is named as incomplete; an infinite ΔPPL is a failure."""
     run = RunSummary.coerce(summary)
-    thr = fmt_pct(threshold, 0).lstrip("+")
+    thr = fmt_budget(threshold, sign=False)
     parts: list[str] = []
     if not run.results:
         return "The run holds no results."
     quant = [r for r in run.results if not r.is_baseline]
     for r in run.results:
-        if r.is_baseline and not math.isnan(r.max_delta) and abs(r.max_delta) > 1e-4:
+        # the bucket furthest from the reference either way: a baseline 3 % below it is as wrong as 3 % above
+        worst = max((b.delta for b in r.buckets if _ok(b.delta) or math.isinf(b.delta)), key=abs, default=math.nan)
+        if r.is_baseline and not math.isnan(worst) and abs(worst) > 1e-4:
             parts.append(
                 f"Warning: the unquantized **{r.name}** differs from the reference by up to "
-                f"{fmt_pct(r.max_delta)}, so the evaluation path itself adds error."
+                f"{fmt_pct(worst)}, so the evaluation path itself adds error."
             )
     no_data = [r for r in quant if not any(b.judged for b in r.buckets)]
     judged = [r for r in quant if r not in no_data]

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_pct
+from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_budget, fmt_pct
 from kvbits.report.plots.figure import new_figure, require_matplotlib, save_png
 from kvbits.report.summary import RunSummary
 
 __all__ = ["plot_delta_heatmap"]
 
-# ΔPPL % colour bins of the heatmap: green within the usual 1 % budget, then worse and worse reds.
+# ΔPPL colour bins of the heatmap, in budgets: greens within it (at a 1 % budget: below 0.1, 0.5, 1 %), then worse and
+# worse reds (2, 5, 10 %, beyond)
 _DELTA_BINS = (-1e9, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 1e9)
 _DELTA_COLORS = ("#1a9850", "#91cf60", "#d9ef8b", "#fee08b", "#fc8d59", "#e34a33", "#b30000")
 
@@ -33,10 +34,12 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
             grid[i, j] = b.delta * 100
             ci[i, j] = b.ci
     cmap = ListedColormap(_DELTA_COLORS).with_extremes(bad="#e0e0e0")
-    norm = BoundaryNorm(_DELTA_BINS, cmap.N)
+    budget = threshold * 100  # the bins scale with the budget: a cell above it is never green
+    bins = [b if abs(b) == 1e9 else b * budget for b in _DELTA_BINS]
+    norm = BoundaryNorm(bins, cmap.N)
     fig = new_figure(max(5.5, 1.45 * len(spans) + 3.2), max(2.4, 0.55 * len(names) + 1.6))
     ax = fig.subplots()
-    shown = np.where(np.isposinf(grid), _DELTA_BINS[-2] + 1.0, grid)  # +inf: the worst bin, not masked
+    shown = np.where(np.isposinf(grid), bins[-2] + 1.0, grid)  # +inf: the worst bin, not masked
     im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if v == math.inf:
@@ -49,12 +52,12 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
         txt = fmt_pct(v / 100)
         if math.isfinite(lo) and math.isfinite(hi):
             txt += f"\n[{lo * 100:+.2f}, {hi * 100:+.2f}]"
-        dark = v >= 5 or v < 0.1
+        dark = v >= 5 * budget or v < 0.1 * budget
         ax.text(j, i, txt, ha="center", va="center", fontsize=8, color="white" if dark else "black")
     ax.set_xticks(range(len(spans)), [bucket_label(lo, hi) for lo, hi in spans])
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("position bucket")
-    ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_pct(threshold, 0)}", fontsize=11)
+    ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_budget(threshold)}", fontsize=11)
     cb = fig.colorbar(im, ax=ax, ticks=_DELTA_BINS[1:-1], fraction=0.05)
     cb.ax.set_yticklabels([f"{t:g}%" for t in _DELTA_BINS[1:-1]], fontsize=8)
     return save_png(fig, path)

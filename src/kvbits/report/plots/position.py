@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_pct
+from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_budget
 from kvbits.report.plots.figure import (
     TokenArrays,
     new_figure,
@@ -98,7 +98,7 @@ def plot_ppl_position(
     how = f"{smooth}-token running mean, averaged over windows" if smoothed_any else "bucket means"
     ax_p.set_title(f"Perplexity ({how})", fontsize=10)
     ax_d.axhline(0, color="black", lw=0.8)
-    ax_d.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_pct(threshold, 0)} budget")
+    ax_d.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_budget(threshold)} budget")
     percent_axis(ax_d, deltas)
     ax_d.set_ylabel("ΔPPL vs reference (%)")
     ax_d.set_xlabel("position in the window (query t, predicting token t + 1)")

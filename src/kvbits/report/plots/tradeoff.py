@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_pct
+from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_budget
 from kvbits.report.plots.figure import new_figure, percent_axis, save_png, scheme_colors
 from kvbits.report.summary import RunSummary
 
@@ -53,7 +53,7 @@ def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THR
     if len(front) > 1:
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="#999999", lw=1,
                 ls="--", zorder=2, label="Pareto front (overall)")
-    ax.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_pct(threshold, 0)} budget")
+    ax.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_budget(threshold)} budget")
     ax.axhline(0, color="black", lw=0.8)
     ax.plot([], [], "o", color="#444", label="overall ΔPPL")
     ax.plot([], [], "o", mfc="white", mec="#444", label="worst bucket")
