@@ -362,6 +362,31 @@ def test_attention_that_does_not_dispatch_is_refused_or_logged(monkeypatch, capl
 
 
 @torch.no_grad()
+def test_attention_sdpa_can_not_compute_is_refused():
+    """gpt-oss's attention adds per-head sinks (``s_aux``) that transformers' SDPA drops without a word (its
+    models set ``_supports_sdpa = False``); kvbits_fused attends through SDPA outside fused steps, so under
+    ``use_fused_decode`` every prefill and decode step lost the sinks: logits 0.71 away from the model's own,
+    with no fused step counted. Refused now (runners then decode through the model's own attention), and a call
+    that passes sinks raises rather than dropping them."""
+    from kvbits.cache import UnsupportedAttention
+    from kvbits.cache.attention import fused_attention
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                    num_experts_per_tok=1, sliding_window=8)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    before = model.config._attn_implementation
+    with pytest.raises(UnsupportedAttention, match="GptOssForCausalLM does not support SDPA"):
+        use_fused_decode(model)
+    assert model.config._attn_implementation == before
+    q = torch.randn(1, 4, 1, 16)
+    kv = torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match=r"passes s_aux \(attention sinks\)"):
+        fused_attention(model.model.layers[0].self_attn, q, kv, kv, None, s_aux=torch.zeros(4))
+
+
+@torch.no_grad()
 def test_falcon_decode_is_fused_where_its_attention_dispatches():
     """transformers' Falcon dispatches its attention through the AttentionInterface from 5.25: its decode steps
     are fused (the same tokens as dequantizing, every step through the kernel); before, it is refused."""
@@ -1056,3 +1081,72 @@ def test_position_offsets_are_read_once_per_request():
     cache.reset()
     cache.update(k, k, 0)
     assert cache.layers[0]._k.pos_offset is None  # no position ids: cache indices, as before
+
+
+@torch.no_grad()
+def test_attention_arguments_the_kernel_does_not_take_fall_back():
+    """T5's decoder passes ``position_bias`` to the attention function: SDPA adds it, the fused step dropped it
+    (fp16 storage: logits 0.14 away from the non-fused path). A step with an argument the kernel does not take
+    now attends over the store through SDPA, logged as a fallback: the same logits."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(2, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits, caches = {}, {}
+    for fused in (False, True):
+        caches[fused] = QuantizedKVCache(scheme="fp16", num_layers=2, fused_decode=fused)
+        previous = use_fused_decode(model) if fused else None
+        try:
+            out = model.generate(ids, **cache_kwargs(EncoderDecoderCache(caches[fused], DynamicCache()), model),
+                                 max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+        finally:
+            if fused:
+                model.set_attn_implementation(previous)
+        logits[fused] = torch.stack(out.logits)
+    rep = caches[True].fused_report()
+    assert rep["fused_steps"] == 0 and rep["fallback_steps"] > 0
+    assert torch.equal(logits[True], logits[False])
+
+
+@torch.no_grad()
+def test_sparse_attention_indices_are_refused_and_a_sliced_prompt_gets_its_causal_mask():
+    """DeepSeek-V3.2 applies its top-k mask only under "eager" / "sdpa" and otherwise passes ``indices`` for
+    FlashMLA, which SDPA dropped: dense attention, logits 0.31 off. Refused. Gemma 4's KV-shared layers slice the
+    prompt to ``logits_to_keep`` queries with no mask except under "sdpa": torch's top-left ``is_causal`` then cut
+    the keys (logits 0.17 off); the bottom-right causal mask is built instead."""
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=2, index_topk=4, index_head_dim=32, index_n_heads=2,
+    )  # fmt: skip
+    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    ids = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    previous = use_fused_decode(model)
+    try:
+        with pytest.raises(NotImplementedError, match=r"passes indices \(sparse attention's top-k indices"):
+            model(ids)
+    finally:
+        model.set_attn_implementation(previous)
+    types = ["sliding_attention", "full_attention"] * 3
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, layer_types=types,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=16,
+        attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    want = model(ids, **cache_kwargs(transformers.DynamicCache(config=cfg), model)).logits[:, -8:]
+    previous = use_fused_decode(model)
+    try:
+        got = model(ids, logits_to_keep=8, **cache_kwargs(transformers.DynamicCache(config=cfg), model)).logits
+    finally:
+        model.set_attn_implementation(previous)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -14,7 +14,9 @@ those call ``kvbits.kernels.decode_attention`` on the layer's packed store, neve
 dequantized K/V. A boolean padding mask at a decode step (a left-padded batch) becomes per-slot masks of
 the store (``fused.slot_masks``): the kernel skips the masked slots. Everything else — prefill,
 ``q_len > 1``, other caches, schemes outside the packed layout (float sides, sliding windows), float or
-per-head masks, ``softcap`` / ``s_aux`` / ``output_attentions`` — is SDPA over dequantized K/V, as before.
+per-head masks, ``output_attentions`` — is SDPA over dequantized K/V, as before. Models whose attention SDPA
+can not compute (``_supports_sdpa = False``: attention sinks, logit softcapping) are refused by
+``use_fused_decode``, and a call passing sinks (``s_aux``) raises: SDPA would drop them without a word.
 
 Registered under a new name through transformers' public ``AttentionInterface`` (and the SDPA mask
 builder under the same name in ``AttentionMaskInterface``); nothing of transformers is replaced.
@@ -56,9 +58,24 @@ DecodeObserver = Callable[[int, torch.Tensor, PackedStore, "float | None"], None
 _OBSERVERS: list[DecodeObserver] = []
 
 
+# attention keyword arguments a fused decode step may receive: they change nothing the kernel computes (the
+# positions are the cache's; a sliding window arrives in the boolean mask too)
+STEP_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "sliding_window", "is_causal", "past_key_values", "cache", "layer_idx",
+})  # fmt: skip
+# what transformers' SDPA drops without a word, by the models that pass it
+SDPA_DROPS = {
+    "s_aux": "attention sinks",
+    "indices": "sparse attention's top-k indices, DeepSeek-V3.2",
+    "block_indices": "sparse attention's block indices",
+}
+
+
 class UnsupportedAttention(ValueError):
     """The model's attention does not dispatch through transformers' ``AttentionInterface`` (e.g. Falcon before
-    transformers 5.25), so ``kvbits_fused`` can not serve its decode steps."""
+    transformers 5.25), or computes what SDPA does not (``_supports_sdpa = False``: gpt-oss's sinks, Gemma 2's
+    softcapping), so ``kvbits_fused`` can not serve its decode steps."""
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -89,7 +106,27 @@ def _step_reason(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         return "output_attentions"
     if dropout and module.training:
         return "attention dropout in training mode"
+    # anything else the model passes changes what attention computes (T5's position_bias): SDPA takes it, the
+    # kernel does not, so the step falls back rather than dropping it
+    other = sorted(k for k, v in kwargs.items() if v is not None and k not in STEP_KWARGS)
+    if other:
+        return f"attention arguments the fused kernel does not take: {', '.join(other)}"
     return None
+
+
+def _causal_mask(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, kwargs: dict,
+                 module: torch.nn.Module) -> Any:  # fmt: skip
+    """``attention_mask``, or where it is None for ``q > 1`` queries over ``T > q`` keys of a causal module, the
+    bottom-right causal mask ``(1, 1, q, T)`` (bool): torch's ``is_causal`` aligns the triangle top-left, so
+    transformers' SDPA, given no mask there, let query ``i`` see keys ``0..i`` only. Models that leave the mask
+    out under another implementation name than "sdpa" (Gemma 4's KV-shared layers with ``logits_to_keep > 1``:
+    logits 0.17 off) get the mask their queries need."""
+    q, T = query.shape[2], key.shape[2]
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if attention_mask is not None or q <= 1 or T <= q or not causal:
+        return attention_mask
+    return torch.ones(q, T, dtype=torch.bool, device=query.device).tril(T - q)[None, None]
 
 
 @run_eagerly
@@ -110,6 +147,13 @@ def fused_attention(
     like ``sdpa_attention_forward``. Runs eagerly under ``torch.compile``, as ``QuantizedKVCache.update``
     does (the fused step's store and launch depend on the layer's host state).
     """
+    dropped = [k for k in SDPA_DROPS if kwargs.get(k) is not None]
+    if dropped:  # transformers' SDPA would drop them without a word
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {', '.join(dropped)} ({SDPA_DROPS[dropped[0]]}), which kvbits_fused "
+            "(SDPA and the fused kernel) does not compute; use the model's own attention implementation"
+        )
+    attention_mask = _causal_mask(query, key, attention_mask, kwargs, module)
     tagged = fused.tag_of(key)
     if tagged is None:  # not from a QuantizedKVLayer: plain SDPA
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -171,6 +215,16 @@ def use_fused_decode(model: Any) -> str:
     """
     check_model(model, "use_fused_decode", attention=True)
     from kvbits.cache.positions import track_positions
+
+    if getattr(model, "_supports_sdpa", True) is False:
+        import transformers
+
+        raise UnsupportedAttention(
+            f"{type(model).__name__} does not support SDPA (transformers {transformers.__version__}: its attention "
+            "computes what SDPA does not, e.g. gpt-oss's attention sinks or Gemma 2's logit softcapping), and "
+            "kvbits_fused attends through SDPA outside fused steps: its decode steps attend over dequantized K/V "
+            "through the model's own attention (fused_decode=False, `--fused-decode off`)"
+        )
 
     register_fused_attention()
     previous = model.config._attn_implementation
