@@ -1188,3 +1188,40 @@ def test_mixed_scheme_evaluates_with_its_layer_average_bits():
     mixed = out["simulate"]["int2-token,1=int8-token"]
     assert mixed["avg_bits"] == pytest.approx(average_bits(get_scheme("int2-token,1=int8-token"), 32, 2, n_layers=2))
     assert out["simulate"]["int2-token,0-1=int8-token"]["kl"] < mixed["kl"] < out["simulate"]["int2-token"]["kl"]
+
+
+def test_the_process_peak_survives_high_water_mark_resets():
+    """Each evaluation resets Linux's resident high-water mark to measure its own peak; the reset also lowers
+    getrusage's ru_maxrss, so a second evaluation in one process reported a process peak without the first's
+    (414 MiB after a 909 MiB one). The peaks a reset lowered are kept."""
+    from kvbits.evaluate import measures
+
+    if measures._vm_hwm_bytes() is None or measures._peak_rss_bytes() is None:
+        pytest.skip("needs Linux's /proc/self/status and getrusage")
+    big = torch.ones(256 * 2**20 // 4)
+    big += 1  # touched: resident
+    del big
+    peak = measures._peak_rss_bytes()
+    for _ in range(2):  # two runs in one process
+        assert measures._reset_peak_rss() is not None
+        assert measures._peak_rss_bytes() >= peak
+
+
+def test_an_installed_package_records_no_commit(monkeypatch, tmp_path):
+    """The run's commit came from ``git rev-parse`` four folders above the module: for an installed package that
+    is ``lib/python3.11``, so a venv inside any git repository recorded that repository's HEAD as kvbits'. Only a
+    checkout (``<root>/src/kvbits`` beside ``pyproject.toml``) records one."""
+    import subprocess
+
+    from kvbits.evaluate import outputs
+
+    got = outputs._git_commit()
+    assert got is not None and len(got["sha"]) == 40  # this checkout
+    venv = tmp_path / "project" / ".venv" / "lib" / "python3.11" / "site-packages" / "kvbits" / "evaluate"
+    venv.mkdir(parents=True)
+    project = str(tmp_path / "project")
+    subprocess.run(["git", "init", "-q", project], check=True)
+    subprocess.run(["git", "-C", project, "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "--allow-empty",
+                    "-m", "another project"], check=True)  # fmt: skip
+    monkeypatch.setattr(outputs, "__file__", str(venv / "outputs.py"))
+    assert outputs._git_commit() is None

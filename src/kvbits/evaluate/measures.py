@@ -76,9 +76,14 @@ def _artifact_record(art: Any) -> dict[str, Any]:
     return rec
 
 
+# the largest process peak a high-water-mark reset (_reset_peak_rss) lowered: Linux's reset also lowers getrusage's
+# ru_maxrss, so a second evaluation in one process read a peak without the first's (414 MiB after a 909 MiB one)
+_PEAK_BEFORE_RESETS = 0
+
+
 def _peak_rss_bytes() -> int | None:
-    """This process's peak resident set size in bytes since it started (``getrusage``), or None
-    where the platform does not report it."""
+    """This process's peak resident set size in bytes since it started (``getrusage``, and the peaks a
+    ``_reset_peak_rss`` lowered it from), or None where the platform does not report it."""
     try:
         import resource
     except ImportError:  # Windows
@@ -89,7 +94,8 @@ def _peak_rss_bytes() -> int | None:
         return None
     if peak <= 0:
         return None
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+    peak = peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+    return max(peak, _PEAK_BEFORE_RESETS)
 
 
 _STATUS = "/proc/self/status"
@@ -115,9 +121,11 @@ def _reset_peak_rss() -> int | None:
     Returns the process peak before the reset, or None when the reset is unavailable (then
     ``_run_peak_rss_bytes`` reports None and only the process peak is known).
     """
+    global _PEAK_BEFORE_RESETS
     before = _peak_rss_bytes()
     if _vm_hwm_bytes() is None:
         return None
+    _PEAK_BEFORE_RESETS = max(_PEAK_BEFORE_RESETS, before or 0)
     try:
         with open(_CLEAR_REFS, "w", encoding="ascii") as f:
             f.write("5")

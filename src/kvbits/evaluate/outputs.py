@@ -45,7 +45,12 @@ class OtherRunError(ValueError):
 
 
 def _git_commit() -> dict[str, Any] | None:
-    root = Path(__file__).resolve().parents[3]
+    """The kvbits checkout's HEAD and whether tracked files differ, or None for an installed package (not in
+    ``<checkout>/src/kvbits``): there ``git`` would name the commit of whatever repository holds the environment."""
+    here = Path(__file__).resolve()
+    root = here.parents[3]
+    if here.parents[2] != root / "src" or not (root / "pyproject.toml").is_file():
+        return None
     try:
         run = {"cwd": root, "capture_output": True, "text": True, "timeout": 10}
         sha = subprocess.run(["git", "rev-parse", "HEAD"], check=False, **run)
