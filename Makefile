@@ -31,7 +31,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,plot]"
-	$(BIN)/python -m pip install -q "triton==3.6.0" || echo "triton unavailable: kernel interpreter tests will be skipped"
+	# Triton for the kernels' interpreter tests, where torch brought none (the CPU wheel): a CUDA torch pins its own,
+	# which an older one installed over it would break (pip only warns)
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0" || echo "triton unavailable: kernel interpreter tests will be skipped"
 	$(BIN)/python -m pip install -q "optimum-quanto>=0.2.6" || echo "optimum-quanto unavailable: hf-quanto peer tests will be skipped"
 	touch $(STAMP)
 
