@@ -57,6 +57,10 @@ def test_device_run_dry_on_cpu(tmp_path: Path):
 
     decode = json.loads((out / "gpu_decode.json").read_text())
     assert decode["complete"] and decode["smoke"] and decode["records"]
+    assert decode["commit"] == "dry-commit"  # through $KVBITS_COMMIT: the device's copy of the tree has no .git
+    # a device call returns at most 8 files from $OUT (the dry run's wheels aside)
+    files = [p for p in out.rglob("*") if p.is_file() and "site" not in p.relative_to(out).parts]
+    assert len(files) <= 8, sorted(str(p.relative_to(out)) for p in files)
     assert decode["checks"] and all(c["ok"] for c in decode["checks"])
 
     for part in ("f16", "meta32"):  # the two maps, run side by side
