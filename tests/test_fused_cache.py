@@ -1109,8 +1109,11 @@ def test_attention_arguments_the_kernel_does_not_take_fall_back():
                 model.set_attn_implementation(previous)
         logits[fused] = torch.stack(out.logits)
     rep = caches[True].fused_report()
-    assert rep["fused_steps"] == 0 and rep["fallback_steps"] > 0
-    assert torch.equal(logits[True], logits[False])
+    assert rep["fused_steps"] == 0 and torch.equal(logits[True], logits[False])
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version("5.25"):  # T5 on 5.17 never hands the layers over: nothing to fuse
+        assert rep["fallback_steps"] > 0
 
 
 @torch.no_grad()
