@@ -129,6 +129,24 @@ def test_choices_persist_and_a_corrupt_file_is_replaced(tmp_path, caplog):
     assert list(json.loads(path.read_text())["keys"]) == [tune_key(q, store)]
 
 
+def test_a_deeply_nested_file_and_a_folder_in_its_place_do_not_stop_tuning(tmp_path, caplog):
+    """JSON nested past the parser's recursion limit raised RecursionError out of the tuner's constructor; a folder
+    where the file goes left ``decode.json.<pid>.tmp`` behind at every save. Both are logged and tuning goes on."""
+    store, q = store_and_query()
+    fake = StandIn(times())
+    path = tmp_path / "decode.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with caplog.at_level(logging.WARNING, logger="kvbits.kernels.autotune"):
+        assert DecodeTuner(path, runner=fake, timer=fake.timer).tunings == {}
+    assert "ignoring the decode tuning file" in caplog.text
+    folder = tmp_path / "taken" / "decode.json"
+    folder.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="kvbits.kernels.autotune"):
+        DecodeTuner(folder, runner=fake, timer=fake.timer).tune(q, store)
+    assert "could not write the decode tuning file" in caplog.text
+    assert [p.name for p in folder.parent.iterdir()] == ["decode.json"]  # no tmp file left
+
+
 def test_another_process_keys_are_kept_when_saving(tmp_path):
     path = tmp_path / "decode.json"
     (s1, q1), (s2, q2) = store_and_query(T=64), store_and_query(T=64, D=32)

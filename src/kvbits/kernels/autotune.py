@@ -239,7 +239,8 @@ def read_tunings(path: Path, quiet: bool = False) -> dict[str, Tuning]:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("keys"), dict):
             raise ValueError(f"expected {{'format': {FORMAT}, 'keys': {{...}}}}")
         return {str(k): Tuning.from_json(v) for k, v in raw["keys"].items()}
-    except (OSError, ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+    except (OSError, ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError; RecursionError:
+        # JSON nested deeper than the parser's recursion limit (a damaged file, not a reason to stop the run)
         if not quiet:
             logger.warning("ignoring the decode tuning file %s (%s); it will be rewritten", path, exc)
         return {}
@@ -354,16 +355,20 @@ class DecodeTuner:
     def _save(self) -> None:
         if self.path is None:
             return
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             on_disk = read_tunings(self.path, quiet=True)
             on_disk.update(self.tunings)  # another process's keys kept, ours win
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            # a name of its own per process and tuner: two tuners of one process do not write one file
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{id(self):x}.tmp")
             tmp.write_text(json.dumps({"format": FORMAT, "keys": {k: t.to_json() for k, t in on_disk.items()}},
                                       indent=1, sort_keys=True))  # fmt: skip
             os.replace(tmp, self.path)
         except OSError as exc:
             logger.warning("could not write the decode tuning file %s (%s); choices stay in memory", self.path, exc)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)  # (a folder at the file's path: os.replace failed, the tmp file stays)
 
     # ------------------------------------------------------------------------------------------ tuning
 
