@@ -613,6 +613,14 @@ def test_stream_decode_path_is_reported(tmp_path):
     assert "Decode path" not in md
 
 
+def test_the_least_damaging_scheme_is_named_without_its_bits():
+    """Every scheme failing and the least damaging one with no bits recorded: the sentence vanished."""
+    s = _summary({"fp16": SCHEMES["fp16"], "custom": (16.0, [0.02, 0.03, 0.04, 0.05]), "kivi-2": SCHEMES["kivi-2"]})
+    s["results"][1]["avg_bits"] = None
+    v = verdict(s)
+    assert "Least damaging quantized scheme: **custom**, bits not recorded, worst bucket +5.00%" in v
+
+
 def test_speed_report_says_larger_for_a_cache_holding_more():
     """A cache holding twice DynamicCache's bytes (a StaticCache, a reservation) read "(0.50x smaller)"."""
     from kvbits.report.speed import _bytes_cell

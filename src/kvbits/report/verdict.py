@@ -86,13 +86,16 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         parts.append(_incomplete(incomplete, thr))
     ranked = passing or sorted(failing, key=lambda r: r.max_delta)[:1]
     with_bits = [r for r in ranked if _ok(r.avg_bits)]
-    if with_bits:
-        best = min(with_bits, key=lambda r: (r.avg_bits, r.max_delta))
-        ratio = f" ({16 / best.avg_bits:.1f}× smaller than fp16)" if best.avg_bits > 0 else ""
+    if with_bits or (ranked and not passing):  # the least damaging is named with or without its bits
+        best = min(with_bits, key=lambda r: (r.avg_bits, r.max_delta)) if with_bits else ranked[0]
+        if _ok(best.avg_bits):
+            ratio = f" ({16 / best.avg_bits:.1f}× smaller than fp16)" if best.avg_bits > 0 else ""
+            bits = f"{best.avg_bits:.2f} bits per element{ratio}"
+        else:
+            bits = "bits not recorded"
         lead = "Best bits/quality trade-off" if passing else "Least damaging quantized scheme"
         parts.append(
-            f"{lead}: **{best.name}**, {best.avg_bits:.2f} bits per element{ratio}, worst bucket "
-            f"{fmt_pct(best.max_delta)}, overall {fmt_pct(best.delta)}."
+            f"{lead}: **{best.name}**, {bits}, worst bucket {fmt_pct(best.max_delta)}, overall {fmt_pct(best.delta)}."
         )
     grows = []
     for r in judged:
