@@ -99,9 +99,16 @@ def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[in
     if not s.is_mixed or _match(s.replace(layers=()), _UNQUANTIZED) is None:
         return None
     quantized = {idx: _match(sub, tuple(_FORMATS)) for idx, sub in s.layers if _match(sub, _UNQUANTIZED) is None}
-    formats = set(quantized.values())
-    if not quantized or None in formats or len(formats) > 1:
+    if not quantized:
         return None
+    formats = set(quantized.values())
+    if None in formats or len(formats) > 1:  # more than one format, or one vLLM has not
+        named = sorted({quantized[idx] or sub.name for idx, sub in s.layers if idx in quantized})
+        raise ValueError(
+            f"{s.name!r} stores its quantized layers as {', '.join(named)}: vLLM serves one quantized format "
+            f"per engine, the other layers unquantized; keep one format of {', '.join(_FORMATS)} "
+            f"(e.g. kvbits tune --candidates vllm-int4 --candidates {_match(s.replace(layers=()), _UNQUANTIZED)})"
+        )
     (fmt,) = formats
     if num_layers is None:
         raise ValueError(
@@ -145,14 +152,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
     for idx, sub in s.layers:
         if _match(sub, _UNQUANTIZED):
             skip.append(idx)
-        elif not _same_storage(sub, base):
-            if name in _UNQUANTIZED:  # an unquantized base whose layers store more than one format (or none of vLLM's)
-                formats = sorted({_match(o, tuple(_FORMATS)) or o.name for _, o in s.layers if _match(o, _UNQUANTIZED) is None})
-                raise ValueError(
-                    f"{s.name!r} stores its quantized layers as {', '.join(formats)}: vLLM serves one quantized format "
-                    f"per engine, the other layers unquantized; keep one format of {', '.join(_FORMATS)} "
-                    f"(e.g. kvbits tune --candidates vllm-int4 --candidates {name})"
-                )
+        elif not _same_storage(sub, base):  # (an unquantized base's quantized layers: _quantized_layers)
             raise ValueError(
                 f"{s.name!r} stores layer {idx} as {sub.name!r}: vLLM can only leave a layer unquantized "
                 f"(--kv-cache-dtype-skip-layers) beside one {dtype} format; give that layer fp16 or bf16 "

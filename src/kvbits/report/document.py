@@ -6,6 +6,7 @@ code) built once from a run, then written as Markdown (:mod:`.markdown`) and as 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,14 @@ class Code:
 
 
 Block = Heading | Para | Meta | Table | Figure | Code
+
+_CODE_SPAN = re.compile(r"(`[^`]+`)")
+
+
+def split_code_spans(text: str) -> list[str]:
+    """``text`` cut at its inline code spans: the odd items are the spans (backticks included), taken as they are
+    by both renderers (Markdown and HTML); the even ones are the text around them."""
+    return _CODE_SPAN.split(text)
 
 FIGURE_TEXT = {
     "ppl_vs_position": "Perplexity (top) and ΔPPL against the unquantized reference (bottom) along the "

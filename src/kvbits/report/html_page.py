@@ -8,7 +8,7 @@ import html
 import re
 from pathlib import Path
 
-from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table
+from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table, split_code_spans
 from kvbits.report.tables import TableData
 
 __all__ = ["to_html"]
@@ -36,7 +36,7 @@ pre{background:#f6f8fa;padding:.8em 1em;overflow-x:auto;border-radius:6px}
 def _inline(text: str) -> str:
     """Escape, then render ``**bold**``, ``*italic*`` and ```code``` spans; a code span is taken as it is (a path
     ``/corpora/*/part-*.txt`` stays that, not ``/corpora/<em>/part-</em>.txt``)."""
-    parts = re.split(r"(`[^`]+`)", text)
+    parts = split_code_spans(text)
     out = []
     for i, part in enumerate(parts):
         if i % 2:  # a code span

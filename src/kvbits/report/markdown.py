@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
-from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table
+from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table, split_code_spans
 from kvbits.report.tables import TableData
 
 __all__ = ["to_markdown"]
@@ -15,7 +14,7 @@ __all__ = ["to_markdown"]
 def _md_text(text: str) -> str:
     """``text`` with ``<`` and ``>`` outside code spans as entities: names and paths from ``summary.json`` (a scheme
     JSON may name its scheme anything) are shown, never rendered as HTML by viewers that allow it."""
-    parts = re.split(r"(`[^`]+`)", text)
+    parts = split_code_spans(text)
     return "".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
