@@ -342,3 +342,44 @@ def test_a_torchrun_environment_that_can_not_be_is_refused(env, match, monkeypat
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match):
         env_world()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_leftover_world_size_fails_at_the_rendezvous_timeout(rank, monkeypatch):
+    """``WORLD_SIZE=2`` and a master address left over from another job, no other rank: the rendezvous
+    fails after ``$KVBITS_RENDEZVOUS_TIMEOUT_S`` with a message saying what to unset. Before, rank 0
+    waited 24 h (the collectives' timeout) for a rank that never came."""
+    from kvbits.evaluate.distributed import init_from_env
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": rank, "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(_free_port()), "KVBITS_RENDEZVOUS_TIMEOUT_S": "2"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    with (
+        pytest.raises(RuntimeError, match=r"did not all join .* within 2 s .*Unset WORLD_SIZE"),
+        init_from_env("cpu"),
+    ):
+        pytest.fail("no group can form with one of two ranks")
+    assert time.monotonic() - start < 60
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon", "inf", "nan"])
+def test_a_rendezvous_timeout_that_is_not_a_positive_number_is_refused(raw, monkeypatch):
+    from kvbits.evaluate.distributed import rendezvous_timeout_s
+
+    monkeypatch.setenv("KVBITS_RENDEZVOUS_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match="KVBITS_RENDEZVOUS_TIMEOUT_S=.*positive number of seconds"):
+        rendezvous_timeout_s()
+    monkeypatch.setenv("KVBITS_RENDEZVOUS_TIMEOUT_S", "90")
+    assert rendezvous_timeout_s() == 90.0
+    monkeypatch.delenv("KVBITS_RENDEZVOUS_TIMEOUT_S")
+    assert rendezvous_timeout_s() == 600.0

@@ -230,6 +230,47 @@ def env_world() -> tuple[int, int, int]:
     return rank, world, local
 
 
+_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
+RENDEZVOUS_TIMEOUT_ENV = "KVBITS_RENDEZVOUS_TIMEOUT_S"
+_RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+def rendezvous_timeout_s() -> float:
+    """Seconds the ranks wait for each other to start (``$KVBITS_RENDEZVOUS_TIMEOUT_S``, default 600):
+    short, unlike the collectives' 24 h, so that a ``WORLD_SIZE`` left over from another job fails
+    instead of waiting a day for ranks that will never come."""
+    raw = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return _RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def _rendezvous(world: int) -> tuple[Any, int, int]:
+    """torch's ``env://`` rendezvous (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``;
+    torchrun's agent store where torchrun set one), waiting at most :func:`rendezvous_timeout_s` for
+    the other ranks. Returns ``(store, rank, world size)``."""
+    import torch.distributed as dist
+
+    timeout = rendezvous_timeout_s()
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    logger.info("waiting up to %.0f s for %d ranks at %s", timeout, world, where)
+    try:
+        return next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+    except (RuntimeError, TimeoutError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+        raise RuntimeError(
+            f"the {world} ranks of WORLD_SIZE={world} did not all join at {where} within {timeout:.0f} s "
+            f"({type(exc).__name__}: {exc}). Left over from another job? Unset WORLD_SIZE, RANK, "
+            f"LOCAL_WORLD_SIZE to run alone; under torchrun every rank must start (set "
+            f"{RENDEZVOUS_TIMEOUT_ENV} to wait longer)"
+        ) from exc
+
+
 @contextmanager
 def init_from_env(device: str | None) -> Iterator[bool]:
     """For ``kvbits eval`` under torchrun: with ``WORLD_SIZE`` > 1 and no process group yet,
@@ -245,8 +286,13 @@ def init_from_env(device: str | None) -> Iterator[bool]:
     cuda = str(device).startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # a rank may wait for another for about one window (hours for long stream-mode windows on a CPU)
-    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=24))
+    store, rank, world = _rendezvous(world)
+    # once every rank is here, a rank may wait for another for about one window (hours for long
+    # stream-mode windows on a CPU)
+    store.set_timeout(_COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=_COLLECTIVE_TIMEOUT
+    )
     try:
         yield True
     finally:
