@@ -334,3 +334,43 @@ def test_pre_rope_keys_past_the_original_context_come_back_as_stored(rope: str):
         got = c.materialize(1)[0]
         err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).amax()
         assert float(err) < 0.02, (c.layers[1]._k.work is not None, float(err))
+
+
+def _gpt_oss_config(**kw):
+    return transformers.GptOssConfig(**{**TINY, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                        "sliding_window": 64, **kw})  # fmt: skip
+
+
+def test_gpt_oss_half_width_tables_are_rotate_half():
+    """gpt-oss's rotary module returns the D/2 frequencies once and its ``apply_rotary_pos_emb`` rotates the
+    halves by them: rotate-half with ``cat(cos, cos)``. It was read as partial rotary over D/2 channels, then
+    refused as "interleaved pairs", so no pre-RoPE scheme could run on gpt-oss."""
+    tables, _ = _check_roundtrip(_gpt_oss_config())
+    assert tables.half_tables and tables.convention_checked
+    assert tables.rot_dim == tables.head_dim == 16 and tables.halves_equal
+
+
+def test_gpt_oss_pre_rope_keys_come_back_as_the_model_wrote_them():
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.compat import cache_kwargs
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    cfg = _gpt_oss_config(attn_implementation="eager", pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 128, (1, 24))
+    spec = TensorSpec(kind="int", bits=8, fmt=None, granularity="token")
+    scheme = KVScheme("int8-prerope-keys", key=dataclasses.replace(spec, pre_rope=True), value=spec)
+    caches = [DynamicCache(config=cfg), QuantizedKVCache(cfg, scheme, fused_decode=False)]
+    with torch.no_grad():
+        for c in caches:
+            model(ids[:, :8], use_cache=True, **cache_kwargs(c, model))
+            for t in range(8, 24):
+                model(ids[:, t : t + 1], use_cache=True, **cache_kwargs(c, model))
+    for layer in range(cfg.num_hidden_layers):
+        want = caches[0].layers[layer].keys
+        got = caches[1].materialize(layer)[0]
+        err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).amax()
+        assert 0 < float(err) < 0.02, (layer, float(err))

@@ -196,6 +196,9 @@ class RotaryTables:
         halves_equal: the tables repeat their first ``rot_dim / 2`` columns (``cat(freqs, freqs)``, as
             every rotate-half family builds them), probed at construction; the fused decode path then
             keeps half-width tables (``kvbits.cache.fused.RopeTableCache``).
+        half_tables: the module returns the ``D / 2`` frequencies once (gpt-oss: its
+            ``apply_rotary_pos_emb`` rotates the halves ``(x1, x2)`` by them, which is rotate-half with
+            ``cat(cos, cos)``); :meth:`cos_sin` returns them duplicated, as every other family's.
     """
 
     config: Any
@@ -206,6 +209,7 @@ class RotaryTables:
     layer_type: str | None = None
     convention_checked: bool = False
     halves_equal: bool = False
+    half_tables: bool = False
     _module: Any = field(default=None, repr=False)
 
     def __deepcopy__(self, memo: dict) -> RotaryTables:
@@ -413,6 +417,8 @@ class RotaryTables:
                 f"model_type {self.model_type!r} is not supported"
             )
         cos, sin = out
+        if self.half_tables:  # gpt-oss: D / 2 frequencies once (class docstring)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos[:, :n_real], sin[:, :n_real]
 
     def cos_sin(
@@ -497,8 +503,30 @@ class RotaryTables:
             logger.debug("could not probe %s.apply_rotary_pos_emb", getattr(self._module, "__name__", "?"))
             return False
         if not torch.allclose(got, ours, atol=1e-5, rtol=1e-5):
+            if self._half_tables_match(ref, x, cos, sin):
+                return True
             raise NotImplementedError(
                 f"model_type {self.model_type!r} applies RoPE in a layout other than rotate-half "
                 "(e.g. interleaved pairs); kvbits.quant.rope supports the rotate-half convention only"
             )
+        return True
+
+    def _half_tables_match(self, ref: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Tables ``D / 2`` wide whose halves differ, which ``apply_rope`` read as partial rotary: if the
+        family's ``apply_rotary_pos_emb`` rotates the halves by them (gpt-oss), they are rotate-half
+        tables given once. Then :attr:`half_tables` is set (``cos_sin`` duplicates them) and True returned."""
+        if self.half_tables or 2 * self.rot_dim != self.head_dim or self.halves_equal:
+            return False
+        try:
+            got = ref(x, x, cos, sin)
+        except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+            logger.debug("probing apply_rotary_pos_emb with half-width tables failed: %s", exc)
+            return False
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], torch.Tensor)):
+            return False
+        ours = apply_rope(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
+        if got[1].shape != ours.shape or not torch.allclose(got[1], ours, atol=1e-5, rtol=1e-5):
+            return False
+        self.half_tables = True
+        self._probe()
         return True
