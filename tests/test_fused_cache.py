@@ -1153,3 +1153,15 @@ def test_sparse_attention_indices_are_refused_and_a_sliced_prompt_gets_its_causa
     finally:
         model.set_attn_implementation(previous)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("KVBITS_KERNEL", "trition"), ("KVBITS_DEQUANT", "f8"), ("KVBITS_AUTOTUNE", "maybe")]
+)
+def test_fused_decode_true_refuses_bad_kernel_settings_at_construction(monkeypatch, name: str, value: str):
+    """``fused_decode=True`` with a misspelt kernel setting: refused when the cache is made. Before, the
+    error came at the first fused decode step, after the whole prefill had run."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+        QuantizedKVCache(build("qwen2").config, "kivi-4", fused_decode=True)
+    QuantizedKVCache(build("qwen2").config, "kivi-4", fused_decode=False)  # never reads them

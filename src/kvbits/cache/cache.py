@@ -203,6 +203,10 @@ class QuantizedKVCache(Cache):
         self.position_ids_hint: torch.Tensor | None = None
         self._told_no_positions = False
         self.fused_decode = check_mode(fused_decode)
+        if self.fused_decode is True:  # the decode kernel's settings: refused here, not after the prefill
+            from kvbits.kernels.dispatch import kernel_settings
+
+            kernel_settings()
         self._fused_tables = RopeTableCache()
         self.workspace = bool(workspace)
         self._lazy = False
