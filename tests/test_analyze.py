@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from _realmodel import unavailable
 
 transformers = pytest.importorskip("transformers")
 
@@ -399,7 +400,7 @@ def test_real_model_has_key_outlier_channels():
         lm = load_model("qwen2.5-coder-0.5b")
         text = load_text("wikitext2")
     except (RuntimeError, FileNotFoundError) as exc:
-        pytest.skip(f"offline model or text not available: {exc}")
+        unavailable(f"offline model or text not available: {exc}")
     windows = make_windows(tokenize(text, lm.tokenizer), 512, 1)
     res = analyze(lm.model, windows, model_name="qwen2.5-coder-0.5b", data_name="wikitext2")
     d = res.to_dict()

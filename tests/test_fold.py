@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _launch import LaunchSpy
+from _realmodel import unavailable
 from test_kernels import (
     DEVICE,
     HAD,
@@ -337,7 +338,7 @@ def test_fold_on_a_real_kivi_cache_within_twice_torch_error():
         lm = load_model("qwen2.5-coder-0.5b", device=DEVICE)
         text = load_text("wikitext2")
     except (RuntimeError, FileNotFoundError) as exc:
-        pytest.skip(f"offline model or text not available: {exc}")
+        unavailable(f"offline model or text not available: {exc}")
     ids = make_windows(tokenize(text, lm.tokenizer), 2049, 1).to(DEVICE)
     model, n_layers = lm.model, lm.model.config.num_hidden_layers
     cache = QuantizedKVCache(config=model.config, scheme=get_scheme("kivi-4"), fused_decode=True)

