@@ -173,6 +173,31 @@ def test_calibration_of_another_layer_count_is_refused(caplog):
         lazy.update(k, v, 2)
 
 
+@pytest.mark.parametrize("scheme", ["fp8-e4m3-head", "fp8-e4m3", "int4-token-smooth"])
+def test_calibration_of_another_head_count_is_refused_without_a_config(scheme):
+    """An artifact calibrated on 1 KV head, served by a cache without a config (lazy, or ``num_layers=``) to a model
+    of 2: refused at the layer's first update. Before, its per-tensor / per-head scales or per-channel vectors broadcast over
+    both heads and one head's ranges were served to the other without a word (a config caught it already)."""
+    from kvbits.cache.static import StaticQuantizedKVCache
+    from kvbits.calibrate import artifact_from_samples
+
+    sch = get_scheme(scheme)
+    k1, v1 = rand_kv(1, 64, seed=3, H=1)
+    art = artifact_from_samples(sch, [4 * k1, 4 * k1], [4 * v1, 4 * v1], meta={"data": {"name": "t", "context": 64}})
+    assert (art.num_kv_heads, art.head_dim) == (1, 16)
+    k, v = rand_kv(1, 4, seed=7)  # 2 heads of 16 channels
+    caches = [QuantizedKVCache(scheme=sch, calibration=art), QuantizedKVCache(scheme=sch, num_layers=2, calibration=art)]
+    if sch.key.kind == "fp8":  # the static cache holds FP8 static scales
+        caches.append(StaticQuantizedKVCache(None, sch, max_cache_len=16, num_layers=2, calibration=art))
+    for cache in caches:
+        with pytest.raises(ValueError, match=r"made for 1 KV heads of dim 16; layer 0 of this model has 2 KV heads of "
+                                             r"dim 16: re-run kvbits calibrate"):  # fmt: skip
+            cache.update(k, v, 0)
+    same = QuantizedKVCache(scheme=sch, calibration=art)
+    same.update(k[:, :1], v[:, :1], 0)  # the artifact's own shape: served
+    assert same.get_seq_length() == 4
+
+
 # ------------------------------------------------------------------------------- clipping against static scales
 def test_clipping_warning_eager_once(caplog):
     """FP8 E4M3 with its uncalibrated scale 1.0 saturates beyond 448. Under the warning level (one value of

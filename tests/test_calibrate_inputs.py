@@ -145,6 +145,17 @@ def test_kmeans_and_token_counts_below_one_are_refused_up_front(bad, tmp_path):
         collect_samples(missing, "pride-and-prejudice", context=64, windows=1, max_tokens=bad)
 
 
+@pytest.mark.parametrize("bad", [101.0, 10.0, float("inf"), float("nan"), True, "99"])
+def test_a_percentile_outside_50_to_100_is_refused_before_the_model_loads(bad, tmp_path):
+    """``calibrate(percentile=...)``: checked with the other arguments, before the model is loaded (this one does
+    not exist). Before, the fit refused it only after every forward (and Fisher backward) pass had run."""
+    from kvbits.calibrate import calibrate
+
+    with pytest.raises(ValueError, match=r"percentile must be a number in \[50, 100\]"):
+        calibrate(str(tmp_path / "no-such-model"), "pride-and-prejudice", "kvquant-4", context=64, windows=1,
+                  percentile=bad)  # fmt: skip
+
+
 def test_samples_without_tokens_are_refused():
     k = samples()
     empty = torch.randn(H, 0, D)

@@ -301,7 +301,7 @@ class QuantizedKVCache(Cache):
             layer.clip_watch = self._look_at_clipping if layer.can_clip and not self._clipping_said else None
 
     def _calibrate_layer(self, layer: QuantizedKVLayer) -> None:
-        install_artifact(layer, self.calibration)
+        install_artifact(layer, self.calibration, check_heads=self._config is None)
 
     def __repr__(self) -> str:
         return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"

@@ -123,7 +123,22 @@ def channel_bound(
     )
 
 
-def install_artifact(layer: Any, artifact: Any) -> None:
+def check_calibrated_heads(layer: Any, heads: int, head_dim: int) -> None:
+    """At a layer's first update, where its K/V give ``heads`` (``H_kv``) and ``head_dim``: ``ValueError`` when the
+    artifact installed with ``install_artifact(..., check_heads=True)`` was calibrated on another shape. A cache
+    without a config can not compare them before: a 1-head artifact's scales broadcast over any number of heads."""
+    shape = getattr(layer, "calibrated_shape", None)
+    if shape is None or shape[:2] == (heads, head_dim):
+        return
+    H, D, where = shape
+    raise ValueError(
+        f"calibration{where} was made for {H} KV heads of dim {D}; layer {layer.layer_idx} of this model has {heads} "
+        f"KV heads of dim {head_dim}: re-run kvbits calibrate for this model, or give the cache config= to catch "
+        "this before the forward pass"
+    )
+
+
+def install_artifact(layer: Any, artifact: Any, *, check_heads: bool = False) -> None:
     """Install ``artifact``'s parameters for ``layer`` (its ``layer_idx``): static scales and zero-points
     (``CalibrationArtifact.static_qparams``), NUQ codebooks and channel vectors, side by side, through
     ``layer.set_static_qparams`` (``QuantizedKVLayer`` or ``StaticQuantizedLayer``), for the sides the layer's own
@@ -131,14 +146,18 @@ def install_artifact(layer: Any, artifact: Any) -> None:
     calibrated for a side the layer stores with dynamic scales leaves that side as it is; sides it has none for too.
 
     ``ValueError`` when the artifact has no layer ``layer_idx``: a cache that learns its layers lazily (no config, no
-    ``num_layers``) serving a model of more layers than the calibrated one."""
+    ``num_layers``) serving a model of more layers than the calibrated one. ``check_heads`` (a cache without a config,
+    which could not check the artifact's model shape): the layer keeps the artifact's ``(H_kv, D)`` and its first
+    update compares them with its K/V's (``check_calibrated_heads``)."""
+    where = "" if getattr(artifact, "path", None) is None else f" in {artifact.path}"
     if not 0 <= layer.layer_idx < artifact.num_layers:
-        where = "" if getattr(artifact, "path", None) is None else f" in {artifact.path}"
         raise ValueError(
             f"calibration{where} has {artifact.num_layers} layers; this model has at least {layer.layer_idx + 1} "
             f"(the cache is creating layer {layer.layer_idx}); re-run kvbits calibrate for this model, or give the "
             "cache config= to catch this before the forward pass"
         )
+    if check_heads:
+        layer.calibrated_shape = (artifact.num_kv_heads, artifact.head_dim, where)
     for side in ("key", "value"):
         if not getattr(layer.scheme, side).calibratable:
             continue

@@ -32,7 +32,13 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache import fused
-from kvbits.cache.fixed import PARAM_NAMES, channel_bound, checked_params, missing_params
+from kvbits.cache.fixed import (
+    PARAM_NAMES,
+    channel_bound,
+    check_calibrated_heads,
+    checked_params,
+    missing_params,
+)
 from kvbits.cache.store import SideStore, mergeable
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.tensor import FLOAT_DTYPES
@@ -372,6 +378,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.repeat = self._choose_repeat(key_states, value_states)
         key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         if self.mode == "quantized":
+            check_calibrated_heads(self, key_states.shape[1], key_states.shape[-1])
             kv_checks.check_channel_groups(
                 self.scheme, key_states.shape[-1], value_states.shape[-1], f"layer {self.layer_idx}"
             )

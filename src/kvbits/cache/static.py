@@ -96,7 +96,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
 from kvbits.cache.checks import check_channel_groups, check_mode, input_bound, write_maxima
-from kvbits.cache.fixed import channel_bound, checked_params, install_artifact, missing_params
+from kvbits.cache.fixed import (
+    channel_bound,
+    check_calibrated_heads,
+    checked_params,
+    install_artifact,
+    missing_params,
+)
 from kvbits.cache.layer import find_position_ids, position_offset
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
@@ -257,6 +263,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} must "
                 "share batch, heads and head dim"
             )
+        check_calibrated_heads(self, H, D)
         device = key_states.device
         self.device, self.dtype, self._shape = device, key_states.dtype, (B, H, D)
         self.length = self.length.to(device)
@@ -994,4 +1001,4 @@ class StaticQuantizedKVCache(Cache):
                 "covering the longest context served.", self.scheme.name, self._max_len, int(longest),
             )  # fmt: skip
         for layer in self.layers:
-            install_artifact(layer, artifact)
+            install_artifact(layer, artifact, check_heads=self._config is None)

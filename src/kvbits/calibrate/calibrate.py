@@ -116,11 +116,12 @@ def check_calibrate_args(
     max_tokens: int = 8192,
     kmeans_points: int = MAX_POINTS,
     kmeans_iterations: int = ITERATIONS,
+    percentile: float = 99.9,
 ) -> KVScheme:
     """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
     that this module can fit, ``context >= 2``, ``windows >= 1``, ``max_tokens``, ``kmeans_points`` and
-    ``kmeans_iterations`` ints >= 1, an ``out_dir`` that is not an existing file, a known ``dtype`` and a
-    ``device`` this torch can use (``ValueError`` otherwise)."""
+    ``kmeans_iterations`` ints >= 1, a ``percentile`` in [50, 100], an ``out_dir`` that is not an existing file,
+    a known ``dtype`` and a ``device`` this torch can use (``ValueError`` otherwise)."""
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
     scheme = get_scheme(scheme)
@@ -128,6 +129,9 @@ def check_calibrate_args(
     _check_windows(context, windows)
     _check_max_tokens(max_tokens)
     check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 50 <= percentile <= 100:
+        # checked before the passes (the fit checks it too, after every window has run)
+        raise ValueError(f"percentile must be a number in [50, 100], got {percentile!r}")
     _resolve_dtype(dtype)
     check_device(device, DEVICES)
     out = None if out_dir is None else Path(out_dir).expanduser()
@@ -633,7 +637,7 @@ def calibrate(
     """
     scheme = check_calibrate_args(
         scheme, context, windows, out_dir, dtype=dtype, device=device, max_tokens=max_tokens,
-        kmeans_points=kmeans_points, kmeans_iterations=kmeans_iterations,
+        kmeans_points=kmeans_points, kmeans_iterations=kmeans_iterations, percentile=percentile,
     )  # fmt: skip
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
