@@ -239,6 +239,33 @@ def test_continuations_are_what_generate_gives_through_each_cache(run):
     assert g2["rep"]["4"] == pytest.approx(np.mean([rep_n(t, 4) for t in two]))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "settings", [{"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}, {"suppress_tokens": "first"}]
+)
+def test_greedy_continuation_sets_the_models_own_generation_settings_aside(settings):
+    """A model whose ``generation_config`` carries a repetition penalty (Qwen2.5-Instruct's
+    generation_config.json), an n-gram ban or suppressed tokens: the continuation is still plain argmax decoding,
+    and the model's settings are back afterwards. Before, transformers filled them in: rep-2 0.44 became 0.03
+    with a 1.3 penalty, hiding the repetition rep-n is there to catch, for the reference and every scheme alike."""
+    from transformers import DynamicCache, GenerationConfig
+
+    from kvbits.cache.compat import cache_kwargs
+
+    model, prompt = _llama(), _ids(24, seed=1)[None]
+    cache, cur, argmax = DynamicCache(), prompt, []
+    for _ in range(NEW):
+        cur = model(cur, use_cache=True, **cache_kwargs(cache, model)).logits[:, -1].argmax(-1, keepdim=True)
+        argmax.append(int(cur))
+    assert rep_n(argmax, 2) > 0.1  # a looping continuation: what the settings would break
+    if settings.get("suppress_tokens") == "first":
+        settings = {"suppress_tokens": [argmax[0]]}
+    own = GenerationConfig(**settings)
+    model.generation_config = own
+    assert greedy_continuation(model, prompt, NEW, DynamicCache()).tolist() == argmax
+    assert model.generation_config is own
+
+
 def test_report_shows_entropy_and_generation(run, tmp_path):
     from kvbits.report import write_report
     from kvbits.report.tables import entropy_table, generation_table

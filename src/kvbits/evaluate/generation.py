@@ -157,7 +157,10 @@ def greedy_continuation(model: Any, ids: torch.Tensor, new_tokens: int, cache: A
     """The ``new_tokens`` tokens ``(new_tokens,)`` greedy decoding appends to ``ids`` ``(1, T)``.
 
     ``cache`` (a transformers ``Cache``, empty) holds the prompt and every generated token; an
-    end-of-sequence token does not stop the continuation.
+    end-of-sequence token does not stop the continuation. Plain greedy decoding: the model's own generation
+    settings (``generation_config.json``: a ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``,
+    ...) are set aside for the call, since transformers fills every setting a ``GenerationConfig`` leaves unset
+    from them, and a repetition penalty would hide the repetition rep-n measures.
     """
     from transformers import GenerationConfig
 
@@ -175,7 +178,14 @@ def greedy_continuation(model: Any, ids: torch.Tensor, new_tokens: int, cache: A
         pad_token_id=pad if isinstance(pad, int) else 0,
     )
     kw = cache_kwargs(cache, base_model(model))
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **kw)
+    own = getattr(model, "generation_config", None)
+    if own is not None:
+        model.generation_config = GenerationConfig(pad_token_id=config.pad_token_id)  # nothing of its own to fill in
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **kw)
+    finally:
+        if own is not None:
+            model.generation_config = own
     if out.shape != (1, ids.shape[1] + new_tokens):
         raise RuntimeError(
             f"{type(model).__name__}.generate returned {tuple(out.shape)}, expected (1, {ids.shape[1] + new_tokens})"
