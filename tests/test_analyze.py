@@ -30,6 +30,8 @@ from kvbits.analyze import (
     recommend,
 )
 from kvbits.analyze.outliers import smeared_pairs
+from kvbits.analyze.sites import attention_sites
+from kvbits.analyze.stats import blocks_in
 from kvbits.quant.rope import RotaryTables, apply_rope
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -212,6 +214,103 @@ def test_hooks_give_the_keys_attention_rotates_and_leave_nothing_behind():
             )
             torch.testing.assert_close(got[layer, "value"], cache.layers[layer].values, msg=cfg.model_type)
         assert all(not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("calibrating", [False, True])
+def test_keys_normed_after_rope_are_refused(calibrating):
+    """HunYuan-Dense applies ``key_layernorm`` after RoPE: the cache holds ``norm(rope(k_proj))``, the hooks read
+    ``k_proj``. Before, analyze reported "post-RoPE" statistics 79-85 % off the cached keys (and outlier channels
+    that are not there) and calibrate fitted scales on them; both now refuse the model before their passes."""
+    if not hasattr(transformers, "HunYuanDenseV1Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no HunYuan-Dense")
+    from kvbits.calibrate import collect_samples
+
+    cfg = transformers.HunYuanDenseV1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            num_hidden_layers=2, intermediate_size=64, vocab_size=64, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    windows = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    match = r"layer 0\): the keys kvbits reads .* differ from the keys the model caches by \d+\.\d% .*not supported"
+    with pytest.raises(ValueError, match=match):
+        if calibrating:
+            collect_samples(model, windows, context=40, windows=1, fisher=False)
+        else:
+            analyze(model, windows, sample_tokens=64, channel_group=32)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_every_family_the_hooks_read_right_passes_the_probe():
+    """The probe (``kvbits.analyze.verify``) accepts what the hooks read right: a plain family, norms in three
+    layouts, partial rotary, sliding layers shorter than the probe, and a model without RoPE (values only)."""
+    from kvbits.analyze.verify import verify_taps
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "intermediate_size": 64, "vocab_size": 64}  # fmt: skip
+    for cfg in (transformers.LlamaConfig(**base, head_dim=16), transformers.Qwen3Config(**base, head_dim=16),
+                transformers.Gemma3TextConfig(**base, head_dim=16, sliding_window=8),
+                transformers.PhiConfig(**{**base, "num_key_value_heads": 4}, partial_rotary_factor=0.5, qk_layernorm=True),
+                transformers.OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64,
+                                       vocab_size=64, word_embed_proj_dim=64)):  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        try:
+            tables = RotaryTables.from_model(model)
+        except ValueError:  # no RoPE: the cached keys are the hooked ones
+            tables = None
+        sites = attention_sites(model)
+        key_tables = [None if tables is None else tables.tables_for_layer(s.layer_idx) for s in sites]
+        verify_taps(model, torch.randint(1, 64, (1, 20)), key_tables)
+
+
+def test_non_finite_kv_anywhere_in_a_window_is_refused():
+    """A NaN embedding row used at position 190 of a 200-token window (outside the sample's whole blocks): before,
+    nothing was said, absmax turned NaN, no outlier channel was found and the recommendation flipped from
+    per-channel pre-RoPE keys to per-token. Now a ValueError names the window, the layer and the position."""
+    model = tiny_llama()
+    windows = torch.randint(1, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0] = float("nan")
+    windows[0, 190] = 0
+    with pytest.raises(ValueError, match=r"window 0, layer 0 key_pre_rope: \d+ non-finite values .* position 190"):
+        analyze(model, windows, sample_tokens=4096)
+
+
+def test_the_last_partial_block_of_a_window_is_sampled():
+    """T = 200, blocks of 128: before, the sample held positions 0-127 only (p99 2.07 against 101.85 over all
+    tokens, the last 72 shifted by +100); now a second block ends at the window's last token."""
+    stats, reservoir = ChannelStats(1, 4, capacity=100, block=128), BlockReservoir(100)
+    data = torch.randn(2, 1, 200, 4, generator=torch.Generator().manual_seed(0))
+    data[:, :, 128:] += 100
+    for w in range(2):
+        stats.update(data[w : w + 1], reservoir.offer(blocks_in(200, 128)))
+    assert sorted(stats.positions[: reservoir.size].tolist()) == [0, 0, 72, 72]
+    assert float(stats.sampled(reservoir.size).amax()) > 90
+
+
+def test_recommend_takes_the_rows_of_a_saved_analysis(result):
+    """``recommend(Analysis.to_dict()["layers"])``, as its docstring offers: an exact int4 reconstruction (SQNR inf)
+    is written as null there, and ``_mean`` raised TypeError on it."""
+    rows = result.to_dict()["layers"]
+    rows[0]["value"]["sqnr_int4_token"] = None
+    rows[1]["key_pre_rope"]["range_used_per_token"] = None
+    assert recommend(rows)["scheme"] == result.recommendation["scheme"]
+
+
+@pytest.mark.parametrize(("name", "value"), [("threshold", float("nan")), ("threshold", 1.0),
+                                             ("layer_fraction", float("nan")), ("layer_fraction", 1.0)])  # fmt: skip
+def test_nan_threshold_or_layer_fraction_is_refused(name, value):
+    """NaN compared False: ``threshold=nan`` found no outlier channel and the recommendation went per-token."""
+    model = tiny_llama(outlier=False)
+    with pytest.raises(ValueError, match=f"{name} must be a"):
+        analyze(model, torch.zeros(1, 8, dtype=torch.long), **{name: value})
+    if name == "threshold":
+        with pytest.raises(ValueError, match="threshold must be a finite number > 1"):
+            outlier_channels(torch.ones(2, 4), value)
+
+
+def test_empty_windows_are_refused():
+    with pytest.raises(ValueError, match="at least one window"):
+        analyze(tiny_llama(outlier=False), torch.zeros(0, 64, dtype=torch.long))
 
 
 def test_hooks_removed_after_an_error():

@@ -29,10 +29,18 @@ from typing import Any
 
 import torch
 
-from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD, recommend, smeared_pairs
+from kvbits.analyze.outliers import (
+    DEFAULT_LAYER_FRACTION,
+    DEFAULT_THRESHOLD,
+    check_layer_fraction,
+    check_threshold,
+    recommend,
+    smeared_pairs,
+)
 from kvbits.analyze.sites import KVSite, attention_sites
-from kvbits.analyze.stats import BlockReservoir, ChannelStats, TensorReport
+from kvbits.analyze.stats import BlockReservoir, ChannelStats, NonFiniteKV, TensorReport, blocks_in
 from kvbits.analyze.taps import KVTap, to_bhtd
+from kvbits.analyze.verify import verify_taps
 from kvbits.plan.config import check_context_fits
 
 logger = logging.getLogger(__name__)
@@ -223,6 +231,10 @@ def analyze(
 
     check_token_ids(windows, model, "windows")  # integers within the embedding table, as evaluate's
     W, T = windows.shape
+    if W < 1:
+        raise ValueError(f"windows must hold at least one window, got shape {tuple(windows.shape)}")
+    check_threshold(threshold)
+    check_layer_fraction(layer_fraction)
     block = min(channel_group, T)
     if block < 2:
         raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
@@ -235,12 +247,14 @@ def analyze(
     device = next(model.parameters()).device
     stats = {
         s.layer_idx: {
-            name: ChannelStats(s.num_kv_heads, s.head_dim, sample_tokens // block, block)
+            name: ChannelStats(s.num_kv_heads, s.head_dim, sample_tokens // block, block, f"layer {s.layer_idx} {name}")
             for name in ("key_pre_rope", "key_post_rope", "value")
         }
         for s in sites
     }
     layer_tables = {s.layer_idx: tables.tables_for_layer(s.layer_idx) for s in sites} if tables is not None else {}
+    # the hooks read what the cache holds (a family transforming K/V elsewhere is refused here, before the passes)
+    verify_taps(model, windows, [layer_tables[s.layer_idx] for s in sites] if tables is not None else None)
     cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     reservoir = BlockReservoir(sample_tokens // block, seed=seed)
     plan: list[tuple[int, int]] = []
@@ -264,8 +278,11 @@ def analyze(
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad(), kv_hooks(model, on_kv):
         for w in range(W):
-            plan[:] = reservoir.offer(T // block)
-            model(input_ids=windows[w : w + 1].to(device), use_cache=False, **extra)
+            plan[:] = reservoir.offer(blocks_in(T, block))
+            try:
+                model(input_ids=windows[w : w + 1].to(device), use_cache=False, **extra)
+            except NonFiniteKV as exc:
+                raise NonFiniteKV(f"window {w}, {exc}") from exc
             if progress is not None:
                 progress(w + 1, W)
     n_blocks = reservoir.size

@@ -31,6 +31,18 @@ DEFAULT_THRESHOLD = 4.0
 DEFAULT_LAYER_FRACTION = 0.25
 
 
+def check_threshold(threshold: float) -> None:
+    """``ValueError`` unless ``threshold`` is a finite number > 1 (NaN compared False and found no outlier)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 1 < threshold < math.inf:
+        raise ValueError(f"threshold must be a finite number > 1 (a multiple of the median channel), got {threshold!r}")
+
+
+def check_layer_fraction(layer_fraction: float) -> None:
+    """``ValueError`` unless ``layer_fraction`` is a number in [0, 1)."""
+    if isinstance(layer_fraction, bool) or not isinstance(layer_fraction, (int, float)) or not 0 <= layer_fraction < 1:
+        raise ValueError(f"layer_fraction must be a number in [0, 1), got {layer_fraction!r}")
+
+
 def outlier_channels(absmax: torch.Tensor, threshold: float = DEFAULT_THRESHOLD) -> list[list[int]]:
     """``[[head, channel], ...]`` whose absmax exceeds ``threshold`` × the head's median channel absmax.
 
@@ -38,8 +50,7 @@ def outlier_channels(absmax: torch.Tensor, threshold: float = DEFAULT_THRESHOLD)
         absmax: ``(H_kv, D)`` largest |x| of each channel over all tokens.
         threshold: the multiple of the median (> 1).
     """
-    if threshold <= 1:
-        raise ValueError(f"threshold must be > 1 (a multiple of the median channel), got {threshold}")
+    check_threshold(threshold)
     if absmax.dim() != 2:
         raise ValueError(f"absmax must be (H_kv, D), got shape {tuple(absmax.shape)}")
     med = absmax.float().median(dim=-1, keepdim=True).values
@@ -130,8 +141,9 @@ def _fmt_db(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.1f} dB"
 
 
-def _mean(values: list[float]) -> float:
-    vals = [v for v in values if math.isfinite(v)]
+def _mean(values: list[float | None]) -> float:
+    """Mean of the finite values; ``None`` (how ``Analysis.to_dict`` writes inf / NaN) is skipped like them."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
@@ -158,6 +170,8 @@ def recommend(
 
     if not layers:
         raise ValueError("no layers to recommend from")
+    check_layer_fraction(layer_fraction)
+    check_threshold(threshold)
     n = len(layers)
     k_pre = [r["layer"] for r in layers if r["key_outlier_channels_pre_rope"]]
     k_post = [r["layer"] for r in layers if r["key_outlier_channels_post_rope"]]
@@ -170,7 +184,8 @@ def recommend(
     post_ch = _mean([r["key_post_rope"]["sqnr_int4_channel"] for r in layers]) if has_post else float("nan")
     v_tok = _mean([r["value"]["sqnr_int4_token"] for r in layers])
     v_ch = _mean([r["value"]["sqnr_int4_channel"] for r in layers])
-    worst = min((r["key_pre_rope"]["range_used_per_token"] for r in layers), default=float("nan"))
+    used = [r["key_pre_rope"]["range_used_per_token"] for r in layers]
+    worst = min((v for v in used if v is not None and not math.isnan(v)), default=float("nan"))
     names = {s.name for s in list_schemes()}
 
     pre = "pre-RoPE " if has_post else ""  # without RoPE statistics: the keys as the model caches them

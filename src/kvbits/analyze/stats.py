@@ -6,8 +6,10 @@ numerical stability) from which mean, std and kurtosis follow. Statistics that n
 themselves (percentiles, per-token ranges, SQNR, plots) are computed on a *sample*: whole blocks of
 ``block`` consecutive tokens, drawn uniformly from every block seen by reservoir sampling
 (``BlockReservoir``, Vitter's algorithm R). One reservoir decides for all layers and tensors, so the
-samples of pre-RoPE keys, post-RoPE keys and values hold the same tokens. When the data has no more
-blocks than the sample holds, the sample is all of it.
+samples of pre-RoPE keys, post-RoPE keys and values hold the same tokens. A window of ``T`` tokens
+offers ``ceil(T / block)`` blocks; the last one ends at its last token (overlapping the one before
+when ``block`` does not divide ``T``), so every position can enter the sample. When the data has no
+more blocks than the sample holds, the sample is all of it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class BlockReservoir:
         return sorted(plan.items())
 
 
+class NonFiniteKV(ValueError):
+    """NaN / inf in the K/V a layer produced (``ChannelStats.update``)."""
+
+
+def blocks_in(tokens: int, block: int) -> int:
+    """Sample blocks a window of ``tokens`` offers: ``ceil(tokens / block)``, the last ending at its last token."""
+    return -(-tokens // block)
+
+
 @dataclass
 class ChannelStats:
     """Per-(head, channel) running statistics of one tensor of one layer, plus its block sample.
@@ -70,6 +81,7 @@ class ChannelStats:
     head_dim: int
     capacity: int
     block: int
+    label: str = "tensor"  # for messages: "layer 3 value"
     count: int = 0
     absmax: torch.Tensor | None = None
     _shift: torch.Tensor | None = None
@@ -80,13 +92,22 @@ class ChannelStats:
     def update(self, x: torch.Tensor, plan: list[tuple[int, int]] = ()) -> None:
         """Add ``x`` ``(B, H_kv, T, D)``; ``plan`` (from ``BlockReservoir.offer``) names the blocks to keep.
 
-        Block ``i`` of ``plan`` is ``x[i // n_b, :, (i % n_b) * block : ...]`` with ``n_b = T // block``.
+        Block ``i`` of ``plan`` is ``x[i // n_b, :, t0 : t0 + block]`` with ``n_b = ceil(T / block)`` and
+        ``t0 = min((i % n_b) * block, T - block)`` (:func:`blocks_in`). ``ValueError`` for NaN / inf in ``x``:
+        they would turn the statistics to NaN, and a NaN median finds no outlier channel.
         """
         B, H, T, D = x.shape
         if (H, D) != (self.n_heads, self.head_dim):
             raise ValueError(f"expected (B, {self.n_heads}, T, {self.head_dim}), got {tuple(x.shape)}")
         xf = x.detach().float()
         amax = xf.abs().amax(dim=(0, 2))
+        if not bool(torch.isfinite(amax).all()):  # one host sync per layer and window: analysis only
+            bad = ~torch.isfinite(xf)
+            first = int(bad.nonzero()[0, 2])
+            raise NonFiniteKV(
+                f"{self.label}: {int(bad.sum())} non-finite values (NaN / inf) in the model's K/V, the first at "
+                f"position {first}; expected finite activations (a float16 overflow? try --dtype float32 or bfloat16)"
+            )
         self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
         xd = xf.double()
         if self._shift is None:
@@ -105,10 +126,10 @@ class ChannelStats:
                     self.capacity, H, self.block, D, dtype=SAMPLE_DTYPE, device=x.device
                 )
                 self.positions = torch.zeros(self.capacity, dtype=torch.long)
-            n_b = T // self.block
+            n_b = blocks_in(T, self.block)
             for slot, i in plan:
                 b, t0 = divmod(i, n_b)
-                t0 *= self.block
+                t0 = min(t0 * self.block, T - self.block)
                 self.sample[slot] = xf[b, :, t0 : t0 + self.block].to(SAMPLE_DTYPE)
                 self.positions[slot] = t0
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvbits.analyze.verify import verify_taps
 from kvbits.calibrate.artifact import CalibrationArtifact, describe_model
 from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.fit import (
@@ -357,6 +358,7 @@ def collect_samples(
     was_training = module.training
     module.eval()
     try:
+        verify_taps(module, ids, tables)  # the hooks read what the cache holds (kvbits.analyze.verify)
         with KVCapture(module, sites, retain_grad=fisher) as cap:
             for w in range(W):
                 if fisher:
