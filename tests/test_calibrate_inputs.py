@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -53,6 +54,19 @@ def test_calibrated_context_is_the_window_length_of_4d_blocks():
     shorter = with_layer(blocks, 1, torch.randn(16, H, 8, D))
     assert artifact_from_samples("fp8-e4m3", shorter, shorter).max_calibrated_length == 8
     assert artifact_from_samples("fp8-e4m3", samples(), samples(seed=1)).max_calibrated_length == N
+
+
+def test_3d_samples_without_a_context_say_the_length_is_a_guess(caplog):
+    """(H_kv, N, D) samples record N as the calibrated context (4 windows of 128 tokens: 512, so the length warning
+    stayed silent up to 512 tokens although nothing past position 127 was seen): now said in a WARNING, which
+    a given ``meta['data']['context']`` or (B, H_kv, T, D) blocks silence."""
+    with caplog.at_level(logging.WARNING, logger="kvbits.calibrate"):
+        artifact_from_samples("fp8-e4m3", samples(), samples(seed=1))
+        assert len(caplog.records) == 1 and "recorded as the sample count N = 64" in caplog.records[0].getMessage()
+        caplog.clear()
+        given = artifact_from_samples("fp8-e4m3", samples(), samples(seed=1), meta={"data": {"context": 32}})
+        artifact_from_samples("fp8-e4m3", samples(shape=(8, H, 16, D)), samples(shape=(8, H, 16, D), seed=1))
+    assert caplog.records == [] and given.max_calibrated_length == 32
 
 
 def test_a_single_tensor_is_not_a_list_of_layers():
@@ -219,3 +233,22 @@ def test_the_summary_caption_explains_the_columns_it_has(scheme, said, unsaid, c
     out = capsys.readouterr().out
     caption = out[out.index("per-layer calibration") :].split("\n\n")[0]
     assert all(s in caption for s in said) and not any(s in caption for s in unsaid), caption
+
+
+@pytest.mark.parametrize(
+    ("points", "weights", "bits"),
+    [(torch.zeros(1000), None, 4), (torch.tensor([-0.5, 0.0, 0.7]), None, 4),
+     (torch.linspace(-1, 1, 100), torch.eye(100)[3], 2), (torch.tensor([0.999, 0.9991, 0.9992, -0.2]), None, 3)],
+)  # fmt: skip
+def test_codebooks_of_degenerate_data_have_distinct_entries(points, weights, bits):
+    """All-zero data, 3 distinct points, one weighted point, points float16 merges: k-means left copies of one
+    centroid (all zeros: 1 distinct entry of 16; one weighted point: 1 of 4), wasted levels that served data
+    then decoded to fewer values. The copies now take unused grid levels; the points' weighted error is no larger."""
+    from kvbits.calibrate import fit_codebook, weighted_kmeans_1d
+    from kvbits.calibrate.kmeans import weighted_mse
+
+    cb = fit_codebook(points, bits, weights)
+    assert cb.dtype == torch.float16 and cb.unique().numel() == 2**bits
+    assert bool((cb[1:] > cb[:-1]).all()) and float(cb.abs().max()) <= 1
+    raw = weighted_kmeans_1d(points, 2**bits, weights).clamp(-1, 1).half().float()
+    assert weighted_mse(points, cb.float(), weights) <= weighted_mse(points, raw, weights) + 1e-12

@@ -466,6 +466,12 @@ def artifact_from_samples(
     values = [as_hnd(v) for v in values]
     H, N, D = keys[0].shape
     context = min(window_lengths) if window_lengths else N
+    if not window_lengths and "context" not in ((meta or {}).get("data") or {}):
+        logger.warning(
+            "artifact_from_samples: (H_kv, N, D) samples do not say how long their windows were; max_calibrated_length "
+            "is recorded as the sample count N = %d, which overstates it unless they are one window: pass "
+            "meta={'data': {'context': T}} (or (B, H_kv, T, D) blocks)", N,
+        )  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     stats: list[dict[str, float]] = []
     n_layers = len(keys)

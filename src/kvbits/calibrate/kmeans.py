@@ -196,6 +196,24 @@ def weighted_kmeans_1d(
     return best[1]
 
 
+def _distinct(c: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """Sorted ``c`` with repeated centroids moved to unused levels of the uniform grid of ``2 k + 1`` points over
+    ``[lo, hi]`` (farthest from the kept centroids first). Degenerate data (all zeros, fewer distinct points than
+    centroids) left copies of one centroid: wasted levels, and data served later decoded to fewer values. A
+    copy holds no point of its own, so moving it never raises the weighted error."""
+    values = sorted(set(c.tolist()))
+    k = c.numel()
+    if len(values) == k:
+        return torch.sort(c).values
+    grid = torch.linspace(lo, hi, 2 * k + 1).tolist()
+    for g in sorted(grid, key=lambda v: min(abs(v - u) for u in values), reverse=True):  # farthest first
+        if len(values) == k:
+            break
+        if g not in values:
+            values.append(g)
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
 def weighted_mse(x: torch.Tensor, codebook: torch.Tensor, w: torch.Tensor | None = None) -> float:
     """``sum w (x - nearest(x))**2 / sum w`` for 1-D points against a sorted codebook."""
     x = x.reshape(-1).float().contiguous()
@@ -234,4 +252,5 @@ def fit_codebook(
         seed=seed,
         starts=(uniform_codebook(bits).float(),),
     )
-    return torch.sort(c.clamp(-1, 1).to(CODEBOOK_DTYPE)).values
+    # distinct as stored (float16 merges close centroids too), on a grid float16 holds exactly
+    return _distinct(c.clamp(-1, 1).to(CODEBOOK_DTYPE).float(), -1.0, 1.0).to(CODEBOOK_DTYPE)
