@@ -13,7 +13,8 @@ Integer zero-points (``TensorSpec.integer_zero``, vLLM's ``int4_per_token_head``
 with ``z`` a code, stored as ``zero = -z * scale`` so the same decoder applies (:func:`integer_zero_qparams`).
 
 Truncated symmetric codes (``TensorSpec(rounding="trunc")``, vLLM's ``int8_per_token_head``): codes rounded
-toward zero from vLLM's float32 scale, the scale stored to the nearest float16 (:func:`trunc_symmetric`).
+toward zero from vLLM's float32 scale, the scale stored to the nearest float16, capped near float16's end as
+above (:func:`trunc_symmetric`).
 """
 
 from __future__ import annotations
@@ -197,9 +198,12 @@ def trunc_symmetric(
     compiles that store for sm_90 and reads the instruction). Here the codes come from that float32 scale
     (IEEE division and reciprocal; vLLM's ``div.full.f32`` may differ by an ulp or two, which moves a code only
     where ``x / scale`` lies that close to an integer, as the row maximum does); the scale is stored to the
-    nearest float16, so ``(code - c) * scale`` decodes within ``c * 2**-11`` steps of vLLM's float32 decode
-    (6.2 % of a step at INT8's largest code); ``meta=torch.float32`` stores vLLM's float32 scale itself, so the
-    decode is vLLM's.
+    nearest float16, so for a normal float16 scale (``>= 2**-14``, about 6.1e-5: ``absmax >= 7.8e-3`` at INT8)
+    ``(code - c) * scale`` decodes within ``c * 2**-11`` steps of vLLM's float32 decode (6.2 % of a step at
+    INT8's largest code). A subnormal float16 scale is coarser (0.27 steps at ``absmax`` 2.2e-4). Near float16's
+    end the scale is capped instead, as :func:`_stored_scale` caps (to the nearest it decoded ``|x|`` = 65504's
+    code 127 as ``127 * 516 = 65532``, inf in float16): at most one float16 step below vLLM's, so within
+    ``c * 2**-10`` steps. ``meta=torch.float32`` stores vLLM's float32 scale itself, so the decode is vLLM's.
 
     Args:
         x: any shape, floating.
@@ -226,7 +230,12 @@ def trunc_symmetric(
     q = torch.trunc(xf * torch.reciprocal(scale32))
     clipped = (q < -c) | (q > c)
     codes = (q.clamp(-c, c) + c).to(torch.uint8)
-    return scale32.to(meta), codes, clipped
+    if meta == torch.float32:
+        return scale32, codes, clipped
+    # nearest, but capped as _stored_scale caps: the top code c must decode within 65504 (an inf scale stays inf)
+    near = scale32.to(meta)
+    cap = _round_down_fp16(div_rn(torch.full_like(scale32, FP16_MAX), c))
+    return torch.where(torch.isinf(near), near, torch.minimum(near, cap)), codes, clipped
 
 
 def empty_groups(

@@ -68,7 +68,8 @@ class TensorSpec:
             as vLLM's ``int8_per_token_head`` write kernel stores ``clamp(x * (1 / scale))`` into an int8 cache
             (Triton's float-to-int store cast, ``cvt.rzi``): every value loses up to a whole step instead of half
             of one, always toward zero. ``"trunc"`` takes vLLM's float32 scale ``max(absmax / (2**(bits-1) - 1),
-            1e-6)`` for the codes and stores it to the nearest float16 (``scale_dtype="fp32"``: as it is);
+            1e-6)`` for the codes and stores it to the nearest float16, capped so the top code decodes within
+            65504 (``scale_dtype="fp32"``: as it is);
             dynamic symmetric ``kind="int"`` only.
         scale_dtype: what the dynamic scales (and zero-points) are stored in: ``"fp16"`` (the default, 2 bytes
             each, rounded outward) or ``"fp32"`` (4 bytes, unrounded: ``absmax / c``, ``(max - min) / steps``),
