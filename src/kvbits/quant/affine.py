@@ -152,6 +152,21 @@ def range_qparams(
 INTEGER_ZERO_MIN_SCALE = 1e-6  # vLLM's int4_per_token_head floor: a zero-range group gets this scale
 
 
+def integer_zero_bound(bits: int) -> float:
+    """The largest ``|x|`` whose integer-zero codes (:func:`integer_zero_qparams`) decode within float16.
+
+    A level the data reaches lies within half a step of the range (``code`` rounds ``(x - zero) / scale``
+    onto the nearest level, or clamps inside it), and the step is at most ``2 * bound / (2**bits - 1)``,
+    rounded up by at most ``2**-10`` of itself: ``bound * (1 + (1 + 2**-10) / (2**bits - 1)) = 65504``. Above
+    it a row decoded past 65519, to inf in float16: int4 ``[-1000, 65504]`` (scale 4436, ``z`` 0) decoded its
+    top value as ``15 * 4436 = 66540`` and ``[-65504, 0]`` stored the zero-point ``-15 * 4368``, -inf. The
+    scale is not capped instead: a grid anchored at an integer ``z`` spanning ``[-65504, 65504]`` has one
+    level past either end, so a cap on both would leave the range uncovered. 61406.25 at 4 bits.
+    """
+    check_bits(bits)
+    return FP16_MAX / (1.0 + (1.0 + 2.0**-10) / (2**bits - 1))
+
+
 def integer_zero_qparams(
     x: torch.Tensor, bits: int, dims: tuple[int, ...], *, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,11 +176,14 @@ def integer_zero_qparams(
     ``z = round(-min / scale)`` (half away from zero) clamped to ``[0, 2**bits - 1]``, codes
     ``round(x / scale + z)`` clamped. Stored as float16 ``scale`` (rounded up) and ``zero = -z * scale``
     (nearest), so ``quantize_affine`` / ``dequantize_affine`` decode ``code * scale + zero = (code - z) *
-    scale`` to within 1 % of a step of vLLM's float32 scale (int4). Unlike :func:`range_qparams` the grid
+    scale`` to within 1 % of a step of vLLM's float32 scale (int4) where the float16 scale is normal
+    (``>= 2**-14``, about 6.1e-5: a range ``>= 9.2e-4`` at int4); a subnormal one is coarser (4.7 % of a
+    step at scale 4.8e-6). Unlike :func:`range_qparams` the grid
     need not cover the range: an end may fall up to half a step inside it when ``z`` rounds (values there
     still round to it, within half a step; only an exact tie rounds past it), and a range that excludes 0
-    (``z`` clamped) loses everything past the far end; ``quantize_affine`` counts what clips.
-    ``mask`` (bool like ``x``) marks elements excluded from the range.
+    (``z`` clamped) loses everything past the far end; ``quantize_affine`` counts what clips. The decode
+    stays within float16 for ``|x| <=`` :func:`integer_zero_bound` (``quantize(validate=True)`` and the
+    cache refuse more). ``mask`` (bool like ``x``) marks elements excluded from the range.
     """
     check_bits(bits)
     empty = empty_groups(x, dims, False)

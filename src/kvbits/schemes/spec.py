@@ -63,7 +63,9 @@ class TensorSpec:
             ends may fall up to half a step inside the range (every value still within half a step), and a
             range that excludes 0 loses what lies past ``2**bits - 1`` steps from 0 (``z`` clamps; counted as
             clipped). Stored as float16 ``scale`` and ``zero = -z * scale``, the bytes of
-            ``symmetric=False``; dynamic ``kind="int"`` only.
+            ``symmetric=False``; dynamic ``kind="int"`` only. A reached level may lie half a step past the
+            range, so the input bound is lower: ``|x| <= 65504 / (1 + (1 + 2**-10) / (2**bits - 1))`` (61406 at
+            4 bits, ``kvbits.quant.affine.integer_zero_bound``).
         rounding: how a scaled value becomes a code: ``"nearest"`` (the default), or ``"trunc"``, toward zero,
             as vLLM's ``int8_per_token_head`` write kernel stores ``clamp(x * (1 / scale))`` into an int8 cache
             (Triton's float-to-int store cast, ``cvt.rzi``): every value loses up to a whole step instead of half
