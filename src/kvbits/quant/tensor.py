@@ -535,7 +535,7 @@ def codebook_inputs(
 
     Returns ``(u, kept)``: ``u`` float32 ``(B, H_kv, n, D)``, the normalised values (``[-1, 1]``
     inside the range, beyond it where a static scale clips) and ``kept`` bool, False for the
-    dense-and-sparse outliers (stored exactly, never coded). Calibration fits codebooks to these,
+    dense-and-sparse outliers (stored in float16, never coded). Calibration fits codebooks to these,
     so the codebook is trained on exactly what ``quantize`` will code (a rotated spec: of ``x @ R``).
     """
     if spec.kind != "nuq":

@@ -79,7 +79,7 @@ class TensorSpec:
             ``kind="int"`` (not ``integer_zero``) and dynamic ``kind="fp8"`` only. The input bound stays
             float16's (``|x| <= 65504``, ``kvbits.cache.checks``).
         static: scales come from a calibration artifact instead of the data being stored.
-        outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
+        outlier_frac: fraction of each vector kept in float16 in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
         rotate: ``None``, or ``"hadamard"``: quantize ``x @ R`` (a fixed random-sign Walsh-Hadamard
             rotation of the head dim, ``kvbits.quant.rotate``) and rotate back after dequantization, so an
