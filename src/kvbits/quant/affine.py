@@ -278,14 +278,17 @@ def masked_range(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of ``xf`` over ``dims`` (keepdim), ignoring elements where ``mask`` is True.
 
-    A group whose elements are all masked gets the range ``[0, 0]``.
+    A group whose elements are all masked gets the range ``[0, 0]``. A zero end is +0.0 (``+ 0.0``): which
+    zero the min / max of a group mixing -0.0 and +0.0 returns depends on the reduction order, so torch's and
+    the Triton quantize kernel's (``_group_params``, canonicalised the same way) differed in the sign bit of
+    the stored zero-point (decoding the same), against the kernel's bit-for-bit claim.
     """
     if mask is None:
-        return xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
+        return xf.amin(dim=dims, keepdim=True) + 0.0, xf.amax(dim=dims, keepdim=True) + 0.0
     lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
     hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
     empty = torch.isinf(lo)
-    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    return lo.masked_fill(empty, 0.0) + 0.0, hi.masked_fill(empty, 0.0) + 0.0
 
 
 def quantize_affine(
