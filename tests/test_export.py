@@ -121,8 +121,8 @@ def test_export_refuses_what_vllm_can_not_use(fp8, tmp_path):
         export_vllm(artifact_from_samples("fp8-e4m3,1=fp16", k, k), tmp_path / "m")
     with pytest.raises(ValueError, match="after RoPE"):
         export_vllm(artifact_from_samples(fp8_scheme("pre", pre_rope=True), k, k), tmp_path / "c")
-    # outliers kept exactly: vLLM stores every value in FP8 (exported silently before)
-    with pytest.raises(ValueError, match=r"keeps a fraction of its keys exactly \(outliers\)"):
+    # outliers kept in float16: vLLM stores every value in FP8 (exported silently before)
+    with pytest.raises(ValueError, match=r"keeps a fraction of its keys in float16 \(outliers\)"):
         export_vllm(artifact_from_samples(fp8_scheme("outl", outlier_frac=0.01), k, k), tmp_path / "o")
     # a checkpoint of another shape
     other = tmp_path / "other"

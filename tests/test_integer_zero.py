@@ -160,6 +160,45 @@ def test_ranges_around_zero_stay_within_half_a_step():
     assert const[0, 0, 0].abs().max() < 1e-4  # 0.75 everywhere: codes clamp, as vLLM's do
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_rows_within_the_input_bound_decode_within_float16(bits):
+    """A level the codes reach lies up to half a step past the range, so an integer-zero spec's input bound is
+    65504 / (1 + (1 + 2**-10) / (2**bits - 1)) (61406 at 4 bits), and within it every row decodes finite.
+
+    Before, the bound was float16's 65504 and rows it accepted decoded to inf: int4 ``[-1000, 65504]`` (scale
+    4436, ``z`` 0) decoded 65504 as 66540, inf in float16; ``[-65504, 0]`` stored the zero-point -65520, -inf,
+    and the whole row decoded to -inf. Now ``quantize`` and the cache refuse them, naming the bound."""
+    from kvbits.cache import QuantizedKVLayer
+    from kvbits.cache.checks import input_bound
+    from kvbits.quant.affine import integer_zero_bound
+
+    spec = TensorSpec(kind="int", bits=bits, fmt=None, integer_zero=True)
+    bound = integer_zero_bound(bits)
+    assert input_bound(spec)[0] == bound < 65504.0 and input_bound(FLOAT_ZERO)[0] == 65504.0
+    assert round(integer_zero_bound(4), 2) == 61406.25
+    g = torch.Generator().manual_seed(bits)
+    b = bound * (1 - 2.0**-23)  # the bound, as a float32 at most it
+    lo, hi = -torch.rand(4096, generator=g) * b, torch.rand(4096, generator=g) * b
+    lo[:1024], hi[1024:2048] = -b, b  # one end at the bound, the other anywhere
+    lo[2048:3072] = torch.rand(1024, generator=g) * b  # ranges that exclude 0: z clamps to 0 or to the top
+    hi[3072:] = -torch.rand(1024, generator=g) * b
+    x = torch.stack([torch.minimum(lo, hi), torch.maximum(lo, hi)], -1).reshape(1, 1, 4096, 2)
+    x = torch.cat([x, torch.zeros(1, 1, 4096, 14)], -1)
+    for xx in (x, x.half().float().clamp(-b, b)):
+        qt = quantize(xx, spec)
+        assert torch.isfinite(qt.zero).all() and torch.isfinite(qt.dequantize(torch.float16)).all()
+    for row in ((-1000.0, 65504.0), (-65504.0, 0.0)):
+        k = torch.zeros(1, 1, 1, 16)
+        k[..., :2] = torch.tensor(row)
+        with pytest.raises(ValueError, match=f"beyond {bound:.6g}: integer zero-points"):
+            quantize(k, spec)
+        layer = QuantizedKVLayer(KVScheme("iz", key=spec, value=spec), fused_decode=False, checks="eager")
+        with pytest.raises(ValueError, match="integer zero-points put a level"):
+            layer.update(k, torch.zeros_like(k))
+    # the float zero-point format still takes float16's whole range
+    assert torch.isfinite(quantize(k, FLOAT_ZERO).dequantize(torch.float16)).all()
+
+
 def test_bytes_are_vllms_four_bits_and_one_float32_per_token_and_head():
     B, H, n, D = 2, 3, 16, 64
     x = torch.randn(B, H, n, D)

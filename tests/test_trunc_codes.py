@@ -84,6 +84,44 @@ def test_float32_scales_decode_as_vllm_bit_for_bit():
     assert not torch.equal(quantize(x, TRUNC).dequantize(torch.float32), want * scale)
 
 
+def test_float16_scales_are_capped_near_float16s_end():
+    """The float16 scale decodes the top code within 65504, as every other float16 scale (``_stored_scale``).
+
+    Before, vLLM's float32 scale went to the *nearest* float16 uncapped: a row with ``|x|`` = 65504 stored
+    516.0 (65504 / 127 = 515.78), code 127 decoded to ``127 * 516 = 65532``, inf in float16 K/V (and -inf for
+    -65504). Now the scale is 515.5 (65468.5, 65472 in float16); the codes stay vLLM's, and the decode stays
+    within ``127 * 2**-10`` steps of vLLM's (the cap is one float16 step below the nearest at most)."""
+    tops = torch.linspace(65000.0, 65504.0, 64)
+    x = torch.zeros(1, 1, 64, 16)
+    x[0, 0, :, 0], x[0, 0, :, 1], x[0, 0, :, 2] = tops, -tops, tops / 3
+    x16 = x.half()
+    for inp in (x16, x):
+        qt = quantize(inp, TRUNC)
+        assert torch.isfinite(qt.dequantize(torch.float16)).all()
+        assert (qt.scale.float() * 127 <= 65504).all()
+        want, scale = vllm_int8(inp)
+        assert torch.equal(codes_of(qt), want.long())
+        gap = (qt.dequantize(torch.float64) - want.double() * scale.double()).abs() / scale.double()
+        assert gap.max() <= 127 * 2.0**-10, gap.max()
+    qt = quantize(x16[:, :, -1:], TRUNC)  # |x| = 65504 exactly
+    assert qt.scale.item() == 515.5 and qt.dequantize(torch.float16)[0, 0, 0, :2].tolist() == [65472.0, -65472.0]
+
+
+def test_decode_bound_holds_for_normal_float16_scales_only():
+    """The ``c * 2**-11`` steps of ``trunc_symmetric``'s docstring hold where the float16 scale is normal
+    (``>= 2**-14``, ``absmax >= 127 * 2**-14`` = 7.8e-3); it stated them for every scale, but a subnormal one is
+    coarser: 0.27 steps at ``absmax`` 2.2e-4 (documentation fix: the decode itself is unchanged)."""
+    amax = torch.logspace(-4, 1, 200)
+    x = torch.linspace(-1.0, 1.0, 16) * amax[:, None]
+    qt = quantize(x.reshape(1, 1, 200, 16), TRUNC)
+    want, scale = vllm_int8(x.reshape(1, 1, 200, 16))
+    gap = ((qt.dequantize(torch.float64) - want.double() * scale.double()).abs() / scale.double()).amax(-1)
+    normal = (qt.scale.float() >= 2.0**-14).reshape(gap.shape)
+    assert normal.any() and (~normal).any()
+    assert gap[normal].max() <= 127 * 2.0**-11 * 1.001, gap[normal].max()
+    assert gap[~normal].max() > 0.2  # the subnormal scales: far past the bound
+
+
 def test_truncation_moves_every_value_toward_zero_by_up_to_a_step():
     """|decoded| <= |x| (to the float16 scale's rounding), the error is below one step, its mean is half a
     step toward zero, and the squared error is about 4x that of nearest rounding (uniform on a step against

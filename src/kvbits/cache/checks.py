@@ -30,7 +30,9 @@ for KVQuant's NUQ keys); Hadamard-rotated sides code ``x @ R``, which can gather
 channel (``|x| <= 65504 / sqrt(D)``, once ``D`` is known: from the config, else the first K/V). Beyond them
 a scale or zero-point would be inf and the stored rows decode to NaN. Centred / smoothed sides code
 ``(x - mean) / factor``: installing their vectors lowers the bound to ``bound * min(factor) - max |mean|``
-(``QuantizedKVLayer.set_static_qparams``).
+(``QuantizedKVLayer.set_static_qparams``). Integer zero-points (``TensorSpec.integer_zero``) anchor the grid at
+0, so a level the data reaches can lie half a step past the range (``|x| <= 65504 / (1 + (1 + 2**-10) / (2**bits
+- 1))``, 61406 at 4 bits: ``kvbits.quant.affine.integer_zero_bound``).
 
 Structural checks (types, ``(B, H_kv, T, D)`` shapes, dtype/device changes, calibration) never need the
 device and stay eager in both modes (``validate``).
@@ -45,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvbits.quant.affine import integer_zero_bound
 from kvbits.quant.checks import FP16_MAX, KV_DTYPES, check_kv
 from kvbits.report.calibration import CLIP_WARN_FRAC  # one warning level for the cache, report and evaluate
 from kvbits.schemes.accounting import rotation_fits, token_groups_fit
@@ -101,7 +104,8 @@ def input_bound(
     float16 holds the values or their metadata for int / NUQ / FP8 codes (float16 scales, zero-points and
     outliers) and for float16 storage (``None``: that plain case): 65504, less where a spec stores more than
     ``|x|`` (asymmetric NUQ stores the range ``max - min``; pre-RoPE keys are un-rotated before quantizing,
-    which mixes the channels of a rotation pair; a rotated spec codes ``x @ R``, up to ``sqrt(D) max |x|``
+    which mixes the channels of a rotation pair; integer zero-points reach a level up to half a step past the
+    range; a rotated spec codes ``x @ R``, up to ``sqrt(D) max |x|``
     in one channel, so its bound needs ``head_dim``: without it, none is set for the rotation yet). bf16 /
     fp32 storage and ``"fallback"`` sliding layers (their window kept in the K/V dtype) hold any finite value.
     """
@@ -117,6 +121,9 @@ def input_bound(
     if spec.kind == "nuq" and not spec.symmetric:
         bound /= 2  # the stored scale is the whole range max - min, up to 2 max |x|
         why.append("asymmetric NUQ stores the range max - min, so half of it")
+    if spec.integer_zero:
+        bound = integer_zero_bound(spec.bits)  # a reached level lies up to half a step past the range
+        why.append(f"integer zero-points put a level up to half a step past the range ({bound / FP16_MAX:.4f} of it)")
     if spec.pre_rope:
         bound /= math.sqrt(2)  # un-rotating a pair (a, b) gives up to |(a, b)| = sqrt(2) max(|a|, |b|)
         why.append("pre-RoPE keys are un-rotated first, which mixes channel pairs (1/sqrt(2) of it)")

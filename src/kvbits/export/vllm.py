@@ -123,7 +123,8 @@ def check_exportable(art: CalibrationArtifact) -> None:
     kept = [side for side in ("key", "value") if getattr(scheme, side).outlier_frac]
     if kept:
         raise ValueError(
-            f"calibration of scheme {scheme.name!r} keeps a fraction of its {' and '.join(kept)}s exactly (outliers); "
+            f"calibration of scheme {scheme.name!r} keeps a fraction of its {' and '.join(kept)}s in float16 "
+            "(outliers); "
             "vLLM stores every value in FP8, so kvbits' measurements would not describe its cache: calibrate "
             "without outliers (fp8-e4m3)"
         )

@@ -96,6 +96,6 @@ def _zero_scale_clips(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     """``zero_scale_clipped`` of ``x`` ``(B, H_kv, n, D)`` under the static per-channel ``qt.scale`` /
     ``qt.zero`` (``(1, H_kv, 1, D)``, the only static layout the kernel takes), outliers left out."""
     clipped = zero_scale_clipped(x, qt.scale, qt.zero)
-    if qt.outlier_index is not None:  # stored exactly: never clipped
+    if qt.outlier_index is not None:  # stored apart (float16): never clipped
         clipped = clipped.scatter(-1, qt.outlier_index.long(), False)
     return clipped

@@ -150,13 +150,14 @@ def _nuq_qparams(lo, hi, amax, SYM: tl.constexpr):
 def _group_params(x, out, AXIS: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, NUQ: tl.constexpr):
     """float16 ``(scale, zero)`` over ``AXIS`` (keep_dims) of float32 ``x``, ignoring entries where ``out``
     (dense-and-sparse outliers) is true; a group of outliers only gets the range ``[0, 0]``
-    (``masked_range``)."""
+    (``masked_range``). A zero end is +0.0, as there: which zero ``tl.min`` / ``tl.max`` return for a group
+    mixing -0.0 and +0.0 depends on the reduction order (a select, which no float fast-math folds away)."""
     lo = tl.min(tl.where(out, float("inf"), x), axis=AXIS, keep_dims=True)
     hi = tl.max(tl.where(out, -float("inf"), x), axis=AXIS, keep_dims=True)
     amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=AXIS, keep_dims=True)
     empty = lo == float("inf")
-    lo = tl.where(empty, 0.0, lo)
-    hi = tl.where(empty, 0.0, hi)
+    lo = tl.where(empty | (lo == 0.0), 0.0, lo)
+    hi = tl.where(empty | (hi == 0.0), 0.0, hi)
     if NUQ:
         scale, zero = _nuq_qparams(lo, hi, amax, SYM)
     else:

@@ -13,7 +13,8 @@ Integer zero-points (``TensorSpec.integer_zero``, vLLM's ``int4_per_token_head``
 with ``z`` a code, stored as ``zero = -z * scale`` so the same decoder applies (:func:`integer_zero_qparams`).
 
 Truncated symmetric codes (``TensorSpec(rounding="trunc")``, vLLM's ``int8_per_token_head``): codes rounded
-toward zero from vLLM's float32 scale, the scale stored to the nearest float16 (:func:`trunc_symmetric`).
+toward zero from vLLM's float32 scale, the scale stored to the nearest float16, capped near float16's end as
+above (:func:`trunc_symmetric`).
 """
 
 from __future__ import annotations
@@ -151,6 +152,21 @@ def range_qparams(
 INTEGER_ZERO_MIN_SCALE = 1e-6  # vLLM's int4_per_token_head floor: a zero-range group gets this scale
 
 
+def integer_zero_bound(bits: int) -> float:
+    """The largest ``|x|`` whose integer-zero codes (:func:`integer_zero_qparams`) decode within float16.
+
+    A level the data reaches lies within half a step of the range (``code`` rounds ``(x - zero) / scale``
+    onto the nearest level, or clamps inside it), and the step is at most ``2 * bound / (2**bits - 1)``,
+    rounded up by at most ``2**-10`` of itself: ``bound * (1 + (1 + 2**-10) / (2**bits - 1)) = 65504``. Above
+    it a row decoded past 65519, to inf in float16: int4 ``[-1000, 65504]`` (scale 4436, ``z`` 0) decoded its
+    top value as ``15 * 4436 = 66540`` and ``[-65504, 0]`` stored the zero-point ``-15 * 4368``, -inf. The
+    scale is not capped instead: a grid anchored at an integer ``z`` spanning ``[-65504, 65504]`` has one
+    level past either end, so a cap on both would leave the range uncovered. 61406.25 at 4 bits.
+    """
+    check_bits(bits)
+    return FP16_MAX / (1.0 + (1.0 + 2.0**-10) / (2**bits - 1))
+
+
 def integer_zero_qparams(
     x: torch.Tensor, bits: int, dims: tuple[int, ...], *, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,11 +176,14 @@ def integer_zero_qparams(
     ``z = round(-min / scale)`` (half away from zero) clamped to ``[0, 2**bits - 1]``, codes
     ``round(x / scale + z)`` clamped. Stored as float16 ``scale`` (rounded up) and ``zero = -z * scale``
     (nearest), so ``quantize_affine`` / ``dequantize_affine`` decode ``code * scale + zero = (code - z) *
-    scale`` to within 1 % of a step of vLLM's float32 scale (int4). Unlike :func:`range_qparams` the grid
+    scale`` to within 1 % of a step of vLLM's float32 scale (int4) where the float16 scale is normal
+    (``>= 2**-14``, about 6.1e-5: a range ``>= 9.2e-4`` at int4); a subnormal one is coarser (4.7 % of a
+    step at scale 4.8e-6). Unlike :func:`range_qparams` the grid
     need not cover the range: an end may fall up to half a step inside it when ``z`` rounds (values there
     still round to it, within half a step; only an exact tie rounds past it), and a range that excludes 0
-    (``z`` clamped) loses everything past the far end; ``quantize_affine`` counts what clips.
-    ``mask`` (bool like ``x``) marks elements excluded from the range.
+    (``z`` clamped) loses everything past the far end; ``quantize_affine`` counts what clips. The decode
+    stays within float16 for ``|x| <=`` :func:`integer_zero_bound` (``quantize(validate=True)`` and the
+    cache refuse more). ``mask`` (bool like ``x``) marks elements excluded from the range.
     """
     check_bits(bits)
     empty = empty_groups(x, dims, False)
@@ -197,9 +216,12 @@ def trunc_symmetric(
     compiles that store for sm_90 and reads the instruction). Here the codes come from that float32 scale
     (IEEE division and reciprocal; vLLM's ``div.full.f32`` may differ by an ulp or two, which moves a code only
     where ``x / scale`` lies that close to an integer, as the row maximum does); the scale is stored to the
-    nearest float16, so ``(code - c) * scale`` decodes within ``c * 2**-11`` steps of vLLM's float32 decode
-    (6.2 % of a step at INT8's largest code); ``meta=torch.float32`` stores vLLM's float32 scale itself, so the
-    decode is vLLM's.
+    nearest float16, so for a normal float16 scale (``>= 2**-14``, about 6.1e-5: ``absmax >= 7.8e-3`` at INT8)
+    ``(code - c) * scale`` decodes within ``c * 2**-11`` steps of vLLM's float32 decode (6.2 % of a step at
+    INT8's largest code). A subnormal float16 scale is coarser (0.27 steps at ``absmax`` 2.2e-4). Near float16's
+    end the scale is capped instead, as :func:`_stored_scale` caps (to the nearest it decoded ``|x|`` = 65504's
+    code 127 as ``127 * 516 = 65532``, inf in float16): at most one float16 step below vLLM's, so within
+    ``c * 2**-10`` steps. ``meta=torch.float32`` stores vLLM's float32 scale itself, so the decode is vLLM's.
 
     Args:
         x: any shape, floating.
@@ -226,7 +248,12 @@ def trunc_symmetric(
     q = torch.trunc(xf * torch.reciprocal(scale32))
     clipped = (q < -c) | (q > c)
     codes = (q.clamp(-c, c) + c).to(torch.uint8)
-    return scale32.to(meta), codes, clipped
+    if meta == torch.float32:
+        return scale32, codes, clipped
+    # nearest, but capped as _stored_scale caps: the top code c must decode within 65504 (an inf scale stays inf)
+    near = scale32.to(meta)
+    cap = _round_down_fp16(div_rn(torch.full_like(scale32, FP16_MAX), c))
+    return torch.where(torch.isinf(near), near, torch.minimum(near, cap)), codes, clipped
 
 
 def empty_groups(
@@ -251,14 +278,17 @@ def masked_range(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of ``xf`` over ``dims`` (keepdim), ignoring elements where ``mask`` is True.
 
-    A group whose elements are all masked gets the range ``[0, 0]``.
+    A group whose elements are all masked gets the range ``[0, 0]``. A zero end is +0.0 (``+ 0.0``): which
+    zero the min / max of a group mixing -0.0 and +0.0 returns depends on the reduction order, so torch's and
+    the Triton quantize kernel's (``_group_params``, canonicalised the same way) differed in the sign bit of
+    the stored zero-point (decoding the same), against the kernel's bit-for-bit claim.
     """
     if mask is None:
-        return xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
+        return xf.amin(dim=dims, keepdim=True) + 0.0, xf.amax(dim=dims, keepdim=True) + 0.0
     lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
     hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
     empty = torch.isinf(lo)
-    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    return lo.masked_fill(empty, 0.0) + 0.0, hi.masked_fill(empty, 0.0) + 0.0
 
 
 def quantize_affine(

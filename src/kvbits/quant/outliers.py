@@ -1,5 +1,9 @@
 """Dense-and-sparse outliers (KVQuant §3.5): the ``k`` largest-magnitude entries of each row are
-kept exactly in a sparse side store and excluded from the quantization range."""
+kept in float16 in a sparse side store and excluded from the quantization range.
+
+float16, not the input dtype: exact for float16 K/V, rounded to float16 otherwise (float32 or bfloat16 K/V,
+and rotated or centred / smoothed specs, whose coded basis is float32: 1000.3 is kept as 1000.5), which is
+what ``kvbits.schemes.accounting`` counts (2 bytes a value)."""
 
 from __future__ import annotations
 

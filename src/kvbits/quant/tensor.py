@@ -18,6 +18,7 @@ from kvbits.quant.affine import (
     choose_qparams,
     dequantize_affine,
     div_rn,
+    integer_zero_bound,
     integer_zero_qparams,
     quantize_affine,
     trunc_symmetric,
@@ -372,7 +373,8 @@ def check_block(
     ``kvbits.kernels.quantize_pack`` checks before its kernel): finite K/V within float16 (``check_kv``),
     ``D >= 1``, and the calibrated parameters' values: static scales finite and ``>= 0`` (FP8: ``> 0``),
     finite zero-points, finite channel means, finite smoothing factors ``> 0``; a centred / smoothed or rotated
-    spec's coded block (``(x - mean) / factor``, then ``@ R``) within float16 too. Host syncs: for checks,
+    spec's coded block (``(x - mean) / factor``, then ``@ R``) within float16 too, and an ``integer_zero`` spec's
+    within ``kvbits.quant.affine.integer_zero_bound``. Host syncs: for checks,
     not for the per-step path."""
     check_kv(x, "K/V block")
     _check_head_dim(x)
@@ -388,7 +390,15 @@ def check_block(
         check_kv(coded, "K/V block as coded, (x - channel_mean) / channel_factor,")
     if spec.rotate is not None:  # x @ R can gather a row's whole norm in one channel: up to sqrt(D) max |x|
         check_rotatable(x.shape[3], spec.rotate)
-        check_kv(rotate(coded.float(), spec.rotate), f"K/V block as coded, rotated ({spec.rotate}),")
+        coded = rotate(coded.float(), spec.rotate)
+        check_kv(coded, f"K/V block as coded, rotated ({spec.rotate}),")
+    if spec.integer_zero and coded.numel():  # a level the codes reach may lie half a step past the range
+        amax, bound = float(coded.detach().abs().max()), integer_zero_bound(spec.bits)
+        if amax > bound:
+            raise ValueError(
+                f"K/V block as coded has |x| up to {amax:.6g}, beyond {bound:.6g}: integer zero-points "
+                f"({spec.bits}-bit) reach a level half a step past the range, which would decode past float16"
+            )
     if spec.kind == "fp8":
         if static_scale is not None:
             check_static_scale(static_scale, "static FP8 scale", positive=True)
@@ -525,7 +535,7 @@ def codebook_inputs(
 
     Returns ``(u, kept)``: ``u`` float32 ``(B, H_kv, n, D)``, the normalised values (``[-1, 1]``
     inside the range, beyond it where a static scale clips) and ``kept`` bool, False for the
-    dense-and-sparse outliers (stored exactly, never coded). Calibration fits codebooks to these,
+    dense-and-sparse outliers (stored in float16, never coded). Calibration fits codebooks to these,
     so the codebook is trained on exactly what ``quantize`` will code (a rotated spec: of ``x @ R``).
     """
     if spec.kind != "nuq":

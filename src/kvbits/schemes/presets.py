@@ -203,13 +203,13 @@ def _kvquant(bits: int, key_block: int | None) -> KVScheme:
         description = (
             f"KVQuant nuq{bits}-1%: keys before RoPE, per-channel with calibrated scales and a "
             f"Fisher-weighted {bits}-bit codebook; values per-token with a {bits}-bit codebook; 1% outliers "
-            "kept exactly; first token in full precision (needs `kvbits calibrate`)"
+            "kept in float16; first token in full precision (needs `kvbits calibrate`)"
         )
     else:
         name = f"kvquant-{bits}-block"
         description = (
             f"KVQuant nuq{bits}-1% with block key ranges: keys before RoPE, per-channel over "
-            f"blocks of {key_block} tokens, Fisher-weighted {bits}-bit codebooks, 1% outliers kept exactly, "
+            f"blocks of {key_block} tokens, Fisher-weighted {bits}-bit codebooks, 1% outliers kept in float16, "
             "first token in full precision (needs `kvbits calibrate` for the codebooks)"
         )
     return KVScheme(

@@ -63,12 +63,15 @@ class TensorSpec:
             ends may fall up to half a step inside the range (every value still within half a step), and a
             range that excludes 0 loses what lies past ``2**bits - 1`` steps from 0 (``z`` clamps; counted as
             clipped). Stored as float16 ``scale`` and ``zero = -z * scale``, the bytes of
-            ``symmetric=False``; dynamic ``kind="int"`` only.
+            ``symmetric=False``; dynamic ``kind="int"`` only. A reached level may lie half a step past the
+            range, so the input bound is lower: ``|x| <= 65504 / (1 + (1 + 2**-10) / (2**bits - 1))`` (61406 at
+            4 bits, ``kvbits.quant.affine.integer_zero_bound``).
         rounding: how a scaled value becomes a code: ``"nearest"`` (the default), or ``"trunc"``, toward zero,
             as vLLM's ``int8_per_token_head`` write kernel stores ``clamp(x * (1 / scale))`` into an int8 cache
             (Triton's float-to-int store cast, ``cvt.rzi``): every value loses up to a whole step instead of half
             of one, always toward zero. ``"trunc"`` takes vLLM's float32 scale ``max(absmax / (2**(bits-1) - 1),
-            1e-6)`` for the codes and stores it to the nearest float16 (``scale_dtype="fp32"``: as it is);
+            1e-6)`` for the codes and stores it to the nearest float16, capped so the top code decodes within
+            65504 (``scale_dtype="fp32"``: as it is);
             dynamic symmetric ``kind="int"`` only.
         scale_dtype: what the dynamic scales (and zero-points) are stored in: ``"fp16"`` (the default, 2 bytes
             each, rounded outward) or ``"fp32"`` (4 bytes, unrounded: ``absmax / c``, ``(max - min) / steps``),
@@ -76,7 +79,7 @@ class TensorSpec:
             ``kind="int"`` (not ``integer_zero``) and dynamic ``kind="fp8"`` only. The input bound stays
             float16's (``|x| <= 65504``, ``kvbits.cache.checks``).
         static: scales come from a calibration artifact instead of the data being stored.
-        outlier_frac: fraction of each vector kept exactly in a sparse side store (dense-and-sparse).
+        outlier_frac: fraction of each vector kept in float16 in a sparse side store (dense-and-sparse).
         pre_rope: keys only: quantize before RoPE and re-apply it after dequantization.
         rotate: ``None``, or ``"hadamard"``: quantize ``x @ R`` (a fixed random-sign Walsh-Hadamard
             rotation of the head dim, ``kvbits.quant.rotate``) and rotate back after dequantization, so an
