@@ -488,6 +488,8 @@ def test_fused_decode_counts_rope_tables_once_per_model():
     tables, half width, grown to 1.25x the positions the quantized keys reach in 1024-row steps; once per
     model (not per sequence), so concurrency pays them once. Other schemes, and pre-RoPE keys planned
     without the fused path, hold none. No torch import for plain inputs (a subprocess checks it above)."""
+    from kvbits.plan.limits import total_bytes
+
     shape = ModelShape.from_dims(24, 2, 64)  # Qwen2.5-0.5B's KV shape
     T = 32768 + 36
     for scheme in ("kivi-4", "int8-token", "fp16"):
@@ -503,7 +505,9 @@ def test_fused_decode_counts_rope_tables_once_per_model():
     b8 = plan(shape, context=T, batch=8, scheme="kvquant-4-block", fused_decode=True)
     assert b8["rope_table_bytes"] == fused["rope_table_bytes"]  # shared by the batch
     fixed = plain["components"]["fixed"]
-    per = plain["total_bytes"] - fixed  # one sequence
+    s = get_scheme("kvquant-4-block")  # one sequence, at its peak up to T (just before a flush)
+    per = max(total_bytes(shape, s, n, 1) - fixed for n in range(T - 2 * (s.residual + s.block), T + 1))
+    assert per > plain["total_bytes"] - fixed
     gpu = (8 * per + fixed + 4096) / GIB  # room for exactly 8 sequences, not for the tables besides
     g0 = plan(shape, context=T, scheme="kvquant-4-block", gpu_mem_gib=gpu, weights_gib=0)
     g = plan(shape, context=T, scheme="kvquant-4-block", fused_decode=True, gpu_mem_gib=gpu, weights_gib=0)
@@ -746,6 +750,39 @@ def test_max_context_in_plan_and_cli(capsys):
                  "--context", "8k", "--gpu-mem", "80", "--weights-gib", "10", "--scheme", "kivi-2"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "unbounded" in out and "max_position_embeddings" not in out
+
+
+def test_fits_agrees_with_max_context_before_a_flush():
+    """``fits`` / ``max_concurrency`` divided the budget by one sequence's bytes at ``T``, but a windowed scheme's
+    bytes are a sawtooth, higher just before a flush than at ``T``: KIVI-2, 32 layers, 8 KV heads, head dim 128,
+    T = 32,128, batch 64 hold 51,615,105,024 bytes at T - 1 and 51,405,389,824 at T. With room for exactly the
+    latter, plan said ``fits`` (max concurrency 64) next to ``max_context`` 31,998 for that batch. Now the
+    per-request bytes are the peak over every length up to T: 63 sequences, does not fit, and the two agree."""
+    from kvbits.plan.limits import total_bytes
+
+    shape, s = ModelShape.from_dims(32, 8, 128), get_scheme("kivi-2")
+    T, B = 32_000 + 128, 64
+    assert total_bytes(shape, s, T - 1, B) == 51_615_105_024 > total_bytes(shape, s, T, B) == 51_405_389_824
+    r = plan(shape, context=T, batch=B, scheme=s, gpu_mem_gib=10 + total_bytes(shape, s, T, B) / GIB, weights_gib=10)
+    assert r["max_context"] == 31_998 and (r["fits"], r["max_concurrency"]) == (False, 63)
+    assert r["kv_bytes_per_request"] == total_bytes(shape, s, T - 1, 1)  # no per-layer constants in KIVI
+    # brute force on small models: the most sequences that fit at every length up to T, and fits == max_context >= T
+    for shape, scheme, fused in [
+        (ModelShape.from_dims(2, 2, 64), "kivi-2", False),
+        (_shapes()["gemma-like"], "kvquant-4", False),
+        (ModelShape.from_dims(2, 2, 64, sliding_window=300), "kivi-4", False),
+        (ModelShape.from_dims(2, 2, 64), "int4-channel-prerope", True),
+    ]:
+        s = get_scheme(scheme)
+        held = {b: [total_bytes(shape, s, n, b, fused_decode=fused) for n in range(2018)] for b in range(1, 5)}
+        for T in (1, 159, 160, 2016, 2017):
+            for free in {held[3][n] + d for n in (T - 1, T) for d in (-1, 0)}:
+                if free < 1:
+                    continue
+                r = plan(shape, context=T, batch=3, scheme=s, gpu_mem_gib=free / GIB, weights_gib=0, fused_decode=fused)
+                want = max(b for b in range(5) if b == 0 or max(held[b][1 : T + 1]) <= r["gpu_mem_bytes"])
+                assert r["max_concurrency"] == want, (scheme, T, free)
+                assert r["fits"] == (r["max_context"] is None or r["max_context"] >= T), (scheme, T, free)
 
 
 @pytest.mark.parametrize(
