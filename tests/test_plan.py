@@ -390,7 +390,7 @@ def test_default_context_from_a_non_positive_max_position_embeddings():
         ((32.0, 8, 128), {}, TypeError, "layers must be an int"),
         ((32, True, 128), {}, TypeError, "kv_heads must be an int, got True"),
         ((32, 8, 128), {"sliding_window": 4096.5}, TypeError, "sliding_window must be an int"),
-        ((32, 8, 128), {"sliding_window": 0}, ValueError, "sliding_window must be a positive int or None"),
+        ((32, 8, 128), {"sliding_window": 0}, ValueError, "sliding_window must be >= 2"),
     ],
 )
 def test_from_dims_checks_types(args, kwargs, error, match):

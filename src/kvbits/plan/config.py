@@ -33,7 +33,15 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvbits.plan.shape import ATTENTION_KINDS, ConfigLike, LayerShape, ModelShape, dtype_bytes_of
+from kvbits.plan.shape import (
+    ATTENTION_KINDS,
+    ConfigLike,
+    LayerShape,
+    ModelShape,
+    check_layer_count,
+    check_window,
+    dtype_bytes_of,
+)
 from kvbits.plan.sources import resolve_config
 
 logger = logging.getLogger(__name__)
@@ -260,8 +268,9 @@ def check_context_fits(config: Any, context: int) -> None:
 
 
 def _positive_window(value: Any, what: str) -> int | None:
+    """A config's window: None when unset or <= 0 (no window), ``ValueError`` for 1 (keeps no token)."""
     w = _int(value, what)
-    return w if w is not None and w > 0 else None
+    return check_window(w, f"config field {what}") if w is not None and w > 0 else None
 
 
 def _attention(
@@ -344,6 +353,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
             f"config has no layer count: expected num_hidden_layers (or n_layer / num_layers) >= 1, "
             f"got {n_layers!r}; keys: {_keys(text)}"
         )
+    check_layer_count(n_layers, "config field num_hidden_layers")  # before one LayerShape per layer is built
     if _get(text, "kv_lora_rank") is not None:
         raise ValueError(
             "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style) caches K and V with different "
