@@ -20,6 +20,9 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   already in its ``sliding_window`` or ``layer_types``). Raw dicts that transformers can not build get the same
   rules plus Qwen2's (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
   ``sliding_window_pattern`` (every ``pattern``-th layer is global).
+- **DeciLM / Nemotron-NAS** (``block_configs``): each layer's KV heads are ``num_attention_heads /
+  n_heads_in_group`` of its block; ``no_op`` / ``replace_with_linear`` attention holds nothing. Their weights are
+  not estimated (per-block MLP widths): pass ``weights_gib``.
 - **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
 - **parameter count** (for weights memory, see :func:`estimate_params`).
 
@@ -319,6 +322,40 @@ def _chunked(layer_cfg: Any) -> tuple[str, int | None]:
     return ("sliding", chunk) if chunk else ("full", None)
 
 
+_BLOCK_ATTENTION_UNSUPPORTED = ("window_length", "sparsify", "num_sink_tokens")
+
+
+def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
+    """The layers of a DeciLM / Nemotron-NAS config (``block_configs``, one block per layer): its attention
+    is ``n_heads_in_group`` query heads per KV head (``num_key_value_heads`` is null), or none at all
+    (``no_op``, ``replace_with_linear``). ``ValueError`` for a block kvbits can not plan (windowed or sink
+    attention, a group that does not divide the query heads)."""
+    blocks = _get(text, "block_configs")
+    if isinstance(blocks, (str, bytes, Mapping)) or not isinstance(blocks, Sequence) or len(blocks) != n_layers:
+        raise ValueError(f"block_configs must be a list of one block per layer ({n_layers}), got {blocks!r:.200}")
+    q, _, d = attention_heads(text)
+    layers = []
+    for i, block in enumerate(blocks):
+        att = _get(block, "attention")
+        if att is None:
+            raise ValueError(f"block_configs[{i}] has no 'attention' entry; got {block!r:.200}")
+        if _get(att, "no_op") or _get(att, "replace_with_linear"):
+            layers.append(LayerShape(0, 0, "none"))
+            continue
+        unsupported = [k for k in _BLOCK_ATTENTION_UNSUPPORTED if _get(att, k)]
+        if unsupported:
+            raise ValueError(
+                f"block_configs[{i}].attention sets {', '.join(unsupported)}: windowed / sink attention of "
+                "DeciLM blocks is not planned by kvbits (plain or no-op attention only)"
+            )
+        what = f"block_configs[{i}].attention.n_heads_in_group"
+        group = _int(_get(att, "n_heads_in_group"), what)
+        if group is None or group < 1 or q % group:
+            raise ValueError(f"{what} must divide num_attention_heads ({q}), got {group!r}")
+        layers.append(LayerShape(q // group, d))
+    return layers
+
+
 def _learned_positions(text: Any, model_type: str) -> int:
     """Rows of a learned absolute-position table (``LEARNED_POSITIONS``, or a GPT-2-style dict without a
     ``model_type``; 0 for other models): :func:`max_positions`, OPT's plus the 2 rows it offsets by."""
@@ -384,6 +421,8 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
             kind, window = "none", None  # reads the KV of an earlier layer (Gemma-3n/4 KV sharing)
         _, kv, d = attention_heads(lc)
         layers.append(LayerShape(kv, d, kind, window))
+    if _get(text, "block_configs") is not None:  # DeciLM / Nemotron-NAS: KV heads per block
+        layers = _block_layers(text, n_layers)
     dtype = dtype_bytes_of(_dtype_field(text)) or dtype_bytes_of(_dtype_field(config))
     if dtype is None:
         logger.debug("config carries no known dtype; assuming 2 bytes (fp16/bf16)")
@@ -431,6 +470,11 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         ValueError: the config lacks ``hidden_size`` or ``vocab_size``.
     """
     text = text_config(config)
+    if _get(text, "block_configs") is not None:
+        raise ValueError(
+            "block_configs (DeciLM / Nemotron-NAS) give every layer its own MLP width: not estimated; pass "
+            "weights_gib (CLI --weights-gib)"
+        )
     shape = shape or model_shape(text)
     h = _int(_get(text, "hidden_size", "n_embd", "d_model"), "hidden_size")
     vocab = _int(_get(text, "vocab_size", "padded_vocab_size"), "vocab_size")
