@@ -258,6 +258,28 @@ def test_nemotron_nas_block_configs_give_each_layer_its_kv_heads(caplog):
         load_shape(_nemotron_nas([5, 8]))
 
 
+def test_models_without_a_standard_kv_cache_are_refused(caplog):
+    """xLSTM (recurrent states, no attention) was planned as 32 MHA layers of 8 KV heads x 512 channels, 4 GiB of
+    fp16 at 8,192 tokens, without a word; DeepSeek-V4's compressed layer types as uncompressed full attention,
+    with one warning per layer (43 lines). Both are refused now, the unknown types named once with their layers."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"model type 'xlstm' has no attention layers .*recurrent state"):
+        load_shape(AutoConfig.for_model("xlstm"))
+    with pytest.raises(ValueError, match=r"model type 'rwkv' has no attention layers"):
+        load_shape({"model_type": "rwkv", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 1})
+    cfg = AutoConfig.for_model("deepseek_v4")
+    with caplog.at_level(logging.WARNING), pytest.raises(
+        ValueError, match=r"unknown to kvbits.*'compressed_sparse_attention' \(\d+ layers 3, 5, 7, 9, ...\); "
+        r"'heavily_compressed_attention' \(\d+ layers 0, 1, 2, 4, ...\); known: attention, "
+    ):  # fmt: skip
+        load_shape(cfg)
+    assert not caplog.records
+    d = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 1, "layer_types": ["full_attention", "x"]}
+    with pytest.raises(ValueError, match=r"layer types unknown to kvbits.*: 'x' \(1 layer 1\)"):
+        load_shape(d)
+
+
 def test_qwen2_raw_dict_follows_qwen2config():
     from transformers import AutoConfig
 

@@ -15,11 +15,13 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   (``transformers.cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when present
   (``sliding_attention`` holds a window of ``sliding_window`` tokens, ``chunked_attention`` is cached
   like a window of ``attention_chunk_size``, linear-attention / SSM / MLP-only layers and layers that
-  reuse another layer's KV hold nothing); otherwise ``sliding_window``, when set, applies to every layer
+  reuse another layer's KV hold nothing; any other type is refused: DeepSeek-V4's compressed attention);
+  otherwise ``sliding_window``, when set, applies to every layer
   (Mistral, Qwen3-MoE: a config's ``use_sliding_window`` / ``max_window_layers`` are its class's business,
   already in its ``sliding_window`` or ``layer_types``). Raw dicts that transformers can not build get the same
   rules plus Qwen2's (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
   ``sliding_window_pattern`` (every ``pattern``-th layer is global).
+- **recurrent models** (xLSTM, RWKV, Mamba: no attention layer, no KV cache) are refused.
 - **DeciLM / Nemotron-NAS** (``block_configs``): each layer's KV heads are ``num_attention_heads /
   n_heads_in_group`` of its block; ``no_op`` / ``replace_with_linear`` attention holds nothing. Their weights are
   not estimated (per-block MLP widths): pass ``weights_gib``.
@@ -72,6 +74,10 @@ _FULL_TYPES = {"full_attention", "attention", "hybrid", "indexed_attention"}
 _SLIDING_TYPES = {"sliding_attention", "hybrid_sliding", "reference_sliding_attention"}
 _CHUNKED_TYPES = {"chunked_attention"}
 _NO_KV_TYPES = {"linear_attention", "mamba", "conv", "dummy", "moe", "mlp"}
+_KNOWN_TYPES = _FULL_TYPES | _SLIDING_TYPES | _CHUNKED_TYPES | _NO_KV_TYPES
+
+# Model types whose layers all carry a recurrent state instead of attention: no KV cache to plan.
+_RECURRENT_MODEL_TYPES = {"xlstm", "rwkv", "mamba", "mamba2", "falcon_mamba"}
 
 # Architectures whose MLP is two matrices (up, down) instead of a gated three (gate, up, down).
 _UNGATED_MLP = {
@@ -291,11 +297,7 @@ def _attention(
             return ("sliding", w) if w else ("full", None)
         if t in _NO_KV_TYPES:
             return "none", None
-        if t not in _FULL_TYPES:
-            logger.warning(
-                "layer %d has layer type %r, unknown to kvbits; planned as full attention", index, t
-            )
-        return "full", None
+        return "full", None  # _FULL_TYPES: model_shape refused any other type
     window = _positive_window(_get(layer_cfg, "sliding_window"), "sliding_window")
     if not isinstance(text, Mapping):  # a transformers config: its window, when set, applies to every layer
         return ("sliding", window) if window else _chunked(layer_cfg)
@@ -313,6 +315,24 @@ def _attention(
             return ("sliding", window) if (index + 1) % pattern else ("full", None)
         return "sliding", window  # Mistral: the window applies to every layer
     return _chunked(layer_cfg)
+
+
+def _check_layer_types(layer_types: Sequence[str]) -> None:
+    """``ValueError`` naming the layer types kvbits does not know (their KV cache may be compressed, shared or
+    absent: planning them as full attention could be far off), with their layers, and the known types."""
+    unknown: dict[str, list[int]] = {}
+    for i, t in enumerate(layer_types):
+        if t not in _KNOWN_TYPES:
+            unknown.setdefault(t, []).append(i)
+    if unknown:
+        def where(idx: list[int]) -> str:
+            return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx[:4]))}{', ...' if len(idx) > 4 else ''}"
+
+        found = "; ".join(f"{t!r} ({len(idx)} {where(idx)})" for t, idx in sorted(unknown.items()))
+        raise ValueError(
+            f"layer_types holds layer types unknown to kvbits, whose KV cache it can not plan: {found}; known: "
+            f"{', '.join(sorted(_KNOWN_TYPES))}"
+        )
 
 
 def _chunked(layer_cfg: Any) -> tuple[str, int | None]:
@@ -391,6 +411,12 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
             f"got {n_layers!r}; keys: {_keys(text)}"
         )
     check_layer_count(n_layers, "config field num_hidden_layers")  # before one LayerShape per layer is built
+    model_type = _get(text, "model_type")
+    if model_type in _RECURRENT_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} has no attention layers (each layer keeps a recurrent state, not a KV cache): "
+            "nothing for the kvbits planner to plan"
+        )
     if _get(text, "kv_lora_rank") is not None:
         raise ValueError(
             "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style) caches K and V with different "
@@ -409,6 +435,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         layer_types = list(layer_types)
         if len(layer_types) < n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+        _check_layer_types(layer_types[:n_layers])
     sharing = _get(text, "kv_sharing_modes")
     if sharing is not None:
         sharing = list(sharing)
