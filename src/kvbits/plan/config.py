@@ -376,6 +376,36 @@ def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
     return layers
 
 
+def _moe_layer(text: Any, index: int) -> bool:
+    """Whether layer ``index`` of a mixture-of-experts config has experts (others have a dense MLP): Llama 4's
+    ``moe_layers`` (or ``interleave_moe_layer_step``), Qwen2/3-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` and ``moe_layer_freq``."""
+    moe_layers = _get(text, "moe_layers")
+    if isinstance(moe_layers, Sequence) and not isinstance(moe_layers, (str, bytes)):
+        return index in moe_layers
+    step = _int(_get(text, "interleave_moe_layer_step", "decoder_sparse_step"), "decoder_sparse_step") or 1
+    if step > 1 and (index + 1) % step:
+        return False
+    if index in (_get(text, "mlp_only_layers") or ()):
+        return False
+    first = _int(_get(text, "first_k_dense_replace"), "first_k_dense_replace") or 0
+    freq = _int(_get(text, "moe_layer_freq"), "moe_layer_freq") or 1
+    return index >= first and index % freq == 0
+
+
+def _shared_expert_width(text: Any, model_type: str, inter: int, expert_inter: int) -> int:
+    """MLP width of the shared expert(s) of a mixture-of-experts layer, 0 without: Qwen2-MoE's
+    ``shared_expert_intermediate_size``, DeepSeek / GLM's ``n_shared_experts`` experts, Llama 4's one of
+    ``intermediate_size``."""
+    width = _int(_get(text, "shared_expert_intermediate_size"), "shared_expert_intermediate_size")
+    if width:
+        return width
+    shared = _int(_get(text, "n_shared_experts"), "n_shared_experts")
+    if shared:
+        return shared * expert_inter
+    return inter if model_type.startswith("llama4") else 0
+
+
 def _learned_positions(text: Any, model_type: str) -> int:
     """Rows of a learned absolute-position table (``LEARNED_POSITIONS``, or a GPT-2-style dict without a
     ``model_type``; 0 for other models): :func:`max_positions`, OPT's plus the 2 rows it offsets by."""
@@ -485,7 +515,8 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         attention  = sum over layers of  h*H_q*D (q) + 2*h*H_kv*D (k, v) + H_q*D*h (o)
                      (+ q/k/v biases for Qwen2 or ``attention_bias``)
         mlp        = L * m*h*I,  m = 3 for gated MLPs (Llama, Mistral, Qwen, Gemma), 2 otherwise (GPT-2);
-                     MoE: L * (E*3*h*I_e + h*E router + 3*h*I_shared)
+                     MoE: per layer with experts E*3*h*I_e + h*E router + 3*h*I_shared (shared experts), the
+                     other layers a dense 3*h*I (Llama 4: ``intermediate_size_mlp``)
         norms      = (2L + 1) * h   (4L + 1 for Gemma-2/3; + 2*D per layer for q/k norms: Gemma-3, Qwen3)
         lm_head    = V*h unless ``tie_word_embeddings``
 
@@ -531,10 +562,11 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     experts = _int(_get(text, "num_local_experts", "num_experts", "n_routed_experts"), "num_experts")
     if experts:
         expert_inter = _int(_get(text, "moe_intermediate_size"), "moe_intermediate_size") or inter
-        shared_inter = (
-            _int(_get(text, "shared_expert_intermediate_size"), "shared_expert_intermediate_size") or 0
-        )
-        mlp = n_layers * (experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter)
+        shared_inter = _shared_expert_width(text, model_type, inter, expert_inter)
+        moe = experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter
+        dense_inter = _int(_get(text, "intermediate_size_mlp"), "intermediate_size_mlp") or inter  # Llama 4
+        n_moe = sum(_moe_layer(text, i) for i in range(n_layers))
+        mlp = n_moe * moe + (n_layers - n_moe) * 3 * h * dense_inter
     else:
         mlp = n_layers * (3 if gated else 2) * h * inter
     # Gemma-2/3 add pre/post-feedforward norms (4 per layer); Gemma-3 and Qwen3 normalise q and k per head
