@@ -215,6 +215,71 @@ def test_gemma4_per_layer_head_dims():
     assert [x.head_dim for x in shape.layers] == per_layer and len(set(per_layer)) == 2
 
 
+def _nemotron_nas(groups):
+    def block(g):
+        attention = {"n_heads_in_group": g if isinstance(g, int) else None, "no_op": g == "noop",
+                     "replace_with_linear": g == "linear"}  # fmt: skip
+        return {"attention": attention, "ffn": {"ffn_mult": 2.0}}
+
+    return {
+        "architectures": ["DeciLMForCausalLM"], "model_type": "deci", "block_configs": [block(g) for g in groups],
+        "hidden_size": 2048, "num_attention_heads": 32, "num_hidden_layers": len(groups), "num_key_value_heads": None,
+        "intermediate_size": None, "max_position_embeddings": 2048, "vocab_size": 32128, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+
+
+def test_nemotron_nas_block_configs_give_each_layer_its_kv_heads(caplog):
+    """DeciLM / Nemotron-NAS configs (``block_configs``, ``num_key_value_heads`` null, per-layer ``n_heads_in_group``,
+    no-op / linear attention) were planned as uniform MHA: 14 layers x 32 KV heads, 234,881,024 fp16 bytes at 2,048
+    tokens for 23,068,672 (10.18x), after a 12,146-character warning listing every model type transformers knows.
+    Now each layer has its own KV heads, no-op and linear layers none; the warning names the type only."""
+    groups = [8, 16, "linear", "noop", 8, 4, 8, 8, 16, "linear", "noop", 8, 4, 8]  # TensorRT-LLM's mini config
+    cfg = _nemotron_nas(groups)
+    with caplog.at_level(logging.WARNING, logger="kvbits.plan"):
+        shape = load_shape(cfg)
+    assert [(layer.attention, layer.kv_heads) for layer in shape.layers] == [
+        ("full", 32 // g) if isinstance(g, int) else ("none", 0) for g in groups
+    ]
+    assert shape.describe() == "14 layers (4 without KV), 2/4/8 KV heads, head dim 64, 2-byte dtype"
+    assert plan(cfg, context=2048, scheme="fp16")["total_bytes"] == 23_068_672 == sum(
+        2 * 2048 * (32 // g) * 64 * 2 for g in groups if isinstance(g, int)
+    )
+    assert {r.getMessage() for r in caplog.records} == {
+        "transformers does not know model type 'deci'; reading the dict as it is"
+    }
+    assert shape.params is None  # per-block MLP widths: weights are not estimated
+    with pytest.raises(ValueError, match="pass weights_gib"):
+        plan(cfg, context=2048, gpu_mem_gib=80)
+    windowed = _nemotron_nas([8, 8])
+    windowed["block_configs"][1]["attention"]["window_length"] = 4096
+    with pytest.raises(ValueError, match=r"block_configs\[1\].attention sets window_length"):
+        load_shape(windowed)
+    with pytest.raises(ValueError, match=r"block_configs\[0\].attention.n_heads_in_group must divide .*got 5"):
+        load_shape(_nemotron_nas([5, 8]))
+
+
+def test_models_without_a_standard_kv_cache_are_refused(caplog):
+    """xLSTM (recurrent states, no attention) was planned as 32 MHA layers of 8 KV heads x 512 channels, 4 GiB of
+    fp16 at 8,192 tokens, without a word; DeepSeek-V4's compressed layer types as uncompressed full attention,
+    with one warning per layer (43 lines). Both are refused now, the unknown types named once with their layers."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"model type 'xlstm' has no attention layers .*recurrent state"):
+        load_shape(AutoConfig.for_model("xlstm"))
+    with pytest.raises(ValueError, match=r"model type 'rwkv' has no attention layers"):
+        load_shape({"model_type": "rwkv", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 1})
+    cfg = AutoConfig.for_model("deepseek_v4")
+    with caplog.at_level(logging.WARNING), pytest.raises(
+        ValueError, match=r"unknown to kvbits.*'compressed_sparse_attention' \(\d+ layers 3, 5, 7, 9, ...\); "
+        r"'heavily_compressed_attention' \(\d+ layers 0, 1, 2, 4, ...\); known: attention, "
+    ):  # fmt: skip
+        load_shape(cfg)
+    assert not caplog.records
+    d = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 1, "layer_types": ["full_attention", "x"]}
+    with pytest.raises(ValueError, match=r"layer types unknown to kvbits.*: 'x' \(1 layer 1\)"):
+        load_shape(d)
+
+
 def test_qwen2_raw_dict_follows_qwen2config():
     from transformers import AutoConfig
 
@@ -390,7 +455,7 @@ def test_default_context_from_a_non_positive_max_position_embeddings():
         ((32.0, 8, 128), {}, TypeError, "layers must be an int"),
         ((32, True, 128), {}, TypeError, "kv_heads must be an int, got True"),
         ((32, 8, 128), {"sliding_window": 4096.5}, TypeError, "sliding_window must be an int"),
-        ((32, 8, 128), {"sliding_window": 0}, ValueError, "sliding_window must be a positive int or None"),
+        ((32, 8, 128), {"sliding_window": 0}, ValueError, "sliding_window must be >= 2"),
     ],
 )
 def test_from_dims_checks_types(args, kwargs, error, match):
@@ -488,6 +553,8 @@ def test_fused_decode_counts_rope_tables_once_per_model():
     tables, half width, grown to 1.25x the positions the quantized keys reach in 1024-row steps; once per
     model (not per sequence), so concurrency pays them once. Other schemes, and pre-RoPE keys planned
     without the fused path, hold none. No torch import for plain inputs (a subprocess checks it above)."""
+    from kvbits.plan.limits import total_bytes
+
     shape = ModelShape.from_dims(24, 2, 64)  # Qwen2.5-0.5B's KV shape
     T = 32768 + 36
     for scheme in ("kivi-4", "int8-token", "fp16"):
@@ -503,7 +570,9 @@ def test_fused_decode_counts_rope_tables_once_per_model():
     b8 = plan(shape, context=T, batch=8, scheme="kvquant-4-block", fused_decode=True)
     assert b8["rope_table_bytes"] == fused["rope_table_bytes"]  # shared by the batch
     fixed = plain["components"]["fixed"]
-    per = plain["total_bytes"] - fixed  # one sequence
+    s = get_scheme("kvquant-4-block")  # one sequence, at its peak up to T (just before a flush)
+    per = max(total_bytes(shape, s, n, 1) - fixed for n in range(T - 2 * (s.residual + s.block), T + 1))
+    assert per > plain["total_bytes"] - fixed
     gpu = (8 * per + fixed + 4096) / GIB  # room for exactly 8 sequences, not for the tables besides
     g0 = plan(shape, context=T, scheme="kvquant-4-block", gpu_mem_gib=gpu, weights_gib=0)
     g = plan(shape, context=T, scheme="kvquant-4-block", fused_decode=True, gpu_mem_gib=gpu, weights_gib=0)
@@ -560,6 +629,38 @@ def test_param_estimate_against_real_model(model_type, kwargs, rel):
     real = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     est = sum(estimate_params(cfg).values())
     assert est == pytest.approx(real, rel=rel, abs=0)
+
+
+@pytest.mark.parametrize(
+    "model_type, kwargs, rel",
+    [
+        ("llama4_text", {"num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4, "interleave_moe_layer_step": 2,
+                         "intermediate_size_mlp": 512, "tie_word_embeddings": False}, 0.0),
+        # its shared expert's gate (hidden_size x 1 per MoE layer) is not counted
+        ("qwen2_moe", {"num_key_value_heads": 2, "num_experts": 4, "moe_intermediate_size": 96,
+                       "shared_expert_intermediate_size": 160, "decoder_sparse_step": 2}, 0.001),
+        ("qwen3_moe", {"num_key_value_heads": 2, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 96,
+                       "mlp_only_layers": [0, 3]}, 0.0),
+        ("glm4_moe", {"num_key_value_heads": 2, "head_dim": 32, "n_routed_experts": 4, "moe_intermediate_size": 96,
+                      "n_shared_experts": 1, "first_k_dense_replace": 1}, 0.0),
+    ],
+)  # fmt: skip
+def test_param_estimate_of_moe_layouts(model_type, kwargs, rel):
+    """Every layer of a mixture-of-experts config was counted as an MoE layer, with no shared expert for Llama 4
+    or GLM: Llama-4 Maverick (interleave_moe_layer_step 2, a dense intermediate_size_mlp, one shared expert) was
+    778.2B parameters for the published 400B (now 400.7B), and on these 4-layer models +19.0 % (llama4_text),
+    +13.0 % (qwen2_moe, decoder_sparse_step 2), +2.5 % (qwen3_moe, mlp_only_layers), -8.6 % (glm4_moe,
+    first_k_dense_replace and a shared expert) against the real parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = {"vocab_size": 1000, "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 128,
+             "intermediate_size": 352}  # fmt: skip
+    cfg = AutoConfig.for_model(model_type, **small, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    real = sum(p.numel() for p in model.parameters())
+    assert sum(estimate_params(cfg).values()) == pytest.approx(real, rel=rel, abs=0)
 
 
 # ------------------------------------------------------------------------------ planner = real cache
@@ -746,6 +847,39 @@ def test_max_context_in_plan_and_cli(capsys):
                  "--context", "8k", "--gpu-mem", "80", "--weights-gib", "10", "--scheme", "kivi-2"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "unbounded" in out and "max_position_embeddings" not in out
+
+
+def test_fits_agrees_with_max_context_before_a_flush():
+    """``fits`` / ``max_concurrency`` divided the budget by one sequence's bytes at ``T``, but a windowed scheme's
+    bytes are a sawtooth, higher just before a flush than at ``T``: KIVI-2, 32 layers, 8 KV heads, head dim 128,
+    T = 32,128, batch 64 hold 51,615,105,024 bytes at T - 1 and 51,405,389,824 at T. With room for exactly the
+    latter, plan said ``fits`` (max concurrency 64) next to ``max_context`` 31,998 for that batch. Now the
+    per-request bytes are the peak over every length up to T: 63 sequences, does not fit, and the two agree."""
+    from kvbits.plan.limits import total_bytes
+
+    shape, s = ModelShape.from_dims(32, 8, 128), get_scheme("kivi-2")
+    T, B = 32_000 + 128, 64
+    assert total_bytes(shape, s, T - 1, B) == 51_615_105_024 > total_bytes(shape, s, T, B) == 51_405_389_824
+    r = plan(shape, context=T, batch=B, scheme=s, gpu_mem_gib=10 + total_bytes(shape, s, T, B) / GIB, weights_gib=10)
+    assert r["max_context"] == 31_998 and (r["fits"], r["max_concurrency"]) == (False, 63)
+    assert r["kv_bytes_per_request"] == total_bytes(shape, s, T - 1, 1)  # no per-layer constants in KIVI
+    # brute force on small models: the most sequences that fit at every length up to T, and fits == max_context >= T
+    for shape, scheme, fused in [
+        (ModelShape.from_dims(2, 2, 64), "kivi-2", False),
+        (_shapes()["gemma-like"], "kvquant-4", False),
+        (ModelShape.from_dims(2, 2, 64, sliding_window=300), "kivi-4", False),
+        (ModelShape.from_dims(2, 2, 64), "int4-channel-prerope", True),
+    ]:
+        s = get_scheme(scheme)
+        held = {b: [total_bytes(shape, s, n, b, fused_decode=fused) for n in range(2018)] for b in range(1, 5)}
+        for T in (1, 159, 160, 2016, 2017):
+            for free in {held[3][n] + d for n in (T - 1, T) for d in (-1, 0)}:
+                if free < 1:
+                    continue
+                r = plan(shape, context=T, batch=3, scheme=s, gpu_mem_gib=free / GIB, weights_gib=0, fused_decode=fused)
+                want = max(b for b in range(5) if b == 0 or max(held[b][1 : T + 1]) <= r["gpu_mem_bytes"])
+                assert r["max_concurrency"] == want, (scheme, T, free)
+                assert r["fits"] == (r["max_context"] is None or r["max_context"] >= T), (scheme, T, free)
 
 
 @pytest.mark.parametrize(

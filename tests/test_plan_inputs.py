@@ -199,3 +199,48 @@ def test_a_near_miss_of_an_offline_model_name_is_refused_at_once(capsys):
 
     assert main(["plan", "--model", "smollm2", "--context", "128", "--scheme", "fp16"]) == 2
     assert "model 'smollm2' is not a kvbits offline model; did you mean 'smollm2-135m'?" in capsys.readouterr().err
+
+
+def test_a_window_of_one_is_refused_everywhere_a_window_enters(capsys):
+    """A sliding window of 1 keeps W - 1 = 0 tokens: plan crashed with ZeroDivisionError (avg_bits over 0 elements,
+    and the budget over 0 bytes per request) from ModelShape.from_dims, a MistralConfig and --sliding-window 1."""
+    import transformers
+
+    from kvbits.cli import main
+    from kvbits.plan.shape import LayerShape
+
+    with pytest.raises(ValueError, match=r"sliding_window must be >= 2 .*so 1 keeps none\), got 1"):
+        ModelShape.from_dims(2, 2, 64, sliding_window=1)
+    with pytest.raises(ValueError, match=r"a sliding layer's window must be >= 2"):
+        LayerShape(2, 64, "sliding", 1)
+    mistral = transformers.MistralConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"config field sliding_window must be >= 2"):
+        plan(mistral, context=5, scheme="fp16")
+    with pytest.raises(ValueError, match=r"config field attention_chunk_size must be >= 2"):
+        plan(llama_dict(attention_chunk_size=1), context=5, scheme="fp16")
+    dims = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--context", "5"]
+    assert main(["plan", *dims, "--sliding-window", "1"]) == 2
+    assert "sliding_window must be >= 2" in capsys.readouterr().err
+    # the smallest window plans: one token per sequence and layer
+    r = plan(ModelShape.from_dims(2, 2, 64, sliding_window=2), context=5, scheme="fp16", gpu_mem_gib=1, weights_gib=0)
+    assert r["total_bytes"] == 2 * 2 * 2 * 64 * 2 and r["avg_bits"] == 16 and r["max_concurrency"] > 0
+
+
+def test_the_layer_count_is_capped(capsys):
+    """--layers had no upper bound: a million layers took 38 s and 1.1 GB to plan (one LayerShape and one
+    layer_bytes per layer); a config's num_hidden_layers too. Now at most MAX_LAYERS (65,536), as scheme strings."""
+    from kvbits.cli import main
+    from kvbits.schemes.presets import MAX_LAYERS
+
+    with pytest.raises(ValueError, match=rf"layers must be between 1 and {MAX_LAYERS} .*got 1000000"):
+        ModelShape.from_dims(1_000_000, 8, 128)
+    with pytest.raises(ValueError, match=rf"num_hidden_layers must be between 1 and {MAX_LAYERS} .*got 1000000"):
+        plan(llama_dict(num_hidden_layers=1_000_000), context=5, scheme="fp16")
+    with pytest.raises(ValueError, match=rf"layers must be between 1 and {MAX_LAYERS}"):
+        ModelShape.from_dims(2, 2, 64).with_overrides(layers=MAX_LAYERS + 1)
+    assert main(["plan", "--layers", "1000000", "--kv-heads", "8", "--head-dim", "128", "--context", "8k"]) == 2
+    assert f"layers must be between 1 and {MAX_LAYERS}" in capsys.readouterr().err
+    assert ModelShape.from_dims(MAX_LAYERS, 1, 64).n_layers == MAX_LAYERS

@@ -15,11 +15,16 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   (``transformers.cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when present
   (``sliding_attention`` holds a window of ``sliding_window`` tokens, ``chunked_attention`` is cached
   like a window of ``attention_chunk_size``, linear-attention / SSM / MLP-only layers and layers that
-  reuse another layer's KV hold nothing); otherwise ``sliding_window``, when set, applies to every layer
+  reuse another layer's KV hold nothing; any other type is refused: DeepSeek-V4's compressed attention);
+  otherwise ``sliding_window``, when set, applies to every layer
   (Mistral, Qwen3-MoE: a config's ``use_sliding_window`` / ``max_window_layers`` are its class's business,
   already in its ``sliding_window`` or ``layer_types``). Raw dicts that transformers can not build get the same
   rules plus Qwen2's (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
   ``sliding_window_pattern`` (every ``pattern``-th layer is global).
+- **recurrent models** (xLSTM, RWKV, Mamba: no attention layer, no KV cache) are refused.
+- **DeciLM / Nemotron-NAS** (``block_configs``): each layer's KV heads are ``num_attention_heads /
+  n_heads_in_group`` of its block; ``no_op`` / ``replace_with_linear`` attention holds nothing. Their weights are
+  not estimated (per-block MLP widths): pass ``weights_gib``.
 - **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
 - **parameter count** (for weights memory, see :func:`estimate_params`).
 
@@ -33,7 +38,15 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvbits.plan.shape import ATTENTION_KINDS, ConfigLike, LayerShape, ModelShape, dtype_bytes_of
+from kvbits.plan.shape import (
+    ATTENTION_KINDS,
+    ConfigLike,
+    LayerShape,
+    ModelShape,
+    check_layer_count,
+    check_window,
+    dtype_bytes_of,
+)
 from kvbits.plan.sources import resolve_config
 
 logger = logging.getLogger(__name__)
@@ -61,6 +74,10 @@ _FULL_TYPES = {"full_attention", "attention", "hybrid", "indexed_attention"}
 _SLIDING_TYPES = {"sliding_attention", "hybrid_sliding", "reference_sliding_attention"}
 _CHUNKED_TYPES = {"chunked_attention"}
 _NO_KV_TYPES = {"linear_attention", "mamba", "conv", "dummy", "moe", "mlp"}
+_KNOWN_TYPES = _FULL_TYPES | _SLIDING_TYPES | _CHUNKED_TYPES | _NO_KV_TYPES
+
+# Model types whose layers all carry a recurrent state instead of attention: no KV cache to plan.
+_RECURRENT_MODEL_TYPES = {"xlstm", "rwkv", "mamba", "mamba2", "falcon_mamba"}
 
 # Architectures whose MLP is two matrices (up, down) instead of a gated three (gate, up, down).
 _UNGATED_MLP = {
@@ -260,8 +277,9 @@ def check_context_fits(config: Any, context: int) -> None:
 
 
 def _positive_window(value: Any, what: str) -> int | None:
+    """A config's window: None when unset or <= 0 (no window), ``ValueError`` for 1 (keeps no token)."""
     w = _int(value, what)
-    return w if w is not None and w > 0 else None
+    return check_window(w, f"config field {what}") if w is not None and w > 0 else None
 
 
 def _attention(
@@ -279,11 +297,7 @@ def _attention(
             return ("sliding", w) if w else ("full", None)
         if t in _NO_KV_TYPES:
             return "none", None
-        if t not in _FULL_TYPES:
-            logger.warning(
-                "layer %d has layer type %r, unknown to kvbits; planned as full attention", index, t
-            )
-        return "full", None
+        return "full", None  # _FULL_TYPES: model_shape refused any other type
     window = _positive_window(_get(layer_cfg, "sliding_window"), "sliding_window")
     if not isinstance(text, Mapping):  # a transformers config: its window, when set, applies to every layer
         return ("sliding", window) if window else _chunked(layer_cfg)
@@ -303,11 +317,93 @@ def _attention(
     return _chunked(layer_cfg)
 
 
+def _check_layer_types(layer_types: Sequence[str]) -> None:
+    """``ValueError`` naming the layer types kvbits does not know (their KV cache may be compressed, shared or
+    absent: planning them as full attention could be far off), with their layers, and the known types."""
+    unknown: dict[str, list[int]] = {}
+    for i, t in enumerate(layer_types):
+        if t not in _KNOWN_TYPES:
+            unknown.setdefault(t, []).append(i)
+    if unknown:
+        def where(idx: list[int]) -> str:
+            return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx[:4]))}{', ...' if len(idx) > 4 else ''}"
+
+        found = "; ".join(f"{t!r} ({len(idx)} {where(idx)})" for t, idx in sorted(unknown.items()))
+        raise ValueError(
+            f"layer_types holds layer types unknown to kvbits, whose KV cache it can not plan: {found}; known: "
+            f"{', '.join(sorted(_KNOWN_TYPES))}"
+        )
+
+
 def _chunked(layer_cfg: Any) -> tuple[str, int | None]:
     """A layer without a sliding window: chunked attention (cached as a window of ``attention_chunk_size``), or
     full attention."""
     chunk = _positive_window(_get(layer_cfg, "attention_chunk_size"), "attention_chunk_size")
     return ("sliding", chunk) if chunk else ("full", None)
+
+
+_BLOCK_ATTENTION_UNSUPPORTED = ("window_length", "sparsify", "num_sink_tokens")
+
+
+def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
+    """The layers of a DeciLM / Nemotron-NAS config (``block_configs``, one block per layer): its attention
+    is ``n_heads_in_group`` query heads per KV head (``num_key_value_heads`` is null), or none at all
+    (``no_op``, ``replace_with_linear``). ``ValueError`` for a block kvbits can not plan (windowed or sink
+    attention, a group that does not divide the query heads)."""
+    blocks = _get(text, "block_configs")
+    if isinstance(blocks, (str, bytes, Mapping)) or not isinstance(blocks, Sequence) or len(blocks) != n_layers:
+        raise ValueError(f"block_configs must be a list of one block per layer ({n_layers}), got {blocks!r:.200}")
+    q, _, d = attention_heads(text)
+    layers = []
+    for i, block in enumerate(blocks):
+        att = _get(block, "attention")
+        if att is None:
+            raise ValueError(f"block_configs[{i}] has no 'attention' entry; got {block!r:.200}")
+        if _get(att, "no_op") or _get(att, "replace_with_linear"):
+            layers.append(LayerShape(0, 0, "none"))
+            continue
+        unsupported = [k for k in _BLOCK_ATTENTION_UNSUPPORTED if _get(att, k)]
+        if unsupported:
+            raise ValueError(
+                f"block_configs[{i}].attention sets {', '.join(unsupported)}: windowed / sink attention of "
+                "DeciLM blocks is not planned by kvbits (plain or no-op attention only)"
+            )
+        what = f"block_configs[{i}].attention.n_heads_in_group"
+        group = _int(_get(att, "n_heads_in_group"), what)
+        if group is None or group < 1 or q % group:
+            raise ValueError(f"{what} must divide num_attention_heads ({q}), got {group!r}")
+        layers.append(LayerShape(q // group, d))
+    return layers
+
+
+def _moe_layer(text: Any, index: int) -> bool:
+    """Whether layer ``index`` of a mixture-of-experts config has experts (others have a dense MLP): Llama 4's
+    ``moe_layers`` (or ``interleave_moe_layer_step``), Qwen2/3-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` and ``moe_layer_freq``."""
+    moe_layers = _get(text, "moe_layers")
+    if isinstance(moe_layers, Sequence) and not isinstance(moe_layers, (str, bytes)):
+        return index in moe_layers
+    step = _int(_get(text, "interleave_moe_layer_step", "decoder_sparse_step"), "decoder_sparse_step") or 1
+    if step > 1 and (index + 1) % step:
+        return False
+    if index in (_get(text, "mlp_only_layers") or ()):
+        return False
+    first = _int(_get(text, "first_k_dense_replace"), "first_k_dense_replace") or 0
+    freq = _int(_get(text, "moe_layer_freq"), "moe_layer_freq") or 1
+    return index >= first and index % freq == 0
+
+
+def _shared_expert_width(text: Any, model_type: str, inter: int, expert_inter: int) -> int:
+    """MLP width of the shared expert(s) of a mixture-of-experts layer, 0 without: Qwen2-MoE's
+    ``shared_expert_intermediate_size``, DeepSeek / GLM's ``n_shared_experts`` experts, Llama 4's one of
+    ``intermediate_size``."""
+    width = _int(_get(text, "shared_expert_intermediate_size"), "shared_expert_intermediate_size")
+    if width:
+        return width
+    shared = _int(_get(text, "n_shared_experts"), "n_shared_experts")
+    if shared:
+        return shared * expert_inter
+    return inter if model_type.startswith("llama4") else 0
 
 
 def _learned_positions(text: Any, model_type: str) -> int:
@@ -344,6 +440,13 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
             f"config has no layer count: expected num_hidden_layers (or n_layer / num_layers) >= 1, "
             f"got {n_layers!r}; keys: {_keys(text)}"
         )
+    check_layer_count(n_layers, "config field num_hidden_layers")  # before one LayerShape per layer is built
+    model_type = _get(text, "model_type")
+    if model_type in _RECURRENT_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} has no attention layers (each layer keeps a recurrent state, not a KV cache): "
+            "nothing for the kvbits planner to plan"
+        )
     if _get(text, "kv_lora_rank") is not None:
         raise ValueError(
             "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style) caches K and V with different "
@@ -362,6 +465,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         layer_types = list(layer_types)
         if len(layer_types) < n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+        _check_layer_types(layer_types[:n_layers])
     sharing = _get(text, "kv_sharing_modes")
     if sharing is not None:
         sharing = list(sharing)
@@ -374,6 +478,8 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
             kind, window = "none", None  # reads the KV of an earlier layer (Gemma-3n/4 KV sharing)
         _, kv, d = attention_heads(lc)
         layers.append(LayerShape(kv, d, kind, window))
+    if _get(text, "block_configs") is not None:  # DeciLM / Nemotron-NAS: KV heads per block
+        layers = _block_layers(text, n_layers)
     dtype = dtype_bytes_of(_dtype_field(text)) or dtype_bytes_of(_dtype_field(config))
     if dtype is None:
         logger.debug("config carries no known dtype; assuming 2 bytes (fp16/bf16)")
@@ -409,7 +515,8 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         attention  = sum over layers of  h*H_q*D (q) + 2*h*H_kv*D (k, v) + H_q*D*h (o)
                      (+ q/k/v biases for Qwen2 or ``attention_bias``)
         mlp        = L * m*h*I,  m = 3 for gated MLPs (Llama, Mistral, Qwen, Gemma), 2 otherwise (GPT-2);
-                     MoE: L * (E*3*h*I_e + h*E router + 3*h*I_shared)
+                     MoE: per layer with experts E*3*h*I_e + h*E router + 3*h*I_shared (shared experts), the
+                     other layers a dense 3*h*I (Llama 4: ``intermediate_size_mlp``)
         norms      = (2L + 1) * h   (4L + 1 for Gemma-2/3; + 2*D per layer for q/k norms: Gemma-3, Qwen3)
         lm_head    = V*h unless ``tie_word_embeddings``
 
@@ -421,6 +528,11 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         ValueError: the config lacks ``hidden_size`` or ``vocab_size``.
     """
     text = text_config(config)
+    if _get(text, "block_configs") is not None:
+        raise ValueError(
+            "block_configs (DeciLM / Nemotron-NAS) give every layer its own MLP width: not estimated; pass "
+            "weights_gib (CLI --weights-gib)"
+        )
     shape = shape or model_shape(text)
     h = _int(_get(text, "hidden_size", "n_embd", "d_model"), "hidden_size")
     vocab = _int(_get(text, "vocab_size", "padded_vocab_size"), "vocab_size")
@@ -450,10 +562,11 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     experts = _int(_get(text, "num_local_experts", "num_experts", "n_routed_experts"), "num_experts")
     if experts:
         expert_inter = _int(_get(text, "moe_intermediate_size"), "moe_intermediate_size") or inter
-        shared_inter = (
-            _int(_get(text, "shared_expert_intermediate_size"), "shared_expert_intermediate_size") or 0
-        )
-        mlp = n_layers * (experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter)
+        shared_inter = _shared_expert_width(text, model_type, inter, expert_inter)
+        moe = experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter
+        dense_inter = _int(_get(text, "intermediate_size_mlp"), "intermediate_size_mlp") or inter  # Llama 4
+        n_moe = sum(_moe_layer(text, i) for i in range(n_layers))
+        mlp = n_moe * moe + (n_layers - n_moe) * 3 * h * dense_inter
     else:
         mlp = n_layers * (3 if gated else 2) * h * inter
     # Gemma-2/3 add pre/post-feedforward norms (4 per layer); Gemma-3 and Qwen3 normalise q and k per head

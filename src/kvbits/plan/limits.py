@@ -22,7 +22,7 @@ from kvbits.plan.shape import LayerShape, ModelShape
 from kvbits.schemes import KVScheme, layer_bytes, token_split
 from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes
 
-__all__ = ["LIMIT", "fused_rope_table_bytes", "max_context", "total_bytes"]
+__all__ = ["LIMIT", "fused_rope_table_bytes", "max_concurrency", "max_context", "total_bytes"]
 
 LIMIT = 1 << 40
 """Contexts beyond this are not searched: a budget that still fits there is reported as unbounded (None)."""
@@ -111,6 +111,52 @@ def _margin(shape: ModelShape, scheme: KVScheme, batch: int) -> int | None:
     return math.ceil(slack / rate) + 1
 
 
+def _bounded_span(shape: ModelShape, scheme: KVScheme) -> int:
+    """Lengths ``1..span`` reach the largest bytes of a model whose bytes are bounded (sliding layers only)."""
+    return max(
+        (2 * (layer.window or 0) + 4 * (s.sinks + s.residual + s.block) for s, layer in _groups(shape, scheme)),
+        default=0,
+    )
+
+
+def _peak_candidates(shape: ModelShape, scheme: KVScheme, context: int) -> range:
+    """Lengths ``<= context`` among which the bytes reach their largest over ``1..context`` (at any batch)."""
+    margin = _margin(shape, scheme, 1)  # batch cancels out: the trend and the slack both scale with it
+    if margin is None:
+        return range(1, min(context, _bounded_span(shape, scheme)) + 1)
+    return range(max(1, context - margin), context + 1)
+
+
+def max_concurrency(
+    shape: ModelShape,
+    scheme: KVScheme,
+    context: int,
+    *,
+    free_bytes: int,
+    fused_decode: bool = False,
+) -> tuple[int, int]:
+    """``(per_request, concurrency)``: how many sequences fit in ``free_bytes`` at every length ``1..context``.
+
+    ``per_request`` is the most bytes one sequence adds at any length ``<= context`` (a flush makes the bytes
+    drop, so the length just before one may hold more than ``context`` does); the per-layer constants and the
+    RoPE tables, held once whatever the batch, are not in it. ``concurrency`` is the largest batch that fits
+    at every such length (at least 0), so it agrees with :func:`max_context`: ``concurrency >= batch``
+    exactly when ``max_context(..., batch=batch) >= context``.
+    """
+    per_seq = _total_fn(shape, scheme, 1, False)
+    fixed = per_seq(0)  # per-layer constants: the bytes at 0 tokens
+    groups = _groups(shape, scheme)
+    concurrency, peak = None, 0
+    for n in _peak_candidates(shape, scheme, context):
+        request = per_seq(n) - fixed
+        rope = fused_rope_table_bytes(groups, n) if fused_decode else 0
+        fit = max(0, (free_bytes - fixed - rope) // request)
+        concurrency = fit if concurrency is None else min(concurrency, fit)
+        peak = max(peak, request)
+    assert concurrency is not None
+    return peak, concurrency
+
+
 def max_context(
     shape: ModelShape,
     scheme: KVScheme,
@@ -135,10 +181,7 @@ def max_context(
     f = _total_fn(shape, scheme, batch, fused_decode)
     margin = _margin(shape, scheme, batch)
     if margin is None:  # bounded bytes: sliding layers only (or none), whose largest is reached early
-        span = max(
-            (2 * (layer.window or 0) + 4 * (s.sinks + s.residual + s.block) for s, layer in _groups(shape, scheme)),
-            default=0,
-        )
+        span = _bounded_span(shape, scheme)
         first = next((n for n in range(1, span + 1) if f(n) > free_bytes), None)
         return None if first is None else first - 1
     if f(1) > free_bytes:

@@ -46,12 +46,15 @@ With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
 - ``weights_bytes``: ``weights_gib`` when given, else the config's parameter estimate
   (:func:`kvbits.plan.config.estimate_params`) times the model dtype bytes.
-- ``kv_bytes_per_request``: bytes one more sequence of ``T`` tokens adds: ``total_bytes`` at batch 1
-  minus the per-layer constants, which exist once however many sequences there are.
-- ``max_concurrency``: ``floor((gpu - weights - reserve - fixed) / kv_bytes_per_request)``, at least 0,
-  where ``reserve`` (``reserve_gib``, default 0) stands for activations, CUDA context and
-  fragmentation, and ``fixed`` is the per-layer constants and the RoPE tables. ``fits``:
-  ``max_concurrency >= B``.
+- ``kv_bytes_per_request``: the most bytes one more sequence adds at any length up to ``T``:
+  ``total_bytes`` at batch 1 minus the per-layer constants, which exist once however many sequences there
+  are, at its peak over ``1..T`` (a flush makes the bytes drop, so just before one a sequence may hold more
+  than at ``T``; :func:`kvbits.plan.limits.max_concurrency`).
+- ``max_concurrency``: the most sequences that fit at every length up to ``T``,
+  ``min_t floor((gpu - weights - reserve - fixed_t) / request_t)`` over ``t <= T``, at least 0, where
+  ``reserve`` (``reserve_gib``, default 0) stands for activations, CUDA context and fragmentation, and
+  ``fixed_t`` is the per-layer constants and the RoPE tables. ``fits``: ``max_concurrency >= B``, which
+  holds exactly when ``max_context >= T``.
 - ``max_context``: the longest context ``B`` sequences can grow to, fitting at every length on the way
   (a flush makes the bytes drop, so the first length that does not fit decides;
   :func:`kvbits.plan.limits.max_context`); None when every length fits (layers that all slide).
@@ -66,7 +69,7 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from kvbits.plan.config import load_shape, warn_beyond_max_positions
-from kvbits.plan.limits import fused_rope_table_bytes, max_context
+from kvbits.plan.limits import fused_rope_table_bytes, max_concurrency, max_context
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, check_unique_names, get_scheme, layer_bytes, token_split
 
@@ -304,7 +307,6 @@ def plan_shape(
     context = _positive_int(context, "context")
     batch = _positive_int(batch, "batch")
     totals = {"key": 0, "value": 0, "full": 0, "quantized": 0, "fixed": 0}
-    per_request = 0
     elements = 0
     step = 0
     per_layer = []
@@ -329,13 +331,11 @@ def plan_shape(
             "sliding_window": layer.window,
         }
         b = layer_bytes(layer_scheme, context, batch=batch, **kw)
-        one = layer_bytes(layer_scheme, context, batch=1, **kw)
         split = token_split(layer_scheme, context, layer.window)
         stored_fp16 = token_split(fp16, context, layer.window).stored
         layer_elements = 2 * batch * stored_fp16 * layer.kv_heads * layer.head_dim
         elements += layer_elements
         step = max(step, 2 * batch * context * layer.kv_heads * layer.head_dim * shape.dtype_bytes)
-        per_request += one["key"] + one["value"] - one["fixed"]
         for k in totals:
             totals[k] += b[k]
         row.update(
@@ -383,9 +383,9 @@ def plan_shape(
     if fused_decode:
         out["components"]["rope_tables"] = rope_tables
     if budget is not None:
-        fixed = totals["fixed"] + rope_tables
-        free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"] - fixed
-        max_conc = max(0, free // per_request)
+        free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"]
+        # the peak over every length up to the context: the bytes just before a flush exceed those after it
+        per_request, max_conc = max_concurrency(shape, scheme, context, free_bytes=free, fused_decode=fused_decode)
         out.update(
             gpu_mem_bytes=budget["gpu_mem_bytes"],
             weights_bytes=budget["weights_bytes"],

@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-__all__ = ["ATTENTION_KINDS", "ConfigLike", "LayerShape", "ModelShape", "dtype_bytes_of"]
+from kvbits.schemes.presets import MAX_LAYERS
+
+__all__ = ["ATTENTION_KINDS", "MAX_LAYERS", "MIN_WINDOW", "ConfigLike", "LayerShape", "ModelShape", "dtype_bytes_of"]
 
 ATTENTION_KINDS = ("full", "sliding", "none")
 
@@ -22,6 +24,31 @@ _DTYPE_BYTES = {
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
 }  # fmt: skip
 
+MIN_WINDOW = 2
+"""The smallest sliding window planned: a window ``W`` keeps the last ``W - 1`` tokens, so a window of 1 keeps
+none (no bytes to plan, and 0 bits per element is no figure)."""
+
+
+def check_window(value: Any, what: str) -> int:
+    """``value`` as a sliding window: an int >= ``MIN_WINDOW``; ``TypeError`` / ``ValueError`` naming ``what``."""
+    _check_int(value, what)
+    if value < MIN_WINDOW:
+        raise ValueError(
+            f"{what} must be >= {MIN_WINDOW} (a window of W tokens keeps the last W - 1, so {value} keeps none), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def check_layer_count(value: Any, what: str) -> int:
+    """``value`` as a layer count: an int in ``[1, MAX_LAYERS]``; ``TypeError`` / ``ValueError`` naming ``what``."""
+    _check_int(value, what)
+    if not 1 <= value <= MAX_LAYERS:
+        raise ValueError(
+            f"{what} must be between 1 and {MAX_LAYERS} (kvbits takes at most {MAX_LAYERS} layers; the deepest "
+            f"models have a few hundred), got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -31,7 +58,7 @@ class LayerShape:
     Attributes:
         kv_heads: ``H_kv``, key/value heads stored per token.
         head_dim: ``D``, channels per head.
-        attention: ``"full"`` (keeps every token), ``"sliding"`` (window ``W``: keeps at most the last
+        attention: ``"full"`` (keeps every token), ``"sliding"`` (window ``W >= 2``: keeps at most the last
             ``W - 1`` tokens, as transformers' ``DynamicSlidingWindowLayer``), or ``"none"`` (stores
             no KV: linear attention, SSM, MLP-only, or KV shared with an earlier layer).
         window: ``W`` for sliding layers, else None.
@@ -54,8 +81,10 @@ class LayerShape:
                 f"need kv_heads >= 1 and head_dim >= 1, got kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}"
             )
-        if self.attention == "sliding" and (self.window is None or self.window < 1):
-            raise ValueError(f"a sliding layer needs a window >= 1, got {self.window!r}")
+        if self.attention == "sliding":
+            if self.window is None:
+                raise ValueError("a sliding layer needs a window, got None")
+            check_window(self.window, "a sliding layer's window")
         if self.attention != "sliding" and self.window is not None:
             raise ValueError(
                 f"only sliding layers have a window; got attention={self.attention!r}, window={self.window}"
@@ -83,6 +112,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a model needs at least one layer, got 0")
+        check_layer_count(len(self.layers), "the number of layers")
         if not any(layer.attention != "none" for layer in self.layers):
             raise ValueError(f"none of the {len(self.layers)} layers stores a KV cache; nothing to plan")
         _check_dtype_bytes(self.dtype_bytes)
@@ -105,22 +135,19 @@ class ModelShape:
         """A uniform model from its dimensions.
 
         Args:
-            layers: number of decoder layers.
+            layers: number of decoder layers, at most ``MAX_LAYERS``.
             kv_heads: KV heads per layer.
             head_dim: channels per head.
             dtype_bytes: model dtype bytes (2 for fp16/bf16).
-            sliding_window: window of the sliding layers (every layer when ``layer_types`` is None).
+            sliding_window: window of the sliding layers (every layer when ``layer_types`` is None), at
+                least ``MIN_WINDOW`` (2).
             layer_types: optional per-layer ``"full"`` / ``"sliding"`` / ``"none"``.
             name: for tables.
             n_params: parameter count, if known (enables weights memory without ``weights_gib``).
         """
-        _check_int(layers, "layers")
-        if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
-        if sliding_window is not None:
-            _check_int(sliding_window, "sliding_window")
-            if sliding_window < 1:  # 0 used to mean "no window" silently; None says that
-                raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        check_layer_count(layers, "layers")
+        if sliding_window is not None:  # 0 used to mean "no window" silently; None says that
+            check_window(sliding_window, "sliding_window")
         if layer_types is None:
             layer_types = ["sliding" if sliding_window else "full"] * layers
         if len(layer_types) != layers:
@@ -160,6 +187,7 @@ class ModelShape:
         """
         out = self
         if layers is not None and layers != self.n_layers:
+            check_layer_count(layers, "layers")
             if len(set(self.layers)) != 1:
                 raise ValueError(
                     f"can not override the layer count of a model with mixed layers ({self.describe()}); "

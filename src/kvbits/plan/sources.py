@@ -66,14 +66,18 @@ def _from_mapping(d: dict[str, Any], source: str = "the config dict") -> Any:
     if not model_type:
         return d
     _check_fields(d, source)
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        # AutoConfig's error for it lists every model type transformers knows (12,146 characters)
+        logger.warning("transformers does not know model type %r; reading the dict as it is", model_type)
+        return d
     rest = {k: v for k, v in d.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **rest)
     except (ValueError, TypeError, KeyError) as exc:
         logger.warning(
-            "transformers could not build a %r config (%s: %s); reading the dict as it is",
+            "transformers could not build a %r config (%s: %.300s); reading the dict as it is",
             model_type,
             type(exc).__name__,
             exc,
