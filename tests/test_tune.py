@@ -183,6 +183,20 @@ def test_tune_reports_avg_bits_within_an_exactly_met_budget():
     assert not over
 
 
+def test_tune_refuses_a_name_its_json_could_not_be_read_back_as():
+    """name= is checked before any pass: a candidate's name (before: ValueError 'listed twice' after the whole
+    sweep), a preset's ('fp16') or a mixed string of presets ('int8-token,0=fp16') (before: accepted, and the
+    scheme JSON written was refused on read-back) are refused; another name is kept."""
+    model, ids = _llama(), _ids(200)
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", side_effect=AssertionError("swept"))
+    for name, match in (("int4-token", "is a candidate's"), ("fp16", "name of a kvbits preset"),
+                        ("int8-token,0=fp16", "mixed scheme of kvbits presets"), ("", "non-empty string")):  # fmt: skip
+        with swept, pytest.raises(ValueError, match=match):
+            tune(model, ids, ["int2-token", "int4-token"], 4.5, context=64, name=name)
+    res = tune(model, ids, ["int2-token", "int4-token"], 4.5, context=64, name="int4,0=mine", check=False)
+    assert get_scheme(res.scheme.to_dict()).name == "int4,0=mine"
+
+
 def test_tune_refuses_bad_candidates_and_budgets():
     model, ids = _llama(), _ids(200)
     for cands, match in ((["int4-token"], "at least two"), (["int4-token", "kvquant-4"], "kvbits calibrate"),

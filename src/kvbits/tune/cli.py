@@ -78,7 +78,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="1: choose from one-layer KLs; more: re-choose from marginal KLs around the previous mix, each "
         "round as costly as the first (default 1)",
     )  # fmt: skip
-    p.add_argument("--name", help="name of the mix (default tuned-<budget>)")
+    p.add_argument(
+        "--name", help="name of the mix (default tuned-<budget>); not a candidate's, a preset's or a mix of presets"
+    )
     p.add_argument("--out", help="scheme JSON to write (and <out>.tune.json with the measurements)")
     p.set_defaults(_out_kind="file")  # kvbits.cli checks it before the run as a file path, not a folder
     p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")

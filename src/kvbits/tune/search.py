@@ -338,7 +338,8 @@ def tune(
             elements an fp16 cache holds; each layer by its own KV heads, head dim and sliding window).
         context, windows: the calibration windows (tokens each, how many); ``context`` is also where the
             bits are counted.
-        name: the mix's name (default ``tuned-<budget>``).
+        name: the mix's name (default ``tuned-<budget>``); not a candidate's, a preset's or a mixed string of
+            presets (``int4-token,0=fp16``), which its scheme JSON could not be read back as.
         rounds: 1: choose from one-layer KLs around the exact model; more: re-choose from marginal KLs
             around the previous mix (``marginal_sensitivity``) until the choice repeats or the rounds end.
         calibrations: ``kvbits calibrate`` artifacts of the candidates that take them: a mapping candidate
@@ -357,6 +358,7 @@ def tune(
     for c in cands:
         if c.is_mixed:
             raise ValueError(f"candidate {c.name!r}: candidates must be flat schemes (one scheme for every layer)")
+    _check_name(name, cands)
     arts = _candidate_calibrations(cands, calibrations)
     if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
         raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
@@ -443,6 +445,28 @@ def tune(
         result.scheme.name, result.avg_bits, context, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def _check_name(name: Any, cands: list[KVScheme]) -> None:
+    """``ValueError`` (before any pass) for a mix name its scheme JSON could not be read back under, or that
+    the check run could not tell apart: a candidate's name, a preset's, or a mixed scheme string of presets
+    (``get_scheme`` refuses a file so named that stores K/V otherwise)."""
+    from kvbits.schemes.presets import _builtin
+
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string (the mix's scheme name), got {name!r}")
+    if name in [c.name for c in cands]:
+        raise ValueError(
+            f"name {name!r} is a candidate's: the mix is measured beside the candidates, by name; choose another"
+        )
+    if _builtin(name) is not None:
+        what = "a kvbits preset" if "," not in name else "a mixed scheme of kvbits presets"
+        raise ValueError(
+            f"name {name!r} is the name of {what}: the tuned mix's scheme JSON would be refused when read back "
+            f"(it stores K/V otherwise); choose another, e.g. {name.replace(',', '_').replace('=', '-') + '-tuned'!r}"
+        )
 
 
 def _model_shape(model: Any, dtype: Any) -> Any:
