@@ -174,8 +174,8 @@ def test_tune_reports_avg_bits_within_an_exactly_met_budget():
         for k in range(1, n):
             budget = float(Fraction(k * 25 + (n - k) * 13, 3 * n))
             table = [[1.0, 0.0]] * k + [[0.0, 0.0]] * (n - k)
-            swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
-            with swept:
+            summary = {"model": "m", "data": "d"}
+            with mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, summary)):
                 res = tune(model, None, ["int4-token", "int8-token"], budget, context=128, check=False)
             assert res.choice == ["int8-token"] * k + ["int4-token"] * (n - k)
             if res.avg_bits > budget:

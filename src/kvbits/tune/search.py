@@ -73,8 +73,8 @@ class TuneResult:
             computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
             mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
         meta: model, data, context, windows, layers, ``dtype_bytes`` (of the model's full-precision tokens: the
-            bits are ``kvbits plan --context CONTEXT --dtype-bytes DTYPE_BYTES``'s), seconds; ``calibrations``: candidate -> the folder of its
-            artifact (``"<in memory>"`` for objects), when calibrations were given.
+            bits are ``kvbits plan --context CONTEXT --dtype-bytes DTYPE_BYTES``'s), seconds; ``calibrations``:
+            candidate -> the folder of its artifact (``"<in memory>"`` for objects), when calibrations were given.
         calibration: the chosen mix's ``CalibrationArtifact`` (composed from the candidates' artifacts),
             or None when the mix calibrates nothing; ``save(dir)`` writes it for ``kvbits eval``.
     """
@@ -179,7 +179,9 @@ def choose_layers_by_bytes(
     n = len(sensitivity)
     _check_costs(sensitivity, len(layer_bytes[0]) if layer_bytes else 0)
     if len(layer_bytes) != n or any(len(row) != len(layer_bytes[0]) for row in layer_bytes):
-        raise ValueError(f"layer_bytes must be (layers={n}, candidates) like the sensitivity, got {len(layer_bytes)} rows")
+        raise ValueError(
+            f"layer_bytes must be (layers={n}, candidates) like the sensitivity, got {len(layer_bytes)} rows"
+        )
     if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
         raise ValueError(f"elements must be a positive int, got {elements!r}")
     cap = math.floor(_fraction(budget_bits) * elements / 8)
