@@ -1434,3 +1434,12 @@ def test_mixed_scheme_stores_each_layer_by_its_own_scheme():
     assert all(torch.equal(a, b) for a, b in zip(lazy.materialize(1), mixed.materialize(1)))
     with pytest.raises(ValueError, match=r"overrides layers \[2\], beyond the config's 2"):
         QuantizedKVCache(config=model.config, scheme="kivi-2,2=int8-token")
+
+
+def test_mixed_scheme_beyond_num_layers_is_refused():
+    """QuantizedKVCache(scheme=mix, num_layers=N) refuses overrides of layers >= N, as the config path and
+    StaticQuantizedKVCache do. Before, "int4-token,5=fp16" with num_layers=2 was accepted (2 layers, the
+    override of layer 5 silently never used)."""
+    with pytest.raises(ValueError, match=r"overrides layers \[5\], beyond the cache's 2 layers"):
+        QuantizedKVCache(scheme="int4-token,5=fp16", num_layers=2)
+    assert len(QuantizedKVCache(scheme="int4-token,1=fp16", num_layers=2).layers) == 2

@@ -131,10 +131,15 @@ def test_a_spec_dict_of_codes_without_fmt_is_the_presets():
         ({"kind": "float", "outlier_frac": 0.2}, "outlier_frac, static and pre_rope apply to quantized specs"),
         ({"kind": "float", "static": True}, "apply to quantized specs"),
         ({"kind": "float", "pre_rope": True}, "apply to quantized specs"),
+        ({"kind": "float", "symmetric": True}, "symmetric and granularity apply to quantized specs"),
+        ({"kind": "float", "granularity": "channel"}, "symmetric and granularity apply to quantized specs"),
+        ({"kind": "fp8", "bits": 8, "fmt": "e4m3", "symmetric": True}, "fp8 TensorSpec is symmetric by construction"),
     ],
 )
 def test_spec_fields_that_would_be_ignored_are_refused(spec, match):
-    """Each was accepted and then ignored: a float spec stored no outliers, an int spec had no float format."""
+    """Each was accepted and then ignored: a float spec stored no outliers, an int spec had no float format, a
+    float spec with symmetric=True and granularity='channel' stored the same 10,240 bytes exactly as fp16, an
+    fp8 spec with symmetric=True the same codes as fp8-e4m3-token (and its JSON named so was then refused)."""
     from kvbits.schemes import TensorSpec
 
     with pytest.raises(ValueError, match=match):

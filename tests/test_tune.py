@@ -14,8 +14,9 @@ from test_evaluate import VOCAB, _llama
 
 from kvbits.cli import main
 from kvbits.evaluate.runner import evaluate
-from kvbits.schemes import KVScheme, average_bits, get_scheme, mixed_scheme
-from kvbits.tune import EXACT, choose_layers, tune
+from kvbits.plan import plan
+from kvbits.schemes import KVScheme, get_scheme, mixed_scheme
+from kvbits.tune import EXACT, choose_layers, choose_layers_by_bytes, tune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,6 +66,29 @@ def test_choose_layers_is_exact_for_bits_that_are_not_hundredths():
         assert sum(sens[i][c] for i, c in enumerate(pick)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choose_layers_by_bytes_is_the_brute_force_optimum():
+    """Layers of different bytes (sliding, other heads): the least summed cost within 8 * bytes <= budget *
+    elements, as brute force finds it (the knapsack keeps only undominated states: none of them is lost)."""
+    rng = random.Random(2)
+    for _ in range(80):
+        layers, cands = rng.randint(1, 6), rng.randint(2, 4)
+        sizes = [[rng.randint(1, 400) for _ in range(cands)] for _ in range(layers)]
+        sens = [[rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in range(cands)] for _ in range(layers)]
+        elements = rng.randint(50, 500)
+        combos = list(itertools.product(range(cands), repeat=layers))
+        spent = {c: 8 * sum(sizes[i][j] for i, j in enumerate(c)) for c in combos}
+        budget = rng.choice([spent[rng.choice(combos)] / elements, rng.uniform(1, 64)])
+        fit = [c for c in combos if spent[c] <= budget * elements]
+        if not fit:
+            with pytest.raises(ValueError, match="below the cheapest mix"):
+                choose_layers_by_bytes(sens, sizes, elements, budget)
+            continue
+        pick = tuple(choose_layers_by_bytes(sens, sizes, elements, budget))
+        assert spent[pick] <= budget * elements
+        best = min(sum(sens[i][j] for i, j in enumerate(c)) for c in fit)
+        assert sum(sens[i][j] for i, j in enumerate(pick)) == pytest.approx(best, abs=1e-12)
+
+
 def test_choose_layers_refuses_what_it_can_not_solve():
     with pytest.raises(ValueError, match="below the cheapest candidate"):
         choose_layers([[1.0, 0.0]], [4.5, 8.5], 4.0)
@@ -82,13 +106,11 @@ def test_tune_measures_each_layer_and_keeps_the_budget():
     model, ids = _llama(layers=3), _ids(300)
     res = tune(model, ids, ["int8-token", "int2-token", "int4-token"], 4.0, context=128, windows=2)
     assert res.candidates == ["int2-token", "int4-token", "int8-token"]  # cheapest first
-    assert res.bits == [average_bits(get_scheme(n), 32, 2) for n in res.candidates]
+    assert res.bits == [plan(model.config, 128, scheme=n, dtype_bytes=4)["avg_bits"] for n in res.candidates]
     probe = evaluate(model, ids, 128, [mixed_scheme(EXACT, {1: "int2-token"})], windows=2, attn_layers=[])
     assert res.sensitivity[1][0] == pytest.approx(probe["results"][0]["kl"], rel=1e-6)
     assert all(row[0] > row[1] > row[2] >= 0 for row in res.sensitivity)  # fewer bits, more damage
-    assert res.avg_bits <= 4.0 + 1e-9 and res.avg_bits == pytest.approx(
-        sum(res.bits[res.candidates.index(c)] for c in res.choice) / 3
-    )
+    assert res.avg_bits <= 4.0 and res.avg_bits == plan(model.config, 128, scheme=res.scheme, dtype_bytes=4)["avg_bits"]
     for i, c in enumerate(res.choice):
         assert res.scheme.for_layer(i).key == get_scheme(c).key
     assert len(set(res.choice)) > 1  # a 4-bit budget between 2.5 and 8.5 is spent unevenly here
@@ -99,6 +121,80 @@ def test_tune_measures_each_layer_and_keeps_the_budget():
     assert res.measured_kl == pytest.approx(again["results"][0]["kl"], rel=1e-6)
     assert res.uniform["int2-token"]["kl"] > res.measured_kl > res.uniform["int8-token"]["kl"]
     assert KVScheme.from_json(res.scheme.to_json()) == res.scheme
+
+
+def _gemma2_sliding():
+    """A tiny Gemma2: layer 0 full attention, layer 1 sliding (W=32), float32."""
+    import transformers
+    from test_evaluate import VOCAB
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=32, max_position_embeddings=4096,
+        layer_types=["full_attention", "sliding_attention"],
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def test_tune_budget_is_the_bits_plan_reports_at_the_tuning_context():
+    """The budget holds the mix's real bytes at the tuning context: TuneResult.avg_bits (and each candidate's
+    bits) is kvbits plan's avg_bits there, <= the budget. Before, each candidate was priced by its asymptotic
+    bits and layers weighed alike: on a Gemma2 whose layer 1 slides (W=32) a 7.0-bit budget at 512 tokens
+    chose int8 for layer 0 and int2 for layer 1, reported 7.0 bits and held 9.657 (plan); with kivi-2 (its
+    128-token fp32 residual priced 0) a 3.0-bit budget at 256 tokens chose kivi-2 everywhere, reported 3.0
+    and held 17.5 bits."""
+    model = _gemma2_sliding()
+    res = tune(model, _ids(600), ["int2-token", "int8-token"], 7.0, context=512, check=False)
+    planned = plan(model.config, 512, scheme=res.scheme, dtype_bytes=4)["avg_bits"]
+    assert res.avg_bits == planned <= 7.0 and res.meta["dtype_bytes"] == 4
+    assert res.bits == [plan(model.config, 512, scheme=n, dtype_bytes=4)["avg_bits"] for n in res.candidates]
+    assert res.choice == ["int2-token", "int8-token"]  # int8 on the 31 tokens of the sliding layer is what fits
+    llama = _llama(layers=3)
+    res = tune(llama, _ids(400), ["int2-token", "kivi-2", "int8-token"], 3.0, context=256, check=False)
+    assert res.bits[res.candidates.index("kivi-2")] == 17.5  # 128 of 256 tokens in float32
+    assert res.avg_bits == plan(llama.config, 256, scheme=res.scheme, dtype_bytes=4)["avg_bits"] <= 3.0
+
+
+def test_tune_reports_avg_bits_within_an_exactly_met_budget():
+    """A budget exactly met by the mix (k int8 layers among n int4, head dim 96: 4.333 and 8.333 bits) is
+    kept to in the reported avg_bits too. Before, avg_bits was a float mean of the layers' bits and exceeded
+    the budget by 1 ulp for 233 of 496 such budgets (n=2, k=1: 6.333333333333334 > 6.333333333333333)."""
+    from fractions import Fraction
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    over = []
+    for n in (2, 5, 6, 7):
+        cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=n,
+                          num_attention_heads=8, num_key_value_heads=8, head_dim=96)  # fmt: skip
+        model = LlamaForCausalLM(cfg)
+        for k in range(1, n):
+            budget = float(Fraction(k * 25 + (n - k) * 13, 3 * n))
+            table = [[1.0, 0.0]] * k + [[0.0, 0.0]] * (n - k)
+            summary = {"model": "m", "data": "d"}
+            with mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, summary)):
+                res = tune(model, None, ["int4-token", "int8-token"], budget, context=128, check=False)
+            assert res.choice == ["int8-token"] * k + ["int4-token"] * (n - k)
+            if res.avg_bits > budget:
+                over.append((n, k, budget, res.avg_bits))
+    assert not over
+
+
+def test_tune_refuses_a_name_its_json_could_not_be_read_back_as():
+    """name= is checked before any pass: a candidate's name (before: ValueError 'listed twice' after the whole
+    sweep), a preset's ('fp16') or a mixed string of presets ('int8-token,0=fp16') (before: accepted, and the
+    scheme JSON written was refused on read-back) are refused; another name is kept."""
+    model, ids = _llama(), _ids(200)
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", side_effect=AssertionError("swept"))
+    for name, match in (("int4-token", "is a candidate's"), ("fp16", "name of a kvbits preset"),
+                        ("int8-token,0=fp16", "mixed scheme of kvbits presets"), ("", "non-empty string")):  # fmt: skip
+        with swept, pytest.raises(ValueError, match=match):
+            tune(model, ids, ["int2-token", "int4-token"], 4.5, context=64, name=name)
+    res = tune(model, ids, ["int2-token", "int4-token"], 4.5, context=64, name="int4,0=mine", check=False)
+    assert get_scheme(res.scheme.to_dict()).name == "int4,0=mine"
 
 
 def test_tune_refuses_bad_candidates_and_budgets():
@@ -133,7 +229,7 @@ def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypa
     argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "64", "--candidates", "int8-token",
             "--candidates", "int2-token", "--budget-bits", "6", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert "average bits (budget 6)" in capsys.readouterr().out
+    assert "average bits at 64 tokens (budget 6)" in capsys.readouterr().out
     scheme = get_scheme(str(out))
     record = json.loads((tmp_path / "mix.json.tune.json").read_text())
     assert [get_scheme(c).key for c in record["choice"]] == [scheme.for_layer(i).key for i in range(2)]

@@ -242,6 +242,7 @@ class QuantizedKVCache(Cache):
                     self.scheme.name, ", ".join(fallback),
                 )
         elif num_layers is not None:
+            self.scheme.check_layer_count(num_layers, "the cache's")  # as the config branch and the static cache
             layers = [self._make_layer(i, "full_attention", {}) for i in range(num_layers)]
         else:
             self._lazy = True

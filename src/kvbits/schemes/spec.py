@@ -53,10 +53,11 @@ class TensorSpec:
             ``"fp8"`` (torch float8 with a scale) or ``"nuq"`` (non-uniform codebook, calibrated).
         bits: bits per element of the codes: 16/32 for float, 2/3/4/8 for int, 8 for fp8, 2/3/4 for nuq.
         fmt: float format for ``kind="float"`` (``fp16``, ``bf16``, ``fp32``) or ``fp8`` (``e4m3``, ``e5m2``).
-        granularity: see the module docstring.
+        granularity: see the module docstring (``"token"``, the default, for float specs, which have no scales).
         group_size: channels per scale group (token granularity; ``None`` = all of ``D``) or tokens per
             scale group (channel granularity; required).
-        symmetric: symmetric codes (no zero-point) instead of asymmetric (scale + minimum).
+        symmetric: symmetric codes (no zero-point) instead of asymmetric (scale + minimum); int and nuq only
+            (float specs have no codes, FP8 codes are symmetric by construction: both keep ``False``).
         integer_zero: asymmetric integer codes whose zero-point is itself a code (GPTQ-style, vLLM's
             ``int4_per_token_head``): ``x ≈ (code - z) * scale`` with ``scale = max(range / (2**bits - 1),
             1e-6)`` and ``z = round(-min / scale)`` clamped to the codes, so the grid is anchored at 0: its
@@ -130,6 +131,16 @@ class TensorSpec:
             raise ValueError(  # each would be accepted and then ignored: float K/V are stored as they come
                 "a float TensorSpec stores K/V as they are: outlier_frac, static and pre_rope apply to quantized "
                 f"specs, got outlier_frac={self.outlier_frac}, static={self.static}, pre_rope={self.pre_rope}"
+            )
+        if self.kind == "float" and (self.symmetric or self.granularity != "token"):
+            raise ValueError(  # each would be accepted and then ignored: a float spec has no scales
+                "a float TensorSpec stores K/V as they are: symmetric and granularity apply to quantized specs "
+                f"(leave them at False and 'token'), got symmetric={self.symmetric}, granularity={self.granularity!r}"
+            )
+        if self.kind == "fp8" and self.symmetric:
+            raise ValueError(  # it would be accepted and then ignored: FP8 codes are signed, scaled by absmax
+                "an fp8 TensorSpec is symmetric by construction (signed codes, one absmax scale, no zero-point): "
+                "leave symmetric=False, got symmetric=True"
             )
         if self.kind in ("int", "nuq") and self.fmt not in (None, "fp16"):  # "fp16": the dataclass default
             raise ValueError(

@@ -25,7 +25,8 @@ examples:
 
 --out writes the chosen mix as a scheme JSON (any command's --scheme takes it) and, beside it,
 <out>.tune.json with the sensitivity table {"choice", "candidates", "bits", "sensitivity" (layers x
-candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits", "predicted_kl",
+candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits" (kvbits plan's at
+--context; "bits" are the uniform candidates'), "predicted_kl",
 "measured_kl", "uniform", "rounds", "meta", "calibration"}; --json prints that record. --rounds 2 re-chooses from
 marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14).
 Calibrated candidates (kvquant-*) take their `kvbits calibrate` folders (--calibration, matched by the
@@ -44,7 +45,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "tune",
         help="choose each layer's scheme within an average-bits budget from measured sensitivity",
         description="Measure the KL of the model with one layer at a time stored by each candidate scheme, "
-        "pick the assignment with the least summed KL within --budget-bits average bits (exact knapsack), "
+        "pick the assignment with the least summed KL within --budget-bits average bits (exact knapsack; the mix's "
+        "avg_bits as kvbits plan reports it at --context), "
         "then measure that mix and the uniform candidates on the same windows.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -65,8 +67,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="kvbits calibrate folder of a calibrated candidate (matched by the scheme it was made for); repeatable",
     )  # fmt: skip
     p.add_argument(
-        "--budget-bits", type=bounded(float, 0, lo_open=True), required=True, help="largest average bits of the mix"
-    )
+        "--budget-bits", type=bounded(float, 0, lo_open=True), required=True,
+        help="largest average bits of the mix: kvbits plan's avg_bits at --context (every byte held, over the "
+        "elements an fp16 cache holds)",
+    )  # fmt: skip
     p.add_argument("--context", type=parse_tokens, default=1024, help="tokens per window, e.g. 1k (default 1024)")
     p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
     p.add_argument(
@@ -74,7 +78,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="1: choose from one-layer KLs; more: re-choose from marginal KLs around the previous mix, each "
         "round as costly as the first (default 1)",
     )  # fmt: skip
-    p.add_argument("--name", help="name of the mix (default tuned-<budget>)")
+    p.add_argument(
+        "--name", help="name of the mix (default tuned-<budget>); not a candidate's, a preset's or a mix of presets"
+    )
     p.add_argument("--out", help="scheme JSON to write (and <out>.tune.json with the measurements)")
     p.set_defaults(_out_kind="file")  # kvbits.cli checks it before the run as a file path, not a folder
     p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")
@@ -133,7 +139,8 @@ def _print(res: Any, out: str | None) -> None:
         table.add_row(str(i), *(f"{x:.3g}" for x in row), res.choice[i])
     console.print(table)
     line = (
-        f"{res.scheme.name}: {res.avg_bits:.3f} average bits (budget {res.budget_bits:g}); KL predicted "
+        f"{res.scheme.name}: {res.avg_bits:.3f} average bits at {res.meta['context']} tokens (budget "
+        f"{res.budget_bits:g}); KL predicted "
         f"{res.predicted_kl:.4g} (sum of single-layer KLs)"
     )
     if res.measured_kl is not None:

@@ -5,8 +5,12 @@
    model, on calibration windows, in one ``kvbits.evaluate.evaluate`` run (one reference pass per window,
    one simulated pass per (layer, candidate)).
 2. **Choice.** The assignment of one candidate per layer with the least *sum* of those KLs whose average
-   bits stay within a budget: a multiple-choice knapsack, solved exactly by dynamic programming over the
-   bits, each read as the exact fraction it stands for (4.333... bits as 13/3).
+   bits stay within a budget: a multiple-choice knapsack, solved exactly by dynamic programming over
+   bytes. The bits are those ``kvbits plan`` reports for the mix at the tuning context: each layer priced by
+   the bytes it really holds there (``kvbits.plan.plan_shape``: its own KV heads and head dim, a sliding
+   window's last ``W - 1`` tokens, sinks, the residual window and any fallback in the model's dtype,
+   static scales and codebooks), over the elements an fp16 cache of the model holds (``avg_bits``), so
+   layers weigh by what they store.
 3. **Refine** (``rounds > 1``). The layers' errors do not add up (they compound: BENCHMARKS.md §14), so
    each further round measures the *marginal* KL of changing one layer's candidate with every other layer
    as the current mix stores it, and solves the knapsack again on those costs: sensitivity measured
@@ -30,12 +34,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from kvbits.schemes import KVScheme, TensorSpec, average_bits, check_unique_names, get_scheme
+from kvbits.schemes import KVScheme, TensorSpec, check_unique_names, get_scheme
 from kvbits.schemes.presets import mixed_scheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXACT", "TuneResult", "choose_layers", "layer_sensitivity", "marginal_sensitivity", "tune"]
+__all__ = [
+    "EXACT", "TuneResult", "choose_layers", "choose_layers_by_bytes", "layer_sensitivity", "marginal_sensitivity",
+    "tune",
+]
 
 # every other layer while one is measured: float32 storage, exact for float32 and lower-precision models
 EXACT = KVScheme(
@@ -54,16 +61,20 @@ class TuneResult:
     Attributes:
         scheme: the chosen mix (``KVScheme`` with per-layer overrides; the base is the candidate most layers use).
         choice: per layer, the chosen candidate's name.
-        candidates: candidate names, cheapest first; ``bits``: their average bits at the model's shape.
+        candidates: candidate names, cheapest first; ``bits``: each one's ``avg_bits`` as ``kvbits plan``
+            reports it for the model at the tuning context (``meta["context"]`` tokens, ``meta["dtype_bytes"]``).
         sensitivity: ``(layers, candidates)`` KL in nats with only that layer stored by that candidate.
-        budget_bits: the average-bits budget; ``avg_bits``: the mix's.
+        budget_bits: the average-bits budget; ``avg_bits``: the mix's, ``kvbits plan``'s figure at the tuning
+            context (``<= budget_bits``).
         predicted_kl: the sum of the chosen single-layer KLs; ``measured_kl``: the mix's own KL on the
-            same windows; ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike.
+            same windows; ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike (``avg_bits`` as
+            ``bits``).
         rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}``, and where a next round was
             computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
             mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
-        meta: model, data, context, windows, seconds; ``calibrations``: candidate -> the folder of its
-            artifact (``"<in memory>"`` for objects), when calibrations were given.
+        meta: model, data, context, windows, layers, ``dtype_bytes`` (of the model's full-precision tokens: the
+            bits are ``kvbits plan --context CONTEXT --dtype-bytes DTYPE_BYTES``'s), seconds; ``calibrations``:
+            candidate -> the folder of its artifact (``"<in memory>"`` for objects), when calibrations were given.
         calibration: the chosen mix's ``CalibrationArtifact`` (composed from the candidates' artifacts),
             or None when the mix calibrates nothing; ``save(dir)`` writes it for ``kvbits eval``.
     """
@@ -131,7 +142,8 @@ def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], in
 
 def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits: float) -> list[int]:
     """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
-    ``mean_i bits[c_i] <= budget_bits`` (exact: the bits and the budget as fractions, ``_units``).
+    ``mean_i bits[c_i] <= budget_bits`` (exact: the bits and the budget as fractions, ``_units``). Every layer
+    weighs the same here; ``tune`` prices layers by their real bytes (``choose_layers_by_bytes``).
 
     Args:
         sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
@@ -142,16 +154,63 @@ def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits
         ValueError: malformed inputs, or a budget below the cheapest candidate in every layer.
     """
     n = len(sensitivity)
-    if n == 0 or not bits or any(len(row) != len(bits) for row in sensitivity):
-        raise ValueError(f"sensitivity must be (layers, {len(bits)} candidates), got {n} rows")
+    _check_costs(sensitivity, len(bits))
+    units, cap = _units(bits, budget_bits, n)
+    return _knapsack(sensitivity, [units] * n, cap)
+
+
+def choose_layers_by_bytes(
+    sensitivity: list[list[float]], layer_bytes: list[list[int]], elements: int, budget_bits: float
+) -> list[int]:
+    """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
+    ``8 * sum_i layer_bytes[i][c_i] <= budget_bits * elements``: the mix's bits per stored element as
+    ``kvbits plan`` counts them (``avg_bits``), with the budget read as the fraction it stands for
+    (``_fraction``: 5.67 as 567/100), so the mix's float ``avg_bits`` never exceeds ``budget_bits``.
+
+    Args:
+        sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
+        layer_bytes: ``(layers, candidates)`` bytes layer ``i`` holds when stored by candidate ``c``.
+        elements: the elements the budget is a mean over (``plan``'s ``elements``), ``> 0``.
+        budget_bits: the largest allowed bits per element.
+
+    Raises:
+        ValueError: malformed inputs, or a budget below the cheapest candidate of every layer.
+    """
+    n = len(sensitivity)
+    _check_costs(sensitivity, len(layer_bytes[0]) if layer_bytes else 0)
+    if len(layer_bytes) != n or any(len(row) != len(layer_bytes[0]) for row in layer_bytes):
+        raise ValueError(
+            f"layer_bytes must be (layers={n}, candidates) like the sensitivity, got {len(layer_bytes)} rows"
+        )
+    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+        raise ValueError(f"elements must be a positive int, got {elements!r}")
+    cap = math.floor(_fraction(budget_bits) * elements / 8)
+    least = sum(min(row) for row in layer_bytes)
+    if least > cap:
+        raise ValueError(
+            f"budget {budget_bits:g} bits is below the cheapest mix of the candidates ({8 * least / elements:.4g} "
+            "bits per element, as kvbits plan counts them)"
+        )
+    return _knapsack(sensitivity, layer_bytes, cap)
+
+
+def _check_costs(sensitivity: list[list[float]], n_candidates: int) -> None:
+    n = len(sensitivity)
+    if n == 0 or not n_candidates or any(len(row) != n_candidates for row in sensitivity):
+        raise ValueError(f"sensitivity must be (layers, {n_candidates} candidates), got {n} rows")
     if any(not math.isfinite(x) or x < 0 for row in sensitivity for x in row):
         raise ValueError("sensitivities must be finite and >= 0")
-    units, cap = _units(bits, budget_bits, n)
+
+
+def _knapsack(sensitivity: list[list[float]], weights: list[list[int]], cap: int) -> list[int]:
+    """The candidate per layer of least summed ``sensitivity`` whose summed integer ``weights`` stay within
+    ``cap`` (ties: the fewest weight units): exact dynamic programming over the reachable weights, keeping
+    only the states no lighter state matches in cost (a dominated state completes no better)."""
     inf = math.inf
     # best[u]: least cost of the layers so far using exactly u units; how[i][u]: (candidate, previous u)
     best = {0: 0.0}
     how: list[dict[int, tuple[int, int]]] = []
-    for row in sensitivity:
+    for row, units in zip(sensitivity, weights):
         nxt: dict[int, float] = {}
         back: dict[int, tuple[int, int]] = {}
         for u, cost in best.items():
@@ -160,8 +219,12 @@ def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits
                 if v <= cap and cost + s < nxt.get(v, inf):
                     nxt[v] = cost + s
                     back[v] = (c, u)
-        best, _ = nxt, how.append(back)
-    u = min(best, key=lambda k: (best[k], k))  # least cost, then fewest bits
+        best, least = {}, inf
+        for v in sorted(nxt):  # Pareto front: a state survives only if cheaper than every lighter one
+            if nxt[v] < least:
+                best[v] = least = nxt[v]
+        how.append(back)
+    u = min(best, key=lambda k: (best[k], k))  # least cost, then fewest units
     choice = []
     for back in reversed(how):
         c, u = back[u]
@@ -272,9 +335,13 @@ def tune(
             transformers causal LM (then ``data`` must be token ids).
         data: a text spec, a ``TextSource`` or token ids, as ``kvbits eval`` takes them.
         candidates: at least two flat schemes (``int8-token``, ``int4-token``, ``fp16``, ``kvquant-4``, ...).
-        budget_bits: the largest average bits of the mix (at the model's head dim and KV heads).
-        context, windows: the calibration windows (tokens each, how many).
-        name: the mix's name (default ``tuned-<budget>``).
+        budget_bits: the largest average bits of the mix: ``kvbits plan``'s ``avg_bits`` of the model at
+            ``context`` tokens (all bytes it holds there, full-precision tokens in the model's dtype, over the
+            elements an fp16 cache holds; each layer by its own KV heads, head dim and sliding window).
+        context, windows: the calibration windows (tokens each, how many); ``context`` is also where the
+            bits are counted.
+        name: the mix's name (default ``tuned-<budget>``); not a candidate's, a preset's or a mixed string of
+            presets (``int4-token,0=fp16``), which its scheme JSON could not be read back as.
         rounds: 1: choose from one-layer KLs around the exact model; more: re-choose from marginal KLs
             around the previous mix (``marginal_sensitivity``) until the choice repeats or the rounds end.
         calibrations: ``kvbits calibrate`` artifacts of the candidates that take them: a mapping candidate
@@ -285,8 +352,6 @@ def tune(
     """
     import time
 
-    from kvbits.cache import attention_shape
-
     t0 = time.perf_counter()
     cands = [get_scheme(c) for c in candidates]
     check_unique_names([c.name for c in cands], "measured")
@@ -295,6 +360,7 @@ def tune(
     for c in cands:
         if c.is_mixed:
             raise ValueError(f"candidate {c.name!r}: candidates must be flat schemes (one scheme for every layer)")
+    _check_name(name, cands)
     arts = _candidate_calibrations(cands, calibrations)
     if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
         raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
@@ -307,22 +373,24 @@ def tune(
         check_device(device)
         model = load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu")
         dtype = device = None
-    module = getattr(model, "model", model)
-    n_layers, _, kv_heads, head_dim = attention_shape(module.config)
-    bits = [average_bits(c, head_dim=head_dim, n_heads=kv_heads) for c in cands]
+    shape = _model_shape(model, dtype)
+    n_layers = shape.n_layers
+    layer_bytes, elements, bits = _prices(shape, cands, context)
     order = sorted(range(len(cands)), key=lambda j: bits[j])
     cands, bits = [cands[j] for j in order], [bits[j] for j in order]
-    _units(bits, budget_bits, n_layers)  # an impossible budget is refused before the sensitivity sweep
+    layer_bytes = [[row[j] for j in order] for row in layer_bytes]
+    # an impossible budget is refused before the sensitivity sweep
+    choose_layers_by_bytes([[0.0] * len(cands)] * n_layers, layer_bytes, elements, budget_bits)
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
     run["calibrations"] = arts or None
     sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
-    pick = choose_layers(sens, bits, budget_bits)
+    pick = choose_layers_by_bytes(sens, layer_bytes, elements, budget_bits)
     log: list[dict[str, Any]] = [{"pick": pick, "predicted_kl": sum(sens[i][j] for i, j in enumerate(pick))}]
     for _ in range(rounds - 1):
         costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, **run)
         log[-1]["measured_kl"] = current_kl
         log[-1]["marginal_sensitivity"] = costs  # around this round's mix, whatever the next choice
-        new = choose_layers(costs, bits, budget_bits)
+        new = choose_layers_by_bytes(costs, layer_bytes, elements, budget_bits)
         if new == pick:  # the mix is its own best answer: nothing more to measure
             break
         shift = sum(costs[i][pick[i]] for i in range(n_layers))  # the current mix's cost in these units
@@ -338,7 +406,7 @@ def tune(
         bits=bits,
         sensitivity=sens,
         budget_bits=float(budget_bits),
-        avg_bits=average_bits(mix, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers),
+        avg_bits=_planned_bits(shape, mix, context),
         predicted_kl=log[-1]["predicted_kl"],
         meta={
             "model": summary["model"],
@@ -346,6 +414,7 @@ def tune(
             "context": context,
             "windows": windows,
             "layers": n_layers,
+            "dtype_bytes": shape.dtype_bytes,
             "fingerprint": summary.get("fingerprint"),
         },
     )
@@ -357,7 +426,7 @@ def tune(
         checked = evaluate(model, data, context, [mix, *cands], attn_layers=[], calibration=calibration, **check_run)
         by = {r["scheme"]: r for r in checked["results"]}
         result.measured_kl = log[-1]["measured_kl"] = by[mix.name]["kl"]
-        result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": by[c.name]["avg_bits"]} for c in cands}
+        result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": b} for c, b in zip(cands, bits)}
         best = min(range(len(log)), key=lambda r: log[r].get("measured_kl", math.inf))
         if best != len(log) - 1:  # a later round measured worse than an earlier mix: keep the earlier one
             logger.info("round %d's mix measured best; keeping it", best + 1)
@@ -365,7 +434,7 @@ def tune(
             result.scheme = _mix(cands, pick, name)
             result.choice = [cands[j].name for j in pick]
             result.predicted_kl = log[best]["predicted_kl"]
-            result.avg_bits = average_bits(result.scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+            result.avg_bits = _planned_bits(shape, result.scheme, context)
     if arts:
         result.calibration = (_composed([result.scheme], arts) or {}).get(result.scheme.name)
         result.meta["calibrations"] = {n: str(a.path or "<in memory>") for n, a in arts.items()}
@@ -374,10 +443,67 @@ def tune(
     ]
     result.meta["seconds"] = round(time.perf_counter() - t0, 1)
     logger.info(
-        "tuned %s: %.3f avg bits (budget %g), KL predicted %.4g, measured %s",
-        result.scheme.name, result.avg_bits, budget_bits, result.predicted_kl, result.measured_kl,
+        "tuned %s: %.3f avg bits at %d tokens (budget %g), KL predicted %.4g, measured %s",
+        result.scheme.name, result.avg_bits, context, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def _check_name(name: Any, cands: list[KVScheme]) -> None:
+    """``ValueError`` (before any pass) for a mix name its scheme JSON could not be read back under, or that
+    the check run could not tell apart: a candidate's name, a preset's, or a mixed scheme string of presets
+    (``get_scheme`` refuses a file so named that stores K/V otherwise)."""
+    from kvbits.schemes.presets import _builtin
+
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string (the mix's scheme name), got {name!r}")
+    if name in [c.name for c in cands]:
+        raise ValueError(
+            f"name {name!r} is a candidate's: the mix is measured beside the candidates, by name; choose another"
+        )
+    if _builtin(name) is not None:
+        what = "a kvbits preset" if "," not in name else "a mixed scheme of kvbits presets"
+        raise ValueError(
+            f"name {name!r} is the name of {what}: the tuned mix's scheme JSON would be refused when read back "
+            f"(it stores K/V otherwise); choose another, e.g. {name.replace(',', '_').replace('=', '-') + '-tuned'!r}"
+        )
+
+
+def _model_shape(model: Any, dtype: Any) -> Any:
+    """The planner's ``ModelShape`` of ``model`` (a ``LoadedModel`` or a transformers model), its
+    ``dtype_bytes`` those of the dtype the passes run in: ``dtype`` when given, else the model's own."""
+    from kvbits.evaluate.request import _resolve_dtype
+    from kvbits.plan.config import load_shape
+
+    module = getattr(model, "model", model)
+    torch_dtype = _resolve_dtype(dtype)[0]
+    if torch_dtype is None:
+        param = next(module.parameters(), None)
+        torch_dtype = None if param is None else param.dtype
+    shape = load_shape(module.config)
+    return shape if torch_dtype is None else shape.replace(dtype_bytes=torch_dtype.itemsize)
+
+
+def _prices(shape: Any, cands: list[KVScheme], context: int) -> tuple[list[list[int]], int, list[float]]:
+    """``(layer_bytes (layers, candidates), elements, bits (candidates,))`` at ``context`` tokens, one
+    sequence, as ``kvbits plan`` counts them (``plan_shape``): the bytes layer ``i`` holds stored by each
+    candidate (key + value, fixed bytes included), the elements of an fp16 cache of the model, and each
+    candidate's ``avg_bits`` when it stores every layer."""
+    from kvbits.plan.planner import plan_shape
+
+    plans = [plan_shape(shape, c, context=context) for c in cands]
+    elements = plans[0]["elements"]
+    layer_bytes = [[p["per_layer"][i]["total_bytes"] for p in plans] for i in range(shape.n_layers)]
+    return layer_bytes, elements, [p["avg_bits"] for p in plans]
+
+
+def _planned_bits(shape: Any, scheme: KVScheme, context: int) -> float:
+    """``kvbits plan``'s ``avg_bits`` of ``scheme`` on ``shape`` at ``context`` tokens, one sequence."""
+    from kvbits.plan.planner import plan_shape
+
+    return plan_shape(shape, scheme, context=context)["avg_bits"]
 
 
 def _candidate_calibrations(cands: list[KVScheme], calibrations: Any) -> dict[str, Any]:
