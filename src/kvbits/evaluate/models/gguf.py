@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbits.evaluate.models.locking import cache_lock
+from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
 
@@ -78,10 +78,12 @@ def _convert_gguf(source: ModelSource) -> Path:
         return final
     # one process converts, the others wait and load its folder: a second conversion finishing later
     # would replace the folder the first process is loading from
-    with cache_lock(cache_dir(), f"convert-{sha[:16]}", f"converting {source.gguf_file}"):
+    with cache_lock(cache_dir(), f"convert-{sha[:16]}", f"converting {source.gguf_file}") as held:
         if _valid_conversion(final, record):
             logger.info("%s was converted by another process: %s", source.gguf_file, final)
             return final
+        if held:  # the temporary folder of a conversion that was killed
+            remove_leftovers(final.parent, (f"{final.name}.*.tmp",))
         return _convert_locked(source, final, record)
 
 
