@@ -627,6 +627,56 @@ def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pyt
     assert model_content_id(str(copy)) == model_content_id(str(folder)) != model_content_id(str(other))
 
 
+def _write_gguf(path: Path, arch: str = "llama") -> Path:
+    """A small complete GGUF file (metadata, a gpt2 tokenizer of 26 tokens, one float32 tensor)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(65 + i) for i in range(26)])
+    w.add_token_types([1] * 26)
+    w.add_token_merges([])
+    w.add_tensor("token_embd.weight", np.ones((26, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("keep", ["header", "data"])
+def test_a_truncated_gguf_file_is_named_and_called_incomplete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              keep: str) -> None:
+    """A GGUF file cut short (a copy or download interrupted) is refused with its path and what is wrong
+    with it. Before, transformers' parse error came through as it was: a ``struct.error`` ("unpack_from
+    requires a buffer of at least 3004 bytes") for a file of its first 3000 bytes, "cannot reshape array of
+    size 399424 into shape (576,960)" for SmolLM2's first 50 MB; neither named the file or called it damaged."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    whole = _write_gguf(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "m" / "cut.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(whole[: 200 if keep == "header" else len(whole) - 800])
+    for load in (load_config, load_model, lambda p: load_model(p, convert=False)):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(cut.resolve()))} is not a complete GGUF file"):
+            load(str(cut))
+
+
+def test_an_unsupported_but_complete_gguf_file_keeps_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "foo.gguf", arch="foo")
+    with pytest.raises(ValueError, match="architecture foo is not supported") as err:
+        load_model(str(path))
+    assert "not a complete GGUF file" not in str(err.value)
+
+
 def test_hub_failure_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoConfig
 

@@ -6,6 +6,7 @@ GGUF weights are dequantized by transformers to float (through the cached conver
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ from kvbits.evaluate.models.gguf import (
     _gguf_sha256,
     _valid_conversion,
     converted_dir,
+    gguf_parse_errors,
 )
 from kvbits.evaluate.models.registry import OFFLINE_MODELS, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
@@ -124,7 +126,8 @@ def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
             folder = converted_dir(_gguf_sha256(source))
             if _valid_conversion(folder, _conversion_record(source, _gguf_sha256(source))):
                 return AutoConfig.from_pretrained(folder)
-            return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+            with gguf_parse_errors(Path(source.path) / source.gguf_file):
+                return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
         return AutoConfig.from_pretrained(source.path, **hub_kwargs)
     except (OSError, ValueError) as exc:
         if source.is_local:
@@ -174,11 +177,13 @@ def load_model(
             path = _convert_gguf(source)
         else:
             kwargs["gguf_file"] = source.gguf_file
+    parsing = gguf_parse_errors(Path(path) / kwargs["gguf_file"]) if "gguf_file" in kwargs else contextlib.nullcontext()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa", **kwargs
-        )
+        with parsing:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", **kwargs
+            )
     except (OSError, ValueError) as exc:
         if source.is_local:
             raise
