@@ -605,6 +605,21 @@ def test_load_tiny_model_folder(tmp_path: Path) -> None:
         load_model(str(folder), dtype="float32")  # type: ignore[arg-type]
 
 
+def test_a_model_folder_without_tokenizer_files_loads_without_a_tokenizer(tmp_path: Path) -> None:
+    """Weights and config only: the model loads with ``tokenizer=None`` (token ids only) and text fails
+    where it is tokenized, saying why. Before, load_model failed inside transformers' tokenizer
+    ("Couldn't instantiate the backend tokenizer from one of ...")."""
+    from transformers import LlamaForCausalLM
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    LlamaForCausalLM.from_pretrained(folder).save_pretrained(tmp_path / "bare")
+    lm = load_model(str(tmp_path / "bare"))
+    assert lm.tokenizer is None and lm.fingerprint == load_model(str(folder)).fingerprint
+    text = kvdata.TextSource("t", "some text", hashlib.sha256(b"some text").hexdigest(), "t.txt")
+    with pytest.raises(ValueError, match="'t' needs the model's tokenizer and the model has none"):
+        tokenize(text, lm.tokenizer)
+
+
 def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A renamed identical copy has the same fingerprint; other weights under the same name and config do not."""
     import shutil

@@ -43,7 +43,8 @@ class LoadedModel:
 
     Attributes:
         model: the ``transformers`` causal LM, in eval mode.
-        tokenizer: its tokenizer.
+        tokenizer: its tokenizer; None for a model folder without tokenizer files (token ids only:
+            text data raises where it is tokenized).
         source: where it came from (``max_context`` filled from the config when it was unknown).
         fingerprint: 16 hex chars identifying the weights: the sha256 of the GGUF file or of a
             folder's weight files (plus the config), or hub id + config.
@@ -53,6 +54,15 @@ class LoadedModel:
     tokenizer: Any
     source: ModelSource
     fingerprint: str
+
+
+# the files transformers builds a tokenizer from (tokenizer.json, tokenizer_config.json, tokenizer.model,
+# vocab.json + merges.txt, vocab.txt, spiece.model, tekken.json)
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "*.model", "tekken.json")
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any(p.is_file() for pattern in _TOKENIZER_FILES for p in folder.glob(pattern))
 
 
 def _config_fingerprint(config: Any) -> str:
@@ -143,7 +153,8 @@ def load_model(
     download: bool = True,
     convert: bool = True,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM and its tokenizer (None for a model folder without tokenizer files: its
+    evaluations take token ids).
 
     GGUF weights are dequantized by transformers to float; KV-cache quantization is then measured
     against this float model, so the weight format does not bias comparisons.
@@ -178,9 +189,12 @@ def load_model(
         else:
             kwargs["gguf_file"] = source.gguf_file
     parsing = gguf_parse_errors(Path(path) / kwargs["gguf_file"]) if "gguf_file" in kwargs else contextlib.nullcontext()
+    with_tokenizer = source.gguf_file is not None or not source.is_local or _has_tokenizer_files(Path(path))
+    if not with_tokenizer:
+        logger.info("%s holds no tokenizer files: loading it without a tokenizer (token ids only)", path)
     try:
         with parsing:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs) if with_tokenizer else None
             model: Any = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation="sdpa", **kwargs
             )
