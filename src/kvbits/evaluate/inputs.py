@@ -123,7 +123,10 @@ def _load_windows(
             raise ValueError(f"token data must be (N,) or (W, T), got shape {tuple(ids.shape)}")
         return win, "tokens", _ids_fingerprint(win)
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer: pass token ids (a tensor) as data")
+        raise ValueError(
+            "this model has no tokenizer (a bare transformers module, or a model folder without tokenizer "
+            "files): pass token ids (a tensor) as data, or add the tokenizer files to the folder"
+        )
     source = data if isinstance(data, TextSource) else load_text(data, data_path)
     ids = tokenize(source, tokenizer)
     return make_windows(ids, context, windows), source.name, token_fingerprint(source, tokenizer)

@@ -9,7 +9,10 @@ haystack") instead of a repeated filler sentence:
 - **haystack**: a slice of real text (by default *War and Peace*), starting at a seeded offset;
 - **needle**: ``"The pass key is 71432. Remember it. 71432 is the pass key."`` (a seeded key of
   ``digits`` digits), inserted at ``depth`` (0: the start of the haystack, 1: its end), moved back to
-  the end of the nearest sentence within :data:`SNAP_TOKENS` tokens;
+  the end of the nearest sentence within :data:`SNAP_TOKENS` tokens: after ``.``, ``!`` or ``?`` (and
+  a closing quote), a line break after one, or a paragraph break; a line break alone is not a sentence
+  end (Gutenberg texts wrap their lines mid-sentence). When the text after the needle starts without
+  a space or line break, one is put between them (it takes the place of the haystack's last token);
 - **question**: ``"What is the pass key? The pass key is "`` followed by the key itself.
 
 The trial is built in token ids, so it has exactly ``context`` tokens: haystack, needle, question, key.
@@ -26,6 +29,7 @@ and semantics is :mod:`kvbits.evaluate.needle_run`.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,7 +54,8 @@ __all__ = [
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SNAP_TOKENS = 48  # how far back a needle moves to sit after a sentence end
 MIN_HAYSTACK = 16  # tokens of haystack a trial must have at least
-_SENTENCE_ENDS = (".", "!", "?", "\n", '."', '!"', '?"', ".'")
+_SENTENCE_END = re.compile(r"""[.!?]["'’”]?$""")  # the text before a needle ends with one...
+_LOOKBACK = 4  # ...in its last tokens (a sentence end, closing quote and line breaks)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,9 @@ class NeedleTask:
 @dataclass(frozen=True)
 class Trial:
     """One retrieval trial: ``ids`` ``(context,)`` = haystack[:at] + needle + haystack[at:] + question + key.
+
+    When ``haystack[at:]`` starts without whitespace, a space or line break comes first, and the
+    haystack's last tokens make room for it (``needle_len`` and ``doc_len`` are unchanged by it).
 
     Attributes:
         context: total tokens.
@@ -196,15 +204,46 @@ def min_context(tokenizer: Any, task: NeedleTask | None = None) -> int:
     return len(needle) + len(qa) + MIN_HAYSTACK
 
 
+def _ends_sentence(before: str) -> bool:
+    """Whether ``before`` (the text before a place in the haystack) ends a sentence: ``.``, ``!`` or ``?`` (and a closing quote),
+    optionally followed by spaces and line breaks, or a paragraph break (two line breaks). A single
+    line break after other text is a wrapped line, not a sentence end."""
+    text = before.rstrip(" \t")
+    body = text.rstrip()
+    if text == body:  # no line break at the end
+        return bool(_SENTENCE_END.search(text))
+    return text[len(body):].count("\n") >= 2 or bool(_SENTENCE_END.search(body))
+
+
 def _snap(tokenizer: Any, hay: list[int], at: int) -> int:
     """``at`` moved back to just after a sentence end within ``SNAP_TOKENS`` tokens (unchanged at the
     ends of the haystack, or when no sentence ends there)."""
     if at <= 0 or at >= len(hay):
         return at
     for j in range(at, max(0, at - SNAP_TOKENS), -1):
-        if tokenizer.decode(hay[j - 1 : j]).rstrip(" ").endswith(_SENTENCE_ENDS):
+        if _ends_sentence(tokenizer.decode(hay[max(0, j - _LOOKBACK) : j])):
             return j
     return at
+
+
+def _text_after(tokenizer: Any, left: list[int], right: list[int]) -> str:
+    """The text ``right`` adds after ``left``: decoded together, as a SentencePiece tokenizer drops the
+    leading space of the first token it decodes."""
+    return tokenizer.decode(left + right).removeprefix(tokenizer.decode(left))
+
+
+def _separator(tokenizer: Any, hay: list[int], at: int, needle: list[int]) -> list[int]:
+    """The tokens of a line break (after a line break) or a space (elsewhere) to put between the needle
+    and ``hay[at:]`` when that starts without whitespace, so that the needle's last sentence is not
+    glued to the next word; none at the end of the haystack or when it starts with whitespace."""
+    if at >= len(hay) or _text_after(tokenizer, needle[-1:], hay[at : at + 1])[:1].isspace():
+        return []
+    before = tokenizer.decode(hay[max(0, at - _LOOKBACK) : at]).rstrip(" \t")
+    for sep in ("\n", " ") if before.endswith("\n") else (" ", "\n"):
+        ids = _encode(tokenizer, sep)
+        if ids:
+            return ids
+    return []
 
 
 def _rng(seed: int, context: int, depth: float, index: int) -> np.random.Generator:
@@ -279,7 +318,8 @@ def build_trials(
                 offset = int(rng.integers(0, n_text - n_hay + 1))
                 hay = text[offset : offset + n_hay].tolist()
                 at = _snap(tokenizer, hay, round(depth * n_hay))
-                ids = torch.tensor(hay[:at] + needle + hay[at:] + qa, dtype=torch.long)
+                rest = (_separator(tokenizer, hay, at, needle) + hay[at:])[: n_hay - at]
+                ids = torch.tensor(hay[:at] + needle + rest + qa, dtype=torch.long)
                 assert ids.numel() == context  # internal: lengths were computed to fit
                 doc_len = n_hay + len(needle)
                 out.append(Trial(

