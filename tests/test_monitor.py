@@ -94,13 +94,79 @@ def test_monitor_error_is_the_stored_error() -> None:
         k_hat, v_hat = cache.materialize(i)
         for side, orig, got in (("key", ref.layers[i].keys, k_hat), ("value", ref.layers[i].values, v_hat)):
             # one flush quantized both blocks (kivi's per-channel keys merge); the monitor saw that chunk
-            expect = flush_error(orig[:, :, :n_q], got[:, :, :n_q]).max().item()
+            expect = flush_error(orig[:, :, :n_q], got[:, :, :n_q], cache.scheme.block).max().item()
             sig = mon.signals[(i, side)]
             assert sig.flushes == 1 and sig.tokens == n_q and sig.count == 2
             assert sig.last == pytest.approx(expect, rel=1e-4)
             assert 0.05 < sig.last < 1.0  # int2 loses visibly; a quantizer that did not quantize reads 0
     # the tokens after the flush are untouched
     assert torch.equal(cache.materialize(0)[0][:, :, n_q:], ref.layers[0].keys[:, :, n_q:])
+
+
+def test_a_chunk_reads_as_its_blocks_read_one_at_a_time() -> None:
+    """int4-token (blocks of 1 token), one token whose int4 error is large: one prefill of 64 tokens and 64 single
+    tokens now measure the same worst error and both hold the layer. Before, the prefill was one measurement over
+    the whole chunk (0.080, no hold) against 0.190 and a hold token by token, although the policy holds "when a
+    flushed block's relative error exceeds" its threshold."""
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)
+    k[:, :, 40] = torch.linspace(-1, 1, 32) ** 9  # values crowd near 0: int4 per token loses them
+    worst, held = [], []
+    for chunked in (True, False):
+        cache = QuantizedKVCache(num_layers=1, scheme="int4-token")
+        mon = CacheMonitor(cache, FallbackPolicy(key_error=0.15))
+        for t0, t1 in [(0, 64)] if chunked else [(t, t + 1) for t in range(64)]:
+            cache.update(k[:, :, t0:t1], v[:, :, t0:t1], 0)
+        worst.append(mon.signals[(0, "key")].worst)
+        held.append(mon.held_layers())
+    assert worst[0] == pytest.approx(worst[1], rel=1e-5) and worst[0] > 0.15
+    assert held == [[0], [0]]
+    x = torch.randn(2, 1, 6, 4)
+    bad = x.clone()
+    bad[1, :, 3] *= 2  # block 1 of sequence 1 (blocks of 3 tokens)
+    per_block = flush_error(x, bad, 3)
+    assert per_block[0] == 0 and per_block[1] == pytest.approx(float(flush_error(x[:, :, 3:], bad[:, :, 3:])[1]))
+    assert flush_error(x, bad, 3)[1] > flush_error(x, bad)[1]  # the whole chunk dilutes it
+    assert torch.equal(flush_error(x, bad, 4), flush_error(x, bad))  # a block that does not divide: the chunk
+
+
+def test_a_hold_from_the_monitor_gives_back_the_reserved_slots() -> None:
+    """``max_cache_len=1024``: a layer the monitor holds gives back the slots it will not fill, as a hold made
+    between steps does. Before, the flushes still running after the monitor's hold reserved them again: 1024
+    reserved tokens stayed (166,912 bytes reported against 35,072, workspace 1 MiB against 200 KiB)."""
+    model, ids = llama(), ids_of(1, 200)
+    reports = []
+    for by_monitor in (True, False):
+        cache = QuantizedKVCache(config=model.config, scheme="kivi-2", max_cache_len=1024, workspace=True)
+        mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0)) if by_monitor else None
+        run(model, cache, ids[:, :160])
+        if mon is None:
+            for layer in cache.layers:
+                layer.hold_full_precision()
+        else:
+            assert mon.held_layers() == [0, 1]
+        run(model, cache, ids[:, 160:], decode=10)
+        rep = cache.memory_report()
+        assert [r["reserved_tokens"] for r in rep["layers"]] == [0, 0]
+        for layer_rep, layer in zip(rep["layers"], cache.layers, strict=True):
+            comp = layer.components()
+            assert sum(t.nbytes for ts in comp.values() for t in ts) == layer_rep["key_bytes"] + layer_rep["value_bytes"]
+        reports.append((rep["total_bytes"], rep["workspace_bytes"]))
+    assert reports[0] == reports[1]
+
+
+def test_a_reset_cache_starts_its_monitor_afresh() -> None:
+    """One monitor across ``cache.reset()`` (a new request): patience counts from 0 again and the calibrated-length
+    notice is given again. Before, request 2's first crossing flush held both layers (patience 2), carried over
+    from request 1's crossing."""
+    model = llama()
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, patience=2))
+    run(model, cache, ids_of(1, 160))  # one crossing flush per layer: no hold yet
+    assert mon.held_layers() == [] and mon.signals[(0, "key")].over == 1
+    cache.reset()
+    run(model, cache, ids_of(1, 160, seed=2))
+    assert mon.held_layers() == [] and mon.signals[(0, "key")].over == 1
 
 
 def test_int8_error_is_small_and_int2_larger() -> None:

@@ -281,6 +281,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.tokens_seen = 0
         self.dropped_tokens = 0
         self.held_at: int | None = None  # tokens seen when hold_full_precision() stopped flushing; None: quantizing
+        self._flushing = False  # inside update's flushes (hold_full_precision then releases after them)
+        self.resets = 0  # reset() calls: requests served before the current one
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         # called with this layer after a flush whose clipped counts (host ints: eager checks) passed clip_floor, by
@@ -464,8 +466,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.mode == "quantized" and self.held_at is None:
             excess = self._k.n_buffer - self.scheme.residual
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
-            self._k.flush(n_flush, self.scheme.block)
-            self._v.flush(n_flush, self.scheme.block)
+            self._flushing = True  # a monitor may hold the layer from inside these flushes (observe_flushes)
+            try:
+                self._k.flush(n_flush, self.scheme.block)
+                self._v.flush(n_flush, self.scheme.block)
+            finally:
+                self._flushing = False
+            if self.held_at is not None:  # held during the flushes, which reserved their slots again: give them back
+                self._release_reservations()
             if (
                 n_flush and self.clip_watch is not None and self._k.sync  # eager: the counts are host ints
                 and (self._k.clipped > self.clip_floor[0] or self._v.clipped > self.clip_floor[1])
@@ -517,6 +525,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
         self.held_at = None
+        self.resets += 1  # a new request (kvbits.monitor forgets the last one's crossings)
         self.is_initialized = False
         self.repeat, self._repeat_pending = 1, False
         self.fused.claimed = False
@@ -571,11 +580,16 @@ class QuantizedKVLayer(CacheLayerMixin):
             return False
         if self.held_at is None:
             self.held_at = self.tokens_seen
-            # slots reserved for max_cache_len past what is quantized would never be written: given back
-            freed = self._k.release_reservation() + self._v.release_reservation()
-            logger.info("layer %d: held in full precision from token %d on%s", self.layer_idx, self.held_at,
-                        f" ({freed} reserved bytes released)" if freed else "")  # fmt: skip
+            if not self._flushing:  # else a flush observer called: update releases once its flushes are done
+                self._release_reservations()
         return True
+
+    def _release_reservations(self) -> None:
+        """A held layer gives back the slots reserved for ``max_cache_len`` past the tokens already quantized: they
+        would never be written (``hold_full_precision``)."""
+        freed = self._k.release_reservation() + self._v.release_reservation()
+        logger.info("layer %d: held in full precision from token %d on%s", self.layer_idx, self.held_at,
+                    f" ({freed} reserved bytes released)" if freed else "")  # fmt: skip
 
     def tokens_to_crop(self, tokens_to_remove: int) -> int:
         """How many tokens ``crop(tokens_to_remove)`` removes (0: none); ``ValueError`` when it cannot. Changes

@@ -92,6 +92,7 @@ class CacheMonitor:
         self.events: list[dict[str, Any]] = []
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
         self._beyond_reported: set[int] = set()
+        self._request = {layer.layer_idx: layer.resets for layer in layers}  # reset() count each layer was seen at
         for layer in layers:
             layer.observe_flushes(self._observe)
 
@@ -109,11 +110,16 @@ class CacheMonitor:
 
     # ------------------------------------------------------------------ observing
     def _observe(self, layer: Any, side: str, x: torch.Tensor, qt: Any) -> None:
+        if layer.resets != self._request[layer.layer_idx]:  # cache.reset(): a new request, nothing crossed yet
+            self._request[layer.layer_idx] = layer.resets
+            self._beyond_reported.discard(layer.layer_idx)
+            for s in SIDES:
+                self.signals[layer.layer_idx, s].over = 0
         key = (layer.layer_idx, side)
         self._flushes[key] += 1
         if (self._flushes[key] - 1) % self.policy.sample_every:
             return
-        errors = flush_error(x, qt.dequantize(torch.float32)).tolist()
+        errors = flush_error(x, qt.dequantize(torch.float32), layer.scheme.block).tolist()  # worst block each
         if not errors:  # an empty batch flushed: no sequence to measure
             return
         clipped = int(qt.clipped)

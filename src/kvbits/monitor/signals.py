@@ -19,9 +19,10 @@ __all__ = ["ERROR_BUCKETS", "SideSignals", "flush_error", "worst_index"]
 ERROR_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
-def flush_error(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+def flush_error(x: torch.Tensor, x_hat: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Relative Frobenius error ``||x - x_hat|| / ||x||`` per sequence: ``x``, ``x_hat`` ``(B, H, n, D)`` ->
-    ``(B,)`` float32.
+    ``(B,)`` float32. With ``block`` (dividing ``n``): each sequence's worst block of ``block`` tokens, so a
+    chunk of many blocks (a prefill's flush) reads as its blocks read one at a time (decode's flushes).
 
     A block of zeros reads 0 when reproduced exactly and ``inf`` otherwise; NaN anywhere gives NaN (the
     monitor reports it as a signal over every threshold, never as a small error).
@@ -30,13 +31,16 @@ def flush_error(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"x and x_hat must have the same (B, H, n, D) shape, got {tuple(x.shape)} and {tuple(x_hat.shape)}"
         )
-    xf = x.float()
-    err = (xf - x_hat.float()).pow(2).sum(dim=(1, 2, 3))
-    ref = xf.pow(2).sum(dim=(1, 2, 3))
+    B, H, n, D = x.shape
+    nb = n // block if block is not None and 0 < block < n and n % block == 0 else 1
+    xf = x.float().reshape(B, H, nb, n // nb, D)
+    err = (xf - x_hat.float().reshape(xf.shape)).pow(2).sum(dim=(1, 3, 4))  # (B, blocks)
+    ref = xf.pow(2).sum(dim=(1, 3, 4))
     rel = (err / ref).sqrt()
     zero_ref = torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err))
     out = torch.where(ref > 0, rel, zero_ref)
-    return torch.where(err.isnan() | ref.isnan(), torch.full_like(err, math.nan), out)
+    nan = (err.isnan() | ref.isnan()).any(dim=1)
+    return torch.where(nan, torch.full_like(nan, math.nan, dtype=out.dtype), out.nan_to_num(nan=0.0, posinf=math.inf).amax(dim=1))
 
 
 def _severity(e: float) -> float:
