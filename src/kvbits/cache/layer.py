@@ -614,6 +614,16 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: cannot crop {r} tokens; only the last {removable} of {n} tokens are "
                 "still in full precision (quantized blocks are never dequantized and re-split)"
             )
+        if self.mode == "quantized" and self.held_at is None:
+            # the shorter sequence's split: a block flushed by the updates being rolled back stays quantized, which
+            # a cache that never saw them would still hold in full precision (fewer than `residual` recent tokens)
+            want = token_split(self.scheme, n - r, self.sliding_window)
+            if self._k.n_quantized + self.dropped_tokens > want.quantized + want.dropped:
+                raise ValueError(
+                    f"layer {self.layer_idx}: cannot crop {r} tokens; a block was quantized since they arrived (the "
+                    f"layer holds {self._k.n_quantized} quantized tokens, a {n - r}-token sequence {want.quantized}): "
+                    "a rollback is exact only when no flush happened since the removed tokens arrived"
+                )
         if self.is_sliding and self.dropped_tokens > max(0, n - r - self.sliding_window + 1):
             raise ValueError(
                 f"layer {self.layer_idx}: cannot crop {r} tokens from a sliding-window layer that already dropped "
