@@ -10,6 +10,7 @@ import re
 import stat
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -194,6 +195,15 @@ def test_policy_validation() -> None:
         CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), {"key_error": 0.1})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="config="):
         CacheMonitor(QuantizedKVCache(scheme="kivi-2", num_layers=None, config=None))
+    # found by a review session: an unquantized scheme was watched without a word (nothing is ever measured);
+    # numpy's float32 threshold was refused while float64 was taken; a static cache was told to pass config=
+    with pytest.raises(ValueError, match="scheme 'fp16' stores K/V unquantized"):
+        CacheMonitor(QuantizedKVCache(config=llama().config, scheme="fp16"))
+    assert FallbackPolicy(value_error=np.float32(0.25)).value_error == pytest.approx(0.25)
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    with pytest.raises(ValueError, match="StaticQuantizedKVCache is not supported"):
+        CacheMonitor(StaticQuantizedKVCache(llama().config, "kivi-2", max_cache_len=64))
 
 
 def test_hold_layer_keeps_later_tokens_exact_and_counts_their_bytes() -> None:

@@ -72,9 +72,17 @@ class CacheMonitor:
             raise TypeError(f"policy must be a FallbackPolicy or None, got {type(policy).__name__}")
         layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, QuantizedKVLayer)]
         if not layers:
+            hint = (
+                "StaticQuantizedKVCache is not supported (its replayed steps are not seen by the host): use "
+                "QuantizedKVCache" if type(cache).__name__ == "StaticQuantizedKVCache" else "pass config= to the cache"
+            )
             raise ValueError(
-                "CacheMonitor needs a QuantizedKVCache with its layers built (pass config= to the cache); "
+                f"CacheMonitor needs a QuantizedKVCache with its layers built ({hint}); "
                 f"got {type(cache).__name__} with no quantized layers"
+            )
+        if cache.scheme.is_identity:  # nothing is ever flushed or measured: a monitor that never says a word
+            raise ValueError(
+                f"CacheMonitor: scheme {cache.scheme.name!r} stores K/V unquantized; there is no error to monitor"
             )
         if any(layer.flushes_observed for layer in layers):  # a second monitor would silently unhook the first
             raise ValueError(

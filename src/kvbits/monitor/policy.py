@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ def _threshold(name: str, value: float | None) -> None:
         return
     if (
         isinstance(value, bool)
-        or not isinstance(value, (int, float))
+        or not isinstance(value, numbers.Real)  # numpy's float32 too, as float64 (a float) always was
         or not math.isfinite(value)
         or value < 0
     ):
