@@ -137,6 +137,15 @@ def _same_layer_twice():
     return model, r"model\.layers\.0\.self_attn and model\.layers\.1\.self_attn are both attention layer 0"
 
 
+def _shared_attention():
+    """Zamba2-like: one attention block shared by layers (``layer_idx`` -1). Before, the message blamed cross-attention
+    of an encoder-decoder model (found by a review session)."""
+    model = build(transformers.LlamaConfig(**BASE))
+    for layer in model.model.layers:
+        layer.self_attn.layer_idx = -1
+    return model, r"both attention layer -1; .*\(an attention block shared by several layers .* is not supported\)"
+
+
 def _cross_attention():
     cfg = transformers.BartConfig(**TINY_BART)
     torch.manual_seed(0)
@@ -170,6 +179,7 @@ def _layer_beyond_the_config():
 
 REFUSED = {
     "same-layer-twice": _same_layer_twice,
+    "shared-attention": _shared_attention,
     "cross-attention": _cross_attention,
     "head_dim-attribute": _head_dim_attribute,
     "k_proj-size": _k_proj_size,

@@ -146,9 +146,12 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
     seen: dict[int, str] = {}
     for name, _, idx in found:
         if idx in seen:
+            why = (
+                "an attention block shared by several layers (Zamba2's, layer_idx -1) is not supported" if idx < 0
+                else "cross-attention of encoder-decoder models is not supported"
+            )
             raise ValueError(
-                f"{seen[idx]} and {name} are both attention layer {idx}; expected one K/V site per layer "
-                "(cross-attention of encoder-decoder models is not supported)"
+                f"{seen[idx]} and {name} are both attention layer {idx}; expected one K/V site per layer ({why})"
             )
         seen[idx] = name
     sites = []
