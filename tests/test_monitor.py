@@ -472,6 +472,19 @@ def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
     lines = [json.loads(x) for x in mon.write_events(tmp_path / "ev.jsonl").read_text().splitlines()]
     assert lines == got == mon.events and len(got) == 2
     assert {e["scheme"] for e in got} == {"kivi-2"} and all(e["tokens"] == 160 for e in got)
+    # written again after more steps (an exporter's loop): only the new events are appended. Before, every call
+    # appended every event again (found by a review session)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, patience=100))  # crossings, never a hold
+    run(model, cache, ids)
+    first = mon.write_events(tmp_path / "loop.jsonl").read_text().count("\n")
+    run(model, cache, ids_of(1, 40, seed=3))  # one more block flushes in each layer
+    assert len(mon.events) > first == 2
+    lines = [json.loads(x) for x in mon.write_events(tmp_path / "loop.jsonl").read_text().splitlines()]
+    assert lines == mon.events
+    assert mon.write_events(tmp_path / "loop.jsonl").read_text().count("\n") == len(mon.events)
+    mon.write_events(tmp_path / "other" / "loop.jsonl")  # another file gets them all
+    assert (tmp_path / "other" / "loop.jsonl").read_text().count("\n") == len(mon.events)
 
 
 def test_events_and_snapshots_are_strict_json(tmp_path) -> None:

@@ -98,6 +98,7 @@ class CacheMonitor:
         self.layers = {layer.layer_idx: layer for layer in layers}
         self.signals = {(i, side): SideSignals() for i in self.layers for side in SIDES}
         self.events: list[dict[str, Any]] = []
+        self._events_written: dict[Path, int] = {}  # path -> events already appended to it (write_events)
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
         self._beyond_reported: set[int] = set()
         self._request = {layer.layer_idx: layer.resets for layer in layers}  # reset() count each layer was seen at
@@ -290,11 +291,17 @@ class CacheMonitor:
         return write_textfile(self.prometheus(), path)
 
     def write_events(self, path: str | os.PathLike[str]) -> Path:
-        """Append the events as strict JSON lines to ``path`` (``strict_json``: an infinite error is the string
-        ``"+Inf"``), creating its missing folders as ``write_prometheus`` does."""
+        """Append the events this monitor has not yet written to ``path`` as strict JSON lines (``strict_json``: an
+        infinite error is the string ``"+Inf"``), creating its missing folders as ``write_prometheus`` does: an
+        exporter may call it after every step without writing an event twice."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        key = path.resolve()
+        done = self._events_written.get(key, 0)
+        if done > len(self.events):  # the caller emptied the list: what is there now is new
+            done = 0
         with path.open("a") as f:
-            for ev in self.events:
+            for ev in self.events[done:]:
                 f.write(strict_json(ev) + "\n")
+        self._events_written[key] = len(self.events)
         return path
