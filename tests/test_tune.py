@@ -156,6 +156,13 @@ def test_tune_budget_is_the_bits_plan_reports_at_the_tuning_context():
     res = tune(llama, _ids(400), ["int2-token", "kivi-2", "int8-token"], 3.0, context=256, check=False)
     assert res.bits[res.candidates.index("kivi-2")] == 17.5  # 128 of 256 tokens in float32
     assert res.avg_bits == plan(llama.config, 256, scheme=res.scheme, dtype_bytes=4)["avg_bits"] <= 3.0
+    # served in bfloat16 (dtype_bytes=2, --dtype-bytes 2): kivi-2's float residual is priced at 2 bytes a value,
+    # as kvbits plan --dtype-bytes 2 counts it, although the passes ran in float32
+    res = tune(llama, _ids(400), ["int2-token", "kivi-2", "int8-token"], 10.0, context=256, check=False, dtype_bytes=2)
+    assert res.bits[res.candidates.index("kivi-2")] == 9.5 and res.meta["dtype_bytes"] == 2
+    assert res.avg_bits == plan(llama.config, 256, scheme=res.scheme, dtype_bytes=2)["avg_bits"] <= 10.0
+    with pytest.raises(ValueError, match="dtype_bytes must be 1, 2, 4 or 8"):
+        tune(llama, _ids(400), ["int2-token", "int8-token"], 10.0, context=256, check=False, dtype_bytes=3)
 
 
 def test_tune_reports_avg_bits_within_an_exactly_met_budget():
@@ -243,6 +250,8 @@ def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypa
         assert main([*argv[:-2], "--out", str(bad)]) != 0  # refused before the model loads
         assert msg in capsys.readouterr().err
     assert not (tmp_path / "mix.txt").exists()
+    assert main([*argv[:-2], "--dtype-bytes", "2", "--json", "--no-check"]) == 0  # the serving dtype prices tokens
+    assert json.loads(capsys.readouterr().out)["meta"]["dtype_bytes"] == 2
 
 
 @torch.no_grad()

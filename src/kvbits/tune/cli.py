@@ -71,6 +71,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="largest average bits of the mix: kvbits plan's avg_bits at --context (every byte held, over the "
         "elements an fp16 cache holds)",
     )  # fmt: skip
+    p.add_argument(
+        "--dtype-bytes", type=int, choices=(1, 2, 4, 8),
+        help="bytes of a full-precision K/V value as served (2: bfloat16/float16), pricing residual windows and sinks "
+        "in the budget (default: those of --dtype, float32 = 4)",
+    )  # fmt: skip
     p.add_argument("--context", type=parse_tokens, default=1024, help="tokens per window, e.g. 1k (default 1024)")
     p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
     p.add_argument(
@@ -101,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
         rounds=args.rounds, progress=not (args.no_progress or args.json), calibrations=args.calibration,
+        dtype_bytes=args.dtype_bytes,
     )  # fmt: skip
     if args.out:
         out = Path(args.out)

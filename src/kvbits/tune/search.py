@@ -326,6 +326,7 @@ def tune(
     rounds: int = 1,
     progress: bool = False,
     calibrations: Any = None,
+    dtype_bytes: int | None = None,
 ) -> TuneResult:
     """Measure each layer's sensitivity to each candidate, choose a mix within ``budget_bits`` average
     bits, and (``check``) measure the mix and the uniform candidates on the same windows.
@@ -349,6 +350,9 @@ def tune(
             was calibrated for (as ``kvbits eval`` matches ``--calibration``). Required for candidates with
             static scales or NUQ codebooks (``kvquant-4``); once any is given, every candidate with
             calibrated sides (a static FP8 scale too) needs one, so that every mix can be composed.
+        dtype_bytes: bytes of a full-precision K/V value in the bits (1, 2, 4 or 8): the dtype the cache will be
+            served in (2 for bfloat16 / float16), which prices residual windows and sinks; default the dtype the
+            passes run in (``dtype``, else the model's), which on a float32 CPU run prices them at 4.
     """
     import time
 
@@ -361,6 +365,8 @@ def tune(
         if c.is_mixed:
             raise ValueError(f"candidate {c.name!r}: candidates must be flat schemes (one scheme for every layer)")
     _check_name(name, cands)
+    if dtype_bytes is not None and (isinstance(dtype_bytes, bool) or dtype_bytes not in (1, 2, 4, 8)):
+        raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8 (bytes of a K/V value as served), got {dtype_bytes!r}")
     arts = _candidate_calibrations(cands, calibrations)
     if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
         raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
@@ -374,6 +380,8 @@ def tune(
         model = load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu")
         dtype = device = None
     shape = _model_shape(model, dtype)
+    if dtype_bytes is not None:  # the serving dtype prices the full-precision tokens, not the passes' dtype
+        shape = shape.replace(dtype_bytes=dtype_bytes)
     n_layers = shape.n_layers
     layer_bytes, elements, bits = _prices(shape, cands, context)
     order = sorted(range(len(cands)), key=lambda j: bits[j])
