@@ -239,6 +239,26 @@ def test_keys_normed_after_rope_are_refused(calibrating):
     assert all(not m._forward_hooks for m in model.modules())
 
 
+def test_interleaved_rope_keys_are_labelled_as_before_rope():
+    """GLM rotates interleaved pairs, which kvbits can not reproduce: no post-RoPE statistics. Before, the JSON said
+    ``key_outlier_channels_post_rope: []`` (read as "none found") and the recommendation called the pre-RoPE figures
+    the keys "as the model caches them" (found by a review session); now null, and the reason says which they are."""
+    cfg = transformers.GlmConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_hidden_layers=2, intermediate_size=64, vocab_size=64, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    res = analyze(model, torch.randint(1, 64, (1, 64), generator=torch.Generator().manual_seed(1)), sample_tokens=64,
+                  channel_group=32)  # fmt: skip
+    d = json.loads(json.dumps(res.to_dict(), allow_nan=False))
+    assert all(r["key_outlier_channels_post_rope"] is None and r["key_post_rope"] is None for r in d["layers"])
+    reason = d["recommendation"]["reason"]
+    assert "pre-RoPE key outlier channels" in reason and "interleaved pairs" in reason and "stores keys after" in reason
+    plain = transformers.AutoModelForCausalLM.from_config(transformers.OPTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=64, word_embed_proj_dim=64))
+    no_rope = analyze(plain.eval(), torch.randint(1, 64, (1, 64)), sample_tokens=64, channel_group=32)
+    assert "interleaved" not in no_rope.recommendation["reason"]  # no RoPE at all: the keys are the cached ones
+
+
 def test_every_family_the_hooks_read_right_passes_the_probe():
     """The probe (``kvbits.analyze.verify``) accepts what the hooks read right: a plain family, norms in three
     layouts, partial rotary, sliding layers shorter than the probe, and a model without RoPE (values only)."""

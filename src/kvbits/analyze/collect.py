@@ -96,13 +96,13 @@ class LayerAnalysis:
             "layer": self.layer,
             "rot_dim": self.rot_dim,
             "key_outlier_channels_pre_rope": self.key_pre_rope.outliers,
-            "key_outlier_channels_post_rope": post.outliers if post else [],
+            "key_outlier_channels_post_rope": post.outliers if post else None,  # None: not computed
             "value_outlier_channels": self.value.outliers,
             "key_outliers_smeared_by_rope": smeared_pairs(
                 self.key_pre_rope.outliers, post.outliers, self.rot_dim
             )
             if post
-            else [],
+            else None,
             "key_pre_rope": self.key_pre_rope.summary(),
             "key_post_rope": post.summary() if post else None,
             "value": self.value.summary(),
@@ -186,14 +186,20 @@ class Analysis:
         return paths
 
 
-def _rotary_tables(model: torch.nn.Module) -> Any:
+def _rotary_tables(model: torch.nn.Module) -> tuple[Any, bool]:
+    """``(tables, reproducible)``: the model's RoPE tables, or ``(None, True)`` for a model without RoPE (its cached
+    keys are the hooked ones) and ``(None, False)`` for RoPE kvbits can not reproduce (interleaved pairs: the cache
+    holds keys rotated in a way the pre-RoPE figures do not show)."""
     from kvbits.quant.rope import RotaryTables
 
     try:
-        return RotaryTables.from_model(model)
-    except (ValueError, NotImplementedError) as exc:
+        return RotaryTables.from_model(model), True
+    except ValueError as exc:
         logger.warning("no post-RoPE statistics: %s", exc)
-        return None
+        return None, True
+    except NotImplementedError as exc:
+        logger.warning("no post-RoPE statistics: %s", exc)
+        return None, False
 
 
 def analyze(
@@ -242,7 +248,7 @@ def analyze(
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
     if getattr(model, "config", None) is not None:
         check_context_fits(model.config, T)
-    tables = _rotary_tables(model)
+    tables, reproducible = _rotary_tables(model)
     sites = attention_sites(model)
     device = next(model.parameters()).device
     stats = {
@@ -310,6 +316,7 @@ def analyze(
     )
     result.recommendation = recommend(
         [la.to_dict() for la in layers],
+        keys_rotated_unseen=not reproducible,
         layer_fraction=layer_fraction,
         threshold=threshold,
         model=model_name,

@@ -155,6 +155,7 @@ def recommend(
     threshold: float = DEFAULT_THRESHOLD,
     model: str | None = None,
     data: str | None = None,
+    keys_rotated_unseen: bool = False,
 ) -> dict[str, Any]:
     """The decision flow's answer from per-layer summaries (``Analysis.to_dict()["layers"]`` rows).
 
@@ -162,6 +163,9 @@ def recommend(
     channels, and pre-RoPE when per-channel SQNR is at least as good before RoPE as after it (it
     is when outlier channels are consistent, KVQuant §3.2); otherwise per-token. Values stay
     per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length.
+
+    ``keys_rotated_unseen``: the model rotates its keys in a way kvbits can not reproduce (interleaved pairs), so
+    the key figures are from before RoPE while the cache quantizes them after it; the reason says so.
 
     With outlier channels, ``per_token_scheme`` names the calibrated per-token alternative for deployments
     that need one scale per token (``int{bits}-token-smooth-prerope``), calibrated and verified beside.
@@ -188,7 +192,8 @@ def recommend(
     worst = min((v for v in used if v is not None and not math.isnan(v)), default=float("nan"))
     names = {s.name for s in list_schemes()}
 
-    pre = "pre-RoPE " if has_post else ""  # without RoPE statistics: the keys as the model caches them
+    # without RoPE statistics: the keys as the model caches them, unless its RoPE could not be reproduced
+    pre = "pre-RoPE " if has_post or keys_rotated_unseen else ""
     facts = (
         f"{pre}key outlier channels (absmax > {threshold:g}x the head's median channel) in "
         f"{len(k_pre)}/{n} layers ({frac:.0%}; rule: > {layer_fraction:.0%})"
@@ -225,6 +230,7 @@ def recommend(
                 "; no post-RoPE statistics (the model has no RoPE that kvbits applies), so no pre-RoPE scheme "
                 "(KVQuant's included) runs on it: keys are quantized as the model caches them"
             )
+
         if scheme != candidates[0]:
             reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
         calibrated = f"kvquant-{bits}" if has_post and f"kvquant-{bits}" in names else None  # pre-RoPE keys
@@ -242,6 +248,11 @@ def recommend(
         scheme = f"int{bits}-token"
         reason = f"{facts}. Few layers have outlier key channels, so per-token keys lose little"
         calibrated = per_token = None
+    if keys_rotated_unseen:
+        reason += (
+            "; the key figures are from before RoPE, which this model applies in a layout kvbits can not reproduce "
+            "(interleaved pairs), and the cache stores keys after it: verify by length with kvbits eval"
+        )
     reason += (
         f". Values per-token (mean int{bits} value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
         + (f"; value outlier channels in {len(v_out)}/{n} layers" if v_out else "")
