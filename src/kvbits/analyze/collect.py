@@ -50,6 +50,12 @@ ANALYSIS_VERSION = 1
 Callback = Callable[[int, str, torch.Tensor], None]
 
 
+def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """Forward kwargs asking for the last position's logits only, where the model takes ``logits_to_keep``: a full
+    ``(T, vocab)`` logits tensor would dwarf the K/V of a window, and the statistics need no logits."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def _site_tap(site: KVSite, kind: str, callback: Callback) -> KVTap:
     """A tap on ``site``'s keys or values calling ``callback(layer, kind, x)`` with ``x`` detached ``(B, H_kv, T, D)``."""
 
@@ -280,8 +286,7 @@ def analyze(
                 cos_sin[layer] = (cos.to(xf.device), sin.to(xf.device))
             st["key_post_rope"].update(apply_rope(xf, *cos_sin[layer]), plan)
 
-    # only the last position's logits: a full (T, vocab) logits tensor would dwarf the K/V of a window
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    extra = last_logits_only(model)
     with torch.no_grad(), kv_hooks(model, on_kv):
         for w in range(W):
             plan[:] = reservoir.offer(blocks_in(T, block))

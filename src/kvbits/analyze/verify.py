@@ -11,7 +11,6 @@ cached ones; a layer whose relative error exceeds :data:`TOLERANCE` is refused, 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +48,7 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
         ValueError: a layer's hooked keys (rotated) or values differ from the cached ones by more than
             ``TOLERANCE`` (relative): the family transforms them where kvbits does not look.
     """
-    from kvbits.analyze.collect import kv_hooks
+    from kvbits.analyze.collect import kv_hooks, last_logits_only
 
     n = min(int(ids.shape[-1]), PROBE_TOKENS)
     got: dict[tuple[int, str], torch.Tensor] = {}
@@ -58,9 +57,8 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
         got[layer, kind] = x.float()
 
     device = next(model.parameters()).device
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with kv_hooks(model, keep) as sites:
-        out = model(input_ids=ids[:1, :n].to(device), use_cache=True, **extra)
+        out = model(input_ids=ids[:1, :n].to(device), use_cache=True, **last_logits_only(model))
     cache = out.get("past_key_values") or out.get("cache")
     layers = getattr(cache, "layers", None)
     if layers is None:

@@ -75,9 +75,14 @@ def _stored_scale(
     """
     if meta == torch.float32:
         return scale
-    top = torch.full_like(scale, FP16_MAX) if zero is None else FP16_MAX - zero.float()
-    up = _round_up_fp16(scale)
-    return torch.where(torch.isinf(up), up, torch.minimum(up, _round_down_fp16(div_rn(top, steps))))
+    return _fp16_capped(_round_up_fp16(scale), steps, zero)
+
+
+def _fp16_capped(h: torch.Tensor, steps: float, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Float16 scales ``h`` lowered to the largest float16 whose top level ``steps * scale`` (``+ zero``) stays
+    within 65504; an inf ``h`` stays inf (``_stored_scale``, ``trunc_symmetric``)."""
+    top = torch.full_like(h, FP16_MAX, dtype=torch.float32) if zero is None else FP16_MAX - zero.float()
+    return torch.where(torch.isinf(h), h, torch.minimum(h, _round_down_fp16(div_rn(top, steps))))
 
 
 def div_rn(x: torch.Tensor, d: float) -> torch.Tensor:
@@ -251,9 +256,7 @@ def trunc_symmetric(
     if meta == torch.float32:
         return scale32, codes, clipped
     # nearest, but capped as _stored_scale caps: the top code c must decode within 65504 (an inf scale stays inf)
-    near = scale32.to(meta)
-    cap = _round_down_fp16(div_rn(torch.full_like(scale32, FP16_MAX), c))
-    return torch.where(torch.isinf(near), near, torch.minimum(near, cap)), codes, clipped
+    return _fp16_capped(scale32.to(meta), c), codes, clipped
 
 
 def empty_groups(
