@@ -293,6 +293,59 @@ def test_sliding_layers_are_not_held() -> None:
     assert {e["layer"]: e["action"] for e in mon.events} == {0: "none", 1: "hold_layer"}
 
 
+def test_a_crossing_that_does_nothing_is_said_once_per_run_of_crossings() -> None:
+    """A sliding-window layer can not be held, so its crossings do nothing. Before, each of its crossing flushes
+    added an event (and an INFO log line): 5 events for layer 0 over 190 + 128 tokens (blocks of 32), one per
+    flush, and so on for the rest of a long request. Now one per run of consecutive crossing flushes; a flush
+    under the threshold ends the run, and the next crossing is said again."""
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=400,
+                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = Gemma3ForCausalLM(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme="kivi-4")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    run(model, cache, ids_of(1, 190), decode=128)
+    sliding = [e for e in mon.events if e["layer"] == 0]
+    assert mon.signals[(0, "key")].flushes >= 4 and mon.signals[(0, "key")].over >= 4
+    assert [(e["signal"], e["action"]) for e in sliding] == [("key_error", "none")]
+    # a flush under the threshold ends the run; the next crossing starts another, said again
+    mon.policy = FallbackPolicy(key_error=1e9)
+    run(model, cache, ids_of(1, 32, seed=5))
+    assert mon.signals[(0, "key")].over == 0 and len([e for e in mon.events if e["layer"] == 0]) == 1
+    mon.policy = FallbackPolicy(key_error=0.0)
+    run(model, cache, ids_of(1, 64, seed=6))
+    assert [(e["signal"], e["action"]) for e in mon.events if e["layer"] == 0] == [("key_error", "none")] * 2
+
+
+def test_a_nan_error_stays_out_of_the_histogram_sum() -> None:
+    """One NaN (or inf) error is counted apart (``nonfinite``, ``kvbits_flush_nonfinite_errors_total``) and kept
+    out of the histogram. Before, it went into ``total``: the histogram's ``_sum`` and ``mean_error`` read NaN
+    for the rest of the request, whatever the later flushes measured."""
+    model, ids = llama(), ids_of(2, 160)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache)
+    run(model, cache, ids)
+    sig = mon.signals[(0, "key")]
+    before = (sig.total, sig.count)
+    sig.add([math.nan, math.inf], tokens=32, clipped=0, elements=1)  # a flush whose both sequences read non-finite
+    assert math.isnan(sig.worst) and sig.nonfinite == 2 and (sig.total, sig.count) == before
+    run(model, cache, ids_of(2, 32, seed=2))  # later finite flushes
+    assert math.isfinite(sig.total) and sig.count > before[1]
+    m = parse(mon.prometheus())
+    lab0 = {"layer": "0", "side": "key"}
+
+    def one(name: str) -> float:
+        (v,) = [v for lab, v in m[name] if {k: lab.get(k) for k in lab0} == lab0 and "le" not in lab]
+        return v
+
+    assert math.isfinite(one("kvbits_flush_relative_error_per_sequence_sum"))
+    assert one("kvbits_flush_relative_error_per_sequence_count") == sig.count
+    assert one("kvbits_flush_nonfinite_errors_total") == 2
+    row = next(r for r in mon.snapshot()["signals"] if r["layer"] == 0 and r["side"] == "key")
+    assert math.isfinite(row["mean_error"]) and row["nonfinite_errors"] == 2
+
+
 def test_printed_table_shows_clipping_and_the_calibrated_length(capsys, caplog) -> None:
     """kvquant-4 calibrated on keys far narrower than served, over 64 tokens, watched over 120: the printed
     table gains clipped columns (keys clipped, values never: they have no static scales) and the summary
@@ -478,7 +531,9 @@ def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
     mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, patience=100))  # crossings, never a hold
     run(model, cache, ids)
     first = mon.write_events(tmp_path / "loop.jsonl").read_text().count("\n")
-    run(model, cache, ids_of(1, 40, seed=3))  # one more block flushes in each layer
+    # one more block flushes in each layer; the key crossings go on (said once per run), values now cross too
+    mon.policy = FallbackPolicy(key_error=0.0, value_error=0.0, patience=100)
+    run(model, cache, ids_of(1, 40, seed=3))
     assert len(mon.events) > first == 2
     lines = [json.loads(x) for x in mon.write_events(tmp_path / "loop.jsonl").read_text().splitlines()]
     assert lines == mon.events

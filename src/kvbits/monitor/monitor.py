@@ -6,7 +6,8 @@ Usage::
     mon = CacheMonitor(cache, FallbackPolicy(key_error=0.25, value_error=0.25), labels={"request": "r1"})
     model.generate(**inputs, cache=cache)   # past_key_values=cache before transformers 5.24
     mon.prometheus()          # text exposition, for a scrape endpoint or write_textfile(...)
-    mon.events                # every threshold crossed: layer, side, value, action
+    mon.events                # thresholds crossed: layer, side, value, action (a crossing that does nothing
+                              # is said once per run of consecutive crossing flushes)
 
 Signals (``kvbits.monitor.signals``), per layer and side, at each flush: the relative error of the block
 just quantized (exact: its full-precision values are still there), values clipped against static
@@ -101,6 +102,8 @@ class CacheMonitor:
         self._events_written: dict[Path, int] = {}  # path -> events already appended to it (write_events)
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
         self._beyond_reported: set[int] = set()
+        # signals said with action "none" in the current run of consecutive crossing flushes, per (layer, side)
+        self._said: dict[tuple[int, str], set[str]] = {key: set() for key in self.signals}
         self._request = {layer.layer_idx: layer.resets for layer in layers}  # reset() count each layer was seen at
         for layer in layers:
             layer.observe_flushes(self._observe)
@@ -124,6 +127,7 @@ class CacheMonitor:
             self._beyond_reported.discard(layer.layer_idx)
             for s in SIDES:
                 self.signals[layer.layer_idx, s].over = 0
+                self._said[layer.layer_idx, s].clear()
         key = (layer.layer_idx, side)
         self._flushes[key] += 1
         if (self._flushes[key] - 1) % self.policy.sample_every:
@@ -157,7 +161,9 @@ class CacheMonitor:
         elif first_beyond:
             self._event(layer, side, "beyond_calibration", float(layer.tokens_seen), float(longest), None, "none")
         sig.over = sig.over + 1 if crossed else 0
+        said = self._said[layer.layer_idx, side]
         if not crossed:
+            said.clear()
             return
         action = "none"
         if layer.held_at is not None:
@@ -166,8 +172,15 @@ class CacheMonitor:
             action = self._fall_back(layer)
         for signal, value, threshold in crossed:
             # past the calibrated length: said once per layer, and again when it acts
-            if signal != "beyond_calibration" or first_beyond or action.startswith("hold"):
-                self._event(layer, side, signal, value, threshold, worst, action)
+            if signal == "beyond_calibration" and not (first_beyond or action.startswith("hold")):
+                continue
+            # a crossing that does nothing (patience not reached, or a layer that can not be held: sliding
+            # window) is said once per run of consecutive crossing flushes, not at every flush of a long request
+            if action == "none":
+                if signal in said:
+                    continue
+                said.add(signal)
+            self._event(layer, side, signal, value, threshold, worst, action)
 
     def _fall_back(self, layer: Any) -> str:
         """Hold ``layer`` (or every layer) in full precision; the action's name for the event."""
@@ -215,7 +228,8 @@ class CacheMonitor:
                 "layer": i, "side": side, "flushes": self._flushes[(i, side)], "measured": s.flushes,
                 "tokens_measured": s.tokens, "last_error": s.last if s.flushes else None,
                 "max_error": s.worst if s.flushes else None,
-                "mean_error": s.total / s.count if s.count else None, "clipped": s.clipped,
+                "mean_error": s.total / s.count if s.count else None, "nonfinite_errors": s.nonfinite,
+                "clipped": s.clipped,
                 "clipped_fraction": s.clipped / s.elements if s.elements else 0.0,
                 "held_at": self.layers[i].held_at,
             })  # fmt: skip
@@ -240,6 +254,8 @@ class CacheMonitor:
         )
         f_hist = MetricFamily("kvbits_flush_relative_error_per_sequence", "Relative error of each measured "
                               "flushed block and sequence", "histogram")  # fmt: skip
+        f_nf = MetricFamily("kvbits_flush_nonfinite_errors_total", "Measured flushed blocks and sequences whose "
+                            "relative error was NaN or inf (not in the histogram)", "counter")  # fmt: skip
         f_fl = MetricFamily("kvbits_flushes_total", "Blocks quantized", "counter")
         f_clip = MetricFamily(
             "kvbits_clipped_values_total", "Values saturated against static scales", "counter"
@@ -259,10 +275,11 @@ class CacheMonitor:
                 f_hist.add(s.count, {**lab, "le": "+Inf"}, "_bucket")
                 f_hist.add(s.total, lab, "_sum")
                 f_hist.add(s.count, lab, "_count")
+                f_nf.add(s.nonfinite, lab)
         for i, layer in sorted(self.layers.items()):
             f_held.add(int(layer.held_at is not None), {**base, "layer": i})
         f_ev = MetricFamily(
-            "kvbits_fallback_events_total", "Thresholds crossed, by signal and action", "counter"
+            "kvbits_fallback_events_total", "Thresholds crossed (the events), by signal and action", "counter"
         )
         for (signal, action), n in sorted(Counter((e["signal"], e["action"]) for e in self.events).items()):
             f_ev.add(n, {**base, "signal": signal, "action": action})
@@ -273,7 +290,7 @@ class CacheMonitor:
             "kvbits_cache_bytes", "Bytes the cache stores (memory_report total_bytes)", "gauge"
         )
         f_bytes.add(mem["total_bytes"], base)
-        fams = [f_err, f_max, f_hist, f_fl, f_clip, f_held, f_ev, f_tok, f_bytes]
+        fams = [f_err, f_max, f_hist, f_nf, f_fl, f_clip, f_held, f_ev, f_tok, f_bytes]
         longest = self.calibrated_length()
         if longest is not None:
             f_cal = MetricFamily("kvbits_tokens_beyond_calibration", "Positions past the longest calibrated "

@@ -60,10 +60,12 @@ class SideSignals:
         flushes: chunks measured.
         tokens: tokens in them.
         last: the worst sequence's relative error in the last measured chunk.
-        worst: the largest relative error measured.
-        total: sum of the per-sequence errors (for the histogram's ``_sum``).
-        count: per-sequence errors measured (the histogram's ``_count``).
-        buckets: per-sequence errors at most each ``ERROR_BUCKETS`` bound (cumulative, as Prometheus wants).
+        worst: the largest relative error measured (NaN and ``inf`` included: they read as the worst).
+        total: sum of the finite per-sequence errors (for the histogram's ``_sum``).
+        count: finite per-sequence errors measured (the histogram's ``_count``).
+        buckets: finite per-sequence errors at most each ``ERROR_BUCKETS`` bound (cumulative, as Prometheus wants).
+        nonfinite: per-sequence errors that were NaN or ``inf``, kept out of the histogram (one NaN in ``total``
+            would leave its ``_sum``, and every mean read from it, NaN for the rest of the request).
         clipped: values saturated against static scales (calibration mismatch).
         elements: values quantized (``clipped`` is a fraction of these).
         over: consecutive measured chunks over the policy's threshold (its ``patience``).
@@ -76,6 +78,7 @@ class SideSignals:
     total: float = 0.0
     count: int = 0
     buckets: list[int] = field(default_factory=lambda: [0] * len(ERROR_BUCKETS))
+    nonfinite: int = 0
     clipped: int = 0
     elements: int = 0
     over: int = 0
@@ -91,6 +94,9 @@ class SideSignals:
         if _severity(worst) > _severity(self.worst):
             self.worst = worst
         for e in errors:
+            if not math.isfinite(e):
+                self.nonfinite += 1
+                continue
             self.count += 1
             self.total += e
             for i, bound in enumerate(ERROR_BUCKETS):
