@@ -72,6 +72,16 @@ def test_codes_and_zero_points_follow_vllms_write_kernel():
     assert close[(diff == 0) & (scale > 1e-4)].all() and (dec - want_dec)[diff == 0].abs().max() < 0.02
 
 
+def test_a_zero_point_of_code_zero_is_positive_zero():
+    """Rows whose minimum is 0 or above have ``z = 0``: the stored zero-point is +0.0. Before, ``-z * scale``
+    stored -0.0 (sign bit set) on the torch path, where the Triton kernel stores +0.0, so the two paths' bytes
+    differed on every such row (``torch.equal`` reads them as equal and did not see it)."""
+    x = torch.rand(2, 3, 5, 16, generator=torch.Generator().manual_seed(3)) + 0.5  # every row > 0: z = 0
+    qt = quantize(x, INT_ZERO)
+    assert (qt.zero == 0).all()
+    assert not (qt.zero.view(torch.int16) == -32768).any(), "a -0.0 zero-point"
+
+
 def vllm_signs(d: int) -> torch.Tensor:
     """vLLM's RHT signs restated: ``2 * bernoulli(0.5) - 1`` from a CPU generator seeded ``0x9E3779B9``."""
     gen = torch.Generator(device="cpu").manual_seed(0x9E3779B9)

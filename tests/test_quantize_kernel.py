@@ -274,10 +274,16 @@ def _static_kw(x: torch.Tensor, s: TensorSpec) -> dict:
     return {"static_scale": width.half(), "static_zero": None if s.symmetric else lo.half()}
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` takes -0.0 for +0.0 and a NaN for no NaN's equal)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                       b.reshape(-1).view(torch.uint8))
+
+
 def assert_same_quantized(got, want) -> None:
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
-    assert got.scale.shape == want.scale.shape and torch.equal(got.scale, want.scale)
-    assert (got.zero is None) == (want.zero is None) and (want.zero is None or torch.equal(got.zero, want.zero))
+    assert got.scale.shape == want.scale.shape and same_bits(got.scale, want.scale)
+    assert (got.zero is None) == (want.zero is None) and (want.zero is None or same_bits(got.zero, want.zero))
     assert (got.outlier_values is None) == (want.outlier_values is None)
     if want.outlier_values is not None:
         assert torch.equal(got.outlier_values, want.outlier_values)

@@ -21,7 +21,7 @@ from kvbits.plan.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["resolve_config"]
+__all__ = ["gguf_problem", "resolve_config"]
 
 _OFFLINE_REGISTRY = "kvbits.evaluate.models"  # written by the evaluate stage; optional here
 
@@ -184,17 +184,17 @@ def _from_gguf(path: Path) -> Any:
     try:
         return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except ValueError as exc:  # numpy's "cannot reshape array", transformers' own refusals
-        problem = _gguf_problem(path)
+        problem = gguf_problem(path)
         message = f"{path} {problem}" if problem else f"could not read a model config from {path}: {exc}"
         raise ValueError(message) from exc
     except (struct.error, EOFError, IndexError) as exc:
-        problem = _gguf_problem(path)
+        problem = gguf_problem(path)
         if problem is None:
             raise
         raise ValueError(f"{path} {problem}") from exc
 
 
-def _gguf_problem(path: Path) -> str | None:
+def gguf_problem(path: Path) -> str | None:
     """Why ``path`` is not a whole GGUF file (a phrase following the path), or None when gguf's reader
     reads it through (or the ``gguf`` package is not installed to tell)."""
     with path.open("rb") as f:

@@ -199,7 +199,7 @@ def integer_zero_qparams(
     scale = _round_up_fp16(div_rn(hi - lo, steps).clamp_min(INTEGER_ZERO_MIN_SCALE))
     v = -lo / scale.float()
     z = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(0, steps)
-    return scale, (-z * scale.float()).to(META_DTYPE)
+    return scale, (0.0 - z * scale.float()).to(META_DTYPE)  # 0 - (z * scale): +0.0 at z = 0, as the kernel's
 
 
 TRUNC_MIN_SCALE = 1e-6  # vLLM's int8_per_token_head floor (``max(absmax / 127, 1e-6)``)

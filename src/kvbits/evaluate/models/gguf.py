@@ -24,7 +24,7 @@ from typing import Any
 from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
-from kvbits.plan.sources import _gguf_problem
+from kvbits.plan.sources import gguf_problem
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,11 @@ def gguf_parse_errors(path: Path) -> Iterator[None]:
     file (a ``struct.error`` from a header-only file, a reshape error from a cut-off tensor) becomes a
     ``ValueError`` that names the file and says it is incomplete or not GGUF. Other errors (an
     architecture or tokenizer transformers does not support) pass unchanged: the file is read through
-    with ``gguf`` first (:func:`kvbits.plan.sources._gguf_problem`, as ``kvbits plan`` does)."""
+    with ``gguf`` first (:func:`kvbits.plan.sources.gguf_problem`, as ``kvbits plan`` does)."""
     try:
         yield
     except Exception as exc:
-        problem = _gguf_problem(path)
+        problem = gguf_problem(path)
         if problem is None:
             raise
         raise ValueError(f"{path} {problem}") from exc
