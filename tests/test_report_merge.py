@@ -254,4 +254,4 @@ def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
         del r["ms_per_step"]
     (tmp_path / "speed-qwen" / "speed.json").write_text(json.dumps(summary))
     assert main(["report", str(tmp_path / "speed-qwen")]) == 2
-    assert "is not a kvbits speed summary this kvbits can read (KeyError: 'ms_per_step')" in capsys.readouterr().err
+    assert f"{tmp_path / 'speed-qwen' / 'speed.json'}: runs[0].ms_per_step is missing" in capsys.readouterr().err

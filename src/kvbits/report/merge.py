@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import field, json_object
 from kvbits.report.inputs import load_config
 from kvbits.report.render import _write_text
 from kvbits.report.summary import RunSummary, read_json
@@ -304,6 +305,29 @@ def _check_comparable(
                 )
 
 
+def _generation_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``generations.jsonl``; ``ValueError`` naming the file and the line for one that is not
+    JSON, not an object, or a reference row without its ``window`` (a whole number) and ``tokens`` (a list)."""
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}, line {i}, is not valid JSON ({exc}); was the run interrupted while writing "
+                             "it?") from None  # fmt: skip
+        json_object(row, f"{path}, line {i},", "a greedy continuation")
+        if row.get("scheme") == "reference":
+            try:
+                field(row, "window", "whole")
+                field(row, "tokens", "list")
+            except ValueError as exc:
+                raise ValueError(f"{path}, line {i}: {exc}") from None
+        rows.append(row)
+    return rows
+
+
 def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
     """``generations.jsonl`` of the merged runs: the reference rows once, then each run's scheme rows;
     ``ValueError`` when two runs' reference continuations differ; None when no run generated."""
@@ -314,7 +338,7 @@ def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
         path = folder / "generations.jsonl"
         if not path.is_file():
             continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = _generation_rows(path)
         ref = {int(r["window"]): list(r["tokens"]) for r in rows if r.get("scheme") == "reference"}
         if reference is None:
             reference = ref
