@@ -256,7 +256,8 @@ def _needle(version: int = READS_VERSION) -> dict[str, Any]:
     records = [
         {"context": c, "depth": dp, "depth_actual": dp, "index": 0, "key": "12345",
          "reference": {"retrieved": True, "nll": 0.01, "cache_bytes": 1000},
-         "schemes": {"int4-token": {"retrieved": c == 1024, "nll": 0.5, "kl": 0.1, "cache_bytes": 300}}}
+         "schemes": {"int4-token": {"retrieved": c == 1024, "nll": 0.5, "kl": 0.1, "token_acc": 0.8,
+                                     "cache_bytes": 300}}}
         for c in contexts for dp in depths
     ]  # fmt: skip
     by_context = [{"context": c, "trials": 2, "retrieved": 1.0 if c == 1024 else 0.0, "retrieved_ref": 1.0,
@@ -345,6 +346,30 @@ def test_merging_a_corrupted_needle_run_names_it(tmp_path, capsys):
     status, _, err = _cli(capsys, str(a), str(b), "--out", str(tmp_path / "m"))
     assert status == 2 and f"{b / 'needle.json'}: version is 9" in err
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "field"),
+    [
+        (_del("records", 0, "schemes", "int4-token", "nll"), "records[0].schemes.int4-token.nll is missing"),
+        (_del("records", 2, "schemes", "int4-token", "token_acc"), "records[2].schemes.int4-token.token_acc is missing"),
+        (lambda s: s["records"][1]["reference"].update(nll=None), "records[1].reference.nll is null; expected a number"),
+    ],
+)
+def test_merging_needle_trials_without_their_scores_names_them(tmp_path, capsys, corrupt, field):
+    """The merge computes every figure again from the trials' scores, which the report itself does not read. Before,
+    a trial without a scheme's nll (or token_acc) was a KeyError ('nll') traceback, and a null reference nll printed
+    "unsupported operand type(s) for -: 'NoneType' and 'float'", naming neither file nor field."""
+    a = _needle_run(tmp_path / "a", _needle())
+    second = _needle()
+    for rec in second["records"]:
+        rec["index"] = 1  # other trials of the same cells: the two runs merge
+    assert _cli(capsys, str(a), str(_needle_run(tmp_path / "b", second)), "--out", str(tmp_path / "ok"))[0] == 0
+    corrupt(second)
+    b = _needle_run(tmp_path / "b", second)
+    status, _, err = _cli(capsys, str(a), str(b), "--out", str(tmp_path / "m"))
+    assert status == 2 and err.startswith(f"kvbits report: error: {b / 'needle.json'}: {field}")
+    assert err.count("\n") == 1 and not (tmp_path / "m").exists()
 
 
 # --------------------------------------------------------------------------- corrupted speed.json
