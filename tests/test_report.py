@@ -230,6 +230,26 @@ def test_a_budget_is_named_as_it_is_applied(tmp_path):
     assert "the dotted red line is the 0.5% budget" in md and "above +0.5% marked" in md
 
 
+@pytest.mark.parametrize(("threshold", "labels"), [
+    (0.01, ["0.1%", "0.5%", "1%", "2%", "5%", "10%"]),
+    (0.005, ["0.05%", "0.25%", "0.5%", "1%", "2.5%", "5%"]),
+    (0.02, ["0.2%", "1%", "2%", "4%", "10%", "20%"]),
+])  # fmt: skip
+def test_heatmap_colour_bar_labels_its_colour_boundaries(tmp_path, monkeypatch, threshold, labels):
+    """The heatmap's colours follow the budget, so its colour bar must label the boundaries at that budget. Before,
+    it labelled the 1 % budget's values wherever they fell: at a 0.5 % budget "5%" and "10%" sat on the same
+    boundary (both at 0.857 of the bar) and at 2 % the 0.2 % boundary read "0.1%"."""
+    from kvbits.report.plots import heatmap
+
+    figures = []
+    monkeypatch.setattr(heatmap, "save_png", lambda fig, path: figures.append(fig) or path)
+    heatmap.plot_delta_heatmap(RunSummary.from_dict(_summary()), tmp_path / "h.png", threshold=threshold)
+    bar = figures[0].axes[1]._colorbar
+    figures[0].canvas.draw()
+    assert [t.get_text() for t in bar.ax.get_yticklabels()] == labels
+    assert np.allclose(bar.ax.get_yticks(), bar._boundaries[1:-1])  # each label on a colour boundary
+
+
 def test_a_baseline_below_the_reference_is_warned_about_too():
     """The warning looked at the largest signed bucket ΔPPL: fp16 3 % *below* the reference went unsaid."""
     for deltas, shown in (([0.0, -0.03, 0.0, 0.0], "-3.00%"), ([0.00005, -0.03, 0.0, 0.0], "-3.00%"),
