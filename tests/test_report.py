@@ -649,3 +649,22 @@ def test_speed_report_says_larger_for_a_cache_holding_more():
     assert _bytes_cell({"cache_bytes": 96215040}, base) == "91.76 MiB (2.00x larger)"
     assert _bytes_cell({"cache_bytes": 24053760}, base) == "22.94 MiB (2.00x smaller)"
     assert _bytes_cell(base, base) == "45.88 MiB"
+
+
+def test_an_agreement_short_of_all_never_prints_as_all():
+    """Top-1 agreement with one token in 32,766 differing (a near-lossless scheme over a 16K-32K bucket of two
+    windows, 0.99997) printed "100.00%", as the unquantized model's; a speed run whose greedy tokens matched 99.6 %
+    printed "100%, from step 250". They stop one last digit short now; exact values print as before."""
+    from kvbits.report.speed import _agree_cell
+    from kvbits.report.tables import metric_table
+
+    summary = _summary()
+    bucket = summary["results"][1]["buckets"][3]
+    bucket["top1"] = 1 - 1 / 32766
+    summary["results"][1]["buckets"][0]["top1"] = 1 / 32766
+    row = next(r for r in metric_table(summary, "top1").rows if r[0].text == "int8-token")
+    assert [c.text for c in row[1:]] == ["0.01%", "99.88%", "99.84%", "99.99%"]
+    assert [c.text for c in metric_table(summary, "top1").rows[0][1:]] == ["100.00%"] * 4  # fp16: exactly all
+    assert _agree_cell({"agreement": 0.996, "first_divergence": 250}) == "99%, from step 250"
+    assert _agree_cell({"agreement": 1.0, "first_divergence": None}) == "100%"
+    assert _agree_cell({"agreement": 0.5, "first_divergence": 2}) == "50%, from step 2"

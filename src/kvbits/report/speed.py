@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import check, entries, field, json_object
-from kvbits.report.fmt import fmt_bytes, fmt_pos, merged_runs_table
+from kvbits.report.fmt import fmt_bytes, fmt_frac, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
 
@@ -125,7 +125,7 @@ def _agree_cell(r: Mapping[str, Any] | None) -> str:
     if r is None:
         return "n/a"
     first = r.get("first_divergence")
-    return f"{100 * r['agreement']:.0f}%" + ("" if first is None else f", from step {first}")
+    return fmt_frac(r["agreement"], 0) + ("" if first is None else f", from step {first}")
 
 
 def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
