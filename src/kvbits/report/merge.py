@@ -16,7 +16,9 @@ writes anything:
 The merged folder holds what a report reads (``summary.json`` with the results in the order of the runs,
 ``tokens/<scheme>.safetensors``, ``records.jsonl``, ``generations.jsonl``) and a ``config.json`` that
 keeps every run's own configuration under ``merged_from``; it has no ``DONE``, so ``kvbits eval`` never
-takes it for one of its runs.
+takes it for one of its runs. Runs evaluated on other numbers of ranks merge (their numbers are a single
+process's), but their seconds are summed over their own ranks: ``summary.json``'s ``merged_from`` records each
+run's ``world_size``, and ``world_size`` is null when they differ (the report then says it per run).
 """
 
 from __future__ import annotations
@@ -363,6 +365,15 @@ def _check_out(out: Path, folders: Sequence[Path], overwrite: bool) -> None:
         )
 
 
+def _ranks(summary: Mapping[str, Any]) -> int | None:
+    """The ranks that evaluated a run (``world_size``; 1 for a run from before it was recorded); None for an earlier
+    merge of runs of different rank counts."""
+    k = summary.get("world_size")
+    if k is None and isinstance(summary.get("merged_from"), list):
+        return None
+    return int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else 1
+
+
 def _max_field(summaries: Sequence[Mapping[str, Any]], key: str) -> float | None:
     vals = [
         float(s[key]) for s in summaries if isinstance(s.get(key), (int, float)) and math.isfinite(s[key])
@@ -427,7 +438,11 @@ def merge_runs(
         {"path": str(f), "schemes": [str(r["scheme"]) for r in s["results"]], "config": c}
         for f, s, c in zip(folders, summaries, configs)
     ]
-    merged["merged_from"] = [{"path": src["path"], "schemes": src["schemes"]} for src in sources]
+    ranks = [_ranks(s) for s in summaries]  # seconds are summed over each run's ranks: said per run where they differ
+    merged["world_size"] = ranks[0] if len(set(ranks)) == 1 else None
+    merged["merged_from"] = [
+        {"path": src["path"], "schemes": src["schemes"], "world_size": k} for src, k in zip(sources, ranks)
+    ]
     config = {
         "version": 1,
         "merged_from": sources,
