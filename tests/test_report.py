@@ -230,6 +230,26 @@ def test_a_budget_is_named_as_it_is_applied(tmp_path):
     assert "the dotted red line is the 0.5% budget" in md and "above +0.5% marked" in md
 
 
+@pytest.mark.parametrize(("threshold", "labels"), [
+    (0.01, ["0.1%", "0.5%", "1%", "2%", "5%", "10%"]),
+    (0.005, ["0.05%", "0.25%", "0.5%", "1%", "2.5%", "5%"]),
+    (0.02, ["0.2%", "1%", "2%", "4%", "10%", "20%"]),
+])  # fmt: skip
+def test_heatmap_colour_bar_labels_its_colour_boundaries(tmp_path, monkeypatch, threshold, labels):
+    """The heatmap's colours follow the budget, so its colour bar must label the boundaries at that budget. Before,
+    it labelled the 1 % budget's values wherever they fell: at a 0.5 % budget "5%" and "10%" sat on the same
+    boundary (both at 0.857 of the bar) and at 2 % the 0.2 % boundary read "0.1%"."""
+    from kvbits.report.plots import heatmap
+
+    figures = []
+    monkeypatch.setattr(heatmap, "save_png", lambda fig, path: figures.append(fig) or path)
+    heatmap.plot_delta_heatmap(RunSummary.from_dict(_summary()), tmp_path / "h.png", threshold=threshold)
+    bar = figures[0].axes[1]._colorbar
+    figures[0].canvas.draw()
+    assert [t.get_text() for t in bar.ax.get_yticklabels()] == labels
+    assert np.allclose(bar.ax.get_yticks(), bar._boundaries[1:-1])  # each label on a colour boundary
+
+
 def test_a_baseline_below_the_reference_is_warned_about_too():
     """The warning looked at the largest signed bucket ΔPPL: fp16 3 % *below* the reference went unsaid."""
     for deltas, shown in (([0.0, -0.03, 0.0, 0.0], "-3.00%"), ([0.00005, -0.03, 0.0, 0.0], "-3.00%"),
@@ -629,3 +649,22 @@ def test_speed_report_says_larger_for_a_cache_holding_more():
     assert _bytes_cell({"cache_bytes": 96215040}, base) == "91.76 MiB (2.00x larger)"
     assert _bytes_cell({"cache_bytes": 24053760}, base) == "22.94 MiB (2.00x smaller)"
     assert _bytes_cell(base, base) == "45.88 MiB"
+
+
+def test_an_agreement_short_of_all_never_prints_as_all():
+    """Top-1 agreement with one token in 32,766 differing (a near-lossless scheme over a 16K-32K bucket of two
+    windows, 0.99997) printed "100.00%", as the unquantized model's; a speed run whose greedy tokens matched 99.6 %
+    printed "100%, from step 250". They stop one last digit short now; exact values print as before."""
+    from kvbits.report.speed import _agree_cell
+    from kvbits.report.tables import metric_table
+
+    summary = _summary()
+    bucket = summary["results"][1]["buckets"][3]
+    bucket["top1"] = 1 - 1 / 32766
+    summary["results"][1]["buckets"][0]["top1"] = 1 / 32766
+    row = next(r for r in metric_table(summary, "top1").rows if r[0].text == "int8-token")
+    assert [c.text for c in row[1:]] == ["0.01%", "99.88%", "99.84%", "99.99%"]
+    assert [c.text for c in metric_table(summary, "top1").rows[0][1:]] == ["100.00%"] * 4  # fp16: exactly all
+    assert _agree_cell({"agreement": 0.996, "first_divergence": 250}) == "99%, from step 250"
+    assert _agree_cell({"agreement": 1.0, "first_divergence": None}) == "100%"
+    assert _agree_cell({"agreement": 0.5, "first_divergence": 2}) == "50%, from step 2"

@@ -226,6 +226,27 @@ def test_merging_a_corrupted_summary_names_it(tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize(
+    ("lines", "error"),
+    [
+        ('{"scheme": "reference", "window": 0, "tokens": [1, 2]}\n{"scheme": "a", "win',
+         "line 2, is not valid JSON (Unterminated string"),
+        ('{"scheme": "reference", "tokens": [1, 2]}\n', "line 1: window is missing; expected a whole number >= 0"),
+        ('[1, 2]\n', "line 1, holds a list; expected a greedy continuation (a JSON object)"),
+    ],
+)
+def test_merging_a_corrupted_generations_file_names_it(tmp_path, capsys, lines, error):
+    """A cut or hand-edited generations.jsonl is one error naming the file and the line. Before, a cut line printed
+    json's bare "Unterminated string starting at: line 1 column 26 (char 25)" (no file), and a reference row without
+    its window a KeyError ('window') traceback."""
+    a = _write(tmp_path / "a", _summary(fp16=(16.0, [0.0, 0.0]), a=(4.0, [0.005, 0.005])))
+    b = _write(tmp_path / "b", _summary(b=(3.0, [0.005, 0.005])))
+    (a / "generations.jsonl").write_text(lines)
+    status, _, err = _cli(capsys, str(a), str(b), "--out", str(tmp_path / "m"))
+    assert status == 2 and err.startswith(f"kvbits report: error: {a / 'generations.jsonl'}, {error}")
+    assert err.count("\n") == 1 and not (tmp_path / "m").exists()
+
+
 # --------------------------------------------------------------------------- corrupted needle.json
 
 
@@ -235,7 +256,8 @@ def _needle(version: int = READS_VERSION) -> dict[str, Any]:
     records = [
         {"context": c, "depth": dp, "depth_actual": dp, "index": 0, "key": "12345",
          "reference": {"retrieved": True, "nll": 0.01, "cache_bytes": 1000},
-         "schemes": {"int4-token": {"retrieved": c == 1024, "nll": 0.5, "kl": 0.1, "cache_bytes": 300}}}
+         "schemes": {"int4-token": {"retrieved": c == 1024, "nll": 0.5, "kl": 0.1, "token_acc": 0.8,
+                                     "cache_bytes": 300}}}
         for c in contexts for dp in depths
     ]  # fmt: skip
     by_context = [{"context": c, "trials": 2, "retrieved": 1.0 if c == 1024 else 0.0, "retrieved_ref": 1.0,
@@ -324,3 +346,73 @@ def test_merging_a_corrupted_needle_run_names_it(tmp_path, capsys):
     status, _, err = _cli(capsys, str(a), str(b), "--out", str(tmp_path / "m"))
     assert status == 2 and f"{b / 'needle.json'}: version is 9" in err
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "field"),
+    [
+        (_del("records", 0, "schemes", "int4-token", "nll"), "records[0].schemes.int4-token.nll is missing"),
+        (_del("records", 2, "schemes", "int4-token", "token_acc"), "records[2].schemes.int4-token.token_acc is missing"),
+        (lambda s: s["records"][1]["reference"].update(nll=None), "records[1].reference.nll is null; expected a number"),
+    ],
+)
+def test_merging_needle_trials_without_their_scores_names_them(tmp_path, capsys, corrupt, field):
+    """The merge computes every figure again from the trials' scores, which the report itself does not read. Before,
+    a trial without a scheme's nll (or token_acc) was a KeyError ('nll') traceback, and a null reference nll printed
+    "unsupported operand type(s) for -: 'NoneType' and 'float'", naming neither file nor field."""
+    a = _needle_run(tmp_path / "a", _needle())
+    second = _needle()
+    for rec in second["records"]:
+        rec["index"] = 1  # other trials of the same cells: the two runs merge
+    assert _cli(capsys, str(a), str(_needle_run(tmp_path / "b", second)), "--out", str(tmp_path / "ok"))[0] == 0
+    corrupt(second)
+    b = _needle_run(tmp_path / "b", second)
+    status, _, err = _cli(capsys, str(a), str(b), "--out", str(tmp_path / "m"))
+    assert status == 2 and err.startswith(f"kvbits report: error: {b / 'needle.json'}: {field}")
+    assert err.count("\n") == 1 and not (tmp_path / "m").exists()
+
+
+# --------------------------------------------------------------------------- corrupted speed.json
+
+
+def _speed_halves(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
+    """The committed Qwen speed run cut into two runs of one context each (written with ``write_speed``); the
+    second's summary is returned for the test to corrupt."""
+    from kvbits.report.speed import write_speed
+
+    whole = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/speed-qwen/speed.json").read_text())
+    halves = []
+    for i, context in enumerate(whole["contexts"]):
+        part = {**whole, "contexts": [context], "runs": [r for r in whole["runs"] if r["context"] == context]}
+        halves.append((write_speed(part, tmp_path / f"s{i}"), part))
+    (a, _), (b, summary) = halves
+    return a, b, summary
+
+
+def _bad_scheme_entry(s: dict[str, Any]) -> None:
+    s["schemes"][0] = "int8-token"
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "field"),
+    [
+        (_del("runs", 1, "tokens_per_s"), "runs[1].tokens_per_s is missing; expected a number"),
+        (_bad_scheme_entry, "schemes[0] is a string ('int8-token'); expected an object"),
+        (_set("batches", "1"), "batches is a string ('1'); expected a list"),
+        (_del("runs", 0, "context"), "runs[0].context is missing; expected a whole number >= 0"),
+    ],
+)
+def test_merging_a_corrupted_speed_run_names_it(tmp_path, capsys, corrupt, field):
+    """A speed.json with a field missing or of another kind is refused before the merge writes anything. Before,
+    merging it raised a KeyError ('tokens_per_s') or AttributeError traceback from the report, after speed.json and
+    speed.png had been written into --out; rewriting one such folder said ``KeyError: 'tokens_per_s'``."""
+    a, b, summary = _speed_halves(tmp_path)
+    corrupt(summary)
+    (b / "speed.json").write_text(json.dumps(summary))
+    status, _, err = _cli(capsys, str(a), str(b), "--out", str(tmp_path / "m"))
+    assert status == 2 and err == f"kvbits report: error: {b / 'speed.json'}: {field}\n"
+    assert not (tmp_path / "m").exists()
+    before = (b / "report.md").read_text()
+    status, _, err = _cli(capsys, str(b))  # written again alone: the same one-line error, nothing rewritten
+    assert status == 2 and err == f"kvbits report: error: {b / 'speed.json'}: {field}\n"
+    assert (b / "report.md").read_text() == before

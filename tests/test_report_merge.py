@@ -69,9 +69,10 @@ def test_merging_equals_evaluating_together(runs, tmp_path):
     for key in ("model", "data", "context", "windows", "semantics", "mode", "fingerprint"):
         assert merged[key] == together[key]
     assert merged["merged_from"] == [
-        {"path": str(runs / "a"), "schemes": A},
-        {"path": str(runs / "b"), "schemes": B},
+        {"path": str(runs / "a"), "schemes": A, "world_size": 1},
+        {"path": str(runs / "b"), "schemes": B, "world_size": 1},
     ]
+    assert merged["world_size"] == together["world_size"] == 1
     for name in A + B:
         got, want = (
             load_file(str(out / "tokens" / f"{name}.safetensors")),
@@ -98,6 +99,28 @@ def test_merging_equals_evaluating_together(runs, tmp_path):
     args = build_parser(only="report").parse_args(shlex.split(lines[-1])[1:])
     assert args.runs == [str(runs / "a"), str(runs / "b")] and args.out == str(out)
     assert RunSummary.load(out).ppl_ref == RunSummary.load(runs / "ab").ppl_ref
+
+
+def test_seconds_of_runs_on_other_rank_counts_are_labelled_per_run(runs, tmp_path):
+    """Runs evaluated on 2 ranks and on 1 merge (the numbers are a single process's), but their seconds are summed
+    over their own ranks. Before, the merge kept the first run's world_size, so the Overall caption said "Seconds are
+    summed over the 2 ranks" of every scheme, the 1-rank run's too (and nothing at all in the other order)."""
+    from kvbits.report.tables import overall_table
+
+    for name, ranks in (("a", 2), ("b", 1)):
+        shutil.copytree(runs / name, tmp_path / name)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "world_size": ranks}))
+    caption = overall_table(RunSummary.load(merge_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "m"))).caption
+    assert "summed over the 2 ranks that split the windows" not in caption
+    assert caption.endswith("seconds are summed over each run's: 2 for int4-token and the reference pass; "
+                            f"1 for {SMALL_KIVI.name}.".replace("int4-token", ", ".join(A)))  # fmt: skip
+    caption = overall_table(RunSummary.load(merge_runs([tmp_path / "b", tmp_path / "a"], tmp_path / "n"))).caption
+    assert caption.endswith(f"1 for {SMALL_KIVI.name} and the reference pass; 2 for {', '.join(A)}.")
+    nested = merge_runs([tmp_path / "m", runs / "e"], tmp_path / "o")  # an earlier such merge, merged again
+    assert overall_table(RunSummary.load(nested)).caption.endswith(
+        f"several for {', '.join(A + B)} and the reference pass; 1 for int2-token."
+    )
 
 
 def test_runs_that_measured_something_else_are_refused(runs, tmp_path):
@@ -254,4 +277,4 @@ def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
         del r["ms_per_step"]
     (tmp_path / "speed-qwen" / "speed.json").write_text(json.dumps(summary))
     assert main(["report", str(tmp_path / "speed-qwen")]) == 2
-    assert "is not a kvbits speed summary this kvbits can read (KeyError: 'ms_per_step')" in capsys.readouterr().err
+    assert f"{tmp_path / 'speed-qwen' / 'speed.json'}: runs[0].ms_per_step is missing" in capsys.readouterr().err

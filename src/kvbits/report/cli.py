@@ -139,25 +139,14 @@ def _merge_json_runs(args: argparse.Namespace, kind: str) -> int:
 def _rewrite_json_run(out: Any, command: str, args: argparse.Namespace) -> int:
     """``report.md`` and the figure of a ``kvbits needle`` or ``kvbits speed`` folder, again from its JSON."""
     from kvbits.report.needle import load_needle, write_needle
-    from kvbits.report.speed import write_speed
-    from kvbits.report.summary import read_json
+    from kvbits.report.speed import load_speed, write_speed
 
     if args.threshold is not None or args.no_plots:
         raise ValueError(f"--threshold and --no-plots apply to kvbits eval runs; {out} holds a kvbits {command} run")
     path = out / f"{command}.json"
-    summary = load_needle(path) if command == "needle" else read_json(path)  # needle.json: checked field by field
-    if not isinstance(summary, dict):
-        raise TypeError(f"{path} holds no kvbits {command} summary (expected a JSON object)")
-    if command == "needle":
-        write_needle(summary, out)
-    else:
-        try:  # speed.json is read as written: a field missing or of another type is named, not a traceback
-            write_speed(summary, out)
-        except (KeyError, TypeError, AttributeError, IndexError) as exc:
-            raise ValueError(
-                f"{path} is not a kvbits speed summary this kvbits can read ({type(exc).__name__}: {exc}); write "
-                "it again with kvbits speed"
-            ) from None
+    # checked field by field before anything is written: a field missing or of another type is named, not a traceback
+    summary = load_needle(path) if command == "needle" else load_speed(path)
+    (write_needle if command == "needle" else write_speed)(summary, out)
     return _print_json_run(out, command, args, [])
 
 

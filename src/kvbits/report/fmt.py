@@ -104,9 +104,19 @@ def fmt_kl(x: float, *, signed: bool = False) -> str:
     return f"{x:{sign}.2e}" if abs(x) < 1e-3 else f"{x:{sign}.4f}"
 
 
-def fmt_frac(x: float) -> str:
-    """A fraction as a percentage with two decimals (top-1 agreement)."""
-    return NA if not _ok(x) else f"{x * 100:.2f}%"
+def fmt_frac(x: float, digits: int = 2) -> str:
+    """A fraction as a percentage with ``digits`` decimals (top-1 agreement): ``0.98765 -> '98.77%'``. A fraction
+    short of 1 never prints as 100 %, nor one above 0 as 0 %: they stop one last digit short, ``0.99997 -> '99.99%'``,
+    ``0.00003 -> '0.01%'`` (one token in 32K that differs is not all of them)."""
+    if not _ok(x):
+        return NA
+    text = f"{x * 100:.{digits}f}"
+    step = 10.0**-digits
+    if x < 1 and float(text) >= 100:
+        text = f"{100 - step:.{digits}f}"
+    elif x > 0 and float(text) <= 0:
+        text = f"{step:.{digits}f}"
+    return f"{text}%"
 
 
 def fmt_bytes(n: float) -> str:

@@ -16,7 +16,9 @@ writes anything:
 The merged folder holds what a report reads (``summary.json`` with the results in the order of the runs,
 ``tokens/<scheme>.safetensors``, ``records.jsonl``, ``generations.jsonl``) and a ``config.json`` that
 keeps every run's own configuration under ``merged_from``; it has no ``DONE``, so ``kvbits eval`` never
-takes it for one of its runs.
+takes it for one of its runs. Runs evaluated on other numbers of ranks merge (their numbers are a single
+process's), but their seconds are summed over their own ranks: ``summary.json``'s ``merged_from`` records each
+run's ``world_size``, and ``world_size`` is null when they differ (the report then says it per run).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import field, json_object
 from kvbits.report.inputs import load_config
 from kvbits.report.render import _write_text
 from kvbits.report.summary import RunSummary, read_json
@@ -304,6 +307,29 @@ def _check_comparable(
                 )
 
 
+def _generation_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``generations.jsonl``; ``ValueError`` naming the file and the line for one that is not
+    JSON, not an object, or a reference row without its ``window`` (a whole number) and ``tokens`` (a list)."""
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}, line {i}, is not valid JSON ({exc}); was the run interrupted while writing "
+                             "it?") from None  # fmt: skip
+        json_object(row, f"{path}, line {i},", "a greedy continuation")
+        if row.get("scheme") == "reference":
+            try:
+                field(row, "window", "whole")
+                field(row, "tokens", "list")
+            except ValueError as exc:
+                raise ValueError(f"{path}, line {i}: {exc}") from None
+        rows.append(row)
+    return rows
+
+
 def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
     """``generations.jsonl`` of the merged runs: the reference rows once, then each run's scheme rows;
     ``ValueError`` when two runs' reference continuations differ; None when no run generated."""
@@ -314,7 +340,7 @@ def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
         path = folder / "generations.jsonl"
         if not path.is_file():
             continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = _generation_rows(path)
         ref = {int(r["window"]): list(r["tokens"]) for r in rows if r.get("scheme") == "reference"}
         if reference is None:
             reference = ref
@@ -337,6 +363,15 @@ def _check_out(out: Path, folders: Sequence[Path], overwrite: bool) -> None:
             f"--out {out} is a non-empty folder that holds no merged kvbits report; choose another folder or "
             f"pass --overwrite (only {', '.join(MERGED_FILES)}, tokens/ and the figures would be replaced)"
         )
+
+
+def _ranks(summary: Mapping[str, Any]) -> int | None:
+    """The ranks that evaluated a run (``world_size``; 1 for a run from before it was recorded); None for an earlier
+    merge of runs of different rank counts."""
+    k = summary.get("world_size")
+    if k is None and isinstance(summary.get("merged_from"), list):
+        return None
+    return int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else 1
 
 
 def _max_field(summaries: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -403,7 +438,11 @@ def merge_runs(
         {"path": str(f), "schemes": [str(r["scheme"]) for r in s["results"]], "config": c}
         for f, s, c in zip(folders, summaries, configs)
     ]
-    merged["merged_from"] = [{"path": src["path"], "schemes": src["schemes"]} for src in sources]
+    ranks = [_ranks(s) for s in summaries]  # seconds are summed over each run's ranks: said per run where they differ
+    merged["world_size"] = ranks[0] if len(set(ranks)) == 1 else None
+    merged["merged_from"] = [
+        {"path": src["path"], "schemes": src["schemes"], "world_size": k} for src, k in zip(sources, ranks)
+    ]
     config = {
         "version": 1,
         "merged_from": sources,

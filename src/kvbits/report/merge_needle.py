@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import field
 from kvbits.report.merge import (
     check_fingerprints,
     check_run_folders,
@@ -45,6 +46,7 @@ NLL_ATOL = 1e-4
 """Largest difference of the unquantized key NLL (nats per key token) of one trial between merged runs."""
 
 _SAME = ("version", "model", "data", "task", "semantics", "seed")
+_SCORES = ("nll", "kl", "token_acc")  # of each scheme on each trial: the merged figures are means of them
 _TRIAL = ("depth_actual", "key", "offset", "needle_at", "needle_len", "doc_len", "answer_start")
 TrialId = tuple[int, float, int]
 
@@ -58,6 +60,14 @@ def _load(folder: Path) -> dict[str, Any]:
         and bool(s["records"]) and bool(s["results"]), "no trials or no scheme results",
     )  # fmt: skip
     check_needle(summary, folder / "needle.json")
+    try:  # what the merge computes the figures again from, beyond what the report reads
+        for i, rec in enumerate(summary["records"]):
+            field(rec["reference"], "nll", "number", f"records[{i}].reference")
+            for name, score in rec["schemes"].items():
+                for key in _SCORES:
+                    field(score, key, "number", f"records[{i}].schemes.{name}")
+    except ValueError as exc:
+        raise ValueError(f"{folder / 'needle.json'}: {exc}") from None
     return summary
 
 

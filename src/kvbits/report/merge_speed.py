@@ -49,10 +49,14 @@ _SCHEME = ("scheme", "peer", "path")
 
 
 def _load(folder: Path) -> dict[str, Any]:
+    """A folder's ``speed.json``, checked field by field (:func:`kvbits.report.speed.check_speed`)."""
+    from kvbits.report.speed import check_speed
+
     summary = load_json_run(
         folder, "speed", lambda s: isinstance(s.get("runs"), list) and bool(s["runs"])
         and isinstance(s.get("schemes"), list), "no timed runs",
     )  # fmt: skip
+    check_speed(summary, folder / "speed.json")
     summary.setdefault("reserve", False)  # runs from before the option: growing caches
     summary.setdefault("sdpa", "auto")  # runs from before the option: torch's choice of SDPA backend
     summary.setdefault("static", False)  # runs from before the options: QuantizedKVCache, no graphs

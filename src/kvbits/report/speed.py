@@ -3,7 +3,8 @@
 ``write_speed(summary, out_dir)`` writes ``speed.json`` (the summary of
 ``kvbits.evaluate.speed.speed_eval``, every step time included), ``report.md`` and, with matplotlib,
 ``speed.png``: decode tokens/s against context, one line per cache, one panel per batch, and the bytes
-each cache holds at the end of the run.
+each cache holds at the end of the run. ``load_speed(path)`` reads a ``speed.json`` back, checked
+(:func:`check_speed`): a hand-edited, cut or foreign file is a ``ValueError`` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbits.report.fmt import fmt_bytes, fmt_pos, merged_runs_table
+from kvbits._json import check, entries, field, json_object
+from kvbits.report.fmt import fmt_bytes, fmt_frac, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
+from kvbits.report.summary import read_json
 
-__all__ = ["SPEED_FILES", "check_speed_out", "plot_speed", "speed_markdown", "write_speed"]
+__all__ = [
+    "SPEED_FILES", "check_speed", "check_speed_out", "load_speed", "plot_speed", "speed_markdown", "write_speed",
+]  # fmt: skip
 
 SPEED_FILES = ("speed.json", "report.md", "speed.png")
 BASELINE = "DynamicCache"
@@ -120,7 +125,7 @@ def _agree_cell(r: Mapping[str, Any] | None) -> str:
     if r is None:
         return "n/a"
     first = r.get("first_divergence")
-    return f"{100 * r['agreement']:.0f}%" + ("" if first is None else f", from step {first}")
+    return fmt_frac(r["agreement"], 0) + ("" if first is None else f", from step {first}")
 
 
 def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
@@ -304,6 +309,80 @@ def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
         f"Decode speed and cache memory, {summary['model']} on {summary['device']['name']}", fontsize=10
     )
     return save_png(fig, path)
+
+
+def _check_run(r: Mapping[str, Any], where: str) -> None:
+    """One entry of ``runs``: a cache's timings, bytes and greedy agreement at one (context, batch)."""
+    for key in ("cache", "path"):
+        field(r, key, "text", where)
+    for key in ("context", "batch"):
+        field(r, key, "whole", where)
+    for key in ("tokens_per_s", "speedup", "ms_per_step", "ms_p10", "ms_p90", "agreement"):
+        field(r, key, "number", where)
+    field(r, "host_ms_per_step", "mean", where, default=None)
+    for key in ("cache_bytes", "planned_bytes", "workspace_bytes", "cuda_resident_bytes", "cuda_peak_bytes"):
+        field(r, key, "bytes", where, default=None)
+    first = r.get("first_divergence")
+    if first is not None:
+        check(first, "whole", f"{where}.first_divergence")
+    decode = r.get("decode")
+    if decode is not None:
+        check(decode, "object", f"{where}.decode")
+        for key in ("timed_fused_steps", "timed_fallback_steps"):
+            field(decode, key, "whole", f"{where}.decode")
+        calls = field(decode, "kernel_calls", "object", f"{where}.decode", default=None)
+        for key in ("triton", "reference") if calls is not None else ():
+            field(calls, key, "whole", f"{where}.decode.kernel_calls")
+    if r.get("graph") is not None:
+        field(check(r["graph"], "object", f"{where}.graph"), "eager_steps", "whole", f"{where}.graph")
+
+
+def _check_speed_fields(s: Mapping[str, Any]) -> None:
+    """Every field :func:`speed_markdown`, :func:`plot_speed` and the merge read, of the kind they need."""
+    field(s, "version", "whole")
+    for key in ("model", "data", "dtype"):
+        field(s, key, "text")
+    device = field(s, "device", "object")
+    for key in ("type", "name"):
+        field(device, key, "text", "device")
+    field(device, "threads", "whole", "device", default=None)
+    field(field(s, "fingerprint", "object"), "model", "text", "fingerprint")
+    for key in ("contexts", "batches"):
+        entries(s, key, "whole")
+    for key in ("tokens", "warmup", "layers"):
+        field(s, key, "whole")
+    for i, x in enumerate(entries(s, "schemes", "object")):
+        for key in ("scheme", "path"):
+            field(x, key, "text", f"schemes[{i}]")
+    runs = entries(s, "runs", "object")
+    for i, r in enumerate(runs):
+        _check_run(r, f"runs[{i}]")
+    baselines = entries(s, "baselines", "text") if "baselines" in s else [BASELINE]
+    for name in baselines[1:]:  # the report names each extra baseline's decode path from its runs
+        if not any(r["cache"] == name for r in runs):
+            raise ValueError(f"baselines names {name!r}, but no entry of runs timed it")
+    for key in ("commit", "versions", "kernel_settings", "tuned_launches"):
+        if s.get(key) is not None:
+            field(s, key, "object")
+    if s.get("merged_from") is not None:
+        entries(s, "merged_from", "object")
+
+
+def check_speed(summary: Any, source: str | os.PathLike[str]) -> None:
+    """``ValueError`` naming ``source`` (the file) and the field unless ``summary`` is a ``speed.json`` this kvbits
+    reports: every field the report and the merge use, of the kind they use."""
+    document = json_object(summary, source, "a kvbits speed summary")
+    try:
+        _check_speed_fields(document)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def load_speed(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``speed.json`` read back and checked (:func:`check_speed`)."""
+    summary = read_json(Path(path))
+    check_speed(summary, path)
+    return summary
 
 
 def check_speed_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

@@ -244,6 +244,9 @@ class RunSummary:
     run_peak_rss_bytes: float = math.nan  # resident peak from the loaded model to the end of the run
     peak_cuda_bytes: float = math.nan  # torch's peak CUDA allocation over the run (CUDA runs only)
     world_size: int = 1  # ranks that evaluated (torch.distributed); seconds are summed over them
+    # a merged run whose runs used different rank counts: (schemes, ranks) of each, the reference pass the first's
+    # (ranks None: that run is itself such a merge)
+    merged_ranks: tuple[tuple[tuple[str, ...], int | None], ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
@@ -266,6 +269,7 @@ class RunSummary:
             peak_rss_bytes=_num(d.get("peak_rss_bytes")), peak_cuda_bytes=_num(d.get("peak_cuda_bytes")),
             run_peak_rss_bytes=_num(d.get("run_peak_rss_bytes")),
             world_size=int(d["world_size"]) if _ok(_num(d.get("world_size"))) else 1,
+            merged_ranks=_merged_ranks(d),
         )
 
     @classmethod
@@ -324,6 +328,21 @@ class RunSummary:
         if _ok(self.peak_cuda_bytes) and self.peak_cuda_bytes > 0:
             parts.append(f"{fmt_bytes(self.peak_cuda_bytes)} CUDA allocated (run peak)")
         return ", ".join(parts)
+
+
+def _merged_ranks(d: Mapping[str, Any]) -> tuple[tuple[tuple[str, ...], int | None], ...]:
+    """``(schemes, ranks)`` of each run of a merged summary whose runs differ in ``world_size`` (it is null then,
+    ``merged_from`` names each run's, null for a run that is itself such a merge); ``()`` for any other summary."""
+    sources = d.get("merged_from")
+    if d.get("world_size") is not None or not isinstance(sources, list):
+        return ()
+    sources = [src for src in sources if isinstance(src, Mapping)]
+    if not sources or any("world_size" not in src for src in sources):
+        return ()  # a merge from before the rank counts were recorded
+    return tuple(
+        (tuple(str(x) for x in src.get("schemes") or ()), int(k) if _ok(k := _num(src["world_size"])) else None)
+        for src in sources
+    )
 
 
 def log_non_finite(run: RunSummary, path: str | Path) -> None:

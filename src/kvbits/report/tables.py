@@ -148,7 +148,12 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
         for r in run.results
     ]
     ref_s = f" The unquantized reference pass took {run.reference_seconds:.1f} s." if _ok(run.reference_seconds) else ""
-    if run.world_size > 1:
+    if run.merged_ranks:
+        each = [f"{k or 'several'} for {', '.join(names)}" + (" and the reference pass" if i == 0 else "")
+                for i, (names, k) in enumerate(run.merged_ranks)]  # fmt: skip
+        ref_s += (" The merged runs split their windows over different numbers of ranks; seconds are summed over "
+                  f"each run's: {'; '.join(each)}.")  # fmt: skip
+    elif run.world_size > 1:
         ref_s += f" Seconds are summed over the {run.world_size} ranks that split the windows."
     return TableData(
         headers=("scheme", "avg bits", "PPL", "ref PPL", "ΔPPL", "KL", "top-1", "seconds"), rows=tuple(rows),

@@ -58,6 +58,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("position bucket")
     ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_budget(threshold)}", fontsize=11)
-    cb = fig.colorbar(im, ax=ax, ticks=_DELTA_BINS[1:-1], fraction=0.05)
-    cb.ax.set_yticklabels([f"{t:g}%" for t in _DELTA_BINS[1:-1]], fontsize=8)
+    edges = bins[1:-1]  # the colour boundaries at this budget, labelled with what they are
+    cb = fig.colorbar(im, ax=ax, ticks=edges, fraction=0.05)
+    cb.ax.set_yticklabels([f"{round(t, 6):g}%" for t in edges], fontsize=8)
     return save_png(fig, path)
