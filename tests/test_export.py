@@ -428,3 +428,45 @@ def test_a_failed_scales_write_leaves_no_config_naming_it(fp8, tmp_path, monkeyp
         export_vllm(cal, tmp_path / "out", checkpoint=ckpt)
     assert not (tmp_path / "out" / "config.json").exists()
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+LLAVA_15 = {  # llava-hf/llava-1.5-7b-hf's config.json (vision_config cut): text_config holds only what differs from Llama's defaults
+    "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+    "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {
+        "_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+        "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064,
+    },
+    "tie_word_embeddings": False, "torch_dtype": "float16", "vision_config": {"model_type": "clip_vision_model"},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+}  # fmt: skip
+
+
+def test_checkpoint_whose_text_config_leaves_the_defaults_out_is_checked_with_them(tmp_path):
+    """llava-1.5's config.json names no layer or head count in its text_config (transformers and vLLM fill in
+    Llama's defaults: 32 layers, 32 heads, hidden 4096). Export of a calibration of that very model was refused:
+    "config.json: config has no attention heads ... got keys ['_name_or_path', 'architectures', ...]". The
+    checkpoint is now read as transformers reads it: accepted, and a calibration of another shape still refused."""
+    from safetensors.torch import save_file
+
+    from kvbits.calibrate.artifact import describe_model
+
+    ck = tmp_path / "llava"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(LLAVA_15))
+    weights = {f"language_model.model.layers.{i}.self_attn.{p}_proj.weight": torch.zeros(1)
+               for i in range(32) for p in "qkv"}  # fmt: skip
+    save_file(weights, str(ck / "model.safetensors"))
+    model = describe_model(transformers.AutoConfig.for_model(**LLAVA_15))  # what calibrate records for it
+    assert (model["num_layers"], model["num_kv_heads"], model["head_dim"]) == (32, 32, 128)
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(32, 8, 128, generator=gen) for _ in range(32)]
+    art = artifact_from_samples("fp8-e4m3", k, k, meta={"model": model, "data": {"context": 8}})
+    template = "language_model.model.layers.{i}.self_attn"
+    rec = export_vllm(art, tmp_path / "out", checkpoint=ck, module_template=template)
+    assert len(rec["layers"]) == 32
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k != "quantization_config"} == LLAVA_15  # written as it was
+    fewer = artifact_from_samples("fp8-e4m3", k[:24], k[:24], meta={"model": {**model, "num_layers": 24}})
+    with pytest.raises(ValueError, match=r"config\.json: 32 layers, the calibration has 24; wrong model\?"):
+        export_vllm(fewer, tmp_path / "other", checkpoint=ck, module_template=template)

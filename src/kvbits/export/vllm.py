@@ -49,6 +49,7 @@ import torch
 from kvbits._files import chmod_default
 from kvbits._json import describe, json_object, mapping
 from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
+from kvbits.plan.config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path)
     the model ``art`` was calibrated on: the layers and KV heads, then every other field the artifact records
     (``model_type``, ``num_attention_heads``, ``head_dim``, ``hidden_size``, ``vocab_size``; those it records as
     None, as an artifact fitted from samples does, are not compared)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     layers = text.get("num_hidden_layers")
     kv_key = "num_key_value_heads" if "num_key_value_heads" in text else "num_attention_heads"
     kv = text.get(kv_key)
@@ -397,9 +398,25 @@ def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path)
     if kv is not None and kv != art.num_kv_heads:
         raise ValueError(f"{where}: {kv} KV heads, the calibration has {art.num_kv_heads}; wrong model?")
     try:
-        art.check_model(config, known_only=True)
+        art.check_model(text, known_only=True)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields of a checkpoint's parsed ``config.json`` as transformers (and vLLM) read them: the
+    config transformers builds from it, defaults filled in. A composite model's nested ``text_config`` is saved
+    as its difference from the text model's defaults (llava-hf/llava-1.5-7b-hf's names no layer or head count:
+    Llama's 32 and 32). Where transformers can not build it (a model type it does not know, a field of the wrong
+    type), the JSON's own ``text_config`` or the config itself, checked as written."""
+    try:
+        from transformers import AutoConfig
+
+        full = AutoConfig.for_model(**config)
+    except Exception:  # noqa: BLE001 - unknown model_type (ValueError), strict validation (huggingface_hub errors)
+        text = config.get("text_config")
+        return text if isinstance(text, dict) else config
+    return dict(text_config(full).to_dict())
 
 
 def export_vllm(
