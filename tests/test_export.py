@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -470,3 +471,39 @@ def test_checkpoint_whose_text_config_leaves_the_defaults_out_is_checked_with_th
     fewer = artifact_from_samples("fp8-e4m3", k[:24], k[:24], meta={"model": {**model, "num_layers": 24}})
     with pytest.raises(ValueError, match=r"config\.json: 32 layers, the calibration has 24; wrong model\?"):
         export_vllm(fewer, tmp_path / "other", checkpoint=ck, module_template=template)
+
+
+@pytest.mark.parametrize(
+    ("held", "loaded_as"),
+    [
+        ("model.layers.1.self_attn.k_proj.output_scale", "model.layers.1.self_attn.k_scale"),  # older llm-compressor
+        ("model.layers.1.self_attn.v_proj.v_scale", "model.layers.1.self_attn.v_scale"),  # ModelOpt
+        ("model.layers.1.self_attn.kv_scale", "model.layers.1.self_attn.k_scale"),  # deprecated single scale
+        ("model.layers.1.self_attn.attn.v_scale", "model.layers.1.self_attn.v_scale"),  # vLLM's parameter name
+    ],
+)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoint_holding_scales_under_names_vllm_maps_is_refused(fp8, tmp_path, held, loaded_as, sharded):
+    """vLLM loads a checkpoint's KV scales under several names into one attention parameter (get_cache_scale:
+    k_proj.output_scale -> attn.k_scale; maybe_remap_kv_scale_name: k_proj.k_scale, kv_scale, ...). Only the
+    exported names were compared: a checkpoint holding model.layers.1.self_attn.k_proj.output_scale = 1.0 was
+    exported, and vLLM's loader restated (files in sorted order) served that 1.0 over the calibrated scale
+    (0.00138 on a 2-layer Llama). Refused, as a scale under the exported name is."""
+    from safetensors.torch import save_file
+
+    model, _, cal, _ = fp8
+    ck = tmp_path / "ck"
+    model.save_pretrained(ck, **({"max_shard_size": "60KB"} if sharded else {}))
+    state = {held: torch.tensor([1.0])}
+    if sharded:  # the scale in a shard of its own, named by the index
+        save_file(state, str(ck / "old-scales.safetensors"), metadata={"format": "pt"})
+        _edit_json(ck / "model.safetensors.index.json",
+                   lambda x: {**x, "weight_map": {**x["weight_map"], held: "old-scales.safetensors"}})  # fmt: skip
+    else:
+        state.update(load_file(str(ck / "model.safetensors")))
+        save_file(state, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    where = r"model\.safetensors\.index\.json already maps" if sharded else r"model\.safetensors already holds"
+    found = re.escape(f"['{held}' (vLLM loads it as '{loaded_as}')")  # kv_scale: then as v_scale too
+    with pytest.raises(ValueError, match=rf"{where} {found}[,\]]"):
+        export_vllm(cal, tmp_path / "out", checkpoint=ck)
+    assert not (tmp_path / "out").exists()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import string
 import tempfile
 from pathlib import Path
@@ -272,12 +273,11 @@ def _servable(
     if index_path.is_file():
         index = _read_json_object(index_path, 'a safetensors index {"weight_map": {tensor: file}}')
         mapping(index.get("weight_map", {}), f"{index_path}: weight_map", "an object {tensor name: file}")
-        clash = sorted(
-            n for n in scales if n in index.get("weight_map", {}) and index["weight_map"][n] != SCALES_FILE
-        )
+        held = _held_scales({n: f for n, f in index.get("weight_map", {}).items() if f != SCALES_FILE})
+        clash = sorted(n for n in scales if n in held)
         if clash:
             raise ValueError(
-                f"{index_path} already maps {clash[:3]} to another file; refusing to shadow them"
+                f"{index_path} already maps {_held_names(clash, held)} to another file; refusing to shadow them"
             )
         tensors = set(index.get("weight_map", {}))
     elif not list(checkpoint.glob("*.safetensors")):
@@ -287,14 +287,15 @@ def _servable(
     else:
         # no index: vLLM loads every *.safetensors file, so a scale already in one would be loaded twice
         # (whichever file it reads last wins)
-        held = _safetensors_names(checkpoint)
+        names = _safetensors_names(checkpoint)
+        held = _held_scales(names)
         clash = sorted(n for n in scales if n in held)
         if clash:
             raise ValueError(
-                f"{held[clash[0]]} already holds {clash[:3]}; vLLM loads every *.safetensors file of a checkpoint "
-                "without an index, so the exported scales would shadow them or be shadowed: refusing"
+                f"{held[clash[0]][1]} already holds {_held_names(clash, held)}; vLLM loads every *.safetensors file "
+                "of a checkpoint without an index, so the exported scales would shadow them or be shadowed: refusing"
             )
-        tensors = set(held)
+        tensors = set(names)
     if (checkpoint / SCALES_FILE).exists():
         raise ValueError(f"{checkpoint} already holds {SCALES_FILE}; export from the original checkpoint")
     _check_modules(scales, tensors, checkpoint)
@@ -320,6 +321,36 @@ def _servable(
     for name, obj in written.items():
         _atomic_json(out / name, obj)
     return {"linked": linked, "written": [*written, SCALES_FILE]}
+
+
+# checkpoint tensor names vLLM loads into an attention layer's k_scale / v_scale (its get_cache_scale and
+# maybe_remap_kv_scale_name), most specific first, with the exported name each stands for
+_SCALE_ALIASES = (
+    (re.compile(r"\.attn\.([kv])_scale$"), (r".\1_scale",)),  # vLLM's own parameter name
+    (re.compile(r"\.([kv])_proj\.output_scale$"), (r".\1_scale",)),  # older llm-compressor checkpoints
+    (re.compile(r"\.(?:[kv]|qkv)_proj\.([kv])_scale$"), (r".\1_scale",)),  # ModelOpt, fused QKV
+    (re.compile(r"\.kv_scale$"), (".k_scale", ".v_scale")),  # the deprecated single scale, loaded as both
+    (re.compile(r"\.([kv])_scale$"), (r".\1_scale",)),  # as exported (llm-compressor's current names)
+)
+
+
+def _held_scales(tensors: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """``{exported scale name: (tensor, file)}`` of the ``tensors`` (``{name: file}``) vLLM would load into that
+    scale's parameter: the K/V scales a checkpoint already carries, under any of the names vLLM maps."""
+    held: dict[str, tuple[str, str]] = {}
+    for name, file in tensors.items():
+        for pattern, targets in _SCALE_ALIASES:
+            if pattern.search(name):
+                for target in targets:
+                    held.setdefault(pattern.sub(target, name), (name, file))
+                break
+    return held
+
+
+def _held_names(clash: list[str], held: dict[str, tuple[str, str]]) -> str:
+    """The checkpoint's tensors behind (up to three of) the exported names ``clash``, as a list."""
+    found = [repr(held[n][0]) + ("" if held[n][0] == n else f" (vLLM loads it as {n!r})") for n in clash[:3]]
+    return f"[{', '.join(found)}]"
 
 
 def _safetensors_names(checkpoint: Path) -> dict[str, str]:
