@@ -414,6 +414,20 @@ def test_scales_named_for_modules_the_checkpoint_lacks_are_refused(fp8, tmp_path
     export_vllm(cal, tmp_path / "plain", module_template="model.layer.{i}.self_attn")  # no checkpoint: not checked
 
 
+@pytest.mark.parametrize("template", ["model.layers.{i}", "model.layers.{i}.mlp", "model.layers.{i}.input_layernorm"])
+def test_scales_named_for_modules_that_are_not_attention_modules_are_refused(fp8, tmp_path, template):
+    """--module-template 'model.layers.{i}' (the layer, not its self_attn) named modules the checkpoint has, so
+    the export was accepted; vLLM loads model.layers.0.k_scale into model.layers.0.attn.k_scale, which does not
+    exist: 0 of the 4 scales reached a parameter, every layer served at scale 1.0. Refused, naming the
+    checkpoint's attention modules."""
+    _, _, cal, ckpt = fp8
+    with pytest.raises(ValueError, match=r"2 of 2 modules .* are not attention modules \(e\.g\. 'model\.layers\.0.*' "
+                       r"has no k_proj\).*Attention modules of the checkpoint: \['model\.layers\.0\.self_attn', "
+                       r"'model\.layers\.1\.self_attn'\]"):
+        export_vllm(cal, tmp_path / "out", checkpoint=ckpt, module_template=template)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_scales_write_leaves_no_config_naming_it(fp8, tmp_path, monkeypatch):
     """config.json and the index (which names kv_cache_scales.safetensors) were written before the scales: a
     write that failed (disk full) left a folder that looked servable and named a missing file."""

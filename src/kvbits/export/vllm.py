@@ -368,8 +368,9 @@ def _safetensors_names(checkpoint: Path) -> dict[str, str]:
 
 
 def _check_modules(scales: dict[str, torch.Tensor], tensors: set[str], checkpoint: Path) -> None:
-    """``ValueError`` unless each attention module a scale names (``{module}.k_scale``) has tensors in the
-    checkpoint: vLLM skips a scale of no module it has (a warning) and serves that layer at scale 1.0."""
+    """``ValueError`` unless each module a scale names (``{module}.k_scale``) is an attention module of the
+    checkpoint, one with a ``k_proj`` (as calibration requires): vLLM loads ``{module}.k_scale`` into
+    ``{module}.attn.k_scale``, skips a scale of no such parameter (a warning) and serves that layer at scale 1.0."""
     modules = sorted({n.rsplit(".", 1)[0] for n in scales})
     prefixes = {t.rsplit(".", i)[0] for t in tensors for i in range(1, t.count(".") + 1)}
     missing = [m for m in modules if m not in prefixes]
@@ -379,6 +380,14 @@ def _check_modules(scales: dict[str, torch.Tensor], tensors: set[str], checkpoin
             f"{len(missing)} of {len(modules)} attention modules the scales are named for are not in {checkpoint} "
             f"(e.g. {missing[0]!r}); vLLM would skip those scales and serve at scale 1.0. Modules of the checkpoint "
             f"ending alike: {near or 'none'}; set --module-template to the checkpoint's names"
+        )
+    other = [m for m in modules if f"{m}.k_proj" not in prefixes]
+    if other:
+        attention = sorted(p.rsplit(".", 1)[0] for p in prefixes if p.endswith(".k_proj"))[:3]
+        raise ValueError(
+            f"{len(other)} of {len(modules)} modules the scales are named for are in {checkpoint} but are not attention "
+            f"modules (e.g. {other[0]!r} has no k_proj); vLLM would skip those scales and serve at scale 1.0. "
+            f"Attention modules of the checkpoint: {attention or 'none'}; set --module-template to their names"
         )
 
 
