@@ -428,6 +428,26 @@ def test_scales_named_for_modules_that_are_not_attention_modules_are_refused(fp8
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (torch.tensor(float("nan")), "holds non-finite values"),
+        (torch.tensor(0.0), "an FP8 scale divides, it must be > 0"),
+        (torch.tensor([0.01, 0.02]), r"is torch\.float32 \(2,\), expected float32 \(\)"),
+    ],
+)
+def test_an_in_memory_artifact_with_a_bad_scale_is_refused(tmp_path, bad, why):
+    """An artifact built or edited in memory was exported unchecked: a NaN or 0.0 scale was written to
+    kv_cache_scales.safetensors as is (vLLM divides by it), a (2,) per-tensor scale raised "RuntimeError: shape
+    '[1]' is invalid for input of size 2". Validated as load_calibration validates a folder."""
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    art = artifact_from_samples("fp8-e4m3", k, k)
+    art.tensors["layers.1.key_scale"] = bad
+    with pytest.raises(ValueError, match=rf"calibration \(in memory\): layers\.1\.key_scale .*{why}"):
+        export_vllm(art, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_scales_write_leaves_no_config_naming_it(fp8, tmp_path, monkeypatch):
     """config.json and the index (which names kv_cache_scales.safetensors) were written before the scales: a
     write that failed (disk full) left a folder that looked servable and named a missing file."""

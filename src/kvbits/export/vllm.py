@@ -186,9 +186,12 @@ def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) ->
     ``(H_kv, 1, 1)`` per head (llm-compressor's layout; vLLM flattens it).
 
     Module names come from the artifact (``calibrate`` records the attention modules' qualified
-    names) or ``module_template`` (default ``model.layers.{i}.self_attn``).
+    names) or ``module_template`` (default ``model.layers.{i}.self_attn``). ``ValueError`` for an artifact
+    vLLM can not use (``check_exportable``) or whose tensors do not match its scheme and model
+    (``CalibrationArtifact.validate``: an artifact built or edited in memory with a NaN, zero or misshapen scale).
     """
     check_exportable(art)
+    art.validate()  # load_calibration validates what it reads; an artifact built or edited in memory was not
     out: dict[str, torch.Tensor] = {}
     for i, name in enumerate(_module_names(art, module_template)):
         for side, short in (("key", "k"), ("value", "v")):
