@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -413,6 +414,40 @@ def test_scales_named_for_modules_the_checkpoint_lacks_are_refused(fp8, tmp_path
     export_vllm(cal, tmp_path / "plain", module_template="model.layer.{i}.self_attn")  # no checkpoint: not checked
 
 
+@pytest.mark.parametrize("template", ["model.layers.{i}", "model.layers.{i}.mlp", "model.layers.{i}.input_layernorm"])
+def test_scales_named_for_modules_that_are_not_attention_modules_are_refused(fp8, tmp_path, template):
+    """--module-template 'model.layers.{i}' (the layer, not its self_attn) named modules the checkpoint has, so
+    the export was accepted; vLLM loads model.layers.0.k_scale into model.layers.0.attn.k_scale, which does not
+    exist: 0 of the 4 scales reached a parameter, every layer served at scale 1.0. Refused, naming the
+    checkpoint's attention modules."""
+    _, _, cal, ckpt = fp8
+    with pytest.raises(ValueError, match=r"2 of 2 modules .* are not attention modules \(e\.g\. 'model\.layers\.0.*' "
+                       r"has no k_proj\).*Attention modules of the checkpoint: \['model\.layers\.0\.self_attn', "
+                       r"'model\.layers\.1\.self_attn'\]"):
+        export_vllm(cal, tmp_path / "out", checkpoint=ckpt, module_template=template)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (torch.tensor(float("nan")), "holds non-finite values"),
+        (torch.tensor(0.0), "an FP8 scale divides, it must be > 0"),
+        (torch.tensor([0.01, 0.02]), r"is torch\.float32 \(2,\), expected float32 \(\)"),
+    ],
+)
+def test_an_in_memory_artifact_with_a_bad_scale_is_refused(tmp_path, bad, why):
+    """An artifact built or edited in memory was exported unchecked: a NaN or 0.0 scale was written to
+    kv_cache_scales.safetensors as is (vLLM divides by it), a (2,) per-tensor scale raised "RuntimeError: shape
+    '[1]' is invalid for input of size 2". Validated as load_calibration validates a folder."""
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    art = artifact_from_samples("fp8-e4m3", k, k)
+    art.tensors["layers.1.key_scale"] = bad
+    with pytest.raises(ValueError, match=rf"calibration \(in memory\): layers\.1\.key_scale .*{why}"):
+        export_vllm(art, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_scales_write_leaves_no_config_naming_it(fp8, tmp_path, monkeypatch):
     """config.json and the index (which names kv_cache_scales.safetensors) were written before the scales: a
     write that failed (disk full) left a folder that looked servable and named a missing file."""
@@ -428,3 +463,81 @@ def test_a_failed_scales_write_leaves_no_config_naming_it(fp8, tmp_path, monkeyp
         export_vllm(cal, tmp_path / "out", checkpoint=ckpt)
     assert not (tmp_path / "out" / "config.json").exists()
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+LLAVA_15 = {  # llava-hf/llava-1.5-7b-hf's config.json (vision_config cut): text_config holds only what differs from Llama's defaults
+    "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+    "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {
+        "_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+        "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064,
+    },
+    "tie_word_embeddings": False, "torch_dtype": "float16", "vision_config": {"model_type": "clip_vision_model"},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+}  # fmt: skip
+
+
+def test_checkpoint_whose_text_config_leaves_the_defaults_out_is_checked_with_them(tmp_path):
+    """llava-1.5's config.json names no layer or head count in its text_config (transformers and vLLM fill in
+    Llama's defaults: 32 layers, 32 heads, hidden 4096). Export of a calibration of that very model was refused:
+    "config.json: config has no attention heads ... got keys ['_name_or_path', 'architectures', ...]". The
+    checkpoint is now read as transformers reads it: accepted, and a calibration of another shape still refused."""
+    from safetensors.torch import save_file
+
+    from kvbits.calibrate.artifact import describe_model
+
+    ck = tmp_path / "llava"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(LLAVA_15))
+    weights = {f"language_model.model.layers.{i}.self_attn.{p}_proj.weight": torch.zeros(1)
+               for i in range(32) for p in "qkv"}  # fmt: skip
+    save_file(weights, str(ck / "model.safetensors"))
+    model = describe_model(transformers.AutoConfig.for_model(**LLAVA_15))  # what calibrate records for it
+    assert (model["num_layers"], model["num_kv_heads"], model["head_dim"]) == (32, 32, 128)
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(32, 8, 128, generator=gen) for _ in range(32)]
+    art = artifact_from_samples("fp8-e4m3", k, k, meta={"model": model, "data": {"context": 8}})
+    template = "language_model.model.layers.{i}.self_attn"
+    rec = export_vllm(art, tmp_path / "out", checkpoint=ck, module_template=template)
+    assert len(rec["layers"]) == 32
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k != "quantization_config"} == LLAVA_15  # written as it was
+    fewer = artifact_from_samples("fp8-e4m3", k[:24], k[:24], meta={"model": {**model, "num_layers": 24}})
+    with pytest.raises(ValueError, match=r"config\.json: 32 layers, the calibration has 24; wrong model\?"):
+        export_vllm(fewer, tmp_path / "other", checkpoint=ck, module_template=template)
+
+
+@pytest.mark.parametrize(
+    ("held", "loaded_as"),
+    [
+        ("model.layers.1.self_attn.k_proj.output_scale", "model.layers.1.self_attn.k_scale"),  # older llm-compressor
+        ("model.layers.1.self_attn.v_proj.v_scale", "model.layers.1.self_attn.v_scale"),  # ModelOpt
+        ("model.layers.1.self_attn.kv_scale", "model.layers.1.self_attn.k_scale"),  # deprecated single scale
+        ("model.layers.1.self_attn.attn.v_scale", "model.layers.1.self_attn.v_scale"),  # vLLM's parameter name
+    ],
+)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoint_holding_scales_under_names_vllm_maps_is_refused(fp8, tmp_path, held, loaded_as, sharded):
+    """vLLM loads a checkpoint's KV scales under several names into one attention parameter (get_cache_scale:
+    k_proj.output_scale -> attn.k_scale; maybe_remap_kv_scale_name: k_proj.k_scale, kv_scale, ...). Only the
+    exported names were compared: a checkpoint holding model.layers.1.self_attn.k_proj.output_scale = 1.0 was
+    exported, and vLLM's loader restated (files in sorted order) served that 1.0 over the calibrated scale
+    (0.00138 on a 2-layer Llama). Refused, as a scale under the exported name is."""
+    from safetensors.torch import save_file
+
+    model, _, cal, _ = fp8
+    ck = tmp_path / "ck"
+    model.save_pretrained(ck, **({"max_shard_size": "60KB"} if sharded else {}))
+    state = {held: torch.tensor([1.0])}
+    if sharded:  # the scale in a shard of its own, named by the index
+        save_file(state, str(ck / "old-scales.safetensors"), metadata={"format": "pt"})
+        _edit_json(ck / "model.safetensors.index.json",
+                   lambda x: {**x, "weight_map": {**x["weight_map"], held: "old-scales.safetensors"}})  # fmt: skip
+    else:
+        state.update(load_file(str(ck / "model.safetensors")))
+        save_file(state, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    where = r"model\.safetensors\.index\.json already maps" if sharded else r"model\.safetensors already holds"
+    found = re.escape(f"['{held}' (vLLM loads it as '{loaded_as}')")  # kv_scale: then as v_scale too
+    with pytest.raises(ValueError, match=rf"{where} {found}[,\]]"):
+        export_vllm(cal, tmp_path / "out", checkpoint=ck)
+    assert not (tmp_path / "out").exists()

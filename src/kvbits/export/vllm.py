@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import string
 import tempfile
 from pathlib import Path
@@ -49,6 +50,7 @@ import torch
 from kvbits._files import chmod_default
 from kvbits._json import describe, json_object, mapping
 from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
+from kvbits.plan.config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +186,12 @@ def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) ->
     ``(H_kv, 1, 1)`` per head (llm-compressor's layout; vLLM flattens it).
 
     Module names come from the artifact (``calibrate`` records the attention modules' qualified
-    names) or ``module_template`` (default ``model.layers.{i}.self_attn``).
+    names) or ``module_template`` (default ``model.layers.{i}.self_attn``). ``ValueError`` for an artifact
+    vLLM can not use (``check_exportable``) or whose tensors do not match its scheme and model
+    (``CalibrationArtifact.validate``: an artifact built or edited in memory with a NaN, zero or misshapen scale).
     """
     check_exportable(art)
+    art.validate()  # load_calibration validates what it reads; an artifact built or edited in memory was not
     out: dict[str, torch.Tensor] = {}
     for i, name in enumerate(_module_names(art, module_template)):
         for side, short in (("key", "k"), ("value", "v")):
@@ -271,12 +276,11 @@ def _servable(
     if index_path.is_file():
         index = _read_json_object(index_path, 'a safetensors index {"weight_map": {tensor: file}}')
         mapping(index.get("weight_map", {}), f"{index_path}: weight_map", "an object {tensor name: file}")
-        clash = sorted(
-            n for n in scales if n in index.get("weight_map", {}) and index["weight_map"][n] != SCALES_FILE
-        )
+        held = _held_scales({n: f for n, f in index.get("weight_map", {}).items() if f != SCALES_FILE})
+        clash = sorted(n for n in scales if n in held)
         if clash:
             raise ValueError(
-                f"{index_path} already maps {clash[:3]} to another file; refusing to shadow them"
+                f"{index_path} already maps {_held_names(clash, held)} to another file; refusing to shadow them"
             )
         tensors = set(index.get("weight_map", {}))
     elif not list(checkpoint.glob("*.safetensors")):
@@ -286,14 +290,15 @@ def _servable(
     else:
         # no index: vLLM loads every *.safetensors file, so a scale already in one would be loaded twice
         # (whichever file it reads last wins)
-        held = _safetensors_names(checkpoint)
+        names = _safetensors_names(checkpoint)
+        held = _held_scales(names)
         clash = sorted(n for n in scales if n in held)
         if clash:
             raise ValueError(
-                f"{held[clash[0]]} already holds {clash[:3]}; vLLM loads every *.safetensors file of a checkpoint "
-                "without an index, so the exported scales would shadow them or be shadowed: refusing"
+                f"{held[clash[0]][1]} already holds {_held_names(clash, held)}; vLLM loads every *.safetensors file "
+                "of a checkpoint without an index, so the exported scales would shadow them or be shadowed: refusing"
             )
-        tensors = set(held)
+        tensors = set(names)
     if (checkpoint / SCALES_FILE).exists():
         raise ValueError(f"{checkpoint} already holds {SCALES_FILE}; export from the original checkpoint")
     _check_modules(scales, tensors, checkpoint)
@@ -321,6 +326,36 @@ def _servable(
     return {"linked": linked, "written": [*written, SCALES_FILE]}
 
 
+# checkpoint tensor names vLLM loads into an attention layer's k_scale / v_scale (its get_cache_scale and
+# maybe_remap_kv_scale_name), most specific first, with the exported name each stands for
+_SCALE_ALIASES = (
+    (re.compile(r"\.attn\.([kv])_scale$"), (r".\1_scale",)),  # vLLM's own parameter name
+    (re.compile(r"\.([kv])_proj\.output_scale$"), (r".\1_scale",)),  # older llm-compressor checkpoints
+    (re.compile(r"\.(?:[kv]|qkv)_proj\.([kv])_scale$"), (r".\1_scale",)),  # ModelOpt, fused QKV
+    (re.compile(r"\.kv_scale$"), (".k_scale", ".v_scale")),  # the deprecated single scale, loaded as both
+    (re.compile(r"\.([kv])_scale$"), (r".\1_scale",)),  # as exported (llm-compressor's current names)
+)
+
+
+def _held_scales(tensors: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """``{exported scale name: (tensor, file)}`` of the ``tensors`` (``{name: file}``) vLLM would load into that
+    scale's parameter: the K/V scales a checkpoint already carries, under any of the names vLLM maps."""
+    held: dict[str, tuple[str, str]] = {}
+    for name, file in tensors.items():
+        for pattern, targets in _SCALE_ALIASES:
+            if pattern.search(name):
+                for target in targets:
+                    held.setdefault(pattern.sub(target, name), (name, file))
+                break
+    return held
+
+
+def _held_names(clash: list[str], held: dict[str, tuple[str, str]]) -> str:
+    """The checkpoint's tensors behind (up to three of) the exported names ``clash``, as a list."""
+    found = [repr(held[n][0]) + ("" if held[n][0] == n else f" (vLLM loads it as {n!r})") for n in clash[:3]]
+    return f"[{', '.join(found)}]"
+
+
 def _safetensors_names(checkpoint: Path) -> dict[str, str]:
     """``{tensor name: file name}`` over the ``*.safetensors`` files of ``checkpoint`` (their headers only)."""
     from safetensors import safe_open
@@ -336,8 +371,9 @@ def _safetensors_names(checkpoint: Path) -> dict[str, str]:
 
 
 def _check_modules(scales: dict[str, torch.Tensor], tensors: set[str], checkpoint: Path) -> None:
-    """``ValueError`` unless each attention module a scale names (``{module}.k_scale``) has tensors in the
-    checkpoint: vLLM skips a scale of no module it has (a warning) and serves that layer at scale 1.0."""
+    """``ValueError`` unless each module a scale names (``{module}.k_scale``) is an attention module of the
+    checkpoint, one with a ``k_proj`` (as calibration requires): vLLM loads ``{module}.k_scale`` into
+    ``{module}.attn.k_scale``, skips a scale of no such parameter (a warning) and serves that layer at scale 1.0."""
     modules = sorted({n.rsplit(".", 1)[0] for n in scales})
     prefixes = {t.rsplit(".", i)[0] for t in tensors for i in range(1, t.count(".") + 1)}
     missing = [m for m in modules if m not in prefixes]
@@ -347,6 +383,14 @@ def _check_modules(scales: dict[str, torch.Tensor], tensors: set[str], checkpoin
             f"{len(missing)} of {len(modules)} attention modules the scales are named for are not in {checkpoint} "
             f"(e.g. {missing[0]!r}); vLLM would skip those scales and serve at scale 1.0. Modules of the checkpoint "
             f"ending alike: {near or 'none'}; set --module-template to the checkpoint's names"
+        )
+    other = [m for m in modules if f"{m}.k_proj" not in prefixes]
+    if other:
+        attention = sorted(p.rsplit(".", 1)[0] for p in prefixes if p.endswith(".k_proj"))[:3]
+        raise ValueError(
+            f"{len(other)} of {len(modules)} modules the scales are named for are in {checkpoint} but are not attention "
+            f"modules (e.g. {other[0]!r} has no k_proj); vLLM would skip those scales and serve at scale 1.0. "
+            f"Attention modules of the checkpoint: {attention or 'none'}; set --module-template to their names"
         )
 
 
@@ -385,7 +429,7 @@ def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path)
     the model ``art`` was calibrated on: the layers and KV heads, then every other field the artifact records
     (``model_type``, ``num_attention_heads``, ``head_dim``, ``hidden_size``, ``vocab_size``; those it records as
     None, as an artifact fitted from samples does, are not compared)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     layers = text.get("num_hidden_layers")
     kv_key = "num_key_value_heads" if "num_key_value_heads" in text else "num_attention_heads"
     kv = text.get(kv_key)
@@ -397,9 +441,25 @@ def _check_config(config: dict[str, Any], art: CalibrationArtifact, where: Path)
     if kv is not None and kv != art.num_kv_heads:
         raise ValueError(f"{where}: {kv} KV heads, the calibration has {art.num_kv_heads}; wrong model?")
     try:
-        art.check_model(config, known_only=True)
+        art.check_model(text, known_only=True)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields of a checkpoint's parsed ``config.json`` as transformers (and vLLM) read them: the
+    config transformers builds from it, defaults filled in. A composite model's nested ``text_config`` is saved
+    as its difference from the text model's defaults (llava-hf/llava-1.5-7b-hf's names no layer or head count:
+    Llama's 32 and 32). Where transformers can not build it (a model type it does not know, a field of the wrong
+    type), the JSON's own ``text_config`` or the config itself, checked as written."""
+    try:
+        from transformers import AutoConfig
+
+        full = AutoConfig.for_model(**config)
+    except Exception:  # noqa: BLE001 - unknown model_type (ValueError), strict validation (huggingface_hub errors)
+        text = config.get("text_config")
+        return text if isinstance(text, dict) else config
+    return dict(text_config(full).to_dict())
 
 
 def export_vllm(
