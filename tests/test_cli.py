@@ -332,6 +332,35 @@ def test_an_out_that_can_not_be_written_is_refused_before_the_run(capsys, tmp_pa
 
 
 @pytest.mark.parametrize(
+    ("command", "args"),
+    [
+        ("eval", ["--scheme", "int4-token"]),
+        ("analyze", []),
+        ("calibrate", ["--scheme", "kvquant-4"]),
+        ("needle", ["--scheme", "int4-token", "--context", "1k"]),
+        ("speed", ["--scheme", "int4-token", "--context", "1k"]),
+        ("tune", ["--candidates", "int8-token", "--candidates", "int4-token", "--budget-bits", "6"]),
+        ("export", ["--calibration", "cal"]),
+    ],
+)
+def test_an_empty_out_is_refused_before_the_run(capsys, tmp_path, command, args):
+    """``--out ""`` (``--out "$DIR"`` with DIR unset) passed the checks: ``kvbits eval`` wrote its whole run into the
+    working folder and printed ``wrote /summary.json, report.md, report.html``; ``speed``, ``needle`` and
+    ``analyze`` ran to the end, wrote nothing and exited 0."""
+    model = [] if command == "export" else ["--model", str(tmp_path / "no-such-model"), "--data", "x.txt"]
+    status = main([command, *model, *args, "--out", ""])
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits {command}: error: --out is empty; expected a" in err, err
+    assert "no-such-model" not in err
+
+
+def test_an_empty_monitor_output_file_is_refused(capsys, tmp_path):
+    argv = ["monitor", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "kivi-2"]
+    assert main([*argv, "--events", " "]) == 2
+    assert "kvbits monitor: error: --events is empty; expected a file path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("content", "message"),
     [
         (None, "does not exist"),
