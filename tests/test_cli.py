@@ -464,6 +464,19 @@ def test_bounded_arguments_are_usage_errors(capsys, argv, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_negative_eval_seed_is_refused_before_the_run(capsys, tmp_path):
+    """``kvbits eval --seed -1`` loaded the model, ran the reference and every scheme over every window, then failed
+    in numpy's bootstrap with ``expected non-negative integer`` (16 s on a 2-layer test model; an 8K run takes
+    minutes), leaving a folder with config.json alone; ``evaluate(seed=-1)`` alike."""
+    from kvbits.evaluate.runner import evaluate
+
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "fp16", "--seed", "-1"])
+    assert e.value.code == 2 and "argument --seed: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0, got -1"):
+        evaluate(str(tmp_path / "no-such-model"), str(tmp_path / "x.txt"), 64, ["int4-token"], seed=-1)
+
+
 def _subcommands() -> list[str]:
     parser = cli.build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
