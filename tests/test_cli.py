@@ -136,6 +136,25 @@ def test_plan_default_schemes_gpu_and_per_layer(capsys):
     assert "the reserve is below it" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--weights-gib", "1"], "--weights-gib applies"),
+        (["--reserve-gib", "2"], "--reserve-gib applies"),
+        (["--weights-gib", "1", "--reserve-gib", "0"], "--weights-gib and --reserve-gib apply"),
+    ],
+)
+def test_plan_budget_flags_without_gpu_mem_are_usage_errors(capsys, extra, named):
+    """``--weights-gib`` and ``--reserve-gib`` enter only the GPU budget: without ``--gpu-mem`` the plan ignored them
+    (exit 0, the same table as without them; --weights-gib only at -v, as an INFO line)."""
+    assert main(["plan", *WORKED, "--scheme", "fp16", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbits plan: error: ") and f"{named} to the GPU budget alone: add --gpu-mem GIB" in err, err
+    budget = ["--gpu-mem", "200", "--weights-gib", "1", "--reserve-gib", "2", "--json"]
+    rows = run_json(capsys, ["plan", *WORKED, "--scheme", "fp16", *budget])
+    assert (rows[0]["weights_bytes"], rows[0]["reserve_bytes"]) == (2**30, 2 * 2**30)
+
+
 def test_plan_from_config_file_with_override(tmp_path, capsys):
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512}
     path = tmp_path / "config.json"
