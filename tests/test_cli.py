@@ -678,3 +678,15 @@ def test_eval_says_where_it_wrote(tmp_path, capsys, monkeypatch):
             "--no-progress", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}/summary.json, report.md, report.html")
+
+
+@pytest.mark.parametrize("scheme", ["vllm-int4,30=fp16", "fp8-e4m3,24-25=bf16", "fp16,30=vllm-int8"])
+def test_export_scheme_refuses_layers_past_the_given_count(capsys, scheme):
+    """``kvbits export --scheme "vllm-int4,30=fp16" --layers 24`` printed ``--kv-cache-dtype-skip-layers 30`` (exit 0):
+    ``--layers`` was checked only for an unquantized base, so a layer past the model (a typo for 3 or 20) went to
+    vLLM, and the layer meant to stay unquantized was quantized."""
+    assert main(["export", "--scheme", scheme, "--layers", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "kvbits export: error: mixed scheme" in err and "beyond the given 24 layers" in err, err
+    assert main(["export", "--scheme", "vllm-int4,23=fp16", "--layers", "24", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [23]
