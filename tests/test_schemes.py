@@ -174,3 +174,12 @@ def test_a_python_spec_of_codes_without_fmt_equals_the_presets():
     spec = {"kind": "int", "bits": 4, "fmt": "fp16"}
     named = get_scheme({"name": "int4-token", "key": spec, "value": spec})
     assert named.key == get_scheme("int4-token").key and TensorSpec.from_dict(named.key.to_dict()) == named.key
+
+
+def test_a_scheme_file_that_is_not_text_is_named_in_the_error(tmp_path):
+    """A ``--scheme x.json`` holding binary bytes (a safetensors file renamed, a UTF-16 export) failed with
+    ``'utf-8' codec can't decode byte 0xff in position 0: invalid start byte``, naming no file."""
+    path = tmp_path / "mix.json"
+    path.write_bytes(b"\xff\xfe{\x00}\x00")
+    with pytest.raises(ValueError, match=r"mix\.json is not a valid kvbits scheme JSON: 'utf-8' codec"):
+        get_scheme(str(path))
