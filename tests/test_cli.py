@@ -313,6 +313,16 @@ def test_analyze_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_
     assert out.read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("extra", [["--plot-layer", "0"], ["--plot-head", "1"]])
+def test_analyze_plot_flags_without_out_are_usage_errors_before_loading(capsys, tmp_path, extra):
+    """``--plot-layer`` / ``--plot-head`` pick the heatmap kvbits analyze writes to ``--out``; without --out the
+    model loaded, the analysis ran and the flags were ignored (exit 0, no plot anywhere)."""
+    status = main(["analyze", "--model", str(tmp_path / "no-such-model"), *extra])
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits analyze: error: {extra[0]} choose the heatmap written to --out" in err, err
+    assert "no-such-model" not in err
+
+
 def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
     """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
     out = tmp_path / "notes.txt"
