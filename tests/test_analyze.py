@@ -282,6 +282,23 @@ def test_every_family_the_hooks_read_right_passes_the_probe():
         verify_taps(model, torch.randint(1, 64, (1, 20)), key_tables)
 
 
+def test_the_probe_reads_the_cache_without_a_deprecation_warning(monkeypatch):
+    """The probe asked the model output for ``past_key_values`` first, which transformers 5.24+ answers with
+    "`past_key_values`/`cache_params` are deprecated. Use `cache` instead." on stderr: a line on every kvbits
+    analyze and kvbits calibrate run."""
+    from transformers.utils import generic
+
+    from kvbits.analyze.verify import verify_taps
+
+    said: list[str] = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: said.append(str(msg)))
+    model = tiny_llama()
+    tables = RotaryTables.from_model(model)
+    key_tables = [tables.tables_for_layer(s.layer_idx) for s in attention_sites(model)]
+    verify_taps(model, torch.randint(1, model.config.vocab_size, (1, 20)), key_tables)
+    assert not [m for m in said if "deprecated" in m], said
+
+
 def test_non_finite_kv_anywhere_in_a_window_is_refused():
     """A NaN embedding row used at position 190 of a 200-token window (outside the sample's whole blocks): before,
     nothing was said, absmax turned NaN, no outlier channel was found and the recommendation flipped from

@@ -136,6 +136,25 @@ def test_plan_default_schemes_gpu_and_per_layer(capsys):
     assert "the reserve is below it" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--weights-gib", "1"], "--weights-gib applies"),
+        (["--reserve-gib", "2"], "--reserve-gib applies"),
+        (["--weights-gib", "1", "--reserve-gib", "0"], "--weights-gib and --reserve-gib apply"),
+    ],
+)
+def test_plan_budget_flags_without_gpu_mem_are_usage_errors(capsys, extra, named):
+    """``--weights-gib`` and ``--reserve-gib`` enter only the GPU budget: without ``--gpu-mem`` the plan ignored them
+    (exit 0, the same table as without them; --weights-gib only at -v, as an INFO line)."""
+    assert main(["plan", *WORKED, "--scheme", "fp16", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbits plan: error: ") and f"{named} to the GPU budget alone: add --gpu-mem GIB" in err, err
+    budget = ["--gpu-mem", "200", "--weights-gib", "1", "--reserve-gib", "2", "--json"]
+    rows = run_json(capsys, ["plan", *WORKED, "--scheme", "fp16", *budget])
+    assert (rows[0]["weights_bytes"], rows[0]["reserve_bytes"]) == (2**30, 2 * 2**30)
+
+
 def test_plan_from_config_file_with_override(tmp_path, capsys):
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512}
     path = tmp_path / "config.json"
@@ -294,6 +313,16 @@ def test_analyze_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_
     assert out.read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("extra", [["--plot-layer", "0"], ["--plot-head", "1"]])
+def test_analyze_plot_flags_without_out_are_usage_errors_before_loading(capsys, tmp_path, extra):
+    """``--plot-layer`` / ``--plot-head`` pick the heatmap kvbits analyze writes to ``--out``; without --out the
+    model loaded, the analysis ran and the flags were ignored (exit 0, no plot anywhere)."""
+    status = main(["analyze", "--model", str(tmp_path / "no-such-model"), *extra])
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits analyze: error: {extra[0]} choose the heatmap written to --out" in err, err
+    assert "no-such-model" not in err
+
+
 def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
     """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
     out = tmp_path / "notes.txt"
@@ -329,6 +358,35 @@ def test_an_out_that_can_not_be_written_is_refused_before_the_run(capsys, tmp_pa
     err = capsys.readouterr().err
     assert status == 2 and f"--out {out}: can not write there ({blocker} is a file, not a folder)" in err, err
     assert "no-such-model" not in err and "Errno" not in err and blocker.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "args"),
+    [
+        ("eval", ["--scheme", "int4-token"]),
+        ("analyze", []),
+        ("calibrate", ["--scheme", "kvquant-4"]),
+        ("needle", ["--scheme", "int4-token", "--context", "1k"]),
+        ("speed", ["--scheme", "int4-token", "--context", "1k"]),
+        ("tune", ["--candidates", "int8-token", "--candidates", "int4-token", "--budget-bits", "6"]),
+        ("export", ["--calibration", "cal"]),
+    ],
+)
+def test_an_empty_out_is_refused_before_the_run(capsys, tmp_path, command, args):
+    """``--out ""`` (``--out "$DIR"`` with DIR unset) passed the checks: ``kvbits eval`` wrote its whole run into the
+    working folder and printed ``wrote /summary.json, report.md, report.html``; ``speed``, ``needle`` and
+    ``analyze`` ran to the end, wrote nothing and exited 0."""
+    model = [] if command == "export" else ["--model", str(tmp_path / "no-such-model"), "--data", "x.txt"]
+    status = main([command, *model, *args, "--out", ""])
+    err = capsys.readouterr().err
+    assert status == 2 and f"kvbits {command}: error: --out is empty; expected a" in err, err
+    assert "no-such-model" not in err
+
+
+def test_an_empty_monitor_output_file_is_refused(capsys, tmp_path):
+    argv = ["monitor", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "kivi-2"]
+    assert main([*argv, "--events", " "]) == 2
+    assert "kvbits monitor: error: --events is empty; expected a file path" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -433,6 +491,19 @@ def test_bounded_arguments_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_negative_eval_seed_is_refused_before_the_run(capsys, tmp_path):
+    """``kvbits eval --seed -1`` loaded the model, ran the reference and every scheme over every window, then failed
+    in numpy's bootstrap with ``expected non-negative integer`` (16 s on a 2-layer test model; an 8K run takes
+    minutes), leaving a folder with config.json alone; ``evaluate(seed=-1)`` alike."""
+    from kvbits.evaluate.runner import evaluate
+
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "fp16", "--seed", "-1"])
+    assert e.value.code == 2 and "argument --seed: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0, got -1"):
+        evaluate(str(tmp_path / "no-such-model"), str(tmp_path / "x.txt"), 64, ["int4-token"], seed=-1)
 
 
 def _subcommands() -> list[str]:
@@ -617,3 +688,15 @@ def test_eval_says_where_it_wrote(tmp_path, capsys, monkeypatch):
             "--no-progress", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}/summary.json, report.md, report.html")
+
+
+@pytest.mark.parametrize("scheme", ["vllm-int4,30=fp16", "fp8-e4m3,24-25=bf16", "fp16,30=vllm-int8"])
+def test_export_scheme_refuses_layers_past_the_given_count(capsys, scheme):
+    """``kvbits export --scheme "vllm-int4,30=fp16" --layers 24`` printed ``--kv-cache-dtype-skip-layers 30`` (exit 0):
+    ``--layers`` was checked only for an unquantized base, so a layer past the model (a typo for 3 or 20) went to
+    vLLM, and the layer meant to stay unquantized was quantized."""
+    assert main(["export", "--scheme", scheme, "--layers", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "kvbits export: error: mixed scheme" in err and "beyond the given 24 layers" in err, err
+    assert main(["export", "--scheme", "vllm-int4,23=fp16", "--layers", "24", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip_layers"] == [23]

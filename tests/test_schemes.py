@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from kvbits.plan import ModelShape, plan
-from kvbits.schemes import KVScheme, get_scheme
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 from kvbits.schemes.presets import MAX_LAYERS
 
 # ------------------------------------------------------------------------------ mixed-scheme layer ranges
@@ -156,3 +156,30 @@ def test_spaces_around_a_mixed_schemes_parts_are_not_part_of_the_names():
     for spec in ("int4-token,0= fp16", "int4-token, 0 = fp16 ", "int4-token,0=fp16"):
         s = get_scheme(spec)
         assert s.for_layer(0).name == "fp16" and s.for_layer(1).key == get_scheme("int4-token").key
+
+
+def test_a_python_spec_of_codes_without_fmt_equals_the_presets():
+    """``TensorSpec(kind="int", ...)`` written in Python without ``fmt=None`` kept the dataclass default ``"fp16"``,
+    so it stored what the preset stores yet compared unequal to it: ``kvbits export`` refused a scheme of
+    ``vllm-int8``'s own specs ("vLLM has no KV-cache format storing 'mine'"), a calibration made for
+    ``kvquant-4`` was refused for the same specs, and a scheme JSON with ``"fmt": "fp16"`` named ``int4-token``
+    was refused as differing from the preset."""
+    from kvbits.export.vllm_flags import vllm_cache_args
+
+    k = TensorSpec(kind="int", bits=8, symmetric=True, rounding="trunc", scale_dtype="fp32")
+    assert k.fmt is None and k == get_scheme("vllm-int8").key and "fmt" in k.to_dict()
+    assert vllm_cache_args(KVScheme("mine", key=k, value=k)).kv_cache_dtype == "int8_per_token_head"
+    nuq = TensorSpec(kind="nuq", bits=4, granularity="channel", static=True, outlier_frac=0.01, pre_rope=True)
+    assert nuq == get_scheme("kvquant-4").key
+    spec = {"kind": "int", "bits": 4, "fmt": "fp16"}
+    named = get_scheme({"name": "int4-token", "key": spec, "value": spec})
+    assert named.key == get_scheme("int4-token").key and TensorSpec.from_dict(named.key.to_dict()) == named.key
+
+
+def test_a_scheme_file_that_is_not_text_is_named_in_the_error(tmp_path):
+    """A ``--scheme x.json`` holding binary bytes (a safetensors file renamed, a UTF-16 export) failed with
+    ``'utf-8' codec can't decode byte 0xff in position 0: invalid start byte``, naming no file."""
+    path = tmp_path / "mix.json"
+    path.write_bytes(b"\xff\xfe{\x00}\x00")
+    with pytest.raises(ValueError, match=r"mix\.json is not a valid kvbits scheme JSON: 'utf-8' codec"):
+        get_scheme(str(path))

@@ -207,14 +207,16 @@ def emit_summary(
 
 
 def check_output_path(path: str | os.PathLike[str] | None, flag: str, kind: str = "folder") -> None:
-    """``ValueError`` before a run when its output can not be written: ``path`` (a ``kind`` of "folder" or
-    "file") exists as the other kind, or its nearest existing ancestor is not a folder this process can
+    """``ValueError`` before a run when its output can not be written: ``path`` is empty (a shell variable left
+    unset), or (a ``kind`` of "folder" or "file") exists as the other kind, or its nearest existing ancestor is not a folder this process can
     write (missing folders are created on write). None: nothing to check. What a finished run would
     otherwise trip on after minutes or hours of work."""
     if path is None:
         return
     if kind not in ("folder", "file"):
         raise ValueError(f"kind must be 'folder' or 'file', got {kind!r}")
+    if not os.fspath(path).strip():  # "--out $DIR" with DIR unset: Path("") is the working folder, or nothing written
+        raise ValueError(f"{flag} is empty; expected a {kind} path")
     p = Path(path).expanduser()
     if kind == "folder" and p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a folder")

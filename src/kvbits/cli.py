@@ -272,7 +272,7 @@ def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--weights-gib", type=_gib, metavar="GIB", help="weights memory (default: estimated from the config)"
     )
     gpu.add_argument(
-        "--reserve-gib", type=_gib, default=0.0, metavar="GIB", help="memory kept free (default 0)"
+        "--reserve-gib", type=_gib, metavar="GIB", help="memory kept free (default 0)"
     )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON list of plans instead of a table")
@@ -332,6 +332,11 @@ def _default_schemes(shape: Any) -> list[str]:
 def _plan_run(args: argparse.Namespace) -> int:
     from kvbits.plan import plan
 
+    given = [flag for flag, value in (("--weights-gib", args.weights_gib), ("--reserve-gib", args.reserve_gib))
+             if value is not None]  # fmt: skip
+    if given and args.gpu_mem is None:  # they only enter the GPU budget: the plan would ignore them without a word
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{' and '.join(given)} {verb} to the GPU budget alone: add --gpu-mem GIB")
     shape = _plan_shape(args)
     results = plan(
         shape,
@@ -340,7 +345,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         scheme=list(args.scheme or _default_schemes(shape)),
         gpu_mem_gib=args.gpu_mem,
         weights_gib=args.weights_gib,
-        reserve_gib=args.reserve_gib,
+        reserve_gib=args.reserve_gib or 0.0,
         fused_decode=args.fused_decode,
     )
     assert isinstance(results, list)

@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.evaluate.request import check_device
 
     check_device(args.device, DEVICES)  # before the model loads
+    plot = [f for f, v in (("--plot-layer", args.plot_layer), ("--plot-head", args.plot_head)) if v is not None]
+    if plot and args.out is None:  # the heatmap is written to --out only: the flags would be ignored
+        raise ValueError(f"{' and '.join(plot)} choose the heatmap written to --out: add --out DIR")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} exists and is not a folder; expected a folder for the outputs")
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after

@@ -59,7 +59,9 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
     device = next(model.parameters()).device
     with kv_hooks(model, keep) as sites:
         out = model(input_ids=ids[:1, :n].to(device), use_cache=True, **last_logits_only(model))
-    cache = out.get("past_key_values") or out.get("cache")
+    # "cache" from transformers 5.24, "past_key_values" before: asking for the old name first (even `in`) logs
+    # transformers' deprecation warning on every kvbits analyze and calibrate run
+    cache = out.get("cache") if "cache" in out else out.get("past_key_values")
     layers = getattr(cache, "layers", None)
     if layers is None:
         logger.debug("the model returned no cache with layers (%s): hooks not verified", type(cache).__name__)

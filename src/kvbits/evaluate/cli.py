@@ -155,7 +155,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=256,
         help="queries per simulated attention chunk (default 256)",
     )
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument("--seed", type=bounded(int, 0), default=0, help="bootstrap seed (default 0)")
     p.add_argument(
         "--threads",
         type=_positive,

@@ -74,6 +74,7 @@ from kvbits.evaluate.inputs import (
     _load_checked_model,
     _load_windows,
     _model_arg,
+    check_int,
 )
 from kvbits.evaluate.measures import (
     _mismatch,
@@ -222,7 +223,7 @@ def evaluate(
         dtype: model dtype (``"float32"``, ``"bfloat16"``) when loading or converting the model.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); refused when this torch can not use it.
         chunk_size: queries per attention chunk in the simulator.
-        seed: bootstrap seed.
+        seed: bootstrap seed, an int >= 0.
         progress: show a rich progress bar on stderr.
         argv: the command line, recorded in ``config.json``.
         on_skip: called with the stored summary when a finished run is reused.
@@ -255,6 +256,7 @@ def evaluate(
     check_model_arg(model, "evaluate")
     ranks = resolve_ranks(distributed)
     generate = check_generate(generate)
+    seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
     resolved = resolve_schemes(schemes)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if mode == "stream" and attn_layers:

@@ -116,10 +116,7 @@ def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[in
             f"as {_FORMATS[fmt]} with every other layer skipped, which needs the model's layer count: give it "
             "(kvbits export --scheme S --layers N; a kvbits tune record has it as meta.layers)"
         )
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    s.check_layer_count(num_layers, "the given")
-    return fmt, [i for i in range(num_layers) if i not in quantized]
+    return fmt, [i for i in range(num_layers) if i not in quantized]  # num_layers checked by vllm_cache_args
 
 
 def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None) -> VllmCacheArgs:
@@ -128,9 +125,14 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
 
     Layers are matched by what they store, not by name: a scheme JSON equal to a preset maps as the preset.
     ``num_layers``: the model's layer count, needed (only) by an unquantized base whose overrides store one vLLM
-    format (``vllm-int4`` on some layers of an ``fp16`` mix): every layer no override names is skipped.
+    format (``vllm-int4`` on some layers of an ``fp16`` mix): every layer no override names is skipped. Given with any
+    other scheme, an override of a layer ``>= num_layers`` is refused.
     """
     s = get_scheme(scheme)
+    if num_layers is not None:  # given, it is checked whatever the base: a skipped layer past the model is a typo
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        s.check_layer_count(num_layers, "the given")
     flipped = _quantized_layers(s, num_layers)
     if flipped is not None:
         fmt, skipped = flipped

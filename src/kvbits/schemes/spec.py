@@ -53,6 +53,7 @@ class TensorSpec:
             ``"fp8"`` (torch float8 with a scale) or ``"nuq"`` (non-uniform codebook, calibrated).
         bits: bits per element of the codes: 16/32 for float, 2/3/4/8 for int, 8 for fp8, 2/3/4 for nuq.
         fmt: float format for ``kind="float"`` (``fp16``, ``bf16``, ``fp32``) or ``fp8`` (``e4m3``, ``e5m2``).
+            None for ``int`` / ``nuq`` codes (the default ``"fp16"`` left there becomes None).
         granularity: see the module docstring (``"token"``, the default, for float specs, which have no scales).
         group_size: channels per scale group (token granularity; ``None`` = all of ``D``) or tokens per
             scale group (channel granularity; required).
@@ -146,6 +147,10 @@ class TensorSpec:
             raise ValueError(
                 f"a {self.kind} TensorSpec stores codes, not a float format: fmt must be None, got {self.fmt!r}"
             )
+        if self.kind in ("int", "nuq") and self.fmt is not None:
+            # the dataclass default, left unset: stored as the presets' None, so a spec that stores what a preset
+            # stores equals it (calibration checks, vLLM export and preset names compare specs field by field)
+            object.__setattr__(self, "fmt", None)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.group_size is not None and (
