@@ -59,7 +59,9 @@ __all__ = [
     "IMPLEMENTATION",
     "SEMANTICS",
     "Simulation",
+    "first_quantizing_context",
     "quantized_bounds",
+    "quantized_keys_seen",
     "simulate",
     "simulated_kv",
 ]
@@ -179,6 +181,45 @@ def quantized_bounds(
     if prompt_len > 0:
         hi = torch.where(positions < prompt_len, lo, hi)
     return lo, hi
+
+
+def quantized_keys_seen(model: Any, scheme: KVScheme, n_tokens: int) -> int:
+    """Keys, summed over ``model``'s attention layers, that the last scored query of a window of ``n_tokens``
+    tokens (position ``n_tokens - 2``, which predicts the last token) sees stored quantized (cast, for an
+    identity layer) by :func:`quantized_bounds`, the simulator's and the cache's rule, in either semantics.
+
+    0 means the scheme changed nothing that is scored: its sinks and full-precision window hold every token the
+    window's predictions attend to (``kivi-2``, 128 exact tokens, at a context of 128), or every layer is a
+    sliding one too short for its buffer. Once a layer holds a quantized key it keeps one in view for every later
+    query, so the last scored query decides. Layers' windows are read as the simulator reads them.
+    """
+    t = n_tokens - 2
+    if t < 0:
+        return 0
+    pos = torch.tensor([t])
+    seen = 0
+    for m in attention_modules(model):
+        layer = scheme.for_layer(m.layer_idx)
+        window = _layer_window(m, {})
+        lo, hi = quantized_bounds(layer, pos, n_tokens, sliding_window=window)
+        oldest = 0 if window is None else max(0, t - window + 1)  # keys j > t - W are in the window
+        seen += max(0, int(hi[0]) - max(lo, oldest))
+    return seen
+
+
+def first_quantizing_context(model: Any, scheme: KVScheme, limit: int = 1 << 24) -> int | None:
+    """The shortest window (tokens) at which :func:`quantized_keys_seen` is positive, or None up to ``limit``
+    (every layer a sliding one too short for the scheme's buffer)."""
+    hi = 2
+    while quantized_keys_seen(model, scheme, hi) == 0:
+        if hi >= limit:
+            return None
+        hi = min(limit, hi * 2)
+    lo = hi // 2  # nothing seen at lo (or lo < 2); seen at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if quantized_keys_seen(model, scheme, mid) else (mid, hi)
+    return hi
 
 
 # ----------------------------------------------------------------------------------- quantizing
