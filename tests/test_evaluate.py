@@ -748,6 +748,15 @@ def test_a_scheme_that_quantizes_nothing_scored_is_named(models, caplog):
     sliding = Qwen2ForCausalLM(cfg).eval()
     assert first_quantizing_context(sliding, kivi) is None and quantized_keys_seen(sliding, kivi, 1000) == 0
     assert first_quantizing_context(sliding, SINKS) == 16 + 8 + 1  # no sinks in a sliding layer
+    # Mistral passes its window at call time only (no layer_types): the sliding reading, which quantizes earlier
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=40))  # fmt: skip
+    assert first_quantizing_context(mistral, SINKS) == 16 + 8 + 1
+    with simulate(mistral, SINKS), torch.no_grad():  # and the simulator does quantize what position 23 sees
+        h = mistral.model(_ids(25)).last_hidden_state
+    assert not torch.equal(h[0, 23], mistral.model(_ids(25)).last_hidden_state[0, 23])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -194,8 +194,8 @@ def quantized_keys_seen(model: Any, scheme: KVScheme, n_tokens: int) -> int:
     window's predictions attend to (``kivi-2``, 128 exact tokens, at a context of 128), or every layer is a
     sliding one too short for its buffer. Once a layer holds a quantized key it keeps one in view for every later
     query, so the last scored query decides. Layers' windows are read from the modules and their config
-    (``_layer_window``); a window a model passes only at call time (Mistral's ``sliding_window`` kwarg) is not
-    seen here: such a layer counts as a full one.
+    (``_layer_window``); a model that passes its window only at call time (Mistral's ``sliding_window`` kwarg,
+    no ``layer_types``) may attend either way, and the larger count is taken, so 0 is never said wrongly.
     """
     t = n_tokens - 2
     if t < 0:
@@ -204,10 +204,17 @@ def quantized_keys_seen(model: Any, scheme: KVScheme, n_tokens: int) -> int:
     seen = 0
     for m in attention_modules(model):
         layer = scheme.for_layer(m.layer_idx)
-        window = _layer_window(m, {})
-        lo, hi = quantized_bounds(layer, pos, n_tokens, sliding_window=window)
-        oldest = 0 if window is None else max(0, t - window + 1)  # keys j > t - W are in the window
-        seen += max(0, int(hi[0]) - max(lo, oldest))
+        windows = [_layer_window(m, {})]
+        config = getattr(m, "config", None)
+        passed = getattr(config, "sliding_window", None)  # what a Mistral-style layer passes at call time
+        if windows[0] is None and getattr(config, "layer_types", None) is None and isinstance(passed, int) and passed > 0:
+            windows.append(passed)
+        counts = []
+        for window in windows:
+            lo, hi = quantized_bounds(layer, pos, n_tokens, sliding_window=window)
+            oldest = 0 if window is None else max(0, t - window + 1)  # keys j > t - W are in the window
+            counts.append(max(0, int(hi[0]) - max(lo, oldest)))
+        seen += max(counts)
     return seen
 
 
