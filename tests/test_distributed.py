@@ -22,9 +22,14 @@ import numpy as np
 import pytest
 import torch
 
+from kvbits.schemes import get_scheme
+
 VOCAB = 101
 CONTEXT = 96
-SCHEMES = ["int4-token", "kivi-2"]
+# a residual window that flushes within CONTEXT: kivi-2's own 128 tokens hold a whole window of 96 in full
+# precision, so its numbers were the unquantized model's and every comparison of them held trivially
+WINDOWED = get_scheme("kivi-2").replace(name="kivi-2-r32", residual=32)
+SCHEMES = ["int4-token", WINDOWED]
 ATTN = [0, 1]
 SPAWN_TIMEOUT_S = 180  # the ranks' whole run; a hang fails the tests instead of blocking them
 
@@ -87,7 +92,7 @@ def _worker(rank: int, world: int, init_file: str, work: str) -> None:
         run("w1", model, ids, CONTEXT, SCHEMES, windows=1, out_dir=work_dir / "w1", attn_layers=ATTN)
         run("other", model, ids, CONTEXT, ["int8-token"], windows=3, out_dir=work_dir / "w3")
         run("alone", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=ATTN, distributed=False)
-        run("stream", model, ids, CONTEXT, ["kivi-2"], windows=3, mode="stream", fused_decode=True)
+        run("stream", model, ids, CONTEXT, [WINDOWED], windows=3, mode="stream", fused_decode=True)
         if rank == 1:  # a failure on one rank only
             runner.token_metrics = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom on rank 1"))
         run("fails", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=[])
@@ -131,7 +136,7 @@ def single(tmp_path_factory):
     return {
         "w3": evaluate(model, ids, CONTEXT, SCHEMES, windows=3, out_dir=work / "w3", attn_layers=ATTN),
         "w1": evaluate(model, ids, CONTEXT, SCHEMES, windows=1, out_dir=work / "w1", attn_layers=ATTN),
-        "stream": evaluate(model, ids, CONTEXT, ["kivi-2"], windows=3, mode="stream", fused_decode=True),
+        "stream": evaluate(model, ids, CONTEXT, [WINDOWED], windows=3, mode="stream", fused_decode=True),
     }, work
 
 
@@ -163,6 +168,7 @@ def test_every_rank_returns_the_single_process_summary(ranks, single, key):
     assert s0["world_size"] == 2 and single[0][key]["world_size"] == 1
     assert _numbers(s0) == _numbers(single[0][key])
     assert s0["windows"] == (1 if key == "w1" else 3)
+    assert all(r["kl"] > 0 for r in s0["results"])  # every scheme measured something
     if key == "stream":
         steps = s0["results"][0]["decode"]
         assert steps == single[0][key]["results"][0]["decode"] and steps["fused_steps"] > 0
@@ -181,8 +187,8 @@ def test_rank0_wrote_what_one_process_writes(ranks, single, key):
     dist_dir, one_dir = work / key, single[1] / key
     files = sorted(str(p.relative_to(dist_dir)) for p in dist_dir.rglob("*") if p.is_file())
     assert files == sorted(str(p.relative_to(one_dir)) for p in one_dir.rglob("*") if p.is_file())
-    assert "DONE" in files and "tokens/kivi-2.safetensors" in files
-    for name in SCHEMES:
+    assert "DONE" in files and f"tokens/{WINDOWED.name}.safetensors" in files
+    for name in ("int4-token", WINDOWED.name):
         a = load_file(str(dist_dir / "tokens" / f"{name}.safetensors"))
         b = load_file(str(one_dir / "tokens" / f"{name}.safetensors"))
         assert set(a) == set(b) == {"nll", "nll_ref", "kl", "top1"}

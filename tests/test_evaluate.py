@@ -713,6 +713,52 @@ def test_errors_visible_and_ordered(errors_run):
     assert len(ppl_ref) == 1  # one reference, shared
 
 
+def test_a_scheme_that_quantizes_nothing_scored_is_named(models, caplog):
+    """``kivi-2`` keeps its last 128 tokens in full precision and flushes 32 at a time: at a context of 128 (up to
+    160) no scored prediction attended to a quantized key, and the run reported the unquantized model's numbers
+    (KL 0.0, top-1 1.0, PPL 102.2987 = the reference's, tiny Llama) as kivi-2's at 3.0 bits, without a word. Now
+    a warning names the scheme and the shortest context that quantizes anything (161, where the KL is positive),
+    in either mode; where every layer's sliding window is shorter than the buffer, no context does."""
+    model, ids = models("llama"), _ids(161, seed=1)[0]
+    for mode in ("simulate", "stream"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvbits"):
+            r = evaluate(model, ids[:160], 160, ["kivi-2", "int4-token"], mode=mode, attn_layers=[])["results"]
+        if mode == "simulate":
+            assert r[0]["kl"] == 0 and r[0]["ppl"] == r[0]["ppl_ref"]
+        assert r[0]["kl"] < 1e-6 < r[1]["kl"]  # stream: token-by-token rounding only
+        assert "kivi-2 quantizes no key or value that a window of 160 tokens scores (it keeps 0 sink token(s) and " \
+               "the last 128 token(s) in full precision, flushing 32 at a time)" in caplog.text
+        assert "the shortest context at which it quantizes anything is 161" in caplog.text
+        assert "int4-token" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        (r,) = evaluate(model, ids, 161, ["kivi-2"], attn_layers=[])["results"]
+    assert r["kl"] > 0 and "quantizes no key" not in caplog.text
+    # sinks count as exact; a sliding layer (window 40) too short for 128 + 32 tokens stays in full precision
+    from kvbits.evaluate.simulate import first_quantizing_context, quantized_keys_seen
+
+    kivi = get_scheme("kivi-2")
+    assert first_quantizing_context(model, kivi.replace(name="k", sinks=4)) == 165
+    assert first_quantizing_context(models("qwen2"), kivi) == 161  # layer 0 is a full one
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, use_sliding_window=True, sliding_window=40, max_window_layers=0)  # fmt: skip
+    sliding = Qwen2ForCausalLM(cfg).eval()
+    assert first_quantizing_context(sliding, kivi) is None and quantized_keys_seen(sliding, kivi, 1000) == 0
+    assert first_quantizing_context(sliding, SINKS) == 16 + 8 + 1  # no sinks in a sliding layer
+    # Mistral passes its window at call time only (no layer_types): the sliding reading, which quantizes earlier
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=40))  # fmt: skip
+    assert first_quantizing_context(mistral, SINKS) == 16 + 8 + 1
+    with simulate(mistral, SINKS), torch.no_grad():  # and the simulator does quantize what position 23 sees
+        h = mistral.model(_ids(25)).last_hidden_state
+    assert not torch.equal(h[0, 23], mistral.model(_ids(25)).last_hidden_state[0, 23])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_peak_cuda_bytes_on_cuda(models):
     model = models("llama").to("cuda")
@@ -1112,7 +1158,9 @@ def test_stream_mode_counts_what_the_real_cache_clipped(caplog):
     (the runner's words); the caches it drives say nothing of their own (they said it three times)."""
     model, scheme, art = _narrow_kvquant(64)
     with caplog.at_level("WARNING", logger="kvbits"):
-        s = evaluate(model, _ids(128)[0], 128, [scheme, "kivi-4"], calibration=art, mode="stream", generate=4)
+        # int4-token: a dynamic scheme that quantizes every token (kivi-4 here kept all 128 in its residual window,
+        # so its "clips nothing" held by quantizing nothing)
+        s = evaluate(model, _ids(128)[0], 128, [scheme, "int4-token"], calibration=art, mode="stream", generate=4)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and warned[0].startswith("kvquant-4 serves 64 of 128 positions"), warned
     cal, plain = (r["calibration"] for r in s["results"])

@@ -65,6 +65,34 @@ def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
         logger.warning("%s %s.%s", scheme, "; ".join(issues), hint)
 
 
+def _warn_unquantized(model: Any, scheme: Any, context: int) -> bool:
+    """Log a warning when ``scheme`` (a kvbits scheme) quantizes nothing that a window of ``context`` tokens
+    scores (``quantized_keys_seen`` is 0: its sinks and full-precision window hold every key the predictions
+    attend to): the run would report the unquantized model's PPL and KL under the scheme's name and average bits.
+    Returns whether it warned."""
+    from kvbits.evaluate.simulate import first_quantizing_context, quantized_keys_seen
+
+    if quantized_keys_seen(model, scheme, context) > 0:
+        return False
+    need = first_quantizing_context(model, scheme)
+    longer = (
+        f"the shortest context at which it quantizes anything is {need}"
+        if need is not None
+        else "it quantizes nothing at any context on this model (every layer's sliding window is shorter than its "
+        "full-precision buffer)"
+    )
+    kept = "" if scheme.is_mixed else (
+        f" (it keeps {scheme.sinks} sink token(s) and the last {scheme.residual} token(s) in full precision, flushing "
+        f"{scheme.block} at a time)"
+    )  # fmt: skip
+    logger.warning(
+        "%s quantizes no key or value that a window of %d tokens scores%s: its PPL, KL and top-1 are the unquantized "
+        "model's, not the scheme's; %s",
+        scheme.name, context, kept, longer,
+    )  # fmt: skip
+    return True
+
+
 def _artifact_record(art: Any) -> dict[str, Any]:
     """Which calibration served a scheme: its id (as in ``config.json``), folder, and the data it saw."""
     data = (getattr(art, "meta", None) or {}).get("data") or {}

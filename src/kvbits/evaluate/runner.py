@@ -83,6 +83,7 @@ from kvbits.evaluate.measures import (
     _reset_peak_rss,
     _run_peak_rss_bytes,
     _warn_mismatch,
+    _warn_unquantized,
     add_clipping,
     add_counts,
 )
@@ -337,6 +338,10 @@ def evaluate(
         fingerprint = {"model": model_fp, "tokens": tokens_fp}
         head = LogitHead.from_model(model)
         _check_head(model, base, head, win[:1, :_HEAD_CHECK_TOKENS].to(dev))
+        if ranks.main:  # said before the run: a scheme whose buffer holds the whole window measures nothing
+            for scheme in resolved:
+                if not isinstance(scheme, PeerScheme):
+                    _warn_unquantized(model, scheme, T)
     if out is not None:
         # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
         with ranks.agree("preparing the output folder"):

@@ -202,14 +202,25 @@ def make_cache(
 
 
 def base_model(model: Any) -> Any:
-    """The decoder that returns ``last_hidden_state`` (``model.model`` of a ``*ForCausalLM``)."""
+    """The decoder that returns ``last_hidden_state`` (``model.model`` of a ``*ForCausalLM``).
+
+    ``Llama4ForCausalLM`` (and ``MllamaForCausalLM``) name a ``base_model_prefix`` (``language_model``) they do not
+    hold, so transformers' ``base_model`` and ``get_decoder()`` give the causal LM itself: its ``model`` is taken then
+    (before, every evaluation of it failed with "'MoeCausalLMOutputWithPast' object has no attribute
+    'last_hidden_state'")."""
     base = getattr(model, "base_model", None)
     if base is None or base is model:
         if hasattr(model, "get_decoder"):
             try:
-                return model.get_decoder()
+                decoder = model.get_decoder()
             except (AttributeError, NotImplementedError):
-                pass
+                decoder = model
+            if decoder is not model:
+                return decoder
+        inner = getattr(model, "model", None)
+        head = getattr(model, "get_output_embeddings", None)
+        if isinstance(inner, torch.nn.Module) and inner is not model and callable(head) and head() is not None:
+            return inner  # a causal LM: its output embedding beside the decoder
         return model
     return base
 
