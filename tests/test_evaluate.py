@@ -713,6 +713,23 @@ def test_errors_visible_and_ordered(errors_run):
     assert len(ppl_ref) == 1  # one reference, shared
 
 
+def test_bits_at_context_are_what_the_cache_stores_there(models):
+    """``avg_bits`` is the long-run figure (the full-precision window amortised away): kivi-2 read 3.0 bits at a
+    128-token context, where its cache holds every token in full precision. ``bits_at_context`` is ``kvbits
+    plan``'s ``avg_bits`` at the run's context: 16.0 there, 13.4 at 160 (one 32-token block quantized); the same
+    as ``avg_bits`` for a scheme without a window."""
+    from kvbits.plan.config import load_shape
+    from kvbits.plan.planner import plan_shape
+
+    model, ids = models("llama"), _ids(160, seed=1)[0]
+    r = {x["scheme"]: x for x in evaluate(model, ids[:128], 128, ["kivi-2", "int4-token"], attn_layers=[])["results"]}
+    assert r["kivi-2"]["avg_bits"] == 3.0 and r["kivi-2"]["bits_at_context"] == 16.0
+    assert r["int4-token"]["bits_at_context"] == pytest.approx(r["int4-token"]["avg_bits"])
+    (k,) = evaluate(model, ids, 160, ["kivi-2"], attn_layers=[])["results"]
+    assert k["bits_at_context"] == plan_shape(load_shape(model.config), "kivi-2", context=160)["avg_bits"]
+    assert 3.0 < k["bits_at_context"] < 16.0
+
+
 def test_a_scheme_that_quantizes_nothing_scored_is_named(models, caplog):
     """``kivi-2`` keeps its last 128 tokens in full precision and flushes 32 at a time: at a context of 128 (up to
     160) no scored prediction attended to a quantized key, and the run reported the unquantized model's numbers
@@ -1016,7 +1033,7 @@ def test_peer_quanto_stream(models):
     s = evaluate(model, _ids(200, seed=11)[0], 200, ["hf-quanto-int2", "int8-token"], mode="stream")
     r = {x["scheme"]: x for x in s["results"]}
     assert r["hf-quanto-int2"]["decode"] is None  # a peer's cache: no kvbits decode path to report
-    assert r["hf-quanto-int2"]["avg_bits"] == 2.5
+    assert r["hf-quanto-int2"]["avg_bits"] == 2.5 and r["hf-quanto-int2"]["bits_at_context"] is None
     assert r["hf-quanto-int2"]["kl"] > r["int8-token"]["kl"] > 0
 
 

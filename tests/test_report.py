@@ -205,6 +205,29 @@ def test_verdict_names_first_failing_bucket_and_best_tradeoff():
     assert "**int4-token** at 2K–4K (+0.80%" in verdict(_summary(), threshold=0.005)
 
 
+def test_bits_at_the_context_are_shown_beside_the_long_run_bits():
+    """A run records ``bits_at_context`` (what the cache stores at its context, full-precision window included)
+    beside the long-run ``avg_bits``. Before, the report showed the long-run figure alone: kivi-2 at 64 tokens read
+    "3.00 bits (5.3× smaller)" with nothing quantized yet. Older runs without it read n/a, and the verdict is
+    unchanged where both agree. Runs from before the field keep their table (no column)."""
+    s = _summary()
+    for r in s["results"]:
+        r["bits_at_context"] = r["avg_bits"] + (0.38 if r["scheme"] == "kivi-4" else 0.0)
+    v = verdict(s)
+    assert "**kivi-4**, 5.00 bits per element (3.2× smaller than fp16) in the long run, 5.38 at this 8,192-token " \
+           "context" in v
+    o = overall_table(s)
+    assert o.headers[1:3] == ("avg bits", "bits at context")
+    row = next(r for r in o.rows if r[0].text == "kivi-4")
+    assert [c.text for c in row[1:3]] == ["5.00", "5.38"]
+    assert "bits at context: what the cache stores" in o.caption
+    old = overall_table(_summary())  # a run from before the field
+    assert "bits at context" not in old.headers and "bits at context" not in old.caption
+    s["results"][0]["bits_at_context"] = None  # a peer cache's row in a new run
+    assert overall_table(s).rows[0][2].text == "n/a"
+    assert "in the long run" not in verdict(_summary())
+
+
 def test_verdict_in_report(full_run):
     md = full_run[1]["markdown"].read_text()
     assert verdict(RunSummary.load(full_run[0])) in md

@@ -32,7 +32,7 @@ examples:
       --scheme hf-quanto-int4 --mode stream --json
 
 --json prints exactly: {"model", "data", "context", "semantics", "mode", "windows",
-"fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "ppl", "ppl_ref", "kl",
+"fingerprint": {"model", "tokens"}, "results": [{"scheme", "avg_bits", "bits_at_context", "ppl", "ppl_ref", "kl",
 "top1", "buckets": [{"lo", "hi", "tokens", "ppl", "ppl_ref", "delta_rel", "delta_rel_ci", "kl",
 "top1"}], "attn_error": [{"layer", "buckets": [{"lo", "hi", "rel_err"}]}], "attn_entropy": [{"layer",
 "buckets": [{"lo", "hi", "entropy", "entropy_ref", "delta"}]}], "generation": {"prompt_tokens",
@@ -43,6 +43,9 @@ examples:
 "context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",
 "wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
+avg_bits: bits per element in the long run (residual window and sinks amortised away); bits_at_context: what the
+cache stores per element at this --context, metadata, sinks and the full-precision window included, as
+`kvbits plan MODEL --context N` counts it (null for peer caches): kivi-2 is 3.0 and 16 at 128 tokens.
 wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak
 resident set in bytes (getrusage ru_maxrss, model loading included; null where unavailable);
 run_peak_rss_bytes: the resident peak from the loaded model to the end of the run (Linux VmHWM

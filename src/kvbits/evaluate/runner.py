@@ -510,6 +510,7 @@ def evaluate(
         )
 
     results, records = [], []
+    shape = _plan_shape_of(model.config)
     for i, (scheme, name) in enumerate(zip(resolved, names)):
         s = summarize(per_token[name], first=first, seed=seed)
         bits = (
@@ -521,6 +522,7 @@ def evaluate(
             {
                 "scheme": name,
                 "avg_bits": bits,
+                "bits_at_context": _bits_at_context(shape, scheme, T),
                 "ppl": s["ppl"],
                 "ppl_ref": s["ppl_ref"],
                 "kl": s["kl"],
@@ -594,6 +596,32 @@ def evaluate(
                 _write_outputs(out, chash, summary, records, per_token, meta)
                 _write_report(out)
     return summary
+
+
+def _plan_shape_of(config: Any) -> Any:
+    """``kvbits plan``'s shape of the model (``kvbits.plan.config.load_shape``), or None where the planner does not
+    read the config (said in the log: ``bits_at_context`` is then null)."""
+    from kvbits.plan.config import load_shape
+
+    try:
+        return load_shape(config)
+    except (ValueError, TypeError) as e:
+        logger.info("bits_at_context not computed: kvbits plan does not read this config (%s)", e)
+        return None
+
+
+def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
+    """``kvbits plan``'s ``avg_bits`` of ``scheme`` at ``context`` tokens, one sequence: the bits per element the
+    cache stores there, metadata, sinks and the full-precision window included (in the config's dtype, as
+    ``kvbits plan MODEL --context N`` counts them). ``avg_bits`` beside it is the long-run figure
+    (``average_bits``: the window and sinks amortised away), which a short context does not reach: kivi-2 stores
+    3.0 bits per element in the long run and 16 at 128 tokens, where nothing is quantized yet. None for peer
+    caches and where the planner does not read the model's config."""
+    if shape is None or isinstance(scheme, PeerScheme):
+        return None
+    from kvbits.plan.planner import plan_shape
+
+    return float(plan_shape(shape, scheme, context=context)["avg_bits"])
 
 
 def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:

@@ -146,6 +146,7 @@ class SchemeResult:
 
     name: str
     avg_bits: float = math.nan
+    bits_at_context: float = math.nan  # what the cache stores at the run's context (NaN: not recorded)
     ppl: float = math.nan
     ppl_ref: float = math.nan
     kl: float = math.nan
@@ -209,7 +210,8 @@ class SchemeResult:
         )
         gen = d.get("generation")
         return cls(
-            name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")), ppl=_num(d.get("ppl")),
+            name=str(d.get("scheme", "?")), avg_bits=_num(d.get("avg_bits")),
+            bits_at_context=_num(d.get("bits_at_context")), ppl=_num(d.get("ppl")),
             ppl_ref=_num(d.get("ppl_ref")), kl=_num(d.get("kl")), top1=_num(d.get("top1")),
             seconds=_num(d.get("seconds")), buckets=buckets, attn=attn, entropy=entropy,
             generation=Generation.from_dict(gen) if isinstance(gen, Mapping) else None,

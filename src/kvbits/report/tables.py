@@ -137,11 +137,15 @@ def metric_table(summary: RunSummary | Mapping[str, Any], metric: str) -> TableD
 
 
 def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_THRESHOLD) -> TableData:
-    """One row per scheme: avg bits, PPL, reference PPL, ΔPPL %, KL, top-1, seconds."""
+    """One row per scheme: avg bits, bits at the run's context (runs that record it), PPL, reference PPL, ΔPPL %,
+    KL, top-1, seconds."""
     run = RunSummary.coerce(summary)
+    at_ctx = any(_ok(r.bits_at_context) for r in run.results)  # runs from before the field: no column
     rows = [
         (
-            Cell(r.name), Cell(fmt_float(r.avg_bits, 2)), Cell(fmt_float(r.ppl)), Cell(fmt_float(r.ppl_ref)),
+            Cell(r.name), Cell(fmt_float(r.avg_bits, 2)),
+            *((Cell(fmt_float(r.bits_at_context, 2)),) if at_ctx else ()),
+            Cell(fmt_float(r.ppl)), Cell(fmt_float(r.ppl_ref)),
             Cell(fmt_pct(r.delta), _tone(r.delta, threshold)), Cell(fmt_kl(r.kl)), Cell(fmt_frac(r.top1)),
             Cell(fmt_float(r.seconds, 1)),
         )
@@ -156,8 +160,13 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
     elif run.world_size > 1:
         ref_s += f" Seconds are summed over the {run.world_size} ranks that split the windows."
     return TableData(
-        headers=("scheme", "avg bits", "PPL", "ref PPL", "ΔPPL", "KL", "top-1", "seconds"), rows=tuple(rows),
-        right=frozenset(range(1, 8)), caption="Whole context, all windows." + ref_s,
+        headers=("scheme", "avg bits", *(("bits at context",) if at_ctx else ()), "PPL", "ref PPL", "ΔPPL", "KL",
+                 "top-1", "seconds"),
+        rows=tuple(rows), right=frozenset(range(1, 8 + at_ctx)),
+        caption="Whole context, all windows." + (
+            " avg bits: bits per element in the long run (the full-precision window and sinks amortised); bits at "
+            "context: what the cache stores per element at this run's context, metadata and full-precision tokens "
+            "included (kvbits plan's avg_bits)." if at_ctx else "") + ref_s,
     )
 
 

@@ -91,6 +91,8 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         if _ok(best.avg_bits):
             ratio = f" ({16 / best.avg_bits:.1f}× smaller than fp16)" if best.avg_bits > 0 else ""
             bits = f"{best.avg_bits:.2f} bits per element{ratio}"
+            if _ok(best.bits_at_context) and round(best.bits_at_context, 2) != round(best.avg_bits, 2):
+                bits += f" in the long run, {best.bits_at_context:.2f} at this {run.context:,}-token context"
         else:
             bits = "bits not recorded"
         lead = "Best bits/quality trade-off" if passing else "Least damaging quantized scheme"
