@@ -267,3 +267,31 @@ def test_pre_rope_bytes_count_the_table_rows_the_quantized_keys_reach(monkeypatc
     cut = replace(store, rope_cos=small[0][: store.key.n_slots], rope_sin=small[1][: store.key.n_slots])
     assert torch.equal(decode_attention_reference(q, store), decode_attention_reference(q, cut))
 
+
+def test_end_to_end_speedups_are_taken_from_the_times_once_the_batchs_fp16_runs_are_known(monkeypatch, tmp_path: Path):
+    """Step 6's speed-ups. ``dynamic-fp16``'s ``speedup_vs_best_fp16`` was taken when it was the only fp16 run yet:
+    1.0 even when ``dynamic-fp16-no-cudnn``, timed after it, was twice as fast (0.5 now). And every speed-up was a
+    ratio of tokens/s rounded to 0.1: §6z's kivi-4 at batch 1 (92.117 against 56.814 ms per step, 10.9 and 17.6
+    tokens/s) read 1.615x where its times give 1.621x. Times stand in for the H200's here."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+    from gpu_bench import e2e
+
+    real, ms = e2e.decode_run, iter([92.117, 46.0585, 56.814])  # DynamicCache, without cuDNN, kvbits fused kivi-4
+
+    def timed(cfg, model, cache, ids, tokens, warmup, **kwargs):
+        r = real(cfg, model, cache, ids, tokens, warmup, **kwargs)
+        r["ms_per_step"] = next(ms)
+        r["tokens_per_s"] = round(ids.shape[0] * 1e3 / r["ms_per_step"], 1)
+        return r
+
+    monkeypatch.setattr(e2e, "decode_run", timed)
+    out = tmp_path / "e.json"
+    result = gpu_decode.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
+                              "dynamic-fp16,dynamic-fp16-no-cudnn,kvbits-fused:kivi-4", "--out", str(out)])  # fmt: skip
+    rows = {r["cache"]: r for r in result["e2e"]}
+    assert json.loads(out.read_text())["e2e"] == json.loads(json.dumps(result["e2e"]))
+    got = {c: (r["speedup_vs_fp16"], r["speedup_vs_best_fp16"]) for c, r in rows.items()}
+    assert got == {"dynamic-fp16": (1.0, 0.5), "dynamic-fp16-no-cudnn": (2.0, 1.0), "kvbits-fused": (1.621, 0.811)}
+    assert rows["kvbits-fused"]["tokens_per_s"] == 17.6 and rows["dynamic-fp16"]["tokens_per_s"] == 10.9
+    assert all(r["speedup_vs_static_graphs"] is None for r in rows.values())  # not run
