@@ -111,10 +111,15 @@ def fused_timing(
 
 def read_bytes(store, tables: tuple[torch.Tensor, torch.Tensor] | None) -> int:
     """Bytes one decode step reads: the store's K/V and metadata (``PackedStore.nbytes``: codes, scales, zero-points,
-    codebooks, outliers, the fp16 tail) and, for pre-RoPE keys, the float32 RoPE tables of its positions. The tables
-    are shared by every sequence and head, but at batch 1 of Qwen2.5's shape they are larger than an int4 store at
-    32K (8.4 MB against 5.3 MB): left out, GB/s and the fraction of the copy bandwidth read 2.6x low there."""
-    return store.nbytes + (0 if tables is None else sum(t.nbytes for t in tables))
+    codebooks, outliers, the fp16 tail) and, for pre-RoPE keys, the rows of the float32 RoPE tables the quantized
+    keys' positions reach (``random_store``'s first quantized slot sits at position 0: rows ``[0, T_q)``; the fp16
+    tail is post-RoPE and reads none). The tables are shared by every sequence and head, but at batch 1 of Qwen2.5's
+    shape they are larger than an int4 store at 32K (8.4 MB against 5.3 MB): left out, GB/s and the fraction of the
+    copy bandwidth read 2.6x low there; counted for every position of the context, 2.2 % high at 4K (int2)."""
+    if tables is None or not store.pre_rope:
+        return store.nbytes
+    rows = store.quant_slots_used
+    return store.nbytes + sum(min(rows, t.shape[0]) * t[0].nbytes for t in tables)
 
 
 # step 3's split counts (``split_sweep``): int4 at this many programs per SM, beside the default's 2 (kernels "triton-p8" and
