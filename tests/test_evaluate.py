@@ -678,6 +678,7 @@ SUMMARY_KEYS = {
 RESULT_KEYS = {
     "scheme",
     "avg_bits",
+    "bits_at_context",
     "ppl",
     "ppl_ref",
     "kl",
