@@ -35,6 +35,7 @@ from kvbits.kernels.reference import (
     materialize,
     pack_store,
     rope_pairs_tied,
+    used_slots,
     word_rows,
 )
 from kvbits.quant import quantize, unpack_bits
@@ -679,6 +680,65 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
     monkeypatch.setattr(store.key, "head_dim", 48)
     with pytest.raises(NotImplementedError, match="power of two"):
         dispatch.resolve_kernel(q, store)
+
+
+@needs_triton
+@pytest.mark.parametrize("part", ["tail", "codes", "used_slots"])
+def test_triton_refuses_views_it_would_misread(monkeypatch, part: str):
+    """The kernels address every store tensor as contiguous ``(sequence, head)`` slabs. Before, a store holding a
+    view with other strides (a slice of a longer tail, codes cut from a wider buffer, ``used_slots``' first slots)
+    was read at other elements' addresses without a word: max error 0.62 (tail) and 3.02 (codes) against float64,
+    where the contiguous store's is 0.0014. Now ``supported`` names the tensor: ``KVBITS_KERNEL=triton`` and direct
+    calls raise, the automatic choice falls back to the torch reference, which reads any strides."""
+    g = torch.Generator().manual_seed(44)
+    store = make_store(g, T_q=64, T_f=8)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    if part == "tail":
+        wide = [torch.cat([t, torch.randn_like(t)], dim=2)[:, :, :8] for t in (store.key_full, store.value_full)]
+        view = replace(store, key_full=wide[0], value_full=wide[1])
+    elif part == "codes":
+        wide = torch.cat([store.key.codes, store.key.codes.flip(2)], dim=2)[:, :, :64]
+        view = replace(store, key=replace(store.key, codes=wide))
+    else:
+        view = used_slots(replace(store, quant_used=32))
+        store = replace(store, quant_used=32)
+    assert max_err(decode_attention_reference(q.float(), view), decode_attention_reference(q.float(), store)) == 0
+    assert "not contiguous" in triton_decode.supported(view, q)
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        triton_decode.decode_attention_triton(q, view)
+    from kvbits.kernels import triton_fold
+
+    assert "not contiguous" in triton_fold.fold_supported(view, q)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        dispatch.decode_attention(q, view)
+    assert triton_decode.supported(store, q) is None  # the contiguous store still runs
+
+
+def test_packed_store_refuses_inconsistent_parts():
+    """A ``PackedStore`` built by hand with parts that do not fit together is refused when it is made. Before, the
+    Triton kernel attended such stores without a word (a store without its value side: outputs up to 26400 from the
+    pointer standing in for the missing side; value codes or a value tail shorter than the keys': NaN from reads past
+    their end) and the reference failed deep inside (``AttributeError``, an ``einsum`` size error)."""
+    store = make_store(torch.Generator().manual_seed(45), T_q=64, T_f=8, device="cpu")
+    fields = store.__dict__
+    short_v = replace(store.value, codes=store.value.codes[:, :, :32].contiguous(),
+                      scale=store.value.scale[:, :, :32].contiguous(), zero=store.value.zero[:, :, :32].contiguous())  # fmt: skip
+    bad = {
+        "no value side": ({"value": None}, "both quantized sides or neither"),
+        "no value tail": ({"value_full": None}, "both tails or neither"),
+        "shorter value codes": ({"value": short_v}, "key and value codes"),
+        "shorter value tail": ({"value_full": store.value_full[:, :, :4]}, "tails must be"),
+        "lengths of another batch": ({"quant_lens": store.quant_lens[:1]}, "B=1 as quant_lens"),
+        "2-D lengths": ({"quant_lens": store.quant_lens[:, None]}, r"quant_lens must be \(B,\)"),
+        "full lengths": ({"full_lens": store.full_lens[:1]}, r"full_lens must be \(2,\)"),
+        "mask": ({"quant_mask": torch.ones(2, 63, dtype=torch.bool)}, r"quant_mask must be \(2, 64\)"),
+        "empty": ({"key": None, "value": None, "key_full": None, "value_full": None}, "empty PackedStore"),
+    }
+    for change, match in bad.values():
+        with pytest.raises(ValueError, match=match):
+            PackedStore(**{**fields, **change})
+    PackedStore(**fields)  # the consistent store itself
 
 
 @needs_triton

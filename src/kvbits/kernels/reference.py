@@ -3,7 +3,8 @@
 Layout (one layer, a batch of ``B`` sequences; what the Triton kernels in ``triton_decode`` read)
 -----------------------------------------------------------------------------------------------
 Notation: ``(B, H_kv, T, D)`` for keys/values, ``H_q`` query heads, ``G = H_q / H_kv`` query heads
-per KV head (GQA; ``G = 1`` is MHA). Every tensor is contiguous.
+per KV head (GQA; ``G = 1`` is MHA). Every tensor is contiguous (the Triton kernels refuse views with other
+strides, ``triton_decode.layout_reason``; the torch reference reads any).
 
 Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
 
@@ -224,7 +225,39 @@ class PackedStore:
     uniform_lens: bool = False
 
     def __post_init__(self) -> None:
+        """Shape-level consistency (no device reads): the Triton kernels would otherwise read another side's slots
+        or past a tensor's end without a word, and the reference fail deep inside."""
+        if (self.key is None) != (self.value is None) or (self.key_full is None) != (self.value_full is None):
+            raise ValueError(
+                "a PackedStore needs both quantized sides or neither, and both tails or neither; got key "
+                f"{_given(self.key)}, value {_given(self.value)}, key_full {_given(self.key_full)}, value_full "
+                f"{_given(self.value_full)}"
+            )
+        if self.key is None and self.key_full is None:
+            raise ValueError("an empty PackedStore: give quantized sides, a full-precision tail, or both")
+        if self.quant_lens.dim() != 1:
+            raise ValueError(f"quant_lens must be (B,), got {tuple(self.quant_lens.shape)}")
+        B, H, D = self.batch, self.n_kv_heads, self.head_dim
+        if self.key is not None:
+            k, v = self.key.codes.shape, self.value.codes.shape
+            if k[:3] != v[:3] or k[0] != B or self.value.head_dim != D:
+                raise ValueError(
+                    f"key and value codes must be (B, H_kv, T_q, *) with one head dim, B={B} as quant_lens, got {tuple(k)} "
+                    f"(head dim {D}) and {tuple(v)} (head dim {self.value.head_dim})"
+                )
+        if self.key_full is not None:
+            kf, vf = self.key_full.shape, self.value_full.shape
+            if kf != vf or len(kf) != 4 or (kf[0], kf[1], kf[3]) != (B, H, D):
+                raise ValueError(
+                    f"the tails must be (B={B} as quant_lens, H_kv={H}, T_f, D={D}) for keys and values, got {tuple(kf)} and "
+                    f"{tuple(vf)}"
+                )
         T_q = 0 if self.key is None else self.key.n_slots
+        T_f = 0 if self.key_full is None else self.key_full.shape[2]
+        for name, t, want in (("full_lens", self.full_lens, (B,)), ("quant_pos0", self.quant_pos0, (B,)),
+                              ("quant_mask", self.quant_mask, (B, T_q)), ("full_mask", self.full_mask, (B, T_f))):
+            if t is not None and tuple(t.shape) != want:
+                raise ValueError(f"{name} must be {want} for this store (quant_lens: B={B}), got {tuple(t.shape)}")
         if self.quant_used is not None and not 0 <= self.quant_used <= T_q:
             raise ValueError(f"quant_used must be in [0, {T_q}] (the quantized slots), got {self.quant_used}")
 
@@ -267,6 +300,10 @@ class PackedStore:
         total = sum(p.nbytes for p in (self.key, self.value) if p is not None)
         total += sum(t.numel() * t.element_size() for t in (self.key_full, self.value_full) if t is not None)
         return total
+
+
+def _given(x: object) -> str:
+    return "None" if x is None else "set"
 
 
 # --------------------------------------------------------------------------------------------------

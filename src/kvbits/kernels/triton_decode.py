@@ -57,6 +57,7 @@ __all__ = [
     "dequantize_packed_triton",
     "f16_ok",
     "launch_defaults",
+    "layout_reason",
     "supported",
     "unpack_codes_triton",
 ]
@@ -897,6 +898,26 @@ def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
             return f"{side.kind} {side.fmt or ''} codes are not supported by the Triton kernel"
     if q is not None and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"queries must be float16, bfloat16 or float32, got {q.dtype}"
+    return layout_reason(store)
+
+
+def layout_reason(store: PackedStore) -> str | None:
+    """Why the kernels would misread ``store``'s tensors (``None``: they would not). They address every tensor as
+    contiguous rows (a slab per ``(sequence, KV head)`` at ``bh * T * row``, the layout of ``reference``'s module
+    docstring), so a view with other strides (``reference.used_slots``' first slots of a wider store, a slice of a
+    longer tail) would be read at other elements' addresses, without a word; the torch reference reads any strides.
+    The slot masks are exempt: the launchers take their row stride, or pack them."""
+    parts = [("key_full", store.key_full), ("value_full", store.value_full), ("quant_lens", store.quant_lens),
+             ("full_lens", store.full_lens), ("rope_cos", store.rope_cos), ("rope_sin", store.rope_sin),
+             ("quant_pos0", store.quant_pos0)]  # fmt: skip
+    for side, p in (("key", store.key), ("value", store.value)):
+        if p is not None:
+            parts += [(f"{side}.{name}", getattr(p, name)) for name in
+                      ("codes", "scale", "zero", "codebook", "outlier_values", "outlier_index")]  # fmt: skip
+    bad = [f"{name} {tuple(t.shape)} strides {t.stride()}" for name, t in parts if t is not None and not t.is_contiguous()]
+    if bad:
+        return (f"the Triton kernels read contiguous tensors; {', '.join(bad)} not contiguous (the torch reference "
+                "reads them, or pass .contiguous() copies)")  # fmt: skip
     return None
 
 
@@ -1059,7 +1080,8 @@ def decode_attention_triton(
 
     Args:
         q: post-RoPE queries of the new token; ``H_q`` a multiple of the store's ``H_kv``.
-        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device. Rotated sides are attended in
+        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device, its tensors contiguous (views with
+            other strides are refused: ``layout_reason``). Rotated sides are attended in
             the codes' basis (``reference.code_basis``: ``q @ R_K`` and the rotated tail in, the output
             times ``R_V^T`` out, in float32 before the one cast to ``q.dtype``); pre-RoPE rotated keys are
             refused (``NotImplementedError``).

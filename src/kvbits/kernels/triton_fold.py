@@ -75,6 +75,7 @@ from kvbits.kernels.triton_decode import (
     _slot_mask,
     _tail_loop,
     _words_ok,
+    layout_reason,
     reduce_splits,
 )
 from kvbits.quant.rotate import unrotate
@@ -444,7 +445,7 @@ def fold_supported(store: PackedStore, q: torch.Tensor | None = None) -> str | N
         reason = _side_ok(p, which)
         if reason:
             return reason
-    return None
+    return layout_reason(store)
 
 
 def fold_defaults(D: int, k_bits: int, v_bits: int, G: int) -> dict[str, int]:
