@@ -715,6 +715,18 @@ def test_triton_refuses_views_it_would_misread(monkeypatch, part: str):
     assert triton_decode.supported(store, q) is None  # the contiguous store still runs
 
 
+@needs_triton
+@pytest.mark.parametrize("block_t", [0, 8, 48, 32.0])
+def test_decode_launch_refuses_tiles_the_kernel_cannot_take(block_t):
+    """``block_t`` must be a power of two (``tl.arange``) of 16 at least (the value dot's inner size, ``p @ v``:
+    Triton refuses less on NVIDIA GPUs). Before, 0 failed with a ZeroDivisionError inside the wrapper, 48 inside the
+    kernel (Triton: "arange's range must be a power of 2"), and 8 ran in the interpreter only."""
+    store = make_store(torch.Generator().manual_seed(46), T_q=64, T_f=8)
+    q = torch.randn(2, 6, 1, 64).to(DEVICE).half()
+    with pytest.raises(ValueError, match=r"block_t must be a power of two >= 16"):
+        triton_decode.decode_attention_triton(q, store, block_t=block_t)
+
+
 def test_packed_store_refuses_inconsistent_parts():
     """A ``PackedStore`` built by hand with parts that do not fit together is refused when it is made. Before, the
     Triton kernel attended such stores without a word (a store without its value side: outputs up to 26400 from the

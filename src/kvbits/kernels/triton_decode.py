@@ -1177,6 +1177,8 @@ def decode_attention_triton(
             elif vectorized is None:  # 32-token tiles would pass launch_defaults' budget: gather at 16
                 vectorized = False
                 defaults = launch_defaults(D, per_element=True, ieee=ieee)
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16 (tl.arange's and tl.dot's sizes), got {block_t!r}")
     if block_t < MIN_VEC_BLOCK_T:
         if vectorized:
             raise ValueError(
