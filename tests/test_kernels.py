@@ -733,7 +733,7 @@ def test_packed_store_refuses_inconsistent_parts():
     pointer standing in for the missing side; value codes or a value tail shorter than the keys': NaN from reads past
     their end) and the reference failed deep inside (``AttributeError``, an ``einsum`` size error)."""
     store = make_store(torch.Generator().manual_seed(45), T_q=64, T_f=8, device="cpu")
-    fields = store.__dict__
+    fields = {f.name: getattr(store, f.name) for f in dataclasses.fields(store) if f.init}
     short_v = replace(store.value, codes=store.value.codes[:, :, :32].contiguous(),
                       scale=store.value.scale[:, :, :32].contiguous(), zero=store.value.zero[:, :, :32].contiguous())  # fmt: skip
     bad = {
@@ -948,19 +948,18 @@ def test_kernel_pre_rope_keys(vectorized: bool | None, tables: str):
     g = torch.Generator().manual_seed(21)
     store = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
     if tables == "half":
-        store = PackedStore(**{**store.__dict__, "rope_cos": store.rope_cos[:, :32].contiguous(),
-                               "rope_sin": store.rope_sin[:, :32].contiguous()})  # fmt: skip
+        store = replace(store, rope_cos=store.rope_cos[:, :32].contiguous(), rope_sin=store.rope_sin[:, :32].contiguous())  # fmt: skip
     elif tables == "distinct-halves":
         cos = torch.rand(store.rope_cos.shape, generator=g) * 2 - 1
         sin = torch.rand(store.rope_sin.shape, generator=g) * 2 - 1
-        store = PackedStore(**{**store.__dict__, "rope_cos": cos.to(DEVICE), "rope_sin": sin.to(DEVICE)})
+        store = replace(store, rope_cos=cos.to(DEVICE), rope_sin=sin.to(DEVICE))
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
     err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
     out = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
     # the rotation matters: the same store read as post-RoPE keys is far off
-    plain = PackedStore(**{**store.__dict__, "rope_cos": None, "rope_sin": None, "quant_pos0": None})
+    plain = replace(store, rope_cos=None, rope_sin=None, quant_pos0=None)
     assert max_err(decode_attention_reference(q.double(), plain, dtype=torch.float64), truth) > 1e-2
 
 
@@ -975,8 +974,7 @@ def test_half_width_rope_tables_read_the_same_values(path: str):
     full = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
     h = full.head_dim // 2
     assert torch.equal(full.rope_cos[:, :h], full.rope_cos[:, h:])
-    half = PackedStore(**{**full.__dict__, "rope_cos": full.rope_cos[:, :h].contiguous(),
-                          "rope_sin": full.rope_sin[:, :h].contiguous()})  # fmt: skip
+    half = replace(full, rope_cos=full.rope_cos[:, :h].contiguous(), rope_sin=full.rope_sin[:, :h].contiguous())  # fmt: skip
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
     if path == "reference":
         run = lambda st: decode_attention_reference(q.float(), st)
@@ -984,7 +982,7 @@ def test_half_width_rope_tables_read_the_same_values(path: str):
         run = lambda st: triton_decode.decode_attention_triton(q, st, splits=2)
     assert torch.equal(run(half), run(full))
     # a table that is not rotate-half's repeated half gives another result (the halves are really read)
-    skew = PackedStore(**{**half.__dict__, "rope_sin": half.rope_sin.roll(1, dims=1)})
+    skew = replace(half, rope_sin=half.rope_sin.roll(1, dims=1))
     assert not torch.equal(run(skew), run(full))
     kb = [quantize(torch.randn(1, 1, 32, 64, generator=g), KIVI4_KEYS)]
     vb = [quantize(torch.randn(1, 1, 32, 64, generator=g), KIVI4_VALUES)]
@@ -1002,7 +1000,7 @@ def _masked_store(g: torch.Generator, **kw) -> PackedStore:
     fm = torch.ones(B, T_f, dtype=torch.bool)
     qm[1, :70], fm[1, :5] = False, False  # left padding: sinks and the first quantized slots
     qm[0, 17] = False  # any other slot too
-    return PackedStore(**{**store.__dict__, "quant_mask": qm.to(DEVICE), "full_mask": fm.to(DEVICE)})
+    return replace(store, quant_mask=qm.to(DEVICE), full_mask=fm.to(DEVICE))
 
 
 def test_reference_masked_slots_are_not_attended():
@@ -1032,7 +1030,7 @@ def test_kernel_masked_slots(vectorized: bool | None):
     out = triton_decode.decode_attention_triton(q.half(), store, splits=3, vectorized=vectorized)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
     # the masks matter (guards against them being ignored)
-    unmasked = PackedStore(**{**store.__dict__, "quant_mask": None, "full_mask": None})
+    unmasked = replace(store, quant_mask=None, full_mask=None)
     assert max_err(decode_attention_reference(q.double(), unmasked, dtype=torch.float64), truth) > 1e-2
 
 
@@ -1051,7 +1049,7 @@ def test_kernel_reads_a_tail_mask_of_padded_rows(dequant: str):
     lens = torch.zeros(B, dtype=torch.int32, device=DEVICE), torch.full((B,), T_f, dtype=torch.int32, device=DEVICE)
     store = PackedStore(None, None, kf, vf, *lens, full_mask=padded)
     q = torch.randn(B, 3, 1, D, generator=g).half().to(DEVICE)
-    truth = decode_attention_reference(q.double(), PackedStore(**{**store.__dict__, "full_mask": keep}), dtype=torch.float64)
+    truth = decode_attention_reference(q.double(), replace(store, full_mask=keep), dtype=torch.float64)
     err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
     out = triton_decode.decode_attention_triton(q, store, splits=1, dequant=dequant)
     assert not out.isnan().any() and max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)

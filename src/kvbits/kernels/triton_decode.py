@@ -914,19 +914,33 @@ def layout_reason(store: PackedStore) -> str | None:
     contiguous rows (a slab per ``(sequence, KV head)`` at ``bh * T * row``, the layout of ``reference``'s module
     docstring), so a view with other strides (``reference.used_slots``' first slots of a wider store, a slice of a
     longer tail) would be read at other elements' addresses, without a word; the torch reference reads any strides.
-    The slot masks are exempt: the launchers take their row stride, or pack them."""
-    parts = [("key_full", store.key_full), ("value_full", store.value_full), ("quant_lens", store.quant_lens),
-             ("full_lens", store.full_lens), ("rope_cos", store.rope_cos), ("rope_sin", store.rope_sin),
-             ("quant_pos0", store.quant_pos0)]  # fmt: skip
-    for side, p in (("key", store.key), ("value", store.value)):
-        if p is not None:
-            parts += [(f"{side}.{name}", getattr(p, name)) for name in
-                      ("codes", "scale", "zero", "codebook", "outlier_values", "outlier_index")]  # fmt: skip
-    bad = [f"{name} {tuple(t.shape)} strides {t.stride()}" for name, t in parts if t is not None and not t.is_contiguous()]
-    if bad:
-        return (f"the Triton kernels read contiguous tensors; {', '.join(bad)} not contiguous (the torch reference "
-                "reads them, or pass .contiguous() copies)")  # fmt: skip
-    return None
+    The slot masks are exempt: the launchers take their row stride, or pack them. Asked up to three times per
+    decode step (dispatch, the launch, the fold kernel's check): answered once per store."""
+    if store._layout is None:
+        k, v = store.key, store.value
+        ts = (store.key_full, store.value_full, store.quant_lens, store.full_lens, store.rope_cos, store.rope_sin,
+              store.quant_pos0)  # fmt: skip
+        for p in (k, v):
+            if p is not None:
+                ts += (p.codes, p.scale, p.zero, p.codebook, p.outlier_values, p.outlier_index)
+        if all(t is None or t.is_contiguous() for t in ts):  # every store the cache builds
+            store._layout = (None,)
+            return None
+        parts = [("key_full", store.key_full), ("value_full", store.value_full), ("quant_lens", store.quant_lens),
+                 ("full_lens", store.full_lens), ("rope_cos", store.rope_cos), ("rope_sin", store.rope_sin),
+                 ("quant_pos0", store.quant_pos0)]  # fmt: skip
+        for side, p in (("key", store.key), ("value", store.value)):
+            if p is not None:
+                parts += [(f"{side}.codes", p.codes), (f"{side}.scale", p.scale), (f"{side}.zero", p.zero),
+                          (f"{side}.codebook", p.codebook), (f"{side}.outlier_values", p.outlier_values),
+                          (f"{side}.outlier_index", p.outlier_index)]  # fmt: skip
+        bad = [f"{name} {tuple(t.shape)} strides {t.stride()}" for name, t in parts
+               if t is not None and not t.is_contiguous()]  # fmt: skip
+        store._layout = (
+            (f"the Triton kernels read contiguous tensors; {', '.join(bad)} not contiguous (the torch reference "
+             "reads them, or pass .contiguous() copies)") if bad else None,
+        )  # fmt: skip
+    return store._layout[0]
 
 
 def _num_splits(store: PackedStore, device: torch.device, target_programs: int | None) -> int:
