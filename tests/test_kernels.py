@@ -35,6 +35,7 @@ from kvbits.kernels.reference import (
     materialize,
     pack_store,
     rope_pairs_tied,
+    used_slots,
     word_rows,
 )
 from kvbits.quant import quantize, unpack_bits
@@ -682,6 +683,77 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("part", ["tail", "codes", "used_slots"])
+def test_triton_refuses_views_it_would_misread(monkeypatch, part: str):
+    """The kernels address every store tensor as contiguous ``(sequence, head)`` slabs. Before, a store holding a
+    view with other strides (a slice of a longer tail, codes cut from a wider buffer, ``used_slots``' first slots)
+    was read at other elements' addresses without a word: max error 0.62 (tail) and 3.02 (codes) against float64,
+    where the contiguous store's is 0.0014. Now ``supported`` names the tensor: ``KVBITS_KERNEL=triton`` and direct
+    calls raise, the automatic choice falls back to the torch reference, which reads any strides."""
+    g = torch.Generator().manual_seed(44)
+    store = make_store(g, T_q=64, T_f=8)
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
+    if part == "tail":
+        wide = [torch.cat([t, torch.randn_like(t)], dim=2)[:, :, :8] for t in (store.key_full, store.value_full)]
+        view = replace(store, key_full=wide[0], value_full=wide[1])
+    elif part == "codes":
+        wide = torch.cat([store.key.codes, store.key.codes.flip(2)], dim=2)[:, :, :64]
+        view = replace(store, key=replace(store.key, codes=wide))
+    else:
+        view = used_slots(replace(store, quant_used=32))
+        store = replace(store, quant_used=32)
+    assert max_err(decode_attention_reference(q.float(), view), decode_attention_reference(q.float(), store)) == 0
+    assert "not contiguous" in triton_decode.supported(view, q)
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        triton_decode.decode_attention_triton(q, view)
+    from kvbits.kernels import triton_fold
+
+    assert "not contiguous" in triton_fold.fold_supported(view, q)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        dispatch.decode_attention(q, view)
+    assert triton_decode.supported(store, q) is None  # the contiguous store still runs
+
+
+@needs_triton
+@pytest.mark.parametrize("block_t", [0, 8, 48, 32.0])
+def test_decode_launch_refuses_tiles_the_kernel_cannot_take(block_t):
+    """``block_t`` must be a power of two (``tl.arange``) of 16 at least (the value dot's inner size, ``p @ v``:
+    Triton refuses less on NVIDIA GPUs). Before, 0 failed with a ZeroDivisionError inside the wrapper, 48 inside the
+    kernel (Triton: "arange's range must be a power of 2"), and 8 ran in the interpreter only."""
+    store = make_store(torch.Generator().manual_seed(46), T_q=64, T_f=8)
+    q = torch.randn(2, 6, 1, 64).to(DEVICE).half()
+    with pytest.raises(ValueError, match=r"block_t must be a power of two >= 16"):
+        triton_decode.decode_attention_triton(q, store, block_t=block_t)
+
+
+def test_packed_store_refuses_inconsistent_parts():
+    """A ``PackedStore`` built by hand with parts that do not fit together is refused when it is made. Before, the
+    Triton kernel attended such stores without a word (a store without its value side: outputs up to 26400 from the
+    pointer standing in for the missing side; value codes or a value tail shorter than the keys': NaN from reads past
+    their end) and the reference failed deep inside (``AttributeError``, an ``einsum`` size error)."""
+    store = make_store(torch.Generator().manual_seed(45), T_q=64, T_f=8, device="cpu")
+    fields = {f.name: getattr(store, f.name) for f in dataclasses.fields(store) if f.init}
+    short_v = replace(store.value, codes=store.value.codes[:, :, :32].contiguous(),
+                      scale=store.value.scale[:, :, :32].contiguous(), zero=store.value.zero[:, :, :32].contiguous())  # fmt: skip
+    bad = {
+        "no value side": ({"value": None}, "both quantized sides or neither"),
+        "no value tail": ({"value_full": None}, "both tails or neither"),
+        "shorter value codes": ({"value": short_v}, "key and value codes"),
+        "shorter value tail": ({"value_full": store.value_full[:, :, :4]}, "tails must be"),
+        "lengths of another batch": ({"quant_lens": store.quant_lens[:1]}, "B=1 as quant_lens"),
+        "2-D lengths": ({"quant_lens": store.quant_lens[:, None]}, r"quant_lens must be \(B,\)"),
+        "full lengths": ({"full_lens": store.full_lens[:1]}, r"full_lens must be \(2,\)"),
+        "mask": ({"quant_mask": torch.ones(2, 63, dtype=torch.bool)}, r"quant_mask must be \(2, 64\)"),
+        "empty": ({"key": None, "value": None, "key_full": None, "value_full": None}, "empty PackedStore"),
+    }
+    for change, match in bad.values():
+        with pytest.raises(ValueError, match=match):
+            PackedStore(**{**fields, **change})
+    PackedStore(**fields)  # the consistent store itself
+
+
+@needs_triton
 def test_dispatch_passes_the_dequant_mode(monkeypatch):
     """``KVBITS_DEQUANT=f16`` reaches the kernel (float16 queries); anything else but f32/f16 is refused."""
     monkeypatch.setenv("KVBITS_KERNEL", "triton")
@@ -876,19 +948,18 @@ def test_kernel_pre_rope_keys(vectorized: bool | None, tables: str):
     g = torch.Generator().manual_seed(21)
     store = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
     if tables == "half":
-        store = PackedStore(**{**store.__dict__, "rope_cos": store.rope_cos[:, :32].contiguous(),
-                               "rope_sin": store.rope_sin[:, :32].contiguous()})  # fmt: skip
+        store = replace(store, rope_cos=store.rope_cos[:, :32].contiguous(), rope_sin=store.rope_sin[:, :32].contiguous())  # fmt: skip
     elif tables == "distinct-halves":
         cos = torch.rand(store.rope_cos.shape, generator=g) * 2 - 1
         sin = torch.rand(store.rope_sin.shape, generator=g) * 2 - 1
-        store = PackedStore(**{**store.__dict__, "rope_cos": cos.to(DEVICE), "rope_sin": sin.to(DEVICE)})
+        store = replace(store, rope_cos=cos.to(DEVICE), rope_sin=sin.to(DEVICE))
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
     truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
     err_pt = max_err(decode_attention_reference(q.half(), store, dtype=torch.float16), truth)
     out = triton_decode.decode_attention_triton(q.half(), store, splits=2, vectorized=vectorized)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
     # the rotation matters: the same store read as post-RoPE keys is far off
-    plain = PackedStore(**{**store.__dict__, "rope_cos": None, "rope_sin": None, "quant_pos0": None})
+    plain = replace(store, rope_cos=None, rope_sin=None, quant_pos0=None)
     assert max_err(decode_attention_reference(q.double(), plain, dtype=torch.float64), truth) > 1e-2
 
 
@@ -903,8 +974,7 @@ def test_half_width_rope_tables_read_the_same_values(path: str):
     full = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
     h = full.head_dim // 2
     assert torch.equal(full.rope_cos[:, :h], full.rope_cos[:, h:])
-    half = PackedStore(**{**full.__dict__, "rope_cos": full.rope_cos[:, :h].contiguous(),
-                          "rope_sin": full.rope_sin[:, :h].contiguous()})  # fmt: skip
+    half = replace(full, rope_cos=full.rope_cos[:, :h].contiguous(), rope_sin=full.rope_sin[:, :h].contiguous())  # fmt: skip
     q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE).half()
     if path == "reference":
         run = lambda st: decode_attention_reference(q.float(), st)
@@ -912,7 +982,7 @@ def test_half_width_rope_tables_read_the_same_values(path: str):
         run = lambda st: triton_decode.decode_attention_triton(q, st, splits=2)
     assert torch.equal(run(half), run(full))
     # a table that is not rotate-half's repeated half gives another result (the halves are really read)
-    skew = PackedStore(**{**half.__dict__, "rope_sin": half.rope_sin.roll(1, dims=1)})
+    skew = replace(half, rope_sin=half.rope_sin.roll(1, dims=1))
     assert not torch.equal(run(skew), run(full))
     kb = [quantize(torch.randn(1, 1, 32, 64, generator=g), KIVI4_KEYS)]
     vb = [quantize(torch.randn(1, 1, 32, 64, generator=g), KIVI4_VALUES)]
@@ -930,7 +1000,7 @@ def _masked_store(g: torch.Generator, **kw) -> PackedStore:
     fm = torch.ones(B, T_f, dtype=torch.bool)
     qm[1, :70], fm[1, :5] = False, False  # left padding: sinks and the first quantized slots
     qm[0, 17] = False  # any other slot too
-    return PackedStore(**{**store.__dict__, "quant_mask": qm.to(DEVICE), "full_mask": fm.to(DEVICE)})
+    return replace(store, quant_mask=qm.to(DEVICE), full_mask=fm.to(DEVICE))
 
 
 def test_reference_masked_slots_are_not_attended():
@@ -960,7 +1030,7 @@ def test_kernel_masked_slots(vectorized: bool | None):
     out = triton_decode.decode_attention_triton(q.half(), store, splits=3, vectorized=vectorized)
     assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
     # the masks matter (guards against them being ignored)
-    unmasked = PackedStore(**{**store.__dict__, "quant_mask": None, "full_mask": None})
+    unmasked = replace(store, quant_mask=None, full_mask=None)
     assert max_err(decode_attention_reference(q.double(), unmasked, dtype=torch.float64), truth) > 1e-2
 
 
@@ -979,7 +1049,7 @@ def test_kernel_reads_a_tail_mask_of_padded_rows(dequant: str):
     lens = torch.zeros(B, dtype=torch.int32, device=DEVICE), torch.full((B,), T_f, dtype=torch.int32, device=DEVICE)
     store = PackedStore(None, None, kf, vf, *lens, full_mask=padded)
     q = torch.randn(B, 3, 1, D, generator=g).half().to(DEVICE)
-    truth = decode_attention_reference(q.double(), PackedStore(**{**store.__dict__, "full_mask": keep}), dtype=torch.float64)
+    truth = decode_attention_reference(q.double(), replace(store, full_mask=keep), dtype=torch.float64)
     err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
     out = triton_decode.decode_attention_triton(q, store, splits=1, dequant=dequant)
     assert not out.isnan().any() and max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)

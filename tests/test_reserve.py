@@ -12,6 +12,7 @@ logged release and the unreserved bytes again; beam-style batch maps and sliding
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -23,7 +24,7 @@ from kvbits.cache import QuantizedKVCache
 from kvbits.cache import fused as fused_mod
 from kvbits.cache.compat import cache_kwargs
 from kvbits.kernels import dispatch
-from kvbits.kernels.reference import PackedStore, decode_attention_reference, pack_store
+from kvbits.kernels.reference import decode_attention_reference, pack_store
 from kvbits.plan import plan
 from kvbits.quant import quantize
 from kvbits.schemes import TensorSpec, token_split
@@ -255,8 +256,7 @@ def _store_with_garbage(spec: TensorSpec, used: int, slots: int, B: int = 2, H: 
     qt.data[:, :, used:] = torch.randint(0, 255, qt.data[:, :, used:].shape, generator=g, dtype=torch.uint8)
     tail = torch.randn(B, H, 3, D, generator=g).to(torch.float16 if half else torch.float32)
     full = pack_store([qt], [qt], tail, tail.clone())
-    reserved = PackedStore(**{**full.__dict__, "quant_lens": torch.full((B,), used, dtype=torch.int32),
-                              "quant_used": used})  # fmt: skip
+    reserved = replace(full, quant_lens=torch.full((B,), used, dtype=torch.int32), quant_used=used)  # fmt: skip
     cut = pack_store([_head(qt, used)], [_head(qt, used)], tail, tail.clone())
     return reserved, cut, torch.randn(B, 4, 1, D, generator=g).to(tail.dtype)
 
@@ -285,7 +285,7 @@ def test_reference_reads_only_the_used_slots(name: str):
 def test_quant_used_beyond_the_slots_is_refused():
     reserved, _, _ = _store_with_garbage(SPECS["int8-token"], used=8, slots=16)
     with pytest.raises(ValueError, match=r"quant_used must be in \[0, 16\]"):
-        PackedStore(**{**reserved.__dict__, "quant_used": 17})
+        replace(reserved, quant_used=17)
 
 
 @pytest.mark.parametrize(

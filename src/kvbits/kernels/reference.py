@@ -3,7 +3,8 @@
 Layout (one layer, a batch of ``B`` sequences; what the Triton kernels in ``triton_decode`` read)
 -----------------------------------------------------------------------------------------------
 Notation: ``(B, H_kv, T, D)`` for keys/values, ``H_q`` query heads, ``G = H_q / H_kv`` query heads
-per KV head (GQA; ``G = 1`` is MHA). Every tensor is contiguous.
+per KV head (GQA; ``G = 1`` is MHA). Every tensor is contiguous (the Triton kernels refuse views with other
+strides, ``triton_decode.layout_reason``; the torch reference reads any).
 
 Quantized store, one ``PackedTensor`` per side (K and V), ``T_q`` token slots:
 
@@ -62,7 +63,7 @@ tokens, although in the cache the sinks come first; only RoPE needs true positio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -222,11 +223,49 @@ class PackedStore:
     full_mask: torch.Tensor | None = None
     quant_used: int | None = None
     uniform_lens: bool = False
+    _layout: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        T_q = 0 if self.key is None else self.key.n_slots
+        """Shape-level consistency (no device reads): the Triton kernels would otherwise read another side's slots
+        or past a tensor's end without a word, and the reference fail deep inside. Built at every fused decode step
+        of every layer, so the passing path reads shapes only."""
+        key, value, kf, vf = self.key, self.value, self.key_full, self.value_full
+        if (key is None) != (value is None) or (kf is None) != (vf is None):
+            raise ValueError(
+                "a PackedStore needs both quantized sides or neither, and both tails or neither; got key "
+                f"{_given(key)}, value {_given(value)}, key_full {_given(kf)}, value_full {_given(vf)}"
+            )
+        if key is None and kf is None:
+            raise ValueError("an empty PackedStore: give quantized sides, a full-precision tail, or both")
+        lens = self.quant_lens.shape
+        if len(lens) != 1:
+            raise ValueError(f"quant_lens must be (B,), got {tuple(lens)}")
+        B, T_q, T_f = lens[0], 0, 0
+        if key is not None:
+            k, v = key.codes.shape, value.codes.shape
+            H, D, T_q = k[1], key.head_dim, k[2]
+            if k[:3] != v[:3] or k[0] != B or value.head_dim != D:
+                raise ValueError(
+                    f"key and value codes must be (B, H_kv, T_q, *) with one head dim, B={B} as quant_lens, got "
+                    f"{tuple(k)} (head dim {D}) and {tuple(v)} (head dim {value.head_dim})"
+                )
+        else:
+            H, D = kf.shape[1], kf.shape[-1]
+        if kf is not None:
+            f = kf.shape
+            if f != vf.shape or len(f) != 4 or f[0] != B or f[1] != H or f[3] != D:
+                raise ValueError(
+                    f"the tails must be (B={B} as quant_lens, H_kv={H}, T_f, D={D}) for keys and values, got "
+                    f"{tuple(f)} and {tuple(vf.shape)}"
+                )
+            T_f = f[2]
+        for name, t, want in (("full_lens", self.full_lens, (B,)), ("quant_pos0", self.quant_pos0, (B,)),
+                              ("quant_mask", self.quant_mask, (B, T_q)), ("full_mask", self.full_mask, (B, T_f))):
+            if t is not None and t.shape != want:
+                raise ValueError(f"{name} must be {want} for this store (quant_lens: B={B}), got {tuple(t.shape)}")
         if self.quant_used is not None and not 0 <= self.quant_used <= T_q:
             raise ValueError(f"quant_used must be in [0, {T_q}] (the quantized slots), got {self.quant_used}")
+        self._layout = None  # triton_decode.layout_reason's answer, once asked
 
     @property
     def quant_slots_used(self) -> int:
@@ -267,6 +306,10 @@ class PackedStore:
         total = sum(p.nbytes for p in (self.key, self.value) if p is not None)
         total += sum(t.numel() * t.element_size() for t in (self.key_full, self.value_full) if t is not None)
         return total
+
+
+def _given(x: object) -> str:
+    return "None" if x is None else "set"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ __all__ = [
     "dequantize_packed_triton",
     "f16_ok",
     "launch_defaults",
+    "layout_reason",
     "supported",
     "unpack_codes_triton",
 ]
@@ -897,7 +898,49 @@ def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
             return f"{side.kind} {side.fmt or ''} codes are not supported by the Triton kernel"
     if q is not None and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"queries must be float16, bfloat16 or float32, got {q.dtype}"
-    return None
+    return _read_layout_reason(store)
+
+
+def _read_layout_reason(store: PackedStore) -> str | None:
+    """``layout_reason``, except inside ``aot.compile_only``: launches there compile and read nothing, so stand-in
+    tensors (``benchmarks/kernel_resources.py``'s stride-0 broadcasts) compile the kernels a real store would."""
+    from kvbits.kernels import aot
+
+    return None if aot.compiling() else layout_reason(store)
+
+
+def layout_reason(store: PackedStore) -> str | None:
+    """Why the kernels would misread ``store``'s tensors (``None``: they would not). They address every tensor as
+    contiguous rows (a slab per ``(sequence, KV head)`` at ``bh * T * row``, the layout of ``reference``'s module
+    docstring), so a view with other strides (``reference.used_slots``' first slots of a wider store, a slice of a
+    longer tail) would be read at other elements' addresses, without a word; the torch reference reads any strides.
+    The slot masks are exempt: the launchers take their row stride, or pack them. Asked up to three times per
+    decode step (dispatch, the launch, the fold kernel's check): answered once per store."""
+    if store._layout is None:
+        k, v = store.key, store.value
+        ts = (store.key_full, store.value_full, store.quant_lens, store.full_lens, store.rope_cos, store.rope_sin,
+              store.quant_pos0)  # fmt: skip
+        for p in (k, v):
+            if p is not None:
+                ts += (p.codes, p.scale, p.zero, p.codebook, p.outlier_values, p.outlier_index)
+        if all(t is None or t.is_contiguous() for t in ts):  # every store the cache builds
+            store._layout = (None,)
+            return None
+        parts = [("key_full", store.key_full), ("value_full", store.value_full), ("quant_lens", store.quant_lens),
+                 ("full_lens", store.full_lens), ("rope_cos", store.rope_cos), ("rope_sin", store.rope_sin),
+                 ("quant_pos0", store.quant_pos0)]  # fmt: skip
+        for side, p in (("key", store.key), ("value", store.value)):
+            if p is not None:
+                parts += [(f"{side}.codes", p.codes), (f"{side}.scale", p.scale), (f"{side}.zero", p.zero),
+                          (f"{side}.codebook", p.codebook), (f"{side}.outlier_values", p.outlier_values),
+                          (f"{side}.outlier_index", p.outlier_index)]  # fmt: skip
+        bad = [f"{name} {tuple(t.shape)} strides {t.stride()}" for name, t in parts
+               if t is not None and not t.is_contiguous()]  # fmt: skip
+        store._layout = (
+            (f"the Triton kernels read contiguous tensors; {', '.join(bad)} not contiguous (the torch reference "
+             "reads them, or pass .contiguous() copies)") if bad else None,
+        )  # fmt: skip
+    return store._layout[0]
 
 
 def _num_splits(store: PackedStore, device: torch.device, target_programs: int | None) -> int:
@@ -1059,7 +1102,8 @@ def decode_attention_triton(
 
     Args:
         q: post-RoPE queries of the new token; ``H_q`` a multiple of the store's ``H_kv``.
-        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device. Rotated sides are attended in
+        store: ``PackedStore`` (``reference.pack_store``), on ``q``'s device, its tensors contiguous (views with
+            other strides are refused: ``layout_reason``). Rotated sides are attended in
             the codes' basis (``reference.code_basis``: ``q @ R_K`` and the rotated tail in, the output
             times ``R_V^T`` out, in float32 before the one cast to ``q.dtype``); pre-RoPE rotated keys are
             refused (``NotImplementedError``).
@@ -1155,6 +1199,8 @@ def decode_attention_triton(
             elif vectorized is None:  # 32-token tiles would pass launch_defaults' budget: gather at 16
                 vectorized = False
                 defaults = launch_defaults(D, per_element=True, ieee=ieee)
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16 (tl.arange's and tl.dot's sizes), got {block_t!r}")
     if block_t < MIN_VEC_BLOCK_T:
         if vectorized:
             raise ValueError(

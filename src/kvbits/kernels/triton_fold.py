@@ -70,6 +70,7 @@ from kvbits.kernels.triton_decode import (
     _num_splits,
     _pow2,
     _query_halves,
+    _read_layout_reason,
     _row_meta,
     _scale_zero,
     _slot_mask,
@@ -444,7 +445,7 @@ def fold_supported(store: PackedStore, q: torch.Tensor | None = None) -> str | N
         reason = _side_ok(p, which)
         if reason:
             return reason
-    return None
+    return _read_layout_reason(store)
 
 
 def fold_defaults(D: int, k_bits: int, v_bits: int, G: int) -> dict[str, int]:
