@@ -52,7 +52,8 @@ COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "f
 
 
 def attention_shape(config: Any) -> tuple[int, int, int, int]:
-    """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing.
+    """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing, or for multi-head
+    latent attention (``kv_lora_rank``), which ``kvbits.plan`` refuses too.
 
     Heads as the planner reads them (``kvbits.plan.config.attention_heads``): ``H_kv`` is
     ``num_key_value_heads`` (or ``num_kv_heads``, ...; GQA), 1 for ``multi_query`` (Falcon-7B,
@@ -66,6 +67,12 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
         raise ValueError(
             f"{name} has no {' / '.join(missing)}: QuantizedKVCache needs the number of layers and attention "
             "heads of the decoder (pass num_layers= and config=None to build layers lazily instead)"
+        )
+    if getattr(text, "kv_lora_rank", None) is not None:  # as kvbits.plan refuses it (model_shape)
+        raise ValueError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: DeepSeek-V2/V3 style), whose "
+            "cache holds a compressed latent and the rotary key part, not K/V heads of head_dim channels; "
+            "QuantizedKVCache supports MHA/GQA/MQA layers only"
         )
     heads, kv_heads, head_dim = attention_heads(text)
     return int(text.num_hidden_layers), heads, kv_heads, head_dim
