@@ -756,6 +756,19 @@ def test_latent_attention_is_refused_when_the_cache_is_made():
             QuantizedKVCache(config=cfg, scheme=scheme)
 
 
+def test_pre_rope_keys_are_refused_where_the_model_normalises_keys_after_rope():
+    """HunYuan applies key_layernorm to its keys after RoPE: a pre-RoPE scheme was accepted and "un-rotated" the normed
+    keys, which are no rotation of any pre-RoPE key (the keys it quantized were 5.34 off the model's pre-RoPE keys,
+    of magnitude 0.59). Refused, naming post-RoPE schemes, which still work."""
+    cfg = transformers.HunYuanDenseV1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"'hunyuan_v1_dense' normalises its keys after RoPE.*pre_rope=False"):
+        QuantizedKVCache(config=cfg, scheme="int4-channel-prerope")
+    QuantizedKVCache(config=cfg, scheme="int4-channel")
+
+
 def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
     """kivi-2 quantizes values in groups of 32 channels: with head_dim 16 that fails at construction when
     the config gives D, else at the first update of the layer, before it stores anything (never at the first
