@@ -741,6 +741,34 @@ def test_validation_errors():
         QuantizedKVCache(config=build("gpt2").config, scheme=PRE_ROPE)
 
 
+def test_latent_attention_is_refused_when_the_cache_is_made():
+    """DeepSeek-V3's multi-head latent attention hands ``Cache.update`` its compressed latent (1 head of kv_lora_rank
+    channels) as keys and the rotary key part as values: the cache was built and its first forward failed with
+    "key_states (1, 1, 20, 32) and value_states (1, 1, 20, 8) ... do not have the config's head_dim=8 channels",
+    a head dim the model does not have. Refused when the cache is made, as kvbits.plan refuses the config."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+    )  # fmt: skip
+    for scheme in ("int4-token", "fp16"):
+        with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank=32.*MHA/GQA/MQA"):
+            QuantizedKVCache(config=cfg, scheme=scheme)
+
+
+def test_pre_rope_keys_are_refused_where_the_model_normalises_keys_after_rope():
+    """HunYuan applies key_layernorm to its keys after RoPE: a pre-RoPE scheme was accepted and "un-rotated" the normed
+    keys, which are no rotation of any pre-RoPE key (the keys it quantized were 5.34 off the model's pre-RoPE keys,
+    of magnitude 0.59). Refused, naming post-RoPE schemes, which still work."""
+    cfg = transformers.HunYuanDenseV1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"'hunyuan_v1_dense' normalises its keys after RoPE.*pre_rope=False"):
+        QuantizedKVCache(config=cfg, scheme="int4-channel-prerope")
+    QuantizedKVCache(config=cfg, scheme="int4-channel")
+
+
 def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
     """kivi-2 quantizes values in groups of 32 channels: with head_dim 16 that fails at construction when
     the config gives D, else at the first update of the layer, before it stores anything (never at the first

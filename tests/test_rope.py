@@ -374,3 +374,51 @@ def test_gpt_oss_pre_rope_keys_come_back_as_the_model_wrote_them():
         got = caches[1].materialize(layer)[0]
         err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).amax()
         assert 0 < float(err) < 0.02, (layer, float(err))
+
+
+def _falcon_alibi(alibi: bool):
+    return transformers.FalconConfig(vocab_size=97, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     multi_query=True, alibi=alibi, max_position_embeddings=512)  # fmt: skip
+
+
+def _granite_hybrid(kind: str | None):
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["attention"], num_local_experts=0, shared_intermediate_size=64,
+        mamba_d_head=32, mamba_n_heads=4, mamba_expand=2, position_embedding_type=kind,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config,model_cls,why",
+    [
+        (lambda: _falcon_alibi(True), "FalconForCausalLM", "alibi=True"),
+        (lambda: _granite_hybrid(None), "GraniteMoeHybridForCausalLM", "position_embedding_type=None"),
+    ],
+    ids=["falcon-alibi", "granite-4-h-nope"],
+)
+def test_models_whose_config_turns_rope_off_are_refused(config, model_cls, why):
+    """Falcon with ``alibi=True`` and GraniteMoeHybrid without ``position_embedding_type="rope"`` (Granite 4.0-H's
+    default: NoPE) never rotate their keys, but their modeling files define a rotary module: the tables were built
+    anyway (rot_dim 16), so a pre-RoPE cache scheme was accepted and "un-rotated" keys that were never rotated
+    (quantized in a frame that does not exist: 2-bit per-channel key error 0.400 -> 0.434 on a Falcon with an
+    outlier channel), and calibrating Granite failed with "transforms its keys after RoPE ... 129.9%". Now the
+    ValueError of a family without RoPE: the cache refuses pre-RoPE schemes, calibrate / analyze take the keys as
+    cached."""
+    from kvbits.cache import QuantizedKVCache
+
+    cfg = config()
+    with pytest.raises(ValueError, match=f"has no RoPE keys.*{why}"):
+        RotaryTables.from_config(cfg)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with pytest.raises(ValueError, match=f"has no RoPE keys.*{why}"):
+        RotaryTables.from_model(model)
+    with pytest.raises(ValueError, match=f"needs a model with RoPE keys.*{why}"):
+        QuantizedKVCache(config=cfg, scheme="int4-channel-prerope")
+    QuantizedKVCache(config=cfg, scheme="int4-channel")  # post-RoPE schemes are unaffected
+
+
+@pytest.mark.parametrize("config", [lambda: _falcon_alibi(False), lambda: _granite_hybrid("rope")], ids=["falcon", "granite"])
+def test_the_same_families_with_rope_still_get_tables(config):
+    assert RotaryTables.from_config(config()).rot_dim == 16

@@ -48,11 +48,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["QuantizedKVCache", "attention_shape", "rotary_for"]
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+# families whose attention changes the keys after RoPE, before caching them (HunYuan: key_layernorm on the rotated
+# keys); kvbits.analyze.verify refuses them for statistics and calibration, rotary_for for pre-RoPE cache schemes
+KEYS_NORMED_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "hunyuan_vl")
 COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
 
 
 def attention_shape(config: Any) -> tuple[int, int, int, int]:
-    """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing.
+    """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing, or for multi-head
+    latent attention (``kv_lora_rank``), which ``kvbits.plan`` refuses too.
 
     Heads as the planner reads them (``kvbits.plan.config.attention_heads``): ``H_kv`` is
     ``num_key_value_heads`` (or ``num_kv_heads``, ...; GQA), 1 for ``multi_query`` (Falcon-7B,
@@ -66,6 +70,12 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
         raise ValueError(
             f"{name} has no {' / '.join(missing)}: QuantizedKVCache needs the number of layers and attention "
             "heads of the decoder (pass num_layers= and config=None to build layers lazily instead)"
+        )
+    if getattr(text, "kv_lora_rank", None) is not None:  # as kvbits.plan refuses it (model_shape)
+        raise ValueError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: DeepSeek-V2/V3 style), whose "
+            "cache holds a compressed latent and the rotary key part, not K/V heads of head_dim channels; "
+            "QuantizedKVCache supports MHA/GQA/MQA layers only"
         )
     heads, kv_heads, head_dim = attention_heads(text)
     return int(text.num_hidden_layers), heads, kv_heads, head_dim
@@ -108,9 +118,17 @@ def _layer_types(text: Any, n_layers: int) -> tuple[list[str], list[dict]]:
 
 def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
     """RoPE tables for a scheme's pre-RoPE keys (any layer's): ``(tables, built_here)``; ``(None, False)`` when none
-    are needed. ``rotary``: tables the caller made (``RotaryTables.from_model``); else built from ``config``."""
+    are needed. ``rotary``: tables the caller made (``RotaryTables.from_model``); else built from ``config``.
+    ``ValueError`` for a family that changes its keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan)."""
     if not any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
         return None, False
+    model_type = getattr(text_config(config), "model_type", None) if config is not None else None
+    if model_type in KEYS_NORMED_AFTER_ROPE:
+        raise ValueError(
+            f"scheme {scheme.name!r} quantizes keys before RoPE, but model_type {model_type!r} normalises its keys after "
+            "RoPE (key_layernorm): the keys it caches are no rotation of a pre-RoPE key, so un-rotating them gives "
+            "no pre-RoPE frame; use a scheme with post-RoPE keys (pre_rope=False)"
+        )
     if rotary is not None:
         return rotary, False
     if config is None:

@@ -1,8 +1,9 @@
-"""Hand the model's ``position_ids`` to a ``QuantizedKVCache`` or ``StaticQuantizedKVCache`` on transformers that do
-not pass them.
+"""Hand the model's ``position_ids`` to a ``QuantizedKVCache`` or ``StaticQuantizedKVCache`` on transformers (or model
+families) that do not pass them.
 
 Pre-RoPE keys are un-rotated at the model's positions. transformers 5.24 passes ``position_ids`` to
-``Cache.update`` (``kwargs=...``); 5.17 passes nothing, so a left-padded sequence would be un-rotated at
+``Cache.update`` (``kwargs=...``) for most families (Llama, Qwen, Gemma, Mistral, Phi); 5.17 passes nothing, and
+neither do Falcon, GPT-NeoX, StableLM or Persimmon on 5.25, so a left-padded sequence would be un-rotated at
 cache indices: still exact attention after re-rotation, but its keys quantized in a frame rotated by the
 pad count, which blurs the outlier channels per-channel quantization relies on. ``track_positions(model)``
 registers a forward pre-hook on the model that gives the cache of each call the ``position_ids`` the

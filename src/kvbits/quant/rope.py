@@ -58,6 +58,23 @@ _NON_TEXT = ("Vision", "Audio", "DiT", "Talker", "SaProt")
 _INTERLEAVED_SINUSOID = ("gptj", "codegen")
 # rope types whose frequencies depend on the sequence length of the forward call
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
+# values of a config's ``position_embedding_type`` that mean RoPE (GraniteMoeHybrid: "rope"; Evolla: "rotary")
+_ROPE_EMBEDDING_TYPES = ("rope", "rotary")
+
+
+def _no_rope_reason(text: Any) -> str | None:
+    """Why a config whose family has a rotary module says this model does not rotate its keys, or ``None``.
+
+    Falcon with ``alibi=True`` (Falcon-RW and the ALiBi variants) adds position biases instead, and
+    GraniteMoeHybrid with ``position_embedding_type`` other than ``"rope"`` (Granite 4.0-H's default ``None``:
+    NoPE) builds no rotary module at all; both modeling files still define one, so without this check the tables
+    would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does not exist)."""
+    if getattr(text, "alibi", False) is True:
+        return "it adds ALiBi position biases instead of rotating its keys (alibi=True)"
+    kind = getattr(text, "position_embedding_type", "rope")
+    if kind not in _ROPE_EMBEDDING_TYPES:
+        return f"it does not rotate its keys (position_embedding_type={kind!r}, not 'rope')"
+    return None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +136,13 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if d_rot == x.shape[-1]:
         return out
     return torch.cat((out, x[..., d_rot:]), dim=-1)
+
+
+def _refuse_without_rope(text: Any, model_type: str | None) -> None:
+    """``ValueError`` (what a family without a rotary module gets) when ``_no_rope_reason`` finds one."""
+    why = _no_rope_reason(text)
+    if why is not None:
+        raise ValueError(f"model_type {model_type!r} has no RoPE keys: {why}")
 
 
 # ------------------------------------------------------------------------------- finding classes
@@ -227,7 +251,8 @@ class RotaryTables:
         """Tables for the model described by ``config`` (a transformers ``PretrainedConfig``).
 
         Raises:
-            ValueError: the model type has no RoPE module in transformers.
+            ValueError: the model type has no RoPE module in transformers, or its config says this model
+                rotates no keys (Falcon with ``alibi=True``, GraniteMoeHybrid without ``position_embedding_type="rope"``).
             NotImplementedError: the family rotates interleaved pairs or returns non-cos/sin tables.
         """
         text = text_config(config)
@@ -239,6 +264,7 @@ class RotaryTables:
                 f"model_type {model_type!r} rotates interleaved pairs from a fixed sinusoid table; "
                 "kvbits.quant.rope supports the rotate-half convention only"
             )
+        _refuse_without_rope(text, model_type)
         module = _modeling_module(model_type)
         rotary = _instantiate(_rotary_class(module, model_type), text, device)
         return cls._build(text, rotary, module)
@@ -261,6 +287,7 @@ class RotaryTables:
         if found is None:
             return cls.from_config(model.config)
         text = getattr(found, "config", None) or text_config(model.config)
+        _refuse_without_rope(text, getattr(text, "model_type", None))
         rotary = copy.deepcopy(found).eval()
         for hooks in (rotary._forward_hooks, rotary._forward_pre_hooks):
             hooks.clear()
