@@ -281,6 +281,27 @@ def test_chunked_attention_past_one_chunk_is_refused_by_the_simulator():
         model.model(ids)
 
 
+def test_the_simulator_refuses_pre_rope_keys_where_the_cache_does():
+    """HunYuan normalises its keys after RoPE, so the cache refuses pre-RoPE schemes (no pre-RoPE frame to
+    un-rotate to). The simulator, which stands for that cache in mode='simulate', built the tables anyway and
+    measured a cache that can not be made. Refused now with the cache's reason; post-RoPE schemes still run."""
+    import transformers
+
+    from kvbits.schemes import get_scheme
+
+    cfg = transformers.HunYuanDenseV1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    model = transformers.HunYuanDenseV1ForCausalLM(cfg).eval()
+    ids = _ids(40)
+    refused = r"normalises its keys after RoPE.*pre_rope=False"
+    with pytest.raises(ValueError, match=refused), simulate_fn(model, get_scheme("int4-channel-prerope")):
+        model.model(ids)
+    with simulate_fn(model, get_scheme("int4-channel")), torch.no_grad():
+        assert torch.isfinite(model.model(ids).last_hidden_state).all()
+
+
 def test_a_model_that_keeps_its_attention_is_refused_naming_stream_mode(monkeypatch):
     """A model whose attention does not dispatch through the AttentionInterface keeps its implementation when
     asked for another (transformers logs it): the simulator can not see its K/V, and says which mode can."""

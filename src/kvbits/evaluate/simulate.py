@@ -735,9 +735,11 @@ def simulate(
     pre_rope = [m for m in modules if scheme.for_layer(m.layer_idx).key.pre_rope
                 and not scheme.for_layer(m.layer_idx).is_identity]  # fmt: skip
     if pre_rope:
+        from kvbits.cache.cache import rotary_for
         from kvbits.quant.rope import RotaryTables
 
-        tables = RotaryTables.from_model(model)
+        # the cache's own refusals first (HunYuan's key norm after RoPE): the simulator stands for that cache
+        tables, _ = rotary_for(scheme, model.config, RotaryTables.from_model(model))
         for m in pre_rope:
             rotary_layers[m.layer_idx] = tables.tables_for_layer(m.layer_idx)
     _register()
