@@ -335,18 +335,19 @@ def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tm
     assert out.read_text() == "mine\n"
 
 
-@pytest.mark.parametrize(
-    ("command", "args"),
-    [
-        ("eval", ["--scheme", "int4-token"]),
-        ("analyze", []),
-        ("calibrate", ["--scheme", "kvquant-4"]),
-        ("needle", ["--scheme", "int4-token", "--context", "1k"]),
-        ("speed", ["--scheme", "int4-token", "--context", "1k"]),
-        ("tune", ["--candidates", "int8-token", "--candidates", "int4-token", "--budget-bits", "6"]),
-        ("export", ["--calibration", "cal"]),
-    ],
-)
+# the commands that take --out, each with the arguments it needs besides --model / --data
+OUT_COMMANDS = [
+    ("eval", ["--scheme", "int4-token"]),
+    ("analyze", []),
+    ("calibrate", ["--scheme", "kvquant-4"]),
+    ("needle", ["--scheme", "int4-token", "--context", "1k"]),
+    ("speed", ["--scheme", "int4-token", "--context", "1k"]),
+    ("tune", ["--candidates", "int8-token", "--candidates", "int4-token", "--budget-bits", "6"]),
+    ("export", ["--calibration", "cal"]),
+]
+
+
+@pytest.mark.parametrize(("command", "args"), OUT_COMMANDS)
 def test_an_out_that_can_not_be_written_is_refused_before_the_run(capsys, tmp_path, command, args):
     """``--out`` below a file ran the whole command (a needle sweep, a calibration), then failed with
     ``[Errno 20] Not a directory``; kvbits.cli now checks every --out first (tune's as a file)."""
@@ -360,18 +361,7 @@ def test_an_out_that_can_not_be_written_is_refused_before_the_run(capsys, tmp_pa
     assert "no-such-model" not in err and "Errno" not in err and blocker.read_text() == "mine\n"
 
 
-@pytest.mark.parametrize(
-    ("command", "args"),
-    [
-        ("eval", ["--scheme", "int4-token"]),
-        ("analyze", []),
-        ("calibrate", ["--scheme", "kvquant-4"]),
-        ("needle", ["--scheme", "int4-token", "--context", "1k"]),
-        ("speed", ["--scheme", "int4-token", "--context", "1k"]),
-        ("tune", ["--candidates", "int8-token", "--candidates", "int4-token", "--budget-bits", "6"]),
-        ("export", ["--calibration", "cal"]),
-    ],
-)
+@pytest.mark.parametrize(("command", "args"), OUT_COMMANDS)
 def test_an_empty_out_is_refused_before_the_run(capsys, tmp_path, command, args):
     """``--out ""`` (``--out "$DIR"`` with DIR unset) passed the checks: ``kvbits eval`` wrote its whole run into the
     working folder and printed ``wrote /summary.json, report.md, report.html``; ``speed``, ``needle`` and

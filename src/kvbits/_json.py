@@ -134,3 +134,13 @@ def json_object(document: Any, source: object, what: str) -> Mapping[str, Any]:
     if not isinstance(document, Mapping):
         raise ValueError(f"{source} holds {describe(document)}; expected {what} (a JSON object)")  # noqa: TRY004
     return document
+
+
+def checked_object(document: Any, source: object, what: str, check_fields: Callable[[Mapping[str, Any]], None]) -> None:
+    """:func:`json_object`, then ``check_fields(document)``; its ``ValueError`` is said with ``source`` (the file)
+    in front, as ``{source}: {field} is ...``."""
+    document = json_object(document, source, what)
+    try:
+        check_fields(document)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc

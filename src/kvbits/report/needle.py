@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbits._json import check, entries, field, json_object
+from kvbits._json import check, checked_object, entries, field
 from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
@@ -360,11 +360,7 @@ def _check_needle_fields(s: Mapping[str, Any]) -> None:
 def check_needle(summary: Any, source: str | os.PathLike[str]) -> None:
     """``ValueError`` naming ``source`` (the file) and the field unless ``summary`` is a ``needle.json`` this
     kvbits reports: the version it reads, and every field the report uses, of the kind it uses."""
-    document = json_object(summary, source, "a kvbits needle summary")
-    try:
-        _check_needle_fields(document)
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from exc
+    checked_object(summary, source, "a kvbits needle summary", _check_needle_fields)
 
 
 def load_needle(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbits._json import check, entries, field, json_object
+from kvbits._json import check, checked_object, entries, field
 from kvbits.report.fmt import fmt_bytes, fmt_frac, fmt_pos, merged_runs_table
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
@@ -371,11 +371,7 @@ def _check_speed_fields(s: Mapping[str, Any]) -> None:
 def check_speed(summary: Any, source: str | os.PathLike[str]) -> None:
     """``ValueError`` naming ``source`` (the file) and the field unless ``summary`` is a ``speed.json`` this kvbits
     reports: every field the report and the merge use, of the kind they use."""
-    document = json_object(summary, source, "a kvbits speed summary")
-    try:
-        _check_speed_fields(document)
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from exc
+    checked_object(summary, source, "a kvbits speed summary", _check_speed_fields)
 
 
 def load_speed(path: str | os.PathLike[str]) -> dict[str, Any]:
