@@ -280,13 +280,18 @@ def test_thresholds_not_crossed_do_nothing_and_sampling_thins() -> None:
     assert mon.snapshot()["signals"][0]["flushes"] == 4  # detached: nothing more observed
 
 
-def test_sliding_layers_are_not_held() -> None:
+def sliding_gemma3(window: int) -> Gemma3ForCausalLM:
+    """2 layers: a sliding-window one (``window`` tokens, which can not be held), then a full-attention one."""
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=200,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=window,
                            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    model = Gemma3ForCausalLM(cfg).eval()
-    cache = QuantizedKVCache(config=cfg, scheme="kivi-4")
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def test_sliding_layers_are_not_held() -> None:
+    model = sliding_gemma3(window=200)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
     mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
     run(model, cache, ids_of(1, 190))
     assert mon.held_layers() == [1]  # the full-attention layer; the sliding one keeps its bounded window
@@ -298,12 +303,8 @@ def test_a_crossing_that_does_nothing_is_said_once_per_run_of_crossings() -> Non
     added an event (and an INFO log line): 5 events for layer 0 over 190 + 128 tokens (blocks of 32), one per
     flush, and so on for the rest of a long request. Now one per run of consecutive crossing flushes; a flush
     under the threshold ends the run, and the next crossing is said again."""
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=400,
-                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    model = Gemma3ForCausalLM(cfg).eval()
-    cache = QuantizedKVCache(config=cfg, scheme="kivi-4")
+    model = sliding_gemma3(window=400)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
     mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
     run(model, cache, ids_of(1, 190), decode=128)
     sliding = [e for e in mon.events if e["layer"] == 0]
