@@ -56,6 +56,15 @@ def test_runs_bytes_and_paths(model, ids):
     assert len(s["runs"]) == 2 * 2 * 4  # contexts x batches x (DynamicCache + 3 schemes)
     assert [x["scheme"] for x in s["schemes"]] == ["exact32", "t-kivi", "int4-token"]
     assert all(x["calibration"] == {} for x in s["schemes"])  # nothing calibrated, nothing to flag
+    # every key of the summary and of a run is in `kvbits speed --help`'s list (it left out kernel_settings,
+    # tuned_launches, layers and host_ms_per_step)
+    import re
+
+    from kvbits.evaluate.speed_cli import EPILOG
+
+    listed = set(re.findall(r'"(\w+)"', EPILOG.split("--json prints the summary:")[1]))
+    assert set(s) <= listed, set(s) - listed
+    assert set(s["runs"][0]) <= listed, set(s["runs"][0]) - listed
     for r in s["runs"]:
         assert len(r["step_ms"]) == 5 and r["cached_tokens"] == r["context"] + 7
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"], rel=1e-3)

@@ -35,9 +35,10 @@ transformers' StaticCache is timed as a second baseline; --graphs (with --static
 decode steps are replayed from a captured CUDA graph after 2 eager steps and the captured one (warm-up); a windowed
 scheme's flushing step is a graph of its own, run eagerly at its first flush and captured at its second.
 --json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
-"tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa", "schemes",
+"tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa",
+"kernel_settings", "tuned_launches", "layers", "schemes",
 "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean",
-"tokens_per_s", "speedup", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes",
+"tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes",
 "cuda_peak_bytes", "decode", "graph", "agreement", "first_divergence", "prefill_seconds", "distinct_rows"}],
 "fingerprint", "wall_seconds",
 "peak_rss_bytes", "date", "commit", "versions"}. speedup: tokens/s over DynamicCache's at the same context
