@@ -323,6 +323,23 @@ def test_analyze_plot_flags_without_out_are_usage_errors_before_loading(capsys, 
     assert "no-such-model" not in err
 
 
+@pytest.mark.parametrize(
+    ("scheme", "option", "said"),
+    [
+        ("fp8-e4m3", ["--percentile", "99"], "--percentile sets static int/NUQ ranges"),
+        ("kvquant-4", ["--fp8-scale", "amax"], "--fp8-scale chooses static FP8 scales"),
+    ],
+)
+def test_calibrate_options_the_scheme_would_not_use_are_usage_errors(capsys, tmp_path, scheme, option, said):
+    """``--percentile`` on an FP8 scheme and ``--fp8-scale`` on an integer one were accepted and ignored: the
+    calibration ran (minutes on a real model) as if they had not been given. Refused before the model loads."""
+    argv = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", scheme,
+            "--out", str(tmp_path / "cal"), *option]  # fmt: skip
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2 and said in err and "no-such-model" not in err, err
+
+
 def test_calibrate_out_that_is_a_file_is_a_usage_error_before_loading(capsys, tmp_path):
     """``--out FILE`` ran the whole calibration, then failed with ``[Errno 17] File exists``."""
     out = tmp_path / "notes.txt"

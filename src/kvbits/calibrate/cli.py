@@ -41,8 +41,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--percentile",
         type=_percentile,
-        default=99.9,
-        help="per-channel key range [100-P, P] for static scales (default 99.9)",
+        default=None,
+        help="per-channel range [100-P, P] for static int/NUQ scales and smoothing factors (default 99.9)",
     )
     p.add_argument(
         "--no-fisher", action="store_true", help="unweighted k-means (forward passes only, faster)"
@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--fp8-scale",
         choices=("centred", "mse", "amax"),
-        default="centred",
+        default=None,
         help="static FP8 scales: centred (default) = the amax scale raised by up to 2x to the least squared "
         "error on the sampled tokens, keys measured without each channel's mean error (a shift of all of a "
         "query's logits, which softmax ignores); mse = plain squared error for keys too; amax = largest |x| "
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
-    from kvbits.calibrate.fit import check_tie_rope_pairs
+    from kvbits.calibrate.fit import check_options_apply, check_tie_rope_pairs
     from kvbits.evaluate.data import load_text
     from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import DTYPES
@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     scheme = check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype,
                                   device=args.device)  # fmt: skip
     check_tie_rope_pairs(scheme, args.tie_rope_pairs)
+    check_options_apply(scheme, percentile=args.percentile is not None, fp8_scale=args.fp8_scale is not None)
 
     progress = Progress(
         TextColumn("{task.description}"),
@@ -184,13 +185,13 @@ def run(args: argparse.Namespace) -> int:
             args.scheme,
             context=args.context,
             windows=args.windows,
-            percentile=args.percentile,
+            percentile=99.9 if args.percentile is None else args.percentile,
             fisher=not args.no_fisher,
             out_dir=args.out,
             max_tokens=args.max_tokens,
             seed=args.seed,
             progress=report,
-            fp8_scale=args.fp8_scale,
+            fp8_scale=args.fp8_scale or "centred",
             tie_rope_pairs=args.tie_rope_pairs,
         )
     if args.json:

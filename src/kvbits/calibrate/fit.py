@@ -270,6 +270,22 @@ def check_tie_rope_pairs(scheme: KVScheme, tie: bool) -> None:
         )
 
 
+def check_options_apply(scheme: KVScheme, *, percentile: bool, fp8_scale: bool) -> None:
+    """``ValueError`` for an option given (``True``) that no side of ``scheme`` would use, as it would silently do
+    nothing: ``percentile`` sets static int/NUQ ranges and smoothing factors; ``fp8_scale`` static FP8 scales."""
+    sides = [s for sub in (scheme.layer_schemes() if scheme.is_mixed else [scheme]) for s in (sub.key, sub.value)
+             if not sub.is_identity]  # fmt: skip
+    if percentile and not any(s.kind != "fp8" and (s.static or s.smooth is not None) for s in sides):
+        raise ValueError(
+            f"--percentile sets static int/NUQ ranges and smoothing factors, and scheme {scheme.name} has none "
+            "(kvquant-4 or int4-token-smooth have)"
+        )
+    if fp8_scale and not any(s.kind == "fp8" and s.static for s in sides):
+        raise ValueError(
+            f"--fp8-scale chooses static FP8 scales, and scheme {scheme.name} has none (fp8-e4m3 has)"
+        )
+
+
 def tie_rope_pairs(spread: torch.Tensor) -> torch.Tensor:
     """``spread (..., D)`` with channels ``d`` and ``d + D/2`` (a rotate-half RoPE pair) both given the larger.
 
