@@ -288,7 +288,7 @@ def test_names_are_text_not_markup(tmp_path):
     from rich.console import Console
 
     from kvbits.report.html_page import _inline
-    from kvbits.report.markdown import _md_cell, _md_text
+    from kvbits.report.markdown import _md_text, md_cell
 
     s = _summary({"fp16": SCHEMES["fp16"], "k[/]": SCHEMES["kivi-4"], "int4-[bold]g32": SCHEMES["int4-token"]})
     s.update(model="llama-[instruct]", data="/corpora/[/tmp]/book.txt")
@@ -298,7 +298,7 @@ def test_names_are_text_not_markup(tmp_path):
     for name in ("llama-[instruct]", "/corpora/[/tmp]/book.txt", "k[/]", "int4-[bold]g32"):
         assert name in text, name
     assert _md_text("a <img src=x> `b <c>` d") == "a &lt;img src=x&gt; `b <c>` d"
-    assert _md_cell("x|y\nz") == "x\\|y z"
+    assert md_cell("x|y\nz") == "x\\|y z"
     assert _inline("- `/corpora/*/part-*.txt` *it*") == "- <code>/corpora/*/part-*.txt</code> <em>it</em>"
 
 

@@ -295,6 +295,21 @@ def test_valid_needle_json_rewrites_with_null_means(tmp_path, capsys):
     assert "| int4-token | 4.50 | 50% (2/4) | 50% (2/4; 15–85%) | n/a | n/a | 2.0 |" in (d / "report.md").read_text()
 
 
+def test_a_pipe_in_a_scheme_name_is_escaped_in_the_needle_and_speed_tables():
+    """A scheme JSON may name its scheme anything; the eval report escaped ``|`` in table cells, but the needle and
+    speed tables wrote the name raw, so ``a|b`` split its row into one cell too many."""
+    from kvbits.report.needle import needle_markdown
+    from kvbits.report.speed import speed_markdown
+
+    s = json.loads(json.dumps(_needle()).replace('"int4-token"', '"a|b"'))
+    md = needle_markdown(s, figure=False)
+    assert "| a\\|b |" in md and "| a|b |" not in md
+    whole = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/speed-qwen/speed.json").read_text())
+    name = whole["runs"][-1]["cache"]
+    md = speed_markdown(json.loads(json.dumps(whole).replace(f'"{name}"', '"a|b"')), figure=False)
+    assert "| a\\|b |" in md and "| a|b |" not in md
+
+
 def _grid_short(s: dict[str, Any]) -> None:
     s["results"][0]["grid"] = [[1.0, 1.0]]
 

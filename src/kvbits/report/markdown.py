@@ -8,7 +8,7 @@ from pathlib import Path
 from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table, split_code_spans
 from kvbits.report.tables import TableData
 
-__all__ = ["to_markdown"]
+__all__ = ["md_cell", "to_markdown"]
 
 
 def _md_text(text: str) -> str:
@@ -18,16 +18,16 @@ def _md_text(text: str) -> str:
     return "".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
-def _md_cell(text: str) -> str:
+def md_cell(text: str) -> str:
     """A table cell: ``_md_text``, ``|`` escaped, a newline (which would end the row) as a space."""
     return _md_text(text).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def _md_table(t: TableData) -> str:
-    lines = ["| " + " | ".join(_md_cell(h) for h in t.headers) + " |"]
+    lines = ["| " + " | ".join(md_cell(h) for h in t.headers) + " |"]
     lines.append("|" + "|".join("---:" if i in t.right else ":---" for i in range(len(t.headers))) + "|")
     for row in t.rows:
-        cells = [f"**{_md_cell(c.text)}**" if c.tone == "bad" and c.text else _md_cell(c.text) for c in row]
+        cells = [f"**{md_cell(c.text)}**" if c.tone == "bad" and c.text else md_cell(c.text) for c in row]
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines)
     return (f"*{_md_text(t.caption)}*\n\n" + out) if t.caption else out

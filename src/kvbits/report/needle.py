@@ -18,6 +18,7 @@ from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
 from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
+from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
 
@@ -103,7 +104,7 @@ def _grid_table(summary: Mapping[str, Any]) -> list[str]:
     ]
     for name, grid in runs:
         for c, row in zip(contexts, grid):
-            lines.append(f"| {name} | {fmt_pos(c)} | " + " | ".join(_pct(x) for x in row) + " |")
+            lines.append(f"| {md_cell(str(name))} | {fmt_pos(c)} | " + " | ".join(_pct(x) for x in row) + " |")
     return lines + [""]
 
 
@@ -162,7 +163,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     for r in summary["results"]:
         got = sum(rec["schemes"][r["scheme"]]["retrieved"] for rec in records)
         lines.append(
-            f"| {r['scheme']} | {_fixed(r['avg_bits'], '.2f')} | {_count(got, n)} | "
+            f"| {md_cell(str(r['scheme']))} | {_fixed(r['avg_bits'], '.2f')} | {_count(got, n)} | "
             f"{kept_cell(summary, r['scheme'])} | "
             f"{_fixed(r['delta_nll'], '+.3f')} | {fmt_kl(math.nan if r['kl'] is None else r['kl'])} | "
             f"{_fixed(r['seconds'], '.1f')} |"
@@ -186,7 +187,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             if b.get("cache_bytes") is not None:
                 cell += f"; {_mib(b['cache_bytes'])} of {_mib(b.get('cache_bytes_ref'))} MiB"
             cells.append(cell)
-        lines.append(f"| {r['scheme']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {md_cell(str(r['scheme']))} | " + " | ".join(cells) + " |")
     lines += ["", "## By context and depth", ""]
     if figure:
         lines += ["![retrieval by context and depth](needle.png)", ""]

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
 from kvbits.report.fmt import fmt_bytes, fmt_frac, fmt_pos, merged_runs_table
+from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
 
@@ -89,7 +90,7 @@ def _table(summary: Mapping[str, Any], batch: int, cell) -> list[str]:
     ]
     for cache in _caches(summary):
         cells = [cell(_run(summary, cache, c, batch)) for c in contexts]
-        lines.append(f"| {cache} | " + " | ".join(cells) + " |")
+        lines.append(f"| {md_cell(str(cache))} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
