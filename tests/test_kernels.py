@@ -1850,6 +1850,36 @@ def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     assert {r["context"] for r in data["records"]} == {256}  # the first combo only
 
 
+def test_gpu_benchmark_times_the_issues_cells_before_the_other_kernel_paths(monkeypatch):
+    """The sweep times, per cell, fp16 SDPA and the fused kernel's default launch at every scheme (issue 5's table)
+    before any other kernel path: a time budget that runs out cuts the extra paths (gathered unpacking, float16
+    dequantization, the folded kernel, the per-token layouts), never a batch-32 cell of the issue's. Before, each
+    cell ran every variant and the cells went batch by batch, so a budget the sweep's ~1,040 cells outgrew cut the
+    largest batch's cells whole. Here the budget ends right after the first pass."""
+    import itertools
+
+    bench = _load_bench()  # puts benchmarks/ on sys.path
+    from gpu_bench import common, sweep
+
+    reference = bench._decoder(bench.Config(device=torch.device("cpu"), contexts=[256], batches=[1], reps=1,
+                                            warmup=0, max_bytes=1e9, smoke=True, kernel="reference"))  # fmt: skip
+    cfg = bench.Config(device=torch.device("cpu"), contexts=[256, 512], batches=[1, 2], reps=1, warmup=0,
+                       max_bytes=1e9, smoke=True, kernel="triton")  # fmt: skip
+    first_pass = len(cfg.contexts) * len(cfg.batches) * len(common.SHAPES)
+    calls = itertools.count()
+    monkeypatch.setattr(sweep, "out_of_time", lambda cfg: next(calls) >= first_pass)
+    skipped: list[dict] = []
+    records = sweep.sweep(cfg, lambda q, store, **kw: reference(q, store), 10.0, skipped=skipped)
+    cells = {(shape, b, c) for shape in common.SHAPES for b in cfg.batches for c in cfg.contexts}
+    want = {"fp16", *common.SCHEMES, *(name + common.ROPE_SUFFIX for name in common.PRE_ROPE)}
+    for cell in cells:
+        got = {r["scheme"] for r in records if (r["shape"], r["batch"], r["context"]) == cell and r["kernel"] == "triton"}
+        assert got == want, (cell, want ^ got)  # the fused kernel over an fp16 store too
+    assert {r["kernel"] for r in records} == {"sdpa-gqa", "sdpa-gqa-no-cudnn", "sdpa-expand", "triton"}
+    assert {(s["shape"], s["batch"], s["context"]) for s in skipped} == cells
+    assert {s.get("pass") for s in skipped} == {"other kernel paths"}
+
+
 def test_gpu_benchmark_records_launches_that_do_not_start():
     """A kernel variant the GPU refuses (Triton's ``OutOfResources``: more shared memory than a block gets)
     is a result of that variant, not the end of a one-shot run: the correctness step and the sweep record
