@@ -200,12 +200,9 @@ def _rotary_tables(model: torch.nn.Module) -> tuple[Any, bool]:
 
     try:
         return RotaryTables.from_model(model), True
-    except ValueError as exc:
+    except (ValueError, NotImplementedError) as exc:  # no RoPE / a RoPE layout kvbits can not reproduce
         logger.warning("no post-RoPE statistics: %s", exc)
-        return None, True
-    except NotImplementedError as exc:
-        logger.warning("no post-RoPE statistics: %s", exc)
-        return None, False
+        return None, not isinstance(exc, NotImplementedError)
 
 
 def analyze(

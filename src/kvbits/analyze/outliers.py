@@ -230,7 +230,6 @@ def recommend(
                 "; no post-RoPE statistics (the model has no RoPE that kvbits applies), so no pre-RoPE scheme "
                 "(KVQuant's included) runs on it: keys are quantized as the model caches them"
             )
-
         if scheme != candidates[0]:
             reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
         calibrated = f"kvquant-{bits}" if has_post and f"kvquant-{bits}" in names else None  # pre-RoPE keys

@@ -153,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
     scheme = check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype,
                                   device=args.device)  # fmt: skip
     check_tie_rope_pairs(scheme, args.tie_rope_pairs)
-    check_options_apply(scheme, percentile=args.percentile is not None, fp8_scale=args.fp8_scale is not None)
+    # the options given; calibrate's own defaults stand for the others
+    given = {k: v for k, v in (("percentile", args.percentile), ("fp8_scale", args.fp8_scale)) if v is not None}
+    check_options_apply(scheme, percentile="percentile" in given, fp8_scale="fp8_scale" in given)
 
     progress = Progress(
         TextColumn("{task.description}"),
@@ -185,14 +187,13 @@ def run(args: argparse.Namespace) -> int:
             args.scheme,
             context=args.context,
             windows=args.windows,
-            percentile=99.9 if args.percentile is None else args.percentile,
             fisher=not args.no_fisher,
             out_dir=args.out,
             max_tokens=args.max_tokens,
             seed=args.seed,
             progress=report,
-            fp8_scale=args.fp8_scale or "centred",
             tie_rope_pairs=args.tie_rope_pairs,
+            **given,
         )
     if args.json:
         sys.stdout.write(json.dumps({"path": str(art.path), **art.meta}, indent=2) + "\n")
