@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbits.kernels import aot
 from kvbits.kernels.dispatch import DEQUANT_MODES
 from kvbits.kernels.reference import PackedStore, PackedTensor, code_basis
 from kvbits.quant.rotate import unrotate
@@ -904,8 +905,6 @@ def supported(store: PackedStore, q: torch.Tensor | None = None) -> str | None:
 def _read_layout_reason(store: PackedStore) -> str | None:
     """``layout_reason``, except inside ``aot.compile_only``: launches there compile and read nothing, so stand-in
     tensors (``benchmarks/kernel_resources.py``'s stride-0 broadcasts) compile the kernels a real store would."""
-    from kvbits.kernels import aot
-
     return None if aot.compiling() else layout_reason(store)
 
 
