@@ -1908,6 +1908,27 @@ def test_gpu_benchmark_records_launches_that_do_not_start():
     assert "did not launch: RuntimeError: out of resource" in bench.markdown(records, bench.break_even(records), 10.0)
 
 
+def test_gpu_benchmark_break_even_from_times_not_rounded_speedups():
+    """Break-even compares each row's ms with its cell's fp16 ms: a kernel 0.03 % slower than fp16 SDPA has a
+    3-decimal speed-up of 1.0 and does not break even (before: it did, at the first such context)."""
+    _load_bench()
+    from gpu_bench import sweep
+
+    def row(context: int, ms: float, fp16_ms: float) -> dict:
+        return sweep._record("triton", "int4", "qwen", context, 1, ms, False, 1000, {}, fp16_ms, 10.0)
+
+    slower = row(4096, 1.0003, 1.0)
+    assert slower["speedup_vs_fp16"] == 1.0 and slower["fp16_ms"] == 1.0
+    rows = [slower, row(8192, 1.5, 2.0), row(16384, 2.0, 4.0)]
+    assert [b["break_even_context"] for b in sweep.break_even(rows)] == [8192]
+    rows[0] = row(4096, 1.0, 1.0)  # a tie breaks even
+    assert [b["break_even_context"] for b in sweep.break_even(rows)] == [4096]
+    # records written before ``fp16_ms`` keep the rounded ratio
+    old = [{k: v for k, v in r.items() if k != "fp16_ms"} for r in rows]
+    old[0]["speedup_vs_fp16"] = 0.999
+    assert [b["break_even_context"] for b in sweep.break_even(old)] == [8192]
+
+
 def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     """The tuning grid times the default launch first, then its nearest neighbours: a run cut short by the
     time budget still compares the default with single changes of it."""

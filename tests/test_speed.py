@@ -144,6 +144,31 @@ def test_step_times_cover_the_cache(model, ids, monkeypatch):
     assert slowed["ms_per_step"] > base["ms_per_step"] + 50.0 and slowed["speedup"] < 1.0
 
 
+def test_speedup_comes_from_the_step_times(model, ids, monkeypatch):
+    """``speedup`` is the DynamicCache run's ms per step over the scheme's, not a ratio of tokens/s rounded to 0.01:
+    at ~1.7 tokens/s (steps slowed to ~0.6 s) that rounding moved it by up to 0.3 %, 0.004 of a 1.5x speed-up."""
+    from transformers import DynamicCache
+
+    from kvbits.cache import QuantizedKVCache
+
+    def slowed(cls, seconds):
+        real = cls.update
+
+        def update(self, *a, **kw):
+            time.sleep(seconds)
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "update", update)
+
+    slowed(DynamicCache, 0.3)
+    slowed(QuantizedKVCache, 0.2)
+    s = speed_eval(model, 32, ["int4-token"], tokens=2, warmup=0, data=ids)
+    (base,) = _runs(s, "DynamicCache")
+    (quant,) = _runs(s, "int4-token")
+    assert base["tokens_per_s"] < 2.0 and quant["speedup"] > 1.2
+    assert quant["speedup"] == round(base["ms_per_step"] / quant["ms_per_step"], 4)
+
+
 def test_host_time_stops_before_the_device_sync(model, ids, monkeypatch):
     """``host_ms_per_step`` is the step's Python before the sync: a sync that waits 30 ms (a busy device, simulated)
     lengthens every step time and no host time. On CUDA the record keeps its median and the report shows it; off
