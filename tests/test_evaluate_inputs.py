@@ -209,6 +209,33 @@ def test_a_calibration_for_no_scheme_evaluated_is_named_plainly():
         evaluate(_llama(), _ids(64), 16, ["kivi-2", "int4-token"], calibration=art)
 
 
+def test_a_calibration_pinned_to_weights_says_a_module_can_not_be_matched(caplog):
+    """A calibration made for a loaded model's weights (its fingerprint) served to a model given as a module: the
+    module has no content id, so only its shape can be checked; before, that passed in silence (a same-shaped
+    model B served model A's calibration unnoticed). Now a WARNING says so; a calibration that pins only the
+    architecture (fitted on a module: "config:<hash>") says nothing."""
+    from dataclasses import replace
+
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = _llama()
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 32, generator=g) for _ in range(2)]
+    arch = artifact_from_samples("kvquant-4", k, k, meta={"model": describe_model(model.config)})
+    pinned = replace(arch, meta={**arch.meta, "model": {**arch.meta["model"], "fingerprint": "0123456789abcdef"}})
+    for art, said in ((arch, False), (pinned, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+            evaluate(model, _ids(64), 64, ["kvquant-4"], calibration=art, attn_layers=[])
+        warned = [r.getMessage() for r in caplog.records if "can not be matched" in r.getMessage()]
+        message = (
+            "calibration was made for the weights with fingerprint 0123456789abcdef; a model given as a module can not "
+            "be matched to them (only its shape was checked): give it by spec or as a LoadedModel to have them compared"
+        )
+        assert warned == ([message] if said else [])
+
+
 def _falcon(**layout):
     import transformers
 

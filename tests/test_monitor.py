@@ -582,6 +582,36 @@ def test_watch_on_token_ids_and_refusals() -> None:
         watch(model, ids, 1, "kivi-2")
 
 
+def test_watch_refuses_a_calibration_pinned_to_other_weights(tmp_path, monkeypatch) -> None:
+    """A calibration made for model A (its weights' fingerprint) is refused for a model B of the same shape, as
+    `kvbits eval` refuses it (before, `kvbits monitor` served it: only the shape was compared); one made for these
+    weights, or for the architecture only (fitted on a bare module), is served, given as an object or a folder."""
+    from dataclasses import replace
+
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+    from kvbits.evaluate.models import load_model
+    from kvbits.monitor import watch
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    llama().save_pretrained(folder)
+    fingerprint = load_model(str(folder)).fingerprint
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    art = artifact_from_samples("kvquant-4", keys, keys, meta={"model": describe_model(llama().config)})
+    ids = ids_of(1, 200)[0]
+
+    def pinned(fp: str):
+        return replace(art, meta={**art.meta, "model": {**art.meta["model"], "fingerprint": fp}})
+
+    other = pinned("0123456789abcdef").save(tmp_path / "other")
+    with pytest.raises(ValueError, match="not for the model with fingerprint '[0-9a-f]{16}'"):
+        watch(str(folder), ids, 40, "kvquant-4", calibration=other)
+    for ok in (pinned(fingerprint), art.save(tmp_path / "arch")):  # these weights; the architecture only
+        assert watch(str(folder), ids, 40, "kvquant-4", calibration=ok).snapshot()["tokens"] == 40
+
+
 def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     import json
 

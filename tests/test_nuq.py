@@ -306,3 +306,22 @@ def test_zero_static_nuq_scale_counts_what_it_clips():
     assert n_outliers == 2 * 16 * 2
     assert qt.clipped == x.numel() - n_outliers
     assert int((qt.dequantize() == 0).sum()) == qt.clipped  # collapsed onto the zero-point
+
+
+@pytest.mark.parametrize("lo,hi", [(0.5, 65504.0), (100.0, 65500.0), (3.0, 65504.0)])
+def test_dynamic_ranges_at_float16s_end_clip_nothing(lo: float, hi: float):
+    """An asymmetric NUQ range reaching float16's end gets its scale capped a float16 step below the range
+    (``_stored_scale``: zero + scale within 65504), so the top value lies up to 2**-9 past it in ``u`` and
+    decodes to the last entry, 32 away at 65504. That is rounding, as the integer codes' top level: ``clipped``
+    counted the row's top values as clipped (2 of 8 here) against a dynamic range, which the Triton quantize
+    kernel counts as 0. Now 0, with the same codes and error."""
+    x = torch.cat([torch.tensor([lo, hi]), torch.linspace(lo, hi, 6)]).reshape(1, 1, 1, 8).half()
+    qt = quantize(x, nuq(4), codebook=uniform_codebook(4))
+    assert float(qt.zero) + float(qt.scale) < hi  # the capped scale: the range ends below the top value
+    assert qt.clipped == 0
+    assert unpack_bits(qt.data, 4, 8).flatten()[1] == 15  # the top value on the last entry
+    y = qt.dequantize(torch.float16)
+    assert bool(torch.isfinite(y).all())
+    assert float((y.float() - x.float()).abs().max()) <= 32.0
+    lazy = quantize(x, nuq(4), codebook=uniform_codebook(4), validate=False, sync=False)
+    assert int(lazy.clipped) == 0

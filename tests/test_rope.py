@@ -422,3 +422,22 @@ def test_models_whose_config_turns_rope_off_are_refused(config, model_cls, why):
 @pytest.mark.parametrize("config", [lambda: _falcon_alibi(False), lambda: _granite_hybrid("rope")], ids=["falcon", "granite"])
 def test_the_same_families_with_rope_still_get_tables(config):
     assert RotaryTables.from_config(config()).rot_dim == 16
+
+
+def test_tables_of_another_batch_and_nope_frames_are_refused_or_empty():
+    """Positions for 3 sequences against keys of 2 died in torch's broadcasting (RuntimeError "The size of
+    tensor a (2) must match ..."); now a ValueError naming both. And ``framed_cos_sin`` of a layer without
+    RoPE (``rot_dim`` 0, SmolLM3's NoPE layers) returned the model's full tables, where ``cos_sin`` (as its
+    docstring says it does) returns empty ones, which rotate nothing."""
+    tables = RotaryTables.from_config(_config("LlamaConfig"))
+    x = torch.randn(2, 2, 5, tables.head_dim)
+    with pytest.raises(ValueError, match=r"cover 3 sequences but x has B=2"):
+        tables.rotate(x, torch.arange(5).repeat(3, 1))
+    with pytest.raises(ValueError, match=r"cover 3 sequences but x has B=2"):
+        invert_rope(x, *tables.cos_sin(torch.arange(5).repeat(3, 1)))
+    back = tables.unrotate(tables.rotate(x, torch.arange(5).repeat(2, 1)), torch.arange(5)[None])  # (B, T), (1, T)
+    torch.testing.assert_close(back, x, atol=ATOL, rtol=1e-5)
+    nope = dataclasses.replace(tables, rot_dim=0, halves_equal=False)
+    for cos, sin in (nope.cos_sin(torch.arange(4)), nope.framed_cos_sin(torch.arange(4)[None], 0, torch.float32)):
+        assert cos.shape == sin.shape == (1, 4, 0)
+        assert torch.equal(apply_rope(x[:, :, :4], cos, sin), x[:, :, :4])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 
 from kvbits._model import check_model
 from kvbits.evaluate.request import _ids_fingerprint, _model_fingerprint
+
+logger = logging.getLogger(__name__)
 
 __all__: list[str] = []
 
@@ -193,12 +196,19 @@ def _check_calibration_models(calibrations: dict[str, Any], model_spec: Any, con
 
     ``model_spec`` is what the caller asked for (a spec string or a ``LoadedModel`` pins weights by
     content); an artifact fitted on a bare module records ``"config:<hash>"``, which pins only the
-    architecture.
+    architecture. A model given as a module has no content id: it is checked by shape, and an artifact that
+    pins weights says so (a WARNING) rather than passing silently.
     """
     loaded = isinstance(model_spec, str) or isinstance(getattr(model_spec, "fingerprint", None), str)
     for art in calibrations.values():
-        pinned = loaded and not str(getattr(art, "fingerprint", "config:")).startswith("config:")
-        art.check_model(config, fingerprint=model_fp if pinned else None)
+        pins = not str(getattr(art, "fingerprint", "config:")).startswith("config:")
+        art.check_model(config, fingerprint=model_fp if loaded and pins else None)
+        if pins and not loaded:  # a module has no content id to match: say so, do not pass it silently
+            logger.warning(
+                "calibration%s was made for the weights with fingerprint %s; a model given as a module can not be "
+                "matched to them (only its shape was checked): give it by spec or as a LoadedModel to have them "
+                "compared", "" if getattr(art, "path", None) is None else f" in {art.path}", art.fingerprint,
+            )  # fmt: skip
 
 
 def _check_before_loading(

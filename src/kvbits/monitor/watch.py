@@ -32,11 +32,13 @@ def watch(
     (``snapshot()``, ``prometheus()``, ``events``), detached.
 
     ``model``, ``data``, ``calibration``, ``dtype``, ``device`` as ``kvbits.evaluate.evaluate`` takes them
-    (registry names, paths, hub ids, loaded models; token ids ``(N,)`` for ``data``; a calibration folder is
-    loaded and checked by ``stream_hidden``'s cache). The cache logs no calibration warnings of its own: the
-    monitor's signals count the clipped values and say when the calibrated length is passed.
+    (registry names, paths, hub ids, loaded models; token ids ``(N,)`` for ``data``). A calibration (artifact or
+    folder) is checked as ``evaluate`` checks it: against ``scheme`` before the model loads, then against the model
+    loaded, its shape always and its weights (fingerprint) where both sides pin them. The cache logs no calibration
+    warnings of its own: the monitor's signals count the clipped values and say when the calibrated length is passed.
     """
-    from kvbits.evaluate.inputs import _load_model, _load_windows
+    from kvbits.calibrate import checked_artifact
+    from kvbits.evaluate.inputs import _check_calibration_models, _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
 
@@ -49,7 +51,11 @@ def watch(
         )
     check_device(device)
     torch_dtype, _ = _resolve_dtype(dtype)
-    lm, tokenizer, _, _ = _load_model(model, torch_dtype, device)
+    if calibration is not None:
+        calibration = checked_artifact(calibration, resolved)
+    lm, tokenizer, _, model_fp = _load_model(model, torch_dtype, device)
+    if calibration is not None:  # the weights too: a same-shaped model B must not serve A's calibration
+        _check_calibration_models({resolved.name: calibration}, model, lm.config, model_fp)
     windows, _, _ = _load_windows(data, tokenizer, context, 1, data_path)
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")

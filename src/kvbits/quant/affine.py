@@ -6,8 +6,10 @@ codes in ``[0, 2c]``. Scales and zero-points are stored in float16; they are rou
 (zero down, scale up) so the stored range always covers the data and the round-trip error stays
 within ``scale / 2`` per element. Near float16's end the scale is capped instead (:func:`_stored_scale`):
 rounded up, the top level of a group reaching 65504 would decode past it, to inf in float16 K/V. ``TensorSpec(scale_dtype="fp32")`` keeps them in float32, unrounded
-(``meta=torch.float32``: the range ends and ``range / steps`` as computed, vLLM's per-token-head caches). A constant group gets ``scale = 0`` and decodes exactly to its
-(float16) value: no division by zero, no NaN.
+(``meta=torch.float32``: the range ends and ``range / steps`` as computed, vLLM's per-token-head caches). An asymmetric group whose values all equal
+one float16 value gets ``scale = 0`` and decodes exactly to it, and a group of zeros decodes to zeros under
+any codes: no division by zero, no NaN. Any other constant group (a value float16 does not hold, 0.1 or
+1000.3 in float32; symmetric codes) gets a nonzero scale and decodes within half a step, as any group.
 
 Integer zero-points (``TensorSpec.integer_zero``, vLLM's ``int4_per_token_head``): ``x ≈ (code - z) * scale``
 with ``z`` a code, stored as ``zero = -z * scale`` so the same decoder applies (:func:`integer_zero_qparams`).

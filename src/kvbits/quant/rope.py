@@ -100,6 +100,8 @@ def _broadcast_tables(
         raise ValueError(f"rotary dim {d_rot} must be even and at most the head dim {x.shape[-1]}")
     if cos.shape[1] != x.shape[2]:
         raise ValueError(f"cos/sin cover {cos.shape[1]} positions but x has T={x.shape[2]} tokens")
+    if cos.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"cos/sin cover {cos.shape[0]} sequences but x has B={x.shape[0]} (positions (T,), (1, T) or (B, T))")
     return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
@@ -358,6 +360,9 @@ class RotaryTables:
         cache slots ``slot0 ... slot0 + n - 1``, without a host sync: tables that depend on the slot, not on the
         slice asked for (module docstring), so a block un-rotated at a flush is rotated back exactly by any
         later read. Rope types whose tables do not depend on the length: ``cos_sin``'s tables."""
+        if self.rot_dim == 0:  # a layer without RoPE: empty tables, as cos_sin's
+            empty = torch.zeros((*positions.shape, 0), dtype=dtype, device=positions.device)
+            return empty, empty.clone()
         W, n = self.frame, positions.shape[1]
         if W is None or n == 0:
             return self._forward(positions, dtype, None)

@@ -350,6 +350,11 @@ def quantize(
         codes, clipped = quantize_nuq(xg, scale, zero, codebook)
     if static_qp is not None:  # dynamic scales are 0 only for a group equal to its zero-point
         clipped = clipped | zero_scale_clipped(xg, scale, zero)
+    elif spec.kind == "nuq":
+        # a dynamic range is its group's own: only a scale capped at float16's end (_stored_scale, one float16
+        # step) leaves the top value past it, by up to 2**-9 in u, and it decodes to the last entry: rounding,
+        # not a clip (as the integer codes' top level and the Triton kernel, which counts dynamic ranges as 0)
+        clipped = torch.zeros_like(clipped)
     if mg is not None:
         clipped = clipped & ~mg
     packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits, check_range=False)  # clamped: no sync
