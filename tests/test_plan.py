@@ -258,6 +258,33 @@ def test_nemotron_nas_block_configs_give_each_layer_its_kv_heads(caplog):
         load_shape(_nemotron_nas([5, 8]))
 
 
+def test_nemotron_nas_caches_hold_each_block_s_kv_heads():
+    """The caches read a DeciLM config's heads as the planner does. ``layer_heads`` read every block as MHA (32 KV
+    heads, ``num_key_value_heads`` being null), so ``QuantizedKVCache`` refused the model's first update (4 heads:
+    "the config has num_key_value_heads=32") and both caches refused its per-head static scales (4 of them). Now
+    each block has its own heads, a block without attention a ``DummyLayer``, and the bytes are the plan's."""
+    import torch
+    from transformers import PretrainedConfig
+
+    from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache
+    from kvbits.plan.config import layer_heads
+
+    d = _nemotron_nas([8, "noop", 4])
+    d.pop("model_type")
+    cfg = PretrainedConfig(**d)  # as the remote-code DeciLMConfig: an object, not a dict
+    assert [layer_heads(cfg, i) for i in range(3)] == [(32, 4, 64), (32, 0, 64), (32, 8, 64)]
+    k0, k2 = torch.randn(1, 4, 10, 64), torch.randn(1, 8, 10, 64)
+    cache = QuantizedKVCache(config=cfg, scheme="int4-token")
+    assert type(cache.layers[1]).__name__ == "DummyLayer"
+    cache.update(k0, k0.clone(), 0)
+    cache.update(k2, k2.clone(), 2)
+    assert cache.memory_report()["total_bytes"] == plan(d, context=10, scheme="int4-token")["total_bytes"]
+    for c in (QuantizedKVCache(config=cfg, scheme="fp8-e4m3-head"),
+              StaticQuantizedKVCache(cfg, "fp8-e4m3-head", max_cache_len=16)):  # fmt: skip
+        c.set_static_qparams(0, "key", torch.ones(4))  # one scale per KV head of block 0
+        c.set_static_qparams(2, "key", torch.ones(8))
+
+
 def test_models_without_a_standard_kv_cache_are_refused(caplog):
     """xLSTM (recurrent states, no attention) was planned as 32 MHA layers of 8 KV heads x 512 channels, 4 GiB of
     fp16 at 8,192 tokens, without a word; DeepSeek-V4's compressed layer types as uncompressed full attention,
