@@ -27,6 +27,10 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   not estimated (per-block MLP widths): pass ``weights_gib``.
 - **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
 - **parameter count** (for weights memory, see :func:`estimate_params`).
+- **quantized weights** (``quantization_config``: GPTQ, AWQ, bitsandbytes, FP8, MXFP4, ...): their bytes are not the
+  parameter count times the dtype bytes, so a GPU budget needs ``weights_gib`` (:func:`quantized_weights`). The
+  config's KV-cache settings (``kv_cache_scheme``, vLLM's FP8 KV) do not change the plan: the scheme planned
+  decides how K/V are stored (``fp8-e4m3``, ``vllm-fp8-token`` are vLLM's), full-precision tokens stay in the dtype.
 
 transformers is imported only when a config has to be built or loaded: a plain dict with the
 standard keys, or a :class:`ModelShape`, plans without it.
@@ -64,6 +68,7 @@ __all__ = [
     "load_shape",
     "max_positions",
     "model_shape",
+    "quantized_weights",
     "resolve_config",
     "text_config",
     "warn_beyond_max_positions",
@@ -436,6 +441,29 @@ def _dtype_field(cfg: Any) -> Any:
     return getattr(cfg, "torch_dtype", None)
 
 
+def quantized_weights(config: Any) -> str | None:
+    """How ``config``'s ``quantization_config`` stores the weights (``"mxfp4"``, ``"gptq 4-bit"``), or None when
+    they are floats: no ``quantization_config``, GGUF (transformers dequantizes it on load), or compressed-tensors
+    quantizing the KV cache alone (no weight ``config_groups``: what ``kvbits export`` writes)."""
+    qc = _get(config, "quantization_config")
+    if qc is None:
+        qc = _get(text_config(config), "quantization_config")
+    if hasattr(qc, "to_dict"):  # a transformers QuantizationConfigMixin, on a loaded model's config
+        qc = qc.to_dict()
+    if qc is None or (isinstance(qc, Mapping) and not qc):
+        return None
+    if not isinstance(qc, Mapping):
+        return f"quantization_config {qc!r:.60}"
+    method = str(qc.get("quant_method") or "unknown quant_method")
+    groups = qc.get("config_groups") or {}
+    if method == "gguf" or (
+        method == "compressed-tensors" and not any(isinstance(g, Mapping) and g.get("weights") for g in groups.values())
+    ):
+        return None
+    bits = qc.get("bits") or (4 if qc.get("load_in_4bit") else 8 if qc.get("load_in_8bit") else None)
+    return f"{method} {bits}-bit" if bits else method
+
+
 def model_shape(config: Any, *, name: str = "") -> ModelShape:
     """Read a :class:`ModelShape` from a transformers config object or a plain mapping.
 
@@ -498,7 +526,9 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
     max_ctx = max_positions(text)
     if not name:
         name = str(_get(config, "_name_or_path") or _get(text, "model_type") or "")
-    shape = ModelShape(tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx)
+    shape = ModelShape(
+        tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx, weights_quantized=quantized_weights(config)
+    )
     try:
         params = estimate_params(text, shape)
     except ValueError as exc:  # weights are optional for planning; say why they are missing
