@@ -258,6 +258,33 @@ def test_nemotron_nas_block_configs_give_each_layer_its_kv_heads(caplog):
         load_shape(_nemotron_nas([5, 8]))
 
 
+def test_nemotron_nas_caches_hold_each_block_s_kv_heads():
+    """The caches read a DeciLM config's heads as the planner does. ``layer_heads`` read every block as MHA (32 KV
+    heads, ``num_key_value_heads`` being null), so ``QuantizedKVCache`` refused the model's first update (4 heads:
+    "the config has num_key_value_heads=32") and both caches refused its per-head static scales (4 of them). Now
+    each block has its own heads, a block without attention a ``DummyLayer``, and the bytes are the plan's."""
+    import torch
+    from transformers import PretrainedConfig
+
+    from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache
+    from kvbits.plan.config import layer_heads
+
+    d = _nemotron_nas([8, "noop", 4])
+    d.pop("model_type")
+    cfg = PretrainedConfig(**d)  # as the remote-code DeciLMConfig: an object, not a dict
+    assert [layer_heads(cfg, i) for i in range(3)] == [(32, 4, 64), (32, 0, 64), (32, 8, 64)]
+    k0, k2 = torch.randn(1, 4, 10, 64), torch.randn(1, 8, 10, 64)
+    cache = QuantizedKVCache(config=cfg, scheme="int4-token")
+    assert type(cache.layers[1]).__name__ == "DummyLayer"
+    cache.update(k0, k0.clone(), 0)
+    cache.update(k2, k2.clone(), 2)
+    assert cache.memory_report()["total_bytes"] == plan(d, context=10, scheme="int4-token")["total_bytes"]
+    for c in (QuantizedKVCache(config=cfg, scheme="fp8-e4m3-head"),
+              StaticQuantizedKVCache(cfg, "fp8-e4m3-head", max_cache_len=16)):  # fmt: skip
+        c.set_static_qparams(0, "key", torch.ones(4))  # one scale per KV head of block 0
+        c.set_static_qparams(2, "key", torch.ones(8))
+
+
 def test_models_without_a_standard_kv_cache_are_refused(caplog):
     """xLSTM (recurrent states, no attention) was planned as 32 MHA layers of 8 KV heads x 512 channels, 4 GiB of
     fp16 at 8,192 tokens, without a word; DeepSeek-V4's compressed layer types as uncompressed full attention,
@@ -592,6 +619,49 @@ def test_weights_from_config_estimate():
     assert r["weights_bytes"] == load_shape(llama_dict()).n_params * 2
     assert r["weights_bytes"] / GIB == pytest.approx(12.55, abs=0.01)
     assert r["max_concurrency"] == math.floor((80 * GIB - r["weights_bytes"]) / r["kv_bytes_per_request"])
+
+
+GPT_OSS_120B = {  # openai/gpt-oss-120b's config.json, the fields the planner reads
+    "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+    "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128, "max_position_embeddings": 131072,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}  # fmt: skip
+
+
+def test_quantized_weights_need_weights_gib():
+    """A config whose quantization_config quantizes the weights: their bytes are not parameters x dtype bytes.
+    gpt-oss-120b (MXFP4 experts, a ~61 GiB checkpoint) was estimated at 116.8 B x 2 bytes = 217.5 GiB, so on an
+    80 GiB GPU it planned max_concurrency 0, max_context 0, fits False. Now the budget asks for weights_gib; the
+    KV bytes are the same, and a compressed-tensors config that quantizes the KV cache alone (kvbits export's) or
+    GGUF (dequantized on load) still estimates."""
+    with pytest.raises(ValueError, match=r"weights are quantized \(mxfp4.*pass weights_gib"):
+        plan(GPT_OSS_120B, context=32768, batch=8, gpu_mem_gib=80)
+    from kvbits.export import quantization_config
+    from kvbits.plan.config import quantized_weights
+
+    shape = load_shape(GPT_OSS_120B)
+    assert shape.weights_quantized == "mxfp4" and shape.n_params == 116_789_232_960
+    r = plan(GPT_OSS_120B, context=32768, batch=8, gpu_mem_gib=80, weights_gib=61)
+    assert r["weights_source"] == "given" and r["fits"] and r["max_concurrency"] > 8
+    full = 18 * 2 * 8 * 64 * 2 * 8  # bytes per token of the 18 full layers at batch 8; the sliding ones keep 127
+    assert r["total_bytes"] == full * 32768 + full * 127 == plan(GPT_OSS_120B, context=32768, batch=8)["total_bytes"]
+    for qc, want in [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq 4-bit"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes 4-bit"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 8}}}},
+         "compressed-tensors"),
+        (quantization_config(), None),  # KV cache only
+        ({"quant_method": "gguf"}, None),
+        ({}, None),
+    ]:  # fmt: skip
+        assert quantized_weights(llama_dict(quantization_config=qc)) == want, qc
+        assert (load_shape(llama_dict(quantization_config=qc)).weights_quantized == want), qc
+    kv_only = plan(llama_dict(quantization_config=quantization_config()), context=4096, gpu_mem_gib=80)
+    assert kv_only["weights_source"] == "estimated"
 
 
 @pytest.mark.parametrize(

@@ -285,7 +285,11 @@ class QuantizedKVCache(Cache):
         kv_heads, repeat, head_dim = self.num_key_value_heads, self.head_repeat, self.head_dim
         if self._config is not None:  # per layer, as the planner counts them (Gemma 4: global layers differ)
             heads, kv_heads, head_dim = layer_heads(self._config, idx)
-            repeat = _head_repeat(text_config(self._config), heads, kv_heads)
+            if kv_heads == 0:  # a DeciLM block without attention (no_op / replace_with_linear) holds no KV
+                if hasattr(cache_utils, "DummyLayer"):
+                    return cache_utils.DummyLayer()
+                kv_heads = None
+            repeat = _head_repeat(text_config(self._config), heads, kv_heads or heads)
         layer = QuantizedKVLayer(
             self.scheme.for_layer(idx), layer_idx=idx, sliding_window=window, workspace=self.workspace,
             num_key_value_heads=kv_heads, head_repeat=repeat, head_dim=head_dim,

@@ -852,7 +852,7 @@ class StaticQuantizedKVCache(Cache):
     ) -> None:  # fmt: skip
         from kvbits.cache.cache import _layer_types, attention_shape, rotary_for
         from kvbits.cache.layer import check_max_cache_len
-        from kvbits.plan.config import text_config
+        from kvbits.plan.config import layer_heads, text_config
 
         self.scheme = get_scheme(scheme)
         self._config = config
@@ -860,9 +860,10 @@ class StaticQuantizedKVCache(Cache):
             raise ValueError("max_cache_len is required: the slabs are reserved for it")
         self._max_len = max_cache_len
         self.fused_decode = fused.check_mode(fused_decode)
-        kv_heads = None
+        kv_heads: list[int | None] = []
         if config is not None:
-            n_layers, _, kv_heads, _ = attention_shape(config)
+            n_layers = attention_shape(config)[0]
+            kv_heads = [layer_heads(config, i)[1] or None for i in range(n_layers)]  # per layer, as the planner
             types, _ = _layer_types(text_config(config), n_layers)
             other = sorted({t for t in types if t != "full_attention"})
             if other:
@@ -884,7 +885,7 @@ class StaticQuantizedKVCache(Cache):
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
-                                       checks=checks, num_key_value_heads=kv_heads, rope_tables=self._rope_tables,
+                                       checks=checks, num_key_value_heads=kv_heads[i] if kv_heads else None, rope_tables=self._rope_tables,
                                        rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
                   for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)

@@ -27,6 +27,10 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   not estimated (per-block MLP widths): pass ``weights_gib``.
 - **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
 - **parameter count** (for weights memory, see :func:`estimate_params`).
+- **quantized weights** (``quantization_config``: GPTQ, AWQ, bitsandbytes, FP8, MXFP4, ...): their bytes are not the
+  parameter count times the dtype bytes, so a GPU budget needs ``weights_gib`` (:func:`quantized_weights`). The
+  config's KV-cache settings (``kv_cache_scheme``, vLLM's FP8 KV) do not change the plan: the scheme planned
+  decides how K/V are stored (``fp8-e4m3``, ``vllm-fp8-token`` are vLLM's), full-precision tokens stay in the dtype.
 
 transformers is imported only when a config has to be built or loaded: a plain dict with the
 standard keys, or a :class:`ModelShape`, plans without it.
@@ -64,6 +68,7 @@ __all__ = [
     "load_shape",
     "max_positions",
     "model_shape",
+    "quantized_weights",
     "resolve_config",
     "text_config",
     "warn_beyond_max_positions",
@@ -203,7 +208,8 @@ def layer_configs(text: Any, n_layers: int) -> list[Any]:
 
 def layer_heads(config: Any, layer_idx: int) -> tuple[int, int, int]:
     """``(H_q, H_kv, D)`` of layer ``layer_idx`` as :func:`model_shape` counts them (:func:`attention_heads`
-    of that layer's config, see :func:`layer_configs`); ``config`` may be composite.
+    of that layer's config, see :func:`layer_configs`; a DeciLM block's own ``H_kv``, 0 for a block without
+    attention); ``config`` may be composite.
 
     Raises:
         ValueError: ``layer_idx`` is not a layer of the config, or its heads can not be read.
@@ -214,6 +220,9 @@ def layer_heads(config: Any, layer_idx: int) -> tuple[int, int, int]:
         return attention_heads(text)  # no layer count: one rule for every layer
     if not 0 <= layer_idx < n_layers:
         raise ValueError(f"layer {layer_idx} is not a layer of the config, which has {n_layers} layers")
+    if _get(text, "block_configs") is not None:  # DeciLM / Nemotron-NAS: H_kv per block, 0 where it holds no KV
+        q, _, d = attention_heads(text)
+        return q, _block_kv_heads(_blocks(text, n_layers)[layer_idx], layer_idx, q), d
     return attention_heads(layer_configs(text, n_layers)[layer_idx])
 
 
@@ -345,35 +354,43 @@ def _chunked(layer_cfg: Any) -> tuple[str, int | None]:
 _BLOCK_ATTENTION_UNSUPPORTED = ("window_length", "sparsify", "num_sink_tokens")
 
 
-def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
-    """The layers of a DeciLM / Nemotron-NAS config (``block_configs``, one block per layer): its attention
-    is ``n_heads_in_group`` query heads per KV head (``num_key_value_heads`` is null), or none at all
-    (``no_op``, ``replace_with_linear``). ``ValueError`` for a block kvbits can not plan (windowed or sink
-    attention, a group that does not divide the query heads)."""
+def _blocks(text: Any, n_layers: int) -> Sequence[Any]:
+    """``block_configs`` of a DeciLM / Nemotron-NAS config: ``ValueError`` unless one block per layer."""
     blocks = _get(text, "block_configs")
     if isinstance(blocks, (str, bytes, Mapping)) or not isinstance(blocks, Sequence) or len(blocks) != n_layers:
         raise ValueError(f"block_configs must be a list of one block per layer ({n_layers}), got {blocks!r:.200}")
+    return blocks
+
+
+def _block_kv_heads(block: Any, i: int, q: int) -> int:
+    """KV heads of DeciLM block ``i``: ``q / n_heads_in_group``, or 0 for ``no_op`` / ``replace_with_linear``
+    attention (no KV). ``ValueError`` for a block kvbits can not plan (windowed or sink attention, a group that
+    does not divide the ``q`` query heads)."""
+    att = _get(block, "attention")
+    if att is None:
+        raise ValueError(f"block_configs[{i}] has no 'attention' entry; got {block!r:.200}")
+    if _get(att, "no_op") or _get(att, "replace_with_linear"):
+        return 0
+    unsupported = [k for k in _BLOCK_ATTENTION_UNSUPPORTED if _get(att, k)]
+    if unsupported:
+        raise ValueError(
+            f"block_configs[{i}].attention sets {', '.join(unsupported)}: windowed / sink attention of "
+            "DeciLM blocks is not planned by kvbits (plain or no-op attention only)"
+        )
+    what = f"block_configs[{i}].attention.n_heads_in_group"
+    group = _int(_get(att, "n_heads_in_group"), what)
+    if group is None or group < 1 or q % group:
+        raise ValueError(f"{what} must divide num_attention_heads ({q}), got {group!r}")
+    return q // group
+
+
+def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
+    """The layers of a DeciLM / Nemotron-NAS config (``block_configs``, one block per layer): its attention
+    is ``n_heads_in_group`` query heads per KV head (``num_key_value_heads`` is null), or none at all
+    (``no_op``, ``replace_with_linear``); see :func:`_block_kv_heads`."""
     q, _, d = attention_heads(text)
-    layers = []
-    for i, block in enumerate(blocks):
-        att = _get(block, "attention")
-        if att is None:
-            raise ValueError(f"block_configs[{i}] has no 'attention' entry; got {block!r:.200}")
-        if _get(att, "no_op") or _get(att, "replace_with_linear"):
-            layers.append(LayerShape(0, 0, "none"))
-            continue
-        unsupported = [k for k in _BLOCK_ATTENTION_UNSUPPORTED if _get(att, k)]
-        if unsupported:
-            raise ValueError(
-                f"block_configs[{i}].attention sets {', '.join(unsupported)}: windowed / sink attention of "
-                "DeciLM blocks is not planned by kvbits (plain or no-op attention only)"
-            )
-        what = f"block_configs[{i}].attention.n_heads_in_group"
-        group = _int(_get(att, "n_heads_in_group"), what)
-        if group is None or group < 1 or q % group:
-            raise ValueError(f"{what} must divide num_attention_heads ({q}), got {group!r}")
-        layers.append(LayerShape(q // group, d))
-    return layers
+    kv_heads = [_block_kv_heads(block, i, q) for i, block in enumerate(_blocks(text, n_layers))]
+    return [LayerShape(kv, d) if kv else LayerShape(0, 0, "none") for kv in kv_heads]
 
 
 def _moe_layer(text: Any, index: int) -> bool:
@@ -422,6 +439,29 @@ def _dtype_field(cfg: Any) -> Any:
     if hasattr(cfg, "dtype"):
         return cfg.dtype
     return getattr(cfg, "torch_dtype", None)
+
+
+def quantized_weights(config: Any) -> str | None:
+    """How ``config``'s ``quantization_config`` stores the weights (``"mxfp4"``, ``"gptq 4-bit"``), or None when
+    they are floats: no ``quantization_config``, GGUF (transformers dequantizes it on load), or compressed-tensors
+    quantizing the KV cache alone (no weight ``config_groups``: what ``kvbits export`` writes)."""
+    qc = _get(config, "quantization_config")
+    if qc is None:
+        qc = _get(text_config(config), "quantization_config")
+    if hasattr(qc, "to_dict"):  # a transformers QuantizationConfigMixin, on a loaded model's config
+        qc = qc.to_dict()
+    if qc is None or (isinstance(qc, Mapping) and not qc):
+        return None
+    if not isinstance(qc, Mapping):
+        return f"quantization_config {qc!r:.60}"
+    method = str(qc.get("quant_method") or "unknown quant_method")
+    groups = qc.get("config_groups") or {}
+    if method == "gguf" or (
+        method == "compressed-tensors" and not any(isinstance(g, Mapping) and g.get("weights") for g in groups.values())
+    ):
+        return None
+    bits = qc.get("bits") or (4 if qc.get("load_in_4bit") else 8 if qc.get("load_in_8bit") else None)
+    return f"{method} {bits}-bit" if bits else method
 
 
 def model_shape(config: Any, *, name: str = "") -> ModelShape:
@@ -486,7 +526,9 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
     max_ctx = max_positions(text)
     if not name:
         name = str(_get(config, "_name_or_path") or _get(text, "model_type") or "")
-    shape = ModelShape(tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx)
+    shape = ModelShape(
+        tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx, weights_quantized=quantized_weights(config)
+    )
     try:
         params = estimate_params(text, shape)
     except ValueError as exc:  # weights are optional for planning; say why they are missing

@@ -45,7 +45,8 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
 With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
 - ``weights_bytes``: ``weights_gib`` when given, else the config's parameter estimate
-  (:func:`kvbits.plan.config.estimate_params`) times the model dtype bytes.
+  (:func:`kvbits.plan.config.estimate_params`) times the model dtype bytes; required for a config whose
+  ``quantization_config`` quantizes the weights (``ModelShape.weights_quantized``).
 - ``kv_bytes_per_request``: the most bytes one more sequence adds at any length up to ``T``:
   ``total_bytes`` at batch 1 minus the per-layer constants, which exist once however many sequences there
   are, at its peak over ``1..T`` (a flush makes the bytes drop, so just before one a sequence may hold more
@@ -265,6 +266,12 @@ def _budget(
     if weights_gib is not None:
         weights = _non_negative_gib(weights_gib, "weights_gib")
         source = "given"
+    elif shape.weights_quantized is not None:
+        raise ValueError(
+            f"gpu_mem_gib needs the weights' size, and this config's weights are quantized ({shape.weights_quantized}, "
+            f"its quantization_config): not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
+            "weights_gib=... (CLI --weights-gib), e.g. the checkpoint's size"
+        )
     elif shape.n_params is not None:
         weights = shape.n_params * shape.dtype_bytes
         source = "estimated"

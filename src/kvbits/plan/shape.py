@@ -101,6 +101,9 @@ class ModelShape:
         name: for tables (file stem, folder, registry name, hub id or ``model_type``).
         max_context: ``max_position_embeddings`` when known (the planner's default context).
         params: estimated parameter count by part (:func:`estimate_params`), None when unknown.
+        weights_quantized: how the config's ``quantization_config`` stores the weights (``"mxfp4"``, ``"gptq
+            4-bit"``), None when they are floats of ``dtype_bytes``: quantized, their bytes are not ``params`` times
+            ``dtype_bytes``, so the planner needs ``weights_gib`` for a GPU budget.
     """
 
     layers: tuple[LayerShape, ...]
@@ -108,6 +111,7 @@ class ModelShape:
     name: str = ""
     max_context: int | None = None
     params: Mapping[str, int] | None = field(default=None, compare=False)
+    weights_quantized: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
