@@ -38,3 +38,24 @@ def test_a_model_without_an_output_embedding_is_refused():
         LogitHead.from_model(decoder)
     with pytest.raises(ValueError, match=r"LlamaModel has no output embedding"):
         evaluate(decoder, _ids(64), 32, ["int4-token"])
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "64", True])
+def test_a_bad_chunk_size_is_refused_before_anything_loads(bad):
+    """``simulate()`` refused ``chunk_size=0`` only once the model had loaded and the first window's reference
+    pass had run (and ``mode='stream'`` took any value); the model named here does not exist."""
+    with pytest.raises(ValueError, match=r"chunk_size must be an int >= 1, got"):
+        evaluate("no-such-model-anywhere", _ids(64), 32, ["int8-token"], chunk_size=bad)
+
+
+def test_chunk_size_in_stream_mode_is_refused_not_ignored():
+    """``chunk_size`` sets the simulator's query chunks; ``mode='stream'`` never runs the simulator, so
+    ``--chunk-size 64 --mode stream`` ran with the setting silently ignored (as ``fused_decode`` is refused in
+    simulate mode)."""
+    with pytest.raises(ValueError, match=r"chunk_size=64 needs mode='simulate'"):
+        evaluate("no-such-model-anywhere", _ids(64), 32, ["int8-token"], mode="stream", chunk_size=64)
+    # the default, and any value in simulate mode, still run
+    model = _llama()
+    for mode, chunk in (("stream", 256), ("simulate", 7)):
+        summary = evaluate(model, _ids(64), 32, ["int4-token"], mode=mode, chunk_size=chunk, attn_layers=[])
+        assert summary["results"][0]["kl"] > 0

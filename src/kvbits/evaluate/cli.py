@@ -156,7 +156,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--chunk-size",
         type=_positive,
         default=256,
-        help="queries per simulated attention chunk (default 256)",
+        help="queries per simulated attention chunk (default 256; simulate mode only, another value with "
+        "--mode stream is refused)",
     )
     p.add_argument("--seed", type=bounded(int, 0), default=0, help="bootstrap seed (default 0)")
     p.add_argument(

@@ -115,6 +115,7 @@ from kvbits.evaluate.request import (
     config_hash,
     default_attn_layers,
 )
+from kvbits.evaluate.simulate import DEFAULT_CHUNK as _DEFAULT_CHUNK
 from kvbits.evaluate.simulate import simulate
 from kvbits.evaluate.stream import PeerScheme, base_model, check_schemes_fit, resolve_schemes, stream_hidden
 from kvbits.plan.config import check_context_fits
@@ -191,7 +192,7 @@ def evaluate(
     overwrite: bool = False,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
-    chunk_size: int = 256,
+    chunk_size: int = _DEFAULT_CHUNK,
     seed: int = 0,
     progress: bool = False,
     argv: Sequence[str] | None = None,
@@ -223,7 +224,8 @@ def evaluate(
             non-empty folder kvbits did not write (only the files a run writes are replaced there).
         dtype: model dtype (``"float32"``, ``"bfloat16"``) when loading or converting the model.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); refused when this torch can not use it.
-        chunk_size: queries per attention chunk in the simulator.
+        chunk_size: queries per attention chunk in the simulator (an int >= 1; ``mode="simulate"`` only:
+            another value with ``mode="stream"``, which never runs the simulator, is refused).
         seed: bootstrap seed, an int >= 0.
         progress: show a rich progress bar on stderr.
         argv: the command line, recorded in ``config.json``.
@@ -258,6 +260,8 @@ def evaluate(
     ranks = resolve_ranks(distributed)
     generate = check_generate(generate)
     seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
+    # simulate() refused a bad one only after the model loaded and the first reference pass ran
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     resolved = resolve_schemes(schemes)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if mode == "stream" and attn_layers:
@@ -271,6 +275,12 @@ def evaluate(
             f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
             "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
             "--mode stream"
+        )
+    if mode == "stream" and chunk_size != _DEFAULT_CHUNK:
+        raise ValueError(
+            f"chunk_size={chunk_size} needs mode='simulate': it sets the simulator's queries per attention chunk, "
+            "and mode='stream' decodes token by token through the cache, so the setting would be ignored; leave it "
+            f"at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --mode simulate"
         )
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
