@@ -59,3 +59,31 @@ def test_chunk_size_in_stream_mode_is_refused_not_ignored():
     for mode, chunk in (("stream", 256), ("simulate", 7)):
         summary = evaluate(model, _ids(64), 32, ["int4-token"], mode=mode, chunk_size=chunk, attn_layers=[])
         assert summary["results"][0]["kl"] > 0
+
+
+def _lfm2():
+    """A hybrid model (LFM2): convolution layers 0 and 2, attention layers 1 and 3."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, layer_types=["conv", "full_attention"] * 2,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_attention_error_and_entropy_only_for_layers_with_attention():
+    """The default attn_layers (first, middle, last layer) of a hybrid model picked LFM2's convolution layers 0
+    and 2, which have no attention: the summary reported their attention error and entropy as 0.0 (as if the
+    scheme changed nothing there). Now the default is spread over the layers with attention, and a layer without
+    is refused by name."""
+    model = _lfm2()
+    summary = evaluate(model, _ids(64), 64, ["int4-token"])
+    result = summary["results"][0]
+    assert [e["layer"] for e in result["attn_error"]] == [1, 3]
+    assert [e["layer"] for e in result["attn_entropy"]] == [1, 3]
+    assert all(b["rel_err"] > 0 for e in result["attn_error"] for b in e["buckets"])
+    assert all(b["entropy"] > 0 for e in result["attn_entropy"] for b in e["buckets"])
+    with pytest.raises(ValueError, match=r"attn_layers \[0, 2\] have no attention .* layers with attention: \[1, 3\]"):
+        evaluate(model, _ids(64), 64, ["int4-token"], attn_layers=[0, 1, 2])

@@ -131,7 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="*",
         metavar="L",
         help="layers whose attention-output error is recorded, simulate mode only (default: 3 evenly "
-        "spaced; the flag with no layer after it records none)",
+        "spaced among the layers with attention; the flag with no layer after it records none)",
     )
     p.add_argument(
         "--generate",

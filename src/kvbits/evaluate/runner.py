@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits._model import check_model_arg
+from kvbits._model import attention_modules, check_model_arg
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -214,7 +214,8 @@ def evaluate(
             ``t >= prompt_len`` are scored).
         attn_layers: layers whose attention-output error and attention entropy are recorded
             (simulate mode only: a list with ``mode="stream"`` is refused); default three evenly
-            spaced layers; ``[]`` for none.
+            spaced layers among those with attention (a hybrid model's convolution, linear-attention or
+            state-space layers have none, and are refused in a list); ``[]`` for none.
         calibration: ``kvbits calibrate`` artifacts (objects or folders) for schemes with static scales
             or NUQ codebooks, matched to schemes by the scheme each was made for; or a mapping
             scheme name -> artifact.
@@ -332,9 +333,21 @@ def evaluate(
             check_can_generate(model)
         if ranks.main:
             check_context_fits(model.config, context + generate)
-        layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
+        # a hybrid model's convolution / linear-attention / Mamba layers have no attention to measure: the
+        # default (0, middle, last) picked LFM2's conv layers 0 and 2 and reported their error and entropy as 0
+        attending = sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
+        if attn_layers is None:
+            layers = [attending[i] for i in default_attn_layers(len(attending))]
+        else:
+            layers = sorted({int(x) for x in attn_layers})
         if any(not 0 <= x < n_layers for x in layers):
             raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
+        if set(layers) - set(attending):
+            raise ValueError(
+                f"attn_layers {sorted(set(layers) - set(attending))} have no attention (convolution, linear-attention "
+                f"or state-space layers of a hybrid model: no K/V, nothing to measure); layers with attention: "
+                f"{attending}"
+            )
         if mode == "stream":
             layers = []  # the attention error needs the simulator's two attention paths
         base = base_model(model)
@@ -446,10 +459,14 @@ def evaluate(
                         )
                     add_counts(clipped[name], sim.clipped)
                     for j, layer in enumerate(layers):
-                        if layer in sim.attn_error:
-                            attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
-                            ent[i, j, 0, w] = sim.attn_entropy[layer][0].cpu().numpy()
-                            ent[i, j, 1, w] = sim.attn_entropy_ref[layer][0].cpu().numpy()
+                        if layer not in sim.attn_error:  # its zeros would read as "no error, no entropy"
+                            raise RuntimeError(
+                                f"{type(model).__name__}: layer {layer}'s attention was not simulated, so its "
+                                "attention error and entropy can not be measured (attn_layers)"
+                            )
+                        attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
+                        ent[i, j, 0, w] = sim.attn_entropy[layer][0].cpu().numpy()
+                        ent[i, j, 1, w] = sim.attn_entropy_ref[layer][0].cpu().numpy()
                     advance(T)
                 else:
                     caches: list[Any] = []
