@@ -87,3 +87,13 @@ def test_attention_error_and_entropy_only_for_layers_with_attention():
     assert all(b["entropy"] > 0 for e in result["attn_entropy"] for b in e["buckets"])
     with pytest.raises(ValueError, match=r"attn_layers \[0, 2\] have no attention .* layers with attention: \[1, 3\]"):
         evaluate(model, _ids(64), 64, ["int4-token"], attn_layers=[0, 1, 2])
+
+
+def test_mixed_average_bits_count_only_the_layers_that_cache_kv():
+    """A mixed scheme's ``avg_bits`` averaged its layers over every layer of the model, those of a hybrid model
+    that cache nothing included: on LFM2 (convolution layers 0, 2) ``int4-token,0=fp16`` was reported at 8.5 bits
+    though it stores exactly what ``int4-token`` stores (6.0: both attention layers int4), and
+    ``int4-token,1=fp16`` at 8.5 instead of 11.0 (one fp16 and one int4 attention layer)."""
+    summary = evaluate(_lfm2(), _ids(64), 64, ["int4-token", "int4-token,0=fp16", "int4-token,1=fp16"], attn_layers=[])
+    bits = {r["scheme"]: r["avg_bits"] for r in summary["results"]}
+    assert bits == {"int4-token": 6.0, "int4-token,0=fp16": 6.0, "int4-token,1=fp16": 11.0}

@@ -543,7 +543,7 @@ def evaluate(
         bits = (
             scheme.avg_bits
             if isinstance(scheme, PeerScheme)
-            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+            else _average_bits(scheme, head_dim, kv_heads, n_layers, attending)
         )
         results.append(
             {
@@ -635,6 +635,18 @@ def _plan_shape_of(config: Any) -> Any:
     except (ValueError, TypeError) as e:
         logger.info("bits_at_context not computed: kvbits plan does not read this config (%s)", e)
         return None
+
+
+def _average_bits(scheme: KVScheme, head_dim: int, kv_heads: int, n_layers: int, attending: Sequence[int]) -> float:
+    """``average_bits`` of ``scheme``, a mixed one averaged over the layers that cache K/V (``attending``): a hybrid
+    model's convolution / linear-attention / state-space layers store none, and counting them gave
+    ``int4-token,0=fp16`` 8.5 bits on an LFM2 whose layer 0 is a convolution (it stores what ``int4-token`` does,
+    6.0) and ``int4-token,1=fp16`` 8.5 instead of 11.0. The same as ``average_bits`` where every layer attends."""
+    if not scheme.is_mixed or list(attending) == list(range(n_layers)):
+        return average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+    scheme.check_layer_count(n_layers)
+    per = [average_bits(scheme.for_layer(i), head_dim=head_dim, n_heads=kv_heads) for i in attending]
+    return sum(per) / len(per)
 
 
 def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
