@@ -131,7 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="*",
         metavar="L",
         help="layers whose attention-output error is recorded, simulate mode only (default: 3 evenly "
-        "spaced; the flag with no layer after it records none)",
+        "spaced among the layers with attention; the flag with no layer after it records none)",
     )
     p.add_argument(
         "--generate",
@@ -156,7 +156,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--chunk-size",
         type=_positive,
         default=256,
-        help="queries per simulated attention chunk (default 256)",
+        help="queries per simulated attention chunk (default 256; simulate mode only, another value with "
+        "--mode stream is refused)",
     )
     p.add_argument("--seed", type=bounded(int, 0), default=0, help="bootstrap seed (default 0)")
     p.add_argument(

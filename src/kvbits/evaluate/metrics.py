@@ -77,7 +77,19 @@ class LogitHead:
     @classmethod
     def from_model(cls, model: Any) -> LogitHead:
         """The head of a transformers causal LM, with the post-processing its family applies. Families
-        this does not know are caught by :func:`check_logit_head` against the model's own logits."""
+        this does not know are caught by :func:`check_logit_head` against the model's own logits.
+
+        ``ValueError`` for a model without an output embedding (a bare decoder such as ``LlamaModel``): it
+        computes no logits to score (``evaluate`` failed on it with "'BaseModelOutputWithPast' object has no
+        attribute 'logits'")."""
+        get = getattr(model, "get_output_embeddings", None)
+        proj = get() if callable(get) else None
+        if proj is None:
+            raise ValueError(
+                f"{type(model).__name__} has no output embedding (get_output_embeddings() gives None), so it "
+                "computes no logits to score: pass the causal LM (a *ForCausalLM, e.g. from "
+                "AutoModelForCausalLM.from_pretrained), not its bare decoder"
+            )
         cfg = text_config(model.config)  # the decoder's, as everything else in kvbits reads it
         scale = 1.0
         cohere = getattr(model, "logit_scale", None)  # CohereForCausalLM & co: logits * self.logit_scale
@@ -87,7 +99,7 @@ class LogitHead:
         if isinstance(granite, (int, float)) and not isinstance(granite, bool) and granite:
             scale /= float(granite)
         softcap = getattr(cfg, "final_logit_softcapping", None)
-        return cls(model.get_output_embeddings(), scale, float(softcap) if softcap else None)
+        return cls(proj, scale, float(softcap) if softcap else None)
 
     @property
     def vocab_size(self) -> int:

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits._model import check_model_arg
+from kvbits._model import attention_modules, check_model_arg
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -115,6 +115,7 @@ from kvbits.evaluate.request import (
     config_hash,
     default_attn_layers,
 )
+from kvbits.evaluate.simulate import DEFAULT_CHUNK as _DEFAULT_CHUNK
 from kvbits.evaluate.simulate import simulate
 from kvbits.evaluate.stream import PeerScheme, base_model, check_schemes_fit, resolve_schemes, stream_hidden
 from kvbits.plan.config import check_context_fits
@@ -191,7 +192,7 @@ def evaluate(
     overwrite: bool = False,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
-    chunk_size: int = 256,
+    chunk_size: int = _DEFAULT_CHUNK,
     seed: int = 0,
     progress: bool = False,
     argv: Sequence[str] | None = None,
@@ -213,7 +214,8 @@ def evaluate(
             ``t >= prompt_len`` are scored).
         attn_layers: layers whose attention-output error and attention entropy are recorded
             (simulate mode only: a list with ``mode="stream"`` is refused); default three evenly
-            spaced layers; ``[]`` for none.
+            spaced layers among those with attention (a hybrid model's convolution, linear-attention or
+            state-space layers have none, and are refused in a list); ``[]`` for none.
         calibration: ``kvbits calibrate`` artifacts (objects or folders) for schemes with static scales
             or NUQ codebooks, matched to schemes by the scheme each was made for; or a mapping
             scheme name -> artifact.
@@ -223,7 +225,8 @@ def evaluate(
             non-empty folder kvbits did not write (only the files a run writes are replaced there).
         dtype: model dtype (``"float32"``, ``"bfloat16"``) when loading or converting the model.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``); refused when this torch can not use it.
-        chunk_size: queries per attention chunk in the simulator.
+        chunk_size: queries per attention chunk in the simulator (an int >= 1; ``mode="simulate"`` only:
+            another value with ``mode="stream"``, which never runs the simulator, is refused).
         seed: bootstrap seed, an int >= 0.
         progress: show a rich progress bar on stderr.
         argv: the command line, recorded in ``config.json``.
@@ -258,6 +261,8 @@ def evaluate(
     ranks = resolve_ranks(distributed)
     generate = check_generate(generate)
     seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
+    # simulate() refused a bad one only after the model loaded and the first reference pass ran
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     resolved = resolve_schemes(schemes)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if mode == "stream" and attn_layers:
@@ -271,6 +276,12 @@ def evaluate(
             f"fused_decode={fused_decode!r} needs mode='stream': mode={mode!r} never decodes through the "
             "cache, so the setting would be ignored; leave it 'auto' (CLI: no --fused-decode) or use "
             "--mode stream"
+        )
+    if mode == "stream" and chunk_size != _DEFAULT_CHUNK:
+        raise ValueError(
+            f"chunk_size={chunk_size} needs mode='simulate': it sets the simulator's queries per attention chunk, "
+            "and mode='stream' decodes token by token through the cache, so the setting would be ignored; leave it "
+            f"at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --mode simulate"
         )
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
@@ -322,9 +333,21 @@ def evaluate(
             check_can_generate(model)
         if ranks.main:
             check_context_fits(model.config, context + generate)
-        layers = default_attn_layers(n_layers) if attn_layers is None else sorted({int(x) for x in attn_layers})
+        # a hybrid model's convolution / linear-attention / Mamba layers have no attention to measure: the
+        # default (0, middle, last) picked LFM2's conv layers 0 and 2 and reported their error and entropy as 0
+        attending = sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
+        if attn_layers is None:
+            layers = [attending[i] for i in default_attn_layers(len(attending))]
+        else:
+            layers = sorted({int(x) for x in attn_layers})
         if any(not 0 <= x < n_layers for x in layers):
             raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
+        if set(layers) - set(attending):
+            raise ValueError(
+                f"attn_layers {sorted(set(layers) - set(attending))} have no attention (convolution, linear-attention "
+                f"or state-space layers of a hybrid model: no K/V, nothing to measure); layers with attention: "
+                f"{attending}"
+            )
         if mode == "stream":
             layers = []  # the attention error needs the simulator's two attention paths
         base = base_model(model)
@@ -436,10 +459,14 @@ def evaluate(
                         )
                     add_counts(clipped[name], sim.clipped)
                     for j, layer in enumerate(layers):
-                        if layer in sim.attn_error:
-                            attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
-                            ent[i, j, 0, w] = sim.attn_entropy[layer][0].cpu().numpy()
-                            ent[i, j, 1, w] = sim.attn_entropy_ref[layer][0].cpu().numpy()
+                        if layer not in sim.attn_error:  # its zeros would read as "no error, no entropy"
+                            raise RuntimeError(
+                                f"{type(model).__name__}: layer {layer}'s attention was not simulated, so its "
+                                "attention error and entropy can not be measured (attn_layers)"
+                            )
+                        attn_err[name][layer][w] = sim.attn_error[layer][0].cpu().numpy()
+                        ent[i, j, 0, w] = sim.attn_entropy[layer][0].cpu().numpy()
+                        ent[i, j, 1, w] = sim.attn_entropy_ref[layer][0].cpu().numpy()
                     advance(T)
                 else:
                     caches: list[Any] = []
@@ -516,7 +543,7 @@ def evaluate(
         bits = (
             scheme.avg_bits
             if isinstance(scheme, PeerScheme)
-            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+            else _average_bits(scheme, head_dim, kv_heads, n_layers, attending)
         )
         results.append(
             {
@@ -608,6 +635,18 @@ def _plan_shape_of(config: Any) -> Any:
     except (ValueError, TypeError) as e:
         logger.info("bits_at_context not computed: kvbits plan does not read this config (%s)", e)
         return None
+
+
+def _average_bits(scheme: KVScheme, head_dim: int, kv_heads: int, n_layers: int, attending: Sequence[int]) -> float:
+    """``average_bits`` of ``scheme``, a mixed one averaged over the layers that cache K/V (``attending``): a hybrid
+    model's convolution / linear-attention / state-space layers store none, and counting them gave
+    ``int4-token,0=fp16`` 8.5 bits on an LFM2 whose layer 0 is a convolution (it stores what ``int4-token`` does,
+    6.0) and ``int4-token,1=fp16`` 8.5 instead of 11.0. The same as ``average_bits`` where every layer attends."""
+    if not scheme.is_mixed or list(attending) == list(range(n_layers)):
+        return average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+    scheme.check_layer_count(n_layers)
+    per = [average_bits(scheme.for_layer(i), head_dim=head_dim, n_heads=kv_heads) for i in attending]
+    return sum(per) / len(per)
 
 
 def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
