@@ -590,3 +590,25 @@ def test_report_counts_trials_and_bounds_kept_rates():
     assert (round(lo, 4), round(hi, 4)) == (0.4677, 0.9111)
     assert wilson_interval(0, 5)[0] == 0.0 and 0 < wilson_interval(0, 5)[1] < 1  # not empty at 0 of n
     assert wilson_interval(5, 5)[1] == 1.0 and wilson_interval(5, 5)[0] < 1
+
+
+def test_hybrid_models_decode_semantics_bits_and_prefill_refused(tok, corpus):
+    """A hybrid model (LFM2: convolution layers 0 and 2): a mixed scheme's ``avg_bits`` counts the layers that cache
+    K/V (``int4-token,0=fp16`` stores what ``int4-token`` does; before: 8.5 for both mixes, as eval had), and
+    prefill semantics, which runs the real cache, is refused by name (before: an IndexError inside transformers'
+    ``get_conv_state``)."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     layer_types=["conv", "full_attention"] * 2)  # fmt: skip
+    hybrid = LoadedModel(AutoModelForCausalLM.from_config(cfg).eval(), tok,
+                         ModelSource(name="tiny-lfm2", path="tiny-lfm2"), "tinylfm200000000")  # fmt: skip
+    path, _ = corpus
+    s = needle_eval(hybrid, 300, ["int4-token", "int4-token,0=fp16", "int4-token,1=fp16"], data=str(path),
+                    depths=[0.5], semantics="decode")  # fmt: skip
+    assert {r["scheme"]: r["avg_bits"] for r in s["results"]} == {
+        "int4-token": 6.0, "int4-token,0=fp16": 6.0, "int4-token,1=fp16": 11.0}  # fmt: skip
+    with pytest.raises(ValueError, match=r"semantics='prefill' .* layers with attention: \[1, 3\] of 4"):
+        needle_eval(hybrid, 300, ["int4-token"], data=str(path), depths=[0.5], semantics="prefill")

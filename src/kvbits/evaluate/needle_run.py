@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvbits._model import check_model_arg
+from kvbits._model import attention_modules, check_model_arg
 from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
     DEFAULT_DEPTHS,
@@ -292,9 +292,8 @@ def needle_eval(
     from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
-    from kvbits.evaluate.runner import _check_head
+    from kvbits.evaluate.runner import _average_bits, _check_head
     from kvbits.plan.config import check_context_fits
-    from kvbits.schemes.accounting import average_bits
 
     task = task or NeedleTask()
     contexts = check_contexts(contexts)
@@ -319,6 +318,13 @@ def needle_eval(
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     check_schemes_fit(resolved, head_dim)
+    attending = sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
+    if semantics == "prefill" and attending != list(range(n_layers)):
+        raise ValueError(
+            f"semantics='prefill' runs the real cache, which holds attention layers only: {type(model).__name__} has "
+            f"layers without attention (convolution, linear-attention or state-space; layers with attention: "
+            f"{attending} of {n_layers}); use semantics='decode' (the simulator)"
+        )
     text_ids = tokenize(text, tokenizer)
     trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
     head = LogitHead.from_model(model)
@@ -355,7 +361,7 @@ def needle_eval(
         bits = (
             scheme.avg_bits
             if isinstance(scheme, PeerScheme)
-            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+            else _average_bits(scheme, head_dim, kv_heads, n_layers, attending)  # a hybrid's attention layers
         )
         res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch(
