@@ -289,12 +289,11 @@ def needle_eval(
         _model_arg,
         _run_dtype,
     )
-    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
+    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch, long_run_avg_bits
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _check_head
     from kvbits.plan.config import check_context_fits
-    from kvbits.schemes.accounting import average_bits
 
     task = task or NeedleTask()
     contexts = check_contexts(contexts)
@@ -352,11 +351,7 @@ def needle_eval(
 
     results = []
     for scheme in resolved:
-        bits = (
-            scheme.avg_bits
-            if isinstance(scheme, PeerScheme)
-            else average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
-        )
+        bits = long_run_avg_bits(scheme, model.config, head_dim, kv_heads, n_layers)
         res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch(
             clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1], "simulate" if semantics == "decode" else "stream"
