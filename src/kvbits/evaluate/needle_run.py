@@ -112,7 +112,7 @@ def _run_prefill(
     rows = _key_slice(trial, trial.doc_len)
     t0 = time.perf_counter()
     _, kv = prefill_kv(model, ids[:, : trial.doc_len])
-    ref_cache = DynamicCache()
+    ref_cache = DynamicCache(config=model.config)  # the model's own layer kinds: a sliding layer keeps W - 1 tokens
     load_kv(ref_cache, kv)
     lp_ref = _logprobs(head, decode_hidden(model, suffix, ref_cache)[0, rows]).cpu()
     ref = score_key(lp_ref, targets)
