@@ -972,3 +972,17 @@ def test_long_run_bits_are_the_limit_of_the_planned_bits():
     mistral = ModelShape.from_dims(2, 2, 64, sliding_window=100)
     assert long_run_bits(mistral, "kivi-2") == 16.0  # residual + block - 1 > W - 1: fp16 windows
     assert long_run_bits(mistral, "int4-token") == pytest.approx(average_bits(get_scheme("int4-token"), 64, 2))
+
+
+def test_values_of_another_head_dim_are_refused():
+    """A config whose values have another head dim than its keys (``v_head_dim``; MiMo-V2-Flash: 192 and 128, no
+    ``kv_lora_rank``) was planned with both at ``head_dim``: 921,305,088 bytes at 32K in fp16 where the model holds
+    780,533,760 (values of 128 channels; its sliding layers also double their KV heads), 18 % over. The planner
+    counts one head dim for K and V, as QuantizedKVCache stores them: refused with the two dims named, as
+    multi-head latent attention is. An equal ``v_head_dim`` plans as before."""
+    mimo = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 512,
+            "head_dim": 192, "v_head_dim": 128, "max_position_embeddings": 4096}  # fmt: skip
+    with pytest.raises(ValueError, match="head_dim 192 .* v_head_dim 128"):
+        plan(mimo, context=1000)
+    same = {**mimo, "v_head_dim": 192}
+    assert plan(same, context=1000)["total_bytes"] == 2 * 2 * 4 * 192 * 1000 * 2
