@@ -1291,3 +1291,18 @@ def test_an_installed_package_records_no_commit(monkeypatch, tmp_path):
                     "-m", "another project"], check=True)  # fmt: skip
     monkeypatch.setattr(outputs, "__file__", str(venv / "outputs.py"))
     assert outputs._git_commit() is None
+
+
+@torch.no_grad()
+def test_avg_bits_of_a_mix_count_the_layers_that_grow(models):
+    """``avg_bits`` is the long-run figure: on a model with sliding-window layers only the full-attention ones
+    grow, so a mix holding them at 8 bits and the sliding ones at 2 tends to the full layer's 9.0 bits (per-token
+    float16 scale and zero-point on 32 channels), not the layers' plain average, 5.0, which it reported."""
+    from kvbits.plan.config import load_shape
+    from kvbits.plan.planner import plan_shape
+
+    model, ids = models("gemma3"), _ids(48, seed=3)[0]  # layers: sliding (W=24), full, sliding
+    name = "int2-token,1=int8-token"
+    (r,) = evaluate(model, ids, 48, [name], attn_layers=[], progress=False)["results"]
+    assert r["avg_bits"] == pytest.approx(9.0)
+    assert plan_shape(load_shape(model.config), name, context=1 << 24)["avg_bits"] == pytest.approx(9.0, abs=1e-3)

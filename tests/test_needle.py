@@ -612,3 +612,30 @@ def test_hybrid_models_decode_semantics_bits_and_prefill_refused(tok, corpus):
         "int4-token": 6.0, "int4-token,0=fp16": 6.0, "int4-token,1=fp16": 11.0}  # fmt: skip
     with pytest.raises(ValueError, match=r"semantics='prefill' .* layers with attention: \[1, 3\] of 4"):
         needle_eval(hybrid, 300, ["int4-token"], data=str(path), depths=[0.5], semantics="prefill")
+
+
+def test_reference_bytes_are_the_models_own_cache_on_sliding_layers(tok, corpus):
+    """The reference's ``cache_bytes_ref`` is what the unquantized model's cache holds: on a model whose layers
+    slide (Mistral-style, W = 64) transformers' cache keeps the last W - 1 tokens of each. It was a
+    ``DynamicCache`` without the config, every token of every layer: 153,088 bytes reported where the model's cache,
+    the plan and an exact float32 kvbits cache hold 32,256 (4.7x fewer)."""
+    import transformers
+    from _bytelevel import VOCAB
+
+    from kvbits.plan import plan
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, sliding_window=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    lm = LoadedModel(transformers.MistralForCausalLM(cfg).eval(), tok, ModelSource(name="tiny-sw", path="tiny-sw"),
+                     "tinysliding00000")  # fmt: skip
+    path, _ = corpus
+    s = needle_eval(lm, [300], [EXACT], data=str(path), depths=[0.5], trials=1)
+    (b,) = s["results"][0]["by_context"]
+    held = 2 * 2 * 2 * 16 * 63 * 4  # K+V, layers, heads, D, the last W - 1 tokens, float32
+    assert b["cache_bytes_ref"] == b["cache_bytes"] == plan(cfg, context=299, scheme=EXACT, dtype_bytes=4)["total_bytes"]
+    assert b["cache_bytes_ref"] == held
+    (rec,) = s["records"]
+    assert rec["schemes"]["exact32"]["nll"] == pytest.approx(rec["reference"]["nll"], abs=1e-5)

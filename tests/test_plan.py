@@ -1016,3 +1016,43 @@ def test_step_bytes_is_what_a_step_hands_attention(scheme: str, monkeypatch):
         if scheme == "fp16":
             assert peak == want
         assert want <= peak <= want + held + 5 * slice_f32, (prompt, peak / want, held / want)
+
+
+def test_long_run_bits_are_the_limit_of_the_planned_bits():
+    """``long_run_bits``: what ``avg_bits`` tends to as the context grows. Only full-attention layers grow, each
+    weighted by its heads and head dim; sliding layers' share vanishes. A Gemma-3-like 5:1 mix storing its
+    sliding layers at 8 bits and the global one at 2 was reported at the layers' plain average, 7.125 bits,
+    where the cache tends to 2.125; kivi-2 with its global layer in fp16 at 5.17 where it tends to 16."""
+    from kvbits.plan import LayerShape, long_run_bits
+
+    sliding, full = LayerShape(1, 256, "sliding", 512), LayerShape(1, 256)
+    gemma = ModelShape(layers=(sliding,) * 5 + (full,))
+    for name, want in (("int2-token,0-4=int8-token", 2.125), ("kivi-2,5=fp16", 16.0), ("int4-token", 4.125)):
+        got = long_run_bits(gemma, name)
+        assert got == pytest.approx(want), name
+        assert plan_shape(gemma, name, context=1 << 26)["avg_bits"] == pytest.approx(want, abs=1e-3), name
+    # wider global layers weigh more: 2 heads of 512 against 1 of 256
+    wide = ModelShape(layers=(LayerShape(1, 256), LayerShape(2, 512)))
+    assert long_run_bits(wide, "int4-token,1=int8-token") == pytest.approx((4.125 + 4 * 8.0625) / 5)
+    # without sliding layers or per-layer shapes: average_bits, as before
+    flat = ModelShape.from_dims(4, 2, 64)
+    mix = get_scheme("int2-token,0=int8-token,3=kivi-4")
+    assert long_run_bits(flat, mix) == pytest.approx(average_bits(mix, head_dim=64, n_heads=2, n_layers=4))
+    # every layer sliding: nothing grows; a layer keeping its window in full precision counts at the model dtype
+    mistral = ModelShape.from_dims(2, 2, 64, sliding_window=100)
+    assert long_run_bits(mistral, "kivi-2") == 16.0  # residual + block - 1 > W - 1: fp16 windows
+    assert long_run_bits(mistral, "int4-token") == pytest.approx(average_bits(get_scheme("int4-token"), 64, 2))
+
+
+def test_values_of_another_head_dim_are_refused():
+    """A config whose values have another head dim than its keys (``v_head_dim``; MiMo-V2-Flash: 192 and 128, no
+    ``kv_lora_rank``) was planned with both at ``head_dim``: 921,305,088 bytes at 32K in fp16 where the model holds
+    780,533,760 (values of 128 channels; its sliding layers also double their KV heads), 18 % over. The planner
+    counts one head dim for K and V, as QuantizedKVCache stores them: refused with the two dims named, as
+    multi-head latent attention is. An equal ``v_head_dim`` plans as before."""
+    mimo = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 512,
+            "head_dim": 192, "v_head_dim": 128, "max_position_embeddings": 4096}  # fmt: skip
+    with pytest.raises(ValueError, match="head_dim 192 .* v_head_dim 128"):
+        plan(mimo, context=1000)
+    same = {**mimo, "v_head_dim": 192}
+    assert plan(same, context=1000)["total_bytes"] == 2 * 2 * 4 * 192 * 1000 * 2

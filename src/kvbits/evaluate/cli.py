@@ -43,7 +43,7 @@ examples:
 "context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",
 "wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
-avg_bits: bits per element in the long run (residual window and sinks amortised away); bits_at_context: what the
+avg_bits: bits per element in the long run (residual window, sinks and sliding-window layers amortised away); bits_at_context: what the
 cache stores per element at this --context, metadata, sinks and the full-precision window included, as
 `kvbits plan MODEL --context N` counts it (null for peer caches): kivi-2 is 3.0 and 16 at 128 tokens.
 wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak

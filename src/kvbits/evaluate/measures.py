@@ -52,6 +52,25 @@ def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -
     return out
 
 
+def long_run_avg_bits(scheme: Any, config: Any, head_dim: int, kv_heads: int, n_layers: int) -> float:
+    """A result's ``avg_bits``: a peer cache's own figure; for a kvbits scheme the bits per element its cache tends
+    to as the context grows (``kvbits.plan.long_run_bits`` of the model's shape: only full-attention layers grow, each
+    weighted by its own heads and head dim), or ``average_bits`` over ``n_layers`` layers of ``kv_heads`` heads of
+    ``head_dim`` where ``kvbits plan`` does not read the config."""
+    from kvbits.evaluate.stream import PeerScheme
+    from kvbits.plan.config import load_shape
+    from kvbits.plan.planner import long_run_bits
+    from kvbits.schemes.accounting import average_bits
+
+    if isinstance(scheme, PeerScheme):
+        return scheme.avg_bits
+    try:
+        shape = load_shape(config)
+    except (ValueError, TypeError):
+        return average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
+    return long_run_bits(shape, scheme)
+
+
 def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
     """Log what the report flags in a scheme's calibration record (``_mismatch``), in its words:
     positions served beyond the calibrated length, and clipping above the report's warning level, so

@@ -112,7 +112,7 @@ def _run_prefill(
     rows = _key_slice(trial, trial.doc_len)
     t0 = time.perf_counter()
     _, kv = prefill_kv(model, ids[:, : trial.doc_len])
-    ref_cache = DynamicCache()
+    ref_cache = DynamicCache(config=model.config)  # the model's own layer kinds: a sliding layer keeps W - 1 tokens
     load_kv(ref_cache, kv)
     lp_ref = _logprobs(head, decode_hidden(model, suffix, ref_cache)[0, rows]).cpu()
     ref = score_key(lp_ref, targets)
@@ -289,10 +289,10 @@ def needle_eval(
         _model_arg,
         _run_dtype,
     )
-    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
+    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch, long_run_avg_bits
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
-    from kvbits.evaluate.runner import _average_bits, _check_head
+    from kvbits.evaluate.runner import _check_head
     from kvbits.plan.config import check_context_fits
 
     task = task or NeedleTask()
@@ -358,11 +358,7 @@ def needle_eval(
 
     results = []
     for scheme in resolved:
-        bits = (
-            scheme.avg_bits
-            if isinstance(scheme, PeerScheme)
-            else _average_bits(scheme, head_dim, kv_heads, n_layers, attending)  # a hybrid's attention layers
-        )
+        bits = long_run_avg_bits(scheme, model.config, head_dim, kv_heads, n_layers)
         res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch(
             clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1], "simulate" if semantics == "decode" else "stream"

@@ -86,6 +86,7 @@ from kvbits.evaluate.measures import (
     _warn_unquantized,
     add_clipping,
     add_counts,
+    long_run_avg_bits,
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
@@ -119,7 +120,6 @@ from kvbits.evaluate.simulate import DEFAULT_CHUNK as _DEFAULT_CHUNK
 from kvbits.evaluate.simulate import simulate
 from kvbits.evaluate.stream import PeerScheme, base_model, check_schemes_fit, resolve_schemes, stream_hidden
 from kvbits.plan.config import check_context_fits
-from kvbits.schemes.accounting import average_bits
 from kvbits.schemes.spec import KVScheme
 
 logger = logging.getLogger(__name__)
@@ -540,11 +540,7 @@ def evaluate(
     shape = _plan_shape_of(model.config)
     for i, (scheme, name) in enumerate(zip(resolved, names)):
         s = summarize(per_token[name], first=first, seed=seed)
-        bits = (
-            scheme.avg_bits
-            if isinstance(scheme, PeerScheme)
-            else _average_bits(scheme, head_dim, kv_heads, n_layers, attending)
-        )
+        bits = long_run_avg_bits(scheme, model.config, head_dim, kv_heads, n_layers)
         results.append(
             {
                 "scheme": name,
@@ -637,23 +633,11 @@ def _plan_shape_of(config: Any) -> Any:
         return None
 
 
-def _average_bits(scheme: KVScheme, head_dim: int, kv_heads: int, n_layers: int, attending: Sequence[int]) -> float:
-    """``average_bits`` of ``scheme``, a mixed one averaged over the layers that cache K/V (``attending``): a hybrid
-    model's convolution / linear-attention / state-space layers store none, and counting them gave
-    ``int4-token,0=fp16`` 8.5 bits on an LFM2 whose layer 0 is a convolution (it stores what ``int4-token`` does,
-    6.0) and ``int4-token,1=fp16`` 8.5 instead of 11.0. The same as ``average_bits`` where every layer attends."""
-    if not scheme.is_mixed or list(attending) == list(range(n_layers)):
-        return average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
-    scheme.check_layer_count(n_layers)
-    per = [average_bits(scheme.for_layer(i), head_dim=head_dim, n_heads=kv_heads) for i in attending]
-    return sum(per) / len(per)
-
-
 def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
     """``kvbits plan``'s ``avg_bits`` of ``scheme`` at ``context`` tokens, one sequence: the bits per element the
     cache stores there, metadata, sinks and the full-precision window included (in the config's dtype, as
     ``kvbits plan MODEL --context N`` counts them). ``avg_bits`` beside it is the long-run figure
-    (``average_bits``: the window and sinks amortised away), which a short context does not reach: kivi-2 stores
+    (``long_run_avg_bits``: the window and sinks amortised away), which a short context does not reach: kivi-2 stores
     3.0 bits per element in the long run and 16 at 128 tokens, where nothing is quantized yet. None for peer
     caches and where the planner does not read the model's config."""
     if shape is None or isinstance(scheme, PeerScheme):

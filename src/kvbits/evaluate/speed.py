@@ -459,12 +459,11 @@ def speed_eval(
         _model_arg,
         _run_dtype,
     )
-    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch
+    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch, long_run_avg_bits
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _progress
     from kvbits.evaluate.stream import fuses, prefill_kv
     from kvbits.plan.config import check_context_fits
-    from kvbits.schemes.accounting import average_bits
 
     contexts = check_ints("context", contexts, 1)
     batches = check_ints("batch", batches, 1)
@@ -579,9 +578,7 @@ def speed_eval(
         "schemes": [
             {
                 "scheme": s.name,
-                "avg_bits": s.avg_bits
-                if isinstance(s, PeerScheme)
-                else average_bits(s, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers),
+                "avg_bits": long_run_avg_bits(s, model.config, head_dim, kv_heads, n_layers),
                 "peer": isinstance(s, PeerScheme),
                 "path": _path(s, fused[s.name], workspace, static, graphs),
                 "calibration": mismatch[s.name],

@@ -18,7 +18,7 @@ from kvbits.plan.config import (
     resolve_config,
 )
 from kvbits.plan.limits import max_context
-from kvbits.plan.planner import DEFAULT_SCHEMES, GIB, plan, plan_shape
+from kvbits.plan.planner import DEFAULT_SCHEMES, GIB, long_run_bits, plan, plan_shape
 
 __all__ = [
     "DEFAULT_SCHEMES",
@@ -27,6 +27,7 @@ __all__ = [
     "ModelShape",
     "estimate_params",
     "load_shape",
+    "long_run_bits",
     "max_context",
     "model_shape",
     "plan",

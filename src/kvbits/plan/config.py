@@ -469,7 +469,7 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
 
     Raises:
         ValueError: the config lacks layers or heads, or describes something kvbits can not plan
-            (multi-head latent attention).
+            (multi-head latent attention, values of another head dim than the keys: ``v_head_dim``).
     """
     if isinstance(config, ModelShape):
         return config
@@ -517,6 +517,12 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         if sharing is not None and sharing[i] == "reuse":
             kind, window = "none", None  # reads the KV of an earlier layer (Gemma-3n/4 KV sharing)
         _, kv, d = attention_heads(lc)
+        v_dim = _int(_get(lc, "v_head_dim"), "v_head_dim")
+        if kind != "none" and v_dim is not None and v_dim != d:  # MiMo-V2-Flash: keys of 192 channels, values of 128
+            raise ValueError(
+                f"layer {i} caches keys of head_dim {d} channels and values of v_head_dim {v_dim}: the kvbits "
+                "planner (and QuantizedKVCache) count one head dim for K and V (MHA/GQA/MQA only)"
+            )
         layers.append(LayerShape(kv, d, kind, window))
     if _get(text, "block_configs") is not None:  # DeciLM / Nemotron-NAS: KV heads per block
         layers = _block_layers(text, n_layers)

@@ -72,7 +72,8 @@ from typing import Any, Union
 from kvbits.plan.config import load_shape, warn_beyond_max_positions
 from kvbits.plan.limits import fused_rope_table_bytes, max_concurrency, max_context
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
-from kvbits.schemes import KVScheme, check_unique_names, get_scheme, layer_bytes, token_split
+from kvbits.schemes import KVScheme, average_bits, check_unique_names, get_scheme, layer_bytes, token_split
+from kvbits.schemes.accounting import sliding_falls_back
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,32 @@ def _max_context(
 ) -> int | None:
     free = budget["gpu_mem_bytes"] - budget["weights_bytes"] - budget["reserve_bytes"]
     return max_context(shape, scheme, batch=batch, free_bytes=free, fused_decode=fused_decode)
+
+
+def long_run_bits(shape: ModelShape, scheme: SchemeLike) -> float:
+    """The bits per element ``plan_shape``'s ``avg_bits`` tends to as the context grows without bound: each
+    full-attention layer's :func:`~kvbits.schemes.average_bits` (its own scheme, KV heads and head dim) weighted by
+    its elements per token (``H_l * D_l``). Sliding-window layers hold a bounded number of tokens, so their share
+    vanishes in the limit. A model whose every layer slides never grows: its layers are weighted alike, each at its
+    quantized store's bits, or at the model dtype's when the layer keeps its window in full precision
+    (``sliding_falls_back``). A model without sliding layers or per-layer shapes gets ``average_bits(scheme, D, H,
+    n_layers)``."""
+    scheme = get_scheme(scheme)
+    scheme.check_layer_count(len(shape.layers))
+    kept = [(i, layer) for i, layer in enumerate(shape.layers) if layer.attention != "none"]
+    if not kept:
+        raise ValueError("none of the model's layers stores a KV cache; it has no bits per element")
+    growing = [(i, layer) for i, layer in kept if layer.attention == "full"] or kept
+    weighted = total = 0.0
+    for i, layer in growing:
+        s = scheme.for_layer(i)
+        if layer.window is not None and not s.is_identity and sliding_falls_back(s, layer.window):
+            bits = 8.0 * shape.dtype_bytes
+        else:
+            bits = average_bits(s, head_dim=layer.head_dim, n_heads=layer.kv_heads)
+        weighted += bits * layer.kv_heads * layer.head_dim
+        total += layer.kv_heads * layer.head_dim
+    return weighted / total
 
 
 def plan_shape(
