@@ -666,3 +666,16 @@ def test_cli_static_and_graphs(tmp_path, capsys):
                        (["--static", "--graphs"], "CUDA graphs need a CUDA device")):  # fmt: skip
         assert main([*argv, *bad]) != 0
         assert match in capsys.readouterr().err
+
+
+def test_a_hybrid_model_is_refused_by_name():
+    """A hybrid model (LFM2: convolution layers 0 and 2) has states the real quantized cache does not hold; the
+    run failed inside transformers (IndexError in ``get_conv_state``) and is now refused naming its attention layers."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=1024, layer_types=["conv", "full_attention"] * 2)  # fmt: skip
+    hybrid = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match=r"kvbits speed runs the real cache.*layers with attention: \[1, 3\] of 4"):
+        speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)))

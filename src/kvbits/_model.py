@@ -22,6 +22,25 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
+def attending_layers(model: torch.nn.Module, n_layers: int) -> list[int]:
+    """Indices in ``[0, n_layers)`` of the layers with an attention module: all of them, but for a hybrid model
+    (LFM2, Jamba, Qwen3-Next, ...), whose convolution / linear-attention / state-space layers cache no K/V."""
+    return sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
+
+
+def check_every_layer_attends(model: torch.nn.Module, n_layers: int, where: str, instead: str) -> None:
+    """``ValueError`` for a hybrid model (:func:`attending_layers`) at an entry point ``where`` that runs the real
+    cache, which holds attention layers only (transformers' hybrid caches keep the other layers' states);
+    ``instead``: what the user can run."""
+    attending = attending_layers(model, n_layers)
+    if attending != list(range(n_layers)):
+        raise ValueError(
+            f"{where} runs the real cache, which holds attention layers only: {type(model).__name__} has layers "
+            f"without attention (convolution, linear-attention or state-space; layers with attention: {attending} "
+            f"of {n_layers}); {instead}"
+        )
+
+
 def check_model(model: Any, where: str = "", *, attention: bool = False, by_name: bool = False) -> None:
     """``TypeError`` unless ``model`` is a transformers model (a ``torch.nn.Module`` with a ``config``).
 

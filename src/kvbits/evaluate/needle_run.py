@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvbits._model import attention_modules, check_model_arg
+from kvbits._model import check_every_layer_attends, check_model_arg
 from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
     DEFAULT_DEPTHS,
@@ -318,13 +318,8 @@ def needle_eval(
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     check_schemes_fit(resolved, head_dim)
-    attending = sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
-    if semantics == "prefill" and attending != list(range(n_layers)):
-        raise ValueError(
-            f"semantics='prefill' runs the real cache, which holds attention layers only: {type(model).__name__} has "
-            f"layers without attention (convolution, linear-attention or state-space; layers with attention: "
-            f"{attending} of {n_layers}); use semantics='decode' (the simulator)"
-        )
+    if semantics == "prefill":
+        check_every_layer_attends(model, n_layers, "semantics='prefill'", "use semantics='decode' (the simulator)")
     text_ids = tokenize(text, tokenizer)
     trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
     head = LogitHead.from_model(model)

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits._model import attention_modules, check_model_arg
+from kvbits._model import attending_layers, check_model_arg
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -335,7 +335,7 @@ def evaluate(
             check_context_fits(model.config, context + generate)
         # a hybrid model's convolution / linear-attention / Mamba layers have no attention to measure: the
         # default (0, middle, last) picked LFM2's conv layers 0 and 2 and reported their error and entropy as 0
-        attending = sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
+        attending = attending_layers(model, n_layers)
         if attn_layers is None:
             layers = [attending[i] for i in default_attn_layers(len(attending))]
         else:

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from kvbits._model import check_model_arg
+from kvbits._model import check_every_layer_attends, check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.sdpa import check_sdpa_mode, sdpa_backends
 from kvbits.evaluate.stream import PeerScheme, cache_bytes, check_schemes_fit, resolve_schemes
@@ -486,6 +486,7 @@ def speed_eval(
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
+    check_every_layer_attends(model, n_layers, "kvbits speed", "kvbits eval (simulate mode) and kvbits needle (semantics='decode') measure such models")
     check_schemes_fit(resolved, head_dim)
     if static:
         refused = static_refusals(resolved, n_layers)
