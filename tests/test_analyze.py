@@ -116,6 +116,25 @@ def test_recommendation_is_computed_from_the_numbers(result):
     assert no_rope["reason"].startswith("key outlier channels") and "SQNR per-token" in no_rope["reason"]
 
 
+def test_calibrated_schemes_follow_the_side_of_rope_that_measured_better(result):
+    """Post-RoPE per-channel keys 3 dB better than pre-RoPE: before, the recommendation said "per-channel, post-RoPE"
+    and still named the pre-RoPE kvquant-4 and int4-token-smooth-prerope to calibrate and verify; now only the
+    post-RoPE int4-token-smooth, and the reason gives the comparison. Pre-RoPE better: unchanged."""
+    rows = result.to_dict()["layers"]
+    for r in rows:
+        r["key_post_rope"] = dict(r["key_post_rope"], sqnr_int4_channel=r["key_pre_rope"]["sqnr_int4_channel"] + 3)
+    rec = recommend(rows, model="m", data="d")
+    assert rec["keys"] == "per-channel, post-RoPE" and rec["scheme"] == "int4-channel"
+    assert rec["calibrated_scheme"] is None and rec["per_token_scheme"] == "int4-token-smooth"
+    assert "prerope" not in " ".join(rec["next_steps"]) and "kvquant" not in " ".join(rec["next_steps"])
+    assert "so quantize keys after RoPE" in rec["reason"] and "smoothed per channel after RoPE" in rec["reason"]
+    for r in rows:
+        r["key_post_rope"]["sqnr_int4_channel"] = r["key_pre_rope"]["sqnr_int4_channel"]  # a tie: pre-RoPE
+    rec = recommend(rows)
+    assert rec["keys"] == "per-channel, pre-RoPE" and rec["scheme"] == "int4-channel-prerope"
+    assert rec["calibrated_scheme"] == "kvquant-4" and rec["per_token_scheme"] == "int4-token-smooth-prerope"
+
+
 def test_next_steps_are_commands_that_run_as_printed(result):
     """The eval step lacked --data (required) and --calibration (a kvquant scheme is refused without it)."""
     from kvbits.cli import build_parser

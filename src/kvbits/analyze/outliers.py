@@ -162,7 +162,10 @@ def recommend(
     Keys go per-channel when more than ``layer_fraction`` of layers have pre-RoPE key outlier
     channels, and pre-RoPE when per-channel SQNR is at least as good before RoPE as after it (it
     is when outlier channels are consistent, KVQuant §3.2); otherwise per-token. Values stay
-    per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length.
+    per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length. The
+    calibrated schemes named follow the same side of RoPE: ``kvquant-{bits}`` and
+    ``int{bits}-token-smooth-prerope`` only when pre-RoPE keys came out better, ``int{bits}-token-smooth``
+    (after RoPE) otherwise.
 
     ``keys_rotated_unseen``: the model rotates its keys in a way kvbits can not reproduce (interleaved pairs), so
     the key figures are from before RoPE while the cache quantizes them after it; the reason says so.
@@ -220,10 +223,15 @@ def recommend(
         )
         scheme = next((c for c in candidates if c in names), f"int{bits}-channel")
         reason = f"{facts}. Outlier channels dominate the per-token range, so keys get one scale per channel"
-        if pre_better and has_post:
+        if pre_better:
             reason += (
                 f"; before RoPE the channels are consistent (per-channel SQNR {_fmt_db(pre_ch)} pre vs "
                 f"{_fmt_db(post_ch)} post), so quantize keys before RoPE"
+            )
+        elif has_post:  # the measured keys say after RoPE: no pre-RoPE scheme, calibrated or not, is named
+            reason += (
+                f"; after RoPE the channels quantize better (per-channel SQNR {_fmt_db(post_ch)} post vs "
+                f"{_fmt_db(pre_ch)} pre), so quantize keys after RoPE"
             )
         if not has_post:
             reason += (
@@ -232,15 +240,16 @@ def recommend(
             )
         if scheme != candidates[0]:
             reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
-        calibrated = f"kvquant-{bits}" if has_post and f"kvquant-{bits}" in names else None  # pre-RoPE keys
-        # per-token keys with the channels' bias removed before coding (BENCHMARKS §21, §17e-f)
-        smooth = f"int{bits}-token-smooth-prerope" if has_post else f"int{bits}-token-smooth"
+        calibrated = f"kvquant-{bits}" if pre_better and f"kvquant-{bits}" in names else None  # pre-RoPE keys
+        # per-token keys with the channels' bias removed before coding (BENCHMARKS §21, §17e-f), on the side of
+        # RoPE the per-channel figures favour
+        smooth = f"int{bits}-token-smooth-prerope" if pre_better else f"int{bits}-token-smooth"
         per_token = smooth if smooth in names else None
         if per_token:
             reason += (
                 f". If keys must stay per-token (one scale per token and head, as some engines store them), "
                 f"{per_token} keeps them so, centred and smoothed per channel"
-                f"{' before RoPE' if has_post else ''} by calibrated vectors"
+                f"{' before RoPE' if pre_better else ' after RoPE' if has_post else ''} by calibrated vectors"
             )
     else:
         keys = "per-token"
