@@ -504,6 +504,27 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
         main(argv + ["--threshold", "1"])
 
 
+def test_heatmap_of_a_chosen_layer_or_head_defaults_to_its_strongest_outlier(result, tmp_path, monkeypatch):
+    """``--plot-layer 0`` alone: before, the head was the strongest of the whole model (layer 1's head 1), so layer 0
+    was drawn at a head without its outlier channel (head 0 here); now the strongest head of the layer asked for."""
+    pytest.importorskip("matplotlib")
+    import copy
+
+    from kvbits.analyze import plots
+
+    res = copy.deepcopy(result)
+    ratio = lambda a: a.max(-1).values / a.median(-1).values
+    a0 = res.layers[0].key_pre_rope.absmax
+    a0[0, 7] = 0.5 * float(ratio(res.layers[OUT_LAYER].key_pre_rope.absmax)[OUT_HEAD]) * float(a0[0].median())
+    assert plots.pick_layer_head(res) == (OUT_LAYER, OUT_HEAD)  # still the strongest overall
+    titles: list[str] = []
+    monkeypatch.setattr(plots, "_save", lambda plt, fig, path: titles.append(fig._suptitle.get_text()) or plt.close(fig))
+    plots.plot_key_heatmaps(res, tmp_path / "a.png", layer=0)
+    plots.plot_key_heatmaps(res, tmp_path / "b.png", head=0)
+    assert "layer 0, KV head 0 " in titles[0] and "layer 0, KV head 0 " in titles[1], titles
+    assert plots.pick_layer_head(res, layer=2, head=1) == (2, 1)
+
+
 @pytest.mark.parametrize(("max_positions", "warned"), [(64, True), (128, False)])
 def test_cli_warns_when_the_context_exceeds_max_position_embeddings(
     tmp_path, monkeypatch, capsys, caplog, max_positions, warned
