@@ -135,6 +135,21 @@ def test_calibrated_schemes_follow_the_side_of_rope_that_measured_better(result)
     assert rec["calibrated_scheme"] == "kvquant-4" and rec["per_token_scheme"] == "int4-token-smooth-prerope"
 
 
+def test_recommend_at_other_bits_quotes_the_int4_figures_and_names_registered_schemes(result):
+    """``recommend(rows, bits=8)`` quoted the rows' int4 SQNR as "mean int8 key SQNR", and ``bits=3`` (post-RoPE keys
+    better) / ``bits=5`` recommended int3-channel / int5-channel, schemes that do not exist."""
+    from kvbits.schemes import list_schemes
+
+    rows = result.to_dict()["layers"]
+    rec = recommend(rows, bits=8)
+    assert rec["scheme"] in {s.name for s in list_schemes()} and rec["scheme"].startswith("int8-")
+    assert "mean int4 key SQNR" in rec["reason"] and "mean int4 value SQNR" in rec["reason"]
+    assert "int8 key SQNR" not in rec["reason"]
+    for bits in (3, 5, True):
+        with pytest.raises(ValueError, match=r"bits must be one of \[2, 4, 8\]"):
+            recommend(rows, bits=bits)
+
+
 def test_next_steps_are_commands_that_run_as_printed(result):
     """The eval step lacked --data (required) and --calibration (a kvquant scheme is refused without it)."""
     from kvbits.cli import build_parser

@@ -167,6 +167,9 @@ def recommend(
     ``int{bits}-token-smooth-prerope`` only when pre-RoPE keys came out better, ``int{bits}-token-smooth``
     (after RoPE) otherwise.
 
+    ``bits`` picks the schemes named (``int{bits}-token``, ``int{bits}-channel``, ...); the SQNR figures quoted
+    are the rows' own, int4 whatever ``bits``.
+
     ``keys_rotated_unseen``: the model rotates its keys in a way kvbits can not reproduce (interleaved pairs), so
     the key figures are from before RoPE while the cache quantizes them after it; the reason says so.
 
@@ -194,6 +197,10 @@ def recommend(
     used = [r["key_pre_rope"]["range_used_per_token"] for r in layers]
     worst = min((v for v in used if v is not None and not math.isnan(v)), default=float("nan"))
     names = {s.name for s in list_schemes()}
+    # the schemes the answer names must run: per-token and per-channel keys at these bits
+    allowed = sorted(b for b in range(1, 17) if {f"int{b}-token", f"int{b}-channel"} <= names)
+    if isinstance(bits, bool) or bits not in allowed:
+        raise ValueError(f"bits must be one of {allowed} (int<bits>-token and int<bits>-channel registered), got {bits!r}")
 
     # without RoPE statistics: the keys as the model caches them, unless its RoPE could not be reproduced
     pre = "pre-RoPE " if has_post or keys_rotated_unseen else ""
@@ -204,7 +211,7 @@ def recommend(
     if has_post:
         facts += f", post-RoPE in {len(k_post)}/{n}"
     facts += (
-        f"; mean int{bits} key SQNR {pre}per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
+        f"; mean int4 key SQNR {pre}per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
     )
     if has_post:
         facts += f", post-RoPE per-token {_fmt_db(post_tok)} vs per-channel {_fmt_db(post_ch)}"
@@ -262,7 +269,7 @@ def recommend(
             "(interleaved pairs), and the cache stores keys after it: verify by length with kvbits eval"
         )
     reason += (
-        f". Values per-token (mean int{bits} value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
+        f". Values per-token (mean int4 value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
         + (f"; value outlier channels in {len(v_out)}/{n} layers" if v_out else "")
         + ")."
     )
