@@ -379,6 +379,17 @@ def test_nan_threshold_or_layer_fraction_is_refused(name, value):
             outlier_channels(torch.ones(2, 4), value)
 
 
+@pytest.mark.parametrize(("kw", "message"), [({"channel_group": 1}, "channel_group must be an int >= 2, got 1"),
+                                             ({"sample_tokens": 100.5}, "sample_tokens must be an int >= 1, got 100.5"),
+                                             ({"channel_group": 32.0}, "channel_group must be an int >= 2, got 32.0")])  # fmt: skip
+def test_bad_channel_group_or_sample_tokens_is_named(kw, message):
+    """channel_group=1 was refused as "windows must hold at least 2 tokens, got T=64"; a float sample_tokens or
+    channel_group raised torch's TypeError from inside ChannelStats."""
+    model = tiny_llama(outlier=False)
+    with pytest.raises(ValueError, match=message):
+        analyze(model, torch.zeros(1, 64, dtype=torch.long), **kw)
+
+
 def test_empty_windows_are_refused():
     with pytest.raises(ValueError, match="at least one window"):
         analyze(tiny_llama(outlier=False), torch.zeros(0, 64, dtype=torch.long))
