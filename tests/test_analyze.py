@@ -116,6 +116,40 @@ def test_recommendation_is_computed_from_the_numbers(result):
     assert no_rope["reason"].startswith("key outlier channels") and "SQNR per-token" in no_rope["reason"]
 
 
+def test_calibrated_schemes_follow_the_side_of_rope_that_measured_better(result):
+    """Post-RoPE per-channel keys 3 dB better than pre-RoPE: before, the recommendation said "per-channel, post-RoPE"
+    and still named the pre-RoPE kvquant-4 and int4-token-smooth-prerope to calibrate and verify; now only the
+    post-RoPE int4-token-smooth, and the reason gives the comparison. Pre-RoPE better: unchanged."""
+    rows = result.to_dict()["layers"]
+    for r in rows:
+        r["key_post_rope"] = dict(r["key_post_rope"], sqnr_int4_channel=r["key_pre_rope"]["sqnr_int4_channel"] + 3)
+    rec = recommend(rows, model="m", data="d")
+    assert rec["keys"] == "per-channel, post-RoPE" and rec["scheme"] == "int4-channel"
+    assert rec["calibrated_scheme"] is None and rec["per_token_scheme"] == "int4-token-smooth"
+    assert "prerope" not in " ".join(rec["next_steps"]) and "kvquant" not in " ".join(rec["next_steps"])
+    assert "so quantize keys after RoPE" in rec["reason"] and "smoothed per channel after RoPE" in rec["reason"]
+    for r in rows:
+        r["key_post_rope"]["sqnr_int4_channel"] = r["key_pre_rope"]["sqnr_int4_channel"]  # a tie: pre-RoPE
+    rec = recommend(rows)
+    assert rec["keys"] == "per-channel, pre-RoPE" and rec["scheme"] == "int4-channel-prerope"
+    assert rec["calibrated_scheme"] == "kvquant-4" and rec["per_token_scheme"] == "int4-token-smooth-prerope"
+
+
+def test_recommend_at_other_bits_quotes_the_int4_figures_and_names_registered_schemes(result):
+    """``recommend(rows, bits=8)`` quoted the rows' int4 SQNR as "mean int8 key SQNR", and ``bits=3`` (post-RoPE keys
+    better) / ``bits=5`` recommended int3-channel / int5-channel, schemes that do not exist."""
+    from kvbits.schemes import list_schemes
+
+    rows = result.to_dict()["layers"]
+    rec = recommend(rows, bits=8)
+    assert rec["scheme"] in {s.name for s in list_schemes()} and rec["scheme"].startswith("int8-")
+    assert "mean int4 key SQNR" in rec["reason"] and "mean int4 value SQNR" in rec["reason"]
+    assert "int8 key SQNR" not in rec["reason"]
+    for bits in (3, 5, True):
+        with pytest.raises(ValueError, match=r"bits must be one of \[2, 4, 8\]"):
+            recommend(rows, bits=bits)
+
+
 def test_next_steps_are_commands_that_run_as_printed(result):
     """The eval step lacked --data (required) and --calibration (a kvquant scheme is refused without it)."""
     from kvbits.cli import build_parser
@@ -345,6 +379,17 @@ def test_nan_threshold_or_layer_fraction_is_refused(name, value):
             outlier_channels(torch.ones(2, 4), value)
 
 
+@pytest.mark.parametrize(("kw", "message"), [({"channel_group": 1}, "channel_group must be an int >= 2, got 1"),
+                                             ({"sample_tokens": 100.5}, "sample_tokens must be an int >= 1, got 100.5"),
+                                             ({"channel_group": 32.0}, "channel_group must be an int >= 2, got 32.0")])  # fmt: skip
+def test_bad_channel_group_or_sample_tokens_is_named(kw, message):
+    """channel_group=1 was refused as "windows must hold at least 2 tokens, got T=64"; a float sample_tokens or
+    channel_group raised torch's TypeError from inside ChannelStats."""
+    model = tiny_llama(outlier=False)
+    with pytest.raises(ValueError, match=message):
+        analyze(model, torch.zeros(1, 64, dtype=torch.long), **kw)
+
+
 def test_empty_windows_are_refused():
     with pytest.raises(ValueError, match="at least one window"):
         analyze(tiny_llama(outlier=False), torch.zeros(0, 64, dtype=torch.long))
@@ -483,6 +528,27 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
     assert "threshold 4" in table and "per-channel, pre-RoPE" in table and "h1:c3" in table
     with pytest.raises(SystemExit):  # argparse rejects a threshold that is not a multiple > 1
         main(argv + ["--threshold", "1"])
+
+
+def test_heatmap_of_a_chosen_layer_or_head_defaults_to_its_strongest_outlier(result, tmp_path, monkeypatch):
+    """``--plot-layer 0`` alone: before, the head was the strongest of the whole model (layer 1's head 1), so layer 0
+    was drawn at a head without its outlier channel (head 0 here); now the strongest head of the layer asked for."""
+    pytest.importorskip("matplotlib")
+    import copy
+
+    from kvbits.analyze import plots
+
+    res = copy.deepcopy(result)
+    ratio = lambda a: a.max(-1).values / a.median(-1).values
+    a0 = res.layers[0].key_pre_rope.absmax
+    a0[0, 7] = 0.5 * float(ratio(res.layers[OUT_LAYER].key_pre_rope.absmax)[OUT_HEAD]) * float(a0[0].median())
+    assert plots.pick_layer_head(res) == (OUT_LAYER, OUT_HEAD)  # still the strongest overall
+    titles: list[str] = []
+    monkeypatch.setattr(plots, "_save", lambda plt, fig, path: titles.append(fig._suptitle.get_text()) or plt.close(fig))
+    plots.plot_key_heatmaps(res, tmp_path / "a.png", layer=0)
+    plots.plot_key_heatmaps(res, tmp_path / "b.png", head=0)
+    assert "layer 0, KV head 0 " in titles[0] and "layer 0, KV head 0 " in titles[1], titles
+    assert plots.pick_layer_head(res, layer=2, head=1) == (2, 1)
 
 
 @pytest.mark.parametrize(("max_positions", "warned"), [(64, True), (128, False)])

@@ -237,8 +237,13 @@ def analyze(
             f"windows must be an integer tensor (W, T), got {getattr(windows, 'shape', windows)!r}"
         )
     from kvbits.evaluate.data import check_token_ids
+    from kvbits.evaluate.inputs import check_int
 
     check_token_ids(windows, model, "windows")  # integers within the embedding table, as evaluate's
+    # before the block checks below, whose messages would blame the windows for channel_group < 2, and torch's
+    # deep in ChannelStats for a float
+    channel_group = check_int("channel_group", channel_group, 2)
+    sample_tokens = check_int("sample_tokens", sample_tokens, 1)
     W, T = windows.shape
     if W < 1:
         raise ValueError(f"windows must hold at least one window, got shape {tuple(windows.shape)}")

@@ -162,7 +162,13 @@ def recommend(
     Keys go per-channel when more than ``layer_fraction`` of layers have pre-RoPE key outlier
     channels, and pre-RoPE when per-channel SQNR is at least as good before RoPE as after it (it
     is when outlier channels are consistent, KVQuant §3.2); otherwise per-token. Values stay
-    per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length.
+    per-token (KIVI §3: per-channel values collapse). Then calibrate, then verify by length. The
+    calibrated schemes named follow the same side of RoPE: ``kvquant-{bits}`` and
+    ``int{bits}-token-smooth-prerope`` only when pre-RoPE keys came out better, ``int{bits}-token-smooth``
+    (after RoPE) otherwise.
+
+    ``bits`` picks the schemes named (``int{bits}-token``, ``int{bits}-channel``, ...); the SQNR figures quoted
+    are the rows' own, int4 whatever ``bits``.
 
     ``keys_rotated_unseen``: the model rotates its keys in a way kvbits can not reproduce (interleaved pairs), so
     the key figures are from before RoPE while the cache quantizes them after it; the reason says so.
@@ -191,6 +197,10 @@ def recommend(
     used = [r["key_pre_rope"]["range_used_per_token"] for r in layers]
     worst = min((v for v in used if v is not None and not math.isnan(v)), default=float("nan"))
     names = {s.name for s in list_schemes()}
+    # the schemes the answer names must run: per-token and per-channel keys at these bits
+    allowed = sorted(b for b in range(1, 17) if {f"int{b}-token", f"int{b}-channel"} <= names)
+    if isinstance(bits, bool) or bits not in allowed:
+        raise ValueError(f"bits must be one of {allowed} (int<bits>-token and int<bits>-channel registered), got {bits!r}")
 
     # without RoPE statistics: the keys as the model caches them, unless its RoPE could not be reproduced
     pre = "pre-RoPE " if has_post or keys_rotated_unseen else ""
@@ -201,7 +211,7 @@ def recommend(
     if has_post:
         facts += f", post-RoPE in {len(k_post)}/{n}"
     facts += (
-        f"; mean int{bits} key SQNR {pre}per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
+        f"; mean int4 key SQNR {pre}per-token {_fmt_db(pre_tok)} vs per-channel {_fmt_db(pre_ch)}"
     )
     if has_post:
         facts += f", post-RoPE per-token {_fmt_db(post_tok)} vs per-channel {_fmt_db(post_ch)}"
@@ -220,10 +230,15 @@ def recommend(
         )
         scheme = next((c for c in candidates if c in names), f"int{bits}-channel")
         reason = f"{facts}. Outlier channels dominate the per-token range, so keys get one scale per channel"
-        if pre_better and has_post:
+        if pre_better:
             reason += (
                 f"; before RoPE the channels are consistent (per-channel SQNR {_fmt_db(pre_ch)} pre vs "
                 f"{_fmt_db(post_ch)} post), so quantize keys before RoPE"
+            )
+        elif has_post:  # the measured keys say after RoPE: no pre-RoPE scheme, calibrated or not, is named
+            reason += (
+                f"; after RoPE the channels quantize better (per-channel SQNR {_fmt_db(post_ch)} post vs "
+                f"{_fmt_db(pre_ch)} pre), so quantize keys after RoPE"
             )
         if not has_post:
             reason += (
@@ -232,15 +247,16 @@ def recommend(
             )
         if scheme != candidates[0]:
             reason += f" ({candidates[0]} is not registered yet; {scheme} quantizes post-RoPE keys meanwhile)"
-        calibrated = f"kvquant-{bits}" if has_post and f"kvquant-{bits}" in names else None  # pre-RoPE keys
-        # per-token keys with the channels' bias removed before coding (BENCHMARKS §21, §17e-f)
-        smooth = f"int{bits}-token-smooth-prerope" if has_post else f"int{bits}-token-smooth"
+        calibrated = f"kvquant-{bits}" if pre_better and f"kvquant-{bits}" in names else None  # pre-RoPE keys
+        # per-token keys with the channels' bias removed before coding (BENCHMARKS §21, §17e-f), on the side of
+        # RoPE the per-channel figures favour
+        smooth = f"int{bits}-token-smooth-prerope" if pre_better else f"int{bits}-token-smooth"
         per_token = smooth if smooth in names else None
         if per_token:
             reason += (
                 f". If keys must stay per-token (one scale per token and head, as some engines store them), "
                 f"{per_token} keeps them so, centred and smoothed per channel"
-                f"{' before RoPE' if has_post else ''} by calibrated vectors"
+                f"{' before RoPE' if pre_better else ' after RoPE' if has_post else ''} by calibrated vectors"
             )
     else:
         keys = "per-token"
@@ -253,7 +269,7 @@ def recommend(
             "(interleaved pairs), and the cache stores keys after it: verify by length with kvbits eval"
         )
     reason += (
-        f". Values per-token (mean int{bits} value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
+        f". Values per-token (mean int4 value SQNR per-token {_fmt_db(v_tok)}, per-channel {_fmt_db(v_ch)}"
         + (f"; value outlier channels in {len(v_out)}/{n} layers" if v_out else "")
         + ")."
     )

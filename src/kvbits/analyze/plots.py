@@ -40,13 +40,17 @@ def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     return out
 
 
-def pick_layer_head(analysis: Analysis) -> tuple[int, int]:
-    """The layer and KV head whose pre-RoPE keys have the largest absmax / median-channel ratio."""
-    best, where = -1.0, (analysis.layers[0].layer, 0)
-    for la in analysis.layers:
+def pick_layer_head(analysis: Analysis, layer: int | None = None, head: int | None = None) -> tuple[int, int]:
+    """The layer and KV head whose pre-RoPE keys have the largest absmax / median-channel ratio; among the heads
+    of ``layer`` and the layers' ``head`` when given (a fixed layer gets its own strongest head)."""
+    layers = analysis.layers if layer is None else [_layer(analysis, layer)]
+    best, where = -1.0, (layers[0].layer, 0 if head is None else head)
+    for la in layers:
         a = la.key_pre_rope.absmax
         ratio = a.max(dim=-1).values / a.median(dim=-1).values.clamp_min(1e-12)
-        h = int(ratio.argmax())
+        if head is not None and not 0 <= head < ratio.shape[0]:
+            continue
+        h = int(ratio.argmax()) if head is None else head
         if float(ratio[h]) > best:
             best, where = float(ratio[h]), (la.layer, h)
     return where
@@ -67,12 +71,11 @@ def plot_key_heatmaps(
     head: int | None = None,
     max_tokens: int = 512,
 ) -> Path:
-    """Write the |K| pre/post-RoPE (and |V|) heatmaps of ``layer``/``head`` (default: ``pick_layer_head``)."""
+    """Write the |K| pre/post-RoPE (and |V|) heatmaps of ``layer``/``head`` (default: ``pick_layer_head``, the
+    strongest outlier head of ``layer`` / layer of ``head`` when one of them is given)."""
     plt = _pyplot()
     if layer is None or head is None:
-        auto_layer, auto_head = pick_layer_head(analysis)
-        layer = auto_layer if layer is None else layer
-        head = auto_head if head is None else head
+        layer, head = pick_layer_head(analysis, layer, head)
     la = _layer(analysis, layer)
     if not la.samples:
         raise ValueError("the analysis kept no samples (analyze(..., keep_samples=False)); nothing to plot")
