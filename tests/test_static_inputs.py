@@ -61,3 +61,19 @@ def test_first_update_refuses_kv_of_another_model_than_the_config(scheme: str):
     free = StaticQuantizedKVCache(num_layers=1, scheme="int8-token", max_cache_len=8)
     free.update(torch.randn(2, 4, 3, 16), torch.randn(2, 4, 3, 16), 0)
     assert free.layers[0].key.codes.shape[:3] == (2, 4, 8)
+
+
+def test_speed_static_refuses_a_model_the_static_cache_cannot_hold_before_any_run(monkeypatch):
+    """``speed_eval(static=True)`` (``kvbits speed --static``) on a model with sliding-window layers: refused before
+    the prefill and every run. It timed the warm-up, ``DynamicCache`` and ``StaticCache`` runs first and failed at the
+    first kvbits cache (``NotImplementedError``), so no summary came of them."""
+    from kvbits.evaluate import speed
+
+    model = build("gemma3")
+    ids = torch.randint(1, 128, (200,), generator=torch.Generator().manual_seed(0))
+    runs, run_one = [], speed._run_one
+    monkeypatch.setattr(speed, "_run_one", lambda *a, **k: runs.append(speed._cache_name(a[1])) or run_one(*a, **k))
+    with pytest.raises(ValueError, match=r"static=True: 'int8-token': StaticQuantizedKVCache holds full-attention "
+                                         r"layers only; the config has \['sliding_attention'\]"):  # fmt: skip
+        speed.speed_eval(model, 32, ["int8-token"], static=True, tokens=2, warmup=1, data=ids, progress=False)
+    assert runs == []
