@@ -114,7 +114,7 @@ from kvbits.kernels.reference import (
     pack_side,
     word_rows,
 )
-from kvbits.quant.checks import check_kv
+from kvbits.quant.checks import KV_DTYPES, check_kv
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes import get_scheme
@@ -196,7 +196,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def __init__(
         self, scheme: KVScheme, max_cache_len: int, layer_idx: int, *, fused_decode: fused.FusedMode = "auto",
         checks: str = "auto", num_key_value_heads: int | None = None, rotary: RotaryTables | None = None,
-        rope_tables: fused.RopeTableCache | None = None,
+        rope_tables: fused.RopeTableCache | None = None, head_dim: int | None = None, head_repeat: int = 1,
     ) -> None:  # fmt: skip
         super().__init__()
         reason = static_reason(scheme)
@@ -219,6 +219,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.rope: StaticRope | None = None  # made with the slabs
         self.scheme, self.max_cache_len, self.layer_idx = scheme, max_cache_len, layer_idx
         self.num_key_value_heads = num_key_value_heads  # from the config, for checks before the first update
+        # the config's head_dim, and how many times the model repeats each KV head before update (Falcon's
+        # new_decoder_architecture before transformers 5.25: kvbits.cache.cache._head_repeat): the first K/V must match
+        self.head_dim, self.head_repeat = head_dim, head_repeat
         self.checks = check_mode(checks)
         self.fused = fused.FusedState(mode=fused_decode)
         self.tokens_written = 0
@@ -256,12 +259,25 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return not self.scheme.is_identity and (self.scheme.residual > 0 or self.scheme.block > 1)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the slabs for ``key_states``' batch, heads, head dim, dtype and device (zeros)."""
+        """Allocate the slabs for ``key_states``' batch, heads, head dim, dtype and device (zeros); ``TypeError`` /
+        ``ValueError`` first (host metadata only) for K/V that are no ``(B, H_kv, q, D)`` float tensors, or that
+        differ from the config's KV heads or head dim: slabs made for them would refuse every later update."""
+        for what, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.dtype not in KV_DTYPES or x.dim() != 4:
+                check_kv(x, f"layer {self.layer_idx} {what}")  # the precise TypeError / ValueError
         B, H, _, D = key_states.shape
         if value_states.shape[:2] != (B, H) or value_states.shape[3] != D:
             raise ValueError(
                 f"layer {self.layer_idx}: keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} must "
                 "share batch, heads and head dim"
+            )
+        H_kv, g = self.num_key_value_heads, self.head_repeat
+        if (self.head_dim is not None and D != self.head_dim) or (H_kv is not None and H not in (H_kv, H_kv * g)):
+            repeated = f" (or {H_kv * g}: each repeated {g} times)" if H_kv is not None and g > 1 else ""
+            raise ValueError(
+                f"layer {self.layer_idx}: K/V {tuple(key_states.shape)} (B, H_kv, q, D) do not have the config's "
+                f"num_key_value_heads={H_kv}{repeated} and head_dim={self.head_dim}: the slabs would hold other "
+                "bytes than kvbits plan counts for this model (a config of another model?)"
             )
         check_calibrated_heads(self, H, D)
         device = key_states.device
@@ -850,7 +866,7 @@ class StaticQuantizedKVCache(Cache):
         num_layers: int | None = None, fused_decode: bool | str = "auto", checks: str = "auto", calibration: Any = None,
         rotary: Any = None,
     ) -> None:  # fmt: skip
-        from kvbits.cache.cache import _layer_types, attention_shape, rotary_for
+        from kvbits.cache.cache import _head_repeat, _layer_types, attention_shape, rotary_for
         from kvbits.cache.layer import check_max_cache_len
         from kvbits.plan.config import layer_heads, text_config
 
@@ -860,10 +876,16 @@ class StaticQuantizedKVCache(Cache):
             raise ValueError("max_cache_len is required: the slabs are reserved for it")
         self._max_len = max_cache_len
         self.fused_decode = fused.check_mode(fused_decode)
-        kv_heads: list[int | None] = []
+        kv_heads: list[int | None] = []  # per layer, as the planner counts them (a DeciLM block's own, None without)
+        head_dims: list[int | None] = []
+        repeats: list[int] = []
         if config is not None:
             n_layers = attention_shape(config)[0]
-            kv_heads = [layer_heads(config, i)[1] or None for i in range(n_layers)]  # per layer, as the planner
+            for i in range(n_layers):
+                heads_i, kv_i, d_i = layer_heads(config, i)
+                kv_heads.append(kv_i or None)
+                head_dims.append(d_i if kv_i else None)
+                repeats.append(_head_repeat(text_config(config), heads_i, kv_i) if kv_i else 1)
             types, _ = _layer_types(text_config(config), n_layers)
             other = sorted({t for t in types if t != "full_attention"})
             if other:
@@ -885,7 +907,9 @@ class StaticQuantizedKVCache(Cache):
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
-                                       checks=checks, num_key_value_heads=kv_heads[i] if kv_heads else None, rope_tables=self._rope_tables,
+                                       checks=checks, num_key_value_heads=kv_heads[i] if kv_heads else None,
+                                       head_dim=head_dims[i] if head_dims else None,
+                                       head_repeat=repeats[i] if repeats else 1, rope_tables=self._rope_tables,
                                        rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
                   for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)

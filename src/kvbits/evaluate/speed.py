@@ -260,6 +260,21 @@ def static_refusals(schemes: Sequence[Any], n_layers: int) -> dict[str, str]:
     return out
 
 
+def check_static_model(model: Any, schemes: Sequence[Any], held: int) -> None:
+    """``ValueError`` before any run when a ``StaticQuantizedKVCache`` of ``held`` slots can not be made for ``model``
+    with one of ``schemes`` (sliding or chunked layers, pre-RoPE keys under partial or length-dependent RoPE, ...):
+    each is made here, which reserves nothing (the slabs come with the first update). Peers run their own caches."""
+    from kvbits.cache import StaticQuantizedKVCache
+
+    for s in schemes:
+        if isinstance(s, PeerScheme):
+            continue
+        try:
+            StaticQuantizedKVCache(config=model.config, scheme=s, max_cache_len=held)
+        except (NotImplementedError, ValueError) as exc:
+            raise ValueError(f"static=True: {s.name!r}: {exc}") from exc
+
+
 def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, warmup, calibration, fused,
              workspace, reserve=False, static=False, graphs=False) -> dict[str, Any]:  # fmt: skip
     """One cache's decode run (module docstring); ``scheme`` None is the ``DynamicCache`` baseline,
@@ -493,6 +508,7 @@ def speed_eval(
         if refused:
             raise ValueError("static=True: StaticQuantizedKVCache does not hold " + "; ".join(
                 f"{name!r} ({why})" for name, why in refused.items()) + "; QuantizedKVCache serves them (static=False)")
+        check_static_model(model, resolved, contexts[0] + warmup + tokens)
     if graphs:
         from kvbits.evaluate.graphs import graph_reason
 

@@ -1,0 +1,79 @@
+"""``StaticQuantizedKVCache``'s refusals of bad input, checked where the slabs are made (``lazy_initialization``).
+
+Reproduced defects (review session, the static cache): the first update's K/V were taken as they came, so a 3-D or
+non-tensor K/V crashed in tuple unpacking, integer or float8 K/V under lazy checks (the default on CUDA) crashed
+inside ``torch.linalg.vector_norm``, and under eager checks they left slabs of that dtype behind, which refused every
+later, correct update; K/V of another model than the cache's config (other KV heads or head dim) were stored without
+a word, in slabs whose bytes were not the plan's for the config (``QuantizedKVCache`` refuses them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_cache import build
+
+from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("checks", ["eager", "lazy"])
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-2", "fp16"])
+def test_first_update_refuses_what_is_no_float_kv_tensor_and_keeps_the_cache_usable(scheme: str, checks: str):
+    """A first update of no ``(B, H_kv, q, D)`` float K/V is refused as ``QuantizedKVCache`` refuses it, before any
+    slab is made: the same cache then takes the right K/V."""
+    k = torch.randn(1, 2, 3, 32)
+    cache = StaticQuantizedKVCache(num_layers=1, scheme=scheme, max_cache_len=8, checks=checks)
+    for bad, error, words in ((k[0], ValueError, r"key_states must have 4 dims \(B, H_kv, T, D\), got shape \(2, 3, 32\)"),
+                              ([1.0], TypeError, "key_states must be a torch.Tensor, got list"),
+                              (k.int(), TypeError, "key_states must be a floating tensor, got torch.int32"),
+                              (k.to(torch.float8_e4m3fn), TypeError, "key_states must be float16, bfloat16, float32 or float64")):  # fmt: skip
+        with pytest.raises(error, match=f"layer 0 {words}"):
+            cache.update(bad, bad, 0)
+        assert not cache.layers[0].is_initialized
+    with pytest.raises(ValueError, match="layer 0 value_states must have 4 dims"):
+        cache.update(k, k[0], 0)
+    keys, _ = cache.update(k, k, 0)
+    assert keys.dtype == torch.float32 and cache.layers[0].tokens_written == 3
+
+
+@pytest.mark.parametrize("scheme", ["int8-token", "fp8-e4m3-head", "int4-channel-prerope", "fp16"])
+def test_first_update_refuses_kv_of_another_model_than_the_config(scheme: str):
+    """Made with a config (2 KV heads of dim 32), the cache refuses K/V with other heads or another head dim, naming
+    the config's, as ``QuantizedKVCache`` does: they were stored in slabs of other bytes than the plan's (or, with
+    per-head FP8 scales installed for the config, refused for the scales' shape)."""
+    model = build("llama")
+    ok = torch.randn(2, 2, 3, 32)
+    for shape in ((2, 4, 3, 32), (2, 1, 3, 32), (2, 2, 3, 16)):
+        bad = torch.randn(shape)
+        with pytest.raises(ValueError, match="config('s| has) (num_key_value_heads=2|head_dim=32)"):
+            QuantizedKVCache(config=model.config, scheme=scheme).update(bad, bad, 0)
+        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=8)
+        if scheme == "fp8-e4m3-head":
+            cache.set_static_qparams(0, "key", torch.tensor([0.5, 2.0]))
+        with pytest.raises(ValueError, match=r"config's num_key_value_heads=2 and head_dim=32"):
+            cache.update(bad, bad, 0)
+        assert not cache.layers[0].is_initialized
+        cache.update(ok, ok, 0)
+        assert cache.layers[0].tokens_written == 3
+    # without a config the first K/V set the shape, as before
+    free = StaticQuantizedKVCache(num_layers=1, scheme="int8-token", max_cache_len=8)
+    free.update(torch.randn(2, 4, 3, 16), torch.randn(2, 4, 3, 16), 0)
+    assert free.layers[0].key.codes.shape[:3] == (2, 4, 8)
+
+
+def test_speed_static_refuses_a_model_the_static_cache_cannot_hold_before_any_run(monkeypatch):
+    """``speed_eval(static=True)`` (``kvbits speed --static``) on a model with sliding-window layers: refused before
+    the prefill and every run. It timed the warm-up, ``DynamicCache`` and ``StaticCache`` runs first and failed at the
+    first kvbits cache (``NotImplementedError``), so no summary came of them."""
+    from kvbits.evaluate import speed
+
+    model = build("gemma3")
+    ids = torch.randint(1, 128, (200,), generator=torch.Generator().manual_seed(0))
+    runs, run_one = [], speed._run_one
+    monkeypatch.setattr(speed, "_run_one", lambda *a, **k: runs.append(speed._cache_name(a[1])) or run_one(*a, **k))
+    with pytest.raises(ValueError, match=r"static=True: 'int8-token': StaticQuantizedKVCache holds full-attention "
+                                         r"layers only; the config has \['sliding_attention'\]"):  # fmt: skip
+        speed.speed_eval(model, 32, ["int8-token"], static=True, tokens=2, warmup=1, data=ids, progress=False)
+    assert runs == []
