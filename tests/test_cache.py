@@ -610,6 +610,29 @@ def test_crop():
         sliding.crop(-1)
 
 
+@torch.no_grad()
+def test_identity_scheme_is_croppable_for_prompt_lookup_decoding():
+    """A full-attention cache of an identity scheme keeps every token as it came, as ``DynamicCache``: it says it is
+    croppable, so transformers runs prompt-lookup (assisted) decoding through it, rolling rejected drafts back with
+    ``crop``, and the tokens are ``DynamicCache``'s. Before, every layer said ``is_croppable = False`` and transformers
+    refused ("Assisted decoding requires a cache that can be cropped"). Quantizing or sliding layers still do not
+    claim it (a rollback is exact only within limits)."""
+    model = copy.deepcopy(build("llama")).to(torch.bfloat16)
+    ids = tokens(1, 12, seed=5).repeat(1, 2)  # a repeated prompt: the lookup proposes drafts, some rejected
+    kw = {"max_new_tokens": 20, "do_sample": False, "prompt_lookup_num_tokens": 3, "pad_token_id": 0,
+          "eos_token_id": None}  # fmt: skip
+    ref = model.generate(ids, **{CACHE_KW: DynamicCache(config=model.config)}, **kw)
+    cache = QuantizedKVCache(config=model.config, scheme="bf16")
+    assert cache.is_croppable
+    with mock.patch.object(QuantizedKVCache, "crop", autospec=True, side_effect=QuantizedKVCache.crop) as crop:
+        out = model.generate(ids, **{CACHE_KW: cache}, **kw)
+    assert any(call.args[1] < 0 for call in crop.call_args_list)  # drafts were rolled back
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert not QuantizedKVCache(config=model.config, scheme="int8-token").is_croppable
+    assert not QuantizedKVCache(config=gemma_cfg(16), scheme="bf16").is_croppable  # a sliding layer
+
+
 def test_refused_crop_changes_no_layer():
     """A crop one layer cannot do (here the sliding layer 1 already dropped the tokens a shorter sequence
     needs) raises before any layer is cropped: the layers still agree on the length and hold the same K/V."""

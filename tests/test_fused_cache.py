@@ -493,6 +493,30 @@ def test_smoothed_keys_are_served_fused(scheme: str):
         assert (bad[1:] - logits_ref[1:3]).abs().max() > 1e-3, part  # logits[0] come from the prefill
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int4-prerope", "smooth-prerope"])
+def test_pre_rope_keys_of_a_nope_layer_are_served_fused(caplog, scheme: str):
+    """SmolLM3 with a NoPE layer (``no_rope_layers``): its pre-RoPE keys are un-rotated by nothing, so the kernel
+    serves them as post-RoPE keys, without tables. Before, the layer was declined as "partial rotary embedding (0 of
+    32 channels)", a reason that does not hold, and every step of it attended over dequantized K/V."""
+    torch.manual_seed(0)
+    cfg = transformers.SmolLM3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0,
+                                     no_rope_layers=[1, 0])  # layer 1 has no RoPE  # fmt: skip
+    model, sch = transformers.SmolLM3ForCausalLM(cfg).eval(), SCHEMES[scheme]
+    seq_ref, logits_ref, ref = generate(model, sch, fused=False, attn=False, new=6)
+    with caplog.at_level(logging.INFO, logger="kvbits.cache.fused"):
+        seq, logits, cache = generate(model, sch, fused=True, attn=True, new=6)
+    rep = cache.fused_report()
+    assert all(r["claimed"] and r["declined"] is None for r in rep["layers"]), rep
+    assert rep["fused_steps"] == 5 * 2 and rep["fallback_steps"] == 0 and "falls back" not in caplog.text
+    assert fused_mod.packed_store(cache.layers[1]).rope_cos is None  # the NoPE layer: no tables
+    assert fused_mod.packed_store(cache.layers[0]).rope_cos is not None
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=ATOL, rtol=0)
+    assert_same_bytes(ref, cache)
+
+
 def test_pre_rope_rotated_keys_fall_back_logged(caplog):
     """Pre-RoPE keys stored rotated: the kernel would apply RoPE to codes in the rotated basis. Declined with
     the reason logged; every step attends over dequantized K/V, identical to the plain path, same bytes."""

@@ -753,6 +753,35 @@ def test_packed_store_refuses_inconsistent_parts():
     PackedStore(**fields)  # the consistent store itself
 
 
+def test_packed_store_refuses_other_dtypes():
+    """Slot masks, lengths and RoPE tables of another dtype are refused when the store is made. Before, an int32
+    slot mask went to the Triton kernel as bytes (four per slot; outputs 1.3 off those of the bool mask, here 0.4
+    for a float tail mask) and the reference failed in ``masked_fill_``; float64 tables or float positions failed
+    inside the kernel launch; tables of the wrong width were read without a word."""
+    g = torch.Generator().manual_seed(46)
+    store = make_store(g, T_q=64, T_f=8, device="cpu", rope=True)
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    masked = replace(store, quant_mask=mask, full_mask=torch.ones(2, 8, dtype=torch.bool))  # accepted
+    fields = {f.name: getattr(masked, f.name) for f in dataclasses.fields(masked) if f.init}
+    bad = {
+        "int32 slot mask": ({"quant_mask": mask.int()}, TypeError, "quant_mask must be torch.bool, got torch.int32"),
+        "float tail mask": ({"full_mask": torch.ones(2, 8)}, TypeError, "full_mask must be torch.bool"),
+        "float lengths": ({"quant_lens": store.quant_lens.float()}, TypeError, "quant_lens must be torch.int32 or"),
+        "float positions": ({"quant_pos0": store.quant_pos0.float()}, TypeError, "quant_pos0 must be"),
+        "float64 tables": ({"rope_cos": store.rope_cos.double(), "rope_sin": store.rope_sin.double()}, TypeError,
+                           "rope_cos must be torch.float32, got torch.float64"),
+        "one table": ({"rope_sin": None}, ValueError, "rope_cos and rope_sin must both be None or both"),
+        "tables of another width": ({"rope_cos": store.rope_cos[:, :20], "rope_sin": store.rope_sin[:, :20]},
+                                    ValueError, r"\(T_pos, D=64\) or half-width \(T_pos, 32\)"),
+    }  # fmt: skip
+    for change, error, match in bad.values():
+        with pytest.raises(error, match=match):
+            PackedStore(**{**fields, **change})
+    long = replace(masked, quant_lens=store.quant_lens.long(), quant_pos0=store.quant_pos0.long())  # int64: accepted
+    q = torch.randn(2, 6, 1, 64, generator=g)
+    assert torch.equal(decode_attention_reference(q, long), decode_attention_reference(q, masked))
+
+
 @needs_triton
 def test_dispatch_passes_the_dequant_mode(monkeypatch):
     """``KVBITS_DEQUANT=f16`` reaches the kernel (float16 queries); anything else but f32/f16 is refused."""

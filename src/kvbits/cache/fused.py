@@ -33,7 +33,9 @@ Pre-RoPE keys: the kernel rotates quantized slot ``t`` of sequence ``b`` to posi
 ``n_sinks + n_dropped + t - pos_offset[b]``, where ``SideStore`` un-rotated it (the model's position:
 ``pos_offset`` is the left padding read from the position ids; pad slots get negative positions and are
 masked; negative positions are clamped at 0 here and in ``SideStore``'s rotations alike). Position ids that start past the cache indices make ``pos_offset`` negative: the tables then
-cover ``max(-pos_offset)`` more positions (``SideStore.positions_ahead``, read once per request).
+cover ``max(-pos_offset)`` more positions (``SideStore.positions_ahead``, read once per request). A layer
+without RoPE (SmolLM3's and Llama 4's NoPE layers: ``rot_dim`` 0) un-rotates nothing: its pre-RoPE keys are
+stored as they came and served as post-RoPE keys, without tables.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
         return "centred / smoothed values (the kernels move only the keys' query and tail into the codes' basis)"
     if layer._k.buffer.shape[3] != layer._v.buffer.shape[3]:
         return "key and value head dims differ"
-    if layer.scheme.key.pre_rope:
+    if layer.scheme.key.pre_rope and layer._k.rotary.rot_dim:  # a NoPE layer (rot_dim 0) un-rotates nothing
         if layer.scheme.key.rotate is not None:
             return (
                 f"pre-RoPE keys with a {layer.scheme.key.rotate} rotation (the kernel applies RoPE to the "
@@ -318,7 +320,7 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
     quant_lens = torch.full((B,), T_q, dtype=torch.int32, device=device)
     full_lens = torch.full((B,), T_f, dtype=torch.int32, device=device)
     cos = sin = pos0 = None
-    if key is not None and layer.mode == "quantized" and layer.scheme.key.pre_rope:
+    if key is not None and layer.mode == "quantized" and layer.scheme.key.pre_rope and k.rotary.rot_dim:
         p0 = k.n_sinks + k.n_dropped
         # positions reach p0 + T_q - 1 - pos_offset[b]: ahead of the cache indices when the model's position
         # ids start past them (explicit position_ids); the kernel reads the tables without a bound check

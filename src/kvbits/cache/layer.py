@@ -204,9 +204,6 @@ class QuantizedKVLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    # A rollback is exact only while the removed tokens are still in full precision and no flush
-    # happened since; assisted decoding needs more than that, so we do not promise it.
-    is_croppable = False
 
     def __init__(
         self,
@@ -291,6 +288,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         # (keys, values) clipped counts at or under which the warning cannot be due (CLIP_WARN_FRAC of the elements
         # quantized when clip_watch last looked; they only grow): a flush compares two ints, most call nothing
         self.clip_floor: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` can always undo the last updates (transformers asks after the prefill, for assisted and
+        prompt-lookup decoding): a full-attention layer of an identity scheme (``fp16``, ``bf16``), which keeps every
+        token as it came, as ``DynamicLayer`` does. A quantizing layer rolls back only while no block was flushed
+        since the removed tokens arrived, and a sliding-window layer only within its window, so they do not claim it."""
+        return self.mode == "identity" and not self.is_sliding
 
     def __repr__(self) -> str:
         kind = f"sliding={self.sliding_window}" if self.is_sliding else "full"

@@ -183,6 +183,10 @@ class PackedTensor:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)  # PackedStore's lengths and positions
+BOOL, FLOAT32 = (torch.bool,), (torch.float32,)  # its slot masks; its RoPE tables
+
+
 @dataclass
 class PackedStore:
     """A layer's K/V in the kernel layout (see the module docstring).
@@ -190,7 +194,7 @@ class PackedStore:
     Attributes:
         key, value: quantized stores, both ``None`` or both set (``T_q`` slots each).
         key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys), both ``None`` or both set.
-        quant_lens, full_lens: ``(B,)`` int32 valid slots per sequence.
+        quant_lens, full_lens: ``(B,)`` int32 (or int64) valid slots per sequence.
         rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``;
             or ``(T_pos, D / 2)``, the first half of rotate-half tables whose halves repeat.
         quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count;
@@ -226,8 +230,9 @@ class PackedStore:
     _layout: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        """Shape-level consistency (no device reads): the Triton kernels would otherwise read another side's slots
-        or past a tensor's end without a word, and the reference fail deep inside. Built at every fused decode step
+        """Shape- and dtype-level consistency (no device reads): the Triton kernels would otherwise read another side's
+        slots or past a tensor's end, or a slot mask that is not bool as bytes, without a word, and the reference fail
+        deep inside. Built at every fused decode step
         of every layer, so the passing path reads shapes only."""
         key, value, kf, vf = self.key, self.value, self.key_full, self.value_full
         if (key is None) != (value is None) or (kf is None) != (vf is None):
@@ -265,6 +270,22 @@ class PackedStore:
                 raise ValueError(f"{name} must be {want} for this store (quant_lens: B={B}), got {tuple(t.shape)}")
         if self.quant_used is not None and not 0 <= self.quant_used <= T_q:
             raise ValueError(f"quant_used must be in [0, {T_q}] (the quantized slots), got {self.quant_used}")
+        cos, sin = self.rope_cos, self.rope_sin
+        if (cos is None) != (sin is None) or (cos is not None and (
+            key is None or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] not in (D, D // 2)
+        )):  # fmt: skip
+            raise ValueError(
+                f"rope_cos and rope_sin must both be None or both (T_pos, D={D}) or half-width (T_pos, {D // 2}) "
+                f"tables for quantized pre-RoPE keys; got {_shape(cos)} and {_shape(sin)}, quantized keys {_given(key)}"
+            )
+        # the Triton kernels read masks as bytes and tables as float32: another dtype is misread (an int32 slot mask:
+        # four bytes per slot, outputs 1.3 off) or fails deep inside a launch
+        for name, t, want in (("quant_lens", self.quant_lens, INDEX_DTYPES), ("full_lens", self.full_lens, INDEX_DTYPES),
+                              ("quant_pos0", self.quant_pos0, INDEX_DTYPES), ("quant_mask", self.quant_mask, BOOL),
+                              ("full_mask", self.full_mask, BOOL), ("rope_cos", cos, FLOAT32),
+                              ("rope_sin", sin, FLOAT32)):  # fmt: skip
+            if t is not None and t.dtype not in want:
+                raise TypeError(f"{name} must be {' or '.join(map(str, want))}, got {t.dtype}")
         self._layout = None  # triton_decode.layout_reason's answer, once asked
 
     @property
@@ -310,6 +331,10 @@ class PackedStore:
 
 def _given(x: object) -> str:
     return "None" if x is None else "set"
+
+
+def _shape(x: torch.Tensor | None) -> str:
+    return "None" if x is None else str(tuple(x.shape))
 
 
 # --------------------------------------------------------------------------------------------------
