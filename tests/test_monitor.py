@@ -477,6 +477,15 @@ def test_prometheus_text_parses_and_histograms_are_cumulative() -> None:
     assert sum(v for _, v in m["kvbits_fallback_events_total"]) == len(mon.events)
 
 
+def test_metric_names_are_ascii() -> None:
+    """Prometheus metric names are [a-zA-Z_:][a-zA-Z0-9_:]*. Before, any Unicode letter or digit passed
+    (str.isalnum): 'kvbits_latência²' was rendered into an exposition Prometheus refuses to parse."""
+    for bad in ("kvbits_latência", "kvbits_x²", "٣x"):
+        with pytest.raises(ValueError, match="invalid Prometheus metric name"):
+            MetricFamily(bad, "x", "gauge")
+    assert MetricFamily("kvbits:x_1", "x", "gauge").name == "kvbits:x_1"
+
+
 def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> None:
     with pytest.raises(ValueError, match="metric name"):
         MetricFamily("bad-name", "x", "gauge")
