@@ -280,6 +280,20 @@ def test_thresholds_not_crossed_do_nothing_and_sampling_thins() -> None:
     assert mon.snapshot()["signals"][0]["flushes"] == 4  # detached: nothing more observed
 
 
+def test_flushes_count_the_blocks_a_prefill_quantizes() -> None:
+    """kvbits_flushes_total ("Blocks quantized") and the snapshot's flushes count blocks. Before, they counted
+    the store's quantize calls: a 512-token prefill of kivi-2 (block 32, residual 128) quantizes 12 blocks in one
+    call, and a decode flush one more, read 2 where 13 blocks (416 tokens) were quantized."""
+    model = llama()
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache)
+    run(model, cache, ids_of(1, 512), decode=32)
+    for row in mon.snapshot()["signals"]:
+        assert row["flushes"] == 13 and row["measured"] == 2 and row["tokens_measured"] == 416
+    counts = re.findall(r'^kvbits_flushes_total\{.*\} (\d+)$', mon.prometheus(), flags=re.MULTILINE)
+    assert counts == ["13"] * 4
+
+
 def sliding_gemma3(window: int) -> Gemma3ForCausalLM:
     """2 layers: a sliding-window one (``window`` tokens, which can not be held), then a full-attention one."""
     torch.manual_seed(0)
@@ -461,6 +475,15 @@ def test_prometheus_text_parses_and_histograms_are_cumulative() -> None:
     assert m["kvbits_cache_bytes"][0][1] == cache.memory_report()["total_bytes"]
     assert {lab["layer"]: v for lab, v in m["kvbits_layer_held"]} == {"0": 1.0, "1": 1.0}
     assert sum(v for _, v in m["kvbits_fallback_events_total"]) == len(mon.events)
+
+
+def test_metric_names_are_ascii() -> None:
+    """Prometheus metric names are [a-zA-Z_:][a-zA-Z0-9_:]*. Before, any Unicode letter or digit passed
+    (str.isalnum): 'kvbits_latência²' was rendered into an exposition Prometheus refuses to parse."""
+    for bad in ("kvbits_latência", "kvbits_x²", "٣x"):
+        with pytest.raises(ValueError, match="invalid Prometheus metric name"):
+            MetricFamily(bad, "x", "gauge")
+    assert MetricFamily("kvbits:x_1", "x", "gauge").name == "kvbits:x_1"
 
 
 def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> None:

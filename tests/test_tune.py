@@ -99,6 +99,23 @@ def test_choose_layers_refuses_what_it_can_not_solve():
     assert choose_layers([[1.0, 0.0], [1.0, 0.0]], [4.5, 8.5], 8.5) == [1, 1]  # room for everything
 
 
+def test_choose_layers_checks_the_budget_and_bits():
+    """A NaN, infinite, bool or string budget (or NaN/inf bits) is a ValueError naming it. Before: inf raised
+    Fraction's OverflowError, NaN its 'cannot convert NaN to integer ratio', True was a budget of 1 bit and '4'
+    was parsed as 4 bits; numpy's float32 budget, a valid one, raised Fraction's TypeError."""
+    np = pytest.importorskip("numpy")
+    for bad in (float("nan"), float("inf"), -1.0, 0, True, "4"):
+        with pytest.raises(ValueError, match="budget_bits must be a positive number"):
+            choose_layers([[0.1, 0.0]], [2.0, 4.0], bad)
+        with pytest.raises(ValueError, match="budget_bits must be a positive number"):
+            choose_layers_by_bytes([[0.1, 0.0]], [[10, 20]], 80, bad)
+    for bits in ([float("nan"), 4.0], [float("inf"), 4.0]):
+        with pytest.raises(ValueError, match="bits must be finite numbers > 0"):
+            choose_layers([[0.1, 0.0]], bits, 4.0)
+    assert choose_layers([[0.1, 0.0]], [2.0, 4.0], np.float32(4.5)) == [1]
+    assert choose_layers_by_bytes([[0.1, 0.0]], [[10, 20]], 80, np.float32(4.5)) == [1]
+
+
 @torch.no_grad()
 def test_tune_measures_each_layer_and_keeps_the_budget():
     """Each sensitivity entry is the KL evaluate() gives for that one-layer mix; the mix stays within the

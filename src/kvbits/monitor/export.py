@@ -45,8 +45,10 @@ class MetricFamily:
     def __post_init__(self) -> None:
         if self.type not in TYPES:
             raise ValueError(f"metric type must be one of {TYPES}, got {self.type!r}")
-        if not self.name or not all(c.isalnum() or c in "_:" for c in self.name) or self.name[0].isdigit():
-            raise ValueError(f"invalid Prometheus metric name {self.name!r}")
+        name = self.name
+        if not name or not all((c.isascii() and c.isalnum()) or c in "_:" for c in name) or name[0].isdigit():
+            raise ValueError(f"invalid Prometheus metric name {name!r}: expected ASCII letters, digits, _ and :, "
+                             "not starting with a digit")  # fmt: skip
 
     def add(self, value: float, labels: Mapping[str, object] | None = None, suffix: str = "") -> None:
         self.samples.append((suffix, {k: str(v) for k, v in (labels or {}).items()}, float(value)))

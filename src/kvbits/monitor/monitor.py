@@ -101,6 +101,7 @@ class CacheMonitor:
         self.events: list[dict[str, Any]] = []
         self._events_written: dict[Path, int] = {}  # path -> events already appended to it (write_events)
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
+        self._blocks: Counter = Counter()  # blocks quantized per (layer, side): a prefill's flush holds many
         self._beyond_reported: set[int] = set()
         # signals said with action "none" in the current run of consecutive crossing flushes, per (layer, side)
         self._said: dict[tuple[int, str], set[str]] = {key: set() for key in self.signals}
@@ -130,6 +131,7 @@ class CacheMonitor:
                 self._said[layer.layer_idx, s].clear()
         key = (layer.layer_idx, side)
         self._flushes[key] += 1
+        self._blocks[key] += x.shape[2] // layer.scheme.block
         if (self._flushes[key] - 1) % self.policy.sample_every:
             return
         errors = flush_error(x, qt.dequantize(torch.float32), layer.scheme.block).tolist()  # worst block each
@@ -220,12 +222,13 @@ class CacheMonitor:
     def snapshot(self) -> dict[str, Any]:
         """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
         layers, events, the cache's tokens and bytes (``memory_report()``'s totals). A side with no
-        measured flush yet has ``None`` errors (not 0: nothing was measured)."""
+        measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
+        ``measured``: flushes measured (a prefill's blocks, quantized at once, are one, read at its worst block)."""
         mem = self.cache.memory_report()
         rows = []
         for (i, side), s in sorted(self.signals.items()):
             rows.append({
-                "layer": i, "side": side, "flushes": self._flushes[(i, side)], "measured": s.flushes,
+                "layer": i, "side": side, "flushes": self._blocks[(i, side)], "measured": s.flushes,
                 "tokens_measured": s.tokens, "last_error": s.last if s.flushes else None,
                 "max_error": s.worst if s.flushes else None,
                 "mean_error": s.total / s.count if s.count else None, "nonfinite_errors": s.nonfinite,
@@ -265,7 +268,7 @@ class CacheMonitor:
         )
         for (i, side), s in sorted(self.signals.items()):
             lab = {**base, "layer": i, "side": side}
-            f_fl.add(self._flushes[(i, side)], lab)
+            f_fl.add(self._blocks[(i, side)], lab)
             f_clip.add(s.clipped, lab)
             if s.flushes:
                 f_err.add(s.last, lab)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -119,8 +120,21 @@ class TuneResult:
 def _fraction(x: float) -> Fraction:
     """The fraction a float stands for: the simplest one of denominator <= ``BIT_DENOMINATOR`` within float64's
     rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value."""
-    near = Fraction(x).limit_denominator(BIT_DENOMINATOR)
-    return near if abs(near - Fraction(x)) <= abs(Fraction(x)) * Fraction(1, 1 << 50) else Fraction(x)
+    exact = Fraction(float(x))  # numpy's float32 too (Fraction takes only Python floats and rationals)
+    near = exact.limit_denominator(BIT_DENOMINATOR)
+    return near if abs(near - exact) <= abs(exact) * Fraction(1, 1 << 50) else exact
+
+
+def _check_budget(budget_bits: Any) -> None:
+    """``ValueError`` unless ``budget_bits`` is a finite real number > 0 (not a bool, a string or NaN/inf, which
+    ``Fraction`` would take as 1, parse, or refuse with an ``OverflowError`` of its own)."""
+    if (
+        isinstance(budget_bits, bool)
+        or not isinstance(budget_bits, numbers.Real)
+        or not math.isfinite(budget_bits)
+        or budget_bits <= 0
+    ):
+        raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
 
 
 def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], int]:
@@ -128,6 +142,9 @@ def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], in
     fraction it stands for (``4.333...`` as 13/3, a budget ``5.67`` as 567/100; denominators up to
     ``BIT_DENOMINATOR``), all over their common denominator, so no mix within the budget is lost to rounding;
     ``ValueError`` when even the cheapest candidate in every layer exceeds the budget."""
+    _check_budget(budget_bits)
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) or b <= 0 for b in bits):
+        raise ValueError(f"bits must be finite numbers > 0, got {bits!r}")
     exact = [_fraction(b) for b in bits]
     budget = _fraction(budget_bits)
     scale = math.lcm(*(f.denominator for f in exact), budget.denominator)
@@ -184,6 +201,7 @@ def choose_layers_by_bytes(
         )
     if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
         raise ValueError(f"elements must be a positive int, got {elements!r}")
+    _check_budget(budget_bits)
     cap = math.floor(_fraction(budget_bits) * elements / 8)
     least = sum(min(row) for row in layer_bytes)
     if least > cap:
@@ -368,8 +386,7 @@ def tune(
     if dtype_bytes is not None and (isinstance(dtype_bytes, bool) or dtype_bytes not in (1, 2, 4, 8)):
         raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8 (bytes of a K/V value as served), got {dtype_bytes!r}")
     arts = _candidate_calibrations(cands, calibrations)
-    if not (isinstance(budget_bits, (int, float)) and math.isfinite(budget_bits) and budget_bits > 0):
-        raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
+    _check_budget(budget_bits)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if isinstance(model, str):  # loaded once for every run below
