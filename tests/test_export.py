@@ -541,3 +541,37 @@ def test_checkpoint_holding_scales_under_names_vllm_maps_is_refused(fp8, tmp_pat
     with pytest.raises(ValueError, match=rf"{where} {found}[,\]]"):
         export_vllm(cal, tmp_path / "out", checkpoint=ck)
     assert not (tmp_path / "out").exists()
+
+
+def test_calibration_with_sinks_is_refused(tmp_path):
+    """A scheme with sinks takes its FP8 scales without the first tokens of each window, which vLLM's cache
+    stores in FP8 too: with sink K/V three times the rest, the exported scale was about half the range vLLM
+    stores (the sinks saturated), with only a warning. Refused; a residual window (no effect on the scale) is not."""
+    import dataclasses
+
+    from kvbits.schemes import get_scheme
+
+    model = tiny_llama()
+
+    def sink_hook(module: torch.nn.Module, inputs: object, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[:, 0] *= 3  # position 0: an attention sink with outsized K/V
+        return out
+
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.register_forward_hook(sink_hook)
+        layer.self_attn.v_proj.register_forward_hook(sink_hook)
+    ids = torch.randint(1, 96, (2, 64), generator=torch.Generator().manual_seed(0))
+    base = get_scheme("fp8-e4m3")
+    sinks = dataclasses.replace(base, name="fp8-sinks", sinks=1)
+    every = calibrate(model, ids, base, context=64, windows=2, fisher=False, fp8_scale="amax")
+    art = calibrate(model, ids, sinks, context=64, windows=2, fisher=False, fp8_scale="amax")
+    # the sink calibration's scale leaves position 0 out: well below the range of every token
+    assert float(art.tensors["layers.0.key_scale"]) < 0.7 * float(every.tensors["layers.0.key_scale"])
+    with pytest.raises(ValueError, match=r"without the first 1 token\(s\).*calibrate without sinks \(fp8-e4m3\)"):
+        export_vllm(art, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    window = dataclasses.replace(base, name="fp8-window", residual=16)
+    rec = export_vllm(calibrate(model, ids, window, context=64, windows=2, fisher=False, fp8_scale="amax"),
+                      tmp_path / "w")  # fmt: skip
+    assert rec["layers"][0]["k_scale"] == float(every.tensors["layers.0.key_scale"])

@@ -68,7 +68,7 @@ def test_merging_equals_evaluating_together(runs, tmp_path):
     assert _numbers(merged) == _numbers(together)  # the same numbers, to the last bit
     for key in ("model", "data", "context", "windows", "semantics", "mode", "fingerprint"):
         assert merged[key] == together[key]
-    assert merged["merged_from"] == [
+    assert _untimed(merged["merged_from"]) == [
         {"path": str(runs / "a"), "schemes": A, "world_size": 1},
         {"path": str(runs / "b"), "schemes": B, "world_size": 1},
     ]
@@ -278,3 +278,25 @@ def test_needle_and_speed_folders_are_written_again(tmp_path, capsys):
     (tmp_path / "speed-qwen" / "speed.json").write_text(json.dumps(summary))
     assert main(["report", str(tmp_path / "speed-qwen")]) == 2
     assert f"{tmp_path / 'speed-qwen' / 'speed.json'}: runs[0].ms_per_step is missing" in capsys.readouterr().err
+
+
+def test_merged_report_names_each_runs_reference_seconds(runs, tmp_path):
+    """Each merged run made its own reference pass; the merged summary keeps the first's. Before, the Overall
+    caption said "The unquantized reference pass took 12.0 s." with nothing of the other run's 90.0 s (a run on
+    another machine), as if one pass of the merged table; now it says whose it is and lists each run's."""
+    from kvbits.report.tables import overall_table
+
+    for name, ref_s in (("a", 12.0), ("b", 90.0)):
+        shutil.copytree(runs / name, tmp_path / name)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "reference_seconds": ref_s}))
+    out = merge_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    merged = json.loads((out / "summary.json").read_text())
+    assert merged["reference_seconds"] == 12.0
+    assert [m["reference_seconds"] for m in merged["merged_from"]] == [12.0, 90.0]
+    caption = overall_table(RunSummary.load(out)).caption
+    assert ("The unquantized reference pass took 12.0 s in the first merged run (each run made its own: "
+            "12.0, 90.0 s).") in caption  # fmt: skip
+    assert "took 12.0 s." not in caption
+    # a single run's caption is unchanged
+    assert "The unquantized reference pass took 90.0 s." in overall_table(RunSummary.load(tmp_path / "b")).caption

@@ -85,7 +85,7 @@ def _strategy(art: CalibrationArtifact) -> str:
 def check_exportable(art: CalibrationArtifact) -> None:
     """``ValueError`` unless ``art`` holds what vLLM's FP8 cache can use: static E4M3 scales for keys and
     values, both per tensor or both per head (one ``kv_cache_scheme``), keys after RoPE (vLLM caches
-    rotated keys)."""
+    rotated keys), taken over every token (no sinks: vLLM stores them in FP8 too)."""
     scheme = art.scheme
     if scheme.is_mixed:
         raise ValueError(
@@ -121,6 +121,12 @@ def check_exportable(art: CalibrationArtifact) -> None:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} scales keys before RoPE; vLLM caches keys after RoPE, "
             "whose range differs: calibrate a post-RoPE scheme (fp8-e4m3)"
+        )
+    if scheme.sinks:
+        raise ValueError(
+            f"calibration of scheme {scheme.name!r} takes its FP8 scales without the first {scheme.sinks} token(s) "
+            "of each window (its sinks, kept in full precision); vLLM's FP8 cache stores those tokens too, at the "
+            "exported scale, so their larger |K|/|V| would saturate: calibrate without sinks (fp8-e4m3)"
         )
     kept = [side for side in ("key", "value") if getattr(scheme, side).outlier_frac]
     if kept:
@@ -483,19 +489,18 @@ def export_vllm(
             default the names calibration recorded, else ``model.layers.{i}.self_attn``.
 
     Raises:
-        ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys), module
-            names that are not one per layer (a template without an ``{i}`` field, or with other fields),
+        ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys, scales that
+            leave sink tokens out), module names that are not one per layer (a template without an ``{i}`` field, or with other fields),
             a checkpoint of another shape, one already quantized by another method, one whose
             ``config.json`` or index is not the JSON object expected, or an ``out_dir`` inside it.
     """
     art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
     scales = vllm_scales(art, module_template)
-    if art.scheme.sinks or art.scheme.residual:
+    if art.scheme.residual:  # sinks are refused (check_exportable): the scales leave them out
         logger.warning(
-            "scheme %r keeps %d sink and %d residual tokens in full precision; vLLM's FP8 cache quantizes every "
-            "token, so measure it as fp8-e4m3 (no sinks, no window) before relying on kvbits' figures",
+            "scheme %r keeps %d residual tokens in full precision; vLLM's FP8 cache quantizes every "
+            "token, so measure it as fp8-e4m3 (no window) before relying on kvbits' figures",
             art.scheme.name,
-            art.scheme.sinks,
             art.scheme.residual,
         )
     stats = art.layer_stats

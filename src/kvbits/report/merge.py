@@ -18,7 +18,8 @@ The merged folder holds what a report reads (``summary.json`` with the results i
 keeps every run's own configuration under ``merged_from``; it has no ``DONE``, so ``kvbits eval`` never
 takes it for one of its runs. Runs evaluated on other numbers of ranks merge (their numbers are a single
 process's), but their seconds are summed over their own ranks: ``summary.json``'s ``merged_from`` records each
-run's ``world_size``, and ``world_size`` is null when they differ (the report then says it per run).
+run's ``world_size``, and ``world_size`` is null when they differ (the report then says it per run). Each run made
+its own reference pass: ``reference_seconds`` is the first's, ``merged_from`` records each run's (the report lists them).
 """
 
 from __future__ import annotations
@@ -441,8 +442,9 @@ def merge_runs(
     ranks = [_ranks(s) for s in summaries]  # seconds are summed over each run's ranks: said per run where they differ
     merged["world_size"] = ranks[0] if len(set(ranks)) == 1 else None
     merged["merged_from"] = [
-        {"path": src["path"], "schemes": src["schemes"], "world_size": k} for src, k in zip(sources, ranks)
-    ]
+        {"path": src["path"], "schemes": src["schemes"], "world_size": k, "reference_seconds": s.get("reference_seconds")}
+        for src, k, s in zip(sources, ranks, summaries)
+    ]  # reference_seconds: each run made its own reference pass; the merged summary's is the first's
     config = {
         "version": 1,
         "merged_from": sources,

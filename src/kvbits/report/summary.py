@@ -249,6 +249,8 @@ class RunSummary:
     # a merged run whose runs used different rank counts: (schemes, ranks) of each, the reference pass the first's
     # (ranks None: that run is itself such a merge)
     merged_ranks: tuple[tuple[tuple[str, ...], int | None], ...] = ()
+    # a merged run: each run's own reference-pass seconds (``reference_seconds`` is the first's); () otherwise
+    merged_reference_seconds: tuple[float, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
@@ -272,6 +274,7 @@ class RunSummary:
             run_peak_rss_bytes=_num(d.get("run_peak_rss_bytes")),
             world_size=int(d["world_size"]) if _ok(_num(d.get("world_size"))) else 1,
             merged_ranks=_merged_ranks(d),
+            merged_reference_seconds=_merged_reference_seconds(d),
         )
 
     @classmethod
@@ -362,3 +365,14 @@ def log_non_finite(run: RunSummary, path: str | Path) -> None:
 
 def _bucket_at(r: SchemeResult, span: tuple[int, int]) -> Bucket | None:
     return next((b for b in r.buckets if (b.lo, b.hi) == span), None)
+
+
+def _merged_reference_seconds(d: Mapping[str, Any]) -> tuple[float, ...]:
+    """Each merged run's reference-pass seconds (``merged_from``), NaN where a run records none; ``()`` for a
+    summary that is not a merge or one from before they were recorded."""
+    sources = d.get("merged_from")
+    if not isinstance(sources, list) or not all(isinstance(src, Mapping) for src in sources):
+        return ()
+    if not sources or any("reference_seconds" not in src for src in sources):
+        return ()
+    return tuple(_num(src["reference_seconds"]) for src in sources)

@@ -152,6 +152,10 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
         for r in run.results
     ]
     ref_s = f" The unquantized reference pass took {run.reference_seconds:.1f} s." if _ok(run.reference_seconds) else ""
+    if ref_s and len(run.merged_reference_seconds) > 1:  # each merged run made its own; the summary keeps the first's
+        each = ", ".join(fmt_float(x, 1) for x in run.merged_reference_seconds)
+        ref_s = (f" The unquantized reference pass took {run.reference_seconds:.1f} s in the first merged run "
+                 f"(each run made its own: {each} s).")  # fmt: skip
     if run.merged_ranks:
         each = [f"{k or 'several'} for {', '.join(names)}" + (" and the reference pass" if i == 0 else "")
                 for i, (names, k) in enumerate(run.merged_ranks)]  # fmt: skip
