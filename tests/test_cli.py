@@ -697,6 +697,41 @@ def test_eval_says_where_it_wrote(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}/summary.json, report.md, report.html")
 
 
+def test_speed_without_matplotlib_says_so_and_leaves_no_older_figure(tmp_path, capsys, monkeypatch):
+    """Without matplotlib, `kvbits speed --out` (and `needle`) drew nothing without a word, printed `wrote ...,
+    report.md and speed.png`, and a speed.png an earlier run had left in the folder stayed beside the new speed.json
+    (another scheme and context), listed by `kvbits report` as the run's figure."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+    from test_distributed import _model
+
+    from kvbits.report import speed as report_speed
+    from kvbits.report.plots.figure import INSTALL_HINT
+
+    folder, text = tmp_path / "model", write_word_text(tmp_path / "book.txt", 200)
+    save_word_tokenizer(folder)
+    _model().save_pretrained(folder)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    argv = ["speed", "--model", str(folder), "--data", str(text), "--context", "32", "--tokens", "1", "--warmup", "0",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--scheme", "int4-token"]) == 0
+    (out / "speed.png").write_bytes(b"the int4-token run's figure")  # as drawn where matplotlib is installed
+    capsys.readouterr()
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError(INSTALL_HINT)
+
+    monkeypatch.setattr(report_speed, "plot_speed", no_matplotlib)
+    assert main([*argv, "--scheme", "int8-token"]) == 0
+    captured = capsys.readouterr()
+    said = "".join(captured.out.split())  # rich folds long lines
+    assert said.endswith(f"wrote{out}/speed.json,report.md(nofigure)") and "speed.png" not in said, captured.out
+    assert f"no speed.png: {INSTALL_HINT}" in captured.err, captured.err
+    assert not (out / "speed.png").exists() and "speed.png" not in (out / "report.md").read_text()
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"report: {out}/report.md"
+
+
 @pytest.mark.parametrize("scheme", ["vllm-int4,30=fp16", "fp8-e4m3,24-25=bf16", "fp16,30=vllm-int8"])
 def test_export_scheme_refuses_layers_past_the_given_count(capsys, scheme):
     """``kvbits export --scheme "vllm-int4,30=fp16" --layers 24`` printed ``--kv-cache-dtype-skip-layers 30`` (exit 0):

@@ -373,6 +373,29 @@ def test_static_cache_checks_bad_kv_eagerly_or_lazily():
         big.check_inputs()
 
 
+def test_static_cache_refuses_a_layer_it_does_not_have_and_kv_that_are_not_4d_tensors():
+    """A cache made for fewer layers than the model raised transformers' IndexError ('list index out of range')
+    mid-forward, and layer_idx=-1 stored the K/V in the last layer without a word; a first update of 3-D K/V raised
+    'not enough values to unpack', of a numpy array an AttributeError. Now ValueError / TypeError naming them, as
+    QuantizedKVCache's."""
+    model = build("llama")  # 2 layers
+    cache = StaticQuantizedKVCache(num_layers=1, max_cache_len=PROMPT + 4)
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 1\): this cache has 1 layers.*got 1"):
+        model(prompt(batch=1), **cache_kwargs(cache, model), use_cache=True)
+    k = torch.randn(1, 2, 3, 32)
+    cache = StaticQuantizedKVCache(num_layers=2, max_cache_len=8)
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\).*got -1"):
+        cache.update(k, k, -1)
+    assert not cache.layers[1].is_initialized and cache.layers[1].tokens_written == 0
+    with pytest.raises(ValueError, match=r"layer 0 key_states must have 4 dims .*got shape \(2, 3, 32\)"):
+        cache.update(k[0], k[0], 0)
+    with pytest.raises(TypeError, match="layer 0 value_states must be a torch.Tensor, got ndarray"):
+        cache.update(k, k.numpy(), 0)
+    assert not cache.layers[0].is_initialized
+    cache.update(k, k, 0)  # still usable
+    assert cache.layers[0].tokens_written == 3
+
+
 def test_static_fp8_scales_installed_counted_and_clipping_seen():
     """Static FP8 (vLLM's ``fp8`` KV cache): scales installed by hand or from a calibration artifact, checked (finite,
     ``> 0``, one per head), refused once tokens are stored; values beyond a scale's range saturate and are counted on

@@ -928,10 +928,16 @@ class StaticQuantizedKVCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store K/V ``(B, H_kv, q, D)`` of layer ``layer_idx`` (``StaticQuantizedLayer.update``). A pre-RoPE layer's
         first update of a request also gets the RoPE tables made on the K/V device (as the model computes them) and
-        the ``position_ids`` ``track_positions`` saw, when transformers passed none."""
+        the ``position_ids`` ``track_positions`` saw, when transformers passed none. ``ValueError`` for a ``layer_idx``
+        that is not one of the cache's layers (a config of fewer layers than the model)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"layer_idx must be an int in [0, {len(self.layers)}): this cache has {len(self.layers)} layers "
+                f"(made from a config of fewer layers than the model?), got {layer_idx!r}"
+            )
         if self._rotary is not None and not torch.compiler.is_compiling():
-            layer = self.layers[layer_idx] if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers) else None
-            if layer is not None and layer.rotary is not None and layer.tokens_written == 0:
+            layer = self.layers[layer_idx]
+            if layer.rotary is not None and layer.tokens_written == 0:
                 self._rotary_on(key_states.device)
                 if self.position_ids_hint is not None and find_position_ids(args, kwargs) is None:
                     kwargs = {**kwargs, "position_ids": self.position_ids_hint}

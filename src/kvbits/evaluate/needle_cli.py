@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import (
@@ -176,4 +177,5 @@ def _print(summary: dict, out: str | None) -> None:
     console.print(f"{len(summary['records'])} trials: {len(contexts)} context(s) x {len(depths)} depth(s) x "
                   f"{summary['trials']}; {summary['wall_seconds']:.0f} s")  # fmt: skip
     if out:
-        console.print(f"wrote {out}/needle.json, report.md and needle.png")
+        figure = " and needle.png" if (Path(out) / "needle.png").is_file() else " (no figure)"
+        console.print(f"wrote {out}/needle.json, report.md{figure}")

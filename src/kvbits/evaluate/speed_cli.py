@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import (
@@ -187,4 +188,5 @@ def _print(summary: dict, out: str | None) -> None:
         f"{len(summary['runs'])} runs, {summary['tokens']} timed steps each; {summary['wall_seconds']:.0f} s"
     )
     if out:
-        console.print(f"wrote {out}/speed.json, report.md and speed.png")
+        figure = " and speed.png" if (Path(out) / "speed.png").is_file() else " (no figure)"
+        console.print(f"wrote {out}/speed.json, report.md{figure}")

@@ -78,7 +78,9 @@ def write_json_report(
     overwrite: bool = False,
 ) -> Path:
     """Write a command's ``files`` (its JSON summary, ``report.md`` from ``markdown(summary, figure=...)``,
-    and with matplotlib the PNG ``plot`` draws) into ``out_dir`` (``check_out_folder``'s rules)."""
+    and with matplotlib the PNG ``plot`` draws) into ``out_dir`` (``check_out_folder``'s rules). Without
+    matplotlib a warning says so, and a PNG of that name left by an earlier run is removed: it would show that
+    run's figure beside this run's JSON."""
     out = check_out_folder(out_dir, command, files, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     json_name, md_name, png_name = files
@@ -86,8 +88,10 @@ def write_json_report(
     try:
         plot(summary, out / png_name)
         figure = True
-    except ImportError:
+    except ImportError as exc:
         figure = False
+        (out / png_name).unlink(missing_ok=True)
+        logger.warning("no %s: %s", png_name, exc)
     _write_text(out / md_name, markdown(summary, figure=figure))
     return out
 
