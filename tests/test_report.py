@@ -691,3 +691,30 @@ def test_an_agreement_short_of_all_never_prints_as_all():
     assert _agree_cell({"agreement": 0.996, "first_divergence": 250}) == "99%, from step 250"
     assert _agree_cell({"agreement": 1.0, "first_divergence": None}) == "100%"
     assert _agree_cell({"agreement": 0.5, "first_divergence": 2}) == "50%, from step 2"
+
+
+def test_a_delta_next_to_the_budget_shows_the_digits_that_judge_it(tmp_path, monkeypatch):
+    """A bucket at +1.004 % fails a 1 % budget, one at +0.99996 % passes; both printed "+1.00%" (the verdict's
+    "First bucket above 1%: ... (+1.00%" and "worst bucket +1.00%", the tables' cells, the heatmap), so the report
+    named a failure at the budget itself. Digits are added until the figure is on its side of the budget."""
+    from kvbits.report.plots import heatmap
+
+    s = _summary({"fp16": SCHEMES["fp16"], "x": (4.0, [0.002, 0.01004, 0.02, 0.03]),
+                  "y": (5.0, [0.001, 0.002, 0.0099996, 0.003])})
+    v = verdict(s)
+    assert "First bucket above 1%: **x** at 1K–2K (+1.004%, 95% CI" in v
+    assert "Best bits/quality trade-off: **y**, 5.00 bits per element (3.2× smaller than fp16), worst bucket +0.99996%" in v
+    rows = {r[0].text: r for r in delta_table(s).rows}
+    assert (rows["x"][3].text.split()[0], rows["x"][3].tone) == ("+1.004%", "bad")
+    assert (rows["y"][4].text.split()[0], rows["y"][4].tone) == ("+0.99996%", "good")
+    assert rows["x"][4].text.split()[0] == "+2.00%" and rows["y"][2].text.split()[0] == "+0.10%"  # as before
+    s2 = _summary({"z": (4.0, [0.0101, 0.0099, 0.01, 0.01])})  # overall +1.00 % exactly: within, as printed
+    assert [c.text.split()[0] for c in delta_table(s2, threshold=0.01).rows[0][2:]] == [
+        "+1.01%", "+0.99%", "+1.00%", "+1.00%"]
+    assert [c.text.split()[0] for c in delta_table(s, threshold=0.02).rows[1][2:]] == [
+        "+0.20%", "+1.00%", "+2.00%", "+3.00%"]  # at a 2 % budget, +1.004 % is far from it: two decimals
+    texts: list[str] = []
+    monkeypatch.setattr(heatmap, "save_png", lambda fig, path: texts.extend(
+        t.get_text() for ax in fig.axes for t in ax.texts) or path)
+    heatmap.plot_delta_heatmap(RunSummary.coerce(s), tmp_path / "h.png")
+    assert any(t.startswith("+1.004%\n") for t in texts) and any(t.startswith("+0.99996%\n") for t in texts)

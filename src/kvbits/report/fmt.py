@@ -22,6 +22,7 @@ __all__ = [
     "fmt_end",
     "fmt_float",
     "fmt_frac",
+    "fmt_judged",
     "fmt_kl",
     "fmt_pct",
     "fmt_pos",
@@ -75,6 +76,18 @@ def fmt_pct(frac: float, digits: int = 2) -> str:
     if round(pct, d) == 0:
         pct = 0.0  # no "-0.00%" for a difference that rounds to nothing
     return f"{pct:+.{d}f}%"
+
+
+def fmt_judged(frac: float, threshold: float) -> str:
+    """``fmt_pct(frac)`` for a ΔPPL judged against the budget ``threshold``, with as many more decimals (up to 6) as
+    it takes not to print as the budget itself: at a 1 % budget ``0.01004 -> '+1.004%'`` (it fails), ``0.0099996 ->
+    '+0.99996%'`` (it passes), where two decimals printed both as ``+1.00%``."""
+    digits = 2
+    if _ok(frac) and _ok(threshold) and frac != threshold:
+        pct, budget = frac * 100, threshold * 100
+        while digits < 6 and abs(pct) < 100 and round(pct, digits) == round(budget, digits):
+            digits += 1
+    return fmt_pct(frac, digits)
 
 
 def fmt_budget(threshold: float, sign: bool = True) -> str:

@@ -24,6 +24,7 @@ from kvbits.report.fmt import (
     fmt_end,
     fmt_float,
     fmt_frac,
+    fmt_judged,
     fmt_kl,
     fmt_pct,
     fmt_pos,
@@ -99,7 +100,7 @@ def delta_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEFA
                 cells.append(Cell(NA, "muted"))
                 continue
             ci = fmt_ci(b.ci)
-            cells.append(Cell(fmt_pct(b.delta) + (f" {ci}" if ci else ""), _tone(b.delta, threshold)))
+            cells.append(Cell(fmt_judged(b.delta, threshold) + (f" {ci}" if ci else ""), _tone(b.delta, threshold)))
         rows.append(tuple(cells))
     return TableData(
         headers=("scheme", "bits", *(bucket_label(*s) for s in spans)), rows=tuple(rows),
@@ -146,7 +147,7 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
             Cell(r.name), Cell(fmt_float(r.avg_bits, 2)),
             *((Cell(fmt_float(r.bits_at_context, 2)),) if at_ctx else ()),
             Cell(fmt_float(r.ppl)), Cell(fmt_float(r.ppl_ref)),
-            Cell(fmt_pct(r.delta), _tone(r.delta, threshold)), Cell(fmt_kl(r.kl)), Cell(fmt_frac(r.top1)),
+            Cell(fmt_judged(r.delta, threshold), _tone(r.delta, threshold)), Cell(fmt_kl(r.kl)), Cell(fmt_frac(r.top1)),
             Cell(fmt_float(r.seconds, 1)),
         )
         for r in run.results
@@ -293,7 +294,7 @@ def bucket_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEF
             if b is None:
                 cells.append(Text(NA, style="dim"))
                 continue
-            t = Text(fmt_pct(b.delta), style=_RICH_TONE[_tone(b.delta, threshold)])
+            t = Text(fmt_judged(b.delta, threshold), style=_RICH_TONE[_tone(b.delta, threshold)])
             t.append(f"\n{fmt_ci(b.ci) or '[CI n/a]'}", style="dim")
             t.append(f"\n{fmt_kl(b.kl)} · {fmt_frac(b.top1)}", style="dim")
             cells.append(t)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_budget, fmt_pct, fmt_pos
+from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_budget, fmt_judged, fmt_pct, fmt_pos
 from kvbits.report.summary import RunSummary, SchemeResult
 
 __all__ = ["verdict"]
@@ -79,7 +79,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         where = f"already in the first bucket, {b.label}" if b is r.buckets[0] else f"at {b.label}"
         ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
         holes = f"; no ΔPPL at {_unjudged_labels(r)}" if r.unjudged else ""
-        fails.append(f"**{r.name}** {where} ({fmt_pct(b.delta)}{ci}{holes})")
+        fails.append(f"**{r.name}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
     if fails:
         parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
     if incomplete:
@@ -97,7 +97,8 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
             bits = "bits not recorded"
         lead = "Best bits/quality trade-off" if passing else "Least damaging quantized scheme"
         parts.append(
-            f"{lead}: **{best.name}**, {bits}, worst bucket {fmt_pct(best.max_delta)}, overall {fmt_pct(best.delta)}."
+            f"{lead}: **{best.name}**, {bits}, worst bucket {fmt_judged(best.max_delta, threshold)}, "
+            f"overall {fmt_judged(best.delta, threshold)}."
         )
     grows = []
     for r in judged:

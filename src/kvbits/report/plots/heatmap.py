@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_budget, fmt_pct
+from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_budget, fmt_judged, fmt_pct
 from kvbits.report.plots.figure import new_figure, require_matplotlib, save_png
 from kvbits.report.summary import RunSummary
 
@@ -49,7 +49,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
             ax.text(j, i, "n/a", ha="center", va="center", fontsize=8, color="#555555")
             continue
         lo, hi = ci.get((i, j), (math.nan, math.nan))
-        txt = fmt_pct(v / 100)
+        txt = fmt_judged(v / 100, threshold)
         if math.isfinite(lo) and math.isfinite(hi):
             txt += f"\n[{lo * 100:+.2f}, {hi * 100:+.2f}]"
         dark = v >= 5 * budget or v < 0.1 * budget
