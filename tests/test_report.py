@@ -718,3 +718,21 @@ def test_a_delta_next_to_the_budget_shows_the_digits_that_judge_it(tmp_path, mon
         t.get_text() for ax in fig.axes for t in ax.texts) or path)
     heatmap.plot_delta_heatmap(RunSummary.coerce(s), tmp_path / "h.png")
     assert any(t.startswith("+1.004%\n") for t in texts) and any(t.startswith("+0.99996%\n") for t in texts)
+
+
+def test_the_position_figure_names_the_running_mean_it_drew(tmp_path, monkeypatch):
+    """A 512-token run (511 scored positions) is smoothed over 511 // 4 = 127 tokens, not the 256 asked for, but the
+    title said "256-token running mean". It names the length drawn; 8K windows keep 256."""
+    from kvbits.report.plots import position
+
+    figs: list = []
+    monkeypatch.setattr(position, "save_png", lambda fig, path: figs.append(fig) or path)
+    rng = np.random.default_rng(0)
+    for context, spans, k in ((512, [(0, 256), (256, 511)], 127), (CONTEXT, SPANS, 256)):
+        run = RunSummary.coerce(_summary({n: SCHEMES[n] for n in ("fp16", "kivi-2")}, context=context, spans=spans))
+        ref = rng.normal(2.5, 1.0, (2, context - 1))
+        tokens = {r.name: {"nll": ref + 0.01 * i, "nll_ref": ref} for i, r in enumerate(run.results)}
+        position.plot_ppl_position(run, tokens, tmp_path / "p.png", smooth=256)
+        ax = figs[-1].axes[0]
+        assert ax.get_title() == f"Perplexity ({k}-token running mean, averaged over windows)"
+        assert len(ax.get_lines()[0].get_xdata()) == context - 1 - k + 1  # the mean drawn is k tokens long

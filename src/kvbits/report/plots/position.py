@@ -32,8 +32,9 @@ def plot_ppl_position(
     """Two panels sharing the position axis: PPL (with the reference) and ΔPPL %.
 
     With per-token arrays: ``exp`` of a ``smooth``-token running mean of the window-averaged NLL
-    (top) and of ``nll − nll_ref`` (bottom); bucket means with their CI are overlaid as points.
-    Without: bucket means as steps.
+    (top) and of ``nll − nll_ref`` (bottom), a shorter one (a quarter of the scored positions) where the
+    window is short, and the title names the length drawn; bucket means with their CI are overlaid as
+    points. Without: bucket means as steps.
     """
     tokens = tokens or {}
     colors = scheme_colors(run)
@@ -45,7 +46,7 @@ def plot_ppl_position(
     deltas: list[float] = []
     ppls: list[float] = []
     ref_drawn = False
-    smoothed_any = False
+    windows: set[int] = set()  # the running-mean lengths drawn: ``smooth``, or less for a short window
     for r in run.results:
         c = colors[r.name]
         arr = tokens.get(r.name) or {}
@@ -66,7 +67,7 @@ def plot_ppl_position(
             d = (np.exp(md) - 1) * 100
             ax_d.plot(x, d, color=c, lw=1.1, alpha=0.85, label=r.name)
             deltas += list(d[np.isfinite(d)])
-            smoothed_any = True
+            windows.add(k)
         else:
             for b in r.buckets:
                 ax_p.hlines(b.ppl, b.lo, b.hi, color=c, lw=2, label=r.name if b is r.buckets[0] else None)
@@ -95,7 +96,8 @@ def plot_ppl_position(
     if finite_ppl and max(finite_ppl) / min(finite_ppl) > 4:
         ax_p.set_yscale("log")
     ax_p.set_ylabel("perplexity")
-    how = f"{smooth}-token running mean, averaged over windows" if smoothed_any else "bucket means"
+    span = f"{min(windows)}" if len(windows) == 1 else f"{min(windows)}–{max(windows)}" if windows else ""
+    how = f"{span}-token running mean, averaged over windows" if windows else "bucket means"
     ax_p.set_title(f"Perplexity ({how})", fontsize=10)
     ax_d.axhline(0, color="black", lw=0.8)
     ax_d.axhline(threshold * 100, color="#d62728", lw=1, ls=":", label=f"{fmt_budget(threshold)} budget")
