@@ -736,3 +736,39 @@ def test_the_position_figure_names_the_running_mean_it_drew(tmp_path, monkeypatc
         ax = figs[-1].axes[0]
         assert ax.get_title() == f"Perplexity ({k}-token running mean, averaged over windows)"
         assert len(ax.get_lines()[0].get_xdata()) == context - 1 - k + 1  # the mean drawn is k tokens long
+
+
+def test_needle_and_speed_reports_show_names_as_text(tmp_path):
+    """The eval report shows names from its JSON as text (``<``/``>`` as entities, ``|`` escaped in tables); the
+    needle and speed reports put the model, haystack, device, needle text and scheme names in their heading, lists
+    and "Runs merged" table raw: a scheme ``int4|<b>`` added a column to that table and rendered ``<b>`` as markup."""
+    from kvbits.report.document import split_code_spans
+    from kvbits.report.needle import load_needle, needle_markdown
+    from kvbits.report.speed import load_speed, speed_markdown
+
+    def markup(md: str) -> bool:  # a tag outside code spans (which show their text as it is)
+        return any(tag in "".join(split_code_spans(md)[::2]) for tag in ("<b>", "<i>"))
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    s = load_needle(results / "needle-qwen-prefill" / "needle.json")
+    old, new = s["results"][1]["scheme"], "int4|<b>"  # int4-token: it loses trials, so "Trials lost" names it
+    s["results"][1]["scheme"] = new
+    for rec in s["records"]:
+        rec["schemes"][new] = rec["schemes"].pop(old)
+    s.update(model="qwen<b>", data="/texts/<b>.txt")
+    s["task"]["needle"] = "<i>The pass key is {key}.</i>"
+    s["merged_from"] = [{"path": f"/runs/a|{i}", "contexts": [c], "depths": [0.0], "trials": 1, "schemes": [new]}
+                        for i, c in enumerate((4096, 8192))]
+    md = needle_markdown(s, figure=False)
+    assert not markup(md)
+    assert md.startswith("# Passkey retrieval: qwen&lt;b&gt; on /texts/&lt;b&gt;.txt\n")
+    assert "- **int4\\|&lt;b&gt;** (7): " in md
+    merged = md[md.index("## Runs merged"):].splitlines()
+    rows = [line for line in merged if line.startswith("| `")]
+    assert len(rows) == 2 and all(re.sub(r"\\\|", "", r).count("|") == merged[2].count("|") for r in rows)
+    assert rows[0].startswith("| `/runs/a\\|0` | 4K | 0 | 1 | int4\\|&lt;b&gt; |")
+
+    sp = load_speed(results / "speed-smollm2" / "speed.json")
+    sp["model"], sp["device"]["name"] = "smol<b>", "cpu <b>"
+    md = speed_markdown(sp, figure=False)
+    assert not markup(md) and md.startswith("# Decode speed: smol&lt;b&gt; on cpu &lt;b&gt;\n")

@@ -165,6 +165,7 @@ def merged_runs_table(
         commit = m.get("commit") or {}
         sha = str(commit.get("sha") or NA)[:10] + (" (dirty)" if commit.get("dirty") else "")
         cells = "".join(f"{cell(m)} | " for _, _, cell in columns)
-        lines.append(f"| `{m.get('path')}` | {cells}{m.get('date') or NA} | `{sha}` | "
+        path = str(m.get("path")).replace("|", "\\|")  # a "|" ends a table cell even in a code span
+        lines.append(f"| `{path}` | {cells}{m.get('date') or NA} | `{sha}` | "
                      f"{(m.get('versions') or {}).get('torch', NA)} |")  # fmt: skip
     return lines + [""]

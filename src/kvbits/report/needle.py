@@ -121,7 +121,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         else f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`"
     )
     lines = [
-        f"# Passkey retrieval: {summary['model']} on {summary['data']}",
+        f"# Passkey retrieval: {md_cell(str(summary['model']))} on {md_cell(str(summary['data']))}",
         "",
         f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`)"
         + (f", `{summary['dtype']}`" if summary.get("dtype") else ""),
@@ -132,7 +132,10 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             f"(seed {summary['seed']})"
         ),
         f"- **Semantics:** `{summary['semantics']}`: {_SEMANTICS.get(summary['semantics'], '')}",
-        f'- **Needle:** "{task["needle"]}" ({task["digits"]}-digit key); **question:** "{task["question"]}"',
+        (
+            f'- **Needle:** "{md_cell(task["needle"])}" ({task["digits"]}-digit key); **question:** '
+            f'"{md_cell(task["question"])}"'
+        ),
         when,
         "",
         (
@@ -210,7 +213,7 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         for name in [r["scheme"] for r in summary["results"]]:
             mine = [f"{fmt_pos(c)} @ {d:g} #{i}" for c, d, i, nm in lost if nm == name]
             if mine:
-                lines.append(f"- **{name}** ({len(mine)}): " + ", ".join(mine))
+                lines.append(f"- **{md_cell(str(name))}** ({len(mine)}): " + ", ".join(mine))
         lines.append("")
     if isinstance(merged, list):
         lines += _merged_table(merged)
@@ -235,7 +238,7 @@ def _merged_table(merged: list[Mapping[str, Any]]) -> list[str]:
         ("contexts", ":---", lambda m: ", ".join(fmt_pos(c) for c in m.get("contexts") or [])),
         ("depths", ":---", lambda m: ", ".join(f"{d:g}" for d in m.get("depths") or [])),
         ("trials", "---:", lambda m: str(m.get("trials"))),
-        ("schemes", ":---", lambda m: ", ".join(m.get("schemes") or [])),
+        ("schemes", ":---", lambda m: ", ".join(md_cell(str(s)) for s in m.get("schemes") or [])),
     ])  # fmt: skip
 
 

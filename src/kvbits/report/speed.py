@@ -170,10 +170,10 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     dev = summary["device"]
     paths = {s["scheme"]: s["path"] for s in summary["schemes"]}
     lines = [
-        f"# Decode speed: {summary['model']} on {dev['name']}",
+        f"# Decode speed: {md_cell(str(summary['model']))} on {md_cell(str(dev['name']))}",
         "",
         f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`), `{summary['dtype']}`",
-        f"- **Device:** {dev['type']}, {dev['name']}"
+        f"- **Device:** {md_cell(str(dev['type']))}, {md_cell(str(dev['name']))}"
         + (f", {dev['threads']} threads" if dev["type"] == "cpu" else ""),
         (
             f"- **Prompts:** `{summary['data']}`, contexts {', '.join(fmt_pos(c) for c in summary['contexts'])} tokens; "
