@@ -623,3 +623,31 @@ def test_real_model_has_key_outlier_channels():
     ch = [r["key_pre_rope"]["sqnr_int4_channel"] for r in d["layers"]]
     assert sum(ch) / len(ch) > sum(tok) / len(tok)
     assert all(math.isfinite(v) for v in tok + ch)
+
+
+def test_the_json_records_the_tokens_actually_sampled(caplog):
+    """``sample_tokens`` is a cap in whole blocks: 2 windows x 512 tokens offer 8 blocks of 128 (1,024 tokens) under a
+    cap of 4,096, and 200 rounds down to one block. Before, the JSON's only figure was the cap (4096, 200), with
+    nothing said about the rounding; now ``sampled_tokens`` is what the samples hold, and the rounding is logged."""
+    model = tiny_llama()
+    windows = torch.randint(1, model.config.vocab_size, (2, 512), generator=torch.Generator().manual_seed(0))
+    for cap, sampled, rounded in ((4096, 1024, False), (200, 128, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvbits"):
+            res = analyze(model, windows, sample_tokens=cap)
+        d = res.to_dict()
+        assert (d["sample_tokens"], d["sampled_tokens"]) == (cap, sampled)
+        assert res.layers[0].samples["value"].shape[0] * res.channel_group == sampled
+        assert ("sample_tokens 200 rounds down to 128" in caplog.text) is rounded, caplog.text
+
+
+def test_cli_says_when_it_raises_sample_tokens(tmp_path, monkeypatch, capsys, caplog):
+    """``--sample-tokens 16`` at 128-token windows is raised to one block of 128: said, not silent, and recorded."""
+    from kvbits.cli import main
+
+    argv = _cli_argv(tmp_path, monkeypatch, words=300, windows=1)
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        assert main(argv + ["--json", "--sample-tokens", "16"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["sample_tokens"], d["sampled_tokens"]) == (128, 128)
+    assert "--sample-tokens 16 raised to 128" in caplog.text

@@ -137,10 +137,11 @@ class Analysis:
     threshold: float
     layer_fraction: float
     channel_group: int
-    sample_tokens: int
+    sample_tokens: int  # the cap asked for
     layers: list[LayerAnalysis]
     fingerprint: str | None = None
     recommendation: dict[str, Any] = field(default_factory=dict)
+    sampled_tokens: int | None = None  # tokens per layer actually sampled (whole blocks); None: not recorded
 
     def to_dict(self) -> dict[str, Any]:
         rows = [layer.to_dict() for layer in self.layers]
@@ -156,6 +157,7 @@ class Analysis:
                 "threshold": self.threshold,
                 "layer_fraction": self.layer_fraction,
                 "sample_tokens": self.sample_tokens,
+                "sampled_tokens": self.sampled_tokens,
                 "channel_group": self.channel_group,
                 "layers": rows,
                 "recommendation": self.recommendation,
@@ -227,7 +229,9 @@ def analyze(
         windows: token ids ``(W, T)``; each window is one forward from position 0, no cache.
         threshold: outlier rule multiple (see ``kvbits.analyze.outliers``).
         layer_fraction: keys go per-channel when more than this fraction of layers has outliers.
-        sample_tokens: tokens per layer kept for percentiles, ranges, SQNR and plots.
+        sample_tokens: at most this many tokens per layer kept for percentiles, ranges, SQNR and plots, in whole
+            blocks of ``min(channel_group, T)`` (rounded down, said in the log); ``Analysis.sampled_tokens`` is what
+            the windows filled.
         channel_group: tokens per per-channel scale (and per sample block); ``min(.., T)``.
         keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
         progress: called as ``progress(done, total)`` after each window.
@@ -254,6 +258,9 @@ def analyze(
         raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
     if sample_tokens < block:
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
+    if sample_tokens % block:
+        logger.warning("sample_tokens %d rounds down to %d (whole blocks of %d tokens)", sample_tokens,
+                       sample_tokens // block * block, block)  # fmt: skip
     if getattr(model, "config", None) is not None:
         check_context_fits(model.config, T)
     tables, reproducible = _rotary_tables(model)
@@ -319,7 +326,8 @@ def analyze(
         layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples))
         del stats[s.layer_idx]  # drop this layer's accumulators before finalizing the next
     result = Analysis(
-        model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint
+        model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint,
+        sampled_tokens=n_blocks * block,
     )
     result.recommendation = recommend(
         [la.to_dict() for la in layers],
