@@ -379,9 +379,9 @@ def test_nan_threshold_or_layer_fraction_is_refused(name, value):
             outlier_channels(torch.ones(2, 4), value)
 
 
-@pytest.mark.parametrize(("kw", "message"), [({"channel_group": 1}, "channel_group must be an int >= 2, got 1"),
+@pytest.mark.parametrize(("kw", "message"), [({"channel_group": 1}, "channel_group must be an int >= 3, got 1"),
                                              ({"sample_tokens": 100.5}, "sample_tokens must be an int >= 1, got 100.5"),
-                                             ({"channel_group": 32.0}, "channel_group must be an int >= 2, got 32.0")])  # fmt: skip
+                                             ({"channel_group": 32.0}, "channel_group must be an int >= 3, got 32.0")])  # fmt: skip
 def test_bad_channel_group_or_sample_tokens_is_named(kw, message):
     """channel_group=1 was refused as "windows must hold at least 2 tokens, got T=64"; a float sample_tokens or
     channel_group raised torch's TypeError from inside ChannelStats."""
@@ -651,3 +651,24 @@ def test_cli_says_when_it_raises_sample_tokens(tmp_path, monkeypatch, capsys, ca
     d = json.loads(capsys.readouterr().out)
     assert (d["sample_tokens"], d["sampled_tokens"]) == (128, 128)
     assert "--sample-tokens 16 raised to 128" in caplog.text
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_cli_says_a_context_is_too_short(tmp_path, monkeypatch, capsys, context):
+    """``kvbits analyze --context 2`` failed with TensorSpec's "an asymmetric group of 2 is lossless ... group_size
+    must be >= 3" (the user gave no group size); --context 1 with "windows must hold at least 2 tokens". Now one
+    message names --context, before the model loads."""
+    from kvbits.cli import main
+
+    argv = _cli_argv(tmp_path, monkeypatch, words=300, windows=1)
+    argv[argv.index("--context") + 1] = str(context)
+    assert main(argv + ["--json"]) == 2
+    assert f"--context {context} is too short: the analysis needs at least 3 tokens per window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kw", "T", "message"), [({"channel_group": 2}, 64, "channel_group must be an int >= 3, got 2"),
+                                                  ({}, 2, "windows of 2 token.s. are too short")])  # fmt: skip
+def test_a_group_of_two_tokens_is_refused_by_name(kw, T, message):
+    """``channel_group=2`` (or 2-token windows) raised the scheme layer's "asymmetric group of 2" error."""
+    with pytest.raises(ValueError, match=message):
+        analyze(tiny_llama(outlier=False), torch.ones(1, T, dtype=torch.long), **kw)

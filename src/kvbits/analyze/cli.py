@@ -81,13 +81,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvbits.analyze.collect import analyze
+    from kvbits.analyze.collect import MIN_GROUP, analyze
     from kvbits.cli import EXIT_OK, _print_json
     from kvbits.evaluate.data import load_text, make_windows, tokenize
     from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import check_device
 
     check_device(args.device, DEVICES)  # before the model loads
+    if args.context < MIN_GROUP:  # else a per-channel group of that many tokens is refused deep inside
+        raise ValueError(f"--context {args.context} is too short: the analysis needs at least {MIN_GROUP} tokens "
+                         "per window")  # fmt: skip
     plot = [f for f, v in (("--plot-layer", args.plot_layer), ("--plot-head", args.plot_head)) if v is not None]
     if plot and args.out is None:  # the heatmap is written to --out only: the flags would be ignored
         raise ValueError(f"{' and '.join(plot)} choose the heatmap written to --out: add --out DIR")

@@ -46,6 +46,8 @@ from kvbits.plan.config import check_context_fits
 logger = logging.getLogger(__name__)
 
 ANALYSIS_VERSION = 1
+# tokens of the smallest per-channel group (and window): an asymmetric group of 2 quantizes nothing (TensorSpec)
+MIN_GROUP = 3
 
 Callback = Callable[[int, str, torch.Tensor], None]
 
@@ -232,7 +234,8 @@ def analyze(
         sample_tokens: at most this many tokens per layer kept for percentiles, ranges, SQNR and plots, in whole
             blocks of ``min(channel_group, T)`` (rounded down, said in the log); ``Analysis.sampled_tokens`` is what
             the windows filled.
-        channel_group: tokens per per-channel scale (and per sample block); ``min(.., T)``.
+        channel_group: tokens per per-channel scale (and per sample block), at least ``MIN_GROUP`` (3);
+            ``min(.., T)``, so windows need ``MIN_GROUP`` tokens too.
         keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
         progress: called as ``progress(done, total)`` after each window.
     """
@@ -246,7 +249,7 @@ def analyze(
     check_token_ids(windows, model, "windows")  # integers within the embedding table, as evaluate's
     # before the block checks below, whose messages would blame the windows for channel_group < 2, and torch's
     # deep in ChannelStats for a float
-    channel_group = check_int("channel_group", channel_group, 2)
+    channel_group = check_int("channel_group", channel_group, MIN_GROUP)
     sample_tokens = check_int("sample_tokens", sample_tokens, 1)
     W, T = windows.shape
     if W < 1:
@@ -254,8 +257,11 @@ def analyze(
     check_threshold(threshold)
     check_layer_fraction(layer_fraction)
     block = min(channel_group, T)
-    if block < 2:
-        raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
+    if block < MIN_GROUP:
+        raise ValueError(
+            f"windows of {T} token(s) are too short: the per-channel SQNR groups need at least {MIN_GROUP} tokens "
+            "(an asymmetric group of 2 is stored exactly)"
+        )
     if sample_tokens < block:
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
     if sample_tokens % block:
