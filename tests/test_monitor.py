@@ -721,3 +721,21 @@ def test_patience_counts_a_prefill_flush_once_as_documented() -> None:
     for _ in range(64):  # two decode flushes, one block each
         cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
     assert mon.signals[(0, "key")].over == 3 and mon.held_layers() == [0]
+
+
+def test_prometheus_text_refuses_a_series_or_a_family_given_twice():
+    """Two samples of one series (labels ``layer=0`` given as 0 and "0") and a family name given twice were written
+    as they came: Prometheus' parser refuses the second ``TYPE`` line and its scrape drops the repeated series."""
+    f = MetricFamily("kvbits_x", "x", "gauge")
+    f.add(1, {"layer": 0})
+    f.add(2, {"layer": "0"})
+    with pytest.raises(ValueError, match=r"kvbits_x has two samples with labels \{'layer': '0'\}"):
+        prometheus_text([f])
+    h = MetricFamily("kvbits_h", "h", "histogram")
+    h.add(1, {"le": "1.0"}, "_bucket")
+    h.add(1, {}, "_count")
+    h.add(0.5, {}, "_sum")  # one series per suffix: accepted
+    g = MetricFamily("kvbits_h", "again", "counter")
+    assert prometheus_text([h]).count("kvbits_h") == 5
+    with pytest.raises(ValueError, match="metric family 'kvbits_h' is given twice"):
+        prometheus_text([h, g])
