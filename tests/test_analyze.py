@@ -379,9 +379,9 @@ def test_nan_threshold_or_layer_fraction_is_refused(name, value):
             outlier_channels(torch.ones(2, 4), value)
 
 
-@pytest.mark.parametrize(("kw", "message"), [({"channel_group": 1}, "channel_group must be an int >= 2, got 1"),
+@pytest.mark.parametrize(("kw", "message"), [({"channel_group": 1}, "channel_group must be an int >= 3, got 1"),
                                              ({"sample_tokens": 100.5}, "sample_tokens must be an int >= 1, got 100.5"),
-                                             ({"channel_group": 32.0}, "channel_group must be an int >= 2, got 32.0")])  # fmt: skip
+                                             ({"channel_group": 32.0}, "channel_group must be an int >= 3, got 32.0")])  # fmt: skip
 def test_bad_channel_group_or_sample_tokens_is_named(kw, message):
     """channel_group=1 was refused as "windows must hold at least 2 tokens, got T=64"; a float sample_tokens or
     channel_group raised torch's TypeError from inside ChannelStats."""
@@ -623,3 +623,52 @@ def test_real_model_has_key_outlier_channels():
     ch = [r["key_pre_rope"]["sqnr_int4_channel"] for r in d["layers"]]
     assert sum(ch) / len(ch) > sum(tok) / len(tok)
     assert all(math.isfinite(v) for v in tok + ch)
+
+
+def test_the_json_records_the_tokens_actually_sampled(caplog):
+    """``sample_tokens`` is a cap in whole blocks: 2 windows x 512 tokens offer 8 blocks of 128 (1,024 tokens) under a
+    cap of 4,096, and 200 rounds down to one block. Before, the JSON's only figure was the cap (4096, 200), with
+    nothing said about the rounding; now ``sampled_tokens`` is what the samples hold, and the rounding is logged."""
+    model = tiny_llama()
+    windows = torch.randint(1, model.config.vocab_size, (2, 512), generator=torch.Generator().manual_seed(0))
+    for cap, sampled, rounded in ((4096, 1024, False), (200, 128, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvbits"):
+            res = analyze(model, windows, sample_tokens=cap)
+        d = res.to_dict()
+        assert (d["sample_tokens"], d["sampled_tokens"]) == (cap, sampled)
+        assert res.layers[0].samples["value"].shape[0] * res.channel_group == sampled
+        assert ("sample_tokens 200 rounds down to 128" in caplog.text) is rounded, caplog.text
+
+
+def test_cli_says_when_it_raises_sample_tokens(tmp_path, monkeypatch, capsys, caplog):
+    """``--sample-tokens 16`` at 128-token windows is raised to one block of 128: said, not silent, and recorded."""
+    from kvbits.cli import main
+
+    argv = _cli_argv(tmp_path, monkeypatch, words=300, windows=1)
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        assert main(argv + ["--json", "--sample-tokens", "16"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["sample_tokens"], d["sampled_tokens"]) == (128, 128)
+    assert "--sample-tokens 16 raised to 128" in caplog.text
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_cli_says_a_context_is_too_short(tmp_path, monkeypatch, capsys, context):
+    """``kvbits analyze --context 2`` failed with TensorSpec's "an asymmetric group of 2 is lossless ... group_size
+    must be >= 3" (the user gave no group size); --context 1 with "windows must hold at least 2 tokens". Now one
+    message names --context, before the model loads."""
+    from kvbits.cli import main
+
+    argv = _cli_argv(tmp_path, monkeypatch, words=300, windows=1)
+    argv[argv.index("--context") + 1] = str(context)
+    assert main(argv + ["--json"]) == 2
+    assert f"--context {context} is too short: the analysis needs at least 3 tokens per window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kw", "T", "message"), [({"channel_group": 2}, 64, "channel_group must be an int >= 3, got 2"),
+                                                  ({}, 2, "windows of 2 token.s. are too short")])  # fmt: skip
+def test_a_group_of_two_tokens_is_refused_by_name(kw, T, message):
+    """``channel_group=2`` (or 2-token windows) raised the scheme layer's "asymmetric group of 2" error."""
+    with pytest.raises(ValueError, match=message):
+        analyze(tiny_llama(outlier=False), torch.ones(1, T, dtype=torch.long), **kw)

@@ -405,3 +405,18 @@ def test_calibration_warnings_off_for_a_caller_that_reports_them(caplog):
     assert row["positions_beyond_calibrated"] == 60 - CALIBRATED and row["clipped_keys"] > 0
     with pytest.raises(TypeError, match="calibration_warnings must be True or False"):
         QuantizedKVCache(scheme=STATIC, num_layers=1, calibration_warnings="no")
+
+
+@pytest.mark.parametrize("scheme", ["kivi-2", "kvquant-4"])
+def test_constructor_refuses_a_rotary_that_is_no_tables_and_a_bool_layer_count(scheme):
+    """``rotary=3`` raised ``AttributeError: 'int' object has no attribute 'tables_for_layer'`` from inside the
+    cache for a pre-RoPE scheme (kvquant-4; kivi-2 took it silently); ``num_layers=True`` built one layer."""
+    from kvbits.cache import StaticQuantizedKVCache
+
+    with pytest.raises(TypeError, match=r"rotary must be None or kvbits\.quant\.rope\.RotaryTables.*got int 3"):
+        QuantizedKVCache(scheme=scheme, num_layers=1, rotary=3)
+    with pytest.raises(TypeError, match="rotary must be None or"):
+        StaticQuantizedKVCache(None, scheme, max_cache_len=64, num_layers=1, rotary="rope")
+    for bad in (True, False):
+        with pytest.raises(ValueError, match=f"num_layers must be a positive int, got {bad}"):
+            QuantizedKVCache(scheme="kivi-2", num_layers=bad)

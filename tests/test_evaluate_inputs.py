@@ -350,3 +350,22 @@ def test_a_scheme_listed_twice_is_named_in_words_by_every_runner():
         evaluate(_llama(), _ids(64)[0], 64, twice, attn_layers=[])
     with pytest.raises(ValueError, match=r"^scheme 'int4-token' is listed twice; each scheme is measured"):
         needle_eval("nowhere", [1024], twice)
+
+
+def test_numpy_prompt_len_fractional_layers_and_short_token_windows(caplog):
+    """A NumPy ``prompt_len`` was refused as out of range ("needs 0 < prompt_len < 63, got np.int64(20)");
+    ``attn_layers=[0.7]`` measured layer 0 without a word (``int(0.7)``); 2-D token data of 1 row with
+    ``windows=3`` ran 1 window silently, where 1-D data of too few tokens says so."""
+    import logging
+
+    import numpy as np
+
+    model, ids = _llama(), _ids(32)
+    out = evaluate(model, ids, 32, ["int4-token"], semantics="prefill", prompt_len=np.int64(20), attn_layers=[])
+    assert out["windows"] == 1
+    for bad in ([0.7], [True], ["0"]):
+        with pytest.raises(ValueError, match=r"attn_layers must be layer indices \(ints\), got"):
+            evaluate(model, ids, 32, ["int4-token"], attn_layers=bad)
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        assert evaluate(model, ids, 32, ["int4-token"], windows=3, attn_layers=[np.int64(1)])["windows"] == 1
+    assert "asked for 3 windows but the token data holds only 1 rows; using 1" in caplog.text

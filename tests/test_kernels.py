@@ -2305,3 +2305,30 @@ def test_words_ok_refuses_what_words_can_not_read():
     assert not ok(side((2, 2, 6, 4), offset=1))  # 2-byte aligned only
     assert not ok(side((2, 2, 6, 4), dtype=torch.float32))  # fp8's float32 static scales
     assert not ok(None)
+
+
+def test_decode_attention_refuses_integer_queries_and_gives_zeros_where_every_slot_is_masked():
+    """An integer query came back as integer attention output (the reference casts to ``q.dtype``); a sequence whose
+    every slot is masked got NaN from both paths (softmax's 0 / 0). Now a ``TypeError``, and zeros for that sequence
+    as torch's SDPA gives, the other sequence untouched and a NaN query still NaN."""
+    g = torch.Generator().manual_seed(0)
+    store = make_store(g, T_q=64, T_f=8)
+    q = torch.randn(2, 4, 1, 64, generator=g).to(DEVICE)
+    with pytest.raises(TypeError, match="q must be a floating-point tensor .*got torch.int64"):
+        dispatch.decode_attention(q.long(), store)
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        decode_attention_reference(q.int(), store)
+    one_hidden = replace(store, quant_mask=torch.tensor([[True] * 64, [False] * 64], device=DEVICE),
+                         full_mask=torch.tensor([[True] * 8, [False] * 8], device=DEVICE))  # fmt: skip
+    nan_q = q.clone()
+    nan_q[0, 0, 0, 0] = math.nan
+    paths = [decode_attention_reference]
+    if triton_decode is not None:
+        paths.append(triton_decode.decode_attention_triton)
+    for attend in paths:
+        out = attend(q, one_hidden)
+        assert torch.equal(out[1], torch.zeros_like(out[1])), attend.__name__
+        assert out[0].isfinite().all() and out[0].abs().max() > 0.1, attend.__name__
+        assert out[0].sub(decode_attention_reference(q, store)[0]).abs().max() < 1e-5  # the visible sequence
+        nan_out = attend(nan_q, store)
+        assert nan_out[0, 0].isnan().all() and nan_out[1].isfinite().all(), attend.__name__

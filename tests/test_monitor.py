@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import math
@@ -698,3 +699,43 @@ def test_a_failing_event_sink_is_logged_not_raised(caplog) -> None:
     run(model, cache, ids)  # the forward pass completes
     assert mon.held_layers() == [0, 1] and len(mon.events) == 2
     assert "on_event callback failed" in caplog.text and "disk full" in caplog.text
+
+
+def test_patience_counts_a_prefill_flush_once_as_documented() -> None:
+    """``patience`` counts measured flushes, and a prefill's flush (12 blocks of kivi-2 here) counts once: with
+    ``key_error=0`` and patience 3 it leaves the counter at 1 and holds nothing; two decode flushes later it holds.
+    Before, the policy's docstring and ``--patience``'s help said "consecutive ... blocks", which this is not."""
+    from kvbits.monitor.cli import add_parser
+
+    doc = FallbackPolicy.__doc__.split("patience:")[1].split("sample_every:")[0]
+    assert "flushes" in doc and "prefill" in doc and "blocks over" not in doc
+    sub = argparse.ArgumentParser().add_subparsers()
+    help_text = next(a.help for a in add_parser(sub)._actions if a.dest == "patience")
+    assert "flushes" in help_text and "blocks" not in help_text
+    torch.manual_seed(0)
+    cache = QuantizedKVCache(num_layers=1, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, patience=3))
+    cache.update(torch.randn(1, 2, 12 * 32 + 128, 32), torch.randn(1, 2, 12 * 32 + 128, 32), 0)
+    assert mon.snapshot()["signals"][0]["flushes"] == 12 and mon.signals[(0, "key")].over == 1
+    assert mon.held_layers() == []
+    for _ in range(64):  # two decode flushes, one block each
+        cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
+    assert mon.signals[(0, "key")].over == 3 and mon.held_layers() == [0]
+
+
+def test_prometheus_text_refuses_a_series_or_a_family_given_twice():
+    """Two samples of one series (labels ``layer=0`` given as 0 and "0") and a family name given twice were written
+    as they came: Prometheus' parser refuses the second ``TYPE`` line and its scrape drops the repeated series."""
+    f = MetricFamily("kvbits_x", "x", "gauge")
+    f.add(1, {"layer": 0})
+    f.add(2, {"layer": "0"})
+    with pytest.raises(ValueError, match=r"kvbits_x has two samples with labels \{'layer': '0'\}"):
+        prometheus_text([f])
+    h = MetricFamily("kvbits_h", "h", "histogram")
+    h.add(1, {"le": "1.0"}, "_bucket")
+    h.add(1, {}, "_count")
+    h.add(0.5, {}, "_sum")  # one series per suffix: accepted
+    g = MetricFamily("kvbits_h", "again", "counter")
+    assert prometheus_text([h]).count("kvbits_h") == 5
+    with pytest.raises(ValueError, match="metric family 'kvbits_h' is given twice"):
+        prometheus_text([h, g])

@@ -131,6 +131,19 @@ def test_the_largest_memory_amount_plans():
     assert r["gpu_mem_bytes"] == MAX_GIB * (1 << 30) and r["fits"]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [({"weights_gib": 10}, "weights_gib=10 applies"), ({"reserve_gib": 3}, "reserve_gib=3 applies"),
+     ({"weights_gib": 1.5, "reserve_gib": 2}, "weights_gib=1.5 and reserve_gib=2 apply")],
+)
+def test_budget_amounts_without_a_gpu_budget_are_refused(kwargs, said):
+    """``plan(weights_gib=10)`` without ``gpu_mem_gib`` returned a plan with no budget in it (the value only logged
+    at INFO as ignored; ``reserve_gib`` not even that), while ``kvbits plan --weights-gib`` refuses it."""
+    with pytest.raises(ValueError, match=rf"{re.escape(said)} to the GPU budget alone: pass gpu_mem_gib"):
+        plan(ModelShape.from_dims(2, 2, 64), context=1024, **kwargs)
+    assert "weights_bytes" not in plan(ModelShape.from_dims(2, 2, 64), context=1024, reserve_gib=0)
+
+
 # ------------------------------------------------------------------------------ repeated schemes
 
 

@@ -60,7 +60,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--sample-tokens",
         type=_positive,
         default=4096,
-        help="tokens per layer sampled for percentiles, ranges, SQNR and plots (default 4096)",
+        help="at most this many tokens per layer sampled for percentiles, ranges, SQNR and plots, in whole "
+        "blocks of min(128, --context) tokens (default 4096; the JSON's sampled_tokens: how many were)",
     )
     add_dtype_device(p, DEVICES)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -80,13 +81,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvbits.analyze.collect import analyze
+    from kvbits.analyze.collect import MIN_GROUP, analyze
     from kvbits.cli import EXIT_OK, _print_json
     from kvbits.evaluate.data import load_text, make_windows, tokenize
     from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import check_device
 
     check_device(args.device, DEVICES)  # before the model loads
+    if args.context < MIN_GROUP:  # else a per-channel group of that many tokens is refused deep inside
+        raise ValueError(f"--context {args.context} is too short: the analysis needs at least {MIN_GROUP} tokens "
+                         "per window")  # fmt: skip
     plot = [f for f, v in (("--plot-layer", args.plot_layer), ("--plot-head", args.plot_head)) if v is not None]
     if plot and args.out is None:  # the heatmap is written to --out only: the flags would be ignored
         raise ValueError(f"{' and '.join(plot)} choose the heatmap written to --out: add --out DIR")
@@ -97,12 +101,16 @@ def run(args: argparse.Namespace) -> int:
     _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
     windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
     logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
+    sample_tokens = max(args.sample_tokens, min(128, windows.shape[1]))  # analyze() needs one whole block
+    if sample_tokens != args.sample_tokens:
+        logger.warning("--sample-tokens %d raised to %d: the analysis samples whole blocks of %d tokens",
+                       args.sample_tokens, sample_tokens, sample_tokens)  # fmt: skip
     result = analyze(
         lm.model,
         windows,
         threshold=args.threshold,
         layer_fraction=args.layer_fraction,
-        sample_tokens=max(args.sample_tokens, min(128, args.context)),
+        sample_tokens=sample_tokens,
         seed=args.seed,
         model_name=args.model,
         data_name=args.data,

@@ -46,6 +46,8 @@ from kvbits.plan.config import check_context_fits
 logger = logging.getLogger(__name__)
 
 ANALYSIS_VERSION = 1
+# tokens of the smallest per-channel group (and window): an asymmetric group of 2 quantizes nothing (TensorSpec)
+MIN_GROUP = 3
 
 Callback = Callable[[int, str, torch.Tensor], None]
 
@@ -137,10 +139,11 @@ class Analysis:
     threshold: float
     layer_fraction: float
     channel_group: int
-    sample_tokens: int
+    sample_tokens: int  # the cap asked for
     layers: list[LayerAnalysis]
     fingerprint: str | None = None
     recommendation: dict[str, Any] = field(default_factory=dict)
+    sampled_tokens: int | None = None  # tokens per layer actually sampled (whole blocks); None: not recorded
 
     def to_dict(self) -> dict[str, Any]:
         rows = [layer.to_dict() for layer in self.layers]
@@ -156,6 +159,7 @@ class Analysis:
                 "threshold": self.threshold,
                 "layer_fraction": self.layer_fraction,
                 "sample_tokens": self.sample_tokens,
+                "sampled_tokens": self.sampled_tokens,
                 "channel_group": self.channel_group,
                 "layers": rows,
                 "recommendation": self.recommendation,
@@ -227,8 +231,11 @@ def analyze(
         windows: token ids ``(W, T)``; each window is one forward from position 0, no cache.
         threshold: outlier rule multiple (see ``kvbits.analyze.outliers``).
         layer_fraction: keys go per-channel when more than this fraction of layers has outliers.
-        sample_tokens: tokens per layer kept for percentiles, ranges, SQNR and plots.
-        channel_group: tokens per per-channel scale (and per sample block); ``min(.., T)``.
+        sample_tokens: at most this many tokens per layer kept for percentiles, ranges, SQNR and plots, in whole
+            blocks of ``min(channel_group, T)`` (rounded down, said in the log); ``Analysis.sampled_tokens`` is what
+            the windows filled.
+        channel_group: tokens per per-channel scale (and per sample block), at least ``MIN_GROUP`` (3);
+            ``min(.., T)``, so windows need ``MIN_GROUP`` tokens too.
         keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
         progress: called as ``progress(done, total)`` after each window.
     """
@@ -242,7 +249,7 @@ def analyze(
     check_token_ids(windows, model, "windows")  # integers within the embedding table, as evaluate's
     # before the block checks below, whose messages would blame the windows for channel_group < 2, and torch's
     # deep in ChannelStats for a float
-    channel_group = check_int("channel_group", channel_group, 2)
+    channel_group = check_int("channel_group", channel_group, MIN_GROUP)
     sample_tokens = check_int("sample_tokens", sample_tokens, 1)
     W, T = windows.shape
     if W < 1:
@@ -250,10 +257,16 @@ def analyze(
     check_threshold(threshold)
     check_layer_fraction(layer_fraction)
     block = min(channel_group, T)
-    if block < 2:
-        raise ValueError(f"windows must hold at least 2 tokens, got T={T}")
+    if block < MIN_GROUP:
+        raise ValueError(
+            f"windows of {T} token(s) are too short: the per-channel SQNR groups need at least {MIN_GROUP} tokens "
+            "(an asymmetric group of 2 is stored exactly)"
+        )
     if sample_tokens < block:
         raise ValueError(f"sample_tokens ({sample_tokens}) must be at least one block of {block} tokens")
+    if sample_tokens % block:
+        logger.warning("sample_tokens %d rounds down to %d (whole blocks of %d tokens)", sample_tokens,
+                       sample_tokens // block * block, block)  # fmt: skip
     if getattr(model, "config", None) is not None:
         check_context_fits(model.config, T)
     tables, reproducible = _rotary_tables(model)
@@ -319,7 +332,8 @@ def analyze(
         layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples))
         del stats[s.layer_idx]  # drop this layer's accumulators before finalizing the next
     result = Analysis(
-        model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint
+        model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint,
+        sampled_tokens=n_blocks * block,
     )
     result.recommendation = recommend(
         [la.to_dict() for la in layers],

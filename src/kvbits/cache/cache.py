@@ -119,7 +119,15 @@ def _layer_types(text: Any, n_layers: int) -> tuple[list[str], list[dict]]:
 def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
     """RoPE tables for a scheme's pre-RoPE keys (any layer's): ``(tables, built_here)``; ``(None, False)`` when none
     are needed. ``rotary``: tables the caller made (``RotaryTables.from_model``); else built from ``config``.
-    ``ValueError`` for a family that changes its keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan)."""
+    ``ValueError`` for a family that changes its keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan); ``TypeError``
+    for a ``rotary`` that is no ``RotaryTables``."""
+    from kvbits.quant.rope import RotaryTables
+
+    if rotary is not None and not isinstance(rotary, RotaryTables):  # else an AttributeError at the first layer built
+        raise TypeError(
+            f"rotary must be None or kvbits.quant.rope.RotaryTables (RotaryTables.from_model(model)), got "
+            f"{type(rotary).__name__} {rotary!r}"
+        )
     if not any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
         return None, False
     model_type = getattr(text_config(config), "model_type", None) if config is not None else None
@@ -136,8 +144,6 @@ def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
             f"scheme {scheme.name!r} quantizes keys before RoPE: pass config= (or rotary=) so the cache "
             "can un-rotate and re-rotate keys"
         )
-    from kvbits.quant.rope import RotaryTables
-
     try:
         return RotaryTables.from_config(config), True
     except ValueError as exc:
@@ -238,7 +244,7 @@ class QuantizedKVCache(Cache):
         self.num_key_value_heads: int | None = None
         self.head_repeat = 1  # K/V heads repeated by the model before update (Falcon new arch): stored once
         self.head_dim: int | None = None
-        if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
+        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         layers: list = []
         if config is not None:

@@ -119,6 +119,9 @@ def _load_windows(
                 raise ValueError(f"token windows have {ids.shape[1]} tokens, context is {context}")
             if ids.shape[0] == 0:
                 raise ValueError(f"token windows (W, T) = {tuple(ids.shape)}: no window; expected at least one row")
+            if ids.shape[0] < windows:  # as make_windows says it for 1-D ids
+                logger.warning("asked for %d windows but the token data holds only %d rows; using %d", windows,
+                               ids.shape[0], ids.shape[0])  # fmt: skip
             win = ids[:windows].clone()
         elif ids.dim() == 1:
             win = make_windows(ids, context, windows)

@@ -264,7 +264,14 @@ def evaluate(
     # simulate() refused a bad one only after the model loaded and the first reference pass ran
     chunk_size = check_int("chunk_size", chunk_size, 1)
     resolved = resolve_schemes(schemes)
+    if isinstance(prompt_len, np.integer):  # numpy's ints, as check_int takes them (refused as out of range before)
+        prompt_len = int(prompt_len)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
+    if attn_layers is not None:  # int(0.7) would have measured layer 0 without a word
+        attn_layers = list(attn_layers)
+        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in attn_layers):
+            raise ValueError(f"attn_layers must be layer indices (ints), got {attn_layers}")
+        attn_layers = [int(x) for x in attn_layers]
     if mode == "stream" and attn_layers:
         raise ValueError(
             f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "

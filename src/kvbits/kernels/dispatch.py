@@ -141,8 +141,11 @@ def decode_attention(q: torch.Tensor, store: PackedStore, scale: float | None = 
     Fused Triton kernel on CUDA when Triton imports and supports the store, else the float32 torch
     reference (``decode_attention_reference``); ``KVBITS_KERNEL`` forces either; ``KVBITS_AUTOTUNE=on`` picks the
     Triton kernel's launch by timing (``kvbits.kernels.autotune``). Both attend rotated sides
-    (``PackedTensor.rotate``) in the codes' basis (``reference.code_basis``).
+    (``PackedTensor.rotate``) in the codes' basis (``reference.code_basis``). ``TypeError`` for a query that is not
+    floating point; a sequence whose every slot is masked attends to nothing and gets zeros (as torch's SDPA).
     """
+    if not q.is_floating_point():  # before the kernel choice: Triton's refusal would send it to the reference
+        raise TypeError(f"q must be a floating-point tensor (float16, bfloat16, float32), got {q.dtype}")
     kernel = resolve_kernel(q, store)
     if not torch.compiler.is_compiling():
         _CALLS[kernel] += 1

@@ -854,8 +854,10 @@ def decode_attention_reference(
 
     Returns:
         ``(B, H_q, 1, D)`` in ``q.dtype``. Query head ``j`` attends KV head ``j // G`` (transformers'
-        ``repeat_kv``).
+        ``repeat_kv``). A sequence whose every slot is masked gets zeros, as torch's SDPA gives (not NaN).
     """
+    if not q.is_floating_point():  # the output would be cast back to it: integer attention outputs
+        raise TypeError(f"q must be a floating-point tensor (float16, bfloat16, float32, float64), got {q.dtype}")
     B, H_q, one, D = q.shape
     H_kv = store.n_kv_heads
     if one != 1 or D != store.head_dim or B != store.batch or H_q % H_kv:
@@ -872,7 +874,9 @@ def decode_attention_reference(
     s = torch.einsum("bhgd,bhtd->bhgt", qg, k) * scale  # (B, H_kv, G, T)
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
-    out = torch.einsum("bhgt,bhtd->bhgd", p, v).reshape(B, H_q, 1, D)
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v)
+    # no slot to attend to: zeros, as SDPA (and the kernel's merge) give, rather than softmax's 0 / 0 (no host sync)
+    out = out.masked_fill(~mask.any(dim=1)[:, None, None, None], 0.0).reshape(B, H_q, 1, D)
     if out_rotate is not None:  # the output is in the values' basis: rotate it back
         return unrotate(out, out_rotate, q_dtype)
     return out.to(q_dtype)

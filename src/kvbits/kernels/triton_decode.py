@@ -826,7 +826,8 @@ def _reduce_kernel(M, L, ACC, OUT, n_split, BLOCK_S: tl.constexpr, D: tl.constex
         num = num * alpha + tl.sum(w[:, None] * a, 0)
         den = den * alpha + tl.sum(w * l_s, 0)
         m_run = m_new
-    tl.store(OUT + row * D + offs_d, (num / den).to(OUT.dtype.element_ty))
+    # no slot to attend to (every one masked): 0, as torch's SDPA gives, not 0 / 0; a NaN den stays NaN
+    tl.store(OUT + row * D + offs_d, tl.where(den == 0.0, 0.0, num / den).to(OUT.dtype.element_ty))
 
 
 def reduce_splits(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

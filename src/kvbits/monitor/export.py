@@ -109,9 +109,22 @@ def check_label_name(name: str, where: str = "", reserved: tuple[str, ...] = ())
 
 
 def prometheus_text(families: Iterable[MetricFamily]) -> str:
-    """The text exposition format: ``# HELP`` / ``# TYPE`` lines, then one line per sample."""
+    """The text exposition format: ``# HELP`` / ``# TYPE`` lines, then one line per sample. ``ValueError`` for a
+    family name given twice or two samples of one series (same suffix and labels): Prometheus' parser refuses a
+    second ``TYPE`` line for a name, and its scrape drops a second sample of a series as a duplicate."""
     lines = []
+    names: set[str] = set()
     for fam in families:
+        if fam.name in names:
+            raise ValueError(f"metric family {fam.name!r} is given twice; each name may appear once")
+        names.add(fam.name)
+        series: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+        for suffix, labels, _value in fam.samples:
+            key = (suffix, frozenset(labels.items()))
+            if key in series:
+                raise ValueError(f"metric {fam.name}{suffix} has two samples with labels {labels}; each series may "
+                                 "appear once")  # fmt: skip
+            series.add(key)
         lines.append(f"# HELP {fam.name} {fam.help.replace(chr(92), chr(92) * 2).replace(chr(10), ' ')}")
         lines.append(f"# TYPE {fam.name} {fam.type}")
         for suffix, labels, value in fam.samples:

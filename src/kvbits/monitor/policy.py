@@ -37,7 +37,10 @@ class FallbackPolicy:
             ``calibration_report()``); always reported as an event either way.
         scope: ``"layer"``: hold the layer that crossed (``QuantizedKVLayer.hold_full_precision``);
             ``"request"``: hold every layer of the cache (the whole batch it serves).
-        patience: consecutive measured blocks over a threshold, per layer and side, before acting.
+        patience: consecutive measured flushes over a threshold, per layer and side, before acting. A decode
+            flush quantizes one block; a prefill's flush quantizes many at once and counts once (read at its
+            worst block), as ``sample_every`` counts it once: ``clipped_fraction`` and ``beyond_calibration``
+            are read per flush, not per block.
         sample_every: measure one flush in this many per layer and side (1: all). Each measurement
             dequantizes the block once and reads a few numbers back to the host.
 

@@ -186,8 +186,8 @@ def plan(
         gpu_mem_gib: GPU memory in GiB; adds weights, ``max_concurrency`` and ``fits``.
         dtype_bytes: bytes per element of the model dtype, used for full-precision tokens (sinks,
             residual window, unflushed buffer) and weights; default from the config's dtype, else 2.
-        weights_gib: weights memory in GiB, overriding the estimate from the config.
-        reserve_gib: GPU memory kept free for activations and the runtime, in GiB.
+        weights_gib: weights memory in GiB, overriding the estimate from the config (with ``gpu_mem_gib`` only).
+        reserve_gib: GPU memory kept free for activations and the runtime, in GiB (with ``gpu_mem_gib`` only).
         fused_decode: the cache decodes through the fused kernel (``kvbits.cache.use_fused_decode`` on
             CUDA): pre-RoPE schemes then also hold RoPE tables (``rope_table_bytes``).
 
@@ -199,7 +199,8 @@ def plan(
     Raises:
         ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
             heads or layers, a scheme the cache can not store at the model's head dim (per-token groups
-            that do not divide it), ``gpu_mem_gib`` without any way to know the weights, or a scheme
+            that do not divide it), ``gpu_mem_gib`` without any way to know the weights, ``weights_gib`` or a
+            non-zero ``reserve_gib`` without ``gpu_mem_gib``, or a scheme
             listed twice (two spellings that resolve to one scheme name count: plans are told apart by
             name).
 
@@ -245,8 +246,12 @@ def plan(
     budget = None
     if gpu_mem_gib is not None:
         budget = _budget(shape, gpu_mem_gib, weights_gib, reserve_gib)
-    elif weights_gib is not None:
-        logger.info("weights_gib is used only with gpu_mem_gib; ignoring it")
+    else:  # they only enter the GPU budget: the plan would ignore them without a word (the CLI refuses them too)
+        given = [f"{name}={value!r}" for name, value, unset in (("weights_gib", weights_gib, None),
+                 ("reserve_gib", reserve_gib, 0)) if value is not None and value != unset]  # fmt: skip
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f"{' and '.join(given)} {verb} to the GPU budget alone: pass gpu_mem_gib as well")
 
     budgets = [budget] * len(schemes)
     if budget is not None:  # max_context does not depend on the context planned: once per scheme
