@@ -180,6 +180,7 @@ def test_load_model_by_hub_id_reads_only_the_cache(
         raise OSError("not in the cache")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)  # read first: encoders are refused
     with pytest.raises(RuntimeError, match=r"some-org/some-model.*hub is unreachable.*smollm2-135m"):
         load_model("some-org/some-model")
     assert seen == [{"local_files_only": True}]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_modules", "check_model", "check_model_arg"]
+__all__ = ["attention_modules", "check_causal_lm", "check_model", "check_model_arg"]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -20,6 +20,38 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         for m in model.modules()
         if isinstance(getattr(m, "layer_idx", None), int) and "Attention" in type(m).__name__
     ]
+
+
+def check_causal_lm(model: torch.nn.Module, where: str = "") -> None:
+    """``ValueError`` unless ``model`` is a decoder-only causal LM, the one check every entry point makes (a model
+    loaded by ``load_model``, one handed over as an object, the sites ``analyze`` / ``calibrate`` read): its config
+    passes ``kvbits.plan.config.check_causal_config`` (no encoder-decoder, no encoder), and no attention module
+    with a ``layer_idx`` has ``is_causal`` False (a bidirectional encoder's attention, or the cross-attention of an
+    encoder-decoder's decoder, e.g. ``BartForCausalLM``, ``WhisperForCausalLM``). ``where`` heads the message."""
+    from kvbits.plan.config import SUPPORTED_MODELS, check_causal_config
+
+    head = f"{where}: " if where else ""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is not None:
+        try:
+            check_causal_config(config, what=name)
+        except ValueError as exc:
+            raise ValueError(f"{head}{exc}") from None
+    modules = attention_modules(model)
+    both_ways = [m for m in modules if getattr(m, "is_causal", None) is False]
+    if not both_ways:
+        return
+    if len(both_ways) == len(modules):
+        why = "its attention is bidirectional (is_causal False: an encoder), so it keeps no KV cache while decoding"
+    else:
+        cross = sorted({m.layer_idx for m in both_ways})
+        why = (
+            f"its layers {cross[:4]}{' ...' if len(cross) > 4 else ''} also attend to an encoder's output "
+            f"(cross-attention, is_causal False: the decoder of an encoder-decoder model), whose K/V kvbits "
+            "neither stores nor quantizes"
+        )
+    raise ValueError(f"{head}{name} is not a decoder-only causal LM: {why}; {SUPPORTED_MODELS}")
 
 
 def attending_layers(model: torch.nn.Module, n_layers: int) -> list[int]:
@@ -48,6 +80,7 @@ def check_model(model: Any, where: str = "", *, attention: bool = False, by_name
     also ``ValueError`` when the model has no attention modules with a ``layer_idx`` (a state-space model
     such as Mamba keeps no KV cache: there is nothing to quantize or to route through the fused kernel).
     ``by_name``: the message says that the entry point also takes a name or path and a ``LoadedModel``.
+    With ``attention``, also :func:`check_causal_lm` (encoders and encoder-decoders are refused).
     """
     head = f"{where}: " if where else ""
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
@@ -57,6 +90,8 @@ def check_model(model: Any, where: str = "", *, attention: bool = False, by_name
             f"{head}model must be {also}a transformers model (a torch.nn.Module with a .config, e.g. from "
             f"AutoModelForCausalLM.from_pretrained or kvbits.evaluate.load_model(...).model), got {what}"
         )
+    if attention:
+        check_causal_lm(model, where)
     if attention and not attention_modules(model):
         raise ValueError(
             f"{head}{type(model).__name__} has no attention modules with a layer_idx, so it keeps no KV cache "

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvbits._model import check_causal_lm
 from kvbits.analyze.taps import capture_point
 from kvbits.analyze.taps import value_proj as _value_proj
 from kvbits.plan.config import layer_heads
@@ -126,9 +127,11 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
     """Every attention layer's K/V capture points, ordered by layer index (rules: the module docstring).
 
     Raises:
-        ValueError: no attention module with ``k_proj`` and ``v_proj``; two on one layer; a module whose
-            head dim or KV heads disagree with the config.
+        ValueError: not a decoder-only causal LM (``kvbits._model.check_causal_lm``: an encoder, an
+            encoder-decoder); no attention module with ``k_proj`` and ``v_proj``; two on one layer; a module
+            whose head dim or KV heads disagree with the config.
     """
+    check_causal_lm(model)
     config = getattr(model, "config", None)
     prefix, decoder = _decoder(model)
     found: list[tuple[str, torch.nn.Module, int]] = []

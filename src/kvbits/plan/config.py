@@ -22,6 +22,9 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   rules plus Qwen2's (``use_sliding_window``: layers ``i >= max_window_layers`` slide) and Gemma's legacy
   ``sliding_window_pattern`` (every ``pattern``-th layer is global).
 - **recurrent models** (xLSTM, RWKV, Mamba: no attention layer, no KV cache) are refused.
+- **encoder-decoder and encoder-only models** are refused by :func:`load_shape` (:func:`check_causal_config`): an
+  encoder-decoder's decoder also holds cross-attention K/V (Whisper, T5, BART), an encoder (BERT, RoBERTa,
+  DistilBERT) attends both ways and keeps no KV cache while decoding.
 - **DeciLM / Nemotron-NAS** (``block_configs``): each layer's KV heads are ``num_attention_heads /
   n_heads_in_group`` of its block; ``no_op`` / ``replace_with_linear`` attention holds nothing. Their weights are
   not estimated (per-block MLP widths): pass ``weights_gib``.
@@ -61,6 +64,7 @@ __all__ = [
     "LayerShape",
     "ModelShape",
     "attention_heads",
+    "check_causal_config",
     "dtype_bytes_of",
     "estimate_params",
     "layer_configs",
@@ -544,9 +548,48 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
 
 
 def load_shape(config: ConfigLike) -> ModelShape:
-    """:func:`resolve_config` then :func:`model_shape`: the planner's entry point for any config."""
+    """:func:`resolve_config`, :func:`check_causal_config`, then :func:`model_shape`: the planner's entry point for
+    any config."""
     cfg, name = resolve_config(config)
+    if not isinstance(cfg, ModelShape):
+        check_causal_config(cfg)
     return model_shape(cfg, name=name)
+
+
+SUPPORTED_MODELS = (
+    "kvbits supports decoder-only causal language models (*ForCausalLM: Llama, Qwen, Gemma, GPT-2, ...; the "
+    "attention layers of hybrid decoders such as LFM2 and Jamba; the language decoder of a vision-language model)"
+)
+"""What kvbits runs on, for the refusals of :func:`check_causal_config` and ``kvbits._model.check_causal_lm``."""
+
+
+def check_causal_config(config: Any, what: str = "") -> None:
+    """``ValueError`` unless ``config`` (a transformers config or a mapping) may describe a decoder-only causal LM.
+
+    Refused: ``is_encoder_decoder`` (T5, BART, Whisper, MusicGen: the decoder's cross-attention K/V, one entry per
+    encoder token, are neither planned nor quantized by kvbits), and an encoder (its text config's ``model_type`` has
+    a masked-LM head in transformers: BERT, RoBERTa, DistilBERT, ...) not configured with ``is_decoder=True``: its
+    attention is bidirectional, so it keeps no KV cache while decoding. ``what`` names the model in the message
+    (default: the config's class, or its ``model_type``).
+    """
+    text = text_config(config)
+    model_type = _get(text, "model_type")
+    name = what or (f"model type {model_type!r}" if isinstance(config, Mapping) else type(config).__name__)
+    if _get(config, "is_encoder_decoder") is True or _get(text, "is_encoder_decoder") is True:
+        raise ValueError(
+            f"{name} is not a decoder-only causal LM but an encoder-decoder model: its decoder also attends to the "
+            f"encoder's output through cross-attention, whose K/V kvbits neither stores, quantizes nor plans; "
+            f"{SUPPORTED_MODELS}"
+        )
+    if not isinstance(model_type, str) or _get(text, "is_decoder") is True:
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{name} is not a decoder-only causal LM but an encoder (model type {model_type!r} without "
+            f"is_decoder=True): its attention is bidirectional, so it keeps no KV cache while decoding; {SUPPORTED_MODELS}"
+        )
 
 
 # ------------------------------------------------------------------------------ weights

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbits._hub import hub_load_kwargs
+from kvbits._model import check_causal_lm
 from kvbits.evaluate.models.gguf import (
     _conversion_record,
     _convert_gguf,
@@ -27,7 +28,7 @@ from kvbits.evaluate.models.gguf import (
 )
 from kvbits.evaluate.models.registry import OFFLINE_MODELS, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
-from kvbits.plan.config import max_positions
+from kvbits.plan.config import check_causal_config, max_positions
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -154,7 +155,8 @@ def load_model(
     convert: bool = True,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (None for a model folder without tokenizer files: its
-    evaluations take token ids).
+    evaluations take token ids). An encoder or encoder-decoder is refused (``ValueError``,
+    ``kvbits._model.check_causal_lm``), from its config before its weights load.
 
     GGUF weights are dequantized by transformers to float; KV-cache quantization is then measured
     against this float model, so the weight format does not bias comparisons.
@@ -171,7 +173,7 @@ def load_model(
         A :class:`LoadedModel`, the model in eval mode with attention implementation ``sdpa``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):
@@ -192,6 +194,14 @@ def load_model(
     with_tokenizer = source.gguf_file is not None or not source.is_local or _has_tokenizer_files(Path(path))
     if not with_tokenizer:
         logger.info("%s holds no tokenizer files: loading it without a tokenizer (token ids only)", path)
+    if "gguf_file" not in kwargs:  # an encoder or encoder-decoder is refused before its weights load
+        try:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as exc:
+            if source.is_local:
+                raise
+            raise _hub_error(source, exc, unreachable) from exc
+        check_causal_config(config, what=f"{source.name} ({type(config).__name__})")
     try:
         with parsing:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs) if with_tokenizer else None
@@ -202,6 +212,7 @@ def load_model(
         if source.is_local:
             raise
         raise _hub_error(source, exc, unreachable) from exc
+    check_causal_lm(model)
     model = model.to(device).eval()
     if source.max_context is None:
         ctx = max_positions(model.config)  # the text config's, as the planner reads it
