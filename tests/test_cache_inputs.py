@@ -304,7 +304,7 @@ def _filled(T: int = 40) -> QuantizedKVCache:
     return cache
 
 
-@pytest.mark.parametrize("bad", [1.5, -2.0, True, False, "3", None, torch.tensor(-3), [3]])
+@pytest.mark.parametrize("bad", [1.5, -2.0, True, False, "3", None, torch.tensor(-3.0), torch.tensor([-3]), torch.tensor(True), [3]])
 def test_crop_refuses_non_ints(bad):
     cache = _filled()
     before = cache.materialize(0)
@@ -314,6 +314,16 @@ def test_crop_refuses_non_ints(bad):
     assert cache.get_seq_length() == 40 and all(torch.equal(a, b) for a, b in zip(cache.materialize(0), before))
     with pytest.raises(TypeError, match="takes an int"):  # also with no layer to ask (lazily created layers)
         QuantizedKVCache(scheme="int8-token").crop(bad)
+
+
+def test_crop_takes_a_0d_integer_tensor():
+    """transformers 5.17's assisted decoding rolls rejected drafts back with ``crop(tensor(-3))``, which
+    ``DynamicCache`` takes; so do the cache and its layers (before: a TypeError, once identity layers were croppable)."""
+    cache = _filled()
+    cache.crop(torch.tensor(-3))
+    assert cache.get_seq_length() == 37
+    cache.layers[0].crop(torch.tensor(-2, dtype=torch.int32))
+    assert cache.layers[0].get_seq_length() == 35
 
 
 def test_crop_range():

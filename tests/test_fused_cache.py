@@ -212,9 +212,12 @@ def code_flips(a: QuantizedKVCache, b: QuantizedKVCache, *, edges: bool = False)
 
 
 def assert_same_bytes(a: QuantizedKVCache, b: QuantizedKVCache) -> None:
-    """Same memory report, and the fused cache holds no tensor beyond it (+ its RoPE tables)."""
+    """Same memory report, and the fused cache holds no tensor beyond it (+ its RoPE tables and position offsets).
+    The offsets (``position_bytes``, apart from ``total_bytes``) may differ: transformers 5.17 hands the cache no
+    position ids, so there only a generation through kvbits' attention (``track_positions``) records them; which
+    one did depended on the tests run before it in the process."""
     ra, rb = a.memory_report(), b.memory_report()
-    assert ra == rb
+    assert {k: v for k, v in ra.items() if k != "position_bytes"} == {k: v for k, v in rb.items() if k != "position_bytes"}
     extra = b.fused_report()["rope_table_bytes"] + rb["position_bytes"]
     assert storage_bytes(walk_tensors(b)) == rb["total_bytes"] + extra
 

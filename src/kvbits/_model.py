@@ -73,14 +73,16 @@ def check_every_layer_attends(model: torch.nn.Module, n_layers: int, where: str,
         )
 
 
-def check_model(model: Any, where: str = "", *, attention: bool = False, by_name: bool = False) -> None:
+def check_model(
+    model: Any, where: str = "", *, attention: bool = False, by_name: bool = False, causal: bool | None = None
+) -> None:
     """``TypeError`` unless ``model`` is a transformers model (a ``torch.nn.Module`` with a ``config``).
 
     ``where`` names the entry point at the head of the message (``"simulate"``), if given. ``attention``:
     also ``ValueError`` when the model has no attention modules with a ``layer_idx`` (a state-space model
     such as Mamba keeps no KV cache: there is nothing to quantize or to route through the fused kernel).
     ``by_name``: the message says that the entry point also takes a name or path and a ``LoadedModel``.
-    With ``attention``, also :func:`check_causal_lm` (encoders and encoder-decoders are refused).
+    ``causal`` (default: ``attention``): also :func:`check_causal_lm` (encoders and encoder-decoders are refused).
     """
     head = f"{where}: " if where else ""
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
@@ -90,7 +92,7 @@ def check_model(model: Any, where: str = "", *, attention: bool = False, by_name
             f"{head}model must be {also}a transformers model (a torch.nn.Module with a .config, e.g. from "
             f"AutoModelForCausalLM.from_pretrained or kvbits.evaluate.load_model(...).model), got {what}"
         )
-    if attention:
+    if attention if causal is None else causal:
         check_causal_lm(model, where)
     if attention and not attention_modules(model):
         raise ValueError(

@@ -213,7 +213,9 @@ def use_fused_decode(model: Any) -> str:
             ``AttentionInterface`` (transformers then keeps its implementation): its decode steps would
             attend over dequantized K/V whatever the cache's ``fused_decode`` says.
     """
-    check_model(model, "use_fused_decode", attention=True)
+    # not only decoder-only LMs: a cache serves the self-attention it is handed, e.g. T5's decoder through an
+    # EncoderDecoderCache(QuantizedKVCache, DynamicCache); kvbits' measurements are what refuse such models
+    check_model(model, "use_fused_decode", attention=True, causal=False)
     from kvbits.cache.positions import track_positions
 
     if getattr(model, "_supports_sdpa", True) is False:

@@ -114,7 +114,15 @@ def _repeats_heads(x: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def check_crop_arg(tokens_to_remove: Any) -> int:
-    """``crop``'s argument as an ``int``: ``TypeError`` for anything else (a bool, float, str, tensor, ...)."""
+    """``crop``'s argument as an ``int``: ``TypeError`` for anything else (a bool, float, str, a tensor of more than one
+    element or not of integers, ...). A 0-d integer tensor is read (one host sync, once per crop): transformers 5.17's
+    assisted decoding rolls rejected drafts back with ``crop(tensor(-3))``."""
+    if (
+        isinstance(tokens_to_remove, torch.Tensor)
+        and tokens_to_remove.dim() == 0
+        and tokens_to_remove.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+    ):
+        return int(tokens_to_remove)
     if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
         raise TypeError(
             "crop(tokens_to_remove) takes an int (negative: remove that many tokens from the end; positive: keep "
