@@ -672,3 +672,48 @@ def test_a_group_of_two_tokens_is_refused_by_name(kw, T, message):
     """``channel_group=2`` (or 2-token windows) raised the scheme layer's "asymmetric group of 2" error."""
     with pytest.raises(ValueError, match=message):
         analyze(tiny_llama(outlier=False), torch.ones(1, T, dtype=torch.long), **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_layers_with_the_same_rope_share_one_cos_sin_table(monkeypatch, family):
+    """analyze kept a cos/sin pair per layer although a Llama's layers all rotate alike: 32 layers at 32K tokens
+    and D=128 held 1 GiB of float32 copies (measured 64 MiB for 32 layers at 2048 tokens; now 2 MiB). Layers with
+    the same RoPE now share one pair, layers with their own base (Gemma 3's global layers) keep theirs, and every
+    layer's keys are rotated bit for bit as with its own tables."""
+    from kvbits.quant import rope
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_hidden_layers": 4, "intermediate_size": 64, "vocab_size": 64}  # fmt: skip
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**base)
+    else:
+        types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+        cfg = transformers.Gemma3TextConfig(**base, sliding_window=8, layer_types=types)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    T = 40
+    own = RotaryTables.from_model(model)
+    fresh = [own.tables_for_layer(i).cos_sin(torch.arange(T), torch.float32) for i in range(4)]
+    calls: list[tuple[int, int]] = []  # (layer, cos storage) per rotation, in hook order (layers 0..3)
+    storages: dict[int, int] = {}
+    orig = rope.apply_rope
+
+    def spy(x, cos, sin):
+        if x.shape[2] != T:  # RotaryTables' convention probe
+            return orig(x, cos, sin)
+        layer = len(calls) % 4
+        assert torch.equal(orig(x, cos, sin), orig(x, *fresh[layer]))  # the keys the statistics see, bit for bit
+        calls.append((layer, cos.untyped_storage().data_ptr()))
+        for t in (cos, sin):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return orig(x, cos, sin)
+
+    monkeypatch.setattr(rope, "apply_rope", spy)
+    res = analyze(model, torch.randint(1, 64, (2, T), generator=torch.Generator().manual_seed(1)), sample_tokens=64,
+                  channel_group=8)  # fmt: skip
+    assert len(calls) == 8 and all(la.key_post_rope is not None for la in res.layers)
+    table_of = {layer: ptr for layer, ptr in calls}
+    groups = [[0, 1, 2, 3]] if family == "llama" else [[0, 2], [1, 3]]
+    assert sorted(sorted(i for i in table_of if table_of[i] == table_of[g[0]]) for g in groups) == groups
+    assert len(set(table_of.values())) == len(groups)
+    assert sum(storages.values()) == len(groups) * 2 * T * 16 * 4  # one float32 cos and sin (T, D) per group

@@ -11,7 +11,8 @@ modules, and their ``(H_kv, D)``: :mod:`kvbits.analyze.sites`, shared with ``kvb
 - **values**: the output of ``v_proj`` (or ``v_norm`` when present).
 
 Statistics are updated inside the hooks and the tensors dropped, so memory holds one layer's K/V of
-one window at a time plus each layer's fixed-size sample (``stats.BlockReservoir``). Hooks are
+one window at a time plus each layer's fixed-size sample (``stats.BlockReservoir``) and one cos/sin pair ``(T, D_rot)``
+per distinct RoPE (shared by the layers that rotate alike). Hooks are
 registered in a context manager and always removed.
 """
 
@@ -209,6 +210,13 @@ def _rotary_tables(model: torch.nn.Module) -> tuple[Any, bool]:
         return None, not isinstance(exc, NotImplementedError)
 
 
+def _table_key(tables: Any) -> tuple[Any, ...]:
+    """What ``tables.cos_sin`` depends on besides the positions: layers whose keys are equal get the same cos/sin
+    (a Llama's every layer; Gemma 3's local layers share one pair and its global layers, with their own base, another).
+    The rotary module is shared by every ``tables_for_layer`` of one model; ``head_dim`` does not enter the tables."""
+    return id(tables.rotary), tables.layer_type, tables.rot_dim, tables.half_tables
+
+
 def analyze(
     model: torch.nn.Module,
     windows: torch.Tensor,
@@ -282,7 +290,8 @@ def analyze(
     layer_tables = {s.layer_idx: tables.tables_for_layer(s.layer_idx) for s in sites} if tables is not None else {}
     # the hooks read what the cache holds (a family transforming K/V elsewhere is refused here, before the passes)
     verify_taps(model, windows, [layer_tables[s.layer_idx] for s in sites] if tables is not None else None)
-    cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # one cos/sin pair per distinct table (not per layer: 32 layers x 32K tokens x D=128 held 1 GiB of copies)
+    cos_sin: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     reservoir = BlockReservoir(sample_tokens // block, seed=seed)
     plan: list[tuple[int, int]] = []
 
@@ -296,10 +305,11 @@ def analyze(
         xf = x.float()
         st["key_pre_rope"].update(xf, plan)
         if layer in layer_tables:
-            if layer not in cos_sin or cos_sin[layer][0].shape[1] != xf.shape[2]:
+            key = (*_table_key(layer_tables[layer]), xf.device, xf.shape[2])
+            if key not in cos_sin:
                 cos, sin = layer_tables[layer].cos_sin(torch.arange(xf.shape[2]), torch.float32)
-                cos_sin[layer] = (cos.to(xf.device), sin.to(xf.device))
-            st["key_post_rope"].update(apply_rope(xf, *cos_sin[layer]), plan)
+                cos_sin[key] = (cos.to(xf.device), sin.to(xf.device))
+            st["key_post_rope"].update(apply_rope(xf, *cos_sin[key]), plan)
 
     extra = last_logits_only(model)
     with torch.no_grad(), kv_hooks(model, on_kv):
