@@ -96,6 +96,20 @@ def test_plan_fused_decode_adds_rope_tables(capsys):
     assert "RoPE tables of fused pre-RoPE decode (kvquant-4-block 20.00 MiB)" in out
 
 
+def test_plan_fused_decode_reads_the_config_s_rope(capsys, tmp_path):
+    """``--config ... --fused-decode`` counts the tables the fused cache keeps for this model's RoPE: none for
+    Phi's partial rotary embedding, which the fused path declines (before: 131,072 bytes counted, the cache 0)."""
+    base = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "hidden_size": 128, "max_position_embeddings": 4096}  # fmt: skip
+    got = {}
+    for name, cfg in (("llama", base), ("phi", {**base, "model_type": "phi", "partial_rotary_factor": 0.5})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        argv = ["plan", "--config", str(path), "--context", "300", "--scheme", "kvquant-4-block", "--fused-decode"]
+        got[name] = run_json(capsys, [*argv, "--json"])[0]["rope_table_bytes"]
+    assert got == {"llama": 131_072, "phi": 0}
+
+
 def test_plan_table_worked_example(capsys):
     assert main(["plan", *WORKED, "--scheme", "fp16"]) == 0
     out = capsys.readouterr().out

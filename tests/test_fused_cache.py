@@ -520,6 +520,42 @@ def test_pre_rope_keys_of_a_nope_layer_are_served_fused(caplog, scheme: str):
     assert_same_bytes(ref, cache)
 
 
+ROPE_CONFIGS = {  # tiny configs of each way a model's RoPE reaches the fused path's tables
+    "llama": lambda c: transformers.LlamaConfig(**c),
+    "qwen2": lambda c: transformers.Qwen2Config(**c),
+    "phi-partial": lambda c: transformers.PhiConfig(**{k: v for k, v in c.items() if k != "head_dim"},
+                                                    partial_rotary_factor=0.5),  # declined: 8 of 16 channels
+    "llama-dynamic": lambda c: transformers.LlamaConfig(
+        **c, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),  # declined
+    "smollm3": lambda c: transformers.SmolLM3Config(**c, no_rope_layers=[1, 0]),  # layer 1: no RoPE, no tables
+    "smollm3-nope": lambda c: transformers.SmolLM3Config(**c, no_rope_layers=[0, 0]),
+}  # fmt: skip
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", list(ROPE_CONFIGS))
+def test_planned_rope_tables_are_the_cache_s(arch: str):
+    """``plan(config, fused_decode=True)`` counts the RoPE tables ``QuantizedKVCache(fused_decode=True)`` really
+    holds: none for partial rotary and length-dependent rope (the fused path declines those layers), for NoPE
+    layers (served without tables) and for rotated pre-RoPE keys (declined). Before, the planner counted half-width
+    tables for every pre-RoPE layer: Phi 65,536 bytes, dynamic rope and an all-NoPE SmolLM3 131,072, cache 0."""
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "pad_token_id": 0}  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(ROPE_CONFIGS[arch](common)).eval()
+    rotated = KVScheme("t-prerope-rot", key=spec(4, "channel", 16, pre_rope=True, **HAD),
+                       value=spec(4, "token", 16), sinks=2, residual=4, block=16)  # fmt: skip
+    for sch in [PRE_ROPE, rotated] if arch == "llama" else [PRE_ROPE]:
+        seq, _, cache = generate(model, sch, fused=True, attn=True, new=4)
+        rep = cache.fused_report()
+        planned = plan(model.config, context=PROMPT + 3, batch=seq.shape[0], scheme=sch, dtype_bytes=4,
+                       fused_decode=True)  # fmt: skip
+        assert planned["rope_table_bytes"] == rep["rope_table_bytes"], (sch.name, rep)
+        assert planned["total_bytes"] == cache.memory_report()["total_bytes"] + rep["rope_table_bytes"]
+        holds = arch in ("llama", "qwen2", "smollm3") and sch is PRE_ROPE
+        assert (rep["rope_table_bytes"] > 0) == holds, rep
+
+
 def test_pre_rope_rotated_keys_fall_back_logged(caplog):
     """Pre-RoPE keys stored rotated: the kernel would apply RoPE to codes in the rotated basis. Declined with
     the reason logged; every step attends over dequantized K/V, identical to the plain path, same bytes."""

@@ -65,6 +65,8 @@ def test_plan_does_not_import_transformers_or_torch_for_plain_inputs():
         "d = {'num_hidden_layers': 2, 'num_attention_heads': 4, 'hidden_size': 256}\n"
         "r = kvbits.plan(d, context=10)\n"
         "assert r['total_bytes'] == 2 * 2 * 2 * 4 * 64 * 10, r\n"
+        "f = kvbits.plan(d, context=300, scheme='kvquant-4-block', fused_decode=True)\n"
+        "assert f['rope_table_bytes'] == 2 * 4 * 1024 * 32, f\n"  # no config to read RoPE from: half width
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -611,6 +613,39 @@ def test_fused_decode_counts_rope_tables_once_per_model():
     for bad in ("auto", "no", 1):
         with pytest.raises(TypeError, match="fused_decode must be True or False"):
             plan(shape, context=T, scheme="kvquant-4-block", fused_decode=bad)
+
+
+def test_fused_rope_tables_follow_the_model_s_rope():
+    """``fused_decode=True`` reads each full layer's RoPE from the model's rotary module (``LayerShape.rope_tables``):
+    half-width tables for rotate-half RoPE over the whole head, none for NoPE layers (SmolLM3's ``no_rope_layers``) and
+    for layers the fused path declines (partial rotary, ``dynamic`` rope), nor for rotated pre-RoPE keys. Before,
+    every pre-RoPE layer counted half-width tables (Phi 65,536 bytes here, the cache 0; tests/test_fused_cache.py
+    compares with real caches)."""
+    from kvbits.plan.shape import LayerShape
+
+    base = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "hidden_size": 128}  # fmt: skip
+
+    def kinds(cfg: dict) -> list[str]:
+        return [layer.rope_tables for layer in load_shape(cfg, rope=True).layers]
+
+    assert kinds(base) == ["half", "half"] and [x.rope_tables for x in load_shape(base).layers] == ["half"] * 2
+    assert kinds({**base, "model_type": "phi", "partial_rotary_factor": 0.5}) == ["none", "none"]
+    assert kinds({**base, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}) == ["none"] * 2
+    assert kinds({**base, "model_type": "smollm3", "no_rope_layers": [1, 0]}) == ["half", "none"]
+    T, s = 300, "kvquant-4-block"  # 257 positions, 1024 rows: 2 * 4 * 1024 * 16 bytes at half width
+    assert plan(base, context=T, scheme=s, fused_decode=True)["rope_table_bytes"] == 131_072
+    phi = {**base, "model_type": "phi", "partial_rotary_factor": 0.5}
+    assert plan(phi, context=T, scheme=s, fused_decode=True)["rope_table_bytes"] == 0
+    rotated = get_scheme(s).to_dict() | {"name": "t-prerope-rot"}
+    rotated["key"] = rotated["key"] | {"rotate": "hadamard"}
+    assert plan(base, context=T, scheme=rotated, fused_decode=True)["rope_table_bytes"] == 0
+    # a ModelShape says it per layer: full width doubles, none counts nothing
+    half, full, none = (ModelShape(layers=(LayerShape(2, 32, rope_tables=k),) * 2) for k in ("half", "full", "none"))
+    assert [plan(x, context=T, scheme=s, fused_decode=True)["rope_table_bytes"] for x in (half, full, none)] == [
+        131_072, 262_144, 0]  # fmt: skip
+    with pytest.raises(ValueError, match=r"rope_tables must be one of \('half', 'full', 'none'\), got 'partial'"):
+        LayerShape(2, 32, rope_tables="partial")
 
 
 def test_weights_from_config_estimate():

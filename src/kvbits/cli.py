@@ -289,7 +289,7 @@ def _plan_shape(args: argparse.Namespace) -> Any:
             raise ValueError(
                 "--sliding-window applies to planning from dimensions; the config decides its windows"
             )
-        shape = load_shape(args.config)
+        shape = load_shape(args.config, rope=args.fused_decode)  # the RoPE tables fused decode keeps
         return shape.with_overrides(
             layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype_bytes=args.dtype_bytes
         )

@@ -41,6 +41,7 @@ standard keys, or a :class:`ModelShape`, plans without it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -468,8 +469,11 @@ def quantized_weights(config: Any) -> str | None:
     return f"{method} {bits}-bit" if bits else method
 
 
-def model_shape(config: Any, *, name: str = "") -> ModelShape:
+def model_shape(config: Any, *, name: str = "", rope: bool = False) -> ModelShape:
     """Read a :class:`ModelShape` from a transformers config object or a plain mapping.
+
+    ``rope=True``: also each full-attention layer's ``LayerShape.rope_tables``, from the model's own rotary module
+    (:func:`_rope_tables`; builds it, so imports torch). Without it every layer keeps the default ``"half"``.
 
     Raises:
         ValueError: the config lacks layers or heads, or describes something kvbits can not plan
@@ -530,6 +534,8 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
         layers.append(LayerShape(kv, d, kind, window))
     if _get(text, "block_configs") is not None:  # DeciLM / Nemotron-NAS: KV heads per block
         layers = _block_layers(text, n_layers)
+    if rope:
+        layers = _rope_tables(config, layers)
     dtype = dtype_bytes_of(_dtype_field(text)) or dtype_bytes_of(_dtype_field(config))
     if dtype is None:
         logger.debug("config carries no known dtype; assuming 2 bytes (fp16/bf16)")
@@ -547,13 +553,40 @@ def model_shape(config: Any, *, name: str = "") -> ModelShape:
     return shape.replace(params=params)
 
 
-def load_shape(config: ConfigLike) -> ModelShape:
-    """:func:`resolve_config`, :func:`check_causal_config`, then :func:`model_shape`: the planner's entry point for
-    any config."""
+def load_shape(config: ConfigLike, *, rope: bool = False) -> ModelShape:
+    """:func:`resolve_config`, :func:`check_causal_config`, then :func:`model_shape` (``rope``: see there): the
+    planner's entry point for any config."""
     cfg, name = resolve_config(config)
     if not isinstance(cfg, ModelShape):
         check_causal_config(cfg)
-    return model_shape(cfg, name=name)
+    return model_shape(cfg, name=name, rope=rope)
+
+
+def _rope_tables(config: Any, layers: list[LayerShape]) -> list[LayerShape]:
+    """``layers`` with ``rope_tables`` set for the full-attention ones as ``QuantizedKVCache(fused_decode=True)``
+    keeps them: from the tables the cache builds (``RotaryTables.from_config(config).tables_for_layer(i)``),
+    ``"none"`` where ``kvbits.cache.fused.layout_reason`` serves pre-RoPE keys without tables (a NoPE layer:
+    ``rot_dim`` 0) or declines them (partial rotary, a length-dependent rope type). Unchanged (``"half"``) when no
+    tables can be built: a plain mapping (no transformers config), a family without RoPE or of another convention
+    (the cache refuses pre-RoPE keys there)."""
+    if isinstance(text_config(config), Mapping) or not any(layer.attention == "full" for layer in layers):
+        return layers
+    from kvbits.quant.rope import RotaryTables  # imports torch: only asked for by fused_decode plans
+
+    try:
+        rotary = RotaryTables.from_config(config)
+        tables = [rotary.tables_for_layer(i) if layer.attention == "full" else None for i, layer in enumerate(layers)]
+    except (ValueError, NotImplementedError) as exc:
+        logger.debug("no RoPE tables for this config (%s): counting half-width tables", exc)
+        return layers
+    out = []
+    for layer, t in zip(layers, tables):
+        if t is not None:
+            served = t.rot_dim == t.head_dim and not t.length_dependent  # else none (rot_dim 0) or declined
+            kind = "none" if not served else "half" if t.halves_equal else "full"
+            layer = dataclasses.replace(layer, rope_tables=kind)
+        out.append(layer)
+    return out
 
 
 SUPPORTED_MODELS = (

@@ -31,21 +31,27 @@ _Group = tuple[KVScheme, LayerShape]
 
 
 def fused_pre_rope(scheme: KVScheme) -> bool:
-    """Pre-RoPE keys the fused kernel reads from its packed layout (and rotates from RoPE tables)."""
-    return scheme.key.pre_rope and scheme.key.kind in PACKED_KINDS and scheme.value.kind in PACKED_KINDS
+    """Pre-RoPE keys the fused kernel reads from its packed layout (and rotates from RoPE tables); it declines
+    rotated pre-RoPE keys and centred / smoothed values (``kvbits.cache.fused.layout_reason``): no tables."""
+    return (
+        scheme.key.pre_rope and scheme.key.kind in PACKED_KINDS and scheme.value.kind in PACKED_KINDS
+        and scheme.key.rotate is None and not scheme.value.has_channel_transform
+    )  # fmt: skip
 
 
 def fused_rope_table_bytes(layers: Iterable[tuple[KVScheme, LayerShape]], n_tokens: int) -> int:
     """The RoPE tables fused decode keeps for ``(layer scheme, layer shape)`` pairs after ``n_tokens`` tokens:
-    one float32 cos/sin pair per head dim, covering the positions the quantized pre-RoPE keys reach
+    one float32 cos/sin pair per head dim and table width (``LayerShape.rope_tables``: none for a layer without
+    RoPE or one the fused path declines), covering the positions the quantized pre-RoPE keys reach
     (``RopeTableCache.get(rotary, n_sinks + n_dropped + T_q, ...)``), full-attention layers only."""
-    positions: dict[int, int] = {}  # head dim -> positions the tables must cover
+    positions: dict[tuple[int, str], int] = {}  # (head dim, table width) -> positions the tables must cover
     for s, layer in layers:
-        if layer.attention == "full" and fused_pre_rope(s):
+        if layer.attention == "full" and layer.rope_tables != "none" and fused_pre_rope(s):
             split = token_split(s, n_tokens)
             if split.quantized:
-                positions[layer.head_dim] = max(positions.get(layer.head_dim, 0), split.sink + split.quantized)
-    return sum(rope_table_bytes(n, d // 2) for d, n in positions.items())
+                key = (layer.head_dim, layer.rope_tables)
+                positions[key] = max(positions.get(key, 0), split.sink + split.quantized)
+    return sum(rope_table_bytes(n, d // 2 if kind == "half" else d) for (d, kind), n in positions.items())
 
 
 def _groups(shape: ModelShape, scheme: KVScheme) -> Counter[_Group]:

@@ -23,6 +23,9 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
   float32 cos/sin tables fused decode keeps on the device to rotate keys in the kernel, once per model
   (not per sequence), at their grown size for the positions the quantized keys reach
   (:func:`kvbits.schemes.accounting.rope_table_bytes`; half width: rotate-half RoPE over the whole head).
+  None for layers without RoPE (SmolLM3's NoPE layers) and layers whose pre-RoPE keys the fused path declines
+  (partial rotary, ``dynamic`` / ``longrope`` rope, rotated pre-RoPE keys, centred values): read from the model's
+  rotary module (``LayerShape.rope_tables``) when planning from a config; a :class:`ModelShape` says it per layer.
   It is added to ``total_bytes`` (and, with ``fused_decode``, ``components["rope_tables"]``); an upper bound of what the cache
   holds, reached unless the tables last grew at fewer positions. 0 otherwise.
 - ``step_bytes``: what one step allocates beside the held bytes, at least: the K and V of the largest
@@ -189,7 +192,8 @@ def plan(
         weights_gib: weights memory in GiB, overriding the estimate from the config (with ``gpu_mem_gib`` only).
         reserve_gib: GPU memory kept free for activations and the runtime, in GiB (with ``gpu_mem_gib`` only).
         fused_decode: the cache decodes through the fused kernel (``kvbits.cache.use_fused_decode`` on
-            CUDA): pre-RoPE schemes then also hold RoPE tables (``rope_table_bytes``).
+            CUDA): pre-RoPE schemes then also hold RoPE tables (``rope_table_bytes``; a config is read with
+            ``load_shape(config, rope=True)``, which builds its rotary module).
 
     Returns:
         One dict (see the module docstring for each field) when ``scheme`` and ``context`` are
@@ -209,16 +213,16 @@ def plan(
         >>> plan(ModelShape.from_dims(32, 32, 128), context=32768, batch=8)["total_bytes"]
         137438953472
     """
-    shape = load_shape(config)
-    if dtype_bytes is not None:
-        _check_dtype_bytes(dtype_bytes)
-        shape = shape.replace(dtype_bytes=dtype_bytes)
-    batch = _positive_int(batch, "batch")
     if not isinstance(fused_decode, bool):  # "auto" (as the cache takes) or "no" would count as True
         raise TypeError(
             f"fused_decode must be True or False (whether decoding goes through the fused kernel), got "
             f"{fused_decode!r}"
         )
+    shape = load_shape(config, rope=fused_decode)
+    if dtype_bytes is not None:
+        _check_dtype_bytes(dtype_bytes)
+        shape = shape.replace(dtype_bytes=dtype_bytes)
+    batch = _positive_int(batch, "batch")
     if context is None:
         if shape.max_context is None:
             raise ValueError("context is required: the config has no max_position_embeddings to default to")

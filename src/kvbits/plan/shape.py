@@ -14,9 +14,14 @@ from typing import Any, Union
 
 from kvbits.schemes.presets import MAX_LAYERS
 
-__all__ = ["ATTENTION_KINDS", "MAX_LAYERS", "MIN_WINDOW", "ConfigLike", "LayerShape", "ModelShape", "dtype_bytes_of"]
+__all__ = [
+    "ATTENTION_KINDS", "MAX_LAYERS", "MIN_WINDOW", "ROPE_TABLES", "ConfigLike", "LayerShape", "ModelShape",
+    "dtype_bytes_of",
+]  # fmt: skip
 
 ATTENTION_KINDS = ("full", "sliding", "none")
+ROPE_TABLES = ("half", "full", "none")
+"""``LayerShape.rope_tables``: the float32 RoPE tables fused decode keeps for the layer's pre-RoPE keys."""
 
 _DTYPE_BYTES = {
     "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -62,12 +67,19 @@ class LayerShape:
             ``W - 1`` tokens, as transformers' ``DynamicSlidingWindowLayer``), or ``"none"`` (stores
             no KV: linear attention, SSM, MLP-only, or KV shared with an earlier layer).
         window: ``W`` for sliding layers, else None.
+        rope_tables: the RoPE tables fused decode keeps for the layer's pre-RoPE keys
+            (``kvbits.cache.fused.RopeTableCache``): ``"half"`` (rotate-half RoPE over the whole head, tables
+            ``D / 2`` wide: the default, assumed when the model's RoPE is not known), ``"full"`` (``D`` wide: tables
+            whose halves differ) or ``"none"`` (a layer without RoPE, served without tables, or one whose keys
+            the fused path declines: partial rotary, a length-dependent rope type). Read from the model's own
+            rotary module by ``load_shape(config, rope=True)``.
     """
 
     kv_heads: int
     head_dim: int
     attention: str = "full"
     window: int | None = None
+    rope_tables: str = "half"
 
     def __post_init__(self) -> None:
         _check_int(self.kv_heads, "kv_heads")
@@ -76,6 +88,8 @@ class LayerShape:
             _check_int(self.window, "window")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"LayerShape.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.rope_tables not in ROPE_TABLES:
+            raise ValueError(f"LayerShape.rope_tables must be one of {ROPE_TABLES}, got {self.rope_tables!r}")
         if self.attention != "none" and (self.kv_heads < 1 or self.head_dim < 1):
             raise ValueError(
                 f"need kv_heads >= 1 and head_dim >= 1, got kv_heads={self.kv_heads}, "
