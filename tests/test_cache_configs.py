@@ -57,3 +57,27 @@ def test_heterogeneous_latent_attention_is_refused_clearly():
     for make in (lambda: QuantizedKVCache(config=cfg), lambda: StaticQuantizedKVCache(config=cfg, max_cache_len=16)):
         with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank=\d+ in layer 0.*MHA/GQA/MQA"):
             make()
+
+
+def test_batch_size_is_what_transformers_caches_report():
+    """transformers' ``Cache.batch_size`` is -1 before any layer holds K/V (``StaticCache``, ``DynamicCache``),
+    skipping layers not yet updated. A fresh ``QuantizedKVCache`` gave None and raised "The batch size is not
+    consistent across layers: [3, None]" after layer 0's update; ``StaticQuantizedKVCache`` gave -1 even with
+    3 sequences stored. Now -1, then 3, as ``StaticCache``."""
+    from transformers import LlamaConfig, StaticCache
+
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)  # fmt: skip
+    kv = torch.randn(3, 2, 5, 16)
+    for cache in (StaticCache(config=cfg, max_cache_len=16), QuantizedKVCache(config=cfg), QuantizedKVCache(),
+                  StaticQuantizedKVCache(config=cfg, max_cache_len=16)):  # fmt: skip
+        seen = [cache.batch_size]
+        for layer_idx in (0, 1):
+            cache.update(kv, kv, layer_idx)
+            seen.append(cache.batch_size)
+        assert seen == [-1, 3, 3], type(cache).__name__
+    assert DynamicCache(config=cfg).batch_size == -1
+    cache = QuantizedKVCache(config=cfg)
+    cache.update(kv, kv, 0)
+    cache.reset()
+    assert cache.batch_size == -1

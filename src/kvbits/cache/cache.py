@@ -34,6 +34,7 @@ from kvbits.cache.fixed import install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import (
     QuantizedKVLayer,
+    cache_batch_size,
     check_beam_idx,
     check_crop_arg,
     check_max_cache_len,
@@ -463,6 +464,12 @@ class QuantizedKVCache(Cache):
             raise
         if watched:  # lazy: their clipped counts came back with the check's maxima (no sync of their own)
             self._look_at_clipping(watched)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences cached, ``-1`` before the first update (transformers' ``Cache.batch_size``: it gave ``None``
+        here, and raised while some layers were still empty)."""
+        return cache_batch_size(self.layers)
 
     def reset(self) -> None:
         """Empty every layer (and forget a failed lazy K/V check)."""
