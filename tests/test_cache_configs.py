@@ -81,3 +81,12 @@ def test_batch_size_is_what_transformers_caches_report():
     cache.update(kv, kv, 0)
     cache.reset()
     assert cache.batch_size == -1
+
+
+def test_a_config_dict_is_refused_naming_the_config_object():
+    """The cache needs the config object (its layer types come from transformers' resolver): a dict was refused as
+    having "no num_hidden_layers / num_attention_heads" although it had both; now a TypeError saying what to pass."""
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    for make in (lambda: QuantizedKVCache(config=config), lambda: StaticQuantizedKVCache(config=config, max_cache_len=8)):
+        with pytest.raises(TypeError, match=r"needs the model's transformers config \(model.config.*got a dict"):
+            make()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -67,6 +68,11 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
     """
     text = text_config(config)
     name = type(text).__name__
+    if isinstance(text, Mapping):  # kvbits.plan reads a config.json's dict; the cache's layers need the config object
+        raise TypeError(
+            f"QuantizedKVCache needs the model's transformers config (model.config, AutoConfig.from_pretrained), "
+            f"got a {name}"
+        )
     n_layers = config_value(text, "num_hidden_layers")
     # a heterogeneous config (Step3p7, Dots3 Note, Gemma 4) refuses global reads of its per-layer attributes
     # (AmbiguousGlobalPerLayerAttributeError): read them from each layer's config, as the planner does
