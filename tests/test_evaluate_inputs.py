@@ -369,3 +369,25 @@ def test_numpy_prompt_len_fractional_layers_and_short_token_windows(caplog):
     with caplog.at_level(logging.WARNING, logger="kvbits"):
         assert evaluate(model, ids, 32, ["int4-token"], windows=3, attn_layers=[np.int64(1)])["windows"] == 1
     assert "asked for 3 windows but the token data holds only 1 rows; using 1" in caplog.text
+
+
+def test_simulate_and_stream_take_prompt_len_and_attn_layers_as_evaluate_does():
+    """``simulate(attn_layers=[0.7])`` recorded layer 0 (``int(0.7)``) and ``attn_layers=[5]`` of a 2-layer model
+    recorded nothing, both without a word; a NumPy ``prompt_len`` was refused by both ("needs 0 < prompt_len <
+    T=16, got np.int64(8)"), ``stream_hidden`` prefilled 1 token for ``prompt_len=True`` and ignored a
+    ``prompt_len`` given with ``semantics='decode'``. Now as ``evaluate()`` takes them."""
+    import numpy as np
+
+    model, ids = _llama(), _ids(16)
+    for bad, message in (([0.7], r"must be layer indices \(ints\), got \[0.7\]"), ([5], r"must be in \[0, 2\), got \[5\]")):
+        with pytest.raises(ValueError, match=f"attn_layers {message}"), simulate_fn(model, "int4-token", attn_layers=bad):
+            pass
+    with simulate_fn(model, "int4-token", semantics="prefill", prompt_len=np.int64(8), attn_layers=[np.int64(1)]) as sim:
+        model(ids)
+    assert sim.prompt_len == 8 and set(sim.attn_error) == {1}
+    prefilled = stream_hidden(model, ids, "int4-token", semantics="prefill", prompt_len=np.int64(8))
+    assert torch.equal(prefilled, stream_hidden(model, ids, "int4-token", semantics="prefill", prompt_len=8))
+    with pytest.raises(ValueError, match=r"needs 0 < prompt_len < T=16, got True"):
+        stream_hidden(model, ids, "int4-token", semantics="prefill", prompt_len=True)
+    with pytest.raises(ValueError, match=r"prompt_len is only used with semantics='prefill', got prompt_len=8"):
+        stream_hidden(model, ids, "int4-token", prompt_len=8)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,12 +35,13 @@ from kvbits.cache.fixed import install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.layer import (
     QuantizedKVLayer,
+    cache_batch_size,
     check_beam_idx,
     check_crop_arg,
     check_max_cache_len,
     find_position_ids,
 )
-from kvbits.plan.config import attention_heads, layer_heads, text_config
+from kvbits.plan.config import attention_heads, config_value, layer_configs, layer_heads, text_config
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -61,24 +63,35 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
     Heads as the planner reads them (``kvbits.plan.config.attention_heads``): ``H_kv`` is
     ``num_key_value_heads`` (or ``num_kv_heads``, ...; GQA), 1 for ``multi_query`` (Falcon-7B,
     GPT-BigCode), else ``H_q`` (MHA); ``D`` is ``head_dim`` when the config sets it (Gemma, Llama 3.2),
-    else ``hidden_size // H_q``.
+    else ``hidden_size // H_q``. A heterogeneous config (``per_layer_config``) is read per layer: the heads are
+    layer 0's (``layer_heads`` gives each layer's), and ``kv_lora_rank`` in any layer is refused.
     """
     text = text_config(config)
     name = type(text).__name__
-    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
+    if isinstance(text, Mapping):  # kvbits.plan reads a config.json's dict; the cache's layers need the config object
+        raise TypeError(
+            f"QuantizedKVCache needs the model's transformers config (model.config, AutoConfig.from_pretrained), "
+            f"got a {name}"
+        )
+    n_layers = config_value(text, "num_hidden_layers")
+    # a heterogeneous config (Step3p7, Dots3 Note, Gemma 4) refuses global reads of its per-layer attributes
+    # (AmbiguousGlobalPerLayerAttributeError): read them from each layer's config, as the planner does
+    layers = layer_configs(text, int(n_layers)) if isinstance(n_layers, int) and n_layers > 0 else [text]
+    missing = [a for a, cfg in (("num_hidden_layers", text), ("num_attention_heads", layers[0])) if config_value(cfg, a) is None]
     if missing:
         raise ValueError(
             f"{name} has no {' / '.join(missing)}: QuantizedKVCache needs the number of layers and attention "
             "heads of the decoder (pass num_layers= and config=None to build layers lazily instead)"
         )
-    if getattr(text, "kv_lora_rank", None) is not None:  # as kvbits.plan refuses it (model_shape)
-        raise ValueError(
-            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: DeepSeek-V2/V3 style), whose "
-            "cache holds a compressed latent and the rotary key part, not K/V heads of head_dim channels; "
-            "QuantizedKVCache supports MHA/GQA/MQA layers only"
-        )
-    heads, kv_heads, head_dim = attention_heads(text)
-    return int(text.num_hidden_layers), heads, kv_heads, head_dim
+    for i, cfg in enumerate(layers):  # as kvbits.plan refuses it (model_shape)
+        if (rank := config_value(cfg, "kv_lora_rank")) is not None:
+            raise ValueError(
+                f"{name} uses multi-head latent attention (kv_lora_rank={rank} in layer {i}: DeepSeek-V2/V3 style), "
+                "whose cache holds a compressed latent and the rotary key part, not K/V heads of head_dim channels; "
+                "QuantizedKVCache supports MHA/GQA/MQA layers only"
+            )
+    heads, kv_heads, head_dim = attention_heads(layers[0])
+    return int(n_layers), heads, kv_heads, head_dim
 
 
 def _head_repeat(text: Any, heads: int, kv_heads: int) -> int:
@@ -91,7 +104,7 @@ def _head_repeat(text: Any, heads: int, kv_heads: int) -> int:
     groups really are copies, storing every head when they are not (``QuantizedKVLayer``'s ``head_repeat``).
     From 5.25 Falcon hands over its ``kv_heads`` heads, which the layers take as they are (``repeat`` 1).
     """
-    if getattr(text, "new_decoder_architecture", False):
+    if config_value(text, "new_decoder_architecture", default=False):
         return heads // kv_heads
     return 1
 
@@ -457,6 +470,12 @@ class QuantizedKVCache(Cache):
             raise
         if watched:  # lazy: their clipped counts came back with the check's maxima (no sync of their own)
             self._look_at_clipping(watched)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences cached, ``-1`` before the first update (transformers' ``Cache.batch_size``: it gave ``None``
+        here, and raised while some layers were still empty)."""
+        return cache_batch_size(self.layers)
 
     def reset(self) -> None:
         """Empty every layer (and forget a failed lazy K/V check)."""

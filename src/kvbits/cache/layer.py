@@ -134,6 +134,16 @@ def check_crop_arg(tokens_to_remove: Any) -> int:
 BEAM_IDX_DTYPES = (torch.int64, torch.int32)  # what index_select takes
 
 
+def cache_batch_size(layers: Any) -> int:
+    """transformers' ``Cache.batch_size`` over a cache's ``layers``: the batch they hold, ``-1`` before any holds K/V
+    (as a fresh ``StaticCache`` or ``DynamicCache``); layers not yet updated (``batch_size`` None) or without one
+    (``DummyLayer``) are skipped, as transformers skips lazily initialized layers. ``ValueError`` when they disagree."""
+    values = [b for b in (getattr(layer, "batch_size", None) for layer in layers) if b is not None]
+    if len(set(values)) > 1:
+        raise ValueError(f"The batch size is not consistent across layers: {values}")
+    return values[0] if values else -1
+
+
 def check_beam_idx(beam_idx: Any, batch: int | None, where: str) -> None:
     """``reorder_cache``'s ``beam_idx``: a 1-D int64 / int32 tensor of batch indices, each in ``[0, batch)`` when the
     cached ``batch`` is known (``None``: nothing cached yet, not checked). Its length may differ from ``batch``:

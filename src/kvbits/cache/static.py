@@ -103,7 +103,7 @@ from kvbits.cache.fixed import (
     install_artifact,
     missing_params,
 )
-from kvbits.cache.layer import find_position_ids, position_offset
+from kvbits.cache.layer import cache_batch_size, find_position_ids, position_offset
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
 from kvbits.kernels.reference import (
@@ -253,6 +253,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.clipped: torch.Tensor | None = None  # (2,) int64: K, V values saturated against static scales
 
     # ------------------------------------------------------------------ allocation
+    @property
+    def batch_size(self) -> int | None:
+        """Sequences the slabs hold (``None`` before the first update)."""
+        return None if self._shape is None else self._shape[0]
+
     @property
     def windowed(self) -> bool:
         """Whether tokens pass through a full-precision window first (``residual > 0`` or ``block > 1``)."""
@@ -922,6 +927,12 @@ class StaticQuantizedKVCache(Cache):
     @property
     def max_cache_len(self) -> int:
         return self._max_len
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences the slabs hold, ``-1`` before the first update (transformers' ``Cache.batch_size``, as
+        ``StaticCache``'s; it gave -1 after updates too)."""
+        return cache_batch_size(self.layers)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

@@ -39,6 +39,15 @@ def check_ints(name: str, values: Sequence[int] | int, lo: int) -> list[int]:
     return sorted({check_int(name, v, lo) for v in items})
 
 
+def check_layer_indices(name: str, values: Sequence[int]) -> list[int]:
+    """``values`` as a list of ints (Python or NumPy integers): ``ValueError`` naming ``name`` for anything else,
+    a float or a bool included (``int(0.7)`` would have picked layer 0 without a word)."""
+    items = list(values)
+    if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in items):
+        raise ValueError(f"{name} must be layer indices (ints), got {items}")
+    return [int(x) for x in items]
+
+
 def cast_model(model: torch.nn.Module, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
     """``model.to(device, dtype)`` that keeps float32 buffers float32 (rotary ``inv_freq`` tables).
 

@@ -75,6 +75,7 @@ from kvbits.evaluate.inputs import (
     _load_windows,
     _model_arg,
     check_int,
+    check_layer_indices,
 )
 from kvbits.evaluate.measures import (
     _mismatch,
@@ -268,10 +269,7 @@ def evaluate(
         prompt_len = int(prompt_len)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if attn_layers is not None:  # int(0.7) would have measured layer 0 without a word
-        attn_layers = list(attn_layers)
-        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in attn_layers):
-            raise ValueError(f"attn_layers must be layer indices (ints), got {attn_layers}")
-        attn_layers = [int(x) for x in attn_layers]
+        attn_layers = check_layer_indices("attn_layers", attn_layers)
     if mode == "stream" and attn_layers:
         raise ValueError(
             f"attn_layers={list(attn_layers)} needs mode='simulate': the attention-output error compares the "

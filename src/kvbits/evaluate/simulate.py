@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -698,7 +699,8 @@ def simulate(
             ``prompt_len`` tokens prefilled in full precision).
         prompt_len: required with ``semantics="prefill"``.
         attn_layers: layers whose attention-output error and attention entropy are recorded in
-            ``Simulation.attn_error``, ``attn_entropy`` and ``attn_entropy_ref``.
+            ``Simulation.attn_error``, ``attn_entropy`` and ``attn_entropy_ref`` (ints in ``[0, num_layers)``,
+            else ``ValueError``).
         chunk_size: queries per attention chunk (memory ``~ chunk_size * T`` mask entries and scores
             per head).
         calibration: a ``kvbits.calibrate`` artifact (or its folder) for schemes with static scales or
@@ -715,11 +717,13 @@ def simulate(
     scheme = get_scheme(scheme)
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    from kvbits.evaluate.inputs import check_layer_indices
+
     if semantics == "prefill":
         if (
             prompt_len is None
             or isinstance(prompt_len, bool)
-            or not isinstance(prompt_len, int)
+            or not isinstance(prompt_len, (int, np.integer))  # NumPy's ints, as evaluate() takes them
             or prompt_len < 1
         ):
             raise ValueError(f"semantics='prefill' needs a positive int prompt_len, got {prompt_len!r}")
@@ -731,6 +735,9 @@ def simulate(
     modules = attention_modules(model)
     n_layers = max(m.layer_idx for m in modules) + 1
     scheme.check_layer_count(n_layers)
+    attn_layers = check_layer_indices("attn_layers", attn_layers)  # int(0.7) recorded layer 0 without a word
+    if any(not 0 <= x < n_layers for x in attn_layers):  # a layer the model lacks recorded nothing without a word
+        raise ValueError(f"attn_layers must be in [0, {n_layers}), got {attn_layers}")
     rotary_layers: dict[int, Any] = {}
     pre_rope = [m for m in modules if scheme.for_layer(m.layer_idx).key.pre_rope
                 and not scheme.for_layer(m.layer_idx).is_identity]  # fmt: skip
@@ -747,7 +754,7 @@ def simulate(
         scheme=scheme,
         semantics=semantics,
         prompt_len=int(prompt_len or 0),
-        attn_layers=frozenset(int(i) for i in attn_layers),
+        attn_layers=frozenset(attn_layers),
         chunk_size=chunk_size,
         _modules=frozenset(id(m) for m in modules),
         _rotary_layers=rotary_layers,

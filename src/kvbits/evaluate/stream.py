@@ -398,8 +398,15 @@ def _stream(
     start = 0
     chunks: list[torch.Tensor] = []
     if semantics == "prefill":
-        if not isinstance(prompt_len, int) or not 0 < prompt_len < T:
-            raise ValueError(f"semantics='prefill' needs 0 < prompt_len < T={T}, got {prompt_len!r}")
+        from kvbits.evaluate.inputs import check_int
+
+        given = prompt_len
+        try:  # NumPy's ints too, as evaluate() takes them; not a bool (True prefilled 1 token)
+            prompt_len = check_int("prompt_len", prompt_len, 1)
+        except ValueError:
+            prompt_len = T
+        if not prompt_len < T:
+            raise ValueError(f"semantics='prefill' needs 0 < prompt_len < T={T}, got {given!r}")
         hidden, kv = prefill_kv(model, ids[:, :prompt_len])
         chunks.append(hidden)
         # the cache ends holding all T tokens: reserved for them, flushes write in place (peers take none)
@@ -413,6 +420,8 @@ def _stream(
         if progress:
             progress(prompt_len)
     elif semantics == "decode":
+        if prompt_len not in (None, 0):  # as evaluate() and simulate(): not ignored without a word
+            raise ValueError(f"prompt_len is only used with semantics='prefill', got prompt_len={prompt_len!r}")
         cache = make_cache(scheme, model, calibration=calibration, fused_decode=fused, max_cache_len=T,
                            calibration_warnings=calibration_warnings)  # fmt: skip
         if on_cache is not None:

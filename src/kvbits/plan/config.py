@@ -117,6 +117,9 @@ def _get(cfg: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+config_value = _get  # public name: the cache reads configs (heterogeneous ones too) as the planner does
+
+
 def _int(value: Any, what: str) -> int | None:
     if value is None:
         return None
