@@ -183,3 +183,19 @@ def test_a_scheme_file_that_is_not_text_is_named_in_the_error(tmp_path):
     path.write_bytes(b"\xff\xfe{\x00}\x00")
     with pytest.raises(ValueError, match=r"mix\.json is not a valid kvbits scheme JSON: 'utf-8' codec"):
         get_scheme(str(path))
+
+
+def test_outlier_count_is_the_ceiling_of_the_exact_product():
+    """``ceil(frac * D)`` without the float artefact: 0.07 * 100 is 7.000000000000001 in floats, and 8 outliers
+    were kept (and counted) per row of 100 for a 7 % request; a fraction truly above a whole count still rounds up.
+    ``quantize`` keeps exactly the count the accounting prices."""
+    import torch
+
+    from kvbits.quant import quantize
+    from kvbits.schemes.accounting import outlier_count
+
+    assert [outlier_count(100, 0.07), outlier_count(200, 0.07), outlier_count(128, 0.01)] == [7, 14, 2]
+    assert outlier_count(100, 0.0700001) == 8 and outlier_count(100, 0.0) == 0
+    spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", outlier_frac=0.07)
+    qt = quantize(torch.randn(1, 1, 4, 100, generator=torch.Generator().manual_seed(0)), spec)
+    assert qt.outlier_values.shape[-1] == 7
