@@ -178,13 +178,7 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
                 f"pre-RoPE keys with a {layer.scheme.key.rotate} rotation (the kernel applies RoPE to the "
                 "dequantized codes, which are in the rotated basis)"
             )
-        rot = layer._k.rotary
-        if rot.rot_dim != rot.head_dim:
-            return (
-                f"partial rotary embedding ({rot.rot_dim} of {rot.head_dim} channels; the kernel rotates all)"
-            )
-        if rot.length_dependent:
-            return f"rope_type {rot.rope_type!r} (tables depend on the sequence length)"
+        return layer._k.rotary.fused_reason()
     return None
 
 

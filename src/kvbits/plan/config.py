@@ -585,7 +585,7 @@ def _rope_tables(config: Any, layers: list[LayerShape]) -> list[LayerShape]:
     out = []
     for layer, t in zip(layers, tables):
         if t is not None:
-            served = t.rot_dim == t.head_dim and not t.length_dependent  # else none (rot_dim 0) or declined
+            served = t.rot_dim and t.fused_reason() is None  # else no RoPE (rot_dim 0) or declined
             kind = "none" if not served else "half" if t.halves_equal else "full"
             layer = dataclasses.replace(layer, rope_tables=kind)
         out.append(layer)

@@ -379,6 +379,16 @@ class RotaryTables:
         """Whether the tables depend on the sequence length of the forward call (``dynamic``, ``longrope``)."""
         return any(k in self.rope_type for k in _LENGTH_DEPENDENT)
 
+    def fused_reason(self) -> str | None:
+        """Why the fused decode kernel can not rotate pre-RoPE keys with these tables, or None: it rotates all ``D``
+        channels by tables of the position alone. A layer without RoPE (``rot_dim`` 0) has nothing to rotate: None
+        (``kvbits.cache.fused`` serves its keys without tables, ``kvbits.plan`` counts none)."""
+        if self.rot_dim and self.rot_dim != self.head_dim:
+            return f"partial rotary embedding ({self.rot_dim} of {self.head_dim} channels; the kernel rotates all)"
+        if self.rot_dim and self.length_dependent:
+            return f"rope_type {self.rope_type!r} (tables depend on the sequence length)"
+        return None
+
     def tables_for_layer(self, layer_idx: int) -> RotaryTables:
         """The tables decoder layer ``layer_idx`` uses.
 
