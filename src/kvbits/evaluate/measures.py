@@ -52,21 +52,30 @@ def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -
     return out
 
 
-def long_run_avg_bits(scheme: Any, config: Any, head_dim: int, kv_heads: int, n_layers: int) -> float:
-    """A result's ``avg_bits``: a peer cache's own figure; for a kvbits scheme the bits per element its cache tends
-    to as the context grows (``kvbits.plan.long_run_bits`` of the model's shape: only full-attention layers grow, each
-    weighted by its own heads and head dim), or ``average_bits`` over ``n_layers`` layers of ``kv_heads`` heads of
-    ``head_dim`` where ``kvbits plan`` does not read the config."""
-    from kvbits.evaluate.stream import PeerScheme
+def plan_shape_of(config: Any) -> Any:
+    """``kvbits plan``'s shape of the model (``kvbits.plan.config.load_shape``), read once per run for its
+    ``avg_bits`` (and eval's ``bits_at_context``), or None where the planner does not read the config (said in the log)."""
     from kvbits.plan.config import load_shape
+
+    try:
+        return load_shape(config)
+    except (ValueError, TypeError) as e:
+        logger.info("kvbits plan does not read this config (%s): avg_bits counts its layers alike, no bits_at_context", e)
+        return None
+
+
+def long_run_avg_bits(scheme: Any, shape: Any, head_dim: int, kv_heads: int, n_layers: int) -> float:
+    """A result's ``avg_bits``: a peer cache's own figure; for a kvbits scheme the bits per element its cache tends
+    to as the context grows (``kvbits.plan.long_run_bits`` of the model's ``shape``, :func:`plan_shape_of`: only
+    full-attention layers grow, each weighted by its own heads and head dim), or ``average_bits`` over ``n_layers``
+    layers of ``kv_heads`` heads of ``head_dim`` where ``shape`` is None (``kvbits plan`` does not read the config)."""
+    from kvbits.evaluate.stream import PeerScheme
     from kvbits.plan.planner import long_run_bits
     from kvbits.schemes.accounting import average_bits
 
     if isinstance(scheme, PeerScheme):
         return scheme.avg_bits
-    try:
-        shape = load_shape(config)
-    except (ValueError, TypeError):
+    if shape is None:
         return average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
     return long_run_bits(shape, scheme)
 

@@ -289,7 +289,13 @@ def needle_eval(
         _model_arg,
         _run_dtype,
     )
-    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch, long_run_avg_bits
+    from kvbits.evaluate.measures import (
+        _mismatch,
+        _peak_rss_bytes,
+        _warn_mismatch,
+        long_run_avg_bits,
+        plan_shape_of,
+    )
     from kvbits.evaluate.metrics import LogitHead
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _check_head
@@ -352,8 +358,9 @@ def needle_eval(
     wall = time.perf_counter() - t_wall
 
     results = []
+    shape = plan_shape_of(model.config)
     for scheme in resolved:
-        bits = long_run_avg_bits(scheme, model.config, head_dim, kv_heads, n_layers)
+        bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers)
         res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch(
             clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1], "simulate" if semantics == "decode" else "stream"

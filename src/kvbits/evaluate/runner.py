@@ -88,6 +88,7 @@ from kvbits.evaluate.measures import (
     add_clipping,
     add_counts,
     long_run_avg_bits,
+    plan_shape_of,
 )
 from kvbits.evaluate.metrics import (
     TOKEN_FIELDS,
@@ -542,10 +543,10 @@ def evaluate(
         )
 
     results, records = [], []
-    shape = _plan_shape_of(model.config)
+    shape = plan_shape_of(model.config)
     for i, (scheme, name) in enumerate(zip(resolved, names)):
         s = summarize(per_token[name], first=first, seed=seed)
-        bits = long_run_avg_bits(scheme, model.config, head_dim, kv_heads, n_layers)
+        bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers)
         results.append(
             {
                 "scheme": name,
@@ -624,18 +625,6 @@ def evaluate(
                 _write_outputs(out, chash, summary, records, per_token, meta)
                 _write_report(out)
     return summary
-
-
-def _plan_shape_of(config: Any) -> Any:
-    """``kvbits plan``'s shape of the model (``kvbits.plan.config.load_shape``), or None where the planner does not
-    read the config (said in the log: ``bits_at_context`` is then null)."""
-    from kvbits.plan.config import load_shape
-
-    try:
-        return load_shape(config)
-    except (ValueError, TypeError) as e:
-        logger.info("bits_at_context not computed: kvbits plan does not read this config (%s)", e)
-        return None
 
 
 def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:

@@ -474,7 +474,13 @@ def speed_eval(
         _model_arg,
         _run_dtype,
     )
-    from kvbits.evaluate.measures import _mismatch, _peak_rss_bytes, _warn_mismatch, long_run_avg_bits
+    from kvbits.evaluate.measures import (
+        _mismatch,
+        _peak_rss_bytes,
+        _warn_mismatch,
+        long_run_avg_bits,
+        plan_shape_of,
+    )
     from kvbits.evaluate.outputs import _git_commit, _versions
     from kvbits.evaluate.runner import _progress
     from kvbits.evaluate.stream import fuses, prefill_kv
@@ -572,6 +578,7 @@ def speed_eval(
     mismatch = {s.name: _mismatch({}, calibrations.get(s.name), longest, "stream") for s in resolved}
     for name, m in mismatch.items():
         _warn_mismatch(name, m, longest)
+    shape = plan_shape_of(model.config)
     return {
         "version": SPEED_VERSION,
         "model": _model_arg(model_spec, model_name),
@@ -595,7 +602,7 @@ def speed_eval(
         "schemes": [
             {
                 "scheme": s.name,
-                "avg_bits": long_run_avg_bits(s, model.config, head_dim, kv_heads, n_layers),
+                "avg_bits": long_run_avg_bits(s, shape, head_dim, kv_heads, n_layers),
                 "peer": isinstance(s, PeerScheme),
                 "path": _path(s, fused[s.name], workspace, static, graphs),
                 "calibration": mismatch[s.name],
