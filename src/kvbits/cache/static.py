@@ -881,16 +881,14 @@ class StaticQuantizedKVCache(Cache):
             raise ValueError("max_cache_len is required: the slabs are reserved for it")
         self._max_len = max_cache_len
         self.fused_decode = fused.check_mode(fused_decode)
-        kv_heads: list[int | None] = []  # per layer, as the planner counts them (a DeciLM block's own, None without)
-        head_dims: list[int | None] = []
-        repeats: list[int] = []
+        # per layer, as the planner counts the heads (a DeciLM block's own; none checked for a block without KV)
+        heads: list[dict[str, Any]] = []
         if config is not None:
             n_layers = attention_shape(config)[0]
             for i in range(n_layers):
-                heads_i, kv_i, d_i = layer_heads(config, i)
-                kv_heads.append(kv_i or None)
-                head_dims.append(d_i if kv_i else None)
-                repeats.append(_head_repeat(text_config(config), heads_i, kv_i) if kv_i else 1)
+                q, kv, d = layer_heads(config, i)
+                heads.append({"num_key_value_heads": kv, "head_dim": d,
+                              "head_repeat": _head_repeat(text_config(config), q, kv)} if kv else {})  # fmt: skip
             types, _ = _layer_types(text_config(config), n_layers)
             other = sorted({t for t in types if t != "full_attention"})
             if other:
@@ -912,9 +910,7 @@ class StaticQuantizedKVCache(Cache):
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
-                                       checks=checks, num_key_value_heads=kv_heads[i] if kv_heads else None,
-                                       head_dim=head_dims[i] if head_dims else None,
-                                       head_repeat=repeats[i] if repeats else 1, rope_tables=self._rope_tables,
+                                       checks=checks, **(heads[i] if heads else {}), rope_tables=self._rope_tables,
                                        rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
                   for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)
