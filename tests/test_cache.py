@@ -945,6 +945,31 @@ def test_calibration_report_counts_clipping():
     assert rows[1]["clipped_keys"] == 0 and rows[0]["max_position"] == rows[1]["max_position"] == 19
 
 
+
+@pytest.mark.parametrize("op", ["repeat", "select", "reorder"])
+def test_clipped_fraction_survives_batch_ops(op):
+    """Clipped counts and the elements they count against are both counted as quantized, so a batch op (beam
+    expansion, beam pruning, reordering) keeps their ratio. Before, ``quantized_elements`` was computed from the
+    batch held after the op against unchanged counts: 3 sequences expanded from 1 read a third of the true fraction
+    (0.111 for 0.333), keeping the one sequence of 2 that never clipped read 0.648 for 0.328."""
+    cache = QuantizedKVCache(scheme="fp8-e4m3", num_layers=1, calibration_warnings=False)
+    k, v = rand_kv(2, 2, 20, 64, seed=18)
+    k[0] *= 1000  # FP8 E4M3 at the uncalibrated scale 1.0 saturates beyond 448: sequence 0 clips, sequence 1 not
+    cache.update(k, v, 0)
+    clipped = int(k.abs().gt(448).sum())
+    before = cache.calibration_report()["layers"][0]
+    assert before["clipped_keys"] == clipped > 0 and before["quantized_keys"] == k.numel()
+    {"repeat": lambda: cache.batch_repeat_interleave(3), "select": lambda: cache.batch_select_indices(torch.tensor([1])),
+     "reorder": lambda: cache.reorder_cache(torch.tensor([1, 1, 0]))}[op]()  # fmt: skip
+    after = cache.calibration_report()["layers"][0]
+    assert (after["clipped_keys"], after["quantized_keys"]) == (clipped, k.numel())
+    B = cache.batch_size
+    k2, v2 = rand_kv(B, 2, 4, 64, seed=19)
+    cache.update(k2 * 1000, v2, 0)  # 4 more tokens per sequence: one flush of per-token FP8, all B sequences'
+    after = cache.calibration_report()["layers"][0]
+    assert after["quantized_keys"] == k.numel() + k2.numel()
+    assert after["clipped_keys"] == clipped + int((k2 * 1000).abs().gt(448).sum())
+
 # --------------------------------------------------------------------------------------- devices, dtypes
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -681,15 +681,11 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def quantized_elements(self) -> tuple[int, int]:
         """K and V elements quantized so far, including blocks a sliding window dropped since (what ``clipped()``
-        counts against)."""
-
-        def side(store: SideStore) -> int:
-            if store.buffer is None:
-                return 0
-            B, H, _, D = store.buffer.shape
-            return (store.n_quantized + store.n_dropped) * B * H * D
-
-        return side(self._k), side(self._v)
+        counts against). Counted as they were quantized, as ``clipped()`` is: a batch op (``reorder_cache``,
+        ``batch_repeat_interleave``, ``batch_select_indices``) changes neither, so their ratio stays the fraction
+        of what was quantized that clipped (computed from the batch held after such an op, the totals tripled or
+        shrank against unchanged counts)."""
+        return self._k.elements_quantized, self._v.elements_quantized
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:

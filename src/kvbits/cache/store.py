@@ -223,6 +223,9 @@ class SideStore:
         self.clipped: int | torch.Tensor = 0  # a 0-dim int64 device tensor when not `sync`
         self.sync = True  # False: the flush path never waits for the device (lazy checks)
         self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
+        # elements quantized so far (what `clipped` counts against), counted as they were quantized: a batch op
+        # (map_batch) changes neither, where B * H * tokens * D of the mapped batch would not match the counts
+        self.elements_quantized = 0
         # (B,) cache index minus model position per sequence (left padding), pre-RoPE keys; None: 0
         self._pos_offset: torch.Tensor | None = None
         self._positions_ahead: int | None = None  # host copy of -min(pos_offset, 0), read when first needed
@@ -257,7 +260,7 @@ class SideStore:
         self.buffer = torch.empty((B, H, 0, D), dtype=buffer_dtype, device=like.device)
         self.chunks = []
         self.work = like.new_empty((B, H, 0, D)) if self.use_workspace else None
-        self.clipped = self.n_dropped = 0
+        self.clipped = self.n_dropped = self.elements_quantized = 0
         self._packed = self._slots = self._work_slots = None
         self._told_exceeded = False
         self.pos_offset = None
@@ -271,7 +274,7 @@ class SideStore:
     def clear(self) -> None:
         self.sinks = self.buffer = self.work = None
         self.chunks = []
-        self.clipped = self.n_dropped = 0
+        self.clipped = self.n_dropped = self.elements_quantized = 0
         self._packed = self._slots = self._work_slots = None
         self.pos_offset = None
 
@@ -360,6 +363,8 @@ class SideStore:
             if self.observer is not None:
                 self.observer(x, qt)
             new.append(qt)
+        B, H, _, D = self.buffer.shape
+        self.elements_quantized += B * H * n_tokens * D
         for qt in new:
             if not _host_zero(qt.clipped):  # dynamic ranges report a host 0: no add kernel
                 self.clipped += qt.clipped
