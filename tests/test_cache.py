@@ -792,6 +792,30 @@ def test_pre_rope_keys_are_refused_where_the_model_normalises_keys_after_rope():
     QuantizedKVCache(config=cfg, scheme="int4-channel")
 
 
+
+def test_pre_rope_keys_are_refused_with_multimodal_rope():
+    """Qwen2-VL style multimodal RoPE turns each channel section by its own position axis (time, height, width),
+    which differ within an image's tokens; the cache un-rotates each token at one position (Qwen2-VL hands update
+    no position ids, and 3-axis ids give no offset), so a pre-RoPE scheme quantized image keys in no pre-RoPE frame
+    (a 1-layer Qwen2-VL text config, 190 image tokens on a 19 x 10 grid: the keys quantized were 6.6 off the
+    pre-RoPE keys, the text tokens' 2.4e-7). Refused, by both caches and whether the mrope_section is in the config
+    or the rotary module's default; post-RoPE schemes still work."""
+    from kvbits.cache import StaticQuantizedKVCache
+    from kvbits.quant.rope import RotaryTables
+
+    text = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 128}
+    cfg = transformers.AutoConfig.for_model("qwen2_vl", text_config={
+        **text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]}})
+    default = transformers.AutoConfig.for_model("qwen3_vl", text_config={**text, "head_dim": 64})  # module default
+    for config in (cfg, default):
+        with pytest.raises(ValueError, match=r"multimodal RoPE \(mrope_section \[.*pre_rope=False"):
+            QuantizedKVCache(config=config, scheme="int4-channel-prerope")
+    with pytest.raises(ValueError, match=r"'qwen2_vl_text' rotates its keys by multimodal RoPE"):
+        StaticQuantizedKVCache(config=cfg, scheme="int4-channel-prerope", max_cache_len=64)
+    with pytest.raises(ValueError, match=r"multimodal RoPE"):  # tables the caller made
+        QuantizedKVCache(scheme="int4-channel-prerope", num_layers=1, rotary=RotaryTables.from_config(cfg))
+    QuantizedKVCache(config=cfg, scheme="int4-channel")
+
 def test_channel_groups_must_divide_head_dim_before_anything_is_stored():
     """kivi-2 quantizes values in groups of 32 channels: with head_dim 16 that fails at construction when
     the config gives D, else at the first update of the layer, before it stores anything (never at the first

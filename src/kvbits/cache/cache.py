@@ -132,7 +132,8 @@ def _layer_types(text: Any, n_layers: int) -> tuple[list[str], list[dict]]:
 def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
     """RoPE tables for a scheme's pre-RoPE keys (any layer's): ``(tables, built_here)``; ``(None, False)`` when none
     are needed. ``rotary``: tables the caller made (``RotaryTables.from_model``); else built from ``config``.
-    ``ValueError`` for a family that changes its keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan); ``TypeError``
+    ``ValueError`` for a family that changes its keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan) or rotates
+    them by multimodal RoPE (``mrope_section``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...); ``TypeError``
     for a ``rotary`` that is no ``RotaryTables``."""
     from kvbits.quant.rope import RotaryTables
 
@@ -150,6 +151,7 @@ def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
             "RoPE (key_layernorm): the keys it caches are no rotation of a pre-RoPE key, so un-rotating them gives "
             "no pre-RoPE frame; use a scheme with post-RoPE keys (pre_rope=False)"
         )
+    _refuse_mrope(scheme, model_type, _mrope_section(text_config(config) if config is not None else None, rotary))
     if rotary is not None:
         return rotary, False
     if config is None:
@@ -158,9 +160,35 @@ def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
             "can un-rotate and re-rotate keys"
         )
     try:
-        return RotaryTables.from_config(config), True
+        tables = RotaryTables.from_config(config)
     except ValueError as exc:
         raise ValueError(f"scheme {scheme.name!r} needs a model with RoPE keys: {exc}") from exc
+    _refuse_mrope(scheme, model_type, _mrope_section(None, tables))  # a module whose mrope_section is its default
+    return tables, True
+
+
+def _refuse_mrope(scheme: KVScheme, model_type: Any, section: Any) -> None:
+    """``ValueError`` for pre-RoPE keys of a model with multimodal RoPE (``section``: its ``mrope_section``; ``None``:
+    none, nothing to refuse)."""
+    if section is None:
+        return
+    raise ValueError(
+        f"scheme {scheme.name!r} quantizes keys before RoPE, but model_type {model_type!r} rotates its keys by "
+        f"multimodal RoPE (mrope_section {list(section)}): each channel section turns by its own position axis "
+        "(time, height, width), which differ within image and video tokens, while the cache un-rotates each token "
+        "at one position, so their keys would be quantized in no pre-RoPE frame; use a scheme with post-RoPE keys "
+        "(pre_rope=False)"
+    )
+
+
+def _mrope_section(text: Any, rotary: Any) -> Any:
+    """The ``mrope_section`` of multimodal RoPE (Qwen2-VL style: channel sections rotated by the time, height and
+    width position axes) in ``text``'s RoPE parameters or on the rotary module of ``rotary`` (``RotaryTables``),
+    else ``None``."""
+    for params in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(params, Mapping) and params.get("mrope_section") is not None:
+            return params["mrope_section"]
+    return getattr(getattr(rotary, "rotary", None), "mrope_section", None)
 
 
 class QuantizedKVCache(Cache):
