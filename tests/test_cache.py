@@ -746,7 +746,7 @@ def test_validation_errors():
         cache.update(k.long(), v.long(), 1)
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         cache.update(k[:, :1], v[:, :1], 1)
-    with pytest.raises(ValueError, match="config's head_dim=64"):
+    with pytest.raises(ValueError, match="config's num_key_value_heads=2 and head_dim=64 channels"):
         cache.update(k[..., :32], v[..., :32], 0)
     free = QuantizedKVCache(num_layers=2, scheme="kivi-2")  # no config: D comes with the first K/V
     free.update(k, v, 0)
@@ -878,7 +878,7 @@ def test_head_dim_other_than_the_configs_is_refused(scheme: str, k_dim: int, v_d
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=1, head_dim=32)
     cache = QuantizedKVCache(config=cfg, scheme=scheme)
-    with pytest.raises(ValueError, match=r"layer 0: .*do not have the config's head_dim=32 channels"):
+    with pytest.raises(ValueError, match=r"layer 0: .*do not have the config's num_key_value_heads=1 and head_dim=32 channels"):
         cache.update(torch.randn(1, 1, 3, k_dim), torch.randn(1, 1, 3, v_dim), 0)
     assert cache.get_seq_length(0) == 0
     k, v = torch.randn(1, 1, 3, 32), torch.randn(1, 1, 3, 32)

@@ -63,6 +63,25 @@ def test_first_update_refuses_kv_of_another_model_than_the_config(scheme: str):
     assert free.layers[0].key.codes.shape[:3] == (2, 4, 8)
 
 
+
+def test_both_caches_refuse_kv_of_another_model_with_one_message():
+    """The check of K/V against the config's KV heads and head dim is one (``kvbits.cache.checks.check_config_shape``):
+    both caches give the same message for the same K/V. Before, the two were written twice and read "got 4 KV heads
+    ... but the config has num_key_value_heads=2" in one cache and "K/V ... do not have the config's
+    num_key_value_heads=2 and head_dim=32: the slabs would hold ..." in the other."""
+    model = build("llama")
+    for shape in ((2, 4, 3, 32), (2, 2, 3, 16)):
+        bad = torch.randn(shape)
+        messages = []
+        for cache in (QuantizedKVCache(config=model.config, scheme="int8-token"),
+                      StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=8)):  # fmt: skip
+            with pytest.raises(ValueError) as err:
+                cache.update(bad, bad, 0)
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]
+        assert f"key_states {shape} and value_states {shape} (expected (B, H_kv, T, D)) do not have the config's " \
+               "num_key_value_heads=2 and head_dim=32 channels" in messages[0]
+
 def test_speed_static_refuses_a_model_the_static_cache_cannot_hold_before_any_run(monkeypatch):
     """``speed_eval(static=True)`` (``kvbits speed --static``) on a model with sliding-window layers: refused before
     the prefill and every run. It timed the warm-up, ``DynamicCache`` and ``StaticCache`` runs first and failed at the

@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_CHECK_EVERY",
     "InputChecks",
     "check_channel_groups",
+    "check_config_shape",
     "check_every_arg",
     "check_mode",
     "input_bound",
@@ -344,6 +345,35 @@ def check_channel_groups(scheme: KVScheme, key_dim: int, value_dim: int, where: 
             )
 
 
+def check_config_shape(
+    where: str,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    kv_heads: int | None,
+    head_repeat: int,
+    head_dim: int | None,
+) -> None:
+    """``ValueError`` for K/V ``(B, H, q, D)`` without the config's ``kv_heads`` heads (or ``kv_heads * head_repeat``:
+    each repeated by the model, Falcon's new architecture) or ``head_dim`` channels (``None``: not known, not checked):
+    a cache holding them would hold other bytes than ``kvbits plan`` counts. The one check and message of
+    ``QuantizedKVLayer`` (every update) and ``StaticQuantizedKVCache``'s layers (the first). Host metadata only."""
+    heads_ok = kv_heads is None or key_states.shape[1] in (kv_heads, kv_heads * head_repeat)
+    dims_ok = head_dim is None or key_states.shape[3] == value_states.shape[3] == head_dim
+    if heads_ok and dims_ok:
+        return
+    parts = []
+    if kv_heads is not None:
+        repeated = f", or each repeated {head_repeat} times: {kv_heads * head_repeat}," if head_repeat > 1 else ""
+        parts.append(f"num_key_value_heads={kv_heads}{repeated}")
+    if head_dim is not None:
+        parts.append(f"head_dim={head_dim} channels")
+    raise ValueError(
+        f"{where}: key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} (expected "
+        f"(B, H_kv, T, D)) do not have the config's {' and '.join(parts)}: the cache would hold other bytes than "
+        "kvbits plan counts for this model (a config of another model?)"
+    )
+
+
 def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Host-only checks of ``update``'s K/V ``(B, H_kv, q, D)`` against ``layer`` (no device sync):
     types, shapes, channel groups dividing ``D`` (first update), agreement with the cached
@@ -363,20 +393,8 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
         raise TypeError(
             f"layer {layer.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}"
         )
-    D = layer.head_dim
-    if D is not None and (key_states.shape[-1] != D or value_states.shape[-1] != D):
-        raise ValueError(
-            f"layer {layer.layer_idx}: key_states {tuple(key_states.shape)} and value_states "
-            f"{tuple(value_states.shape)} (expected (B, H_kv, T, D)) do not have the config's head_dim={D} "
-            "channels: the cache would hold other bytes than kvbits plan counts for this model"
-        )
-    H_kv, g = layer.num_key_value_heads, layer.head_repeat
-    if H_kv is not None and kH not in (H_kv, H_kv * g):
-        repeated = f", or each repeated {g} times: {H_kv * g}" if g > 1 else ""
-        raise ValueError(
-            f"layer {layer.layer_idx}: got {kH} KV heads (key_states {tuple(key_states.shape)}, expected "
-            f"(B, H_kv, T, D)) but the config has num_key_value_heads={H_kv}{repeated}"
-        )
+    check_config_shape(f"layer {layer.layer_idx}", key_states, value_states, layer.num_key_value_heads,
+                       layer.head_repeat, layer.head_dim)  # fmt: skip
     if not layer.is_initialized and layer.mode == "quantized":  # before the first update stores anything
         check_channel_groups(layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}")
     if layer.is_initialized:

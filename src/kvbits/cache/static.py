@@ -95,7 +95,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
-from kvbits.cache.checks import check_channel_groups, check_mode, input_bound, write_maxima
+from kvbits.cache.checks import (
+    check_channel_groups,
+    check_config_shape,
+    check_mode,
+    input_bound,
+    write_maxima,
+)
 from kvbits.cache.fixed import (
     channel_bound,
     check_calibrated_heads,
@@ -276,14 +282,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} must "
                 "share batch, heads and head dim"
             )
-        H_kv, g = self.num_key_value_heads, self.head_repeat
-        if (self.head_dim is not None and D != self.head_dim) or (H_kv is not None and H not in (H_kv, H_kv * g)):
-            repeated = f" (or {H_kv * g}: each repeated {g} times)" if H_kv is not None and g > 1 else ""
-            raise ValueError(
-                f"layer {self.layer_idx}: K/V {tuple(key_states.shape)} (B, H_kv, q, D) do not have the config's "
-                f"num_key_value_heads={H_kv}{repeated} and head_dim={self.head_dim}: the slabs would hold other "
-                "bytes than kvbits plan counts for this model (a config of another model?)"
-            )
+        check_config_shape(f"layer {self.layer_idx}", key_states, value_states, self.num_key_value_heads,
+                           self.head_repeat, self.head_dim)  # fmt: skip
         check_calibrated_heads(self, H, D)
         device = key_states.device
         self.device, self.dtype, self._shape = device, key_states.dtype, (B, H, D)
