@@ -624,6 +624,17 @@ def test_resolve_local_specs(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))  # neither config.json nor one .gguf
 
 
+def test_a_gguf_file_is_known_by_its_suffix_in_any_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Model.GGUF`` is a GGUF file, as ``kvbits plan`` reads it. Before, ``kvbits eval`` refused it ("neither a
+    .gguf file nor a config.json"), and a missing relative ``models/m.GGUF`` was taken for a hub id."""
+    gguf = tmp_path / "Model.Q4_K_M.GGUF"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(str(gguf)) == ModelSource("Model.Q4_K_M", str(tmp_path.resolve()), "Model.Q4_K_M.GGUF")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model("models/missing.GGUF")
+
+
 def test_load_tiny_model_folder(tmp_path: Path) -> None:
     folder = _tiny_llama_folder(tmp_path / "tiny")
     cfg = load_config(str(folder))
