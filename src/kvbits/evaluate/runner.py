@@ -628,17 +628,17 @@ def evaluate(
 
 
 def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
-    """``kvbits plan``'s ``avg_bits`` of ``scheme`` at ``context`` tokens, one sequence: the bits per element the
-    cache stores there, metadata, sinks and the full-precision window included (in the config's dtype, as
-    ``kvbits plan MODEL --context N`` counts them). ``avg_bits`` beside it is the long-run figure
+    """``kvbits plan``'s ``avg_bits`` of ``scheme`` at ``context`` tokens, one sequence
+    (:func:`kvbits.plan.planner.planned_bits`: the bits per element the cache stores there, metadata, sinks and the
+    full-precision window included). ``avg_bits`` beside it is the long-run figure
     (``long_run_avg_bits``: the window and sinks amortised away), which a short context does not reach: kivi-2 stores
     3.0 bits per element in the long run and 16 at 128 tokens, where nothing is quantized yet. None for peer
     caches and where the planner does not read the model's config."""
     if shape is None or isinstance(scheme, PeerScheme):
         return None
-    from kvbits.plan.planner import plan_shape
+    from kvbits.plan.planner import planned_bits
 
-    return float(plan_shape(shape, scheme, context=context)["avg_bits"])
+    return planned_bits(shape, scheme, context)
 
 
 def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:

@@ -331,6 +331,13 @@ def long_run_bits(shape: ModelShape, scheme: SchemeLike) -> float:
     return weighted / total
 
 
+def planned_bits(shape: ModelShape, scheme: SchemeLike, context: int) -> float:
+    """``plan_shape``'s ``avg_bits`` of ``scheme`` on ``shape`` at ``context`` tokens, one sequence: the bits per
+    element the cache stores there, metadata, sinks and the full-precision window included (in ``shape``'s dtype, as
+    ``kvbits plan MODEL --context N`` counts them). :func:`long_run_bits` is its limit as the context grows."""
+    return float(plan_shape(shape, scheme, context=context)["avg_bits"])
+
+
 def plan_shape(
     shape: ModelShape,
     scheme: SchemeLike,

@@ -369,9 +369,7 @@ def check_needle(summary: Any, source: str | os.PathLike[str]) -> None:
 
 def load_needle(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``needle.json`` read back and checked (:func:`check_needle`)."""
-    summary = read_json(Path(path))
-    check_needle(summary, path)
-    return summary
+    return read_json(Path(path), check_needle)
 
 
 def check_needle_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

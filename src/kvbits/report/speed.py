@@ -377,9 +377,7 @@ def check_speed(summary: Any, source: str | os.PathLike[str]) -> None:
 
 def load_speed(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``speed.json`` read back and checked (:func:`check_speed`)."""
-    summary = read_json(Path(path))
-    check_speed(summary, path)
-    return summary
+    return read_json(Path(path), check_speed)
 
 
 def check_speed_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,16 @@ __all__ = [
 ]
 
 
-def read_json(path: Path) -> Any:
-    """A run's JSON file (``summary.json``, ``needle.json``, ...), ``ValueError`` naming it when it does not parse."""
+def read_json(path: Path, check: Callable[[Any, Path], None] | None = None) -> Any:
+    """A run's JSON file (``summary.json``, ``needle.json``, ...), ``ValueError`` naming it when it does not parse;
+    ``check``: also called with the content and ``path`` (``check_speed``, ``check_needle``), which raise."""
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
+    if check is not None:
+        check(content, path)
+    return content
 
 
 @dataclass(frozen=True)

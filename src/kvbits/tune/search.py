@@ -396,6 +396,8 @@ def tune(
         check_device(device)
         model = load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu")
         dtype = device = None
+    from kvbits.plan.planner import planned_bits
+
     shape = _model_shape(model, dtype)
     if dtype_bytes is not None:  # the serving dtype prices the full-precision tokens, not the passes' dtype
         shape = shape.replace(dtype_bytes=dtype_bytes)
@@ -431,7 +433,7 @@ def tune(
         bits=bits,
         sensitivity=sens,
         budget_bits=float(budget_bits),
-        avg_bits=_planned_bits(shape, mix, context),
+        avg_bits=planned_bits(shape, mix, context),
         predicted_kl=log[-1]["predicted_kl"],
         meta={
             "model": summary["model"],
@@ -459,7 +461,7 @@ def tune(
             result.scheme = _mix(cands, pick, name)
             result.choice = [cands[j].name for j in pick]
             result.predicted_kl = log[best]["predicted_kl"]
-            result.avg_bits = _planned_bits(shape, result.scheme, context)
+            result.avg_bits = planned_bits(shape, result.scheme, context)
     if arts:
         result.calibration = (_composed([result.scheme], arts) or {}).get(result.scheme.name)
         result.meta["calibrations"] = {n: str(a.path or "<in memory>") for n, a in arts.items()}
@@ -522,13 +524,6 @@ def _prices(shape: Any, cands: list[KVScheme], context: int) -> tuple[list[list[
     elements = plans[0]["elements"]
     layer_bytes = [[p["per_layer"][i]["total_bytes"] for p in plans] for i in range(shape.n_layers)]
     return layer_bytes, elements, [p["avg_bits"] for p in plans]
-
-
-def _planned_bits(shape: Any, scheme: KVScheme, context: int) -> float:
-    """``kvbits plan``'s ``avg_bits`` of ``scheme`` on ``shape`` at ``context`` tokens, one sequence."""
-    from kvbits.plan.planner import plan_shape
-
-    return plan_shape(shape, scheme, context=context)["avg_bits"]
 
 
 def _candidate_calibrations(cands: list[KVScheme], calibrations: Any) -> dict[str, Any]:

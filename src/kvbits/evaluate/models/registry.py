@@ -212,12 +212,16 @@ def _write_sidecar(path: Path, sha: str) -> None:
     record = {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     side = _sidecar(path)
     tmp = side.with_name(side.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, side)
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, side)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _cached_sha256(path: Path) -> str:
-    """sha256 of ``path``, from its sidecar when size and mtime still match, else hashed (and recorded)."""
+    """sha256 of ``path``, from its sidecar when size and mtime still match, else hashed (and recorded where the
+    cache can be written)."""
     st = path.stat()
     side = _sidecar(path)
     try:
@@ -228,7 +232,10 @@ def _cached_sha256(path: Path) -> str:
         pass
     logger.info("hashing %s (%.0f MB)", path, st.st_size / 1e6)
     sha = file_sha256(path)
-    _write_sidecar(path, sha)
+    try:
+        _write_sidecar(path, sha)
+    except OSError as exc:  # a read-only cache: the file is whole, only the next run hashes it again
+        logger.warning("could not record the hash of %s in %s (%s); it is hashed again next time", path, side, exc)
     return sha
 
 

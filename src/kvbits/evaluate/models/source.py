@@ -56,7 +56,7 @@ def resolve_model(spec: str, *, download: bool = True) -> ModelSource:
 
     p = Path(spec).expanduser()
     if p.is_file():
-        if p.suffix == ".gguf":
+        if p.suffix.lower() == ".gguf":  # as ``kvbits plan`` reads it (``Model.GGUF`` too)
             return ModelSource(p.stem, str(p.parent.resolve()), p.name)
         if p.name == "config.json":
             return ModelSource(p.parent.resolve().name, str(p.parent.resolve()))
@@ -71,7 +71,7 @@ def resolve_model(spec: str, *, download: bool = True) -> ModelSource:
             f"model folder {spec!r} holds no config.json and {len(ggufs)} .gguf files; expected a "
             "config.json or exactly one .gguf file"
         )
-    if spec.endswith((".gguf", ".json")) or spec.startswith((".", "/", "~")):
+    if spec.lower().endswith((".gguf", ".json")) or spec.startswith((".", "/", "~")):
         raise ValueError(
             f"model path {spec!r} does not exist; expected a registry name {sorted(OFFLINE_MODELS)}, "
             "an existing .gguf file or model folder, or a hub id"
