@@ -772,3 +772,33 @@ def test_needle_and_speed_reports_show_names_as_text(tmp_path):
     sp["model"], sp["device"]["name"] = "smol<b>", "cpu <b>"
     md = speed_markdown(sp, figure=False)
     assert not markup(md) and md.startswith("# Decode speed: smol&lt;b&gt; on cpu &lt;b&gt;\n")
+
+
+def test_backticks_and_stars_in_names_stay_text(tmp_path):
+    """A model ``org/mod`el`` went into a code span as ```org/mod`el``` : the span closed at the name's backtick, and
+    the next one (the fingerprint's) opened a span over the text between. In the verdict two scheme names with a
+    backtick (``x`<b>y``, ``p`q*``) paired up into one code span, its ``**`` shown as asterisks, the bold elsewhere.
+    Checked as CommonMark (markdown-it) reads report.md, and as report.html and the terminal show them."""
+    from markdown_it import MarkdownIt
+    from rich.console import Console
+
+    from kvbits.report.speed import load_speed, speed_markdown
+
+    s = _summary({"fp16": SCHEMES["fp16"], "x`<b>y": SCHEMES["kivi-4"], "p`q*": SCHEMES["kivi-2"]})
+    s.update(model="org/mod`el", data="/data/`a.txt")
+    paths = write_report(_write_run(tmp_path / "run", s, _config(), tokens=False), plots=False)
+    as_read = MarkdownIt("commonmark").enable("table").render(paths["markdown"].read_text())
+    for page in (as_read, paths["html"].read_text()):
+        assert "<strong>Model:</strong> <code>org/mod`el</code> (fingerprint <code>0123456789abcdef</code>)" in page
+        assert "<code>/data/`a.txt</code>" in page and "report: org/mod`el on /data/`a.txt, 8K context</h1>" in page
+        assert "<strong>x`&lt;b&gt;y</strong> stays within 1%" in page
+        assert "<strong>p`q*</strong> already in the first bucket" in page
+    assert ">x`&lt;b&gt;y</td>" in as_read and ">p`q*</td>" in as_read
+    con = Console(record=True, width=400, color_system=None)
+    print_summary(s, con)
+    shown = con.export_text()
+    assert "x`<b>y stays within 1%" in shown and "p`q* already in the first bucket" in shown
+
+    sp = load_speed(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "speed-smollm2" / "speed.json")
+    sp["model"] = "smol`lm"
+    assert "<strong>Model:</strong> <code>smol`lm</code>" in MarkdownIt("commonmark").render(speed_markdown(sp, figure=False))
