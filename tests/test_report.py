@@ -273,6 +273,24 @@ def test_heatmap_colour_bar_labels_its_colour_boundaries(tmp_path, monkeypatch, 
     assert np.allclose(bar.ax.get_yticks(), bar._boundaries[1:-1])  # each label on a colour boundary
 
 
+def test_the_heatmap_colours_a_bucket_as_the_verdict_judges_it(tmp_path, monkeypatch):
+    """A ΔPPL exactly at the budget is within it for the verdict and the tables (a bucket fails *above* it), but the
+    heatmap's colour bins hold [lo, hi) and put it in the first colour beyond the budget (#fee08b): a scheme the
+    verdict says "stays within 1%" was drawn failing in three buckets. Just above the budget is beyond, as before."""
+    from matplotlib.colors import to_hex
+
+    from kvbits.report.plots import heatmap
+
+    figures = []
+    monkeypatch.setattr(heatmap, "save_png", lambda fig, path: figures.append(fig) or path)
+    s = _summary({"at": (4.0, [0.005, 0.01, 0.01, 0.01]), "over": (4.0, [0.005, 0.0100001, 0.02, 0.2])})
+    assert verdict(s).startswith("**at** stays within 1% ΔPPL")
+    heatmap.plot_delta_heatmap(RunSummary.from_dict(s), tmp_path / "h.png")
+    im = figures[0].axes[0].images[0]
+    colours = [[to_hex(c) for c in row] for row in im.to_rgba(im.get_array())]
+    assert colours == [["#d9ef8b"] * 4, ["#d9ef8b", "#fee08b", "#fc8d59", "#b30000"]]
+
+
 def test_a_baseline_below_the_reference_is_warned_about_too():
     """The warning looked at the largest signed bucket ΔPPL: fp16 3 % *below* the reference went unsaid."""
     for deltas, shown in (([0.0, -0.03, 0.0, 0.0], "-3.00%"), ([0.00005, -0.03, 0.0, 0.0], "-3.00%"),
