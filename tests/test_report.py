@@ -455,6 +455,29 @@ def test_without_matplotlib(tmp_path, monkeypatch):
     assert set(write_report(d, plots=False)) == {"markdown", "html"}
 
 
+def test_figures_not_drawn_this_time_are_removed(tmp_path, monkeypatch):
+    """``kvbits eval --overwrite`` (or ``kvbits report`` again) without matplotlib rewrote report.md and report.html
+    but left the five PNGs of the earlier report beside them, to pass for this run's figures; so did ``--no-plots``
+    and a figure that failed this time. A figure not drawn now is removed; other files in the folder are kept."""
+
+    def missing():
+        raise ImportError(report_plots.INSTALL_HINT)
+
+    d = _write_run(tmp_path / "run", tokens=False)
+    (d / "notes.png").write_bytes(PNG_MAGIC)
+    for patch, kwargs, left in (
+        (("plot_kl", lambda *a, **k: 1 / 0), {}, EXPECTED_FIGURES - {"kl_by_bucket"}),
+        (None, {"plots": False}, set()),
+        (("require_matplotlib", missing), {}, set()),
+    ):
+        assert EXPECTED_FIGURES <= set(write_report(d, strict=True))
+        with monkeypatch.context() as m:
+            if patch:
+                m.setattr(report_plots, *patch)
+            write_report(d, **kwargs)
+        assert {p.stem for p in d.glob("*.png")} == left | {"notes"}
+
+
 def test_failed_figure_is_reported_not_fatal(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("boom")
