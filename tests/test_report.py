@@ -273,6 +273,24 @@ def test_heatmap_colour_bar_labels_its_colour_boundaries(tmp_path, monkeypatch, 
     assert np.allclose(bar.ax.get_yticks(), bar._boundaries[1:-1])  # each label on a colour boundary
 
 
+def test_the_heatmap_colours_a_bucket_as_the_verdict_judges_it(tmp_path, monkeypatch):
+    """A ΔPPL exactly at the budget is within it for the verdict and the tables (a bucket fails *above* it), but the
+    heatmap's colour bins hold [lo, hi) and put it in the first colour beyond the budget (#fee08b): a scheme the
+    verdict says "stays within 1%" was drawn failing in three buckets. Just above the budget is beyond, as before."""
+    from matplotlib.colors import to_hex
+
+    from kvbits.report.plots import heatmap
+
+    figures = []
+    monkeypatch.setattr(heatmap, "save_png", lambda fig, path: figures.append(fig) or path)
+    s = _summary({"at": (4.0, [0.005, 0.01, 0.01, 0.01]), "over": (4.0, [0.005, 0.0100001, 0.02, 0.2])})
+    assert verdict(s).startswith("**at** stays within 1% ΔPPL")
+    heatmap.plot_delta_heatmap(RunSummary.from_dict(s), tmp_path / "h.png")
+    im = figures[0].axes[0].images[0]
+    colours = [[to_hex(c) for c in row] for row in im.to_rgba(im.get_array())]
+    assert colours == [["#d9ef8b"] * 4, ["#d9ef8b", "#fee08b", "#fc8d59", "#b30000"]]
+
+
 def test_a_baseline_below_the_reference_is_warned_about_too():
     """The warning looked at the largest signed bucket ΔPPL: fp16 3 % *below* the reference went unsaid."""
     for deltas, shown in (([0.0, -0.03, 0.0, 0.0], "-3.00%"), ([0.00005, -0.03, 0.0, 0.0], "-3.00%"),
@@ -435,6 +453,29 @@ def test_without_matplotlib(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="kvbits\\[plot\\]"):
         write_report(d, plots=True)
     assert set(write_report(d, plots=False)) == {"markdown", "html"}
+
+
+def test_figures_not_drawn_this_time_are_removed(tmp_path, monkeypatch):
+    """``kvbits eval --overwrite`` (or ``kvbits report`` again) without matplotlib rewrote report.md and report.html
+    but left the five PNGs of the earlier report beside them, to pass for this run's figures; so did ``--no-plots``
+    and a figure that failed this time. A figure not drawn now is removed; other files in the folder are kept."""
+
+    def missing():
+        raise ImportError(report_plots.INSTALL_HINT)
+
+    d = _write_run(tmp_path / "run", tokens=False)
+    (d / "notes.png").write_bytes(PNG_MAGIC)
+    for patch, kwargs, left in (
+        (("plot_kl", lambda *a, **k: 1 / 0), {}, EXPECTED_FIGURES - {"kl_by_bucket"}),
+        (None, {"plots": False}, set()),
+        (("require_matplotlib", missing), {}, set()),
+    ):
+        assert EXPECTED_FIGURES <= set(write_report(d, strict=True))
+        with monkeypatch.context() as m:
+            if patch:
+                m.setattr(report_plots, *patch)
+            write_report(d, **kwargs)
+        assert {p.stem for p in d.glob("*.png")} == left | {"notes"}
 
 
 def test_failed_figure_is_reported_not_fatal(tmp_path, monkeypatch):
@@ -772,3 +813,33 @@ def test_needle_and_speed_reports_show_names_as_text(tmp_path):
     sp["model"], sp["device"]["name"] = "smol<b>", "cpu <b>"
     md = speed_markdown(sp, figure=False)
     assert not markup(md) and md.startswith("# Decode speed: smol&lt;b&gt; on cpu &lt;b&gt;\n")
+
+
+def test_backticks_and_stars_in_names_stay_text(tmp_path):
+    """A model ``org/mod`el`` went into a code span as ```org/mod`el``` : the span closed at the name's backtick, and
+    the next one (the fingerprint's) opened a span over the text between. In the verdict two scheme names with a
+    backtick (``x`<b>y``, ``p`q*``) paired up into one code span, its ``**`` shown as asterisks, the bold elsewhere.
+    Checked as CommonMark (markdown-it) reads report.md, and as report.html and the terminal show them."""
+    from markdown_it import MarkdownIt
+    from rich.console import Console
+
+    from kvbits.report.speed import load_speed, speed_markdown
+
+    s = _summary({"fp16": SCHEMES["fp16"], "x`<b>y": SCHEMES["kivi-4"], "p`q*": SCHEMES["kivi-2"]})
+    s.update(model="org/mod`el", data="/data/`a.txt")
+    paths = write_report(_write_run(tmp_path / "run", s, _config(), tokens=False), plots=False)
+    as_read = MarkdownIt("commonmark").enable("table").render(paths["markdown"].read_text())
+    for page in (as_read, paths["html"].read_text()):
+        assert "<strong>Model:</strong> <code>org/mod`el</code> (fingerprint <code>0123456789abcdef</code>)" in page
+        assert "<code>/data/`a.txt</code>" in page and "report: org/mod`el on /data/`a.txt, 8K context</h1>" in page
+        assert "<strong>x`&lt;b&gt;y</strong> stays within 1%" in page
+        assert "<strong>p`q*</strong> already in the first bucket" in page
+    assert ">x`&lt;b&gt;y</td>" in as_read and ">p`q*</td>" in as_read
+    con = Console(record=True, width=400, color_system=None)
+    print_summary(s, con)
+    shown = con.export_text()
+    assert "x`<b>y stays within 1%" in shown and "p`q* already in the first bucket" in shown
+
+    sp = load_speed(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "speed-smollm2" / "speed.json")
+    sp["model"] = "smol`lm"
+    assert "<strong>Model:</strong> <code>smol`lm</code>" in MarkdownIt("commonmark").render(speed_markdown(sp, figure=False))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits.report.fmt import NA, _num, _ok
+from kvbits.report.inline import text
 from kvbits.report.summary import RunSummary, SchemeResult
 from kvbits.report.tables import Cell, TableData
 
@@ -275,5 +276,5 @@ def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLI
     for row in rows:
         issues = calibration_issues(row, clip_threshold)
         if issues:
-            lines.append(f"Warning: **{row.scheme}** " + "; ".join(issues) + ".")
+            lines.append(f"Warning: **{text(row.scheme)}** " + "; ".join(issues) + ".")
     return lines

@@ -68,7 +68,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--threshold", type=_percent, default=None, metavar="PCT",
         help="ΔPPL budget in percent the verdict and tables judge against (default 1)",
     )  # fmt: skip
-    p.add_argument("--no-plots", action="store_true", help="write no figures")
+    p.add_argument("--no-plots", action="store_true", help="write no figures (those an earlier report drew in the folder are removed)")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     return p
 

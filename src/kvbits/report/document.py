@@ -6,7 +6,6 @@ code) built once from a run, then written as Markdown (:mod:`.markdown`) and as 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from kvbits.report.calibration import (
     calibration_warnings,
 )
 from kvbits.report.fmt import fmt_budget, fmt_pos
+from kvbits.report.inline import code, split_code_spans, text
 from kvbits.report.inputs import reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary
@@ -34,7 +34,7 @@ from kvbits.report.tables import (
 )
 from kvbits.report.verdict import verdict
 
-__all__ = ["Block", "Code", "Figure", "Heading", "Meta", "Para", "Table", "build_document"]
+__all__ = ["Block", "Code", "Figure", "Heading", "Meta", "Para", "Table", "build_document", "split_code_spans"]
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,6 @@ class Code:
 
 Block = Heading | Para | Meta | Table | Figure | Code
 
-_CODE_SPAN = re.compile(r"(`[^`]+`)")
-
-
-def split_code_spans(text: str) -> list[str]:
-    """``text`` cut at its inline code spans: the odd items are the spans (backticks included), taken as they are
-    by both renderers (Markdown and HTML); the even ones are the text around them."""
-    return _CODE_SPAN.split(text)
-
 FIGURE_TEXT = {
     "ppl_vs_position": "Perplexity (top) and ΔPPL against the unquantized reference (bottom) along the "
     "context; the dotted red line is the {budget} budget.",
@@ -103,7 +95,7 @@ def decode_note(run: RunSummary) -> str | None:
             how += f", {fallback:,} over dequantized K/V after a fallback" if fallback else ""
         else:
             how = "dequantized K/V + SDPA (no fused decode)"
-        parts.append(f"**{r.name}**: {how}")
+        parts.append(f"**{text(r.name)}**: {how}")
     return ("*Decode path (stream mode):* " + "; ".join(parts) + ".") if parts else None
 
 
@@ -121,8 +113,8 @@ def merged_runs_table(sources: list[Mapping[str, Any]]) -> TableData:
         cfg = src.get("config") if isinstance(src.get("config"), Mapping) else {}
         versions = cfg.get("versions") if isinstance(cfg.get("versions"), Mapping) else {}
         rows.append((
-            Cell(f"`{src.get('path', '?')}`"), Cell(", ".join(str(x) for x in src.get("schemes") or ())),
-            Cell(str(cfg.get("date") or "n/a")), Cell(f"`{run_commit(cfg)}`" if run_commit(cfg) else "n/a"),
+            Cell(str(src.get("path", "?"))), Cell(", ".join(str(x) for x in src.get("schemes") or ())),
+            Cell(str(cfg.get("date") or "n/a")), Cell(run_commit(cfg) or "n/a"),
             Cell(", ".join(f"{k} {v}" for k, v in versions.items()) or "n/a"),
         ))  # fmt: skip
     return TableData(
@@ -153,15 +145,15 @@ def build_document(
 ) -> list[Block]:
     ctx = fmt_pos(run.context)
     ctx = "unknown context" if not run.context else f"{ctx} context" if "K" in ctx else f"{ctx}-token context"
-    blocks: list[Block] = [Heading(1, f"KV-cache quantization report: {run.model} on {run.data}, {ctx}")]
+    blocks: list[Block] = [Heading(1, f"KV-cache quantization report: {text(run.model)} on {text(run.data)}, {ctx}")]
     fp = run.fingerprint or {}
     sources = _merged_sources(config)
     versions = None if sources else config.get("versions")
     meta = [
-        ("Model", f"`{run.model}`" + (f" (fingerprint `{fp['model']}`)" if fp.get("model") else "")),
-        ("Data", f"`{run.data}`" + (f" (tokens fingerprint `{fp['tokens']}`)" if fp.get("tokens") else "")),
+        ("Model", code(run.model) + (f" (fingerprint {code(str(fp['model']))})" if fp.get("model") else "")),
+        ("Data", code(run.data) + (f" (tokens fingerprint {code(str(fp['tokens']))})" if fp.get("tokens") else "")),
         ("Context", f"{run.context} tokens per window, {run.windows} window(s)"),
-        ("Semantics", f"`{run.semantics}`, `{run.mode}` mode"),
+        ("Semantics", f"{code(run.semantics)}, {code(run.mode)} mode"),
     ]
     if run.peak_memory:
         meta.append(
@@ -173,10 +165,10 @@ def build_document(
     else:
         meta += [
             ("Date", str(config.get("date") or config.get("timestamp") or "n/a")),
-            ("Commit", f"`{run_commit(config)}`" if run_commit(config) else "n/a"),
+            ("Commit", code(run_commit(config)) if run_commit(config) else "n/a"),
         ]
     if isinstance(versions, Mapping) and versions:
-        meta.append(("Versions", ", ".join(f"{k} {v}" for k, v in versions.items())))
+        meta.append(("Versions", text(", ".join(f"{k} {v}" for k, v in versions.items()))))
     blocks += [Meta(tuple(meta)), Heading(2, "Verdict"), Para(verdict(run, threshold))]
     if plot_note:
         blocks.append(Para(plot_note))
@@ -185,7 +177,7 @@ def build_document(
         if key in figures:
             blocks.append(Figure(figures[key], PLOT_FILES[key], FIGURE_TEXT[key].format(budget=fmt_budget(threshold, sign=False))))
         elif key in failed:
-            blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {failed[key]}.*"))
+            blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {text(failed[key])}.*"))
 
     blocks.append(Heading(2, "Where along the context it hurts"))
     if run.bucket_spans:
@@ -236,5 +228,5 @@ def build_document(
     ]
     commit = run_commit(config)
     if commit:
-        blocks.append(Para(f"at commit `{commit.split()[0]}` of kvbits."))
+        blocks.append(Para(f"at commit {code(commit.split()[0])} of kvbits."))
     return blocks

@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvbits.report.inline import code
+
 __all__ = [
     "DEFAULT_THRESHOLD",
     "NA",
@@ -165,7 +167,7 @@ def merged_runs_table(
         commit = m.get("commit") or {}
         sha = str(commit.get("sha") or NA)[:10] + (" (dirty)" if commit.get("dirty") else "")
         cells = "".join(f"{cell(m)} | " for _, _, cell in columns)
-        path = str(m.get("path")).replace("|", "\\|")  # a "|" ends a table cell even in a code span
-        lines.append(f"| `{path}` | {cells}{m.get('date') or NA} | `{sha}` | "
+        path = code(str(m.get("path"))).replace("|", "\\|")  # a "|" ends a table cell even in a code span
+        lines.append(f"| {path} | {cells}{m.get('date') or NA} | {code(sha)} | "
                      f"{(m.get('versions') or {}).get('torch', NA)} |")  # fmt: skip
     return lines + [""]

@@ -8,7 +8,8 @@ import html
 import re
 from pathlib import Path
 
-from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table, split_code_spans
+from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table
+from kvbits.report.inline import code_content, hide_escapes, show_escapes, split_code_spans, unescape
 from kvbits.report.tables import TableData
 
 __all__ = ["to_html"]
@@ -35,16 +36,18 @@ pre{background:#f6f8fa;padding:.8em 1em;overflow-x:auto;border-radius:6px}
 
 def _inline(text: str) -> str:
     """Escape, then render ``**bold**``, ``*italic*`` and ```code``` spans; a code span is taken as it is (a path
-    ``/corpora/*/part-*.txt`` stays that, not ``/corpora/<em>/part-</em>.txt``)."""
+    ``/corpora/*/part-*.txt`` stays that, not ``/corpora/<em>/part-</em>.txt``), and a character escaped by
+    :func:`~.inline.text` (a name's ``*`` or backtick) is shown, not read as markup."""
     parts = split_code_spans(text)
     out = []
     for i, part in enumerate(parts):
         if i % 2:  # a code span
-            out.append(f"<code>{html.escape(part[1:-1], quote=False)}</code>")
+            out.append(f"<code>{html.escape(code_content(part), quote=False)}</code>")
             continue
-        s = html.escape(part, quote=False)
+        s = hide_escapes(html.escape(part, quote=False))
         s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
-        out.append(re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", s))
+        s = re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", s)
+        out.append(show_escapes(s))
     return "".join(out)
 
 
@@ -70,7 +73,7 @@ def to_html(blocks: list[Block], title: str) -> str:
     after_verdict = False
     for b in blocks:
         if isinstance(b, Heading):
-            body.append(f"<h{b.level}>{html.escape(b.text)}</h{b.level}>")
+            body.append(f"<h{b.level}>{_inline(b.text)}</h{b.level}>")
             after_verdict = b.text == "Verdict"
         elif isinstance(b, Para):
             cls = ' class="verdict"' if after_verdict else ' class="warning"' if b.text.startswith("Warning:") else ""
@@ -93,7 +96,7 @@ def to_html(blocks: list[Block], title: str) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n<body>\n"
+        f"<title>{html.escape(unescape(title))}</title><style>{_CSS}</style></head>\n<body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table, split_code_spans
+from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table
+from kvbits.report.inline import split_code_spans, text
 from kvbits.report.tables import TableData
 
 __all__ = ["md_cell", "to_markdown"]
@@ -18,9 +19,11 @@ def _md_text(text: str) -> str:
     return "".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
-def md_cell(text: str) -> str:
-    """A table cell: ``_md_text``, ``|`` escaped, a newline (which would end the row) as a space."""
-    return _md_text(text).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+def md_cell(s: str) -> str:
+    """Plain text (a table cell, a name) as Markdown: :func:`~.inline.text`'s escapes (a backtick opens no code span,
+    ``*`` no emphasis), ``<``/``>`` as entities, ``|`` escaped, a newline (which would end the row) as a space."""
+    s = text(s).replace("<", "&lt;").replace(">", "&gt;")
+    return s.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def _md_table(t: TableData) -> str:

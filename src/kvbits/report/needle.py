@@ -18,6 +18,7 @@ from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
 from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
+from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
@@ -118,20 +119,20 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     when = (
         f"- **Merged** from {len(merged)} runs (below) on {summary.get('merge_date', 'n/a')}"
         if isinstance(merged, list)
-        else f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`"
+        else f"- **Date:** {summary.get('date', 'n/a')}; **commit:** {code(str((summary.get('commit') or {}).get('sha', 'n/a')))}"
     )
     lines = [
         f"# Passkey retrieval: {md_cell(str(summary['model']))} on {md_cell(str(summary['data']))}",
         "",
-        f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`)"
-        + (f", `{summary['dtype']}`" if summary.get("dtype") else ""),
-        f"- **Haystack:** `{summary['data']}` (tokens fingerprint `{summary['fingerprint']['tokens']}`)",
+        f"- **Model:** {code(str(summary['model']))} (fingerprint {code(str(summary['fingerprint']['model']))})"
+        + (f", {code(str(summary['dtype']))}" if summary.get("dtype") else ""),
+        f"- **Haystack:** {code(str(summary['data']))} (tokens fingerprint {code(str(summary['fingerprint']['tokens']))})",
         (
             f"- **Contexts:** {', '.join(fmt_pos(c) for c in contexts)} tokens; **depths** "
             f"{', '.join(f'{d:g}' for d in depths)}; {_trials_per_cell(summary)} trial(s) per cell, {n} in all "
             f"(seed {summary['seed']})"
         ),
-        f"- **Semantics:** `{summary['semantics']}`: {_SEMANTICS.get(summary['semantics'], '')}",
+        f"- **Semantics:** {code(str(summary['semantics']))}: {_SEMANTICS.get(summary['semantics'], '')}",
         (
             f'- **Needle:** "{md_cell(task["needle"])}" ({task["digits"]}-digit key); **question:** '
             f'"{md_cell(task["question"])}"'

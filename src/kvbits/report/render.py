@@ -27,6 +27,7 @@ from kvbits.report.fmt import DEFAULT_THRESHOLD
 from kvbits.report.html_page import to_html
 from kvbits.report.inputs import load_config, load_token_arrays, reproduce_command
 from kvbits.report.markdown import to_markdown
+from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary, log_non_finite
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,17 @@ def write_json_report(
     return out
 
 
+def _remove_stale_figures(out: Path, drawn: Mapping[str, Path]) -> None:
+    """Remove the figures (``<key>.png`` of :data:`~.plots.PLOT_FILES`) an earlier report left in ``out`` that this
+    one did not draw (no matplotlib, ``plots=False``, a figure that failed or has no data): beside this run's
+    ``report.md`` they would pass for its figures (``kvbits eval --overwrite`` without matplotlib kept the last run's)."""
+    stale = [out / f"{key}.png" for key in PLOT_FILES if key not in drawn and (out / f"{key}.png").is_file()]
+    for path in stale:
+        path.unlink()
+    if stale:
+        logger.info("removed %s: figures of an earlier report that this one did not draw", ", ".join(p.name for p in stale))
+
+
 def write_report(
     out_dir: str | Path,
     *,
@@ -111,7 +123,8 @@ def write_report(
             ``tokens/*.safetensors`` are used when present.
         threshold: the ΔPPL budget (fraction) the verdict and the tables judge against.
         plots: True: draw figures (ImportError with an install hint without matplotlib);
-            False: none; None: draw them when matplotlib is installed, else say so in the report.
+            False: none; None: draw them when matplotlib is installed, else say so in the report. A figure
+            an earlier report left in ``out_dir`` that this one does not draw is removed.
         smooth: tokens in the running mean of the per-token curves.
         strict: raise when a figure fails instead of noting it in the report.
 
@@ -151,6 +164,7 @@ def write_report(
             figures, failed = plots_mod.make_plots(
                 run, out, tokens, threshold=threshold, smooth=smooth, strict=strict
             )
+    _remove_stale_figures(out, figures)
 
     blocks = build_document(run, config, figures, failed, note, threshold, out, bool(tokens))
     title = blocks[0].text if isinstance(blocks[0], Heading) else "kvbits report"

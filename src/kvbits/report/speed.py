@@ -17,6 +17,7 @@ from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
 from kvbits.report.fmt import fmt_bytes, fmt_frac, fmt_pos, merged_runs_table
+from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
@@ -172,11 +173,14 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     lines = [
         f"# Decode speed: {md_cell(str(summary['model']))} on {md_cell(str(dev['name']))}",
         "",
-        f"- **Model:** `{summary['model']}` (fingerprint `{summary['fingerprint']['model']}`), `{summary['dtype']}`",
+        (
+            f"- **Model:** {code(str(summary['model']))} (fingerprint {code(str(summary['fingerprint']['model']))}), "
+            f"{code(str(summary['dtype']))}"
+        ),
         f"- **Device:** {md_cell(str(dev['type']))}, {md_cell(str(dev['name']))}"
         + (f", {dev['threads']} threads" if dev["type"] == "cpu" else ""),
         (
-            f"- **Prompts:** `{summary['data']}`, contexts {', '.join(fmt_pos(c) for c in summary['contexts'])} tokens; "
+            f"- **Prompts:** {code(str(summary['data']))}, contexts {', '.join(fmt_pos(c) for c in summary['contexts'])} tokens; "
             f"batches {', '.join(str(b) for b in summary['batches'])}"
         ),
         f"- **Decode:** {summary['tokens']} timed greedy steps after {summary['warmup']} warm-up steps, per run"
@@ -196,7 +200,7 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         *_kernel_line(summary),
         *_sdpa_line(summary),
         (
-            f"- **Date:** {summary.get('date', 'n/a')}; **commit:** `{(summary.get('commit') or {}).get('sha', 'n/a')}`; "
+            f"- **Date:** {summary.get('date', 'n/a')}; **commit:** {code(str((summary.get('commit') or {}).get('sha', 'n/a')))}; "
             f"versions {', '.join(f'{k} {v}' for k, v in (summary.get('versions') or {}).items())}"
         ),
         "",
@@ -214,9 +218,9 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     ]
     for name in (summary.get("baselines") or [BASELINE])[1:]:  # StaticCache in a static run
         path = next(r["path"] for r in summary["runs"] if r["cache"] == name)
-        lines.append(f"- `{name}`: `{path}`, {_path_text(path)}")
+        lines.append(f"- {code(str(name))}: {code(str(path))}, {_path_text(path)}")
     for name, path in paths.items():
-        lines.append(f"- `{name}`: `{path}`, {_path_text(path)}{_served_by(summary, name)}")
+        lines.append(f"- {code(str(name))}: {code(str(path))}, {_path_text(path)}{_served_by(summary, name)}")
     lines.append("")
     for batch in summary["batches"]:
         lines += [f"## Batch {batch}", ""]

@@ -29,6 +29,7 @@ from kvbits.report.fmt import (
     fmt_pct,
     fmt_pos,
 )
+from kvbits.report.inline import hide_escapes, show_escapes
 from kvbits.report.summary import AttnLayer, Bucket, Generation, RunSummary, SchemeResult, _bucket_at
 from kvbits.report.verdict import verdict
 
@@ -343,12 +344,14 @@ def print_summary(
     from kvbits.report.calibration import calibration_rows, calibration_warnings  # it imports this module
 
     for line in calibration_warnings(calibration_rows(run)):
-        console.print(_bold_markup(escape(line), "[bold yellow]", "[/bold yellow]"), style="yellow")
-    text = escape(verdict(run, threshold))
-    console.print(_bold_markup(text, "[bold]", "[/bold]"))
+        console.print(_bold_markup(line, "[bold yellow]", "[/bold yellow]"), style="yellow")
+    console.print(_bold_markup(verdict(run, threshold), "[bold]", "[/bold]"))
 
 
 def _bold_markup(text: str, start: str, end: str) -> str:
-    """Replace ``**x**`` pairs in ``text`` by ``start x end``."""
-    pieces = text.split("**")
+    """``text`` (inline Markdown without code spans) as rich markup: ``**x**`` pairs as ``start x end``, the rest
+    as text (a name's escaped backtick or ``*`` shown as it is, ``[`` not read as markup)."""
+    from rich.markup import escape
+
+    pieces = [escape(show_escapes(p)) for p in hide_escapes(text).split("**")]
     return "".join(p if i % 2 == 0 else f"{start}{p}{end}" for i, p in enumerate(pieces))

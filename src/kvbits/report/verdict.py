@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_budget, fmt_judged, fmt_pct, fmt_pos
+from kvbits.report.inline import text
 from kvbits.report.summary import RunSummary, SchemeResult
 
 __all__ = ["verdict"]
@@ -26,7 +27,7 @@ def _unjudged_labels(r: SchemeResult) -> str:
 def _incomplete(schemes: list[SchemeResult], thr: str) -> str:
     """The sentence for schemes within ``thr`` wherever measured but with buckets without a ΔPPL: not passes."""
     one = len(schemes) == 1
-    items = _join([f"**{r.name}** (no ΔPPL at {_unjudged_labels(r)})" for r in schemes])
+    items = _join([f"**{text(r.name)}** (no ΔPPL at {_unjudged_labels(r)})" for r in schemes])
     return (
         f"Not judged: {items} {'is' if one else 'are'} incomplete (ΔPPL missing or NaN in summary.json), "
         f"not {'a pass' if one else 'passes'}; {'it stays' if one else 'they stay'} within {thr} in the "
@@ -52,7 +53,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         worst = max((b.delta for b in r.buckets if _ok(b.delta) or math.isinf(b.delta)), key=abs, default=math.nan)
         if r.is_baseline and not math.isnan(worst) and abs(worst) > 1e-4:
             parts.append(
-                f"Warning: the unquantized **{r.name}** differs from the reference by up to "
+                f"Warning: the unquantized **{text(r.name)}** differs from the reference by up to "
                 f"{fmt_pct(worst)}, so the evaluation path itself adds error."
             )
     no_data = [r for r in quant if not any(b.judged for b in r.buckets)]
@@ -66,7 +67,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
     elif passing:
         verb = "stays" if len(passing) == 1 else "stay"
         parts.append(
-            f"{_join([f'**{r.name}**' for r in passing])} {verb} within {thr} ΔPPL of the unquantized "
+            f"{_join([f'**{text(r.name)}**' for r in passing])} {verb} within {thr} ΔPPL of the unquantized "
             f"reference in every position bucket{upto}."
         )
     elif judged:
@@ -79,7 +80,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         where = f"already in the first bucket, {b.label}" if b is r.buckets[0] else f"at {b.label}"
         ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
         holes = f"; no ΔPPL at {_unjudged_labels(r)}" if r.unjudged else ""
-        fails.append(f"**{r.name}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
+        fails.append(f"**{text(r.name)}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
     if fails:
         parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
     if incomplete:
@@ -97,7 +98,7 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
             bits = "bits not recorded"
         lead = "Best bits/quality trade-off" if passing else "Least damaging quantized scheme"
         parts.append(
-            f"{lead}: **{best.name}**, {bits}, worst bucket {fmt_judged(best.max_delta, threshold)}, "
+            f"{lead}: **{text(best.name)}**, {bits}, worst bucket {fmt_judged(best.max_delta, threshold)}, "
             f"overall {fmt_judged(best.delta, threshold)}."
         )
     grows = []
@@ -106,9 +107,9 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         if len(vals) >= 2:
             first, last = vals[0].delta, vals[-1].delta
             if last - first > max(threshold / 4, abs(first)):
-                grows.append(f"**{r.name}** ({fmt_pct(first)} at {vals[0].label} → {fmt_pct(last)} at {vals[-1].label})")
+                grows.append(f"**{text(r.name)}** ({fmt_pct(first)} at {vals[0].label} → {fmt_pct(last)} at {vals[-1].label})")
     if grows:
         parts.append("Damage grows along the context for " + ", ".join(grows) + ".")
     if no_data:
-        parts.append(f"No bucket data for {_join([f'**{r.name}**' for r in no_data])}.")
+        parts.append(f"No bucket data for {_join([f'**{text(r.name)}**' for r in no_data])}.")
     return " ".join(parts)

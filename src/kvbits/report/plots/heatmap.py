@@ -26,20 +26,26 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
 
     spans = run.bucket_spans
     names = [r.name for r in run.results]
-    grid = np.full((len(names), len(spans)), np.nan)
+    frac = np.full((len(names), len(spans)), np.nan)  # ΔPPL as the fractions the verdict judges
     ci = {}
     for i, r in enumerate(run.results):
         for b in r.buckets:
             j = spans.index((b.lo, b.hi))
-            grid[i, j] = b.delta * 100
+            frac[i, j] = b.delta
             ci[i, j] = b.ci
+    grid = frac * 100
     cmap = ListedColormap(_DELTA_COLORS).with_extremes(bad="#e0e0e0")
     budget = threshold * 100  # the bins scale with the budget: a cell above it is never green
     bins = [b if abs(b) == 1e9 else b * budget for b in _DELTA_BINS]
-    norm = BoundaryNorm(bins, cmap.N)
+    # coloured on the fractions the verdict judges (a ΔPPL above the threshold fails), not on ΔPPL·100: a bin
+    # holds [lo, hi), so the budget's edge is the first fraction above it and a bucket exactly at the budget is
+    # within (green), as the verdict and the tables judge it
+    frac_bins = [b if abs(b) == 1e9 else b * threshold for b in _DELTA_BINS]
+    frac_bins[3] = math.nextafter(threshold, math.inf)
+    norm = BoundaryNorm(frac_bins, cmap.N)
     fig = new_figure(max(5.5, 1.45 * len(spans) + 3.2), max(2.4, 0.55 * len(names) + 1.6))
     ax = fig.subplots()
-    shown = np.where(np.isposinf(grid), bins[-2] + 1.0, grid)  # +inf: the worst bin, not masked
+    shown = np.where(np.isposinf(frac), frac_bins[-2] * 2, frac)  # +inf: the worst bin, not masked
     im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if v == math.inf:
@@ -49,7 +55,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
             ax.text(j, i, "n/a", ha="center", va="center", fontsize=8, color="#555555")
             continue
         lo, hi = ci.get((i, j), (math.nan, math.nan))
-        txt = fmt_judged(v / 100, threshold)
+        txt = fmt_judged(frac[i, j], threshold)
         if math.isfinite(lo) and math.isfinite(hi):
             txt += f"\n[{lo * 100:+.2f}, {hi * 100:+.2f}]"
         dark = v >= 5 * budget or v < 0.1 * budget
@@ -58,7 +64,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("position bucket")
     ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_budget(threshold)}", fontsize=11)
-    edges = bins[1:-1]  # the colour boundaries at this budget, labelled with what they are
-    cb = fig.colorbar(im, ax=ax, ticks=edges, fraction=0.05)
-    cb.ax.set_yticklabels([f"{round(t, 6):g}%" for t in edges], fontsize=8)
+    # the colour boundaries at this budget, labelled with what they are (in %)
+    cb = fig.colorbar(im, ax=ax, ticks=frac_bins[1:-1], fraction=0.05)
+    cb.ax.set_yticklabels([f"{round(t, 6):g}%" for t in bins[1:-1]], fontsize=8)
     return save_png(fig, path)
