@@ -138,6 +138,20 @@ def test_plot_head_is_checked_against_the_plotted_layers_heads(tmp_path):
     assert plot_key_heatmaps(result, tmp_path / "heat.png", head=1).exists()
 
 
+def test_calibrate_refuses_layers_of_different_shapes_saying_so():
+    """Gemma 4's global layer 3 caches heads of 32 channels, its sliding ones 16: calibrate refused it for
+    "attention modules (4 layers, (H_kv, D) in {(2, 32), (2, 16)}) disagree with the config (4 layers, 2 KV heads,
+    head dim 16)", though they agree layer by layer. Now it says the layers differ, where, and why that is
+    refused (an artifact holds one (H_kv, D) for every layer)."""
+    from kvbits.calibrate import calibrate
+
+    cfg = transformers.Gemma4TextConfig(**{**BASE, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32)
+    with pytest.raises(ValueError, match=r"layers cache K/V of different shapes \(2 KV heads of dim 16 on layers "
+                                         r"\[0, 1, 2\]; 2 KV heads of dim 32 on layers \[3\]\): a calibration "
+                                         r"artifact holds one \(H_kv, D\)"):  # fmt: skip
+        calibrate(build(cfg), torch.randint(0, 64, (256,)), "kvquant-4", context=64, windows=1)
+
+
 def test_layers_without_kv_are_skipped_by_analyze_and_refused_by_calibrate():
     """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) caches K/V on some
     layers only: analyze reports those layers under their own index; calibration refuses the model,
