@@ -59,6 +59,21 @@ def test_heterogeneous_latent_attention_is_refused_clearly():
             make()
 
 
+def test_heterogeneous_latent_attention_is_refused_by_the_planner_too():
+    """``model_shape`` read ``kv_lora_rank`` from the global config alone, where a heterogeneous one (Dots3 Note)
+    has none: with head dims that agree (16 for K and V in every layer) it planned 4 layers of 4 ordinary KV
+    heads, a cache the model does not hold and that ``QuantizedKVCache`` refuses. Now refused as latent attention,
+    naming the layer."""
+    dots3 = pytest.importorskip("transformers.models.dots3_note.configuration_dots3_note")
+    cfg = dots3.Dots3NoteTextConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                    head_dim=16, v_head_dim=16, swa_head_dim=16, swa_v_head_dim=16,
+                                    swa_qk_nope_head_dim=8, swa_num_attention_heads=4,
+                                    swa_num_key_value_heads=4)  # fmt: skip
+    assert {(c.head_dim, c.v_head_dim) for c in cfg.per_layer_config} == {(16, 16)}
+    with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank in layer 0: .*MHA/GQA/MQA only"):
+        model_shape(cfg)
+
+
 def test_batch_size_is_what_transformers_caches_report():
     """transformers' ``Cache.batch_size`` is -1 before any layer holds K/V (``StaticCache``, ``DynamicCache``),
     skipping layers not yet updated. A fresh ``QuantizedKVCache`` gave None and raised "The batch size is not

@@ -104,6 +104,36 @@ def test_a_scheme_that_can_not_store_the_head_dim_is_refused_before_any_forward_
     assert calls == []
 
 
+def test_a_scheme_that_can_not_store_a_later_layers_head_dim_is_refused_before_any_forward_pass():
+    """Gemma 4's global layers are wider than its sliding ones: the entry points checked the schemes against layer
+    0's head_dim (64) alone, so int4-g64 passed; evaluate then failed inside the simulator after the reference
+    pass ("token group size 64 must divide head_dim 96", no scheme or layer named), speed_eval after timing
+    int8-token. Now each layer's head dim is checked up front; a mixed scheme storing layer 1 otherwise runs."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=96,
+                           sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                           hidden_size_per_layer_input=0)  # fmt: skip
+    torch.manual_seed(0)
+    model, calls = Gemma4ForCausalLM(cfg).eval(), []
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
+    ids = _ids(128)[0]
+    message = (r"scheme 'int4-g64' can not store head_dim 96 of layer 1 \(other layers: head_dim 64\): keys: "
+               "per-token groups of 64 channels do not divide head_dim 96")  # fmt: skip
+    for call in (lambda: evaluate(model, ids, 64, ["int8-token", "int4-g64"], attn_layers=[]),
+                 lambda: evaluate(model, ids, 64, ["int8-token", "int4-g64"], mode="stream"),
+                 lambda: speed_eval(model, 32, ["int8-token", "int4-g64"], data=ids, tokens=2, warmup=0)):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match=r"'int8-token,1=int4-g64' can not store head_dim 96 of layer 1 "):
+        evaluate(model, ids, 64, ["int8-token,1=int4-g64"], attn_layers=[])
+    assert calls == []
+    hook.remove()
+    out = evaluate(model, ids, 64, ["int4-g64,1=int8-token"], attn_layers=[])  # layer 1 stored in int8
+    assert out["windows"] == 1
+
+
 def test_one_scheme_given_bare_is_refused_with_how_to_pass_it():
     """evaluate(model, ids, 16, "int4-token") read the string letter by letter: "unknown scheme 'i'"."""
     model = _llama()

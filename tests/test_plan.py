@@ -126,6 +126,20 @@ def test_overrides_change_only_what_they_name():
     assert shape.with_overrides(dtype_bytes=4).params is not None  # dtype keeps the estimate
 
 
+def test_a_layer_count_override_of_mixed_layers_says_how_they_differ():
+    """SmolLM3 read with its RoPE tables (``kvbits plan --fused-decode --layers 16``): every layer alike but its
+    NoPE ones, which ``describe`` does not show; the refusal said "mixed layers (8 layers, 2 KV heads, head dim
+    16, 2-byte dtype)" with nothing mixed in it. Now it names the field and the layers."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("smollm3", num_hidden_layers=8, hidden_size=64, intermediate_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=100, eos_token_id=0)  # fmt: skip
+    shape = load_shape(cfg, rope=True)
+    with pytest.raises(ValueError, match=r"mixed layers \(.*: rope_tables 'none' at layers 3, 7 \(layer 0: 'half'\)\)"):
+        shape.with_overrides(layers=16)
+    assert load_shape(cfg).with_overrides(layers=16).n_layers == 16  # without the tables the layers are alike
+
+
 # ------------------------------------------------------------------------------ sliding windows
 
 

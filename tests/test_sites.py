@@ -112,6 +112,46 @@ def test_values_from_the_key_projection_are_a_site():
     assert [la.layer for la in result.layers] == [0, 1, 2, 3]
 
 
+def test_plot_head_is_checked_against_the_plotted_layers_heads(tmp_path):
+    """``kvbits analyze --plot-head`` was checked against the fewest KV heads of any layer: on Gemma 4 with one KV
+    head in its global layer 3 and two in its sliding layers, ``--plot-layer 0 --plot-head 1`` (and
+    ``--plot-head 1`` alone) was refused ("must be a KV head in [0, 1)") though layer 0 has that head. Now the
+    plotted layer's own count, or any layer's when none is given (the heatmap then picks a layer that has it)."""
+    import argparse
+
+    from kvbits.analyze.cli import _check_plot_args
+    from kvbits.analyze.plots import plot_key_heatmaps
+
+    cfg = transformers.Gemma4TextConfig(
+        **{**BASE, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32, sliding_window=16,
+        attention_k_eq_v=True, num_global_key_value_heads=1,
+    )  # fmt: skip
+    model = build(cfg)
+    assert [s.num_kv_heads for s in attention_sites(model)] == [2, 2, 2, 1]
+    for layer in (0, None):
+        _check_plot_args(model, argparse.Namespace(plot_layer=layer, plot_head=1))
+    with pytest.raises(ValueError, match=r"--plot-head must be a KV head of layer 3 in \[0, 1\), got 1"):
+        _check_plot_args(model, argparse.Namespace(plot_layer=3, plot_head=1))
+    with pytest.raises(ValueError, match=r"--plot-head must be a KV head in \[0, 2\), got 2"):
+        _check_plot_args(model, argparse.Namespace(plot_layer=None, plot_head=2))
+    result = analyze(model, torch.randint(0, 64, (1, 16)), sample_tokens=16, channel_group=8, keep_samples=True)
+    assert plot_key_heatmaps(result, tmp_path / "heat.png", head=1).exists()
+
+
+def test_calibrate_refuses_layers_of_different_shapes_saying_so():
+    """Gemma 4's global layer 3 caches heads of 32 channels, its sliding ones 16: calibrate refused it for
+    "attention modules (4 layers, (H_kv, D) in {(2, 32), (2, 16)}) disagree with the config (4 layers, 2 KV heads,
+    head dim 16)", though they agree layer by layer. Now it says the layers differ, where, and why that is
+    refused (an artifact holds one (H_kv, D) for every layer)."""
+    from kvbits.calibrate import calibrate
+
+    cfg = transformers.Gemma4TextConfig(**{**BASE, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32)
+    with pytest.raises(ValueError, match=r"layers cache K/V of different shapes \(2 KV heads of dim 16 on layers "
+                                         r"\[0, 1, 2\]; 2 KV heads of dim 32 on layers \[3\]\): a calibration "
+                                         r"artifact holds one \(H_kv, D\)"):  # fmt: skip
+        calibrate(build(cfg), torch.randint(0, 64, (256,)), "kvquant-4", context=64, windows=1)
+
+
 def test_layers_without_kv_are_skipped_by_analyze_and_refused_by_calibrate():
     """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) caches K/V on some
     layers only: analyze reports those layers under their own index; calibration refuses the model,

@@ -136,8 +136,18 @@ def _check_plot_args(model: Any, args: argparse.Namespace) -> None:
     layers = [s.layer_idx for s in sites]
     if args.plot_layer is not None and args.plot_layer not in layers:
         raise ValueError(f"--plot-layer must be one of the attention layers {layers}, got {args.plot_layer}")
-    heads = min(s.num_kv_heads for s in sites)
-    if args.plot_head is not None and not 0 <= args.plot_head < heads:
+    if args.plot_head is None:
+        return
+    # per layer: Gemma 4's global layers may have fewer KV heads than its sliding ones
+    if args.plot_layer is not None:
+        heads = next(s.num_kv_heads for s in sites if s.layer_idx == args.plot_layer)
+        if not 0 <= args.plot_head < heads:
+            raise ValueError(
+                f"--plot-head must be a KV head of layer {args.plot_layer} in [0, {heads}), got {args.plot_head}"
+            )
+        return
+    heads = max(s.num_kv_heads for s in sites)  # the heatmap's layer is then one that has the head
+    if not 0 <= args.plot_head < heads:
         raise ValueError(f"--plot-head must be a KV head in [0, {heads}), got {args.plot_head}")
 
 

@@ -35,7 +35,7 @@ from kvbits.calibrate.fit import (
 )
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, check_kmeans_args
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
-from kvbits.plan.config import check_context_fits
+from kvbits.plan.config import check_context_fits, layer_heads
 from kvbits.quant.rotate import check_rotatable, rotate
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import ROTATIONS, KVScheme
@@ -326,6 +326,16 @@ def collect_samples(
     # (vLLM loads `model.layers.{i}.self_attn.k_scale`; kvbits.export.vllm)
     model_record["attention_modules"] = [s.name for s in sites]
     site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
+    if len(site_shape) > 1 and all(  # Gemma 4: wider (or fewer) heads on its global layers, as its config says
+        layer_heads(module.config, s.layer_idx)[1:] == (s.num_kv_heads, s.head_dim) for s in sites
+    ):
+        where = {shape: [s.layer_idx for s in sites if (s.num_kv_heads, s.head_dim) == shape] for shape in site_shape}
+        listed = "; ".join(f"{h} KV heads of dim {d} on layers {idx}" for (h, d), idx in sorted(where.items()))
+        raise ValueError(
+            f"the model's layers cache K/V of different shapes ({listed}): a calibration artifact holds one "
+            "(H_kv, D) for every layer, so kvbits calibrate supports models whose layers are alike only; "
+            "use a scheme without calibrated parameters"
+        )
     if (
         site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
         or len(sites) != model_record["num_layers"]

@@ -323,7 +323,7 @@ def needle_eval(
         )
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    check_schemes_fit(resolved, head_dim)
+    check_schemes_fit(resolved, model.config)
     if semantics == "prefill":
         check_every_layer_attends(model, n_layers, "semantics='prefill'", "use semantics='decode' (the simulator)")
     text_ids = tokenize(text, tokenizer)

@@ -334,7 +334,7 @@ def evaluate(
         from kvbits.cache import attention_shape
 
         n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-        check_schemes_fit(resolved, head_dim)
+        check_schemes_fit(resolved, model.config)
         if generate:
             check_can_generate(model)
         if ranks.main:

@@ -508,7 +508,7 @@ def speed_eval(
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     check_every_layer_attends(model, n_layers, "kvbits speed", "kvbits eval (simulate mode) and kvbits needle (semantics='decode') measure such models")
-    check_schemes_fit(resolved, head_dim)
+    check_schemes_fit(resolved, model.config)
     if static:
         refused = static_refusals(resolved, n_layers)
         if refused:

@@ -136,15 +136,21 @@ def resolve_schemes(schemes: Any) -> list[KVScheme | PeerScheme]:
     return [resolve_scheme(s) for s in schemes]
 
 
-def check_schemes_fit(schemes: list[KVScheme | PeerScheme], head_dim: int) -> None:
-    """``ValueError`` (``check_scheme_head_dim``'s, naming the scheme and side) for a kvbits scheme of ``schemes``
-    that can not store the model's ``head_dim``: checked once the model's config is read, before any forward pass,
-    so that a run does not fail at that scheme after the others' work (peers store their own way)."""
-    from kvbits.schemes.accounting import check_scheme_head_dim
+def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None:
+    """``ValueError`` (``check_scheme_layer_head_dims``'s, naming the scheme, the side and, where the model's
+    layers differ, the layers) for a kvbits scheme of ``schemes`` that can not store some layer's head dim: each
+    layer's as the cache reads it (``layer_heads``; Gemma 4's global layers are wider than layer 0), layers
+    without K/V left out. Checked once the model's config is read, before any forward pass, so that a run does
+    not fail at that scheme after the others' work (peers store their own way)."""
+    from kvbits.cache import attention_shape
+    from kvbits.plan.config import layer_heads
+    from kvbits.schemes.accounting import check_scheme_layer_head_dims
 
+    n_layers = attention_shape(config)[0]
+    head_dims = {i: d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
     for s in schemes:
         if not isinstance(s, PeerScheme):
-            check_scheme_head_dim(s, head_dim)
+            check_scheme_layer_head_dims(s, head_dims)
 
 
 def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerScheme:

@@ -498,12 +498,15 @@ def model_shape(config: Any, *, name: str = "", rope: bool = False) -> ModelShap
             f"model type {model_type!r} has no attention layers (each layer keeps a recurrent state, not a KV cache): "
             "nothing for the kvbits planner to plan"
         )
-    if _get(text, "kv_lora_rank") is not None:
-        raise ValueError(
-            "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3 style) caches K and V with different "
-            "head dims; the kvbits planner supports MHA/GQA/MQA only"
-        )
     layer_cfgs = layer_configs(text, n_layers)
+    # per layer: a heterogeneous config (Dots3 Note) keeps kv_lora_rank in each layer's config, not globally
+    latent = next((i for i, lc in enumerate(layer_cfgs) if _get(lc, "kv_lora_rank") is not None), None)
+    if latent is not None:
+        where = f" in layer {latent}" if _get(text, "kv_lora_rank") is None else ""
+        raise ValueError(
+            f"multi-head latent attention (kv_lora_rank{where}: DeepSeek-V2/V3 style) caches a compressed latent "
+            "and the rotary key part, not K/V heads; the kvbits planner supports MHA/GQA/MQA only"
+        )
     layer_types = _get(text, "layer_types")
     if layer_types is not None:
         if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, Sequence) or not all(

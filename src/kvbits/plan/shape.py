@@ -208,8 +208,8 @@ class ModelShape:
             check_layer_count(layers, "layers")
             if len(set(self.layers)) != 1:
                 raise ValueError(
-                    f"can not override the layer count of a model with mixed layers ({self.describe()}); "
-                    "override kv_heads/head_dim only, or plan from dimensions"
+                    f"can not override the layer count of a model with mixed layers ({self.describe()}: "
+                    f"{_unlike_layer_0(self.layers)}); override kv_heads/head_dim only, or plan from dimensions"
                 )
             out = out.replace(layers=(self.layers[0],) * layers, params=None)
         if kv_heads is not None or head_dim is not None:
@@ -247,6 +247,21 @@ class ModelShape:
         parts.append(f"head dim {'/'.join(map(str, hd))}")
         parts.append(f"{self.dtype_bytes}-byte dtype")
         return ", ".join(parts)
+
+
+def _unlike_layer_0(layers: tuple[LayerShape, ...]) -> str:
+    """How ``layers`` differ from layer 0, field by field: ``rope_tables 'none' at layers 3, 7 (layer 0:
+    'half')`` (a NoPE layer is the whole difference ``describe`` does not show)."""
+    first, parts = layers[0], []
+    for attr in dataclasses.fields(LayerShape):
+        own, others = getattr(first, attr.name), {}
+        for i, layer in enumerate(layers):
+            if (value := getattr(layer, attr.name)) != own:
+                others.setdefault(value, []).append(i)
+        for value, idx in others.items():
+            listed = ", ".join(map(str, idx[:6])) + (", ..." if len(idx) > 6 else "")
+            parts.append(f"{attr.name} {value!r} at layer{'s' if len(idx) > 1 else ''} {listed} (layer 0: {own!r})")
+    return "; ".join(parts)
 
 
 ConfigLike = Union[ModelShape, Mapping[str, Any], str, os.PathLike, Any]  # noqa: UP007

@@ -18,6 +18,7 @@ Storage conventions (one sequence, one layer, one of K or V, ``H`` KV heads, hea
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -144,6 +145,39 @@ def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
                 check_head_dim(spec, head_dim)
             except ValueError as exc:
                 raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
+
+
+def check_scheme_layer_head_dims(scheme: KVScheme, head_dims: Mapping[int, int]) -> None:
+    """``check_head_dim`` of the scheme each layer is stored by (``scheme.for_layer(i)``) against that layer's own
+    head dim: ``head_dims`` maps each layer with K/V to its ``D`` (Gemma 4's global layers are wider than its
+    sliding ones). The ``ValueError`` names the scheme and the side, and the layers when their head dims differ."""
+    by_dim: dict[int, list[int]] = {}
+    for i, d in head_dims.items():
+        by_dim.setdefault(d, []).append(i)
+    for d, layers in by_dim.items():
+        failed: dict[tuple[str, str], list[int]] = {}  # (side, reason) -> layers
+        for i in layers if scheme.is_mixed else layers[:1]:  # a uniform scheme: one check per head dim
+            sub = scheme.for_layer(i)
+            for side, spec in (("key", sub.key), ("value", sub.value)):
+                if sub.is_identity:
+                    continue
+                try:
+                    check_head_dim(spec, d)
+                except ValueError as exc:
+                    failed.setdefault((side, str(exc)), []).append(i)
+        if not failed:
+            continue
+        (side, reason), bad = next(iter(failed.items()))
+        if not scheme.is_mixed:
+            bad = layers
+        where = ""
+        if len(by_dim) > 1 or len(bad) < len(head_dims):
+            listed = ", ".join(map(str, bad[:6])) + (", ..." if len(bad) > 6 else "")
+            others = ", ".join(str(x) for x in sorted(by_dim) if x != d)
+            where = f" of layer{'s' if len(bad) > 1 else ''} {listed}" + (
+                f" (other layers: head_dim {others})" if others else ""
+            )
+        raise ValueError(f"scheme {scheme.name!r} can not store head_dim {d}{where}: {side}s: {reason}")
 
 
 def quantized_bytes(spec: TensorSpec, n_tokens: int, n_heads: int, head_dim: int) -> int:
