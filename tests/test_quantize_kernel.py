@@ -514,3 +514,28 @@ def test_signed_zero_groups_store_the_same_bits(s: TensorSpec):
         w, g16 = getattr(want, name), getattr(got, name).reshape(getattr(want, name).shape)
         assert torch.equal(g16.view(torch.int16), w.view(torch.int16)), name
         assert not (w.view(torch.int16) == -32768).any(), name  # no -0.0
+
+
+@needs_triton
+@pytest.mark.parametrize("s", [spec(4, "token", 16, static=True), spec(8, "token", None, static=True, symmetric=True)],
+                         ids=str)
+def test_static_per_token_scales_are_left_to_the_reference(monkeypatch, s: TensorSpec):
+    """A static per-token spec (scales given by the caller; the per-token layout of the kernel computes each group's
+    range from the data) goes to the torch reference: before, the kernel took it and ignored the static scale (other
+    codes and scales, 0 clipped where the reference counted 1412 at a scale of 0.05)."""
+    from kvbits.kernels import quantize as qmod
+    from kvbits.kernels.triton_quantize import quantize_pack_triton, supported
+
+    x = hard_block(torch.Generator().manual_seed(61), n=16).to(DEVICE)
+    groups = 64 // (s.group_size or 64)
+    scale = torch.full((1, 3, 1, groups, 1), 0.05, dtype=torch.float16, device=DEVICE)
+    zero = None if s.symmetric else torch.full_like(scale, -0.4)
+    assert "static token" in supported(x, s)
+    with pytest.raises(NotImplementedError, match="static token"):
+        quantize_pack_triton(x, s, static_scale=scale, static_zero=zero)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    assert qmod.resolve_quantize_kernel(x, s) == "reference"
+    got = qmod.quantize_pack(x, s, static_scale=scale, static_zero=zero)
+    want = quantize(x, s, static_scale=scale, static_zero=zero)
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    assert got.clipped == want.clipped > 0

@@ -52,6 +52,8 @@ def enable_interpreter() -> None:
       re-defines that one conversion.
     - ``tl.fma`` rounds once, as on the GPU (``_fma_rounded_once``, float16 / float32); the interpreter's own rounds the product too.
     - ``tl.dot`` of bfloat16 operands multiplies their values, not their uint16 bit patterns.
+    - float32 → bfloat16 casts (``x.to(tl.bfloat16)``) round to nearest even, as on the GPU and in torch
+      (``_f32_to_bf16``); the interpreter's own truncates, which doubled the kernel's error on bfloat16 queries.
 
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
@@ -69,6 +71,7 @@ def enable_interpreter() -> None:
     if _PATCHED:
         return
     import numpy as np
+    import triton.language as tl
     import triton.runtime.interpreter as interp
 
     if already_imported:
@@ -97,6 +100,14 @@ def enable_interpreter() -> None:
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     interp.InterpreterBuilder.create_dot = create_dot
+    original_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interp.TensorHandle(_f32_to_bf16(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl  # create_fp_trunc (``.to``'s float downcast) calls it
     _PATCHED = True
 
 
@@ -109,6 +120,17 @@ def _bf16_as_f32(interp, x):
         return x
     bits = x.data.astype(np.uint32) << 16
     return interp.TensorHandle(bits.view(np.float32), tl.float32)
+
+
+def _f32_to_bf16(x):
+    """float32 values → bfloat16 bit patterns (uint16), rounded to nearest, ties to even (the GPU's
+    ``cvt.rn.bf16.f32``, torch's ``.bfloat16()``); NaN stays NaN (quiet), values past bfloat16's range go to inf."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | 0x40).astype(np.uint16)
+    return np.where(np.isnan(x), quiet_nan, rounded)
 
 
 def _fma_rounded_once(x, y, z):

@@ -425,6 +425,9 @@ def supported(x: torch.Tensor, spec: TensorSpec) -> str | None:
         return f"head_dim {D} (a power of two >= 16)"
     if spec.kind == "fp8":
         return None  # per-row or one static scale: both handled by _fp8_kernel
+    if spec.static and not (spec.granularity == "channel" and spec.group_size is None):
+        # the per-token layout computes each group's range from the data: a static token scale would be ignored
+        return f"static {spec.granularity} scales (the kernel reads static per-channel ranges only)"
     if spec.granularity == "token":
         g = spec.group_size or D
         if not _is_pow2(g) or g < _packing(spec.bits)[0] or D % g:
