@@ -346,6 +346,26 @@ def test_non_finite_kv_anywhere_in_a_window_is_refused():
         analyze(model, windows, sample_tokens=4096)
 
 
+@pytest.mark.parametrize("calibrating", [False, True])
+def test_non_finite_kv_in_the_first_tokens_is_not_blamed_on_the_family(calibrating):
+    """NaN / inf K/V within the 16 tokens ``verify_taps`` probes (a NaN weight, a float16 overflow): before, the
+    relative error was NaN and analyze / calibrate refused the model as a family that "transforms its keys after
+    RoPE ... (e.g. HunYuan's key_layernorm)", "differ by nan%"; now a NonFiniteKV names the layer and the cause."""
+    from kvbits.analyze.stats import NonFiniteKV
+    from kvbits.calibrate import collect_samples
+
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[3, 5] = float("inf")
+    windows = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NonFiniteKV, match=r"layer 1\): \d+ non-finite keys \(NaN / inf\).*float16 overflow"):
+        if calibrating:
+            collect_samples(model, windows, context=64, windows=1, fisher=False)
+        else:
+            analyze(model, windows, sample_tokens=64, channel_group=32)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
 def test_the_last_partial_block_of_a_window_is_sampled():
     """T = 200, blocks of 128: before, the sample held positions 0-127 only (p99 2.07 against 101.85 over all
     tokens, the last 72 shifted by +100); now a second block ends at the window's last token."""
