@@ -346,6 +346,37 @@ def test_non_finite_kv_anywhere_in_a_window_is_refused():
         analyze(model, windows, sample_tokens=4096)
 
 
+def _qwen3() -> torch.nn.Module:
+    """A tiny Qwen3: its keys pass a ``k_norm`` (input ``(B, T, H, D)``) before RoPE."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=96)  # fmt: skip
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("calibrating", [False, True])
+@pytest.mark.parametrize(("build", "bad"), [(tiny_llama, float("inf")), (_qwen3, float("nan"))], ids=["llama", "qwen3"])
+def test_non_finite_kv_in_the_first_tokens_is_not_blamed_on_the_family(calibrating, build, bad):
+    """NaN / inf K/V within the 16 tokens ``verify_taps`` probes (a NaN weight, a float16 overflow): before, the
+    relative error was NaN and analyze / calibrate refused the model as a family that "transforms its keys after
+    RoPE ... (e.g. HunYuan's key_layernorm)", "differ by nan%"; a model with a key norm (Qwen3) was refused earlier
+    still, its norm's input "not a reshape of the projection's output" (NaN != NaN): "this model family is not
+    supported". Now a NonFiniteKV names the layer and the cause."""
+    from kvbits.analyze.stats import NonFiniteKV
+    from kvbits.calibrate import collect_samples
+
+    model = build()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[3, 5] = bad
+    windows = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NonFiniteKV, match=r"layer 1\): \d+ non-finite keys \(NaN / inf\).*float16 overflow"):
+        if calibrating:
+            collect_samples(model, windows, context=64, windows=1, fisher=False)
+        else:
+            analyze(model, windows, sample_tokens=64, channel_group=32)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
 def test_the_last_partial_block_of_a_window_is_sampled():
     """T = 200, blocks of 128: before, the sample held positions 0-127 only (p99 2.07 against 101.85 over all
     tokens, the last 72 shifted by +100); now a second block ends at the window's last token."""

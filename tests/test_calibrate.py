@@ -1308,3 +1308,31 @@ def test_fp8_on_all_zero_samples_takes_scale_one_and_says_so(caplog):
         caplog.clear()
         fit_side(tensor, x)  # one head is not the whole tensor: nothing to say
         assert caplog.text == ""
+
+
+def test_rope_tables_computed_once_per_run_not_per_layer_and_window(monkeypatch):
+    """The post-RoPE key range rotates every layer's keys in every window with the same cos/sin (one table for a
+    Llama): computed once, as kvbits.analyze does (73 -> 10 table computations for 8 layers x 8 windows), and the
+    post-RoPE samples are those of ``RotaryTables.rotate``."""
+    from kvbits.quant.rope import RotaryTables
+
+    calls = []
+    real = RotaryTables.cos_sin
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RotaryTables, "cos_sin", counted)
+    counts = []
+    model = tiny_llama(layers=3)
+    for windows in (1, 4):
+        calls.clear()
+        samples = collect_samples(model, token_ids(), sinks=0, context=128, windows=windows, fisher=False)
+        counts.append(len(calls))
+    assert counts[0] == counts[1]  # not one more per layer and window
+    monkeypatch.setattr(RotaryTables, "cos_sin", real)
+    tables = RotaryTables.from_model(model)
+    for layer in range(3):  # the sampled keys (1, H_kv, N, D) at their window positions
+        k = samples.keys[layer][None]
+        torch.testing.assert_close(samples.keys_post_rope[layer], tables.rotate(k, samples.positions)[0])

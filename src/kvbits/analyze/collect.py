@@ -210,7 +210,7 @@ def _rotary_tables(model: torch.nn.Module) -> tuple[Any, bool]:
         return None, not isinstance(exc, NotImplementedError)
 
 
-def _table_key(tables: Any) -> tuple[Any, ...]:
+def rotary_table_key(tables: Any) -> tuple[Any, ...]:
     """What ``tables.cos_sin`` depends on besides the positions: layers whose keys are equal get the same cos/sin
     (a Llama's every layer; Gemma 3's local layers share one pair and its global layers, with their own base, another).
     The rotary module is shared by every ``tables_for_layer`` of one model; ``head_dim`` does not enter the tables."""
@@ -305,7 +305,7 @@ def analyze(
         xf = x.float()
         st["key_pre_rope"].update(xf, plan)
         if layer in layer_tables:
-            key = (*_table_key(layer_tables[layer]), xf.device, xf.shape[2])
+            key = (*rotary_table_key(layer_tables[layer]), xf.device, xf.shape[2])
             if key not in cos_sin:
                 cos, sin = layer_tables[layer].cos_sin(torch.arange(xf.shape[2]), torch.float32)
                 cos_sin[key] = (cos.to(xf.device), sin.to(xf.device))

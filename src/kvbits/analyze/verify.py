@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvbits.analyze.stats import NonFiniteKV
 from kvbits.quant.rope import apply_rope
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
             as a whole: RoPE kvbits can not reproduce (interleaved pairs), keys are not compared.
 
     Raises:
+        NonFiniteKV: a layer's cached keys or values hold NaN / inf (the relative error would be NaN, and the
+            family blamed for the model's overflow).
         ValueError: a layer's hooked keys (rotated) or values differ from the cached ones by more than
             ``TOLERANCE`` (relative): the family transforms them where kvbits does not look.
     """
@@ -87,6 +90,13 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
             if mine.shape != theirs.shape:
                 logger.debug("layer %d %s: hooked %s vs cached %s, not compared", i, what, mine.shape, theirs.shape)
                 continue
+            bad = int((~torch.isfinite(theirs)).sum())
+            if bad:  # a NaN relative error would blame the family for the model's own overflow
+                raise NonFiniteKV(
+                    f"{site.name} (layer {i}): {bad} non-finite {what} (NaN / inf) in the model's cache over the first "
+                    f"{n} tokens of the first window; expected finite activations (a float16 overflow? try --dtype "
+                    "float32 or bfloat16; or weights holding NaN / inf)"
+                )
             err = _relative(mine, theirs.to(mine.device))
             if not err <= TOLERANCE:
                 where = "after RoPE, " if what == "keys" else ""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
 from kvbits.calibrate.artifact import CalibrationArtifact, describe_model
 from kvbits.calibrate.fisher import activation_gradients, window_loss
@@ -36,6 +37,7 @@ from kvbits.calibrate.fit import (
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, check_kmeans_args
 from kvbits.calibrate.observers import KVCapture, find_kv_sites, sample_positions
 from kvbits.plan.config import check_context_fits, layer_heads
+from kvbits.quant.rope import apply_rope
 from kvbits.quant.rotate import check_rotatable, rotate
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import ROTATIONS, KVScheme
@@ -364,6 +366,8 @@ def collect_samples(
         k: [[] for _ in sites] for k in ("k", "kp", "v", "gk", "gv")
     }
     positions: list[torch.Tensor] = []
+    # one cos/sin pair per distinct table, dtype, device and length (as kvbits.analyze), not per layer and window
+    cos_sin: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     losses = []
     was_training = module.training
     module.eval()
@@ -380,7 +384,7 @@ def collect_samples(
                 positions.append(pos)
                 for i in range(len(sites)):
                     k, v = cap.activations(i)
-                    post = _update_absmax(absmax, i, k, v, None if tables is None else tables[i])
+                    post = _update_absmax(absmax, i, k, v, None if tables is None else tables[i], cos_sin)
                     samples["k"][i].append(_take(k, pos))
                     if post is not None:
                         samples["kp"][i].append(_take(post, pos))
@@ -433,13 +437,32 @@ def _layer_rotary_tables(module: torch.nn.Module, sites: list[Any]) -> list[Any]
     return [tables.tables_for_layer(s.layer_idx) for s in sites]
 
 
+def _cos_sin(
+    cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]], tables: Any, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tables.cos_sin`` at positions ``0 .. T-1`` of keys ``k`` ``(1, H_kv, T, D)``, in ``k``'s dtype and on its
+    device, as ``tables.rotate`` computes them; kept in ``cache`` per distinct table (``rotary_table_key``), so the layers
+    and windows sharing one are not recomputed (every layer of a Llama, every window of a run)."""
+    tables._check_x(k)
+    key = (*rotary_table_key(tables), k.dtype, k.device, k.shape[2])
+    if key not in cache:
+        cos, sin = tables.cos_sin(torch.arange(k.shape[2], device=k.device), k.dtype)
+        cache[key] = (cos.to(k.device), sin.to(k.device))
+    return cache[key]
+
+
 @torch.no_grad()
 def _update_absmax(
-    absmax: dict[str, torch.Tensor], layer: int, k: torch.Tensor, v: torch.Tensor, tables: Any
+    absmax: dict[str, torch.Tensor],
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: Any,
+    cos_sin: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor | None:
     """Fold one window's ``k``/``v`` ``(1, H_kv, T, D)`` into ``absmax[name][layer]`` ``(H_kv, P)``
     (``CalibrationSamples.absmax``); returns the keys after RoPE (``k`` itself without RoPE; None when
-    post-RoPE keys are not tracked)."""
+    post-RoPE keys are not tracked). ``cos_sin``: the RoPE tables computed so far (``_cos_sin``)."""
     def peak(x: torch.Tensor) -> torch.Tensor:
         per_pos = x[0].abs().amax(dim=2).float()  # (H_kv, T)
         if per_pos.shape[1] > ABSMAX_POSITIONS:
@@ -449,7 +472,7 @@ def _update_absmax(
 
     post = None
     if "key_post_rope" in absmax:
-        post = k if tables is None else tables.rotate(k, torch.arange(k.shape[2], device=k.device))
+        post = k if tables is None else apply_rope(k, *_cos_sin(cos_sin, tables, k))
     for name, x in (("key", k), ("value", v), ("key_post_rope", post)):
         if x is None:
             continue
