@@ -1350,6 +1350,10 @@ def test_set_static_qparams_checks_values():
     with pytest.raises(TypeError, match="scale must be a torch.Tensor"):
         layer.set_static_qparams("key", 0.5, zero)
     layer.set_static_qparams("key", torch.zeros(2, 8), zero)  # zero scales: accepted (see clipped)
+    symmetric = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True, symmetric=True)
+    layer_sym = QuantizedKVLayer(KVScheme("s", key=symmetric, value=TensorSpec(kind="int", bits=4, fmt=None)))
+    with pytest.raises(ValueError, match="layer 0 key: zero-points need a static asymmetric"):  # stored, counted,
+        layer_sym.set_static_qparams("key", ok, zero)  # never used: quantize now refuses it at every flush
     fp8 = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True)
     fp8_token = TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="token")
     layer = QuantizedKVLayer(KVScheme("f", key=fp8, value=fp8_token))

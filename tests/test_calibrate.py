@@ -1252,6 +1252,15 @@ def test_a_calibration_serves_only_the_sides_the_scheme_calibrates(three_layer_s
     key_bytes = sum(t.numel() * t.element_size() for t in key_tensors.values())
     cache = QuantizedKVCache(config=model.config, scheme=keys_only, calibration=kv4)
     assert cache.memory_report()["components"]["fixed"] == key_bytes
+    # the simulator too: the values' parameters are not handed to int4-token values (quantize refuses unused ones)
+    from kvbits.evaluate.simulate import simulate
+
+    x = token_ids(40, seed=3)[None]
+    hidden = []
+    for cal in (kv4, art):
+        with torch.no_grad(), simulate(model, keys_only, calibration=cal):
+            hidden.append(model.model(x).last_hidden_state)
+    assert torch.equal(hidden[0], hidden[1])
     for dynamic in ("fp8-e4m3-token", "int4-token"):
         with pytest.raises(ValueError, match=f"scheme '{dynamic}' calibrates nothing .* this calibration \\(made for "
                            "'kvquant-4'\\) would be ignored"):

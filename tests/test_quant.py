@@ -555,6 +555,32 @@ def test_static_scales_must_be_finite_and_non_negative(bad):
             quantize(x, fp8, static_scale=torch.tensor(s))
 
 
+@pytest.mark.parametrize(
+    ("spec", "given"),
+    [
+        (int_spec(4), "codebook"),  # a calibrated codebook to a scheme without one: coded uniformly, no word
+        (int_spec(4), "static_scale"),  # static scales to a dynamic spec: the data's own ranges used
+        (int_spec(4, "channel", None, static=True, symmetric=True), "static_zero"),
+        (int_spec(4), "channel_mean"),
+        (int_spec(4), "channel_factor"),
+        (TensorSpec(kind="fp8", bits=8, fmt="e4m3"), "static_scale"),  # per-token FP8 scales come from the data
+        (TensorSpec(), "static_scale"),
+    ],
+)
+def test_parameters_the_spec_does_not_use_are_refused(spec, given):
+    """quantize silently ignored a calibrated parameter its spec does not use (a codebook passed with an int spec
+    coded the block as if uncalibrated, 0 warnings); now a ValueError naming it, with or without validate."""
+    from kvbits.kernels.quantize import quantize_pack
+    from kvbits.quant.nuq import uniform_codebook
+
+    x = gaussian(1, 2, 16, 8)
+    value = {"codebook": uniform_codebook(4), "static_scale": torch.full((2, 8), 0.5)}.get(given, torch.ones(2, 8))
+    for validate in (True, False):
+        for fn in (quantize, quantize_pack):
+            with pytest.raises(ValueError, match=f"{given} given for a spec that does not use it"):
+                fn(x, spec, validate=validate, **{given: value})
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_zero_static_scale_counts_what_it_clips(symmetric):
     """A static scale of 0 (a channel constant during calibration) collapses the channel onto its

@@ -52,6 +52,8 @@ def checked_params(
     """
     if scale is not None and not spec.static:  # FP8 per-tensor specs are static (TensorSpec)
         raise ValueError(f"{what}: spec is not static; static scales would be ignored")
+    if zero is not None and not (spec.static and spec.has_zero_point):
+        raise ValueError(f"{what}: zero-points need a static asymmetric int/NUQ spec; they would be ignored")
     if codebook is not None and spec.kind != "nuq":
         raise ValueError(f"{what}: a codebook needs kind='nuq', got {spec.kind!r}")
     if mean is not None and not spec.centre:

@@ -671,8 +671,10 @@ def _calibration_kwargs(
     else:
         calibration.check_scheme(scheme)
         calibration.check_model(model.config)
+    # only the sides this scheme calibrates, as the caches install them: an artifact may hold parameters for a side
+    # the scheme stores otherwise (check_scheme allows it), which quantize refuses rather than ignores
     return {
-        (i, side): calibration.quantize_kwargs(i, side)
+        (i, side): calibration.quantize_kwargs(i, side) if getattr(scheme.for_layer(i), side).calibratable else {}
         for i in range(calibration.num_layers)
         for side in ("key", "value")
     }

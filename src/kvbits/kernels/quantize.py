@@ -13,7 +13,14 @@ import torch
 
 from kvbits.kernels import dispatch
 from kvbits.kernels.dispatch import INSTALL_HINT, KERNEL_ENV, kernel_mode
-from kvbits.quant.tensor import QuantizedTensor, _count, check_block, quantize, zero_scale_clipped
+from kvbits.quant.tensor import (
+    QuantizedTensor,
+    _count,
+    check_block,
+    check_unused_params,
+    quantize,
+    zero_scale_clipped,
+)
 from kvbits.schemes import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -73,6 +80,7 @@ def quantize_pack(
     there (``data_ptr``) before copying them in.
     """
     if resolve_quantize_kernel(x, spec) == "triton":
+        check_unused_params(spec, static_scale, static_zero, codebook, channel_mean, channel_factor)
         if validate:
             check_block(x, spec, static_scale, static_zero)  # what the reference checks
         from kvbits.kernels.triton_quantize import quantize_pack_triton

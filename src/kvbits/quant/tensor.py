@@ -268,6 +268,7 @@ def quantize(
         channel_mean, channel_factor: ``spec.centre`` / ``spec.smooth`` (required there): calibrated
             ``(H_kv, D)`` or ``(1, H_kv, 1, D)`` vectors; the codes are those of ``(x - mean) / factor``
             (before any ``spec.rotate``), in float32.
+            A parameter the spec does not use is a ``ValueError`` (``check_unused_params``), not ignored.
         validate: check finiteness and range (``ValueError`` on NaN/inf), and that static scales are
             finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points, channel means finite and smoothing
             factors finite and ``> 0`` (``check_block``).
@@ -276,6 +277,7 @@ def quantize(
             and shape are) and neither are asymmetric NUQ ranges (``choose_nuq_params``: a ``ValueError``
             otherwise when a group spans more than float16 holds); pair with ``validate=False``.
     """
+    check_unused_params(spec, static_scale, static_zero, codebook, channel_mean, channel_factor)
     if validate:
         check_block(x, spec, static_scale, static_zero, channel_mean, channel_factor)
     _check_head_dim(x)
@@ -364,6 +366,35 @@ def quantize(
         # the caller's tensors (the layer's), not float32 copies: a block holds references, no bytes
         channel_mean=channel_mean if spec.centre else None, channel_factor=channel_factor if spec.smooth is not None else None,
     )
+
+
+def check_unused_params(
+    spec: TensorSpec,
+    static_scale: torch.Tensor | None = None,
+    static_zero: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
+    channel_mean: torch.Tensor | None = None,
+    channel_factor: torch.Tensor | None = None,
+) -> None:
+    """``ValueError`` for a calibrated parameter ``spec`` does not use: ``quantize`` would ignore it and code the
+    block without it (a codebook given to an int spec, static scales to a dynamic one), silently uncalibrated.
+    Only ``None`` checks: no host sync."""
+    unused = [
+        name for name, t, used in (
+            ("static_scale", static_scale, spec.static),
+            ("static_zero", static_zero, spec.static and spec.has_zero_point),
+            ("codebook", codebook, spec.kind == "nuq"),
+            ("channel_mean", channel_mean, spec.centre),
+            ("channel_factor", channel_factor, spec.smooth is not None),
+        ) if t is not None and not used
+    ]  # fmt: skip
+    if unused:
+        raise ValueError(
+            f"{', '.join(unused)} given for a spec that does not use {'them' if len(unused) > 1 else 'it'} "
+            f"(kind={spec.kind!r}, static={spec.static}, symmetric={spec.symmetric}, centre={spec.centre}, "
+            f"smooth={spec.smooth}) and would be ignored; pass only what the spec uses (static_scale: static specs; "
+            "static_zero: static asymmetric int/NUQ; codebook: NUQ; channel_mean / channel_factor: centre / smooth)"
+        )
 
 
 def check_block(
