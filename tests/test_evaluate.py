@@ -935,6 +935,25 @@ def test_out_dir_old_run_kept_when_new_inputs_fail(models, tmp_path, monkeypatch
     assert sorted(p.name for p in (out / "tokens").iterdir()) == ["int8-token.safetensors"]
 
 
+def test_out_dir_old_report_removed_with_the_old_run(models, tmp_path, monkeypatch):
+    """Rerunning into a run folder cleared the old summary, records and arrays but not report.md, report.html
+    and the figures: a report rewrite that failed (only logged) left the old run's report beside the new one."""
+    from kvbits.evaluate import runner
+
+    def old_report(out: Path) -> None:
+        for name in ("report.md", "report.html", "kl_by_bucket.png"):
+            (out / name).write_text("int4-token's report")
+
+    monkeypatch.setattr(runner, "_write_report", old_report)
+    model = models("llama")
+    out = tmp_path / "run"
+    evaluate(model, _ids(200)[0], 100, ["int4-token"], out_dir=out, attn_layers=[])
+    monkeypatch.setattr(runner, "_write_report", lambda out: None)  # the new report failed
+    evaluate(model, _ids(200)[0], 100, ["int8-token"], out_dir=out, overwrite=True, attn_layers=[])
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["DONE", "config.json", "records.jsonl", "summary.json", "tokens"], left
+
+
 def _local_model_and_text(models, tmp_path, monkeypatch, words: int) -> tuple[Path, Path]:
     """A tiny Llama saved as a local folder (with a word-level tokenizer) and a text file of ``words``
     words, as a user's own model and text; runs write no report, and hashes go to a private cache."""

@@ -82,6 +82,15 @@ _RUN_FILES = (
 )
 
 
+def _report_files() -> tuple[str, ...]:
+    """The files ``kvbits.report.write_report`` writes in an evaluation folder: the report and its figures."""
+    try:
+        from kvbits.report.plots import PLOT_FILES
+    except ImportError:  # no report module: no figures of it either
+        return ("report.md", "report.html")
+    return ("report.md", "report.html", *(f"{key}.png" for key in PLOT_FILES))
+
+
 def _is_run_folder(out: Path, stored: Any) -> bool:
     """Whether ``out`` was written by ``kvbits eval``: a ``config.json`` of ours, or a ``DONE``."""
     ours = isinstance(stored, dict) and isinstance(stored.get("config_hash"), str) and "request" in stored
@@ -149,13 +158,15 @@ def _prepare_out_dir(out: Path, schemes: Sequence[str]) -> None:
     that stops half-way never leaves a mix of two runs; called once the inputs are loaded and checked
     (a run refused for its inputs deletes nothing). Only files kvbits eval writes are removed:
     ``DONE`` (first: a folder without it is never reused), ``summary.json``, ``records.jsonl``,
-    ``generations.jsonl`` and ``tokens/*.safetensors``; in a folder kvbits eval did not write (``overwrite``), nothing is removed
-    and the files this run writes replace those of the same name."""
+    ``generations.jsonl``, ``tokens/*.safetensors`` and the report (``report.md``, ``report.html``, its
+    figures): the report is rewritten at the end, but a rewrite that fails is only logged, and the old run's
+    report then stood beside the new summary. In a folder kvbits eval did not write (``overwrite``), nothing
+    is removed and the files this run writes replace those of the same name."""
     out.mkdir(parents=True, exist_ok=True)
     tokens = out / "tokens"
     stored = _read_json(out / "config.json") if (out / "config.json").is_file() else None
     if _is_run_folder(out, stored):
-        for name in ("DONE", "summary.json", "records.jsonl", "generations.jsonl"):
+        for name in ("DONE", "summary.json", "records.jsonl", "generations.jsonl", *_report_files()):
             (out / name).unlink(missing_ok=True)
         if tokens.is_dir():
             for f in tokens.glob("*.safetensors"):
