@@ -717,18 +717,21 @@ def test_errors_visible_and_ordered(errors_run):
 def test_bits_at_context_are_what_the_cache_stores_there(models):
     """``avg_bits`` is the long-run figure (the full-precision window amortised away): kivi-2 read 3.0 bits at a
     128-token context, where its cache holds every token in full precision. ``bits_at_context`` is ``kvbits
-    plan``'s ``avg_bits`` at the run's context: 16.0 there, 13.4 at 160 (one 32-token block quantized); the same
-    as ``avg_bits`` for a scheme without a window."""
-    from kvbits.plan.config import load_shape
-    from kvbits.plan.planner import plan_shape
-
+    plan``'s ``avg_bits`` at the run's context, full precision counted in the dtype the model runs in: 16.0 there
+    for a bfloat16 model, 32.0 for a float32 one (it read 16.0, from a config that names no dtype, while the cache
+    held 32 bits per element), and the real cache's ``memory_report()["avg_bits"]`` at 160 tokens (one 32-token
+    block quantized); the same as ``avg_bits`` for a scheme without a window."""
     model, ids = models("llama"), _ids(160, seed=1)[0]
     r = {x["scheme"]: x for x in evaluate(model, ids[:128], 128, ["kivi-2", "int4-token"], attn_layers=[])["results"]}
-    assert r["kivi-2"]["avg_bits"] == 3.0 and r["kivi-2"]["bits_at_context"] == 16.0
+    assert r["kivi-2"]["avg_bits"] == 3.0 and r["kivi-2"]["bits_at_context"] == 32.0
     assert r["int4-token"]["bits_at_context"] == pytest.approx(r["int4-token"]["avg_bits"])
+    (half,) = evaluate(models("llama", torch.bfloat16), ids[:128], 128, ["kivi-2"], attn_layers=[])["results"]
+    assert half["bits_at_context"] == 16.0
     (k,) = evaluate(model, ids, 160, ["kivi-2"], attn_layers=[])["results"]
-    assert k["bits_at_context"] == plan_shape(load_shape(model.config), "kivi-2", context=160)["avg_bits"]
-    assert 3.0 < k["bits_at_context"] < 16.0
+    caches = []
+    stream_hidden(model, ids[None], "kivi-2", on_cache=caches.append, fused_decode=False)
+    assert k["bits_at_context"] == pytest.approx(caches[0].memory_report()["avg_bits"])
+    assert 3.0 < k["bits_at_context"] < 32.0
 
 
 def test_a_scheme_that_quantizes_nothing_scored_is_named(models, caplog):

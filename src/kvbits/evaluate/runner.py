@@ -543,7 +543,7 @@ def evaluate(
         )
 
     results, records = [], []
-    shape = plan_shape_of(model.config)
+    shape = plan_shape_of(model.config, model)  # full precision in the dtype the model runs in
     for i, (scheme, name) in enumerate(zip(resolved, names)):
         s = summarize(per_token[name], first=first, seed=seed)
         bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers)
@@ -630,10 +630,11 @@ def evaluate(
 def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
     """``kvbits plan``'s ``avg_bits`` of ``scheme`` at ``context`` tokens, one sequence
     (:func:`kvbits.plan.planner.planned_bits`: the bits per element the cache stores there, metadata, sinks and the
-    full-precision window included). ``avg_bits`` beside it is the long-run figure
-    (``long_run_avg_bits``: the window and sinks amortised away), which a short context does not reach: kivi-2 stores
-    3.0 bits per element in the long run and 16 at 128 tokens, where nothing is quantized yet. None for peer
-    caches and where the planner does not read the model's config."""
+    full-precision window included, in the dtype the model runs in: ``shape`` from ``plan_shape_of(config, model)``).
+    ``avg_bits`` beside it is the long-run figure (``long_run_avg_bits``: the window and sinks amortised away), which
+    a short context does not reach: kivi-2 stores 3.0 bits per element in the long run and, in bfloat16, 16 at 128
+    tokens, where nothing is quantized yet. None for peer caches and where the planner does not read the model's
+    config."""
     if shape is None or isinstance(scheme, PeerScheme):
         return None
     from kvbits.plan.planner import planned_bits
