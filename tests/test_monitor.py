@@ -760,3 +760,16 @@ def test_a_prefill_quantized_in_slices_is_one_flush() -> None:
     for _ in range(32):  # one decode flush
         cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
     assert mon.signals[(0, "key")].over == 2 and mon.held_layers() == [0]
+
+
+def test_request_scope_says_hold_request_once_when_a_sliding_layer_keeps_crossing() -> None:
+    """``scope="request"``: a sliding-window layer crossing holds the request's other layers, but can not be held
+    itself, so it keeps flushing and crossing. Before, each of its later flushes held nothing new and still said
+    ``hold_request`` (a WARNING each): 5 events over 190 + 128 tokens. Now the hold is said once; later crossings
+    of that run hold nothing and are not said again."""
+    model = sliding_gemma3(window=400)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, scope="request"))
+    run(model, cache, ids_of(1, 190), decode=128)
+    assert mon.held_layers() == [1] and mon.signals[(0, "key")].flushes >= 4
+    assert [(e["layer"], e["action"]) for e in mon.events] == [(0, "hold_request")]

@@ -194,17 +194,18 @@ class CacheMonitor:
             if signal == "beyond_calibration" and not (first_beyond or action.startswith("hold")):
                 continue
             # a crossing that does nothing (patience not reached, or a layer that can not be held: sliding
-            # window) is said once per run of consecutive crossing flushes, not at every flush of a long request
-            if action == "none":
-                if signal in said:
-                    continue
-                said.add(signal)
+            # window; or one crossing again after the request was held) is said once per run of consecutive crossing
+            # flushes, not at every flush of a long request
+            if action == "none" and signal in said:
+                continue
+            said.add(signal)
             self._event(layer, side, signal, value, threshold, worst, action)
 
     def _fall_back(self, layer: Any) -> str:
-        """Hold ``layer`` (or every layer) in full precision; the action's name for the event."""
+        """Hold ``layer`` (or every layer) in full precision; the action's name for the event: ``"none"`` when no
+        layer was held by it (a sliding-window layer, which can not be held, crossing after the request was held)."""
         if self.policy.scope == "request":
-            held = [i for i, lay in self.layers.items() if lay.hold_full_precision()]
+            held = [i for i, lay in self.layers.items() if lay.held_at is None and lay.hold_full_precision()]
             return "hold_request" if held else "none"
         return "hold_layer" if layer.hold_full_precision() else "none"
 
