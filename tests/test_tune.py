@@ -89,6 +89,20 @@ def test_choose_layers_by_bytes_is_the_brute_force_optimum():
         assert sum(sens[i][j] for i, j in enumerate(pick)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choose_layers_by_bytes_keeps_a_budget_just_under_a_simple_fraction():
+    """A budget one ulp under float(13/3) (4.333333333333332) was read as 13/3 (within 2**-50 of it): the mix of
+    exactly 13/3 bits was chosen, its float avg_bits 4.333333333333333 above the budget. Now the budget is read as
+    13/3 only when it is float(13/3) itself."""
+    import math
+
+    sens, sizes = [[1.0, 0.0]] * 3, [[4, 5], [4, 5], [4, 4]]  # 24 elements: avg_bits = bytes / 3
+    under = math.nextafter(13 / 3, 0)
+    for budget, bytes_ in ((under, 12), (13 / 3, 13)):
+        pick = choose_layers_by_bytes(sens, sizes, 24, budget)
+        spent = sum(sizes[i][j] for i, j in enumerate(pick))
+        assert spent == bytes_ and 8 * spent / 24 <= budget
+
+
 def test_choose_layers_refuses_what_it_can_not_solve():
     with pytest.raises(ValueError, match="below the cheapest candidate"):
         choose_layers([[1.0, 0.0]], [4.5, 8.5], 4.0)

@@ -117,11 +117,16 @@ class TuneResult:
         }
 
 
-def _fraction(x: float) -> Fraction:
+def _fraction(x: float, *, budget: bool = False) -> Fraction:
     """The fraction a float stands for: the simplest one of denominator <= ``BIT_DENOMINATOR`` within float64's
-    rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value."""
-    exact = Fraction(float(x))  # numpy's float32 too (Fraction takes only Python floats and rationals)
+    rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value. A ``budget`` is read as such
+    a fraction only when float64 rounds it to ``x`` itself: one a few ulps above it (13/3 for ``4.333333333333332``)
+    would let a mix's float ``avg_bits`` exceed the budget."""
+    x = float(x)  # numpy's float32 too (Fraction takes only Python floats and rationals)
+    exact = Fraction(x)
     near = exact.limit_denominator(BIT_DENOMINATOR)
+    if budget:
+        return near if float(near) == x else exact
     return near if abs(near - exact) <= abs(exact) * Fraction(1, 1 << 50) else exact
 
 
@@ -146,7 +151,7 @@ def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], in
     if any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) or b <= 0 for b in bits):
         raise ValueError(f"bits must be finite numbers > 0, got {bits!r}")
     exact = [_fraction(b) for b in bits]
-    budget = _fraction(budget_bits)
+    budget = _fraction(budget_bits, budget=True)
     scale = math.lcm(*(f.denominator for f in exact), budget.denominator)
     units = [int(f * scale) for f in exact]
     cap = math.floor(budget * n * scale)
@@ -202,7 +207,7 @@ def choose_layers_by_bytes(
     if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
         raise ValueError(f"elements must be a positive int, got {elements!r}")
     _check_budget(budget_bits)
-    cap = math.floor(_fraction(budget_bits) * elements / 8)
+    cap = math.floor(_fraction(budget_bits, budget=True) * elements / 8)
     least = sum(min(row) for row in layer_bytes)
     if least > cap:
         raise ValueError(
