@@ -221,6 +221,16 @@ def test_tune_reports_avg_bits_within_an_exactly_met_budget():
     assert not over
 
 
+def test_tune_names_a_non_finite_sensitivity():
+    """A probe whose passes went NaN (a KL of nan in the sweep) ended the run with 'sensitivities must be finite
+    and >= 0', naming neither the layer nor the candidate; now both are named."""
+    model = _llama(layers=3)
+    table = [[0.1, 0.0], [float("nan"), 0.0], [0.2, 0.0]]
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+    with swept, pytest.raises(ValueError, match="layer 1 stored by 'int4-token' is nan"):
+        tune(model, None, ["int4-token", "int8-token"], 6.0, context=128, check=False)
+
+
 def test_tune_refuses_a_name_its_json_could_not_be_read_back_as():
     """name= is checked before any pass: a candidate's name (before: ValueError 'listed twice' after the whole
     sweep), a preset's ('fp16') or a mixed string of presets ('int8-token,0=fp16') (before: accepted, and the

@@ -416,10 +416,15 @@ def tune(
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
     run["calibrations"] = arts or None
     sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
+    _check_measured(sens, cands, "with only")
     pick = choose_layers_by_bytes(sens, layer_bytes, elements, budget_bits)
     log: list[dict[str, Any]] = [{"pick": pick, "predicted_kl": sum(sens[i][j] for i, j in enumerate(pick))}]
     for _ in range(rounds - 1):
         costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, **run)
+        if not math.isfinite(current_kl):
+            raise ValueError(f"the KL of round {len(log)}'s mix measured {current_kl}: its passes gave non-finite "
+                             "outputs (try --dtype float32, or leave the candidate at fault out)")  # fmt: skip
+        _check_measured(costs, cands, "around the current mix, switching")
         log[-1]["measured_kl"] = current_kl
         log[-1]["marginal_sensitivity"] = costs  # around this round's mix, whatever the next choice
         new = choose_layers_by_bytes(costs, layer_bytes, elements, budget_bits)
@@ -479,6 +484,18 @@ def tune(
         result.scheme.name, result.avg_bits, context, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def _check_measured(table: list[list[float]], cands: list[KVScheme], what: str) -> None:
+    """``ValueError`` naming the first non-finite KL of a measured ``(rows, candidates)`` table: a NaN or inf in a
+    probe's outputs, which the knapsack can not weigh (``_check_costs`` would only say that some entry is bad)."""
+    for i, row in enumerate(table):
+        for j, x in enumerate(row):
+            if not math.isfinite(x):
+                raise ValueError(
+                    f"the KL measured {what} layer {i} stored by {cands[j].name!r} is {x}: its passes gave "
+                    "non-finite outputs (try --dtype float32, or leave that candidate out)"
+                )
 
 
 def _check_name(name: Any, cands: list[KVScheme]) -> None:
