@@ -739,3 +739,37 @@ def test_prometheus_text_refuses_a_series_or_a_family_given_twice():
     assert prometheus_text([h]).count("kvbits_h") == 5
     with pytest.raises(ValueError, match="metric family 'kvbits_h' is given twice"):
         prometheus_text([h, g])
+
+
+def test_a_prefill_quantized_in_slices_is_one_flush() -> None:
+    """A prefill past ``SLICE_TOKENS`` (4096) is quantized in several calls, each seen by the monitor: before, each
+    counted as a flush, so a 2 * 4096 + 128-token kivi-2 prefill with ``key_error=0, patience=2`` held the layer
+    (over 2, measured 2) though the policy says a prefill's flush counts once. Now: one measured flush; the next
+    decode flush reaches patience 2 and holds."""
+    from kvbits.cache.store import SLICE_TOKENS
+
+    torch.manual_seed(0)
+    cache = QuantizedKVCache(num_layers=1, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, patience=2))
+    n = 2 * SLICE_TOKENS + 128
+    cache.update(torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32), 0)
+    row = mon.snapshot()["signals"][0]
+    assert row["measured"] == 1 and row["flushes"] == 2 * SLICE_TOKENS // 32 and row["tokens_measured"] == n - 128
+    assert mon.signals[(0, "key")].over == 1 and mon.held_layers() == []
+    assert mon.signals[(0, "key")].last == mon.signals[(0, "key")].worst  # the worst of its slices
+    for _ in range(32):  # one decode flush
+        cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
+    assert mon.signals[(0, "key")].over == 2 and mon.held_layers() == [0]
+
+
+def test_request_scope_says_hold_request_once_when_a_sliding_layer_keeps_crossing() -> None:
+    """``scope="request"``: a sliding-window layer crossing holds the request's other layers, but can not be held
+    itself, so it keeps flushing and crossing. Before, each of its later flushes held nothing new and still said
+    ``hold_request`` (a WARNING each): 5 events over 190 + 128 tokens. Now the hold is said once; later crossings
+    of that run hold nothing and are not said again."""
+    model = sliding_gemma3(window=400)
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-4")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, scope="request"))
+    run(model, cache, ids_of(1, 190), decode=128)
+    assert mon.held_layers() == [1] and mon.signals[(0, "key")].flushes >= 4
+    assert [(e["layer"], e["action"]) for e in mon.events] == [(0, "hold_request")]

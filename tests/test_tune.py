@@ -89,6 +89,20 @@ def test_choose_layers_by_bytes_is_the_brute_force_optimum():
         assert sum(sens[i][j] for i, j in enumerate(pick)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choose_layers_by_bytes_keeps_a_budget_just_under_a_simple_fraction():
+    """A budget one ulp under float(13/3) (4.333333333333332) was read as 13/3 (within 2**-50 of it): the mix of
+    exactly 13/3 bits was chosen, its float avg_bits 4.333333333333333 above the budget. Now the budget is read as
+    13/3 only when it is float(13/3) itself."""
+    import math
+
+    sens, sizes = [[1.0, 0.0]] * 3, [[4, 5], [4, 5], [4, 4]]  # 24 elements: avg_bits = bytes / 3
+    under = math.nextafter(13 / 3, 0)
+    for budget, bytes_ in ((under, 12), (13 / 3, 13)):
+        pick = choose_layers_by_bytes(sens, sizes, 24, budget)
+        spent = sum(sizes[i][j] for i, j in enumerate(pick))
+        assert spent == bytes_ and 8 * spent / 24 <= budget
+
+
 def test_choose_layers_refuses_what_it_can_not_solve():
     with pytest.raises(ValueError, match="below the cheapest candidate"):
         choose_layers([[1.0, 0.0]], [4.5, 8.5], 4.0)
@@ -205,6 +219,16 @@ def test_tune_reports_avg_bits_within_an_exactly_met_budget():
             if res.avg_bits > budget:
                 over.append((n, k, budget, res.avg_bits))
     assert not over
+
+
+def test_tune_names_a_non_finite_sensitivity():
+    """A probe whose passes went NaN (a KL of nan in the sweep) ended the run with 'sensitivities must be finite
+    and >= 0', naming neither the layer nor the candidate; now both are named."""
+    model = _llama(layers=3)
+    table = [[0.1, 0.0], [float("nan"), 0.0], [0.2, 0.0]]
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+    with swept, pytest.raises(ValueError, match="layer 1 stored by 'int4-token' is nan"):
+        tune(model, None, ["int4-token", "int8-token"], 6.0, context=128, check=False)
 
 
 def test_tune_refuses_a_name_its_json_could_not_be_read_back_as():

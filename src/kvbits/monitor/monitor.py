@@ -102,6 +102,10 @@ class CacheMonitor:
         self._events_written: dict[Path, int] = {}  # path -> events already appended to it (write_events)
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
         self._blocks: Counter = Counter()  # blocks quantized per (layer, side): a prefill's flush holds many
+        # per (layer, side): (resets, tokens_seen) of the flush observed last, and whether it crossed already. A flush
+        # past SLICE_TOKENS is quantized (and observed) in several slices within one update: they are one flush
+        self._flush_at: dict[tuple[int, str], tuple[int, int] | None] = {key: None for key in self.signals}
+        self._flush_crossed: dict[tuple[int, str], bool] = {key: False for key in self.signals}
         self._beyond_reported: set[int] = set()
         # signals said with action "none" in the current run of consecutive crossing flushes, per (layer, side)
         self._said: dict[tuple[int, str], set[str]] = {key: set() for key in self.signals}
@@ -130,7 +134,13 @@ class CacheMonitor:
                 self.signals[layer.layer_idx, s].over = 0
                 self._said[layer.layer_idx, s].clear()
         key = (layer.layer_idx, side)
-        self._flushes[key] += 1
+        # the same update's flush, quantized in slices (SLICE_TOKENS: a long prefill): one flush, not several
+        flush_at = (layer.resets, layer.tokens_seen)
+        slice_of_last = self._flush_at[key] == flush_at
+        self._flush_at[key] = flush_at
+        if not slice_of_last:
+            self._flushes[key] += 1
+            self._flush_crossed[key] = False
         self._blocks[key] += x.shape[2] // layer.scheme.block
         if (self._flushes[key] - 1) % self.policy.sample_every:
             return
@@ -139,12 +149,14 @@ class CacheMonitor:
             return
         clipped = int(qt.clipped)
         sig = self.signals[key]
-        sig.add(errors, x.shape[2], clipped, x.numel())
-        self._check(layer, side, sig, errors, clipped / max(1, x.numel()))
+        sig.add(errors, x.shape[2], clipped, x.numel(), same_flush=slice_of_last)
+        self._check(layer, side, sig, errors, clipped / max(1, x.numel()), slice_of_last)
 
     def _check(
-        self, layer: Any, side: str, sig: SideSignals, errors: list[float], clipped_frac: float
+        self, layer: Any, side: str, sig: SideSignals, errors: list[float], clipped_frac: float, same_flush: bool
     ) -> None:
+        """Read one measured chunk against the policy; ``same_flush``: a further slice of the flush read last
+        (which counts towards ``patience`` once, whichever of its slices crossed)."""
         pol = self.policy
         crossed = []
         thr = pol.error_threshold(side)
@@ -162,11 +174,16 @@ class CacheMonitor:
             crossed.append(("beyond_calibration", float(layer.tokens_seen), float(longest)))
         elif first_beyond:
             self._event(layer, side, "beyond_calibration", float(layer.tokens_seen), float(longest), None, "none")
-        sig.over = sig.over + 1 if crossed else 0
-        said = self._said[layer.layer_idx, side]
+        key = (layer.layer_idx, side)
+        said = self._said[key]
         if not crossed:
-            said.clear()
+            if not same_flush:
+                sig.over = 0
+                said.clear()
             return
+        if not self._flush_crossed[key]:
+            self._flush_crossed[key] = True
+            sig.over += 1
         action = "none"
         if layer.held_at is not None:
             action = "already_held"
@@ -177,17 +194,18 @@ class CacheMonitor:
             if signal == "beyond_calibration" and not (first_beyond or action.startswith("hold")):
                 continue
             # a crossing that does nothing (patience not reached, or a layer that can not be held: sliding
-            # window) is said once per run of consecutive crossing flushes, not at every flush of a long request
-            if action == "none":
-                if signal in said:
-                    continue
-                said.add(signal)
+            # window; or one crossing again after the request was held) is said once per run of consecutive crossing
+            # flushes, not at every flush of a long request
+            if action == "none" and signal in said:
+                continue
+            said.add(signal)
             self._event(layer, side, signal, value, threshold, worst, action)
 
     def _fall_back(self, layer: Any) -> str:
-        """Hold ``layer`` (or every layer) in full precision; the action's name for the event."""
+        """Hold ``layer`` (or every layer) in full precision; the action's name for the event: ``"none"`` when no
+        layer was held by it (a sliding-window layer, which can not be held, crossing after the request was held)."""
         if self.policy.scope == "request":
-            held = [i for i, lay in self.layers.items() if lay.hold_full_precision()]
+            held = [i for i, lay in self.layers.items() if lay.held_at is None and lay.hold_full_precision()]
             return "hold_request" if held else "none"
         return "hold_layer" if layer.hold_full_precision() else "none"
 

@@ -57,7 +57,7 @@ class SideSignals:
     """What one side (keys or values) of one layer flushed so far.
 
     Attributes:
-        flushes: chunks measured.
+        flushes: flushes measured (the slices of one long flush count once).
         tokens: tokens in them.
         last: the worst sequence's relative error in the last measured chunk.
         worst: the largest relative error measured (NaN and ``inf`` included: they read as the worst).
@@ -83,14 +83,16 @@ class SideSignals:
     elements: int = 0
     over: int = 0
 
-    def add(self, errors: list[float], tokens: int, clipped: int, elements: int) -> None:
-        """Record one chunk: per-sequence ``errors``, its ``tokens``, ``clipped`` of ``elements`` values."""
-        self.flushes += 1
+    def add(self, errors: list[float], tokens: int, clipped: int, elements: int, same_flush: bool = False) -> None:
+        """Record one chunk: per-sequence ``errors``, its ``tokens``, ``clipped`` of ``elements`` values;
+        ``same_flush``: a further slice of the flush recorded last (a long prefill is quantized in slices), which
+        adds no flush and leaves ``last`` the worst of its slices."""
+        self.flushes += 0 if same_flush else 1
         self.tokens += tokens
         self.clipped += clipped
         self.elements += elements
         worst = errors[worst_index(errors)]
-        self.last = worst
+        self.last = worst if not same_flush or _severity(worst) > _severity(self.last) else self.last
         if _severity(worst) > _severity(self.worst):
             self.worst = worst
         for e in errors:

@@ -117,11 +117,16 @@ class TuneResult:
         }
 
 
-def _fraction(x: float) -> Fraction:
+def _fraction(x: float, *, budget: bool = False) -> Fraction:
     """The fraction a float stands for: the simplest one of denominator <= ``BIT_DENOMINATOR`` within float64's
-    rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value."""
-    exact = Fraction(float(x))  # numpy's float32 too (Fraction takes only Python floats and rationals)
+    rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value. A ``budget`` is read as such
+    a fraction only when float64 rounds it to ``x`` itself: one a few ulps above it (13/3 for ``4.333333333333332``)
+    would let a mix's float ``avg_bits`` exceed the budget."""
+    x = float(x)  # numpy's float32 too (Fraction takes only Python floats and rationals)
+    exact = Fraction(x)
     near = exact.limit_denominator(BIT_DENOMINATOR)
+    if budget:
+        return near if float(near) == x else exact
     return near if abs(near - exact) <= abs(exact) * Fraction(1, 1 << 50) else exact
 
 
@@ -146,7 +151,7 @@ def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], in
     if any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) or b <= 0 for b in bits):
         raise ValueError(f"bits must be finite numbers > 0, got {bits!r}")
     exact = [_fraction(b) for b in bits]
-    budget = _fraction(budget_bits)
+    budget = _fraction(budget_bits, budget=True)
     scale = math.lcm(*(f.denominator for f in exact), budget.denominator)
     units = [int(f * scale) for f in exact]
     cap = math.floor(budget * n * scale)
@@ -202,7 +207,7 @@ def choose_layers_by_bytes(
     if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
         raise ValueError(f"elements must be a positive int, got {elements!r}")
     _check_budget(budget_bits)
-    cap = math.floor(_fraction(budget_bits) * elements / 8)
+    cap = math.floor(_fraction(budget_bits, budget=True) * elements / 8)
     least = sum(min(row) for row in layer_bytes)
     if least > cap:
         raise ValueError(
@@ -411,10 +416,15 @@ def tune(
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
     run["calibrations"] = arts or None
     sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
+    _check_measured(sens, cands, "with only")
     pick = choose_layers_by_bytes(sens, layer_bytes, elements, budget_bits)
     log: list[dict[str, Any]] = [{"pick": pick, "predicted_kl": sum(sens[i][j] for i, j in enumerate(pick))}]
     for _ in range(rounds - 1):
         costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, **run)
+        if not math.isfinite(current_kl):
+            raise ValueError(f"the KL of round {len(log)}'s mix measured {current_kl}: its passes gave non-finite "
+                             "outputs (try --dtype float32, or leave the candidate at fault out)")  # fmt: skip
+        _check_measured(costs, cands, "around the current mix, switching")
         log[-1]["measured_kl"] = current_kl
         log[-1]["marginal_sensitivity"] = costs  # around this round's mix, whatever the next choice
         new = choose_layers_by_bytes(costs, layer_bytes, elements, budget_bits)
@@ -474,6 +484,18 @@ def tune(
         result.scheme.name, result.avg_bits, context, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def _check_measured(table: list[list[float]], cands: list[KVScheme], what: str) -> None:
+    """``ValueError`` naming the first non-finite KL of a measured ``(rows, candidates)`` table: a NaN or inf in a
+    probe's outputs, which the knapsack can not weigh (``_check_costs`` would only say that some entry is bad)."""
+    for i, row in enumerate(table):
+        for j, x in enumerate(row):
+            if not math.isfinite(x):
+                raise ValueError(
+                    f"the KL measured {what} layer {i} stored by {cands[j].name!r} is {x}: its passes gave "
+                    "non-finite outputs (try --dtype float32, or leave that candidate out)"
+                )
 
 
 def _check_name(name: Any, cands: list[KVScheme]) -> None:
