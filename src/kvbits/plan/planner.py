@@ -49,7 +49,7 @@ With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
 - ``weights_bytes``: ``weights_gib`` when given, else the config's parameter estimate
   (:func:`kvbits.plan.config.estimate_params`) times the model dtype bytes; required for a config whose
-  ``quantization_config`` quantizes the weights (``ModelShape.weights_quantized``).
+  ``quantization_config`` quantizes the weights or a ``.gguf`` file of quantized blocks (``ModelShape.weights_quantized``).
 - ``kv_bytes_per_request``: the most bytes one more sequence adds at any length up to ``T``:
   ``total_bytes`` at batch 1 minus the per-layer constants, which exist once however many sequences there
   are, at its peak over ``1..T`` (a flush makes the bytes drop, so just before one a sequence may hold more
@@ -277,10 +277,14 @@ def _budget(
         weights = _non_negative_gib(weights_gib, "weights_gib")
         source = "given"
     elif shape.weights_quantized is not None:
+        dequantized = (
+            f"; dequantized on load, {shape.n_params * 2 / GIB:.3g} GiB in 16-bit floats, "
+            f"{shape.n_params * 4 / GIB:.3g} GiB in float32"
+        ) if shape.n_params else ""  # fmt: skip
         raise ValueError(
-            f"gpu_mem_gib needs the weights' size, and this config's weights are quantized ({shape.weights_quantized}, "
-            f"its quantization_config): not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
-            "weights_gib=... (CLI --weights-gib), e.g. the checkpoint's size"
+            f"gpu_mem_gib needs the weights' size, and this config's weights are quantized ({shape.weights_quantized}): "
+            f"not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
+            f"weights_gib=... (CLI --weights-gib): kept quantized on the GPU, about the checkpoint's size{dequantized}"
         )
     elif shape.n_params is not None:
         weights = shape.n_params * shape.dtype_bytes
