@@ -8,6 +8,11 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
 - ``total_bytes``: K + V bytes of all layers holding ``B`` sequences of ``T`` tokens each: codes,
   scales, zero-points, outliers, full-precision tokens (sinks, residual window, not-yet-flushed
   buffer, in the model dtype ``dtype_bytes``) and per-layer constants (static scales, codebooks).
+  Static scales count in the shapes ``kvbits calibrate`` writes: ``(H_kv, D)`` per channel, one float32 per tensor
+  or per KV head for FP8. An integer / NUQ spec with static scales at ``token`` or ``head`` granularity counts one
+  scale (and zero-point) per KV head, at ``tensor`` one per layer: ``kvbits calibrate`` makes none of these, and the
+  cache stores whatever broadcastable shape ``set_static_qparams`` is given (a ``(H_kv, 1, D)`` one holds ``D``
+  times the bytes counted here), so for such a spec ``fixed`` is what per-head / per-tensor scales take.
   Sliding-window layers hold at most their window (``token_split(..., sliding_window=W)``).
   A ``QuantizedKVCache(max_cache_len=T)`` holds the quantized part of this from its first flush on (reserved
   slots) and exactly this at ``T`` tokens.
