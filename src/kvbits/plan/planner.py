@@ -296,8 +296,10 @@ def _budget(
         source = "estimated"
     else:
         raise ValueError(
-            "gpu_mem_gib needs the weights' size: this model shape carries no parameter estimate "
-            "(plan from a full config, or pass weights_gib=..., CLI --weights-gib)"
+            "gpu_mem_gib needs the weights' size: this model shape carries no parameter estimate (planned from "
+            "dimensions; from a config whose layers, KV heads or head dim were overridden, which the estimate no longer "
+            "describes; or from a config it can not be estimated from, which -v logs); pass weights_gib=... "
+            "(CLI --weights-gib)"
         )
     return {
         "gpu_mem_bytes": gpu,
