@@ -110,6 +110,20 @@ def test_plan_fused_decode_reads_the_config_s_rope(capsys, tmp_path):
     assert got == {"llama": 131_072, "phi": 0}
 
 
+def test_plan_overridden_config_without_weights_says_why(capsys, tmp_path):
+    """``--config X --kv-heads 4 --gpu-mem 80`` drops the config's parameter estimate (it no longer describes the
+    model); the refusal told the user, who had planned from a full config, to "plan from a full config"."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+                                "hidden_size": 512, "vocab_size": 1000, "intermediate_size": 1024}))  # fmt: skip
+    argv = ["plan", "--config", str(path), "--context", "1k", "--scheme", "fp16", "--gpu-mem", "80"]
+    assert run_json(capsys, [*argv, "--json"])[0]["weights_source"] == "estimated"
+    assert main([*argv, "--kv-heads", "4"]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "a config whose layers, KV heads or head dim were overridden" in err and "--weights-gib" in err
+    assert "plan from a full config" not in err
+
+
 def test_plan_table_worked_example(capsys):
     assert main(["plan", *WORKED, "--scheme", "fp16"]) == 0
     out = capsys.readouterr().out

@@ -383,11 +383,13 @@ def test_dtype_bytes_from_config_and_override():
     assert plan({**d, "dtype": "float32"}, context=100, scheme="kivi-2")["avg_bits"] == 32.0
 
 
-def write_tiny_gguf(path: Path) -> Path:
+def write_tiny_gguf(path: Path, weights: str = "F32") -> Path:
     """A Llama GGUF at ``path``: 3 layers, 4 query / 2 KV heads, hidden 256 (head dim 64), 2,048 context,
-    one 16 x 256 embedding of zeros (skips the test when the ``gguf`` package is missing)."""
+    one 16 x 256 embedding of zeros stored as GGML type ``weights`` (``"F32"``, ``"F16"``, ``"Q8_0"``), and an F32
+    norm (skips the test when the ``gguf`` package is missing)."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
+    from gguf import GGMLQuantizationType, quants
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(3)
@@ -398,7 +400,10 @@ def write_tiny_gguf(path: Path) -> Path:
     w.add_head_count_kv(2)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tensor("token_embd.weight", np.zeros((16, 256), dtype=np.float32))
+    ggml = GGMLQuantizationType[weights]
+    embedding = quants.quantize(np.zeros((16, 256), dtype=np.float32), ggml)
+    w.add_tensor("token_embd.weight", embedding, raw_dtype=ggml)
+    w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -413,6 +418,25 @@ def test_gguf_file(tmp_path):
         assert (shape.n_layers, shape.layers[0].kv_heads, shape.layers[0].head_dim) == (3, 2, 64)
         assert shape.max_context == 2048 and shape.name == "tiny"
     assert plan(path, context=10)["total_bytes"] == 3 * fp16_layer_bytes(2, 64, 10)
+
+
+def test_gguf_quantized_weights_need_weights_gib(tmp_path):
+    """A GGUF of quantized blocks (SmolLM2-135M's Q4_1 file, 98 MB) had its weights estimated at 2 bytes per
+    parameter (256.6 MiB) without a word, though no loader holds them so: transformers keeps the blocks (about the
+    file's size) or dequantizes them to float32 by default (513 MiB, as kvbits eval). Now the budget asks for
+    weights_gib, as for any quantization_config; a GGUF of plain floats is estimated in its own float type."""
+    path = write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0")
+    shape = load_shape(path)
+    assert shape.weights_quantized == "gguf Q8_0" and shape.dtype_bytes == 2
+    with pytest.raises(ValueError, match=r"weights are quantized \(gguf Q8_0\).*pass weights_gib.*in float32"):
+        plan(path, context=10, gpu_mem_gib=1)
+    r = plan(path, context=10, gpu_mem_gib=1, weights_gib=0.001)
+    assert r["weights_source"] == "given" and r["total_bytes"] == 3 * fp16_layer_bytes(2, 64, 10)
+    for weights, dtype_bytes in (("F16", 2), ("F32", 4)):  # transformers' dtype="auto": the file's float type
+        shape = load_shape(write_tiny_gguf(tmp_path / f"{weights}.gguf", weights))
+        assert shape.weights_quantized is None and shape.dtype_bytes == dtype_bytes
+        r = plan(shape, context=10, gpu_mem_gib=1)
+        assert r["weights_source"] == "estimated" and r["weights_bytes"] == shape.n_params * dtype_bytes
 
 
 @pytest.mark.realmodel
@@ -685,7 +709,7 @@ def test_quantized_weights_need_weights_gib():
     gpt-oss-120b (MXFP4 experts, a ~61 GiB checkpoint) was estimated at 116.8 B x 2 bytes = 217.5 GiB, so on an
     80 GiB GPU it planned max_concurrency 0, max_context 0, fits False. Now the budget asks for weights_gib; the
     KV bytes are the same, and a compressed-tensors config that quantizes the KV cache alone (kvbits export's) or
-    GGUF (dequantized on load) still estimates."""
+    GGUF dequantized on load still estimates."""
     with pytest.raises(ValueError, match=r"weights are quantized \(mxfp4.*pass weights_gib"):
         plan(GPT_OSS_120B, context=32768, batch=8, gpu_mem_gib=80)
     from kvbits.export import quantization_config
@@ -704,7 +728,9 @@ def test_quantized_weights_need_weights_gib():
         ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 8}}}},
          "compressed-tensors"),
         (quantization_config(), None),  # KV cache only
-        ({"quant_method": "gguf"}, None),
+        ({"quant_method": "gguf", "dequantize": True}, None),  # transformers' GgufConfig: floats of the dtype
+        ({"quant_method": "gguf"}, "gguf"),  # its blocks kept (transformers >= 5.25 with the GGUF kernels)
+        ({"quant_method": "gguf", "weight_types": ["Q4_K", "Q6_K"]}, "gguf Q4_K/Q6_K"),  # a .gguf file's
         ({}, None),
     ]:  # fmt: skip
         assert quantized_weights(llama_dict(quantization_config=qc)) == want, qc

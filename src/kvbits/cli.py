@@ -270,7 +270,8 @@ def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
     gpu.add_argument("--gpu-mem", type=_gib, metavar="GIB", help="GPU memory in GiB: adds max concurrency and max context")
     gpu.add_argument(
         "--weights-gib", type=_gib, metavar="GIB",
-        help="weights memory (default: estimated from the config; required when its quantization_config quantizes them)",
+        help="weights memory (default: estimated from the config; required for quantized weights: a quantization_config, "
+        "a GGUF of quantized blocks)",
     )
     gpu.add_argument(
         "--reserve-gib", type=_gib, metavar="GIB", help="memory kept free (default 0)"

@@ -30,8 +30,8 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   not estimated (per-block MLP widths): pass ``weights_gib``.
 - **dtype bytes** of full-precision K/V: from ``dtype`` / ``torch_dtype``, 2 when absent.
 - **parameter count** (for weights memory, see :func:`estimate_params`).
-- **quantized weights** (``quantization_config``: GPTQ, AWQ, bitsandbytes, FP8, MXFP4, ...): their bytes are not the
-  parameter count times the dtype bytes, so a GPU budget needs ``weights_gib`` (:func:`quantized_weights`). The
+- **quantized weights** (``quantization_config``: GPTQ, AWQ, bitsandbytes, FP8, MXFP4, ...; a ``.gguf`` file of
+  quantized blocks, Q4_K, Q8_0, ...): their bytes are not the parameter count times the dtype bytes, so a GPU budget needs ``weights_gib`` (:func:`quantized_weights`). The
   config's KV-cache settings (``kv_cache_scheme``, vLLM's FP8 KV) do not change the plan: the scheme planned
   decides how K/V are stored (``fp8-e4m3``, ``vllm-fp8-token`` are vLLM's), full-precision tokens stay in the dtype.
 
@@ -450,9 +450,11 @@ def _dtype_field(cfg: Any) -> Any:
 
 
 def quantized_weights(config: Any) -> str | None:
-    """How ``config``'s ``quantization_config`` stores the weights (``"mxfp4"``, ``"gptq 4-bit"``), or None when
-    they are floats: no ``quantization_config``, GGUF (transformers dequantizes it on load), or compressed-tensors
-    quantizing the KV cache alone (no weight ``config_groups``: what ``kvbits export`` writes)."""
+    """How ``config``'s ``quantization_config`` stores the weights (``"mxfp4"``, ``"gptq 4-bit"``, ``"gguf Q4_1/Q8_0"``),
+    or None when they are floats: no ``quantization_config``, GGUF dequantized on load (``dequantize=True``: floats of
+    the config's dtype), or compressed-tensors quantizing the KV cache alone (no weight ``config_groups``: what
+    ``kvbits export`` writes). A ``.gguf`` file of quantized blocks gets its ``quantization_config`` from
+    :func:`kvbits.plan.sources.resolve_config` (its GGML ``weight_types``)."""
     qc = _get(config, "quantization_config")
     if qc is None:
         qc = _get(text_config(config), "quantization_config")
@@ -464,10 +466,13 @@ def quantized_weights(config: Any) -> str | None:
         return f"quantization_config {qc!r:.60}"
     method = str(qc.get("quant_method") or "unknown quant_method")
     groups = qc.get("config_groups") or {}
-    if method == "gguf" or (
+    if (method == "gguf" and qc.get("dequantize") is True) or (
         method == "compressed-tensors" and not any(isinstance(g, Mapping) and g.get("weights") for g in groups.values())
     ):
         return None
+    types = qc.get("weight_types")
+    if method == "gguf" and isinstance(types, Sequence) and not isinstance(types, str) and types:
+        return f"gguf {'/'.join(map(str, types))}"
     bits = qc.get("bits") or (4 if qc.get("load_in_4bit") else 8 if qc.get("load_in_8bit") else None)
     return f"{method} {bits}-bit" if bits else method
 

@@ -8,6 +8,11 @@ Definitions (``T`` = context, ``B`` = batch, per layer ``l``: ``H_l`` KV heads, 
 - ``total_bytes``: K + V bytes of all layers holding ``B`` sequences of ``T`` tokens each: codes,
   scales, zero-points, outliers, full-precision tokens (sinks, residual window, not-yet-flushed
   buffer, in the model dtype ``dtype_bytes``) and per-layer constants (static scales, codebooks).
+  Static scales count in the shapes ``kvbits calibrate`` writes: ``(H_kv, D)`` per channel, one float32 per tensor
+  or per KV head for FP8. An integer / NUQ spec with static scales at ``token`` or ``head`` granularity counts one
+  scale (and zero-point) per KV head, at ``tensor`` one per layer: ``kvbits calibrate`` makes none of these, and the
+  cache stores whatever broadcastable shape ``set_static_qparams`` is given (a ``(H_kv, 1, D)`` one holds ``D``
+  times the bytes counted here), so for such a spec ``fixed`` is what per-head / per-tensor scales take.
   Sliding-window layers hold at most their window (``token_split(..., sliding_window=W)``).
   A ``QuantizedKVCache(max_cache_len=T)`` holds the quantized part of this from its first flush on (reserved
   slots) and exactly this at ``T`` tokens.
@@ -49,7 +54,7 @@ With a GPU budget (``gpu_mem_gib``, GiB = 2**30 bytes):
 
 - ``weights_bytes``: ``weights_gib`` when given, else the config's parameter estimate
   (:func:`kvbits.plan.config.estimate_params`) times the model dtype bytes; required for a config whose
-  ``quantization_config`` quantizes the weights (``ModelShape.weights_quantized``).
+  ``quantization_config`` quantizes the weights or a ``.gguf`` file of quantized blocks (``ModelShape.weights_quantized``).
 - ``kv_bytes_per_request``: the most bytes one more sequence adds at any length up to ``T``:
   ``total_bytes`` at batch 1 minus the per-layer constants, which exist once however many sequences there
   are, at its peak over ``1..T`` (a flush makes the bytes drop, so just before one a sequence may hold more
@@ -277,18 +282,24 @@ def _budget(
         weights = _non_negative_gib(weights_gib, "weights_gib")
         source = "given"
     elif shape.weights_quantized is not None:
+        dequantized = (
+            f"; dequantized on load, {shape.n_params * 2 / GIB:.3g} GiB in 16-bit floats, "
+            f"{shape.n_params * 4 / GIB:.3g} GiB in float32"
+        ) if shape.n_params else ""  # fmt: skip
         raise ValueError(
-            f"gpu_mem_gib needs the weights' size, and this config's weights are quantized ({shape.weights_quantized}, "
-            f"its quantization_config): not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
-            "weights_gib=... (CLI --weights-gib), e.g. the checkpoint's size"
+            f"gpu_mem_gib needs the weights' size, and this config's weights are quantized ({shape.weights_quantized}): "
+            f"not {shape.dtype_bytes} bytes per parameter as the estimate counts; pass "
+            f"weights_gib=... (CLI --weights-gib): kept quantized on the GPU, about the checkpoint's size{dequantized}"
         )
     elif shape.n_params is not None:
         weights = shape.n_params * shape.dtype_bytes
         source = "estimated"
     else:
         raise ValueError(
-            "gpu_mem_gib needs the weights' size: this model shape carries no parameter estimate "
-            "(plan from a full config, or pass weights_gib=..., CLI --weights-gib)"
+            "gpu_mem_gib needs the weights' size: this model shape carries no parameter estimate (planned from "
+            "dimensions; from a config whose layers, KV heads or head dim were overridden, which the estimate no longer "
+            "describes; or from a config it can not be estimated from, which -v logs); pass weights_gib=... "
+            "(CLI --weights-gib)"
         )
     return {
         "gpu_mem_bytes": gpu,

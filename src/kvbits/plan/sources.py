@@ -21,7 +21,7 @@ from kvbits.plan.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gguf_problem", "resolve_config"]
+__all__ = ["gguf_problem", "gguf_tensor_types", "resolve_config"]
 
 _OFFLINE_REGISTRY = "kvbits.evaluate.models"  # written by the evaluate stage; optional here
 
@@ -178,11 +178,12 @@ _GGUF_MAGIC = b"GGUF"
 def _from_gguf(path: Path) -> Any:
     """The config transformers reads from the GGUF file ``path``; ``ValueError`` when the file is empty,
     not a GGUF file, cut short (a partial download: ``struct.error`` or a numpy reshape deep inside) or
-    holds a model transformers can not read."""
+    holds a model transformers can not read. The config says how the file stores its weights
+    (:func:`_with_gguf_weights`)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except ValueError as exc:  # numpy's "cannot reshape array", transformers' own refusals
         problem = gguf_problem(path)
         message = f"{path} {problem}" if problem else f"could not read a model config from {path}: {exc}"
@@ -192,6 +193,46 @@ def _from_gguf(path: Path) -> Any:
         if problem is None:
             raise
         raise ValueError(f"{path} {problem}") from exc
+    return _with_gguf_weights(config, path)
+
+
+_GGUF_FLOATS = ("BF16", "F16", "F32", "F64")  # GGML types of plain floats; any other is a quantized block format
+
+
+def _with_gguf_weights(config: Any, path: Path) -> Any:
+    """``config`` (read from the GGUF file ``path``) saying how the file stores its weights, which the config
+    transformers reads from a GGUF does not: a file holding quantized blocks (Q4_K, Q8_0, ...) gets a
+    ``quantization_config`` ``{"quant_method": "gguf", "weight_types": [...]}`` (as transformers' own ``GgufConfig``
+    on a model it loaded with the blocks kept), so the planner does not estimate its weights at the dtype's bytes
+    per parameter (on the GPU they are the blocks, or floats of the dtype the loader dequantizes them to: float32
+    by default); a file of plain floats without a dtype in its config gets the dtype transformers'
+    ``dtype="auto"`` loads it in (its half type, else float32)."""
+    types = gguf_tensor_types(path)
+    blocks = sorted(t for t in types if t not in _GGUF_FLOATS)
+    if blocks:
+        if getattr(config, "quantization_config", None) is None:
+            config.quantization_config = {"quant_method": "gguf", "gguf_file": path.name, "weight_types": blocks}
+    elif types and getattr(config, "dtype", None) is None and getattr(config, "torch_dtype", None) is None:
+        config.dtype = "bfloat16" if "BF16" in types else "float16" if "F16" in types else "float32"
+    return config
+
+
+def gguf_tensor_types(path: Path) -> set[str]:
+    """The GGML types of the tensors of the GGUF file ``path`` (``{"Q4_1", "Q8_0", "F32"}``), from transformers'
+    header reader where it has one (reads the tensor table alone), else from gguf's ``GGUFReader``."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader  # transformers >= 5.25
+
+        codes = set(GgufHeader.from_file(str(path)).ggml_types.values())
+        return {GGMLQuantizationType(c).name for c in codes}
+    except ImportError:
+        pass
+    except (ValueError, KeyError, struct.error):  # a type or layout it does not know: gguf's reader may
+        logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
+
+    return {t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
 def gguf_problem(path: Path) -> str | None:

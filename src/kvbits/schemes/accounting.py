@@ -226,7 +226,11 @@ def per_block_meta_bytes(spec: TensorSpec, n_heads: int) -> int:
 
 def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
     """Per-layer bytes that do not grow with tokens or batch: static scales, NUQ codebooks, the float16
-    ``(H_kv, D)`` channel means (``centre``) and smoothing factors (``smooth``)."""
+    ``(H_kv, D)`` channel means (``centre``) and smoothing factors (``smooth``).
+
+    Static integer / NUQ scales count as ``kvbits calibrate`` writes them per channel, ``(H_kv, D)``; at ``token`` /
+    ``head`` granularity (which it does not calibrate) one per KV head, at ``tensor`` one: the cache stores the shape
+    it is given, so another one (``(H_kv, 1, D)``) makes ``memory_report()`` differ from this."""
     if not spec.is_quantized:
         return 0
     total = 0
