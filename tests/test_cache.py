@@ -616,7 +616,7 @@ def test_identity_scheme_is_croppable_for_prompt_lookup_decoding():
     croppable, so transformers runs prompt-lookup (assisted) decoding through it, rolling rejected drafts back with
     ``crop``, and the tokens are ``DynamicCache``'s. Before, every layer said ``is_croppable = False`` and transformers
     refused ("Assisted decoding requires a cache that can be cropped"). Quantizing or sliding layers still do not
-    claim it (a rollback is exact only within limits)."""
+    claim it (a rollback is exact only within flushes)."""
     model = copy.deepcopy(build("llama")).to(torch.bfloat16)
     ids = tokens(1, 12, seed=5).repeat(1, 2)  # a repeated prompt: the lookup proposes drafts, some rejected
     kw = {"max_new_tokens": 20, "do_sample": False, "prompt_lookup_num_tokens": 3, "pad_token_id": 0,
@@ -630,7 +630,61 @@ def test_identity_scheme_is_croppable_for_prompt_lookup_decoding():
     assert torch.equal(out, ref)
     assert cache.get_seq_length() == out.shape[1] - 1
     assert not QuantizedKVCache(config=model.config, scheme="int8-token").is_croppable
-    assert not QuantizedKVCache(config=gemma_cfg(16), scheme="bf16").is_croppable  # a sliding layer
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["bf16", "fp16"])
+def test_identity_sliding_layers_crop_for_prompt_lookup_decoding(scheme):
+    """A hybrid model (Gemma 3: a sliding layer of window 16, a full one) with an identity cache runs prompt-lookup
+    decoding as with ``DynamicCache``, token for token: transformers calls ``activate_past_recording()``, the sliding
+    layer keeps what the last forward added until ``crop`` rolls back the rejected drafts and trims it to its window
+    again (``DynamicSlidingWindowLayer``'s way). Before, a sliding layer said ``is_croppable = False`` and transformers
+    refused ("Assisted decoding requires a cache that can be cropped"), 5.17 crashed at the first crop."""
+    model = copy.deepcopy(build("gemma3")).to(torch.bfloat16)
+    ids = tokens(1, 12, seed=5).repeat(1, 3)  # 36 tokens, past the window: drafts rolled back beyond it
+    kw = {"max_new_tokens": 30, "do_sample": False, "prompt_lookup_num_tokens": 3, "pad_token_id": 0,
+          "eos_token_id": None}  # fmt: skip
+    ref = model.generate(ids, **{CACHE_KW: DynamicCache(config=model.config)}, **kw)
+    cache = QuantizedKVCache(config=model.config, scheme=scheme)
+    assert cache.is_croppable and cache.layers[0].is_sliding
+    with mock.patch.object(QuantizedKVCache, "crop", autospec=True, side_effect=QuantizedKVCache.crop) as crop:
+        out = model.generate(ids, **{CACHE_KW: cache}, **kw)
+    assert any(int(call.args[1]) < 0 for call in crop.call_args_list)  # drafts were rolled back
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == out.shape[1] - 1
+    row = cache.memory_report()["layers"][0]
+    assert row["full_tokens"] == 15 and row["dropped_tokens"] == out.shape[1] - 1 - 15  # trimmed back to W - 1
+    cache.reset()
+    assert not cache.layers[0].record_past  # a new request: no past kept without transformers asking again
+
+
+def test_full_precision_sliding_layer_crops_as_dynamic_sliding_window_layer():
+    """A sliding layer falling back to full precision (kivi-4 at window 17) recording its past returns, holds and
+    crops exactly as ``DynamicSlidingWindowLayer``, over updates and rollbacks crossing the window; without
+    recording a crop past the window raises, saying how to record."""
+    torch.manual_seed(0)
+    ours = QuantizedKVLayer(get_scheme("kivi-4"), sliding_window=17)
+    theirs = DynamicSlidingWindowLayer(sliding_window=17)
+    assert ours.mode == "fallback" and ours.is_croppable
+    k, v = rand_kv(1, 2, 40, 64, seed=3)
+    ours.update(k[:, :, :20], v[:, :, :20])
+    theirs.update(k[:, :, :20], v[:, :, :20])
+    with pytest.raises(ValueError, match=r"cannot crop 4 tokens from a sliding-window.*activate_past_recording"):
+        ours.crop(-4)
+    for layer in (ours, theirs):
+        layer.activate_past_recording()
+    at = 20
+    for q, r in ((4, 3), (1, 0), (6, 6), (3, 1), (5, 2)):
+        new = (k[:, :, at : at + q], v[:, :, at : at + q])
+        for a, b in zip(ours.update(*new), theirs.update(*new)):
+            assert torch.equal(a, b)
+        assert ours.get_mask_sizes(1) == theirs.get_mask_sizes(1)
+        ours.crop(-r)
+        theirs.crop(-r)
+        at += q - r
+        assert ours.get_seq_length() == theirs.get_seq_length() == at
+        assert all(torch.equal(a, b) for a, b in zip(ours.materialize(), (theirs.keys, theirs.values)))
+        assert ours.report()["full_tokens"] == 16
 
 
 def test_refused_crop_changes_no_layer():

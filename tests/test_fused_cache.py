@@ -1228,3 +1228,27 @@ def test_fused_decode_true_refuses_bad_kernel_settings_at_construction(monkeypat
     with pytest.raises(ValueError, match=f"{name} must be one of"):
         QuantizedKVCache(build("qwen2").config, "kivi-4", fused_decode=True)
     QuantizedKVCache(build("qwen2").config, "kivi-4", fused_decode=False)  # never reads them
+
+
+@torch.no_grad()
+def test_logit_softcapping_is_refused():
+    """Gemma 2 caps its attention logits (``attn_logit_softcapping``). transformers 5.25 marks it
+    ``_supports_sdpa = False``; 5.17 did not, and its SDPA dropped the softcap without a word, so
+    ``use_fused_decode`` took the model and every step lost the softcap: logits 0.62 off the model's eager attention on
+    this tiny Gemma 2 (q/k weights scaled so that the cap bites). Refused now on any version (the runners then decode
+    through the model's own attention), and a call passing a softcap raises rather than dropping it."""
+    from kvbits.cache import UnsupportedAttention
+    from kvbits.cache.attention import fused_attention
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=48,
+                                    attn_logit_softcapping=0.5, attn_implementation="eager")  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    refused = pytest.raises(UnsupportedAttention, match=r"caps its logits \(attn_logit_softcapping=0.5\)")
+    with mock.patch.object(type(model), "_supports_sdpa", True), refused:  # _supports_sdpa: as transformers 5.17 said
+        use_fused_decode(model)
+    assert model.config._attn_implementation == "eager"
+    q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match=r"passes softcap \(attention logit softcapping"):
+        fused_attention(model.model.layers[0].self_attn, q, kv, kv, None, softcap=0.5)

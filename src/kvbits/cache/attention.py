@@ -15,8 +15,9 @@ dequantized K/V. A boolean padding mask at a decode step (a left-padded batch) b
 the store (``fused.slot_masks``): the kernel skips the masked slots. Everything else — prefill,
 ``q_len > 1``, other caches, schemes outside the packed layout (float sides, sliding windows), float or
 per-head masks, ``output_attentions`` — is SDPA over dequantized K/V, as before. Models whose attention SDPA
-can not compute (``_supports_sdpa = False``: attention sinks, logit softcapping) are refused by
-``use_fused_decode``, and a call passing sinks (``s_aux``) raises: SDPA would drop them without a word.
+can not compute (``_supports_sdpa = False``: attention sinks; attention modules with an
+``attn_logit_softcapping``: Gemma 2, whose 5.17 said it supports SDPA) are refused by ``use_fused_decode``, and a
+call passing sinks (``s_aux``) or a softcap raises: SDPA would drop them without a word (5.17) or fail.
 
 Registered under a new name through transformers' public ``AttentionInterface`` (and the SDPA mask
 builder under the same name in ``AttentionMaskInterface``); nothing of transformers is replaced.
@@ -67,6 +68,7 @@ STEP_KWARGS = frozenset({
 # what transformers' SDPA drops without a word, by the models that pass it
 SDPA_DROPS = {
     "s_aux": "attention sinks",
+    "softcap": "attention logit softcapping, Gemma 2",  # transformers 5.25's SDPA raises on it, 5.17's dropped it
     "indices": "sparse attention's top-k indices, DeepSeek-V3.2",
     "block_indices": "sparse attention's block indices",
 }
@@ -218,6 +220,14 @@ def use_fused_decode(model: Any) -> str:
     check_model(model, "use_fused_decode", attention=True, causal=False)
     from kvbits.cache.positions import track_positions
 
+    softcaps = {getattr(m, "attn_logit_softcapping", None) for m in model.modules()} - {None}
+    if softcaps:  # Gemma 2 on 5.25 says _supports_sdpa = False; on 5.17 it did not, and SDPA dropped the softcap
+        raise UnsupportedAttention(
+            f"{type(model).__name__}'s attention caps its logits (attn_logit_softcapping={min(softcaps)}), which "
+            "neither SDPA nor the fused kernel computes, and kvbits_fused attends through SDPA outside fused steps: "
+            "its decode steps attend over dequantized K/V through the model's own attention (fused_decode=False, "
+            "`--fused-decode off`)"
+        )
     if getattr(model, "_supports_sdpa", True) is False:
         import transformers
 

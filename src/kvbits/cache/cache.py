@@ -515,7 +515,8 @@ class QuantizedKVCache(Cache):
         """Remove tokens from the end of every layer (``QuantizedKVLayer.crop``: negative = that many tokens,
         positive = keep that absolute length). All or nothing: every layer is checked before any is cropped,
         so a ``ValueError`` (tokens already quantized, or dropped by a sliding window, or more than a layer
-        holds) leaves the layers agreeing on the sequence length. ``TypeError`` unless an int (not a bool)."""
+        holds) leaves the layers agreeing on the sequence length. Full-precision sliding windows keep the tokens a
+        rollback needs once ``activate_past_recording()`` was called (transformers does, for assisted decoding). ``TypeError`` unless an int (not a bool)."""
         tokens_to_remove = check_crop_arg(tokens_to_remove)
         for layer in self._quantized_layers():
             layer.tokens_to_crop(tokens_to_remove)

@@ -295,6 +295,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._set_bounds(*self._head_dims)
         self.tokens_seen = 0
         self.dropped_tokens = 0
+        # a full-precision sliding window (identity scheme, fallback) keeps what it held since the last crop until
+        # the next crop, which trims it back to the window (activate_past_recording, as DynamicSlidingWindowLayer)
+        self.record_past = False
         self.held_at: int | None = None  # tokens seen when hold_full_precision() stopped flushing; None: quantizing
         self._flushing = False  # inside update's flushes (hold_full_precision then releases after them)
         self.resets = 0  # reset() calls: requests served before the current one
@@ -310,10 +313,23 @@ class QuantizedKVLayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Whether ``crop`` can always undo the last updates (transformers asks after the prefill, for assisted and
-        prompt-lookup decoding): a full-attention layer of an identity scheme (``fp16``, ``bf16``), which keeps every
-        token as it came, as ``DynamicLayer`` does. A quantizing layer rolls back only while no block was flushed
-        since the removed tokens arrived, and a sliding-window layer only within its window, so they do not claim it."""
-        return self.mode == "identity" and not self.is_sliding
+        prompt-lookup decoding): a layer that keeps its tokens as they came, as ``DynamicLayer`` and
+        ``DynamicSlidingWindowLayer`` do: an identity scheme (``fp16``, ``bf16``), or a sliding layer that falls back to
+        full precision. A sliding one rolls back past its window only after ``activate_past_recording()``, which
+        transformers calls before assisted decoding (as for ``DynamicSlidingWindowLayer``). A quantizing layer rolls
+        back only while no block was flushed since the removed tokens arrived, so it does not claim it."""
+        return self.mode != "quantized"
+
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Let ``crop`` roll a full-precision sliding window back (transformers calls it before assisted decoding:
+        ``Cache.activate_past_recording``, with ``recurrent_states_to_keep`` from 5.24, ignored here): ``update``
+        keeps every token held since the last ``crop`` instead of trimming to the last ``W - 1``, and ``crop`` (also
+        ``crop(0)``) trims after removing, as ``DynamicSlidingWindowLayer``. What ``update`` returns is unchanged.
+        Until that ``crop`` the layer holds (and ``memory_report()`` counts) up to the tokens of the last forward
+        more; ``reset()`` turns it off. A no-op for full-attention and quantizing layers (a quantized window drops
+        whole blocks, and its rollback is bounded by flushes anyway)."""
+        if self.is_sliding and self.mode != "quantized":
+            self.record_past = True
 
     def __repr__(self) -> str:
         kind = f"sliding={self.sliding_window}" if self.is_sliding else "full"
@@ -509,7 +525,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.is_sliding:
             start = max(0, n_before - self.sliding_window + 1) - dropped_before
             keys, values = keys[:, :, start:], values[:, :, start:]
-            self._trim_window(n)
+            if not self.record_past:  # else the next crop trims (activate_past_recording)
+                self._trim_window(n)
         return fused.tag(self, self._repeat_heads(keys)), self._repeat_heads(values)
 
     def _trim_window(self, n: int) -> None:
@@ -547,6 +564,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._k.clear()
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
+        self.record_past = False  # a new request: generate activates it again for assisted decoding
         self.held_at = None
         self.resets += 1  # a new request (kvbits.monitor forgets the last one's crossings)
         self.is_initialized = False
@@ -558,7 +576,9 @@ class QuantizedKVLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end: negative = that many tokens, positive = keep that absolute length
         (transformers 5.17's legacy meaning; a no-op when not shorter than the cache, as there), 0 or a layer
-        holding nothing yet: a no-op (as transformers' ``DynamicLayer``).
+        holding nothing yet: a no-op (as transformers' ``DynamicLayer``). A full-precision sliding window
+        recording its past (``activate_past_recording``) is then trimmed back to its last ``W - 1`` tokens, also by
+        ``crop(0)``, as ``DynamicSlidingWindowLayer``.
 
         Only tokens still in full precision can be removed (the buffer, or the sinks when nothing was
         quantized yet): quantized blocks are never dequantized and re-split. Anything else raises
@@ -567,13 +587,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         is not an int (a bool, float, str or tensor) raises ``TypeError``.
         """
         r = self.tokens_to_crop(tokens_to_remove)
-        if r == 0:
-            return
-        self._k.crop_tail(r)
-        self._v.crop_tail(r)
-        self.tokens_seen -= r
-        if self.held_at is not None:
-            self.held_at = min(self.held_at, self.tokens_seen)
+        if r:
+            self._k.crop_tail(r)
+            self._v.crop_tail(r)
+            self.tokens_seen -= r
+            if self.held_at is not None:
+                self.held_at = min(self.held_at, self.tokens_seen)
+        if self.record_past and self.is_initialized:  # back to the window update() keeps without recording
+            self._trim_window(self.tokens_seen)
 
     def observe_flushes(self, fn: FlushObserver | None) -> None:
         """Call ``fn(layer, side, x, qt)`` for every chunk this layer quantizes from now on (``None``: stop):
@@ -631,6 +652,14 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(
                 f"layer {self.layer_idx}: crop({tokens_to_remove}) would remove {r} tokens but the layer holds {n}"
             )
+        if self.is_sliding and self.dropped_tokens > max(0, n - r - self.sliding_window + 1):
+            hint = ""
+            if self.mode != "quantized" and not self.record_past:
+                hint = " (activate_past_recording() before the updates to be rolled back keeps them)"
+            raise ValueError(
+                f"layer {self.layer_idx}: cannot crop {r} tokens from a sliding-window layer that already dropped "
+                f"{self.dropped_tokens} tokens the shorter sequence would need{hint}"
+            )
         removable = self._k.n_buffer + (self._k.n_sinks if self._k.n_quantized == 0 else 0)
         if r > removable:
             raise ValueError(
@@ -647,11 +676,6 @@ class QuantizedKVLayer(CacheLayerMixin):
                     f"layer holds {self._k.n_quantized} quantized tokens, a {n - r}-token sequence {want.quantized}): "
                     "a rollback is exact only when no flush happened since the removed tokens arrived"
                 )
-        if self.is_sliding and self.dropped_tokens > max(0, n - r - self.sliding_window + 1):
-            raise ValueError(
-                f"layer {self.layer_idx}: cannot crop {r} tokens from a sliding-window layer that already dropped "
-                f"{self.dropped_tokens} tokens the shorter sequence would need"
-            )
         return r
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
