@@ -311,6 +311,23 @@ def test_needle_eval_errors(lm, corpus):
         needle_eval(lm, 300, [], data=str(path))
 
 
+
+def test_haystack_data_is_text_a_path_or_refused_before_the_model_loads(lm, corpus, monkeypatch):
+    # a pathlib.Path (or token ids, or anything) went past the checks, loaded the model, then failed deep inside
+    # with "AttributeError: 'PosixPath' object has no attribute 'sha256'"
+    path, ids = corpus
+    s, s_str = (needle_eval(lm, 300, [EXACT], data=d, depths=[0.5]) for d in (path, str(path)))
+    assert s["data"] == s_str["data"] == str(path) and s["records"] == s_str["records"]
+    from kvbits.evaluate import inputs
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(inputs, "_load_checked_model", no_load)
+    for bad in (ids, 3):
+        with pytest.raises(TypeError, match="token ids can not serve"):
+            needle_eval(lm, 300, [EXACT], data=bad)
+
 # ------------------------------------------------------------------------------------ report and CLI
 
 

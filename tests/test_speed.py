@@ -204,6 +204,28 @@ def test_batch_beyond_the_text_repeats_rows(model):
     assert {r["distinct_rows"] for r in s["runs"]} == {2} and {r["batch"] for r in s["runs"]} == {3}
 
 
+def test_prompt_text_is_read_before_the_model_loads_and_a_path_is_a_file(model, tmp_path, monkeypatch):
+    # a missing or misspelt text failed only after the model had loaded, and a pathlib.Path was refused
+    # ("text spec must be a non-empty str") after it too
+    from _bytelevel import byte_tokenizer
+
+    from kvbits.evaluate import inputs
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+
+    path = write_sentences(tmp_path / "prompts.txt", 60)
+    lm = LoadedModel(model, byte_tokenizer(), ModelSource(name="tiny-bytes", path="tiny-bytes"), "tinybytes0000000")
+    s, s_str = (speed_eval(lm, 64, [EXACT], tokens=2, warmup=0, data=d) for d in (path, str(path)))
+    assert s["data"] == s_str["data"] == str(path) and s["fingerprint"] == s_str["fingerprint"]
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(inputs, "_load_checked_model", no_load)
+    for bad, match in (("no-such-text", "unknown text"), (str(tmp_path / "missing.txt"), "does not exist")):
+        with pytest.raises(ValueError, match=match):
+            speed_eval(lm, 64, [EXACT], data=bad)
+
+
 def test_errors(model, ids):
     for kw, match in (
         ({"tokens": 0}, "tokens must be an int >= 1"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +76,23 @@ def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, c
         raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _haystack(data: Any, data_path: str | None) -> Any:
+    """The haystack's ``TextSource`` from ``data`` (a text spec, a path-like, or a ``TextSource``); ``TypeError``
+    for anything else (token ids among them), before the model loads."""
+    from kvbits.evaluate.data import TextSource, load_text
+
+    if isinstance(data, TextSource):
+        return data
+    if isinstance(data, os.PathLike):
+        data = os.fspath(data)
+    if not isinstance(data, str):
+        raise TypeError(
+            "data must be a registered text (war-and-peace, ...), a text file or a TextSource: the trials are built "
+            f"from text (sentence ends, the key's digits), so token ids can not serve; got {type(data).__name__}"
+        )
+    return load_text(data, data_path)
 
 
 def _logprobs(head: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -256,7 +274,8 @@ def needle_eval(
         contexts: total tokens per trial (haystack, needle, question, key), one or several.
         schemes: kvbits schemes (names, dicts, JSON paths, objects) or peers (``hf-quanto-int4``;
             ``semantics="prefill"`` only).
-        data: the haystack: a registered text (``war-and-peace``, ...), a file, or a ``TextSource``.
+        data: the haystack: a registered text (``war-and-peace``, ...), a file (a ``str`` or path-like), or a
+            ``TextSource``; token ids are refused (the trials are built from text: sentence ends, the key's digits).
         depths: needle depths in [0, 1] of the haystack.
         trials: trials per (context, depth), each with its own key and haystack offset.
         task: the needle and question (default :class:`kvbits.evaluate.needle.NeedleTask`).
@@ -281,7 +300,7 @@ def needle_eval(
     check_model_arg(model, "needle_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.data import load_text, token_fingerprint, tokenize
+    from kvbits.evaluate.data import token_fingerprint, tokenize
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -310,9 +329,7 @@ def needle_eval(
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
 
-    text = (
-        load_text(data, data_path) if isinstance(data, str) else data
-    )  # a wrong text fails before the model loads
+    text = _haystack(data, data_path)  # a wrong text fails before the model loads
     model_spec = model
     model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
     if tokenizer is None:
@@ -374,7 +391,7 @@ def needle_eval(
         "version": NEEDLE_VERSION,
         "task": task.to_dict(),
         "model": _model_arg(model_spec, model_name),
-        "data": _data_arg(data, text.name),
+        "data": _data_arg(os.fspath(data) if isinstance(data, os.PathLike) else data, text.name),
         "semantics": semantics,
         "dtype": _run_dtype(model, dtype_name),
         "contexts": contexts,

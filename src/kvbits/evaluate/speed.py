@@ -50,6 +50,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import math
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -386,6 +387,16 @@ def _check_static(static: Any, graphs: Any, reserve: bool, workspace: bool, warm
                          f"be at least {GRAPH_EAGER + 1}, got {warmup}")  # fmt: skip
 
 
+def _prompt_source(data: Any, data_path: str | None) -> Any:
+    """``data`` as ``_prompts`` takes it: token ids and a ``TextSource`` as they are, a text spec (a registered text
+    or a file) loaded once here (``ValueError`` / ``TypeError`` for a wrong one, before the model loads)."""
+    from kvbits.evaluate.data import TextSource, load_text
+
+    if isinstance(data, (torch.Tensor, TextSource)):
+        return data
+    return load_text(data, data_path)
+
+
 def _prompts(
     data: Any, tokenizer: Any, context: int, batch: int, data_path: str | None, model: Any = None
 ) -> tuple[torch.Tensor, int, str, str]:
@@ -432,7 +443,7 @@ def speed_eval(
         schemes: kvbits schemes (names, dicts, JSON paths, objects) or peers (``hf-quanto-int4``).
         batches: sequences decoded at once, one or several.
         tokens: timed decode steps per run; ``warmup``: untimed steps before them.
-        data: the prompts: a registered text, a file, a ``TextSource``, or token ids (a tensor ``(N,)`` or
+        data: the prompts: a registered text, a file (a ``str`` or path-like), a ``TextSource``, or token ids (a tensor ``(N,)`` or
             ``(W, context)``, for models without a tokenizer).
         calibration: ``kvbits calibrate`` artifacts or folders for calibrated schemes, as ``evaluate``.
         fused_decode: ``"auto"`` (the fused kernel on CUDA with Triton), ``True``, ``False``.
@@ -501,6 +512,8 @@ def speed_eval(
     check_sdpa_mode(sdpa)  # before the model loads
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)
+    data_spec = os.fspath(data) if isinstance(data, os.PathLike) else data
+    prompts = _prompt_source(data_spec, data_path)  # a wrong text fails here, before the model loads
     model_spec = model
     model, tokenizer, model_name, model_fp = _load_checked_model(model, torch_dtype, device, calibrations)
     head = _head(model)
@@ -535,7 +548,7 @@ def speed_eval(
         for context in contexts:
             for batch in batches:
                 ids, distinct, data_name, fps[(context, batch)] = _prompts(
-                    data, tokenizer, context, batch, data_path, model
+                    prompts, tokenizer, context, batch, data_path, model
                 )
                 ids = ids.to(dev)
                 t0 = time.perf_counter()
@@ -582,7 +595,7 @@ def speed_eval(
     return {
         "version": SPEED_VERSION,
         "model": _model_arg(model_spec, model_name),
-        "data": "tokens" if isinstance(data, torch.Tensor) else _data_arg(data, data_name),
+        "data": "tokens" if isinstance(data, torch.Tensor) else _data_arg(data_spec, data_name),
         "device": {"type": dev.type, "name": _device_name(dev), "threads": torch.get_num_threads()},
         "layers": n_layers,
         "dtype": _run_dtype(model, dtype_name),
