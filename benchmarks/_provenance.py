@@ -44,5 +44,19 @@ def write_results(
         "args": vars(args),
         "models": models,
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(path, out)
+
+
+def write_json(path: str | Path, obj: object) -> None:
+    """``obj`` as indented JSON at ``path`` (folders created), atomically: written to a temporary file beside it,
+    then renamed over it. The device run's scripts rewrite their JSON after every step and are killed by
+    ``timeout`` when they overrun; a kill during a plain ``write_text`` left the file truncated (the figures of
+    every earlier step lost with it), a kill now leaves the previous complete version."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:  # an exception mid-write leaves no stray file in $OUT (a device call returns at most 8 files)
+        tmp.unlink(missing_ok=True)

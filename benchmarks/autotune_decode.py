@@ -18,7 +18,6 @@ false until the end); cases not started by ``--budget-s`` are listed under ``ski
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
 
     def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        _provenance.write_json(args.out, result)  # atomic: a run cut by its timeout keeps the last complete file
 
     if device.type == "cuda" and args.prewarm_s > 0:
         import prewarm

@@ -75,7 +75,6 @@ after every step and sweep combo (``"complete": false`` until the end), so a kil
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -278,12 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
         "e2e": [],
         "seconds": None,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(**fields) -> None:
         result.update(fields, seconds=round(time.time() - t0, 1))
-        args.out.write_text(json.dumps(result, indent=1))
+        _provenance.write_json(args.out, result)  # atomic: a run killed during a save keeps the previous one
 
+    save()  # the environment first: a step before the first figures (prewarm, copy bandwidth) may fail or hang
     failures: list[dict] = []  # steps that raised: recorded, and the run goes on to the next step (guarded)
 
     if kernel == "triton" and device.type == "cuda" and args.prewarm_s > 0:

@@ -60,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _provenance import commit
+from _provenance import commit, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCE = ROOT / "src" / "kvbits" / "kernels" / "triton_decode.py"
@@ -424,9 +424,8 @@ def main() -> None:
             g: {s: sum(1 for r in rows if r["group"] == g and r["status"] == s) for s in ("ok", "fail", "error", "skipped")}
             for g in ("f16", "meta32")
         }  # fmt: skip
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(report, indent=1) + "\n")
+        if a.out:  # atomic: the map is cut by its timeout (device_run.sh) and must keep its last complete rows
+            write_json(a.out, report)
 
     with launching(td, configs) as spy:
         for group, v in plan:

@@ -20,7 +20,6 @@ with a float64 merge. Rows go to ``--out`` (``complete``: false until the end).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -157,8 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
 
     def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        _provenance.write_json(args.out, result)  # atomic: a run cut by its timeout keeps the last complete file
 
     for shape_name, batch, context in cases:
         row = run_case(shape_name, batch, context, programs, two_pass, cfg)

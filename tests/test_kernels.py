@@ -1922,6 +1922,42 @@ def test_gpu_benchmark_budget_skips_and_still_writes(tmp_path):
     assert {r["context"] for r in data["records"]} == {256}  # the first combo only
 
 
+def test_gpu_benchmark_json_survives_a_kill_during_a_save_and_a_failure_before_the_first_step(tmp_path, monkeypatch):
+    """device_run.sh kills gpu_decode.py with ``timeout`` when it overruns, and the JSON is rewritten after every
+    step: a kill during a write left the file truncated (every figure lost; 5123 bytes of invalid JSON here). The
+    write is atomic now. And the file holds the run's environment before its first step (prewarm, copy
+    bandwidth): a failure there left no file at all."""
+    import json
+    from pathlib import Path
+
+    bench = _load_bench()
+    out = tmp_path / "gpu_decode.json"
+    args = ["--smoke", "--device", "cpu", "--kernel", "reference", "--check", "no", "--e2e", "no", "--out", str(out)]
+    with monkeypatch.context() as m:
+        m.setattr(bench, "copy_bandwidth", lambda cfg: (_ for _ in ()).throw(RuntimeError("no copy")))
+        with pytest.raises(RuntimeError, match="no copy"):
+            bench.main(args)
+    data = json.loads(out.read_text())
+    assert not data["complete"] and data["env"]["device"] and data["records"] == []
+
+    real, writes = Path.write_text, []
+
+    def killed_on_the_third(self, text, *a, **k):  # half the text written, then the process "dies"
+        writes.append(self.name)
+        if len(writes) == 3:
+            real(self, text[: len(text) // 2], *a, **k)
+            raise KeyboardInterrupt("killed during a save")
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", killed_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    monkeypatch.undo()
+    data = json.loads(out.read_text())  # the last complete save: the copy bandwidth measured, no record yet
+    assert not data["complete"] and data["copy_gbps"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu_decode.json"]  # no temporary file left beside it
+
+
 def test_gpu_benchmark_times_the_issues_cells_before_the_other_kernel_paths(monkeypatch):
     """The sweep times, per cell, fp16 SDPA and the fused kernel's default launch at every scheme (issue 5's table)
     before any other kernel path: a time budget that runs out cuts the extra paths (gathered unpacking, float16
