@@ -856,6 +856,31 @@ def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
     assert seen == [False, True]
 
 
+def test_cli_progress_says_forward_only_where_the_fisher_pass_is_skipped(tmp_path, monkeypatch, capsys):
+    """``kvbits calibrate --scheme fp8-e4m3`` (Fisher on by default) labelled its bar "forward+backward
+    windows" while calibrate() skipped the backward pass: only NUQ codebooks use the gradients."""
+    from rich.progress import Progress
+
+    from kvbits.cli import main
+
+    labels = []
+    real = Progress.add_task
+
+    def spy(self, description, *a, **kw):
+        labels.append(description)
+        return real(self, description, *a, **kw)
+
+    monkeypatch.setattr(Progress, "add_task", spy)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    _tiny_model_folder(tmp_path / "model")
+    text = write_word_text(tmp_path / "book.txt", 2000)
+    for scheme, want in (("fp8-e4m3", "forward windows"), ("kvquant-2", "forward+backward windows")):
+        argv = ["calibrate", "--model", str(tmp_path / "model"), "--data", str(text), "--scheme", scheme,
+                "--context", "64", "--windows", "1", "--out", str(tmp_path / scheme), "--device", "cpu"]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr()
+        assert want in labels and labels.count("forward+backward windows") == (scheme == "kvquant-2")
+
+
 def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):
     """``fp8_scale="mse"`` searches amax/448 * 2**(j/32): it never goes below the amax scale (nothing in
     the samples saturates), its error on the samples is the least of the 32, and for post-RoPE keys the

@@ -609,6 +609,13 @@ def _fp8_absmax(samples: CalibrationSamples, layer_schemes: list[KVScheme], side
     return None if all(a is None for a in out) else out
 
 
+def fisher_weights(scheme: KVScheme) -> bool:
+    """Whether Fisher gradients weight anything ``scheme`` calibrates: the NUQ codebooks' k-means only, so
+    ``calibrate(fisher=True)`` runs the backward pass for those schemes alone (FP8, static int: forward)."""
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    return any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value))
+
+
 def calibrate(
     model: Any,
     data: Any,
@@ -677,7 +684,7 @@ def calibrate(
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
     subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
-    if fisher and not any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value)):
+    if fisher and not fisher_weights(scheme):
         # the gradients weight the NUQ codebooks' k-means and nothing else: no backward pass for naught
         logger.info("scheme %s has no NUQ codebook to weight: Fisher pass skipped (forward only)", scheme.name)
         fisher = False
