@@ -836,6 +836,16 @@ def test_fp8_per_head_scales_cover_each_heads_stored_range(fp8_calibrated, tmp_p
         QuantizedKVCache(model.config, "fp8-e4m3-head", calibration=tensor_art)
 
 
+def test_max_tokens_bounds_the_samples_exactly():
+    """Each window sampled max(1, ceil(max_tokens / windows)) tokens: max_tokens=10 over 3 windows took 12,
+    max_tokens=2 over 4 windows took 4. The split is exact now, the remainder to the first windows."""
+    model = tiny_llama()
+    for windows, max_tokens in ((3, 10), (4, 2), (2, 8)):
+        s = collect_samples(model, token_ids(600), context=64, windows=windows, max_tokens=max_tokens, fisher=False)
+        assert s.keys[0].shape[1] == s.positions.numel() == max_tokens
+        assert all(k.shape[1] == max_tokens for k in s.keys + s.values)
+
+
 def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
     """The gradients weight NUQ k-means only: an FP8 (or static int) scheme runs forward passes alone."""
     import importlib

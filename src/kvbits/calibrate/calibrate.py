@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -360,7 +359,9 @@ def collect_samples(
     if _rotatable(model_record["head_dim"]):
         names += [f"{n}@{r}" for r in ROTATIONS for n in list(names)]
     absmax = {name: torch.zeros(len(sites), model_record["num_kv_heads"], min(T, ABSMAX_POSITIONS + 1)) for name in names}
-    per_window = max(1, math.ceil(max_tokens / W))
+    # max_tokens split over the windows, the remainder one each to the first (a window may get none):
+    # max(1, ceil(max_tokens / W)) each sampled up to W - 1 tokens more than max_tokens
+    per_window = [max_tokens // W + (w < max_tokens % W) for w in range(W)]
     gen = torch.Generator().manual_seed(seed)
     samples: dict[str, list[list[torch.Tensor]]] = {
         k: [[] for _ in sites] for k in ("k", "kp", "v", "gk", "gv")
@@ -380,7 +381,7 @@ def collect_samples(
                         losses.append(window_loss(module, ids[w : w + 1], backward=True))
                 else:
                     losses.append(window_loss(module, ids[w : w + 1], backward=False))
-                pos = sample_positions(T, sinks, per_window, gen)
+                pos = sample_positions(T, sinks, per_window[w], gen)
                 positions.append(pos)
                 for i in range(len(sites)):
                     k, v = cap.activations(i)
