@@ -846,6 +846,33 @@ def test_max_tokens_bounds_the_samples_exactly():
         assert all(k.shape[1] == max_tokens for k in s.keys + s.values)
 
 
+@pytest.mark.parametrize("fisher", [False, True])
+def test_non_finite_kv_past_the_probed_tokens_is_refused_at_its_window(fisher):
+    """An inf embedding row of a token at position 40 of window 2 (past the 16 tokens verify_taps probes): every
+    pass ran, then the fit said "keys[0] (layer 0) contains non-finite values (32 NaN, 0 inf)", without the
+    window or a cause. Now the window that produced it is named, before the next pass runs."""
+    from kvbits.analyze.stats import NonFiniteKV
+
+    model = tiny_llama()
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab - 1, (3, 64), generator=torch.Generator().manual_seed(1))
+    ids[1, 40] = vocab - 1
+    with torch.no_grad():
+        model.model.embed_tokens.weight[vocab - 1] = float("inf")
+    seen = []
+    with pytest.raises(NonFiniteKV, match=r"^calibration window 2 of 3, layer 0: \d+ NaN and 0 inf in its keys, the "
+                       r"first at position 40; .*float32: weights or embeddings holding NaN / inf"):  # fmt: skip
+        calibrate(model, ids, "kvquant-4", context=64, windows=3, fisher=fisher, progress=lambda *a: seen.append(a))
+    assert seen == [("windows", 1, 3)]  # refused at window 2, window 3 never ran
+    from kvbits.calibrate.calibrate import _check_finite
+
+    bad = torch.ones(2, 4, 8, dtype=torch.float16)
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(NonFiniteKV, match=r"window 1 of 1, layer 5: 0 NaN and 1 inf in its key gradients, the first "
+                       r"at sampled token 2; .*float16: a float16 overflow\? try --dtype float32 or bfloat16"):  # fmt: skip
+        _check_finite([(5, "key gradients", bad)], 0, 1, torch.float16)
+
+
 def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
     """The gradients weight NUQ k-means only: an FP8 (or static int) scheme runs forward passes alone."""
     import importlib

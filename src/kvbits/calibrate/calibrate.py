@@ -208,6 +208,30 @@ def _windows(
 
 
 @torch.no_grad()
+def _check_finite(tensors: list[tuple[int, str, torch.Tensor]], w: int, windows: int, dtype: torch.dtype) -> None:
+    """``NonFiniteKV`` naming the window, layer and tensor when one of ``tensors`` (layer, what, a window's
+    ``(1, H, T, D)`` K/V or its sampled ``(H, N, D)`` gradients) holds NaN / inf: one host sync per window
+    (calibration only). Without it a NaN past the 16 tokens ``verify_taps`` probes surfaced only in the fit,
+    after every pass, as ``keys[i] (layer i) contains non-finite values``, without the window or a cause."""
+    if not tensors or bool(torch.stack([torch.isfinite(t).all().to("cpu") for _, _, t in tensors]).all()):
+        return
+    from kvbits.analyze.stats import NonFiniteKV
+
+    for i, what, t in tensors:
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            n_nan, first = int(torch.isnan(t).sum()), int(bad.nonzero()[0, -2])
+            cause = (
+                "a float16 overflow? try --dtype float32 or bfloat16" if dtype == torch.float16
+                else "weights or embeddings holding NaN / inf?"
+            )  # fmt: skip
+            raise NonFiniteKV(
+                f"calibration window {w + 1} of {windows}, layer {i}: {n_nan} NaN and {int(bad.sum()) - n_nan} "
+                f"inf in its {what}, the first at {'position' if t.dim() == 4 else 'sampled token'} {first}; "
+                f"expected finite activations (the model runs in {str(dtype).removeprefix('torch.')}: {cause})"
+            )
+
+
 def _take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``(1, H, T, D)`` -> ``(H, len(pos), D)`` float32 on CPU."""
     return t[0][:, pos.to(t.device)].float().cpu()
@@ -383,8 +407,10 @@ def collect_samples(
                     losses.append(window_loss(module, ids[w : w + 1], backward=False))
                 pos = sample_positions(T, sinks, per_window[w], gen)
                 positions.append(pos)
+                finite: list[tuple[int, str, torch.Tensor]] = []  # what the fit and the ranges read, this window
                 for i in range(len(sites)):
                     k, v = cap.activations(i)
+                    finite += [(i, "keys", k), (i, "values", v)]
                     post = _update_absmax(absmax, i, k, v, None if tables is None else tables[i], cos_sin)
                     samples["k"][i].append(_take(k, pos))
                     if post is not None:
@@ -394,6 +420,8 @@ def collect_samples(
                         gk, gv = cap.gradients(i)
                         samples["gk"][i].append(_take(gk, pos))
                         samples["gv"][i].append(_take(gv, pos))
+                        finite += [(i, "key gradients", samples["gk"][i][-1]), (i, "value gradients", samples["gv"][i][-1])]
+                _check_finite(finite, w, W, param.dtype)
                 cap.reset()
                 if progress is not None:
                     progress("windows", w + 1, W)
