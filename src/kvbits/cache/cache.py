@@ -47,7 +47,7 @@ from kvbits.schemes.spec import KVScheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizedKVCache", "attention_shape", "rotary_for"]
+__all__ = ["QuantizedKVCache", "attention_shape", "layer_windows", "rotary_for"]
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # families whose attention changes the keys after RoPE, before caching them (HunYuan: key_layernorm on the rotated
@@ -127,6 +127,16 @@ def _layer_types(text: Any, n_layers: int) -> tuple[list[str], list[dict]]:
     if isinstance(kwargs, dict):
         kwargs = [dict(kwargs) for _ in types]
     return types, list(kwargs)
+
+
+def layer_windows(config: Any) -> dict[int, int | None]:
+    """Each cached layer's sliding window ``W`` as ``QuantizedKVCache`` builds it from ``config`` (``_make_layer``),
+    None for full attention (and for a layer type without an integer window, which the cache refuses)."""
+    types, kwargs = _layer_types(text_config(config), attention_shape(config)[0])
+    return {
+        i: w if t in _SLIDING_TYPES and isinstance(w := kw.get("sliding_window"), int) else None
+        for i, (t, kw) in enumerate(zip(types, kwargs))
+    }
 
 
 def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -209,6 +208,30 @@ def _windows(
 
 
 @torch.no_grad()
+def _check_finite(tensors: list[tuple[int, str, torch.Tensor]], w: int, windows: int, dtype: torch.dtype) -> None:
+    """``NonFiniteKV`` naming the window, layer and tensor when one of ``tensors`` (layer, what, a window's
+    ``(1, H, T, D)`` K/V or its sampled ``(H, N, D)`` gradients) holds NaN / inf: one host sync per window
+    (calibration only). Without it a NaN past the 16 tokens ``verify_taps`` probes surfaced only in the fit,
+    after every pass, as ``keys[i] (layer i) contains non-finite values``, without the window or a cause."""
+    if not tensors or bool(torch.stack([torch.isfinite(t).all().to("cpu") for _, _, t in tensors]).all()):
+        return
+    from kvbits.analyze.stats import NonFiniteKV
+
+    for i, what, t in tensors:
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            n_nan, first = int(torch.isnan(t).sum()), int(bad.nonzero()[0, -2])
+            cause = (
+                "a float16 overflow? try --dtype float32 or bfloat16" if dtype == torch.float16
+                else "weights or embeddings holding NaN / inf?"
+            )  # fmt: skip
+            raise NonFiniteKV(
+                f"calibration window {w + 1} of {windows}, layer {i}: {n_nan} NaN and {int(bad.sum()) - n_nan} "
+                f"inf in its {what}, the first at {'position' if t.dim() == 4 else 'sampled token'} {first}; "
+                f"expected finite activations (the model runs in {str(dtype).removeprefix('torch.')}: {cause})"
+            )
+
+
 def _take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``(1, H, T, D)`` -> ``(H, len(pos), D)`` float32 on CPU."""
     return t[0][:, pos.to(t.device)].float().cpu()
@@ -360,7 +383,9 @@ def collect_samples(
     if _rotatable(model_record["head_dim"]):
         names += [f"{n}@{r}" for r in ROTATIONS for n in list(names)]
     absmax = {name: torch.zeros(len(sites), model_record["num_kv_heads"], min(T, ABSMAX_POSITIONS + 1)) for name in names}
-    per_window = max(1, math.ceil(max_tokens / W))
+    # max_tokens split over the windows, the remainder one each to the first (a window may get none):
+    # max(1, ceil(max_tokens / W)) each sampled up to W - 1 tokens more than max_tokens
+    per_window = [max_tokens // W + (w < max_tokens % W) for w in range(W)]
     gen = torch.Generator().manual_seed(seed)
     samples: dict[str, list[list[torch.Tensor]]] = {
         k: [[] for _ in sites] for k in ("k", "kp", "v", "gk", "gv")
@@ -380,10 +405,12 @@ def collect_samples(
                         losses.append(window_loss(module, ids[w : w + 1], backward=True))
                 else:
                     losses.append(window_loss(module, ids[w : w + 1], backward=False))
-                pos = sample_positions(T, sinks, per_window, gen)
+                pos = sample_positions(T, sinks, per_window[w], gen)
                 positions.append(pos)
+                finite: list[tuple[int, str, torch.Tensor]] = []  # what the fit and the ranges read, this window
                 for i in range(len(sites)):
                     k, v = cap.activations(i)
+                    finite += [(i, "keys", k), (i, "values", v)]
                     post = _update_absmax(absmax, i, k, v, None if tables is None else tables[i], cos_sin)
                     samples["k"][i].append(_take(k, pos))
                     if post is not None:
@@ -393,6 +420,8 @@ def collect_samples(
                         gk, gv = cap.gradients(i)
                         samples["gk"][i].append(_take(gk, pos))
                         samples["gv"][i].append(_take(gv, pos))
+                        finite += [(i, "key gradients", samples["gk"][i][-1]), (i, "value gradients", samples["gv"][i][-1])]
+                _check_finite(finite, w, W, param.dtype)
                 cap.reset()
                 if progress is not None:
                     progress("windows", w + 1, W)
@@ -609,6 +638,13 @@ def _fp8_absmax(samples: CalibrationSamples, layer_schemes: list[KVScheme], side
     return None if all(a is None for a in out) else out
 
 
+def fisher_weights(scheme: KVScheme) -> bool:
+    """Whether Fisher gradients weight anything ``scheme`` calibrates: the NUQ codebooks' k-means only, so
+    ``calibrate(fisher=True)`` runs the backward pass for those schemes alone (FP8, static int: forward)."""
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    return any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value))
+
+
 def calibrate(
     model: Any,
     data: Any,
@@ -677,7 +713,7 @@ def calibrate(
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
     subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
-    if fisher and not any(spec.kind == "nuq" for sub in subs for spec in (sub.key, sub.value)):
+    if fisher and not fisher_weights(scheme):
         # the gradients weight the NUQ codebooks' k-means and nothing else: no backward pass for naught
         logger.info("scheme %s has no NUQ codebook to weight: Fisher pass skipped (forward only)", scheme.name)
         fisher = False

@@ -143,7 +143,7 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvbits.calibrate.calibrate import calibrate, check_calibrate_args
+    from kvbits.calibrate.calibrate import calibrate, check_calibrate_args, fisher_weights
     from kvbits.calibrate.fit import check_options_apply, check_tie_rope_pairs
     from kvbits.evaluate.data import load_text
     from kvbits.evaluate.models import load_model
@@ -166,10 +166,11 @@ def run(args: argparse.Namespace) -> int:
         console=_stderr_console(),
     )
     tasks: dict[str, Any] = {}
+    backward = not args.no_fisher and fisher_weights(scheme)  # calibrate skips it where nothing uses it
 
     def report(stage: str, done: int, total: int) -> None:
         label = {
-            "windows": "forward+backward windows" if not args.no_fisher else "forward windows",
+            "windows": "forward+backward windows" if backward else "forward windows",
             "fit": "fitting layers",
         }.get(stage, stage)
         if stage not in tasks:

@@ -140,17 +140,21 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     """``ValueError`` (``check_scheme_layer_head_dims``'s, naming the scheme, the side and, where the model's
     layers differ, the layers) for a kvbits scheme of ``schemes`` that can not store some layer's head dim: each
     layer's as the cache reads it (``layer_heads``; Gemma 4's global layers are wider than layer 0), layers
-    without K/V left out. Checked once the model's config is read, before any forward pass, so that a run does
-    not fail at that scheme after the others' work (peers store their own way)."""
+    without K/V left out, and sliding layers whose window the scheme keeps in full precision (``layer_windows``,
+    ``sliding_falls_back``: the cache quantizes nothing there). Checked once the model's config is read, before
+    any forward pass, so that a run does not fail at that scheme after the others' work (peers store their own
+    way)."""
     from kvbits.cache import attention_shape
+    from kvbits.cache.cache import layer_windows
     from kvbits.plan.config import layer_heads
     from kvbits.schemes.accounting import check_scheme_layer_head_dims
 
     n_layers = attention_shape(config)[0]
     head_dims = {i: d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
+    windows = layer_windows(config)
     for s in schemes:
         if not isinstance(s, PeerScheme):
-            check_scheme_layer_head_dims(s, head_dims)
+            check_scheme_layer_head_dims(s, head_dims, windows)
 
 
 def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerScheme:

