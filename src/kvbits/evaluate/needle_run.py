@@ -375,7 +375,7 @@ def needle_eval(
     wall = time.perf_counter() - t_wall
 
     results = []
-    shape = plan_shape_of(model.config)
+    shape = plan_shape_of(model.config, model)
     for scheme in resolved:
         bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers)
         res = scheme_result(scheme.name, bits, records, contexts, depths)

@@ -591,7 +591,7 @@ def speed_eval(
     mismatch = {s.name: _mismatch({}, calibrations.get(s.name), longest, "stream") for s in resolved}
     for name, m in mismatch.items():
         _warn_mismatch(name, m, longest)
-    shape = plan_shape_of(model.config)
+    shape = plan_shape_of(model.config, model)
     return {
         "version": SPEED_VERSION,
         "model": _model_arg(model_spec, model_name),
