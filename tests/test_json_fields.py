@@ -13,11 +13,13 @@ from kvbits._json import (
     KINDS,
     check,
     describe,
+    dumps,
     entries,
     field,
     is_kind,
     is_number,
     json_object,
+    loads,
     mapping,
     objects,
     path,
@@ -132,3 +134,21 @@ def test_json_object_names_the_file():
             f"run/summary.json holds {said}; expected a kvbits eval summary (a JSON object)"
         )):  # fmt: skip
             json_object(doc, "run/summary.json", "a kvbits eval summary")
+
+
+def test_dumps_is_strict_json_and_loads_reads_non_finite_numbers_back():
+    """dumps writes NaN / +inf / -inf (at any depth, numpy floats too) as "NaN" / "+Inf" / "-Inf", never the bare
+    tokens strict parsers reject; loads gives the floats back, and still reads files with the bare tokens."""
+    import json
+
+    import numpy as np
+
+    obj = {"a": math.nan, "b": [math.inf, (-math.inf, 1.5)], "c": {"d": np.float64("inf"), "e": "x", "f": 2}}
+    text = dumps(obj, indent=1)
+    assert "Infinity" not in text and "NaN" in text
+    strict = json.loads(text, parse_constant=lambda t: pytest.fail(f"bare {t}"))
+    assert strict == {"a": "NaN", "b": ["+Inf", ["-Inf", 1.5]], "c": {"d": "+Inf", "e": "x", "f": 2}}
+    for back in (loads(text), loads(json.dumps(obj))):
+        assert math.isnan(back["a"]) and back["b"] == [math.inf, [-math.inf, 1.5]]
+        assert back["c"] == {"d": math.inf, "e": "x", "f": 2}
+    assert loads('{"NaN": "nan", "+Inf": ["Inf"]}') == {"NaN": "nan", "+Inf": ["Inf"]}  # keys, other spellings

@@ -125,6 +125,45 @@ def test_infinite_delta_is_a_failure(tmp_path, capsys):
     assert "| int4-token | 33.600 | inf |" in md  # the PPL table says inf, not n/a
 
 
+
+def _strict(text: str) -> Any:
+    """``text`` parsed as strict JSON (RFC 8259): bare NaN / Infinity, which jq and JSON.parse reject, fail."""
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"not strict JSON: bare {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_eval_writes_non_finite_numbers_as_strict_json_the_report_reads_back(tmp_path, capsys):
+    """summary.json and records.jsonl as kvbits eval writes them (``_write_outputs``): an infinite PPL and a NaN
+    bucket are the strings "+Inf" / "NaN" (kvbits._json.dumps), not Python's bare tokens, and kvbits report
+    reads them back as those numbers: the same report as from a file with bare tokens (written before)."""
+    from kvbits.evaluate.metrics import BucketRecord
+    from kvbits.evaluate.outputs import _write_outputs
+
+    s = _summary()
+    s["results"][1]["buckets"][1].update(ppl=math.inf, delta_rel=math.inf)
+    s["results"][2]["buckets"][1].update(ppl=math.nan, delta_rel=math.nan)
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    record = BucketRecord("kivi-2", 0, 0, 1024, 1024, nll_sum=math.inf, nll_ref_sum=1.0, kl_sum=math.nan, top1_sum=1.0)
+    _write_outputs(strict, "hash", s, [record], {}, {})
+    written = _strict((strict / "summary.json").read_text())
+    assert written["results"][1]["buckets"][1]["ppl"] == "+Inf" and written["results"][2]["buckets"][1]["ppl"] == "NaN"
+    line = _strict((strict / "records.jsonl").read_text())
+    assert line["nll_sum"] == "+Inf" and line["kl_sum"] == "NaN"
+    bare = _write(tmp_path / "bare", s)
+    for d in (strict, bare):
+        status, _, err = _cli(capsys, str(d), "--threshold", "20", "--no-plots")
+        assert status == 0 and "Traceback" not in err
+    md = (strict / "report.md").read_text()
+    assert md == (bare / "report.md").read_text().replace(str(bare), str(strict))
+    assert "| int4-token | 33.600 | inf |" in md and "| kivi-2 | 3.00 | +16.00% [+15.00, +17.00] | n/a" in md
+    run = RunSummary.load(strict)
+    assert run.results[1].buckets[1].ppl == math.inf and math.isnan(run.results[2].buckets[1].ppl)
+
+
 def test_infinite_ppl_without_delta_fails_and_minus_inf_is_not_judged():
     s = _summary(fp16=(16.0, [0.0, 0.0]), a=(4.0, [0.005, 0.005]), b=(3.0, [0.005, 0.005]))
     s["results"][1]["buckets"][1].update(ppl=math.inf, delta_rel=None)
@@ -431,3 +470,30 @@ def test_merging_a_corrupted_speed_run_names_it(tmp_path, capsys, corrupt, field
     status, _, err = _cli(capsys, str(b))  # written again alone: the same one-line error, nothing rewritten
     assert status == 2 and err == f"kvbits report: error: {b / 'speed.json'}: {field}\n"
     assert (b / "report.md").read_text() == before
+
+
+def test_a_zero_time_step_is_strict_json_and_reads_back_as_infinite_tokens_per_s(tmp_path, capsys):
+    """step_stats gives a zero median step infinite tokens/s; speed.json (write_speed) and --json
+    (emit_summary) write it as "+Inf", not the bare Infinity that jq and JSON.parse reject, and load_speed and
+    kvbits report read it back as inf."""
+    import argparse
+
+    from kvbits._argtypes import emit_summary
+    from kvbits.evaluate.speed import step_stats
+    from kvbits.report.speed import load_speed, speed_markdown, write_speed
+
+    whole = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/speed-qwen/speed.json").read_text())
+    zero = step_stats([0.0, 0.0, 0.0], batch=1)
+    assert zero["tokens_per_s"] == math.inf
+    whole["runs"][1].update(zero, speedup=math.inf)
+    out = write_speed(whole, tmp_path / "run")
+    written = _strict((out / "speed.json").read_text())
+    assert written["runs"][1]["tokens_per_s"] == "+Inf" and written["runs"][1]["speedup"] == "+Inf"
+    back = load_speed(out / "speed.json")
+    assert back["runs"][1]["tokens_per_s"] == math.inf and back["runs"] == whole["runs"]
+    assert speed_markdown(back) == speed_markdown(whole)
+    status, _, err = _cli(capsys, str(out))
+    assert status == 0 and "Traceback" not in err
+    args = argparse.Namespace(out=None, json=True, overwrite=False)
+    assert emit_summary(whole, args, write_speed, lambda *_: None) == 0
+    assert _strict(capsys.readouterr().out)["runs"][1]["tokens_per_s"] == "+Inf"

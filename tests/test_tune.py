@@ -432,3 +432,42 @@ def test_cli_tune_writes_the_mixs_calibration_for_eval(calibrated, tmp_path, cap
     assert [x and x["from"] for x in art.meta["composed"]["layers"]] == record["choice"]
     kl = evaluate(model, ids, 128, [str(out)], windows=2, attn_layers=[], calibration=str(folder))["results"][0]["kl"]
     assert kl == pytest.approx(record["measured_kl"], rel=1e-6)
+
+
+def _strict(text: str) -> object:
+    """``text`` parsed as strict JSON (RFC 8259): bare NaN / Infinity, which jq and JSON.parse reject, fail."""
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"not strict JSON: bare {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_cli_tune_writes_a_non_finite_kl_as_strict_json(tmp_path, capsys, monkeypatch):
+    """A NaN measured KL (a mix whose check pass gave non-finite outputs) is written, in <out>.tune.json and by
+    --json, as the string "NaN" (kvbits._json.dumps), not Python's bare NaN token; kvbits._json.loads reads it
+    back as NaN."""
+    import math
+
+    from kvbits import tune as tune_pkg
+    from kvbits._json import loads
+
+    model = _llama()
+    real = tune_pkg.tune
+
+    def nan_kl(_model, _data, *a, **kw):
+        res = real(model, _ids(200), *a, **kw)
+        res.measured_kl = math.nan
+        res.uniform = {"int8-token": {"kl": math.inf, "avg_bits": 8.0}}
+        return res
+
+    monkeypatch.setattr(tune_pkg, "tune", nan_kl)
+    out = tmp_path / "mix.json"
+    argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "64", "--candidates", "int8-token",
+            "--candidates", "int2-token", "--budget-bits", "6", "--no-check", "--out", str(out), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    for text in (capsys.readouterr().out, (tmp_path / "mix.json.tune.json").read_text()):
+        record = _strict(text)
+        assert record["measured_kl"] == "NaN" and record["uniform"]["int8-token"]["kl"] == "+Inf"
+        back = loads(text)
+        assert math.isnan(back["measured_kl"]) and back["uniform"]["int8-token"]["kl"] == math.inf

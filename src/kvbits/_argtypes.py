@@ -20,13 +20,14 @@ folder and print a table, and ``emit_summary`` ends them.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from kvbits._json import dumps
 
 __all__ = [
     "FUSED_DECODE",
@@ -200,7 +201,7 @@ def emit_summary(
     if args.out:
         write(summary, args.out, overwrite=args.overwrite)
     if args.json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        sys.stdout.write(dumps(summary, indent=2) + "\n")
         return 0
     show(summary, args.out)
     return 0

@@ -6,6 +6,12 @@
 never a ``KeyError`` or ``TypeError`` from deep inside a report. Standard library only: the export
 (:mod:`kvbits.export`) uses it without importing the report package.
 
+Every JSON kvbits writes goes through :func:`dumps` and is strict JSON (RFC 8259): a non-finite float (an
+infinite PPL, a NaN KL, the tokens/s of a zero-time step) is written as the string ``"NaN"``, ``"+Inf"`` or
+``"-Inf"`` (Prometheus' spelling, as ``kvbits monitor`` writes it), never as Python's bare ``NaN`` /
+``Infinity`` tokens, which jq, Go's ``encoding/json`` and ``JSON.parse`` reject. :func:`loads` reads those
+strings back as the floats they stand for (and still reads the bare tokens of files written before).
+
 A field path (``at``) is the dotted, indexed path of a value in its file; the callers prefix the file's
 name (``summary.json: results[2]...``). Each check is of a *kind* (:data:`KINDS`): what a value may be,
 and what the error says was expected.
@@ -13,14 +19,57 @@ and what the error says was expected.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 __all__ = [
-    "KINDS", "Kind", "check", "describe", "entries", "field", "is_kind", "is_number", "json_object", "mapping",
-    "objects", "path", "whole",
+    "KINDS", "NON_FINITE", "Kind", "check", "describe", "dumps", "entries", "field", "is_kind", "is_number",
+    "json_object", "loads", "mapping", "objects", "path", "whole",
 ]  # fmt: skip
+
+NON_FINITE: Final[Mapping[str, float]] = {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}
+"""How :func:`dumps` spells a non-finite float, and the float :func:`loads` reads back for each spelling."""
+
+
+def _spelled(v: float) -> str:
+    return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
+
+
+def _to_strict(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else _spelled(obj)
+    if isinstance(obj, Mapping):
+        return {k: _to_strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_strict(v) for v in obj]
+    return obj
+
+
+def _from_strict(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return NON_FINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: _from_strict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_strict(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, indent: int | None = None, **kwargs: Any) -> str:
+    """``obj`` as strict JSON (``json.dumps(..., allow_nan=False)``): a non-finite float, at any depth, becomes
+    the string of :data:`NON_FINITE` (``"NaN"``, ``"+Inf"``, ``"-Inf"``). ``kwargs``: ``json.dumps``'s others
+    (``sort_keys``, ``default``, ...)."""
+    return json.dumps(_to_strict(obj), indent=indent, allow_nan=False, **kwargs)
+
+
+def loads(text: str | bytes) -> Any:
+    """A JSON text that :func:`dumps` wrote: ``json.loads``, then each string value that is a key of
+    :data:`NON_FINITE` (``"NaN"``, ``"+Inf"``, ``"-Inf"``, exactly) as its float, so that a NaN or inf written
+    reads back as itself. Object keys are left as they are."""
+    return _from_strict(json.loads(text))
+
 
 Kind = Literal["text", "whole", "number", "mean", "bytes", "flag", "object", "list"]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbits._argtypes import bounded, check_output_path
+from kvbits._json import dumps
 
 logger = logging.getLogger("kvbits.cli")
 
@@ -83,7 +83,7 @@ def _console() -> Any:
 
 
 def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    sys.stdout.write(dumps(data, indent=2) + "\n")
 
 
 def _spec_str(spec: Any) -> str:

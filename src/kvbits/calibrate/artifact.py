@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from kvbits._files import chmod_default
+from kvbits._json import dumps, loads
 from kvbits.quant.nuq import check_codebook
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -421,7 +422,7 @@ class CalibrationArtifact:
         try:
             chmod_default(tmp)
             with os.fdopen(fd, "w") as f:
-                json.dump(meta, f, indent=1, sort_keys=True)
+                f.write(dumps(meta, indent=1, sort_keys=True))
                 f.write("\n")
             os.replace(tmp, out / META_FILE)
         finally:
@@ -560,7 +561,7 @@ def load_calibration(
             f"{meta_path} is missing: {d} is not a complete calibration (re-run kvbits calibrate)"
         )
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = loads(meta_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{meta_path} is not valid JSON (corrupt or truncated): {exc}") from None
     if not isinstance(meta, dict):

@@ -6,11 +6,11 @@ kvbits calibrate --model smollm2-135m --data pride-and-prejudice --scheme kvquan
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
+from kvbits._json import dumps
 from kvbits.calibrate.calibrate import DEVICES
 from kvbits.cli import _positive
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             **given,
         )
     if args.json:
-        sys.stdout.write(json.dumps({"path": str(art.path), **art.meta}, indent=2) + "\n")
+        sys.stdout.write(dumps({"path": str(art.path), **art.meta}, indent=2) + "\n")
     else:
         _summary(art)
     return 0

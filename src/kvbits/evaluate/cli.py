@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -18,6 +17,7 @@ from kvbits._argtypes import (
     add_window_args,
     bounded,
 )
+from kvbits._json import dumps
 
 __all__ = ["DEVICES", "add_parser", "run"]
 
@@ -234,12 +234,12 @@ def run(args: argparse.Namespace) -> int:
     if rank != 0:  # every rank returned the same summary: rank 0 prints it
         return 0
     if args.json:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        sys.stdout.write(dumps(summary, indent=2) + "\n")
         return 0
     try:
         from kvbits.report import print_summary
     except ImportError:
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        sys.stdout.write(dumps(summary, indent=2) + "\n")
         return 0
     print_summary(summary)
     if args.out is not None:  # as needle and speed say where their files went

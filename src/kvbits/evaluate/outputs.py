@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._json import dumps, loads
 from kvbits.evaluate.metrics import TOKEN_FIELDS
 from kvbits.evaluate.request import OUTPUT_VERSION
 
@@ -72,7 +73,7 @@ def _versions() -> dict[str, str]:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        return loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -224,8 +225,8 @@ def _write_outputs(out: Path, chash: str, summary: dict, records: list, tokens: 
             str(out / "tokens" / f"{name}.safetensors"),
             metadata={k: str(v) for k, v in {**meta, "scheme": name}.items()},
         )
-    _atomic_write(out / "records.jsonl", "".join(json.dumps(r.to_dict()) + "\n" for r in records))
-    _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _atomic_write(out / "records.jsonl", "".join(dumps(r.to_dict()) + "\n" for r in records))
+    _atomic_write(out / "summary.json", dumps(summary, indent=2) + "\n")
     _atomic_write(out / "DONE", chash + "\n")
 
 

@@ -46,7 +46,6 @@ first window, and a model whose forward does something else is refused rather th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -58,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._json import dumps
 from kvbits._model import attending_layers, check_model_arg
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
@@ -402,7 +402,7 @@ def evaluate(
                     ),
                 }
                 config = _run_config(chash, request, args, argv, fingerprint, W, world_size=ranks.world)
-                _atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
+                _atomic_write(out / "config.json", dumps(config, indent=2) + "\n")
 
     # one buffer per kind, (scheme, field/layer, window, position): a rank fills its windows' rows, the
     # others stay zero until Ranks.assemble combines them

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from kvbits._argtypes import bounded
+from kvbits._json import dumps
 
 __all__ = ["add_parser", "run"]
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         args.calibration, args.out, checkpoint=args.checkpoint, module_template=args.module_template
     )
     if args.json:
-        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        sys.stdout.write(dumps(record, indent=2) + "\n")
         return 0
     layers = record["layers"]
     ks = [x for r in layers for x in _flat(r["k_scale"])]
@@ -119,7 +119,7 @@ def _run_scheme(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(extra)} go with --calibration, not --scheme")
     serve = vllm_cache_args(args.scheme, args.layers)
     if args.json:
-        sys.stdout.write(json.dumps(serve.to_dict(), indent=2) + "\n")
+        sys.stdout.write(dumps(serve.to_dict(), indent=2) + "\n")
         return 0
     print(f"serve: vllm serve <model> {' '.join(serve.cli())}".rstrip())
     print(f"python: vllm.LLM(<model>, {', '.join(f'{k}={v!r}' for k, v in serve.engine_kwargs().items())})")

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from kvbits._files import chmod_default
-from kvbits._json import describe, json_object, mapping
+from kvbits._json import describe, dumps, json_object, loads, mapping
 from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
 from kvbits.plan.config import text_config
 
@@ -224,7 +224,7 @@ def _atomic_json(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
+            f.write(dumps(obj, indent=2))
             f.write("\n")
         chmod_default(tmp)  # mkstemp makes it 0600; readable as a normally created file
         os.replace(tmp, path)
@@ -419,7 +419,7 @@ def _check_out_outside(checkpoint: Path, out: Path) -> None:
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
     """``path`` parsed as a JSON object; ``ValueError`` naming ``path`` and ``what`` it should hold."""
     try:
-        obj = json.loads(path.read_text())
+        obj = loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON ({what} expected): {exc}") from None
     return dict(json_object(obj, path, what))

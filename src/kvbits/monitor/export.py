@@ -8,7 +8,6 @@ snapshots as strict JSON (RFC 8259), non-finite numbers spelled as Prometheus sp
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbits._files import chmod_default
+from kvbits._json import dumps
 
 __all__ = [
     "EVENT_FIELDS",
@@ -75,22 +75,12 @@ RESERVED_LABELS = MONITOR_LABELS + EVENT_FIELDS
 """What a ``CacheMonitor``'s constant labels (``labels=``, ``kvbits monitor --label``) may not be named."""
 
 
-def _finite_or_named(obj: object) -> object:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return _number(obj)
-    if isinstance(obj, dict):
-        return {k: _finite_or_named(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_named(v) for v in obj]
-    return obj
-
-
 def strict_json(obj: object, indent: int | None = None) -> str:
     """``obj`` as strict JSON: a non-finite float becomes the string ``"+Inf"``, ``"-Inf"`` or ``"NaN"`` (the
     exposition format's spelling), not Python's bare ``Infinity`` / ``NaN`` tokens, which jq, Go's
     ``encoding/json`` and ``JSON.parse`` reject (an error of a zero block that was not reproduced exactly is
     ``inf``, ``kvbits.monitor.signals.flush_error``)."""
-    return json.dumps(_finite_or_named(obj), indent=indent, allow_nan=False)
+    return dumps(obj, indent=indent)
 
 
 def check_label_name(name: str, where: str = "", reserved: tuple[str, ...] = ()) -> None:

@@ -19,13 +19,13 @@ Pure Python: the rows feed both the Markdown/HTML renderer and any other consume
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import loads
 from kvbits.report.fmt import NA, _num, _ok
 from kvbits.report.inline import text
 from kvbits.report.summary import RunSummary, SchemeResult
@@ -99,7 +99,7 @@ def _artifact_from_folder(paths: list[str], scheme: str, artifact_id: str | None
     for p in paths:
         meta_path = Path(p) / "calibration.json"
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = loads(meta_path.read_text())
         except (OSError, ValueError):
             continue
         if not isinstance(meta, Mapping) or (meta.get("scheme") or {}).get("name") != scheme:

@@ -6,10 +6,11 @@ model, text and setting into one report (thin wrapper over :func:`kvbits.report.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Any
+
+from kvbits._json import dumps
 
 __all__ = ["add_parser", "run"]
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     files = write_report(out, threshold=threshold, plots=False if args.no_plots else None)
     if args.json:
         record = {"out": str(out), "merged_from": merged_from, "files": {k: str(v) for k, v in files.items()}}
-        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        sys.stdout.write(dumps(record, indent=2) + "\n")
         return 0
     print_summary(out, threshold=threshold)
     print(f"report: {files['markdown']}, {files['html']}")
@@ -157,7 +158,7 @@ def _print_json_run(out: Any, command: str, args: argparse.Namespace, merged_fro
     if png.is_file():
         files["figure"] = str(png)
     if args.json:
-        sys.stdout.write(json.dumps({"out": str(out), "merged_from": merged_from, "files": files}, indent=2) + "\n")
+        sys.stdout.write(dumps({"out": str(out), "merged_from": merged_from, "files": files}, indent=2) + "\n")
     else:
         print(f"report: {', '.join(files.values())}")
     return 0

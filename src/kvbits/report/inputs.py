@@ -11,13 +11,13 @@ and the command line that re-runs the evaluation.
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import loads
 from kvbits.report.summary import RunSummary
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def load_config(out_dir: str | Path) -> dict[str, Any]:
     if not p.is_file():
         return {}
     try:
-        data = json.loads(p.read_text())
+        data = loads(p.read_text())
     except (OSError, ValueError) as exc:
         logger.warning("ignoring unreadable %s: %s", p, exc)
         return {}

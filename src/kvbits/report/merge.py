@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbits._json import field, json_object
+from kvbits._json import dumps, field, json_object
 from kvbits.report.inputs import load_config
 from kvbits.report.render import _write_text
 from kvbits.report.summary import RunSummary, read_json
@@ -316,7 +316,7 @@ def _generation_rows(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line)  # token ids and text: no numbers to read back
         except ValueError as exc:
             raise ValueError(f"{path}, line {i}, is not valid JSON ({exc}); was the run interrupted while writing "
                              "it?") from None  # fmt: skip
@@ -345,13 +345,13 @@ def _generation_lines(folders: Sequence[Path]) -> list[str] | None:
         ref = {int(r["window"]): list(r["tokens"]) for r in rows if r.get("scheme") == "reference"}
         if reference is None:
             reference = ref
-            ref_lines = [json.dumps(r) + "\n" for r in rows if r.get("scheme") == "reference"]
+            ref_lines = [dumps(r) + "\n" for r in rows if r.get("scheme") == "reference"]
         elif ref != reference:
             raise ValueError(
                 f"the reference's greedy continuations in {folder} differ from those of the first run that "
                 "generated: the runs' references are not the same"
             )
-        scheme_lines += [json.dumps(r) + "\n" for r in rows if r.get("scheme") != "reference"]
+        scheme_lines += [dumps(r) + "\n" for r in rows if r.get("scheme") != "reference"]
     return None if reference is None else ref_lines + scheme_lines
 
 
@@ -450,8 +450,8 @@ def merge_runs(
         "merged_from": sources,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    _write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
-    _write_text(out / "summary.json", json.dumps(merged, indent=2) + "\n")
+    _write_text(out / "config.json", dumps(config, indent=2) + "\n")
+    _write_text(out / "summary.json", dumps(merged, indent=2) + "\n")
     logger.info("merged %d runs (%d schemes) into %s", len(folders), len(merged["results"]), out)
     return out
 

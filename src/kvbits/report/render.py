@@ -15,13 +15,13 @@ Input (written by :mod:`kvbits.evaluate.runner`)::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvbits._json import dumps
 from kvbits.report.document import Heading, build_document
 from kvbits.report.fmt import DEFAULT_THRESHOLD
 from kvbits.report.html_page import to_html
@@ -85,7 +85,7 @@ def write_json_report(
     out = check_out_folder(out_dir, command, files, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     json_name, md_name, png_name = files
-    _write_text(out / json_name, json.dumps(summary, indent=2) + "\n")
+    _write_text(out / json_name, dumps(summary, indent=2) + "\n")
     try:
         plot(summary, out / png_name)
         figure = True

@@ -6,7 +6,6 @@ all read these records, so they can never disagree about a number.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbits._json import json_object, mapping, objects, whole
+from kvbits._json import json_object, loads, mapping, objects, whole
 from kvbits.report.fmt import DEFAULT_THRESHOLD, _num, _ok, bucket_label, fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -28,7 +27,7 @@ def read_json(path: Path, check: Callable[[Any, Path], None] | None = None) -> A
     """A run's JSON file (``summary.json``, ``needle.json``, ...), ``ValueError`` naming it when it does not parse;
     ``check``: also called with the content and ``path`` (``check_speed``, ``check_needle``), which raise."""
     try:
-        content = json.loads(path.read_text())
+        content = loads(path.read_text())
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
     if check is not None:

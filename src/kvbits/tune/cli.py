@@ -4,12 +4,12 @@ wrapper over ``kvbits.tune.tune``)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+from kvbits._json import dumps
 
 __all__ = ["add_parser", "calibration_dir", "run"]
 
@@ -115,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
         if res.calibration is not None:
             res.calibration.save(calibration_dir(out))
         record = res.to_dict()
-        Path(str(out) + ".tune.json").write_text(json.dumps(record, indent=2) + "\n")
+        Path(str(out) + ".tune.json").write_text(dumps(record, indent=2) + "\n")
     else:
         record = res.to_dict()
     if args.json:
-        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        sys.stdout.write(dumps(record, indent=2) + "\n")
         return 0
     _print(res, args.out)
     return 0
