@@ -314,19 +314,31 @@ def main(argv: list[str] | None = None) -> dict:
     if args.e2e != "only":
         decode = _decoder(cfg)
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
-        records = sweep(
-            cfg, decode, copy_gbps, lambda rows: save(records=rows, break_even=break_even(rows)), result["skipped"]
-        )
+        # each step guarded (a raise is recorded under failures and the next step runs); the rows a step had
+        # handed to its progress callback before it raised are kept (the saves below would otherwise drop them)
+        timed: dict[str, list[dict]] = {"sweep": [], "split": []}
+
+        def timed_so_far(step: str, before: list[dict]) -> Callable[[list[dict]], None]:
+            def progress(rows: list[dict]) -> None:
+                timed[step] = list(rows)
+                save(records=before + timed[step], break_even=break_even(before + timed[step]))
+
+            return progress
+
+        swept = guarded("(3) sweep", lambda: sweep(cfg, decode, copy_gbps, timed_so_far("sweep", []),
+                                                   result["skipped"]), failures)  # fmt: skip
+        records = timed["sweep"] if swept is None else swept
         if kernel == "triton":
             print(f"(3) and int4 at {SPLIT_PROGRAMS_PER_SM} programs per SM (the default aims at 2) in every cell, "
                   "while the sweep's time lasts")  # fmt: skip
-            swept = records
-            records = swept + split_sweep(cfg, decode, copy_gbps, swept,
-                                          lambda rows: save(records=swept + rows, break_even=break_even(swept + rows)))  # fmt: skip
+            before = records
+            split = guarded("(3) split sweep", lambda: split_sweep(cfg, decode, copy_gbps, before,
+                                                                   timed_so_far("split", before)), failures)  # fmt: skip
+            records = before + (timed["split"] if split is None else split)
             print("(3b) kernel launch parameters (block_t x num_warps), while the sweep's time lasts")
-            tune(cfg, decode, copy_gbps, lambda rows: save(tuning=rows))
+            guarded("(3b) tuning", lambda: tune(cfg, decode, copy_gbps, lambda rows: save(tuning=list(rows))), failures)
     be = break_even(records)
-    save(records=records, break_even=be)
+    save(records=records, break_even=be, failures=failures)
     e2e: list[dict] = []
     if args.e2e != "no":
         cfg.deadline = time.monotonic() + max(0.0, args.budget_s - (time.time() - t0))

@@ -295,3 +295,41 @@ def test_end_to_end_speedups_are_taken_from_the_times_once_the_batchs_fp16_runs_
     assert got == {"dynamic-fp16": (1.0, 0.5), "dynamic-fp16-no-cudnn": (2.0, 1.0), "kvbits-fused": (1.621, 0.811)}
     assert rows["kvbits-fused"]["tokens_per_s"] == 17.6 and rows["dynamic-fp16"]["tokens_per_s"] == 10.9
     assert all(r["speedup_vs_static_graphs"] is None for r in rows.values())  # not run
+
+
+def test_a_raising_sweep_split_sweep_or_tuning_is_recorded_and_keeps_its_rows(monkeypatch, tmp_path: Path):
+    """Steps 3, its split sweep and 3b were not guarded: a raise in any of them ended gpu_decode.py (the
+    end-to-end step 6 never ran), contrary to device_run.sh's "a step that raises is recorded under failures and
+    the next one runs". Each is now guarded, and the rows it had timed (handed to its progress callback) stay in
+    the file: the final save does not replace them with []."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+
+    row = {"shape": "s", "batch": 1, "context": 256, "kernel": "triton", "scheme": "int4", "error": "no launch"}
+
+    def sweep(cfg, decode, copy_gbps, progress, skipped):
+        progress([{**row, "step": "sweep"}])
+        raise RuntimeError("injected sweep")
+
+    def split_sweep(cfg, decode, copy_gbps, swept, progress):
+        assert [r["step"] for r in swept] == ["sweep"]
+        progress([{**row, "step": "split"}])
+        raise RuntimeError("injected split")
+
+    def tune(cfg, decode, copy_gbps, progress):
+        progress([{"block_t": 64, "num_warps": 4}])
+        raise RuntimeError("injected tuning")
+
+    e2e_runs = []
+    monkeypatch.setattr(gpu_decode, "_decoder", lambda cfg: None)  # the Triton branch, nothing compiled
+    for name, fake in (("sweep", sweep), ("split_sweep", split_sweep), ("tune", tune)):
+        monkeypatch.setattr(gpu_decode, name, fake)
+    monkeypatch.setattr(gpu_decode, "end_to_end", lambda *a, **k: e2e_runs.append(1) or [])
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit, match=r"3 step\(s\) failed: \(3\) sweep: RuntimeError: injected sweep; "
+                                         r"\(3\) split sweep: .*; \(3b\) tuning: RuntimeError: injected tuning"):
+        gpu_decode.main(["--smoke", "--device", "cpu", "--kernel", "triton", "--check", "no", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert e2e_runs == [1] and d["complete"]  # step 6 ran after them
+    assert [r["step"] for r in d["records"]] == ["sweep", "split"] and d["tuning"] == [{"block_t": 64, "num_warps": 4}]
+    assert [f["step"] for f in d["failures"]] == ["(3) sweep", "(3) split sweep", "(3b) tuning"]
