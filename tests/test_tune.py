@@ -449,8 +449,8 @@ def test_cli_tune_writes_a_non_finite_kl_as_strict_json(tmp_path, capsys, monkey
     back as NaN."""
     import math
 
+    from kvbits import _json
     from kvbits import tune as tune_pkg
-    from kvbits._json import loads
 
     model = _llama()
     real = tune_pkg.tune
@@ -469,5 +469,5 @@ def test_cli_tune_writes_a_non_finite_kl_as_strict_json(tmp_path, capsys, monkey
     for text in (capsys.readouterr().out, (tmp_path / "mix.json.tune.json").read_text()):
         record = _strict(text)
         assert record["measured_kl"] == "NaN" and record["uniform"]["int8-token"]["kl"] == "+Inf"
-        back = loads(text)
+        back = _json.loads(text)
         assert math.isnan(back["measured_kl"]) and back["uniform"]["int8-token"]["kl"] == math.inf
