@@ -362,6 +362,19 @@ def test_non_finite_kv_anywhere_in_a_window_is_refused():
         analyze(model, windows, sample_tokens=4096)
 
 
+def test_kv_beyond_float16_range_is_refused_by_name():
+    """Values of a float32 model up to ~1e5 (finite, beyond float16's 65504): the sample is float16, so it held inf,
+    and after every forward pass the SQNR refused a "K/V block [that] contains non-finite values (0 NaN, .. inf)",
+    blaming the model for the analysis's own storage and naming no layer. kvbits' quantizers keep float16 scales and
+    refuse such K/V anyway: now the pass says so, naming the window, the layer and the position."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.mul_(1e6)
+    windows = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"window 0, layer 1 value: \|x\| up to .*float16's range"):
+        analyze(model, windows, sample_tokens=64, channel_group=32)
+
+
 def _qwen3() -> torch.nn.Module:
     """A tiny Qwen3: its keys pass a ``k_norm`` (input ``(B, T, H, D)``) before RoPE."""
     torch.manual_seed(0)

@@ -39,7 +39,14 @@ from kvbits.analyze.outliers import (
     smeared_pairs,
 )
 from kvbits.analyze.sites import KVSite, attention_sites
-from kvbits.analyze.stats import BlockReservoir, ChannelStats, NonFiniteKV, TensorReport, blocks_in
+from kvbits.analyze.stats import (
+    BlockReservoir,
+    ChannelStats,
+    KVBeyondFloat16,
+    NonFiniteKV,
+    TensorReport,
+    blocks_in,
+)
 from kvbits.analyze.taps import KVTap, to_bhtd
 from kvbits.analyze.verify import verify_taps
 from kvbits.plan.config import check_context_fits
@@ -320,8 +327,8 @@ def analyze(
             plan[:] = reservoir.offer(blocks_in(T, block))
             try:
                 model(input_ids=windows[w : w + 1].to(device), use_cache=False, **extra)
-            except NonFiniteKV as exc:
-                raise NonFiniteKV(f"window {w}, {exc}") from exc
+            except (NonFiniteKV, KVBeyondFloat16) as exc:
+                raise type(exc)(f"window {w}, {exc}") from exc
             if progress is not None:
                 progress(w + 1, W)
     n_blocks = reservoir.size
