@@ -273,6 +273,22 @@ def test_keys_normed_after_rope_are_refused(calibrating):
     assert all(not m._forward_hooks for m in model.modules())
 
 
+def test_keys_of_a_model_without_rope_are_checked_against_its_cache(monkeypatch):
+    """Without RoPE the cached keys are the hooked ones, and the probe compares them (as kvbits calibrate's does).
+    Before, analyze passed no key tables at all for such a model, the probe's "keys not compared", so a cache
+    holding 2 x k_proj (a family changing its keys after the projection) was analyzed, 50 % off, without a word."""
+    from transformers import cache_utils
+
+    update = cache_utils.DynamicLayer.update
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", lambda self, k, v, *a, **kw: update(self, 2 * k, v, *a, **kw))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.OPTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=64, word_embed_proj_dim=64))
+    match = r"layer 0\): the keys kvbits reads \(the output of its Linear\) differ from the keys the model caches by 50\.0%"
+    with pytest.raises(ValueError, match=match):  # no "rotated by the model's RoPE tables": there is none
+        analyze(model.eval(), torch.randint(1, 64, (1, 64)), sample_tokens=64, channel_group=32)
+
+
 def test_interleaved_rope_keys_are_labelled_as_before_rope():
     """GLM rotates interleaved pairs, which kvbits can not reproduce: no post-RoPE statistics. Before, the JSON said
     ``key_outlier_channels_post_rope: []`` (read as "none found") and the recommendation called the pre-RoPE figures
@@ -344,6 +360,19 @@ def test_non_finite_kv_anywhere_in_a_window_is_refused():
     windows[0, 190] = 0
     with pytest.raises(ValueError, match=r"window 0, layer 0 key_pre_rope: \d+ non-finite values .* position 190"):
         analyze(model, windows, sample_tokens=4096)
+
+
+def test_kv_beyond_float16_range_is_refused_by_name():
+    """Values of a float32 model up to ~1e5 (finite, beyond float16's 65504): the sample is float16, so it held inf,
+    and after every forward pass the SQNR refused a "K/V block [that] contains non-finite values (0 NaN, .. inf)",
+    blaming the model for the analysis's own storage and naming no layer. kvbits' quantizers keep float16 scales and
+    refuse such K/V anyway: now the pass says so, naming the window, the layer and the position."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.mul_(1e6)
+    windows = torch.randint(1, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"window 0, layer 1 value: \|x\| up to .*float16's range"):
+        analyze(model, windows, sample_tokens=64, channel_group=32)
 
 
 def _qwen3() -> torch.nn.Module:

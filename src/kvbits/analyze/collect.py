@@ -39,7 +39,14 @@ from kvbits.analyze.outliers import (
     smeared_pairs,
 )
 from kvbits.analyze.sites import KVSite, attention_sites
-from kvbits.analyze.stats import BlockReservoir, ChannelStats, NonFiniteKV, TensorReport, blocks_in
+from kvbits.analyze.stats import (
+    BlockReservoir,
+    ChannelStats,
+    KVBeyondFloat16,
+    NonFiniteKV,
+    TensorReport,
+    blocks_in,
+)
 from kvbits.analyze.taps import KVTap, to_bhtd
 from kvbits.analyze.verify import verify_taps
 from kvbits.plan.config import check_context_fits
@@ -288,8 +295,11 @@ def analyze(
         for s in sites
     }
     layer_tables = {s.layer_idx: tables.tables_for_layer(s.layer_idx) for s in sites} if tables is not None else {}
-    # the hooks read what the cache holds (a family transforming K/V elsewhere is refused here, before the passes)
-    verify_taps(model, windows, [layer_tables[s.layer_idx] for s in sites] if tables is not None else None)
+    # the hooks read what the cache holds (a family transforming K/V elsewhere is refused here, before the passes);
+    # without RoPE the cached keys are the hooked ones and are compared too (None per site, as kvbits calibrate);
+    # only keys rotated in a layout kvbits can not reproduce go unchecked (None as a whole)
+    key_tables = [layer_tables.get(s.layer_idx) for s in sites] if reproducible else None
+    verify_taps(model, windows, key_tables)
     # one cos/sin pair per distinct table (not per layer: 32 layers x 32K tokens x D=128 held 1 GiB of copies)
     cos_sin: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     reservoir = BlockReservoir(sample_tokens // block, seed=seed)
@@ -317,8 +327,8 @@ def analyze(
             plan[:] = reservoir.offer(blocks_in(T, block))
             try:
                 model(input_ids=windows[w : w + 1].to(device), use_cache=False, **extra)
-            except NonFiniteKV as exc:
-                raise NonFiniteKV(f"window {w}, {exc}") from exc
+            except (NonFiniteKV, KVBeyondFloat16) as exc:
+                raise type(exc)(f"window {w}, {exc}") from exc
             if progress is not None:
                 progress(w + 1, W)
     n_blocks = reservoir.size

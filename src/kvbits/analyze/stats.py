@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbits.quant.checks import FP16_MAX
+
 SAMPLE_DTYPE = torch.float16  # the sample's storage; its rounding (~1e-3 relative) is far below int4 noise
 
 
@@ -63,6 +65,11 @@ class NonFiniteKV(ValueError):
     """NaN / inf in the K/V a layer produced (``ChannelStats.update``)."""
 
 
+class KVBeyondFloat16(ValueError):
+    """K/V a layer produced beyond float16's range (``ChannelStats.update``): the sample (float16) would hold inf,
+    and kvbits' quantizers, whose scales are float16, refuse such K/V (``kvbits.quant.checks.check_kv``)."""
+
+
 def blocks_in(tokens: int, block: int) -> int:
     """Sample blocks a window of ``tokens`` offers: ``ceil(tokens / block)``, the last ending at its last token."""
     return -(-tokens // block)
@@ -94,19 +101,27 @@ class ChannelStats:
 
         Block ``i`` of ``plan`` is ``x[i // n_b, :, t0 : t0 + block]`` with ``n_b = ceil(T / block)`` and
         ``t0 = min((i % n_b) * block, T - block)`` (:func:`blocks_in`). ``ValueError`` for NaN / inf in ``x``:
-        they would turn the statistics to NaN, and a NaN median finds no outlier channel.
+        they would turn the statistics to NaN, and a NaN median finds no outlier channel; ``KVBeyondFloat16`` (a
+        ``ValueError``) for ``|x|`` beyond float16's range: the float16 sample would hold inf.
         """
         B, H, T, D = x.shape
         if (H, D) != (self.n_heads, self.head_dim):
             raise ValueError(f"expected (B, {self.n_heads}, T, {self.head_dim}), got {tuple(x.shape)}")
         xf = x.detach().float()
         amax = xf.abs().amax(dim=(0, 2))
-        if not bool(torch.isfinite(amax).all()):  # one host sync per layer and window: analysis only
+        top = float(amax.max())  # one host sync per layer and window (analysis only); NaN / inf propagate
+        if not math.isfinite(top):
             bad = ~torch.isfinite(xf)
             first = int(bad.nonzero()[0, 2])
             raise NonFiniteKV(
                 f"{self.label}: {int(bad.sum())} non-finite values (NaN / inf) in the model's K/V, the first at "
                 f"position {first}; expected finite activations (a float16 overflow? try --dtype float32 or bfloat16)"
+            )
+        if top > FP16_MAX:
+            first = int((xf.abs() > FP16_MAX).nonzero()[0, 2])
+            raise KVBeyondFloat16(
+                f"{self.label}: |x| up to {top:.4g} (the first beyond {FP16_MAX:g} at position {first}); expected K/V "
+                "within float16's range: kvbits stores quantization scales in float16 and can not quantize these"
             )
         self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
         xd = xf.double()

@@ -80,9 +80,11 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
             continue
         m = keys.shape[2]  # a sliding layer keeps its last tokens
         pairs = [("values", v[:, :, n - m :], values)]
+        rope = False  # were the hooked keys rotated before the comparison (for the message)
         if key_tables is not None:
             tables = key_tables[j]
             if tables is not None:
+                rope = tables.rot_dim > 0
                 cos, sin = tables.cos_sin(torch.arange(n), torch.float32)
                 k = apply_rope(k, cos.to(k.device), sin.to(k.device))
             pairs.insert(0, ("keys", k[:, :, n - m :], keys))
@@ -99,8 +101,8 @@ def verify_taps(model: torch.nn.Module, ids: torch.Tensor, key_tables: Sequence[
                 )
             err = _relative(mine, theirs.to(mine.device))
             if not err <= TOLERANCE:
-                where = "after RoPE, " if what == "keys" else ""
-                rotated = ", rotated by the model's RoPE tables" if what == "keys" else ""
+                where = "after RoPE, " if what == "keys" and rope else ""
+                rotated = ", rotated by the model's RoPE tables" if what == "keys" and rope else ""
                 raise ValueError(
                     f"{site.name} (layer {i}): the {what} kvbits reads ({_source(site, what)}{rotated}) differ "
                     f"from the {what} the model caches by {err:.1%} (relative); this family transforms its {what} "
