@@ -490,6 +490,7 @@ def speed_eval(
         _peak_rss_bytes,
         _warn_mismatch,
         long_run_avg_bits,
+        model_dtype_bytes,
         plan_shape_of,
     )
     from kvbits.evaluate.outputs import _git_commit, _versions
@@ -615,7 +616,7 @@ def speed_eval(
         "schemes": [
             {
                 "scheme": s.name,
-                "avg_bits": long_run_avg_bits(s, shape, head_dim, kv_heads, n_layers),
+                "avg_bits": long_run_avg_bits(s, shape, head_dim, kv_heads, n_layers, dtype_bytes=model_dtype_bytes(model)),
                 "peer": isinstance(s, PeerScheme),
                 "path": _path(s, fused[s.name], workspace, static, graphs),
                 "calibration": mismatch[s.name],

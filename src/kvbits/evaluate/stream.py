@@ -15,13 +15,15 @@ reference on CPU). The model's attention implementation is restored afterwards.
 
 Peers: ``hf-quanto-int4`` / ``hf-quanto-int2`` run transformers' own ``QuantizedCache`` (quanto
 backend, residual 128, groups of 64), the baseline users already have. Their average bits are
-``nbits + 2 * 16 / q_group_size`` (one float16 scale and one float16 zero-point per group of 64
-elements): 4.5 and 2.5. They only exist as a cache, so they run in stream mode only.
+``nbits + 2 * 8 * dtype_bytes / q_group_size`` (``PeerScheme.bits``: one scale and one zero-point per group of 64
+elements, both in the dtype the model runs in, as quanto stores them): 4.5 and 2.5 on a float16 or bfloat16
+model, 5.0 and 3.0 on a float32 one. They only exist as a cache, so they run in stream mode only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,6 +53,11 @@ __all__ = [
 ]
 
 QUANTO_INSTALL = "pip install optimum-quanto  (or: pip install 'kvbits[quanto]')"
+# what each QuantizedCache backend a PeerScheme can name imports, and how to install it
+PEER_BACKENDS = {
+    "quanto": ("optimum.quanto", "optimum-quanto", QUANTO_INSTALL),
+    "hqq": ("hqq", "hqq", "pip install hqq"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,23 @@ class PeerScheme:
     q_group_size: int = 64
     description: str = ""
 
+    def __post_init__(self) -> None:
+        if self.backend not in PEER_BACKENDS:
+            raise ValueError(
+                f"peer {self.name!r}: backend must be one of {sorted(PEER_BACKENDS)} (transformers' group-wise "
+                f"QuantizedCache backends), got {self.backend!r}"
+            )
+
     @property
     def avg_bits(self) -> float:
-        """``nbits + 2 * 16 / q_group_size``: codes plus a float16 scale and zero-point per group."""
-        return self.nbits + 2 * 16 / self.q_group_size
+        """``bits(2)``: on a float16 / bfloat16 model (``long_run_avg_bits`` passes the model's own dtype)."""
+        return self.bits(2)
+
+    def bits(self, dtype_bytes: int) -> float:
+        """``nbits + 2 * 8 * dtype_bytes / q_group_size``: codes plus a scale and a zero-point per group, both in
+        the dtype of the K/V (the model's: 4.5 bits for int4 on a float16 model, 5.0 on a float32 one, whose
+        quanto scales are float32)."""
+        return self.nbits + 2 * 8 * dtype_bytes / self.q_group_size
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,13 +108,16 @@ class PeerScheme:
         }
 
     def make_cache(self, config: Any) -> Any:
-        if self.backend == "quanto":
-            try:
-                import optimum.quanto  # noqa: F401
-            except ImportError:
-                raise RuntimeError(
-                    f"scheme {self.name!r} needs optimum-quanto, which is not installed: {QUANTO_INSTALL}"
-                ) from None
+        """transformers' ``QuantizedCache`` for a model of ``config``; ``RuntimeError`` naming the package (and its
+        install command) where the backend's is not installed, ``ValueError`` naming the peer where transformers
+        refuses the model or the options (sliding layers, an ``nbits`` the backend has not)."""
+        module, package, install = PEER_BACKENDS[self.backend]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise RuntimeError(
+                f"scheme {self.name!r} needs {package}, which is not installed: {install}"
+            ) from None
         from transformers import QuantizedCache
 
         try:
@@ -106,7 +129,9 @@ class PeerScheme:
                 q_group_size=self.q_group_size,
             )
         except ImportError as exc:
-            raise RuntimeError(f"scheme {self.name!r}: {exc} ({QUANTO_INSTALL})") from exc
+            raise RuntimeError(f"scheme {self.name!r}: {exc} ({install})") from exc
+        except ValueError as exc:
+            raise ValueError(f"scheme {self.name!r}: transformers' QuantizedCache refuses it here: {exc}") from exc
 
 
 PEER_SCHEMES: dict[str, PeerScheme] = {

@@ -1,0 +1,66 @@
+"""Peer caches (transformers' ``QuantizedCache``, ``kvbits.evaluate.stream.PeerScheme``): their bits and bytes are
+read from the tensors the cache holds, a backend that is not installed names its own package, and a model the peer
+refuses is said before any forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tinyllama import tiny_llama
+
+from kvbits.evaluate.stream import PEER_SCHEMES, PeerScheme
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _quanto_parts(q) -> int:
+    """Bytes of a quanto ``WeightQBitsTensor`` spelled out: packed codes, scales, zero-points."""
+    return sum(t.numel() * t.element_size() for t in (q._data._data, q._scale, q._shift))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["hf-quanto-int4", "hf-quanto-int2"])
+def test_peer_bits_are_what_its_quanto_tensors_hold(name, dtype):
+    """quanto stores a scale and a zero-point per group in the K/V's dtype: on a float32 model int4 is 5.0 bits per
+    element (2.5 was reported for int2 at 3.0 held, 4.5 for int4 at 5.0)."""
+    pytest.importorskip("optimum.quanto")
+    peer = PEER_SCHEMES[name]
+    cache = peer.make_cache(tiny_llama().config)
+    k = torch.randn(1, 2, 256, 64, dtype=dtype)  # 256 x 64 channels: whole groups, whole packed bytes
+    cache.update(k, k.clone(), 0)
+    q = cache.layers[0]._quantized_keys
+    held = _quanto_parts(q) * 8 / k.numel()
+    assert held == peer.bits(k.element_size()) == {"hf-quanto-int4": 4, "hf-quanto-int2": 2}[name] + (
+        1.0 if dtype == torch.float32 else 0.5
+    )
+    assert peer.avg_bits == peer.bits(2)  # the float16 / bfloat16 figure
+
+
+def test_peer_avg_bits_follow_the_models_dtype():
+    from kvbits.evaluate import measures
+
+    peer = PEER_SCHEMES["hf-quanto-int4"]
+    lm = tiny_llama()
+    shape = measures.plan_shape_of(lm.config, lm)  # float32: read from the model, not the config
+    assert measures.long_run_avg_bits(peer, shape, 16, 2, 2) == 5.0
+    lm.to(torch.bfloat16)
+    assert measures.long_run_avg_bits(peer, measures.plan_shape_of(lm.config, lm), 16, 2, 2) == 4.5
+
+
+def test_missing_backend_names_its_own_package(monkeypatch):
+    """An HQQ peer without hqq said ``pip install optimum-quanto``."""
+    import importlib
+
+    real = importlib.import_module
+
+    def no_hqq(name, *a, **k):
+        if name == "hqq":
+            raise ImportError("No module named 'hqq'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", no_hqq)
+    with pytest.raises(RuntimeError, match=r"'hf-hqq-int4' needs hqq, which is not installed: pip install hqq") as e:
+        PeerScheme("hf-hqq-int4", "hqq", 4).make_cache(tiny_llama().config)
+    assert "quanto" not in str(e.value)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        PeerScheme("hf-x", "awq", 4)
