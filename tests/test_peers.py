@@ -8,7 +8,7 @@ import pytest
 import torch
 from _tinyllama import tiny_llama
 
-from kvbits.evaluate.stream import PEER_SCHEMES, PeerScheme
+from kvbits.evaluate.stream import PEER_SCHEMES, PeerScheme, cache_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,6 +45,30 @@ def test_peer_avg_bits_follow_the_models_dtype():
     assert measures.long_run_avg_bits(peer, shape, 16, 2, 2) == 5.0
     lm.to(torch.bfloat16)
     assert measures.long_run_avg_bits(peer, measures.plan_shape_of(lm.config, lm), 16, 2, 2) == 4.5
+
+
+def test_cache_bytes_of_a_peer_are_its_codes_scales_and_residual():
+    """``cache_bytes`` of transformers' ``QuantizedCache`` counted nothing (None); it is now every tensor the cache
+    holds: quanto's codes, scales and zero-points and the full-precision residual."""
+    pytest.importorskip("optimum.quanto")
+    lm = tiny_llama()
+    cache = PEER_SCHEMES["hf-quanto-int4"].make_cache(lm.config)
+    k = torch.randn(1, 2, 256, 16)  # prefill: all quantized; then 10 decode steps in the residual
+    for i in range(2):
+        cache.update(k, k.clone(), i)
+        for _ in range(10):
+            cache.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), i)
+    quantized = sum(_quanto_parts(q) for layer in cache.layers for q in (layer._quantized_keys, layer._quantized_values))
+    residual = 2 * 2 * (2 * 10 * 16 * 4)  # layers x (K, V) x float32 residual of 10 tokens
+    assert quantized == 2 * 2 * (256 * 2 * 16 // 2 + 2 * (256 * 2 * 16 // 64) * 4)  # 4-bit codes + f32 scale, shift
+    assert cache_bytes(cache) == quantized + residual
+
+
+def test_tensor_bytes_counts_each_tensor_once():
+    from kvbits.evaluate.stream import tensor_bytes
+
+    t = torch.zeros(10, dtype=torch.float16)
+    assert tensor_bytes((t, [t, {"a": torch.zeros(3)}], "x", None)) == 20 + 12
 
 
 def test_missing_backend_names_its_own_package(monkeypatch):

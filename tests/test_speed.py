@@ -392,7 +392,8 @@ def test_realmodel_speed_smollm2():
 
 
 def test_cache_bytes_counts_only_what_it_can(model, ids):
-    """DynamicCache: every K/V tensor; transformers' QuantizedCache (quanto): None, not its residual alone."""
+    """DynamicCache: every K/V tensor; transformers' QuantizedCache (quanto): its codes, scales and residual, not
+    its residual alone (``keys`` / ``values`` of its layers), nor None as before."""
     from transformers import DynamicCache
 
     from kvbits.evaluate.stream import cache_bytes
@@ -404,7 +405,11 @@ def test_cache_bytes_counts_only_what_it_can(model, ids):
     pytest.importorskip("optimum.quanto")
     s = speed_eval(model, 160, ["hf-quanto-int4"], tokens=2, warmup=1, data=ids)
     (peer,) = _runs(s, "hf-quanto-int4")
-    assert peer["path"] == "peer" and peer["cache_bytes"] is None and peer["planned_bytes"] is None
+    assert peer["path"] == "peer" and peer["planned_bytes"] is None
+    # 163 tokens (160 + warm-up + 2) of 2 layers x 2 heads x 16 channels, K and V: all quantized (the prefill; the 3
+    # decoded ones are in the float32 residual): 4-bit codes and a float32 scale and zero-point per 64 elements
+    quantized = 2 * 2 * (160 * 32 // 2 + 2 * 160 * 32 // 64 * 4)
+    assert peer["cache_bytes"] == quantized + 2 * 2 * 3 * 32 * 4
 
 
 def test_sliding_window_bytes_are_the_plan(ids):

@@ -17,7 +17,8 @@ Peers: ``hf-quanto-int4`` / ``hf-quanto-int2`` run transformers' own ``Quantized
 backend, residual 128, groups of 64), the baseline users already have. Their average bits are
 ``nbits + 2 * 8 * dtype_bytes / q_group_size`` (``PeerScheme.bits``: one scale and one zero-point per group of 64
 elements, both in the dtype the model runs in, as quanto stores them): 4.5 and 2.5 on a float16 or bfloat16
-model, 5.0 and 3.0 on a float32 one. They only exist as a cache, so they run in stream mode only.
+model, 5.0 and 3.0 on a float32 one. ``cache_bytes`` counts what their cache holds: quanto's packed codes, scales
+and zero-points and the full-precision residual. They only exist as a cache, so they run in stream mode only.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "prefill_kv",
     "resolve_scheme",
     "stream_hidden",
+    "tensor_bytes",
 ]
 
 QUANTO_INSTALL = "pip install optimum-quanto  (or: pip install 'kvbits[quanto]')"
@@ -281,20 +283,51 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[
 
 
 def cache_bytes(cache: Any) -> int | None:
-    """Bytes a cache holds: kvbits' ``memory_report()["total_bytes"]``; every K/V tensor of a
-    ``DynamicCache`` or a ``StaticCache`` (all its reserved slots); None for any other cache. transformers'
-    ``QuantizedCache`` is one of those: its layers are ``DynamicLayer``s whose ``keys`` / ``values`` are only the
-    full-precision residual, the codes live in quanto tensors beside them, so counting ``keys`` and ``values``
-    would undercount it."""
-    from transformers import DynamicCache, StaticCache
+    """Bytes a cache holds: kvbits' ``memory_report()["total_bytes"]``; every K/V tensor of a ``DynamicCache`` or a
+    ``StaticCache`` (all its reserved slots); for transformers' ``QuantizedCache`` (a peer) each layer's quantized
+    states (quanto's packed codes, scales and zero-points, HQQ's codes and metadata: :func:`tensor_bytes`) and its
+    full-precision residual (``keys`` / ``values``: counting only these, as a ``DynamicLayer``'s, undercounts it);
+    None for any other cache."""
+    from transformers import DynamicCache, QuantizedCache, StaticCache
 
     report = getattr(cache, "memory_report", None)
     if callable(report):
         return int(report()["total_bytes"])
+    if isinstance(cache, QuantizedCache):
+        layers = [layer for layer in cache.layers if layer.is_initialized]
+        if not all(hasattr(layer, "_quantized_keys") for layer in layers):
+            return None  # a layout this transformers does not have: not counted rather than undercounted
+        return sum(tensor_bytes((layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+                   for layer in layers)  # fmt: skip
     if not isinstance(cache, (DynamicCache, StaticCache)):
         return None
     return int(sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
                    for t in (layer.keys, layer.values)))  # fmt: skip
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (tensors, tuples, lists, dict values), each counted once; a tensor subclass
+    that is a wrapper (quanto's ``WeightQBitsTensor``: ``__tensor_flatten__``) by its inner tensors (the packed
+    codes, scales and zero-points), not by its logical shape."""
+    seen: set[int] = set()
+
+    def walk(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return 0
+            seen.add(id(x))
+            flatten = getattr(type(x), "__tensor_flatten__", None)
+            if flatten is not None and type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+                names, _ = x.__tensor_flatten__()
+                return sum(walk(getattr(x, n)) for n in names)
+            return x.numel() * x.element_size()
+        if isinstance(x, (tuple, list)):
+            return sum(walk(v) for v in x)
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        return 0
+
+    return int(walk(obj))
 
 
 def load_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
