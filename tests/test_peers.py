@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from _tinyllama import tiny_llama
 
-from kvbits.evaluate.stream import PEER_SCHEMES, PeerScheme, cache_bytes
+from kvbits.evaluate.stream import PEER_SCHEMES, PeerScheme, cache_bytes, check_schemes_fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,3 +89,23 @@ def test_missing_backend_names_its_own_package(monkeypatch):
     assert "quanto" not in str(e.value)
     with pytest.raises(ValueError, match="backend must be one of"):
         PeerScheme("hf-x", "awq", 4)
+
+
+def test_peer_refused_by_the_model_before_any_forward():
+    """transformers' ``QuantizedCache`` refuses sliding layers: said up front naming the peer, not after the
+    reference's and the other schemes' forward passes of the first window."""
+    pytest.importorskip("optimum.quanto")
+    from kvbits.evaluate import evaluate
+
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=16, max_window_layers=1)  # fmt: skip
+    lm = transformers.Qwen2ForCausalLM(cfg).eval()
+    assert "sliding_attention" in lm.config.layer_types
+    calls = []
+    lm.model.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"'hf-quanto-int4': transformers' QuantizedCache refuses it here.*sliding"):
+        check_schemes_fit([PEER_SCHEMES["hf-quanto-int4"]], lm.config)
+    with pytest.raises(ValueError, match=r"'hf-quanto-int4'.*sliding"):
+        evaluate(lm, torch.randint(0, 64, (80,)), 40, ["int8-token", "hf-quanto-int4"], mode="stream")
+    assert calls == []

@@ -169,8 +169,10 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     layer's as the cache reads it (``layer_heads``; Gemma 4's global layers are wider than layer 0), layers
     without K/V left out, and sliding layers whose window the scheme keeps in full precision (``layer_windows``,
     ``sliding_falls_back``: the cache quantizes nothing there). Checked once the model's config is read, before
-    any forward pass, so that a run does not fail at that scheme after the others' work (peers store their own
-    way)."""
+    any forward pass, so that a run does not fail at that scheme after the others' work. A peer's cache is made once
+    here (it holds nothing until its first update): a backend package that is not installed, or a model transformers'
+    ``QuantizedCache`` refuses (sliding layers), is said before the reference's forward passes, not at the first
+    window's peer (``PeerScheme.make_cache``'s errors)."""
     from kvbits.cache import attention_shape
     from kvbits.cache.cache import layer_windows
     from kvbits.plan.config import layer_heads
@@ -180,7 +182,9 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     head_dims = {i: d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
     windows = layer_windows(config)
     for s in schemes:
-        if not isinstance(s, PeerScheme):
+        if isinstance(s, PeerScheme):
+            s.make_cache(config)
+        else:
             check_scheme_layer_head_dims(s, head_dims, windows)
 
 
