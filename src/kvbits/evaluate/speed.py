@@ -37,8 +37,9 @@ SDPA picks cuDNN, every decode step through SDPA builds a cuDNN plan on the host
 never pay: compare both before reading a fused speed-up as the kernel's.
 
 Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
-kvbits, every K/V tensor of a ``DynamicCache``) beside what ``kvbits.plan`` says for the same tokens
-(``planned_bytes``: they are equal unless something is wrong), and on CUDA the allocator's bytes held
+kvbits, every K/V tensor of a ``DynamicCache``, a peer's quanto codes, scales, zero-points and residual:
+``kvbits.evaluate.stream.cache_bytes``) beside what ``kvbits.plan`` says for the same tokens
+(``planned_bytes``, none for a peer: they are equal unless something is wrong), and on CUDA the allocator's bytes held
 by the cache after the run (``cuda_resident_bytes``) and its peak above the pre-cache baseline during the
 decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
 ``agreement`` (fraction of equal tokens) and ``first_divergence`` (the first step at which some row
