@@ -109,3 +109,16 @@ def test_peer_refused_by_the_model_before_any_forward():
     with pytest.raises(ValueError, match=r"'hf-quanto-int4'.*sliding"):
         evaluate(lm, torch.randint(0, 64, (80,)), 40, ["int8-token", "hf-quanto-int4"], mode="stream")
     assert calls == []
+
+
+def test_quanto_peer_refuses_a_layer_it_can_not_group():
+    """One KV head of 80 channels: quanto's groups of 64 fail on 3 tokens ("Group size (64) must be a divisor of
+    (240)") deep inside the first window's peer run; refused up front, naming the layer's width."""
+    pytest.importorskip("optimum.quanto")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=160, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=80)  # fmt: skip
+    with pytest.raises(ValueError, match=r"'hf-quanto-int4'.*layer 0 \(and 1 more\) has H_kv x D = 80.*multiple of 4"):
+        check_schemes_fit([PEER_SCHEMES["hf-quanto-int4"]], cfg)
+    cfg.num_key_value_heads = cfg.num_attention_heads = 4  # 4 x 80 = 5 groups of 64 per token
+    cfg.hidden_size = 320
+    check_schemes_fit([PEER_SCHEMES["hf-quanto-int4"]], cfg)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,24 @@ class PeerScheme:
             "peer": True,
         }
 
+    def check_widths(self, widths: dict[int, int]) -> None:
+        """``ValueError`` where quanto can not store some layer: it quantizes a layer's K/V ``(B, H_kv, T, D)`` in
+        groups of ``q_group_size`` consecutive elements, so ``H_kv * D`` (``widths``: layer -> ``H_kv * D``) must be
+        a multiple of it, or a prefill or flush of some lengths fails inside quanto ("Group size (64) must be a
+        divisor of (240)": one KV head of 80 channels, 3 tokens). HQQ groups otherwise: not checked."""
+        if self.backend != "quanto":
+            return
+        bad = {i: w for i, w in widths.items() if w % self.q_group_size}
+        if bad:
+            i, w = next(iter(bad.items()))
+            raise ValueError(
+                f"scheme {self.name!r}: quanto quantizes each layer's K/V (B, H_kv, T, D) in groups of "
+                f"{self.q_group_size} consecutive elements, so H_kv x D must be a multiple of {self.q_group_size}; "
+                f"layer {i}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} has H_kv x D = {w}: "
+                f"token counts that are not a multiple of {self.q_group_size // math.gcd(w, self.q_group_size)} "
+                "would fail inside quanto"
+            )
+
     def make_cache(self, config: Any) -> Any:
         """transformers' ``QuantizedCache`` for a model of ``config``; ``RuntimeError`` naming the package (and its
         install command) where the backend's is not installed, ``ValueError`` naming the peer where transformers
@@ -172,7 +191,8 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     any forward pass, so that a run does not fail at that scheme after the others' work. A peer's cache is made once
     here (it holds nothing until its first update): a backend package that is not installed, or a model transformers'
     ``QuantizedCache`` refuses (sliding layers), is said before the reference's forward passes, not at the first
-    window's peer (``PeerScheme.make_cache``'s errors)."""
+    window's peer (``PeerScheme.make_cache``'s errors), and so is a layer quanto can not group
+    (``PeerScheme.check_widths``)."""
     from kvbits.cache import attention_shape
     from kvbits.cache.cache import layer_windows
     from kvbits.plan.config import layer_heads
@@ -181,9 +201,11 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     n_layers = attention_shape(config)[0]
     head_dims = {i: d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
     windows = layer_windows(config)
+    widths = {i: kv * d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
     for s in schemes:
         if isinstance(s, PeerScheme):
             s.make_cache(config)
+            s.check_widths(widths)
         else:
             check_scheme_layer_head_dims(s, head_dims, windows)
 
