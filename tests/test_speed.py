@@ -392,7 +392,8 @@ def test_realmodel_speed_smollm2():
 
 
 def test_cache_bytes_counts_only_what_it_can(model, ids):
-    """DynamicCache: every K/V tensor; transformers' QuantizedCache (quanto): None, not its residual alone."""
+    """DynamicCache: every K/V tensor; transformers' QuantizedCache (quanto): its codes, scales and residual, not
+    its residual alone (``keys`` / ``values`` of its layers), nor None as before."""
     from transformers import DynamicCache
 
     from kvbits.evaluate.stream import cache_bytes
@@ -402,9 +403,18 @@ def test_cache_bytes_counts_only_what_it_can(model, ids):
     dyn.update(k, k, 0)
     assert cache_bytes(dyn) == 2 * k.numel() * 4
     pytest.importorskip("optimum.quanto")
-    s = speed_eval(model, 160, ["hf-quanto-int4"], tokens=2, warmup=1, data=ids)
+    # 2 KV heads of 32 channels: whole groups of 64 per token, as quanto needs (tiny_llama's 2 x 16 is refused)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    lm = transformers.LlamaForCausalLM(cfg).eval()
+    s = speed_eval(lm, 160, ["hf-quanto-int4"], tokens=2, warmup=1, data=ids)
     (peer,) = _runs(s, "hf-quanto-int4")
-    assert peer["path"] == "peer" and peer["cache_bytes"] is None and peer["planned_bytes"] is None
+    assert peer["path"] == "peer" and peer["planned_bytes"] is None
+    # 163 tokens (160 + warm-up + 2) of 2 layers x 2 heads x 32 channels, K and V: the prefill's 160 quantized
+    # (4-bit codes and a float32 scale and zero-point per 64 elements), the 3 decoded ones in the float32 residual
+    quantized = 2 * 2 * (160 * 64 // 2 + 2 * 160 * 64 // 64 * 4)
+    assert peer["cache_bytes"] == quantized + 2 * 2 * 3 * 64 * 4
 
 
 def test_sliding_window_bytes_are_the_plan(ids):

@@ -74,8 +74,21 @@ def plan_shape_of(config: Any, model: Any = None) -> Any:
     return shape
 
 
-def long_run_avg_bits(scheme: Any, shape: Any, head_dim: int, kv_heads: int, n_layers: int) -> float:
-    """A result's ``avg_bits``: a peer cache's own figure; for a kvbits scheme the bits per element its cache tends
+def model_dtype_bytes(model: Any) -> int:
+    """Bytes per element of the dtype ``model`` runs in (its first floating parameter's; 2 where it has none)."""
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            return param.element_size()
+    return 2
+
+
+def long_run_avg_bits(
+    scheme: Any, shape: Any, head_dim: int, kv_heads: int, n_layers: int, *, dtype_bytes: int | None = None
+) -> float:
+    """A result's ``avg_bits``: a peer cache's own figure (``PeerScheme.bits`` of the K/V's ``dtype_bytes``, the
+    model's, :func:`model_dtype_bytes`: quanto keeps its scales and zero-points in it; ``shape``'s where not given,
+    float16 where neither is: int4 was reported at 4.5 bits on a float32 model whose quanto cache held 5.0); for a
+    kvbits scheme the bits per element its cache tends
     to as the context grows (``kvbits.plan.long_run_bits`` of the model's ``shape``, :func:`plan_shape_of`: only
     full-attention layers grow, each weighted by its own heads and head dim), or ``average_bits`` over ``n_layers``
     layers of ``kv_heads`` heads of ``head_dim`` where ``shape`` is None (``kvbits plan`` does not read the config)."""
@@ -84,7 +97,9 @@ def long_run_avg_bits(scheme: Any, shape: Any, head_dim: int, kv_heads: int, n_l
     from kvbits.schemes.accounting import average_bits
 
     if isinstance(scheme, PeerScheme):
-        return scheme.avg_bits
+        if dtype_bytes is None:
+            dtype_bytes = shape.dtype_bytes if shape is not None else 2
+        return scheme.bits(dtype_bytes)
     if shape is None:
         return average_bits(scheme, head_dim=head_dim, n_heads=kv_heads, n_layers=n_layers)
     return long_run_bits(shape, scheme)

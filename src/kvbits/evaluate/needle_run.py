@@ -313,6 +313,7 @@ def needle_eval(
         _peak_rss_bytes,
         _warn_mismatch,
         long_run_avg_bits,
+        model_dtype_bytes,
         plan_shape_of,
     )
     from kvbits.evaluate.metrics import LogitHead
@@ -377,7 +378,7 @@ def needle_eval(
     results = []
     shape = plan_shape_of(model.config, model)
     for scheme in resolved:
-        bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers)
+        bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers, dtype_bytes=model_dtype_bytes(model))
         res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch(
             clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1], "simulate" if semantics == "decode" else "stream"

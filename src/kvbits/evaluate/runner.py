@@ -88,6 +88,7 @@ from kvbits.evaluate.measures import (
     add_clipping,
     add_counts,
     long_run_avg_bits,
+    model_dtype_bytes,
     plan_shape_of,
 )
 from kvbits.evaluate.metrics import (
@@ -546,7 +547,7 @@ def evaluate(
     shape = plan_shape_of(model.config, model)  # full precision in the dtype the model runs in
     for i, (scheme, name) in enumerate(zip(resolved, names)):
         s = summarize(per_token[name], first=first, seed=seed)
-        bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers)
+        bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers, dtype_bytes=model_dtype_bytes(model))
         results.append(
             {
                 "scheme": name,

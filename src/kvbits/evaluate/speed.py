@@ -37,8 +37,9 @@ SDPA picks cuDNN, every decode step through SDPA builds a cuDNN plan on the host
 never pay: compare both before reading a fused speed-up as the kernel's.
 
 Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
-kvbits, every K/V tensor of a ``DynamicCache``) beside what ``kvbits.plan`` says for the same tokens
-(``planned_bytes``: they are equal unless something is wrong), and on CUDA the allocator's bytes held
+kvbits, every K/V tensor of a ``DynamicCache``, a peer's quanto codes, scales, zero-points and residual:
+``kvbits.evaluate.stream.cache_bytes``) beside what ``kvbits.plan`` says for the same tokens
+(``planned_bytes``, none for a peer: they are equal unless something is wrong), and on CUDA the allocator's bytes held
 by the cache after the run (``cuda_resident_bytes``) and its peak above the pre-cache baseline during the
 decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
 ``agreement`` (fraction of equal tokens) and ``first_divergence`` (the first step at which some row
@@ -490,6 +491,7 @@ def speed_eval(
         _peak_rss_bytes,
         _warn_mismatch,
         long_run_avg_bits,
+        model_dtype_bytes,
         plan_shape_of,
     )
     from kvbits.evaluate.outputs import _git_commit, _versions
@@ -615,7 +617,7 @@ def speed_eval(
         "schemes": [
             {
                 "scheme": s.name,
-                "avg_bits": long_run_avg_bits(s, shape, head_dim, kv_heads, n_layers),
+                "avg_bits": long_run_avg_bits(s, shape, head_dim, kv_heads, n_layers, dtype_bytes=model_dtype_bytes(model)),
                 "peer": isinstance(s, PeerScheme),
                 "path": _path(s, fused[s.name], workspace, static, graphs),
                 "calibration": mismatch[s.name],

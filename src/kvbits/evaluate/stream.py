@@ -15,14 +15,18 @@ reference on CPU). The model's attention implementation is restored afterwards.
 
 Peers: ``hf-quanto-int4`` / ``hf-quanto-int2`` run transformers' own ``QuantizedCache`` (quanto
 backend, residual 128, groups of 64), the baseline users already have. Their average bits are
-``nbits + 2 * 16 / q_group_size`` (one float16 scale and one float16 zero-point per group of 64
-elements): 4.5 and 2.5. They only exist as a cache, so they run in stream mode only.
+``nbits + 2 * 8 * dtype_bytes / q_group_size`` (``PeerScheme.bits``: one scale and one zero-point per group of 64
+elements, both in the dtype the model runs in, as quanto stores them): 4.5 and 2.5 on a float16 or bfloat16
+model, 5.0 and 3.0 on a float32 one. ``cache_bytes`` counts what their cache holds: quanto's packed codes, scales
+and zero-points and the full-precision residual. They only exist as a cache, so they run in stream mode only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +52,15 @@ __all__ = [
     "prefill_kv",
     "resolve_scheme",
     "stream_hidden",
+    "tensor_bytes",
 ]
 
 QUANTO_INSTALL = "pip install optimum-quanto  (or: pip install 'kvbits[quanto]')"
+# what each QuantizedCache backend a PeerScheme can name imports, and how to install it
+PEER_BACKENDS = {
+    "quanto": ("optimum.quanto", "optimum-quanto", QUANTO_INSTALL),
+    "hqq": ("hqq", "hqq", "pip install hqq"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,10 +82,23 @@ class PeerScheme:
     q_group_size: int = 64
     description: str = ""
 
+    def __post_init__(self) -> None:
+        if self.backend not in PEER_BACKENDS:
+            raise ValueError(
+                f"peer {self.name!r}: backend must be one of {sorted(PEER_BACKENDS)} (transformers' group-wise "
+                f"QuantizedCache backends), got {self.backend!r}"
+            )
+
     @property
     def avg_bits(self) -> float:
-        """``nbits + 2 * 16 / q_group_size``: codes plus a float16 scale and zero-point per group."""
-        return self.nbits + 2 * 16 / self.q_group_size
+        """``bits(2)``: on a float16 / bfloat16 model (``long_run_avg_bits`` passes the model's own dtype)."""
+        return self.bits(2)
+
+    def bits(self, dtype_bytes: int) -> float:
+        """``nbits + 2 * 8 * dtype_bytes / q_group_size``: codes plus a scale and a zero-point per group, both in
+        the dtype of the K/V (the model's: 4.5 bits for int4 on a float16 model, 5.0 on a float32 one, whose
+        quanto scales are float32)."""
+        return self.nbits + 2 * 8 * dtype_bytes / self.q_group_size
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,14 +110,35 @@ class PeerScheme:
             "peer": True,
         }
 
+    def check_widths(self, widths: dict[int, int]) -> None:
+        """``ValueError`` where quanto can not store some layer: it quantizes a layer's K/V ``(B, H_kv, T, D)`` in
+        groups of ``q_group_size`` consecutive elements, so ``H_kv * D`` (``widths``: layer -> ``H_kv * D``) must be
+        a multiple of it, or a prefill or flush of some lengths fails inside quanto ("Group size (64) must be a
+        divisor of (240)": one KV head of 80 channels, 3 tokens). HQQ groups otherwise: not checked."""
+        if self.backend != "quanto":
+            return
+        bad = {i: w for i, w in widths.items() if w % self.q_group_size}
+        if bad:
+            i, w = next(iter(bad.items()))
+            raise ValueError(
+                f"scheme {self.name!r}: quanto quantizes each layer's K/V (B, H_kv, T, D) in groups of "
+                f"{self.q_group_size} consecutive elements, so H_kv x D must be a multiple of {self.q_group_size}; "
+                f"layer {i}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} has H_kv x D = {w}: "
+                f"token counts that are not a multiple of {self.q_group_size // math.gcd(w, self.q_group_size)} "
+                "would fail inside quanto"
+            )
+
     def make_cache(self, config: Any) -> Any:
-        if self.backend == "quanto":
-            try:
-                import optimum.quanto  # noqa: F401
-            except ImportError:
-                raise RuntimeError(
-                    f"scheme {self.name!r} needs optimum-quanto, which is not installed: {QUANTO_INSTALL}"
-                ) from None
+        """transformers' ``QuantizedCache`` for a model of ``config``; ``RuntimeError`` naming the package (and its
+        install command) where the backend's is not installed, ``ValueError`` naming the peer where transformers
+        refuses the model or the options (sliding layers, an ``nbits`` the backend has not)."""
+        module, package, install = PEER_BACKENDS[self.backend]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise RuntimeError(
+                f"scheme {self.name!r} needs {package}, which is not installed: {install}"
+            ) from None
         from transformers import QuantizedCache
 
         try:
@@ -106,7 +150,9 @@ class PeerScheme:
                 q_group_size=self.q_group_size,
             )
         except ImportError as exc:
-            raise RuntimeError(f"scheme {self.name!r}: {exc} ({QUANTO_INSTALL})") from exc
+            raise RuntimeError(f"scheme {self.name!r}: {exc} ({install})") from exc
+        except ValueError as exc:
+            raise ValueError(f"scheme {self.name!r}: transformers' QuantizedCache refuses it here: {exc}") from exc
 
 
 PEER_SCHEMES: dict[str, PeerScheme] = {
@@ -142,8 +188,11 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     layer's as the cache reads it (``layer_heads``; Gemma 4's global layers are wider than layer 0), layers
     without K/V left out, and sliding layers whose window the scheme keeps in full precision (``layer_windows``,
     ``sliding_falls_back``: the cache quantizes nothing there). Checked once the model's config is read, before
-    any forward pass, so that a run does not fail at that scheme after the others' work (peers store their own
-    way)."""
+    any forward pass, so that a run does not fail at that scheme after the others' work. A peer's cache is made once
+    here (it holds nothing until its first update): a backend package that is not installed, or a model transformers'
+    ``QuantizedCache`` refuses (sliding layers), is said before the reference's forward passes, not at the first
+    window's peer (``PeerScheme.make_cache``'s errors), and so is a layer quanto can not group
+    (``PeerScheme.check_widths``)."""
     from kvbits.cache import attention_shape
     from kvbits.cache.cache import layer_windows
     from kvbits.plan.config import layer_heads
@@ -152,8 +201,12 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     n_layers = attention_shape(config)[0]
     head_dims = {i: d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
     windows = layer_windows(config)
+    widths = {i: kv * d for i in range(n_layers) for _, kv, d in [layer_heads(config, i)] if kv}
     for s in schemes:
-        if not isinstance(s, PeerScheme):
+        if isinstance(s, PeerScheme):
+            s.make_cache(config)
+            s.check_widths(widths)
+        else:
             check_scheme_layer_head_dims(s, head_dims, windows)
 
 
@@ -256,20 +309,51 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[
 
 
 def cache_bytes(cache: Any) -> int | None:
-    """Bytes a cache holds: kvbits' ``memory_report()["total_bytes"]``; every K/V tensor of a
-    ``DynamicCache`` or a ``StaticCache`` (all its reserved slots); None for any other cache. transformers'
-    ``QuantizedCache`` is one of those: its layers are ``DynamicLayer``s whose ``keys`` / ``values`` are only the
-    full-precision residual, the codes live in quanto tensors beside them, so counting ``keys`` and ``values``
-    would undercount it."""
-    from transformers import DynamicCache, StaticCache
+    """Bytes a cache holds: kvbits' ``memory_report()["total_bytes"]``; every K/V tensor of a ``DynamicCache`` or a
+    ``StaticCache`` (all its reserved slots); for transformers' ``QuantizedCache`` (a peer) each layer's quantized
+    states (quanto's packed codes, scales and zero-points, HQQ's codes and metadata: :func:`tensor_bytes`) and its
+    full-precision residual (``keys`` / ``values``: counting only these, as a ``DynamicLayer``'s, undercounts it);
+    None for any other cache."""
+    from transformers import DynamicCache, QuantizedCache, StaticCache
 
     report = getattr(cache, "memory_report", None)
     if callable(report):
         return int(report()["total_bytes"])
+    if isinstance(cache, QuantizedCache):
+        layers = [layer for layer in cache.layers if layer.is_initialized]
+        if not all(hasattr(layer, "_quantized_keys") for layer in layers):
+            return None  # a layout this transformers does not have: not counted rather than undercounted
+        return sum(tensor_bytes((layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+                   for layer in layers)  # fmt: skip
     if not isinstance(cache, (DynamicCache, StaticCache)):
         return None
     return int(sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
                    for t in (layer.keys, layer.values)))  # fmt: skip
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (tensors, tuples, lists, dict values), each counted once; a tensor subclass
+    that is a wrapper (quanto's ``WeightQBitsTensor``: ``__tensor_flatten__``) by its inner tensors (the packed
+    codes, scales and zero-points), not by its logical shape."""
+    seen: set[int] = set()
+
+    def walk(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return 0
+            seen.add(id(x))
+            flatten = getattr(type(x), "__tensor_flatten__", None)
+            if flatten is not None and type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+                names, _ = x.__tensor_flatten__()
+                return sum(walk(getattr(x, n)) for n in names)
+            return x.numel() * x.element_size()
+        if isinstance(x, (tuple, list)):
+            return sum(walk(v) for v in x)
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        return 0
+
+    return int(walk(obj))
 
 
 def load_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
