@@ -373,6 +373,28 @@ def test_static_cache_checks_bad_kv_eagerly_or_lazily():
         big.check_inputs()
 
 
+@pytest.mark.parametrize("checks", ["auto", "eager"])
+def test_traced_steps_checks_are_read_by_an_eager_cache(checks: str):
+    """A traced step (``torch.compile``) checks its K/V lazily whatever the mode; an eager cache (``"auto"`` on the
+    CPU) kept their running maximum but never read it: a NaN key written by a compiled step passed ``check_inputs()``
+    and ``memory_report()`` in silence. Now they read it."""
+    k = torch.randn(1, 2, 3, 32)
+    cache = StaticQuantizedKVCache(num_layers=1, max_cache_len=8, checks=checks)
+    cache.update(k, k, 0)  # the prefill, eager
+    step = torch.compile(lambda key, value: cache.update(key, value, 0)[0], backend="eager", fullgraph=True)
+    bad = k[:, :, :1].clone()
+    bad[0, 1, 0, 4] = float("nan")
+    step(bad, k[:, :, :1])
+    assert int(cache.layers[0].length) == 4
+    with pytest.raises(ValueError, match="layer 0: keys written to the cache held NaN or inf"):
+        cache.check_inputs()
+    with pytest.raises(ValueError, match="layer 0: keys .*NaN or inf"):
+        cache.memory_report()
+    cache.reset()  # a new request: the maximum restarts
+    cache.update(k, k, 0)
+    cache.check_inputs()
+
+
 def test_static_cache_refuses_a_layer_it_does_not_have_and_kv_that_are_not_4d_tensors():
     """A cache made for fewer layers than the model raised transformers' IndexError ('list index out of range')
     mid-forward, and layer_idx=-1 stored the K/V in the last layer without a word; a first update of 3-D K/V raised
