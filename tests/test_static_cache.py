@@ -347,6 +347,21 @@ def test_static_cache_refuses_what_it_cannot_hold():
         generate(model, cache, fused=False)
 
 
+@torch.no_grad()
+def test_static_cache_is_not_croppable_and_says_what_is():
+    """Assisted decoding asks for a croppable cache: transformers refuses it after the prefill. ``crop()`` itself
+    said 'QuantizedKVCache can', which crops only the tokens it still holds in full precision (assisted decoding
+    refuses it too unless the scheme is fp16 / bf16); it now says so."""
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=PROMPT + 8)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="can be cropped"):
+        model.generate(prompt(batch=1), **cache_kwargs(cache, model), assistant_model=model, max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="cannot be cropped.*full precision.*fp16 / bf16"):
+        cache.crop(-1)
+
+
 def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     """NaN / inf / wrong shapes or dtypes: eager checks refuse them before anything is stored; lazy ones (no host
     read in a step) are read by ``check_inputs()`` and ``memory_report()``, naming the layer."""

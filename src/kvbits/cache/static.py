@@ -846,7 +846,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
         raise NotImplementedError("StaticQuantizedKVCache does not reorder beams; QuantizedKVCache does")
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("StaticQuantizedKVCache cannot be cropped; QuantizedKVCache can")
+        raise NotImplementedError(
+            "StaticQuantizedKVCache cannot be cropped (its slabs keep no rollback, so assisted and prompt-lookup "
+            "decoding are refused); QuantizedKVCache crops the tokens it still holds in full precision (all of them "
+            "with an fp16 / bf16 scheme, which assisted decoding runs through)"
+        )
 
 
 class StaticQuantizedKVCache(Cache):
