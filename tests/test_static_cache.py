@@ -347,6 +347,21 @@ def test_static_cache_refuses_what_it_cannot_hold():
         generate(model, cache, fused=False)
 
 
+@torch.no_grad()
+def test_static_cache_is_not_croppable_and_says_what_is():
+    """Assisted decoding asks for a croppable cache: transformers refuses it after the prefill. ``crop()`` itself
+    said 'QuantizedKVCache can', which crops only the tokens it still holds in full precision (assisted decoding
+    refuses it too unless the scheme is fp16 / bf16); it now says so."""
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=PROMPT + 8)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="can be cropped"):
+        model.generate(prompt(batch=1), **cache_kwargs(cache, model), assistant_model=model, max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="cannot be cropped.*full precision.*fp16 / bf16"):
+        cache.crop(-1)
+
+
 def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     """NaN / inf / wrong shapes or dtypes: eager checks refuse them before anything is stored; lazy ones (no host
     read in a step) are read by ``check_inputs()`` and ``memory_report()``, naming the layer."""
@@ -371,6 +386,28 @@ def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     big.update(k * 1e5, k, 0)
     with pytest.raises(ValueError, match=r"layer 0: keys .*\|x\| up to"):
         big.check_inputs()
+
+
+@pytest.mark.parametrize("checks", ["auto", "eager"])
+def test_traced_steps_checks_are_read_by_an_eager_cache(checks: str):
+    """A traced step (``torch.compile``) checks its K/V lazily whatever the mode; an eager cache (``"auto"`` on the
+    CPU) kept their running maximum but never read it: a NaN key written by a compiled step passed ``check_inputs()``
+    and ``memory_report()`` in silence. Now they read it."""
+    k = torch.randn(1, 2, 3, 32)
+    cache = StaticQuantizedKVCache(num_layers=1, max_cache_len=8, checks=checks)
+    cache.update(k, k, 0)  # the prefill, eager
+    step = torch.compile(lambda key, value: cache.update(key, value, 0)[0], backend="eager", fullgraph=True)
+    bad = k[:, :, :1].clone()
+    bad[0, 1, 0, 4] = float("nan")
+    step(bad, k[:, :, :1])
+    assert int(cache.layers[0].length) == 4
+    with pytest.raises(ValueError, match="layer 0: keys written to the cache held NaN or inf"):
+        cache.check_inputs()
+    with pytest.raises(ValueError, match="layer 0: keys .*NaN or inf"):
+        cache.memory_report()
+    cache.reset()  # a new request: the maximum restarts
+    cache.update(k, k, 0)
+    cache.check_inputs()
 
 
 def test_static_cache_refuses_a_layer_it_does_not_have_and_kv_that_are_not_4d_tensors():

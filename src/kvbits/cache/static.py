@@ -46,8 +46,8 @@ addresses (``StaticLayer`` does the same), so ``mode="reduce-overhead"`` replays
 ``generate`` compiles so by itself on CUDA with a compileable cache. Traced steps attend over the K/V ``update``
 returns, whatever the model's attention: ``kvbits_fused`` runs eagerly (``torch.compiler.disable``), so it cannot sit
 inside such a graph; a fused step is captured whole with ``torch.cuda.graph`` instead
-(``kvbits.evaluate.graphs``). Inside ``torch.compile`` the K/V checks are lazy whatever the mode, and the
-host's token count (below) is not kept.
+(``kvbits.evaluate.graphs``). Inside ``torch.compile`` the K/V checks are lazy whatever the mode (read by
+``check_inputs()`` then, an eager cache's too), and the host's token count (below) is not kept.
 
 Schemes (``static_reason``): INT2/3/4/8 and FP8 codes with one scale per token (whole rows or channel groups, affine or
 symmetric, vLLM's rounding and integer zero-points, Hadamard rotations) or per-channel groups of tokens within the
@@ -798,8 +798,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return {"quantized": quantized, "full": full, "fixed": fixed}
 
     def read_checks(self) -> None:
-        """Read the lazy K/V checks (one host sync); ``ValueError`` naming the side. Eager layers: nothing."""
-        if not self.is_initialized or not self._lazy:
+        """Read the lazy K/V checks (one host sync); ``ValueError`` naming the side. Eager layers: nothing, unless a
+        step was traced (``torch.compile``) or captured since their slabs were made (``host_counts`` off): those steps'
+        checks are lazy whatever the mode (``update``), and are read here too."""
+        if not self.is_initialized or (not self._lazy and self.host_counts):
             return
         k, v = (float(x) for x in self.maxima.tolist())
         for what, m, bound in (("keys", k, self._bounds[0]), ("values", v, self._bounds[1])):
@@ -844,7 +846,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
         raise NotImplementedError("StaticQuantizedKVCache does not reorder beams; QuantizedKVCache does")
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("StaticQuantizedKVCache cannot be cropped; QuantizedKVCache can")
+        raise NotImplementedError(
+            "StaticQuantizedKVCache cannot be cropped (its slabs keep no rollback, so assisted and prompt-lookup "
+            "decoding are refused); QuantizedKVCache crops the tokens it still holds in full precision (all of them "
+            "with an fp16 / bf16 scheme, which assisted decoding runs through)"
+        )
 
 
 class StaticQuantizedKVCache(Cache):
