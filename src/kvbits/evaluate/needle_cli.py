@@ -31,7 +31,7 @@ the key: it is retrieved when every key token is the argmax (exactly when greedy
 key). --semantics prefill (default): the document is prefilled in full precision and stored in each
 scheme's real cache, the question and key are decoded token by token over it; decode: every token
 attends over the quantized history (the one-pass simulator, kvbits eval's semantics).
---json prints the summary: {"version", "task", "model", "data", "semantics", "contexts", "depths",
+--json prints the summary: {"version", "task", "model", "data", "semantics", "dtype", "contexts", "depths",
 "trials", "seed", "fingerprint", "reference": {"retrieved", "nll", "grid", "by_context"}, "results":
 [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll", "delta_nll", "kl",
 "by_context": [{"context", "trials", "retrieved", "retrieved_ref", "nll", "nll_ref", "kl",
