@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p,
         model_help="offline name, hub id, local folder or .gguf",
         data_help="tuning text: a registered name or a file",
-        data_path_help="folder with the registered texts (default ../shared/data or $KVBITS_DATA)",
+        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
     )
     p.add_argument(
         "--candidates", action="append", required=True, metavar="SCHEME",
