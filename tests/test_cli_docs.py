@@ -135,3 +135,28 @@ def test_defaults_the_library_applies_are_those_the_help_states() -> None:
     assert f"(default {params['percentile'].default:g})" in helps["calibrate", "--percentile"]
     assert f"{params['fp8_scale'].default} (default)" in helps["calibrate", "--fp8-scale"]
     assert f"(default {100 * DEFAULT_THRESHOLD:g})" in helps["report", "--threshold"]
+
+
+def test_readme_says_which_commands_take_json_dtype_device_and_data_path() -> None:
+    """The README's CLI section: every command has --json; the commands it names as running a model take --dtype
+    (float32 by default) and --device (analyze and calibrate also mps); those it names take --data-path, no other."""
+    text = " ".join(README.read_text().split())
+    commands = subparsers()
+
+    def options(name: str) -> dict[str, argparse.Action]:
+        return {o: a for a in commands[name]._actions for o in a.option_strings}
+
+    assert "Every command has `--help` and `--json`." in text
+    assert all("--json" in options(name) for name in commands)
+    running = re.search(r"The commands that run a model \(([^)]*)\)", text)
+    assert running is not None
+    names = re.findall(r"`([a-z]+)`", running.group(1))
+    assert sorted(names) == sorted(n for n in commands if "--dtype" in options(n))
+    for name in names:
+        dtype, device = options(name)["--dtype"], options(name)["--device"]
+        assert dtype.default == "float32" and list(dtype.choices) == ["float32", "bfloat16", "float16"]
+        assert ("mps" in device.help) == (name in ("analyze", "calibrate")), (name, device.help)
+    taking = re.search(r"`eval`[^.]*? also take `--data-path`", text)
+    assert taking is not None
+    names = re.findall(r"`([a-z]+)`", taking.group(0).removesuffix("`--data-path`"))
+    assert sorted(names) == sorted(n for n in commands if "--data-path" in options(n))
