@@ -9,12 +9,14 @@ TORCH_SPEC ?= $(shell ls $${PIP_FIND_LINKS:-/opt/wheels}/torch-2.13.0*.whl >/dev
 # Tests run in pytest-xdist worker processes, one test file per worker at a time (module fixtures such as a
 # loaded real model stay in one process); tests/conftest.py splits the cores' torch threads between them.
 # Most tests are single-threaded Python (Triton's interpreter), so two workers on two cores halve the wall
-# time (17:15 -> 9:35 on this project's 2-core machine). TEST_WORKERS=0 runs them in this one process.
+# time (17:15 -> 9:35 for 1601 tests on this project's 2-core machine, 2026-12-02). TEST_WORKERS=0 runs them
+# in this one process.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The GPU machine's transformers (5.17; it cannot install packages): the prepared device run (cache, fused decode,
-# benchmarks/gpu_decode.py) must work there, so CI also runs those tests under it (`make test-compat`, ~2 min).
+# benchmarks/gpu_decode.py) must work there, so CI also runs those tests under it (`make test-compat`: 3-7 min on
+# 2026-12-06; ~2 min for its first 391 tests).
 # Installed beside the venv's newer transformers, in a folder that goes first on PYTHONPATH.
 TF_COMPAT     ?= 5.17.0
 COMPAT_DIR    := $(VENV)/compat-transformers-$(TF_COMPAT)

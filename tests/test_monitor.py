@@ -606,6 +606,27 @@ def test_watch_on_token_ids_and_refusals() -> None:
         watch(model, ids, 1, "kivi-2")
 
 
+def test_watch_checks_the_context_against_the_models_positions(caplog) -> None:
+    """README: a context past a model's max_position_embeddings runs with a logged warning, and one past a learned
+    position table (GPT-2) is refused, in every command that runs a model. `kvbits monitor` did neither: GPT-2 at 100
+    tokens of 64 positions ended in torch's `IndexError: index out of range in self` inside the model (a traceback
+    from the CLI), and a RoPE model ran past its positions without a word."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kvbits.monitor import watch
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)).eval()
+    ids = ids_of(1, 300)[0]
+    with pytest.raises(ValueError, match="exceeds the 64 positions of this gpt2 model's learned position table"):
+        watch(gpt2, ids, 100, "int4-token")
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    with caplog.at_level("WARNING", logger="kvbits"):
+        watch(LlamaForCausalLM(cfg).eval(), ids, 100, "int4-token")
+    assert "positions beyond it are extrapolation" in caplog.text
+
+
 def test_watch_refuses_a_calibration_pinned_to_other_weights(tmp_path, monkeypatch) -> None:
     """A calibration made for model A (its weights' fingerprint) is refused for a model B of the same shape, as
     `kvbits eval` refuses it (before, `kvbits monitor` served it: only the shape was compared); one made for these

@@ -269,6 +269,15 @@ def test_exact_scheme_equals_reference_and_bytes_are_the_plan(lm, corpus):
         assert (
             b["cache_bytes_ref"] == 2 * 2 * 2 * 16 * (b["context"] - 1) * 4
         )  # K+V, layers, heads, D, float32
+    # every key of the summary, a result, a context row and the reference is in `kvbits needle --help`'s list (it
+    # left out the summary's dtype)
+    import re
+
+    from kvbits.evaluate.needle_cli import EPILOG
+
+    listed = set(re.findall(r'"(\w+)"', EPILOG.split("--json prints the summary:")[1]))
+    for part in (s, s["reference"], int2, int2["by_context"][0]):
+        assert set(part) <= listed, set(part) - listed
 
 
 def test_decode_semantics_equals_token_by_token_cache(lm, corpus, tok):

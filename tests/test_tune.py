@@ -282,6 +282,13 @@ def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypa
     record = json.loads((tmp_path / "mix.json.tune.json").read_text())
     assert [get_scheme(c).key for c in record["choice"]] == [scheme.for_layer(i).key for i in range(2)]
     assert len(record["sensitivity"]) == 2 and record["avg_bits"] <= 6
+    # the record's keys are those `kvbits tune --help` lists (it left out "scheme")
+    import re
+
+    from kvbits.tune.cli import EPILOG
+
+    listed = EPILOG.split("sensitivity table", 1)[1].split("--json prints that record")[0]
+    assert set(record) == set(re.findall(r'\{?"(\w+)"(?: \([^)]*\))?[,}]', listed)), listed
     assert main(["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--context", "100",
                  "--scheme", str(out)]) == 0  # fmt: skip
     with pytest.raises(SystemExit):

@@ -105,20 +105,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--mode",
         choices=("simulate", "stream"),
         default="simulate",
-        help="simulate: one pass per window (fast); stream: the real cache token by token (ground truth, slow)",
+        help="simulate: one pass per window (fast; the default); stream: the real cache token by token (ground truth, "
+        "slow)",
     )
     p.add_argument(
         "--fused-decode",
         choices=("auto", "on", "off"),
         default="auto",
         help="stream mode: decode steps through the fused kernel over the packed cache (auto: on CUDA with "
-        "Triton, as a server would run it; on: anywhere, the torch reference on CPU; off: dequantize + SDPA)",
+        "Triton, as a server would run it; on: anywhere, the torch reference on CPU; off: dequantize + SDPA; "
+        "default auto)",
     )
     p.add_argument(
         "--semantics",
         choices=("decode", "prefill"),
         default="decode",
-        help="decode: every token generated through the cache; prefill: the first --prompt-len tokens "
+        help="decode: every token generated through the cache (default); prefill: the first --prompt-len tokens "
         "prefilled in full precision, only the continuation scored",
     )
     p.add_argument(

@@ -31,7 +31,7 @@ the key: it is retrieved when every key token is the argmax (exactly when greedy
 key). --semantics prefill (default): the document is prefilled in full precision and stored in each
 scheme's real cache, the question and key are decoded token by token over it; decode: every token
 attends over the quantized history (the one-pass simulator, kvbits eval's semantics).
---json prints the summary: {"version", "task", "model", "data", "semantics", "contexts", "depths",
+--json prints the summary: {"version", "task", "model", "data", "semantics", "dtype", "contexts", "depths",
 "trials", "seed", "fingerprint", "reference": {"retrieved", "nll", "grid", "by_context"}, "results":
 [{"scheme", "avg_bits", "retrieved", "kept", "gained", "token_acc", "nll", "delta_nll", "kl",
 "by_context": [{"context", "trials", "retrieved", "retrieved_ref", "nll", "nll_ref", "kl",
@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--fused-decode", choices=("auto", "on", "off"), default="auto",
-        help="prefill semantics: decode steps through the fused kernel (auto: on CUDA with Triton)",
+        help="prefill semantics: decode steps through the fused kernel (auto: on CUDA with Triton; default auto)",
     )  # fmt: skip
     add_calibration_arg(p)
     p.add_argument("--digits", type=bounded(int, 1, 18), default=5, help="digits of the pass key (default 5)")
@@ -105,7 +105,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="keys and haystack offsets (default 0)")
     p.add_argument(
-        "--chunk-size", type=_positive, default=256, help="queries per simulated attention chunk (decode)"
+        "--chunk-size", type=_positive, default=256, help="queries per simulated attention chunk (decode semantics; default 256)"
     )
     add_summary_output_args(p, "needle")
     add_dtype_device(p, DEVICES)

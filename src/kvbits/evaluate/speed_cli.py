@@ -89,7 +89,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--fused-decode", choices=("auto", "on", "off"), default="auto",
         help="kvbits decode steps through the fused kernel (auto: on CUDA with Triton; on: also on CPU, through "
-        "the torch reference, a correctness path)",
+        "the torch reference, a correctness path; default auto)",
     )  # fmt: skip
     p.add_argument(
         "--workspace", action="store_true",
@@ -113,7 +113,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--sdpa", choices=SDPA_MODES, default=SDPA_MODES[0],
         help="SDPA's backends for the DynamicCache baseline, the dequantizing paths and the prefill (auto: torch's "
         "choice; no-cudnn: flash, memory-efficient or math, since cuDNN builds a plan for every new key length, "
-        "that is, every decode step)",
+        "that is, every decode step; default auto)",
     )  # fmt: skip
     add_calibration_arg(p)
     p.add_argument("--threads", type=_positive, help="torch intra-op threads on CPU (default: torch's)")

@@ -62,12 +62,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--value-error", type=_threshold, help="the same for values")
     p.add_argument("--clipped-fraction", type=_fraction, help="hold when more of a block's values clip")
     p.add_argument("--beyond-calibration", action="store_true", help="hold past the calibrated context")
-    p.add_argument("--scope", choices=("layer", "request"), default="layer", help="what a crossing holds")
+    p.add_argument("--scope", choices=("layer", "request"), default="layer", help="what a crossing holds (default layer)")
     p.add_argument(
         "--patience", type=_positive, default=1,
-        help="consecutive crossing flushes before acting (a prefill's flush counts once)",
+        help="consecutive crossing flushes before acting (a prefill's flush counts once; default 1)",
     )
-    p.add_argument("--sample-every", type=_positive, default=1, help="measure one flush in this many")
+    p.add_argument("--sample-every", type=_positive, default=1, help="measure one flush in this many (default 1)")
     p.add_argument(
         "--label", action="append", default=[], metavar="K=V", help="constant metric label; repeatable"
     )

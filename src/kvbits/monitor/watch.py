@@ -41,6 +41,7 @@ def watch(
     from kvbits.evaluate.inputs import _check_calibration_models, _load_model, _load_windows
     from kvbits.evaluate.request import _resolve_dtype, check_device
     from kvbits.evaluate.stream import PeerScheme, resolve_scheme, stream_hidden
+    from kvbits.plan.config import check_context_fits
 
     if not isinstance(context, int) or isinstance(context, bool) or context < 2:
         raise ValueError(f"context must be an int >= 2, got {context!r}")
@@ -56,6 +57,9 @@ def watch(
     lm, tokenizer, _, model_fp = _load_model(model, torch_dtype, device)
     if calibration is not None:  # the weights too: a same-shaped model B must not serve A's calibration
         _check_calibration_models({resolved.name: calibration}, model, lm.config, model_fp)
+    # as every other command that runs a model: refused past a learned position table (torch's IndexError inside the
+    # model otherwise), logged as extrapolation past a RoPE model's max_position_embeddings
+    check_context_fits(lm.config, context)
     windows, _, _ = _load_windows(data, tokenizer, context, 1, data_path)
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")

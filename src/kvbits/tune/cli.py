@@ -24,7 +24,7 @@ examples:
   kvbits eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --scheme kvq3.json --calibration kvq3.calibration
 
 --out writes the chosen mix as a scheme JSON (any command's --scheme takes it) and, beside it,
-<out>.tune.json with the sensitivity table {"choice", "candidates", "bits", "sensitivity" (layers x
+<out>.tune.json with the sensitivity table {"scheme" (the mix), "choice", "candidates", "bits", "sensitivity" (layers x
 candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits" (kvbits plan's at
 --context; "bits" are the uniform candidates'), "predicted_kl",
 "measured_kl", "uniform", "rounds", "meta", "calibration"}; --json prints that record. --rounds 2 re-chooses from
@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p,
         model_help="offline name, hub id, local folder or .gguf",
         data_help="tuning text: a registered name or a file",
-        data_path_help="folder with the registered texts (default ../shared/data or $KVBITS_DATA)",
+        data_path_help="folder searched first for registry texts (then $KVBITS_DATA, then ../shared/data)",
     )
     p.add_argument(
         "--candidates", action="append", required=True, metavar="SCHEME",

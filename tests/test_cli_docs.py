@@ -1,0 +1,162 @@
+"""The command lines the README and the ``--help`` texts show are real: every ``kvbits ...`` line of the README's
+bash blocks and of each subcommand's examples parses with the real parser, and every default an option's help
+states is the default argparse applies."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from kvbits.cli import COMMANDS, build_parser, requested_command
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def kvbits_argv(line: str) -> list[str] | None:
+    """The arguments after ``kvbits`` of a shell line (``torchrun ... -m kvbits ...`` too), its trailing ``# comment``
+    dropped; None for a line that does not run kvbits."""
+    line = re.split(r"\s+#\s", line.strip())[0]
+    if not re.match(rf"(kvbits ({'|'.join(COMMANDS)})|torchrun) ", line):  # prose such as "kvbits plan's avg_bits"
+        return None
+    tokens = shlex.split(line)
+    if not tokens or tokens[0] not in ("kvbits", "torchrun") or "kvbits" not in tokens:
+        return None
+    return tokens[tokens.index("kvbits") + 1 :]
+
+
+def readme_command_lines() -> list[str]:
+    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return [ln for b in blocks for ln in b.splitlines() if kvbits_argv(ln) is not None]
+
+
+def epilog_command_lines() -> list[tuple[str, str]]:
+    out = []
+    for name, p in subparsers().items():
+        for ln in (p.epilog or "").replace("\\\n", " ").splitlines():
+            if kvbits_argv(ln) is not None:
+                out.append((name, ln.strip()))
+    return out
+
+
+def test_kvbits_argv() -> None:
+    assert kvbits_argv("kvbits plan --context 8k   # a comment") == ["plan", "--context", "8k"]
+    assert kvbits_argv("torchrun --nproc-per-node 2 -m kvbits eval --windows 4") == ["eval", "--windows", "4"]
+    assert kvbits_argv("make demo   # kvbits demo") is None
+    assert kvbits_argv('kvbits export --scheme "vllm-int4,0=fp16"') == ["export", "--scheme", "vllm-int4,0=fp16"]
+
+
+def test_the_readme_shows_its_two_setup_commands_and_the_cli() -> None:
+    text = README.read_text()
+    first = re.search(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    assert first is not None
+    assert [ln.split("#")[0].strip() for ln in first.group(1).splitlines()] == ["make demo", "make test"]
+    assert len(readme_command_lines()) >= 20  # the CLI block: a lost block would pass the test below vacuously
+
+
+@pytest.mark.parametrize("line", readme_command_lines())
+def test_readme_command_lines_parse(line: str) -> None:
+    argv = kvbits_argv(line)
+    assert argv is not None
+    try:
+        build_parser(only=requested_command(argv)).parse_args(argv)
+    except SystemExit as exc:  # argparse's usage error: a flag renamed, dropped or given a bad value
+        pytest.fail(f"the README's command line does not parse (exit {exc.code}): {line}")
+
+
+@pytest.mark.parametrize(("command", "line"), epilog_command_lines())
+def test_help_example_lines_parse(command: str, line: str) -> None:
+    argv = kvbits_argv(line)
+    assert argv is not None
+    try:
+        build_parser(only=requested_command(argv)).parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"kvbits {command} --help shows a command line that does not parse (exit {exc.code}): {line}")
+
+
+def shown(default: object) -> str:
+    """A default as the help writes it: ``4.0`` -> ``4``, ``[0.0, 0.25]`` -> ``0,0.25``."""
+    if isinstance(default, float):
+        return f"{default:g}"
+    if isinstance(default, (list, tuple)):
+        return ",".join(shown(x) for x in default)
+    return str(default)
+
+
+def stated_defaults() -> list[tuple[str, str, object, str]]:
+    """``(command, option, default, help)`` of every option whose parsed default is a value (not None, False or an
+    empty list: a flag or an option that is simply absent)."""
+    rows = []
+    for name, p in subparsers().items():
+        for a in p._actions:
+            if not a.option_strings or isinstance(a, argparse._HelpAction) or a.default in (None, False, []):
+                continue
+            rows.append((name, a.option_strings[-1], a.default, a.help or ""))
+    return rows
+
+
+def test_stated_defaults_cover_the_options_that_have_one() -> None:
+    options = {(c, o) for c, o, _, _ in stated_defaults()}
+    assert {("eval", "--context"), ("eval", "--mode"), ("needle", "--depths"), ("monitor", "--scope")} <= options
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "default", "text"), stated_defaults(), ids=[f"{c} {o}" for c, o, _, _ in stated_defaults()]
+)
+def test_help_states_the_default_argparse_applies(command: str, option: str, default: object, text: str) -> None:
+    """Each option with a default says it in its help (``(default 8192)``, ``simulate: ... (the default)``), and a
+    number the help calls the default is argparse's (a changed default with a stale help fails here)."""
+    where = f"kvbits {command} {option}"
+    assert "default" in text, f"{where}: the help does not state the default {shown(default)!r}: {text!r}"
+    assert shown(default) in text, f"{where}: the help does not show the default {shown(default)!r}: {text!r}"
+    for number in re.findall(r"default:? (-?\d[\d.,]*\d|-?\d)", text):
+        assert number == shown(default), f"{where}: the help says default {number}, argparse applies {default!r}"
+
+
+def test_defaults_the_library_applies_are_those_the_help_states() -> None:
+    """Options parsed as None whose default the library applies: the help's figure is the library's."""
+    import inspect
+
+    from kvbits.calibrate.calibrate import calibrate
+    from kvbits.report.fmt import DEFAULT_THRESHOLD
+
+    helps = {(c, a.option_strings[-1]): a.help or "" for c, p in subparsers().items() for a in p._actions
+             if a.option_strings}  # fmt: skip
+    params = inspect.signature(calibrate).parameters
+    assert f"(default {params['percentile'].default:g})" in helps["calibrate", "--percentile"]
+    assert f"{params['fp8_scale'].default} (default)" in helps["calibrate", "--fp8-scale"]
+    assert f"(default {100 * DEFAULT_THRESHOLD:g})" in helps["report", "--threshold"]
+
+
+def test_readme_says_which_commands_take_json_dtype_device_and_data_path() -> None:
+    """The README's CLI section: every command has --json; the commands it names as running a model take --dtype
+    (float32 by default) and --device (analyze and calibrate also mps); those it names take --data-path, no other."""
+    text = " ".join(README.read_text().split())
+    commands = subparsers()
+
+    def options(name: str) -> dict[str, argparse.Action]:
+        return {o: a for a in commands[name]._actions for o in a.option_strings}
+
+    assert "Every command has `--help` and `--json`." in text
+    assert all("--json" in options(name) for name in commands)
+    running = re.search(r"The commands that run a model \(([^)]*)\)", text)
+    assert running is not None
+    names = re.findall(r"`([a-z]+)`", running.group(1))
+    assert sorted(names) == sorted(n for n in commands if "--dtype" in options(n))
+    for name in names:
+        dtype, device = options(name)["--dtype"], options(name)["--device"]
+        assert dtype.default == "float32" and list(dtype.choices) == ["float32", "bfloat16", "float16"]
+        assert ("mps" in device.help) == (name in ("analyze", "calibrate")), (name, device.help)
+    taking = re.search(r"`eval`[^.]*? also take `--data-path`", text)
+    assert taking is not None
+    names = re.findall(r"`([a-z]+)`", taking.group(0).removesuffix("`--data-path`"))
+    assert sorted(names) == sorted(n for n in commands if "--data-path" in options(n))
