@@ -36,6 +36,7 @@ from kvbits.cache.fixed import (
     PARAM_NAMES,
     channel_bound,
     check_calibrated_heads,
+    check_param_shapes,
     checked_params,
     missing_params,
 )
@@ -369,6 +370,9 @@ class QuantizedKVLayer(CacheLayerMixin):
                                 scale=scale, zero=zero, codebook=codebook, mean=mean, factor=factor)  # fmt: skip
         if self.mode != "quantized":
             return
+        D = self._head_dims[0 if side == "key" else 1]  # the config's, or the first K/V's (None: checked then)
+        check_param_shapes(store.spec, f"layer {self.layer_idx} {side}", params, self._stored_heads(), D,
+                           self.scheme.block)  # fmt: skip
         for name in ("channel_mean", "channel_factor"):
             if name in params:
                 setattr(store, name, params[name])
@@ -423,6 +427,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             kv_checks.check_channel_groups(
                 self.scheme, key_states.shape[-1], value_states.shape[-1], f"layer {self.layer_idx}"
             )
+            for side, store, x in (("key", self._k, key_states), ("value", self._v, value_states)):
+                # parameters installed before the shapes were known: refused now, before anything is stored
+                have = {name: getattr(store, name) for name in PARAM_NAMES}
+                check_param_shapes(store.spec, f"layer {self.layer_idx} {side}", have, x.shape[1], x.shape[-1],
+                                   self.scheme.block)  # fmt: skip
         self.dtype, self.device = key_states.dtype, key_states.device
         self.checks.resolve(self.device)
         k_store, v_store = key_states.dtype, value_states.dtype
