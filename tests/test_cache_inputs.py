@@ -459,3 +459,22 @@ def test_misshapen_fixed_params_are_refused_before_anything_is_stored(scheme, pa
     with pytest.raises(ValueError, match=f"layer 0 key: {match}"):
         layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
     assert layer.tokens_seen == 0 and not layer.is_initialized
+
+
+def test_zero_points_installed_apart_from_their_scale_are_kept():
+    """``set_static_qparams(side, zero=...)`` after the scale: the zero-points are installed (before, they were
+    checked and dropped, and the layer went on saying they were missing); a new scale drops them again."""
+    scheme = KVScheme(
+        "t-static-asym", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True),
+        value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), block=4,
+    )  # fmt: skip
+    layer = QuantizedKVLayer(scheme, checks="eager", num_key_value_heads=2, head_dim=64)
+    layer.set_static_qparams("key", scale=torch.ones(2, 64))
+    assert layer.needs_calibration() == ["key static zero-points"]
+    layer.set_static_qparams("key", zero=torch.full((2, 64), -1.0))
+    assert layer.needs_calibration() == []
+    k = torch.linspace(-1, 1, 64).expand(1, 2, 4, 64).contiguous()
+    keys, _ = layer.update(k, torch.randn(1, 2, 4, 64))
+    assert layer._k.n_quantized == 4 and (keys - k).abs().max() < 0.5  # codes cover [-1, 14] in steps of 1
+    layer.set_static_qparams("key", scale=torch.ones(2, 64))
+    assert layer.needs_calibration() == ["key static zero-points"]

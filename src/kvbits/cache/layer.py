@@ -354,7 +354,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         ``(2**bits,)``; ``mean`` / ``factor``: ``centre`` / ``smooth`` specs, ``(H_kv, D)`` (or
         ``(1, H_kv, 1, D)``) channel means and smoothing factors (``> 0``), stored float16 ``(H_kv, D)``.
         They are owned by the layer and reported as ``fixed`` bytes. A no-op for layers that quantize
-        nothing (identity schemes, sliding fallback).
+        nothing (identity schemes, sliding fallback). A ``scale`` replaces the zero-points with ``zero`` (none when
+        not given); ``zero`` alone replaces the zero-points of the installed scale.
 
         Scales must be finite and ``>= 0`` (FP8: ``> 0``), zero-points finite, in the dtype they are
         stored in (float16; FP8 scales float32): checked here, once (one host sync), since the per-step
@@ -378,10 +379,12 @@ class QuantizedKVLayer(CacheLayerMixin):
                 setattr(store, name, params[name])
         if "channel_mean" in params or "channel_factor" in params:  # the float16 scales cover (x - mean) / factor
             self._set_bounds(*self._head_dims)
-        if "static_scale" in params:
+        if "static_scale" in params:  # a new scale drops the old zero-points: they belong to the old scale
             store.static_scale, store.static_zero = params["static_scale"], params.get("static_zero")
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
             store.zero_scales = bool((store.static_scale == 0).any())
+        elif "static_zero" in params:  # zero-points alone (their scale installed before): dropped silently before
+            store.static_zero = params["static_zero"]
         if "codebook" in params:
             store.codebook = params["codebook"]
 
