@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
 from kvbits.cache import checks as kv_checks
-from kvbits.schemes import get_scheme
+from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 
 transformers.logging.set_verbosity_error()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -430,3 +430,51 @@ def test_constructor_refuses_a_rotary_that_is_no_tables_and_a_bool_layer_count(s
     for bad in (True, False):
         with pytest.raises(ValueError, match=f"num_layers must be a positive int, got {bad}"):
             QuantizedKVCache(scheme="kivi-2", num_layers=bad)
+
+
+STATIC_CHANNEL = KVScheme(
+    "t-static-channel", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True, symmetric=True),
+    value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), residual=20, block=4,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "scheme, params, match",
+    [(STATIC_CHANNEL, {"scale": torch.ones(3, 64)}, "static_scale of shape \\(3, 64\\) does not broadcast"),
+     (STATIC_CHANNEL, {"scale": torch.ones(2, 32)}, "static_scale of shape \\(2, 32\\) does not broadcast"),
+     ("int8-token-smooth", {"mean": torch.zeros(2, 32), "factor": torch.ones(2, 32)},
+      "channel_mean must be \\(H_kv, D\\) = \\(2, 64\\)")],
+)  # fmt: skip
+def test_misshapen_fixed_params_are_refused_before_anything_is_stored(scheme, params, match):
+    """Static scales or channel vectors that do not fit the layer's ``(H_kv, D)``: refused at install when a config
+    gives the shapes, else by the first update before it stores anything, naming the layer. Before, the first flush
+    refused them (``residual + block`` = 24 tokens into the request), unnamed, with the tokens already stored."""
+    B, H, D = 1, 2, 64
+    with pytest.raises(ValueError, match=f"layer 0 key: {match}"):
+        QuantizedKVLayer(get_scheme(scheme), checks="eager", num_key_value_heads=H, head_dim=D).set_static_qparams(
+            "key", **params
+        )
+    layer = QuantizedKVLayer(get_scheme(scheme), checks="eager")  # no config: the shapes come with the first K/V
+    layer.set_static_qparams("key", **params)
+    with pytest.raises(ValueError, match=f"layer 0 key: {match}"):
+        layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+    assert layer.tokens_seen == 0 and not layer.is_initialized
+
+
+def test_zero_points_installed_apart_from_their_scale_are_kept():
+    """``set_static_qparams(side, zero=...)`` after the scale: the zero-points are installed (before, they were
+    checked and dropped, and the layer went on saying they were missing); a new scale drops them again."""
+    scheme = KVScheme(
+        "t-static-asym", key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True),
+        value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"), block=4,
+    )  # fmt: skip
+    layer = QuantizedKVLayer(scheme, checks="eager", num_key_value_heads=2, head_dim=64)
+    layer.set_static_qparams("key", scale=torch.ones(2, 64))
+    assert layer.needs_calibration() == ["key static zero-points"]
+    layer.set_static_qparams("key", zero=torch.full((2, 64), -1.0))
+    assert layer.needs_calibration() == []
+    k = torch.linspace(-1, 1, 64).expand(1, 2, 4, 64).contiguous()
+    keys, _ = layer.update(k, torch.randn(1, 2, 4, 64))
+    assert layer._k.n_quantized == 4 and (keys - k).abs().max() < 0.5  # codes cover [-1, 14] in steps of 1
+    layer.set_static_qparams("key", scale=torch.ones(2, 64))
+    assert layer.needs_calibration() == ["key static zero-points"]

@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 import torch
 from test_cache import storage_bytes, walk_tensors
-from test_fused_cache import NEW, PROMPT, SCHEMES, attention, build, install, prompt, use_triton
+from test_fused_cache import NEW, PROMPT, SCHEMES, attention, build, install, prompt, spec, use_triton
 
 from kvbits.cache import QuantizedKVCache
 from kvbits.cache import fused as fused_mod
@@ -27,7 +27,7 @@ from kvbits.kernels import dispatch
 from kvbits.kernels.reference import decode_attention_reference, pack_store
 from kvbits.plan import plan
 from kvbits.quant import quantize
-from kvbits.schemes import TensorSpec, token_split
+from kvbits.schemes import KVScheme, TensorSpec, token_split
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,6 +95,25 @@ def test_reservation_changes_no_result_and_holds_what_the_planner_counts(scheme:
     assert all(r["reserved_tokens"] == token_split(sch, FULL).quantized for r in report["layers"])
     extra = report["position_bytes"] + (cache.fused_report()["rope_table_bytes"] if fused else 0)
     assert storage_bytes(walk_tensors(cache)) == report["total_bytes"] + extra  # no hidden copy
+
+
+@pytest.mark.parametrize("per_block", ["key", "value"])
+def test_one_reserved_side_beside_a_per_block_side_decodes_fused(per_block: str):
+    """A scheme whose one side keeps one growing chunk (reserved for ``max_cache_len``) and whose other side is
+    stored per block (head granularity: nothing reserved): the fused store hands the kernels the slots in use of
+    both, one slot count. Before, the reserved side's every slot beside the other's used ones was refused at the
+    first decode step (``key and value codes must be (B, H_kv, T_q, *) ...``: 48 slots against 32)."""
+    sides = {"key": spec(4, "token"), "value": spec(4, "token")} | {per_block: spec(4, "head")}
+    sch = KVScheme(f"t-mixed-{per_block}", **sides, sinks=2, residual=4, block=8)
+    model = build("llama")
+    seq_ref, logits_ref, _ = run(model, sch, fused=True)
+    seq, logits, cache = run(model, sch, fused=True, max_cache_len=FULL)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=0)
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == (NEW - 1) * 2 and rep["fallback_steps"] == 0, rep
+    reserved = cache.layers[0]._v if per_block == "key" else cache.layers[0]._k
+    assert reserved.reserved_slots == token_split(sch, FULL).quantized  # held, written in place throughout
 
 
 def test_reservation_is_held_from_the_first_flush():

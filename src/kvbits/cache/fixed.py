@@ -8,6 +8,9 @@ zero-points (``TensorSpec.static``), a NUQ codebook (``kind="nuq"``), channel me
   ``[-1, 1]``; factors ``> 0``; shapes), cloned in the dtype they are stored in, under the names ``quantize`` takes
   (``static_scale``, ``static_zero``, ``codebook``, ``channel_mean``, ``channel_factor``). One host sync: the per-step
   path never re-checks them;
+- ``check_param_shapes``: that installed parameters fit the side's ``(H_kv, D)`` and flush block, once both are known
+  (at install with a config, else at the first update): a misfit is refused there, naming the layer, not at the first
+  flush, which comes ``residual + block`` tokens into a request, part-way through an update;
 - ``missing_params``: what a spec still lacks before it can quantize, in words;
 - ``channel_bound``: the input bound of a side whose codes cover ``(x - mean) / factor``;
 - ``install_artifact``: a calibration artifact's parameters of one layer, through its ``set_static_qparams``.
@@ -22,10 +25,10 @@ import torch
 
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.nuq import check_codebook
-from kvbits.quant.tensor import check_finite, check_static_scale
+from kvbits.quant.tensor import check_finite, check_static_scale, static_param_shape
 from kvbits.schemes.spec import TensorSpec
 
-__all__ = ["PARAM_NAMES", "channel_bound", "checked_params", "install_artifact", "missing_params"]
+__all__ = ["PARAM_NAMES", "channel_bound", "check_param_shapes", "checked_params", "install_artifact", "missing_params"]
 
 PARAM_NAMES = ("static_scale", "static_zero", "codebook", "channel_mean", "channel_factor")  # quantize's arguments
 
@@ -92,6 +95,38 @@ def checked_params(
     if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
         out["codebook"] = check_codebook(codebook.detach().to(device).clone(), spec.bits)
     return out
+
+
+def check_param_shapes(
+    spec: TensorSpec,
+    what: str,
+    params: Mapping[str, torch.Tensor | None],
+    heads: int | None,
+    head_dim: int | None,
+    block: int,
+) -> None:
+    """``ValueError`` (naming ``what``) when the installed ``params`` (``PARAM_NAMES`` keys; absent or ``None``: none)
+    of ``spec``'s side do not fit a side of ``heads`` KV heads of dim ``head_dim`` quantizing ``block`` tokens at a
+    time: the shapes a flush would refuse. A no-op while ``heads`` or ``head_dim`` is unknown (``None``). Shapes only
+    (a ``meta`` block): no device work, no sync."""
+    if heads is None or head_dim is None:
+        return
+    for name in ("channel_mean", "channel_factor"):
+        t = params.get(name)
+        if t is not None and (t.numel() != heads * head_dim or t.shape[-1] != head_dim):
+            raise ValueError(
+                f"{what}: {name} must be (H_kv, D) = ({heads}, {head_dim}) for this layer, got {tuple(t.shape)}"
+            )
+    if spec.kind not in ("int", "nuq") or not spec.static:  # FP8 scales: shaped per head by static_fp8_scale
+        return
+    x = torch.empty((1, heads, block, head_dim), device="meta")
+    for name in ("static_scale", "static_zero"):
+        t = params.get(name)
+        if t is not None:
+            try:
+                static_param_shape(t, name, x, spec)
+            except ValueError as e:
+                raise ValueError(f"{what}: {e} ({heads} KV heads of dim {head_dim}, {block}-token blocks)") from None
 
 
 def missing_params(spec: TensorSpec, side: str, have: Mapping[str, torch.Tensor | None]) -> list[str]:

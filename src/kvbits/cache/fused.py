@@ -304,7 +304,10 @@ def packed_store(layer: QuantizedKVLayer, keep: torch.Tensor | None = None) -> P
             "(layout_reason declines it; decode it through QuantizedKVCache, which falls back to SDPA)"
         )
     k, v = layer._k, layer._v
-    key, value = k.packed(), v.packed()
+    # one slot count for K and V: every reserved slot where both sides hold the reservation (or neither does), the
+    # slots in use where one side is per block (head / tensor granularity: not mergeable, nothing reserved)
+    every_slot = k.reserved_slots == v.reserved_slots
+    key, value = k.packed(every_slot), v.packed(every_slot)
     key_full, value_full = k.full_tail(), v.full_tail()
     ref = key_full if key_full is not None else key.codes
     B, device = ref.shape[0], ref.device

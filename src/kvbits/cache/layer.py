@@ -36,6 +36,7 @@ from kvbits.cache.fixed import (
     PARAM_NAMES,
     channel_bound,
     check_calibrated_heads,
+    check_param_shapes,
     checked_params,
     missing_params,
 )
@@ -353,7 +354,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         ``(2**bits,)``; ``mean`` / ``factor``: ``centre`` / ``smooth`` specs, ``(H_kv, D)`` (or
         ``(1, H_kv, 1, D)``) channel means and smoothing factors (``> 0``), stored float16 ``(H_kv, D)``.
         They are owned by the layer and reported as ``fixed`` bytes. A no-op for layers that quantize
-        nothing (identity schemes, sliding fallback).
+        nothing (identity schemes, sliding fallback). A ``scale`` replaces the zero-points with ``zero`` (none when
+        not given); ``zero`` alone replaces the zero-points of the installed scale.
 
         Scales must be finite and ``>= 0`` (FP8: ``> 0``), zero-points finite, in the dtype they are
         stored in (float16; FP8 scales float32): checked here, once (one host sync), since the per-step
@@ -369,15 +371,20 @@ class QuantizedKVLayer(CacheLayerMixin):
                                 scale=scale, zero=zero, codebook=codebook, mean=mean, factor=factor)  # fmt: skip
         if self.mode != "quantized":
             return
+        D = self._head_dims[0 if side == "key" else 1]  # the config's, or the first K/V's (None: checked then)
+        check_param_shapes(store.spec, f"layer {self.layer_idx} {side}", params, self._stored_heads(), D,
+                           self.scheme.block)  # fmt: skip
         for name in ("channel_mean", "channel_factor"):
             if name in params:
                 setattr(store, name, params[name])
         if "channel_mean" in params or "channel_factor" in params:  # the float16 scales cover (x - mean) / factor
             self._set_bounds(*self._head_dims)
-        if "static_scale" in params:
+        if "static_scale" in params:  # a new scale drops the old zero-points: they belong to the old scale
             store.static_scale, store.static_zero = params["static_scale"], params.get("static_zero")
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
             store.zero_scales = bool((store.static_scale == 0).any())
+        elif "static_zero" in params:  # zero-points alone (their scale installed before): dropped silently before
+            store.static_zero = params["static_zero"]
         if "codebook" in params:
             store.codebook = params["codebook"]
 
@@ -423,6 +430,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             kv_checks.check_channel_groups(
                 self.scheme, key_states.shape[-1], value_states.shape[-1], f"layer {self.layer_idx}"
             )
+            for side, store, x in (("key", self._k, key_states), ("value", self._v, value_states)):
+                # parameters installed before the shapes were known: refused now, before anything is stored
+                have = {name: getattr(store, name) for name in PARAM_NAMES}
+                check_param_shapes(store.spec, f"layer {self.layer_idx} {side}", have, x.shape[1], x.shape[-1],
+                                   self.scheme.block)  # fmt: skip
         self.dtype, self.device = key_states.dtype, key_states.device
         self.checks.resolve(self.device)
         k_store, v_store = key_states.dtype, value_states.dtype

@@ -590,11 +590,14 @@ class SideStore:
         out[:, :, S + Q :].copy_(self.buffer)
         return out
 
-    def packed(self) -> PackedTensor | None:
+    def packed(self, every_slot: bool = True) -> PackedTensor | None:
         """The quantized chunks in the decode-kernel layout (``kvbits.kernels.reference.pack_side``), or
         ``None`` when nothing is quantized. NotImplementedError for specs the layout cannot hold. With
         reserved slots (``reserve_tokens``) it covers all of them, ``n_slots >= n_quantized``: the slots past
         ``n_quantized`` are zeros the kernels never read (``kvbits.cache.fused.packed_store`` sets the lengths).
+        ``every_slot=False``: the ``n_quantized`` slots in use only, ``n_slots == n_quantized`` (for a layer
+        whose other side holds no reservation: the kernels take one slot count for K and V); a copy where the
+        slots' view is not contiguous, and never kept (the next flush outgrows it).
 
         A single chunk (every ``mergeable`` spec) is handed over without a copy and the view is kept until
         the chunks change; several chunks (head / tensor granularity) are concatenated on every call and
@@ -602,15 +605,18 @@ class SideStore:
         """
         if not self.chunks:
             return None
-        if self._packed is not None:
+        reserved = every_slot and self._slots is not None
+        if self._packed is not None and (reserved or self._slots is None):  # kept: every slot, or the chunk
             return self._packed
         from kvbits.kernels.reference import pack_side
 
         chunks = self.chunks
-        if self._slots is not None:  # every reserved slot: the kernels read the first n_quantized (quant_lens)
+        if reserved:  # every reserved slot: the kernels read the first n_quantized (quant_lens)
             B, H, _, D = chunks[0].shape
             chunks = [replace(chunks[0], shape=(B, H, self.reserve_tokens, D), **self._slots)]
         p = pack_side(chunks, self.name)
+        if self._slots is not None and not reserved:
+            return p
         own = {t.untyped_storage().data_ptr() for c in self.chunks for t in c.stored_tensors()}
         if all(t.untyped_storage().data_ptr() in own for t in (p.codes, p.scale, p.zero) if t is not None):
             self._packed = p  # views of the chunk: keeping them costs nothing

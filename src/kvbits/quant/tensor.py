@@ -492,6 +492,26 @@ def zero_scale_clipped(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     return (scale == 0) & (x.float() != target)
 
 
+def static_param_shape(t: torch.Tensor, name: str, x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Static scale or zero-point ``t`` of ``spec`` as it broadcasts to ``_group(x)`` for a block ``x`` ``(B, H_kv, n,
+    D)`` (a static per-channel ``(H_kv, D)`` viewed as ``(1, H_kv, 1, D)``); ``TypeError`` / ``ValueError`` when it
+    does not. Shapes only: ``x`` may be a ``meta`` tensor (``kvbits.cache.fixed.check_param_shapes``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    H, D = x.shape[1], x.shape[3]
+    if spec.granularity == "channel" and spec.group_size is None and tuple(t.shape) == (H, D):
+        t = t.reshape(1, H, 1, D)
+    grouped = _group(x, spec).shape
+    try:
+        ok = broadcast_shape(t.shape, grouped) == grouped
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
+                         f"groups {tuple(grouped)} of a block {tuple(x.shape)}")
+    return t
+
+
 def _static_qparams(
     x: torch.Tensor,
     spec: TensorSpec,
@@ -509,25 +529,12 @@ def _static_qparams(
         raise ValueError("a static spec needs static_scale (from a calibration artifact)")
     if spec.has_zero_point and static_zero is None:
         raise ValueError("an asymmetric static spec needs static_zero as well as static_scale")
-    H, D = x.shape[1], x.shape[3]
     out = []
     for name, t in (("static_scale", static_scale), ("static_zero", static_zero if spec.has_zero_point else None)):
         if t is None:
             out.append(None)
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if spec.granularity == "channel" and spec.group_size is None and tuple(t.shape) == (H, D):
-            t = t.reshape(1, H, 1, D)
-        grouped = _group(x, spec).shape
-        try:
-            ok = broadcast_shape(t.shape, grouped) == grouped
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
-                             f"groups {tuple(grouped)} of a block {tuple(x.shape)}")
-        t = t.to(x.device, META_DTYPE)
+        t = static_param_shape(t, name, x, spec).to(x.device, META_DTYPE)
         if check and name == "static_scale":
             check_static_scale(t, name)
         elif check:
