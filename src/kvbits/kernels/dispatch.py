@@ -32,6 +32,7 @@ __all__ = [
     "kernel_calls",
     "kernel_mode",
     "kernel_settings",
+    "require_triton",
     "resolve_kernel",
     "triton_available",
 ]
@@ -99,15 +100,21 @@ def check_triton_device(x: torch.Tensor, what: str) -> None:
         )
 
 
+def require_triton(q: torch.Tensor) -> None:
+    """``KVBITS_KERNEL=triton``: ``ImportError`` unless Triton imports, ``ValueError`` unless it can launch on
+    ``q``'s device (``check_triton_device``)."""
+    if not triton_available():
+        raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
+    check_triton_device(q, "the query")
+
+
 def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
     """``"triton"`` or ``"reference"``: what ``decode_attention`` runs for these inputs."""
     mode = kernel_mode()
     if mode == "reference":
         return "reference"
     if mode == "triton":
-        if not triton_available():
-            raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
-        check_triton_device(q, "the query")
+        require_triton(q)
         from kvbits.kernels.triton_decode import supported
 
         reason = supported(store, q)
