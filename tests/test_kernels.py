@@ -981,6 +981,30 @@ def test_float32_to_bfloat16_casts_round_to_nearest_even():
 
 
 @needs_triton
+def test_integer_to_bfloat16_casts_convert_values():
+    """``i.to(tl.bfloat16)`` of an integer converts its value, as on the GPU; Triton's interpreter reinterpreted the
+    integer's bits (7 became 6.4e-40, -3 NaN), so a kernel that casts its codes straight to bfloat16 (``K_ROWS``
+    goes through float32 for that reason) measured garbage only on CPU."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(X, Y, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, tl.load(X + offs).to(tl.bfloat16))
+
+    g = torch.Generator().manual_seed(8)
+    special = torch.tensor([0, 1, -1, 7, -3, 127, -128, 255, 257, 99999, -(2**24), 2**24 - 1])
+    for dtype in (torch.int32, torch.int8, torch.int16):
+        info = torch.iinfo(dtype)
+        x = torch.cat([special.clamp(info.min, info.max),
+                       torch.randint(info.min, info.max, (64 - len(special),), generator=g)]).to(dtype)  # fmt: skip
+        y = torch.empty(64, dtype=torch.bfloat16, device=DEVICE)
+        cast[(1,)](x.to(DEVICE), y, N=64)
+        assert torch.equal(y.cpu().view(torch.int16), x.bfloat16().view(torch.int16)), dtype
+
+
+@needs_triton
 @pytest.mark.parametrize("seed", range(3))
 def test_kernel_bf16_per_token_int8_keys(seed: int):
     """bfloat16 queries over symmetric int8 per-token keys (``K_ROWS``: the codes enter the dots exactly, each

@@ -54,6 +54,8 @@ def enable_interpreter() -> None:
     - ``tl.dot`` of bfloat16 operands multiplies their values, not their uint16 bit patterns.
     - float32 → bfloat16 casts (``x.to(tl.bfloat16)``) round to nearest even, as on the GPU and in torch
       (``_f32_to_bf16``); the interpreter's own truncates, which doubled the kernel's error on bfloat16 queries.
+      Integer → bfloat16 casts convert the values (through float32, exact to 2^24) where the interpreter's own
+      reinterprets them as bit patterns (7 became 6.4e-40).
 
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
@@ -103,8 +105,9 @@ def enable_interpreter() -> None:
     original_cast = interp.InterpreterBuilder.cast_impl
 
     def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interp.TensorHandle(_f32_to_bf16(src.data), tl.bfloat16)
+        if dst_type.scalar == tl.bfloat16 and (src.dtype.scalar == tl.float32 or src.dtype.scalar.is_int()):
+            # integers: through their float32 values (the interpreter's own reinterprets them as bit patterns)
+            return interp.TensorHandle(_f32_to_bf16(src.data.astype(np.float32)), tl.bfloat16)
         return original_cast(self, src, dst_type)
 
     interp.InterpreterBuilder.cast_impl = cast_impl  # create_fp_trunc (``.to``'s float downcast) calls it
