@@ -642,6 +642,27 @@ def test_enable_interpreter_refuses_a_kernel_module_imported_before_it(module):
 
 
 @needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU tensors through the interpreter")
+def test_triton_interpret_true_is_the_interpreter_too(monkeypatch):
+    """Triton takes ``TRITON_INTERPRET=true`` (``on``, ``yes``, ``y``, any case) for its interpreter; kvbits took only
+    ``1``: under ``true`` ``KVBITS_KERNEL=triton`` refused CPU queries ("without it") and ``dequant="f16"`` emitted
+    inline PTX, which the interpreter rejects (``inline_asm not supported in interpreter mode``)."""
+    from kvbits.kernels.interpret import interpreting
+
+    for value, on in (("1", True), ("true", True), ("On", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is on, value
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    g = torch.Generator().manual_seed(12)
+    store = make_store(g, B=1, T_q=64, T_f=8, device="cpu")
+    q = torch.randn(1, 6, 1, 64, generator=g).half()
+    out = dispatch.decode_attention(q, store)
+    f16 = triton_decode.decode_attention_triton(q, store, dequant="f16")
+    assert max_err(f16, out) < 2e-3
+
+
+@needs_triton
 def test_forced_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
     """``KVBITS_KERNEL=triton`` with CPU tensors and no interpreter: a ValueError saying what to do, before
     any launch (Triton's own error would be "0 active drivers"), for decode attention and quantize-and-pack."""

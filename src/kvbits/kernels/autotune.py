@@ -164,7 +164,9 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name} sm_{props.major}{props.minor} {props.multi_processor_count}sm"
-    return f"{device.type}{'-interpreter' if os.environ.get('TRITON_INTERPRET') == '1' else ''}"
+    from kvbits.kernels.interpret import interpreting
+
+    return f"{device.type}{'-interpreter' if interpreting() else ''}"
 
 
 def _side(p: PackedTensor | None) -> str:

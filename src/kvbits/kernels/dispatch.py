@@ -90,9 +90,9 @@ def check_triton_device(x: torch.Tensor, what: str) -> None:
     ``kvbits.kernels.aot.compile_only``; otherwise Triton itself fails with an opaque "0 active drivers"
     error at the launch.
     """
-    from kvbits.kernels import aot  # standard library only: no Triton import
+    from kvbits.kernels import aot, interpret  # standard library only: no Triton import
 
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and not aot.compiling():
+    if not x.is_cuda and not interpret.interpreting() and not aot.compiling():
         raise ValueError(
             f"{KERNEL_ENV}=triton runs the Triton kernels on CUDA tensors, or on CPU tensors through Triton's "
             f"interpreter (TRITON_INTERPRET=1, kvbits.kernels.interpret.enable_interpreter()); got {what} on "

@@ -9,12 +9,22 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["TRITON_KERNEL_MODULES", "enable_interpreter"]
+__all__ = ["TRITON_KERNEL_MODULES", "enable_interpreter", "interpreting"]
 
 # the modules whose @triton.jit kernels are decorated at import (compiled or interpreted, fixed then)
 TRITON_KERNEL_MODULES = ("kvbits.kernels.triton_decode", "kvbits.kernels.triton_fold", "kvbits.kernels.triton_quantize")
 
 _PATCHED = False
+# the values of TRITON_INTERPRET that Triton (3.6's getenv_bool, case-insensitive) takes for "on"
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton for its interpreter, as Triton reads it (``1``, ``true``, ``on``,
+    ``yes``, ``y``, any case); standard library only. Before, kvbits took only ``1``: under ``TRITON_INTERPRET=true``
+    Triton interpreted while ``KVBITS_KERNEL=triton`` refused CPU queries and ``dequant="f16"`` emitted inline PTX,
+    which the interpreter cannot run."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
 
 
 def _reinterpret_triton_language() -> None:
@@ -60,7 +70,7 @@ def enable_interpreter() -> None:
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
     global _PATCHED
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         early = sorted(name for name in sys.modules if name in TRITON_KERNEL_MODULES)
         if early:
             raise RuntimeError(
@@ -68,7 +78,7 @@ def enable_interpreter() -> None:
                 "mode and cannot run on CPU tensors; call enable_interpreter() before importing them (tests: "
                 "import Triton kernel modules inside the test, or after test_kernels' set-up)"
             )
-    already_imported = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+    already_imported = "triton" in sys.modules and not interpreting()
     os.environ["TRITON_INTERPRET"] = "1"
     if _PATCHED:
         return
