@@ -171,6 +171,29 @@ def test_keys_bucket_batch_and_context_and_tell_layouts_apart():
     assert len({tune_key(q5, s5), tune_key(q6, s6), tune_key(q7, s7), tune_key(q1, s1)}) == 4
 
 
+def test_keys_tell_apart_what_the_kernel_specialises_on():
+    """The kernel compiles another variant for a tail-only padding mask, full- or half-width RoPE tables, a tail of
+    another dtype than the query and lengths read from the device (a static cache's store); the key named none of
+    them, so a launch checked and timed on one variant served the others (a static cache's graph-replayed steps are
+    never checked). Each now makes its own key."""
+    import dataclasses
+
+    store, q = store_and_query()
+    B, D, T_f = q.shape[0], q.shape[-1], store.key_full.shape[2]
+    tables = torch.ones(64, D), torch.ones(64, D // 2)
+    pos0 = torch.zeros(B, dtype=torch.int32)
+    variants = [
+        store,
+        dataclasses.replace(store, full_mask=torch.ones(B, T_f, dtype=torch.bool)),
+        dataclasses.replace(store, rope_cos=tables[0], rope_sin=tables[0], quant_pos0=pos0),
+        dataclasses.replace(store, rope_cos=tables[1], rope_sin=tables[1], quant_pos0=pos0),
+        dataclasses.replace(store, key_full=store.key_full.float(), value_full=store.value_full.float()),
+        dataclasses.replace(store, uniform_lens=not store.uniform_lens),
+    ]
+    assert len({tune_key(q, s) for s in variants}) == len(variants)
+    assert tune_key(q, dataclasses.replace(store)) == tune_key(q, store)
+
+
 def test_nothing_is_timed_while_a_graph_is_captured(monkeypatch):
     store, q = store_and_query()
     fake = StandIn(times(f16=0.1))

@@ -801,6 +801,31 @@ def test_fused_decode_triton_kernel(monkeypatch, scheme: str, padded: bool):
     torch.testing.assert_close(logits, logits_ref, atol=ATOL if moved == 0 else 1e-3, rtol=0)
 
 
+@torch.no_grad()
+def test_forced_triton_refuses_a_head_dim_it_cannot_take_at_the_claim(monkeypatch):
+    """``KVBITS_KERNEL=triton`` with a head dim of 80 (not a power of two): the cache claimed the layers anyway
+    (``kernel_reason`` asked nothing unless ``KVBITS_KERNEL=auto``), ran the whole prefill, stored the first new
+    token and raised at the first decode step from the kernel's dispatch. Now the claim (layer 0's prefill call)
+    raises, naming the layer, the head dim and what to set instead; ``KVBITS_KERNEL=auto`` decodes it (the torch
+    reference here) as before."""
+    use_triton(monkeypatch)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=160, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=80)  # fmt: skip
+    model, ids = Qwen2ForCausalLM(cfg).eval(), prompt()
+    sch = get_scheme("int4-token")
+    cache = QuantizedKVCache(config=cfg, scheme=sch, fused_decode=True)
+    with attention(model, True), pytest.raises(
+        NotImplementedError, match=r"layer 0: KVBITS_KERNEL=triton.*head_dim .*got 80; set KVBITS_KERNEL=auto"
+    ):
+        model.generate(ids, **cache_kwargs(cache, model), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert cache.layers[0].tokens_seen == ids.shape[1] and not cache.layers[0].fused.claimed  # no decode step
+    monkeypatch.setenv("KVBITS_KERNEL", "auto")
+    seq, _, cache = generate(model, sch, fused=True, attn=True, new=3)
+    seq_ref, _, _ = generate(model, sch, fused=False, attn=False, new=3)
+    assert torch.equal(seq, seq_ref) and cache.fused_report()["fused_steps"] == 2 * 2
+
+
 def test_fused_decode_triton_f16_dequant(monkeypatch):
     """``KVBITS_DEQUANT=f16`` through the cache: a float16 model's decode steps take the float16
     dequantization for both sides of KIVI's layout (packed blocks as the cache stores them, scale groups of

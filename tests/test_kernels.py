@@ -642,6 +642,27 @@ def test_enable_interpreter_refuses_a_kernel_module_imported_before_it(module):
 
 
 @needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU tensors through the interpreter")
+def test_triton_interpret_true_is_the_interpreter_too(monkeypatch):
+    """Triton takes ``TRITON_INTERPRET=true`` (``on``, ``yes``, ``y``, any case) for its interpreter; kvbits took only
+    ``1``: under ``true`` ``KVBITS_KERNEL=triton`` refused CPU queries ("without it") and ``dequant="f16"`` emitted
+    inline PTX, which the interpreter rejects (``inline_asm not supported in interpreter mode``)."""
+    from kvbits.kernels.interpret import interpreting
+
+    for value, on in (("1", True), ("true", True), ("On", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is on, value
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    g = torch.Generator().manual_seed(12)
+    store = make_store(g, B=1, T_q=64, T_f=8, device="cpu")
+    q = torch.randn(1, 6, 1, 64, generator=g).half()
+    out = dispatch.decode_attention(q, store)
+    f16 = triton_decode.decode_attention_triton(q, store, dequant="f16")
+    assert max_err(f16, out) < 2e-3
+
+
+@needs_triton
 def test_forced_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
     """``KVBITS_KERNEL=triton`` with CPU tensors and no interpreter: a ValueError saying what to do, before
     any launch (Triton's own error would be "0 active drivers"), for decode attention and quantize-and-pack."""
@@ -978,6 +999,30 @@ def test_float32_to_bfloat16_casts_round_to_nearest_even():
     assert torch.equal(y.isnan(), want.isnan())
     fin = ~want.isnan()
     assert torch.equal(y[fin].view(torch.int16), want[fin].view(torch.int16))
+
+
+@needs_triton
+def test_integer_to_bfloat16_casts_convert_values():
+    """``i.to(tl.bfloat16)`` of an integer converts its value, as on the GPU; Triton's interpreter reinterpreted the
+    integer's bits (7 became 6.4e-40, -3 NaN), so a kernel that casts its codes straight to bfloat16 (``K_ROWS``
+    goes through float32 for that reason) measured garbage only on CPU."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(X, Y, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, tl.load(X + offs).to(tl.bfloat16))
+
+    g = torch.Generator().manual_seed(8)
+    special = torch.tensor([0, 1, -1, 7, -3, 127, -128, 255, 257, 99999, -(2**24), 2**24 - 1])
+    for dtype in (torch.int32, torch.int8, torch.int16):
+        info = torch.iinfo(dtype)
+        x = torch.cat([special.clamp(info.min, info.max),
+                       torch.randint(info.min, info.max, (64 - len(special),), generator=g)]).to(dtype)  # fmt: skip
+        y = torch.empty(64, dtype=torch.bfloat16, device=DEVICE)
+        cast[(1,)](x.to(DEVICE), y, N=64)
+        assert torch.equal(y.cpu().view(torch.int16), x.bfloat16().view(torch.int16)), dtype
 
 
 @needs_triton

@@ -185,11 +185,16 @@ def layout_reason(layer: QuantizedKVLayer) -> str | None:
 def kernel_reason(
     mode: FusedMode, scheme: KVScheme, store: Callable[[], PackedStore], query: torch.Tensor
 ) -> str | None:
-    """``"auto"`` on CUDA: why the Triton kernel would not take a layer stored by ``scheme`` (SDPA then stays faster).
-    ``store()`` builds the layer's packed store, asked only then (``packed_store``, or a static layer's
-    ``fused_store``)."""
-    if mode != "auto" or dispatch.kernel_mode() != "auto":
+    """Why the Triton kernel would not take a layer stored by ``scheme``: asked where it is the kernel the layer's
+    decode steps would get, that is under ``KVBITS_KERNEL=triton`` (``claim`` then raises) and for ``"auto"`` on CUDA
+    under ``KVBITS_KERNEL=auto`` (SDPA then stays faster); ``None`` elsewhere. ``store()`` builds the layer's packed
+    store, asked only then (``packed_store``, or a static layer's ``fused_store``). ``KVBITS_KERNEL=triton`` without
+    Triton, or on a device it cannot launch on: ``dispatch.require_triton``'s error."""
+    kernel = dispatch.kernel_mode()
+    if kernel == "reference" or (kernel == "auto" and mode != "auto"):
         return None
+    if kernel == "triton":
+        dispatch.require_triton(query)
     from kvbits.kernels.triton_decode import TRITON_BITS, supported
 
     for side, spec in (("key", scheme.key), ("value", scheme.value)):  # float sides: nothing to check here
@@ -200,6 +205,9 @@ def kernel_reason(
 
 def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module | None = None) -> bool:
     """Claim ``layer`` for fused decode steps if its mode wants ``query``'s device and it fits (logged once).
+    ``KVBITS_KERNEL=triton`` and a layer the packed layout holds but the Triton kernel does not take (``kernel_reason``:
+    a head dim that is not a power of two, 5-bit codes): ``NotImplementedError`` naming the layer and why, here (the
+    prefill) rather than at its first decode step.
 
     ``module``: the attention module calling; its config's ``_attn_implementation`` is remembered so that
     ``serving`` can tell when the model switched to another attention implementation.
@@ -209,11 +217,19 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
         return True
     if not wants(state.mode, query.device):
         return False
+    layout = None
     if hasattr(layer, "fused_store"):  # a StaticQuantizedLayer (kvbits.cache.static): its own layout
         reason = kernel_reason(state.mode, layer.scheme, layer.fused_store, query)
-    else:
-        reason = layout_reason(layer) or kernel_reason(state.mode, layer.scheme, lambda: packed_store(layer), query)
+    else:  # a layout the packed store cannot hold: SDPA whatever the kernel
+        layout = layout_reason(layer)
+        reason = layout or kernel_reason(state.mode, layer.scheme, lambda: packed_store(layer), query)
     if reason is not None:
+        if dispatch.kernel_mode() == "triton" and not layout:  # forced: refused now, not at every decode step
+            raise NotImplementedError(
+                f"layer {layer.layer_idx}: {dispatch.KERNEL_ENV}=triton, but the Triton decode kernel cannot serve "
+                f"this layer: {reason}; set {dispatch.KERNEL_ENV}=auto or reference to decode it without the Triton "
+                "kernel, or make the cache with fused_decode=False"
+            )
         if state.declined != reason:
             logger.info(
                 "layer %d: fused decode falls back to SDPA over dequantized K/V: %s", layer.layer_idx, reason

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import re
 import subprocess
 import tempfile
@@ -158,7 +157,9 @@ def compile_only(arch: str = "sm_90") -> Iterator[list[Any]]:
     """
     if arch not in LIMITS:
         raise ValueError(f"arch must be one of {sorted(LIMITS)}, got {arch!r}")
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    from kvbits.kernels.interpret import interpreting
+
+    if interpreting():
         raise RuntimeError(
             "compile_only needs compiled kernels; unset TRITON_INTERPRET (use a fresh process)"
         )

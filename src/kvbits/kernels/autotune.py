@@ -6,7 +6,8 @@ decode kernel. The fastest was 1.40x faster than the default launch at Llama-3-8
 4 warps, 3 stages: 0.0589 against 0.0861 ms), and the worst launches were 2-4x slower than the default: which launch
 wins depends on the shape and the device, and no one default is best. This module does what ``triton.autotune`` and
 vLLM's per-device kernel configs do for that: the first decode step of each *launch key* (``tune_key``: device,
-Triton and kernel versions, query dtype, batch bucket, heads, head dim, context bucket, both sides' layout) runs
+Triton and kernel versions, query dtype, batch bucket, heads, head dim, context bucket, both sides' layout, and
+the store's kernel variant: RoPE tables, slot masks, tail dtype, device-side lengths) runs
 every candidate launch (``CANDIDATES``) on that step's own inputs, and later steps of that key take the fastest.
 
 Nothing silently wrong: each candidate's output is compared with the default launch's on the same inputs; one that
@@ -163,7 +164,9 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name} sm_{props.major}{props.minor} {props.multi_processor_count}sm"
-    return f"{device.type}{'-interpreter' if os.environ.get('TRITON_INTERPRET') == '1' else ''}"
+    from kvbits.kernels.interpret import interpreting
+
+    return f"{device.type}{'-interpreter' if interpreting() else ''}"
 
 
 def _side(p: PackedTensor | None) -> str:
@@ -189,15 +192,22 @@ def context_slots(store: PackedStore) -> int:
 
 def tune_key(q: torch.Tensor, store: PackedStore) -> str:
     """The launch key of one decode call ``q (B, H_q, 1, D)`` over ``store``: calls with the same key take the
-    same launch. Batch and context are bucketed to powers of two (context from ``MIN_CONTEXT_BUCKET``)."""
+    same launch. Batch and context are bucketed to powers of two (context from ``MIN_CONTEXT_BUCKET``). What the
+    store makes the kernel specialise on is in it too (a launch was checked and timed on one such kernel): the RoPE
+    tables' width (``D`` or ``D / 2``), either slot mask, the tail's dtype, and per-sequence lengths read from
+    the device (``uniform_lens`` false: a static cache's graph-replayed steps, which no check ever compares)."""
     import triton
 
     B, H_q, _, D = q.shape
+    tail = store.key_full if store.key_full is not None else store.value_full
     parts = [
         _device_name(q.device), f"triton{triton.__version__}", f"kernels-{_kernel_hash()}",
         str(q.dtype).removeprefix("torch."), f"B{_bucket(B)}", f"Hq{H_q}", f"Hkv{store.n_kv_heads}", f"D{D}",
         f"T{_bucket(context_slots(store), MIN_CONTEXT_BUCKET)}", f"K:{_side(store.key)}", f"V:{_side(store.value)}",
-        "prerope" if store.pre_rope else "", "padded" if store.quant_mask is not None else "",
+        f"prerope{store.rope_cos.shape[1]}" if store.pre_rope else "",
+        "padded" if store.quant_mask is not None else "", "tailmask" if store.full_mask is not None else "",
+        "" if tail is None or tail.dtype == q.dtype else f"tail-{str(tail.dtype).removeprefix('torch.')}",
+        "" if store.uniform_lens else "ragged",
     ]  # fmt: skip
     return "|".join(x for x in parts if x)
 

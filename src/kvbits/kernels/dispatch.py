@@ -32,6 +32,7 @@ __all__ = [
     "kernel_calls",
     "kernel_mode",
     "kernel_settings",
+    "require_triton",
     "resolve_kernel",
     "triton_available",
 ]
@@ -89,14 +90,22 @@ def check_triton_device(x: torch.Tensor, what: str) -> None:
     ``kvbits.kernels.aot.compile_only``; otherwise Triton itself fails with an opaque "0 active drivers"
     error at the launch.
     """
-    from kvbits.kernels import aot  # standard library only: no Triton import
+    from kvbits.kernels import aot, interpret  # standard library only: no Triton import
 
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and not aot.compiling():
+    if not x.is_cuda and not interpret.interpreting() and not aot.compiling():
         raise ValueError(
             f"{KERNEL_ENV}=triton runs the Triton kernels on CUDA tensors, or on CPU tensors through Triton's "
             f"interpreter (TRITON_INTERPRET=1, kvbits.kernels.interpret.enable_interpreter()); got {what} on "
             f"{x.device} without it: set {KERNEL_ENV}=reference (or auto) for the torch reference"
         )
+
+
+def require_triton(q: torch.Tensor) -> None:
+    """``KVBITS_KERNEL=triton``: ``ImportError`` unless Triton imports, ``ValueError`` unless it can launch on
+    ``q``'s device (``check_triton_device``)."""
+    if not triton_available():
+        raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
+    check_triton_device(q, "the query")
 
 
 def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
@@ -105,9 +114,7 @@ def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
     if mode == "reference":
         return "reference"
     if mode == "triton":
-        if not triton_available():
-            raise ImportError(f"{KERNEL_ENV}=triton but Triton is not importable; {INSTALL_HINT}")
-        check_triton_device(q, "the query")
+        require_triton(q)
         from kvbits.kernels.triton_decode import supported
 
         reason = supported(store, q)

@@ -9,12 +9,22 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["TRITON_KERNEL_MODULES", "enable_interpreter"]
+__all__ = ["TRITON_KERNEL_MODULES", "enable_interpreter", "interpreting"]
 
 # the modules whose @triton.jit kernels are decorated at import (compiled or interpreted, fixed then)
 TRITON_KERNEL_MODULES = ("kvbits.kernels.triton_decode", "kvbits.kernels.triton_fold", "kvbits.kernels.triton_quantize")
 
 _PATCHED = False
+# the values of TRITON_INTERPRET that Triton (3.6's getenv_bool, case-insensitive) takes for "on"
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton for its interpreter, as Triton reads it (``1``, ``true``, ``on``,
+    ``yes``, ``y``, any case); standard library only. Before, kvbits took only ``1``: under ``TRITON_INTERPRET=true``
+    Triton interpreted while ``KVBITS_KERNEL=triton`` refused CPU queries and ``dequant="f16"`` emitted inline PTX,
+    which the interpreter cannot run."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
 
 
 def _reinterpret_triton_language() -> None:
@@ -54,11 +64,13 @@ def enable_interpreter() -> None:
     - ``tl.dot`` of bfloat16 operands multiplies their values, not their uint16 bit patterns.
     - float32 → bfloat16 casts (``x.to(tl.bfloat16)``) round to nearest even, as on the GPU and in torch
       (``_f32_to_bf16``); the interpreter's own truncates, which doubled the kernel's error on bfloat16 queries.
+      Integer → bfloat16 casts convert the values (through float32, exact to 2^24) where the interpreter's own
+      reinterprets them as bit patterns (7 became 6.4e-40).
 
     Compiled (GPU) kernels are unaffected; call this only where kernels should run on the CPU.
     """
     global _PATCHED
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         early = sorted(name for name in sys.modules if name in TRITON_KERNEL_MODULES)
         if early:
             raise RuntimeError(
@@ -66,7 +78,7 @@ def enable_interpreter() -> None:
                 "mode and cannot run on CPU tensors; call enable_interpreter() before importing them (tests: "
                 "import Triton kernel modules inside the test, or after test_kernels' set-up)"
             )
-    already_imported = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+    already_imported = "triton" in sys.modules and not interpreting()
     os.environ["TRITON_INTERPRET"] = "1"
     if _PATCHED:
         return
@@ -103,8 +115,9 @@ def enable_interpreter() -> None:
     original_cast = interp.InterpreterBuilder.cast_impl
 
     def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interp.TensorHandle(_f32_to_bf16(src.data), tl.bfloat16)
+        if dst_type.scalar == tl.bfloat16 and (src.dtype.scalar == tl.float32 or src.dtype.scalar.is_int()):
+            # integers: through their float32 values (the interpreter's own reinterprets them as bit patterns)
+            return interp.TensorHandle(_f32_to_bf16(src.data.astype(np.float32)), tl.bfloat16)
         return original_cast(self, src, dst_type)
 
     interp.InterpreterBuilder.cast_impl = cast_impl  # create_fp_trunc (``.to``'s float downcast) calls it

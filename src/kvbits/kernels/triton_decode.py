@@ -40,13 +40,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvbits.kernels import aot
+from kvbits.kernels import aot, interpret
 from kvbits.kernels.dispatch import DEQUANT_MODES
 from kvbits.kernels.reference import PackedStore, PackedTensor, code_basis
 from kvbits.quant.rotate import unrotate
@@ -1016,7 +1015,7 @@ def _compile_fallbacks(q: torch.Tensor) -> bool:
 
 def _asm_ok() -> bool:
     """Whether kernels are compiled (inline PTX allowed), not run by Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return not interpret.interpreting()
 
 
 def f16_ok(p: PackedTensor | None, block_t: int, q_dtype: torch.dtype) -> bool:
