@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -381,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             enable_interpreter()
         result["check"] = check(device)
     if args.sass:
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        from kvbits.kernels.interpret import interpreting
+
+        if interpreting():
             raise SystemExit("--sass needs compiled kernels: run it in its own process without --check")
         result["sass"] = rows = sass_rows()
         print("| kernel | shape | bits | keys | block_t | warps | regs | spill | blocks/SM | loop instr | warp-instr/token |")
