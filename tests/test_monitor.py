@@ -794,3 +794,28 @@ def test_request_scope_says_hold_request_once_when_a_sliding_layer_keeps_crossin
     run(model, cache, ids_of(1, 190), decode=128)
     assert mon.held_layers() == [1] and mon.signals[(0, "key")].flushes >= 4
     assert [(e["layer"], e["action"]) for e in mon.events] == [(0, "hold_request")]
+
+
+def test_batch_wide_events_name_no_sequence() -> None:
+    """An error event names the batch row it read (the worst); clipping and the calibrated length are read over the
+    whole batch, so their events say ``sequence: None`` instead of naming the row whose error was worst (which
+    they do not depend on). A batch of 3, keys served 100x wider than calibrated, past its 64 tokens."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    model = llama()
+    g = torch.Generator().manual_seed(0)
+    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
+    art = artifact_from_samples("kvquant-4", keys, values, meta={"model": describe_model(model.config)})
+    art.meta["data"]["context"] = 64
+    cache = QuantizedKVCache(config=model.config, scheme="kvquant-4", calibration=art, calibration_warnings=False)
+    pol = FallbackPolicy(key_error=0.0, clipped_fraction=0.1, beyond_calibration=True)
+    mon = CacheMonitor(cache, pol)
+    run(model, cache, ids_of(3, 160))
+    by_signal: dict[str, list] = {}
+    for e in mon.events:
+        by_signal.setdefault(e["signal"], []).append(e["sequence"])
+    assert set(by_signal) == {"key_error", "clipped_fraction", "beyond_calibration"}
+    assert all(s in (0, 1, 2) for s in by_signal["key_error"])
+    assert by_signal["clipped_fraction"] == by_signal["beyond_calibration"] == [None, None]  # one per layer

@@ -27,7 +27,9 @@ precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "polic
 "measured", "tokens_measured", "last_error", "max_error", "mean_error" (of the finite errors; null before a measured
 flush), "nonfinite_errors" (NaN or inf, kept out of the mean and the histogram), "clipped",
 "clipped_fraction", "held_at"}],
-"events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]}.
+"events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]};
+an event's "sequence" is the batch row of a key_error / value_error (the worst one), null for clipped_fraction and
+beyond_calibration, which are read over the whole batch.
 """
 
 _threshold = bounded(float, 0, what="a relative error")

@@ -70,7 +70,9 @@ MONITOR_LABELS = ("scheme", "layer", "side", "signal", "action", "le")
 """Labels ``CacheMonitor`` sets itself (``le``: histogram buckets); a constant label of the same name would
 replace them (the scheme, which layer, which signal) in its metrics and events."""
 EVENT_FIELDS = ("time", "value", "threshold", "sequence", "tokens")
-"""The fields of a ``CacheMonitor`` event besides its labels (each event carries the constant labels too)."""
+"""The fields of a ``CacheMonitor`` event besides its labels (each event carries the constant labels too);
+``sequence``: the batch row of a ``key_error`` / ``value_error`` event (the worst), ``None`` for the signals read
+over the whole batch (``clipped_fraction``, ``beyond_calibration``)."""
 RESERVED_LABELS = MONITOR_LABELS + EVENT_FIELDS
 """What a ``CacheMonitor``'s constant labels (``labels=``, ``kvbits monitor --label``) may not be named."""
 

@@ -7,7 +7,9 @@ Usage::
     model.generate(**inputs, cache=cache)   # past_key_values=cache before transformers 5.24
     mon.prometheus()          # text exposition, for a scrape endpoint or write_textfile(...)
     mon.events                # thresholds crossed: layer, side, value, action (a crossing that does nothing
-                              # is said once per run of consecutive crossing flushes)
+                              # is said once per run of consecutive crossing flushes); sequence: the batch
+                              # row of a key/value_error (its worst), None for clipped_fraction and
+                              # beyond_calibration, which read the whole batch
 
 Signals (``kvbits.monitor.signals``), per layer and side, at each flush: the relative error of the block
 just quantized (exact: its full-precision values are still there), values clipped against static
@@ -199,7 +201,8 @@ class CacheMonitor:
             if action == "none" and signal in said:
                 continue
             said.add(signal)
-            self._event(layer, side, signal, value, threshold, worst, action)
+            # the error is one sequence's (the worst); clipping and the position are the whole batch's: no sequence
+            self._event(layer, side, signal, value, threshold, worst if signal == f"{side}_error" else None, action)
 
     def _fall_back(self, layer: Any) -> str:
         """Hold ``layer`` (or every layer) in full precision; the action's name for the event: ``"none"`` when no
