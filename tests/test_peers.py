@@ -122,3 +122,21 @@ def test_quanto_peer_refuses_a_layer_it_can_not_group():
     cfg.num_key_value_heads = cfg.num_attention_heads = 4  # 4 x 80 = 5 groups of 64 per token
     cfg.hidden_size = 320
     check_schemes_fit([PEER_SCHEMES["hf-quanto-int4"]], cfg)
+
+
+def test_quanto_groups_each_sequence_so_the_width_check_ignores_the_batch():
+    """quanto groups each batch row of a layer's K/V apart (transformers quantizes along axis 0): 4 sequences of one
+    80-channel KV head x 3 tokens hold 960 elements, 15 whole groups of 64, and still fail as one sequence does. The
+    up-front check is therefore per sequence, and its message says the batch does not help."""
+    pytest.importorskip("optimum.quanto")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=160, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=80)  # fmt: skip
+    peer = PEER_SCHEMES["hf-quanto-int4"]
+    for batch in (1, 4):
+        k = torch.randn(batch, 1, 3, 80)
+        with pytest.raises(ValueError, match=r"Group size \(64\) must be a divisor of \(240\)"):
+            peer.make_cache(cfg).update(k, k.clone(), 0)
+    k = torch.randn(4, 1, 4, 80)  # 320 per sequence: 5 whole groups each
+    peer.make_cache(cfg).update(k, k.clone(), 0)
+    with pytest.raises(ValueError, match=r"each sequence \(the batch size does not help\)"):
+        check_schemes_fit([peer], cfg)

@@ -114,7 +114,11 @@ class PeerScheme:
         """``ValueError`` where quanto can not store some layer: it quantizes a layer's K/V ``(B, H_kv, T, D)`` in
         groups of ``q_group_size`` consecutive elements, so ``H_kv * D`` (``widths``: layer -> ``H_kv * D``) must be
         a multiple of it, or a prefill or flush of some lengths fails inside quanto ("Group size (64) must be a
-        divisor of (240)": one KV head of 80 channels, 3 tokens). HQQ groups otherwise: not checked."""
+        divisor of (240)": one KV head of 80 channels, 3 tokens). The batch does not enter: transformers quantizes
+        along axis 0, and quanto's ``group`` splits each of its ``B`` rows (``H_kv * T * D`` elements) apart, so 4
+        sequences of 3 tokens (960 elements, 15 whole groups) fail as one does. Not narrowed to the token counts a
+        run would flush at (decode semantics: 1 first; prefill: any prompt length): one layer refused up front rather
+        than a run failing at a prompt length. HQQ groups otherwise: not checked."""
         if self.backend != "quanto":
             return
         bad = {i: w for i, w in widths.items() if w % self.q_group_size}
@@ -122,7 +126,8 @@ class PeerScheme:
             i, w = next(iter(bad.items()))
             raise ValueError(
                 f"scheme {self.name!r}: quanto quantizes each layer's K/V (B, H_kv, T, D) in groups of "
-                f"{self.q_group_size} consecutive elements, so H_kv x D must be a multiple of {self.q_group_size}; "
+                f"{self.q_group_size} consecutive elements of each sequence (the batch size does not help), so "
+                f"H_kv x D must be a multiple of {self.q_group_size}; "
                 f"layer {i}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} has H_kv x D = {w}: "
                 f"token counts that are not a multiple of {self.q_group_size // math.gcd(w, self.q_group_size)} "
                 "would fail inside quanto"
