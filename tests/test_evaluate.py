@@ -32,7 +32,7 @@ from kvbits.evaluate import metrics as M
 from kvbits.evaluate.outputs import OtherRunError
 from kvbits.evaluate.runner import default_attn_layers, evaluate
 from kvbits.evaluate.simulate import IMPLEMENTATION, quantized_bounds, simulate, simulated_kv
-from kvbits.evaluate.stream import PEER_SCHEMES, base_model, resolve_scheme, stream_hidden
+from kvbits.evaluate.stream import PEER_SCHEMES, base_model, cache_bytes, resolve_scheme, stream_hidden
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 from kvbits.schemes.accounting import flushed_tokens
 
@@ -1057,7 +1057,19 @@ def test_peer_quanto_stream(models):
     r = {x["scheme"]: x for x in s["results"]}
     assert r["hf-quanto-int2"]["decode"] is None  # a peer's cache: no kvbits decode path to report
     # quanto keeps its scales and zero-points in the model's dtype: float32 here, 2 + 2 * 32 / 64 bits
-    assert r["hf-quanto-int2"]["avg_bits"] == 3.0 and r["hf-quanto-int2"]["bits_at_context"] is None
+    assert r["hf-quanto-int2"]["avg_bits"] == 3.0
+    # bits_at_context was None for a peer; now its cache's real bytes at the window's 200 tokens, read here from the
+    # cache itself: 129 tokens quantized (the first at once, then 128 at the residual's flush), 71 in the float32
+    # residual; a little over the nominal 3 bits for the quantized ones (quanto packs 4 int2 groups per byte row)
+    caches: list = []
+    stream_hidden(model, _ids(200, seed=11), "hf-quanto-int2", on_cache=caches.append)
+    layers = caches[0].layers
+    assert [(lay._quantized_keys.shape[2], lay.keys.shape[2]) for lay in layers] == [(129, 71)] * len(layers)
+    cfg = model.config
+    elements = 2 * 200 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    held = 8 * cache_bytes(caches[0]) / elements
+    assert r["hf-quanto-int2"]["bits_at_context"] == pytest.approx(held)
+    assert held == pytest.approx((129 * 3.0 + 71 * 32) / 200, rel=0.01)
     assert r["hf-quanto-int2"]["kl"] > r["int8-token"]["kl"] > 0
 
 

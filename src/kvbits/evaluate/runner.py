@@ -121,7 +121,14 @@ from kvbits.evaluate.request import (
 )
 from kvbits.evaluate.simulate import DEFAULT_CHUNK as _DEFAULT_CHUNK
 from kvbits.evaluate.simulate import simulate
-from kvbits.evaluate.stream import PeerScheme, base_model, check_schemes_fit, resolve_schemes, stream_hidden
+from kvbits.evaluate.stream import (
+    PeerScheme,
+    base_model,
+    cache_bytes,
+    check_schemes_fit,
+    resolve_schemes,
+    stream_hidden,
+)
 from kvbits.plan.config import check_context_fits
 from kvbits.schemes.spec import KVScheme
 
@@ -423,6 +430,8 @@ def evaluate(
         for n, s in zip(names, resolved)
     }
     clipped: dict[str, dict[str, int]] = {n: {} for n in names}
+    # peers (stream mode): the bytes their cache holds once a window is through (every window the same shape)
+    peer_bytes: dict[str, int | None] = dict.fromkeys(names)
     ref_seconds = 0.0
     mine = ranks.windows(W)
     units = len(mine) * (T + generate) * (1 + len(names))
@@ -492,6 +501,8 @@ def evaluate(
                     )[0]
                     for cache in caches:  # what the real cache clipped, counted as the simulator counts
                         add_clipping(clipped[name], cache)
+                        if isinstance(scheme, PeerScheme):
+                            peer_bytes[name] = cache_bytes(cache)
                     del caches
                 seconds[name] += time.perf_counter() - t0
                 if not bool(torch.isfinite(h).all()):
@@ -522,6 +533,7 @@ def evaluate(
     local = {
         "clipped": clipped,
         "decode": decode,
+        "peer_bytes": peer_bytes,
         "seconds": seconds,
         "reference_seconds": ref_seconds,
         "generation_seconds": gen_seconds,
@@ -552,7 +564,7 @@ def evaluate(
             {
                 "scheme": name,
                 "avg_bits": bits,
-                "bits_at_context": _bits_at_context(shape, scheme, T),
+                "bits_at_context": _bits_at_context(shape, scheme, T, run["peer_bytes"][name], model.config),
                 "ppl": s["ppl"],
                 "ppl_ref": s["ppl_ref"],
                 "kl": s["kl"],
@@ -628,15 +640,29 @@ def evaluate(
     return summary
 
 
-def _bits_at_context(shape: Any, scheme: KVScheme | PeerScheme, context: int) -> float | None:
+def _bits_at_context(
+    shape: Any, scheme: KVScheme | PeerScheme, context: int, peer_bytes: int | None = None, config: Any = None
+) -> float | None:
     """``kvbits plan``'s ``avg_bits`` of ``scheme`` at ``context`` tokens, one sequence
     (:func:`kvbits.plan.planner.planned_bits`: the bits per element the cache stores there, metadata, sinks and the
     full-precision window included, in the dtype the model runs in: ``shape`` from ``plan_shape_of(config, model)``).
     ``avg_bits`` beside it is the long-run figure (``long_run_avg_bits``: the window and sinks amortised away), which
     a short context does not reach: kivi-2 stores 3.0 bits per element in the long run and, in bfloat16, 16 at 128
-    tokens, where nothing is quantized yet. None for peer caches and where the planner does not read the model's
-    config."""
-    if shape is None or isinstance(scheme, PeerScheme):
+    tokens, where nothing is quantized yet. None where the planner does not read the model's config.
+
+    A peer (``PeerScheme``, which the planner does not model): its real bytes at ``context`` (``peer_bytes``:
+    ``stream.cache_bytes`` of its cache once a window of ``context`` tokens is through, one sequence: quanto's codes,
+    scales and zero-points and the full-precision residual) over the K/V elements of ``config``'s layers at
+    ``context``; None where those bytes were not read (simulate mode, a transformers whose layout is not known)."""
+    if isinstance(scheme, PeerScheme):
+        if peer_bytes is None or config is None:
+            return None
+        from kvbits.cache import attention_shape
+        from kvbits.plan.config import layer_heads
+
+        per_token = sum(kv * d for i in range(attention_shape(config)[0]) for _, kv, d in [layer_heads(config, i)])
+        return 8 * peer_bytes / (2 * per_token * context) if per_token else None
+    if shape is None:
         return None
     from kvbits.plan.planner import planned_bits
 
@@ -663,6 +689,8 @@ def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any
     return {
         "clipped": clipped,
         "decode": decode,
+        # a peer's cache holds the same bytes after every window: any rank's that ran one
+        "peer_bytes": {n: next((p["peer_bytes"][n] for p in parts if p["peer_bytes"][n] is not None), None) for n in names},
         "seconds": {n: sum(p["seconds"][n] for p in parts) for n in names},
         "reference_seconds": sum(p["reference_seconds"] for p in parts),
         "generation_seconds": [sum(s) for s in zip(*(p["generation_seconds"] for p in parts))],
