@@ -690,7 +690,7 @@ def _combine(parts: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any
         "clipped": clipped,
         "decode": decode,
         # a peer's cache holds the same bytes after every window: any rank's that ran one
-        "peer_bytes": {n: next((p["peer_bytes"][n] for p in parts if p["peer_bytes"][n] is not None), None) for n in names},
+        "peer_bytes": {n: next((b for p in parts if (b := p["peer_bytes"][n]) is not None), None) for n in names},
         "seconds": {n: sum(p["seconds"][n] for p in parts) for n in names},
         "reference_seconds": sum(p["reference_seconds"] for p in parts),
         "generation_seconds": [sum(s) for s in zip(*(p["generation_seconds"] for p in parts))],
