@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
                   f"bit-identical {grow['logits_bit_identical']} (max diff {grow['logits_max_diff']:.3g}, first at "
                   f"step {grow['first_diff_step']}), greedy tokens equal {grow['greedy_tokens_equal']}")  # fmt: skip
     # the quantized path's import (Triton, its interpreter) guarded too: its raise skipped step 6 with the sweep
+    failed_before = len(failures)
     decode = guarded("(3) decoder", lambda: _decoder(cfg), failures) if args.e2e != "only" else None
-    if decode is not None:
+    if args.e2e != "only" and len(failures) == failed_before:
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
         # each step guarded (a raise is recorded under failures and the next step runs); the rows a step had
         # handed to its progress callback before it raised are kept (the saves below would otherwise drop them)
