@@ -62,7 +62,7 @@ GPU machine). Steps:
    no host-device sync per decode step; the pending NaN/inf check (one sync for all layers) runs every
    64 steps and in ``memory_report()`` after the timed steps. The CPU smoke run checks eagerly.
    Memory: the bytes each cache holds on the GPU after its run (``torch.cuda.memory_allocated`` minus
-   before it was made) against ``kvbits.plan`` for the same model, batch and tokens (``fused_decode=True``
+   before it was made; a CUDA-graph run's graphs freed first, what they held is ``graph_bytes``) against ``kvbits.plan`` for the same model, batch and tokens (``fused_decode=True``
    for the fused runs: pre-RoPE keys' float32 RoPE tables included, ``rope_table_bytes`` held), and what
    the cache holds beside its K/V that no plan counts (``extra_bytes``: position offsets, workspace).
 
@@ -311,8 +311,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {grow['scheme']} B={grow['batch']} prompt {grow['context']}, {grow['tokens']} steps: logits "
                   f"bit-identical {grow['logits_bit_identical']} (max diff {grow['logits_max_diff']:.3g}, first at "
                   f"step {grow['first_diff_step']}), greedy tokens equal {grow['greedy_tokens_equal']}")  # fmt: skip
-    if args.e2e != "only":
-        decode = _decoder(cfg)
+    # the quantized path's import (Triton, its interpreter) guarded too: its raise skipped step 6 with the sweep
+    failed_before = len(failures)
+    decode = guarded("(3) decoder", lambda: _decoder(cfg), failures) if args.e2e != "only" else None
+    if args.e2e != "only" and len(failures) == failed_before:
         print(f"(3) decode attention sweep ({kernel}), combos start until {args.budget_s - e2e_share:.0f} s")
         # each step guarded (a raise is recorded under failures and the next step runs); the rows a step had
         # handed to its progress callback before it raised are kept (the saves below would otherwise drop them)
@@ -346,8 +348,15 @@ def main(argv: list[str] | None = None) -> dict:
         batches = args.e2e_batch or ([1] if cfg.smoke else list(E2E_BATCHES))
         tokens = args.e2e_tokens or (4 if cfg.smoke else E2E_TOKENS)
         print(f"(6) end to end: decode after a {context}-token prompt, batches {batches}")
-        e2e = end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else E2E_WARMUP,
-                         progress=lambda rows: save(e2e=rows), only=only)  # fmt: skip
+        e2e_rows: list[dict] = []  # the rows step 6 had handed to progress, kept if it raises (building its model)
+
+        def e2e_progress(rows: list[dict]) -> None:
+            e2e_rows[:] = rows
+            save(e2e=rows)
+
+        e2e = guarded("(6) end to end", lambda: end_to_end(cfg, context, batches, tokens, warmup=1 if cfg.smoke else
+                                                           E2E_WARMUP, progress=e2e_progress, only=only), failures)  # fmt: skip
+        e2e = e2e_rows if e2e is None else e2e
     failures += [{"step": "(6) " + r["cache"], "error": r["failure"]} for r in e2e if "failure" in r]
     save(e2e=e2e, failures=failures, complete=True)
     print(markdown(records, be, copy_gbps, e2e))

@@ -333,3 +333,91 @@ def test_a_raising_sweep_split_sweep_or_tuning_is_recorded_and_keeps_its_rows(mo
     assert e2e_runs == [1] and d["complete"]  # step 6 ran after them
     assert [r["step"] for r in d["records"]] == ["sweep", "split"] and d["tuning"] == [{"block_t": 64, "num_warps": 4}]
     assert [f["step"] for f in d["failures"]] == ["(3) sweep", "(3) split sweep", "(3b) tuning"]
+
+
+def test_a_raising_decoder_or_end_to_end_model_is_recorded_and_the_run_completes(monkeypatch, tmp_path: Path):
+    """``_decoder(cfg)`` (Triton's import, its interpreter) and ``end_to_end`` itself (building its model: an
+    out-of-memory at 32K) ran outside ``guarded``: either raising ended gpu_decode.py there, step 6 never ran (the
+    decoder) or the JSON stayed ``"complete": false`` with no failure named. Both are recorded now and the run goes
+    on to its end."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+    from gpu_bench import e2e
+
+    def boom(*args, **kwargs):
+        raise ImportError("injected decoder")
+
+    monkeypatch.setattr(gpu_decode, "_decoder", boom)
+    out = tmp_path / "d.json"
+    with pytest.raises(SystemExit, match=r"1 step\(s\) failed: \(3\) decoder: ImportError: injected decoder"):
+        gpu_decode.main(["--smoke", "--device", "cpu", "--check", "no", "--e2e-runs", "dynamic-fp16", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["complete"] and [r["cache"] for r in d["e2e"]] == ["dynamic-fp16"] and d["e2e"][0]["tokens_per_s"] > 0
+
+    def no_model(*args, **kwargs):
+        raise RuntimeError("injected out of memory")
+
+    monkeypatch.setattr(e2e, "e2e_model", no_model)
+    with pytest.raises(SystemExit, match=r"\(6\) end to end: RuntimeError: injected out of memory"):
+        gpu_decode.main(["--smoke", "--device", "cpu", "--e2e", "only", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["e2e"] == [] and [f["step"] for f in d["failures"]] == ["(6) end to end"]
+
+
+def test_a_run_whose_row_raises_is_a_failure_and_the_next_runs_go_on(monkeypatch, tmp_path: Path):
+    """Only ``E2EFailure`` was caught while a decoded run's row was made: anything else (the lazy NaN/inf check
+    raising in ``memory_report()`` after the timed steps, a plan that cannot be made) ended step 6 at that run and
+    lost every run after it. It is that run's ``failure`` now, and the next runs go on."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+    from gpu_bench import e2e
+
+    real = e2e._planned_bytes
+
+    def bad(model, scheme, batch, tokens, fused):
+        if fused:
+            raise ValueError("injected: the pending K/V check found inf")
+        return real(model, scheme, batch, tokens, fused)
+
+    monkeypatch.setattr(e2e, "_planned_bytes", bad)
+    out = tmp_path / "e.json"
+    with pytest.raises(SystemExit, match=r"1 step\(s\) failed: \(6\) kvbits-fused: E2E FAILURE: kvbits-fused kivi-4: "
+                       r"its row raised ValueError"):  # fmt: skip
+        gpu_decode.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs",
+                         "kvbits-fused:kivi-4,kvbits-dequant-sdpa", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["e2e"]
+    assert [r["cache"] for r in rows[-2:]] == ["kvbits-fused", "kvbits-dequant-sdpa"]
+    assert "failure" in rows[-2] and rows[-1]["tokens_per_s"] > 0
+
+
+def test_a_graph_runs_resident_bytes_are_read_after_its_graphs_are_freed(monkeypatch, tmp_path: Path):
+    """``kvbits-static-graphs``' ``resident_bytes`` (allocated after the run minus before) were read while its
+    ``GraphedDecode`` was alive: on CUDA each captured variant's logits ``(B, 1, V)`` sit in the graph's pool (2 x 8
+    x 151936 x 2 bytes = 4.9 MB at batch 8 for kivi-4's two variants), counted as the cache's. The graphs are freed
+    first now and what they held is ``graph_bytes``. Allocated bytes stand in for CUDA's here: 1000, plus 500 while a
+    ``GraphedDecode`` lives."""
+    import weakref
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_decode
+    from gpu_bench import e2e, graphs
+
+    made: list[weakref.ref] = []
+    real = graphs.GraphedDecode
+
+    def tracked(model, *args, **kwargs):
+        g = real(model, *args, **kwargs)
+        made.append(weakref.ref(g))
+        return g
+
+    monkeypatch.setattr(graphs, "GraphedDecode", tracked)
+    monkeypatch.setattr(e2e, "_allocated", lambda cfg: 1000 + 500 * sum(r() is not None for r in made))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 1600)
+    out = tmp_path / "g.json"
+    gpu_decode.main(["--smoke", "--device", "cpu", "--e2e", "only", "--e2e-runs", "kvbits-static-graphs:int8-token",
+                     "--out", str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())["e2e"]
+    assert made and row["tokens_per_s"] > 0 and "replayed from" in row["note"], row
+    assert (row["resident_bytes"], row.get("graph_bytes"), row["peak_bytes"]) == (0, 500, 600)

@@ -23,8 +23,10 @@ same steps replayed from one captured CUDA graph (``gpu_bench.graphs.GraphedDeco
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -334,8 +336,9 @@ def end_to_end(
     gets ``skipped`` with the error; a transformers ``QuantizedCache`` backend that failed once (quanto builds a
     CUDA extension on first use) is not tried again. On CUDA each kvbits and ``DynamicCache`` run also
     records the bytes its cache holds on the device after the run (``resident_bytes``: allocated now
-    minus before the cache was made, the generated logits freed) against ``kvbits.plan``
-    (``planned_bytes``), and the run's peak above that baseline (``peak_bytes``: activations included).
+    minus before the cache was made, the generated logits freed; a graph run's graphs freed first, what they held
+    is ``graph_bytes``) against ``kvbits.plan`` (``planned_bytes``), and the run's peak above that baseline
+    (``peak_bytes``: activations included). A run whose row raises (the pending K/V check) gets a ``failure``.
     Runs not started by ``cfg.deadline`` are skipped and say so; ``progress(rows)`` after each run. ``only``:
     just these runs (``wanted_runs``; a second device call that measures transformers' ``QuantizedCache``
     peers, which come last and which a full step 6 has never reached within its budget)."""
@@ -439,12 +442,19 @@ def end_to_end(
                 failed_backends[how] = why
             del cache
             continue
-        try:
-            row = _finish(cfg, model, name, scheme, how, batch, context, cache, r, base, step_model, note,
-                          fused_tokens, n_layers)  # fmt: skip
+        try:  # a raise while the row is made (a NaN/inf found by the pending K/V check in memory_report()) too
+            graphed, held = _graph_counts(step_model), (_allocated(cfg) if step_model is not None else None)
+            step_model = None  # the last reference: the graphs' pool is freed with it (_graph_bytes)
+            graph_bytes = _graph_bytes(cfg, name, held)
+            row = _finish(cfg, model, name, scheme, how, batch, context, cache, r, base, graphed, note,
+                          fused_tokens, n_layers, graph_bytes)  # fmt: skip
         except E2EFailure as exc:
             row = {"cache": name, "scheme": scheme, "batch": batch, "context": context, "failure": str(exc)}
             print(f"  {exc}")
+        except Exception as exc:  # noqa: BLE001 - the run decoded, its figures could not be read: recorded, go on
+            why = f"E2E FAILURE: {name} {scheme}: its row raised {type(exc).__name__}: {str(exc)[:160]}"
+            row = {"cache": name, "scheme": scheme, "batch": batch, "context": context, "failure": why}
+            print(f"  {why}")
         rows.append(row)
         del cache
         if cfg.device.type == "cuda":
@@ -478,10 +488,38 @@ def speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _graph_counts(step_model) -> SimpleNamespace | None:
+    """A ``GraphedDecode``'s counts (``calls, replays, eager, captured_at``: what ``_static_note`` reads), kept
+    while the graph runner itself is dropped before the cache's bytes are read (``_graph_bytes``); else ``None``."""
+    if not hasattr(step_model, "replays"):
+        return None
+    return SimpleNamespace(calls=step_model.calls, replays=step_model.replays, eager=step_model.eager,
+                           captured_at=dict(step_model.captured_at))  # fmt: skip
+
+
+def _graph_bytes(cfg: Config, name: str, held: int | None) -> int | None:
+    """Free a graph run's captured steps, once the caller has dropped its runner, and return the bytes that freed
+    (``held``: allocated before; ``None`` off CUDA or for a run without graphs). A ``GraphedDecode`` holds each
+    captured variant's logits ``(B, 1, V)`` in its graph's pool, torch.compile's CUDA-graph trees hold their outputs
+    (``cached_tensor_outputs``) and recorded inputs: read with them alive, ``resident_bytes`` counted those as the
+    cache's."""
+    if held is None:
+        return None
+    if name == STATIC_GRAPHS:
+        try:  # resets the CUDA-graph trees (their pool) with dynamo's caches
+            torch._dynamo.reset()
+        except Exception as exc:  # noqa: BLE001 - the run's times stand; graph_bytes then says what was freed
+            print(f"  e2e {name}: torch._dynamo.reset() raised {type(exc).__name__}: {exc}; its graphs may stay counted")
+    gc.collect()
+    return held - _allocated(cfg)
+
+
 def _finish(cfg: Config, model, name: str, scheme: str, how, batch: int, context: int, cache, r: dict, base,
-            step_model, note, fused_tokens: dict, n_layers: int) -> dict:  # fmt: skip
+            graphed, note, fused_tokens: dict, n_layers: int, graph_bytes: int | None = None) -> dict:  # fmt: skip
     """The row of a step-6 run that decoded (``r``: ``decode_run``'s figures): bytes held against the plan, what the
-    fused path did (``E2EFailure`` when it did not take every step); prints it. Its speed-ups: ``speedups``."""
+    fused path did (``E2EFailure`` when it did not take every step); prints it. Its speed-ups: ``speedups``.
+    ``graphed``: a ``GraphedDecode`` run's counts (``_graph_counts``); a graph run's graphs are freed before its bytes
+    are read, ``graph_bytes`` is what they held (``_graph_bytes``)."""
     from kvbits.cache import QuantizedKVCache
 
     bytes_ = None
@@ -495,7 +533,7 @@ def _finish(cfg: Config, model, name: str, scheme: str, how, batch: int, context
             mem["peak_bytes"] = torch.cuda.max_memory_allocated(cfg.device) - base
     if name in STATIC_KVBITS:
         bytes_ = cache.memory_report()["total_bytes"]  # the slabs, reserved for every e2e_reserve slot
-        note = _static_note(name, cache, r["steps"], step_model)
+        note = _static_note(name, cache, r["steps"], graphed)
         if scheme in fused_tokens:
             note += f"; greedy tokens equal to kvbits-fused: {torch.equal(fused_tokens[scheme], r['tokens'])}"
     elif isinstance(cache, QuantizedKVCache):
@@ -522,12 +560,13 @@ def _finish(cfg: Config, model, name: str, scheme: str, how, batch: int, context
     row = {"cache": name, "scheme": scheme, "batch": batch, "context": context,
            "ms_per_step": r["ms_per_step"], "tokens_per_s": r["tokens_per_s"], "final_sync_ms": r["final_sync_ms"],
            "speedup_vs_fp16": None, "speedup_vs_best_fp16": None,  # speedups(), once the batch's fp16 runs are known
-           "cache_bytes": bytes_, **mem, "note": note, "profile": r.get("profile")}  # fmt: skip
+           "cache_bytes": bytes_, **mem, "graph_bytes": graph_bytes, "note": note, "profile": r.get("profile")}  # fmt: skip
     if mem["resident_bytes"] is not None:
         print(f"  e2e {name:20s} cache on the GPU: {mem['resident_bytes'] / 2**20:.1f} MiB held, "
               f"{mem['planned_bytes'] / 2**20:.1f} MiB planned "
               f"({mem['resident_bytes'] / mem['planned_bytes']:.3f}x) + {(mem['extra_bytes'] or 0) / 2**20:.1f} MiB "
-              f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+              f"reported apart; run peak +{mem['peak_bytes'] / 2**20:.0f} MiB"
+              + ("" if graph_bytes is None else f"; its graphs held {graph_bytes / 2**20:.1f} MiB, freed first"))  # fmt: skip
     print(f"  e2e {name:20s} {scheme:12s} B={batch:<3d} T={context}: {r['tokens_per_s']:9.1f} tok/s "
           f"({r['ms_per_step']:.2f} ms/step; final sync waited {r['final_sync_ms']:.2f} ms) {note or ''}")  # fmt: skip
     if r.get("profile"):
