@@ -694,6 +694,18 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
         main(["monitor", "--model", "m", "--data", "d", "--scheme", "kivi-2", "--key-error", "-1"])
 
 
+def test_help_says_an_unset_threshold_is_none(capsys) -> None:
+    """--key-error, --value-error and --clipped-fraction said what crossing them does, not what leaving them out
+    does (no threshold: measured and reported, never held for)."""
+    from kvbits.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["monitor", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    for what in ("key-error", "value-error", "clipping"):
+        assert f"default: unset, no {what} threshold" in said
+
+
 def test_held_layers_decode_through_the_fused_path() -> None:
     """A held layer's growing full-precision tail is read by the fused decode path (the torch reference on
     CPU) as by dequantize + SDPA: the same hidden states, every step served fused."""

@@ -318,6 +318,20 @@ def test_needle_eval_errors(lm, corpus):
         needle_eval(lm, 64, ["int4-token"], data=str(path))
     with pytest.raises(ValueError, match="at least one scheme"):
         needle_eval(lm, 300, [], data=str(path))
+    # chunk_size sets the simulator's chunks: under prefill semantics (the default) it was ignored without a word
+    with pytest.raises(ValueError, match=r"chunk_size=64 needs semantics='decode'.*ignored"):
+        needle_eval(lm, 300, ["int4-token"], data=str(path), chunk_size=64)
+
+
+def test_cli_refuses_chunk_size_under_prefill_semantics(tmp_path, capsys):
+    """`kvbits needle --chunk-size 64` ran under the default prefill semantics, which never uses it, without a word
+    (`kvbits eval` refuses --chunk-size with --mode stream); now refused before any model loads."""
+    from kvbits.cli import main
+
+    argv = ["needle", "--model", str(tmp_path / "no-model"), "--context", "300", "--scheme", "int4-token",
+            "--chunk-size", "64"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--semantics decode" in capsys.readouterr().err
 
 
 

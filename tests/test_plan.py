@@ -450,6 +450,46 @@ def test_offline_registry_name():
     assert shape.n_params == pytest.approx(134.5e6, rel=0.01)
 
 
+def test_offline_gguf_model_is_planned_as_its_file_whatever_the_cache_holds(tmp_path, monkeypatch):
+    """`kvbits plan smollm2-135m` read the config of the float32 copy kvbits eval converts the GGUF to when that
+    copy was in the cache (4-byte dtype, weights estimated at 538 MB, kivi-2 at 1K tokens 9,768,960 bytes) and
+    the GGUF's own otherwise (2-byte dtype, 269 MB, 6,819,840 bytes): one command, two answers by cache state,
+    and neither the quantized-weights refusal `kvbits plan FILE.gguf` gives for the same file. Now a registry
+    GGUF is read as its file, converted copy or not."""
+    import hashlib
+
+    models = pytest.importorskip("kvbits.evaluate.models")
+    from kvbits.evaluate.models import gguf as kvgguf
+    from kvbits.evaluate.models.registry import OfflineModel, WheelMember
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models" / "tiny-kv").mkdir(parents=True)
+    path = write_tiny_gguf(tmp_path / "cache" / "models" / "tiny-kv" / "tiny.gguf", "Q8_0")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    entry = OfflineModel("tiny-kv", (WheelMember("tiny-kv", "1.0", "tiny_kv/tiny.gguf"),), "tiny.gguf", sha, 2048)
+    monkeypatch.setitem(models.OFFLINE_MODELS, "tiny-kv", entry)
+    want = load_shape(path)
+    assert want.weights_quantized == "gguf Q8_0" and want.dtype_bytes == 2
+    source = models.resolve_model("tiny-kv", download=False)
+    converted = kvgguf.converted_dir(sha)
+    for cached in (False, True):
+        if cached:  # the float32 transformers copy `kvbits eval` makes and keeps
+            converted.mkdir(parents=True)
+            config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "hidden_size": 256, "intermediate_size": 512,
+                      "max_position_embeddings": 2048, "vocab_size": 16, "dtype": "float32"}  # fmt: skip
+            (converted / "config.json").write_text(json.dumps(config))
+            marker = {**kvgguf._conversion_record(source, sha), "files": {}}
+            (converted / kvgguf._CONVERSION_MARKER).write_text(json.dumps(marker))
+            assert kvgguf._valid_conversion(converted, kvgguf._conversion_record(source, sha))
+        shape = load_shape("tiny-kv")
+        assert (shape.dtype_bytes, shape.weights_quantized, shape.n_layers) == (2, "gguf Q8_0", 3), cached
+        assert plan("tiny-kv", context=100, scheme="kivi-2") == {**plan(path, context=100, scheme="kivi-2"),
+                                                                 "model": "tiny-kv"}  # fmt: skip
+        with pytest.raises(ValueError, match=r"weights are quantized \(gguf Q8_0\)"):
+            plan("tiny-kv", context=10, gpu_mem_gib=1)
+
+
 def test_missing_offline_registry_is_skipped(monkeypatch):
     from kvbits.plan import sources
 

@@ -233,6 +233,10 @@ def test_cli_rerenders_one_run_and_merges_several(runs, tmp_path, capsys):
     assert main(["report", str(runs / "a"), str(runs / "b")]) == 2  # no --out
     assert "needs --out" in capsys.readouterr().err
     assert main(["report", str(runs / "a"), "--out", str(tmp_path / "x")]) == 2
+    capsys.readouterr()
+    # --overwrite (merging into a non-empty --out) was accepted with one run and did nothing
+    assert main(["report", str(runs / "a"), "--overwrite"]) == 2
+    assert "--overwrite is for merging" in capsys.readouterr().err
     with pytest.raises(SystemExit) as bad:  # argparse: a usage error
         main(["report", str(runs / "a"), "--threshold", "-1"])
     assert bad.value.code == 2 and "percentage > 0" in capsys.readouterr().err

@@ -105,8 +105,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="keys and haystack offsets (default 0)")
     p.add_argument(
-        "--chunk-size", type=_positive, default=256, help="queries per simulated attention chunk (decode semantics; default 256)"
-    )
+        "--chunk-size", type=_positive, default=256,
+        help="queries per simulated attention chunk (default 256; --semantics decode only, another value with "
+        "prefill semantics is refused)",
+    )  # fmt: skip
     add_summary_output_args(p, "needle")
     add_dtype_device(p, DEVICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -55,6 +55,9 @@ NEEDLE_SEMANTICS = ("prefill", "decode")
 NEEDLE_VERSION = 1
 
 
+_DEFAULT_CHUNK = 256  # needle_eval's chunk_size default
+
+
 def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, chunk_size: Any) -> None:
     if semantics not in NEEDLE_SEMANTICS:
         raise ValueError(f"semantics must be one of {NEEDLE_SEMANTICS}, got {semantics!r}")
@@ -76,6 +79,12 @@ def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, c
         raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if semantics == "prefill" and chunk_size != _DEFAULT_CHUNK:  # as kvbits eval refuses it with mode='stream'
+        raise ValueError(
+            f"chunk_size={chunk_size} needs semantics='decode': it sets the simulator's queries per attention chunk, "
+            "and 'prefill' prefills the document into the real cache and decodes the question through it, so the "
+            f"setting would be ignored; leave it at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --semantics decode"
+        )
 
 
 def _haystack(data: Any, data_path: str | None) -> Any:
@@ -262,7 +271,7 @@ def needle_eval(
     data_path: str | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
-    chunk_size: int = 256,
+    chunk_size: int = _DEFAULT_CHUNK,
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, Any]:
@@ -285,7 +294,8 @@ def needle_eval(
             with Triton; ``True``, ``False``).
         data_path: a data root for registered texts.
         dtype, device: as ``evaluate``.
-        chunk_size: queries per simulated attention chunk (decode semantics).
+        chunk_size: queries per simulated attention chunk (decode semantics; another value than the default with
+            ``semantics="prefill"`` is refused).
         seed: keys and haystack offsets.
         progress: a progress bar on stderr.
 

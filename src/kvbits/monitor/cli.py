@@ -59,10 +59,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--calibration", metavar="DIR", help="kvbits calibrate folder (static scales / NUQ codebooks)"
     )
     p.add_argument(
-        "--key-error", type=_threshold, help="hold when a flushed key block's relative error exceeds this"
+        "--key-error", type=_threshold,
+        help="hold when a flushed key block's relative error exceeds this (default: unset, no key-error threshold: "
+        "measured and reported, never held for)",
+    )  # fmt: skip
+    p.add_argument(
+        "--value-error", type=_threshold, help="the same for values (default: unset, no value-error threshold)"
     )
-    p.add_argument("--value-error", type=_threshold, help="the same for values")
-    p.add_argument("--clipped-fraction", type=_fraction, help="hold when more of a block's values clip")
+    p.add_argument(
+        "--clipped-fraction", type=_fraction,
+        help="hold when more of a block's values clip than this fraction (default: unset, no clipping threshold)",
+    )  # fmt: skip
     p.add_argument("--beyond-calibration", action="store_true", help="hold past the calibrated context")
     p.add_argument("--scope", choices=("layer", "request"), default="layer", help="what a crossing holds (default layer)")
     p.add_argument(

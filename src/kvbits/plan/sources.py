@@ -304,7 +304,12 @@ def _near_offline_name(spec: str) -> str | None:
 
 
 def _offline_config(name: str) -> Any | None:
-    """The config of a kvbits offline model, or None if ``name`` is not one (or the registry is absent)."""
+    """The config of a kvbits offline model, or None if ``name`` is not one (or the registry is absent).
+
+    A registry model held as a GGUF file is read as that file is (:func:`_from_gguf`: its quantized weight types,
+    the 2-byte default dtype), fetched first where it is not cached; not from the float32 copy ``kvbits eval``
+    converts it to, which would make the plan depend on whether that copy is in the cache (4-byte dtype and
+    float32 weights when it is, 2 bytes when not)."""
     try:
         models = importlib.import_module(_OFFLINE_REGISTRY)
     except ModuleNotFoundError as exc:
@@ -315,7 +320,10 @@ def _offline_config(name: str) -> Any | None:
     registry = getattr(models, "OFFLINE_MODELS", None)
     if registry is not None and name not in registry:
         return None
-    return models.load_config(name)
+    source = models.resolve_model(name)
+    if source.gguf_file is not None:
+        return _from_gguf(Path(source.path) / source.gguf_file)
+    return models.load_config(source)
 
 
 def _offline_names() -> list[str]:

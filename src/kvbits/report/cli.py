@@ -63,7 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--overwrite", action="store_true",
-        help="merge into a non-empty folder that holds no merged report (only the merged files are replaced)",
+        help="with two or more runs: merge into a non-empty --out folder that holds no merged report (only the merged "
+        "files are replaced); refused with one run, whose report is always written again in place",
     )  # fmt: skip
     p.add_argument(
         "--threshold", type=_percent, default=None, metavar="PCT",
@@ -86,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         if args.out is not None:
             raise ValueError(
                 "--out is for merging two or more runs; to write one run's report again, name the run alone"
+            )
+        if args.overwrite:  # it was accepted and did nothing: a run's report is always written again in place
+            raise ValueError(
+                "--overwrite is for merging two or more runs into a non-empty --out folder; one run's report is "
+                "always written again in place (name the run alone)"
             )
         out = Path(args.runs[0])
         other = other_run_kind(out)
