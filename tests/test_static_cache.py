@@ -362,6 +362,44 @@ def test_static_cache_is_not_croppable_and_says_what_is():
         cache.crop(-1)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-small", "int4-sinks-prerope", "fp8-e4m3"])
+def test_a_failed_first_request_leaves_the_cache_as_before(scheme):
+    """A request's first update that failed (a prompt past ``max_cache_len``, a NaN key in layer 1) left the slabs
+    allocated for its batch (and layer 0 holding the prompt): a retry at batch 1 was refused ('key_states must be (B=2,
+    ...)') until a new cache was made, ``reset()`` included. Now the layers the request allocated are released and the
+    others reset, and the retry generates what a new cache does."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    fresh = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    want = generate(model, fresh, fused=False, ids=prompt(batch=1))
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    with pytest.raises(ValueError, match="> max_cache_len"):
+        generate(model, cache, fused=False, ids=torch.cat([prompt(), prompt()], dim=1))
+    assert cache.batch_size == -1 and not any(layer.is_initialized for layer in cache.layers)
+    nan = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, out: out * float("nan"))
+    try:
+        with pytest.raises(ValueError, match="layer 1 keys contains non-finite"):
+            generate(model, cache, fused=False)
+    finally:
+        nan.remove()
+    assert cache.batch_size == -1 and cache.layers[0].tokens_written == 0
+    got = generate(model, cache, fused=False, ids=prompt(batch=1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    codes = cache.layers[0].key.codes.data_ptr()  # allocated before the request: reset in place, not released
+    cache.reset()
+    nan = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, out: out * float("nan"))
+    try:
+        with pytest.raises(ValueError, match="layer 1 keys contains non-finite"):
+            generate(model, cache, fused=False, ids=prompt(batch=1))
+    finally:
+        nan.remove()
+    assert cache.layers[0].tokens_written == 0 and int(cache.layers[0].length) == 0
+    assert cache.layers[0].key.codes.data_ptr() == codes
+    got = generate(model, cache, fused=False, ids=prompt(batch=1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     """NaN / inf / wrong shapes or dtypes: eager checks refuse them before anything is stored; lazy ones (no host
     read in a step) are read by ``check_inputs()`` and ``memory_report()``, naming the layer."""
