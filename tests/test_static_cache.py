@@ -400,6 +400,24 @@ def test_a_failed_first_request_leaves_the_cache_as_before(scheme):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_static_cache_refuses_batch_ops_by_name():
+    """``batch_repeat_interleave`` / ``batch_select_indices`` (``Cache``'s, which QuantizedKVCache serves) raised
+    AttributeError ('StaticQuantizedLayer' object has no attribute ...). Now a no-op on an empty cache, as
+    ``DynamicLayer``'s, and NotImplementedError naming the fixed batch and what serves them once the slabs exist."""
+    cache = StaticQuantizedKVCache(num_layers=2, max_cache_len=8)
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([0]))
+    k = torch.randn(2, 2, 3, 32)
+    for i in range(2):
+        cache.update(k, k, i)
+    cache.batch_repeat_interleave(1)
+    with pytest.raises(NotImplementedError, match=r"cannot batch_repeat_interleave\(3\).*batch of 2.*QuantizedKVCache"):
+        cache.batch_repeat_interleave(3)
+    with pytest.raises(NotImplementedError, match="cannot batch_select_indices .*batch of 2.*QuantizedKVCache"):
+        cache.batch_select_indices(torch.tensor([1]))
+    assert cache.batch_size == 2 and cache.layers[0].tokens_written == 3
+
+
 def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     """NaN / inf / wrong shapes or dtypes: eager checks refuse them before anything is stored; lazy ones (no host
     read in a step) are read by ``check_inputs()`` and ``memory_report()``, naming the layer."""

@@ -136,6 +136,11 @@ __all__ = ["StaticQuantizedKVCache", "StaticQuantizedLayer", "static_reason"]
 
 _SLOT_FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_index")  # PackedTensor fields with a slot axis
 SIDES = ("key", "value")
+_FIXED_BATCH = (
+    "StaticQuantizedKVCache cannot {1} (change its batch): its slabs hold the batch of {0} of their first update, "
+    "at addresses a captured step reads (as transformers' StaticCache's); expand or select the inputs before "
+    "the prefill into a new cache, or use QuantizedKVCache, which repeats and selects sequences"
+)
 
 
 def stream_capturing() -> bool:
@@ -873,6 +878,16 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("StaticQuantizedKVCache does not reorder beams; QuantizedKVCache does")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
+        if self.is_initialized and repeats != 1:
+            raise NotImplementedError(_FIXED_BATCH.format(self.batch_size, f"batch_repeat_interleave({repeats})"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
+        if self.is_initialized:
+            raise NotImplementedError(_FIXED_BATCH.format(self.batch_size, "batch_select_indices"))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
