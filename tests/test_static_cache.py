@@ -805,6 +805,35 @@ def test_graphed_decode_refuses_inputs_it_cannot_replay(monkeypatch):
         assert step.calls == 2 and step.replays == 0 and cache.layers[0].tokens_written == 6
 
 
+def test_graphed_decode_refuses_another_cache_after_its_capture(monkeypatch):
+    """A captured step writes the slabs it was captured on: a call passing another cache replayed it into the first
+    cache (its length 6 -> 7) and counted the step on the other (tokens_written 5, length 4), logits 0.52 away from
+    an eager step on that cache. Now refused, nothing counted or replayed."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model = build("llama")
+    tok = torch.ones(2, 1, dtype=torch.long)
+    caches = [StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=16, checks="lazy")
+              for _ in range(2)]  # fmt: skip
+    with torch.no_grad():
+        for seed, cache in enumerate(caches):
+            model(prompt(seed=seed + 1)[:, :4], **cache_kwargs(cache, model), use_cache=True)
+        step = GraphedDecode(model, eager=1, capture=tape_capture)
+        for i in range(2):  # the first eagerly, the second captured
+            step(tok, cache_position=torch.tensor([4 + i]), **cache_kwargs(caches[0], model))
+        with pytest.raises(ValueError, match="writes the cache it was captured with .* got another"):
+            step(tok, cache_position=torch.tensor([4]), **cache_kwargs(caches[1], model))
+        assert step.calls == 2 and step.replays == 0
+        assert [(c.layers[0].tokens_written, int(c.layers[0].length)) for c in caches] == [(6, 6), (4, 4)]
+        step(tok, cache_position=torch.tensor([6]), **cache_kwargs(caches[0], model))  # its own cache: replayed
+        assert step.replays == 1 and int(caches[0].layers[0].length) == 7
+
+
 def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
     """While the host's counts are the device's, a windowed decode step quantizes its block only when it flushes
     (decided on the host, no device read), and ``GraphedDecode`` captures the plain step and the flushing one apart
