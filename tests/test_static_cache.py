@@ -362,6 +362,62 @@ def test_static_cache_is_not_croppable_and_says_what_is():
         cache.crop(-1)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-small", "int4-sinks-prerope", "fp8-e4m3"])
+def test_a_failed_first_request_leaves_the_cache_as_before(scheme):
+    """A request's first update that failed (a prompt past ``max_cache_len``, a NaN key in layer 1) left the slabs
+    allocated for its batch (and layer 0 holding the prompt): a retry at batch 1 was refused ('key_states must be (B=2,
+    ...)') until a new cache was made, ``reset()`` included. Now the layers the request allocated are released and the
+    others reset, and the retry generates what a new cache does."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    fresh = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    want = generate(model, fresh, fused=False, ids=prompt(batch=1))
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    with pytest.raises(ValueError, match="> max_cache_len"):
+        generate(model, cache, fused=False, ids=torch.cat([prompt(), prompt()], dim=1))
+    assert cache.batch_size == -1 and not any(layer.is_initialized for layer in cache.layers)
+    nan = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, out: out * float("nan"))
+    try:
+        with pytest.raises(ValueError, match="layer 1 keys contains non-finite"):
+            generate(model, cache, fused=False)
+    finally:
+        nan.remove()
+    assert cache.batch_size == -1 and cache.layers[0].tokens_written == 0
+    got = generate(model, cache, fused=False, ids=prompt(batch=1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    codes = cache.layers[0].key.codes.data_ptr()  # allocated before the request: reset in place, not released
+    cache.reset()
+    nan = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, out: out * float("nan"))
+    try:
+        with pytest.raises(ValueError, match="layer 1 keys contains non-finite"):
+            generate(model, cache, fused=False, ids=prompt(batch=1))
+    finally:
+        nan.remove()
+    assert cache.layers[0].tokens_written == 0 and int(cache.layers[0].length) == 0
+    assert cache.layers[0].key.codes.data_ptr() == codes
+    got = generate(model, cache, fused=False, ids=prompt(batch=1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_static_cache_refuses_batch_ops_by_name():
+    """``batch_repeat_interleave`` / ``batch_select_indices`` (``Cache``'s, which QuantizedKVCache serves) raised
+    AttributeError ('StaticQuantizedLayer' object has no attribute ...). Now a no-op on an empty cache, as
+    ``DynamicLayer``'s, and NotImplementedError naming the fixed batch and what serves them once the slabs exist."""
+    cache = StaticQuantizedKVCache(num_layers=2, max_cache_len=8)
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([0]))
+    k = torch.randn(2, 2, 3, 32)
+    for i in range(2):
+        cache.update(k, k, i)
+    cache.batch_repeat_interleave(1)
+    with pytest.raises(NotImplementedError, match=r"cannot batch_repeat_interleave\(3\).*batch of 2.*QuantizedKVCache"):
+        cache.batch_repeat_interleave(3)
+    with pytest.raises(NotImplementedError, match="cannot batch_select_indices .*batch of 2.*QuantizedKVCache"):
+        cache.batch_select_indices(torch.tensor([1]))
+    assert cache.batch_size == 2 and cache.layers[0].tokens_written == 3
+
+
 def test_static_cache_checks_bad_kv_eagerly_or_lazily():
     """NaN / inf / wrong shapes or dtypes: eager checks refuse them before anything is stored; lazy ones (no host
     read in a step) are read by ``check_inputs()`` and ``memory_report()``, naming the layer."""
@@ -747,6 +803,35 @@ def test_graphed_decode_refuses_inputs_it_cannot_replay(monkeypatch):
             step(tok, cache_position=cpos + 2, **cache_kwargs(cache, model), attention_mask=torch.ones(2, 9, dtype=torch.long))
         # refused calls are not counted, here or on the cache's host
         assert step.calls == 2 and step.replays == 0 and cache.layers[0].tokens_written == 6
+
+
+def test_graphed_decode_refuses_another_cache_after_its_capture(monkeypatch):
+    """A captured step writes the slabs it was captured on: a call passing another cache replayed it into the first
+    cache (its length 6 -> 7) and counted the step on the other (tokens_written 5, length 4), logits 0.52 away from
+    an eager step on that cache. Now refused, nothing counted or replayed."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model = build("llama")
+    tok = torch.ones(2, 1, dtype=torch.long)
+    caches = [StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=16, checks="lazy")
+              for _ in range(2)]  # fmt: skip
+    with torch.no_grad():
+        for seed, cache in enumerate(caches):
+            model(prompt(seed=seed + 1)[:, :4], **cache_kwargs(cache, model), use_cache=True)
+        step = GraphedDecode(model, eager=1, capture=tape_capture)
+        for i in range(2):  # the first eagerly, the second captured
+            step(tok, cache_position=torch.tensor([4 + i]), **cache_kwargs(caches[0], model))
+        with pytest.raises(ValueError, match="writes the cache it was captured with .* got another"):
+            step(tok, cache_position=torch.tensor([4]), **cache_kwargs(caches[1], model))
+        assert step.calls == 2 and step.replays == 0
+        assert [(c.layers[0].tokens_written, int(c.layers[0].length)) for c in caches] == [(6, 6), (4, 4)]
+        step(tok, cache_position=torch.tensor([6]), **cache_kwargs(caches[0], model))  # its own cache: replayed
+        assert step.replays == 1 and int(caches[0].layers[0].length) == 7
 
 
 def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):

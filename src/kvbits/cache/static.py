@@ -136,6 +136,11 @@ __all__ = ["StaticQuantizedKVCache", "StaticQuantizedLayer", "static_reason"]
 
 _SLOT_FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_index")  # PackedTensor fields with a slot axis
 SIDES = ("key", "value")
+_FIXED_BATCH = (
+    "StaticQuantizedKVCache cannot {1} (change its batch): its slabs hold the batch of {0} of their first update, "
+    "at addresses a captured step reads (as transformers' StaticCache's); expand or select the inputs before "
+    "the prefill into a new cache, or use QuantizedKVCache, which repeats and selects sequences"
+)
 
 
 def stream_capturing() -> bool:
@@ -254,6 +259,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         # calibrated parameters by side, as quantize takes them (kvbits.cache.fixed), on the K/V device from the first
         # update; a static FP8 side without an installed scale gets 1.0 there
         self._fixed: dict[str, dict[str, torch.Tensor]] = {side: {} for side in SIDES}
+        self._fixed_given = self._fixed  # them as installed, before the slabs' defaults (release)
         self._zero_scales: dict[str, bool] = {}  # a static int/NUQ scale with a zero entry (the kernel counts its clips)
         self._why: tuple[str, str] = ("", "")  # the input bounds' reasons
         self.clipped: torch.Tensor | None = None  # (2,) int64: K, V values saturated against static scales
@@ -285,6 +291,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         check_config_shape(f"layer {self.layer_idx}", key_states, value_states, self.num_key_value_heads,
                            self.head_repeat, self.head_dim)  # fmt: skip
         check_calibrated_heads(self, H, D)
+        self._fixed_given = {side: dict(params) for side, params in self._fixed.items()}  # for release()
         device = key_states.device
         self.device, self.dtype, self._shape = device, key_states.dtype, (B, H, D)
         self.length = self.length.to(device)
@@ -478,9 +485,36 @@ class StaticQuantizedLayer(CacheLayerMixin):
         Returns every position's K/V ``(B, H_kv, max_cache_len, D)`` in the K/V dtype (quantized ones dequantized), or,
         on a claimed layer's decode step (``q == 1``, ``kvbits_fused``), tagged zero-byte placeholders of that shape.
         Device work only, no host read, unless ``checks`` is eager or, once the host's counts are off
-        (``host_counts``), an update of ``q > 1`` tokens (a prefill) reads the length once.
+        (``host_counts``), an update of ``q > 1`` tokens (a prefill) reads the length once. A first update that fails
+        (too many tokens, K/V refused by the checks, position ids past the RoPE tables) leaves the layer unallocated
+        (``release``), so a retry may bring another batch, dtype or device.
         """
-        if not self.is_initialized:
+        if self.is_initialized or torch.compiler.is_compiling():
+            return self._update(key_states, value_states, args, kwargs)
+        try:
+            return self._update(key_states, value_states, args, kwargs)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self, fixed: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Drop the slabs and the step's state: the layer as made, before its first ``update`` (its installed
+        parameters as they were before the slabs, without the defaults added for them; ``fixed``: those instead). For
+        a failed first request only: a step captured or traced since would still address the dropped slabs."""
+        self._fixed = self._fixed_given if fixed is None else fixed
+        self.fused.claimed, self.fused.claimed_by = False, None
+        self.key = self.value = self.key_full = self.value_full = None
+        self.qlen = self.window_pos = self.lens = self.maxima = self.clipped = self.dtype = self._shape = None
+        self.rope = None
+        self.length = torch.zeros((), dtype=torch.int64)
+        self.tokens_written, self._host_qlen, self._lazy = 0, 0, False
+        self.is_initialized = False
+
+    def _update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` on allocated slabs."""
+        if not self.is_initialized:  # traced: allocated in the trace
             self.lazy_initialization(key_states, value_states)
         compiling = torch.compiler.is_compiling()  # traced once, replayed: the host's count and eager checks stay out
         if compiling or (self.host_counts and not self.graph_bookkeeping and stream_capturing()):
@@ -845,6 +879,16 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("StaticQuantizedKVCache does not reorder beams; QuantizedKVCache does")
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
+        if self.is_initialized and repeats != 1:
+            raise NotImplementedError(_FIXED_BATCH.format(self.batch_size, f"batch_repeat_interleave({repeats})"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
+        if self.is_initialized:
+            raise NotImplementedError(_FIXED_BATCH.format(self.batch_size, "batch_select_indices"))
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
             "StaticQuantizedKVCache cannot be cropped (its slabs keep no rollback, so assisted and prompt-lookup "
@@ -920,6 +964,7 @@ class StaticQuantizedKVCache(Cache):
                                        rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
                   for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)
+        self._fresh: list[bool] = []  # per layer, whether the current request allocated its slabs (_undo_request)
         if calibration is not None:
             self.install_calibration(calibration)
 
@@ -942,7 +987,9 @@ class StaticQuantizedKVCache(Cache):
         """Store K/V ``(B, H_kv, q, D)`` of layer ``layer_idx`` (``StaticQuantizedLayer.update``). A pre-RoPE layer's
         first update of a request also gets the RoPE tables made on the K/V device (as the model computes them) and
         the ``position_ids`` ``track_positions`` saw, when transformers passed none. ``ValueError`` for a ``layer_idx``
-        that is not one of the cache's layers (a config of fewer layers than the model)."""
+        that is not one of the cache's layers (a config of fewer layers than the model). A request's first update that
+        fails leaves the cache as before the request (``_undo_request``): a retry needs no ``reset()``, and may bring
+        another batch, dtype or device if the slabs were made for the failed one."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise ValueError(
                 f"layer_idx must be an int in [0, {len(self.layers)}): this cache has {len(self.layers)} layers "
@@ -954,7 +1001,26 @@ class StaticQuantizedKVCache(Cache):
                 self._rotary_on(key_states.device)
                 if self.position_ids_hint is not None and find_position_ids(args, kwargs) is None:
                     kwargs = {**kwargs, "position_ids": self.position_ids_hint}
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        # a request's first update of this layer: if it fails, the request's other layers are undone too
+        if not any(other.tokens_written for other in self.layers):  # the request's first layer
+            self._fresh = [not other.is_initialized for other in self.layers]
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            self._undo_request()
+            raise
+
+    def _undo_request(self) -> None:
+        """A request's first update of a layer failed: the layers it wrote go back to before the request (those it
+        allocated are released, so a retry may bring another batch, dtype or device; the others reset in place)."""
+        for was_fresh, layer in zip(self._fresh or [False] * len(self.layers), self.layers):
+            if was_fresh and layer.is_initialized:
+                layer.release()
+            elif layer.tokens_written:
+                layer.reset()
 
     def _rotary_on(self, device: torch.device) -> None:
         """Tables built from the config are remade on the K/V device before any layer allocates its own."""

@@ -63,7 +63,8 @@ class GraphedDecode:
     """Decode steps of ``model`` through one captured step (module docstring).
 
     Called as ``graphed(tok (B, 1), cache_position=(1,) int64, **model_kwargs)`` (the cache among the keyword
-    arguments, the same at every call); returns an object whose ``logits`` ``(B, 1, V)`` are the captured output,
+    arguments, the same at every call: another cache is refused once a step is captured; the other keyword arguments
+    are the captured call's from then on); returns an object whose ``logits`` ``(B, 1, V)`` are the captured output,
     overwritten by the next call (read it before calling again). Without ``position_ids`` every sequence is at
     ``cache_position``. A left-padded batch passes its ``position_ids`` ``(B, 1)`` and its ``attention_mask`` ``(B, L)``
     (``L`` cache positions so far, as ``generate`` grows it) at every call: the captured step reads them from tensors of
@@ -149,6 +150,12 @@ class GraphedDecode:
                 f"{'with' if self.position_ids is not None else 'without'} position_ids; got {tuple(tok.shape)}, "
                 f"{'with' if attention_mask is not None else 'without'} and "
                 f"{'with' if position_ids is not None else 'without'}"
+            )
+        if cache is not _cache_of(self._kwargs):  # the captured step writes the slabs it was captured on
+            raise ValueError(
+                f"the captured step writes the cache it was captured with ({type(_cache_of(self._kwargs)).__name__} at "
+                f"{id(_cache_of(self._kwargs)):#x}), got another ({type(cache).__name__} at {id(cache):#x}); reset() "
+                "that one for a new request, or make a new GraphedDecode for this cache"
             )
         if attention_mask is not None:  # refused before anything is counted or replayed
             self._copy_mask(attention_mask)
