@@ -355,7 +355,8 @@ def test_static_cache_is_not_croppable_and_says_what_is():
     model = build("llama")
     cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=PROMPT + 8)
     assert not cache.is_croppable
-    with pytest.raises(ValueError, match="can be cropped"):
+    # transformers >= 5.2x refuses a cache that is not croppable; 5.17 does not ask and crops: our refusal, by name
+    with pytest.raises((ValueError, NotImplementedError), match="can be cropped|StaticQuantizedKVCache cannot be cropped"):
         model.generate(prompt(batch=1), **cache_kwargs(cache, model), assistant_model=model, max_new_tokens=4,
                        do_sample=False, pad_token_id=0)  # fmt: skip
     with pytest.raises(NotImplementedError, match="cannot be cropped.*full precision.*fp16 / bf16"):

@@ -449,6 +449,8 @@ class RotaryTables:
                 # tables are elementwise per position, so slicing it off is exact
                 extra = torch.full((pos.shape[0], 1), seq_len - 1, dtype=pos.dtype, device=pos.device)
                 pos = torch.cat((pos, extra), dim=1)
+        if getattr(module, "mrope_section", None) is not None:  # multimodal RoPE (Qwen2-VL style): time, height and
+            pos = pos[None].expand(3, -1, -1)  # width axes, equal for text; transformers 5.17's modules take only these
         x = torch.zeros((), dtype=dtype, device=pos.device)
         args = (x, pos) if self.layer_type is None else (x, pos, self.layer_type)
         with torch.no_grad():
