@@ -68,18 +68,21 @@ def plan_shape_of(config: Any, model: Any = None) -> Any:
     except (ValueError, TypeError) as e:
         logger.info("kvbits plan does not read this config (%s): avg_bits counts its layers alike, no bits_at_context", e)
         return None
-    param = next(model.parameters(), None) if model is not None else None
-    if param is not None and param.dtype.is_floating_point and param.element_size() != shape.dtype_bytes:
-        shape = shape.replace(dtype_bytes=param.element_size())
+    size = _floating_bytes(model) if model is not None else None
+    if size is not None and size != shape.dtype_bytes:
+        shape = shape.replace(dtype_bytes=size)
     return shape
 
 
 def model_dtype_bytes(model: Any) -> int:
     """Bytes per element of the dtype ``model`` runs in (its first floating parameter's; 2 where it has none)."""
-    for param in model.parameters():
-        if param.dtype.is_floating_point:
-            return param.element_size()
-    return 2
+    size = _floating_bytes(model)
+    return 2 if size is None else size
+
+
+def _floating_bytes(model: Any) -> int | None:
+    """Element size of ``model``'s first floating parameter, None where it has none."""
+    return next((p.element_size() for p in model.parameters() if p.dtype.is_floating_point), None)
 
 
 def long_run_avg_bits(
