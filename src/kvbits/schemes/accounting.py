@@ -18,7 +18,7 @@ Storage conventions (one sequence, one layer, one of K or V, ``H`` KV heads, hea
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -138,13 +138,20 @@ def check_scheme_head_dim(scheme: KVScheme, head_dim: int) -> None:
     """``check_head_dim`` for both sides of ``scheme`` (every layer's, for a mixed scheme); the
     ``ValueError`` names the scheme and the side."""
     for sub in scheme.layer_schemes() if scheme.is_mixed else [scheme]:
-        for side, spec in (("key", sub.key), ("value", sub.value)):
-            if sub.is_identity:
-                continue
-            try:
-                check_head_dim(spec, head_dim)
-            except ValueError as exc:
-                raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {exc}") from None
+        for side, reason in _side_errors(sub, head_dim):
+            raise ValueError(f"scheme {scheme.name!r} can not store head_dim {head_dim}: {side}s: {reason}")
+
+
+def _side_errors(sub: KVScheme, head_dim: int) -> Iterator[tuple[str, str]]:
+    """``(side, reason)`` for each side of the one-layer scheme ``sub`` that can not store rows of ``head_dim``
+    channels (``check_head_dim``'s reason); none for an identity (full-precision) scheme."""
+    if sub.is_identity:
+        return
+    for side, spec in (("key", sub.key), ("value", sub.value)):
+        try:
+            check_head_dim(spec, head_dim)
+        except ValueError as exc:
+            yield side, str(exc)
 
 
 def check_scheme_layer_head_dims(
@@ -166,14 +173,8 @@ def check_scheme_layer_head_dims(
     for d, layers in by_dim.items():
         failed: dict[tuple[str, str], list[int]] = {}  # (side, reason) -> layers
         for i in layers if scheme.is_mixed else layers[:1]:  # a uniform scheme: one check per head dim
-            sub = scheme.for_layer(i)
-            for side, spec in (("key", sub.key), ("value", sub.value)):
-                if sub.is_identity:
-                    continue
-                try:
-                    check_head_dim(spec, d)
-                except ValueError as exc:
-                    failed.setdefault((side, str(exc)), []).append(i)
+            for side, reason in _side_errors(scheme.for_layer(i), d):
+                failed.setdefault((side, reason), []).append(i)
         if not failed:
             continue
         (side, reason), bad = next(iter(failed.items()))
