@@ -362,21 +362,29 @@ def test_a_nan_error_stays_out_of_the_histogram_sum() -> None:
     assert math.isfinite(row["mean_error"]) and row["nonfinite_errors"] == 2
 
 
-def test_printed_table_shows_clipping_and_the_calibrated_length(capsys, caplog) -> None:
-    """kvquant-4 calibrated on keys far narrower than served, over 64 tokens, watched over 120: the printed
-    table gains clipped columns (keys clipped, values never: they have no static scales) and the summary
-    says the calibrated length was passed and which events fired. kivi-2 (no static scales): no columns."""
+def narrow_kvquant(model: torch.nn.Module):
+    """A kvquant-4 calibration of ``model`` (2 layers, 2 KV heads, D = 32) on keys far narrower than the model serves
+    (0.01x), over 64 tokens: its keys clip and its calibrated length is passed."""
     from kvbits.calibrate import artifact_from_samples
     from kvbits.calibrate.artifact import describe_model
-    from kvbits.monitor import watch
-    from kvbits.monitor.cli import _print
 
-    model = llama()
     g = torch.Generator().manual_seed(0)
     keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
     values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
     art = artifact_from_samples("kvquant-4", keys, values, meta={"model": describe_model(model.config)})
     art.meta["data"]["context"] = 64
+    return art
+
+
+def test_printed_table_shows_clipping_and_the_calibrated_length(capsys, caplog) -> None:
+    """kvquant-4 calibrated on keys far narrower than served, over 64 tokens, watched over 120: the printed
+    table gains clipped columns (keys clipped, values never: they have no static scales) and the summary
+    says the calibrated length was passed and which events fired. kivi-2 (no static scales): no columns."""
+    from kvbits.monitor import watch
+    from kvbits.monitor.cli import _print
+
+    model = llama()
+    art = narrow_kvquant(model)
     with caplog.at_level("WARNING", logger="kvbits"):
         snap = watch(model, ids_of(1, 200)[0], 120, "kvquant-4", FallbackPolicy(), calibration=art).snapshot()
     assert "QuantizedKVCache" not in caplog.text  # said once, by the monitor, not by the cache too
@@ -812,15 +820,8 @@ def test_batch_wide_events_name_no_sequence() -> None:
     """An error event names the batch row it read (the worst); clipping and the calibrated length are read over the
     whole batch, so their events say ``sequence: None`` instead of naming the row whose error was worst (which
     they do not depend on). A batch of 3, keys served 100x wider than calibrated, past its 64 tokens."""
-    from kvbits.calibrate import artifact_from_samples
-    from kvbits.calibrate.artifact import describe_model
-
     model = llama()
-    g = torch.Generator().manual_seed(0)
-    keys = [0.01 * torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
-    values = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(2)]
-    art = artifact_from_samples("kvquant-4", keys, values, meta={"model": describe_model(model.config)})
-    art.meta["data"]["context"] = 64
+    art = narrow_kvquant(model)
     cache = QuantizedKVCache(config=model.config, scheme="kvquant-4", calibration=art, calibration_warnings=False)
     pol = FallbackPolicy(key_error=0.0, clipped_fraction=0.1, beyond_calibration=True)
     mon = CacheMonitor(cache, pol)
