@@ -803,6 +803,32 @@ def test_a_prefill_quantized_in_slices_is_one_flush() -> None:
     assert mon.signals[(0, "key")].over == 2 and mon.held_layers() == [0]
 
 
+def test_a_prefill_quantized_in_slices_adds_one_histogram_entry_per_sequence() -> None:
+    """The per-sequence histogram holds one entry per sequence and measured flush. A 2 * 4096 + 128-token kivi-2
+    prefill of 2 sequences is quantized in 2 slices: before, each slice added its own entries (``_count`` 4 for one
+    measured flush of 2 sequences, ``_sum`` over both slices); now 2, each sequence's worst slice, as a prefill
+    quantized at once reads each sequence at its worst block."""
+    from kvbits.cache.store import SLICE_TOKENS
+
+    torch.manual_seed(0)
+    cache = QuantizedKVCache(num_layers=1, scheme="kivi-2")
+    mon = CacheMonitor(cache)
+    n = 2 * SLICE_TOKENS + 128
+    k, v = torch.randn(2, 2, n, 32), torch.randn(2, 2, n, 32)
+    cache.update(k, v, 0)
+    sig = mon.signals[(0, "key")]
+    assert sig.flushes == 1 and sig.count == 2 and sig.buckets[-1] == 2 and sig.nonfinite == 0
+    quantized = k[:, :, : n - 128]
+    x_hat = cache.layers[0]._k.materialize(torch.float32)[:, :, : n - 128]
+    per_sequence = flush_error(quantized, x_hat, 32)  # each sequence's worst block over the whole flush
+    assert sig.total == pytest.approx(float(per_sequence.sum()), rel=1e-5)
+    text = mon.prometheus()
+    assert 'kvbits_flush_relative_error_per_sequence_count{scheme="kivi-2",layer="0",side="key"} 2' in text
+    for _ in range(32):  # one decode flush: one more entry per sequence
+        cache.update(torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32), 0)
+    assert sig.flushes == 2 and sig.count == 4
+
+
 def test_request_scope_says_hold_request_once_when_a_sliding_layer_keeps_crossing() -> None:
     """``scope="request"``: a sliding-window layer crossing holds the request's other layers, but can not be held
     itself, so it keeps flushing and crossing. Before, each of its later flushes held nothing new and still said

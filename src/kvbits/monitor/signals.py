@@ -82,11 +82,13 @@ class SideSignals:
     clipped: int = 0
     elements: int = 0
     over: int = 0
+    _flush_errors: list[float] = field(default_factory=list, repr=False)  # per sequence: the last flush's entries
 
     def add(self, errors: list[float], tokens: int, clipped: int, elements: int, same_flush: bool = False) -> None:
         """Record one chunk: per-sequence ``errors``, its ``tokens``, ``clipped`` of ``elements`` values;
         ``same_flush``: a further slice of the flush recorded last (a long prefill is quantized in slices), which
-        adds no flush and leaves ``last`` the worst of its slices."""
+        adds no flush and leaves ``last`` the worst of its slices; the histogram keeps one entry per sequence and
+        flush (its worst slice), as a flush quantized at once reads each sequence at its worst block."""
         self.flushes += 0 if same_flush else 1
         self.tokens += tokens
         self.clipped += clipped
@@ -95,12 +97,25 @@ class SideSignals:
         self.last = worst if not same_flush or _severity(worst) > _severity(self.last) else self.last
         if _severity(worst) > _severity(self.worst):
             self.worst = worst
+        if same_flush and len(self._flush_errors) == len(errors):
+            # one entry per sequence and flush: a sequence's later slice replaces its entry when it is worse
+            for b, (old, new) in enumerate(zip(self._flush_errors, errors, strict=True)):
+                if _severity(new) > _severity(old):
+                    self._histogram(old, -1)
+                    self._histogram(new, 1)
+                    self._flush_errors[b] = new
+            return
+        self._flush_errors = list(errors)
         for e in errors:
-            if not math.isfinite(e):
-                self.nonfinite += 1
-                continue
-            self.count += 1
-            self.total += e
-            for i, bound in enumerate(ERROR_BUCKETS):
-                if e <= bound:
-                    self.buckets[i] += 1
+            self._histogram(e, 1)
+
+    def _histogram(self, e: float, n: int) -> None:
+        """Add (``n=1``) or take back (``n=-1``) one per-sequence error in the histogram (or ``nonfinite``)."""
+        if not math.isfinite(e):
+            self.nonfinite += n
+            return
+        self.count += n
+        self.total += n * e
+        for i, bound in enumerate(ERROR_BUCKETS):
+            if e <= bound:
+                self.buckets[i] += n
