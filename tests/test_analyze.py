@@ -543,6 +543,29 @@ def test_outlier_rule_and_range_used_by_hand():
     assert smeared_pairs([[0, 3]], [[0, 3], [0, 19]], 32) == [{"head": 0, "channel": 3, "partner": 19}]
 
 
+def test_dead_channels_make_no_live_channel_an_outlier():
+    """A KV head whose channels are half zero at every token (dead): before, the median channel absmax was 0 (the
+    lower middle of 8), every live channel (absmax ~3, none above 4x another) an outlier, the head's range used 0.0,
+    bits lost NaN, and the recommendation said "~19.9 bits lost" while int4 per-token SQNR beat per-channel. Now the
+    median is over the live channels; a head of zeros has none; a range used of 0 loses every bit (inf)."""
+    from kvbits.analyze.stats import TensorReport
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 256, 8)
+    x[:, 0, :, :4] = 0  # head 0: channels 0-3 dead
+    x[:, 1] = 0  # head 1: all zero
+    st = ChannelStats(2, 8, 2, 128, "layer 0 value")
+    res = BlockReservoir(2)
+    st.update(x, res.offer(blocks_in(256, 128)))
+    rep = TensorReport.from_stats(st, res.size, 4.0)
+    assert rep.outliers == [] and rep.range_used_by_head == [1.0, 1.0]
+    assert rep.summary()["bits_lost_per_token"] == 0.0
+    absmax = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.2, 0.9, 5.0]])  # live median 1.0: channel 6 still an outlier
+    assert outlier_channels(absmax, 4.0) == [[0, 6]]
+    rep.range_used_by_head = [0.0, 1.0]
+    assert rep.summary()["bits_lost_per_token"] == math.inf
+
+
 def test_int4_sqnr_prefers_channels_on_outlier_channels():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 2, 128, 64, generator=g)

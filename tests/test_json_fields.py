@@ -152,3 +152,13 @@ def test_dumps_is_strict_json_and_loads_reads_non_finite_numbers_back():
         assert math.isnan(back["a"]) and back["b"] == [math.inf, [-math.inf, 1.5]]
         assert back["c"] == {"d": math.inf, "e": "x", "f": 2}
     assert loads('{"NaN": "nan", "+Inf": ["Inf"]}') == {"NaN": "nan", "+Inf": ["Inf"]}  # keys, other spellings
+
+
+def test_loads_decodes_the_non_finite_spellings_anywhere_but_in_keys():
+    """The contract :func:`loads` states: the three exact spellings become floats wherever they stand (a text field
+    included, which its ``text`` check then refuses by name); near spellings and object keys stay strings."""
+    doc = loads(dumps({"NaN": ["NaN", "+Inf", "-Inf", "nan", "Inf", " NaN"], "model": "NaN"}))
+    assert list(doc) == ["NaN", "model"] and doc["NaN"][3:] == ["nan", "Inf", " NaN"]
+    assert math.isnan(doc["NaN"][0]) and doc["NaN"][1:3] == [math.inf, -math.inf]
+    with pytest.raises(ValueError, match=re.escape("model is a number (nan); expected a string")):
+        field(doc, "model", "text")

@@ -11,6 +11,14 @@ infinite PPL, a NaN KL, the tokens/s of a zero-time step) is written as the stri
 ``"-Inf"`` (Prometheus' spelling, as ``kvbits monitor`` writes it), never as Python's bare ``NaN`` /
 ``Infinity`` tokens, which jq, Go's ``encoding/json`` and ``JSON.parse`` reject. :func:`loads` reads those
 strings back as the floats they stand for (and still reads the bare tokens of files written before).
+The one exception is ``kvbits analyze``'s ``analysis.json`` (and its ``--json``), which writes a non-finite
+figure as ``null``, the same as a figure not computed, so that its rows feed ``recommend`` as read by any
+JSON parser.
+
+:func:`loads` does not know which fields are numbers: a string value that is exactly ``"NaN"``, ``"+Inf"``
+or ``"-Inf"`` reads back as a float wherever it is, a text field included (a model or data name spelled so
+would then fail its ``text`` check). No field kvbits reads as text is written so by kvbits itself; object keys
+are never changed.
 
 A field path (``at``) is the dotted, indexed path of a value in its file; the callers prefix the file's
 name (``summary.json: results[2]...``). Each check is of a *kind* (:data:`KINDS`): what a value may be,
@@ -67,7 +75,8 @@ def dumps(obj: Any, indent: int | None = None, **kwargs: Any) -> str:
 def loads(text: str | bytes) -> Any:
     """A JSON text that :func:`dumps` wrote: ``json.loads``, then each string value that is a key of
     :data:`NON_FINITE` (``"NaN"``, ``"+Inf"``, ``"-Inf"``, exactly) as its float, so that a NaN or inf written
-    reads back as itself. Object keys are left as they are."""
+    reads back as itself, wherever it is: a text field holding exactly one of those strings reads back as a float
+    too (the document carries no types to tell them apart). Object keys are left as they are."""
     return _from_strict(json.loads(text))
 
 

@@ -4,7 +4,9 @@ Definitions (all per layer; ``x`` is K or V shaped ``(B, H_kv, T, D)``):
 
 - **outlier channel** ``(h, c)``: ``absmax[h, c] > threshold × median_c' absmax[h, c']``, the
   channel's largest magnitude over all tokens against the median channel of the same KV head
-  (default ``threshold = 4``). KVQuant (Hooper et al. 2024, §3.1, Fig. 2) shows such channels in
+  (default ``threshold = 4``). The median is over the head's *live* channels (absmax > 0): a dead channel, zero
+  at every token, holds nothing and needs no range, and a head of half dead channels would have a median of 0
+  and every live channel an outlier (:func:`channel_median`). KVQuant (Hooper et al. 2024, §3.1, Fig. 2) shows such channels in
   pre-RoPE keys; KIVI (Liu et al. 2024, §3) is why they argue for per-channel key scales.
 - **range used, per-token scaling**: one scale per (token, head) covers ``max_c |x|``. For each
   sampled (token, head), ``max |x| over non-outlier channels / max |x| over all channels``; the median
@@ -43,8 +45,20 @@ def check_layer_fraction(layer_fraction: float) -> None:
         raise ValueError(f"layer_fraction must be a number in [0, 1), got {layer_fraction!r}")
 
 
+def channel_median(absmax: torch.Tensor) -> torch.Tensor:
+    """``(H_kv, 1)`` float32: per head, the median absmax of its live channels (absmax > 0; the lower of the two
+    middle ones for an even count, as ``torch.median``); NaN for a head whose every channel is zero.
+
+    Args:
+        absmax: ``(H_kv, D)`` largest |x| of each channel over all tokens.
+    """
+    a = absmax.float()
+    return torch.where(a > 0, a, torch.full_like(a, math.nan)).nanmedian(dim=-1, keepdim=True).values
+
+
 def outlier_channels(absmax: torch.Tensor, threshold: float = DEFAULT_THRESHOLD) -> list[list[int]]:
-    """``[[head, channel], ...]`` whose absmax exceeds ``threshold`` × the head's median channel absmax.
+    """``[[head, channel], ...]`` whose absmax exceeds ``threshold`` × the head's median live channel absmax
+    (:func:`channel_median`; a head of zeros has none).
 
     Args:
         absmax: ``(H_kv, D)`` largest |x| of each channel over all tokens.
@@ -53,8 +67,7 @@ def outlier_channels(absmax: torch.Tensor, threshold: float = DEFAULT_THRESHOLD)
     check_threshold(threshold)
     if absmax.dim() != 2:
         raise ValueError(f"absmax must be (H_kv, D), got shape {tuple(absmax.shape)}")
-    med = absmax.float().median(dim=-1, keepdim=True).values
-    mask = absmax.float() > threshold * med
+    mask = absmax.float() > threshold * channel_median(absmax)  # NaN (a head of zeros) compares False
     return [[int(h), int(c)] for h, c in mask.nonzero().tolist()]
 
 

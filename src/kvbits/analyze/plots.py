@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvbits.analyze.collect import Analysis, LayerAnalysis
+from kvbits.analyze.outliers import channel_median
 
 
 def _pyplot() -> Any:
@@ -47,7 +48,7 @@ def pick_layer_head(analysis: Analysis, layer: int | None = None, head: int | No
     best, where = -1.0, (layers[0].layer, 0 if head is None else head)
     for la in layers:
         a = la.key_pre_rope.absmax
-        ratio = a.max(dim=-1).values / a.median(dim=-1).values.clamp_min(1e-12)
+        ratio = (a.max(dim=-1).values / channel_median(a)[:, 0].clamp_min(1e-12)).nan_to_num(0.0)  # as outliers
         if head is not None and not 0 <= head < ratio.shape[0]:
             continue
         h = int(ratio.argmax()) if head is None else head

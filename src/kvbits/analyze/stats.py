@@ -260,7 +260,8 @@ class TensorReport:
             "range_used_per_token": used,
             "range_used_per_token_by_head": self.range_used_by_head,
             "range_used_per_channel": 1.0,
-            "bits_lost_per_token": math.log2(1 / used) if used > 0 else float("nan"),
+            # ordinary channels left no range at all (used 0): every bit lost, not "unknown"
+            "bits_lost_per_token": math.log2(1 / used) if used > 0 else math.inf if used == 0 else math.nan,
             "token_range_median": self.token_range_median,
             "sqnr_int4_token": self.sqnr_token,
             "sqnr_int4_channel": self.sqnr_channel,
