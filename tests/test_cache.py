@@ -687,6 +687,26 @@ def test_full_precision_sliding_layer_crops_as_dynamic_sliding_window_layer():
         assert ours.report()["full_tokens"] == 16
 
 
+def test_recording_sliding_layer_holds_what_dynamic_sliding_window_layer_holds_until_crop():
+    """Recording (``activate_past_recording``) with no ``crop`` to follow, as a cache reused for plain decoding after
+    an assisted ``generate``: the full-precision window holds every token since it began recording, as
+    ``DynamicSlidingWindowLayer`` does (the docstring said "up to the tokens of the last forward"), and
+    ``crop(0)`` trims it back to ``W - 1`` tokens while it keeps recording."""
+    ours = QuantizedKVLayer(get_scheme("kivi-4"), sliding_window=17)
+    theirs = DynamicSlidingWindowLayer(sliding_window=17)
+    k, v = rand_kv(1, 2, 60, 64, seed=4)
+    for layer in (ours, theirs):
+        layer.update(k[:, :, :20], v[:, :, :20])
+        layer.activate_past_recording()
+        for t in range(20, 50):
+            layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert ours.report()["full_tokens"] == theirs.keys.shape[2] == 16 + 30
+    for layer in (ours, theirs):
+        layer.crop(0)
+    assert ours.report()["full_tokens"] == theirs.keys.shape[2] == 16 and ours.record_past
+    assert all(torch.equal(a, b) for a, b in zip(ours.materialize(), (theirs.keys, theirs.values)))
+
+
 def test_refused_crop_changes_no_layer():
     """A crop one layer cannot do (here the sliding layer 1 already dropped the tokens a shorter sequence
     needs) raises before any layer is cropped: the layers still agree on the length and hold the same K/V."""

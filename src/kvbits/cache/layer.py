@@ -326,9 +326,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         ``Cache.activate_past_recording``, with ``recurrent_states_to_keep`` from 5.24, ignored here): ``update``
         keeps every token held since the last ``crop`` instead of trimming to the last ``W - 1``, and ``crop`` (also
         ``crop(0)``) trims after removing, as ``DynamicSlidingWindowLayer``. What ``update`` returns is unchanged.
-        Until that ``crop`` the layer holds (and ``memory_report()`` counts) up to the tokens of the last forward
-        more; ``reset()`` turns it off. A no-op for full-attention and quantizing layers (a quantized window drops
-        whole blocks, and its rollback is bounded by flushes anyway)."""
+        Until that ``crop`` the layer holds (and ``memory_report()`` counts) every token the forwards since the last
+        ``crop`` added, past its ``W - 1``: transformers crops after each verified draft, but a cache reused for plain
+        decoding after an assisted ``generate`` keeps growing by a token per step (as ``DynamicSlidingWindowLayer``
+        does) until ``crop(0)`` trims it or ``reset()`` turns recording off. A no-op for full-attention and quantizing
+        layers (a quantized window drops whole blocks, and its rollback is bounded by flushes anyway)."""
         if self.is_sliding and self.mode != "quantized":
             self.record_past = True
 
