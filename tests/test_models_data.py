@@ -409,6 +409,32 @@ def test_concurrent_conversions_convert_once(tmp_path: Path, monkeypatch: pytest
     assert len(conversions) == 1
 
 
+def test_a_renamed_copy_of_a_gguf_file_reuses_its_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The converted folder is keyed by the GGUF's sha256, but its marker was checked with the file name too: loading
+    a copy of the same file under another name (``a.gguf``, ``b.gguf``) converted it again (a minute, and the
+    folder another process may be loading from deleted and rewritten), and loading them in turn did so every time."""
+    from kvbits.evaluate.models import gguf as kvgguf
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    conversions = []
+
+    def fake_convert(src: ModelSource, final: Path, rec: dict) -> Path:
+        conversions.append(src.gguf_file)
+        final.mkdir(parents=True, exist_ok=True)
+        (final / kvgguf._CONVERSION_MARKER).write_text(json.dumps({**rec, "files": {}}))
+        return final
+
+    monkeypatch.setattr(kvgguf, "_convert_locked", fake_convert)
+    for name in ("a.gguf", "b.gguf", "a.gguf"):
+        source = ModelSource(name.removesuffix(".gguf"), str(tmp_path), name, "cd" * 32, 4096)
+        assert kvgguf._convert_gguf(source) == kvgguf.converted_dir("cd" * 32)
+    assert conversions == ["a.gguf"]
+    other = ModelSource("a", str(tmp_path), "a.gguf", "ef" * 32, 4096)  # other content: converted, elsewhere
+    assert kvgguf._convert_gguf(other) == kvgguf.converted_dir("ef" * 32) and conversions == ["a.gguf", "a.gguf"]
+    record = kvgguf._conversion_record(source, "cd" * 32)
+    assert not kvgguf._valid_conversion(kvgguf.converted_dir("cd" * 32), {**record, "transformers_version": "0"})
+
+
 def test_a_converted_copy_written_to_since_is_converted_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """The marker of a converted GGUF folder records each file's sha256: a copy damaged in place (NaN bytes

@@ -490,6 +490,51 @@ def test_offline_gguf_model_is_planned_as_its_file_whatever_the_cache_holds(tmp_
             plan("tiny-kv", context=10, gpu_mem_gib=1)
 
 
+def test_a_registry_name_is_planned_as_kvbits_eval_loads_it_whatever_folder_shares_its_name(tmp_path, monkeypatch):
+    """With a folder named like a registry model in the working directory (``./tiny-kv/config.json``), `kvbits plan
+    tiny-kv` planned that folder (resolve_config tried local paths first: 2 layers) while `kvbits eval tiny-kv`
+    evaluated the registry model (resolve_model tries registry names first: 3 layers). Both now read the registry."""
+    import hashlib
+
+    models = pytest.importorskip("kvbits.evaluate.models")
+    from kvbits.evaluate.models.registry import OfflineModel, WheelMember
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models" / "tiny-kv").mkdir(parents=True)
+    path = write_tiny_gguf(tmp_path / "cache" / "models" / "tiny-kv" / "tiny.gguf", "F16")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    entry = OfflineModel("tiny-kv", (WheelMember("tiny-kv", "1.0", "tiny_kv/tiny.gguf"),), "tiny.gguf", sha, 2048)
+    monkeypatch.setitem(models.OFFLINE_MODELS, "tiny-kv", entry)
+    work = tmp_path / "work"
+    (work / "tiny-kv").mkdir(parents=True)
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "hidden_size": 256, "intermediate_size": 512, "vocab_size": 16}  # fmt: skip
+    (work / "tiny-kv" / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(work)
+    source = models.resolve_model("tiny-kv", download=False)
+    assert source.gguf_file == "tiny.gguf"  # what kvbits eval loads
+    shape = load_shape("tiny-kv")
+    assert (shape.n_layers, shape.layers[0].kv_heads, shape.name) == (3, 2, "tiny-kv")
+    assert load_shape("./tiny-kv").n_layers == 2  # the folder, named as a path
+
+
+def test_a_spec_is_named_and_refused_as_resolve_model_does(tmp_path, monkeypatch):
+    """`kvbits plan --model config.json` (in the model's folder) named the model '' (the relative path's parent has
+    no name) where resolve_model names it after the folder; a missing ``model.GGUF`` was taken as a hub id (a hub
+    error, after the hub lookup) where resolve_model says the path does not exist."""
+    from kvbits.plan.sources import resolve_config
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(folder)
+    assert resolve_config("config.json")[1] == "my-model"
+    assert plan("config.json", context=10)["model"] == "my-model"
+    with pytest.raises(ValueError, match=r"config path 'missing\.GGUF' does not exist"):
+        resolve_config("missing.GGUF")
+
+
 def test_missing_offline_registry_is_skipped(monkeypatch):
     from kvbits.plan import sources
 

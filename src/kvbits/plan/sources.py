@@ -29,9 +29,11 @@ _OFFLINE_REGISTRY = "kvbits.evaluate.models"  # written by the evaluate stage; o
 def resolve_config(source: Any) -> tuple[Any, str]:
     """Turn ``source`` into a config (a transformers config object or a plain mapping) and a name.
 
-    Accepted, tried in this order for strings: an existing ``.gguf`` file, ``*.json`` file or model
-    folder (holding ``config.json`` or exactly one ``.gguf``); a kvbits offline model name
-    (``kvbits.evaluate.models``, when that module exists); a Hugging Face hub id.
+    Accepted, tried in this order for strings: a kvbits offline model name (``kvbits.evaluate.models``,
+    when that module exists; before local paths, as ``kvbits eval`` resolves a model, so a folder of the
+    same name in the working directory does not make ``plan`` and ``eval`` read two models); an
+    existing ``.gguf`` file, ``*.json`` file or model folder (holding ``config.json`` or exactly one
+    ``.gguf``); a Hugging Face hub id.
 
     Raises:
         ValueError: nothing matched, or a file is not a usable config.
@@ -261,12 +263,16 @@ def gguf_problem(path: Path) -> str | None:
 def _from_string(spec: str) -> tuple[Any, str]:
     if not spec:
         raise ValueError("config must not be an empty string")
+    if spec in _offline_names():  # before local paths, as kvbits eval's resolve_model: plan what eval runs
+        offline = _offline_config(spec)
+        if offline is not None:
+            return offline, spec
     p = Path(spec).expanduser()
     if p.is_file():
         if p.suffix.lower() == ".gguf":
             return _from_gguf(p), p.stem
         if p.suffix.lower() == ".json":
-            name = p.parent.name if p.name == "config.json" else p.stem
+            name = p.resolve().parent.name if p.name == "config.json" else p.stem
             return _from_mapping(_read_json(p), str(p)), name
         raise ValueError(f"config file {spec!r}: expected a config.json (or other .json) or a .gguf file")
     if p.is_dir():
@@ -279,11 +285,8 @@ def _from_string(spec: str) -> tuple[Any, str]:
             f"model folder {spec!r} holds no config.json and {len(ggufs)} .gguf files; "
             "expected a config.json or exactly one .gguf file"
         )
-    if spec.endswith((".json", ".gguf")) or spec.startswith((".", "/", "~")):
+    if spec.lower().endswith((".json", ".gguf")) or spec.startswith((".", "/", "~")):
         raise ValueError(f"config path {spec!r} does not exist")
-    offline = _offline_config(spec)
-    if offline is not None:
-        return offline, spec
     near = _near_offline_name(spec)
     if near is not None:
         raise ValueError(

@@ -55,13 +55,22 @@ def _conversion_record(source: ModelSource, sha: str) -> dict[str, Any]:
     }
 
 
+_NOT_IDENTITY = ("files", "gguf_file")  # the folder's own files; the GGUF's name (its sha256 says what it holds)
+
+
+def _identity(record: dict[str, Any]) -> dict[str, Any]:
+    """What a conversion is made from and by: ``record`` less the file name the GGUF had (a renamed or copied
+    file of the same sha256 converts to the same folder) and the converted files' hashes."""
+    return {k: v for k, v in record.items() if k not in _NOT_IDENTITY}
+
+
 def _valid_conversion(folder: Path, record: dict[str, Any]) -> bool:
     """Whether ``folder`` holds the conversion ``record`` describes, its files as written: the marker's
     ``files`` (name -> sha256, recorded at conversion) checked through ``cached_file_sha256``, which hashes a
     file again once it was written to (a damaged or truncated copy is converted again, not loaded)."""
     try:
         marker = json.loads((folder / _CONVERSION_MARKER).read_text())
-        if not isinstance(marker, dict) or {k: v for k, v in marker.items() if k != "files"} != record:
+        if not isinstance(marker, dict) or _identity(marker) != _identity(record):
             return False
         for name, sha in (marker.get("files") or {}).items():
             if cached_file_sha256(folder / name) != sha:
