@@ -276,6 +276,40 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     assert (report["rope_table_bytes"] > 0) == pre_rope
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
+@pytest.mark.parametrize("scheme", ["kivi-4", "int4-channel", "kivi-sinks"])
+def test_a_window_longer_than_max_cache_len_holds_only_its_positions(scheme, fused):
+    """A windowed scheme whose window (``sinks + residual + block``: KIVI-4's 160, int4-channel's 128) is longer
+    than ``max_cache_len`` never flushes: its float slabs hold ``max_cache_len`` positions (they held the whole window,
+    160 slots for 51 here: 3.1x the plan's float bytes), and one quantized block ahead, as at any length. It serves
+    what ``QuantizedKVCache`` serves (nothing quantized), also once the host's counts are off (a replayed step quantizes
+    the window's oldest block at every step, into slots nothing attends)."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    s, T = get_scheme(scheme), PROMPT + NEW - 1
+    if s.name == "kivi-sinks":  # a window of 3 sinks, then T + 4 tokens
+        scheme = s = replace(s, residual=T)
+    assert s.sinks + s.residual + s.block > T
+    reference = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=T, fused_decode=fused)
+    want_seq, want = generate(model, reference, fused=fused)
+    for host_counts in (True, False):
+        cache.reset()
+        for layer in cache.layers:
+            layer.host_counts = host_counts
+        seq, got = generate(model, cache, fused=fused)
+        assert torch.equal(seq, want_seq)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert int(cache.layers[0].qlen) == 0
+    layer = cache.layers[0]
+    assert layer.key_full.shape[2] == layer.window_pos.shape[0] == T and layer.key.n_slots == s.block
+    at = plan(model.config, context=T, batch=2, scheme=scheme, dtype_bytes=4)
+    report = cache.memory_report()
+    assert report["full_bytes"] == at["components"]["full"] and at["components"]["quantized"] == 0
+    assert report["quantized_bytes"] == sum(t.nbytes for la in cache.layers for p in (la.key, la.value)
+                                            for t in p.tensors())  # fmt: skip
+
+
 def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
     """The slabs are allocated once: every step writes into them (what a captured graph needs), ``reset()`` empties
     them in place, and a second generation after it gives the first one's tokens and logits."""
