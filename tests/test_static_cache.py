@@ -1054,3 +1054,56 @@ def test_step_variant_from_the_first_update_on():
 
     plain = StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=MAX_LEN)
     assert plain.step_variant() == ()
+
+
+def test_a_failed_capture_leaves_the_host_counts_the_devices(monkeypatch):
+    """A CUDA capture records kernels without running them: one that fails part-way (here at layer 1's update, with
+    every device tensor as before, as after a refused capture) must leave the host's counts where the device's are.
+    They were one step ahead on the layers it had passed (layer 0: 42 tokens counted, 41 written), so KIVI's flush came
+    a token early on that layer and the later logits were another cache's (28 % of them off, by up to 2.4e-3)."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model, ids = build("qwen2"), prompt()
+    want = decode_steps(model, QuantizedKVCache(config=model.config, scheme=KIVI_SMALL, fused_decode=True), ids, NEW,
+                        fused=True)  # fmt: skip
+    cache = StaticQuantizedKVCache(config=model.config, scheme=KIVI_SMALL, max_cache_len=MAX_LEN, fused_decode=True,
+                                   checks="lazy")  # fmt: skip
+    failed: list[int] = []
+
+    def capture(step):
+        if failed:
+            return tape_capture(step)
+        failed.append(1)
+        held = [(t, t.clone()) for layer in cache.layers for t in layer.tensors()]
+
+        def refused(*args, **kwargs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        cache.layers[1].update = refused
+        try:
+            step()
+        finally:
+            del cache.layers[1].update
+            for t, before in held:  # nothing ran on the device
+                t.copy_(before)
+        raise AssertionError("unreachable")
+
+    step, kw, got = GraphedDecode(model, eager=1, capture=capture), cache_kwargs(cache, model), []
+    with torch.no_grad(), attention(model, True):
+        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(NEW):
+            cpos = torch.tensor([ids.shape[1] + i])
+            if i == 1:
+                with pytest.raises(RuntimeError, match="stream is capturing"):
+                    step(nxt, cache_position=cpos, **kw)
+                assert [layer.tokens_written for layer in cache.layers] == [int(cache.layers[0].length)] * 2 == [41] * 2
+            lg = step(nxt, cache_position=cpos, **kw).logits
+            got.append(lg[:, -1].clone())
+            nxt = lg[:, -1:].argmax(-1)
+    assert step.captured and step.calls == NEW
+    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=0)

@@ -661,6 +661,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if self.windowed and self.host_counts:
             self._host_flush()
 
+    def host_state(self) -> tuple[int, int]:
+        """The host's counts (tokens written, tokens quantized), to be put back by ``restore_host_state``."""
+        return self.tokens_written, self._host_qlen
+
+    def restore_host_state(self, state: tuple[int, int]) -> None:
+        """Put back counts from ``host_state``: a CUDA capture that failed part-way counted the step on the layers it
+        passed, but ran nothing on the device (``kvbits.evaluate.graphs``)."""
+        self.tokens_written, self._host_qlen = state
+
     def _window_step(self, k: torch.Tensor, v: torch.Tensor, flush: bool | None) -> None:
         """One token through the window, on the device alone (what a captured step replays).
 
