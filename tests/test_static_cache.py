@@ -276,6 +276,40 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     assert (report["rope_table_bytes"] > 0) == pre_rope
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sdpa", "fused"])
+@pytest.mark.parametrize("scheme", ["kivi-4", "int4-channel", "kivi-sinks"])
+def test_a_window_longer_than_max_cache_len_holds_only_its_positions(scheme, fused):
+    """A windowed scheme whose window (``sinks + residual + block``: KIVI-4's 160, int4-channel's 128) is longer
+    than ``max_cache_len`` never flushes: its float slabs hold ``max_cache_len`` positions (they held the whole window,
+    160 slots for 51 here: 3.1x the plan's float bytes), and one quantized block ahead, as at any length. It serves
+    what ``QuantizedKVCache`` serves (nothing quantized), also once the host's counts are off (a replayed step quantizes
+    the window's oldest block at every step, into slots nothing attends)."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    s, T = get_scheme(scheme), PROMPT + NEW - 1
+    if s.name == "kivi-sinks":  # a window of 3 sinks, then T + 4 tokens
+        scheme = s = replace(s, residual=T)
+    assert s.sinks + s.residual + s.block > T
+    reference = QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=fused)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=T, fused_decode=fused)
+    want_seq, want = generate(model, reference, fused=fused)
+    for host_counts in (True, False):
+        cache.reset()
+        for layer in cache.layers:
+            layer.host_counts = host_counts
+        seq, got = generate(model, cache, fused=fused)
+        assert torch.equal(seq, want_seq)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert int(cache.layers[0].qlen) == 0
+    layer = cache.layers[0]
+    assert layer.key_full.shape[2] == layer.window_pos.shape[0] == T and layer.key.n_slots == s.block
+    at = plan(model.config, context=T, batch=2, scheme=scheme, dtype_bytes=4)
+    report = cache.memory_report()
+    assert report["full_bytes"] == at["components"]["full"] and at["components"]["quantized"] == 0
+    assert report["quantized_bytes"] == sum(t.nbytes for la in cache.layers for p in (la.key, la.value)
+                                            for t in p.tensors())  # fmt: skip
+
+
 def test_static_cache_slabs_keep_their_addresses_and_reset_in_place():
     """The slabs are allocated once: every step writes into them (what a captured graph needs), ``reset()`` empties
     them in place, and a second generation after it gives the first one's tokens and logits."""
@@ -1020,3 +1054,56 @@ def test_step_variant_from_the_first_update_on():
 
     plain = StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=MAX_LEN)
     assert plain.step_variant() == ()
+
+
+def test_a_failed_capture_leaves_the_host_counts_the_devices(monkeypatch):
+    """A CUDA capture records kernels without running them: one that fails part-way (here at layer 1's update, with
+    every device tensor as before, as after a refused capture) must leave the host's counts where the device's are.
+    They were one step ahead on the layers it had passed (layer 0: 42 tokens counted, 41 written), so KIVI's flush came
+    a token early on that layer and the later logits were another cache's (28 % of them off, by up to 2.4e-3)."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    model, ids = build("qwen2"), prompt()
+    want = decode_steps(model, QuantizedKVCache(config=model.config, scheme=KIVI_SMALL, fused_decode=True), ids, NEW,
+                        fused=True)  # fmt: skip
+    cache = StaticQuantizedKVCache(config=model.config, scheme=KIVI_SMALL, max_cache_len=MAX_LEN, fused_decode=True,
+                                   checks="lazy")  # fmt: skip
+    failed: list[int] = []
+
+    def capture(step):
+        if failed:
+            return tape_capture(step)
+        failed.append(1)
+        held = [(t, t.clone()) for layer in cache.layers for t in layer.tensors()]
+
+        def refused(*args, **kwargs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        cache.layers[1].update = refused
+        try:
+            step()
+        finally:
+            del cache.layers[1].update
+            for t, before in held:  # nothing ran on the device
+                t.copy_(before)
+        raise AssertionError("unreachable")
+
+    step, kw, got = GraphedDecode(model, eager=1, capture=capture), cache_kwargs(cache, model), []
+    with torch.no_grad(), attention(model, True):
+        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(NEW):
+            cpos = torch.tensor([ids.shape[1] + i])
+            if i == 1:
+                with pytest.raises(RuntimeError, match="stream is capturing"):
+                    step(nxt, cache_position=cpos, **kw)
+                assert [layer.tokens_written for layer in cache.layers] == [int(cache.layers[0].length)] * 2 == [41] * 2
+            lg = step(nxt, cache_position=cpos, **kw).logits
+            got.append(lg[:, -1].clone())
+            nxt = lg[:, -1:].argmax(-1)
+    assert step.captured and step.calls == NEW
+    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=0)

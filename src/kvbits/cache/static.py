@@ -74,7 +74,8 @@ pre-RoPE keys and centred values stay with ``QuantizedKVCache``.
 
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
-where the plan counts those left unquantized at ``max_cache_len`` (``residual`` to ``residual + block - 1``); a static
+where the plan counts those left unquantized at ``max_cache_len`` (``residual`` to ``residual + block - 1``; a
+``max_cache_len`` that never fills the window, so never flushes, gets only its positions, the plan's); a static
 scale is also held in the kernels' layout, once per sequence (FP8: float32 per head; KVQuant's key ranges: float16 scale
 and zero-point rows per head and channel). ``memory_report()`` counts what is held.
 
@@ -315,8 +316,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 self.key_full = torch.zeros(shape, dtype=key_states.dtype, device=device)
                 self.value_full = torch.zeros(shape, dtype=value_states.dtype, device=device)
             if self.windowed:  # the tokens quantized at max_cache_len, and one block written ahead of them
-                slots = token_split(self.scheme, self.max_cache_len).quantized + self.scheme.block
-                tail = self.scheme.sinks + self.scheme.residual + self.scheme.block  # the sinks, then the window
+                S, R, blk = self.scheme.sinks, self.scheme.residual, self.scheme.block
+                slots = token_split(self.scheme, self.max_cache_len).quantized + blk
+                # the sinks, then the window: only max_cache_len's positions when they never fill it (no flush)
+                tail = min(S + R + blk, self.max_cache_len)
                 self.key_full = torch.zeros((B, H, tail, D), dtype=key_states.dtype, device=device)
                 self.value_full = torch.zeros_like(self.key_full)
                 self.window_pos = torch.full((tail,), -1, dtype=torch.int64, device=device)
@@ -658,6 +661,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if self.windowed and self.host_counts:
             self._host_flush()
 
+    def host_state(self) -> tuple[int, int]:
+        """The host's counts (tokens written, tokens quantized), to be put back by ``restore_host_state``."""
+        return self.tokens_written, self._host_qlen
+
+    def restore_host_state(self, state: tuple[int, int]) -> None:
+        """Put back counts from ``host_state``: a CUDA capture that failed part-way counted the step on the layers it
+        passed, but ran nothing on the device (``kvbits.evaluate.graphs``)."""
+        self.tokens_written, self._host_qlen = state
+
     def _window_step(self, k: torch.Tensor, v: torch.Tensor, flush: bool | None) -> None:
         """One token through the window, on the device alone (what a captured step replays).
 
@@ -680,6 +692,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if flush is False:
             return
         oldest = self._tail_slots(torch.arange(blk, device=self.device) + self.qlen + S)
+        if self.key_full.shape[2] < S + blk:  # a window cut to max_cache_len, never flushed: the block is never final
+            oldest = oldest.clamp(max=self.key_full.shape[2] - 1)
         block_k, block_v = self.key_full.index_select(2, oldest), self.value_full.index_select(2, oldest)
         if flush:
             self._write_codes(block_k, block_v, self.qlen)

@@ -16,8 +16,8 @@ Steps that differ: a ``StaticQuantizedKVCache`` with a flush window quantizes a 
 (one in ``block``), which its host counts decide (``step_variant``). ``GraphedDecode`` keeps one captured step per
 variant (the plain step and the flushing one), replays the one the cache's counts call for, and counts each replay on
 the cache's host (``count_replayed_step``: so the counts stay the device's, and a step past ``max_cache_len`` is
-refused). A variant is captured the second time it comes, after one eager run (its kernels compiled outside the
-capture). A step captured without this bookkeeping (a plain ``torch.cuda.graph``) makes the cache quantize the block
+refused; a capture that fails counts nothing, having run nothing on the device). A variant is captured the second time
+it comes, after one eager run (its kernels compiled outside the capture). A step captured without this bookkeeping (a plain ``torch.cuda.graph``) makes the cache quantize the block
 at every step, which replays right across flushes; a ``GraphedDecode`` whose cache has had such a step since its
 capture refuses to replay (its variants no longer match the cache's steps). A per-token scheme's sink steps are a
 variant of their own likewise.
@@ -203,10 +203,17 @@ class GraphedDecode:
             if why is not None:
                 raise RuntimeError(why)
             capture = CAPTURES[self.token.device.type]
-        with _bookkeeping(cache):
-            self.logits, replay = capture(
-                lambda: self._forward(self.token, self.position, self._kwargs, self.position_ids).logits
-            )
+        layers = [layer for layer in getattr(cache, "layers", []) if hasattr(layer, "host_state")]
+        counts = [layer.host_state() for layer in layers]
+        try:
+            with _bookkeeping(cache):
+                self.logits, replay = capture(
+                    lambda: self._forward(self.token, self.position, self._kwargs, self.position_ids).logits
+                )
+        except BaseException:  # a capture runs nothing on the device: the step the layers passed is not counted
+            for layer, state in zip(layers, counts):
+                layer.restore_host_state(state)
+            raise
         self._graphs[variant] = (self.logits, replay)
         self.captured_at[variant] = self.calls
         return SimpleNamespace(logits=self.logits)
