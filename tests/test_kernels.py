@@ -2009,6 +2009,29 @@ def test_gpu_benchmark_json_survives_a_kill_during_a_save_and_a_failure_before_t
     assert [p.name for p in tmp_path.iterdir()] == ["gpu_decode.json"]  # no temporary file left beside it
 
 
+def test_gpu_benchmark_json_is_strict_with_non_finite_figures(tmp_path):
+    """The device run's JSON (``_provenance.write_json``: gpu_decode, the failure map, reduce_ab, autotune_decode) is
+    strict JSON, as kvbits writes its own: a check's ``inf`` gap (``nan_to_num(inf)`` of a NaN output) and a NaN
+    ``max_diff_vs_default`` were written as the bare tokens ``Infinity`` / ``NaN``, which jq rejects."""
+    import json
+
+    _load_bench()  # puts benchmarks/ on sys.path
+    import _provenance
+
+    from kvbits._json import loads
+
+    out = tmp_path / "r.json"
+    _provenance.write_json(out, {"max": float("inf"), "rows": [{"max_diff_vs_default": float("nan")}], "ms": 1.5})
+
+    def bare(token: str):
+        raise AssertionError(f"bare {token} in the JSON")
+
+    data = json.loads(out.read_text(), parse_constant=bare)
+    assert data == {"max": "+Inf", "rows": [{"max_diff_vs_default": "NaN"}], "ms": 1.5}
+    back = loads(out.read_text())
+    assert back["max"] == float("inf") and back["rows"][0]["max_diff_vs_default"] != back["rows"][0]["max_diff_vs_default"]
+
+
 def test_gpu_benchmark_copy_bandwidth_failure_is_recorded_and_the_steps_after_it_run(tmp_path, monkeypatch):
     """Step 1 (the copy bandwidth: one 2 GiB copy_ into a second 2 GiB buffer) is guarded like the steps after it:
     an error there (out of memory) is recorded under ``failures``, the sweep still runs with ``frac_of_copy`` None,
