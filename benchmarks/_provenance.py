@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvbits._json import dumps
 
 
 def commit() -> str:
@@ -51,12 +52,15 @@ def write_json(path: str | Path, obj: object) -> None:
     """``obj`` as indented JSON at ``path`` (folders created), atomically: written to a temporary file beside it,
     then renamed over it. The device run's scripts rewrite their JSON after every step and are killed by
     ``timeout`` when they overrun; a kill during a plain ``write_text`` left the file truncated (the figures of
-    every earlier step lost with it), a kill now leaves the previous complete version."""
+    every earlier step lost with it), a kill now leaves the previous complete version. Strict JSON
+    (``kvbits._json.dumps``, as kvbits writes its own): a non-finite float (the ``inf`` gap of a check whose output
+    held NaN, a NaN ``max_diff_vs_default``) is the string ``"NaN"`` / ``"+Inf"`` / ``"-Inf"``, not a bare token
+    that jq and ``JSON.parse`` reject."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        tmp.write_text(dumps(obj, indent=1) + "\n")
         os.replace(tmp, path)
     finally:  # an exception mid-write leaves no stray file in $OUT (a device call returns at most 8 files)
         tmp.unlink(missing_ok=True)

@@ -45,7 +45,8 @@ GPU machine). Steps:
    their difference is what the rotation costs; and with keys centred and smoothed per channel
    (``int4-token-smooth``; before RoPE ``int4-token-smooth-prerope``, the mean and factor decoded in
    registers, and ``-tied``; stand-in channel vectors, the same bytes per token): what each costs.
-4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth.
+4. achieved bandwidth = bytes of K/V + metadata read / time, as a fraction of the copy bandwidth (``None`` where
+   step 1 failed: recorded under ``failures``, and the steps after it run).
    (3b) with the time left before step 6's share: ``block_t`` x ``num_warps`` of the kernel for int4 and
    int4-prerope, and ``block_t`` x ``num_stages`` for int4 with ``dequant="f16"`` (``int4-f16``, rows'
    ``dequant``), and int4 with session 9's 2-byte scale reads (``int4-halves``: ``meta32=False``, beside
@@ -287,9 +288,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     if kernel == "triton" and device.type == "cuda" and args.prewarm_s > 0:
         save(prewarm=_prewarm(device, args.prewarm_s, e2e=args.e2e != "no"))
-    copy_gbps = copy_bandwidth(cfg)
-    save(copy_gbps=round(copy_gbps, 1))
-    print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+    # guarded like the steps after it (a 4 GiB copy may not fit): without it the fractions of copy are None
+    copy_gbps = guarded("(1) copy bandwidth", lambda: copy_bandwidth(cfg), failures)
+    save(copy_gbps=None if copy_gbps is None else round(copy_gbps, 1), failures=failures)
+    if copy_gbps is not None:
+        print(f"(1) copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     run_check = args.check == "yes" or (args.check == "auto" and env["triton"] is not None)
     records: list[dict] = []
     if run_check and args.e2e != "only":

@@ -194,6 +194,21 @@ def test_keys_tell_apart_what_the_kernel_specialises_on():
     assert tune_key(q, dataclasses.replace(store)) == tune_key(q, store)
 
 
+def test_keys_tell_apart_per_token_scales_over_an_odd_slot_count():
+    """Per-token float16 scales over an odd number of slots are read as int32 words by another kernel variant
+    (``K_W32``/``V_W32`` 2, against 1 over an even count), which a growing per-token cache alternates step by
+    step; both had one key (1120 and 1121 slots: one ``T2048`` key), so a launch checked and timed on one
+    variant served the other unchecked until a ``verify_due`` call. Each now has its own key."""
+    from kvbits.kernels.triton_decode import _words_ok
+    from kvbits.schemes import get_scheme
+
+    per_token = get_scheme("int4-token").key  # one float16 scale per token and head: scales (B, H, T, 1)
+    (even, q), (odd, _) = store_and_query(T=1120, keys=per_token), store_and_query(T=1121, keys=per_token)
+    assert (_words_ok(even.key), _words_ok(odd.key)) == (1, 2)
+    assert tune_key(q, even) != tune_key(q, odd)
+    assert tune_key(q, even) == tune_key(q, store_and_query(T=1122, keys=per_token)[0])  # same variant, one key
+
+
 def test_nothing_is_timed_while_a_graph_is_captured(monkeypatch):
     store, q = store_and_query()
     fake = StandIn(times(f16=0.1))

@@ -1984,9 +1984,9 @@ def test_gpu_benchmark_json_survives_a_kill_during_a_save_and_a_failure_before_t
     bench = _load_bench()
     out = tmp_path / "gpu_decode.json"
     args = ["--smoke", "--device", "cpu", "--kernel", "reference", "--check", "no", "--e2e", "no", "--out", str(out)]
-    with monkeypatch.context() as m:
-        m.setattr(bench, "copy_bandwidth", lambda cfg: (_ for _ in ()).throw(RuntimeError("no copy")))
-        with pytest.raises(RuntimeError, match="no copy"):
+    with monkeypatch.context() as m:  # killed in step 1 (an error there is guarded: the next test)
+        m.setattr(bench, "copy_bandwidth", lambda cfg: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+        with pytest.raises(KeyboardInterrupt, match="killed"):
             bench.main(args)
     data = json.loads(out.read_text())
     assert not data["complete"] and data["env"]["device"] and data["records"] == []
@@ -2007,6 +2007,49 @@ def test_gpu_benchmark_json_survives_a_kill_during_a_save_and_a_failure_before_t
     data = json.loads(out.read_text())  # the last complete save: the copy bandwidth measured, no record yet
     assert not data["complete"] and data["copy_gbps"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["gpu_decode.json"]  # no temporary file left beside it
+
+
+def test_gpu_benchmark_json_is_strict_with_non_finite_figures(tmp_path):
+    """The device run's JSON (``_provenance.write_json``: gpu_decode, the failure map, reduce_ab, autotune_decode) is
+    strict JSON, as kvbits writes its own: a check's ``inf`` gap (``nan_to_num(inf)`` of a NaN output) and a NaN
+    ``max_diff_vs_default`` were written as the bare tokens ``Infinity`` / ``NaN``, which jq rejects."""
+    import json
+
+    _load_bench()  # puts benchmarks/ on sys.path
+    import _provenance
+
+    from kvbits._json import loads
+
+    out = tmp_path / "r.json"
+    _provenance.write_json(out, {"max": float("inf"), "rows": [{"max_diff_vs_default": float("nan")}], "ms": 1.5})
+
+    def bare(token: str):
+        raise AssertionError(f"bare {token} in the JSON")
+
+    data = json.loads(out.read_text(), parse_constant=bare)
+    assert data == {"max": "+Inf", "rows": [{"max_diff_vs_default": "NaN"}], "ms": 1.5}
+    back = loads(out.read_text())
+    assert back["max"] == float("inf") and back["rows"][0]["max_diff_vs_default"] != back["rows"][0]["max_diff_vs_default"]
+
+
+def test_gpu_benchmark_copy_bandwidth_failure_is_recorded_and_the_steps_after_it_run(tmp_path, monkeypatch):
+    """Step 1 (the copy bandwidth: one 2 GiB copy_ into a second 2 GiB buffer) is guarded like the steps after it:
+    an error there (out of memory) is recorded under ``failures``, the sweep still runs with ``frac_of_copy`` None,
+    and the script exits non-zero at the end. Before, its raise ended the run with no record at all (0 rows)."""
+    import json
+
+    bench = _load_bench()
+    out = tmp_path / "gpu_decode.json"
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda cfg: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(SystemExit, match=r"1 step\(s\) failed: \(1\) copy bandwidth: RuntimeError: out of memory"):
+        bench.main(["--smoke", "--device", "cpu", "--kernel", "reference", "--check", "no", "--e2e", "no",
+                    "--out", str(out)])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["copy_gbps"] is None
+    assert [f["step"] for f in data["failures"]] == ["(1) copy bandwidth"]
+    assert data["records"] and all(r["frac_of_copy"] is None and r["gbps"] >= 0 for r in data["records"] if "ms" in r)
+    assert data["break_even"]
+    assert "not measured" in bench.markdown(data["records"], data["break_even"], None)
 
 
 def test_gpu_benchmark_times_the_issues_cells_before_the_other_kernel_paths(monkeypatch):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[dict] | None = None) -> str:
+def markdown(records: list[dict], be: list[dict], copy_gbps: float | None, e2e: list[dict] | None = None) -> str:
     lines = [
-        f"Copy bandwidth (read + write): {copy_gbps:.0f} GB/s",
+        "Copy bandwidth (read + write): " + ("not measured" if copy_gbps is None else f"{copy_gbps:.0f} GB/s"),
         "",
         "| shape | batch | context | kernel | scheme | ms (p10-p90) | GB/s | of copy | speed-up vs fp16 |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -16,10 +16,11 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float, e2e: list[di
                          f"did not launch: {r['error']} | | | |")  # fmt: skip
             continue
         sp = "" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}x"
+        frac = "" if r["frac_of_copy"] is None else f"{100 * r['frac_of_copy']:.0f}%"  # None: step 1 failed
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kernel']} | {r['scheme']} | "
             f"{r['ms']:.4f} ({r['ms_p10']:.4f}-{r['ms_p90']:.4f}) | "
-            f"{r['gbps']:.0f} | {100 * r['frac_of_copy']:.0f}% | {sp} |"
+            f"{r['gbps']:.0f} | {frac} | {sp} |"
         )
     lines += ["", "| shape | batch | kernel | scheme | break-even context |", "|---|---|---|---|---|"]
     for b in be:

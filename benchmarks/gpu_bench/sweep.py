@@ -42,15 +42,21 @@ def _record(
     nbytes: int,
     spread: dict,
     fp16_ms: float,
-    copy_gbps: float,
+    copy_gbps: float | None,
 ) -> dict:
-    """One result row; ``(ms, graph, nbytes, spread)`` in the order the timing helpers return them."""
+    """One result row; ``(ms, graph, nbytes, spread)`` in the order the timing helpers return them;
+    ``frac_of_copy`` is ``None`` without a copy bandwidth (step 1 failed)."""
     gbps = nbytes / (ms * 1e-3) / 1e9
     return {
         "kernel": kernel, "scheme": scheme, "shape": shape, "context": context, "batch": batch, "ms": round(ms, 5),
-        **spread, "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3), "bytes_read": nbytes,
+        **spread, "gbps": round(gbps, 1), "frac_of_copy": frac_of_copy(gbps, copy_gbps), "bytes_read": nbytes,
         "speedup_vs_fp16": round(fp16_ms / ms, 3), "fp16_ms": round(fp16_ms, 5), "cuda_graph": graph,
     }  # fmt: skip
+
+
+def frac_of_copy(gbps: float, copy_gbps: float | None) -> float | None:
+    """``gbps`` as a fraction of the copy bandwidth (3 decimals), ``None`` without one (step 1 failed)."""
+    return None if not copy_gbps else round(gbps / copy_gbps, 3)
 
 
 def fp16_baselines(
@@ -159,7 +165,7 @@ def launch_kwargs(kw: dict, device: torch.device) -> dict:
 
 def variant_row(
     cfg: Config, decode: Callable, q: torch.Tensor, shape_name: str, shape: dict, context: int, batch: int,
-    gen: torch.Generator, flush: torch.Tensor | None, fp16_ms: float, copy_gbps: float, scheme: str,
+    gen: torch.Generator, flush: torch.Tensor | None, fp16_ms: float, copy_gbps: float | None, scheme: str,
     sch: tuple[str, int, float] | None, kw: dict, tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     store_kw: dict | None = None,
 ) -> dict:  # fmt: skip
@@ -182,7 +188,7 @@ def _timing(r: dict) -> str:
 def sweep(
     cfg: Config,
     decode: Callable,
-    copy_gbps: float,
+    copy_gbps: float | None,
     progress: Callable[[list[dict]], None] | None = None,
     skipped: list[dict] | None = None,
 ) -> list[dict]:
@@ -296,7 +302,7 @@ def sweep(
 
 
 def split_sweep(
-    cfg: Config, decode: Callable, copy_gbps: float, records: list[dict],
+    cfg: Config, decode: Callable, copy_gbps: float | None, records: list[dict],
     progress: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:  # fmt: skip
     """Step (3)'s split counts, Triton only, after the sweep and while its time lasts: ``SPLIT_SCHEME`` at
@@ -440,7 +446,7 @@ TUNE_CASES = (  # step 3b's cases per shape: (scheme, pre-RoPE keys, TUNE_DEQUAN
 )
 
 
-def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[list[dict]], None] | None = None
+def tune(cfg: Config, decode: Callable, copy_gbps: float | None, progress: Callable[[list[dict]], None] | None = None
          ) -> list[dict]:  # fmt: skip
     """Step (3b), Triton only, while the sweep's time lasts: ``block_t`` x ``num_warps`` x ``num_stages``
     (``tune_grid``) for int4 and int4-prerope, and ``block_t`` x ``num_warps`` x ``num_stages``
@@ -493,9 +499,10 @@ def tune(cfg: Config, decode: Callable, copy_gbps: float, progress: Callable[[li
                 print(f"  tune {shape_name:13s} {scheme:13s} {block_t}/{warps}/{stages}: {row['error']}")
             else:
                 gbps = nbytes / (ms * 1e-3) / 1e9
-                row.update(ms=round(ms, 5), **spread, gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
+                frac = frac_of_copy(gbps, copy_gbps)
+                row.update(ms=round(ms, 5), **spread, gbps=round(gbps, 1), frac_of_copy=frac)
                 print(f"  tune {shape_name:13s} {scheme:13s} block_t={block_t:<4d} warps={warps} stages={stages}: "
-                      f"{ms:.4f} ms ({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
+                      f"{ms:.4f} ms ({'?' if frac is None else f'{100 * frac:.0f}'}% of copy)")  # fmt: skip
             rows.append(row)
             if progress is not None:
                 progress(rows)

@@ -7,7 +7,7 @@ decode kernel. The fastest was 1.40x faster than the default launch at Llama-3-8
 wins depends on the shape and the device, and no one default is best. This module does what ``triton.autotune`` and
 vLLM's per-device kernel configs do for that: the first decode step of each *launch key* (``tune_key``: device,
 Triton and kernel versions, query dtype, batch bucket, heads, head dim, context bucket, both sides' layout, and
-the store's kernel variant: RoPE tables, slot masks, tail dtype, device-side lengths) runs
+the store's kernel variant: RoPE tables, slot masks, tail dtype, device-side lengths, word reads) runs
 every candidate launch (``CANDIDATES``) on that step's own inputs, and later steps of that key take the fastest.
 
 Nothing silently wrong: each candidate's output is compared with the default launch's on the same inputs; one that
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
@@ -54,6 +53,7 @@ from typing import Any
 
 import torch
 
+from kvbits._json import dumps, loads
 from kvbits.kernels.reference import PackedStore, PackedTensor
 
 logger = logging.getLogger(__name__)
@@ -195,8 +195,12 @@ def tune_key(q: torch.Tensor, store: PackedStore) -> str:
     same launch. Batch and context are bucketed to powers of two (context from ``MIN_CONTEXT_BUCKET``). What the
     store makes the kernel specialise on is in it too (a launch was checked and timed on one such kernel): the RoPE
     tables' width (``D`` or ``D / 2``), either slot mask, the tail's dtype, and per-sequence lengths read from
-    the device (``uniform_lens`` false: a static cache's graph-replayed steps, which no check ever compares)."""
+    the device (``uniform_lens`` false: a static cache's graph-replayed steps, which no check ever compares), and how
+    each side's float16 metadata is read as int32 words (``_words_ok``: 2 for one value per token over an odd slot
+    count, which a growing per-token cache alternates with 1 step by step: another kernel variant)."""
     import triton
+
+    from kvbits.kernels.triton_decode import _words_ok
 
     B, H_q, _, D = q.shape
     tail = store.key_full if store.key_full is not None else store.value_full
@@ -207,7 +211,7 @@ def tune_key(q: torch.Tensor, store: PackedStore) -> str:
         f"prerope{store.rope_cos.shape[1]}" if store.pre_rope else "",
         "padded" if store.quant_mask is not None else "", "tailmask" if store.full_mask is not None else "",
         "" if tail is None or tail.dtype == q.dtype else f"tail-{str(tail.dtype).removeprefix('torch.')}",
-        "" if store.uniform_lens else "ragged",
+        "" if store.uniform_lens else "ragged", f"w{_words_ok(store.key)}{_words_ok(store.value)}",
     ]  # fmt: skip
     return "|".join(x for x in parts if x)
 
@@ -245,7 +249,7 @@ def read_tunings(path: Path, quiet: bool = False) -> dict[str, Tuning]:
     if not path.exists():
         return {}
     try:
-        raw = json.loads(path.read_text())
+        raw = loads(path.read_text())
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("keys"), dict):
             raise ValueError(f"expected {{'format': {FORMAT}, 'keys': {{...}}}}")
         return {str(k): Tuning.from_json(v) for k, v in raw["keys"].items()}
@@ -372,8 +376,8 @@ class DecodeTuner:
             on_disk.update(self.tunings)  # another process's keys kept, ours win
             # a name of its own per process and tuner: two tuners of one process do not write one file
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{id(self):x}.tmp")
-            tmp.write_text(json.dumps({"format": FORMAT, "keys": {k: t.to_json() for k, t in on_disk.items()}},
-                                      indent=1, sort_keys=True))  # fmt: skip
+            tmp.write_text(dumps({"format": FORMAT, "keys": {k: t.to_json() for k, t in on_disk.items()}},
+                                 indent=1, sort_keys=True))  # fmt: skip (strict JSON: kvbits._json)
             os.replace(tmp, self.path)
         except OSError as exc:
             logger.warning("could not write the decode tuning file %s (%s); choices stay in memory", self.path, exc)
