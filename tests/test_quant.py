@@ -245,6 +245,15 @@ def test_pack_rejects_bad_input():
         pack_bits(torch.zeros(4), 4)
     with pytest.raises(ValueError, match="packed bytes"):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 4)
+    # a scalar has no last dim to pack along, and a row can not hold -2 codes: IndexError / "expected -1 packed
+    # bytes" before
+    for bits in (3, 8):
+        with pytest.raises(ValueError, match="codes must have at least 1 dim"):
+            pack_bits(torch.tensor(5), bits)
+    with pytest.raises(ValueError, match="packed must have at least 1 dim"):
+        unpack_bits(torch.tensor(5, dtype=torch.uint8), 4, 2)
+    with pytest.raises(ValueError, match=r"n \(codes per row\) must be >= 0, got -2"):
+        unpack_bits(torch.zeros(1, dtype=torch.uint8), 4, -2)
 
 
 @pytest.mark.parametrize(
