@@ -261,8 +261,9 @@ def quantize(
         x: the block; per-channel specs need ``n`` to be a multiple of ``spec.group_size``.
         spec: how to store it.
         static_scale, static_zero: for ``spec.static``: scales from calibration, broadcastable to the
-            grouped view. Static per-channel specs (no token group) take ``(1, H_kv, 1, D)`` or
-            ``(H_kv, D)`` and do not depend on ``n``; outliers are then the entries farthest from their
+            grouped view, of size 1 over the batch, the tokens and within a group (``static_param_shape``).
+            Static per-channel specs (no token group) take exactly ``(1, H_kv, 1, D)`` or ``(H_kv, D)`` and
+            do not depend on ``n``; outliers are then the entries farthest from their
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
         channel_mean, channel_factor: ``spec.centre`` / ``spec.smooth`` (required there): calibrated
