@@ -442,6 +442,11 @@ STATIC_CHANNEL = KVScheme(
     "scheme, params, match",
     [(STATIC_CHANNEL, {"scale": torch.ones(3, 64)}, "static_scale of shape \\(3, 64\\) does not broadcast"),
      (STATIC_CHANNEL, {"scale": torch.ones(2, 32)}, "static_scale of shape \\(2, 32\\) does not broadcast"),
+     # broadcastable, but not one calibrated value per (head, channel): a (1, H, block, D) fitted block-sized flushes
+     # only (a prefill's larger flush refused it part-way through an update), (D,) and (1, 1, 1, 1) spread silently
+     *((STATIC_CHANNEL, {"scale": torch.ones(shape)}, ("static_scale of a static per-channel spec must be "
+        f"\\(H_kv, D\\) = \\(2, 64\\) or \\(1, 2, 1, 64\\), got shape \\({', '.join(map(str, shape))},?\\)"))
+       for shape in ((1, 2, 4, 64), (64,), (1, 1, 1, 1))),
      ("int8-token-smooth", {"mean": torch.zeros(2, 32), "factor": torch.ones(2, 32)},
       "channel_mean must be \\(H_kv, D\\) = \\(2, 64\\)")],
 )  # fmt: skip

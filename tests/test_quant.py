@@ -245,6 +245,15 @@ def test_pack_rejects_bad_input():
         pack_bits(torch.zeros(4), 4)
     with pytest.raises(ValueError, match="packed bytes"):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 4)
+    # a scalar has no last dim to pack along, and a row can not hold -2 codes: IndexError / "expected -1 packed
+    # bytes" before
+    for bits in (3, 8):
+        with pytest.raises(ValueError, match="codes must have at least 1 dim"):
+            pack_bits(torch.tensor(5), bits)
+    with pytest.raises(ValueError, match="packed must have at least 1 dim"):
+        unpack_bits(torch.tensor(5, dtype=torch.uint8), 4, 2)
+    with pytest.raises(ValueError, match=r"n \(codes per row\) must be >= 0, got -2"):
+        unpack_bits(torch.zeros(1, dtype=torch.uint8), 4, -2)
 
 
 @pytest.mark.parametrize(
@@ -535,6 +544,29 @@ def test_empty_blocks_quantize_at_every_granularity(shape, gran, kind, symmetric
     assert not bool(qt.scale.any()) and (qt.zero is None) == symmetric
     B, H, n, D = shape
     assert qt.nbytes == B * (quantized_bytes(spec, n, H, D) + per_block_meta_bytes(spec, H))
+
+
+def test_static_scales_are_constants_of_the_head_and_channel_not_of_the_block():
+    """A static scale (or zero-point) that broadcast to the block was taken: a per-channel one of shape (1, H, n, D)
+    quantized an n-token block with a different scale per token (and was refused only at a flush of another
+    size), one of (D,) or (1, 1, 1, 1) spread over heads and channels it did not cover; a static per-token one of
+    (1, H, n, groups, 1) varied over the tokens. Now each is refused, saying what was expected."""
+    x = gaussian(1, 2, 4, 8)
+    channel = int_spec(4, "channel", None, static=True, symmetric=True)
+    for shape in ((1, 2, 4, 8), (8,), (1, 1, 1, 1), (2, 1, 8)):
+        with pytest.raises(ValueError, match=r"static per-channel spec must be \(H_kv, D\) = \(2, 8\) or \(1, 2, 1, 8\)"):
+            quantize(x, channel, static_scale=torch.full(shape, 0.5))
+    asym = int_spec(4, "channel", None, static=True)
+    with pytest.raises(ValueError, match=r"static_zero of a static per-channel spec must be"):
+        quantize(x, asym, static_scale=torch.full((2, 8), 0.5), static_zero=torch.zeros(1, 2, 4, 8))
+    for good in ((2, 8), (1, 2, 1, 8)):  # the calibrated layouts
+        quantize(x, channel, static_scale=torch.full(good, 0.5))
+    token = int_spec(4, "token", 4, static=True, symmetric=True)  # groups (1, 2, 4, 2, 4): one scale per 4 channels
+    with pytest.raises(ValueError, match=r"varies over the batch, the tokens or within a token group"):
+        quantize(x, token, static_scale=torch.full((1, 2, 4, 2, 1), 0.5))
+    with pytest.raises(ValueError, match=r"varies over the batch, the tokens or within a token group"):
+        quantize(x, token, static_scale=torch.full((1, 2, 1, 2, 4), 0.5))
+    quantize(x, token, static_scale=torch.full((1, 2, 1, 2, 1), 0.5))  # per (head, channel group)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -0.4, float("inf"), 1e6])  # 1e6: inf in float16

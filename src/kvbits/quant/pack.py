@@ -36,6 +36,8 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check_range: bool = True) -> to
     check_bits(bits)
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    if codes.dim() == 0:  # codes are packed along the last dim: a scalar has none (IndexError before)
+        raise ValueError("codes must have at least 1 dim (..., n), got a 0-dim tensor")
     if check_range and codes.numel():
         lo, hi = int(codes.min()), int(codes.max())
         if lo < 0 or hi >= 1 << bits:
@@ -62,6 +64,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     check_bits(bits)
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    if packed.dim() == 0:
+        raise ValueError("packed must have at least 1 dim (..., bytes), got a 0-dim tensor")
+    if n < 0:  # (no isinstance check: n may be a symbolic int under torch.compile)
+        raise ValueError(f"n (codes per row) must be >= 0, got {n!r}")
     if packed.shape[-1] != packed_size(n, bits):
         raise ValueError(f"expected {packed_size(n, bits)} packed bytes for {n} {bits}-bit codes, got {packed.shape[-1]}")
     if bits == 8:

@@ -261,8 +261,9 @@ def quantize(
         x: the block; per-channel specs need ``n`` to be a multiple of ``spec.group_size``.
         spec: how to store it.
         static_scale, static_zero: for ``spec.static``: scales from calibration, broadcastable to the
-            grouped view. Static per-channel specs (no token group) take ``(1, H_kv, 1, D)`` or
-            ``(H_kv, D)`` and do not depend on ``n``; outliers are then the entries farthest from their
+            grouped view, of size 1 over the batch, the tokens and within a group (``static_param_shape``).
+            Static per-channel specs (no token group) take exactly ``(1, H_kv, 1, D)`` or ``(H_kv, D)`` and
+            do not depend on ``n``; outliers are then the entries farthest from their
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
         channel_mean, channel_factor: ``spec.centre`` / ``spec.smooth`` (required there): calibrated
@@ -495,11 +496,14 @@ def zero_scale_clipped(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
 def static_param_shape(t: torch.Tensor, name: str, x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """Static scale or zero-point ``t`` of ``spec`` as it broadcasts to ``_group(x)`` for a block ``x`` ``(B, H_kv, n,
     D)`` (a static per-channel ``(H_kv, D)`` viewed as ``(1, H_kv, 1, D)``); ``TypeError`` / ``ValueError`` when it
-    does not. Shapes only: ``x`` may be a ``meta`` tensor (``kvbits.cache.fixed.check_param_shapes``)."""
+    does not, when a static per-channel one is not ``(H_kv, D)`` / ``(1, H_kv, 1, D)`` exactly, or when it varies over
+    the batch, the tokens or within a group (size 1 there: it would fit one block shape only). Shapes only: ``x`` may
+    be a ``meta`` tensor (``kvbits.cache.fixed.check_param_shapes``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     H, D = x.shape[1], x.shape[3]
-    if spec.granularity == "channel" and spec.group_size is None and tuple(t.shape) == (H, D):
+    per_channel = spec.granularity == "channel" and spec.group_size is None
+    if per_channel and tuple(t.shape) == (H, D):
         t = t.reshape(1, H, 1, D)
     grouped = _group(x, spec).shape
     try:
@@ -509,6 +513,18 @@ def static_param_shape(t: torch.Tensor, name: str, x: torch.Tensor, spec: Tensor
     if not ok:
         raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the {spec.granularity} "
                          f"groups {tuple(grouped)} of a block {tuple(x.shape)}")
+    # a calibrated constant: one per head and channel (per channel), never per sequence or token position. A
+    # (1, H, n, D) fitted a block of n tokens only (refused at the first flush of another size, part-way through
+    # an update) and a (D,) or (1, 1, 1, 1) one broadcast silently over the heads and channels it did not cover
+    if per_channel and tuple(t.shape) != (1, H, 1, D):
+        raise ValueError(f"{name} of a static per-channel spec must be (H_kv, D) = ({H}, {D}) or (1, {H}, 1, {D}), "
+                         f"got shape {tuple(t.shape)}")
+    shape = (1,) * (len(grouped) - t.dim()) + tuple(t.shape)
+    reduced = {d % len(grouped) for d in _reduce_dims(spec)}
+    if any(shape[d] != 1 for d in {0, 2} | reduced):  # the batch, the tokens and what one scale covers
+        raise ValueError(f"{name} of shape {tuple(t.shape)} varies over the batch, the tokens or within a "
+                         f"{spec.granularity} group of the groups {tuple(grouped)} of a block {tuple(x.shape)}; a static "
+                         "parameter has size 1 there")
     return t
 
 
