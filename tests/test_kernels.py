@@ -131,7 +131,7 @@ def extras(s: TensorSpec, x: torch.Tensor) -> dict:
     if s.has_channel_transform:
         kw.update({n: v.to(x.device) for n, v in channel_kwargs(s, x).items()})
     if s.static and s.kind in ("int", "nuq"):  # calibrated per-channel range (H, D), a bit narrow: clips
-        lo, hi = x.amin(dim=(0, 2), keepdim=True)[0] * 0.9, x.amax(dim=(0, 2), keepdim=True)[0] * 0.9
+        lo, hi = x.amin(dim=(0, 2), keepdim=True) * 0.9, x.amax(dim=(0, 2), keepdim=True) * 0.9  # (1, H, 1, D)
         kw["static_scale"] = ((hi - lo) / (1 if s.kind == "nuq" else 2**s.bits - 1)).half().to(x.device)
         kw["static_zero"] = lo.half().to(x.device)
     if s.static and s.kind == "fp8":
@@ -2505,3 +2505,21 @@ def test_decode_attention_refuses_integer_queries_and_gives_zeros_where_every_sl
         assert out[0].sub(decode_attention_reference(q, store)[0]).abs().max() < 1e-5  # the visible sequence
         nan_out = attend(nan_q, store)
         assert nan_out[0, 0].isnan().all() and nan_out[1].isfinite().all(), attend.__name__
+
+
+def test_decode_entry_points_name_the_query_shape_for_another_rank():
+    """A query without its ``q_len`` dim, ``(B, H_q, D)``, failed in every entry point with Python's "not enough values
+    to unpack (expected 4, got 3)" (the first line of each unpacked ``q.shape``); now the ``ValueError`` says which
+    shape is expected and which was given."""
+    g = torch.Generator().manual_seed(0)
+    store = make_store(g, B=2, T_q=32, T_f=4, key_spec=spec(8, "token"), value_spec=spec(8, "token"))
+    q = torch.randn(2, 4, 64, generator=g).to(DEVICE)
+    paths = [dispatch.decode_attention, decode_attention_reference]
+    if triton_decode is not None:
+        from kvbits.kernels.triton_fold import decode_attention_fold
+
+        paths += [triton_decode.decode_attention_triton, decode_attention_fold]
+    for attend in paths:
+        for bad in (q.half(), q.half()[None, None]):
+            with pytest.raises(ValueError, match=r"q must be \(B=2, .*got \(.*2, 4, 64\)"):
+                attend(bad, store)

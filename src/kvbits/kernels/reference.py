@@ -858,8 +858,8 @@ def decode_attention_reference(
     """
     if not q.is_floating_point():  # the output would be cast back to it: integer attention outputs
         raise TypeError(f"q must be a floating-point tensor (float16, bfloat16, float32, float64), got {q.dtype}")
-    B, H_q, one, D = q.shape
     H_kv = store.n_kv_heads
+    B, H_q, one, D = q.shape if q.dim() == 4 else (-1, -1, -1, -1)  # any other rank: the message below
     if one != 1 or D != store.head_dim or B != store.batch or H_q % H_kv:
         raise ValueError(
             f"q must be (B={store.batch}, H_q (a multiple of H_kv={H_kv}), 1, D={store.head_dim}), "

@@ -483,8 +483,8 @@ def decode_attention_fold(
     reason = fold_supported(store, q)
     if reason:
         raise NotImplementedError(reason)
-    B, H_q, one, D = q.shape
     H_kv = store.n_kv_heads
+    B, H_q, one, D = q.shape if q.dim() == 4 else (-1, -1, -1, -1)  # any other rank: the message below
     if one != 1 or B != store.batch or D != store.head_dim or H_q % H_kv:
         raise ValueError(f"q must be (B={store.batch}, k*{H_kv}, 1, {store.head_dim}), got {tuple(q.shape)}")
     G = H_q // H_kv
