@@ -262,7 +262,7 @@ def quantize(
         spec: how to store it.
         static_scale, static_zero: for ``spec.static``: scales from calibration, broadcastable to the
             grouped view, of size 1 over the batch, the tokens and within a group (``static_param_shape``).
-            Static per-channel specs (no token group) take exactly ``(1, H_kv, 1, D)`` or ``(H_kv, D)`` and
+            Static per-channel specs (no token group) take ``(1, H_kv, 1, D)`` (leading 1s optional) or ``(H_kv, D)`` and
             do not depend on ``n``; outliers are then the entries farthest from their
             channel's calibrated range centre, in units of that range.
         codebook: ``kind="nuq"`` (required): float16 ``(2**bits,)`` sorted entries in ``[-1, 1]``.
@@ -496,9 +496,9 @@ def zero_scale_clipped(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
 def static_param_shape(t: torch.Tensor, name: str, x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """Static scale or zero-point ``t`` of ``spec`` as it broadcasts to ``_group(x)`` for a block ``x`` ``(B, H_kv, n,
     D)`` (a static per-channel ``(H_kv, D)`` viewed as ``(1, H_kv, 1, D)``); ``TypeError`` / ``ValueError`` when it
-    does not, when a static per-channel one is not ``(H_kv, D)`` / ``(1, H_kv, 1, D)`` exactly, or when it varies over
-    the batch, the tokens or within a group (size 1 there: it would fit one block shape only). Shapes only: ``x`` may
-    be a ``meta`` tensor (``kvbits.cache.fixed.check_param_shapes``)."""
+    does not, when a static per-channel one is not ``(H_kv, D)`` or ``(1, H_kv, 1, D)`` (leading 1s optional), or
+    when it varies over the batch, the tokens or within a group (size 1 there: it would fit one block shape only).
+    Shapes only: ``x`` may be a ``meta`` tensor (``kvbits.cache.fixed.check_param_shapes``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     H, D = x.shape[1], x.shape[3]
@@ -516,7 +516,7 @@ def static_param_shape(t: torch.Tensor, name: str, x: torch.Tensor, spec: Tensor
     # a calibrated constant: one per head and channel (per channel), never per sequence or token position. A
     # (1, H, n, D) fitted a block of n tokens only (refused at the first flush of another size, part-way through
     # an update) and a (D,) or (1, 1, 1, 1) one broadcast silently over the heads and channels it did not cover
-    if per_channel and tuple(t.shape) != (1, H, 1, D):
+    if per_channel and (1,) * (4 - t.dim()) + tuple(t.shape) != (1, H, 1, D):
         raise ValueError(f"{name} of a static per-channel spec must be (H_kv, D) = ({H}, {D}) or (1, {H}, 1, {D}), "
                          f"got shape {tuple(t.shape)}")
     shape = (1,) * (len(grouped) - t.dim()) + tuple(t.shape)
