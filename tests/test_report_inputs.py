@@ -365,6 +365,18 @@ def _context_text(s: dict[str, Any]) -> None:
     s["contexts"][1] = "2k"
 
 
+def _by_context_reversed(s: dict[str, Any]) -> None:
+    s["results"][0]["by_context"].reverse()  # the By context table put 2K's numbers under 1K
+
+
+def _by_context_short(s: dict[str, Any]) -> None:
+    s["results"][0]["by_context"].pop()  # the table's row was one cell short
+
+
+def _trial_without_scheme(s: dict[str, Any]) -> None:
+    del s["records"][1]["schemes"]["int4-token"]  # the overall table raised KeyError('int4-token')
+
+
 NEEDLE_CORRUPTIONS = {
     "no reference": (_del("reference"), "reference is missing; expected an object"),
     "no records": (_del("records"), "records is missing; expected a list"),
@@ -376,6 +388,9 @@ NEEDLE_CORRUPTIONS = {
     "grid of the wrong shape": (_grid_short, "results[0].grid is not 2 × 2 (contexts × depths)"),
     "avg bits a string": (_bits_text, "results[0].avg_bits is a string ('4.5'); expected a number"),
     "scheme score a string": (_scheme_score_text, "records[2].schemes.int4-token is a string ('yes'); expected an object"),
+    "by_context out of order": (_by_context_reversed, "results[0].by_context[0].context is 2048; expected 1024"),
+    "by_context short": (_by_context_short, "results[0].by_context has 1 entries; expected one per context (2)"),
+    "trial without a scheme": (_trial_without_scheme, "records[1].schemes has no 'int4-token' (a scheme of results)"),
 }
 
 
