@@ -94,6 +94,17 @@ def test_only_incomplete_schemes_pass_nowhere():
     assert "trade-off" not in v and "Least damaging" not in v
 
 
+def test_a_scheme_without_one_of_the_runs_buckets_is_not_a_pass():
+    """A scheme whose summary lacks a bucket the others have (a cut or hand-merged summary.json) was called within
+    the budget "in every position bucket up to 2K tokens" and named the best trade-off, though the table shows
+    n/a there: it is incomplete, as with a NaN bucket."""
+    s = _summary(fp16=(16.0, [0.0, 0.0]), a=(4.0, [0.002, 0.004]), b=(3.0, [0.001, 0.5]))
+    del s["results"][2]["buckets"][1]  # b has no 1K-2K bucket (where it would fail)
+    v = verdict(s)
+    assert v.startswith("**a** stays within 1% ΔPPL") and "Not judged: **b** (no ΔPPL at 1K–2K)" in v
+    assert "Best bits/quality trade-off: **a**" in v
+
+
 def test_missing_delta_is_derived_from_the_ppls_else_not_judged():
     s = _summary(fp16=(16.0, [0.0, 0.0]), a=(4.0, [0.005, 0.005]), b=(3.0, [0.005, 0.005]))
     del s["results"][1]["buckets"][1]["delta_rel"]  # the PPLs still give it: judged
