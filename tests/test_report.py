@@ -626,6 +626,16 @@ def test_calibration_section_shows_artifact_clipping_and_warnings(tmp_path):
     assert '<p class="warning">Warning: <strong>kivi-4</strong> serves 7,680' in page
 
 
+def test_a_few_clipped_elements_never_print_as_zero_percent():
+    """3 clipped values of 15M (2e-7) printed as "0.000% (3)": a clipping rate shown as none beside its count."""
+    from kvbits.report.calibration import calibration_row, calibration_table
+
+    row = calibration_row("kivi-4", {"clipped_keys": 0, "clipped_keys_frac": 0.0, "clipped_values": 3,
+                                     "clipped_values_frac": 2e-7, "max_calibrated_length": 512}, 512)
+    cells = [c.text for c in calibration_table([row]).rows[0]]
+    assert cells[4:6] == ["0", "<0.001% (3)"]
+
+
 def test_print_summary_shows_calibration_warnings():
     from rich.console import Console
 

@@ -94,6 +94,17 @@ def test_only_incomplete_schemes_pass_nowhere():
     assert "trade-off" not in v and "Least damaging" not in v
 
 
+def test_a_scheme_without_one_of_the_runs_buckets_is_not_a_pass():
+    """A scheme whose summary lacks a bucket the others have (a cut or hand-merged summary.json) was called within
+    the budget "in every position bucket up to 2K tokens" and named the best trade-off, though the table shows
+    n/a there: it is incomplete, as with a NaN bucket."""
+    s = _summary(fp16=(16.0, [0.0, 0.0]), a=(4.0, [0.002, 0.004]), b=(3.0, [0.001, 0.5]))
+    del s["results"][2]["buckets"][1]  # b has no 1K-2K bucket (where it would fail)
+    v = verdict(s)
+    assert v.startswith("**a** stays within 1% ΔPPL") and "Not judged: **b** (no ΔPPL at 1K–2K)" in v
+    assert "Best bits/quality trade-off: **a**" in v
+
+
 def test_missing_delta_is_derived_from_the_ppls_else_not_judged():
     s = _summary(fp16=(16.0, [0.0, 0.0]), a=(4.0, [0.005, 0.005]), b=(3.0, [0.005, 0.005]))
     del s["results"][1]["buckets"][1]["delta_rel"]  # the PPLs still give it: judged
@@ -365,6 +376,18 @@ def _context_text(s: dict[str, Any]) -> None:
     s["contexts"][1] = "2k"
 
 
+def _by_context_reversed(s: dict[str, Any]) -> None:
+    s["results"][0]["by_context"].reverse()  # the By context table put 2K's numbers under 1K
+
+
+def _by_context_short(s: dict[str, Any]) -> None:
+    s["results"][0]["by_context"].pop()  # the table's row was one cell short
+
+
+def _trial_without_scheme(s: dict[str, Any]) -> None:
+    del s["records"][1]["schemes"]["int4-token"]  # the overall table raised KeyError('int4-token')
+
+
 NEEDLE_CORRUPTIONS = {
     "no reference": (_del("reference"), "reference is missing; expected an object"),
     "no records": (_del("records"), "records is missing; expected a list"),
@@ -376,6 +399,9 @@ NEEDLE_CORRUPTIONS = {
     "grid of the wrong shape": (_grid_short, "results[0].grid is not 2 × 2 (contexts × depths)"),
     "avg bits a string": (_bits_text, "results[0].avg_bits is a string ('4.5'); expected a number"),
     "scheme score a string": (_scheme_score_text, "records[2].schemes.int4-token is a string ('yes'); expected an object"),
+    "by_context out of order": (_by_context_reversed, "results[0].by_context[0].context is 2048; expected 1024"),
+    "by_context short": (_by_context_short, "results[0].by_context has 1 entries; expected one per context (2)"),
+    "trial without a scheme": (_trial_without_scheme, "records[1].schemes has no 'int4-token' (a scheme of results)"),
 }
 
 

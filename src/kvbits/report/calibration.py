@@ -209,7 +209,10 @@ def _fmt_clip(frac: float, n: int | None) -> str:
         return NA
     if frac == 0:
         return "0"
-    return f"{frac * 100:.3f}%" + (f" ({n:,})" if n is not None else "")
+    pct = f"{frac * 100:.3f}%"
+    if float(pct[:-1]) == 0:  # some clipped: not "0.000%", which reads as none
+        pct = "<0.001%"
+    return pct + (f" ({n:,})" if n is not None else "")
 
 
 def _fmt_beyond(row: CalibrationRow) -> str:

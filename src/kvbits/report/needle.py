@@ -313,8 +313,15 @@ def _check_result(r: Mapping[str, Any], where: str, contexts: Sequence[int], dep
         field(r, key, "number", where)
     for key in ("retrieved", "kept", "delta_nll", "kl"):
         field(r, key, "mean", where)
-    for i, b in enumerate(entries(r, "by_context", "object", where)):
+    by_context = entries(r, "by_context", "object", where)
+    if len(by_context) != len(contexts):
+        raise ValueError(
+            f"{where}.by_context has {len(by_context)} entries; expected one per context ({len(contexts)})"
+        )
+    for i, b in enumerate(by_context):
         at = f"{where}.by_context[{i}]"
+        if field(b, "context", "whole", at, default=contexts[i]) != contexts[i]:  # the table puts it in that column
+            raise ValueError(f"{at}.context is {b['context']}; expected {contexts[i]} (contexts[{i}])")
         for key in ("retrieved", "retrieved_ref", "nll", "nll_ref"):
             field(b, key, "mean", at)
         for key in ("cache_bytes", "cache_bytes_ref"):
@@ -354,8 +361,12 @@ def _check_needle_fields(s: Mapping[str, Any]) -> None:
     _check_grid(reference, "reference", contexts, depths)
     for i, r in enumerate(entries(s, "results", "object")):
         _check_result(r, f"results[{i}]", contexts, depths)
+    names = [r["scheme"] for r in entries(s, "results", "object")]
     for i, rec in enumerate(entries(s, "records", "object")):
         _check_record(rec, f"records[{i}]")
+        missing = [n for n in names if n not in rec["schemes"]]
+        if missing:  # the overall table counts every scheme on every trial
+            raise ValueError(f"records[{i}].schemes has no {', '.join(map(repr, missing))} (a scheme of results)")
     if s.get("commit") is not None:
         field(s, "commit", "object")
     if s.get("merged_from") is not None:

@@ -6,9 +6,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, fmt_budget, fmt_judged, fmt_pct, fmt_pos
+from kvbits.report.fmt import DEFAULT_THRESHOLD, _ok, bucket_label, fmt_budget, fmt_judged, fmt_pct, fmt_pos
 from kvbits.report.inline import text
-from kvbits.report.summary import RunSummary, SchemeResult
+from kvbits.report.summary import RunSummary, SchemeResult, _bucket_at
 
 __all__ = ["verdict"]
 
@@ -19,15 +19,15 @@ def _join(names: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def _unjudged_labels(r: SchemeResult) -> str:
-    """``1K–2K, 4K–8K``: the buckets of ``r`` without a ΔPPL (missing or NaN)."""
-    return ", ".join(b.label for b in r.unjudged)
+def _unjudged_labels(r: SchemeResult, spans: list[tuple[int, int]]) -> str:
+    """``1K–2K, 4K–8K``: the run's buckets (``spans``) where ``r`` has no ΔPPL (NaN, or no such bucket)."""
+    return ", ".join(bucket_label(*s) for s in spans if (b := _bucket_at(r, s)) is None or not b.judged)
 
 
-def _incomplete(schemes: list[SchemeResult], thr: str) -> str:
+def _incomplete(schemes: list[SchemeResult], thr: str, spans: list[tuple[int, int]]) -> str:
     """The sentence for schemes within ``thr`` wherever measured but with buckets without a ΔPPL: not passes."""
     one = len(schemes) == 1
-    items = _join([f"**{text(r.name)}** (no ΔPPL at {_unjudged_labels(r)})" for r in schemes])
+    items = _join([f"**{text(r.name)}** (no ΔPPL at {_unjudged_labels(r, spans)})" for r in schemes])
     return (
         f"Not judged: {items} {'is' if one else 'are'} incomplete (ΔPPL missing or NaN in summary.json), "
         f"not {'a pass' if one else 'passes'}; {'it stays' if one else 'they stay'} within {thr} in the "
@@ -40,8 +40,8 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
     position bucket, where each other scheme first exceeds it, the best bits/quality trade-off,
     and which schemes get worse along the context. Inline ``**bold**`` marks scheme names.
 
-    A bucket whose ΔPPL is NaN (missing in ``summary.json``) is not judged: a scheme with one passes
-    nowhere, it is named as incomplete; an infinite ΔPPL is a failure."""
+    A bucket whose ΔPPL is NaN (missing in ``summary.json``), or that a scheme lacks while others have it, is not
+    judged: a scheme with one passes nowhere, it is named as incomplete; an infinite ΔPPL is a failure."""
     run = RunSummary.coerce(summary)
     thr = fmt_budget(threshold, sign=False)
     parts: list[str] = []
@@ -59,7 +59,8 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
     no_data = [r for r in quant if not any(b.judged for b in r.buckets)]
     judged = [r for r in quant if r not in no_data]
     failing = [r for r in judged if r.first_failure(threshold) is not None]
-    incomplete = [r for r in judged if r not in failing and r.unjudged]
+    spans = run.bucket_spans  # a scheme without one of the run's buckets was not judged there either
+    incomplete = [r for r in judged if r not in failing and _unjudged_labels(r, spans)]
     passing = [r for r in judged if r not in failing and r not in incomplete]
     upto = f" up to {fmt_pos(run.context)} tokens" if run.context else ""
     if not quant:
@@ -79,12 +80,12 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
         assert b is not None
         where = f"already in the first bucket, {b.label}" if b is r.buckets[0] else f"at {b.label}"
         ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
-        holes = f"; no ΔPPL at {_unjudged_labels(r)}" if r.unjudged else ""
+        holes = f"; no ΔPPL at {_unjudged_labels(r, spans)}" if _unjudged_labels(r, spans) else ""
         fails.append(f"**{text(r.name)}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
     if fails:
         parts.append(f"First bucket above {thr}: " + "; ".join(fails) + ".")
     if incomplete:
-        parts.append(_incomplete(incomplete, thr))
+        parts.append(_incomplete(incomplete, thr, spans))
     ranked = passing or sorted(failing, key=lambda r: r.max_delta)[:1]
     with_bits = [r for r in ranked if _ok(r.avg_bits)]
     if with_bits or (ranked and not passing):  # the least damaging is named with or without its bits
