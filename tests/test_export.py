@@ -266,6 +266,25 @@ def test_recorded_module_names_must_be_unique(tmp_path):
     assert len(load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))) == 6
 
 
+@pytest.mark.parametrize(
+    "recorded",
+    [["model.language_model.layers.0.self_attn"], "model.layers.{i}.self_attn", [0, 1, 2], ["a", "b", ""]],
+)
+def test_recorded_module_names_that_are_not_one_per_layer_are_refused(tmp_path, recorded):
+    """Recorded names of the wrong length or type (an edited file) were replaced by model.layers.{i}.self_attn
+    without a word, naming scales for modules the calibration never saw; now refused unless a template is given."""
+    k = [torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    art = artifact_from_samples("fp8-e4m3", k, k)
+    art.meta["model"]["attention_modules"] = recorded
+    art.save(tmp_path / "cal")
+    with pytest.raises(ValueError, match=r"attention_modules recorded in .*calibration\.json is .*expected a list of "
+                       r"3 module names.*--module-template"):  # fmt: skip
+        export_vllm(tmp_path / "cal", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    export_vllm(tmp_path / "cal", tmp_path / "out", module_template="model.layers.{i}.self_attn")
+    assert len(load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))) == 6
+
+
 def _copy(ckpt: Path, where: Path) -> Path:
     shutil.copytree(ckpt, where)
     return where

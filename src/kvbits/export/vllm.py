@@ -163,12 +163,20 @@ def _template_names(template: str, n: int) -> list[str]:
 
 def _module_names(art: CalibrationArtifact, module_template: str | None) -> list[str]:
     """One attention module name per layer: ``module_template``, else the names calibration recorded,
-    else ``DEFAULT_MODULE``. ``ValueError`` on a bad template or names that are not unique (layers would
-    share, and overwrite, one pair of scale tensors)."""
+    else ``DEFAULT_MODULE``. ``ValueError`` on a bad template, recorded names that are not one non-empty
+    string per layer (an edited or corrupt file: not replaced by the default silently), or names that are
+    not unique (layers would share, and overwrite, one pair of scale tensors)."""
     n = art.num_layers
     recorded = art.meta["model"].get("attention_modules")
-    if module_template is None and isinstance(recorded, list) and len(recorded) == n:
-        names, source = [str(x) for x in recorded], f"attention_modules recorded in {_meta_file(art)}"
+    if module_template is None and recorded is not None:
+        if not isinstance(recorded, list) or len(recorded) != n or not all(isinstance(x, str) and x for x in recorded):
+            what = f"a list of {len(recorded)} entries" if isinstance(recorded, list) else describe(recorded)
+            raise ValueError(
+                f"attention_modules recorded in {_meta_file(art)} is {what}; expected a list of "
+                f"{n} module names (one per layer, as kvbits calibrate writes it): the file was edited or is "
+                "corrupt; pass --module-template (e.g. 'model.layers.{i}.self_attn') to name the modules"
+            )
+        names, source = list(recorded), f"attention_modules recorded in {_meta_file(art)}"
     else:
         template = DEFAULT_MODULE if module_template is None else module_template
         names, source = _template_names(template, n), f"module template {template!r}"
