@@ -250,6 +250,58 @@ def test_failure_on_one_rank_stops_every_rank(ranks):
     assert "rank 1 of 2 failed while evaluating its windows: RuntimeError: boom on rank 1" in r0["fails"][2]
 
 
+_LOCAL_FAILURE_TIMEOUT_S = 20  # the ranks' collective timeout in this test: how long a rank waited before
+
+
+def _local_failure_worker(rank: int, world: int, init_file: str, work: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from kvbits.evaluate.runner import evaluate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=_LOCAL_FAILURE_TIMEOUT_S))  # fmt: skip
+    try:
+        start = time.monotonic()
+        try:  # rank 1's node lacks the data folder: a check that reads the rank's own disk fails there only
+            evaluate(_model(), _ids(3), CONTEXT, ["int4-token"], windows=3, attn_layers=[],
+                     data_path=work if rank == 0 else str(Path(work) / "missing"))  # fmt: skip
+            outcome: tuple = ("ok",)
+        except Exception as exc:  # noqa: BLE001 - every outcome goes back to the test
+            outcome = ("error", type(exc).__name__, str(exc))
+        (Path(work) / f"rank{rank}.pkl").write_bytes(pickle.dumps((*outcome, time.monotonic() - start)))
+        if rank == 1:  # the caller goes on with its next task instead of exiting: rank 0 is not freed by its exit
+            deadline = time.monotonic() + 3 * _LOCAL_FAILURE_TIMEOUT_S
+            while not (Path(work) / "rank0.pkl").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path):
+    """A ``data_path`` (likewise a calibration file, a GPU) missing on one rank's node: that rank raises its own
+    error, the other ``RankFailed`` at once. Before, the check ran outside any agreement step, so rank 0 went on
+    into the next collective and waited there for the whole collective timeout (24 h under ``kvbits eval``; 20 s
+    here), then raised gloo's "Timed out waiting 20000ms for send operation"."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(_local_failure_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                   join=False)  # fmt: skip
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the two ranks did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
+    r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
+    assert r1[:2] == ("error", "ValueError") and "is not a folder" in r1[2]
+    assert r0[:2] == ("error", "RankFailed"), r0
+    assert "rank 1 of 2 failed while checking its data path" in r0[2] and "is not a folder" in r0[2]
+    assert r0[3] < _LOCAL_FAILURE_TIMEOUT_S / 2  # told, not timed out
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc")
 def test_destroy_frees_the_group(ranks):
     """No gloo thread outlives ``destroy_process_group``: evaluate imported transformers (and with it

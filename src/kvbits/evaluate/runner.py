@@ -297,8 +297,11 @@ def evaluate(
             "and mode='stream' decodes token by token through the cache, so the setting would be ignored; leave it "
             f"at {_DEFAULT_CHUNK} (CLI: no --chunk-size) or use --mode simulate"
         )
-    torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
-    load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
+    # what each rank reads from its own node (data_path, calibration files, its GPU) may fail on one rank only: agreed
+    # on, or the others would wait in the next collective for the collective timeout (24 h under kvbits eval)
+    with ranks.agree("checking its data path, calibrations and device"):
+        torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
+        load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
     request = _request(
         model=model,
         data=data,
