@@ -201,7 +201,9 @@ def test_plan_from_config_file_with_override(tmp_path, capsys):
         (["plan", "--layers", "2", "--context", "10"], "missing --kv-heads, --head-dim"),
         (["plan", *WORKED, "--scheme", "int5"], "unknown scheme 'int5'"),
         (["plan", *WORKED, "--gpu-mem", "80"], "weights-gib"),
-        (["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"], "context is required"),
+        # planned from dimensions, no config: the error named "the config has no max_position_embeddings"
+        (["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"],
+         "--context is required when planning from dimensions"),
     ],
 )
 def test_plan_errors_go_to_stderr(capsys, argv, message):

@@ -702,6 +702,25 @@ def test_cli_monitor_end_to_end(tmp_path, monkeypatch, capsys) -> None:
         main(["monitor", "--model", "m", "--data", "d", "--scheme", "kivi-2", "--key-error", "-1"])
 
 
+def test_cli_refuses_a_policy_flag_that_can_never_fire(tmp_path, capsys) -> None:
+    """--beyond-calibration without --calibration, and --clipped-fraction on a scheme with no static scales, were
+    accepted and never fired: int4-token with --clipped-fraction 0 --beyond-calibration held nothing ("held layers:
+    none; events: 0"), as if no layer needed holding. Refused before the model loads (no model at "nowhere")."""
+    from kvbits.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("x")
+    base = ["monitor", "--model", "nowhere", "--data", str(text)]
+    for extra, msg in ((["--scheme", "int4-token", "--beyond-calibration"], "--beyond-calibration holds past"),
+                       (["--scheme", "kivi-2", "--clipped-fraction", "0"], "scheme kivi-2 has none"),
+                       (["--scheme", "int8-token,0=fp16", "--clipped-fraction", "0.1"], "has none")):  # fmt: skip
+        assert main(base + extra) == 2
+        assert msg in capsys.readouterr().err
+    # a static side reads clipping: the flag passes this check (and the run fails later, on the missing model)
+    assert main(base + ["--scheme", "fp8-e4m3", "--clipped-fraction", "0.1"]) != 0
+    assert "--clipped-fraction" not in capsys.readouterr().err
+
+
 def test_help_says_an_unset_threshold_is_none(capsys) -> None:
     """--key-error, --value-error and --clipped-fraction said what crossing them does, not what leaving them out
     does (no threshold: measured and reported, never held for)."""

@@ -340,6 +340,10 @@ def _plan_run(args: argparse.Namespace) -> int:
         verb = "applies" if len(given) == 1 else "apply"
         raise ValueError(f"{' and '.join(given)} {verb} to the GPU budget alone: add --gpu-mem GIB")
     shape = _plan_shape(args)
+    if not args.context and shape.max_context is None:  # plan() would speak of "the config", which there may be none of
+        source = "a config without max_position_embeddings" if args.config is not None else "dimensions"
+        raise ValueError(f"--context is required when planning from {source} (no max context to default to); "
+                         "e.g. --context 32k")  # fmt: skip
     results = plan(
         shape,
         context=list(args.context) if args.context else None,

@@ -102,11 +102,38 @@ def _labels(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _check_policy_applies(args: argparse.Namespace) -> None:
+    """``ValueError`` (before any model loads) for a policy flag that could never fire on this run: a run that held
+    nothing would read as "no layer needed holding". ``--beyond-calibration`` reads the calibrated context, which only
+    ``--calibration`` gives; ``--clipped-fraction`` reads values saturated against static scales, which a scheme with
+    none (per-token, KIVI, dynamic FP8 scales) never has."""
+    if args.beyond_calibration and args.calibration is None:
+        raise ValueError(
+            "--beyond-calibration holds past the calibrated context, and there is none without --calibration DIR "
+            "(a kvbits calibrate folder)"
+        )
+    if args.clipped_fraction is None:
+        return
+    from kvbits.evaluate.stream import PeerScheme, resolve_scheme
+
+    scheme = resolve_scheme(args.scheme)
+    if isinstance(scheme, PeerScheme):  # refused by watch(), saying why
+        return
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    if not any(side.static for sub in subs if not sub.is_identity for side in (sub.key, sub.value)):
+        raise ValueError(
+            f"--clipped-fraction reads values clipped against static scales, and scheme {scheme.name} has none "
+            "(its scales follow the data, so nothing clips): drop it, or watch a calibrated scheme (kvquant-4, "
+            "fp8-e4m3) with --calibration"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from kvbits.monitor.policy import FallbackPolicy
     from kvbits.monitor.watch import watch
 
     labels = _labels(args.label)  # everything a finished run would trip on, checked before it starts
+    _check_policy_applies(args)
     check_output_path(args.prom, "--prom", "file")
     check_output_path(args.events, "--events", "file")
     policy = FallbackPolicy(
