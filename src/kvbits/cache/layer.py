@@ -446,7 +446,10 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty storage for K/V like ``key_states`` / ``value_states`` ``(B, H, q, D)`` as ``update`` receives
-        them (``q`` may be 0: transformers' ``early_initialization``); decides ``repeat`` (``head_repeat``)."""
+        them (``q`` may be 0: transformers' ``early_initialization``); decides ``repeat`` (``head_repeat``).
+        ``TypeError`` / ``ValueError`` (``kv_checks.check_incoming``) for K/V that ``update`` would refuse: not
+        floating, or without the config's heads / head dim, before anything is set up."""
+        kv_checks.check_incoming(self, key_states, value_states)
         self.repeat = self._choose_repeat(key_states, value_states)
         key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         if self.mode == "quantized":
