@@ -744,6 +744,27 @@ def test_reset():
     assert all(torch.equal(a, b) for a, b in zip(cache.materialize(1), before))
 
 
+@pytest.mark.parametrize("scheme", ["kivi-2", "fp16"])
+def test_offload_and_prefetch_are_refused_and_change_nothing(scheme):
+    """transformers' ``Cache.offload(i)`` moves the layer's ``keys`` / ``values``, which a ``QuantizedKVLayer`` leaves
+    ``None``: it raised ``AttributeError: 'NoneType' object has no attribute 'to'``, and ``prefetch(i)`` one about a
+    missing ``prefetch_stream``. Both now refuse with ``NotImplementedError`` naming the alternative, and the cache
+    goes on as before (same K/V, same bytes); a sliding layer, which transformers keeps resident, is left alone."""
+    cache = QuantizedKVCache(config=gemma_cfg(16), scheme=scheme)  # layer 0 sliding, layer 1 full
+    k, v = rand_kv(1, 2, 40, 64, seed=21)
+    for layer in (0, 1):
+        cache.update(k, v, layer)
+    before, total = cache.materialize(1), cache.memory_report()["total_bytes"]
+    for call in (lambda: cache.offload(1), lambda: cache.prefetch(1), cache.layers[1].offload, cache.layers[1].prefetch):
+        with pytest.raises(NotImplementedError, match=r"offloading.*not supported.*DynamicCache\(config=\.\.\., offloading=True\)"):
+            call()
+    cache.offload(0)  # only_non_sliding (transformers' default): the sliding layer stays where it is
+    assert all(torch.equal(a, b) for a, b in zip(cache.materialize(1), before))
+    assert cache.memory_report()["total_bytes"] == total == storage_bytes(walk_tensors(cache))
+    cache.update(k[:, :, :1], v[:, :, :1], 1)
+    assert cache.get_seq_length(1) == 41
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["int8-token", "test-prerope"])
 def test_deepcopy_continues_like_the_original_and_apart_from_it(scheme):

@@ -483,3 +483,32 @@ def test_zero_points_installed_apart_from_their_scale_are_kept():
     assert layer._k.n_quantized == 4 and (keys - k).abs().max() < 0.5  # codes cover [-1, 14] in steps of 1
     layer.set_static_qparams("key", scale=torch.ones(2, 64))
     assert layer.needs_calibration() == ["key static zero-points"]
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "dtype", "error", "match"),
+    [
+        (3, 16, torch.float32, ValueError, r"layer 0: key_states \(1, 3, 0, 16\).*num_key_value_heads=2 and head_dim=16"),
+        (2, 8, torch.float32, ValueError, r"layer 0: key_states \(1, 2, 0, 8\).*head_dim=16"),
+        (2, 16, torch.int64, TypeError, "layer 0 key_states must be a floating tensor, got torch.int64"),
+    ],
+)
+def test_early_initialization_refuses_what_update_would(heads, head_dim, dtype, error, match):
+    """transformers' ``early_initialization`` calls ``lazy_initialization`` directly, without ``update``'s checks:
+    3 heads for a config of 2, 8 channels for 16, or int64 K/V were set up silently, and the model's first forward
+    then failed with "key_states (1, 2, 12, 16) does not match the cached (B, H_kv, *, D) = (1, 3, '*', 16)" about a
+    cache holding nothing (or, for int64, "K/V changed from torch.int64 ... reset() the cache first"). Refused now,
+    with ``update``'s message, before anything is set up: the cache then serves the model as if never touched."""
+    model = tiny_llama()
+    cache = QuantizedKVCache(config=model.config, scheme="int4-token")
+    with pytest.raises(error, match=match):
+        cache.early_initialization(1, heads, head_dim, dtype, torch.device("cpu"))
+    assert not any(layer.is_initialized for layer in cache.layers) and cache.batch_size == -1
+    with torch.no_grad():
+        model(ids(12), **{CACHE_KW: cache})
+    assert cache.get_seq_length() == 12 and cache.batch_size == 1
+    rep = cache.memory_report()
+    assert rep["total_bytes"] == sum(t.nbytes for layer in cache.layers for ts in layer.components().values() for t in ts)
+    good = QuantizedKVCache(config=model.config, scheme="int4-token")  # the right shape is still taken
+    good.early_initialization(1, 2, 16, torch.float32, torch.device("cpu"))
+    assert all(layer.is_initialized for layer in good.layers) and good.memory_report()["total_bytes"] == 0

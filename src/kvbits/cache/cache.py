@@ -40,6 +40,7 @@ from kvbits.cache.layer import (
     check_crop_arg,
     check_max_cache_len,
     find_position_ids,
+    offload_refusal,
 )
 from kvbits.plan.config import attention_heads, config_value, layer_configs, layer_heads, text_config
 from kvbits.schemes.presets import get_scheme
@@ -508,6 +509,12 @@ class QuantizedKVCache(Cache):
             raise
         if watched:  # lazy: their clipped counts came back with the check's maxima (no sync of their own)
             self._look_at_clipping(watched)
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Refused: ``NotImplementedError``, as ``offload(layer_idx)`` for a quantized layer
+        (``QuantizedKVLayer.offload``): this cache never offloads, so transformers' prefetch (which needs the
+        ``offloading=True`` stream) has nothing to bring back; it raised ``AttributeError`` here."""
+        raise NotImplementedError(offload_refusal(f"prefetch({layer_idx})"))
 
     @property
     def batch_size(self) -> int:

@@ -64,6 +64,7 @@ __all__ = [
     "check_channel_groups",
     "check_config_shape",
     "check_every_arg",
+    "check_incoming",
     "check_mode",
     "input_bound",
     "run_checks",
@@ -374,10 +375,10 @@ def check_config_shape(
     )
 
 
-def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    """Host-only checks of ``update``'s K/V ``(B, H_kv, q, D)`` against ``layer`` (no device sync):
-    types, shapes, channel groups dividing ``D`` (first update), agreement with the cached
-    ``(B, H_kv, *, D)``, dtype/device, calibration."""
+def check_incoming(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Host-only checks of K/V ``(B, H_kv, q, D)`` for ``layer``, whatever it holds: floating tensors of 4 dims,
+    K and V agreeing on ``(B, H_kv, q)`` and dtype, the config's heads and head dim. ``update`` (``validate``) and
+    ``lazy_initialization`` (which transformers' ``early_initialization`` calls directly) both run them."""
     names = (f"layer {layer.layer_idx} key_states", f"layer {layer.layer_idx} value_states")
     for x, what in zip((key_states, value_states), names):
         if not isinstance(x, torch.Tensor) or x.dtype not in KV_DTYPES or x.dim() != 4:
@@ -395,6 +396,13 @@ def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: to
         )
     check_config_shape(f"layer {layer.layer_idx}", key_states, value_states, layer.num_key_value_heads,
                        layer.head_repeat, layer.head_dim)  # fmt: skip
+
+
+def validate(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Host-only checks of ``update``'s K/V ``(B, H_kv, q, D)`` against ``layer`` (no device sync):
+    types, shapes (``check_incoming``), channel groups dividing ``D`` (first update), agreement with the cached
+    ``(B, H_kv, *, D)``, dtype/device, calibration."""
+    check_incoming(layer, key_states, value_states)
     if not layer.is_initialized and layer.mode == "quantized":  # before the first update stores anything
         check_channel_groups(layer.scheme, key_states.shape[3], value_states.shape[3], f"layer {layer.layer_idx}")
     if layer.is_initialized:

@@ -172,6 +172,17 @@ def check_beam_idx(beam_idx: Any, batch: int | None, where: str) -> None:
         )
 
 
+def offload_refusal(what: str) -> str:
+    """Why ``offload`` / ``prefetch`` of ``what`` (a quantized layer or cache) is refused, and what to use instead."""
+    return (
+        f"QuantizedKVCache {what}: CPU offloading (offload / prefetch) is not supported: the layer's K/V are packed "
+        "quantized storage (codes, scales, full-precision buffer; see memory_report()), not the keys / values tensors "
+        "transformers' offloading moves, and they stay on the device they came on. Keep the quantized cache on the "
+        "device (it already holds a fraction of fp16's bytes), or offload an unquantized transformers "
+        "DynamicCache(config=..., offloading=True) instead"
+    )
+
+
 def check_max_cache_len(value: Any) -> int | None:
     """``max_cache_len`` as given (a positive int or ``None``); ``ValueError`` otherwise."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -219,7 +230,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     Calibrated parameters (static scales, NUQ codebooks) are installed with ``set_static_qparams``.
 
     ``keys`` / ``values`` (transformers' attributes) stay ``None``: the storage is not one tensor.
-    Use ``materialize()`` for what attention sees and ``memory_report()`` for the bytes.
+    Use ``materialize()`` for what attention sees and ``memory_report()`` for the bytes. transformers' CPU
+    offloading (``offload`` / ``prefetch``, which move those attributes) is refused with ``NotImplementedError``.
     """
 
     is_compileable = False
@@ -334,6 +346,16 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.is_sliding and self.mode != "quantized":
             self.record_past = True
 
+    def offload(self) -> None:
+        """Refused: ``NotImplementedError``. transformers' layer offloading moves ``keys`` / ``values``, which this
+        layer leaves ``None`` (its K/V are packed codes, scales, buffers, ...: ``components()``); it raised
+        ``AttributeError: 'NoneType' object has no attribute 'to'`` here. Nothing is moved."""
+        raise NotImplementedError(offload_refusal(f"layer {self.layer_idx}"))
+
+    def prefetch(self) -> None:
+        """Refused as ``offload`` (``NotImplementedError``): a ``QuantizedKVLayer`` is never offloaded."""
+        raise NotImplementedError(offload_refusal(f"layer {self.layer_idx}"))
+
     def __repr__(self) -> str:
         kind = f"sliding={self.sliding_window}" if self.is_sliding else "full"
         return f"QuantizedKVLayer(layer={self.layer_idx}, scheme={self.scheme.name!r}, {kind}, mode={self.mode})"
@@ -424,7 +446,10 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty storage for K/V like ``key_states`` / ``value_states`` ``(B, H, q, D)`` as ``update`` receives
-        them (``q`` may be 0: transformers' ``early_initialization``); decides ``repeat`` (``head_repeat``)."""
+        them (``q`` may be 0: transformers' ``early_initialization``); decides ``repeat`` (``head_repeat``).
+        ``TypeError`` / ``ValueError`` (``kv_checks.check_incoming``) for K/V that ``update`` would refuse: not
+        floating, or without the config's heads / head dim, before anything is set up."""
+        kv_checks.check_incoming(self, key_states, value_states)
         self.repeat = self._choose_repeat(key_states, value_states)
         key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         if self.mode == "quantized":
