@@ -153,6 +153,27 @@ def test_non_utf8_file_raises(tmp_path: Path) -> None:
         load_text(str(path))
 
 
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A text file saved with a UTF-8 byte-order mark (Windows editors): the mark is dropped, with a log line, not
+    kept as U+FEFF (SmolLM2's tokenizer made it 3 byte tokens and changed the first word's token: 7 ids for
+    ``Hello world.\\r\\n`` against 4). The sha256 stays the file's; CRLF stays."""
+    raw = b"\xef\xbb\xbfHello world.\r\n"
+    path = tmp_path / "bom.txt"
+    path.write_bytes(raw)
+    with caplog.at_level(logging.INFO, logger="kvbits.evaluate.data"):
+        src = load_text(str(path))
+    assert src.text == "Hello world.\r\n"
+    assert src.sha256 == hashlib.sha256(raw).hexdigest()
+    assert "byte-order mark" in caplog.text
+
+
+def test_a_utf16_file_is_named_as_such(tmp_path: Path) -> None:
+    path = tmp_path / "u16.txt"
+    path.write_bytes("Hello".encode("utf-16"))
+    with pytest.raises(ValueError, match=r"not valid UTF-8.*UTF-16 LE byte-order mark: save it as UTF-8"):
+        load_text(str(path))
+
+
 def test_hub_text_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ValueError, match="datasets"):

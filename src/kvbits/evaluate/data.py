@@ -2,7 +2,8 @@
 
 The texts live in ``shared/data`` beside the checkout (see its README). Tokenization, and so every
 perplexity figure, depends on the exact bytes, so files are read as bytes, checked against their
-sha256 and decoded as UTF-8 without touching line ends (WikiText-2 raw and *Moby-Dick* use CRLF).
+sha256 and decoded as UTF-8 without touching line ends (WikiText-2 raw and *Moby-Dick* use CRLF); a leading
+UTF-8 byte-order mark of a user's text file is dropped.
 
 The data root is searched in this order (the first root holding the file wins):
 ``data_path`` argument, ``$KVBITS_DATA``, ``./../shared/data`` (from the current directory),
@@ -11,6 +12,7 @@ The data root is searched in this order (the first root holding the file wins):
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -90,7 +92,7 @@ class TextSource:
     Attributes:
         name: registry name, file stem, or ``hub:...`` spec.
         text: the decoded text (line ends untouched).
-        sha256: hex sha256 of the UTF-8 bytes.
+        sha256: hex sha256 of the file's bytes (of the UTF-8 text for a hub dataset).
         path: the file read, or None for a hub dataset.
     """
 
@@ -129,11 +131,22 @@ def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Pa
     return out
 
 
+_UTF16_BOMS = ((codecs.BOM_UTF16_LE, "UTF-16 LE"), (codecs.BOM_UTF16_BE, "UTF-16 BE"))  # UTF-32 LE starts as LE
+
+
 def _decode(raw: bytes, where: str) -> str:
+    """``raw`` decoded as UTF-8, line ends untouched; a leading UTF-8 byte-order mark (an editor's marker, not
+    text: tokenized it would be 3 byte tokens and change the first word's token) is dropped, with a log line.
+    ``ValueError`` for bytes that are not UTF-8, naming a UTF-16 byte-order mark where the file starts with one."""
+    if raw.startswith(codecs.BOM_UTF8):
+        logger.info("%s starts with a UTF-8 byte-order mark; dropped (it is not part of the text)", where)
+        raw = raw[len(codecs.BOM_UTF8):]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where} is not valid UTF-8 text ({exc})") from None
+        bom = next((name for mark, name in _UTF16_BOMS if raw.startswith(mark)), None)
+        hint = f"; it starts with a {bom} byte-order mark: save it as UTF-8" if bom else ""
+        raise ValueError(f"{where} is not valid UTF-8 text ({exc}){hint}") from None
 
 
 def _load_registered(entry: TextEntry, roots: list[Path]) -> TextSource:
