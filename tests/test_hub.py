@@ -213,7 +213,9 @@ def test_hub_datasets_load_offline_where_the_hub_is_unreachable(
     monkeypatch.setitem(sys.modules, "datasets.config", fake_config)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"could not load hub dataset 'wikitext'.*the hub is unreachable.*does not "
-                                         r"resolve.*not in the local hub cache"):  # fmt: skip
+                                         r"resolve.*not in the local hub cache.*Offline\? Give the text as a local "
+                                         r"file instead: a path to a UTF-8 text file, or one of .*'wikitext2'.*"
+                                         r"KVBITS_DATA"):  # fmt: skip
         load_text("hub:wikitext:wikitext-2-raw-v1")
     assert time.monotonic() - t0 < 5 and seen == [True] and lookups == ["huggingface.co"]
     assert constants.HF_HUB_OFFLINE is False and fake_config.HF_HUB_OFFLINE is False

@@ -192,7 +192,11 @@ def _load_hub(spec: str) -> TextSource:
             ds = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # any hub/network failure becomes one clear error (re-raised below)
         why = hub_failure(exc, unreachable) if unreachable else f"{type(exc).__name__}: {exc}"
-        raise ValueError(f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): {why}") from exc
+        raise ValueError(
+            f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): {why}. Offline? Give the "
+            f"text as a local file instead: a path to a UTF-8 text file, or one of {sorted(TEXTS)} (read from a data "
+            "root: --data-path, $KVBITS_DATA or ../shared/data; 'wikitext2' is WikiText-2 raw, test split)"
+        ) from exc
     column = "text" if "text" in ds.column_names else next(
         (c for c in ds.column_names if ds.features[c].dtype == "string"), None)
     if column is None:
