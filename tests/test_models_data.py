@@ -535,6 +535,53 @@ def test_cache_lock_names_are_file_names(tmp_path: Path, name: str) -> None:
         pass
 
 
+def _deny_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open`` in kvbits' locking module refuses writing as it does for a file of another user (tests run as root,
+    for whom permission bits do not refuse anything)."""
+    import builtins
+
+    from kvbits.evaluate.models import locking
+
+    def deny(path: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if any(c in mode for c in "wax+"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(locking, "open", deny, raising=False)
+
+
+def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared cache whose lock file another user made (mode 0644): the lock is taken on a read-only descriptor, and
+    still excludes. Before, ``open(path, "a+b")`` raised ``PermissionError`` and no model could be fetched or
+    converted there (seen as uid 65534 on a root-made lock file)."""
+    import fcntl
+
+    from kvbits.evaluate.models.locking import cache_lock, lock_path
+
+    path = lock_path(tmp_path, "model-x")
+    path.parent.mkdir()
+    path.touch()
+    _deny_writes(monkeypatch)
+    with cache_lock(tmp_path, "model-x", "testing") as held, open(path, "rb") as other:
+        assert held is True
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_lock_in_an_unwritable_cache_names_the_cache_and_kvbits_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Filling a read-only cache: a ``PermissionError`` that names the cache and ``KVBITS_CACHE``, not the bare
+    ``[Errno 13] Permission denied: '.../locks'``."""
+    from kvbits.evaluate.models.locking import cache_lock
+
+    (tmp_path / "locks").mkdir()
+    _deny_writes(monkeypatch)
+    with pytest.raises(PermissionError, match=r"kvbits cache .* is not writable.*set KVBITS_CACHE to a writable"), \
+            cache_lock(tmp_path, "model-x", "testing"):
+        pass
+
+
 def test_a_whole_model_file_in_an_unwritable_cache_loads(fake_model: dict, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A cached model file whose sidecar is stale (a cache copied without its mtimes) in a cache that can not be

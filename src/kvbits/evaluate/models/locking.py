@@ -12,7 +12,9 @@ no later fill would reuse. The next filler, holding the lock, removes them first
 (:func:`remove_leftovers`): no other process can be writing them then.
 
 The locks are ``fcntl.flock`` locks on files under ``$KVBITS_CACHE/locks/``: the kernel releases them
-when their holder exits, however it exits, so a crashed filler never leaves a stale lock. Where
+when their holder exits, however it exits, so a crashed filler never leaves a stale lock. A lock file
+another user made in a shared cache is locked through a read-only descriptor; a cache that can not be
+written at all is a ``PermissionError`` saying to set ``KVBITS_CACHE`` to a writable folder. Where
 ``fcntl`` does not exist (Windows) the lock is a no-op, logged once: concurrent fills there stay safe,
 only duplicated.
 """
@@ -26,6 +28,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +73,8 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[bool]:
             _NO_FCNTL_LOGGED = True
         yield False
         return
-    path = lock_path(cache_root, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
+    with _open_lock(lock_path(cache_root, name), cache_root) as fh:
+        path = Path(fh.name)
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -84,6 +86,28 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[bool]:
             yield True
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _open_lock(path: Path, cache_root: Path) -> BinaryIO:
+    """The lock file ``path`` opened for ``flock``: for appending, creating it (and ``locks/``) if missing; read-only
+    where it exists and can not be written (a shared cache, the file another user's: ``flock`` takes an exclusive
+    lock on a read-only descriptor too). ``PermissionError`` naming the cache and ``KVBITS_CACHE`` where the cache
+    can not be written (filling an entry writes to it anyway), rather than the bare ``EACCES`` of ``locks/``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a+b")
+    except PermissionError as exc:
+        if path.is_file():
+            try:
+                return open(path, "rb")
+            except OSError:
+                pass
+        raise PermissionError(
+            exc.errno,
+            f"can not create the lock file {path}: the kvbits cache {cache_root} is not writable here "
+            f"({exc.strerror}); filling it (fetching or converting a model) writes to it: set KVBITS_CACHE to a "
+            "writable folder, or fill the cache where it is writable",
+        ) from exc
 
 
 def remove_leftovers(folder: Path, patterns: tuple[str, ...]) -> None:
