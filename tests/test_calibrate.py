@@ -1407,3 +1407,24 @@ def test_rope_tables_computed_once_per_run_not_per_layer_and_window(monkeypatch)
     for layer in range(3):  # the sampled keys (1, H_kv, N, D) at their window positions
         k = samples.keys[layer][None]
         torch.testing.assert_close(samples.keys_post_rope[layer], tables.rotate(k, samples.positions)[0])
+
+
+def test_calibrate_refuses_a_folder_holding_a_calibration(tmp_path, capsys):
+    """A second calibration into the same --out silently replaced the first (kvquant-4 became fp8-e4m3 under the
+    same folder); now refused before any pass (the CLI before the model loads) unless --overwrite."""
+    from kvbits.cli import main
+
+    model, out = tiny_llama(), tmp_path / "cal"
+    calibrate(model, token_ids(), "kvquant-4", context=64, windows=1, fisher=False, out_dir=str(out))
+    with pytest.raises(ValueError, match=r"already holds a calibration \(scheme kvquant-4.*--overwrite"):
+        calibrate(model, token_ids(), "fp8-e4m3", context=64, windows=1, fisher=False, out_dir=str(out))
+    assert json.loads((out / META_FILE).read_text())["scheme"]["name"] == "kvquant-4"
+    argv = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--data", "d.txt", "--scheme", "fp8-e4m3",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a calibration" in err and "no-such-model" not in err, err
+    art = calibrate(model, token_ids(), "fp8-e4m3", context=64, windows=1, fisher=False, out_dir=str(out),
+                    overwrite=True)  # fmt: skip
+    assert json.loads((out / META_FILE).read_text())["scheme"]["name"] == "fp8-e4m3" == art.scheme.name
+    assert sorted(p.name for p in out.iterdir()) == [META_FILE, TENSORS_FILE]

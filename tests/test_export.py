@@ -594,3 +594,32 @@ def test_calibration_with_sinks_is_refused(tmp_path):
     rec = export_vllm(calibrate(model, ids, window, context=64, windows=2, fisher=False, fp8_scale="amax"),
                       tmp_path / "w")  # fmt: skip
     assert rec["layers"][0]["k_scale"] == float(every.tensors["layers.0.key_scale"])
+
+
+def test_a_failed_checkpoint_export_leaves_no_links_behind(fp8, tmp_path, monkeypatch):
+    """A file of the user's under the last shard's name was refused only after the six shards before it (and
+    generation_config.json) were linked into --out, and they stayed; a write that failed after the links kept
+    them too. Now every clash is refused before the first link, and a later failure removes this call's links."""
+    from kvbits.export import vllm
+
+    _, _, cal, ckpt = fp8
+    out = tmp_path / "out"
+    out.mkdir()
+    last = max(ckpt.glob("*.safetensors")).name
+    (out / last).write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not a link"):
+        export_vllm(cal, out, checkpoint=ckpt)
+    assert [p.name for p in out.iterdir()] == [last] and (out / last).read_text() == "mine"
+    (out / last).unlink()
+    (out / "notes.txt").write_text("kept")
+
+    def broken(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(vllm, "_save_tensors", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_vllm(cal, out, checkpoint=ckpt)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    monkeypatch.undo()
+    rec = export_vllm(cal, out, checkpoint=ckpt)
+    assert last in rec["checkpoint"]["linked"] and (out / last).is_symlink()

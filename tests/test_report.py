@@ -725,6 +725,14 @@ def test_speed_report_says_larger_for_a_cache_holding_more():
     assert _bytes_cell(base, base) == "45.88 MiB"
 
 
+def test_speed_report_of_an_empty_cache_has_no_ratio():
+    """A cache of 0 bytes (check_speed accepts it) raised ZeroDivisionError in the report's bytes column."""
+    from kvbits.report.speed import _bytes_cell
+
+    assert _bytes_cell({"cache_bytes": 0}, {"cache_bytes": 48107520}) == "0 B"
+    assert _bytes_cell({"cache_bytes": 48107520}, {"cache_bytes": 0}) == "45.88 MiB"
+
+
 def test_an_agreement_short_of_all_never_prints_as_all():
     """Top-1 agreement with one token in 32,766 differing (a near-lossless scheme over a 16K-32K bucket of two
     windows, 0.99997) printed "100.00%", as the unquantized model's; a speed run whose greedy tokens matched 99.6 %

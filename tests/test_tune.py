@@ -334,6 +334,33 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
 CALIBRATED = ["fp16", "kvquant-4", "kvquant-2"]
 
 
+def test_cli_tune_out_replaces_only_its_own_files(tmp_path, capsys, monkeypatch):
+    """A tune --out over an earlier calibrated tune's left <out>.calibration/ beside a mix that calibrates no layer
+    (a stale folder the epilog's `eval --calibration` would pick up); now it is removed. An existing --out that
+    kvbits tune did not write (no <out>.tune.json) was silently overwritten; now refused unless --overwrite."""
+    from kvbits import tune as tune_pkg
+    from kvbits.tune.cli import calibration_dir
+
+    model = _llama()
+    real = tune_pkg.tune
+    monkeypatch.setattr(tune_pkg, "tune", lambda _m, _d, *a, **kw: real(model, _ids(200), *a, **kw))
+    out = tmp_path / "mix.json"
+    argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "64", "--candidates", "int8-token",
+            "--candidates", "int2-token", "--budget-bits", "6", "--no-check", "--out", str(out)]  # fmt: skip
+    out.write_text('{"not": "a tune output"}\n')
+    assert main(argv) == 2 and "not written by kvbits tune" in capsys.readouterr().err
+    assert out.read_text() == '{"not": "a tune output"}\n'
+    cal = calibration_dir(out)
+    cal.mkdir()
+    for name in ("calibration.json", "calibration.safetensors"):
+        (cal / name).write_text("from an earlier calibrated mix")
+    assert main([*argv, "--overwrite"]) == 0
+    assert not cal.exists() and get_scheme(str(out)).is_mixed
+    assert json.loads((tmp_path / "mix.json.tune.json").read_text())["calibration"] is None
+    capsys.readouterr()
+    assert main(argv) == 0  # its own earlier output: replaced without --overwrite
+
+
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     """A 3-layer tiny Llama, its token ids, and kvquant-4 / kvquant-2 calibrations of it (objects, saved)."""

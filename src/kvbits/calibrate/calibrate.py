@@ -24,7 +24,7 @@ import torch
 
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
-from kvbits.calibrate.artifact import CalibrationArtifact, describe_model
+from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE, CalibrationArtifact, describe_model
 from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.fit import (
     Progress,
@@ -119,11 +119,13 @@ def check_calibrate_args(
     kmeans_points: int = MAX_POINTS,
     kmeans_iterations: int = ITERATIONS,
     percentile: float = 99.9,
+    overwrite: bool = False,
 ) -> KVScheme:
     """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
     that this module can fit, ``context >= 2``, ``windows >= 1``, ``max_tokens``, ``kmeans_points`` and
-    ``kmeans_iterations`` ints >= 1, a ``percentile`` in [50, 100], an ``out_dir`` that is not an existing file,
-    a known ``dtype`` and a ``device`` this torch can use (``ValueError`` otherwise)."""
+    ``kmeans_iterations`` ints >= 1, a ``percentile`` in [50, 100], an ``out_dir`` that is not an existing file
+    and holds no calibration unless ``overwrite`` (:func:`check_calibration_out`), a known ``dtype`` and a
+    ``device`` this torch can use (``ValueError`` otherwise)."""
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
     scheme = get_scheme(scheme)
@@ -136,13 +138,40 @@ def check_calibrate_args(
         raise ValueError(f"percentile must be a number in [50, 100], got {percentile!r}")
     _resolve_dtype(dtype)
     check_device(device, DEVICES)
-    out = None if out_dir is None else Path(out_dir).expanduser()
-    if out is not None and out.exists() and not out.is_dir():
+    if out_dir is not None:
+        check_calibration_out(out_dir, overwrite=overwrite)
+    return scheme
+
+
+def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """``out_dir`` as a ``Path`` if a calibration may be written there, else ``ValueError``: a path that is
+    an existing file, or a folder already holding a calibration (``calibration.json`` or
+    ``calibration.safetensors``) unless ``overwrite``, which replaces those two files (and only those).
+    Checked before any pass runs: a second ``kvbits calibrate --out`` into the same folder silently replaced
+    the first (hours of Fisher passes on a large model, and what earlier ``eval --calibration`` runs used)."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
         raise ValueError(
             f"output path {str(out_dir)!r} exists and is not a folder; expected a folder to write "
-            "calibration.json and calibration.safetensors into"
+            f"{META_FILE} and {TENSORS_FILE} into"
         )
-    return scheme
+    held = [name for name in (META_FILE, TENSORS_FILE) if (out / name).exists()]
+    if held and not overwrite:
+        meta = out / META_FILE
+        try:
+            old = json.loads(meta.read_text()) if meta.is_file() else {}
+        except (OSError, ValueError):
+            old = {}
+        what = ""
+        if isinstance(old, dict) and isinstance(old.get("scheme"), dict):
+            model = old.get("model") if isinstance(old.get("model"), dict) else {}
+            made = model.get("name") or model.get("model_type")
+            what = f" (scheme {old['scheme'].get('name')}" + (f", model {made}" if made else "") + ")"
+        raise ValueError(
+            f"{out} already holds a calibration{what}: {', '.join(held)}; use another output folder, or "
+            f"overwrite=True (--overwrite) to replace {META_FILE} and {TENSORS_FILE}"
+        )
+    return out
 
 
 def _windows(
@@ -664,6 +693,7 @@ def calibrate(
     progress: Progress | None = None,
     fp8_scale: str = "centred",
     tie_rope_pairs: bool = False,
+    overwrite: bool = False,
 ) -> CalibrationArtifact:
     """Calibrate ``scheme`` for ``model`` on ``data``; write it to ``out_dir`` when given.
 
@@ -681,7 +711,8 @@ def calibrate(
         fisher: weight k-means by squared gradients (forward + backward per window, float32
             recommended); False: unweighted, forward only. Schemes without a NUQ codebook (static
             int scales, FP8 scales) have nothing to weight: their passes are forward only anyway.
-        out_dir: folder for ``calibration.safetensors`` + ``calibration.json``.
+        out_dir: folder for ``calibration.safetensors`` + ``calibration.json``; one that already holds a
+            calibration is refused (``ValueError``, before any pass runs) unless ``overwrite``.
         max_tokens: tokens sampled per layer over all windows (memory bound:
             ``layers x max_tokens x H_kv x D x 4 bytes x (2, or 4 with Fisher)``).
         kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
@@ -705,10 +736,12 @@ def calibrate(
             ``code + mean / factor`` (fewer registers per thread). It costs quality: KL 0.0345 → 0.0393 on
             Qwen2.5-Coder-0.5B at 4K, 0.035 → 0.046 on SmolLM2-135M at 8K (BENCHMARKS.md §21). Default: one
             factor per channel, decoded in the kernel.
+        overwrite: replace the calibration ``out_dir`` holds.
     """
     scheme = check_calibrate_args(
         scheme, context, windows, out_dir, dtype=dtype, device=device, max_tokens=max_tokens,
         kmeans_points=kmeans_points, kmeans_iterations=kmeans_iterations, percentile=percentile,
+        overwrite=overwrite,
     )  # fmt: skip
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)

@@ -26,7 +26,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "codebooks; for static FP8 schemes (fp8-e4m3; fp8-e4m3-head: one per KV head), per-layer K/V scales "
         "absmax / 448 over every calibration token (post-RoPE keys after RoPE), raised to the least-error "
         "grid phase (--fp8-scale centred), as vLLM's k_scale / v_scale (kvbits export --format vllm). "
-        "Writes DIR/calibration.safetensors and DIR/calibration.json.",
+        "Writes DIR/calibration.safetensors and DIR/calibration.json (a DIR already holding a calibration is "
+        "refused unless --overwrite).",
     )
     add_model_data_args(
         p,
@@ -36,7 +37,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--scheme", required=True, help="scheme to calibrate for (kvquant-4, kvquant-3, fp8-e4m3, ... or a JSON file)"
     )
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument(
+        "--out", required=True,
+        help="output folder; one that already holds a calibration is refused unless --overwrite",
+    )  # fmt: skip
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the calibration --out holds (calibration.json and calibration.safetensors only)",
+    )  # fmt: skip
     add_window_args(p, context=2048, windows=4, windows_help="calibration windows")
     p.add_argument(
         "--percentile",
@@ -151,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     # before the model loads: the scheme, the window sizes, the output folder, the dtype and the device
     scheme = check_calibrate_args(args.scheme, args.context, args.windows, args.out, dtype=args.dtype,
-                                  device=args.device)  # fmt: skip
+                                  device=args.device, overwrite=args.overwrite)  # fmt: skip
     check_tie_rope_pairs(scheme, args.tie_rope_pairs)
     # the options given; calibrate's own defaults stand for the others
     given = {k: v for k, v in (("percentile", args.percentile), ("fp8_scale", args.fp8_scale)) if v is not None}
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=report,
             tie_rope_pairs=args.tie_rope_pairs,
+            overwrite=args.overwrite,
             **given,
         )
     if args.json:

@@ -321,23 +321,29 @@ def _servable(
     if index is not None:
         index.setdefault("weight_map", {}).update(dict.fromkeys(scales, SCALES_FILE))
         written[index_path.name] = index
-    linked = []
-    for src in sorted(checkpoint.iterdir()):
-        if src.name in written or src.name in (SCALES_FILE, CONFIG_FILE, RECORD_FILE):
-            continue
+    sources = [src for src in sorted(checkpoint.iterdir())
+               if src.name not in written and src.name not in (SCALES_FILE, CONFIG_FILE, RECORD_FILE)]  # fmt: skip
+    for src in sources:  # every clash refused before the first link: a refusal leaves --out as it was
         dst = out / src.name
-        if dst.is_symlink() or dst.exists():
-            if not (dst.is_symlink() and dst.resolve() == src.resolve()):
-                raise ValueError(f"{dst} exists and is not a link to {src}; export into an empty folder")
-        else:
-            dst.symlink_to(src.resolve())
-        linked.append(src.name)
-    # the scales first: a config and index naming them are written only once they exist (a failed write leaves
-    # no folder that looks servable and names a missing file)
-    _save_tensors(out / SCALES_FILE, scales)
-    for name, obj in written.items():
-        _atomic_json(out / name, obj)
-    return {"linked": linked, "written": [*written, SCALES_FILE]}
+        if (dst.is_symlink() or dst.exists()) and not (dst.is_symlink() and dst.resolve() == src.resolve()):
+            raise ValueError(f"{dst} exists and is not a link to {src}; export into an empty folder")
+    made: list[Path] = []  # the links this call made, removed again when a later step fails
+    try:
+        for src in sources:
+            dst = out / src.name
+            if not dst.is_symlink():
+                dst.symlink_to(src.resolve())
+                made.append(dst)
+        # the scales first: a config and index naming them are written only once they exist (a failed write
+        # leaves no folder that looks servable and names a missing file)
+        _save_tensors(out / SCALES_FILE, scales)
+        for name, obj in written.items():
+            _atomic_json(out / name, obj)
+    except BaseException:
+        for dst in made:
+            dst.unlink(missing_ok=True)
+        raise
+    return {"linked": [src.name for src in sources], "written": [*written, SCALES_FILE]}
 
 
 # checkpoint tensor names vLLM loads into an attention layer's k_scale / v_scale (its get_cache_scale and

@@ -113,7 +113,8 @@ def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> 
     if r is None or r.get("cache_bytes") is None:
         return "n/a"
     cell = fmt_bytes(r["cache_bytes"])
-    if base is not None and base.get("cache_bytes") and r is not base:
+    # no ratio against or for an empty cache (0 bytes, which the input check allows): it would divide by zero
+    if base is not None and base.get("cache_bytes") and r["cache_bytes"] and r is not base:
         ratio = base["cache_bytes"] / r["cache_bytes"]  # a StaticCache or a reserved cache may hold more, not less
         cell += f" ({ratio:.2f}x smaller)" if ratio >= 1 else f" ({1 / ratio:.2f}x larger)"
     if r.get("planned_bytes") is not None and r["planned_bytes"] != r["cache_bytes"]:

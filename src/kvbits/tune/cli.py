@@ -32,7 +32,9 @@ marginal KLs measured around the first mix (the layers' errors compound; see BEN
 Calibrated candidates (kvquant-*) take their `kvbits calibrate` folders (--calibration, matched by the
 scheme each was calibrated for); every probe and mix runs with the calibration composed from them, and
 --out writes the chosen mix's beside the scheme JSON (<out without .json>.calibration/, recorded as
-"calibration" in <out>.tune.json) when the mix calibrates some layer.
+"calibration" in <out>.tune.json) when the mix calibrates some layer. An --out already written by kvbits tune is
+replaced (with its calibration folder, removed when the new mix calibrates no layer); an existing --out (or
+<out without .json>.calibration/) without <out>.tune.json beside it is refused unless --overwrite.
 Tune on text other than the one you evaluate on: the sensitivities are measured, not predicted.
 """
 
@@ -87,6 +89,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--name", help="name of the mix (default tuned-<budget>); not a candidate's, a preset's or a mix of presets"
     )
     p.add_argument("--out", help="scheme JSON to write (and <out>.tune.json with the measurements)")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="write --out even where it (or its .calibration/ folder) exists and kvbits tune did not write it",
+    )  # fmt: skip
     p.set_defaults(_out_kind="file")  # kvbits.cli checks it before the run as a file path, not a folder
     p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")
     p.add_argument("--json", action="store_true", help="print the tune record as JSON")
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)  # before the model loads
     if args.out and Path(args.out).suffix.lower() != ".json":
         raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
+    if args.out:
+        check_tune_out(args.out, overwrite=args.overwrite)  # before the passes, not after
     res = tune(
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
@@ -114,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
         out.write_text(res.scheme.to_json() + "\n")
         if res.calibration is not None:
             res.calibration.save(calibration_dir(out))
+        else:  # an earlier calibrated mix's folder beside this mix would pass for its calibration
+            _remove_calibration(calibration_dir(out))
         record = res.to_dict()
-        Path(str(out) + ".tune.json").write_text(dumps(record, indent=2) + "\n")
+        _tune_record(out).write_text(dumps(record, indent=2) + "\n")
     else:
         record = res.to_dict()
     if args.json:
@@ -123,6 +133,35 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(res, args.out)
     return 0
+
+
+def _tune_record(out: str | Path) -> Path:
+    return Path(str(out) + ".tune.json")
+
+
+def check_tune_out(out: str | Path, *, overwrite: bool = False) -> None:
+    """``ValueError`` when ``--out`` (a scheme JSON) or its calibration folder exists but ``<out>.tune.json`` does
+    not, so kvbits tune did not write them (a file of someone else's under that name), unless ``overwrite``."""
+    cal = calibration_dir(out)
+    there = [str(p) for p in (Path(out), cal) if p.exists()]
+    if there and not _tune_record(out).is_file() and not overwrite:
+        raise ValueError(
+            f"{' and '.join(there)} exist(s) but {_tune_record(out)} does not: not written by kvbits tune; "
+            "choose another --out or pass --overwrite"
+        )
+
+
+def _remove_calibration(folder: Path) -> None:
+    """Remove the calibration files in ``folder`` (and ``folder`` once empty; other files are kept)."""
+    from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE
+
+    gone = [n for n in (META_FILE, TENSORS_FILE) if (folder / n).is_file()]
+    for name in gone:
+        (folder / name).unlink()
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+    if gone:
+        print(f"removed the earlier mix's calibration in {folder}: this mix calibrates no layer", file=sys.stderr)
 
 
 def calibration_dir(out: str | Path) -> Path:
