@@ -29,3 +29,21 @@ def test_small_kl_is_exact_not_float32_rounding():
     assert 1e-9 < float(exact.mean()) < 1e-6
     rel = (rec["kl"].double() - exact).abs() / exact
     assert float(rel.max()) < 1e-4, float(rel.median())
+
+
+def test_kl_divergence_masked_entries_and_shapes():
+    """The one KL helper (token metrics, needle scoring, the attention benchmark): entries of probability 0 in the
+    reference (masked keys, ``-inf`` in both) add nothing instead of NaN; NaN log-probabilities stay NaN; shapes
+    that differ are refused."""
+    logits = torch.tensor([[2.0, 1.0, -float("inf")], [0.5, 0.5, 0.5]])
+    lp_ref = M.exact_log_softmax(logits)
+    assert lp_ref.dtype == torch.float64
+    lp = M.exact_log_softmax(logits + torch.tensor([[0.1, 0.0, 0.0], [0.0, 0.0, 0.2]]))
+    kl = M.kl_divergence(lp_ref, lp)
+    p, q = lp_ref.exp(), lp.exp()
+    want = torch.stack([(p[0, :2] * (p[0, :2] / q[0, :2]).log()).sum(), (p[1] * (p[1] / q[1]).log()).sum()])
+    assert torch.allclose(kl, want, rtol=1e-12) and float(M.kl_divergence(lp_ref, lp_ref).abs().max()) == 0.0
+    assert torch.isnan(M.kl_divergence(lp_ref, torch.full_like(lp, float("nan")))).all()
+    with pytest.raises(ValueError, match="one shape"):
+        M.kl_divergence(lp_ref, lp[:1])
+
