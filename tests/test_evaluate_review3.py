@@ -47,3 +47,38 @@ def test_kl_divergence_masked_entries_and_shapes():
     with pytest.raises(ValueError, match="one shape"):
         M.kl_divergence(lp_ref, lp[:1])
 
+
+def _stored_run(out, request: dict) -> None:
+    """A finished ``kvbits eval`` folder of ``request`` as ``outputs`` writes it."""
+    import json
+
+    from kvbits.evaluate.request import config_hash
+
+    out.mkdir()
+    chash = config_hash(request)
+    (out / "config.json").write_text(json.dumps({"config_hash": chash, "request": request}))
+    (out / "summary.json").write_text(json.dumps({"results": [{"scheme": "int8-token", "kl": 1.2e-6}]}))
+    (out / "DONE").write_text(chash + "\n")
+
+
+def test_a_run_from_before_float64_kl_is_recomputed_not_reused(tmp_path, caplog):
+    """A finished run of output version 1 took its KL from float32 log-probabilities; the same request now is
+    recomputed in its folder (logged) instead of served from it. A run of a newer version is still refused, and
+    one that differs in anything else too."""
+    from kvbits.evaluate.outputs import OtherRunError, _check_out_dir
+    from kvbits.evaluate.request import OUTPUT_VERSION, config_hash
+
+    request = {"version": OUTPUT_VERSION, "model": "m", "data": "d", "context": 256, "schemes": ["int8-token"]}
+    chash = config_hash(request)
+    _stored_run(tmp_path / "v1", {**request, "version": 1})
+    with caplog.at_level("WARNING", logger="kvbits.evaluate.outputs"):
+        assert _check_out_dir(tmp_path / "v1", chash, False, request) is None
+    assert "older kvbits (output version 1" in caplog.text
+    _stored_run(tmp_path / "same", request)
+    assert _check_out_dir(tmp_path / "same", chash, False, request)["results"][0]["kl"] == 1.2e-6
+    _stored_run(tmp_path / "newer", {**request, "version": OUTPUT_VERSION + 1})
+    with pytest.raises(OtherRunError, match="differs in version"):
+        _check_out_dir(tmp_path / "newer", chash, False, request)
+    _stored_run(tmp_path / "other", {**request, "version": 1, "context": 512})
+    with pytest.raises(OtherRunError, match="differs in context, version"):
+        _check_out_dir(tmp_path / "other", chash, False, request)
