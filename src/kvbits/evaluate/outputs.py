@@ -150,10 +150,10 @@ def _check_out_dir(
         diff = _differences(old, request or {})
         if diff == ["version"] and _older_version(old, request or {}):
             logger.warning(
-                "%s holds this run from an older kvbits (output version %s, this one %s: its KL was from float32 "
-                "log-probabilities); recomputing it",
+                "%s holds this run from an older kvbits (output version %s, this one %s%s); recomputing it",
                 out, old.get("version"), (request or {}).get("version"),
-            )
+                ": its KL was from float32 log-probabilities" if old.get("version") == 1 else "",
+            )  # fmt: skip
             return None
         raise OtherRunError(
             f"{out} holds a run with a different configuration (config hash {other}, this run {chash}"
