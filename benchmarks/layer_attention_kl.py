@@ -35,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbits.cache.compat import cache_kwargs
 from kvbits.evaluate.data import load_text, make_windows, tokenize
+from kvbits.evaluate.metrics import exact_log_softmax, kl_divergence
 from kvbits.evaluate.models import load_model
 from kvbits.quant import quantize
 from kvbits.schemes import get_scheme
@@ -46,20 +47,20 @@ SCHEMES = (
 
 
 def attention_logprobs(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Log-probabilities ``(H, S, T)`` of queries ``q`` ``(H, T, D)`` at positions ``rows`` ``(S,)`` over
-    the causal prefix of keys ``k`` ``(H_kv, T, D)`` (``-inf`` past each query); query head ``h`` reads KV
-    head ``h // (H / H_kv)``."""
+    """float64 log-probabilities ``(H, S, T)`` (of the float32 logits, ``exact_log_softmax``: a small KL is lost
+    to float32 rounding) of queries ``q`` ``(H, T, D)`` at positions ``rows`` ``(S,)`` over the causal prefix of
+    keys ``k`` ``(H_kv, T, D)`` (``-inf`` past each query); query head ``h`` reads KV head ``h // (H / H_kv)``."""
     k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
     logits = (q[:, rows] @ k.transpose(-1, -2)) * scaling
     visible = torch.arange(k.shape[1])[None, :] <= rows[:, None]
-    return logits.masked_fill(~visible, -math.inf).log_softmax(-1), logits, visible
+    return exact_log_softmax(logits.masked_fill(~visible, -math.inf)), logits, visible
 
 
 def compare(q: torch.Tensor, k: torch.Tensor, kq: torch.Tensor, rows: torch.Tensor, scaling: float) -> dict:
     """The figures of the module docstring for exact keys ``k`` against quantized ``kq`` (both ``(H_kv, T, D)``)."""
     p0, l0, visible = attention_logprobs(q, k, rows, scaling)
     p1, l1, _ = attention_logprobs(q, kq, rows, scaling)
-    kl = (p0.exp() * (p0 - p1)).masked_fill(~visible, 0).sum(-1)
+    kl = kl_divergence(p0, p1)  # masked keys: probability 0 in both, no term
     n = visible.sum(-1)
 
     def centre(x: torch.Tensor) -> torch.Tensor:  # x less its mean over the keys each query sees; 0 elsewhere

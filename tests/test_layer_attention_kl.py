@@ -97,3 +97,20 @@ def test_logit_slope_reads_a_compression_of_the_logits():
         for name in ("vllm-int8", str(SYM8))
     }  # fmt: skip
     assert slopes["vllm-int8"] < 0.999 and abs(slopes[str(SYM8)] - 1) < 5e-4, slopes
+
+
+def test_small_kl_is_not_float32_rounding():
+    """A KL of keys stored in fp16 (~4e-7 nats) is a sum over ~1K keys of differences of log-probabilities whose
+    float32 rounding does not cancel: float32 log_softmax put it 4.7 % low. Now it is the exact KL of the float32
+    logits (the benchmark's ``logits``), computed in float64."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = 2 * torch.randn(4, 2048, 32, generator=gen), 2 * torch.randn(2, 2048, 32, generator=gen)
+    rows = torch.arange(256, 2048, 61)
+    kq = k.half().float()
+    r = bench.compare(q, k, kq, rows, 32**-0.5)
+    _, l0, visible = bench.attention_logprobs(q, k, rows, 32**-0.5)
+    _, l1, _ = bench.attention_logprobs(q, kq, rows, 32**-0.5)
+    lp0, lp1 = (x.double().masked_fill(~visible, -float("inf")).log_softmax(-1) for x in (l0, l1))
+    exact = (lp0.exp() * (lp0 - lp1)).masked_fill(~visible, 0).sum(-1).mean().item()
+    assert 1e-8 < exact < 1e-5
+    assert r["kl"] == pytest.approx(exact, rel=1e-6)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvbits.evaluate.inputs import check_ints
+from kvbits.evaluate.metrics import kl_divergence
 
 __all__ = [
     "DEFAULT_DEPTHS",
@@ -377,5 +378,5 @@ def score_key(
         ref = logprobs_ref.double()
         if ref.shape != lp.shape:
             raise ValueError(f"reference log-probabilities {tuple(ref.shape)} differ from {tuple(lp.shape)}")
-        out["kl"] = float((ref.exp() * (ref - lp)).sum(-1).clamp_min(0.0).mean())
+        out["kl"] = float(kl_divergence(ref, lp).mean())
     return out

@@ -105,7 +105,9 @@ def _haystack(data: Any, data_path: str | None) -> Any:
 
 
 def _logprobs(head: Any, hidden: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(head(hidden).double(), dim=-1)
+    from kvbits.evaluate.metrics import exact_log_softmax
+
+    return exact_log_softmax(head(hidden))
 
 
 def _key_slice(trial: Trial, first: int) -> slice:

@@ -105,11 +105,20 @@ def _differences(old: Any, new: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
+def _older_version(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a stored request's output ``version`` is a whole number below this run's (a newer one is refused)."""
+    v, ours = old.get("version"), new.get("version")
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in (v, ours)) and v < ours
+
+
 def _check_out_dir(
     out: Path, chash: str, overwrite: bool, request: dict[str, Any] | None = None
 ) -> dict[str, Any] | None:
     """The stored summary when ``out`` holds a finished run of this config, else None once the run may
     write there. Deletes nothing: :func:`_prepare_out_dir` clears the old run after the inputs loaded.
+
+    A finished run whose request differs only in an older output ``version`` (``OUTPUT_VERSION``: numbers
+    computed differently since) is not reused: None, so the run recomputes it there (logged).
 
     Refused (``ValueError``): a path that is not a folder; a folder holding another kvbits eval run
     (unless ``overwrite``); a non-empty folder that kvbits eval did not write (unless ``overwrite``,
@@ -137,7 +146,15 @@ def _check_out_dir(
     if other is None and done.is_file():
         other = done.read_text().strip()
     if other != chash:
-        diff = _differences(stored.get("request") if isinstance(stored, dict) else None, request or {})
+        old = stored.get("request") if isinstance(stored, dict) else None
+        diff = _differences(old, request or {})
+        if diff == ["version"] and _older_version(old, request or {}):
+            logger.warning(
+                "%s holds this run from an older kvbits (output version %s, this one %s%s); recomputing it",
+                out, old.get("version"), (request or {}).get("version"),
+                ": its KL was from float32 log-probabilities" if old.get("version") == 1 else "",
+            )  # fmt: skip
+            return None
         raise OtherRunError(
             f"{out} holds a run with a different configuration (config hash {other}, this run {chash}"
             f"{'; it differs in ' + ', '.join(diff) if diff else ''}); use another output folder or "
