@@ -1107,3 +1107,40 @@ def test_a_failed_capture_leaves_the_host_counts_the_devices(monkeypatch):
             nxt = lg[:, -1:].argmax(-1)
     assert step.captured and step.calls == NEW
     torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("scheme", "fused"), [("int8-token", False), ("kivi-small", False),
+                                               ("int4-sinks-prerope", False), ("kivi-small", True)])  # fmt: skip
+def test_beam_search_reorders_the_slabs_in_place(scheme, fused):
+    """``generate(num_beams=3)`` on a left-padded batch: the same sequences and scores as ``QuantizedKVCache`` (a
+    windowed scheme flushing during the decode, pre-RoPE keys with sinks). ``reorder_cache`` raised
+    ``NotImplementedError`` after the beams' prefill (the cache then held the 6 beam rows, and a plain retry on it was
+    refused for its batch); it now gathers every sequence's rows in place: the slabs keep their addresses. A no-op
+    reorder gives other sequences (checked when this was written), so the beams do move."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    static = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=32)
+    addresses, reorder = [], static.reorder_cache
+
+    def reorder_seen(beam_idx):
+        addresses.append([t.data_ptr() for layer in static.layers for t in layer.tensors()])
+        reorder(beam_idx)
+
+    static.reorder_cache = reorder_seen
+    outs = []
+    for cache in (static, QuantizedKVCache(config=model.config, scheme=scheme)):
+        with attention(model, fused):
+            outs.append(model.generate(ids, attention_mask=mask, **cache_kwargs(cache, model), max_new_tokens=12,
+                                       num_beams=3, do_sample=False, pad_token_id=0, output_scores=True,
+                                       return_dict_in_generate=True))  # fmt: skip
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    torch.testing.assert_close(outs[0].sequences_scores, outs[1].sequences_scores, rtol=0, atol=1e-5)
+    assert static.batch_size == 6 and len(addresses) >= 10
+    assert all(a == addresses[0] for a in addresses)
+    assert addresses[0] == [t.data_ptr() for layer in static.layers for t in layer.tensors()]
+    with pytest.raises(ValueError, match=r"layer 0: beam_idx must be \(6,\), one index per cached sequence, got \(2,\)"):
+        static.reorder_cache(torch.tensor([0, 1]))

@@ -893,7 +893,25 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 t.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("StaticQuantizedKVCache does not reorder beams; QuantizedKVCache does")
+        """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64, the
+        cached batch), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
+        window, lengths and pre-RoPE position offsets; the slabs keep their addresses. Device work only (no host
+        read); a no-op before the first update. It raised ``NotImplementedError`` after the beams' prefill."""
+        if not self.is_initialized:
+            return
+        B = self._shape[0]  # type: ignore[index]
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B:
+            got = tuple(beam_idx.shape) if isinstance(beam_idx, torch.Tensor) else type(beam_idx).__name__
+            raise ValueError(f"layer {self.layer_idx}: beam_idx must be ({B},), one index per cached sequence, got {got}")
+        idx = beam_idx.to(self.device)
+        for t in self._per_sequence():
+            t.copy_(t.index_select(0, idx))
+
+    def _per_sequence(self) -> list[torch.Tensor]:
+        """The tensors with a row per sequence (dim 0): slot data, float slabs, lengths, pre-RoPE offsets."""
+        ts = [getattr(p, name) for p in (self.key, self.value) if p is not None for name in _SLOT_FIELDS]
+        ts += [self.key_full, self.value_full, self.lens, self._other_lens, None if self.rope is None else self.rope.offset]
+        return [t for t in ts if t is not None]
 
     def offload(self) -> None:
         """Refused: ``NotImplementedError`` (``QuantizedKVLayer.offload``'s message). transformers' layer offloading
