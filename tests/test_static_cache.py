@@ -1144,3 +1144,30 @@ def test_beam_search_reorders_the_slabs_in_place(scheme, fused):
     assert addresses[0] == [t.data_ptr() for layer in static.layers for t in layer.tensors()]
     with pytest.raises(ValueError, match=r"layer 0: beam_idx must be \(6,\), one index per cached sequence, got \(2,\)"):
         static.reorder_cache(torch.tensor([0, 1]))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-small"])
+def test_reset_then_a_request_of_another_length_or_batch(scheme):
+    """After ``reset()`` a request of another prompt length decodes as on a fresh cache; one of another batch is
+    refused by name (the slabs hold the first request's batch, at addresses a captured step reads), where the
+    message was the bare "key_states must be (B=2, H_kv=2, q, D=32), got (3, 2, 5, 32)", and the cache goes on serving
+    its batch."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    generate(model, cache, fused=False)
+    cache.reset()
+    short = prompt()[:, : PROMPT // 2]
+    want = generate(model, StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN),
+                    fused=False, ids=short)  # fmt: skip
+    got = generate(model, cache, fused=False, ids=short)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cache.reset()
+    with pytest.raises(ValueError, match=r"layer 0: key_states \(3, 2, 5, 32\): StaticQuantizedKVCache cannot take 3 "
+                                         r"sequences \(change its batch\): its slabs hold the batch of 2 of their first "
+                                         r"update.*new cache"):  # fmt: skip
+        generate(model, cache, fused=False, ids=torch.randint(1, VOCAB, (3, 5)))
+    assert cache.get_seq_length() == 0 and cache.batch_size == 2
+    got = generate(model, cache, fused=False, ids=short)
+    assert torch.equal(got[0], want[0])

@@ -463,6 +463,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         for what, x in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H, D):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[0] != B:  # another request's batch
+                    raise ValueError(f"layer {self.layer_idx}: {what} {got}: "
+                                     + _FIXED_BATCH.format(B, f"take {x.shape[0]} sequences"))  # fmt: skip
                 raise ValueError(f"layer {self.layer_idx}: {what} must be (B={B}, H_kv={H}, q, D={D}), got {got}")
             if x.dtype != self.dtype or x.device != self.device:
                 raise ValueError(
