@@ -1107,3 +1107,67 @@ def test_a_failed_capture_leaves_the_host_counts_the_devices(monkeypatch):
             nxt = lg[:, -1:].argmax(-1)
     assert step.captured and step.calls == NEW
     torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("scheme", "fused"), [("int8-token", False), ("kivi-small", False),
+                                               ("int4-sinks-prerope", False), ("kivi-small", True)])  # fmt: skip
+def test_beam_search_reorders_the_slabs_in_place(scheme, fused):
+    """``generate(num_beams=3)`` on a left-padded batch: the same sequences and scores as ``QuantizedKVCache`` (a
+    windowed scheme flushing during the decode, pre-RoPE keys with sinks). ``reorder_cache`` raised
+    ``NotImplementedError`` after the beams' prefill (the cache then held the 6 beam rows, and a plain retry on it was
+    refused for its batch); it now gathers every sequence's rows in place: the slabs keep their addresses. A no-op
+    reorder gives other sequences (checked when this was written), so the beams do move."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    static = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=32)
+    addresses, reorder = [], static.reorder_cache
+
+    def reorder_seen(beam_idx):
+        addresses.append([t.data_ptr() for layer in static.layers for t in layer.tensors()])
+        reorder(beam_idx)
+
+    static.reorder_cache = reorder_seen
+    outs = []
+    for cache in (static, QuantizedKVCache(config=model.config, scheme=scheme)):
+        with attention(model, fused):
+            outs.append(model.generate(ids, attention_mask=mask, **cache_kwargs(cache, model), max_new_tokens=12,
+                                       num_beams=3, do_sample=False, pad_token_id=0, output_scores=True,
+                                       return_dict_in_generate=True))  # fmt: skip
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    torch.testing.assert_close(outs[0].sequences_scores, outs[1].sequences_scores, rtol=0, atol=1e-5)
+    assert static.batch_size == 6 and len(addresses) >= 10
+    assert all(a == addresses[0] for a in addresses)
+    assert addresses[0] == [t.data_ptr() for layer in static.layers for t in layer.tensors()]
+    with pytest.raises(ValueError, match=r"layer 0: beam_idx must be \(6,\), one index per cached sequence, got \(2,\)"):
+        static.reorder_cache(torch.tensor([0, 1]))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-small"])
+def test_reset_then_a_request_of_another_length_or_batch(scheme):
+    """After ``reset()`` a request of another prompt length decodes as on a fresh cache; one of another batch is
+    refused by name (the slabs hold the first request's batch, at addresses a captured step reads), where the
+    message was the bare "key_states must be (B=2, H_kv=2, q, D=32), got (3, 2, 5, 32)", and the cache goes on serving
+    its batch."""
+    model = build("llama")
+    scheme = NAMED.get(scheme, scheme)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
+    generate(model, cache, fused=False)
+    cache.reset()
+    short = prompt()[:, : PROMPT // 2]
+    want = generate(model, StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN),
+                    fused=False, ids=short)  # fmt: skip
+    got = generate(model, cache, fused=False, ids=short)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cache.reset()
+    with pytest.raises(ValueError, match=r"layer 0: key_states \(3, 2, 5, 32\): StaticQuantizedKVCache cannot take 3 "
+                                         r"sequences \(change its batch\): its slabs hold the batch of 2 of their first "
+                                         r"update.*new cache"):  # fmt: skip
+        generate(model, cache, fused=False, ids=torch.randint(1, VOCAB, (3, 5)))
+    assert cache.get_seq_length() == 0 and cache.batch_size == 2
+    got = generate(model, cache, fused=False, ids=short)
+    assert torch.equal(got[0], want[0])

@@ -96,3 +96,47 @@ def test_speed_static_refuses_a_model_the_static_cache_cannot_hold_before_any_ru
                                          r"layers only; the config has \['sliding_attention'\]"):  # fmt: skip
         speed.speed_eval(model, 32, ["int8-token"], static=True, tokens=2, warmup=1, data=ids, progress=False)
     assert runs == []
+
+
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-2", "fp16"])
+def test_static_lazy_initialization_refuses_kv_of_two_dtypes(scheme: str):
+    """``lazy_initialization`` (which transformers' ``early_initialization`` calls directly, without ``update``) runs
+    ``QuantizedKVLayer``'s checks (``kvbits.cache.checks.check_incoming``). It took float32 keys with float16 values
+    and made float32 slabs, and ``update`` then refused the request with "value_states is torch.float16 on cpu; the
+    slabs were made for torch.float32 ... (reset() keeps them: make a new cache)", though the failed request had left
+    the cache as before it. Now ``TypeError`` naming both dtypes, before any slab is made; the cache then takes K/V of
+    one dtype."""
+    model = build("llama")
+    k = torch.randn(1, 2, 3, 32)
+    cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=8)
+    with pytest.raises(TypeError, match="layer 0: key dtype torch.float32 != value dtype torch.float16"):
+        cache.layers[0].lazy_initialization(k[:, :, :0], k[:, :, :0].half())
+    assert not cache.layers[0].is_initialized
+    with pytest.raises(TypeError, match="layer 0: key dtype torch.float32 != value dtype torch.float16"):
+        cache.update(k, k.half(), 0)
+    assert not cache.layers[0].is_initialized
+    cache.early_initialization(1, 2, 32, torch.float32, torch.device("cpu"))
+    assert cache.is_initialized and cache.get_seq_length() == 0
+    cache.update(k, k, 0)
+    assert cache.layers[0].tokens_written == 3
+
+
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-2", "fp16"])
+def test_static_offload_and_prefetch_are_refused_and_change_nothing(scheme: str):
+    """transformers' ``Cache.offload(i)`` / ``prefetch(i)`` raised ``AttributeError`` ("'NoneType' object has no
+    attribute 'to'": a ``StaticQuantizedLayer`` has no ``keys`` / ``values``; "no attribute 'prefetch_stream'"), as
+    on ``QuantizedKVCache`` before. Both now refuse with ``QuantizedKVLayer``'s ``NotImplementedError``, naming this
+    cache and transformers' ``StaticCache`` as what offloads, and the slabs stay as they were."""
+    cache = StaticQuantizedKVCache(num_layers=2, scheme=scheme, max_cache_len=16)
+    k = torch.randn(1, 2, 10, 32)
+    for i in range(2):
+        cache.update(k, k, i)
+    before = [t.clone() for t in cache.layers[1].materialize()]
+    calls = (lambda: cache.offload(1), lambda: cache.prefetch(1), cache.layers[1].offload, cache.layers[1].prefetch)
+    for call in calls:
+        with pytest.raises(NotImplementedError, match=r"StaticQuantizedKVCache .*offloading.*not supported.*"
+                                                      r"StaticCache\(config=\.\.\., offloading=True\)"):  # fmt: skip
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers[1].materialize(), before))
+    cache.update(k[:, :, :1], k[:, :, :1], 1)
+    assert cache.layers[1].tokens_written == 11

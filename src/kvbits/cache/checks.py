@@ -378,7 +378,9 @@ def check_config_shape(
 def check_incoming(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Host-only checks of K/V ``(B, H_kv, q, D)`` for ``layer``, whatever it holds: floating tensors of 4 dims,
     K and V agreeing on ``(B, H_kv, q)`` and dtype, the config's heads and head dim. ``update`` (``validate``) and
-    ``lazy_initialization`` (which transformers' ``early_initialization`` calls directly) both run them."""
+    ``lazy_initialization`` (which transformers' ``early_initialization`` calls directly) both run them, as
+    ``StaticQuantizedLayer.lazy_initialization`` does (``layer``: anything with ``layer_idx``,
+    ``num_key_value_heads``, ``head_repeat`` and ``head_dim``)."""
     names = (f"layer {layer.layer_idx} key_states", f"layer {layer.layer_idx} value_states")
     for x, what in zip((key_states, value_states), names):
         if not isinstance(x, torch.Tensor) or x.dtype not in KV_DTYPES or x.dim() != 4:

@@ -172,14 +172,15 @@ def check_beam_idx(beam_idx: Any, batch: int | None, where: str) -> None:
         )
 
 
-def offload_refusal(what: str) -> str:
-    """Why ``offload`` / ``prefetch`` of ``what`` (a quantized layer or cache) is refused, and what to use instead."""
+def offload_refusal(what: str, cache: str = "QuantizedKVCache", unquantized: str = "DynamicCache") -> str:
+    """Why ``offload`` / ``prefetch`` of ``what`` (a layer or the cache ``cache``) is refused, and what to use instead
+    (an ``unquantized`` transformers cache with ``offloading=True``)."""
     return (
-        f"QuantizedKVCache {what}: CPU offloading (offload / prefetch) is not supported: the layer's K/V are packed "
+        f"{cache} {what}: CPU offloading (offload / prefetch) is not supported: the layer's K/V are packed "
         "quantized storage (codes, scales, full-precision buffer; see memory_report()), not the keys / values tensors "
         "transformers' offloading moves, and they stay on the device they came on. Keep the quantized cache on the "
         "device (it already holds a fraction of fp16's bytes), or offload an unquantized transformers "
-        "DynamicCache(config=..., offloading=True) instead"
+        f"{unquantized}(config=..., offloading=True) instead"
     )
 
 

@@ -98,7 +98,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbits.cache import fused
 from kvbits.cache.checks import (
     check_channel_groups,
-    check_config_shape,
+    check_incoming,
     check_mode,
     input_bound,
     write_maxima,
@@ -110,7 +110,7 @@ from kvbits.cache.fixed import (
     install_artifact,
     missing_params,
 )
-from kvbits.cache.layer import cache_batch_size, find_position_ids, position_offset
+from kvbits.cache.layer import cache_batch_size, find_position_ids, offload_refusal, position_offset
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
 from kvbits.kernels.reference import (
@@ -121,7 +121,7 @@ from kvbits.kernels.reference import (
     pack_side,
     word_rows,
 )
-from kvbits.quant.checks import KV_DTYPES, check_kv
+from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes import get_scheme
@@ -142,6 +142,10 @@ _FIXED_BATCH = (
     "at addresses a captured step reads (as transformers' StaticCache's); expand or select the inputs before "
     "the prefill into a new cache, or use QuantizedKVCache, which repeats and selects sequences"
 )
+
+
+def _offload_refusal(what: str) -> str:
+    return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache")
 
 
 def stream_capturing() -> bool:
@@ -278,19 +282,17 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the slabs for ``key_states``' batch, heads, head dim, dtype and device (zeros); ``TypeError`` /
-        ``ValueError`` first (host metadata only) for K/V that are no ``(B, H_kv, q, D)`` float tensors, or that
-        differ from the config's KV heads or head dim: slabs made for them would refuse every later update."""
-        for what, x in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(x, torch.Tensor) or x.dtype not in KV_DTYPES or x.dim() != 4:
-                check_kv(x, f"layer {self.layer_idx} {what}")  # the precise TypeError / ValueError
+        ``ValueError`` first (host metadata only; ``kvbits.cache.checks.check_incoming``, as ``QuantizedKVLayer``'s)
+        for K/V that are no ``(B, H_kv, q, D)`` float tensors of one dtype, or that differ from the config's KV heads
+        or head dim: slabs made for them would refuse every later update. transformers' ``early_initialization``
+        calls this directly (``q = 0``), without ``update``."""
+        check_incoming(self, key_states, value_states)
         B, H, _, D = key_states.shape
-        if value_states.shape[:2] != (B, H) or value_states.shape[3] != D:
+        if value_states.shape[3] != D:
             raise ValueError(
                 f"layer {self.layer_idx}: keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} must "
                 "share batch, heads and head dim"
             )
-        check_config_shape(f"layer {self.layer_idx}", key_states, value_states, self.num_key_value_heads,
-                           self.head_repeat, self.head_dim)  # fmt: skip
         check_calibrated_heads(self, H, D)
         self._fixed_given = {side: dict(params) for side, params in self._fixed.items()}  # for release()
         device = key_states.device
@@ -461,6 +463,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         for what, x in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H, D):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[0] != B:  # another request's batch
+                    raise ValueError(f"layer {self.layer_idx}: {what} {got}: "
+                                     + _FIXED_BATCH.format(B, f"take {x.shape[0]} sequences"))  # fmt: skip
                 raise ValueError(f"layer {self.layer_idx}: {what} must be (B={B}, H_kv={H}, q, D={D}), got {got}")
             if x.dtype != self.dtype or x.device != self.device:
                 raise ValueError(
@@ -891,7 +896,36 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 t.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("StaticQuantizedKVCache does not reorder beams; QuantizedKVCache does")
+        """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64, the
+        cached batch), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
+        window, lengths and pre-RoPE position offsets; the slabs keep their addresses. Device work only (no host
+        read); a no-op before the first update. It raised ``NotImplementedError`` after the beams' prefill."""
+        if not self.is_initialized:
+            return
+        B = self._shape[0]  # type: ignore[index]
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B:
+            got = tuple(beam_idx.shape) if isinstance(beam_idx, torch.Tensor) else type(beam_idx).__name__
+            raise ValueError(f"layer {self.layer_idx}: beam_idx must be ({B},), one index per cached sequence, got {got}")
+        idx = beam_idx.to(self.device)
+        for t in self._per_sequence():
+            t.copy_(t.index_select(0, idx))
+
+    def _per_sequence(self) -> list[torch.Tensor]:
+        """The tensors with a row per sequence (dim 0): slot data, float slabs, lengths, pre-RoPE offsets."""
+        ts = [getattr(p, name) for p in (self.key, self.value) if p is not None for name in _SLOT_FIELDS]
+        ts += [self.key_full, self.value_full, self.lens, self._other_lens, None if self.rope is None else self.rope.offset]
+        return [t for t in ts if t is not None]
+
+    def offload(self) -> None:
+        """Refused: ``NotImplementedError`` (``QuantizedKVLayer.offload``'s message). transformers' layer offloading
+        moves ``keys`` / ``values``, which this layer does not have (its slabs are ``key`` / ``value`` and
+        ``key_full`` / ``value_full``, at addresses a captured step reads); it raised ``AttributeError: 'NoneType'
+        object has no attribute 'to'`` here. Nothing is moved."""
+        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}"))
+
+    def prefetch(self) -> None:
+        """Refused as ``offload`` (``NotImplementedError``): a ``StaticQuantizedLayer`` is never offloaded."""
+        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
@@ -1026,6 +1060,12 @@ class StaticQuantizedKVCache(Cache):
         except BaseException:
             self._undo_request()
             raise
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Refused: ``NotImplementedError``, as ``offload(layer_idx)`` (``StaticQuantizedLayer.offload``): this cache
+        never offloads, so transformers' prefetch (which needs the ``offloading=True`` stream) has nothing to bring
+        back; it raised ``AttributeError`` (no ``prefetch_stream``) here."""
+        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})"))
 
     def _undo_request(self) -> None:
         """A request's first update of a layer failed: the layers it wrote go back to before the request (those it
