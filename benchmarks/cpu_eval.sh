@@ -205,7 +205,7 @@ if [[ $step == all || $step == vllm-32k-fp8-calibrated ]]; then
   # vLLM's fp8 with kvbits-calibrated scales (centred, §10's best on Qwen2.5; calibrated on §19's 4 x 4K of Pride and
   # Prejudice, so served 8x past the calibrated length) on the 32K window of vllm-32k-fp8 (BENCHMARKS.md §24c; ~20 min)
   $K calibrate --model qwen2.5-coder-0.5b --data pride-and-prejudice --scheme fp8-e4m3 --context 4k --windows 4 \
-    --fp8-scale centred --out runs/cal-qwen-fp8-centred
+    --fp8-scale centred --out runs/cal-qwen-fp8-centred --overwrite
   $K eval --model qwen2.5-coder-0.5b --data wikitext2 --context 32k --windows 1 --no-progress --dtype bfloat16 \
     --scheme fp8-e4m3 --calibration runs/cal-qwen-fp8-centred --out runs/qwen-wiki-32k-fp8-calibrated
 fi
