@@ -703,6 +703,36 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
         dispatch.resolve_kernel(q, store)
 
 
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the automatic choice's device check, without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@needs_triton
+def test_auto_fallback_is_logged_once_per_reason(monkeypatch, caplog):
+    """``KVBITS_KERNEL=auto`` on CUDA with a store the Triton kernel refuses (a head dim of 48: a cache made with
+    ``fused_decode=True`` claims such a layer) falls back to the torch reference at every decode step of every
+    layer. Before, each call logged the fallback at info level: 5 calls, 5 identical lines (24 layers x 100
+    tokens: 2,400). Now each distinct reason is logged once per process."""
+    monkeypatch.delenv("KVBITS_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_LOGGED_FALLBACKS", set(), raising=False)
+    store = make_store(torch.Generator().manual_seed(8), T_q=64, T_f=8, device="cpu")
+    monkeypatch.setattr(store.key, "head_dim", 48)
+    q = torch.randn(2, 6, 1, 64).as_subclass(_CudaLooking)
+    with caplog.at_level("DEBUG", logger=dispatch.logger.name):
+        assert [dispatch.resolve_kernel(q, store) for _ in range(5)] == ["reference"] * 5
+        monkeypatch.setattr(store.key, "head_dim", 64)
+        monkeypatch.setattr(store.key, "bits", 5)  # a second reason: logged once too
+        assert [dispatch.resolve_kernel(q, store) for _ in range(3)] == ["reference"] * 3
+    lines = [r for r in caplog.records if "falls back to the torch reference" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelname == "INFO" for r in lines), [r.getMessage() for r in lines]
+    assert "got 48" in lines[0].getMessage() and "5-bit" in lines[1].getMessage()
+
+
 @needs_triton
 @pytest.mark.parametrize("part", ["tail", "codes", "used_slots"])
 def test_triton_refuses_views_it_would_misread(monkeypatch, part: str):
