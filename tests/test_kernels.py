@@ -2161,6 +2161,40 @@ def test_gpu_benchmark_break_even_from_times_not_rounded_speedups():
     assert [b["break_even_context"] for b in sweep.break_even(old)] == [8192]
 
 
+def test_gpu_benchmark_break_even_is_not_read_across_a_launch_that_did_not_start():
+    """``break_even`` dropped the rows that did not launch, then read the break-even across them: int4 faster than
+    fp16 at 4096 and 16384 and not launched at 8192 reported 4096 (8192 unmeasured); slower at 4096, not launched at
+    8192, faster at 16384 reported 16384 (the break-even may be 8192). Now it is ``None`` with
+    ``break_even_measured`` ``False`` and the table says "not measured"; a failure below the last losing context,
+    or above the longest measured one when none breaks even ("> max measured"), changes nothing."""
+    bench = _load_bench()
+    from gpu_bench import sweep
+
+    def row(context: int, fp16_over_ms: float | None) -> dict:
+        if fp16_over_ms is None:
+            return {"kernel": "triton", "scheme": "int4", "shape": "qwen", "context": context, "batch": 1,
+                    "error": "RuntimeError: out of resource"}  # fmt: skip
+        return sweep._record("triton", "int4", "qwen", context, 1, 1.0, False, 1000, {}, fp16_over_ms, 10.0)
+
+    def be(*speedups: float | None) -> dict:
+        (b,) = sweep.break_even([row(4096 << i, s) for i, s in enumerate(speedups)])
+        return b
+
+    for speedups in ((2.0, None, 2.0), (0.5, None, 2.0), (2.0, None), (0.5, 2.0, None)):
+        b = be(*speedups)
+        assert b["break_even_context"] is None and not b["break_even_measured"], speedups
+        assert b["not_launched"] == [4096 << speedups.index(None)]
+        table = bench.markdown([], [b], 10.0)
+        assert f"| not measured (did not launch at {4096 << speedups.index(None)}) |" in table
+    b = be(None, 0.5, 2.0)  # below the last context that loses: the break-even is 16384 all the same
+    assert (b["break_even_context"], b["break_even_measured"], b["not_launched"]) == (16384, True, [4096])
+    b = be(0.5, None)  # no break-even up to 4096, and 8192 unknown: "> 4096" holds
+    assert (b["break_even_context"], b["break_even_measured"]) == (None, True)
+    assert "| > 4096 |" in bench.markdown([], [b], 10.0)
+    b = be(2.0, 2.0)
+    assert (b["break_even_context"], b["break_even_measured"], b["not_launched"]) == (4096, True, [])
+
+
 def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     """The tuning grid times the default launch first, then its nearest neighbours: a run cut short by the
     time budget still compares the default with single changes of it."""
