@@ -12,7 +12,10 @@ launch's). On CUDA, every candidate launch of every case is first compiled on al
 (``prewarm.py``'s ``autotune`` jobs, ``--prewarm-s``), so the tuner's first call finds them in Triton's cache.
 Each case: a fresh ``DecodeTuner`` (no tuning file) tunes on the case's inputs (its own quick timings, ``tuner_ms``),
 then the default launch, the chosen one and SDPA are timed. Rows go to ``--out`` after every case (``complete``:
-false until the end); cases not started by ``--budget-s`` are listed under ``skipped``.
+false until the end); cases not started by ``--budget-s`` are listed under ``skipped``. A case that raises (its
+default launch failing, out of memory) is recorded under ``failures`` (``{"step", "error"}``, as ``gpu_decode.py``
+records its steps) and the next case runs; so does a prewarm that raises (under ``prewarm``: ``{"error"}``). The
+script exits non-zero after the last save when any case failed.
 """
 
 from __future__ import annotations
@@ -116,21 +119,17 @@ def main(argv: list[str] | None = None) -> dict:
         "date": time.strftime("%Y-%m-%d"), "commit": _provenance.commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _provenance.host(),
         "torch": torch.__version__, "candidates": list(names), "margin": autotune.MARGIN,
-        "tolerance_ulps": autotune.TOLERANCE_ULPS, "rows": [], "skipped": [], "complete": False,
+        "tolerance_ulps": autotune.TOLERANCE_ULPS, "rows": [], "skipped": [], "failures": [], "complete": False,
     }  # fmt: skip
 
     def save() -> None:
         _provenance.write_json(args.out, result)  # atomic: a run cut by its timeout keeps the last complete file
 
     if device.type == "cuda" and args.prewarm_s > 0:
-        import prewarm
-
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        cap = torch.cuda.get_device_capability(device)
-        result["prewarm"] = prewarm.prewarm(f"sm_{cap[0]}{cap[1]}", 2 * sms, autotune_jobs(cases, batches, contexts, names),
-                                            timeout_s=args.prewarm_s)  # fmt: skip
+        result["prewarm"] = _prewarm(device, autotune_jobs(cases, batches, contexts, names), args.prewarm_s)
         print(f"prewarm: {result['prewarm']}", flush=True)
     save()
+    rounds = 3 if args.smoke else 7
     for shape_name, layout in cases:
         for batch in batches:
             for context in contexts:
@@ -138,13 +137,32 @@ def main(argv: list[str] | None = None) -> dict:
                 if time.monotonic() - t0 > args.budget_s:
                     result["skipped"].append(case)
                     continue
-                row = run_case(case, candidates, cfg, flush, rounds=3 if args.smoke else 7)
-                result["rows"].append(row)
+                step = f"{shape_name} {layout} B={batch} T={context}"
+                row = common.guarded(step, lambda case=case: run_case(case, candidates, cfg, flush, rounds),
+                                     result["failures"])  # fmt: skip
+                if row is not None:
+                    result["rows"].append(row)
                 save()
     result["complete"] = True
     result["seconds"] = round(time.monotonic() - t0, 1)
     save()
+    if result["failures"]:  # after every case ran and the rows were written
+        raise SystemExit(f"{len(result['failures'])} case(s) failed: "
+                         + "; ".join(f"{f['step']}: {f['error']}" for f in result["failures"]))  # fmt: skip
     return result
+
+
+def _prewarm(device: torch.device, job_list: list[tuple], timeout_s: float) -> dict:
+    """Compile ``job_list`` on every CPU core first (``prewarm.py``); only a head start: an error is returned as
+    ``{"error"}`` (the cases compile what they need anyway), not raised."""
+    try:
+        import prewarm
+
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        cap = torch.cuda.get_device_capability(device)
+        return prewarm.prewarm(f"sm_{cap[0]}{cap[1]}", 2 * sms, job_list, timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - as gpu_decode.py's _prewarm
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 if __name__ == "__main__":

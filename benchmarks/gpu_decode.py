@@ -98,6 +98,7 @@ from gpu_bench.common import (
     VALUE_GROUP,
     Config,
     copy_bandwidth,
+    guarded,
     rotation_batch,
 )
 from gpu_bench.e2e import (
@@ -367,17 +368,6 @@ def main(argv: list[str] | None = None) -> dict:
     if failures:  # after every step ran and the figures were written
         raise SystemExit(f"{len(failures)} step(s) failed: " + "; ".join(f"{f['step']}: {f['error']}" for f in failures))
     return result
-
-
-def guarded(step: str, fn, failures: list[dict]):
-    """``fn()``, or ``None`` with ``{"step", "error"}`` appended to ``failures`` and printed when it raises: one
-    step's failure (a kernel no GPU has run yet) must not cost the device call the steps after it."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - recorded with its type and message, the run goes on
-        failures.append({"step": step, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-        print(f"  {step} FAILED: {type(exc).__name__}: {exc}")
-        return None
 
 
 if __name__ == "__main__":

@@ -365,3 +365,37 @@ def test_the_prepared_gpu_benchmark_runs_here(tmp_path):
         assert row["launch"] in row["tuner_ms"]
         assert row["tuned_vs_default"] == pytest.approx(row["ms_default"] / row["ms_tuned"], rel=1e-2)
         assert (row["launch"] == "default") == (row["ms_tuned"] == row["ms_default"])
+
+
+def test_the_prepared_gpu_benchmark_records_a_failing_case_and_goes_on(tmp_path, monkeypatch):
+    """``autotune_decode.py`` ran each case and its prewarm unguarded: one case whose default launch raised (a launch
+    no GPU had run, out of memory) ended the script there, and the cases after it were never timed. Now a case that
+    raises is recorded under ``failures`` (as ``gpu_decode.py`` records its steps), the next case runs, and the script
+    exits non-zero after the last save; a prewarm that raises is recorded under ``prewarm`` (``{"error"}``)."""
+    import sys
+    import types
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import autotune_decode
+
+    def run_case(case: dict, *_args, **_kw) -> dict:
+        if case["layout"] == "kivi":
+            raise RuntimeError("default launch failed")
+        return {**case, "launch": "default"}
+
+    monkeypatch.setattr(autotune_decode, "run_case", run_case)
+    out = tmp_path / "autotune.json"
+    with pytest.raises(SystemExit, match="1 case.*failed.*kivi.*RuntimeError: default launch failed"):
+        autotune_decode.main(["--smoke", "--device", "cpu", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and [r["layout"] for r in saved["rows"]] == ["token"]
+    assert saved["failures"] == [{"step": "qwen2.5-0.5b kivi B=1 T=160", "error": "RuntimeError: default launch failed"}]
+
+    def broken(*_args, **_kw):
+        raise OSError("no workers")
+
+    monkeypatch.setitem(sys.modules, "prewarm", types.SimpleNamespace(prewarm=broken))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: types.SimpleNamespace(multi_processor_count=4))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d: (9, 0))
+    assert autotune_decode._prewarm(torch.device("cuda"), [], 1.0) == {"error": "OSError: no workers"}

@@ -703,6 +703,36 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch):
         dispatch.resolve_kernel(q, store)
 
 
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the automatic choice's device check, without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@needs_triton
+def test_auto_fallback_is_logged_once_per_reason(monkeypatch, caplog):
+    """``KVBITS_KERNEL=auto`` on CUDA with a store the Triton kernel refuses (a head dim of 48: a cache made with
+    ``fused_decode=True`` claims such a layer) falls back to the torch reference at every decode step of every
+    layer. Before, each call logged the fallback at info level: 5 calls, 5 identical lines (24 layers x 100
+    tokens: 2,400). Now each distinct reason is logged once per process."""
+    monkeypatch.delenv("KVBITS_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_LOGGED_FALLBACKS", set(), raising=False)
+    store = make_store(torch.Generator().manual_seed(8), T_q=64, T_f=8, device="cpu")
+    monkeypatch.setattr(store.key, "head_dim", 48)
+    q = torch.randn(2, 6, 1, 64).as_subclass(_CudaLooking)
+    with caplog.at_level("DEBUG", logger=dispatch.logger.name):
+        assert [dispatch.resolve_kernel(q, store) for _ in range(5)] == ["reference"] * 5
+        monkeypatch.setattr(store.key, "head_dim", 64)
+        monkeypatch.setattr(store.key, "bits", 5)  # a second reason: logged once too
+        assert [dispatch.resolve_kernel(q, store) for _ in range(3)] == ["reference"] * 3
+    lines = [r for r in caplog.records if "falls back to the torch reference" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelname == "INFO" for r in lines), [r.getMessage() for r in lines]
+    assert "got 48" in lines[0].getMessage() and "5-bit" in lines[1].getMessage()
+
+
 @needs_triton
 @pytest.mark.parametrize("part", ["tail", "codes", "used_slots"])
 def test_triton_refuses_views_it_would_misread(monkeypatch, part: str):
@@ -2129,6 +2159,40 @@ def test_gpu_benchmark_break_even_from_times_not_rounded_speedups():
     old = [{k: v for k, v in r.items() if k != "fp16_ms"} for r in rows]
     old[0]["speedup_vs_fp16"] = 0.999
     assert [b["break_even_context"] for b in sweep.break_even(old)] == [8192]
+
+
+def test_gpu_benchmark_break_even_is_not_read_across_a_launch_that_did_not_start():
+    """``break_even`` dropped the rows that did not launch, then read the break-even across them: int4 faster than
+    fp16 at 4096 and 16384 and not launched at 8192 reported 4096 (8192 unmeasured); slower at 4096, not launched at
+    8192, faster at 16384 reported 16384 (the break-even may be 8192). Now it is ``None`` with
+    ``break_even_measured`` ``False`` and the table says "not measured"; a failure below the last losing context,
+    or above the longest measured one when none breaks even ("> max measured"), changes nothing."""
+    bench = _load_bench()
+    from gpu_bench import sweep
+
+    def row(context: int, fp16_over_ms: float | None) -> dict:
+        if fp16_over_ms is None:
+            return {"kernel": "triton", "scheme": "int4", "shape": "qwen", "context": context, "batch": 1,
+                    "error": "RuntimeError: out of resource"}  # fmt: skip
+        return sweep._record("triton", "int4", "qwen", context, 1, 1.0, False, 1000, {}, fp16_over_ms, 10.0)
+
+    def be(*speedups: float | None) -> dict:
+        (b,) = sweep.break_even([row(4096 << i, s) for i, s in enumerate(speedups)])
+        return b
+
+    for speedups in ((2.0, None, 2.0), (0.5, None, 2.0), (2.0, None), (0.5, 2.0, None)):
+        b = be(*speedups)
+        assert b["break_even_context"] is None and not b["break_even_measured"], speedups
+        assert b["not_launched"] == [4096 << speedups.index(None)]
+        table = bench.markdown([], [b], 10.0)
+        assert f"| not measured (did not launch at {4096 << speedups.index(None)}) |" in table
+    b = be(None, 0.5, 2.0)  # below the last context that loses: the break-even is 16384 all the same
+    assert (b["break_even_context"], b["break_even_measured"], b["not_launched"]) == (16384, True, [4096])
+    b = be(0.5, None)  # no break-even up to 4096, and 8192 unknown: "> 4096" holds
+    assert (b["break_even_context"], b["break_even_measured"]) == (None, True)
+    assert "| > 4096 |" in bench.markdown([], [b], 10.0)
+    b = be(2.0, 2.0)
+    assert (b["break_even_context"], b["break_even_measured"], b["not_launched"]) == (4096, True, [])
 
 
 def test_gpu_benchmark_tune_grid_starts_at_the_defaults():

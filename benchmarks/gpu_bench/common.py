@@ -321,3 +321,15 @@ def rope_tables(positions: int, D: int, device: torch.device) -> tuple[torch.Ten
 def launch_error(exc: Exception) -> str:
     """One line for a launch that did not start (e.g. Triton's ``OutOfResources``: too much shared memory)."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def guarded(step: str, fn: Callable[[], Any], failures: list[dict]) -> Any:
+    """``fn()``, or ``None`` with ``{"step", "error"}`` appended to ``failures`` and printed when it raises: one
+    step's failure (a kernel no GPU has run yet) must not cost the device call the steps after it."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - recorded with its type and message, the run goes on
+        failures.append({"step": step, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        print(f"  {step} FAILED: {type(exc).__name__}: {exc}")
+        return None
+

@@ -25,10 +25,11 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float | None, e2e: 
     lines += ["", "| shape | batch | kernel | scheme | break-even context |", "|---|---|---|---|---|"]
     for b in be:
         ctx = b["break_even_context"]
-        lines.append(
-            f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | "
-            f"{ctx if ctx is not None else '> ' + str(b['max_context_measured'])} |"
-        )
+        if ctx is None and not b.get("break_even_measured", True):  # absent from runs before it
+            ctx = f"not measured (did not launch at {', '.join(map(str, b['not_launched']))})"
+        elif ctx is None:
+            ctx = f"> {b['max_context_measured']}"
+        lines.append(f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | {ctx} |")
     if e2e:
         head = ("| cache | scheme | batch | context | tokens/s | ms/step | vs fp16 | vs faster fp16 (cuDNN or not) | "
                 "cache bytes | GPU held / planned | note |")  # fmt: skip

@@ -518,9 +518,16 @@ def _beats_fp16(r: dict) -> bool:
 
 
 def break_even(records: list[dict]) -> list[dict]:
-    """Per (shape, batch, kernel, scheme): the shortest context from which every longer one beats fp16."""
+    """Per (shape, batch, kernel, scheme) with a timed row: the shortest context from which every longer one beats
+    fp16 (``break_even_context``; ``None`` when the longest measured one does not: the table's "> max measured").
+
+    A launch that did not start (a row with ``error``, no ``ms``; its contexts under ``not_launched``) has no time: a
+    break-even that would span it (one above the longest measured context that loses to fp16, or above every
+    context when none loses) is unknown: ``break_even_context`` ``None`` and ``break_even_measured`` ``False``
+    (before, such rows were dropped and the break-even was read across them)."""
     out = []
-    records = [r for r in records if "ms" in r]  # launches that did not start have no time
+    failed = [r for r in records if "ms" not in r]  # launches that did not start have no time
+    records = [r for r in records if "ms" in r]
     keys = sorted(
         {
             (r["shape"], r["batch"], r["kernel"], r["scheme"])
@@ -542,14 +549,22 @@ def break_even(records: list[dict]) -> list[dict]:
             if all(_beats_fp16(x) for x in rows[i:]):
                 be = r["context"]
                 break
+        not_launched = sorted({
+            r["context"] for r in failed if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)
+        })  # fmt: skip
+        losing = [r["context"] for r in rows if not _beats_fp16(r)]
+        spanned = [c for c in not_launched if not losing or c > max(losing)]
+        measured = be is None or not spanned  # no break-even ("> max measured") stays true across a gap above
         out.append(
             {
                 "shape": shape,
                 "batch": batch,
                 "kernel": kernel,
                 "scheme": scheme,
-                "break_even_context": be,
+                "break_even_context": be if measured else None,
+                "break_even_measured": measured,
                 "max_context_measured": rows[-1]["context"] if rows else None,
+                "not_launched": not_launched,
             }
         )
     return out

@@ -127,9 +127,26 @@ def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
 
     reason = supported(store, q)
     if reason:
-        logger.info("decode attention falls back to the torch reference: %s", reason)
+        if reason not in _LOGGED_FALLBACKS:  # asked at every decode step of every layer: a set lookup after the first
+            _log_fallback(reason)
         return "reference"
     return "triton"
+
+
+# the automatic choice's fallback reasons logged so far in this process: each once, the first LOGGED_FALLBACKS_MAX
+_LOGGED_FALLBACKS: set[str] = set()
+LOGGED_FALLBACKS_MAX = 32  # a reason naming a per-step shape (a view's strides) would otherwise grow the set unbounded
+
+
+def _log_fallback(reason: str) -> None:
+    """Log the automatic choice's fallback to the torch reference once per distinct ``reason`` (info), not at every
+    decode step of every layer; past ``LOGGED_FALLBACKS_MAX`` distinct reasons, further ones at debug level."""
+    if len(_LOGGED_FALLBACKS) >= LOGGED_FALLBACKS_MAX:
+        logger.debug("decode attention falls back to the torch reference: %s", reason)
+        return
+    _LOGGED_FALLBACKS.add(reason)
+    logger.info("decode attention falls back to the torch reference: %s (logged once per reason; kernel_calls() "
+                "counts the calls served by the reference)", reason)  # fmt: skip
 
 
 _CALLS: dict[str, int] = {"triton": 0, "reference": 0}  # decode_attention's calls by what served them
