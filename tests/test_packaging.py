@@ -125,3 +125,25 @@ def test_source_compiles_on_oldest_python() -> None:
     if proc.returncode != 0 and not proc.stdout.strip():  # the interpreter itself failed (a pyenv shim, say)
         pytest.skip(f"python{oldest[0]}.{oldest[1]} did not run: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, f"does not compile on Python {oldest[0]}.{oldest[1]}:\n{proc.stdout}"
+
+
+@pytest.mark.parametrize("links", ["{d}", "/nonexistent {d}", "file://{d}", "{d} https://example.invalid/links"])
+def test_make_setup_finds_local_cpu_torch_in_any_find_links_entry(tmp_path: Path, links: str) -> None:
+    """``make setup`` pins the local CPU wheel of torch wherever PIP_FIND_LINKS names its folder: it looked for
+    ``$PIP_FIND_LINKS/torch-2.13.0*.whl`` as one path, so a second entry (a URL beside the folder) or a file://
+    URL gave an unpinned ``torch``, for which pip takes a CUDA build of several GB."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make")
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    env = {"PATH": "/usr/bin:/bin", "PIP_FIND_LINKS": links.format(d=tmp_path)}
+
+    def spec(env: dict[str, str]) -> str:
+        proc = subprocess.run(
+            [make, "-s", "--no-print-directory", "-C", str(ROOT), "--eval", "print-torch: ; @echo $(TORCH_SPEC)",
+             "print-torch"], capture_output=True, text=True, env=env, timeout=60, check=True,
+        )
+        return proc.stdout.strip()
+
+    assert spec(env) == "torch==2.13.0"
+    assert spec({**env, "PIP_FIND_LINKS": "/nonexistent"}) == "torch"  # no local wheel: pip picks, unpinned
