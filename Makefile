@@ -4,8 +4,11 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvbits-installed
-# Torch: the local CPU wheel where this machine has one (pip's find-links), else whatever pip picks.
-TORCH_SPEC ?= $(shell ls $${PIP_FIND_LINKS:-/opt/wheels}/torch-2.13.0*.whl >/dev/null 2>&1 && echo "torch==2.13.0" || echo "torch")
+# Torch: the local CPU wheel where this machine has one (pip's find-links), else whatever pip picks. Each
+# entry of PIP_FIND_LINKS (space-separated: folders, file:// URLs, remote URLs) is looked in: an unpinned torch
+# takes a CUDA build of several GB.
+TORCH_SPEC ?= $(shell for d in $${PIP_FIND_LINKS:-/opt/wheels}; do d=$$(printf '%s' "$$d" | sed 's,^file://,,'); \
+	ls "$$d"/torch-2.13.0*.whl >/dev/null 2>&1 && { echo "torch==2.13.0"; exit 0; }; done; echo "torch")
 # Tests run in pytest-xdist worker processes, one test file per worker at a time (module fixtures such as a
 # loaded real model stay in one process); tests/conftest.py splits the cores' torch threads between them.
 # Most tests are single-threaded Python (Triton's interpreter), so two workers on two cores halve the wall

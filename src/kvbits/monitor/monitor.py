@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from kvbits.monitor.export import (
 )
 from kvbits.monitor.policy import FallbackPolicy
 from kvbits.monitor.signals import ERROR_BUCKETS, SideSignals, flush_error, worst_index
+
+if TYPE_CHECKING:  # pragma: no cover - typing only (typing.Self is Python 3.11+; requires-python is 3.10)
+    from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 
