@@ -538,9 +538,30 @@ def test_a_negative_eval_seed_is_refused_before_the_run(capsys, tmp_path):
 
     with pytest.raises(SystemExit) as e:
         main(["eval", "--model", str(tmp_path / "no-such-model"), "--data", "x.txt", "--scheme", "fp16", "--seed", "-1"])
-    assert e.value.code == 2 and "argument --seed: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --seed: expected an integer in [0, 4294967295], got '-1'" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(ValueError, match=r"seed must be an int >= 0, got -1"):
         evaluate(str(tmp_path / "no-such-model"), str(tmp_path / "x.txt"), 64, ["int4-token"], seed=-1)
+
+
+@pytest.mark.parametrize("command", ["eval", "needle", "calibrate", "analyze"])
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_every_seeded_command_bounds_its_seed_alike(command, seed, capsys, tmp_path):
+    """``--seed`` was bounded (>= 0) in eval only, a plain int elsewhere: calibrate seeded torch with ``-1`` (its
+    ``2**64 - 1``), analyze ``random.Random(-1)`` (the same as 1), the needle masked it to 32 bits (``-1`` gave the
+    trials of ``2**32 - 1``, ``2**32`` those of 0). Now every command refuses a seed outside [0, 2**32 - 1] alike,
+    before the model loads."""
+    required = {
+        "eval": ["--data", "x.txt", "--scheme", "fp16"],
+        "needle": ["--context", "300", "--scheme", "int4-token"],
+        "calibrate": ["--data", "x.txt", "--scheme", "kvquant-4", "--out", str(tmp_path / "c")],
+        "analyze": ["--data", "x.txt"],
+    }[command]
+    with pytest.raises(SystemExit) as e:
+        main([command, "--model", str(tmp_path / "no-such-model"), *required, "--seed", seed])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --seed: expected an integer in [0, 4294967295], got '{seed}'" in err
 
 
 def _subcommands() -> list[str]:

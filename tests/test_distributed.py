@@ -253,7 +253,7 @@ def test_failure_on_one_rank_stops_every_rank(ranks):
 _LOCAL_FAILURE_TIMEOUT_S = 20  # the ranks' collective timeout in this test: how long a rank waited before
 
 
-def _local_failure_worker(rank: int, world: int, init_file: str, work: str) -> None:
+def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case: str = "data_path") -> None:
     import datetime
 
     import torch.distributed as dist
@@ -265,9 +265,17 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str) -> N
                             timeout=datetime.timedelta(seconds=_LOCAL_FAILURE_TIMEOUT_S))  # fmt: skip
     try:
         start = time.monotonic()
-        try:  # rank 1's node lacks the data folder: a check that reads the rank's own disk fails there only
-            evaluate(_model(), _ids(3), CONTEXT, ["int4-token"], windows=3, attn_layers=[],
-                     data_path=work if rank == 0 else str(Path(work) / "missing"))  # fmt: skip
+        node = Path(work) / f"node{rank}"  # this rank's own disk: rank 1's lacks what rank 0's holds
+        kwargs: dict = {"schemes": ["int4-token"]}
+        if case == "data_path":  # rank 1's node lacks the data folder
+            kwargs["data_path"] = work if rank == 0 else str(Path(work) / "missing")
+        else:  # rank 1's node lacks the scheme file
+            node.mkdir()
+            if rank == 0:
+                (node / "scheme.json").write_text(json.dumps(get_scheme("int4-token").to_dict()))
+            kwargs["schemes"] = [str(node / "scheme.json")]
+        try:  # a check that reads the rank's own disk fails there only
+            evaluate(_model(), _ids(3), CONTEXT, windows=3, attn_layers=[], **kwargs)
             outcome: tuple = ("ok",)
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the test
             outcome = ("error", type(exc).__name__, str(exc))
@@ -280,14 +288,22 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str) -> N
         dist.destroy_process_group()
 
 
-def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path):
-    """A ``data_path`` (likewise a calibration file, a GPU) missing on one rank's node: that rank raises its own
-    error, the other ``RankFailed`` at once. Before, the check ran outside any agreement step, so rank 0 went on
+@pytest.mark.parametrize(
+    ("case", "error", "said", "phase"),
+    [
+        ("data_path", "ValueError", "is not a folder", "checking its data path"),
+        # the scheme file was read before any agreement step: rank 0 waited for the collective timeout
+        ("scheme_file", "ValueError", "scheme.json' does not exist", "reading its scheme files"),
+    ],
+)
+def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, case, error, said, phase):
+    """A ``data_path`` or a scheme JSON file (likewise a calibration file, a GPU) missing on one rank's node: that
+    rank raises its own error, the other ``RankFailed`` at once. Before, the check ran outside any agreement step, so rank 0 went on
     into the next collective and waited there for the whole collective timeout (24 h under ``kvbits eval``; 20 s
     here), then raised gloo's "Timed out waiting 20000ms for send operation"."""
     import torch.multiprocessing as mp
 
-    ctx = mp.spawn(_local_failure_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+    ctx = mp.spawn(_local_failure_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path), case), nprocs=2,
                    join=False)  # fmt: skip
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1):
@@ -296,9 +312,9 @@ def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path):
                 p.kill()
             pytest.fail(f"the two ranks did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
     r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
-    assert r1[:2] == ("error", "ValueError") and "is not a folder" in r1[2]
+    assert r1[:2] == ("error", error) and said in r1[2], r1
     assert r0[:2] == ("error", "RankFailed"), r0
-    assert "rank 1 of 2 failed while checking its data path" in r0[2] and "is not a folder" in r0[2]
+    assert f"rank 1 of 2 failed while {phase}" in r0[2] and said in r0[2]
     assert r0[3] < _LOCAL_FAILURE_TIMEOUT_S / 2  # told, not timed out
 
 

@@ -127,6 +127,40 @@ def test_trials_are_seeded_per_cell(tok, corpus):
     assert [t.key for t in c] != [t.key for t in a]
 
 
+def test_every_seed_is_its_own_and_a_seed_out_of_range_is_refused(tok, corpus, lm, monkeypatch):
+    """The seed was masked to 32 bits: ``seed=-1`` built the trials of ``2**32 - 1`` and ``2**32`` those of 0, two
+    settings giving the same trials without a word. Now a seed outside ``[0, 2**32 - 1]`` is refused (before the
+    model loads in ``needle_eval``), and so is one that is not an int (``1.5`` was ``int()``-ed to 1)."""
+    import numpy as np
+
+    _, ids = corpus
+    top = build_trials(tok, ids, 300, [0.5], trials=2, seed=2**32 - 1)
+    assert [t.key for t in top] != [t.key for t in build_trials(tok, ids, 300, [0.5], trials=2, seed=0)]
+    assert [t.key for t in build_trials(tok, ids, 300, [0.5], trials=2, seed=np.uint32(2**32 - 1))] == [
+        t.key for t in top
+    ]
+    for bad in (-1, 2**32, 1.5, "0", True):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+            build_trials(tok, ids, 300, [0.5], seed=bad)
+    from kvbits.evaluate import inputs
+
+    monkeypatch.setattr(inputs, "_load_checked_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\], got -1"):
+        needle_eval(lm, 300, ["int4-token"], data=str(corpus[0]), seed=-1)
+
+
+def test_needle_eval_takes_numpy_ints_as_build_trials_does(lm, corpus):
+    """``trials=np.int64(1)`` was refused by needle_eval ("trials must be a positive int ..., got np.int64(1)")
+    while build_trials took it; likewise ``chunk_size``."""
+    import numpy as np
+
+    path, _ = corpus
+    s = needle_eval(lm, 300, [EXACT], data=str(path), depths=[0.5], trials=np.int64(1), semantics="decode",
+                    chunk_size=np.int64(128), seed=np.int64(0))  # fmt: skip
+    assert s["trials"] == 1 and len(s["records"]) == 1 and s["seed"] == 0
+    assert type(s["trials"]) is int and type(s["seed"]) is int
+
+
 def test_trial_errors(tok, corpus):
     _, ids = corpus
     shortest = min_context(tok)

@@ -14,7 +14,8 @@ command checks its device with ``kvbits.evaluate.request.check_device`` before t
 texts stay each command's own. ``FUSED_DECODE`` maps ``--fused-decode auto|on|off`` to the library's
 ``fused_decode`` values; ``add_calibration_arg`` adds the ``--calibration`` of the evaluating commands;
 ``add_summary_output_args`` adds ``--out`` / ``--overwrite`` / ``--json`` to the commands that write a summary
-folder and print a table, and ``emit_summary`` ends them.
+folder and print a table, and ``emit_summary`` ends them. ``add_seed_arg`` gives every seeded command the same
+``--seed`` bound, ``[0, SEED_MAX]``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from kvbits._json import dumps
 __all__ = [
     "FUSED_DECODE",
     "MODEL_DTYPES",
+    "SEED_MAX",
     "add_calibration_arg",
     "add_dtype_device",
     "add_model_data_args",
+    "add_seed_arg",
     "add_summary_output_args",
     "add_window_args",
     "bounded",
@@ -56,7 +59,8 @@ DTYPE_HELP = (
 
 
 def _fmt(x: float) -> str:
-    return f"{x:g}"
+    # an int bound in full: "{:g}" turned 2**32 - 1 into "4.29497e+09", a bound the message did not state
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
@@ -106,6 +110,19 @@ def bounded(
         return value
 
     return parse
+
+
+SEED_MAX = 2**32 - 1
+"""The largest ``--seed``: numpy's legacy bound. Below it every seed is its own (the needle masked seeds to 32 bits,
+so ``-1`` and ``2**32 - 1`` gave the same trials; ``random.Random`` seeds with ``abs``, so analyze's ``-1`` was its
+``1``), and ``calibrate``'s per-layer seeds ``seed + i`` stay within torch's 64-bit ``manual_seed``."""
+
+
+def add_seed_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--seed`` (an integer in ``[0, SEED_MAX]``, default 0); ``what`` says what it seeds, in the help."""
+    parser.add_argument(
+        "--seed", type=bounded(int, 0, SEED_MAX), default=0, help=f"{what} (an integer in [0, 2**32 - 1]; default 0)"
+    )
 
 
 def add_dtype_device(parser: argparse.ArgumentParser, devices: tuple[str, ...], note: str = "") -> None:

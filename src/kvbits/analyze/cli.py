@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, add_seed_arg, add_window_args, bounded
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "blocks of min(128, --context) tokens (default 4096; the JSON's sampled_tokens: how many were)",
     )
     add_dtype_device(p, DEVICES)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_seed_arg(p, "sampling seed")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON instead of a table")
     p.add_argument(
         "--out", metavar="DIR", help="write analysis.json, channel_stats.safetensors and plots here"

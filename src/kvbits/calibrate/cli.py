@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, add_window_args, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, add_seed_arg, add_window_args, bounded
 from kvbits._json import dumps
 from kvbits.calibrate.calibrate import DEVICES
 from kvbits.cli import _positive
@@ -77,7 +77,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=8192,
         help="tokens sampled per layer over all windows (bounds memory; default 8192)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_seed_arg(p, "sampling seed")
     add_dtype_device(
         p,
         DEVICES,

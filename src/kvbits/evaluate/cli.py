@@ -14,6 +14,7 @@ from kvbits._argtypes import (
     add_calibration_arg,
     add_dtype_device,
     add_model_data_args,
+    add_seed_arg,
     add_window_args,
     bounded,
 )
@@ -163,7 +164,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="queries per simulated attention chunk (default 256; simulate mode only, another value with "
         "--mode stream is refused)",
     )
-    p.add_argument("--seed", type=bounded(int, 0), default=0, help="bootstrap seed (default 0)")
+    add_seed_arg(p, "bootstrap seed")
     p.add_argument(
         "--threads",
         type=_positive,

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._argtypes import SEED_MAX
 from kvbits.evaluate.inputs import check_ints
 from kvbits.evaluate.metrics import kl_divergence
 
@@ -48,6 +49,7 @@ __all__ = [
     "build_trials",
     "check_contexts",
     "check_depths",
+    "check_seed",
     "min_context",
     "score_key",
 ]
@@ -165,6 +167,16 @@ def check_depths(depths: Sequence[float]) -> list[float]:
     return sorted(set(out))
 
 
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int in ``[0, SEED_MAX]`` (a Python or NumPy integer); ``ValueError`` otherwise. Within it each
+    seed is its own 32-bit word of the trials' entropy: a mask to 32 bits gave ``-1`` the trials of ``2**32 - 1`` and
+    ``2**32`` those of 0, and a larger seed unmasked would span two words, whose entropy can equal another (seed,
+    context, depth, index)'s."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be an int in [0, {SEED_MAX}], got {seed!r}")
+    return int(seed)
+
+
 # ------------------------------------------------------------------------------------ building
 
 
@@ -248,8 +260,9 @@ def _separator(tokenizer: Any, hay: list[int], at: int, needle: list[int]) -> li
 
 
 def _rng(seed: int, context: int, depth: float, index: int) -> np.random.Generator:
-    """One generator per trial cell: adding a context or a depth changes no other trial."""
-    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(context), round(depth * 10000), int(index)])
+    """One generator per trial cell: adding a context or a depth changes no other trial. ``seed`` is one word of
+    the entropy (:func:`check_seed`)."""
+    return np.random.default_rng([int(seed), int(context), round(depth * 10000), int(index)])
 
 
 def build_trials(
@@ -271,7 +284,7 @@ def build_trials(
         depths: where the needle goes, in [0, 1] of the haystack.
         trials: trials per (context, depth): each with its own key and haystack offset.
         task: needle and question templates (default :class:`NeedleTask`).
-        seed: keys and offsets come from ``(seed, context, depth, index)``.
+        seed: keys and offsets come from ``(seed, context, depth, index)``; an int in ``[0, 2**32 - 1]``.
 
     Raises:
         ValueError: a context too short for the task, a text shorter than a haystack, bad arguments.
@@ -281,6 +294,7 @@ def build_trials(
     depths = check_depths(depths)
     if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
         raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
+    seed = check_seed(seed)
     if (
         not isinstance(text_ids, torch.Tensor)
         or text_ids.dim() != 1

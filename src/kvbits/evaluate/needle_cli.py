@@ -11,6 +11,7 @@ from kvbits._argtypes import (
     add_calibration_arg,
     add_dtype_device,
     add_model_data_args,
+    add_seed_arg,
     add_summary_output_args,
     bounded,
     emit_summary,
@@ -103,7 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--question",
         help="question text ending with {key} (default 'What is the pass key? The pass key is {key}')",
     )
-    p.add_argument("--seed", type=int, default=0, help="keys and haystack offsets (default 0)")
+    add_seed_arg(p, "seed of the keys and haystack offsets")
     p.add_argument(
         "--chunk-size", type=_positive, default=256,
         help="queries per simulated attention chunk (default 256; --semantics decode only, another value with "

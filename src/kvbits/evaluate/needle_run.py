@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvbits._model import check_every_layer_attends, check_model_arg
@@ -42,6 +43,7 @@ from kvbits.evaluate.needle import (
     build_trials,
     check_contexts,
     check_depths,
+    check_seed,
     score_key,
 )
 from kvbits.evaluate.stream import PeerScheme, base_model, cache_bytes, check_schemes_fit, resolve_schemes
@@ -75,9 +77,10 @@ def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, c
             f"fused_decode={fused_decode!r} needs semantics='prefill': 'decode' runs the simulator, which never "
             "decodes through the cache"
         )
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+    # numpy's ints too, as build_trials takes them (a np.int64 was refused as "not a positive int")
+    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
         raise ValueError(f"trials must be a positive int (trials per context and depth), got {trials!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if semantics == "prefill" and chunk_size != _DEFAULT_CHUNK:  # as kvbits eval refuses it with mode='stream'
         raise ValueError(
@@ -298,7 +301,7 @@ def needle_eval(
         dtype, device: as ``evaluate``.
         chunk_size: queries per simulated attention chunk (decode semantics; another value than the default with
             ``semantics="prefill"`` is refused).
-        seed: keys and haystack offsets.
+        seed: keys and haystack offsets, an int in ``[0, 2**32 - 1]``.
         progress: a progress bar on stderr.
 
     Returns:
@@ -338,6 +341,8 @@ def needle_eval(
     depths = check_depths(depths)
     resolved = resolve_schemes(schemes)
     _check_args(semantics, resolved, fused_decode, trials, chunk_size)
+    chunk_size = int(chunk_size)
+    seed = check_seed(seed)  # before the model loads; build_trials would refuse it only after
     fused_mode = check_mode(fused_decode)
     torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
     commit = _git_commit()  # the tree the run starts from (it may change while a long run goes on)

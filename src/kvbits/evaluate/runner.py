@@ -273,7 +273,10 @@ def evaluate(
     seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
     # simulate() refused a bad one only after the model loaded and the first reference pass ran
     chunk_size = check_int("chunk_size", chunk_size, 1)
-    resolved = resolve_schemes(schemes)
+    # a scheme JSON path is read from this rank's own disk: a file missing on one node only would leave the other
+    # ranks waiting in the next collective for the collective timeout (24 h under kvbits eval)
+    with ranks.agree("reading its scheme files"):
+        resolved = resolve_schemes(schemes)
     if isinstance(prompt_len, np.integer):  # numpy's ints, as check_int takes them (refused as out of range before)
         prompt_len = int(prompt_len)
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
