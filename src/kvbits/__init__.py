@@ -1,7 +1,8 @@
 """kvbits: quantize the KV cache of long-context language models, and prove it.
 
 Stages, one folder each: ``schemes`` (what), ``quant`` (primitives), ``cache`` (drop-in transformers
-cache), ``plan`` (memory), ``analyze``, ``calibrate``, ``evaluate``, ``report``, ``monitor``, ``kernels``.
+cache), ``plan`` (memory), ``analyze``, ``calibrate``, ``tune`` (per-layer mixes), ``evaluate``, ``report``,
+``monitor``, ``export`` (serving engines), ``kernels``.
 Heavy dependencies (transformers, triton, matplotlib) are imported lazily.
 """
 

@@ -1,5 +1,6 @@
 """Offline calibration: static per-channel pre-RoPE key scales and Fisher-weighted NUQ codebooks
-(KVQuant), and FP8 per-tensor K/V scales (vLLM's ``k_scale`` / ``v_scale``; ``kvbits.export``).
+(KVQuant), channel means and smoothing factors of centred / smoothed per-token keys (``int*-token-smooth``), and
+static FP8 K/V scales per layer or per KV head (vLLM's ``k_scale`` / ``v_scale``; ``kvbits.export``).
 
 ``calibrate(model, data, scheme, out_dir=...)`` writes an artifact; ``load_calibration(dir, ...)``
 reads and validates it; ``compose_artifact(mix, artifacts)`` puts a mixed per-layer scheme's together
