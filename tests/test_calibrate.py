@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -520,6 +521,26 @@ def test_calibration_input_errors():
         calibrate(model, token_ids(50), "kvquant-4", context=64, windows=1)
     with pytest.raises(ValueError, match="tokenizer"):
         calibrate(model, "pride-and-prejudice", "kvquant-4", context=64, windows=1)
+
+
+def test_a_window_of_sinks_only_is_refused_before_the_passes(monkeypatch):
+    """A scheme keeping ``sinks >= context`` tokens exact leaves no position to calibrate from: every window's pass
+    ran, then the fit failed with "keys[0] (layer 0) has no tokens" (FP8: "no positions past the 8 sink tokens").
+    Now refused up front, saying why; a mix counts the sinks of the layers it calibrates only."""
+    cal = sys.modules["kvbits.calibrate.calibrate"]
+
+    def no_passes(*args, **kwargs):
+        raise AssertionError("the passes ran")
+
+    monkeypatch.setattr(cal, "collect_samples", no_passes)
+    for base in ("kvquant-4", "fp8-e4m3"):
+        scheme = get_scheme(base).replace(name="s8", sinks=8)
+        with pytest.raises(ValueError, match=r"keeps the first 8 tokens exact \(sinks\).*context=8 tokens.*above 8"):
+            calibrate(tiny_llama(), token_ids(), scheme, context=8, windows=1, fisher=False)
+    fp16_sinks = get_scheme("fp16").replace(name="fp16-s8", sinks=8)
+    mix = get_scheme("kvquant-4").replace(name="mix", layers=((0, fp16_sinks),))
+    with pytest.raises(AssertionError, match="the passes ran"):  # layer 0 calibrates nothing: its sinks do not count
+        calibrate(tiny_llama(), token_ids(), mix, context=8, windows=1, fisher=False)
 
 
 def test_half_precision_passes_give_float32_samples_close_to_the_float32_run():

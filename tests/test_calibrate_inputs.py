@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvbits.calibrate import artifact_from_samples
+from kvbits.calibrate.artifact import load_calibration
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 
 H, N, D = 2, 64, 16
@@ -67,6 +68,40 @@ def test_3d_samples_without_a_context_say_the_length_is_a_guess(caplog):
         given = artifact_from_samples("fp8-e4m3", samples(), samples(seed=1), meta={"data": {"context": 32}})
         artifact_from_samples("fp8-e4m3", samples(shape=(8, H, 16, D)), samples(shape=(8, H, 16, D), seed=1))
     assert caplog.records == [] and given.max_calibrated_length == 32
+
+
+def test_the_recorded_sample_count_and_context_are_those_of_the_fitted_sides(tmp_path):
+    """``data.tokens`` / ``data.context`` came from ``keys[0]``: a layer the scheme does not calibrate, whose samples
+    are not read and may be empty, wrote ``tokens: 0`` / ``context: 0``, a calibration that saved but did not load
+    ("data.context must be a positive integer, got 0"). Now from the first fitted side with samples; with no
+    samples at all (static FP8 sides fitted from their ``*_absmax``) the context must be given."""
+    k, empty = samples(), torch.randn(H, 0, D)
+    art = artifact_from_samples("kvquant-4,0=fp16", with_layer(k, 0, empty), with_layer(k, 0, empty))
+    assert art.meta["data"]["tokens"] == N and art.max_calibrated_length == N
+    blocks = with_layer(samples(shape=(4, H, 16, D)), 0, torch.randn(1, H, 3, D))  # layer 0's window: not read
+    art = artifact_from_samples("kvquant-4,0=fp16", blocks, blocks)
+    assert art.meta["data"]["tokens"] == 64 and art.max_calibrated_length == 16
+    assert load_calibration(art.save(tmp_path / "a")).max_calibrated_length == 16
+    nothing = [empty, empty]
+    with pytest.raises(ValueError, match=r"no samples say how long the calibration windows were.*'context'"):
+        artifact_from_samples("fp8-e4m3", nothing, nothing, key_absmax=[1.0, 2.0], value_absmax=[1.0, 2.0])
+    art = artifact_from_samples(
+        "fp8-e4m3", nothing, nothing, key_absmax=[1.0, 2.0], value_absmax=[1.0, 2.0], meta={"data": {"context": 9}}
+    )
+    assert art.meta["data"]["tokens"] is None
+    assert load_calibration(art.save(tmp_path / "b")).max_calibrated_length == 9
+
+
+def test_meta_model_and_data_fields_replace_the_defaults_one_by_one(tmp_path):
+    """``meta={"data": {"name": ...}}`` replaced the whole ``data`` record, dropping ``context``: the artifact's
+    ``max_calibrated_length`` raised ``KeyError: 'context'`` (so did ``save``); ``meta={"model": {"name": ...}}``
+    dropped the model's shape (``KeyError: 'num_layers'``). Given fields now override the defaults one by one."""
+    blocks = samples(shape=(4, H, 16, D))
+    art = artifact_from_samples("kvquant-4", blocks, blocks, meta={"data": {"name": "wiki"}, "model": {"name": "m"}})
+    assert art.meta["data"] == {"name": "wiki", "tokens": 64, "context": 16}
+    assert art.meta["model"]["name"] == "m" and art.num_kv_heads == H and art.head_dim == D
+    loaded = load_calibration(art.save(tmp_path))
+    assert loaded.max_calibrated_length == 16 and loaded.num_layers == 2
 
 
 def test_a_single_tensor_is_not_a_list_of_layers():

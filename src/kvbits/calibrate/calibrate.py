@@ -122,7 +122,8 @@ def check_calibrate_args(
     overwrite: bool = False,
 ) -> KVScheme:
     """The scheme ``calibrate`` would fit, after the checks that need no model: something to calibrate
-    that this module can fit, ``context >= 2``, ``windows >= 1``, ``max_tokens``, ``kmeans_points`` and
+    that this module can fit, ``context >= 2`` and above the sinks of every layer scheme that calibrates a side
+    (calibration leaves them out), ``windows >= 1``, ``max_tokens``, ``kmeans_points`` and
     ``kmeans_iterations`` ints >= 1, a ``percentile`` in [50, 100], an ``out_dir`` that is not an existing file
     and holds no calibration unless ``overwrite`` (:func:`check_calibration_out`), a known ``dtype`` and a
     ``device`` this torch can use (``ValueError`` otherwise)."""
@@ -131,6 +132,7 @@ def check_calibrate_args(
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
     _check_windows(context, windows)
+    _check_sinks_fit(scheme, context)
     _check_max_tokens(max_tokens)
     check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
     if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 50 <= percentile <= 100:
@@ -141,6 +143,19 @@ def check_calibrate_args(
     if out_dir is not None:
         check_calibration_out(out_dir, overwrite=overwrite)
     return scheme
+
+
+def _check_sinks_fit(scheme: KVScheme, context: int) -> None:
+    """``ValueError`` when some layer's scheme calibrates a side and keeps at least ``context`` sink tokens exact:
+    its statistics leave the sinks out, so a window holds no position to take them from. Checked before the
+    passes: they ran over every window, then the fit failed ("keys[0] (layer 0) has no tokens")."""
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    sinks = max((sub.sinks for sub in subs if sub.calibratable()), default=0)
+    if sinks >= context:
+        raise ValueError(
+            f"scheme {scheme.name!r} keeps the first {sinks} tokens exact (sinks), which calibration leaves out, "
+            f"and a window has context={context} tokens: no position to calibrate from; use a context above {sinks}"
+        )
 
 
 def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

@@ -421,9 +421,12 @@ def artifact_from_samples(
         key_grads, value_grads: loss gradients like ``keys``/``values`` (Fisher weights = their
             squares), or None for unweighted k-means.
         meta: JSON fields to record (``model``, ``data``, ...); ``model`` defaults to the shape of the
-            samples and ``data`` to the sample count ``tokens`` (``N``, or ``B * T``, of ``keys[0]``) and the
-            calibrated ``context`` (``max_calibrated_length``): the window length ``T`` of ``(B, H_kv, T, D)``
-            blocks (the smallest, if they differ), else ``N`` (3-D samples do not say how long their windows were).
+            samples and ``data`` to the sample count ``tokens`` (``N``, or ``B * T``, of the first fitted side
+            with samples: an uncalibrated layer's may be empty) and the calibrated ``context``
+            (``max_calibrated_length``): the window length ``T`` of the fitted ``(B, H_kv, T, D)`` blocks (the
+            smallest, if they differ), else ``N`` (3-D samples do not say how long their windows were; with no
+            samples at all, ``meta["data"]["context"]`` is required). ``meta["model"]`` / ``meta["data"]``
+            fields replace those defaults one by one (a ``data`` of ``{"name": ...}`` keeps ``context``).
         key_absmax, value_absmax: static FP8 sides only: per layer, the largest ``|K|`` / ``|V|`` the
             cache stores (per-head specs: ``H_kv`` numbers per layer; ``calibrate`` passes the maximum over
             every calibration token, post-RoPE for post-RoPE keys); default each layer's samples' own
@@ -444,7 +447,8 @@ def artifact_from_samples(
             neither 3 nor 4 dims; ``H_kv`` or ``D`` differing between layers, between keys and values, or
             from ``meta["model"]``'s ``num_kv_heads`` / ``head_dim`` (and ``num_layers``); a head dim the
             scheme can not store; a gradient list of another length or a gradient of another shape than its
-            samples; samples of a side to fit with no tokens or with NaN / inf (gradients too).
+            samples; samples of a side to fit with no tokens or with NaN / inf (gradients too); no fitted side with
+            samples and no ``meta["data"]["context"]`` (the calibrated length is unknown).
     """
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
@@ -476,13 +480,28 @@ def artifact_from_samples(
         scheme, keys, values, key_grads, value_grads,
         key_absmax=key_absmax, value_absmax=value_absmax, meta=meta, tie_rope_pairs=tie_rope_pairs,
     )  # fmt: skip
+    # the samples read: those of the sides fitted (an uncalibrated layer's samples may be empty or anything)
+    fitted = [
+        xs[i]
+        for i in range(len(keys))
+        for side, xs in (("key", keys), ("value", values))
+        if spec_calibratable(getattr(scheme.for_layer(i), side))
+    ]
     # T of each (B, H_kv, T, D) block holding tokens: the windows' length
-    window_lengths = [x.shape[2] for x in (*keys, *values) if x.dim() == 4 and x.shape[0] * x.shape[2] > 0]
+    window_lengths = [x.shape[2] for x in fitted if x.dim() == 4 and x.shape[0] * x.shape[2] > 0]
     keys = [as_hnd(k) for k in keys]
     values = [as_hnd(v) for v in values]
-    H, N, D = keys[0].shape
+    H, _, D = keys[0].shape
+    # the sample count: of the first fitted side with tokens (0: static FP8 sides fitted from *_absmax alone)
+    N = next((n for x in fitted if (n := x.numel() // (H * D)) > 0), 0)
+    given = (meta or {}).get("data") or {}
     context = min(window_lengths) if window_lengths else N
-    if not window_lengths and "context" not in ((meta or {}).get("data") or {}):
+    if not window_lengths and "context" not in given:
+        if N == 0:
+            raise ValueError(
+                "artifact_from_samples: no samples say how long the calibration windows were (every fitted side "
+                "is empty); pass meta={'data': {'context': T}}, the calibrated length in tokens"
+            )
         logger.warning(
             "artifact_from_samples: (H_kv, N, D) samples do not say how long their windows were; max_calibrated_length "
             "is recorded as the sample count N = %d, which overstates it unless they are one window: pass "
@@ -537,11 +556,13 @@ def artifact_from_samples(
             "hidden_size": None,
             "vocab_size": None,
         },
-        "data": {"name": "samples", "tokens": N, "context": context},
+        "data": {"name": "samples", "tokens": N or None, "context": context},
     }
     if tie_rope_pairs:
         record["tie_rope_pairs"] = True
-    record.update(meta or {})
+    for key, value in (meta or {}).items():  # meta's "model" / "data" fields over the defaults, not instead of them
+        both = isinstance(value, dict) and isinstance(record.get(key), dict)
+        record[key] = {**record[key], **value} if both else value
     record["stats"] = stats
     art = CalibrationArtifact(scheme=scheme, tensors=tensors, meta=record)
     art.validate()
