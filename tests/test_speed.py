@@ -711,3 +711,35 @@ def test_a_hybrid_model_is_refused_by_name():
     hybrid = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(ValueError, match=r"kvbits speed runs the real cache.*layers with attention: \[1, 3\] of 4"):
         speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)))
+
+
+def test_static_fused_counts_the_float_layers_of_a_mixed_scheme(model, ids):
+    """A mixed scheme's fp16 layer in a ``StaticQuantizedKVCache`` is served by the fused kernel like the others (its
+    ``kernel_calls``), but ``fused_report`` left it out: ``int8-token,0=fp16`` counted 3 fused steps of 2 layers x 3,
+    and the report listed the run under "Timed steps not all fused" (3 fused, 0 fallback). Counted as
+    ``QuantizedKVCache`` counts it."""
+    from kvbits.report.speed import speed_markdown
+
+    kw = {"tokens": 3, "warmup": 1, "data": ids, "fused_decode": True}
+    for static in (False, True):
+        s = speed_eval(model, 64, ["int8-token,0=fp16"], static=static, **kw)
+        (r,) = _runs(s, "int8-token,0=fp16")
+        assert r["decode"]["timed_fused_steps"] == 2 * 3 == sum(r["decode"]["kernel_calls"].values()), (static, r)
+        assert "not all fused" not in speed_markdown(s)
+
+
+def test_workspace_is_not_kept_by_runs_auto_sends_through_the_fused_path(model, ids, monkeypatch):
+    """``workspace=True`` with ``fused_decode="auto"`` where auto picks the fused path (CUDA with Triton; here
+    ``fuses`` answers as there): the fused steps never read a dequantized history, but the cache kept and appended to
+    one (t-kivi at 64 tokens: 34816 workspace bytes beside a 14080-byte cache, in the timed steps' work). Those runs
+    keep none; the dequantizing runs of the same call still do."""
+    from kvbits.evaluate import stream
+
+    monkeypatch.setattr(stream, "fuses", lambda model, mode, device: True)
+    s = speed_eval(model, 64, [SMALL_KIVI], workspace=True, tokens=3, warmup=1, data=ids)
+    (r,) = _runs(s, "t-kivi")
+    assert r["path"] == "fused" and r["decode"]["timed_fused_steps"] == 2 * 3
+    assert r["workspace_bytes"] == 0
+    monkeypatch.setattr(stream, "fuses", lambda model, mode, device: False)
+    (r,) = _runs(speed_eval(model, 64, [SMALL_KIVI], workspace=True, tokens=3, warmup=1, data=ids), "t-kivi")
+    assert r["path"] == "workspace" and r["workspace_bytes"] > 0

@@ -1118,8 +1118,9 @@ class StaticQuantizedKVCache(Cache):
                 "rope_table_bytes": self._rope_tables.nbytes, "max_cache_len": self._max_len}  # fmt: skip
 
     def fused_report(self) -> dict[str, Any]:
-        """Fused decode per quantized layer, as ``QuantizedKVCache.fused_report``: claimed, the decode steps attended
-        over the packed slabs, fallbacks, why a layer was not claimed. Steps replayed from a captured graph run no
+        """Fused decode per layer, as ``QuantizedKVCache.fused_report``: claimed, the decode steps attended over the
+        packed slabs, fallbacks, why a layer was not claimed; a float (fp16 / bf16) layer of a mixed scheme included,
+        whose steps the kernel serves too (``kvbits speed`` sets the sum beside layers x steps). Steps replayed from a captured graph run no
         Python and are not counted (the captured step is). ``rope_table_bytes``: the float32 RoPE tables of pre-RoPE
         keys (``kvbits.cache.static_rope``; made with the slabs, for the SDPA path too). Runs the lazy K/V checks
         first."""
@@ -1127,7 +1128,7 @@ class StaticQuantizedKVCache(Cache):
         rows = [
             {"layer": layer.layer_idx, "claimed": layer.fused.claimed, "steps": layer.fused.steps,
              "fallbacks": layer.fused.fallbacks, "declined": layer.fused.declined}
-            for layer in self.layers if not layer.scheme.is_identity
+            for layer in self.layers
         ]  # fmt: skip
         return {"mode": self.fused_decode, "fused_steps": sum(r["steps"] for r in rows),
                 "fallback_steps": sum(r["fallbacks"] for r in rows), "rope_table_bytes": self._rope_tables.nbytes,

@@ -448,7 +448,8 @@ def speed_eval(
             ``(W, context)``, for models without a tokenizer).
         calibration: ``kvbits calibrate`` artifacts or folders for calibrated schemes, as ``evaluate``.
         fused_decode: ``"auto"`` (the fused kernel on CUDA with Triton), ``True``, ``False``.
-        workspace: the dequantizing path keeps a dequantized history (faster, holds more; module docstring).
+        workspace: the dequantizing path keeps a dequantized history (faster, holds more; module docstring); a run
+            that ``fused_decode="auto"`` sends through the fused path (CUDA) keeps none: it would never read it.
         reserve: kvbits caches reserve quantized storage for the run's tokens (``max_cache_len``; module
             docstring); ``False``: they grow by concatenation.
         static: kvbits schemes decode through a ``StaticQuantizedKVCache`` of the run's tokens (fixed slabs, lengths
@@ -573,7 +574,8 @@ def speed_eval(
                         model, scheme, kv, first, None if ref is None else ref["tokens"], batch=batch,
                         context=context, tokens=tokens, warmup=warmup,
                         calibration=calibrations.get(name), fused=fused.get(name, False),
-                        workspace=workspace and scheme is not None, reserve=reserve, static=static, graphs=graphs,
+                        workspace=workspace and scheme is not None and not fused.get(name, False),  # unread by fused
+                        reserve=reserve, static=static, graphs=graphs,
                     )  # fmt: skip
                     rec["prefill_seconds"] = round(prefill_s, 3)
                     rec["distinct_rows"] = distinct
