@@ -304,3 +304,47 @@ def test_merged_report_names_each_runs_reference_seconds(runs, tmp_path):
     assert "took 12.0 s." not in caption
     # a single run's caption is unchanged
     assert "The unquantized reference pass took 90.0 s." in overall_table(RunSummary.load(tmp_path / "b")).caption
+
+
+def _as_version(src, dst, version: int):
+    """A copy of run ``src`` as kvbits eval output ``version`` wrote it (``config.json``'s and its request's)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["version"] = cfg["request"]["version"] = version
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_merging_float32_kl_runs_with_float64_ones_is_labelled(runs, tmp_path, caplog):
+    """Output version 2 computes KL from float64 log-probabilities, version 1 (the committed results) from float32,
+    which overstates a KL below ~1e-5 by tens of percent. Before, ``kvbits report A B`` merged a version-1 and a
+    version-2 run into one KL table without a word; now the merge logs a warning and the report names the
+    schemes (and runs) whose KL is float32. Version-1 runs still merge with each other, their report saying so."""
+    import logging
+
+    v1 = _as_version(runs / "b", tmp_path / "b-v1", 1)
+    v2 = runs / "a"  # what this kvbits writes
+    with caplog.at_level(logging.WARNING, logger="kvbits.report.merge"):
+        out = merge_runs([v2, v1], tmp_path / "mixed")
+    assert "float32 log-probabilities" in caplog.text and str(v1) in caplog.text
+    paths = write_report(out, plots=False)
+    md, page = paths["markdown"].read_text(), paths["html"].read_text()
+    kl = md.split("## KL divergence")[1].split("## Overall")[0]
+    warning = kl.split("Warning:")[1].split("\n")[0]
+    assert f"`{v1}` (version 1)" in warning and str(v2) not in warning
+    assert f"**{SMALL_KIVI.name}**" in warning and all(n not in warning for n in A)
+    assert '<p class="warning">Warning: the KL of' in page
+
+    nested = merge_runs([out, runs / "e"], tmp_path / "nested")  # the version-1 run inside an earlier merge
+    assert f"`{v1}` (version 1)" in write_report(nested, plots=False)["markdown"].read_text()
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbits.report.merge"):
+        old = merge_runs([_as_version(runs / "a", tmp_path / "a-v1", 1), v1], tmp_path / "old")
+    assert "float32 log-probabilities" not in caplog.text  # all version 1: one precision, as the committed merges
+    md = write_report(old, plots=False)["markdown"].read_text()
+    assert "*KL computed from float32 log-probabilities" in md and "Warning: the KL" not in md
+    single = write_report(v1, plots=False)["markdown"].read_text()  # a version-1 run alone says it too
+    assert "*KL computed from float32 log-probabilities" in single
+    current = write_report(merge_runs([v2, runs / "b"], tmp_path / "new"), plots=False)["markdown"].read_text()
+    assert "float32 log-probabilities" not in current

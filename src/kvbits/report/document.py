@@ -19,7 +19,7 @@ from kvbits.report.calibration import (
 )
 from kvbits.report.fmt import fmt_budget, fmt_pos
 from kvbits.report.inline import code, split_code_spans, text
-from kvbits.report.inputs import reproduce_command, run_commit
+from kvbits.report.inputs import KL_FLOAT64_VERSION, float32_kl_sources, reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary
 from kvbits.report.tables import (
@@ -97,6 +97,26 @@ def decode_note(run: RunSummary) -> str | None:
             how = "dequantized K/V + SDPA (no fused decode)"
         parts.append(f"**{text(r.name)}**: {how}")
     return ("*Decode path (stream mode):* " + "; ".join(parts) + ".") if parts else None
+
+
+def kl_precision_note(config: Mapping[str, Any]) -> str | None:
+    """What the report must say of its KL when runs of an output version before :data:`KL_FLOAT64_VERSION`
+    (float32 log-probabilities) are behind it: a note when all are, a ``Warning:`` naming the runs and schemes
+    when a merge mixes them with float64 runs (their small KLs do not compare); None when none is."""
+    old, every = float32_kl_sources(config)
+    if not old:
+        return None
+    cost = "a KL below about 1e-5 is overstated by tens of percent per token"
+    if every:
+        return (f"*KL computed from float32 log-probabilities (kvbits eval output version below {KL_FLOAT64_VERSION}): "
+                f"{cost}; a current `kvbits eval` computes it in float64.*")  # fmt: skip
+    schemes = ", ".join(f"**{text(n)}**" for s in old for n in s.schemes or ())
+    runs = ", ".join(f"{code(s.path)} (version {s.version})" for s in old)
+    return (
+        f"Warning: the KL of {schemes} comes from runs of kvbits eval output version below {KL_FLOAT64_VERSION} "
+        f"({runs}), computed from float32 log-probabilities, the other schemes' from float64: {cost}, so small KLs "
+        "do not compare between the two; evaluate those schemes again with a current `kvbits eval` to compare them."
+    )
 
 
 def _merged_sources(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -179,6 +199,7 @@ def build_document(
         elif key in failed:
             blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {text(failed[key])}.*"))
 
+    kl_note = kl_precision_note(config)
     blocks.append(Heading(2, "Where along the context it hurts"))
     if run.bucket_spans:
         fig("ppl_vs_position")
@@ -190,11 +211,15 @@ def build_document(
             Heading(2, "KL divergence and top-1 agreement"),
             Table(metric_table(run, "kl")),
         ]
+        if kl_note:
+            blocks.append(Para(kl_note))
         fig("kl_by_bucket")
         blocks.append(Table(metric_table(run, "top1")))
     else:
         blocks.append(Para("The run recorded no position buckets."))
     blocks += [Heading(2, "Overall"), Table(overall_table(run, threshold))]
+    if kl_note and not run.bucket_spans:
+        blocks.append(Para(kl_note))
     note = decode_note(run)
     if note:
         blocks.append(Para(note))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shlex
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,68 @@ from kvbits.report.summary import RunSummary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_config", "load_token_arrays", "reproduce_command", "run_commit"]
+__all__ = [
+    "KL_FLOAT64_VERSION",
+    "EvalSource",
+    "eval_sources",
+    "float32_kl_sources",
+    "load_config",
+    "load_token_arrays",
+    "reproduce_command",
+    "run_commit",
+]
+
+KL_FLOAT64_VERSION = 2
+"""The first ``kvbits eval`` output version (``config.json["version"]``, ``OUTPUT_VERSION``) whose KL comes from
+float64 log-probabilities; version 1 took them in float32, which overstates a KL below about 1e-5 by tens of percent
+per token (the committed ``benchmarks/results`` are version 1)."""
+
+
+@dataclass(frozen=True)
+class EvalSource:
+    """One ``kvbits eval`` run behind a report: its folder (``""`` for the report's own), its schemes (None: all of
+    the report's) and its output version (None where ``config.json`` records none)."""
+
+    path: str
+    schemes: tuple[str, ...] | None
+    version: int | None
+
+
+def _output_version(config: Mapping[str, Any]) -> int | None:
+    request = config.get("request") if isinstance(config.get("request"), Mapping) else {}
+    for v in (config.get("version"), request.get("version")):
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return v
+    return None
+
+
+def eval_sources(config: Mapping[str, Any], path: str = "") -> list[EvalSource]:
+    """The evaluations behind a folder's ``config.json``: the run itself, or each run a merged folder
+    (``merged_from``, :mod:`kvbits.report.merge`) was made from, those of a merge merged again included. A merged
+    folder's own ``version`` is that of its config format, not an output version: it is not read."""
+    sources = config.get("merged_from")
+    if not isinstance(sources, list):
+        return [EvalSource(path, None, _output_version(config))]
+    out = []
+    for src in sources:
+        if not isinstance(src, Mapping):
+            continue
+        cfg = src.get("config") if isinstance(src.get("config"), Mapping) else {}
+        name = str(src.get("path", "?"))
+        if isinstance(cfg.get("merged_from"), list):
+            out += eval_sources(cfg, name)
+        else:
+            out.append(EvalSource(name, tuple(str(x) for x in src.get("schemes") or ()), _output_version(cfg)))
+    return out
+
+
+def float32_kl_sources(config: Mapping[str, Any]) -> tuple[list[EvalSource], bool]:
+    """The runs behind a report whose KL is from float32 log-probabilities (output version below
+    :data:`KL_FLOAT64_VERSION`), and whether every run behind it is such a run (a version not recorded counts as
+    neither: ``False`` then)."""
+    sources = eval_sources(config)
+    old = [s for s in sources if s.version is not None and s.version < KL_FLOAT64_VERSION]
+    return old, bool(old) and len(old) == len(sources)
 
 
 def load_config(out_dir: str | Path) -> dict[str, Any]:

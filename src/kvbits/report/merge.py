@@ -13,6 +13,10 @@ writes anything:
 - scheme names that appear in one run only;
 - greedy continuations (``--generate``) of the same length, with the same reference tokens.
 
+Runs of another output version (``config.json["version"]``) do merge: version 1 (the committed results) took KL
+from float32 log-probabilities, version 2 from float64; merging the two logs a warning, and the report names the
+schemes whose KL is float32 (:func:`kvbits.report.document.kl_precision_note`).
+
 The merged folder holds what a report reads (``summary.json`` with the results in the order of the runs,
 ``tokens/<scheme>.safetensors``, ``records.jsonl``, ``generations.jsonl``) and a ``config.json`` that
 keeps every run's own configuration under ``merged_from``; it has no ``DONE``, so ``kvbits eval`` never
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import dumps, field, json_object
-from kvbits.report.inputs import load_config
+from kvbits.report.inputs import KL_FLOAT64_VERSION, eval_sources, load_config
 from kvbits.report.render import _write_text
 from kvbits.report.summary import RunSummary, read_json
 
@@ -308,6 +312,20 @@ def _check_comparable(
                 )
 
 
+def _warn_mixed_kl(folders: Sequence[Path], configs: Sequence[Mapping[str, Any]]) -> None:
+    """Log a warning when runs whose KL is from float32 log-probabilities (output version below
+    ``KL_FLOAT64_VERSION``) are merged with float64 ones: allowed (the committed results are version 1), and the
+    report says which schemes, but their small KLs do not compare."""
+    sources = [s for folder, c in zip(folders, configs) for s in eval_sources(c, str(folder))]
+    old = [s for s in sources if s.version is not None and s.version < KL_FLOAT64_VERSION]
+    if old and any(s.version is not None and s.version >= KL_FLOAT64_VERSION for s in sources):
+        logger.warning(
+            "merging runs whose KL is from float32 log-probabilities (output version below %d: %s) with float64 ones; "
+            "a KL below about 1e-5 is overstated by tens of percent in the former (the report says which schemes)",
+            KL_FLOAT64_VERSION, ", ".join(s.path for s in old),
+        )  # fmt: skip
+
+
 def _generation_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a run's ``generations.jsonl``; ``ValueError`` naming the file and the line for one that is not
     JSON, not an object, or a reference row without its ``window`` (a whole number) and ``tokens`` (a list)."""
@@ -405,6 +423,7 @@ def merge_runs(
     summaries = [s for s, _ in loaded]
     configs = [c for _, c in loaded]
     _check_comparable(folders, summaries, configs)
+    _warn_mixed_kl(folders, configs)
     generations = _generation_lines(folders)
     out = Path(out_dir)
     _check_out(out, folders, overwrite)
