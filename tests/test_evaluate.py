@@ -66,6 +66,24 @@ MIXED = get_scheme("int2-token").replace(
                                                               group_size=8, pre_rope=True))),
     ),
 )  # fmt: skip
+# dense-and-sparse outliers chosen per flushed block (per-channel keys, per-token values) and token groups with
+# sinks and a block of 3 (not a divisor of anything in sight): the families the presets reach only calibrated
+OUTLIERS = KVScheme(
+    "t-outliers",
+    key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=8, outlier_frac=0.06),
+    value=TensorSpec(kind="int", bits=4, fmt=None, outlier_frac=0.1),
+    sinks=1,
+    residual=3,
+    block=8,
+)
+GROUPS = KVScheme(
+    "t-groups",
+    key=TensorSpec(kind="int", bits=4, fmt=None, group_size=8),
+    value=TensorSpec(kind="int", bits=2, fmt=None, group_size=16),
+    sinks=5,
+    residual=6,
+    block=3,
+)
 FP32 = KVScheme(
     "t-fp32",
     key=TensorSpec(kind="float", bits=32, fmt="fp32"),
@@ -205,6 +223,9 @@ CASES = [
     ("gemma3", SINKS, "prefill"),
     ("gemma3", "int4-token", "decode"),
     ("gpt2", SINKS, "prefill"),
+    ("qwen2", OUTLIERS, "decode"),
+    ("gemma3", OUTLIERS, "prefill"),
+    ("llama", GROUPS, "prefill"),
 ]
 
 
