@@ -66,6 +66,24 @@ MIXED = get_scheme("int2-token").replace(
                                                               group_size=8, pre_rope=True))),
     ),
 )  # fmt: skip
+# dense-and-sparse outliers chosen per flushed block (per-channel keys, per-token values) and token groups with
+# sinks and a block of 3 (not a divisor of anything in sight): the families the presets reach only calibrated
+OUTLIERS = KVScheme(
+    "t-outliers",
+    key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=8, outlier_frac=0.06),
+    value=TensorSpec(kind="int", bits=4, fmt=None, outlier_frac=0.1),
+    sinks=1,
+    residual=3,
+    block=8,
+)
+GROUPS = KVScheme(
+    "t-groups",
+    key=TensorSpec(kind="int", bits=4, fmt=None, group_size=8),
+    value=TensorSpec(kind="int", bits=2, fmt=None, group_size=16),
+    sinks=5,
+    residual=6,
+    block=3,
+)
 FP32 = KVScheme(
     "t-fp32",
     key=TensorSpec(kind="float", bits=32, fmt="fp32"),
@@ -205,6 +223,9 @@ CASES = [
     ("gemma3", SINKS, "prefill"),
     ("gemma3", "int4-token", "decode"),
     ("gpt2", SINKS, "prefill"),
+    ("qwen2", OUTLIERS, "decode"),
+    ("gemma3", OUTLIERS, "prefill"),
+    ("llama", GROUPS, "prefill"),
 ]
 
 
@@ -732,6 +753,34 @@ def test_bits_at_context_are_what_the_cache_stores_there(models):
     stream_hidden(model, ids[None], "kivi-2", on_cache=caches.append, fused_decode=False)
     assert k["bits_at_context"] == pytest.approx(caches[0].memory_report()["avg_bits"])
     assert 3.0 < k["bits_at_context"] < 32.0
+
+
+@torch.no_grad()
+def test_length_dependent_rope_past_its_frame_is_said(models, caplog):
+    """``dynamic`` RoPE changes its frequencies with the forward's length past ``max_position_embeddings`` (32
+    here): one forward over an 80-token window (the reference, the simulator) rotates keys differently from
+    token-by-token decoding, so an fp16 stream's KL is not its quantization's (hidden states 1.6e-3 apart, median
+    relative, against int4-token's 2.2e-2; the simulator's fp16 4e-5). Runs reported it without a word; now a
+    warning says so, naming the mode, and none within the frame or for a plain-RoPE model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    ids = _ids(80, seed=3)[0]
+    for mode, context, said in (("stream", 40, True), ("simulate", 80, True), ("simulate", 32, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvbits"):
+            evaluate(model, ids[:context], context, ["fp16"], mode=mode, attn_layers=[])
+        assert ("changes its frequencies with the forward's length past 32 tokens" in caplog.text) is said, mode
+        if said:
+            assert ("fp16 too" in caplog.text) is (mode == "stream")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        evaluate(models("llama"), _ids(80, seed=3)[0], 80, ["fp16"], attn_layers=[])
+    assert "RoPE" not in caplog.text
 
 
 def test_a_scheme_that_quantizes_nothing_scored_is_named(models, caplog):

@@ -83,6 +83,7 @@ from kvbits.evaluate.measures import (
     _peak_rss_bytes,
     _reset_peak_rss,
     _run_peak_rss_bytes,
+    _warn_length_dependent_rope,
     _warn_mismatch,
     _warn_unquantized,
     add_clipping,
@@ -385,6 +386,7 @@ def evaluate(
             for scheme in resolved:
                 if not isinstance(scheme, PeerScheme):
                     _warn_unquantized(model, scheme, T)
+            _warn_length_dependent_rope(model, T, mode)
     if out is not None:
         # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
         with ranks.agree("preparing the output folder"):
