@@ -450,6 +450,14 @@ def test_bad_channel_group_or_sample_tokens_is_named(kw, message):
         analyze(model, torch.zeros(1, 64, dtype=torch.long), **kw)
 
 
+@pytest.mark.parametrize("bad", [-1, 2**32, True])
+def test_a_seed_outside_the_cli_bound_is_refused(bad):
+    """``analyze(seed=...)`` from Python: the bound of the CLI's ``--seed`` (``[0, 2**32 - 1]``). Before, ``-1`` sampled
+    the tokens of seed 1 (``random.Random`` seeds with ``abs``) and ``True`` those of 1."""
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+        analyze(tiny_llama(outlier=False), torch.zeros(1, 64, dtype=torch.long), seed=bad)
+
+
 def test_empty_windows_are_refused():
     with pytest.raises(ValueError, match="at least one window"):
         analyze(tiny_llama(outlier=False), torch.zeros(0, 64, dtype=torch.long))

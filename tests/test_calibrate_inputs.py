@@ -205,6 +205,23 @@ def test_a_percentile_outside_50_to_100_is_refused_before_the_model_loads(bad, t
                   percentile=bad)  # fmt: skip
 
 
+@pytest.mark.parametrize("bad", [-1, 2**32, 2**64 - 1, True, 1.0])
+def test_a_seed_outside_the_cli_bound_is_refused_before_the_model_loads(bad, tmp_path):
+    """``calibrate(seed=...)`` from Python: the bound of the CLI's ``--seed`` (``[0, 2**32 - 1]``), checked before the
+    model is loaded (this one does not exist). Before, any seed passed: ``2**64 - 1`` failed in ``torch.manual_seed``
+    (the layers' k-means seeds ``seed + i``) only after every pass had run."""
+    from kvbits.calibrate import calibrate, collect_samples
+
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+        calibrate(missing, "pride-and-prejudice", "kvquant-4", context=64, windows=1, seed=bad)
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+        collect_samples(missing, "pride-and-prejudice", context=64, windows=1, seed=bad)
+    k = samples()
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+        artifact_from_samples("kvquant-4", k, k, seed=bad)
+
+
 def test_samples_without_tokens_are_refused():
     k = samples()
     empty = torch.randn(H, 0, D)

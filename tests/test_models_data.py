@@ -180,6 +180,42 @@ def test_hub_text_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
         load_text("hub:Salesforce/wikitext:wikitext-2-raw-v1:test")
 
 
+class _FakeValue:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class _FakeHubDataset:
+    """What ``_load_hub`` reads of a ``datasets.Dataset``: ``column_names``, ``features`` and ``ds[column]``."""
+
+    def __init__(self, features: dict, rows: dict[str, list]) -> None:
+        self.features, self.column_names, self._rows = features, list(features), rows
+
+    def __getitem__(self, column: str) -> list:
+        return self._rows[column]
+
+
+def test_hub_text_column_is_chosen_by_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub dataset whose columns include a nested feature (a dict of features: no ``dtype``) before its string
+    one. Before, ``ds.features[c].dtype`` raised AttributeError on the nested one; now the first string column is
+    read, and a dataset with none is refused naming its columns' types. WikiText rows keep their "\\n" line ends."""
+    import types
+
+    from kvbits import _hub
+
+    monkeypatch.setattr(_hub, "hub_unreachable", lambda *a, **k: None)  # no lookup: load_dataset is fake
+    meta = {"source": _FakeValue("string")}
+    table = {"meta": meta, "body": _FakeValue("string")}
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": [" = A = \n", "", " b .\n"]})
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    assert load_text("hub:some/data").text == " = A = \n b .\n"
+    table.pop("body")
+    with pytest.raises(ValueError, match=r"'some/data' has no text column: expected a column of strings.*'meta': "
+                                         r"'dict'"):  # fmt: skip
+        load_text("hub:some/data")
+
+
 def test_make_windows_shapes_and_slices() -> None:
     ids = torch.arange(1000)
     w = make_windows(ids, 128, None)

@@ -147,3 +147,27 @@ def test_make_setup_finds_local_cpu_torch_in_any_find_links_entry(tmp_path: Path
 
     assert spec(env) == "torch==2.13.0"
     assert spec({**env, "PIP_FIND_LINKS": "/nonexistent"}) == "torch"  # no local wheel: pip picks, unpinned
+
+
+def test_sdist_ships_no_partial_test_suite(tmp_path: Path) -> None:
+    """setuptools puts ``tests/test*.py`` in an sdist by default, but not ``conftest.py`` or the ``tests/_*.py``
+    helpers they import (nor the benchmarks/ and docs some read): from an unpacked sdist those tests failed at
+    collection. ``MANIFEST.in`` prunes tests/; the package itself is still shipped."""
+    import sys
+    import tarfile
+
+    tree = tmp_path / "tree"
+    for name in ("pyproject.toml", "MANIFEST.in", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, tree / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(ROOT / "src", tree / "src", ignore=ignore)  # built in a copy: no egg-info in the checkout
+    shutil.copytree(ROOT / "tests", tree / "tests", ignore=ignore)
+    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=tree, check=True, capture_output=True)
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert not [n for n in names if n.startswith("tests/")], names
+    assert "src/kvbits/__init__.py" in names and "src/kvbits/py.typed" in names

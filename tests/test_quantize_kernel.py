@@ -117,6 +117,7 @@ def test_quantize_dispatch(monkeypatch, caplog):
     monkeypatch.delenv("KVBITS_KERNEL", raising=False)
     assert qmod.resolve_quantize_kernel(x, spec(4, "token")) == "reference"  # CPU: torch
     monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    monkeypatch.setattr(qmod.dispatch, "_LOGGED_FALLBACKS", set())  # the fallback is logged once per process
     if triton_decode is not None:
         assert qmod.resolve_quantize_kernel(x, spec(4, "token")) == "triton"
         with caplog.at_level("INFO", logger="kvbits.kernels.quantize"):
@@ -132,6 +133,25 @@ def test_quantize_dispatch(monkeypatch, caplog):
         monkeypatch.setattr(qmod.dispatch, "triton_available", lambda: False)
         with pytest.raises(ImportError, match="pip install"):
             qmod.quantize_pack(x, spec(4, "token"))
+
+
+@needs_triton
+def test_forced_triton_fallback_is_logged_once_per_reason(monkeypatch, caplog):
+    """``KVBITS_KERNEL=triton`` with a format the quantize kernel does not write (head-wise ranges): the torch
+    reference quantizes every block flush of every layer. Before, each flush logged that at info level (5 calls,
+    5 identical lines); now each distinct reason is logged once per process (``dispatch.log_fallback_once``)."""
+    from kvbits.kernels import quantize as qmod
+
+    x = hard_block(torch.Generator().manual_seed(53)).to(DEVICE)
+    monkeypatch.setenv("KVBITS_KERNEL", "triton")
+    monkeypatch.setattr(qmod.dispatch, "_LOGGED_FALLBACKS", set())
+    with caplog.at_level("DEBUG", logger=qmod.logger.name):
+        assert [qmod.resolve_quantize_kernel(x, spec(4, "head")) for _ in range(5)] == ["reference"] * 5
+        assert [qmod.resolve_quantize_kernel(x, spec(4, "token", integer_zero=True)) for _ in range(3)] == ["reference"] * 3
+    lines = [r for r in caplog.records if r.name == qmod.logger.name]
+    assert len(lines) == 2 and all(r.levelname == "INFO" for r in lines), [r.getMessage() for r in lines]
+    assert "falls back to the torch reference" in lines[0].getMessage()
+    assert "head granularity" in lines[0].getMessage() and "integer zero-points" in lines[1].getMessage()
 
 
 @needs_triton

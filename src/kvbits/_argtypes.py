@@ -15,13 +15,14 @@ texts stay each command's own. ``FUSED_DECODE`` maps ``--fused-decode auto|on|of
 ``fused_decode`` values; ``add_calibration_arg`` adds the ``--calibration`` of the evaluating commands;
 ``add_summary_output_args`` adds ``--out`` / ``--overwrite`` / ``--json`` to the commands that write a summary
 folder and print a table, and ``emit_summary`` ends them. ``add_seed_arg`` gives every seeded command the same
-``--seed`` bound, ``[0, SEED_MAX]``.
+``--seed`` bound, ``[0, SEED_MAX]``, and ``check_seed`` the same bound to the Python entry points that take a seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 import sys
 from collections.abc import Callable
@@ -42,6 +43,7 @@ __all__ = [
     "add_window_args",
     "bounded",
     "check_output_path",
+    "check_seed",
     "emit_summary",
 ]
 
@@ -123,6 +125,14 @@ def add_seed_arg(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--seed", type=bounded(int, 0, SEED_MAX), default=0, help=f"{what} (an integer in [0, 2**32 - 1]; default 0)"
     )
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int in ``[0, SEED_MAX]`` (a Python or NumPy integer, not a bool); ``ValueError`` otherwise:
+    the bound of ``add_seed_arg``'s ``--seed``, for the library's functions that take a seed."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be an int in [0, {SEED_MAX}], got {seed!r}")
+    return int(seed)
 
 
 def add_dtype_device(parser: argparse.ArgumentParser, devices: tuple[str, ...], note: str = "") -> None:

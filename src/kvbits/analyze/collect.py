@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvbits._argtypes import check_seed
 from kvbits.analyze.outliers import (
     DEFAULT_LAYER_FRACTION,
     DEFAULT_THRESHOLD,
@@ -251,6 +252,7 @@ def analyze(
             the windows filled.
         channel_group: tokens per per-channel scale (and per sample block), at least ``MIN_GROUP`` (3);
             ``min(.., T)``, so windows need ``MIN_GROUP`` tokens too.
+        seed: the token sample's seed, an int in [0, 2**32 - 1].
         keep_samples: keep each layer's sample in ``LayerAnalysis.samples`` (for plots).
         progress: called as ``progress(done, total)`` after each window.
     """
@@ -266,6 +268,7 @@ def analyze(
     # deep in ChannelStats for a float
     channel_group = check_int("channel_group", channel_group, MIN_GROUP)
     sample_tokens = check_int("sample_tokens", sample_tokens, 1)
+    seed = check_seed(seed)  # random.Random seeds with abs(): -1 would sample as 1
     W, T = windows.shape
     if W < 1:
         raise ValueError(f"windows must hold at least one window, got shape {tuple(windows.shape)}")

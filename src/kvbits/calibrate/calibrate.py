@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvbits._argtypes import check_seed
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
 from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE, CalibrationArtifact, describe_model
@@ -384,6 +385,7 @@ def collect_samples(
 
     t0 = time.perf_counter()
     _check_max_tokens(max_tokens)
+    seed = check_seed(seed)
     torch_dtype, _ = _resolve_dtype(dtype)
     check_device(device, DEVICES)  # before the model loads
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
@@ -730,7 +732,8 @@ def calibrate(
             calibration is refused (``ValueError``, before any pass runs) unless ``overwrite``.
         max_tokens: tokens sampled per layer over all windows (memory bound:
             ``layers x max_tokens x H_kv x D x 4 bytes x (2, or 4 with Fisher)``).
-        kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed.
+        kmeans_points, kmeans_iterations, seed: k-means subsample size, Lloyd iterations, seed (of the token
+            sampling too; an int in [0, 2**32 - 1], checked before the model loads).
         dtype: model dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype) to load
             or cast the model to; None: as loaded (float32) or as given. Only the passes run in it:
             the samples are gathered in float32 and fitted in float32/float64, and the artifact

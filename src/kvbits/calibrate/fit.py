@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvbits._argtypes import check_seed
 from kvbits.calibrate.artifact import SIDES, CalibrationArtifact, now_utc, spec_calibratable
 from kvbits.calibrate.kmeans import ITERATIONS, MAX_POINTS, check_kmeans_args, fit_codebook, weighted_mse
 from kvbits.calibrate.observers import channel_percentiles
@@ -442,7 +443,8 @@ def artifact_from_samples(
     Raises:
         TypeError: ``keys`` / ``values`` / gradients not a list of tensors (a single tensor is refused, not
             taken as one layer per entry), or a tensor that is not floating.
-        ValueError: ``kmeans_points`` or ``kmeans_iterations`` not an int >= 1; checked before any fitting,
+        ValueError: ``kmeans_points`` or ``kmeans_iterations`` not an int >= 1, or ``seed`` not an int in
+            ``[0, 2**32 - 1]``; checked before any fitting,
             naming the layer (``keys[3] (layer 3)``): a tensor of
             neither 3 nor 4 dims; ``H_kv`` or ``D`` differing between layers, between keys and values, or
             from ``meta["model"]``'s ``num_kv_heads`` / ``head_dim`` (and ``num_layers``); a head dim the
@@ -455,6 +457,7 @@ def artifact_from_samples(
     check_fp8_scale(fp8_scale)
     check_tie_rope_pairs(scheme, tie_rope_pairs)
     check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
+    seed = check_seed(seed)  # the layers' k-means subsamples seed torch.manual_seed with seed + i
     for name, seq in (("keys", keys), ("values", values), ("key_grads", key_grads), ("value_grads", value_grads)):
         if seq is not None and (isinstance(seq, (torch.Tensor, str, bytes)) or not isinstance(seq, Sequence)):
             what = f"a tensor of shape {tuple(seq.shape)}" if isinstance(seq, torch.Tensor) else type(seq).__name__

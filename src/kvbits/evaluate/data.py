@@ -197,12 +197,18 @@ def _load_hub(spec: str) -> TextSource:
             f"text as a local file instead: a path to a UTF-8 text file, or one of {sorted(TEXTS)} (read from a data "
             "root: --data-path, $KVBITS_DATA or ../shared/data; 'wikitext2' is WikiText-2 raw, test split)"
         ) from exc
-    column = "text" if "text" in ds.column_names else next(
-        (c for c in ds.column_names if ds.features[c].dtype == "string"), None)
+    # a feature's type: a Value has a dtype ("string"); a nested one (a dict of features, a list) has none
+    kinds = {c: getattr((ds.features or {}).get(c), "dtype", None) for c in ds.column_names}
+    column = next((c for c in ["text", *ds.column_names] if kinds.get(c) in ("string", "large_string")), None)
     if column is None:
-        raise ValueError(f"hub dataset {name!r} has no text column; columns: {ds.column_names}")
+        found = {c: k or type((ds.features or {}).get(c)).__name__ for c, k in kinds.items()}
+        raise ValueError(
+            f"hub dataset {name!r} has no text column: expected a column of strings ('text', or the first one of "
+            f"string type); columns and their types: {found}"
+        )
     rows = ds[column]
-    # WikiText rows keep their own line ends: joining them with "" gives back the raw file
+    # WikiText rows keep their own line ends ("\n"): joined with "" they give the raw file's lines, but with LF ends
+    # where the registry's wikitext-2-raw/wiki.test.raw ('wikitext2') has CRLF ones: not the same text or tokens
     sep = "" if all(r.endswith("\n") for r in rows if r) else "\n"
     text = sep.join(rows)
     return TextSource(spec, text, hashlib.sha256(text.encode("utf-8")).hexdigest(), None)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits._argtypes import SEED_MAX
+from kvbits._argtypes import check_seed as _check_seed
 from kvbits.evaluate.inputs import check_ints
 from kvbits.evaluate.metrics import kl_divergence
 
@@ -168,13 +168,11 @@ def check_depths(depths: Sequence[float]) -> list[float]:
 
 
 def check_seed(seed: Any) -> int:
-    """``seed`` as an int in ``[0, SEED_MAX]`` (a Python or NumPy integer); ``ValueError`` otherwise. Within it each
-    seed is its own 32-bit word of the trials' entropy: a mask to 32 bits gave ``-1`` the trials of ``2**32 - 1`` and
-    ``2**32`` those of 0, and a larger seed unmasked would span two words, whose entropy can equal another (seed,
+    """``seed`` as an int in ``[0, SEED_MAX]`` (``kvbits._argtypes.check_seed``); ``ValueError`` otherwise. Within it
+    each seed is its own 32-bit word of the trials' entropy: a mask to 32 bits gave ``-1`` the trials of ``2**32 - 1``
+    and ``2**32`` those of 0, and a larger seed unmasked would span two words, whose entropy can equal another (seed,
     context, depth, index)'s."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"seed must be an int in [0, {SEED_MAX}], got {seed!r}")
-    return int(seed)
+    return _check_seed(seed)
 
 
 # ------------------------------------------------------------------------------------ building

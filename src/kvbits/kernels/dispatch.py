@@ -127,26 +127,31 @@ def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
 
     reason = supported(store, q)
     if reason:
-        if reason not in _LOGGED_FALLBACKS:  # asked at every decode step of every layer: a set lookup after the first
-            _log_fallback(reason)
+        if ("decode attention", reason) not in _LOGGED_FALLBACKS:  # asked at every decode step of every layer
+            log_fallback_once(logger, "decode attention", reason, "; kernel_calls() counts the calls served by it")
         return "reference"
     return "triton"
 
 
-# the automatic choice's fallback reasons logged so far in this process: each once, the first LOGGED_FALLBACKS_MAX
-_LOGGED_FALLBACKS: set[str] = set()
+# the fallbacks to the torch reference logged so far in this process, as (what, reason): each once, the first
+# LOGGED_FALLBACKS_MAX
+_LOGGED_FALLBACKS: set[tuple[str, str]] = set()
 LOGGED_FALLBACKS_MAX = 32  # a reason naming a per-step shape (a view's strides) would otherwise grow the set unbounded
 
 
-def _log_fallback(reason: str) -> None:
-    """Log the automatic choice's fallback to the torch reference once per distinct ``reason`` (info), not at every
-    decode step of every layer; past ``LOGGED_FALLBACKS_MAX`` distinct reasons, further ones at debug level."""
-    if len(_LOGGED_FALLBACKS) >= LOGGED_FALLBACKS_MAX:
-        logger.debug("decode attention falls back to the torch reference: %s", reason)
+def log_fallback_once(log: logging.Logger, what: str, reason: str, note: str = "") -> None:
+    """Log on ``log`` that ``what`` (``"decode attention"``, ``"quantize-and-pack"``) falls back to the torch
+    reference for ``reason``: once per distinct ``(what, reason)`` (info), not at every decode step or block flush
+    of every layer; past ``LOGGED_FALLBACKS_MAX`` distinct pairs, further ones at debug level. ``note`` is appended
+    to the message."""
+    key = (what, reason)
+    if key in _LOGGED_FALLBACKS:
         return
-    _LOGGED_FALLBACKS.add(reason)
-    logger.info("decode attention falls back to the torch reference: %s (logged once per reason; kernel_calls() "
-                "counts the calls served by the reference)", reason)  # fmt: skip
+    if len(_LOGGED_FALLBACKS) >= LOGGED_FALLBACKS_MAX:
+        log.debug("%s falls back to the torch reference: %s", what, reason)
+        return
+    _LOGGED_FALLBACKS.add(key)
+    log.info("%s falls back to the torch reference: %s (logged once per reason%s)", what, reason, note)
 
 
 _CALLS: dict[str, int] = {"triton": 0, "reference": 0}  # decode_attention's calls by what served them

@@ -44,8 +44,8 @@ def resolve_quantize_kernel(x: torch.Tensor, spec: TensorSpec) -> str:
     reason = supported(x, spec)
     if reason is None:
         return "triton"
-    if mode == "triton":  # forced: unsupported formats still quantize, through the reference (logged)
-        logger.info("quantize-and-pack: %s; the torch reference quantizes it", reason)
+    if mode == "triton":  # forced: unsupported formats still quantize, through the reference (logged once)
+        dispatch.log_fallback_once(logger, "quantize-and-pack", reason)
     return "reference"
 
 
