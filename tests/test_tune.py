@@ -505,3 +505,12 @@ def test_cli_tune_writes_a_non_finite_kl_as_strict_json(tmp_path, capsys, monkey
         assert record["measured_kl"] == "NaN" and record["uniform"]["int8-token"]["kl"] == "+Inf"
         back = _json.loads(text)
         assert math.isnan(back["measured_kl"]) and back["uniform"]["int8-token"]["kl"] == math.inf
+
+
+@torch.no_grad()
+def test_tune_records_the_windows_it_measured():
+    """meta["windows"] was the count asked for: 8 windows of 128 tokens on a 300-token text were recorded as 8
+    while evaluate measured the 2 the text holds (and said so); now the windows measured."""
+    res = tune(_llama(layers=2), _ids(300), ["int2-token", "int8-token"], 6.0, context=128, windows=8, check=False)
+    assert res.meta["windows"] == 2
+

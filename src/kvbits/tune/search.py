@@ -73,7 +73,7 @@ class TuneResult:
         rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}``, and where a next round was
             computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
             mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
-        meta: model, data, context, windows, layers, ``dtype_bytes`` (of the model's full-precision tokens: the
+        meta: model, data, context, windows (those measured: fewer than asked where the text is short), layers, ``dtype_bytes`` (of the model's full-precision tokens: the
             bits are ``kvbits plan --context CONTEXT --dtype-bytes DTYPE_BYTES``'s), seconds; ``calibrations``:
             candidate -> the folder of its artifact (``"<in memory>"`` for objects), when calibrations were given.
         calibration: the chosen mix's ``CalibrationArtifact`` (composed from the candidates' artifacts),
@@ -449,7 +449,7 @@ def tune(
             "model": summary["model"],
             "data": summary["data"],
             "context": context,
-            "windows": windows,
+            "windows": summary.get("windows", windows),  # those that ran: fewer than asked when the text is short
             "layers": n_layers,
             "dtype_bytes": shape.dtype_bytes,
             "fingerprint": summary.get("fingerprint"),
