@@ -514,3 +514,28 @@ def test_tune_records_the_windows_it_measured():
     res = tune(_llama(layers=2), _ids(300), ["int2-token", "int8-token"], 6.0, context=128, windows=8, check=False)
     assert res.meta["windows"] == 2
 
+
+@torch.no_grad()
+def test_tune_probes_only_the_layers_that_store_kv():
+    """A hybrid model (LFM2: convolution layers 0 and 2) was probed in every layer: a pass per candidate for each
+    convolution layer, which stores no K/V and measured KL 0 (half of the sweep's passes here, 10 of 16 layers on
+    LFM2-1.2B). Now those layers are not probed (rows of 0.0), in the marginal rounds either; the choice is alike."""
+    from test_evaluate_review import _lfm2
+
+    from kvbits.evaluate import runner
+
+    model, ids = _lfm2(), _ids(200)
+    seen: list[str] = []
+    real = runner.evaluate
+
+    def spy(model, data, context, schemes, *a, **kw):
+        seen.extend(s.name for s in schemes)
+        return real(model, data, context, schemes, *a, **kw)
+
+    with mock.patch.object(runner, "evaluate", spy):
+        res = tune(model, ids, ["int2-token", "int4-token", "int8-token"], 5.0, context=64, rounds=2, check=False)
+    probed = {int(n.split(",")[1].split("=")[0]) for n in seen if n.startswith(("exact,", "around,"))}
+    assert probed == {1, 3}
+    assert res.sensitivity[0] == res.sensitivity[2] == [0.0, 0.0, 0.0]
+    assert all(x > 0 for i in (1, 3) for x in res.sensitivity[i])
+    assert res.avg_bits <= 5.0

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -268,23 +268,29 @@ def layer_sensitivity(
     device: str | None = None,
     progress: bool = False,
     calibrations: Mapping[str, Any] | None = None,
+    skip: Collection[int] = (),
 ) -> tuple[list[list[float]], dict[str, Any]]:
     """``(sensitivity (layers, candidates), evaluate's summary)``: the KL with layer ``i`` stored by
     candidate ``c`` and every other layer exact (``EXACT``), decode semantics, simulate mode, for each of
     the ``n_layers`` layers. ``model`` as ``kvbits.evaluate.evaluate`` takes it (loaded once by the caller).
     ``calibrations``: candidate name -> ``CalibrationArtifact``; a probe of a calibrated candidate runs
-    with the artifact composed from them (``compose_artifact``: layer ``i``'s tensors of that candidate)."""
+    with the artifact composed from them (``compose_artifact``: layer ``i``'s tensors of that candidate).
+    ``skip``: layers that store no K/V (``LayerShape.attention == "none"``: a hybrid model's convolution or
+    state-space layers), whose scheme changes nothing: no probe, a row of 0.0."""
     from kvbits.evaluate.runner import evaluate
 
     probes = [
-        mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}") for i in range(n_layers) for c in candidates
-    ]
+        mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
+        for i in range(n_layers) if i not in skip for c in candidates
+    ]  # fmt: skip
     summary = evaluate(
         model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
         device=device, progress=progress, calibration=_composed(probes, calibrations),
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
-    return [[kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)], summary
+    return [
+        [0.0 if i in skip else kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)
+    ], summary
 
 
 def _composed(schemes: list[KVScheme], calibrations: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -305,19 +311,27 @@ def _mix(candidates: list[KVScheme], pick: list[int], name: str) -> KVScheme:
 
 
 def marginal_sensitivity(
-    model: Any, data: Any, candidates: list[KVScheme], pick: list[int], *, context: int, **run: Any
+    model: Any,
+    data: Any,
+    candidates: list[KVScheme],
+    pick: list[int],
+    *,
+    context: int,
+    skip: Collection[int] = (),
+    **run: Any,
 ) -> tuple[list[list[float]], float]:
     """``(costs (layers, candidates), KL of the current mix)``: for each layer ``i`` and candidate ``c``, the
     KL of the current mix (layer ``i`` by ``candidates[pick[i]]``) with layer ``i`` switched to ``c``, minus
     the current mix's KL, shifted per layer so its least entry is 0 (one candidate per layer is chosen, so a
     per-layer constant changes no choice). ``run``: ``evaluate``'s ``windows``, ``data_path``, ``dtype``,
-    ``device``, ``progress``; ``calibrations``: candidate name -> artifact, as ``layer_sensitivity``."""
+    ``device``, ``progress``; ``calibrations``: candidate name -> artifact, and ``skip`` (layers without K/V:
+    no probe, a row of 0.0), as ``layer_sensitivity``."""
     from kvbits.evaluate.runner import evaluate
 
     current = _mix(candidates, pick, "current")
     probes = {
         (i, j): _mix(candidates, [j if k == i else p for k, p in enumerate(pick)], f"around,{i}={c.name}")
-        for i in range(len(pick)) for j, c in enumerate(candidates) if j != pick[i]
+        for i in range(len(pick)) if i not in skip for j, c in enumerate(candidates) if j != pick[i]
     }  # fmt: skip
     calibrations = run.pop("calibrations", None)
     mixes = [current, *probes.values()]
@@ -327,7 +341,7 @@ def marginal_sensitivity(
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     base = kl["current"]
     table = [
-        [0.0 if j == pick[i] else kl[probes[i, j].name] - base for j in range(len(candidates))]
+        [0.0 if j == pick[i] or i in skip else kl[probes[i, j].name] - base for j in range(len(candidates))]
         for i in range(len(pick))
     ]
     return [[x - min(row) for x in row] for row in table], base
@@ -415,12 +429,14 @@ def tune(
     choose_layers_by_bytes([[0.0] * len(cands)] * n_layers, layer_bytes, elements, budget_bits)
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
     run["calibrations"] = arts or None
-    sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, **run)
+    # a hybrid model's layers without K/V (convolution, state-space) hold no bytes and measure no KL: not probed
+    skip = {i for i, layer in enumerate(shape.layers) if layer.attention == "none"}
+    sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, skip=skip, **run)
     _check_measured(sens, cands, "with only")
     pick = choose_layers_by_bytes(sens, layer_bytes, elements, budget_bits)
     log: list[dict[str, Any]] = [{"pick": pick, "predicted_kl": sum(sens[i][j] for i, j in enumerate(pick))}]
     for _ in range(rounds - 1):
-        costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, **run)
+        costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, skip=skip, **run)
         if not math.isfinite(current_kl):
             raise ValueError(f"the KL of round {len(log)}'s mix measured {current_kl}: its passes gave non-finite "
                              "outputs (try --dtype float32, or leave the candidate at fault out)")  # fmt: skip
