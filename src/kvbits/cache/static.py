@@ -332,7 +332,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 if self.rotary.head_dim != D:
                     raise ValueError(f"layer {self.layer_idx}: keys have head dim {D}, the RoPE tables "
                                      f"{self.rotary.head_dim} (a config of another model?)")  # fmt: skip
-                self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, slots, B, device)
+                # the slots a step attends (a windowed layer's block ahead is written, never attended): the tables
+                # cover their positions, the rows plan(fused_decode=True) counts
+                attended = slots - self.scheme.block if self.windowed else slots
+                self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, attended, B, device)
         self._set_bounds(D)
         if not torch.compiler.is_compiling():  # fixed addresses for torch.compile's CUDA graphs, as StaticLayer's
             for t in self.tensors():
