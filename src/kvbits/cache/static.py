@@ -110,7 +110,13 @@ from kvbits.cache.fixed import (
     install_artifact,
     missing_params,
 )
-from kvbits.cache.layer import cache_batch_size, find_position_ids, offload_refusal, position_offset
+from kvbits.cache.layer import (
+    PACKED_STORAGE,
+    cache_batch_size,
+    find_position_ids,
+    offload_refusal,
+    position_offset,
+)
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
 from kvbits.kernels.reference import (
@@ -144,8 +150,11 @@ _FIXED_BATCH = (
 )
 
 
-def _offload_refusal(what: str) -> str:
-    return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache")
+def _offload_refusal(what: str, float_layer: bool = False) -> str:
+    """``offload_refusal`` for the static cache; ``float_layer``: an fp16 / bf16 layer's plain float slabs."""
+    storage = ("float slabs (key_full / value_full, reserved for max_cache_len at addresses a captured step reads; "
+               "see memory_report())") if float_layer else PACKED_STORAGE  # fmt: skip
+    return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache", storage)
 
 
 def stream_capturing() -> bool:
@@ -924,11 +933,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
         moves ``keys`` / ``values``, which this layer does not have (its slabs are ``key`` / ``value`` and
         ``key_full`` / ``value_full``, at addresses a captured step reads); it raised ``AttributeError: 'NoneType'
         object has no attribute 'to'`` here. Nothing is moved."""
-        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}"))
+        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}", self.scheme.is_identity))
 
     def prefetch(self) -> None:
         """Refused as ``offload`` (``NotImplementedError``): a ``StaticQuantizedLayer`` is never offloaded."""
-        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}"))
+        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}", self.scheme.is_identity))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
@@ -1068,7 +1077,9 @@ class StaticQuantizedKVCache(Cache):
         """Refused: ``NotImplementedError``, as ``offload(layer_idx)`` (``StaticQuantizedLayer.offload``): this cache
         never offloads, so transformers' prefetch (which needs the ``offloading=True`` stream) has nothing to bring
         back; it raised ``AttributeError`` (no ``prefetch_stream``) here."""
-        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})"))
+        known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)
+        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})",
+                                                   known and self.layers[layer_idx].scheme.is_identity))  # fmt: skip
 
     def _undo_request(self) -> None:
         """A request's first update of a layer failed: the layers it wrote go back to before the request (those it
