@@ -1174,6 +1174,24 @@ def test_beam_search_reorders_the_slabs_in_place(scheme, fused):
         static.reorder_cache(torch.tensor([0, 1]))
 
 
+def test_reorder_cache_refuses_non_integer_beam_idx():
+    """``reorder_cache`` checked only ``beam_idx``'s shape: a float, bool or uint8 index reached ``index_select``, which
+    said only "index_select(): Expected dtype int32 or int64 for index" (a ``RuntimeError`` naming neither the cache
+    nor the layer). It is a ``TypeError`` naming the layer now, before anything is gathered; int32 and an index on
+    another device are taken (copied to the slabs' device)."""
+    cache = StaticQuantizedKVCache(num_layers=2, scheme="int4-token", max_cache_len=16)
+    k = torch.randn(2, 2, 3, 32)
+    for i in range(2):
+        cache.update(k + i, k, i)
+    before = [t.clone() for layer in cache.layers for t in layer.materialize()]
+    for bad in (torch.tensor([1.0, 0.0]), torch.tensor([True, False]), torch.tensor([1, 0], dtype=torch.uint8)):
+        with pytest.raises(TypeError, match=f"layer 0: beam_idx must hold integer batch indices.*got dtype {bad.dtype}"):
+            cache.reorder_cache(bad)
+    assert all(torch.equal(a, b) for a, b in zip((t for layer in cache.layers for t in layer.materialize()), before))
+    cache.reorder_cache(torch.tensor([1, 0], dtype=torch.int32))
+    assert torch.equal(cache.layers[0].materialize()[0][0], before[0][1])
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["int8-token", "kivi-small"])
 def test_reset_then_a_request_of_another_length_or_batch(scheme):

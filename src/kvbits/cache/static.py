@@ -111,6 +111,7 @@ from kvbits.cache.fixed import (
     missing_params,
 )
 from kvbits.cache.layer import (
+    BEAM_IDX_DTYPES,
     PACKED_STORAGE,
     cache_batch_size,
     find_position_ids,
@@ -908,8 +909,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 t.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64, the
-        cached batch), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
+        """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64 or int32,
+        the cached batch, on any device; ``ValueError`` / ``TypeError`` for another shape or dtype), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
         window, lengths and pre-RoPE position offsets; the slabs keep their addresses. Device work only (no host
         read); a no-op before the first update. It raised ``NotImplementedError`` after the beams' prefill."""
         if not self.is_initialized:
@@ -918,7 +919,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B:
             got = tuple(beam_idx.shape) if isinstance(beam_idx, torch.Tensor) else type(beam_idx).__name__
             raise ValueError(f"layer {self.layer_idx}: beam_idx must be ({B},), one index per cached sequence, got {got}")
-        idx = beam_idx.to(self.device)
+        if beam_idx.dtype not in BEAM_IDX_DTYPES:  # host metadata: index_select said only "Expected dtype int32 or int64"
+            raise TypeError(f"layer {self.layer_idx}: beam_idx must hold integer batch indices (torch.long), got dtype "
+                            f"{beam_idx.dtype}")  # fmt: skip
+        idx = beam_idx.to(self.device)  # an index on another device is copied over
         for t in self._per_sequence():
             t.copy_(t.index_select(0, idx))
 
