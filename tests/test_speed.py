@@ -652,6 +652,41 @@ def test_graphs_replay_the_static_steps(model, ids, monkeypatch):
         speed_eval(model, 64, ["int4-token"], graphs=True, **{**kw, "warmup": 2})
 
 
+def test_graph_runs_resident_bytes_are_read_after_the_graphs_are_freed(model, ids, monkeypatch):
+    """``cuda_resident_bytes`` of a ``graphs`` run was read while its ``GraphedDecode`` was alive: on CUDA each captured
+    variant's logits ``(B, 1, V)`` and the step's inputs sit in the graphs' pool, counted as the cache's. The graphs are
+    freed first now, and what they held is ``cuda_graph_bytes``. CUDA's allocated bytes are emulated: 1000, plus 500
+    while a ``GraphedDecode`` lives; the peak 1600."""
+    import weakref
+    from pathlib import Path
+
+    from kvbits.evaluate import graphs, speed
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import emulated_graphs
+
+    made: list[weakref.ref] = []
+    real = graphs.GraphedDecode
+
+    def tracked(*args, **kwargs):
+        g = real(*args, **kwargs)
+        made.append(weakref.ref(g))
+        return g
+
+    monkeypatch.setattr(graphs, "GraphedDecode", tracked)
+    monkeypatch.setattr(speed, "_cuda_allocated", lambda dev: 1000 + 500 * sum(r() is not None for r in made))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 1600)
+    kw = {"tokens": 2, "warmup": 3, "data": ids, "batches": [1], "static": True, "fused_decode": True}
+    with emulated_graphs():
+        g = speed_eval(model, 64, ["int4-token"], graphs=True, **kw)
+    assert len(made) == 2  # StaticCache's run and int4-token's
+    for name in ("StaticCache", "int4-token"):
+        (r,) = _runs(g, name)
+        assert (r["cuda_resident_bytes"], r["cuda_graph_bytes"], r["cuda_peak_bytes"]) == (0, 500, 600), (name, r)
+    (r,) = _runs(g, "DynamicCache")
+    assert (r["cuda_resident_bytes"], r["cuda_graph_bytes"]) == (0, None)
+
+
 def test_static_errors(model, ids, monkeypatch):
     """Settings a static run can not have, and schemes ``StaticQuantizedKVCache`` does not hold, fail before any
     decode step, naming why."""

@@ -244,9 +244,9 @@ def test_static_cache_bytes_are_the_plan_at_max_cache_len(scheme):
     ``kvbits.plan`` says ``max_cache_len`` tokens take, from the first token on (the slabs are reserved); a windowed
     scheme also holds one quantized block ahead and a whole window (and its sinks), where the plan counts the tokens
     left in it.
-    Pre-RoPE keys add, apart, their RoPE tables (the bytes ``plan(..., fused_decode=True)`` adds for them; a windowed
-    scheme's rows also cover its block ahead, within the same rounding here) and a position offset per sequence and
-    layer."""
+    Pre-RoPE keys add, apart, their RoPE tables (the bytes ``plan(..., fused_decode=True)`` adds for them: rows for the
+    attended slots, a windowed scheme's block ahead not counted, ``test_windowed_pre_rope_tables_are_the_plans_rows``)
+    and a position offset per sequence and layer."""
     model = build("llama")
     scheme = NAMED.get(scheme, scheme)
     cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=MAX_LEN)
@@ -628,6 +628,34 @@ def test_static_cache_sinks_filled_by_decode_steps_and_replayed(fused, scheme, m
     assert torch.equal(logits["replayed"], logits["eager"])
     if blk == 1:  # per token: a sink step is a variant of its own (the host's counts say which), as a flush is
         assert graphed[0].captured_at == {(0, 1): 2, (): 4}, graphed[0].captured_at
+
+
+def test_windowed_pre_rope_tables_are_the_plans_rows():
+    """A windowed pre-RoPE layer's RoPE tables cover the positions its attended slots hold (the quantized tokens at
+    ``max_cache_len``), the rows ``plan(..., fused_decode=True)`` counts: they covered its block written ahead too,
+    which at 820 tokens of blocks of 8 (816 quantized) doubled them, 2048 rows for the plan's 1024. That block, which
+    nothing attends, is un-rotated at positions clamped to the last row, also with position ids ahead of the cache
+    indices by as much as the tables allow."""
+    from transformers import LlamaConfig
+
+    from kvbits.schemes.accounting import rope_table_positions
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    M, Q = 820, 816
+    cache = StaticQuantizedKVCache(config=config, scheme=CHANNEL_PREROPE, max_cache_len=M)
+    k = torch.randn(1, 2, 3, 32)
+    for i in range(2):
+        cache.update(k, k, i)
+    planned = plan(config, context=M, scheme=CHANNEL_PREROPE, dtype_bytes=4, fused_decode=True)["rope_table_bytes"]
+    rope = cache.layers[0].rope
+    assert rope.positions == rope_table_positions(Q) == 1024 and cache.layers[0].key.codes.shape[2] == Q + 8
+    assert cache.memory_report()["rope_table_bytes"] == rope.table_bytes == planned
+    rope.start(torch.tensor([-(1024 - Q)]))  # position ids ahead by what the tables allow: slot Q - 1 at row 1023
+    keys = torch.randn(1, 2, 8, 32)
+    ahead = rope.unrotate(keys, torch.tensor(Q))  # rows 1024..1031 clamped to 1023, no IndexError
+    assert ahead.shape == keys.shape and torch.isfinite(ahead).all()
+    torch.testing.assert_close(rope.unrotate(keys[:, :, :1], torch.tensor(Q - 1)), ahead[:, :, :1])
 
 
 def test_static_cache_pre_rope_refusals():
@@ -1144,6 +1172,24 @@ def test_beam_search_reorders_the_slabs_in_place(scheme, fused):
     assert addresses[0] == [t.data_ptr() for layer in static.layers for t in layer.tensors()]
     with pytest.raises(ValueError, match=r"layer 0: beam_idx must be \(6,\), one index per cached sequence, got \(2,\)"):
         static.reorder_cache(torch.tensor([0, 1]))
+
+
+def test_reorder_cache_refuses_non_integer_beam_idx():
+    """``reorder_cache`` checked only ``beam_idx``'s shape: a float, bool or uint8 index reached ``index_select``, which
+    said only "index_select(): Expected dtype int32 or int64 for index" (a ``RuntimeError`` naming neither the cache
+    nor the layer). It is a ``TypeError`` naming the layer now, before anything is gathered; int32 and an index on
+    another device are taken (copied to the slabs' device)."""
+    cache = StaticQuantizedKVCache(num_layers=2, scheme="int4-token", max_cache_len=16)
+    k = torch.randn(2, 2, 3, 32)
+    for i in range(2):
+        cache.update(k + i, k, i)
+    before = [t.clone() for layer in cache.layers for t in layer.materialize()]
+    for bad in (torch.tensor([1.0, 0.0]), torch.tensor([True, False]), torch.tensor([1, 0], dtype=torch.uint8)):
+        with pytest.raises(TypeError, match=f"layer 0: beam_idx must hold integer batch indices.*got dtype {bad.dtype}"):
+            cache.reorder_cache(bad)
+    assert all(torch.equal(a, b) for a, b in zip((t for layer in cache.layers for t in layer.materialize()), before))
+    cache.reorder_cache(torch.tensor([1, 0], dtype=torch.int32))
+    assert torch.equal(cache.layers[0].materialize()[0][0], before[0][1])
 
 
 @torch.no_grad()

@@ -121,12 +121,13 @@ def test_static_lazy_initialization_refuses_kv_of_two_dtypes(scheme: str):
     assert cache.layers[0].tokens_written == 3
 
 
-@pytest.mark.parametrize("scheme", ["int8-token", "kivi-2", "fp16"])
+@pytest.mark.parametrize("scheme", ["int8-token", "kivi-2", "fp16", "int8-token,1=fp16"])
 def test_static_offload_and_prefetch_are_refused_and_change_nothing(scheme: str):
     """transformers' ``Cache.offload(i)`` / ``prefetch(i)`` raised ``AttributeError`` ("'NoneType' object has no
     attribute 'to'": a ``StaticQuantizedLayer`` has no ``keys`` / ``values``; "no attribute 'prefetch_stream'"), as
     on ``QuantizedKVCache`` before. Both now refuse with ``QuantizedKVLayer``'s ``NotImplementedError``, naming this
-    cache and transformers' ``StaticCache`` as what offloads, and the slabs stay as they were."""
+    cache and transformers' ``StaticCache`` as what offloads, and the slabs stay as they were. A float layer's
+    refusal says its K/V are float slabs (it said "packed quantized storage" and "a fraction of fp16's bytes")."""
     cache = StaticQuantizedKVCache(num_layers=2, scheme=scheme, max_cache_len=16)
     k = torch.randn(1, 2, 10, 32)
     for i in range(2):
@@ -135,8 +136,11 @@ def test_static_offload_and_prefetch_are_refused_and_change_nothing(scheme: str)
     calls = (lambda: cache.offload(1), lambda: cache.prefetch(1), cache.layers[1].offload, cache.layers[1].prefetch)
     for call in calls:
         with pytest.raises(NotImplementedError, match=r"StaticQuantizedKVCache .*offloading.*not supported.*"
-                                                      r"StaticCache\(config=\.\.\., offloading=True\)"):  # fmt: skip
+                                                      r"StaticCache\(config=\.\.\., offloading=True\)") as err:  # fmt: skip
             call()
+        float_layer = cache.layers[1].scheme.is_identity
+        assert ("float slabs" in str(err.value)) == float_layer
+        assert ("quantized storage" in str(err.value)) == ("fraction of fp16" in str(err.value)) == (not float_layer)
     assert all(torch.equal(a, b) for a, b in zip(cache.layers[1].materialize(), before))
     cache.update(k[:, :, :1], k[:, :, :1], 1)
     assert cache.layers[1].tokens_written == 11

@@ -172,15 +172,21 @@ def check_beam_idx(beam_idx: Any, batch: int | None, where: str) -> None:
         )
 
 
-def offload_refusal(what: str, cache: str = "QuantizedKVCache", unquantized: str = "DynamicCache") -> str:
+PACKED_STORAGE = "packed quantized storage (codes, scales, full-precision buffer; see memory_report())"
+
+
+def offload_refusal(
+    what: str, cache: str = "QuantizedKVCache", unquantized: str = "DynamicCache", storage: str = PACKED_STORAGE
+) -> str:
     """Why ``offload`` / ``prefetch`` of ``what`` (a layer or the cache ``cache``) is refused, and what to use instead
-    (an ``unquantized`` transformers cache with ``offloading=True``)."""
+    (an ``unquantized`` transformers cache with ``offloading=True``). ``storage``: what the layer's K/V are (a float
+    layer's are no quantized storage, and hold no fraction of fp16's bytes)."""
+    keep = ("Keep the quantized cache on the device (it already holds a fraction of fp16's bytes)"
+            if storage == PACKED_STORAGE else f"Keep the {cache} on the device")  # fmt: skip
     return (
-        f"{cache} {what}: CPU offloading (offload / prefetch) is not supported: the layer's K/V are packed "
-        "quantized storage (codes, scales, full-precision buffer; see memory_report()), not the keys / values tensors "
-        "transformers' offloading moves, and they stay on the device they came on. Keep the quantized cache on the "
-        "device (it already holds a fraction of fp16's bytes), or offload an unquantized transformers "
-        f"{unquantized}(config=..., offloading=True) instead"
+        f"{cache} {what}: CPU offloading (offload / prefetch) is not supported: the layer's K/V are {storage}, not "
+        "the keys / values tensors transformers' offloading moves, and they stay on the device they came on. "
+        f"{keep}, or offload an unquantized transformers {unquantized}(config=..., offloading=True) instead"
     )
 
 

@@ -110,7 +110,14 @@ from kvbits.cache.fixed import (
     install_artifact,
     missing_params,
 )
-from kvbits.cache.layer import cache_batch_size, find_position_ids, offload_refusal, position_offset
+from kvbits.cache.layer import (
+    BEAM_IDX_DTYPES,
+    PACKED_STORAGE,
+    cache_batch_size,
+    find_position_ids,
+    offload_refusal,
+    position_offset,
+)
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
 from kvbits.kernels.reference import (
@@ -144,8 +151,11 @@ _FIXED_BATCH = (
 )
 
 
-def _offload_refusal(what: str) -> str:
-    return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache")
+def _offload_refusal(what: str, float_layer: bool = False) -> str:
+    """``offload_refusal`` for the static cache; ``float_layer``: an fp16 / bf16 layer's plain float slabs."""
+    storage = ("float slabs (key_full / value_full, reserved for max_cache_len at addresses a captured step reads; "
+               "see memory_report())") if float_layer else PACKED_STORAGE  # fmt: skip
+    return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache", storage)
 
 
 def stream_capturing() -> bool:
@@ -332,7 +342,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 if self.rotary.head_dim != D:
                     raise ValueError(f"layer {self.layer_idx}: keys have head dim {D}, the RoPE tables "
                                      f"{self.rotary.head_dim} (a config of another model?)")  # fmt: skip
-                self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, slots, B, device)
+                # the slots a step attends (a windowed layer's block ahead is written, never attended): the tables
+                # cover their positions, the rows plan(fused_decode=True) counts
+                attended = slots - self.scheme.block if self.windowed else slots
+                self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, attended, B, device)
         self._set_bounds(D)
         if not torch.compiler.is_compiling():  # fixed addresses for torch.compile's CUDA graphs, as StaticLayer's
             for t in self.tensors():
@@ -896,8 +909,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 t.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64, the
-        cached batch), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
+        """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64 or int32,
+        the cached batch, on any device; ``ValueError`` / ``TypeError`` for another shape or dtype), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
         window, lengths and pre-RoPE position offsets; the slabs keep their addresses. Device work only (no host
         read); a no-op before the first update. It raised ``NotImplementedError`` after the beams' prefill."""
         if not self.is_initialized:
@@ -906,7 +919,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B:
             got = tuple(beam_idx.shape) if isinstance(beam_idx, torch.Tensor) else type(beam_idx).__name__
             raise ValueError(f"layer {self.layer_idx}: beam_idx must be ({B},), one index per cached sequence, got {got}")
-        idx = beam_idx.to(self.device)
+        if beam_idx.dtype not in BEAM_IDX_DTYPES:  # host metadata: index_select said only "Expected dtype int32 or int64"
+            raise TypeError(f"layer {self.layer_idx}: beam_idx must hold integer batch indices (torch.long), got dtype "
+                            f"{beam_idx.dtype}")  # fmt: skip
+        idx = beam_idx.to(self.device)  # an index on another device is copied over
         for t in self._per_sequence():
             t.copy_(t.index_select(0, idx))
 
@@ -921,11 +937,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
         moves ``keys`` / ``values``, which this layer does not have (its slabs are ``key`` / ``value`` and
         ``key_full`` / ``value_full``, at addresses a captured step reads); it raised ``AttributeError: 'NoneType'
         object has no attribute 'to'`` here. Nothing is moved."""
-        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}"))
+        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}", self.scheme.is_identity))
 
     def prefetch(self) -> None:
         """Refused as ``offload`` (``NotImplementedError``): a ``StaticQuantizedLayer`` is never offloaded."""
-        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}"))
+        raise NotImplementedError(_offload_refusal(f"layer {self.layer_idx}", self.scheme.is_identity))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """``NotImplementedError`` once the slabs exist (a no-op before, as ``DynamicLayer``'s on an empty cache)."""
@@ -1065,7 +1081,9 @@ class StaticQuantizedKVCache(Cache):
         """Refused: ``NotImplementedError``, as ``offload(layer_idx)`` (``StaticQuantizedLayer.offload``): this cache
         never offloads, so transformers' prefetch (which needs the ``offloading=True`` stream) has nothing to bring
         back; it raised ``AttributeError`` (no ``prefetch_stream``) here."""
-        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})"))
+        known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)
+        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})",
+                                                   known and self.layers[layer_idx].scheme.is_identity))  # fmt: skip
 
     def _undo_request(self) -> None:
         """A request's first update of a layer failed: the layers it wrote go back to before the request (those it

@@ -5,9 +5,11 @@ host knows (its sinks, dropped and flushed counts) and computes the cos/sin of e
 captured decode step cannot read the host, so a static layer keeps what those rotations need on the device:
 
 - ``cos`` / ``sin``: float32 tables ``(P, D)`` (or ``(P, D / 2)`` for rotate-half RoPE, whose halves repeat) covering
-  every position the layer's slots can hold (``kvbits.cache.fused.RopeTableCache``, shared by the cache's layers,
-  ``P = rope_table_positions(first + slots)``), made at the layer's first ``update`` and never regrown: a captured
-  step reads them at fixed addresses;
+  every position the layer's attended slots can hold (``kvbits.cache.fused.RopeTableCache``, shared by the cache's
+  layers, ``P = rope_table_positions(first + slots)``, ``slots`` the quantized tokens at ``max_cache_len``: the rows
+  ``kvbits.plan(..., fused_decode=True)`` counts), made at the layer's first ``update`` and never regrown: a captured
+  step reads them at fixed addresses. A windowed layer's block written ahead of those slots (which nothing attends)
+  is un-rotated at positions clamped to the last row;
 - ``offset``: ``(B,)`` int64, each sequence's cache index minus its model position (left padding), read from the
   position ids of a request's first ``update`` (``kvbits.cache.layer.position_offset``; none: 0) and written in place.
 
@@ -59,7 +61,8 @@ class StaticRope:
         rotary: the layer's tables (``RotaryTables.tables_for_layer``), full rotary (``check_rotary``).
         tables: the cache's shared float32 tables.
         first: position of quantized slot 0 at offset 0 (the layer's sinks).
-        slots: the layer's quantized slots.
+        slots: the layer's quantized slots a step attends (a windowed layer's block written ahead of them excluded:
+            its slots are un-rotated at clamped positions, ``unrotate``).
         batch: sequences.
         device: the K/V device.
     """
@@ -104,7 +107,9 @@ class StaticRope:
         pre-RoPE keys in their dtype. Device work only."""
         n = keys.shape[2]
         pos = (torch.arange(n, device=keys.device) + (slot0 + self.first))[None] - self.offset[:, None]
-        pos = pos.clamp_min(0)  # (B, n): pad slots, as rope_at and the kernels take them
+        # (B, n): pad slots before position 0, as rope_at and the kernels take them; a windowed layer's block written
+        # ahead of its attended slots (nothing attends it) past the tables' last row
+        pos = pos.clamp(0, self.positions - 1)
         cos, sin = self.cos[pos], self.sin[pos]  # (B, n, D or D / 2) float32
         if 2 * cos.shape[-1] == keys.shape[-1] and keys.shape[-1] > 1:  # rotate-half tables keep one half
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

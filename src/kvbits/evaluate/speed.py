@@ -40,8 +40,9 @@ Memory per run: the bytes the cache holds after the last step (``memory_report()
 kvbits, every K/V tensor of a ``DynamicCache``, a peer's quanto codes, scales, zero-points and residual:
 ``kvbits.evaluate.stream.cache_bytes``) beside what ``kvbits.plan`` says for the same tokens
 (``planned_bytes``, none for a peer: they are equal unless something is wrong), and on CUDA the allocator's bytes held
-by the cache after the run (``cuda_resident_bytes``) and its peak above the pre-cache baseline during the
-decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
+by the cache after the run (``cuda_resident_bytes``; a ``graphs`` run's captured steps are freed first, and what they
+held, each variant's logits and the step's inputs, is ``cuda_graph_bytes``) and its peak above the pre-cache baseline
+during the decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
 ``agreement`` (fraction of equal tokens) and ``first_divergence`` (the first step at which some row
 differs; ``None``: never).
 """
@@ -49,6 +50,7 @@ differs; ``None``: never).
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import logging
 import math
 import os
@@ -345,9 +347,13 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
                         "python_steps": graphed.calls - graphed.replays, "replayed_steps": graphed.replays}  # fmt: skip
     float_cache = scheme is None or scheme == STATIC_BASELINE
     rec["planned_bytes"] = _planned(model, _dynamic_scheme(model) if float_cache else scheme, batch, held)
-    rec["cuda_resident_bytes"] = rec["cuda_peak_bytes"] = None
+    rec["cuda_resident_bytes"] = rec["cuda_peak_bytes"] = rec["cuda_graph_bytes"] = None
     if base is not None:  # the cache alive, the step's logits gone: what the cache holds on the device
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev)) - base
+        if graphed is not None:  # its graphs' pool (each captured variant's logits, the step's inputs) is not the cache's
+            with_graphs, graphed = _cuda_allocated(dev), None  # the last reference: the graphs are freed with it
+            gc.collect()
+            rec["cuda_graph_bytes"] = with_graphs - _cuda_allocated(dev)
         rec["cuda_resident_bytes"] = _cuda_allocated(dev) - base
     rec["agreement"], rec["first_divergence"] = (
         (1.0, None) if ref_tokens is None else _divergence(out, ref_tokens)
@@ -470,7 +476,8 @@ def speed_eval(
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
         "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
-        "cuda_resident_bytes", "cuda_peak_bytes", "decode" (kvbits caches: fused and fallback steps, all and timed,
+        "cuda_resident_bytes", "cuda_peak_bytes", "cuda_graph_bytes" (CUDA graph runs: what the captured steps held,
+        freed before ``cuda_resident_bytes`` is read; else ``None``), "decode" (kvbits caches: fused and fallback steps, all and timed,
         and ``kernel_calls``: the fused steps' ``decode_attention`` calls the host ran, warm-up included, by what
         served them, ``{"triton", "reference"}``), "graph" (graphs only: the warm-up's eager steps, the steps
         captured (0-based; one per step variant), those run in Python (eager or captured) and those replayed), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",

@@ -326,7 +326,8 @@ def _check_run(r: Mapping[str, Any], where: str) -> None:
     for key in ("tokens_per_s", "speedup", "ms_per_step", "ms_p10", "ms_p90", "agreement"):
         field(r, key, "number", where)
     field(r, "host_ms_per_step", "mean", where, default=None)
-    for key in ("cache_bytes", "planned_bytes", "workspace_bytes", "cuda_resident_bytes", "cuda_peak_bytes"):
+    for key in ("cache_bytes", "planned_bytes", "workspace_bytes", "cuda_resident_bytes", "cuda_peak_bytes",
+                "cuda_graph_bytes"):
         field(r, key, "bytes", where, default=None)
     first = r.get("first_divergence")
     if first is not None:
