@@ -346,3 +346,24 @@ def test_save_with_meta_that_is_not_json_leaves_the_artifact_there_whole(tmp_pat
     with pytest.raises(ValueError, match="meta is not JSON: Object of type device is not JSON serializable"):
         other.save(tmp_path)
     assert load_calibration(good).max_calibrated_length == 16
+
+
+def test_a_percentile_that_is_in_effect_the_max_is_logged(caplog):
+    """99.9 over 100 samples per channel: ``channel_percentiles`` interpolates at 0.999 * 99 = 98.9, 90 % of the way
+    from the second largest sample to the largest, so the "percentile range" kept the outliers it exists to trim, and
+    nothing said so. Now a WARNING below ``1 + 50 / (100 - p)`` samples (501 for 99.9, 51 for 99); not for 100 (the
+    max, as asked) nor for sides the percentile does not fit (FP8 scales)."""
+    blocks = samples(shape=(5, H, 20, D))  # 100 samples per channel, windows of 20
+    with caplog.at_level(logging.WARNING, logger="kvbits.calibrate"):
+        artifact_from_samples("kvquant-4", blocks, blocks)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "percentile 99.9 over 100 samples per channel is in effect the max" in said[0]
+        assert "that takes 501 samples per channel" in said[0]
+        caplog.clear()
+        artifact_from_samples("kvquant-4", blocks, blocks, percentile=100.0)
+        artifact_from_samples("kvquant-4", blocks, blocks, percentile=99.0)  # 51 samples are enough for 99
+        artifact_from_samples("fp8-e4m3", blocks, blocks)
+        assert caplog.records == []
+        short = samples(shape=(2, H, 20, D))  # 40 samples per channel: under 51
+        artifact_from_samples("kvquant-4", short, short, percentile=99.0)
+    assert len(caplog.records) == 1 and "percentile 99 over 40 samples" in caplog.records[0].getMessage()
