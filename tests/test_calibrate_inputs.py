@@ -367,3 +367,19 @@ def test_a_percentile_that_is_in_effect_the_max_is_logged(caplog):
         short = samples(shape=(2, H, 20, D))  # 40 samples per channel: under 51
         artifact_from_samples("kvquant-4", short, short, percentile=99.0)
     assert len(caplog.records) == 1 and "percentile 99 over 40 samples" in caplog.records[0].getMessage()
+
+
+def test_a_calibration_from_a_newer_kvbits_says_to_upgrade(tmp_path):
+    """A ``format_version`` above this kvbits' said only "re-run kvbits calibrate with this version", as for an older
+    file; a file from a newer kvbits is read by upgrading. Both say which kvbits reads what."""
+    import kvbits
+    from kvbits.calibrate.artifact import ARTIFACT_FORMAT_VERSION
+
+    blocks = samples(shape=(4, H, 16, D))
+    out = artifact_from_samples("kvquant-4", blocks, blocks).save(tmp_path)
+    meta = json.loads((out / "calibration.json").read_text())
+    for version, upgrade in ((ARTIFACT_FORMAT_VERSION + 1, True), (ARTIFACT_FORMAT_VERSION - 1, False)):
+        (out / "calibration.json").write_text(json.dumps({**meta, "format_version": version}))
+        with pytest.raises(ValueError, match=re.escape(f"this kvbits reads format_version {ARTIFACT_FORMAT_VERSION} (written by kvbits {kvbits.__version__}, read by kvbits {kvbits.__version__})")) as e:
+            load_calibration(out)
+        assert ("upgrade kvbits to read it, or re-run" in str(e.value)) is upgrade, str(e.value)

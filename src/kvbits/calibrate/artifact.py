@@ -441,6 +441,12 @@ class CalibrationArtifact:
         return out
 
 
+def _kvbits_version() -> str:
+    import kvbits
+
+    return str(getattr(kvbits, "__version__", "?"))
+
+
 def now_utc() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -585,10 +591,13 @@ def load_calibration(
         raise ValueError(f"{meta_path} does not hold a JSON object")  # noqa: TRY004 - bad file content
     version = meta.get("format_version")
     if not _is_int(version) or version != ARTIFACT_FORMAT_VERSION:  # JSON true == 1 in Python
+        newer = _is_int(version) and version > ARTIFACT_FORMAT_VERSION
         raise ValueError(
             f"{meta_path} has format_version {version!r}; this kvbits reads format_version "
-            f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}); "
-            "re-run kvbits calibrate with this version"
+            f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}, read by kvbits "
+            f"{_kvbits_version()}); "
+            + ("upgrade kvbits to read it, or " if newer else "")
+            + "re-run kvbits calibrate with this version"
         )
     problem = _meta_problem(meta)
     if problem is not None:
