@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -304,3 +305,81 @@ def test_codebooks_of_degenerate_data_have_distinct_entries(points, weights, bit
     assert bool((cb[1:] > cb[:-1]).all()) and float(cb.abs().max()) <= 1
     raw = weighted_kmeans_1d(points, 2**bits, weights).clamp(-1, 1).half().float()
     assert weighted_mse(points, cb.float(), weights) <= weighted_mse(points, raw, weights) + 1e-12
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda m: m["data"].update(context=0), "data.context must be a positive integer (the calibrated length in tokens), got 0"),
+        (lambda m: m["model"].update(name=5), "model.name must be a string or null, got 5"),
+        (lambda m: m.update(stats={"a": 1}), "stats must be a list of per-layer JSON objects"),
+        (lambda m: m.pop("model"), "the 'model' field is missing"),
+    ],
+    ids=["context-0", "name-int", "stats-dict", "no-model"],
+)
+def test_save_refuses_what_load_would_refuse_before_writing(tmp_path, edit, message):
+    """``save`` validated the tensors only: an artifact whose JSON ``load_calibration`` refuses (``data.context`` 0, as
+    an earlier defect wrote) saved, and failed only at load; a ``meta`` without ``model`` was a ``KeyError``. Now the
+    same check and words as the loader, before anything is written."""
+    blocks = samples(shape=(4, H, 16, D))
+    art = artifact_from_samples("kvquant-4", blocks, blocks)
+    edit(art.meta)
+    with pytest.raises(ValueError, match=re.escape(message) + ".*load_calibration would refuse it"):
+        art.save(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    meta = {**art.meta, "format_version": 1, "scheme": art.scheme.to_dict()}
+    meta["files"] = {"calibration.safetensors": {"bytes": 0, "sha256": "0" * 64}}
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / "calibration.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"calibration\.json is malformed: " + re.escape(message)):  # the same words
+        load_calibration(tmp_path / "edited")
+
+
+def test_save_with_meta_that_is_not_json_leaves_the_artifact_there_whole(tmp_path):
+    """``save`` replaced ``calibration.safetensors`` first and then failed writing the JSON (``TypeError: Object of
+    type device is not JSON serializable``): the artifact already in the folder no longer loaded (its sha256 no
+    longer matched). Now a ``ValueError`` before anything is replaced."""
+    blocks = samples(shape=(4, H, 16, D))
+    good = artifact_from_samples("kvquant-4", blocks, blocks).save(tmp_path)
+    other = artifact_from_samples("kvquant-4", [b * 2 for b in blocks], blocks)
+    other.meta["device"] = torch.device("cpu")
+    with pytest.raises(ValueError, match="meta is not JSON: Object of type device is not JSON serializable"):
+        other.save(tmp_path)
+    assert load_calibration(good).max_calibrated_length == 16
+
+
+def test_a_percentile_that_is_in_effect_the_max_is_logged(caplog):
+    """99.9 over 100 samples per channel: ``channel_percentiles`` interpolates at 0.999 * 99 = 98.9, 90 % of the way
+    from the second largest sample to the largest, so the "percentile range" kept the outliers it exists to trim, and
+    nothing said so. Now a WARNING below ``1 + 50 / (100 - p)`` samples (501 for 99.9, 51 for 99); not for 100 (the
+    max, as asked) nor for sides the percentile does not fit (FP8 scales)."""
+    blocks = samples(shape=(5, H, 20, D))  # 100 samples per channel, windows of 20
+    with caplog.at_level(logging.WARNING, logger="kvbits.calibrate"):
+        artifact_from_samples("kvquant-4", blocks, blocks)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "percentile 99.9 over 100 samples per channel is in effect the max" in said[0]
+        assert "that takes 501 samples per channel" in said[0]
+        caplog.clear()
+        artifact_from_samples("kvquant-4", blocks, blocks, percentile=100.0)
+        artifact_from_samples("kvquant-4", blocks, blocks, percentile=99.0)  # 51 samples are enough for 99
+        artifact_from_samples("fp8-e4m3", blocks, blocks)
+        assert caplog.records == []
+        short = samples(shape=(2, H, 20, D))  # 40 samples per channel: under 51
+        artifact_from_samples("kvquant-4", short, short, percentile=99.0)
+    assert len(caplog.records) == 1 and "percentile 99 over 40 samples" in caplog.records[0].getMessage()
+
+
+def test_a_calibration_from_a_newer_kvbits_says_to_upgrade(tmp_path):
+    """A ``format_version`` above this kvbits' said only "re-run kvbits calibrate with this version", as for an older
+    file; a file from a newer kvbits is read by upgrading. Both say which kvbits reads what."""
+    import kvbits
+    from kvbits.calibrate.artifact import ARTIFACT_FORMAT_VERSION
+
+    blocks = samples(shape=(4, H, 16, D))
+    out = artifact_from_samples("kvquant-4", blocks, blocks).save(tmp_path)
+    meta = json.loads((out / "calibration.json").read_text())
+    for version, upgrade in ((ARTIFACT_FORMAT_VERSION + 1, True), (ARTIFACT_FORMAT_VERSION - 1, False)):
+        (out / "calibration.json").write_text(json.dumps({**meta, "format_version": version}))
+        with pytest.raises(ValueError, match=re.escape(f"this kvbits reads format_version {ARTIFACT_FORMAT_VERSION} (written by kvbits {kvbits.__version__}, read by kvbits {kvbits.__version__})")) as e:
+            load_calibration(out)
+        assert ("upgrade kvbits to read it, or re-run" in str(e.value)) is upgrade, str(e.value)

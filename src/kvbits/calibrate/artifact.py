@@ -391,45 +391,60 @@ class CalibrationArtifact:
 
     # ------------------------------------------------------------------------------- writing
     def save(self, out_dir: str | os.PathLike[str]) -> Path:
-        """Write ``calibration.safetensors`` then ``calibration.json`` (atomically) into ``out_dir``."""
-        from safetensors.torch import save_file
+        """Write ``calibration.safetensors`` then ``calibration.json`` (atomically) into ``out_dir``.
 
-        self.validate()
+        Raises:
+            ValueError: an artifact ``load_calibration`` would refuse: tensors that do not match the scheme and model
+                shape (``validate``), or JSON fields it refuses (the same checks and words), or ``meta`` that is
+                not JSON. Checked before anything is written: an artifact already in ``out_dir`` stays whole.
+        """
+        from safetensors.torch import save
+
         out = Path(out_dir).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            k: v.detach().to("cpu", tensor_dtype(self._tensor_spec(k))).contiguous()
-            for k, v in sorted(self.tensors.items())
-        }
-        fd, tmp = tempfile.mkstemp(prefix=TENSORS_FILE + ".", suffix=".tmp", dir=out)
-        os.close(fd)
-        try:
-            save_file(
-                tensors,
-                tmp,
-                metadata={"format": "kvbits-calibration", "format_version": str(ARTIFACT_FORMAT_VERSION)},
+        meta = dict(self.meta)
+        meta["format_version"] = ARTIFACT_FORMAT_VERSION
+        meta["scheme"] = self.scheme.to_dict()
+        problem = _meta_problem(meta, files=False)  # before validate(), which reads meta["model"]
+        refused = "; load_calibration would refuse it as malformed"
+        if problem is None:
+            self.validate()
+            tensors = {
+                k: v.detach().to("cpu", tensor_dtype(self._tensor_spec(k))).contiguous()
+                for k, v in sorted(self.tensors.items())
+            }
+            blob = save(
+                tensors, metadata={"format": "kvbits-calibration", "format_version": str(ARTIFACT_FORMAT_VERSION)}
             )
-            chmod_default(tmp)
-            final = out / TENSORS_FILE
-            meta = dict(self.meta)
-            meta["format_version"] = ARTIFACT_FORMAT_VERSION
-            meta["scheme"] = self.scheme.to_dict()
-            meta["files"] = {TENSORS_FILE: {"bytes": os.path.getsize(tmp), "sha256": _file_sha256(Path(tmp))}}
-            os.replace(tmp, final)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=META_FILE + ".", suffix=".tmp", dir=out)
-        try:
-            chmod_default(tmp)
-            with os.fdopen(fd, "w") as f:
-                f.write(dumps(meta, indent=1, sort_keys=True))
-                f.write("\n")
-            os.replace(tmp, out / META_FILE)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+            meta["files"] = {TENSORS_FILE: {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
+            try:
+                text = dumps(meta, indent=1, sort_keys=True) + "\n"
+            except (TypeError, ValueError) as exc:
+                problem, refused = f"meta is not JSON: {exc}", ""
+            else:
+                problem = _meta_problem(loads(text))  # what load_calibration will read
+        if problem is not None:
+            raise ValueError(
+                f"calibration not written to {out}: {problem}{refused}"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        for name, content in ((TENSORS_FILE, blob), (META_FILE, text.encode())):
+            fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=out)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(content)
+                chmod_default(tmp)
+                os.replace(tmp, out / name)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
         self.meta, self.path = meta, out
         logger.info("calibration written to %s", out)
         return out
+
+
+def _kvbits_version() -> str:
+    import kvbits
+
+    return str(getattr(kvbits, "__version__", "?"))
 
 
 def now_utc() -> str:
@@ -443,18 +458,22 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _meta_problem(meta: dict[str, Any]) -> str | None:
+def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
     """What is wrong with the JSON fields the loader, the cache and the reports use, or None.
 
     Only the tensor file is covered by a sha256; these fields are read as they are, so an edited
     ``data.context`` of -100 would report more positions "beyond calibrated" than a window has, and a
-    ``num_layers`` of 2.7 would be truncated silently.
+    ``num_layers`` of 2.7 would be truncated silently. ``load_calibration`` and ``CalibrationArtifact.save``
+    both check with it; ``files=False``: all but the ``files`` record (``save``, before it writes that file).
     """
 
     def field(path: str, value: Any, want: str) -> str:
         return f"{path} must be {want}, got {value!r}"
 
-    for key in ("scheme", "model", "data", "files"):
+    keys = ("scheme", "model", "data", "files") if files else ("scheme", "model", "data")
+    for key in keys:
+        if key not in meta:
+            return f"the {key!r} field is missing"
         if not isinstance(meta[key], dict):
             return field(key, meta[key], "a JSON object")
     model, data = meta["model"], meta["data"]
@@ -481,7 +500,7 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
             return field(f"data.{k}", data[k], "a positive integer or null")
     if data.get("name") is not None and not isinstance(data["name"], str):
         return field("data.name", data["name"], "a string or null")
-    record = meta["files"].get(TENSORS_FILE)
+    record = meta["files"].get(TENSORS_FILE) if files else {"bytes": 0, "sha256": "0" * 64}
     if not isinstance(record, dict):
         return field(f"files.{TENSORS_FILE}", record, "a JSON object with bytes and sha256")
     if not _is_int(record.get("bytes")) or record["bytes"] < 0:
@@ -492,6 +511,10 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     stats = meta.get("stats", [])
     if not isinstance(stats, list) or not all(isinstance(row, dict) for row in stats):
         return field("stats", stats, "a list of per-layer JSON objects")
+    try:
+        KVScheme.from_dict(meta["scheme"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"scheme: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -568,23 +591,18 @@ def load_calibration(
         raise ValueError(f"{meta_path} does not hold a JSON object")  # noqa: TRY004 - bad file content
     version = meta.get("format_version")
     if not _is_int(version) or version != ARTIFACT_FORMAT_VERSION:  # JSON true == 1 in Python
+        newer = _is_int(version) and version > ARTIFACT_FORMAT_VERSION
         raise ValueError(
             f"{meta_path} has format_version {version!r}; this kvbits reads format_version "
-            f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}); "
-            "re-run kvbits calibrate with this version"
+            f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}, read by kvbits "
+            f"{_kvbits_version()}); "
+            + ("upgrade kvbits to read it, or " if newer else "")
+            + "re-run kvbits calibrate with this version"
         )
-    for key in ("scheme", "model", "data", "files"):
-        if key not in meta:
-            raise ValueError(
-                f"{meta_path} lacks the {key!r} field; the file is incomplete or not a kvbits calibration"
-            )
     problem = _meta_problem(meta)
     if problem is not None:
         raise ValueError(f"{meta_path} is malformed: {problem} (edited or corrupt? re-run kvbits calibrate)")
-    try:
-        art_scheme = KVScheme.from_dict(meta["scheme"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{meta_path} is malformed: scheme: {type(exc).__name__}: {exc}") from None
+    art_scheme = KVScheme.from_dict(meta["scheme"])  # checked by _meta_problem
     record = meta["files"][TENSORS_FILE]
     want_bytes, want_sha = record["bytes"], record["sha256"]
 

@@ -395,6 +395,37 @@ def _mse_phase(
     return (base * 2.0 ** (j / FP8_PHASES)).float(), float(j), errors[0], errors[j]
 
 
+def _warn_percentile_is_the_max(
+    scheme: KVScheme, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], percentile: float
+) -> None:
+    """Log a WARNING when a fitted side has too few samples per channel for ``percentile`` to trim its outliers.
+
+    ``channel_percentiles`` interpolates between order statistics at position ``q (N - 1)`` (``q = p / 100``); past
+    ``N - 1.5`` that is nearer the largest sample than the second largest, so the range keeps most of the largest
+    outlier: the percentile is in effect the max (99.9 over 100 tokens: 90 % of the way from the second largest to
+    the max). That stops from ``N >= 1 + 50 / (100 - p)`` samples on (501 for 99.9). ``keys`` / ``values``:
+    ``(H_kv, N, D)`` per layer; only the sides whose fit reads ``percentile`` count (static int/NUQ ranges,
+    smoothing factors); ``percentile=100`` asks for the max and says nothing."""
+    if not 50 <= percentile < 100:  # 100: the max, as asked; outside [50, 100]: refused by the fit
+        return
+    counts = [
+        xs[i].shape[1]
+        for i in range(len(keys))
+        for side, xs in (("key", keys), ("value", values))
+        if (spec := getattr(scheme.for_layer(i), side)).kind != "fp8" and (spec.static or spec.smooth is not None)
+    ]
+    if not counts:
+        return
+    n, enough = min(counts), math.ceil(1 + 50 / (100 - percentile) - 1e-9)
+    if n < enough:
+        logger.warning(
+            "percentile %g over %d samples per channel is in effect the max (and 100 - p the min): the range lies "
+            "nearer the largest sample than the second largest, so it trims no outliers; that takes %d samples "
+            "per channel (1 + 50 / (100 - p)): calibrate on more tokens, or lower the percentile",
+            percentile, n, enough,
+        )  # fmt: skip
+
+
 def artifact_from_samples(
     scheme: KVScheme | str,
     keys: Sequence[torch.Tensor],
@@ -510,6 +541,7 @@ def artifact_from_samples(
             "is recorded as the sample count N = %d, which overstates it unless they are one window: pass "
             "meta={'data': {'context': T}} (or (B, H_kv, T, D) blocks)", N,
         )  # fmt: skip
+    _warn_percentile_is_the_max(scheme, keys, values, percentile)
     tensors: dict[str, torch.Tensor] = {}
     stats: list[dict[str, float]] = []
     n_layers = len(keys)
