@@ -1216,3 +1216,51 @@ def test_values_of_another_head_dim_are_refused():
         plan(mimo, context=1000)
     same = {**mimo, "v_head_dim": 192}
     assert plan(same, context=1000)["total_bytes"] == 2 * 2 * 4 * 192 * 1000 * 2
+
+
+def _no_rope_config(name):
+    import transformers as tf
+
+    return {
+        "gpt2": lambda: tf.GPT2Config(n_layer=2, n_head=2, n_embd=32),
+        "opt": lambda: tf.OPTConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, ffn_dim=64),
+        "bloom": lambda: tf.BloomConfig(n_layer=2, n_head=2, hidden_size=32),
+        "falcon-alibi": lambda: tf.FalconConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, alibi=True),
+        "granite-nope": lambda: tf.GraniteMoeHybridConfig(
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=32, mamba_n_heads=2,
+            layer_types=["attention", "attention"], position_embedding_type=None,
+        ),
+    }[name]()  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom", "falcon-alibi", "granite-nope"])
+def test_pre_rope_schemes_refused_on_models_without_rope_keys(name):
+    """The cache refuses pre-RoPE schemes on a model that does not rotate its keys; the planner used to count
+    their bytes all the same (GPT-2 with kvquant-4 at 100 tokens: 17,784 bytes) and, with fused_decode, add RoPE
+    tables the model never has. Now it refuses them as the cache does, saying why; post-RoPE schemes still plan."""
+    from kvbits.cache import QuantizedKVCache
+
+    config = _no_rope_config(name)
+    with pytest.raises(ValueError, match="needs a model with RoPE keys"):
+        QuantizedKVCache(config, scheme="kvquant-4")
+    for scheme in ("kvquant-4", "int4-channel-prerope"):
+        for fused in (False, True):
+            with pytest.raises(ValueError, match=r"does not rotate its keys.*post-RoPE keys \(pre_rope=False\)"):
+                plan(config, scheme=scheme, context=100, fused_decode=fused)
+    shape = load_shape(config)  # the CLI plans the shape it loaded
+    with pytest.raises(ValueError, match="does not rotate its keys"):
+        plan(shape, scheme=["int8-token", "kvquant-4"], context=100)
+    with pytest.raises(ValueError, match="does not rotate its keys"):
+        plan_shape(shape.with_overrides(kv_heads=1), "kvquant-4", context=100)
+    assert plan(config, scheme="int8-token", context=100)["total_bytes"] > 0
+
+
+def test_pre_rope_schemes_still_planned_on_rope_models_and_bare_shapes():
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64)
+    assert load_shape(llama).pre_rope_problem is None
+    assert plan(llama, scheme="kvquant-4", context=100)["total_bytes"] > 0
+    gpt2_like = {"n_layer": 2, "n_head": 2, "n_embd": 32}  # no model type: only dimensions
+    assert plan(gpt2_like, scheme="kvquant-4", context=100)["total_bytes"] > 0
+    assert plan(ModelShape.from_dims(2, 2, 16), scheme="kvquant-4", context=100)["total_bytes"] > 0

@@ -43,6 +43,11 @@ from kvbits.cache.layer import (
     offload_refusal,
 )
 from kvbits.plan.config import attention_heads, config_value, layer_configs, layer_heads, text_config
+
+# families whose attention changes the keys after RoPE, before caching them (HunYuan: key_layernorm on the rotated
+# keys); kvbits.analyze.verify refuses them for statistics and calibration, rotary_for for pre-RoPE cache schemes,
+# kvbits.plan for pre-RoPE plans
+from kvbits.plan.positions import KEYS_NORMED_AFTER_ROPE, mrope_section
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -51,9 +56,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["QuantizedKVCache", "attention_shape", "layer_windows", "rotary_for"]
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
-# families whose attention changes the keys after RoPE, before caching them (HunYuan: key_layernorm on the rotated
-# keys); kvbits.analyze.verify refuses them for statistics and calibration, rotary_for for pre-RoPE cache schemes
-KEYS_NORMED_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "hunyuan_vl")
 COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
 
 
@@ -196,9 +198,9 @@ def _mrope_section(text: Any, rotary: Any) -> Any:
     """The ``mrope_section`` of multimodal RoPE (Qwen2-VL style: channel sections rotated by the time, height and
     width position axes) in ``text``'s RoPE parameters or on the rotary module of ``rotary`` (``RotaryTables``),
     else ``None``."""
-    for params in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
-        if isinstance(params, Mapping) and params.get("mrope_section") is not None:
-            return params["mrope_section"]
+    section = mrope_section(text)
+    if section is not None:
+        return section
     return getattr(getattr(rotary, "rotary", None), "mrope_section", None)
 
 

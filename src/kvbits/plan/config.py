@@ -46,6 +46,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvbits.plan.positions import LEARNED_POSITIONS, pre_rope_problem
 from kvbits.plan.shape import (
     ATTENTION_KINDS,
     ConfigLike,
@@ -270,10 +271,6 @@ def warn_beyond_max_positions(config: Any, context: int, note: str = "") -> bool
         context, max_ctx, note,
     )  # fmt: skip
     return True
-
-
-LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")
-"""Model types with a learned table of absolute positions: a position past it has no embedding at all."""
 
 
 def check_context_fits(config: Any, context: int) -> None:
@@ -554,8 +551,9 @@ def model_shape(config: Any, *, name: str = "", rope: bool = False) -> ModelShap
     if not name:
         name = str(_get(config, "_name_or_path") or _get(text, "model_type") or "")
     shape = ModelShape(
-        tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx, weights_quantized=quantized_weights(config)
-    )
+        tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx, weights_quantized=quantized_weights(config),
+        pre_rope_problem=None if isinstance(text, Mapping) else pre_rope_problem(text),
+    )  # fmt: skip
     try:
         params = estimate_params(text, shape)
     except ValueError as exc:  # weights are optional for planning; say why they are missing

@@ -148,6 +148,21 @@ def _spelling(spec: Any) -> str:
     return f"a {type(spec).__name__}"
 
 
+def check_pre_rope(shape: ModelShape, scheme: KVScheme) -> None:
+    """``ValueError`` when ``scheme`` quantizes keys before RoPE (a layer's key side has ``pre_rope``) on a model
+    that can not cache them so (``shape.pre_rope_problem``: it does not rotate its keys, GPT-2, BLOOM, Falcon with
+    ``alibi=True``, ...): ``QuantizedKVCache`` and ``StaticQuantizedKVCache`` refuse such a scheme, so its bytes
+    would describe a cache that can not be built (and ``fused_decode`` would add RoPE tables the model never has)."""
+    if shape.pre_rope_problem is None:
+        return
+    if any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
+        model = f" {shape.name!r}" if shape.name else ""
+        raise ValueError(
+            f"scheme {scheme.name!r} quantizes keys before RoPE, but the model{model} {shape.pre_rope_problem}; "
+            "the cache refuses it there: use a scheme with post-RoPE keys (pre_rope=False)"
+        )
+
+
 MAX_GIB = 1 << 30
 """The largest memory amount taken, in GiB (1 EiB): far beyond any GPU or node, and small enough that the
 byte counts stay finite (``1e308`` GiB overflowed a float)."""
@@ -209,7 +224,8 @@ def plan(
         ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
             heads or layers, a scheme the cache can not store at the model's head dim (per-token groups
             that do not divide it), ``gpu_mem_gib`` without any way to know the weights, ``weights_gib`` or a
-            non-zero ``reserve_gib`` without ``gpu_mem_gib``, or a scheme
+            non-zero ``reserve_gib`` without ``gpu_mem_gib``, a pre-RoPE scheme on a model that does not rotate
+            its keys (:func:`check_pre_rope`: the cache refuses it), or a scheme
             listed twice (two spellings that resolve to one scheme name count: plans are told apart by
             name).
 
@@ -251,6 +267,8 @@ def plan(
     scheme_specs, many_schemes = _as_list(scheme)
     schemes = [get_scheme(s) for s in scheme_specs]
     _check_distinct(scheme_specs, schemes)
+    for s in schemes:
+        check_pre_rope(shape, s)
 
     budget = None
     if gpu_mem_gib is not None:
@@ -326,6 +344,7 @@ def long_run_bits(shape: ModelShape, scheme: SchemeLike) -> float:
     n_layers)``."""
     scheme = get_scheme(scheme)
     scheme.check_layer_count(len(shape.layers))
+    check_pre_rope(shape, scheme)
     kept = [(i, layer) for i, layer in enumerate(shape.layers) if layer.attention != "none"]
     if not kept:
         raise ValueError("none of the model's layers stores a KV cache; it has no bits per element")
@@ -372,6 +391,7 @@ def plan_shape(
     step = 0
     per_layer = []
     scheme.check_layer_count(len(shape.layers))
+    check_pre_rope(shape, scheme)
     for i, layer in enumerate(shape.layers):
         layer_scheme = scheme.for_layer(i)
         row: dict[str, Any] = {

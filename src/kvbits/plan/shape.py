@@ -118,6 +118,10 @@ class ModelShape:
         weights_quantized: how the config's ``quantization_config`` stores the weights (``"mxfp4"``, ``"gptq
             4-bit"``), None when they are floats of ``dtype_bytes``: quantized, their bytes are not ``params`` times
             ``dtype_bytes``, so the planner needs ``weights_gib`` for a GPU budget.
+        pre_rope_problem: why the model can not cache its keys before RoPE (``kvbits.plan.positions.pre_rope_problem``:
+            it does not rotate them, GPT-2 or BLOOM, or rotates them in a way pre-RoPE keys do not support), read
+            from a transformers config; the planner then refuses pre-RoPE schemes, as the cache does. None when it can,
+            or nobody knows (planned from dimensions or a plain mapping).
     """
 
     layers: tuple[LayerShape, ...]
@@ -126,6 +130,7 @@ class ModelShape:
     max_context: int | None = None
     params: Mapping[str, int] | None = field(default=None, compare=False)
     weights_quantized: str | None = field(default=None, compare=False)
+    pre_rope_problem: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -47,34 +47,15 @@ import torch
 
 from kvbits.plan.config import layer_heads, text_config
 
+# the torch-free config checks, shared with the planner, which refuses the same models for pre-RoPE schemes
+from kvbits.plan.positions import INTERLEAVED_SINUSOID, NON_TEXT_ROTARY, no_rope_reason
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["RotaryTables", "apply_rope", "invert_rope", "rotate_half"]
 
-# Rotary modules of other modalities living in the same modeling file as the text model's.
-_NON_TEXT = ("Vision", "Audio", "DiT", "Talker", "SaProt")
-# families that rotate interleaved pairs (rotate_every_two) from a fixed sinusoid table: refused by name,
-# since some transformers versions have a *RotaryEmbedding class for them (5.24) and others none (5.17)
-_INTERLEAVED_SINUSOID = ("gptj", "codegen")
 # rope types whose frequencies depend on the sequence length of the forward call
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
-# values of a config's ``position_embedding_type`` that mean RoPE (GraniteMoeHybrid: "rope"; Evolla: "rotary")
-_ROPE_EMBEDDING_TYPES = ("rope", "rotary")
-
-
-def _no_rope_reason(text: Any) -> str | None:
-    """Why a config whose family has a rotary module says this model does not rotate its keys, or ``None``.
-
-    Falcon with ``alibi=True`` (Falcon-RW and the ALiBi variants) adds position biases instead, and
-    GraniteMoeHybrid with ``position_embedding_type`` other than ``"rope"`` (Granite 4.0-H's default ``None``:
-    NoPE) builds no rotary module at all; both modeling files still define one, so without this check the tables
-    would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does not exist)."""
-    if getattr(text, "alibi", False) is True:
-        return "it adds ALiBi position biases instead of rotating its keys (alibi=True)"
-    kind = getattr(text, "position_embedding_type", "rope")
-    if kind not in _ROPE_EMBEDDING_TYPES:
-        return f"it does not rotate its keys (position_embedding_type={kind!r}, not 'rope')"
-    return None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -141,8 +122,8 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def _refuse_without_rope(text: Any, model_type: str | None) -> None:
-    """``ValueError`` (what a family without a rotary module gets) when ``_no_rope_reason`` finds one."""
-    why = _no_rope_reason(text)
+    """``ValueError`` (what a family without a rotary module gets) when ``no_rope_reason`` finds one."""
+    why = no_rope_reason(text)
     if why is not None:
         raise ValueError(f"model_type {model_type!r} has no RoPE keys: {why}")
 
@@ -169,7 +150,7 @@ def _rotary_class(module: Any, model_type: str) -> type:
         and name.endswith("RotaryEmbedding")
         and isinstance(obj, type)
         and issubclass(obj, torch.nn.Module)
-        and not any(tag in name for tag in _NON_TEXT)
+        and not any(tag in name for tag in NON_TEXT_ROTARY)
     ]
     if not found:
         raise ValueError(
@@ -261,7 +242,7 @@ class RotaryTables:
         model_type = getattr(text, "model_type", None)
         if not model_type:
             raise ValueError(f"config has no model_type: {type(config).__name__}")
-        if model_type in _INTERLEAVED_SINUSOID:
+        if model_type in INTERLEAVED_SINUSOID:
             raise NotImplementedError(
                 f"model_type {model_type!r} rotates interleaved pairs from a fixed sinusoid table; "
                 "kvbits.quant.rope supports the rotate-half convention only"
@@ -283,7 +264,7 @@ class RotaryTables:
         found = None
         for _name, sub in model.named_modules():
             cname = type(sub).__name__
-            if cname.endswith("RotaryEmbedding") and not any(t in cname for t in _NON_TEXT):
+            if cname.endswith("RotaryEmbedding") and not any(t in cname for t in NON_TEXT_ROTARY):
                 found = sub
                 break
         if found is None:

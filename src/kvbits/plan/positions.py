@@ -1,0 +1,132 @@
+"""Whether a model's keys can be cached before RoPE, read from its config alone (no torch, no modeling import).
+
+Pre-RoPE schemes (a scheme whose key side has ``pre_rope``: ``kvquant-4``, ``int4-channel-prerope``) un-rotate the
+keys a model caches and rotate them back on every read, so they need a model that rotates its keys, by rotate-half
+RoPE. The cache finds out by building the family's rotary module (``kvbits.quant.rope.RotaryTables.from_config``,
+which imports the modeling file and torch); the planner asks :func:`pre_rope_problem`, which reads the same
+config fields (:func:`no_rope_reason`, shared with ``RotaryTables``) and the family's modeling source as text.
+
+It refuses, for a transformers config:
+
+- families with learned absolute positions (``LEARNED_POSITIONS``: GPT-2, GPTBigCode, GPT-Neo, OPT) or ALiBi
+  biases (``ALIBI_FAMILIES``: BLOOM, MPT), and every other family whose transformers modeling file names no text
+  ``*RotaryEmbedding`` class (XGLM, BioGPT, CTRL, Jamba, ...): what ``RotaryTables`` refuses as "no
+  ``*RotaryEmbedding`` class";
+- configs of a rotary family that say this model does not rotate (Falcon ``alibi=True``, GraniteMoeHybrid without
+  ``position_embedding_type="rope"``);
+- families that rotate interleaved pairs (``INTERLEAVED_SINUSOID``: GPT-J, CodeGen) and those that normalise
+  their keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan), which the cache refuses as well.
+
+- configs whose RoPE parameters carry an ``mrope_section`` (multimodal RoPE, Qwen2-VL style: :func:`mrope_section`).
+
+What the cache finds only by building the rotary module is left to it: a family's default ``mrope_section`` (a
+Qwen2-VL config without RoPE parameters), a layout other than rotate-half (Cohere, GLM); a family whose modeling file can not be found is not
+refused here (it is then planned as before).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ALIBI_FAMILIES",
+    "INTERLEAVED_SINUSOID",
+    "KEYS_NORMED_AFTER_ROPE",
+    "LEARNED_POSITIONS",
+    "NON_TEXT_ROTARY",
+    "mrope_section",
+    "no_rope_reason",
+    "pre_rope_problem",
+]
+
+LEARNED_POSITIONS = ("gpt2", "gpt_bigcode", "gpt_neo", "opt")
+"""Families that add a learned absolute-position table to their inputs (no RoPE; a context beyond the table fails)."""
+ALIBI_FAMILIES = ("bloom", "mpt")
+"""Families that add ALiBi position biases to the attention scores (no RoPE)."""
+INTERLEAVED_SINUSOID = ("gptj", "codegen")
+"""Families that rotate interleaved pairs (rotate_every_two) from a fixed sinusoid table: refused by name, since
+some transformers versions have a ``*RotaryEmbedding`` class for them (5.24) and others none (5.17)."""
+KEYS_NORMED_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "hunyuan_vl")
+"""Families that normalise their keys after RoPE (``query_layernorm`` / ``key_layernorm``): their cached keys are no
+rotation of a pre-RoPE key, so pre-RoPE key schemes have no frame to quantize in (kvbits.cache refuses them)."""
+NON_TEXT_ROTARY = ("Vision", "Audio", "DiT", "Talker", "SaProt")
+"""Tags of rotary modules of other modalities living in the same modeling file as the text model's."""
+# values of a config's ``position_embedding_type`` that mean RoPE (GraniteMoeHybrid: "rope"; Evolla: "rotary")
+_ROPE_EMBEDDING_TYPES = ("rope", "rotary")
+_ROTARY_NAME = re.compile(r"\b(\w*RotaryEmbedding)\b")
+
+
+def no_rope_reason(text: Any) -> str | None:
+    """Why a config whose family has a rotary module says this model does not rotate its keys, or ``None``.
+
+    Falcon with ``alibi=True`` (Falcon-RW and the ALiBi variants) adds position biases instead, and
+    GraniteMoeHybrid with ``position_embedding_type`` other than ``"rope"`` (Granite 4.0-H's default ``None``:
+    NoPE) builds no rotary module at all; both modeling files still define one, so without this check the tables
+    would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does not exist)."""
+    if getattr(text, "alibi", False) is True:
+        return "it adds ALiBi position biases instead of rotating its keys (alibi=True)"
+    kind = getattr(text, "position_embedding_type", "rope")
+    if kind not in _ROPE_EMBEDDING_TYPES:
+        return f"it does not rotate its keys (position_embedding_type={kind!r}, not 'rope')"
+    return None
+
+
+def mrope_section(text: Any) -> Any:
+    """The ``mrope_section`` of multimodal RoPE (Qwen2-VL style: channel sections rotated by the time, height and
+    width position axes) in ``text``'s RoPE parameters (``rope_parameters`` / ``rope_scaling``), else ``None``."""
+    for params in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(params, Mapping) and params.get("mrope_section") is not None:
+            return params["mrope_section"]
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _has_rotary_class(model_type: str) -> bool | None:
+    """Whether transformers' modeling file of ``model_type`` names a text ``*RotaryEmbedding`` class (read as text:
+    the modeling module, which imports torch and the family's layers, is not imported); ``None`` when the file can
+    not be found."""
+    try:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        name = model_type_to_module_name(model_type)
+        spec = importlib.util.find_spec(f"transformers.models.{name}.modeling_{name}")
+        if spec is None or not spec.origin:
+            return None
+        with open(spec.origin, encoding="utf-8") as f:
+            source = f.read()
+    except (ImportError, ValueError, OSError):
+        return None
+    return any(not any(tag in n for tag in NON_TEXT_ROTARY) for n in _ROTARY_NAME.findall(source))
+
+
+def pre_rope_problem(text: Any) -> str | None:
+    """Why a model of the (text) config ``text`` can not cache its keys before RoPE, or ``None`` (it can, or this
+    can not be told from a config: a plain mapping, no ``model_type``). The reason completes "model_type 'gpt2'
+    ...": it does not rotate its keys, or rotates them in a way pre-RoPE keys do not support."""
+    model_type = getattr(text, "model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    if model_type in LEARNED_POSITIONS:
+        return "does not rotate its keys: it adds learned absolute position embeddings to its inputs"
+    if model_type in ALIBI_FAMILIES:
+        return "does not rotate its keys: it adds ALiBi position biases to its attention scores"
+    if model_type in INTERLEAVED_SINUSOID:
+        return "rotates interleaved channel pairs from a fixed sinusoid table (pre-RoPE keys support rotate-half RoPE only)"
+    if model_type in KEYS_NORMED_AFTER_ROPE:
+        return "normalises its keys after RoPE (key_layernorm): its cached keys are no rotation of a pre-RoPE key"
+    section = mrope_section(text)
+    if section is not None:
+        return (
+            f"rotates its keys by multimodal RoPE (mrope_section {list(section)}): each channel section turns by its "
+            "own position axis, so its keys have no single pre-RoPE frame"
+        )
+    why = no_rope_reason(text)
+    if why is not None:
+        return f"does not rotate its keys: {why}"
+    if _has_rotary_class(model_type) is False:
+        return "does not rotate its keys: its transformers modeling file defines no rotary embedding (*RotaryEmbedding)"
+    return None
