@@ -174,8 +174,10 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
         )
     if dtype == "int4_per_token_head":
         notes.append(
-            "kvbits emulates vLLM's int4_per_token_head with vLLM's own Hadamard signs and grid (within 1 % of a "
-            "step: vLLM's float32 scale and rounding ties are not reproduced), as written in vLLM's "
+            "kvbits emulates vLLM's int4_per_token_head with vLLM's own Hadamard signs and grid, at vLLM's bytes "
+            "per token and head (D/2 of codes and 4 of metadata per side) but not its layout: vLLM keeps one "
+            "float32 scale whose 4 low mantissa bits hold the zero-point code, kvbits a float16 scale and zero "
+            "(decoded within 1 % of a step; vLLM's round-half-away ties not reproduced), as written in vLLM's "
             "ops/int4_per_token_head.py and triton_quant_kv/int4_per_token_head.py; other vLLM sources store a "
             "signed 4-bit codebook with per-group scales under the same name: check your vLLM's write kernel"
         )

@@ -94,8 +94,10 @@ register(
         key=_vllm4,
         value=_vllm4,
         description="vLLM's kv_cache_dtype=int4_per_token_head: INT4 per token and head after vLLM's "
-        "random-sign Hadamard rotation (its sign vector), with an integer zero-point code (keys and values; "
-        "vLLM's float32 scale and rounding ties are not reproduced)",
+        "random-sign Hadamard rotation (its sign vector), with an integer zero-point code (keys and values). "
+        "vLLM's bytes per token and head, 4 + 32/D bits, not its layout: vLLM keeps one float32 scale whose 4 "
+        "low mantissa bits hold the zero-point code, kvbits a float16 scale and a float16 zero (-z * scale), "
+        "decoding within 1 % of a step of vLLM's; its round-half-away ties are not reproduced",
         reference=VLLM_INT4,
     )
 )
