@@ -196,6 +196,36 @@ def test_tune_budget_is_the_bits_plan_reports_at_the_tuning_context():
         tune(llama, _ids(400), ["int2-token", "int8-token"], 10.0, context=256, check=False, dtype_bytes=3)
 
 
+
+def test_tune_prices_the_budget_at_the_serving_context(caplog):
+    """serve_context= (--serve-context) prices the budget where the mix is served. Before, the bits were counted at
+    the tuning context only: on the Gemma2 whose layer 1 slides (W=32) a mix within 8.1 bits at 64 tokens (int8 on
+    the full layer 0) held 9.657 bits at 512 and 9.955 at 4096, silently. The default (the tuning context) is
+    unchanged and now warns once that the mix exceeds the budget at the model's max context."""
+    import logging
+
+    model = _gemma2_sliding()
+    table = [[1.0, 0.0], [0.5, 0.0]]  # int8 on layer 0 first, then on layer 1
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+    cands = ["int2-token", "int8-token"]
+    with swept, caplog.at_level(logging.WARNING, logger="kvbits.tune"):
+        res = tune(model, None, cands, 8.1, context=64, check=False)
+    assert res.choice == ["int8-token", "int2-token"] and res.meta["serve_context"] == 64
+    assert res.avg_bits == plan(model.config, 64, scheme=res.scheme, dtype_bytes=4)["avg_bits"] <= 8.1
+    assert plan(model.config, 4096, scheme=res.scheme, dtype_bytes=4)["avg_bits"] > 9.9  # what it holds served
+    warned = [r.getMessage() for r in caplog.records if "max context" in r.getMessage()]
+    assert len(warned) == 1 and "9.955 average bits" in warned[0] and "--serve-context" in warned[0], warned
+    caplog.clear()
+    with swept, caplog.at_level(logging.WARNING, logger="kvbits.tune"):
+        res = tune(model, None, cands, 8.1, context=64, check=False, serve_context=512)
+    assert res.meta["serve_context"] == 512 and res.meta["context"] == 64
+    assert res.avg_bits == plan(model.config, 512, scheme=res.scheme, dtype_bytes=4)["avg_bits"] <= 8.1
+    assert res.bits == [plan(model.config, 512, scheme=n, dtype_bytes=4)["avg_bits"] for n in res.candidates]
+    assert res.choice == ["int2-token", "int8-token"]  # int8 fits only on the sliding layer's 31 tokens at 512
+    assert not [r for r in caplog.records if "max context" in r.getMessage()]  # priced where served: no warning
+    with pytest.raises(ValueError, match="serve_context must be a positive int"):
+        tune(model, None, cands, 8.1, context=64, check=False, serve_context=0)
+
 def test_tune_reports_avg_bits_within_an_exactly_met_budget():
     """A budget exactly met by the mix (k int8 layers among n int4, head dim 96: 4.333 and 8.333 bits) is
     kept to in the reported avg_bits too. Before, avg_bits was a float mean of the layers' bits and exceeded
@@ -300,6 +330,10 @@ def test_cli_tune_writes_a_scheme_every_command_reads(tmp_path, capsys, monkeypa
     assert not (tmp_path / "mix.txt").exists()
     assert main([*argv[:-2], "--dtype-bytes", "2", "--json", "--no-check"]) == 0  # the serving dtype prices tokens
     assert json.loads(capsys.readouterr().out)["meta"]["dtype_bytes"] == 2
+    assert record["meta"]["serve_context"] == 64  # priced at --context unless --serve-context is given
+    assert main([*argv[:-2], "--serve-context", "1k", "--json", "--no-check"]) == 0
+    served = json.loads(capsys.readouterr().out)
+    assert served["meta"]["serve_context"] == 1024 and served["meta"]["context"] == 64
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ __all__ = ["add_parser", "calibration_dir", "run"]
 
 EPILOG = """\
 examples:
-  kvbits tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k \\
+  kvbits tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --serve-context 4k \\
       --candidates int8-token --candidates int4-token --candidates int2-token --budget-bits 5 --out tuned.json
   kvbits eval --model qwen2.5-coder-0.5b --data wikitext2 --context 4k --scheme tuned.json --scheme int4-token
   kvbits tune --model qwen2.5-coder-0.5b --data pride-and-prejudice --context 1k --candidates fp16 \\
@@ -26,7 +26,7 @@ examples:
 --out writes the chosen mix as a scheme JSON (any command's --scheme takes it) and, beside it,
 <out>.tune.json with the sensitivity table {"scheme" (the mix), "choice", "candidates", "bits", "sensitivity" (layers x
 candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits" (kvbits plan's at
---context; "bits" are the uniform candidates'), "predicted_kl",
+--serve-context, recorded as meta.serve_context; "bits" are the uniform candidates'), "predicted_kl",
 "measured_kl", "uniform", "rounds", "meta", "calibration"}; --json prints that record. --rounds 2 re-chooses from
 marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14).
 Calibrated candidates (kvquant-*) take their `kvbits calibrate` folders (--calibration, matched by the
@@ -36,6 +36,10 @@ scheme each was calibrated for); every probe and mix runs with the calibration c
 replaced (with its calibration folder, removed when the new mix calibrates no layer); an existing --out (or
 <out without .json>.calibration/) without <out>.tune.json beside it is refused unless --overwrite.
 Tune on text other than the one you evaluate on: the sensitivities are measured, not predicted.
+The budget is priced at --serve-context (default --context): on a model with sliding-window layers (Gemma 2/3,
+Mistral) the average bits depend on the context (the windows stop growing, the full layers do not), so a mix
+within the budget at 1k tokens can exceed it at 4k; give the context you will serve at (a warning says when the
+mix would exceed the budget at the model's max context and no --serve-context was given).
 """
 
 
@@ -48,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="choose each layer's scheme within an average-bits budget from measured sensitivity",
         description="Measure the KL of the model with one layer at a time stored by each candidate scheme, "
         "pick the assignment with the least summed KL within --budget-bits average bits (exact knapsack; the mix's "
-        "avg_bits as kvbits plan reports it at --context), "
+        "avg_bits as kvbits plan reports it at --serve-context, default --context), "
         "then measure that mix and the uniform candidates on the same windows.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -70,7 +74,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--budget-bits", type=bounded(float, 0, lo_open=True), required=True,
-        help="largest average bits of the mix: kvbits plan's avg_bits at --context (every byte held, over the "
+        help="largest average bits of the mix: kvbits plan's avg_bits at --serve-context (every byte held, over the "
         "elements an fp16 cache holds)",
     )  # fmt: skip
     p.add_argument(
@@ -79,6 +83,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "in the budget (default: those of --dtype, float32 = 4)",
     )  # fmt: skip
     p.add_argument("--context", type=parse_tokens, default=1024, help="tokens per window, e.g. 1k (default 1024)")
+    p.add_argument(
+        "--serve-context", type=parse_tokens,
+        help="tokens the mix will be served at, where --budget-bits is priced (default --context); with sliding-window "
+        "layers the average bits grow with the context",
+    )  # fmt: skip
     p.add_argument("--windows", type=_positive, default=1, help="number of windows (default 1)")
     p.add_argument(
         "--rounds", type=_positive, default=1,
@@ -114,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
         name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
         rounds=args.rounds, progress=not (args.no_progress or args.json), calibrations=args.calibration,
-        dtype_bytes=args.dtype_bytes,
+        dtype_bytes=args.dtype_bytes, serve_context=args.serve_context,
     )  # fmt: skip
     if args.out:
         out = Path(args.out)
@@ -184,7 +193,7 @@ def _print(res: Any, out: str | None) -> None:
         table.add_row(str(i), *(f"{x:.3g}" for x in row), res.choice[i])
     console.print(table)
     line = (
-        f"{res.scheme.name}: {res.avg_bits:.3f} average bits at {res.meta['context']} tokens (budget "
+        f"{res.scheme.name}: {res.avg_bits:.3f} average bits at {res.meta['serve_context']} tokens (budget "
         f"{res.budget_bits:g}); KL predicted "
         f"{res.predicted_kl:.4g} (sum of single-layer KLs)"
     )

@@ -6,11 +6,13 @@
    one simulated pass per (layer, candidate)).
 2. **Choice.** The assignment of one candidate per layer with the least *sum* of those KLs whose average
    bits stay within a budget: a multiple-choice knapsack, solved exactly by dynamic programming over
-   bytes. The bits are those ``kvbits plan`` reports for the mix at the tuning context: each layer priced by
+   bytes. The bits are those ``kvbits plan`` reports for the mix at the serving context (``serve_context``,
+   default the tuning context): each layer priced by
    the bytes it really holds there (``kvbits.plan.plan_shape``: its own KV heads and head dim, a sliding
    window's last ``W - 1`` tokens, sinks, the residual window and any fallback in the model's dtype,
    static scales and codebooks), over the elements an fp16 cache of the model holds (``avg_bits``), so
-   layers weigh by what they store.
+   layers weigh by what they store. Where some layers slide, the bits depend on the context (a window
+   stops growing, full layers do not): a mix within the budget at one context may exceed it at a longer one.
 3. **Refine** (``rounds > 1``). The layers' errors do not add up (they compound: BENCHMARKS.md §14), so
    each further round measures the *marginal* KL of changing one layer's candidate with every other layer
    as the current mix stores it, and solves the knapsack again on those costs: sensitivity measured
@@ -63,9 +65,10 @@ class TuneResult:
         scheme: the chosen mix (``KVScheme`` with per-layer overrides; the base is the candidate most layers use).
         choice: per layer, the chosen candidate's name.
         candidates: candidate names, cheapest first; ``bits``: each one's ``avg_bits`` as ``kvbits plan``
-            reports it for the model at the tuning context (``meta["context"]`` tokens, ``meta["dtype_bytes"]``).
+            reports it for the model at the serving context (``meta["serve_context"]`` tokens, the tuning context
+            unless ``serve_context`` was given; ``meta["dtype_bytes"]``).
         sensitivity: ``(layers, candidates)`` KL in nats with only that layer stored by that candidate.
-        budget_bits: the average-bits budget; ``avg_bits``: the mix's, ``kvbits plan``'s figure at the tuning
+        budget_bits: the average-bits budget; ``avg_bits``: the mix's, ``kvbits plan``'s figure at the serving
             context (``<= budget_bits``).
         predicted_kl: the sum of the chosen single-layer KLs; ``measured_kl``: the mix's own KL on the
             same windows; ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike (``avg_bits`` as
@@ -73,8 +76,9 @@ class TuneResult:
         rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}``, and where a next round was
             computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
             mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
-        meta: model, data, context, windows (those measured: fewer than asked where the text is short), layers, ``dtype_bytes`` (of the model's full-precision tokens: the
-            bits are ``kvbits plan --context CONTEXT --dtype-bytes DTYPE_BYTES``'s), seconds; ``calibrations``:
+        meta: model, data, context, windows (those measured: fewer than asked where the text is short), layers,
+            ``serve_context`` and ``dtype_bytes`` (the bits are ``kvbits plan --context SERVE_CONTEXT --dtype-bytes
+            DTYPE_BYTES``'s), seconds; ``calibrations``:
             candidate -> the folder of its artifact (``"<in memory>"`` for objects), when calibrations were given.
         calibration: the chosen mix's ``CalibrationArtifact`` (composed from the candidates' artifacts),
             or None when the mix calibrates nothing; ``save(dir)`` writes it for ``kvbits eval``.
@@ -364,6 +368,7 @@ def tune(
     progress: bool = False,
     calibrations: Any = None,
     dtype_bytes: int | None = None,
+    serve_context: int | None = None,
 ) -> TuneResult:
     """Measure each layer's sensitivity to each candidate, choose a mix within ``budget_bits`` average
     bits, and (``check``) measure the mix and the uniform candidates on the same windows.
@@ -374,10 +379,9 @@ def tune(
         data: a text spec, a ``TextSource`` or token ids, as ``kvbits eval`` takes them.
         candidates: at least two flat schemes (``int8-token``, ``int4-token``, ``fp16``, ``kvquant-4``, ...).
         budget_bits: the largest average bits of the mix: ``kvbits plan``'s ``avg_bits`` of the model at
-            ``context`` tokens (all bytes it holds there, full-precision tokens in the model's dtype, over the
+            ``serve_context`` tokens (all bytes it holds there, full-precision tokens in the model's dtype, over the
             elements an fp16 cache holds; each layer by its own KV heads, head dim and sliding window).
-        context, windows: the calibration windows (tokens each, how many); ``context`` is also where the
-            bits are counted.
+        context, windows: the calibration windows (tokens each, how many).
         name: the mix's name (default ``tuned-<budget>``); not a candidate's, a preset's or a mixed string of
             presets (``int4-token,0=fp16``), which its scheme JSON could not be read back as.
         rounds: 1: choose from one-layer KLs around the exact model; more: re-choose from marginal KLs
@@ -390,6 +394,10 @@ def tune(
         dtype_bytes: bytes of a full-precision K/V value in the bits (1, 2, 4 or 8): the dtype the cache will be
             served in (2 for bfloat16 / float16), which prices residual windows and sinks; default the dtype the
             passes run in (``dtype``, else the model's), which on a float32 CPU run prices them at 4.
+        serve_context: the context the mix will be served at, where the budget is priced (default ``context``).
+            On a model with sliding layers the bits depend on it: a mix within the budget at 1k tokens can exceed
+            it at 4k (its full layers keep growing, the windows do not). Left out there, a warning says when the
+            mix would exceed the budget at the model's max context.
     """
     import time
 
@@ -408,6 +416,11 @@ def tune(
     _check_budget(budget_bits)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if serve_context is not None and (
+        isinstance(serve_context, bool) or not isinstance(serve_context, int) or serve_context < 1
+    ):
+        raise ValueError(f"serve_context must be a positive int (tokens the mix is served at), got {serve_context!r}")
+    priced_at = context if serve_context is None else serve_context
     if isinstance(model, str):  # loaded once for every run below
         from kvbits.evaluate.models import load_model
         from kvbits.evaluate.request import _resolve_dtype, check_device
@@ -421,7 +434,7 @@ def tune(
     if dtype_bytes is not None:  # the serving dtype prices the full-precision tokens, not the passes' dtype
         shape = shape.replace(dtype_bytes=dtype_bytes)
     n_layers = shape.n_layers
-    layer_bytes, elements, bits = _prices(shape, cands, context)
+    layer_bytes, elements, bits = _prices(shape, cands, priced_at)
     order = sorted(range(len(cands)), key=lambda j: bits[j])
     cands, bits = [cands[j] for j in order], [bits[j] for j in order]
     layer_bytes = [[row[j] for j in order] for row in layer_bytes]
@@ -459,12 +472,13 @@ def tune(
         bits=bits,
         sensitivity=sens,
         budget_bits=float(budget_bits),
-        avg_bits=planned_bits(shape, mix, context),
+        avg_bits=planned_bits(shape, mix, priced_at),
         predicted_kl=log[-1]["predicted_kl"],
         meta={
             "model": summary["model"],
             "data": summary["data"],
             "context": context,
+            "serve_context": priced_at,
             "windows": summary.get("windows", windows),  # those that ran: fewer than asked when the text is short
             "layers": n_layers,
             "dtype_bytes": shape.dtype_bytes,
@@ -487,7 +501,7 @@ def tune(
             result.scheme = _mix(cands, pick, name)
             result.choice = [cands[j].name for j in pick]
             result.predicted_kl = log[best]["predicted_kl"]
-            result.avg_bits = planned_bits(shape, result.scheme, context)
+            result.avg_bits = planned_bits(shape, result.scheme, priced_at)
     if arts:
         result.calibration = (_composed([result.scheme], arts) or {}).get(result.scheme.name)
         result.meta["calibrations"] = {n: str(a.path or "<in memory>") for n, a in arts.items()}
@@ -495,11 +509,32 @@ def tune(
         {"choice": [cands[j].name for j in r["pick"]], **{k: v for k, v in r.items() if k != "pick"}} for r in log
     ]
     result.meta["seconds"] = round(time.perf_counter() - t0, 1)
+    if serve_context is None:
+        _warn_beyond(shape, result.scheme, context, budget_bits)
     logger.info(
         "tuned %s: %.3f avg bits at %d tokens (budget %g), KL predicted %.4g, measured %s",
-        result.scheme.name, result.avg_bits, context, budget_bits, result.predicted_kl, result.measured_kl,
+        result.scheme.name, result.avg_bits, priced_at, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def _warn_beyond(shape: Any, mix: KVScheme, context: int, budget_bits: float) -> None:
+    """Log one warning when ``shape`` has sliding layers and ``mix`` holds more than ``budget_bits`` at the model's
+    max context (``shape.max_context``, when known and longer than ``context``): the budget was priced at the
+    tuning context, where the windows weigh more than they will once the full layers have grown."""
+    from kvbits.plan.planner import planned_bits
+
+    longest = shape.max_context
+    if longest is None or longest <= context or not any(layer.attention == "sliding" for layer in shape.layers):
+        return
+    there = planned_bits(shape, mix, longest)
+    if there > budget_bits:
+        logger.warning(
+            "the mix holds %.3f average bits at the model's max context (%d tokens), over the %g-bit budget priced at "
+            "the tuning context (%d tokens): the model has sliding layers, whose share of the bytes shrinks as the "
+            "context grows; pass the context you will serve (--serve-context, serve_context=) to price it there",
+            there, longest, budget_bits, context,
+        )  # fmt: skip
 
 
 def _check_measured(table: list[list[float]], cands: list[KVScheme], what: str) -> None:
