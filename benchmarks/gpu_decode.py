@@ -112,7 +112,7 @@ from gpu_bench.e2e import (
     wanted_runs,
 )
 from gpu_bench.report import markdown
-from gpu_bench.sweep import SPLIT_PROGRAMS_PER_SM, break_even, split_sweep, sweep, tune
+from gpu_bench.sweep import SPLIT_PROGRAMS_PER_SM, break_even, split_sweep, sweep, sweep_contexts, tune
 
 from kvbits.kernels.reference import decode_attention_reference
 
@@ -323,11 +323,12 @@ def main(argv: list[str] | None = None) -> dict:
         # each step guarded (a raise is recorded under failures and the next step runs); the rows a step had
         # handed to its progress callback before it raised are kept (the saves below would otherwise drop them)
         timed: dict[str, list[dict]] = {"sweep": [], "split": []}
+        intended = sweep_contexts(cfg)  # a context of these with no row for a key: its break-even is not read across
 
         def timed_so_far(step: str, before: list[dict]) -> Callable[[list[dict]], None]:
             def progress(rows: list[dict]) -> None:
                 timed[step] = list(rows)
-                save(records=before + timed[step], break_even=break_even(before + timed[step]))
+                save(records=before + timed[step], break_even=break_even(before + timed[step], intended))
 
             return progress
 
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
             records = before + (timed["split"] if split is None else split)
             print("(3b) kernel launch parameters (block_t x num_warps), while the sweep's time lasts")
             guarded("(3b) tuning", lambda: tune(cfg, decode, copy_gbps, lambda rows: save(tuning=list(rows))), failures)
-    be = break_even(records)
+    be = break_even(records, sweep_contexts(cfg))
     save(records=records, break_even=be, failures=failures)
     e2e: list[dict] = []
     if args.e2e != "no":

@@ -2195,6 +2195,79 @@ def test_gpu_benchmark_break_even_is_not_read_across_a_launch_that_did_not_start
     assert (b["break_even_context"], b["break_even_measured"], b["not_launched"]) == (4096, True, [])
 
 
+def test_gpu_benchmark_break_even_is_not_read_across_a_context_the_sweep_skipped_whole():
+    """A context the sweep skipped whole (its fp16 baseline failed, or the time budget cut it) leaves no row, so
+    ``break_even`` saw nothing there: int4 faster than fp16 at 4096 and 16384 with 8192 skipped reported 4096, and
+    faster at 4096 with 8192 cut by the time budget reported 4096 too. Given the sweep's intended contexts per
+    (shape, batch) (``sweep_contexts``, as gpu_decode.py passes them) a context with no row for a key is treated
+    like a launch that did not start: ``not_run``, ``break_even_measured`` ``False``, the table says "not run at".
+    Contexts above the memory budget are outside the sweep, not gaps; without the contexts (older results) the
+    records alone decide, as before."""
+    bench = _load_bench()
+    from gpu_bench import sweep
+    from gpu_bench.common import SHAPES, Config
+
+    def row(context: int, fp16_over_ms: float | None) -> dict:
+        if fp16_over_ms is None:
+            return {"kernel": "triton", "scheme": "int4", "shape": "qwen", "context": context, "batch": 1,
+                    "error": "RuntimeError: out of resource"}  # fmt: skip
+        return sweep._record("triton", "int4", "qwen", context, 1, 1.0, False, 1000, {}, fp16_over_ms, 10.0)
+
+    intended = {("qwen", 1): [4096, 8192, 16384]}
+    rows = [row(4096, 2.0), row(16384, 2.0)]  # 8192: no row at all
+    (old,) = sweep.break_even(rows)  # the records alone: read across the gap, as before
+    assert (old["break_even_context"], old["break_even_measured"], old["not_run"]) == (4096, True, [])
+    (b,) = sweep.break_even(rows, intended)
+    assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (None, False, [8192])
+    assert "| not measured (not run at 8192) |" in bench.markdown([], [b], 10.0)
+    (b,) = sweep.break_even([row(4096, 2.0)], intended)  # cut by the time budget after 4096
+    assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (None, False, [8192, 16384])
+    (b,) = sweep.break_even([row(4096, 2.0), row(8192, None)], intended)  # both kinds of gap, both listed
+    assert "| not measured (did not launch at 8192; not run at 16384) |" in bench.markdown([], [b], 10.0)
+    (b,) = sweep.break_even([row(4096, 0.5), row(16384, 2.0)], intended)  # the break-even may be 8192
+    assert (b["break_even_context"], b["break_even_measured"]) == (None, False)
+    (b,) = sweep.break_even([row(8192, 0.5), row(16384, 2.0)], intended)  # a gap below the last loser: 16384 holds
+    assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (16384, True, [4096])
+    (b,) = sweep.break_even([row(4096, 0.5)], intended)  # no break-even up to 4096: "> 4096" holds
+    assert (b["break_even_context"], b["break_even_measured"]) == (None, True)
+    (b,) = sweep.break_even([row(c, 2.0) for c in (4096, 8192, 16384)], intended)
+    assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (4096, True, [])
+    # a result written before ``not_run`` renders as before
+    legacy = {k: v for k, v in sweep.break_even([row(4096, 2.0), row(8192, None)])[0].items() if k != "not_run"}
+    assert "| not measured (did not launch at 8192) |" in bench.markdown([], [legacy], 10.0)
+    # the memory budget bounds the intended contexts (a cell over --max-gb is outside the sweep)
+    shp = SHAPES["llama-3-8b"]
+    cap = 2 * 8 * shp["H_kv"] * 4096 * shp["D"] * 2  # batch 8's fp16 K/V at 4096
+    got = sweep.sweep_contexts(Config(torch.device("cpu"), [4096, 8192], [1, 8], 1, 1, cap, True, "reference"))
+    assert got[("llama-3-8b", 1)] == [4096, 8192] and got[("llama-3-8b", 8)] == [4096]
+    assert got[("qwen2.5-0.5b", 8)] == [4096, 8192]
+
+
+def test_gpu_benchmark_run_passes_the_sweeps_contexts_to_break_even(tmp_path, monkeypatch):
+    """gpu_decode.py hands ``break_even`` the sweep's intended contexts: a smoke run whose fp16 baseline fails at
+    512 (the cell skipped whole, no row) saves every key's break-even with ``not_run`` [512] (before: no such
+    field, the gap unseen)."""
+    import json
+
+    bench = _load_bench()
+    from gpu_bench import sweep
+
+    real = sweep.fp16_baselines
+
+    def failing(cfg, q, h_kv, context, *args, **kwargs):
+        if context == 512:
+            raise RuntimeError("out of memory")
+        return real(cfg, q, h_kv, context, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "fp16_baselines", failing)
+    out = tmp_path / "gpu_decode.json"
+    bench.main(["--smoke", "--device", "cpu", "--kernel", "reference", "--check", "no", "--e2e", "no",
+                "--out", str(out)])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["break_even"] and all(b["not_run"] == [512] for b in data["break_even"]), data["break_even"]
+    assert {s["context"] for s in data["skipped"]} == {512}
+
+
 def test_gpu_benchmark_tune_grid_starts_at_the_defaults():
     """The tuning grid times the default launch first, then its nearest neighbours: a run cut short by the
     time budget still compares the default with single changes of it."""

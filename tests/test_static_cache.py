@@ -658,6 +658,37 @@ def test_windowed_pre_rope_tables_are_the_plans_rows():
     torch.testing.assert_close(rope.unrotate(keys[:, :, :1], torch.tensor(Q - 1)), ahead[:, :, :1])
 
 
+@pytest.mark.parametrize("scheme", ["kivi-prerope", "kvquant-block-small"])
+def test_windowed_pre_rope_cache_that_never_flushes_holds_no_tables(scheme, monkeypatch):
+    """A windowed pre-RoPE cache whose ``max_cache_len`` never fills the window quantizes no key, and
+    ``plan(fused_decode=True)`` counts no RoPE table for it: it held 1024-row tables all the same (131,072 bytes
+    for kivi-prerope at ``max_cache_len`` 10 here), bytes the plan did not report. Now it builds none (its block written ahead, never attended, is quantized as it comes); its logits are still
+    ``QuantizedKVCache``'s, eager and fused, and a replayed fused step (every step then quantizes the block ahead)
+    gives the eager steps' bit for bit."""
+    model, scheme = build("llama"), NAMED[scheme]
+    M = scheme.sinks + scheme.residual + scheme.block - 2  # the window never fills: nothing flushes
+    ids, steps = prompt()[:, :2], M - 2
+    logits = {}
+    for mode in ("quantized", "eager", "replayed", "sdpa"):
+        c = (QuantizedKVCache(config=model.config, scheme=scheme, fused_decode=True) if mode == "quantized" else
+             StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=M, fused_decode=mode != "sdpa",
+                                    checks="lazy"))  # fmt: skip
+        install(c, scheme)
+        logits[mode] = decode_steps(model, c, ids, steps, fused=mode != "sdpa",
+                                    monkeypatch=monkeypatch if mode == "replayed" else None)  # fmt: skip
+        if mode == "quantized":
+            continue
+        assert all(layer.rope is None for layer in c.layers) and int(c.layers[0].lens[0]) == 0
+        planned = plan(model.config, context=M, batch=2, scheme=scheme, dtype_bytes=4, fused_decode=True)
+        held = c.memory_report()
+        assert held["rope_table_bytes"] == planned["rope_table_bytes"] == 0, held
+        if mode == "eager":
+            assert c.fused_report()["rope_table_bytes"] == 0
+    torch.testing.assert_close(logits["eager"], logits["quantized"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits["sdpa"], logits["quantized"], atol=1e-4, rtol=0)
+    assert torch.equal(logits["replayed"], logits["eager"])
+
+
 def test_static_cache_pre_rope_refusals():
     """Pre-RoPE keys need the model's RoPE as fixed tables on the device: no config, a partial rotary embedding, rope
     types whose tables depend on the sequence length, tables of another head dim and position ids that run past the

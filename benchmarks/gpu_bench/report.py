@@ -26,7 +26,8 @@ def markdown(records: list[dict], be: list[dict], copy_gbps: float | None, e2e: 
     for b in be:
         ctx = b["break_even_context"]
         if ctx is None and not b.get("break_even_measured", True):  # absent from runs before it
-            ctx = f"not measured (did not launch at {', '.join(map(str, b['not_launched']))})"
+            gaps = [("did not launch at", b["not_launched"]), ("not run at", b.get("not_run", []))]  # not_run: later
+            ctx = "not measured (" + "; ".join(w + " " + ", ".join(map(str, cs)) for w, cs in gaps if cs) + ")"
         elif ctx is None:
             ctx = f"> {b['max_context_measured']}"
         lines.append(f"| {b['shape']} | {b['batch']} | {b['kernel']} | {b['scheme']} | {ctx} |")

@@ -185,6 +185,22 @@ def _timing(r: dict) -> str:
     return f"{r['ms']:.4f} ms x{r['speedup_vs_fp16']:.2f}" if "ms" in r else "did not launch"
 
 
+def _fp16_kv_bytes(shp: dict, batch: int, context: int) -> int:
+    """The fp16 K and V of one (shape, batch, context) cell, against ``cfg.max_bytes``."""
+    return 2 * batch * shp["H_kv"] * context * shp["D"] * 2
+
+
+def sweep_contexts(cfg: Config) -> dict[tuple[str, int], list[int]]:
+    """Per (shape, batch): the contexts ``sweep`` means to time, ``cfg.contexts`` within the memory budget
+    (``--max-gb``; above it a cell is outside the sweep, not missing from it). For ``break_even``: a context here
+    without a row for a key (its fp16 baseline failed, the time budget cut it) was not measured."""
+    return {
+        (shape_name, batch): [c for c in cfg.contexts if _fp16_kv_bytes(shp, batch, c) <= cfg.max_bytes]
+        for batch in cfg.batches
+        for shape_name, shp in SHAPES.items()
+    }
+
+
 def sweep(
     cfg: Config,
     decode: Callable,
@@ -266,7 +282,7 @@ def sweep(
                                     "reason": "time budget (--budget-s)"})  # fmt: skip
                     print(f"  skip {shape_name} B={batch} T={context}: time budget")
                     continue
-                kv_bytes = 2 * batch * shp["H_kv"] * context * shp["D"] * 2
+                kv_bytes = _fp16_kv_bytes(shp, batch, context)
                 if kv_bytes > cfg.max_bytes:
                     skipped.append({"shape": shape_name, "context": context, "batch": batch,
                                     "reason": f"fp16 K/V {kv_bytes / 1e9:.1f} GB > --max-gb"})  # fmt: skip
@@ -517,16 +533,20 @@ def _beats_fp16(r: dict) -> bool:
     return r["speedup_vs_fp16"] >= 1
 
 
-def break_even(records: list[dict]) -> list[dict]:
+def break_even(records: list[dict], contexts: dict[tuple[str, int], list[int]] | None = None) -> list[dict]:
     """Per (shape, batch, kernel, scheme) with a timed row: the shortest context from which every longer one beats
     fp16 (``break_even_context``; ``None`` when the longest measured one does not: the table's "> max measured").
 
-    A launch that did not start (a row with ``error``, no ``ms``; its contexts under ``not_launched``) has no time: a
-    break-even that would span it (one above the longest measured context that loses to fp16, or above every
-    context when none loses) is unknown: ``break_even_context`` ``None`` and ``break_even_measured`` ``False``
-    (before, such rows were dropped and the break-even was read across them)."""
+    A launch that did not start (a row with ``error``, no ``ms``; its contexts under ``not_launched``) has no time,
+    nor has a context of ``contexts[(shape, batch)]`` (``sweep_contexts``: the sweep's intended contexts) with no
+    row for the key at all (its fp16 baseline failed, the time budget cut it; under ``not_run``): a break-even
+    that would span one (above the longest measured context that loses to fp16, or above every context when none
+    loses) is unknown: ``break_even_context`` ``None`` and ``break_even_measured`` ``False`` (before, such rows
+    were dropped and the break-even was read across them). Without ``contexts`` (the records alone) ``not_run`` is
+    empty: only the contexts with a row are seen."""
     out = []
     failed = [r for r in records if "ms" not in r]  # launches that did not start have no time
+    everything = records
     records = [r for r in records if "ms" in r]
     keys = sorted(
         {
@@ -552,8 +572,12 @@ def break_even(records: list[dict]) -> list[dict]:
         not_launched = sorted({
             r["context"] for r in failed if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)
         })  # fmt: skip
+        seen = {
+            r["context"] for r in everything if (r["shape"], r["batch"], r["kernel"], r["scheme"]) == (shape, batch, kernel, scheme)
+        }  # fmt: skip
+        not_run = sorted(set((contexts or {}).get((shape, batch), ())) - seen)
         losing = [r["context"] for r in rows if not _beats_fp16(r)]
-        spanned = [c for c in not_launched if not losing or c > max(losing)]
+        spanned = [c for c in not_launched + not_run if not losing or c > max(losing)]
         measured = be is None or not spanned  # no break-even ("> max measured") stays true across a gap above
         out.append(
             {
@@ -565,6 +589,7 @@ def break_even(records: list[dict]) -> list[dict]:
                 "break_even_measured": measured,
                 "max_context_measured": rows[-1]["context"] if rows else None,
                 "not_launched": not_launched,
+                "not_run": not_run,
             }
         )
     return out

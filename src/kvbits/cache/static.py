@@ -75,7 +75,8 @@ pre-RoPE keys and centred values stay with ``QuantizedKVCache``.
 Bytes: the quantized slots are those ``kvbits.plan`` counts at ``max_cache_len`` (per-token schemes: exactly the
 plan), plus, for a windowed scheme, one block written ahead of them; the window holds ``residual + block`` tokens
 where the plan counts those left unquantized at ``max_cache_len`` (``residual`` to ``residual + block - 1``; a
-``max_cache_len`` that never fills the window, so never flushes, gets only its positions, the plan's); a static
+``max_cache_len`` that never fills the window, so never flushes, gets only its positions, the plan's, and a pre-RoPE
+key side then no RoPE tables, as the plan counts none: no slot it attends is quantized); a static
 scale is also held in the kernels' layout, once per sequence (FP8: float32 per head; KVQuant's key ranges: float16 scale
 and zero-point rows per head and channel). ``memory_report()`` counts what is held.
 
@@ -343,9 +344,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
                     raise ValueError(f"layer {self.layer_idx}: keys have head dim {D}, the RoPE tables "
                                      f"{self.rotary.head_dim} (a config of another model?)")  # fmt: skip
                 # the slots a step attends (a windowed layer's block ahead is written, never attended): the tables
-                # cover their positions, the rows plan(fused_decode=True) counts
+                # cover their positions, the rows plan(fused_decode=True) counts; none when no slot is attended (a
+                # max_cache_len that never fills the window: no key is quantized, the plan counts no table, and
+                # the block ahead, never attended, is quantized as it comes)
                 attended = slots - self.scheme.block if self.windowed else slots
-                self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, attended, B, device)
+                if attended:
+                    self.rope = StaticRope(self.rotary, self._rope_tables, self.scheme.sinks, attended, B, device)
         self._set_bounds(D)
         if not torch.compiler.is_compiling():  # fixed addresses for torch.compile's CUDA graphs, as StaticLayer's
             for t in self.tensors():
