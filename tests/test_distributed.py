@@ -105,6 +105,21 @@ def _worker(rank: int, world: int, init_file: str, work: str) -> None:
             dist.destroy_process_group()
 
 
+def _spawn_two(worker, work: Path, *extra: object) -> list:
+    """Run ``worker(rank, 2, init_file, work, *extra)`` on two spawned gloo ranks; what each pickled to
+    ``work/rank{r}.pkl``. A run past ``SPAWN_TIMEOUT_S`` kills both and fails the test (a hang)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=(2, str(work / "rendezvous"), str(work), *extra), nprocs=2, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the two ranks did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
+    return [pickle.loads((work / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
 def _thread_names() -> list[str]:
     """This process's threads by name (Linux ``/proc``; empty elsewhere)."""
     return sorted(p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm"))
@@ -113,17 +128,8 @@ def _thread_names() -> list[str]:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of two spawned gloo ranks returned, per scenario, and the folder they wrote."""
-    import torch.multiprocessing as mp
-
     work = tmp_path_factory.mktemp("dist")
-    ctx = mp.spawn(_worker, args=(2, str(work / "rendezvous"), str(work)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the two ranks did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
-    return [pickle.loads((work / f"rank{r}.pkl").read_bytes()) for r in range(2)], work
+    return _spawn_two(_worker, work), work
 
 
 @pytest.fixture(scope="module")
@@ -301,17 +307,7 @@ def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, case, er
     rank raises its own error, the other ``RankFailed`` at once. Before, the check ran outside any agreement step, so rank 0 went on
     into the next collective and waited there for the whole collective timeout (24 h under ``kvbits eval``; 20 s
     here), then raised gloo's "Timed out waiting 20000ms for send operation"."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.spawn(_local_failure_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path), case), nprocs=2,
-                   join=False)  # fmt: skip
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the two ranks did not finish within {SPAWN_TIMEOUT_S} s (a hang?)")
-    r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
+    r0, r1 = _spawn_two(_local_failure_worker, tmp_path, case)
     assert r1[:2] == ("error", error) and said in r1[2], r1
     assert r0[:2] == ("error", "RankFailed"), r0
     assert f"rank 1 of 2 failed while {phase}" in r0[2] and said in r0[2]

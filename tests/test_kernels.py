@@ -2161,6 +2161,17 @@ def test_gpu_benchmark_break_even_from_times_not_rounded_speedups():
     assert [b["break_even_context"] for b in sweep.break_even(old)] == [8192]
 
 
+def _int4_row(context: int, fp16_over_ms: float | None) -> dict:
+    """A sweep record of int4 at Qwen2.5's shape, batch 1: ``fp16_over_ms`` its speed-up over fp16, ``None`` a
+    launch that did not start (an error row). After ``_load_bench()`` (``gpu_bench`` on the path)."""
+    from gpu_bench import sweep
+
+    if fp16_over_ms is None:
+        return {"kernel": "triton", "scheme": "int4", "shape": "qwen", "context": context, "batch": 1,
+                "error": "RuntimeError: out of resource"}  # fmt: skip
+    return sweep._record("triton", "int4", "qwen", context, 1, 1.0, False, 1000, {}, fp16_over_ms, 10.0)
+
+
 def test_gpu_benchmark_break_even_is_not_read_across_a_launch_that_did_not_start():
     """``break_even`` dropped the rows that did not launch, then read the break-even across them: int4 faster than
     fp16 at 4096 and 16384 and not launched at 8192 reported 4096 (8192 unmeasured); slower at 4096, not launched at
@@ -2170,14 +2181,9 @@ def test_gpu_benchmark_break_even_is_not_read_across_a_launch_that_did_not_start
     bench = _load_bench()
     from gpu_bench import sweep
 
-    def row(context: int, fp16_over_ms: float | None) -> dict:
-        if fp16_over_ms is None:
-            return {"kernel": "triton", "scheme": "int4", "shape": "qwen", "context": context, "batch": 1,
-                    "error": "RuntimeError: out of resource"}  # fmt: skip
-        return sweep._record("triton", "int4", "qwen", context, 1, 1.0, False, 1000, {}, fp16_over_ms, 10.0)
 
     def be(*speedups: float | None) -> dict:
-        (b,) = sweep.break_even([row(4096 << i, s) for i, s in enumerate(speedups)])
+        (b,) = sweep.break_even([_int4_row(4096 << i, s) for i, s in enumerate(speedups)])
         return b
 
     for speedups in ((2.0, None, 2.0), (0.5, None, 2.0), (2.0, None), (0.5, 2.0, None)):
@@ -2207,33 +2213,29 @@ def test_gpu_benchmark_break_even_is_not_read_across_a_context_the_sweep_skipped
     from gpu_bench import sweep
     from gpu_bench.common import SHAPES, Config
 
-    def row(context: int, fp16_over_ms: float | None) -> dict:
-        if fp16_over_ms is None:
-            return {"kernel": "triton", "scheme": "int4", "shape": "qwen", "context": context, "batch": 1,
-                    "error": "RuntimeError: out of resource"}  # fmt: skip
-        return sweep._record("triton", "int4", "qwen", context, 1, 1.0, False, 1000, {}, fp16_over_ms, 10.0)
 
     intended = {("qwen", 1): [4096, 8192, 16384]}
-    rows = [row(4096, 2.0), row(16384, 2.0)]  # 8192: no row at all
+    rows = [_int4_row(4096, 2.0), _int4_row(16384, 2.0)]  # 8192: no row at all
     (old,) = sweep.break_even(rows)  # the records alone: read across the gap, as before
     assert (old["break_even_context"], old["break_even_measured"], old["not_run"]) == (4096, True, [])
     (b,) = sweep.break_even(rows, intended)
     assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (None, False, [8192])
     assert "| not measured (not run at 8192) |" in bench.markdown([], [b], 10.0)
-    (b,) = sweep.break_even([row(4096, 2.0)], intended)  # cut by the time budget after 4096
+    (b,) = sweep.break_even([_int4_row(4096, 2.0)], intended)  # cut by the time budget after 4096
     assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (None, False, [8192, 16384])
-    (b,) = sweep.break_even([row(4096, 2.0), row(8192, None)], intended)  # both kinds of gap, both listed
+    (b,) = sweep.break_even([_int4_row(4096, 2.0), _int4_row(8192, None)], intended)  # both kinds of gap, both listed
     assert "| not measured (did not launch at 8192; not run at 16384) |" in bench.markdown([], [b], 10.0)
-    (b,) = sweep.break_even([row(4096, 0.5), row(16384, 2.0)], intended)  # the break-even may be 8192
+    (b,) = sweep.break_even([_int4_row(4096, 0.5), _int4_row(16384, 2.0)], intended)  # the break-even may be 8192
     assert (b["break_even_context"], b["break_even_measured"]) == (None, False)
-    (b,) = sweep.break_even([row(8192, 0.5), row(16384, 2.0)], intended)  # a gap below the last loser: 16384 holds
+    (b,) = sweep.break_even([_int4_row(8192, 0.5), _int4_row(16384, 2.0)], intended)  # a gap below the last loser: 16384 holds
     assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (16384, True, [4096])
-    (b,) = sweep.break_even([row(4096, 0.5)], intended)  # no break-even up to 4096: "> 4096" holds
+    (b,) = sweep.break_even([_int4_row(4096, 0.5)], intended)  # no break-even up to 4096: "> 4096" holds
     assert (b["break_even_context"], b["break_even_measured"]) == (None, True)
-    (b,) = sweep.break_even([row(c, 2.0) for c in (4096, 8192, 16384)], intended)
+    (b,) = sweep.break_even([_int4_row(c, 2.0) for c in (4096, 8192, 16384)], intended)
     assert (b["break_even_context"], b["break_even_measured"], b["not_run"]) == (4096, True, [])
     # a result written before ``not_run`` renders as before
-    legacy = {k: v for k, v in sweep.break_even([row(4096, 2.0), row(8192, None)])[0].items() if k != "not_run"}
+    (legacy,) = sweep.break_even([_int4_row(4096, 2.0), _int4_row(8192, None)])
+    legacy = {k: v for k, v in legacy.items() if k != "not_run"}
     assert "| not measured (did not launch at 8192) |" in bench.markdown([], [legacy], 10.0)
     # the memory budget bounds the intended contexts (a cell over --max-gb is outside the sweep)
     shp = SHAPES["llama-3-8b"]
