@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits._argtypes import check_seed as _check_seed
+from kvbits._argtypes import check_seed
 from kvbits.evaluate.inputs import check_ints
 from kvbits.evaluate.metrics import kl_divergence
 
@@ -167,14 +167,6 @@ def check_depths(depths: Sequence[float]) -> list[float]:
     return sorted(set(out))
 
 
-def check_seed(seed: Any) -> int:
-    """``seed`` as an int in ``[0, SEED_MAX]`` (``kvbits._argtypes.check_seed``); ``ValueError`` otherwise. Within it
-    each seed is its own 32-bit word of the trials' entropy: a mask to 32 bits gave ``-1`` the trials of ``2**32 - 1``
-    and ``2**32`` those of 0, and a larger seed unmasked would span two words, whose entropy can equal another (seed,
-    context, depth, index)'s."""
-    return _check_seed(seed)
-
-
 # ------------------------------------------------------------------------------------ building
 
 
@@ -258,8 +250,10 @@ def _separator(tokenizer: Any, hay: list[int], at: int, needle: list[int]) -> li
 
 
 def _rng(seed: int, context: int, depth: float, index: int) -> np.random.Generator:
-    """One generator per trial cell: adding a context or a depth changes no other trial. ``seed`` is one word of
-    the entropy (:func:`check_seed`)."""
+    """One generator per trial cell: adding a context or a depth changes no other trial. ``seed`` is one 32-bit word
+    of the entropy (``check_seed``: ``[0, 2**32 - 1]``): a mask to 32 bits gave ``-1`` the trials of ``2**32 - 1``
+    and ``2**32`` those of 0, and a larger seed unmasked would span two words, whose entropy can equal another
+    (seed, context, depth, index)'s."""
     return np.random.default_rng([int(seed), int(context), round(depth * 10000), int(index)])
 
 

@@ -127,8 +127,7 @@ def resolve_kernel(q: torch.Tensor, store: PackedStore) -> str:
 
     reason = supported(store, q)
     if reason:
-        if ("decode attention", reason) not in _LOGGED_FALLBACKS:  # asked at every decode step of every layer
-            log_fallback_once(logger, "decode attention", reason, "; kernel_calls() counts the calls served by it")
+        log_fallback_once(logger, "decode attention", reason, "; kernel_calls() counts the calls served by it")
         return "reference"
     return "triton"
 
