@@ -196,6 +196,21 @@ def test_tune_budget_is_the_bits_plan_reports_at_the_tuning_context():
         tune(llama, _ids(400), ["int2-token", "int8-token"], 10.0, context=256, check=False, dtype_bytes=3)
 
 
+def test_tune_reads_the_models_dtype_as_evaluate_does():
+    """tune read the model's dtype from its first parameter, evaluate from its first floating one: on a float32
+    model whose first parameter is an int8 (a quantized weight, an integer buffer) tune priced kivi-2's 128
+    full-precision tokens at 1 byte a value (8.0 bits at 128 tokens) where kvbits eval counted 4 (32.0 bits)."""
+    from kvbits.evaluate.measures import plan_shape_of
+
+    model = _llama(layers=2)
+    int8 = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
+    model.model.register_parameter("qweight", int8)
+    assert next(model.model.parameters()).dtype == torch.int8
+    res = tune(model, _ids(200), ["kivi-2", "int8-token"], 40.0, context=128, check=False)
+    assert res.meta["dtype_bytes"] == plan_shape_of(model.config, model).dtype_bytes == 4
+    assert res.bits[res.candidates.index("kivi-2")] == plan(model.config, 128, scheme="kivi-2", dtype_bytes=4)["avg_bits"]
+
+
 
 def test_tune_prices_the_budget_at_the_serving_context(caplog):
     """serve_context= (--serve-context) prices the budget where the mix is served. Before, the bits were counted at

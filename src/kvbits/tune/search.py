@@ -573,17 +573,19 @@ def _check_name(name: Any, cands: list[KVScheme]) -> None:
 
 def _model_shape(model: Any, dtype: Any) -> Any:
     """The planner's ``ModelShape`` of ``model`` (a ``LoadedModel`` or a transformers model), its
-    ``dtype_bytes`` those of the dtype the passes run in: ``dtype`` when given, else the model's own."""
+    ``dtype_bytes`` those of the dtype the passes run in: ``dtype`` when given, else the model's own as
+    ``kvbits eval`` reads it (its first *floating* parameter's, ``_floating_bytes``: an integer buffer or quantized
+    weight registered first priced a float32 model's full-precision tokens at 1 byte); the config's where the
+    model has no floating parameter."""
+    from kvbits.evaluate.measures import _floating_bytes
     from kvbits.evaluate.request import _resolve_dtype
     from kvbits.plan.config import load_shape
 
     module = getattr(model, "model", model)
     torch_dtype = _resolve_dtype(dtype)[0]
-    if torch_dtype is None:
-        param = next(module.parameters(), None)
-        torch_dtype = None if param is None else param.dtype
+    size = _floating_bytes(module) if torch_dtype is None else torch_dtype.itemsize
     shape = load_shape(module.config)
-    return shape if torch_dtype is None else shape.replace(dtype_bytes=torch_dtype.itemsize)
+    return shape if size is None else shape.replace(dtype_bytes=size)
 
 
 def _prices(shape: Any, cands: list[KVScheme], context: int) -> tuple[list[list[int]], int, list[float]]:
