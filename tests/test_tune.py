@@ -379,6 +379,42 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
         tune(model, ids, ["int8-token", "int2-token"], 4.0, context=128, rounds=0)
 
 
+@torch.no_grad()
+def test_refinement_rounds_without_the_check_measure_the_last_mix(capsys):
+    """rounds=2 with check=False (--no-check) returned the second round's mix unmeasured (measured_kl None, no
+    "measured_kl" in its round) although the first round's was measured and may be the better one: the best
+    measured mix was kept only with the check (here the returned mix measured KL 0.00188, the first round's
+    0.00032). Now the last round's new mix is measured alone (no uniform
+    candidates) and the best is kept; the printout says which round predicted the kept mix's KL."""
+    from kvbits.tune import cli as tune_cli
+    from kvbits.tune import search
+
+    model, ids = _llama(layers=2), _ids(200)
+    real = search.marginal_sensitivity
+
+    def swapped(*a, **kw):  # costs that make the next round swap int2 and int8 between the two layers
+        current, pick = real(*a, **kw)[1], a[3]
+        return [[0.0 if j != pick[i] else 1.0 for j in range(2)] for i in range(2)], current
+
+    with mock.patch.object(search, "marginal_sensitivity", swapped):
+        res = tune(model, ids, ["int2-token", "int8-token"], 6.0, context=128, rounds=2, check=False)
+    assert len(res.rounds) == 2 and res.rounds[0]["choice"] == res.rounds[1]["choice"][::-1]
+    kls = [r["measured_kl"] for r in res.rounds]
+    mixes = [mixed_scheme(get_scheme(r["choice"][0]), {1: r["choice"][1]}) for r in res.rounds]
+    assert kls[1] == pytest.approx(evaluate(model, ids, 128, [mixes[1]], attn_layers=[])["results"][0]["kl"], rel=1e-6)
+    best = min(range(2), key=kls.__getitem__)
+    assert res.measured_kl == kls[best] and res.choice == res.rounds[best]["choice"] and res.uniform == {}
+    capsys.readouterr()
+    tune_cli._print(res, None)
+    out = capsys.readouterr().out
+    assert f"measured {res.measured_kl:.4g}" in out and "uniform" not in out
+    assert ("sum of single-layer KLs" in out) == (best == 0) and ("round 2, from marginal KLs" in out) == (best == 1)
+    one = tune(model, ids, ["int2-token", "int8-token"], 6.0, context=128, check=False)  # one round: not measured
+    assert one.measured_kl is None and "measured_kl" not in one.rounds[0]
+    tune_cli._print(one, None)
+    assert "not measured (--no-check)" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------ calibrated candidates
 CALIBRATED = ["fp16", "kvquant-4", "kvquant-2"]
 

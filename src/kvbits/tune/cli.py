@@ -28,7 +28,8 @@ examples:
 candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits" (kvbits plan's at
 --serve-context, recorded as meta.serve_context; "bits" are the uniform candidates'), "predicted_kl",
 "measured_kl", "uniform", "rounds", "meta", "calibration"}; --json prints that record. --rounds 2 re-chooses from
-marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14).
+marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14), measures each
+round's mix (the last one alone also under --no-check) and keeps the best measured.
 Calibrated candidates (kvquant-*) take their `kvbits calibrate` folders (--calibration, matched by the
 scheme each was calibrated for); every probe and mix runs with the calibration composed from them, and
 --out writes the chosen mix's beside the scheme JSON (<out without .json>.calibration/, recorded as
@@ -103,7 +104,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="write --out even where it (or its .calibration/ folder) exists and kvbits tune did not write it",
     )  # fmt: skip
     p.set_defaults(_out_kind="file")  # kvbits.cli checks it before the run as a file path, not a folder
-    p.add_argument("--no-check", action="store_true", help="skip measuring the chosen mix and the uniform candidates")
+    p.add_argument(
+        "--no-check", action="store_true",
+        help="skip measuring the uniform candidates and, with --rounds 1, the chosen mix (more rounds measure each "
+        "round's mix, to keep the best)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the tune record as JSON")
     add_dtype_device(p, DEVICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -192,15 +197,15 @@ def _print(res: Any, out: str | None) -> None:
     for i, row in enumerate(res.sensitivity):
         table.add_row(str(i), *(f"{x:.3g}" for x in row), res.choice[i])
     console.print(table)
+    kept = next((k for k, r in enumerate(res.rounds) if r["choice"] == res.choice), 0)
     line = (
         f"{res.scheme.name}: {res.avg_bits:.3f} average bits at {res.meta['serve_context']} tokens (budget "
-        f"{res.budget_bits:g}); KL predicted "
-        f"{res.predicted_kl:.4g} (sum of single-layer KLs)"
+        f"{res.budget_bits:g}); KL predicted {res.predicted_kl:.4g} "
+        + ("(sum of single-layer KLs)" if kept == 0 else f"(round {kept + 1}, from marginal KLs)")
     )
-    if res.measured_kl is not None:
-        line += f", measured {res.measured_kl:.4g}; uniform: " + ", ".join(
-            f"{n} {u['kl']:.4g} at {u['avg_bits']:.2f} b" for n, u in res.uniform.items()
-        )
+    line += ", not measured (--no-check)" if res.measured_kl is None else f", measured {res.measured_kl:.4g}"
+    if res.uniform:
+        line += "; uniform: " + ", ".join(f"{n} {u['kl']:.4g} at {u['avg_bits']:.2f} b" for n, u in res.uniform.items())
     console.print(line)
     if len(res.rounds) > 1:
         for k, r in enumerate(res.rounds, 1):

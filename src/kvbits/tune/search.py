@@ -18,8 +18,9 @@
    as the current mix stores it, and solves the knapsack again on those costs: sensitivity measured
    where the mix is, not around the exact model. One round costs about as much as step 1.
 4. **Check.** The chosen mix is evaluated on the same windows beside the uniform candidates; every
-   round's prediction and measurement are reported, and the best measured mix is kept. Verifying on
-   other text and longer contexts is ``kvbits eval``'s job.
+   round's prediction and measurement are reported, and the best measured mix is kept (without the check,
+   ``rounds > 1`` still measures the last round's mix, alone, to keep the best; one round without it
+   measures nothing). Verifying on other text and longer contexts is ``kvbits eval``'s job.
 
 Calibrated candidates (static scales, NUQ codebooks: ``kvquant-4``, ``kvquant-2``) take their
 ``kvbits calibrate`` artifacts (``calibrations``); every probe and mix that stores some layer by one of
@@ -70,9 +71,10 @@ class TuneResult:
         sensitivity: ``(layers, candidates)`` KL in nats with only that layer stored by that candidate.
         budget_bits: the average-bits budget; ``avg_bits``: the mix's, ``kvbits plan``'s figure at the serving
             context (``<= budget_bits``).
-        predicted_kl: the sum of the chosen single-layer KLs; ``measured_kl``: the mix's own KL on the
-            same windows; ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike (``avg_bits`` as
-            ``bits``).
+        predicted_kl: the sum of the chosen single-layer KLs (a later round's: from its marginal KLs);
+            ``measured_kl``: the mix's own KL on the same windows (None only for one round without ``check``);
+            ``uniform``: ``{candidate: {"kl", "avg_bits"}}`` measured alike (``avg_bits`` as ``bits``; empty
+            without ``check``).
         rounds: per round, ``{"choice", "predicted_kl", "measured_kl"}``, and where a next round was
             computed ``"marginal_sensitivity"``: the KL costs of switching one layer around this round's
             mix (``marginal_sensitivity``, shifted to 0 per layer), which the next choice solved.
@@ -385,7 +387,8 @@ def tune(
         name: the mix's name (default ``tuned-<budget>``); not a candidate's, a preset's or a mixed string of
             presets (``int4-token,0=fp16``), which its scheme JSON could not be read back as.
         rounds: 1: choose from one-layer KLs around the exact model; more: re-choose from marginal KLs
-            around the previous mix (``marginal_sensitivity``) until the choice repeats or the rounds end.
+            around the previous mix (``marginal_sensitivity``) until the choice repeats or the rounds end; every
+            round's mix is measured (the last one's after the rounds, also without ``check``) and the best kept.
         calibrations: ``kvbits calibrate`` artifacts of the candidates that take them: a mapping candidate
             name -> artifact or folder, or artifacts/folders matched to the candidates by the scheme each
             was calibrated for (as ``kvbits eval`` matches ``--calibration``). Required for candidates with
@@ -485,15 +488,22 @@ def tune(
             "fingerprint": summary.get("fingerprint"),
         },
     )
-    if check:
+    # the check measures the mix beside the uniform candidates; without it, a last round's new mix (rounds > 1) is
+    # measured alone (one simulated pass per window, where a round runs one per layer and candidate), so that the
+    # best measured mix is kept either way: it was returned unmeasured, possibly worse than the round before it
+    if check or ("measured_kl" not in log[-1] and len(log) > 1):
         from kvbits.evaluate.runner import evaluate
 
         check_run = {k: v for k, v in run.items() if k != "calibrations"}
         calibration = {**arts, **(_composed([mix], arts) or {})} or None
-        checked = evaluate(model, data, context, [mix, *cands], attn_layers=[], calibration=calibration, **check_run)
+        measured = [mix, *cands] if check else [mix]
+        checked = evaluate(model, data, context, measured, attn_layers=[], calibration=calibration, **check_run)
         by = {r["scheme"]: r for r in checked["results"]}
-        result.measured_kl = log[-1]["measured_kl"] = by[mix.name]["kl"]
-        result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": b} for c, b in zip(cands, bits)}
+        log[-1]["measured_kl"] = by[mix.name]["kl"]
+        if check:
+            result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": b} for c, b in zip(cands, bits)}
+    if "measured_kl" in log[-1]:  # rounds=1 with check=False: the mix is not measured (measured_kl None)
+        result.measured_kl = log[-1]["measured_kl"]
         best = min(range(len(log)), key=lambda r: log[r].get("measured_kl", math.inf))
         if best != len(log) - 1:  # a later round measured worse than an earlier mix: keep the earlier one
             logger.info("round %d's mix measured best; keeping it", best + 1)
