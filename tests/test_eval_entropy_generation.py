@@ -408,6 +408,15 @@ def test_bad_generate_is_refused_before_the_model_loads():
             evaluate("no-such-model-anywhere", _ids(64), 32, ["int4-token"], generate=bad)
 
 
+def test_numpy_context_and_windows_are_taken_as_ints():
+    """``evaluate(context=np.int64(32))`` was refused: "context must be an int >= 2, got np.int64(32)" (windows
+    likewise), where generate, seed, chunk_size and prompt_len take numpy's ints."""
+    model, ids = _llama(), _ids(64)
+    out = evaluate(model, ids, np.int64(32), ["int4-token"], windows=np.int64(2), attn_layers=[], generate=2)
+    assert (out["context"], out["windows"]) == (32, 2) and type(out["context"]) is int
+    assert out["results"][0]["generation"]["new_tokens"] == 2
+
+
 def test_generate_needs_a_model_that_generates(monkeypatch):
     from kvbits.evaluate import runner
 
