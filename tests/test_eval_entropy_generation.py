@@ -75,6 +75,26 @@ def test_agreement_and_first_divergence_by_hand():
         agreement([1, 2], [1, 2, 3])
 
 
+def test_measures_refuse_a_batch_and_non_integer_ids():
+    """The per-continuation measures take one continuation ``(N,)``. A batch was flattened: its rows ran into each
+    other (rep-2 of [[1, 2], [1, 2]] was 1/3, counting the bigram 2 1 across the rows; each row alone is 0) and the
+    first divergence was a flat index (3 for rows differing at position 1 of row 1). Float ids were truncated
+    (rep-1 of [1.7, 1.2] was 0.5)."""
+    with pytest.raises(ValueError, match=r"one continuation of token ids \(N,\), got shape \(2, 2\)"):
+        rep_n([[1, 2], [1, 2]], 2)
+    with pytest.raises(ValueError, match=r"\(N,\), got shape \(2, 2\)"):
+        first_divergence([[1, 2], [3, 4]], [[1, 2], [3, 5]])
+    with pytest.raises(ValueError, match=r"\(N,\)"):
+        agreement([[1, 2]], [[1, 2]])
+    with pytest.raises(ValueError, match="integer token ids, got dtype float64"):
+        rep_n([1.7, 1.2], 1)
+    with pytest.raises(ValueError, match=r"\(windows, new tokens\), got shape \(2, 2, 3\)"):
+        generation_summary(np.zeros((2, 2, 3), int), np.zeros((2, 2, 3), int), prompt_tokens=1, seconds=0,
+                           reference_seconds=0)  # fmt: skip
+    assert rep_n(np.array([1, 2, 1, 2]), np.int64(2)) == pytest.approx(1 / 3)  # numpy's ints, as check_generate
+    assert math.isnan(rep_n([], 1)) and first_divergence([], []) == 0  # empty: no n-gram, no divergence
+
+
 def test_generation_summary_by_hand():
     ref = np.array([[1, 2, 1, 2, 1], [3, 4, 5, 6, 7]])
     out = np.array([[1, 2, 1, 2, 1], [3, 4, 9, 9, 9]])
@@ -266,6 +286,41 @@ def test_greedy_continuation_sets_the_models_own_generation_settings_aside(setti
     assert model.generation_config is own
 
 
+@torch.no_grad()
+def test_greedy_continuation_refuses_bad_arguments_before_generating():
+    """An empty prompt failed inside the model (``cannot reshape tensor of 0 elements``), float ids inside the
+    embedding, and 2.0 new tokens generated 2."""
+    from transformers import DynamicCache
+
+    model, prompt = _llama(), _ids(12)[None]
+    for ids, match in ((prompt[:, :0], r"\(1, T\) with T >= 1, got shape \(1, 0\)"),
+                       (prompt.float(), "integer token ids, got dtype torch.float32")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            greedy_continuation(model, ids, 3, DynamicCache())
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="new_tokens must be an int >= 1"):
+            greedy_continuation(model, prompt, bad, DynamicCache())
+    assert greedy_continuation(model, prompt, np.int64(2), DynamicCache()).shape == (2,)
+
+
+@torch.no_grad()
+def test_greedy_continuation_goes_past_an_end_of_sequence_token_at_the_first_step():
+    """The model's own end-of-sequence token, generated at the first step, does not stop the continuation."""
+    from transformers import DynamicCache
+
+    model, prompt = _llama(), _ids(12)[None]
+    ref = greedy_continuation(model, prompt, 6, DynamicCache()).tolist()
+    model.generation_config.eos_token_id = model.config.eos_token_id = ref[0]
+    assert greedy_continuation(model, prompt, 6, DynamicCache()).tolist() == ref
+
+
+def test_attention_entropy_refuses_a_float_mask():
+    """An additive float mask (0 / -inf) failed in ``~mask`` (TypeError: invert of a float tensor)."""
+    q, k = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        attention_entropy(q, k, torch.zeros(2, 3), 0.5)
+
+
 def test_report_shows_entropy_and_generation(run, tmp_path):
     from kvbits.report import write_report
     from kvbits.report.tables import entropy_table, generation_table
@@ -351,6 +406,15 @@ def test_bad_generate_is_refused_before_the_model_loads():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="generate must be an int >= 0"):
             evaluate("no-such-model-anywhere", _ids(64), 32, ["int4-token"], generate=bad)
+
+
+def test_numpy_context_and_windows_are_taken_as_ints():
+    """``evaluate(context=np.int64(32))`` was refused: "context must be an int >= 2, got np.int64(32)" (windows
+    likewise), where generate, seed, chunk_size and prompt_len take numpy's ints."""
+    model, ids = _llama(), _ids(64)
+    out = evaluate(model, ids, np.int64(32), ["int4-token"], windows=np.int64(2), attn_layers=[], generate=2)
+    assert (out["context"], out["windows"]) == (32, 2) and type(out["context"]) is int
+    assert out["results"][0]["generation"]["new_tokens"] == 2
 
 
 def test_generate_needs_a_model_that_generates(monkeypatch):

@@ -52,6 +52,8 @@ def attention_entropy(
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if mask.shape != (c, L):
         raise ValueError(f"mask must be (c, L) = ({c}, {L}), got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:  # an additive float mask (0 / -inf) would be inverted as if it were True / False
+        raise ValueError(f"mask must be bool (True where query i sees key j), got dtype {mask.dtype}")
     G = Hq // Hkv
     dtype = torch.promote_types(q.dtype, torch.float32)
     kt = k.to(dtype).transpose(-1, -2)

@@ -63,9 +63,9 @@ def rep_n(tokens: Sequence[int] | np.ndarray, n: int) -> float:
 
     ``[1, 2, 1, 2, 1]`` has the bigrams ``12 21 12 21``: 2 distinct of 4, rep-2 = 0.5.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    seq = [int(t) for t in np.asarray(tokens).reshape(-1)]
+    seq = _sequence(tokens, "tokens").tolist()
     total = len(seq) - n + 1
     if total <= 0:
         return float("nan")
@@ -73,10 +73,21 @@ def rep_n(tokens: Sequence[int] | np.ndarray, n: int) -> float:
     return 1.0 - distinct / total
 
 
+def _sequence(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """``tokens`` as one sequence of token ids ``(N,)``; ``ValueError`` for a batch (flattened, its rows would run
+    into each other: the n-gram across two rows counted, a divergence found at a flat index) or non-integer ids."""
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be one continuation of token ids (N,), got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{what} must be integer token ids, got dtype {a.dtype}")
+    return a
+
+
 def _pair(
     tokens: Sequence[int] | np.ndarray, ref: Sequence[int] | np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    a, b = np.asarray(tokens).reshape(-1), np.asarray(ref).reshape(-1)
+    a, b = _sequence(tokens, "tokens"), _sequence(ref, "ref")
     if a.shape != b.shape:
         raise ValueError(f"continuations must have the same length, got {a.shape[0]} and {b.shape[0]}")
     return a, b
@@ -107,6 +118,8 @@ def generation_summary(
     position that differs (``N``: none did).
     """
     tokens, ref = np.atleast_2d(tokens), np.atleast_2d(ref)
+    if tokens.ndim != 2:
+        raise ValueError(f"continuations must be (windows, new tokens), got shape {tokens.shape}")
     if tokens.shape != ref.shape:
         raise ValueError(f"continuations {tokens.shape} and reference {ref.shape} differ in shape")
     div = [first_divergence(t, r) for t, r in zip(tokens, ref)]
@@ -164,8 +177,13 @@ def greedy_continuation(model: Any, ids: torch.Tensor, new_tokens: int, cache: A
     """
     from transformers import GenerationConfig
 
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"ids must be one unpadded sequence (1, T), got shape {tuple(ids.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise ValueError(f"ids must be one unpadded sequence (1, T) with T >= 1, got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, (int, np.integer)) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
+    new_tokens = int(new_tokens)
     # no end-of-sequence token: exactly new_tokens; the pad id is never used then (nothing finishes
     # early) but generate wants one, and would take it from an end-of-sequence token
     pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)

@@ -278,8 +278,9 @@ def evaluate(
     # ranks waiting in the next collective for the collective timeout (24 h under kvbits eval)
     with ranks.agree("reading its scheme files"):
         resolved = resolve_schemes(schemes)
-    if isinstance(prompt_len, np.integer):  # numpy's ints, as check_int takes them (refused as out of range before)
-        prompt_len = int(prompt_len)
+    # numpy's ints, as check_int takes them: prompt_len was refused as out of range, context and windows as not ints
+    # ("context must be an int >= 2, got np.int64(32)"); as Python ints they also hash as the same run
+    context, windows, prompt_len = (int(x) if isinstance(x, np.integer) else x for x in (context, windows, prompt_len))
     _check_args(context, windows, mode, semantics, prompt_len, resolved)
     if attn_layers is not None:  # int(0.7) would have measured layer 0 without a word
         attn_layers = check_layer_indices("attn_layers", attn_layers)
