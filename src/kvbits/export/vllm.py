@@ -32,6 +32,8 @@ untouched: its files are linked (symlinks, no copy of the weights), ``config.jso
 the ``kv_cache_scheme`` added, and ``model.safetensors.index.json``, when there is one, with the
 scale names added (vLLM loads only the files the index names). Such a checkpoint declares
 compressed-tensors quantization: transformers then needs the ``compressed-tensors`` package to load it.
+The files are staged in a hidden folder inside ``out_dir`` and moved in at the end: an export that fails
+leaves ``out_dir`` as it was (a previous export's files put back), never a partial export.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import string
 import tempfile
 from pathlib import Path
@@ -278,8 +281,10 @@ def _merged_config(config: dict[str, Any], where: Path, strategy: str) -> dict[s
 
 def _servable(
     checkpoint: Path, out: Path, scales: dict[str, torch.Tensor], art: CalibrationArtifact
-) -> dict[str, list[str]]:
-    """Make ``out`` a copy of ``checkpoint`` (links) with the scales; returns the files linked and written."""
+) -> tuple[dict[str, Any], dict[str, Path], dict[str, list[str]]]:
+    """What makes ``out`` a copy of ``checkpoint`` (links) with the scales, checked, nothing written:
+    ``({file name: JSON object to write}, {link name: target}, {"linked": [...], "written": [...]})``.
+    ``ValueError`` for a checkpoint the scales can not join, or an ``out`` holding other files under its names."""
     cfg_path = checkpoint / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{checkpoint} is not a Hugging Face checkpoint folder (no config.json)")
@@ -323,27 +328,46 @@ def _servable(
         written[index_path.name] = index
     sources = [src for src in sorted(checkpoint.iterdir())
                if src.name not in written and src.name not in (SCALES_FILE, CONFIG_FILE, RECORD_FILE)]  # fmt: skip
-    for src in sources:  # every clash refused before the first link: a refusal leaves --out as it was
+    for src in sources:  # every clash refused before anything is written: a refusal leaves --out as it was
         dst = out / src.name
         if (dst.is_symlink() or dst.exists()) and not (dst.is_symlink() and dst.resolve() == src.resolve()):
             raise ValueError(f"{dst} exists and is not a link to {src}; export into an empty folder")
-    made: list[Path] = []  # the links this call made, removed again when a later step fails
+    links = {src.name: src.resolve() for src in sources if not (out / src.name).is_symlink()}
+    return written, links, {"linked": [src.name for src in sources], "written": [*written, SCALES_FILE]}
+
+
+def _install(out: Path, scales: dict[str, torch.Tensor], jsons: dict[str, Any], links: dict[str, Path]) -> None:
+    """Write into ``out`` all or nothing: ``links`` (``{name: target}``), ``scales`` as ``SCALES_FILE`` and
+    ``jsons`` (``{name: object}``, written in that order, after the scales) are first made in a hidden staging
+    folder inside ``out``, then moved in; when any step fails, what was moved in is taken out again and the files
+    it replaced (a previous export's) are put back, so a failure leaves ``out`` as it was: no partial export a
+    user (or vLLM) could load."""
+    folders = [name for name in [*links, SCALES_FILE, *jsons] if (out / name).is_dir() and not (out / name).is_symlink()]
+    if folders:
+        raise ValueError(f"{out / folders[0]} is a folder; the export writes a file of that name: export elsewhere")
+    stage = Path(tempfile.mkdtemp(prefix=".kvbits-export.", dir=out))
+    moved: list[tuple[Path, Path | None]] = []  # (destination, where what it held before waits, or None)
     try:
-        for src in sources:
-            dst = out / src.name
-            if not dst.is_symlink():
-                dst.symlink_to(src.resolve())
-                made.append(dst)
-        # the scales first: a config and index naming them are written only once they exist (a failed write
-        # leaves no folder that looks servable and names a missing file)
-        _save_tensors(out / SCALES_FILE, scales)
-        for name, obj in written.items():
-            _atomic_json(out / name, obj)
+        for name, target in links.items():
+            (stage / name).symlink_to(target)
+        _save_tensors(stage / SCALES_FILE, scales)
+        for name, obj in jsons.items():
+            _atomic_json(stage / name, obj)
+        for name in [*links, SCALES_FILE, *jsons]:  # links first, the config naming the scales after them
+            dst, backup = out / name, None
+            if dst.is_symlink() or dst.exists():
+                backup = stage / f".old.{name}"
+                os.replace(dst, backup)
+            moved.append((dst, backup))
+            os.replace(stage / name, dst)
     except BaseException:
-        for dst in made:
-            dst.unlink(missing_ok=True)
+        for dst, backup in reversed(moved):
+            dst.unlink(missing_ok=True)  # the new file, or nothing when its move failed
+            if backup is not None:
+                os.replace(backup, dst)
         raise
-    return {"linked": [src.name for src in sources], "written": [*written, SCALES_FILE]}
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 # checkpoint tensor names vLLM loads into an attention layer's k_scale / v_scale (its get_cache_scale and
@@ -552,20 +576,26 @@ def export_vllm(
     ck = None if checkpoint is None else Path(checkpoint).expanduser()
     if ck is not None:
         _check_out_outside(ck, out)  # before mkdir: nothing is created inside the checkpoint
+    record["out_dir"] = str(out)
+    written: dict[str, Any] = {}
+    links: dict[str, Path] = {}
+    if ck is not None:
+        written, links, files = _servable(ck, out, scales, art)  # checks only: nothing is written yet
+        record["checkpoint"] = {"path": str(ck), **files}
+        record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
+        logger.info(
+            "%s: its config.json matches the calibration's model (layers, KV heads and the shape fields the "
+            "calibration records); its weights are not compared: export the checkpoint the calibration was made on",
+            ck,
+        )
+    jsons = {CONFIG_FILE: {"quantization_config": quantization_config(strategy)}, **written, RECORD_FILE: record}
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    record["out_dir"] = str(out)
     try:
-        if ck is not None:
-            record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
-            record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
-        else:
-            _save_tensors(out / SCALES_FILE, scales)
-    except Exception:
-        if created and not any(out.iterdir()):  # a refused checkpoint leaves no empty --out behind
+        _install(out, scales, jsons, links)
+    except BaseException:
+        if created and not any(out.iterdir()):  # a failed export leaves no empty --out behind
             out.rmdir()
         raise
-    _atomic_json(out / CONFIG_FILE, {"quantization_config": quantization_config(strategy)})
-    _atomic_json(out / RECORD_FILE, record)
     logger.info("exported %d layers' FP8 K/V scales for vLLM", art.num_layers)
     return record
