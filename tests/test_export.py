@@ -666,3 +666,21 @@ def test_an_export_failing_at_its_last_write_leaves_out_as_it_was(fp8, tmp_path,
     with pytest.raises(ValueError, match="is a folder"):
         export_vllm(cal, out, checkpoint=ckpt)
     assert (out / "config.json").is_dir() and (out / "notes.txt").read_text() == "kept"
+
+
+def test_checkpoint_export_says_its_weights_are_not_compared(fp8, tmp_path, caplog):
+    """A checkpoint of the same config with other weights (a fine-tune) was accepted silently: only config.json
+    is compared. The log now says what was checked and that the weights were not."""
+    import logging
+
+    model, art, cal, _ = fp8
+    other = tmp_path / "finetune"
+    with torch.no_grad():
+        tuned = tiny_llama()
+        for p in tuned.parameters():
+            p.mul_(3.0)  # other weights, same config
+    tuned.save_pretrained(other)
+    with caplog.at_level(logging.INFO, logger="kvbits.export.vllm"):
+        export_vllm(cal, tmp_path / "out", checkpoint=other)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "its weights are not compared" in said and art.fingerprint in said

@@ -32,7 +32,10 @@ KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compres
 kv_cache_scheme: 8-bit float, strategy tensor or attn_head, static, symmetric). vLLM applies
 per-head scales in its FlashAttention backend only (--attention-backend FLASH_ATTN). With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
 checkpoint: DIR's files linked, config.json (and model.safetensors.index.json, when DIR has one) written
-with the scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
+with the scales added. DIR's config.json must match the calibrated model's (layers, KV heads, the shape fields the
+calibration records); its weights are not compared, so give the checkpoint the calibration was made on (a fine-tune
+of the same architecture is accepted, and its scales may be wrong). A failed export leaves --out as it was.
+Serve with: vllm serve <out> --kv-cache-dtype fp8.
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
 "kv_cache_scheme", "layers": [{"k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
 "v_absmax", "module"}], "serve",

@@ -522,7 +522,11 @@ def export_vllm(
         checkpoint: a Hugging Face checkpoint folder (left untouched): ``out_dir`` becomes that checkpoint
             with the scales, ready for ``vllm serve`` (see the module docstring); its ``config.json`` must
             describe the calibrated model (layers, KV heads, and each of ``model_type``, attention heads, head
-            dim, hidden size, vocabulary the calibration records).
+            dim, hidden size, vocabulary the calibration records). Only that config is compared: the weights are
+            not (the calibration's fingerprint hashes the weights it was loaded from, a GGUF file or a hub id,
+            which a folder of safetensors need not match, and hashing a large checkpoint is not cheap), so a
+            checkpoint of the same architecture with other weights (a fine-tune) is accepted; its |K|/|V| ranges,
+            and so the right scales, may differ. The log says so.
         module_template: attention module names, e.g. ``model.language_model.layers.{i}.self_attn``;
             default the names calibration recorded, else ``model.layers.{i}.self_attn``.
 
@@ -585,8 +589,10 @@ def export_vllm(
         record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
         logger.info(
             "%s: its config.json matches the calibration's model (layers, KV heads and the shape fields the "
-            "calibration records); its weights are not compared: export the checkpoint the calibration was made on",
+            "calibration records); its weights are not compared with those calibrated (fingerprint %s): the scales "
+            "fit only if they are the same weights, not a fine-tune of the same architecture",
             ck,
+            art.fingerprint,
         )
     jsons = {CONFIG_FILE: {"quantization_config": quantization_config(strategy)}, **written, RECORD_FILE: record}
     created = not out.exists()
