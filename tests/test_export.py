@@ -673,7 +673,7 @@ def test_checkpoint_export_says_its_weights_are_not_compared(fp8, tmp_path, capl
     is compared. The log now says what was checked and that the weights were not."""
     import logging
 
-    model, art, cal, _ = fp8
+    _, art, cal, _ = fp8
     other = tmp_path / "finetune"
     with torch.no_grad():
         tuned = tiny_llama()
