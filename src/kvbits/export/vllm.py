@@ -25,6 +25,17 @@ same thing in both: kvbits' FP8 cache quantizes as vLLM does (divide by the scal
 saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what vLLM will
 store.
 
+What is not exported: vLLM's kv-cache method also loads ``{module}.q_scale`` and ``.prob_scale`` (its
+``BaseKVCacheMethod.create_weights``, ``vllm/model_executor/layers/quantization/kv_cache.py``). With an FP8
+cache, an attention backend that takes FP8 queries (FlashAttention, ``supports_quant_query_input``) has the
+attention layer quantize each query to E4M3 at the static ``q_scale`` before the kernel
+(``vllm/model_executor/layers/attention/attention.py``, ``query_quant``). kvbits calibrates no query range, so
+the export writes no ``q_scale``: vLLM logs "Checkpoint does not provide a q scaling factor" and quantizes
+queries at ``k_scale`` or 1.0 (depending on its version; ``prob_scale`` stays 1.0, used by FP8 attention
+kernels only). kvbits keeps queries in the model's precision, so on such a backend (the one that applies
+per-head scales) vLLM adds a query rounding error kvbits' figures do not include; a query above
+``448 * q_scale`` saturates.
+
 ``export_vllm(artifact, out_dir)`` writes ``kv_cache_scales.safetensors`` and
 ``quantization_config.json`` (and ``kvbits_export.json``, the provenance). With ``checkpoint=DIR`` (a
 Hugging Face checkpoint folder) ``out_dir`` becomes a checkpoint vLLM can serve, and ``DIR`` is left
