@@ -623,3 +623,64 @@ def test_a_failed_checkpoint_export_leaves_no_links_behind(fp8, tmp_path, monkey
     monkeypatch.undo()
     rec = export_vllm(cal, out, checkpoint=ckpt)
     assert last in rec["checkpoint"]["linked"] and (out / last).is_symlink()
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_an_export_failing_at_its_last_write_leaves_out_as_it_was(fp8, tmp_path, monkeypatch, with_checkpoint):
+    """A failure after the first file (here: the record, written last) left the scales, quantization_config.json
+    and, with --checkpoint, the links, config.json and index in --out: a folder vLLM would serve, from an export
+    that reported failure. Now every file is staged and moved in at the end: a failure leaves --out as it was, a
+    new one absent, a previous export's files (and the user's other files) byte for byte."""
+    from kvbits.export import vllm
+
+    _, _, cal, ckpt = fp8
+    ck = ckpt if with_checkpoint else None
+    real = vllm._atomic_json
+
+    def full(path, obj):
+        if path.name == "kvbits_export.json":
+            raise OSError(28, "No space left on device")
+        real(path, obj)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(vllm, "_atomic_json", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_vllm(cal, out, checkpoint=ck)
+    assert not out.exists()
+    monkeypatch.undo()
+    export_vllm(cal, out, checkpoint=ck)
+    (out / "notes.txt").write_text("kept")
+    (out / "kv_cache_scales.safetensors").write_bytes(b"a previous export's scales")
+
+    def snapshot():
+        return {p.name: (os.readlink(p) if p.is_symlink() else p.read_bytes()) for p in out.iterdir()}
+
+    before = snapshot()
+    monkeypatch.setattr(vllm, "_atomic_json", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_vllm(cal, out, checkpoint=ck)
+    assert snapshot() == before
+    monkeypatch.undo()
+    (out / "config.json").unlink(missing_ok=True)
+    (out / "config.json").mkdir()  # a folder under a name the export writes is refused, not replaced (and lost)
+    with pytest.raises(ValueError, match="is a folder"):
+        export_vllm(cal, out, checkpoint=ckpt)
+    assert (out / "config.json").is_dir() and (out / "notes.txt").read_text() == "kept"
+
+
+def test_checkpoint_export_says_its_weights_are_not_compared(fp8, tmp_path, caplog):
+    """A checkpoint of the same config with other weights (a fine-tune) was accepted silently: only config.json
+    is compared. The log now says what was checked and that the weights were not."""
+    import logging
+
+    _, art, cal, _ = fp8
+    other = tmp_path / "finetune"
+    with torch.no_grad():
+        tuned = tiny_llama()
+        for p in tuned.parameters():
+            p.mul_(3.0)  # other weights, same config
+    tuned.save_pretrained(other)
+    with caplog.at_level(logging.INFO, logger="kvbits.export.vllm"):
+        export_vllm(cal, tmp_path / "out", checkpoint=other)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "its weights are not compared" in said and art.fingerprint in said

@@ -46,6 +46,15 @@ def test_fp8_notes_say_where_calibrated_scales_come_from():
     assert any("FLASH_ATTN" in n for n in head.notes) and not any("FLASH_ATTN" in n for n in tensor.notes)
 
 
+def test_fp8_notes_say_the_query_scale_is_not_exported():
+    """vLLM's FlashAttention backend, given an fp8 cache, quantizes queries to FP8 at a static q_scale (its attention
+    layer's query_quant; kv_cache.py loads {module}.q_scale); kvbits exports only k_scale/v_scale and measures with
+    queries unquantized, which the notes did not say."""
+    for scheme in ("fp8-e4m3", "fp8-e4m3-head"):
+        assert any("q_scale" in n and "queries at the model's precision" in n for n in vllm_cache_args(scheme).notes)
+    assert not any("q_scale" in n for n in vllm_cache_args("vllm-fp8-token").notes)
+
+
 def test_layers_are_matched_by_storage_not_by_name(tmp_path):
     """A scheme JSON with vllm-int4's content under another name maps as vllm-int4; one field changed does not."""
     same = dataclasses.replace(get_scheme("vllm-int4"), name="my-int4", description="renamed")

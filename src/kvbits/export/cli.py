@@ -30,9 +30,14 @@ saying why. --json: {"scheme", "kv_cache_dtype", "skip_layers", "cli", "engine_k
 vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer, or one per
 KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors
 kv_cache_scheme: 8-bit float, strategy tensor or attn_head, static, symmetric). vLLM applies
-per-head scales in its FlashAttention backend only (--attention-backend FLASH_ATTN). With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
+per-head scales in its FlashAttention backend only (--attention-backend FLASH_ATTN); with an FP8 cache that backend
+also rounds each query to FP8 at a q_scale kvbits does not calibrate or export (vLLM then uses k_scale or 1.0 and
+says so), an error kvbits' figures (queries kept at the model's precision) leave out. With --checkpoint DIR (a Hugging Face folder, left untouched) --out becomes a servable
 checkpoint: DIR's files linked, config.json (and model.safetensors.index.json, when DIR has one) written
-with the scales added. Serve with: vllm serve <out> --kv-cache-dtype fp8.
+with the scales added. DIR's config.json must match the calibrated model's (layers, KV heads, the shape fields the
+calibration records); its weights are not compared, so give the checkpoint the calibration was made on (a fine-tune
+of the same architecture is accepted, and its scales may be wrong). A failed export leaves --out as it was.
+Serve with: vllm serve <out> --kv-cache-dtype fp8.
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
 "kv_cache_scheme", "layers": [{"k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
 "v_absmax", "module"}], "serve",

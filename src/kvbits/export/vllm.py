@@ -25,6 +25,17 @@ same thing in both: kvbits' FP8 cache quantizes as vLLM does (divide by the scal
 saturate at 448), so ``kvbits eval --scheme fp8-e4m3 --calibration DIR`` measures what vLLM will
 store.
 
+What is not exported: vLLM's kv-cache method also loads ``{module}.q_scale`` and ``.prob_scale`` (its
+``BaseKVCacheMethod.create_weights``, ``vllm/model_executor/layers/quantization/kv_cache.py``). With an FP8
+cache, an attention backend that takes FP8 queries (FlashAttention, ``supports_quant_query_input``) has the
+attention layer quantize each query to E4M3 at the static ``q_scale`` before the kernel
+(``vllm/model_executor/layers/attention/attention.py``, ``query_quant``). kvbits calibrates no query range, so
+the export writes no ``q_scale``: vLLM logs "Checkpoint does not provide a q scaling factor" and quantizes
+queries at ``k_scale`` or 1.0 (depending on its version; ``prob_scale`` stays 1.0, used by FP8 attention
+kernels only). kvbits keeps queries in the model's precision, so on such a backend (the one that applies
+per-head scales) vLLM adds a query rounding error kvbits' figures do not include; a query above
+``448 * q_scale`` saturates.
+
 ``export_vllm(artifact, out_dir)`` writes ``kv_cache_scales.safetensors`` and
 ``quantization_config.json`` (and ``kvbits_export.json``, the provenance). With ``checkpoint=DIR`` (a
 Hugging Face checkpoint folder) ``out_dir`` becomes a checkpoint vLLM can serve, and ``DIR`` is left
@@ -32,6 +43,8 @@ untouched: its files are linked (symlinks, no copy of the weights), ``config.jso
 the ``kv_cache_scheme`` added, and ``model.safetensors.index.json``, when there is one, with the
 scale names added (vLLM loads only the files the index names). Such a checkpoint declares
 compressed-tensors quantization: transformers then needs the ``compressed-tensors`` package to load it.
+The files are staged in a hidden folder inside ``out_dir`` and moved in at the end: an export that fails
+leaves ``out_dir`` as it was (a previous export's files put back), never a partial export.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import string
 import tempfile
 from pathlib import Path
@@ -278,8 +292,10 @@ def _merged_config(config: dict[str, Any], where: Path, strategy: str) -> dict[s
 
 def _servable(
     checkpoint: Path, out: Path, scales: dict[str, torch.Tensor], art: CalibrationArtifact
-) -> dict[str, list[str]]:
-    """Make ``out`` a copy of ``checkpoint`` (links) with the scales; returns the files linked and written."""
+) -> tuple[dict[str, Any], dict[str, Path], dict[str, list[str]]]:
+    """What makes ``out`` a copy of ``checkpoint`` (links) with the scales, checked, nothing written:
+    ``({file name: JSON object to write}, {link name: target}, {"linked": [...], "written": [...]})``.
+    ``ValueError`` for a checkpoint the scales can not join, or an ``out`` holding other files under its names."""
     cfg_path = checkpoint / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{checkpoint} is not a Hugging Face checkpoint folder (no config.json)")
@@ -323,27 +339,46 @@ def _servable(
         written[index_path.name] = index
     sources = [src for src in sorted(checkpoint.iterdir())
                if src.name not in written and src.name not in (SCALES_FILE, CONFIG_FILE, RECORD_FILE)]  # fmt: skip
-    for src in sources:  # every clash refused before the first link: a refusal leaves --out as it was
+    for src in sources:  # every clash refused before anything is written: a refusal leaves --out as it was
         dst = out / src.name
         if (dst.is_symlink() or dst.exists()) and not (dst.is_symlink() and dst.resolve() == src.resolve()):
             raise ValueError(f"{dst} exists and is not a link to {src}; export into an empty folder")
-    made: list[Path] = []  # the links this call made, removed again when a later step fails
+    links = {src.name: src.resolve() for src in sources if not (out / src.name).is_symlink()}
+    return written, links, {"linked": [src.name for src in sources], "written": [*written, SCALES_FILE]}
+
+
+def _install(out: Path, scales: dict[str, torch.Tensor], jsons: dict[str, Any], links: dict[str, Path]) -> None:
+    """Write into ``out`` all or nothing: ``links`` (``{name: target}``), ``scales`` as ``SCALES_FILE`` and
+    ``jsons`` (``{name: object}``, written in that order, after the scales) are first made in a hidden staging
+    folder inside ``out``, then moved in; when any step fails, what was moved in is taken out again and the files
+    it replaced (a previous export's) are put back, so a failure leaves ``out`` as it was: no partial export a
+    user (or vLLM) could load."""
+    folders = [name for name in [*links, SCALES_FILE, *jsons] if (out / name).is_dir() and not (out / name).is_symlink()]
+    if folders:
+        raise ValueError(f"{out / folders[0]} is a folder; the export writes a file of that name: export elsewhere")
+    stage = Path(tempfile.mkdtemp(prefix=".kvbits-export.", dir=out))
+    moved: list[tuple[Path, Path | None]] = []  # (destination, where what it held before waits, or None)
     try:
-        for src in sources:
-            dst = out / src.name
-            if not dst.is_symlink():
-                dst.symlink_to(src.resolve())
-                made.append(dst)
-        # the scales first: a config and index naming them are written only once they exist (a failed write
-        # leaves no folder that looks servable and names a missing file)
-        _save_tensors(out / SCALES_FILE, scales)
-        for name, obj in written.items():
-            _atomic_json(out / name, obj)
+        for name, target in links.items():
+            (stage / name).symlink_to(target)
+        _save_tensors(stage / SCALES_FILE, scales)
+        for name, obj in jsons.items():
+            _atomic_json(stage / name, obj)
+        for name in [*links, SCALES_FILE, *jsons]:  # links first, the config naming the scales after them
+            dst, backup = out / name, None
+            if dst.is_symlink() or dst.exists():
+                backup = stage / f".old.{name}"
+                os.replace(dst, backup)
+            moved.append((dst, backup))
+            os.replace(stage / name, dst)
     except BaseException:
-        for dst in made:
-            dst.unlink(missing_ok=True)
+        for dst, backup in reversed(moved):
+            dst.unlink(missing_ok=True)  # the new file, or nothing when its move failed
+            if backup is not None:
+                os.replace(backup, dst)
         raise
-    return {"linked": [src.name for src in sources], "written": [*written, SCALES_FILE]}
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 # checkpoint tensor names vLLM loads into an attention layer's k_scale / v_scale (its get_cache_scale and
@@ -498,7 +533,11 @@ def export_vllm(
         checkpoint: a Hugging Face checkpoint folder (left untouched): ``out_dir`` becomes that checkpoint
             with the scales, ready for ``vllm serve`` (see the module docstring); its ``config.json`` must
             describe the calibrated model (layers, KV heads, and each of ``model_type``, attention heads, head
-            dim, hidden size, vocabulary the calibration records).
+            dim, hidden size, vocabulary the calibration records). Only that config is compared: the weights are
+            not (the calibration's fingerprint hashes the weights it was loaded from, a GGUF file or a hub id,
+            which a folder of safetensors need not match, and hashing a large checkpoint is not cheap), so a
+            checkpoint of the same architecture with other weights (a fine-tune) is accepted; its |K|/|V| ranges,
+            and so the right scales, may differ. The log says so.
         module_template: attention module names, e.g. ``model.language_model.layers.{i}.self_attn``;
             default the names calibration recorded, else ``model.layers.{i}.self_attn``.
 
@@ -552,20 +591,28 @@ def export_vllm(
     ck = None if checkpoint is None else Path(checkpoint).expanduser()
     if ck is not None:
         _check_out_outside(ck, out)  # before mkdir: nothing is created inside the checkpoint
+    record["out_dir"] = str(out)
+    written: dict[str, Any] = {}
+    links: dict[str, Path] = {}
+    if ck is not None:
+        written, links, files = _servable(ck, out, scales, art)  # checks only: nothing is written yet
+        record["checkpoint"] = {"path": str(ck), **files}
+        record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
+        logger.info(
+            "%s: its config.json matches the calibration's model (layers, KV heads and the shape fields the "
+            "calibration records); its weights are not compared with those calibrated (fingerprint %s): the scales "
+            "fit only if they are the same weights, not a fine-tune of the same architecture",
+            ck,
+            art.fingerprint,
+        )
+    jsons = {CONFIG_FILE: {"quantization_config": quantization_config(strategy)}, **written, RECORD_FILE: record}
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    record["out_dir"] = str(out)
     try:
-        if ck is not None:
-            record["checkpoint"] = {"path": str(ck), **_servable(ck, out, scales, art)}
-            record["serve"] = f"vllm serve {out} --kv-cache-dtype fp8{serve_flags}"
-        else:
-            _save_tensors(out / SCALES_FILE, scales)
-    except Exception:
-        if created and not any(out.iterdir()):  # a refused checkpoint leaves no empty --out behind
+        _install(out, scales, jsons, links)
+    except BaseException:
+        if created and not any(out.iterdir()):  # a failed export leaves no empty --out behind
             out.rmdir()
         raise
-    _atomic_json(out / CONFIG_FILE, {"quantization_config": quantization_config(strategy)})
-    _atomic_json(out / RECORD_FILE, record)
     logger.info("exported %d layers' FP8 K/V scales for vLLM", art.num_layers)
     return record

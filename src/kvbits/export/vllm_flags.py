@@ -172,6 +172,12 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
             f"{name}, then kvbits export --calibration DIR --checkpoint MODEL --out DIR"
             + ("; per-head scales are applied by --attention-backend FLASH_ATTN only" if name == "fp8-e4m3-head" else "")
         )
+        notes.append(
+            "with an fp8 cache, vLLM's FlashAttention backend also quantizes each query to FP8 at a static q_scale "
+            "(read from vLLM's attention layer and kv_cache.py, not run here); kvbits calibrates and exports none, so "
+            "vLLM uses k_scale or 1.0 (it logs 'Checkpoint does not provide a q scaling factor'), and kvbits' "
+            "figures, taken with queries at the model's precision, leave that rounding out"
+        )
     if dtype == "int4_per_token_head":
         notes.append(
             "kvbits emulates vLLM's int4_per_token_head with vLLM's own Hadamard signs and grid, at vLLM's bytes "
