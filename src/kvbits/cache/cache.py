@@ -47,7 +47,7 @@ from kvbits.plan.config import attention_heads, config_value, layer_configs, lay
 # families whose attention changes the keys after RoPE, before caching them (HunYuan: key_layernorm on the rotated
 # keys); kvbits.analyze.verify refuses them for statistics and calibration, rotary_for for pre-RoPE cache schemes,
 # kvbits.plan for pre-RoPE plans
-from kvbits.plan.positions import KEYS_NORMED_AFTER_ROPE, mrope_section
+from kvbits.plan.positions import KEYS_NORMED_AFTER_ROPE, default_mrope_section, mrope_section
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -164,7 +164,10 @@ def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
             "RoPE (key_layernorm): the keys it caches are no rotation of a pre-RoPE key, so un-rotating them gives "
             "no pre-RoPE frame; use a scheme with post-RoPE keys (pre_rope=False)"
         )
-    _refuse_mrope(scheme, model_type, _mrope_section(text_config(config) if config is not None else None, rotary))
+    section = _mrope_section(text_config(config) if config is not None else None, rotary)
+    if section is None and rotary is None:  # the family's fallback (Qwen2-VL's [16, 24, 24]), before building
+        section = default_mrope_section(model_type)  # tables it may not fit (a RuntimeError deep in the module)
+    _refuse_mrope(scheme, model_type, section)
     if rotary is not None:
         return rotary, False
     if config is None:

@@ -550,9 +550,12 @@ def model_shape(config: Any, *, name: str = "", rope: bool = False) -> ModelShap
     max_ctx = max_positions(text)
     if not name:
         name = str(_get(config, "_name_or_path") or _get(text, "model_type") or "")
+    problem = None if isinstance(text, Mapping) else pre_rope_problem(text)
+    if problem is not None and name != model_type:  # the message names the model type whatever the model's name
+        problem = f"(model_type {model_type!r}) {problem}"
     shape = ModelShape(
         tuple(layers), dtype_bytes=dtype or 2, name=name, max_context=max_ctx, weights_quantized=quantized_weights(config),
-        pre_rope_problem=None if isinstance(text, Mapping) else pre_rope_problem(text),
+        pre_rope_problem=problem,
     )  # fmt: skip
     try:
         params = estimate_params(text, shape)

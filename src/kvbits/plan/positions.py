@@ -17,11 +17,16 @@ It refuses, for a transformers config:
 - families that rotate interleaved pairs (``INTERLEAVED_SINUSOID``: GPT-J, CodeGen) and those that normalise
   their keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan), which the cache refuses as well.
 
-- configs whose RoPE parameters carry an ``mrope_section`` (multimodal RoPE, Qwen2-VL style: :func:`mrope_section`).
+- families whose ``apply_rotary_pos_emb`` is not rotate-half (``NOT_ROTATE_HALF``: Cohere, GLM, Helium, ERNIE 4.5,
+  Llama 4, ...), which ``RotaryTables`` refuses by this same list (and its probe of ``apply_rotary_pos_emb``
+  finds for any other family);
+- configs whose RoPE parameters carry an ``mrope_section`` (multimodal RoPE, Qwen2-VL style: :func:`mrope_section`),
+  and those of a family whose rotary module falls back to a default one (a Qwen2-VL config without it:
+  :func:`default_mrope_section`, read from the modeling source), which the cache refuses before building tables.
 
-What the cache finds only by building the rotary module is left to it: a family's default ``mrope_section`` (a
-Qwen2-VL config without RoPE parameters), a layout other than rotate-half (Cohere, GLM); a family whose modeling file can not be found is not
-refused here (it is then planned as before).
+A family whose modeling file can not be found (a remote-code model, a family transformers ships without its
+modeling file) is not refused here: the cache takes its tables from the loaded model (``rotary=``), which only it
+can check.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ __all__ = [
     "KEYS_NORMED_AFTER_ROPE",
     "LEARNED_POSITIONS",
     "NON_TEXT_ROTARY",
+    "NOT_ROTATE_HALF",
+    "default_mrope_section",
     "mrope_section",
     "no_rope_reason",
     "pre_rope_problem",
@@ -53,11 +60,22 @@ some transformers versions have a ``*RotaryEmbedding`` class for them (5.24) and
 KEYS_NORMED_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "hunyuan_vl")
 """Families that normalise their keys after RoPE (``query_layernorm`` / ``key_layernorm``): their cached keys are no
 rotation of a pre-RoPE key, so pre-RoPE key schemes have no frame to quantize in (kvbits.cache refuses them)."""
+NOT_ROTATE_HALF = (
+    "cohere", "cohere2", "cohere2_moe", "ergo", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe_text", "glm", "glm4",
+    "glm_ocr_text", "helium", "llama4_text", "nanochat",
+)  # fmt: skip
+"""Text model types whose ``apply_rotary_pos_emb`` is not rotate-half (``x * cos + rotate_half(x) * sin`` with
+``rotate_half`` swapping the halves): interleaved channel pairs (Cohere, Helium, ERNIE 4.5: ``x[..., ::2]``; GLM:
+``repeat_interleave``d tables; Llama 4: complex products of adjacent pairs) or the other sign (nanochat). Pre-RoPE
+key schemes un-rotate rotate-half only: ``RotaryTables.from_config`` refuses these by name, the planner too; the
+list is what its probe of ``apply_rotary_pos_emb`` refuses in transformers 5.25 (tests check each entry against it)."""
 NON_TEXT_ROTARY = ("Vision", "Audio", "DiT", "Talker", "SaProt")
 """Tags of rotary modules of other modalities living in the same modeling file as the text model's."""
 # values of a config's ``position_embedding_type`` that mean RoPE (GraniteMoeHybrid: "rope"; Evolla: "rotary")
 _ROPE_EMBEDDING_TYPES = ("rope", "rotary")
 _ROTARY_NAME = re.compile(r"\b(\w*RotaryEmbedding)\b")
+# a rotary module's fallback section (Qwen2-VL: ``config.rope_parameters.get("mrope_section", [16, 24, 24])``)
+_DEFAULT_MROPE = re.compile(r"self\.mrope_section\s*=\s*\w+\.rope_parameters\.get\(\s*[\"']mrope_section[\"']\s*,\s*(\[[\d,\s]*\])")
 
 
 def no_rope_reason(text: Any) -> str | None:
@@ -85,10 +103,9 @@ def mrope_section(text: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _has_rotary_class(model_type: str) -> bool | None:
-    """Whether transformers' modeling file of ``model_type`` names a text ``*RotaryEmbedding`` class (read as text:
-    the modeling module, which imports torch and the family's layers, is not imported); ``None`` when the file can
-    not be found."""
+def _modeling_source(model_type: str) -> str | None:
+    """The text of transformers' modeling file of ``model_type`` (read, not imported: the module imports torch and
+    the family's layers); ``None`` when it can not be found."""
     try:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
@@ -97,10 +114,28 @@ def _has_rotary_class(model_type: str) -> bool | None:
         if spec is None or not spec.origin:
             return None
         with open(spec.origin, encoding="utf-8") as f:
-            source = f.read()
+            return f.read()
     except (ImportError, ValueError, OSError):
         return None
+
+
+def _has_rotary_class(model_type: str) -> bool | None:
+    """Whether transformers' modeling file of ``model_type`` names a text ``*RotaryEmbedding`` class; ``None`` when
+    the file can not be found."""
+    source = _modeling_source(model_type)
+    if source is None:
+        return None
     return any(not any(tag in n for tag in NON_TEXT_ROTARY) for n in _ROTARY_NAME.findall(source))
+
+
+def default_mrope_section(model_type: Any) -> list[int] | None:
+    """The ``mrope_section`` the rotary module of ``model_type`` falls back to when the config's RoPE parameters
+    carry none (Qwen2-VL: ``[16, 24, 24]``), read from its modeling source; ``None`` when it has no such default
+    (no multimodal RoPE, or none without the config's), or the file can not be found."""
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    match = _DEFAULT_MROPE.search(_modeling_source(model_type) or "")
+    return None if match is None else [int(n) for n in re.findall(r"\d+", match.group(1))]
 
 
 def pre_rope_problem(text: Any) -> str | None:
@@ -118,7 +153,14 @@ def pre_rope_problem(text: Any) -> str | None:
         return "rotates interleaved channel pairs from a fixed sinusoid table (pre-RoPE keys support rotate-half RoPE only)"
     if model_type in KEYS_NORMED_AFTER_ROPE:
         return "normalises its keys after RoPE (key_layernorm): its cached keys are no rotation of a pre-RoPE key"
+    if model_type in NOT_ROTATE_HALF:
+        return (
+            "applies RoPE in a layout other than rotate-half (interleaved channel pairs or another sign; pre-RoPE keys "
+            "support rotate-half RoPE only)"
+        )
     section = mrope_section(text)
+    if section is None:
+        section = default_mrope_section(model_type)
     if section is not None:
         return (
             f"rotates its keys by multimodal RoPE (mrope_section {list(section)}): each channel section turns by its "

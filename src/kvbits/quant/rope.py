@@ -15,7 +15,8 @@ whatever the installed transformers implements. Works with transformers 5.x (``r
 Convention: "rotate-half" as transformers' ``apply_rotary_pos_emb``: channel ``i`` pairs with
 ``i + D_rot/2`` and only the first ``D_rot`` channels rotate (partial rotary). At construction the
 convention is checked against the family's own ``apply_rotary_pos_emb`` when it has one; families
-that rotate interleaved pairs (GLM, Cohere, GPT-J, ...) are refused with ``NotImplementedError``.
+that rotate interleaved pairs (GLM, Cohere, GPT-J, ...) are refused with ``NotImplementedError`` (by name for
+those the planner knows: ``kvbits.plan.positions.NOT_ROTATE_HALF``).
 
 Dynamic RoPE (``rope_type="dynamic"``): transformers recomputes the frequencies from the longest
 sequence its rotary module has seen (``max(position_ids) + 1`` of the forward call, growing across
@@ -48,7 +49,7 @@ import torch
 from kvbits.plan.config import layer_heads, text_config
 
 # the torch-free config checks, shared with the planner, which refuses the same models for pre-RoPE schemes
-from kvbits.plan.positions import INTERLEAVED_SINUSOID, NON_TEXT_ROTARY, no_rope_reason
+from kvbits.plan.positions import INTERLEAVED_SINUSOID, NON_TEXT_ROTARY, NOT_ROTATE_HALF, no_rope_reason
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +246,11 @@ class RotaryTables:
         if model_type in INTERLEAVED_SINUSOID:
             raise NotImplementedError(
                 f"model_type {model_type!r} rotates interleaved pairs from a fixed sinusoid table; "
+                "kvbits.quant.rope supports the rotate-half convention only"
+            )
+        if model_type in NOT_ROTATE_HALF:  # what _check_convention finds, known without building the module
+            raise NotImplementedError(
+                f"model_type {model_type!r} applies RoPE in a layout other than rotate-half (e.g. interleaved pairs); "
                 "kvbits.quant.rope supports the rotate-half convention only"
             )
         _refuse_without_rope(text, model_type)

@@ -1,0 +1,88 @@
+"""The planner refuses pre-RoPE schemes where the quantized caches do: RoPE layouts other than rotate-half (Cohere,
+GLM, ...) and multimodal RoPE from a family's default ``mrope_section`` (Qwen2-VL without RoPE parameters).
+
+The sweep over every decoder model type (plan versus ``QuantizedKVCache`` / ``StaticQuantizedKVCache``) that found
+them is kept as a reproducer under the review's notes; these tests pin what it found, with tiny configs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from kvbits.plan import plan
+from kvbits.plan.positions import NOT_ROTATE_HALF, default_mrope_section
+
+SMALL = {
+    "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+    "intermediate_size": 128, "max_position_embeddings": 256,
+}  # fmt: skip
+
+
+def _config(model_type, **extra):
+    return transformers.CONFIG_MAPPING[model_type](**{**SMALL, **extra})
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "cohere2", "glm", "glm4", "helium"])
+def test_pre_rope_plans_refused_for_rope_layouts_the_cache_refuses(model_type):
+    """The cache refuses pre-RoPE keys of these families (their RoPE is not rotate-half); the planner used to price
+    them all the same (Cohere with kvquant-4 at 128 tokens: 13,848 bytes, GLM: 77,376). Now it refuses, naming the
+    model type and why, with or without fused decode; post-RoPE schemes still plan."""
+    from kvbits.cache import QuantizedKVCache
+
+    config = _config(model_type)
+    config._name_or_path = "org/some-model"  # the message names the model type, not just the model
+    with pytest.raises(NotImplementedError, match="layout other than rotate-half"):
+        QuantizedKVCache(config, "kvquant-4")
+    for scheme in ("kvquant-4", "int4-channel-prerope"):
+        for fused in (False, True):
+            with pytest.raises(ValueError, match=rf"model_type '{model_type}'\) applies RoPE in a layout other than "
+                                                 r"rotate-half.*post-RoPE keys"):  # fmt: skip
+                plan(config, scheme=scheme, context=128, fused_decode=fused)
+    assert plan(config, scheme="int8-token", context=128)["total_bytes"] > 0
+
+
+def test_pre_rope_plans_refused_for_a_default_mrope_section():
+    """A Qwen2-VL config without ``mrope_section`` in its RoPE parameters still rotates by multimodal RoPE: its
+    rotary module falls back to [16, 24, 24]. The planner priced kvquant-4 (13,848 bytes at 128 tokens) and the
+    cache failed deep inside the rotary module (RuntimeError: split_with_sizes ... [16, 24, 24]) at a head dim the
+    default does not fit; both now refuse it with the section and why."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    config = _config("qwen2_vl")
+    assert default_mrope_section("qwen2_vl_text") == [16, 24, 24]
+    assert default_mrope_section("llama") is None and default_mrope_section(None) is None
+    with pytest.raises(ValueError, match=r"model_type 'qwen2_vl_text'\) rotates its keys by multimodal RoPE "
+                                         r"\(mrope_section \[16, 24, 24\]\)"):  # fmt: skip
+        plan(config, scheme="kvquant-4", context=128)
+    for build in (lambda: QuantizedKVCache(config, "kvquant-4"),
+                  lambda: StaticQuantizedKVCache(config, "kvquant-4", max_cache_len=64)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"multimodal RoPE \(mrope_section \[16, 24, 24\]\)"):
+            build()
+    assert plan(config, scheme="int8-token", context=128)["total_bytes"] > 0
+
+
+@pytest.mark.parametrize("model_type", NOT_ROTATE_HALF)
+def test_the_refused_layouts_are_what_the_cache_s_probe_refuses(model_type):
+    """Each family of ``NOT_ROTATE_HALF`` (refused by name by the planner and ``RotaryTables``) is refused by the
+    probe of its own ``apply_rotary_pos_emb`` too, in the installed transformers: the list is not stale."""
+    import torch  # noqa: F401 - the probe builds the family's rotary module
+
+    from kvbits.quant import rope
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    text = transformers.CONFIG_MAPPING[model_type]()
+    try:
+        module = rope._modeling_module(model_type)
+    except ValueError:
+        pytest.skip(f"transformers {transformers.__version__} ships no modeling file for {model_type!r}")
+    rotary = rope._instantiate(rope._rotary_class(module, model_type), text, None)
+    with pytest.raises(NotImplementedError):
+        rope.RotaryTables._build(text, rotary, importlib.import_module(module.__name__))
+    with pytest.raises(NotImplementedError, match="layout other than rotate-half"):
+        rope.RotaryTables.from_config(text)
