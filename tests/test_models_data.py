@@ -226,6 +226,9 @@ def test_hub_text_column_is_chosen_by_type(monkeypatch: pytest.MonkeyPatch) -> N
     fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": [" = A = \n", "", " b .\n"]})
     monkeypatch.setitem(sys.modules, "datasets", fake)
     assert load_text("hub:some/data").text == " = A = \n b .\n"
+    # a null row (a nullable string column) was a TypeError from str.join: now an empty row, and a warning
+    fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": ["a", None, "c"]})
+    assert load_text("hub:some/data").text == "a\n\nc"
     table.pop("body")
     with pytest.raises(ValueError, match=r"'some/data' has no text column: expected a column of strings.*'meta': "
                                          r"'dict'"):  # fmt: skip

@@ -214,7 +214,11 @@ def _load_hub(spec: str) -> TextSource:
             f"hub dataset {name!r} has no text column: expected a column of strings ('text', or the first one of "
             f"string type); columns and their types: {found}"
         )
-    rows = ds[column]
+    rows = list(ds[column])
+    if missing := sum(r is None for r in rows):  # a null in a string column: no text, as an empty row
+        logger.warning("hub dataset %r: %d of %d rows of column %r are null; read as empty rows", name, missing,
+                       len(rows), column)  # fmt: skip
+        rows = ["" if r is None else r for r in rows]
     # WikiText rows keep their own line ends ("\n"): joined with "" they give the raw file's lines, but with LF ends
     # where the registry's wikitext-2-raw/wiki.test.raw ('wikitext2') has CRLF ones: not the same text or tokens
     sep = "" if all(r.endswith("\n") for r in rows if r) else "\n"
