@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from _wordlevel import WORDS, save_word_tokenizer, write_word_text
 
+from kvbits._json import dumps
 from kvbits.analyze import (
     BlockReservoir,
     ChannelStats,
@@ -174,8 +176,9 @@ def test_next_steps_are_commands_that_run_as_printed(result):
 
 def test_json_schema(result):
     d = result.to_dict()
-    text = json.dumps(d, allow_nan=False)  # strict JSON: NaN/inf mapped to null
-    d = json.loads(text)
+    from kvbits._json import loads
+
+    d = loads(dumps(d))  # strict JSON: NaN/inf spelled "NaN"/"+Inf", read back as floats
     for key in ("model", "data", "context", "threshold", "layers", "recommendation", "version"):
         assert key in d
     assert d["threshold"] == 4.0 and d["context"] == 256 and len(d["layers"]) == 3
@@ -299,7 +302,7 @@ def test_interleaved_rope_keys_are_labelled_as_before_rope():
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     res = analyze(model, torch.randint(1, 64, (1, 64), generator=torch.Generator().manual_seed(1)), sample_tokens=64,
                   channel_group=32)  # fmt: skip
-    d = json.loads(json.dumps(res.to_dict(), allow_nan=False))
+    d = json.loads(dumps(res.to_dict()))
     assert all(r["key_outlier_channels_post_rope"] is None and r["key_post_rope"] is None for r in d["layers"])
     reason = d["recommendation"]["reason"]
     assert "pre-RoPE key outlier channels" in reason and "interleaved pairs" in reason and "stores keys after" in reason
@@ -425,6 +428,35 @@ def test_recommend_takes_the_rows_of_a_saved_analysis(result):
     rows[0]["value"]["sqnr_int4_token"] = None
     rows[1]["key_pre_rope"]["range_used_per_token"] = None
     assert recommend(rows)["scheme"] == result.recommendation["scheme"]
+
+
+def test_analysis_json_spells_non_finite_figures_as_every_kvbits_json(result, tmp_path):
+    """``analysis.json`` wrote every non-finite figure as null, where every other kvbits JSON writes ``"NaN"`` /
+    ``"+Inf"``: an exact int4 reconstruction (SQNR inf) and ordinary channels using no range (``bits_lost_per_token``
+    inf, "every bit lost") read the same as NaN and "not computed". Now spelled, read back by ``kvbits._json.loads``,
+    and ``recommend`` takes the rows of new files and of old (null) ones, read by a plain JSON parser."""
+    import copy
+
+    from kvbits._json import loads
+
+    res = copy.deepcopy(result)
+    res.layers[0].value.sqnr_token = math.inf
+    res.layers[1].key_pre_rope.range_used_by_head = [0.0]  # bits_lost_per_token inf
+    res.layers[2].key_pre_rope.range_used_by_head = [math.nan]  # a head of zeros: unknown
+    text = (Path(res.save(tmp_path)["json"])).read_text()
+    plain = json.loads(text)  # strict JSON: any parser reads it
+    rows = plain["layers"]
+    assert rows[0]["value"]["sqnr_int4_token"] == "+Inf"
+    assert (rows[1]["key_pre_rope"]["bits_lost_per_token"], rows[2]["key_pre_rope"]["bits_lost_per_token"]) == (
+        "+Inf", "NaN")
+    back = loads(text)["layers"]
+    assert back[0]["value"]["sqnr_int4_token"] == math.inf and math.isnan(back[2]["key_pre_rope"]["range_used_per_token"])
+    old = json.loads(text.replace('"+Inf"', "null").replace('"NaN"', "null"))["layers"]  # as written before
+    expected = recommend([la.to_dict() for la in res.layers])
+    for layers in (rows, back, old):
+        assert recommend(layers) == expected
+    with pytest.raises(ValueError, match="a figure is a string \\('abc'\\)"):
+        recommend([{**rows[0], "value": {**rows[0]["value"], "sqnr_int4_token": "abc"}}, *rows[1:]])
 
 
 @pytest.mark.parametrize(("name", "value"), [("threshold", float("nan")), ("threshold", 1.0),

@@ -152,6 +152,23 @@ def test_attention_entropy_uniform_is_log_n_and_matches_explicit_softmax():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize(("gap", "L"), [(20.0, 1024), (25.0, 4096)])
+def test_attention_entropy_of_near_one_hot_attention_is_float64_exact(gap, L):
+    """One key ``gap`` nats above ``L - 1`` others: the top key's ``p`` rounded to 1 in float32 and its ``-p log p``
+    (about the others' whole mass) to 0: 0.45% (20 nats, 1,024 keys) and 3.9% (25 nats, 4,096 keys) of the entropy
+    lost. Now the softmax and ``-p log p`` are float64, from the same float32 scores."""
+    q = torch.ones(1, 2, 1, 1)
+    k = torch.full((1, 1, L, 1), -gap)
+    k[0, 0, 0, 0] = 0.0
+    h = attention_entropy(q, k, torch.ones(1, L, dtype=torch.bool), 1.0)
+    s = torch.zeros(L, dtype=torch.float64)
+    s[1:] = -gap
+    exact = torch.special.entr(torch.softmax(s, -1)).sum()
+    assert h.dtype == torch.float32 and h.shape == (1, 1)
+    assert float(h) == pytest.approx(float(exact), rel=1e-6)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("build,window", [(_llama, None), (_qwen2, 40)], ids=["llama", "qwen2-sliding"])
 def test_simulated_entropy_of_uniform_attention_is_log_of_keys_seen(build, window):
     """With every query zero the attention is uniform over the keys a query sees: log(t + 1), or

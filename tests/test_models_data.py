@@ -117,6 +117,22 @@ def test_env_data_root_is_searched_first(tmp_path: Path, monkeypatch: pytest.Mon
     assert Path(load_text("pride-and-prejudice", data_path=other).path or "").is_relative_to(other.resolve())
 
 
+def test_a_kvbits_data_that_is_not_a_folder_is_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A mistyped ``$KVBITS_DATA`` was passed over without a word: the registry text came from a default root. Now a
+    warning names it (once per value: every load_text searches the roots), and the text still loads, checksummed."""
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    for env, why in ((tmp_path / "missing", "it does not exist"), (text, "a file")):
+        monkeypatch.setenv("KVBITS_DATA", str(env))
+        with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.data"):
+            caplog.clear()
+            assert load_text("pride-and-prejudice").sha256 == TEXTS["pride-and-prejudice"].sha256
+            load_text("pride-and-prejudice")
+        warned = [r.getMessage() for r in caplog.records if "KVBITS_DATA" in r.getMessage()]
+        assert warned == [f"KVBITS_DATA={env} is not a folder ({why}); searching the default data roots instead"]
+
+
 def test_unknown_text_lists_names() -> None:
     with pytest.raises(ValueError) as info:
         load_text("no-such-corpus")
@@ -210,6 +226,9 @@ def test_hub_text_column_is_chosen_by_type(monkeypatch: pytest.MonkeyPatch) -> N
     fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": [" = A = \n", "", " b .\n"]})
     monkeypatch.setitem(sys.modules, "datasets", fake)
     assert load_text("hub:some/data").text == " = A = \n b .\n"
+    # a null row (a nullable string column) was a TypeError from str.join: now an empty row, and a warning
+    fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": ["a", None, "c"]})
+    assert load_text("hub:some/data").text == "a\n\nc"
     table.pop("body")
     with pytest.raises(ValueError, match=r"'some/data' has no text column: expected a column of strings.*'meta': "
                                          r"'dict'"):  # fmt: skip

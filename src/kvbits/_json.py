@@ -11,9 +11,9 @@ infinite PPL, a NaN KL, the tokens/s of a zero-time step) is written as the stri
 ``"-Inf"`` (Prometheus' spelling, as ``kvbits monitor`` writes it), never as Python's bare ``NaN`` /
 ``Infinity`` tokens, which jq, Go's ``encoding/json`` and ``JSON.parse`` reject. :func:`loads` reads those
 strings back as the floats they stand for (and still reads the bare tokens of files written before).
-The one exception is ``kvbits analyze``'s ``analysis.json`` (and its ``--json``), which writes a non-finite
-figure as ``null``, the same as a figure not computed, so that its rows feed ``recommend`` as read by any
-JSON parser.
+``kvbits analyze``'s ``analysis.json`` (and its ``--json``) does too; files it wrote before wrote a non-finite
+figure as ``null``, the same as a figure not computed. ``kvbits.analyze.recommend`` takes the rows of either, read
+by any JSON parser (``null``, the spelled strings, or the floats :func:`loads` gives).
 
 :func:`loads` does not know which fields are numbers: a string value that is exactly ``"NaN"``, ``"+Inf"``
 or ``"-Inf"`` reads back as a float wherever it is, a text field included (a model or data name spelled so

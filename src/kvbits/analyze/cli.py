@@ -212,7 +212,7 @@ def _print_table(result: Any, written: list[str]) -> None:
             _channels(r["key_outlier_channels_pre_rope"]),
             _channels(r["key_outlier_channels_post_rope"]) if kpost else "n/a",
             _channels(r["value_outlier_channels"]),
-            "-" if used is None else f"{used:.2f}",
+            "-" if used is None or not math.isfinite(used) else f"{used:.2f}",
             f"{_db(kpre['sqnr_int4_token'])} / {_db(kpre['sqnr_int4_channel'])}",
             f"{_db(kpost['sqnr_int4_token'])} / {_db(kpost['sqnr_int4_channel'])}" if kpost else "n/a",
             f"{_db(v['sqnr_int4_token'])} / {_db(v['sqnr_int4_channel'])}",

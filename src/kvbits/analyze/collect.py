@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 import torch
 
 from kvbits._argtypes import check_seed
+from kvbits._json import dumps
 from kvbits.analyze.outliers import (
     DEFAULT_LAYER_FRACTION,
     DEFAULT_THRESHOLD,
@@ -126,17 +125,6 @@ class LayerAnalysis:
         }
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/inf: map them to None (recursively)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 @dataclass
 class Analysis:
     """The answer to "are there outlier channels?" for one model on one text."""
@@ -155,25 +143,26 @@ class Analysis:
     sampled_tokens: int | None = None  # tokens per layer actually sampled (whole blocks); None: not recorded
 
     def to_dict(self) -> dict[str, Any]:
+        """The analysis as a dict of plain values; a non-finite figure stays the float it is (an exact int4
+        reconstruction's SQNR ``inf``, ``bits_lost_per_token`` ``inf`` where ordinary channels use no range, NaN for
+        a head of zeros): :func:`kvbits._json.dumps` writes them as ``"+Inf"`` / ``"NaN"``, as every kvbits JSON."""
         rows = [layer.to_dict() for layer in self.layers]
-        return _finite(
-            {
-                "version": ANALYSIS_VERSION,
-                "model": self.model,
-                "fingerprint": self.fingerprint,
-                "data": self.data,
-                "context": self.context,
-                "windows": self.windows,
-                "tokens": self.context * self.windows,
-                "threshold": self.threshold,
-                "layer_fraction": self.layer_fraction,
-                "sample_tokens": self.sample_tokens,
-                "sampled_tokens": self.sampled_tokens,
-                "channel_group": self.channel_group,
-                "layers": rows,
-                "recommendation": self.recommendation,
-            }
-        )
+        return {
+            "version": ANALYSIS_VERSION,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "data": self.data,
+            "context": self.context,
+            "windows": self.windows,
+            "tokens": self.context * self.windows,
+            "threshold": self.threshold,
+            "layer_fraction": self.layer_fraction,
+            "sample_tokens": self.sample_tokens,
+            "sampled_tokens": self.sampled_tokens,
+            "channel_group": self.channel_group,
+            "layers": rows,
+            "recommendation": self.recommendation,
+        }
 
     def channel_tensors(self) -> dict[str, torch.Tensor]:
         """``layer{i}.{key_pre_rope|key_post_rope|value}.{absmax|mean|std|p1|p99|kurtosis}`` → ``(H_kv, D)``."""
@@ -193,7 +182,7 @@ class Analysis:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / "analysis.json", "channels": out / "channel_stats.safetensors"}
-        paths["json"].write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        paths["json"].write_text(dumps(self.to_dict(), indent=2) + "\n")
         meta = {
             "version": str(ANALYSIS_VERSION),
             "model": self.model,

@@ -154,9 +154,24 @@ def _fmt_db(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.1f} dB"
 
 
-def _mean(values: list[float | None]) -> float:
-    """Mean of the finite values; ``None`` (how ``Analysis.to_dict`` writes inf / NaN) is skipped like them."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
+def _figure(value: float | str | None) -> float:
+    """A row's figure as a float: a number as is; ``"NaN"`` / ``"+Inf"`` / ``"-Inf"`` (how ``analysis.json`` writes a
+    non-finite figure, :mod:`kvbits._json`, read by a plain JSON parser) as the float it stands for; ``None`` (how files
+    written before wrote every non-finite figure) as NaN."""
+    from kvbits._json import NON_FINITE
+
+    if value is None:
+        return math.nan
+    if isinstance(value, str):
+        if value not in NON_FINITE:
+            raise ValueError(f"a figure is a string ({value[:40]!r}); expected a number, null, or one of {sorted(NON_FINITE)}")
+        return NON_FINITE[value]
+    return float(value)
+
+
+def _mean(values: list[float | str | None]) -> float:
+    """Mean of the finite values (:func:`_figure`); NaN where none is."""
+    vals = [f for f in map(_figure, values) if math.isfinite(f)]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
@@ -208,7 +223,7 @@ def recommend(
     v_tok = _mean([r["value"]["sqnr_int4_token"] for r in layers])
     v_ch = _mean([r["value"]["sqnr_int4_channel"] for r in layers])
     used = [r["key_pre_rope"]["range_used_per_token"] for r in layers]
-    worst = min((v for v in used if v is not None and not math.isnan(v)), default=float("nan"))
+    worst = min((v for v in map(_figure, used) if not math.isnan(v)), default=float("nan"))
     names = {s.name for s in list_schemes()}
     # the schemes the answer names must run: per-token and per-channel keys at these bits
     allowed = sorted(b for b in range(1, 17) if {f"int{b}-token", f"int{b}-channel"} <= names)

@@ -7,7 +7,9 @@ UTF-8 byte-order mark of a user's text file is dropped.
 
 The data root is searched in this order (the first root holding the file wins):
 ``data_path`` argument, ``$KVBITS_DATA``, ``./../shared/data`` (from the current directory),
-``<repo>/../shared/data`` (from this file), ``/work/shared/data``.
+``<repo>/../shared/data`` (from this file), ``/work/shared/data``. A ``$KVBITS_DATA`` that is not a folder is
+logged as a warning (once per value) naming it: the registry texts are checksummed, so the search goes on to the
+default roots, but the user meant another one.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ __all__ = [
 ]
 
 _TOKEN_CACHE_VERSION = "2"  # 2: the tokenizer's splitting rules hashed too
+
+_WARNED_ENV_ROOTS: set[str] = set()  # $KVBITS_DATA values already warned about (not a folder)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class TextSource:
 def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Path]:
     """Candidate data roots, in search order, without duplicates (the default ones need not exist;
     a ``data_path`` given explicitly must be a folder: ``ValueError`` otherwise, rather than a silent
-    fall back to the default roots)."""
+    fall back to the default roots; a ``$KVBITS_DATA`` that is not a folder is a logged warning, once per value)."""
     candidates: list[Path] = []
     if data_path is not None:
         given = Path(data_path).expanduser()
@@ -117,6 +121,10 @@ def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Pa
         candidates.append(given)
     if env := os.environ.get("KVBITS_DATA"):
         candidates.append(Path(env).expanduser())
+        if not candidates[-1].is_dir() and env not in _WARNED_ENV_ROOTS:
+            _WARNED_ENV_ROOTS.add(env)  # once per value: every load_text searches the roots
+            logger.warning("KVBITS_DATA=%s is not a folder (%s); searching the default data roots instead",
+                           env, "a file" if candidates[-1].exists() else "it does not exist")
     candidates.append(Path.cwd() / ".." / "shared" / "data")
     repo = Path(__file__).resolve().parents[3]  # <repo>/src/kvbits/evaluate/data.py
     candidates.append(repo / ".." / "shared" / "data")
@@ -206,7 +214,11 @@ def _load_hub(spec: str) -> TextSource:
             f"hub dataset {name!r} has no text column: expected a column of strings ('text', or the first one of "
             f"string type); columns and their types: {found}"
         )
-    rows = ds[column]
+    rows = list(ds[column])
+    if missing := sum(r is None for r in rows):  # a null in a string column: no text, as an empty row
+        logger.warning("hub dataset %r: %d of %d rows of column %r are null; read as empty rows", name, missing,
+                       len(rows), column)  # fmt: skip
+        rows = ["" if r is None else r for r in rows]
     # WikiText rows keep their own line ends ("\n"): joined with "" they give the raw file's lines, but with LF ends
     # where the registry's wikitext-2-raw/wiki.test.raw ('wikitext2') has CRLF ones: not the same text or tokens
     sep = "" if all(r.endswith("\n") for r in rows if r) else "\n"

@@ -10,6 +10,12 @@ The simulator (:mod:`.simulate`) calls :func:`attention_entropy` for its sampled
 same chunk of queries and the same keys as its attention call, once over the quantized keys and
 once over the exact ones. Scores are computed explicitly there (SDPA returns no probabilities), in
 sub-chunks of queries so that at most ``budget`` scores exist at once.
+
+The scores are computed in the inputs' precision (float32 at least), the softmax and ``-p log p`` in float64, as
+:func:`kvbits.evaluate.metrics.exact_log_softmax` does for the other metrics: with near-one-hot attention the top
+key's ``p`` rounds to 1 in float32 and its ``-p log p`` (about the mass of all the others) to 0, 4% of the entropy
+for one key 25 nats above 4,095 others. The float64 sub-chunks hold half the scores, so the memory stays that of
+float32.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 
 __all__ = ["ENTROPY_BUDGET", "attention_entropy"]
 
-ENTROPY_BUDGET = 1 << 23  # scores per sub-chunk: 32 MB in float32 (a few times that with softmax)
+ENTROPY_BUDGET = 1 << 23  # float32 scores per sub-chunk, 32 MB (half as many in float64; a few times that with softmax)
 
 
 @torch.no_grad()
@@ -40,11 +46,12 @@ def attention_entropy(
         mask: bool ``(c, L)``, True where query ``i`` sees key ``j``; every row must see a key.
         scale: the score scale (``D ** -0.5`` unless the model says otherwise).
         softcap: attention logit soft-cap ``tanh(s / cap) * cap`` (Gemma 2), or None.
-        budget: most scores computed at once (queries are taken in sub-chunks to stay below it).
+        budget: most float32 scores computed at once (queries are taken in sub-chunks to stay below it; half as
+            many in float64, where the probabilities are).
 
     Returns:
-        ``(B, c)``: the mean over the ``H_q`` heads of ``-sum_j p_j log p_j``, in float32 (float64
-        for float64 inputs).
+        ``(B, c)``: the mean over the ``H_q`` heads of ``-sum_j p_j log p_j`` (computed in float64), in float32
+        (float64 for float64 inputs).
     """
     B, Hq, c, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
@@ -57,7 +64,7 @@ def attention_entropy(
     G = Hq // Hkv
     dtype = torch.promote_types(q.dtype, torch.float32)
     kt = k.to(dtype).transpose(-1, -2)
-    step = max(1, budget // max(1, B * Hq * L))
+    step = max(1, budget // 2 // max(1, B * Hq * L))  # float64 probabilities: half the scores in the same bytes
     out = []
     for a in range(0, c, step):
         b = min(c, a + step)
@@ -66,8 +73,8 @@ def attention_entropy(
         s = torch.matmul(qf, kt) * scale
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~mask[a:b].repeat(G, 1), float("-inf"))
+        s = s.to(torch.float64).masked_fill(~mask[a:b].repeat(G, 1), float("-inf"))
         # entr(0) = 0: keys a query does not see contribute nothing
         h = torch.special.entr(torch.softmax(s, dim=-1)).sum(dim=-1)
-        out.append(h.reshape(B, Hq, b - a).mean(dim=1))
+        out.append(h.reshape(B, Hq, b - a).mean(dim=1).to(dtype))
     return torch.cat(out, dim=1)
