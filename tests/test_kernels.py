@@ -833,6 +833,38 @@ def test_packed_store_refuses_other_dtypes():
     assert torch.equal(decode_attention_reference(q, long), decode_attention_reference(q, masked))
 
 
+def test_packed_store_refuses_unreadable_rope_tables():
+    """RoPE tables without ``quant_pos0`` were accepted: the Triton kernel then loaded each sequence's first position
+    from a one-byte placeholder, the reference failed in ``apply_rope_at`` (``'NoneType' object has no attribute
+    'long'``); tables without rows were read before their start. Both are refused when the store is made."""
+    g = torch.Generator().manual_seed(47)
+    store = make_store(g, T_q=64, T_f=8, device="cpu", rope=True)
+    fields = {f.name: getattr(store, f.name) for f in dataclasses.fields(store) if f.init}
+    cos, sin = store.rope_cos, store.rope_sin
+    with pytest.raises(ValueError, match="RoPE tables need quant_pos0"):
+        PackedStore(**{**fields, "quant_pos0": None})
+    with pytest.raises(ValueError, match="no rows"):
+        PackedStore(**{**fields, "rope_cos": cos[:0], "rope_sin": sin[:0]})
+    PackedStore(**{**fields, "rope_cos": cos[:1], "rope_sin": sin[:1]})  # one row: read at every position
+
+
+@needs_triton
+@pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
+def test_kernel_clamps_positions_past_short_rope_tables(vectorized: bool | None):
+    """A hand-built store whose RoPE tables are shorter than its positions (here 20 rows, keys at positions 4...163;
+    ``kvbits.cache`` sizes its tables, but checking a store's device positions would cost a sync per decode step):
+    the kernel read past the tables' end (interpreted: outputs 2.7 off the reference). It reads their last row
+    there now, as the reference clamps: the two agree."""
+    g = torch.Generator().manual_seed(21)
+    store = make_store(g, rope=True, quant_lens=[160, 64], full_lens=[40, 9])
+    short = replace(store, rope_cos=store.rope_cos[:20].contiguous(), rope_sin=store.rope_sin[:20].contiguous())
+    q = torch.randn(2, 6, 1, 64, generator=g).to(DEVICE)
+    truth = decode_attention_reference(q.double(), short, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q.half(), short, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q.half(), short, splits=2, vectorized=vectorized)
+    assert max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+
+
 @needs_triton
 def test_dispatch_passes_the_dequant_mode(monkeypatch):
     """``KVBITS_DEQUANT=f16`` reaches the kernel (float16 queries); anything else but f32/f16 is refused."""

@@ -1223,6 +1223,25 @@ def test_reorder_cache_refuses_non_integer_beam_idx():
     assert torch.equal(cache.layers[0].materialize()[0][0], before[0][1])
 
 
+def test_reorder_cache_refuses_out_of_range_beam_idx_on_the_host():
+    """An index outside the cached batch (negative, or past it) reached ``index_select``, which said only "index out
+    of range in self" (an ``IndexError`` naming neither the cache, the layer nor the batch). A CPU index is
+    range-checked first now (it is on the host: no device sync): a ``ValueError`` naming the layer and the range,
+    before anything is gathered."""
+    cache = StaticQuantizedKVCache(num_layers=2, scheme="int4-token", max_cache_len=16)
+    k = torch.randn(2, 2, 3, 32)
+    for i in range(2):
+        cache.update(k + i, k, i)
+    before = [t.clone() for layer in cache.layers for t in layer.materialize()]
+    for bad, lo, hi in (([1, -1], -1, 1), ([0, 2], 0, 2), ([-2, 0], -2, 0)):
+        with pytest.raises(ValueError, match=rf"layer 0 reorder_cache: beam_idx must index the cached batch of 2 "
+                                             rf"sequences \(0\.\.1\), got indices from {lo} to {hi}"):  # fmt: skip
+            cache.reorder_cache(torch.tensor(bad))
+    assert all(torch.equal(a, b) for a, b in zip((t for layer in cache.layers for t in layer.materialize()), before))
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(cache.layers[0].materialize()[0][0], before[0][1])
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["int8-token", "kivi-small"])
 def test_reset_then_a_request_of_another_length_or_batch(scheme):

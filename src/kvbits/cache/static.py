@@ -115,6 +115,7 @@ from kvbits.cache.layer import (
     BEAM_IDX_DTYPES,
     PACKED_STORAGE,
     cache_batch_size,
+    check_beam_idx,
     find_position_ids,
     offload_refusal,
     position_offset,
@@ -914,7 +915,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence ``b`` takes what sequence ``beam_idx[b]`` holds (``beam_idx`` ``(B,)`` int64 or int32,
-        the cached batch, on any device; ``ValueError`` / ``TypeError`` for another shape or dtype), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
+        the cached batch, on any device; ``ValueError`` / ``TypeError`` for another shape or dtype, and ``ValueError``
+        for an index outside ``[0, B)`` held on the CPU, where reading it costs no device sync), gathered and copied back in place: codes, scales, zero-points, outliers, float slabs, the
         window, lengths and pre-RoPE position offsets; the slabs keep their addresses. Device work only (no host
         read); a no-op before the first update. It raised ``NotImplementedError`` after the beams' prefill."""
         if not self.is_initialized:
@@ -926,6 +928,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if beam_idx.dtype not in BEAM_IDX_DTYPES:  # host metadata: index_select said only "Expected dtype int32 or int64"
             raise TypeError(f"layer {self.layer_idx}: beam_idx must hold integer batch indices (torch.long), got dtype "
                             f"{beam_idx.dtype}")  # fmt: skip
+        if beam_idx.device.type == "cpu":  # on the host already: the range check reads no device
+            # (index_select said only "index out of range in self"; a CUDA index is left to its device-side assert)
+            check_beam_idx(beam_idx, B, f"layer {self.layer_idx} reorder_cache")
         idx = beam_idx.to(self.device)  # an index on another device is copied over
         for t in self._per_sequence():
             t.copy_(t.index_select(0, idx))

@@ -196,7 +196,8 @@ class PackedStore:
         key_full, value_full: ``(B, H_kv, T_f, D)`` float tail (post-RoPE keys), both ``None`` or both set.
         quant_lens, full_lens: ``(B,)`` int32 (or int64) valid slots per sequence.
         rope_cos, rope_sin: ``(T_pos, D)`` float32 tables when the quantized keys are pre-RoPE, else ``None``;
-            or ``(T_pos, D / 2)``, the first half of rotate-half tables whose halves repeat.
+            or ``(T_pos, D / 2)``, the first half of rotate-half tables whose halves repeat. At least one row;
+            positions past the last (not checked: device values) read it, on every path.
         quant_pos0: ``(B,)`` int32 position of quantized slot 0 (pre-RoPE keys only), e.g. the sink count;
             negative for a left-padded row (its pad slots, masked, sit before position 0).
         quant_mask, full_mask: ``(B, T_q)`` / ``(B, T_f)`` bool, ``False`` for slots a sequence must not
@@ -286,6 +287,8 @@ class PackedStore:
                               ("rope_sin", sin, FLOAT32)):  # fmt: skip
             if t is not None and t.dtype not in want:
                 raise TypeError(f"{name} must be {' or '.join(map(str, want))}, got {t.dtype}")
+        if cos is not None:
+            _check_rope_tables(cos.shape[0], self.quant_pos0)
         self._layout = None  # triton_decode.layout_reason's answer, once asked
 
     @property
@@ -327,6 +330,19 @@ class PackedStore:
         total = sum(p.nbytes for p in (self.key, self.value) if p is not None)
         total += sum(t.numel() * t.element_size() for t in (self.key_full, self.value_full) if t is not None)
         return total
+
+
+def _check_rope_tables(T_pos: int, pos0: torch.Tensor | None) -> None:
+    """``ValueError`` for RoPE tables the decode paths cannot read: without ``quant_pos0`` (the Triton kernel loaded
+    each sequence's first position from a one-byte placeholder, the reference failed inside ``apply_rope_at``) or
+    without rows (the kernel read before them). Shapes only: whether the tables cover every position
+    ``quant_pos0[b] + t`` (``t < quant_lens[b]``) is in device values, which a decode step never reads back (its
+    ``PackedStore`` is made at every step); positions past the tables are clamped to their last row on both paths
+    (``apply_rope_at``, the kernel's ``T_pos``), as ``kvbits.cache`` never makes them (it sizes its tables)."""
+    if pos0 is None:
+        raise ValueError("RoPE tables need quant_pos0 (B,), the position of each sequence's first quantized slot")
+    if T_pos < 1:
+        raise ValueError("the RoPE tables have no rows (T_pos = 0): give (T_pos >= 1, D or D / 2) tables")
 
 
 def _given(x: object) -> str:

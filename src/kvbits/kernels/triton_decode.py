@@ -644,7 +644,7 @@ def _tail_loop(q, q_lo, m_i, l_i, acc, KF, VF, FLEN, FMASK, b, bh, T_f, start, c
 # the partials' row: none is specialised, so decode steps whose residual window length (every step) or
 # split count (as a short context grows) changes divisibility by 16 reuse the compiled kernel.
 # fmt: off
-@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "QM_ROW", "q_used"])
+@triton.jit(do_not_specialize=["T_q", "T_f", "n_split_q", "n_split", "QM_ROW", "q_used", "T_pos"])
 def _decode_kernel(
     Q, M_OUT, L_OUT, ACC_OUT,                      # queries (B*H_q, D); partial outputs
     KC, KS, KZ, VC, VS, VZ, QLEN,                  # quantized store: codes, scales, zero-points; lengths
@@ -657,6 +657,7 @@ def _decode_kernel(
     K_ROW, K_SROWS, K_SCOLS, V_ROW, V_SROWS, V_SCOLS,
     n_split_q, n_split, chunk_q, chunk_f, QM_ROW,   # QM_ROW: QMASK's row stride (rows of whole words)
     q_used,                                        # UNIFORM: every sequence's quantized length (QLEN not read)
+    T_pos,                                         # ROPE: rows of COS / SIN (positions past them read the last)
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_BITS: tl.constexpr, K_TPS: tl.constexpr, K_CPS: tl.constexpr, K_SYM: tl.constexpr,
     K_KIND: tl.constexpr, K_NOUT: tl.constexpr,
@@ -743,7 +744,9 @@ def _decode_kernel(
                         kr = kr * tl.load(KFACTOR + h * D + offs_d)[None, :]
                     if K_MEAN:
                         kr = kr + tl.load(KMEAN + h * D + offs_d)[None, :]
-                    pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
+                    # pad slots (masked) may sit before position 0; past the tables (a hand-built store): their last row, as
+                    # the reference clamps (read past their end before: outputs 2.7 off the reference's)
+                    pos = tl.minimum(tl.maximum(tl.load(POS0 + b) + t, 0), T_pos - 1)
                     kr = _rope_rows(kr, COS, SIN, pos, valid, ROPE_W, D, BLOCK_T)
                 k = tl.trans(kr)
             else:
@@ -762,7 +765,8 @@ def _decode_kernel(
                 if K_MEAN:
                     k = k + tl.load(KMEAN + h * D + offs_d)[:, None]
                     kp = kp + tl.load(KMEAN + h * D + partner)[:, None]
-                pos = tl.maximum(tl.load(POS0 + b) + t, 0)  # pad slots (masked) may sit before position 0
+                # pad slots (masked) may sit before position 0; past the tables: their last row (see above)
+                pos = tl.minimum(tl.maximum(tl.load(POS0 + b) + t, 0), T_pos - 1)
                 cs_off = pos[None, :] * ROPE_W + (offs_d % ROPE_W)[:, None]  # ROPE_W = D or D / 2 (halves repeat)
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
@@ -1270,7 +1274,7 @@ def decode_attention_triton(
         scale * LOG2E, H_kv, T_q, T_f,
         k_row, k_srows, k_scols, v_row, v_srows, v_scols,
         n_q, n_split, chunk_q, chunk_f, qm_row,
-        store.quant_slots_used,
+        store.quant_slots_used, cos.shape[0] if rope else 1,
     )
     meta = {
         "G": G, "G_PAD": max(16, _pow2(G)), "D": D, "BLOCK_T": block_t,
