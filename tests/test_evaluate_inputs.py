@@ -474,3 +474,16 @@ def test_a_float32_model_whose_first_parameter_is_int8_runs_as_float32(monkeypat
     evaluate(model, _ids(200)[0], 64, ["int4-token"], windows=1)
     assert tolerances == [1e-3]
     assert _run_dtype(model, None) == "float32" and _run_dtype(model, "bfloat16") == "bfloat16"  # else as asked
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.complex64, 16])
+def test_a_dtype_that_is_no_floating_torch_dtype_is_refused_before_the_model_loads(bad, tmp_path):
+    """A dtype given as a torch dtype was not checked: torch.int8 failed only after the model loaded (in
+    ``Module.to``), torch.complex64 deep in the first forward (softmax not implemented for ComplexFloat)."""
+    from kvbits.calibrate import collect_samples
+
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="or a floating torch dtype, got"):
+        evaluate(missing, "pride-and-prejudice", 64, ["int4-token"], dtype=bad)
+    with pytest.raises(ValueError, match="or a floating torch dtype, got"):
+        collect_samples(missing, "pride-and-prejudice", context=64, windows=1, dtype=bad)
