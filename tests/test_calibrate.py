@@ -1449,3 +1449,16 @@ def test_calibrate_refuses_a_folder_holding_a_calibration(tmp_path, capsys):
                     overwrite=True)  # fmt: skip
     assert json.loads((out / META_FILE).read_text())["scheme"]["name"] == "fp8-e4m3" == art.scheme.name
     assert sorted(p.name for p in out.iterdir()) == [META_FILE, TENSORS_FILE]
+
+
+def test_a_float32_model_whose_first_parameter_is_int8_is_calibrated_as_float32(caplog):
+    """collect_samples read the model's dtype from its first parameter: with an int8 one first, a float32 run
+    recorded dtype "int8" in the artifact and warned that the Fisher pass was not float32. Now the first floating
+    parameter's dtype is the run's (``floating_dtype``), as in kvbits eval."""
+    model = tiny_llama()
+    model.model.register_parameter("qweight", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
+    assert next(model.parameters()).dtype == torch.int8
+    with caplog.at_level("WARNING", logger="kvbits"):
+        samples = collect_samples(model, token_ids(), sinks=0, context=64, windows=1, max_tokens=64)
+    assert samples.dtype == "float32" and samples.device == "cpu"
+    assert "Fisher pass" not in caplog.text

@@ -446,3 +446,44 @@ def test_simulate_and_stream_take_prompt_len_and_attn_layers_as_evaluate_does():
         stream_hidden(model, ids, "int4-token", semantics="prefill", prompt_len=True)
     with pytest.raises(ValueError, match=r"prompt_len is only used with semantics='prefill', got prompt_len=8"):
         stream_hidden(model, ids, "int4-token", prompt_len=8)
+
+
+def _int8_first(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (float32) with an int8 parameter registered first, as a quantized weight or index table is."""
+    model.model.register_parameter("qweight", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
+    assert next(model.parameters()).dtype == torch.int8
+    return model
+
+
+def test_a_float32_model_whose_first_parameter_is_int8_runs_as_float32(monkeypatch):
+    """The dtype of a run was read from the model's first parameter: an int8 one first made a float32 model
+    record dtype "int8" (``_run_dtype``, speed and needle summaries) and check its logit head at the half-precision
+    tolerance 3e-2 instead of float32's 1e-3. Both now read the first floating parameter (``floating_dtype``)."""
+    from kvbits.evaluate import runner
+    from kvbits.evaluate.inputs import _run_dtype
+
+    model = _int8_first(_llama())
+    tolerances = []
+    real = runner.check_logit_head
+
+    def spy(*args, **kwargs):
+        tolerances.append(kwargs["tolerance"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "check_logit_head", spy)
+    evaluate(model, _ids(200)[0], 64, ["int4-token"], windows=1)
+    assert tolerances == [1e-3]
+    assert _run_dtype(model, None) == "float32" and _run_dtype(model, "bfloat16") == "bfloat16"  # else as asked
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.complex64, 16])
+def test_a_dtype_that_is_no_floating_torch_dtype_is_refused_before_the_model_loads(bad, tmp_path):
+    """A dtype given as a torch dtype was not checked: torch.int8 failed only after the model loaded (in
+    ``Module.to``), torch.complex64 deep in the first forward (softmax not implemented for ComplexFloat)."""
+    from kvbits.calibrate import collect_samples
+
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="or a floating torch dtype, got"):
+        evaluate(missing, "pride-and-prejudice", 64, ["int4-token"], dtype=bad)
+    with pytest.raises(ValueError, match="or a floating torch dtype, got"):
+        collect_samples(missing, "pride-and-prejudice", context=64, windows=1, dtype=bad)

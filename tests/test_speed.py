@@ -778,3 +778,17 @@ def test_workspace_is_not_kept_by_runs_auto_sends_through_the_fused_path(model, 
     monkeypatch.setattr(stream, "fuses", lambda model, mode, device: False)
     (r,) = _runs(speed_eval(model, 64, [SMALL_KIVI], workspace=True, tokens=3, warmup=1, data=ids), "t-kivi")
     assert r["path"] == "workspace" and r["workspace_bytes"] > 0
+
+
+def test_a_float32_model_whose_first_parameter_is_int8_is_timed_as_float32(ids):
+    """speed read the model's dtype from its first parameter: with an int8 one first a float32 model was refused
+    (ValueError "the model's dtype must be float16, bfloat16 or float32, got torch.int8") and its schemes' planned
+    bytes counted 1 byte a full-precision value. Now the first floating parameter's dtype counts (as eval's)."""
+    model = tiny_llama()
+    model.model.register_parameter("qweight", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
+    s = speed_eval(model, [64], [SMALL_KIVI], batches=[1], tokens=3, warmup=1, data=ids)
+    assert s["dtype"] == "float32"
+    for r in s["runs"]:
+        assert r["cache_bytes"] == r["planned_bytes"], r
+    dyn = _runs(s, "DynamicCache")[0]
+    assert dyn["cache_bytes"] == dyn["cached_tokens"] * 2 * 2 * 2 * 16 * 4  # float32: 4 bytes a value

@@ -416,12 +416,15 @@ def collect_samples(
             f"config ({model_record['num_layers']} layers, {model_record['num_kv_heads']} KV heads, "
             f"head dim {model_record['head_dim']})"
         )
-    param = next(module.parameters())
-    if fisher and param.dtype != torch.float32:
+    from kvbits.evaluate.measures import floating_dtype
+
+    param = next(module.parameters())  # its device; the dtype is the first floating parameter's (an int8 one may lead)
+    run_dtype = floating_dtype(module) or param.dtype
+    if fisher and run_dtype != torch.float32:
         logger.warning(
             "Fisher pass in %s: the loss gradients carry its rounding (float16 also flushes the smallest "
             "to zero); float32 is recommended for the Fisher weights",
-            param.dtype,
+            run_dtype,
         )
     W, T = ids.shape
     tables = _layer_rotary_tables(module, sites)
@@ -467,7 +470,7 @@ def collect_samples(
                         samples["gk"][i].append(_take(gk, pos))
                         samples["gv"][i].append(_take(gv, pos))
                         finite += [(i, "key gradients", samples["gk"][i][-1]), (i, "value gradients", samples["gv"][i][-1])]
-                _check_finite(finite, w, W, param.dtype)
+                _check_finite(finite, w, W, run_dtype)
                 cap.reset()
                 if progress is not None:
                     progress("windows", w + 1, W)
@@ -491,7 +494,7 @@ def collect_samples(
         losses=losses,
         seconds=time.perf_counter() - t0,
         excluded_sinks=sinks,
-        dtype=str(param.dtype).removeprefix("torch."),
+        dtype=str(run_dtype).removeprefix("torch."),
         device=str(param.device),
         absmax=absmax,
     )

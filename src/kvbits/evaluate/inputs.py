@@ -242,8 +242,14 @@ def _check_before_loading(
 
 
 def _run_dtype(model: torch.nn.Module, dtype_name: str | None) -> str:
-    """The dtype a run records: as asked (``_check_before_loading``'s name), else the loaded model's own."""
-    return dtype_name or str(next(model.parameters()).dtype).removeprefix("torch.")
+    """The dtype a run records: as asked (``_check_before_loading``'s name), else the loaded model's own (its
+    first floating parameter's, ``floating_dtype``; its first parameter's where it has none)."""
+    from kvbits.evaluate.measures import floating_dtype
+
+    if dtype_name:
+        return dtype_name
+    dtype = floating_dtype(model) or next(model.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def _load_checked_model(model: Any, torch_dtype: torch.dtype | None, device: Any, calibrations: dict[str, Any]):

@@ -80,9 +80,19 @@ def model_dtype_bytes(model: Any) -> int:
     return 2 if size is None else size
 
 
+def floating_dtype(model: Any) -> torch.dtype | None:
+    """The dtype ``model`` runs in: its first *floating* parameter's, None where it has none.
+
+    Not ``next(model.parameters()).dtype``: an integer parameter registered first (a quantized weight, an index
+    table) made a float32 model read as int8 (recorded dtype, logit-head tolerance, planned bytes). Every place that
+    asks for the model's dtype or element size reads it here."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), None)
+
+
 def _floating_bytes(model: Any) -> int | None:
-    """Element size of ``model``'s first floating parameter, None where it has none."""
-    return next((p.element_size() for p in model.parameters() if p.dtype.is_floating_point), None)
+    """Element size of ``model``'s first floating parameter (``floating_dtype``), None where it has none."""
+    dtype = floating_dtype(model)
+    return None if dtype is None else dtype.itemsize
 
 
 def long_run_avg_bits(

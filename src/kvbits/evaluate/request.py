@@ -132,11 +132,16 @@ def _check_args(context, windows, mode, semantics, prompt_len, schemes) -> None:
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None) -> tuple[torch.dtype | None, str | None]:
-    """``(torch dtype, name for the record)`` of a dtype given by name or as a torch dtype."""
+    """``(torch dtype, name for the record)`` of a dtype given by name (``DTYPES``) or as a floating torch dtype.
+
+    Anything else is refused here, before a model loads: ``torch.int8`` failed only after loading, in
+    ``Module.to``, ``torch.complex64`` deep in the first forward (softmax not implemented for ComplexFloat)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype], dtype
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)} or a floating torch dtype, got {dtype!r}")
     return dtype, (str(dtype).removeprefix("torch.") if dtype is not None else None)
 
 

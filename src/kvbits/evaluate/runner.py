@@ -88,6 +88,7 @@ from kvbits.evaluate.measures import (
     _warn_unquantized,
     add_clipping,
     add_counts,
+    floating_dtype,
     long_run_avg_bits,
     model_dtype_bytes,
     plan_shape_of,
@@ -178,7 +179,7 @@ def _check_head(model: Any, base: Any, head: LogitHead, ids: torch.Tensor) -> No
     ``LogitHead`` does not know would otherwise bias every PPL and KL silently."""
     logits = model(input_ids=ids, use_cache=False).logits[0]
     hidden = _hidden_plain(base, ids)[0]
-    exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
+    exact = floating_dtype(model) in (torch.float32, torch.float64)
     try:
         err = check_logit_head(head, hidden, logits, tolerance=1e-3 if exact else 3e-2)
     except RuntimeError as exc:

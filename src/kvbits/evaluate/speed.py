@@ -184,9 +184,10 @@ def _planned(model: Any, scheme: Any, batch: int, tokens: int) -> int | None:
     ``memory_report()["total_bytes"]`` counts (not the fused path's RoPE tables)."""
     if isinstance(scheme, PeerScheme):
         return None
+    from kvbits.evaluate.measures import model_dtype_bytes
     from kvbits.plan import plan
 
-    dtype_bytes = next(model.parameters()).element_size()
+    dtype_bytes = model_dtype_bytes(model)
     return int(
         plan(model.config, context=tokens, batch=batch, scheme=scheme, dtype_bytes=dtype_bytes)["total_bytes"]
     )
@@ -194,12 +195,13 @@ def _planned(model: Any, scheme: Any, batch: int, tokens: int) -> int | None:
 
 def _dynamic_scheme(model: Any) -> Any:
     """What a ``DynamicCache`` stores, as a scheme the planner counts: keys and values in the model's dtype."""
+    from kvbits.evaluate.measures import floating_dtype
     from kvbits.schemes.spec import KVScheme, TensorSpec
 
-    dtype = next(model.parameters()).dtype
+    dtype = floating_dtype(model)
     fmt = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype)
     if fmt is None:
-        raise ValueError(f"the model's dtype must be float16, bfloat16 or float32, got {dtype}")
+        raise ValueError(f"the model's dtype must be float16, bfloat16 or float32, got {dtype or 'no floating parameter'}")
     spec = TensorSpec(kind="float", bits=32 if fmt == "fp32" else 16, fmt=fmt)
     return KVScheme(name=BASELINE, key=spec, value=spec)
 
