@@ -1437,7 +1437,7 @@ def test_set_static_qparams_checks_values():
     static = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True)
     layer = QuantizedKVLayer(KVScheme("s", key=static, value=TensorSpec(kind="int", bits=4, fmt=None)))
     ok, zero = torch.full((2, 8), 0.5), torch.full((2, 8), -4.0)
-    for bad in (float("nan"), float("inf"), -1.0, 1e6):
+    for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="layer 0 key static scale must be finite and >= 0"):
             layer.set_static_qparams("key", torch.full((2, 8), bad), zero)
     with pytest.raises(ValueError, match="layer 0 key static zero-point must be finite"):
@@ -1456,6 +1456,84 @@ def test_set_static_qparams_checks_values():
         layer.set_static_qparams("key", torch.tensor(0.0))
     with pytest.raises(ValueError, match="spec is not static"):  # per-token FP8 scales come from the data
         layer.set_static_qparams("value", torch.tensor(2.0))
+
+
+def _static_layer(bits: int = 4, symmetric: bool = True, kind: str = "int", fmt: str | None = None,
+                  granularity: str = "channel") -> QuantizedKVLayer:
+    spec = TensorSpec(kind=kind, bits=bits, fmt=fmt, granularity=granularity, static=True, symmetric=symmetric)
+    return QuantizedKVLayer(KVScheme("s", key=spec, value=TensorSpec(kind="int", bits=4, fmt=None), residual=0, block=4),
+                            checks="eager", num_key_value_heads=2, head_dim=8)  # fmt: skip
+
+
+def test_static_scales_float16_can_not_hold_are_refused_as_given():
+    """A float32 static scale is stored in float16. 1e-9 rounded to 0 there and collapsed its whole channel onto the
+    zero-point (64 of 64 keys decoded to 0, seen only in the clipped count); 1e6 became inf and was refused as
+    "must be finite (e.g. inf)", a value nobody gave. Both refused now, naming the layer, side, count and value (in
+    ``quantize(validate=True)`` too); a scale of 0 (a constant channel) is still taken."""
+    tiny = torch.full((2, 8), 0.5)
+    tiny[1, 3] = 1e-9
+    with pytest.raises(ValueError, match=r"layer 0 key static scale: 1 of 16 entries are nonzero but round to 0 in "
+                                         r"float16.*\(e\.g\. 1e-09 given; float16's smallest is 5\.96e-08\)"):
+        _static_layer().set_static_qparams("key", tiny)
+    with pytest.raises(ValueError, match=r"layer 0 key static scale: 16 of 16 entries overflow float16, which stores "
+                                         r"them \(e\.g\. 1e\+06 given; float16 holds \|x\| up to 65504\)"):
+        _static_layer().set_static_qparams("key", torch.full((2, 8), 1e6))
+    with pytest.raises(ValueError, match=r"layer 0 key static zero-point: 16 of 16 entries overflow float16.*-1e\+06"):
+        _static_layer(symmetric=False).set_static_qparams("key", torch.ones(2, 8), torch.full((2, 8), -1e6))
+    with pytest.raises(ValueError, match=r"layer 0 key smoothing factor: 1 of 64 entries are nonzero but round to 0"):
+        factor = torch.ones(2, 32)
+        factor[0, 0] = 1e-9
+        QuantizedKVLayer(get_scheme("int8-token-smooth"), num_key_value_heads=2, head_dim=32).set_static_qparams(
+            "key", mean=torch.zeros(2, 32), factor=factor)
+    layer = _static_layer()
+    layer.set_static_qparams("key", torch.where(tiny < 1e-3, 0.0, tiny))  # 0: a constant channel, accepted
+    spec = layer.scheme.key
+    x = torch.randn(1, 2, 4, 8) * 1e-8
+    for scale, match in ((tiny, "static_scale: 1 of 16 entries are nonzero but round to 0"),
+                         (torch.full((2, 8), 1e6), r"static_scale: 16 of 16 entries overflow float16.*1e\+06 given")):
+        with pytest.raises(ValueError, match=match):
+            quantize(x, spec, static_scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("layer", "scale", "zero", "decoded"),
+    [((3,), 21840.0, None, "65504 as 65520"),  # 3 * 21840 (and -65504 as -65520)
+     ((4, False), 4400.0, 0.0, "65504 as 66000"),  # 15 * 4400 + 0
+     ((8, True, "fp8", "e4m3", "tensor"), 150.0, None, "65504 as 67200"),  # 448 * 150
+     ((8, True, "fp8", "e5m2", "tensor"), 2.0, None, "65504 as 65536"),  # 32768 * 2
+     ((4, True, "nuq"), 65504.0, None, None),  # the entry +-1 decodes +-65504: within
+     ((3,), 30000.0, None, None),  # 65504 codes onto level 2: 60000, within
+     ((8, True, "fp8", "e4m3", "tensor"), 200.0, None, None)],  # 65504 / 200 codes onto 320: 64000
+)  # fmt: skip
+def test_static_scales_decoding_past_float16_are_refused(layer, scale, zero, decoded):
+    """A static scale whose level nearest the largest K/V (+-65504) decodes past float16: inf in float16 K/V, then
+    NaN in attention (3-bit 21840 decoded a key of -65504 as -inf; an E4M3 scale of 150 decoded 65504 as inf). Refused
+    at install and by ``quantize(validate=True)``; a large scale whose reachable levels stay within float16 is kept.
+    """
+    if layer[2:3] == ("fp8",):
+        layer = (layer[0], False, *layer[2:])  # FP8 specs are not 'symmetric'
+    lay = _static_layer(*layer)
+    shape = () if lay.scheme.key.kind == "fp8" else (2, 8)
+    params = {"scale": torch.full(shape, scale)}
+    if zero is not None:
+        params["zero"] = torch.full(shape, zero)
+    if lay.scheme.key.kind == "nuq":
+        params["codebook"] = torch.linspace(-1, 1, 16).half()
+    k = torch.full((1, 2, 4, 8), 65504.0)
+    k[..., 1::2] *= -1
+    qkw = {"static_scale": params["scale"]} | ({"static_zero": params["zero"]} if zero is not None else {})
+    qkw |= {"codebook": params["codebook"]} if "codebook" in params else {}
+    if decoded is not None:
+        with pytest.raises(ValueError, match=f"layer 0 key static scale: .* decode past float16 \\(e\\.g\\. scale "
+                                             f"{scale:g}.* decodes {decoded}; float16 holds"):
+            lay.set_static_qparams("key", **params)
+        with pytest.raises(ValueError, match=f"decode past float16 .*decodes {decoded}"):
+            quantize(k, lay.scheme.key, **qkw)
+        return
+    lay.set_static_qparams("key", **params)
+    keys, _ = lay.update(k.half(), k.half())
+    assert torch.isfinite(keys).all()
+    assert torch.isfinite(quantize(k, lay.scheme.key, **qkw).dequantize(torch.float16)).all()
 
 
 def test_fp8_per_head_scales_in_the_layer():

@@ -483,6 +483,12 @@ def test_zero_points_installed_apart_from_their_scale_are_kept():
     assert layer._k.n_quantized == 4 and (keys - k).abs().max() < 0.5  # codes cover [-1, 14] in steps of 1
     layer.set_static_qparams("key", scale=torch.ones(2, 64))
     assert layer.needs_calibration() == ["key static zero-points"]
+    # checked with the scale they pair with: 15 * 4400 + 0 decoded a key of 65504 as 66000, inf in float16
+    layer.set_static_qparams("key", scale=torch.full((2, 64), 4400.0))
+    with pytest.raises(ValueError, match=r"layer 0 key static scale: 128 of 128 entries decode past float16 \(e\.g\. "
+                                         r"scale 4400 with zero-point 0 decodes 65504 as 66000"):
+        layer.set_static_qparams("key", zero=torch.zeros(2, 64))
+    assert layer.needs_calibration() == ["key static zero-points"]
 
 
 @pytest.mark.parametrize(

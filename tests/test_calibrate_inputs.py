@@ -383,3 +383,25 @@ def test_a_calibration_from_a_newer_kvbits_says_to_upgrade(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"this kvbits reads format_version {ARTIFACT_FORMAT_VERSION} (written by kvbits {kvbits.__version__}, read by kvbits {kvbits.__version__})")) as e:
             load_calibration(out)
         assert ("upgrade kvbits to read it, or re-run" in str(e.value)) is upgrade, str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "name", "value", "decoded"),
+    [("fp8-e4m3", "layers.0.key_scale", torch.tensor(150.0), "65504 as 67200"),  # 448 * 150: inf in float16
+     ("kvquant-4", "layers.1.key_scale", torch.full((H, D), 65504.0).half(), None)],  # zero + scale past 65504
+)  # fmt: skip
+def test_static_scales_decoding_past_float16_are_refused_in_the_artifact(tmp_path, scheme, name, value, decoded):
+    """An artifact edited (or written by another tool) with a static scale whose levels decode the largest K/V past
+    float16 was validated, saved and loaded: its keys then decoded to inf at serving. ``validate`` (so ``save`` and
+    ``load_calibration``) refuses it, naming the tensor."""
+    art = artifact_from_samples(scheme, samples(), samples(seed=1))
+    art.tensors[name] = value
+    if decoded is None:  # asymmetric NUQ keys: 65504 codes onto the entry 1, which decodes zero + scale = 66504
+        art.tensors[name.replace("scale", "zero")] = torch.full((H, D), 1000.0).half()
+        art.tensors[name.replace("scale", "codebook")] = torch.linspace(-1, 1, 16).half()
+    match = f"calibration \\(in memory\\): {name}: .*decode past float16" + ("" if decoded is None else f".*{decoded}")
+    with pytest.raises(ValueError, match=match):
+        art.validate()
+    with pytest.raises(ValueError, match=match):
+        art.save(tmp_path / "a")
+    assert not (tmp_path / "a").exists()

@@ -4,8 +4,10 @@ A side's *fixed* parameters come from ``kvbits calibrate`` rather than from the 
 zero-points (``TensorSpec.static``), a NUQ codebook (``kind="nuq"``), channel means and smoothing factors
 (``centre`` / ``smooth``). ``QuantizedKVLayer`` and ``StaticQuantizedLayer`` install them alike:
 
-- ``checked_params``: the given tensors, validated (finite; scales ``>= 0``, FP8 ``> 0``; codebooks sorted in
-  ``[-1, 1]``; factors ``> 0``; shapes), cloned in the dtype they are stored in, under the names ``quantize`` takes
+- ``checked_params``: the given tensors, validated (finite; scales ``>= 0``, FP8 ``> 0``; held by float16 when
+  stored in it: no finite value overflowing, no nonzero scale or factor rounding to 0; static scales whose levels
+  decode the largest K/V (``+-65504``) within float16, ``check_static_decode``, refused otherwise rather than
+  clamped; codebooks sorted in ``[-1, 1]``; factors ``> 0``; shapes), cloned in the dtype they are stored in, under the names ``quantize`` takes
   (``static_scale``, ``static_zero``, ``codebook``, ``channel_mean``, ``channel_factor``). One host sync: the per-step
   path never re-checks them;
 - ``check_param_shapes``: that installed parameters fit the side's ``(H_kv, D)`` and flush block, once both are known
@@ -25,11 +27,19 @@ import torch
 
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.nuq import check_codebook
-from kvbits.quant.tensor import check_finite, check_static_scale, static_param_shape
+from kvbits.quant.tensor import (
+    SCALE_UNDERFLOW,
+    check_finite,
+    check_static_decode,
+    check_static_scale,
+    static_param_shape,
+    to_float16,
+)
 from kvbits.schemes.spec import TensorSpec
 
 __all__ = ["PARAM_NAMES", "channel_bound", "check_param_shapes", "checked_params", "install_artifact", "missing_params"]
 
+_WORDS = {"channel_mean": "channel mean", "channel_factor": "smoothing factor"}  # in errors
 PARAM_NAMES = ("static_scale", "static_zero", "codebook", "channel_mean", "channel_factor")  # quantize's arguments
 
 
@@ -68,32 +78,40 @@ def checked_params(
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
     out: dict[str, torch.Tensor] = {}
-    # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact;
-    # checked in the stored dtype (a huge float32 scale is inf in float16)
-    if scale is not None:
-        scale = scale.detach().to(device, torch.float32 if spec.kind == "fp8" else torch.float16).clone()
-        if spec.kind == "fp8":  # () per tensor, (1, H_kv, 1, 1) per head
-            scale = static_fp8_scale(scale, spec.granularity, heads, f"{what} static scale")
-        check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
-        out["static_scale"] = scale
+    # cloned: the layer owns (and reports) exactly these bytes, never a view into an artifact; checked in the stored dtype
+    if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync);
+        # first: the scales' decode check probes it
+        out["codebook"] = check_codebook(codebook.detach().to(device).clone(), spec.bits)
+    # cast by to_float16: a float32 value float16 can not hold is named as given (1e6, not the inf it became), and a
+    # nonzero scale that rounds to 0 (1e-9) is refused rather than collapsing its channel silently
     if zero is not None:
-        zero = zero.detach().to(device, torch.float16).clone()
+        zero = to_float16(zero.detach().to(device), f"{what} static zero-point").clone()
         check_finite(zero, f"{what} static zero-point")
         out["static_zero"] = zero
+    if scale is not None:
+        if spec.kind == "fp8":  # () per tensor, (1, H_kv, 1, 1) per head
+            scale = scale.detach().to(device, torch.float32).clone()
+            scale = static_fp8_scale(scale, spec.granularity, heads, f"{what} static scale")
+        else:
+            scale = to_float16(scale.detach().to(device), f"{what} static scale", nonzero=SCALE_UNDERFLOW).clone()
+        check_static_scale(scale, f"{what} static scale", positive=spec.kind == "fp8")
+        if zero is not None or not spec.has_zero_point:  # an asymmetric scale alone: its zero-points come later
+            check_static_decode(spec, scale, zero, f"{what} static scale", out.get("codebook"))
+        out["static_scale"] = scale
     for name, t in (("channel_mean", mean), ("channel_factor", factor)):
         if t is None:
             continue
         D = t.shape[-1] if t.dim() else 0
         if t.dim() not in (2, 4) or (heads is not None and t.numel() != heads * D):
             raise ValueError(f"{what}: {name} must be (H_kv, D) = ({heads}, D), got {tuple(t.shape)}")
-        t = t.detach().to(device, torch.float16).reshape(-1, D).clone()
+        nonzero = "a smoothing factor divides: it must be > 0" if name == "channel_factor" else None
+        t = to_float16(t.detach().to(device), f"{what} {_WORDS[name]}", nonzero=nonzero)
+        t = t.reshape(-1, D).clone()
         if name == "channel_mean":
-            check_finite(t, f"{what} channel mean")
+            check_finite(t, f"{what} {_WORDS[name]}")
         else:
-            check_static_scale(t, f"{what} smoothing factor", positive=True)
+            check_static_scale(t, f"{what} {_WORDS[name]}", positive=True)
         out[name] = t
-    if codebook is not None:  # checked once here: the per-step path does not re-check it (no host sync)
-        out["codebook"] = check_codebook(codebook.detach().to(device).clone(), spec.bits)
     return out
 
 

@@ -42,7 +42,7 @@ from kvbits.cache.fixed import (
 )
 from kvbits.cache.store import SideStore, mergeable
 from kvbits.quant.fp8 import static_fp8_scale
-from kvbits.quant.tensor import FLOAT_DTYPES
+from kvbits.quant.tensor import FLOAT_DTYPES, check_static_decode
 from kvbits.schemes.accounting import sliding_falls_back, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -415,6 +415,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
             store.zero_scales = bool((store.static_scale == 0).any())
         elif "static_zero" in params:  # zero-points alone (their scale installed before): dropped silently before
+            if store.static_scale is not None:  # checked_params saw no scale: the pair's top level checked here
+                check_static_decode(store.spec, store.static_scale, params["static_zero"],
+                                    f"layer {self.layer_idx} {side} static scale", store.codebook)  # fmt: skip
             store.static_zero = params["static_zero"]
         if "codebook" in params:
             store.codebook = params["codebook"]

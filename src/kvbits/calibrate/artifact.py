@@ -42,6 +42,7 @@ import torch
 from kvbits._files import chmod_default
 from kvbits._json import dumps, loads
 from kvbits.quant.nuq import check_codebook
+from kvbits.quant.tensor import check_static_decode
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -338,7 +339,8 @@ class CalibrationArtifact:
         )
 
     def validate(self) -> None:
-        """Check tensor names, shapes, dtypes and codebooks against the scheme and model shape."""
+        """Check tensor names, shapes, dtypes and codebooks against the scheme and model shape, and that static
+        scales (with their zero-points) decode the largest K/V within float16 (``check_static_decode``)."""
         where = self._where() or " (in memory)"
         expected = expected_tensors(self.scheme, self.num_layers, self.num_kv_heads, self.head_dim)
         missing = sorted(set(expected) - set(self.tensors))
@@ -388,6 +390,14 @@ class CalibrationArtifact:
             # A scale of 0 stays valid: a channel constant over the calibration samples has range 0 (its
             # zero-point holds the constant). Serving counts every other value such a channel receives as
             # clipped (QuantizedTensor.clipped), so the mismatch shows in the calibration report.
+        for name in expected:  # with their zero-points and codebooks, checked above: levels past float16 are inf
+            if name.endswith("_scale"):
+                base = name.removesuffix("scale")
+                try:
+                    check_static_decode(self._tensor_spec(name), self.tensors[name], self.tensors.get(base + "zero"),
+                                        name, self.tensors.get(base + "codebook"))  # fmt: skip
+                except ValueError as exc:
+                    raise ValueError(f"calibration{where}: {exc}") from None
 
     # ------------------------------------------------------------------------------- writing
     def save(self, out_dir: str | os.PathLike[str]) -> Path:

@@ -23,7 +23,7 @@ from kvbits.quant.affine import (
     quantize_affine,
     trunc_symmetric,
 )
-from kvbits.quant.checks import check_kv
+from kvbits.quant.checks import FP16_MAX, check_kv
 from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8, static_fp8_scale
 from kvbits.quant.nuq import (
     CODEBOOK_DTYPE,
@@ -408,7 +408,8 @@ def check_block(
 ) -> None:
     """What ``quantize(validate=True)`` checks before quantizing ``x`` ``(B, H_kv, n, D)`` (and what
     ``kvbits.kernels.quantize_pack`` checks before its kernel): finite K/V within float16 (``check_kv``),
-    ``D >= 1``, and the calibrated parameters' values: static scales finite and ``>= 0`` (FP8: ``> 0``),
+    ``D >= 1``, and the calibrated parameters' values: static scales finite and ``>= 0`` (FP8: ``> 0``), held by
+    float16 (``to_float16``) and decoding the largest K/V within float16 (``check_static_decode``),
     finite zero-points, finite channel means, finite smoothing factors ``> 0``; a centred / smoothed or rotated
     spec's coded block (``(x - mean) / factor``, then ``@ R``) within float16 too, and an ``integer_zero`` spec's
     within ``kvbits.quant.affine.integer_zero_bound``. Host syncs: for checks,
@@ -439,6 +440,7 @@ def check_block(
     if spec.kind == "fp8":
         if static_scale is not None:
             check_static_scale(static_scale, "static FP8 scale", positive=True)
+            check_static_decode(spec, static_scale, None, "static FP8 scale")
     elif spec.kind in ("int", "nuq"):
         _static_qparams(x, spec, static_scale, static_zero, check=True)
 
@@ -476,6 +478,76 @@ def check_static_scale(scale: torch.Tensor, what: str, *, positive: bool = False
         allowed = "finite and > 0" if positive else "finite and >= 0"
         first = float(s.flatten()[bad.flatten()][0])
         raise ValueError(f"{what} must be {allowed}; {int(bad.sum())} of {s.numel()} entries are not (e.g. {first})")
+
+
+SCALE_UNDERFLOW = ("a scale of 0 collapses its channel onto the zero-point: give 0 for a constant channel, or a scale "
+                   "float16 holds")
+
+
+def to_float16(t: torch.Tensor, what: str, *, nonzero: str | None = None) -> torch.Tensor:
+    """``t`` cast to float16 (a static scale, zero-point or channel vector as stored), ``ValueError`` when a finite
+    value overflows float16 (beyond 65504 it becomes inf: named as given, not as the inf it became) or, with
+    ``nonzero`` (scales, smoothing factors: why a 0 is wrong, said in the error), when a nonzero value underflows to
+    0 (below ~2.98e-8): a static scale of 0 collapses its whole channel onto the zero-point, seen only in the clipped
+    count (``SCALE_UNDERFLOW``). NaN / inf given stay as they are, for the caller's checks. One host sync."""
+    h = t.to(torch.float16)
+    if t.dtype == torch.float16:
+        return h
+    f = t.detach().float()
+    over = torch.isfinite(f) & torch.isinf(h)
+    under = (f != 0) & (h == 0) if nonzero is not None else torch.zeros_like(over)
+    n_over, n_under = int(over.sum()), int(under.sum())
+    if n_over:
+        first = float(f[over].flatten()[0])
+        raise ValueError(f"{what}: {n_over} of {f.numel()} entries overflow float16, which stores them (e.g. {first:g} "
+                         f"given; float16 holds |x| up to {FP16_MAX:g})")
+    if n_under:
+        first = float(f[under].flatten()[0])
+        tiny = float(torch.finfo(torch.float16).smallest_normal) * 2**-10
+        raise ValueError(f"{what}: {n_under} of {f.numel()} entries are nonzero but round to 0 in float16, which stores "
+                         f"them (e.g. {first:g} given; float16's smallest is {tiny:.3g}): {nonzero}")
+    return h
+
+
+def check_static_decode(
+    spec: TensorSpec,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    what: str,
+    codebook: torch.Tensor | None = None,
+) -> None:
+    """``ValueError`` when static ``scale`` (and ``zero``) of ``spec`` (int, NUQ or FP8) code the largest K/V
+    (``+-65504``, what ``check_kv`` lets through) onto a level that decodes past float16: inf in float16 K/V, NaN in
+    attention (symmetric 3-bit scale 21840 decodes -65504 as ``-3 * 21840 = -65520``; an E4M3 scale of 150 decodes
+    65504 as ``448 * 150``). Exact: codes are monotone in ``x``, so these two probes decode to the extremes; a
+    scale that large but whose level nearest 65504 stays within float16 passes. A NUQ scale without its
+    ``codebook`` is probed with the entries ``+-1``, the farthest a codebook reaches. Non-finite scales are left to
+    ``check_static_scale``. One host sync."""
+    s = scale.detach().float()
+    z = None if zero is None or not spec.has_zero_point else zero.detach().to(s.device, torch.float32)
+    try:
+        shape = broadcast_shape(s.shape, *(() if z is None else (z.shape,)))
+    except ValueError:  # misshapen: refused by the shape checks (static_param_shape), which name the shapes expected
+        return
+    x = torch.tensor([FP16_MAX, -FP16_MAX], device=s.device).reshape(2, *([1] * len(shape))).expand(2, *shape)
+    if spec.kind == "fp8":
+        out = dequantize_fp8(quantize_fp8(x, s, spec.fmt)[0], s, torch.float32)
+    elif spec.kind == "int":
+        out = dequantize_affine(quantize_affine(x, s, z, spec.bits)[0], s, z, spec.bits, torch.float32)
+    else:
+        cb = torch.tensor([-1.0, 1.0]) if codebook is None else codebook.detach().float()
+        out = dequantize_nuq(quantize_nuq(x, s, z, cb)[0], s, z, cb, torch.float32)
+    bad = torch.isinf(out.to(torch.float16)) & torch.isfinite(out)
+    n_bad = int(bad.any(0).sum())
+    if n_bad:
+        i = tuple(int(j) for j in bad.nonzero()[0])
+        given = f"scale {float(s.expand(shape)[i[1:]]):g}" + (
+            "" if z is None else f" with zero-point {float(z.expand(shape)[i[1:]]):g}")
+        raise ValueError(
+            f"{what}: {n_bad} of {out[0].numel()} entries decode past float16 (e.g. {given} decodes "
+            f"{float(x[i]):g} as {float(out[i]):g}; float16 holds |x| up to {FP16_MAX:g}): inf in float16 K/V, NaN "
+            "in attention; a static scale must keep the levels K/V reach within float16"
+        )
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:
@@ -538,7 +610,8 @@ def _static_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Calibrated ``(scale, zero)`` for an int/NUQ static spec, float16, shaped for ``_group(x)``.
 
-    ``check``: also the values (``check_static_scale``; finite zero-points), one host sync."""
+    ``check``: also the values (``to_float16``, ``check_static_scale``; finite zero-points;
+    ``check_static_decode``), host syncs."""
     if not spec.static:
         return None
     if static_scale is None:
@@ -550,12 +623,17 @@ def _static_qparams(
         if t is None:
             out.append(None)
             continue
-        t = static_param_shape(t, name, x, spec).to(x.device, META_DTYPE)
+        t = static_param_shape(t, name, x, spec)
+        if check:  # a float32 value float16 does not hold: named as given, not as the inf / 0 it became
+            t = to_float16(t, name, nonzero=SCALE_UNDERFLOW if name == "static_scale" else None)
+        t = t.to(x.device, META_DTYPE)
         if check and name == "static_scale":
             check_static_scale(t, name)
         elif check:
             check_finite(t, name)
         out.append(t)
+    if check:
+        check_static_decode(spec, out[0], out[1], "static_scale")
     return out[0], out[1]
 
 
