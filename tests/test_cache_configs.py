@@ -105,3 +105,39 @@ def test_a_config_dict_is_refused_naming_the_config_object():
     for make in (lambda: QuantizedKVCache(config=config), lambda: StaticQuantizedKVCache(config=config, max_cache_len=8)):
         with pytest.raises(TypeError, match=r"needs the model's transformers config \(model.config.*got a dict"):
             make()
+
+
+def test_latent_attention_with_a_pre_rope_scheme_says_latent_attention():
+    """DeepSeek-V2 with a pre-RoPE scheme: ``QuantizedKVCache`` asked its rotary module for tables before reading the
+    shape and failed with "DeepseekV2RotaryEmbedding returns Tensor, not (cos, sin) tables"; now the shape is read
+    first and the error is the one for multi-head latent attention, as the static cache and the planner give."""
+    from transformers import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING["deepseek_v2"](num_hidden_layers=2, hidden_size=64, num_attention_heads=4, kv_lora_rank=32,
+                                       q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)  # fmt: skip
+    for scheme in ("kvquant-4", "int4-channel-prerope", "int8-token"):
+        with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank=32 in layer 0.*MHA/GQA/MQA"):
+            QuantizedKVCache(config=cfg, scheme=scheme)
+
+
+def test_values_of_another_head_dim_are_refused_when_built():
+    """MiMo-V2-Flash caches keys of head_dim channels and values of ``v_head_dim`` (192 and 128). The planner refuses
+    it; ``QuantizedKVCache`` built and refused at the model's first ``update`` (value_states (1, 2, 20, 32) "do not
+    have the config's ... head_dim=48"), ``kivi-2`` with a group size error. Now both caches refuse it when built,
+    naming the layer and both dims, as the planner does."""
+    from transformers import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING["mimo_v2_flash"](num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=48, v_head_dim=32,
+                                         layer_types=["full_attention", "full_attention"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"keys of head_dim 48 channels and values of v_head_dim 32"):
+        model_shape(cfg)
+    for make in (lambda: QuantizedKVCache(config=cfg, scheme="int8-token"),
+                 lambda: StaticQuantizedKVCache(config=cfg, scheme="int8-token", max_cache_len=16)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"layer 0 caches keys of head_dim 48 channels and values of v_head_dim "
+                                             r"32: .*one head dim"):  # fmt: skip
+            make()
+    same = CONFIG_MAPPING["mimo_v2_flash"](num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, v_head_dim=16,
+                                          layer_types=["full_attention", "full_attention"])  # fmt: skip
+    assert attention_shape(same) == (2, 4, 2, 16)

@@ -86,3 +86,52 @@ def test_the_refused_layouts_are_what_the_cache_s_probe_refuses(model_type):
         rope.RotaryTables._build(text, rotary, importlib.import_module(module.__name__))
     with pytest.raises(NotImplementedError, match="layout other than rotate-half"):
         rope.RotaryTables.from_config(text)
+
+
+@pytest.mark.parametrize("layer_params", [False, True], ids=["default-section", "per-type-section"])
+def test_pre_rope_refused_for_per_layer_type_multimodal_rope(layer_params):
+    """Cohere Compass keeps its RoPE parameters per layer type and its rotary module recomposes every layer type's
+    tables by multimodal RoPE (``mrope_section`` of that type, else [24, 20, 20]). The planner priced kvquant-4 and
+    both caches failed deep inside the module (KeyError: 'full_attention' from the default config's empty
+    ``rope_parameters``). Now both refuse it as multimodal RoPE, with the section: the family's default, or the one
+    the config gives its layer type."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 4, 4]}}
+    config = _config("cohere_compass_text", head_dim=32, **({"rope_parameters": rope} if layer_params else {}))
+    section = r"\[8, 4, 4\]" if layer_params else r"\[24, 20, 20\]"
+    assert default_mrope_section("cohere_compass_text") == [24, 20, 20]
+    with pytest.raises(ValueError, match=rf"'cohere_compass_text'\)? rotates its keys by multimodal RoPE "
+                                         rf"\(mrope_section {section}\)"):  # fmt: skip
+        plan(config, scheme="kvquant-4", context=128)
+    for build in (lambda: QuantizedKVCache(config, "kvquant-4"),
+                  lambda: StaticQuantizedKVCache(config, "kvquant-4", max_cache_len=64)):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"multimodal RoPE \(mrope_section {section}\)"):
+            build()
+    assert plan(config, scheme="int8-token", context=128)["total_bytes"] > 0
+
+
+def test_pre_rope_keys_of_nope_layer_types_are_cached_as_planned():
+    """Beam's full-attention layers have no RoPE (``rope_parameters["full_attention"] is None``). The planner priced
+    kvquant-4 while ``QuantizedKVCache`` failed ("layer 1 has type 'full_attention'; rotary module knows
+    ['sliding_attention']"). Now the cache keeps those layers' keys as they come (identity tables), a forward
+    through it stays close to ``DynamicCache``'s, and it holds the bytes the planner counts."""
+    import torch
+
+    from kvbits.cache import QuantizedKVCache
+
+    config = _config(
+        "beam", num_hidden_layers=3, head_dim=16, sliding_window=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()  # 2 bytes, as planned
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        ref = model(ids, cache=transformers.DynamicCache(config=config)).logits
+        cache = QuantizedKVCache(config, "int4-channel-prerope")
+        out = model(ids, cache=cache).logits
+    assert [cache._rotary.tables_for_layer(i).rot_dim for i in range(3)] == [16, 0, 16]
+    assert (out.float() - ref.float()).abs().max() < 0.1 * ref.float().abs().max()
+    assert cache.memory_report()["total_bytes"] == plan(config, scheme="int4-channel-prerope", context=24)["total_bytes"]

@@ -82,8 +82,8 @@ def _forward_keys(config, T: int = 12, seed: int = 0, dtype=torch.float32):
     with torch.no_grad(), _capture_pre_rope(model, pre):
         out = model(input_ids=ids, use_cache=True)
     cache = out.get("cache") or out.get("past_key_values")
-    post = {i: layer.keys for i, layer in enumerate(cache.layers)}
-    assert len(pre) == config.num_hidden_layers
+    post = {i: layer.keys for i, layer in enumerate(cache.layers) if hasattr(layer, "keys")}  # LFM3's conv: none
+    assert len(pre) == len(post)
     return model, pre, post
 
 
@@ -441,3 +441,33 @@ def test_tables_of_another_batch_and_nope_frames_are_refused_or_empty():
     for cos, sin in (nope.cos_sin(torch.arange(4)), nope.framed_cos_sin(torch.arange(4)[None], 0, torch.float32)):
         assert cos.shape == sin.shape == (1, 4, 0)
         assert torch.equal(apply_rope(x[:, :, :4], cos, sin), x[:, :, :4])
+
+
+def test_nope_layer_types_of_per_type_rope_are_identity():
+    """Beam gives its full-attention layers no RoPE parameters (``rope_parameters["full_attention"] is None``: NoPE,
+    the model hands them no cos/sin): their tables are the identity, not 'rotary module knows [...]'."""
+    cfg = transformers.CONFIG_MAPPING["beam"](
+        **TINY | {"num_hidden_layers": 3}, head_dim=16, sliding_window=64, pad_token_id=0, bos_token_id=1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], eos_token_id=2,
+    )  # fmt: skip
+    assert cfg.rope_parameters["full_attention"] is None
+    tables, _ = _check_roundtrip(cfg)
+    assert [tables.tables_for_layer(i).rot_dim for i in range(3)] == [16, 0, 16]
+    assert tables.tables_for_layer(1).frame is None and tables.tables_for_layer(1).fused_reason() is None
+
+
+def test_per_type_rope_with_layers_of_no_attention():
+    """LFM3's first layers are 'conv' (no attention, no RoPE entry): the tables start at its first rotated layer
+    type instead of a KeyError 'conv', and every attention layer's match the model's forward."""
+    cfg = transformers.CONFIG_MAPPING["lfm3"](
+        **TINY | {"num_hidden_layers": 3}, head_dim=16, sliding_window=64, pad_token_id=0, bos_token_id=1,
+        layer_types=["conv", "full_attention", "sliding_attention"], eos_token_id=2,
+    )  # fmt: skip
+    _, pre, post = _forward_keys(cfg, T=12)
+    tables = RotaryTables.from_config(cfg)
+    assert tables.layer_type == "full_attention"
+    for layer in (1, 2):
+        t = tables.tables_for_layer(layer)
+        cos, sin = t.cos_sin(torch.arange(12), torch.float32)
+        torch.testing.assert_close(apply_rope(pre[layer], cos, sin), post[layer], atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(invert_rope(post[layer], cos, sin), pre[layer], atol=ATOL, rtol=1e-5)

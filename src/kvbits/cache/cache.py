@@ -61,7 +61,8 @@ COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "f
 
 def attention_shape(config: Any) -> tuple[int, int, int, int]:
     """``(num_layers, H_q, H_kv, D)`` of a (text) config; ``ValueError`` naming what is missing, or for multi-head
-    latent attention (``kv_lora_rank``), which ``kvbits.plan`` refuses too.
+    latent attention (``kv_lora_rank``) or values of another head dim than the keys (``v_head_dim``), which
+    ``kvbits.plan`` refuses too.
 
     Heads as the planner reads them (``kvbits.plan.config.attention_heads``): ``H_kv`` is
     ``num_key_value_heads`` (or ``num_kv_heads``, ...; GQA), 1 for ``multi_query`` (Falcon-7B,
@@ -92,6 +93,12 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
                 f"{name} uses multi-head latent attention (kv_lora_rank={rank} in layer {i}: DeepSeek-V2/V3 style), "
                 "whose cache holds a compressed latent and the rotary key part, not K/V heads of head_dim channels; "
                 "QuantizedKVCache supports MHA/GQA/MQA layers only"
+            )
+        v_dim = config_value(cfg, "v_head_dim")  # MiMo-V2-Flash: keys of 192 channels, values of 128
+        if isinstance(v_dim, int) and v_dim != (d := attention_heads(cfg)[2]):  # as kvbits.plan refuses it
+            raise ValueError(
+                f"{name} layer {i} caches keys of head_dim {d} channels and values of v_head_dim {v_dim}: "
+                "QuantizedKVCache (and the kvbits planner) store K and V heads of one head dim (MHA/GQA/MQA only)"
             )
     heads, kv_heads, head_dim = attention_heads(layers[0])
     return int(n_layers), heads, kv_heads, head_dim
@@ -292,6 +299,9 @@ class QuantizedKVCache(Cache):
         self.workspace = bool(workspace)
         self._lazy = False
         self._config = config
+        # the shape first: a config the cache can not hold at all (multi-head latent attention) says so, before
+        # pre-RoPE tables are asked of its rotary module
+        shape = attention_shape(config) if config is not None else None
         self._rotary, self._rotary_owned = rotary_for(self.scheme, config, rotary)
         self.calibration = None
         # tokens past which update logs, once, that the calibration is exceeded (sys.maxsize: nothing to say)
@@ -304,8 +314,8 @@ class QuantizedKVCache(Cache):
         if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         layers: list = []
-        if config is not None:
-            n_layers, heads, kv_heads, head_dim = attention_shape(config)
+        if shape is not None:
+            n_layers, heads, kv_heads, head_dim = shape
             self.num_key_value_heads = kv_heads
             self.head_repeat = _head_repeat(text_config(config), heads, kv_heads)
             self.head_dim = head_dim

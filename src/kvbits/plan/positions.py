@@ -75,7 +75,10 @@ NON_TEXT_ROTARY = ("Vision", "Audio", "DiT", "Talker", "SaProt")
 _ROPE_EMBEDDING_TYPES = ("rope", "rotary")
 _ROTARY_NAME = re.compile(r"\b(\w*RotaryEmbedding)\b")
 # a rotary module's fallback section (Qwen2-VL: ``config.rope_parameters.get("mrope_section", [16, 24, 24])``)
-_DEFAULT_MROPE = re.compile(r"self\.mrope_section\s*=\s*\w+\.rope_parameters\.get\(\s*[\"']mrope_section[\"']\s*,\s*(\[[\d,\s]*\])")
+# or per layer type (Cohere Compass: ``self.mrope_section[layer_type] = rope_params.get("mrope_section", [24, 20, 20])``)
+_DEFAULT_MROPE = re.compile(
+    r"self\.mrope_section(?:\[\w+\])?\s*=\s*[\w.]+\.get\(\s*[\"']mrope_section[\"']\s*,\s*(\[[\d,\s]*\])"
+)
 
 
 def no_rope_reason(text: Any) -> str | None:
@@ -95,10 +98,14 @@ def no_rope_reason(text: Any) -> str | None:
 
 def mrope_section(text: Any) -> Any:
     """The ``mrope_section`` of multimodal RoPE (Qwen2-VL style: channel sections rotated by the time, height and
-    width position axes) in ``text``'s RoPE parameters (``rope_parameters`` / ``rope_scaling``), else ``None``."""
+    width position axes) in ``text``'s RoPE parameters (``rope_parameters`` / ``rope_scaling``, or those of a layer
+    type when they are given per layer type: Cohere Compass), else ``None``."""
     for params in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
-        if isinstance(params, Mapping) and params.get("mrope_section") is not None:
-            return params["mrope_section"]
+        if not isinstance(params, Mapping):
+            continue
+        for p in (params, *(v for v in params.values() if isinstance(v, Mapping))):
+            if p.get("mrope_section") is not None:
+                return p["mrope_section"]
     return None
 
 

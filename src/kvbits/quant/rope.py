@@ -41,6 +41,7 @@ import copy
 import importlib
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -127,6 +128,13 @@ def _refuse_without_rope(text: Any, model_type: str | None) -> None:
     why = no_rope_reason(text)
     if why is not None:
         raise ValueError(f"model_type {model_type!r} has no RoPE keys: {why}")
+
+
+def _nope_type(text: Any, layer_type: str) -> bool:
+    """Whether ``text``'s per-layer-type RoPE parameters give ``layer_type`` none (``rope_parameters[layer_type]``
+    is ``None``): its layers rotate no keys (Beam's full-attention layers: the model hands them no cos/sin)."""
+    params = getattr(text, "rope_parameters", None)
+    return isinstance(params, Mapping) and layer_type in params and params[layer_type] is None
 
 
 # ------------------------------------------------------------------------------- finding classes
@@ -296,9 +304,9 @@ class RotaryTables:
         head_dim = layer_heads(text, 0)[2]  # the planner's rule (Gemma 4 sets head_dim per layer)
         per_type = isinstance(getattr(rotary, "rope_type", None), dict)
         layer_type = None
-        if per_type:  # until tables_for_layer says otherwise: the first layer's type
-            types = getattr(text, "layer_types", None) or sorted(rotary.rope_type)
-            layer_type = types[0]
+        if per_type:  # until tables_for_layer says otherwise: the first rotated layer's type (LFM3: not 'conv')
+            types = [t for t in getattr(text, "layer_types", None) or () if t in rotary.rope_type]
+            layer_type = (types or sorted(rotary.rope_type))[0]
         tables = cls(text, rotary, text.model_type, int(head_dim), 0, layer_type, _module=module)
         tables._probe()
         tables.convention_checked = tables._check_convention()
@@ -319,7 +327,7 @@ class RotaryTables:
         """Length-dependent rope types: ``W``, the longest forward whose tables are still the shortest one's
         (probed once by bisection on position 1: 24 forwards), ``None`` when they never change up to 2**24 or
         for other rope types (see the module docstring)."""
-        if not self.length_dependent or self.rot_dim == 0:
+        if self.rot_dim == 0 or not self.length_dependent:
             return None
         cached = self.__dict__.get("_frame_probe")
         if cached is None:
@@ -400,6 +408,8 @@ class RotaryTables:
         if layer_types is None or layer_idx >= len(layer_types):
             raise ValueError(f"config has no layer_types entry for layer {layer_idx}")
         lt = layer_types[layer_idx]
+        if lt not in self.rotary.rope_type and _nope_type(self.config, lt):  # Beam: NoPE full-attention layers
+            return replace(self, head_dim=head_dim, layer_type=lt, rot_dim=0, halves_equal=False)
         if lt not in self.rotary.rope_type:
             raise ValueError(
                 f"layer {layer_idx} has type {lt!r}; rotary module knows {sorted(self.rotary.rope_type)}"
@@ -416,7 +426,7 @@ class RotaryTables:
     def rope_type(self) -> str:
         """``rope_type`` of these tables (``default``, ``linear``, ``dynamic``, ``yarn``, ...)."""
         rt = self.rotary.rope_type
-        return rt[self.layer_type] if isinstance(rt, dict) else rt
+        return rt.get(self.layer_type, "none") if isinstance(rt, dict) else rt  # "none": a NoPE layer type (Beam)
 
     @property
     def device(self) -> torch.device:
