@@ -549,12 +549,15 @@ def export_vllm(
     """
     art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
     scales = vllm_scales(art, module_template)
-    if art.scheme.residual:  # sinks are refused (check_exportable): the scales leave them out
+    if art.scheme.residual or art.scheme.block > 1:  # sinks are refused (check_exportable): scales leave them out
+        # a block > 1 also keeps the newest tokens (up to residual + block - 1) in full precision until it fills
         logger.warning(
-            "scheme %r keeps %d residual tokens in full precision; vLLM's FP8 cache quantizes every "
-            "token, so measure it as fp8-e4m3 (no window) before relying on kvbits' figures",
+            "scheme %r keeps up to %d most recent tokens in full precision (residual %d, block %d); vLLM's FP8 "
+            "cache quantizes every token, so measure it as fp8-e4m3 (no window) before relying on kvbits' figures",
             art.scheme.name,
+            art.scheme.residual + art.scheme.block - 1,
             art.scheme.residual,
+            art.scheme.block,
         )
     stats = art.layer_stats
     strategy = _strategy(art)
