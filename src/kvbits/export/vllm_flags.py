@@ -13,7 +13,8 @@ onto them when every layer is either the base format or unquantized:
   float32 or float16) -> ``fp8_per_token_head`` (vLLM's codes are the nearest E4M3, ``cvt.rn``, as kvbits'; its
   scale float32, as ``vllm-fp8-token``'s);
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
-  carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
+  carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated; per-head scales
+  also ``--attention-backend FLASH_ATTN``, the one backend that applies them (the others take each layer's largest);
 - base ``fp16`` / ``bf16`` -> ``auto``;
 - a layer stored as ``fp16`` or ``bf16`` -> a skipped layer;
 - base ``fp16`` / ``bf16`` with layers stored in one of the formats above (``kvbits tune`` takes as base the
@@ -54,12 +55,14 @@ _SKIP_PAGES_NOTE = (
 
 @dataclass(frozen=True)
 class VllmCacheArgs:
-    """vLLM's settings for a kvbits scheme: ``kv_cache_dtype`` and the layers it leaves unquantized."""
+    """vLLM's settings for a kvbits scheme: ``kv_cache_dtype``, the layers it leaves unquantized and, where only one
+    backend stores what kvbits measured, ``attention_backend`` (``FLASH_ATTN`` for per-head FP8 scales)."""
 
     scheme: str
     kv_cache_dtype: str
     skip_layers: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    attention_backend: str | None = None
 
     def cli(self) -> list[str]:
         """``vllm serve`` arguments, e.g. ``["--kv-cache-dtype", "int4_per_token_head",
@@ -67,6 +70,8 @@ class VllmCacheArgs:
         out = [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.skip_layers:
             out += ["--kv-cache-dtype-skip-layers", *(str(i) for i in self.skip_layers)]
+        if self.attention_backend is not None:
+            out += ["--attention-backend", self.attention_backend]
         return out
 
     def engine_kwargs(self) -> dict[str, object]:
@@ -74,12 +79,14 @@ class VllmCacheArgs:
         kw: dict[str, object] = {"kv_cache_dtype": self.kv_cache_dtype}
         if self.skip_layers:
             kw["kv_cache_dtype_skip_layers"] = [str(i) for i in self.skip_layers]
+        if self.attention_backend is not None:
+            kw["attention_backend"] = self.attention_backend
         return kw
 
     def to_dict(self) -> dict[str, object]:
         return {
             "scheme": self.scheme, "kv_cache_dtype": self.kv_cache_dtype, "skip_layers": list(self.skip_layers),
-            "cli": self.cli(), "engine_kwargs": self.engine_kwargs(), "notes": list(self.notes),
+            "attention_backend": self.attention_backend, "cli": self.cli(), "engine_kwargs": self.engine_kwargs(), "notes": list(self.notes),
         }  # fmt: skip
 
 
@@ -170,7 +177,9 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
         notes.append(
             "vLLM's FP8 scales are 1.0 unless the checkpoint carries calibrated ones: kvbits calibrate --scheme "
             f"{name}, then kvbits export --calibration DIR --checkpoint MODEL --out DIR"
-            + ("; per-head scales are applied by --attention-backend FLASH_ATTN only" if name == "fp8-e4m3-head" else "")
+            + ("; per-head scales are applied by --attention-backend FLASH_ATTN only (given here: the other backends "
+               "take each layer's largest head scale, a per-tensor cache kvbits did not measure)"
+               if name == "fp8-e4m3-head" else "")
         )
         notes.append(
             "with an fp8 cache, vLLM's FlashAttention backend also quantizes each query to FP8 at a static q_scale "
@@ -209,4 +218,5 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
     if skip and dtype in _PER_TOKEN_HEAD:
         notes.append(_SKIP_PAGES_NOTE.format(page=_PER_TOKEN_HEAD[dtype]))
-    return VllmCacheArgs(scheme, dtype, tuple(sorted(skip)), tuple(notes))
+    backend = "FLASH_ATTN" if name == "fp8-e4m3-head" else None  # as export_vllm's serve line for its scales
+    return VllmCacheArgs(scheme, dtype, tuple(sorted(skip)), tuple(notes), backend)
