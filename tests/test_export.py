@@ -701,3 +701,19 @@ def test_export_of_a_scheme_keeping_recent_tokens_unquantized_warns(tmp_path, ca
     with caplog.at_level("WARNING", logger="kvbits.export.vllm"):
         export_vllm(art, tmp_path / "out")
     assert any(f"keeps up to {newest} most recent tokens in full precision" in r.getMessage() for r in caplog.records)
+
+
+def test_a_mix_vllm_serves_with_skipped_layers_is_refused_with_how_to_serve_it(tmp_path):
+    """A calibration of ``fp8-e4m3,0=fp16`` (what kvbits tune can pick) was refused with only "calibrate a uniform FP8
+    scheme", though ``kvbits export --scheme`` maps that mix to vLLM's fp8 cache with layer 0 skipped: the refusal now
+    says so, with the flags; a mix vLLM can not serve keeps the plain refusal."""
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=gen) for _ in range(2)]
+    art = artifact_from_samples("fp8-e4m3,0=fp16", k, k)
+    with pytest.raises(ValueError, match=r"mixes schemes per layer.*serves this mix as fp8-e4m3 with layers \[0\] "
+                                         r"unquantized.*--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0$"):
+        export_vllm(art, tmp_path / "out")
+    other = artifact_from_samples("fp8-e4m3,0=fp8-e4m3-head", k, k)
+    with pytest.raises(ValueError, match=r"uniform FP8 scheme \(fp8-e4m3\)$"):
+        export_vllm(other, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

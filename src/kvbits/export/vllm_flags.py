@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvbits.schemes import KVScheme, get_scheme
 
-__all__ = ["VllmCacheArgs", "vllm_cache_args"]
+__all__ = ["FP8_STATIC", "VllmCacheArgs", "match_preset", "vllm_cache_args"]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
 _FORMATS = {
@@ -40,6 +40,8 @@ _FORMATS = {
     "fp8-e4m3-token": "fp8_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
 }  # fmt: skip
 _UNQUANTIZED = ("fp16", "bf16")
+FP8_STATIC = ("fp8-e4m3", "fp8-e4m3-head")
+"""The presets whose static FP8 scales ``kvbits export --calibration`` writes (vLLM's ``fp8``)."""
 # bytes per (KV head, token) of K and V together in vLLM's per-token-head caches: codes plus one inline float32 scale
 # per side (its Triton backend's customize_spec), against 4D for a 16-bit layer
 _PER_TOKEN_HEAD = {"int8_per_token_head": "2D + 8", "fp8_per_token_head": "2D + 8", "int4_per_token_head": "D + 8"}
@@ -95,17 +97,19 @@ def _same_storage(a: KVScheme, b: KVScheme) -> bool:
     return (a.key, a.value, a.sinks, a.residual, a.block) == (b.key, b.value, b.sinks, b.residual, b.block)
 
 
-def _match(scheme: KVScheme, names: tuple[str, ...]) -> str | None:
+def match_preset(scheme: KVScheme, names: tuple[str, ...]) -> str | None:
+    """The first preset of ``names`` storing K/V as ``scheme`` does (names aside), or None."""
     return next((n for n in names if _same_storage(scheme, get_scheme(n))), None)
+
 
 
 def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[int]] | None:
     """``(format preset, skipped layers)`` of a scheme whose base is unquantized and whose quantized overrides all
     store one vLLM format; ``None`` when it is not such a scheme; ``ValueError`` when it is but ``num_layers``,
     needed to list the skipped layers, is missing."""
-    if not s.is_mixed or _match(s.replace(layers=()), _UNQUANTIZED) is None:
+    if not s.is_mixed or match_preset(s.replace(layers=()), _UNQUANTIZED) is None:
         return None
-    quantized = {idx: _match(sub, tuple(_FORMATS)) for idx, sub in s.layers if _match(sub, _UNQUANTIZED) is None}
+    quantized = {idx: match_preset(sub, tuple(_FORMATS)) for idx, sub in s.layers if match_preset(sub, _UNQUANTIZED) is None}
     if not quantized:
         return None
     formats = set(quantized.values())
@@ -114,7 +118,7 @@ def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[in
         raise ValueError(
             f"{s.name!r} stores its quantized layers as {', '.join(named)}: vLLM serves one quantized format "
             f"per engine, the other layers unquantized; keep one format of {', '.join(_FORMATS)} "
-            f"(e.g. kvbits tune --candidates vllm-int4 --candidates {_match(s.replace(layers=()), _UNQUANTIZED)})"
+            f"(e.g. kvbits tune --candidates vllm-int4 --candidates {match_preset(s.replace(layers=()), _UNQUANTIZED)})"
         )
     (fmt,) = formats
     if num_layers is None:
@@ -146,7 +150,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
         return _with_notes(s.name, fmt, _FORMATS[fmt], skipped)
     base = s.replace(layers=()) if s.is_mixed else s
     supported = ", ".join([*_FORMATS, *_UNQUANTIZED])
-    name = _match(base, tuple(_FORMATS) + _UNQUANTIZED)
+    name = match_preset(base, tuple(_FORMATS) + _UNQUANTIZED)
     if name is None:
         why = ""
         if base.sinks or base.residual:
@@ -159,7 +163,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
     dtype = _FORMATS.get(name, "auto")
     skip: list[int] = []
     for idx, sub in s.layers:
-        if _match(sub, _UNQUANTIZED):
+        if match_preset(sub, _UNQUANTIZED):
             skip.append(idx)
         elif not _same_storage(sub, base):  # (an unquantized base's quantized layers: _quantized_layers)
             raise ValueError(
