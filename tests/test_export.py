@@ -684,3 +684,36 @@ def test_checkpoint_export_says_its_weights_are_not_compared(fp8, tmp_path, capl
         export_vllm(cal, tmp_path / "out", checkpoint=other)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "its weights are not compared" in said and art.fingerprint in said
+
+
+@pytest.mark.parametrize(("residual", "block", "newest"), [(16, 1, 16), (0, 8, 7), (4, 8, 11)])
+def test_export_of_a_scheme_keeping_recent_tokens_unquantized_warns(tmp_path, caplog, residual, block, newest):
+    """vLLM's FP8 cache quantizes every token; a scheme with a residual window, or quantizing ``block`` tokens at a
+    time (up to ``block - 1`` newest kept in full precision), measures another cache. The export warned for the
+    residual window only: a block-8 calibration exported without a word."""
+    import dataclasses
+
+    from kvbits.schemes import get_scheme
+
+    ids = torch.randint(1, 96, (2, 64), generator=torch.Generator().manual_seed(0))
+    scheme = dataclasses.replace(get_scheme("fp8-e4m3"), name="fp8-recent", residual=residual, block=block)
+    art = calibrate(tiny_llama(), ids, scheme, context=64, windows=2, fisher=False, fp8_scale="amax")
+    with caplog.at_level("WARNING", logger="kvbits.export.vllm"):
+        export_vllm(art, tmp_path / "out")
+    assert any(f"keeps up to {newest} most recent tokens in full precision" in r.getMessage() for r in caplog.records)
+
+
+def test_a_mix_vllm_serves_with_skipped_layers_is_refused_with_how_to_serve_it(tmp_path):
+    """A calibration of ``fp8-e4m3,0=fp16`` (what kvbits tune can pick) was refused with only "calibrate a uniform FP8
+    scheme", though ``kvbits export --scheme`` maps that mix to vLLM's fp8 cache with layer 0 skipped: the refusal now
+    says so, with the flags; a mix vLLM can not serve keeps the plain refusal."""
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=gen) for _ in range(2)]
+    art = artifact_from_samples("fp8-e4m3,0=fp16", k, k)
+    with pytest.raises(ValueError, match=r"mixes schemes per layer.*serves this mix as fp8-e4m3 with layers \[0\] "
+                                         r"unquantized.*--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0$"):
+        export_vllm(art, tmp_path / "out")
+    other = artifact_from_samples("fp8-e4m3,0=fp8-e4m3-head", k, k)
+    with pytest.raises(ValueError, match=r"uniform FP8 scheme \(fp8-e4m3\)$"):
+        export_vllm(other, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -22,7 +22,9 @@ from kvbits.schemes import get_scheme
         ("vllm-int4,5=bf16,0-1=fp16", "int4_per_token_head", (0, 1, 5),
          ["--kv-cache-dtype", "int4_per_token_head", "--kv-cache-dtype-skip-layers", "0", "1", "5"]),
         ("fp8-e4m3,23=fp16", "fp8", (23,), ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "23"]),
-        ("fp8-e4m3-head", "fp8", (), ["--kv-cache-dtype", "fp8"]),
+        ("fp8-e4m3-head", "fp8", (), ["--kv-cache-dtype", "fp8", "--attention-backend", "FLASH_ATTN"]),
+        ("fp8-e4m3-head,0=fp16", "fp8", (0,),
+         ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0", "--attention-backend", "FLASH_ATTN"]),
         ("vllm-int8,0=fp16", "int8_per_token_head", (0,),
          ["--kv-cache-dtype", "int8_per_token_head", "--kv-cache-dtype-skip-layers", "0"]),
         ("fp8-e4m3-token", "fp8_per_token_head", (), ["--kv-cache-dtype", "fp8_per_token_head"]),
@@ -44,6 +46,34 @@ def test_fp8_notes_say_where_calibrated_scales_come_from():
     tensor, head = vllm_cache_args("fp8-e4m3"), vllm_cache_args("fp8-e4m3-head")
     assert any("scales are 1.0 unless" in n and "kvbits export --calibration" in n for n in tensor.notes)
     assert any("FLASH_ATTN" in n for n in head.notes) and not any("FLASH_ATTN" in n for n in tensor.notes)
+
+
+def test_per_head_fp8_serves_with_the_backend_the_export_names(fp8_head_cal, tmp_path):
+    """Per-head FP8 scales reach vLLM's FlashAttention backend only (the others take each layer's largest head
+    scale: a per-tensor cache). ``kvbits export --calibration`` of an fp8-e4m3-head calibration printed ``vllm serve
+    ... --kv-cache-dtype fp8 --attention-backend FLASH_ATTN``, ``kvbits export --scheme fp8-e4m3-head`` only
+    ``--kv-cache-dtype fp8`` (the backend in a note): two serve lines for one scheme, one of them serving another
+    cache. Both now give the backend, and the engine kwargs carry it (vLLM's EngineArgs.attention_backend)."""
+    from kvbits.export import export_vllm
+
+    got = vllm_cache_args("fp8-e4m3-head")
+    record = export_vllm(fp8_head_cal, tmp_path / "out")
+    assert record["serve"] == f"vllm serve <checkpoint> {' '.join(got.cli())}"
+    assert got.engine_kwargs() == {"kv_cache_dtype": "fp8", "attention_backend": "FLASH_ATTN"}
+    assert got.to_dict()["attention_backend"] == "FLASH_ATTN"
+    assert vllm_cache_args("fp8-e4m3").attention_backend is None
+
+
+@pytest.fixture
+def fp8_head_cal():
+    """An fp8-e4m3-head artifact fitted from random samples (2 layers, 2 KV heads, head dim 16)."""
+    import torch
+
+    from kvbits.calibrate import artifact_from_samples
+
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=gen) for _ in range(2)]
+    return artifact_from_samples("fp8-e4m3-head", k, k)
 
 
 def test_fp8_notes_say_the_query_scale_is_not_exported():

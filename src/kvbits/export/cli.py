@@ -23,9 +23,9 @@ examples:
 
 --scheme S prints vLLM's KV-cache settings for a scheme vLLM stores as kvbits measured it: vllm-int4
 (int4_per_token_head), vllm-int8 (int8_per_token_head), vllm-fp8-token / fp8-e4m3-token (fp8_per_token_head), fp8-e4m3 /
-fp8-e4m3-head (fp8), fp16 / bf16 (auto), each with layers stored as fp16 or
+fp8-e4m3-head (fp8, with --attention-backend FLASH_ATTN), fp16 / bf16 (auto), each with layers stored as fp16 or
 bf16 given to --kv-cache-dtype-skip-layers (read from vLLM's source, not run here); anything else is refused,
-saying why. --json: {"scheme", "kv_cache_dtype", "skip_layers", "cli", "engine_kwargs", "notes"}.
+saying why. --json: {"scheme", "kv_cache_dtype", "skip_layers", "attention_backend", "cli", "engine_kwargs", "notes"}.
 
 vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer, or one per
 KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors

@@ -65,6 +65,7 @@ from kvbits._files import chmod_default
 from kvbits._json import describe, dumps, json_object, loads, mapping
 from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
 from kvbits.plan.config import text_config
+from kvbits.schemes import KVScheme
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def check_exportable(art: CalibrationArtifact) -> None:
     if scheme.is_mixed:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} mixes schemes per layer; vLLM's kv_cache_scheme is one scheme "
-            "for every layer: calibrate a uniform FP8 scheme (fp8-e4m3)"
+            f"for every layer: calibrate a uniform FP8 scheme (fp8-e4m3){_skip_hint(scheme)}"
         )
     for side in ("key", "value"):
         spec = getattr(scheme, side)
@@ -150,6 +151,24 @@ def check_exportable(art: CalibrationArtifact) -> None:
             "vLLM stores every value in FP8, so kvbits' measurements would not describe its cache: calibrate "
             "without outliers (fp8-e4m3)"
         )
+
+
+def _skip_hint(scheme: KVScheme) -> str:
+    """For a mix vLLM serves as one FP8 format with some layers unquantized (``fp8-e4m3,0=fp16``): how to export and
+    serve it (the base calibrated uniformly, the other layers skipped); else nothing."""
+    from kvbits.export.vllm_flags import FP8_STATIC, match_preset, vllm_cache_args
+
+    try:
+        args = vllm_cache_args(scheme)
+    except ValueError:
+        return ""
+    base = match_preset(scheme.replace(layers=()), FP8_STATIC)
+    if base is None or not args.skip_layers:
+        return ""
+    return (
+        f"; vLLM serves this mix as {base} with layers {list(args.skip_layers)} unquantized: calibrate "
+        f"{base}, export it, and serve with {' '.join(args.cli())}"
+    )
 
 
 def _template_names(template: str, n: int) -> list[str]:
@@ -549,12 +568,15 @@ def export_vllm(
     """
     art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
     scales = vllm_scales(art, module_template)
-    if art.scheme.residual:  # sinks are refused (check_exportable): the scales leave them out
+    if art.scheme.residual or art.scheme.block > 1:  # sinks are refused (check_exportable): scales leave them out
+        # a block > 1 also keeps the newest tokens (up to residual + block - 1) in full precision until it fills
         logger.warning(
-            "scheme %r keeps %d residual tokens in full precision; vLLM's FP8 cache quantizes every "
-            "token, so measure it as fp8-e4m3 (no window) before relying on kvbits' figures",
+            "scheme %r keeps up to %d most recent tokens in full precision (residual %d, block %d); vLLM's FP8 "
+            "cache quantizes every token, so measure it as fp8-e4m3 (no window) before relying on kvbits' figures",
             art.scheme.name,
+            art.scheme.residual + art.scheme.block - 1,
             art.scheme.residual,
+            art.scheme.block,
         )
     stats = art.layer_stats
     strategy = _strategy(art)

@@ -13,7 +13,8 @@ onto them when every layer is either the base format or unquantized:
   float32 or float16) -> ``fp8_per_token_head`` (vLLM's codes are the nearest E4M3, ``cvt.rn``, as kvbits'; its
   scale float32, as ``vllm-fp8-token``'s);
 - base ``fp8-e4m3`` / ``fp8-e4m3-head`` (static scales) -> ``fp8``: vLLM uses scale 1.0 unless the checkpoint
-  carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated;
+  carries calibrated scales (``kvbits export --calibration``), as kvbits does until calibrated; per-head scales
+  also ``--attention-backend FLASH_ATTN``, the one backend that applies them (the others take each layer's largest);
 - base ``fp16`` / ``bf16`` -> ``auto``;
 - a layer stored as ``fp16`` or ``bf16`` -> a skipped layer;
 - base ``fp16`` / ``bf16`` with layers stored in one of the formats above (``kvbits tune`` takes as base the
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvbits.schemes import KVScheme, get_scheme
 
-__all__ = ["VllmCacheArgs", "vllm_cache_args"]
+__all__ = ["FP8_STATIC", "VllmCacheArgs", "match_preset", "vllm_cache_args"]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
 _FORMATS = {
@@ -39,6 +40,8 @@ _FORMATS = {
     "fp8-e4m3-token": "fp8_per_token_head", "fp8-e4m3": "fp8", "fp8-e4m3-head": "fp8",
 }  # fmt: skip
 _UNQUANTIZED = ("fp16", "bf16")
+FP8_STATIC = ("fp8-e4m3", "fp8-e4m3-head")
+"""The presets whose static FP8 scales ``kvbits export --calibration`` writes (vLLM's ``fp8``)."""
 # bytes per (KV head, token) of K and V together in vLLM's per-token-head caches: codes plus one inline float32 scale
 # per side (its Triton backend's customize_spec), against 4D for a 16-bit layer
 _PER_TOKEN_HEAD = {"int8_per_token_head": "2D + 8", "fp8_per_token_head": "2D + 8", "int4_per_token_head": "D + 8"}
@@ -54,12 +57,14 @@ _SKIP_PAGES_NOTE = (
 
 @dataclass(frozen=True)
 class VllmCacheArgs:
-    """vLLM's settings for a kvbits scheme: ``kv_cache_dtype`` and the layers it leaves unquantized."""
+    """vLLM's settings for a kvbits scheme: ``kv_cache_dtype``, the layers it leaves unquantized and, where only one
+    backend stores what kvbits measured, ``attention_backend`` (``FLASH_ATTN`` for per-head FP8 scales)."""
 
     scheme: str
     kv_cache_dtype: str
     skip_layers: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    attention_backend: str | None = None
 
     def cli(self) -> list[str]:
         """``vllm serve`` arguments, e.g. ``["--kv-cache-dtype", "int4_per_token_head",
@@ -67,6 +72,8 @@ class VllmCacheArgs:
         out = [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.skip_layers:
             out += ["--kv-cache-dtype-skip-layers", *(str(i) for i in self.skip_layers)]
+        if self.attention_backend is not None:
+            out += ["--attention-backend", self.attention_backend]
         return out
 
     def engine_kwargs(self) -> dict[str, object]:
@@ -74,12 +81,14 @@ class VllmCacheArgs:
         kw: dict[str, object] = {"kv_cache_dtype": self.kv_cache_dtype}
         if self.skip_layers:
             kw["kv_cache_dtype_skip_layers"] = [str(i) for i in self.skip_layers]
+        if self.attention_backend is not None:
+            kw["attention_backend"] = self.attention_backend
         return kw
 
     def to_dict(self) -> dict[str, object]:
         return {
             "scheme": self.scheme, "kv_cache_dtype": self.kv_cache_dtype, "skip_layers": list(self.skip_layers),
-            "cli": self.cli(), "engine_kwargs": self.engine_kwargs(), "notes": list(self.notes),
+            "attention_backend": self.attention_backend, "cli": self.cli(), "engine_kwargs": self.engine_kwargs(), "notes": list(self.notes),
         }  # fmt: skip
 
 
@@ -88,17 +97,19 @@ def _same_storage(a: KVScheme, b: KVScheme) -> bool:
     return (a.key, a.value, a.sinks, a.residual, a.block) == (b.key, b.value, b.sinks, b.residual, b.block)
 
 
-def _match(scheme: KVScheme, names: tuple[str, ...]) -> str | None:
+def match_preset(scheme: KVScheme, names: tuple[str, ...]) -> str | None:
+    """The first preset of ``names`` storing K/V as ``scheme`` does (names aside), or None."""
     return next((n for n in names if _same_storage(scheme, get_scheme(n))), None)
+
 
 
 def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[int]] | None:
     """``(format preset, skipped layers)`` of a scheme whose base is unquantized and whose quantized overrides all
     store one vLLM format; ``None`` when it is not such a scheme; ``ValueError`` when it is but ``num_layers``,
     needed to list the skipped layers, is missing."""
-    if not s.is_mixed or _match(s.replace(layers=()), _UNQUANTIZED) is None:
+    if not s.is_mixed or match_preset(s.replace(layers=()), _UNQUANTIZED) is None:
         return None
-    quantized = {idx: _match(sub, tuple(_FORMATS)) for idx, sub in s.layers if _match(sub, _UNQUANTIZED) is None}
+    quantized = {idx: match_preset(sub, tuple(_FORMATS)) for idx, sub in s.layers if match_preset(sub, _UNQUANTIZED) is None}
     if not quantized:
         return None
     formats = set(quantized.values())
@@ -107,7 +118,7 @@ def _quantized_layers(s: KVScheme, num_layers: int | None) -> tuple[str, list[in
         raise ValueError(
             f"{s.name!r} stores its quantized layers as {', '.join(named)}: vLLM serves one quantized format "
             f"per engine, the other layers unquantized; keep one format of {', '.join(_FORMATS)} "
-            f"(e.g. kvbits tune --candidates vllm-int4 --candidates {_match(s.replace(layers=()), _UNQUANTIZED)})"
+            f"(e.g. kvbits tune --candidates vllm-int4 --candidates {match_preset(s.replace(layers=()), _UNQUANTIZED)})"
         )
     (fmt,) = formats
     if num_layers is None:
@@ -139,7 +150,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
         return _with_notes(s.name, fmt, _FORMATS[fmt], skipped)
     base = s.replace(layers=()) if s.is_mixed else s
     supported = ", ".join([*_FORMATS, *_UNQUANTIZED])
-    name = _match(base, tuple(_FORMATS) + _UNQUANTIZED)
+    name = match_preset(base, tuple(_FORMATS) + _UNQUANTIZED)
     if name is None:
         why = ""
         if base.sinks or base.residual:
@@ -152,7 +163,7 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
     dtype = _FORMATS.get(name, "auto")
     skip: list[int] = []
     for idx, sub in s.layers:
-        if _match(sub, _UNQUANTIZED):
+        if match_preset(sub, _UNQUANTIZED):
             skip.append(idx)
         elif not _same_storage(sub, base):  # (an unquantized base's quantized layers: _quantized_layers)
             raise ValueError(
@@ -170,7 +181,9 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
         notes.append(
             "vLLM's FP8 scales are 1.0 unless the checkpoint carries calibrated ones: kvbits calibrate --scheme "
             f"{name}, then kvbits export --calibration DIR --checkpoint MODEL --out DIR"
-            + ("; per-head scales are applied by --attention-backend FLASH_ATTN only" if name == "fp8-e4m3-head" else "")
+            + ("; per-head scales are applied by --attention-backend FLASH_ATTN only (given here: the other backends "
+               "take each layer's largest head scale, a per-tensor cache kvbits did not measure)"
+               if name == "fp8-e4m3-head" else "")
         )
         notes.append(
             "with an fp8 cache, vLLM's FlashAttention backend also quantizes each query to FP8 at a static q_scale "
@@ -209,4 +222,5 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
         notes.append("unquantized layers keep the model's dtype in vLLM (--dtype), whichever of fp16 / bf16 kvbits measured")
     if skip and dtype in _PER_TOKEN_HEAD:
         notes.append(_SKIP_PAGES_NOTE.format(page=_PER_TOKEN_HEAD[dtype]))
-    return VllmCacheArgs(scheme, dtype, tuple(sorted(skip)), tuple(notes))
+    backend = "FLASH_ATTN" if name == "fp8-e4m3-head" else None  # as export_vllm's serve line for its scales
+    return VllmCacheArgs(scheme, dtype, tuple(sorted(skip)), tuple(notes), backend)
