@@ -675,6 +675,13 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
         main(argv + ["--threshold", "1"])
 
 
+def test_table_shows_an_exact_reconstruction_as_inf_not_as_missing():
+    from kvbits.analyze.cli import _db
+
+    # a layer of zeros is stored exactly (SQNR +inf, "+Inf" in analysis.json); before, the table printed "-" as for NaN
+    assert (_db(math.inf), _db(math.nan), _db(None), _db(21.34)) == ("inf", "-", "-", "21.3")
+
+
 def test_heatmap_of_a_chosen_layer_or_head_defaults_to_its_strongest_outlier(result, tmp_path, monkeypatch):
     """``--plot-layer 0`` alone: before, the head was the strongest of the whole model (layer 1's head 1), so layer 0
     was drawn at a head without its outlier channel (head 0 here); now the strongest head of the layer asked for."""
