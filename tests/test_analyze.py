@@ -554,6 +554,28 @@ def test_streaming_moments_equal_direct_computation():
     torch.testing.assert_close(p, x.float().quantile(0.5, dim=-1), rtol=1e-3, atol=2e-2)
 
 
+def test_percentiles_ask_torch_on_the_samples_device():
+    # torch.quantile refuses q on another device than its input (CUDA: 'q tensor must be on the same device');
+    # the meta device runs the same check on a CPU-only machine. Before, q was built on the CPU: --device cuda failed
+    st = ChannelStats(2, 4, capacity=2, block=3)
+    st.update(torch.randn(1, 2, 6, 4), BlockReservoir(2).offer(2))
+    st.sample = st.sample.to("meta")
+    assert st.percentiles(2).device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_analyze_and_plots_on_cuda(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvbits.analyze.plots import plot_key_heatmaps
+
+    model = tiny_llama().cuda()
+    windows = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    res = analyze(model, windows, sample_tokens=64)
+    assert res.layers[OUT_LAYER].key_pre_rope.outliers == [[OUT_HEAD, OUT_CH]]
+    assert all(t.device.type == "cpu" for la in res.layers for t in la.samples.values())
+    assert plot_key_heatmaps(res, tmp_path / "k.png").exists()
+
+
 def test_reservoir_is_uniform():
     counts = torch.zeros(20)
     for seed in range(400):
@@ -651,6 +673,13 @@ def test_cli_json_table_and_plots(tmp_path, monkeypatch, capsys):
     assert "threshold 4" in table and "per-channel, pre-RoPE" in table and "h1:c3" in table
     with pytest.raises(SystemExit):  # argparse rejects a threshold that is not a multiple > 1
         main(argv + ["--threshold", "1"])
+
+
+def test_table_shows_an_exact_reconstruction_as_inf_not_as_missing():
+    from kvbits.analyze.cli import _db
+
+    # a layer of zeros is stored exactly (SQNR +inf, "+Inf" in analysis.json); before, the table printed "-" as for NaN
+    assert (_db(math.inf), _db(math.nan), _db(None), _db(21.34)) == ("inf", "-", "-", "21.3")
 
 
 def test_heatmap_of_a_chosen_layer_or_head_defaults_to_its_strongest_outlier(result, tmp_path, monkeypatch):

@@ -170,7 +170,11 @@ def _write_outputs(result: Any, args: argparse.Namespace) -> list[str]:
 
 
 def _db(v: Any) -> str:
-    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.1f}"
+    """An SQNR cell: ``inf`` for an exact reconstruction (a layer of zeros, K/V the int4 grid holds), ``-`` for no
+    figure (None, NaN)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return "inf" if v == math.inf else f"{v:.1f}"
 
 
 def _channels(chs: list[list[int]], limit: int = 4) -> str:

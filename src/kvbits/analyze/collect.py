@@ -338,7 +338,8 @@ def analyze(
         val = TensorReport.from_stats(st["value"], n_blocks, threshold)
         samples = {}
         if keep_samples:
-            samples = {k: v.sampled(n_blocks) for k, v in st.items() if v.count}
+            # on the host: the plots read them with .numpy(), and they would hold device memory for nothing
+            samples = {k: v.sampled(n_blocks).cpu() for k, v in st.items() if v.count}
             samples["positions"] = st["key_pre_rope"].positions[:n_blocks].clone()
         rot = layer_tables[s.layer_idx].rot_dim if s.layer_idx in layer_tables else 0
         layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples))

@@ -88,7 +88,7 @@ def plot_key_heatmaps(
 
     def tokens(name: str) -> torch.Tensor:
         s = la.samples[name][:, head]  # (N, block, D)
-        return s.reshape(-1, s.shape[-1])[:max_tokens].abs()
+        return s.reshape(-1, s.shape[-1])[:max_tokens].abs().cpu()  # .numpy() below reads host memory
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     for ax, (name, title) in zip(axes[0], panels):

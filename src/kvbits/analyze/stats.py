@@ -189,7 +189,8 @@ class ChannelStats:
         if s.numel() == 0:
             return torch.full((len(qs), self.n_heads, self.head_dim), float("nan"))
         flat = s.permute(1, 3, 0, 2).reshape(self.n_heads, self.head_dim, -1)
-        return torch.quantile(flat, torch.tensor(qs), dim=-1)
+        # q on the sample's device: torch.quantile refuses a CPU q for a CUDA input (kvbits analyze --device cuda)
+        return torch.quantile(flat, torch.tensor(qs, device=flat.device), dim=-1)
 
     def token_ranges(self, n_blocks: int) -> torch.Tensor:
         """``max - min`` over the ``D`` channels of each sampled (token, head): ``(n_blocks, H, block)``."""
