@@ -877,3 +877,35 @@ def test_batch_wide_events_name_no_sequence() -> None:
     assert set(by_signal) == {"key_error", "clipped_fraction", "beyond_calibration"}
     assert all(s in (0, 1, 2) for s in by_signal["key_error"])
     assert by_signal["clipped_fraction"] == by_signal["beyond_calibration"] == [None, None]  # one per layer
+
+
+def test_an_infinite_or_huge_value_does_not_read_as_no_error() -> None:
+    """``flush_error`` read 0 (a perfect block) for a block holding an infinite value that was reproduced finite
+    (``inf / inf`` is NaN, which ``nan_to_num`` turned into 0) and for finite values whose squares overflow float32
+    (``|x|`` 1e20 reproduced at +10%: 0.0 instead of 0.1). Lazy checks (``"auto"`` on CUDA) let such K/V reach the
+    flush before they raise. Now the infinite one reads NaN (over every threshold) and the huge one its error."""
+    x = torch.randn(2, 2, 64, 8, generator=torch.Generator().manual_seed(0))
+    inf_x, x_hat = x.clone(), x.clone()
+    inf_x[0, 0, 3, 0], x_hat[0, 0, 3, 0] = math.inf, 1.0  # saturated to a finite value, as a static scale would
+    err = flush_error(inf_x, x_hat, 32)
+    assert math.isnan(err[0]) and err[1] == 0
+    huge = 1e20 * x
+    assert flush_error(huge, 1.1 * huge, 32).tolist() == pytest.approx([0.1, 0.1], rel=1e-5)
+    assert flush_error(x, 1.1 * x, 32).tolist() == pytest.approx([0.1, 0.1], rel=1e-5)  # unchanged for ordinary x
+
+
+def test_a_held_layer_is_said_once_per_flush_however_many_slices() -> None:
+    """A prefill past ``SLICE_TOKENS`` is quantized in slices; the first key slice crossing holds the layer. Before,
+    each later slice of the same flush added an ``already_held`` event (and log line): 4 events for a 2-slice
+    prefill with key and value thresholds, where the same prefill quantized at once says 2. Now 2 either way."""
+    from kvbits.cache.store import SLICE_TOKENS
+
+    said = []
+    for n in (1024 + 128, 2 * SLICE_TOKENS + 128):
+        torch.manual_seed(0)
+        cache = QuantizedKVCache(num_layers=1, scheme="kivi-2")
+        mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0, value_error=0.0))
+        cache.update(torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32), 0)
+        said.append([(e["side"], e["action"]) for e in mon.events])
+        assert mon.held_layers() == [0]
+    assert said[0] == said[1] == [("key", "hold_layer"), ("value", "already_held")]

@@ -199,9 +199,10 @@ class CacheMonitor:
             if signal == "beyond_calibration" and not (first_beyond or action.startswith("hold")):
                 continue
             # a crossing that does nothing (patience not reached, or a layer that can not be held: sliding
-            # window; or one crossing again after the request was held) is said once per run of consecutive crossing
-            # flushes, not at every flush of a long request
-            if action == "none" and signal in said:
+            # window; or one crossing again after the request was held; or a later slice of a flush whose layer was
+            # held by an earlier slice, already_held) is said once per run of consecutive crossing flushes, not at
+            # every flush of a long request or every slice of a long prefill
+            if action in ("none", "already_held") and signal in said:
                 continue
             said.add(signal)
             # the error is one sequence's (the worst); clipping and the position are the whole batch's: no sequence

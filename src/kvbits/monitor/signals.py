@@ -24,8 +24,10 @@ def flush_error(x: torch.Tensor, x_hat: torch.Tensor, block: int | None = None) 
     ``(B,)`` float32. With ``block`` (dividing ``n``): each sequence's worst block of ``block`` tokens, so a
     chunk of many blocks (a prefill's flush) reads as its blocks read one at a time (decode's flushes).
 
-    A block of zeros reads 0 when reproduced exactly and ``inf`` otherwise; NaN anywhere gives NaN (the
-    monitor reports it as a signal over every threshold, never as a small error).
+    A block of zeros reads 0 when reproduced exactly and ``inf`` otherwise; NaN anywhere gives NaN, and so does
+    an infinite value in ``x`` (its relative error is undefined): the monitor reports it as a signal over every
+    threshold, never as a small error. Each block is scaled by its largest ``|x|`` first, so values whose squares
+    overflow float32 (``|x|`` past about 1.8e19) read their true error, not ``inf / inf``.
     """
     if x.shape != x_hat.shape or x.dim() != 4:
         raise ValueError(
@@ -34,12 +36,16 @@ def flush_error(x: torch.Tensor, x_hat: torch.Tensor, block: int | None = None) 
     B, H, n, D = x.shape
     nb = n // block if block is not None and 0 < block < n and n % block == 0 else 1
     xf = x.float().reshape(B, H, nb, n // nb, D)
-    err = (xf - x_hat.float().reshape(xf.shape)).pow(2).sum(dim=(1, 3, 4))  # (B, blocks)
-    ref = xf.pow(2).sum(dim=(1, 3, 4))
+    scale = xf.abs().amax(dim=(1, 3, 4), keepdim=True)  # (B, 1, blocks, 1, 1): the ratio does not change
+    scale = torch.where((scale > 0) & scale.isfinite(), scale, torch.ones_like(scale))
+    xs = xf / scale
+    err = (xs - x_hat.float().reshape(xf.shape) / scale).pow(2).sum(dim=(1, 3, 4))  # (B, blocks)
+    ref = xs.pow(2).sum(dim=(1, 3, 4))
     rel = (err / ref).sqrt()
     zero_ref = torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err))
     out = torch.where(ref > 0, rel, zero_ref)
-    nan = (err.isnan() | ref.isnan()).any(dim=1)
+    # NaN in either, or inf / inf (an infinite x): not a number, which nan_to_num below would read as 0
+    nan = (err.isnan() | ref.isnan() | out.isnan()).any(dim=1)
     return torch.where(nan, torch.full_like(nan, math.nan, dtype=out.dtype), out.nan_to_num(nan=0.0, posinf=math.inf).amax(dim=1))
 
 
