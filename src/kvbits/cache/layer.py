@@ -841,8 +841,11 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def expected_split(self):
         """``token_split`` for the tokens seen (what this layer's report must equal until a ``crop``); a held
-        layer (``hold_full_precision``) keeps every token since ``held_at`` in full precision."""
+        layer (``hold_full_precision``) keeps every token since ``held_at`` in full precision: in the sinks while
+        they are not complete (``update`` fills them whether held or not), in the buffer after."""
         if self.held_at is None:
             return token_split(self.scheme, self.tokens_seen, self.sliding_window)
         split = token_split(self.scheme, self.held_at, self.sliding_window)
-        return replace(split, full=split.full + self.tokens_seen - self.held_at)
+        since = self.tokens_seen - self.held_at
+        to_sinks = min(since, self.scheme.sinks - split.sink)  # held layers are full attention: sinks kept
+        return replace(split, sink=split.sink + to_sinks, full=split.full + since - to_sinks)
