@@ -1395,11 +1395,36 @@ def test_fp8_on_all_zero_samples_takes_scale_one_and_says_so(caplog):
         caplog.clear()
         x[1] = 0
         t, _ = fit_side(head, x, where="layer 0 key")
-        assert t["scale"].flatten()[1] == 1.0 and t["scale"].flatten()[0] != 1.0
+        assert t["scale"].flatten()[1] == t["scale"].flatten()[0] != 1.0  # the layer's largest: see below
         assert "layer 0 key: FP8 KV head(s) [1]" in caplog.text
         caplog.clear()
         fit_side(tensor, x)  # one head is not the whole tensor: nothing to say
         assert caplog.text == ""
+
+
+@pytest.mark.parametrize("fp8_scale", ["amax", "mse", "centred"])
+def test_fp8_all_zero_head_takes_the_layers_largest_scale_not_one(fp8_scale):
+    """A per-head FP8 fit gave an all-zero (dead) head scale 1.0, ~40000x the live heads' (~2.6e-5 for these values of
+    ~1e-3): vLLM's non-FlashAttention backends serve every head at the layer's largest scale, so an export quantized
+    the whole layer at 1.0, most values in E4M3's subnormals (relative squared error 0.045 instead of 0.0007). Now the
+    dead head takes the largest live head scale: the max over heads and head_spread_db are those of the live heads."""
+    from kvbits.calibrate.fit import fit_side
+    from kvbits.quant.fp8 import dequantize_fp8, quantize_fp8
+
+    head = get_scheme("fp8-e4m3-head").key
+    x = torch.randn(4, 64, 8, generator=torch.Generator().manual_seed(0))
+    x = x * torch.tensor([1.0, 2.0, 3.0, 4.0])[:, None, None] * 1e-3
+    x[2] = 0
+    t, stats = fit_side(head, x, fp8_scale=fp8_scale)
+    live, _ = fit_side(head, x[[0, 1, 3]], fp8_scale=fp8_scale)
+    s = t["scale"].flatten()
+    assert float(s.max()) == float(live["scale"].max()) < 1e-4 and float(s[2]) == float(s.max())
+    assert stats["head_spread_db"] == pytest.approx(20 * math.log10(float(live["scale"].max() / live["scale"].min())))
+    codes, _ = quantize_fp8(x, s.max(), head.fmt)  # the per-tensor max a non-FA backend takes
+    rel = (dequantize_fp8(codes, s.max(), torch.float32) - x).square().mean() / x.square().mean()
+    assert float(rel) < 0.005
+    all_dead, _ = fit_side(head, torch.zeros_like(x), fp8_scale=fp8_scale)
+    assert bool((all_dead["scale"] == 1.0).all())  # nothing to borrow: vLLM's default
 
 
 def test_rope_tables_computed_once_per_run_not_per_layer_and_window(monkeypatch):

@@ -153,7 +153,9 @@ def fit_side(
     head (``absmax``: the largest ``|x|`` the cache will store, ``|x @ R|`` for a rotated spec; a number per tensor, ``H_kv`` numbers per
     head; default ``x``'s own, then ``x`` is taken as the stored tensor), and the statistics ``absmax``
     (the largest over heads) and, without ``absmax``, ``clip_rate`` (0: the scale covers ``x``'s
-    maximum); per head also ``head_spread_db`` (largest over smallest head scale, in dB). ``calibrate``
+    maximum); per head also ``head_spread_db`` (largest over smallest head scale, in dB). A head whose largest
+    ``|x|`` is 0 takes the layer's largest head scale (1.0 when every head is 0; logged): zeros are exact at any
+    scale, and 1.0 would set the max over heads that vLLM's non-FlashAttention backends serve with. ``calibrate``
     gives ``absmax`` over every calibration position: nothing clips. ``fp8_scale="mse"`` raises each
     scale by up to 2x to the least squared error on ``x`` (which must then be samples of the stored
     tensor) and adds ``scale_step`` (the chosen ``j``; per head, the mean) and ``mse_gain_db`` (the amax
@@ -327,14 +329,23 @@ def _fit_fp8(
             raise ValueError(f"per-head FP8 calibration: {len(groups)} heads, but absmax has {len(amaxes)} values")
     else:
         amaxes = [float(absmax)]
-    if 0.0 in amaxes:  # stored exactly at any scale; what serving brings there later meets scale 1.0
-        zero = [h for h, a in enumerate(amaxes) if a == 0.0]
-        logger.warning(
-            "%sFP8 %s: every calibration sample is 0; scale 1.0 (vLLM's default) there",
-            f"{where}: " if where else "", f"KV head(s) {zero}" if len(amaxes) > 1 else "tensor",
-        )  # fmt: skip
     fits = [_fit_fp8_group(spec, g, a, fp8_scale) for g, a in zip(groups, amaxes)]
-    scale = torch.stack([f[0] for f in fits]) if per_head else fits[0][0]
+    scales = [f[0] for f in fits]
+    if 0.0 in amaxes:  # stored exactly at any scale: the fallback only matters for what serving brings later
+        zero = [h for h, a in enumerate(amaxes) if a == 0.0]
+        live = [s for s, a in zip(scales, amaxes) if a > 0.0]
+        # a dead head takes the layer's largest head scale: 1.0 would dominate the max over heads that vLLM's
+        # non-FlashAttention backends serve every head at (and cover nothing the live heads need); the largest
+        # live scale leaves that max as it is and clips no later value any live head would keep
+        fallback = torch.stack(live).max() if live else torch.ones((), dtype=torch.float32)
+        for h in zero:
+            scales[h] = fallback
+        logger.warning(
+            "%sFP8 %s: every calibration sample is 0; scale %s there (%s)",
+            f"{where}: " if where else "", f"KV head(s) {zero}" if len(amaxes) > 1 else "tensor",
+            f"{float(fallback):.6g}", "the layer's largest head scale" if live else "vLLM's default",
+        )  # fmt: skip
+    scale = torch.stack(scales) if per_head else scales[0]
     stats: dict[str, float] = {"absmax": max(amaxes)}
     if fp8_scale in ("mse", "centred") and x.numel():
         steps = [f[1] for f in fits if f[1] is not None]

@@ -198,19 +198,20 @@ def weighted_kmeans_1d(
 
 def _distinct(c: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     """Sorted ``c`` with repeated centroids moved to unused levels of the uniform grid of ``2 k + 1`` points over
-    ``[lo, hi]`` (farthest from the kept centroids first). Degenerate data (all zeros, fewer distinct points than
-    centroids) left copies of one centroid: wasted levels, and data served later decoded to fewer values. A
-    copy holds no point of its own, so moving it never raises the weighted error."""
+    ``[lo, hi]``, each to the grid level farthest from every level kept or placed so far (greedy farthest-point:
+    the fill-ins split the largest gaps instead of bunching together). Degenerate data (all zeros, fewer distinct
+    points than centroids) left copies of one centroid: wasted levels, and data served later decoded to fewer
+    values. A copy holds no point of its own, so moving it never raises the weighted error."""
     values = sorted(set(c.tolist()))
     k = c.numel()
     if len(values) == k:
         return torch.sort(c).values
-    grid = torch.linspace(lo, hi, 2 * k + 1).tolist()
-    for g in sorted(grid, key=lambda v: min(abs(v - u) for u in values), reverse=True):  # farthest first
-        if len(values) == k:
-            break
-        if g not in values:
-            values.append(g)
+    grid = torch.linspace(lo, hi, 2 * k + 1, dtype=torch.float64)
+    dist = (grid[:, None] - torch.tensor(values, dtype=torch.float64)[None, :]).abs().amin(dim=1)
+    while len(values) < k:  # a level already taken has distance 0 and is never picked while others are free
+        g = float(grid[int(torch.argmax(dist))])  # ties: the lowest level
+        values.append(g)
+        dist = torch.minimum(dist, (grid - g).abs())
     return torch.tensor(sorted(values), dtype=torch.float32)
 
 
