@@ -713,3 +713,22 @@ def test_reference_bytes_are_the_models_own_cache_on_sliding_layers(tok, corpus)
     assert b["cache_bytes_ref"] == held
     (rec,) = s["records"]
     assert rec["schemes"]["exact32"]["nll"] == pytest.approx(rec["reference"]["nll"], abs=1e-5)
+
+
+def test_report_rates_short_of_all_never_print_as_all_nor_none():
+    """``f"{100 * x:.0f}%"`` printed 219 of 220 trials as ``100%`` and 1 of 220 as ``0%``, and from 201 trials
+    the overall caption said one trial "moves it by 0 points": rates print as ``fmt_frac`` does (one digit
+    short of all / none) and the step of one trial with the digit it needs."""
+    import copy
+    from pathlib import Path
+
+    from kvbits.report.needle import _count, _pct, load_needle, needle_markdown
+
+    assert (_count(219, 220), _count(1, 220), _count(220, 220), _count(0, 220)) == (
+        "99% (219/220)", "1% (1/220)", "100% (220/220)", "0% (0/220)")
+    assert (_pct(219 / 220), _pct(1 / 220), _pct(0.5), _pct(None)) == ("99%", "1%", "50%", "n/a")
+    run = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "needle-smollm2-wide" / "needle.json"
+    s = load_needle(run)
+    s["records"] = [{**copy.deepcopy(r), "index": r["index"] + 100 * k} for k in range(4) for r in s["records"]]
+    md = needle_markdown(s, figure=False)
+    assert "(of 212 trials, one moves it by 0.5 points)" in md

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
-from kvbits.report.fmt import fmt_kl, fmt_pos, merged_runs_table
+from kvbits.report.fmt import fmt_frac, fmt_kl, fmt_pos, merged_runs_table
 from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
@@ -43,7 +43,9 @@ _SEMANTICS = {
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
+    """A fraction of trials as a whole percentage; one short of all never prints as ``100%``, nor one above none as
+    ``0%`` (:func:`~kvbits.report.fmt.fmt_frac`: 219 of 220 is ``99%``)."""
+    return "n/a" if x is None or not math.isfinite(x) else fmt_frac(x, 0)
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -74,9 +76,9 @@ def _count(k: int, n: int, interval: bool = False) -> str:
     if n == 0:
         return "n/a"
     if not interval:
-        return f"{100 * k / n:.0f}% ({k}/{n})"
+        return f"{_pct(k / n)} ({k}/{n})"
     lo, hi = wilson_interval(k, n)
-    return f"{100 * k / n:.0f}% ({k}/{n}; {100 * lo:.0f}–{100 * hi:.0f}%)"
+    return f"{_pct(k / n)} ({k}/{n}; {100 * lo:.0f}–{100 * hi:.0f}%)"
 
 
 def _fixed(x: float | None, spec: str) -> str:
@@ -152,7 +154,9 @@ def needle_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     records = summary["records"]
     ref_ok = [rec["reference"]["retrieved"] for rec in records]
     m = sum(ref_ok)
-    moves = f" (of {m} trials, one moves it by {100 / m:.0f} points)" if m else ""
+    step = 100 / m if m else 0.0  # under a point from 201 trials: "0 points" said one trial moves nothing
+    moves = f" (of {m} trials, one moves it by {step:.0f} points)" if step >= 1 else (
+        f" (of {m} trials, one moves it by {step:.1g} points)" if m else "")
     lines += [
         (
             f"*Trials retrieved and kept, counted; kept with its 95 % Wilson interval{moves}: schemes whose "
@@ -265,7 +269,7 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
             ax.text(
                 j,
                 i,
-                "n/a" if not math.isfinite(v) else f"{100 * v:.0f}%",
+                _pct(v),
                 ha="center",
                 va="center",
                 fontsize=7,
