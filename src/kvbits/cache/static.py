@@ -107,6 +107,7 @@ from kvbits.cache.checks import (
 from kvbits.cache.fixed import (
     channel_bound,
     check_calibrated_heads,
+    check_installed_decode,
     checked_params,
     install_artifact,
     missing_params,
@@ -438,6 +439,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         params = checked_params(self._spec(side), f"layer {self.layer_idx} {side}", heads, device, scale=scale,
                                 zero=zero, codebook=codebook, mean=mean, factor=factor)  # fmt: skip
         fixed = self._fixed[side]
+        # a scale, zero-points or codebook given alone pair with those installed (a scale alone keeps the zero-points)
+        check_installed_decode(self._spec(side), f"layer {self.layer_idx} {side}", params, fixed,
+                               scale_drops_zero=False)  # fmt: skip
         for name, t in params.items():
             old = fixed.get(name)
             if self._shape is not None and old is not None and old.shape == t.shape and old.dtype == t.dtype:
