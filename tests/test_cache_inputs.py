@@ -491,6 +491,42 @@ def test_zero_points_installed_apart_from_their_scale_are_kept():
     assert layer.needs_calibration() == ["key static zero-points"]
 
 
+def _static_pair_layers(spec: TensorSpec) -> list:
+    from kvbits.cache.static import StaticQuantizedLayer
+
+    scheme = KVScheme("t-static-pair", key=spec, value=TensorSpec(kind="int", bits=4, fmt=None), residual=0, block=4)
+    return [QuantizedKVLayer(scheme, checks="eager", num_key_value_heads=2, head_dim=8),
+            StaticQuantizedLayer(scheme, 16, 0, checks="eager", num_key_value_heads=2, head_dim=8)]  # fmt: skip
+
+
+def test_static_params_installed_apart_are_checked_with_those_installed():
+    """A scale, zero-points or NUQ codebook given alone pair with the others installed before, which the install's
+    own check never saw: StaticQuantizedLayer kept its zero-points of 0 under a new scale of 4400 (int4 asymmetric: a
+    key of 65504 decoded as 66000, inf) and took zero-points of 6000 for its scale of 4000 (66000 too); both layers
+    took a codebook reaching 1 for an asymmetric NUQ scale 60000 with zero-point 10000 checked with one reaching 0.5
+    (65504 decoded as 66001). Refused now, the installed parameters left as they were."""
+    spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True, symmetric=False)
+    match = r"layer 0 key static scale: 16 of 16 entries decode past float16 \(e\.g\. scale {} with zero-point {} "
+    static = _static_pair_layers(spec)[1]
+    static.set_static_qparams("key", torch.ones(2, 8), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=match.format(4400, 0) + "decodes 65504 as 66000"):
+        static.set_static_qparams("key", scale=torch.full((2, 8), 4400.0))  # keeps the zero-points of 0
+    static.set_static_qparams("key", scale=torch.full((2, 8), 4000.0))
+    with pytest.raises(ValueError, match=match.format(4000, 6000) + "decodes 65504 as 66000"):
+        static.set_static_qparams("key", zero=torch.full((2, 8), 6000.0))
+    assert float(static._fixed["key"]["static_zero"].max()) == 0.0
+    static.set_static_qparams("key", zero=torch.full((2, 8), 2000.0))  # 15 * 4000 + 2000 = 62000: within
+    keys, _ = static.update(torch.full((1, 2, 4, 8), 65504.0), torch.zeros(1, 2, 4, 8))
+    assert torch.isfinite(keys).all()
+
+    nuq = TensorSpec(kind="nuq", bits=4, fmt=None, granularity="channel", static=True, symmetric=False)
+    narrow, wide = torch.linspace(-0.5, 0.5, 16).half(), torch.linspace(-1, 1, 16).half()
+    for layer in _static_pair_layers(nuq):
+        layer.set_static_qparams("key", torch.full((2, 8), 60000.0), torch.full((2, 8), 10000.0), codebook=narrow)
+        with pytest.raises(ValueError, match=match.format(60000, 10000) + "decodes 65504 as 66001"):
+            layer.set_static_qparams("key", codebook=wide)
+
+
 @pytest.mark.parametrize(
     ("heads", "head_dim", "dtype", "error", "match"),
     [

@@ -144,3 +144,30 @@ def test_static_offload_and_prefetch_are_refused_and_change_nothing(scheme: str)
     assert all(torch.equal(a, b) for a, b in zip(cache.layers[1].materialize(), before))
     cache.update(k[:, :, :1], k[:, :, :1], 1)
     assert cache.layers[1].tokens_written == 11
+
+
+def test_static_scales_of_the_wrong_shape_are_refused_at_install_naming_the_layer():
+    """A static scale that fits no ``(H_kv, D)`` of the layer: refused at install when the config gives the heads
+    (``QuantizedKVLayer``'s check), else at the first update naming the layer and side, the layer left unallocated
+    (before, a (3, 8) scale for 2 heads was taken and the first update failed inside quantize, naming no layer). A
+    ``True`` layer_idx installed into layer 1; refused now, as ``update`` refuses it."""
+    from kvbits.cache.static import StaticQuantizedLayer
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", static=True, symmetric=True)
+    scheme = KVScheme("t-static", key=spec, value=TensorSpec(kind="int", bits=4, fmt=None), residual=0, block=4)
+    match = r"layer 0 key: static_scale of shape \(3, 8\) does not broadcast.*\(2 KV heads of dim 8, 4-token blocks\)"
+    with pytest.raises(ValueError, match=match):
+        StaticQuantizedLayer(scheme, 16, 0, num_key_value_heads=2, head_dim=8).set_static_qparams("key", torch.ones(3, 8))
+    layer = StaticQuantizedLayer(scheme, 16, 0, checks="eager")  # no config: checked with the first K/V
+    layer.set_static_qparams("key", torch.ones(3, 8))
+    with pytest.raises(ValueError, match=match):
+        layer.update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    assert not layer.is_initialized
+    layer.set_static_qparams("key", torch.ones(2, 8))
+    keys, _ = layer.update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    assert layer.tokens_written == 4 and torch.isfinite(keys).all()
+    cache = StaticQuantizedKVCache(scheme=scheme, num_layers=2, max_cache_len=16)
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\), got True"):
+        cache.set_static_qparams(True, "key", torch.ones(2, 8))
+    assert "static_scale" not in cache.layers[1]._fixed["key"]

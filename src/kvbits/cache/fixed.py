@@ -10,6 +10,9 @@ zero-points (``TensorSpec.static``), a NUQ codebook (``kind="nuq"``), channel me
   clamped; codebooks sorted in ``[-1, 1]``; factors ``> 0``; shapes), cloned in the dtype they are stored in, under the names ``quantize`` takes
   (``static_scale``, ``static_zero``, ``codebook``, ``channel_mean``, ``channel_factor``). One host sync: the per-step
   path never re-checks them;
+- ``check_installed_decode``: ``check_static_decode`` on what a side quantizes with once parameters given apart
+  (a scale, its zero-points or a codebook installed alone) join those installed before: ``checked_params`` sees only
+  the ones given together;
 - ``check_param_shapes``: that installed parameters fit the side's ``(H_kv, D)`` and flush block, once both are known
   (at install with a config, else at the first update): a misfit is refused there, naming the layer, not at the first
   flush, which comes ``residual + block`` tokens into a request, part-way through an update;
@@ -37,7 +40,15 @@ from kvbits.quant.tensor import (
 )
 from kvbits.schemes.spec import TensorSpec
 
-__all__ = ["PARAM_NAMES", "channel_bound", "check_param_shapes", "checked_params", "install_artifact", "missing_params"]
+__all__ = [
+    "PARAM_NAMES",
+    "channel_bound",
+    "check_installed_decode",
+    "check_param_shapes",
+    "checked_params",
+    "install_artifact",
+    "missing_params",
+]
 
 _WORDS = {"channel_mean": "channel mean", "channel_factor": "smoothing factor"}  # in errors
 PARAM_NAMES = ("static_scale", "static_zero", "codebook", "channel_mean", "channel_factor")  # quantize's arguments
@@ -113,6 +124,38 @@ def checked_params(
             check_static_scale(t, f"{what} {_WORDS[name]}", positive=True)
         out[name] = t
     return out
+
+
+def check_installed_decode(
+    spec: TensorSpec,
+    what: str,
+    params: Mapping[str, torch.Tensor],
+    installed: Mapping[str, torch.Tensor | None],
+    *,
+    scale_drops_zero: bool,
+) -> None:
+    """``check_static_decode`` (``ValueError`` naming ``what``) on the static scale, zero-points and codebook ``spec``'s
+    side quantizes with once ``params`` (``checked_params``' output) replace ``installed`` (``PARAM_NAMES`` keys;
+    absent or ``None``: none): a scale, its zero-points or a codebook installed alone pair with the installed others,
+    which ``checked_params`` never saw (a scale of 4400 installed over zero-points of 0 decoded a key of 65504 as
+    66000, inf). ``scale_drops_zero``: a scale given alone drops the installed zero-points (``QuantizedKVLayer``),
+    else keeps them (``StaticQuantizedLayer``). Nothing to check until both a scale and (asymmetric) its zero-points
+    are there, nor when ``checked_params`` checked the pair given together. One host sync when it checks."""
+    if spec.kind not in ("int", "nuq") or not spec.static:  # FP8: a scale alone, checked by checked_params
+        return
+    if "static_scale" in params and ("static_zero" in params or not spec.has_zero_point):
+        return  # checked together (a NUQ scale without its codebook against the entries +-1, the farthest)
+    if not any(name in params for name in ("static_scale", "static_zero", "codebook")):
+        return
+    scale = params.get("static_scale", installed.get("static_scale"))
+    if "static_scale" in params and scale_drops_zero:
+        zero = params.get("static_zero")
+    else:
+        zero = params.get("static_zero", installed.get("static_zero"))
+    if scale is None or (spec.has_zero_point and zero is None):
+        return
+    codebook = params.get("codebook", installed.get("codebook"))
+    check_static_decode(spec, scale, zero, f"{what} static scale", codebook)
 
 
 def check_param_shapes(

@@ -36,13 +36,14 @@ from kvbits.cache.fixed import (
     PARAM_NAMES,
     channel_bound,
     check_calibrated_heads,
+    check_installed_decode,
     check_param_shapes,
     checked_params,
     missing_params,
 )
 from kvbits.cache.store import SideStore, mergeable
 from kvbits.quant.fp8 import static_fp8_scale
-from kvbits.quant.tensor import FLOAT_DTYPES, check_static_decode
+from kvbits.quant.tensor import FLOAT_DTYPES
 from kvbits.schemes.accounting import sliding_falls_back, token_split
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
@@ -405,6 +406,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         D = self._head_dims[0 if side == "key" else 1]  # the config's, or the first K/V's (None: checked then)
         check_param_shapes(store.spec, f"layer {self.layer_idx} {side}", params, self._stored_heads(), D,
                            self.scheme.block)  # fmt: skip
+        # zero-points or a codebook given apart from their scale: checked with the installed one, before any is set
+        check_installed_decode(store.spec, f"layer {self.layer_idx} {side}", params,
+                               {name: getattr(store, name) for name in PARAM_NAMES}, scale_drops_zero=True)  # fmt: skip
         for name in ("channel_mean", "channel_factor"):
             if name in params:
                 setattr(store, name, params[name])
@@ -415,9 +419,6 @@ class QuantizedKVLayer(CacheLayerMixin):
             # the kernel path counts what a zero scale clips only when there is one (no cost otherwise)
             store.zero_scales = bool((store.static_scale == 0).any())
         elif "static_zero" in params:  # zero-points alone (their scale installed before): dropped silently before
-            if store.static_scale is not None:  # checked_params saw no scale: the pair's top level checked here
-                check_static_decode(store.spec, store.static_scale, params["static_zero"],
-                                    f"layer {self.layer_idx} {side} static scale", store.codebook)  # fmt: skip
             store.static_zero = params["static_zero"]
         if "codebook" in params:
             store.codebook = params["codebook"]

@@ -107,6 +107,8 @@ from kvbits.cache.checks import (
 from kvbits.cache.fixed import (
     channel_bound,
     check_calibrated_heads,
+    check_installed_decode,
+    check_param_shapes,
     checked_params,
     install_artifact,
     missing_params,
@@ -323,6 +325,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.value_full = torch.zeros(shape, dtype=FLOAT_DTYPES[self.scheme.value.fmt], device=device)
         else:
             check_channel_groups(self.scheme, D, D, f"layer {self.layer_idx}")
+            for side in SIDES:  # installed without a config: their shapes checked against the first K/V's, named
+                check_param_shapes(self._spec(side), f"layer {self.layer_idx} {side}", self._fixed[side], H, D,
+                                   self.scheme.block)  # fmt: skip
             self._params_on(device, H)
             slots = self.max_cache_len - self.scheme.sinks
             if self.scheme.sinks:  # the first tokens, kept in the K/V dtype: the kernels' full-precision tail
@@ -437,7 +442,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
         heads = self.num_key_value_heads if self._shape is None else self._shape[1]
         params = checked_params(self._spec(side), f"layer {self.layer_idx} {side}", heads, device, scale=scale,
                                 zero=zero, codebook=codebook, mean=mean, factor=factor)  # fmt: skip
+        D = self.head_dim if self._shape is None else self._shape[2]  # the config's or the slabs' (None: at allocation)
+        check_param_shapes(self._spec(side), f"layer {self.layer_idx} {side}", params, heads, D, self.scheme.block)
         fixed = self._fixed[side]
+        # a scale, zero-points or codebook given alone pair with those installed (a scale alone keeps the zero-points)
+        check_installed_decode(self._spec(side), f"layer {self.layer_idx} {side}", params, fixed,
+                               scale_drops_zero=False)  # fmt: skip
         for name, t in params.items():
             old = fixed.get(name)
             if self._shape is not None and old is not None and old.shape == t.shape and old.dtype == t.dtype:
@@ -1172,8 +1182,8 @@ class StaticQuantizedKVCache(Cache):
         codebook: torch.Tensor | None = None, mean: torch.Tensor | None = None, factor: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Install calibrated parameters of one layer's side (``StaticQuantizedLayer.set_static_qparams``)."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be an int in [0, {len(self.layers)}), got {layer_idx!r}")
         self.layers[layer_idx].set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
 
     def install_calibration(self, artifact: Any) -> None:

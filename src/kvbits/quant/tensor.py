@@ -535,7 +535,7 @@ def check_static_decode(
     elif spec.kind == "int":
         out = dequantize_affine(quantize_affine(x, s, z, spec.bits)[0], s, z, spec.bits, torch.float32)
     else:
-        cb = torch.tensor([-1.0, 1.0]) if codebook is None else codebook.detach().float()
+        cb = torch.tensor([-1.0, 1.0]) if codebook is None else codebook.detach().to(s.device, torch.float32)
         out = dequantize_nuq(quantize_nuq(x, s, z, cb)[0], s, z, cb, torch.float32)
     bad = torch.isinf(out.to(torch.float16)) & torch.isfinite(out)
     n_bad = int(bad.any(0).sum())
