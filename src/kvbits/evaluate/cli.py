@@ -46,7 +46,7 @@ examples:
 "wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
 avg_bits: bits per element in the long run (residual window, sinks and sliding-window layers amortised away); bits_at_context: what the
 cache stores per element at this --context, metadata, sinks and the full-precision window included (in the
-dtype the model runs in), as `kvbits plan MODEL --context N` counts it; for a peer cache, the bytes its cache
+dtype the model runs in), as `kvbits plan --model MODEL --context N` counts it; for a peer cache, the bytes its cache
 really holds once a window is through (codes, scales, zero-points and residual): kivi-2 is 3.0
 and, at 128 tokens, 16 in bfloat16 (32 in float32).
 wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak
