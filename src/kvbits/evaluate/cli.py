@@ -17,6 +17,7 @@ from kvbits._argtypes import (
     add_seed_arg,
     add_window_args,
     bounded,
+    check_overwrite_has_out,
 )
 from kvbits._json import dumps
 
@@ -180,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prompt_len is not None and args.semantics != "prefill":
         raise ValueError("--prompt-len needs --semantics prefill")
+    if args.semantics == "prefill" and args.prompt_len is None:
+        raise ValueError("--semantics prefill needs --prompt-len N: the prompt tokens prefilled in full precision "
+                         f"(fewer than --context - 1 = {args.context - 1})")  # fmt: skip
+    check_overwrite_has_out(args)
     if args.fused_decode != "auto" and args.mode != "stream":
         raise ValueError(
             f"--fused-decode {args.fused_decode} needs --mode stream (simulate never decodes through the cache)"
