@@ -793,3 +793,61 @@ def test_export_scheme_refuses_layers_past_the_given_count(capsys, scheme):
     assert "kvbits export: error: mixed scheme" in err and "beyond the given 24 layers" in err, err
     assert main(["export", "--scheme", "vllm-int4,23=fp16", "--layers", "24", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["skip_layers"] == [23]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "--model", "m", "--data", "d", "--scheme", "int4-token", "--overwrite"],
+        ["needle", "--model", "m", "--context", "1k", "--scheme", "int4-token", "--overwrite"],
+        ["speed", "--model", "m", "--context", "1k", "--scheme", "int4-token", "--overwrite"],
+        ["tune", "--model", "m", "--data", "d", "--candidates", "int8-token", "--candidates", "int4-token"]
+        + ["--budget-bits", "6", "--overwrite"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_overwrite_without_out_is_refused(capsys, argv):
+    """`--overwrite` without `--out` was accepted and ignored (eval, needle, speed and tune ran to the end, wrote
+    nothing, exit 0): now a usage error before the model loads (the model "m" here does not exist)."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"kvbits {argv[0]}: error: --overwrite replaces what --out holds")
+
+
+def test_eval_prefill_without_prompt_len_names_the_flags(capsys):
+    """`kvbits eval --semantics prefill` without --prompt-len said "semantics='prefill' needs prompt_len with ...",
+    the Python argument names, after the text was read; now the flags, before anything loads."""
+    assert main(["eval", "--model", "m", "--data", "d", "--context", "64", "--scheme", "int4-token",
+                 "--semantics", "prefill"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("kvbits eval: error: --semantics prefill needs --prompt-len N") and "- 1 = 63)" in err
+
+
+def test_speed_graphs_off_cuda_is_refused_before_the_model_loads(capsys):
+    """`kvbits speed --static --graphs` on the CPU loaded the model and then said "graphs=True: CUDA graphs need a
+    CUDA device"; now refused first, naming the flags (the model "m" does not exist, so nothing loaded)."""
+    assert main(["speed", "--model", "m", "--context", "1k", "--scheme", "int4-token", "--static", "--graphs"]) == 2
+    assert capsys.readouterr().err.startswith("kvbits speed: error: --graphs replays decode steps from captured CUDA "
+                                              "graphs: it needs --device cuda, got --device cpu")  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", [["--scope", "request"], ["--patience", "3"]])
+def test_monitor_action_flags_without_a_threshold_are_refused(capsys, flags):
+    """`kvbits monitor --scope request` (or `--patience 3`) without any threshold ran and held nothing, the flag
+    ignored: now a usage error before the model loads."""
+    assert main(["monitor", "--model", "m", "--data", "d", "--scheme", "int4-token", *flags]) == 2
+    assert "and no threshold was given: add --key-error" in capsys.readouterr().err
+
+
+def test_eval_attn_layers_out_of_range_names_the_flag(tmp_path, capsys, monkeypatch):
+    """An `--attn-layers` index past the model's layers said "attn_layers must be in [0, 2)": now the flag too."""
+    from _wordlevel import save_word_tokenizer, write_word_text
+    from test_distributed import _model
+
+    folder, text = tmp_path / "model", write_word_text(tmp_path / "book.txt", 200)
+    save_word_tokenizer(folder)
+    _model().save_pretrained(folder)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    argv = ["eval", "--model", str(folder), "--data", str(text), "--context", "64", "--scheme", "int4-token",
+            "--no-progress", "--attn-layers", "7"]  # fmt: skip
+    assert main(argv) == 2
+    assert "attn_layers (CLI: --attn-layers) must be in [0, 2), got [7]" in capsys.readouterr().err

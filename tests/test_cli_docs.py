@@ -83,6 +83,42 @@ def test_help_example_lines_parse(command: str, line: str) -> None:
         pytest.fail(f"kvbits {command} --help shows a command line that does not parse (exit {exc.code}): {line}")
 
 
+def inline_help_commands() -> list[tuple[str, str]]:
+    """``(where, snippet)`` of every backticked `` `kvbits CMD ...` `` inside a ``--help`` text (a description, an
+    epilog or an option's help): shorthand, often without the required options, so not parsed whole."""
+    out = []
+    pattern = rf"`(kvbits (?:{'|'.join(COMMANDS)})\b[^`]*)`"
+    for name, p in subparsers().items():
+        texts = [p.description or "", p.epilog or "", *(a.help or "" for a in p._actions)]
+        out += [(name, m) for t in texts for m in re.findall(pattern, t.replace("\\\n", " "))]
+    return out
+
+
+def test_inline_help_commands_name_real_options_and_no_stray_positionals() -> None:
+    """eval's epilog said `kvbits plan MODEL --context N`; kvbits plan takes no positional (`--model MODEL`), so the
+    line did not parse. Every backticked command in a help text: its options are the command's, and each bare word
+    is an option's value, unless the command takes positionals (kvbits report RUN)."""
+    commands = subparsers()
+    snippets = inline_help_commands()
+    assert len(snippets) >= 2  # eval's and tune's
+    for where, snippet in snippets:
+        command, *rest = shlex.split(snippet)[1:]
+        parser = commands[command]
+        options = {o: a for a in parser._actions for o in a.option_strings}
+        positionals = any(not a.option_strings for a in parser._actions)
+        takes_value = False
+        for token in rest:
+            if token.startswith("--"):
+                assert token in options, f"kvbits {where} --help: {snippet!r}: kvbits {command} has no {token}"
+                takes_value = options[token].nargs != 0
+            else:
+                assert takes_value or positionals, (
+                    f"kvbits {where} --help: {snippet!r}: {token!r} is no option's value and kvbits {command} takes "
+                    "no positional argument"
+                )
+                takes_value = False
+
+
 def shown(default: object) -> str:
     """A default as the help writes it: ``4.0`` -> ``4``, ``[0.0, 0.25]`` -> ``0,0.25``."""
     if isinstance(default, float):

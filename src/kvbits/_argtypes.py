@@ -14,7 +14,8 @@ command checks its device with ``kvbits.evaluate.request.check_device`` before t
 texts stay each command's own. ``FUSED_DECODE`` maps ``--fused-decode auto|on|off`` to the library's
 ``fused_decode`` values; ``add_calibration_arg`` adds the ``--calibration`` of the evaluating commands;
 ``add_summary_output_args`` adds ``--out`` / ``--overwrite`` / ``--json`` to the commands that write a summary
-folder and print a table, and ``emit_summary`` ends them. ``add_seed_arg`` gives every seeded command the same
+folder and print a table, and ``emit_summary`` ends them; ``check_overwrite_has_out`` refuses an ``--overwrite``
+given without the ``--out`` it applies to. ``add_seed_arg`` gives every seeded command the same
 ``--seed`` bound, ``[0, SEED_MAX]``, and ``check_seed`` the same bound to the Python entry points that take a seed.
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "add_window_args",
     "bounded",
     "check_output_path",
+    "check_overwrite_has_out",
     "check_seed",
     "emit_summary",
 ]
@@ -214,6 +216,15 @@ def add_summary_output_args(parser: argparse.ArgumentParser, command: str) -> No
         help=f"write into a non-empty folder that holds no {command} run (only {files} are replaced)",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (nothing else)")
+
+
+def check_overwrite_has_out(args: argparse.Namespace) -> None:
+    """``ValueError`` for ``--overwrite`` without ``--out``: it governs what the run writes into ``--out``, and with no
+    ``--out`` nothing is written, so the flag would be accepted and ignored (a run the user meant to save, shown and
+    lost)."""
+    if getattr(args, "overwrite", False) and getattr(args, "out", None) is None:
+        raise ValueError("--overwrite replaces what --out holds, and no --out was given (nothing is written without "
+                         "it): add --out, or drop --overwrite")  # fmt: skip
 
 
 def emit_summary(

@@ -17,6 +17,7 @@ from kvbits._argtypes import (
     add_seed_arg,
     add_window_args,
     bounded,
+    check_overwrite_has_out,
 )
 from kvbits._json import dumps
 
@@ -46,7 +47,7 @@ examples:
 "wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
 avg_bits: bits per element in the long run (residual window, sinks and sliding-window layers amortised away); bits_at_context: what the
 cache stores per element at this --context, metadata, sinks and the full-precision window included (in the
-dtype the model runs in), as `kvbits plan MODEL --context N` counts it; for a peer cache, the bytes its cache
+dtype the model runs in), as `kvbits plan --model MODEL --context N` counts it; for a peer cache, the bytes its cache
 really holds once a window is through (codes, scales, zero-points and residual): kivi-2 is 3.0
 and, at 128 tokens, 16 in bfloat16 (32 in float32).
 wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak
@@ -180,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prompt_len is not None and args.semantics != "prefill":
         raise ValueError("--prompt-len needs --semantics prefill")
+    if args.semantics == "prefill" and args.prompt_len is None:
+        raise ValueError("--semantics prefill needs --prompt-len N: the prompt tokens prefilled in full precision "
+                         f"(fewer than --context - 1 = {args.context - 1})")  # fmt: skip
+    check_overwrite_has_out(args)
     if args.fused_decode != "auto" and args.mode != "stream":
         raise ValueError(
             f"--fused-decode {args.fused_decode} needs --mode stream (simulate never decodes through the cache)"

@@ -14,6 +14,7 @@ from kvbits._argtypes import (
     add_seed_arg,
     add_summary_output_args,
     bounded,
+    check_overwrite_has_out,
     emit_summary,
 )
 
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         question=args.question if args.question is not None else defaults.question,
         digits=args.digits,
     )
+    check_overwrite_has_out(args)
     check_device(args.device)
     if args.out:  # refused before the model loads, not after the trials ran
         from kvbits.report.needle import check_needle_out

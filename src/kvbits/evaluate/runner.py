@@ -364,7 +364,8 @@ def evaluate(
         else:
             layers = sorted({int(x) for x in attn_layers})
         if any(not 0 <= x < n_layers for x in layers):
-            raise ValueError(f"attn_layers must be in [0, {n_layers}), got {list(attn_layers or [])}")
+            raise ValueError(f"attn_layers (CLI: --attn-layers) must be in [0, {n_layers}), got "
+                             f"{list(attn_layers or [])}")
         if set(layers) - set(attending):
             raise ValueError(
                 f"attn_layers {sorted(set(layers) - set(attending))} have no attention (convolution, linear-attention "

@@ -13,6 +13,7 @@ from kvbits._argtypes import (
     add_model_data_args,
     add_summary_output_args,
     bounded,
+    check_overwrite_has_out,
     emit_summary,
 )
 from kvbits.evaluate.sdpa import SDPA_MODES
@@ -137,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--graphs replays the decode steps of the static caches: add --static")
     if args.static and (args.grow or args.workspace):
         raise ValueError(f"--static reserves every slot and holds no workspace; drop {'--grow' if args.grow else '--workspace'}")
+    check_overwrite_has_out(args)
+    if args.graphs and not str(args.device).startswith("cuda"):  # refused before the model loads, not after
+        raise ValueError(f"--graphs replays decode steps from captured CUDA graphs: it needs --device cuda, got "
+                         f"--device {args.device}")  # fmt: skip
     check_device(args.device)
     if args.out:  # refused before the model loads, not after the runs
         from kvbits.report.speed import check_speed_out

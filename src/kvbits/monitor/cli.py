@@ -104,13 +104,22 @@ def _labels(pairs: list[str]) -> dict[str, str]:
 
 def _check_policy_applies(args: argparse.Namespace) -> None:
     """``ValueError`` (before any model loads) for a policy flag that could never fire on this run: a run that held
-    nothing would read as "no layer needed holding". ``--beyond-calibration`` reads the calibrated context, which only
+    nothing would read as "no layer needed holding". ``--scope request`` and ``--patience`` say how a threshold acts,
+    so they need one. ``--beyond-calibration`` reads the calibrated context, which only
     ``--calibration`` gives; ``--clipped-fraction`` reads values saturated against static scales, which a scheme with
     none (per-token, KIVI, dynamic FP8 scales) never has."""
     if args.beyond_calibration and args.calibration is None:
         raise ValueError(
             "--beyond-calibration holds past the calibrated context, and there is none without --calibration DIR "
             "(a kvbits calibrate folder)"
+        )
+    acting = [f for f, v in (("--scope request", args.scope != "layer"), (f"--patience {args.patience}", args.patience != 1))
+              if v]  # fmt: skip
+    thresholds = (args.key_error, args.value_error, args.clipped_fraction)
+    if acting and all(t is None for t in thresholds) and not args.beyond_calibration:
+        raise ValueError(
+            f"{' and '.join(acting)} say how a crossed threshold acts, and no threshold was given: add --key-error, "
+            "--value-error, --clipped-fraction or --beyond-calibration (or drop them)"
         )
     if args.clipped_fraction is None:
         return

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded
+from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_overwrite_has_out
 from kvbits._json import dumps
 
 __all__ = ["add_parser", "calibration_dir", "run"]
@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbits.tune import tune
 
     check_device(args.device)  # before the model loads
+    check_overwrite_has_out(args)
     if args.out and Path(args.out).suffix.lower() != ".json":
         raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
     if args.out:
