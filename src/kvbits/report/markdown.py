@@ -12,17 +12,23 @@ from kvbits.report.tables import TableData
 __all__ = ["md_cell", "to_markdown"]
 
 
+def _entities(s: str) -> str:
+    """``&``, ``<`` and ``>`` as entities (``&`` first): a name ``x&amp;y`` is shown as it is, not as ``x&y``."""
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _md_text(text: str) -> str:
-    """``text`` with ``<`` and ``>`` outside code spans as entities: names and paths from ``summary.json`` (a scheme
-    JSON may name its scheme anything) are shown, never rendered as HTML by viewers that allow it."""
+    """``text`` with ``&``, ``<`` and ``>`` outside code spans as entities: names and paths from ``summary.json`` (a
+    scheme JSON may name its scheme anything) are shown as they are, never rendered as HTML or read as an entity
+    (``x&amp;y`` printed as ``x&y``) by viewers."""
     parts = split_code_spans(text)
-    return "".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
+    return "".join(p if i % 2 else _entities(p) for i, p in enumerate(parts))
 
 
 def md_cell(s: str) -> str:
     """Plain text (a table cell, a name) as Markdown: :func:`~.inline.text`'s escapes (a backtick opens no code span,
-    ``*`` no emphasis), ``<``/``>`` as entities, ``|`` escaped, a newline (which would end the row) as a space."""
-    s = text(s).replace("<", "&lt;").replace(">", "&gt;")
+    ``*`` no emphasis), ``&``/``<``/``>`` as entities, ``|`` escaped, a newline (which would end the row) as a space."""
+    s = _entities(text(s))
     return s.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
@@ -49,7 +55,7 @@ def to_markdown(blocks: list[Block], out_dir: Path) -> str:
             parts.append(_md_table(b.data))
         elif isinstance(b, Figure):
             rel = os.path.relpath(b.path, out_dir)
-            parts.append(f"![{b.alt}]({rel})\n\n*{b.caption}*")
+            parts.append(f"![{b.alt}]({rel})\n\n*{_md_text(b.caption)}*")
         elif isinstance(b, Code):
             parts.append(f"```bash\n{b.text}\n```")
     return "\n\n".join(parts) + "\n"
