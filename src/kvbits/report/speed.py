@@ -9,6 +9,7 @@ each cache holds at the end of the run. ``load_speed(path)`` reads a ``speed.jso
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
-from kvbits.report.fmt import fmt_bytes, fmt_frac, fmt_pos, merged_runs_table
+from kvbits.report.fmt import fmt_bytes, fmt_float, fmt_frac, fmt_pos, merged_runs_table
 from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
@@ -96,17 +97,21 @@ def _table(summary: Mapping[str, Any], batch: int, cell) -> list[str]:
 
 
 def _speed_cell(r: Mapping[str, Any] | None) -> str:
+    """``tokens/s (speedup x)``; a NaN (``"NaN"`` in speed.json) prints as ``n/a``, never ``nan (nanx)``, and a
+    factor that is NaN is left out."""
     if r is None:
         return "n/a"
-    return f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x)"
+    tps, speedup = fmt_float(r["tokens_per_s"], 1), r["speedup"]
+    return tps if math.isnan(speedup) else f"{tps} ({fmt_float(speedup, 2)}x)"
 
 
 def _ms_cell(r: Mapping[str, Any] | None) -> str:
+    """``median [p10–p90]`` milliseconds per step, and the host's; NaN prints as ``n/a``."""
     if r is None:
         return "n/a"
-    cell = f"{r['ms_per_step']:.2f} [{r['ms_p10']:.2f}–{r['ms_p90']:.2f}]"
+    cell = f"{fmt_float(r['ms_per_step'], 2)} [{fmt_float(r['ms_p10'], 2)}–{fmt_float(r['ms_p90'], 2)}]"
     host = r.get("host_ms_per_step")
-    return cell if host is None else f"{cell}, host {host:.2f}"
+    return cell if host is None else f"{cell}, host {fmt_float(host, 2)}"
 
 
 def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> str:
