@@ -3,7 +3,14 @@ refuses, an infinite ΔPPL left off the bits figure unsaid, clipping rates round
 
 from __future__ import annotations
 
+import json
 import math
+
+import pytest
+from test_report import _write_run
+
+from kvbits.cli import main
+from kvbits.report import write_report
 
 
 def test_an_ampersand_in_a_name_is_shown_as_it_is():
@@ -27,3 +34,19 @@ def test_nan_speed_figures_print_as_not_available():
     ms = {"ms_per_step": nan, "ms_p10": 1.0, "ms_p90": 2.0, "host_ms_per_step": nan}
     assert _ms_cell(ms) == "n/a [1.00–2.00], host n/a"
     assert _ms_cell({**ms, "ms_per_step": 1.5, "host_ms_per_step": 1.25}) == "1.50 [1.00–2.00], host 1.25"
+
+
+def test_a_summary_without_eval_fields_is_refused(tmp_path, capsys):
+    """``kvbits report DIR`` on a summary.json ``{"a": 1}`` exited 0 with an empty "? on ?" report; it is refused,
+    naming the file and the fields it lacks. A run with no schemes (``results: []``) is still reported."""
+    d = tmp_path / "foreign"
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"a": 1}))
+    want = r"summary.json is not a kvbits eval summary: it has no model, data, context, semantics, mode, windows, results"
+    with pytest.raises(ValueError, match=want):
+        write_report(d, plots=False)
+    assert not (d / "report.md").exists()
+    assert main(["report", str(d)]) == 2
+    assert "is not a kvbits eval summary" in capsys.readouterr().err
+    empty = _write_run(tmp_path / "empty", {"results": []}, tokens=False)
+    assert "The run holds no results." in write_report(empty, plots=False)["markdown"].read_text()

@@ -232,6 +232,11 @@ def _attn_layer(a: Mapping[str, Any], index: int, where: str) -> AttnLayer:
     return AttnLayer(layer=whole(a, "layer", where, default=index), buckets=tuple(rows))
 
 
+_EVAL_FIELDS = ("model", "data", "context", "semantics", "mode", "windows", "results")
+"""The setting and results every ``kvbits eval`` summary.json records (``results`` is the one :meth:`RunSummary.parse`
+requires)."""
+
+
 @dataclass(frozen=True)
 class RunSummary:
     """A whole ``summary.json``: the setting and one :class:`SchemeResult` per scheme."""
@@ -292,8 +297,17 @@ class RunSummary:
 
     @classmethod
     def parse(cls, data: Any, path: str | Path) -> RunSummary:
-        """:meth:`from_dict` of the parsed file ``path``: ``ValueError`` naming the file and the malformed field."""
+        """:meth:`from_dict` of the parsed file ``path``: ``ValueError`` naming the file and the malformed field, or
+        the eval fields it lacks when it has no ``results`` (every ``kvbits eval`` summary has that list, empty for a
+        run without schemes): a JSON object of another kind is not reported as an empty "? on ?" run."""
         document = json_object(data, path, "a kvbits eval summary")
+        if "results" not in document:
+            missing = [k for k in _EVAL_FIELDS if k not in document]
+            keys = ", ".join(map(str, list(document)[:8])) + (", ..." if len(document) > 8 else "")
+            raise ValueError(
+                f"{path} is not a kvbits eval summary: it has no {', '.join(missing)} (its fields: "
+                f"{keys or 'none'}); expected the summary.json kvbits eval writes"
+            )
         try:
             run = cls.from_dict(document)
         except ValueError as exc:
