@@ -50,3 +50,12 @@ def test_a_summary_without_eval_fields_is_refused(tmp_path, capsys):
     assert "is not a kvbits eval summary" in capsys.readouterr().err
     empty = _write_run(tmp_path / "empty", {"results": []}, tokens=False)
     assert "The run holds no results." in write_report(empty, plots=False)["markdown"].read_text()
+
+
+@pytest.mark.parametrize("threshold", [True, math.inf, math.nan, -0.01])
+def test_write_report_refuses_a_threshold_the_cli_refuses(tmp_path, threshold):
+    """``threshold=True`` was taken as 1 (a 100 % budget) and ``inf`` judged nothing; ``--threshold`` refuses both
+    (NaN and a negative one were refused already)."""
+    d = _write_run(tmp_path / "run", tokens=False)
+    with pytest.raises(ValueError, match=r"threshold must be a .*positive fraction"):
+        write_report(d, threshold=threshold, plots=False)

@@ -16,6 +16,7 @@ Input (written by :mod:`kvbits.evaluate.runner`)::
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -135,10 +136,14 @@ def write_report(
 
     Raises:
         FileNotFoundError: ``out_dir`` has no ``summary.json``.
-        ValueError: ``threshold`` is not a positive number.
+        ValueError: ``threshold`` is not a finite number > 0 (a bool is refused), or ``summary.json`` is not a kvbits
+            eval summary (no ``results``) or has a malformed field.
     """
-    if not isinstance(threshold, (int, float)) or not threshold > 0:
-        raise ValueError(f"threshold must be a positive fraction (0.01 = 1%), got {threshold!r}")
+    # as the CLI's --threshold: a finite number > 0; True is no budget (it was taken as 1 = 100 %), inf judges nothing
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+        math.isfinite(threshold) and threshold > 0
+    ):
+        raise ValueError(f"threshold must be a finite positive fraction (0.01 = 1%), got {threshold!r}")
     if plots not in (True, False, None):
         raise TypeError(f"plots must be True, False or None, got {plots!r}")
     out = Path(out_dir)
