@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from test_report import _write_run
+from test_report import SCHEMES, _summary, _write_run
 
 from kvbits.cli import main
 from kvbits.report import write_report
@@ -59,3 +59,43 @@ def test_write_report_refuses_a_threshold_the_cli_refuses(tmp_path, threshold):
     d = _write_run(tmp_path / "run", tokens=False)
     with pytest.raises(ValueError, match=r"threshold must be a .*positive fraction"):
         write_report(d, threshold=threshold, plots=False)
+
+
+def _infinite_summary() -> dict:
+    """kivi-2 with an overflowed perplexity: +inf overall and in its last bucket."""
+    s = _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4", "kivi-2")})
+    kivi2 = s["results"][2]
+    kivi2["ppl"] = math.inf
+    kivi2["buckets"][-1].update(ppl=math.inf, delta_rel=math.inf, delta_rel_ci=None)
+    return s
+
+
+def test_an_infinite_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch):
+    """A scheme whose ΔPPL is +inf had no point on the bits-vs-ΔPPL figure and nothing said so; the legend and the
+    report's caption name it now."""
+    pytest.importorskip("matplotlib")
+    from kvbits.report import plots as plots_mod
+    from kvbits.report.plots import tradeoff
+    from kvbits.report.summary import RunSummary
+
+    run = RunSummary.from_dict(_infinite_summary())
+    assert tradeoff.infinite_points(run) == ["kivi-2 (overall and worst bucket)"]
+    drawn = {}
+
+    def keep(fig, path):
+        drawn["fig"] = fig
+        path.write_bytes(b"")
+        return path
+
+    monkeypatch.setattr(tradeoff, "save_png", keep)
+    tradeoff.plot_tradeoff(run, tmp_path / "bits_vs_delta.png")
+    labels = [t.get_text() for t in drawn["fig"].axes[0].get_legend().get_texts()]
+    assert "ΔPPL +inf, not drawn: kivi-2 (overall and worst bucket)" in labels
+
+    def only_tradeoff(run, out, tokens, **kw):
+        return {"bits_vs_delta": tradeoff.plot_tradeoff(run, out / "bits_vs_delta.png")}, {}
+
+    monkeypatch.setattr(plots_mod, "make_plots", only_tradeoff)
+    d = _write_run(tmp_path / "run", _infinite_summary(), tokens=False)
+    md = write_report(d, plots=True)["markdown"].read_text()
+    assert "(hollow). Not drawn, ΔPPL +inf: kivi-2 (overall and worst bucket).*" in md

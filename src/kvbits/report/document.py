@@ -21,6 +21,7 @@ from kvbits.report.fmt import fmt_budget, fmt_pos
 from kvbits.report.inline import code, split_code_spans, text
 from kvbits.report.inputs import KL_FLOAT64_VERSION, float32_kl_sources, reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
+from kvbits.report.plots.tradeoff import infinite_points
 from kvbits.report.summary import RunSummary
 from kvbits.report.tables import (
     Cell,
@@ -195,7 +196,11 @@ def build_document(
 
     def fig(key: str) -> None:
         if key in figures:
-            blocks.append(Figure(figures[key], PLOT_FILES[key], FIGURE_TEXT[key].format(budget=fmt_budget(threshold, sign=False))))
+            caption = FIGURE_TEXT[key].format(budget=fmt_budget(threshold, sign=False))
+            off = infinite_points(run) if key == "bits_vs_delta" else []
+            if off:  # an infinite ΔPPL has no place on the axis: say whose points are missing
+                caption += " Not drawn, ΔPPL +inf: " + ", ".join(text(p) for p in off) + "."
+            blocks.append(Figure(figures[key], PLOT_FILES[key], caption))
         elif key in failed:
             blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {text(failed[key])}.*"))
 

@@ -10,7 +10,7 @@ from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_budget
 from kvbits.report.plots.figure import new_figure, percent_axis, save_png, scheme_colors
 from kvbits.report.summary import RunSummary
 
-__all__ = ["plot_tradeoff"]
+__all__ = ["infinite_points", "plot_tradeoff"]
 
 
 def _pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -20,6 +20,20 @@ def _pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, 
         if not front or p[1] < front[-1][1]:
             front.append(p)
     return front
+
+
+def infinite_points(run: RunSummary) -> list[str]:
+    """The points :func:`plot_tradeoff` can not draw because their ΔPPL is +inf (a perplexity that overflowed: worse
+    than any budget, off every axis), one phrase per scheme with bits: ``"int2 (overall and worst bucket)"``,
+    ``"int3 (worst bucket)"``. The figure's legend and the report's caption name them; they are not left out unsaid."""
+    out = []
+    for r in run.results:
+        if not math.isfinite(r.avg_bits):
+            continue  # a scheme without bits is not on this figure at all
+        which = [w for w, v in (("overall", r.delta), ("worst bucket", r.max_delta)) if v == math.inf]
+        if which:
+            out.append(f"{r.name} ({' and '.join(which)})")
+    return out
 
 
 def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THRESHOLD) -> Path:
@@ -57,6 +71,9 @@ def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THR
     ax.axhline(0, color="black", lw=0.8)
     ax.plot([], [], "o", color="#444", label="overall ΔPPL")
     ax.plot([], [], "o", mfc="white", mec="#444", label="worst bucket")
+    off = infinite_points(run)
+    if off:
+        ax.plot([], [], " ", label="ΔPPL +inf, not drawn: " + ", ".join(off))
     percent_axis(ax, ys)
     ax.set_xlabel("average bits per K/V element (incl. scales; lower = smaller cache)")
     ax.set_ylabel("ΔPPL vs reference (%)")
