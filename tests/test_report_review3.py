@@ -99,3 +99,21 @@ def test_an_infinite_delta_is_named_not_left_off_the_bits_figure(tmp_path, monke
     d = _write_run(tmp_path / "run", _infinite_summary(), tokens=False)
     md = write_report(d, plots=True)["markdown"].read_text()
     assert "(hollow). Not drawn, ΔPPL +inf: kivi-2 (overall and worst bucket).*" in md
+
+
+def test_a_clipping_rate_next_to_the_warning_level_shows_the_digits_that_judge_it():
+    """0.10004 % of the keys clipped (above the 0.1 % level: marked, warned) and 0.09996 % (below: not) both printed
+    "0.100%", the first marked and warned as "clips 0.100% ... (warning level 0.1%)"."""
+    from kvbits.report.calibration import calibration_issues, calibration_row, calibration_table
+
+    def judged(frac: float) -> tuple[str, str, list[str]]:
+        row = calibration_row("kivi-4", {"clipped_keys": 10, "clipped_keys_frac": frac, "clipped_values_frac": 0.0}, 512)
+        cell = calibration_table([row]).rows[0][4]
+        return cell.text, cell.tone, calibration_issues(row)
+
+    above = judged(0.0010004)
+    assert above[:2] == ("0.10004% (10)", "bad")
+    assert above[2] == ["clips 0.10004% of its keys against the calibrated ranges (warning level 0.1%)"]
+    assert judged(0.0009996) == ("0.09996% (10)", "good", [])
+    assert judged(0.0025)[0] == "0.250% (10)"  # away from the level: three decimals as before
+    assert judged(0.001)[:2] == ("0.100% (10)", "good")  # at the level exactly: not above it

@@ -204,12 +204,25 @@ def calibration_row(
 # ------------------------------------------------------------------------------------ output
 
 
-def _fmt_clip(frac: float, n: int | None) -> str:
+def _clip_pct(frac: float, clip_threshold: float) -> str:
+    """A clipping rate as a percentage with 3 decimals, or as many more (up to 6) as it takes not to print as the
+    warning level itself when it is not: at a 0.1 % level ``0.0010004 -> '0.10004%'`` (marked), ``0.0009996 ->
+    '0.09996%'`` (not), where three decimals printed both as ``0.100%`` (the rule :func:`~.fmt.fmt_judged` applies
+    to a ΔPPL against its budget)."""
+    digits = 3
+    if _ok(clip_threshold) and frac != clip_threshold:
+        pct, level = frac * 100, clip_threshold * 100
+        while digits < 6 and round(pct, digits) == round(level, digits):
+            digits += 1
+    return f"{frac * 100:.{digits}f}%"
+
+
+def _fmt_clip(frac: float, n: int | None, clip_threshold: float = CLIP_WARN_FRAC) -> str:
     if not _ok(frac):
         return NA
     if frac == 0:
         return "0"
-    pct = f"{frac * 100:.3f}%"
+    pct = _clip_pct(frac, clip_threshold)
     if float(pct[:-1]) == 0:  # some clipped: not "0.000%", which reads as none
         pct = "<0.001%"
     return pct + (f" ({n:,})" if n is not None else "")
@@ -229,8 +242,8 @@ def calibration_table(rows: list[CalibrationRow], clip_threshold: float = CLIP_W
     """Scheme, artifact, calibration data, calibrated length, clipped keys/values, positions beyond."""
     out = []
     for row in rows:
-        keys = _fmt_clip(row.clipped_keys_frac, row.clipped_keys)
-        values = _fmt_clip(row.clipped_values_frac, row.clipped_values)
+        keys = _fmt_clip(row.clipped_keys_frac, row.clipped_keys, clip_threshold)
+        values = _fmt_clip(row.clipped_values_frac, row.clipped_values, clip_threshold)
         beyond_tone = "muted" if row.beyond is None else "bad" if row.beyond > 0 else "good"
         out.append(
             (
@@ -267,7 +280,7 @@ def calibration_issues(row: CalibrationRow, clip_threshold: float = CLIP_WARN_FR
     for side, frac in (("keys", row.clipped_keys_frac), ("values", row.clipped_values_frac)):
         if _ok(frac) and frac > clip_threshold:
             issues.append(
-                f"clips {frac * 100:.3f}% of its {side} against the calibrated ranges "
+                f"clips {_clip_pct(frac, clip_threshold)} of its {side} against the calibrated ranges "
                 f"(warning level {clip_threshold * 100:g}%)"
             )
     return issues
