@@ -62,14 +62,14 @@ def attending_layers(model: torch.nn.Module, n_layers: int) -> list[int]:
 
 def check_every_layer_attends(model: torch.nn.Module, n_layers: int, where: str, instead: str) -> None:
     """``ValueError`` for a hybrid model (:func:`attending_layers`) at an entry point ``where`` that runs the real
-    cache, which holds attention layers only (transformers' hybrid caches keep the other layers' states);
-    ``instead``: what the user can run."""
+    cache but measures attention-only models (``QuantizedKVCache(config)`` itself serves a hybrid model's conv and
+    linear-attention layers, keeping their states as ``DynamicCache`` does); ``instead``: what the user can run."""
     attending = attending_layers(model, n_layers)
     if attending != list(range(n_layers)):
         raise ValueError(
-            f"{where} runs the real cache, which holds attention layers only: {type(model).__name__} has layers "
+            f"{where} runs the real cache on models whose every layer attends: {type(model).__name__} has layers "
             f"without attention (convolution, linear-attention or state-space; layers with attention: {attending} "
-            f"of {n_layers}); {instead}"
+            f"of {n_layers}); {instead} (generation with QuantizedKVCache(config=model.config) serves such a model)"
         )
 
 

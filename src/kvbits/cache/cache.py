@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["QuantizedKVCache", "attention_shape", "layer_windows", "rotary_for"]
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+# layers without attention (a hybrid model's convolution, linear-attention or state-space layers): held by
+# transformers' own layer (LinearAttentionLayer), as DynamicCache(config=...) holds them, not quantized
+_STATE_TYPES = ("conv", "linear_attention")
 COMPONENTS = ("codes", "scales", "zero_points", "outliers", "full_precision", "fixed")
 
 
@@ -214,6 +217,36 @@ def _mrope_section(text: Any, rotary: Any) -> Any:
     return getattr(getattr(rotary, "rotary", None), "mrope_section", None)
 
 
+def _state_layer(idx: int, layer_type: str, kwargs: dict) -> Any:
+    """transformers' own cache layer for layer ``idx`` of ``layer_type`` (``_STATE_TYPES``: no attention, no K/V; its
+    convolution / recurrent states kept in the model's dtype, as ``DynamicCache(config=...)`` keeps them);
+    ``NotImplementedError`` for a transformers without such layers."""
+    cls = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {}).get(layer_type)
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if cls is None or mixin is None or not issubclass(cls, mixin) or issubclass(cls, cache_utils.CacheLayerMixin):
+        raise NotImplementedError(
+            f"layer {idx} has type {layer_type!r} (no attention: a convolution / linear-attention / state-space "
+            "layer), which this transformers' cache_utils has no layer for; QuantizedKVCache keeps such layers' "
+            "states in transformers' LinearAttentionLayer (transformers 5.17 and later have it)"
+        )
+    return cls(number_of_states=kwargs.get("number_of_states", 1))
+
+
+def _is_state_layer(layer: Any) -> bool:
+    """``layer`` holds a non-attention layer's states (``_state_layer``), no K/V."""
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return mixin is not None and isinstance(layer, mixin) and not isinstance(layer, cache_utils.CacheLayerMixin)
+
+
+def state_nbytes(layer: Any) -> int:
+    """Bytes of the convolution and recurrent state tensors a ``_state_layer`` holds now (0 before its first
+    update): ``number_of_states`` of each, as transformers allocates them (model dtype, not quantized)."""
+    tensors = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+    for history in (getattr(layer, "recurrent_states_history", None) or {}).values():  # kept for crop (assisted)
+        tensors.extend(history)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 class QuantizedKVCache(Cache):
     """A transformers ``Cache`` storing K/V following a ``KVScheme`` (real packed storage).
 
@@ -350,10 +383,21 @@ class QuantizedKVCache(Cache):
                 raise ValueError(f"layer {idx} is {layer_type!r} but the config gives no integer window ({window!r})")
         elif layer_type == "dummy" and hasattr(cache_utils, "DummyLayer"):
             return cache_utils.DummyLayer()  # KV-sharing consumer or attention-free layer: stores nothing
+        elif layer_type in _STATE_TYPES:
+            return _state_layer(idx, layer_type, kwargs)
+        elif layer_type in ("hybrid", "hybrid_sliding"):
+            raise NotImplementedError(
+                f"layer {idx} has type {layer_type!r}: it attends and also keeps a state-space / linear-attention "
+                "state (Zamba, Falcon-H1), which QuantizedKVCache does not hold together with quantized K/V (it "
+                "quantizes full_attention, sliding_attention and chunked_attention layers and keeps conv and "
+                "linear_attention layers' states as DynamicCache does: Qwen3-Next, Qwen3.5, Jamba, LFM2/LFM3, "
+                "MiniMax, ...); serve this model with DynamicCache(config=model.config), and price its attention "
+                "layers with kvbits plan"
+            )
         else:
             raise NotImplementedError(
-                f"layer {idx} has type {layer_type!r}; QuantizedKVCache supports full_attention, "
-                f"sliding_attention and chunked_attention layers"
+                f"layer {idx} has type {layer_type!r}; QuantizedKVCache quantizes full_attention, sliding_attention "
+                f"and chunked_attention layers and keeps the states of {' and '.join(_STATE_TYPES)} layers"
             )
         kv_heads, repeat, head_dim = self.num_key_value_heads, self.head_repeat, self.head_dim
         if self._config is not None:  # per layer, as the planner counts them (Gemma 4: global layers differ)
@@ -400,7 +444,16 @@ class QuantizedKVCache(Cache):
         install_artifact(layer, self.calibration, check_heads=self._config is None)
 
     def __repr__(self) -> str:
-        return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self.get_seq_length()})"
+        return f"QuantizedKVCache(scheme={self.scheme.name!r}, layers={len(self.layers)}, seq={self._seq_length()})"
+
+    def _seq_length(self) -> int:
+        """Tokens cached, as an int: ``get_seq_length()`` of the first layer that is not a state layer (a hybrid
+        model's layer 0 may be one, whose count transformers keeps as a tensor)."""
+        idx = next((i for i, layer in enumerate(self.layers) if not _is_state_layer(layer)), None)
+        return 0 if idx is None else int(self.get_seq_length(idx))
+
+    def _state_layers(self) -> list[Any]:
+        return [layer for layer in self.layers if _is_state_layer(layer)]
 
     @run_eagerly
     def update(
@@ -550,6 +603,13 @@ class QuantizedKVCache(Cache):
         holds) leaves the layers agreeing on the sequence length. Full-precision sliding windows keep the tokens a
         rollback needs once ``activate_past_recording()`` was called (transformers does, for assisted decoding). ``TypeError`` unless an int (not a bool)."""
         tokens_to_remove = check_crop_arg(tokens_to_remove)
+        states = self._state_layers()  # transformers' LinearAttentionLayer.crop conditions, checked before any crop
+        if states and (tokens_to_remove > 0 or not all(getattr(layer, "record_past", False) for layer in states)):
+            raise ValueError(
+                f"crop({tokens_to_remove}): the convolution / linear-attention layers of this hybrid model can only "
+                "drop a negative count of tokens, after activate_past_recording() (transformers' LinearAttentionLayer "
+                "keeps no past states otherwise); nothing was cropped"
+            )
         for layer in self._quantized_layers():
             layer.tokens_to_crop(tokens_to_remove)
         super().crop(tokens_to_remove)
@@ -611,7 +671,11 @@ class QuantizedKVCache(Cache):
         ``avg_bits`` is ``8 * total_bytes / elements``, ``elements`` being what an fp16 cache holds at this length
         (``kvbits.plan``'s definition: a sliding layer counts its last ``W - 1`` tokens, though it may still hold
         more in a block partly out of its window), so ``16 / avg_bits`` is the compression against fp16 and a
-        cache equals its plan in ``avg_bits`` as in ``total_bytes``. Runs the lazy K/V checks first.
+        cache equals its plan in ``avg_bits`` as in ``total_bytes``. A hybrid model's layers without attention
+        (convolution, linear-attention, state-space: ``linear_layers``, held in transformers' ``LinearAttentionLayer``)
+        hold no K/V and no part of ``total_bytes`` (``kvbits.plan`` prices attention layers only):
+        ``linear_state_bytes`` counts their convolution and recurrent state tensors apart, unquantized, in the
+        model's dtype, a fixed size per sequence whatever the context. Runs the lazy K/V checks first.
         """
         self.check_inputs()
         components = dict.fromkeys(COMPONENTS, 0)
@@ -631,10 +695,12 @@ class QuantizedKVCache(Cache):
             "total_bytes": total,
             "components": components,
             "layers": layers,
-            "seq_length": self.get_seq_length(),
+            "seq_length": self._seq_length(),
             "batch": batch,
             "workspace_bytes": workspace,
             "position_bytes": positions,
+            "linear_state_bytes": sum(state_nbytes(layer) for layer in self._state_layers()),
+            "linear_layers": [i for i, layer in enumerate(self.layers) if _is_state_layer(layer)],
             "avg_bits": 8 * total / elements if elements else 0.0,
         }
 

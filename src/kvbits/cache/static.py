@@ -1027,7 +1027,8 @@ class StaticQuantizedKVCache(Cache):
             if other:
                 raise NotImplementedError(
                     f"StaticQuantizedKVCache holds full-attention layers only; the config has {other} layers "
-                    "(QuantizedKVCache serves sliding and chunked layers)"
+                    "(QuantizedKVCache serves sliding and chunked layers, and keeps the states of a hybrid model's conv and "
+                    "linear_attention layers)"
                 )
             if num_layers is not None and num_layers != n_layers:
                 raise ValueError(f"num_layers={num_layers} but the config describes {n_layers} layers")

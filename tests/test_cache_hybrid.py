@@ -1,0 +1,96 @@
+"""``QuantizedKVCache`` on hybrid decoders (Qwen3-Next, LFM2, ...): the attention layers' K/V quantized, the
+convolution / linear-attention layers' states kept in transformers' own ``LinearAttentionLayer``, as
+``DynamicCache(config=...)`` keeps them; those states are reported apart (``linear_state_bytes``), ``total_bytes``
+is the plan's (attention layers only)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+from transformers.cache_utils import LinearAttentionLayer
+
+from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
+from kvbits.plan import plan
+
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _lfm2():
+    return transformers.Lfm2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    )  # fmt: skip
+
+
+def _qwen3_next():
+    return transformers.Qwen3NextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2,
+    )  # fmt: skip
+
+
+def _state_bytes(layer) -> int:
+    """Bytes of a ``LinearAttentionLayer``'s conv and recurrent states."""
+    tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
+def _generate(model, ids, cache):
+    return model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+def test_hybrid_model_generates_as_dynamic_cache_and_reports_plan_bytes(make):
+    """Was: ``NotImplementedError: layer 0 has type 'conv'`` (``'linear_attention'`` for Qwen3-Next) for every
+    scheme. Now fp16 generates DynamicCache's tokens bit for bit, int8-token its tokens too (tiny random model),
+    ``total_bytes`` equals ``kvbits.plan`` (attention layers 1 and 3 only) and ``linear_state_bytes`` what
+    DynamicCache's conv / recurrent states hold."""
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 96, (2, 9))
+    ref_cache = DynamicCache(config=cfg)
+    want = _generate(model, ids, ref_cache)
+    context = want.shape[1] - 1  # the last token generated is never cached
+    for scheme in ("fp16", "int8-token"):
+        cache = QuantizedKVCache(config=cfg, scheme=scheme)
+        assert [type(layer) for layer in cache.layers] == [LinearAttentionLayer, QuantizedKVLayer] * 2
+        got = _generate(model, ids, cache)
+        assert torch.equal(got, want), scheme
+        report = cache.memory_report()
+        assert [r["layer"] for r in report["layers"]] == [1, 3]
+        assert report["seq_length"] == context and isinstance(report["seq_length"], int)
+        assert report["total_bytes"] == plan(cfg, context=context, batch=2, scheme=scheme)["total_bytes"] > 0
+        assert report["linear_layers"] == [0, 2]
+        assert report["linear_state_bytes"] == sum(_state_bytes(ref_cache.layers[i]) for i in (0, 2)) > 0
+        assert f"seq={context})" in repr(cache)
+
+
+def test_hybrid_cache_crop_is_all_or_nothing():
+    """``crop`` of a hybrid cache whose linear layers keep no past states is refused before any layer changes
+    (transformers' ``LinearAttentionLayer.crop`` raised after the quantized layers were cropped)."""
+    cfg = _lfm2()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme="fp16")
+    model(torch.randint(1, 96, (1, 7)), **{CACHE_KW: cache})
+    with pytest.raises(ValueError, match="activate_past_recording.*nothing was cropped"):
+        cache.crop(-2)
+    assert [layer.get_seq_length() for layer in cache.layers if isinstance(layer, QuantizedKVLayer)] == [7, 7]
+
+
+def test_layers_with_attention_and_a_state_are_refused_saying_what_works():
+    """Zamba / Falcon-H1 ``hybrid`` layers (attention plus a Mamba state in one layer) are refused, naming
+    DynamicCache and kvbits plan, not with a bare 'has type' message."""
+    cfg = transformers.Zamba2Config(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8, n_mamba_heads=2,
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"layer 1 has type 'hybrid'.*DynamicCache\(config=model.config\)"):
+        QuantizedKVCache(config=cfg, scheme="int4-token")
