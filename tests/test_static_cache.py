@@ -1267,3 +1267,23 @@ def test_reset_then_a_request_of_another_length_or_batch(scheme):
     assert cache.get_seq_length() == 0 and cache.batch_size == 2
     got = generate(model, cache, fused=False, ids=short)
     assert torch.equal(got[0], want[0])
+
+
+def test_integer_zero_point_clips_are_counted_as_the_quantized_cache_counts_them():
+    """vLLM's integer zero-points (dynamic scales) clip a token whose range excludes 0: the zero-point clamps to code 0
+    and the top of the range is lost (keys in [5, 6] decode to at most 1). ``QuantizedKVCache.calibration_report()``
+    counted all 160 such keys; ``StaticQuantizedKVCache.clipped()`` said 0 for the same codes (it counted static
+    scales' clips only). Per-token and windowed, prefill and decode steps alike."""
+    spec = TensorSpec(kind="int", bits=8, fmt=None, granularity="token", integer_zero=True)
+    g = torch.Generator().manual_seed(0)
+    for scheme in (KVScheme("vz", key=spec, value=spec), KVScheme("vz-window", key=spec, value=spec, residual=2, block=2)):
+        dyn = QuantizedKVCache(num_layers=1, scheme=scheme)
+        cache = StaticQuantizedKVCache(num_layers=1, scheme=scheme, max_cache_len=12)
+        for q in (5, 1, 1, 1, 3):
+            k, v = torch.rand(1, 2, q, 16, generator=g) + 5.0, torch.randn(1, 2, q, 16, generator=g)
+            want, _ = dyn.update(k, v, 0)
+            got, _ = cache.update(k, v, 0)
+            torch.testing.assert_close(got[:, :, : want.shape[2]], want, atol=0, rtol=0)
+        report = dyn.calibration_report()["layers"][0]
+        assert report["clipped_keys"] > 0 and report["clipped_values"] == 0
+        assert cache.clipped() == [{"layer": 0, "clipped_keys": report["clipped_keys"], "clipped_values": 0}]

@@ -65,8 +65,9 @@ Calibrated parameters (``kvbits.cache.fixed``; ``calibration=``, ``install_calib
 before the first token; written in place after ``reset()``): static integer or NUQ ranges (KVQuant's per-channel keys:
 one row per sequence in the kernels' layout), NUQ codebooks, dense-and-sparse outliers (a fixed number per token, in
 slots like the codes), centred / smoothed keys; so KVQuant's recipe (``kvquant-4``: pre-RoPE NUQ keys, NUQ values, 1 %
-outliers, a sink) and ``*-token-smooth[-prerope]`` are held. Values saturated against static ranges are counted on the
-device when a token's codes are final (``clipped()``). A cache reserving positions past the artifact's calibrated
+outliers, a sink) and ``*-token-smooth[-prerope]`` are held. Values saturated against static ranges (or under vLLM's
+integer zero-points, where a token's range excludes 0) are counted on the device when a token's codes are final
+(``clipped()``). A cache reserving positions past the artifact's calibrated
 context says so once, when the artifact is installed (replayed steps are not seen by the host). A windowed scheme may
 keep sinks too (``kvquant-4-block``: KVQuant's per-channel keys over 128-token blocks, a sink): its full-precision slab
 holds the ``sinks`` slots, then the window's ring; quantized slot ``i`` holds position ``sinks + i``. Hadamard-rotated
@@ -281,7 +282,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self._fixed_given = self._fixed  # them as installed, before the slabs' defaults (release)
         self._zero_scales: dict[str, bool] = {}  # a static int/NUQ scale with a zero entry (the kernel counts its clips)
         self._why: tuple[str, str] = ("", "")  # the input bounds' reasons
-        self.clipped: torch.Tensor | None = None  # (2,) int64: K, V values saturated against static scales
+        self.clipped: torch.Tensor | None = None  # (2,) int64: K, V values saturated (static scales, integer zero-points)
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -611,7 +612,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
             spec = self._spec(side)
             qt = quantize_pack(x, spec, **self._fixed[side], validate=False, sync=False,
                                zero_scales=self._zero_scales[side])  # fmt: skip
-            if spec.static:  # values beyond the calibrated range saturate: counted on the device (calibration mismatch)
+            # values beyond the calibrated range saturate, and so do vLLM's integer zero-points' where a token's range
+            # excludes 0 (the clamped zero-point loses its far end): counted on the device, as quantize counts them
+            if spec.static or spec.integer_zero:
                 self.clipped[i] += qt.clipped if final is None else qt.clipped * final
             new = pack_side([qt])  # Triton on CUDA: one launch
             rows = slots if slab.tps in (1, STATIC_TPS) else torch.arange(n // slab.tps, device=self.device) + slot0 // slab.tps
@@ -1173,8 +1176,10 @@ class StaticQuantizedKVCache(Cache):
                 "layers": rows}  # fmt: skip
 
     def clipped(self) -> list[dict[str, int]]:
-        """Per layer, the keys and values that saturated against static FP8 scales so far (one host sync): served
-        beyond the calibrated range. Dynamic scales never clip."""
+        """Per layer, the keys and values that saturated so far (one host sync), as ``QuantizedKVCache``'s
+        ``calibration_report()`` counts them: against static scales (FP8, integer or NUQ ranges: served beyond the
+        calibrated range), and under vLLM's integer zero-points (``integer_zero``) where a token's range excludes 0
+        (``kvbits.quant.affine.integer_zero_qparams``). Other dynamic scales cover their data and never clip."""
         return [{"layer": layer.layer_idx, "clipped_keys": int(layer.clipped[0]), "clipped_values": int(layer.clipped[1])}
                 for layer in self.layers if layer.is_initialized]  # fmt: skip
 
