@@ -971,6 +971,28 @@ def test_rotated_specs_round_trip_in_the_original_basis(spec):
     assert json.loads(json.dumps(spec.to_dict()))["rotate"] == "hadamard"
 
 
+@pytest.mark.parametrize("bits,symmetric", [(2, True), (2, False), (4, True), (8, False)])
+def test_rotated_decode_of_the_largest_accepted_input_stays_finite(bits, symmetric):
+    """A rotated spec accepts ``|x| <= 65504 / sqrt(D)`` (``input_bound``): ``x @ R`` then stays within float16,
+    and so does the float16 decode rotated back. Rows at the bound (all signs +-bound, random sign patterns) and
+    the worst row a hill-climb found (D = 4, int2 symmetric: 65472, the bound's 2 x 32752) decode finitely."""
+    from kvbits.cache.checks import input_bound
+
+    spec = int_spec(bits, symmetric=symmetric, rotate="hadamard")
+    for D in (4, 16, 64, 128):
+        bound = torch.tensor(input_bound(spec, "quantized", D)[0]).half()
+        if float(bound) > input_bound(spec, "quantized", D)[0]:  # the float16 at or below the bound
+            bound = bound.float().nextafter(torch.tensor(0.0)).half()
+        g = torch.Generator().manual_seed(D)
+        signs = torch.randint(0, 2, (1, 1, 64, D), generator=g).half() * 2 - 1
+        signs[..., 0, :] = 1
+        x = signs * bound
+        if D == 4:
+            x[..., 1, :] = torch.tensor([-32752.0, -10952.0, 32704.0, -32736.0]).half()
+        y = quantize(x, spec).dequantize(torch.float16)
+        assert y.isfinite().all(), (D, float(bound))
+
+
 def test_rotate_field_validation_and_json():
     with pytest.raises(ValueError, match="rotate must be None or one of"):
         int_spec(4, rotate="random")

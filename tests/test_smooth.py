@@ -289,3 +289,29 @@ def test_the_quantize_kernel_leaves_the_transform_to_torch_and_fused_decode_take
     assert reasons["int4-token-smooth"] is None
     assert reasons["t-smooth-values"].startswith("centred / smoothed values")
     assert reasons["t-smooth-prerope"] is None
+
+
+def test_smoothed_decode_saturates_to_float16_range():
+    """A row's scale comes from its smoothed absmax (the channel with the small factor); a channel with a large
+    factor reaching the top level is multiplied by it: int2 decoded ``[-52384, -52384]`` (within the bound the cache
+    accepts for these vectors) to ``[-52384, -inf]``, NaN in attention. Now saturated at -65504, in the torch
+    decode and the packed reference alike; float32 keeps the unsaturated value."""
+    from kvbits.cache.checks import input_bound
+    from kvbits.cache.fixed import channel_bound
+    from kvbits.kernels.reference import dequantize_packed, pack_side
+
+    spec = TensorSpec(kind="int", bits=2, fmt=None, granularity="token", symmetric=True, centre=True, smooth=0.5)
+    factor, mean = torch.tensor([[0.8, 1.5]]).half(), torch.zeros(1, 2).half()
+    x = torch.full((1, 1, 1, 2), -52384.0).half()
+    assert 52384.0 <= channel_bound(input_bound(spec, "quantized", 2)[0], "", mean, factor)[0]
+    q = quantize(x, spec, channel_mean=mean, channel_factor=factor)
+    assert q.dequantize(torch.float16).flatten().tolist() == [-52384.0, -65504.0]
+    out = torch.empty(1, 1, 1, 2, dtype=torch.float16)
+    assert q.dequantize(torch.float16, out=out).flatten().tolist() == [-52384.0, -65504.0]
+    assert q.dequantize(torch.bfloat16).isfinite().all()
+    assert q.dequantize(torch.float32)[0, 0, 0, 1] < -65504  # float32 holds it: not clamped
+    packed = pack_side([q], "key")
+    assert dequantize_packed(packed, torch.float16).flatten().tolist() == [-52384.0, -65504.0]
+    # NaN is not hidden by the saturation
+    nan_mean = dataclasses.replace(q, channel_mean=torch.tensor([[0.0, float("nan")]]).half())
+    assert nan_mean.dequantize(torch.float16)[0, 0, 0, 1].isnan()

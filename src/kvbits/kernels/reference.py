@@ -71,7 +71,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from kvbits.quant.fp8 import fp8_dtype
 from kvbits.quant.pack import unpack_bits
 from kvbits.quant.rotate import check_rotatable, rotate, unrotate
-from kvbits.quant.tensor import QuantizedTensor, from_channel_basis, to_channel_basis
+from kvbits.quant.tensor import QuantizedTensor, from_channel_basis, saturate, to_channel_basis
 from kvbits.schemes.accounting import PACKED_KINDS
 
 STATIC_TPS = 2**30  # "tokens per scale" of a scale row that covers every slot
@@ -651,8 +651,8 @@ def dequantize_packed(p: PackedTensor, dtype: torch.dtype = torch.float32) -> to
         out = out.scatter(-1, p.outlier_index.long(), p.outlier_values.to(work))
     if p.rotate is not None:
         out = unrotate(out, p.rotate, work)
-    if p.has_channel_transform:
-        out = from_channel_basis(out, p.channel_mean, p.channel_factor)
+    if p.has_channel_transform:  # saturated to a float16 / bfloat16 dtype's range, as QuantizedTensor.dequantize
+        out = saturate(from_channel_basis(out, p.channel_mean, p.channel_factor), dtype)
     return out.to(dtype)
 
 

@@ -109,7 +109,8 @@ class QuantizedTensor:
         ``sync=False``: no host-device sync (the codebook's values are not re-checked, see ``quantize``).
         A rotated spec (``spec.rotate``) is decoded in float32 (float64 for float64), rotated back, then cast;
         so is a ``centre`` / ``smooth`` spec, multiplied by ``channel_factor`` and shifted by ``channel_mean``
-        after the rotation back.
+        after the rotation back, then saturated to a float16 / bfloat16 ``dtype``'s finite range
+        (``saturate``: a large factor times a top level can pass 65504 for inputs the cache accepts).
         ``out``: a ``(B, H_kv, n, D)`` tensor of ``dtype`` (a slice of a larger history is fine) the values
         are written into and returned, bit for bit those returned without it. Integer codes without
         outliers or rotation are decoded in it directly (float32) or cast once into it; the rest are
@@ -157,7 +158,7 @@ class QuantizedTensor:
             out = unrotate(out, spec.rotate, dtype)
         if spec.has_channel_transform:
             mean, factor = channel_params(out, spec, self.channel_mean, self.channel_factor)
-            out = from_channel_basis(out, mean, factor)
+            out = saturate(from_channel_basis(out, mean, factor), final)
         return out.to(final)
 
 
@@ -204,6 +205,22 @@ def from_channel_basis(y: torch.Tensor, mean: torch.Tensor | None, factor: torch
         y = y * _channel_vector(factor, y, "channel_factor").to(y.dtype)
     if mean is not None:
         y = y + _channel_vector(mean, y, "channel_mean").to(y.dtype)
+    return y
+
+
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` (float32 / float64, any shape) clamped in place to ``dtype``'s finite range when ``dtype`` is float16
+    or bfloat16, so the cast to it gives no inf (NaN stays NaN); ``y`` as is for other dtypes.
+
+    For decoded ``centre`` / ``smooth`` values, ``code * factor + mean``: a row's scale comes from its smoothed
+    absmax (a channel with a small factor), and a channel with a large factor whose code reaches the top level
+    is multiplied by its factor, past 65504 for inputs the cache accepts (int2 symmetric, factors ``[0.8, 1.5]``:
+    ``[-52384, -52384]`` decoded to ``[-52384, -inf]``, NaN in attention). The inputs were within the float16
+    range there, so the saturated value is nearer them than the overflow.
+    """
+    if dtype in (torch.float16, torch.bfloat16):
+        top = torch.finfo(dtype).max
+        return y.clamp_(-top, top)
     return y
 
 
