@@ -225,6 +225,25 @@ def test_fold_rotated_values_at_or_below_torch_error(seed: int):
 
 
 @needs_triton
+@pytest.mark.parametrize("seed", range(6))
+def test_fold_symmetric_values_centre_on_their_zero(seed: int):
+    """Symmetric 2-bit Hadamard-rotated value rows (codes 0..2, zero at 1): the codes enter the value dots centred on
+    their zero (``c - 1``), so the float16 rounding of ``p s`` shared by a token's channels cancels between them
+    instead of offsetting every channel alike, which the output's rotation gathers into one channel. Centred on
+    ``2**(bits-1) = 2`` (codes -2..0) the error was 1.84x / 1.25x / 4.62x / 0.22x / 2.08x / 1.14x float16 torch's at
+    seeds 0-5; on the zero 0.29-1.28x."""
+    g = torch.Generator().manual_seed(seed)
+    values = token(2, True, **HAD)
+    store = make_store(g, B=1, H_kv=1, T_q=64, T_f=7, key_spec=token(4), value_spec=values, quant_lens=[64],
+                       full_lens=[7])  # fmt: skip
+    q = (torch.randn(1, 2, 1, 64, generator=g) * 1.5).to(DEVICE).half()
+    assert triton_fold.fold_supported(store, q) is None
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    assert max_err(triton_fold.decode_attention_fold(q, store), truth) <= 2 * err_pt
+
+
+@needs_triton
 @pytest.mark.parametrize("seed", range(4))
 def test_fold_keeps_the_rotated_query_exact(seed: int):
     """Hadamard-rotated INT8 rows, sharp attention (queries x 6), no tail: the folded kernel attends with ``q' = q R``
@@ -422,3 +441,21 @@ def test_fold_ptx_conversion_gives_the_codes(bits: int, center: bool):
             got = [np.array([(r >> sh) & 0xFFFF], np.uint16).view(np.float16)[0] for r in (lo, hi) for sh in (0, 16)]
             want = [(((w >> (8 * i)) >> (k * bits)) & ((1 << bits) - 1)) - off for i in range(4)]
             assert [float(x) for x in got] == want, (bits, k, center, hex(w), got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_fold_ptx_conversion_centres_symmetric_codes_on_their_zero(bits: int):
+    """The PTX blocks for symmetric value codes (``_PTX_S{bits}``) give the part's codes less ``2**(bits-1) - 1``,
+    exactly (the emulator of ``test_fold_ptx_conversion_gives_the_codes``)."""
+    rng = np.random.default_rng(bits)
+    words = [0, 0xFFFFFFFF, 0x01234567, 0x89ABCDEF, *rng.integers(0, 2**32, 64).tolist()]
+    m = getattr(triton_fold, f"_PTX_S{bits}")
+    for k in range(8 // bits):
+        asm = triton_fold._PTX_HEAD.value + m.value + getattr(triton_fold, f"_P{bits}_{k}").value
+        asm += triton_fold._PTX_TAIL.value
+        for w in words:
+            lo, hi = _run_ptx(asm, w)
+            got = [np.array([(r >> sh) & 0xFFFF], np.uint16).view(np.float16)[0] for r in (lo, hi) for sh in (0, 16)]
+            want = [(((w >> (8 * i)) >> (k * bits)) & ((1 << bits) - 1)) - ((1 << (bits - 1)) - 1) for i in range(4)]
+            assert [float(x) for x in got] == want, (bits, k, hex(w), got, want)

@@ -8,11 +8,12 @@ A row with one scale (and zero-point) over all ``D`` channels (``tps == 1``, ``c
   per score instead of one per code;
 - values ``sum_t p_t v_t = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1``: the scales go into the probabilities (as
   float16 ``p_t s_t / u`` in units ``u`` of the tile's largest scale, so small values stay clear of the subnormals).
-  The value codes enter centred, ``c - 2**(bits-1)`` (free in the conversion below), their row term
-  ``z_t + 2**(bits-1) s_t`` in float32: the rounding of ``p_t s_t`` is shared by a token's channels, and on uncentred
-  codes (all >= 0) it was a common offset of the output's channels, which a Hadamard-rotated store's output
-  rotation gathers into one channel (``int4-token-hadamard`` on Qwen2.5: 1.56x float16 torch's error, 1.00x
-  centred; ``benchmarks/fold_real_kv.py``).
+  The value codes enter centred, ``c - o`` with ``o = 2**(bits-1)`` (``2**(bits-1) - 1``, their zero, for symmetric
+  codes; free in the conversion below), their row term ``z_t + o s_t`` in float32: the rounding of ``p_t s_t`` is
+  shared by a token's channels, and on uncentred codes (all >= 0) it was a common offset of the output's channels,
+  which a Hadamard-rotated store's output rotation gathers into one channel (``int4-token-hadamard`` on Qwen2.5:
+  1.56x float16 torch's error, 1.00x centred; ``benchmarks/fold_real_kv.py``; symmetric 2-bit rows centred on 2
+  instead of their zero 1: up to 4.6x, ``tests/test_fold.py``).
 
 Keys scaled per channel over ``TPS`` tokens (KIVI, ``int4-channel``, static rows): the scale row folds into the
 query instead, ``(q * s_j) . c_t + q . z_j`` for the tokens of row ``j`` (a batched dot when a tile spans several
@@ -89,11 +90,15 @@ FOLD_TILE_BYTES = 16384  # block_t * W of the default tile: 128 tokens up to D =
 # the inline-PTX conversion of four bytes (``$2``) into four exact float16 codes (``$0``, ``$1``): after ``t`` holds the
 # part's codes, one per byte, two byte permutes put 0x64 above each (float16 ``1024 + c``) and two packed
 # subtractions take ``m`` off: 1024 (``_PTX_M0``), or 1024 + 2**(bits-1) for centred codes ``c - 2**(bits-1)``
+# (``_PTX_M{bits}``), or 1024 + 2**(bits-1) - 1 for symmetric codes centred on their zero (``_PTX_S{bits}``)
 _PTX_HEAD = tl.constexpr("{ .reg .b32 m, t; ")
 _PTX_M0 = tl.constexpr("mov.b32 m, 0x64006400; ")
 _PTX_M2 = tl.constexpr("mov.b32 m, 0x64026402; ")
 _PTX_M4 = tl.constexpr("mov.b32 m, 0x64086408; ")
 _PTX_M8 = tl.constexpr("mov.b32 m, 0x64806480; ")
+_PTX_S2 = tl.constexpr("mov.b32 m, 0x64016401; ")
+_PTX_S4 = tl.constexpr("mov.b32 m, 0x64076407; ")
+_PTX_S8 = tl.constexpr("mov.b32 m, 0x647F647F; ")
 _PTX_TAIL = tl.constexpr(" prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342;"
                          " sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }")
 # part k of BITS-bit codes into t, one per byte (``tests/test_fold.py`` runs these strings through a PTX emulator)
@@ -136,21 +141,28 @@ def _ptx_part(b, k: tl.constexpr, BITS: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
-def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, CENTER: tl.constexpr):
+def _codes(b, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFF: tl.constexpr):
     """Part ``k`` of packed bytes ``b`` (uint8, any shape): the codes at bits ``[k BITS, (k + 1) BITS)`` as exact
-    float16, less ``2**(BITS-1)`` if ``CENTER``. ``ASM``: four bytes per 32-bit register in one PTX block
-    (``_ptx_codes``); else the same arithmetic per element (the interpreter)."""
+    float16, less ``OFF``: 0, ``2**(BITS-1)`` (centred) or ``2**(BITS-1) - 1`` (symmetric codes centred on their
+    zero). ``ASM``: four bytes per 32-bit register in one PTX block (``_ptx_codes``); else the same arithmetic per
+    element (the interpreter)."""
     if ASM:
-        if not CENTER:
+        if OFF == 0:
             return _ptx_part(b, k, BITS, _PTX_M0)
+        elif OFF == (1 << (BITS - 1)):
+            if BITS == 8:
+                return _ptx_part(b, k, BITS, _PTX_M8)
+            elif BITS == 4:
+                return _ptx_part(b, k, BITS, _PTX_M4)
+            else:
+                return _ptx_part(b, k, BITS, _PTX_M2)
         elif BITS == 8:
-            return _ptx_part(b, k, BITS, _PTX_M8)
+            return _ptx_part(b, k, BITS, _PTX_S8)
         elif BITS == 4:
-            return _ptx_part(b, k, BITS, _PTX_M4)
+            return _ptx_part(b, k, BITS, _PTX_S4)
         else:
-            return _ptx_part(b, k, BITS, _PTX_M2)
+            return _ptx_part(b, k, BITS, _PTX_S2)
     else:
-        OFF: tl.constexpr = (1 << (BITS - 1)) if CENTER else 0
         c = (b.to(tl.int16) >> (k * BITS)) & ((1 << BITS) - 1)
         return (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFF)
 
@@ -178,7 +190,7 @@ def _q_part(Q, row, gmask, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D:
 def _scores_part(kb, qk, qk_lo, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr):
     """``part_k(kb) (BLOCK_T, W) @ q_k^T (W, N)``: the codes' dot with the query, float32; ``SPLIT``: the query is
     ``qk + qk_lo`` (float16 halves of a float32 query, ``_halves``), two dots into one accumulator."""
-    c = _codes(kb, k, BITS, ASM, False)
+    c = _codes(kb, k, BITS, ASM, 0)
     if SPLIT:
         return tl.dot(c, qk_lo, tl.dot(c, qk))
     return tl.dot(c, qk)
@@ -186,10 +198,11 @@ def _scores_part(kb, qk, qk_lo, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.con
 
 @triton.jit
 def _scaled(vb, s3, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, VG: tl.constexpr, RPG: tl.constexpr,
-            VW: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Part ``k`` of value bytes ``vb (VW, BLOCK_T)`` times its float16 scales ``s3 (VG, 1, BLOCK_T)``: row ``i`` of the
-    part is channel ``P i + k``, in scale group ``i // RPG``. ``(VW, BLOCK_T)`` float16."""
-    c = tl.reshape(_codes(vb, k, BITS, ASM, True), (VG, RPG, BLOCK_T))
+            VW: tl.constexpr, BLOCK_T: tl.constexpr, OFF: tl.constexpr):
+    """Part ``k`` of value bytes ``vb (VW, BLOCK_T)``, less ``OFF`` (``_codes``), times its float16 scales
+    ``s3 (VG, 1, BLOCK_T)``: row ``i`` of the part is channel ``P i + k``, in scale group ``i // RPG``.
+    ``(VW, BLOCK_T)`` float16."""
+    c = tl.reshape(_codes(vb, k, BITS, ASM, OFF), (VG, RPG, BLOCK_T))
     return tl.reshape(c * s3, (VW, BLOCK_T))
 
 
@@ -225,12 +238,12 @@ def _chan_scores(kb, qk, sc, zc, k: tl.constexpr, P: tl.constexpr, BITS: tl.cons
     if R == 1:
         hi, lo = _halves(qf * tl.reshape(sc, (W,))[:, None])
         bias = tl.sum(qf * tl.reshape(zc, (W,))[:, None], 0)
-        c = _codes(kb, k, BITS, ASM, False)
+        c = _codes(kb, k, BITS, ASM, 0)
         return tl.dot(c, lo, tl.dot(c, hi)) + bias[None, :]
     else:
         hi, lo = _halves(qf[None, :, :] * sc[:, :, None])  # (R, W, N)
         bias = tl.sum(qf[None, :, :] * zc[:, :, None], 1)  # (R, N)
-        c3 = tl.reshape(_codes(kb, k, BITS, ASM, False), (R, TPS, W))
+        c3 = tl.reshape(_codes(kb, k, BITS, ASM, 0), (R, TPS, W))
         return tl.reshape(tl.dot(c3, lo, tl.dot(c3, hi)) + bias[:, None, :], (BLOCK_T, N))
 
 
@@ -269,7 +282,9 @@ def _fold_kernel(
     VW: tl.constexpr = D // VP
     VG: tl.constexpr = D // V_CPS  # value scale groups per row
     RPG: tl.constexpr = VW // VG  # rows of a part's accumulator per value group
-    V_OFF: tl.constexpr = 1 << (V_BITS - 1)  # value codes enter the dots centred, c - V_OFF (``_codes``)
+    # value codes enter the dots centred, c - V_OFF (``_codes``): on 2**(V_BITS-1), or on symmetric codes' zero
+    # 2**(V_BITS-1) - 1 (their row term z + V_OFF s is then 0)
+    V_OFF: tl.constexpr = (1 << (V_BITS - 1)) - V_SYM
     if pid_s < n_split_q:
         offs_n = tl.arange(0, N)
         gmask = offs_n < G
@@ -355,12 +370,12 @@ def _fold_kernel(
                 az = az * alpha + tl.sum(p * (v_z + V_OFF * v_s)[:, None], 0)  # centred codes' row term
                 ps, v_u = _unit_probs(p, v_s)  # (BLOCK_T, N) float16, in units of the tile's largest scale
                 vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
-                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM, True), ps) * v_u
+                a0 = a0 * alpha[None, :] + tl.dot(_codes(vb, 0, V_BITS, ASM, V_OFF), ps) * v_u
                 if VP > 1:
-                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM, True), ps) * v_u
+                    a1 = a1 * alpha[None, :] + tl.dot(_codes(vb, 1, V_BITS, ASM, V_OFF), ps) * v_u
                 if VP > 2:
-                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM, True), ps) * v_u
-                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM, True), ps) * v_u
+                    a2 = a2 * alpha[None, :] + tl.dot(_codes(vb, 2, V_BITS, ASM, V_OFF), ps) * v_u
+                    a3 = a3 * alpha[None, :] + tl.dot(_codes(vb, 3, V_BITS, ASM, V_OFF), ps) * v_u
             else:  # VG scale groups per row: the codes scaled in float16 (one rounding, as a float16 dequantization)
                 vsc, vzc = _scale_zero(vs, vz, t[:, None] * VG + tl.arange(0, VG)[None, :], valid[:, None], V_BITS,
                                        V_SYM)  # (BLOCK_T, VG)
@@ -368,12 +383,12 @@ def _fold_kernel(
                 s3 = tl.trans(vsc).to(tl.float16)[:, None, :]  # (VG, 1, BLOCK_T)
                 p16 = p.to(tl.float16)
                 vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
-                a0 = a0 * alpha[None, :] + tl.dot(_scaled(vb, s3, 0, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
+                a0 = a0 * alpha[None, :] + tl.dot(_scaled(vb, s3, 0, V_BITS, ASM, VG, RPG, VW, BLOCK_T, V_OFF), p16)
                 if VP > 1:
-                    a1 = a1 * alpha[None, :] + tl.dot(_scaled(vb, s3, 1, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
+                    a1 = a1 * alpha[None, :] + tl.dot(_scaled(vb, s3, 1, V_BITS, ASM, VG, RPG, VW, BLOCK_T, V_OFF), p16)
                 if VP > 2:
-                    a2 = a2 * alpha[None, :] + tl.dot(_scaled(vb, s3, 2, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
-                    a3 = a3 * alpha[None, :] + tl.dot(_scaled(vb, s3, 3, V_BITS, ASM, VG, RPG, VW, BLOCK_T), p16)
+                    a2 = a2 * alpha[None, :] + tl.dot(_scaled(vb, s3, 2, V_BITS, ASM, VG, RPG, VW, BLOCK_T, V_OFF), p16)
+                    a3 = a3 * alpha[None, :] + tl.dot(_scaled(vb, s3, 3, V_BITS, ASM, VG, RPG, VW, BLOCK_T, V_OFF), p16)
         out = row * n_split + pid_s
         tl.store(M_OUT + out, m_i, mask=gmask)
         tl.store(L_OUT + out, l_i, mask=gmask)
