@@ -320,6 +320,16 @@ def test_names_are_text_not_markup(tmp_path):
     assert _inline("- `/corpora/*/part-*.txt` *it*") == "- <code>/corpora/*/part-*.txt</code> <em>it</em>"
 
 
+def test_html_italic_around_a_code_span():
+    """An italic note holding a code span (*No per-token arrays in `tokens/` ...*, the float32-KL note) was split
+    at the code span and its ``*`` shown literally in report.html; a literal ``\\x01`` in a name is kept."""
+    from kvbits.report.html_page import _inline
+
+    assert _inline("*No arrays in `tokens/`: bucket means.*") == "<em>No arrays in <code>tokens/</code>: bucket means.</em>"
+    assert _inline("**a `b*` c** *d*") == "<strong>a <code>b*</code> c</strong> <em>d</em>"
+    assert _inline("x\x010\x01 `c`") == "x\x010\x01 <code>c</code>"
+
+
 # ---------------------------------------------------------------------------------------- terminal
 
 

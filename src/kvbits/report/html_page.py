@@ -39,16 +39,17 @@ def _inline(text: str) -> str:
     ``/corpora/*/part-*.txt`` stays that, not ``/corpora/<em>/part-</em>.txt``), and a character escaped by
     :func:`~.inline.text` (a name's ``*`` or backtick) is shown, not read as markup."""
     parts = split_code_spans(text)
-    out = []
-    for i, part in enumerate(parts):
-        if i % 2:  # a code span
-            out.append(f"<code>{html.escape(code_content(part), quote=False)}</code>")
-            continue
-        s = hide_escapes(html.escape(part, quote=False))
-        s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
-        s = re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", s)
-        out.append(show_escapes(s))
-    return "".join(out)
+    codes = [f"<code>{html.escape(code_content(p), quote=False)}</code>" for p in parts[1::2]]
+    # each code span as a placeholder (\x01<n>\x01, not markup, not a word character) while bold and italic are
+    # rendered, so an emphasis around a code span (*see `tokens/`.*) is one <em>, not two literal asterisks
+    # (a \x01 of the text itself is hidden as show_escapes' \0<code point>\0 meanwhile)
+    s = "".join(
+        f"\x01{i // 2}\x01" if i % 2 else hide_escapes(html.escape(p, quote=False)).replace("\x01", "\x001\x00")
+        for i, p in enumerate(parts)
+    )
+    s = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", s)
+    s = re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", s)
+    return show_escapes(re.sub("\x01(\\d+)\x01", lambda m: codes[int(m.group(1))], s))
 
 
 def _cls(*names: str) -> str:
