@@ -2,7 +2,8 @@
 
 - Past the calibration artifact's ``max_calibrated_length`` the cache logs one warning per artifact (not per
   cache, layer or step: a server makes a cache per request), through ``generate`` or direct ``update`` calls; clipping more than ``CLIP_WARN_FRAC`` of
-  a layer's keys or values against static scales is logged once too (eager and lazy checks).
+  a layer's keys or values against static scales is logged once too (eager and lazy checks), and so is clipping
+  under vLLM's integer zero-points (a token whose range excludes 0), in its own words, once per cache.
 - ``crop`` / ``reorder_cache`` (cache and layer) refuse what transformers never passes with a ``TypeError`` /
   ``ValueError`` saying what was expected, and leave the cache as it was; what transformers allows (a
   ``beam_idx`` of another length, a positive crop past the end) still works.
@@ -258,6 +259,35 @@ def test_clipping_warning_once_per_artifact(caplog):
         other = QuantizedKVCache(scheme=STATIC, num_layers=2, calibration=sample_artifact(context=100), checks="eager")
         other.update(k * 1000, v, 0)
     assert len(warnings_of(caplog, "clipped")) == 2
+
+
+INT_ZERO = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", integer_zero=True)  # vllm-int4's, unrotated
+
+
+@pytest.mark.parametrize("checks", ["eager", "lazy"])
+def test_integer_zero_point_clipping_is_warned_in_its_own_words(caplog, checks):
+    """vLLM's integer zero-points (dynamic, no calibration) clip a token whose range excludes 0: keys in [5, 6]
+    clamp their zero-point code to 0 and decode up to 5.3 off. ``calibration_report()`` counted every key, yet the
+    cache watched static specs only and said nothing; it now warns once, saying why, not "static scales", and
+    "once per cache" (there is no artifact). Values around 0 are kept: no clip, no warning about them. A float
+    zero-point (int4-token) never clips: no watch, no cost."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.rand(1, 2, 40, 16, generator=g) + 5.0, torch.randn(1, 2, 40, 16, generator=g)
+    cache = QuantizedKVCache(num_layers=1, scheme=KVScheme("vz", key=INT_ZERO, value=INT_ZERO), checks=checks)
+    with caplog.at_level(logging.WARNING, logger="kvbits.cache"):
+        got, _ = cache.update(k, v, 0)
+        cache.check_inputs()
+    assert (got - k).abs().max() > 4  # the top of each key's range is lost
+    report = cache.calibration_report()["layers"][0]
+    assert report["clipped_keys"] == 1280 and report["clipped_values"] == 0
+    msgs = warnings_of(caplog, "clipped")
+    assert len(msgs) == 1, msgs
+    assert "layer 0 clipped 100.000% of its keys (1280 of 1280 quantized values) under integer zero-points" in msgs[0]
+    assert "range excludes 0" in msgs[0] and "static scales" not in msgs[0] and "recalibrate" not in msgs[0]
+    assert msgs[0].endswith("Logged once per cache.")
+    plain = QuantizedKVCache(num_layers=1, scheme="int4-token", checks=checks)
+    plain.update(k, v, 0)
+    assert not plain.layers[0].can_clip and plain.layers[0].clip_watch is None
 
 
 def test_clip_watch_costs_two_int_comparisons_per_flush():

@@ -1253,6 +1253,34 @@ def test_served_beyond_calibration_and_clipping_are_logged(caplog):
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize("mode", ["simulate", "stream"])
+def test_integer_zero_point_clips_are_reported_as_such(caplog, mode):
+    """vLLM's integer zero-points (vllm-int4's spec, unrotated here) clip a token whose range excludes 0: values
+    shifted to [~20 +- 3] lose the top of each token's range. The run counted them (simulate and stream) but said
+    "clips ...% of its values against the calibrated ranges" of a scheme that calibrates nothing; the record now
+    lists the integer-zero sides, and the run's warning and the report say why they clipped. vllm-int4 is listed
+    as such even where nothing clipped (its rotation spreads a shift over signs)."""
+    from kvbits.report.calibration import CALIBRATION_NOTE, calibration_rows, calibration_warnings
+
+    model = _llama()
+    for layer in model.model.layers:  # every value positive: each token's range excludes 0
+        layer.self_attn.v_proj.register_forward_hook(lambda mod, args, out: out + 20.0)
+    spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", integer_zero=True)
+    with caplog.at_level("WARNING", logger="kvbits"):
+        s = evaluate(model, _ids(64)[0], 64, [KVScheme("iz", key=spec, value=spec), "vllm-int4"], mode=mode,
+                     attn_layers=[])  # fmt: skip
+    cal, vllm = (r["calibration"] for r in s["results"])
+    assert cal["clipped_values_frac"] > 0.5 and cal["integer_zero"] == ["keys", "values"]
+    assert vllm["integer_zero"] == ["keys", "values"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "clips" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("iz clips "), warned
+    assert "% of its values under integer zero-points (tokens whose range excludes 0 lose its far end)" in warned[0]
+    assert "calibrated ranges" not in warned[0]
+    assert [row.scheme for row in calibration_rows(s)] == ["iz"]
+    assert "under integer zero-points" in calibration_warnings(calibration_rows(s))[0]
+    assert "integer zero-points" in CALIBRATION_NOTE
+
+
 def test_stream_mode_counts_what_the_real_cache_clipped(caplog):
     """Stream mode recorded no clipping (simulate mode only): the real caches' counts
     (``calibration_report()``) now fill the same fields, over every quantized element, and agree in size

@@ -719,6 +719,10 @@ def test_cli_refuses_a_policy_flag_that_can_never_fire(tmp_path, capsys) -> None
     # a static side reads clipping: the flag passes this check (and the run fails later, on the missing model)
     assert main(base + ["--scheme", "fp8-e4m3", "--clipped-fraction", "0.1"]) != 0
     assert "--clipped-fraction" not in capsys.readouterr().err
+    # so do vLLM's integer zero-points (vllm-int4, no calibration): a token whose range excludes 0 clips, and the
+    # monitor counts it; the flag was refused as "nothing clips"
+    assert main(base + ["--scheme", "vllm-int4", "--clipped-fraction", "0.1"]) != 0
+    assert "--clipped-fraction" not in capsys.readouterr().err
 
 
 def test_help_says_an_unset_threshold_is_none(capsys) -> None:

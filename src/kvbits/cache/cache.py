@@ -49,7 +49,7 @@ from kvbits.plan.config import attention_heads, config_value, layer_configs, lay
 # kvbits.plan for pre-RoPE plans
 from kvbits.plan.positions import KEYS_NORMED_AFTER_ROPE, default_mrope_section, mrope_section
 from kvbits.schemes.presets import get_scheme
-from kvbits.schemes.spec import KVScheme
+from kvbits.schemes.spec import KVScheme, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,9 @@ class QuantizedKVCache(Cache):
     ``update``), and when a layer first clips more than ``kvbits.cache.checks.CLIP_WARN_FRAC`` (0.1 %, the
     report's warning level) of its quantized keys or values against static scales (looked at after each flush
     with eager checks, where the counts are host ints, and with each lazy check, read back in its one
-    transfer). ``calibration_report()`` has both per layer.
+    transfer). ``calibration_report()`` has both per layer. vLLM's integer zero-points (``integer_zero``,
+    ``vllm-int4``; no calibration) clip too, where a token's range excludes 0 (its zero-point code clamps and
+    the far end of its values is lost): counted and warned about alike, in those words, once per cache.
     """
 
     def __init__(
@@ -538,12 +540,13 @@ class QuantizedKVCache(Cache):
                 if total and n > kv_checks.CLIP_WARN_FRAC * total:
                     self._logged.add("clipping")
                     self._stop_watching_clipping()
+                    once = "calibration artifact" if getattr(self, "calibration", None) is not None else "cache"
+                    how, why = _clip_cause(getattr(lay.scheme, side[:-1]))  # keys -> scheme.key
                     logger.warning(
                         "QuantizedKVCache (scheme %s): layer %d clipped %.3f%% of its %s (%d of %d quantized values) "
-                        "against their static scales (warning level %g%%): the K/V served lie outside the ranges "
-                        "those scales cover. calibration_report() counts clipped values per layer; recalibrate "
-                        "(`kvbits calibrate`) on data like what is served. Logged once per calibration artifact.",
-                        self.scheme.name, lay.layer_idx, 100 * n / total, side, n, total, 100 * kv_checks.CLIP_WARN_FRAC,
+                        "%s (warning level %g%%): %s calibration_report() counts clipped values per layer. Logged once "
+                        "per %s.", self.scheme.name, lay.layer_idx, 100 * n / total, side, n, total, how,
+                        100 * kv_checks.CLIP_WARN_FRAC, why, once,
                     )  # fmt: skip
                     return
 
@@ -739,7 +742,8 @@ class QuantizedKVCache(Cache):
 
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch, measured per layer: values clipped against their scales so far
-        (``clipped_keys``, ``clipped_values``) out of the elements quantized so far (``quantized_keys``,
+        (``clipped_keys``, ``clipped_values``: static scales' ranges, and vLLM's integer zero-points where a
+        token's range excludes 0) out of the elements quantized so far (``quantized_keys``,
         ``quantized_values``), the last position seen and, with a calibration artifact installed, how many
         positions lie beyond the longest calibrated length. Runs the lazy K/V checks first; the counts are
         exact (device counters read back here)."""
@@ -757,3 +761,21 @@ class QuantizedKVCache(Cache):
                 row["positions_beyond_calibrated"] = max(0, layer.tokens_seen - longest)
             rows.append(row)
         return {"scheme": self.scheme.name, "max_calibrated_length": longest, "layers": rows}
+
+
+def _clip_cause(spec: TensorSpec) -> tuple[str, str]:
+    """The clipping warning's ``(how, why)`` for a side stored by ``spec``: against static scales (the K/V served
+    left the calibrated range), or under vLLM's integer zero-points (``integer_zero``, dynamic: a token whose
+    values all lie on one side of 0 clamps its zero-point code and loses the far end of its range)."""
+    if spec.integer_zero:
+        why = (
+            "a token whose range excludes 0 clamps its zero-point code to the end of the code range and loses the "
+            "far end of its values (vLLM's int4_per_token_head stores the same codes; a float zero-point, as "
+            "int4-token's, covers every token's range)."
+        )
+        return "under integer zero-points", why
+    why = (
+        "the K/V served lie outside the ranges those scales cover; recalibrate (`kvbits calibrate`) on data like "
+        "what is served."
+    )
+    return "against their static scales", why

@@ -325,7 +325,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         # called with this layer after a flush whose clipped counts (host ints: eager checks) passed clip_floor, by
-        # QuantizedKVCache's once-per-cache clipping warning (set only where a spec is static); None: no cost
+        # QuantizedKVCache's once-per-cache clipping warning (set only where a spec can clip: can_clip); None: no cost
         self.clip_watch: Callable[[QuantizedKVLayer], None] | None = None
         # (keys, values) clipped counts at or under which the warning cannot be due (CLIP_WARN_FRAC of the elements
         # quantized when clip_watch last looked; they only grow): a flush compares two ints, most call nothing
@@ -750,8 +750,10 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     @property
     def can_clip(self) -> bool:
-        """Whether flushes can count clipped values: a quantizing layer with a static (fixed-scale) spec."""
-        return self.mode == "quantized" and (self.scheme.key.static or self.scheme.value.static)
+        """Whether flushes can count clipped values: a quantizing layer with a static (fixed-scale) spec, or with
+        vLLM's integer zero-points (``integer_zero``: a token whose range excludes 0 clamps its zero-point code and
+        loses the far end of its range, ``kvbits.quant.affine.integer_zero_qparams``)."""
+        return self.mode == "quantized" and any(s.static or s.integer_zero for s in (self.scheme.key, self.scheme.value))
 
     def quantized_elements(self) -> tuple[int, int]:
         """K and V elements quantized so far, including blocks a sliding window dropped since (what ``clipped()``

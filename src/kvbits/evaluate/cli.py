@@ -41,6 +41,7 @@ examples:
 "new_tokens", "rep_n", "rep", "rep_ref", "agreement", "first_divergence", "first_divergence_mean",
 "seconds", "reference_seconds"} (with --generate; null otherwise), "calibration":
 {"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (kvbits schemes),
+"integer_zero" (the sides vllm-int4's integer zero-points store, which clip where a token's range excludes 0),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
 "context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",

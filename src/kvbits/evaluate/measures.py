@@ -34,22 +34,38 @@ def add_clipping(into: dict[str, int], cache: Any) -> None:
             add_counts(into, {side: row[f"clipped_{side}"], side + "_elements": row[f"quantized_{side}"]})
 
 
-def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str) -> dict[str, Any]:
+def _mismatch(clipped: dict[str, int], artifact: Any, context: int, mode: str, scheme: Any = None) -> dict[str, Any]:
     """Calibration/serving mismatch, measured: values clipped by their scales (simulate mode: the
     simulator's counts; stream mode: the real caches', ``add_clipping``; none for a peer) and positions
-    beyond the longest calibrated length (with a calibration artifact)."""
+    beyond the longest calibrated length (with a calibration artifact). ``scheme`` (a ``KVScheme``): its sides
+    stored under vLLM's integer zero-points in some layer (``vllm-int4``), which clip where a token's range
+    excludes 0, are listed as ``integer_zero`` (``["keys", "values"]``), so the report says why they clipped."""
     out: dict[str, Any] = {}
     if mode == "simulate" or clipped:
         for side in ("keys", "values"):
             n, total = clipped.get(side, 0), clipped.get(side + "_elements", 0)
             out[f"clipped_{side}"] = n
             out[f"clipped_{side}_frac"] = n / total if total else 0.0
+        sides = _integer_zero_sides(scheme)
+        if sides:
+            out["integer_zero"] = sides
     if artifact is not None:
         longest = int(artifact.max_calibrated_length)
         out["max_calibrated_length"] = longest
         out["positions_beyond_calibrated"] = max(0, context - longest)
         out["artifact"] = _artifact_record(artifact)
     return out
+
+
+def _integer_zero_sides(scheme: Any) -> list[str]:
+    """``"keys"`` / ``"values"``: the sides some layer of ``scheme`` (a ``KVScheme``; anything else: none) stores
+    under integer zero-points (``TensorSpec.integer_zero``)."""
+    from kvbits.schemes.spec import KVScheme
+
+    if not isinstance(scheme, KVScheme):
+        return []
+    subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
+    return [side + "s" for side in ("key", "value") if any(getattr(s, side).integer_zero for s in subs)]
 
 
 def plan_shape_of(config: Any, model: Any = None) -> Any:

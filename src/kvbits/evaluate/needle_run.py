@@ -398,7 +398,8 @@ def needle_eval(
         bits = long_run_avg_bits(scheme, shape, head_dim, kv_heads, n_layers, dtype_bytes=model_dtype_bytes(model))
         res = scheme_result(scheme.name, bits, records, contexts, depths)
         res["calibration"] = _mismatch(
-            clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1], "simulate" if semantics == "decode" else "stream"
+            clipped.get(scheme.name, {}), calibrations.get(scheme.name), contexts[-1],
+            "simulate" if semantics == "decode" else "stream", scheme,
         )
         _warn_mismatch(scheme.name, res["calibration"], contexts[-1])
         res["seconds"] = seconds[scheme.name]

@@ -587,7 +587,7 @@ def evaluate(
                     gen[1 + i], gen[0], prompt_tokens=T, seconds=run["generation_seconds"][1 + i],
                     reference_seconds=run["generation_seconds"][0],
                 ) if generate else None,
-                "calibration": _mismatch(clipped[name], calibrations.get(name), T, mode),
+                "calibration": _mismatch(clipped[name], calibrations.get(name), T, mode, scheme),
                 "seconds": seconds[name],
                 "decode": None if decode[name] is None else {
                     "fused_steps": decode[name].get("fused_steps", 0),

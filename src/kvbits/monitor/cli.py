@@ -20,8 +20,8 @@ examples:
       --key-error 0.26 --value-error 0.5 --prom runs/kvbits.prom --events runs/events.jsonl
 
 Signals, per layer and side, at every flush of `block` tokens: the relative error ||x - x_hat|| / ||x||
-of the block just quantized (worst sequence), values clipped against static scales, positions past the
-calibrated context. A threshold crossed holds the layer (--scope request: every layer) in full
+of the block just quantized (worst sequence), values clipped (against static scales, or under vllm-int4's integer
+zero-points where a token's range excludes 0), positions past the calibrated context. A threshold crossed holds the layer (--scope request: every layer) in full
 precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "policy", "tokens",
 "total_bytes", "held_layers", "calibrated_length", "signals": [{"layer", "side", "flushes" (blocks quantized),
 "measured", "tokens_measured", "last_error", "max_error", "mean_error" (of the finite errors; null before a measured
@@ -106,8 +106,9 @@ def _check_policy_applies(args: argparse.Namespace) -> None:
     """``ValueError`` (before any model loads) for a policy flag that could never fire on this run: a run that held
     nothing would read as "no layer needed holding". ``--scope request`` and ``--patience`` say how a threshold acts,
     so they need one. ``--beyond-calibration`` reads the calibrated context, which only
-    ``--calibration`` gives; ``--clipped-fraction`` reads values saturated against static scales, which a scheme with
-    none (per-token, KIVI, dynamic FP8 scales) never has."""
+    ``--calibration`` gives; ``--clipped-fraction`` reads values saturated against static scales or clipped under vLLM's
+    integer zero-points (``vllm-int4``: a token whose range excludes 0), which a scheme with neither (per-token, KIVI,
+    dynamic FP8 scales: their ranges cover their data) never has."""
     if args.beyond_calibration and args.calibration is None:
         raise ValueError(
             "--beyond-calibration holds past the calibrated context, and there is none without --calibration DIR "
@@ -129,11 +130,12 @@ def _check_policy_applies(args: argparse.Namespace) -> None:
     if isinstance(scheme, PeerScheme):  # refused by watch(), saying why
         return
     subs = scheme.layer_schemes() if scheme.is_mixed else [scheme]
-    if not any(side.static for sub in subs if not sub.is_identity for side in (sub.key, sub.value)):
+    sides = [side for sub in subs if not sub.is_identity for side in (sub.key, sub.value)]
+    if not any(side.static or side.integer_zero for side in sides):
         raise ValueError(
-            f"--clipped-fraction reads values clipped against static scales, and scheme {scheme.name} has none "
-            "(its scales follow the data, so nothing clips): drop it, or watch a calibrated scheme (kvquant-4, "
-            "fp8-e4m3) with --calibration"
+            f"--clipped-fraction reads values clipped against static scales or under integer zero-points, and "
+            f"scheme {scheme.name} has none (its scales follow the data, so nothing clips): drop it, or watch a "
+            "calibrated scheme (kvquant-4, fp8-e4m3) with --calibration, or vllm-int4"
         )
 
 
@@ -172,7 +174,7 @@ def _print(snap: dict[str, Any]) -> None:
     rows: dict[int, dict[str, Any]] = {}
     for r in snap["signals"]:
         rows.setdefault(r["layer"], {"held_at": r["held_at"]})[r["side"]] = r
-    # values clipped against static scales: columns only when some were (schemes without static scales never clip)
+    # values clipped (static scales, integer zero-points): columns only when some were (other schemes never clip)
     clipped = any(r["clipped"] for r in snap["signals"])
     t = Table(title=f"{snap['labels']['scheme']}: flush relative error by layer ({snap['tokens']} tokens)")
     columns = ["layer", "K mean", "K max", "V mean", "V max", *(["K clipped", "V clipped"] if clipped else []),
@@ -180,7 +182,10 @@ def _print(snap: dict[str, Any]) -> None:
     for col in columns:
         t.add_column(col, justify="right")
     if clipped:
-        t.caption = "clipped: values saturated against the calibration's static scales, in the blocks measured"
+        t.caption = (
+            "clipped: values saturated against the calibration's static scales (or, under integer zero-points, past the "
+            "far end of a token's range that excludes 0), in the blocks measured"
+        )
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"

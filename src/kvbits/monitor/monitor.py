@@ -13,9 +13,9 @@ Usage::
 
 Signals (``kvbits.monitor.signals``), per layer and side, at each flush: the relative error of the block
 just quantized (exact: its full-precision values are still there), values clipped against static
-scales, and positions past the longest calibrated context. A policy (``FallbackPolicy``) that sees a
-threshold crossed holds the layer (or every layer, ``scope="request"``) in full precision from then on
-(``QuantizedKVLayer.hold_full_precision``). Cost: one dequantization of each measured block and a
+scales (or under integer zero-points, where a token's range excludes 0), and positions past the longest
+calibrated context. A policy (``FallbackPolicy``) that sees a threshold crossed holds the layer (or every
+layer, ``scope="request"``) in full precision from then on (``QuantizedKVLayer.hold_full_precision``). Cost: one dequantization of each measured block and a
 read-back of a few numbers (a host sync) per flush, i.e. every ``block`` tokens per layer and side;
 ``sample_every`` thins it.
 """
@@ -286,7 +286,7 @@ class CacheMonitor:
                             "relative error was NaN or inf (not in the histogram)", "counter")  # fmt: skip
         f_fl = MetricFamily("kvbits_flushes_total", "Blocks quantized", "counter")
         f_clip = MetricFamily(
-            "kvbits_clipped_values_total", "Values saturated against static scales", "counter"
+            "kvbits_clipped_values_total", "Values saturated against static scales or integer zero-points", "counter"
         )
         f_held = MetricFamily(
             "kvbits_layer_held", "1 when the layer is held in full precision (fallback)", "gauge"

@@ -32,7 +32,8 @@ class FallbackPolicy:
         key_error: hold when a flushed key block's relative error (worst sequence) exceeds this.
         value_error: the same for values.
         clipped_fraction: hold when more than this fraction of a flushed block's values saturated against
-            static (calibrated) scales: the data left the calibrated range.
+            static (calibrated) scales: the data left the calibrated range; or, under vLLM's integer zero-points
+            (``vllm-int4``), lay past the far end of a token's range that excludes 0.
         beyond_calibration: hold when a flush happens past the longest calibrated context (the cache's
             ``calibration_report()``); always reported as an event either way.
         scope: ``"layer"``: hold the layer that crossed (``QuantizedKVLayer.hold_full_precision``);

@@ -57,7 +57,8 @@ class QuantizedTensor:
         outlier_values, outlier_index: sparse exact values ``(B, H_kv, n, k)`` float16 and their
             channel indices (uint8 / int16), or ``None``.
         clipped: how many elements saturated against static scales (calibration mismatch signal),
-            including those a static scale of 0 collapses onto its zero-point (``zero_scale_clipped``);
+            including those a static scale of 0 collapses onto its zero-point (``zero_scale_clipped``), or
+            under integer zero-points (``integer_zero``) where a token's range excludes 0;
             a 0-dim int64 tensor on the block's device when quantized with ``sync=False``.
         codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
             layer, like static scales, not by the block).

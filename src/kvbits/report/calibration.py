@@ -8,6 +8,9 @@ constants fitted offline by ``kvbits calibrate``. The evaluator records, per sch
   calibrated range and were saturated to it (simulate mode: every element the simulator quantized; stream
   mode and ``kvbits needle``: what the real caches quantized, from ``QuantizedKVCache.calibration_report()``;
   runs from before stream mode counted them have none);
+- ``integer_zero``: the sides (``"keys"``, ``"values"``) stored under vLLM's integer zero-points (``vllm-int4``,
+  nothing calibrated), whose clips are tokens whose range excludes 0 (the zero-point code clamps, the far end of
+  the range is lost); absent for other schemes;
 - ``max_calibrated_length`` and ``positions_beyond_calibrated``: the longest context the calibration
   saw, and how many positions of each window lie past it;
 - ``artifact``: ``{"id", "path", "data", "context", "windows", "tokens"}`` (runs from before it was
@@ -48,7 +51,9 @@ CALIBRATION_NOTE = (
     "Schemes with static scales, NUQ codebooks or channel means and smoothing factors serve constants fitted "
     "offline by `kvbits calibrate`. "
     "*Clipped* is the fraction of the cached key/value elements that fell outside the calibrated range "
-    "and were saturated to it (counted in simulate mode; n/a where not measured); *beyond calibrated* is "
+    "and were saturated to it (counted in simulate mode; n/a where not measured), or, under vLLM's integer "
+    "zero-points (`vllm-int4`, nothing calibrated), lay past the far end of a token's range that excludes 0; "
+    "*beyond calibrated* is "
     "the number of positions in each window past the longest context the calibration saw, where its "
     "statistics are extrapolated. Either is a sign that what is served differs from what was calibrated."
 )
@@ -68,6 +73,7 @@ class CalibrationRow:
     clipped_values: int | None = None
     beyond: int | None = None  # positions per window past calibrated_length
     context: int = 0
+    integer_zero: tuple[str, ...] = ()  # sides ("keys", "values") stored under integer zero-points (vllm-int4)
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -198,6 +204,7 @@ def calibration_row(
         clipped_values=_count(record.get("clipped_values")),
         beyond=beyond,
         context=context,
+        integer_zero=tuple(x for x in record.get("integer_zero") or () if x in ("keys", "values")),
     )
 
 
@@ -279,10 +286,11 @@ def calibration_issues(row: CalibrationRow, clip_threshold: float = CLIP_WARN_FR
         issues.append(f"serves {row.beyond:,}{of} positions per window beyond {length} it was calibrated on")
     for side, frac in (("keys", row.clipped_keys_frac), ("values", row.clipped_values_frac)):
         if _ok(frac) and frac > clip_threshold:
-            issues.append(
-                f"clips {_clip_pct(frac, clip_threshold)} of its {side} against the calibrated ranges "
-                f"(warning level {clip_threshold * 100:g}%)"
+            how = (
+                "under integer zero-points (tokens whose range excludes 0 lose its far end)"
+                if side in row.integer_zero else "against the calibrated ranges"
             )
+            issues.append(f"clips {_clip_pct(frac, clip_threshold)} of its {side} {how} (warning level {clip_threshold * 100:g}%)")
     return issues
 
 

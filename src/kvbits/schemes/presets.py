@@ -97,7 +97,9 @@ register(
         "random-sign Hadamard rotation (its sign vector), with an integer zero-point code (keys and values). "
         "vLLM's bytes per token and head, 4 + 32/D bits, not its layout: vLLM keeps one float32 scale whose 4 "
         "low mantissa bits hold the zero-point code, kvbits a float16 scale and a float16 zero (-z * scale), "
-        "decoding within 1 % of a step of vLLM's; its round-half-away ties are not reproduced",
+        "decoding within 1 % of a step of vLLM's; its round-half-away ties are not reproduced. As in vLLM, a token "
+        "whose rotated values all lie on one side of 0 clamps its zero-point code and loses the far end of its "
+        "range (counted as clipped: calibration_report(), kvbits eval's clipped fraction)",
         reference=VLLM_INT4,
     )
 )
