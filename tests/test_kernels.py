@@ -1420,6 +1420,67 @@ def test_kernel_pre_rope_smoothed_keys(monkeypatch, name: str, vectorized: bool 
         assert max_err(bad, truth) > 1e-2, part
 
 
+def near_limit_pre_rope_case(tied: bool, *, device: str = DEVICE) -> tuple[torch.Tensor, PackedStore, torch.Tensor]:
+    """``(q, store, truth)``: pre-RoPE int2 smoothed keys of which every third token is ``-52384`` on every channel
+    (within the bound the cache accepts), factors ``0.8`` / ``1.5`` over the halves (``tied``: ``0.8`` everywhere,
+    folded into the query), float16 queries ``(1, 2, 1, 64)`` small enough for float16 scores. The 1.5 channels
+    decode to ``-98256``, saturated to ``-65504``; RoPE turns a pair at 45 degrees into ``-92k``, saturated again.
+    ``truth``: float64 attention over the keys so saturated (tied: the folded keys ``k / f``, as the float16 dot
+    holds them, so ``+-65504 f``)."""
+    g = torch.Generator().manual_seed(53)
+    D, T = 64, 32
+    key_spec = spec(2, "token", symmetric=True, centre=True, smooth=0.5, pre_rope=True)
+    f = torch.full((1, D), 0.8)
+    if not tied:
+        f[:, D // 2 :] = 1.5
+    k = torch.randn(1, 1, T, D, generator=g)
+    k[:, :, ::3] = -52384.0
+    kw = {"channel_factor": f.half().to(device), "channel_mean": torch.zeros(1, D).half().to(device)}
+    kb = [quantize(k.half().to(device), key_spec, **kw)]
+    vb = [quantize(torch.randn(1, 1, T, D, generator=g).to(device), KIVI4_VALUES)]
+    cos, sin = rope_tables(T, D)
+    store = pack_store(kb, vb, rope_cos=cos.to(device), rope_sin=sin.to(device), quant_pos0=[0])
+    assert rope_pairs_tied(store.key.channel_factor) == tied
+    top = 65504.0 * (f.double() if tied else torch.ones(1, D, dtype=torch.float64)).to(device)
+    K = torch.maximum(torch.minimum(kb[0].dequantize(torch.float64), top), -top)
+    K = apply_rope_at(K, cos.double().to(device), sin.double().to(device), torch.zeros(1, dtype=torch.long, device=device))
+    K = torch.maximum(torch.minimum(K, top), -top)
+    q = (torch.randn(1, 2, 1, D, generator=g) * 1e-3).half().to(device)
+    return q, store, ragged_attention(q, K, vb[0].dequantize(torch.float64), T, [T], [0])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_reference_saturates_pre_rope_keys_before_and_after_rope(tied: bool):
+    """Pre-RoPE smoothed keys near float16's limit: ``materialize`` in float16 saturates them to +-65504 before
+    RoPE (as ``QuantizedTensor.dequantize``) and after it (a pair within 65504 rotates to up to ``sqrt(2)`` times
+    it: inf before, NaN in attention), so the float16 reference is finite and near the saturated truth."""
+    q, store, truth = near_limit_pre_rope_case(tied, device="cpu")
+    k16 = materialize(code_basis(q, store, torch.float16)[1], torch.float16)[0]
+    assert k16.isfinite().all() and k16.abs().max() == 65504
+    out = decode_attention_reference(q, store, dtype=torch.float16)
+    assert out.isfinite().all() and max_err(out, truth) < 0.02, max_err(out, truth)
+
+
+@needs_triton
+@pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_kernel_saturates_pre_rope_smoothed_keys_like_the_reference(monkeypatch, tied: bool, vectorized: bool | None):
+    """The kernel's float32 keys ``code * f + m`` (tied: ``code + m / f``), then RoPE, were cast to float16 for the
+    dot: ``-98256`` and the rotated pairs became inf, NaN outputs. With ``K_SAT`` (pre-RoPE centred / smoothed keys,
+    float16 queries only) they are clamped to +-65504 before and after RoPE, as the reference: within twice its
+    error of the saturated truth; float32 and bfloat16 queries compile without it."""
+    q, store, truth = near_limit_pre_rope_case(tied)
+    spy = LaunchSpy(triton_decode._decode_kernel)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", spy)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    out = triton_decode.decode_attention_triton(q, store, splits=1, vectorized=vectorized)
+    assert out.isfinite().all() and max_err(out, truth) <= 2 * err_pt + 1e-6, (max_err(out, truth), err_pt)
+    assert spy.seen[-1]["K_SAT"] and spy.seen[-1]["K_FACTOR"] == (not tied)
+    for dt in (torch.float32, torch.bfloat16):
+        triton_decode.decode_attention_triton(q.to(dt), store, splits=1, vectorized=vectorized)
+        assert not spy.seen[-1]["K_SAT"]
+
+
 @needs_triton
 @pytest.mark.parametrize(
     "D,kw,launch,want",

@@ -703,20 +703,37 @@ def apply_rope_at(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: t
     return k * c + rotate_half(k) * s
 
 
+def _rope_keys(store: PackedStore, dtype: torch.dtype) -> torch.Tensor:
+    """A pre-RoPE store's quantized keys ``(B, H_kv, T_q, D)`` in ``dtype``, decoded then rotated to their positions.
+
+    For float16 / bfloat16 the decode (float32) is saturated to ``dtype``'s range, rounded to it, rotated in it (the
+    arithmetic of transformers' ``apply_rotary_pos_emb``) and saturated again: a pair past the range after RoPE
+    becomes ``+-max``, not inf. Values that stay within the range are bit for bit what they were without it.
+    """
+    half = dtype in (torch.float16, torch.bfloat16)
+    k = saturate(dequantize_packed(store.key, torch.float32), dtype).to(dtype) if half else dequantize_packed(store.key, dtype)
+    k = apply_rope_at(k, store.rope_cos, store.rope_sin, store.quant_pos0)
+    return saturate(k, dtype)
+
+
 def materialize(
     store: PackedStore, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense keys, values ``(B, H_kv, T_q + T_f, D)`` in ``dtype`` and the validity mask ``(B, T_q + T_f)``.
 
     Quantized slots come first, then tail slots; rotated sides are rotated back (``dequantize_packed``) and
-    pre-RoPE keys then rotated to their positions (in ``dtype``): the model's K/V.
+    pre-RoPE keys then rotated to their positions (in ``dtype``): the model's K/V. A float16 / bfloat16 ``dtype``
+    saturates pre-RoPE keys to its finite range before RoPE and after it (``saturate``): RoPE mixes channels ``d``
+    and ``d + D/2``, so a pair of decoded keys within 65504 can rotate to up to ``sqrt(2) * 65504``, inf in float16
+    (NaN in attention; ``(-65504, -65504)`` at 45 degrees), where the Triton kernel saturates too (``K_SAT``).
     """
     ks, vs, masks = [], [], []
     store = used_slots(store)
     if store.key is not None:
-        k = dequantize_packed(store.key, dtype)
         if store.pre_rope:
-            k = apply_rope_at(k, store.rope_cos, store.rope_sin, store.quant_pos0)
+            k = _rope_keys(store, dtype)
+        else:
+            k = dequantize_packed(store.key, dtype)
         ks.append(k)
         vs.append(dequantize_packed(store.value, dtype))
         T = store.key.n_slots
@@ -755,7 +772,9 @@ def code_basis(
     (``rope_pairs_tied``; what ``kvbits calibrate`` fits) commutes with RoPE: ``q' = q * f``, the (post-RoPE)
     tail ``key_full / f``, and the keys decode to ``code + m / f`` (``channel_mean`` becomes ``m / f`` in
     float32, ``channel_factor`` ``None``). Any other factor stays too. What stays is decoded before RoPE, by
-    ``materialize`` (``dequantize_packed``) and by the Triton kernel (``K_MEAN`` / ``K_FACTOR``).
+    ``materialize`` (``dequantize_packed``) and by the Triton kernel (``K_MEAN`` / ``K_FACTOR``). In float16 both
+    saturate the keys they hold to +-65504 before and after RoPE: with a folded factor that is ``k / f`` (what the
+    float16 dot takes), so the keys saturate at ``+-65504 f``, not at the unfolded path's +-65504.
 
     Cost per step: two ``(D, D)`` products over the query heads and the tail (sinks, residual window,
     unflushed buffer), never over the quantized history.

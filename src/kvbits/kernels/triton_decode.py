@@ -549,6 +549,12 @@ def _rope_rows(x, cos_ptr, sin_ptr, pos, valid, ROPE_W: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _sat(x):
+    """Float32 ``x`` clamped to float16's finite range, +-65504 (``kvbits.quant.tensor.saturate``)."""
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+
+
+@triton.jit
 def _halves(x):
     """Float32 ``x`` as two float16, ``hi + lo == x`` to float32's precision (``lo``: the rounding of ``hi``)."""
     hi = x.to(tl.float16)
@@ -668,7 +674,7 @@ def _decode_kernel(
     F16_K: tl.constexpr = False, F16_V: tl.constexpr = False, ASM: tl.constexpr = False,
     K_W32: tl.constexpr = False, V_W32: tl.constexpr = False, QMASK_W32: tl.constexpr = False,
     K_MEAN: tl.constexpr = False, K_FACTOR: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
-    K_ROWS: tl.constexpr = False, UNIFORM: tl.constexpr = False,
+    K_ROWS: tl.constexpr = False, UNIFORM: tl.constexpr = False, K_SAT: tl.constexpr = False,
 ):
     """Grid ``(B * H_kv, n_split)``; writes ``M/L (B*H_q, n_split)`` and ``ACC (B*H_q, n_split, D)``.
     ``UNIFORM`` (``PackedStore.uniform_lens``): every sequence's lengths are ``q_used`` and ``T_f``, so ``QLEN`` and
@@ -677,7 +683,9 @@ def _decode_kernel(
     float16 halves (``_halves``) in every key dot. ``K_ROWS`` (whole-row integer keys with one scale per token,
     no RoPE, no outliers): the query multiplies the codes, exact in float16, and each token's scale and
     zero-point apply to its score, ``s_t (q . c_t) + z_t sum(q)``, in float32; dequantized keys would be
-    rounded to float16 for the dot."""
+    rounded to float16 for the dot. ``K_SAT`` (pre-RoPE centred / smoothed keys, float16 queries): the decoded keys
+    are clamped to +-65504 before RoPE and after it (``_sat``), as ``reference.materialize`` saturates them, so
+    their cast to float16 for the dot gives no inf (NaN in attention)."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // H_kv
@@ -744,10 +752,14 @@ def _decode_kernel(
                         kr = kr * tl.load(KFACTOR + h * D + offs_d)[None, :]
                     if K_MEAN:
                         kr = kr + tl.load(KMEAN + h * D + offs_d)[None, :]
+                    if K_SAT:
+                        kr = _sat(kr)
                     # pad slots (masked) may sit before position 0; past the tables (a hand-built store): their last row, as
                     # the reference clamps (read past their end before: outputs 2.7 off the reference's)
                     pos = tl.minimum(tl.maximum(tl.load(POS0 + b) + t, 0), T_pos - 1)
                     kr = _rope_rows(kr, COS, SIN, pos, valid, ROPE_W, D, BLOCK_T)
+                    if K_SAT:
+                        kr = _sat(kr)
                 k = tl.trans(kr)
             else:
                 k = _load_kv(kc, ks, kz, KCB, kov, koi, t[None, :], offs_d[:, None], valid[None, :], K_ROW,
@@ -765,12 +777,17 @@ def _decode_kernel(
                 if K_MEAN:
                     k = k + tl.load(KMEAN + h * D + offs_d)[:, None]
                     kp = kp + tl.load(KMEAN + h * D + partner)[:, None]
+                if K_SAT:
+                    k = _sat(k)
+                    kp = _sat(kp)
                 # pad slots (masked) may sit before position 0; past the tables: their last row (see above)
                 pos = tl.minimum(tl.maximum(tl.load(POS0 + b) + t, 0), T_pos - 1)
                 cs_off = pos[None, :] * ROPE_W + (offs_d % ROPE_W)[:, None]  # ROPE_W = D or D / 2 (halves repeat)
                 cos = tl.load(COS + cs_off, mask=valid[None, :], other=0.0)
                 sin = tl.load(SIN + cs_off, mask=valid[None, :], other=0.0)
                 k = k * cos + tl.where((offs_d < D // 2)[:, None], -kp, kp) * sin
+                if K_SAT:
+                    k = _sat(k)
             if F16_V:
                 v = _load_rows16(vc, vs, vz, t0, t, valid, end, V_ROW, V_SCOLS, D, BLOCK_T, V_BITS, V_TPS, V_CPS,
                                  V_SYM, ASM, V_W32)
@@ -1184,6 +1201,9 @@ def decode_attention_triton(
     # rotated / smoothed keys: the step in the codes' basis, q' = q R (q f) kept float32 for float16 queries and
     # split into two float16 halves in the kernel (Q_SPLIT): one float16 rounding of q', shared by every score,
     # put this kernel at 1.78x float16 torch's error at one of Qwen2.5's layers (int8-token-hadamard)
+    # pre-RoPE centred / smoothed keys for float16 queries: saturated to float16's range before and after RoPE, as
+    # the reference (materialize) saturates them (a tied factor moved into the query leaves no vector to tell)
+    k_sat = store.pre_rope and store.key is not None and store.key.has_channel_transform and out_dtype == torch.float16
     q, store, out_rotate = code_basis(q, store, query_dtype=torch.float32 if out_dtype == torch.float16 else None)
     q_split = q.dtype != out_dtype  # only a float16 query's q' comes back float32
 
@@ -1285,6 +1305,7 @@ def decode_attention_triton(
         "K_W32": _words_ok(k) if meta32 else 0, "V_W32": _words_ok(v) if meta32 else 0,
         "QMASK_W32": bool(meta32) and qmask_words,
         "K_MEAN": k_mean is not None, "K_FACTOR": k_factor is not None, "UNIFORM": store.uniform_lens,
+        "K_SAT": k_sat,
         "num_warps": num_warps, "num_stages": num_stages,
     }
     if maxnreg is not None:

@@ -211,7 +211,8 @@ def from_channel_basis(y: torch.Tensor, mean: torch.Tensor | None, factor: torch
 
 def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``y`` (float32 / float64, any shape) clamped in place to ``dtype``'s finite range when ``dtype`` is float16
-    or bfloat16, so the cast to it gives no inf (NaN stays NaN); ``y`` as is for other dtypes.
+    or bfloat16, so the cast to it gives no inf (NaN stays NaN); ``y`` as is for other dtypes. A ``y`` of ``dtype``
+    itself has its inf clamped to ``+-max`` (pre-RoPE keys rotated in float16, ``reference.materialize``).
 
     For decoded ``centre`` / ``smooth`` values, ``code * factor + mean``: a row's scale comes from its smoothed
     absmax (a channel with a small factor), and a channel with a large factor whose code reaches the top level
