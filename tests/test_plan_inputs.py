@@ -144,6 +144,35 @@ def test_budget_amounts_without_a_gpu_budget_are_refused(kwargs, said):
     assert "weights_bytes" not in plan(ModelShape.from_dims(2, 2, 64), context=1024, reserve_gib=0)
 
 
+def test_a_reserve_above_the_gpu_is_refused_naming_both(capsys):
+    """``--reserve-gib 100 --gpu-mem 80`` was planned as "fits: no, max concurrency 0" without a word: a reserve is
+    memory kept free on that GPU, so one larger than it is an input mistake (most likely the two swapped)."""
+    from kvbits.cli import main
+
+    shape = ModelShape.from_dims(32, 32, 128)
+    with pytest.raises(ValueError, match=r"reserve_gib \(100 GiB.*at most gpu_mem_gib \(80 GiB"):
+        plan(shape, context=32768, gpu_mem_gib=80, weights_gib=10, reserve_gib=100)
+    dims = ["--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--context", "32k", "--scheme", "fp16"]
+    assert main(["plan", *dims, "--gpu-mem", "80", "--weights-gib", "10", "--reserve-gib", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--reserve-gib" in err and "--gpu-mem" in err and "80 GiB" in err
+    edge = plan(shape, context=32768, gpu_mem_gib=80, weights_gib=0, reserve_gib=80)  # the whole GPU kept free: allowed
+    assert edge["max_concurrency"] == 0 and edge["max_context"] == 0
+
+
+def test_weights_beyond_the_gpu_plan_zero_concurrency_and_say_why(caplog):
+    """Weights (and reserve) larger than the GPU are a real answer (the model does not fit), planned as concurrency 0;
+    they used to be reported without saying that nothing was left for the KV cache."""
+    with caplog.at_level("WARNING", logger="kvbits.plan.planner"):
+        r = plan(ModelShape.from_dims(32, 8, 128), context=4096, gpu_mem_gib=80, weights_gib=75, reserve_gib=10)
+    assert r["max_concurrency"] == 0 and r["max_context"] == 0 and not r["fits"]
+    assert "exceed gpu_mem_gib (80 GiB) by 5 GiB: no room is left for the KV cache" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.plan.planner"):
+        plan(ModelShape.from_dims(32, 8, 128), context=4096, gpu_mem_gib=80, weights_gib=70, reserve_gib=10)
+    assert "no room" not in caplog.text  # exactly full: not beyond
+
+
 # ------------------------------------------------------------------------------ repeated schemes
 
 

@@ -274,7 +274,7 @@ def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "a GGUF of quantized blocks)",
     )
     gpu.add_argument(
-        "--reserve-gib", type=_gib, metavar="GIB", help="memory kept free (default 0)"
+        "--reserve-gib", type=_gib, metavar="GIB", help="memory kept free, at most --gpu-mem (default 0)"
     )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON list of plans instead of a table")

@@ -210,7 +210,9 @@ def plan(
         dtype_bytes: bytes per element of the model dtype, used for full-precision tokens (sinks,
             residual window, unflushed buffer) and weights; default from the config's dtype, else 2.
         weights_gib: weights memory in GiB, overriding the estimate from the config (with ``gpu_mem_gib`` only).
-        reserve_gib: GPU memory kept free for activations and the runtime, in GiB (with ``gpu_mem_gib`` only).
+        reserve_gib: GPU memory kept free for activations and the runtime, in GiB (with ``gpu_mem_gib`` only, at most
+            it). Weights and reserve beyond ``gpu_mem_gib`` are planned (nothing fits: ``max_concurrency`` 0) with a
+            warning saying so.
         fused_decode: the cache decodes through the fused kernel (``kvbits.cache.use_fused_decode`` on
             CUDA): pre-RoPE schemes then also hold RoPE tables (``rope_table_bytes``; a config is read with
             ``load_shape(config, rope=True)``, which builds its rotary module).
@@ -224,7 +226,7 @@ def plan(
         ValueError: unknown scheme (the message lists the presets), bad numbers, a config without
             heads or layers, a scheme the cache can not store at the model's head dim (per-token groups
             that do not divide it), ``gpu_mem_gib`` without any way to know the weights, ``weights_gib`` or a
-            non-zero ``reserve_gib`` without ``gpu_mem_gib``, a pre-RoPE scheme on a model that does not rotate
+            non-zero ``reserve_gib`` without ``gpu_mem_gib``, ``reserve_gib`` above ``gpu_mem_gib``, a pre-RoPE scheme on a model that does not rotate
             its keys (:func:`check_pre_rope`: the cache refuses it), or a scheme
             listed twice (two spellings that resolve to one scheme name count: plans are told apart by
             name).
@@ -296,6 +298,11 @@ def _budget(
 ) -> dict[str, int]:
     gpu = _non_negative_gib(gpu_mem_gib, "gpu_mem_gib")
     reserve = _non_negative_gib(reserve_gib, "reserve_gib")
+    if reserve > gpu:  # memory kept free on the GPU can not exceed the GPU: most likely the two were swapped
+        raise ValueError(
+            f"reserve_gib ({reserve_gib:g} GiB, CLI --reserve-gib) is memory kept free on the GPU, so it must be at "
+            f"most gpu_mem_gib ({gpu_mem_gib:g} GiB, CLI --gpu-mem); were the two swapped?"
+        )
     if weights_gib is not None:
         weights = _non_negative_gib(weights_gib, "weights_gib")
         source = "given"
@@ -319,6 +326,12 @@ def _budget(
             "describes; or from a config it can not be estimated from, which -v logs); pass weights_gib=... "
             "(CLI --weights-gib)"
         )
+    if weights + reserve > gpu:  # a real answer (the model does not fit), but say why every concurrency is 0
+        logger.warning(
+            "the weights (%.3g GiB, %s) and the reserve (%.3g GiB) exceed gpu_mem_gib (%.3g GiB) by %.3g GiB: no "
+            "room is left for the KV cache, so max_concurrency and max_context are 0",
+            weights / GIB, source, reserve / GIB, gpu / GIB, (weights + reserve - gpu) / GIB,
+        )  # fmt: skip
     return {
         "gpu_mem_bytes": gpu,
         "weights_bytes": weights,
