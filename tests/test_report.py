@@ -698,11 +698,11 @@ def test_calibration_from_config_for_older_runs(tmp_path):
         "| **6,144 of 8,192** |"
     )
     assert "Warning: **kivi-4** serves 6,144 of 8,192 positions" in md
-    # the folder now holds another calibration: only the recorded id is shown
+    # the folder now holds another calibration: only the recorded id is shown, and that the folder is not its
     config["request"]["calibration"]["kivi-4"] = "sha256:" + "ef" * 32
     (d / "config.json").write_text(json.dumps(config))
     md = write_report(d, plots=False)["markdown"].read_text()
-    assert "| kivi-4 | sha256:efefefefefef | n/a | n/a | n/a | n/a | n/a |" in md
+    assert "| kivi-4 | sha256:efefefefefef (calibration folder gone or replaced) | n/a | n/a | n/a | n/a | n/a |" in md
 
 
 def test_stream_decode_path_is_reported(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -348,3 +349,34 @@ def test_merging_float32_kl_runs_with_float64_ones_is_labelled(runs, tmp_path, c
     assert "*KL computed from float32 log-probabilities" in single
     current = write_report(merge_runs([v2, runs / "b"], tmp_path / "new"), plots=False)["markdown"].read_text()
     assert "float32 log-probabilities" not in current
+
+
+def test_calibration_folder_recorded_relative_to_the_project_is_found_from_the_run_folder(tmp_path, monkeypatch, caplog):
+    """An older run records its calibration folder as given (``runs/<name>``, relative to where it was evaluated):
+    the report finds it from the run folder whatever the working directory, and says so where it is nowhere."""
+    from kvbits.report.calibration import calibration_rows
+
+    sha = "cd" * 32
+    runs = tmp_path / "proj" / "runs"
+    (runs / "eval").mkdir(parents=True)
+    (runs / "cal-kv4").mkdir()
+    meta = {"scheme": {"name": "kvquant-4"}, "files": {"calibration.safetensors": {"sha256": sha}},
+            "data": {"name": "pride-and-prejudice", "context": 2048, "windows": 2}}  # fmt: skip
+    (runs / "cal-kv4" / "calibration.json").write_text(json.dumps(meta))
+    summary = {"context": 8192, "results": [{"scheme": "kvquant-4", "buckets": []}]}
+    config = {"request": {"calibration": {"kvquant-4": f"sha256:{sha}"}}, "args": {"calibration": ["runs/cal-kv4"]}}
+    monkeypatch.chdir(tmp_path)  # not the project folder the run was evaluated from
+    for run_dir in (runs / "eval", Path("proj/runs/eval")):
+        (row,) = calibration_rows(summary, config, run_dir)
+        assert (row.artifact, row.calibrated_length, row.beyond) == ("cal-kv4 (sha256:cdcdcdcdcdcd)", 2048, 6144)
+    moved = tmp_path / "results"  # a results folder copied with its calibrations beside it
+    moved.mkdir()
+    (runs / "eval").rename(moved / "eval")
+    (runs / "cal-kv4").rename(moved / "cal-kv4")
+    assert calibration_rows(summary, config, moved / "eval")[0].calibrated_length == 2048
+    meta["files"]["calibration.safetensors"]["sha256"] = "ef" * 32  # the folder now holds another calibration
+    (moved / "cal-kv4" / "calibration.json").write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="kvbits.report.calibration"):
+        (row,) = calibration_rows(summary, config, moved / "eval")
+    assert row.artifact == "sha256:cdcdcdcdcdcd (calibration folder gone or replaced)" and row.calibrated_length is None
+    assert "none of the calibration folders it records (runs/cal-kv4) holds it" in caplog.text

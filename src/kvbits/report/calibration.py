@@ -15,13 +15,15 @@ constants fitted offline by ``kvbits calibrate``. The evaluator records, per sch
   saw, and how many positions of each window lie past it;
 - ``artifact``: ``{"id", "path", "data", "context", "windows", "tokens"}`` (runs from before it was
   recorded fall back to ``config.json``: the artifact ids of ``request.calibration`` and the folders
-  of ``args.calibration``, whose ``calibration.json`` is read when it is still there and matches).
+  of ``args.calibration``, whose ``calibration.json`` is read when it is still there, as recorded or relative to
+  the run folder, and matches; one not found is named so in the row).
 
 Pure Python: the rows feed both the Markdown/HTML renderer and any other consumer.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +46,8 @@ __all__ = [
     "calibration_table",
     "calibration_warnings",
 ]
+
+logger = logging.getLogger(__name__)
 
 CLIP_WARN_FRAC = 0.001  # warn when more than 0.1 % of the cached keys or values were clipped (also the cache's level)
 
@@ -99,28 +103,53 @@ def _config_calibration(config: Mapping[str, Any]) -> tuple[dict[str, str], list
     return {str(k): str(v) for k, v in ids.items()}, [str(p) for p in paths if p]
 
 
-def _artifact_from_folder(paths: list[str], scheme: str, artifact_id: str | None) -> dict[str, Any] | None:
+def _candidates(path: str, run_dir: Path | None) -> list[Path]:
+    """Where a recorded calibration folder may be now: as recorded (relative to the working directory), and, for a
+    relative one, relative to the run folder and each folder above it (a run evaluated from the project root with
+    ``--out runs/X --calibration runs/cal`` records ``runs/cal``), then beside the run folder (a results folder
+    moved or copied with its calibrations)."""
+    p = Path(path)
+    out = [p]
+    if run_dir is not None and not p.is_absolute():
+        here = Path(run_dir).absolute()
+        out += [a / p for a in (here, *here.parents)]
+        out.append(here.parent / p.name)
+    return out
+
+
+def _artifact_from_folder(
+    paths: list[str], scheme: str, artifact_id: str | None, run_dir: Path | None = None
+) -> dict[str, Any] | None:
     """The artifact record of ``scheme`` from a recorded calibration folder, when one is still there
-    and is the artifact the run used (same scheme; same tensor sha256 when the id is one)."""
+    and is the artifact the run used (same scheme; same tensor sha256 when the id is one). A relative folder is
+    looked up as recorded, then relative to ``run_dir`` (the run folder) and the folders above it, then beside it
+    (:func:`_candidates`); ``path`` stays the folder as recorded."""
     for p in paths:
-        meta_path = Path(p) / "calibration.json"
-        try:
-            meta = loads(meta_path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(meta, Mapping) or (meta.get("scheme") or {}).get("name") != scheme:
-            continue
-        files = meta.get("files") if isinstance(meta.get("files"), Mapping) else {}
-        shas = {f"sha256:{f.get('sha256')}" for f in files.values() if isinstance(f, Mapping)}
-        if artifact_id and artifact_id.startswith("sha256:") and artifact_id not in shas:
-            continue  # the folder now holds another calibration
-        data = meta.get("data") if isinstance(meta.get("data"), Mapping) else {}
-        rec: dict[str, Any] = {"id": artifact_id, "path": p}
-        for key in ("name", "context", "windows", "tokens"):
-            if data.get(key) is not None:
-                rec["data" if key == "name" else key] = data[key]
-        return rec
+        for folder in _candidates(p, run_dir):
+            rec = _record_from(folder / "calibration.json", p, scheme, artifact_id)
+            if rec is not None:
+                return rec
     return None
+
+
+def _record_from(meta_path: Path, p: str, scheme: str, artifact_id: str | None) -> dict[str, Any] | None:
+    """The artifact record from ``meta_path`` when it is ``scheme``'s artifact of id ``artifact_id``, else None."""
+    try:
+        meta = loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, Mapping) or (meta.get("scheme") or {}).get("name") != scheme:
+        return None
+    files = meta.get("files") if isinstance(meta.get("files"), Mapping) else {}
+    shas = {f"sha256:{f.get('sha256')}" for f in files.values() if isinstance(f, Mapping)}
+    if artifact_id and artifact_id.startswith("sha256:") and artifact_id not in shas:
+        return None  # the folder now holds another calibration
+    data = meta.get("data") if isinstance(meta.get("data"), Mapping) else {}
+    rec: dict[str, Any] = {"id": artifact_id, "path": p}
+    for key in ("name", "context", "windows", "tokens"):
+        if data.get(key) is not None:
+            rec["data" if key == "name" else key] = data[key]
+    return rec
 
 
 def _short_id(artifact_id: Any) -> str:
@@ -132,6 +161,8 @@ def _short_id(artifact_id: Any) -> str:
 def _artifact_text(rec: Mapping[str, Any]) -> str:
     name = Path(str(rec["path"])).name if rec.get("path") else ""
     sid = _short_id(rec.get("id"))
+    if rec.get("not_found"):
+        return f"{sid or NA} (calibration folder gone or replaced)"
     if name and sid:
         return f"{name} ({sid})"
     return name or sid or NA
@@ -162,11 +193,12 @@ def _is_calibrated(r: SchemeResult, ids: Mapping[str, str]) -> bool:
 
 
 def calibration_rows(
-    summary: RunSummary | Mapping[str, Any], config: Mapping[str, Any] | None = None
+    summary: RunSummary | Mapping[str, Any], config: Mapping[str, Any] | None = None, run_dir: Path | None = None
 ) -> list[CalibrationRow]:
     """One row per scheme served with a calibration (or that clipped values against static scales);
     empty when no scheme was. ``config`` is ``config.json`` (for runs that predate the artifact
-    record in ``summary.json``)."""
+    record in ``summary.json``: their calibration folders, as recorded, are looked up also relative to
+    ``run_dir``, the run folder, see :func:`_artifact_from_folder`; one not found is said in the row and logged)."""
     run = RunSummary.coerce(summary)
     ids, paths = _config_calibration(config or {})
     rows = []
@@ -175,7 +207,16 @@ def calibration_rows(
             continue
         fallback = None
         if not isinstance(r.calibration.get("artifact"), Mapping) and r.name in ids:
-            fallback = _artifact_from_folder(paths, r.name, ids[r.name]) or {"id": ids[r.name]}
+            fallback = _artifact_from_folder(paths, r.name, ids[r.name], run_dir)
+            if fallback is None and paths:  # folders were recorded (not artifacts given as objects): say so
+                where = "" if run_dir is None else f", relative to the run folder {run_dir} and those above it, beside it"
+                logger.warning(
+                    "the calibration of %s (%s) is recorded only in config.json, and none of the calibration folders it "
+                    "records (%s) holds it (looked up from the working directory %s%s): the report has no calibrated "
+                    "length or data for it", r.name, _short_id(ids[r.name]), ", ".join(paths) or "none", Path.cwd(), where,
+                )  # fmt: skip
+                fallback = {"id": ids[r.name], "not_found": True}
+            fallback = fallback or {"id": ids[r.name]}
         rows.append(calibration_row(r.name, r.calibration, run.context, fallback))
     return rows
 

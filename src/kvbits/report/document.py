@@ -242,7 +242,7 @@ def build_document(
     gt = generation_table(run)
     if gt is not None:
         blocks += [Heading(2, "Greedy generation"), Table(gt)]
-    cal = calibration_rows(run, config)
+    cal = calibration_rows(run, config, out_dir)
     if cal:
         blocks += [Heading(2, "Calibration"), Para(CALIBRATION_NOTE), Table(calibration_table(cal))]
         blocks += [Para(w) for w in calibration_warnings(cal)]
