@@ -94,3 +94,71 @@ def test_layers_with_attention_and_a_state_are_refused_saying_what_works():
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"layer 1 has type 'hybrid'.*DynamicCache\(config=model.config\)"):
         QuantizedKVCache(config=cfg, scheme="int4-token")
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+def test_a_prefill_loads_into_hybrid_caches_as_a_full_forward_computes(make):
+    """Was: ``prefill_kv`` raised ``IndexError: list index out of range`` (its config-less ``DynamicCache`` has no
+    conv / linear-attention layer), so ``kvbits eval --mode stream --semantics prefill`` crashed, and
+    ``cache_bytes(DynamicCache(config))`` raised ``AttributeError`` (``LinearAttentionLayer`` has no
+    ``is_initialized``). Now the prompt's states are copied into each cache: the decoded hidden states equal a full
+    forward's, ``cache_bytes`` counts K/V only (as ``kvbits.plan``) and ``linear_state_bytes`` the states."""
+    from kvbits.evaluate.stream import (
+        cache_bytes,
+        decode_hidden,
+        linear_state_bytes,
+        load_kv,
+        prefill_kv,
+        stream_hidden,
+    )
+
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 96, (2, 10))
+    with torch.no_grad():
+        want = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    hidden, kv = prefill_kv(model, ids[:, :6])
+    for cache in (DynamicCache(config=cfg), QuantizedKVCache(config=cfg, scheme="fp16")):
+        load_kv(cache, kv)
+        load_kv(DynamicCache(config=cfg), kv)  # another cache loaded from the same prefill changes nothing here
+        got = torch.cat([hidden, decode_hidden(model, ids[:, 6:], cache)], dim=1)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0), type(cache).__name__
+        fp32 = 2 if isinstance(cache, DynamicCache) else 1  # DynamicCache keeps the float32 model's K/V
+        assert cache_bytes(cache) == fp32 * plan(cfg, context=10, batch=2, scheme="fp16")["total_bytes"]
+        assert linear_state_bytes(cache) == sum(_state_bytes(cache.layers[i]) for i in (0, 2)) > 0
+    report = cache.memory_report()
+    assert report["linear_state_bytes"] == linear_state_bytes(cache)
+    got = stream_hidden(model, ids, "fp16", semantics="prefill", prompt_len=6, fused_decode=False)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+def test_speed_times_hybrid_models(make):
+    """Was: ``kvbits speed`` refused every hybrid model ('runs the real cache on models whose every layer
+    attends'). Now it times them: each cache holds the plan's K/V bytes, ``linear_state_bytes`` reports the
+    conv / recurrent states apart (the same in every run), fp16 decodes DynamicCache's tokens."""
+    from kvbits.evaluate.speed import speed_eval
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make()).eval()
+    s = speed_eval(model, 16, ["fp16", "int8-token"], batches=2, tokens=2, warmup=1, data=torch.randint(1, 96, (64,)))
+    runs = s["runs"]
+    assert [r["cache"] for r in runs] == ["DynamicCache", "fp16", "int8-token"]
+    assert all(r["cache_bytes"] == r["planned_bytes"] > 0 for r in runs)
+    assert len({r["linear_state_bytes"] for r in runs}) == 1 and runs[0]["linear_state_bytes"] > 0
+    assert runs[1]["agreement"] == 1.0
+
+
+def test_speed_and_needle_refuse_models_the_cache_can_not_hold_before_running():
+    """Zamba's ``hybrid`` layers: a ``ValueError`` naming the entry point and the cache's reason, before the prefill
+    (which crashed deep in the model once the blanket hybrid refusal was lifted)."""
+    from kvbits.evaluate.speed import speed_eval
+
+    cfg = transformers.Zamba2Config(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8, n_mamba_heads=2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match=r"kvbits speed runs the real cache, which can not hold .*type 'hybrid'"):
+        speed_eval(model, 16, ["fp16"], tokens=1, warmup=0, data=torch.randint(1, 96, (64,)))

@@ -666,12 +666,14 @@ def test_report_counts_trials_and_bounds_kept_rates():
     assert wilson_interval(5, 5)[1] == 1.0 and wilson_interval(5, 5)[0] < 1
 
 
-def test_hybrid_models_decode_semantics_bits_and_prefill_refused(tok, corpus):
+def test_hybrid_models_decode_semantics_bits_and_prefill(tok, corpus):
     """A hybrid model (LFM2: convolution layers 0 and 2): a mixed scheme's ``avg_bits`` counts the layers that cache
     K/V (``int4-token,0=fp16`` stores what ``int4-token`` does; before: 8.5 for both mixes, as eval had), and
-    prefill semantics, which runs the real cache, is refused by name (before: an IndexError inside transformers'
-    ``get_conv_state``)."""
+    prefill semantics runs the real cache (it was refused by name; before that, an IndexError inside transformers'
+    ``get_conv_state``): its reference scores the key as decode semantics' does, its cache holds the plan's bytes."""
     from transformers import AutoModelForCausalLM, Lfm2Config
+
+    from kvbits.plan import plan
 
     torch.manual_seed(0)
     cfg = Lfm2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=4,
@@ -684,8 +686,9 @@ def test_hybrid_models_decode_semantics_bits_and_prefill_refused(tok, corpus):
                     depths=[0.5], semantics="decode")  # fmt: skip
     assert {r["scheme"]: r["avg_bits"] for r in s["results"]} == {
         "int4-token": 6.0, "int4-token,0=fp16": 6.0, "int4-token,1=fp16": 11.0}  # fmt: skip
-    with pytest.raises(ValueError, match=r"semantics='prefill' .* layers with attention: \[1, 3\] of 4"):
-        needle_eval(hybrid, 300, ["int4-token"], data=str(path), depths=[0.5], semantics="prefill")
+    p = needle_eval(hybrid, 300, ["int4-token"], data=str(path), depths=[0.5], semantics="prefill")
+    assert p["reference"]["nll"] == pytest.approx(s["reference"]["nll"], abs=1e-4)  # the prompt's states are carried
+    assert p["results"][0]["by_context"][0]["cache_bytes"] == plan(cfg, context=299, batch=1, scheme="int4-token")["total_bytes"]
 
 
 def test_reference_bytes_are_the_models_own_cache_on_sliding_layers(tok, corpus):

@@ -735,17 +735,20 @@ def test_cli_static_and_graphs(tmp_path, capsys):
         assert match in capsys.readouterr().err
 
 
-def test_a_hybrid_model_is_refused_by_name():
-    """A hybrid model (LFM2: convolution layers 0 and 2) has states the real quantized cache does not hold; the
-    run failed inside transformers (IndexError in ``get_conv_state``) and is now refused naming its attention layers."""
+def test_a_hybrid_model_runs_and_static_is_refused_by_name():
+    """A hybrid model (LFM2: convolution layers 0 and 2): the run failed inside transformers (IndexError in
+    ``get_conv_state``), then was refused; ``QuantizedKVCache`` now holds it, so it runs (the K/V bytes are the plan's,
+    the conv states reported apart); ``static=True`` is refused by ``StaticQuantizedKVCache``'s reason."""
     from transformers import AutoModelForCausalLM, Lfm2Config
 
     torch.manual_seed(0)
     cfg = Lfm2Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=1024, layer_types=["conv", "full_attention"] * 2)  # fmt: skip
     hybrid = AutoModelForCausalLM.from_config(cfg).eval()
-    with pytest.raises(ValueError, match=r"kvbits speed runs the real cache.*layers with attention: \[1, 3\] of 4"):
-        speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)))
+    s = speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)))
+    assert all(r["cache_bytes"] == r["planned_bytes"] and r["linear_state_bytes"] > 0 for r in s["runs"])
+    with pytest.raises(ValueError, match=r"static=True: 'int4-token': .*full-attention layers only.*conv"):
+        speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)), static=True)
 
 
 def test_static_fused_counts_the_float_layers_of_a_mixed_scheme(model, ids):

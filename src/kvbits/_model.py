@@ -60,17 +60,17 @@ def attending_layers(model: torch.nn.Module, n_layers: int) -> list[int]:
     return sorted({m.layer_idx for m in attention_modules(model) if 0 <= m.layer_idx < n_layers})
 
 
-def check_every_layer_attends(model: torch.nn.Module, n_layers: int, where: str, instead: str) -> None:
-    """``ValueError`` for a hybrid model (:func:`attending_layers`) at an entry point ``where`` that runs the real
-    cache but measures attention-only models (``QuantizedKVCache(config)`` itself serves a hybrid model's conv and
-    linear-attention layers, keeping their states as ``DynamicCache`` does); ``instead``: what the user can run."""
-    attending = attending_layers(model, n_layers)
-    if attending != list(range(n_layers)):
-        raise ValueError(
-            f"{where} runs the real cache on models whose every layer attends: {type(model).__name__} has layers "
-            f"without attention (convolution, linear-attention or state-space; layers with attention: {attending} "
-            f"of {n_layers}); {instead} (generation with QuantizedKVCache(config=model.config) serves such a model)"
-        )
+def check_cache_holds(model: torch.nn.Module, where: str) -> None:
+    """``ValueError`` at an entry point ``where`` that prefills into and decodes through the real cache, before any
+    forward pass, when ``QuantizedKVCache(config=model.config)`` can not hold ``model``'s layers (its
+    ``NotImplementedError``: Zamba's / Falcon-H1's ``hybrid`` layers, attention plus a state in one layer). A hybrid
+    model's ``conv`` / ``linear_attention`` layers are held (their states kept as ``DynamicCache`` keeps them)."""
+    from kvbits.cache import QuantizedKVCache
+
+    try:
+        QuantizedKVCache(config=model.config, scheme="fp16")  # stores nothing until its first update
+    except NotImplementedError as exc:
+        raise ValueError(f"{where} runs the real cache, which can not hold {type(model).__name__}: {exc}") from None
 
 
 def check_model(

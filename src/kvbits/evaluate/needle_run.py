@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbits._model import check_every_layer_attends, check_model_arg
+from kvbits._model import check_cache_holds, check_model_arg
 from kvbits.evaluate.generation import _mean
 from kvbits.evaluate.needle import (
     DEFAULT_DEPTHS,
@@ -358,9 +358,9 @@ def needle_eval(
         )
     check_context_fits(model.config, contexts[-1])
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    check_schemes_fit(resolved, model.config)
     if semantics == "prefill":
-        check_every_layer_attends(model, n_layers, "semantics='prefill'", "use semantics='decode' (the simulator)")
+        check_cache_holds(model, "semantics='prefill'")
+    check_schemes_fit(resolved, model.config)
     text_ids = tokenize(text, tokenizer)
     trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
     head = LogitHead.from_model(model)

@@ -39,7 +39,10 @@ never pay: compare both before reading a fused speed-up as the kernel's.
 Memory per run: the bytes the cache holds after the last step (``memory_report()["total_bytes"]`` for
 kvbits, every K/V tensor of a ``DynamicCache``, a peer's quanto codes, scales, zero-points and residual:
 ``kvbits.evaluate.stream.cache_bytes``) beside what ``kvbits.plan`` says for the same tokens
-(``planned_bytes``, none for a peer: they are equal unless something is wrong), and on CUDA the allocator's bytes held
+(``planned_bytes``, none for a peer: they are equal unless something is wrong); a hybrid model's convolution /
+linear-attention states (LFM2, Qwen3-Next: fixed per sequence, unquantized, the same in every run) are not K/V and
+not in either: ``linear_state_bytes`` counts them apart (``kvbits.evaluate.stream.linear_state_bytes``, 0 for a model
+whose every layer attends), and on CUDA the allocator's bytes held
 by the cache after the run (``cuda_resident_bytes``; a ``graphs`` run's captured steps are freed first, and what they
 held, each variant's logits and the step's inputs, is ``cuda_graph_bytes``) and its peak above the pre-cache baseline
 during the decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
@@ -61,10 +64,16 @@ from typing import Any
 
 import torch
 
-from kvbits._model import check_every_layer_attends, check_model_arg
+from kvbits._model import check_cache_holds, check_model_arg
 from kvbits.evaluate.inputs import check_int, check_ints
 from kvbits.evaluate.sdpa import check_sdpa_mode, sdpa_backends
-from kvbits.evaluate.stream import PeerScheme, cache_bytes, check_schemes_fit, resolve_schemes
+from kvbits.evaluate.stream import (
+    PeerScheme,
+    cache_bytes,
+    check_schemes_fit,
+    linear_state_bytes,
+    resolve_schemes,
+)
 from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
@@ -335,6 +344,7 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         "step_ms": [round(x, 4) for x in times],
     }
     rec["cache_bytes"] = cache_bytes(cache)
+    rec["linear_state_bytes"] = linear_state_bytes(cache)  # a hybrid model's conv / recurrent states, not K/V
     if scheme is None or scheme == STATIC_BASELINE or isinstance(scheme, PeerScheme):
         rec["workspace_bytes"] = None if isinstance(scheme, PeerScheme) else 0
         rec["decode"] = None
@@ -477,7 +487,7 @@ def speed_eval(
         autotuner's launches this run served, ``{}`` unless ``KVBITS_AUTOTUNE=on``), "layers", "schemes": [{"scheme",
         "avg_bits", "peer", "path", "calibration"}],
         "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90",
-        "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "workspace_bytes", "planned_bytes",
+        "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "linear_state_bytes", "workspace_bytes", "planned_bytes",
         "cuda_resident_bytes", "cuda_peak_bytes", "cuda_graph_bytes" (CUDA graph runs: what the captured steps held,
         freed before ``cuda_resident_bytes`` is read; else ``None``), "decode" (kvbits caches: fused and fallback steps, all and timed,
         and ``kernel_calls``: the fused steps' ``decode_attention`` calls the host ran, warm-up included, by what
@@ -532,7 +542,7 @@ def speed_eval(
     check_context_fits(model.config, contexts[-1] + warmup + tokens)
     dev = next(model.parameters()).device
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
-    check_every_layer_attends(model, n_layers, "kvbits speed", "kvbits eval (simulate mode) and kvbits needle (semantics='decode') measure such models")
+    check_cache_holds(model, "kvbits speed")
     check_schemes_fit(resolved, model.config)
     if static:
         refused = static_refusals(resolved, n_layers)

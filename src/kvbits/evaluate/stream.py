@@ -47,6 +47,7 @@ __all__ = [
     "base_model",
     "cache_bytes",
     "decode_hidden",
+    "linear_state_bytes",
     "load_kv",
     "make_cache",
     "prefill_kv",
@@ -297,20 +298,48 @@ def _step(base: Any, ids: torch.Tensor, cache: Any, kw: str) -> torch.Tensor:
     return base(input_ids=ids, use_cache=True, **{kw: cache}).last_hidden_state
 
 
-@torch.no_grad()
-def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A full-precision prefill of ``ids`` ``(B, T)``: final hidden states ``(B, T, hidden)`` and each
-    layer's ``(keys, values)`` ``(B, H_kv, T, D)`` as the model cached them (``DynamicCache``).
-
-    The ``DynamicCache`` gets no config, so every layer keeps all its tokens (a sliding layer would keep
-    only the last ``W - 1``, and the quantized cache counts its blocks from token 0).
-    """
+def _prefill_cache(model: Any) -> Any:
+    """The ``DynamicCache`` a full-precision prefill fills: no config, so every attention layer keeps all its tokens
+    (a sliding layer would keep only the last ``W - 1``, and the quantized cache counts its blocks from token 0); a
+    hybrid model's convolution / linear-attention layers (``conv``, ``linear_attention``) get transformers'
+    ``LinearAttentionLayer``, as ``DynamicCache(config=...)`` and ``QuantizedKVCache`` give them."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    base = base_model(model)
+    from kvbits.cache.cache import _STATE_TYPES, _layer_types, _state_layer
+    from kvbits.plan.config import text_config
+
     full = DynamicCache()
+    text = text_config(model.config)
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n_layers, int):
+        return full
+    types, kwargs = _layer_types(text, n_layers)
+    if not any(t in _STATE_TYPES for t in types):
+        return full
+    full.layers = [_state_layer(i, t, kw) if t in _STATE_TYPES else DynamicLayer()
+                   for i, (t, kw) in enumerate(zip(types, kwargs))]  # fmt: skip
+    return full
+
+
+@torch.no_grad()
+def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    """A full-precision prefill of ``ids`` ``(B, T)``: final hidden states ``(B, T, hidden)`` and each
+    layer's ``(keys, values)`` ``(B, H_kv, T, D)`` as the model cached them (``DynamicCache``; every layer keeps
+    all its tokens, a sliding one too: the quantized cache counts its blocks from token 0); for a hybrid model's
+    convolution / linear-attention layer, its transformers ``LinearAttentionLayer`` (conv / recurrent states after
+    the prompt), which :func:`load_kv` copies into each cache.
+    """
+    base = base_model(model)
+    full = _prefill_cache(model)
     hidden = _step(base, ids, full, cache_kwarg(base))
-    return hidden, [(layer.keys, layer.values) for layer in full.layers]
+    return hidden, [layer if _is_state(layer) else (layer.keys, layer.values) for layer in full.layers]
+
+
+def _is_state(layer: Any) -> bool:
+    from kvbits.cache.cache import _is_state_layer
+
+    return _is_state_layer(layer)
 
 
 def cache_bytes(cache: Any) -> int | None:
@@ -318,7 +347,8 @@ def cache_bytes(cache: Any) -> int | None:
     ``StaticCache`` (all its reserved slots); for transformers' ``QuantizedCache`` (a peer) each layer's quantized
     states (quanto's packed codes, scales and zero-points, HQQ's codes and metadata: :func:`tensor_bytes`) and its
     full-precision residual (``keys`` / ``values``: counting only these, as a ``DynamicLayer``'s, undercounts it);
-    None for any other cache."""
+    None for any other cache. K/V only, as ``kvbits.plan`` prices: a hybrid model's convolution / linear-attention
+    states are not counted (:func:`linear_state_bytes`)."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     report = getattr(cache, "memory_report", None)
@@ -332,8 +362,17 @@ def cache_bytes(cache: Any) -> int | None:
                    for layer in layers)  # fmt: skip
     if not isinstance(cache, (DynamicCache, StaticCache)):
         return None
-    return int(sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values)))  # fmt: skip
+    return int(sum(t.numel() * t.element_size() for layer in cache.layers
+                   if not _is_state(layer) and layer.is_initialized for t in (layer.keys, layer.values)))  # fmt: skip
+
+
+def linear_state_bytes(cache: Any) -> int:
+    """Bytes of a hybrid model's convolution / linear-attention states in ``cache`` (its ``LinearAttentionLayer``
+    layers: ``QuantizedKVCache.memory_report()["linear_state_bytes"]``, the same count for a ``DynamicCache``); 0
+    for a model whose every layer attends. Not part of :func:`cache_bytes`."""
+    from kvbits.cache.cache import state_nbytes
+
+    return sum(state_nbytes(layer) for layer in getattr(cache, "layers", ()) if _is_state(layer))
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -361,12 +400,26 @@ def tensor_bytes(obj: Any) -> int:
     return int(walk(obj))
 
 
-def load_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def load_kv(cache: Any, kv: list[Any]) -> None:
     """Append a prefill's per-layer ``(keys, values)`` (``prefill_kv``) to ``cache`` with ``update``,
-    which stores (and, for a quantized cache, flushes) them exactly as during generation. The tensors
-    are not modified, so one prefill can be loaded into several caches."""
-    for idx, (k, v) in enumerate(kv):
-        cache.update(k, v, idx)
+    which stores (and, for a quantized cache, flushes) them exactly as during generation; a hybrid model's
+    convolution / linear-attention layer (a ``LinearAttentionLayer`` in ``kv``) is copied into ``cache`` (a deep
+    copy: the model updates those states in place). The tensors are not modified, so one prefill can be loaded
+    into several caches; ``ValueError`` when ``cache`` has no such layer there (a cache of attention layers only)."""
+    import copy
+
+    for idx, entry in enumerate(kv):
+        if _is_state(entry):
+            if idx >= len(cache.layers) or not _is_state(cache.layers[idx]):
+                have = type(cache.layers[idx]).__name__ if idx < len(cache.layers) else "no layer"
+                raise ValueError(
+                    f"layer {idx} of the prefill is a convolution / linear-attention layer but {type(cache).__name__} "
+                    f"has {have} there: build the cache from the model's config (DynamicCache(config=...), "
+                    "QuantizedKVCache(config=...))"
+                )
+            cache.layers[idx] = copy.deepcopy(entry)
+        else:
+            cache.update(entry[0], entry[1], idx)
 
 
 @torch.no_grad()
