@@ -161,6 +161,17 @@ def test_needle_eval_takes_numpy_ints_as_build_trials_does(lm, corpus):
     assert type(s["trials"]) is int and type(s["seed"]) is int
 
 
+def test_negative_zero_depth_is_depth_zero(tok, corpus):
+    """``--depths -0`` passes the [0, 1] check as ``-0.0``; it was kept so, and the report's grid printed a
+    ``-0`` column (``f"{-0.0:g}"``) and the JSON ``-0.0``, beside or instead of depth 0."""
+    from kvbits.evaluate.needle import check_depths
+
+    assert [math.copysign(1.0, d) for d in check_depths([-0.0, 0.5])] == [1.0, 1.0]
+    (t,) = build_trials(tok, corpus[1], 300, [-0.0], seed=0)
+    assert f"{t.depth:g}" == "0" and t.needle_at == 0
+    assert [(u.key, u.offset) for u in build_trials(tok, corpus[1], 300, [0.0], seed=0)] == [(t.key, t.offset)]
+
+
 def test_trial_errors(tok, corpus):
     _, ids = corpus
     shortest = min_context(tok)

@@ -148,7 +148,7 @@ def check_contexts(contexts: Sequence[int] | int) -> list[int]:
 
 
 def check_depths(depths: Sequence[float]) -> list[float]:
-    """Distinct finite depths in [0, 1], ascending; ``ValueError`` otherwise."""
+    """Distinct finite depths in [0, 1], ascending (``-0.0`` as ``0.0``); ``ValueError`` otherwise."""
     try:
         items = list(depths)
     except TypeError:
@@ -163,7 +163,7 @@ def check_depths(depths: Sequence[float]) -> list[float]:
             raise ValueError(
                 f"each depth must be in [0, 1] (0: start of the haystack, 1: its end), got {d!r}"
             )
-        out.append(float(d))
+        out.append(float(d) + 0.0)  # -0.0 is depth 0 (the report printed a "-0" column, the JSON -0.0)
     return sorted(set(out))
 
 
