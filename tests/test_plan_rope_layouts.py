@@ -119,7 +119,7 @@ def test_pre_rope_keys_of_nope_layer_types_are_cached_as_planned():
     through it stays close to ``DynamicCache``'s, and it holds the bytes the planner counts."""
     import torch
 
-    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache import QuantizedKVCache, cache_kwargs
 
     config = _config(
         "beam", num_hidden_layers=3, head_dim=16, sliding_window=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -129,9 +129,9 @@ def test_pre_rope_keys_of_nope_layer_types_are_cached_as_planned():
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()  # 2 bytes, as planned
     ids = torch.randint(0, 128, (1, 24))
     with torch.no_grad():
-        ref = model(ids, cache=transformers.DynamicCache(config=config)).logits
+        ref = model(ids, **cache_kwargs(transformers.DynamicCache(config=config), model)).logits
         cache = QuantizedKVCache(config, "int4-channel-prerope")
-        out = model(ids, cache=cache).logits
+        out = model(ids, **cache_kwargs(cache, model)).logits
     assert [cache._rotary.tables_for_layer(i).rot_dim for i in range(3)] == [16, 0, 16]
     assert (out.float() - ref.float()).abs().max() < 0.1 * ref.float().abs().max()
     assert cache.memory_report()["total_bytes"] == plan(config, scheme="int4-channel-prerope", context=24)["total_bytes"]
