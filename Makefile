@@ -20,12 +20,14 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 # The GPU machine's transformers (5.17; it cannot install packages): the prepared device run (cache, fused decode,
 # benchmarks/gpu_decode.py) must work there, so CI also runs those tests under it (`make test-compat`: 3-7 min on
 # 2026-12-06; ~2 min for its first 391 tests).
+# Also the caches built from per-layer configs (test_cache_configs) and loading by hub id with no network, the
+# GPU machine's case (test_hub: huggingface_hub 1.x there; about 20 s for both).
 # Installed beside the venv's newer transformers, in a folder that goes first on PYTHONPATH.
 TF_COMPAT     ?= 5.17.0
 COMPAT_DIR    := $(VENV)/compat-transformers-$(TF_COMPAT)
 COMPAT_TESTS  := tests/test_cache.py tests/test_cache_inputs.py tests/test_cache_slices.py tests/test_fused_cache.py \
                  tests/test_reserve.py tests/test_falcon_heads.py tests/test_speed.py tests/test_cache_compat.py \
-                 tests/test_compile.py tests/test_static_cache.py
+                 tests/test_compile.py tests/test_static_cache.py tests/test_cache_configs.py tests/test_hub.py
 
 .PHONY: setup demo test test-all test-compat bench-cpu clean
 

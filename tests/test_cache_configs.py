@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvbits.cache import QuantizedKVCache, attention_shape
+from kvbits.cache import QuantizedKVCache, attention_shape, cache_kwargs
 from kvbits.cache.static import StaticQuantizedKVCache
 from kvbits.plan.config import model_shape
 
@@ -40,10 +40,10 @@ def test_heterogeneous_config_builds_both_caches_as_the_planner_reads_it():
     model = modeling.Step3p7TextModel(cfg).eval()
     ids = torch.randint(0, 100, (1, 12))
     with torch.no_grad():
-        ref = model(ids, cache=DynamicCache(config=cfg)).last_hidden_state
+        ref = model(ids, **cache_kwargs(DynamicCache(config=cfg), model)).last_hidden_state
         for cache in (QuantizedKVCache(config=cfg, scheme="int8-token"),
                       StaticQuantizedKVCache(config=cfg, scheme="int8-token", max_cache_len=16)):  # fmt: skip
-            out = model(ids, cache=cache).last_hidden_state
+            out = model(ids, **cache_kwargs(cache, model)).last_hidden_state
             assert cache.get_seq_length() == 12
             assert (out - ref).abs().max() < 0.05
 

@@ -139,7 +139,7 @@ def test_plan_of_an_uncached_hub_id_fails_at_once_with_the_reason(
     real = transformers.AutoConfig.from_pretrained
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append(kwargs)
+        calls.append({**kwargs, "offline": constants.HF_HUB_OFFLINE})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
@@ -149,7 +149,9 @@ def test_plan_of_an_uncached_hub_id_fails_at_once_with_the_reason(
     ):
         plan("some-org/not-cached", context=1024)
     assert time.perf_counter() - t0 < 10.0
-    assert calls == [{"local_files_only": True}]
+    # huggingface_hub's offline switch on around it: 1.x (transformers 5.17) still connected for its agent registry
+    assert calls == [{"local_files_only": True, "offline": True}]
+    assert constants.HF_HUB_OFFLINE is False
 
 
 def test_evaluate_load_config_reads_the_cache_and_names_the_reason(
@@ -170,20 +172,21 @@ def test_load_model_by_hub_id_reads_only_the_cache(
     no_proxy: None, lookups: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import transformers
+    from huggingface_hub import constants
 
     from kvbits.evaluate.models import load_model
 
     seen: list[dict[str, Any]] = []
 
     def offline(*args: Any, **kwargs: Any) -> None:
-        seen.append(kwargs)
+        seen.append({**kwargs, "offline": constants.HF_HUB_OFFLINE})
         raise OSError("not in the cache")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)  # read first: encoders are refused
     with pytest.raises(RuntimeError, match=r"some-org/some-model.*hub is unreachable.*smollm2-135m"):
         load_model("some-org/some-model")
-    assert seen == [{"local_files_only": True}]
+    assert seen == [{"local_files_only": True, "offline": True}] and constants.HF_HUB_OFFLINE is False
 
 
 def test_hub_datasets_load_offline_where_the_hub_is_unreachable(

@@ -291,7 +291,11 @@ def test_nemotron_nas_caches_hold_each_block_s_kv_heads():
     assert [layer_heads(cfg, i) for i in range(3)] == [(32, 4, 64), (32, 0, 64), (32, 8, 64)]
     k0, k2 = torch.randn(1, 4, 10, 64), torch.randn(1, 8, 10, 64)
     cache = QuantizedKVCache(config=cfg, scheme="int4-token")
-    assert type(cache.layers[1]).__name__ == "DummyLayer"
+    from transformers import cache_utils
+
+    # transformers 5.17 has no DummyLayer: there the block is a lazy QuantizedKVLayer that is never updated
+    stub = "DummyLayer" if hasattr(cache_utils, "DummyLayer") else "QuantizedKVLayer"
+    assert type(cache.layers[1]).__name__ == stub
     cache.update(k0, k0.clone(), 0)
     cache.update(k2, k2.clone(), 2)
     assert cache.memory_report()["total_bytes"] == plan(d, context=10, scheme="int4-token")["total_bytes"]

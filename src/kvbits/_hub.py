@@ -5,7 +5,9 @@ Where there is no network, ``huggingface_hub`` retries a failed connection five 
 milliseconds; the load then reads the local hub cache only (``local_files_only=True``), so a model
 already cached still loads offline, and one that is not fails at once with the reason. ``datasets.load_dataset``
 takes no such argument: ``hub_offline()`` turns huggingface_hub's and datasets' offline switches on around it
-(both read them at call time), with the same effect.
+(both read them at call time), with the same effect. Loads with ``local_files_only`` run inside it too
+(``hub_offline_if``): huggingface_hub 1.x (under transformers 5.17) still connects during such a load, to fetch
+its agent registry for the user-agent header (a 3 s timeout each process).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["hub_failure", "hub_load_kwargs", "hub_offline", "hub_unreachable"]
+__all__ = ["hub_failure", "hub_load_kwargs", "hub_offline", "hub_offline_if", "hub_unreachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +132,10 @@ def hub_offline() -> Iterator[None]:
     finally:
         for module, value in saved:
             module.HF_HUB_OFFLINE = value
+
+
+def hub_offline_if(unreachable: str | None) -> contextlib.AbstractContextManager[None]:
+    """``hub_offline()`` where ``unreachable`` gives a reason (from ``hub_load_kwargs``), else a no-op: around a
+    ``from_pretrained(..., local_files_only=True)`` it stops huggingface_hub 1.x's one connection attempt of such a
+    load (its agent registry, fetched for the user-agent header even from the cache alone)."""
+    return hub_offline() if unreachable else contextlib.nullcontext()

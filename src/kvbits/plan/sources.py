@@ -340,11 +340,12 @@ def _offline_names() -> list[str]:
 def _from_hub(model_id: str) -> Any:
     from transformers import AutoConfig
 
-    from kvbits._hub import hub_failure, hub_load_kwargs
+    from kvbits._hub import hub_failure, hub_load_kwargs, hub_offline_if
 
     kwargs, unreachable = hub_load_kwargs(f"the config of {model_id!r}")
     try:
-        return AutoConfig.from_pretrained(model_id, **kwargs)
+        with hub_offline_if(unreachable):
+            return AutoConfig.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as exc:
         names = _offline_names()
         raise ValueError(

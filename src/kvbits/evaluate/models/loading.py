@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvbits._hub import hub_load_kwargs
+from kvbits._hub import hub_load_kwargs, hub_offline_if
 from kvbits._model import check_causal_lm
 from kvbits.evaluate.models.gguf import (
     _conversion_record,
@@ -139,7 +139,8 @@ def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
                 return AutoConfig.from_pretrained(folder)
             with gguf_parse_errors(Path(source.path) / source.gguf_file):
                 return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-        return AutoConfig.from_pretrained(source.path, **hub_kwargs)
+        with hub_offline_if(unreachable):
+            return AutoConfig.from_pretrained(source.path, **hub_kwargs)
     except (OSError, ValueError) as exc:
         if source.is_local:
             raise
@@ -196,14 +197,15 @@ def load_model(
         logger.info("%s holds no tokenizer files: loading it without a tokenizer (token ids only)", path)
     if "gguf_file" not in kwargs:  # an encoder or encoder-decoder is refused before its weights load
         try:
-            config = AutoConfig.from_pretrained(path, **kwargs)
+            with hub_offline_if(unreachable):
+                config = AutoConfig.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as exc:
             if source.is_local:
                 raise
             raise _hub_error(source, exc, unreachable) from exc
         check_causal_config(config, what=f"{source.name} ({type(config).__name__})")
     try:
-        with parsing:
+        with parsing, hub_offline_if(unreachable):
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs) if with_tokenizer else None
             model: Any = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation="sdpa", **kwargs
