@@ -77,10 +77,10 @@ def test_endpoint_host_is_the_one_looked_up(
 
 
 def test_a_hanging_lookup_is_cut_at_the_timeout(no_proxy: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(5))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(60))
     t0 = time.perf_counter()
     reason = _hub.hub_unreachable(timeout_s=0.2)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 30.0  # not the lookup's 60 s (a margin for a loaded machine, not a speed goal)
     assert reason is not None and "took over 0.2 s" in reason
 
 
@@ -119,11 +119,9 @@ def test_plan_reads_a_cached_hub_config_without_network(
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     _hub_cache(tmp_path, "some-org/cached-model", CONFIG)
-    t0 = time.perf_counter()
     cached = plan("some-org/cached-model", context=1024)
-    assert time.perf_counter() - t0 < 10.0  # no retries: huggingface_hub's would take about 23 s
     assert cached["total_bytes"] == plan(dict(CONFIG), context=1024)["total_bytes"] > 0
-    assert lookups == ["huggingface.co"]
+    assert lookups == ["huggingface.co"]  # one lookup, no retries (huggingface_hub's own would look up again)
 
 
 def test_plan_of_an_uncached_hub_id_fails_at_once_with_the_reason(
@@ -143,15 +141,14 @@ def test_plan_of_an_uncached_hub_id_fails_at_once_with_the_reason(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
-    t0 = time.perf_counter()
     with pytest.raises(
         ValueError, match=r"some-org/not-cached.*hub is unreachable \(huggingface\.co does not resolve"
     ):
         plan("some-org/not-cached", context=1024)
-    assert time.perf_counter() - t0 < 10.0
     # huggingface_hub's offline switch on around it: 1.x (transformers 5.17) still connected for its agent registry
     assert calls == [{"local_files_only": True, "offline": True}]
     assert constants.HF_HUB_OFFLINE is False
+    assert lookups == ["huggingface.co"]  # one lookup, no retries
 
 
 def test_evaluate_load_config_reads_the_cache_and_names_the_reason(
