@@ -5,11 +5,19 @@ each flush turns a block of full-precision tokens into codes (the bytes drop), s
 blocks that left the window. So the longest context is defined by the first length that does *not* fit:
 ``max_context`` is the largest ``T`` such that ``batch`` sequences fit at **every** length ``1..T``.
 
-It is found exactly, without scanning every length: the bytes are a rising trend with a bounded sawtooth,
-so once a length ``t`` fits, no length below ``t - M`` can fail, where ``M`` (:func:`_margin`) follows from
-each layer's full-precision buffer, its quantized bytes per token and the sliding layers' largest bytes.
-A doubling search and a bisection find a length that fits followed by one that does not, and the ``M``
-lengths below are checked one by one.
+It is found exactly, without scanning lengths, from two facts about the bytes ``f(n)`` at length ``n``
+(:func:`_sawtooth`; ``tests/test_plan_limits.py`` checks both by brute force and holds the search equal to
+a length-by-length one):
+
+- ``f(n + P) >= f(n)`` for every ``n``, ``P`` the least common multiple of the quantizing layers' blocks: one
+  period on, each layer holds the same full-precision tokens and as many or more quantized blocks (a sliding
+  layer as many, once its window is full). So the largest bytes over ``1..n`` are reached in ``n - P < t <= n``.
+- ``f(n + 1) >= f(n)`` unless a layer flushes a block or drops one from its window at ``n + 1``, which happens
+  at lengths of known residues modulo its block. So within ``n - P < t <= n`` the largest bytes are at ``n`` or
+  just before such a drop: a few lengths per period.
+
+The peak over ``1..n`` is then monotone in ``n`` and cheap, and a doubling search and a bisection on it find the
+first length that does not fit; :func:`max_concurrency` reads the same few lengths below the context.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import Callable, Iterable
 
 from kvbits.plan.shape import LayerShape, ModelShape
 from kvbits.schemes import KVScheme, layer_bytes, token_split
-from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes
+from kvbits.schemes.accounting import PACKED_KINDS, rope_table_bytes, sliding_falls_back
 
 __all__ = ["LIMIT", "fused_rope_table_bytes", "max_concurrency", "max_context", "total_bytes"]
 
@@ -87,50 +95,37 @@ def _total_fn(shape: ModelShape, scheme: KVScheme, batch: int, fused_decode: boo
     return total
 
 
-def _margin(shape: ModelShape, scheme: KVScheme, batch: int) -> int | None:
-    """``M``: once a length ``t`` fits, every length ``<= t - M`` fits too; None without full-attention layers
-    (the bytes are then bounded, see :func:`max_context`).
+def _sawtooth(shape: ModelShape, scheme: KVScheme) -> tuple[int, list[tuple[int, int]]]:
+    """``(period, drops)``: the bytes at ``n + period`` are at least those at ``n``, and the bytes at ``n + 1`` are
+    at least those at ``n`` unless ``n + 1 ≡ residue (mod block)`` for some ``(block, residue)`` in ``drops``.
 
-    Per full layer, with ``rate`` its bytes per token over whole quantized blocks (metadata included), ``fb``
-    the bytes of one full-precision token and ``R = sinks + residual + block`` (more than the sinks and the
-    buffer ever hold): from ``u`` to ``t > u`` the layer gains at least ``(t - u) * rate - R * fb`` bytes. A
-    sliding layer may lose at most its largest bytes. ``M`` makes the sum of gains non-negative.
+    A layer that quantizes nothing (an identity scheme, or a sliding window its scheme keeps in full precision:
+    ``sliding_falls_back``) only grows, or stays level once its window is full. A full-attention layer drops when
+    it flushes, at ``n = sinks + residual + k * block``; a sliding one when it flushes (``n = residual + k * block``:
+    it keeps no sinks) and when a block leaves its window (``n = window - 1 + k * block``). The fused RoPE tables
+    only grow. ``period`` is the least common multiple of the quantizing layers' blocks (1 when none quantize).
     """
-    rate = 0  # bytes per token the full layers add over whole blocks
-    slack = 0  # bytes a shorter length may hold above that trend
-    for (s, layer), count in _groups(shape, scheme).items():
-        def total(n: int, g: _Group = (s, layer)) -> int:
-            return _layer_total(g, n, batch, shape.dtype_bytes)
-
+    period, drops = 1, set()
+    for s, layer in _groups(shape, scheme):
+        if s.is_identity or (layer.attention == "sliding" and sliding_falls_back(s, layer.window)):
+            continue
+        period = math.lcm(period, s.block)
         if layer.attention == "sliding":
-            span = layer.window + 2 * (s.sinks + s.residual + s.block)  # steady state, one period past it
-            slack += count * max(total(n) for n in range(span + 1))
-        elif s.is_identity:
-            rate += count * (total(1) - total(0))
+            drops |= {(s.block, s.residual % s.block), (s.block, (layer.window - 1) % s.block)}
         else:
-            start, n_blocks = s.sinks + s.residual + s.block, 64  # the first flush: whole blocks from here on
-            rate += count * (total(start + n_blocks * s.block) - total(start)) / (n_blocks * s.block)
-            fb = batch * layer.kv_heads * layer.head_dim * 2 * shape.dtype_bytes
-            slack += count * (s.sinks + s.residual + s.block) * fb
-    if rate <= 0:
-        return None
-    return math.ceil(slack / rate) + 1
+            drops.add((s.block, (s.sinks + s.residual) % s.block))
+    return period, sorted(drops)
 
 
-def _bounded_span(shape: ModelShape, scheme: KVScheme) -> int:
-    """Lengths ``1..span`` reach the largest bytes of a model whose bytes are bounded (sliding layers only)."""
-    return max(
-        (2 * (layer.window or 0) + 4 * (s.sinks + s.residual + s.block) for s, layer in _groups(shape, scheme)),
-        default=0,
-    )
-
-
-def _peak_candidates(shape: ModelShape, scheme: KVScheme, context: int) -> range:
-    """Lengths ``<= context`` among which the bytes reach their largest over ``1..context`` (at any batch)."""
-    margin = _margin(shape, scheme, 1)  # batch cancels out: the trend and the slack both scale with it
-    if margin is None:
-        return range(1, min(context, _bounded_span(shape, scheme)) + 1)
-    return range(max(1, context - margin), context + 1)
+def _peak_lengths(period: int, drops: list[tuple[int, int]], n: int) -> list[int]:
+    """Lengths in ``max(1, n - period + 1)..n`` among which the bytes (and the smallest batch that fits) reach their
+    extremes over ``1..n``: ``n`` and the length before each drop (:func:`_sawtooth`)."""
+    lo = max(1, n - period + 1)
+    ends = {n}
+    for block, residue in drops:
+        first = lo + 1 + (residue - lo - 1) % block  # the first length > lo of this residue
+        ends.update(range(first - 1, n, block))
+    return sorted(ends)
 
 
 def max_concurrency(
@@ -153,7 +148,7 @@ def max_concurrency(
     fixed = per_seq(0)  # per-layer constants: the bytes at 0 tokens
     groups = _groups(shape, scheme)
     concurrency, peak = None, 0
-    for n in _peak_candidates(shape, scheme, context):
+    for n in _peak_lengths(*_sawtooth(shape, scheme), context):
         request = per_seq(n) - fixed
         rope = fused_rope_table_bytes(groups, n) if fused_decode else 0
         fit = max(0, (free_bytes - fixed - rope) // request)
@@ -185,23 +180,20 @@ def max_context(
         layers all slide (their bytes stop growing) or that stores no K/V, or a budget beyond ``LIMIT`` tokens.
     """
     f = _total_fn(shape, scheme, batch, fused_decode)
-    margin = _margin(shape, scheme, batch)
-    if margin is None:  # bounded bytes: sliding layers only (or none), whose largest is reached early
-        span = _bounded_span(shape, scheme)
-        first = next((n for n in range(1, span + 1) if f(n) > free_bytes), None)
-        return None if first is None else first - 1
-    if f(1) > free_bytes:
-        return 0
-    lo, hi = 1, 2
-    while f(hi) <= free_bytes:
-        lo, hi = hi, hi * 2
-        if hi > LIMIT:
-            return None
-    while hi - lo > 1:  # f(lo) fits, f(hi) does not
+    period, drops = _sawtooth(shape, scheme)
+
+    def fits(n: int) -> bool:  # at every length 1..n
+        return all(f(t) <= free_bytes for t in _peak_lengths(period, drops, n))
+
+    if fits(LIMIT):  # the bytes stay bounded (layers that all slide, or none) or the budget is beyond LIMIT
+        return None
+    lo, hi = 0, 1  # 1..lo fits (none when 0), 1..hi does not
+    while fits(hi):
+        lo, hi = hi, min(2 * hi, LIMIT)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if f(mid) <= free_bytes:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
-    # lo fits, so no length below lo - margin fails; the first failure is in (lo - margin, hi]
-    return next(n for n in range(max(1, lo - margin + 1), hi + 1) if f(n) > free_bytes) - 1
+    return lo
