@@ -730,7 +730,7 @@ def test_cli_static_and_graphs(tmp_path, capsys):
     assert main([*argv, "--static"]) == 0
     assert "StaticCache" in capsys.readouterr().out
     for bad, match in ((["--graphs"], "add --static"), (["--static", "--grow"], "drop --grow"),
-                       (["--static", "--graphs"], "CUDA graphs need a CUDA device")):  # fmt: skip
+                       (["--static", "--graphs"], "--graphs replays decode steps from captured CUDA graphs: it needs --device cuda")):  # fmt: skip
         assert main([*argv, *bad]) != 0
         assert match in capsys.readouterr().err
 
