@@ -60,6 +60,38 @@ def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(ids, error
         speed_eval(model, 16, ["int4-token"], data=ids, tokens=2, warmup=0)
 
 
+def test_a_tokenizer_with_more_ids_than_the_embedding_table_is_named(tmp_path, capsys):
+    """Text tokenized by a tokenizer of 256 ids for a model embedding 101 raised torch's 'IndexError: index out of
+    range in self' from inside the first layer (evaluate, calibrate, speed, needle, monitor); ``kvbits analyze``
+    said the windows were outside the table without naming the tokenizer. Now one check, after tokenizing."""
+    from _bytelevel import byte_tokenizer, save_byte_tokenizer, write_sentences
+
+    from kvbits.cli import main
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+    from kvbits.evaluate.needle_run import needle_eval
+    from kvbits.monitor.watch import watch
+
+    path = write_sentences(tmp_path / "hay.txt", 200)
+    text = str(path)
+    lm = LoadedModel(_llama(layers=1), byte_tokenizer(), ModelSource(name="t", path="t"), "0" * 16)
+    first = byte_tokenizer()(path.read_text())["input_ids"]
+    at = next(i for i, t in enumerate(first) if t >= VOCAB)
+    message = rf"id {first[at]} \(token {at};.*embedding table of {VOCAB} ids: the tokenizer has 256 ids"
+    for call in (
+        lambda: evaluate(lm, text, 16, ["int4-token"]),
+        lambda: calibrate(lm, text, "kvquant-4", context=16, windows=1, fisher=False),
+        lambda: speed_eval(lm, 16, ["int4-token"], data=text, tokens=2, warmup=0),
+        lambda: needle_eval(lm, 300, ["int4-token"], data=text, depths=[0.5]),
+        lambda: watch(lm, text, 16, "int4-token"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+    lm.model.save_pretrained(tmp_path / "model")
+    save_byte_tokenizer(tmp_path / "model")
+    assert main(["analyze", "--model", str(tmp_path / "model"), "--data", text, "--context", "64"]) == 2
+    assert "the tokenizer has 256 ids" in capsys.readouterr().err
+
+
 def test_no_token_window_is_refused_before_the_model_runs():
     """``(0, T)`` token windows raised torch's 'cannot reshape tensor of 0 elements' inside the model (evaluate)
     or ZeroDivisionError (calibrate)."""

@@ -172,6 +172,27 @@ def test_negative_zero_depth_is_depth_zero(tok, corpus):
     assert [(u.key, u.offset) for u in build_trials(tok, corpus[1], 300, [0.0], seed=0)] == [(t.key, t.offset)]
 
 
+def test_depths_sharing_a_trial_seed_are_refused(tok, corpus, tmp_path, capsys):
+    """A trial is seeded by ``round(depth * 10000)``: depths 0.5 and 0.50004 were both accepted and got the same
+    keys and offsets, so one trial was counted twice. Now refused (Python and CLI), naming both and the 1e-4."""
+    from kvbits.cli import main
+    from kvbits.evaluate.needle import check_depths
+
+    for a, b in ((0.5, 0.50004), (0.49995, 0.50004)):
+        with pytest.raises(ValueError, match=rf"{a}.*{b}.*1e-4"):
+            check_depths([b, 0.25, a])
+        with pytest.raises(ValueError, match="1e-4"):
+            build_trials(tok, corpus[1], 300, [a, b], seed=0)
+    assert check_depths([0.5, 0.5001, 0.5]) == [0.5, 0.5001]  # a step apart: distinct trials; a repeat: one depth
+    keys = [(t.key, t.offset) for t in build_trials(tok, corpus[1], 300, [0.5, 0.5001], trials=2, seed=0)]
+    assert len(set(keys)) == 4
+    argv = ["needle", "--model", str(tmp_path / "no-model"), "--context", "300", "--scheme", "int4-token",
+            "--depths", "0.5,0.50004"]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "0.50004" in capsys.readouterr().err
+
+
 def test_trial_errors(tok, corpus):
     _, ids = corpus
     shortest = min_context(tok)

@@ -747,8 +747,34 @@ def test_a_hybrid_model_runs_and_static_is_refused_by_name():
     hybrid = AutoModelForCausalLM.from_config(cfg).eval()
     s = speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)))
     assert all(r["cache_bytes"] == r["planned_bytes"] and r["linear_state_bytes"] > 0 for r in s["runs"])
+    _linear_states_are_reported(s)
     with pytest.raises(ValueError, match=r"static=True: 'int4-token': .*full-attention layers only.*conv"):
         speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)), static=True)
+
+
+def _linear_states_are_reported(s: dict) -> None:
+    """A hybrid run's ``linear_state_bytes`` were in speed.json only: report.md's bytes table and the CLI's table
+    showed the K/V bytes alone, understating what the cache holds. Now beside them, and refused when not bytes."""
+    import io
+
+    from rich.console import Console
+
+    from kvbits.evaluate import speed_cli
+    from kvbits.report.fmt import fmt_bytes
+    from kvbits.report.speed import check_speed, speed_markdown
+
+    shown = f"+ linear states {fmt_bytes(s['runs'][0]['linear_state_bytes'])}"
+    md = speed_markdown(s, figure=False)
+    assert md.count(shown) == len(s["runs"]) and "*Linear states: the hybrid model's" in md
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("rich.console.Console", lambda: Console(file=buf, width=400))
+        speed_cli._print(s, None)
+    assert buf.getvalue().count(shown) == len(s["runs"])
+    plain = {**s, "runs": [{**r, "linear_state_bytes": 0} for r in s["runs"]]}  # a model whose every layer attends
+    assert "linear states" not in speed_markdown(plain, figure=False).lower()
+    with pytest.raises(ValueError, match="linear_state_bytes"):
+        check_speed({**s, "runs": [{**s["runs"][0], "linear_state_bytes": -1}]}, "speed.json")
 
 
 def test_static_fused_counts_the_float_layers_of_a_mixed_scheme(model, ids):

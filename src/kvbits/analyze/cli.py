@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvbits.analyze.collect import MIN_GROUP, analyze
     from kvbits.cli import EXIT_OK, _print_json
-    from kvbits.evaluate.data import load_text, make_windows, tokenize
+    from kvbits.evaluate.data import check_tokenized, load_text, make_windows, tokenize
     from kvbits.evaluate.models import load_model
     from kvbits.evaluate.request import check_device
 
@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
-    windows = make_windows(tokenize(text, lm.tokenizer), args.context, args.windows)
+    ids = tokenize(text, lm.tokenizer)
+    check_tokenized(ids, lm.tokenizer, lm.model, f"the text {text.name!r}")  # before analyze()'s forwards
+    windows = make_windows(ids, args.context, args.windows)
     logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
     sample_tokens = max(args.sample_tokens, min(128, windows.shape[1]))  # analyze() needs one whole block
     if sample_tokens != args.sample_tokens:

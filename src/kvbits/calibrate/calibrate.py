@@ -221,7 +221,7 @@ def _windows(
             record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None)
             return out, record
     else:
-        from kvbits.evaluate.data import load_text, tokenize
+        from kvbits.evaluate.data import check_tokenized, load_text, tokenize
 
         source = data if hasattr(data, "text") and hasattr(data, "sha256") else load_text(str(data))
         if tokenizer is None:
@@ -229,6 +229,7 @@ def _windows(
                 "text data needs the model's tokenizer: pass a model spec or a LoadedModel, or token ids"
             )
         ids = tokenize(source, tokenizer)
+        check_tokenized(ids, tokenizer, model, f"the text {source.name!r}")
         record.update(
             name=source.name,
             documents=1,

@@ -432,8 +432,7 @@ def check_token_ids(ids: torch.Tensor, model: Any = None, what: str = "token ids
     if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.is_complex():
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise TypeError(f"{what} must be an integer tensor, got {got}")
-    embed = getattr(model, "get_input_embeddings", lambda: None)() if model is not None else None
-    n = getattr(embed, "num_embeddings", None)
+    n = _embedding_size(model)
     if n is None or ids.numel() == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
@@ -442,3 +441,39 @@ def check_token_ids(ids: torch.Tensor, model: Any = None, what: str = "token ids
             f"{what} must lie in [0, {n}) (the model's embedding table), got ids from {lo} to {hi}: "
             "token ids of another tokenizer?"
         )
+
+
+def _embedding_size(model: Any) -> int | None:
+    """Rows of ``model``'s input embedding table (``get_input_embeddings().num_embeddings``); None when unknown."""
+    embed = getattr(model, "get_input_embeddings", lambda: None)() if model is not None else None
+    n = getattr(embed, "num_embeddings", None)
+    return int(n) if isinstance(n, int) else None
+
+
+def check_tokenized(ids: torch.Tensor, tokenizer: Any, model: Any, what: str = "the text") -> None:
+    """``ValueError`` when ``tokenizer`` wrote an id past ``model``'s embedding table (torch's ``IndexError:
+    index out of range in self`` inside the first layer otherwise): a tokenizer with more ids than the model
+    embeds. Once per tokenized text, on the host, before the first forward; ``ids`` any shape, int64.
+    ``model`` without ``get_input_embeddings()`` (or None): nothing to check."""
+    n = _embedding_size(model)
+    if n is None or ids.numel() == 0:
+        return
+    flat = ids.reshape(-1)
+    hi = int(flat.max())
+    if hi < n:
+        return
+    at = int((flat >= n).nonzero()[0, 0])
+    vocab = _vocab_size(tokenizer)
+    raise ValueError(
+        f"{what} tokenizes to id {int(flat[at])} (token {at}; the largest is {hi}), past the model's embedding table "
+        f"of {n} ids: the tokenizer has {vocab} ids, more than the model embeds; use the model's own tokenizer"
+    )
+
+
+def _vocab_size(tokenizer: Any) -> str:
+    """The tokenizer's id count with its added tokens (``len(tokenizer)``), else ``vocab_size``; ``"?"``."""
+    try:
+        return str(len(tokenizer))
+    except TypeError:
+        n = getattr(tokenizer, "vocab_size", None)
+        return str(n) if isinstance(n, int) else "?"

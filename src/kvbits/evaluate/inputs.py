@@ -110,10 +110,12 @@ def _load_windows(
     data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None, model: Any = None
 ):
     """``(windows (W, context) int64, data name, token fingerprint)``; token ids given as ``data`` must be
-    integers within ``model``'s embedding table (``check_token_ids``)."""
+    integers within ``model``'s embedding table (``check_token_ids``), and so must the ids text tokenizes to
+    (``check_tokenized``)."""
     from kvbits.evaluate.data import (
         TextSource,
         check_token_ids,
+        check_tokenized,
         load_text,
         make_windows,
         token_fingerprint,
@@ -144,6 +146,7 @@ def _load_windows(
         )
     source = data if isinstance(data, TextSource) else load_text(data, data_path)
     ids = tokenize(source, tokenizer)
+    check_tokenized(ids, tokenizer, model, f"the text {source.name!r}")
     return make_windows(ids, context, windows), source.name, token_fingerprint(source, tokenizer)
 
 

@@ -28,6 +28,7 @@ and semantics is :mod:`kvbits.evaluate.needle_run`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -57,6 +58,7 @@ __all__ = [
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SNAP_TOKENS = 48  # how far back a needle moves to sit after a sentence end
 MIN_HAYSTACK = 16  # tokens of haystack a trial must have at least
+DEPTH_RESOLUTION = 1e-4  # a trial's seed holds round(depth / DEPTH_RESOLUTION): closer depths share their trials
 _SENTENCE_END = re.compile(r"""[.!?]["'’”]?$""")  # the text before a needle ends with one...
 _LOOKBACK = 4  # ...in its last tokens (a sentence end, closing quote and line breaks)
 
@@ -148,7 +150,11 @@ def check_contexts(contexts: Sequence[int] | int) -> list[int]:
 
 
 def check_depths(depths: Sequence[float]) -> list[float]:
-    """Distinct finite depths in [0, 1], ascending (``-0.0`` as ``0.0``); ``ValueError`` otherwise."""
+    """Distinct finite depths in [0, 1], ascending (``-0.0`` as ``0.0``); ``ValueError`` otherwise.
+
+    Two depths that round to the same multiple of :data:`DEPTH_RESOLUTION` are refused: a trial's key and
+    offset are seeded by the rounded depth (:func:`_rng`), so they would repeat the same trials (a duplicate
+    counted twice). The seeding stays as it is, so committed runs keep their trials."""
     try:
         items = list(depths)
     except TypeError:
@@ -164,7 +170,15 @@ def check_depths(depths: Sequence[float]) -> list[float]:
                 f"each depth must be in [0, 1] (0: start of the haystack, 1: its end), got {d!r}"
             )
         out.append(float(d) + 0.0)  # -0.0 is depth 0 (the report printed a "-0" column, the JSON -0.0)
-    return sorted(set(out))
+    out = sorted(set(out))
+    for a, b in itertools.pairwise(out):
+        if _depth_word(a) == _depth_word(b):
+            raise ValueError(
+                f"depths {a!r} and {b!r} round to the same multiple of the depth resolution 1e-4: a trial's key "
+                "and haystack offset are seeded by the rounded depth, so both would run the same trials; "
+                "drop one or space them further apart"
+            )
+    return out
 
 
 # ------------------------------------------------------------------------------------ building
@@ -254,7 +268,12 @@ def _rng(seed: int, context: int, depth: float, index: int) -> np.random.Generat
     of the entropy (``check_seed``: ``[0, 2**32 - 1]``): a mask to 32 bits gave ``-1`` the trials of ``2**32 - 1``
     and ``2**32`` those of 0, and a larger seed unmasked would span two words, whose entropy can equal another
     (seed, context, depth, index)'s."""
-    return np.random.default_rng([int(seed), int(context), round(depth * 10000), int(index)])
+    return np.random.default_rng([int(seed), int(context), _depth_word(depth), int(index)])
+
+
+def _depth_word(depth: float) -> int:
+    """The depth in the trial seed: ``round(depth * 10000)`` (as committed runs were seeded)."""
+    return round(depth * 10000)
 
 
 def build_trials(

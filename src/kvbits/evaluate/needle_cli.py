@@ -46,12 +46,19 @@ report.md and needle.png.
 
 
 def parse_depths(text: str) -> list[float]:
-    """``"0,0.25,0.5"`` -> ``[0.0, 0.25, 0.5]``; each in [0, 1]."""
+    """``"0,0.25,0.5"`` -> ``[0.0, 0.25, 0.5]``; each in [0, 1], no two within the depth resolution (1e-4)."""
+    from kvbits.evaluate.needle import check_depths
+
     parse = bounded(float, 0, 1, what="a depth")
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated depths in [0, 1], got {text!r}")
-    return [parse(t) for t in items]
+    depths = [parse(t) for t in items]
+    try:
+        check_depths(depths)  # depths that share a trial seed are refused before the model loads
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return depths
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

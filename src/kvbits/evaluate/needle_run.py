@@ -315,7 +315,7 @@ def needle_eval(
     check_model_arg(model, "needle_eval")
     from kvbits.cache import attention_shape
     from kvbits.cache.fused import check_mode
-    from kvbits.evaluate.data import token_fingerprint, tokenize
+    from kvbits.evaluate.data import check_tokenized, token_fingerprint, tokenize
     from kvbits.evaluate.inputs import (
         _check_before_loading,
         _data_arg,
@@ -362,7 +362,10 @@ def needle_eval(
         check_cache_holds(model, "semantics='prefill'")
     check_schemes_fit(resolved, model.config)
     text_ids = tokenize(text, tokenizer)
+    check_tokenized(text_ids, tokenizer, model, f"the haystack {text.name!r}")
     trial_list = build_trials(tokenizer, text_ids, contexts, depths, trials, task=task, seed=seed)
+    for t in trial_list:  # the needle, question and key are tokenized too; on the host, before any forward
+        check_tokenized(t.ids, tokenizer, model, f"trial {t.index} (context {t.context}, depth {t.depth:g})")
     head = LogitHead.from_model(model)
     _check_head(
         model, base_model(model), head, trial_list[0].ids[None, :64].to(next(model.parameters()).device)

@@ -185,6 +185,8 @@ def _print(summary: dict, out: str | None) -> None:
                     cells.append("n/a")
                     continue
                 size = "" if r["cache_bytes"] is None else f", {fmt_bytes(r['cache_bytes'])}"
+                if r.get("linear_state_bytes"):  # a hybrid model's conv / recurrent states, beside the K/V
+                    size += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
                 cells.append(f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x){size}")
             path = next(iter(rows.values()))["path"] if rows else ""
             table.add_row(name, path, *cells)

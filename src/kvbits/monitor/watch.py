@@ -60,7 +60,7 @@ def watch(
     # as every other command that runs a model: refused past a learned position table (torch's IndexError inside the
     # model otherwise), logged as extrapolation past a RoPE model's max_position_embeddings
     check_context_fits(lm.config, context)
-    windows, _, _ = _load_windows(data, tokenizer, context, 1, data_path)
+    windows, _, _ = _load_windows(data, tokenizer, context, 1, data_path, lm)
     if windows.shape[0] == 0:
         raise ValueError(f"the text has fewer than {context} tokens")
     ids = windows[:1].to(next(lm.parameters()).device)

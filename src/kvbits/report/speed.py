@@ -126,6 +126,8 @@ def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> 
         cell += f" **≠ plan {fmt_bytes(r['planned_bytes'])}**"
     if r.get("workspace_bytes"):
         cell += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
+    if r.get("linear_state_bytes"):  # a hybrid model's conv / recurrent states: held too, not K/V, not in the plan
+        cell += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
     return cell
 
 
@@ -244,6 +246,10 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
                         "or static ranges: a windowed scheme its whole ring of `residual + block` full-precision slots "
                         "and one quantized block written ahead; calibrated static integer ranges (KVQuant's keys) a copy "
                         "per sequence in the kernels' layout.*")
+        if any(r.get("linear_state_bytes") for r in summary["runs"] if r["batch"] == batch):
+            caption += (" *Linear states: the hybrid model's convolution / recurrent states of its non-attention "
+                        "layers, unquantized and the same in every cache, held beside the K/V bytes (not in them, nor "
+                        "in the plan).*")
         lines += [caption, ""]
         lines += _table(
             summary,
@@ -331,8 +337,8 @@ def _check_run(r: Mapping[str, Any], where: str) -> None:
     for key in ("tokens_per_s", "speedup", "ms_per_step", "ms_p10", "ms_p90", "agreement"):
         field(r, key, "number", where)
     field(r, "host_ms_per_step", "mean", where, default=None)
-    for key in ("cache_bytes", "planned_bytes", "workspace_bytes", "cuda_resident_bytes", "cuda_peak_bytes",
-                "cuda_graph_bytes"):
+    for key in ("cache_bytes", "planned_bytes", "workspace_bytes", "linear_state_bytes", "cuda_resident_bytes",
+                "cuda_peak_bytes", "cuda_graph_bytes"):
         field(r, key, "bytes", where, default=None)
     first = r.get("first_divergence")
     if first is not None:
