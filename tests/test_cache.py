@@ -1400,6 +1400,42 @@ def test_pre_rope_keys_bound_leaves_room_for_unrotation(dtype):
         assert bool(torch.isfinite(layer.materialize()[0]).all())
 
 
+@torch.no_grad()
+def test_pre_rope_keys_saturate_after_rope_in_float16():
+    """Keys within the pre-RoPE bound (46000 <= 46318) whose int2 decode rotates past 65504: token 3 (pair 0 at
+    ``(-46000, 0)``, the rest ``-46000``) decodes to a pair that RoPE at position 3 turns into ``-67159`` (float32):
+    14 inf keys in float16, NaN in attention. The cache's non-fused paths (``QuantizedKVLayer``, the static cache's
+    ``materialize``) and ``simulated_kv`` now saturate them to -65504 after RoPE, as the kernel reference does; other
+    keys are unchanged bit for bit, bfloat16 / float32 as before."""
+    from kvbits.cache import StaticQuantizedKVCache
+    from kvbits.evaluate.simulate import simulated_kv
+    from kvbits.quant.rope import RotaryTables
+
+    cfg = build("llama_d64").config
+    rot = RotaryTables.from_config(cfg).tables_for_layer(0)
+    spec = TensorSpec(kind="int", bits=2, fmt=None, granularity="token", pre_rope=True)
+    sch = KVScheme("pre", key=spec, value=TensorSpec(kind="int", bits=4, fmt=None))
+    k = torch.full((1, 2, 4, 64), -46000.0)
+    k[..., 32] = 0.0
+    want = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        layer = QuantizedKVLayer(sch, rotary=rot, fused_decode=False, checks="eager")
+        layer.update(k.to(dtype), k.to(dtype))
+        want[dtype] = layer.materialize()[0]
+    wide = want[torch.float32].to(torch.float16)  # float32 rotation, cast: inf where it passes the range
+    assert int((~wide.isfinite()).sum()) == 14 and want[torch.float32].min() < -67000
+    got = want[torch.float16]
+    assert bool(got.isfinite().all()) and float(got.min()) == -65504.0
+    inside = wide.isfinite()
+    assert torch.allclose(got[inside].float(), wide[inside].float(), atol=64, rtol=0)  # float16 rounding of RoPE
+    assert float(want[torch.bfloat16].min()) < -67000  # bfloat16 holds it
+    static = StaticQuantizedKVCache(config=cfg, scheme=sch, max_cache_len=8, fused_decode=False)
+    static.update(k.half(), k.half(), 0, cache_kwargs={"cache_position": torch.arange(4)})
+    assert torch.equal(static.layers[0].materialize()[0][:, :, :4], got)
+    sim = simulated_kv(sch, k.half(), k.half(), 0, 4, rotary=rot)[0]
+    assert torch.equal(sim, got)
+
+
 @pytest.mark.parametrize("head_dim", [64, None], ids=["from-config", "from-first-kv"])
 @pytest.mark.parametrize("checks", ["eager", "lazy"])
 def test_rotated_side_bound_leaves_room_for_the_rotation(checks: str, head_dim: int | None):

@@ -477,11 +477,20 @@ _DELETE = object()
         (("model", "fingerprint"), None, "model.fingerprint must be a non-empty string, got None"),
         (("format_version",), True, "has format_version True"),
         (("stats",), 5, "stats must be a list"),
+        (("percentile",), "99.9", "percentile must be a number in [50, 100], got '99.9'"),
+        (("percentile",), True, "percentile must be a number in [50, 100], got True"),
+        (("percentile",), _DELETE, "the 'percentile' field is missing"),
+        (("fisher",), _DELETE, "the 'fisher' field is missing"),
+        (("fisher",), "yes", "fisher must be true or false, got 'yes'"),
+        (("stats",), [{}], "stats must hold one row per layer (model.num_layers = 2), got 1 rows"),
+        (("stats", 1, "key_clip_rate"), "0.1%", "stats[1].key_clip_rate must be a number, got '0.1%'"),
         (("files", "calibration.safetensors", "bytes"), None, "bytes must be a non-negative integer"),
     ],
 )
 def test_edited_json_fields_are_refused(calibrated, tmp_path, path, value, message):
-    """Only the tensor file is hashed: the JSON fields the loader and the reports use are range-checked."""
+    """Only the tensor file is hashed: the JSON fields the loader and the reports use are range-checked
+    (``percentile``, ``fisher`` and ``stats``, read by ``kvbits calibrate``'s summary, compose and the vLLM export,
+    loaded as they stood before)."""
     _, _, out = calibrated
     d = tmp_path / "e"
     shutil.copytree(out, d)
@@ -1283,6 +1292,20 @@ def test_composed_calibration_is_each_layers_own_schemes(three_layer_samples, tm
     assert torch.equal(got.tensors["layers.2.key_scale"], kv4_sinks.tensors["layers.2.key_scale"])
     assert torch.equal(got.tensors["layers.1.key_scale"], kv4.tensors["layers.1.key_scale"])
     assert [x["from"] for x in got.meta["composed"]["layers"]] == ["kvquant-4", "kvquant-4", "kvq4-4sinks"]
+
+
+def test_composed_calibration_of_sources_that_differ_in_percentile_loads(three_layer_samples, tmp_path):
+    """compose keeps ``percentile`` / ``fisher`` only where its sources agree: a composed artifact without them (and
+    its ``stats``, one row per layer) saves and loads; an artifact not composed needs both (test above)."""
+    from kvbits.calibrate import compose_artifact
+
+    _, samples = three_layer_samples
+    kv4 = fit_artifact(samples, "kvquant-4", kmeans_iterations=8)
+    kv2 = fit_artifact(samples, "kvquant-2", kmeans_iterations=8, percentile=99.0)
+    art = compose_artifact("kvquant-4,1=kvquant-2", [kv4, kv2])
+    assert "percentile" not in art.meta and art.meta["fisher"] is False and len(art.layer_stats) == 3
+    art.save(tmp_path / "mix")
+    assert "percentile" not in load_calibration(tmp_path / "mix").meta
 
 
 def test_composed_calibration_refuses_what_it_can_not_compose(three_layer_samples):

@@ -32,6 +32,7 @@ import torch
 
 from kvbits.kernels.reference import apply_rope_at
 from kvbits.quant.rope import invert_rope
+from kvbits.quant.tensor import saturate
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvbits.cache.fused import RopeTableCache
@@ -116,5 +117,7 @@ class StaticRope:
         return invert_rope(keys, cos, sin)
 
     def rotate(self, keys: torch.Tensor) -> torch.Tensor:
-        """Dequantized pre-RoPE ``keys`` ``(B, H_kv, slots, D)`` → post-RoPE, slot ``t`` at its position."""
-        return apply_rope_at(keys, self.cos, self.sin, self.pos0())
+        """Dequantized pre-RoPE ``keys`` ``(B, H_kv, slots, D)`` → post-RoPE, slot ``t`` at its position; float16 /
+        bfloat16 keys saturated to the dtype's finite range after the rotation (``rope_at``, ``reference.materialize``:
+        a pair within 65504 can rotate to ``sqrt(2)`` times it). Device work only."""
+        return saturate(apply_rope_at(keys, self.cos, self.sin, self.pos0()), keys.dtype)

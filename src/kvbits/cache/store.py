@@ -53,6 +53,7 @@ from kvbits.kernels.quantize import quantize_pack
 from kvbits.quant import QuantizedTensor
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.rope import apply_rope, invert_rope
+from kvbits.quant.tensor import saturate
 from kvbits.schemes.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,7 +90,11 @@ def rope_at(
     that start below 0). Length-dependent rope types (``dynamic``, ``longrope``) take tables that depend on the
     slot alone (``RotaryTables.framed_cos_sin``): a block un-rotated when it was flushed is rotated back by the
     same tables on every read, whatever slice the read decodes. (Tables of the slice's length let the two differ
-    once a sequence passed the original context: 11-113 % key error on every read without the workspace.)"""
+    once a sequence passed the original context: 11-113 % key error on every read without the workspace.)
+    The rotation (not the inverse) of float16 / bfloat16 keys is saturated to the dtype's finite range (``saturate``,
+    device work only): a dequantized pair within 65504 can rotate to up to ``sqrt(2)`` times it, inf in float16 and
+    NaN in attention, where ``kvbits.kernels.reference.materialize`` and the fused kernel (``K_SAT``) saturate too;
+    values that stay in range are unchanged bit for bit."""
     rotary._check_x(x)
     n = x.shape[2]
     if rotary.rot_dim == 0:  # a layer without RoPE: empty tables, as cos_sin returns them
@@ -99,7 +104,9 @@ def rope_at(
         if offset is not None:
             pos = (pos - offset.to(x.device)[:, None]).clamp_min(0)  # (B, n), as the kernels clamp
         cos, sin = rotary.framed_cos_sin(pos, p0, x.dtype)
-    return (invert_rope if inverse else apply_rope)(x, cos.to(x.device), sin.to(x.device))
+    if inverse:
+        return invert_rope(x, cos.to(x.device), sin.to(x.device))
+    return saturate(apply_rope(x, cos.to(x.device), sin.to(x.device)), x.dtype)  # a fresh tensor: clamped in place
 
 
 def _slice_tokens(t: torch.Tensor, n_tokens: int, start: int, stop: int, copy: bool = True) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from kvbits._files import chmod_default
-from kvbits._json import dumps, loads
+from kvbits._json import dumps, is_number, loads
 from kvbits.quant.nuq import check_codebook
 from kvbits.quant.tensor import check_static_decode
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -473,7 +473,11 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
 
     Only the tensor file is covered by a sha256; these fields are read as they are, so an edited
     ``data.context`` of -100 would report more positions "beyond calibrated" than a window has, and a
-    ``num_layers`` of 2.7 would be truncated silently. ``load_calibration`` and ``CalibrationArtifact.save``
+    ``num_layers`` of 2.7 would be truncated silently, and a ``percentile`` string, a missing ``fisher`` or a short
+    ``stats`` list failed later in ``kvbits calibrate``'s summary, ``compose`` or the vLLM export (or were reported
+    as they stood). ``percentile`` (a number in [50, 100]) and ``fisher`` (a boolean) are required except in a
+    composed artifact (``compose`` keeps them only where its sources agree); ``stats``, when present, holds one row
+    of numbers per layer. ``load_calibration`` and ``CalibrationArtifact.save``
     both check with it; ``files=False``: all but the ``files`` record (``save``, before it writes that file).
     """
 
@@ -518,9 +522,27 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
     sha = record.get("sha256")
     if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         return field(f"files.{TENSORS_FILE}.sha256", sha, "64 lowercase hex digits")
+    composed = "composed" in meta  # compose keeps percentile / fisher only where all its sources agree on them
+    if "percentile" in meta or not composed:
+        if "percentile" not in meta:
+            return "the 'percentile' field is missing"
+        p = meta["percentile"]
+        if not is_number(p) or not 50 <= p <= 100:
+            return field("percentile", p, "a number in [50, 100]")
+    if "fisher" in meta or not composed:
+        if "fisher" not in meta:
+            return "the 'fisher' field is missing"
+        if not isinstance(meta["fisher"], bool):
+            return field("fisher", meta["fisher"], "true or false")
     stats = meta.get("stats", [])
     if not isinstance(stats, list) or not all(isinstance(row, dict) for row in stats):
         return field("stats", stats, "a list of per-layer JSON objects")
+    if "stats" in meta and len(stats) != model["num_layers"]:
+        return f"stats must hold one row per layer (model.num_layers = {model['num_layers']}), got {len(stats)} rows"
+    for i, row in enumerate(stats):
+        for k, v in row.items():
+            if not is_number(v):
+                return field(f"stats[{i}].{k}", v, "a number")
     try:
         KVScheme.from_dict(meta["scheme"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from kvbits._model import attention_modules, check_model
 from kvbits.evaluate.entropy import attention_entropy
-from kvbits.quant.tensor import FLOAT_DTYPES, quantize
+from kvbits.quant.tensor import FLOAT_DTYPES, quantize, saturate
 from kvbits.schemes.accounting import sliding_falls_back
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme, TensorSpec
@@ -280,7 +280,8 @@ def simulated_kv(
 
     Returns ``(K~, V~)`` of shape ``(B, H_kv, hi - lo, D)``. Identity schemes cast to their format and
     back; pre-RoPE key specs un-rotate with ``rotary`` (``kvbits.quant.rope.RotaryTables`` of the
-    layer, positions as the cache gives them), quantize, and rotate back. ``key_kwargs`` /
+    layer, positions as the cache gives them), quantize, and rotate back (float16 / bfloat16 saturated to the dtype's
+    finite range after it, as the cache). ``key_kwargs`` /
     ``value_kwargs``: calibrated parameters (``CalibrationArtifact.quantize_kwargs``).
     """
     k, v = key[:, :, lo:hi], value[:, :, lo:hi]
@@ -296,6 +297,7 @@ def simulated_kv(
             _blocks_fake_quantize(pre, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {})),
             pos,
         )
+        kq = saturate(kq, kq.dtype)  # as the cache (store.rope_at): a pair within 65504 rotates to up to sqrt(2) times it
     else:
         kq = _blocks_fake_quantize(k, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {}))
     vq = _blocks_fake_quantize(v, scheme.value, scheme.block, clipped=clipped, side="values", **(value_kwargs or {}))
