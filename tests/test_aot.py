@@ -572,6 +572,41 @@ def test_triton_stores_float_into_int8_by_truncating(tmp_path):
     assert any(c.startswith("cvt.rzi.s") for c in cvts) and not any(c.startswith("cvt.rni.s") for c in cvts), cvts
 
 
+def test_fold_kernel_compiles_keys_scaled_over_fewer_than_16_tokens():
+    """``fold_supported`` accepts keys scaled per channel over 8, 4 or 2 tokens, whose batched score dot is
+    ``(R, TPS, W) @ (R, W, N)``: an ``M`` side under 16, under the MMA's. Triton 3.6 compiles it for sm_90 (it pads
+    the side), so those stores are kept, not refused: each launch fits, at D = 64 INT4 without spills (D = 128 INT2
+    over 2 tokens spills 2 KB: 64 scale rows per tile)."""
+    code = """
+import json, torch
+from kvbits.kernels.aot import LIMITS, compile_only, resources
+from kvbits.kernels.reference import pack_store
+from kvbits.kernels.triton_fold import decode_attention_fold, fold_supported
+from kvbits.quant import quantize
+from kvbits.schemes import TensorSpec
+rows = []
+for tps in (8, 4, 2):
+    g = torch.Generator().manual_seed(tps)
+    k, v = torch.randn(2, 2, 64, 64, generator=g), torch.randn(2, 2, 64, 64, generator=g)
+    ks = TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=tps, symmetric=tps == 2)
+    vs = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", group_size=32)
+    store = pack_store([quantize(k[:, :, a:a + 32], ks) for a in (0, 32)], [quantize(v[:, :, a:a + 32], vs) for a in (0, 32)])
+    q = torch.zeros(2, 4, 1, 64, dtype=torch.float16)
+    with compile_only("sm_90") as compiled:
+        decode_attention_fold(q, store)
+    r = resources(compiled[0])
+    rows.append(dict(tps=tps, why=fold_supported(store, q), name=r.kernel, K_TPS=r.constants["K_TPS"],
+                     spill=r.local_bytes, fails=LIMITS["sm_90"].check(r)))
+print(json.dumps(rows))
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["tps"] for r in rows] == [r["K_TPS"] for r in rows] == [8, 4, 2]
+    for r in rows:
+        assert r["why"] is None and r["name"] == "_fold_kernel" and r["fails"] is None and r["spill"] == 0, r
+
+
 def test_fold_kernel_compiles_leaner_than_the_dequantizing_paths():
     """The folded-scale kernel (``triton_fold``) compiled for sm_90 with its inline PTX (which the interpreter
     never runs: ptxas assembles it here): at both benchmark shapes and 8, 4 and 2 bits, on the layouts it serves,

@@ -56,6 +56,7 @@ FOLD_CASES = [  # (D, G, key spec, value spec, quantized slots, block_t, splits)
     (128, 4, spec(2, "channel", 32), spec(2, "token", 32), 192, 64, 2),  # 8 rows of a 2-bit part per group
     (64, 3, spec(8, "channel", 128), token(8), 256, None, 2),  # int8-channel: one scale row per tile
     (64, 2, spec(4, "channel", 64, symmetric=True), spec(4, "token", 16, symmetric=True), 128, 32, 2),  # rows > tile
+    (32, 2, spec(4, "channel", 8), spec(4, "token", 16), 64, 32, 2),  # 8-token key groups: an M side of 8
 ]
 
 

@@ -1461,6 +1461,39 @@ def test_reference_saturates_pre_rope_keys_before_and_after_rope(tied: bool):
     assert out.isfinite().all() and max_err(out, truth) < 0.02, max_err(out, truth)
 
 
+@pytest.mark.parametrize("centre", [False, True], ids=["smooth", "centre-smooth"])
+def test_folded_keys_at_the_cache_bound_stay_within_float16(centre: bool):
+    """A tied factor folded into the query leaves float16 keys ``k / f``, saturated at ``+-65504`` (``+-65504 f``
+    in the model's units, harsher than the unfolded path's where ``f < 1``, as calibrated factors, normalised to
+    mean 1, always have somewhere). Keys the cache accepts never get there: its bound ``65504 / sqrt(2) min(f) -
+    max |m|`` (``channel_bound``) keeps ``|k / f|`` under 65504 before RoPE and after it, so the fold is kept for
+    float16 queries (refusing it where ``min(f) < 1`` would refuse it for every calibrated layer). Post-RoPE keys
+    all at that bound, un-rotated, quantized (int4 per token): the folded float16 keys stay below 65504."""
+    from kvbits.cache.checks import input_bound
+    from kvbits.cache.fixed import channel_bound
+
+    g = torch.Generator().manual_seed(61)
+    D, T = 64, 64
+    key_spec = spec(4, "token", centre=centre, smooth=0.5, pre_rope=True)
+    f = tie_rope_pairs(torch.rand(1, D, generator=g) + 0.3)
+    f = (f / f.mean()).half()
+    kw = {"channel_factor": f} | ({"channel_mean": (torch.randn(1, D, generator=g) * 100).half()} if centre else {})
+    bound = channel_bound(*input_bound(key_spec, "quantized", D), kw.get("channel_mean"), f)[0]
+    cos, sin = rope_tables(T, D)
+    x = (torch.sign(torch.randn(1, 1, T, D, generator=g)) * bound).half().double()  # post-RoPE, all at the bound
+    k = apply_rope_at(x, cos.double(), -sin.double(), torch.zeros(1, dtype=torch.long))  # un-rotated, as cached
+    kb = [quantize(k.half(), key_spec, **kw)]
+    vb = [quantize(torch.randn(1, 1, T, D, generator=g), KIVI4_VALUES)]
+    store = pack_store(kb, vb, rope_cos=cos, rope_sin=sin, quant_pos0=[0])
+    assert float(f.min()) < 0.6 and rope_pairs_tied(store.key.channel_factor)
+    q = torch.randn(1, 2, 1, D, generator=g).half()
+    folded = code_basis(q, store, torch.float16)[1]
+    assert folded.key.channel_factor is None  # folded into the query
+    pre = kb[0].dequantize(torch.float64) / f.double()  # what the float16 keys hold before RoPE
+    post = materialize(folded, torch.float64)[0]  # and after it (no saturation at float64)
+    assert pre.abs().max() < 65504 and post.abs().max() < 65504, (pre.abs().max(), post.abs().max())
+
+
 @needs_triton
 @pytest.mark.parametrize("vectorized", [None, False], ids=["rows", "gather"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -774,7 +774,10 @@ def code_basis(
     float32, ``channel_factor`` ``None``). Any other factor stays too. What stays is decoded before RoPE, by
     ``materialize`` (``dequantize_packed``) and by the Triton kernel (``K_MEAN`` / ``K_FACTOR``). In float16 both
     saturate the keys they hold to +-65504 before and after RoPE: with a folded factor that is ``k / f`` (what the
-    float16 dot takes), so the keys saturate at ``+-65504 f``, not at the unfolded path's +-65504.
+    float16 dot takes), so the keys saturate at ``+-65504 f``, not at the unfolded path's +-65504. Keys the cache
+    accepts never reach it (its bound ``65504 / sqrt(2) min(f) - max |m|``, ``cache.fixed.channel_bound``, keeps
+    ``|k / f|`` under 65504 before and after RoPE), so the fold stays for float16 queries where ``min(f) < 1``
+    (every calibrated factor: normalised to mean 1), where refusing it would cost the unfolded kernel's registers.
 
     Cost per step: two ``(D, D)`` products over the query heads and the tail (sinks, residual window,
     unflushed buffer), never over the quantized history.
