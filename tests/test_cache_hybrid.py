@@ -162,3 +162,57 @@ def test_speed_and_needle_refuse_models_the_cache_can_not_hold_before_running():
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(ValueError, match=r"kvbits speed runs the real cache, which can not hold .*type 'hybrid'"):
         speed_eval(model, 16, ["fp16"], tokens=1, warmup=0, data=torch.randint(1, 96, (64,)))
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("scheme", ["kvquant-4", "fp8-e4m3"])
+def test_hybrid_models_calibrate_their_attention_layers(make, scheme, tmp_path):
+    """Was: ``kvbits calibrate`` refused every hybrid model ('calibration needs the K/V of every layer 0..3 ...
+    none on [0, 2]'), so no calibrated scheme (kvquant-*, static FP8, smooth) served one. Now the artifact holds the
+    attention layers' parameters (``model.kv_layers`` [1, 3], format 2), loads for this model, the cache installs it
+    on layers 1 and 3 and holds the plan's bytes, the simulator serves the same hidden states, and an artifact that
+    lacks an attention layer is still refused."""
+    import json
+
+    from kvbits.calibrate import calibrate, checked_artifact, load_calibration
+    from kvbits.calibrate.artifact import ARTIFACT_FORMAT_VERSION, META_FILE
+    from kvbits.evaluate.runner import evaluate
+    from kvbits.evaluate.simulate import simulate
+    from kvbits.evaluate.stream import stream_hidden
+    from kvbits.schemes import get_scheme
+
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 96, (200,))
+    art = calibrate(model, ids, scheme, context=32, windows=4, fisher=False, out_dir=tmp_path / "cal")
+    assert art.kv_layers == [1, 3] and art.num_layers == 4 and len(art.layer_stats) == 2
+    assert sorted({int(name.split(".")[1]) for name in art.tensors}) == [1, 3]
+    meta = json.loads((tmp_path / "cal" / META_FILE).read_text())
+    assert meta["format_version"] == ARTIFACT_FORMAT_VERSION == 2 and meta["model"]["kv_layers"] == [1, 3]
+    loaded = load_calibration(tmp_path / "cal", model_config=cfg, scheme=scheme)
+    cache = QuantizedKVCache(config=cfg, scheme=scheme, calibration=loaded)
+    _generate(model, ids[None, :9], cache)
+    report = cache.memory_report()
+    want = plan(cfg, context=report["seq_length"], batch=1, scheme=scheme, dtype_bytes=4)  # sinks in float32
+    assert report["total_bytes"] == want["total_bytes"] > 0
+    assert [r["fixed"] > 0 for r in want["per_layer"]] == [False, True, False, True]
+    x = ids[None, :24]
+    with torch.no_grad(), simulate(model, scheme, calibration=loaded):
+        h_sim = model.model(input_ids=x, use_cache=False).last_hidden_state
+    torch.testing.assert_close(h_sim, stream_hidden(model, x, scheme, calibration=loaded), atol=5e-3, rtol=0)
+    served = evaluate(model, ids[128:], 32, [scheme], calibration=loaded, attn_layers=[])
+    assert served["results"][0]["calibration"] is not None
+    # an artifact missing an attention layer is refused, for this model and for a cache without a config
+    meta["model"]["kv_layers"] = [1]
+    (tmp_path / "cal" / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"tensors do not match"):
+        load_calibration(tmp_path / "cal")
+    art.meta["model"]["kv_layers"] = [3]
+    art.tensors = {k: v for k, v in art.tensors.items() if not k.startswith("layers.1.")}
+    with pytest.raises(ValueError, match=r"holds the K/V parameters of layers \[3\] of 4; this model stores K/V in "
+                       r"layers \[1, 3\] \(no parameters for attention layers \[1\]\)"):
+        QuantizedKVCache(config=cfg, scheme=scheme, calibration=art)
+    with pytest.raises(ValueError, match=r"a cache built without config= \(it quantizes every layer\) may store K/V "
+                       r"in every layer \(no parameters for attention layers \[0, 2\]\)"):
+        checked_artifact(loaded, get_scheme(scheme), None, 4)  # what QuantizedKVCache(num_layers=4) installs

@@ -393,11 +393,27 @@ def test_a_calibration_from_a_newer_kvbits_says_to_upgrade(tmp_path):
     blocks = samples(shape=(4, H, 16, D))
     out = artifact_from_samples("kvquant-4", blocks, blocks).save(tmp_path)
     meta = json.loads((out / "calibration.json").read_text())
-    for version, upgrade in ((ARTIFACT_FORMAT_VERSION + 1, True), (ARTIFACT_FORMAT_VERSION - 1, False)):
+    for version, upgrade in ((ARTIFACT_FORMAT_VERSION + 1, True), (0, False)):
         (out / "calibration.json").write_text(json.dumps({**meta, "format_version": version}))
-        with pytest.raises(ValueError, match=re.escape(f"this kvbits reads format_version {ARTIFACT_FORMAT_VERSION} (written by kvbits {kvbits.__version__}, read by kvbits {kvbits.__version__})")) as e:
+        with pytest.raises(ValueError, match=re.escape(f"this kvbits reads format_version 1 or {ARTIFACT_FORMAT_VERSION} (written by kvbits {kvbits.__version__}, read by kvbits {kvbits.__version__})")) as e:
             load_calibration(out)
         assert ("upgrade kvbits to read it, or re-run" in str(e.value)) is upgrade, str(e.value)
+
+
+def test_a_format_1_calibration_still_loads_as_every_layer(tmp_path):
+    """Format 2 records ``model.kv_layers`` (a hybrid model's attention layers); a format 1 file, which has none,
+    holds every layer and still loads; a ``kv_layers`` that is not ascending layer indices is refused."""
+    blocks = samples(shape=(4, H, 16, D))
+    out = artifact_from_samples("kvquant-4", blocks, blocks).save(tmp_path)
+    meta = json.loads((out / "calibration.json").read_text())
+    assert meta["format_version"] == 2 and meta["model"]["kv_layers"] == [0, 1]
+    del meta["model"]["kv_layers"]
+    (out / "calibration.json").write_text(json.dumps({**meta, "format_version": 1}))
+    assert load_calibration(out).kv_layers == [0, 1]
+    meta["model"]["kv_layers"] = [1, 0]
+    (out / "calibration.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape("model.kv_layers must be ascending distinct layer indices in [0, 2)")):
+        load_calibration(out)
 
 
 @pytest.mark.parametrize(

@@ -254,6 +254,13 @@ def install_artifact(layer: Any, artifact: Any, *, check_heads: bool = False) ->
             f"(the cache is creating layer {layer.layer_idx}); re-run kvbits calibrate for this model, or give the "
             "cache config= to catch this before the forward pass"
         )
+    kv_layers = getattr(artifact, "kv_layers", None)
+    if kv_layers is not None and layer.layer_idx not in kv_layers:
+        raise ValueError(
+            f"calibration{where} holds the K/V parameters of layers {kv_layers} (a hybrid model's attention layers); "
+            f"the cache quantizes layer {layer.layer_idx} too: re-run kvbits calibrate for this model, or give the "
+            "cache config= to catch this before the forward pass"
+        )
     if check_heads:
         layer.calibrated_shape = (artifact.num_kv_heads, artifact.head_dim, where)
     for side in ("key", "value"):

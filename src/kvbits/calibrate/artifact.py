@@ -1,7 +1,8 @@
 """The calibration artifact: ``DIR/calibration.safetensors`` + ``DIR/calibration.json``.
 
 Tensors (exactly what the cache stores and ``accounting.fixed_layer_bytes`` counts), for each
-layer ``i`` and side ``s`` in ``key``/``value`` whose spec takes them (``TensorSpec.calibratable``):
+layer ``i`` that holds K/V (``model.kv_layers``: every layer ``0 .. num_layers - 1`` but a hybrid model's
+convolution / linear-attention / state-space layers and KV-sharing layers, which store none) and side ``s`` in ``key``/``value`` whose spec takes them (``TensorSpec.calibratable``):
 
 - ``layers.{i}.{s}_scale``, ``layers.{i}.{s}_zero``: ``(H_kv, D)`` float16 static per-channel
   parameters (``zero`` only for asymmetric specs), in the form ``kvbits.quant.quantize`` takes them;
@@ -13,7 +14,8 @@ layer ``i`` and side ``s`` in ``key``/``value`` whose spec takes them (``TensorS
   and ``attn_head``; ``kvbits.export.vllm`` exports them).
 
 The JSON records ``format_version``, ``kvbits_version``, the ``scheme``, the ``model`` it belongs
-to (fingerprint and shape), the calibration ``data``, ``percentile``, ``fisher``, the creation date,
+to (fingerprint and shape; ``kv_layers``, the layers it holds, since format 2: a format 1 artifact holds every
+layer), the calibration ``data``, ``percentile``, ``fisher``, the creation date,
 per-layer statistics, and the size and sha256 of the tensor file, so a truncated or altered file is
 caught before use. Never pickle.
 
@@ -47,7 +49,9 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 
 logger = logging.getLogger(__name__)
 
-ARTIFACT_FORMAT_VERSION = 1
+# 2: model.kv_layers, the layers the artifact holds (a hybrid model's attention layers); 1 (still read): every layer
+ARTIFACT_FORMAT_VERSION = 2
+READ_FORMAT_VERSIONS = (1, 2)
 TENSORS_FILE = "calibration.safetensors"
 META_FILE = "calibration.json"
 SIDES = ("key", "value")
@@ -82,11 +86,12 @@ def tensor_dtype(spec: TensorSpec) -> torch.dtype:
 
 
 def expected_tensors(
-    scheme: KVScheme, num_layers: int, num_kv_heads: int, head_dim: int
+    scheme: KVScheme, num_layers: int, num_kv_heads: int, head_dim: int, kv_layers: list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor an artifact for ``scheme`` on this model must hold."""
+    """Name -> shape of every tensor an artifact for ``scheme`` on this model must hold: for layers ``kv_layers``
+    (those holding K/V), or every layer ``0 .. num_layers - 1`` when None."""
     out: dict[str, tuple[int, ...]] = {}
-    for i in range(num_layers):
+    for i in range(num_layers) if kv_layers is None else kv_layers:
         layer_scheme = scheme.for_layer(i)  # a mixed scheme: the layer's own
         for side, spec in zip(SIDES, (layer_scheme.key, layer_scheme.value)):
             if spec.kind == "fp8" and spec.static:
@@ -108,6 +113,19 @@ def _config_value(cfg: Any, name: str, *default: Any) -> Any:
     """``cfg``'s field ``name``: an attribute of a transformers config (``AttributeError`` when it has none, unless
     a ``default`` is given), a key of a parsed ``config.json`` (None when absent)."""
     return cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, *default)
+
+
+def model_kv_layers(config: Any) -> list[int] | None:
+    """The layers of ``config`` (a transformers config or a ``config.json`` dict) that store K/V, as ``kvbits.plan``
+    counts them (not a hybrid model's convolution / linear-attention / state-space layers, nor KV-sharing ones), or
+    None when the planner can not read the config."""
+    from kvbits.plan.config import model_shape
+
+    try:
+        layers = model_shape(config).layers
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return [i for i, layer in enumerate(layers) if layer.attention != "none"]
 
 
 def describe_model(config: Any, *, fingerprint: str | None = None, name: str | None = None) -> dict[str, Any]:
@@ -176,6 +194,13 @@ class CalibrationArtifact:
         return int(self.meta["model"]["num_layers"])
 
     @property
+    def kv_layers(self) -> list[int]:
+        """The layers it holds parameters for (ascending): a hybrid model's attention layers; every layer
+        ``0 .. num_layers - 1`` for a model whose every layer attends (and a format 1 artifact)."""
+        layers = self.meta["model"].get("kv_layers")
+        return list(range(self.num_layers)) if layers is None else [int(i) for i in layers]
+
+    @property
     def num_kv_heads(self) -> int:
         return int(self.meta["model"]["num_kv_heads"])
 
@@ -215,6 +240,11 @@ class CalibrationArtifact:
     def _layer(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        if layer not in self.kv_layers:
+            raise ValueError(
+                f"calibration{self._where()} holds no parameters for layer {layer}: it holds the layers that store "
+                f"K/V, {self.kv_layers} (a hybrid model's convolution / linear-attention layers store none)"
+            )
         return layer
 
     def codebook(self, layer: int, side: str) -> torch.Tensor | None:
@@ -287,7 +317,7 @@ class CalibrationArtifact:
                 f"calibration{self._where()} (made for {self.scheme.name!r}) would be ignored; give no calibration, "
                 f"or serve scheme {self.scheme.name!r}"
             )
-        for i in range(self.num_layers):
+        for i in self.kv_layers:
             for side in SIDES:
                 mine, theirs = self._spec(side, i), getattr(scheme.for_layer(i), side)
                 if spec_calibratable(theirs) and mine != theirs:
@@ -326,6 +356,21 @@ class CalibrationArtifact:
                     f"calibration{self._where()} was made for {made_for}; this model differs "
                     f"({'; '.join(diff)} [artifact vs model]); re-run kvbits calibrate for this model"
                 )
+            self._check_kv_layers(model_kv_layers(model_config), "this model")
+
+    def _check_kv_layers(self, want: list[int] | None, what: str) -> None:
+        """``ValueError`` unless the artifact holds exactly the layers ``want`` that store K/V in ``what`` (None: not
+        known, then only an artifact holding every layer passes)."""
+        mine = self.kv_layers
+        if mine == want or (want is None and mine == list(range(self.num_layers))):
+            return
+        lacks = sorted(set(want or range(self.num_layers)) - set(mine))
+        raise ValueError(
+            f"calibration{self._where()} holds the K/V parameters of layers {mine} of {self.num_layers}; {what} "
+            + (f"stores K/V in layers {want}" if want is not None else "may store K/V in every layer")
+            + (f" (no parameters for attention layers {lacks})" if lacks else "")
+            + "; re-run kvbits calibrate for this model"
+        )
 
     def _where(self) -> str:
         return "" if self.path is None else f" in {self.path}"
@@ -342,7 +387,7 @@ class CalibrationArtifact:
         """Check tensor names, shapes, dtypes and codebooks against the scheme and model shape, and that static
         scales (with their zero-points) decode the largest K/V within float16 (``check_static_decode``)."""
         where = self._where() or " (in memory)"
-        expected = expected_tensors(self.scheme, self.num_layers, self.num_kv_heads, self.head_dim)
+        expected = expected_tensors(self.scheme, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_layers)
         missing = sorted(set(expected) - set(self.tensors))
         extra = sorted(set(self.tensors) - set(expected))
         if missing or extra:
@@ -503,6 +548,12 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
     for k in ("model_type", "name"):
         if model.get(k) is not None and not isinstance(model[k], str):
             return field(f"model.{k}", model[k], "a string or null")
+    kv_layers = model.get("kv_layers")
+    if kv_layers is not None and (
+        not isinstance(kv_layers, list) or not kv_layers or not all(_is_int(i) for i in kv_layers)
+        or kv_layers != sorted(set(kv_layers)) or not 0 <= kv_layers[0] <= kv_layers[-1] < model["num_layers"]
+    ):  # fmt: skip
+        return field("model.kv_layers", kv_layers, f"ascending distinct layer indices in [0, {model['num_layers']})")
     if not isinstance(model.get("fingerprint"), str) or not model["fingerprint"]:
         return field("model.fingerprint", model.get("fingerprint"), "a non-empty string")
     if "context" not in data:
@@ -577,6 +628,8 @@ def checked_artifact(
             f"calibration{artifact._where()} has {artifact.num_layers} layers; this cache has {num_layers} (the "
             f"calibration was made for {artifact._made_for()}); re-run kvbits calibrate for this model"
         )
+    if model_config is None:  # a cache without a config quantizes every layer it is given
+        artifact._check_kv_layers(None, "a cache built without config= (it quantizes every layer)")
     return artifact
 
 
@@ -622,11 +675,11 @@ def load_calibration(
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} does not hold a JSON object")  # noqa: TRY004 - bad file content
     version = meta.get("format_version")
-    if not _is_int(version) or version != ARTIFACT_FORMAT_VERSION:  # JSON true == 1 in Python
+    if not _is_int(version) or version not in READ_FORMAT_VERSIONS:  # JSON true == 1 in Python
         newer = _is_int(version) and version > ARTIFACT_FORMAT_VERSION
         raise ValueError(
             f"{meta_path} has format_version {version!r}; this kvbits reads format_version "
-            f"{ARTIFACT_FORMAT_VERSION} (written by kvbits {meta.get('kvbits_version', '?')}, read by kvbits "
+            f"{' or '.join(map(str, READ_FORMAT_VERSIONS))} (written by kvbits {meta.get('kvbits_version', '?')}, read by kvbits "
             f"{_kvbits_version()}); "
             + ("upgrade kvbits to read it, or " if newer else "")
             + "re-run kvbits calibrate with this version"

@@ -397,6 +397,8 @@ def collect_samples(
     # the attention modules' qualified names, layer by layer: engines name their scales after them
     # (vLLM loads `model.layers.{i}.self_attn.k_scale`; kvbits.export.vllm)
     model_record["attention_modules"] = [s.name for s in sites]
+    # the layers the artifact holds: every layer, or a hybrid model's attention layers (find_kv_sites checked them)
+    model_record["kv_layers"] = [s.layer_idx for s in sites]
     site_shape = {(s.num_kv_heads, s.head_dim) for s in sites}
     if len(site_shape) > 1 and all(  # Gemma 4: wider (or fewer) heads on its global layers, as its config says
         layer_heads(module.config, s.layer_idx)[1:] == (s.num_kv_heads, s.head_dim) for s in sites
@@ -408,9 +410,8 @@ def collect_samples(
             "(H_kv, D) for every layer, so kvbits calibrate supports models whose layers are alike only; "
             "use a scheme without calibrated parameters"
         )
-    if (
-        site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])}
-        or len(sites) != model_record["num_layers"]
+    if site_shape != {(model_record["num_kv_heads"], model_record["head_dim"])} or not (
+        0 < len(sites) <= model_record["num_layers"]
     ):
         raise ValueError(
             f"attention modules ({len(sites)} layers, (H_kv, D) in {site_shape}) disagree with the "
@@ -458,19 +459,19 @@ def collect_samples(
                 pos = sample_positions(T, sinks, per_window[w], gen)
                 positions.append(pos)
                 finite: list[tuple[int, str, torch.Tensor]] = []  # what the fit and the ranges read, this window
-                for i in range(len(sites)):
-                    k, v = cap.activations(i)
-                    finite += [(i, "keys", k), (i, "values", v)]
+                for i, site in enumerate(sites):  # i: the site's sample list; site.layer_idx: its model layer
+                    k, v = cap.activations(site.layer_idx)
+                    finite += [(site.layer_idx, "keys", k), (site.layer_idx, "values", v)]
                     post = _update_absmax(absmax, i, k, v, None if tables is None else tables[i], cos_sin)
                     samples["k"][i].append(_take(k, pos))
                     if post is not None:
                         samples["kp"][i].append(_take(post, pos))
                     samples["v"][i].append(_take(v, pos))
                     if fisher:
-                        gk, gv = cap.gradients(i)
+                        gk, gv = cap.gradients(site.layer_idx)
                         samples["gk"][i].append(_take(gk, pos))
                         samples["gv"][i].append(_take(gv, pos))
-                        finite += [(i, "key gradients", samples["gk"][i][-1]), (i, "value gradients", samples["gv"][i][-1])]
+                        finite += [(site.layer_idx, "key gradients", samples["gk"][i][-1]), (site.layer_idx, "value gradients", samples["gv"][i][-1])]
                 _check_finite(finite, w, W, run_dtype)
                 cap.reset()
                 if progress is not None:
@@ -591,7 +592,14 @@ def fit_artifact(
     t0 = time.perf_counter()
     scheme = get_scheme(scheme)
     check_calibratable(scheme)
-    layer_schemes = [scheme.for_layer(i) for i in range(len(samples.keys))]
+    # samples.keys[j]: model layer kv_layers[j] (a hybrid model's attention layers; every layer otherwise)
+    kv_layers = samples.model.get("kv_layers") or list(range(len(samples.keys)))
+    if len(kv_layers) != len(samples.keys):
+        raise ValueError(
+            f"the samples hold {len(samples.keys)} layers, their model record names {len(kv_layers)} (kv_layers "
+            f"{kv_layers}): expected one sample list per layer that stores K/V"
+        )
+    layer_schemes = [scheme.for_layer(i) for i in kv_layers]
     sinks = [ls.sinks for ls in layer_schemes]
     by_sinks = {k: samples.without_sinks(k) for k in sorted(set(sinks))}
     per_layer = [by_sinks[k] for k in sinks]  # layer i's samples: without its scheme's sinks
@@ -650,6 +658,7 @@ def fit_artifact(
         value_absmax=_fp8_absmax(samples, layer_schemes, "value"),
         fp8_scale=fp8_scale,
         tie_rope_pairs=tie_rope_pairs,
+        layers=kv_layers,
     )
     art.meta["timing_s"] = {"passes": round(s.seconds, 2), "total": round(s.seconds + time.perf_counter() - t0, 2)}
     return art

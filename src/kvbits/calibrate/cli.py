@@ -120,9 +120,10 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     table.add_column("layer", justify="right")
     for c in cols:
         table.add_column(c.replace("_db", "").replace("_", " "), justify="right")
+    kv_layers = art.kv_layers  # stats: one row per layer the artifact holds (a hybrid model's attention layers)
     for i, row in enumerate(stats):
         table.add_row(
-            str(i),
+            str(kv_layers[i]) if i < len(kv_layers) else str(i),
             *(
                 (
                     "-"
@@ -137,8 +138,8 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
             ),
         )
     console.print(table)
-    n = art.num_layers
-    picks = sorted({0, n // 2, n - 1})[:shown_layers]
+    n = len(kv_layers)
+    picks = sorted({kv_layers[0], kv_layers[n // 2], kv_layers[n - 1]})[:shown_layers]
     for side in ("key", "value"):
         for i in picks:
             cb = art.codebook(i, side)

@@ -91,6 +91,12 @@ def compose_artifact(
                 f"({'; '.join(diff)}); compose calibrations of one model"
             )
     n_layers = first.num_layers
+    hybrid = next((a for a in arts if a.kv_layers != list(range(n_layers))), None)
+    if hybrid is not None:
+        raise ValueError(
+            f"calibration {_describe(hybrid)} holds a hybrid model's attention layers {hybrid.kv_layers} of {n_layers}; "
+            "composing such calibrations is not supported yet: calibrate the mixed scheme itself (kvbits calibrate)"
+        )
     scheme.check_layer_count(n_layers, "the calibrated model's")
     tensors: dict[str, Any] = {}
     stats: list[dict[str, Any]] = []

@@ -454,6 +454,7 @@ def artifact_from_samples(
     value_absmax: Sequence[float | torch.Tensor] | None = None,
     fp8_scale: str = "amax",
     tie_rope_pairs: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> CalibrationArtifact:
     """Fit an artifact from per-layer samples, without a model (``calibrate`` calls this).
 
@@ -481,6 +482,10 @@ def artifact_from_samples(
             keys).
         tie_rope_pairs: pre-RoPE centred / smoothed keys get one factor per RoPE pair (see ``fit_side``);
             recorded as ``tie_rope_pairs`` in the artifact's JSON.
+        layers: the model layer of each entry of ``keys`` (ascending): a hybrid model's attention layers, the
+            only ones that store K/V (recorded as ``model.kv_layers``; the model's ``num_layers`` is
+            ``meta["model"]["num_layers"]``, else ``layers[-1] + 1``). None: entry ``i`` is layer ``i`` of
+            ``len(keys)``.
 
     Raises:
         TypeError: ``keys`` / ``values`` / gradients not a list of tensors (a single tensor is refused, not
@@ -520,17 +525,19 @@ def artifact_from_samples(
     for name, amax in (("key_absmax", key_absmax), ("value_absmax", value_absmax)):
         if amax is not None and len(amax) != len(keys):
             raise ValueError(f"{name} needs one value per layer ({len(keys)}), got {len(amax)}")
-    scheme.check_layer_count(len(keys), "the samples'")
+    layer_ids, n_layers = _layer_ids(layers, len(keys), meta)
+    scheme.check_layer_count(n_layers, "the samples'")
     _check_samples(
         scheme, keys, values, key_grads, value_grads,
         key_absmax=key_absmax, value_absmax=value_absmax, meta=meta, tie_rope_pairs=tie_rope_pairs,
+        layer_ids=layer_ids, num_layers=n_layers,
     )  # fmt: skip
     # the samples read: those of the sides fitted (an uncalibrated layer's samples may be empty or anything)
     fitted = [
         xs[i]
         for i in range(len(keys))
         for side, xs in (("key", keys), ("value", values))
-        if spec_calibratable(getattr(scheme.for_layer(i), side))
+        if spec_calibratable(getattr(scheme.for_layer(layer_ids[i]), side))
     ]
     # T of each (B, H_kv, T, D) block holding tokens: the windows' length
     window_lengths = [x.shape[2] for x in fitted if x.dim() == 4 and x.shape[0] * x.shape[2] > 0]
@@ -554,11 +561,10 @@ def artifact_from_samples(
         )  # fmt: skip
     _warn_percentile_is_the_max(scheme, keys, values, percentile)
     tensors: dict[str, torch.Tensor] = {}
-    stats: list[dict[str, float]] = []
-    n_layers = len(keys)
-    for i in range(n_layers):
+    stats: list[dict[str, float]] = []  # one row per entry of layer_ids
+    for i, layer in enumerate(layer_ids):
         row: dict[str, float] = {}
-        layer_scheme = scheme.for_layer(i)  # a mixed scheme: the layer's own
+        layer_scheme = scheme.for_layer(layer)  # a mixed scheme: the layer's own
         for side, spec, xs, gs in (
             ("key", layer_scheme.key, keys, key_grads),
             ("value", layer_scheme.value, values, value_grads),
@@ -574,17 +580,17 @@ def artifact_from_samples(
                 percentile=percentile,
                 kmeans_points=kmeans_points,
                 kmeans_iterations=kmeans_iterations,
-                seed=seed + i,
+                seed=seed + layer,
                 absmax=None if amax is None else amax[i],
                 fp8_scale="mse" if fp8_scale == "centred" and side == "value" else fp8_scale,
                 tie_rope=tie_rope_pairs,
-                where=f"layer {i} {side}",
+                where=f"layer {layer} {side}",
             )
-            tensors.update({f"layers.{i}.{side}_{k}": v for k, v in t.items()})
+            tensors.update({f"layers.{layer}.{side}_{k}": v for k, v in t.items()})
             row.update({f"{side}_{k}": v for k, v in s.items()})
         stats.append(row)
         if progress is not None:
-            progress("fit", i + 1, n_layers)
+            progress("fit", i + 1, len(layer_ids))
     record: dict[str, Any] = {
         "kvbits_version": _kvbits_version(),
         "created": now_utc(),
@@ -596,6 +602,7 @@ def artifact_from_samples(
             "name": None,
             "model_type": None,
             "num_layers": n_layers,
+            "kv_layers": layer_ids,
             "num_attention_heads": None,
             "num_kv_heads": H,
             "head_dim": D,
@@ -626,6 +633,8 @@ def _check_samples(
     value_absmax: Sequence[Any] | None = None,
     meta: dict[str, Any] | None = None,
     tie_rope_pairs: bool = False,
+    layer_ids: Sequence[int] | None = None,
+    num_layers: int | None = None,
 ) -> None:
     """``TypeError`` / ``ValueError`` naming the layer for per-layer samples ``artifact_from_samples`` can not
     fit ``scheme`` from (``keys`` and ``values`` as long, one per layer).
@@ -638,6 +647,7 @@ def _check_samples(
     spec is calibratable) needs at least one token (except a static FP8 side given its ``*_absmax``, fitted
     from that alone) and finite samples and gradients: one ``isfinite`` pass over each."""
     n_layers = len(keys)
+    layer_ids = list(range(n_layers)) if layer_ids is None else list(layer_ids)
     grads = {"key": key_grads, "value": value_grads}
     absmax = {"key": key_absmax, "value": value_absmax}
     for side in SIDES:
@@ -646,18 +656,18 @@ def _check_samples(
             raise ValueError(f"{side}_grads needs one gradient tensor per layer ({n_layers}), got {len(g)}")
     ref: tuple[int, int] | None = None  # (H_kv, D) of keys[0]
     for i in range(n_layers):
-        layer_scheme = scheme.for_layer(i)
+        layer_scheme = scheme.for_layer(layer_ids[i])
         for side, xs in (("key", keys), ("value", values)):
             arg = f"{side}s[{i}]"
             x = _check_sample_tensor(xs[i], arg, i)
             H, D = x.shape[-3], x.shape[-1]
             if H < 1 or D < 1:
-                raise ValueError(f"{arg} (layer {i}) has shape {tuple(x.shape)}: no KV heads or no channels")
+                raise ValueError(f"{arg} (layer {layer_ids[i]}) has shape {tuple(x.shape)}: no KV heads or no channels")
             if ref is None:
                 ref = (H, D)
             elif (H, D) != ref:
                 raise ValueError(
-                    f"{arg} (layer {i}) has {H} KV heads of dim {D} (shape {tuple(x.shape)}), but keys[0] has "
+                    f"{arg} (layer {layer_ids[i]}) has {H} KV heads of dim {D} (shape {tuple(x.shape)}), but keys[0] has "
                     f"{ref[0]} of dim {ref[1]}: every layer's keys and values need the same (H_kv, D)"
                 )
             g = None if grads[side] is None else grads[side][i]
@@ -665,7 +675,7 @@ def _check_samples(
                 _check_sample_tensor(g, f"{side}_grads[{i}]", i)
                 if g.shape != x.shape:
                     raise ValueError(
-                        f"{side}_grads[{i}] (layer {i}) has shape {tuple(g.shape)}, but its samples {arg} have "
+                        f"{side}_grads[{i}] (layer {layer_ids[i]}) has shape {tuple(g.shape)}, but its samples {arg} have "
                         f"{tuple(x.shape)}: a gradient must have the shape of its samples"
                     )
             spec = getattr(layer_scheme, side)
@@ -675,14 +685,14 @@ def _check_samples(
             given_absmax = absmax[side] is not None and absmax[side][i] is not None
             if n_tokens == 0 and not (spec.kind == "fp8" and given_absmax):
                 raise ValueError(
-                    f"{arg} (layer {i}) has no tokens (shape {tuple(x.shape)}); calibrating its {side}s needs at "
+                    f"{arg} (layer {layer_ids[i]}) has no tokens (shape {tuple(x.shape)}); calibrating its {side}s needs at "
                     "least one sample"
                 )
             for t, what in ((x, arg), (g, f"{side}_grads[{i}]")):
                 if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
                     n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
                     raise ValueError(
-                        f"{what} (layer {i}) contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to "
+                        f"{what} (layer {layer_ids[i]}) contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to "
                         "calibrate from it"
                     )
     assert ref is not None  # keys is not empty
@@ -692,7 +702,7 @@ def _check_samples(
         raise ValueError(f"tie_rope_pairs ties RoPE pairs of channels and needs an even head dim, got {D}")
     model = (meta or {}).get("model")
     if isinstance(model, dict):
-        got = {"num_layers": n_layers, "num_kv_heads": H, "head_dim": D}
+        got = {"num_layers": n_layers if num_layers is None else num_layers, "num_kv_heads": H, "head_dim": D}
         diff = [
             f"{k} {model[k]} vs {v}"
             for k, v in got.items()
@@ -703,6 +713,25 @@ def _check_samples(
                 f"the samples do not match meta['model'] ({'; '.join(diff)} [meta vs samples]): samples of "
                 f"{n_layers} layers of {H} KV heads of dim {D} were given"
             )
+
+
+def _layer_ids(layers: Sequence[int] | None, n: int, meta: dict[str, Any] | None) -> tuple[list[int], int]:
+    """``(layer of each of the n sample entries, the model's layer count)`` for ``artifact_from_samples``'s
+    ``layers``; ``ValueError`` unless ``n`` ascending distinct ints >= 0 below ``meta["model"]["num_layers"]``."""
+    if layers is None:
+        return list(range(n)), n
+    ids = list(layers)
+    if len(ids) != n or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or (
+        ids != sorted(set(ids)) or ids[0] < 0
+    ):  # fmt: skip
+        raise ValueError(f"layers must be {n} ascending distinct layer indices >= 0 (one per sample entry), got {ids!r}")
+    model = (meta or {}).get("model")
+    total = model.get("num_layers") if isinstance(model, dict) else None
+    if not isinstance(total, int) or isinstance(total, bool):
+        return ids, ids[-1] + 1
+    if ids[-1] >= total:
+        raise ValueError(f"layers {ids} go beyond meta['model']['num_layers'] = {total}")
+    return ids, total
 
 
 def _check_sample_tensor(t: Any, arg: str, layer: int) -> torch.Tensor:

@@ -46,23 +46,34 @@ def config_kv_heads(config: Any) -> int:
 
 def find_kv_sites(model: torch.nn.Module) -> list[KVSite]:
     """The sites calibration reads: :func:`kvbits.analyze.sites.attention_sites` (the rule ``kvbits analyze``
-    uses too), which must be every layer ``0 .. N-1`` of the model (``N``: the config's layer count), since
-    an artifact holds parameters for each layer of the cache.
+    uses too), which must be exactly the layers that store K/V (``kvbits.calibrate.artifact.model_kv_layers``:
+    every layer ``0 .. N-1`` but a hybrid model's convolution / linear-attention / state-space layers and
+    KV-sharing layers), since an artifact holds parameters for each cache layer that quantizes K/V.
 
     Raises:
-        ValueError: as ``attention_sites``; or some layer has no K/V site (a hybrid model's
-            linear-attention or convolution layers, Gemma 4's KV-sharing layers).
+        ValueError: as ``attention_sites``; or the sites are not on the layers that store K/V (a layer that
+            caches K/V without a ``k_proj`` / ``v_proj`` site, or a config the planner can not read whose
+            layers are not all sites).
     """
+    from kvbits.calibrate.artifact import model_kv_layers
+
     sites = attention_sites(model)
     config = getattr(model, "config", None)
     n_layers = getattr(text_config(config), "num_hidden_layers", None) if config is not None else None
     expected = list(range(n_layers if isinstance(n_layers, int) else len(sites)))
+    kv_layers = model_kv_layers(config) if config is not None else None
     got = [s.layer_idx for s in sites]
-    if got != expected:
+    if got != (expected if kv_layers is None else kv_layers):
+        if kv_layers is None:
+            raise ValueError(
+                f"calibration needs the K/V of every layer 0..{len(expected) - 1} (an artifact holds each cache "
+                f"layer's parameters); {type(model).__name__} has attention sites on layers {got}, none on "
+                f"{sorted(set(expected) - set(got))}"
+            )
         raise ValueError(
-            f"calibration needs the K/V of every layer 0..{len(expected) - 1} (an artifact holds each cache "
-            f"layer's parameters); {type(model).__name__} has attention sites on layers {got}, none on "
-            f"{sorted(set(expected) - set(got))}"
+            f"calibration needs the K/V of every layer that caches them, {kv_layers} (an artifact holds each "
+            f"quantized cache layer's parameters); {type(model).__name__} has attention sites on layers {got}"
+            + (f", none on {sorted(set(kv_layers) - set(got))}" if set(kv_layers) - set(got) else "")
         )
     return sites
 

@@ -677,7 +677,7 @@ def _calibration_kwargs(
     # the scheme stores otherwise (check_scheme allows it), which quantize refuses rather than ignores
     return {
         (i, side): calibration.quantize_kwargs(i, side) if getattr(scheme.for_layer(i), side).calibratable else {}
-        for i in range(calibration.num_layers)
+        for i in calibration.kv_layers  # a hybrid model's attention layers (check_model matched them)
         for side in ("key", "value")
     }
 

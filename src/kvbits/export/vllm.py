@@ -102,6 +102,11 @@ def check_exportable(art: CalibrationArtifact) -> None:
     values, both per tensor or both per head (one ``kv_cache_scheme``), keys after RoPE (vLLM caches
     rotated keys), taken over every token (no sinks: vLLM stores them in FP8 too)."""
     scheme = art.scheme
+    if art.kv_layers != list(range(art.num_layers)):
+        raise ValueError(
+            f"calibration holds the scales of a hybrid model's attention layers {art.kv_layers} of {art.num_layers}; "
+            "exporting it for vLLM is not supported yet (the export names one k_scale / v_scale per layer 0..N-1)"
+        )
     if scheme.is_mixed:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} mixes schemes per layer; vLLM's kv_cache_scheme is one scheme "
