@@ -482,7 +482,7 @@ _DELETE = object()
         (("percentile",), _DELETE, "the 'percentile' field is missing"),
         (("fisher",), _DELETE, "the 'fisher' field is missing"),
         (("fisher",), "yes", "fisher must be true or false, got 'yes'"),
-        (("stats",), [{}], "stats must hold one row per layer (model.num_layers = 2), got 1 rows"),
+        (("stats",), [{}], "stats must hold one row per calibrated layer (2 in model.kv_layers), got 1 rows"),
         (("stats", 1, "key_clip_rate"), "0.1%", "stats[1].key_clip_rate must be a number, got '0.1%'"),
         (("files", "calibration.safetensors", "bytes"), None, "bytes must be a non-negative integer"),
     ],

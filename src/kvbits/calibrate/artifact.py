@@ -588,8 +588,10 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
     stats = meta.get("stats", [])
     if not isinstance(stats, list) or not all(isinstance(row, dict) for row in stats):
         return field("stats", stats, "a list of per-layer JSON objects")
-    if "stats" in meta and len(stats) != model["num_layers"]:
-        return f"stats must hold one row per layer (model.num_layers = {model['num_layers']}), got {len(stats)} rows"
+    rows = model["num_layers"] if kv_layers is None else len(kv_layers)  # one per layer it holds
+    if "stats" in meta and len(stats) != rows:
+        held = f"model.num_layers = {rows}" if kv_layers is None else f"{rows} in model.kv_layers"
+        return f"stats must hold one row per calibrated layer ({held}), got {len(stats)} rows"
     for i, row in enumerate(stats):
         for k, v in row.items():
             if not is_number(v):
