@@ -21,7 +21,7 @@ from kvbits.report.fmt import fmt_budget, fmt_pos
 from kvbits.report.inline import code, split_code_spans, text
 from kvbits.report.inputs import KL_FLOAT64_VERSION, float32_kl_sources, reproduce_command, run_commit
 from kvbits.report.plots import PLOT_FILES
-from kvbits.report.plots.tradeoff import infinite_points
+from kvbits.report.plots.tradeoff import infinite_points, nan_points
 from kvbits.report.summary import RunSummary
 from kvbits.report.tables import (
     Cell,
@@ -200,6 +200,9 @@ def build_document(
             off = infinite_points(run) if key == "bits_vs_delta" else []
             if off:  # an infinite ΔPPL has no place on the axis: say whose points are missing
                 caption += " Not drawn, ΔPPL +inf: " + ", ".join(text(p) for p in off) + "."
+            off_nan = nan_points(run) if key == "bits_vs_delta" else []
+            if off_nan:  # nor has a NaN one (no perplexity, no judged bucket)
+                caption += " Not drawn, ΔPPL NaN: " + ", ".join(text(p) for p in off_nan) + "."
             blocks.append(Figure(figures[key], PLOT_FILES[key], caption))
         elif key in failed:
             blocks.append(Para(f"*The figure `{key}.png` could not be drawn: {text(failed[key])}.*"))

@@ -4,13 +4,14 @@ bucket, with the Pareto front."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_budget
 from kvbits.report.plots.figure import new_figure, percent_axis, save_png, scheme_colors
 from kvbits.report.summary import RunSummary
 
-__all__ = ["infinite_points", "plot_tradeoff"]
+__all__ = ["infinite_points", "nan_points", "plot_tradeoff"]
 
 
 def _pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -22,18 +23,32 @@ def _pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, 
     return front
 
 
-def infinite_points(run: RunSummary) -> list[str]:
-    """The points :func:`plot_tradeoff` can not draw because their ΔPPL is +inf (a perplexity that overflowed: worse
-    than any budget, off every axis), one phrase per scheme with bits: ``"int2 (overall and worst bucket)"``,
-    ``"int3 (worst bucket)"``. The figure's legend and the report's caption name them; they are not left out unsaid."""
+def _undrawn(run: RunSummary, missing: Callable[[float], bool], *, bucketless: bool) -> list[str]:
+    """One phrase per scheme with bits whose overall and/or worst-bucket ΔPPL ``missing`` picks; ``bucketless``:
+    whether a scheme with no buckets at all counts as missing its worst bucket."""
     out = []
     for r in run.results:
         if not math.isfinite(r.avg_bits):
             continue  # a scheme without bits is not on this figure at all
-        which = [w for w, v in (("overall", r.delta), ("worst bucket", r.max_delta)) if v == math.inf]
+        which = [w for w, v, ok in (("overall", r.delta, True), ("worst bucket", r.max_delta, bucketless or bool(r.buckets)))
+                 if ok and missing(v)]
         if which:
             out.append(f"{r.name} ({' and '.join(which)})")
     return out
+
+
+def infinite_points(run: RunSummary) -> list[str]:
+    """The points :func:`plot_tradeoff` can not draw because their ΔPPL is +inf (a perplexity that overflowed: worse
+    than any budget, off every axis), one phrase per scheme with bits: ``"int2 (overall and worst bucket)"``,
+    ``"int3 (worst bucket)"``. The figure's legend and the report's caption name them; they are not left out unsaid."""
+    return _undrawn(run, lambda v: v == math.inf, bucketless=True)
+
+
+def nan_points(run: RunSummary) -> list[str]:
+    """The points :func:`plot_tradeoff` can not draw because their ΔPPL is NaN (no overall perplexity, or no judged
+    bucket), phrased as :func:`infinite_points`: ``"int2 (overall)"``. A scheme that recorded no buckets at all is not
+    named for its worst bucket (the run has none to draw). The legend and the caption name them too."""
+    return _undrawn(run, math.isnan, bucketless=False)
 
 
 def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THRESHOLD) -> Path:
@@ -74,6 +89,9 @@ def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THR
     off = infinite_points(run)
     if off:
         ax.plot([], [], " ", label="ΔPPL +inf, not drawn: " + ", ".join(off))
+    off_nan = nan_points(run)
+    if off_nan:
+        ax.plot([], [], " ", label="ΔPPL NaN, not drawn: " + ", ".join(off_nan))
     percent_axis(ax, ys)
     ax.set_xlabel("average bits per K/V element (incl. scales; lower = smaller cache)")
     ax.set_ylabel("ΔPPL vs reference (%)")
