@@ -57,3 +57,36 @@ def test_a_nan_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch
     assert "(hollow). Not drawn, ΔPPL NaN: kivi-2 (overall).*" in md
     clean = _write_run(tmp_path / "clean", tokens=False)
     assert "Not drawn" not in write_report(clean, plots=True)["markdown"].read_text()  # nothing missing: nothing said
+
+
+def test_the_speed_figure_names_a_hybrid_models_linear_states(tmp_path, monkeypatch):
+    """speed.png's "cache MiB" panel drew the K/V bytes alone for a hybrid model while report.md's table adds
+    "+ linear states X": the panel's title says it now ("K/V only; + linear states X"); no title where none are held."""
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from kvbits.report.fmt import fmt_bytes
+    from kvbits.report.plots import figure
+    from kvbits.report.speed import load_speed, plot_speed
+
+    base = load_speed(Path(__file__).parents[1] / "benchmarks/results/speed-qwen/speed.json")
+    drawn = {}
+
+    def keep(fig, path):
+        drawn["fig"] = fig
+        return path
+
+    monkeypatch.setattr(figure, "save_png", keep)
+
+    def bytes_titles(s: dict) -> list[str]:
+        plot_speed(s, tmp_path / "speed.png")
+        n = len(s["batches"])
+        return [ax.get_title() for ax in drawn["fig"].axes[n:2 * n]]  # the second row: the bytes panels
+
+    plain = {**base, "runs": [{**r, "linear_state_bytes": 0} for r in base["runs"]]}
+    assert bytes_titles(plain) == [""] * len(base["batches"])
+    hybrid = {**base, "runs": [{**r, "linear_state_bytes": 3 << 19} for r in base["runs"]]}
+    assert bytes_titles(hybrid) == [f"K/V only; + linear states {fmt_bytes(3 << 19)}"] * len(base["batches"])
+    assert fmt_bytes(3 << 19) == "1.50 MiB"
+    varied = {**base, "runs": [{**r, "linear_state_bytes": (i % 2 + 1) << 20} for i, r in enumerate(base["runs"])]}
+    assert bytes_titles(varied)[0] == "K/V only; + linear states 1.00 MiB–2.00 MiB"

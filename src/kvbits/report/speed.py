@@ -286,9 +286,21 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _linear_state_note(summary: Mapping[str, Any], batch: int) -> str:
+    """The bytes panel's title for ``batch``: ``""`` where no run holds linear states (every layer attends), else
+    ``"K/V only; + linear states 1.50 MiB"`` (a range ``"0.75–1.50 MiB"`` where runs differ), as the table adds."""
+    held = sorted({r["linear_state_bytes"] for r in summary["runs"]
+                   if r["batch"] == batch and r.get("linear_state_bytes")})  # fmt: skip
+    if not held:
+        return ""
+    span = fmt_bytes(held[0]) if len(held) == 1 else f"{fmt_bytes(held[0])}–{fmt_bytes(held[-1])}"
+    return f"K/V only; + linear states {span}"
+
+
 def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
     """One column per batch: decode tokens/s against context (top) and the MiB each cache holds at the end
-    of the run (bottom), one line per cache, context on a log axis."""
+    of the run (bottom), one line per cache, context on a log axis. The bytes are K/V (``cache_bytes``); a hybrid
+    model's linear states (``linear_state_bytes``, the same in every cache) are named in the bytes panel's title."""
     import numpy as np
 
     from kvbits.report.plots.figure import BASELINE_COLOR, PALETTE, new_figure, save_png, unique_legend
@@ -320,6 +332,8 @@ def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
             else:
                 ax.set_xlabel("context (tokens)", fontsize=8)
                 ax.set_ylim(bottom=0)
+                if note := _linear_state_note(summary, batch):
+                    ax.set_title(note, fontsize=7)
     handles, labels = unique_legend(axes.reshape(-1))
     fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     fig.suptitle(
