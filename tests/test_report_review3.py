@@ -70,16 +70,13 @@ def _infinite_summary() -> dict:
     return s
 
 
-def test_an_infinite_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch):
-    """A scheme whose ΔPPL is +inf had no point on the bits-vs-ΔPPL figure and nothing said so; the legend and the
-    report's caption name it now."""
+def bits_figure_legend_and_report(summary: dict, tmp_path, monkeypatch) -> tuple[list[str], str]:
+    """The bits-vs-ΔPPL figure's legend labels and the report.md written with that figure alone, for ``summary``."""
     pytest.importorskip("matplotlib")
     from kvbits.report import plots as plots_mod
     from kvbits.report.plots import tradeoff
     from kvbits.report.summary import RunSummary
 
-    run = RunSummary.from_dict(_infinite_summary())
-    assert tradeoff.infinite_points(run) == ["kivi-2 (overall and worst bucket)"]
     drawn = {}
 
     def keep(fig, path):
@@ -88,16 +85,28 @@ def test_an_infinite_delta_is_named_not_left_off_the_bits_figure(tmp_path, monke
         return path
 
     monkeypatch.setattr(tradeoff, "save_png", keep)
-    tradeoff.plot_tradeoff(run, tmp_path / "bits_vs_delta.png")
+    tradeoff.plot_tradeoff(RunSummary.from_dict(summary), tmp_path / "bits_vs_delta.png")
     labels = [t.get_text() for t in drawn["fig"].axes[0].get_legend().get_texts()]
-    assert "ΔPPL +inf, not drawn: kivi-2 (overall and worst bucket)" in labels
 
     def only_tradeoff(run, out, tokens, **kw):
         return {"bits_vs_delta": tradeoff.plot_tradeoff(run, out / "bits_vs_delta.png")}, {}
 
     monkeypatch.setattr(plots_mod, "make_plots", only_tradeoff)
-    d = _write_run(tmp_path / "run", _infinite_summary(), tokens=False)
-    md = write_report(d, plots=True)["markdown"].read_text()
+    d = _write_run(tmp_path / "run", summary, tokens=False)
+    return labels, write_report(d, plots=True)["markdown"].read_text()
+
+
+def test_an_infinite_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch):
+    """A scheme whose ΔPPL is +inf had no point on the bits-vs-ΔPPL figure and nothing said so; the legend and the
+    report's caption name it now."""
+    pytest.importorskip("matplotlib")
+    from kvbits.report.plots import tradeoff
+    from kvbits.report.summary import RunSummary
+
+    run = RunSummary.from_dict(_infinite_summary())
+    assert tradeoff.infinite_points(run) == ["kivi-2 (overall and worst bucket)"]
+    labels, md = bits_figure_legend_and_report(_infinite_summary(), tmp_path, monkeypatch)
+    assert "ΔPPL +inf, not drawn: kivi-2 (overall and worst bucket)" in labels
     assert "(hollow). Not drawn, ΔPPL +inf: kivi-2 (overall and worst bucket).*" in md
 
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 from test_report import SCHEMES, _summary, _write_run
+from test_report_review3 import bits_figure_legend_and_report
 
 from kvbits.report import write_report
 
@@ -24,7 +25,6 @@ def test_a_nan_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch
     """A scheme with bits and a NaN overall ΔPPL had no filled point on the bits-vs-ΔPPL figure and nothing said so
     (a +inf one was named); the legend and the caption name it now, as they name a +inf one."""
     pytest.importorskip("matplotlib")
-    from kvbits.report import plots as plots_mod
     from kvbits.report.plots import tradeoff
     from kvbits.report.summary import RunSummary
 
@@ -35,25 +35,9 @@ def test_a_nan_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch
     for b in none_judged["results"][2]["buckets"]:
         b.update(ppl=math.nan, delta_rel=math.nan, delta_rel_ci=None)
     assert tradeoff.nan_points(RunSummary.from_dict(none_judged)) == ["kivi-2 (overall and worst bucket)"]
-    drawn = {}
-
-    def keep(fig, path):
-        drawn["fig"] = fig
-        path.write_bytes(b"")
-        return path
-
-    monkeypatch.setattr(tradeoff, "save_png", keep)
-    tradeoff.plot_tradeoff(run, tmp_path / "bits_vs_delta.png")
-    labels = [t.get_text() for t in drawn["fig"].axes[0].get_legend().get_texts()]
+    labels, md = bits_figure_legend_and_report(_nan_summary(), tmp_path, monkeypatch)
     assert "ΔPPL NaN, not drawn: kivi-2 (overall)" in labels
     assert not any(lab.startswith("ΔPPL +inf") for lab in labels)
-
-    def only_tradeoff(run, out, tokens, **kw):
-        return {"bits_vs_delta": tradeoff.plot_tradeoff(run, out / "bits_vs_delta.png")}, {}
-
-    monkeypatch.setattr(plots_mod, "make_plots", only_tradeoff)
-    d = _write_run(tmp_path / "run", _nan_summary(), tokens=False)
-    md = write_report(d, plots=True)["markdown"].read_text()
     assert "(hollow). Not drawn, ΔPPL NaN: kivi-2 (overall).*" in md
     clean = _write_run(tmp_path / "clean", tokens=False)
     assert "Not drawn" not in write_report(clean, plots=True)["markdown"].read_text()  # nothing missing: nothing said
