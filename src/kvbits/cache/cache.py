@@ -53,7 +53,7 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantizedKVCache", "attention_shape", "layer_windows", "rotary_for"]
+__all__ = ["QuantizedKVCache", "attention_shape", "layer_windows", "linear_state_bytes", "rotary_for"]
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # layers without attention (a hybrid model's convolution, linear-attention or state-space layers): held by
@@ -245,6 +245,14 @@ def state_nbytes(layer: Any) -> int:
     for history in (getattr(layer, "recurrent_states_history", None) or {}).values():  # kept for crop (assisted)
         tensors.extend(history)
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def linear_state_bytes(cache: Any) -> int:
+    """Bytes of a hybrid model's convolution / linear-attention states in ``cache`` (its ``LinearAttentionLayer``
+    layers, :func:`state_nbytes` each), the same count for a ``QuantizedKVCache`` (``memory_report()``'s
+    ``linear_state_bytes``) and a ``DynamicCache``; 0 for a model whose every layer attends. Not K/V: outside
+    ``total_bytes`` and ``kvbits.plan``."""
+    return sum(state_nbytes(layer) for layer in getattr(cache, "layers", ()) if _is_state_layer(layer))
 
 
 class QuantizedKVCache(Cache):
@@ -702,7 +710,7 @@ class QuantizedKVCache(Cache):
             "batch": batch,
             "workspace_bytes": workspace,
             "position_bytes": positions,
-            "linear_state_bytes": sum(state_nbytes(layer) for layer in self._state_layers()),
+            "linear_state_bytes": linear_state_bytes(self),
             "linear_layers": [i for i, layer in enumerate(self.layers) if _is_state_layer(layer)],
             "avg_bits": 8 * total / elements if elements else 0.0,
         }

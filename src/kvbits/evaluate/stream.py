@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvbits._model import check_model
+from kvbits.cache.cache import _is_state_layer, linear_state_bytes
 from kvbits.cache.compat import cache_kwarg
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
@@ -333,13 +334,7 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
     base = base_model(model)
     full = _prefill_cache(model)
     hidden = _step(base, ids, full, cache_kwarg(base))
-    return hidden, [layer if _is_state(layer) else (layer.keys, layer.values) for layer in full.layers]
-
-
-def _is_state(layer: Any) -> bool:
-    from kvbits.cache.cache import _is_state_layer
-
-    return _is_state_layer(layer)
+    return hidden, [layer if _is_state_layer(layer) else (layer.keys, layer.values) for layer in full.layers]
 
 
 def cache_bytes(cache: Any) -> int | None:
@@ -363,16 +358,7 @@ def cache_bytes(cache: Any) -> int | None:
     if not isinstance(cache, (DynamicCache, StaticCache)):
         return None
     return int(sum(t.numel() * t.element_size() for layer in cache.layers
-                   if not _is_state(layer) and layer.is_initialized for t in (layer.keys, layer.values)))  # fmt: skip
-
-
-def linear_state_bytes(cache: Any) -> int:
-    """Bytes of a hybrid model's convolution / linear-attention states in ``cache`` (its ``LinearAttentionLayer``
-    layers: ``QuantizedKVCache.memory_report()["linear_state_bytes"]``, the same count for a ``DynamicCache``); 0
-    for a model whose every layer attends. Not part of :func:`cache_bytes`."""
-    from kvbits.cache.cache import state_nbytes
-
-    return sum(state_nbytes(layer) for layer in getattr(cache, "layers", ()) if _is_state(layer))
+                   if not _is_state_layer(layer) and layer.is_initialized for t in (layer.keys, layer.values)))  # fmt: skip
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -409,8 +395,8 @@ def load_kv(cache: Any, kv: list[Any]) -> None:
     import copy
 
     for idx, entry in enumerate(kv):
-        if _is_state(entry):
-            if idx >= len(cache.layers) or not _is_state(cache.layers[idx]):
+        if _is_state_layer(entry):
+            if idx >= len(cache.layers) or not _is_state_layer(cache.layers[idx]):
                 have = type(cache.layers[idx]).__name__ if idx < len(cache.layers) else "no layer"
                 raise ValueError(
                     f"layer {idx} of the prefill is a convolution / linear-attention layer but {type(cache).__name__} "
