@@ -399,3 +399,26 @@ def test_the_prepared_gpu_benchmark_records_a_failing_case_and_goes_on(tmp_path,
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: types.SimpleNamespace(multi_processor_count=4))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d: (9, 0))
     assert autotune_decode._prewarm(torch.device("cuda"), [], 1.0) == {"error": "OSError: no workers"}
+
+
+def test_tuners_of_other_candidates_do_not_share_choices(tmp_path):
+    """A tuner of other candidates (``default_tuner(dequant)``, an explicit ``KVBITS_DEQUANT``) and one of all of
+    ``CANDIDATES`` share the tuning file; they shared its keys too, so each took the other's choice as its own. Before,
+    a ``KVBITS_DEQUANT=fold`` process's choice (``fold``, its own default, timed only against ``fold-p8``) was served
+    by a later unrestricted process for the key without any timing, 3.3x slower than its default launch here (1.0
+    against 0.3 ms). Now each candidate set keys its own choices (``DecodeTuner.key``); ``CANDIDATES``' keys are
+    ``tune_key``'s."""
+    path = tmp_path / "decode.json"
+    store, q = store_and_query()
+    fake = StandIn(times(default=0.3, fold=1.0, fold_p8=1.0))
+    fold_only = DecodeTuner(path, candidates=(Candidate("fold", dequant="fold"), CANDIDATES[-1]), runner=fake,
+                            timer=fake.timer, rounds=1)  # fmt: skip
+    fold_only.attend(q, store)
+    assert fold_only.served == {fold_only.key(q, store): "fold"} and fold_only.key(q, store) != tune_key(q, store)
+    full = DecodeTuner(path, runner=fake, timer=fake.timer, rounds=1)
+    n = len(fake.timed)
+    full.attend(q, store)
+    assert set(fake.timed[n:]) == {c.name for c in CANDIDATES}  # tuned its own candidates
+    assert full.served == {tune_key(q, store): "default"} and full.key(q, store) == tune_key(q, store)
+    assert set(json.loads(path.read_text())["keys"]) == {tune_key(q, store), fold_only.key(q, store)}
+    assert autotune.candidates_tag(CANDIDATES) == "" != autotune.candidates_tag(CANDIDATES[:3])

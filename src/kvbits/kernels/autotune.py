@@ -19,7 +19,9 @@ rejected too. A candidate must beat the default by ``MARGIN`` to be chosen, so t
 
 Choices persist in ``$KVBITS_CACHE/tuning/decode.json`` (default ``~/.cache/kvbits``; ``KVBITS_AUTOTUNE_FILE``
 overrides), keyed by ``tune_key`` (which includes a hash of the kernels' source, so another kvbits' kernels never
-reuse them); a corrupt or foreign file is logged and replaced. While a CUDA graph is being captured, or under
+reuse them) and, for a tuner of other candidates than ``CANDIDATES`` (an explicit ``KVBITS_DEQUANT`` limits them),
+a hash of its candidates (``DecodeTuner.key``: a choice among some launches is not one among others); a corrupt or
+foreign file is logged and replaced. While a CUDA graph is being captured, or under
 ``torch.compile``, nothing is timed: a key already tuned takes its choice, others the default launch.
 
 The inputs tuned on are one decode step's, so a launch could still be wrong only on other data (another padding
@@ -66,6 +68,7 @@ __all__ = [
     "Tuning",
     "attend",
     "autotune_mode",
+    "candidates_tag",
     "chosen_launches",
     "default_tuner",
     "launch_counts",
@@ -137,6 +140,15 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("f16-tile2-w2-s3-p8", dequant="f16", tile=2, num_warps=2, num_stages=3, programs_per_sm=8),
     Candidate("fold-p8", dequant="fold", programs_per_sm=8),
 )
+_BUILTIN = CANDIDATES  # what ``DecodeTuner.key`` leaves untagged (``CANDIDATES`` may be replaced, as tests do)
+
+
+def candidates_tag(candidates: tuple[Candidate, ...]) -> str:
+    """``""`` for the built-in ``CANDIDATES``, else ``cands-`` and 8 hex chars of a hash of ``candidates`` (in order:
+    the first is the default launch)."""
+    if candidates == _BUILTIN:
+        return ""
+    return "cands-" + hashlib.sha256(repr(candidates).encode()).hexdigest()[:8]
 
 
 def autotune_mode() -> str:
@@ -356,6 +368,7 @@ class DecodeTuner:
         self.path = path
         self.candidates = {c.name: c for c in candidates}
         self.default = candidates[0]
+        self.tag = candidates_tag(tuple(candidates))
         self.runner = runner
         self.timer = timer
         self.rounds = max(1, int(rounds))
@@ -385,6 +398,12 @@ class DecodeTuner:
                 tmp.unlink(missing_ok=True)  # (a folder at the file's path: os.replace failed, the tmp file stays)
 
     # ------------------------------------------------------------------------------------------ tuning
+
+    def key(self, q: torch.Tensor, store: PackedStore) -> str:
+        """This tuner's key of a call: ``tune_key``, tagged with ``candidates_tag`` for a tuner of other candidates
+        than ``CANDIDATES`` (so tuners of different candidates sharing a file never take each other's choices)."""
+        key = tune_key(q, store)
+        return f"{key}|{self.tag}" if self.tag else key
 
     def _run(self) -> Runner:
         if self.runner is None:
@@ -426,7 +445,7 @@ class DecodeTuner:
         """``(key, candidate, tuned on this call)`` for this call (``key`` ``None``: a lone default candidate)."""
         if len(self.candidates) == 1:
             return None, self.default, False
-        key = tune_key(q, store)
+        key = self.key(q, store)
         tuning, tuned_now = self.tunings.get(key), False
         if tuning is None:
             if _no_timing_now():
@@ -457,11 +476,11 @@ class DecodeTuner:
     def tune(self, q: torch.Tensor, store: PackedStore, scale: float | None = None, *, key: str | None = None
              ) -> Tuning:  # fmt: skip
         """Time every candidate on these inputs (each checked against the default launch's output first), record
-        and persist the choice of ``key`` (default ``tune_key(q, store)``), and return it.
+        and persist the choice of ``key`` (default ``self.key(q, store)``), and return it.
 
         Raises whatever the default launch raises: it is what runs without tuning, so its failure is not a
         tuning matter."""
-        key = key or tune_key(q, store)
+        key = key or self.key(q, store)
         run, timer = self._run(), self.timer or _timer_for(q.device)
         thunks: dict[str, Callable[[], torch.Tensor]] = {}
         rejected: dict[str, str] = {}
