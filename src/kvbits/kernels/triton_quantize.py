@@ -457,7 +457,9 @@ def quantize_pack_triton(
     ties resolve identically); the kernel leaves them out of the ranges and the clipped count.
 
     Args:
-        x: ``(B, H_kv, n, D)`` new tokens (finite; the cache checks them before storing).
+        x: ``(B, H_kv, n, D)`` new tokens, finite and within float16's range (``check_block``, which
+            ``quantize_pack`` and the cache run; not checked here: a bfloat16/float32 value beyond 65504 gives
+            inf scales and NaN decodes where ``quantize`` raises ``ValueError``).
         spec: a spec ``supported`` accepts.
         static_scale, static_zero: static specs: the calibrated ``(H_kv, D)`` (or ``(1, H_kv, 1, D)``) ranges.
         codebook: NUQ specs: the float16 ``(2**bits,)`` codebook (as ``quantize``).
