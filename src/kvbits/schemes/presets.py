@@ -395,8 +395,8 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         )
     if path.suffix.lower() == ".json":
         try:
-            scheme = KVScheme.from_dict(json.loads(path.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:  # the message names the file
+            scheme = KVScheme.from_dict(json.loads(path.read_text(encoding="utf-8")))  # JSON's encoding, not the locale's
+        except (ValueError, KeyError, TypeError) as exc:  # the message names the file (JSON, UTF-8, field errors)
             raise ValueError(f"{path} is not a valid kvbits scheme JSON: {exc}") from exc
         return _check_name(scheme, f"scheme file {path}")
     raise ValueError(f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)")
