@@ -217,6 +217,20 @@ def test_a_utf8_scheme_file_is_read_as_utf8_whatever_the_locale(tmp_path):
     assert run.returncode == 0, run.stderr[-500:]
 
 
+@pytest.mark.parametrize("window", [0, -5])
+def test_a_window_below_one_is_refused_by_the_accounting(window):
+    """``token_split(int4-token, 10, sliding_window=0)`` held ``full=-1`` token and ``layer_bytes`` -128 bytes per
+    side (-768 at a window of -5): a negative window count passed as storage. The cache refuses windows below 1."""
+    from kvbits.schemes import layer_bytes, token_split
+
+    scheme = get_scheme("int4-token")
+    with pytest.raises(ValueError, match=rf"sliding_window must be >= 1 .*got {window}"):
+        token_split(scheme, 10, window)
+    with pytest.raises(ValueError, match=r"sliding_window must be >= 1"):
+        layer_bytes(scheme, 10, batch=1, n_heads=1, head_dim=64, sliding_window=window)
+    assert token_split(scheme, 10, 1).stored == 0  # a window of 1 keeps W - 1 = 0 tokens, as the cache does
+
+
 def test_outlier_count_is_the_ceiling_of_the_exact_product():
     """``ceil(frac * D)`` without the float artefact: 0.07 * 100 is 7.000000000000001 in floats, and 8 outliers
     were kept (and counted) per row of 100 for a 7 % request; a fraction truly above a whole count still rounds up.
