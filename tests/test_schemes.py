@@ -231,6 +231,17 @@ def test_a_window_below_one_is_refused_by_the_accounting(window):
     assert token_split(scheme, 10, 1).stored == 0  # a window of 1 keeps W - 1 = 0 tokens, as the cache does
 
 
+def test_a_scheme_file_whose_path_holds_commas_and_equals_is_read(tmp_path):
+    """A scheme file in a folder named as sweeps name them (``lr=0.1,bs=2/mine.json``) was parsed as a mixed
+    scheme string and refused (``expected BASE,LAYER=SCHEME ... got 'bs=2/mine.json'``)."""
+    folder = tmp_path / "lr=0.1,bs=2"
+    folder.mkdir()
+    path = folder / "mine.json"
+    path.write_text(KVScheme("mine", key=TensorSpec(kind="int", bits=4, fmt=None)).to_json())
+    assert get_scheme(str(path)).name == "mine"
+    assert get_scheme("int4-token,0=fp16").layers[0][1].name == "fp16"  # a mixed string still parses
+
+
 def test_outlier_count_is_the_ceiling_of_the_exact_product():
     """``ceil(frac * D)`` without the float artefact: 0.07 * 100 is 7.000000000000001 in floats, and 8 outliers
     were kept (and counted) per row of 100 for a 7 % request; a fraction truly above a whole count still rounds up.

@@ -385,9 +385,9 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
     if spec in _REGISTRY:
         return _REGISTRY[spec]
-    if "," in spec and "=" in spec:
-        return _parse_mixed(spec)
     path = Path(spec).expanduser()
+    if "," in spec and "=" in spec and not (path.suffix.lower() == ".json" and path.is_file()):
+        return _parse_mixed(spec)  # an existing file is read as one (a run folder "lr=0.1,bs=2/scheme.json")
     if path.suffix.lower() == ".json" and not path.is_file():
         raise ValueError(
             f"scheme file {spec!r} does not exist; expected a preset name ({', '.join(_REGISTRY)}) "
