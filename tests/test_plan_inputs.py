@@ -4,7 +4,10 @@ inside, truncated GGUF files, absurd memory budgets."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,30 @@ def test_a_valid_config_file_still_plans(tmp_path):
     path.write_text(json.dumps(llama_dict(torch_dtype="bfloat16")))
     r = plan(str(path), context=100)
     assert r["total_bytes"] == 2 * (2 * 2 * 64 * 100 * 2)  # 2 layers, K and V, 2 heads x 64, bf16
+
+
+def test_a_config_file_that_is_not_text_is_named_in_the_error(tmp_path):
+    """A config.json holding binary bytes (a gzip or safetensors file renamed) failed with a bare
+    ``UnicodeDecodeError: 'utf-8' codec can't decode byte 0x8b``, naming no file."""
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\x1f\x8b\x08\x00\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"config\.json is not a UTF-8 JSON text file") as info:
+        plan(str(path), context=100)
+    assert not isinstance(info.value, UnicodeDecodeError)
+
+
+def test_a_utf8_config_file_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """JSON is UTF-8 (RFC 8259); the config was read in the locale's encoding, so under ``LC_ALL=C`` (ASCII) a
+    config.json with one non-ASCII byte (a name, a chat template) could not be planned."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama_dict(_name_or_path="café"), ensure_ascii=False), encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    code = (
+        "import sys; from kvbits.plan.sources import _read_json; from pathlib import Path; "
+        "assert _read_json(Path(sys.argv[1]))['_name_or_path'] == 'caf\\u00e9'"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-500:]
 
 
 # ------------------------------------------------------------------------------ truncated GGUF

@@ -185,6 +185,63 @@ def test_a_scheme_file_that_is_not_text_is_named_in_the_error(tmp_path):
         get_scheme(str(path))
 
 
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        ({"name": "b5", "key": {"kind": "int", "bits": 5}}, r"needs bits in \(2, 3, 4, 8\), got 5"),
+        ({"name": "neg", "sinks": -1}, r"need sinks >= 0"),
+        ({"name": "lay", "layers": {"x": {"name": "a"}}}, r"keys are layer indices"),
+    ],
+    ids=["bits", "sinks", "layers"],
+)
+def test_a_scheme_file_refused_by_a_field_check_is_named_in_the_error(tmp_path, content, said):
+    """A scheme file whose field a check refuses (bits=5, sinks=-1) gave the check's message alone (``TensorSpec(
+    kind='int') needs bits in (2, 3, 4, 8), got 5``): with several ``--scheme`` files, which one was not said."""
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=r"mine\.json is not a valid kvbits scheme JSON: .*" + said):
+        get_scheme(str(path))
+
+
+def test_a_utf8_scheme_file_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """Scheme files were read in the locale's encoding: under ``LC_ALL=C`` a description with one non-ASCII
+    character ('café') was refused (``'ascii' codec can't decode``)."""
+    import os
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "description": "café", "key": {"kind": "int", "bits": 4}},
+                               ensure_ascii=False), encoding="utf-8")  # fmt: skip
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    code = "import sys; from kvbits.schemes import get_scheme; assert get_scheme(sys.argv[1]).description == 'caf\\u00e9'"
+    run = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-500:]
+
+
+@pytest.mark.parametrize("window", [0, -5])
+def test_a_window_below_one_is_refused_by_the_accounting(window):
+    """``token_split(int4-token, 10, sliding_window=0)`` held ``full=-1`` token and ``layer_bytes`` -128 bytes per
+    side (-768 at a window of -5): a negative window count passed as storage. The cache refuses windows below 1."""
+    from kvbits.schemes import layer_bytes, token_split
+
+    scheme = get_scheme("int4-token")
+    with pytest.raises(ValueError, match=rf"sliding_window must be >= 1 .*got {window}"):
+        token_split(scheme, 10, window)
+    with pytest.raises(ValueError, match=r"sliding_window must be >= 1"):
+        layer_bytes(scheme, 10, batch=1, n_heads=1, head_dim=64, sliding_window=window)
+    assert token_split(scheme, 10, 1).stored == 0  # a window of 1 keeps W - 1 = 0 tokens, as the cache does
+
+
+def test_a_scheme_file_whose_path_holds_commas_and_equals_is_read(tmp_path):
+    """A scheme file in a folder named as sweeps name them (``lr=0.1,bs=2/mine.json``) was parsed as a mixed
+    scheme string and refused (``expected BASE,LAYER=SCHEME ... got 'bs=2/mine.json'``)."""
+    folder = tmp_path / "lr=0.1,bs=2"
+    folder.mkdir()
+    path = folder / "mine.json"
+    path.write_text(KVScheme("mine", key=TensorSpec(kind="int", bits=4, fmt=None)).to_json())
+    assert get_scheme(str(path)).name == "mine"
+    assert get_scheme("int4-token,0=fp16").layers[0][1].name == "fp16"  # a mixed string still parses
+
+
 def test_outlier_count_is_the_ceiling_of_the_exact_product():
     """``ceil(frac * D)`` without the float artefact: 0.07 * 100 is 7.000000000000001 in floats, and 8 outliers
     were kept (and counted) per row of 100 for a 7 % request; a fraction truly above a whole count still rounds up.

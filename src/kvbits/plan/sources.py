@@ -165,8 +165,13 @@ def _strict_errors() -> tuple[type[Exception], ...]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, read as UTF-8 (JSON's encoding, RFC 8259; not the locale's, which under a C
+    locale refused any non-ASCII byte); ``ValueError`` naming ``path`` when it is not UTF-8 JSON text (a
+    safetensors file renamed, a UTF-16 export) or not an object."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a UTF-8 JSON text file (a model config): {exc}") from exc
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):

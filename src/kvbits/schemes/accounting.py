@@ -70,9 +70,14 @@ def token_split(scheme: KVScheme, n_tokens: int, sliding_window: int | None = No
     ``W - 1`` tokens for the next step: sinks are not kept, quantized blocks are dropped once all
     their tokens left the window, and when ``residual + block - 1 > W - 1`` the layer stores its
     window in full precision (``sliding_falls_back``). ``scheme`` is the layer's own (``for_layer``).
+
+    Raises:
+        ValueError: ``n_tokens < 0``, ``sliding_window < 1``, or a mixed ``scheme``.
     """
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    if sliding_window is not None and sliding_window < 1:  # 0 or less held a negative count of tokens (bytes)
+        raise ValueError(f"sliding_window must be >= 1 (the cache's rule) or None, got {sliding_window}")
     if scheme.is_mixed:
         raise ValueError(f"token_split is per layer: pass {scheme.name!r}.for_layer(layer_idx), not the mixed scheme")
     if sliding_window is None:

@@ -385,9 +385,9 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         raise TypeError(f"scheme must be a name, a JSON path, a dict or a KVScheme, got {type(spec).__name__}")
     if spec in _REGISTRY:
         return _REGISTRY[spec]
-    if "," in spec and "=" in spec:
-        return _parse_mixed(spec)
     path = Path(spec).expanduser()
+    if "," in spec and "=" in spec and not (path.suffix.lower() == ".json" and path.is_file()):
+        return _parse_mixed(spec)  # an existing file is read as one (a run folder "lr=0.1,bs=2/scheme.json")
     if path.suffix.lower() == ".json" and not path.is_file():
         raise ValueError(
             f"scheme file {spec!r} does not exist; expected a preset name ({', '.join(_REGISTRY)}) "
@@ -395,8 +395,8 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         )
     if path.suffix.lower() == ".json":
         try:
-            scheme = KVScheme.from_dict(json.loads(path.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:  # the message names the file
+            scheme = KVScheme.from_dict(json.loads(path.read_text(encoding="utf-8")))  # JSON's encoding, not the locale's
+        except (ValueError, KeyError, TypeError) as exc:  # the message names the file (JSON, UTF-8, field errors)
             raise ValueError(f"{path} is not a valid kvbits scheme JSON: {exc}") from exc
         return _check_name(scheme, f"scheme file {path}")
     raise ValueError(f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)")
