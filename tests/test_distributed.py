@@ -93,6 +93,8 @@ def _worker(rank: int, world: int, init_file: str, work: str) -> None:
         run("other", model, ids, CONTEXT, ["int8-token"], windows=3, out_dir=work_dir / "w3")
         run("alone", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=ATTN, distributed=False)
         run("stream", model, ids, CONTEXT, [WINDOWED], windows=3, mode="stream", fused_decode=True)
+        own = (ids + rank) % VOCAB  # rank-dependent token ids, as long as rank 0's
+        run("own-data", model, own, CONTEXT, SCHEMES, windows=3, attn_layers=[])
         if rank == 1:  # a failure on one rank only
             runner.token_metrics = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom on rank 1"))
         run("fails", model, ids, CONTEXT, SCHEMES, windows=3, attn_layers=[])
@@ -246,6 +248,16 @@ def test_distributed_false_evaluates_everything_on_each_rank(ranks, single):
     for r in (r0, r1):
         s = _ok(r["alone"])
         assert s["world_size"] == 1 and _numbers(s) == _numbers(single[0]["w3"])
+
+
+def test_ranks_given_other_data_are_refused_on_every_rank(ranks):
+    """Rank 1 given its own token ids (as many as rank 0's) was combined with rank 0 without a word: both
+    returned KL 1.0054e-4 where one process on rank 0's ids gives 1.0018e-4 (and ranks given another window
+    count aborted in gloo, SIGABRT). Now every rank refuses, naming what differs, before any window."""
+    (r0, r1), _ = ranks
+    for r in (r0, r1):
+        assert r["own-data"][:2] == ("error", "ValueError"), r["own-data"]
+        assert "rank 1 of 2 was given another run than rank 0 (differing: data)" in r["own-data"][2]
 
 
 def test_failure_on_one_rank_stops_every_rank(ranks):

@@ -12,7 +12,9 @@ into ``0.0``). Counters and timings travel with ``all_gather_object``.
 Failures: each phase of the run ends with an agreement step (one ``all_gather_object`` of every
 rank's outcome), so an exception on one rank is raised on every rank (the failing rank raises its
 own, the others :class:`RankFailed`) instead of leaving them waiting in a collective. A rank that
-dies outright (killed, segfault) is not seen this way; ``torchrun`` stops the others then.
+dies outright (killed, segfault) is not seen this way; ``torchrun`` stops the others then. Ranks given
+different runs (arguments, token ids, weights or text content; a rank's own ``device`` and ``data_path``
+aside) are refused on every rank before any window (:meth:`Ranks.check_same`), not combined.
 
 No home-made cluster: the process group is torch's, created by ``torchrun`` / the caller (or
 ``kvbits eval`` from torchrun's environment, :func:`init_from_env`).
@@ -135,6 +137,22 @@ class Ranks:
         if failed:
             r, msg = failed[0]
             raise RankFailed(f"rank {r} of {self.world} failed while {what}: {msg}")
+
+    def check_same(self, what: str, value: dict[str, Any]) -> None:
+        """``ValueError`` on every rank unless every rank holds the same ``value`` (a JSON-able dict): the ranks
+        combine their windows into one run, so a rank called with other arguments or inputs (its own token ids,
+        weights or text file) would be summed in silently, or abort gloo with arrays of another size. The message
+        names the first differing rank and keys."""
+        if not self.active:
+            return
+        values = self.gather(value)
+        for r, other in enumerate(values):
+            if other != values[0]:
+                keys = sorted(k for k in {*values[0], *other} if values[0].get(k) != other.get(k))
+                raise ValueError(
+                    f"rank {r} of {self.world} was given another {what} than rank 0 (differing: {', '.join(keys)}): "
+                    "every rank must evaluate the same model, data and arguments"
+                )
 
     def assemble(self, array: np.ndarray) -> None:
         """In place: every rank's rows of ``array`` (zeros where a rank computed nothing) combined

@@ -333,6 +333,8 @@ def evaluate(
         request["generate"] = generate
     # the rank count is not part of the request: any number of ranks computes the same run
     chash = config_hash(request)
+    # a rank's device and data folder may be its own (cuda:1, another mount); the rest is one run's
+    ranks.check_same("run", {k: v for k, v in request.items() if k not in ("device", "data_path")})
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         # rank 0 alone reads the folder; every rank follows its decision (reuse, refuse or run)
