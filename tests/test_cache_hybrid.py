@@ -85,18 +85,66 @@ def test_hybrid_cache_crop_is_all_or_nothing():
     assert [layer.get_seq_length() for layer in cache.layers if isinstance(layer, QuantizedKVLayer)] == [7, 7]
 
 
-def test_layers_with_attention_and_a_state_are_refused_saying_what_works():
-    """Zamba / Falcon-H1 ``hybrid`` layers (attention plus a Mamba state in one layer) are refused, naming
-    DynamicCache and kvbits plan, not with a bare 'has type' message."""
-    cfg = transformers.Zamba2Config(
-        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8, n_mamba_heads=2,
+def _zamba2():
+    return transformers.Zamba2Config(
+        vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
     )  # fmt: skip
-    with pytest.raises(NotImplementedError, match=r"layer 1 has type 'hybrid'.*DynamicCache\(config=model.config\)"):
-        QuantizedKVCache(config=cfg, scheme="int4-token")
 
 
-@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+def _falcon_h1():
+    return transformers.FalconH1Config(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [_zamba2, _falcon_h1], ids=["zamba2", "falcon_h1"])
+def test_hybrid_layers_quantize_their_attention_and_keep_their_state(make):
+    """Was: ``NotImplementedError: layer 1 has type 'hybrid'`` (Zamba, Zamba2, Falcon-H1: attention plus a Mamba
+    state in one layer). Now a ``QuantizedHybridLayer`` quantizes the attention's K/V and keeps the state in
+    transformers' ``LinearAttentionLayer``: fp16 and int8-token generate DynamicCache's tokens (tiny random model),
+    ``total_bytes`` equals ``kvbits.plan``, ``linear_state_bytes`` what DynamicCache's states hold."""
+    from kvbits.cache.cache import linear_state_bytes
+    from kvbits.cache.hybrid import QuantizedHybridLayer
+
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 96, (2, 9))
+    ref_cache = DynamicCache(config=cfg)
+    want = _generate(model, ids, ref_cache)
+    context = want.shape[1] - 1
+    hybrid = [i for i, t in enumerate(cfg.layer_types) if t == "hybrid"]
+    for scheme in ("fp16", "int8-token"):
+        cache = QuantizedKVCache(config=cfg, scheme=scheme)
+        assert [i for i, layer in enumerate(cache.layers) if isinstance(layer, QuantizedHybridLayer)] == hybrid
+        got = _generate(model, ids, cache)
+        assert torch.equal(got, want), scheme
+        report = cache.memory_report()
+        assert [r["layer"] for r in report["layers"]] == hybrid
+        assert report["seq_length"] == context
+        assert report["total_bytes"] == plan(cfg, context=context, batch=2, scheme=scheme)["total_bytes"] > 0
+        assert report["linear_layers"] == list(range(len(cfg.layer_types)))
+        assert report["linear_state_bytes"] == linear_state_bytes(ref_cache) > 0
+        layer = cache.layers[hybrid[0]]
+        state, (keys, _) = layer.conv_states[0].clone(), layer.materialize()
+        cache.reorder_cache(torch.tensor([1, 0]))  # beam search reorders the K/V and the state alike
+        assert torch.equal(layer.conv_states[0], state[[1, 0]]) and torch.equal(layer.materialize()[0], keys[[1, 0]])
+        with pytest.raises(ValueError, match="activate_past_recording.*nothing was cropped"):
+            cache.crop(-1)
+
+
+def test_sliding_hybrid_layers_are_refused_saying_what_works():
+    """``hybrid_sliding`` (a sliding window plus a linear state in one layer) is refused, naming DynamicCache and
+    kvbits plan, not with a bare 'has type' message."""
+    cache = QuantizedKVCache(num_layers=1, scheme="int4-token")
+    with pytest.raises(NotImplementedError, match=r"layer 0 has type 'hybrid_sliding'.*DynamicCache\(config=model.config\)"):
+        cache._make_layer(0, "hybrid_sliding", {"sliding_window": 8})
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next, _zamba2], ids=["lfm2", "qwen3_next", "zamba2"])
 def test_a_prefill_loads_into_hybrid_caches_as_a_full_forward_computes(make):
     """Was: ``prefill_kv`` raised ``IndexError: list index out of range`` (its config-less ``DynamicCache`` has no
     conv / linear-attention layer), so ``kvbits eval --mode stream --semantics prefill`` crashed, and
@@ -126,14 +174,14 @@ def test_a_prefill_loads_into_hybrid_caches_as_a_full_forward_computes(make):
         torch.testing.assert_close(got, want, atol=2e-3, rtol=0), type(cache).__name__
         fp32 = 2 if isinstance(cache, DynamicCache) else 1  # DynamicCache keeps the float32 model's K/V
         assert cache_bytes(cache) == fp32 * plan(cfg, context=10, batch=2, scheme="fp16")["total_bytes"]
-        assert linear_state_bytes(cache) == sum(_state_bytes(cache.layers[i]) for i in (0, 2)) > 0
+        assert linear_state_bytes(cache) == sum(_state_bytes(lay) for lay in cache.layers if hasattr(lay, "conv_states")) > 0
     report = cache.memory_report()
     assert report["linear_state_bytes"] == linear_state_bytes(cache)
     got = stream_hidden(model, ids, "fp16", semantics="prefill", prompt_len=6, fused_decode=False)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next, _zamba2], ids=["lfm2", "qwen3_next", "zamba2"])
 def test_speed_times_hybrid_models(make):
     """Was: ``kvbits speed`` refused every hybrid model ('runs the real cache on models whose every layer
     attends'). Now it times them: each cache holds the plan's K/V bytes, ``linear_state_bytes`` reports the
@@ -151,16 +199,15 @@ def test_speed_times_hybrid_models(make):
 
 
 def test_speed_and_needle_refuse_models_the_cache_can_not_hold_before_running():
-    """Zamba's ``hybrid`` layers: a ``ValueError`` naming the entry point and the cache's reason, before the prefill
-    (which crashed deep in the model once the blanket hybrid refusal was lifted)."""
+    """A ``hybrid_sliding`` layer (a sliding window plus a state in one layer; Zamba's ``hybrid`` layers are held
+    now): a ``ValueError`` naming the entry point and the cache's reason, before the prefill."""
     from kvbits.evaluate.speed import speed_eval
 
-    cfg = transformers.Zamba2Config(
-        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8, n_mamba_heads=2,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with pytest.raises(ValueError, match=r"kvbits speed runs the real cache, which can not hold .*type 'hybrid'"):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_lfm2()).eval()
+    model.config.layer_types = ["conv", "hybrid_sliding", "conv", "full_attention"]
+    model.config.sliding_window = 8
+    with pytest.raises(ValueError, match=r"kvbits speed runs the real cache, which can not hold .*type 'hybrid_sliding'"):
         speed_eval(model, 16, ["fp16"], tokens=1, warmup=0, data=torch.randint(1, 96, (64,)))
 
 

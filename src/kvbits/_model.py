@@ -63,8 +63,9 @@ def attending_layers(model: torch.nn.Module, n_layers: int) -> list[int]:
 def check_cache_holds(model: torch.nn.Module, where: str) -> None:
     """``ValueError`` at an entry point ``where`` that prefills into and decodes through the real cache, before any
     forward pass, when ``QuantizedKVCache(config=model.config)`` can not hold ``model``'s layers (its
-    ``NotImplementedError``: Zamba's / Falcon-H1's ``hybrid`` layers, attention plus a state in one layer). A hybrid
-    model's ``conv`` / ``linear_attention`` layers are held (their states kept as ``DynamicCache`` keeps them)."""
+    ``NotImplementedError``: ``hybrid_sliding`` layers, a sliding window plus a state in one layer). A hybrid
+    model's ``conv`` / ``linear_attention`` layers are held (their states kept as ``DynamicCache`` keeps them), and
+    Zamba's / Falcon-H1's ``hybrid`` layers (``QuantizedHybridLayer``: quantized K/V plus the state)."""
     from kvbits.cache import QuantizedKVCache
 
     try:

@@ -33,6 +33,7 @@ from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
 from kvbits.cache.fixed import install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
+from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
 from kvbits.cache.layer import (
     QuantizedKVLayer,
     cache_batch_size,
@@ -232,6 +233,12 @@ def _state_layer(idx: int, layer_type: str, kwargs: dict) -> Any:
     return cls(number_of_states=kwargs.get("number_of_states", 1))
 
 
+def _holds_state(layer: Any) -> bool:
+    """``layer`` holds a convolution / linear-attention state: a ``_state_layer`` or a hybrid layer (attention too)."""
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return mixin is not None and isinstance(layer, mixin)
+
+
 def _is_state_layer(layer: Any) -> bool:
     """``layer`` holds a non-attention layer's states (``_state_layer``), no K/V."""
     mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
@@ -251,8 +258,10 @@ def linear_state_bytes(cache: Any) -> int:
     """Bytes of a hybrid model's convolution / linear-attention states in ``cache`` (its ``LinearAttentionLayer``
     layers, :func:`state_nbytes` each), the same count for a ``QuantizedKVCache`` (``memory_report()``'s
     ``linear_state_bytes``) and a ``DynamicCache``; 0 for a model whose every layer attends. Not K/V: outside
-    ``total_bytes`` and ``kvbits.plan``."""
-    return sum(state_nbytes(layer) for layer in getattr(cache, "layers", ()) if _is_state_layer(layer))
+    ``total_bytes`` and ``kvbits.plan``. A ``hybrid`` layer's state (Zamba, Falcon-H1: attention plus a state in one
+    layer; transformers' ``LinearAttentionAndFullAttentionLayer``, kvbits' ``QuantizedHybridLayer``) counts here too,
+    its K/V in ``total_bytes``."""
+    return sum(state_nbytes(layer) for layer in getattr(cache, "layers", ()) if _holds_state(layer))
 
 
 class QuantizedKVCache(Cache):
@@ -385,6 +394,7 @@ class QuantizedKVCache(Cache):
             self.install_calibration(calibration)
 
     def _make_layer(self, idx: int, layer_type: str, kwargs: dict) -> Any:
+        cls, layer_kwargs = QuantizedKVLayer, {}
         if layer_type == "full_attention":
             window = None
         elif layer_type in _SLIDING_TYPES:
@@ -395,19 +405,27 @@ class QuantizedKVCache(Cache):
             return cache_utils.DummyLayer()  # KV-sharing consumer or attention-free layer: stores nothing
         elif layer_type in _STATE_TYPES:
             return _state_layer(idx, layer_type, kwargs)
-        elif layer_type in ("hybrid", "hybrid_sliding"):
+        elif layer_type in HYBRID_TYPES:
+            window, cls = None, hybrid_layer_class()
+            if cls is None:
+                raise NotImplementedError(
+                    f"layer {idx} has type {layer_type!r} (attention plus a state-space / linear-attention state: "
+                    "Zamba, Falcon-H1), whose state QuantizedKVCache keeps in transformers' LinearAttentionLayer, "
+                    "which this transformers' cache_utils lacks (5.17 and later have it)"
+                )
+            layer_kwargs = {"number_of_states": kwargs.get("number_of_states", 1)}
+        elif layer_type == "hybrid_sliding":
             raise NotImplementedError(
-                f"layer {idx} has type {layer_type!r}: it attends and also keeps a state-space / linear-attention "
-                "state (Zamba, Falcon-H1), which QuantizedKVCache does not hold together with quantized K/V (it "
-                "quantizes full_attention, sliding_attention and chunked_attention layers and keeps conv and "
-                "linear_attention layers' states as DynamicCache does: Qwen3-Next, Qwen3.5, Jamba, LFM2/LFM3, "
-                "MiniMax, ...); serve this model with DynamicCache(config=model.config), and price its attention "
-                "layers with kvbits plan"
+                f"layer {idx} has type {layer_type!r}: a sliding-window attention layer that also keeps a "
+                "state-space / linear-attention state, which QuantizedKVCache does not hold (it holds full-attention "
+                "'hybrid' layers: Zamba, Zamba2, Falcon-H1); serve this model with DynamicCache(config=model.config), "
+                "and price its attention layers with kvbits plan"
             )
         else:
             raise NotImplementedError(
-                f"layer {idx} has type {layer_type!r}; QuantizedKVCache quantizes full_attention, sliding_attention "
-                f"and chunked_attention layers and keeps the states of {' and '.join(_STATE_TYPES)} layers"
+                f"layer {idx} has type {layer_type!r}; QuantizedKVCache quantizes full_attention, sliding_attention, "
+                f"chunked_attention and hybrid layers and keeps the states of {' and '.join(_STATE_TYPES)} layers "
+                "(and of hybrid ones)"
             )
         kv_heads, repeat, head_dim = self.num_key_value_heads, self.head_repeat, self.head_dim
         if self._config is not None:  # per layer, as the planner counts them (Gemma 4: global layers differ)
@@ -417,8 +435,8 @@ class QuantizedKVCache(Cache):
                     return cache_utils.DummyLayer()
                 kv_heads = None
             repeat = _head_repeat(text_config(self._config), heads, kv_heads or heads)
-        layer = QuantizedKVLayer(
-            self.scheme.for_layer(idx), layer_idx=idx, sliding_window=window, workspace=self.workspace,
+        layer = cls(
+            self.scheme.for_layer(idx), layer_idx=idx, **layer_kwargs, sliding_window=window, workspace=self.workspace,
             num_key_value_heads=kv_heads, head_repeat=repeat, head_dim=head_dim,
             rotary=None if self._rotary is None else self._rotary.tables_for_layer(idx),
             fused_decode=self.fused_decode, rope_tables=self._fused_tables,
@@ -463,7 +481,8 @@ class QuantizedKVCache(Cache):
         return 0 if idx is None else int(self.get_seq_length(idx))
 
     def _state_layers(self) -> list[Any]:
-        return [layer for layer in self.layers if _is_state_layer(layer)]
+        """Layers holding a linear state: those without attention and hybrid ones (``QuantizedHybridLayer``)."""
+        return [layer for layer in self.layers if _holds_state(layer)]
 
     @run_eagerly
     def update(
@@ -686,7 +705,9 @@ class QuantizedKVCache(Cache):
         (convolution, linear-attention, state-space: ``linear_layers``, held in transformers' ``LinearAttentionLayer``)
         hold no K/V and no part of ``total_bytes`` (``kvbits.plan`` prices attention layers only):
         ``linear_state_bytes`` counts their convolution and recurrent state tensors apart, unquantized, in the
-        model's dtype, a fixed size per sequence whatever the context. Runs the lazy K/V checks first.
+        model's dtype, a fixed size per sequence whatever the context. A ``hybrid`` layer (Zamba, Falcon-H1:
+        ``QuantizedHybridLayer``) is in both: its K/V in ``layers`` and ``total_bytes``, its state in
+        ``linear_layers`` and ``linear_state_bytes``. Runs the lazy K/V checks first.
         """
         self.check_inputs()
         components = dict.fromkeys(COMPONENTS, 0)
@@ -711,7 +732,7 @@ class QuantizedKVCache(Cache):
             "workspace_bytes": workspace,
             "position_bytes": positions,
             "linear_state_bytes": linear_state_bytes(self),
-            "linear_layers": [i for i, layer in enumerate(self.layers) if _is_state_layer(layer)],
+            "linear_layers": [i for i, layer in enumerate(self.layers) if _holds_state(layer)],
             "avg_bits": 8 * total / elements if elements else 0.0,
         }
 

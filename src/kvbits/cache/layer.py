@@ -643,7 +643,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.tokens_seen -= r
             if self.held_at is not None:
                 self.held_at = min(self.held_at, self.tokens_seen)
-        if self.record_past and self.is_initialized:  # back to the window update() keeps without recording
+        if self.record_past and self.is_sliding and self.is_initialized:  # back to the window update() keeps
             self._trim_window(self.tokens_seen)
 
     def observe_flushes(self, fn: FlushObserver | None) -> None:

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from kvbits._model import check_model
-from kvbits.cache.cache import _is_state_layer, linear_state_bytes
+from kvbits.cache.cache import _holds_state, _is_state_layer, linear_state_bytes
 from kvbits.cache.compat import cache_kwarg
+from kvbits.cache.hybrid import HYBRID_TYPES
 from kvbits.schemes.presets import get_scheme
 from kvbits.schemes.spec import KVScheme
 
@@ -316,11 +317,24 @@ def _prefill_cache(model: Any) -> Any:
     if not isinstance(n_layers, int):
         return full
     types, kwargs = _layer_types(text, n_layers)
-    if not any(t in _STATE_TYPES for t in types):
+    if not any(t in _STATE_TYPES or t in HYBRID_TYPES for t in types):
         return full
-    full.layers = [_state_layer(i, t, kw) if t in _STATE_TYPES else DynamicLayer()
-                   for i, (t, kw) in enumerate(zip(types, kwargs))]  # fmt: skip
+    full.layers = [_state_layer(i, t, kw) if t in _STATE_TYPES else _hybrid_layer(kw) if t in HYBRID_TYPES
+                   else DynamicLayer() for i, (t, kw) in enumerate(zip(types, kwargs))]  # fmt: skip
     return full
+
+
+def _hybrid_layer(kwargs: dict) -> Any:
+    """transformers' layer for a ``hybrid`` layer (Zamba, Falcon-H1: full attention plus a linear state), as
+    ``DynamicCache(config=...)`` builds it."""
+    from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+
+    return LinearAttentionAndFullAttentionLayer(number_of_states=kwargs.get("number_of_states", 1))
+
+
+def _is_hybrid_layer(layer: Any) -> bool:
+    """``layer`` attends and holds a linear state (transformers' ``LinearAttentionAndFullAttentionLayer``)."""
+    return _holds_state(layer) and not _is_state_layer(layer)
 
 
 @torch.no_grad()
@@ -334,7 +348,7 @@ def prefill_kv(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
     base = base_model(model)
     full = _prefill_cache(model)
     hidden = _step(base, ids, full, cache_kwarg(base))
-    return hidden, [layer if _is_state_layer(layer) else (layer.keys, layer.values) for layer in full.layers]
+    return hidden, [layer if _holds_state(layer) else (layer.keys, layer.values) for layer in full.layers]
 
 
 def cache_bytes(cache: Any) -> int | None:
@@ -395,7 +409,17 @@ def load_kv(cache: Any, kv: list[Any]) -> None:
     import copy
 
     for idx, entry in enumerate(kv):
-        if _is_state_layer(entry):
+        if _is_hybrid_layer(entry):  # K/V through update, the state copied (QuantizedHybridLayer.linear)
+            target = cache.layers[idx] if idx < len(cache.layers) else None
+            if not _is_hybrid_layer(target):
+                raise ValueError(
+                    f"layer {idx} of the prefill is a hybrid layer (attention plus a linear state) but "
+                    f"{type(cache).__name__} has {type(target).__name__} there: build the cache from the model's "
+                    "config (DynamicCache(config=...), QuantizedKVCache(config=...))"
+                )
+            cache.update(entry.keys, entry.values, idx)
+            _copy_linear_state(entry, getattr(target, "linear", target))
+        elif _is_state_layer(entry):
             if idx >= len(cache.layers) or not _is_state_layer(cache.layers[idx]):
                 have = type(cache.layers[idx]).__name__ if idx < len(cache.layers) else "no layer"
                 raise ValueError(
@@ -406,6 +430,24 @@ def load_kv(cache: Any, kv: list[Any]) -> None:
             cache.layers[idx] = copy.deepcopy(entry)
         else:
             cache.update(entry[0], entry[1], idx)
+
+
+def _copy_linear_state(src: Any, dst: Any) -> None:
+    """Deep copies of ``src``'s linear-attention state attributes (transformers' ``LinearAttentionCacheLayerMixin``)
+    into ``dst``; its K/V, if any, are left alone."""
+    import copy
+
+    for name in _LINEAR_STATE_ATTRS:
+        if hasattr(src, name):
+            setattr(dst, name, copy.deepcopy(getattr(src, name)))
+
+
+# what LinearAttentionCacheLayerMixin.__init__ / lazy_initialization / activate_past_recording set
+_LINEAR_STATE_ATTRS = (
+    "number_of_states", "conv_states", "recurrent_states", "is_conv_states_initialized",
+    "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size", "cumulative_length_linear",
+    "record_past", "recurrent_states_to_keep", "recurrent_states_history", "device", "dtype",
+)  # fmt: skip
 
 
 @torch.no_grad()
