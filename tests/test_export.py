@@ -717,3 +717,15 @@ def test_a_mix_vllm_serves_with_skipped_layers_is_refused_with_how_to_serve_it(t
     with pytest.raises(ValueError, match=r"uniform FP8 scheme \(fp8-e4m3\)$"):
         export_vllm(other, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_record_and_cli_warn_against_calculate_kv_scales(fp8, tmp_path, capsys):
+    """The export's serve line left out that ``--calculate-kv-scales`` would make vLLM skip the exported scales (it
+    computes its own from the first batch); the record's notes and the printed output now say so."""
+    from kvbits.cli import main
+
+    _, _, cal, _ = fp8
+    rec = export_vllm(cal, tmp_path / "x")
+    assert any("--calculate-kv-scales" in n for n in rec["notes"])
+    assert main(["export", "--calibration", str(cal), "--out", str(tmp_path / "y")]) == 0
+    assert "note: do not add --calculate-kv-scales" in capsys.readouterr().out

@@ -114,6 +114,53 @@ def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_pat
     assert len(trials) == 40 and placed == 37
 
 
+def test_needles_in_crlf_text_keep_its_line_ends(tok):
+    """In a CRLF text (Moby-Dick, WikiText-2 raw) the line break put after a needle was a bare ``\n``, and
+    a needle could sit between a line's ``\r`` and ``\n``: over Moby-Dick with SmolLM2's tokenizer (which
+    gives ``\r`` and ``\n`` a token each), 22 and 3 of 108 trials. Now the separator is ``\r\n`` there and
+    no needle splits a CRLF."""
+    import random
+    import textwrap
+
+    from _bytelevel import SENTENCES
+
+    rng = random.Random(0)
+    paragraphs = [textwrap.fill(" ".join(rng.choice(SENTENCES) for _ in range(6)), width=70) for _ in range(60)]
+    text = ("\n\n".join(paragraphs) + "\n").replace("\n", "\r\n")
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    trials = build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0)
+    after_line_end = 0
+    for t in trials:
+        x = t.ids.tolist()
+        before = tok.decode(x[: t.needle_at])
+        after = tok.decode(x[t.needle_at + t.needle_len : t.doc_len])
+        assert not before.endswith("\r"), (before[-40:], after[:40])
+        assert not after.startswith("\n"), (before[-40:], after[:40])
+        after_line_end += before.endswith("\n") and after.startswith("\r\n")
+    assert after_line_end > 0  # the case was exercised
+
+
+def test_a_title_s_period_is_not_a_sentence_end(tok):
+    """``Mr.``, ``Mrs.``, ``Dr.``, ``St.`` end no sentence: a needle went after them ("... said Mr. The pass key
+    is ...  Darcy"): 23 of 108 Pride and Prejudice trials with SmolLM2's tokenizer; here 12 of 18."""
+    from kvbits.evaluate.needle import _ends_sentence
+
+    for title in ("Mr.", "said Mrs.", "Dr.", "of St.", "Mr.\n"):
+        assert not _ends_sentence(title), title
+    for end in ("the end.", "Mr. Darcy.", "Dr. Smith!\n", "Amr.", "him.\r\n\r\n", "Mr.\n\n"):
+        assert _ends_sentence(end), end
+    text = " ".join(["He sat down. The guest was Mr. Darcy and Mrs. Bennet with Dr. Jones of St. Albans"] * 40)
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    moved = 0
+    for t in build_trials(tok, ids, [300, 400], [0.2, 0.5, 0.8], trials=3, seed=0):
+        before = tok.decode(t.ids[: t.needle_at].tolist()).rstrip()
+        assert not before.endswith(("Mr.", "Mrs.", "Dr.", "St.")), before[-30:]
+        if t.needle_at != round(t.depth * (t.doc_len - t.needle_len)):  # moved: after a sentence end
+            assert before.endswith("down."), before[-30:]
+            moved += 1
+    assert moved == 11
+
+
 def test_trials_are_seeded_per_cell(tok, corpus):
     _, ids = corpus
     a = build_trials(tok, ids, 300, [0.5], trials=3, seed=1)

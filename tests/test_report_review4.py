@@ -74,3 +74,18 @@ def test_the_speed_figure_names_a_hybrid_models_linear_states(tmp_path, monkeypa
     assert fmt_bytes(3 << 19) == "1.50 MiB"
     varied = {**base, "runs": [{**r, "linear_state_bytes": (i % 2 + 1) << 20} for i, r in enumerate(base["runs"])]}
     assert bytes_titles(varied)[0] == "K/V only; + linear states 1.00 MiB–2.00 MiB"
+
+
+def test_a_signed_figure_that_rounds_to_zero_prints_without_a_minus():
+    """A CI bound of -0.001 % printed as ``[-0.00, +0.20]`` (the heatmap's cells likewise), and a needle ΔNLL of
+    -0.0004 nats as ``-0.000``: a sign on a figure that rounds to nothing. Now ``+0.00`` / ``+0.000``, as
+    ``fmt_pct`` already printed ``+0.00%``."""
+    from kvbits.report.fmt import fmt_ci, fmt_pct
+    from kvbits.report.needle import _fixed
+
+    assert fmt_ci((-1e-5, 0.002)) == "[+0.00, +0.20]"
+    assert fmt_ci((-0.0, 0.0)) == "[+0.00, +0.00]"
+    assert fmt_ci((-0.0001, -0.00004)) == "[-0.01, +0.00]"  # -0.01 % is a figure: it keeps its sign
+    assert fmt_pct(-1e-6) == "+0.00%"
+    assert _fixed(-0.0004, "+.3f") == "+0.000" and _fixed(-0.0006, "+.3f") == "-0.001"
+    assert _fixed(0.25, ".2f") == "0.25" and _fixed(None, "+.3f") == "n/a"

@@ -231,3 +231,16 @@ def test_skipped_layers_beside_per_token_head_formats_warn_about_vllms_pages():
     for scheme in ("vllm-int8", "fp8-e4m3,23=fp16"):  # no skipped layer; FP8 pages (2D) divide 4D
         assert not any("uniform-type" in n for n in vllm_cache_args(scheme).notes), scheme
 
+
+
+def test_static_fp8_notes_warn_against_calculate_kv_scales():
+    """``vllm serve ... --calculate-kv-scales`` makes vLLM compute k/v scales from the first batch and skip the
+    checkpoint's: the calibrated scales kvbits exports would be silently unused. Nothing said so; now the static fp8
+    notes do (the per-token-head formats' scales are dynamic, unaffected: no note there)."""
+    from kvbits.export.vllm_flags import CALCULATE_KV_SCALES_NOTE
+
+    for scheme in ("fp8-e4m3", "fp8-e4m3-head", "fp8-e4m3,0=fp16"):
+        assert CALCULATE_KV_SCALES_NOTE in vllm_cache_args(scheme).notes
+        assert "--calculate-kv-scales" in CALCULATE_KV_SCALES_NOTE
+    for scheme in ("vllm-fp8-token", "vllm-int8", "vllm-int4", "fp16"):
+        assert not any("calculate-kv-scales" in n for n in vllm_cache_args(scheme).notes)

@@ -43,7 +43,9 @@ def attention_entropy(
         q: queries ``(B, H_q, c, D)``.
         k: keys ``(B, H_kv, L, D)``; query head ``h`` attends with KV head ``h // G``,
             ``G = H_q / H_kv`` (as SDPA's ``enable_gqa``).
-        mask: bool ``(c, L)``, True where query ``i`` sees key ``j``; every row must see a key.
+        mask: bool ``(c, L)``, True where query ``i`` sees key ``j``; every row must see a key (a row that sees
+            none has no distribution: its entropy is NaN, not checked here to keep the call free of a host sync;
+            the simulator's causal and sliding-window masks always include the query's own key).
         scale: the score scale (``D ** -0.5`` unless the model says otherwise).
         softcap: attention logit soft-cap ``tanh(s / cap) * cap`` (Gemma 2), or None.
         budget: most float32 scores computed at once (queries are taken in sub-chunks to stay below it; half as

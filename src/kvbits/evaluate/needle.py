@@ -11,8 +11,10 @@ haystack") instead of a repeated filler sentence:
   ``digits`` digits), inserted at ``depth`` (0: the start of the haystack, 1: its end), moved back to
   the end of the nearest sentence within :data:`SNAP_TOKENS` tokens: after ``.``, ``!`` or ``?`` (and
   a closing quote), a line break after one, or a paragraph break; a line break alone is not a sentence
-  end (Gutenberg texts wrap their lines mid-sentence). When the text after the needle starts without
-  a space or line break, one is put between them (it takes the place of the haystack's last token);
+  end (Gutenberg texts wrap their lines mid-sentence), nor is a title's period (``Mr.``, ``Dr.``), and
+  a needle never splits a CRLF. When the text after the needle starts without a space or line break,
+  one is put between them (a line break as the haystack writes it, ``\r\n`` or ``\n``; it takes the
+  place of the haystack's last tokens);
 - **question**: ``"What is the pass key? The pass key is "`` followed by the key itself.
 
 The trial is built in token ids, so it has exactly ``context`` tokens: haystack, needle, question, key.
@@ -60,7 +62,9 @@ SNAP_TOKENS = 48  # how far back a needle moves to sit after a sentence end
 MIN_HAYSTACK = 16  # tokens of haystack a trial must have at least
 DEPTH_RESOLUTION = 1e-4  # a trial's seed holds round(depth / DEPTH_RESOLUTION): closer depths share their trials
 _SENTENCE_END = re.compile(r"""[.!?]["'’”]?$""")  # the text before a needle ends with one...
-_LOOKBACK = 4  # ...in its last tokens (a sentence end, closing quote and line breaks)
+_LOOKBACK = 8  # ...in its last tokens (a sentence end, closing quote and line breaks; a title before it)
+# ...unless the period is a title's ("Mr. Darcy"): 23 of 108 Pride and Prejudice trials sat after one
+_ABBREVIATION = re.compile(r"(?<![A-Za-z])(?:Mr|Mrs|Ms|Messrs|Dr|St|Mt|Prof|Rev|Capt|Col|Gen|Lt|Sgt|Mme|Mlle)\.$")
 
 
 @dataclass(frozen=True)
@@ -224,23 +228,34 @@ def min_context(tokenizer: Any, task: NeedleTask | None = None) -> int:
 def _ends_sentence(before: str) -> bool:
     """Whether ``before`` (the text before a place in the haystack) ends a sentence: ``.``, ``!`` or ``?`` (and a closing quote),
     optionally followed by spaces and line breaks, or a paragraph break (two line breaks). A single
-    line break after other text is a wrapped line, not a sentence end."""
+    line break after other text is a wrapped line, not a sentence end; nor is the period of a title
+    (``Mr.``, ``Mrs.``, ``Dr.``, ``St.``: :data:`_ABBREVIATION`)."""
     text = before.rstrip(" \t")
     body = text.rstrip()
-    if text == body:  # no line break at the end
-        return bool(_SENTENCE_END.search(text))
-    return text[len(body):].count("\n") >= 2 or bool(_SENTENCE_END.search(body))
+    if text != body and text[len(body):].count("\n") >= 2:
+        return True
+    return bool(_SENTENCE_END.search(body)) and not _ABBREVIATION.search(body)
+
+
+def _splits_line_end(tokenizer: Any, hay: list[int], at: int) -> bool:
+    """Whether ``at`` falls between the ``\r`` and the ``\n`` of a CRLF line end (a tokenizer that
+    gives each its own token): a needle there would leave a bare ``\r`` before it."""
+    if at <= 0 or at >= len(hay):
+        return False
+    return tokenizer.decode(hay[at - 1 : at]).endswith("\r") and _text_after(
+        tokenizer, hay[at - 1 : at], hay[at : at + 1]
+    ).startswith("\n")
 
 
 def _snap(tokenizer: Any, hay: list[int], at: int) -> int:
     """``at`` moved back to just after a sentence end within ``SNAP_TOKENS`` tokens (unchanged at the
-    ends of the haystack, or when no sentence ends there)."""
+    ends of the haystack, or when no sentence ends there: then one token back if it splits a CRLF)."""
     if at <= 0 or at >= len(hay):
         return at
     for j in range(at, max(0, at - SNAP_TOKENS), -1):
-        if _ends_sentence(tokenizer.decode(hay[max(0, j - _LOOKBACK) : j])):
+        if _ends_sentence(tokenizer.decode(hay[max(0, j - _LOOKBACK) : j])) and not _splits_line_end(tokenizer, hay, j):
             return j
-    return at
+    return at - 1 if _splits_line_end(tokenizer, hay, at) else at
 
 
 def _text_after(tokenizer: Any, left: list[int], right: list[int]) -> str:
@@ -250,13 +265,15 @@ def _text_after(tokenizer: Any, left: list[int], right: list[int]) -> str:
 
 
 def _separator(tokenizer: Any, hay: list[int], at: int, needle: list[int]) -> list[int]:
-    """The tokens of a line break (after a line break) or a space (elsewhere) to put between the needle
-    and ``hay[at:]`` when that starts without whitespace, so that the needle's last sentence is not
-    glued to the next word; none at the end of the haystack or when it starts with whitespace."""
+    """The tokens of a line break (after a line break, the haystack's own: ``\r\n`` after ``\r\n``) or
+    a space (elsewhere) to put between the needle and ``hay[at:]`` when that starts without whitespace,
+    so that the needle's last sentence is not glued to the next word; none at the end of the haystack
+    or when it starts with whitespace."""
     if at >= len(hay) or _text_after(tokenizer, needle[-1:], hay[at : at + 1])[:1].isspace():
         return []
     before = tokenizer.decode(hay[max(0, at - _LOOKBACK) : at]).rstrip(" \t")
-    for sep in ("\n", " ") if before.endswith("\n") else (" ", "\n"):
+    line = "\r\n" if before.endswith("\r\n") else "\n"
+    for sep in (line, " ") if before.endswith("\n") else (" ", line):
         ids = _encode(tokenizer, sep)
         if ids:
             return ids

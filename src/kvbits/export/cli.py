@@ -37,10 +37,11 @@ checkpoint: DIR's files linked, config.json (and model.safetensors.index.json, w
 with the scales added. DIR's config.json must match the calibrated model's (layers, KV heads, the shape fields the
 calibration records); its weights are not compared, so give the checkpoint the calibration was made on (a fine-tune
 of the same architecture is accepted, and its scales may be wrong). A failed export leaves --out as it was.
-Serve with: vllm serve <out> --kv-cache-dtype fp8.
+Serve with: vllm serve <out> --kv-cache-dtype fp8, without --calculate-kv-scales (vLLM versions that have it then
+compute scales from the first batch and skip the exported ones).
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
 "kv_cache_scheme", "layers": [{"k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
-"v_absmax", "module"}], "serve",
+"v_absmax", "module"}], "serve", "notes",
 "out_dir", "checkpoint"}.
 """
 
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             f"checkpoint {ck['path']}: {len(ck['linked'])} files linked, {', '.join(ck['written'])} written"
         )
     print(f"serve: {record['serve']}")
+    for note in record.get("notes", ()):
+        print(f"note: {note}")
     return 0
 
 

@@ -586,6 +586,8 @@ def export_vllm(
     stats = art.layer_stats
     strategy = _strategy(art)
     # per-head scales reach vLLM's FlashAttention backend only; the others use each layer's largest
+    from kvbits.export.vllm_flags import CALCULATE_KV_SCALES_NOTE
+
     serve_flags = " --attention-backend FLASH_ATTN" if strategy == "attn_head" else ""
     record: dict[str, Any] = {
         "format": "vllm-compressed-tensors-kv-cache",
@@ -611,6 +613,7 @@ def export_vllm(
             for i, name in enumerate(_module_names(art, module_template))
         ],
         "serve": f"vllm serve <checkpoint> --kv-cache-dtype fp8{serve_flags}",
+        "notes": [CALCULATE_KV_SCALES_NOTE],
     }
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():

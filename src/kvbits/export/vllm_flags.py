@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvbits.schemes import KVScheme, get_scheme
 
-__all__ = ["FP8_STATIC", "VllmCacheArgs", "match_preset", "vllm_cache_args"]
+__all__ = ["CALCULATE_KV_SCALES_NOTE", "FP8_STATIC", "VllmCacheArgs", "match_preset", "vllm_cache_args"]
 
 # the kvbits presets whose storage vLLM reproduces, by --kv-cache-dtype value
 _FORMATS = {
@@ -42,6 +42,13 @@ _FORMATS = {
 _UNQUANTIZED = ("fp16", "bf16")
 FP8_STATIC = ("fp8-e4m3", "fp8-e4m3-head")
 """The presets whose static FP8 scales ``kvbits export --calibration`` writes (vLLM's ``fp8``)."""
+CALCULATE_KV_SCALES_NOTE = (
+    "do not add --calculate-kv-scales (calculate_kv_scales=True): vLLM versions that have it then compute k/v scales "
+    "from the first batch it serves and skip the checkpoint's (read from vLLM's kv_cache.py, not run here), so the "
+    "calibrated scales kvbits measured and exported would not be used"
+)
+"""Said wherever kvbits prints or writes a serve line for vLLM's static ``fp8`` cache (``vllm_cache_args``' notes,
+``kvbits export --calibration``'s record): the one vLLM flag that silently discards the exported scales."""
 # bytes per (KV head, token) of K and V together in vLLM's per-token-head caches: codes plus one inline float32 scale
 # per side (its Triton backend's customize_spec), against 4D for a 16-bit layer
 _PER_TOKEN_HEAD = {"int8_per_token_head": "2D + 8", "fp8_per_token_head": "2D + 8", "int4_per_token_head": "D + 8"}
@@ -185,6 +192,7 @@ def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCach
                "take each layer's largest head scale, a per-tensor cache kvbits did not measure)"
                if name == "fp8-e4m3-head" else "")
         )
+        notes.append(CALCULATE_KV_SCALES_NOTE)
         notes.append(
             "with an fp8 cache, vLLM's FlashAttention backend also quantizes each query to FP8 at a static q_scale "
             "(read from vLLM's attention layer and kv_cache.py, not run here); kvbits calibrates and exports none, so "

@@ -100,12 +100,20 @@ def fmt_budget(threshold: float, sign: bool = True) -> str:
     return f"+{pct}" if sign else pct
 
 
+def _signed(x: float, digits: int) -> str:
+    """``x`` with its sign and ``digits`` decimals; one that rounds to zero prints as ``+0.00``, not ``-0.00``."""
+    if round(x, digits) == 0:
+        x = 0.0
+    return f"{x:+.{digits}f}"
+
+
 def fmt_ci(ci: tuple[float, float]) -> str:
-    """A 95 % CI of a relative change: ``[+0.10, +0.80]`` (percent), or '' when unknown."""
+    """A 95 % CI of a relative change: ``[+0.10, +0.80]`` (percent), or '' when unknown. A bound that rounds to
+    zero prints as ``+0.00`` (a bound of -0.001 % printed as ``-0.00``)."""
     lo, hi = ci
     if not (_ok(lo) and _ok(hi)):
         return ""
-    return f"[{lo * 100:+.2f}, {hi * 100:+.2f}]"
+    return f"[{_signed(lo * 100, 2)}, {_signed(hi * 100, 2)}]"
 
 
 def fmt_kl(x: float, *, signed: bool = False) -> str:

@@ -82,8 +82,12 @@ def _count(k: int, n: int, interval: bool = False) -> str:
 
 
 def _fixed(x: float | None, spec: str) -> str:
-    """``x`` formatted with ``spec`` (``"+.3f"``), ``n/a`` for null or NaN (a mean over no finite values)."""
-    return "n/a" if x is None or not math.isfinite(x) else format(x, spec)
+    """``x`` formatted with ``spec`` (``"+.3f"``), ``n/a`` for null or NaN (a mean over no finite values); a signed
+    figure that rounds to zero prints as ``+0.000``, not ``-0.000``."""
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    text = format(x, spec)
+    return format(0.0, spec) if float(text) == 0 else text
 
 
 def _mib(n: int | None) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_budget, fmt_judged, fmt_pct
+from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_budget, fmt_ci, fmt_judged, fmt_pct
 from kvbits.report.plots.figure import new_figure, require_matplotlib, save_png
 from kvbits.report.summary import RunSummary
 
@@ -57,7 +57,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
         lo, hi = ci.get((i, j), (math.nan, math.nan))
         txt = fmt_judged(frac[i, j], threshold)
         if math.isfinite(lo) and math.isfinite(hi):
-            txt += f"\n[{lo * 100:+.2f}, {hi * 100:+.2f}]"
+            txt += f"\n{fmt_ci((lo, hi))}"
         dark = v >= 5 * budget or v < 0.1 * budget
         ax.text(j, i, txt, ha="center", va="center", fontsize=8, color="white" if dark else "black")
     ax.set_xticks(range(len(spans)), [bucket_label(lo, hi) for lo, hi in spans])
