@@ -729,3 +729,89 @@ def test_export_record_and_cli_warn_against_calculate_kv_scales(fp8, tmp_path, c
     assert any("--calculate-kv-scales" in n for n in rec["notes"])
     assert main(["export", "--calibration", str(cal), "--out", str(tmp_path / "y")]) == 0
     assert "note: do not add --calculate-kv-scales" in capsys.readouterr().out
+
+
+def _tiny_hybrid(kind: str) -> torch.nn.Module:
+    """A 4-layer hybrid decoder: layers 1 and 3 attend, 0 and 2 are linear attention (Qwen3-Next) or convolutions
+    (LFM2)."""
+    torch.manual_seed(0)
+    if kind == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2,
+        )  # fmt: skip
+    else:
+        cfg = transformers.Lfm2Config(
+            vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(artifact, calibration folder, checkpoint folder) of a tiny Qwen3-Next calibrated for fp8-e4m3."""
+    model = _tiny_hybrid("qwen3_next")
+    root = tmp_path_factory.mktemp("hybrid")
+    ids = torch.randint(1, 96, (400,), generator=torch.Generator().manual_seed(0))
+    art = calibrate(model, ids, "fp8-e4m3", context=64, windows=2, fisher=False, out_dir=str(root / "cal"))
+    model.save_pretrained(root / "ckpt", max_shard_size="200KB")
+    return art, root / "cal", root / "ckpt"
+
+
+def test_hybrid_calibration_exports_its_attention_layers_under_their_model_indices(hybrid, tmp_path):
+    """Was: ``ValueError: ... exporting it for vLLM is not supported yet``. vLLM (like transformers) names a hybrid
+    model's attention modules by their index among all layers (``make_layers``; Qwen3-Next's ``load_weights`` maps
+    ``model.layers.3.self_attn.k_scale`` to ``...self_attn.attn.k_scale``): the scales of layers 1 and 3 are written
+    under those indices, none for the linear-attention layers 0 and 2, bit for bit the artifact's."""
+    art, cal, ckpt = hybrid
+    assert art.kv_layers == [1, 3]
+    rec = export_vllm(cal, tmp_path / "out")
+    scales = load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))
+    assert set(scales) == {f"model.layers.{i}.self_attn.{s}_scale" for i in (1, 3) for s in "kv"}
+    for j, i in enumerate((1, 3)):
+        for s, side in (("k", "key"), ("v", "value")):
+            assert float(scales[f"model.layers.{i}.self_attn.{s}_scale"]) == float(art.tensors[f"layers.{i}.{side}_scale"])
+            assert rec["layers"][j][f"{s}_absmax"] == art.layer_stats[j][f"{side}_absmax"]  # stats: one row per held layer
+        assert rec["layers"][j]["layer"] == i and rec["layers"][j]["module"] == f"model.layers.{i}.self_attn"
+    # a template is formatted at the same indices
+    export_vllm(art, tmp_path / "t", module_template="model.language_model.layers.{i}.self_attn")
+    named = load_file(str(tmp_path / "t" / "kv_cache_scales.safetensors"))
+    assert set(named) == {f"model.language_model.layers.{i}.self_attn.{s}_scale" for i in (1, 3) for s in "kv"}
+    # as a servable checkpoint: its config (4 layers, attention layers 1 and 3) matches, the index names the scales
+    out = tmp_path / "served"
+    export_vllm(cal, out, checkpoint=ckpt)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {n for n in index if n.endswith(("k_scale", "v_scale"))} == set(scales)
+
+
+def test_hybrid_export_warns_where_vllm_has_no_scale_parameters(tmp_path, caplog):
+    """vLLM's LFM2 (and Jamba) class builds its ``Attention`` without ``quant_config``: no k_scale parameter, so the
+    exported scales may not load there; the export says so (and still writes layers 1 and 3 only)."""
+    model = _tiny_hybrid("lfm2")
+    ids = torch.randint(1, 96, (300,), generator=torch.Generator().manual_seed(0))
+    art = calibrate(model, ids, "fp8-e4m3", context=64, windows=2, fisher=False)
+    with caplog.at_level("WARNING", logger="kvbits.export.vllm"):
+        export_vllm(art, tmp_path / "out")
+    assert "model type 'lfm2'" in caplog.text and "no k_scale / v_scale parameters" in caplog.text
+    scales = load_file(str(tmp_path / "out" / "kv_cache_scales.safetensors"))
+    assert set(scales) == {f"model.layers.{i}.self_attn.{s}_scale" for i in (1, 3) for s in "kv"}
+
+
+def test_hybrid_calibrations_compose(hybrid):
+    """Was: ``ValueError: ... composing such calibrations is not supported yet``. A mix on a hybrid model takes each
+    attention layer's tensors and stats row from its scheme's artifact; the linear-attention layers take nothing; a
+    mix whose calibrated layers are all linear-attention layers is refused with why."""
+    from kvbits.calibrate import compose_artifact
+
+    art, _, _ = hybrid
+    mix = compose_artifact("fp8-e4m3,1=fp16", [art])
+    assert mix.kv_layers == [1, 3] and sorted(mix.tensors) == ["layers.3.key_scale", "layers.3.value_scale"]
+    assert torch.equal(mix.tensors["layers.3.key_scale"], art.tensors["layers.3.key_scale"])
+    assert mix.meta["stats"] == [{}, art.layer_stats[1]]
+    assert [x is not None for x in mix.meta["composed"]["layers"]] == [False, False, False, True]
+    assert compose_artifact("fp8-e4m3,0=fp16", [art]).tensors.keys() == art.tensors.keys()  # layer 0 holds no K/V
+    with pytest.raises(ValueError, match=r"calibrates only layers that store no K/V .* \[1, 3\] of 4"):
+        compose_artifact("fp16,0=fp8-e4m3", [art])

@@ -48,7 +48,9 @@ def compose_artifact(
     the same calibrated sides as ``scheme.for_layer(i)`` (``CalibrationArtifact.check_scheme``'s test), of those
     sides only (a source that also calibrated a side the layer stores with dynamic scales leaves it out); an
     artifact calibrated for that very scheme is preferred to one that only shares its calibrated sides.
-    Layers with nothing to calibrate take nothing. ``meta["composed"]`` records the source of each layer.
+    Layers with nothing to calibrate take nothing, nor do a hybrid model's convolution / linear-attention layers
+    (the sources hold the same ``kv_layers``, the attention layers, and so does the result).
+    ``meta["composed"]`` records the source of each layer.
 
     Args:
         scheme: the scheme (object, name or compact mix string) the result serves.
@@ -56,7 +58,8 @@ def compose_artifact(
             typically one per uniform scheme the layers use.
 
     Raises:
-        ValueError: no artifacts; artifacts of different models (fingerprint or shape); a scheme with
+        ValueError: no artifacts; artifacts of different models (fingerprint or shape) or holding different
+            layers (``kv_layers``); a scheme with
             nothing to calibrate or overrides beyond the model's layers; a layer whose scheme has
             calibrated sides and no given artifact fits it, or two that fit it equally well and differ.
     """
@@ -91,19 +94,24 @@ def compose_artifact(
                 f"({'; '.join(diff)}); compose calibrations of one model"
             )
     n_layers = first.num_layers
-    hybrid = next((a for a in arts if a.kv_layers != list(range(n_layers))), None)
-    if hybrid is not None:
+    kv_layers = first.kv_layers  # every layer, or a hybrid model's attention layers: the only ones holding K/V
+    other = next((a for a in arts if a.kv_layers != kv_layers), None)
+    if other is not None:
         raise ValueError(
-            f"calibration {_describe(hybrid)} holds a hybrid model's attention layers {hybrid.kv_layers} of {n_layers}; "
-            "composing such calibrations is not supported yet: calibrate the mixed scheme itself (kvbits calibrate)"
+            f"calibrations {_describe(first)} and {_describe(other)} hold the K/V parameters of different layers "
+            f"({kv_layers} vs {other.kv_layers} of {n_layers}); compose calibrations of one model made by one "
+            "kvbits version (re-run kvbits calibrate for the older one)"
         )
     scheme.check_layer_count(n_layers, "the calibrated model's")
     tensors: dict[str, Any] = {}
-    stats: list[dict[str, Any]] = []
+    stats: list[dict[str, Any]] = []  # one row per layer in kv_layers, as the sources hold them
     layers: list[dict[str, Any] | None] = []
     used: list[CalibrationArtifact] = []
     for i in range(n_layers):
         sub = scheme.for_layer(i)
+        if i not in kv_layers:  # a hybrid model's convolution / linear-attention layer: no K/V, nothing to take
+            layers.append(None)
+            continue
         if not sub.calibratable():
             stats.append({})
             layers.append(None)
@@ -131,11 +139,17 @@ def compose_artifact(
                 )
         src = fits[0]
         tensors.update(mine)
-        row = src.layer_stats[i] if i < len(src.layer_stats) else {}
+        j = kv_layers.index(i)  # stats rows follow kv_layers
+        row = src.layer_stats[j] if j < len(src.layer_stats) else {}
         stats.append({k: v for k, v in row.items() if k.startswith(sides)})
         layers.append({"from": src.scheme.name, "path": None if src.path is None else str(src.path)})
         if all(u is not src for u in used):
             used.append(src)
+    if not used:  # a hybrid model whose calibrated layers are all convolution / linear-attention layers
+        raise ValueError(
+            f"scheme {scheme.name!r} calibrates only layers that store no K/V (the calibrated model's attention "
+            f"layers are {kv_layers} of {n_layers}): it takes no calibration on this model"
+        )
     data = {k: v for k, v in used[0].meta["data"].items() if all(u.meta["data"].get(k) == v for u in used)}
     data["context"] = min(u.max_calibrated_length for u in used)  # positions beyond it: beyond some layer's
     meta: dict[str, Any] = {

@@ -27,8 +27,8 @@ fp8-e4m3-head (fp8, with --attention-backend FLASH_ATTN), fp16 / bf16 (auto), ea
 bf16 given to --kv-cache-dtype-skip-layers (read from vLLM's source, not run here); anything else is refused,
 saying why. --json: {"scheme", "kv_cache_dtype", "skip_layers", "attention_backend", "cli", "engine_kwargs", "notes"}.
 
-vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer, or one per
-KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors
+vllm: kv_cache_scales.safetensors ({module}.k_scale / .v_scale, float32, one per layer (a hybrid model's attention
+layers only, under their index among all layers), or one per KV head as (H_kv, 1, 1) for fp8-e4m3-head) and quantization_config.json (compressed-tensors
 kv_cache_scheme: 8-bit float, strategy tensor or attn_head, static, symmetric). vLLM applies
 per-head scales in its FlashAttention backend only (--attention-backend FLASH_ATTN); with an FP8 cache that backend
 also rounds each query to FP8 at a q_scale kvbits does not calibrate or export (vLLM then uses k_scale or 1.0 and
@@ -40,7 +40,7 @@ of the same architecture is accepted, and its scales may be wrong). A failed exp
 Serve with: vllm serve <out> --kv-cache-dtype fp8, without --calculate-kv-scales (vLLM versions that have it then
 compute scales from the first batch and skip the exported ones).
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
-"kv_cache_scheme", "layers": [{"k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
+"kv_cache_scheme", "layers": [{"layer", "k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
 "v_absmax", "module"}], "serve", "notes",
 "out_dir", "checkpoint"}.
 """

@@ -36,6 +36,16 @@ kernels only). kvbits keeps queries in the model's precision, so on such a backe
 per-head scales) vLLM adds a query rounding error kvbits' figures do not include; a query above
 ``448 * q_scale`` saturates.
 
+A hybrid model's calibration (LFM2, Qwen3-Next, ...: ``model.kv_layers`` names its attention layers) exports the
+scales of its attention layers only, each under that layer's index in the whole model
+(``model.layers.3.self_attn.k_scale`` for layer 3, the second attention layer of a conv / attention / conv /
+attention stack): transformers and vLLM both build every layer under ``model.layers.{i}`` (vLLM's ``make_layers``)
+and give a layer's attention module that index, and vLLM's ``maybe_remap_kv_scale_name`` maps the name to
+``model.layers.3.self_attn.attn.k_scale`` (its Qwen3-Next ``load_weights``). The convolution / linear-attention
+layers store no K/V and get no scale. vLLM loads them only where its model class builds the attention layer with the
+quantization config (Qwen3-Next does); its Jamba and LFM2 classes, as read, build it without one, so those layers
+have no ``k_scale`` parameter and such a checkpoint may fail to load there: the export says so in the log.
+
 ``export_vllm(artifact, out_dir)`` writes ``kv_cache_scales.safetensors`` and
 ``quantization_config.json`` (and ``kvbits_export.json``, the provenance). With ``checkpoint=DIR`` (a
 Hugging Face checkpoint folder) ``out_dir`` becomes a checkpoint vLLM can serve, and ``DIR`` is left
@@ -102,11 +112,6 @@ def check_exportable(art: CalibrationArtifact) -> None:
     values, both per tensor or both per head (one ``kv_cache_scheme``), keys after RoPE (vLLM caches
     rotated keys), taken over every token (no sinks: vLLM stores them in FP8 too)."""
     scheme = art.scheme
-    if art.kv_layers != list(range(art.num_layers)):
-        raise ValueError(
-            f"calibration holds the scales of a hybrid model's attention layers {art.kv_layers} of {art.num_layers}; "
-            "exporting it for vLLM is not supported yet (the export names one k_scale / v_scale per layer 0..N-1)"
-        )
     if scheme.is_mixed:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} mixes schemes per layer; vLLM's kv_cache_scheme is one scheme "
@@ -158,6 +163,11 @@ def check_exportable(art: CalibrationArtifact) -> None:
         )
 
 
+# model types whose vLLM class (vllm/model_executor/models/jamba.py, lfm2.py, as read) builds its attention layers'
+# ``Attention`` without ``quant_config``: no k_scale / v_scale parameter for a checkpoint's scales to load into
+_NO_VLLM_KV_SCALES = frozenset({"jamba", "lfm2"})
+
+
 def _skip_hint(scheme: KVScheme) -> str:
     """For a mix vLLM serves as one FP8 format with some layers unquantized (``fp8-e4m3,0=fp16``): how to export and
     serve it (the base calibrated uniformly, the other layers skipped); else nothing."""
@@ -176,8 +186,8 @@ def _skip_hint(scheme: KVScheme) -> str:
     )
 
 
-def _template_names(template: str, n: int) -> list[str]:
-    """``template`` formatted for layers ``0..n-1``; ``ValueError`` unless its only field is ``{i}``
+def _template_names(template: str, layers: list[int]) -> list[str]:
+    """``template`` formatted for each of ``layers``; ``ValueError`` unless its only field is ``{i}``
     (a format spec such as ``{i:02d}`` is fine; ``{{i}}`` is a literal brace, not a field)."""
     try:
         parsed = list(string.Formatter().parse(template))
@@ -194,30 +204,34 @@ def _template_names(template: str, n: int) -> list[str]:
             "e.g. model.layers.{i}.self_attn"
         )
     try:
-        return [template.format(i=i) for i in range(n)]
+        return [template.format(i=i) for i in layers]
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ValueError(f"module template {template!r} can not format a layer index: {exc}") from None
 
 
 def _module_names(art: CalibrationArtifact, module_template: str | None) -> list[str]:
-    """One attention module name per layer: ``module_template``, else the names calibration recorded,
-    else ``DEFAULT_MODULE``. ``ValueError`` on a bad template, recorded names that are not one non-empty
-    string per layer (an edited or corrupt file: not replaced by the default silently), or names that are
-    not unique (layers would share, and overwrite, one pair of scale tensors)."""
-    n = art.num_layers
+    """One attention module name per layer the artifact holds (``art.kv_layers``: every layer, or a hybrid model's
+    attention layers): ``module_template`` formatted at each such layer's index in the whole model (as vLLM and
+    transformers number a hybrid model's layers: ``model.layers.3.self_attn`` is layer 3, whatever the layers
+    before it are), else the names calibration recorded, else ``DEFAULT_MODULE``. ``ValueError`` on a bad template,
+    recorded names that are not one non-empty string per layer held (an edited or corrupt file: not replaced by the
+    default silently), or names that are not unique (layers would share, and overwrite, one pair of scale tensors)."""
+    layers = art.kv_layers
+    n = len(layers)
     recorded = art.meta["model"].get("attention_modules")
     if module_template is None and recorded is not None:
         if not isinstance(recorded, list) or len(recorded) != n or not all(isinstance(x, str) and x for x in recorded):
             what = f"a list of {len(recorded)} entries" if isinstance(recorded, list) else describe(recorded)
+            held = "one per layer" if n == art.num_layers else f"one per attention layer {layers}"
             raise ValueError(
                 f"attention_modules recorded in {_meta_file(art)} is {what}; expected a list of "
-                f"{n} module names (one per layer, as kvbits calibrate writes it): the file was edited or is "
+                f"{n} module names ({held}, as kvbits calibrate writes it): the file was edited or is "
                 "corrupt; pass --module-template (e.g. 'model.layers.{i}.self_attn') to name the modules"
             )
         names, source = list(recorded), f"attention_modules recorded in {_meta_file(art)}"
     else:
         template = DEFAULT_MODULE if module_template is None else module_template
-        names, source = _template_names(template, n), f"module template {template!r}"
+        names, source = _template_names(template, layers), f"module template {template!r}"
     dup = sorted({x for x in names if names.count(x) > 1})
     if dup:
         raise ValueError(
@@ -234,7 +248,8 @@ def _meta_file(art: CalibrationArtifact) -> str:
 
 
 def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) -> dict[str, torch.Tensor]:
-    """``{module}.k_scale`` / ``.v_scale`` -> float32 tensors, one pair per layer: ``(1,)`` per tensor,
+    """``{module}.k_scale`` / ``.v_scale`` -> float32 tensors, one pair per layer that stores K/V (a hybrid model's
+    attention layers only: its convolution / linear-attention layers have no k_scale in vLLM): ``(1,)`` per tensor,
     ``(H_kv, 1, 1)`` per head (llm-compressor's layout; vLLM flattens it).
 
     Module names come from the artifact (``calibrate`` records the attention modules' qualified
@@ -245,7 +260,7 @@ def vllm_scales(art: CalibrationArtifact, module_template: str | None = None) ->
     check_exportable(art)
     art.validate()  # load_calibration validates what it reads; an artifact built or edited in memory was not
     out: dict[str, torch.Tensor] = {}
-    for i, name in enumerate(_module_names(art, module_template)):
+    for i, name in zip(art.kv_layers, _module_names(art, module_template), strict=True):
         for side, short in (("key", "k"), ("value", "v")):
             qp = art.static_qparams(i, side)
             assert qp is not None  # check_exportable: static
@@ -583,6 +598,14 @@ def export_vllm(
             art.scheme.residual,
             art.scheme.block,
         )
+    model_type = art.meta["model"].get("model_type")
+    if model_type in _NO_VLLM_KV_SCALES:
+        logger.warning(
+            "model type %r: vLLM's implementation (as of the sources kvbits was checked against) builds its attention "
+            "layers without the quantization config, so it has no k_scale / v_scale parameters to load these scales "
+            "into: it may refuse the checkpoint or serve its FP8 cache at scale 1.0; check with your vLLM version",
+            model_type,
+        )
     stats = art.layer_stats
     strategy = _strategy(art)
     # per-head scales reach vLLM's FlashAttention backend only; the others use each layer's largest
@@ -602,15 +625,16 @@ def export_vllm(
             "windows": art.meta["data"].get("windows"),
         },
         "kv_cache_scheme": kv_cache_scheme(strategy),
-        "layers": [
+        "layers": [  # stats: one row per layer held (art.kv_layers), in that order
             {
+                "layer": layer,
                 "k_scale": _number_or_list(scales[f"{name}.k_scale"]),
                 "v_scale": _number_or_list(scales[f"{name}.v_scale"]),
-                "k_absmax": stats[i].get("key_absmax") if i < len(stats) else None,
-                "v_absmax": stats[i].get("value_absmax") if i < len(stats) else None,
+                "k_absmax": stats[j].get("key_absmax") if j < len(stats) else None,
+                "v_absmax": stats[j].get("value_absmax") if j < len(stats) else None,
                 "module": name,
             }
-            for i, name in enumerate(_module_names(art, module_template))
+            for j, (layer, name) in enumerate(zip(art.kv_layers, _module_names(art, module_template), strict=True))
         ],
         "serve": f"vllm serve <checkpoint> --kv-cache-dtype fp8{serve_flags}",
         "notes": [CALCULATE_KV_SCALES_NOTE],
@@ -644,5 +668,5 @@ def export_vllm(
         if created and not any(out.iterdir()):  # a failed export leaves no empty --out behind
             out.rmdir()
         raise
-    logger.info("exported %d layers' FP8 K/V scales for vLLM", art.num_layers)
+    logger.info("exported %d layers' FP8 K/V scales for vLLM", len(art.kv_layers))
     return record
