@@ -479,3 +479,19 @@ def test_per_type_rope_with_layers_of_no_attention():
         cos, sin = t.cos_sin(torch.arange(12), torch.float32)
         torch.testing.assert_close(apply_rope(pre[layer], cos, sin), post[layer], atol=ATOL, rtol=1e-5)
         torch.testing.assert_close(invert_rope(post[layer], cos, sin), pre[layer], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_tables_of_no_positions_are_empty(rope: str):
+    """No positions (an empty slice of keys) gave every other rope type empty tables but crashed ``dynamic`` /
+    ``longrope`` inside transformers' frequency update (RuntimeError "max(): Expected reduction dim ...", from
+    ``torch.max`` of no position ids), in ``cos_sin``, ``unrotate`` and ``framed_cos_sin``'s own ``n == 0`` branch."""
+    name, kw = LENGTH_DEPENDENT[rope]
+    tables = RotaryTables.from_config(_config(name, head_dim=16, **kw))
+    none = torch.zeros((2, 0), dtype=torch.long)
+    for cos, sin in (tables.cos_sin(none, torch.bfloat16), tables.framed_cos_sin(none, 40, torch.bfloat16)):
+        assert cos.shape == sin.shape == (2, 0, 16) and cos.dtype == torch.bfloat16
+    x = torch.randn(2, 2, 0, 16)
+    assert tables.unrotate(x, none).shape == tables.rotate(x, none[0]).shape == x.shape
+    # and a non-empty call after it still gets the model's tables
+    torch.testing.assert_close(tables.cos_sin(torch.arange(4))[0], tables.cos_sin(torch.arange(4), seq_len=4)[0])

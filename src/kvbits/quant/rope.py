@@ -441,10 +441,12 @@ class RotaryTables:
         module = self.rotary
         if self.length_dependent:
             module = copy.deepcopy(self.rotary)  # the module mutates its frequencies: stay stateless
-            if seq_len is not None:
-                # one extra position makes the forward see max(position_ids) + 1 == seq_len;
-                # tables are elementwise per position, so slicing it off is exact
-                extra = torch.full((pos.shape[0], 1), seq_len - 1, dtype=pos.dtype, device=pos.device)
+            if seq_len is not None or n_real == 0:
+                # one extra position makes the forward see max(position_ids) + 1 == seq_len (no positions:
+                # any length, the module's max() needs one); tables are elementwise per position, so slicing
+                # it off is exact
+                last = (1 if seq_len is None else seq_len) - 1
+                extra = torch.full((pos.shape[0], 1), last, dtype=pos.dtype, device=pos.device)
                 pos = torch.cat((pos, extra), dim=1)
         if getattr(module, "mrope_section", None) is not None:  # multimodal RoPE (Qwen2-VL style): time, height and
             pos = pos[None].expand(3, -1, -1)  # width axes, equal for text; transformers 5.17's modules take only these
