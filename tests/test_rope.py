@@ -495,3 +495,29 @@ def test_length_dependent_tables_of_no_positions_are_empty(rope: str):
     assert tables.unrotate(x, none).shape == tables.rotate(x, none[0]).shape == x.shape
     # and a non-empty call after it still gets the model's tables
     torch.testing.assert_close(tables.cos_sin(torch.arange(4))[0], tables.cos_sin(torch.arange(4), seq_len=4)[0])
+
+
+def test_non_integer_positions_and_non_float_dtypes_are_refused():
+    """Boolean positions were read as 0 / 1 and complex ones died in ``min()`` (NotImplementedError "min_all");
+    an integer ``dtype`` gave tables rounded to 0 / +-1 and ``rotate`` / ``apply_rope`` of integer keys (or with
+    integer tables) returned those silently: ``rotate`` of int64 keys of 100 gave 100 at position 0 and all zeros at
+    positions 1 and 2 (float keys: -30 ... 138). All are now a TypeError saying what was expected."""
+    tables = RotaryTables.from_config(_config("LlamaConfig"))
+    for bad in (torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.complex64), torch.arange(3.0)):
+        with pytest.raises(TypeError, match="positions must be an integer"):
+            tables.cos_sin(bad)
+    for ok in (torch.int32, torch.int16, torch.uint8):
+        torch.testing.assert_close(tables.cos_sin(torch.arange(3, dtype=ok))[0], tables.cos_sin(torch.arange(3))[0])
+    for dtype in (torch.int64, torch.bool):
+        with pytest.raises(TypeError, match="dtype must be a floating-point"):
+            tables.cos_sin(torch.arange(3), dtype)
+    keys = torch.ones(1, 1, 3, 16, dtype=torch.long)
+    for fn in (tables.rotate, tables.unrotate):
+        with pytest.raises(TypeError, match="x must be floating point"):
+            fn(keys, torch.arange(3))
+    cos, sin = tables.cos_sin(torch.arange(3))
+    for fn in (apply_rope, invert_rope):
+        with pytest.raises(TypeError, match="must be floating point"):
+            fn(keys, cos, sin)
+        with pytest.raises(TypeError, match="must be floating point"):
+            fn(keys.float(), cos.long(), sin.long())
