@@ -479,3 +479,45 @@ def test_per_type_rope_with_layers_of_no_attention():
         cos, sin = t.cos_sin(torch.arange(12), torch.float32)
         torch.testing.assert_close(apply_rope(pre[layer], cos, sin), post[layer], atol=ATOL, rtol=1e-5)
         torch.testing.assert_close(invert_rope(post[layer], cos, sin), pre[layer], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_tables_of_no_positions_are_empty(rope: str):
+    """No positions (an empty slice of keys) gave every other rope type empty tables but crashed ``dynamic`` /
+    ``longrope`` inside transformers' frequency update (RuntimeError "max(): Expected reduction dim ...", from
+    ``torch.max`` of no position ids), in ``cos_sin``, ``unrotate`` and ``framed_cos_sin``'s own ``n == 0`` branch."""
+    name, kw = LENGTH_DEPENDENT[rope]
+    tables = RotaryTables.from_config(_config(name, head_dim=16, **kw))
+    none = torch.zeros((2, 0), dtype=torch.long)
+    for cos, sin in (tables.cos_sin(none, torch.bfloat16), tables.framed_cos_sin(none, 40, torch.bfloat16)):
+        assert cos.shape == sin.shape == (2, 0, 16) and cos.dtype == torch.bfloat16
+    x = torch.randn(2, 2, 0, 16)
+    assert tables.unrotate(x, none).shape == tables.rotate(x, none[0]).shape == x.shape
+    # and a non-empty call after it still gets the model's tables
+    torch.testing.assert_close(tables.cos_sin(torch.arange(4))[0], tables.cos_sin(torch.arange(4), seq_len=4)[0])
+
+
+def test_non_integer_positions_and_non_float_dtypes_are_refused():
+    """Boolean positions were read as 0 / 1 and complex ones died in ``min()`` (NotImplementedError "min_all");
+    an integer ``dtype`` gave tables rounded to 0 / +-1 and ``rotate`` / ``apply_rope`` of integer keys (or with
+    integer tables) returned those silently: ``rotate`` of int64 keys of 100 gave 100 at position 0 and all zeros at
+    positions 1 and 2 (float keys: -30 ... 138). All are now a TypeError saying what was expected."""
+    tables = RotaryTables.from_config(_config("LlamaConfig"))
+    for bad in (torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.complex64), torch.arange(3.0)):
+        with pytest.raises(TypeError, match="positions must be an integer"):
+            tables.cos_sin(bad)
+    for ok in (torch.int32, torch.int16, torch.uint8):
+        torch.testing.assert_close(tables.cos_sin(torch.arange(3, dtype=ok))[0], tables.cos_sin(torch.arange(3))[0])
+    for dtype in (torch.int64, torch.bool):
+        with pytest.raises(TypeError, match="dtype must be a floating-point"):
+            tables.cos_sin(torch.arange(3), dtype)
+    keys = torch.ones(1, 1, 3, 16, dtype=torch.long)
+    for fn in (tables.rotate, tables.unrotate):
+        with pytest.raises(TypeError, match="x must be floating point"):
+            fn(keys, torch.arange(3))
+    cos, sin = tables.cos_sin(torch.arange(3))
+    for fn in (apply_rope, invert_rope):
+        with pytest.raises(TypeError, match="must be floating point"):
+            fn(keys, cos, sin)
+        with pytest.raises(TypeError, match="must be floating point"):
+            fn(keys.float(), cos.long(), sin.long())

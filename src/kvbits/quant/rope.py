@@ -58,6 +58,8 @@ __all__ = ["RotaryTables", "apply_rope", "invert_rope", "rotate_half"]
 
 # rope types whose frequencies depend on the sequence length of the forward call
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
+# what positions may be (bool and complex are no positions; floats are refused rather than truncated)
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +74,8 @@ def _broadcast_tables(
     """``(B, T, D_rot)`` or ``(T, D_rot)`` tables → ``(B|1, 1, T, D_rot)`` for ``x`` ``(B, H, T, D)``."""
     if x.dim() != 4:
         raise ValueError(f"x must be (B, H, T, D), got shape {tuple(x.shape)}")
+    if not (x.dtype.is_floating_point and cos.dtype.is_floating_point and sin.dtype.is_floating_point):
+        raise TypeError(f"x, cos and sin must be floating point, got {x.dtype}, {cos.dtype}, {sin.dtype}")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin shapes differ: {tuple(cos.shape)} vs {tuple(sin.shape)}")
     if cos.dim() == 2:
@@ -441,10 +445,12 @@ class RotaryTables:
         module = self.rotary
         if self.length_dependent:
             module = copy.deepcopy(self.rotary)  # the module mutates its frequencies: stay stateless
-            if seq_len is not None:
-                # one extra position makes the forward see max(position_ids) + 1 == seq_len;
-                # tables are elementwise per position, so slicing it off is exact
-                extra = torch.full((pos.shape[0], 1), seq_len - 1, dtype=pos.dtype, device=pos.device)
+            if seq_len is not None or n_real == 0:
+                # one extra position makes the forward see max(position_ids) + 1 == seq_len (no positions:
+                # any length, the module's max() needs one); tables are elementwise per position, so slicing
+                # it off is exact
+                last = (1 if seq_len is None else seq_len) - 1
+                extra = torch.full((pos.shape[0], 1), last, dtype=pos.dtype, device=pos.device)
                 pos = torch.cat((pos, extra), dim=1)
         if getattr(module, "mrope_section", None) is not None:  # multimodal RoPE (Qwen2-VL style): time, height and
             pos = pos[None].expand(3, -1, -1)  # width axes, equal for text; transformers 5.17's modules take only these
@@ -471,13 +477,19 @@ class RotaryTables:
         factor included), in ``dtype`` as the model casts them to its activations' dtype.
 
         Args:
-            positions: absolute token positions (LongTensor).
-            dtype: the model's activation dtype.
+            positions: absolute token positions (an integer tensor: int8 ... int64 or uint8).
+            dtype: the model's activation dtype (floating point).
             seq_len: length-dependent rope types only (dynamic, longrope): the sequence length the
                 rotary module had seen when the keys were produced; default ``max(positions) + 1``.
+
+        Raises:
+            TypeError: ``positions`` is no integer tensor (bool, float, complex, a list) or ``dtype`` no floating dtype.
+            ValueError: ``positions`` has another shape or a negative entry, or ``seq_len < max(positions) + 1``.
         """
-        if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point:
+        if not isinstance(positions, torch.Tensor) or positions.dtype not in _INT_DTYPES:
             raise TypeError(f"positions must be an integer torch.Tensor, got {positions!r:.80}")
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype (the activations'), got {dtype}")
         if positions.dim() == 1:
             positions = positions[None]
         if positions.dim() != 2:
@@ -510,6 +522,8 @@ class RotaryTables:
     def _check_x(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x must be (B, H, T, D={self.head_dim}), got shape {tuple(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"x must be floating point (keys), got {x.dtype}")
 
     # ----------------------------------------------------------------------------- validation
 
