@@ -575,6 +575,36 @@ def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
     assert (tmp_path / "other" / "loop.jsonl").read_text().count("\n") == len(mon.events)
 
 
+def test_an_exporter_that_empties_the_events_loses_none_and_its_counter_never_goes_down(tmp_path) -> None:
+    """An exporter writes the events, then empties ``mon.events`` (as the docstring allows) and serves on. Before,
+    write_events kept only how many events a file had: the second request's 2 events (as many as the first's) were
+    taken for written and never appended (2 lines instead of 4), and ``kvbits_fallback_events_total``, counted from
+    the list, went from 2 back to 0, which Prometheus reads as a counter reset."""
+    import json
+
+    model = llama()
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    path = tmp_path / "ev.jsonl"
+
+    def counted() -> float:
+        return sum(v for _, v in parse(mon.prometheus()).get("kvbits_fallback_events_total", []))
+
+    written = []
+    for seed in (0, 1):  # two requests, each holding both layers: 2 events each
+        cache.reset()
+        run(model, cache, ids_of(1, 160, seed=seed))
+        assert len(mon.events) == 2
+        written += mon.events
+        mon.write_events(path)
+        mon.events.clear()
+        assert counted() == len(written)
+    assert [json.loads(x)["tokens"] for x in path.read_text().splitlines()] == [e["tokens"] for e in written]
+    assert len(path.read_text().splitlines()) == 4
+    mon.write_events(path)  # nothing new
+    assert len(path.read_text().splitlines()) == 4
+
+
 def test_events_and_snapshots_are_strict_json(tmp_path) -> None:
     """An error of ``inf`` (a zero block not reproduced exactly) was written as the bare token ``Infinity``,
     which jq, Go and ``JSON.parse`` reject: it is the string ``"+Inf"``, as the exposition format spells it."""
