@@ -527,6 +527,24 @@ def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> N
         prometheus_text([MetricFamily("m", "h", "gauge", [("", {"__x": "1"}, 1.0)])])
 
 
+def test_a_textfile_is_utf8_whatever_the_locale(tmp_path) -> None:
+    """The exposition format is UTF-8. Before, write_textfile wrote in the locale's encoding: under a C locale
+    (ASCII, coercion off) a label value 'Qwen–ü' raised UnicodeEncodeError after the whole run, and a Latin-1 or
+    cp1252 locale would have written bytes Prometheus rejects."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.prom"
+    code = ("import sys; from kvbits.monitor.export import MetricFamily, prometheus_text, write_textfile; "
+            "f = MetricFamily('m', 'h', 'gauge'); f.add(1, {'model': 'Qwen' + chr(0x2013) + chr(0xfc)}); "
+            "write_textfile(prometheus_text([f]), sys.argv[1])")  # fmt: skip
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert path.read_bytes().decode("utf-8").endswith('m{model="Qwen\u2013\u00fc"} 1\n')
+
+
 def test_a_second_monitor_on_one_cache_is_refused_until_the_first_detaches() -> None:
     """The second monitor took the flushes over and the first went silent (0 events against 2)."""
     cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
