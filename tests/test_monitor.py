@@ -527,6 +527,24 @@ def test_prometheus_helpers_refuse_bad_names_and_write_atomically(tmp_path) -> N
         prometheus_text([MetricFamily("m", "h", "gauge", [("", {"__x": "1"}, 1.0)])])
 
 
+def test_a_textfile_is_utf8_whatever_the_locale(tmp_path) -> None:
+    """The exposition format is UTF-8. Before, write_textfile wrote in the locale's encoding: under a C locale
+    (ASCII, coercion off) a label value 'Qwen–ü' raised UnicodeEncodeError after the whole run, and a Latin-1 or
+    cp1252 locale would have written bytes Prometheus rejects."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.prom"
+    code = ("import sys; from kvbits.monitor.export import MetricFamily, prometheus_text, write_textfile; "
+            "f = MetricFamily('m', 'h', 'gauge'); f.add(1, {'model': 'Qwen' + chr(0x2013) + chr(0xfc)}); "
+            "write_textfile(prometheus_text([f]), sys.argv[1])")  # fmt: skip
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert path.read_bytes().decode("utf-8").endswith('m{model="Qwen\u2013\u00fc"} 1\n')
+
+
 def test_a_second_monitor_on_one_cache_is_refused_until_the_first_detaches() -> None:
     """The second monitor took the flushes over and the first went silent (0 events against 2)."""
     cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
@@ -573,6 +591,36 @@ def test_events_go_to_json_lines_and_callback(tmp_path) -> None:
     assert mon.write_events(tmp_path / "loop.jsonl").read_text().count("\n") == len(mon.events)
     mon.write_events(tmp_path / "other" / "loop.jsonl")  # another file gets them all
     assert (tmp_path / "other" / "loop.jsonl").read_text().count("\n") == len(mon.events)
+
+
+def test_an_exporter_that_empties_the_events_loses_none_and_its_counter_never_goes_down(tmp_path) -> None:
+    """An exporter writes the events, then empties ``mon.events`` (as the docstring allows) and serves on. Before,
+    write_events kept only how many events a file had: the second request's 2 events (as many as the first's) were
+    taken for written and never appended (2 lines instead of 4), and ``kvbits_fallback_events_total``, counted from
+    the list, went from 2 back to 0, which Prometheus reads as a counter reset."""
+    import json
+
+    model = llama()
+    cache = QuantizedKVCache(config=model.config, scheme="kivi-2")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.0))
+    path = tmp_path / "ev.jsonl"
+
+    def counted() -> float:
+        return sum(v for _, v in parse(mon.prometheus()).get("kvbits_fallback_events_total", []))
+
+    written = []
+    for seed in (0, 1):  # two requests, each holding both layers: 2 events each
+        cache.reset()
+        run(model, cache, ids_of(1, 160, seed=seed))
+        assert len(mon.events) == 2
+        written += mon.events
+        mon.write_events(path)
+        mon.events.clear()
+        assert counted() == len(written)
+    assert [json.loads(x)["tokens"] for x in path.read_text().splitlines()] == [e["tokens"] for e in written]
+    assert len(path.read_text().splitlines()) == 4
+    mon.write_events(path)  # nothing new
+    assert len(path.read_text().splitlines()) == 4
 
 
 def test_events_and_snapshots_are_strict_json(tmp_path) -> None:

@@ -133,13 +133,14 @@ def prometheus_text(families: Iterable[MetricFamily]) -> str:
 
 def write_textfile(text: str, path: str | os.PathLike[str]) -> Path:
     """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename), so a
-    collector never reads half a file. The name should end in ``.prom`` for node_exporter."""
+    collector never reads half a file, in UTF-8 (the exposition format's encoding) whatever the locale. The name
+    should end in ``.prom`` for node_exporter."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         chmod_default(tmp)  # readable by a collector running as another user, as a normally created file
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # the exposition format is UTF-8, whatever the locale
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -104,7 +104,11 @@ class CacheMonitor:
         self.layers = {layer.layer_idx: layer for layer in layers}
         self.signals = {(i, side): SideSignals() for i in self.layers for side in SIDES}
         self.events: list[dict[str, Any]] = []
-        self._events_written: dict[Path, int] = {}  # path -> events already appended to it (write_events)
+        # events said so far, by (signal, action): monotonic (the counter kvbits_fallback_events_total), however the
+        # caller trims ``events``
+        self._event_counts: Counter = Counter()
+        # path -> the last event appended to it (write_events): the ones after it in ``events`` are new to it
+        self._events_written: dict[Path, dict[str, Any]] = {}
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
         self._blocks: Counter = Counter()  # blocks quantized per (layer, side): a prefill's flush holds many
         # per (layer, side): (resets, tokens_seen) of the flush observed last, and whether it crossed already. A flush
@@ -222,6 +226,7 @@ class CacheMonitor:
               "threshold": threshold, "sequence": sequence, "tokens": layer.tokens_seen, "action": action,
               **self.labels}  # fmt: skip
         self.events.append(ev)
+        self._event_counts[signal, action] += 1
         log = logger.warning if action.startswith("hold") else logger.info
         log("%s: layer %d %s %s = %.4g (threshold %s) at token %d: %s", self.labels["scheme"], layer.layer_idx,
             side, signal, value, threshold, layer.tokens_seen, action)  # fmt: skip
@@ -309,7 +314,7 @@ class CacheMonitor:
         f_ev = MetricFamily(
             "kvbits_fallback_events_total", "Thresholds crossed (the events), by signal and action", "counter"
         )
-        for (signal, action), n in sorted(Counter((e["signal"], e["action"]) for e in self.events).items()):
+        for (signal, action), n in sorted(self._event_counts.items()):  # never down: not read from the trimmable list
             f_ev.add(n, {**base, "signal": signal, "action": action})
         mem = self.cache.memory_report()
         f_tok = MetricFamily("kvbits_cache_tokens", "Tokens seen by the cache (longest layer)", "gauge")
@@ -338,15 +343,17 @@ class CacheMonitor:
     def write_events(self, path: str | os.PathLike[str]) -> Path:
         """Append the events this monitor has not yet written to ``path`` as strict JSON lines (``strict_json``: an
         infinite error is the string ``"+Inf"``), creating its missing folders as ``write_prometheus`` does: an
-        exporter may call it after every step without writing an event twice."""
+        exporter may call it after every step without writing an event twice, and may trim ``events`` from the
+        front between calls (``events.clear()``): the ones after the event it appended last are new."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         key = path.resolve()
-        done = self._events_written.get(key, 0)
-        if done > len(self.events):  # the caller emptied the list: what is there now is new
-            done = 0
+        last = self._events_written.get(key)
+        # after the event written last (by identity, from the end: the new ones are few); not there: all are new
+        start = next((i + 1 for i in range(len(self.events) - 1, -1, -1) if self.events[i] is last), 0)
         with path.open("a") as f:
-            for ev in self.events[done:]:
+            for ev in self.events[start:]:
                 f.write(strict_json(ev) + "\n")
-        self._events_written[key] = len(self.events)
+        if self.events:
+            self._events_written[key] = self.events[-1]
         return path
