@@ -624,6 +624,25 @@ def test_needle_merge_refusals(needle_runs):
         merge_needle([short])
 
 
+def test_needle_merge_refuses_depths_that_seed_the_same_trials(needle_runs):
+    """Depth 0.5 in one run and 0.50001 in another round to the same trial seed: the same keys and haystack
+    offsets, which a merge counted as other trials (one run refuses such depths, so must a merge)."""
+    import copy
+
+    from kvbits.evaluate.needle import _depth_word
+    from kvbits.report.merge_needle import merge_needle
+
+    _, (short, *_) = needle_runs
+    near = copy.deepcopy(short)
+    near["depths"] = [0.50001 if d == 0.5 else d for d in near["depths"]]
+    for rec in near["records"]:
+        rec["depth"] = 0.50001 if rec["depth"] == 0.5 else rec["depth"]
+    assert _depth_word(0.50001) == _depth_word(0.5)  # what the trials are seeded by: the same trials
+    near["records"] = [r for r in near["records"] if r["depth"] == 0.50001]
+    with pytest.raises(ValueError, match=r"depths can not share one grid.*0\.5 and 0\.50001"):
+        merge_needle([short, near])
+
+
 def test_report_cli_merges_needle_folders(needle_runs, tmp_path, capsys):
     """``kvbits report A B C --out D`` on needle folders writes the merged needle folder; an input folder, a
     run's own folder, and a mix of eval and needle folders are refused."""

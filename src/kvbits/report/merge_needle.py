@@ -12,7 +12,8 @@ position), so the merge checks, before it writes anything:
 - every (trial, scheme) from one run only, and every scheme measured on every trial of the merged grid,
   so each scheme's overall figures are over the same trials as the reference's.
 
-Contexts and depths are the union of the runs'; a (context, depth) cell no run measured reads ``n/a``.
+Contexts and depths are the union of the runs' (two depths that round to the same 1e-4 are refused: they seed the
+same trials, which would be counted twice); a (context, depth) cell no run measured reads ``n/a``.
 The overall, per-context and per-cell figures are computed again from the merged trial records with the
 functions ``kvbits needle`` uses (so merging runs of disjoint contexts gives what one run of all the
 contexts gives, timings aside). Seconds are summed, the peak RSS is the largest; ``merged_from`` lists each
@@ -87,6 +88,19 @@ def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]])
         check_same(names[0], first, name, s, ("dtype",),  # runs from before session 53 record none
                    "a passkey grid compares schemes on one model as it ran, in one dtype", recorded_only=True)
         check_fingerprints(names[0], first, name, s, "needle")
+
+
+def _check_depths(names: Sequence[str], summaries: Sequence[Mapping[str, Any]], depths: list[float]) -> list[float]:
+    """``depths`` (the union of the runs'), unless two of them seed the same trials (``ValueError``): a trial's key
+    and haystack offset come from its depth rounded to 1e-4 (``kvbits.evaluate.needle.check_depths``, which refuses
+    such depths within one run), so 0.5 in one run and 0.50001 in another are the same trials counted twice."""
+    from kvbits.evaluate.needle import check_depths
+
+    try:
+        return check_depths(depths)
+    except ValueError as exc:
+        runs = ", ".join(f"{n}: {', '.join(f'{d!r}' for d in s['depths'])}" for n, s in zip(names, summaries))
+        raise ValueError(f"the runs' depths can not share one grid ({runs}): {exc}") from None
 
 
 def _same_reference(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -168,7 +182,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     order = list(dict.fromkeys(str(r["scheme"]) for s in summaries for r in s["results"]))
     records = _merge_records(names, summaries, order)
     contexts = sorted({int(r["context"]) for r in records})
-    depths = sorted({float(r["depth"]) for r in records})
+    depths = _check_depths(names, summaries, sorted({float(r["depth"]) for r in records}))
 
     results = []
     for name in order:
