@@ -624,6 +624,21 @@ def test_needle_merge_refusals(needle_runs):
         merge_needle([short])
 
 
+def test_needle_merge_refuses_a_scheme_served_by_other_calibrations(needle_runs):
+    """A scheme of one name run at 300 tokens with one calibration and at 400 with another is not one scheme:
+    the merge used to pool its trials (and report the longest run's artifact alone)."""
+    import copy
+
+    from kvbits.report.merge_needle import merge_needle
+
+    _, (short, long_a, long_b) = needle_runs
+    other = copy.deepcopy(long_a)
+    other["results"][0].setdefault("calibration", {})["artifact"] = {"id": "sha256:" + "a" * 64, "path": "cal-b"}
+    with pytest.raises(ValueError, match="'int4-token' was served by different calibrations"):
+        merge_needle([short, other, long_b])
+    assert len(merge_needle([short, long_a, long_b])["records"]) == len(short["records"]) + len(long_a["records"])
+
+
 def test_needle_merge_refuses_depths_that_seed_the_same_trials(needle_runs):
     """Depth 0.5 in one run and 0.50001 in another round to the same trial seed: the same keys and haystack
     offsets, which a merge counted as other trials (one run refuses such depths, so must a merge)."""

@@ -10,7 +10,8 @@ position), so the merge checks, before it writes anything:
 - for a trial both runs hold: the same trial, and the same unquantized result (retrieved, predicted
   tokens, cache bytes; the key's NLL within ``NLL_ATOL`` nats, the rounding of another machine);
 - every (trial, scheme) from one run only, and every scheme measured on every trial of the merged grid,
-  so each scheme's overall figures are over the same trials as the reference's.
+  so each scheme's overall figures are over the same trials as the reference's;
+- a scheme measured in several runs: the same average bits, and the same calibration artifact (its id).
 
 Contexts and depths are the union of the runs' (two depths that round to the same 1e-4 are refused: they seed the
 same trials, which would be counted twice); a (context, depth) cell no run measured reads ``n/a``.
@@ -160,6 +161,12 @@ def _merge_records(
     return records
 
 
+def _artifact_id(result: Mapping[str, Any]) -> str | None:
+    """The id of the calibration artifact that served a scheme's result (``calibration.artifact.id``), None for none."""
+    art = (result.get("calibration") or {}).get("artifact")
+    return art.get("id") if isinstance(art, Mapping) else None
+
+
 def _decode_counts(results: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
     """The summed fused / fallback decode-step counters, None when no run recorded them."""
     counts = [r.get("decode") for r in results if isinstance(r.get("decode"), Mapping)]
@@ -190,6 +197,12 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         bits = [float(r["avg_bits"]) for _, r in mine]
         if not all(math.isclose(b, bits[0], rel_tol=1e-9) for b in bits):
             raise ValueError(f"scheme {name!r} has different average bits in the runs ({bits}): not the same scheme")
+        artifacts = {_artifact_id(r) for _, r in mine}
+        if len(artifacts) > 1:
+            raise ValueError(
+                f"scheme {name!r} was served by different calibrations in the runs "
+                f"({', '.join(sorted(str(a) for a in artifacts))}): not the same scheme; run it with one calibration"
+            )
         res = scheme_result(name, bits[0], records, contexts, depths)
         longest = max(mine, key=lambda sr: max(sr[0]["contexts"]))  # calibration mismatch: the longest context
         res["calibration"] = longest[1].get("calibration", {})
