@@ -671,6 +671,40 @@ def test_needle_merge_refusals(needle_runs):
         merge_needle([short])
 
 
+def test_needle_merge_refuses_a_scheme_served_by_other_calibrations(needle_runs):
+    """A scheme of one name run at 300 tokens with one calibration and at 400 with another is not one scheme:
+    the merge used to pool its trials (and report the longest run's artifact alone)."""
+    import copy
+
+    from kvbits.report.merge_needle import merge_needle
+
+    _, (short, long_a, long_b) = needle_runs
+    other = copy.deepcopy(long_a)
+    other["results"][0].setdefault("calibration", {})["artifact"] = {"id": "sha256:" + "a" * 64, "path": "cal-b"}
+    with pytest.raises(ValueError, match="'int4-token' was served by different calibrations"):
+        merge_needle([short, other, long_b])
+    assert len(merge_needle([short, long_a, long_b])["records"]) == len(short["records"]) + len(long_a["records"])
+
+
+def test_needle_merge_refuses_depths_that_seed_the_same_trials(needle_runs):
+    """Depth 0.5 in one run and 0.50001 in another round to the same trial seed: the same keys and haystack
+    offsets, which a merge counted as other trials (one run refuses such depths, so must a merge)."""
+    import copy
+
+    from kvbits.evaluate.needle import _depth_word
+    from kvbits.report.merge_needle import merge_needle
+
+    _, (short, *_) = needle_runs
+    near = copy.deepcopy(short)
+    near["depths"] = [0.50001 if d == 0.5 else d for d in near["depths"]]
+    for rec in near["records"]:
+        rec["depth"] = 0.50001 if rec["depth"] == 0.5 else rec["depth"]
+    assert _depth_word(0.50001) == _depth_word(0.5)  # what the trials are seeded by: the same trials
+    near["records"] = [r for r in near["records"] if r["depth"] == 0.50001]
+    with pytest.raises(ValueError, match=r"depths can not share one grid.*0\.5 and 0\.50001"):
+        merge_needle([short, near])
+
+
 def test_report_cli_merges_needle_folders(needle_runs, tmp_path, capsys):
     """``kvbits report A B C --out D`` on needle folders writes the merged needle folder; an input folder, a
     run's own folder, and a mix of eval and needle folders are refused."""

@@ -245,8 +245,13 @@ def _check_before_loading(
 
 
 def _run_dtype(model: torch.nn.Module, dtype_name: str | None) -> str:
-    """The dtype a run records: as asked (``_check_before_loading``'s name), else the loaded model's own (its
-    first floating parameter's, ``floating_dtype``; its first parameter's where it has none)."""
+    """The dtype a ``kvbits speed`` / ``needle`` run records, the one the model ran in: as asked
+    (``_check_before_loading``'s name; the model is cast to it), else the loaded model's own (its first floating
+    parameter's, ``floating_dtype``; its first parameter's where it has none).
+
+    ``kvbits eval`` records only the dtype asked for (``request["dtype"]``, None for the model's own): its request is
+    hashed before the model loads, to find a stored run, and the loaded dtype in it would change the hash of every
+    stored run made without ``--dtype``."""
     from kvbits.evaluate.measures import floating_dtype
 
     if dtype_name:

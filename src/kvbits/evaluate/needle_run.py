@@ -311,6 +311,9 @@ def needle_eval(
         "delta_nll", "kl", "by_context": [...], "grid", "calibration", "seconds", "decode"}],
         "records": [one per trial: the trial, "reference" and "schemes" scores], "reference_seconds",
         "wall_seconds", "peak_rss_bytes", "date", "commit", "versions"}``. ``grid`` is ``(contexts, depths)`` of retrieved fractions.
+        ``dtype``: the dtype the model ran in (``dtype`` when given, which the model is cast to; else the loaded
+        model's own), as ``kvbits speed`` records it. ``kvbits eval`` records instead the ``dtype`` asked for (null:
+        the model's own) in its hashed ``config.json`` request, which names stored runs before the model loads.
     """
     check_model_arg(model, "needle_eval")
     from kvbits.cache import attention_shape

@@ -232,7 +232,7 @@ def _request(
         "semantics": semantics,
         "prompt_len": prompt_len,
         "attn_layers": None if attn_layers is None else [int(x) for x in attn_layers],
-        "dtype": dtype_name,
+        "dtype": dtype_name,  # as asked, None: the model's own (speed and needle record the dtype loaded, _run_dtype)
         "device": device,
         "chunk_size": chunk_size,
         "seed": seed,

@@ -10,9 +10,11 @@ position), so the merge checks, before it writes anything:
 - for a trial both runs hold: the same trial, and the same unquantized result (retrieved, predicted
   tokens, cache bytes; the key's NLL within ``NLL_ATOL`` nats, the rounding of another machine);
 - every (trial, scheme) from one run only, and every scheme measured on every trial of the merged grid,
-  so each scheme's overall figures are over the same trials as the reference's.
+  so each scheme's overall figures are over the same trials as the reference's;
+- a scheme measured in several runs: the same average bits, and the same calibration artifact (its id).
 
-Contexts and depths are the union of the runs'; a (context, depth) cell no run measured reads ``n/a``.
+Contexts and depths are the union of the runs' (two depths that round to the same 1e-4 are refused: they seed the
+same trials, which would be counted twice); a (context, depth) cell no run measured reads ``n/a``.
 The overall, per-context and per-cell figures are computed again from the merged trial records with the
 functions ``kvbits needle`` uses (so merging runs of disjoint contexts gives what one run of all the
 contexts gives, timings aside). Seconds are summed, the peak RSS is the largest; ``merged_from`` lists each
@@ -89,6 +91,19 @@ def _check_setting(names: Sequence[str], summaries: Sequence[Mapping[str, Any]])
         check_fingerprints(names[0], first, name, s, "needle")
 
 
+def _check_depths(names: Sequence[str], summaries: Sequence[Mapping[str, Any]], depths: list[float]) -> list[float]:
+    """``depths`` (the union of the runs'), unless two of them seed the same trials (``ValueError``): a trial's key
+    and haystack offset come from its depth rounded to 1e-4 (``kvbits.evaluate.needle.check_depths``, which refuses
+    such depths within one run), so 0.5 in one run and 0.50001 in another are the same trials counted twice."""
+    from kvbits.evaluate.needle import check_depths
+
+    try:
+        return check_depths(depths)
+    except ValueError as exc:
+        runs = ", ".join(f"{n}: {', '.join(f'{d!r}' for d in s['depths'])}" for n, s in zip(names, summaries))
+        raise ValueError(f"the runs' depths can not share one grid ({runs}): {exc}") from None
+
+
 def _same_reference(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     if (a.get("retrieved"), a.get("pred"), a.get("cache_bytes")) != (b.get("retrieved"), b.get("pred"), b.get("cache_bytes")):
         return False
@@ -146,6 +161,12 @@ def _merge_records(
     return records
 
 
+def _artifact_id(result: Mapping[str, Any]) -> str | None:
+    """The id of the calibration artifact that served a scheme's result (``calibration.artifact.id``), None for none."""
+    art = (result.get("calibration") or {}).get("artifact")
+    return art.get("id") if isinstance(art, Mapping) else None
+
+
 def _decode_counts(results: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
     """The summed fused / fallback decode-step counters, None when no run recorded them."""
     counts = [r.get("decode") for r in results if isinstance(r.get("decode"), Mapping)]
@@ -168,7 +189,7 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
     order = list(dict.fromkeys(str(r["scheme"]) for s in summaries for r in s["results"]))
     records = _merge_records(names, summaries, order)
     contexts = sorted({int(r["context"]) for r in records})
-    depths = sorted({float(r["depth"]) for r in records})
+    depths = _check_depths(names, summaries, sorted({float(r["depth"]) for r in records}))
 
     results = []
     for name in order:
@@ -176,6 +197,12 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         bits = [float(r["avg_bits"]) for _, r in mine]
         if not all(math.isclose(b, bits[0], rel_tol=1e-9) for b in bits):
             raise ValueError(f"scheme {name!r} has different average bits in the runs ({bits}): not the same scheme")
+        artifacts = {_artifact_id(r) for _, r in mine}
+        if len(artifacts) > 1:
+            raise ValueError(
+                f"scheme {name!r} was served by different calibrations in the runs "
+                f"({', '.join(sorted(str(a) for a in artifacts))}): not the same scheme; run it with one calibration"
+            )
         res = scheme_result(name, bits[0], records, contexts, depths)
         longest = max(mine, key=lambda sr: max(sr[0]["contexts"]))  # calibration mismatch: the longest context
         res["calibration"] = longest[1].get("calibration", {})
