@@ -91,6 +91,10 @@ def position_offset(
     whose pads sit at 1 has it first), that token sets the offset instead. The generated tokens that follow
     the pads are then un-rotated a pad count away from their positions: a frame off by that much, not a
     wrong attention (``rope_at`` rotates them back at the same positions). Device ops only (no sync).
+
+    Read from the first update only: a chunked prefill (``generate(prefill_chunk_size=...)``) whose first chunk
+    holds nothing but a row's pads gives that row the pads' offset (left-padded by 9, chunks of 4: 3), so its real
+    keys are quantized in a frame rotated by the difference; attention stays exact, as above.
     """
     pos = find_position_ids(args, kwargs)
     B, _, q, _ = key_states.shape
