@@ -264,3 +264,15 @@ def test_hybrid_models_calibrate_their_attention_layers(make, scheme, tmp_path):
     with pytest.raises(ValueError, match=r"a cache built without config= \(it quantizes every layer\) may store K/V "
                        r"in every layer \(no parameters for attention layers \[0, 2\]\)"):
         checked_artifact(loaded, get_scheme(scheme), None, 4)  # what QuantizedKVCache(num_layers=4) installs
+
+
+@pytest.mark.parametrize("make", [_zamba2, _falcon_h1], ids=["zamba2", "falcon_h1"])
+def test_static_cache_refuses_hybrid_layers_naming_the_cache_that_holds_them(make):
+    """``StaticQuantizedKVCache`` holds full-attention layers only; its refusal of ``hybrid`` layers named
+    ``QuantizedKVCache`` only for sliding, chunked, conv and linear_attention layers, as if Zamba / Falcon-H1 had no
+    cache. Now it says that ``QuantizedKVCache`` serves them."""
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    with pytest.raises(NotImplementedError, match=r"full-attention layers only; the config has \[.*'hybrid'.*\] layers "
+                       r"\(QuantizedKVCache\(config=\.\.\.\) serves .*'hybrid' layers of Zamba, Zamba2 and Falcon-H1"):
+        StaticQuantizedKVCache(config=make(), scheme="int8-token", max_cache_len=32)
