@@ -276,3 +276,20 @@ def test_static_cache_refuses_hybrid_layers_naming_the_cache_that_holds_them(mak
     with pytest.raises(NotImplementedError, match=r"full-attention layers only; the config has \[.*'hybrid'.*\] layers "
                        r"\(QuantizedKVCache\(config=\.\.\.\) serves .*'hybrid' layers of Zamba, Zamba2 and Falcon-H1"):
         StaticQuantizedKVCache(config=make(), scheme="int8-token", max_cache_len=32)
+
+
+def test_mixed_schemes_on_zamba2s_shared_attention_are_refused_by_the_simulator_served_by_the_stream():
+    """Zamba2's hybrid layers call one shared attention block (``layer_idx`` -1). A mixed scheme in the simulator
+    was refused as 'overrides layers [1], beyond the model's 0 layers' (``kvbits tune`` too: its probes are mixed
+    schemes). Now the refusal says why and names ``mode='stream'``, where the real cache serves the mix (one fp16
+    and one int4 attention layer: 10.5 bits)."""
+    from kvbits.evaluate.runner import evaluate
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_zamba2()).eval()
+    ids = torch.randint(1, 96, (80,))
+    with pytest.raises(ValueError, match=r"attention block Zamba2Attention is shared by several layers .* "
+                       r"evaluate mixed schemes with mode='stream'"):
+        evaluate(model, ids, 32, ["int4-token,1=fp16"], attn_layers=[])
+    served = evaluate(model, ids, 32, ["int4-token,1=fp16"], mode="stream", attn_layers=[])
+    assert served["results"][0]["avg_bits"] == 10.5
