@@ -264,3 +264,32 @@ def test_hybrid_models_calibrate_their_attention_layers(make, scheme, tmp_path):
     with pytest.raises(ValueError, match=r"a cache built without config= \(it quantizes every layer\) may store K/V "
                        r"in every layer \(no parameters for attention layers \[0, 2\]\)"):
         checked_artifact(loaded, get_scheme(scheme), None, 4)  # what QuantizedKVCache(num_layers=4) installs
+
+
+@pytest.mark.parametrize("make", [_zamba2, _falcon_h1], ids=["zamba2", "falcon_h1"])
+def test_static_cache_refuses_hybrid_layers_naming_the_cache_that_holds_them(make):
+    """``StaticQuantizedKVCache`` holds full-attention layers only; its refusal of ``hybrid`` layers named
+    ``QuantizedKVCache`` only for sliding, chunked, conv and linear_attention layers, as if Zamba / Falcon-H1 had no
+    cache. Now it says that ``QuantizedKVCache`` serves them."""
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    with pytest.raises(NotImplementedError, match=r"full-attention layers only; the config has \[.*'hybrid'.*\] layers "
+                       r"\(QuantizedKVCache\(config=\.\.\.\) serves .*'hybrid' layers of Zamba, Zamba2 and Falcon-H1"):
+        StaticQuantizedKVCache(config=make(), scheme="int8-token", max_cache_len=32)
+
+
+def test_mixed_schemes_on_zamba2s_shared_attention_are_refused_by_the_simulator_served_by_the_stream():
+    """Zamba2's hybrid layers call one shared attention block (``layer_idx`` -1). A mixed scheme in the simulator
+    was refused as 'overrides layers [1], beyond the model's 0 layers' (``kvbits tune`` too: its probes are mixed
+    schemes). Now the refusal says why and names ``mode='stream'``, where the real cache serves the mix (one fp16
+    and one int4 attention layer: 10.5 bits)."""
+    from kvbits.evaluate.runner import evaluate
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_zamba2()).eval()
+    ids = torch.randint(1, 96, (80,))
+    with pytest.raises(ValueError, match=r"attention block Zamba2Attention is shared by several layers .* "
+                       r"evaluate mixed schemes with mode='stream'"):
+        evaluate(model, ids, 32, ["int4-token,1=fp16"], attn_layers=[])
+    served = evaluate(model, ids, 32, ["int4-token,1=fp16"], mode="stream", attn_layers=[])
+    assert served["results"][0]["avg_bits"] == 10.5

@@ -1030,8 +1030,9 @@ class StaticQuantizedKVCache(Cache):
             if other:
                 raise NotImplementedError(
                     f"StaticQuantizedKVCache holds full-attention layers only; the config has {other} layers "
-                    "(QuantizedKVCache serves sliding and chunked layers, and keeps the states of a hybrid model's conv and "
-                    "linear_attention layers)"
+                    "(QuantizedKVCache(config=...) serves sliding and chunked layers and the 'hybrid' layers of Zamba, "
+                    "Zamba2 and Falcon-H1 (attention plus a Mamba state), and keeps the states of a hybrid model's conv "
+                    "and linear_attention layers)"
                 )
             if num_layers is not None and num_layers != n_layers:
                 raise ValueError(f"num_layers={num_layers} but the config describes {n_layers} layers")

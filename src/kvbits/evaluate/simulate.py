@@ -735,8 +735,17 @@ def simulate(
         raise ValueError(f"prompt_len is only meaningful with semantics='prefill' (got {prompt_len!r})")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    qkw = _calibration_kwargs(model, scheme, calibration)
     modules = attention_modules(model)
+    shared = sorted({type(m).__name__ for m in modules if m.layer_idx < 0})
+    if shared and scheme.is_mixed:  # it was 'overrides layers [1], beyond the model's 0 layers' (max layer_idx -1)
+        raise ValueError(
+            f"{IMPLEMENTATION}: mixed scheme {scheme.name!r} on {type(model).__name__}, whose attention block "
+            f"{shared[0]} is shared by several layers (layer_idx -1: Zamba2's hybrid layers): the simulator can not "
+            "tell which layer calls it, so it applies one scheme to all of them; evaluate mixed schemes with "
+            "mode='stream' (`kvbits eval --mode stream`: the real cache, which the model tells the layer). "
+            "kvbits tune probes layers in the simulator and can not tune this model"
+        )
+    qkw = _calibration_kwargs(model, scheme, calibration)
     n_layers = max(m.layer_idx for m in modules) + 1
     scheme.check_layer_count(n_layers)
     attn_layers = check_layer_indices("attn_layers", attn_layers)  # int(0.7) recorded layer 0 without a word
