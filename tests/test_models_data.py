@@ -210,6 +210,30 @@ def test_an_empty_or_whitespace_text_file_is_refused_when_loaded(tmp_path: Path,
         load_text(str(path))
 
 
+def test_a_jsonl_file_is_refused_not_read_as_plain_text(tmp_path: Path) -> None:
+    """A ``.jsonl`` of documents was loaded as plain text: ``{"text": "first doc \\u00e9"}`` with its keys, quotes
+    and escapes, tokenized into the perplexity without a word; now refused, naming the format."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "first doc \u00e9"}) + "\n" + json.dumps({"text": "second"}) + "\n")
+    with pytest.raises(ValueError, match=r"docs\.jsonl' is JSON \(\.jsonl\).*expected a plain UTF-8 text file"):
+        load_text(str(path))
+    plain = tmp_path / "notes.json"  # a .json suffix on text that is not JSON still loads
+    plain.write_text("Not JSON at all.\n")
+    assert load_text(str(plain)).text == "Not JSON at all.\n"
+
+
+@pytest.mark.parametrize(("raw", "kind"), [
+    (__import__("gzip").compress(b"Hello world.", mtime=0), "gzip-compressed: decompress it"),
+    (b"PAR1\x15\x04\x15\xff\xfe", "a Parquet file"),
+], ids=["gzip", "parquet"])
+def test_a_compressed_or_parquet_file_is_named(tmp_path: Path, raw: bytes, kind: str) -> None:
+    """A ``.txt.gz`` or Parquet file: the error said only "not valid UTF-8 (byte 0x8b)"; now it names the format."""
+    path = tmp_path / "text.bin"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=rf"not valid UTF-8 text.*; it is {re.escape(kind)}"):
+        load_text(str(path))
+
+
 def test_hub_text_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ValueError, match="datasets"):

@@ -140,6 +140,12 @@ def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Pa
 
 
 _UTF16_BOMS = ((codecs.BOM_UTF16_LE, "UTF-16 LE"), (codecs.BOM_UTF16_BE, "UTF-16 BE"))  # UTF-32 LE starts as LE
+# file formats the loader does not read, by their first bytes: named in the "not UTF-8" error
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed: decompress it"), (b"BZh", "bzip2-compressed: decompress it"),
+          (b"\xfd7zXZ\x00", "xz-compressed: decompress it"), (b"\x28\xb5\x2f\xfd", "zstd-compressed: decompress it"),
+          (b"PK\x03\x04", "a zip archive: extract the text file"),
+          (b"PAR1", "a Parquet file: give its text as a UTF-8 text file, or the dataset as hub:NAME"))
+_JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 
 
 def _decode(raw: bytes, where: str) -> str:
@@ -154,7 +160,8 @@ def _decode(raw: bytes, where: str) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         bom = next((name for mark, name in _UTF16_BOMS if raw.startswith(mark)), None)
-        hint = f"; it starts with a {bom} byte-order mark: save it as UTF-8" if bom else ""
+        kind = next((what for magic, what in _MAGIC if raw.startswith(magic)), None)
+        hint = f"; it starts with a {bom} byte-order mark: save it as UTF-8" if bom else f"; it is {kind}" if kind else ""
         raise ValueError(f"{where} is not valid UTF-8 text ({exc}){hint}") from None
     if (at := text.find("\x00")) >= 0:  # UTF-16/32 of ASCII text without a byte-order mark decodes as UTF-8
         raise ValueError(
@@ -255,8 +262,9 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
 
     Raises:
         ValueError: unknown spec, a text file that does not exist, a registry file that is not
-            byte-exact, text that is not UTF-8 (a NUL character included), a text file or hub dataset
-            that is empty or whitespace alone, or a ``data_path`` that is not a folder.
+            byte-exact, text that is not UTF-8 (a NUL character included; a compressed or Parquet file is
+            named), a ``.json``/``.jsonl`` file holding JSON, a text file or hub dataset that is empty or
+            whitespace alone, or a ``data_path`` that is not a folder.
         FileNotFoundError: a registry text missing from every data root.
     """
     if not isinstance(spec, str) or not spec:
@@ -271,6 +279,12 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
         with open(path, "rb") as f:
             raw = f.read()
         text = _check_has_text(_decode(raw, str(path)), f"text file {str(path)!r}")
+        if path.suffix.lower() in _JSON_SUFFIXES and text.lstrip()[:1] in ("{", "["):
+            # read as plain text, its keys, quotes and \u escapes would be tokenized into the perplexity
+            raise ValueError(
+                f"text file {spec!r} is JSON ({path.suffix}): it would be read as plain text, keys, quotes and escapes "
+                "included; expected a plain UTF-8 text file: write the documents' text out to one"
+            )
         return TextSource(path.stem, text, hashlib.sha256(raw).hexdigest(), str(path.resolve()))
     if path.is_dir():
         raise ValueError(f"text {spec!r} is a folder; expected a text file, or one of {sorted(TEXTS)}")
