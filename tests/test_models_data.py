@@ -190,6 +190,50 @@ def test_a_utf16_file_is_named_as_such(tmp_path: Path) -> None:
         load_text(str(path))
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le"])
+def test_a_utf16_or_utf32_file_without_a_byte_order_mark_is_refused(tmp_path: Path, encoding: str) -> None:
+    """ASCII text saved as UTF-16/32 without a byte-order mark is valid UTF-8 (``H\\x00e\\x00l\\x00...``): it was
+    loaded without a word and its NULs tokenized into the perplexity; now a NUL character is refused, naming it."""
+    path = tmp_path / "u16.txt"
+    path.write_bytes("Hello world, some text.\n".encode(encoding))
+    with pytest.raises(ValueError, match=r"NUL character.*UTF-16 or UTF-32 saved without a byte-order mark"):
+        load_text(str(path))
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xef\xbb\xbf", b" \r\n\n\t "])
+def test_an_empty_or_whitespace_text_file_is_refused_when_loaded(tmp_path: Path, raw: bytes) -> None:
+    """An empty (or byte-order-mark-only, or whitespace-only) file loaded as a text: its error came only from
+    ``make_windows`` after the model had loaded; now ``load_text`` refuses it, before any model."""
+    path = tmp_path / "empty.txt"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=r"empty\.txt' holds no text"):
+        load_text(str(path))
+
+
+def test_a_jsonl_file_is_refused_not_read_as_plain_text(tmp_path: Path) -> None:
+    """A ``.jsonl`` of documents was loaded as plain text: ``{"text": "first doc \\u00e9"}`` with its keys, quotes
+    and escapes, tokenized into the perplexity without a word; now refused, naming the format."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "first doc \u00e9"}) + "\n" + json.dumps({"text": "second"}) + "\n")
+    with pytest.raises(ValueError, match=r"docs\.jsonl' is JSON \(\.jsonl\).*expected a plain UTF-8 text file"):
+        load_text(str(path))
+    plain = tmp_path / "notes.json"  # a .json suffix on text that is not JSON still loads
+    plain.write_text("Not JSON at all.\n")
+    assert load_text(str(plain)).text == "Not JSON at all.\n"
+
+
+@pytest.mark.parametrize(("raw", "kind"), [
+    (__import__("gzip").compress(b"Hello world.", mtime=0), "gzip-compressed: decompress it"),
+    (b"PAR1\x15\x04\x15\xff\xfe", "a Parquet file"),
+], ids=["gzip", "parquet"])
+def test_a_compressed_or_parquet_file_is_named(tmp_path: Path, raw: bytes, kind: str) -> None:
+    """A ``.txt.gz`` or Parquet file: the error said only "not valid UTF-8 (byte 0x8b)"; now it names the format."""
+    path = tmp_path / "text.bin"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=rf"not valid UTF-8 text.*; it is {re.escape(kind)}"):
+        load_text(str(path))
+
+
 def test_hub_text_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ValueError, match="datasets"):
@@ -229,6 +273,10 @@ def test_hub_text_column_is_chosen_by_type(monkeypatch: pytest.MonkeyPatch) -> N
     # a null row (a nullable string column) was a TypeError from str.join: now an empty row, and a warning
     fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": ["a", None, "c"]})
     assert load_text("hub:some/data").text == "a\n\nc"
+    # a split of empty rows (or no rows): refused when loaded, not after the model, by make_windows
+    fake.load_dataset = lambda name, config, split: _FakeHubDataset(table, {"body": ["", None, " \n"]})
+    with pytest.raises(ValueError, match=r"hub dataset 'some/data' \(column 'body', split 'test'\) holds no text"):
+        load_text("hub:some/data")
     table.pop("body")
     with pytest.raises(ValueError, match=r"'some/data' has no text column: expected a column of strings.*'meta': "
                                          r"'dict'"):  # fmt: skip

@@ -140,21 +140,46 @@ def data_search_path(data_path: str | os.PathLike[str] | None = None) -> list[Pa
 
 
 _UTF16_BOMS = ((codecs.BOM_UTF16_LE, "UTF-16 LE"), (codecs.BOM_UTF16_BE, "UTF-16 BE"))  # UTF-32 LE starts as LE
+# file formats the loader does not read, by their first bytes: named in the "not UTF-8" error
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed: decompress it"), (b"BZh", "bzip2-compressed: decompress it"),
+          (b"\xfd7zXZ\x00", "xz-compressed: decompress it"), (b"\x28\xb5\x2f\xfd", "zstd-compressed: decompress it"),
+          (b"PK\x03\x04", "a zip archive: extract the text file"),
+          (b"PAR1", "a Parquet file: give its text as a UTF-8 text file, or the dataset as hub:NAME"))
+_JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 
 
 def _decode(raw: bytes, where: str) -> str:
     """``raw`` decoded as UTF-8, line ends untouched; a leading UTF-8 byte-order mark (an editor's marker, not
     text: tokenized it would be 3 byte tokens and change the first word's token) is dropped, with a log line.
-    ``ValueError`` for bytes that are not UTF-8, naming a UTF-16 byte-order mark where the file starts with one."""
+    ``ValueError`` for bytes that are not UTF-8, naming a UTF-16 byte-order mark where the file starts with one, and
+    for a NUL character (UTF-16/32 without a byte-order mark: ``Hello`` as UTF-16 LE is valid UTF-8, ``H\\x00e\\x00...``)."""
     if raw.startswith(codecs.BOM_UTF8):
         logger.info("%s starts with a UTF-8 byte-order mark; dropped (it is not part of the text)", where)
         raw = raw[len(codecs.BOM_UTF8):]
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         bom = next((name for mark, name in _UTF16_BOMS if raw.startswith(mark)), None)
-        hint = f"; it starts with a {bom} byte-order mark: save it as UTF-8" if bom else ""
+        kind = next((what for magic, what in _MAGIC if raw.startswith(magic)), None)
+        hint = f"; it starts with a {bom} byte-order mark: save it as UTF-8" if bom else f"; it is {kind}" if kind else ""
         raise ValueError(f"{where} is not valid UTF-8 text ({exc}){hint}") from None
+    if (at := text.find("\x00")) >= 0:  # UTF-16/32 of ASCII text without a byte-order mark decodes as UTF-8
+        raise ValueError(
+            f"{where} holds a NUL character (at character {at}): not UTF-8 text but UTF-16 or UTF-32 saved without "
+            "a byte-order mark, or a binary file; expected UTF-8 text: save it as UTF-8"
+        )
+    return text
+
+
+def _check_has_text(text: str, what: str) -> str:
+    """``text``, or ``ValueError`` naming ``what`` when it is empty or whitespace alone: it tokenizes to no window
+    of any context, and would fail only after the model has loaded (minutes for a converted GGUF model)."""
+    if not text or text.isspace():
+        raise ValueError(
+            f"{what} holds no text ({len(text)} characters{', whitespace alone' if text else ''}); expected a "
+            "long natural-language text (thousands of tokens per window)"
+        )
+    return text
 
 
 def _load_registered(entry: TextEntry, roots: list[Path]) -> TextSource:
@@ -222,7 +247,7 @@ def _load_hub(spec: str) -> TextSource:
     # WikiText rows keep their own line ends ("\n"): joined with "" they give the raw file's lines, but with LF ends
     # where the registry's wikitext-2-raw/wiki.test.raw ('wikitext2') has CRLF ones: not the same text or tokens
     sep = "" if all(r.endswith("\n") for r in rows if r) else "\n"
-    text = sep.join(rows)
+    text = _check_has_text(sep.join(rows), f"hub dataset {name!r} (column {column!r}, split {split!r})")
     return TextSource(spec, text, hashlib.sha256(text.encode("utf-8")).hexdigest(), None)
 
 
@@ -237,7 +262,9 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
 
     Raises:
         ValueError: unknown spec, a text file that does not exist, a registry file that is not
-            byte-exact, text that is not UTF-8, or a ``data_path`` that is not a folder.
+            byte-exact, text that is not UTF-8 (a NUL character included; a compressed or Parquet file is
+            named), a ``.json``/``.jsonl`` file holding JSON, a text file or hub dataset that is empty or
+            whitespace alone, or a ``data_path`` that is not a folder.
         FileNotFoundError: a registry text missing from every data root.
     """
     if not isinstance(spec, str) or not spec:
@@ -251,8 +278,14 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
     if path.is_file():
         with open(path, "rb") as f:
             raw = f.read()
-        return TextSource(path.stem, _decode(raw, str(path)), hashlib.sha256(raw).hexdigest(),
-                          str(path.resolve()))
+        text = _check_has_text(_decode(raw, str(path)), f"text file {str(path)!r}")
+        if path.suffix.lower() in _JSON_SUFFIXES and text.lstrip()[:1] in ("{", "["):
+            # read as plain text, its keys, quotes and \u escapes would be tokenized into the perplexity
+            raise ValueError(
+                f"text file {spec!r} is JSON ({path.suffix}): it would be read as plain text, keys, quotes and escapes "
+                "included; expected a plain UTF-8 text file: write the documents' text out to one"
+            )
+        return TextSource(path.stem, text, hashlib.sha256(raw).hexdigest(), str(path.resolve()))
     if path.is_dir():
         raise ValueError(f"text {spec!r} is a folder; expected a text file, or one of {sorted(TEXTS)}")
     if "/" in spec or os.sep in spec or path.suffix:  # meant as a path: say the file is missing
