@@ -145,8 +145,10 @@ def merged_runs_table(sources: list[Mapping[str, Any]]) -> TableData:
     )  # fmt: skip
 
 
-def _merged_commands(sources: list[Mapping[str, Any]], run: RunSummary, out_dir: Path) -> str:
-    """Each merged run's command line, then the ``kvbits report`` line that merges them."""
+def _merged_commands(sources: list[Mapping[str, Any]], run: RunSummary, out_dir: Path | str) -> str:
+    """Each merged run's command line, then the ``kvbits report`` line that merges them; a run that is itself a merge
+    gives its own runs' lines and its ``kvbits report`` line (it was given a ``kvbits eval`` of all its schemes into
+    its folder, a command that never ran)."""
     import shlex
 
     lines = []
@@ -154,6 +156,10 @@ def _merged_commands(sources: list[Mapping[str, Any]], run: RunSummary, out_dir:
         cfg = src.get("config") if isinstance(src.get("config"), Mapping) else {}
         names = set(src.get("schemes") or ())
         sub = dataclasses.replace(run, results=tuple(r for r in run.results if r.name in names))
+        inner = _merged_sources(cfg)
+        if inner:
+            lines.append(_merged_commands(inner, sub, str(src.get("path", "?"))))
+            continue
         lines.append(reproduce_command(cfg, sub, src.get("path")))
     paths = [str(src.get("path", "?")) for src in sources]
     lines.append(shlex.join(["kvbits", "report", *paths, "--out", str(out_dir)]))

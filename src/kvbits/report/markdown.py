@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from kvbits.report.document import Block, Code, Figure, Heading, Meta, Para, Table
@@ -20,9 +21,21 @@ def _entities(s: str) -> str:
 def _md_text(text: str) -> str:
     """``text`` with ``&``, ``<`` and ``>`` outside code spans as entities: names and paths from ``summary.json`` (a
     scheme JSON may name its scheme anything) are shown as they are, never rendered as HTML or read as an entity
-    (``x&amp;y`` printed as ``x&y``) by viewers."""
+    (``x&amp;y`` printed as ``x&y``) by viewers. A line break inside a code span is a space (as CommonMark shows it):
+    a blank line in a model path ended the paragraph, and the path's ``<script>`` after it was raw HTML."""
     parts = split_code_spans(text)
-    return "".join(p if i % 2 else _entities(p) for i, p in enumerate(parts))
+    return "".join(_one_line(p) if i % 2 else _entities(p) for i, p in enumerate(parts))
+
+
+def _one_line(s: str) -> str:
+    return s.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
+
+
+def _fenced(body: str) -> str:
+    """``body`` as a fenced ``bash`` block whose fence is longer than any run of backticks in it (CommonMark's rule): a
+    recorded argument holding a line of three backticks closed a fixed fence, and what followed was Markdown and HTML."""
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", body)), default=0))
+    return f"{fence}bash\n{body}\n{fence}"
 
 
 def md_cell(s: str) -> str:
@@ -57,5 +70,5 @@ def to_markdown(blocks: list[Block], out_dir: Path) -> str:
             rel = os.path.relpath(b.path, out_dir)
             parts.append(f"![{b.alt}]({rel})\n\n*{_md_text(b.caption)}*")
         elif isinstance(b, Code):
-            parts.append(f"```bash\n{b.text}\n```")
+            parts.append(_fenced(b.text))
     return "\n\n".join(parts) + "\n"
