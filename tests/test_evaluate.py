@@ -1419,3 +1419,45 @@ def test_avg_bits_of_a_mix_count_the_layers_that_grow(models):
     (r,) = evaluate(model, ids, 48, [name], attn_layers=[], progress=False)["results"]
     assert r["avg_bits"] == pytest.approx(9.0)
     assert plan_shape(load_shape(model.config), name, context=1 << 24)["avg_bits"] == pytest.approx(9.0, abs=1e-3)
+
+
+@torch.no_grad()
+def test_simulate_prerope_keys_at_offset_positions_equal_the_cache(models):
+    """A window passed with ``position_ids`` starting at 50 (not its token indices): the cache un-rotates pre-RoPE keys
+    at the model's positions (``position_offset``), the simulator un-rotated them at 0..T-1, a frame off by 50, and
+    differed from the cache by 3.2e-3 of the hidden-state scale (the scheme's own effect: 3.1e-2). Now equal."""
+    from kvbits.cache import QuantizedKVCache
+
+    model = models("llama", torch.float64)
+    scheme = CHANNEL.replace(name="t-prerope-offset", key=TensorSpec(kind="int", bits=4, fmt=None,
+                                                                     granularity="channel", group_size=8, pre_rope=True))  # fmt: skip
+    ids, T = _ids(60, seed=3), 60
+    pos = torch.arange(T)[None] + 50
+    with simulate(model, scheme):
+        h_sim = model.model(ids, position_ids=pos).last_hidden_state
+    cache = QuantizedKVCache(model.config, scheme)
+    kw = "cache" if _has_cache_kw(model) else "past_key_values"
+    steps = [model.model(ids[:, t : t + 1], use_cache=True, position_ids=pos[:, t : t + 1], **{kw: cache},
+                         cache_position=torch.tensor([t])).last_hidden_state for t in range(T)]  # fmt: skip
+    _assert_agree(h_sim, torch.cat(steps, dim=1), "llama/pre-RoPE at positions 50..109")
+
+
+def test_simulated_kv_refuses_what_it_cannot_give():
+    """``simulated_kv`` answered a range past the tokens with fewer tokens than asked ([0, 12) of 10: 10), a reversed
+    range with none, K and V of different lengths with tensors of different lengths, part of a flush block with an
+    ``AssertionError`` and pre-RoPE keys without tables with ``AttributeError``: now each a ``ValueError`` saying what
+    was expected. And ``simulate(chunk_size=True)`` ran with chunks of 1."""
+    k = torch.randn(1, 2, 10, 64)
+    pre_rope = get_scheme("int4-token").replace(name="t", key=TensorSpec(kind="int", bits=4, fmt=None, pre_rope=True))
+    for args, match in (
+        ((get_scheme("int4-token"), k, k, 0, 12), "lo <= hi <= T"),
+        ((get_scheme("int4-token"), k, k, 5, 2), "lo <= hi <= T"),
+        ((get_scheme("int4-token"), k, k[:, :, :9], 0, 9), "same B, H_kv and T"),
+        ((get_scheme("int4-token"), k[0], k[0], 0, 9), r"\(B, H_kv, T, D\)"),
+        ((get_scheme("int4-channel"), k, k, 0, 10), "whole flush blocks of 128"),
+        ((pre_rope, k, k, 0, 10), "rotary="),
+    ):
+        with pytest.raises(ValueError, match=match):
+            simulated_kv(*args)
+    with pytest.raises(ValueError, match="chunk_size"), simulate(_llama(), "int4-token", chunk_size=True):
+        pass

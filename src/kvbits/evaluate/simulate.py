@@ -275,6 +275,7 @@ def simulated_kv(
     key_kwargs: dict[str, Any] | None = None,
     value_kwargs: dict[str, Any] | None = None,
     clipped: dict[str, int] | None = None,
+    pos_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the cache stores for tokens ``[lo, hi)`` of ``key``/``value`` ``(B, H_kv, T, D)``, dequantized.
 
@@ -282,8 +283,28 @@ def simulated_kv(
     back; pre-RoPE key specs un-rotate with ``rotary`` (``kvbits.quant.rope.RotaryTables`` of the
     layer, positions as the cache gives them), quantize, and rotate back (float16 / bfloat16 saturated to the dtype's
     finite range after it, as the cache). ``key_kwargs`` /
-    ``value_kwargs``: calibrated parameters (``CalibrationArtifact.quantize_kwargs``).
+    ``value_kwargs``: calibrated parameters (``CalibrationArtifact.quantize_kwargs``). ``pos_offset`` ``(B,)``:
+    token ``j`` of sequence ``b`` sits at model position ``j - pos_offset[b]`` (clamped at 0), as the cache reads it
+    from the model's ``position_ids`` (``kvbits.cache.layer.position_offset``); ``None``: at ``j``.
     """
+    if key.dim() != 4 or value.dim() != 4 or value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"key and value must be (B, H_kv, T, D) with the same B, H_kv and T, got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    T = key.shape[2]
+    if not 0 <= lo <= hi <= T:
+        raise ValueError(f"need 0 <= lo <= hi <= T={T} (tokens [lo, hi) of key/value), got lo={lo}, hi={hi}")
+    if not scheme.is_identity and (hi - lo) % scheme.block:
+        raise ValueError(
+            f"tokens [{lo}, {hi}) are not whole flush blocks of {scheme.block} (scheme {scheme.name!r}): the cache "
+            "quantizes whole blocks only"
+        )
+    if not scheme.is_identity and scheme.key.pre_rope and rotary is None:
+        raise ValueError(
+            f"scheme {scheme.name!r} quantizes keys before RoPE: pass rotary= (the layer's "
+            "kvbits.quant.rope.RotaryTables) to un-rotate them"
+        )
     k, v = key[:, :, lo:hi], value[:, :, lo:hi]
     if scheme.is_identity:
         return (
@@ -292,6 +313,8 @@ def simulated_kv(
         )
     if scheme.key.pre_rope:
         pos = torch.arange(lo, hi, device=k.device)
+        if pos_offset is not None:  # the model's positions, as the cache un-rotates at them (store.rope_at)
+            pos = (pos[None] - pos_offset.to(k.device)[:, None]).clamp_min(0)
         pre = rotary.unrotate(k, pos)
         kq = rotary.rotate(
             _blocks_fake_quantize(pre, scheme.key, scheme.block, clipped=clipped, side="keys", **(key_kwargs or {})),
@@ -560,7 +583,14 @@ def _simulate_attention(
             f"{side}_kwargs": {n: t.to(key.device) for n, t in sim._qkw.get((layer, side), {}).items()}
             for side in ("key", "value")
         }
-        kq, vq = simulated_kv(scheme, key, value, lo, q_end, rotary=rotary, clipped=sim.clipped, **kw)
+        offset = None
+        if rotary is not None:  # position_ids off the token indices (a window at an offset): where the cache un-rotates
+            from kvbits.cache.layer import position_offset
+
+            offset = position_offset((), kwargs, 0, key)
+        kq, vq = simulated_kv(
+            scheme, key, value, lo, q_end, rotary=rotary, clipped=sim.clipped, pos_offset=offset, **kw
+        )
         src = torch.cat([key[:, :, :lo], kq], dim=2) if lo else kq
         vsrc = torch.cat([value[:, :, :lo], vq], dim=2) if lo else vq
 
@@ -733,7 +763,7 @@ def simulate(
             raise ValueError(f"semantics='prefill' needs a positive int prompt_len, got {prompt_len!r}")
     elif prompt_len not in (None, 0):
         raise ValueError(f"prompt_len is only meaningful with semantics='prefill' (got {prompt_len!r})")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     modules = attention_modules(model)
     shared = sorted({type(m).__name__ for m in modules if m.layer_idx < 0})
