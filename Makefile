@@ -21,13 +21,17 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 # benchmarks/gpu_decode.py) must work there, so CI also runs those tests under it (`make test-compat`: 3-7 min on
 # 2026-12-06; ~2 min for its first 391 tests).
 # Also the caches built from per-layer configs (test_cache_configs) and loading by hub id with no network, the
-# GPU machine's case (test_hub: huggingface_hub 1.x there; about 20 s for both).
+# GPU machine's case (test_hub: huggingface_hub 1.x there; about 20 s for both), RoPE tables against the models'
+# own (test_rope), the seeded differential tests of both caches and the hybrid decoders' layers (test_cache_hybrid:
+# transformers' linear-attention layer classes); about 90 s for these four under load, 2026-12-07.
 # Installed beside the venv's newer transformers, in a folder that goes first on PYTHONPATH.
 TF_COMPAT     ?= 5.17.0
 COMPAT_DIR    := $(VENV)/compat-transformers-$(TF_COMPAT)
 COMPAT_TESTS  := tests/test_cache.py tests/test_cache_inputs.py tests/test_cache_slices.py tests/test_fused_cache.py \
                  tests/test_reserve.py tests/test_falcon_heads.py tests/test_speed.py tests/test_cache_compat.py \
-                 tests/test_compile.py tests/test_static_cache.py tests/test_cache_configs.py tests/test_hub.py
+                 tests/test_compile.py tests/test_static_cache.py tests/test_cache_configs.py tests/test_hub.py \
+                 tests/test_rope.py tests/test_cache_differential.py tests/test_static_cache_differential.py \
+                 tests/test_cache_hybrid.py
 
 .PHONY: setup demo test test-all test-compat bench-cpu clean
 
