@@ -230,7 +230,8 @@ def _channel_transform(
     absorb a common constant). Stats: ``smooth_spread_db``, the largest factor over the smallest, in dB
     (20 log10); ``constant_heads``, when a head's samples all equal their reference (a dead head: every
     channel's spread 0), whose factors are then 1 before that division (logged with ``where``, e.g. "layer 3
-    key"): the coded head is its samples minus the reference, zero, exact at any factor."""
+    key"): the coded head is its samples minus the reference, zero, exact at any factor. A factor is at least
+    float16's smallest normal (``6.1e-5``): a live head whose spread is ``1e-9`` of the others' would round to 0."""
     if x.shape[1] == 0:
         raise ValueError("no samples to take channel means / smoothing factors from")
     out: dict[str, torch.Tensor] = {}
@@ -256,7 +257,9 @@ def _channel_transform(
             top = spread.amax(dim=-1, keepdim=True)
             stats["constant_heads"] = float(len(heads))
         factor = spread.clamp_min(SMOOTH_FLOOR * top).pow(spec.smooth)
-        factor = (factor / factor.mean()).to(torch.float16)
+        # the floor is per head, the mean over the layer: a head far quieter than the rest would round to a float16
+        # factor of 0 (x / 0 = inf when coded); float16's smallest normal keeps it live and exactly invertible
+        factor = (factor / factor.mean()).clamp_min(torch.finfo(torch.float16).tiny).to(torch.float16)
         out["channel_factor"] = factor
         stats["smooth_spread_db"] = 20 * math.log10(float(factor.max()) / float(factor.min()))
     return out, stats
