@@ -410,7 +410,11 @@ def _mse_phase(
 
 
 def _warn_percentile_is_the_max(
-    scheme: KVScheme, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], percentile: float
+    scheme: KVScheme,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    percentile: float,
+    layer_ids: Sequence[int] | None = None,
 ) -> None:
     """Log a WARNING when a fitted side has too few samples per channel for ``percentile`` to trim its outliers.
 
@@ -418,15 +422,16 @@ def _warn_percentile_is_the_max(
     ``N - 1.5`` that is nearer the largest sample than the second largest, so the range keeps most of the largest
     outlier: the percentile is in effect the max (99.9 over 100 tokens: 90 % of the way from the second largest to
     the max). That stops from ``N >= 1 + 50 / (100 - p)`` samples on (501 for 99.9). ``keys`` / ``values``:
-    ``(H_kv, N, D)`` per layer; only the sides whose fit reads ``percentile`` count (static int/NUQ ranges,
+    ``(H_kv, N, D)`` per entry, entry ``i`` of model layer ``layer_ids[i]`` (None: layer ``i``); only the sides whose fit reads ``percentile`` count (static int/NUQ ranges,
     smoothing factors); ``percentile=100`` asks for the max and says nothing."""
     if not 50 <= percentile < 100:  # 100: the max, as asked; outside [50, 100]: refused by the fit
         return
+    layer_ids = list(range(len(keys))) if layer_ids is None else list(layer_ids)
     counts = [
         xs[i].shape[1]
         for i in range(len(keys))
         for side, xs in (("key", keys), ("value", values))
-        if (spec := getattr(scheme.for_layer(i), side)).kind != "fp8" and (spec.static or spec.smooth is not None)
+        if (spec := getattr(scheme.for_layer(layer_ids[i]), side)).kind != "fp8" and (spec.static or spec.smooth is not None)
     ]
     if not counts:
         return
@@ -562,7 +567,7 @@ def artifact_from_samples(
             "is recorded as the sample count N = %d, which overstates it unless they are one window: pass "
             "meta={'data': {'context': T}} (or (B, H_kv, T, D) blocks)", N,
         )  # fmt: skip
-    _warn_percentile_is_the_max(scheme, keys, values, percentile)
+    _warn_percentile_is_the_max(scheme, keys, values, percentile, layer_ids)
     tensors: dict[str, torch.Tensor] = {}
     stats: list[dict[str, float]] = []  # one row per entry of layer_ids
     for i, layer in enumerate(layer_ids):
