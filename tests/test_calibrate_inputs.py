@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -382,6 +383,19 @@ def test_a_percentile_that_is_in_effect_the_max_is_logged(caplog):
         short = samples(shape=(2, H, 20, D))  # 40 samples per channel: under 51
         artifact_from_samples("kvquant-4", short, short, percentile=99.0)
     assert len(caplog.records) == 1 and "percentile 99 over 40 samples" in caplog.records[0].getMessage()
+
+
+def test_the_percentile_warning_reads_each_entrys_own_layer_scheme(caplog):
+    """With ``layers`` (a hybrid model's attention layers), entry ``i`` is model layer ``layers[i]``, but the warning
+    looked up ``scheme.for_layer(i)``: samples [layer 1: FP8, layer 3: kvquant-4 with 50 tokens] said nothing,
+    though layer 3's 99.9 percentile over 50 samples is the max. Now the entry's own layer's scheme is read."""
+    base = get_scheme("fp8-e4m3")
+    scheme = dataclasses.replace(base, layers=((3, dataclasses.replace(get_scheme("kvquant-4"), layers=())),))
+    blocks = samples(shape=(1, H, 50, D))
+    with caplog.at_level(logging.WARNING, logger="kvbits.calibrate"):
+        artifact_from_samples(scheme, blocks, blocks, layers=[1, 3], kmeans_points=2000)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "percentile 99.9 over 50 samples per channel is in effect the max" in said[0]
 
 
 def test_a_calibration_from_a_newer_kvbits_says_to_upgrade(tmp_path):

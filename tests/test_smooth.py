@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 
 import pytest
 import torch
@@ -154,6 +155,20 @@ def test_a_constant_head_gets_factor_one_logged_and_stays_exact(caplog):
         y = quantize(x, spec, **kw).dequantize()
         assert torch.equal(y[:, 1], x[:, 1]) and rel_err(y[:, 0], x[:, 0]) < 0.1
         caplog.clear()
+
+
+def test_a_far_quieter_live_head_keeps_a_nonzero_factor():
+    """The floor is per head, the mean over the layer: a live head whose spread was 1e-9 of the other's got, at
+    ``smooth=1``, a normalised factor ~1e-9 that float16 rounded to 0 (``fit_side`` then raised ZeroDivisionError
+    computing ``smooth_spread_db``, and ``x / 0`` would have coded inf). Now at least float16's smallest normal."""
+    x = biased_keys()
+    x[:, 1] *= 1e-9
+    spec = dataclasses.replace(SMOOTH4, smooth=1.0)
+    tensors, stats = fit_side(spec, x.transpose(0, 1).reshape(2, -1, 64))
+    f = tensors["factor"].float()
+    assert float(f.min()) >= torch.finfo(torch.float16).tiny and math.isfinite(stats["smooth_spread_db"])
+    y = quantize(x, spec, **{f"channel_{k}": v for k, v in tensors.items()}).dequantize()
+    assert bool(torch.isfinite(y).all()) and rel_err(y[:, 0], x[:, 0]) < 0.1
 
 
 def test_missing_or_bad_parameters_are_refused():

@@ -230,7 +230,8 @@ def _channel_transform(
     absorb a common constant). Stats: ``smooth_spread_db``, the largest factor over the smallest, in dB
     (20 log10); ``constant_heads``, when a head's samples all equal their reference (a dead head: every
     channel's spread 0), whose factors are then 1 before that division (logged with ``where``, e.g. "layer 3
-    key"): the coded head is its samples minus the reference, zero, exact at any factor."""
+    key"): the coded head is its samples minus the reference, zero, exact at any factor. A factor is at least
+    float16's smallest normal (``6.1e-5``): a live head whose spread is ``1e-9`` of the others' would round to 0."""
     if x.shape[1] == 0:
         raise ValueError("no samples to take channel means / smoothing factors from")
     out: dict[str, torch.Tensor] = {}
@@ -256,7 +257,9 @@ def _channel_transform(
             top = spread.amax(dim=-1, keepdim=True)
             stats["constant_heads"] = float(len(heads))
         factor = spread.clamp_min(SMOOTH_FLOOR * top).pow(spec.smooth)
-        factor = (factor / factor.mean()).to(torch.float16)
+        # the floor is per head, the mean over the layer: a head far quieter than the rest would round to a float16
+        # factor of 0 (x / 0 = inf when coded); float16's smallest normal keeps it live and exactly invertible
+        factor = (factor / factor.mean()).clamp_min(torch.finfo(torch.float16).tiny).to(torch.float16)
         out["channel_factor"] = factor
         stats["smooth_spread_db"] = 20 * math.log10(float(factor.max()) / float(factor.min()))
     return out, stats
@@ -407,7 +410,11 @@ def _mse_phase(
 
 
 def _warn_percentile_is_the_max(
-    scheme: KVScheme, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], percentile: float
+    scheme: KVScheme,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    percentile: float,
+    layer_ids: Sequence[int] | None = None,
 ) -> None:
     """Log a WARNING when a fitted side has too few samples per channel for ``percentile`` to trim its outliers.
 
@@ -415,15 +422,16 @@ def _warn_percentile_is_the_max(
     ``N - 1.5`` that is nearer the largest sample than the second largest, so the range keeps most of the largest
     outlier: the percentile is in effect the max (99.9 over 100 tokens: 90 % of the way from the second largest to
     the max). That stops from ``N >= 1 + 50 / (100 - p)`` samples on (501 for 99.9). ``keys`` / ``values``:
-    ``(H_kv, N, D)`` per layer; only the sides whose fit reads ``percentile`` count (static int/NUQ ranges,
+    ``(H_kv, N, D)`` per entry, entry ``i`` of model layer ``layer_ids[i]`` (None: layer ``i``); only the sides whose fit reads ``percentile`` count (static int/NUQ ranges,
     smoothing factors); ``percentile=100`` asks for the max and says nothing."""
     if not 50 <= percentile < 100:  # 100: the max, as asked; outside [50, 100]: refused by the fit
         return
+    layer_ids = list(range(len(keys))) if layer_ids is None else list(layer_ids)
     counts = [
         xs[i].shape[1]
         for i in range(len(keys))
         for side, xs in (("key", keys), ("value", values))
-        if (spec := getattr(scheme.for_layer(i), side)).kind != "fp8" and (spec.static or spec.smooth is not None)
+        if (spec := getattr(scheme.for_layer(layer_ids[i]), side)).kind != "fp8" and (spec.static or spec.smooth is not None)
     ]
     if not counts:
         return
@@ -559,7 +567,7 @@ def artifact_from_samples(
             "is recorded as the sample count N = %d, which overstates it unless they are one window: pass "
             "meta={'data': {'context': T}} (or (B, H_kv, T, D) blocks)", N,
         )  # fmt: skip
-    _warn_percentile_is_the_max(scheme, keys, values, percentile)
+    _warn_percentile_is_the_max(scheme, keys, values, percentile, layer_ids)
     tensors: dict[str, torch.Tensor] = {}
     stats: list[dict[str, float]] = []  # one row per entry of layer_ids
     for i, layer in enumerate(layer_ids):
