@@ -1277,3 +1277,15 @@ def test_logit_softcapping_is_refused():
     q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
     with pytest.raises(NotImplementedError, match=r"passes softcap \(attention logit softcapping"):
         fused_attention(model.model.layers[0].self_attn, q, kv, kv, None, softcap=0.5)
+
+
+def test_inkling2_sinks_are_refused():
+    """Inkling 2 passes its per-token attention sinks as ``sinks=`` (gpt-oss's are ``s_aux=``). ``kvbits_fused`` (reached
+    through ``from_pretrained(attn_implementation="kvbits_fused")``, which skips ``use_fused_decode``'s refusal) handed
+    them to SDPA, whose ``**kwargs`` dropped them: the output was SDPA's without sinks, exactly. Raises now."""
+    from kvbits.cache.attention import fused_attention
+
+    module = torch.nn.Module()
+    q = k = v = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match=r"passes sinks \(per-token attention sinks"):
+        fused_attention(module, q, k, v, None, scaling=8**-0.5, sinks=torch.full((1, 2, 5, 1), 5.0))

@@ -17,7 +17,7 @@ the store (``fused.slot_masks``): the kernel skips the masked slots. Everything 
 per-head masks, ``output_attentions`` — is SDPA over dequantized K/V, as before. Models whose attention SDPA
 can not compute (``_supports_sdpa = False``: attention sinks; attention modules with an
 ``attn_logit_softcapping``: Gemma 2, whose 5.17 said it supports SDPA) are refused by ``use_fused_decode``, and a
-call passing sinks (``s_aux``) or a softcap raises: SDPA would drop them without a word (5.17) or fail.
+call passing sinks (``s_aux``, Inkling 2's ``sinks``) or a softcap raises: SDPA would drop them without a word (5.17) or fail.
 
 Registered under a new name through transformers' public ``AttentionInterface`` (and the SDPA mask
 builder under the same name in ``AttentionMaskInterface``); nothing of transformers is replaced.
@@ -68,6 +68,7 @@ STEP_KWARGS = frozenset({
 # what transformers' SDPA drops without a word, by the models that pass it
 SDPA_DROPS = {
     "s_aux": "attention sinks",
+    "sinks": "per-token attention sinks, Inkling 2",  # gpt-oss's are s_aux; SDPA's **kwargs took these too
     "softcap": "attention logit softcapping, Gemma 2",  # transformers 5.25's SDPA raises on it, 5.17's dropped it
     "indices": "sparse attention's top-k indices, DeepSeek-V3.2",
     "block_indices": "sparse attention's block indices",
