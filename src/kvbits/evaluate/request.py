@@ -63,6 +63,26 @@ def _model_fingerprint(model: Any) -> str:
     return _sha16(cfg + json.dumps(sums))
 
 
+def _object_runs_in(model: Any, dtype_name: str | None, device: Any) -> tuple[str | None, Any]:
+    """``(dtype, device)`` a run records for ``model`` given as an object (a ``LoadedModel`` or a module), which
+    runs as it is where ``dtype`` / ``device`` are not given: its own floating dtype, and its device type where
+    that is not the CPU (None stands for the CPU, as for a spec, which loads there; ``"cuda"``, not ``"cuda:1"``:
+    the ranks of a distributed run, each on its own GPU, compute one run). A ``LoadedModel``'s
+    fingerprint identifies its weight files, not the dtype it was loaded in or cast to (``evaluate(...,
+    dtype=...)`` casts it in place), so without this a float32 run was reused for the same model in bfloat16."""
+    inner = getattr(model, "model", None)
+    module = inner if isinstance(inner, torch.nn.Module) and hasattr(model, "fingerprint") else model
+    if not isinstance(module, torch.nn.Module):
+        return dtype_name, device
+    if dtype_name is None:
+        dtype = next((p.dtype for p in module.parameters() if p.dtype.is_floating_point), None)
+        dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+    if device is None:
+        on = next((p.device for p in module.parameters()), None)
+        device = None if on is None or on.type == "cpu" else on.type  # not its index: each rank has its own
+    return dtype_name, device
+
+
 def config_hash(config: dict[str, Any]) -> str:
     """16 hex chars identifying what a run computes (arguments and input fingerprints)."""
     return _sha16(json.dumps(config, sort_keys=True, default=str))
@@ -212,6 +232,7 @@ def _request(
     else:
         fp = getattr(model, "fingerprint", None)
         model_id = f"fingerprint:{fp}" if isinstance(fp, str) else f"fingerprint:{_model_fingerprint(model)}"
+        dtype_name, device = _object_runs_in(model, dtype_name, device)
     if isinstance(data, torch.Tensor):
         data_id = f"tokens:{_ids_fingerprint(data)}"
     elif isinstance(data, str):
