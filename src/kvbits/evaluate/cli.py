@@ -57,7 +57,8 @@ run_peak_rss_bytes: the resident peak from the loaded model to the end of the ru
 reset through /proc/self/clear_refs; null elsewhere); peak_cuda_bytes: torch.cuda.max_memory_allocated
 over the run with --device cuda (weights included), null on CPU.
 Buckets are query positions t (predicting token t + 1): [0,1K), [1K,2K), [2K,4K), ... cut at the
-context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap interval over 128-token chunks;
+context; delta_rel = PPL / PPL_ref - 1 with a 95% paired bootstrap interval over 128-token chunks
+(NaN where a bucket holds one chunk: one window, at most 128 positions);
 kl = mean KL(reference || scheme) in nats. attn_entropy: mean entropy (nats, mean over query heads) of
 each query's attention with the quantized K/V (entropy) and with exact K/V for the same queries
 (entropy_ref), delta = entropy - entropy_ref (> 0: flatter, < 0: sharper), simulate mode.

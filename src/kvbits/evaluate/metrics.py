@@ -312,6 +312,12 @@ def bootstrap_delta_rel(
             scored the same tokens, so the difference is resampled as one unit).
         chunk: tokens per resampling unit; each window's bucket is cut into contiguous chunks (the
             last one may be shorter) and chunks are drawn with replacement across all windows.
+
+    Returns:
+        ``(lo, hi)``; ``(nan, nan)`` with fewer than two resampling units (one window whose bucket holds at
+        most ``chunk`` tokens): every resample is then that one unit, and the interval collapsed onto the point
+        estimate, a zero-width "95% CI" (a 75-token tail bucket read ``[3.98 %, 3.98 %]`` for a ΔPPL whose standard
+        error was 5.6 %).
     """
     sums, counts = [], []
     for row in np.atleast_2d(d):
@@ -319,7 +325,7 @@ def bootstrap_delta_rel(
             part = row[a : a + chunk]
             sums.append(float(np.sum(part, dtype=np.float64)))
             counts.append(part.shape[0])
-    if not sums:
+    if len(sums) < 2:  # nothing to resample: no spread to measure, not a zero-width interval
         return (math.nan, math.nan)
     s, c = np.asarray(sums), np.asarray(counts, dtype=np.float64)
     rng = np.random.default_rng(seed)
@@ -358,7 +364,8 @@ def summarize(
 
     Returns ``{"ppl", "ppl_ref", "kl", "top1", "tokens", "buckets": [{"lo", "hi", "tokens", "ppl",
     "ppl_ref", "delta_rel", "delta_rel_ci", "kl", "top1"}]}``; ``kl`` is the mean per-token KL in
-    nats and ``top1`` the fraction of positions whose argmax agrees with the reference.
+    nats and ``top1`` the fraction of positions whose argmax agrees with the reference; ``delta_rel_ci``
+    is ``[nan, nan]`` for a bucket of one resampling unit (:func:`bootstrap_delta_rel`).
     """
     nll, nll_ref, kl, top1 = (np.asarray(per_token[k], dtype=np.float64) for k in TOKEN_FIELDS)
     W, N = nll.shape
