@@ -22,7 +22,7 @@ import transformers
 from _tinyllama import tiny_llama
 from transformers import DynamicCache
 
-from kvbits.cache import QuantizedKVCache, QuantizedKVLayer
+from kvbits.cache import QuantizedKVCache, QuantizedKVLayer, StaticQuantizedKVCache
 from kvbits.cache import checks as kv_checks
 from kvbits.schemes import KVScheme, TensorSpec, get_scheme
 
@@ -584,3 +584,42 @@ def test_early_initialization_refuses_what_update_would(heads, head_dim, dtype, 
     good = QuantizedKVCache(config=model.config, scheme="int4-token")  # the right shape is still taken
     good.early_initialization(1, 2, 16, torch.float32, torch.device("cpu"))
     assert all(layer.is_initialized for layer in good.layers) and good.memory_report()["total_bytes"] == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda checks: QuantizedKVCache(num_layers=1, scheme="fp16", checks=checks),
+    lambda checks: StaticQuantizedKVCache(num_layers=1, scheme="fp16", max_cache_len=8, checks=checks),
+], ids=["dynamic", "static"])
+@pytest.mark.parametrize("checks", ["eager", "lazy"])
+def test_kv_on_two_devices_or_without_channels_are_refused(make, checks):
+    """K/V of one ``(B, H_kv, q)`` whose values have 0 channels were taken by ``QuantizedKVCache``: the K/V check
+    skipped both sides for the empty values, so NaN keys were stored and returned silently. K on the CPU and V on
+    another device crashed deep in the store ("cross-device copies are not allowed"), prefill or decode. Both are
+    refused now, naming the layer, before anything is stored, in either cache."""
+    nan_keys = torch.full((1, 2, 3, 32), float("nan"))
+    cache = make(checks)
+    with pytest.raises(ValueError, match=r"layer 0: key_states \(1, 2, 3, 32\) and value_states \(1, 2, 3, 0\).*D >= 1"):
+        cache.update(nan_keys, torch.randn(1, 2, 3, 0), 0)
+    k = torch.randn(1, 2, 3, 32)
+    with pytest.raises(ValueError, match="layer 0: key_states on cpu but value_states on meta"):
+        cache.update(k, torch.randn(1, 2, 3, 32, device="meta"), 0)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="layer 0: .*value_states (is torch.float32 )?on meta"):
+        cache.update(k[:, :, :1], torch.randn(1, 2, 1, 32, device="meta"), 0)
+    cache.check_inputs()
+    assert cache.get_seq_length() == 3
+
+
+def test_lazy_check_after_a_crop_names_the_positions_of_the_kept_sequence():
+    """A lazy check failing after ``crop`` named token positions from before the crop: 4 tokens checked, cropped to 1,
+    a NaN at position 1 was reported at "token positions 4..1". Now the window starts where the kept tokens end."""
+    cache = QuantizedKVCache(num_layers=1, scheme="fp16", checks="lazy", check_every=4)
+    for _ in range(4):
+        cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
+    cache.check_inputs()
+    cache.crop(-3)
+    bad = torch.randn(1, 2, 1, 32)
+    bad[0, 0, 0, 0] = float("nan")
+    cache.update(bad, torch.randn(1, 2, 1, 32), 0)
+    with pytest.raises(ValueError, match=r"key_states contain NaN .* update steps 4\.\.4 \(token positions 1\.\.1\)"):
+        cache.check_inputs()

@@ -171,3 +171,28 @@ def test_static_scales_of_the_wrong_shape_are_refused_at_install_naming_the_laye
     with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\), got True"):
         cache.set_static_qparams(True, "key", torch.ones(2, 8))
     assert "static_scale" not in cache.layers[1]._fixed["key"]
+
+
+@pytest.mark.parametrize("checks", ["eager", "lazy"])
+def test_eager_checks_take_the_bounds_the_lazy_ones_and_the_dynamic_cache_take(checks: str):
+    """Eager checks refused every ``|x| > 65504`` (``check_kv``'s float16 range) even on sides stored in bf16, which
+    hold any finite value: bf16 K/V of 1e5 were refused by ``checks="eager"`` and taken by ``checks="lazy"`` and by
+    ``QuantizedKVCache`` either way. Now eager checks use the sides' bounds as the lazy ones do (float16 sides still
+    refuse 1e5), and float64 K/V beyond the float32 range are refused for that, not for a float16 range."""
+    big = torch.full((1, 2, 3, 32), 1e5, dtype=torch.bfloat16)
+    for make in (lambda: StaticQuantizedKVCache(num_layers=1, scheme="bf16", max_cache_len=8, checks=checks),
+                 lambda: QuantizedKVCache(num_layers=1, scheme="bf16", checks=checks)):  # fmt: skip
+        cache = make()
+        keys, _ = cache.update(big, big, 0)
+        cache.check_inputs()
+        assert keys[0, 0, 0, 0].item() == big[0, 0, 0, 0].item()
+    cache = StaticQuantizedKVCache(num_layers=1, scheme="int8-token", max_cache_len=8, checks=checks)
+    with pytest.raises(ValueError, match=r"layer 0.*(65504|6\.55e\+04)"):
+        cache.update(big, big, 0)
+        cache.check_inputs()
+    if checks == "eager":
+        huge = torch.full((1, 2, 3, 32), 1e300, dtype=torch.float64)
+        for cache, name in ((StaticQuantizedKVCache(num_layers=1, scheme="bf16", max_cache_len=8), "keys"),
+                            (QuantizedKVCache(num_layers=1, scheme="bf16"), "key_states")):  # fmt: skip
+            with pytest.raises(ValueError, match=f"layer 0 {name} has .*1e\\+300, beyond the float32 range"):
+                cache.update(huge, huge, 0)

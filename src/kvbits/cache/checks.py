@@ -7,7 +7,7 @@ scales, zero-points, outliers) and float16 storage; bf16 / fp32 storage and slid
 their window in the K/V dtype only need finite values. Two ways:
 
 - **eager** (``checks="eager"``; ``"auto"`` on CPU, where a sync costs nothing): every ``update`` checks
-  its K/V before storing them (``kvbits.quant.checks.check_kv``: one sync per layer per step) and bad
+  its K/V before storing them (``check_now``: one sync per layer per step) and bad
   K/V are refused; clipped counts are host ints.
 - **lazy** (``checks="lazy"``; ``"auto"`` on CUDA and other accelerators): ``update`` only writes
   ``max |K|`` and ``max |V|`` of its new tokens into its row of a small float32 table on the device (two
@@ -66,6 +66,7 @@ __all__ = [
     "check_every_arg",
     "check_incoming",
     "check_mode",
+    "check_now",
     "input_bound",
     "run_checks",
     "validate",
@@ -218,15 +219,7 @@ class InputChecks:
 
     def _check_now(self, name: str, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Eager: one device sync for both sides (NaN propagates through the maxima)."""
-        amax = write_maxima(torch.empty(2, dtype=torch.float32, device=key_states.device), key_states, value_states)
-        amax = amax.tolist()
-        for x, side, a, (bound, why) in zip((key_states, value_states), SIDES, amax, self.bounds):
-            if not math.isfinite(a):
-                check_kv(x, f"{name} {side}")  # the precise error: where the NaN / inf is
-            if a > bound:
-                raise ValueError(
-                    f"{name} {side} has |x| up to {a:.6g}, beyond {bound:.6g} ({why}); refusing to store it"
-                )
+        check_now((f"{name} {SIDES[0]}", f"{name} {SIDES[1]}"), key_states, value_states, self.bounds)
 
     def verdict(self, amax: list[float], name: str, tokens_seen: int) -> str | None:
         """Close the pending window with its host maxima ``[max |K|, max |V|]``: ``None``, or the error
@@ -251,6 +244,28 @@ class InputChecks:
             f"since step {first} are invalid; reset() the cache (checks='eager' refuses such K/V before storing them)"
         )
         return self.error
+
+
+def check_now(
+    names: tuple[str, str],
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    bounds: tuple[tuple[float, str], tuple[float, str]],
+) -> None:
+    """Eager check of K/V ``(B, H_kv, q, D)`` against ``bounds`` (``(bound, why)`` per side, ``input_bound``): one
+    device sync for both sides (``write_maxima``), more only to word an error. ``ValueError`` naming ``names[i]`` for
+    NaN / inf, ``|x|`` past its bound, or float64 values past the float32 range (which the maxima, and a bf16 / fp32
+    store, turn into inf). ``QuantizedKVLayer`` and ``StaticQuantizedLayer`` check alike with it."""
+    amax = write_maxima(torch.empty(2, dtype=torch.float32, device=key_states.device), key_states, value_states)
+    for x, name, a, (bound, why) in zip((key_states, value_states), names, amax.tolist(), bounds):
+        if not math.isfinite(a):
+            if not bool(torch.isfinite(x).all()):
+                n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+                raise ValueError(f"{name} contains non-finite values ({n_nan} NaN, {n_inf} inf); refusing to store it")
+            a = float(x.detach().abs().max())  # float64 past the float32 range: finite, but not as stored
+            raise ValueError(f"{name} has |x| up to {a:.6g}, beyond the float32 range; refusing to store it")
+        if a > bound:
+            raise ValueError(f"{name} has |x| up to {a:.6g}, beyond {bound:.6g} ({why}); refusing to store it")
 
 
 def write_maxima(row: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
@@ -377,7 +392,7 @@ def check_config_shape(
 
 def check_incoming(layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """Host-only checks of K/V ``(B, H_kv, q, D)`` for ``layer``, whatever it holds: floating tensors of 4 dims,
-    K and V agreeing on ``(B, H_kv, q)`` and dtype, the config's heads and head dim. ``update`` (``validate``) and
+    K and V agreeing on ``(B, H_kv, q)``, dtype and device, ``D >= 1``, the config's heads and head dim. ``update`` (``validate``) and
     ``lazy_initialization`` (which transformers' ``early_initialization`` calls directly) both run them, as
     ``StaticQuantizedLayer.lazy_initialization`` does (``layer``: anything with ``layer_idx``,
     ``num_key_value_heads``, ``head_repeat`` and ``head_dim``)."""
@@ -385,16 +400,21 @@ def check_incoming(layer: QuantizedKVLayer, key_states: torch.Tensor, value_stat
     for x, what in zip((key_states, value_states), names):
         if not isinstance(x, torch.Tensor) or x.dtype not in KV_DTYPES or x.dim() != 4:
             check_kv(x, what)  # raises the precise TypeError / ValueError before looking at values
-    kB, kH, kT, _ = key_states.shape
-    vB, vH, vT, _ = value_states.shape
-    if (kB, kH, kT) != (vB, vH, vT):
+    kB, kH, kT, kD = key_states.shape
+    vB, vH, vT, vD = value_states.shape
+    if (kB, kH, kT) != (vB, vH, vT) or not (kD and vD):  # D = 0: a side without channels, never checked or stored
         raise ValueError(
             f"layer {layer.layer_idx}: key_states {tuple(key_states.shape)} and value_states "
-            f"{tuple(value_states.shape)} must agree on (B, H_kv, T)"
+            f"{tuple(value_states.shape)} must agree on (B, H_kv, T) and have D >= 1 channels"
         )
     if key_states.dtype != value_states.dtype:
         raise TypeError(
             f"layer {layer.layer_idx}: key dtype {key_states.dtype} != value dtype {value_states.dtype}"
+        )
+    if key_states.device != value_states.device:
+        raise ValueError(
+            f"layer {layer.layer_idx}: key_states on {key_states.device} but value_states on {value_states.device}; "
+            "K and V must be on one device"
         )
     check_config_shape(f"layer {layer.layer_idx}", key_states, value_states, layer.num_key_value_heads,
                        layer.head_repeat, layer.head_dim)  # fmt: skip

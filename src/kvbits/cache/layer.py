@@ -645,6 +645,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._k.crop_tail(r)
             self._v.crop_tail(r)
             self.tokens_seen -= r
+            # lazy checks: the next window's token positions start where the kept tokens end
+            self.checks.checked_tokens = min(self.checks.checked_tokens, self.tokens_seen)
             if self.held_at is not None:
                 self.held_at = min(self.held_at, self.tokens_seen)
         if self.record_past and self.is_sliding and self.is_initialized:  # back to the window update() keeps

@@ -102,6 +102,7 @@ from kvbits.cache.checks import (
     check_channel_groups,
     check_incoming,
     check_mode,
+    check_now,
     input_bound,
     write_maxima,
 )
@@ -133,7 +134,6 @@ from kvbits.kernels.reference import (
     pack_side,
     word_rows,
 )
-from kvbits.quant.checks import check_kv
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize
 from kvbits.schemes import get_scheme
@@ -505,14 +505,9 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if value_states.shape[2] != q:
             raise ValueError(f"layer {self.layer_idx}: {q} keys but {value_states.shape[2]} values")
         self._check_room(q)
-        if not self._lazy:
-            for what, x, bound in (("keys", key_states, self._bounds[0]), ("values", value_states, self._bounds[1])):
-                check_kv(x, f"layer {self.layer_idx} {what}")
-                if bound < float("inf") and x.numel() and float(x.detach().abs().amax()) > bound:
-                    raise ValueError(
-                        f"layer {self.layer_idx} {what}: |x| up to {float(x.abs().amax()):.4g}, beyond {bound:.4g} "
-                        f"({self._why[0 if what == 'keys' else 1]})"
-                    )
+        if not self._lazy and key_states.numel() and value_states.numel():  # QuantizedKVLayer's check and bounds
+            check_now((f"layer {self.layer_idx} keys", f"layer {self.layer_idx} values"), key_states, value_states,
+                      ((self._bounds[0], self._why[0]), (self._bounds[1], self._why[1])))  # fmt: skip
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
