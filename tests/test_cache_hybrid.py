@@ -293,3 +293,62 @@ def test_mixed_schemes_on_zamba2s_shared_attention_are_refused_by_the_simulator_
         evaluate(model, ids, 32, ["int4-token,1=fp16"], attn_layers=[])
     served = evaluate(model, ids, 32, ["int4-token,1=fp16"], mode="stream", attn_layers=[])
     assert served["results"][0]["avg_bits"] == 10.5
+
+
+def _zamba():
+    return transformers.ZambaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+        n_mamba_heads=2, mamba_dt_rank=8,
+    )  # fmt: skip
+
+
+def test_zambas_shared_attention_block_is_refused_by_the_per_layer_measures_and_served_by_the_stream(tmp_path, caplog):
+    """Zamba's hybrid layers (2 and 4 here) call one attention block that has no ``layer_idx``. Was: ``evaluate``
+    refused it in either mode as 'no attention modules with a layer_idx ... (state-space ... models such as Mamba
+    are not supported)', and ``calibrate`` as 'attention sites on layers [0, 1], none on [2, 4]' (the sites
+    numbered by discovery). Now both say the block is shared, what is not supported, and that mode='stream' is;
+    the stream runs and quantizes (int2 moves the PPL; no 'quantizes nothing at any context' warning)."""
+    import logging
+
+    from kvbits.analyze import analyze
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.runner import evaluate
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_zamba()).eval()
+    ids = torch.randint(1, 96, (80,))
+    shared = (r"ZambaForCausalLM's attention block ZambaAttention is shared by its hybrid layers \[2, 4\] and has no "
+              r"per-layer layer_idx .* not supported; the real cache holds it .*mode='stream'")  # fmt: skip
+    with pytest.raises(ValueError, match=shared):
+        calibrate(model, ids, "kvquant-4", context=32, windows=2, fisher=False, out_dir=tmp_path / "cal")
+    with pytest.raises(ValueError, match=shared):
+        analyze(model, ids[None, :16], sample_tokens=16, channel_group=8)
+    with pytest.raises(ValueError, match=r"evaluate: mode='simulate': " + shared):
+        evaluate(model, ids, 32, ["int4-token"])
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        served = evaluate(model, ids, 32, ["fp16", "int2-token"], mode="stream")
+    assert "quantizes nothing" not in caplog.text
+    ppl = [r["ppl"] for r in served["results"]]
+    assert ppl[0] != ppl[1]
+
+
+def test_zamba2s_shared_attention_block_has_no_attention_error_to_measure(caplog):
+    """Zamba2's hybrid layers share one attention block (``layer_idx`` -1), which the simulator can not attribute
+    to a layer. Was: evaluate in mode='simulate' returned empty attn_error / attn_entropy without a word, and
+    ``attn_layers=[1]`` was refused as 'have no attention (convolution, linear-attention or state-space layers)'.
+    Now the default logs why nothing is recorded and an explicit request is refused naming the shared block."""
+    import logging
+
+    from kvbits.evaluate.runner import evaluate
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_zamba2()).eval()
+    ids = torch.randint(1, 96, (80,))
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        out = evaluate(model, ids, 32, ["int4-token"])
+    assert out["results"][0]["attn_error"] == []
+    assert "no attention error / entropy is recorded" in caplog.text and "Zamba2Attention is shared" in caplog.text
+    with pytest.raises(ValueError, match=r"attn_layers=\[1\] \(CLI: --attn-layers\): Zamba2ForCausalLM's attention "
+                       r"block Zamba2Attention is shared by its hybrid layers \[1, 3\]"):
+        evaluate(model, ids, 32, ["int4-token"], attn_layers=[1])

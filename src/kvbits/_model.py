@@ -6,11 +6,12 @@ model: a ``torch.nn.Module`` with a ``config``, whose attention modules carry a 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["attention_modules", "check_causal_lm", "check_model", "check_model_arg"]
+__all__ = ["attention_modules", "check_causal_lm", "check_model", "check_model_arg", "shared_attention"]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -20,6 +21,46 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         for m in model.modules()
         if isinstance(getattr(m, "layer_idx", None), int) and "Attention" in type(m).__name__
     ]
+
+
+def shared_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Attention blocks that several decoder layers call (Zamba's, Zamba2's: the hybrid layers share one block).
+    Such a block takes the calling layer's index as a ``forward`` argument and has no index of its own (its
+    ``layer_idx`` is None in Zamba, -1 in Zamba2), so nothing that hooks the module per layer can tell which layer
+    a call belongs to; the real cache can (the model passes the layer to ``cache.update``)."""
+    found = []
+    for m in model.modules():
+        own = getattr(m, "layer_idx", "absent")
+        if "Attention" not in type(m).__name__ or own == "absent" or (isinstance(own, int) and own >= 0):
+            continue
+        try:
+            takes = "layer_idx" in inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            found.append(m)
+    return found
+
+
+def shared_attention_note(model: torch.nn.Module) -> str:
+    """What a per-layer measure can not do on a model with a :func:`shared_attention` block and what runs it
+    instead; ``""`` when the model has none."""
+    shared = shared_attention(model)
+    if not shared:
+        return ""
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    hybrid = [i for i, t in enumerate(types or ()) if t == "hybrid"]
+    by = f"layers {hybrid}" if hybrid else "several layers"
+    if any(getattr(m, "layer_idx", None) is None for m in shared):  # Zamba: the simulator finds no module at all
+        sim = "evaluate's mode='simulate'"
+    else:  # Zamba2 (layer_idx -1): one scheme for every call
+        sim = "in evaluate's mode='simulate' mixed schemes (hence kvbits tune) and the attention error / entropy"
+    return (
+        f"{type(model).__name__}'s attention block {type(shared[0]).__name__} is shared by its hybrid {by} and "
+        "has no per-layer layer_idx (the calling layer passes it), so the measures that hook attention modules "
+        f"per layer (kvbits calibrate, kvbits analyze, {sim}) are not supported; the real cache holds it "
+        "(QuantizedKVCache, evaluate's mode='stream': `kvbits eval --mode stream`)"
+    )
 
 
 def check_causal_lm(model: torch.nn.Module, where: str = "") -> None:
@@ -84,6 +125,7 @@ def check_model(
     such as Mamba keeps no KV cache: there is nothing to quantize or to route through the fused kernel).
     ``by_name``: the message says that the entry point also takes a name or path and a ``LoadedModel``.
     ``causal`` (default: ``attention``): also :func:`check_causal_lm` (encoders and encoder-decoders are refused).
+    A :func:`shared_attention` block (Zamba's, no ``layer_idx``) counts as attention: the real cache holds it.
     """
     head = f"{where}: " if where else ""
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
@@ -95,7 +137,7 @@ def check_model(
         )
     if attention if causal is None else causal:
         check_causal_lm(model, where)
-    if attention and not attention_modules(model):
+    if attention and not attention_modules(model) and not shared_attention(model):
         raise ValueError(
             f"{head}{type(model).__name__} has no attention modules with a layer_idx, so it keeps no KV cache "
             "for kvbits to quantize (state-space and convolutional models such as Mamba are not supported)"

@@ -13,7 +13,8 @@
 - **Layer**: the module's ``layer_idx`` (else its position among the sites). Indices may skip layers
   that cache no K/V of their own (linear-attention or convolution layers of hybrid models, Gemma 4's
   KV-sharing layers); two sites on one layer are refused (the cross-attention of encoder-decoder
-  models shares its layer's index; its K/V are the encoder's, not the decoder's cache).
+  models shares its layer's index; its K/V are the encoder's, not the decoder's cache), and so is an attention
+  block that several layers call (Zamba's and Zamba2's hybrid layers: :func:`kvbits._model.shared_attention`).
 - **Heads** ``(H_kv, D)``: the layer's as the planner counts them and ``QuantizedKVCache`` sizes its
   layers (:func:`kvbits.plan.config.layer_heads`: the decoder's text config, an explicit ``head_dim``
   such as Gemma's or Llama 3.2's, ``num_key_value_heads`` for GQA, one head for ``multi_query``,
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvbits._model import check_causal_lm
+from kvbits._model import check_causal_lm, shared_attention_note
 from kvbits.analyze.taps import capture_point
 from kvbits.analyze.taps import value_proj as _value_proj
 from kvbits.plan.config import layer_heads
@@ -128,10 +129,14 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
 
     Raises:
         ValueError: not a decoder-only causal LM (``kvbits._model.check_causal_lm``: an encoder, an
-            encoder-decoder); no attention module with ``k_proj`` and ``v_proj``; two on one layer; a module
-            whose head dim or KV heads disagree with the config.
+            encoder-decoder); an attention block shared by several layers (Zamba, Zamba2); no attention module
+            with ``k_proj`` and ``v_proj``; two on one layer; a module whose head dim or KV heads disagree with
+            the config.
     """
     check_causal_lm(model)
+    shared = shared_attention_note(model)
+    if shared:  # Zamba's sites were numbered by discovery ("sites on layers [0, 1], none on [2, 4]")
+        raise ValueError(f"expected one K/V site per layer: {shared}")
     config = getattr(model, "config", None)
     prefix, decoder = _decoder(model)
     found: list[tuple[str, torch.nn.Module, int]] = []

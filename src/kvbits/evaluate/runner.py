@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from kvbits._json import dumps
-from kvbits._model import attending_layers, check_model_arg
+from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -361,6 +361,14 @@ def evaluate(
         # a hybrid model's convolution / linear-attention / Mamba layers have no attention to measure: the
         # default (0, middle, last) picked LFM2's conv layers 0 and 2 and reported their error and entropy as 0
         attending = attending_layers(model, n_layers)
+        shared = shared_attention_note(model)
+        if shared and mode == "simulate" and not attention_modules(model):  # Zamba: no layer_idx to simulate by
+            raise ValueError(f"evaluate: mode='simulate': {shared}")
+        if shared and attn_layers:  # it said 'have no attention (... state-space layers ...)'
+            raise ValueError(f"attn_layers={list(attn_layers)} (CLI: --attn-layers): {shared}")
+        if shared and mode == "simulate" and attn_layers is None:  # Zamba2: the default measured nothing silently
+            logger.warning("evaluate: no attention error / entropy is recorded (attn_error, attn_entropy stay empty): %s",
+                           shared)
         if attn_layers is None:
             layers = [attending[i] for i in default_attn_layers(len(attending))]
         else:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvbits._model import attention_modules, check_model
+from kvbits._model import attention_modules, check_model, shared_attention, shared_attention_note
 from kvbits.evaluate.entropy import attention_entropy
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize, saturate
 from kvbits.schemes.accounting import sliding_falls_back
@@ -193,7 +193,8 @@ def quantized_keys_seen(model: Any, scheme: KVScheme, n_tokens: int) -> int:
 
     0 means the scheme changed nothing that is scored: its sinks and full-precision window hold every token the
     window's predictions attend to (``kivi-2``, 128 exact tokens, at a context of 128), or every layer is a
-    sliding one too short for its buffer. Once a layer holds a quantized key it keeps one in view for every later
+    sliding one too short for its buffer. A :func:`kvbits._model.shared_attention` block counts once for each
+    ``hybrid`` layer of the config (the layers that call it). Once a layer holds a quantized key it keeps one in view for every later
     query, so the last scored query decides. Layers' windows are read from the modules and their config
     (``_layer_window``); a model that passes its window only at call time (Mistral's ``sliding_window`` kwarg,
     no ``layer_types``) may attend either way, and the larger count is taken, so 0 is never said wrongly.
@@ -203,8 +204,13 @@ def quantized_keys_seen(model: Any, scheme: KVScheme, n_tokens: int) -> int:
         return 0
     pos = torch.tensor([t])
     seen = 0
-    for m in attention_modules(model):
-        layer = scheme.for_layer(m.layer_idx)
+    calls = [(m, m.layer_idx) for m in attention_modules(model) if m.layer_idx >= 0]
+    shared = shared_attention(model)  # Zamba's (no layer_idx: it was 'quantizes nothing at any context') / Zamba2's
+    if shared:
+        types = getattr(getattr(model, "config", None), "layer_types", None) or ()
+        calls += [(shared[0], i) for i in [i for i, k in enumerate(types) if k == "hybrid"] or [-1]]
+    for m, idx in calls:
+        layer = scheme.for_layer(idx)
         windows = [_layer_window(m, {})]
         config = getattr(m, "config", None)
         passed = getattr(config, "sliding_window", None)  # what a Mistral-style layer passes at call time
@@ -774,6 +780,17 @@ def simulate(
             "tell which layer calls it, so it applies one scheme to all of them; evaluate mixed schemes with "
             "mode='stream' (`kvbits eval --mode stream`: the real cache, which the model tells the layer). "
             "kvbits tune probes layers in the simulator and can not tune this model"
+        )
+    if not modules:  # Zamba's shared block has no layer_idx: it was 'max() arg is an empty sequence'
+        raise ValueError(
+            f"{IMPLEMENTATION}: {shared_attention_note(model)} (the simulator finds attention modules by their "
+            "layer_idx)"
+        )
+    if attn_layers and shared:  # the shared block's calls carry no layer: 'attn_layers must be in [0, 0)'
+        raise ValueError(
+            f"{IMPLEMENTATION}: attn_layers={list(attn_layers)}: "
+            f"{shared_attention_note(model) or 'the attention block is shared by several layers (layer_idx -1)'}; "
+            "leave attn_layers empty"
         )
     qkw = _calibration_kwargs(model, scheme, calibration)
     n_layers = max(m.layer_idx for m in modules) + 1
