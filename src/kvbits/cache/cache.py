@@ -697,7 +697,8 @@ class QuantizedKVCache(Cache):
         ``total_bytes`` sums ``nbytes`` of codes, scales, zero-points, outliers, sinks, buffers and fixed
         per-layer tensors; ``workspace_bytes`` (dequantized history, optional) and ``position_bytes``
         (pre-RoPE layers: the int64 position offset of each sequence, read from the model's position ids
-        for left-padded batches; 8 bytes per sequence and layer) are reported apart.
+        for left-padded batches; 8 bytes per sequence and layer, plus 1 while a chunked prefill may still read a
+        row's offset again: ``kvbits.cache.layer.reread_offset``) are reported apart.
         ``avg_bits`` is ``8 * total_bytes / elements``, ``elements`` being what an fp16 cache holds at this length
         (``kvbits.plan``'s definition: a sliding layer counts its last ``W - 1`` tokens, though it may still hold
         more in a block partly out of its window), so ``16 / avg_bits`` is the compression against fp16 and a

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 # (layer, side, x, qt): QuantizedKVLayer.observe_flushes
 FlushObserver = Callable[[Any, str, torch.Tensor, Any], None]
 
-__all__ = ["QuantizedKVLayer", "find_position_ids", "position_offset"]
+__all__ = ["QuantizedKVLayer", "find_position_ids", "position_offset", "repeated_positions", "reread_offset"]
 
 
 def _fixed_scale(spec: TensorSpec, n_heads: int | None) -> torch.Tensor | None:
@@ -92,22 +92,62 @@ def position_offset(
     the pads are then un-rotated a pad count away from their positions: a frame off by that much, not a
     wrong attention (``rope_at`` rotates them back at the same positions). Device ops only (no sync).
 
-    Read from the first update only: a chunked prefill (``generate(prefill_chunk_size=...)``) whose first chunk
-    holds nothing but a row's pads gives that row the pads' offset (left-padded by 9, chunks of 4: 3), so its real
-    keys are quantized in a frame rotated by the difference; attention stays exact, as above.
+    Read from a request's first update, and again by ``reread_offset`` for rows that update showed nothing but
+    one repeated position (``repeated_positions``: pads): a chunked prefill (``generate(prefill_chunk_size=...)``)
+    whose first chunk holds only a row's pads gives that row the pads' offset (left-padded by 9, chunks of 4: 3).
     """
-    pos = find_position_ids(args, kwargs)
-    B, _, q, _ = key_states.shape
-    if pos is None or pos.dim() != 2 or pos.shape[1] != q or q == 0 or pos.shape[0] not in (1, B):
-        return None  # absent, no tokens, or multi-axis positions (e.g. mrope): cache indices, as before
-    if pos.is_floating_point():
+    pos = _model_positions(args, kwargs, key_states)
+    if pos is None:
         return None
-    pos = pos.to(key_states.device, torch.long)
+    B, _, q, _ = key_states.shape
     last = pos[:, -1]
     top, at = pos.max(dim=1)  # first occurrence of the largest position
     right_padded = (top > last) & (at > 0)
     offset = torch.where(right_padded, n_before + at - top, (n_before + q - 1) - last)
     return offset.expand(B).contiguous()
+
+
+def _model_positions(args: tuple, kwargs: dict, key_states: torch.Tensor) -> torch.Tensor | None:
+    """The update's ``position_ids`` ``(1 or B, q)`` as int64 on the K/V device, or ``None`` when absent, empty,
+    floating point or multi-axis (e.g. mrope): the offsets then stay cache indices, as before."""
+    pos = find_position_ids(args, kwargs)
+    B, _, q, _ = key_states.shape
+    if pos is None or pos.dim() != 2 or pos.shape[1] != q or q == 0 or pos.shape[0] not in (1, B):
+        return None
+    if pos.is_floating_point():
+        return None
+    return pos.to(key_states.device, torch.long)
+
+
+def repeated_positions(args: tuple, kwargs: dict, key_states: torch.Tensor) -> torch.Tensor | None:
+    """``(B,)`` bool: the rows to which this update of ``q > 1`` tokens gives one repeated position, which real
+    tokens never share: a left-padded row's pads (transformers gives them position 0, or 1 in older versions), at
+    most its first real token after them (position 0, its offset already exact). ``None`` for a single token (it
+    cannot tell) or without usable position ids. Device ops only (no sync)."""
+    pos = _model_positions(args, kwargs, key_states)
+    if pos is None or pos.shape[1] < 2:
+        return None
+    return (pos == pos[:, :1]).all(dim=1).expand(key_states.shape[0]).contiguous()
+
+
+def reread_offset(
+    args: tuple, kwargs: dict, n_before: int, key_states: torch.Tensor, offset: torch.Tensor, pad_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A later update of a request whose rows ``pad_rows`` ``(B,)`` bool had nothing but pads so far
+    (``repeated_positions`` at every update): ``offset`` ``(B,)`` read again (``position_offset``) for those rows,
+    kept for the others, and the rows this update leaves all pads (``None``: none can be told any more).
+
+    A chunked prefill (``generate(prefill_chunk_size=4)``, a row left-padded by 9) reads 3, then 7, then the row's
+    real offset 9 from the chunk that holds its first real tokens, before that chunk is flushed; its keys are then
+    quantized in the frame of an unchunked prefill. The pads already flushed were un-rotated at the old offset and
+    are rotated back at the new one: with transformers' pad position 0 both clamp to position 0 (``rope_at``), the
+    same values; with position 1 (older versions) a pad's key may come back rotated, a masked key either way.
+    Device ops only (no sync)."""
+    new = position_offset(args, kwargs, n_before, key_states)
+    if new is None:
+        return offset, None
+    still = repeated_positions(args, kwargs, key_states)
+    return torch.where(pad_rows, new, offset), (None if still is None else pad_rows & still)
 
 
 def _repeats_heads(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -545,10 +585,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
         dropped_before = self.dropped_tokens
-        if self.mode == "quantized" and self.scheme.key.pre_rope and n_before == 0:
-            # read once per request, from its first update (the prefill), then kept: every block is
-            # un-rotated and rotated back with the same offsets, whatever later position ids say
-            self._k.pos_offset = position_offset(args, kwargs, n_before, key_states)
+        if self.mode == "quantized" and self.scheme.key.pre_rope and (n_before == 0 or self._k.pad_rows is not None):
+            self._read_offsets(args, kwargs, n_before, key_states)
         take = 0
         if self.mode == "quantized" and not self.is_sliding:
             take = max(0, min(q, self.scheme.sinks - self._k.n_sinks))
@@ -582,6 +620,21 @@ class QuantizedKVLayer(CacheLayerMixin):
             if not self.record_past:  # else the next crop trims (activate_past_recording)
                 self._trim_window(n)
         return fused.tag(self, self._repeat_heads(keys)), self._repeat_heads(values)
+
+    def _read_offsets(self, args: tuple, kwargs: dict, n_before: int, key_states: torch.Tensor) -> None:
+        """Pre-RoPE keys' ``pos_offset`` from the position ids: read at a request's first update, then kept (every
+        block is un-rotated and rotated back with the same offsets), except for rows that held nothing but pads so
+        far (``pad_rows``, a chunked prefill), read again (``reread_offset``) until the first single-token update
+        (a decode step: from there on no update costs more than this attribute test). Device ops only."""
+        k, q = self._k, key_states.shape[2]
+        if n_before == 0:
+            k.pos_offset = position_offset(args, kwargs, n_before, key_states)
+            k.pad_rows = None if k.pos_offset is None else repeated_positions(args, kwargs, key_states)
+        elif k.pos_offset is None:  # pad_rows without offsets: cleared with them, kept out of here
+            k.pad_rows = None
+        else:
+            k.pos_offset, rows = reread_offset(args, kwargs, n_before, key_states, k.pos_offset, k.pad_rows)
+            k.pad_rows = rows if q > 1 else None
 
     def _trim_window(self, n: int) -> None:
         """Forget what the next step can no longer attend to (``token_split`` with a window)."""
@@ -825,7 +878,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             "head_repeat": self.repeat,
             "batch": self.batch_size or 0,
             "workspace_bytes": self._k.workspace_bytes() + self._v.workspace_bytes(),
-            "position_bytes": 0 if self._k.pos_offset is None else self._k.pos_offset.nbytes,
+            "position_bytes": sum(0 if t is None else t.nbytes for t in (self._k.pos_offset, self._k.pad_rows)),
             # K + V elements an fp16 cache holds at this length (kvbits.plan's ``elements``: a sliding layer keeps
             # W - 1 tokens), whatever this layer still holds of blocks partly out of its window
             "fp16_elements": sum(

@@ -59,8 +59,8 @@ full-precision tail; quantized slot ``i`` then holds position ``sinks + i``. A d
 quantizes the token as the host's counts say (a sink step is a step variant of its own, as a flush is), or, once those
 counts are off, picks sink or slot on the device. Pre-RoPE keys (``int4-channel-prerope``; KVQuant §3.2) are un-rotated
 before they are quantized and rotated back after, at positions kept on the device with fixed RoPE tables
-(``kvbits.cache.static_rope``: a request's left padding is read once from the position ids of its first update;
-``track_positions`` hands them over on transformers that pass none); the fused kernels rotate them as they read them.
+(``kvbits.cache.static_rope``: a request's left padding is read from the position ids of its first update, and again at
+later prefill chunks for rows that held only pads so far; ``track_positions`` hands them over on transformers that pass none); the fused kernels rotate them as they read them.
 Calibrated parameters (``kvbits.cache.fixed``; ``calibration=``, ``install_calibration`` or ``set_static_qparams``,
 before the first token; written in place after ``reset()``): static integer or NUQ ranges (KVQuant's per-channel keys:
 one row per sequence in the kernels' layout), NUQ codebooks, dense-and-sparse outliers (a fixed number per token, in
@@ -123,6 +123,8 @@ from kvbits.cache.layer import (
     find_position_ids,
     offload_refusal,
     position_offset,
+    repeated_positions,
+    reread_offset,
 )
 from kvbits.cache.static_rope import StaticRope, check_rotary
 from kvbits.kernels.quantize import quantize_pack
@@ -557,7 +559,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if not compiling:
             self._check(key_states, value_states)
         if self.rope is not None and not compiling and self.tokens_written == 0:  # a request's first update
-            self.rope.start(position_offset(args, kwargs, 0, key_states))
+            offset = position_offset(args, kwargs, 0, key_states)
+            self.rope.start(offset, None if offset is None else repeated_positions(args, kwargs, key_states))
+        elif self.rope is not None and not compiling and self.rope.pad_rows is not None:
+            if q > 1:  # a later prefill chunk: rows that held only pads read their offset again (before the writes)
+                self.rope.reread(*reread_offset(args, kwargs, self.tokens_written, key_states, self.rope.offset,
+                                                self.rope.pad_rows))  # fmt: skip
+            else:  # a decode step (perhaps captured): no host read, nothing read again from here on
+                self.rope.pad_rows = None
         if not compiling:
             self.tokens_written += q
         if (self._lazy or compiling) and q:  # three kernels: max |K|, max |V| (NaN kept), the running maximum
@@ -908,6 +917,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.maxima.zero_()
         if self.rope is not None:
             self.rope.offset.zero_()
+            self.rope.pad_rows = None
         if self.window_pos is not None:
             self.window_pos.fill_(-1)
         for p in (self.key, self.value):
@@ -942,6 +952,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         idx = beam_idx.to(self.device)  # an index on another device is copied over
         for t in self._per_sequence():
             t.copy_(t.index_select(0, idx))
+        if self.rope is not None and self.rope.pad_rows is not None:  # between prefill chunks: not a slab, replaced
+            self.rope.pad_rows = self.rope.pad_rows.index_select(0, idx)
 
     def _per_sequence(self) -> list[torch.Tensor]:
         """The tensors with a row per sequence (dim 0): slot data, float slabs, lengths, pre-RoPE offsets."""
@@ -1144,12 +1156,15 @@ class StaticQuantizedKVCache(Cache):
         """Bytes of the slabs (every reserved slot: what ``kvbits.plan`` counts at ``max_cache_len``, see the module
         docstring for what a windowed scheme and static FP8 scales add), by kind, after the lazy checks.
         ``state_bytes``: the counters, lengths, window positions, check maxima, clip counts and pre-RoPE position
-        offsets, reported apart (not K/V); ``rope_table_bytes``: pre-RoPE keys' float32 RoPE tables, shared by the
+        offsets (and, between a chunked prefill's chunks, a bool per sequence: ``StaticRope.pad_rows``), reported apart
+        (not K/V); ``rope_table_bytes``: pre-RoPE keys' float32 RoPE tables, shared by the
         layers, apart too (``kvbits.plan(..., fused_decode=True)`` counts them)."""
         self.check_inputs()
         parts = {k: sum(layer.nbytes()[k] for layer in self.layers) for k in ("quantized", "full", "fixed")}
         state = sum(t.nbytes for layer in self.layers if layer.is_initialized
                     for t in layer.state_tensors())  # fmt: skip
+        state += sum(layer.rope.pad_rows.nbytes for layer in self.layers  # between a chunked prefill's chunks
+                     if layer.rope is not None and layer.rope.pad_rows is not None)  # fmt: skip
         return {"scheme": self.scheme.name, "total_bytes": sum(parts.values()), "quantized_bytes": parts["quantized"],
                 "full_bytes": parts["full"], "fixed_bytes": parts["fixed"], "state_bytes": state,
                 "rope_table_bytes": self._rope_tables.nbytes, "max_cache_len": self._max_len}  # fmt: skip

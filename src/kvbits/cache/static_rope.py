@@ -11,7 +11,10 @@ captured decode step cannot read the host, so a static layer keeps what those ro
   step reads them at fixed addresses. A windowed layer's block written ahead of those slots (which nothing attends)
   is un-rotated at positions clamped to the last row;
 - ``offset``: ``(B,)`` int64, each sequence's cache index minus its model position (left padding), read from the
-  position ids of a request's first ``update`` (``kvbits.cache.layer.position_offset``; none: 0) and written in place.
+  position ids of a request's first ``update`` (``kvbits.cache.layer.position_offset``; none: 0) and written in place;
+  read again at later multi-token updates for the rows that held only pads so far (``pad_rows``, a chunked prefill:
+  ``kvbits.cache.layer.reread_offset``), until the first single-token update (a decode step, perhaps captured: it
+  reads nothing again). A row whose first real token comes alone in a last one-token chunk keeps its pads' offset.
 
 Quantized slot ``t`` of sequence ``b`` holds the key of position ``first + t - offset[b]`` (``first``: the layer's sink
 count), negative positions taken as 0 (pad slots, masked), as ``rope_at`` and the decode kernels
@@ -74,6 +77,9 @@ class StaticRope:
         self.first, self.reach = first, first + slots  # positions a sequence with offset 0 reaches
         self.cos, self.sin = tables.get(rotary, self.reach, device)
         self.offset = torch.zeros(batch, dtype=torch.int64, device=device)
+        # (B,) bool: rows whose offset a later prefill chunk reads again; transient (dropped at the first decode step,
+        # which never reads it): not a slab at a fixed address, not in the layer's state_tensors
+        self.pad_rows: torch.Tensor | None = None
 
     @property
     def positions(self) -> int:
@@ -84,12 +90,24 @@ class StaticRope:
     def table_bytes(self) -> int:
         return self.cos.nbytes + self.sin.nbytes
 
-    def start(self, offset: torch.Tensor | None) -> None:
-        """A request's first update: ``offset`` ``(B,)`` from its position ids (``None``: none came, cache indices).
+    def start(self, offset: torch.Tensor | None, pad_rows: torch.Tensor | None = None) -> None:
+        """A request's first update: ``offset`` ``(B,)`` from its position ids (``None``: none came, cache indices),
+        ``pad_rows`` ``(B,)`` bool the rows it showed only pads (``repeated_positions``; ``None``: none).
         One host read: every position a slot can hold must lie in the tables, which are never regrown."""
+        self.pad_rows = None if offset is None else pad_rows
         if offset is None:
             self.offset.zero_()
             return
+        self._write(offset)
+
+    def reread(self, offset: torch.Tensor, pad_rows: torch.Tensor | None) -> None:
+        """A later prefill chunk: ``offset`` ``(B,)`` read again for the rows that held only pads
+        (``kvbits.cache.layer.reread_offset``), the rows still so (``None``: none). One host read, as ``start``."""
+        self.pad_rows = pad_rows
+        self._write(offset)
+
+    def _write(self, offset: torch.Tensor) -> None:
+        """``offset`` written in place, after checking the tables cover the positions it gives (one host read)."""
         ahead = max(0, -int(offset.min()))  # position ids that start past the cache indices
         if self.reach + ahead > self.positions:
             raise ValueError(

@@ -236,6 +236,9 @@ class SideStore:
         # (B,) cache index minus model position per sequence (left padding), pre-RoPE keys; None: 0
         self._pos_offset: torch.Tensor | None = None
         self._positions_ahead: int | None = None  # host copy of -min(pos_offset, 0), read when first needed
+        # (B,) bool: sequences whose every update so far held only pads (a chunked prefill), whose pos_offset a later
+        # update reads again (kvbits.cache.layer.reread_offset); None: no offset changes any more
+        self.pad_rows: torch.Tensor | None = None
         self._packed: PackedTensor | None = None  # kernel-layout view of the chunks (fused decode)
         # quantized slots to allocate once, at the first flush (QuantizedKVLayer's max_cache_len); 0: the one chunk
         # of a mergeable spec grows by concatenation, a copy of the whole history at every flush
@@ -270,7 +273,7 @@ class SideStore:
         self.clipped = self.n_dropped = self.elements_quantized = 0
         self._packed = self._slots = self._work_slots = None
         self._told_exceeded = False
-        self.pos_offset = None
+        self.pos_offset = self.pad_rows = None
         for name in FIXED_TENSORS:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(like.device))
@@ -283,7 +286,7 @@ class SideStore:
         self.chunks = []
         self.clipped = self.n_dropped = self.elements_quantized = 0
         self._packed = self._slots = self._work_slots = None
-        self.pos_offset = None
+        self.pos_offset = self.pad_rows = None
 
     @property
     def pos_offset(self) -> torch.Tensor | None:
@@ -536,6 +539,8 @@ class SideStore:
         self.sinks, self.buffer = fn(self.sinks), fn(self.buffer)
         if self.pos_offset is not None:
             self.pos_offset = fn(self.pos_offset)
+        if self.pad_rows is not None:
+            self.pad_rows = fn(self.pad_rows)
         if self.work is not None:
             self.work = fn(self.work)
         self.chunks = [_map_chunk(c, fn) for c in self.chunks]
