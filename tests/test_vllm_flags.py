@@ -261,3 +261,10 @@ def test_skip_indices_are_the_models_layer_indices_on_a_hybrid_model():
     got = vllm_cache_args("fp8-e4m3,3=fp16", 4)
     assert got.cli() == ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "3"]
 
+
+def test_skip_pages_note_says_newer_vllm_pads_skipped_layers_on_any_model():
+    """vLLM's CacheConfig.skip_page_size_padded (vllm/config/cache.py) pads skipped layers to the quantized layers'
+    page during block-size alignment, on any model; the note said a full-attention model keeps each layer's own
+    bytes, without that caveat."""
+    notes = vllm_cache_args("vllm-int4,0=fp16").notes
+    assert any("skip_page_size_padded" in n and "full-attention layers too" in n for n in notes)

@@ -51,8 +51,11 @@ _SKIP_PAGES_NOTE = (
     "each layer holds its own bytes, as kvbits plan counts them; on a model that also has sliding-window layers, "
     "vLLM must give every group one page size, and a 16-bit page (4D bytes per head and token) is not a whole "
     "multiple of a {page}-byte one, so vLLM pads the quantized pages to the 16-bit size (the savings of those "
-    "layers lost) or refuses to start, depending on the attention backend: check the KV cache size vLLM logs"
-)
+    "layers lost) or refuses to start, depending on the attention backend; newer vLLM sources align skipped layers "
+    "on any model (CacheConfig.skip_page_size_padded: the skipped layers' pages padded to the quantized layers' "
+    "page, whose block size is raised to match), so the bytes per token may differ from kvbits plan's on a model "
+    "of full-attention layers too: check the KV cache size vLLM logs"
+)  # skip_page_size_padded: vllm-project/vllm vllm/config/cache.py at 002f10e (read, not run)
 
 
 @dataclass(frozen=True)
