@@ -244,3 +244,40 @@ def test_static_fp8_notes_warn_against_calculate_kv_scales():
         assert "--calculate-kv-scales" in CALCULATE_KV_SCALES_NOTE
     for scheme in ("vllm-fp8-token", "vllm-int8", "vllm-int4", "fp16"):
         assert not any("calculate-kv-scales" in n for n in vllm_cache_args(scheme).notes)
+
+
+@pytest.mark.parametrize(("scheme", "num_layers"), [("fp16,3=bf16", None), ("bf16,0-1=fp16", 4)])
+def test_an_auto_cache_lists_no_skipped_layer(scheme, num_layers):
+    """vLLM's Attention layer turns a skipped layer's kv_cache_dtype into ``auto`` (vllm-project/vllm
+    vllm/model_executor/layers/attention/attention.py): with ``auto`` for every layer the flag is a no-op. ``fp16,3=bf16``
+    printed ``--kv-cache-dtype-skip-layers 3`` with no ``--kv-cache-dtype``, as if layer 3 were kept apart."""
+    got = vllm_cache_args(scheme, num_layers)
+    assert (got.kv_cache_dtype, got.skip_layers, got.cli()) == ("auto", (), [])
+    assert got.engine_kwargs() == {"kv_cache_dtype": "auto"}
+
+
+@pytest.mark.parametrize("scheme", ["vllm-int4,0-3=fp16", "fp8-e4m3-head,0-3=bf16"])
+def test_every_layer_skipped_is_an_auto_cache(scheme):
+    """A mix whose every layer (of ``num_layers``) is fp16/bf16 is the 16-bit cache kvbits measured: vLLM's
+    ``auto``. It printed ``--kv-cache-dtype int4_per_token_head --kv-cache-dtype-skip-layers 0 1 2 3`` (fp8-e4m3-head
+    also ``--attention-backend FLASH_ATTN``): an engine configured for a format no layer stores."""
+    got = vllm_cache_args(scheme, 4)
+    assert (got.kv_cache_dtype, got.skip_layers, got.cli(), got.attention_backend) == ("auto", (), [], None)
+    assert vllm_cache_args(scheme).skip_layers == (0, 1, 2, 3)  # without the layer count: as written
+    assert vllm_cache_args(scheme, 5).skip_layers == (0, 1, 2, 3)  # layer 4 quantized
+
+
+def test_skip_indices_are_the_models_layer_indices_on_a_hybrid_model():
+    """vLLM matches ``str(extract_layer_index(prefix))`` of each Attention module (``model.layers.3.self_attn.attn``
+    -> 3) against the list, the decoder index and not the index among attention layers; kvbits numbers layers the
+    same way (its cache's ``layer_idx``). A hybrid model with attention at layers 1 and 3 skips layer 3 as ``3``."""
+    got = vllm_cache_args("fp8-e4m3,3=fp16", 4)
+    assert got.cli() == ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "3"]
+
+
+def test_skip_pages_note_says_newer_vllm_pads_skipped_layers_on_any_model():
+    """vLLM's CacheConfig.skip_page_size_padded (vllm/config/cache.py) pads skipped layers to the quantized layers'
+    page during block-size alignment, on any model; the note said a full-attention model keeps each layer's own
+    bytes, without that caveat."""
+    notes = vllm_cache_args("vllm-int4,0=fp16").notes
+    assert any("skip_page_size_padded" in n and "full-attention layers too" in n for n in notes)

@@ -58,8 +58,11 @@ _SKIP_PAGES_NOTE = (
     "each layer holds its own bytes, as kvbits plan counts them; on a model that also has sliding-window layers, "
     "vLLM must give every group one page size, and a 16-bit page (4D bytes per head and token) is not a whole "
     "multiple of a {page}-byte one, so vLLM pads the quantized pages to the 16-bit size (the savings of those "
-    "layers lost) or refuses to start, depending on the attention backend: check the KV cache size vLLM logs"
-)
+    "layers lost) or refuses to start, depending on the attention backend; newer vLLM sources align skipped layers "
+    "on any model (CacheConfig.skip_page_size_padded: the skipped layers' pages padded to the quantized layers' "
+    "page, whose block size is raised to match), so the bytes per token may differ from kvbits plan's on a model "
+    "of full-attention layers too: check the KV cache size vLLM logs"
+)  # skip_page_size_padded: vllm-project/vllm vllm/config/cache.py at 002f10e (read, not run)
 
 
 @dataclass(frozen=True)
@@ -178,11 +181,24 @@ def vllm_cache_args(scheme: str | KVScheme | dict, num_layers: int | None = None
                 f"(--kv-cache-dtype-skip-layers) beside one {dtype} format; give that layer fp16 or bf16 "
                 f"(e.g. kvbits tune --candidates {name} --candidates fp16)"
             )
+    if dtype != "auto" and num_layers is not None and set(range(num_layers)) <= set(skip):
+        # every layer of the model skipped: kvbits measured a 16-bit cache, which is vLLM's auto; --kv-cache-dtype
+        # would still choose the engine's attention backend and page alignment by a format no layer stores
+        return _with_notes(s.name, match_preset(s.for_layer(0), _UNQUANTIZED) or "fp16", "auto", [])
     return _with_notes(s.name, name, dtype, skip)
 
 
 def _with_notes(scheme: str, name: str, dtype: str, skip: list[int]) -> VllmCacheArgs:
-    """``VllmCacheArgs`` of format preset ``name`` (vLLM's ``dtype``) with layers ``skip`` skipped, and its notes."""
+    """``VllmCacheArgs`` of format preset ``name`` (vLLM's ``dtype``) with layers ``skip`` skipped, and its notes.
+
+    ``skip`` holds the model's own layer indices, those of its ``model.layers.{i}`` modules: vLLM's ``Attention``
+    layer compares ``str(extract_layer_index(prefix))`` with ``kv_cache_dtype_skip_layers`` (vllm-project/vllm
+    ``vllm/model_executor/layers/attention/attention.py`` at 0014ca6), so on a hybrid model (Qwen3-Next, Jamba,
+    LFM2) an attention layer keeps its decoder index, as kvbits numbers it, and an index with no attention module
+    is ignored. With ``dtype`` ``auto`` no layer is skipped: a skipped layer becomes ``auto``, which it already is.
+    """
+    if dtype == "auto":
+        skip = []
     notes = []
     if dtype == "fp8":
         notes.append(
