@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_fused_cache import VOCAB, build
 
-from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache
+from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, track_positions
 from kvbits.cache.compat import cache_kwargs
 from kvbits.schemes import KVScheme, TensorSpec
 
@@ -32,6 +32,14 @@ INT8_CHANNEL_PREROPE = KVScheme(
 @pytest.fixture(autouse=True)
 def _reference_kernel(monkeypatch):
     monkeypatch.setenv("KVBITS_KERNEL", "reference")
+
+
+def tracked_llama() -> torch.nn.Module:
+    """A tiny Llama of its own whose calls hand their position ids to the cache (``track_positions``): transformers
+    5.17 (the GPU machine's) passes none to ``Cache.update``, 5.24+ does; either way the cache reads them."""
+    model = build.__wrapped__("llama")
+    track_positions(model)
+    return model
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +62,7 @@ def test_chunked_prefill_reads_a_padded_rows_offset_from_its_first_real_tokens()
     """Before: offsets ``[0, 3]`` after the chunked prefill (``[0, 9]`` unchunked), row 1's real keys quantized 6
     positions off (49 % of their codes the unchunked run's, logits 1.9e-4 away). Now the chunked run's offsets, codes,
     tokens and logits are the unchunked run's (measured: every code, logits 0.0 away)."""
-    model = build("llama")
+    model = tracked_llama()
     runs = {}
     for chunk in (None, CHUNK):
         cache = QuantizedKVCache(config=model.config, scheme=INT8_CHANNEL_PREROPE)
@@ -75,7 +83,7 @@ def test_chunked_prefill_reads_a_padded_rows_offset_from_its_first_real_tokens()
 def test_offsets_follow_a_beam_reorder_between_chunks_and_restart_after_reset():
     """``reorder_cache`` between chunks moves each row's offset and its still-all-pads mark with it; the
     memory report counts the mark while it is held; ``reset`` forgets both, and the next request reads its own."""
-    model = build("llama")
+    model = tracked_llama()
     ids, mask = padded_batch()
     pos = (mask.cumsum(-1) - 1).clamp_min(0)  # generate's position ids: pads at 0
     cache = QuantizedKVCache(config=model.config, scheme=INT8_CHANNEL_PREROPE)
@@ -102,7 +110,7 @@ def test_offsets_follow_a_beam_reorder_between_chunks_and_restart_after_reset():
 def test_static_cache_chunked_prefill_reads_the_offset_again():
     """``StaticQuantizedKVCache`` (its ``StaticRope.start`` read the first chunk only, alike): the chunked run's
     offsets, tokens and logits are the unchunked run's."""
-    model = build("llama")
+    model = tracked_llama()
     scheme = KVScheme("t-int8-token-prerope", key=TensorSpec(kind="int", bits=8, fmt=None, granularity="token",
                                                              pre_rope=True),
                       value=TensorSpec(kind="int", bits=8, fmt=None, granularity="token"))  # fmt: skip

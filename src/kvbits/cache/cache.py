@@ -516,7 +516,7 @@ class QuantizedKVCache(Cache):
         quantized = isinstance(layer, QuantizedKVLayer)
         if quantized and layer.checks.due:
             self.check_inputs()  # every layer's lazy check in one host sync, not one per layer
-        if self._rotary is not None and quantized and layer.tokens_seen == 0:
+        if self._rotary is not None and quantized and layer.reads_positions:
             kwargs = self._with_position_ids(key_states, args, kwargs)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if quantized and layer.tokens_seen > self._warn_past:  # the per-step cost: one int comparison
@@ -578,8 +578,8 @@ class QuantizedKVCache(Cache):
                     return
 
     def _with_position_ids(self, key_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
-        """A request's first update of a pre-RoPE layer: add the tracked ``position_ids`` when transformers
-        passed none; say once (INFO) when a batch comes with none at all."""
+        """An update of a pre-RoPE layer that reads position ids (``QuantizedKVLayer.reads_positions``: a request's
+        first, a chunked prefill's later chunks): add the tracked ``position_ids`` when transformers passed none; say once (INFO) when a batch comes with none at all."""
         if find_position_ids(args, kwargs) is not None:
             return kwargs
         if self.position_ids_hint is not None:

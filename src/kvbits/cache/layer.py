@@ -621,6 +621,12 @@ class QuantizedKVLayer(CacheLayerMixin):
                 self._trim_window(n)
         return fused.tag(self, self._repeat_heads(keys)), self._repeat_heads(values)
 
+    @property
+    def reads_positions(self) -> bool:
+        """Whether the next update reads the model's position ids: a request's first, or a later one while some
+        row held nothing but pads (``pad_rows``, a chunked prefill). The cache adds tracked ids to those updates."""
+        return self.tokens_seen == 0 or self._k.pad_rows is not None
+
     def _read_offsets(self, args: tuple, kwargs: dict, n_before: int, key_states: torch.Tensor) -> None:
         """Pre-RoPE keys' ``pos_offset`` from the position ids: read at a request's first update, then kept (every
         block is un-rotated and rotated back with the same offsets), except for rows that held nothing but pads so

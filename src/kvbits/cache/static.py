@@ -1094,8 +1094,11 @@ class StaticQuantizedKVCache(Cache):
             layer = self.layers[layer_idx]
             if layer.rotary is not None and layer.tokens_written == 0:
                 self._rotary_on(key_states.device)
-                if self.position_ids_hint is not None and find_position_ids(args, kwargs) is None:
-                    kwargs = {**kwargs, "position_ids": self.position_ids_hint}
+            # a request's first update, or a chunked prefill's later chunk (StaticRope.reread), reads position ids
+            reads = layer.tokens_written == 0 or (layer.rope is not None and layer.rope.pad_rows is not None)
+            hint = self.position_ids_hint
+            if layer.rotary is not None and reads and hint is not None and find_position_ids(args, kwargs) is None:
+                kwargs = {**kwargs, "position_ids": hint}
         layer = self.layers[layer_idx]
         if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
