@@ -84,6 +84,7 @@ def test_runs_bytes_and_paths(model, ids):
         assert r["path"] == "dequantize" and r["workspace_bytes"] == 0
         assert r["decode"] == {
             **dict.fromkeys(("fused_steps", "fallback_steps", "timed_fused_steps", "timed_fallback_steps"), 0),
+            "counted_layers": 2,
             "kernel_calls": {"triton": 0, "reference": 0},
         }
         base = next(
@@ -108,6 +109,7 @@ def test_workspace_and_fused_paths(model, ids):
         "fallback_steps": 0,
         "timed_fused_steps": 2 * 3,
         "timed_fallback_steps": 0,
+        "counted_layers": 2,
         "kernel_calls": {"triton": 0, "reference": 2 * 3},  # on this CPU: the torch reference served them all
     }
     assert r["workspace_bytes"] == 0 and fu["layers"] == 2
@@ -120,7 +122,7 @@ def test_workspace_and_fused_paths(model, ids):
     assert "attended by the torch reference" in md and "not the fused kernel's" in md
     w0 = speed_eval(model, 64, [SMALL_KIVI], tokens=3, warmup=0, data=ids, fused_decode=True)
     assert _runs(w0, "t-kivi")[0]["decode"]["timed_fused_steps"] == 2 * 2  # the claiming step was timed
-    assert "- t-kivi at 64 × 1: 4 fused, 0 fallback" in speed_markdown(w0)
+    assert "- t-kivi at 64 × 1: 4 fused of 2 × 3, 0 fallback" in speed_markdown(w0)
     assert (_runs(fu, "DynamicCache")[0]["path"], model.config._attn_implementation) == ("dynamic", "sdpa")
 
 
@@ -596,7 +598,8 @@ def test_static_caches_time_against_both_baselines(model, ids, tmp_path, monkeyp
     (r,) = _runs(fu, "t-kivi")
     assert r["path"] == "static-fused" and fu["schemes"][0]["path"] == "static-fused"
     assert r["decode"] == {"fused_steps": 2 * 3, "fallback_steps": 0, "timed_fused_steps": 2 * 3,
-                           "timed_fallback_steps": 0, "kernel_calls": {"triton": 0, "reference": 2 * 3}}  # fmt: skip
+                           "timed_fallback_steps": 0, "counted_layers": 2,
+                           "kernel_calls": {"triton": 0, "reference": 2 * 3}}  # fmt: skip
     old = {k: v for k, v in qu.items() if k not in ("static", "graphs", "baselines")}
     write_speed(old, tmp_path / "old")  # a run from before the options: QuantizedKVCache, no graphs
     loaded = _load(tmp_path / "old")
@@ -750,6 +753,31 @@ def test_a_hybrid_model_runs_and_static_is_refused_by_name():
     _linear_states_are_reported(s)
     with pytest.raises(ValueError, match=r"static=True: 'int4-token': .*full-attention layers only.*conv"):
         speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)), static=True)
+
+
+def test_a_hybrid_models_fused_runs_are_not_listed_as_not_all_fused():
+    """LFM2 with 2 convolution and 2 attention layers, every timed step of both attention layers fused (4 of 2 x 2,
+    0 fallback): the report compared the 4 with ``layers`` x ``tokens`` = 4 x 2 and listed the run under "Timed steps
+    not all fused". Now against the layers the cache counts (``decode.counted_layers``)."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    from kvbits.report.speed import check_speed, speed_markdown
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=1024, layer_types=["conv", "full_attention"] * 2)  # fmt: skip
+    hybrid = AutoModelForCausalLM.from_config(cfg).eval()
+    s = speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=1, data=torch.randint(0, 256, (200,)),
+                   fused_decode=True)  # fmt: skip
+    (r,) = _runs(s, "int4-token")
+    assert s["layers"] == 4 and r["decode"]["counted_layers"] == 2
+    assert r["decode"]["timed_fused_steps"] == 2 * 2 and r["decode"]["timed_fallback_steps"] == 0
+    assert "not all fused" not in speed_markdown(s)
+    short = {**s, "runs": [{**x, "decode": {**x["decode"], "timed_fused_steps": 3, "timed_fallback_steps": 1}}
+                           if x["decode"] else x for x in s["runs"]]}  # fmt: skip
+    assert "- int4-token at 32 × 1: 3 fused of 2 × 2, 1 fallback" in speed_markdown(short)
+    with pytest.raises(ValueError, match="counted_layers"):
+        check_speed({**s, "runs": [{**r, "decode": {**r["decode"], "counted_layers": -1}}]}, "speed.json")
 
 
 def _linear_states_are_reported(s: dict) -> None:

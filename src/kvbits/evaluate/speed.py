@@ -350,8 +350,11 @@ def _run_one(model, scheme, kv, first, ref_tokens, *, batch, context, tokens, wa
         rec["decode"] = None
     else:
         rec["workspace_bytes"] = int(cache.memory_report().get("workspace_bytes", 0))  # a static cache has none
-        after = _counts(cache.fused_report())
+        report = cache.fused_report()
+        after = _counts(report)
         rec["decode"] = {**after, **{f"timed_{k}": after[k] - before.get(k, 0) for k in after}}
+        # the layers that count decode steps: a hybrid model's attention layers, not its convolution layers
+        rec["decode"]["counted_layers"] = len(report["layers"])
         calls = dispatch.kernel_calls()  # the steps the host ran (warm-up included), by what attended them
         rec["decode"]["kernel_calls"] = {k: calls[k] - calls0[k] for k in calls}
     if graphed is not None:  # its replays run no Python: the layers count the other steps
@@ -490,6 +493,7 @@ def speed_eval(
         "ms_mean", "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "linear_state_bytes", "workspace_bytes", "planned_bytes",
         "cuda_resident_bytes", "cuda_peak_bytes", "cuda_graph_bytes" (CUDA graph runs: what the captured steps held,
         freed before ``cuda_resident_bytes`` is read; else ``None``), "decode" (kvbits caches: fused and fallback steps, all and timed,
+        ``counted_layers`` (the cache's layers that count them: a hybrid model's attention layers, of ``layers``),
         and ``kernel_calls``: the fused steps' ``decode_attention`` calls the host ran, warm-up included, by what
         served them, ``{"triton", "reference"}``), "graph" (graphs only: the warm-up's eager steps, the steps
         captured (0-based; one per step variant), those run in Python (eager or captured) and those replayed), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",

@@ -276,14 +276,22 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
     if figure:
         lines += ["## Figure", "", "![decode tokens/s by context](speed.png)", ""]
     short = [r for r in summary["runs"] if r["path"] in ("fused", "static-fused") and r.get("decode")
-             and r["decode"]["timed_fused_steps"] != summary["layers"] * summary["tokens"]]  # fmt: skip
+             and r["decode"]["timed_fused_steps"] != _counted_layers(summary, r) * summary["tokens"]]  # fmt: skip
     if short:
         lines += ["## Timed steps not all fused", "",
-                  (f"*Layer × step decodes of the timed steps through the fused kernel (of {summary['layers']} × "
-                  f"{summary['tokens']}), and those that fell back to SDPA over dequantized K/V.*"), ""]  # fmt: skip
-        lines += [f"- {r['cache']} at {fmt_pos(r['context'])} × {r['batch']}: {r['decode']['timed_fused_steps']} fused, "
-                  f"{r['decode']['timed_fallback_steps']} fallback" for r in short] + [""]  # fmt: skip
+                  ("*Layer × step decodes of the timed steps through the fused kernel (of the cache's attention "
+                   f"layers × {summary['tokens']} steps), and those that fell back to SDPA over dequantized K/V.*"),
+                  ""]  # fmt: skip
+        lines += [f"- {r['cache']} at {fmt_pos(r['context'])} × {r['batch']}: {r['decode']['timed_fused_steps']} fused "
+                  f"of {_counted_layers(summary, r)} × {summary['tokens']}, {r['decode']['timed_fallback_steps']} "
+                  "fallback" for r in short] + [""]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _counted_layers(summary: Mapping[str, Any], r: Mapping[str, Any]) -> int:
+    """The layers of run ``r``'s cache that count decode steps (a hybrid model's attention layers, not its
+    convolution or linear-attention layers); ``summary["layers"]`` for a run from before they were recorded."""
+    return r["decode"].get("counted_layers", summary["layers"])
 
 
 def _linear_state_note(summary: Mapping[str, Any], batch: int) -> str:
@@ -362,6 +370,7 @@ def _check_run(r: Mapping[str, Any], where: str) -> None:
         check(decode, "object", f"{where}.decode")
         for key in ("timed_fused_steps", "timed_fallback_steps"):
             field(decode, key, "whole", f"{where}.decode")
+        field(decode, "counted_layers", "whole", f"{where}.decode", default=None)
         calls = field(decode, "kernel_calls", "object", f"{where}.decode", default=None)
         for key in ("triton", "reference") if calls is not None else ():
             field(calls, key, "whole", f"{where}.decode.kernel_calls")
