@@ -76,6 +76,36 @@ def test_the_speed_figure_names_a_hybrid_models_linear_states(tmp_path, monkeypa
     assert bytes_titles(varied)[0] == "K/V only; + linear states 1.00 MiB–2.00 MiB"
 
 
+def test_the_speed_figure_draws_a_workspace_runs_held_bytes(tmp_path, monkeypatch):
+    """speed.png's "cache MiB" panel drew a workspace run's K/V bytes alone (int8-token: 25.6 MiB where the cache held
+    128.1 MiB with a 4x workspace), while report.md's table adds "+ workspace X": the line is the bytes held now, and
+    the panel's title says the workspace is in them; the runs without one are drawn as before."""
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from kvbits.report.plots import figure
+    from kvbits.report.speed import load_speed, plot_speed
+
+    base = load_speed(Path(__file__).parents[1] / "benchmarks/results/speed-qwen/speed.json")
+    name = base["schemes"][0]["scheme"]
+    s = {**base, "workspace": True, "runs": [{**r, "workspace_bytes": 4 * r["cache_bytes"]} if r["cache"] == name
+                                             else r for r in base["runs"]]}  # fmt: skip
+    drawn = {}
+    monkeypatch.setattr(figure, "save_png", lambda fig, path: drawn.update(fig=fig) or path)
+    plot_speed(s, tmp_path / "speed.png")
+    n, batch = len(s["batches"]), s["batches"][0]
+    ax = drawn["fig"].axes[n]  # the first bytes panel
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    for cache, ys in lines.items():
+        runs = [r for c in s["contexts"] for r in s["runs"] if (r["cache"], r["context"], r["batch"]) == (cache, c, batch)]
+        held = [(r["cache_bytes"] + (r["workspace_bytes"] or 0)) / 2**20 for r in runs]
+        assert ys == pytest.approx(held), cache
+    first = next(r for r in s["runs"] if (r["cache"], r["batch"]) == (name, batch))
+    assert lines[name][0] == pytest.approx(5 * first["cache_bytes"] / 2**20) and ax.get_title() == "workspace included"
+    plot_speed(base, tmp_path / "speed.png")  # no workspace: no title
+    assert drawn["fig"].axes[n].get_title() == ""
+
+
 def test_a_signed_figure_that_rounds_to_zero_prints_without_a_minus():
     """A CI bound of -0.001 % printed as ``[-0.00, +0.20]`` (the heatmap's cells likewise), and a needle ΔNLL of
     -0.0004 nats as ``-0.000``: a sign on a figure that rounds to nothing. Now ``+0.00`` / ``+0.000``, as

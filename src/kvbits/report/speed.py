@@ -295,19 +295,32 @@ def _counted_layers(summary: Mapping[str, Any], r: Mapping[str, Any]) -> int:
 
 
 def _linear_state_note(summary: Mapping[str, Any], batch: int) -> str:
-    """The bytes panel's title for ``batch``: ``""`` where no run holds linear states (every layer attends), else
-    ``"K/V only; + linear states 1.50 MiB"`` (a range ``"0.75–1.50 MiB"`` where runs differ), as the table adds."""
-    held = sorted({r["linear_state_bytes"] for r in summary["runs"]
-                   if r["batch"] == batch and r.get("linear_state_bytes")})  # fmt: skip
-    if not held:
-        return ""
-    span = fmt_bytes(held[0]) if len(held) == 1 else f"{fmt_bytes(held[0])}–{fmt_bytes(held[-1])}"
-    return f"K/V only; + linear states {span}"
+    """The bytes panel's title for ``batch``: ``""`` where no run holds linear states (every layer attends) nor a
+    workspace, else ``"K/V only; + linear states 1.50 MiB"`` (a range ``"0.75–1.50 MiB"`` where runs differ), as the
+    table adds, and ``"workspace included"`` where a run kept a dequantized history (drawn in its bytes)."""
+    runs = [r for r in summary["runs"] if r["batch"] == batch]
+    held = sorted({r["linear_state_bytes"] for r in runs if r.get("linear_state_bytes")})
+    notes = []
+    if held:
+        span = fmt_bytes(held[0]) if len(held) == 1 else f"{fmt_bytes(held[0])}–{fmt_bytes(held[-1])}"
+        notes.append(f"K/V only; + linear states {span}")
+    if any(r.get("workspace_bytes") for r in runs):
+        notes.append("workspace included")
+    return "; ".join(notes)
+
+
+def _held_bytes(r: Mapping[str, Any]) -> int | None:
+    """What run ``r``'s cache holds at the end: its K/V bytes and a workspace's dequantized history (``None``: not
+    counted, a peer's)."""
+    if r.get("cache_bytes") is None:
+        return None
+    return r["cache_bytes"] + (r.get("workspace_bytes") or 0)
 
 
 def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
     """One column per batch: decode tokens/s against context (top) and the MiB each cache holds at the end
-    of the run (bottom), one line per cache, context on a log axis. The bytes are K/V (``cache_bytes``); a hybrid
+    of the run (bottom), one line per cache, context on a log axis. The bytes are K/V (``cache_bytes``) and a
+    workspace's dequantized history (``workspace_bytes``, said in the panel's title where a run kept one); a hybrid
     model's linear states (``linear_state_bytes``, the same in every cache) are named in the bytes panel's title."""
     import numpy as np
 
@@ -318,13 +331,13 @@ def plot_speed(summary: Mapping[str, Any], path: Path) -> Path:
     axes = np.atleast_2d(fig.subplots(2, len(batches), squeeze=False))
     colors = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(_caches(summary)[1:])}
     colors[BASELINE] = BASELINE_COLOR
-    panels = (("tokens_per_s", "decode tokens/s", 1.0), ("cache_bytes", "cache MiB", 2.0**-20))
+    panels = ((lambda r: r.get("tokens_per_s"), "decode tokens/s", 1.0), (_held_bytes, "cache MiB", 2.0**-20))
     for col, batch in enumerate(batches):
-        for row, (key, label, scale) in enumerate(panels):
+        for row, (value, label, scale) in enumerate(panels):
             ax = axes[row, col]
             for cache in _caches(summary):
-                pts = [(c, r[key] * scale) for c in contexts
-                       if (r := _run(summary, cache, c, batch)) is not None and r.get(key) is not None]  # fmt: skip
+                pts = [(c, v * scale) for c in contexts
+                       if (r := _run(summary, cache, c, batch)) is not None and (v := value(r)) is not None]  # fmt: skip
                 if pts:
                     xs, ys = zip(*pts)
                     ax.plot(xs, ys, marker="o", ms=3, label=cache, color=colors[cache],
