@@ -863,6 +863,21 @@ def test_load_tiny_model_folder(tmp_path: Path) -> None:
         load_model(str(folder), dtype="float32")  # type: ignore[arg-type]
 
 
+def test_float16_load_of_weights_beyond_its_range_is_refused(tmp_path: Path) -> None:
+    """A weight of 1e5 (float16's largest value is 65504) loaded with ``dtype=torch.float16`` is refused, naming
+    the tensor. Before, it became inf silently and the first forward pass gave NaN logits."""
+    from transformers import LlamaForCausalLM
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    model = LlamaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 1e5
+    model.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"float16 has non-finite weights in 1 tensors \(model.layers.0.mlp.down_proj"):
+        load_model(str(folder), dtype=torch.float16)
+    assert load_model(str(folder), dtype=torch.bfloat16).model.model.layers[0].mlp.down_proj.weight[0, 0] == 99840
+
+
 def test_a_model_folder_without_tokenizer_files_loads_without_a_tokenizer(tmp_path: Path) -> None:
     """Weights and config only: the model loads with ``tokenizer=None`` (token ids only) and text fails
     where it is tokenized, saying why. Before, load_model failed inside transformers' tokenizer

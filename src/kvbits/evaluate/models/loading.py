@@ -122,6 +122,23 @@ def model_content_id(spec: str) -> str | None:
     return "files:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
 
+def _check_finite_in(model: Any, dtype: torch.dtype, name: str) -> None:
+    """``ValueError`` when a parameter of ``model`` (loaded in ``dtype``) is not finite, where ``dtype`` has a
+    smaller range than float32 (float16: 65504): a weight beyond it became inf in the cast (a NaN logit at
+    the first forward pass). One pass over the weights at load time; nothing for float32 and bfloat16."""
+    import torch
+
+    if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        return
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(
+            f"model {name!r} loaded in {dtype} has non-finite weights in {len(bad)} tensors ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): weights beyond {dtype}'s largest value "
+            f"{torch.finfo(dtype).max:g} overflow it; load it in torch.float32 or torch.bfloat16"
+        )
+
+
 def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
     """Load only the ``transformers`` config of a model (for memory planning; no weights loaded).
 
@@ -215,6 +232,7 @@ def load_model(
             raise
         raise _hub_error(source, exc, unreachable) from exc
     check_causal_lm(model)
+    _check_finite_in(model, dtype, source.name)
     model = model.to(device).eval()
     if source.max_context is None:
         ctx = max_positions(model.config)  # the text config's, as the planner reads it
