@@ -893,6 +893,24 @@ def test_a_model_folder_without_tokenizer_files_loads_without_a_tokenizer(tmp_pa
         tokenize(text, lm.tokenizer)
 
 
+def test_a_tokenizer_config_without_a_vocabulary_loads_without_a_tokenizer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder with ``tokenizer_config.json`` but no vocabulary file (tokenizer.json, vocab.json, ...) loads
+    without a tokenizer, with a warning that names what is missing. Before, transformers built a GPT2Tokenizer
+    of 1 token from the config alone, and every text tokenized to no ids at all."""
+    from transformers import LlamaForCausalLM
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    bare = tmp_path / "bare"
+    LlamaForCausalLM.from_pretrained(folder).save_pretrained(bare)
+    (bare / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.loading"):
+        lm = load_model(str(bare))
+    assert lm.tokenizer is None
+    assert "holds tokenizer_config.json but no tokenizer vocabulary" in caplog.text
+
+
 def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A renamed identical copy has the same fingerprint; other weights under the same name and config do not."""
     import shutil

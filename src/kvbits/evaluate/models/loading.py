@@ -57,13 +57,25 @@ class LoadedModel:
     fingerprint: str
 
 
-# the files transformers builds a tokenizer from (tokenizer.json, tokenizer_config.json, tokenizer.model,
-# vocab.json + merges.txt, vocab.txt, spiece.model, tekken.json)
-_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "*.model", "tekken.json")
+# the files a tokenizer's vocabulary comes from (tokenizer.json, tokenizer.model, vocab.json + merges.txt,
+# vocab.txt, spiece.model, tekken.json, *.tiktoken); tokenizer_config.json and special_tokens_map.json hold none:
+# from them alone transformers builds a tokenizer of 1-3 tokens that encodes any text to no ids
+_VOCABULARY_FILES = ("tokenizer.json", "vocab*", "*.model", "tekken.json", "*.tiktoken")
+_TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
-    return any(p.is_file() for pattern in _TOKENIZER_FILES for p in folder.glob(pattern))
+    """Whether ``folder`` holds a tokenizer's vocabulary. Its config files without one are logged (a warning)
+    and the model loads without a tokenizer: text then fails where it is tokenized, saying why."""
+    if any(p.is_file() for pattern in _VOCABULARY_FILES for p in folder.glob(pattern)):
+        return True
+    configs = [name for name in _TOKENIZER_CONFIG_FILES if (folder / name).is_file()]
+    if configs:
+        logger.warning(
+            "%s holds %s but no tokenizer vocabulary (expected one of %s): loading it without a tokenizer",
+            folder, ", ".join(configs), ", ".join(_VOCABULARY_FILES),
+        )
+    return False
 
 
 def _config_fingerprint(config: Any) -> str:
