@@ -863,6 +863,21 @@ def test_load_tiny_model_folder(tmp_path: Path) -> None:
         load_model(str(folder), dtype="float32")  # type: ignore[arg-type]
 
 
+def test_float16_load_of_weights_beyond_its_range_is_refused(tmp_path: Path) -> None:
+    """A weight of 1e5 (float16's largest value is 65504) loaded with ``dtype=torch.float16`` is refused, naming
+    the tensor. Before, it became inf silently and the first forward pass gave NaN logits."""
+    from transformers import LlamaForCausalLM
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    model = LlamaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 1e5
+    model.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"float16 has non-finite weights in 1 tensors \(model.layers.0.mlp.down_proj"):
+        load_model(str(folder), dtype=torch.float16)
+    assert load_model(str(folder), dtype=torch.bfloat16).model.model.layers[0].mlp.down_proj.weight[0, 0] == 99840
+
+
 def test_a_model_folder_without_tokenizer_files_loads_without_a_tokenizer(tmp_path: Path) -> None:
     """Weights and config only: the model loads with ``tokenizer=None`` (token ids only) and text fails
     where it is tokenized, saying why. Before, load_model failed inside transformers' tokenizer
@@ -876,6 +891,24 @@ def test_a_model_folder_without_tokenizer_files_loads_without_a_tokenizer(tmp_pa
     text = kvdata.TextSource("t", "some text", hashlib.sha256(b"some text").hexdigest(), "t.txt")
     with pytest.raises(ValueError, match="'t' needs the model's tokenizer and the model has none"):
         tokenize(text, lm.tokenizer)
+
+
+def test_a_tokenizer_config_without_a_vocabulary_loads_without_a_tokenizer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder with ``tokenizer_config.json`` but no vocabulary file (tokenizer.json, vocab.json, ...) loads
+    without a tokenizer, with a warning that names what is missing. Before, transformers built a GPT2Tokenizer
+    of 1 token from the config alone, and every text tokenized to no ids at all."""
+    from transformers import LlamaForCausalLM
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    bare = tmp_path / "bare"
+    LlamaForCausalLM.from_pretrained(folder).save_pretrained(bare)
+    (bare / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.loading"):
+        lm = load_model(str(bare))
+    assert lm.tokenizer is None
+    assert "holds tokenizer_config.json but no tokenizer vocabulary" in caplog.text
 
 
 def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

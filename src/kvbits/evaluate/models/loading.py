@@ -57,13 +57,25 @@ class LoadedModel:
     fingerprint: str
 
 
-# the files transformers builds a tokenizer from (tokenizer.json, tokenizer_config.json, tokenizer.model,
-# vocab.json + merges.txt, vocab.txt, spiece.model, tekken.json)
-_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "*.model", "tekken.json")
+# the files a tokenizer's vocabulary comes from (tokenizer.json, tokenizer.model, vocab.json + merges.txt,
+# vocab.txt, spiece.model, tekken.json, *.tiktoken); tokenizer_config.json and special_tokens_map.json hold none:
+# from them alone transformers builds a tokenizer of 1-3 tokens that encodes any text to no ids
+_VOCABULARY_FILES = ("tokenizer.json", "vocab*", "*.model", "tekken.json", "*.tiktoken")
+_TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
-    return any(p.is_file() for pattern in _TOKENIZER_FILES for p in folder.glob(pattern))
+    """Whether ``folder`` holds a tokenizer's vocabulary. Its config files without one are logged (a warning)
+    and the model loads without a tokenizer: text then fails where it is tokenized, saying why."""
+    if any(p.is_file() for pattern in _VOCABULARY_FILES for p in folder.glob(pattern)):
+        return True
+    configs = [name for name in _TOKENIZER_CONFIG_FILES if (folder / name).is_file()]
+    if configs:
+        logger.warning(
+            "%s holds %s but no tokenizer vocabulary (expected one of %s): loading it without a tokenizer",
+            folder, ", ".join(configs), ", ".join(_VOCABULARY_FILES),
+        )
+    return False
 
 
 def _config_fingerprint(config: Any) -> str:
@@ -120,6 +132,23 @@ def model_content_id(spec: str) -> str | None:
     )
     listing = json.dumps([[f.name, cached_file_sha256(f)] for f in files])
     return "files:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+
+def _check_finite_in(model: Any, dtype: torch.dtype, name: str) -> None:
+    """``ValueError`` when a parameter of ``model`` (loaded in ``dtype``) is not finite, where ``dtype`` has a
+    smaller range than float32 (float16: 65504): a weight beyond it became inf in the cast (a NaN logit at
+    the first forward pass). One pass over the weights at load time; nothing for float32 and bfloat16."""
+    import torch
+
+    if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        return
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(
+            f"model {name!r} loaded in {dtype} has non-finite weights in {len(bad)} tensors ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): weights beyond {dtype}'s largest value "
+            f"{torch.finfo(dtype).max:g} overflow it; load it in torch.float32 or torch.bfloat16"
+        )
 
 
 def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
@@ -215,6 +244,7 @@ def load_model(
             raise
         raise _hub_error(source, exc, unreachable) from exc
     check_causal_lm(model)
+    _check_finite_in(model, dtype, source.name)
     model = model.to(device).eval()
     if source.max_context is None:
         ctx = max_positions(model.config)  # the text config's, as the planner reads it
