@@ -181,7 +181,7 @@ def test_a_prefill_loads_into_hybrid_caches_as_a_full_forward_computes(make):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("make", [_lfm2, _qwen3_next, _zamba2], ids=["lfm2", "qwen3_next", "zamba2"])
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next, _zamba2, lambda: _zamba()], ids=["lfm2", "qwen3_next", "zamba2", "zamba"])
 def test_speed_times_hybrid_models(make):
     """Was: ``kvbits speed`` refused every hybrid model ('runs the real cache on models whose every layer
     attends'). Now it times them: each cache holds the plan's K/V bytes, ``linear_state_bytes`` reports the

@@ -848,3 +848,46 @@ def test_report_rates_short_of_all_never_print_as_all_nor_none():
     s["records"] = [{**copy.deepcopy(r), "index": r["index"] + 100 * k} for k in range(4) for r in s["records"]]
     md = needle_markdown(s, figure=False)
     assert "(of 212 trials, one moves it by 0.5 points)" in md
+
+
+def test_zamba_decode_semantics_is_refused_before_any_trial_and_prefill_runs(tok, corpus, monkeypatch):
+    """Zamba's hybrid layers call one attention block that has no ``layer_idx`` (Zamba2's, ``layer_idx`` -1, serves
+    one scheme for every call). ``semantics='decode'`` runs the simulator: it was refused only inside the first
+    trial, after its reference forward, by the simulator naming ``evaluate``'s ``mode='stream'``, which needle has
+    not (Zamba2 with a mixed scheme the same). Now both are refused before any trial, naming
+    ``semantics='prefill'``, which runs: the scheme's cache holds the plan's bytes for the 299 tokens it keeps."""
+    import transformers
+
+    from kvbits.evaluate import needle_run
+    from kvbits.plan import plan
+
+    path, _ = corpus
+
+    def _lm(cfg):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        return LoadedModel(model, tok, ModelSource(name="tiny-zamba", path="tiny-zamba"), "tinyzamba0000000")
+
+    zamba = transformers.ZambaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+        n_mamba_heads=2, mamba_dt_rank=8, max_position_embeddings=1024,
+    )  # fmt: skip
+    zamba2 = transformers.Zamba2Config(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    ran = []
+    monkeypatch.setattr(needle_run, "_run_decode", lambda *a, **k: ran.append(1))
+    with pytest.raises(ValueError, match=r"kvbits needle: semantics='decode' runs the simulator: ZambaForCausalLM's "
+                       r"attention block ZambaAttention is shared .*; semantics='prefill' \(CLI: --semantics prefill\)"):
+        needle_eval(_lm(zamba), 300, ["int4-token"], data=str(path), depths=[0.5], semantics="decode")
+    with pytest.raises(ValueError, match=r"can not apply mixed schemes \['int4-token,1=fp16'\] to Zamba2ForCausalLM's "
+                       r"attention block, shared by several layers .*; semantics='prefill'"):
+        needle_eval(_lm(zamba2), 300, ["int4-token,1=fp16"], data=str(path), depths=[0.5], semantics="decode")
+    assert ran == []
+    monkeypatch.undo()
+    p = needle_eval(_lm(zamba), 300, ["int4-token"], data=str(path), depths=[0.5], semantics="prefill")
+    want = plan(zamba, context=299, batch=1, scheme="int4-token")["total_bytes"]
+    assert p["results"][0]["by_context"][0]["cache_bytes"] == want > 0

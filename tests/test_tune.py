@@ -624,3 +624,27 @@ def test_tune_probes_only_the_layers_that_store_kv():
     assert res.sensitivity[0] == res.sensitivity[2] == [0.0, 0.0, 0.0]
     assert all(x > 0 for i in (1, 3) for x in res.sensitivity[i])
     assert res.avg_bits <= 5.0
+
+
+def test_tune_takes_dtype_bytes_and_serve_context_as_ints_only():
+    """``dtype_bytes=2.0`` passed the ``in (1, 2, 4, 8)`` check (2.0 == 2) and went on as a float
+    (``meta["dtype_bytes"]`` 2.0), ``True`` for serve_context was refused but a NumPy ``serve_context`` (what a sweep
+    over ``np.arange`` gives) was refused as 'must be a positive int'. Now ints, NumPy's included, are taken and
+    recorded as Python ints; floats and bools are refused saying what is expected."""
+    import numpy as np
+
+    llama = _llama(layers=2)
+    table = [[1.0, 0.0], [0.5, 0.0]]
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+    cands = ["int2-token", "int8-token"]
+    with swept:
+        res = tune(llama, None, cands, 6.0, context=64, check=False, dtype_bytes=np.int64(2),
+                   serve_context=np.int64(128))  # fmt: skip
+    assert res.meta["serve_context"] == 128 and type(res.meta["serve_context"]) is int
+    assert res.meta["dtype_bytes"] == 2 and type(res.meta["dtype_bytes"]) is int
+    for bad in (2.0, True):
+        with swept, pytest.raises(ValueError, match=r"dtype_bytes must be 1, 2, 4 or 8 \(an int"):
+            tune(llama, None, cands, 6.0, context=64, check=False, dtype_bytes=bad)
+    for bad in (128.0, True):
+        with swept, pytest.raises(ValueError, match="serve_context must be a positive int"):
+            tune(llama, None, cands, 6.0, context=64, check=False, serve_context=bad)

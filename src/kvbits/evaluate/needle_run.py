@@ -90,6 +90,28 @@ def _check_args(semantics: str, schemes: list, fused_decode: Any, trials: Any, c
         )
 
 
+def check_decode_simulates(model: Any, schemes: Sequence[Any]) -> None:
+    """``semantics="decode"`` runs the simulator, which hooks attention modules per layer: on a model whose
+    attention block several layers share (:func:`kvbits._model.shared_attention`) it can not find Zamba's at all
+    (no ``layer_idx``) nor apply a mixed scheme's per-layer schemes to Zamba2's (``layer_idx`` -1). Refused before
+    the first trial, naming ``semantics="prefill"`` (the real cache, which the model tells the layer); it was the
+    simulator's refusal, after the first trial's reference pass, naming ``evaluate``'s ``mode='stream'``."""
+    from kvbits._model import attention_modules, shared_attention, shared_attention_note
+
+    if not shared_attention(model):
+        return
+    works = "semantics='prefill' (CLI: --semantics prefill) runs it through the real cache, which holds it"
+    if not attention_modules(model):  # Zamba: no layer_idx anywhere
+        raise ValueError(f"kvbits needle: semantics='decode' runs the simulator: {shared_attention_note(model)}; {works}")
+    mixed = [s.name for s in schemes if getattr(s, "is_mixed", False)]
+    if mixed:  # Zamba2: one scheme for every call of the shared block
+        raise ValueError(
+            f"kvbits needle: semantics='decode' runs the simulator, which can not apply mixed schemes {mixed} to "
+            f"{type(model).__name__}'s attention block, shared by several layers (it can not tell which layer calls "
+            f"it); {works}"
+        )
+
+
 def _haystack(data: Any, data_path: str | None) -> Any:
     """The haystack's ``TextSource`` from ``data`` (a text spec, a path-like, or a ``TextSource``); ``TypeError``
     for anything else (token ids among them), before the model loads."""
@@ -293,7 +315,8 @@ def needle_eval(
         depths: needle depths in [0, 1] of the haystack.
         trials: trials per (context, depth), each with its own key and haystack offset.
         task: the needle and question (default :class:`kvbits.evaluate.needle.NeedleTask`).
-        semantics: ``"prefill"`` or ``"decode"`` (module docstring).
+        semantics: ``"prefill"`` or ``"decode"`` (module docstring); ``"decode"`` (the simulator) is refused on a
+            model whose attention block several layers share (Zamba; Zamba2 with a mixed scheme): ``"prefill"`` runs it.
         calibration: ``kvbits calibrate`` artifacts or folders for calibrated schemes, as ``evaluate``.
         fused_decode: prefill semantics: decode steps through the fused kernel (``"auto"``: on CUDA
             with Triton; ``True``, ``False``).
@@ -363,6 +386,8 @@ def needle_eval(
     n_layers, _, kv_heads, head_dim = attention_shape(model.config)
     if semantics == "prefill":
         check_cache_holds(model, "semantics='prefill'")
+    else:
+        check_decode_simulates(model, resolved)
     check_schemes_fit(resolved, model.config)
     text_ids = tokenize(text, tokenizer)
     check_tokenized(text_ids, tokenizer, model, f"the haystack {text.name!r}")

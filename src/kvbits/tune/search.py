@@ -136,6 +136,11 @@ def _fraction(x: float, *, budget: bool = False) -> Fraction:
     return near if abs(near - exact) <= abs(exact) * Fraction(1, 1 << 50) else exact
 
 
+def _is_int(x: Any) -> bool:
+    """A Python or NumPy integer (``numbers.Integral``), not a bool and not a float that equals an int."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_budget(budget_bits: Any) -> None:
     """``ValueError`` unless ``budget_bits`` is a finite real number > 0 (not a bool, a string or NaN/inf, which
     ``Fraction`` would take as 1, parse, or refuse with an ``OverflowError`` of its own)."""
@@ -413,16 +418,21 @@ def tune(
         if c.is_mixed:
             raise ValueError(f"candidate {c.name!r}: candidates must be flat schemes (one scheme for every layer)")
     _check_name(name, cands)
-    if dtype_bytes is not None and (isinstance(dtype_bytes, bool) or dtype_bytes not in (1, 2, 4, 8)):
-        raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8 (bytes of a K/V value as served), got {dtype_bytes!r}")
+    if dtype_bytes is not None:  # an int (NumPy's too), not a float equal to one (2.0 in (1, 2, 4, 8)) nor a bool
+        if not _is_int(dtype_bytes) or dtype_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8 (an int: bytes of a K/V value as served), got "
+                             f"{dtype_bytes!r}")  # fmt: skip
+        dtype_bytes = int(dtype_bytes)
     arts = _candidate_calibrations(cands, calibrations)
     _check_budget(budget_bits)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
-    if serve_context is not None and (
-        isinstance(serve_context, bool) or not isinstance(serve_context, int) or serve_context < 1
-    ):
-        raise ValueError(f"serve_context must be a positive int (tokens the mix is served at), got {serve_context!r}")
+    if serve_context is not None:  # NumPy's ints too, as context= is taken; not a float or a bool
+        if not _is_int(serve_context) or serve_context < 1:
+            raise ValueError(
+                f"serve_context must be a positive int (tokens the mix is served at), got {serve_context!r}"
+            )
+        serve_context = int(serve_context)
     priced_at = context if serve_context is None else serve_context
     if isinstance(model, str):  # loaded once for every run below
         from kvbits.evaluate.models import load_model
