@@ -517,6 +517,29 @@ def test_wrong_model_or_scheme_is_reported(calibrated, tmp_path):
         load_calibration(out, scheme="kvquant-3")
 
 
+
+def test_post_rope_channel_means_are_refused_for_another_rope(tmp_path):
+    """Channel means / smoothing factors of keys after RoPE (``int8-token-smooth``) move with the RoPE parameters: on
+    the tiny Llama, the key means fitted with rope_theta 1e4 and 1e6 (same weights) differ by 62 % (relative L2). A
+    same-shaped model with another rope_theta passed check_model (only shapes were compared); now it is refused, while
+    pre-RoPE parameters (kvquant-4) still serve a model whose RoPE was changed (say, to extend its context)."""
+    model = tiny_llama()
+    art = calibrate(model, token_ids(600), "int8-token-smooth", context=64, windows=2, out_dir=str(tmp_path / "a"))
+    assert load_calibration(tmp_path / "a").meta["model"]["rope"]["rope_theta"] == 10000.0
+    other = tiny_llama().config
+    other.rope_parameters = {**other.rope_parameters, "rope_theta": 1e6}
+    with pytest.raises(ValueError, match="rope: .*10000.0.* vs .*1000000.0.*keys after RoPE"):
+        load_calibration(tmp_path / "a", model_config=other)
+    from kvbits.cache import QuantizedKVCache
+
+    with pytest.raises(ValueError, match="rope:"):
+        QuantizedKVCache(other, "int8-token-smooth", calibration=art)
+    load_calibration(tmp_path / "a", model_config=model.config)  # its own RoPE: accepted
+    # a config.json (older form: rope_theta, rope_scaling) of the same model compares equal
+    assert not art.check_model({**model.config.to_dict(), "rope_parameters": None, "rope_theta": 10000.0}, known_only=True)
+    pre = calibrate(model, token_ids(600), "kvquant-4", context=64, windows=2, fisher=False)
+    pre.check_model(other)  # pre-RoPE keys do not depend on RoPE
+
 def test_calibration_input_errors():
     model = tiny_llama()
     with pytest.raises(ValueError, match="nothing to calibrate"):

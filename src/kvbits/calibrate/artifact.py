@@ -128,6 +128,58 @@ def model_kv_layers(config: Any) -> list[int] | None:
     return [i for i, layer in enumerate(layers) if layer.attention != "none"]
 
 
+def _rope_params(p: Mapping[str, Any], partial: Any) -> dict[str, Any]:
+    """One RoPE parameter set as the artifact records it: ``rope_theta``, ``rope_type`` (``type`` in older
+    ``rope_scaling`` dicts; ``"default"`` when absent), ``partial_rotary_factor`` (1.0 when absent) and the
+    scaling's other fields (``factor``, ...), numbers as floats, None fields left out."""
+    out: dict[str, Any] = {"rope_type": p.get("rope_type") or p.get("type") or "default"}
+    for k, v in p.items():
+        if k in ("rope_type", "type") or v is None:
+            continue
+        out[k] = float(v) if is_number(v) else v
+    prf = out.get("partial_rotary_factor", partial)
+    out["partial_rotary_factor"] = 1.0 if prf is None else float(prf)
+    return out
+
+
+def rope_record(config: Any) -> dict[str, Any] | None:
+    """The RoPE parameters of ``config`` (a text config, transformers object or ``config.json`` dict): transformers
+    5's ``rope_parameters`` (per layer type when it is keyed so, Gemma 3) or the older ``rope_theta`` and
+    ``rope_scaling``, as ``_rope_params`` writes them, or None when the config names no RoPE. Keys after RoPE
+    (channel means and smoothing factors of a ``pre_rope=False`` key spec) depend on them; pre-RoPE keys do not."""
+    partial = _config_value(config, "partial_rotary_factor", None)
+    params = _config_value(config, "rope_parameters", None)
+    if not isinstance(params, Mapping):
+        theta, scaling = _config_value(config, "rope_theta", None), _config_value(config, "rope_scaling", None)
+        if theta is None and not isinstance(scaling, Mapping):
+            return None
+        params = {**(scaling if isinstance(scaling, Mapping) else {}), "rope_theta": theta}
+    try:
+        if params and all(isinstance(v, Mapping) for v in params.values()):  # per layer type
+            return {str(k): _rope_params(v, partial) for k, v in sorted(params.items())}
+        return _rope_params(params, partial)
+    except (TypeError, ValueError, AttributeError):  # a config we can not read: not recorded, not compared
+        return None
+
+
+def _rope_differs(mine: Any, theirs: Any, *, known_only: bool) -> bool:
+    """Whether two ``rope_record``s differ: flat or per layer type alike (else not comparable: False); with
+    ``known_only`` only the fields both record."""
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return False
+    nested = [all(isinstance(v, dict) for v in r.values()) for r in (mine, theirs)]
+    if nested[0] != nested[1]:
+        return False
+    pairs = [(mine[k], theirs[k]) for k in mine if k in theirs] if nested[0] else [(mine, theirs)]
+    if nested[0] and set(mine) != set(theirs) and not known_only:
+        return True
+    for a, b in pairs:
+        keys = set(a) & set(b) if known_only else set(a) | set(b)
+        if any(a.get(k) != b.get(k) for k in keys):
+            return True
+    return False
+
+
 def describe_model(config: Any, *, fingerprint: str | None = None, name: str | None = None) -> dict[str, Any]:
     """The ``model`` record of an artifact from a transformers config (or a checkpoint's ``config.json``
     as a dict: a field it lacks is None).
@@ -157,6 +209,7 @@ def describe_model(config: Any, *, fingerprint: str | None = None, name: str | N
         "name": name,
         "config_hash": config_hash,
         **d,
+        "rope": rope_record(cfg),  # not hashed: the fingerprints of artifacts written before it stay valid
     }
 
 
@@ -351,12 +404,20 @@ class CalibrationArtifact:
                 for k in _MODEL_FIELDS
                 if mine.get(k) != theirs[k] and not (known_only and None in (mine.get(k), theirs[k]))
             ]
+            if self._post_rope_keys() and _rope_differs(mine.get("rope"), theirs["rope"], known_only=known_only):
+                diff.append(f"rope: {mine.get('rope')} vs {theirs['rope']} (layers {self._post_rope_keys()} hold "
+                            "channel means / smoothing factors of keys after RoPE, which move with it)")  # fmt: skip
             if diff:
                 raise ValueError(
                     f"calibration{self._where()} was made for {made_for}; this model differs "
                     f"({'; '.join(diff)} [artifact vs model]); re-run kvbits calibrate for this model"
                 )
             self._check_kv_layers(model_kv_layers(model_config), "this model")
+
+    def _post_rope_keys(self) -> list[int]:
+        """The layers whose key parameters were fitted on keys after RoPE (channel means / smoothing factors of a
+        ``pre_rope=False`` key spec): they hold only for the RoPE parameters they were calibrated with."""
+        return [i for i in self.kv_layers if (k := self._spec("key", i)).has_channel_transform and not k.pre_rope]
 
     def _check_kv_layers(self, want: list[int] | None, what: str) -> None:
         """``ValueError`` unless the artifact holds exactly the layers ``want`` that store K/V in ``what`` (None: not
@@ -548,6 +609,8 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
     for k in ("model_type", "name"):
         if model.get(k) is not None and not isinstance(model[k], str):
             return field(f"model.{k}", model[k], "a string or null")
+    if model.get("rope") is not None and not isinstance(model["rope"], dict):
+        return field("model.rope", model["rope"], "a JSON object (the RoPE parameters) or null")
     kv_layers = model.get("kv_layers")
     if kv_layers is not None and (
         not isinstance(kv_layers, list) or not kv_layers or not all(_is_int(i) for i in kv_layers)
