@@ -256,3 +256,15 @@ def test_outlier_count_is_the_ceiling_of_the_exact_product():
     spec = TensorSpec(kind="int", bits=4, fmt=None, granularity="token", outlier_frac=0.07)
     qt = quantize(torch.randn(1, 1, 4, 100, generator=torch.Generator().manual_seed(0)), spec)
     assert qt.outlier_values.shape[-1] == 7
+
+
+@pytest.mark.parametrize(
+    ("typo", "preset"), [("kivi2", "kivi-2"), ("KIVI-2", "kivi-2"), ("int4_token", "int4-token"), ("kvquant4", "kvquant-4")]
+)
+def test_a_mistyped_preset_name_is_answered_with_the_preset_it_is_near(typo, preset):
+    """'kvbits eval --scheme kivi2' answered with the list of 39 presets alone; it now names the one meant
+    (as a mistyped model name is answered), and a name near none (int5) still gets the list without a guess."""
+    with pytest.raises(ValueError, match=rf"unknown scheme '{typo}' \(did you mean '{preset}'\?\); known presets: fp16"):
+        get_scheme(typo)
+    with pytest.raises(ValueError, match=r"unknown scheme 'int5'; known presets: fp16"):
+        get_scheme("int5")

@@ -399,4 +399,19 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
         except (ValueError, KeyError, TypeError) as exc:  # the message names the file (JSON, UTF-8, field errors)
             raise ValueError(f"{path} is not a valid kvbits scheme JSON: {exc}") from exc
         return _check_name(scheme, f"scheme file {path}")
-    raise ValueError(f"unknown scheme {spec!r}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)")
+    near = _near_preset(spec)
+    hint = f" (did you mean {near!r}?)" if near is not None else ""
+    raise ValueError(
+        f"unknown scheme {spec!r}{hint}; known presets: {', '.join(_REGISTRY)} (or a path to a .json scheme)"
+    )
+
+
+def _near_preset(spec: str) -> str | None:
+    """The preset ``spec`` is a likely typo of (``kivi2``, ``KIVI-2``, ``int4_token``, ``int4``), else None."""
+    import difflib
+
+    low = spec.strip().lower().replace("_", "-")
+    if low in _REGISTRY:
+        return low
+    close = difflib.get_close_matches(low, list(_REGISTRY), n=1, cutoff=0.8)
+    return close[0] if close else None
