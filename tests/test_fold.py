@@ -127,6 +127,30 @@ def test_fold_small_values_keep_their_precision(bits: int, magnitude: float):
 
 
 @needs_triton
+@pytest.mark.parametrize("bits,magnitude,D", [(2, 5e4, 64), (4, 6.5e4, 32)])
+def test_fold_grouped_values_near_float16_max_stay_finite(bits: int, magnitude: float, D: int):
+    """Values scaled per token over groups of 16 channels, of magnitude near float16's max: the float16 products of
+    the centred codes and their scales (``(c - 2**(bits-1)) s``, up to ``2**(bits-1) s``) go through a power-of-two
+    unit where they would pass 65504. Before, 2-bit values of 5e4 (scales 3.3e4) and 4-bit of 6.5e4 (8.7e3) attended
+    to inf, where the values, torch's float16 attention and the product kernel are finite (error 8.1 / 8.4)."""
+    g = torch.Generator().manual_seed(bits)
+    T = 32
+    k = torch.randn(1, 1, T, D, generator=g)
+    v = (torch.rand(1, 1, T, D, generator=g) * 2 - 1) * magnitude
+    v[..., 0, :], v[..., 1, :] = magnitude, -magnitude  # every group spans [-magnitude, magnitude]
+    store = pack_store([quantize(k.to(DEVICE), token(4))], [quantize(v.to(DEVICE), spec(bits, "token", 16))], None,
+                       None, quant_lens=[T], full_lens=[0])  # fmt: skip
+    assert float(store.value.scale.float().max()) * 2 ** (bits - 1) > 65504
+    q = torch.randn(1, 2, 1, D, generator=g).to(DEVICE).half()
+    assert triton_fold.fold_supported(store, q) is None
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    out = triton_fold.decode_attention_fold(q, store, block_t=16, splits=1)
+    assert torch.isfinite(out).all()
+    assert max_err(out, truth) <= 2 * err_pt
+
+
+@needs_triton
 @pytest.mark.parametrize("meta32", [False, True])
 def test_fold_meta32_reads_the_same_scales(meta32: bool):
     """Scales read as int32 words of two tokens (``meta32``) give the output of the 2-byte reads, padding and odd
