@@ -163,17 +163,19 @@ def test_runs_that_measured_something_else_are_refused(runs, tmp_path):
     (moved / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="records no tokens fingerprint"):
         merge_runs([runs / "a", moved], out)
-    for run, dtype in (("a", "float32"), ("b", "bfloat16")):  # as kvbits eval --dtype records them
+    # as kvbits eval --dtype records them; None: a run given a model name without --dtype (a model object's run
+    # records the dtype it ran in, float32 here)
+    for run, dtype in (("a", "float32"), ("b", "bfloat16"), ("a", None), ("e", None)):
         cfg = json.loads((runs / run / "config.json").read_text())
         shutil.copytree(runs / run, tmp_path / f"{run}-{dtype}", ignore=shutil.ignore_patterns("config.json"))
         cfg["request"]["dtype"] = dtype
         (tmp_path / f"{run}-{dtype}" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="differ in dtype: 'float32' .* 'bfloat16'"):
         merge_runs([tmp_path / "a-float32", tmp_path / "b-bfloat16"], out)
-    merge_runs([runs / "a", tmp_path / "b-bfloat16"], out)  # None: the model's own dtype, as loaded (float32 here)
+    merge_runs([tmp_path / "a-None", tmp_path / "b-bfloat16"], out)  # None: the model's own dtype, as loaded
     assert out.is_dir()  # (a bfloat16 reference would differ, and the reference check refuses that)
     # a merged folder's settings are its runs': merging it with a run of another dtype is refused as the runs are
-    bf16 = merge_runs([tmp_path / "b-bfloat16", runs / "e"], tmp_path / "merged-bf16")
+    bf16 = merge_runs([tmp_path / "b-bfloat16", tmp_path / "e-None"], tmp_path / "merged-bf16")
     with pytest.raises(ValueError, match="differ in dtype: 'bfloat16' .* 'float32'"):
         merge_runs([bf16, tmp_path / "a-float32"], tmp_path / "merged-again")
 

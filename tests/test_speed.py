@@ -849,3 +849,13 @@ def test_a_float32_model_whose_first_parameter_is_int8_is_timed_as_float32(ids):
         assert r["cache_bytes"] == r["planned_bytes"], r
     dyn = _runs(s, "DynamicCache")[0]
     assert dyn["cache_bytes"] == dyn["cached_tokens"] * 2 * 2 * 2 * 16 * 4  # float32: 4 bytes a value
+
+
+def test_slow_steps_keep_their_rate_and_speedup_to_significant_digits():
+    """tokens/s was rounded to 2 decimals and the speed-up to 4: a step of 30 s (a loaded CPU) gave 0.03 tokens/s
+    for 0.0329 and a speed-up of 0.0329 for 0.032935 (1.1e-3 off, past the figures' own 1e-3 checks)."""
+    from kvbits.evaluate.speed import significant
+
+    assert step_stats([30363.0], 1)["tokens_per_s"] == pytest.approx(1e3 / 30363.0, rel=1e-5)
+    assert step_stats([0.01234], 8)["tokens_per_s"] == pytest.approx(8e3 / 0.01234, rel=1e-5)
+    assert significant(0.032935418, 4) == 0.03294 and significant(123456.789, 6) == 123457.0

@@ -86,6 +86,12 @@ STATIC_BASELINE = "StaticCache"  # transformers' fixed-slot float cache: the bas
 GRAPH_EAGER = 2  # decode steps run eagerly before the captured one (``kvbits.evaluate.graphs.GraphedDecode``)
 
 
+def significant(x: float, digits: int) -> float:
+    """``x`` rounded to ``digits`` significant digits: a ratio or rate keeps its precision however small (a slow
+    run's speed-up of 0.032935 was rounded to 4 decimals, 0.0329, 1.1e-3 off; tokens/s of 0.033 to 0.03)."""
+    return float(f"{x:.{digits}g}")
+
+
 def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
     """``ms_per_step`` (median), ``ms_p10``, ``ms_p90``, ``ms_mean`` of per-step times in ms, and
     ``tokens_per_s`` (``batch`` tokens per median step)."""
@@ -101,7 +107,7 @@ def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
         "ms_p10": round(q[0], 4),
         "ms_p90": round(q[2], 4),
         "ms_mean": round(float(t.mean()), 4),
-        "tokens_per_s": round(batch * 1e3 / med, 2) if med > 0 else math.inf,
+        "tokens_per_s": significant(batch * 1e3 / med, 6) if med > 0 else math.inf,
     }
 
 
@@ -605,7 +611,8 @@ def speed_eval(
                     if scheme is None:
                         ref = rec
                     # from the step times: tokens/s are rounded to 0.01, 1 % of a 0.5 tokens/s CPU run
-                    rec["speedup"] = round(ref["ms_per_step"] / rec["ms_per_step"], 4) if rec["ms_per_step"] > 0 else math.inf
+                    rec["speedup"] = (significant(ref["ms_per_step"] / rec["ms_per_step"], 4) if rec["ms_per_step"] > 0
+                                      else math.inf)  # fmt: skip
                     runs.append(rec)
                     logger.info("speed %s: context %d, batch %d: %.3f ms/step, %.1f tokens/s (%.2fx)", name,
                                 context, batch, rec["ms_per_step"], rec["tokens_per_s"], rec["speedup"])  # fmt: skip
