@@ -99,6 +99,7 @@ def test_workspace_and_fused_paths(model, ids):
     (r,) = _runs(ws, "t-kivi")
     assert r["path"] == "workspace" and r["workspace_bytes"] > 0  # the float history it keeps, reported apart
     assert ws["schemes"][0]["path"] == "workspace"
+    _workspace_is_printed(ws)
     fu = speed_eval(model, 64, [SMALL_KIVI], tokens=3, warmup=1, data=ids, fused_decode=True)
     (r,) = _runs(fu, "t-kivi")
     # every decode step of every layer through the fused path (the torch reference on CPU) but the first,
@@ -778,6 +779,34 @@ def test_a_hybrid_models_fused_runs_are_not_listed_as_not_all_fused():
     assert "- int4-token at 32 × 1: 3 fused of 2 × 2, 1 fallback" in speed_markdown(short)
     with pytest.raises(ValueError, match="counted_layers"):
         check_speed({**s, "runs": [{**r, "decode": {**r["decode"], "counted_layers": -1}}]}, "speed.json")
+
+
+def _console(s: dict) -> str:
+    """What ``kvbits speed`` prints for summary ``s`` (its rich tables, wide enough not to wrap a cell)."""
+    import io
+
+    from rich.console import Console
+
+    from kvbits.evaluate import speed_cli
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("rich.console.Console", lambda: Console(file=buf, width=400))
+        speed_cli._print(s, None)
+    return buf.getvalue()
+
+
+def _workspace_is_printed(s: dict) -> None:
+    """A ``--workspace`` run's dequantized history (``workspace_bytes``: t-kivi at 64 tokens, 34816 bytes beside a
+    14080-byte cache) was in report.md's table and speed.png's bytes but not in the console's table, which showed the
+    K/V bytes alone. Now added there as the report adds it."""
+    from kvbits.report.fmt import fmt_bytes
+    from kvbits.report.speed import speed_markdown
+
+    (r,) = _runs(s, "t-kivi")
+    shown = f"+ workspace {fmt_bytes(r['workspace_bytes'])}"
+    assert shown in speed_markdown(s, figure=False) and _console(s).count(shown) == 1
+    assert "+ workspace" not in _console({**s, "runs": [{**x, "workspace_bytes": 0} for x in s["runs"]]})
 
 
 def _linear_states_are_reported(s: dict) -> None:

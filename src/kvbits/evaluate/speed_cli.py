@@ -185,6 +185,8 @@ def _print(summary: dict, out: str | None) -> None:
                     cells.append("n/a")
                     continue
                 size = "" if r["cache_bytes"] is None else f", {fmt_bytes(r['cache_bytes'])}"
+                if r.get("workspace_bytes"):  # a --workspace run's dequantized history, held beside the K/V
+                    size += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
                 if r.get("linear_state_bytes"):  # a hybrid model's conv / recurrent states, beside the K/V
                     size += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
                 cells.append(f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x){size}")
