@@ -273,7 +273,10 @@ class QuantizedKVCache(Cache):
         scheme: preset name, dict, path to a scheme JSON or a ``KVScheme`` (``kvbits.get_scheme``).
         num_layers: number of layers (checked against the config when both are given).
         workspace: keep dequantized history per layer for faster token-by-token decoding
-            (reported as ``workspace_bytes``; results identical).
+            (reported as ``workspace_bytes``). Results are identical bit for bit for schemes without a
+            rotation; a rotated spec (``int4-token-hadamard``, ``fp8-e4m3-hadamard``) decodes and inverse-rotates
+            each flush on its own, a matmul over fewer rows than the one-shot decode, so the values may differ by
+            rounding, as the BLAS sums (1.8e-7..7e-7 seen in float32, about 1 ulp in float16).
         rotary: RoPE tables for ``pre_rope`` key specs (``RotaryTables.from_model(model)`` keeps the
             model's own frequency buffers); default: built from ``config`` on the K/V device.
         calibration: a ``kvbits.calibrate.CalibrationArtifact``, or the folder ``kvbits calibrate``

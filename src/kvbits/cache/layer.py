@@ -250,7 +250,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         layer_idx: index in the model (named in error messages and reports).
         sliding_window: ``W`` for a sliding-window layer, ``None`` for full attention.
         workspace: keep the dequantized history too (faster decode; reported apart, never in
-            ``total_bytes``); results are identical either way.
+            ``total_bytes``); results are identical either way for schemes without a rotation, and equal to
+            rounding for rotated ones (each flush is inverse-rotated on its own: ``QuantizedKVCache``).
         num_key_value_heads: ``H_kv`` of the model (from its config), or ``None`` (taken from the first update).
         head_repeat: ``g``: the model's attention hands ``update`` each of its ``H_kv`` heads repeated ``g``
             times in a row, ``(B, g * H_kv, q, D)`` (transformers' Falcon with ``new_decoder_architecture``
