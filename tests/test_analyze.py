@@ -628,6 +628,20 @@ def test_dead_channels_make_no_live_channel_an_outlier():
     assert rep.summary()["bits_lost_per_token"] == math.inf
 
 
+def test_threshold_help_says_the_median_is_over_live_channels():
+    """``kvbits analyze --help`` said the threshold multiplies "the median channel absmax of its head", but the
+    median is over the head's live channels only (above: with 3 of 7 channels dead the median is 1.0, not 0.9):
+    the help, the description and the table caption now say so."""
+    import argparse
+
+    from kvbits.cli import build_parser
+
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    analyze = sub.choices["analyze"]
+    (threshold,) = (a for a in analyze._actions if "--threshold" in a.option_strings)
+    assert "live" in threshold.help and "live" in analyze.description
+
+
 def test_int4_sqnr_prefers_channels_on_outlier_channels():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 2, 128, 64, generator=g)

@@ -233,7 +233,7 @@ def recommend(
     # without RoPE statistics: the keys as the model caches them, unless its RoPE could not be reproduced
     pre = "pre-RoPE " if has_post or keys_rotated_unseen else ""
     facts = (
-        f"{pre}key outlier channels (absmax > {threshold:g}x the head's median channel) in "
+        f"{pre}key outlier channels (absmax > {threshold:g}x the head's median live channel) in "
         f"{len(k_pre)}/{n} layers ({frac:.0%}; rule: > {layer_fraction:.0%})"
     )
     if has_post:
