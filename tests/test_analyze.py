@@ -312,6 +312,24 @@ def test_interleaved_rope_keys_are_labelled_as_before_rope():
     assert "interleaved" not in no_rope.recommendation["reason"]  # no RoPE at all: the keys are the cached ones
 
 
+def test_recommendation_from_saved_rows_keeps_the_before_rope_caveat(tmp_path):
+    """``recommend()`` re-run on ``analysis.json``'s rows of an interleaved-RoPE model (GLM here; GPT-J, Cohere) lost
+    the caveat that the key figures are from before RoPE: the flag was an argument only, not in the file. Now each
+    row says ``keys_rotated_unseen``; a file written before it (no such key) still reads, as before."""
+    cfg = transformers.GlmConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_hidden_layers=2, intermediate_size=64, vocab_size=64, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    res = analyze(model, torch.randint(1, 64, (1, 64)), sample_tokens=64, channel_group=32)
+    rows = json.loads(res.save(tmp_path)["json"].read_text())["layers"]
+    assert all(r["keys_rotated_unseen"] is True for r in rows)
+    again = recommend(rows, threshold=res.threshold, layer_fraction=res.layer_fraction, model=res.model, data=res.data)
+    assert again == res.recommendation and "interleaved pairs" in again["reason"]
+    old = [{k: v for k, v in r.items() if k != "keys_rotated_unseen"} for r in rows]  # an analysis.json from before
+    assert "interleaved" not in recommend(old)["reason"]
+    assert "interleaved" in recommend(old, keys_rotated_unseen=True)["reason"]
+
+
 def test_every_family_the_hooks_read_right_passes_the_probe():
     """The probe (``kvbits.analyze.verify``) accepts what the hooks read right: a plain family, norms in three
     layouts, partial rotary, sliding layers shorter than the probe, and a model without RoPE (values only)."""
