@@ -312,6 +312,24 @@ def test_interleaved_rope_keys_are_labelled_as_before_rope():
     assert "interleaved" not in no_rope.recommendation["reason"]  # no RoPE at all: the keys are the cached ones
 
 
+def test_recommendation_from_saved_rows_keeps_the_before_rope_caveat(tmp_path):
+    """``recommend()`` re-run on ``analysis.json``'s rows of an interleaved-RoPE model (GLM here; GPT-J, Cohere) lost
+    the caveat that the key figures are from before RoPE: the flag was an argument only, not in the file. Now each
+    row says ``keys_rotated_unseen``; a file written before it (no such key) still reads, as before."""
+    cfg = transformers.GlmConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_hidden_layers=2, intermediate_size=64, vocab_size=64, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    res = analyze(model, torch.randint(1, 64, (1, 64)), sample_tokens=64, channel_group=32)
+    rows = json.loads(res.save(tmp_path)["json"].read_text())["layers"]
+    assert all(r["keys_rotated_unseen"] is True for r in rows)
+    again = recommend(rows, threshold=res.threshold, layer_fraction=res.layer_fraction, model=res.model, data=res.data)
+    assert again == res.recommendation and "interleaved pairs" in again["reason"]
+    old = [{k: v for k, v in r.items() if k != "keys_rotated_unseen"} for r in rows]  # an analysis.json from before
+    assert "interleaved" not in recommend(old)["reason"]
+    assert "interleaved" in recommend(old, keys_rotated_unseen=True)["reason"]
+
+
 def test_every_family_the_hooks_read_right_passes_the_probe():
     """The probe (``kvbits.analyze.verify``) accepts what the hooks read right: a plain family, norms in three
     layouts, partial rotary, sliding layers shorter than the probe, and a model without RoPE (values only)."""
@@ -626,6 +644,20 @@ def test_dead_channels_make_no_live_channel_an_outlier():
     assert outlier_channels(absmax, 4.0) == [[0, 6]]
     rep.range_used_by_head = [0.0, 1.0]
     assert rep.summary()["bits_lost_per_token"] == math.inf
+
+
+def test_threshold_help_says_the_median_is_over_live_channels():
+    """``kvbits analyze --help`` said the threshold multiplies "the median channel absmax of its head", but the
+    median is over the head's live channels only (above: with 3 of 7 channels dead the median is 1.0, not 0.9):
+    the help, the description and the table caption now say so."""
+    import argparse
+
+    from kvbits.cli import build_parser
+
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    analyze = sub.choices["analyze"]
+    (threshold,) = (a for a in analyze._actions if "--threshold" in a.option_strings)
+    assert "live" in threshold.help and "live" in analyze.description
 
 
 def test_int4_sqnr_prefers_channels_on_outlier_channels():

@@ -74,6 +74,27 @@ def test_schemes_table_renders(capsys):
     assert "arXiv:2402.02750" in out  # KIVI's paper, shortened
 
 
+def test_speed_table_piped_is_not_cut(capsys, monkeypatch):
+    """``kvbits speed`` (like ``needle`` and ``tune``) printed its table on a plain ``Console()``: piped or in CI it
+    was fitted to 80 columns and a cell like "1234.5 (1.02x), 1.50 GiB + linear states 24.00 MiB" was cut to "…".
+    Every CLI now prints on ``kvbits._console.stdout_console``: a pipe's table is as wide as its cells."""
+    from kvbits.evaluate import speed_cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    contexts = [4096, 16384, 65536]
+    runs = [
+        {"context": c, "cache": name, "batch": 1, "path": "fused decode", "tokens_per_s": 1234.5, "speedup": 1.02,
+         "cache_bytes": 3 * 2**29, "linear_state_bytes": 24 * 2**20}
+        for c in contexts for name in ("DynamicCache", "kvquant-int2-long-name-g32")
+    ]  # fmt: skip
+    summary = {"batches": [1], "model": "m", "device": {"name": "cpu"}, "contexts": contexts, "runs": runs,
+               "schemes": [{"scheme": "kvquant-int2-long-name-g32"}], "tokens": 8, "wall_seconds": 3.0}  # fmt: skip
+    speed_cli._print(summary, None)
+    out = capsys.readouterr().out
+    assert "…" not in out and out.count("1234.5 (1.02x), 1.50 GiB + linear states 24.00 MiB") == 6
+
+
 def test_plan_json_worked_example(capsys):
     rows = run_json(capsys, ["plan", *WORKED, "--scheme", "fp16", "--json"])
     assert len(rows) == 1

@@ -349,6 +349,31 @@ def test_bucket_table_and_print_summary():
     assert "peak memory" not in text  # not recorded in this summary
 
 
+def test_print_summary_never_cuts_a_figure(capsys, monkeypatch):
+    """``kvbits eval`` piped to a log or run in CI (stdout not a terminal) printed its tables at rich's default 80
+    columns: a long scheme name was cut to "kvquant-in…" and the table squeezed. Now a pipe's lines are as long as
+    their content, and a narrow terminal folds a cell that does not fit onto the next line, never cutting it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    name = "kvquant-int2-long-name-g32"
+    s = _summary({"fp16": SCHEMES["fp16"], name: SCHEMES["kivi-2"], "int4-token": SCHEMES["int4-token"]})
+    print_summary(s)
+    out = capsys.readouterr().out
+    assert "…" not in out and f"│ {name} │" in out and "[+8.35, +15.65]" in out  # its 4K–8K CI on one line
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a 50-column terminal: fitted to it, nothing cut
+    monkeypatch.setenv("COLUMNS", "50")
+    print_summary(s)
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in _plain(out).splitlines()) <= 50
+
+
+def _plain(text: str) -> str:
+    """``text`` without ANSI escape sequences."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
 def test_peak_memory_in_header_and_terminal(tmp_path):
     s = _summary({k: SCHEMES[k] for k in ("fp16", "kivi-2")})
     s.update(peak_rss_bytes=int(1.5 * 2**30), peak_cuda_bytes=None)

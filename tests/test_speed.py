@@ -825,7 +825,7 @@ def _linear_states_are_reported(s: dict) -> None:
     assert md.count(shown) == len(s["runs"]) and "*Linear states: the hybrid model's" in md
     buf = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("rich.console.Console", lambda: Console(file=buf, width=400))
+        mp.setattr("kvbits._console.stdout_console", lambda: Console(file=buf, width=400))
         speed_cli._print(s, None)
     assert buf.getvalue().count(shown) == len(s["runs"])
     plain = {**s, "runs": [{**r, "linear_state_bytes": 0} for r in s["runs"]]}  # a model whose every layer attends

@@ -74,12 +74,9 @@ _gib = bounded(float, 0, what="a number of GiB")
 
 
 def _console() -> Any:
-    from rich.console import Console
+    from kvbits._console import stdout_console
 
-    console = Console()
-    if not console.is_terminal:  # pipes and captured output: do not squeeze tables into 80 columns
-        console = Console(width=200)
-    return console
+    return stdout_console()
 
 
 def _print_json(data: Any) -> None:

@@ -29,7 +29,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "analyze",
         help="find outlier channels in K (before/after RoPE) and V, per layer, and recommend a scheme",
         description="Run the model on calibration text with forward hooks and report, per layer: outlier "
-        "channels (absmax > THRESHOLD x the head's median channel) in pre-RoPE keys, post-RoPE keys and "
+        "channels (absmax > THRESHOLD x the median absmax of the head's live, non-zero channels) in pre-RoPE keys, post-RoPE keys and "
         "values; the share of the per-token quantization range they leave to ordinary channels; int4 "
         "SQNR per-token vs per-channel; and the scheme the decision flow recommends.",
         epilog="example:\n  kvbits analyze --model qwen2.5-coder-0.5b --data wikitext2 --context 512 --windows 2 "
@@ -47,7 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--threshold",
         type=_threshold,
         default=DEFAULT_THRESHOLD,
-        help=f"outlier rule: channel absmax > THRESHOLD x median channel absmax of its head (default {DEFAULT_THRESHOLD:g})",
+        help="outlier rule: channel absmax > THRESHOLD x the median absmax of its head's live channels (absmax > 0; "
+        f"a channel zero at every token is left out of the median) (default {DEFAULT_THRESHOLD:g})",
     )
     p.add_argument(
         "--layer-fraction",
@@ -194,7 +195,7 @@ def _print_table(result: Any, written: list[str]) -> None:
     d = result.to_dict()
     table = Table(
         title=f"kvbits analyze: {d['model']} on {d['data']}, {d['windows']} x {d['context']} tokens",
-        caption=f"outlier channel: absmax > {d['threshold']:g}x the median channel absmax of its KV head "
+        caption=f"outlier channel: absmax > {d['threshold']:g}x the median absmax of its KV head's live (non-zero) channels "
         f"(threshold {d['threshold']:g}); range used = median over tokens of max|x| of ordinary channels / "
         "max|x| (per-token scaling, worst head; per-channel scaling: 1); SQNR of int4 asymmetric, "
         f"per-token vs per-channel over {d['channel_group']} tokens",

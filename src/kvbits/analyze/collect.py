@@ -97,7 +97,8 @@ def kv_hooks(model: torch.nn.Module, callback: Callback) -> Iterator[list[KVSite
 
 @dataclass
 class LayerAnalysis:
-    """Statistics of one layer. ``key_post_rope`` is None for a model without RoPE."""
+    """Statistics of one layer. ``key_post_rope`` is None for a model without RoPE, and for one whose RoPE kvbits
+    can not reproduce (interleaved pairs: ``keys_rotated_unseen``, the cache holds keys rotated after these)."""
 
     layer: int
     rot_dim: int
@@ -105,12 +106,16 @@ class LayerAnalysis:
     key_post_rope: TensorReport | None
     value: TensorReport
     samples: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    keys_rotated_unseen: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         post = self.key_post_rope
         return {
             "layer": self.layer,
             "rot_dim": self.rot_dim,
+            # in the row, so that recommend() re-run on analysis.json's rows keeps its "before RoPE" caveat
+            # (files written before it have no such key: read as False)
+            "keys_rotated_unseen": self.keys_rotated_unseen,
             "key_outlier_channels_pre_rope": self.key_pre_rope.outliers,
             "key_outlier_channels_post_rope": post.outliers if post else None,  # None: not computed
             "value_outlier_channels": self.value.outliers,
@@ -342,15 +347,14 @@ def analyze(
             samples = {k: v.sampled(n_blocks).cpu() for k, v in st.items() if v.count}
             samples["positions"] = st["key_pre_rope"].positions[:n_blocks].clone()
         rot = layer_tables[s.layer_idx].rot_dim if s.layer_idx in layer_tables else 0
-        layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples))
+        layers.append(LayerAnalysis(s.layer_idx, rot, pre, post, val, samples, keys_rotated_unseen=not reproducible))
         del stats[s.layer_idx]  # drop this layer's accumulators before finalizing the next
     result = Analysis(
         model_name, data_name, T, W, threshold, layer_fraction, block, sample_tokens, layers, fingerprint,
         sampled_tokens=n_blocks * block,
     )
     result.recommendation = recommend(
-        [la.to_dict() for la in layers],
-        keys_rotated_unseen=not reproducible,
+        [la.to_dict() for la in layers],  # their keys_rotated_unseen: not reproducible
         layer_fraction=layer_fraction,
         threshold=threshold,
         model=model_name,

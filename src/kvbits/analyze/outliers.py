@@ -199,7 +199,8 @@ def recommend(
     are the rows' own, int4 whatever ``bits``.
 
     ``keys_rotated_unseen``: the model rotates its keys in a way kvbits can not reproduce (interleaved pairs), so
-    the key figures are from before RoPE while the cache quantizes them after it; the reason says so.
+    the key figures are from before RoPE while the cache quantizes them after it; the reason says so. A row's own
+    ``keys_rotated_unseen`` (as ``analysis.json`` writes it; absent in files written before it: False) counts too.
 
     With outlier channels, ``per_token_scheme`` names the calibrated per-token alternative for deployments
     that need one scale per token (``int{bits}-token-smooth-prerope``), calibrated and verified beside.
@@ -211,6 +212,7 @@ def recommend(
     check_layer_fraction(layer_fraction)
     check_threshold(threshold)
     n = len(layers)
+    keys_rotated_unseen = keys_rotated_unseen or any(r.get("keys_rotated_unseen") is True for r in layers)
     k_pre = [r["layer"] for r in layers if r["key_outlier_channels_pre_rope"]]
     k_post = [r["layer"] for r in layers if r["key_outlier_channels_post_rope"]]
     v_out = [r["layer"] for r in layers if r["value_outlier_channels"]]
@@ -233,7 +235,7 @@ def recommend(
     # without RoPE statistics: the keys as the model caches them, unless its RoPE could not be reproduced
     pre = "pre-RoPE " if has_post or keys_rotated_unseen else ""
     facts = (
-        f"{pre}key outlier channels (absmax > {threshold:g}x the head's median channel) in "
+        f"{pre}key outlier channels (absmax > {threshold:g}x the head's median live channel) in "
         f"{len(k_pre)}/{n} layers ({frac:.0%}; rule: > {layer_fraction:.0%})"
     )
     if has_post:

@@ -91,12 +91,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _summary(art: Any, shown_layers: int = 3) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(stderr=False)
-    if not console.is_terminal:
-        console = Console(width=160)
+    from kvbits._console import stdout_console
+
+    console = stdout_console()
     m, d = art.meta["model"], art.meta["data"]
     console.print(f"[bold]calibration written to[/bold] {art.path}")
     console.print(

@@ -159,13 +159,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(summary: dict, out: str | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvbits._console import stdout_console
     from kvbits.report.fmt import fmt_pos
     from kvbits.report.needle import _pct, kept_cell
 
-    console = Console()
+    console = stdout_console()
     contexts, depths = summary["contexts"], summary["depths"]
     table = Table(
         title=f"passkey retrieved, {summary['model']} on {summary['data']} ({summary['semantics']} semantics)"

@@ -162,12 +162,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(summary: dict, out: str | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvbits._console import stdout_console
     from kvbits.report.fmt import fmt_bytes, fmt_pos
 
-    console = Console()
+    console = stdout_console()
     for batch in summary["batches"]:
         table = Table(title=f"decode tokens/s (x DynamicCache) and cache bytes, {summary['model']}, batch {batch}, "
                       f"{summary['device']['name']}")  # fmt: skip

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbits._console import fold_columns
 from kvbits.report.fmt import (
     DEFAULT_THRESHOLD,
     NA,
@@ -300,7 +301,7 @@ def bucket_table(summary: RunSummary | Mapping[str, Any], threshold: float = DEF
             t.append(f"\n{fmt_kl(b.kl)} · {fmt_frac(b.top1)}", style="dim")
             cells.append(t)
         table.add_row(*cells)
-    return table
+    return fold_columns(table)
 
 
 def rich_table(data: TableData) -> Table:
@@ -313,7 +314,7 @@ def rich_table(data: TableData) -> Table:
         table.add_column(h, justify="right" if i in data.right else "left")
     for row in data.rows:
         table.add_row(*(Text(c.text, style=_RICH_TONE.get(c.tone, "")) for c in row))
-    return table
+    return fold_columns(table)
 
 
 def print_summary(
@@ -326,11 +327,12 @@ def print_summary(
 
     ``summary`` is a parsed ``summary.json``, a :class:`RunSummary`, or a path to a run folder.
     """
-    from rich.console import Console
     from rich.markup import escape
 
+    from kvbits._console import stdout_console
+
     run = RunSummary.coerce(summary)
-    console = console or Console()
+    console = console or stdout_console()
     console.print(
         f"[bold]{escape(run.model)}[/] on [bold]{escape(run.data)}[/]: context {run.context}, "
         f"{escape(run.semantics)} semantics, {escape(run.mode)} mode, {run.windows} window(s)"

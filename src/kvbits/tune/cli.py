@@ -186,10 +186,11 @@ def calibration_dir(out: str | Path) -> Path:
 
 
 def _print(res: Any, out: str | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from kvbits._console import stdout_console
+
+    console = stdout_console()
     table = Table(title=f"KL with one layer quantized (nats), {res.meta['model']} on {res.meta['data']}")
     table.add_column("layer", justify="right")
     for name, bits in zip(res.candidates, res.bits):
