@@ -719,6 +719,23 @@ def test_a_mix_vllm_serves_with_skipped_layers_is_refused_with_how_to_serve_it(t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tuned_mix_on_an_fp16_base_is_refused_with_how_to_serve_it(tmp_path):
+    """kvbits tune takes as base the candidate most layers use, so a loose budget writes ``fp16,1=fp8-e4m3``: its
+    calibration's refusal said only "calibrate a uniform FP8 scheme" (the hint needed the layer count, which the
+    calibration records), though vLLM serves the mix as fp8 with layers 0 and 2 skipped: it now says so."""
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=gen) for _ in range(3)]
+    art = artifact_from_samples("fp16,1=fp8-e4m3", k, k, meta={"data": {"context": 64}})
+    with pytest.raises(ValueError, match=r"serves this mix as fp8-e4m3 with layers \[0, 2\] unquantized.*"
+                                         r"--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 2$"):
+        export_vllm(art, tmp_path / "out")
+    head = artifact_from_samples("fp16,0=fp8-e4m3-head", k, k, meta={"data": {"context": 64}})
+    with pytest.raises(ValueError, match=r"serves this mix as fp8-e4m3-head with layers \[1, 2\] unquantized.*"
+                                         r"--kv-cache-dtype-skip-layers 1 2 --attention-backend FLASH_ATTN$"):
+        export_vllm(head, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_record_and_cli_warn_against_calculate_kv_scales(fp8, tmp_path, capsys):
     """The export's serve line left out that ``--calculate-kv-scales`` would make vLLM skip the exported scales (it
     computes its own from the first batch); the record's notes and the printed output now say so."""

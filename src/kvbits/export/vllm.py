@@ -115,7 +115,7 @@ def check_exportable(art: CalibrationArtifact) -> None:
     if scheme.is_mixed:
         raise ValueError(
             f"calibration of scheme {scheme.name!r} mixes schemes per layer; vLLM's kv_cache_scheme is one scheme "
-            f"for every layer: calibrate a uniform FP8 scheme (fp8-e4m3){_skip_hint(scheme)}"
+            f"for every layer: calibrate a uniform FP8 scheme (fp8-e4m3){_skip_hint(scheme, art.num_layers)}"
         )
     for side in ("key", "value"):
         spec = getattr(scheme, side)
@@ -168,17 +168,21 @@ def check_exportable(art: CalibrationArtifact) -> None:
 _NO_VLLM_KV_SCALES = frozenset({"jamba", "lfm2"})
 
 
-def _skip_hint(scheme: KVScheme) -> str:
-    """For a mix vLLM serves as one FP8 format with some layers unquantized (``fp8-e4m3,0=fp16``): how to export and
-    serve it (the base calibrated uniformly, the other layers skipped); else nothing."""
+def _skip_hint(scheme: KVScheme, num_layers: int) -> str:
+    """For a mix vLLM serves as one FP8 format with some layers unquantized (``fp8-e4m3,0=fp16``, or an fp16 base
+    with FP8 layers, ``fp16,1=fp8-e4m3``, as kvbits tune writes when most layers stay fp16): how to export and
+    serve it (that FP8 format calibrated uniformly, the other layers skipped); else nothing. ``num_layers``: the
+    model's layer count (the calibration's), which an fp16 base needs to list its skipped layers."""
     from kvbits.export.vllm_flags import FP8_STATIC, match_preset, vllm_cache_args
 
     try:
-        args = vllm_cache_args(scheme)
+        args = vllm_cache_args(scheme, num_layers)
     except ValueError:
         return ""
-    base = match_preset(scheme.replace(layers=()), FP8_STATIC)
-    if base is None or not args.skip_layers:
+    stored = [match_preset(scheme.replace(layers=()), FP8_STATIC)]
+    stored += [match_preset(sub, FP8_STATIC) for _, sub in scheme.layers]
+    base = next((name for name in stored if name is not None), None)
+    if base is None or args.kv_cache_dtype != "fp8" or not args.skip_layers:
         return ""
     return (
         f"; vLLM serves this mix as {base} with layers {list(args.skip_layers)} unquantized: calibrate "
