@@ -300,6 +300,48 @@ def test_samples_collected_once_serve_schemes_with_different_sinks(calibrated):
         samples.without_sinks(1).without_sinks(0)
 
 
+def test_a_calibration_is_refused_for_fewer_sinks_than_it_was_fitted_without(calibrated, tmp_path):
+    """kvquant-4's artifact is fitted without its sink token (position 0 of each window). A copy of the scheme with
+    ``sinks=0`` passed ``check_scheme`` (only the K/V specs were compared) and quantized the sink against ranges that
+    never saw it: with token 0 twenty times larger than the rest (an attention sink's outlier K/V), 29 more of its 32
+    key values per layer clipped (141 -> 170 of layer 0's). Now fewer sinks than the fit left out are refused, naming
+    both counts; more sinks are served (those tokens are kept exact). An artifact that does not record the count
+    (written before ``excluded_sink_tokens``) is taken at its scheme's sinks; a composed one records each layer's."""
+    from dataclasses import replace
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.cache.static import StaticQuantizedKVCache
+    from kvbits.calibrate import compose_artifact
+    from kvbits.schemes import mixed_scheme
+
+    model, art, out = calibrated
+    kv4 = get_scheme("kvquant-4")
+    no_sink = kv4.replace(name="kvq4-nosink", sinks=0)
+    refused = r"fitted without the first 1 tokens .* scheme 'kvq4-nosink' keeps 0.* sinks >= 1"
+    with pytest.raises(ValueError, match=refused):
+        art.check_scheme(no_sink)
+    with pytest.raises(ValueError, match=refused):
+        QuantizedKVCache(config=model.config, scheme=no_sink, calibration=art)
+    with pytest.raises(ValueError, match=refused):
+        StaticQuantizedKVCache(config=model.config, scheme=no_sink, max_cache_len=16, calibration=out)
+    with pytest.raises(ValueError, match=refused):
+        load_calibration(out, scheme=no_sink)
+    art.check_scheme(kv4.replace(name="kvq4-4sinks", sinks=4))  # more sinks: harmless
+    old = replace(art, meta={**art.meta, "data": {k: v for k, v in art.meta["data"].items() if k != "excluded_sink_tokens"}})
+    assert old.fitted_sinks(0) == 1
+    with pytest.raises(ValueError, match=refused):
+        old.check_scheme(no_sink)
+    # a mix whose layer 1 keeps no sink: kvquant-4's layer 1 does not fit it (compose), nor serves it (check_scheme)
+    mix = mixed_scheme(kv4, {1: no_sink})
+    with pytest.raises(ValueError, match="layer 1 of scheme"):
+        compose_artifact(mix, [art])
+    with pytest.raises(ValueError, match=r"fitted without the first 1 tokens of each window layer 1"):
+        art.check_scheme(mix)
+    bad = replace(art, meta={**art.meta, "data": {**art.meta["data"], "excluded_sink_tokens": [1]}})
+    with pytest.raises(ValueError, match=r"excluded_sink_tokens must be a non-negative integer, or 2 of them"):
+        bad.save(tmp_path / "bad")
+
+
 def test_calibrate_writes_and_loads_the_same_tensors(calibrated):
     model, art, out = calibrated
     assert (out / TENSORS_FILE).is_file() and (out / META_FILE).is_file()

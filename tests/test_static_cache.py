@@ -1287,3 +1287,45 @@ def test_integer_zero_point_clips_are_counted_as_the_quantized_cache_counts_them
         report = dyn.calibration_report()["layers"][0]
         assert report["clipped_keys"] > 0 and report["clipped_values"] == 0
         assert cache.clipped() == [{"layer": 0, "clipped_keys": report["clipped_keys"], "clipped_values": 0}]
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_static_cache_calibration_report_is_the_quantized_caches(window: bool):
+    """``StaticQuantizedKVCache`` had ``clipped()`` and no ``calibration_report()``: ``add_clipping`` (kvbits eval's
+    and needle's clipped fractions) added nothing for it, silently, and neither the elements quantized nor the
+    positions past the calibrated context were reported. Now its report has ``QuantizedKVCache``'s fields and, for the
+    same K/V and artifact, its values (static FP8 scales and 2 sinks; KVQuant's block recipe: NUQ codebooks, a flush
+    window of 4-token blocks, 3 sinks): here 24 positions against a 16-token calibration, K/V far beyond the FP8
+    scales (they clip)."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.measures import add_clipping
+
+    model = build("llama")
+    cfg = model.config
+    H, D = cfg.num_key_value_heads, cfg.head_dim
+    scheme = KVQUANT_BLOCK if window else replace(get_scheme("fp8-e4m3"), name="fp8-sinks2", sinks=2)
+    ids = torch.randint(1, VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
+    art = calibrate(model, ids, scheme, context=16, windows=2, fisher=False)
+    dyn = QuantizedKVCache(config=cfg, scheme=scheme, calibration=art)
+    cache = StaticQuantizedKVCache(config=cfg, scheme=scheme, max_cache_len=32, calibration=art)
+    assert cache.calibration_report()["layers"][0] == {
+        "layer": 0, "clipped_keys": 0, "clipped_values": 0, "quantized_keys": 0, "quantized_values": 0,
+        "max_position": -1, "positions_beyond_calibrated": 0,
+    }  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for q in (10, 1, 1, 11, 1):
+        for i in range(cfg.num_hidden_layers):
+            k, v = torch.randn(2, H, q, D, generator=g) * 50, torch.randn(2, H, q, D, generator=g) * 50
+            dyn.update(k, v, i)
+            cache.update(k, v, i)
+    want, got = dyn.calibration_report(), cache.calibration_report()
+    assert got == want, (got, want)
+    assert got["max_calibrated_length"] == 16
+    row = got["layers"][0]
+    assert row["max_position"] == 23 and row["positions_beyond_calibrated"] == 8
+    assert window or (row["clipped_keys"] > 0 and row["clipped_values"] > 0)  # NUQ ranges per block/token: none
+    assert row["quantized_keys"] == (20 if window else 22) * 2 * H * D
+    totals: dict[str, int] = {}
+    add_clipping(totals, cache)
+    assert totals["keys"] == sum(r["clipped_keys"] for r in want["layers"])
+    assert totals["keys_elements"] == sum(r["quantized_keys"] for r in want["layers"]) > 0

@@ -67,7 +67,8 @@ one row per sequence in the kernels' layout), NUQ codebooks, dense-and-sparse ou
 slots like the codes), centred / smoothed keys; so KVQuant's recipe (``kvquant-4``: pre-RoPE NUQ keys, NUQ values, 1 %
 outliers, a sink) and ``*-token-smooth[-prerope]`` are held. Values saturated against static ranges (or under vLLM's
 integer zero-points, where a token's range excludes 0) are counted on the device when a token's codes are final
-(``clipped()``). A cache reserving positions past the artifact's calibrated
+(``clipped()``; ``calibration_report()``, as ``QuantizedKVCache``'s, with the elements quantized and the positions past the
+calibrated context). A cache reserving positions past the artifact's calibrated
 context says so once, when the artifact is installed (replayed steps are not seen by the host). A windowed scheme may
 keep sinks too (``kvquant-4-block``: KVQuant's per-channel keys over 128-token blocks, a sink): its full-precision slab
 holds the ``sinks`` slots, then the window's ring; quantized slot ``i`` holds position ``sinks + i``. Hadamard-rotated
@@ -857,6 +858,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def get_max_cache_shape(self) -> int:  # transformers before 5.16's name
         return self.max_cache_len
 
+    def quantized_tokens(self) -> int:
+        """Tokens of each sequence held quantized now (one host read): the flushed blocks of a windowed layer, else
+        every token past the sinks; 0 before the first update and for a float layer."""
+        if not self.is_initialized or self.scheme.is_identity:
+            return 0
+        if self.windowed:
+            return int(self.qlen)
+        return max(0, int(self.length) - self.scheme.sinks)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The counters, lengths, window positions and check maxima: the step's state, not K/V."""
         ts = (self.length, self.qlen, self.lens, self._other_lens, self.window_pos, self.maxima, self._step_max,
@@ -1060,6 +1070,7 @@ class StaticQuantizedKVCache(Cache):
                   for i in range(num_layers)]  # fmt: skip
         super().__init__(layers=layers)
         self._fresh: list[bool] = []  # per layer, whether the current request allocated its slabs (_undo_request)
+        self.calibration: Any = None  # the installed artifact (install_calibration)
         if calibration is not None:
             self.install_calibration(calibration)
 
@@ -1197,6 +1208,40 @@ class StaticQuantizedKVCache(Cache):
         return [{"layer": layer.layer_idx, "clipped_keys": int(layer.clipped[0]), "clipped_values": int(layer.clipped[1])}
                 for layer in self.layers if layer.is_initialized]  # fmt: skip
 
+    @property
+    def max_calibrated_length(self) -> int | None:
+        """The longest context the installed calibration artifact saw (``None``: no artifact, or it does not say)."""
+        longest = getattr(self.calibration, "max_calibrated_length", None)
+        return None if longest is None else int(longest)
+
+    def calibration_report(self) -> dict[str, Any]:
+        """Calibration/serving mismatch per layer, in ``QuantizedKVCache.calibration_report``'s form (``add_clipping``
+        and the reports read either): ``clipped_keys`` / ``clipped_values`` as ``clipped()`` counts them, out of the
+        elements held quantized now (``quantized_keys`` / ``quantized_values``: tokens past the sinks and out of the
+        window x batch x KV heads x head dim; ``QuantizedKVCache`` counts those quantized so far, the same until a
+        sliding window drops some, which this cache has none of), the last position written and, with a calibration
+        artifact installed, how many positions lie beyond its calibrated length. Runs the lazy checks first; reads
+        the device counters back (a host sync per layer)."""
+        self.check_inputs()
+        longest = self.max_calibrated_length
+        rows = []
+        for layer in self.layers:
+            seen = int(layer.length) if layer.is_initialized else 0
+            per_token = 0 if layer._shape is None else layer._shape[0] * layer._shape[1] * layer._shape[2]
+            tokens = layer.quantized_tokens()
+            row = {
+                "layer": layer.layer_idx,
+                "clipped_keys": int(layer.clipped[0]) if layer.is_initialized else 0,
+                "clipped_values": int(layer.clipped[1]) if layer.is_initialized else 0,
+                "quantized_keys": tokens * per_token if layer.scheme.key.is_quantized else 0,
+                "quantized_values": tokens * per_token if layer.scheme.value.is_quantized else 0,
+                "max_position": seen - 1,
+            }
+            if longest is not None:
+                row["positions_beyond_calibrated"] = max(0, seen - longest)
+            rows.append(row)
+        return {"scheme": self.scheme.name, "max_calibrated_length": longest, "layers": rows}
+
     def set_static_qparams(
         self, layer_idx: int, side: str, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, *,
         codebook: torch.Tensor | None = None, mean: torch.Tensor | None = None, factor: torch.Tensor | None = None,
@@ -1212,13 +1257,14 @@ class StaticQuantizedKVCache(Cache):
         from kvbits.calibrate import checked_artifact
 
         artifact = checked_artifact(artifact, self.scheme, self._config, len(self.layers))
+        self.calibration = artifact  # calibration_report's max_calibrated_length
         longest = getattr(artifact, "max_calibrated_length", None)
         if longest is not None and self._max_len > int(longest) and "length" not in artifact.logged:
             artifact.logged.add("length")  # once per artifact, as QuantizedKVCache says it
             logger.warning(
                 "StaticQuantizedKVCache (scheme %s): max_cache_len=%d reserves positions past the %d-token context its "
                 "calibration artifact was calibrated on (max_calibrated_length): they would be served with statistics "
-                "extrapolated from shorter contexts (clipped() counts what saturates). Replayed steps are not seen by "
+                "extrapolated from shorter contexts (calibration_report() counts what saturates). Replayed steps are not seen by "
                 "the host, so this is said here, once per artifact; recalibrate with `kvbits calibrate --context` "
                 "covering the longest context served.", self.scheme.name, self._max_len, int(longest),
             )  # fmt: skip

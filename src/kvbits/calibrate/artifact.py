@@ -272,6 +272,18 @@ class CalibrationArtifact:
         extrapolation (pre-RoPE keys depend little on position, but warn past it)."""
         return int(self.meta["data"]["context"])
 
+    def fitted_sinks(self, layer: int) -> int:
+        """The first tokens of each window that layer ``layer``'s parameters were fitted without (the sinks the
+        scheme it was calibrated for keeps exact): ``data.excluded_sink_tokens`` (one count, or one per layer of
+        ``kv_layers``) where recorded, else the sinks of ``scheme.for_layer(layer)``, which ``kvbits calibrate`` always
+        leaves out (an artifact fitted from samples directly may not record the count)."""
+        recorded = self.meta.get("data", {}).get("excluded_sink_tokens")
+        if _is_int(recorded):
+            return recorded
+        if isinstance(recorded, list) and len(recorded) == len(self.kv_layers) and layer in self.kv_layers:
+            return int(recorded[self.kv_layers.index(layer)])
+        return self.scheme.for_layer(layer).sinks
+
     @property
     def layer_stats(self) -> list[dict[str, Any]]:
         """Per-layer calibration statistics (clipping rates, codebook gains)."""
@@ -363,7 +375,10 @@ class CalibrationArtifact:
         """Raise ``ValueError`` unless ``scheme`` stores K and V as this artifact was calibrated for (in
         every layer, for mixed schemes): each side ``scheme`` calibrates (``TensorSpec.calibratable``) by the spec
         the artifact's scheme has there; the artifact's other sides are not installed. A ``scheme`` that calibrates
-        nothing at all is refused: the whole artifact would be ignored."""
+        nothing at all is refused: the whole artifact would be ignored. So is a ``scheme`` keeping fewer sinks in a
+        calibrated layer than the parameters were fitted without (``fitted_sinks``): its first tokens, attention sinks
+        whose K/V are outliers, would be quantized against ranges that never saw them (they clip); more sinks are
+        harmless (those tokens are kept exact)."""
         if not scheme.calibratable():
             raise ValueError(
                 f"scheme {scheme.name!r} calibrates nothing (no static scales, codebooks or channel vectors); this "
@@ -371,15 +386,26 @@ class CalibrationArtifact:
                 f"or serve scheme {self.scheme.name!r}"
             )
         for i in self.kv_layers:
+            where = f" layer {i}" if self.scheme.is_mixed or scheme.is_mixed else ""
+            calibrated = False
             for side in SIDES:
                 mine, theirs = self._spec(side, i), getattr(scheme.for_layer(i), side)
+                calibrated = calibrated or spec_calibratable(theirs)
                 if spec_calibratable(theirs) and mine != theirs:
-                    where = f" layer {i}" if self.scheme.is_mixed or scheme.is_mixed else ""
                     raise ValueError(
                         f"calibration{'' if self.path is None else ' in ' + str(self.path)} was made for scheme "
                         f"{self.scheme.name!r} ({side}{where}: {mine}), not for scheme {scheme.name!r} "
                         f"({side}{where}: {theirs}); re-run kvbits calibrate with this scheme"
                     )
+            fitted, served = self.fitted_sinks(i), scheme.for_layer(i).sinks
+            if calibrated and served < fitted:
+                raise ValueError(
+                    f"calibration{self._where()} (scheme {self.scheme.name!r}) was fitted without the first {fitted} "
+                    f"tokens of each window{where} (the sinks it keeps exact); scheme {scheme.name!r} keeps "
+                    f"{served}{where}, so positions {served}..{fitted - 1} would be quantized against ranges that never "
+                    f"saw them (attention sinks are outliers: they clip); serve it with sinks >= {fitted}, or re-run "
+                    "kvbits calibrate with this scheme"
+                )
 
     def check_model(
         self, model_config: Any = None, fingerprint: str | None = None, *, known_only: bool = False
@@ -628,6 +654,14 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
             return field(f"data.{k}", data[k], "a positive integer or null")
     if data.get("name") is not None and not isinstance(data["name"], str):
         return field("data.name", data["name"], "a string or null")
+    excluded = data.get("excluded_sink_tokens")
+    n_held = model["num_layers"] if kv_layers is None else len(kv_layers)
+    if excluded is not None and not (
+        (_is_int(excluded) and excluded >= 0)
+        or (isinstance(excluded, list) and len(excluded) == n_held and all(_is_int(n) and n >= 0 for n in excluded))
+    ):
+        return field("data.excluded_sink_tokens", excluded,
+                     f"a non-negative integer, or {n_held} of them (one per calibrated layer)")  # fmt: skip
     record = meta["files"].get(TENSORS_FILE) if files else {"bytes": 0, "sha256": "0" * 64}
     if not isinstance(record, dict):
         return field(f"files.{TENSORS_FILE}", record, "a JSON object with bytes and sha256")

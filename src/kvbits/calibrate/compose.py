@@ -26,8 +26,11 @@ def _fit_rank(art: CalibrationArtifact, layer: int, scheme: KVScheme) -> int | N
     """How well ``art``'s layer ``layer`` serves ``scheme`` (a flat scheme): None when some side ``scheme``
     calibrates is stored otherwise there (``check_scheme``'s test), 0 when the layer was calibrated for
     ``scheme`` itself, 1 for the same scheme under another name, 2 for equal calibrated sides only (other
-    sinks, residual or dynamic sides: the fit may differ)."""
+    sinks, residual or dynamic sides: the fit may differ). None too when the layer was fitted without more sinks
+    than ``scheme`` keeps (``check_scheme`` refuses serving it: those tokens would clip)."""
     mine = art.scheme.for_layer(layer)
+    if art.fitted_sinks(layer) > scheme.sinks:
+        return None
     for side in SIDES:
         theirs = getattr(scheme, side)
         if theirs.calibratable and getattr(mine, side) != theirs:
@@ -106,6 +109,7 @@ def compose_artifact(
     tensors: dict[str, Any] = {}
     stats: list[dict[str, Any]] = []  # one row per layer in kv_layers, as the sources hold them
     layers: list[dict[str, Any] | None] = []
+    fitted_sinks: list[int] = []  # per layer in kv_layers: the first tokens its parameters were fitted without
     used: list[CalibrationArtifact] = []
     for i in range(n_layers):
         sub = scheme.for_layer(i)
@@ -115,6 +119,7 @@ def compose_artifact(
         if not sub.calibratable():
             stats.append({})
             layers.append(None)
+            fitted_sinks.append(0)  # nothing fitted
             continue
         ranked = [(r, a) for a in arts if (r := _fit_rank(a, i, sub)) is not None]
         if not ranked:
@@ -139,6 +144,7 @@ def compose_artifact(
                 )
         src = fits[0]
         tensors.update(mine)
+        fitted_sinks.append(src.fitted_sinks(i))
         j = kv_layers.index(i)  # stats rows follow kv_layers
         row = src.layer_stats[j] if j < len(src.layer_stats) else {}
         stats.append({k: v for k, v in row.items() if k.startswith(sides)})
@@ -152,6 +158,8 @@ def compose_artifact(
         )
     data = {k: v for k, v in used[0].meta["data"].items() if all(u.meta["data"].get(k) == v for u in used)}
     data["context"] = min(u.max_calibrated_length for u in used)  # positions beyond it: beyond some layer's
+    # each layer's, so check_scheme refuses serving a layer with fewer sinks than its source was fitted without
+    data["excluded_sink_tokens"] = fitted_sinks[0] if len(set(fitted_sinks)) == 1 else fitted_sinks
     meta: dict[str, Any] = {
         k: used[0].meta[k]
         for k in ("percentile", "fisher", "kmeans", "dtype", "device", "fp8_scale", "tie_rope_pairs")

@@ -23,7 +23,8 @@ def add_counts(into: dict[str, int], counts: Mapping[str, int]) -> None:
 
 
 def add_clipping(into: dict[str, int], cache: Any) -> None:
-    """Add what a real ``QuantizedKVCache`` clipped (``calibration_report()``, summed over layers) to ``into``,
+    """Add what a real ``QuantizedKVCache`` or ``StaticQuantizedKVCache`` clipped (``calibration_report()``, summed over
+    layers) to ``into``,
     in the simulator's form: ``keys`` / ``values`` (values clipped against their scales) and ``keys_elements`` /
     ``values_elements`` (elements quantized). A peer's cache (no ``calibration_report``) adds nothing."""
     report = getattr(cache, "calibration_report", None)
