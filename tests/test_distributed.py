@@ -151,14 +151,23 @@ def single(tmp_path_factory):
 TIMINGS = ("reference_seconds", "wall_seconds", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes")
 
 
-def _numbers(summary: dict) -> dict:
-    """A summary without what differs between runs of the same computation: timings, memory, ranks."""
+def _canon(summary: dict) -> str:
+    """``summary`` (in memory, or read from summary.json with its "NaN" strings) as sorted JSON: equal for equal
+    runs, NaN included (a bucket of one resampling unit has a NaN interval, and NaN != NaN in a dict comparison)."""
+    from kvbits import _json
+
+    return json.dumps(_json.loads(_json.dumps(summary)), sort_keys=True)  # "NaN" as summary.json spells it, too
+
+
+def _numbers(summary: dict) -> str:
+    """A summary without what differs between runs of the same computation (timings, memory, ranks), as
+    ``_canon``."""
     s = json.loads(json.dumps(summary))
     for key in (*TIMINGS, "world_size"):
         s.pop(key)
     for r in s["results"]:
         r.pop("seconds")
-    return s
+    return _canon(s)
 
 
 def _ok(outcome: tuple) -> dict:
@@ -172,7 +181,7 @@ def test_every_rank_returns_the_single_process_summary(ranks, single, key):
     counters summed over the ranks)."""
     (r0, r1), _ = ranks
     s0, s1 = _ok(r0[key]), _ok(r1[key])
-    assert s0 == s1  # timings and memory included: combined the same way on every rank
+    assert _canon(s0) == _canon(s1)  # timings and memory included: combined the same way on every rank
     assert s0["world_size"] == 2 and single[0][key]["world_size"] == 1
     assert _numbers(s0) == _numbers(single[0][key])
     assert s0["windows"] == (1 if key == "w1" else 3)
@@ -206,7 +215,7 @@ def test_rank0_wrote_what_one_process_writes(ranks, single, key):
     assert (dist_dir / "records.jsonl").read_text() == (one_dir / "records.jsonl").read_text()
     assert (dist_dir / "DONE").read_text() == (one_dir / "DONE").read_text()
     stored = json.loads((dist_dir / "summary.json").read_text())
-    assert stored == json.loads(json.dumps(_ok(r0[key])))
+    assert _canon(stored) == _canon(_ok(r0[key]))
     assert _numbers(stored) == _numbers(json.loads((one_dir / "summary.json").read_text()))
     c2, c1 = (json.loads((d / "config.json").read_text()) for d in (dist_dir, one_dir))
     assert (c2["world_size"], c1["world_size"]) == (2, 1)
@@ -230,7 +239,7 @@ def test_finished_run_reused_by_every_rank_and_by_one_process(ranks, tmp_path):
 
     (r0, r1), work = ranks
     for r in (r0, r1):
-        assert _ok(r["w3-again"]) == json.loads(json.dumps(_ok(r0["w3"]))) and r["skips"] == 1
+        assert _canon(_ok(r["w3-again"])) == _canon(_ok(r0["w3"])) and r["skips"] == 1
     skipped = []
     again = evaluate(_model(), _ids(3), CONTEXT, SCHEMES, windows=3, out_dir=work / "w3", attn_layers=ATTN,
                      on_skip=skipped.append)  # fmt: skip
