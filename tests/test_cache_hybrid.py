@@ -45,18 +45,24 @@ def _generate(model, ids, cache):
     return model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
+def _reference_run(make) -> tuple:
+    """``(config, model, ids (2, 9), DynamicCache, its generated ids)``: a tiny random model of ``make()`` and the
+    tokens transformers' own cache generates, which the quantized caches are held to."""
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 96, (2, 9))
+    ref_cache = DynamicCache(config=cfg)
+    return cfg, model, ids, ref_cache, _generate(model, ids, ref_cache)
+
+
 @pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
 def test_hybrid_model_generates_as_dynamic_cache_and_reports_plan_bytes(make):
     """Was: ``NotImplementedError: layer 0 has type 'conv'`` (``'linear_attention'`` for Qwen3-Next) for every
     scheme. Now fp16 generates DynamicCache's tokens bit for bit, int8-token its tokens too (tiny random model),
     ``total_bytes`` equals ``kvbits.plan`` (attention layers 1 and 3 only) and ``linear_state_bytes`` what
     DynamicCache's conv / recurrent states hold."""
-    cfg = make()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(1, 96, (2, 9))
-    ref_cache = DynamicCache(config=cfg)
-    want = _generate(model, ids, ref_cache)
+    cfg, model, ids, ref_cache, want = _reference_run(make)
     context = want.shape[1] - 1  # the last token generated is never cached
     for scheme in ("fp16", "int8-token"):
         cache = QuantizedKVCache(config=cfg, scheme=scheme)
@@ -109,12 +115,7 @@ def test_hybrid_layers_quantize_their_attention_and_keep_their_state(make):
     from kvbits.cache.cache import linear_state_bytes
     from kvbits.cache.hybrid import QuantizedHybridLayer
 
-    cfg = make()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(1, 96, (2, 9))
-    ref_cache = DynamicCache(config=cfg)
-    want = _generate(model, ids, ref_cache)
+    cfg, model, ids, ref_cache, want = _reference_run(make)
     context = want.shape[1] - 1
     hybrid = [i for i, t in enumerate(cfg.layer_types) if t == "hybrid"]
     for scheme in ("fp16", "int8-token"):

@@ -80,6 +80,18 @@ def test_trials_are_haystack_needle_question_key(tok, corpus):
             assert tok.decode(x[t.needle_at - 2 : t.needle_at]).rstrip(" ")[-1] in ".!?"
 
 
+def _wrapped_paragraphs() -> str:
+    """60 paragraphs of 6 seeded sentences, hard-wrapped at 70 characters as Gutenberg texts are (LF line ends)."""
+    import random
+    import textwrap
+
+    from _bytelevel import SENTENCES
+
+    rng = random.Random(0)
+    paragraphs = [textwrap.fill(" ".join(rng.choice(SENTENCES) for _ in range(6)), width=70) for _ in range(60)]
+    return "\n\n".join(paragraphs) + "\n"
+
+
 def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_path):
     """Over hard-wrapped text (Gutenberg wraps lines at ~70 characters) a needle goes after a sentence
     end or a paragraph break, never after a line wrap mid-sentence, and whitespace follows it.
@@ -89,15 +101,7 @@ def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_pat
     first word was glued to it ("... is the pass key.holding his baby son"); here 10 of these 40 trials
     sat after a wrap and 21 were glued to the next word.
     """
-    import random
-    import textwrap
-
-    from _bytelevel import SENTENCES
-
-    rng = random.Random(0)
-    paragraphs = [textwrap.fill(" ".join(rng.choice(SENTENCES) for _ in range(6)), width=70) for _ in range(60)]
-    text = "\n\n".join(paragraphs) + "\n"
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor(tok(_wrapped_paragraphs(), add_special_tokens=False)["input_ids"])
     trials = build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0)
     placed = 0
     for t in trials:
@@ -119,15 +123,7 @@ def test_needles_in_crlf_text_keep_its_line_ends(tok):
     a needle could sit between a line's ``\r`` and ``\n``: over Moby-Dick with SmolLM2's tokenizer (which
     gives ``\r`` and ``\n`` a token each), 22 and 3 of 108 trials. Now the separator is ``\r\n`` there and
     no needle splits a CRLF."""
-    import random
-    import textwrap
-
-    from _bytelevel import SENTENCES
-
-    rng = random.Random(0)
-    paragraphs = [textwrap.fill(" ".join(rng.choice(SENTENCES) for _ in range(6)), width=70) for _ in range(60)]
-    text = ("\n\n".join(paragraphs) + "\n").replace("\n", "\r\n")
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor(tok(_wrapped_paragraphs().replace("\n", "\r\n"), add_special_tokens=False)["input_ids"])
     trials = build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0)
     after_line_end = 0
     for t in trials:
