@@ -92,6 +92,17 @@ def _wrapped_paragraphs() -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
+def _placements(tok, text: str) -> list:
+    """``(trial, text before the needle, document text after it)`` of 40 seeded trials over ``text`` (300 and 500
+    tokens, depths 0.1-0.9, 4 each)."""
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    out = []
+    for t in build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0):
+        x = t.ids.tolist()
+        out.append((t, tok.decode(x[: t.needle_at]), tok.decode(x[t.needle_at + t.needle_len : t.doc_len])))
+    return out
+
+
 def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_path):
     """Over hard-wrapped text (Gutenberg wraps lines at ~70 characters) a needle goes after a sentence
     end or a paragraph break, never after a line wrap mid-sentence, and whitespace follows it.
@@ -101,13 +112,9 @@ def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_pat
     first word was glued to it ("... is the pass key.holding his baby son"); here 10 of these 40 trials
     sat after a wrap and 21 were glued to the next word.
     """
-    ids = torch.tensor(tok(_wrapped_paragraphs(), add_special_tokens=False)["input_ids"])
-    trials = build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0)
+    placements = _placements(tok, _wrapped_paragraphs())
     placed = 0
-    for t in trials:
-        x = t.ids.tolist()
-        before = tok.decode(x[: t.needle_at])
-        after = tok.decode(x[t.needle_at + t.needle_len : t.doc_len])
+    for t, before, after in placements:
         assert after[:1].isspace(), (before[-40:], after[:40])
         wrapped = before.endswith("\n") and not before.endswith("\n\n")
         assert not (wrapped and before.rstrip()[-1] not in ".!?"), (before[-40:], after[:40])
@@ -115,7 +122,7 @@ def test_needles_skip_line_wraps_and_are_not_glued_to_the_next_word(tok, tmp_pat
             placed += 1
         else:  # no sentence end within SNAP_TOKENS (bytes here) before the depth: left where it was
             assert t.needle_at == round(t.depth * (t.doc_len - t.needle_len))
-    assert len(trials) == 40 and placed == 37
+    assert len(placements) == 40 and placed == 37
 
 
 def test_needles_in_crlf_text_keep_its_line_ends(tok):
@@ -123,13 +130,8 @@ def test_needles_in_crlf_text_keep_its_line_ends(tok):
     a needle could sit between a line's ``\r`` and ``\n``: over Moby-Dick with SmolLM2's tokenizer (which
     gives ``\r`` and ``\n`` a token each), 22 and 3 of 108 trials. Now the separator is ``\r\n`` there and
     no needle splits a CRLF."""
-    ids = torch.tensor(tok(_wrapped_paragraphs().replace("\n", "\r\n"), add_special_tokens=False)["input_ids"])
-    trials = build_trials(tok, ids, [300, 500], [0.1, 0.3, 0.5, 0.7, 0.9], trials=4, seed=0)
     after_line_end = 0
-    for t in trials:
-        x = t.ids.tolist()
-        before = tok.decode(x[: t.needle_at])
-        after = tok.decode(x[t.needle_at + t.needle_len : t.doc_len])
+    for _, before, after in _placements(tok, _wrapped_paragraphs().replace("\n", "\r\n")):
         assert not before.endswith("\r"), (before[-40:], after[:40])
         assert not after.startswith("\n"), (before[-40:], after[:40])
         after_line_end += before.endswith("\n") and after.startswith("\r\n")
