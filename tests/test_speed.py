@@ -9,6 +9,7 @@ through the path it reports.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import replace
 
@@ -886,3 +887,29 @@ def test_slow_steps_keep_their_rate_and_speedup_to_significant_digits():
     assert step_stats([30363.0], 1)["tokens_per_s"] == pytest.approx(1e3 / 30363.0, rel=1e-5)
     assert step_stats([0.01234], 8)["tokens_per_s"] == pytest.approx(8e3 / 0.01234, rel=1e-5)
     assert significant(0.032935418, 4) == 0.03294 and significant(123456.789, 6) == 123457.0
+
+
+def test_slow_runs_print_their_rate_and_speedup_to_significant_digits():
+    """report.md and the console printed tokens/s with one decimal and the speed-up with two: a run at 0.0331
+    tokens/s, 0.0329x DynamicCache, printed as ``0.0 (0.03x)``. Now three significant digits below the fixed
+    format's resolution; ordinary figures (12.3 tokens/s, 1.48x) print as before."""
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from kvbits.evaluate import speed_cli
+    from kvbits.report.fmt import fmt_float_sig
+    from kvbits.report.speed import speed_markdown
+
+    assert [fmt_float_sig(x, 1) for x in (0.03312, 12.34, 0.0, 100.0)] == ["0.0331", "12.3", "0.0", "100.0"]
+    assert [fmt_float_sig(x, 2) for x in (0.032935, 1.482, 0.95, math.nan)] == ["0.0329", "1.48", "0.95", "n/a"]
+    s = json.loads((Path(__file__).parents[1] / "benchmarks/results/speed-smollm2/speed.json").read_text())
+    r = s["runs"][-1]
+    s["runs"][-1] = {**r, "tokens_per_s": 0.03312, "speedup": 0.032935}
+    assert "0.0331 (0.0329x)" in speed_markdown(s, figure=False)
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kvbits._console.stdout_console", lambda: Console(file=buf, width=400))
+        speed_cli._print(s, None)
+    assert "0.0331 (0.0329x)" in buf.getvalue()

@@ -165,7 +165,7 @@ def _print(summary: dict, out: str | None) -> None:
     from rich.table import Table
 
     from kvbits._console import stdout_console
-    from kvbits.report.fmt import fmt_bytes, fmt_pos
+    from kvbits.report.fmt import fmt_bytes, fmt_float_sig, fmt_pos
 
     console = stdout_console()
     for batch in summary["batches"]:
@@ -189,7 +189,7 @@ def _print(summary: dict, out: str | None) -> None:
                     size += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
                 if r.get("linear_state_bytes"):  # a hybrid model's conv / recurrent states, beside the K/V
                     size += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
-                cells.append(f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x){size}")
+                cells.append(f"{fmt_float_sig(r['tokens_per_s'], 1)} ({fmt_float_sig(r['speedup'], 2)}x){size}")
             path = next(iter(rows.values()))["path"] if rows else ""
             table.add_row(name, path, *cells)
         console.print(table)

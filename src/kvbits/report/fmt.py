@@ -23,6 +23,7 @@ __all__ = [
     "fmt_ci",
     "fmt_end",
     "fmt_float",
+    "fmt_float_sig",
     "fmt_frac",
     "fmt_judged",
     "fmt_kl",
@@ -157,6 +158,16 @@ def fmt_float(x: float, digits: int = 3) -> str:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return NA if not _ok(x) else f"{x:.{digits}f}"
+
+
+def fmt_float_sig(x: float, digits: int, sig: int = 3) -> str:
+    """``fmt_float(x, digits)``, or ``sig`` significant digits for a nonzero ``x`` that ``digits`` decimals would
+    show with fewer than two (below ``10 ** (1 - digits)``): with one decimal 12.34 tokens/s prints as ``12.3``,
+    but 0.0331 as ``0.0331`` rather than ``0.0``; with two a speed-up of 1.482 prints as ``1.48``, 0.0329 as
+    ``0.0329`` rather than ``0.03``."""
+    if _ok(x) and x != 0 and abs(x) < 10.0 ** (1 - digits):
+        return f"{x:#.{sig}g}"
+    return fmt_float(x, digits)
 
 
 def merged_runs_table(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._json import check, checked_object, entries, field
-from kvbits.report.fmt import fmt_bytes, fmt_float, fmt_frac, fmt_pos, merged_runs_table
+from kvbits.report.fmt import fmt_bytes, fmt_float, fmt_float_sig, fmt_frac, fmt_pos, merged_runs_table
 from kvbits.report.inline import code
 from kvbits.report.markdown import md_cell
 from kvbits.report.render import check_out_folder, write_json_report
@@ -101,8 +101,8 @@ def _speed_cell(r: Mapping[str, Any] | None) -> str:
     factor that is NaN is left out."""
     if r is None:
         return "n/a"
-    tps, speedup = fmt_float(r["tokens_per_s"], 1), r["speedup"]
-    return tps if math.isnan(speedup) else f"{tps} ({fmt_float(speedup, 2)}x)"
+    tps, speedup = fmt_float_sig(r["tokens_per_s"], 1), r["speedup"]
+    return tps if math.isnan(speedup) else f"{tps} ({fmt_float_sig(speedup, 2)}x)"
 
 
 def _ms_cell(r: Mapping[str, Any] | None) -> str:
