@@ -174,6 +174,24 @@ def test_next_steps_are_commands_that_run_as_printed(result):
     assert "--data TEXT" in recommend(rows)["next_steps"][-1]  # no names known: placeholders, not gaps
 
 
+def test_next_steps_carry_the_analysis_context(result):
+    """The suggested calibrate and eval dropped the --context the analysis ran at: after analyzing 256-token windows
+    (or ``--context 512``) the printed calibrate took its default 2048 tokens. Now both carry the windows' length."""
+    from kvbits.cli import build_parser
+
+    assert result.context == 256
+    *calibs, verify = result.recommendation["next_steps"]
+    assert calibs  # the tiny model's outlier layer names calibrated schemes
+    for calib in calibs:
+        args = build_parser(only="calibrate").parse_args(calib.split(": ", 1)[1].split()[1:])
+        assert (args.model, args.data, args.context) == ("tiny", "random", 256)
+    args = build_parser(only="eval").parse_args(verify.split(": ", 1)[1].split(" and at longer")[0].split()[1:])
+    assert (args.model, args.data, args.context) == ("tiny", "random", 256)
+    rows = result.to_dict()["layers"]
+    assert "--context" not in recommend(rows)["next_steps"][0]  # no context known: calibrate's own default
+    assert recommend(rows)["next_steps"][-1].endswith(" at several --context lengths")
+
+
 def test_json_schema(result):
     d = result.to_dict()
     from kvbits._json import loads
@@ -323,7 +341,8 @@ def test_recommendation_from_saved_rows_keeps_the_before_rope_caveat(tmp_path):
     res = analyze(model, torch.randint(1, 64, (1, 64)), sample_tokens=64, channel_group=32)
     rows = json.loads(res.save(tmp_path)["json"].read_text())["layers"]
     assert all(r["keys_rotated_unseen"] is True for r in rows)
-    again = recommend(rows, threshold=res.threshold, layer_fraction=res.layer_fraction, model=res.model, data=res.data)
+    again = recommend(rows, threshold=res.threshold, layer_fraction=res.layer_fraction, model=res.model, data=res.data,
+                      context=res.context)
     assert again == res.recommendation and "interleaved pairs" in again["reason"]
     old = [{k: v for k, v in r.items() if k != "keys_rotated_unseen"} for r in rows]  # an analysis.json from before
     assert "interleaved" not in recommend(old)["reason"]

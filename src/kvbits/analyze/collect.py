@@ -359,5 +359,6 @@ def analyze(
         threshold=threshold,
         model=model_name,
         data=data_name,
+        context=T,
     )
     return result

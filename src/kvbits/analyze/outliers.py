@@ -183,6 +183,7 @@ def recommend(
     threshold: float = DEFAULT_THRESHOLD,
     model: str | None = None,
     data: str | None = None,
+    context: int | None = None,
     keys_rotated_unseen: bool = False,
 ) -> dict[str, Any]:
     """The decision flow's answer from per-layer summaries (``Analysis.to_dict()["layers"]`` rows).
@@ -194,6 +195,9 @@ def recommend(
     calibrated schemes named follow the same side of RoPE: ``kvquant-{bits}`` and
     ``int{bits}-token-smooth-prerope`` only when pre-RoPE keys came out better, ``int{bits}-token-smooth``
     (after RoPE) otherwise.
+
+    ``model``, ``data``, ``context``: the analysis' own, carried into ``next_steps`` (calibrate and eval at the
+    context the outliers were measured at; ``kvbits calibrate`` would otherwise take its default 2048 tokens).
 
     ``bits`` picks the schemes named (``int{bits}-token``, ``int{bits}-channel``, ...); the SQNR figures quoted
     are the rows' own, int4 whatever ``bits``.
@@ -306,12 +310,13 @@ def recommend(
     # runnable as printed: eval needs --data, and a calibrated scheme the folder calibrate writes
     m = f" --model {model}" if model else " --model MODEL"
     d = f" --data {data}" if data else " --data TEXT"
+    t = f" --context {context}" if context else ""
     to_calibrate = [c for c in (calibrated, per_token) if c]
-    next_steps = [f"calibrate: kvbits calibrate{m}{d} --scheme {c} --out calib-{c}" for c in to_calibrate]
+    next_steps = [f"calibrate: kvbits calibrate{m}{d}{t} --scheme {c} --out calib-{c}" for c in to_calibrate]
     next_steps.append(
-        f"verify by length: kvbits eval{m}{d} --scheme {scheme}"
+        f"verify by length: kvbits eval{m}{d}{t} --scheme {scheme}"
         + "".join(f" --scheme {c} --calibration calib-{c}" for c in to_calibrate)
-        + " at several --context lengths"
+        + (" and at longer --context lengths" if context else " at several --context lengths")
     )
     return {
         "keys": keys,
