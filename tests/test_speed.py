@@ -792,7 +792,7 @@ def _console(s: dict) -> str:
 
     buf = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("rich.console.Console", lambda: Console(file=buf, width=400))
+        mp.setattr("kvbits._console.stdout_console", lambda: Console(file=buf, width=400))
         speed_cli._print(s, None)
     return buf.getvalue()
 
