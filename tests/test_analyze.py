@@ -174,6 +174,25 @@ def test_next_steps_are_commands_that_run_as_printed(result):
     assert "--data TEXT" in recommend(rows)["next_steps"][-1]  # no names known: placeholders, not gaps
 
 
+def test_next_steps_quote_model_and_data_paths(result):
+    """A --model / --data path with spaces was printed bare (``--model /my models/m.gguf``): the shell split it into
+    two arguments, so the printed step was not runnable. Now shell-quoted; plain names print exactly as before."""
+    import shlex
+
+    from kvbits.cli import build_parser
+
+    rows = result.to_dict()["layers"]
+    model, data = "/my models/m.gguf", "/corpora/it's text.txt"
+    *calibs, verify = recommend(rows, model=model, data=data, context=512)["next_steps"]
+    assert calibs
+    for calib in calibs:
+        args = build_parser(only="calibrate").parse_args(shlex.split(calib.split(": ", 1)[1])[1:])
+        assert (args.model, args.data, args.context) == (model, data, 512)
+    args = build_parser(only="eval").parse_args(shlex.split(verify.split(": ", 1)[1].split(" and at longer")[0])[1:])
+    assert (args.model, args.data) == (model, data)
+    assert " --model m --data d " in recommend(rows, model="m", data="d")["next_steps"][0]  # unchanged
+
+
 def test_next_steps_carry_the_analysis_context(result):
     """The suggested calibrate and eval dropped the --context the analysis ran at: after analyzing 256-token windows
     (or ``--context 512``) the printed calibrate took its default 2048 tokens. Now both carry the windows' length."""

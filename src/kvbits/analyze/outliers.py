@@ -23,6 +23,7 @@ Definitions (all per layer; ``x`` is K or V shaped ``(B, H_kv, T, D)``):
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 import torch
@@ -308,8 +309,8 @@ def recommend(
         + ")."
     )
     # runnable as printed: eval needs --data, and a calibrated scheme the folder calibrate writes
-    m = f" --model {model}" if model else " --model MODEL"
-    d = f" --data {data}" if data else " --data TEXT"
+    m = f" --model {shlex.quote(model)}" if model else " --model MODEL"  # a path with spaces: one argument
+    d = f" --data {shlex.quote(data)}" if data else " --data TEXT"
     t = f" --context {context}" if context else ""
     to_calibrate = [c for c in (calibrated, per_token) if c]
     next_steps = [f"calibrate: kvbits calibrate{m}{d}{t} --scheme {c} --out calib-{c}" for c in to_calibrate]
