@@ -596,6 +596,35 @@ def test_calibration_with_sinks_is_refused(tmp_path):
     assert rec["layers"][0]["k_scale"] == float(every.tensors["layers.0.key_scale"])
 
 
+def test_export_reads_the_sinks_the_scales_were_fitted_without(tmp_path, caplog):
+    """check_exportable refused by the scheme's sinks, not by what the scales left out (``fitted_sinks``): a
+    calibration fitted over every token composed into a scheme with sinks=1 (data.excluded_sink_tokens 0, its
+    scale the full range vLLM stores) was refused as "without the first 1 token(s)"; and scales fitted without
+    position 0 under a scheme recording sinks=0 were exported. Now the first is exported (with a warning that kvbits'
+    figures kept the sinks exact), the second refused."""
+    import dataclasses
+
+    from kvbits.calibrate import compose_artifact
+    from kvbits.schemes import get_scheme
+
+    model = tiny_llama()
+    ids = torch.randint(1, 96, (2, 64), generator=torch.Generator().manual_seed(0))
+    base = get_scheme("fp8-e4m3")
+    every = calibrate(model, ids, base, context=64, windows=2, fisher=False, fp8_scale="amax")
+    sinks = dataclasses.replace(base, name="fp8-sinks", sinks=1)
+    composed = compose_artifact(sinks, [every])
+    assert composed.scheme.sinks == 1 and composed.fitted_sinks(0) == 0
+    with caplog.at_level("WARNING", logger="kvbits"):
+        rec = export_vllm(composed, tmp_path / "c")
+    assert rec["layers"][0]["k_scale"] == float(every.tensors["layers.0.key_scale"])
+    assert "keeps its first 1 token(s) in full precision" in caplog.text
+    fitted = calibrate(model, ids, sinks, context=64, windows=2, fisher=False, fp8_scale="amax")
+    relabeled = dataclasses.replace(fitted, scheme=base)  # excluded_sink_tokens 1 recorded, scheme sinks 0
+    assert relabeled.fitted_sinks(0) == 1
+    with pytest.raises(ValueError, match=r"without the first 1 token\(s\)"):
+        export_vllm(relabeled, tmp_path / "r")
+
+
 def test_a_failed_checkpoint_export_leaves_no_links_behind(fp8, tmp_path, monkeypatch):
     """A file of the user's under the last shard's name was refused only after the six shards before it (and
     generation_config.json) were linked into --out, and they stayed; a write that failed after the links kept

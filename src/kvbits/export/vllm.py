@@ -110,7 +110,8 @@ def _strategy(art: CalibrationArtifact) -> str:
 def check_exportable(art: CalibrationArtifact) -> None:
     """``ValueError`` unless ``art`` holds what vLLM's FP8 cache can use: static E4M3 scales for keys and
     values, both per tensor or both per head (one ``kv_cache_scheme``), keys after RoPE (vLLM caches
-    rotated keys), taken over every token (no sinks: vLLM stores them in FP8 too)."""
+    rotated keys), taken over every token (``fitted_sinks`` 0 in every layer: vLLM stores the sinks in
+    FP8 too; a scheme that keeps sinks is exportable when its scales were fitted over every token)."""
     scheme = art.scheme
     if scheme.is_mixed:
         raise ValueError(
@@ -147,9 +148,12 @@ def check_exportable(art: CalibrationArtifact) -> None:
             f"calibration of scheme {scheme.name!r} scales keys before RoPE; vLLM caches keys after RoPE, "
             "whose range differs: calibrate a post-RoPE scheme (fp8-e4m3)"
         )
-    if scheme.sinks:
+    # what the scales were fitted without (data.excluded_sink_tokens), not the scheme's sinks: a calibration fitted
+    # over every token (composed into a scheme with sinks) holds the range vLLM stores; export_vllm warns for it
+    fitted = max((art.fitted_sinks(i) for i in art.kv_layers), default=0)
+    if fitted:
         raise ValueError(
-            f"calibration of scheme {scheme.name!r} takes its FP8 scales without the first {scheme.sinks} token(s) "
+            f"calibration of scheme {scheme.name!r} takes its FP8 scales without the first {fitted} token(s) "
             "of each window (its sinks, kept in full precision); vLLM's FP8 cache stores those tokens too, at the "
             "exported scale, so their larger |K|/|V| would saturate: calibrate without sinks (fp8-e4m3)"
         )
@@ -586,13 +590,13 @@ def export_vllm(
 
     Raises:
         ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys, scales that
-            leave sink tokens out), module names that are not one per layer (a template without an ``{i}`` field, or with other fields),
+            leave sink tokens out, ``fitted_sinks``), module names that are not one per layer (a template without an ``{i}`` field, or with other fields),
             a checkpoint of another shape, one already quantized by another method, one whose
             ``config.json`` or index is not the JSON object expected, or an ``out_dir`` inside it.
     """
     art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
     scales = vllm_scales(art, module_template)
-    if art.scheme.residual or art.scheme.block > 1:  # sinks are refused (check_exportable): scales leave them out
+    if art.scheme.residual or art.scheme.block > 1:  # scales fitted without sinks are refused (check_exportable)
         # a block > 1 also keeps the newest tokens (up to residual + block - 1) in full precision until it fills
         logger.warning(
             "scheme %r keeps up to %d most recent tokens in full precision (residual %d, block %d); vLLM's FP8 "
@@ -601,6 +605,14 @@ def export_vllm(
             art.scheme.residual + art.scheme.block - 1,
             art.scheme.residual,
             art.scheme.block,
+        )
+    if art.scheme.sinks:  # fitted over every token (check_exportable), but kvbits' figures kept the sinks exact
+        logger.warning(
+            "scheme %r keeps its first %d token(s) in full precision, which vLLM's FP8 cache quantizes (the scales "
+            "were fitted over every token, so they hold those tokens' range); measure it as fp8-e4m3 (no sinks) "
+            "before relying on kvbits' figures",
+            art.scheme.name,
+            art.scheme.sinks,
         )
     model_type = art.meta["model"].get("model_type")
     if model_type in _NO_VLLM_KV_SCALES:
