@@ -61,13 +61,18 @@ def test_write_report_refuses_a_threshold_the_cli_refuses(tmp_path, threshold):
         write_report(d, threshold=threshold, plots=False)
 
 
-def _infinite_summary() -> dict:
-    """kivi-2 with an overflowed perplexity: +inf overall and in its last bucket."""
+def kivi2_summary_with_ppl(ppl: float) -> dict:
+    """int8-token, kivi-4 and kivi-2, kivi-2's perplexity ``ppl`` (``inf``: overflowed; ``nan``: none) overall and in
+    its last bucket; its other buckets are judged."""
     s = _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4", "kivi-2")})
     kivi2 = s["results"][2]
-    kivi2["ppl"] = math.inf
-    kivi2["buckets"][-1].update(ppl=math.inf, delta_rel=math.inf, delta_rel_ci=None)
+    kivi2["ppl"] = ppl
+    kivi2["buckets"][-1].update(ppl=ppl, delta_rel=ppl, delta_rel_ci=None)
     return s
+
+
+def _infinite_summary() -> dict:
+    return kivi2_summary_with_ppl(math.inf)
 
 
 def bits_figure_legend_and_report(summary: dict, tmp_path, monkeypatch) -> tuple[list[str], str]:

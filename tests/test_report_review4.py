@@ -6,19 +6,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_report import SCHEMES, _summary, _write_run
-from test_report_review3 import bits_figure_legend_and_report
+from test_report import _write_run
+from test_report_review3 import bits_figure_legend_and_report, kivi2_summary_with_ppl
 
 from kvbits.report import write_report
 
 
 def _nan_summary() -> dict:
-    """kivi-2 with no overall perplexity (NaN) and a NaN last bucket; its other buckets are judged."""
-    s = _summary({k: SCHEMES[k] for k in ("int8-token", "kivi-4", "kivi-2")})
-    kivi2 = s["results"][2]
-    kivi2["ppl"] = math.nan
-    kivi2["buckets"][-1].update(ppl=math.nan, delta_rel=math.nan, delta_rel_ci=None)
-    return s
+    return kivi2_summary_with_ppl(math.nan)
 
 
 def test_a_nan_delta_is_named_not_left_off_the_bits_figure(tmp_path, monkeypatch):
