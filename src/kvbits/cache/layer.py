@@ -586,7 +586,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         key_states, value_states = self._unique_heads(key_states), self._unique_heads(value_states)
         n_before, q = self.tokens_seen, key_states.shape[2]
         dropped_before = self.dropped_tokens
-        if self.mode == "quantized" and self.scheme.key.pre_rope and (n_before == 0 or self._k.pad_rows is not None):
+        if self.mode == "quantized" and self.scheme.key.pre_rope and self.reads_positions:
             self._read_offsets(args, kwargs, n_before, key_states)
         take = 0
         if self.mode == "quantized" and not self.is_sliding:

@@ -858,6 +858,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def get_max_cache_shape(self) -> int:  # transformers before 5.16's name
         return self.max_cache_len
 
+    @property
+    def reads_positions(self) -> bool:
+        """Whether the next update reads the model's position ids (pre-RoPE keys): a request's first, or a chunked
+        prefill's later chunk while some row held only pads (``StaticRope.pad_rows``). The cache adds tracked ids
+        to those updates."""
+        return self.rotary is not None and (
+            self.tokens_written == 0 or (self.rope is not None and self.rope.pad_rows is not None)
+        )
+
     def quantized_tokens(self) -> int:
         """Tokens of each sequence held quantized now (one host read): the flushed blocks of a windowed layer, else
         every token past the sinks; 0 before the first update and for a float layer."""
@@ -1091,8 +1100,9 @@ class StaticQuantizedKVCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store K/V ``(B, H_kv, q, D)`` of layer ``layer_idx`` (``StaticQuantizedLayer.update``). A pre-RoPE layer's
-        first update of a request also gets the RoPE tables made on the K/V device (as the model computes them) and
-        the ``position_ids`` ``track_positions`` saw, when transformers passed none. ``ValueError`` for a ``layer_idx``
+        first update of a request also gets the RoPE tables made on the K/V device (as the model computes them), and
+        each update that reads positions (``StaticQuantizedLayer.reads_positions``) the ``position_ids``
+        ``track_positions`` saw, when transformers passed none. ``ValueError`` for a ``layer_idx``
         that is not one of the cache's layers (a config of fewer layers than the model). A request's first update that
         fails leaves the cache as before the request (``_undo_request``): a retry needs no ``reset()``, and may bring
         another batch, dtype or device if the slabs were made for the failed one."""
@@ -1105,10 +1115,8 @@ class StaticQuantizedKVCache(Cache):
             layer = self.layers[layer_idx]
             if layer.rotary is not None and layer.tokens_written == 0:
                 self._rotary_on(key_states.device)
-            # a request's first update, or a chunked prefill's later chunk (StaticRope.reread), reads position ids
-            reads = layer.tokens_written == 0 or (layer.rope is not None and layer.rope.pad_rows is not None)
             hint = self.position_ids_hint
-            if layer.rotary is not None and reads and hint is not None and find_position_ids(args, kwargs) is None:
+            if layer.reads_positions and hint is not None and find_position_ids(args, kwargs) is None:
                 kwargs = {**kwargs, "position_ids": hint}
         layer = self.layers[layer_idx]
         if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
