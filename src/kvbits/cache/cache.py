@@ -240,9 +240,9 @@ def _holds_state(layer: Any) -> bool:
 
 
 def _is_state_layer(layer: Any) -> bool:
-    """``layer`` holds a non-attention layer's states (``_state_layer``), no K/V."""
-    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
-    return mixin is not None and isinstance(layer, mixin) and not isinstance(layer, cache_utils.CacheLayerMixin)
+    """``layer`` holds a non-attention layer's states (``_state_layer``), no K/V: a state holder that is no
+    attention layer (a hybrid layer is both)."""
+    return _holds_state(layer) and not isinstance(layer, cache_utils.CacheLayerMixin)
 
 
 def state_nbytes(layer: Any) -> int:
