@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_modules", "check_causal_lm", "check_model", "check_model_arg", "shared_attention"]
+__all__ = ["attention_modules", "check_causal_lm", "check_model", "check_model_arg", "hybrid_layers", "shared_attention"]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -42,14 +42,20 @@ def shared_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def hybrid_layers(model: torch.nn.Module) -> list[int]:
+    """The layers ``model``'s config types ``hybrid`` (attention plus a linear state: Zamba's, Zamba2's, which call
+    its :func:`shared_attention` block), ascending; ``[]`` without ``layer_types``."""
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    return [i for i, t in enumerate(types or ()) if t == "hybrid"]
+
+
 def shared_attention_note(model: torch.nn.Module) -> str:
     """What a per-layer measure can not do on a model with a :func:`shared_attention` block and what runs it
     instead; ``""`` when the model has none."""
     shared = shared_attention(model)
     if not shared:
         return ""
-    types = getattr(getattr(model, "config", None), "layer_types", None)
-    hybrid = [i for i, t in enumerate(types or ()) if t == "hybrid"]
+    hybrid = hybrid_layers(model)
     by = f"layers {hybrid}" if hybrid else "several layers"
     if any(getattr(m, "layer_idx", None) is None for m in shared):  # Zamba: the simulator finds no module at all
         sim = "evaluate's mode='simulate'"

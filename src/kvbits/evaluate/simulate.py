@@ -49,7 +49,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvbits._model import attention_modules, check_model, shared_attention, shared_attention_note
+from kvbits._model import (
+    attention_modules,
+    check_model,
+    hybrid_layers,
+    shared_attention,
+    shared_attention_note,
+)
 from kvbits.evaluate.entropy import attention_entropy
 from kvbits.quant.tensor import FLOAT_DTYPES, quantize, saturate
 from kvbits.schemes.accounting import sliding_falls_back
@@ -207,8 +213,7 @@ def quantized_keys_seen(model: Any, scheme: KVScheme, n_tokens: int) -> int:
     calls = [(m, m.layer_idx) for m in attention_modules(model) if m.layer_idx >= 0]
     shared = shared_attention(model)  # Zamba's (no layer_idx: it was 'quantizes nothing at any context') / Zamba2's
     if shared:
-        types = getattr(getattr(model, "config", None), "layer_types", None) or ()
-        calls += [(shared[0], i) for i in [i for i, k in enumerate(types) if k == "hybrid"] or [-1]]
+        calls += [(shared[0], i) for i in hybrid_layers(model) or [-1]]
     for m, idx in calls:
         layer = scheme.for_layer(idx)
         windows = [_layer_window(m, {})]
