@@ -166,6 +166,7 @@ def _print(summary: dict, out: str | None) -> None:
 
     from kvbits._console import stdout_console
     from kvbits.report.fmt import fmt_bytes, fmt_float_sig, fmt_pos
+    from kvbits.report.speed import held_beside
 
     console = stdout_console()
     for batch in summary["batches"]:
@@ -185,10 +186,7 @@ def _print(summary: dict, out: str | None) -> None:
                     cells.append("n/a")
                     continue
                 size = "" if r["cache_bytes"] is None else f", {fmt_bytes(r['cache_bytes'])}"
-                if r.get("workspace_bytes"):  # a --workspace run's dequantized history, held beside the K/V
-                    size += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
-                if r.get("linear_state_bytes"):  # a hybrid model's conv / recurrent states, beside the K/V
-                    size += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
+                size += held_beside(r)
                 cells.append(f"{fmt_float_sig(r['tokens_per_s'], 1)} ({fmt_float_sig(r['speedup'], 2)}x){size}")
             path = next(iter(rows.values()))["path"] if rows else ""
             table.add_row(name, path, *cells)

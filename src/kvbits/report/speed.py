@@ -124,11 +124,19 @@ def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> 
         cell += f" ({ratio:.2f}x smaller)" if ratio >= 1 else f" ({1 / ratio:.2f}x larger)"
     if r.get("planned_bytes") is not None and r["planned_bytes"] != r["cache_bytes"]:
         cell += f" **≠ plan {fmt_bytes(r['planned_bytes'])}**"
+    return cell + held_beside(r)
+
+
+def held_beside(r: Mapping[str, Any]) -> str:
+    """What run ``r``'s cache holds beside its K/V bytes, as report.md's table and the console's add it:
+    ``" + workspace X"`` (a ``--workspace`` run's dequantized history) and ``" + linear states Y"`` (a hybrid
+    model's conv / recurrent states: not K/V, not in the plan), or ``""``."""
+    out = ""
     if r.get("workspace_bytes"):
-        cell += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
-    if r.get("linear_state_bytes"):  # a hybrid model's conv / recurrent states: held too, not K/V, not in the plan
-        cell += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
-    return cell
+        out += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
+    if r.get("linear_state_bytes"):
+        out += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
+    return out
 
 
 def _agree_cell(r: Mapping[str, Any] | None) -> str:
