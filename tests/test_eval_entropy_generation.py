@@ -491,3 +491,16 @@ def test_two_ranks_give_the_single_process_entropy_and_generation(tmp_path):
         for key in ("seconds", "reference_seconds"):
             g.pop(key), ga.pop(key)
         assert g == ga and len(g["first_divergence"]) == 3
+
+
+def test_attention_entropy_edges_give_nan_empty_or_a_clear_error():
+    """No queries failed in ``torch.cat([])`` ("expected a non-empty list of Tensors"); no keys gave entropy 0
+    where the docstring says NaN (no distribution); keys of another head dim failed deep inside ``matmul`` and of
+    another batch size broadcast silently to q's batch."""
+    q, k, mask = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 5, 4), torch.ones(3, 5, dtype=torch.bool)
+    assert attention_entropy(q[:, :, :0], k, mask[:0], 0.5).shape == (1, 0)
+    assert attention_entropy(q, k[:, :, :0], mask[:, :0], 0.5).isnan().all()
+    with pytest.raises(ValueError, match="k must be"):
+        attention_entropy(q, k[..., :3], mask, 0.5)
+    with pytest.raises(ValueError, match="k must be"):
+        attention_entropy(q.expand(2, -1, -1, -1), k, mask, 0.5)

@@ -53,11 +53,19 @@ def attention_entropy(
 
     Returns:
         ``(B, c)``: the mean over the ``H_q`` heads of ``-sum_j p_j log p_j`` (computed in float64), in float32
-        (float64 for float64 inputs).
+        (float64 for float64 inputs); all NaN when ``L == 0`` (no key seen), empty when ``c == 0``.
+
+    Raises:
+        ValueError: ``q`` / ``k`` not 4-D, of another batch size or head dim, ``H_q`` not a multiple of ``H_kv``, or
+            a mask not bool ``(c, L)``.
     """
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, c, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
-    if Hq % Hkv:
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be (B, H_kv, L, D) with B = {B} and D = {D} as q's, got {tuple(k.shape)}")
+    if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if mask.shape != (c, L):
         raise ValueError(f"mask must be (c, L) = ({c}, {L}), got {tuple(mask.shape)}")
@@ -65,6 +73,8 @@ def attention_entropy(
         raise ValueError(f"mask must be bool (True where query i sees key j), got dtype {mask.dtype}")
     G = Hq // Hkv
     dtype = torch.promote_types(q.dtype, torch.float32)
+    if c == 0 or L == 0:  # no queries: nothing to average; no keys: no row has a distribution (NaN, as documented)
+        return torch.full((B, c), float("nan"), dtype=dtype, device=q.device)
     kt = k.to(dtype).transpose(-1, -2)
     step = max(1, budget // 2 // max(1, B * Hq * L))  # float64 probabilities: half the scores in the same bytes
     out = []
