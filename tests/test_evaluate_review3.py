@@ -82,3 +82,15 @@ def test_a_run_from_before_float64_kl_is_recomputed_not_reused(tmp_path, caplog)
     _stored_run(tmp_path / "other", {**request, "version": 1, "context": 512})
     with pytest.raises(OtherRunError, match="differs in context, version"):
         _check_out_dir(tmp_path / "other", chash, False, request)
+
+
+def test_a_corrupt_done_file_is_refused_as_another_run_not_a_decode_error(tmp_path):
+    """A ``DONE`` holding bytes that are not UTF-8 (a torn or foreign file) stopped ``kvbits eval`` with a bare
+    ``UnicodeDecodeError`` from ``read_text``; it is now a run of unknown configuration: refused, naming the folder
+    and ``--overwrite``, and replaced with ``overwrite``."""
+    from kvbits.evaluate.outputs import OtherRunError, _check_out_dir
+
+    (tmp_path / "DONE").write_bytes(b"\xff\xfe\x00torn")
+    with pytest.raises(OtherRunError, match="config hash unreadable.*--overwrite"):
+        _check_out_dir(tmp_path, "abc", False, {})
+    assert _check_out_dir(tmp_path, "abc", True, {}) is None

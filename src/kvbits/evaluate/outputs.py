@@ -71,6 +71,14 @@ def _versions() -> dict[str, str]:
     return {"kvbits": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def _read_done(path: Path) -> str | None:
+    """The config hash a ``DONE`` file holds, or None when it can not be read as text (a corrupt file)."""
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        return None
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         return loads(path.read_text())
@@ -144,7 +152,7 @@ def _check_out_dir(
         return None
     other = stored.get("config_hash") if isinstance(stored, dict) else None
     if other is None and done.is_file():
-        other = done.read_text().strip()
+        other = _read_done(done)
     if other != chash:
         old = stored.get("request") if isinstance(stored, dict) else None
         diff = _differences(old, request or {})
@@ -156,12 +164,13 @@ def _check_out_dir(
             )  # fmt: skip
             return None
         raise OtherRunError(
-            f"{out} holds a run with a different configuration (config hash {other}, this run {chash}"
+            f"{out} holds a run with a different configuration (config hash "
+            f"{'unreadable' if other is None else other}, this run {chash}"
             f"{'; it differs in ' + ', '.join(diff) if diff else ''}); use another output folder or "
             "overwrite=True (--overwrite)",
             diff,
         )
-    if done.is_file() and done.read_text().strip() == chash:
+    if done.is_file() and _read_done(done) == chash:
         summary = _read_json(out / "summary.json")
         if summary is not None:
             logger.info(
