@@ -563,10 +563,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
             offset = position_offset(args, kwargs, 0, key_states)
             self.rope.start(offset, None if offset is None else repeated_positions(args, kwargs, key_states))
         elif self.rope is not None and not compiling and self.rope.pad_rows is not None:
-            if q > 1:  # a later prefill chunk: rows that held only pads read their offset again (before the writes)
+            if q > 1 or self.host_counts:  # rows that held only pads read their offset again (before the writes): a
+                # later prefill chunk, or a first real token alone (a one-token last chunk; a prompt whose only real
+                # token ended an all-pads chunk): one host read, only while some row is all pads (StaticRope._write)
                 self.rope.reread(*reread_offset(args, kwargs, self.tokens_written, key_states, self.rope.offset,
                                                 self.rope.pad_rows))  # fmt: skip
-            else:  # a decode step (perhaps captured): no host read, nothing read again from here on
+            if q == 1:  # a decode step (perhaps captured, then no host read): nothing read again from here on
                 self.rope.pad_rows = None
         if not compiling:
             self.tokens_written += q
