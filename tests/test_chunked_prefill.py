@@ -132,3 +132,35 @@ def test_static_cache_chunked_prefill_reads_the_offset_again():
     assert rope.offset.tolist() == [CHUNK - 1, 0] and rope.pad_rows.tolist() == [True, False]
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_static_cache_reads_the_offset_of_a_first_real_token_alone_in_a_one_token_chunk():
+    """A row left-padded by 8 of a 9-token prompt, chunks of 4: its only real token comes alone in the last chunk.
+    Before, ``StaticQuantizedKVCache`` took that one-token update for a decode step and kept the pads' offset
+    (``[0, 7]``, logits 3.9e-4 from the unchunked run's); now it reads it there (``[0, 8]``, as ``QuantizedKVCache``),
+    and a batch without all-pads rows drops ``pad_rows`` at the prefill (its decode steps read nothing again)."""
+    model = tracked_llama()
+    scheme = KVScheme("t-int8-token-prerope", key=TensorSpec(kind="int", bits=8, fmt=None, granularity="token",
+                                                             pre_rope=True),
+                      value=TensorSpec(kind="int", bits=8, fmt=None, granularity="token"))  # fmt: skip
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    ids[1, :8] = 0
+    mask = (ids != 0).long()
+    runs = {}
+    for chunk in (None, CHUNK):
+        cache = StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=9 + NEW + 4)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **cache_kwargs(cache, model), max_new_tokens=NEW,
+                                 do_sample=False, pad_token_id=0, prefill_chunk_size=chunk, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+        runs[chunk] = (cache, out.sequences, torch.stack(out.logits))
+    (whole, want_seq, want), (chunked, seq, got) = runs[None], runs[CHUNK]
+    for a, b in zip(whole.layers, chunked.layers):
+        assert a.rope.offset.tolist() == b.rope.offset.tolist() == [0, 8]
+        assert b.rope.pad_rows is None
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    chunked.reset()  # an unpadded first chunk: no all-pads row, nothing kept to read again
+    with torch.no_grad():
+        model(ids[:, CHUNK:2 * CHUNK], position_ids=torch.arange(CHUNK).expand(2, CHUNK), **cache_kwargs(chunked, model))
+    assert chunked.layers[0].rope.pad_rows is None

@@ -42,6 +42,8 @@ from kvbits.cache.layer import (
     check_max_cache_len,
     find_position_ids,
     offload_refusal,
+    padded_sink_rows,
+    padded_sinks_message,
 )
 from kvbits.plan.config import attention_heads, config_value, layer_configs, layer_heads, text_config
 
@@ -345,6 +347,7 @@ class QuantizedKVCache(Cache):
         # used by pre-RoPE keys where Cache.update brings none (transformers 5.17)
         self.position_ids_hint: torch.Tensor | None = None
         self._told_no_positions = False
+        self._told_padded_sinks = False  # the warning of _look_for_padded_sinks, once per cache
         self.fused_decode = check_mode(fused_decode)
         if self.fused_decode is True:  # the decode kernel's settings: refused here, not after the prefill
             from kvbits.kernels.dispatch import kernel_settings
@@ -521,6 +524,8 @@ class QuantizedKVCache(Cache):
             self.check_inputs()  # every layer's lazy check in one host sync, not one per layer
         if self._rotary is not None and quantized and layer.reads_positions:
             kwargs = self._with_position_ids(key_states, args, kwargs)
+        if quantized and not self._told_padded_sinks and layer.tokens_seen == 0 and layer.keeps_sinks:
+            self._look_for_padded_sinks(layer, key_states, args, kwargs)  # a request's first update only
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if quantized and layer.tokens_seen > self._warn_past:  # the per-step cost: one int comparison
             self._warn_beyond_calibration(layer.tokens_seen)
@@ -579,6 +584,19 @@ class QuantizedKVCache(Cache):
                         100 * kv_checks.CLIP_WARN_FRAC, why, once,
                     )  # fmt: skip
                     return
+
+    def _look_for_padded_sinks(self, layer: QuantizedKVLayer, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Warn, once per cache, when a batch's first update ``key_states`` ``(B, H_kv, q, D)`` reaches the first layer
+        that keeps sinks with left-padded rows (``padded_sink_rows``: their sinks hold pads). A batch of more than one
+        row only; one host read at that layer's prefill, none after the warning."""
+        if key_states.shape[0] < 2 or layer is not next(
+            (x for x in self.layers if isinstance(x, QuantizedKVLayer) and x.keeps_sinks), None
+        ):  # fmt: skip
+            return
+        rows = padded_sink_rows(args, kwargs, key_states, layer.scheme.sinks, self.position_ids_hint)
+        if rows:
+            self._told_padded_sinks = True
+            logger.warning(padded_sinks_message(layer.scheme.name, layer.scheme.sinks, rows, key_states.shape[0]))
 
     def _with_position_ids(self, key_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
         """An update of a pre-RoPE layer that reads position ids (``QuantizedKVLayer.reads_positions``: a request's

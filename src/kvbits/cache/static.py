@@ -123,6 +123,8 @@ from kvbits.cache.layer import (
     check_beam_idx,
     find_position_ids,
     offload_refusal,
+    padded_sink_rows,
+    padded_sinks_message,
     position_offset,
     repeated_positions,
     reread_offset,
@@ -563,10 +565,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
             offset = position_offset(args, kwargs, 0, key_states)
             self.rope.start(offset, None if offset is None else repeated_positions(args, kwargs, key_states))
         elif self.rope is not None and not compiling and self.rope.pad_rows is not None:
-            if q > 1:  # a later prefill chunk: rows that held only pads read their offset again (before the writes)
+            if q > 1 or self.host_counts:  # rows that held only pads read their offset again (before the writes): a
+                # later prefill chunk, or a first real token alone (a one-token last chunk; a prompt whose only real
+                # token ended an all-pads chunk): one host read, only while some row is all pads (StaticRope._write)
                 self.rope.reread(*reread_offset(args, kwargs, self.tokens_written, key_states, self.rope.offset,
                                                 self.rope.pad_rows))  # fmt: skip
-            else:  # a decode step (perhaps captured): no host read, nothing read again from here on
+            if q == 1:  # a decode step (perhaps captured, then no host read): nothing read again from here on
                 self.rope.pad_rows = None
         if not compiling:
             self.tokens_written += q
@@ -1073,6 +1077,7 @@ class StaticQuantizedKVCache(Cache):
         self._rotary, self._rotary_owned = rotary_for(self.scheme, config, rotary)
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
+        self._told_padded_sinks = False  # the padded-sinks warning (kvbits.cache.layer.padded_sink_rows), once
         layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
                                        checks=checks, **(heads[i] if heads else {}), rope_tables=self._rope_tables,
                                        rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
@@ -1089,6 +1094,18 @@ class StaticQuantizedKVCache(Cache):
     @property
     def max_cache_len(self) -> int:
         return self._max_len
+
+    def _look_for_padded_sinks(self, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Warn, once per cache, when a request's first update ``key_states`` ``(B, H_kv, q, D)`` brings left-padded
+        rows to a scheme that keeps sinks: their sink slots hold pads (``padded_sink_rows``; one host read at the
+        request's first layer, none after the warning)."""
+        sinks = max((layer.scheme.sinks for layer in self.layers if not layer.scheme.is_identity), default=0)
+        if self._told_padded_sinks or not sinks or key_states.shape[0] < 2:
+            return
+        rows = padded_sink_rows(args, kwargs, key_states, sinks, self.position_ids_hint)
+        if rows:
+            self._told_padded_sinks = True
+            logger.warning(padded_sinks_message(self.scheme.name, sinks, rows, key_states.shape[0]))
 
     @property
     def batch_size(self) -> int:
@@ -1124,6 +1141,7 @@ class StaticQuantizedKVCache(Cache):
         # a request's first update of this layer: if it fails, the request's other layers are undone too
         if not any(other.tokens_written for other in self.layers):  # the request's first layer
             self._fresh = [not other.is_initialized for other in self.layers]
+            self._look_for_padded_sinks(key_states, args, kwargs)
         try:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:

@@ -13,8 +13,10 @@ captured decode step cannot read the host, so a static layer keeps what those ro
 - ``offset``: ``(B,)`` int64, each sequence's cache index minus its model position (left padding), read from the
   position ids of a request's first ``update`` (``kvbits.cache.layer.position_offset``; none: 0) and written in place;
   read again at later multi-token updates for the rows that held only pads so far (``pad_rows``, a chunked prefill:
-  ``kvbits.cache.layer.reread_offset``), until the first single-token update (a decode step, perhaps captured: it
-  reads nothing again). A row whose first real token comes alone in a last one-token chunk keeps its pads' offset.
+  ``kvbits.cache.layer.reread_offset``), up to and including the first single-token update when the host counts it
+  (not captured): a row whose first real token comes alone in a last one-token chunk (or right after the prompt)
+  reads its offset there, as ``QuantizedKVCache`` does. ``pad_rows`` is dropped as soon as no row is all pads (read
+  with the offset's host check), so the decode steps of other batches never read again.
 
 Quantized slot ``t`` of sequence ``b`` holds the key of position ``first + t - offset[b]`` (``first``: the layer's sink
 count), negative positions taken as 0 (pad slots, masked), as ``rope_at`` and the decode kernels
@@ -94,21 +96,26 @@ class StaticRope:
         """A request's first update: ``offset`` ``(B,)`` from its position ids (``None``: none came, cache indices),
         ``pad_rows`` ``(B,)`` bool the rows it showed only pads (``repeated_positions``; ``None``: none).
         One host read: every position a slot can hold must lie in the tables, which are never regrown."""
-        self.pad_rows = None if offset is None else pad_rows
         if offset is None:
+            self.pad_rows = None
             self.offset.zero_()
             return
-        self._write(offset)
+        self._write(offset, pad_rows)
 
     def reread(self, offset: torch.Tensor, pad_rows: torch.Tensor | None) -> None:
-        """A later prefill chunk: ``offset`` ``(B,)`` read again for the rows that held only pads
+        """A later update of a request with all-pads rows: ``offset`` ``(B,)`` read again for them
         (``kvbits.cache.layer.reread_offset``), the rows still so (``None``: none). One host read, as ``start``."""
-        self.pad_rows = pad_rows
-        self._write(offset)
+        self._write(offset, pad_rows)
 
-    def _write(self, offset: torch.Tensor) -> None:
-        """``offset`` written in place, after checking the tables cover the positions it gives (one host read)."""
-        ahead = max(0, -int(offset.min()))  # position ids that start past the cache indices
+    def _write(self, offset: torch.Tensor, pad_rows: torch.Tensor | None) -> None:
+        """``offset`` written in place, after checking the tables cover the positions it gives; ``pad_rows`` kept
+        while some row is all pads, else dropped (one host read for both)."""
+        if pad_rows is None:
+            ahead = max(0, -int(offset.min()))  # position ids that start past the cache indices
+        else:
+            ahead, pads = torch.stack([(-offset.min()).clamp_min(0), pad_rows.any().long()]).tolist()
+            pad_rows = pad_rows if pads else None
+        self.pad_rows = pad_rows
         if self.reach + ahead > self.positions:
             raise ValueError(
                 f"position ids run {ahead} positions past the cache indices: slots would reach position "

@@ -336,7 +336,8 @@ class KVScheme:
     Attributes:
         name: preset or user name.
         key, value: how K and V are stored.
-        sinks: the first ``sinks`` tokens of each sequence are kept in full precision forever.
+        sinks: the first ``sinks`` tokens of each sequence are kept in full precision forever (its first cache
+            slots: a left-padded row's sinks hold pads, which the caches warn about once).
         residual: at least this many most recent tokens stay in full precision.
         block: tokens are quantized ``block`` at a time, when the full-precision buffer reaches
             ``residual + block`` (so it always holds between ``residual`` and ``residual + block - 1``
