@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -448,6 +449,18 @@ def test_fetch_extracts_concatenates_and_verifies(fake_model: dict) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
     src = resolve_model("fake-kv")
     assert src == ModelSource("fake-kv", str(path.parent), "fake.gguf", fake_model["entry"].sha256, 4096)
+
+
+def test_a_fetched_model_file_is_readable_as_a_normally_created_file(fake_model: dict) -> None:
+    """The GGUF file was renamed into the cache from ``mkstemp``'s temporary file, keeping its 0600: another user
+    of a shared ``KVBITS_CACHE`` could not read the model its sidecar says is verified (the sidecar itself was
+    0644). It now has ``0666 & ~umask``, as the converted folder and the other files kvbits writes."""
+    umask = os.umask(0o022)
+    try:
+        path = fetch_offline_model("fake-kv")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
 def test_fetch_skips_when_cached(fake_model: dict, monkeypatch: pytest.MonkeyPatch) -> None:

