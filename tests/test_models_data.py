@@ -715,6 +715,20 @@ def test_a_whole_model_file_in_an_unwritable_cache_loads(fake_model: dict, monke
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
 
 
+@pytest.mark.parametrize("junk", ["[]", "null", '"x"'])
+def test_a_sidecar_that_is_not_a_json_object_is_hashed_again(fake_model: dict, monkeypatch: pytest.MonkeyPatch,
+                                                              junk: str) -> None:
+    """A sidecar holding valid JSON that is not an object raised ``AttributeError: 'list' object has no attribute
+    'get'`` from deep inside the cache check (an unparsable one was already hashed again). It is now hashed again
+    and rewritten, as a damaged sidecar is."""
+    path = fetch_offline_model("fake-kv")
+    side = path.with_name("fake.gguf.sha256")
+    side.write_text(junk)
+    monkeypatch.setenv("KVBITS_WHEELS", "")
+    assert fetch_offline_model("fake-kv", download=False) == path
+    assert json.loads(side.read_text())["sha256"] == fake_model["entry"].sha256
+
+
 def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:
     path = fetch_offline_model("fake-kv")
     path.write_bytes(b"garbage" * 100)

@@ -234,7 +234,8 @@ def _cached_sha256(path: Path) -> str:
     side = _sidecar(path)
     try:
         record = json.loads(side.read_text())
-        if all(record.get(k) == v for k, v in _stat_stamp(st).items()):
+        # a damaged sidecar holding JSON that is not an object ([], null) is hashed again, as an unparsable one
+        if isinstance(record, dict) and all(record.get(k) == v for k, v in _stat_stamp(st).items()):
             return str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
