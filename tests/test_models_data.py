@@ -684,6 +684,26 @@ def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path: Path, monkeyp
             fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK"])
+def test_a_cache_on_a_filesystem_without_file_locks_fetches_unlocked(
+    fake_model: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: str
+) -> None:
+    """A cache where ``flock`` is not supported (Lustre mounted without ``-o flock``: ``[Errno 38] Function not
+    implemented``; some NFS: ``ENOLCK``) failed every fetch and conversion with that bare ``OSError``. The fill now
+    goes on unlocked, as where there is no ``fcntl``, with a warning that names the cache."""
+    import errno
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.locking"):
+        path = fetch_offline_model("fake-kv")
+    assert path.read_bytes() == fake_model["payload"]
+    assert "does not support file locks" in caplog.text
+
+
 def test_a_lock_in_an_unwritable_cache_names_the_cache_and_kvbits_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
