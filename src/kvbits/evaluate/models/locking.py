@@ -16,12 +16,14 @@ when their holder exits, however it exits, so a crashed filler never leaves a st
 another user made in a shared cache is locked through a read-only descriptor; a cache that can not be
 written at all is a ``PermissionError`` saying to set ``KVBITS_CACHE`` to a writable folder. Where
 ``fcntl`` does not exist (Windows) the lock is a no-op, logged once: concurrent fills there stay safe,
-only duplicated.
+only duplicated. So is a cache on a filesystem without file locks (Lustre mounted without ``-o flock``: ``flock``
+fails with ``ENOSYS``), logged as a warning, rather than every fetch and conversion failing there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import re
 import shutil
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["cache_lock", "lock_path", "remove_leftovers"]
 
 _NO_FCNTL_LOGGED = False
+# flock's errors on a filesystem without file locks (Lustre mounted without -o flock: ENOSYS; some NFS: ENOLCK)
+_NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 def lock_path(cache_root: Path, name: str) -> Path:
@@ -61,8 +65,8 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[bool]:
     lock. The lock is not re-entrant: do not take the same entry's lock twice in one thread.
 
     Yields:
-        True when the lock is held; False where there is no ``fcntl`` (another process may be filling
-        the same entry, so its temporary files are not leftovers).
+        True when the lock is held; False where there is no ``fcntl`` or the cache's filesystem has no file locks
+        (another process may be filling the same entry, so its temporary files are not leftovers).
     """
     try:
         import fcntl
@@ -75,6 +79,7 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[bool]:
         return
     with _open_lock(lock_path(cache_root, name), cache_root) as fh:
         path = Path(fh.name)
+        unsupported = None
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,6 +87,17 @@ def cache_lock(cache_root: Path, name: str, what: str) -> Iterator[bool]:
             t0 = time.perf_counter()
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             logger.info("waited %.1f s for another process %s", time.perf_counter() - t0, what)
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK_ERRNOS:
+                raise
+            unsupported = exc.strerror
+        if unsupported is not None:
+            logger.warning(
+                "the kvbits cache %s does not support file locks (%s): %s without one; concurrent processes "
+                "may fill the same entry twice", cache_root, unsupported, what,
+            )  # fmt: skip
+            yield False
+            return
         try:
             yield True
         finally:

