@@ -355,6 +355,22 @@ def test_tokenize_caches_and_matches_tokenizer(tmp_path: Path, monkeypatch: pyte
     assert torch.equal(tokenize(src, tok), ids)
 
 
+def test_a_token_cache_file_is_readable_as_a_normally_created_file(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token cache file was renamed from ``mkstemp``'s temporary file, keeping its 0600: another user of a
+    shared ``KVBITS_CACHE`` re-tokenized the text and could not replace the file. It now has ``0666 & ~umask``."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    tok = _tiny_tokenizer()
+    src = kvdata.TextSource("t", "the lazy dog jumps over the fox\n" * 50, hashlib.sha256(b"x").hexdigest(), None)
+    umask = os.umask(0o022)
+    try:
+        tokenize(src, tok)
+    finally:
+        os.umask(umask)
+    cached = tmp_path / "tokens" / f"{token_fingerprint(src, tok)}.safetensors"
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o644
+
+
 def test_an_unwritable_token_cache_still_returns_the_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """A token cache that can not be written (read-only, full; here ``tokens`` is a file) is logged and the ids

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbits._files import chmod_default
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
@@ -408,6 +410,7 @@ def _save_token_cache(path: Path, ids: torch.Tensor, text_source: TextSource, to
             "text_sha256": text_source.sha256, "tokenizer": type(tokenizer).__name__,
             "n_tokens": str(ids.numel()),
         })
+        chmod_default(tmp)  # mkstemp makes it 0600: another user of a shared cache could not read the ids
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
