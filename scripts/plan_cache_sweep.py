@@ -5,7 +5,10 @@ Run: ``PYTHONPATH=src python scripts/plan_cache_sweep.py [model_type ...]`` (eve
 Prints each (model type, scheme, cache) where plan and the cache disagree: ``MISMATCH`` when plan prices a cache
 that can not be built, ``plan refuses`` the other way. The static cache's own limits (sliding layers,
 ``static_reason``, partial rotary in fixed slabs) are skipped: plan does not know which cache will hold the K/V.
+So are the differences of ``ACCEPTED`` (matched in either refusal), each for the reason it gives, and counted apart.
 Exit status 1 when there is a MISMATCH.
+
+Measured at 5e55708 with transformers 5.25: 34 mismatches and 78 ``plan refuses``; none now, with 84 accepted lines (the 78, and 6 hybrid_sliding).
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ from collections.abc import Callable
 
 SCHEMES = ("int8-token", "kvquant-4", "int4-channel-prerope")
 STATIC_ONLY = ("holds full-attention layers only", "cannot be stored in fixed slabs", "pre-RoPE keys in fixed slabs")
+ACCEPTED = {
+    # plan refuses, the cache builds: the cache is a container built from any config with layers and heads; the models
+    # are refused where kvbits runs them (kvbits._model.check_causal_lm applies plan's check_causal_config)
+    "is not a decoder-only causal LM": "encoder / encoder-decoder models: refused where kvbits runs a model",
+    # plan refuses, the cache builds: Bamba / GraniteMoeHybrid / the Gemma 4 assistant by default have no layer that
+    # caches K/V (all Mamba, or every layer reads another's KV); the cache holds only transformers' state layers
+    "stores a KV cache; nothing to plan": "no K/V to quantize or price: the cache keeps only unquantized states",
+    # plan accepts, QuantizedKVCache refuses: a sliding window plus a linear state in one layer (Inkling); the cache's
+    # refusal names DynamicCache to serve it and plan to price its attention K/V (plan never prices the linear states,
+    # of 'hybrid' layers either)
+    "has type 'hybrid_sliding'": "plan prices the K/V of layers served by DynamicCache, as the refusal says",
+}
 
 
 def outcome(fn: Callable[..., object], *args: object, **kwargs: object) -> str | None:
@@ -35,7 +50,7 @@ def main(types: list[str]) -> int:
     from kvbits.cache.static import StaticQuantizedKVCache
     from kvbits.plan import plan
 
-    mismatches = 0
+    mismatches = accepted = 0
     for mt in types:
         try:
             cfg = CONFIG_MAPPING[mt]()
@@ -52,10 +67,14 @@ def main(types: list[str]) -> int:
                 if c is not None and any(k in c for k in STATIC_ONLY):
                     continue
                 if (p is None) != (c is None):
+                    if any(k in (p or c or "") for k in ACCEPTED):
+                        accepted += 1
+                        continue
                     mismatches += p is None
                     tag = "MISMATCH plan accepts" if p is None else "plan refuses, cache builds"
                     print(f"{mt} {s} [{kind}] {tag}:\n    plan:  {p}\n    cache: {c}")
-    print(f"{len(types)} model types, {mismatches} mismatches (plan accepts, a cache refuses)")
+    print(f"{len(types)} model types, {mismatches} mismatches (plan accepts, a cache refuses), {accepted} accepted "
+          "differences (ACCEPTED)")
     return mismatches
 
 

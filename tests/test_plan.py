@@ -327,6 +327,32 @@ def test_models_without_a_standard_kv_cache_are_refused(caplog):
         load_shape(d)
 
 
+@pytest.mark.parametrize(
+    ("layer_type", "why"),
+    [("indexed_attention", "also caches its indexer's keys"), ("reference_sliding_attention", "every prefill token")],
+)
+def test_layer_types_the_cache_can_not_hold_are_refused_with_why(layer_type, why):
+    """``indexed_attention`` (DSA: transformers' DynamicIndexedLayer caches the indexer's keys beside K/V) was planned
+    as full attention and ``reference_sliding_attention`` (Unlimited-OCR: the whole prompt plus a window of decoded
+    tokens) as a window, while QuantizedKVCache refuses both: 8 of the sweep's 34 mismatches (Kolibri, Qwen4-exp,
+    Unlimited-OCR), bytes that leave out what such a layer holds. The planner refuses them now, saying what they hold;
+    the cache still refuses them."""
+    from transformers import LlamaConfig
+
+    from kvbits.cache import QuantizedKVCache
+
+    types = ["sliding_attention", layer_type, layer_type]
+    d = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "sliding_window": 8, "layer_types": types}
+    with pytest.raises(ValueError, match=rf"layer_types holds '{layer_type}' \(2 layers 1, 2\): .*{why}"):
+        load_shape(d)
+    cfg = LlamaConfig(**{k: v for k, v in d.items() if k != "layer_types"}, vocab_size=128)
+    cfg.layer_types = types
+    with pytest.raises(ValueError, match=rf"'{layer_type}'"):
+        plan(cfg, context=64, scheme="int8-token")
+    with pytest.raises(NotImplementedError, match=rf"layer 1 has type '{layer_type}'"):
+        QuantizedKVCache(cfg, "int8-token")
+
+
 def test_qwen2_raw_dict_follows_qwen2config():
     from transformers import AutoConfig
 

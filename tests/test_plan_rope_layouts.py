@@ -139,3 +139,39 @@ def test_pre_rope_keys_of_nope_layer_types_are_cached_as_planned():
     assert [cache._rotary.tables_for_layer(i).rot_dim for i in range(3)] == [16, 0, 16]
     assert (out.float() - ref.float()).abs().max() < 0.1 * ref.float().abs().max()
     assert cache.memory_report()["total_bytes"] == plan(config, scheme="int4-channel-prerope", context=24)["total_bytes"]
+
+
+@pytest.mark.parametrize("model_type", ["exaone", "param2moe"])
+def test_pre_rope_keys_of_config_only_families_are_cached_as_planned(model_type):
+    """transformers ships some families as a config alone and runs them with another family's model class (EXAONE,
+    InternLM3, IQuest-Coder: ``LlamaForCausalLM``; Param2MoE, Sarvam-MoE: ``Glm4MoeForCausalLM``). The planner priced
+    pre-RoPE schemes on them while both caches refused ("needs a model with RoPE keys: no transformers modeling module
+    for model_type 'exaone'"): 20 of the sweep's 34 mismatches. Now the RoPE tables come from the modeling file that
+    runs the family (``modeling_family``), equal to those of the model itself; a forward through the cache stays close
+    to ``DynamicCache``'s and holds the bytes the planner counts."""
+    import torch
+
+    from kvbits.cache import QuantizedKVCache, cache_kwargs
+    from kvbits.cache.static import StaticQuantizedKVCache
+    from kvbits.plan.positions import modeling_family
+    from kvbits.quant.rope import RotaryTables
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    config = _config(model_type, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    family = modeling_family(model_type)
+    assert family is not None and modeling_family("llama") == "llama"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    pos = torch.arange(32)[None]
+    mine, its = RotaryTables.from_config(config), RotaryTables.from_model(model)  # float32 frequencies, both
+    assert all(torch.equal(a, b) for a, b in zip(mine.cos_sin(pos), its.cos_sin(pos)))
+    model = model.to(torch.bfloat16)  # 2 bytes, as planned
+    StaticQuantizedKVCache(config, "int4-channel-prerope", max_cache_len=64)
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        ref = model(ids, **cache_kwargs(transformers.DynamicCache(config=config), model)).logits
+        cache = QuantizedKVCache(config, "int4-channel-prerope")
+        out = model(ids, **cache_kwargs(cache, model)).logits
+    assert (out.float() - ref.float()).abs().max() < 0.1 * ref.float().abs().max()
+    assert cache.memory_report()["total_bytes"] == plan(config, scheme="int4-channel-prerope", context=24)["total_bytes"]

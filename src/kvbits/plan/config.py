@@ -15,7 +15,8 @@ into a config; :func:`model_shape` reads a :class:`~kvbits.plan.shape.ModelShape
   (``transformers.cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when present
   (``sliding_attention`` holds a window of ``sliding_window`` tokens, ``chunked_attention`` is cached
   like a window of ``attention_chunk_size``, linear-attention / SSM / MLP-only layers and layers that
-  reuse another layer's KV hold nothing; any other type is refused: DeepSeek-V4's compressed attention);
+  reuse another layer's KV hold nothing; any other type is refused: DeepSeek-V4's compressed attention, DSA's
+  ``indexed_attention`` (it caches indexer keys too), ``reference_sliding_attention`` (it keeps the whole prompt));
   otherwise ``sliding_window``, when set, applies to every layer
   (Mistral, Qwen3-MoE: a config's ``use_sliding_window`` / ``max_window_layers`` are its class's business,
   already in its ``sliding_window`` or ``layer_types``). Raw dicts that transformers can not build get the same
@@ -81,8 +82,20 @@ __all__ = [
 ]
 
 # transformers layer_types -> kvbits attention kind (see transformers.cache_utils.get_layer_types_and_kwargs)
-_FULL_TYPES = {"full_attention", "attention", "hybrid", "indexed_attention"}
-_SLIDING_TYPES = {"sliding_attention", "hybrid_sliding", "reference_sliding_attention"}
+_FULL_TYPES = {"full_attention", "attention", "hybrid"}
+_SLIDING_TYPES = {"sliding_attention", "hybrid_sliding"}
+# layer types transformers caches in more (or other) bytes than K/V heads of full attention or a window: refused with
+# why (QuantizedKVCache refuses them too); planning them as full attention / a window under-counts what is held
+_REFUSED_TYPES = {
+    "indexed_attention": (
+        "a sparse-attention layer (DSA) also caches its indexer's keys beside its K/V (transformers' "
+        "DynamicIndexedLayer), which kvbits neither quantizes nor plans"
+    ),
+    "reference_sliding_attention": (
+        "a reference sliding-window layer keeps every prefill token plus a window of the decoded ones "
+        "(Unlimited-OCR), so its bytes depend on the prompt's length, which the planner is not given"
+    ),
+}
 _CHUNKED_TYPES = {"chunked_attention"}
 _NO_KV_TYPES = {"linear_attention", "mamba", "conv", "dummy", "moe", "mlp"}
 _KNOWN_TYPES = _FULL_TYPES | _SLIDING_TYPES | _CHUNKED_TYPES | _NO_KV_TYPES
@@ -333,15 +346,24 @@ def _attention(
 
 def _check_layer_types(layer_types: Sequence[str]) -> None:
     """``ValueError`` naming the layer types kvbits does not know (their KV cache may be compressed, shared or
-    absent: planning them as full attention could be far off), with their layers, and the known types."""
+    absent: planning them as full attention could be far off), with their layers, and the known types; for a type
+    of ``_REFUSED_TYPES``, what it caches beside K/V."""
     unknown: dict[str, list[int]] = {}
     for i, t in enumerate(layer_types):
         if t not in _KNOWN_TYPES:
             unknown.setdefault(t, []).append(i)
-    if unknown:
-        def where(idx: list[int]) -> str:
-            return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx[:4]))}{', ...' if len(idx) > 4 else ''}"
 
+    def where(idx: list[int]) -> str:
+        return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx[:4]))}{', ...' if len(idx) > 4 else ''}"
+
+    refused = [(t, idx) for t, idx in sorted(unknown.items()) if t in _REFUSED_TYPES]
+    if refused:
+        t, idx = refused[0]
+        raise ValueError(
+            f"layer_types holds {t!r} ({len(idx)} {where(idx)}): {_REFUSED_TYPES[t]}; the kvbits planner prices (and "
+            "QuantizedKVCache holds) full-attention, sliding-window and chunked layers"
+        )
+    if unknown:
         found = "; ".join(f"{t!r} ({len(idx)} {where(idx)})" for t, idx in sorted(unknown.items()))
         raise ValueError(
             f"layer_types holds layer types unknown to kvbits, whose KV cache it can not plan: {found}; known: "

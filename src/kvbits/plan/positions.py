@@ -24,9 +24,10 @@ It refuses, for a transformers config:
   and those of a family whose rotary module falls back to a default one (a Qwen2-VL config without it:
   :func:`default_mrope_section`, read from the modeling source), which the cache refuses before building tables.
 
-A family whose modeling file can not be found (a remote-code model, a family transformers ships without its
-modeling file) is not refused here: the cache takes its tables from the loaded model (``rotary=``), which only it
-can check.
+A config-only family (transformers ships its config but runs it with another family's model class: EXAONE with
+``LlamaModel``) is judged by the modeling file that runs it (:func:`modeling_family`), as ``RotaryTables`` builds its
+tables from that file. A family whose modeling file can not be found (a remote-code model) is not refused here: the
+cache takes its tables from the loaded model (``rotary=``), which only it can check.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "NON_TEXT_ROTARY",
     "NOT_ROTATE_HALF",
     "default_mrope_section",
+    "modeling_family",
     "mrope_section",
     "no_rope_reason",
     "pre_rope_problem",
@@ -109,20 +111,53 @@ def mrope_section(text: Any) -> Any:
     return None
 
 
-@functools.lru_cache(maxsize=64)
-def _modeling_source(model_type: str) -> str | None:
-    """The text of transformers' modeling file of ``model_type`` (read, not imported: the module imports torch and
-    the family's layers); ``None`` when it can not be found."""
+def _modeling_spec(model_type: str) -> Any:
+    """The import spec of transformers' ``modeling_*`` file of ``model_type`` (found, not imported), or ``None``."""
     try:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         name = model_type_to_module_name(model_type)
         spec = importlib.util.find_spec(f"transformers.models.{name}.modeling_{name}")
-        if spec is None or not spec.origin:
-            return None
+    except (ImportError, ValueError, AttributeError):
+        return None
+    return spec if spec is not None and spec.origin else None
+
+
+@functools.lru_cache(maxsize=64)
+def modeling_family(model_type: str) -> str | None:
+    """The model type whose transformers modeling file runs ``model_type``'s models: ``model_type`` itself when
+    transformers ships its modeling file; else, for a config-only family, the family whose model class transformers'
+    auto mapping names for it (in transformers 5.25 EXAONE, InternLM3 and IQuest-Coder run ``LlamaModel``, Param2MoE
+    and Sarvam-MoE ``Glm4MoeModel``); ``None`` when neither is found (a remote-code model). Found without importing
+    any modeling file."""
+    if _modeling_spec(model_type) is not None:
+        return model_type
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        return None
+    for names in (modeling_auto.MODEL_MAPPING_NAMES, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        cls = names.get(model_type)
+        if not isinstance(cls, str):
+            continue
+        for other, other_cls in names.items():
+            if other_cls == cls and other != model_type and _modeling_spec(other) is not None:
+                return other
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _modeling_source(model_type: str) -> str | None:
+    """The text of the transformers modeling file that runs ``model_type`` (:func:`modeling_family`; read, not
+    imported: the module imports torch and the family's layers); ``None`` when it can not be found."""
+    family = modeling_family(model_type)
+    spec = None if family is None else _modeling_spec(family)
+    if spec is None:
+        return None
+    try:
         with open(spec.origin, encoding="utf-8") as f:
             return f.read()
-    except (ImportError, ValueError, OSError):
+    except OSError:
         return None
 
 
@@ -152,6 +187,10 @@ def pre_rope_problem(text: Any) -> str | None:
     model_type = getattr(text, "model_type", None)
     if not isinstance(model_type, str) or not model_type:
         return None
+    # a config-only family (EXAONE) rotates as the family whose modeling file runs it (Llama)
+    family = modeling_family(model_type)
+    if family not in (None, model_type) and family in LEARNED_POSITIONS + ALIBI_FAMILIES + INTERLEAVED_SINUSOID + NOT_ROTATE_HALF:
+        model_type = family
     if model_type in LEARNED_POSITIONS:
         return "does not rotate its keys: it adds learned absolute position embeddings to its inputs"
     if model_type in ALIBI_FAMILIES:

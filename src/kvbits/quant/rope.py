@@ -50,7 +50,13 @@ import torch
 from kvbits.plan.config import layer_heads, text_config
 
 # the torch-free config checks, shared with the planner, which refuses the same models for pre-RoPE schemes
-from kvbits.plan.positions import INTERLEAVED_SINUSOID, NON_TEXT_ROTARY, NOT_ROTATE_HALF, no_rope_reason
+from kvbits.plan.positions import (
+    INTERLEAVED_SINUSOID,
+    NON_TEXT_ROTARY,
+    NOT_ROTATE_HALF,
+    modeling_family,
+    no_rope_reason,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +151,19 @@ def _nope_type(text: Any, layer_type: str) -> bool:
 
 
 def _modeling_module(model_type: str):
+    """The transformers modeling module that runs ``model_type``'s models: its own, or for a config-only family
+    the one of the model class transformers runs it with (``kvbits.plan.positions.modeling_family``: EXAONE ->
+    Llama's); ``ValueError`` when there is none (a remote-code model: pass ``rotary=RotaryTables.from_model(model)``)."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    name = model_type_to_module_name(model_type)
+    name = model_type_to_module_name(modeling_family(model_type) or model_type)
     try:
         return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     except ImportError as exc:
-        raise ValueError(f"no transformers modeling module for model_type {model_type!r}: {exc}") from exc
+        raise ValueError(
+            f"no transformers modeling module for model_type {model_type!r} (a remote-code model? build the "
+            f"tables from the loaded model: RotaryTables.from_model(model)): {exc}"
+        ) from exc
 
 
 def _rotary_class(module: Any, model_type: str) -> type:
