@@ -504,6 +504,33 @@ def test_tune_mixes_calibrated_candidates(calibrated):
     assert uncal.calibration is None and uncal.to_dict()["calibration"] is None
 
 
+@torch.no_grad()
+def test_refinement_rounds_without_the_check_measure_a_calibrated_mix(calibrated):
+    """rounds=2 with check=False (--no-check) and calibrated candidates: the last round's new mix, measured alone,
+    was handed every candidate's calibration besides its own, and evaluate refused the run after all the rounds
+    had run ("calibration given for kvquant-2, kvquant-4, which is not among the schemes evaluated (tuned-5)").
+    Now only the measured schemes' artifacts are passed; the mix measures as evaluate() measures it."""
+    from kvbits.tune import search
+
+    model, ids, arts = calibrated
+    real = search.marginal_sensitivity
+
+    def flipped(*a, **kw):  # costs that make the next round move every layer off its current candidate
+        current, pick = real(*a, **kw)[1], a[3]
+        return [[0.0 if j != pick[i] else 1.0 for j in range(2)] for i in range(3)], current
+
+    with mock.patch.object(search, "marginal_sensitivity", flipped):
+        res = tune(model, ids, CALIBRATED[1:], 5.0, context=128, windows=2, rounds=2, check=False, calibrations=arts)
+    assert len(res.rounds) == 2 and all("measured_kl" in r for r in res.rounds) and res.uniform == {}
+    last = _mix_of(res.rounds[1]["choice"])
+    want = evaluate(model, ids, 128, [last], windows=2, attn_layers=[], calibration=_calibrate_like(model, ids, last))
+    assert res.rounds[1]["measured_kl"] == pytest.approx(want["results"][0]["kl"], rel=1e-6)
+
+
+def _mix_of(choice: list[str]) -> KVScheme:
+    return mixed_scheme(get_scheme(choice[0]), {i: c for i, c in enumerate(choice) if i}, name="last")
+
+
 def test_tune_refuses_calibrated_candidates_without_calibration(calibrated, monkeypatch):
     """A calibrated candidate with no calibration, or one with optional calibrated sides beside given ones,
     is refused before any pass; a calibration of another scheme, or for no candidate, too."""
@@ -722,3 +749,4 @@ def test_cli_tune_compare_and_progress_lines(tmp_path, capsys, monkeypatch):
         assert "(within the budget, lower KL than the mix)" in captured.out and "below the tuned mix" in captured.err
     assert main([*argv, "--json"]) == 0
     assert [c["scheme"] for c in json.loads(capsys.readouterr().out)["compare"]] == ["int4-token", "int3-token"]
+

@@ -557,8 +557,11 @@ def tune(
         from kvbits.evaluate.runner import evaluate
 
         check_run = {k: v for k, v in run.items() if k != "calibrations"}
-        calibration = {**arts, **other_arts, **(_composed([mix], arts) or {})} or None
         measured = [mix, *(cands if check else []), *others]
+        # only the measured schemes' artifacts: evaluate refuses one for a scheme it does not measure (the candidates
+        # are not measured without the check)
+        given = {**arts, **other_arts, **(_composed([mix], arts) or {})}
+        calibration = {s.name: given[s.name] for s in measured if s.name in given} or None
         logger.info("check: measuring %s on the same windows", ", ".join(s.name for s in measured))
 
         def measured_one(w: int, windows: int, scheme: str) -> None:
