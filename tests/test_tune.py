@@ -750,3 +750,18 @@ def test_cli_tune_compare_and_progress_lines(tmp_path, capsys, monkeypatch):
     assert main([*argv, "--json"]) == 0
     assert [c["scheme"] for c in json.loads(capsys.readouterr().out)["compare"]] == ["int4-token", "int3-token"]
 
+
+@torch.no_grad()
+def test_tune_compares_a_calibrated_scheme_beside_a_calibrated_mix(calibrated):
+    """The case --compare is for: kvquant-3 beside a kvquant-4 / kvquant-2 mix, its calibration matched among the
+    candidates' by the scheme it was made for, measured as evaluate() measures it with that calibration; without
+    its calibration it is refused before any pass, named as a compared scheme."""
+    model, ids, arts = calibrated
+    kvq3 = _calibrate_like(model, ids, "kvquant-3")
+    with pytest.raises(ValueError, match=r"compared scheme 'kvquant-3' \(key and value\) needs calibrated"):
+        tune(model, ids, CALIBRATED[1:], 3.7, context=128, calibrations=list(arts.values()), compare=["kvquant-3"])
+    res = tune(model, ids, CALIBRATED[1:], 3.7, context=128, windows=2, check=False,
+               calibrations=[*arts.values(), kvq3], compare=["kvquant-3"])  # fmt: skip
+    want = evaluate(model, ids, 128, ["kvquant-3"], windows=2, attn_layers=[], calibration=kvq3)["results"][0]["kl"]
+    assert res.compare[0]["scheme"] == "kvquant-3" and res.compare[0]["measured_kl"] == pytest.approx(want, rel=1e-6)
+    assert set(res.meta["calibrations"]) == {"kvquant-4", "kvquant-2"}  # the mix's candidates' only
