@@ -504,6 +504,33 @@ def test_tune_mixes_calibrated_candidates(calibrated):
     assert uncal.calibration is None and uncal.to_dict()["calibration"] is None
 
 
+@torch.no_grad()
+def test_refinement_rounds_without_the_check_measure_a_calibrated_mix(calibrated):
+    """rounds=2 with check=False (--no-check) and calibrated candidates: the last round's new mix, measured alone,
+    was handed every candidate's calibration besides its own, and evaluate refused the run after all the rounds
+    had run ("calibration given for kvquant-2, kvquant-4, which is not among the schemes evaluated (tuned-5)").
+    Now only the measured schemes' artifacts are passed; the mix measures as evaluate() measures it."""
+    from kvbits.tune import search
+
+    model, ids, arts = calibrated
+    real = search.marginal_sensitivity
+
+    def flipped(*a, **kw):  # costs that make the next round move every layer off its current candidate
+        current, pick = real(*a, **kw)[1], a[3]
+        return [[0.0 if j != pick[i] else 1.0 for j in range(2)] for i in range(3)], current
+
+    with mock.patch.object(search, "marginal_sensitivity", flipped):
+        res = tune(model, ids, CALIBRATED[1:], 5.0, context=128, windows=2, rounds=2, check=False, calibrations=arts)
+    assert len(res.rounds) == 2 and all("measured_kl" in r for r in res.rounds) and res.uniform == {}
+    last = _mix_of(res.rounds[1]["choice"])
+    want = evaluate(model, ids, 128, [last], windows=2, attn_layers=[], calibration=_calibrate_like(model, ids, last))
+    assert res.rounds[1]["measured_kl"] == pytest.approx(want["results"][0]["kl"], rel=1e-6)
+
+
+def _mix_of(choice: list[str]) -> KVScheme:
+    return mixed_scheme(get_scheme(choice[0]), {i: c for i, c in enumerate(choice) if i}, name="last")
+
+
 def test_tune_refuses_calibrated_candidates_without_calibration(calibrated, monkeypatch):
     """A calibrated candidate with no calibration, or one with optional calibrated sides beside given ones,
     is refused before any pass; a calibration of another scheme, or for no candidate, too."""
@@ -648,3 +675,93 @@ def test_tune_takes_dtype_bytes_and_serve_context_as_ints_only():
     for bad in (128.0, True):
         with swept, pytest.raises(ValueError, match="serve_context must be a positive int"):
             tune(llama, None, cands, 6.0, context=64, check=False, serve_context=bad)
+
+
+# ------------------------------------------------------------------------------ --compare and progress lines
+@torch.no_grad()
+def test_tune_compares_uniform_schemes_that_are_not_candidates(caplog):
+    """tune measured its mix and the uniform candidates, never a uniform scheme at the budget's bits that is not a
+    candidate (on Qwen2.5-Coder-0.5B a kvquant-4/kvquant-2 mix at 3.68 bits measured KL 0.0955, uniform kvquant-3
+    0.0680). compare= measures each beside the mix on the same windows (also without the check, which then measures
+    the mix too), records {scheme, avg_bits, measured_kl} and warns when one within the budget beats the mix: here
+    int4-token (5 bits) measures KL 1.9e-4 against the int8/int2 mix's 4.8e-4 at 6 bits."""
+    import logging
+
+    from kvbits.tune.search import better_compared
+
+    model, ids = _llama(layers=2), _ids(200)
+    with caplog.at_level(logging.WARNING, logger="kvbits.tune"):
+        res = tune(model, ids, ["int8-token", "int2-token"], 6.0, context=64, check=False,
+                   compare=["int4-token", "int3-token"])  # fmt: skip
+    assert res.uniform == {} and res.measured_kl is not None  # no check: the mix measured for the comparison only
+    assert [c["scheme"] for c in res.compare] == ["int4-token", "int3-token"]
+    kls = evaluate(model, ids, 64, ["int4-token", "int3-token", res.scheme], attn_layers=[])["results"]
+    for c, r in zip(res.compare, kls):
+        assert set(c) == {"scheme", "avg_bits", "measured_kl"}
+        assert c["measured_kl"] == pytest.approx(r["kl"], rel=1e-6)
+        assert c["avg_bits"] == plan(model.config, 64, scheme=c["scheme"], dtype_bytes=4)["avg_bits"]
+    assert res.measured_kl == pytest.approx(kls[2]["kl"], rel=1e-6)
+    better = [c["scheme"] for c in better_compared(res)]
+    assert "int4-token" in better  # 5 bits, within the 6-bit budget, and the lower KL
+    assert better == [c["scheme"] for c in res.compare if c["measured_kl"] < res.measured_kl]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "below the tuned mix" in
+              r.getMessage()]  # fmt: skip
+    assert len(warned) == len(better) and "uniform int4-token (5.000 average bits" in warned[0]
+    assert res.to_dict()["compare"] == res.compare
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbits.tune"):  # over the budget: measured, no warning
+        over = tune(model, ids, ["int8-token", "int2-token"], 4.5, context=64, check=False, compare=["int4-token"])
+    assert over.compare[0]["avg_bits"] > 4.5 and better_compared(over) == []
+    assert not [r for r in caplog.records if "below the tuned mix" in r.getMessage()]
+    for bad, msg in ((["int8-token"], "is a candidate"), (["int4-token", "int4-token"], "listed twice"),
+                     (["int4-token,0=fp16"], "must be flat")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            tune(model, ids, ["int8-token", "int2-token"], 6.0, context=64, compare=bad)
+
+
+def test_cli_tune_compare_and_progress_lines(tmp_path, capsys, monkeypatch):
+    """--compare reaches tune, <out>.tune.json records "compare" and the console names the compared scheme that
+    beats the mix. With --no-progress tune said nothing on stderr until the end (about 30 minutes on a loaded CPU);
+    now one INFO line per probed layer and check pass, without -v, and the logger's level is restored after."""
+    import logging
+
+    from kvbits import tune as tune_pkg
+
+    model = _llama()
+    real = tune_pkg.tune
+    monkeypatch.setattr(tune_pkg, "tune", lambda _m, _d, *a, **kw: real(model, _ids(200), *a, **kw))
+    out = tmp_path / "mix.json"
+    argv = ["tune", "--model", "tiny", "--data", "tiny", "--context", "64", "--candidates", "int8-token",
+            "--candidates", "int2-token", "--budget-bits", "6", "--compare", "int4-token", "--compare", "int3-token",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    level = logging.getLogger("kvbits.tune").level
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert logging.getLogger("kvbits.tune").level == level
+    for layer in (0, 1):
+        assert f"sensitivity: window 1/1, layer {layer}/1 probed" in captured.err
+    assert "check: window 1/1, int3-token measured" in captured.err
+    record = json.loads((tmp_path / "mix.json.tune.json").read_text())
+    assert [c["scheme"] for c in record["compare"]] == ["int4-token", "int3-token"]
+    assert all(set(c) == {"scheme", "avg_bits", "measured_kl"} for c in record["compare"])
+    assert "compared: int4-token" in captured.out
+    if record["compare"][0]["measured_kl"] < record["measured_kl"]:
+        assert "(within the budget, lower KL than the mix)" in captured.out and "below the tuned mix" in captured.err
+    assert main([*argv, "--json"]) == 0
+    assert [c["scheme"] for c in json.loads(capsys.readouterr().out)["compare"]] == ["int4-token", "int3-token"]
+
+
+@torch.no_grad()
+def test_tune_compares_a_calibrated_scheme_beside_a_calibrated_mix(calibrated):
+    """The case --compare is for: kvquant-3 beside a kvquant-4 / kvquant-2 mix, its calibration matched among the
+    candidates' by the scheme it was made for, measured as evaluate() measures it with that calibration; without
+    its calibration it is refused before any pass, named as a compared scheme."""
+    model, ids, arts = calibrated
+    kvq3 = _calibrate_like(model, ids, "kvquant-3")
+    with pytest.raises(ValueError, match=r"compared scheme 'kvquant-3' \(key and value\) needs calibrated"):
+        tune(model, ids, CALIBRATED[1:], 3.7, context=128, calibrations=list(arts.values()), compare=["kvquant-3"])
+    res = tune(model, ids, CALIBRATED[1:], 3.7, context=128, windows=2, check=False,
+               calibrations=[*arts.values(), kvq3], compare=["kvquant-3"])  # fmt: skip
+    want = evaluate(model, ids, 128, ["kvquant-3"], windows=2, attn_layers=[], calibration=kvq3)["results"][0]["kl"]
+    assert res.compare[0]["scheme"] == "kvquant-3" and res.compare[0]["measured_kl"] == pytest.approx(want, rel=1e-6)
+    assert set(res.meta["calibrations"]) == {"kvquant-4", "kvquant-2"}  # the mix's candidates' only

@@ -212,6 +212,7 @@ def evaluate(
     fused_decode: bool | str = "auto",
     distributed: bool | None = None,
     generate: int = 0,
+    on_pass: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Measure each scheme against the unquantized model, by position bucket.
 
@@ -254,6 +255,9 @@ def evaluate(
             real cache, and compare the continuations (:mod:`.generation`: rep-n, agreement, first
             divergence); 0 (the default) generates nothing. Any mode; under ranks each rank
             generates for its own windows.
+        on_pass: called as ``on_pass(window, windows, scheme_name)`` after each scheme's pass over a window
+            (this rank's windows; ``windows`` those the run measures): a caller's progress without the bar
+            (``kvbits tune`` logs one line per probed layer); not called for a stored run that is reused.
 
     Returns:
         The summary: ``{"model", "data", "context", "semantics", "mode", "windows", "fingerprint":
@@ -530,6 +534,8 @@ def evaluate(
                     raise RuntimeError(
                         f"{name}: non-finite hidden states in window {w} (NaN/inf in the model or K/V)"
                     )
+                if on_pass is not None:
+                    on_pass(w, W, name)
                 hs.append(h[:-1])
             metrics = token_metrics(head, h_ref[:-1], hs, win[w, 1:])
             for name, rec in zip(names, metrics):

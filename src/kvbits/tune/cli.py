@@ -4,7 +4,10 @@ wrapper over ``kvbits.tune.tune``)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,8 @@ examples:
 <out>.tune.json with the sensitivity table {"scheme" (the mix), "choice", "candidates", "bits", "sensitivity" (layers x
 candidates, KL in nats with only that layer quantized), "budget_bits", "avg_bits" (kvbits plan's at
 --serve-context, recorded as meta.serve_context; "bits" are the uniform candidates'), "predicted_kl",
-"measured_kl", "uniform", "rounds", "meta", "calibration"}; --json prints that record. --rounds 2 re-chooses from
+"measured_kl", "uniform", "compare" ([{scheme, avg_bits, measured_kl}] of each --compare), "rounds", "meta",
+"calibration"}; --json prints that record. --rounds 2 re-chooses from
 marginal KLs measured around the first mix (the layers' errors compound; see BENCHMARKS.md §14), measures each
 round's mix (the last one alone also under --no-check) and keeps the best measured.
 Calibrated candidates (kvquant-*) take their `kvbits calibrate` folders (--calibration, matched by the
@@ -36,6 +40,11 @@ scheme each was calibrated for); every probe and mix runs with the calibration c
 "calibration" in <out>.tune.json) when the mix calibrates some layer. An --out already written by kvbits tune is
 replaced (with its calibration folder, removed when the new mix calibrates no layer); an existing --out (or
 <out without .json>.calibration/) without <out>.tune.json beside it is refused unless --overwrite.
+--compare SCHEME (repeatable) measures a uniform scheme that is not a candidate beside the mix on the same windows
+(also under --no-check, which then measures the mix too): on Qwen2.5-Coder-0.5B a kvquant-4 / kvquant-2 mix at 3.68
+bits measured KL 0.0955 and uniform kvquant-3 0.0680, which the knapsack over the candidates never sees; a warning
+says so when a compared scheme within the budget measures a lower KL than the mix.
+Without the progress bar (--no-progress, --json) one line per probed layer, round and check pass goes to stderr.
 Tune on text other than the one you evaluate on: the sensitivities are measured, not predicted.
 The budget is priced at --serve-context (default --context): on a model with sliding-window layers (Gemma 2/3,
 Mistral) the average bits depend on the context (the windows stop growing, the full layers do not), so a mix
@@ -72,6 +81,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--calibration", action="append", metavar="DIR",
         help="kvbits calibrate folder of a calibrated candidate (matched by the scheme it was made for); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--compare", action="append", metavar="SCHEME",
+        help="a uniform scheme that is not a candidate (e.g. one at the budget's bits: kvquant-3 beside a kvquant-4 / "
+        "kvquant-2 mix), measured beside the mix on the same windows, also under --no-check (its --calibration "
+        "matched as the candidates'); a warning says when one within the budget measures a lower KL; repeatable",
     )  # fmt: skip
     p.add_argument(
         "--budget-bits", type=bounded(float, 0, lo_open=True), required=True,
@@ -111,7 +126,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the tune record as JSON")
     add_dtype_device(p, DEVICES)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress bar: one line per probed layer, round and check pass on stderr instead (as --json)",
+    )  # fmt: skip
     return p
 
 
@@ -125,12 +143,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
     if args.out:
         check_tune_out(args.out, overwrite=args.overwrite)  # before the passes, not after
-    res = tune(
-        args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
-        name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
-        rounds=args.rounds, progress=not (args.no_progress or args.json), calibrations=args.calibration,
-        dtype_bytes=args.dtype_bytes, serve_context=args.serve_context,
-    )  # fmt: skip
+    bar = not (args.no_progress or args.json)
+    with _lines_without_bar(not bar):
+        res = tune(
+            args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
+            name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
+            rounds=args.rounds, progress=bar, calibrations=args.calibration, dtype_bytes=args.dtype_bytes,
+            serve_context=args.serve_context, compare=args.compare,
+        )  # fmt: skip
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +168,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(res, args.out)
     return 0
+
+
+@contextmanager
+def _lines_without_bar(on: bool) -> Iterator[None]:
+    """Without the progress bar (``--no-progress``, ``--json``), ``kvbits.tune``'s INFO lines (one per probed layer,
+    round and check pass) reach stderr also without ``-v``: a run of tens of minutes on a CPU said nothing until
+    its end."""
+    log = logging.getLogger("kvbits.tune")
+    level = log.level
+    if on and not log.isEnabledFor(logging.INFO):
+        log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _tune_record(out: str | Path) -> Path:
@@ -209,6 +244,18 @@ def _print(res: Any, out: str | None) -> None:
     if res.uniform:
         line += "; uniform: " + ", ".join(f"{n} {u['kl']:.4g} at {u['avg_bits']:.2f} b" for n, u in res.uniform.items())
     console.print(line)
+    if res.compare:
+        from kvbits.tune.search import better_compared
+
+        better = {c["scheme"] for c in better_compared(res)}
+        console.print(
+            "compared: "
+            + ", ".join(
+                f"{c['scheme']} {c['measured_kl']:.4g} at {c['avg_bits']:.2f} b"
+                + (" (within the budget, lower KL than the mix)" if c["scheme"] in better else "")
+                for c in res.compare
+            )
+        )
     if len(res.rounds) > 1:
         for k, r in enumerate(res.rounds, 1):
             measured = r.get("measured_kl")

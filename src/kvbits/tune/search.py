@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -84,6 +84,9 @@ class TuneResult:
             candidate -> the folder of its artifact (``"<in memory>"`` for objects), when calibrations were given.
         calibration: the chosen mix's ``CalibrationArtifact`` (composed from the candidates' artifacts),
             or None when the mix calibrates nothing; ``save(dir)`` writes it for ``kvbits eval``.
+        compare: per scheme ``tune`` was asked to compare (``compare=``: uniform schemes that are not candidates,
+            e.g. one at the budget's bits), ``{"scheme", "avg_bits", "measured_kl"}`` measured beside the mix on the
+            same windows (``avg_bits`` as ``bits``); empty when none was asked.
     """
 
     scheme: KVScheme
@@ -99,6 +102,7 @@ class TuneResult:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     calibration: Any = None
+    compare: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +116,7 @@ class TuneResult:
             "predicted_kl": self.predicted_kl,
             "measured_kl": self.measured_kl,
             "uniform": self.uniform,
+            "compare": self.compare,
             "rounds": self.rounds,
             "meta": self.meta,
             "calibration": None
@@ -294,14 +299,41 @@ def layer_sensitivity(
         mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
         for i in range(n_layers) if i not in skip for c in candidates
     ]  # fmt: skip
+    layer_of = {f"exact,{i}={c.name}": i for i in range(n_layers) if i not in skip for c in candidates}
     summary = evaluate(
         model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
         device=device, progress=progress, calibration=_composed(probes, calibrations),
+        on_pass=_layer_progress(layer_of, n_layers, "sensitivity"),
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     return [
         [0.0 if i in skip else kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)
     ], summary
+
+
+def _layer_progress(layer_of: Mapping[str, int], n_layers: int, what: str) -> Callable[[int, int, str], None]:
+    """``evaluate``'s ``on_pass`` for a sweep of per-layer probes (``layer_of``: probe name -> its layer, in the
+    order the probes run): one INFO line each time a layer's last probe is through a window, so that a run without
+    the progress bar (``--no-progress``, ``--json``: tens of minutes on a CPU) shows it is alive."""
+    import time
+
+    closing = {name: i for i, name in {i: name for name, i in layer_of.items()}.items()}  # layer's last probe
+    probed = len(closing)
+    t0 = time.perf_counter()
+    done = 0
+
+    def on_pass(w: int, windows: int, name: str) -> None:
+        nonlocal done
+        i = closing.get(name)
+        if i is None:
+            return
+        done += 1
+        logger.info(
+            "%s: window %d/%d, layer %d/%d probed (%d/%d layer passes), %.0f s",
+            what, w + 1, windows, i, n_layers - 1, done, probed * windows, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    return on_pass
 
 
 def _composed(schemes: list[KVScheme], calibrations: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -346,9 +378,11 @@ def marginal_sensitivity(
     }  # fmt: skip
     calibrations = run.pop("calibrations", None)
     mixes = [current, *probes.values()]
+    layer_of = {p.name: i for (i, _), p in probes.items()}
     summary = evaluate(
-        model, data, context, mixes, attn_layers=[], calibration=_composed(mixes, calibrations), **run
-    )
+        model, data, context, mixes, attn_layers=[], calibration=_composed(mixes, calibrations),
+        on_pass=_layer_progress(layer_of, len(pick), "marginal KLs around the mix"), **run,
+    )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     base = kl["current"]
     table = [
@@ -376,6 +410,7 @@ def tune(
     calibrations: Any = None,
     dtype_bytes: int | None = None,
     serve_context: int | None = None,
+    compare: list[str | KVScheme] | None = None,
 ) -> TuneResult:
     """Measure each layer's sensitivity to each candidate, choose a mix within ``budget_bits`` average
     bits, and (``check``) measure the mix and the uniform candidates on the same windows.
@@ -406,6 +441,11 @@ def tune(
             On a model with sliding layers the bits depend on it: a mix within the budget at 1k tokens can exceed
             it at 4k (its full layers keep growing, the windows do not). Left out there, a warning says when the
             mix would exceed the budget at the model's max context.
+        compare: uniform schemes to measure beside the mix on the same windows (also without ``check``), that are
+            not candidates: e.g. one at the budget's bits, which the knapsack of the candidates can not pick
+            (``kvquant-3`` against a ``kvquant-4`` / ``kvquant-2`` mix). Recorded in ``TuneResult.compare``; a
+            warning says when one within the budget measures a lower KL than the mix. Calibrated ones take their
+            artifacts through ``calibrations``, matched as the candidates'.
     """
     import time
 
@@ -423,8 +463,10 @@ def tune(
             raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8 (an int: bytes of a K/V value as served), got "
                              f"{dtype_bytes!r}")  # fmt: skip
         dtype_bytes = int(dtype_bytes)
-    arts = _candidate_calibrations(cands, calibrations)
     _check_budget(budget_bits)
+    others = _compared(compare, cands, name or f"tuned-{budget_bits:g}")
+    arts = _candidate_calibrations(cands, calibrations, others)
+    other_arts = {s.name: arts.pop(s.name) for s in others if s.name in arts}
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if serve_context is not None:  # NumPy's ints too, as context= is taken; not a float or a bool
@@ -448,6 +490,7 @@ def tune(
         shape = shape.replace(dtype_bytes=dtype_bytes)
     n_layers = shape.n_layers
     layer_bytes, elements, bits = _prices(shape, cands, priced_at)
+    other_bits = [planned_bits(shape, s, priced_at) for s in others]
     order = sorted(range(len(cands)), key=lambda j: bits[j])
     cands, bits = [cands[j] for j in order], [bits[j] for j in order]
     layer_bytes = [[row[j] for j in order] for row in layer_bytes]
@@ -457,11 +500,17 @@ def tune(
     run["calibrations"] = arts or None
     # a hybrid model's layers without K/V (convolution, state-space) hold no bytes and measure no KL: not probed
     skip = {i for i, layer in enumerate(shape.layers) if layer.attention == "none"}
+    logger.info(
+        "sensitivity: %d layer(s) x %d candidates, one pass each per window (%d window(s) of %d tokens)",
+        n_layers - len(skip), len(cands), windows, context,
+    )  # fmt: skip
     sens, summary = layer_sensitivity(model, data, cands, n_layers, context=context, skip=skip, **run)
     _check_measured(sens, cands, "with only")
     pick = choose_layers_by_bytes(sens, layer_bytes, elements, budget_bits)
     log: list[dict[str, Any]] = [{"pick": pick, "predicted_kl": sum(sens[i][j] for i, j in enumerate(pick))}]
+    logger.info("round 1/%d: chose a mix of predicted KL %.4g", rounds, log[0]["predicted_kl"])
     for _ in range(rounds - 1):
+        logger.info("round %d/%d: measuring the marginal KLs around round %d's mix", len(log) + 1, rounds, len(log))
         costs, current_kl = marginal_sensitivity(model, data, cands, pick, context=context, skip=skip, **run)
         if not math.isfinite(current_kl):
             raise ValueError(f"the KL of round {len(log)}'s mix measured {current_kl}: its passes gave non-finite "
@@ -471,10 +520,12 @@ def tune(
         log[-1]["marginal_sensitivity"] = costs  # around this round's mix, whatever the next choice
         new = choose_layers_by_bytes(costs, layer_bytes, elements, budget_bits)
         if new == pick:  # the mix is its own best answer: nothing more to measure
+            logger.info("round %d/%d: the marginal KLs choose the same mix; done", len(log) + 1, rounds)
             break
         shift = sum(costs[i][pick[i]] for i in range(n_layers))  # the current mix's cost in these units
         predicted = current_kl + sum(costs[i][j] for i, j in enumerate(new)) - shift
         log.append({"pick": new, "predicted_kl": predicted})
+        logger.info("round %d/%d: chose a mix of predicted KL %.4g", len(log), rounds, predicted)
         pick = new
     name = name or f"tuned-{budget_bits:g}"
     mix = _mix(cands, pick, name)
@@ -501,17 +552,31 @@ def tune(
     # the check measures the mix beside the uniform candidates; without it, a last round's new mix (rounds > 1) is
     # measured alone (one simulated pass per window, where a round runs one per layer and candidate), so that the
     # best measured mix is kept either way: it was returned unmeasured, possibly worse than the round before it
-    if check or ("measured_kl" not in log[-1] and len(log) > 1):
+    # (--compare too: the compared schemes are measured beside the mix, which is then measured with them)
+    if check or others or ("measured_kl" not in log[-1] and len(log) > 1):
         from kvbits.evaluate.runner import evaluate
 
         check_run = {k: v for k, v in run.items() if k != "calibrations"}
-        calibration = {**arts, **(_composed([mix], arts) or {})} or None
-        measured = [mix, *cands] if check else [mix]
-        checked = evaluate(model, data, context, measured, attn_layers=[], calibration=calibration, **check_run)
+        measured = [mix, *(cands if check else []), *others]
+        # only the measured schemes' artifacts: evaluate refuses one for a scheme it does not measure (the candidates
+        # are not measured without the check)
+        given = {**arts, **other_arts, **(_composed([mix], arts) or {})}
+        calibration = {s.name: given[s.name] for s in measured if s.name in given} or None
+        logger.info("check: measuring %s on the same windows", ", ".join(s.name for s in measured))
+
+        def measured_one(w: int, windows: int, scheme: str) -> None:
+            logger.info("check: window %d/%d, %s measured", w + 1, windows, scheme)
+
+        checked = evaluate(
+            model, data, context, measured, attn_layers=[], calibration=calibration, on_pass=measured_one, **check_run
+        )  # fmt: skip
         by = {r["scheme"]: r for r in checked["results"]}
         log[-1]["measured_kl"] = by[mix.name]["kl"]
         if check:
             result.uniform = {c.name: {"kl": by[c.name]["kl"], "avg_bits": b} for c, b in zip(cands, bits)}
+        result.compare = [
+            {"scheme": s.name, "avg_bits": b, "measured_kl": by[s.name]["kl"]} for s, b in zip(others, other_bits)
+        ]
     if "measured_kl" in log[-1]:  # rounds=1 with check=False: the mix is not measured (measured_kl None)
         result.measured_kl = log[-1]["measured_kl"]
         best = min(range(len(log)), key=lambda r: log[r].get("measured_kl", math.inf))
@@ -525,6 +590,7 @@ def tune(
     if arts:
         result.calibration = (_composed([result.scheme], arts) or {}).get(result.scheme.name)
         result.meta["calibrations"] = {n: str(a.path or "<in memory>") for n, a in arts.items()}
+    _warn_better(result)
     result.rounds = [
         {"choice": [cands[j].name for j in r["pick"]], **{k: v for k, v in r.items() if k != "pick"}} for r in log
     ]
@@ -536,6 +602,53 @@ def tune(
         result.scheme.name, result.avg_bits, priced_at, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
+
+
+def better_compared(result: TuneResult) -> list[dict[str, Any]]:
+    """The compared schemes (``result.compare``) within the budget whose measured KL is below the mix's: a uniform
+    scheme a user would rather serve than the tuned mix."""
+    mix_kl = result.measured_kl
+    if mix_kl is None or not math.isfinite(mix_kl):
+        return []
+    return [
+        c for c in result.compare
+        if c["avg_bits"] <= result.budget_bits and math.isfinite(c["measured_kl"]) and c["measured_kl"] < mix_kl
+    ]  # fmt: skip
+
+
+def _warn_better(result: TuneResult) -> None:
+    """One warning per compared scheme within the budget that measured a lower KL than the mix."""
+    for c in better_compared(result):
+        logger.warning(
+            "uniform %s (%.3f average bits, within the %g-bit budget) measured KL %.4g, below the tuned mix's %.4g "
+            "(%.3f bits) on the same windows: the mix of the candidates is not the best choice at this budget; serve "
+            "%s, or tune with candidates that include it",
+            c["scheme"], c["avg_bits"], result.budget_bits, c["measured_kl"], result.measured_kl, result.avg_bits,
+            c["scheme"],
+        )  # fmt: skip
+
+
+def _compared(compare: Any, cands: list[KVScheme], name: str) -> list[KVScheme]:
+    """The ``compare`` schemes resolved: flat, none a candidate (already measured uniform under ``check``), none
+    named as the mix or listed twice; ``ValueError`` naming the one at fault."""
+    if compare is None:
+        return []
+    if isinstance(compare, (str, KVScheme)):
+        compare = [compare]
+    others = [get_scheme(c) for c in compare]
+    names = [c.name for c in cands]
+    for s in others:
+        if s.is_mixed:
+            raise ValueError(f"compare {s.name!r}: compared schemes must be flat (one scheme for every layer)")
+        if s.name in names:
+            raise ValueError(
+                f"compare {s.name!r} is a candidate, measured uniform beside the mix already (unless --no-check); "
+                "compare schemes that are not candidates"
+            )
+        if s.name == name:
+            raise ValueError(f"compare {s.name!r} has the mix's name; choose another --name")
+    check_unique_names([s.name for s in others], "compared")
+    return others
 
 
 def _warn_beyond(shape: Any, mix: KVScheme, context: int, budget_bits: float) -> None:
@@ -621,29 +734,37 @@ def _prices(shape: Any, cands: list[KVScheme], context: int) -> tuple[list[list[
     return layer_bytes, elements, [p["avg_bits"] for p in plans]
 
 
-def _candidate_calibrations(cands: list[KVScheme], calibrations: Any) -> dict[str, Any]:
-    """Candidate name -> its artifact (``kvbits eval``'s matching: ``_calibrations``), each checked against
-    its candidate; ``ValueError`` for a candidate that needs one and has none, or (once any is given) for a
-    candidate with optional calibrated sides and none, whose layers no mix could then be composed with."""
+def _candidate_calibrations(
+    cands: list[KVScheme], calibrations: Any, others: Sequence[KVScheme] = ()
+) -> dict[str, Any]:
+    """Candidate (or compared scheme, ``others``) name -> its artifact (``kvbits eval``'s matching:
+    ``_calibrations``), each checked against its scheme; ``ValueError`` for a scheme that needs one and has none, or
+    (once any candidate has one) for a candidate with optional calibrated sides and none, whose layers no mix could
+    then be composed with."""
     from kvbits.evaluate.inputs import _calibrations
 
-    arts = _calibrations(calibrations, cands)
-    for c in cands:
+    schemes, compared = [*cands, *others], {o.name for o in others}
+    arts = _calibrations(calibrations, schemes)
+    for c in schemes:
         if c.name in arts:
             arts[c.name].check_scheme(c)
-    missing = [c for c in cands if c.needs_calibration() and c.name not in arts]
+    missing = [c for c in schemes if c.needs_calibration() and c.name not in arts]
     if missing:
         raise ValueError(
-            "candidate " + ", ".join(f"{c.name!r} ({' and '.join(c.needs_calibration())})" for c in missing)
+            ", ".join(
+                f"{'compared scheme' if c.name in compared else 'candidate'} {c.name!r} ({' and '.join(c.needs_calibration())})"
+                for c in missing
+            )
             + " needs calibrated parameters (static scales or NUQ codebooks) and none were given: create them "
             "with `kvbits calibrate --scheme NAME --out DIR` on this model and pass the folder (CLI: "
             "--calibration DIR; Python: calibrations={'NAME': DIR})"
         )
-    optional = [c.name for c in cands if c.calibratable() and c.name not in arts] if arts else []
+    mixed = [c.name for c in cands if c.name in arts]
+    optional = [c.name for c in cands if c.calibratable() and c.name not in arts] if mixed else []
     if optional:
         raise ValueError(
             f"candidate {', '.join(map(repr, optional))} has calibrated sides (a static FP8 scale) and no "
-            f"calibration, while {', '.join(map(repr, arts))} has one: a mix of both needs both; create it with "
+            f"calibration, while {', '.join(map(repr, mixed))} has one: a mix of both needs both; create it with "
             "`kvbits calibrate --scheme NAME --out DIR` and pass it too"
         )
     return arts
