@@ -896,3 +896,30 @@ def test_backticks_and_stars_in_names_stay_text(tmp_path):
     sp = load_speed(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "speed-smollm2" / "speed.json")
     sp["model"] = "smol`lm"
     assert "<strong>Model:</strong> <code>smol`lm</code>" in MarkdownIt("commonmark").render(speed_markdown(sp, figure=False))
+
+
+def test_scheme_names_are_shown_as_they_are_in_the_figures(tmp_path, monkeypatch):
+    """A scheme JSON may name its scheme anything: ``_int4`` was left out of every legend (matplotlib drops labels
+    starting with ``_``), ``k$4$v2`` was typeset as mathtext (shown ``k4v2``) and ``k$\\bad$`` raised in the
+    mathtext parser, costing the figure (``strict``: the report)."""
+    from matplotlib import cbook
+
+    from kvbits.report.plots import kl, position
+
+    names = ["fp16", "_int4", "k$4$v2", "k$\\bad$"]
+    presets = (SCHEMES[k] for k in ("fp16", "kivi-4", "kivi-2", "int4-token"))
+    s = RunSummary.from_dict(_summary(dict(zip(names, presets))))
+    figs = []
+    with monkeypatch.context() as m:
+        for mod in (kl, position):
+            m.setattr(mod, "save_png", lambda fig, path: (figs.append(fig), fig.canvas.draw(), path)[-1])
+        kl.plot_kl(s, tmp_path / "kl.png")
+        position.plot_ppl_position(s, None, tmp_path / "pos.png")
+    for fig in figs:
+        legends = fig.legends or [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        shown = [t.get_text() for lg in legends for t in lg.get_texts()]
+        assert not any(cbook.is_math_text(t) for t in shown), shown
+        plain = [t.replace("\u200b", "").replace("\\$", "$").removesuffix(" (all zero)") for t in shown]
+        assert set(names) <= set(plain), plain
+    d = _write_run(tmp_path / "run", _summary({"k$\\bad$": SCHEMES["kivi-2"]}), tokens=False)
+    assert {"kl_by_bucket", "delta_heatmap", "bits_vs_delta"} <= set(write_report(d, strict=True))

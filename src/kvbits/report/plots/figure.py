@@ -32,6 +32,7 @@ __all__ = [
     "running_mean",
     "save_png",
     "scheme_colors",
+    "text_label",
     "unique_legend",
     "window_mean",
 ]
@@ -71,6 +72,15 @@ def save_png(fig: Any, path: Path) -> Path:
     fig.savefig(tmp, dpi=DPI, facecolor="white")
     tmp.replace(path)
     return path
+
+
+def text_label(name: str) -> str:
+    """``name`` (a scheme, model or data name of ``summary.json``) as matplotlib must be given it to show it as it is:
+    each ``$`` escaped, so ``k$4$v2`` is not typeset as mathtext (shown ``k4v2``; an invalid formula raised and cost
+    the figure), and a leading ``_`` behind a zero-width space, so a legend does not drop the series (matplotlib
+    leaves out every label that starts with ``_``)."""
+    s = name.replace("$", r"\$")
+    return "\u200b" + s if s.startswith("_") else s
 
 
 def scheme_colors(run: RunSummary) -> dict[str, str]:
@@ -164,10 +174,10 @@ def log_lines(ax: Any, series: dict[str, list[float]], colors: dict[str, str], l
         pos = np.isfinite(y) & (y > 0)
         if not pos.any():
             zero = bool(np.any(y == 0))
-            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{name} ({'all zero' if zero else 'no data'})")
+            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{text_label(name)} ({'all zero' if zero else 'no data'})")
             continue
         any_pos = True
-        ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=name)
+        ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=text_label(name))
     if any_pos:
         ax.set_yscale("log")
     else:
