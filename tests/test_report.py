@@ -923,3 +923,16 @@ def test_scheme_names_are_shown_as_they_are_in_the_figures(tmp_path, monkeypatch
         assert set(names) <= set(plain), plain
     d = _write_run(tmp_path / "run", _summary({"k$\\bad$": SCHEMES["kivi-2"]}), tokens=False)
     assert {"kl_by_bucket", "delta_heatmap", "bits_vs_delta"} <= set(write_report(d, strict=True))
+
+
+def test_every_quantized_scheme_has_its_own_colour():
+    """The 12-colour palette was cycled: with 14 quantized schemes s12 was drawn in s0's colour and s13 in s1's,
+    lines the legend could not tell apart. Up to 12 the palette is kept (the committed figures' colours)."""
+    from kvbits.report.plots.figure import BASELINE_COLOR, PALETTE, scheme_colors
+
+    many = {"fp16": SCHEMES["fp16"], **{f"s{i}": (2.0 + 0.3 * i, [0.01, 0.02, 0.03, 0.04]) for i in range(14)}}
+    colors = scheme_colors(RunSummary.from_dict(_summary(many)))
+    assert colors["fp16"] == BASELINE_COLOR
+    quantized = [colors[f"s{i}"] for i in range(14)]
+    assert len(set(quantized)) == 14 and BASELINE_COLOR not in quantized
+    assert [scheme_colors(RunSummary.from_dict(_summary()))[k] for k in list(SCHEMES)[1:]] == list(PALETTE[:4])

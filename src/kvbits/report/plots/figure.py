@@ -8,6 +8,7 @@ no global backend or state.
 
 from __future__ import annotations
 
+import colorsys
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -83,15 +84,28 @@ def text_label(name: str) -> str:
     return "\u200b" + s if s.startswith("_") else s
 
 
+def _distinct_colors(n: int) -> tuple[str, ...]:
+    """``n`` colours for more quantized schemes than :data:`PALETTE` holds: hues evenly spaced around the colour
+    wheel, every other one darker, so neighbours differ in hue and lightness (and none is the baseline's grey)."""
+    out = []
+    for i in range(n):
+        r, g, b = colorsys.hsv_to_rgb(i / n, 0.85, 0.9 if i % 2 == 0 else 0.6)
+        out.append(f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}")
+    return tuple(out)
+
+
 def scheme_colors(run: RunSummary) -> dict[str, str]:
-    """One stable colour per scheme across all figures; unquantized schemes are grey."""
-    palette = PALETTE
+    """One stable colour per scheme across all figures, a different one for each quantized scheme (:data:`PALETTE`
+    while it is enough, else :func:`_distinct_colors`: cycling the palette gave a 13th scheme the 1st one's colour,
+    two lines a legend could not tell apart); unquantized schemes are grey."""
+    quantized = sum(not r.is_baseline for r in run.results)
+    palette = PALETTE if quantized <= len(PALETTE) else _distinct_colors(quantized)
     out, i = {}, 0
     for r in run.results:
         if r.is_baseline:
             out[r.name] = BASELINE_COLOR
         else:
-            out[r.name] = palette[i % len(palette)]
+            out[r.name] = palette[i]
             i += 1
     return out
 
