@@ -936,3 +936,19 @@ def test_every_quantized_scheme_has_its_own_colour():
     quantized = [colors[f"s{i}"] for i in range(14)]
     assert len(set(quantized)) == 14 and BASELINE_COLOR not in quantized
     assert [scheme_colors(RunSummary.from_dict(_summary()))[k] for k in list(SCHEMES)[1:]] == list(PALETTE[:4])
+
+
+def test_an_infinite_kl_is_named_on_the_log_plot_not_passed_for_missing(tmp_path, monkeypatch):
+    """A KL of +inf (printed ``inf`` in the tables) was masked from the log axis like a missing value: a scheme whose
+    KL was +inf in every bucket was labelled "(no data)", one +inf bucket vanished from its line without a word."""
+    from kvbits.report.plots import kl
+
+    s = _summary({k: SCHEMES[k] for k in ("fp16", "kivi-4", "kivi-2")})
+    for b in s["results"][2]["buckets"]:
+        b["kl"] = math.inf
+    s["results"][1]["buckets"][3]["kl"] = math.inf
+    figs = []
+    monkeypatch.setattr(kl, "save_png", lambda fig, path: (figs.append(fig), path)[-1])
+    kl.plot_kl(RunSummary.from_dict(s), tmp_path / "kl.png")
+    shown = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert shown == ["fp16 (all zero)", "kivi-4 (+inf at 1 of 4, not drawn)", "kivi-2 (+inf, not drawn)"]

@@ -180,22 +180,26 @@ def percent_axis(ax: Any, values: list[float], lin: float = 1.0) -> None:
 
 
 def log_lines(ax: Any, series: dict[str, list[float]], colors: dict[str, str], labels: list[str]) -> None:
-    """Lines on a log y-axis, zeros/NaN masked; series with nothing positive noted in the legend."""
+    """Lines on a log y-axis, zeros/NaN/+inf masked; series with nothing positive noted in the legend, and +inf
+    values (a KL that overflowed: the tables print ``inf``) named there as not drawn, not passed for missing."""
     x = np.arange(len(labels))
     any_pos = False
     for name, ys in series.items():
         y = np.array(ys, dtype=np.float64)
         pos = np.isfinite(y) & (y > 0)
+        n_inf = int(np.isposinf(y).sum())
         if not pos.any():
-            zero = bool(np.any(y == 0))
-            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{text_label(name)} ({'all zero' if zero else 'no data'})")
+            what = "+inf, not drawn" if n_inf else "all zero" if np.any(y == 0) else "no data"
+            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{text_label(name)} ({what})")
             continue
         any_pos = True
-        ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=text_label(name))
+        label = text_label(name) + (f" (+inf at {n_inf} of {y.size}, not drawn)" if n_inf else "")
+        ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=label)
     if any_pos:
         ax.set_yscale("log")
     else:
-        ax.text(0.5, 0.5, "all values are 0 or missing", transform=ax.transAxes, ha="center", color="#555")
+        ax.text(0.5, 0.5, "no finite value above 0 to draw (see the legend)", transform=ax.transAxes, ha="center",
+                color="#555")
     ax.set_xticks(x, labels)
     if len(labels) == 1:
         ax.set_xlim(-0.5, 0.5)
