@@ -896,3 +896,59 @@ def test_backticks_and_stars_in_names_stay_text(tmp_path):
     sp = load_speed(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "speed-smollm2" / "speed.json")
     sp["model"] = "smol`lm"
     assert "<strong>Model:</strong> <code>smol`lm</code>" in MarkdownIt("commonmark").render(speed_markdown(sp, figure=False))
+
+
+def test_scheme_names_are_shown_as_they_are_in_the_figures(tmp_path, monkeypatch):
+    """A scheme JSON may name its scheme anything: ``_int4`` was left out of every legend (matplotlib drops labels
+    starting with ``_``), ``k$4$v2`` was typeset as mathtext (shown ``k4v2``) and ``k$\\bad$`` raised in the
+    mathtext parser, costing the figure (``strict``: the report)."""
+    from matplotlib import cbook
+
+    from kvbits.report.plots import kl, position
+
+    names = ["fp16", "_int4", "k$4$v2", "k$\\bad$"]
+    presets = (SCHEMES[k] for k in ("fp16", "kivi-4", "kivi-2", "int4-token"))
+    s = RunSummary.from_dict(_summary(dict(zip(names, presets))))
+    figs = []
+    with monkeypatch.context() as m:
+        for mod in (kl, position):
+            m.setattr(mod, "save_png", lambda fig, path: (figs.append(fig), fig.canvas.draw(), path)[-1])
+        kl.plot_kl(s, tmp_path / "kl.png")
+        position.plot_ppl_position(s, None, tmp_path / "pos.png")
+    for fig in figs:
+        legends = fig.legends or [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        shown = [t.get_text() for lg in legends for t in lg.get_texts()]
+        assert not any(cbook.is_math_text(t) for t in shown), shown
+        plain = [t.replace("\u200b", "").replace("\\$", "$").removesuffix(" (all zero)") for t in shown]
+        assert set(names) <= set(plain), plain
+    d = _write_run(tmp_path / "run", _summary({"k$\\bad$": SCHEMES["kivi-2"]}), tokens=False)
+    assert {"kl_by_bucket", "delta_heatmap", "bits_vs_delta"} <= set(write_report(d, strict=True))
+
+
+def test_every_quantized_scheme_has_its_own_colour():
+    """The 12-colour palette was cycled: with 14 quantized schemes s12 was drawn in s0's colour and s13 in s1's,
+    lines the legend could not tell apart. Up to 12 the palette is kept (the committed figures' colours)."""
+    from kvbits.report.plots.figure import BASELINE_COLOR, PALETTE, scheme_colors
+
+    many = {"fp16": SCHEMES["fp16"], **{f"s{i}": (2.0 + 0.3 * i, [0.01, 0.02, 0.03, 0.04]) for i in range(14)}}
+    colors = scheme_colors(RunSummary.from_dict(_summary(many)))
+    assert colors["fp16"] == BASELINE_COLOR
+    quantized = [colors[f"s{i}"] for i in range(14)]
+    assert len(set(quantized)) == 14 and BASELINE_COLOR not in quantized
+    assert [scheme_colors(RunSummary.from_dict(_summary()))[k] for k in list(SCHEMES)[1:]] == list(PALETTE[:4])
+
+
+def test_an_infinite_kl_is_named_on_the_log_plot_not_passed_for_missing(tmp_path, monkeypatch):
+    """A KL of +inf (printed ``inf`` in the tables) was masked from the log axis like a missing value: a scheme whose
+    KL was +inf in every bucket was labelled "(no data)", one +inf bucket vanished from its line without a word."""
+    from kvbits.report.plots import kl
+
+    s = _summary({k: SCHEMES[k] for k in ("fp16", "kivi-4", "kivi-2")})
+    for b in s["results"][2]["buckets"]:
+        b["kl"] = math.inf
+    s["results"][1]["buckets"][3]["kl"] = math.inf
+    figs = []
+    monkeypatch.setattr(kl, "save_png", lambda fig, path: (figs.append(fig), path)[-1])
+    kl.plot_kl(RunSummary.from_dict(s), tmp_path / "kl.png")
+    shown = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert shown == ["fp16 (all zero)", "kivi-4 (+inf at 1 of 4, not drawn)", "kivi-2 (+inf, not drawn)"]

@@ -255,7 +255,7 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
     """One panel per run (the unquantized model first): contexts × depths, colour = fraction retrieved."""
     import numpy as np
 
-    from kvbits.report.plots.figure import new_figure, save_png
+    from kvbits.report.plots.figure import new_figure, save_png, text_label
 
     contexts, depths = summary["contexts"], summary["depths"]
     panels = [("unquantized", summary["reference"]["grid"])] + [
@@ -280,14 +280,14 @@ def plot_needle(summary: Mapping[str, Any], path: Path) -> Path:
             )
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
         ax.set_yticks(range(len(contexts)), [fmt_pos(c) for c in contexts], fontsize=7)
-        ax.set_title(name, fontsize=9)
+        ax.set_title(text_label(str(name)), fontsize=9)
         ax.set_xlabel("needle depth", fontsize=8)
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     if im is not None:
         cb = fig.colorbar(im, ax=list(axes[: len(panels)]), fraction=0.03)
         cb.set_label("fraction retrieved", fontsize=8)
-    fig.suptitle(f"Passkey retrieval, {summary['model']} ({summary['semantics']} semantics)", fontsize=10)
+    fig.suptitle(f"Passkey retrieval, {text_label(str(summary['model']))} ({summary['semantics']} semantics)", fontsize=10)
     return save_png(fig, path)
 
 

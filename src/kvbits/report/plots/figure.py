@@ -8,6 +8,7 @@ no global backend or state.
 
 from __future__ import annotations
 
+import colorsys
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = [
     "running_mean",
     "save_png",
     "scheme_colors",
+    "text_label",
     "unique_legend",
     "window_mean",
 ]
@@ -73,15 +75,37 @@ def save_png(fig: Any, path: Path) -> Path:
     return path
 
 
+def text_label(name: str) -> str:
+    """``name`` (a scheme, model or data name of ``summary.json``) as matplotlib must be given it to show it as it is:
+    each ``$`` escaped, so ``k$4$v2`` is not typeset as mathtext (shown ``k4v2``; an invalid formula raised and cost
+    the figure), and a leading ``_`` behind a zero-width space, so a legend does not drop the series (matplotlib
+    leaves out every label that starts with ``_``)."""
+    s = name.replace("$", r"\$")
+    return "\u200b" + s if s.startswith("_") else s
+
+
+def _distinct_colors(n: int) -> tuple[str, ...]:
+    """``n`` colours for more quantized schemes than :data:`PALETTE` holds: hues evenly spaced around the colour
+    wheel, every other one darker, so neighbours differ in hue and lightness (and none is the baseline's grey)."""
+    out = []
+    for i in range(n):
+        r, g, b = colorsys.hsv_to_rgb(i / n, 0.85, 0.9 if i % 2 == 0 else 0.6)
+        out.append(f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}")
+    return tuple(out)
+
+
 def scheme_colors(run: RunSummary) -> dict[str, str]:
-    """One stable colour per scheme across all figures; unquantized schemes are grey."""
-    palette = PALETTE
+    """One stable colour per scheme across all figures, a different one for each quantized scheme (:data:`PALETTE`
+    while it is enough, else :func:`_distinct_colors`: cycling the palette gave a 13th scheme the 1st one's colour,
+    two lines a legend could not tell apart); unquantized schemes are grey."""
+    quantized = sum(not r.is_baseline for r in run.results)
+    palette = PALETTE if quantized <= len(PALETTE) else _distinct_colors(quantized)
     out, i = {}, 0
     for r in run.results:
         if r.is_baseline:
             out[r.name] = BASELINE_COLOR
         else:
-            out[r.name] = palette[i % len(palette)]
+            out[r.name] = palette[i]
             i += 1
     return out
 
@@ -156,22 +180,26 @@ def percent_axis(ax: Any, values: list[float], lin: float = 1.0) -> None:
 
 
 def log_lines(ax: Any, series: dict[str, list[float]], colors: dict[str, str], labels: list[str]) -> None:
-    """Lines on a log y-axis, zeros/NaN masked; series with nothing positive noted in the legend."""
+    """Lines on a log y-axis, zeros/NaN/+inf masked; series with nothing positive noted in the legend, and +inf
+    values (a KL that overflowed: the tables print ``inf``) named there as not drawn, not passed for missing."""
     x = np.arange(len(labels))
     any_pos = False
     for name, ys in series.items():
         y = np.array(ys, dtype=np.float64)
         pos = np.isfinite(y) & (y > 0)
+        n_inf = int(np.isposinf(y).sum())
         if not pos.any():
-            zero = bool(np.any(y == 0))
-            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{name} ({'all zero' if zero else 'no data'})")
+            what = "+inf, not drawn" if n_inf else "all zero" if np.any(y == 0) else "no data"
+            ax.plot([], [], color=colors[name], marker="o", ls="", label=f"{text_label(name)} ({what})")
             continue
         any_pos = True
-        ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=name)
+        label = text_label(name) + (f" (+inf at {n_inf} of {y.size}, not drawn)" if n_inf else "")
+        ax.plot(x, np.where(pos, y, np.nan), color=colors[name], marker="o", lw=1.5, label=label)
     if any_pos:
         ax.set_yscale("log")
     else:
-        ax.text(0.5, 0.5, "all values are 0 or missing", transform=ax.transAxes, ha="center", color="#555")
+        ax.text(0.5, 0.5, "no finite value above 0 to draw (see the legend)", transform=ax.transAxes, ha="center",
+                color="#555")
     ax.set_xticks(x, labels)
     if len(labels) == 1:
         ax.set_xlim(-0.5, 0.5)

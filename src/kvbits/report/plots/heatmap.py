@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, bucket_label, fmt_budget, fmt_ci, fmt_judged, fmt_pct
-from kvbits.report.plots.figure import new_figure, require_matplotlib, save_png
+from kvbits.report.plots.figure import new_figure, require_matplotlib, save_png, text_label
 from kvbits.report.summary import RunSummary
 
 __all__ = ["plot_delta_heatmap"]
@@ -61,7 +61,7 @@ def plot_delta_heatmap(run: RunSummary, path: Path, *, threshold: float = DEFAUL
         dark = v >= 5 * budget or v < 0.1 * budget
         ax.text(j, i, txt, ha="center", va="center", fontsize=8, color="white" if dark else "black")
     ax.set_xticks(range(len(spans)), [bucket_label(lo, hi) for lo, hi in spans])
-    ax.set_yticks(range(len(names)), names)
+    ax.set_yticks(range(len(names)), [text_label(n) for n in names])
     ax.set_xlabel("position bucket")
     ax.set_title(f"ΔPPL % by position (95% CI); budget {fmt_budget(threshold)}", fontsize=11)
     # the colour boundaries at this budget, labelled with what they are (in %)

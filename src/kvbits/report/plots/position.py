@@ -17,6 +17,7 @@ from kvbits.report.plots.figure import (
     running_mean,
     save_png,
     scheme_colors,
+    text_label,
     unique_legend,
     window_mean,
 )
@@ -57,7 +58,7 @@ def plot_ppl_position(
             nll[:first], ref[:first] = np.nan, np.nan
             k = min(smooth, max(1, (nll.size - first) // 4))
             x, m = running_mean(nll, k)
-            ax_p.plot(x, np.exp(m), color=c, lw=1.2, label=r.name)
+            ax_p.plot(x, np.exp(m), color=c, lw=1.2, label=text_label(r.name))
             ppls += list(np.exp(m[np.isfinite(m)]))
             if not ref_drawn:
                 _, mr = running_mean(ref, k)
@@ -65,17 +66,17 @@ def plot_ppl_position(
                 ref_drawn = True
             _, md = running_mean(nll - ref, k)
             d = (np.exp(md) - 1) * 100
-            ax_d.plot(x, d, color=c, lw=1.1, alpha=0.85, label=r.name)
+            ax_d.plot(x, d, color=c, lw=1.1, alpha=0.85, label=text_label(r.name))
             deltas += list(d[np.isfinite(d)])
             windows.add(k)
         else:
             for b in r.buckets:
-                ax_p.hlines(b.ppl, b.lo, b.hi, color=c, lw=2, label=r.name if b is r.buckets[0] else None)
+                ax_p.hlines(b.ppl, b.lo, b.hi, color=c, lw=2, label=text_label(r.name) if b is r.buckets[0] else None)
                 ppls.append(b.ppl)
             if r.buckets:
                 xs = [b.lo for b in r.buckets] + [r.buckets[-1].hi]
                 ys = [b.delta * 100 for b in r.buckets]
-                ax_d.step(xs, ys + ys[-1:], where="post", color=c, lw=1.6, label=r.name)
+                ax_d.step(xs, ys + ys[-1:], where="post", color=c, lw=1.6, label=text_label(r.name))
         # bucket means with their 95% CI as points, over the curve of either kind
         known = [b for b in r.buckets if math.isfinite(b.delta)]
         if known:
@@ -107,7 +108,7 @@ def plot_ppl_position(
     ax_d.set_title("ΔPPL against the reference (points: bucket means with 95% CI)", fontsize=10)
     handles, names = unique_legend([ax_p, ax_d])
     fig.legend(handles, names, loc="outside lower center", ncol=min(7, len(names)), fontsize=8)
-    fig.suptitle(f"{run.model} on {run.data}: quality along the context", fontsize=11)
+    fig.suptitle(f"{text_label(run.model)} on {text_label(run.data)}: quality along the context", fontsize=11)
     for ax in (ax_p, ax_d):
         ax.grid(alpha=0.3, axis="y")
         position_ticks(ax, run, xmax)

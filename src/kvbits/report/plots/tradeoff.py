@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvbits.report.fmt import DEFAULT_THRESHOLD, fmt_budget
-from kvbits.report.plots.figure import new_figure, percent_axis, save_png, scheme_colors
+from kvbits.report.plots.figure import new_figure, percent_axis, save_png, scheme_colors, text_label
 from kvbits.report.summary import RunSummary
 
 __all__ = ["infinite_points", "nan_points", "plot_tradeoff"]
@@ -75,7 +75,7 @@ def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THR
                 ax.plot([r.avg_bits] * 2, [overall, worst], color=c, lw=1, zorder=3)
         y_lab = overall if math.isfinite(overall) else worst
         if math.isfinite(y_lab):
-            ax.annotate(r.name, (r.avg_bits, y_lab), xytext=(8, 4), textcoords="offset points",
+            ax.annotate(text_label(r.name), (r.avg_bits, y_lab), xytext=(8, 4), textcoords="offset points",
                         fontsize=9, color=c, zorder=5,
                         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
     front = _pareto(pts)
@@ -88,10 +88,10 @@ def plot_tradeoff(run: RunSummary, path: Path, *, threshold: float = DEFAULT_THR
     ax.plot([], [], "o", mfc="white", mec="#444", label="worst bucket")
     off = infinite_points(run)
     if off:
-        ax.plot([], [], " ", label="ΔPPL +inf, not drawn: " + ", ".join(off))
+        ax.plot([], [], " ", label=text_label("ΔPPL +inf, not drawn: " + ", ".join(off)))
     off_nan = nan_points(run)
     if off_nan:
-        ax.plot([], [], " ", label="ΔPPL NaN, not drawn: " + ", ".join(off_nan))
+        ax.plot([], [], " ", label=text_label("ΔPPL NaN, not drawn: " + ", ".join(off_nan)))
     percent_axis(ax, ys)
     ax.set_xlabel("average bits per K/V element (incl. scales; lower = smaller cache)")
     ax.set_ylabel("ΔPPL vs reference (%)")
