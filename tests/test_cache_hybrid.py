@@ -274,9 +274,43 @@ def test_static_cache_refuses_hybrid_layers_naming_the_cache_that_holds_them(mak
     cache. Now it says that ``QuantizedKVCache`` serves them."""
     from kvbits.cache.static import StaticQuantizedKVCache
 
-    with pytest.raises(NotImplementedError, match=r"full-attention layers only; the config has \[.*'hybrid'.*\] layers "
-                       r"\(QuantizedKVCache\(config=\.\.\.\) serves .*'hybrid' layers of Zamba, Zamba2 and Falcon-H1"):
+    with pytest.raises(NotImplementedError, match=r"full-attention layers only; the config has .*'hybrid' layers \[.*\]\. "
+                       r"QuantizedKVCache\(config=\.\.\.\) holds this model .*'hybrid' layers of Zamba, Zamba2 and "
+                       r"Falcon-H1.*transformers' StaticCache\(config=\.\.\.\) holds every layer, unquantized"):
         StaticQuantizedKVCache(config=make(), scheme="int8-token", max_cache_len=32)
+
+
+def test_static_cache_refuses_sliding_hybrid_layers_naming_no_kvbits_cache():
+    """A ``hybrid_sliding`` layer: the static cache's refusal said ``QuantizedKVCache(config=...)`` serves the model's
+    layers, but it refuses ``hybrid_sliding`` too (``test_sliding_hybrid_layers_are_refused_saying_what_works``). Now
+    it names the layers by type and index and says no kvbits cache holds them."""
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    cfg = _lfm2()
+    cfg.layer_types = ["conv", "hybrid_sliding", "conv", "full_attention"]
+    cfg.sliding_window = 8
+    with pytest.raises(NotImplementedError) as info:
+        StaticQuantizedKVCache(config=cfg, scheme="int8-token", max_cache_len=32)
+    msg = str(info.value)
+    assert "'conv' layers [0, 2], 'hybrid_sliding' layers [1]" in msg
+    assert "No kvbits cache holds ['hybrid_sliding'] layers (QuantizedKVCache refuses them too)" in msg
+    assert "holds this model" not in msg
+    with pytest.raises(NotImplementedError, match="hybrid_sliding"):  # as the refusal says
+        QuantizedKVCache(config=cfg, scheme="int8-token")
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next], ids=["lfm2", "qwen3_next"])
+def test_static_cache_without_config_refuses_a_models_states_naming_what_holds_it(make):
+    """Made without ``config=`` (``num_layers=``), the static cache reached a hybrid model's forward and transformers
+    raised ``ValueError: Cannot get conv state for non linear attention layer 0 of type StaticQuantizedLayer``, naming
+    no cache that holds the model. Now its state calls refuse, naming ``QuantizedKVCache`` and ``StaticCache``."""
+    from kvbits.cache.static import StaticQuantizedKVCache
+
+    _, model, ids, _, _ = _reference_run(make)
+    cache = StaticQuantizedKVCache(num_layers=4, scheme="int8-token", max_cache_len=32)
+    with pytest.raises(NotImplementedError, match=r"get_(conv|recurrent)_state\(layer 0\): .*does not hold.*"
+                       r"QuantizedKVCache\(config=model\.config\).*StaticCache\(config=model\.config\)"):
+        _generate(model, ids, cache)
 
 
 def test_mixed_schemes_on_zamba2s_shared_attention_are_refused_by_the_simulator_served_by_the_stream():

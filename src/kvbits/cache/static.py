@@ -96,6 +96,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbits.cache import fused
@@ -166,6 +167,42 @@ def _offload_refusal(what: str, float_layer: bool = False) -> str:
     storage = ("float slabs (key_full / value_full, reserved for max_cache_len at addresses a captured step reads; "
                "see memory_report())") if float_layer else PACKED_STORAGE  # fmt: skip
     return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache", storage)
+
+
+def layer_types_refusal(types: list[str]) -> str:
+    """Why ``StaticQuantizedKVCache`` refuses a config whose layer ``types`` (one per layer) are not all
+    ``full_attention``, naming the refused layers by type and what holds them: ``QuantizedKVCache(config=...)`` when it
+    holds every one (sliding / chunked windows, ``hybrid`` attention plus a state, conv / linear_attention states,
+    KV-sharing ``dummy`` layers), else no kvbits cache; transformers' ``StaticCache`` (unquantized) when it has a layer
+    for each. The refusal named ``QuantizedKVCache`` for a ``hybrid_sliding`` layer too, which it refuses."""
+    from kvbits.cache.cache import _SLIDING_TYPES, _STATE_TYPES
+    from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
+
+    by_type: dict[str, list[int]] = {}
+    for i, t in enumerate(types):
+        if t != "full_attention":
+            by_type.setdefault(t, []).append(i)
+    held = {*_SLIDING_TYPES, *_STATE_TYPES, *(HYBRID_TYPES if hybrid_layer_class() is not None else ()),
+            *(("dummy",) if hasattr(cache_utils, "DummyLayer") else ())}  # what QuantizedKVCache._make_layer builds
+    static_types = getattr(cache_utils, "STATIC_LAYER_TYPE_MAPPING", {})
+    listed = ", ".join(f"{t!r} layers {idx}" for t, idx in by_type.items())
+    msg = f"StaticQuantizedKVCache holds full-attention layers only; the config has {listed}. "
+    unheld = [t for t in by_type if t not in held]
+    if unheld:
+        msg += (f"No kvbits cache holds {unheld} layers (QuantizedKVCache refuses them too); serve this model "
+                "unquantized and price its attention layers with kvbits plan")
+    else:
+        msg += ("QuantizedKVCache(config=...) holds this model (max_cache_len= reserves its slots): it quantizes the "
+                "K/V of its attention layers (sliding, chunked and the 'hybrid' layers of Zamba, Zamba2 and Falcon-H1: "
+                "attention plus a Mamba state)")
+        if any(t in (*_STATE_TYPES, *HYBRID_TYPES) for t in by_type):
+            msg += (" and keeps the states of its hybrid, conv and linear_attention layers unquantized in "
+                    "transformers' LinearAttentionLayer")
+    if all(t in static_types for t in by_type):
+        msg += "; transformers' StaticCache(config=...) holds every layer, unquantized"
+    elif unheld:
+        msg += " (DynamicCache(config=...))"
+    return msg
 
 
 def stream_capturing() -> bool:
@@ -1056,14 +1093,8 @@ class StaticQuantizedKVCache(Cache):
                 heads.append({"num_key_value_heads": kv, "head_dim": d,
                               "head_repeat": _head_repeat(text_config(config), q, kv)} if kv else {})  # fmt: skip
             types, _ = _layer_types(text_config(config), n_layers)
-            other = sorted({t for t in types if t != "full_attention"})
-            if other:
-                raise NotImplementedError(
-                    f"StaticQuantizedKVCache holds full-attention layers only; the config has {other} layers "
-                    "(QuantizedKVCache(config=...) serves sliding and chunked layers and the 'hybrid' layers of Zamba, "
-                    "Zamba2 and Falcon-H1 (attention plus a Mamba state), and keeps the states of a hybrid model's conv "
-                    "and linear_attention layers)"
-                )
+            if any(t != "full_attention" for t in types):
+                raise NotImplementedError(layer_types_refusal(types))
             if num_layers is not None and num_layers != n_layers:
                 raise ValueError(f"num_layers={num_layers} but the config describes {n_layers} layers")
             num_layers = n_layers
@@ -1155,6 +1186,31 @@ class StaticQuantizedKVCache(Cache):
         known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)
         raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})",
                                                    known and self.layers[layer_idx].scheme.is_identity))  # fmt: skip
+
+    def _no_state(self, call: str, layer_idx: int) -> NotImplementedError:
+        """The model asked layer ``layer_idx`` for a convolution / recurrent state (a hybrid model: LFM2, Qwen3-Next,
+        Zamba, Falcon-H1, ...) of a cache made without ``config=``, whose layers hold attention K/V only;
+        transformers raised ``ValueError: Cannot get conv state for non linear attention layer 0 of type
+        StaticQuantizedLayer`` deep in the model's forward, naming no cache that holds the model."""
+        return NotImplementedError(
+            f"{call}(layer {layer_idx}): the model keeps a convolution / recurrent state in this layer (a hybrid "
+            "model), which StaticQuantizedKVCache does not hold (full-attention K/V only; it refuses such a config "
+            "when given config=); QuantizedKVCache(config=model.config) quantizes its attention K/V and keeps the "
+            "states, transformers' StaticCache(config=model.config) holds it unquantized"
+        )
+
+    # transformers' linear-attention calls: refused with what holds the model (``_no_state``)
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        raise self._no_state("get_conv_state", layer_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
+        raise self._no_state("update_conv_state", layer_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        raise self._no_state("get_recurrent_state", layer_idx)
+
+    def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
+        raise self._no_state("update_recurrent_state", layer_idx)
 
     def _undo_request(self) -> None:
         """A request's first update of a layer failed: the layers it wrote go back to before the request (those it
