@@ -338,16 +338,16 @@ def _zamba():
     )  # fmt: skip
 
 
-def test_zambas_shared_attention_block_is_refused_by_the_per_layer_measures_and_served_by_the_stream(tmp_path, caplog):
+def test_zambas_shared_attention_block_is_refused_by_the_per_layer_measures_and_served_by_the_stream(caplog):
     """Zamba's hybrid layers (2 and 4 here) call one attention block that has no ``layer_idx``. Was: ``evaluate``
     refused it in either mode as 'no attention modules with a layer_idx ... (state-space ... models such as Mamba
     are not supported)', and ``calibrate`` as 'attention sites on layers [0, 1], none on [2, 4]' (the sites
     numbered by discovery). Now both say the block is shared, what is not supported, and that mode='stream' is;
-    the stream runs and quantizes (int2 moves the PPL; no 'quantizes nothing at any context' warning)."""
+    the stream runs and quantizes (int2 moves the PPL; no 'quantizes nothing at any context' warning). (calibrate
+    reads the block's K/V at the cache now: tests/test_calibrate_shared_attention.py.)"""
     import logging
 
     from kvbits.analyze import analyze
-    from kvbits.calibrate import calibrate
     from kvbits.evaluate.runner import evaluate
 
     torch.manual_seed(0)
@@ -355,8 +355,6 @@ def test_zambas_shared_attention_block_is_refused_by_the_per_layer_measures_and_
     ids = torch.randint(1, 96, (80,))
     shared = (r"ZambaForCausalLM's attention block ZambaAttention is shared by its hybrid layers \[2, 4\] and has no "
               r"per-layer layer_idx .* not supported; the real cache holds it .*mode='stream'")  # fmt: skip
-    with pytest.raises(ValueError, match=shared):
-        calibrate(model, ids, "kvquant-4", context=32, windows=2, fisher=False, out_dir=tmp_path / "cal")
     with pytest.raises(ValueError, match=shared):
         analyze(model, ids[None, :16], sample_tokens=16, channel_group=8)
     with pytest.raises(ValueError, match=r"evaluate: mode='simulate': " + shared):

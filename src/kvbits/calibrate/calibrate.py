@@ -26,6 +26,7 @@ from kvbits._argtypes import check_seed
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
 from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE, CalibrationArtifact, describe_model
+from kvbits.calibrate.cache_capture import CacheKVCapture, CacheSite, shared_attention_sites
 from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.fit import (
     Progress,
@@ -392,7 +393,9 @@ def collect_samples(
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
     ids, data_record = _windows(data, tokenizer, context, windows, module)
     check_context_fits(module.config, ids.shape[1])
-    sites = find_kv_sites(module)
+    # an attention block several layers share (Zamba, Zamba2): K/V read at cache.update, else at k_proj / v_proj
+    sites: list[Any] = shared_attention_sites(module) or find_kv_sites(module)
+    at_cache = isinstance(sites[0], CacheSite)
     model_record = describe_model(module.config, fingerprint=fingerprint, name=name)
     # the attention modules' qualified names, layer by layer: engines name their scales after them
     # (vLLM loads `model.layers.{i}.self_attn.k_scale`; kvbits.export.vllm)
@@ -448,8 +451,12 @@ def collect_samples(
     was_training = module.training
     module.eval()
     try:
-        verify_taps(module, ids, tables)  # the hooks read what the cache holds (kvbits.analyze.verify)
-        with KVCapture(module, sites, retain_grad=fisher) as cap:
+        if at_cache:  # read as the cache receives them: nothing to verify
+            capture: Any = CacheKVCapture(module, sites, tables, retain_grad=fisher)
+        else:
+            verify_taps(module, ids, tables)  # the hooks read what the cache holds (kvbits.analyze.verify)
+            capture = KVCapture(module, sites, retain_grad=fisher)
+        with capture as cap:
             for w in range(W):
                 if fisher:
                     with activation_gradients(module):

@@ -1,0 +1,119 @@
+"""``kvbits calibrate`` on Zamba / Zamba2, whose hybrid layers share one attention block: K/V read at
+``cache.update`` (``kvbits.calibrate.cache_capture``), where each layer passes its own index. Tiny random models."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+
+from kvbits._model import hybrid_layers, shared_attention
+from kvbits.calibrate.cache_capture import CacheKVCapture, shared_attention_sites
+from kvbits.quant.rope import RotaryTables, apply_rope
+
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _zamba():
+    return transformers.ZambaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+        n_mamba_heads=2, mamba_dt_rank=8,
+    )  # fmt: skip
+
+
+def _zamba2():
+    """RoPE on the shared block (``use_mem_rope``) and per-layer LoRA adapters after ``k_proj`` / ``v_proj``."""
+    return transformers.Zamba2Config(
+        vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+        use_mem_rope=True, use_shared_attention_adapter=True, adapter_rank=8,
+    )  # fmt: skip
+
+
+def _model(make):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make()).eval()
+    if getattr(model.config, "use_shared_attention_adapter", False):  # random adapters (their init is zero-ish)
+        for name, p in model.named_parameters():
+            if "adapter" in name:
+                torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("make", [_zamba, _zamba2], ids=["zamba", "zamba2"])
+def test_cache_capture_reads_each_hybrid_layers_kv_as_the_cache_receives_them(make):
+    """Was: no way to read a shared block's K/V per layer (hooks on its ``k_proj`` can not tell the calling layers
+    apart; Zamba2's adapters add to ``k_proj``'s output before the cache). Now, per hybrid layer: the values equal
+    what ``DynamicCache`` holds bit for bit, the keys re-rotated equal the cached keys, and the pre-RoPE keys equal
+    the block's own ``k_proj(h) + adapter(h)`` for that layer's input (not ``k_proj(h)`` alone)."""
+    model = _model(make)
+    sites = shared_attention_sites(model)
+    assert [s.layer_idx for s in sites] == hybrid_layers(model) and len(sites) == 2
+    ids = torch.randint(1, 96, (1, 12))
+    inputs: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}  # layer -> (the block it called, its input)
+
+    def keep(block, args, kwargs):
+        bound = inspect.signature(block.forward).bind(*args, **kwargs).arguments
+        inputs[bound["layer_idx"]] = (block, bound["hidden_states"])
+
+    handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in shared_attention(model)]
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{CACHE_KW: ref})
+    for h in handles:
+        h.remove()
+    rope = getattr(model.config, "use_mem_rope", False)
+    tables = [RotaryTables.from_model(model).tables_for_layer(s.layer_idx) if rope else None for s in sites]
+    with CacheKVCapture(model, sites, tables) as cap, torch.no_grad():
+        model(input_ids=ids, use_cache=False)  # the capture runs it with its own cache
+        got = {s.layer_idx: cap.activations(s.layer_idx) for s in sites}
+    for j, s in enumerate(sites):
+        i = s.layer_idx
+        k, v = got[i]
+        assert k.shape == v.shape == (1, s.num_kv_heads, 12, s.head_dim)
+        assert torch.equal(v, ref.layers[i].values)
+        cos, sin = tables[j].cos_sin(torch.arange(12), torch.float32) if rope else (None, None)
+        post = apply_rope(k, cos, sin) if rope else k
+        torch.testing.assert_close(post, ref.layers[i].keys, atol=1e-5, rtol=0)
+        block, h = inputs[i]
+        with torch.no_grad():
+            own = block.k_proj(h)
+            if rope:
+                own = own + block.linear_k_adapter_list[block.layer_dic[i]](h)
+                alone = block.k_proj(h).view(1, 12, -1, s.head_dim).transpose(1, 2)
+                assert (alone - k).abs().max() > 1e-2  # k_proj's output is not what the cache stores here
+        torch.testing.assert_close(k, own.view(1, 12, -1, s.head_dim).transpose(1, 2), atol=1e-5, rtol=0)
+    assert not model._forward_pre_hooks  # removed on exit
+    assert sorted(inputs) == [s.layer_idx for s in sites]
+
+
+@pytest.mark.parametrize(
+    "make, scheme, fisher", [(_zamba, "fp8-e4m3", False), (_zamba2, "kvquant-4", True)], ids=["zamba", "zamba2"]
+)
+def test_zamba_calibrates_its_hybrid_layers_and_the_stream_runs_the_artifact(tmp_path, make, scheme, fisher):
+    """Was: ``calibrate`` refused Zamba / Zamba2 ('the measures that hook attention modules per layer (kvbits
+    calibrate, ...) are not supported'). Now it calibrates the hybrid layers (the artifact holds their indices and
+    one module name each; Zamba2 with Fisher weights through its Mamba layers) and ``evaluate(mode='stream')``
+    runs with the artifact's folder; ``analyze`` is still refused, naming the shared block."""
+    from kvbits.analyze import analyze
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.runner import evaluate
+
+    model = _model(make)
+    ids = torch.randint(1, 96, (80,))
+    art = calibrate(model, ids, scheme, context=32, windows=2, fisher=fisher, out_dir=tmp_path / "cal")
+    layers = hybrid_layers(model)
+    assert art.kv_layers == layers
+    assert art.meta["fisher"] is fisher
+    names = art.meta["model"]["attention_modules"]
+    assert len(set(names)) == len(layers) and all(f"layers.{i}." in n for i, n in zip(layers, names))
+    out = evaluate(model, ids, 32, ["fp16", scheme], mode="stream", calibration={scheme: str(tmp_path / "cal")})
+    ppl = [r["ppl"] for r in out["results"]]
+    assert all(math.isfinite(p) for p in ppl) and ppl[0] != ppl[1]
+    with pytest.raises(ValueError, match=r"attention block .* is shared .*kvbits analyze"):
+        analyze(model, ids[None, :16], sample_tokens=16, channel_group=8)
