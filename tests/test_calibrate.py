@@ -127,6 +127,26 @@ def test_kmeans_degenerate_inputs():
         weighted_kmeans_1d(torch.zeros(0), 4)
 
 
+def test_kmeans_subsample_past_the_multinomial_limit_keeps_the_weight(monkeypatch):
+    # past torch.multinomial's 2**24 categories a uniform thinning to 2**24 points came first: with the weight on a
+    # few points (here one of 2**26 at the real limit) it dropped them all and multinomial raised "invalid
+    # multinomial distribution" (seeds 0 and 2). The limit is lowered here so the case is small.
+    from kvbits.calibrate import kmeans
+
+    monkeypatch.setattr(kmeans, "_MULTINOMIAL_MAX", 1000)
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    w = torch.zeros(10_000)
+    w[7] = 1.0
+    for seed in range(3):
+        xs, ws = kmeans.subsample(x, w, 500, seed=seed)
+        assert xs.shape == (500,) and bool((xs == x[7]).all()) and ws is not None and bool((ws == 1).all())
+    w[7], w[9_000] = 1.0, 3.0  # drawn in proportion to the weight
+    xs, _ = kmeans.subsample(x, w, 5_000, seed=0)
+    assert set(xs.tolist()) == {float(x[7]), float(x[9_000])}
+    assert abs(float((xs == x[9_000]).double().mean()) - 0.75) < 0.02
+    assert torch.equal(xs, kmeans.subsample(x, w, 5_000, seed=0)[0])  # seeded
+
+
 def test_channel_percentiles_match_torch_quantile():
     x = torch.randn(3, 1001, 8, generator=torch.Generator().manual_seed(0))
     lo, hi = channel_percentiles(x, 99.0)

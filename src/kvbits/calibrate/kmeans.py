@@ -68,10 +68,14 @@ def subsample(
     if w is None or float(w.double().sum()) <= 0:
         idx = torch.randperm(x.numel(), generator=g)[:max_points].to(x.device)
         return x[idx], None if w is None else torch.ones(max_points, dtype=w.dtype, device=w.device)
-    if x.numel() > _MULTINOMIAL_MAX:  # uniform thinning first; still unbiased
-        keep = torch.randperm(x.numel(), generator=g)[:_MULTINOMIAL_MAX].to(x.device)
-        x, w = x[keep], w[keep]
-    idx = torch.multinomial(w.double().cpu(), max_points, replacement=True, generator=g).to(x.device)
+    if x.numel() > _MULTINOMIAL_MAX:
+        # past multinomial's category limit: inverse-CDF draws over every point. (A uniform thinning to the limit
+        # first could drop every point with weight: a few heavy gradients among 2**26 points crashed multinomial.)
+        cdf = torch.cumsum(w.double().cpu(), 0)
+        r = torch.rand(max_points, generator=g, dtype=torch.float64) * cdf[-1]
+        idx = torch.searchsorted(cdf, r, right=True).clamp_max(x.numel() - 1).to(x.device)
+    else:
+        idx = torch.multinomial(w.double().cpu(), max_points, replacement=True, generator=g).to(x.device)
     return x[idx], torch.ones(max_points, dtype=w.dtype, device=w.device)
 
 
