@@ -89,6 +89,20 @@ def test_choose_layers_by_bytes_is_the_brute_force_optimum():
         assert sum(sens[i][j] for i, j in enumerate(pick)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choose_layers_by_bytes_refuses_negative_bytes_and_takes_numpy_ints():
+    """Negative byte counts ended in 'min() arg is an empty sequence' from inside the knapsack; now they are refused
+    by name. NumPy ints (bytes, elements) are taken, as tune's other integer arguments are (elements=np.int64(100)
+    was refused as 'must be a positive int')."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match="layer_bytes must be ints >= 0"):
+        choose_layers_by_bytes([[1.0, 0.0], [1.0, 0.0]], [[10, 30], [-100, -50]], 10, 3.0)
+    with pytest.raises(ValueError, match="layer_bytes must be ints >= 0"):
+        choose_layers_by_bytes([[1.0, 0.0]], [[10.5, 20]], 100, 3.0)
+    sizes = [[np.int64(10), np.int64(20)]]
+    assert choose_layers_by_bytes([[1.0, 0.0]], sizes, np.int64(100), 1.6) == [1]  # 8 * 20 <= 1.6 * 100
+    assert choose_layers_by_bytes([[1.0, 0.0]], sizes, 100, 1.5) == [0]
+
 def test_choose_layers_by_bytes_keeps_a_budget_just_under_a_simple_fraction():
     """A budget one ulp under float(13/3) (4.333333333333332) was read as 13/3 (within 2**-50 of it): the mix of
     exactly 13/3 bits was chosen, its float avg_bits 4.333333333333333 above the budget. Now the budget is read as

@@ -97,7 +97,7 @@ def choose_layers_by_bytes(
 
     Args:
         sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
-        layer_bytes: ``(layers, candidates)`` bytes layer ``i`` holds when stored by candidate ``c``.
+        layer_bytes: ``(layers, candidates)`` bytes (ints ``>= 0``) layer ``i`` holds when stored by candidate ``c``.
         elements: the elements the budget is a mean over (``plan``'s ``elements``), ``> 0``.
         budget_bits: the largest allowed bits per element.
 
@@ -110,7 +110,10 @@ def choose_layers_by_bytes(
         raise ValueError(
             f"layer_bytes must be (layers={n}, candidates) like the sensitivity, got {len(layer_bytes)} rows"
         )
-    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+    # negative bytes ended in "min() arg is an empty sequence" (the pruned states never reach the cap again)
+    if any(not _is_int(b) or b < 0 for row in layer_bytes for b in row):
+        raise ValueError(f"layer_bytes must be ints >= 0 (bytes a layer holds), got {layer_bytes!r}")
+    if not _is_int(elements) or elements < 1:  # NumPy's ints too, as the bytes
         raise ValueError(f"elements must be a positive int, got {elements!r}")
     _check_budget(budget_bits)
     cap = math.floor(_fraction(budget_bits, budget=True) * elements / 8)
