@@ -393,6 +393,27 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
         tune(model, ids, ["int8-token", "int2-token"], 4.0, context=128, rounds=0)
 
 
+def test_marginal_sensitivity_refuses_a_pick_out_of_range():
+    """A pick index of -1 stored the layer by the last candidate and measured around that, silently (its row had no
+    0.0 for the current storage); one past the end failed inside with an IndexError. Both are refused before any
+    pass. And tune takes NumPy-int rounds (rounds=np.int64(1) was refused while serve_context= took NumPy ints)."""
+    import numpy as np
+
+    from kvbits.evaluate import runner
+    from kvbits.tune import marginal_sensitivity
+
+    model, ids = _llama(), _ids(200)
+    cands = [get_scheme("int2-token"), get_scheme("int4-token")]
+    with mock.patch.object(runner, "evaluate", side_effect=AssertionError("measured")):
+        for pick in ([-1, 0], [2, 0], [0, 1.0], []):
+            with pytest.raises(ValueError, match=r"pick must list one candidate index per layer, each in 0\.\.1"):
+                marginal_sensitivity(model, ids, cands, pick, context=64)
+    table = [[1.0, 0.0], [0.0, 0.0]]
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+    with swept:
+        res = tune(model, ids, ["int2-token", "int4-token"], 4.5, context=64, rounds=np.int64(1), check=False)
+    assert res.choice == ["int4-token", "int2-token"]
+
 @torch.no_grad()
 def test_refinement_rounds_without_the_check_measure_the_last_mix(capsys):
     """rounds=2 with check=False (--no-check) returned the second round's mix unmeasured (measured_kl None, no

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvbits.schemes import KVScheme, TensorSpec
 from kvbits.schemes.presets import mixed_scheme
+from kvbits.tune.knapsack import _is_int
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +126,16 @@ def marginal_sensitivity(
     the current mix's KL, shifted per layer so its least entry is 0 (one candidate per layer is chosen, so a
     per-layer constant changes no choice). ``run``: ``evaluate``'s ``windows``, ``data_path``, ``dtype``,
     ``device``, ``progress``; ``calibrations``: candidate name -> artifact, and ``skip`` (layers without K/V:
-    no probe, a row of 0.0), as ``layer_sensitivity``."""
+    no probe, a row of 0.0), as ``layer_sensitivity``. ``pick``: ``(layers,)`` the current mix's candidate index
+    per layer, each in ``0..len(candidates) - 1`` (``ValueError`` otherwise, before any pass)."""
     from kvbits.evaluate.runner import evaluate
 
+    # before any pass: a negative index stored the layer by a candidate from the end, silently (its row then had no
+    # 0.0 for the current storage), one past the end failed deep inside with an IndexError
+    if len(pick) == 0 or any(not _is_int(j) or not 0 <= j < len(candidates) for j in pick):
+        raise ValueError(
+            f"pick must list one candidate index per layer, each in 0..{len(candidates) - 1}, got {list(pick)!r}"
+        )
     current = _mix(candidates, pick, "current")
     probes = {
         (i, j): _mix(candidates, [j if k == i else p for k, p in enumerate(pick)], f"around,{i}={c.name}")

@@ -211,8 +211,9 @@ def tune(
     others = _compared(compare, cands, name or f"tuned-{budget_bits:g}")
     arts = _candidate_calibrations(cands, calibrations, others)
     other_arts = {s.name: arts.pop(s.name) for s in others if s.name in arts}
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    if not _is_int(rounds) or rounds < 1:  # NumPy's ints too, as serve_context= and dtype_bytes= take them
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    rounds = int(rounds)
     if serve_context is not None:  # NumPy's ints too, as context= is taken; not a float or a bool
         if not _is_int(serve_context) or serve_context < 1:
             raise ValueError(
