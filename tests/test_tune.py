@@ -89,6 +89,20 @@ def test_choose_layers_by_bytes_is_the_brute_force_optimum():
         assert sum(sens[i][j] for i, j in enumerate(pick)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choose_layers_by_bytes_refuses_negative_bytes_and_takes_numpy_ints():
+    """Negative byte counts ended in 'min() arg is an empty sequence' from inside the knapsack; now they are refused
+    by name. NumPy ints (bytes, elements) are taken, as tune's other integer arguments are (elements=np.int64(100)
+    was refused as 'must be a positive int')."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match="layer_bytes must be ints >= 0"):
+        choose_layers_by_bytes([[1.0, 0.0], [1.0, 0.0]], [[10, 30], [-100, -50]], 10, 3.0)
+    with pytest.raises(ValueError, match="layer_bytes must be ints >= 0"):
+        choose_layers_by_bytes([[1.0, 0.0]], [[10.5, 20]], 100, 3.0)
+    sizes = [[np.int64(10), np.int64(20)]]
+    assert choose_layers_by_bytes([[1.0, 0.0]], sizes, np.int64(100), 1.6) == [1]  # 8 * 20 <= 1.6 * 100
+    assert choose_layers_by_bytes([[1.0, 0.0]], sizes, 100, 1.5) == [0]
+
 def test_choose_layers_by_bytes_keeps_a_budget_just_under_a_simple_fraction():
     """A budget one ulp under float(13/3) (4.333333333333332) was read as 13/3 (within 2**-50 of it): the mix of
     exactly 13/3 bits was chosen, its float avg_bits 4.333333333333333 above the budget. Now the budget is read as
@@ -378,6 +392,27 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
     with pytest.raises(ValueError, match="rounds must be"):
         tune(model, ids, ["int8-token", "int2-token"], 4.0, context=128, rounds=0)
 
+
+def test_marginal_sensitivity_refuses_a_pick_out_of_range():
+    """A pick index of -1 stored the layer by the last candidate and measured around that, silently (its row had no
+    0.0 for the current storage); one past the end failed inside with an IndexError. Both are refused before any
+    pass. And tune takes NumPy-int rounds (rounds=np.int64(1) was refused while serve_context= took NumPy ints)."""
+    import numpy as np
+
+    from kvbits.evaluate import runner
+    from kvbits.tune import marginal_sensitivity
+
+    model, ids = _llama(), _ids(200)
+    cands = [get_scheme("int2-token"), get_scheme("int4-token")]
+    with mock.patch.object(runner, "evaluate", side_effect=AssertionError("measured")):
+        for pick in ([-1, 0], [2, 0], [0, 1.0], []):
+            with pytest.raises(ValueError, match=r"pick must list one candidate index per layer, each in 0\.\.1"):
+                marginal_sensitivity(model, ids, cands, pick, context=64)
+    table = [[1.0, 0.0], [0.0, 0.0]]
+    swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+    with swept:
+        res = tune(model, ids, ["int2-token", "int4-token"], 4.5, context=64, rounds=np.int64(1), check=False)
+    assert res.choice == ["int4-token", "int2-token"]
 
 @torch.no_grad()
 def test_refinement_rounds_without_the_check_measure_the_last_mix(capsys):

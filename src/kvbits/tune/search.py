@@ -26,36 +26,44 @@ Calibrated candidates (static scales, NUQ codebooks: ``kvquant-4``, ``kvquant-2`
 ``kvbits calibrate`` artifacts (``calibrations``); every probe and mix that stores some layer by one of
 them runs with the artifact composed from those (``kvbits.calibrate.compose_artifact``), and the result
 carries the chosen mix's (``TuneResult.calibration``).
+
+This module runs those steps (``tune``) and holds their record (``TuneResult``); the pieces live beside it:
+``knapsack`` (step 2's choice), ``probes`` (the sensitivities of steps 1 and 3), ``inputs`` (the name, shape,
+prices and calibrations resolved before any pass) and ``compare`` (the compared schemes and the warnings).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import numbers
-from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
-from kvbits.schemes import KVScheme, TensorSpec, check_unique_names, get_scheme
-from kvbits.schemes.presets import mixed_scheme
+from kvbits.schemes import KVScheme, check_unique_names, get_scheme
+from kvbits.tune.compare import _compared, _warn_better, _warn_beyond, better_compared
+from kvbits.tune.inputs import _candidate_calibrations, _check_name, _model_shape, _prices
+from kvbits.tune.knapsack import (
+    BIT_DENOMINATOR,
+    _check_budget,
+    _is_int,
+    choose_layers,
+    choose_layers_by_bytes,
+)
+from kvbits.tune.probes import (
+    EXACT,
+    _check_measured,
+    _composed,
+    _mix,
+    layer_sensitivity,
+    marginal_sensitivity,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EXACT", "TuneResult", "choose_layers", "choose_layers_by_bytes", "layer_sensitivity", "marginal_sensitivity",
-    "tune",
+    "BIT_DENOMINATOR", "EXACT", "TuneResult", "better_compared", "choose_layers", "choose_layers_by_bytes",
+    "layer_sensitivity", "marginal_sensitivity", "tune",
 ]
-
-# every other layer while one is measured: float32 storage, exact for float32 and lower-precision models
-EXACT = KVScheme(
-    "exact",
-    key=TensorSpec(kind="float", bits=32, fmt="fp32"),
-    value=TensorSpec(kind="float", bits=32, fmt="fp32"),
-    description="float32 K/V: no storage error (the background of a per-layer sensitivity run)",
-)
-BIT_DENOMINATOR = 1 << 20  # bits are ratios of bytes to elements: read as fractions of at most this denominator
 
 
 @dataclass
@@ -126,270 +134,6 @@ class TuneResult:
                 "layers": self.calibration.meta["composed"]["layers"],
             },
         }
-
-
-def _fraction(x: float, *, budget: bool = False) -> Fraction:
-    """The fraction a float stands for: the simplest one of denominator <= ``BIT_DENOMINATOR`` within float64's
-    rounding of ``x`` (``4.333333333333333`` -> 13/3), else ``x``'s exact binary value. A ``budget`` is read as such
-    a fraction only when float64 rounds it to ``x`` itself: one a few ulps above it (13/3 for ``4.333333333333332``)
-    would let a mix's float ``avg_bits`` exceed the budget."""
-    x = float(x)  # numpy's float32 too (Fraction takes only Python floats and rationals)
-    exact = Fraction(x)
-    near = exact.limit_denominator(BIT_DENOMINATOR)
-    if budget:
-        return near if float(near) == x else exact
-    return near if abs(near - exact) <= abs(exact) * Fraction(1, 1 << 50) else exact
-
-
-def _is_int(x: Any) -> bool:
-    """A Python or NumPy integer (``numbers.Integral``), not a bool and not a float that equals an int."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_budget(budget_bits: Any) -> None:
-    """``ValueError`` unless ``budget_bits`` is a finite real number > 0 (not a bool, a string or NaN/inf, which
-    ``Fraction`` would take as 1, parse, or refuse with an ``OverflowError`` of its own)."""
-    if (
-        isinstance(budget_bits, bool)
-        or not isinstance(budget_bits, numbers.Real)
-        or not math.isfinite(budget_bits)
-        or budget_bits <= 0
-    ):
-        raise ValueError(f"budget_bits must be a positive number, got {budget_bits!r}")
-
-
-def _units(bits: list[float], budget_bits: float, n: int) -> tuple[list[int], int]:
-    """The candidates' bits and the budget of ``n`` layers in exact knapsack units: each number read as the
-    fraction it stands for (``4.333...`` as 13/3, a budget ``5.67`` as 567/100; denominators up to
-    ``BIT_DENOMINATOR``), all over their common denominator, so no mix within the budget is lost to rounding;
-    ``ValueError`` when even the cheapest candidate in every layer exceeds the budget."""
-    _check_budget(budget_bits)
-    if any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) or b <= 0 for b in bits):
-        raise ValueError(f"bits must be finite numbers > 0, got {bits!r}")
-    exact = [_fraction(b) for b in bits]
-    budget = _fraction(budget_bits, budget=True)
-    scale = math.lcm(*(f.denominator for f in exact), budget.denominator)
-    units = [int(f * scale) for f in exact]
-    cap = math.floor(budget * n * scale)
-    if cap < n * min(units):
-        raise ValueError(
-            f"budget {budget_bits:g} bits is below the cheapest candidate ({min(bits):.3g} bits) in every layer"
-        )
-    return units, cap
-
-
-def choose_layers(sensitivity: list[list[float]], bits: list[float], budget_bits: float) -> list[int]:
-    """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
-    ``mean_i bits[c_i] <= budget_bits`` (exact: the bits and the budget as fractions, ``_units``). Every layer
-    weighs the same here; ``tune`` prices layers by their real bytes (``choose_layers_by_bytes``).
-
-    Args:
-        sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
-        bits: ``(candidates,)`` average bits of each candidate.
-        budget_bits: the largest allowed average.
-
-    Raises:
-        ValueError: malformed inputs, or a budget below the cheapest candidate in every layer.
-    """
-    n = len(sensitivity)
-    _check_costs(sensitivity, len(bits))
-    units, cap = _units(bits, budget_bits, n)
-    return _knapsack(sensitivity, [units] * n, cap)
-
-
-def choose_layers_by_bytes(
-    sensitivity: list[list[float]], layer_bytes: list[list[int]], elements: int, budget_bits: float
-) -> list[int]:
-    """The candidate index per layer minimising ``sum_i sensitivity[i][c_i]`` subject to
-    ``8 * sum_i layer_bytes[i][c_i] <= budget_bits * elements``: the mix's bits per stored element as
-    ``kvbits plan`` counts them (``avg_bits``), with the budget read as the fraction it stands for
-    (``_fraction``: 5.67 as 567/100), so the mix's float ``avg_bits`` never exceeds ``budget_bits``.
-
-    Args:
-        sensitivity: ``(layers, candidates)`` cost of each candidate in each layer (finite, ``>= 0``).
-        layer_bytes: ``(layers, candidates)`` bytes layer ``i`` holds when stored by candidate ``c``.
-        elements: the elements the budget is a mean over (``plan``'s ``elements``), ``> 0``.
-        budget_bits: the largest allowed bits per element.
-
-    Raises:
-        ValueError: malformed inputs, or a budget below the cheapest candidate of every layer.
-    """
-    n = len(sensitivity)
-    _check_costs(sensitivity, len(layer_bytes[0]) if layer_bytes else 0)
-    if len(layer_bytes) != n or any(len(row) != len(layer_bytes[0]) for row in layer_bytes):
-        raise ValueError(
-            f"layer_bytes must be (layers={n}, candidates) like the sensitivity, got {len(layer_bytes)} rows"
-        )
-    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
-        raise ValueError(f"elements must be a positive int, got {elements!r}")
-    _check_budget(budget_bits)
-    cap = math.floor(_fraction(budget_bits, budget=True) * elements / 8)
-    least = sum(min(row) for row in layer_bytes)
-    if least > cap:
-        raise ValueError(
-            f"budget {budget_bits:g} bits is below the cheapest mix of the candidates ({8 * least / elements:.4g} "
-            "bits per element, as kvbits plan counts them)"
-        )
-    return _knapsack(sensitivity, layer_bytes, cap)
-
-
-def _check_costs(sensitivity: list[list[float]], n_candidates: int) -> None:
-    n = len(sensitivity)
-    if n == 0 or not n_candidates or any(len(row) != n_candidates for row in sensitivity):
-        raise ValueError(f"sensitivity must be (layers, {n_candidates} candidates), got {n} rows")
-    if any(not math.isfinite(x) or x < 0 for row in sensitivity for x in row):
-        raise ValueError("sensitivities must be finite and >= 0")
-
-
-def _knapsack(sensitivity: list[list[float]], weights: list[list[int]], cap: int) -> list[int]:
-    """The candidate per layer of least summed ``sensitivity`` whose summed integer ``weights`` stay within
-    ``cap`` (ties: the fewest weight units): exact dynamic programming over the reachable weights, keeping
-    only the states no lighter state matches in cost (a dominated state completes no better)."""
-    inf = math.inf
-    # best[u]: least cost of the layers so far using exactly u units; how[i][u]: (candidate, previous u)
-    best = {0: 0.0}
-    how: list[dict[int, tuple[int, int]]] = []
-    for row, units in zip(sensitivity, weights):
-        nxt: dict[int, float] = {}
-        back: dict[int, tuple[int, int]] = {}
-        for u, cost in best.items():
-            for c, (w, s) in enumerate(zip(units, row)):
-                v = u + w
-                if v <= cap and cost + s < nxt.get(v, inf):
-                    nxt[v] = cost + s
-                    back[v] = (c, u)
-        best, least = {}, inf
-        for v in sorted(nxt):  # Pareto front: a state survives only if cheaper than every lighter one
-            if nxt[v] < least:
-                best[v] = least = nxt[v]
-        how.append(back)
-    u = min(best, key=lambda k: (best[k], k))  # least cost, then fewest units
-    choice = []
-    for back in reversed(how):
-        c, u = back[u]
-        choice.append(c)
-    return choice[::-1]
-
-
-def layer_sensitivity(
-    model: Any,
-    data: Any,
-    candidates: list[KVScheme],
-    n_layers: int,
-    *,
-    context: int,
-    windows: int = 1,
-    data_path: str | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
-    progress: bool = False,
-    calibrations: Mapping[str, Any] | None = None,
-    skip: Collection[int] = (),
-) -> tuple[list[list[float]], dict[str, Any]]:
-    """``(sensitivity (layers, candidates), evaluate's summary)``: the KL with layer ``i`` stored by
-    candidate ``c`` and every other layer exact (``EXACT``), decode semantics, simulate mode, for each of
-    the ``n_layers`` layers. ``model`` as ``kvbits.evaluate.evaluate`` takes it (loaded once by the caller).
-    ``calibrations``: candidate name -> ``CalibrationArtifact``; a probe of a calibrated candidate runs
-    with the artifact composed from them (``compose_artifact``: layer ``i``'s tensors of that candidate).
-    ``skip``: layers that store no K/V (``LayerShape.attention == "none"``: a hybrid model's convolution or
-    state-space layers), whose scheme changes nothing: no probe, a row of 0.0."""
-    from kvbits.evaluate.runner import evaluate
-
-    probes = [
-        mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
-        for i in range(n_layers) if i not in skip for c in candidates
-    ]  # fmt: skip
-    layer_of = {f"exact,{i}={c.name}": i for i in range(n_layers) if i not in skip for c in candidates}
-    summary = evaluate(
-        model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
-        device=device, progress=progress, calibration=_composed(probes, calibrations),
-        on_pass=_layer_progress(layer_of, n_layers, "sensitivity"),
-    )  # fmt: skip
-    kl = {r["scheme"]: r["kl"] for r in summary["results"]}
-    return [
-        [0.0 if i in skip else kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)
-    ], summary
-
-
-def _layer_progress(layer_of: Mapping[str, int], n_layers: int, what: str) -> Callable[[int, int, str], None]:
-    """``evaluate``'s ``on_pass`` for a sweep of per-layer probes (``layer_of``: probe name -> its layer, in the
-    order the probes run): one INFO line each time a layer's last probe is through a window, so that a run without
-    the progress bar (``--no-progress``, ``--json``: tens of minutes on a CPU) shows it is alive."""
-    import time
-
-    closing = {name: i for i, name in {i: name for name, i in layer_of.items()}.items()}  # layer's last probe
-    probed = len(closing)
-    t0 = time.perf_counter()
-    done = 0
-
-    def on_pass(w: int, windows: int, name: str) -> None:
-        nonlocal done
-        i = closing.get(name)
-        if i is None:
-            return
-        done += 1
-        logger.info(
-            "%s: window %d/%d, layer %d/%d probed (%d/%d layer passes), %.0f s",
-            what, w + 1, windows, i, n_layers - 1, done, probed * windows, time.perf_counter() - t0,
-        )  # fmt: skip
-
-    return on_pass
-
-
-def _composed(schemes: list[KVScheme], calibrations: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Scheme name -> its artifact composed from ``calibrations`` (candidate name -> artifact), for each of
-    ``schemes`` that calibrates something; None when no calibrations were given."""
-    if not calibrations:
-        return None
-    from kvbits.calibrate import compose_artifact
-
-    return {s.name: compose_artifact(s, calibrations) for s in schemes if s.calibratable()} or None
-
-
-def _mix(candidates: list[KVScheme], pick: list[int], name: str) -> KVScheme:
-    """The scheme storing layer ``i`` by ``candidates[pick[i]]``; its base is the candidate most layers use."""
-    counts = [pick.count(j) for j in range(len(candidates))]
-    base = max(range(len(candidates)), key=lambda j: (counts[j], -j))
-    return mixed_scheme(candidates[base], {i: candidates[j] for i, j in enumerate(pick) if j != base}, name=name)
-
-
-def marginal_sensitivity(
-    model: Any,
-    data: Any,
-    candidates: list[KVScheme],
-    pick: list[int],
-    *,
-    context: int,
-    skip: Collection[int] = (),
-    **run: Any,
-) -> tuple[list[list[float]], float]:
-    """``(costs (layers, candidates), KL of the current mix)``: for each layer ``i`` and candidate ``c``, the
-    KL of the current mix (layer ``i`` by ``candidates[pick[i]]``) with layer ``i`` switched to ``c``, minus
-    the current mix's KL, shifted per layer so its least entry is 0 (one candidate per layer is chosen, so a
-    per-layer constant changes no choice). ``run``: ``evaluate``'s ``windows``, ``data_path``, ``dtype``,
-    ``device``, ``progress``; ``calibrations``: candidate name -> artifact, and ``skip`` (layers without K/V:
-    no probe, a row of 0.0), as ``layer_sensitivity``."""
-    from kvbits.evaluate.runner import evaluate
-
-    current = _mix(candidates, pick, "current")
-    probes = {
-        (i, j): _mix(candidates, [j if k == i else p for k, p in enumerate(pick)], f"around,{i}={c.name}")
-        for i in range(len(pick)) if i not in skip for j, c in enumerate(candidates) if j != pick[i]
-    }  # fmt: skip
-    calibrations = run.pop("calibrations", None)
-    mixes = [current, *probes.values()]
-    layer_of = {p.name: i for (i, _), p in probes.items()}
-    summary = evaluate(
-        model, data, context, mixes, attn_layers=[], calibration=_composed(mixes, calibrations),
-        on_pass=_layer_progress(layer_of, len(pick), "marginal KLs around the mix"), **run,
-    )  # fmt: skip
-    kl = {r["scheme"]: r["kl"] for r in summary["results"]}
-    base = kl["current"]
-    table = [
-        [0.0 if j == pick[i] or i in skip else kl[probes[i, j].name] - base for j in range(len(candidates))]
-        for i in range(len(pick))
-    ]
-    return [[x - min(row) for x in row] for row in table], base
 
 
 def tune(
@@ -467,8 +211,9 @@ def tune(
     others = _compared(compare, cands, name or f"tuned-{budget_bits:g}")
     arts = _candidate_calibrations(cands, calibrations, others)
     other_arts = {s.name: arts.pop(s.name) for s in others if s.name in arts}
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    if not _is_int(rounds) or rounds < 1:  # NumPy's ints too, as serve_context= and dtype_bytes= take them
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    rounds = int(rounds)
     if serve_context is not None:  # NumPy's ints too, as context= is taken; not a float or a bool
         if not _is_int(serve_context) or serve_context < 1:
             raise ValueError(
@@ -602,169 +347,3 @@ def tune(
         result.scheme.name, result.avg_bits, priced_at, budget_bits, result.predicted_kl, result.measured_kl,
     )  # fmt: skip
     return result
-
-
-def better_compared(result: TuneResult) -> list[dict[str, Any]]:
-    """The compared schemes (``result.compare``) within the budget whose measured KL is below the mix's: a uniform
-    scheme a user would rather serve than the tuned mix."""
-    mix_kl = result.measured_kl
-    if mix_kl is None or not math.isfinite(mix_kl):
-        return []
-    return [
-        c for c in result.compare
-        if c["avg_bits"] <= result.budget_bits and math.isfinite(c["measured_kl"]) and c["measured_kl"] < mix_kl
-    ]  # fmt: skip
-
-
-def _warn_better(result: TuneResult) -> None:
-    """One warning per compared scheme within the budget that measured a lower KL than the mix."""
-    for c in better_compared(result):
-        logger.warning(
-            "uniform %s (%.3f average bits, within the %g-bit budget) measured KL %.4g, below the tuned mix's %.4g "
-            "(%.3f bits) on the same windows: the mix of the candidates is not the best choice at this budget; serve "
-            "%s, or tune with candidates that include it",
-            c["scheme"], c["avg_bits"], result.budget_bits, c["measured_kl"], result.measured_kl, result.avg_bits,
-            c["scheme"],
-        )  # fmt: skip
-
-
-def _compared(compare: Any, cands: list[KVScheme], name: str) -> list[KVScheme]:
-    """The ``compare`` schemes resolved: flat, none a candidate (already measured uniform under ``check``), none
-    named as the mix or listed twice; ``ValueError`` naming the one at fault."""
-    if compare is None:
-        return []
-    if isinstance(compare, (str, KVScheme)):
-        compare = [compare]
-    others = [get_scheme(c) for c in compare]
-    names = [c.name for c in cands]
-    for s in others:
-        if s.is_mixed:
-            raise ValueError(f"compare {s.name!r}: compared schemes must be flat (one scheme for every layer)")
-        if s.name in names:
-            raise ValueError(
-                f"compare {s.name!r} is a candidate, measured uniform beside the mix already (unless --no-check); "
-                "compare schemes that are not candidates"
-            )
-        if s.name == name:
-            raise ValueError(f"compare {s.name!r} has the mix's name; choose another --name")
-    check_unique_names([s.name for s in others], "compared")
-    return others
-
-
-def _warn_beyond(shape: Any, mix: KVScheme, context: int, budget_bits: float) -> None:
-    """Log one warning when ``shape`` has sliding layers and ``mix`` holds more than ``budget_bits`` at the model's
-    max context (``shape.max_context``, when known and longer than ``context``): the budget was priced at the
-    tuning context, where the windows weigh more than they will once the full layers have grown."""
-    from kvbits.plan.planner import planned_bits
-
-    longest = shape.max_context
-    if longest is None or longest <= context or not any(layer.attention == "sliding" for layer in shape.layers):
-        return
-    there = planned_bits(shape, mix, longest)
-    if there > budget_bits:
-        logger.warning(
-            "the mix holds %.3f average bits at the model's max context (%d tokens), over the %g-bit budget priced at "
-            "the tuning context (%d tokens): the model has sliding layers, whose share of the bytes shrinks as the "
-            "context grows; pass the context you will serve (--serve-context, serve_context=) to price it there",
-            there, longest, budget_bits, context,
-        )  # fmt: skip
-
-
-def _check_measured(table: list[list[float]], cands: list[KVScheme], what: str) -> None:
-    """``ValueError`` naming the first non-finite KL of a measured ``(rows, candidates)`` table: a NaN or inf in a
-    probe's outputs, which the knapsack can not weigh (``_check_costs`` would only say that some entry is bad)."""
-    for i, row in enumerate(table):
-        for j, x in enumerate(row):
-            if not math.isfinite(x):
-                raise ValueError(
-                    f"the KL measured {what} layer {i} stored by {cands[j].name!r} is {x}: its passes gave "
-                    "non-finite outputs (try --dtype float32, or leave that candidate out)"
-                )
-
-
-def _check_name(name: Any, cands: list[KVScheme]) -> None:
-    """``ValueError`` (before any pass) for a mix name its scheme JSON could not be read back under, or that
-    the check run could not tell apart: a candidate's name, a preset's, or a mixed scheme string of presets
-    (``get_scheme`` refuses a file so named that stores K/V otherwise)."""
-    from kvbits.schemes.presets import _builtin
-
-    if name is None:
-        return
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"name must be a non-empty string (the mix's scheme name), got {name!r}")
-    if name in [c.name for c in cands]:
-        raise ValueError(
-            f"name {name!r} is a candidate's: the mix is measured beside the candidates, by name; choose another"
-        )
-    if _builtin(name) is not None:
-        what = "a kvbits preset" if "," not in name else "a mixed scheme of kvbits presets"
-        raise ValueError(
-            f"name {name!r} is the name of {what}: the tuned mix's scheme JSON would be refused when read back "
-            f"(it stores K/V otherwise); choose another, e.g. {name.replace(',', '_').replace('=', '-') + '-tuned'!r}"
-        )
-
-
-def _model_shape(model: Any, dtype: Any) -> Any:
-    """The planner's ``ModelShape`` of ``model`` (a ``LoadedModel`` or a transformers model), its
-    ``dtype_bytes`` those of the dtype the passes run in: ``dtype`` when given, else the model's own as
-    ``kvbits eval`` reads it (its first *floating* parameter's, ``_floating_bytes``: an integer buffer or quantized
-    weight registered first priced a float32 model's full-precision tokens at 1 byte); the config's where the
-    model has no floating parameter."""
-    from kvbits.evaluate.measures import _floating_bytes
-    from kvbits.evaluate.request import _resolve_dtype
-    from kvbits.plan.config import load_shape
-
-    module = getattr(model, "model", model)
-    torch_dtype = _resolve_dtype(dtype)[0]
-    size = _floating_bytes(module) if torch_dtype is None else torch_dtype.itemsize
-    shape = load_shape(module.config)
-    return shape if size is None else shape.replace(dtype_bytes=size)
-
-
-def _prices(shape: Any, cands: list[KVScheme], context: int) -> tuple[list[list[int]], int, list[float]]:
-    """``(layer_bytes (layers, candidates), elements, bits (candidates,))`` at ``context`` tokens, one
-    sequence, as ``kvbits plan`` counts them (``plan_shape``): the bytes layer ``i`` holds stored by each
-    candidate (key + value, fixed bytes included), the elements of an fp16 cache of the model, and each
-    candidate's ``avg_bits`` when it stores every layer."""
-    from kvbits.plan.planner import plan_shape
-
-    plans = [plan_shape(shape, c, context=context) for c in cands]
-    elements = plans[0]["elements"]
-    layer_bytes = [[p["per_layer"][i]["total_bytes"] for p in plans] for i in range(shape.n_layers)]
-    return layer_bytes, elements, [p["avg_bits"] for p in plans]
-
-
-def _candidate_calibrations(
-    cands: list[KVScheme], calibrations: Any, others: Sequence[KVScheme] = ()
-) -> dict[str, Any]:
-    """Candidate (or compared scheme, ``others``) name -> its artifact (``kvbits eval``'s matching:
-    ``_calibrations``), each checked against its scheme; ``ValueError`` for a scheme that needs one and has none, or
-    (once any candidate has one) for a candidate with optional calibrated sides and none, whose layers no mix could
-    then be composed with."""
-    from kvbits.evaluate.inputs import _calibrations
-
-    schemes, compared = [*cands, *others], {o.name for o in others}
-    arts = _calibrations(calibrations, schemes)
-    for c in schemes:
-        if c.name in arts:
-            arts[c.name].check_scheme(c)
-    missing = [c for c in schemes if c.needs_calibration() and c.name not in arts]
-    if missing:
-        raise ValueError(
-            ", ".join(
-                f"{'compared scheme' if c.name in compared else 'candidate'} {c.name!r} ({' and '.join(c.needs_calibration())})"
-                for c in missing
-            )
-            + " needs calibrated parameters (static scales or NUQ codebooks) and none were given: create them "
-            "with `kvbits calibrate --scheme NAME --out DIR` on this model and pass the folder (CLI: "
-            "--calibration DIR; Python: calibrations={'NAME': DIR})"
-        )
-    mixed = [c.name for c in cands if c.name in arts]
-    optional = [c.name for c in cands if c.calibratable() and c.name not in arts] if mixed else []
-    if optional:
-        raise ValueError(
-            f"candidate {', '.join(map(repr, optional))} has calibrated sides (a static FP8 scale) and no "
-            f"calibration, while {', '.join(map(repr, mixed))} has one: a mix of both needs both; create it with "
-            "`kvbits calibrate --scheme NAME --out DIR` and pass it too"
-        )
-    return arts
