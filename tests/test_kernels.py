@@ -2788,3 +2788,17 @@ def test_decode_entry_points_name_the_query_shape_for_another_rank():
         for bad in (q.half(), q.half()[None, None]):
             with pytest.raises(ValueError, match=r"q must be \(B=2, .*got \(.*2, 4, 64\)"):
                 attend(bad, store)
+
+
+@needs_triton
+@pytest.mark.parametrize("dequant", ["f32", "f16", "fold"])
+def test_kernel_over_an_empty_batch_returns_an_empty_output(dequant: str):
+    """A store of no sequences (``B = 0``) made every Triton launch divide by zero in ``_num_splits`` (splits per
+    ``B * H_kv`` programs), where the reference returns a ``(0, H_q, 1, D)`` output; now the kernel paths return it
+    too (no program is launched: an empty grid)."""
+    g = torch.Generator().manual_seed(0)
+    store = make_store(g, B=0, T_q=64, T_f=5, key_spec=spec(4, "token"), value_spec=spec(4, "token"))
+    q = torch.randn(0, 4, 1, 64, generator=g).half().to(DEVICE)
+    want = decode_attention_reference(q, store)
+    out = triton_decode.decode_attention_triton(q, store, dequant=dequant)
+    assert out.shape == want.shape == (0, 4, 1, 64) and out.dtype == torch.float16
