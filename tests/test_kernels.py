@@ -2788,3 +2788,41 @@ def test_decode_entry_points_name_the_query_shape_for_another_rank():
         for bad in (q.half(), q.half()[None, None]):
             with pytest.raises(ValueError, match=r"q must be \(B=2, .*got \(.*2, 4, 64\)"):
                 attend(bad, store)
+
+
+@needs_triton
+@pytest.mark.parametrize("dequant", ["f32", "f16", "fold"])
+def test_kernel_over_an_empty_batch_returns_an_empty_output(dequant: str):
+    """A store of no sequences (``B = 0``) made every Triton launch divide by zero in ``_num_splits`` (splits per
+    ``B * H_kv`` programs), where the reference returns a ``(0, H_q, 1, D)`` output; now the kernel paths return it
+    too (no program is launched: an empty grid)."""
+    g = torch.Generator().manual_seed(0)
+    store = make_store(g, B=0, T_q=64, T_f=5, key_spec=spec(4, "token"), value_spec=spec(4, "token"))
+    q = torch.randn(0, 4, 1, 64, generator=g).half().to(DEVICE)
+    want = decode_attention_reference(q, store)
+    out = triton_decode.decode_attention_triton(q, store, dequant=dequant)
+    assert out.shape == want.shape == (0, 4, 1, 64) and out.dtype == torch.float16
+
+
+def test_packed_tensor_refuses_codes_and_scales_the_kernels_would_misread():
+    """A ``PackedTensor`` whose codes are not uint8 rows of ``ceil(D * bits / 8)`` bytes, or whose scales are not
+    ``(B, H_kv, T_q // tps, D / cps)``, was accepted: the Triton kernel read it by those sizes without a word (int8
+    codes, half-width rows, 8 bits said of 4-bit rows, two scale columns for one: outputs 2.3-2.8 off the true
+    store's; half the scale rows: reads past their end), where the reference failed deep inside. Now a
+    ``ValueError`` at construction names the expected shape."""
+    g = torch.Generator().manual_seed(0)
+    p = make_store(g, B=1, H_kv=1, T_q=64, T_f=3, key_spec=spec(4, "token"), value_spec=spec(4, "token")).key
+    assert replace(p).codes is p.codes  # the layout pack_side gives passes
+    for bad, match in (
+        ({"codes": p.codes.view(torch.int8)}, r"must be uint8 \(B, H_kv, T_q, 32\), got torch.int8"),
+        ({"codes": p.codes[..., :16].contiguous()}, r"\(B, H_kv, T_q, 32\), got torch.uint8 \(1, 1, 64, 16\)"),
+        ({"bits": 8}, r"8-bit codes of head dim 64 must be uint8 \(B, H_kv, T_q, 64\)"),
+        ({"scale": p.scale.expand(-1, -1, -1, 2), "zero": p.zero.expand(-1, -1, -1, 2)}, r"scale must be .* got \(1, 1, 64, 2\)"),
+        ({"scale": p.scale[:, :, :32], "zero": p.zero[:, :, :32]}, r"scale must be \(B, H_kv, >= 64, 1\)"),
+        ({"zero": p.zero[:, :, :32]}, r"zero must be"),
+        ({"cps": 48}, "cps must be positive and cps divide head dim 64"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            replace(p, **bad)
+    static = replace(p, tps=2**30, scale=p.scale[:, :, :1], zero=p.zero[:, :, :1])  # one static row: accepted
+    assert static.scale.shape[2] == 1

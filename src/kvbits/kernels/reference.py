@@ -158,6 +158,32 @@ class PackedTensor:
                     f"outliers must be (B, H_kv, T_q, k) = {want}, got {tuple(self.outlier_values.shape)} and "
                     f"{tuple(self.outlier_index.shape)}"
                 )
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """The codes and metadata as the module docstring lays them out: ``codes`` uint8 ``(B, H_kv, T_q, row)`` with
+        ``row = ceil(D * bits / 8)`` (fp8: ``D``), ``scale`` (and ``zero``, the same shape) ``(B, H_kv, rows, D / cps)``
+        with at least ``T_q // tps`` rows (one for a static ``tps``). The Triton kernels address rows by these
+        sizes: codes of another width, dtype (int8 codes sign-extended) or bit count, or scales of another shape,
+        were misread without a word (outputs 2.3-2.8 off, or reads past the scales' end) where the reference failed
+        inside ``unpack_bits`` or an index. Shapes only."""
+        codes, D = self.codes, self.head_dim
+        row = D if self.kind == "fp8" else -(-D * self.bits // 8)
+        if codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row:
+            raise ValueError(
+                f"{self.kind} {self.bits}-bit codes of head dim {D} must be uint8 (B, H_kv, T_q, {row}), got "
+                f"{codes.dtype} {tuple(codes.shape)}"
+            )
+        if self.tps < 1 or self.cps < 1 or D % self.cps:
+            raise ValueError(f"tps and cps must be positive and cps divide head dim {D}, got tps={self.tps}, cps={self.cps}")
+        rows = 1 if self.tps == STATIC_TPS else codes.shape[2] // self.tps
+        for name, m in (("scale", self.scale), ("zero", self.zero)):
+            if m is not None and (m.dim() != 4 or m.shape[:2] != codes.shape[:2] or m.shape[3] != D // self.cps
+                                  or m.shape[2] < rows):  # fmt: skip
+                raise ValueError(
+                    f"{name} must be (B, H_kv, >= {rows}, {D // self.cps}) = (B, H_kv, T_q // tps, D / cps) for codes "
+                    f"{tuple(codes.shape)}, tps={self.tps}, cps={self.cps}; got {tuple(m.shape)}"
+                )
 
     @property
     def symmetric(self) -> bool:

@@ -964,10 +964,11 @@ def layout_reason(store: PackedStore) -> str | None:
 
 
 def _num_splits(store: PackedStore, device: torch.device, target_programs: int | None) -> int:
-    """Splits per (sequence, KV head): about two programs per SM on a GPU, a few on the interpreter."""
+    """Splits per (sequence, KV head): about two programs per SM on a GPU, a few on the interpreter. An empty batch
+    (``B = 0``: no program to launch) gets 1, where it divided by zero."""
     if target_programs is None:
         target_programs = 2 * _sm_count(device) if device.type == "cuda" else 4
-    return max(1, math.ceil(target_programs / (store.batch * store.n_kv_heads)))
+    return max(1, math.ceil(target_programs / max(1, store.batch * store.n_kv_heads)))
 
 
 @functools.cache
