@@ -117,3 +117,65 @@ def test_zamba_calibrates_its_hybrid_layers_and_the_stream_runs_the_artifact(tmp
     assert all(math.isfinite(p) for p in ppl) and ppl[0] != ppl[1]
     with pytest.raises(ValueError, match=r"attention block .* is shared .*kvbits analyze"):
         analyze(model, ids[None, :16], sample_tokens=16, channel_group=8)
+
+
+def _zamba2_default():
+    """Zamba2 as its config defaults it: ``use_mem_rope=False``, so its shared attention block rotates no keys."""
+    return transformers.Zamba2Config(
+        vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+    )  # fmt: skip
+
+
+def test_zamba2_without_mem_rope_has_no_rope_tables():
+    """Zamba2 applies RoPE in its shared block only with ``use_mem_rope=True`` (the config's default is False), but
+    its modeling file defines ``Zamba2RotaryEmbedding``: ``RotaryTables`` were built for the default config
+    (rot_dim 32), so ``QuantizedKVCache`` accepted ``int4-channel-prerope`` and un-rotated keys that were never
+    rotated, and the planner priced it. Now the ValueError of a model without RoPE, saying why and naming the
+    post-RoPE variant; ``use_mem_rope=True`` still gets its tables."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.plan import plan
+    from kvbits.plan.positions import pre_rope_problem
+
+    cfg = _zamba2_default()
+    assert "use_mem_rope=False" in pre_rope_problem(cfg)
+    with pytest.raises(ValueError, match=r"has no RoPE keys.*use_mem_rope=False"):
+        RotaryTables.from_config(cfg)
+    with pytest.raises(ValueError, match=r"has no RoPE keys.*use_mem_rope=False"):
+        RotaryTables.from_model(_model(_zamba2_default))
+    advice = r"post-RoPE keys \(pre_rope=False\), e\.g\. 'int4-channel' instead of 'int4-channel-prerope'"
+    with pytest.raises(ValueError, match=rf"needs a model with RoPE keys.*use_mem_rope=False.*{advice}"):
+        QuantizedKVCache(config=cfg, scheme="int4-channel-prerope")
+    with pytest.raises(ValueError, match=rf"quantizes keys before RoPE.*use_mem_rope=False.*{advice}"):
+        plan(cfg, scheme="int4-channel-prerope", context=100)
+    QuantizedKVCache(config=cfg, scheme="int4-channel")  # post-RoPE keys are unaffected
+    assert RotaryTables.from_config(_zamba2()).rot_dim == 32  # use_mem_rope=True
+
+
+@pytest.mark.parametrize("make", [_zamba, _zamba2_default], ids=["zamba", "zamba2-no-mem-rope"])
+def test_pre_rope_schemes_are_refused_before_any_forward_on_zambas_without_rope(make):
+    """Pre-RoPE schemes on Zamba (no RoPE) and a default Zamba2: ``evaluate(mode='stream')``, ``speed_eval`` and
+    ``calibrate('kvquant-4')`` ran on Zamba2 (un-rotating keys never rotated; calibrate wrote an artifact the cache
+    refuses), ``mode='simulate'`` failed with "layer_idx must be an int in [0, 4), got -1" after the reference pass,
+    and on Zamba the stream and speed failed after 1-2 forwards with "has no *RotaryEmbedding class ... does this
+    model use RoPE?". Now each refuses before any forward pass with the planner's message (why, and the post-RoPE
+    variant to use)."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.runner import evaluate
+    from kvbits.evaluate.speed import speed_eval
+
+    model = _model(make)
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    ids = torch.randint(1, 96, (80,))
+    why = r"quantizes keys before RoPE, but the model 'zamba2?' does not rotate its keys.*post-RoPE keys \(pre_rope=False\)"
+    runs = [
+        lambda: evaluate(model, ids, 32, ["int4-channel-prerope"], attn_layers=[]),
+        lambda: evaluate(model, ids, 32, ["int4-channel-prerope"], mode="stream", attn_layers=[]),
+        lambda: speed_eval(model, 16, ["int4-channel-prerope"], tokens=1, warmup=0, data=ids),
+        lambda: calibrate(model, ids, "kvquant-4", context=32, windows=2, fisher=False),
+    ]
+    for run in runs:
+        with pytest.raises(ValueError, match=why):
+            run()
+    assert forwards == []

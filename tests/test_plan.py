@@ -1260,10 +1260,18 @@ def _no_rope_config(name):
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=32, mamba_n_heads=2,
             layer_types=["attention", "attention"], position_embedding_type=None,
         ),
+        "zamba2-default": lambda: tf.Zamba2Config(  # use_mem_rope=False: its shared attention rotates no keys
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+        ),
+        "zamba": lambda: tf.ZambaConfig(
+            hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2, n_mamba_heads=2, mamba_dt_rank=8,
+        ),
     }[name]()  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom", "falcon-alibi", "granite-nope"])
+@pytest.mark.parametrize("name", ["gpt2", "opt", "bloom", "falcon-alibi", "granite-nope", "zamba2-default", "zamba"])
 def test_pre_rope_schemes_refused_on_models_without_rope_keys(name):
     """The cache refuses pre-RoPE schemes on a model that does not rotate its keys; the planner used to count
     their bytes all the same (GPT-2 with kvquant-4 at 100 tokens: 17,784 bytes) and, with fused_decode, add RoPE

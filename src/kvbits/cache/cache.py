@@ -51,7 +51,7 @@ from kvbits.plan.config import attention_heads, config_value, layer_configs, lay
 # keys); kvbits.analyze.verify refuses them for statistics and calibration, rotary_for for pre-RoPE cache schemes,
 # kvbits.plan for pre-RoPE plans
 from kvbits.plan.positions import KEYS_NORMED_AFTER_ROPE, default_mrope_section, mrope_section
-from kvbits.schemes.presets import get_scheme
+from kvbits.schemes.presets import get_scheme, post_rope_advice
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def rotary_for(scheme: KVScheme, config: Any, rotary: Any) -> tuple[Any, bool]:
     try:
         tables = RotaryTables.from_config(config)
     except ValueError as exc:
-        raise ValueError(f"scheme {scheme.name!r} needs a model with RoPE keys: {exc}") from exc
+        raise ValueError(f"scheme {scheme.name!r} needs a model with RoPE keys: {exc}; {post_rope_advice(scheme)}") from exc
     _refuse_mrope(scheme, model_type, _mrope_section(None, tables))  # a module whose mrope_section is its default
     return tables, True
 

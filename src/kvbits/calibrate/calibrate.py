@@ -377,11 +377,14 @@ def collect_samples(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     progress: Progress | None = None,
+    scheme: KVScheme | None = None,
 ) -> CalibrationSamples:
     """Run ``model`` over ``windows`` windows of ``data`` and sample every layer's pre-RoPE K/V.
 
     The first ``sinks`` tokens of each window are not sampled; ``max_tokens`` bounds the samples
-    per layer over all windows. Arguments as in ``calibrate``.
+    per layer over all windows. Arguments as in ``calibrate``; ``scheme``, when given, is refused before the
+    first forward pass when it quantizes keys before RoPE on a model that rotates none
+    (``kvbits.plan.planner.check_pre_rope_config``: Zamba2 without ``use_mem_rope``, Zamba, Falcon ``alibi=True``).
     """
     from kvbits.evaluate.request import _resolve_dtype, check_device
 
@@ -391,6 +394,10 @@ def collect_samples(
     torch_dtype, _ = _resolve_dtype(dtype)
     check_device(device, DEVICES)  # before the model loads
     module, tokenizer, fingerprint, name = _resolve_model(model, torch_dtype, device)
+    if scheme is not None:
+        from kvbits.plan.planner import check_pre_rope_config
+
+        check_pre_rope_config(scheme, module.config)
     ids, data_record = _windows(data, tokenizer, context, windows, module)
     check_context_fits(module.config, ids.shape[1])
     # an attention block several layers share (Zamba, Zamba2): K/V read at cache.update, else at k_proj / v_proj
@@ -790,7 +797,7 @@ def calibrate(
         fisher = False
     samples = collect_samples(
         model, data, sinks=min(sub.sinks for sub in subs), context=context, windows=windows, fisher=fisher,
-        max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress,
+        max_tokens=max_tokens, seed=seed, dtype=dtype, device=device, progress=progress, scheme=scheme,
     )
     art = fit_artifact(
         samples, scheme, percentile=percentile, kmeans_points=kmeans_points,

@@ -195,7 +195,8 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     layers differ, the layers) for a kvbits scheme of ``schemes`` that can not store some layer's head dim: each
     layer's as the cache reads it (``layer_heads``; Gemma 4's global layers are wider than layer 0), layers
     without K/V left out, and sliding layers whose window the scheme keeps in full precision (``layer_windows``,
-    ``sliding_falls_back``: the cache quantizes nothing there). Checked once the model's config is read, before
+    ``sliding_falls_back``: the cache quantizes nothing there), and for pre-RoPE keys on a model that rotates none
+    (``kvbits.plan.planner.check_pre_rope_config``). Checked once the model's config is read, before
     any forward pass, so that a run does not fail at that scheme after the others' work. A peer's cache is made once
     here (it holds nothing until its first update): a backend package that is not installed, or a model transformers'
     ``QuantizedCache`` refuses (sliding layers), is said before the reference's forward passes, not at the first
@@ -204,6 +205,7 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
     from kvbits.cache import attention_shape
     from kvbits.cache.cache import layer_windows
     from kvbits.plan.config import layer_heads
+    from kvbits.plan.planner import check_pre_rope_config
     from kvbits.schemes.accounting import check_scheme_layer_head_dims
 
     n_layers = attention_shape(config)[0]
@@ -216,6 +218,7 @@ def check_schemes_fit(schemes: list[KVScheme | PeerScheme], config: Any) -> None
             s.check_widths(widths)
         else:
             check_scheme_layer_head_dims(s, head_dims, windows)
+            check_pre_rope_config(s, config)  # pre-RoPE keys on a model that rotates none (Zamba2, Falcon alibi)
 
 
 def resolve_scheme(spec: str | dict | KVScheme | PeerScheme) -> KVScheme | PeerScheme:

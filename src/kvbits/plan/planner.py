@@ -82,6 +82,7 @@ from kvbits.plan.limits import fused_rope_table_bytes, max_concurrency, max_cont
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, average_bits, check_unique_names, get_scheme, layer_bytes, token_split
 from kvbits.schemes.accounting import sliding_falls_back
+from kvbits.schemes.presets import post_rope_advice
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +154,34 @@ def check_pre_rope(shape: ModelShape, scheme: KVScheme) -> None:
     that can not cache them so (``shape.pre_rope_problem``: it does not rotate its keys, GPT-2, BLOOM, Falcon with
     ``alibi=True``, ...): ``QuantizedKVCache`` and ``StaticQuantizedKVCache`` refuse such a scheme, so its bytes
     would describe a cache that can not be built (and ``fused_decode`` would add RoPE tables the model never has)."""
-    if shape.pre_rope_problem is None:
+    _refuse_pre_rope(scheme, shape.name, shape.pre_rope_problem)
+
+
+def check_pre_rope_config(scheme: KVScheme, config: Any) -> None:
+    """:func:`check_pre_rope` for a loaded model's config (``kvbits.plan.positions.pre_rope_problem`` of its text
+    config): what ``kvbits eval`` (both modes), ``speed``, ``needle`` and ``calibrate`` check before their first
+    forward pass, so that a pre-RoPE scheme on a model that rotates no keys (Falcon ``alibi=True``, Zamba2 without
+    ``use_mem_rope``, Zamba) is refused with the planner's message, not by the cache after the reference ran."""
+    from collections.abc import Mapping
+
+    from kvbits.plan.config import text_config
+    from kvbits.plan.positions import pre_rope_problem
+
+    text = text_config(config) if config is not None else None
+    if text is None or isinstance(text, Mapping):
+        return
+    _refuse_pre_rope(scheme, getattr(text, "model_type", None), pre_rope_problem(text))
+
+
+def _refuse_pre_rope(scheme: KVScheme, name: str | None, problem: str | None) -> None:
+    """``ValueError`` when ``scheme`` has pre-RoPE keys and ``problem`` (``pre_rope_problem``'s reason) is set."""
+    if problem is None:
         return
     if any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
-        model = f" {shape.name!r}" if shape.name else ""
+        model = f" {name!r}" if name else ""
         raise ValueError(
-            f"scheme {scheme.name!r} quantizes keys before RoPE, but the model{model} {shape.pre_rope_problem}; "
-            "the cache refuses it there: use a scheme with post-RoPE keys (pre_rope=False)"
+            f"scheme {scheme.name!r} quantizes keys before RoPE, but the model{model} {problem}; "
+            f"the cache refuses it there: {post_rope_advice(scheme)}"
         )
 
 

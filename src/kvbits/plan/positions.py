@@ -13,7 +13,7 @@ It refuses, for a transformers config:
   ``*RotaryEmbedding`` class (XGLM, BioGPT, CTRL, Jamba, ...): what ``RotaryTables`` refuses as "no
   ``*RotaryEmbedding`` class";
 - configs of a rotary family that say this model does not rotate (Falcon ``alibi=True``, GraniteMoeHybrid without
-  ``position_embedding_type="rope"``);
+  ``position_embedding_type="rope"``, Zamba2 without ``use_mem_rope=True``);
 - families that rotate interleaved pairs (``INTERLEAVED_SINUSOID``: GPT-J, CodeGen) and those that normalise
   their keys after RoPE (``KEYS_NORMED_AFTER_ROPE``: HunYuan), which the cache refuses as well.
 
@@ -86,12 +86,16 @@ _DEFAULT_MROPE = re.compile(
 def no_rope_reason(text: Any) -> str | None:
     """Why a config whose family has a rotary module says this model does not rotate its keys, or ``None``.
 
-    Falcon with ``alibi=True`` (Falcon-RW and the ALiBi variants) adds position biases instead, and
+    Falcon with ``alibi=True`` (Falcon-RW and the ALiBi variants) adds position biases instead,
     GraniteMoeHybrid with ``position_embedding_type`` other than ``"rope"`` (Granite 4.0-H's default ``None``:
-    NoPE) builds no rotary module at all; both modeling files still define one, so without this check the tables
-    would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does not exist)."""
+    NoPE) builds no rotary module at all, and Zamba2 applies RoPE in its shared attention block only with
+    ``use_mem_rope=True`` (its config's default is ``False``); their modeling files still define one, so without
+    this check the tables would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does
+    not exist)."""
     if getattr(text, "alibi", False) is True:
         return "it adds ALiBi position biases instead of rotating its keys (alibi=True)"
+    if getattr(text, "use_mem_rope", True) is False:
+        return "its shared attention block rotates no keys (use_mem_rope=False, Zamba2's default)"
     kind = getattr(text, "position_embedding_type", "rope")
     if kind not in _ROPE_EMBEDDING_TYPES:
         return f"it does not rotate its keys (position_embedding_type={kind!r}, not 'rope')"

@@ -179,8 +179,8 @@ def _rotary_class(module: Any, model_type: str) -> type:
     ]
     if not found:
         raise ValueError(
-            f"model_type {model_type!r} has no *RotaryEmbedding class in {module.__name__}; "
-            "does this model use RoPE?"
+            f"model_type {model_type!r} has no RoPE keys: its modeling file {module.__name__} defines no "
+            "*RotaryEmbedding class (the model does not rotate its keys)"
         )
     text = [c for c in found if "Text" in c.__name__]
     pool = text or found

@@ -239,6 +239,17 @@ def list_schemes() -> list[KVScheme]:
     return list(_REGISTRY.values())
 
 
+def post_rope_advice(scheme: KVScheme) -> str:
+    """What to use instead of ``scheme``'s pre-RoPE keys on a model that can not cache them so: a scheme with
+    post-RoPE keys, naming the preset that is ``scheme`` with them when there is one (``int4-channel`` for
+    ``int4-channel-prerope``, ``int4-token-smooth`` for ``int4-token-smooth-prerope``)."""
+    advice = "use a scheme with post-RoPE keys (pre_rope=False)"
+    post = scheme.name.removesuffix("-prerope")
+    if post != scheme.name and post in _REGISTRY:
+        advice += f", e.g. {post!r} instead of {scheme.name!r}"
+    return advice
+
+
 def mixed_scheme(base: str | KVScheme | dict, layers: dict[int, str | KVScheme | dict], name: str | None = None) -> KVScheme:
     """``base`` with some layers stored by other schemes (per-layer mixed precision), e.g.
     ``mixed_scheme("int4-token", {0: "int8-token", 23: "fp16"})``; named ``name`` or by the compact form
