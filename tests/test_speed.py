@@ -740,10 +740,12 @@ def test_cli_static_and_graphs(tmp_path, capsys):
         assert match in capsys.readouterr().err
 
 
-def test_a_hybrid_model_runs_and_static_is_refused_by_name():
+def test_a_hybrid_model_runs_static_too_and_graphs_are_refused_by_name():
     """A hybrid model (LFM2: convolution layers 0 and 2): the run failed inside transformers (IndexError in
     ``get_conv_state``), then was refused; ``QuantizedKVCache`` now holds it, so it runs (the K/V bytes are the plan's,
-    the conv states reported apart); ``static=True`` is refused by ``StaticQuantizedKVCache``'s reason."""
+    the conv states reported apart). ``static=True`` was refused ('full-attention layers only'): now
+    ``StaticQuantizedKVCache`` holds the states beside its slabs, and the static run decodes ``StaticCache``'s tokens
+    with the plan's bytes; ``graphs=True`` is refused before any run, naming the state layers."""
     from transformers import AutoModelForCausalLM, Lfm2Config
 
     torch.manual_seed(0)
@@ -753,8 +755,14 @@ def test_a_hybrid_model_runs_and_static_is_refused_by_name():
     s = speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)))
     assert all(r["cache_bytes"] == r["planned_bytes"] and r["linear_state_bytes"] > 0 for r in s["runs"])
     _linear_states_are_reported(s)
-    with pytest.raises(ValueError, match=r"static=True: 'int4-token': .*full-attention layers only.*conv"):
-        speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)), static=True)
+    s = speed_eval(hybrid, 32, ["fp16", "int4-token"], tokens=2, warmup=0, data=torch.randint(0, 256, (200,)),
+                   static=True)  # fmt: skip
+    assert [r["cache"] for r in s["runs"]] == ["DynamicCache", "StaticCache", "fp16", "int4-token"]
+    assert all(r["linear_state_bytes"] == s["runs"][0]["linear_state_bytes"] > 0 for r in s["runs"])
+    assert all(r["cache_bytes"] == r["planned_bytes"] for r in s["runs"][2:]) and s["runs"][2]["agreement"] == 1.0
+    with pytest.raises(ValueError, match=r"graphs=True: layers \[0, 2\] of StaticCache keep convolution"):
+        speed_eval(hybrid, 32, ["int4-token"], tokens=2, warmup=3, data=torch.randint(0, 256, (200,)), static=True,
+                   graphs=True)  # fmt: skip
 
 
 def test_a_hybrid_models_fused_runs_are_not_listed_as_not_all_fused():

@@ -93,7 +93,8 @@ def test_speed_static_refuses_a_model_the_static_cache_cannot_hold_before_any_ru
     runs, run_one = [], speed._run_one
     monkeypatch.setattr(speed, "_run_one", lambda *a, **k: runs.append(speed._cache_name(a[1])) or run_one(*a, **k))
     with pytest.raises(ValueError, match=r"static=True: 'int8-token': StaticQuantizedKVCache holds full-attention "
-                                         r"layers only; the config has 'sliding_attention' layers \[0\]\. "
+                                         r"layers only, beside the states of conv, linear_attention and hybrid "
+                                         r"layers; the config has 'sliding_attention' layers \[0\]\. "
                                          r"QuantizedKVCache\(config=\.\.\.\) holds this model"):  # fmt: skip
         speed.speed_eval(model, 32, ["int8-token"], static=True, tokens=2, warmup=1, data=ids, progress=False)
     assert runs == []

@@ -82,6 +82,12 @@ key side then no RoPE tables, as the plan counts none: no slot it attends is qua
 scale is also held in the kernels' layout, once per sequence (FP8: float32 per head; KVQuant's key ranges: float16 scale
 and zero-point rows per head and channel). ``memory_report()`` counts what is held.
 
+Hybrid models (``config=``): a ``conv`` / ``linear_attention`` layer (LFM2, Qwen3-Next) is transformers'
+``LinearAttentionLayer``, a ``hybrid`` one (Zamba, Zamba2, Falcon-H1) fixed slabs plus such a state
+(``kvbits.cache.static_state``), as transformers' ``StaticCache`` holds them: the states unquantized, reported apart
+(``memory_report()``'s ``linear_state_bytes``); the cache-wide methods walk the K/V layers (``kv_layers``).
+``hybrid_sliding`` layers are refused (``layer_types_refusal``).
+
 What the host still tracks: ``tokens_written`` counts the tokens of eager ``update`` calls, to refuse a sequence
 longer than ``max_cache_len`` with a clear error, and a windowed layer's flushed tokens. Replayed steps do not run
 ``update``: ``GraphedDecode`` counts them (``count_replayed_step``, which refuses a step past ``max_cache_len``);
@@ -169,24 +175,36 @@ def _offload_refusal(what: str, float_layer: bool = False) -> str:
     return offload_refusal(what, "StaticQuantizedKVCache", "StaticCache", storage)
 
 
+def static_layer_types() -> tuple[str, ...]:
+    """The config layer types ``StaticQuantizedKVCache`` holds: ``full_attention``, and, on a transformers with
+    ``LinearAttentionLayer`` (5.17 and later), ``conv`` / ``linear_attention`` states and ``hybrid`` layers
+    (``kvbits.cache.static_state``), as transformers' ``StaticCache`` holds them."""
+    from kvbits.cache.cache import _STATE_TYPES
+    from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
+
+    return ("full_attention", *((*_STATE_TYPES, *HYBRID_TYPES) if hybrid_layer_class() is not None else ()))
+
+
 def layer_types_refusal(types: list[str]) -> str:
-    """Why ``StaticQuantizedKVCache`` refuses a config whose layer ``types`` (one per layer) are not all
-    ``full_attention``, naming the refused layers by type and what holds them: ``QuantizedKVCache(config=...)`` when it
-    holds every one (sliding / chunked windows, ``hybrid`` attention plus a state, conv / linear_attention states,
-    KV-sharing ``dummy`` layers), else no kvbits cache; transformers' ``StaticCache`` (unquantized) when it has a layer
-    for each. The refusal named ``QuantizedKVCache`` for a ``hybrid_sliding`` layer too, which it refuses."""
+    """Why ``StaticQuantizedKVCache`` refuses a config whose layer ``types`` (one per layer) are not all of
+    ``static_layer_types()``, naming the refused layers by type and what holds them: ``QuantizedKVCache(config=...)``
+    when it holds every one (sliding / chunked windows, KV-sharing ``dummy`` layers), else no kvbits cache;
+    transformers' ``StaticCache`` (unquantized) when it has a layer for each. The refusal named ``QuantizedKVCache``
+    for a ``hybrid_sliding`` layer too, which it refuses."""
     from kvbits.cache.cache import _SLIDING_TYPES, _STATE_TYPES
     from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
 
+    static_held = static_layer_types()
     by_type: dict[str, list[int]] = {}
     for i, t in enumerate(types):
-        if t != "full_attention":
+        if t not in static_held:
             by_type.setdefault(t, []).append(i)
     held = {*_SLIDING_TYPES, *_STATE_TYPES, *(HYBRID_TYPES if hybrid_layer_class() is not None else ()),
             *(("dummy",) if hasattr(cache_utils, "DummyLayer") else ())}  # what QuantizedKVCache._make_layer builds
     static_types = getattr(cache_utils, "STATIC_LAYER_TYPE_MAPPING", {})
     listed = ", ".join(f"{t!r} layers {idx}" for t, idx in by_type.items())
-    msg = f"StaticQuantizedKVCache holds full-attention layers only; the config has {listed}. "
+    beside = ", beside the states of conv, linear_attention and hybrid layers" if len(static_held) > 1 else ""
+    msg = f"StaticQuantizedKVCache holds full-attention layers only{beside}; the config has {listed}. "
     unheld = [t for t in by_type if t not in held]
     if unheld:
         msg += (f"No kvbits cache holds {unheld} layers (QuantizedKVCache refuses them too); serve this model "
@@ -1054,7 +1072,9 @@ class StaticQuantizedKVCache(Cache):
     """A transformers ``Cache`` of fixed quantized slabs that a CUDA graph can replay (see the module docstring).
 
     Args:
-        config: the model's config: its layers (full attention only) and their count.
+        config: the model's config: its layers and their count (full attention; a hybrid model's ``conv`` /
+            ``linear_attention`` states in transformers' ``LinearAttentionLayer`` and its ``hybrid`` layers as
+            ``kvbits.cache.static_state.StaticQuantizedHybridLayer``, the states unquantized).
         scheme: a per-token or windowed (KIVI-style) scheme (``static_reason``): preset name, dict, path or
             ``KVScheme``; mixed schemes may keep whole layers in float (``"int4-token,0=fp16"``).
         max_cache_len: slots per sequence (prompt + generated tokens), reserved at each layer's first ``update``.
@@ -1074,7 +1094,15 @@ class StaticQuantizedKVCache(Cache):
         num_layers: int | None = None, fused_decode: bool | str = "auto", checks: str = "auto", calibration: Any = None,
         rotary: Any = None,
     ) -> None:  # fmt: skip
-        from kvbits.cache.cache import _head_repeat, _layer_types, attention_shape, rotary_for
+        from kvbits.cache.cache import (
+            _STATE_TYPES,
+            _head_repeat,
+            _layer_types,
+            _state_layer,
+            attention_shape,
+            rotary_for,
+        )
+        from kvbits.cache.hybrid import HYBRID_TYPES
         from kvbits.cache.layer import check_max_cache_len
         from kvbits.plan.config import layer_heads, text_config
 
@@ -1086,14 +1114,16 @@ class StaticQuantizedKVCache(Cache):
         self.fused_decode = fused.check_mode(fused_decode)
         # per layer, as the planner counts the heads (a DeciLM block's own; none checked for a block without KV)
         heads: list[dict[str, Any]] = []
+        types: list[str] = []  # per layer, with config=: full_attention, or a state layer's type (static_layer_types)
+        type_kwargs: list[dict] = []
         if config is not None:
             n_layers = attention_shape(config)[0]
             for i in range(n_layers):
                 q, kv, d = layer_heads(config, i)
                 heads.append({"num_key_value_heads": kv, "head_dim": d,
                               "head_repeat": _head_repeat(text_config(config), q, kv)} if kv else {})  # fmt: skip
-            types, _ = _layer_types(text_config(config), n_layers)
-            if any(t != "full_attention" for t in types):
+            types, type_kwargs = _layer_types(text_config(config), n_layers)
+            if any(t not in static_layer_types() for t in types):
                 raise NotImplementedError(layer_types_refusal(types))
             if num_layers is not None and num_layers != n_layers:
                 raise ValueError(f"num_layers={num_layers} but the config describes {n_layers} layers")
@@ -1101,7 +1131,9 @@ class StaticQuantizedKVCache(Cache):
         if num_layers is None or isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"give config= or a positive num_layers, got num_layers={num_layers!r}")
         self.scheme.check_layer_count(num_layers, "the cache's")
-        for i in range(num_layers):  # refuse an unsupported scheme before the RoPE tables are asked for
+        types = types or ["full_attention"] * num_layers
+        type_kwargs = type_kwargs or [{} for _ in types]
+        for i in (i for i, t in enumerate(types) if t not in _STATE_TYPES):  # before the RoPE tables are asked for
             if (why := static_reason(self.scheme.for_layer(i))) is not None:
                 raise ValueError(f"layer {i}: scheme {self.scheme.name!r} cannot be stored in fixed slabs: {why}; "
                                  "QuantizedKVCache (with max_cache_len=) serves it")  # fmt: skip
@@ -1109,11 +1141,22 @@ class StaticQuantizedKVCache(Cache):
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         self._told_padded_sinks = False  # the padded-sinks warning (kvbits.cache.layer.padded_sink_rows), once
-        layers = [StaticQuantizedLayer(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
-                                       checks=checks, **(heads[i] if heads else {}), rope_tables=self._rope_tables,
-                                       rotary=None if self._rotary is None else self._rotary.tables_for_layer(i))
-                  for i in range(num_layers)]  # fmt: skip
+        layers = []
+        for i, (t, kw) in enumerate(zip(types, type_kwargs)):
+            if t in _STATE_TYPES:  # no attention: transformers' LinearAttentionLayer, as its StaticCache holds it
+                layers.append(_state_layer(i, t, kw))
+                continue
+            cls, extra = StaticQuantizedLayer, {}
+            if t in HYBRID_TYPES:  # attention plus a Mamba state (kvbits.cache.static_state)
+                from kvbits.cache.static_state import StaticQuantizedHybridLayer
+
+                cls, extra = StaticQuantizedHybridLayer, {"number_of_states": kw.get("number_of_states", 1)}
+            layers.append(cls(self.scheme.for_layer(i), max_cache_len, i, fused_decode=self.fused_decode,
+                              checks=checks, **(heads[i] if heads else {}), rope_tables=self._rope_tables,
+                              rotary=None if self._rotary is None else self._rotary.tables_for_layer(i), **extra))  # fmt: skip
         super().__init__(layers=layers)
+        # the layers holding K/V (StaticQuantizedLayer, hybrid ones too): what every cache-wide K/V method walks
+        self.kv_layers: list[StaticQuantizedLayer] = [x for x in layers if isinstance(x, StaticQuantizedLayer)]
         self._fresh: list[bool] = []  # per layer, whether the current request allocated its slabs (_undo_request)
         self.calibration: Any = None  # the installed artifact (install_calibration)
         if calibration is not None:
@@ -1130,7 +1173,7 @@ class StaticQuantizedKVCache(Cache):
         """Warn, once per cache, when a request's first update ``key_states`` ``(B, H_kv, q, D)`` brings left-padded
         rows to a scheme that keeps sinks: their sink slots hold pads (``padded_sink_rows``; one host read at the
         request's first layer, none after the warning)."""
-        sinks = max((layer.scheme.sinks for layer in self.layers if not layer.scheme.is_identity), default=0)
+        sinks = max((layer.scheme.sinks for layer in self.kv_layers if not layer.scheme.is_identity), default=0)
         if self._told_padded_sinks or not sinks or key_states.shape[0] < 2:
             return
         rows = padded_sink_rows(args, kwargs, key_states, sinks, self.position_ids_hint)
@@ -1142,7 +1185,7 @@ class StaticQuantizedKVCache(Cache):
     def batch_size(self) -> int:
         """Sequences the slabs hold, ``-1`` before the first update (transformers' ``Cache.batch_size``, as
         ``StaticCache``'s; it gave -1 after updates too)."""
-        return cache_batch_size(self.layers)
+        return cache_batch_size(self.kv_layers)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -1159,6 +1202,11 @@ class StaticQuantizedKVCache(Cache):
                 f"layer_idx must be an int in [0, {len(self.layers)}): this cache has {len(self.layers)} layers "
                 f"(made from a config of fewer layers than the model?), got {layer_idx!r}"
             )
+        if not isinstance(self.layers[layer_idx], StaticQuantizedLayer):  # a layer_idx of the wrong layer
+            raise ValueError(  # noqa: TRY004 - a bad index, as the range check above
+                f"layer {layer_idx} keeps a convolution / linear-attention state and no K/V (its config type is not "
+                f"an attention one): update() takes the K/V of attention layers {[x.layer_idx for x in self.kv_layers]}"
+            )
         if self._rotary is not None and not torch.compiler.is_compiling():
             layer = self.layers[layer_idx]
             if layer.rotary is not None and layer.tokens_written == 0:
@@ -1170,8 +1218,8 @@ class StaticQuantizedKVCache(Cache):
         if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # a request's first update of this layer: if it fails, the request's other layers are undone too
-        if not any(other.tokens_written for other in self.layers):  # the request's first layer
-            self._fresh = [not other.is_initialized for other in self.layers]
+        if not any(other.tokens_written for other in self.kv_layers):  # the request's first layer
+            self._fresh = [not other.is_initialized for other in self.kv_layers]
             self._look_for_padded_sinks(key_states, args, kwargs)
         try:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -1184,8 +1232,9 @@ class StaticQuantizedKVCache(Cache):
         never offloads, so transformers' prefetch (which needs the ``offloading=True`` stream) has nothing to bring
         back; it raised ``AttributeError`` (no ``prefetch_stream``) here."""
         known = isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)
-        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})",
-                                                   known and self.layers[layer_idx].scheme.is_identity))  # fmt: skip
+        layer = self.layers[layer_idx] if known else None
+        raise NotImplementedError(_offload_refusal(f"prefetch({layer_idx})", isinstance(layer, StaticQuantizedLayer)
+                                                   and layer.scheme.is_identity))  # fmt: skip
 
     def _no_state(self, call: str, layer_idx: int) -> NotImplementedError:
         """The model asked layer ``layer_idx`` for a convolution / recurrent state (a hybrid model: LFM2, Qwen3-Next,
@@ -1194,58 +1243,82 @@ class StaticQuantizedKVCache(Cache):
         StaticQuantizedLayer`` deep in the model's forward, naming no cache that holds the model."""
         return NotImplementedError(
             f"{call}(layer {layer_idx}): the model keeps a convolution / recurrent state in this layer (a hybrid "
-            "model), which StaticQuantizedKVCache does not hold (full-attention K/V only; it refuses such a config "
-            "when given config=); QuantizedKVCache(config=model.config) quantizes its attention K/V and keeps the "
-            "states, transformers' StaticCache(config=model.config) holds it unquantized"
+            "model), which this StaticQuantizedKVCache does not hold: made without config=, its layers hold "
+            "full-attention K/V only; StaticQuantizedKVCache(config=model.config, ...) or "
+            "QuantizedKVCache(config=model.config) holds the states beside the quantized K/V, transformers' "
+            "StaticCache(config=model.config) holds the model unquantized"
         )
 
-    # transformers' linear-attention calls: refused with what holds the model (``_no_state``)
+    def _state_holder(self, call: str, layer_idx: int) -> None:
+        """``_no_state`` unless layer ``layer_idx`` holds a state (a ``LinearAttentionLayer`` or a hybrid layer)."""
+        from kvbits.cache.cache import _holds_state
+
+        if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers) and not _holds_state(self.layers[layer_idx]):
+            raise self._no_state(call, layer_idx)
+
+    # transformers' linear-attention calls: the state layers' (transformers' Cache), else refused (``_no_state``)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        raise self._no_state("get_conv_state", layer_idx)
+        self._state_holder("get_conv_state", layer_idx)
+        return super().get_conv_state(layer_idx, state_idx)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
-        raise self._no_state("update_conv_state", layer_idx)
+        self._state_holder("update_conv_state", layer_idx)
+        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        raise self._no_state("get_recurrent_state", layer_idx)
+        self._state_holder("get_recurrent_state", layer_idx)
+        return super().get_recurrent_state(layer_idx, state_idx)
 
     def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
-        raise self._no_state("update_recurrent_state", layer_idx)
+        self._state_holder("update_recurrent_state", layer_idx)
+        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     def _undo_request(self) -> None:
         """A request's first update of a layer failed: the layers it wrote go back to before the request (those it
-        allocated are released, so a retry may bring another batch, dtype or device; the others reset in place)."""
-        for was_fresh, layer in zip(self._fresh or [False] * len(self.layers), self.layers):
+        allocated are released, so a retry may bring another batch, dtype or device; the others reset in place). A
+        hybrid model's states, written by the request's layers before the failing one, are undone too
+        (``static_state.reset_states``: remade on the cache's first request, else reset)."""
+        from kvbits.cache.cache import _is_state_layer
+        from kvbits.cache.static_state import StaticQuantizedHybridLayer, reset_states
+
+        fresh = self._fresh or [False] * len(self.kv_layers)
+        for was_fresh, layer in zip(fresh, self.kv_layers):
             if was_fresh and layer.is_initialized:
                 layer.release()
             elif layer.tokens_written:
-                layer.reset()
+                StaticQuantizedLayer.reset(layer)
+        first = all(fresh)  # the cache's first request: no slab was made before it
+        for i, layer in enumerate(self.layers):
+            if _is_state_layer(layer):
+                self.layers[i] = reset_states(layer, first)
+            elif isinstance(layer, StaticQuantizedHybridLayer):
+                layer.linear = reset_states(layer.linear, first)
 
     def _rotary_on(self, device: torch.device) -> None:
         """Tables built from the config are remade on the K/V device before any layer allocates its own."""
-        if not self._rotary_owned or self._rotary.device == device or any(layer.rope is not None for layer in self.layers):
+        if not self._rotary_owned or self._rotary.device == device or any(layer.rope is not None for layer in self.kv_layers):
             return
         from kvbits.quant.rope import RotaryTables
 
         self._rotary = RotaryTables.from_config(self._config, device=device)
-        for layer in self.layers:
+        for layer in self.kv_layers:
             if layer.rotary is not None:
                 layer.rotary = self._rotary.tables_for_layer(layer.layer_idx)
 
     def step_variant(self) -> tuple[int, ...]:
         """The layers whose next one-token decode step is not their plain one (a flush, a sink), by the host's counts:
         ``()`` at most steps. ``GraphedDecode`` captures one step per variant and replays the one called for."""
-        return tuple(layer.layer_idx for layer in self.layers if layer.next_step_differs())
+        return tuple(layer.layer_idx for layer in self.kv_layers if layer.next_step_differs())
 
     def count_replayed_step(self) -> None:
         """Count on every layer's host a decode step replayed from a captured graph (``GraphedDecode``);
         ``ValueError`` if it would pass ``max_cache_len`` (nothing counted)."""
-        for layer in self.layers:  # every layer holds as many tokens: the first refuses before any counts
+        for layer in self.kv_layers:  # every layer holds as many tokens: the first refuses before any counts
             layer.count_replayed_step()
 
     def check_inputs(self) -> None:
         """Read every layer's lazy K/V checks (a host sync); ``ValueError`` for NaN, inf or ``|x|`` past a bound."""
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.read_checks()
 
     def memory_report(self) -> dict[str, Any]:
@@ -1254,16 +1327,23 @@ class StaticQuantizedKVCache(Cache):
         ``state_bytes``: the counters, lengths, window positions, check maxima, clip counts and pre-RoPE position
         offsets (and, between a chunked prefill's chunks, a bool per sequence: ``StaticRope.pad_rows``), reported apart
         (not K/V); ``rope_table_bytes``: pre-RoPE keys' float32 RoPE tables, shared by the
-        layers, apart too (``kvbits.plan(..., fused_decode=True)`` counts them)."""
+        layers, apart too (``kvbits.plan(..., fused_decode=True)`` counts them). A hybrid model's convolution /
+        linear-attention / Mamba states (its ``conv``, ``linear_attention`` and ``hybrid`` layers: ``linear_layers``)
+        are no K/V either: ``linear_state_bytes`` counts them apart, unquantized, in the model's dtype, as
+        ``QuantizedKVCache.memory_report`` does (``kvbits.cache.cache.linear_state_bytes``)."""
+        from kvbits.cache.cache import _holds_state, linear_state_bytes
+
         self.check_inputs()
-        parts = {k: sum(layer.nbytes()[k] for layer in self.layers) for k in ("quantized", "full", "fixed")}
-        state = sum(t.nbytes for layer in self.layers if layer.is_initialized
+        parts = {k: sum(layer.nbytes()[k] for layer in self.kv_layers) for k in ("quantized", "full", "fixed")}
+        state = sum(t.nbytes for layer in self.kv_layers if layer.is_initialized
                     for t in layer.state_tensors())  # fmt: skip
-        state += sum(layer.rope.pad_rows.nbytes for layer in self.layers  # between a chunked prefill's chunks
+        state += sum(layer.rope.pad_rows.nbytes for layer in self.kv_layers  # between a chunked prefill's chunks
                      if layer.rope is not None and layer.rope.pad_rows is not None)  # fmt: skip
         return {"scheme": self.scheme.name, "total_bytes": sum(parts.values()), "quantized_bytes": parts["quantized"],
                 "full_bytes": parts["full"], "fixed_bytes": parts["fixed"], "state_bytes": state,
-                "rope_table_bytes": self._rope_tables.nbytes, "max_cache_len": self._max_len}  # fmt: skip
+                "rope_table_bytes": self._rope_tables.nbytes, "max_cache_len": self._max_len,
+                "linear_state_bytes": linear_state_bytes(self),
+                "linear_layers": [i for i, layer in enumerate(self.layers) if _holds_state(layer)]}  # fmt: skip
 
     def fused_report(self) -> dict[str, Any]:
         """Fused decode per layer, as ``QuantizedKVCache.fused_report``: claimed, the decode steps attended over the
@@ -1276,7 +1356,7 @@ class StaticQuantizedKVCache(Cache):
         rows = [
             {"layer": layer.layer_idx, "claimed": layer.fused.claimed, "steps": layer.fused.steps,
              "fallbacks": layer.fused.fallbacks, "declined": layer.fused.declined}
-            for layer in self.layers
+            for layer in self.kv_layers
         ]  # fmt: skip
         return {"mode": self.fused_decode, "fused_steps": sum(r["steps"] for r in rows),
                 "fallback_steps": sum(r["fallbacks"] for r in rows), "rope_table_bytes": self._rope_tables.nbytes,
@@ -1288,7 +1368,7 @@ class StaticQuantizedKVCache(Cache):
         calibrated range), and under vLLM's integer zero-points (``integer_zero``) where a token's range excludes 0
         (``kvbits.quant.affine.integer_zero_qparams``). Other dynamic scales cover their data and never clip."""
         return [{"layer": layer.layer_idx, "clipped_keys": int(layer.clipped[0]), "clipped_values": int(layer.clipped[1])}
-                for layer in self.layers if layer.is_initialized]  # fmt: skip
+                for layer in self.kv_layers if layer.is_initialized]  # fmt: skip
 
     @property
     def max_calibrated_length(self) -> int | None:
@@ -1307,7 +1387,7 @@ class StaticQuantizedKVCache(Cache):
         self.check_inputs()
         longest = self.max_calibrated_length
         rows = []
-        for layer in self.layers:
+        for layer in self.kv_layers:
             seen = int(layer.length) if layer.is_initialized else 0
             per_token = 0 if layer._shape is None else layer._shape[0] * layer._shape[1] * layer._shape[2]
             tokens = layer.quantized_tokens()
@@ -1331,6 +1411,9 @@ class StaticQuantizedKVCache(Cache):
         """Install calibrated parameters of one layer's side (``StaticQuantizedLayer.set_static_qparams``)."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx must be an int in [0, {len(self.layers)}), got {layer_idx!r}")
+        if not isinstance(self.layers[layer_idx], StaticQuantizedLayer):
+            raise ValueError(f"layer {layer_idx} keeps a convolution / linear-attention state and no K/V: static "  # noqa: TRY004
+                             f"parameters go to attention layers {[x.layer_idx for x in self.kv_layers]}")  # fmt: skip
         self.layers[layer_idx].set_static_qparams(side, scale, zero, codebook=codebook, mean=mean, factor=factor)
 
     def install_calibration(self, artifact: Any) -> None:
@@ -1350,5 +1433,38 @@ class StaticQuantizedKVCache(Cache):
                 "the host, so this is said here, once per artifact; recalibrate with `kvbits calibrate --context` "
                 "covering the longest context served.", self.scheme.name, self._max_len, int(longest),
             )  # fmt: skip
-        for layer in self.layers:
+        for layer in self.kv_layers:
             install_artifact(layer, artifact, check_heads=self._config is None)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search (``StaticQuantizedLayer.reorder_cache``): the K/V layers first, whose checks of ``beam_idx``
+        refuse before anything moves, then a hybrid model's convolution / linear-attention states, in place
+        (``static_state.reorder_states``; transformers' ``LinearAttentionLayer`` reassigns them)."""
+        from kvbits.cache.cache import _is_state_layer
+        from kvbits.cache.static_state import reorder_states
+
+        for layer in self.kv_layers:
+            layer.reorder_cache(beam_idx)
+        if any(layer.is_initialized for layer in self.kv_layers):
+            for layer in self.layers:
+                if _is_state_layer(layer):
+                    reorder_states(layer, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused (``StaticQuantizedLayer.crop``'s ``NotImplementedError``) before any layer changes: transformers'
+        ``Cache.crop`` reached a hybrid model's convolution layer first (``RuntimeError`` from
+        ``LinearAttentionLayer.crop``)."""
+        if self.kv_layers:
+            self.kv_layers[0].crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``StaticQuantizedLayer.batch_repeat_interleave`` on the K/V layers (refused once the slabs exist);
+        transformers' ``LinearAttentionLayer`` has none (``AttributeError``), so the state layers are skipped."""
+        for layer in self.kv_layers:
+            layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """As ``batch_repeat_interleave``: the K/V layers' (refused once the slabs exist)."""
+        for layer in self.kv_layers:
+            layer.batch_select_indices(indices)

@@ -31,8 +31,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers import cache_utils
 
-__all__ = ["CAPTURES", "GraphedDecode", "capture_cuda_graph", "graph_reason"]
+__all__ = ["CAPTURES", "GraphedDecode", "capture_cuda_graph", "graph_reason", "state_reason"]
 
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
 
@@ -57,6 +58,21 @@ def graph_reason(device: torch.device) -> str | None:
     if device.type not in CAPTURES:
         return f"CUDA graphs need a CUDA device; the model is on {device.type}"
     return None
+
+
+def state_reason(cache: Any) -> str | None:
+    """Why a decode step of ``cache`` is not captured (``None``: nothing here refuses it): a hybrid model's
+    convolution / linear-attention / Mamba states (its ``LinearAttentionLayer`` and hybrid layers, held by
+    ``StaticQuantizedKVCache`` and ``StaticCache``). Their in-place updates keep their addresses, but a captured replay
+    of them (and of the model's state kernels, or their PyTorch fallbacks) has not been checked against eager decoding
+    on a GPU, so it is refused rather than served unverified."""
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    held = [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if mixin is not None and isinstance(layer, mixin)]
+    if not held:
+        return None
+    return (f"layers {held} of {type(cache).__name__} keep convolution / linear-attention / Mamba states (a hybrid "
+            "model): replaying their updates from a captured CUDA graph is not verified; decode them eagerly "
+            "(graphs=False, kvbits speed --static without --graphs)")  # fmt: skip
 
 
 class GraphedDecode:
@@ -183,7 +199,10 @@ class GraphedDecode:
         attention_mask: torch.Tensor | None, kwargs: dict[str, Any], variant: Any, cache: Any,
     ) -> Any:  # fmt: skip
         """The first capture: the step's input tensors (the token, its position, position ids, the padding mask) are
-        made here, and every captured variant reads them."""
+        made here, and every captured variant reads them. ``ValueError`` for a cache holding a hybrid model's states
+        (``state_reason``), before anything is captured."""
+        if (why := state_reason(cache)) is not None:
+            raise ValueError(f"GraphedDecode: {why}")
         self.token, self.position = tok.clone(), cache_position.clone()
         self.position_ids = None if position_ids is None else position_ids.clone()
         if attention_mask is not None:  # the cache's full length: the captured step's mask never changes shape

@@ -561,9 +561,12 @@ def speed_eval(
                 f"{name!r} ({why})" for name, why in refused.items()) + "; QuantizedKVCache serves them (static=False)")
         check_static_model(model, resolved, contexts[0] + warmup + tokens)
     if graphs:
-        from kvbits.evaluate.graphs import graph_reason
+        from transformers import StaticCache
 
-        why = graph_reason(dev)
+        from kvbits.evaluate.graphs import graph_reason, state_reason
+
+        # a hybrid model's states (the baseline StaticCache's layers: made lazily, nothing reserved), then the device
+        why = state_reason(StaticCache(config=model.config, max_cache_len=contexts[0] + warmup + tokens)) or graph_reason(dev)
         if why is not None:
             raise ValueError(f"graphs=True: {why}")
     can_fuse = fuses(model, fused_mode, dev)

@@ -35,7 +35,9 @@ float history too). CPU figures time the torch paths, not the GPU kernel.
 --static: kvbits schemes decode through StaticQuantizedKVCache (fixed slabs, lengths on the device), and
 transformers' StaticCache is timed as a second baseline; --graphs (with --static, on CUDA): the static caches'
 decode steps are replayed from a captured CUDA graph after 2 eager steps and the captured one (warm-up); a windowed
-scheme's flushing step is a graph of its own, run eagerly at its first flush and captured at its second.
+scheme's flushing step is a graph of its own, run eagerly at its first flush and captured at its second. A hybrid
+model's conv / linear-attention / Mamba states are held unquantized beside the static K/V (--static), but --graphs
+refuses them (their captured replay is not verified).
 --json prints the summary: {"version", "model", "data", "device", "dtype", "contexts", "batches",
 "tokens", "warmup", "fused_decode", "workspace", "reserve", "static", "graphs", "baselines", "sdpa",
 "kernel_settings", "tuned_launches", "layers", "schemes",
@@ -108,7 +110,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--graphs", action="store_true",
-        help="with --static, on CUDA: replay each static cache's decode step from one captured CUDA graph",
+        help="with --static, on CUDA: replay each static cache's decode step from one captured CUDA graph (not for "
+        "hybrid models with conv / linear-attention / Mamba states)",
     )  # fmt: skip
     p.add_argument(
         "--sdpa", choices=SDPA_MODES, default=SDPA_MODES[0],
