@@ -58,7 +58,7 @@ def _ids(windows: int) -> torch.Tensor:
 
 
 # rank != 0 must leave the output folder alone: these are the runner's only ways into it
-_FOLDER_CALLS = ("_check_out_dir", "_prepare_out_dir", "_atomic_write", "_write_outputs", "_write_report")
+_FOLDER_CALLS = ("_check_out_dir", "_prepare_out_dir", "write_text_atomic", "_write_outputs", "_write_report")
 
 
 def _worker(rank: int, world: int, init_file: str, work: str) -> None:

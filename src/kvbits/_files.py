@@ -1,8 +1,17 @@
-"""File helpers shared by the stages that write files others read (calibration artifacts, metrics)."""
+"""File helpers shared by the stages that write files others read (calibration artifacts, metrics, reports).
+
+Every file kvbits writes goes through :func:`atomic_path` (or its :func:`write_text_atomic` /
+:func:`write_bytes_atomic`): a temporary file in the target's folder with a name unique to the process and call
+(``tempfile.mkstemp``: two processes writing one folder do not collide), given the permissions of a normally created
+file, then renamed over the target (a reader never sees half a file); on any failure it is removed."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 def chmod_default(path: str | os.PathLike[str]) -> None:
@@ -11,3 +20,34 @@ def chmod_default(path: str | os.PathLike[str]) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
+    """A temporary path ``<folder>/<name>.<unique><suffix>`` beside ``path`` to write to; when the block ends
+    without an exception it gets ``0666 & ~umask`` and replaces ``path`` (``os.replace``). The temporary file is
+    removed whatever happens (an exception in the block, a failed chmod or rename). ``path``'s folder must exist."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        chmod_default(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` in UTF-8 (whatever the locale) through :func:`atomic_path`; returns ``path``."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` through :func:`atomic_path`; returns ``path``."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)

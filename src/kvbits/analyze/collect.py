@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvbits._argtypes import check_seed
+from kvbits._files import atomic_path, write_text_atomic
 from kvbits._json import dumps
 from kvbits.analyze.outliers import (
     DEFAULT_LAYER_FRACTION,
@@ -187,7 +188,7 @@ class Analysis:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / "analysis.json", "channels": out / "channel_stats.safetensors"}
-        paths["json"].write_text(dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(paths["json"], dumps(self.to_dict(), indent=2) + "\n")
         meta = {
             "version": str(ANALYSIS_VERSION),
             "model": self.model,
@@ -195,7 +196,8 @@ class Analysis:
             "fingerprint": self.fingerprint or "",
             "context": str(self.context),
         }
-        save_file(self.channel_tensors(), str(paths["channels"]), metadata=meta)
+        with atomic_path(paths["channels"]) as tmp:
+            save_file(self.channel_tensors(), str(tmp), metadata=meta)
         return paths
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvbits._files import atomic_path
 from kvbits.analyze.collect import Analysis, LayerAnalysis
 from kvbits.analyze.outliers import channel_median
 
@@ -32,12 +33,16 @@ def _pyplot() -> Any:
 
 
 def _save(plt: Any, fig: Any, path: str | Path) -> Path:
-    """Lay out ``fig``, write it to ``path`` (creating its folder) and close it."""
+    """Lay out ``fig``, write it to ``path`` atomically (creating its folder; the format is ``path``'s suffix,
+    PNG without one) and close it."""
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, dpi=110, format=out.suffix[1:] or "png")
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -33,7 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvbits._files import chmod_default
+from kvbits._files import write_bytes_atomic
 from kvbits._json import dumps, is_number, loads
 from kvbits.quant.nuq import check_codebook
 from kvbits.quant.tensor import check_static_decode
@@ -570,14 +569,7 @@ class CalibrationArtifact:
             )
         out.mkdir(parents=True, exist_ok=True)
         for name, content in ((TENSORS_FILE, blob), (META_FILE, text.encode())):
-            fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=out)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(content)
-                chmod_default(tmp)
-                os.replace(tmp, out / name)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
+            write_bytes_atomic(out / name, content)
         self.meta, self.path = meta, out
         logger.info("calibration written to %s", out)
         return out

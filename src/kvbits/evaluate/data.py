@@ -20,13 +20,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvbits._files import chmod_default
+from kvbits._files import atomic_path
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -402,18 +401,12 @@ def _save_token_cache(path: Path, ids: torch.Tensor, text_source: TextSource, to
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"ids": ids}, tmp, metadata={
+    with atomic_path(path) as tmp:  # readable by another user of a shared cache, as a normally created file
+        save_file({"ids": ids}, str(tmp), metadata={
             "version": _TOKEN_CACHE_VERSION, "text_name": text_source.name,
             "text_sha256": text_source.sha256, "tokenizer": type(tokenizer).__name__,
             "n_tokens": str(ids.numel()),
         })
-        chmod_default(tmp)  # mkstemp makes it 0600: another user of a shared cache could not read the ids
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 def make_windows(ids: torch.Tensor, context: int, n_windows: int | None = None) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import os
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._files import atomic_path, write_text_atomic
 from kvbits._json import dumps, loads
 from kvbits.evaluate.metrics import TOKEN_FIELDS
 from kvbits.evaluate.request import OUTPUT_VERSION
@@ -209,12 +209,6 @@ def _prepare_out_dir(out: Path, schemes: Sequence[str]) -> None:
         tokens.rmdir()
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _run_config(
     chash: str,
     request: dict[str, Any],
@@ -246,14 +240,15 @@ def _write_outputs(out: Path, chash: str, summary: dict, records: list, tokens: 
 
     (out / "tokens").mkdir(exist_ok=True)
     for name, arrays in tokens.items():
-        save_file(
-            {k: np.ascontiguousarray(arrays[k], dtype=np.float32) for k in TOKEN_FIELDS},
-            str(out / "tokens" / f"{name}.safetensors"),
-            metadata={k: str(v) for k, v in {**meta, "scheme": name}.items()},
-        )
-    _atomic_write(out / "records.jsonl", "".join(dumps(r.to_dict()) + "\n" for r in records))
-    _atomic_write(out / "summary.json", dumps(summary, indent=2) + "\n")
-    _atomic_write(out / "DONE", chash + "\n")
+        with atomic_path(out / "tokens" / f"{name}.safetensors") as tmp:
+            save_file(
+                {k: np.ascontiguousarray(arrays[k], dtype=np.float32) for k in TOKEN_FIELDS},
+                str(tmp),
+                metadata={k: str(v) for k, v in {**meta, "scheme": name}.items()},
+            )
+    write_text_atomic(out / "records.jsonl", "".join(dumps(r.to_dict()) + "\n" for r in records))
+    write_text_atomic(out / "summary.json", dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "DONE", chash + "\n")
 
 
 def _write_generations(out: Path, labels: Sequence[str], tokens: np.ndarray, tokenizer: Any = None) -> None:
@@ -266,7 +261,7 @@ def _write_generations(out: Path, labels: Sequence[str], tokens: np.ndarray, tok
             ids = [int(t) for t in row]
             text = tokenizer.decode(ids) if tokenizer is not None else None
             lines.append(json.dumps({"window": w, "scheme": label, "tokens": ids, "text": text}) + "\n")
-    _atomic_write(out / "generations.jsonl", "".join(lines))
+    write_text_atomic(out / "generations.jsonl", "".join(lines))
 
 
 def _write_report(out: Path) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
 from kvbits.evaluate.data import load_text
@@ -104,7 +105,6 @@ from kvbits.evaluate.metrics import (
     token_metrics,
 )
 from kvbits.evaluate.outputs import (
-    _atomic_write,
     _check_out_dir,
     _prepare_out_dir,
     _run_config,
@@ -435,7 +435,7 @@ def evaluate(
                     ),
                 }
                 config = _run_config(chash, request, args, argv, fingerprint, W, world_size=ranks.world)
-                _atomic_write(out / "config.json", dumps(config, indent=2) + "\n")
+                write_text_atomic(out / "config.json", dumps(config, indent=2) + "\n")
 
     # one buffer per kind, (scheme, field/layer, window, position): a rank fills its windows' rows, the
     # others stay zero until Ranks.assemble combines them

@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from kvbits._files import chmod_default
+from kvbits._files import atomic_path, write_text_atomic
 from kvbits._json import describe, dumps, json_object, loads, mapping
 from kvbits.calibrate.artifact import META_FILE, CalibrationArtifact, load_calibration, now_utc
 from kvbits.plan.config import text_config
@@ -290,28 +290,14 @@ def quantization_config(strategy: str = "tensor") -> dict[str, Any]:
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(dumps(obj, indent=2))
-            f.write("\n")
-        chmod_default(tmp)  # mkstemp makes it 0600; readable as a normally created file
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    write_text_atomic(path, dumps(obj, indent=2) + "\n")
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt", "producer": "kvbits"})
-        chmod_default(tmp)  # mkstemp makes it 0600; readable as a normally created file
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "kvbits"})
 
 
 def _merged_config(config: dict[str, Any], where: Path, strategy: str) -> dict[str, Any]:

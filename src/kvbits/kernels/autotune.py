@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from kvbits._files import write_text_atomic
 from kvbits._json import dumps, loads
 from kvbits.kernels.reference import PackedStore, PackedTensor
 
@@ -382,20 +383,15 @@ class DecodeTuner:
     def _save(self) -> None:
         if self.path is None:
             return
-        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             on_disk = read_tunings(self.path, quiet=True)
             on_disk.update(self.tunings)  # another process's keys kept, ours win
-            # a name of its own per process and tuner: two tuners of one process do not write one file
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{id(self):x}.tmp")
-            tmp.write_text(dumps({"format": FORMAT, "keys": {k: t.to_json() for k, t in on_disk.items()}},
-                                 indent=1, sort_keys=True))  # fmt: skip (strict JSON: kvbits._json)
-            os.replace(tmp, self.path)
+            # a temporary name of its own per call (two tuners of one process do not write one file), removed on failure
+            write_text_atomic(self.path, dumps({"format": FORMAT, "keys": {k: t.to_json() for k, t in on_disk.items()}},
+                                               indent=1, sort_keys=True))  # fmt: skip (strict JSON: kvbits._json)
         except OSError as exc:
             logger.warning("could not write the decode tuning file %s (%s); choices stay in memory", self.path, exc)
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)  # (a folder at the file's path: os.replace failed, the tmp file stays)
 
     # ------------------------------------------------------------------------------------------ tuning
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbits._files import chmod_default
+from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 
 __all__ = [
@@ -137,13 +136,5 @@ def write_textfile(text: str, path: str | os.PathLike[str]) -> Path:
     should end in ``.prom`` for node_exporter."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        chmod_default(tmp)  # readable by a collector running as another user, as a normally created file
-        with os.fdopen(fd, "w", encoding="utf-8") as f:  # the exposition format is UTF-8, whatever the locale
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    # readable by a collector running as another user; the temporary name does not end in .prom
+    return write_text_atomic(path, text)

@@ -38,9 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbits._files import write_text_atomic
 from kvbits._json import dumps, field, json_object
 from kvbits.report.inputs import KL_FLOAT64_VERSION, eval_sources, load_config
-from kvbits.report.render import _write_text
 from kvbits.report.summary import RunSummary, read_json
 
 logger = logging.getLogger(__name__)
@@ -443,9 +443,9 @@ def merge_runs(
                 shutil.copy2(src, tokens / src.name)
     records = [folder / "records.jsonl" for folder in folders if (folder / "records.jsonl").is_file()]
     if records:
-        (out / "records.jsonl").write_text("".join(p.read_text() for p in records))
+        write_text_atomic(out / "records.jsonl", "".join(p.read_text(encoding="utf-8") for p in records))
     if generations is not None:
-        (out / "generations.jsonl").write_text("".join(generations))
+        write_text_atomic(out / "generations.jsonl", "".join(generations))
 
     merged: dict[str, Any] = {k: v for k, v in summaries[0].items() if k != "results"}
     merged["results"] = [r for s in summaries for r in s["results"]]
@@ -469,8 +469,8 @@ def merge_runs(
         "merged_from": sources,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    _write_text(out / "config.json", dumps(config, indent=2) + "\n")
-    _write_text(out / "summary.json", dumps(merged, indent=2) + "\n")
+    write_text_atomic(out / "config.json", dumps(config, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", dumps(merged, indent=2) + "\n")
     logger.info("merged %d runs (%d schemes) into %s", len(folders), len(merged["results"]), out)
     return out
 

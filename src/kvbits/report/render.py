@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits.report.document import Heading, build_document
 from kvbits.report.fmt import DEFAULT_THRESHOLD
@@ -41,13 +42,6 @@ __all__ = [
     "write_json_report",
     "write_report",
 ]
-
-
-def _write_text(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return path
 
 
 def check_out_folder(out_dir: str | os.PathLike[str], command: str, files: tuple[str, ...], *,
@@ -86,7 +80,7 @@ def write_json_report(
     out = check_out_folder(out_dir, command, files, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     json_name, md_name, png_name = files
-    _write_text(out / json_name, dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / json_name, dumps(summary, indent=2) + "\n")
     try:
         plot(summary, out / png_name)
         figure = True
@@ -94,7 +88,7 @@ def write_json_report(
         figure = False
         (out / png_name).unlink(missing_ok=True)
         logger.warning("no %s: %s", png_name, exc)
-    _write_text(out / md_name, markdown(summary, figure=figure))
+    write_text_atomic(out / md_name, markdown(summary, figure=figure))
     return out
 
 
@@ -174,8 +168,8 @@ def write_report(
     blocks = build_document(run, config, figures, failed, note, threshold, out, bool(tokens))
     title = blocks[0].text if isinstance(blocks[0], Heading) else "kvbits report"
     paths: dict[str, Path] = {
-        "markdown": _write_text(out / "report.md", to_markdown(blocks, out)),
-        "html": _write_text(out / "report.html", to_html(blocks, title)),
+        "markdown": write_text_atomic(out / "report.md", to_markdown(blocks, out)),
+        "html": write_text_atomic(out / "report.html", to_html(blocks, title)),
     }
     paths.update(figures)
     logger.info("report written to %s", paths["markdown"])

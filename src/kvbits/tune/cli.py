@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_overwrite_has_out
+from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 
 __all__ = ["add_parser", "calibration_dir", "run"]
@@ -154,13 +155,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(res.scheme.to_json() + "\n")
+        write_text_atomic(out, res.scheme.to_json() + "\n")
         if res.calibration is not None:
             res.calibration.save(calibration_dir(out))
         else:  # an earlier calibrated mix's folder beside this mix would pass for its calibration
             _remove_calibration(calibration_dir(out))
         record = res.to_dict()
-        _tune_record(out).write_text(dumps(record, indent=2) + "\n")
+        write_text_atomic(_tune_record(out), dumps(record, indent=2) + "\n")
     else:
         record = res.to_dict()
     if args.json:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbits._files import chmod_default
+from kvbits._files import chmod_default, write_text_atomic
 from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 
 logger = logging.getLogger(__name__)
@@ -195,9 +195,7 @@ def cached_file_sha256(path: str | os.PathLike[str]) -> str:
     _HASHED[key] = sha
     try:
         record_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record_path.with_name(record_path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({**stamp, "sha256": sha}))
-        os.replace(tmp, record_path)
+        write_text_atomic(record_path, json.dumps({**stamp, "sha256": sha}))
     except OSError as exc:
         logger.debug("could not record the hash of %s in %s: %s", p, record_path, exc)
     return sha
@@ -218,13 +216,7 @@ def _sidecar(path: Path) -> Path:
 
 def _write_sidecar(path: Path, sha: str) -> None:
     record = {"sha256": sha, **_stat_stamp(path.stat())}
-    side = _sidecar(path)
-    tmp = side.with_name(side.name + f".tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, side)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(_sidecar(path), json.dumps(record))
 
 
 def _cached_sha256(path: Path) -> str:

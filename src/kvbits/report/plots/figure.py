@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbits._files import atomic_path
 from kvbits.report.fmt import fmt_end, fmt_pos
 from kvbits.report.summary import RunSummary
 
@@ -67,11 +68,11 @@ def new_figure(w: float, h: float) -> Any:
 
 
 def save_png(fig: Any, path: Path) -> Path:
-    """Save ``fig`` as a PNG at ``path`` (through a temporary file, so no half-written PNG is left)."""
+    """Save ``fig`` as a PNG at ``path`` atomically (:func:`kvbits._files.atomic_path`: no half-written PNG, and two
+    processes saving one name do not share a temporary file)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=DPI, facecolor="white")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=DPI, facecolor="white", format="png")
     return path
 
 
