@@ -1,5 +1,6 @@
-"""``kvbits calibrate`` on Zamba / Zamba2, whose hybrid layers share one attention block: K/V read at
-``cache.update`` (``kvbits.calibrate.cache_capture``), where each layer passes its own index. Tiny random models."""
+"""``kvbits calibrate`` and ``kvbits analyze`` on Zamba / Zamba2, whose hybrid layers share one attention block: K/V
+read at ``cache.update`` (``kvbits.calibrate.cache_capture``), where each layer passes its own index. Tiny random
+models."""
 
 from __future__ import annotations
 
@@ -99,8 +100,7 @@ def test_zamba_calibrates_its_hybrid_layers_and_the_stream_runs_the_artifact(tmp
     """Was: ``calibrate`` refused Zamba / Zamba2 ('the measures that hook attention modules per layer (kvbits
     calibrate, ...) are not supported'). Now it calibrates the hybrid layers (the artifact holds their indices and
     one module name each; Zamba2 with Fisher weights through its Mamba layers) and ``evaluate(mode='stream')``
-    runs with the artifact's folder; ``analyze`` is still refused, naming the shared block."""
-    from kvbits.analyze import analyze
+    runs with the artifact's folder."""
     from kvbits.calibrate import calibrate
     from kvbits.evaluate.runner import evaluate
 
@@ -115,8 +115,6 @@ def test_zamba_calibrates_its_hybrid_layers_and_the_stream_runs_the_artifact(tmp
     out = evaluate(model, ids, 32, ["fp16", scheme], mode="stream", calibration={scheme: str(tmp_path / "cal")})
     ppl = [r["ppl"] for r in out["results"]]
     assert all(math.isfinite(p) for p in ppl) and ppl[0] != ppl[1]
-    with pytest.raises(ValueError, match=r"attention block .* is shared .*kvbits analyze"):
-        analyze(model, ids[None, :16], sample_tokens=16, channel_group=8)
 
 
 def _zamba2_default():
@@ -179,3 +177,73 @@ def test_pre_rope_schemes_are_refused_before_any_forward_on_zambas_without_rope(
         with pytest.raises(ValueError, match=why):
             run()
     assert forwards == []
+
+
+def _cached_kv(model, windows):
+    """Per hybrid layer, the ``(keys, values)`` ``DynamicCache`` holds after each window's forward, ``(W, H_kv, T, D)``
+    float32 (keys as cached: rotated where the model rotates them)."""
+    out: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for w in range(windows.shape[0]):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=windows[w : w + 1], use_cache=True, **{CACHE_KW: cache})
+        for i in hybrid_layers(model):
+            out.setdefault(i, []).append((cache.layers[i].keys.float(), cache.layers[i].values.float()))
+    return {i: (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])) for i, kv in out.items()}
+
+
+@pytest.mark.parametrize("make", [_zamba, _zamba2], ids=["zamba", "zamba2"])
+def test_analyze_reads_each_hybrid_layers_kv_as_the_cache_receives_them(make):
+    """Was: ``analyze`` refused Zamba / Zamba2 ('expected one K/V site per layer: ... attention block ... is shared
+    ... (kvbits analyze, ...) are not supported'). Now it reports one row per hybrid layer with the statistics of
+    the K/V the cache receives there: the values' and (post-RoPE) keys' per-channel absmax equal the cached
+    tensors', the pre-RoPE keys' equal the cached keys un-rotated (Zamba2: after its adapters, not ``k_proj``'s
+    output); Zamba, which rotates no keys, gets no post-RoPE row and its pre-RoPE keys are the cached ones, as
+    any model without RoPE."""
+    from kvbits.analyze import analysis_sites, analyze
+    from kvbits.cache.store import rope_at
+
+    model = _model(make)
+    windows = torch.randint(1, 96, (2, 16))
+    layers = hybrid_layers(model)
+    assert [s.layer_idx for s in analysis_sites(model)] == layers
+    result = analyze(model, windows, sample_tokens=16, channel_group=8)
+    assert [la.layer for la in result.layers] == layers
+    assert result.recommendation["scheme"]
+    rope = getattr(model.config, "use_mem_rope", False)
+    tables = RotaryTables.from_model(model) if rope else None
+    cached = _cached_kv(model, windows)
+    for la in result.layers:
+        k, v = cached[la.layer]
+        assert torch.equal(la.value.absmax, v.abs().amax(dim=(0, 2)))
+        assert not la.keys_rotated_unseen
+        if rope:
+            assert la.rot_dim == tables.rot_dim > 0 and la.key_post_rope is not None
+            torch.testing.assert_close(la.key_post_rope.absmax, k.abs().amax(dim=(0, 2)), atol=1e-5, rtol=0)
+            pre = rope_at(tables.tables_for_layer(la.layer), k, 0, inverse=True)
+            torch.testing.assert_close(la.key_pre_rope.absmax, pre.abs().amax(dim=(0, 2)), atol=1e-5, rtol=0)
+        else:
+            assert la.rot_dim == 0 and la.key_post_rope is None
+            assert torch.equal(la.key_pre_rope.absmax, k.abs().amax(dim=(0, 2)))
+        assert (la.to_dict()["key_outliers_smeared_by_rope"] is None) is (not rope)
+    assert not model._forward_pre_hooks and not any(m._forward_hooks for m in model.modules())
+
+
+def test_analyze_keeps_zamba2s_unrotated_keys_as_cached_without_rope():
+    """Zamba2 with ``use_mem_rope=False`` rotates no keys: as for any model without RoPE (Falcon's ALiBi, Granite's
+    NoPE), ``analyze`` reports the cached keys as they are and no post-RoPE statistics, none invented."""
+    from kvbits.analyze import analyze
+
+    config = _zamba2()
+    config.use_mem_rope = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError):  # no tables: kvbits.plan.positions.no_rope_reason reads use_mem_rope
+        RotaryTables.from_model(model)
+    windows = torch.randint(1, 96, (1, 16))
+    result = analyze(model, windows, sample_tokens=16, channel_group=8)
+    cached = _cached_kv(model, windows)
+    assert [la.layer for la in result.layers] == hybrid_layers(model)
+    for la in result.layers:
+        assert la.rot_dim == 0 and la.key_post_rope is None
+        assert torch.equal(la.key_pre_rope.absmax, cached[la.layer][0].abs().amax(dim=(0, 2)))

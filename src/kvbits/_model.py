@@ -64,9 +64,9 @@ def shared_attention_note(model: torch.nn.Module) -> str:
     return (
         f"{type(model).__name__}'s attention block {type(shared[0]).__name__} is shared by its hybrid {by} and "
         "has no per-layer layer_idx (the calling layer passes it), so the measures that hook attention modules "
-        f"per layer (kvbits analyze, {sim}) are not supported; the real cache holds it "
-        "(QuantizedKVCache, evaluate's mode='stream': `kvbits eval --mode stream`), and kvbits calibrate reads "
-        "its K/V where the cache receives them"
+        f"per layer ({sim}) are not supported; the real cache holds it "
+        "(QuantizedKVCache, evaluate's mode='stream': `kvbits eval --mode stream`), and kvbits calibrate and "
+        "kvbits analyze read its K/V where the cache receives them"
     )
 
 

@@ -133,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_plot_args(model: Any, args: argparse.Namespace) -> None:
     """``--plot-layer``/``--plot-head`` against the model's attention layers and KV heads."""
-    from kvbits.analyze.collect import attention_sites
+    from kvbits.analyze.collect import analysis_sites
 
-    sites = attention_sites(model)
+    sites = analysis_sites(model)
     layers = [s.layer_idx for s in sites]
     if args.plot_layer is not None and args.plot_layer not in layers:
         raise ValueError(f"--plot-layer must be one of the attention layers {layers}, got {args.plot_layer}")

@@ -14,6 +14,12 @@ Statistics are updated inside the hooks and the tensors dropped, so memory holds
 one window at a time plus each layer's fixed-size sample (``stats.BlockReservoir``) and one cos/sin pair ``(T, D_rot)``
 per distinct RoPE (shared by the layers that rotate alike). Hooks are
 registered in a context manager and always removed.
+
+An attention block several layers share (Zamba's, Zamba2's hybrid layers: :func:`kvbits._model.shared_attention`)
+can not be hooked per layer, and Zamba2 adds LoRA adapters to ``k_proj``'s output: there the K/V are read where the
+cache receives them, per hybrid layer (:class:`kvbits.calibrate.cache_capture.CacheKVCapture`, as ``kvbits calibrate``
+reads them), keys un-rotated with the cache's own tables (kept as cached where the model does not rotate them), after
+each window's forward (memory: every hybrid layer's K/V of one window, as the model's own cache holds them).
 """
 
 from __future__ import annotations
@@ -59,6 +65,24 @@ ANALYSIS_VERSION = 1
 MIN_GROUP = 3
 
 Callback = Callable[[int, str, torch.Tensor], None]
+
+
+def analysis_sites(model: torch.nn.Module) -> list[Any]:
+    """The layers :func:`analyze` reads, ordered by layer: one ``CacheSite`` per hybrid layer of a model with a
+    shared attention block (Zamba, Zamba2: K/V read at ``cache.update``,
+    :func:`kvbits.calibrate.cache_capture.shared_attention_sites`), else :func:`~kvbits.analyze.sites.attention_sites`
+    (``KVSite``: hooks on the attention modules). Both have ``layer_idx``, ``num_kv_heads``, ``head_dim``, ``name``.
+
+    Raises:
+        ValueError: not a decoder-only causal LM; see the two site functions.
+    """
+    from kvbits._model import check_causal_lm
+
+    # not at import time: kvbits.calibrate imports this module
+    from kvbits.calibrate.cache_capture import shared_attention_sites
+
+    check_causal_lm(model)
+    return shared_attention_sites(model) or attention_sites(model)
 
 
 def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
@@ -240,7 +264,7 @@ def analyze(
 
     Args:
         model: a transformers causal LM (eval mode).
-        windows: token ids ``(W, T)``; each window is one forward from position 0, no cache.
+        windows: token ids ``(W, T)``; each window is one forward from position 0, no cache carried over.
         threshold: outlier rule multiple (see ``kvbits.analyze.outliers``).
         layer_fraction: keys go per-channel when more than this fraction of layers has outliers.
         sample_tokens: at most this many tokens per layer kept for percentiles, ranges, SQNR and plots, in whole
@@ -284,7 +308,16 @@ def analyze(
     if getattr(model, "config", None) is not None:
         check_context_fits(model.config, T)
     tables, reproducible = _rotary_tables(model)
-    sites = attention_sites(model)
+    sites = analysis_sites(model)
+    from kvbits.calibrate.cache_capture import CacheKVCapture, CacheSite
+
+    at_cache = isinstance(sites[0], CacheSite)  # a shared attention block: K/V read at cache.update
+    if at_cache and not reproducible:  # the cache holds rotated keys kvbits can not un-rotate: no pre-RoPE figures
+        raise NotImplementedError(
+            f"{type(model).__name__}: its shared attention block's keys are read where the cache receives them, "
+            "rotated by a RoPE kvbits can not reproduce (see the warning above), so there are no pre-RoPE keys to "
+            "analyze; expected a rotate-half RoPE or none"
+        )
     device = next(model.parameters()).device
     stats = {
         s.layer_idx: {
@@ -298,7 +331,8 @@ def analyze(
     # without RoPE the cached keys are the hooked ones and are compared too (None per site, as kvbits calibrate);
     # only keys rotated in a layout kvbits can not reproduce go unchecked (None as a whole)
     key_tables = [layer_tables.get(s.layer_idx) for s in sites] if reproducible else None
-    verify_taps(model, windows, key_tables)
+    if not at_cache:  # read at cache.update: what the cache holds by construction
+        verify_taps(model, windows, key_tables)
     # one cos/sin pair per distinct table (not per layer: 32 layers x 32K tokens x D=128 held 1 GiB of copies)
     cos_sin: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     reservoir = BlockReservoir(sample_tokens // block, seed=seed)
@@ -321,11 +355,19 @@ def analyze(
             st["key_post_rope"].update(apply_rope(xf, *cos_sin[key]), plan)
 
     extra = last_logits_only(model)
-    with torch.no_grad(), kv_hooks(model, on_kv):
+    # at the cache: every forward runs with a recording cache; each layer's (pre-RoPE K, V) fed to on_kv after it
+    capture = CacheKVCapture(model, sites, key_tables) if at_cache else kv_hooks(model, on_kv)
+    with torch.no_grad(), capture as cap:
         for w in range(W):
             plan[:] = reservoir.offer(blocks_in(T, block))
             try:
                 model(input_ids=windows[w : w + 1].to(device), use_cache=False, **extra)
+                if at_cache:
+                    for s in sites:
+                        k, v = cap.activations(s.layer_idx)
+                        on_kv(s.layer_idx, "key", k)
+                        on_kv(s.layer_idx, "value", v)
+                    cap.reset()
             except (NonFiniteKV, KVBeyondFloat16) as exc:
                 raise type(exc)(f"window {w}, {exc}") from exc
             if progress is not None:

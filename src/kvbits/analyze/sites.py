@@ -14,7 +14,9 @@
   that cache no K/V of their own (linear-attention or convolution layers of hybrid models, Gemma 4's
   KV-sharing layers); two sites on one layer are refused (the cross-attention of encoder-decoder
   models shares its layer's index; its K/V are the encoder's, not the decoder's cache), and so is an attention
-  block that several layers call (Zamba's and Zamba2's hybrid layers: :func:`kvbits._model.shared_attention`).
+  block that several layers call (Zamba's and Zamba2's hybrid layers: :func:`kvbits._model.shared_attention`;
+  ``kvbits analyze`` and ``kvbits calibrate`` read those at ``cache.update`` instead:
+  :mod:`kvbits.calibrate.cache_capture`).
 - **Heads** ``(H_kv, D)``: the layer's as the planner counts them and ``QuantizedKVCache`` sizes its
   layers (:func:`kvbits.plan.config.layer_heads`: the decoder's text config, an explicit ``head_dim``
   such as Gemma's or Llama 3.2's, ``num_key_value_heads`` for GQA, one head for ``multi_query``,
