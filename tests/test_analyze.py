@@ -164,7 +164,7 @@ def test_next_steps_are_commands_that_run_as_printed(result):
     for calib, scheme in zip(calibs, ("kvquant-4", "int4-token-smooth-prerope"), strict=True):
         argv = calib.split(": ", 1)[1].split()[1:]
         args = build_parser(only="calibrate").parse_args(argv)
-        assert (args.model, args.data, args.scheme) == ("smollm2-135m", "pride-and-prejudice", scheme)
+        assert (args.model, args.data, args.scheme) == ("smollm2-135m", "war-and-peace", scheme)  # not the eval's
         outs.append(args.out)
     argv = verify.split(": ", 1)[1].split(" at several")[0].split()[1:]
     args = build_parser(only="eval").parse_args(argv)
@@ -187,10 +187,10 @@ def test_next_steps_quote_model_and_data_paths(result):
     assert calibs
     for calib in calibs:
         args = build_parser(only="calibrate").parse_args(shlex.split(calib.split(": ", 1)[1])[1:])
-        assert (args.model, args.data, args.context) == (model, data, 512)
+        assert (args.model, args.data, args.context) == (model, "pride-and-prejudice", 512)
     args = build_parser(only="eval").parse_args(shlex.split(verify.split(": ", 1)[1].split(" and at longer")[0])[1:])
     assert (args.model, args.data) == (model, data)
-    assert " --model m --data d " in recommend(rows, model="m", data="d")["next_steps"][0]  # unchanged
+    assert " --model m --data d " in recommend(rows, model="m", data="d")["next_steps"][-1]  # unchanged
 
 
 def test_next_steps_carry_the_analysis_context(result):
@@ -203,12 +203,34 @@ def test_next_steps_carry_the_analysis_context(result):
     assert calibs  # the tiny model's outlier layer names calibrated schemes
     for calib in calibs:
         args = build_parser(only="calibrate").parse_args(calib.split(": ", 1)[1].split()[1:])
-        assert (args.model, args.data, args.context) == ("tiny", "random", 256)
+        assert (args.model, args.data, args.context) == ("tiny", "pride-and-prejudice", 256)
     args = build_parser(only="eval").parse_args(verify.split(": ", 1)[1].split(" and at longer")[0].split()[1:])
     assert (args.model, args.data, args.context) == ("tiny", "random", 256)
     rows = result.to_dict()["layers"]
     assert "--context" not in recommend(rows)["next_steps"][0]  # no context known: calibrate's own default
     assert recommend(rows)["next_steps"][-1].endswith(" at several --context lengths")
+
+
+def test_next_steps_calibrate_on_another_text_than_the_one_evaluated(result):
+    """The steps calibrated on the analysis' --data and evaluated on it again: scales and codebooks fitted to the
+    very windows eval scores flatter the scheme (measured on SmolLM2: ``kvbits.evaluate.calib_text.MEASURED``). Now
+    calibrate takes another registry text, and says why."""
+    import shlex
+
+    from kvbits.analyze.outliers import calibration_text
+
+    rows = result.to_dict()["layers"]
+    for data, calib_on in (("wikitext2", "pride-and-prejudice"), ("pride-and-prejudice", "war-and-peace"),
+                           ("/data/gutenberg/pride_and_prejudice.txt", "war-and-peace"), (None, "pride-and-prejudice")):
+        *calibs, verify = recommend(rows, model="m", data=data)["next_steps"]
+        assert calibs and calibration_text(data) == calib_on
+        for calib in calibs:
+            why, cmd = calib.split(": ", 1)
+            assert "which would flatter the calibrated scheme" in why
+            argv = shlex.split(cmd)
+            assert argv[argv.index("--data") + 1] == calib_on
+        evaluated = shlex.split(verify.split(": ", 1)[1])
+        assert evaluated[evaluated.index("--data") + 1] == (data or "TEXT") != calib_on
 
 
 def test_json_schema(result):

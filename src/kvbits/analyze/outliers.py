@@ -176,6 +176,18 @@ def _mean(values: list[float | str | None]) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def calibration_text(data: str | None) -> str:
+    """The registry text ``next_steps`` calibrates on: ``pride-and-prejudice``, or ``war-and-peace`` where ``data`` (the
+    text evaluated: a registry name or a path) is Pride and Prejudice, so the calibration never saw the K/V scored."""
+    from pathlib import PurePath
+
+    from kvbits.evaluate.data import TEXTS
+
+    first, second = "pride-and-prejudice", "war-and-peace"
+    same = data is not None and (data == first or PurePath(data).name == PurePath(TEXTS[first].relpath).name)
+    return second if same else first
+
+
 def recommend(
     layers: list[dict[str, Any]],
     *,
@@ -313,7 +325,12 @@ def recommend(
     d = f" --data {shlex.quote(data)}" if data else " --data TEXT"
     t = f" --context {context}" if context else ""
     to_calibrate = [c for c in (calibrated, per_token) if c]
-    next_steps = [f"calibrate: kvbits calibrate{m}{d}{t} --scheme {c} --out calib-{c}" for c in to_calibrate]
+    # calibrated on another text than the one evaluated: scales and codebooks fitted to the windows eval scores
+    # flatter the scheme (kvbits.evaluate.calib_text says by how much)
+    cd = f" --data {calibration_text(data)}"
+    why = f"calibrate (on {'another text than ' + repr(data) if data else 'a text other than the one evaluated'}, " \
+        "which would flatter the calibrated scheme)"  # fmt: skip
+    next_steps = [f"{why}: kvbits calibrate{m}{cd}{t} --scheme {c} --out calib-{c}" for c in to_calibrate]
     next_steps.append(
         f"verify by length: kvbits eval{m}{d}{t} --scheme {scheme}"
         + "".join(f" --scheme {c} --calibration calib-{c}" for c in to_calibrate)

@@ -219,7 +219,8 @@ def _windows(
             ids = ids[:, :context]
             pick = torch.linspace(0, ids.shape[0] - 1, min(windows, ids.shape[0])).round().long().unique()
             out = ids[pick]
-            record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None)
+            # rows: which rows were calibrated on, so an evaluation of the same ids can say what it shares with them
+            record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None, rows=pick.tolist())
             return out, record
     else:
         from kvbits.evaluate.data import check_tokenized, load_text, tokenize

@@ -43,7 +43,10 @@ examples:
 {"clipped_keys", "clipped_keys_frac", "clipped_values", "clipped_values_frac" (kvbits schemes),
 "integer_zero" (the sides vllm-int4's integer zero-points store, which clip where a token's range excludes 0),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
-"context", "windows", "tokens"} (with --calibration)}, "seconds", "decode": {"fused_steps",
+"context", "windows", "tokens"}, "calibrated_on_eval_text" (the calibration's data has the evaluated text's
+sha256: its figures are flattered, a warning says so; null where either records none),
+"calibration_overlap_tokens" (evaluated tokens inside its calibration windows; null where not recorded) (with
+--calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",
 "wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
 avg_bits: bits per element in the long run (residual window, sinks and sliding-window layers amortised away); bits_at_context: what the

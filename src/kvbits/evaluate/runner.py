@@ -60,6 +60,7 @@ import torch
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
+from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -404,6 +405,11 @@ def evaluate(
                 if not isinstance(scheme, PeerScheme):
                     _warn_unquantized(model, scheme, T)
             _warn_length_dependent_rope(model, T, mode)
+        # a calibration fitted on the text scored flatters its scheme: recorded per scheme, said once before the run
+        on_eval_text = calibrated_on_eval_text(calibrations, text, tokenizer, W, T)
+        if ranks.main:
+            for name, rec in on_eval_text.items():
+                warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T)
     if out is not None:
         # every rank's inputs are loaded and checked: now the old run may go (rank 0 alone writes)
         with ranks.agree("preparing the output folder"):
@@ -603,7 +609,9 @@ def evaluate(
                     gen[1 + i], gen[0], prompt_tokens=T, seconds=run["generation_seconds"][1 + i],
                     reference_seconds=run["generation_seconds"][0],
                 ) if generate else None,
-                "calibration": _mismatch(clipped[name], calibrations.get(name), T, mode, scheme),
+                "calibration": {
+                    **_mismatch(clipped[name], calibrations.get(name), T, mode, scheme), **on_eval_text.get(name, {})
+                },
                 "seconds": seconds[name],
                 "decode": None if decode[name] is None else {
                     "fused_steps": decode[name].get("fused_steps", 0),

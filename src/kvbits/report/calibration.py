@@ -13,6 +13,9 @@ constants fitted offline by ``kvbits calibrate``. The evaluator records, per sch
   the range is lost); absent for other schemes;
 - ``max_calibrated_length`` and ``positions_beyond_calibrated``: the longest context the calibration
   saw, and how many positions of each window lie past it;
+- ``calibrated_on_eval_text`` and ``calibration_overlap_tokens``: the calibration's data is the evaluated text (same
+  sha256; its figures are flattered: the report marks the row and warns) and how many evaluated tokens lie in its
+  calibration windows (``kvbits.evaluate.calib_text``; null where not recorded, absent in runs from before it);
 - ``artifact``: ``{"id", "path", "data", "context", "windows", "tokens"}`` (runs from before it was
   recorded fall back to ``config.json``: the artifact ids of ``request.calibration`` and the folders
   of ``args.calibration``, whose ``calibration.json`` is read when it is still there, as recorded or relative to
@@ -78,6 +81,8 @@ class CalibrationRow:
     beyond: int | None = None  # positions per window past calibrated_length
     context: int = 0
     integer_zero: tuple[str, ...] = ()  # sides ("keys", "values") stored under integer zero-points (vllm-int4)
+    on_eval_text: bool | None = None  # calibrated on the evaluated text (same sha256); None: not recorded
+    overlap_tokens: int | None = None  # evaluated tokens inside its calibration windows
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -246,6 +251,9 @@ def calibration_row(
         beyond=beyond,
         context=context,
         integer_zero=tuple(x for x in record.get("integer_zero") or () if x in ("keys", "values")),
+        on_eval_text=record.get("calibrated_on_eval_text") if isinstance(record.get("calibrated_on_eval_text"), bool)
+        else None,
+        overlap_tokens=_count(record.get("calibration_overlap_tokens")),
     )
 
 
@@ -297,7 +305,7 @@ def calibration_table(rows: list[CalibrationRow], clip_threshold: float = CLIP_W
             (
                 Cell(row.scheme),
                 Cell(row.artifact),
-                Cell(row.data),
+                Cell(row.data + (" (the evaluated text)" if row.on_eval_text else ""), "bad" if row.on_eval_text else ""),
                 Cell(f"{row.calibrated_length:,}" if row.calibrated_length is not None else NA),
                 Cell(keys, _clip_tone(row.clipped_keys_frac, clip_threshold)),
                 Cell(values, _clip_tone(row.clipped_values_frac, clip_threshold)),
@@ -340,6 +348,10 @@ def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLI
     lines = []
     for row in rows:
         issues = calibration_issues(row, clip_threshold)
+        if row.on_eval_text:  # said apart from calibration_issues: kvbits eval logs it before the run, not after
+            shared = f" ({row.overlap_tokens:,} of the evaluated tokens lie in its calibration windows)" \
+                if row.overlap_tokens else ""  # fmt: skip
+            issues.append(f"was calibrated on the evaluated text{shared}, so its figures flatter it")
         if issues:
             lines.append(f"Warning: **{text(row.scheme)}** " + "; ".join(issues) + ".")
     return lines

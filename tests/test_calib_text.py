@@ -1,0 +1,163 @@
+"""A calibration evaluated on its own calibration data: ``kvbits eval`` / ``evaluate`` said nothing, so a calibrated
+scheme scored on the very windows its scales and codebooks were fitted to looked better than it is. Now a warning
+says so (once per calibration, with the tokens shared), each result records ``calibrated_on_eval_text`` and
+``calibration_overlap_tokens``, and artifacts without the records still load. Tiny random-weight Llama."""
+
+from __future__ import annotations
+
+import pytest
+from _wordlevel import save_word_tokenizer, write_word_text
+from test_evaluate import _ids, _llama
+
+from kvbits.calibrate import calibrate, load_calibration
+from kvbits.evaluate import evaluate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WARN = "was fitted on the evaluated text"
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if WARN in r.getMessage()]
+
+
+def _record(summary: dict) -> dict:
+    return summary["results"][0]["calibration"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _llama()
+
+
+@pytest.fixture(scope="module")
+def calibrated(model):
+    """kvquant-2 calibrated on 256 token ids: 2 windows of 32 tokens, at 0 and at 224."""
+    ids = _ids(256)[0]
+    art = calibrate(model, ids, "kvquant-2", context=32, windows=2, fisher=False)
+    return ids, art
+
+
+def test_evaluating_on_the_calibration_ids_warns_once_and_is_recorded(model, calibrated, caplog):
+    ids, art = calibrated
+    assert art.meta["data"]["starts"] == [0, 224]
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids, 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[])
+    rec = _record(s)
+    assert rec["calibrated_on_eval_text"] is True
+    assert rec["calibration_overlap_tokens"] == 32  # the first evaluated window is the first calibration window
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    assert "kvquant-2's calibration" in warned[0] and "32 of the 64 evaluated tokens (50%)" in warned[0]
+    assert "calibrate on another text" in warned[0] and "PPL 38.71" in warned[0]  # the measured effect, stated
+
+
+def test_other_ids_neither_warn_nor_count(model, calibrated, caplog):
+    _, art = calibrated
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, _ids(256, seed=1)[0], 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[])
+    assert _warnings(caplog) == []
+    assert _record(s)["calibrated_on_eval_text"] is False and _record(s)["calibration_overlap_tokens"] == 0
+
+
+def test_a_slice_of_the_calibration_ids_is_other_content(model, calibrated, caplog):
+    """Ids 32 .. 223 (between the two calibration windows) hash apart from the 256 calibrated on: not the same data,
+    no warning (the check is by content, as the text file's bytes)."""
+    ids, art = calibrated
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids[32:224].clone(), 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is False  # other content: another hash
+    assert _warnings(caplog) == []
+
+
+def test_2d_ids_record_the_rows_calibrated_on(model, caplog):
+    rows = _ids(4 * 32).reshape(4, 32)
+    art = calibrate(model, rows, "kvquant-2", context=32, windows=2, fisher=False)
+    assert art.meta["data"]["rows"] == [0, 3]
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, rows, 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 32
+    assert len(_warnings(caplog)) == 1
+
+
+def test_an_artifact_without_the_records_loads_and_is_not_judged(model, calibrated, tmp_path, caplog):
+    """Artifacts written before (or fitted from samples) may record no data hash or windows: they load, the result
+    says null, and nothing is claimed."""
+    ids, art = calibrated
+    art.save(tmp_path / "cal")
+    meta_path = tmp_path / "cal" / "calibration.json"
+    import json
+
+    meta = json.loads(meta_path.read_text())
+    for key in ("sha256", "starts", "rows"):
+        meta["data"].pop(key, None)
+    meta_path.write_text(json.dumps(meta))
+    old = load_calibration(tmp_path / "cal")
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids, 32, ["kvquant-2"], windows=2, calibration=old, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is None and _record(s)["calibration_overlap_tokens"] is None
+    assert _warnings(caplog) == []
+    # the hash kept, the starts gone: the same text is said, the overlap not counted
+    meta["data"]["sha256"] = art.meta["data"]["sha256"]
+    meta_path.write_text(json.dumps(meta))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids, 32, ["kvquant-2"], windows=2, calibration=load_calibration(tmp_path / "cal"),
+                     attn_layers=[])  # fmt: skip
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] is None
+    assert len(_warnings(caplog)) == 1 and "does not record which of its tokens" in _warnings(caplog)[0]
+
+
+def test_text_by_path_compares_the_file_and_its_token_ranges(tmp_path, monkeypatch, caplog):
+    """A model folder with a tokenizer and a text file, as `kvbits eval --data FILE`: the same file warns and counts
+    its shared tokens; another file does not."""
+    from test_calibrate import tiny_llama
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    tiny_llama().save_pretrained(folder)
+    book, other = write_word_text(tmp_path / "book.txt", 600), write_word_text(tmp_path / "other.txt", 600, seed=1)
+    art = calibrate(str(folder), str(book), "kvquant-2", context=64, windows=3, fisher=False)
+    starts = art.meta["data"]["starts"]
+    assert starts[0] == 0 and len(starts) == 3
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(str(folder), str(book), 64, ["kvquant-2"], windows=1, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 64
+    assert len(_warnings(caplog)) == 1 and "64 of the 64 evaluated tokens (100%)" in _warnings(caplog)[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(str(folder), str(other), 64, ["kvquant-2"], windows=1, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is False and _warnings(caplog) == []
+
+
+def test_overlap_counts_each_calibration_window_once():
+    from kvbits.evaluate.calib_text import _overlap
+
+    record = {"context": 100, "starts": [0, 150, 400]}
+    assert _overlap(record, False, windows=2, context=100) == 100 + 50  # [0, 200) meets [0, 100) and [150, 250)
+    assert _overlap(record, False, windows=1, context=50) == 50
+    assert _overlap({"context": 100, "starts": None}, False, windows=1, context=50) is None
+    assert _overlap({"context": 32, "rows": [0, 3]}, True, windows=2, context=16) == 16
+
+
+def test_the_report_marks_a_calibration_on_the_evaluated_text():
+    from kvbits.report.calibration import (
+        calibration_issues,
+        calibration_row,
+        calibration_table,
+        calibration_warnings,
+    )
+
+    record = {"max_calibrated_length": 512, "positions_beyond_calibrated": 0, "calibrated_on_eval_text": True,
+              "calibration_overlap_tokens": 512, "artifact": {"id": "sha256:ab", "data": "wikitext2"}}  # fmt: skip
+    row = calibration_row("kvquant-2", record, 512)
+    said = ("Warning: **kvquant-2** was calibrated on the evaluated text (512 of the evaluated tokens lie in its "
+            "calibration windows), so its figures flatter it.")  # fmt: skip
+    assert calibration_warnings([row]) == [said]
+    assert calibration_issues(row) == []  # kvbits eval said it before the run: not again after it
+    cell = calibration_table([row]).rows[0][2]
+    assert cell.text == "wikitext2 (the evaluated text)" and cell.tone == "bad"
+    for flag in (False, None):  # another text, or a run from before the record: nothing said
+        other = calibration_row("kvquant-2", {**record, "calibrated_on_eval_text": flag}, 512)
+        assert calibration_warnings([other]) == [] and calibration_table([other]).rows[0][2].text == "wikitext2"
