@@ -115,7 +115,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="simulate",
         help="simulate: one pass per window (fast; the default); stream: the real cache token by token (ground truth, "
         "slow: one forward per token, ~0.14 s per token and scheme for smollm2-135m on one busy CPU core, "
-        "hf-quanto-int4 no slower than kvbits' fp16 there, 4x slower with two threads: --threads 1)",
+        "hf-quanto-int4 no slower than kvbits' fp16 there; on a loaded 2-core machine two threads were 4x slower: try "
+        "--threads 1)",
     )
     p.add_argument(
         "--fused-decode",
