@@ -521,3 +521,38 @@ def test_non_integer_positions_and_non_float_dtypes_are_refused():
             fn(keys, cos, sin)
         with pytest.raises(TypeError, match="must be floating point"):
             fn(keys.float(), cos.long(), sin.long())
+
+
+_MLA = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1,
+        "intermediate_size": 64, "vocab_size": 128, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "mistral4", "youtu", "glm4_moe_lite"])
+def test_rope_interleave_configs_are_refused(model_type):
+    """``rope_interleave=True`` (the default of DeepSeek-V3, Mistral 4, Youtu, GLM-4-MoE-Lite) rotates interleaved
+    pairs by ``apply_rotary_pos_emb_interleave`` while the family's ``apply_rotary_pos_emb`` is rotate-half: the tables
+    were built and ``convention_checked`` True, yet re-rotating a tiny DeepSeek-V3's un-rotated ``k_rot`` missed the
+    ``k_rot`` it cached by 0.44 (its largest entry: 0.37). They are refused now, by the flag, as the planner's
+    ``pre_rope_problem`` does."""
+    from kvbits.plan.positions import pre_rope_problem
+
+    cfg = transformers.AutoConfig.for_model(model_type, **_MLA)
+    assert cfg.rope_interleave is True
+    with pytest.raises(NotImplementedError, match=rf"model_type '{model_type}'.*rope_interleave=True"):
+        RotaryTables.from_config(cfg)
+    assert "rope_interleave=True" in pre_rope_problem(cfg)
+
+
+def test_latent_attention_models_are_refused_before_a_forward():
+    """Multi-head latent attention caches a compressed latent and rotates only the last ``qk_rope_head_dim`` key
+    channels: ``RotaryTables.from_model`` of a DeepSeek-V3 (even with ``rope_interleave=False``) built tables, and a
+    lazy ``QuantizedKVCache(rotary=...)`` ran the forward un-rotating the first 8 channels of the latent as keys.
+    Refused now when the tables are built, before any forward."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = transformers.AutoConfig.for_model("deepseek_v3", rope_interleave=False, **_MLA)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    for build in (lambda: RotaryTables.from_config(cfg), lambda: RotaryTables.from_model(model)):
+        with pytest.raises(NotImplementedError, match="multi-head latent attention.*kv_lora_rank=16"):
+            build()

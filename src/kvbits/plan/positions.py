@@ -20,6 +20,10 @@ It refuses, for a transformers config:
 - families whose ``apply_rotary_pos_emb`` is not rotate-half (``NOT_ROTATE_HALF``: Cohere, GLM, Helium, ERNIE 4.5,
   Llama 4, ...), which ``RotaryTables`` refuses by this same list (and its probe of ``apply_rotary_pos_emb``
   finds for any other family);
+- configs with ``rope_interleave=True`` (:func:`interleave_reason`: DeepSeek-V3, Mistral 4, Youtu, AXK1,
+  GLM-4-MoE-Lite, Sarvam-MLA, whose default it is), which rotate interleaved channel pairs
+  (``apply_rotary_pos_emb_interleave``) although the family's ``apply_rotary_pos_emb`` is rotate-half, so
+  ``RotaryTables``' probe of the latter can not tell (it refuses them by this flag);
 - configs whose RoPE parameters carry an ``mrope_section`` (multimodal RoPE, Qwen2-VL style: :func:`mrope_section`),
   and those of a family whose rotary module falls back to a default one (a Qwen2-VL config without it:
   :func:`default_mrope_section`, read from the modeling source), which the cache refuses before building tables.
@@ -46,6 +50,7 @@ __all__ = [
     "NON_TEXT_ROTARY",
     "NOT_ROTATE_HALF",
     "default_mrope_section",
+    "interleave_reason",
     "modeling_family",
     "mrope_section",
     "no_rope_reason",
@@ -99,6 +104,19 @@ def no_rope_reason(text: Any) -> str | None:
     kind = getattr(text, "position_embedding_type", "rope")
     if kind not in _ROPE_EMBEDDING_TYPES:
         return f"it does not rotate its keys (position_embedding_type={kind!r}, not 'rope')"
+    return None
+
+
+def interleave_reason(text: Any) -> str | None:
+    """Why a config's keys are rotated in interleaved channel pairs although its family's ``apply_rotary_pos_emb`` is
+    rotate-half, or ``None``: ``rope_interleave=True`` (DeepSeek-V3, Mistral 4, Youtu, AXK1, GLM-4-MoE-Lite,
+    Sarvam-MLA; the default of each) makes the attention call ``apply_rotary_pos_emb_interleave`` instead, which
+    pairs channels ``(2i, 2i + 1)``, not ``(i, i + D_rot/2)``."""
+    if getattr(text, "rope_interleave", False) is True:
+        return (
+            "it rotates interleaved channel pairs (rope_interleave=True: apply_rotary_pos_emb_interleave), not "
+            "rotate-half"
+        )
     return None
 
 
@@ -208,6 +226,9 @@ def pre_rope_problem(text: Any) -> str | None:
             "applies RoPE in a layout other than rotate-half (interleaved channel pairs or another sign; pre-RoPE keys "
             "support rotate-half RoPE only)"
         )
+    interleaved = interleave_reason(text)
+    if interleaved is not None:
+        return f"applies RoPE in a layout other than rotate-half: {interleaved} (pre-RoPE keys support rotate-half RoPE only)"
     section = mrope_section(text)
     if section is None:
         section = default_mrope_section(model_type)

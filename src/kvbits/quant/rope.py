@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 
-from kvbits.plan.config import layer_heads, text_config
+from kvbits.plan.config import layer_configs, layer_heads, text_config
 
 # the torch-free config checks, shared with the planner, which refuses the same models for pre-RoPE schemes
 from kvbits.plan.positions import (
     INTERLEAVED_SINUSOID,
     NON_TEXT_ROTARY,
     NOT_ROTATE_HALF,
+    interleave_reason,
     modeling_family,
     no_rope_reason,
 )
@@ -138,6 +139,29 @@ def _refuse_without_rope(text: Any, model_type: str | None) -> None:
     why = no_rope_reason(text)
     if why is not None:
         raise ValueError(f"model_type {model_type!r} has no RoPE keys: {why}")
+
+
+def _refuse_layout(text: Any, model_type: str | None) -> None:
+    """``NotImplementedError`` for keys these tables can not reproduce although the family's rotary module and
+    ``apply_rotary_pos_emb`` are rotate-half (so ``_check_convention`` passes): ``rope_interleave=True``
+    (``kvbits.plan.positions.interleave_reason``: DeepSeek-V3, Mistral 4, GLM-4-MoE-Lite, ... rotate interleaved
+    pairs by ``apply_rotary_pos_emb_interleave``), and multi-head latent attention (``kv_lora_rank`` in any layer),
+    whose keys rotate only their last ``qk_rope_head_dim`` channels (the tables rotate the first ``D_rot``) and whose
+    cache holds a compressed latent, not keys."""
+    why = interleave_reason(text)
+    if why is not None:
+        raise NotImplementedError(
+            f"model_type {model_type!r}: {why}; kvbits.quant.rope supports the rotate-half convention only"
+        )
+    n_layers = getattr(text, "num_hidden_layers", None)
+    cfgs = layer_configs(text, n_layers) if isinstance(n_layers, int) and n_layers > 0 else [text]
+    rank = next((r for c in cfgs if (r := getattr(c, "kv_lora_rank", None)) is not None), None)
+    if rank is not None:
+        raise NotImplementedError(
+            f"model_type {model_type!r} uses multi-head latent attention (kv_lora_rank={rank}): its keys rotate only "
+            "their last qk_rope_head_dim channels and its cache holds a compressed latent, which these tables "
+            "(rotating the first D_rot channels of K heads) do not reproduce"
+        )
 
 
 def _nope_type(text: Any, layer_type: str) -> bool:
@@ -261,7 +285,8 @@ class RotaryTables:
         Raises:
             ValueError: the model type has no RoPE module in transformers, or its config says this model
                 rotates no keys (Falcon with ``alibi=True``, GraniteMoeHybrid without ``position_embedding_type="rope"``).
-            NotImplementedError: the family rotates interleaved pairs or returns non-cos/sin tables.
+            NotImplementedError: the family rotates interleaved pairs (by name, or ``rope_interleave=True``), uses
+                multi-head latent attention (``kv_lora_rank``) or returns non-cos/sin tables.
         """
         text = text_config(config)
         model_type = getattr(text, "model_type", None)
@@ -277,6 +302,7 @@ class RotaryTables:
                 f"model_type {model_type!r} applies RoPE in a layout other than rotate-half (e.g. interleaved pairs); "
                 "kvbits.quant.rope supports the rotate-half convention only"
             )
+        _refuse_layout(text, model_type)
         _refuse_without_rope(text, model_type)
         module = _modeling_module(model_type)
         rotary = _instantiate(_rotary_class(module, model_type), text, device)
@@ -300,6 +326,7 @@ class RotaryTables:
         if found is None:
             return cls.from_config(model.config)
         text = getattr(found, "config", None) or text_config(model.config)
+        _refuse_layout(text, getattr(text, "model_type", None))
         _refuse_without_rope(text, getattr(text, "model_type", None))
         rotary = copy.deepcopy(found).eval()
         for hooks in (rotary._forward_hooks, rotary._forward_pre_hooks):
