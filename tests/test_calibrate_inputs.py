@@ -450,3 +450,17 @@ def test_static_scales_decoding_past_float16_are_refused_in_the_artifact(tmp_pat
     with pytest.raises(ValueError, match=match):
         art.save(tmp_path / "a")
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("kind", ["int", "nuq"])
+def test_static_ranges_past_float16_are_refused_at_the_fit_naming_layer_and_side(kind):
+    """Keys of layer 1 around 4e4 * randn: a static asymmetric range's minimum below -65504 made a float16
+    zero-point of -inf and the artifact was refused as "layers.1.key_scale holds non-finite values" (int), or
+    with "a group spans inf" and no layer (NUQ). Now the fit names the layer, side, channel and range."""
+    key = TensorSpec(kind=kind, bits=4, granularity="channel", static=True, pre_rope=True)
+    scheme = KVScheme(name=f"{kind}4-static", key=key, value=TensorSpec(kind="int", bits=4, group_size=16))
+    keys = with_layer(samples(), 1, 4e4 * samples(seed=2)[1])
+    with pytest.raises(ValueError, match=rf"layer 1 key: static {kind} scales and zero-points are float16, and \d+ "
+                                         r"channel range\(s\) overflow them \(head \d channel \d+: \[-\d+"):  # fmt: skip
+        artifact_from_samples(scheme, keys, samples(seed=1), meta={"data": {"context": N}})
+    artifact_from_samples(scheme, samples(), samples(seed=1), meta={"data": {"context": N}})  # in range: fitted

@@ -295,6 +295,20 @@ def test_asymmetric_range_beyond_float16_is_a_clear_error():
     assert bool(torch.isfinite(sym).all())
 
 
+def test_a_group_past_float16_itself_says_its_span_not_inf():
+    """Values around 4e4 * randn (min below -65504): the float16 zero-point rounded down to -inf and the message
+    said "a group spans inf" with advice (symmetric NUQ) alone. Now the span from the data, the group's ends,
+    that the values are past float16 themselves, and the choices."""
+    from kvbits.quant.nuq import choose_nuq_params
+
+    x = torch.tensor([[-70000.0, 0.0, 1.0, 30000.0], [-1.0, 0.0, 1.0, 2.0]])
+    with pytest.raises(ValueError, match="a group spans 100000, beyond float16's 65504 \\(min -70000, max 30000") as info:
+        choose_nuq_params(x, (1,))
+    said = str(info.value)
+    assert "inf" not in said.split("NaN")[0] and "values reach |x| = 70000, past float16's range" in said
+    assert "symmetric NUQ" in said and "scale_dtype='fp32'" in said
+
+
 def test_zero_static_nuq_scale_counts_what_it_clips():
     """kvquant-4 keys with calibrated scales of 0 everywhere: every kept value collapses onto the zero-point
     (4032 of 4096; 64 outliers are stored exactly) and clipped reported 0. Now it reports them."""

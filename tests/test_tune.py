@@ -393,6 +393,23 @@ def test_refinement_rounds_measure_around_the_mix_and_keep_the_best():
         tune(model, ids, ["int8-token", "int2-token"], 4.0, context=128, rounds=0)
 
 
+def test_sensitivity_tables_of_another_layer_count_are_refused_before_any_pass():
+    """On a 2-layer model, layer_sensitivity(n_layers=1) and marginal_sensitivity(pick=[0]) returned a 1-row table,
+    silently (3 failed only inside, on a mixed scheme's override); both now refuse, naming the model's count,
+    before any pass."""
+    from kvbits.evaluate import runner
+    from kvbits.tune import layer_sensitivity, marginal_sensitivity
+
+    model, ids = _llama(), _ids(200)
+    cands = [get_scheme("int2-token"), get_scheme("int4-token")]
+    with mock.patch.object(runner, "evaluate", side_effect=AssertionError("measured")):
+        for n in (1, 3):
+            with pytest.raises(ValueError, match=rf"n_layers asks for {n} layer\(s\), but the model has 2"):
+                layer_sensitivity(model, ids, cands, n, context=64)
+            with pytest.raises(ValueError, match=rf"pick lists {n} layer\(s\), but the model has 2"):
+                marginal_sensitivity(model, ids, cands, [0] * n, context=64)
+
+
 def test_marginal_sensitivity_refuses_a_pick_out_of_range():
     """A pick index of -1 stored the layer by the last candidate and measured around that, silently (its row had no
     0.0 for the current storage); one past the end failed inside with an IndexError. Both are refused before any

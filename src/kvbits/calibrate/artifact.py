@@ -760,7 +760,7 @@ def load_calibration(
             f"{meta_path} is missing: {d} is not a complete calibration (re-run kvbits calibrate)"
         )
     try:
-        meta = loads(meta_path.read_text())
+        meta = loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{meta_path} is not valid JSON (corrupt or truncated): {exc}") from None
     if not isinstance(meta, dict):

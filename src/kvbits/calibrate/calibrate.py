@@ -176,7 +176,7 @@ def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = 
     if held and not overwrite:
         meta = out / META_FILE
         try:
-            old = json.loads(meta.read_text()) if meta.is_file() else {}
+            old = json.loads(meta.read_text(encoding="utf-8")) if meta.is_file() else {}
         except (OSError, ValueError):
             old = {}
         what = ""

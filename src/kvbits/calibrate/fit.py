@@ -104,15 +104,33 @@ def _check_sides(scheme: KVScheme) -> None:
 
 
 def _static_params(
-    spec: TensorSpec, x: torch.Tensor, percentile: float
+    spec: TensorSpec, x: torch.Tensor, percentile: float, where: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-(head, channel) ``(scale, zero)`` float16 ``(H, D)`` covering the percentile range of ``x`` (H, N, D)."""
+    """Per-(head, channel) ``(scale, zero)`` float16 ``(H, D)`` covering the percentile range of ``x`` (H, N, D).
+
+    Raises:
+        ValueError: a channel's range is past what a float16 scale / zero-point holds (an asymmetric minimum
+            below -65504, or for NUQ a span over 65504): naming ``where`` (``layer 3 key``), the channel and
+            its range, where the artifact's ``validate`` said only "holds non-finite values".
+    """
     lo, hi = channel_percentiles(x, percentile)
     ends = torch.stack([lo, hi])  # (2, H, D): the range to cover, reduced over dim 0
     if spec.kind == "int":
         scale, zero = choose_qparams(ends, spec.bits, (0,), symmetric=spec.symmetric)
     else:
-        scale, zero = choose_nuq_params(ends, (0,), symmetric=spec.symmetric)
+        scale, zero = choose_nuq_params(ends, (0,), symmetric=spec.symmetric, check=False)
+    bad = ~torch.isfinite(scale[0]) if zero is None else ~(torch.isfinite(scale[0]) & torch.isfinite(zero[0]))
+    if bool(bad.any()):  # calibration, once per layer and side: not a per-step path
+        h, c = (int(i) for i in bad.nonzero()[0])
+        f16 = torch.finfo(torch.float16).max
+        raise ValueError(
+            f"{where + ': ' if where else ''}static {spec.kind} scales and zero-points are float16, and "
+            f"{int(bad.sum())} channel range(s) overflow them (head {h} channel {c}: [{float(lo[h, c]):.6g}, "
+            f"{float(hi[h, c]):.6g}]; an asymmetric range's minimum must be >= -{f16:g}"
+            + (f" and its span at most {f16:g}" if spec.kind == "nuq" else "")
+            + "): the K/V samples are too large for this spec; scale them down, use a symmetric spec, or a "
+            "dynamic int spec with scale_dtype='fp32'"
+        )
     return scale[0], None if zero is None else zero[0]
 
 
@@ -187,7 +205,7 @@ def fit_side(
         grad = rotate(grad, spec.rotate)
     kw: dict[str, Any] = {}
     if spec.static:
-        scale, zero = _static_params(spec, x_coded, percentile)
+        scale, zero = _static_params(spec, x_coded, percentile, where)
         tensors["scale"] = scale
         if zero is not None:
             tensors["zero"] = zero

@@ -81,7 +81,7 @@ def _read_done(path: Path) -> str | None:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return loads(path.read_text())
+        return loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 

@@ -501,7 +501,7 @@ def _check_out_outside(checkpoint: Path, out: Path) -> None:
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
     """``path`` parsed as a JSON object; ``ValueError`` naming ``path`` and ``what`` it should hold."""
     try:
-        obj = loads(path.read_text())
+        obj = loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON ({what} expected): {exc}") from None
     return dict(json_object(obj, path, what))

@@ -262,7 +262,7 @@ def read_tunings(path: Path, quiet: bool = False) -> dict[str, Tuning]:
     if not path.exists():
         return {}
     try:
-        raw = loads(path.read_text())
+        raw = loads(path.read_text(encoding="utf-8"))
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("keys"), dict):
             raise ValueError(f"expected {{'format': {FORMAT}, 'keys': {{...}}}}")
         return {str(k): Tuning.from_json(v) for k, v in raw["keys"].items()}

@@ -351,7 +351,7 @@ class CacheMonitor:
         last = self._events_written.get(key)
         # after the event written last (by identity, from the end: the new ones are few); not there: all are new
         start = next((i + 1 for i in range(len(self.events) - 1, -1, -1) if self.events[i] is last), 0)
-        with path.open("a") as f:
+        with path.open("a", encoding="utf-8") as f:
             for ev in self.events[start:]:
                 f.write(strict_json(ev) + "\n")
         if self.events:

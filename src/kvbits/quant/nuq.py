@@ -82,14 +82,26 @@ def choose_nuq_params(
     """
     scale, zero = range_qparams(x, dims, 1, symmetric=symmetric, mask=mask)
     if check and zero is not None and scale.numel() and bool(torch.isinf(scale).any()):
-        _, hi = masked_range(x.float(), dims, mask)
-        span = float((hi - zero.float()).max())
-        raise ValueError(
-            f"asymmetric NUQ stores each group's range max - min as a float16 scale; a group spans {span:.6g}, "
-            f"beyond float16's {torch.finfo(torch.float16).max:g} (it would decode to NaN): keep |x| within "
-            "half of that, or use symmetric NUQ"
-        )
+        raise ValueError(_span_message(*masked_range(x.float(), dims, mask)))
     return scale, zero
+
+
+def _span_message(lo: torch.Tensor, hi: torch.Tensor) -> str:
+    """Why an asymmetric group's float16 scale overflowed, from the groups' float32 ``lo`` / ``hi`` (any shape),
+    and what to do. The span is taken from the data: one from the stored float16 zero-point read ``inf`` once
+    the minimum itself was past -65504 (the zero-point rounded down to -inf)."""
+    f16 = torch.finfo(torch.float16).max
+    worst = int((hi - lo).flatten().argmax())
+    g_lo, g_hi = float(lo.flatten()[worst]), float(hi.flatten()[worst])
+    peak = float(torch.maximum(lo.abs(), hi.abs()).max())
+    said = (f"asymmetric NUQ stores each group's minimum as a float16 zero-point and its range max - min as a "
+            f"float16 scale; a group spans {g_hi - g_lo:.6g}, beyond float16's {f16:g} (min {g_lo:.6g}, max "
+            f"{g_hi:.6g}; it would decode to NaN)")  # fmt: skip
+    if peak > f16:
+        said += f", and values reach |x| = {peak:.6g}, past float16's range themselves"
+    return (said + f": keep |x| within {f16 / 2:g} (scale the input down), use symmetric NUQ (its scale is the "
+            f"largest |x|, values past {f16:g} clip), or a dynamic int or FP8 spec with scale_dtype='fp32' (NUQ has "
+            "no float32 scales)")
 
 
 def nuq_normalize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:

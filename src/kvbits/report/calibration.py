@@ -140,7 +140,7 @@ def _artifact_from_folder(
 def _record_from(meta_path: Path, p: str, scheme: str, artifact_id: str | None) -> dict[str, Any] | None:
     """The artifact record from ``meta_path`` when it is ``scheme``'s artifact of id ``artifact_id``, else None."""
     try:
-        meta = loads(meta_path.read_text())
+        meta = loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(meta, Mapping) or (meta.get("scheme") or {}).get("name") != scheme:

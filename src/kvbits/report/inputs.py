@@ -93,7 +93,7 @@ def load_config(out_dir: str | Path) -> dict[str, Any]:
     if not p.is_file():
         return {}
     try:
-        data = loads(p.read_text())
+        data = loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         logger.warning("ignoring unreadable %s: %s", p, exc)
         return {}

@@ -330,7 +330,7 @@ def _generation_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a run's ``generations.jsonl``; ``ValueError`` naming the file and the line for one that is not
     JSON, not an object, or a reference row without its ``window`` (a whole number) and ``tokens`` (a list)."""
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -27,7 +27,7 @@ def read_json(path: Path, check: Callable[[Any, Path], None] | None = None) -> A
     """A run's JSON file (``summary.json``, ``needle.json``, ...), ``ValueError`` naming it when it does not parse;
     ``check``: also called with the content and ``path`` (``check_speed``, ``check_needle``), which raise."""
     try:
-        content = loads(path.read_text())
+        content = loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while writing it?") from exc
     if check is not None:

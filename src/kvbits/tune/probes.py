@@ -29,6 +29,31 @@ EXACT = KVScheme(
     description="float32 K/V: no storage error (the background of a per-layer sensitivity run)",
 )
 
+
+def _loaded(model: Any, run: dict[str, Any]) -> tuple[Any, int]:
+    """``(model, its layer count)``: a registry name / path loaded here, once, as ``tune`` loads it (``run``'s
+    ``dtype`` / ``device`` apply to the load and are then cleared, since they are spent), so that a table length
+    can be checked against the model before any pass; the count is the planner's (``load_shape`` of the config),
+    what ``tune`` sizes ``n_layers`` / ``pick`` by."""
+    from kvbits.plan.config import load_shape
+
+    if isinstance(model, str):
+        from kvbits.evaluate.models import load_model
+        from kvbits.evaluate.request import _resolve_dtype, check_device
+
+        check_device(run.get("device"))
+        model = load_model(model, dtype=_resolve_dtype(run.get("dtype"))[0], device=run.get("device") or "cpu")
+        run["dtype"] = run["device"] = None
+    return model, load_shape(getattr(model, "model", model).config).n_layers
+
+
+def _check_layer_count(given: int, layers: int, what: str) -> None:
+    """``ValueError`` unless ``given`` (the table length asked for; ``what`` says how) is the model's ``layers``."""
+    if given != layers:
+        raise ValueError(f"{what} {given} layer(s), but the model has {layers}: one per model layer expected "
+                         "(a shorter table left the last layers out, silently)")  # fmt: skip
+
+
 def layer_sensitivity(
     model: Any,
     data: Any,
@@ -50,9 +75,15 @@ def layer_sensitivity(
     ``calibrations``: candidate name -> ``CalibrationArtifact``; a probe of a calibrated candidate runs
     with the artifact composed from them (``compose_artifact``: layer ``i``'s tensors of that candidate).
     ``skip``: layers that store no K/V (``LayerShape.attention == "none"``: a hybrid model's convolution or
-    state-space layers), whose scheme changes nothing: no probe, a row of 0.0."""
+    state-space layers), whose scheme changes nothing: no probe, a row of 0.0. ``n_layers`` must be the model's
+    layer count (``ValueError`` otherwise, before any pass: a smaller one returned a table missing the last
+    layers)."""
     from kvbits.evaluate.runner import evaluate
 
+    loaded = {"dtype": dtype, "device": device}
+    model, layers = _loaded(model, loaded)
+    dtype, device = loaded["dtype"], loaded["device"]
+    _check_layer_count(n_layers, layers, "n_layers asks for")
     probes = [
         mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
         for i in range(n_layers) if i not in skip for c in candidates
@@ -127,7 +158,8 @@ def marginal_sensitivity(
     per-layer constant changes no choice). ``run``: ``evaluate``'s ``windows``, ``data_path``, ``dtype``,
     ``device``, ``progress``; ``calibrations``: candidate name -> artifact, and ``skip`` (layers without K/V:
     no probe, a row of 0.0), as ``layer_sensitivity``. ``pick``: ``(layers,)`` the current mix's candidate index
-    per layer, each in ``0..len(candidates) - 1`` (``ValueError`` otherwise, before any pass)."""
+    per layer, each in ``0..len(candidates) - 1``, one per model layer (``ValueError`` otherwise, before any
+    pass)."""
     from kvbits.evaluate.runner import evaluate
 
     # before any pass: a negative index stored the layer by a candidate from the end, silently (its row then had no
@@ -136,6 +168,8 @@ def marginal_sensitivity(
         raise ValueError(
             f"pick must list one candidate index per layer, each in 0..{len(candidates) - 1}, got {list(pick)!r}"
         )
+    model, layers = _loaded(model, run)
+    _check_layer_count(len(pick), layers, "pick lists")
     current = _mix(candidates, pick, "current")
     probes = {
         (i, j): _mix(candidates, [j if k == i else p for k, p in enumerate(pick)], f"around,{i}={c.name}")

@@ -69,7 +69,7 @@ def _valid_conversion(folder: Path, record: dict[str, Any]) -> bool:
     ``files`` (name -> sha256, recorded at conversion) checked through ``cached_file_sha256``, which hashes a
     file again once it was written to (a damaged or truncated copy is converted again, not loaded)."""
     try:
-        marker = json.loads((folder / _CONVERSION_MARKER).read_text())
+        marker = json.loads((folder / _CONVERSION_MARKER).read_text(encoding="utf-8"))
         if not isinstance(marker, dict) or _identity(marker) != _identity(record):
             return False
         for name, sha in (marker.get("files") or {}).items():
@@ -149,7 +149,7 @@ def _convert_locked(source: ModelSource, final: Path, record: dict[str, Any]) ->
                 f"{(bad or sorted(set(reloaded) ^ set(expected)))[:5]}"
             )
         files = {p.name: cached_file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / _CONVERSION_MARKER).write_text(json.dumps({**record, "files": files}, indent=1))
+        (tmp / _CONVERSION_MARKER).write_text(json.dumps({**record, "files": files}, indent=1), encoding="utf-8")
         if final.exists():  # stale: another transformers version, or a conversion cut short
             shutil.rmtree(final, ignore_errors=True)
         try:

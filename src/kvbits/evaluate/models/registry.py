@@ -183,7 +183,7 @@ def cached_file_sha256(path: str | os.PathLike[str]) -> str:
         return _HASHED[key]
     record_path = cache_dir() / "hashes" / (hashlib.sha256(str(p).encode()).hexdigest()[:32] + ".json")
     try:
-        record = json.loads(record_path.read_text())
+        record = json.loads(record_path.read_text(encoding="utf-8"))
         if isinstance(record, dict) and all(record.get(k) == v for k, v in stamp.items()):
             _HASHED[key] = str(record["sha256"])
             return _HASHED[key]
@@ -225,7 +225,7 @@ def _cached_sha256(path: Path) -> str:
     st = path.stat()
     side = _sidecar(path)
     try:
-        record = json.loads(side.read_text())
+        record = json.loads(side.read_text(encoding="utf-8"))
         # a damaged sidecar holding JSON that is not an object ([], null) is hashed again, as an unparsable one
         if isinstance(record, dict) and all(record.get(k) == v for k, v in _stat_stamp(st).items()):
             return str(record["sha256"])
