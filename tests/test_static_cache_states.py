@@ -127,3 +127,19 @@ def test_graphed_decode_refuses_a_hybrid_models_states(monkeypatch):
     step(tok, cache_position=torch.tensor([9]), **{CACHE_KW: cache})
     with pytest.raises(ValueError, match=r"GraphedDecode: layers \[0, 2\] of StaticQuantizedKVCache keep convolution"):
         step(tok, cache_position=torch.tensor([10]), **{CACHE_KW: cache})
+
+
+@pytest.mark.parametrize("make", [_lfm2, _qwen3_next, _zamba2, _falcon_h1], ids=["lfm2", "qwen3_next", "zamba2", "falcon_h1"])
+def test_a_request_of_another_batch_after_reset_is_refused_by_name(make):
+    """``reset()`` keeps the slabs and the states of the first request's batch (2): a request of 3 sequences was a bare
+    ``RuntimeError: The size of tensor a (2) must match the size of tensor b (3)`` from transformers' in-place copy
+    into a conv / Mamba state; now the ``ValueError`` the K/V slabs give, before anything is written, and the cache
+    still serves a batch of 2."""
+    cfg, model, ids = _model(make)
+    cache = StaticQuantizedKVCache(config=cfg, scheme="int8-token", max_cache_len=MAX_LEN)
+    first = model(ids, **{CACHE_KW: cache}).logits
+    cache.reset()
+    with pytest.raises(ValueError, match="cannot take 3 sequences .*batch of 2"):
+        model(torch.randint(1, 96, (3, 7)), **{CACHE_KW: cache})
+    cache.reset()
+    torch.testing.assert_close(model(ids, **{CACHE_KW: cache}).logits, first, atol=0, rtol=0)

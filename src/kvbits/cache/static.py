@@ -1249,12 +1249,26 @@ class StaticQuantizedKVCache(Cache):
             "StaticCache(config=model.config) holds the model unquantized"
         )
 
-    def _state_holder(self, call: str, layer_idx: int) -> None:
-        """``_no_state`` unless layer ``layer_idx`` holds a state (a ``LinearAttentionLayer`` or a hybrid layer)."""
+    def _state_holder(self, call: str, layer_idx: int, state_idx: int = 0, new: Any = None) -> None:
+        """``_no_state`` unless layer ``layer_idx`` holds a state (a ``LinearAttentionLayer`` or a hybrid layer);
+        for an update, ``ValueError`` when ``new`` (a conv state ``(B, ...)``, or a recurrent one or a list of them)
+        brings another batch than the state held since the cache's first request (a ``reset()`` keeps it, as it
+        keeps the K/V slabs): transformers' in-place ``copy_`` raised a bare ``RuntimeError`` (``The size of tensor a
+        (2) must match the size of tensor b (3)``) from the model's conv layer. Host metadata only, no sync."""
         from kvbits.cache.cache import _holds_state
 
-        if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers) and not _holds_state(self.layers[layer_idx]):
+        if not (isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)):
+            return
+        layer = self.layers[layer_idx]
+        if not _holds_state(layer):
             raise self._no_state(call, layer_idx)
+        if new is None:
+            return
+        held = (layer.conv_states if call == "update_conv_state" else layer.recurrent_states).get(state_idx)
+        x = new if isinstance(new, torch.Tensor) else new[-1] if isinstance(new, (list, tuple)) and new else None
+        if isinstance(held, torch.Tensor) and isinstance(x, torch.Tensor) and x.dim() and x.shape[0] != held.shape[0]:
+            raise ValueError(f"{call}(layer {layer_idx}): a state of {x.shape[0]} sequences: "
+                             + _FIXED_BATCH.format(held.shape[0], f"take {x.shape[0]} sequences"))  # fmt: skip
 
     # transformers' linear-attention calls: the state layers' (transformers' Cache), else refused (``_no_state``)
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -1262,7 +1276,7 @@ class StaticQuantizedKVCache(Cache):
         return super().get_conv_state(layer_idx, state_idx)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
-        self._state_holder("update_conv_state", layer_idx)
+        self._state_holder("update_conv_state", layer_idx, state_idx, conv_states)
         return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -1270,7 +1284,7 @@ class StaticQuantizedKVCache(Cache):
         return super().get_recurrent_state(layer_idx, state_idx)
 
     def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
-        self._state_holder("update_recurrent_state", layer_idx)
+        self._state_holder("update_recurrent_state", layer_idx, state_idx, recurrent_states)
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     def _undo_request(self) -> None:
