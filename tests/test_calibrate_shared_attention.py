@@ -247,3 +247,45 @@ def test_analyze_keeps_zamba2s_unrotated_keys_as_cached_without_rope():
     for la in result.layers:
         assert la.rot_dim == 0 and la.key_post_rope is None
         assert torch.equal(la.key_pre_rope.absmax, cached[la.layer][0].abs().amax(dim=(0, 2)))
+
+
+def test_zamba2_simulates_pre_rope_schemes_as_the_stream_runs_them():
+    """Was: every pre-RoPE scheme in ``evaluate(mode='simulate')`` on a Zamba2 with ``use_mem_rope=True`` failed
+    after the reference pass with "layer_idx must be an int in [0, 4), got -1" (the simulator asked RoPE tables for
+    the shared block's layer_idx -1). Now the block's calls take the tables its hybrid layers share, and the
+    simulated PPL equals the stream's (97.7733 both, context 160)."""
+    from kvbits.evaluate.runner import evaluate
+
+    model = _model(_zamba2)
+    ids = torch.randint(1, 96, (170,))
+    ppl = {
+        mode: evaluate(model, ids, 160, ["int4-channel-prerope"], mode=mode)["results"][0]["ppl"]
+        for mode in ("simulate", "stream")
+    }
+    assert math.isclose(ppl["simulate"], ppl["stream"], rel_tol=1e-5)
+
+
+def test_zamba2_simulate_refuses_calibrated_schemes_it_would_run_without_their_artifact(tmp_path):
+    """Was: ``evaluate(mode='simulate', calibration=...)`` on Zamba2 looked up the shared block's layer_idx -1 in an
+    artifact of hybrid layers [1, 3], found nothing and quantized without it: the artifact's scales x1000 changed
+    no logit, and ``kvquant-4`` failed deep inside. Now evaluate refuses before any forward pass, and ``simulate``
+    itself refuses, both pointing to mode='stream' (which runs the artifact)."""
+    from kvbits.calibrate import calibrate
+    from kvbits.evaluate.runner import evaluate
+    from kvbits.evaluate.simulate import simulate
+
+    model = _model(_zamba2)
+    ids = torch.randint(1, 96, (80,))
+    calibrate(model, ids, "fp8-e4m3", context=32, windows=2, fisher=False, out_dir=tmp_path / "cal")
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=r"mode='simulate'.*'fp8-e4m3'.*calibrated.*mode='stream'"):
+        evaluate(model, ids, 32, ["fp8-e4m3"], mode="simulate", calibration={"fp8-e4m3": str(tmp_path / "cal")})
+    assert forwards == []
+    with (
+        pytest.raises(ValueError, match=r"calibrated parameters per layer.*layers \[1, 3\].*mode='stream'"),
+        simulate(model, "fp8-e4m3", calibration=tmp_path / "cal"),
+    ):
+        pass
+    with simulate(model, "fp8-e4m3"):  # uncalibrated (dynamic scales): one scheme for every call, as before
+        model(input_ids=ids[None, :16])

@@ -60,7 +60,10 @@ def shared_attention_note(model: torch.nn.Module) -> str:
     if any(getattr(m, "layer_idx", None) is None for m in shared):  # Zamba: the simulator finds no module at all
         sim = "evaluate's mode='simulate'"
     else:  # Zamba2 (layer_idx -1): one scheme for every call
-        sim = "in evaluate's mode='simulate' mixed schemes (hence kvbits tune) and the attention error / entropy"
+        sim = (
+            "in evaluate's mode='simulate' mixed and calibrated schemes (hence kvbits tune) and the attention "
+            "error / entropy"
+        )
     return (
         f"{type(model).__name__}'s attention block {type(shared[0]).__name__} is shared by its hybrid {by} and "
         "has no per-layer layer_idx (the calling layer passes it), so the measures that hook attention modules "

@@ -382,6 +382,15 @@ def evaluate(
         shared = shared_attention_note(model)
         if shared and mode == "simulate" and not attention_modules(model):  # Zamba: no layer_idx to simulate by
             raise ValueError(f"evaluate: mode='simulate': {shared}")
+        calibrated = [  # what the simulator would look up by the calling layer's index (-1 on Zamba2)
+            s.name for s in resolved if isinstance(s, KVScheme)
+            and (s.needs_calibration() or (s.calibratable() and calibrations.get(_scheme_name(s)) is not None))
+        ]  # fmt: skip
+        if shared and mode == "simulate" and calibrated:  # Zamba2: the simulator ran them without their artifact
+            raise ValueError(
+                f"evaluate: mode='simulate': schemes {calibrated} take calibrated parameters per layer, which the "
+                f"simulator can not match to the calling layer: {shared}"
+            )
         if shared and attn_layers:  # it said 'have no attention (... state-space layers ...)'
             raise ValueError(f"attn_layers={list(attn_layers)} (CLI: --attn-layers): {shared}")
         if shared and mode == "simulate" and attn_layers is None:  # Zamba2: the default measured nothing silently

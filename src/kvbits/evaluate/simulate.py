@@ -723,6 +723,23 @@ def _calibration_kwargs(
     }
 
 
+def _shared_block_tables(model: Any, tables: Any) -> Any:
+    """The RoPE tables of a shared attention block's calls (``layer_idx`` -1: Zamba2's, one per ``hybrid`` layer):
+    the hybrid layers' tables when they are all alike (one rotary module, one layer type, one head dim), else
+    ``ValueError`` (the simulator can not tell which layer calls the block). ``tables.tables_for_layer(-1)`` was
+    "layer_idx must be an int in [0, 4), got -1" for every pre-RoPE scheme."""
+    layers = hybrid_layers(model)
+    per = [tables.tables_for_layer(i) for i in layers]
+    alike = {(id(t.rotary), t.layer_type, t.rot_dim, t.head_dim, t.half_tables) for t in per}
+    if len(alike) != 1:
+        raise ValueError(
+            f"{IMPLEMENTATION}: {type(model).__name__}'s attention block is shared by its hybrid layers {layers}, "
+            f"whose RoPE tables differ (or none is typed 'hybrid'): the simulator can not tell which layer calls it; "
+            "evaluate pre-RoPE schemes with mode='stream' (`kvbits eval --mode stream`)"
+        )
+    return per[0]
+
+
 @contextlib.contextmanager
 def simulate(
     model: Any,
@@ -798,6 +815,13 @@ def simulate(
             "leave attn_layers empty"
         )
     qkw = _calibration_kwargs(model, scheme, calibration)
+    if shared and any(qkw.values()):  # it looked up layer -1 in an artifact of layers [1, 3]: calibration ignored
+        raise ValueError(
+            f"{IMPLEMENTATION}: scheme {scheme.name!r} takes calibrated parameters per layer (the artifact holds "
+            f"layers {sorted({i for i, _ in qkw})}), but {type(model).__name__}'s attention block {shared[0]} is "
+            "shared by several layers (layer_idx -1): the simulator can not tell which layer calls it, so it would "
+            "quantize without them; evaluate calibrated schemes with mode='stream' (`kvbits eval --mode stream`)"
+        )
     n_layers = max(m.layer_idx for m in modules) + 1
     scheme.check_layer_count(n_layers)
     attn_layers = check_layer_indices("attn_layers", attn_layers)  # int(0.7) recorded layer 0 without a word
@@ -813,7 +837,10 @@ def simulate(
         # the cache's own refusals first (HunYuan's key norm after RoPE): the simulator stands for that cache
         tables, _ = rotary_for(scheme, model.config, RotaryTables.from_model(model))
         for m in pre_rope:
-            rotary_layers[m.layer_idx] = tables.tables_for_layer(m.layer_idx)
+            if m.layer_idx < 0:  # Zamba2's shared block: the tables its calling layers share
+                rotary_layers[m.layer_idx] = _shared_block_tables(model, tables)
+            else:
+                rotary_layers[m.layer_idx] = tables.tables_for_layer(m.layer_idx)
     _register()
     sim = Simulation(
         scheme=scheme,
