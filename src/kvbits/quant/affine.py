@@ -153,7 +153,8 @@ def range_qparams(
         return _stored_scale(div_rn(a.amax(dim=dims, keepdim=True), steps), meta, steps), None
     lo, hi = masked_range(xf, dims, mask)
     zero = _round_down_fp16(lo) if meta == torch.float16 else lo
-    return _stored_scale(div_rn((hi - zero.float()).clamp_min(0.0), steps), meta, steps, zero), zero
+    zf = zero.float()  # once: the scale's range and its cap both take it (a float32 zero caps as its float16)
+    return _stored_scale(div_rn((hi - zf).clamp_min(0.0), steps), meta, steps, zf), zero
 
 
 INTEGER_ZERO_MIN_SCALE = 1e-6  # vLLM's int4_per_token_head floor: a zero-range group gets this scale
@@ -289,6 +290,9 @@ def masked_range(
     the stored zero-point (decoding the same), against the kernel's bit-for-bit claim.
     """
     if mask is None:
+        if len(dims) == 1:  # one reduction for both ends (a flush's per-token range): the same min and max
+            lo, hi = torch.aminmax(xf, dim=dims[0], keepdim=True)
+            return lo + 0.0, hi + 0.0
         return xf.amin(dim=dims, keepdim=True) + 0.0, xf.amax(dim=dims, keepdim=True) + 0.0
     lo = xf.masked_fill(mask, float("inf")).amin(dim=dims, keepdim=True)
     hi = xf.masked_fill(mask, -float("inf")).amax(dim=dims, keepdim=True)
@@ -305,7 +309,8 @@ def quantize_affine(
     """
     check_bits(bits)
     s = scale.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
+    live = s > 0  # once for both wheres; Python-number branches need no filled tensor (same values, fewer kernels)
+    safe = torch.where(live, s, 1.0)
     if zero is None:
         c = 2 ** (bits - 1) - 1
         q = torch.round(x.float() / safe) + c
@@ -313,7 +318,7 @@ def quantize_affine(
     else:
         q = torch.round((x.float() - zero.float()) / safe)
         lo_code, hi_code = 0, 2**bits - 1
-    q = torch.where(s > 0, q, torch.full_like(q, 0 if zero is not None else 2 ** (bits - 1) - 1))
+    q = torch.where(live, q, 0.0 if zero is not None else float(2 ** (bits - 1) - 1))
     clipped = (q < lo_code) | (q > hi_code)
     return q.clamp(lo_code, hi_code).to(torch.uint8), clipped
 
