@@ -72,15 +72,15 @@ def test_bytewise_pack_matches_word_layout(bits):
 
 
 # sha256 (first 16 hex) of every stored code / scale / zero-point and the returned K/V over a prefill of 200 tokens and
-# 40 decode steps (seeded), taken at e45df0d: the op savings must not move a bit
+# 40 decode steps (seeded), taken at e45df0d: the op savings must not move a bit (elementwise ops and min / max only,
+# exact in IEEE arithmetic whatever the CPU)
 DIGESTS = {
-    "int8-token": "3f975a99a82dc464",
-    "int4-token": "6d9d0d977662926f",
-    "int2-token": "b635eb7130e47c99",
-    "kivi-2": "84a24a8030664551",
-    "kivi-4": "782e824244299e53",
-    "int4-channel-prerope": "db92cb1a07ab231a",
-}
+    "int8-token": "fc327beb03182e76",
+    "int4-token": "ffb7f89e1274fdf2",
+    "int2-token": "d47d1b2717bfca00",
+    "kivi-2": "33fdadda503a97a3",
+    "kivi-4": "57bc22493cbf3931",
+}  # no pre-RoPE scheme: its cos/sin tables may differ in the last bit between CPUs' vector math libraries
 
 
 def _digest(scheme: str) -> str:
@@ -89,7 +89,9 @@ def _digest(scheme: str) -> str:
     h = hashlib.sha256()
     for t in range(41):
         q = 200 if t == 0 else 1
-        k, v = torch.randn(2, 2, q, 64) * 3, torch.randn(2, 2, q, 64)
+        # integer draws scaled by a power of two: the same floats on every CPU (randn's vector path may not be)
+        k = torch.randint(-3 * 2**12, 3 * 2**12, (2, 2, q, 64)) / 2**12
+        v = torch.randint(-(2**12), 2**12, (2, 2, q, 64)) / 2**12
         keys, values = cache.update(k, v, 0)
         h.update(keys.numpy().tobytes())
         h.update(values.numpy().tobytes())
