@@ -556,3 +556,34 @@ def test_latent_attention_models_are_refused_before_a_forward():
     for build in (lambda: RotaryTables.from_config(cfg), lambda: RotaryTables.from_model(model)):
         with pytest.raises(NotImplementedError, match="multi-head latent attention.*kv_lora_rank=16"):
             build()
+
+
+_SWA = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_IDX = ["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kw", "rot_dims"),
+    [
+        ("exaone4", {"layer_types": _SWA}, [16, 0, 16, 0]),
+        ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}, [16] * 4),
+        ("exaone_moe", {"layer_types": _SWA}, [16, 0, 16, 0]),
+        ("kolibri1", {"layer_types": _SWA}, [16, 0, 16, 0]),
+        ("kolibri1_1", {"layer_types": _IDX, "index_num_heads": 2, "kv_source_layers": [0, 1, 2, 3]}, [16, 0, 16, 0]),
+        ("afmoe", {"layer_types": _SWA}, [16, 0, 16, 0]),
+        ("flint", {"layer_types": _SWA}, [16, 0, 16, 0]),
+        ("lara_mini", {"layer_types": _SWA}, [16, 0, 16, 0]),
+        ("granite_swa", {"layer_types": _SWA, "layer_rope_theta": [10000.0, 0, 10000.0, 0]}, [16, 0, 16, 0]),
+    ],
+)
+def test_layers_a_family_rule_leaves_unrotated_are_identity(model_type: str, kw: dict, rot_dims: list[int]):
+    """EXAONE 4 rotates only its sliding layers when ``sliding_window`` is set (a rule in its attention forward, not a
+    config list), AFMoE / Flint / Lara-mini / Kolibri only their sliding layers, Granite SWA none whose
+    ``layer_rope_theta`` is 0: their other layers cache pre-RoPE keys, which the tables rotated by 16 channels
+    (pre-RoPE keys quantized in a frame the model never used). Checked against the model's own cached keys."""
+    cfg = _config_class(model_type)(
+        **TINY | {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 64} | kw, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    tables, _ = _check_roundtrip(cfg)
+    assert [tables.tables_for_layer(i).rot_dim for i in range(4)] == rot_dims

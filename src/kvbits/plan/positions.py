@@ -28,6 +28,10 @@ It refuses, for a transformers config:
   and those of a family whose rotary module falls back to a default one (a Qwen2-VL config without it:
   :func:`default_mrope_section`, read from the modeling source), which the cache refuses before building tables.
 
+Per layer, :func:`layer_rotates` tells a NoPE layer of a family that rotates (``RotaryTables.tables_for_layer`` gives
+it ``rot_dim`` 0): flagged by its config (``no_rope_layers``, ``layer_rope_theta`` 0) or by a rule of its family's
+attention forward (:data:`LAYER_ROTATES`: EXAONE 4 rotates only its sliding layers when ``sliding_window`` is set).
+
 A config-only family (transformers ships its config but runs it with another family's model class: EXAONE with
 ``LlamaModel``) is judged by the modeling file that runs it (:func:`modeling_family`), as ``RotaryTables`` builds its
 tables from that file. A family whose modeling file can not be found (a remote-code model) is not refused here: the
@@ -39,18 +43,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = [
     "ALIBI_FAMILIES",
     "INTERLEAVED_SINUSOID",
     "KEYS_NORMED_AFTER_ROPE",
+    "LAYER_ROTATES",
     "LEARNED_POSITIONS",
     "NON_TEXT_ROTARY",
     "NOT_ROTATE_HALF",
     "default_mrope_section",
     "interleave_reason",
+    "layer_rotates",
     "modeling_family",
     "mrope_section",
     "no_rope_reason",
@@ -78,6 +84,68 @@ key schemes un-rotate rotate-half only: ``RotaryTables.from_config`` refuses the
 list is what its probe of ``apply_rotary_pos_emb`` refuses in transformers 5.25 (tests check each entry against it)."""
 NON_TEXT_ROTARY = ("Vision", "Audio", "DiT", "Talker", "SaProt")
 """Tags of rotary modules of other modalities living in the same modeling file as the text model's."""
+
+
+def _layer_type(text: Any, i: int) -> str | None:
+    layer_types = getattr(text, "layer_types", None)
+    return layer_types[i] if isinstance(layer_types, (list, tuple)) and 0 <= i < len(layer_types) else None
+
+
+def _sliding_or_no_window(text: Any, i: int) -> bool:
+    return getattr(text, "sliding_window", None) is None or _layer_type(text, i) == "sliding_attention"
+
+
+def _sliding_with_window(text: Any, i: int) -> bool:
+    return getattr(text, "sliding_window", None) is not None and _layer_type(text, i) == "sliding_attention"
+
+
+def _sliding(text: Any, i: int) -> bool:
+    return _layer_type(text, i) == "sliding_attention"
+
+
+def _full(text: Any, i: int) -> bool:
+    return _layer_type(text, i) == "full_attention"
+
+
+LAYER_ROTATES: dict[str, Callable[[Any, int], bool]] = {
+    # modeling_exaone4.py:234 / modeling_exaone_moe.py:185 / modeling_kolibri1.py:184 (EXAONE 4.5's text model is
+    # exaone4): ``if self.sliding_window is None or self.is_sliding: ... apply_rotary_pos_emb``
+    "exaone4": _sliding_or_no_window,
+    "exaone_moe": _sliding_or_no_window,
+    "kolibri1": _sliding_or_no_window,
+    # modeling_afmoe.py:359: ``if self.is_local_attention:`` (layer_types[i] == "sliding_attention")
+    "afmoe": _sliding,
+    # modeling_flint.py:262/282: ``self.sliding_window = config.sliding_window if <sliding layer> else None`` and
+    # ``if self.sliding_window is not None:``
+    "flint": _sliding_with_window,
+    # modeling_kolibri1_1.py:310: ``if self.is_sliding and not self.is_kv_shared_layer:`` (a KV-shared layer caches
+    # nothing of its own); its indexed-attention layers are NoPE
+    "kolibri1_1": _sliding,
+    # modeling_lara_mini.py:1063: ``position_embeddings=position_embeddings if layer_type == "sliding_attention"``
+    "lara_mini": _sliding,
+    # modeling_olmo_hybrid.py:1036: only "full_attention" layers get position embeddings (the others are linear)
+    "olmo_hybrid": _full,
+}
+"""Families whose attention rotates the keys of some layers only, by a rule in their modeling file rather than a
+config list (each entry cites the line it mirrors, transformers 5.25): ``layer_rotates(text, i)`` for layer ``i``.
+The other layers are NoPE: their cached keys are pre-RoPE keys already (tables of ``rot_dim`` 0)."""
+
+
+def layer_rotates(text: Any, layer_idx: int) -> bool:
+    """Whether decoder layer ``layer_idx`` of the (text) config ``text`` rotates its keys by RoPE, for a model whose
+    family rotates (``pre_rope_problem`` is ``None``): ``False`` for a layer flagged NoPE by its config
+    (``no_rope_layers[i] == 0``: SmolLM3, Llama 4; ``layer_rope_theta[i] == 0``: Granite SWA, Muse Spark / Glimmer)
+    or by its family's rule (:data:`LAYER_ROTATES`: EXAONE 4's global layers when ``sliding_window`` is set, ...)."""
+    no_rope = getattr(text, "no_rope_layers", None)
+    if isinstance(no_rope, (list, tuple)) and layer_idx < len(no_rope) and not no_rope[layer_idx]:
+        return False
+    thetas = getattr(text, "layer_rope_theta", None)
+    if isinstance(thetas, (list, tuple)) and layer_idx < len(thetas) and not thetas[layer_idx]:
+        return False
+    rule = LAYER_ROTATES.get(getattr(text, "model_type", None))
+    return True if rule is None else rule(text, layer_idx)
+
+
 # values of a config's ``position_embedding_type`` that mean RoPE (GraniteMoeHybrid: "rope"; Evolla: "rotary")
 _ROPE_EMBEDDING_TYPES = ("rope", "rotary")
 _ROTARY_NAME = re.compile(r"\b(\w*RotaryEmbedding)\b")

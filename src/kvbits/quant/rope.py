@@ -55,6 +55,7 @@ from kvbits.plan.positions import (
     NON_TEXT_ROTARY,
     NOT_ROTATE_HALF,
     interleave_reason,
+    layer_rotates,
     modeling_family,
     no_rope_reason,
 )
@@ -431,8 +432,10 @@ class RotaryTables:
         """The tables decoder layer ``layer_idx`` uses.
 
         Per-layer-type modules (Gemma3: ``config.layer_types[i]`` in ``sliding_attention`` /
-        ``full_attention`` with their own ``rope_theta``) select that type; layers flagged without
-        RoPE (``config.no_rope_layers[i] == 0``, SmolLM3 / Llama4) get ``rot_dim = 0`` (identity).
+        ``full_attention`` with their own ``rope_theta``) select that type; layers without RoPE
+        (``kvbits.plan.positions.layer_rotates``: ``config.no_rope_layers[i] == 0``, SmolLM3 / Llama4;
+        ``layer_rope_theta[i] == 0``; EXAONE 4's global layers and the other family rules of
+        ``LAYER_ROTATES``) get ``rot_dim = 0`` (identity).
         """
         n_layers = getattr(self.config, "num_hidden_layers", None)
         if (
@@ -442,8 +445,7 @@ class RotaryTables:
         ):
             raise ValueError(f"layer_idx must be an int in [0, {n_layers}), got {layer_idx!r}")
         head_dim = layer_heads(self.config, layer_idx)[2]  # Gemma 4: global layers have their own
-        no_rope = getattr(self.config, "no_rope_layers", None)
-        if no_rope is not None and layer_idx < len(no_rope) and not no_rope[layer_idx]:
+        if not layer_rotates(self.config, layer_idx):  # NoPE layers by config or family rule (positions.LAYER_ROTATES)
             return replace(self, head_dim=head_dim, rot_dim=0, halves_equal=False)
         if not isinstance(getattr(self.rotary, "rope_type", None), dict):
             return self if head_dim == self.head_dim else replace(self, head_dim=head_dim)
