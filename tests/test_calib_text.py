@@ -139,6 +139,8 @@ def test_overlap_counts_each_calibration_window_once():
     assert _overlap(record, False, windows=1, context=50) == 50
     assert _overlap({"context": 100, "starts": None}, False, windows=1, context=50) is None
     assert _overlap({"context": 32, "rows": [0, 3]}, True, windows=2, context=16) == 16
+    # spans (kvbits needle's haystacks): each counted on its own, [50, 150) and [0, 10) against [0, 100), [150, 250)
+    assert _overlap({"context": 100, "starts": [0, 150]}, False, 0, 0, spans=[(50, 100), (0, 10)]) == 50 + 10
 
 
 def test_the_report_marks_a_calibration_on_the_evaluated_text():
@@ -161,3 +163,90 @@ def test_the_report_marks_a_calibration_on_the_evaluated_text():
     for flag in (False, None):  # another text, or a run from before the record: nothing said
         other = calibration_row("kvquant-2", {**record, "calibrated_on_eval_text": flag}, 512)
         assert calibration_warnings([other]) == [] and calibration_table([other]).rows[0][2].text == "wikitext2"
+
+
+def test_a_reused_run_warns_as_the_run_did_and_an_older_summary_gets_the_record(model, calibrated, tmp_path, caplog):
+    """``--out`` holding the finished run: it was reused without a word, and a summary written before the record
+    lacked it. Now the reuse warns from the stored record, and recomputes it from the hashes where it is absent."""
+    import json
+
+    ids, art = calibrated
+    out = tmp_path / "run"
+    evaluate(model, ids, 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[], out_dir=out)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids, 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[], out_dir=out)
+    assert len(_warnings(caplog)) == 1 and "32 of the 64 evaluated tokens (50%)" in _warnings(caplog)[0]
+    assert _record(s)["calibrated_on_eval_text"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("calibrated_on_eval_text", "calibration_overlap_tokens"):  # as a run from before the record
+        summary["results"][0]["calibration"].pop(key)
+    (out / "summary.json").write_text(json.dumps(summary))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids, 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[], out_dir=out)
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 32
+    assert len(_warnings(caplog)) == 1
+
+
+def _word_model(tmp_path, monkeypatch):
+    from test_calibrate import tiny_llama
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    save_word_tokenizer(folder)
+    tiny_llama().save_pretrained(folder)
+    return folder, write_word_text(tmp_path / "book.txt", 600)
+
+
+def test_a_text_file_and_its_token_ids_are_the_same_text(tmp_path, monkeypatch, caplog):
+    """Calibrated on a file and evaluated on its token ids (or the reverse): the hashes (file bytes, int64 ids)
+    differed, so nothing was said. The artifact now records its text's token-id hash, and an evaluation of a file
+    hashes its ids against an artifact fitted on ids: the same text, with the shared tokens counted."""
+    from kvbits.evaluate.data import load_text, tokenize
+    from kvbits.evaluate.models import load_model
+
+    folder, book = _word_model(tmp_path, monkeypatch)
+    ids = tokenize(load_text(str(book)), load_model(str(folder)).tokenizer)
+    on_file = calibrate(str(folder), str(book), "kvquant-2", context=64, windows=3, fisher=False)
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(str(folder), ids, 64, ["kvquant-2"], windows=1, calibration=on_file, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 64
+    assert len(_warnings(caplog)) == 1
+    on_ids = calibrate(str(folder), ids, "kvquant-2", context=64, windows=3, fisher=False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(str(folder), str(book), 64, ["kvquant-2"], windows=1, calibration=on_ids, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 64
+    assert len(_warnings(caplog)) == 1
+    caplog.clear()  # (W, T) windows of those ids are other bytes: not caught (documented in calib_text)
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(str(folder), ids[:128].reshape(2, 64), 64, ["kvquant-2"], windows=1, calibration=on_file,
+                     attn_layers=[])  # fmt: skip
+    assert _record(s)["calibrated_on_eval_text"] is False
+
+
+def test_needle_warns_when_the_haystack_text_was_calibrated_on(tmp_path, monkeypatch, caplog):
+    """``kvbits needle --calibration`` scored NLL and KL on a haystack cut from the calibration text without a word.
+    Now it warns before the run and records it per scheme, counting the haystack tokens in calibration windows."""
+    from _bytelevel import byte_tokenizer, write_sentences
+    from _tinyllama import tiny_llama
+
+    from kvbits.evaluate.models import LoadedModel, ModelSource
+    from kvbits.evaluate.needle_run import needle_eval
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    tok = byte_tokenizer()
+    lm = LoadedModel(tiny_llama(), tok, ModelSource(name="tiny-bytes", path="tiny-bytes"), "tinybytes0000000")
+    book, other = write_sentences(tmp_path / "hay.txt", 400), write_sentences(tmp_path / "other.txt", 400, seed=1)
+    art = calibrate(lm, str(book), "kvquant-2", context=64, windows=40, fisher=False)
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = needle_eval(lm, 300, ["kvquant-2"], data=str(book), depths=[0.5], calibration=art)
+    rec = s["results"][0]["calibration"]
+    assert rec["calibrated_on_eval_text"] is True and rec["calibration_overlap_tokens"] > 0
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "haystack tokens of the trials" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = needle_eval(lm, 300, ["kvquant-2"], data=str(other), depths=[0.5], calibration=art)
+    assert s["results"][0]["calibration"]["calibrated_on_eval_text"] is False and _warnings(caplog) == []

@@ -238,6 +238,8 @@ def _windows(
             sha256=source.sha256,
             path=source.path,
             tokenizer=_tokenizer_fingerprint(tokenizer),
+            # the token ids' hash too: an evaluation given these ids (N,) instead of the file is the same text
+            ids_sha256=hashlib.sha256(ids.long().cpu().numpy().tobytes()).hexdigest(),
         )
     fit = ids.numel() // context
     if fit == 0:

@@ -6,6 +6,17 @@ calibration data's content hash (``data.sha256``: the text file's bytes, or the 
 tokenizer (``data.tokenizer``) and where its windows start in the tokenized text (``data.starts``; ``data.rows`` for
 windows given as a ``(W, T)`` tensor, recorded since this check), so an evaluation can tell and say how many of the
 tokens it scores were calibration tokens.
+
+The same text given once as a file and once as its token ids (``(N,)``, as ``tokenize`` gives them) is caught too:
+an artifact calibrated on a text file records its token ids' hash as well (``data.ids_sha256``, since this check), and
+an evaluation of a text file against an artifact calibrated on ``(N,)`` ids hashes its own token ids. Not caught:
+``(W, T)`` windows against ``(N,)`` ids or a text (other bytes), ids of another tokenization, a slice of the text, and
+artifacts written before ``data.ids_sha256`` that were calibrated on a file and are evaluated on ids.
+
+``kvbits eval`` and ``kvbits needle`` (passkey retrieval scored on a haystack cut from the text) check it before the
+run, and ``kvbits eval`` again when ``--out`` holds the finished run it reuses (:func:`warn_stored`). ``kvbits speed``
+does not: it measures time and bytes, which calibrating on the text does not flatter (its greedy-token agreement is a
+sanity check, not a quality figure).
 """
 
 from __future__ import annotations
@@ -40,10 +51,14 @@ def content_sha256(data: Any) -> str | None:
     return sha if isinstance(sha, str) else None
 
 
-def _overlap(record: dict[str, Any], tokens_2d: bool, windows: int, context: int) -> int | None:
+def _overlap(
+    record: dict[str, Any], tokens_2d: bool, windows: int, context: int, spans: list[tuple[int, int]] | None = None
+) -> int | None:
     """Tokens of the ``windows`` evaluated windows of ``context`` tokens that lie in the calibration windows
     ``record`` (an artifact's ``data``) names, or None where it does not record them. Text and ``(N,)`` ids are
-    evaluated as ``[0, windows * context)`` (``make_windows``); ``(W, T)`` ids as rows ``0 .. windows - 1``."""
+    evaluated as ``[0, windows * context)`` (``make_windows``); ``(W, T)`` ids as rows ``0 .. windows - 1``.
+    ``spans``: ``(start, length)`` token ranges of the text scored instead (``kvbits needle``'s haystacks), each
+    counted on its own."""
     cal = record.get("context")
     if not isinstance(cal, int):
         return None
@@ -55,26 +70,67 @@ def _overlap(record: dict[str, Any], tokens_2d: bool, windows: int, context: int
     starts = record.get("starts")
     if not isinstance(starts, list):
         return None
-    end = windows * context
-    return sum(max(0, min(end, s + cal) - max(0, s)) for s in starts if isinstance(s, int))
+    cal_spans = sorted((s, s + cal) for s in starts if isinstance(s, int))
+    total = 0
+    for a, n in spans if spans is not None else [(0, windows * context)]:
+        b = a + n
+        total += sum(max(0, min(b, e) - max(a, s)) for s, e in cal_spans)
+    return total
+
+
+def _data_record(artifact: Any) -> dict[str, Any]:
+    """``artifact``'s calibration data record (``meta["data"]``), ``{}`` where it has none."""
+    data = (getattr(artifact, "meta", None) or {}).get("data") or {}
+    return data if isinstance(data, dict) else {}
 
 
 def eval_text_record(
-    artifact: Any, sha256: str | None, tokenizer_fp: str | None, *, tokens_2d: bool, windows: int, context: int
+    artifact: Any,
+    sha256: str | None,
+    tokenizer_fp: str | None,
+    *,
+    tokens_2d: bool,
+    windows: int,
+    context: int,
+    ids_sha256: str | None = None,
+    spans: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """``{"calibrated_on_eval_text", "calibration_overlap_tokens"}`` for one scheme's results: whether ``artifact``'s
     calibration data has the evaluated data's content hash ``sha256`` (``content_sha256``; None: either side does
     not record one, not known), and how many of the ``windows * context`` evaluated tokens were calibration tokens
-    (None where not known: another tokenizer than ``tokenizer_fp``, or an artifact that records no window starts)."""
-    data = (getattr(artifact, "meta", None) or {}).get("data") or {}
-    recorded = data.get("sha256") if isinstance(data, dict) else None
+    (None where not known: another tokenizer than ``tokenizer_fp``, or an artifact that records no window starts).
+
+    The same tokens in the other form count as the same text, with the same token positions: ``(N,)`` ids (then
+    ``sha256``) equal to the token ids of the text calibrated on (``data.ids_sha256``), or the evaluated text's
+    token ids (``ids_sha256``, its ``content_sha256``) equal to the ``(N,)`` ids calibrated on. ``spans``: as
+    ``_overlap``."""
+    data = _data_record(artifact)
+    recorded = data.get("sha256")
     if not isinstance(recorded, str) or sha256 is None:
         return {"calibrated_on_eval_text": None, "calibration_overlap_tokens": None}
     same = recorded == sha256
     overlap = None
     if same and data.get("tokenizer") == tokenizer_fp:  # token positions of one tokenization
-        overlap = _overlap(data, tokens_2d, windows, context)
+        overlap = _overlap(data, tokens_2d, windows, context, spans)
+    elif not same and not tokens_2d and (
+        (tokenizer_fp is None and data.get("ids_sha256") == sha256)  # ids evaluated, their text calibrated on
+        or (ids_sha256 is not None and data.get("tokenizer") is None and data.get("rows") is None
+            and recorded == ids_sha256)  # text evaluated, its (N,) ids calibrated on
+    ):  # fmt: skip
+        same = True
+        overlap = _overlap(data, False, windows, context, spans)  # one token sequence: its positions are the same
     return {"calibrated_on_eval_text": same, "calibration_overlap_tokens": overlap if same else 0}
+
+
+def _needs_ids_hash(calibrations: dict[str, Any], sha256: str | None) -> bool:
+    """Whether an evaluated text's token ids must be hashed: some artifact was calibrated on ``(N,)`` ids of
+    other bytes than the text's (its ``data.tokenizer`` null, no ``rows``)."""
+    for art in calibrations.values():
+        data = _data_record(art)
+        rec = data.get("sha256")
+        if isinstance(rec, str) and rec != sha256 and data.get("tokenizer") is None and data.get("rows") is None:
+            return True
+    return False
 
 
 def calibrated_on_eval_text(
@@ -91,26 +147,65 @@ def calibrated_on_eval_text(
     is_ids = isinstance(data, torch.Tensor)
     tokenizer_fp = None if is_ids else _tokenizer_fingerprint(tokenizer)
     tokens_2d = is_ids and data.dim() == 2
+    ids_sha = None
+    if not is_ids and sha is not None and tokenizer is not None and _needs_ids_hash(calibrations, sha):
+        from kvbits.evaluate.data import tokenize
+
+        ids_sha = content_sha256(tokenize(data, tokenizer))  # the token cache's ids: no second tokenization
     return {
-        name: eval_text_record(art, sha, tokenizer_fp, tokens_2d=tokens_2d, windows=windows, context=context)
+        name: eval_text_record(
+            art, sha, tokenizer_fp, tokens_2d=tokens_2d, windows=windows, context=context, ids_sha256=ids_sha
+        )
         for name, art in calibrations.items()
     }
 
 
-def warn_calibrated_on_eval_text(scheme: str, artifact: Any, record: dict[str, Any], windows: int, context: int) -> bool:
+def needle_text_record(
+    calibrations: dict[str, Any], text: Any, tokenizer: Any, text_ids: torch.Tensor, spans: list[tuple[int, int]]
+) -> dict[str, dict[str, Any]]:
+    """Scheme name -> ``eval_text_record`` for ``kvbits needle``: haystacks cut from ``text`` (a ``TextSource``
+    whose token ids are ``text_ids`` ``(N,)``) at ``spans`` (``(offset, tokens)`` per trial). The overlap counts the
+    haystack tokens of all trials that lie in the calibration windows (a haystack token the needle's separator
+    displaces still counts)."""
+    from kvbits.calibrate.calibrate import _tokenizer_fingerprint
+
+    if not calibrations:
+        return {}
+    sha = content_sha256(text)
+    ids_sha = content_sha256(text_ids) if sha is not None and _needs_ids_hash(calibrations, sha) else None
+    fp = _tokenizer_fingerprint(tokenizer)
+    return {
+        name: eval_text_record(art, sha, fp, tokens_2d=False, windows=0, context=0, ids_sha256=ids_sha, spans=spans)
+        for name, art in calibrations.items()
+    }
+
+
+def warn_calibrated_on_eval_text(
+    scheme: str,
+    artifact: Any,
+    record: dict[str, Any],
+    windows: int,
+    context: int,
+    *,
+    total: int | None = None,
+    what: str = "evaluated tokens",
+    unknown: str = "the artifact does not record which of its tokens it was fitted on",
+) -> bool:
     """Log a warning when ``record`` (``eval_text_record``) says ``scheme``'s calibration saw the evaluated text:
-    once per calibration (a calibration serves one scheme of a run). Returns whether it warned."""
+    once per calibration (a calibration serves one scheme of a run). ``total``: the tokens scored (default
+    ``windows * context``), named ``what``; ``unknown``: why the overlap is not known where it is None. Returns
+    whether it warned."""
     if record.get("calibrated_on_eval_text") is not True:
         return False
     where = "" if getattr(artifact, "path", None) is None else f" ({artifact.path})"
     n = record.get("calibration_overlap_tokens")
-    total = windows * context
+    total = windows * context if total is None else total
     if n is None:
-        overlap = "the artifact does not record which of its tokens it was fitted on"
+        overlap = unknown
     elif n:
-        overlap = f"{n:,} of the {total:,} evaluated tokens ({n / total:.0%}) lie in its calibration windows"
+        overlap = f"{n:,} of the {total:,} {what} ({n / max(total, 1):.0%}) lie in its calibration windows"
     else:
-        overlap = f"none of the {total:,} evaluated tokens lie in its calibration windows, but the text is the same"
+        overlap = f"none of the {total:,} {what} lie in its calibration windows, but the text is the same"
     logger.warning(
         "%s's calibration%s was fitted on the evaluated text (same sha256): %s, so its calibrated scales, codebooks "
         "or channel vectors saw these K/V and its PPL and KL flatter it (%s); calibrate on another text (kvbits "
@@ -118,3 +213,51 @@ def warn_calibrated_on_eval_text(scheme: str, artifact: Any, record: dict[str, A
         scheme, where, overlap, MEASURED,
     )  # fmt: skip
     return True
+
+
+def warn_stored(summary: dict[str, Any], calibrations: dict[str, Any], data: Any, data_path: str | None) -> None:
+    """The warning of ``warn_calibrated_on_eval_text`` for a finished run ``kvbits eval --out`` reuses: from each
+    result's stored ``calibrated_on_eval_text`` and ``calibration_overlap_tokens``; a summary written before them
+    gets them (in ``summary``, not on disk) from the content hashes of ``calibrations`` and ``data`` (a text spec
+    loaded from ``data_path``, a ``TextSource`` or token ids), which are exact; its overlap stays None (its token
+    positions need the tokenizer, which a reused run does not load) unless the data are token ids."""
+    if not calibrations:
+        return
+    W, T = summary.get("windows"), summary.get("context")
+    if not isinstance(W, int) or not isinstance(T, int):
+        return
+    sha: Any = ...
+    for res in summary.get("results") or []:
+        name = res.get("scheme") if isinstance(res, dict) else None
+        if name not in calibrations:
+            continue
+        rec = res.get("calibration")
+        if not isinstance(rec, dict):
+            rec = res["calibration"] = {}
+        unknown = "the artifact does not record which of its tokens it was fitted on"
+        if "calibrated_on_eval_text" not in rec:  # a run stored before the record: recomputed from the hashes
+            if sha is ...:
+                sha = _stored_data_sha(data, data_path)
+            is_ids = isinstance(data, torch.Tensor)
+            new = eval_text_record(
+                calibrations[name], sha, None, tokens_2d=is_ids and data.dim() == 2, windows=W, context=T
+            )
+            if not is_ids and new["calibrated_on_eval_text"]:
+                new["calibration_overlap_tokens"] = None
+            rec.update(new)
+            unknown = "the stored run predates the count of the tokens it shares (overwrite to redo it)"
+        warn_calibrated_on_eval_text(name, calibrations[name], rec, W, T, unknown=unknown)
+
+
+def _stored_data_sha(data: Any, data_path: str | None) -> str | None:
+    """``content_sha256`` of a reused run's data, loading a text spec's file (no tokenizer); None where it does not
+    load (the run reused stays reused: the check is then not known)."""
+    if isinstance(data, str):
+        from kvbits.evaluate.data import load_text
+
+        try:
+            data = load_text(data, data_path)
+        except (OSError, ValueError, KeyError) as e:
+            logger.debug("the reused run's text %r does not load (%s): not checked against its calibrations", data, e)
+            return None
+    return content_sha256(data)

@@ -44,7 +44,8 @@ examples:
 "integer_zero" (the sides vllm-int4's integer zero-points store, which clip where a token's range excludes 0),
 "max_calibrated_length", "positions_beyond_calibrated", "artifact": {"id", "path", "data",
 "context", "windows", "tokens"}, "calibrated_on_eval_text" (the calibration's data has the evaluated text's
-sha256: its figures are flattered, a warning says so; null where either records none),
+sha256, or its token ids' (a file and its (N,) ids alike): its figures are flattered, a warning says so, also
+when --out reuses the finished run; null where either records none),
 "calibration_overlap_tokens" (evaluated tokens inside its calibration windows; null where not recorded) (with
 --calibration)}, "seconds", "decode": {"fused_steps",
 "fallback_steps"} (stream mode, kvbits schemes; null otherwise)}], "reference_seconds",

@@ -40,7 +40,9 @@ attends over the quantized history (the one-pass simulator, kvbits eval's semant
 "cache_bytes", "cache_bytes_ref"}], "grid", "calibration", "seconds", "decode"}], "records",
 "reference_seconds", "wall_seconds", "peak_rss_bytes", "date", "commit", "versions"}. grid: contexts x
 depths, fraction retrieved; kept: of the trials the reference retrieved, the fraction the scheme did;
-gained: trials the scheme retrieved and the reference did not; dtype: the one the model ran in (--dtype, else the
+gained: trials the scheme retrieved and the reference did not; calibration (with --calibration): as kvbits eval's,
+with "calibrated_on_eval_text" (the calibration was fitted on the haystack's text: warned before the run) and
+"calibration_overlap_tokens" (haystack tokens of the trials inside its calibration windows); dtype: the one the model ran in (--dtype, else the
 model's own; kvbits eval's config.json records the --dtype asked for, null without one). --out DIR writes
 needle.json (the same), report.md and needle.png.
 """

@@ -60,7 +60,7 @@ import torch
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 from kvbits._model import attending_layers, attention_modules, check_model_arg, shared_attention_note
-from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text
+from kvbits.evaluate.calib_text import calibrated_on_eval_text, warn_calibrated_on_eval_text, warn_stored
 from kvbits.evaluate.data import load_text
 from kvbits.evaluate.distributed import resolve_ranks
 from kvbits.evaluate.generation import (
@@ -358,6 +358,8 @@ def evaluate(
         # rank 0 alone reads the folder; every rank follows its decision (reuse, refuse or run)
         stored = ranks.from_main(_check_out_dir, out, chash, overwrite, request)
         if stored is not None:
+            if ranks.main:  # reused, not rerun: said as a run would say it (kvbits.evaluate.calib_text)
+                warn_stored(stored, calibrations, data, data_path)
             if on_skip:
                 on_skip(stored)
             return stored
