@@ -250,3 +250,33 @@ def test_needle_warns_when_the_haystack_text_was_calibrated_on(tmp_path, monkeyp
     with caplog.at_level("WARNING", logger="kvbits.evaluate"):
         s = needle_eval(lm, 300, ["kvquant-2"], data=str(other), depths=[0.5], calibration=art)
     assert s["results"][0]["calibration"]["calibrated_on_eval_text"] is False and _warnings(caplog) == []
+
+
+def test_a_tuned_mix_is_judged_by_each_source_calibration(model, calibrated, caplog):
+    """``compose_artifact`` keeps in its ``meta["data"]`` only what its sources agree on: a mix whose layer 1 was
+    calibrated on the evaluated ids and the rest on other ids recorded no hash, so it said null and did not warn;
+    two sources on the same ids with other contexts counted the shorter one's windows only (32 of the 64 tokens the
+    64-token source saw). Now each source's record is read, the tokens the union of theirs."""
+    from kvbits.calibrate import compose_artifact
+
+    ids, kv2 = calibrated  # windows [0, 32) and [224, 256) of ids
+    kv4 = calibrate(model, _ids(256, seed=1)[0], "kvquant-4", context=32, windows=2, fisher=False)
+    mix = "kvquant-4,1=kvquant-2"
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids, 32, [mix], windows=2, calibration=compose_artifact(mix, [kv4, kv2]), attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 32
+    assert len(_warnings(caplog)) == 1
+    long4 = calibrate(model, ids, "kvquant-4", context=64, windows=1, fisher=False)  # [0, 64)
+    short2 = calibrate(model, ids, "kvquant-2", context=32, windows=1, fisher=False)  # [0, 32)
+    s = evaluate(model, ids, 64, [mix], windows=2, calibration=compose_artifact(mix, [long4, short2]), attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 64
+    # the union: [0, 64) and [32, 96) against [0, 128) share 96 tokens, not 64 + 64
+    from kvbits.evaluate.calib_text import eval_text_record
+
+    art = type("A", (), {"meta": {"composed": {"sources": [
+        {"data": {"sha256": "x", "tokenizer": None, "context": 64, "starts": [0]}},
+        {"data": {"sha256": "x", "tokenizer": None, "context": 64, "starts": [32]}},
+        {"data": {"sha256": "y", "tokenizer": None, "context": 64, "starts": [0]}},
+    ]}}})()  # fmt: skip
+    rec = eval_text_record(art, "x", None, tokens_2d=False, windows=2, context=64)
+    assert rec == {"calibrated_on_eval_text": True, "calibration_overlap_tokens": 96}

@@ -51,6 +51,43 @@ def content_sha256(data: Any) -> str | None:
     return sha if isinstance(sha, str) else None
 
 
+def _intervals(
+    record: dict[str, Any], tokens_2d: bool, windows: int, context: int
+) -> list[tuple[int, int]] | None:
+    """The token ranges ``[start, end)`` the calibration windows ``record`` (an artifact's ``data``) names, as
+    positions of the evaluated tokens: of the text / ``(N,)`` ids, or for ``(W, T)`` ids row ``r``'s first
+    ``min(context, calibrated context)`` tokens at ``r * context`` (rows ``0 .. windows - 1``); None where the
+    record does not name them."""
+    cal = record.get("context")
+    if not isinstance(cal, int):
+        return None
+    if tokens_2d:
+        rows = record.get("rows")
+        if not isinstance(rows, list):
+            return None
+        return [(r * context, r * context + min(context, cal)) for r in rows if isinstance(r, int) and 0 <= r < windows]
+    starts = record.get("starts")
+    if not isinstance(starts, list):
+        return None
+    return [(s, s + cal) for s in starts if isinstance(s, int)]
+
+
+def _count(intervals: list[tuple[int, int]], spans: list[tuple[int, int]]) -> int:
+    """Tokens of ``spans`` (``(start, length)``, each counted on its own) inside the union of ``intervals``
+    (``[start, end)``; overlapping ones, as the windows of two calibrations a composed artifact joins, count once)."""
+    merged: list[list[int]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    total = 0
+    for a, n in spans:
+        b = a + n
+        total += sum(max(0, min(b, e) - max(a, s)) for s, e in merged)
+    return total
+
+
 def _overlap(
     record: dict[str, Any], tokens_2d: bool, windows: int, context: int, spans: list[tuple[int, int]] | None = None
 ) -> int | None:
@@ -59,29 +96,50 @@ def _overlap(
     evaluated as ``[0, windows * context)`` (``make_windows``); ``(W, T)`` ids as rows ``0 .. windows - 1``.
     ``spans``: ``(start, length)`` token ranges of the text scored instead (``kvbits needle``'s haystacks), each
     counted on its own."""
-    cal = record.get("context")
-    if not isinstance(cal, int):
+    intervals = _intervals(record, tokens_2d, windows, context)
+    if intervals is None:
         return None
-    if tokens_2d:
-        rows = record.get("rows")
-        if not isinstance(rows, list):
-            return None
-        return sum(min(context, cal) for r in rows if isinstance(r, int) and 0 <= r < windows)
-    starts = record.get("starts")
-    if not isinstance(starts, list):
-        return None
-    cal_spans = sorted((s, s + cal) for s in starts if isinstance(s, int))
-    total = 0
-    for a, n in spans if spans is not None else [(0, windows * context)]:
-        b = a + n
-        total += sum(max(0, min(b, e) - max(a, s)) for s, e in cal_spans)
-    return total
+    return _count(intervals, spans if spans is not None else [(0, windows * context)])
 
 
-def _data_record(artifact: Any) -> dict[str, Any]:
-    """``artifact``'s calibration data record (``meta["data"]``), ``{}`` where it has none."""
-    data = (getattr(artifact, "meta", None) or {}).get("data") or {}
-    return data if isinstance(data, dict) else {}
+def _data_records(artifact: Any) -> list[dict[str, Any]]:
+    """``artifact``'s calibration data records: ``meta["data"]`` (``{}`` where it has none), or for an artifact
+    ``compose_artifact`` built (a tuned mix) each source's (``meta["composed"]["sources"][i]["data"]``: its own
+    ``meta["data"]`` keeps only what all sources agree on, so a mix with one layer calibrated on the evaluated
+    text and another on other text recorded no hash and was not judged)."""
+    meta = getattr(artifact, "meta", None) or {}
+    sources = (meta.get("composed") or {}).get("sources") if isinstance(meta.get("composed"), dict) else None
+    if isinstance(sources, list) and sources:
+        records = [s.get("data") for s in sources if isinstance(s, dict)]
+        return [r if isinstance(r, dict) else {} for r in records] or [{}]
+    data = meta.get("data") or {}
+    return [data if isinstance(data, dict) else {}]
+
+
+def _judge(
+    data: dict[str, Any],
+    sha256: str | None,
+    tokenizer_fp: str | None,
+    tokens_2d: bool,
+    windows: int,
+    context: int,
+    ids_sha256: str | None,
+) -> tuple[bool | None, list[tuple[int, int]] | None]:
+    """``(same text, calibration token ranges in the evaluated tokens' positions)`` for one calibration data
+    record: as ``eval_text_record`` says, the ranges None where not known (and where not the same text)."""
+    recorded = data.get("sha256")
+    if not isinstance(recorded, str) or sha256 is None:
+        return None, None
+    same = recorded == sha256
+    if same and data.get("tokenizer") == tokenizer_fp:  # token positions of one tokenization
+        return True, _intervals(data, tokens_2d, windows, context)
+    if not same and not tokens_2d and (
+        (tokenizer_fp is None and data.get("ids_sha256") == sha256)  # ids evaluated, their text calibrated on
+        or (ids_sha256 is not None and data.get("tokenizer") is None and data.get("rows") is None
+            and recorded == ids_sha256)  # text evaluated, its (N,) ids calibrated on
+    ):  # fmt: skip
+        return True, _intervals(data, False, windows, context)  # one token sequence: its positions are the same
+    return same, None
 
 
 def eval_text_record(
@@ -103,33 +161,30 @@ def eval_text_record(
     The same tokens in the other form count as the same text, with the same token positions: ``(N,)`` ids (then
     ``sha256``) equal to the token ids of the text calibrated on (``data.ids_sha256``), or the evaluated text's
     token ids (``ids_sha256``, its ``content_sha256``) equal to the ``(N,)`` ids calibrated on. ``spans``: as
-    ``_overlap``."""
-    data = _data_record(artifact)
-    recorded = data.get("sha256")
-    if not isinstance(recorded, str) or sha256 is None:
-        return {"calibrated_on_eval_text": None, "calibration_overlap_tokens": None}
-    same = recorded == sha256
+    ``_overlap``. A composed artifact (a tuned mix) is judged by each source calibration's record: the same text
+    where any source's is, its tokens the union of theirs."""
+    judged = [
+        _judge(d, sha256, tokenizer_fp, tokens_2d, windows, context, ids_sha256) for d in _data_records(artifact)
+    ]
+    if not any(same for same, _ in judged):
+        unknown = any(same is None for same, _ in judged)
+        return {"calibrated_on_eval_text": None if unknown else False, "calibration_overlap_tokens": None if unknown
+                else 0}  # fmt: skip
+    ranges = [iv for same, iv in judged if same]
     overlap = None
-    if same and data.get("tokenizer") == tokenizer_fp:  # token positions of one tokenization
-        overlap = _overlap(data, tokens_2d, windows, context, spans)
-    elif not same and not tokens_2d and (
-        (tokenizer_fp is None and data.get("ids_sha256") == sha256)  # ids evaluated, their text calibrated on
-        or (ids_sha256 is not None and data.get("tokenizer") is None and data.get("rows") is None
-            and recorded == ids_sha256)  # text evaluated, its (N,) ids calibrated on
-    ):  # fmt: skip
-        same = True
-        overlap = _overlap(data, False, windows, context, spans)  # one token sequence: its positions are the same
-    return {"calibrated_on_eval_text": same, "calibration_overlap_tokens": overlap if same else 0}
+    if all(iv is not None for iv in ranges):
+        overlap = _count([x for iv in ranges for x in iv or []], spans if spans is not None else [(0, windows * context)])
+    return {"calibrated_on_eval_text": True, "calibration_overlap_tokens": overlap}
 
 
 def _needs_ids_hash(calibrations: dict[str, Any], sha256: str | None) -> bool:
-    """Whether an evaluated text's token ids must be hashed: some artifact was calibrated on ``(N,)`` ids of
-    other bytes than the text's (its ``data.tokenizer`` null, no ``rows``)."""
+    """Whether an evaluated text's token ids must be hashed: some artifact (or a source of a composed one) was
+    calibrated on ``(N,)`` ids of other bytes than the text's (its ``data.tokenizer`` null, no ``rows``)."""
     for art in calibrations.values():
-        data = _data_record(art)
-        rec = data.get("sha256")
-        if isinstance(rec, str) and rec != sha256 and data.get("tokenizer") is None and data.get("rows") is None:
-            return True
+        for data in _data_records(art):
+            rec = data.get("sha256")
+            if isinstance(rec, str) and rec != sha256 and data.get("tokenizer") is None and data.get("rows") is None:
+                return True
     return False
 
 
