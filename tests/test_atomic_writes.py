@@ -133,3 +133,23 @@ def test_a_hash_record_that_fails_to_write_leaves_no_temporary_file(tmp_path: Pa
     names = _half_then_fail(monkeypatch)
     assert cached_file_sha256(f) == hashlib.sha256(b"weights").hexdigest()
     assert names and list((tmp_path / "cache" / "hashes").iterdir()) == []
+
+
+def test_a_symlinked_target_is_written_through(tmp_path: Path) -> None:
+    """``os.replace`` over a symbolic link replaced the link with a file: the file it pointed to (a run folder kept
+    elsewhere, a summary shared by link) stayed stale and the link was gone. Now the link's target is written."""
+    from kvbits._files import write_text_atomic
+
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "summary.json"
+    target.write_text("old\n")
+    link = tmp_path / "summary.json"
+    link.symlink_to(target)
+    assert write_text_atomic(link, "new\n") == link
+    assert link.is_symlink() and target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real", "summary.json"]
+    assert [p.name for p in target.parent.iterdir()] == ["summary.json"]  # no temporary file left beside it
+    dangling = tmp_path / "new.json"
+    dangling.symlink_to(tmp_path / "real" / "new.json")  # a link to a file not yet written: created there
+    write_text_atomic(dangling, "x\n")
+    assert dangling.is_symlink() and (tmp_path / "real" / "new.json").read_text() == "x\n"

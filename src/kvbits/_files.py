@@ -3,7 +3,8 @@
 Every file kvbits writes goes through :func:`atomic_path` (or its :func:`write_text_atomic` /
 :func:`write_bytes_atomic`): a temporary file in the target's folder with a name unique to the process and call
 (``tempfile.mkstemp``: two processes writing one folder do not collide), given the permissions of a normally created
-file, then renamed over the target (a reader never sees half a file); on any failure it is removed."""
+file, then renamed over the target (a reader never sees half a file); on any failure it is removed. A target that is
+a symbolic link is written through: the file it points to is replaced, the link kept."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ def chmod_default(path: str | os.PathLike[str]) -> None:
 def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
     """A temporary path ``<folder>/<name>.<unique><suffix>`` beside ``path`` to write to; when the block ends
     without an exception it gets ``0666 & ~umask`` and replaces ``path`` (``os.replace``). The temporary file is
-    removed whatever happens (an exception in the block, a failed chmod or rename). ``path``'s folder must exist."""
+    removed whatever happens (an exception in the block, a failed chmod or rename). ``path``'s folder must exist.
+    A symbolic link ``path`` is followed (``os.path.realpath``): the temporary file goes beside the file it names,
+    which it replaces; renamed over the link itself, it replaced the link with a file and left its target stale."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(name)
