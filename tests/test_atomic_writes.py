@@ -153,3 +153,14 @@ def test_a_symlinked_target_is_written_through(tmp_path: Path) -> None:
     dangling.symlink_to(tmp_path / "real" / "new.json")  # a link to a file not yet written: created there
     write_text_atomic(dangling, "x\n")
     assert dangling.is_symlink() and (tmp_path / "real" / "new.json").read_text() == "x\n"
+
+
+def test_a_missing_folder_is_said_by_the_target_not_the_temporary_name(tmp_path: Path) -> None:
+    """A write into a folder that does not exist said ``No such file or directory: '.../x.json.k2j4d9.tmp'``, a
+    name the caller never gave; it names the target now (same exception type)."""
+    from kvbits._files import write_text_atomic
+
+    target = tmp_path / "nope" / "x.json"
+    with pytest.raises(FileNotFoundError) as err:
+        write_text_atomic(target, "x")
+    assert str(target) in str(err.value) and ".tmp" not in str(err.value)

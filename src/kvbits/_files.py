@@ -33,7 +33,10 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     path = Path(path)
     if path.is_symlink():
         path = Path(os.path.realpath(path))
-    fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=suffix, dir=path.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=suffix, dir=path.parent)
+    except OSError as e:  # it named the temporary file ('x.json.k2j4d9.tmp'), which the caller never asked for
+        raise type(e)(e.errno, f"{e.strerror}: can not write {path} (a temporary file in its folder)") from e
     os.close(fd)
     tmp = Path(name)
     try:
