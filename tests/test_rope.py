@@ -607,3 +607,31 @@ def test_per_layer_rope_theta_gets_its_own_base(model_type: str):
     for layer in (0, 2, 3):
         cos, sin = from_model.tables_for_layer(layer).cos_sin(torch.arange(12))
         torch.testing.assert_close(apply_rope(pre[layer], cos, sin), post[layer], atol=ATOL, rtol=1e-5)
+
+
+def test_olmo_hybrid_without_rope_theta_is_refused_as_no_rope():
+    """OLMo-Hybrid's released checkpoints set ``rope_theta=None``: the model builds no rotary module (no key is
+    rotated), but the planner passed pre-RoPE schemes and ``RotaryTables`` crashed inside transformers' rotary
+    module with "unsupported operand type(s) for ** or pow(): 'NoneType' and 'Tensor'". Now the ValueError of a
+    model without RoPE, from the config and the loaded model, and the planner's and cache's refusal of pre-RoPE
+    schemes; post-RoPE schemes are unaffected."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.plan import plan
+    from kvbits.plan.positions import pre_rope_problem
+
+    cfg = _config_class("olmo_hybrid")(**TINY | {"num_hidden_layers": 4}, rope_theta=None, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=2)  # fmt: skip
+    why = r"rope_parameters\['rope_theta'\] is None"
+    assert "rope_theta'] is None" in pre_rope_problem(cfg)
+    with pytest.raises(ValueError, match=rf"has no RoPE keys.*{why}"):
+        RotaryTables.from_config(cfg)
+    with pytest.raises(ValueError, match=rf"has no RoPE keys.*{why}"):
+        RotaryTables.from_model(transformers.AutoModelForCausalLM.from_config(cfg))
+    with pytest.raises(ValueError, match=rf"needs a model with RoPE keys.*{why}"):
+        QuantizedKVCache(config=cfg, scheme="int4-channel-prerope")
+    with pytest.raises(ValueError, match=rf"quantizes keys before RoPE.*{why}"):
+        plan(cfg, scheme="int4-channel-prerope", context=100)
+    QuantizedKVCache(config=cfg, scheme="int4-channel")
+    rotating = _config_class("olmo_hybrid")(**TINY | {"num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2)  # fmt: skip
+    assert pre_rope_problem(rotating) is None and RotaryTables.from_config(rotating).rot_dim > 0

@@ -184,7 +184,11 @@ def no_rope_reason(text: Any) -> str | None:
     NoPE) builds no rotary module at all, and Zamba2 applies RoPE in its shared attention block only with
     ``use_mem_rope=True`` (its config's default is ``False``); their modeling files still define one, so without
     this check the tables would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does
-    not exist)."""
+    not exist). OLMo-Hybrid with ``rope_theta=None`` (its released checkpoints) builds no rotary module either: a
+    ``rope_parameters`` whose ``rope_theta`` is ``None``."""
+    params = getattr(text, "rope_parameters", None)
+    if isinstance(params, Mapping) and "rope_theta" in params and params["rope_theta"] is None:
+        return "it builds no rotary module (rope_parameters['rope_theta'] is None)"
     if getattr(text, "alibi", False) is True:
         return "it adds ALiBi position biases instead of rotating its keys (alibi=True)"
     if getattr(text, "use_mem_rope", True) is False:
