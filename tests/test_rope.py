@@ -587,3 +587,51 @@ def test_layers_a_family_rule_leaves_unrotated_are_identity(model_type: str, kw:
     )  # fmt: skip
     tables, _ = _check_roundtrip(cfg)
     assert [tables.tables_for_layer(i).rot_dim for i in range(4)] == rot_dims
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "granitemoe_swa"])
+def test_per_layer_rope_theta_gets_its_own_base(model_type: str):
+    """Granite SWA builds one rotary module per non-zero ``layer_rope_theta`` and rotates layer ``i`` by base
+    ``layer_rope_theta[i]``: tables built from the global ``rope_theta`` alone were off by up to 0.68 on layers with
+    another base (keys re-rotated in the wrong frame). Checked against the model's cached keys, from the config and
+    from the loaded model (whose first rotary module, at the global base, is one the model never uses)."""
+    cfg = _config_class(model_type)(
+        **TINY | {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 64, "layer_types": _SWA},
+        layer_rope_theta=[500000.0, 0, 1000.0, 500000.0], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    tables, model = _check_roundtrip(cfg)
+    assert [tables.tables_for_layer(i).rot_dim for i in range(4)] == [16, 0, 16, 16]
+    assert tables.tables_for_layer(0).rotary is tables.tables_for_layer(3).rotary  # one module per base
+    _, pre, post = _forward_keys(cfg)
+    from_model = RotaryTables.from_model(model)
+    for layer in (0, 2, 3):
+        cos, sin = from_model.tables_for_layer(layer).cos_sin(torch.arange(12))
+        torch.testing.assert_close(apply_rope(pre[layer], cos, sin), post[layer], atol=ATOL, rtol=1e-5)
+
+
+def test_olmo_hybrid_without_rope_theta_is_refused_as_no_rope():
+    """OLMo-Hybrid's released checkpoints set ``rope_theta=None``: the model builds no rotary module (no key is
+    rotated), but the planner passed pre-RoPE schemes and ``RotaryTables`` crashed inside transformers' rotary
+    module with "unsupported operand type(s) for ** or pow(): 'NoneType' and 'Tensor'". Now the ValueError of a
+    model without RoPE, from the config and the loaded model, and the planner's and cache's refusal of pre-RoPE
+    schemes; post-RoPE schemes are unaffected."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.plan import plan
+    from kvbits.plan.positions import pre_rope_problem
+
+    cfg = _config_class("olmo_hybrid")(**TINY | {"num_hidden_layers": 4}, rope_theta=None, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=2)  # fmt: skip
+    why = r"rope_parameters\['rope_theta'\] is None"
+    assert "rope_theta'] is None" in pre_rope_problem(cfg)
+    with pytest.raises(ValueError, match=rf"has no RoPE keys.*{why}"):
+        RotaryTables.from_config(cfg)
+    with pytest.raises(ValueError, match=rf"has no RoPE keys.*{why}"):
+        RotaryTables.from_model(transformers.AutoModelForCausalLM.from_config(cfg))
+    with pytest.raises(ValueError, match=rf"needs a model with RoPE keys.*{why}"):
+        QuantizedKVCache(config=cfg, scheme="int4-channel-prerope")
+    with pytest.raises(ValueError, match=rf"quantizes keys before RoPE.*{why}"):
+        plan(cfg, scheme="int4-channel-prerope", context=100)
+    QuantizedKVCache(config=cfg, scheme="int4-channel")
+    rotating = _config_class("olmo_hybrid")(**TINY | {"num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2)  # fmt: skip
+    assert pre_rope_problem(rotating) is None and RotaryTables.from_config(rotating).rot_dim > 0

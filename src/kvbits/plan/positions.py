@@ -54,8 +54,10 @@ __all__ = [
     "LEARNED_POSITIONS",
     "NON_TEXT_ROTARY",
     "NOT_ROTATE_HALF",
+    "PER_LAYER_THETA",
     "default_mrope_section",
     "interleave_reason",
+    "layer_rope_theta",
     "layer_rotates",
     "modeling_family",
     "mrope_section",
@@ -131,6 +133,24 @@ config list (each entry cites the line it mirrors, transformers 5.25): ``layer_r
 The other layers are NoPE: their cached keys are pre-RoPE keys already (tables of ``rot_dim`` 0)."""
 
 
+PER_LAYER_THETA = ("granite_swa", "granitemoe_swa")
+"""Families whose model builds one rotary module per distinct non-zero ``layer_rope_theta`` and hands layer ``i`` the
+tables of base ``layer_rope_theta[i]`` (modeling_granite_swa.py:394 / modeling_granitemoe_swa.py:500, transformers
+5.25: ``rope_parameters = {**config.rope_parameters, "rope_theta": theta}``). Muse Spark / Glimmer also carry
+``layer_rope_theta`` but rotate every non-zero layer by their one global module (only ``0`` matters there)."""
+
+
+def layer_rope_theta(text: Any, layer_idx: int) -> float | None:
+    """The RoPE base layer ``layer_idx`` of ``text`` rotates by when its family sets it per layer
+    (:data:`PER_LAYER_THETA`, ``layer_rope_theta[i]`` non-zero), else ``None`` (the config's global base)."""
+    if getattr(text, "model_type", None) not in PER_LAYER_THETA:
+        return None
+    thetas = getattr(text, "layer_rope_theta", None)
+    if not isinstance(thetas, (list, tuple)) or not 0 <= layer_idx < len(thetas) or not thetas[layer_idx]:
+        return None
+    return float(thetas[layer_idx])
+
+
 def layer_rotates(text: Any, layer_idx: int) -> bool:
     """Whether decoder layer ``layer_idx`` of the (text) config ``text`` rotates its keys by RoPE, for a model whose
     family rotates (``pre_rope_problem`` is ``None``): ``False`` for a layer flagged NoPE by its config
@@ -164,7 +184,11 @@ def no_rope_reason(text: Any) -> str | None:
     NoPE) builds no rotary module at all, and Zamba2 applies RoPE in its shared attention block only with
     ``use_mem_rope=True`` (its config's default is ``False``); their modeling files still define one, so without
     this check the tables would rotate keys the model never rotated (pre-RoPE keys quantized in a frame that does
-    not exist)."""
+    not exist). OLMo-Hybrid with ``rope_theta=None`` (its released checkpoints) builds no rotary module either: a
+    ``rope_parameters`` whose ``rope_theta`` is ``None``."""
+    params = getattr(text, "rope_parameters", None)
+    if isinstance(params, Mapping) and "rope_theta" in params and params["rope_theta"] is None:
+        return "it builds no rotary module (rope_parameters['rope_theta'] is None)"
     if getattr(text, "alibi", False) is True:
         return "it adds ALiBi position biases instead of rotating its keys (alibi=True)"
     if getattr(text, "use_mem_rope", True) is False:

@@ -55,6 +55,7 @@ from kvbits.plan.positions import (
     NON_TEXT_ROTARY,
     NOT_ROTATE_HALF,
     interleave_reason,
+    layer_rope_theta,
     layer_rotates,
     modeling_family,
     no_rope_reason,
@@ -268,6 +269,8 @@ class RotaryTables:
     halves_equal: bool = False
     half_tables: bool = False
     _module: Any = field(default=None, repr=False)
+    # per-layer RoPE bases (Granite SWA): one rotary module per base, shared by every tables_for_layer of one model
+    _theta_modules: dict = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo: dict) -> RotaryTables:
         """The tables themselves: a deep copy of a cache (transformers' prompt reuse: prefill once, deepcopy
@@ -432,7 +435,9 @@ class RotaryTables:
         """The tables decoder layer ``layer_idx`` uses.
 
         Per-layer-type modules (Gemma3: ``config.layer_types[i]`` in ``sliding_attention`` /
-        ``full_attention`` with their own ``rope_theta``) select that type; layers without RoPE
+        ``full_attention`` with their own ``rope_theta``) select that type; families with a base per layer
+        (Granite SWA: ``layer_rope_theta[i]``, ``kvbits.plan.positions.PER_LAYER_THETA``) get that base's module;
+        layers without RoPE
         (``kvbits.plan.positions.layer_rotates``: ``config.no_rope_layers[i] == 0``, SmolLM3 / Llama4;
         ``layer_rope_theta[i] == 0``; EXAONE 4's global layers and the other family rules of
         ``LAYER_ROTATES``) get ``rot_dim = 0`` (identity).
@@ -447,6 +452,14 @@ class RotaryTables:
         head_dim = layer_heads(self.config, layer_idx)[2]  # Gemma 4: global layers have their own
         if not layer_rotates(self.config, layer_idx):  # NoPE layers by config or family rule (positions.LAYER_ROTATES)
             return replace(self, head_dim=head_dim, rot_dim=0, halves_equal=False)
+        theta = layer_rope_theta(self.config, layer_idx)  # Granite SWA: this layer's own base (positions.PER_LAYER_THETA)
+        if theta is not None:
+            rotary = self._rotary_for_theta(theta)
+            if rotary is self.rotary and head_dim == self.head_dim:
+                return self
+            tables = replace(self, rotary=rotary, head_dim=head_dim)
+            tables._probe()
+            return tables
         if not isinstance(getattr(self.rotary, "rope_type", None), dict):
             return self if head_dim == self.head_dim else replace(self, head_dim=head_dim)
         layer_types = getattr(self.config, "layer_types", None)
@@ -464,6 +477,21 @@ class RotaryTables:
         tables = replace(self, layer_type=lt, head_dim=head_dim)
         tables._probe()
         return tables
+
+    def _rotary_for_theta(self, theta: float) -> torch.nn.Module:
+        """The family's rotary module at base ``theta``, built as the model builds its per-base modules
+        (``rope_parameters = {**rope_parameters, "rope_theta": theta}``, ``kvbits.plan.positions.PER_LAYER_THETA``);
+        the module these tables were built with serves its own base. Memoised per model (ids key table caches)."""
+        modules = self._theta_modules
+        if not modules:
+            params = getattr(getattr(self.rotary, "config", self.config), "rope_parameters", None)
+            if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+                modules[float(params["rope_theta"])] = self.rotary
+        if theta not in modules:
+            cfg = copy.deepcopy(getattr(self.rotary, "config", self.config))
+            cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": theta}
+            modules[theta] = _instantiate(type(self.rotary), cfg, self.device)
+        return modules[theta]
 
     # --------------------------------------------------------------------------------- tables
 
