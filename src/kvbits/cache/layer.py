@@ -42,7 +42,7 @@ from kvbits.cache.fixed import (
     checked_params,
     missing_params,
 )
-from kvbits.cache.store import SideStore, mergeable
+from kvbits.cache.store import SideStore, flush_pair, mergeable
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.tensor import FLOAT_DTYPES
 from kvbits.schemes.accounting import sliding_falls_back, token_split
@@ -631,8 +631,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             n_flush = 0 if excess < self.scheme.block else self.scheme.block * (excess // self.scheme.block)
             self._flushing = True  # a monitor may hold the layer from inside these flushes (observe_flushes)
             try:
-                self._k.flush(n_flush, self.scheme.block)
-                self._v.flush(n_flush, self.scheme.block)
+                flush_pair(self._k, self._v, n_flush, self.scheme.block)  # one quantize call where K and V can share it
             finally:
                 self._flushing = False
             if self.held_at is not None:  # held during the flushes, which reserved their slots again: give them back

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbits.kernels.quantize import quantize_pack
+from kvbits.kernels.quantize import quantize_pack, resolve_quantize_kernel
 from kvbits.quant import QuantizedTensor
 from kvbits.quant.fp8 import static_fp8_scale
 from kvbits.quant.rope import apply_rope, invert_rope
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SLICE_TOKENS", "SideStore", "mergeable", "rope_at"]
+__all__ = ["SLICE_TOKENS", "SideStore", "flush_pair", "joint_flush", "mergeable", "rope_at"]
 
 SLICE_TOKENS = 4096
 """Tokens quantized (at a flush) or decoded (at a step) in one call, rounded to whole blocks and scale
@@ -373,6 +373,11 @@ class SideStore:
             if self.observer is not None:
                 self.observer(x, qt)
             new.append(qt)
+        self._commit(n_tokens, new, p0, slots)
+
+    def _commit(self, n_tokens: int, new: list[QuantizedTensor], p0: int, slots: dict[str, torch.Tensor] | None) -> None:
+        """Store the chunks ``new`` quantized from the ``n_tokens`` oldest buffer tokens (the first at position
+        ``p0``; ``slots``: the reserved slots before the flush) and drop those tokens from the buffer."""
         B, H, _, D = self.buffer.shape
         self.elements_quantized += B * H * n_tokens * D
         for qt in new:
@@ -393,7 +398,6 @@ class SideStore:
         # clone: a view would keep the flushed tokens' full-precision storage alive; an emptied buffer (every token
         # flushed, as a per-token scheme does at each step) needs no copy kernel, only an empty tensor
         if n_tokens == self.n_buffer:
-            B, H, _, D = self.buffer.shape
             self.buffer = self.buffer.new_empty((B, H, 0, D))
         else:
             self.buffer = self.buffer[:, :, n_tokens:].clone()
@@ -672,3 +676,53 @@ class SideStore:
         if self._work_slots is not None:  # allocated: every reserved slot
             return self._work_slots.numel() * self._work_slots.element_size()
         return 0 if self.work is None else self.work.numel() * self.work.element_size()
+
+
+def joint_flush(k: SideStore, v: SideStore, n_tokens: int) -> bool:
+    """Whether ``flush_pair`` may quantize the ``n_tokens`` oldest K and V buffer tokens in one call, K and V stacked
+    along the batch: the same spec on both sides (dynamic affine integer codes of ``token`` / ``channel``
+    granularity, whose every scale reduces within one batch row, so the codes and scales are those of two calls bit
+    for bit), with no per-side state (static scales, codebooks, channel vectors, rotations, pre-RoPE keys, outliers,
+    vLLM's integer zero-points that clip routinely), K and V of one shape and dtype and a batch (``split`` of an
+    empty one returns one part), host clip counts (eager checks:
+    a joint count is split only when it is 0), the reference quantizer (the Triton kernel writes each side into its
+    reserved slots in place) and at most half a slice (``SLICE_TOKENS``: the float32 working copies stay within one
+    slice's). Host attributes only: no device work."""
+    spec = k.spec
+    return (
+        0 < n_tokens <= SLICE_TOKENS // 2 and spec == v.spec and spec.kind == "int" and not spec.static
+        and spec.granularity in ("token", "channel") and spec.outlier_frac == 0 and not spec.pre_rope
+        and spec.rotate is None and not spec.has_channel_transform and not spec.integer_zero and k.sync and v.sync
+        and k.buffer.shape == v.buffer.shape and k.buffer.dtype == v.buffer.dtype and k.buffer.shape[0] > 0
+        and resolve_quantize_kernel(k.buffer, spec) == "reference"
+    )  # fmt: skip
+
+
+def flush_pair(k: SideStore, v: SideStore, n_tokens: int, block: int) -> None:
+    """``k.flush(n_tokens, block)`` then ``v.flush(n_tokens, block)``, in one ``quantize`` call where ``joint_flush``
+    allows: K and V ``(B, H_kv, n, D)`` stacked into ``(2B, H_kv, n, D)``, quantized once and split back into each
+    side's chunk (views of the joint tensors; each side's bytes as before). Per decode step of ``int8-token`` it runs
+    about 45 fewer aten ops (each a kernel launch) and one host read of a clip count fewer. The same codes, scales,
+    workspace, clip counts (each 0) and observer calls (``x`` and ``qt`` of one side, after both are quantized) as
+    the two flushes; a joint clip count above 0 cannot be split per side, so that flush quantizes each side apart."""
+    if not joint_flush(k, v, n_tokens):
+        k.flush(n_tokens, block)
+        v.flush(n_tokens, block)
+        return
+    assert n_tokens % block == 0 and n_tokens <= k.n_buffer
+    B = k.buffer.shape[0]
+    whole = n_tokens == k.n_buffer
+    x = torch.cat([k.buffer if whole else k.buffer[:, :, :n_tokens], v.buffer if whole else v.buffer[:, :, :n_tokens]])
+    qt = quantize_pack(x, k.spec, validate=False, sync=True)
+    if qt.clipped:  # a host int (sync): which side clipped is not known, so quantize each apart (exact counts)
+        k.flush(n_tokens, block)
+        v.flush(n_tokens, block)
+        return
+    halves = {name: getattr(qt, name).split(B) for name in _token_tensors(qt)}
+    xs = x.split(B) if k.observer is not None or v.observer is not None else (None, None)
+    for i, store in enumerate((k, v)):
+        part = replace(qt, shape=(B, *qt.shape[1:]), clipped=0, **{name: h[i] for name, h in halves.items()})
+        if store.observer is not None:
+            store.observer(xs[i], part)
+        p0 = store.n_sinks + store.n_dropped + store.n_quantized
+        store._commit(n_tokens, [part], p0, store._slots)
