@@ -320,3 +320,20 @@ def test_encoder_decoder_cross_attention_is_still_refused():
     for find in (attention_sites, find_kv_sites):
         with pytest.raises(ValueError, match=message):
             find(model)
+
+
+def test_latent_attention_is_refused_by_name():
+    """DeepSeek-V2/V3's multi-head latent attention (``kv_lora_rank``) has no ``k_proj``/``v_proj``: ``kvbits
+    analyze`` and ``kvbits calibrate`` refused it with "models with fused QKV projections (GPT-2 c_attn, Phi-3
+    qkv_proj) are not supported", which it does not have. Now named as the caches and the planner name it."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    message = r"DeepseekV3ForCausalLM uses multi-head latent attention \(kv_lora_rank=32 in layer 0.*MHA/GQA/MQA"
+    for find in (attention_sites, find_kv_sites, lambda m: analyze(m, torch.randint(0, 64, (1, 16)))):
+        with pytest.raises(ValueError, match=message):
+            find(model)

@@ -143,3 +143,31 @@ def test_a_request_of_another_batch_after_reset_is_refused_by_name(make):
         model(torch.randint(1, 96, (3, 7)), **{CACHE_KW: cache})
     cache.reset()
     torch.testing.assert_close(model(ids, **{CACHE_KW: cache}).logits, first, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_a_forward_that_failed_after_some_kv_layers_is_refused_at_the_next(step):
+    """LFM2 (conv, attention, conv, attention): a convolution kernel failing in layer 2 after attention layer 1 was
+    written left the K/V layers at {1: 9, 3: 0} tokens (a prefill) or {1: 9, 3: 8} (a decode step);
+    ``_undo_request`` covers failures in K/V updates only. The retried prefill was refused as "layer 1: 9 tokens
+    cached + 9 new > max_cache_len=16" (with room: "The size of tensor a (12) must match the size of tensor b (24)"
+    deep in the model), the retried decode step ran on, layer 1 holding the failed step's token twice. Now the next
+    forward is refused at its first K/V layer, naming the counts; ``reset()`` then serves the request as a fresh
+    cache does."""
+    cfg, model, ids = _model(_lfm2)
+    kw = {"config": cfg, "scheme": "int8-token", "max_cache_len": MAX_LEN}
+    with torch.no_grad():
+        fresh = model(ids, **{CACHE_KW: StaticQuantizedKVCache(**kw)}, use_cache=True).logits
+        cache = StaticQuantizedKVCache(**kw)
+        if step == "decode":
+            model(ids[:, :-1], **{CACHE_KW: cache}, use_cache=True)
+        conv = model.model.layers[2].conv
+        conv.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("conv kernel failed"))
+        with pytest.raises(RuntimeError, match="conv kernel failed"):
+            model(ids if step == "prefill" else ids[:, -1:], **{CACHE_KW: cache}, use_cache=True)
+        del conv.forward  # the module's own forward again
+        held = r"\{1: 9, 3: 0\}" if step == "prefill" else r"\{1: 9, 3: 8\}"
+        with pytest.raises(ValueError, match=r"incomplete forward: its K/V layers hold " + held + ".*reset"):
+            model(ids if step == "prefill" else ids[:, -1:], **{CACHE_KW: cache}, use_cache=True)
+        cache.reset()
+        torch.testing.assert_close(model(ids, **{CACHE_KW: cache}, use_cache=True).logits, fresh)

@@ -35,7 +35,7 @@ import torch
 from kvbits._model import check_causal_lm, shared_attention_note
 from kvbits.analyze.taps import capture_point
 from kvbits.analyze.taps import value_proj as _value_proj
-from kvbits.plan.config import layer_heads
+from kvbits.plan.config import config_value, layer_configs, layer_heads, text_config
 
 __all__ = ["KVSite", "attention_sites"]
 
@@ -106,6 +106,24 @@ def _heads(name: str, attention: torch.nn.Module, layer_idx: int, config: Any) -
     return n_kv, head_dim
 
 
+def _check_not_latent(model: torch.nn.Module, config: Any) -> None:
+    """Refuse multi-head latent attention (``kv_lora_rank`` in any layer's config: DeepSeek-V2/V3 style) by name,
+    as the caches and the planner do: its attention has no ``k_proj``/``v_proj`` (a compressed latent and a rotary
+    key part are cached instead), which the site search would otherwise blame on fused QKV projections."""
+    if config is None:
+        return
+    text = text_config(config)
+    n_layers = config_value(text, "num_hidden_layers")
+    layers = layer_configs(text, n_layers) if isinstance(n_layers, int) and n_layers > 0 else [text]
+    for i, cfg in enumerate(layers):
+        if (rank := config_value(cfg, "kv_lora_rank")) is not None:
+            raise ValueError(
+                f"{type(model).__name__} uses multi-head latent attention (kv_lora_rank={rank} in layer {i}: "
+                "DeepSeek-V2/V3 style), whose cache holds a compressed latent and the rotary key part, not K/V "
+                "heads read at k_proj/v_proj; kvbits supports MHA/GQA/MQA attention only"
+            )
+
+
 def _decoder(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     """``(qualified name, module)`` of the decoder whose K/V the cache holds: ``model.get_decoder()`` (the
     language model of a vision-language model such as ``Gemma3ForConditionalGeneration`` or Qwen2-VL, whose
@@ -131,7 +149,8 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
 
     Raises:
         ValueError: not a decoder-only causal LM (``kvbits._model.check_causal_lm``: an encoder, an
-            encoder-decoder); an attention block shared by several layers (Zamba, Zamba2); no attention module
+            encoder-decoder); multi-head latent attention (``kv_lora_rank``: DeepSeek-V2/V3); an attention block
+            shared by several layers (Zamba, Zamba2); no attention module
             with ``k_proj`` and ``v_proj``; two on one layer; a module whose head dim or KV heads disagree with
             the config.
     """
@@ -140,6 +159,7 @@ def attention_sites(model: torch.nn.Module) -> list[KVSite]:
     if shared:  # Zamba's sites were numbered by discovery ("sites on layers [0, 1], none on [2, 4]")
         raise ValueError(f"expected one K/V site per layer: {shared}")
     config = getattr(model, "config", None)
+    _check_not_latent(model, config)
     prefix, decoder = _decoder(model)
     found: list[tuple[str, torch.nn.Module, int]] = []
     for name, mod in decoder.named_modules(prefix=prefix):

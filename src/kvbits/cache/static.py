@@ -1196,7 +1196,8 @@ class StaticQuantizedKVCache(Cache):
         ``track_positions`` saw, when transformers passed none. ``ValueError`` for a ``layer_idx``
         that is not one of the cache's layers (a config of fewer layers than the model). A request's first update that
         fails leaves the cache as before the request (``_undo_request``): a retry needs no ``reset()``, and may bring
-        another batch, dtype or device if the slabs were made for the failed one."""
+        another batch, dtype or device if the slabs were made for the failed one. A forward that failed after its K/V
+        updates (a later layer's kernel) is refused at the next forward's first layer (``_check_complete``)."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise ValueError(
                 f"layer_idx must be an int in [0, {len(self.layers)}): this cache has {len(self.layers)} layers "
@@ -1215,6 +1216,8 @@ class StaticQuantizedKVCache(Cache):
             if layer.reads_positions and hint is not None and find_position_ids(args, kwargs) is None:
                 kwargs = {**kwargs, "position_ids": hint}
         layer = self.layers[layer_idx]
+        if layer is self.kv_layers[0]:  # a forward's first K/V layer: the last one ended the previous forward
+            self._check_complete(layer)
         if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # a request's first update of this layer: if it fails, the request's other layers are undone too
@@ -1226,6 +1229,24 @@ class StaticQuantizedKVCache(Cache):
         except BaseException:
             self._undo_request()
             raise
+
+    def _check_complete(self, first: StaticQuantizedLayer) -> None:
+        """``ValueError`` when a forward starts (``first``: the first K/V layer) on a cache whose last forward stopped
+        midway: an exception after some K/V layers were written (a hybrid model's Mamba or convolution kernel, a later
+        layer's module) left its first K/V layer holding more tokens than its last. ``_undo_request`` undoes failures
+        in the K/V updates only; a retry appended to the written layers (and to the states) or failed deep in the
+        model (``The size of tensor a (12) must match the size of tensor b (24)``). Host ints only, no sync; not
+        seen: a failure after the last K/V layer (its states only)."""
+        last = self.kv_layers[-1]
+        if first is last or not (first.host_counts and last.host_counts) or torch.compiler.is_compiling():
+            return
+        if first.tokens_written != last.tokens_written:
+            counts = {x.layer_idx: x.tokens_written for x in self.kv_layers}
+            raise ValueError(
+                f"StaticQuantizedKVCache holds an incomplete forward: its K/V layers hold {counts} tokens (layer: "
+                "tokens), expected the same count in every layer, so the previous forward failed after writing some "
+                "layers; call cache.reset() (or make a new cache) and run the request again"
+            )
 
     def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
         """Refused: ``NotImplementedError``, as ``offload(layer_idx)`` (``StaticQuantizedLayer.offload``): this cache

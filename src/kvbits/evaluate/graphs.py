@@ -60,17 +60,18 @@ def graph_reason(device: torch.device) -> str | None:
     return None
 
 
-def state_reason(cache: Any) -> str | None:
+def state_reason(cache: Any, holder: str | None = None) -> str | None:
     """Why a decode step of ``cache`` is not captured (``None``: nothing here refuses it): a hybrid model's
     convolution / linear-attention / Mamba states (its ``LinearAttentionLayer`` and hybrid layers, held by
     ``StaticQuantizedKVCache`` and ``StaticCache``). Their in-place updates keep their addresses, but a captured replay
     of them (and of the model's state kernels, or their PyTorch fallbacks) has not been checked against eager decoding
-    on a GPU, so it is refused rather than served unverified."""
+    on a GPU, so it is refused rather than served unverified. ``holder``: what the message says holds the layers
+    (default: ``cache``'s class; ``speed_eval`` probes a throwaway ``StaticCache`` and names the model instead)."""
     mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
     held = [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if mixin is not None and isinstance(layer, mixin)]
     if not held:
         return None
-    return (f"layers {held} of {type(cache).__name__} keep convolution / linear-attention / Mamba states (a hybrid "
+    return (f"layers {held} of {holder or type(cache).__name__} keep convolution / linear-attention / Mamba states (a hybrid "
             "model): replaying their updates from a captured CUDA graph is not verified; decode them eagerly "
             "(graphs=False, kvbits speed --static without --graphs)")  # fmt: skip
 

@@ -566,7 +566,9 @@ def speed_eval(
         from kvbits.evaluate.graphs import graph_reason, state_reason
 
         # a hybrid model's states (the baseline StaticCache's layers: made lazily, nothing reserved), then the device
-        why = state_reason(StaticCache(config=model.config, max_cache_len=contexts[0] + warmup + tokens)) or graph_reason(dev)
+        probe = StaticCache(config=model.config, max_cache_len=contexts[0] + warmup + tokens)
+        holder = f"{type(model).__name__} (held by StaticQuantizedKVCache and the StaticCache baseline)"
+        why = state_reason(probe, holder) or graph_reason(dev)
         if why is not None:
             raise ValueError(f"graphs=True: {why}")
     can_fuse = fuses(model, fused_mode, dev)
