@@ -18,7 +18,7 @@ from transformers import cache_utils
 
 from kvbits.cache.layer import QuantizedKVLayer
 
-__all__ = ["HYBRID_TYPES", "QuantizedHybridLayer", "hybrid_layer_class"]
+__all__ = ["HYBRID_TYPES", "LinearStateAPI", "QuantizedHybridLayer", "hybrid_layer_class"]
 
 # config layer types of a layer that attends (full attention) and keeps a linear state
 HYBRID_TYPES = ("hybrid",)
@@ -31,36 +31,14 @@ def hybrid_layer_class() -> type | None:
     return QuantizedHybridLayer if _Mixin is not None and hasattr(cache_utils, "LinearAttentionLayer") else None
 
 
-class QuantizedHybridLayer(QuantizedKVLayer, *(() if _Mixin is None else (_Mixin,))):  # type: ignore[misc]
-    """Quantized K/V of a full-attention layer plus its linear state (``self.linear``: a ``LinearAttentionLayer``).
+class LinearStateAPI:
+    """transformers' linear-attention layer API answered from ``self.linear`` (a ``LinearAttentionLayer``): the
+    conv / recurrent states of a layer that also holds K/V (``QuantizedHybridLayer``, and the static cache's
+    ``StaticQuantizedHybridLayer``). First among a layer's bases, so these names win over the K/V layer's and
+    ``LinearAttentionCacheLayerMixin``'s."""
 
-    Args:
-        scheme, **kwargs: as ``QuantizedKVLayer`` (full attention only: no ``sliding_window``).
-        number_of_states: conv / recurrent states the layer keeps (``LinearAttentionLayer``'s).
+    linear: Any
 
-    An instance of transformers' ``LinearAttentionCacheLayerMixin`` (so ``Cache`` routes conv / recurrent state
-    calls to it) and of ``CacheLayerMixin`` (so ``Cache.is_linear`` is False, as for transformers' own hybrid
-    layer). ``record_past`` is the linear state's (``Cache.is_recording_past``: whether the model hands its conv
-    state to the cache every step); a full-attention ``QuantizedKVLayer`` records nothing itself.
-    """
-
-    def __init__(self, scheme: Any, *, number_of_states: int = 1, **kwargs: Any) -> None:
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError("QuantizedHybridLayer holds full attention only (no sliding_window)")
-        self.linear = cache_utils.LinearAttentionLayer(number_of_states=number_of_states)
-        QuantizedKVLayer.__init__(self, scheme, **kwargs)
-
-    # the attention part's own record_past (QuantizedKVLayer: a full-precision sliding window) is always False here
-    @property
-    def record_past(self) -> bool:  # type: ignore[override]
-        return self.linear.record_past
-
-    @record_past.setter
-    def record_past(self, value: bool) -> None:
-        if value:  # QuantizedKVLayer sets it for sliding windows only
-            raise ValueError("QuantizedHybridLayer's attention part keeps no past; record_past is the linear state's")
-
-    # ------------------------------------------------ transformers' linear-attention layer API, from self.linear
     @property
     def conv_states(self) -> dict[int, torch.Tensor | None]:
         return self.linear.conv_states
@@ -93,6 +71,36 @@ class QuantizedHybridLayer(QuantizedKVLayer, *(() if _Mixin is None else (_Mixin
 
     def increase_count(self, state_idx: int) -> None:
         self.linear.increase_count(state_idx)
+
+
+class QuantizedHybridLayer(LinearStateAPI, QuantizedKVLayer, *(() if _Mixin is None else (_Mixin,))):  # type: ignore[misc]
+    """Quantized K/V of a full-attention layer plus its linear state (``self.linear``: a ``LinearAttentionLayer``).
+
+    Args:
+        scheme, **kwargs: as ``QuantizedKVLayer`` (full attention only: no ``sliding_window``).
+        number_of_states: conv / recurrent states the layer keeps (``LinearAttentionLayer``'s).
+
+    An instance of transformers' ``LinearAttentionCacheLayerMixin`` (so ``Cache`` routes conv / recurrent state
+    calls to it) and of ``CacheLayerMixin`` (so ``Cache.is_linear`` is False, as for transformers' own hybrid
+    layer). ``record_past`` is the linear state's (``Cache.is_recording_past``: whether the model hands its conv
+    state to the cache every step); a full-attention ``QuantizedKVLayer`` records nothing itself.
+    """
+
+    def __init__(self, scheme: Any, *, number_of_states: int = 1, **kwargs: Any) -> None:
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError("QuantizedHybridLayer holds full attention only (no sliding_window)")
+        self.linear = cache_utils.LinearAttentionLayer(number_of_states=number_of_states)
+        QuantizedKVLayer.__init__(self, scheme, **kwargs)
+
+    # the attention part's own record_past (QuantizedKVLayer: a full-precision sliding window) is always False here
+    @property
+    def record_past(self) -> bool:  # type: ignore[override]
+        return self.linear.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        if value:  # QuantizedKVLayer sets it for sliding windows only
+            raise ValueError("QuantizedHybridLayer's attention part keeps no past; record_past is the linear state's")
 
     # ------------------------------------------------------------------ both parts
     def activate_past_recording(self, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import cache_utils
 
+from kvbits.cache.hybrid import LinearStateAPI
 from kvbits.cache.static import StaticQuantizedLayer
 
 __all__ = ["StaticQuantizedHybridLayer", "reorder_states", "reset_states"]
@@ -51,7 +52,7 @@ def reset_states(linear: Any, fresh: bool) -> Any:
     return linear
 
 
-class StaticQuantizedHybridLayer(StaticQuantizedLayer, *(() if _Mixin is None else (_Mixin,))):  # type: ignore[misc]
+class StaticQuantizedHybridLayer(LinearStateAPI, StaticQuantizedLayer, *(() if _Mixin is None else (_Mixin,))):  # type: ignore[misc]
     """Fixed quantized K/V slabs of a full-attention layer plus its linear state (``self.linear``: a
     ``LinearAttentionLayer``; the static counterpart of ``kvbits.cache.hybrid.QuantizedHybridLayer``).
 
@@ -68,43 +69,10 @@ class StaticQuantizedHybridLayer(StaticQuantizedLayer, *(() if _Mixin is None el
         self.linear = cache_utils.LinearAttentionLayer(number_of_states=number_of_states)
         StaticQuantizedLayer.__init__(self, scheme, max_cache_len, layer_idx, **kwargs)
 
-    # ------------------------------------------------ transformers' linear-attention layer API, from self.linear
+    # transformers' linear-attention layer API: LinearStateAPI (from self.linear); record_past read-only here
     @property
     def record_past(self) -> bool:
         return self.linear.record_past
-
-    @property
-    def conv_states(self) -> dict[int, torch.Tensor | None]:
-        return self.linear.conv_states
-
-    @property
-    def recurrent_states(self) -> dict[int, torch.Tensor | None]:
-        return self.linear.recurrent_states
-
-    @property
-    def has_previous_state(self) -> dict[int, bool]:
-        return self.linear.has_previous_state
-
-    @property
-    def number_of_states(self) -> int:
-        return self.linear.number_of_states
-
-    @property
-    def recurrent_states_to_keep(self) -> int:
-        return getattr(self.linear, "recurrent_states_to_keep", None) or 0
-
-    @property
-    def recurrent_states_history(self) -> dict[int, list[torch.Tensor]] | None:
-        return getattr(self.linear, "recurrent_states_history", None)
-
-    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
-        return self.linear.update_conv_state(conv_states, state_idx, **kwargs)
-
-    def update_recurrent_state(self, recurrent_states: Any, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
-        return self.linear.update_recurrent_state(recurrent_states, state_idx, **kwargs)
-
-    def increase_count(self, state_idx: int) -> None:
-        self.linear.increase_count(state_idx)
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """The linear state's (transformers' ``LinearAttentionLayer``); the slabs keep no past (``crop`` refuses)."""
