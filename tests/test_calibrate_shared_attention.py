@@ -118,11 +118,11 @@ def test_zamba_calibrates_its_hybrid_layers_and_the_stream_runs_the_artifact(tmp
 
 
 def _zamba2_default():
-    """Zamba2 as its config defaults it: ``use_mem_rope=False``, so its shared attention block rotates no keys."""
-    return transformers.Zamba2Config(
-        vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
-    )  # fmt: skip
+    """Zamba2 as its config defaults it: ``use_mem_rope=False``, so its shared attention block rotates no keys (and
+    no adapters)."""
+    config = _zamba2()
+    config.use_mem_rope = config.use_shared_attention_adapter = False
+    return config
 
 
 def test_zamba2_without_mem_rope_has_no_rope_tables():

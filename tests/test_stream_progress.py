@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _bytelevel import VOCAB
+from _tinyllama import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-VOCAB = 64
-
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
 
 
 def test_progress_to_a_file_says_each_pass_while_the_run_goes_on(capsys):
@@ -27,7 +18,7 @@ def test_progress_to_a_file_says_each_pass_while_the_run_goes_on(capsys):
 
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(0))
     seen: list[str] = []
-    evaluate(_tiny_llama(), ids, 40, ["int8-token", "fp16"], windows=2, mode="stream", attn_layers=[],
+    evaluate(tiny_llama(), ids, 40, ["int8-token", "fp16"], windows=2, mode="stream", attn_layers=[],
              progress=True, on_pass=lambda w, W, name: seen.append(capsys.readouterr().err))  # fmt: skip
     # read while the run went on: after window 1's int8-token pass, its start and the reference's were said
     assert "kvbits eval: window 1/2: reference" in seen[0]
