@@ -702,7 +702,8 @@ def flush_pair(k: SideStore, v: SideStore, n_tokens: int, block: int) -> None:
     """``k.flush(n_tokens, block)`` then ``v.flush(n_tokens, block)``, in one ``quantize`` call where ``joint_flush``
     allows: K and V ``(B, H_kv, n, D)`` stacked into ``(2B, H_kv, n, D)``, quantized once and split back into each
     side's chunk (views of the joint tensors; each side's bytes as before). Per decode step of ``int8-token`` it runs
-    about 45 fewer aten ops (each a kernel launch) and one host read of a clip count fewer. The same codes, scales,
+    about 45 fewer aten ops and one host read of a clip count fewer, with eager checks and the reference quantizer
+    only (a CPU; on a GPU with Triton each side's kernel writes its reserved slots, and lazy checks keep two calls). The same codes, scales,
     workspace, clip counts (each 0) and observer calls (``x`` and ``qt`` of one side, after both are quantized) as
     the two flushes; a joint clip count above 0 cannot be split per side, so that flush quantizes each side apart."""
     if not joint_flush(k, v, n_tokens):
