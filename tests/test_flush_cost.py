@@ -184,3 +184,62 @@ def test_joint_flush_scope_and_clip_fallback(monkeypatch):
     rk, rv = ref.update(k, v)
     assert torch.equal(keys, rk) and torch.equal(values, rv) and layer.clipped() == (0, 0)
     assert layer._k.n_quantized == layer._v.n_quantized == 40
+
+
+class _SyncCount(TorchDispatchMode):
+    """Counts the aten ops and the host reads of a tensor's value (``aten::_local_scalar_dense``: ``.item()``,
+    ``int/float/bool(t)``; a host-device sync on a GPU) dispatched inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _kvquant4_cache() -> QuantizedKVCache:
+    """An eager ``kvquant-4`` cache of the tiny config, calibrated on random K/V (pre-RoPE keys as sampled)."""
+    from kvbits.calibrate import artifact_from_samples
+    from kvbits.calibrate.artifact import describe_model
+
+    torch.manual_seed(0)
+    cfg, scheme = _config(), get_scheme("kvquant-4")
+    keys = [torch.randn(1, 2, 300, 64) for _ in range(2)]
+    values = [torch.randn(1, 2, 300, 64) for _ in range(2)]
+    art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(cfg)})
+    return QuantizedKVCache(cfg, scheme, calibration=art, checks="eager")
+
+
+@torch.no_grad()
+def test_kvquant4_one_token_update_syncs():
+    """Eager ``kvquant-4``, one token per side: an ``update`` read the device back 19 times at 9f27485 (the layer's
+    fixed codebook re-validated at every flush and every dequantization, 4 reads each, K and V; the asymmetric NUQ
+    span check the eager input bound already covers; a dynamic range's clip count, known to be 0), in 325 aten ops.
+    Now once: the static keys' clip count (a host int with eager checks), in 253 ops."""
+    cache = _kvquant4_cache()
+    cache.update(torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64), 0)
+    k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    for _ in range(4):
+        cache.update(k, v, 0)
+    with _SyncCount() as c:
+        cache.update(k, v, 0)
+    assert c.syncs <= 1, f"{c.syncs} host reads per one-token kvquant-4 update"
+    assert c.ops <= 260, f"{c.ops} aten ops per one-token kvquant-4 update"
+    assert isinstance(cache.layers[0]._k.clipped, int) and isinstance(cache.layers[0]._v.clipped, int)
+
+
+@torch.no_grad()
+def test_kvquant4_eager_errors_at_the_step():
+    """The checks the flush no longer repeats are the eager input check's: a value past asymmetric NUQ's bound
+    (65504 / 2) or a NaN is still refused at its step, with the input check's message, and nothing is stored."""
+    cache = _kvquant4_cache()
+    cache.update(torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64), 0)
+    for bad, said in ((40000.0, "beyond 32752"), (float("nan"), "1 NaN")):
+        v = torch.randn(1, 2, 1, 64)
+        v[0, 1, 0, 3] = bad
+        with pytest.raises(ValueError, match=f"layer 0 value_states .*{said}"):
+            cache.update(torch.randn(1, 2, 1, 64), v, 0)
+    assert cache.layers[0].tokens_seen == 200

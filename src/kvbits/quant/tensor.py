@@ -293,7 +293,8 @@ def quantize(
             finite and ``>= 0`` (FP8: ``> 0``) with finite zero-points, channel means finite and smoothing
             factors finite and ``> 0`` (``check_block``).
         sync: ``False``: never wait for the device (``kvbits.cache`` per-step path): ``clipped`` stays a
-            0-dim int64 tensor on ``x``'s device, the codebook's values are not re-checked (its dtype
+            0-dim int64 tensor on ``x``'s device (a dynamic NUQ range clips nothing: a host 0 either way, as
+            the Triton kernel reports dynamic ranges), the codebook's values are not re-checked (its dtype
             and shape are) and neither are asymmetric NUQ ranges (``choose_nuq_params``: a ``ValueError``
             otherwise when a group spans more than float16 holds); pair with ``validate=False``.
     """
@@ -376,13 +377,14 @@ def quantize(
         # a dynamic range is its group's own: only a scale capped at float16's end (_stored_scale, one float16
         # step) leaves the top value past it, by up to 2**-9 in u, and it decodes to the last entry: rounding,
         # not a clip (as the integer codes' top level and the Triton kernel, which counts dynamic ranges as 0)
-        clipped = torch.zeros_like(clipped)
-    if mg is not None:
+        # (counted as 0 on the host, whatever ``sync``: reading back a sum known to be 0 would be a sync for nothing)
+        clipped = None
+    if mg is not None and clipped is not None:
         clipped = clipped & ~mg
     packed = pack_bits(_ungroup(codes, spec, n, D), spec.bits, check_range=False)  # clamped: no sync
     return QuantizedTensor(
         spec, shape, packed, scale=scale, zero=zero, outlier_values=o_vals, outlier_index=o_idx,
-        clipped=_count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
+        clipped=0 if clipped is None else _count(clipped, sync), static=spec.static, codebook=codebook if spec.kind == "nuq" else None,
         # the caller's tensors (the layer's), not float32 copies: a block holds references, no bytes
         channel_mean=channel_mean if spec.centre else None, channel_factor=channel_factor if spec.smooth is not None else None,
     )
