@@ -961,3 +961,25 @@ def test_layers_with_the_same_rope_share_one_cos_sin_table(monkeypatch, family):
     assert sorted(sorted(i for i in table_of if table_of[i] == table_of[g[0]]) for g in groups) == groups
     assert len(set(table_of.values())) == len(groups)
     assert sum(storages.values()) == len(groups) * 2 * T * 16 * 4  # one float32 cos and sin (T, D) per group
+
+
+def test_a_refused_model_gets_no_post_rope_warning_first(caplog):
+    """``analyze`` of a DeepSeek-V3 (multi-head latent attention, ``rope_interleave=True``) logged "no post-RoPE
+    statistics ... rope_interleave" before refusing the model for its latent attention, as if the analysis would run
+    without post-RoPE figures. The sites are checked first now: the refusal alone. A model that runs with keys
+    rotated in a way kvbits can not reproduce still gets the warning."""
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+        intermediate_size=64, vocab_size=128, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with caplog.at_level(logging.WARNING, logger="kvbits"), pytest.raises(ValueError, match="latent attention"):
+        analyze(model, torch.randint(0, 64, (1, 16)))
+    assert "post-RoPE" not in caplog.text, caplog.text
+    glm = transformers.AutoModelForCausalLM.from_config(transformers.GlmConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_hidden_layers=1,
+        intermediate_size=32, vocab_size=64, pad_token_id=0)).eval()  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="kvbits"):
+        analyze(glm, torch.randint(1, 64, (1, 8)), sample_tokens=8, channel_group=4)
+    assert "no post-RoPE statistics" in caplog.text and "interleaved" in caplog.text

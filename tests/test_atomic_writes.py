@@ -164,3 +164,25 @@ def test_a_missing_folder_is_said_by_the_target_not_the_temporary_name(tmp_path:
     with pytest.raises(FileNotFoundError) as err:
         write_text_atomic(target, "x")
     assert str(target) in str(err.value) and ".tmp" not in str(err.value)
+
+
+def test_the_umask_is_read_without_setting_it(tmp_path: Path, monkeypatch) -> None:
+    """``chmod_default`` read the umask by ``os.umask(0)`` then setting it back: a file another thread created in
+    that moment got mode 0666 whatever the umask. On Linux it is read from ``/proc/self/status``, the umask never
+    changed; the mode is still ``0666 & ~umask``."""
+    from kvbits import _files
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("no /proc/self/status (not Linux)")
+    real = os.umask
+    old = real(0o027)
+    try:
+        calls: list[int] = []
+        monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real(mask))
+        path = tmp_path / "f.txt"
+        _files.write_text_atomic(path, "x")
+        assert calls == []  # never set (to 0 or anything)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+        assert _files.current_umask() == 0o027
+    finally:
+        real(old)

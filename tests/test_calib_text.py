@@ -280,3 +280,16 @@ def test_a_tuned_mix_is_judged_by_each_source_calibration(model, calibrated, cap
     ]}}})()  # fmt: skip
     rec = eval_text_record(art, "x", None, tokens_2d=False, windows=2, context=64)
     assert rec == {"calibrated_on_eval_text": True, "calibration_overlap_tokens": 96}
+
+
+def test_2d_ids_reshaped_from_the_calibrated_ids_count_their_overlap(model, calibrated, caplog):
+    """``(W, T)`` windows reshaped from the ``(N,)`` ids calibrated on have their bytes: marked as the calibration
+    text, but the overlap was null ("does not record which of its tokens"), as the record has ``starts``, not
+    ``rows``. Row ``r`` is tokens ``r * T ..`` of the same sequence: counted now, as for the ``(N,)`` ids."""
+    ids, art = calibrated  # calibration windows at 0 and 224, 32 tokens
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids.reshape(8, 32), 32, ["kvquant-2"], windows=2, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 32
+    assert "32 of the 64 evaluated tokens" in _warnings(caplog)[0]
+    s = evaluate(model, ids.reshape(8, 32), 32, ["kvquant-2"], windows=8, calibration=art, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 64  # rows 0 and 7 are the two calibration windows

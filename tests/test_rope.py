@@ -635,3 +635,46 @@ def test_olmo_hybrid_without_rope_theta_is_refused_as_no_rope():
     rotating = _config_class("olmo_hybrid")(**TINY | {"num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
                                             eos_token_id=2)  # fmt: skip
     assert pre_rope_problem(rotating) is None and RotaryTables.from_config(rotating).rot_dim > 0
+
+
+@pytest.mark.parametrize("family", ["muse_spark", "muse_glimmer"])
+def test_muse_layer_rope_theta_tables_reproduce_every_layers_cached_keys(family):
+    """Muse Spark / Glimmer carry ``layer_rope_theta`` (0: NoPE) but rotate every other layer by their one global
+    rotary module, whatever its non-zero entry (``kvbits.plan.positions.PER_LAYER_THETA`` leaves them out).
+    AutoModelForCausalLM does not load their text config; ``<Family>TextModel`` does. Their keys go through a
+    scale-less ``qk_norm`` shared with the queries before RoPE (the hook keeps its call with the K/V head count).
+    Checked by a review session: the tables reproduced every layer's cached keys exactly; pinned here."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    prefix = "MuseSpark" if family == "muse_spark" else "MuseGlimmer"
+    config_cls = getattr(transformers, f"{prefix}TextConfig")
+    extra = {"mlp_layer_types": ["dense"] * 5} if family == "muse_spark" else {}  # 256 experts by default
+    cfg = config_cls(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=64, bos_token_id=None, eos_token_id=None,
+        layer_rope_theta=[10000.0, 0, 500.0, 10000.0, 0], rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(mod, f"{prefix}TextModel")(cfg).eval()
+    pre: dict[int, torch.Tensor] = {}
+    handles = []
+    for attn in (m for m in model.modules() if hasattr(m, "qk_norm") and hasattr(m, "layer_idx")):
+
+        def hook(_m, _inp, out, idx=attn.layer_idx):
+            if out.shape[1] == cfg.num_key_value_heads:  # (B, H, T, D): the keys' call, not the queries' (4 heads)
+                pre[idx] = out.detach().clone()
+
+        handles.append(attn.qk_norm.register_forward_hook(hook))
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, 64, (2, 12)), use_cache=True)
+    for h in handles:
+        h.remove()
+    cache = out.get("cache") or out.get("past_key_values")
+    for tables in (RotaryTables.from_config(cfg), RotaryTables.from_model(model)):
+        for layer in range(5):
+            t = tables.tables_for_layer(layer)
+            assert t.rot_dim == (0 if layer in (1, 4) else 16)
+            cos, sin = t.cos_sin(torch.arange(12), torch.float32)
+            torch.testing.assert_close(apply_rope(pre[layer], cos, sin), cache.layers[layer].keys, atol=ATOL, rtol=1e-5)

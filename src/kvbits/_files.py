@@ -10,17 +10,36 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the OS allows (Linux: the ``Umask:`` line of
+    ``/proc/self/status``). ``os.umask`` can only be read by setting it: between ``os.umask(0)`` and setting it back,
+    a file another thread creates gets mode 0666 whatever the umask, so that toggle is only the fallback (other
+    systems, no ``/proc``), done under a lock (which serializes kvbits' own readers, not other code's file creation)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        umask = os.umask(0o077)  # a file created meanwhile is private, not world-writable
+        os.umask(umask)
+    return umask
 
 
 def chmod_default(path: str | os.PathLike[str]) -> None:
     """Give ``path`` the permissions of a normally created file (``0666 & ~umask``): ``tempfile.mkstemp``
     creates its files 0600, which a reader running as another user (node_exporter, a server) can not open."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 @contextmanager

@@ -307,8 +307,10 @@ def analyze(
                        sample_tokens // block * block, block)  # fmt: skip
     if getattr(model, "config", None) is not None:
         check_context_fits(model.config, T)
-    tables, reproducible = _rotary_tables(model)
+    # the sites first: a model they refuse (multi-head latent attention, fused QKV) is refused before
+    # _rotary_tables warns "no post-RoPE statistics" about it (DeepSeek-V3: rope_interleave), as if it would run
     sites = analysis_sites(model)
+    tables, reproducible = _rotary_tables(model)
     from kvbits.calibrate.cache_capture import CacheKVCapture, CacheSite
 
     at_cache = isinstance(sites[0], CacheSite)  # a shared attention block: K/V read at cache.update

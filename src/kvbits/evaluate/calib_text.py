@@ -9,9 +9,12 @@ tokens it scores were calibration tokens.
 
 The same text given once as a file and once as its token ids (``(N,)``, as ``tokenize`` gives them) is caught too:
 an artifact calibrated on a text file records its token ids' hash as well (``data.ids_sha256``, since this check), and
-an evaluation of a text file against an artifact calibrated on ``(N,)`` ids hashes its own token ids. Not caught:
-``(W, T)`` windows against ``(N,)`` ids or a text (other bytes), ids of another tokenization, a slice of the text, and
-artifacts written before ``data.ids_sha256`` that were calibrated on a file and are evaluated on ids.
+an evaluation of a text file against an artifact calibrated on ``(N,)`` ids hashes its own token ids. ``(W, T)``
+windows that are the calibrated ``(N,)`` ids reshaped have the same bytes: the same text, the same token sequence
+(row ``r`` its tokens ``r * T .. (r + 1) * T - 1``), so their overlap is counted too. Not caught: ``(W, T)``
+windows of other bytes than the ``(N,)`` ids or the text (cut by ``make_windows``, which drops the tail), ids of
+another tokenization, a slice of the text, and artifacts written before ``data.ids_sha256`` that were calibrated on a
+file and are evaluated on ids.
 
 ``kvbits eval`` and ``kvbits needle`` (passkey retrieval scored on a haystack cut from the text) check it before the
 run, and ``kvbits eval`` again when ``--out`` holds the finished run it reuses (:func:`warn_stored`). ``kvbits speed``
@@ -132,6 +135,8 @@ def _judge(
         return None, None
     same = recorded == sha256
     if same and data.get("tokenizer") == tokenizer_fp:  # token positions of one tokenization
+        if tokens_2d and data.get("rows") is None:  # (W, T) windows with the bytes of the (N,) ids calibrated on:
+            return True, _intervals(data, False, windows, context)  # one sequence, row r at r * T (= r * context)
         return True, _intervals(data, tokens_2d, windows, context)
     if not same and not tokens_2d and (
         (tokenizer_fp is None and data.get("ids_sha256") == sha256)  # ids evaluated, their text calibrated on
