@@ -519,3 +519,14 @@ def test_a_dtype_that_is_no_floating_torch_dtype_is_refused_before_the_model_loa
         evaluate(missing, "pride-and-prejudice", 64, ["int4-token"], dtype=bad)
     with pytest.raises(ValueError, match="or a floating torch dtype, got"):
         collect_samples(missing, "pride-and-prejudice", context=64, windows=1, dtype=bad)
+
+
+def test_a_scheme_name_too_long_for_a_file_name_is_refused_before_the_run(tmp_path):
+    """A 341-character mixed scheme string (``int4-token,0=int8-token,2=int8-token,...``) passed the name check, ran
+    every window, then failed writing ``tokens/<name>.safetensors``: OSError 'File name too long'."""
+    from kvbits.schemes import get_scheme
+
+    long = get_scheme("int4-token").replace(name="int4-token-" + "x" * 240)
+    with pytest.raises(ValueError, match=r"has 251 characters, too long for a file name .* at most 200"):
+        evaluate(_llama(), _ids(64), 64, [long], out_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -38,6 +38,9 @@ DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 OUTPUT_VERSION = 2
 # ',' and '=' for per-layer mixes ("int4-token,0=int8-token"): portable in file names, like the rest
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+,=-]*$")
+# a scheme's per-token arrays go to tokens/<name>.safetensors, written through a temporary
+# <name>.safetensors.<8 random>.tmp: 25 characters past the name, within the usual 255-byte file name limit
+MAX_NAME_CHARS = 200
 
 
 # ------------------------------------------------------------------------------------ identities
@@ -143,6 +146,12 @@ def _check_args(context, windows, mode, semantics, prompt_len, schemes) -> None:
         if not _SAFE_NAME.match(n):
             raise ValueError(
                 f"scheme name {n!r} is not usable as a file name (letters, digits, . _ + , = - only)"
+            )
+        if len(n) > MAX_NAME_CHARS:  # refused before the model loads: the write failed after every window had run
+            raise ValueError(
+                f"scheme name {n[:40]}... has {len(n)} characters, too long for a file name (tokens/<name>.safetensors); "
+                f"expected at most {MAX_NAME_CHARS}: give the scheme a shorter name (a scheme JSON file's \"name\", or "
+                "mixed_scheme(..., name=...))"
             )
     peers = [n for n, s in zip(names, schemes) if isinstance(s, PeerScheme)]
     if peers and mode != "stream":
