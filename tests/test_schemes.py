@@ -268,3 +268,11 @@ def test_a_mistyped_preset_name_is_answered_with_the_preset_it_is_near(typo, pre
         get_scheme(typo)
     with pytest.raises(ValueError, match=r"unknown scheme 'int5'; known presets: fp16"):
         get_scheme("int5")
+
+
+@pytest.mark.parametrize("key", ["1_0", "+1", " 1", "\u0661"])
+def test_a_scheme_json_layer_key_that_is_not_plain_digits_is_refused(key):
+    """``int()`` read the layer key ``"1_0"`` as layer 10, ``"+1"``, ``" 1"`` and ``"١"`` (Arabic-Indic one) as
+    layer 1: a typo silently overrode another layer, where the mixed scheme string refuses all four."""
+    with pytest.raises(ValueError, match=r"keys are layer indices written in ASCII digits"):
+        KVScheme.from_dict({"name": "mine", "layers": {key: {"name": "int8", "key": {"kind": "int", "bits": 8}}}})

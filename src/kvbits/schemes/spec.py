@@ -488,10 +488,13 @@ class KVScheme:
             layers = d["layers"]
             if not isinstance(layers, dict):
                 raise TypeError(f"a scheme's 'layers' must be an object {{\"<layer>\": scheme}}, got {layers!r}")
-            try:
-                d["layers"] = tuple(sorted(((int(k), cls.from_dict(v)) for k, v in layers.items()), key=lambda t: t[0]))
-            except ValueError as exc:
-                raise ValueError(f"scheme 'layers': {exc} (keys are layer indices, e.g. \"0\")") from exc
+            # int() also reads "1_0" (layer 10), "+1", " 1" and non-ASCII digits: a typo stored another layer
+            odd = [k for k in layers if not (isinstance(k, str) and k.isascii() and k.isdigit())]
+            if odd:
+                raise ValueError(
+                    f"scheme 'layers': keys are layer indices written in ASCII digits (e.g. \"0\", \"23\"), got {odd!r}"
+                )
+            d["layers"] = tuple(sorted(((int(k), cls.from_dict(v)) for k, v in layers.items()), key=lambda t: t[0]))
         return cls(**d)
 
     @classmethod
