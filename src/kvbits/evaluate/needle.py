@@ -268,14 +268,16 @@ def _separator(tokenizer: Any, hay: list[int], at: int, needle: list[int]) -> li
     """The tokens of a line break (after a line break, the haystack's own: ``\r\n`` after ``\r\n``) or
     a space (elsewhere) to put between the needle and ``hay[at:]`` when that starts without whitespace,
     so that the needle's last sentence is not glued to the next word; none at the end of the haystack
-    or when it starts with whitespace."""
+    or when it starts with whitespace. A separator takes the place of the haystack's last tokens, so it
+    is at most ``len(hay) - at`` tokens: one that does not fit whole gives way to the next candidate (a
+    2-token ``\r\n`` cut to its ``\r`` left a bare carriage return after a needle 1 token from the end)."""
     if at >= len(hay) or _text_after(tokenizer, needle[-1:], hay[at : at + 1])[:1].isspace():
         return []
     before = tokenizer.decode(hay[max(0, at - _LOOKBACK) : at]).rstrip(" \t")
     line = "\r\n" if before.endswith("\r\n") else "\n"
     for sep in (line, " ") if before.endswith("\n") else (" ", line):
         ids = _encode(tokenizer, sep)
-        if ids:
+        if ids and len(ids) <= len(hay) - at:
             return ids
     return []
 
