@@ -73,3 +73,54 @@ def test_the_bits_at_context_example_names_the_dtype_it_holds_in() -> None:
         (p,) = kvbits.plan(SMOLLM2, context=tokens, batch=1, scheme=["kivi-2"], dtype_bytes=dtype_bytes)
         assert p["avg_bits"] == pytest.approx(stated), (dtype_bytes, p["avg_bits"], stated)
     assert average_bits(kvbits.get_scheme("kivi-2"), head_dim=64, n_heads=3) == pytest.approx(long_run)
+
+
+def _pre_rope_section() -> str:
+    """The README's bullet on the models pre-RoPE schemes refuse (``Pre-RoPE keys need rotate-half RoPE``)."""
+    text = README.read_text(encoding="utf-8")
+    assert "**Pre-RoPE keys need rotate-half RoPE.**" in text, "the README says which models pre-RoPE schemes refuse"
+    return text.split("**Pre-RoPE keys need rotate-half RoPE.**", 1)[1].split("\n- ", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("named", "model_type", "fields"),
+    [
+        ("learned positions", "gpt2", {}),
+        ("ALiBi", "bloom", {}),
+        ("Zamba,", "zamba", {}),
+        ("`use_mem_rope`", "zamba2", {"use_mem_rope": False}),
+        ("`rope_theta=None`", "olmo_hybrid", {"rope_parameters": {"rope_type": "default", "rope_theta": None}}),
+        ("GPT-J", "gptj", {}),
+        ("`rope_interleave=True`", "deepseek_v3", {"rope_interleave": True}),
+        ("HunYuan", "hunyuan_v1_dense", {}),
+    ],
+)
+def test_the_models_the_readme_says_pre_rope_schemes_refuse_are_refused(named: str, model_type: str, fields: dict) -> None:
+    """Each family the README names as refused for pre-RoPE keys is refused by ``pre_rope_problem`` (the planner's
+    check, before any forward pass), and the planner's message suggests a post-RoPE scheme as the README says."""
+    import transformers
+
+    from kvbits.plan.positions import pre_rope_problem
+
+    assert named in _pre_rope_section()
+    config = transformers.AutoConfig.for_model(model_type)
+    for k, v in fields.items():
+        setattr(config, k, v)
+    assert pre_rope_problem(config) is not None, f"{model_type} {fields}: README says pre-RoPE keys are refused"
+
+
+def test_the_nope_layers_the_readme_names_keep_their_keys_as_they_come() -> None:
+    """SmolLM3's ``no_rope_layers`` and EXAONE 4's full layers (with ``sliding_window`` set) rotate no keys
+    (``layer_rotates`` False), while their other layers do, as the README's pre-RoPE bullet says."""
+    import transformers
+
+    from kvbits.plan.positions import layer_rotates
+
+    section = _pre_rope_section()
+    assert "SmolLM3's `no_rope_layers`" in section and "EXAONE 4's full layers" in section
+    smol = transformers.AutoConfig.for_model("smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+    assert [layer_rotates(smol, i) for i in range(4)] == [True, True, True, False]
+    exa = transformers.AutoConfig.for_model(
+        "exaone4", num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+    )
+    assert [layer_rotates(exa, i) for i in range(4)] == [True, True, True, False]
