@@ -207,6 +207,12 @@ def test_policy_validation() -> None:
     with pytest.raises(ValueError, match="StaticQuantizedKVCache is not supported"):
         CacheMonitor(StaticQuantizedKVCache(llama().config, "kivi-2", max_cache_len=64))
 
+    class ServerCache(StaticQuantizedKVCache):  # was told to "pass config=" (the check read the class name)
+        pass
+
+    with pytest.raises(ValueError, match="StaticQuantizedKVCache is not supported"):
+        CacheMonitor(ServerCache(llama().config, "kivi-2", max_cache_len=64))
+
 
 def test_numpy_thresholds_are_json_numbers_in_the_snapshot_and_events(tmp_path) -> None:
     """Was: a policy with numpy thresholds (taken, as documented) kept them as numpy scalars, and ``snapshot()``,
