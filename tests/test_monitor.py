@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import json
 import math
 import os
 import re
@@ -27,7 +28,7 @@ from kvbits.monitor import (
     flush_error,
     prometheus_text,
 )
-from kvbits.monitor.export import write_textfile
+from kvbits.monitor.export import strict_json, write_textfile
 
 transformers.logging.set_verbosity_error()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -205,6 +206,29 @@ def test_policy_validation() -> None:
 
     with pytest.raises(ValueError, match="StaticQuantizedKVCache is not supported"):
         CacheMonitor(StaticQuantizedKVCache(llama().config, "kivi-2", max_cache_len=64))
+
+    class ServerCache(StaticQuantizedKVCache):  # was told to "pass config=" (the check read the class name)
+        pass
+
+    with pytest.raises(ValueError, match="StaticQuantizedKVCache is not supported"):
+        CacheMonitor(ServerCache(llama().config, "kivi-2", max_cache_len=64))
+
+
+def test_numpy_thresholds_are_json_numbers_in_the_snapshot_and_events(tmp_path) -> None:
+    """Was: a policy with numpy thresholds (taken, as documented) kept them as numpy scalars, and ``snapshot()``,
+    ``write_events`` and ``kvbits monitor --json`` raised ``TypeError: Object of type float32 is not JSON
+    serializable`` once a threshold was crossed. Now the policy holds Python floats."""
+    pol = FallbackPolicy(key_error=np.float32(0.01), value_error=np.float64(0.01), clipped_fraction=np.float32(0.5))
+    assert all(type(getattr(pol, name)) is float for name in ("key_error", "value_error", "clipped_fraction"))
+    cache = QuantizedKVCache(config=llama().config, scheme="int4-token")
+    mon = CacheMonitor(cache, pol)
+    g = torch.Generator().manual_seed(0)
+    cache.update(torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g), 0)
+    assert mon.events and mon.events[0]["threshold"] == pytest.approx(0.01)
+    snap = json.loads(strict_json(mon.snapshot()))
+    assert snap["policy"]["key_error"] == pytest.approx(0.01)
+    lines = mon.write_events(tmp_path / "events.jsonl").read_text().splitlines()
+    assert len(lines) == len(mon.events) and json.loads(lines[0])["threshold"] == pytest.approx(0.01)
 
 
 def test_hold_layer_keeps_later_tokens_exact_and_counts_their_bytes() -> None:

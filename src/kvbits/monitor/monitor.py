@@ -73,6 +73,7 @@ class CacheMonitor:
         on_event: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         from kvbits.cache.layer import QuantizedKVLayer
+        from kvbits.cache.static import StaticQuantizedKVCache
 
         if policy is not None and not isinstance(policy, FallbackPolicy):
             raise TypeError(f"policy must be a FallbackPolicy or None, got {type(policy).__name__}")
@@ -80,7 +81,7 @@ class CacheMonitor:
         if not layers:
             hint = (
                 "StaticQuantizedKVCache is not supported (its replayed steps are not seen by the host): use "
-                "QuantizedKVCache" if type(cache).__name__ == "StaticQuantizedKVCache" else "pass config= to the cache"
+                "QuantizedKVCache" if isinstance(cache, StaticQuantizedKVCache) else "pass config= to the cache"
             )
             raise ValueError(
                 f"CacheMonitor needs a QuantizedKVCache with its layers built ({hint}); "

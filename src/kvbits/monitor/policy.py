@@ -59,7 +59,10 @@ class FallbackPolicy:
 
     def __post_init__(self) -> None:
         for name in ("key_error", "value_error", "clipped_fraction"):
-            _threshold(name, getattr(self, name))
+            value = getattr(self, name)
+            _threshold(name, value)
+            if value is not None:  # a Python float: numpy's float32 is no JSON number (snapshot(), write_events)
+                object.__setattr__(self, name, float(value))
         if self.clipped_fraction is not None and self.clipped_fraction > 1:
             raise ValueError(f"clipped_fraction is a fraction in [0, 1], got {self.clipped_fraction}")
         if self.scope not in SCOPES:
