@@ -1216,8 +1216,8 @@ class StaticQuantizedKVCache(Cache):
             if layer.reads_positions and hint is not None and find_position_ids(args, kwargs) is None:
                 kwargs = {**kwargs, "position_ids": hint}
         layer = self.layers[layer_idx]
-        if layer is self.kv_layers[0]:  # a forward's first K/V layer: the last one ended the previous forward
-            self._check_complete(layer)
+        if not torch.compiler.is_compiling() and layer is self.kv_layers[0]:  # a forward's first K/V layer: the last
+            self._check_complete(layer)  # one ended the previous forward (traced: nothing read, no guard on counts)
         if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # a request's first update of this layer: if it fails, the request's other layers are undone too
@@ -1236,9 +1236,10 @@ class StaticQuantizedKVCache(Cache):
         layer's module) left its first K/V layer holding more tokens than its last. ``_undo_request`` undoes failures
         in the K/V updates only; a retry appended to the written layers (and to the states) or failed deep in the
         model (``The size of tensor a (12) must match the size of tensor b (24)``). Host ints only, no sync; not
-        seen: a failure after the last K/V layer (its states only)."""
+        seen: a failure after the last K/V layer (its states only). Not called while traced (``update``): reading the
+        counts there would guard the graph on them and recompile it once they stop counting."""
         last = self.kv_layers[-1]
-        if first is last or not (first.host_counts and last.host_counts) or torch.compiler.is_compiling():
+        if first is last or not (first.host_counts and last.host_counts):
             return
         if first.tokens_written != last.tokens_written:
             counts = {x.layer_idx: x.tokens_written for x in self.kv_layers}
