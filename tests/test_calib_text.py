@@ -293,3 +293,79 @@ def test_2d_ids_reshaped_from_the_calibrated_ids_count_their_overlap(model, cali
     assert "32 of the 64 evaluated tokens" in _warnings(caplog)[0]
     s = evaluate(model, ids.reshape(8, 32), 32, ["kvquant-2"], windows=8, calibration=art, attn_layers=[])
     assert _record(s)["calibration_overlap_tokens"] == 64  # rows 0 and 7 are the two calibration windows
+
+
+def test_2d_calibration_ids_count_their_overlap_in_any_shape_of_the_same_bytes(model, caplog):
+    """A calibration on ``(W, T)`` ids recorded its ``rows`` but not ``T``: the same bytes evaluated as ``(2, 64)``
+    counted row 3 at ``3 * 64`` (32 shared tokens said where 64 are), as ``(N,)`` not at all (null). ``row_width``
+    now places row ``r`` at tokens ``[r * T, r * T + context)`` of the flat sequence, whatever the evaluated shape."""
+    ids = _ids(4 * 32).reshape(4, 32)
+    art = calibrate(model, ids, "kvquant-2", context=32, windows=2, fisher=False)
+    assert art.meta["data"]["rows"] == [0, 3] and art.meta["data"]["row_width"] == 32
+    s = evaluate(model, ids.reshape(2, 64), 64, ["kvquant-2"], windows=2, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 64
+    with caplog.at_level("WARNING", logger="kvbits.evaluate"):
+        s = evaluate(model, ids.reshape(-1), 32, ["kvquant-2"], windows=4, calibration=art, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] == 64
+    assert "64 of the 128 evaluated tokens" in _warnings(caplog)[0]
+    s = evaluate(model, ids.reshape(8, 16), 16, ["kvquant-2"], windows=3, calibration=art, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 32  # [0, 48) meets row 0's [0, 32), not row 3's [96, 128)
+    # rows wider than the calibrated context: row r's first 32 of its 64 tokens, at r * 64
+    wide = _ids(4 * 64).reshape(4, 64)
+    art = calibrate(model, wide, "kvquant-2", context=32, windows=2, fisher=False)
+    assert art.meta["data"]["row_width"] == 64
+    s = evaluate(model, wide.reshape(-1), 32, ["kvquant-2"], windows=8, calibration=art, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 64  # [0, 32) and [192, 224)
+
+
+def test_1d_calibration_ids_count_their_overlap_as_rows_of_another_width(model, calibrated):
+    """``(N,)`` ids calibrated on (``starts`` 0 and 224, 32 tokens) evaluated as ``(16, 16)`` rows of the same bytes:
+    row ``i`` is tokens ``[16 i, 16 i + 16)``."""
+    ids, art = calibrated
+    s = evaluate(model, ids.reshape(16, 16), 16, ["kvquant-2"], windows=16, calibration=art, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 64
+    s = evaluate(model, ids.reshape(16, 16), 16, ["kvquant-2"], windows=15, calibration=art, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 48  # [0, 240): row 15 [240, 256) left out
+
+
+def test_an_artifact_without_the_row_width_loads_and_counts_as_before(model, tmp_path):
+    """Artifacts written before ``data.row_width`` load; their ``rows`` count as the same shape (row ``r`` at
+    ``r * context``) and not at all for ``(N,)`` ids, as before. A bad ``row_width`` is refused on load."""
+    import json
+
+    ids = _ids(4 * 32).reshape(4, 32)
+    art = calibrate(model, ids, "kvquant-2", context=32, windows=2, fisher=False)
+    assert art.meta["data"]["row_width"] == 32
+    art.save(tmp_path / "cal")
+    meta_path = tmp_path / "cal" / "calibration.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["data"]["row_width"]
+    meta_path.write_text(json.dumps(meta))
+    old = load_calibration(tmp_path / "cal")
+    s = evaluate(model, ids, 32, ["kvquant-2"], windows=4, calibration=old, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 64
+    s = evaluate(model, ids.reshape(2, 64), 64, ["kvquant-2"], windows=2, calibration=old, attn_layers=[])
+    assert _record(s)["calibration_overlap_tokens"] == 32  # rows 0 and 3 at r * 64: row 3 past the 2 windows
+    s = evaluate(model, ids.reshape(-1), 32, ["kvquant-2"], windows=4, calibration=old, attn_layers=[])
+    assert _record(s)["calibrated_on_eval_text"] is True and _record(s)["calibration_overlap_tokens"] is None
+    for bad in (0, "32", 2.5):
+        meta["data"]["row_width"] = bad
+        meta_path.write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match="data.row_width"):
+            load_calibration(tmp_path / "cal")
+
+
+def test_a_text_file_and_its_token_ids_calibrated_as_rows_are_the_same_text():
+    """A text evaluated whose token ids are the ``(W, T)`` ids calibrated on (their bytes): the same text, its
+    overlap counted by ``row_width``; without ``row_width`` (an older artifact) not judged the same, as before."""
+    from kvbits.evaluate.calib_text import _needs_ids_hash, eval_text_record
+
+    data = {"sha256": "ids", "tokenizer": None, "context": 32, "starts": None, "rows": [0, 3], "row_width": 32}
+    art = type("A", (), {"meta": {"data": data}, "path": None})()
+    assert _needs_ids_hash({"s": art}, "text")
+    rec = eval_text_record(art, "text", "tok", tokens_2d=False, windows=4, context=32, ids_sha256="ids")
+    assert rec == {"calibrated_on_eval_text": True, "calibration_overlap_tokens": 64}
+    del data["row_width"]
+    assert not _needs_ids_hash({"s": art}, "text")
+    rec = eval_text_record(art, "text", "tok", tokens_2d=False, windows=4, context=32, ids_sha256="ids")
+    assert rec == {"calibrated_on_eval_text": False, "calibration_overlap_tokens": 0}

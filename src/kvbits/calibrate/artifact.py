@@ -644,6 +644,8 @@ def _meta_problem(meta: dict[str, Any], *, files: bool = True) -> str | None:
     for k in ("windows", "tokens"):
         if data.get(k) is not None and (not _is_int(data[k]) or data[k] < 1):
             return field(f"data.{k}", data[k], "a positive integer or null")
+    if data.get("row_width") is not None and (not _is_int(data["row_width"]) or data["row_width"] < 1):
+        return field("data.row_width", data["row_width"], "a positive integer (the calibrated (W, T) ids' T) or null")
     if data.get("name") is not None and not isinstance(data["name"], str):
         return field("data.name", data["name"], "a string or null")
     excluded = data.get("excluded_sink_tokens")

@@ -216,11 +216,14 @@ def _windows(
                 raise ValueError(f"token windows have {ids.shape[1]} tokens, fewer than context={context}")
             if ids.shape[0] == 0:
                 raise ValueError(f"token windows (W, T) = {tuple(ids.shape)}: no window; expected at least one row")
+            width = int(ids.shape[1])
             ids = ids[:, :context]
             pick = torch.linspace(0, ids.shape[0] - 1, min(windows, ids.shape[0])).round().long().unique()
             out = ids[pick]
-            # rows: which rows were calibrated on, so an evaluation of the same ids can say what it shares with them
-            record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None, rows=pick.tolist())
+            # rows: which rows were calibrated on, so an evaluation of the same ids can say what it shares with them;
+            # row_width: their T, so it can in any shape of the same bytes (row r is tokens [r * T, (r + 1) * T))
+            record.update(windows=out.shape[0], tokens=out.numel(), context=context, starts=None, rows=pick.tolist(),
+                          row_width=width)  # fmt: skip
             return out, record
     else:
         from kvbits.evaluate.data import check_tokenized, load_text, tokenize

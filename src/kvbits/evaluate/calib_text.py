@@ -4,14 +4,17 @@ A calibrated scheme's scales, codebooks and channel vectors were fitted to the K
 scoring it on those very windows (or on the rest of the same text) flatters it. ``kvbits calibrate`` records the
 calibration data's content hash (``data.sha256``: the text file's bytes, or the int64 token ids given), the
 tokenizer (``data.tokenizer``) and where its windows start in the tokenized text (``data.starts``; ``data.rows`` for
-windows given as a ``(W, T)`` tensor, recorded since this check), so an evaluation can tell and say how many of the
-tokens it scores were calibration tokens.
+windows given as a ``(W, T)`` tensor, recorded since this check, and their ``T``, ``data.row_width``, since later),
+so an evaluation can tell and say how many of the tokens it scores were calibration tokens.
 
 The same text given once as a file and once as its token ids (``(N,)``, as ``tokenize`` gives them) is caught too:
 an artifact calibrated on a text file records its token ids' hash as well (``data.ids_sha256``, since this check), and
 an evaluation of a text file against an artifact calibrated on ``(N,)`` ids hashes its own token ids. ``(W, T)``
 windows that are the calibrated ``(N,)`` ids reshaped have the same bytes: the same text, the same token sequence
-(row ``r`` its tokens ``r * T .. (r + 1) * T - 1``), so their overlap is counted too. Not caught: ``(W, T)``
+(row ``r`` its tokens ``r * T .. (r + 1) * T - 1``), so their overlap is counted too; so is that of calibrated
+``(W, T)`` ids evaluated in another shape (``(4, 512)`` as ``(2, 1024)`` or ``(N,)``) or as their text, by
+``data.row_width`` (an older artifact without it: counted for ``(W, T)`` ids as the same shape, not for ``(N,)``
+ids, and not the same text as a file). Not caught: ``(W, T)``
 windows of other bytes than the ``(N,)`` ids or the text (cut by ``make_windows``, which drops the tail), ids of
 another tokenization, a slice of the text, and artifacts written before ``data.ids_sha256`` that were calibrated on a
 file and are evaluated on ids.
@@ -54,23 +57,41 @@ def content_sha256(data: Any) -> str | None:
     return sha if isinstance(sha, str) else None
 
 
+def _row_width(record: dict[str, Any]) -> int | None:
+    """The row width ``T`` of the ``(W, T)`` ids a calibration record (an artifact's ``data``) was calibrated on
+    (``data.row_width``, recorded since ``rows`` had no shape: ``(4, 512)`` evaluated as ``(2, 1024)`` counted row 3
+    at 3 * 1024); None where it does not record one (older artifacts, text and ``(N,)`` ids)."""
+    width = record.get("row_width")
+    return width if isinstance(width, int) and not isinstance(width, bool) and width >= 1 else None
+
+
+def _flat(record: dict[str, Any]) -> bool:
+    """Whether ``record``'s windows are token positions of one flat sequence: ``starts`` (text, ``(N,)`` ids), or
+    ``rows`` of a recorded ``row_width`` (row ``r`` at ``r * T``); not ``rows`` without it."""
+    return record.get("rows") is None or _row_width(record) is not None
+
+
 def _intervals(
     record: dict[str, Any], tokens_2d: bool, windows: int, context: int
 ) -> list[tuple[int, int]] | None:
     """The token ranges ``[start, end)`` the calibration windows ``record`` (an artifact's ``data``) names, as
-    positions of the evaluated tokens: of the text / ``(N,)`` ids, or for ``(W, T)`` ids row ``r``'s first
-    ``min(context, calibrated context)`` tokens at ``r * context`` (rows ``0 .. windows - 1``); None where the
-    record does not name them."""
+    positions of the evaluated tokens (evaluated ``(W, T)`` ids have ``T == context``: row ``i`` is tokens
+    ``i * context ..`` of their flat sequence, the same positions as for ``(N,)`` ids): ``starts``; or rows ``r`` of
+    calibrated ``(W, T)`` ids at ``r * T`` (``data.row_width``), their first ``min(T, calibrated context)``
+    tokens, whatever shape the same bytes are evaluated in. An older record of ``rows`` without ``row_width``: for
+    ``(W, T)`` ids evaluated, row ``r`` at ``r * context`` (rows ``0 .. windows - 1``, as the same shape), and None
+    for ``(N,)`` ids. None where the record does not name them."""
     cal = record.get("context")
     if not isinstance(cal, int):
         return None
-    if tokens_2d:
-        rows = record.get("rows")
-        if not isinstance(rows, list):
-            return None
+    rows = record.get("rows")
+    width = _row_width(record)
+    if isinstance(rows, list) and width is not None:
+        return [(r * width, r * width + min(width, cal)) for r in rows if isinstance(r, int) and r >= 0]
+    if isinstance(rows, list) and tokens_2d:
         return [(r * context, r * context + min(context, cal)) for r in rows if isinstance(r, int) and 0 <= r < windows]
     starts = record.get("starts")
-    if not isinstance(starts, list):
+    if rows is not None or not isinstance(starts, list):
         return None
     return [(s, s + cal) for s in starts if isinstance(s, int)]
 
@@ -134,14 +155,12 @@ def _judge(
     if not isinstance(recorded, str) or sha256 is None:
         return None, None
     same = recorded == sha256
-    if same and data.get("tokenizer") == tokenizer_fp:  # token positions of one tokenization
-        if tokens_2d and data.get("rows") is None:  # (W, T) windows with the bytes of the (N,) ids calibrated on:
-            return True, _intervals(data, False, windows, context)  # one sequence, row r at r * T (= r * context)
-        return True, _intervals(data, tokens_2d, windows, context)
+    if same and data.get("tokenizer") == tokenizer_fp:  # token positions of one tokenization (the same bytes in
+        return True, _intervals(data, tokens_2d, windows, context)  # any shape: one sequence, row r at r * T)
     if not same and not tokens_2d and (
         (tokenizer_fp is None and data.get("ids_sha256") == sha256)  # ids evaluated, their text calibrated on
-        or (ids_sha256 is not None and data.get("tokenizer") is None and data.get("rows") is None
-            and recorded == ids_sha256)  # text evaluated, its (N,) ids calibrated on
+        or (ids_sha256 is not None and data.get("tokenizer") is None and _flat(data)
+            and recorded == ids_sha256)  # text evaluated, its ids calibrated on ((N,), or (W, T) of a known T)
     ):  # fmt: skip
         return True, _intervals(data, False, windows, context)  # one token sequence: its positions are the same
     return same, None
@@ -184,11 +203,12 @@ def eval_text_record(
 
 def _needs_ids_hash(calibrations: dict[str, Any], sha256: str | None) -> bool:
     """Whether an evaluated text's token ids must be hashed: some artifact (or a source of a composed one) was
-    calibrated on ``(N,)`` ids of other bytes than the text's (its ``data.tokenizer`` null, no ``rows``)."""
+    calibrated on ids of other bytes than the text's (its ``data.tokenizer`` null; ``(N,)``, or ``(W, T)`` with
+    ``data.row_width``)."""
     for art in calibrations.values():
         for data in _data_records(art):
             rec = data.get("sha256")
-            if isinstance(rec, str) and rec != sha256 and data.get("tokenizer") is None and data.get("rows") is None:
+            if isinstance(rec, str) and rec != sha256 and data.get("tokenizer") is None and _flat(data):
                 return True
     return False
 
