@@ -48,6 +48,22 @@ def _ok(x: float) -> bool:
     return not math.isnan(x) and not math.isinf(x)
 
 
+_BIG = 1e9  # a figure this large (as printed: percent, GiB, ...) prints in scientific notation
+
+
+def _fixed(x: float, spec: str) -> str:
+    """``x`` formatted with the fixed-point ``spec`` (``"+.2f"``, ``".3f"``), the one rule every number here follows:
+    a figure that rounds to zero prints as ``0.00`` / ``+0.00``, never ``-0.00``, and one of at least ``_BIG`` (1e9)
+    in absolute value prints with as many decimals in scientific notation (``1e300 -> '1.000e+300'``), not as a
+    300-digit string."""
+    text = format(x, spec)
+    if float(text) == 0:
+        return format(0.0, spec)
+    if abs(float(text)) >= _BIG:
+        return format(x, spec[:-1] + "e")
+    return text
+
+
 def fmt_pos(n: int) -> str:
     """A token position as in the bucket names: multiples of 1024 as ``4K``, others verbatim."""
     if n and n % 1024 == 0:
@@ -75,10 +91,9 @@ def fmt_pct(frac: float, digits: int = 2) -> str:
     if not _ok(frac):
         return NA
     pct = frac * 100
-    d = 1 if abs(pct) >= 100 else digits
-    if round(pct, d) == 0:
-        pct = 0.0  # no "-0.00%" for a difference that rounds to nothing
-    return f"{pct:+.{d}f}%"
+    # one decimal from 100 % up, decided on the printed value: 99.996 % prints as +100.0%, as 100 % does
+    d = 1 if abs(float(f"{pct:.{digits}f}")) >= 100 else digits
+    return _fixed(pct, f"+.{d}f") + "%"
 
 
 def fmt_judged(frac: float, threshold: float) -> str:
@@ -97,15 +112,13 @@ def fmt_budget(threshold: float, sign: bool = True) -> str:
     """A ΔPPL budget (fraction) as the percentage it is, no digit rounded away: ``0.005 -> '+0.5%'``,
     ``0.01 -> '+1%'``, ``0.025 -> '+2.5%'`` (``sign=False``: ``'0.5%'``). ``fmt_pct(t, 0)`` printed a 0.5 %
     budget as ``+0%`` and 2.5 % as ``+2%``, naming a budget the verdict did not apply."""
-    pct = f"{round(threshold * 100, 6):g}%"
-    return f"+{pct}" if sign else pct
+    pct = round(threshold * 100, 6) + 0.0  # + 0.0: -0.0 prints as 0
+    return f"{pct:+g}%" if sign else f"{pct:g}%"
 
 
 def _signed(x: float, digits: int) -> str:
     """``x`` with its sign and ``digits`` decimals; one that rounds to zero prints as ``+0.00``, not ``-0.00``."""
-    if round(x, digits) == 0:
-        x = 0.0
-    return f"{x:+.{digits}f}"
+    return _fixed(x, f"+.{digits}f")
 
 
 def fmt_ci(ci: tuple[float, float]) -> str:
@@ -119,13 +132,15 @@ def fmt_ci(ci: tuple[float, float]) -> str:
 
 def fmt_kl(x: float, *, signed: bool = False) -> str:
     """KL in nats (or another small quantity): 4 decimals, or scientific below 1e-3 (0 prints as ``0``);
-    ``signed``: with its sign (``+0.0312``, a difference)."""
+    ``signed``: with its sign (``+0.0312``, a difference). The switch is decided on the printed value:
+    0.00099999 rounds to ``1.00e-03``, which is 1e-3, so it prints as ``0.0010`` as 0.001 does."""
     if not _ok(x):
         return NA
     if x == 0:
         return "0"
     sign = "+" if signed else ""
-    return f"{x:{sign}.2e}" if abs(x) < 1e-3 else f"{x:{sign}.4f}"
+    sci = f"{x:{sign}.2e}"
+    return sci if abs(float(sci)) < 1e-3 else _fixed(x, f"{sign}.4f")
 
 
 def fmt_frac(x: float, digits: int = 2) -> str:
@@ -134,7 +149,7 @@ def fmt_frac(x: float, digits: int = 2) -> str:
     ``0.00003 -> '0.01%'`` (one token in 32K that differs is not all of them)."""
     if not _ok(x):
         return NA
-    text = f"{x * 100:.{digits}f}"
+    text = _fixed(x * 100, f".{digits}f")
     step = 10.0**-digits
     if x < 1 and float(text) >= 100:
         text = f"{100 - step:.{digits}f}"
@@ -149,7 +164,7 @@ def fmt_bytes(n: float) -> str:
         return NA
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+            return _fixed(n / size, ".2f") + f" {unit}"
     return f"{int(n)} B"
 
 
@@ -157,7 +172,7 @@ def fmt_float(x: float, digits: int = 3) -> str:
     """``x`` with ``digits`` decimals; ``n/a`` for NaN, ``inf`` for an overflowed value (a perplexity)."""
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    return NA if not _ok(x) else f"{x:.{digits}f}"
+    return NA if not _ok(x) else _fixed(x, f".{digits}f")
 
 
 def fmt_float_sig(x: float, digits: int, sig: int = 3) -> str:
