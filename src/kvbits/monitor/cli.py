@@ -23,8 +23,8 @@ Signals, per layer and side, at every flush of `block` tokens: the relative erro
 of the block just quantized (worst sequence), values clipped (against static scales, or under vllm-int4's integer
 zero-points where a token's range excludes 0), positions past the calibrated context. A threshold crossed holds the layer (--scope request: every layer) in full
 precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "policy", "tokens",
-"total_bytes", "held_layers", "calibrated_length", "signals": [{"layer", "side", "flushes" (blocks quantized),
-"measured", "tokens_measured", "last_error", "max_error", "mean_error" (of the finite errors; null before a measured
+"total_bytes", "linear_state_bytes" (a hybrid model's states, 0 without), "held_layers", "calibrated_length",
+"signals": [{"layer", "side", "flushes" (blocks quantized), "measured", "tokens_measured", "last_error", "max_error", "mean_error" (of the finite errors; null before a measured
 flush), "nonfinite_errors" (NaN or inf, kept out of the mean and the histogram), "clipped",
 "clipped_fraction", "held_at"}],
 "events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]};

@@ -252,8 +252,9 @@ class CacheMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
-        layers, events, the cache's tokens and bytes (``memory_report()``'s totals). A side with no
-        measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
+        layers, events, the cache's tokens and bytes (``memory_report()``'s totals: ``total_bytes`` of K/V,
+        ``linear_state_bytes`` of a hybrid model's states, 0 for a model whose every layer attends). A side
+        with no measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
         ``measured``: flushes measured (a prefill's blocks, quantized at once, are one, read at its worst block)."""
         mem = self.cache.memory_report()
         rows = []
@@ -272,6 +273,7 @@ class CacheMonitor:
             "policy": self.policy.to_dict(),
             "tokens": self.tokens(),
             "total_bytes": mem["total_bytes"],
+            "linear_state_bytes": mem["linear_state_bytes"],
             "held_layers": self.held_layers(),
             "calibrated_length": self.calibrated_length(),
             "signals": rows,
@@ -279,7 +281,9 @@ class CacheMonitor:
         }
 
     def metric_families(self) -> list[MetricFamily]:
-        """The metrics (Prometheus names, ``kvbits_`` prefix; labels ``layer``, ``side`` and the constant ones)."""
+        """The metrics (Prometheus names, ``kvbits_`` prefix; labels ``layer``, ``side`` and the constant ones).
+        ``kvbits_linear_state_bytes`` only for a cache holding state layers (a hybrid model), as
+        ``kvbits_tokens_beyond_calibration`` only for a calibrated one."""
         base = self.labels
         f_err = MetricFamily("kvbits_flush_relative_error", "Relative error of the last measured flushed block "
                              "(worst sequence of the batch)", "gauge")  # fmt: skip
@@ -325,6 +329,12 @@ class CacheMonitor:
         )
         f_bytes.add(mem["total_bytes"], base)
         fams = [f_err, f_max, f_hist, f_nf, f_fl, f_clip, f_held, f_ev, f_tok, f_bytes]
+        if mem["linear_layers"]:  # a hybrid model's conv / linear-attention / Mamba states: not in kvbits_cache_bytes
+            f_state = MetricFamily("kvbits_linear_state_bytes", "Bytes of a hybrid model's convolution, linear-attention "
+                                   "and state-space states, unquantized, outside kvbits_cache_bytes (memory_report "
+                                   "linear_state_bytes)", "gauge")  # fmt: skip
+            f_state.add(mem["linear_state_bytes"], base)
+            fams.append(f_state)
         longest = self.calibrated_length()
         if longest is not None:
             f_cal = MetricFamily("kvbits_tokens_beyond_calibration", "Positions past the longest calibrated "
