@@ -253,8 +253,9 @@ class CacheMonitor:
     def snapshot(self) -> dict[str, Any]:
         """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
         layers, events, the cache's tokens and bytes (``memory_report()``'s totals: ``total_bytes`` of K/V,
-        ``linear_state_bytes`` of a hybrid model's states, 0 for a model whose every layer attends). A side
-        with no measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
+        ``linear_state_bytes`` of a hybrid model's states, 0 for a model whose every layer attends). ``clipped``
+        counts the measured flushes only (``sample_every``). A side with no
+        measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
         ``measured``: flushes measured (a prefill's blocks, quantized at once, are one, read at its worst block)."""
         mem = self.cache.memory_report()
         rows = []
@@ -295,9 +296,9 @@ class CacheMonitor:
         f_nf = MetricFamily("kvbits_flush_nonfinite_errors_total", "Measured flushed blocks and sequences whose "
                             "relative error was NaN or inf (not in the histogram)", "counter")  # fmt: skip
         f_fl = MetricFamily("kvbits_flushes_total", "Blocks quantized", "counter")
-        f_clip = MetricFamily(
-            "kvbits_clipped_values_total", "Values saturated against static scales or integer zero-points", "counter"
-        )
+        f_clip = MetricFamily("kvbits_clipped_values_total", "Values saturated against static scales or integer "
+                              "zero-points, in the measured flushes only (sample_every > 1 skips the others)",
+                              "counter")  # fmt: skip
         f_held = MetricFamily(
             "kvbits_layer_held", "1 when the layer is held in full precision (fallback)", "gauge"
         )
