@@ -985,3 +985,67 @@ def test_a_held_layer_is_said_once_per_flush_however_many_slices() -> None:
         said.append([(e["side"], e["action"]) for e in mon.events])
         assert mon.held_layers() == [0]
     assert said[0] == said[1] == [("key", "hold_layer"), ("value", "already_held")]
+
+
+def _help(text: str, name: str) -> str:
+    """The ``# HELP`` text of metric ``name`` in an exposition."""
+    (line,) = [x for x in text.splitlines() if x.startswith(f"# HELP {name} ")]
+    return line[len(f"# HELP {name} ") :]
+
+
+def test_a_hybrid_models_state_bytes_are_exported_beside_the_kv_bytes() -> None:
+    """A hybrid model's convolution / linear-attention states are outside ``total_bytes`` (``memory_report()``'s
+    ``linear_state_bytes``). Before, the metrics and the snapshot had ``kvbits_cache_bytes`` / ``total_bytes`` only:
+    a tiny LFM2 (2 conv layers) held 6,144 state bytes that nothing exported. Now ``kvbits_linear_state_bytes``
+    (same labels) and the snapshot's ``linear_state_bytes`` say them; a model without state layers has no such
+    series (as an uncalibrated cache has no ``kvbits_tokens_beyond_calibration``) and 0 in the snapshot."""
+    cfg = transformers.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme="kivi-2")
+    mon = CacheMonitor(cache, labels={"request": "r1"})
+    run(model, cache, ids_of(2, 40))
+    state = cache.memory_report()["linear_state_bytes"]
+    assert state > 0
+    text = mon.prometheus()
+    m = parse(text)
+    assert m["kvbits_linear_state_bytes"] == [({"scheme": "kivi-2", "request": "r1"}, state)]
+    assert [lab for lab, _ in m["kvbits_cache_bytes"]] == [lab for lab, _ in m["kvbits_linear_state_bytes"]]
+    assert "linear_state_bytes" in _help(text, "kvbits_linear_state_bytes")
+    assert "# TYPE kvbits_linear_state_bytes gauge" in text
+    snap = mon.snapshot()
+    assert snap["linear_state_bytes"] == state and snap["total_bytes"] == cache.memory_report()["total_bytes"]
+    assert json.loads(strict_json(snap))["linear_state_bytes"] == state
+
+    llama_cache = QuantizedKVCache(config=llama().config, scheme="kivi-2")
+    plain = CacheMonitor(llama_cache)
+    run(llama(), llama_cache, ids_of(1, 40))
+    assert "kvbits_linear_state_bytes" not in plain.prometheus()
+    assert plain.snapshot()["linear_state_bytes"] == 0
+
+
+def test_clipped_values_say_they_count_the_measured_flushes_only() -> None:
+    """``kvbits_clipped_values_total`` counts values clipped in the measured flushes: with ``sample_every=2`` the
+    flushes skipped are not read (reading them is the host sync sampling saves), so it reads fewer than all the
+    cache clipped (12,610 of 16,247 for kvquant-4 calibrated narrow, 160 + 128 tokens). Before, its HELP,
+    the CLI's ``--sample-every`` help and the snapshot's ``clipped`` said nothing of it; now each says it."""
+    from kvbits.cli import build_parser
+
+    model, art = llama(), narrow_kvquant(llama())
+    clipped = []
+    for every in (1, 2):
+        cache = QuantizedKVCache(config=model.config, scheme="kvquant-4", calibration=art, calibration_warnings=False)
+        mon = CacheMonitor(cache, FallbackPolicy(sample_every=every))
+        run(model, cache, ids_of(1, 160), decode=16)
+        text = mon.prometheus()
+        clipped.append(sum(v for _, v in parse(text)["kvbits_clipped_values_total"]))
+    assert 0 < clipped[1] < clipped[0]  # the sampled count is not the cache's
+    help_text = _help(text, "kvbits_clipped_values_total")
+    assert "measured flushes only" in help_text and "sample_every" in help_text
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["monitor"]
+    (opt,) = [a for a in sub._actions if "--sample-every" in a.option_strings]
+    assert "clipped" in opt.help and "measured" in opt.help
+    assert '"clipped" (in the measured' in sub.epilog

@@ -23,9 +23,10 @@ Signals, per layer and side, at every flush of `block` tokens: the relative erro
 of the block just quantized (worst sequence), values clipped (against static scales, or under vllm-int4's integer
 zero-points where a token's range excludes 0), positions past the calibrated context. A threshold crossed holds the layer (--scope request: every layer) in full
 precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "policy", "tokens",
-"total_bytes", "held_layers", "calibrated_length", "signals": [{"layer", "side", "flushes" (blocks quantized),
-"measured", "tokens_measured", "last_error", "max_error", "mean_error" (of the finite errors; null before a measured
-flush), "nonfinite_errors" (NaN or inf, kept out of the mean and the histogram), "clipped",
+"total_bytes", "linear_state_bytes" (a hybrid model's states, 0 without), "held_layers", "calibrated_length",
+"signals": [{"layer", "side", "flushes" (blocks quantized), "measured", "tokens_measured", "last_error", "max_error",
+"mean_error" (of the finite errors; null before a measured flush), "nonfinite_errors" (NaN or inf, kept out of
+the mean and the histogram), "clipped" (in the measured flushes: --sample-every N counts one in N),
 "clipped_fraction", "held_at"}],
 "events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]};
 an event's "sequence" is the batch row of a key_error / value_error (the worst one), null for clipped_fraction and
@@ -76,7 +77,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--patience", type=_positive, default=1,
         help="consecutive crossing flushes before acting (a prefill's flush counts once; default 1)",
     )
-    p.add_argument("--sample-every", type=_positive, default=1, help="measure one flush in this many (default 1)")
+    p.add_argument(
+        "--sample-every", type=_positive, default=1,
+        help="measure one flush in this many (default 1); errors and clipped values count the measured ones only",
+    )
     p.add_argument(
         "--label", action="append", default=[], metavar="K=V", help="constant metric label; repeatable"
     )

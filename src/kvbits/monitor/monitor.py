@@ -252,7 +252,9 @@ class CacheMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
-        layers, events, the cache's tokens and bytes (``memory_report()``'s totals). A side with no
+        layers, events, the cache's tokens and bytes (``memory_report()``'s totals: ``total_bytes`` of K/V,
+        ``linear_state_bytes`` of a hybrid model's states, 0 for a model whose every layer attends). ``clipped``
+        counts the measured flushes only (``sample_every``). A side with no
         measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
         ``measured``: flushes measured (a prefill's blocks, quantized at once, are one, read at its worst block)."""
         mem = self.cache.memory_report()
@@ -272,6 +274,7 @@ class CacheMonitor:
             "policy": self.policy.to_dict(),
             "tokens": self.tokens(),
             "total_bytes": mem["total_bytes"],
+            "linear_state_bytes": mem["linear_state_bytes"],
             "held_layers": self.held_layers(),
             "calibrated_length": self.calibrated_length(),
             "signals": rows,
@@ -279,7 +282,9 @@ class CacheMonitor:
         }
 
     def metric_families(self) -> list[MetricFamily]:
-        """The metrics (Prometheus names, ``kvbits_`` prefix; labels ``layer``, ``side`` and the constant ones)."""
+        """The metrics (Prometheus names, ``kvbits_`` prefix; labels ``layer``, ``side`` and the constant ones).
+        ``kvbits_linear_state_bytes`` only for a cache holding state layers (a hybrid model), as
+        ``kvbits_tokens_beyond_calibration`` only for a calibrated one."""
         base = self.labels
         f_err = MetricFamily("kvbits_flush_relative_error", "Relative error of the last measured flushed block "
                              "(worst sequence of the batch)", "gauge")  # fmt: skip
@@ -291,9 +296,9 @@ class CacheMonitor:
         f_nf = MetricFamily("kvbits_flush_nonfinite_errors_total", "Measured flushed blocks and sequences whose "
                             "relative error was NaN or inf (not in the histogram)", "counter")  # fmt: skip
         f_fl = MetricFamily("kvbits_flushes_total", "Blocks quantized", "counter")
-        f_clip = MetricFamily(
-            "kvbits_clipped_values_total", "Values saturated against static scales or integer zero-points", "counter"
-        )
+        f_clip = MetricFamily("kvbits_clipped_values_total", "Values saturated against static scales or integer "
+                              "zero-points, in the measured flushes only (sample_every > 1 skips the others)",
+                              "counter")  # fmt: skip
         f_held = MetricFamily(
             "kvbits_layer_held", "1 when the layer is held in full precision (fallback)", "gauge"
         )
@@ -325,6 +330,12 @@ class CacheMonitor:
         )
         f_bytes.add(mem["total_bytes"], base)
         fams = [f_err, f_max, f_hist, f_nf, f_fl, f_clip, f_held, f_ev, f_tok, f_bytes]
+        if mem["linear_layers"]:  # a hybrid model's conv / linear-attention / Mamba states: not in kvbits_cache_bytes
+            f_state = MetricFamily("kvbits_linear_state_bytes", "Bytes of a hybrid model's convolution, linear-attention "
+                                   "and state-space states, unquantized, outside kvbits_cache_bytes (memory_report "
+                                   "linear_state_bytes)", "gauge")  # fmt: skip
+            f_state.add(mem["linear_state_bytes"], base)
+            fams.append(f_state)
         longest = self.calibrated_length()
         if longest is not None:
             f_cal = MetricFamily("kvbits_tokens_beyond_calibration", "Positions past the longest calibrated "
