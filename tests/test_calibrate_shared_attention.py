@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import transformers
+from test_cache_hybrid import _zamba
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 from kvbits._model import hybrid_layers, shared_attention
@@ -17,14 +18,6 @@ from kvbits.calibrate.cache_capture import CacheKVCapture, shared_attention_site
 from kvbits.quant.rope import RotaryTables, apply_rope
 
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-def _zamba():
-    return transformers.ZambaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-        num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
-        n_mamba_heads=2, mamba_dt_rank=8,
-    )  # fmt: skip
 
 
 def _zamba2():

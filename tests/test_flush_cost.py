@@ -38,6 +38,16 @@ def _config() -> transformers.LlamaConfig:
     )  # fmt: skip
 
 
+def _one_token_update(cache: QuantizedKVCache, mode: type[TorchDispatchMode]) -> TorchDispatchMode:
+    """Layer 0 of ``cache`` after 4 untimed one-token updates: the counting ``mode`` of one more."""
+    k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    for _ in range(4):
+        cache.update(k, v, 0)
+    with mode() as c:
+        cache.update(k, v, 0)
+    return c
+
+
 def test_int8_token_one_token_flush_op_count():
     """int8-token, one token per side: ``quantize`` took 53 aten ops and a whole decode ``update`` (both sides'
     flushes, the eager check, the returned K/V) 159 at e45df0d; fewer now (a shared ``s > 0`` mask, one ``aminmax``
@@ -49,12 +59,7 @@ def test_int8_token_one_token_flush_op_count():
     with _OpCount() as c:
         quantize(x, spec, validate=False, sync=False)
     assert c.n <= 50, f"{c.n} aten ops to quantize one int8 token"
-    cache = QuantizedKVCache(_config(), "int8-token", checks="eager")
-    k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
-    for _ in range(4):
-        cache.update(k, v, 0)
-    with _OpCount() as c:
-        cache.update(k, v, 0)
+    c = _one_token_update(QuantizedKVCache(_config(), "int8-token", checks="eager"), _OpCount)
     assert c.n <= 104, f"{c.n} aten ops per one-token int8-token update"
 
 
@@ -221,11 +226,7 @@ def test_kvquant4_one_token_update_syncs():
     Now once: the static keys' clip count (a host int with eager checks), in 253 ops."""
     cache = _kvquant4_cache()
     cache.update(torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64), 0)
-    k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
-    for _ in range(4):
-        cache.update(k, v, 0)
-    with _SyncCount() as c:
-        cache.update(k, v, 0)
+    c = _one_token_update(cache, _SyncCount)
     assert c.syncs <= 1, f"{c.syncs} host reads per one-token kvquant-4 update"
     assert c.ops <= 260, f"{c.ops} aten ops per one-token kvquant-4 update"
     assert isinstance(cache.layers[0]._k.clipped, int) and isinstance(cache.layers[0]._v.clipped, int)
