@@ -296,7 +296,7 @@ def test_static_cache_without_config_refuses_a_models_states_naming_what_holds_i
 
     _, model, ids, _, _ = _reference_run(make)
     cache = StaticQuantizedKVCache(num_layers=4, scheme="int8-token", max_cache_len=32)
-    with pytest.raises(NotImplementedError, match=r"get_(conv|recurrent)_state\(layer 0\): .*does not hold.*"
+    with pytest.raises(NotImplementedError, match=r"(get_(conv|recurrent)_state|has_previous_state)\(layer 0\): .*does not hold.*"
                        r"StaticQuantizedKVCache\(config=model\.config, \.\.\.\) or QuantizedKVCache\(config=model\.config\)"
                        r".*StaticCache\(config=model\.config\)"):
         _generate(model, ids, cache)

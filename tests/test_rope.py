@@ -644,9 +644,8 @@ def test_muse_layer_rope_theta_tables_reproduce_every_layers_cached_keys(family)
     AutoModelForCausalLM does not load their text config; ``<Family>TextModel`` does. Their keys go through a
     scale-less ``qk_norm`` shared with the queries before RoPE (the hook keeps its call with the K/V head count).
     Checked by a review session: the tables reproduced every layer's cached keys exactly; pinned here."""
-    import importlib
 
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    mod = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")  # transformers 5.17 lacks muse_spark
     prefix = "MuseSpark" if family == "muse_spark" else "MuseGlimmer"
     config_cls = getattr(transformers, f"{prefix}TextConfig")
     extra = {"mlp_layer_types": ["dense"] * 5} if family == "muse_spark" else {}  # 256 experts by default

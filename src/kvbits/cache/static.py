@@ -1309,6 +1309,13 @@ class StaticQuantizedKVCache(Cache):
         self._state_holder("update_recurrent_state", layer_idx, state_idx, recurrent_states)
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """transformers 5.17's models ask this first (5.25's ask ``get_conv_state``): refused as the others for a
+        layer that holds no state (``_no_state``), where transformers raised a bare ``ValueError``."""
+        if layer_idx is not None:
+            self._state_holder("has_previous_state", layer_idx)
+        return super().has_previous_state(layer_idx, state_idx)
+
     def _undo_request(self) -> None:
         """A request's first update of a layer failed: the layers it wrote go back to before the request (those it
         allocated are released, so a retry may bring another batch, dtype or device; the others reset in place). A
