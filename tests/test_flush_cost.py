@@ -5,10 +5,12 @@ scales and returned K/V checked bit for bit against a reference computed once.""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvbits.cache import QuantizedKVCache
 from kvbits.quant import quantize
@@ -19,31 +21,19 @@ from kvbits.schemes.spec import KVScheme, TensorSpec
 transformers = pytest.importorskip("transformers")
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the ``with`` block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
+# the benchmark that records these counts (BENCHMARKS.md §6 "Session 62"): its counter, config and caches pinned here
+_spec = importlib.util.spec_from_file_location("update_ops", Path(__file__).parents[1] / "benchmarks" / "update_ops.py")
+update_ops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(update_ops)
+_Count, _config = update_ops.Counter, update_ops.config
 
 
-def _config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-    )  # fmt: skip
-
-
-def _one_token_update(cache: QuantizedKVCache, mode: type[TorchDispatchMode]) -> TorchDispatchMode:
-    """Layer 0 of ``cache`` after 4 untimed one-token updates: the counting ``mode`` of one more."""
+def _one_token_update(cache: QuantizedKVCache) -> Any:
+    """Layer 0 of ``cache`` after 4 untimed one-token updates: the ``update_ops.Counter`` of one more."""
     k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
     for _ in range(4):
         cache.update(k, v, 0)
-    with mode() as c:
+    with _Count() as c:
         cache.update(k, v, 0)
     return c
 
@@ -56,11 +46,11 @@ def test_int8_token_one_token_flush_op_count():
     x = torch.randn(1, 2, 1, 64)
     spec = get_scheme("int8-token").key
     quantize(x, spec, validate=False, sync=False)
-    with _OpCount() as c:
+    with _Count() as c:
         quantize(x, spec, validate=False, sync=False)
-    assert c.n <= 50, f"{c.n} aten ops to quantize one int8 token"
-    c = _one_token_update(QuantizedKVCache(_config(), "int8-token", checks="eager"), _OpCount)
-    assert c.n <= 104, f"{c.n} aten ops per one-token int8-token update"
+    assert c.ops <= 50, f"{c.ops} aten ops to quantize one int8 token"
+    c = _one_token_update(QuantizedKVCache(_config(), "int8-token", checks="eager"))
+    assert c.ops <= 104, f"{c.ops} aten ops per one-token int8-token update"
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -191,31 +181,10 @@ def test_joint_flush_scope_and_clip_fallback(monkeypatch):
     assert layer._k.n_quantized == layer._v.n_quantized == 40
 
 
-class _SyncCount(TorchDispatchMode):
-    """Counts the aten ops and the host reads of a tensor's value (``aten::_local_scalar_dense``: ``.item()``,
-    ``int/float/bool(t)``; a host-device sync on a GPU) dispatched inside the ``with`` block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.syncs += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 def _kvquant4_cache() -> QuantizedKVCache:
     """An eager ``kvquant-4`` cache of the tiny config, calibrated on random K/V (pre-RoPE keys as sampled)."""
-    from kvbits.calibrate import artifact_from_samples
-    from kvbits.calibrate.artifact import describe_model
-
     torch.manual_seed(0)
-    cfg, scheme = _config(), get_scheme("kvquant-4")
-    keys = [torch.randn(1, 2, 300, 64) for _ in range(2)]
-    values = [torch.randn(1, 2, 300, 64) for _ in range(2)]
-    art = artifact_from_samples(scheme, keys, values, meta={"model": describe_model(cfg)})
-    return QuantizedKVCache(cfg, scheme, calibration=art, checks="eager")
+    return update_ops.make_cache("kvquant-4")
 
 
 @torch.no_grad()
@@ -226,7 +195,7 @@ def test_kvquant4_one_token_update_syncs():
     Now once: the static keys' clip count (a host int with eager checks), in 253 ops."""
     cache = _kvquant4_cache()
     cache.update(torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64), 0)
-    c = _one_token_update(cache, _SyncCount)
+    c = _one_token_update(cache)
     assert c.syncs <= 1, f"{c.syncs} host reads per one-token kvquant-4 update"
     assert c.ops <= 260, f"{c.ops} aten ops per one-token kvquant-4 update"
     assert isinstance(cache.layers[0]._k.clipped, int) and isinstance(cache.layers[0]._v.clipped, int)
