@@ -31,7 +31,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import cache_utils
+
+from kvbits.cache.cache import _holds_state
 
 __all__ = ["CAPTURES", "GraphedDecode", "capture_cuda_graph", "graph_reason", "state_reason"]
 
@@ -67,8 +68,7 @@ def state_reason(cache: Any, holder: str | None = None) -> str | None:
     of them (and of the model's state kernels, or their PyTorch fallbacks) has not been checked against eager decoding
     on a GPU, so it is refused rather than served unverified. ``holder``: what the message says holds the layers
     (default: ``cache``'s class; ``speed_eval`` probes a throwaway ``StaticCache`` and names the model instead)."""
-    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
-    held = [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if mixin is not None and isinstance(layer, mixin)]
+    held = [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if _holds_state(layer)]
     if not held:
         return None
     return (f"layers {held} of {holder or type(cache).__name__} keep convolution / linear-attention / Mamba states (a hybrid "
