@@ -30,20 +30,27 @@ EXACT = KVScheme(
 )
 
 
+def _load(model: Any, dtype: str | None, device: str | None) -> tuple[Any, str | None, str | None]:
+    """``(model, dtype, device)``: a registry name / path loaded here, once, in ``dtype`` on ``device``, which are
+    then spent (None: the loaded model runs as loaded); anything else as given."""
+    if not isinstance(model, str):
+        return model, dtype, device
+    from kvbits.evaluate.models import load_model
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+
+    check_device(device)
+    return load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu"), None, None
+
+
 def _loaded(model: Any, run: dict[str, Any]) -> tuple[Any, int]:
-    """``(model, its layer count)``: a registry name / path loaded here, once, as ``tune`` loads it (``run``'s
-    ``dtype`` / ``device`` apply to the load and are then cleared, since they are spent), so that a table length
-    can be checked against the model before any pass; the count is the planner's (``load_shape`` of the config),
-    what ``tune`` sizes ``n_layers`` / ``pick`` by."""
+    """``(model, its layer count)``: a registry name / path loaded here, once, as ``tune`` loads it (``_load``:
+    ``run``'s ``dtype`` / ``device`` apply to the load and are then cleared, since they are spent), so that a table
+    length can be checked against the model before any pass; the count is the planner's (``load_shape`` of the
+    config), what ``tune`` sizes ``n_layers`` / ``pick`` by."""
     from kvbits.plan.config import load_shape
 
     if isinstance(model, str):
-        from kvbits.evaluate.models import load_model
-        from kvbits.evaluate.request import _resolve_dtype, check_device
-
-        check_device(run.get("device"))
-        model = load_model(model, dtype=_resolve_dtype(run.get("dtype"))[0], device=run.get("device") or "cpu")
-        run["dtype"] = run["device"] = None
+        model, run["dtype"], run["device"] = _load(model, run.get("dtype"), run.get("device"))
     return model, load_shape(getattr(model, "model", model).config).n_layers
 
 

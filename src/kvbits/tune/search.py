@@ -53,6 +53,7 @@ from kvbits.tune.probes import (
     EXACT,
     _check_measured,
     _composed,
+    _load,
     _mix,
     layer_sensitivity,
     marginal_sensitivity,
@@ -221,13 +222,7 @@ def tune(
             )
         serve_context = int(serve_context)
     priced_at = context if serve_context is None else serve_context
-    if isinstance(model, str):  # loaded once for every run below
-        from kvbits.evaluate.models import load_model
-        from kvbits.evaluate.request import _resolve_dtype, check_device
-
-        check_device(device)
-        model = load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu")
-        dtype = device = None
+    model, dtype, device = _load(model, dtype, device)  # loaded once for every run below
     from kvbits.plan.planner import planned_bits
 
     shape = _model_shape(model, dtype)
