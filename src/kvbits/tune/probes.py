@@ -91,19 +91,20 @@ def layer_sensitivity(
     model, layers = _loaded(model, loaded)
     dtype, device = loaded["dtype"], loaded["device"]
     _check_layer_count(n_layers, layers, "n_layers asks for")
-    probes = [
-        mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
-        for i in range(n_layers) if i not in skip for c in candidates
-    ]  # fmt: skip
-    layer_of = {f"exact,{i}={c.name}": i for i in range(n_layers) if i not in skip for c in candidates}
+    probes = {
+        (i, j): mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
+        for i in range(n_layers) if i not in skip for j, c in enumerate(candidates)
+    }  # fmt: skip
+    layer_of = {p.name: i for (i, _), p in probes.items()}
+    schemes = list(probes.values())
     summary = evaluate(
-        model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
-        device=device, progress=progress, calibration=_composed(probes, calibrations),
+        model, data, context, schemes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
+        device=device, progress=progress, calibration=_composed(schemes, calibrations),
         on_pass=_layer_progress(layer_of, n_layers, "sensitivity"),
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     return [
-        [0.0 if i in skip else kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)
+        [0.0 if i in skip else kl[probes[i, j].name] for j in range(len(candidates))] for i in range(n_layers)
     ], summary
 
 
