@@ -209,7 +209,8 @@ def tune(
                              f"{dtype_bytes!r}")  # fmt: skip
         dtype_bytes = int(dtype_bytes)
     _check_budget(budget_bits)
-    others = _compared(compare, cands, name or f"tuned-{budget_bits:g}")
+    name = name or f"tuned-{budget_bits:g}"
+    others = _compared(compare, cands, name)
     arts = _candidate_calibrations(cands, calibrations, others)
     other_arts = {s.name: arts.pop(s.name) for s in others if s.name in arts}
     if not _is_int(rounds) or rounds < 1:  # NumPy's ints too, as serve_context= and dtype_bytes= take them
@@ -267,7 +268,6 @@ def tune(
         log.append({"pick": new, "predicted_kl": predicted})
         logger.info("round %d/%d: chose a mix of predicted KL %.4g", len(log), rounds, predicted)
         pick = new
-    name = name or f"tuned-{budget_bits:g}"
     mix = _mix(cands, pick, name)
     result = TuneResult(
         scheme=mix,
