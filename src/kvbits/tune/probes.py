@@ -30,20 +30,27 @@ EXACT = KVScheme(
 )
 
 
+def _load(model: Any, dtype: str | None, device: str | None) -> tuple[Any, str | None, str | None]:
+    """``(model, dtype, device)``: a registry name / path loaded here, once, in ``dtype`` on ``device``, which are
+    then spent (None: the loaded model runs as loaded); anything else as given."""
+    if not isinstance(model, str):
+        return model, dtype, device
+    from kvbits.evaluate.models import load_model
+    from kvbits.evaluate.request import _resolve_dtype, check_device
+
+    check_device(device)
+    return load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu"), None, None
+
+
 def _loaded(model: Any, run: dict[str, Any]) -> tuple[Any, int]:
-    """``(model, its layer count)``: a registry name / path loaded here, once, as ``tune`` loads it (``run``'s
-    ``dtype`` / ``device`` apply to the load and are then cleared, since they are spent), so that a table length
-    can be checked against the model before any pass; the count is the planner's (``load_shape`` of the config),
-    what ``tune`` sizes ``n_layers`` / ``pick`` by."""
+    """``(model, its layer count)``: a registry name / path loaded here, once, as ``tune`` loads it (``_load``:
+    ``run``'s ``dtype`` / ``device`` apply to the load and are then cleared, since they are spent), so that a table
+    length can be checked against the model before any pass; the count is the planner's (``load_shape`` of the
+    config), what ``tune`` sizes ``n_layers`` / ``pick`` by."""
     from kvbits.plan.config import load_shape
 
     if isinstance(model, str):
-        from kvbits.evaluate.models import load_model
-        from kvbits.evaluate.request import _resolve_dtype, check_device
-
-        check_device(run.get("device"))
-        model = load_model(model, dtype=_resolve_dtype(run.get("dtype"))[0], device=run.get("device") or "cpu")
-        run["dtype"] = run["device"] = None
+        model, run["dtype"], run["device"] = _load(model, run.get("dtype"), run.get("device"))
     return model, load_shape(getattr(model, "model", model).config).n_layers
 
 
@@ -84,19 +91,20 @@ def layer_sensitivity(
     model, layers = _loaded(model, loaded)
     dtype, device = loaded["dtype"], loaded["device"]
     _check_layer_count(n_layers, layers, "n_layers asks for")
-    probes = [
-        mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
-        for i in range(n_layers) if i not in skip for c in candidates
-    ]  # fmt: skip
-    layer_of = {f"exact,{i}={c.name}": i for i in range(n_layers) if i not in skip for c in candidates}
+    probes = {
+        (i, j): mixed_scheme(EXACT, {i: c}, name=f"exact,{i}={c.name}")
+        for i in range(n_layers) if i not in skip for j, c in enumerate(candidates)
+    }  # fmt: skip
+    layer_of = {p.name: i for (i, _), p in probes.items()}
+    schemes = list(probes.values())
     summary = evaluate(
-        model, data, context, probes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
-        device=device, progress=progress, calibration=_composed(probes, calibrations),
+        model, data, context, schemes, windows=windows, attn_layers=[], data_path=data_path, dtype=dtype,
+        device=device, progress=progress, calibration=_composed(schemes, calibrations),
         on_pass=_layer_progress(layer_of, n_layers, "sensitivity"),
     )  # fmt: skip
     kl = {r["scheme"]: r["kl"] for r in summary["results"]}
     return [
-        [0.0 if i in skip else kl[f"exact,{i}={c.name}"] for c in candidates] for i in range(n_layers)
+        [0.0 if i in skip else kl[probes[i, j].name] for j in range(len(candidates))] for i in range(n_layers)
     ], summary
 
 

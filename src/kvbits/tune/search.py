@@ -53,6 +53,7 @@ from kvbits.tune.probes import (
     EXACT,
     _check_measured,
     _composed,
+    _load,
     _mix,
     layer_sensitivity,
     marginal_sensitivity,
@@ -208,7 +209,8 @@ def tune(
                              f"{dtype_bytes!r}")  # fmt: skip
         dtype_bytes = int(dtype_bytes)
     _check_budget(budget_bits)
-    others = _compared(compare, cands, name or f"tuned-{budget_bits:g}")
+    name = name or f"tuned-{budget_bits:g}"
+    others = _compared(compare, cands, name)
     arts = _candidate_calibrations(cands, calibrations, others)
     other_arts = {s.name: arts.pop(s.name) for s in others if s.name in arts}
     if not _is_int(rounds) or rounds < 1:  # NumPy's ints too, as serve_context= and dtype_bytes= take them
@@ -221,13 +223,7 @@ def tune(
             )
         serve_context = int(serve_context)
     priced_at = context if serve_context is None else serve_context
-    if isinstance(model, str):  # loaded once for every run below
-        from kvbits.evaluate.models import load_model
-        from kvbits.evaluate.request import _resolve_dtype, check_device
-
-        check_device(device)
-        model = load_model(model, dtype=_resolve_dtype(dtype)[0], device=device or "cpu")
-        dtype = device = None
+    model, dtype, device = _load(model, dtype, device)  # loaded once for every run below
     from kvbits.plan.planner import planned_bits
 
     shape = _model_shape(model, dtype)
@@ -272,7 +268,6 @@ def tune(
         log.append({"pick": new, "predicted_kl": predicted})
         logger.info("round %d/%d: chose a mix of predicted KL %.4g", len(log), rounds, predicted)
         pick = new
-    name = name or f"tuned-{budget_bits:g}"
     mix = _mix(cands, pick, name)
     result = TuneResult(
         scheme=mix,
