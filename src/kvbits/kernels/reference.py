@@ -69,7 +69,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from kvbits.quant.fp8 import fp8_dtype
-from kvbits.quant.pack import unpack_bits
+from kvbits.quant.pack import packed_size, unpack_bits
 from kvbits.quant.rotate import check_rotatable, rotate, unrotate
 from kvbits.quant.tensor import QuantizedTensor, from_channel_basis, saturate, to_channel_basis
 from kvbits.schemes.accounting import PACKED_KINDS
@@ -168,7 +168,7 @@ class PackedTensor:
         were misread without a word (outputs 2.3-2.8 off, or reads past the scales' end) where the reference failed
         inside ``unpack_bits`` or an index. Shapes only."""
         codes, D = self.codes, self.head_dim
-        row = D if self.kind == "fp8" else -(-D * self.bits // 8)
+        row = packed_size(D, self.bits)  # fp8 (bits 8, checked above): D
         if codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[3] != row:
             raise ValueError(
                 f"{self.kind} {self.bits}-bit codes of head dim {D} must be uint8 (B, H_kv, T_q, {row}), got "

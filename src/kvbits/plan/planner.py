@@ -74,11 +74,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-from kvbits.plan.config import load_shape, warn_beyond_max_positions
+from kvbits.plan.config import load_shape, text_config, warn_beyond_max_positions
 from kvbits.plan.limits import fused_rope_table_bytes, max_concurrency, max_context
+from kvbits.plan.positions import pre_rope_problem
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, average_bits, check_unique_names, get_scheme, layer_bytes, token_split
 from kvbits.schemes.accounting import sliding_falls_back
@@ -162,11 +163,6 @@ def check_pre_rope_config(scheme: KVScheme, config: Any) -> None:
     config): what ``kvbits eval`` (both modes), ``speed``, ``needle`` and ``calibrate`` check before their first
     forward pass, so that a pre-RoPE scheme on a model that rotates no keys (Falcon ``alibi=True``, Zamba2 without
     ``use_mem_rope``, Zamba) is refused with the planner's message, not by the cache after the reference ran."""
-    from collections.abc import Mapping
-
-    from kvbits.plan.config import text_config
-    from kvbits.plan.positions import pre_rope_problem
-
     text = text_config(config) if config is not None else None
     if text is None or isinstance(text, Mapping):
         return
