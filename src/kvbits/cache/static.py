@@ -1203,22 +1203,22 @@ class StaticQuantizedKVCache(Cache):
                 f"layer_idx must be an int in [0, {len(self.layers)}): this cache has {len(self.layers)} layers "
                 f"(made from a config of fewer layers than the model?), got {layer_idx!r}"
             )
-        if not isinstance(self.layers[layer_idx], StaticQuantizedLayer):  # a layer_idx of the wrong layer
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, StaticQuantizedLayer):  # a layer_idx of the wrong layer
             raise ValueError(  # noqa: TRY004 - a bad index, as the range check above
                 f"layer {layer_idx} keeps a convolution / linear-attention state and no K/V (its config type is not "
                 f"an attention one): update() takes the K/V of attention layers {[x.layer_idx for x in self.kv_layers]}"
             )
-        if self._rotary is not None and not torch.compiler.is_compiling():
-            layer = self.layers[layer_idx]
+        compiling = torch.compiler.is_compiling()
+        if self._rotary is not None and not compiling:
             if layer.rotary is not None and layer.tokens_written == 0:
                 self._rotary_on(key_states.device)
             hint = self.position_ids_hint
             if layer.reads_positions and hint is not None and find_position_ids(args, kwargs) is None:
                 kwargs = {**kwargs, "position_ids": hint}
-        layer = self.layers[layer_idx]
-        if not torch.compiler.is_compiling() and layer is self.kv_layers[0]:  # a forward's first K/V layer: the last
-            self._check_complete(layer)  # one ended the previous forward (traced: nothing read, no guard on counts)
-        if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
+        if not compiling and layer is self.kv_layers[0]:  # a forward's first K/V layer: the last one ended the
+            self._check_complete(layer)  # previous forward (traced: nothing read, no guard on counts)
+        if layer.tokens_written or not layer.host_counts or compiling:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # a request's first update of this layer: if it fails, the request's other layers are undone too
         if not any(other.tokens_written for other in self.kv_layers):  # the request's first layer
