@@ -1123,7 +1123,8 @@ class StaticQuantizedKVCache(Cache):
                 heads.append({"num_key_value_heads": kv, "head_dim": d,
                               "head_repeat": _head_repeat(text_config(config), q, kv)} if kv else {})  # fmt: skip
             types, type_kwargs = _layer_types(text_config(config), n_layers)
-            if any(t not in static_layer_types() for t in types):
+            held = static_layer_types()
+            if any(t not in held for t in types):
                 raise NotImplementedError(layer_types_refusal(types))
             if num_layers is not None and num_layers != n_layers:
                 raise ValueError(f"num_layers={num_layers} but the config describes {n_layers} layers")
