@@ -1123,7 +1123,8 @@ class StaticQuantizedKVCache(Cache):
                 heads.append({"num_key_value_heads": kv, "head_dim": d,
                               "head_repeat": _head_repeat(text_config(config), q, kv)} if kv else {})  # fmt: skip
             types, type_kwargs = _layer_types(text_config(config), n_layers)
-            if any(t not in static_layer_types() for t in types):
+            held = static_layer_types()
+            if any(t not in held for t in types):
                 raise NotImplementedError(layer_types_refusal(types))
             if num_layers is not None and num_layers != n_layers:
                 raise ValueError(f"num_layers={num_layers} but the config describes {n_layers} layers")
@@ -1173,8 +1174,10 @@ class StaticQuantizedKVCache(Cache):
         """Warn, once per cache, when a request's first update ``key_states`` ``(B, H_kv, q, D)`` brings left-padded
         rows to a scheme that keeps sinks: their sink slots hold pads (``padded_sink_rows``; one host read at the
         request's first layer, none after the warning)."""
+        if self._told_padded_sinks or key_states.shape[0] < 2:
+            return
         sinks = max((layer.scheme.sinks for layer in self.kv_layers if not layer.scheme.is_identity), default=0)
-        if self._told_padded_sinks or not sinks or key_states.shape[0] < 2:
+        if not sinks:
             return
         rows = padded_sink_rows(args, kwargs, key_states, sinks, self.position_ids_hint)
         if rows:
@@ -1203,22 +1206,22 @@ class StaticQuantizedKVCache(Cache):
                 f"layer_idx must be an int in [0, {len(self.layers)}): this cache has {len(self.layers)} layers "
                 f"(made from a config of fewer layers than the model?), got {layer_idx!r}"
             )
-        if not isinstance(self.layers[layer_idx], StaticQuantizedLayer):  # a layer_idx of the wrong layer
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, StaticQuantizedLayer):  # a layer_idx of the wrong layer
             raise ValueError(  # noqa: TRY004 - a bad index, as the range check above
                 f"layer {layer_idx} keeps a convolution / linear-attention state and no K/V (its config type is not "
                 f"an attention one): update() takes the K/V of attention layers {[x.layer_idx for x in self.kv_layers]}"
             )
-        if self._rotary is not None and not torch.compiler.is_compiling():
-            layer = self.layers[layer_idx]
+        compiling = torch.compiler.is_compiling()
+        if self._rotary is not None and not compiling:
             if layer.rotary is not None and layer.tokens_written == 0:
                 self._rotary_on(key_states.device)
             hint = self.position_ids_hint
             if layer.reads_positions and hint is not None and find_position_ids(args, kwargs) is None:
                 kwargs = {**kwargs, "position_ids": hint}
-        layer = self.layers[layer_idx]
-        if not torch.compiler.is_compiling() and layer is self.kv_layers[0]:  # a forward's first K/V layer: the last
-            self._check_complete(layer)  # one ended the previous forward (traced: nothing read, no guard on counts)
-        if layer.tokens_written or not layer.host_counts or torch.compiler.is_compiling():
+        if not compiling and layer is self.kv_layers[0]:  # a forward's first K/V layer: the last one ended the
+            self._check_complete(layer)  # previous forward (traced: nothing read, no guard on counts)
+        if layer.tokens_written or not layer.host_counts or compiling:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # a request's first update of this layer: if it fails, the request's other layers are undone too
         if not any(other.tokens_written for other in self.kv_layers):  # the request's first layer
