@@ -386,18 +386,17 @@ class CalibrationArtifact:
             )
         for i in self.kv_layers:
             where = f" layer {i}" if self.scheme.is_mixed or scheme.is_mixed else ""
-            calibrated = False
+            sub = scheme.for_layer(i)
             for side in SIDES:
-                mine, theirs = self._spec(side, i), getattr(scheme.for_layer(i), side)
-                calibrated = calibrated or spec_calibratable(theirs)
+                mine, theirs = self._spec(side, i), getattr(sub, side)
                 if spec_calibratable(theirs) and mine != theirs:
                     raise ValueError(
-                        f"calibration{'' if self.path is None else ' in ' + str(self.path)} was made for scheme "
+                        f"calibration{self._where()} was made for scheme "
                         f"{self.scheme.name!r} ({side}{where}: {mine}), not for scheme {scheme.name!r} "
                         f"({side}{where}: {theirs}); re-run kvbits calibrate with this scheme"
                     )
-            fitted, served = self.fitted_sinks(i), scheme.for_layer(i).sinks
-            if calibrated and served < fitted:
+            fitted, served = self.fitted_sinks(i), sub.sinks
+            if sub.calibratable() and served < fitted:
                 raise ValueError(
                     f"calibration{self._where()} (scheme {self.scheme.name!r}) was fitted without the first {fitted} "
                     f"tokens of each window{where} (the sinks it keeps exact); scheme {scheme.name!r} keeps "

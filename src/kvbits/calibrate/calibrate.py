@@ -196,6 +196,8 @@ def _windows(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``(W, context)`` token windows spread evenly over the data, and the ``data`` JSON record; token ids
     must be integers within ``model``'s embedding table."""
+    from kvbits.evaluate.calib_text import content_sha256  # the hashes an evaluation compares with its data's
+
     _check_windows(context, windows)
     record: dict[str, Any] = {}
     if isinstance(data, torch.Tensor):
@@ -208,7 +210,7 @@ def _windows(
         record.update(
             name="token-ids",
             documents=1 if ids.dim() == 1 else ids.shape[0],
-            sha256=hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest(),
+            sha256=content_sha256(ids),
             tokenizer=None,
         )
         if ids.dim() == 2:
@@ -242,7 +244,7 @@ def _windows(
             path=source.path,
             tokenizer=_tokenizer_fingerprint(tokenizer),
             # the token ids' hash too: an evaluation given these ids (N,) instead of the file is the same text
-            ids_sha256=hashlib.sha256(ids.long().cpu().numpy().tobytes()).hexdigest(),
+            ids_sha256=content_sha256(ids),
         )
     fit = ids.numel() // context
     if fit == 0:
