@@ -1174,10 +1174,10 @@ class StaticQuantizedKVCache(Cache):
         """Warn, once per cache, when a request's first update ``key_states`` ``(B, H_kv, q, D)`` brings left-padded
         rows to a scheme that keeps sinks: their sink slots hold pads (``padded_sink_rows``; one host read at the
         request's first layer, none after the warning)."""
-        if self._told_padded_sinks or key_states.shape[0] < 2:
+        if self._told_padded_sinks:
             return
         sinks = max((layer.scheme.sinks for layer in self.kv_layers if not layer.scheme.is_identity), default=0)
-        if not sinks:
+        if not sinks or key_states.shape[0] < 2:  # sinks first: key_states is not checked yet (the layer's update is)
             return
         rows = padded_sink_rows(args, kwargs, key_states, sinks, self.position_ids_hint)
         if rows:
