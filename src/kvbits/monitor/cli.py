@@ -27,7 +27,7 @@ precision from then on. --json prints CacheMonitor.snapshot(): {"labels", "polic
 "signals": [{"layer", "side", "flushes" (blocks quantized), "measured", "tokens_measured", "last_error", "max_error",
 "mean_error" (of the finite errors; null before a measured flush), "nonfinite_errors" (NaN or inf, kept out of
 the mean and the histogram), "clipped" (in the measured flushes: --sample-every N counts one in N),
-"clipped_fraction", "held_at"}],
+"clipped_estimated" (scaled to every flush by values quantized / values measured), "clipped_fraction", "held_at"}],
 "events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]};
 an event's "sequence" is the batch row of a key_error / value_error (the worst one), null for clipped_fraction and
 beyond_calibration, which are read over the whole batch.

@@ -112,6 +112,7 @@ class CacheMonitor:
         self._events_written: dict[Path, dict[str, Any]] = {}
         self._flushes: Counter = Counter()  # every flush per (layer, side), measured or not (sampling)
         self._blocks: Counter = Counter()  # blocks quantized per (layer, side): a prefill's flush holds many
+        self._values: Counter = Counter()  # values quantized per (layer, side), measured or not (clipped_estimated)
         # per (layer, side): (resets, tokens_seen) of the flush observed last, and whether it crossed already. A flush
         # past SLICE_TOKENS is quantized (and observed) in several slices within one update: they are one flush
         self._flush_at: dict[tuple[int, str], tuple[int, int] | None] = {key: None for key in self.signals}
@@ -152,6 +153,7 @@ class CacheMonitor:
             self._flushes[key] += 1
             self._flush_crossed[key] = False
         self._blocks[key] += x.shape[2] // layer.scheme.block
+        self._values[key] += x.numel()  # shapes only: no host sync
         if (self._flushes[key] - 1) % self.policy.sample_every:
             return
         errors = flush_error(x, qt.dequantize(torch.float32), layer.scheme.block).tolist()  # worst block each
@@ -254,7 +256,8 @@ class CacheMonitor:
         """Everything the monitor knows, JSON-ready: policy, labels, per layer and side signals, held
         layers, events, the cache's tokens and bytes (``memory_report()``'s totals: ``total_bytes`` of K/V,
         ``linear_state_bytes`` of a hybrid model's states, 0 for a model whose every layer attends). ``clipped``
-        counts the measured flushes only (``sample_every``). A side with no
+        counts the measured flushes only (``sample_every``); ``clipped_estimated`` scales it to every flush
+        (``clipped_estimate``). A side with no
         measured flush yet has ``None`` errors (not 0: nothing was measured). ``flushes``: blocks quantized;
         ``measured``: flushes measured (a prefill's blocks, quantized at once, are one, read at its worst block)."""
         mem = self.cache.memory_report()
@@ -265,7 +268,7 @@ class CacheMonitor:
                 "tokens_measured": s.tokens, "last_error": s.last if s.flushes else None,
                 "max_error": s.worst if s.flushes else None,
                 "mean_error": s.total / s.count if s.count else None, "nonfinite_errors": s.nonfinite,
-                "clipped": s.clipped,
+                "clipped": s.clipped, "clipped_estimated": self.clipped_estimate(i, side),
                 "clipped_fraction": s.clipped / s.elements if s.elements else 0.0,
                 "held_at": self.layers[i].held_at,
             })  # fmt: skip
@@ -280,6 +283,16 @@ class CacheMonitor:
             "signals": rows,
             "events": list(self.events),
         }
+
+    def clipped_estimate(self, layer: int, side: str) -> float:
+        """Values clipped in every flush of ``layer``'s ``side``, estimated: the clipped values counted in the measured
+        flushes times all values quantized over those measured (``sample_every`` > 1 reads one flush in N). Scaled by
+        values, not by ``sample_every``: a prefill's flush, measured first, holds many blocks, so ``clipped *
+        sample_every`` would count it N times. Equal to ``clipped`` when every flush is measured; 0 before any is."""
+        s, quantized = self.signals[layer, side], self._values[layer, side]
+        if s.elements == quantized or not s.elements:
+            return float(s.clipped)
+        return s.clipped * quantized / s.elements
 
     def metric_families(self) -> list[MetricFamily]:
         """The metrics (Prometheus names, ``kvbits_`` prefix; labels ``layer``, ``side`` and the constant ones).
@@ -299,6 +312,11 @@ class CacheMonitor:
         f_clip = MetricFamily("kvbits_clipped_values_total", "Values saturated against static scales or integer "
                               "zero-points, in the measured flushes only (sample_every > 1 skips the others)",
                               "counter")  # fmt: skip
+        # a gauge, not a counter: an estimate goes down when a measured flush clips less than the ones before it
+        f_clip_est = MetricFamily("kvbits_clipped_values_estimated", "Values saturated against static scales or "
+                                  "integer zero-points in every flush, estimated: kvbits_clipped_values_total scaled "
+                                  "by the values quantized over the values measured (equal to it when sample_every "
+                                  "is 1)", "gauge")  # fmt: skip
         f_held = MetricFamily(
             "kvbits_layer_held", "1 when the layer is held in full precision (fallback)", "gauge"
         )
@@ -306,6 +324,7 @@ class CacheMonitor:
             lab = {**base, "layer": i, "side": side}
             f_fl.add(self._blocks[(i, side)], lab)
             f_clip.add(s.clipped, lab)
+            f_clip_est.add(self.clipped_estimate(i, side), lab)
             if s.flushes:
                 f_err.add(s.last, lab)
                 f_max.add(s.worst, lab)
@@ -329,7 +348,7 @@ class CacheMonitor:
             "kvbits_cache_bytes", "Bytes the cache stores (memory_report total_bytes)", "gauge"
         )
         f_bytes.add(mem["total_bytes"], base)
-        fams = [f_err, f_max, f_hist, f_nf, f_fl, f_clip, f_held, f_ev, f_tok, f_bytes]
+        fams = [f_err, f_max, f_hist, f_nf, f_fl, f_clip, f_clip_est, f_held, f_ev, f_tok, f_bytes]
         if mem["linear_layers"]:  # a hybrid model's conv / linear-attention / Mamba states: not in kvbits_cache_bytes
             f_state = MetricFamily("kvbits_linear_state_bytes", "Bytes of a hybrid model's convolution, linear-attention "
                                    "and state-space states, unquantized, outside kvbits_cache_bytes (memory_report "
