@@ -1080,3 +1080,19 @@ def test_an_estimate_of_every_flushs_clipped_values_is_exported_beside_the_sampl
         assert counted * every > 1.5 * truth  # the naive scaling would be far off
     fresh = CacheMonitor(QuantizedKVCache(config=model.config, scheme="kivi-2"), FallbackPolicy(sample_every=2))
     assert all(r["clipped_estimated"] == 0 for r in fresh.snapshot()["signals"])  # nothing flushed: 0, not 0 / 0
+
+
+def test_numpy_ints_are_taken_as_counts_and_a_non_str_label_name_is_refused_by_name() -> None:
+    """``patience`` / ``sample_every`` from numpy (a config read with numpy, an array's element) were refused as "must
+    be an int >= 1, got np.int64(2)" while numpy's float thresholds are taken; now they are taken as Python ints (JSON
+    numbers in the snapshot). A label name that is no str (``labels={1: "a"}``) raised ``'int' object is not
+    iterable`` from inside the name check; now a TypeError that says a str was expected."""
+    pol = FallbackPolicy(key_error=0.5, patience=np.int64(2), sample_every=np.int32(3))
+    assert (pol.patience, pol.sample_every) == (2, 3)
+    assert type(pol.patience) is int and type(pol.sample_every) is int
+    assert json.loads(strict_json(pol.to_dict()))["sample_every"] == 3
+    for bad in (np.int64(0), np.float64(2.0), np.bool_(True)):
+        with pytest.raises(ValueError, match="sample_every must be an int >= 1"):
+            FallbackPolicy(sample_every=bad)
+    with pytest.raises(TypeError, match="label name must be a str"):
+        CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), labels={1: "a"})  # type: ignore[dict-item]

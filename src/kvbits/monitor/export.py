@@ -87,6 +87,8 @@ def strict_json(obj: object, indent: int | None = None) -> str:
 def check_label_name(name: str, where: str = "", reserved: tuple[str, ...] = ()) -> None:
     """``ValueError`` unless ``name`` is a valid Prometheus label name (``[a-zA-Z_][a-zA-Z0-9_]*``, not starting
     with ``__``, which Prometheus keeps for itself) and not one of ``reserved`` (names the caller sets itself)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a Prometheus label name must be a str{where}, got {type(name).__name__} {name!r}")
     if not name or not all((c.isascii() and c.isalnum()) or c == "_" for c in name) or name[0].isdigit():
         raise ValueError(
             f"invalid Prometheus label name {name!r}{where}: expected letters, digits and _, not starting with a digit"

@@ -69,8 +69,10 @@ class FallbackPolicy:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         for name in ("patience", "sample_every"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            # numpy's int64 too, as a Python int (JSON-ready), as the thresholds take numpy's floats
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            object.__setattr__(self, name, int(v))
         if not isinstance(self.beyond_calibration, bool):
             raise TypeError(f"beyond_calibration must be a bool, got {self.beyond_calibration!r}")
 
