@@ -5,6 +5,8 @@ says so (once per calibration, with the tokens shared), each result records ``ca
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from _wordlevel import save_word_tokenizer, write_word_text
 from test_evaluate import _ids, _llama
@@ -131,9 +133,17 @@ def test_text_by_path_compares_the_file_and_its_token_ranges(tmp_path, monkeypat
     assert _record(s)["calibrated_on_eval_text"] is False and _warnings(caplog) == []
 
 
-def test_overlap_counts_each_calibration_window_once():
-    from kvbits.evaluate.calib_text import _overlap
+def _overlap(record: dict, tokens_2d: bool, windows: int, context: int, spans=None) -> int | None:
+    """``eval_text_record``'s overlap for an artifact calibrated on the evaluated text with ``record``'s windows."""
+    from kvbits.evaluate.calib_text import eval_text_record
 
+    art = SimpleNamespace(meta={"data": {**record, "sha256": "same", "tokenizer": "tok"}})
+    rec = eval_text_record(art, "same", "tok", tokens_2d=tokens_2d, windows=windows, context=context, spans=spans)
+    assert rec["calibrated_on_eval_text"] is True
+    return rec["calibration_overlap_tokens"]
+
+
+def test_overlap_counts_each_calibration_window_once():
     record = {"context": 100, "starts": [0, 150, 400]}
     assert _overlap(record, False, windows=2, context=100) == 100 + 50  # [0, 200) meets [0, 100) and [150, 250)
     assert _overlap(record, False, windows=1, context=50) == 50

@@ -664,15 +664,15 @@ def test_an_export_failing_at_its_last_write_leaves_out_as_it_was(fp8, tmp_path,
 
     _, _, cal, ckpt = fp8
     ck = ckpt if with_checkpoint else None
-    real = vllm._atomic_json
+    real = vllm.write_text_atomic
 
-    def full(path, obj):
+    def full(path, text):
         if path.name == "kvbits_export.json":
             raise OSError(28, "No space left on device")
-        real(path, obj)
+        return real(path, text)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(vllm, "_atomic_json", full)
+    monkeypatch.setattr(vllm, "write_text_atomic", full)
     with pytest.raises(OSError, match="No space left"):
         export_vllm(cal, out, checkpoint=ck)
     assert not out.exists()
@@ -685,7 +685,7 @@ def test_an_export_failing_at_its_last_write_leaves_out_as_it_was(fp8, tmp_path,
         return {p.name: (os.readlink(p) if p.is_symlink() else p.read_bytes()) for p in out.iterdir()}
 
     before = snapshot()
-    monkeypatch.setattr(vllm, "_atomic_json", full)
+    monkeypatch.setattr(vllm, "write_text_atomic", full)
     with pytest.raises(OSError, match="No space left"):
         export_vllm(cal, out, checkpoint=ck)
     assert snapshot() == before

@@ -43,8 +43,8 @@ def chmod_default(path: str | os.PathLike[str]) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
-    """A temporary path ``<folder>/<name>.<unique><suffix>`` beside ``path`` to write to; when the block ends
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path ``<folder>/<name>.<unique>.tmp`` beside ``path`` to write to; when the block ends
     without an exception it gets ``0666 & ~umask`` and replaces ``path`` (``os.replace``). The temporary file is
     removed whatever happens (an exception in the block, a failed chmod or rename). ``path``'s folder must exist.
     A symbolic link ``path`` is followed (``os.path.realpath``): the temporary file goes beside the file it names,
@@ -53,7 +53,7 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     if path.is_symlink():
         path = Path(os.path.realpath(path))
     try:
-        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=suffix, dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     except OSError as e:  # it named the temporary file ('x.json.k2j4d9.tmp'), which the caller never asked for
         raise type(e)(e.errno, f"{e.strerror}: can not write {path} (a temporary file in its folder)") from e
     os.close(fd)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,20 +113,6 @@ def _count(intervals: list[tuple[int, int]], spans: list[tuple[int, int]]) -> in
     return total
 
 
-def _overlap(
-    record: dict[str, Any], tokens_2d: bool, windows: int, context: int, spans: list[tuple[int, int]] | None = None
-) -> int | None:
-    """Tokens of the ``windows`` evaluated windows of ``context`` tokens that lie in the calibration windows
-    ``record`` (an artifact's ``data``) names, or None where it does not record them. Text and ``(N,)`` ids are
-    evaluated as ``[0, windows * context)`` (``make_windows``); ``(W, T)`` ids as rows ``0 .. windows - 1``.
-    ``spans``: ``(start, length)`` token ranges of the text scored instead (``kvbits needle``'s haystacks), each
-    counted on its own."""
-    intervals = _intervals(record, tokens_2d, windows, context)
-    if intervals is None:
-        return None
-    return _count(intervals, spans if spans is not None else [(0, windows * context)])
-
-
 def _data_records(artifact: Any) -> list[dict[str, Any]]:
     """``artifact``'s calibration data records: ``meta["data"]`` (``{}`` where it has none), or for an artifact
     ``compose_artifact`` built (a tuned mix) each source's (``meta["composed"]["sources"][i]["data"]``: its own
@@ -184,8 +171,10 @@ def eval_text_record(
 
     The same tokens in the other form count as the same text, with the same token positions: ``(N,)`` ids (then
     ``sha256``) equal to the token ids of the text calibrated on (``data.ids_sha256``), or the evaluated text's
-    token ids (``ids_sha256``, its ``content_sha256``) equal to the ``(N,)`` ids calibrated on. ``spans``: as
-    ``_overlap``. A composed artifact (a tuned mix) is judged by each source calibration's record: the same text
+    token ids (``ids_sha256``, its ``content_sha256``) equal to the ``(N,)`` ids calibrated on. Text and ``(N,)``
+    ids are evaluated as ``[0, windows * context)`` (``make_windows``), ``(W, T)`` ids as rows ``0 .. windows - 1``;
+    ``spans``: ``(start, length)`` token ranges of the text scored instead (``kvbits needle``'s haystacks), each
+    counted on its own. A composed artifact (a tuned mix) is judged by each source calibration's record: the same text
     where any source's is, its tokens the union of theirs."""
     judged = [
         _judge(d, sha256, tokenizer_fp, tokens_2d, windows, context, ids_sha256) for d in _data_records(artifact)
@@ -213,12 +202,18 @@ def _needs_ids_hash(calibrations: dict[str, Any], sha256: str | None) -> bool:
     return False
 
 
-def calibrated_on_eval_text(
-    calibrations: dict[str, Any], data: Any, tokenizer: Any, windows: int, context: int
+def _records(
+    calibrations: dict[str, Any],
+    data: Any,
+    tokenizer: Any,
+    text_ids: Callable[[], torch.Tensor],
+    windows: int,
+    context: int,
+    spans: list[tuple[int, int]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Scheme name -> ``eval_text_record`` of its calibration, for an evaluation of ``windows`` windows of
-    ``context`` tokens of ``data`` (a ``TextSource`` tokenized by ``tokenizer``, or token ids ``(N,)`` /
-    ``(W, T)``)."""
+    """Scheme name -> ``eval_text_record`` of its calibration for ``data`` (a ``TextSource`` tokenized by
+    ``tokenizer``, or token ids ``(N,)`` / ``(W, T)``); ``text_ids``: the text's token ids ``(N,)``, called only where
+    an artifact was calibrated on ids of other bytes than the text's (``_needs_ids_hash``)."""
     from kvbits.calibrate.calibrate import _tokenizer_fingerprint
 
     if not calibrations:
@@ -229,15 +224,24 @@ def calibrated_on_eval_text(
     tokens_2d = is_ids and data.dim() == 2
     ids_sha = None
     if not is_ids and sha is not None and tokenizer is not None and _needs_ids_hash(calibrations, sha):
+        ids_sha = content_sha256(text_ids())
+    where = {"tokens_2d": tokens_2d, "windows": windows, "context": context, "ids_sha256": ids_sha, "spans": spans}
+    return {name: eval_text_record(art, sha, tokenizer_fp, **where) for name, art in calibrations.items()}
+
+
+def calibrated_on_eval_text(
+    calibrations: dict[str, Any], data: Any, tokenizer: Any, windows: int, context: int
+) -> dict[str, dict[str, Any]]:
+    """Scheme name -> ``eval_text_record`` of its calibration, for an evaluation of ``windows`` windows of
+    ``context`` tokens of ``data`` (a ``TextSource`` tokenized by ``tokenizer``, or token ids ``(N,)`` /
+    ``(W, T)``)."""
+
+    def text_ids() -> torch.Tensor:
         from kvbits.evaluate.data import tokenize
 
-        ids_sha = content_sha256(tokenize(data, tokenizer))  # the token cache's ids: no second tokenization
-    return {
-        name: eval_text_record(
-            art, sha, tokenizer_fp, tokens_2d=tokens_2d, windows=windows, context=context, ids_sha256=ids_sha
-        )
-        for name, art in calibrations.items()
-    }
+        return tokenize(data, tokenizer)  # the token cache's ids: no second tokenization
+
+    return _records(calibrations, data, tokenizer, text_ids, windows, context)
 
 
 def needle_text_record(
@@ -247,17 +251,7 @@ def needle_text_record(
     whose token ids are ``text_ids`` ``(N,)``) at ``spans`` (``(offset, tokens)`` per trial). The overlap counts the
     haystack tokens of all trials that lie in the calibration windows (a haystack token the needle's separator
     displaces still counts)."""
-    from kvbits.calibrate.calibrate import _tokenizer_fingerprint
-
-    if not calibrations:
-        return {}
-    sha = content_sha256(text)
-    ids_sha = content_sha256(text_ids) if sha is not None and _needs_ids_hash(calibrations, sha) else None
-    fp = _tokenizer_fingerprint(tokenizer)
-    return {
-        name: eval_text_record(art, sha, fp, tokens_2d=False, windows=0, context=0, ids_sha256=ids_sha, spans=spans)
-        for name, art in calibrations.items()
-    }
+    return _records(calibrations, text, tokenizer, lambda: text_ids, 0, 0, spans=spans)
 
 
 def warn_calibrated_on_eval_text(

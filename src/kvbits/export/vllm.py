@@ -289,10 +289,6 @@ def quantization_config(strategy: str = "tensor") -> dict[str, Any]:
     }
 
 
-def _atomic_json(path: Path, obj: Any) -> None:
-    write_text_atomic(path, dumps(obj, indent=2) + "\n")
-
-
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
@@ -396,7 +392,7 @@ def _install(out: Path, scales: dict[str, torch.Tensor], jsons: dict[str, Any], 
             (stage / name).symlink_to(target)
         _save_tensors(stage / SCALES_FILE, scales)
         for name, obj in jsons.items():
-            _atomic_json(stage / name, obj)
+            write_text_atomic(stage / name, dumps(obj, indent=2) + "\n")
         for name in [*links, SCALES_FILE, *jsons]:  # links first, the config naming the scales after them
             dst, backup = out / name, None
             if dst.is_symlink() or dst.exists():

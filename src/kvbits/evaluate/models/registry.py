@@ -367,6 +367,11 @@ def _fetch(entry: OfflineModel, target: Path, download: bool) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
+    # not kvbits._files.atomic_path, on purpose: it writes through a symbolic link (the link's target replaced),
+    # where a cache entry that is a link (dangling, or into another folder) must be replaced by a file of the
+    # cache's own; and its temporary name, <name>.<unique>.tmp, is also that of the sidecar's write
+    # (<name>.sha256.<unique>.tmp, done outside the lock by _cached_sha256), which the leftovers glob of a killed
+    # fill (<name>.*.part) must not match
     fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
     tmp = Path(tmp_name)
     try:
