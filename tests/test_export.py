@@ -384,6 +384,24 @@ def test_out_inside_the_checkpoint_is_refused(fp8, tmp_path):
     assert sorted(p.name for p in ck.iterdir()) == before
 
 
+def test_scales_alone_into_an_earlier_checkpoint_export_are_refused(fp8, tmp_path):
+    """An export without --checkpoint into the --out of an earlier --checkpoint export replaced its scales and
+    left its config.json: per-tensor scales exported over a per-head export gave a folder whose config.json said
+    strategy attn_head while model.layers.0.self_attn.k_scale was (1,) (vLLM loads (H_kv,) per-head scales).
+    Refused, the folder left as it was; with --checkpoint it is updated."""
+    _, _, cal, ckpt = fp8
+    out = tmp_path / "servable"
+    k = [torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    head = artifact_from_samples("fp8-e4m3-head", k, k, meta={"model": {"num_attention_heads": 4}})
+    export_vllm(head, out, checkpoint=ckpt)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if not p.is_symlink()}
+    with pytest.raises(ValueError, match=r"holds a config\.json .* pass --checkpoint"):
+        export_vllm(cal, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.is_symlink()} == before
+    export_vllm(cal, out, checkpoint=ckpt)  # the per-tensor scales, with the config that describes them
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] == KV_CACHE_SCHEME
+
+
 def test_cli_export(fp8, tmp_path):
     _, art, cal, _ = fp8
     cmd = [sys.executable, "-m", "kvbits", "export", "--calibration", str(cal), "--out", str(tmp_path / "x")]

@@ -574,7 +574,9 @@ def export_vllm(
         ValueError: a calibration vLLM can not use (not static per-tensor E4M3, pre-RoPE keys, scales that
             leave sink tokens out, ``fitted_sinks``), module names that are not one per layer (a template without an ``{i}`` field, or with other fields),
             a checkpoint of another shape, one already quantized by another method, one whose
-            ``config.json`` or index is not the JSON object expected, or an ``out_dir`` inside it.
+            ``config.json`` or index is not the JSON object expected, or an ``out_dir`` inside it; without
+            ``checkpoint``, an ``out_dir`` holding a ``config.json`` (a checkpoint, or an earlier export with
+            ``checkpoint``, whose ``kv_cache_scheme`` the new scales need not match).
     """
     art = calibration if isinstance(calibration, CalibrationArtifact) else load_calibration(calibration)
     scales = vllm_scales(art, module_template)
@@ -643,6 +645,15 @@ def export_vllm(
     ck = None if checkpoint is None else Path(checkpoint).expanduser()
     if ck is not None:
         _check_out_outside(ck, out)  # before mkdir: nothing is created inside the checkpoint
+    elif (out / "config.json").exists():
+        # a checkpoint (a previous --checkpoint export, or a model folder): the scales would replace those its
+        # config.json's kv_cache_scheme (strategy) and index describe, leaving a servable-looking folder that
+        # does not match them
+        raise ValueError(
+            f"{out} holds a config.json (a model checkpoint, or an earlier export with --checkpoint); scales "
+            "written there without --checkpoint would not match its quantization_config: pass --checkpoint "
+            "(the original checkpoint) to update it, or export to another folder"
+        )
     record["out_dir"] = str(out)
     written: dict[str, Any] = {}
     links: dict[str, Path] = {}
