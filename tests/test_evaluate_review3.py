@@ -94,3 +94,28 @@ def test_a_corrupt_done_file_is_refused_as_another_run_not_a_decode_error(tmp_pa
     with pytest.raises(OtherRunError, match="config hash unreadable.*--overwrite"):
         _check_out_dir(tmp_path, "abc", False, {})
     assert _check_out_dir(tmp_path, "abc", True, {}) is None
+
+
+def test_a_run_from_another_kvbits_version_is_recomputed_not_reused(tmp_path, caplog):
+    """The config hash holds no kvbits version, so a finished run computed by another kvbits (whose quantizers
+    may have changed) was served as this run's result without a word. A run whose ``config.json`` records
+    another ``versions.kvbits`` is now recomputed (logged, naming both versions); one of this version, or one
+    that records none, is reused as before."""
+    import json
+
+    from kvbits import __version__
+    from kvbits.evaluate.outputs import _check_out_dir
+    from kvbits.evaluate.request import OUTPUT_VERSION, config_hash
+
+    request = {"version": OUTPUT_VERSION, "model": "m", "data": "d", "context": 256, "schemes": ["int8-token"]}
+    chash = config_hash(request)
+    for name, version in (("old", "0.0.1"), ("same", __version__)):
+        _stored_run(tmp_path / name, request)
+        cfg = tmp_path / name / "config.json"
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "versions": {"kvbits": version}}))
+    with caplog.at_level("WARNING", logger="kvbits.evaluate.outputs"):
+        assert _check_out_dir(tmp_path / "old", chash, False, request) is None
+    assert f"kvbits 0.0.1, this is kvbits {__version__}" in caplog.text and "recomputing" in caplog.text
+    assert _check_out_dir(tmp_path / "same", chash, False, request)["results"][0]["kl"] == 1.2e-6
+    _stored_run(tmp_path / "unrecorded", request)
+    assert _check_out_dir(tmp_path / "unrecorded", chash, False, request) is not None

@@ -224,3 +224,41 @@ def test_hub_datasets_load_offline_where_the_hub_is_unreachable(
     with pytest.raises(ValueError, match="ConnectionError: Couldn't reach 'wikitext'"):
         load_text("hub:wikitext:wikitext-2-raw-v1")
     assert seen == [True, False]
+
+
+
+class _Rows:
+    """A one-column ``datasets.Dataset`` of strings, as ``_load_hub`` reads it."""
+
+    def __init__(self, rows: list[str]) -> None:
+        import types
+
+        self.rows = rows
+        self.column_names = ["text"]
+        self.features = {"text": types.SimpleNamespace(dtype="string")}
+
+    def __getitem__(self, column: str) -> list[str]:
+        return self.rows
+
+
+def test_hub_wikitext_rows_give_the_registry_file_not_the_double_newline_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WikiText's hub rows (each ending in ``"\\n"``, blank lines as ``""``) are joined with ``""``: the registry's
+    ``wikitext2`` file with LF line ends, line for line, as ``_load_hub`` and the README say; not the published
+    recipes' ``"\\n\\n".join`` (which would hold a blank line after every row)."""
+    import sys
+    import types
+
+    from kvbits.evaluate.data import load_text
+
+    try:
+        raw = load_text("wikitext2").text
+    except FileNotFoundError:
+        pytest.skip("shared/data/wikitext-2-raw not present")
+    lines = raw.replace("\r\n", "\n").splitlines(keepends=True)[:200]
+    rows = [r for line in lines for r in ("", line)]  # as the hub has them: "" rows between
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, config, split: _Rows(rows)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setattr(_hub, "hub_unreachable", lambda *a, **k: None)
+    text = load_text("hub:wikitext:wikitext-2-raw-v1").text
+    assert text == "".join(lines) and "\n\n" not in text

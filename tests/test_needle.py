@@ -611,13 +611,34 @@ def test_merging_needle_runs_equals_running_them_together(needle_runs):
             continue
         if key == "results":
             for w, m in zip(whole["results"], merged["results"], strict=True):
-                assert {k: v for k, v in m.items() if k != "seconds"} == {k: v for k, v in w.items() if k != "seconds"}
+                mine = {k: v for k, v in m.items() if k not in ("seconds", "calibration_by_run")}
+                assert mine == {k: v for k, v in w.items() if k != "seconds"}
         else:
             assert _json(merged[key]) == _json(whole[key]), key
     seconds = {s: sum(r["seconds"] for p in parts for r in p["results"] if r["scheme"] == s) for s in ("int4-token",)}
     assert merged["results"][0]["seconds"] == pytest.approx(seconds["int4-token"])
     assert [m["schemes"] for m in merged["merged_from"]] == [["int4-token", SMALL_KIVI.name], ["int4-token"], [SMALL_KIVI.name]]
     assert merged["commit"] == whole["commit"]  # one tree: kept; differing commits read None
+
+
+def test_a_merged_needle_scheme_lists_each_runs_calibration(needle_runs):
+    """A scheme measured in several runs kept only the longest context's run's calibration record: the clip counts
+    of the shorter runs' trials were dropped without a word. The merged result now lists each run's record under
+    ``calibration_by_run`` (run, contexts, record); ``calibration`` stays the longest context's."""
+    import copy
+
+    from kvbits.report.merge_needle import merge_needle
+
+    _, parts = needle_runs
+    parts = copy.deepcopy(parts)
+    for p, n in zip(parts, (7, 11, 13)):
+        for r in p["results"]:
+            r["calibration"] = {**(r.get("calibration") or {}), "clipped_keys": n}
+    merged = merge_needle(parts, ["a", "b", "c"])
+    int4 = next(r for r in merged["results"] if r["scheme"] == "int4-token")
+    assert int4["calibration"]["clipped_keys"] == 11  # run b: context 400, the longest
+    by_run = [(e["run"], e["contexts"], e["calibration"]["clipped_keys"]) for e in int4["calibration_by_run"]]
+    assert by_run == [("a", [300], 7), ("b", [400], 11)]
 
 
 def test_merged_needle_grid_marks_cells_no_run_measured(lm, corpus, needle_runs):

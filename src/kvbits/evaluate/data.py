@@ -205,6 +205,12 @@ def _load_registered(entry: TextEntry, roots: list[Path]) -> TextSource:
 
 
 def _load_hub(spec: str) -> TextSource:
+    """A ``hub:NAME[:CONFIG[:SPLIT]]`` text: the rows of its text column joined in order. Rows that all end in a
+    line end (WikiText's) are joined with ``""``, so ``hub:wikitext:wikitext-2-raw-v1`` is the registry's
+    ``wikitext2`` file line for line (LF line ends where that file has CRLF; its empty rows add nothing); other rows
+    are joined with ``"\\n"``. This is not the published perplexity recipes' ``"\\n\\n".join(rows)`` (GPTQ, KVQuant,
+    Hugging Face's perplexity guide), which adds a blank line after every row and an empty row's two line ends: other
+    tokens, so perplexities near, not equal to, those tables'."""
     parts = spec.split(":")
     if len(parts) < 2 or len(parts) > 4 or not parts[1]:
         raise ValueError(f"hub text spec must be 'hub:NAME[:CONFIG[:SPLIT]]', got {spec!r}")

@@ -8,7 +8,8 @@
     DIR/DONE                        the config hash, written last
 
 then the report (``kvbits.report.write_report``). A folder whose ``DONE`` holds this run's config hash
-is reused; a folder written by another configuration is refused unless overwritten, and so is a
+is reused, unless its ``config.json`` records another kvbits version (``versions.kvbits``: the quantizers
+may have changed since; recomputed, logged); a folder written by another configuration is refused unless overwritten, and so is a
 non-empty folder kvbits eval did not write. Only files kvbits eval writes are ever deleted, and only
 once the run's inputs have loaded.
 """
@@ -71,6 +72,13 @@ def _versions() -> dict[str, str]:
     return {"kvbits": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def _stored_kvbits_version(stored: Any) -> str | None:
+    """The kvbits version a stored ``config.json`` records (``versions.kvbits``), or None where it records none."""
+    versions = stored.get("versions") if isinstance(stored, dict) else None
+    version = versions.get("kvbits") if isinstance(versions, dict) else None
+    return version if isinstance(version, str) else None
+
+
 def _read_done(path: Path) -> str | None:
     """The config hash a ``DONE`` file holds, or None when it can not be read as text (a corrupt file)."""
     try:
@@ -126,7 +134,8 @@ def _check_out_dir(
     write there. Deletes nothing: :func:`_prepare_out_dir` clears the old run after the inputs loaded.
 
     A finished run whose request differs only in an older output ``version`` (``OUTPUT_VERSION``: numbers
-    computed differently since) is not reused: None, so the run recomputes it there (logged).
+    computed differently since) is not reused: None, so the run recomputes it there (logged); nor is a finished
+    run of this config hash whose ``config.json`` records another kvbits version (``versions.kvbits``; logged).
 
     Refused (``ValueError``): a path that is not a folder; a folder holding another kvbits eval run
     (unless ``overwrite``); a non-empty folder that kvbits eval did not write (unless ``overwrite``,
@@ -171,6 +180,15 @@ def _check_out_dir(
             diff,
         )
     if done.is_file() and _read_done(done) == chash:
+        from kvbits import __version__ as ours
+
+        theirs = _stored_kvbits_version(stored)
+        if theirs is not None and theirs != ours:
+            logger.warning(
+                "%s holds this run's configuration computed by kvbits %s, this is kvbits %s (its quantizers may "
+                "compute other numbers); not reused, recomputing it (overwrite to redo regardless)", out, theirs, ours,
+            )  # fmt: skip
+            return None
         summary = _read_json(out / "summary.json")
         if summary is not None:
             logger.info(

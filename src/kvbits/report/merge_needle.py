@@ -13,6 +13,10 @@ position), so the merge checks, before it writes anything:
   so each scheme's overall figures are over the same trials as the reference's;
 - a scheme measured in several runs: the same average bits, and the same calibration artifact (its id).
 
+A scheme's ``calibration`` record is that of the run with the longest context (its ``positions_beyond_calibrated``
+is the merged grid's; its clip counts are of that run's trials alone); a scheme measured in several runs also has
+``calibration_by_run``: ``[{"run", "contexts", "calibration"}]``, each run's own record.
+
 Contexts and depths are the union of the runs' (two depths that round to the same 1e-4 are refused: they seed the
 same trials, which would be counted twice); a (context, depth) cell no run measured reads ``n/a``.
 The overall, per-context and per-cell figures are computed again from the merged trial records with the
@@ -206,6 +210,11 @@ def merge_needle(summaries: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         res = scheme_result(name, bits[0], records, contexts, depths)
         longest = max(mine, key=lambda sr: max(sr[0]["contexts"]))  # calibration mismatch: the longest context
         res["calibration"] = longest[1].get("calibration", {})
+        if len(mine) > 1:  # each run's own record: the clip counts above are the longest run's trials alone
+            res["calibration_by_run"] = [
+                {"run": run, "contexts": list(s["contexts"]), "calibration": r.get("calibration", {})}
+                for run, s in zip(names, summaries) for r in s["results"] if r["scheme"] == name
+            ]
         res["seconds"] = sum(float(r.get("seconds") or 0.0) for _, r in mine)
         res["decode"] = _decode_counts([r for _, r in mine])
         results.append(res)
