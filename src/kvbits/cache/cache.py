@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
-from kvbits.cache.fixed import install_artifact
+from kvbits.cache.fixed import calibrated_length, install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
 from kvbits.cache.layer import (
@@ -792,8 +792,7 @@ class QuantizedKVCache(Cache):
     @property
     def max_calibrated_length(self) -> int | None:
         """The longest context the installed calibration artifact saw (``None``: no artifact, or it does not say)."""
-        longest = getattr(self.calibration, "max_calibrated_length", None)
-        return None if longest is None else int(longest)
+        return calibrated_length(self.calibration)
 
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch, measured per layer: values clipped against their scales so far

@@ -115,6 +115,7 @@ from kvbits.cache.checks import (
     write_maxima,
 )
 from kvbits.cache.fixed import (
+    calibrated_length,
     channel_bound,
     check_calibrated_heads,
     check_installed_decode,
@@ -1419,8 +1420,7 @@ class StaticQuantizedKVCache(Cache):
     @property
     def max_calibrated_length(self) -> int | None:
         """The longest context the installed calibration artifact saw (``None``: no artifact, or it does not say)."""
-        longest = getattr(self.calibration, "max_calibrated_length", None)
-        return None if longest is None else int(longest)
+        return calibrated_length(self.calibration)
 
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch per layer, in ``QuantizedKVCache.calibration_report``'s form (``add_clipping``
