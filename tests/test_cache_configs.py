@@ -70,7 +70,7 @@ def test_heterogeneous_latent_attention_is_refused_by_the_planner_too():
                                     swa_qk_nope_head_dim=8, swa_num_attention_heads=4,
                                     swa_num_key_value_heads=4)  # fmt: skip
     assert {(c.head_dim, c.v_head_dim) for c in cfg.per_layer_config} == {(16, 16)}
-    with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank in layer 0: .*MHA/GQA/MQA only"):
+    with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank=\d+ in layer 0; .*MHA/GQA/MQA attention only"):
         model_shape(cfg)
 
 
@@ -141,3 +141,34 @@ def test_values_of_another_head_dim_are_refused_when_built():
                                           num_key_value_heads=2, head_dim=16, v_head_dim=16,
                                           layer_types=["full_attention", "full_attention"])  # fmt: skip
     assert attention_shape(same) == (2, 4, 2, 16)
+
+
+def test_latent_attention_is_refused_alike_by_the_caches_the_planner_the_sites_and_rope():
+    """Four places refused multi-head latent attention, each reading ``kv_lora_rank`` and wording it its own way: the
+    planner named neither the rank nor the model type ("multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3
+    style) ..."), ``kvbits.quant.rope`` no layer. One check now (``kvbits.plan.config.latent_attention``) and one
+    wording: each names the rank, the layer, the model type and what kvbits supports, with its own error type."""
+    import transformers
+
+    from kvbits.analyze.sites import attention_sites
+    from kvbits.quant.rope import RotaryTables
+
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+        intermediate_size=64, vocab_size=128, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, rope_interleave=False,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    message = r"multi-head latent attention \(kv_lora_rank=16 in layer 0; model_type 'deepseek_v3'.*MHA/GQA/MQA attention only"
+    sites = [
+        (ValueError, lambda: attention_shape(cfg)),
+        (ValueError, lambda: QuantizedKVCache(config=cfg)),
+        (ValueError, lambda: StaticQuantizedKVCache(config=cfg, max_cache_len=8)),
+        (ValueError, lambda: model_shape(cfg)),
+        (ValueError, lambda: attention_sites(model)),
+        (NotImplementedError, lambda: RotaryTables.from_config(cfg)),
+        (NotImplementedError, lambda: RotaryTables.from_model(model)),
+    ]
+    for error, call in sites:
+        with pytest.raises(error, match=message):
+            call()

@@ -1329,3 +1329,23 @@ def test_static_cache_calibration_report_is_the_quantized_caches(window: bool):
     add_clipping(totals, cache)
     assert totals["keys"] == sum(r["clipped_keys"] for r in want["layers"])
     assert totals["keys_elements"] == sum(r["quantized_keys"] for r in want["layers"]) > 0
+
+
+def test_static_cache_calibration_report_reads_each_layer_back_once_per_counter(monkeypatch):
+    """``calibration_report`` read each layer's ``length`` twice (its own ``int(layer.length)`` and again in
+    ``quantized_tokens``) and its ``clipped`` pair element by element: 4 ``int(tensor)`` host reads per layer. Now
+    the length once (handed to ``quantized_tokens``) and the clipped pair in one ``tolist``: 1 per layer, same rows."""
+    cfg = build("llama").config
+    H, D = cfg.num_key_value_heads, cfg.head_dim
+    cache = StaticQuantizedKVCache(config=cfg, scheme="int8-token", max_cache_len=32)
+    g = torch.Generator().manual_seed(0)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(1, H, 5, D, generator=g), torch.randn(1, H, 5, D, generator=g), i)
+    cache.check_inputs()
+    reads = []
+    real_int = torch.Tensor.__int__
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.append(t.shape) or real_int(t))
+    report = cache.calibration_report()
+    assert len(reads) == cfg.num_hidden_layers, reads
+    assert report["layers"][0] == {"layer": 0, "clipped_keys": 0, "clipped_values": 0, "quantized_keys": 5 * H * D,
+                                   "quantized_values": 5 * H * D, "max_position": 4}  # fmt: skip

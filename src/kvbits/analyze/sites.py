@@ -35,7 +35,7 @@ import torch
 from kvbits._model import check_causal_lm, shared_attention_note
 from kvbits.analyze.taps import capture_point
 from kvbits.analyze.taps import value_proj as _value_proj
-from kvbits.plan.config import config_value, layer_configs, layer_heads, text_config
+from kvbits.plan.config import latent_attention, latent_attention_message, layer_heads, text_config
 
 __all__ = ["KVSite", "attention_sites"]
 
@@ -113,15 +113,9 @@ def _check_not_latent(model: torch.nn.Module, config: Any) -> None:
     if config is None:
         return
     text = text_config(config)
-    n_layers = config_value(text, "num_hidden_layers")
-    layers = layer_configs(text, n_layers) if isinstance(n_layers, int) and n_layers > 0 else [text]
-    for i, cfg in enumerate(layers):
-        if (rank := config_value(cfg, "kv_lora_rank")) is not None:
-            raise ValueError(
-                f"{type(model).__name__} uses multi-head latent attention (kv_lora_rank={rank} in layer {i}: "
-                "DeepSeek-V2/V3 style), whose cache holds a compressed latent and the rotary key part, not K/V "
-                "heads read at k_proj/v_proj; kvbits supports MHA/GQA/MQA attention only"
-            )
+    if (latent := latent_attention(text)) is not None:
+        why = "its attention has no k_proj/v_proj for the K/V site search to read"
+        raise ValueError(latent_attention_message(text, latent, type(model).__name__, "kvbits", why))
 
 
 def _decoder(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:

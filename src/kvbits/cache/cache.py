@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
-from kvbits.cache.fixed import install_artifact
+from kvbits.cache.fixed import calibrated_length, install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
 from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
 from kvbits.cache.layer import (
@@ -45,7 +45,15 @@ from kvbits.cache.layer import (
     padded_sink_rows,
     padded_sinks_message,
 )
-from kvbits.plan.config import attention_heads, config_value, layer_configs, layer_heads, text_config
+from kvbits.plan.config import (
+    attention_heads,
+    config_value,
+    latent_attention,
+    latent_attention_message,
+    layer_configs,
+    layer_heads,
+    text_config,
+)
 
 # families whose attention changes the keys after RoPE, before caching them (HunYuan: key_layernorm on the rotated
 # keys); kvbits.analyze.verify refuses them for statistics and calibration, rotary_for for pre-RoPE cache schemes,
@@ -93,13 +101,9 @@ def attention_shape(config: Any) -> tuple[int, int, int, int]:
             f"{name} has no {' / '.join(missing)}: QuantizedKVCache needs the number of layers and attention "
             "heads of the decoder (pass num_layers= and config=None to build layers lazily instead)"
         )
-    for i, cfg in enumerate(layers):  # as kvbits.plan refuses it (model_shape)
-        if (rank := config_value(cfg, "kv_lora_rank")) is not None:
-            raise ValueError(
-                f"{name} uses multi-head latent attention (kv_lora_rank={rank} in layer {i}: DeepSeek-V2/V3 style), "
-                "whose cache holds a compressed latent and the rotary key part, not K/V heads of head_dim channels; "
-                "QuantizedKVCache supports MHA/GQA/MQA layers only"
-            )
+    if (latent := latent_attention(text)) is not None:  # as kvbits.plan refuses it (model_shape)
+        raise ValueError(latent_attention_message(text, latent, name, "QuantizedKVCache"))
+    for i, cfg in enumerate(layers):
         v_dim = config_value(cfg, "v_head_dim")  # MiMo-V2-Flash: keys of 192 channels, values of 128
         if isinstance(v_dim, int) and v_dim != (d := attention_heads(cfg)[2]):  # as kvbits.plan refuses it
             raise ValueError(
@@ -788,8 +792,7 @@ class QuantizedKVCache(Cache):
     @property
     def max_calibrated_length(self) -> int | None:
         """The longest context the installed calibration artifact saw (``None``: no artifact, or it does not say)."""
-        longest = getattr(self.calibration, "max_calibrated_length", None)
-        return None if longest is None else int(longest)
+        return calibrated_length(self.calibration)
 
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch, measured per layer: values clipped against their scales so far

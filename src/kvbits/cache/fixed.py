@@ -42,6 +42,7 @@ from kvbits.schemes.spec import TensorSpec
 
 __all__ = [
     "PARAM_NAMES",
+    "calibrated_length",
     "channel_bound",
     "check_installed_decode",
     "check_param_shapes",
@@ -234,6 +235,13 @@ def check_calibrated_heads(layer: Any, heads: int, head_dim: int) -> None:
         f"KV heads of dim {head_dim}: re-run kvbits calibrate for this model, or give the cache config= to catch "
         "this before the forward pass"
     )
+
+
+def calibrated_length(artifact: Any) -> int | None:
+    """The longest context a calibration artifact saw (its ``max_calibrated_length``), ``None`` when there is no
+    artifact or it does not say: what both caches' ``max_calibrated_length`` report."""
+    longest = getattr(artifact, "max_calibrated_length", None)
+    return None if longest is None else int(longest)
 
 
 def install_artifact(layer: Any, artifact: Any, *, check_heads: bool = False) -> None:

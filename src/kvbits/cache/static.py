@@ -115,6 +115,7 @@ from kvbits.cache.checks import (
     write_maxima,
 )
 from kvbits.cache.fixed import (
+    calibrated_length,
     channel_bound,
     check_calibrated_heads,
     check_installed_decode,
@@ -926,14 +927,15 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.tokens_written == 0 or (self.rope is not None and self.rope.pad_rows is not None)
         )
 
-    def quantized_tokens(self) -> int:
+    def quantized_tokens(self, length: int | None = None) -> int:
         """Tokens of each sequence held quantized now (one host read): the flushed blocks of a windowed layer, else
-        every token past the sinks; 0 before the first update and for a float layer."""
+        every token past the sinks; 0 before the first update and for a float layer. ``length``: ``self.length``
+        already read back by the caller (``calibration_report``), not read again."""
         if not self.is_initialized or self.scheme.is_identity:
             return 0
         if self.windowed:
             return int(self.qlen)
-        return max(0, int(self.length) - self.scheme.sinks)
+        return max(0, (int(self.length) if length is None else length) - self.scheme.sinks)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The counters, lengths, window positions and check maxima: the step's state, not K/V."""
@@ -1419,8 +1421,7 @@ class StaticQuantizedKVCache(Cache):
     @property
     def max_calibrated_length(self) -> int | None:
         """The longest context the installed calibration artifact saw (``None``: no artifact, or it does not say)."""
-        longest = getattr(self.calibration, "max_calibrated_length", None)
-        return None if longest is None else int(longest)
+        return calibrated_length(self.calibration)
 
     def calibration_report(self) -> dict[str, Any]:
         """Calibration/serving mismatch per layer, in ``QuantizedKVCache.calibration_report``'s form (``add_clipping``
@@ -1429,18 +1430,19 @@ class StaticQuantizedKVCache(Cache):
         window x batch x KV heads x head dim; ``QuantizedKVCache`` counts those quantized so far, the same until a
         sliding window drops some, which this cache has none of), the last position written and, with a calibration
         artifact installed, how many positions lie beyond its calibrated length. Runs the lazy checks first; reads
-        the device counters back (a host sync per layer)."""
+        the device counters back (per layer: its length, then its clipped pair)."""
         self.check_inputs()
         longest = self.max_calibrated_length
         rows = []
         for layer in self.kv_layers:
             seen = int(layer.length) if layer.is_initialized else 0
             per_token = 0 if layer._shape is None else layer._shape[0] * layer._shape[1] * layer._shape[2]
-            tokens = layer.quantized_tokens()
+            tokens = layer.quantized_tokens(seen)  # the length read once, above
+            clipped_keys, clipped_values = layer.clipped.tolist() if layer.is_initialized else (0, 0)  # one read
             row = {
                 "layer": layer.layer_idx,
-                "clipped_keys": int(layer.clipped[0]) if layer.is_initialized else 0,
-                "clipped_values": int(layer.clipped[1]) if layer.is_initialized else 0,
+                "clipped_keys": clipped_keys,
+                "clipped_values": clipped_values,
                 "quantized_keys": tokens * per_token if layer.scheme.key.is_quantized else 0,
                 "quantized_values": tokens * per_token if layer.scheme.value.is_quantized else 0,
                 "max_position": seen - 1,

@@ -70,6 +70,8 @@ __all__ = [
     "check_causal_config",
     "dtype_bytes_of",
     "estimate_params",
+    "latent_attention",
+    "latent_attention_message",
     "layer_configs",
     "layer_heads",
     "load_shape",
@@ -226,6 +228,34 @@ def layer_configs(text: Any, n_layers: int) -> list[Any]:
     if getattr(text, "is_heterogeneous", False):
         return list(text.per_layer_config)[:n_layers]
     return [text] * n_layers
+
+
+def latent_attention(text: Any) -> tuple[int, int] | None:
+    """``(layer, kv_lora_rank)`` of the first layer of a text config with multi-head latent attention (DeepSeek-V2/V3
+    style: ``kv_lora_rank`` set), ``None`` when no layer has it. Read per layer (:func:`layer_configs`): a
+    heterogeneous config (Dots3 Note) keeps ``kv_lora_rank`` in each layer's config, not globally. The one check the
+    caches, the planner, the K/V site search and ``kvbits.quant.rope`` refuse such a model by
+    (:func:`latent_attention_message`)."""
+    n_layers = _get(text, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    ok = isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0
+    for i, lc in enumerate(layer_configs(text, n_layers) if ok else [text]):
+        if (rank := _get(lc, "kv_lora_rank")) is not None:
+            return i, rank
+    return None
+
+
+def latent_attention_message(text: Any, latent: tuple[int, int], subject: str, supporter: str, why: str = "") -> str:
+    """The refusal of multi-head latent attention, one wording for every site: ``subject`` (what was given: a config
+    or model class) uses it, ``latent`` (:func:`latent_attention`: layer and rank) and ``text``'s model type named;
+    ``why`` (optional) says what that site could not do with it; ``supporter`` names the kvbits part that supports
+    MHA/GQA/MQA only."""
+    layer, rank = latent
+    model_type = _get(text, "model_type")
+    return (
+        f"{subject} uses multi-head latent attention (kv_lora_rank={rank} in layer {layer}; model_type "
+        f"{model_type!r}, DeepSeek-V2/V3 style), whose cache holds a compressed latent and the rotary key part, not "
+        f"K/V heads of head_dim channels{'; ' + why if why else ''}; {supporter} supports MHA/GQA/MQA attention only"
+    )
 
 
 def layer_heads(config: Any, layer_idx: int) -> tuple[int, int, int]:
@@ -523,14 +553,8 @@ def model_shape(config: Any, *, name: str = "", rope: bool = False) -> ModelShap
             "nothing for the kvbits planner to plan"
         )
     layer_cfgs = layer_configs(text, n_layers)
-    # per layer: a heterogeneous config (Dots3 Note) keeps kv_lora_rank in each layer's config, not globally
-    latent = next((i for i, lc in enumerate(layer_cfgs) if _get(lc, "kv_lora_rank") is not None), None)
-    if latent is not None:
-        where = f" in layer {latent}" if _get(text, "kv_lora_rank") is None else ""
-        raise ValueError(
-            f"multi-head latent attention (kv_lora_rank{where}: DeepSeek-V2/V3 style) caches a compressed latent "
-            "and the rotary key part, not K/V heads; the kvbits planner supports MHA/GQA/MQA only"
-        )
+    if (latent := latent_attention(text)) is not None:
+        raise ValueError(latent_attention_message(text, latent, name or "the config", "the kvbits planner"))
     layer_types = _get(text, "layer_types")
     if layer_types is not None:
         if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, Sequence) or not all(

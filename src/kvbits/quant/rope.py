@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kvbits.plan.config import layer_configs, layer_heads, text_config
+from kvbits.plan.config import latent_attention, latent_attention_message, layer_heads, text_config
 
 # the torch-free config checks, shared with the planner, which refuses the same models for pre-RoPE schemes
 from kvbits.plan.positions import (
@@ -155,15 +155,12 @@ def _refuse_layout(text: Any, model_type: str | None) -> None:
         raise NotImplementedError(
             f"model_type {model_type!r}: {why}; kvbits.quant.rope supports the rotate-half convention only"
         )
-    n_layers = getattr(text, "num_hidden_layers", None)
-    cfgs = layer_configs(text, n_layers) if isinstance(n_layers, int) and n_layers > 0 else [text]
-    rank = next((r for c in cfgs if (r := getattr(c, "kv_lora_rank", None)) is not None), None)
-    if rank is not None:
-        raise NotImplementedError(
-            f"model_type {model_type!r} uses multi-head latent attention (kv_lora_rank={rank}): its keys rotate only "
-            "their last qk_rope_head_dim channels and its cache holds a compressed latent, which these tables "
-            "(rotating the first D_rot channels of K heads) do not reproduce"
+    if (latent := latent_attention(text)) is not None:
+        why = (
+            "its keys rotate only their last qk_rope_head_dim channels, which these tables (rotating the first D_rot "
+            "channels of K heads) do not reproduce"
         )
+        raise NotImplementedError(latent_attention_message(text, latent, type(text).__name__, "kvbits.quant.rope", why))
 
 
 def _nope_type(text: Any, layer_type: str) -> bool:
