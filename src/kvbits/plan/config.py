@@ -453,10 +453,14 @@ def _block_layers(text: Any, n_layers: int) -> list[LayerShape]:
 def _moe_layer(text: Any, index: int) -> bool:
     """Whether layer ``index`` of a mixture-of-experts config has experts (others have a dense MLP): Llama 4's
     ``moe_layers`` (or ``interleave_moe_layer_step``), Qwen2/3-MoE's ``mlp_only_layers`` and
-    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` and ``moe_layer_freq``."""
+    ``decoder_sparse_step``, DeepSeek / GLM-4-MoE's ``first_k_dense_replace`` and ``moe_layer_freq``, Jamba's
+    ``expert_layer_period`` and ``expert_layer_offset``."""
     moe_layers = _get(text, "moe_layers")
     if isinstance(moe_layers, Sequence) and not isinstance(moe_layers, (str, bytes)):
         return index in moe_layers
+    period = _int(_get(text, "expert_layer_period"), "expert_layer_period")
+    if period:  # Jamba: experts where index % period == offset, a dense MLP elsewhere
+        return index % period == (_int(_get(text, "expert_layer_offset"), "expert_layer_offset") or 0)
     step = _int(_get(text, "interleave_moe_layer_step", "decoder_sparse_step"), "decoder_sparse_step") or 1
     if step > 1 and (index + 1) % step:
         return False
@@ -478,6 +482,28 @@ def _shared_expert_width(text: Any, model_type: str, inter: int, expert_inter: i
     if shared:
         return shared * expert_inter
     return inter if model_type.startswith("llama4") else 0
+
+
+def _mamba_mixer_params(text: Any, h: int) -> int:
+    """Parameters of one Mamba (v1) mixer of a hybrid config that sets ``mamba_expand`` and ``mamba_d_state``
+    (Jamba), 0 for any other config. With ``E = mamba_expand * h``, ``N`` the state size, ``R`` the dt rank
+    (``"auto"``: ``ceil(h / 16)``), ``C`` the conv width: ``in_proj`` ``2*h*E``, ``conv1d`` ``E*C (+E)``, ``x_proj``
+    ``E*(R + 2N)``, ``dt_proj`` ``R*E + E``, ``A_log`` ``E*N``, ``D`` ``E``, ``out_proj`` ``E*h``, and Jamba's
+    dt/B/C norms ``R + 2N``."""
+    expand = _get(text, "mamba_expand")
+    state = _int(_get(text, "mamba_d_state"), "mamba_d_state")
+    if expand is None or state is None:
+        return 0
+    inner = int(expand * h)
+    conv = _int(_get(text, "mamba_d_conv"), "mamba_d_conv") or 4
+    rank = _get(text, "mamba_dt_rank")
+    rank = -(-h // 16) if rank in (None, "auto") else _int(rank, "mamba_dt_rank")
+    proj_bias = 2 * inner + h if _get(text, "mamba_proj_bias") else 0  # in_proj (2E) and out_proj (h) biases
+    conv_bias = inner if _get(text, "mamba_conv_bias", default=True) else 0
+    return (
+        2 * h * inner + inner * conv + conv_bias + inner * (rank + 2 * state) + rank * inner + inner
+        + inner * state + inner + inner * h + rank + 2 * state + proj_bias
+    )  # fmt: skip
 
 
 def _learned_positions(text: Any, model_type: str) -> int:
@@ -729,7 +755,11 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     embeddings += _learned_positions(text, model_type) * h
     qkv_bias = bool(_get(text, "attention_bias", "qkv_bias")) or model_type.startswith("qwen2")
     attention = 0
+    mamba = _mamba_mixer_params(text, h)
     for layer in shape.layers:
+        if layer.attention == "none" and mamba:  # Jamba: a Mamba mixer in place of attention
+            attention += mamba
+            continue
         hq = q_heads or layer.kv_heads
         d = layer.head_dim
         attention += 2 * h * hq * d + 2 * h * layer.kv_heads * d
