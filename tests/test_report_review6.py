@@ -32,3 +32,23 @@ def test_speed_report_version_matches_the_writer():
     from kvbits.report.speed import READS_VERSION
 
     assert speed.SPEED_VERSION == READS_VERSION
+
+
+def test_verdict_says_first_bucket_only_for_the_runs_first_bucket():
+    """A scheme without the run's first bucket (0–1K) that fails at 1K–2K was said to fail "already in the first
+    bucket, 1K–2K", beside "no ΔPPL at 0–1K"; it fails "at 1K–2K" now. A failure in the run's first bucket still
+    reads "already in the first bucket"."""
+    from kvbits.report.verdict import verdict
+
+    def b(lo: int, hi: int, d: float) -> dict[str, float]:
+        return {"lo": lo, "hi": hi, "delta_rel": d}
+
+    s = {"model": "m", "data": "d", "context": 2048, "results": [
+        {"scheme": "int8-token", "avg_bits": 8.5, "buckets": [b(0, 1024, 0.001), b(1024, 2047, 0.002)]},
+        {"scheme": "int4-token", "avg_bits": 4.5, "buckets": [b(1024, 2047, 0.05)]},
+    ]}  # fmt: skip
+    text = verdict(s)
+    assert "**int4-token** at 1K–2K (+5.00%; no ΔPPL at 0–1K)" in text
+    assert "already in the first bucket" not in text
+    s["results"][1]["buckets"] = [b(0, 1024, 0.05), b(1024, 2047, 0.05)]
+    assert "**int4-token** already in the first bucket, 0–1K (+5.00%)" in verdict(s)
