@@ -24,10 +24,15 @@ from kvbits.report.render import check_out_folder, write_json_report
 from kvbits.report.summary import read_json
 
 __all__ = [
-    "SPEED_FILES", "check_speed", "check_speed_out", "load_speed", "plot_speed", "speed_markdown", "write_speed",
+    "READS_VERSION", "SPEED_FILES", "check_speed", "check_speed_out", "load_speed", "plot_speed", "speed_markdown", "write_speed",
 ]  # fmt: skip
 
 SPEED_FILES = ("speed.json", "report.md", "speed.png")
+
+READS_VERSION = 1
+"""The ``speed.json`` version this report reads: ``kvbits.evaluate.speed.SPEED_VERSION`` (not imported from there,
+which needs torch; a test keeps the two equal). A file of another version is refused, not rendered as if its fields
+meant what this kvbits's do."""
 BASELINE = "DynamicCache"
 
 _PATHS = {
@@ -401,7 +406,12 @@ def _check_run(r: Mapping[str, Any], where: str) -> None:
 
 def _check_speed_fields(s: Mapping[str, Any]) -> None:
     """Every field :func:`speed_markdown`, :func:`plot_speed` and the merge read, of the kind they need."""
-    field(s, "version", "whole")
+    version = field(s, "version", "whole")
+    if version != READS_VERSION:
+        raise ValueError(
+            f"version is {version}; this kvbits reads speed.json version {READS_VERSION} (a newer kvbits wrote it? "
+            "upgrade kvbits, or run kvbits speed again)"
+        )
     for key in ("model", "data", "dtype"):
         field(s, key, "text")
     device = field(s, "device", "object")

@@ -78,7 +78,8 @@ def verdict(summary: RunSummary | Mapping[str, Any], threshold: float = DEFAULT_
     for r in failing:
         b = r.first_failure(threshold)
         assert b is not None
-        where = f"already in the first bucket, {b.label}" if b is r.buckets[0] else f"at {b.label}"
+        # the run's first bucket, not the scheme's: one that lacks 0–1K fails "at 1K–2K", not "already in the first"
+        where = f"already in the first bucket, {b.label}" if (b.lo, b.hi) == spans[0] else f"at {b.label}"
         ci = f", 95% CI {fmt_pct(b.ci[0])} to {fmt_pct(b.ci[1])}" if _ok(b.ci[0]) and _ok(b.ci[1]) else ""
         holes = f"; no ΔPPL at {_unjudged_labels(r, spans)}" if _unjudged_labels(r, spans) else ""
         fails.append(f"**{text(r.name)}** {where} ({fmt_judged(b.delta, threshold)}{ci}{holes})")
