@@ -559,3 +559,38 @@ def test_static_per_token_scales_are_left_to_the_reference(monkeypatch, s: Tenso
     want = quantize(x, s, static_scale=scale, static_zero=zero)
     assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
     assert got.clipped == want.clipped > 0
+
+
+NAN_SPECS = [spec(4, "token", 16), spec(4, "token", 16, symmetric=True), spec(3, "channel", 8),
+             spec(2, "channel", None, static=True), nuq(4, "token", 16), nuq(4, "channel", 8)]  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("s", NAN_SPECS, ids=str)
+def test_nan_groups_quantize_as_the_reference(s: TensorSpec):
+    """A NaN in K/V under ``validate=False`` (the cache's path: its NaN check is lazy): the kernel stores what the
+    reference stores, a NaN scale / zero-point for the NaN's group and the no-scale codes, so it decodes NaN
+    (under a static range: code 0, as torch's clamp-then-cast gives).
+
+    Before, ``tl.min`` / ``tl.max`` dropped the NaN: the group got a finite range (0.167 where the reference stored
+    NaN), the NaN element a garbage code (an int32 cast of NaN packed into its byte's neighbours through the
+    interpreter), and the group decoded finite: the NaN vanished from the cache."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    x = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(70))
+    x[0, 0, 2, 3] = x[0, 1, 9, 0] = float("nan")
+    x = x.to(DEVICE)
+    kw: dict = {"codebook": warped_codebook(s.bits).to(DEVICE)} if s.kind == "nuq" else {}
+    if s.static:
+        kw = {"static_scale": torch.full((2, 16), 0.5, dtype=torch.float16, device=DEVICE),
+              "static_zero": torch.full((2, 16), -1.0, dtype=torch.float16, device=DEVICE)}  # fmt: skip
+    want, got = quantize(x, s, validate=False, **kw), quantize_pack_triton(x, s, **kw)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    for name in ("scale", "zero"):
+        w, g16 = getattr(want, name), getattr(got, name)
+        if w is not None:
+            assert torch.equal(g16.isnan(), w.isnan()) and torch.equal(g16.nan_to_num(), w.nan_to_num()), name
+    assert got.clipped == want.clipped
+    dw, dg = want.dequantize(), got.dequantize()
+    assert torch.equal(dg.isnan(), dw.isnan()) and torch.equal(dg.nan_to_num(), dw.nan_to_num())
+    assert bool(dw.isnan().any()) != s.static  # a static range stays finite: the NaN gets code 0 in both

@@ -162,6 +162,11 @@ def _group_params(x, out, AXIS: tl.constexpr, BITS: tl.constexpr, SYM: tl.conste
         scale, zero = _nuq_qparams(lo, hi, amax, SYM)
     else:
         scale, zero = _qparams(lo, hi, amax, BITS, SYM)
+    # a NaN (not an outlier) makes the reference's range NaN (torch's amin / amax propagate it), so its scale and
+    # zero-point are NaN and its codes the no-scale ones; tl.min / tl.max drop NaNs, which gave a finite range
+    nan = tl.max(((x != x) & ~out).to(tl.int32), axis=AXIS, keep_dims=True) != 0  # noqa: PLR0124 - the NaN test (no isnan in tl)
+    scale = tl.where(nan, float("nan"), scale.to(tl.float32)).to(tl.float16)
+    zero = tl.where(nan, float("nan"), zero.to(tl.float32)).to(tl.float16)
     return scale, zero
 
 
@@ -459,7 +464,8 @@ def quantize_pack_triton(
     Args:
         x: ``(B, H_kv, n, D)`` new tokens, finite and within float16's range (``check_block``, which
             ``quantize_pack`` and the cache run; not checked here: a bfloat16/float32 value beyond 65504 gives
-            inf scales and NaN decodes where ``quantize`` raises ``ValueError``).
+            inf scales and NaN decodes where ``quantize`` raises ``ValueError``; a NaN gives its group the NaN
+            range ``quantize(..., validate=False)`` gives it).
         spec: a spec ``supported`` accepts.
         static_scale, static_zero: static specs: the calibrated ``(H_kv, D)`` (or ``(1, H_kv, 1, D)``) ranges.
         codebook: NUQ specs: the float16 ``(2**bits,)`` codebook (as ``quantize``).
