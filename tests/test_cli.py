@@ -872,3 +872,18 @@ def test_eval_attn_layers_out_of_range_names_the_flag(tmp_path, capsys, monkeypa
             "--no-progress", "--attn-layers", "7"]  # fmt: skip
     assert main(argv) == 2
     assert "attn_layers (CLI: --attn-layers) must be in [0, 2), got [7]" in capsys.readouterr().err
+
+
+def test_plan_caption_names_each_scheme_beyond_max_position_once(capsys, tmp_path):
+    """Two ``--context`` values made the caption list every scheme twice ("for fp16, kivi-2, fp16, kivi-2"):
+    a scheme's max context does not depend on the context planned."""
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+           "max_position_embeddings": 4096}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["plan", "--config", str(path), "--context", "1k", "--context", "4k", "--scheme", "fp16",
+            "--scheme", "kivi-2", "--gpu-mem", "80", "--weights-gib", "1"]  # fmt: skip
+    assert main(argv) == 0
+    caption = " ".join(capsys.readouterr().out.split())
+    assert "max_position_embeddings (4,096) for fp16, kivi-2 " in caption, caption
+    assert caption.count("kivi-2,") == 0 and "fp16, kivi-2, fp16" not in caption

@@ -374,10 +374,10 @@ def _print_plan_table(shape: Any, results: list[dict[str, Any]], args: argparse.
             f"({r0['weights_source']}), reserve {human_bytes(r0['reserve_bytes'])}"
         )
         trained = shape.max_context  # None: planned from dimensions, no max_position_embeddings to compare with
-        beyond = [
+        beyond = list(dict.fromkeys(  # max context does not depend on --context: name each scheme once, not per context
             r["scheme"] for r in results
             if trained is not None and (r["max_context"] is None or r["max_context"] > trained)
-        ]  # fmt: skip
+        ))  # fmt: skip
         if beyond:
             caption += (
                 f"\nmax context: the longest the batch can grow to in memory, fitting at every length; beyond the "
