@@ -276,3 +276,13 @@ def test_a_scheme_json_layer_key_that_is_not_plain_digits_is_refused(key):
     layer 1: a typo silently overrode another layer, where the mixed scheme string refuses all four."""
     with pytest.raises(ValueError, match=r"keys are layer indices written in ASCII digits"):
         KVScheme.from_dict({"name": "mine", "layers": {key: {"name": "int8", "key": {"kind": "int", "bits": 8}}}})
+
+
+@pytest.mark.parametrize(("typo", "preset"), [("int4-token-g64", "int4-g64"), ("int2-token-g64", None), ("int5-token", None)])
+def test_a_mistyped_preset_name_is_not_answered_with_a_preset_storing_other_bits_or_groups(typo, preset):
+    """'int4-token-g64' (INT4, groups of 64 channels) was answered 'did you mean int4-token?', a preset with no
+    groups (0.82 near by spelling; 4.25 bits per element at D=128, int4-g64 4.5): a suggestion keeps every
+    number of the name typed (bits, group size), or there is none."""
+    hint = rf" \(did you mean '{preset}'\?\)" if preset else ""
+    with pytest.raises(ValueError, match=rf"unknown scheme '{typo}'{hint}; known presets: fp16"):
+        get_scheme(typo)

@@ -418,11 +418,21 @@ def get_scheme(spec: str | KVScheme | dict) -> KVScheme:
 
 
 def _near_preset(spec: str) -> str | None:
-    """The preset ``spec`` is a likely typo of (``kivi2``, ``KIVI-2``, ``int4_token``, ``int4``), else None."""
+    """The preset ``spec`` is a likely typo of (``kivi2``, ``KIVI-2``, ``int4_token``, ``int4-token-g64``), else
+    None: the nearest at difflib ratio >= 0.8, or when that one drops a number of ``spec`` (bits, a group size) the
+    nearest at >= 0.7 that keeps them all, else None."""
     import difflib
 
     low = spec.strip().lower().replace("_", "-")
     if low in _REGISTRY:
         return low
-    close = difflib.get_close_matches(low, list(_REGISTRY), n=1, cutoff=0.8)
-    return close[0] if close else None
+    # the numbers say what is stored (bits, group size): a near spelling that drops one names another storage
+    # ("int4-token-g64", groups of 64, is 0.82 near int4-token, which has none): the nearest keeping them, or none
+    close = difflib.get_close_matches(low, list(_REGISTRY), n=len(_REGISTRY), cutoff=0.7)
+    numbers = _NUMBERS.findall(low)
+    keeps = [name for name in close if all(_NUMBERS.findall(name).count(x) >= numbers.count(x) for x in numbers)]
+    best = close[0] if close and difflib.SequenceMatcher(None, low, close[0]).ratio() >= 0.8 else None
+    return best if best in keeps else (keeps[0] if best is not None and keeps else None)
+
+
+_NUMBERS = re.compile(r"[0-9]+")
