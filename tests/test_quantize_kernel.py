@@ -594,3 +594,33 @@ def test_nan_groups_quantize_as_the_reference(s: TensorSpec):
     dw, dg = want.dequantize(), got.dequantize()
     assert torch.equal(dg.isnan(), dw.isnan()) and torch.equal(dg.nan_to_num(), dw.nan_to_num())
     assert bool(dw.isnan().any()) != s.static  # a static range stays finite: the NaN gets code 0 in both
+
+
+FP8_NAN_SPECS = [TensorSpec(kind="fp8", bits=8, fmt=f, granularity=g, static=g != "token", outlier_frac=o)
+                 for f in ("e4m3", "e5m2") for g, o in (("token", 0.0), ("tensor", 0.0), ("token", 0.02))]  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("s", FP8_NAN_SPECS, ids=str)
+def test_fp8_nan_and_inf_rows_quantize_as_the_reference(s: TensorSpec):
+    """NaN, +-inf and values past the format's max in K/V under ``validate=False`` (the cache's path): the FP8
+    kernel stores the reference's bytes and scales. A NaN row's scale is NaN (the row encodes at scale 1, the NaN
+    as the float8 NaN byte 0x7f with its sign); an inf row's scale is inf (its inf / inf is NaN, so that byte too).
+
+    Before, ``tl.max`` dropped the NaN (row scale 0.00414 where the reference stored NaN, every byte of the row
+    different) and a NaN ``y`` went through the finite bit assembly (inf / inf gave 0xb8 for e4m3, not 0xff)."""
+    from kvbits.kernels.triton_quantize import quantize_pack_triton
+
+    x = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(71))
+    x[0, 0, 2, 3] = x[0, 1, 9, 0] = float("nan")
+    x[0, 0, 5, 7] = -float("nan")
+    x[0, 0, 7, 1], x[0, 1, 3, 4] = float("inf"), -float("inf")
+    x[0, 1, 11, 5], x[0, 1, 12, 6] = 1e4, -6e4  # past both formats' max at the static scale 1
+    x = x.to(DEVICE)
+    want, got = quantize(x, s, validate=False), quantize_pack_triton(x, s)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    w, g = want.scale.float(), got.scale.float()
+    assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num())
+    assert got.clipped == want.clipped
+    if not s.static:  # outliers take the NaNs and infs out of the rows' ranges
+        assert (int(w.isnan().sum()), int(w.isinf().sum())) == ((0, 0) if s.outlier_frac else (3, 2))

@@ -336,12 +336,20 @@ def _fp8_kernel(X, CODES, SCALE, SS, CLIP, OM, n, H, OUT_T, D: tl.constexpr, ROW
     else:
         amax = tl.max(tl.where(out, 0.0, tl.abs(x)), axis=1, keep_dims=True)  # (ROWS, 1)
         sh = _fp16_capped(_fp16_up(tl.math.div_rn(amax, FMAX)), 0.0 * amax, FMAX)
+        # a NaN (not an outlier) makes the reference's amax, so its row's scale, NaN (the row then encodes at
+        # scale 1, as `s > 0` fails); tl.max drops NaNs, which gave the row a finite scale
+        nan = tl.max(((x != x) & ~out).to(tl.int32), axis=1, keep_dims=True) != 0  # noqa: PLR0124 - the NaN test (no isnan in tl)
+        sh = tl.where(nan, float("nan"), sh.to(tl.float32)).to(tl.float16)
         tl.store(SCALE + bh * OUT_T + t[:, None], sh, mask=tmask[:, None])
         s = sh.to(tl.float32)
     y = tl.math.div_rn(x, tl.where(s > 0, s, 1.0))
     clipped = (tl.abs(y) > FMAX) & tmask[:, None] & ~out
+    # a NaN y (a NaN x, or inf / inf under an inf scale) casts to the float8 NaN byte 0x7f with its sign, as
+    # torch's clamp (which keeps NaN) then cast; taken before the clamp, whose tl.maximum may drop a NaN
+    nan_code = (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7) | 127
+    y_nan = y != y  # noqa: PLR0124 - the NaN test (no isnan in tl)
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
-    code = _to_fp8_bits(y, FMT)
+    code = tl.where(y_nan, nan_code, _to_fp8_bits(y, FMT))
     tl.store(CODES + bh * OUT_T * D + t[:, None] * D + d[None, :], code.to(tl.uint8), mask=tmask[:, None])
     if STATIC:  # a row's own scale covers its maximum (rounded up): only static scales clip (CLIP unread else)
         tl.atomic_add(CLIP, tl.sum(tl.sum(clipped.to(tl.int32), axis=1), axis=0))
@@ -464,8 +472,8 @@ def quantize_pack_triton(
     Args:
         x: ``(B, H_kv, n, D)`` new tokens, finite and within float16's range (``check_block``, which
             ``quantize_pack`` and the cache run; not checked here: a bfloat16/float32 value beyond 65504 gives
-            inf scales and NaN decodes where ``quantize`` raises ``ValueError``; a NaN gives its group the NaN
-            range ``quantize(..., validate=False)`` gives it).
+            inf scales and NaN decodes where ``quantize`` raises ``ValueError``; a NaN gives its group (FP8: row) the NaN
+            range and codes ``quantize(..., validate=False)`` gives it).
         spec: a spec ``supported`` accepts.
         static_scale, static_zero: static specs: the calibrated ``(H_kv, D)`` (or ``(1, H_kv, 1, D)``) ranges.
         codebook: NUQ specs: the float16 ``(2**bits,)`` codebook (as ``quantize``).
