@@ -617,6 +617,24 @@ def test_calibration_input_errors():
         calibrate(model, "pride-and-prejudice", "kvquant-4", context=64, windows=1)
 
 
+def test_fewer_token_windows_than_asked_is_warned_as_for_text(caplog):
+    """(W, T) token ids holding fewer rows than ``windows`` calibrated on fewer tokens without a word (10 asked,
+    6 used); text and (N,) ids fewer than asked were warned. Now both are."""
+    from kvbits.calibrate.calibrate import _windows
+
+    model = tiny_llama()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        out, record = _windows(token_ids(1200).reshape(6, 200), None, 64, 6, model)
+        assert "windows" not in caplog.text and record["windows"] == 6
+        out, record = _windows(token_ids(1200).reshape(6, 200), None, 64, 10, model)
+    assert tuple(out.shape) == (6, 64) and record["windows"] == 6
+    assert "asked for 10 windows of 64 tokens; the token windows (W, T) = (6, 200) hold 6" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        _windows(token_ids(1200), None, 200, 10, model)
+    assert "asked for 10 windows of 200 tokens; the data holds 6" in caplog.text
+
+
 def test_a_window_of_sinks_only_is_refused_before_the_passes(monkeypatch):
     """A scheme keeping ``sinks >= context`` tokens exact leaves no position to calibrate from: every window's pass
     ran, then the fit failed with "keys[0] (layer 0) has no tokens" (FP8: "no positions past the 8 sink tokens").

@@ -219,6 +219,11 @@ def _windows(
             if ids.shape[0] == 0:
                 raise ValueError(f"token windows (W, T) = {tuple(ids.shape)}: no window; expected at least one row")
             width = int(ids.shape[1])
+            if windows > ids.shape[0]:  # as for text: fewer windows than asked calibrates on fewer tokens
+                logger.warning(
+                    "asked for %d windows of %d tokens; the token windows (W, T) = %s hold %d",
+                    windows, context, tuple(ids.shape), ids.shape[0],
+                )  # fmt: skip
             ids = ids[:, :context]
             pick = torch.linspace(0, ids.shape[0] - 1, min(windows, ids.shape[0])).round().long().unique()
             out = ids[pick]
