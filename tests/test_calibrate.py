@@ -185,7 +185,7 @@ def test_k_norm_is_hooked_when_present():
     assert [s.key_module for s in sites] == [layer.self_attn.k_norm for layer in model.model.layers]
     assert [s.value_module for s in sites] == [layer.self_attn.v_proj for layer in model.model.layers]
     assert {(s.num_kv_heads, s.head_dim) for s in sites} == {(2, 16)}
-    art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=2, fisher=False)
+    art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=3, fisher=False)
     assert art.num_layers == 2 and art.codebook(1, "value").shape == (8,)
 
 
@@ -599,7 +599,7 @@ def test_post_rope_channel_means_are_refused_for_another_rope(tmp_path):
     load_calibration(tmp_path / "a", model_config=model.config)  # its own RoPE: accepted
     # a config.json (older form: rope_theta, rope_scaling) of the same model compares equal
     assert not art.check_model({**model.config.to_dict(), "rope_parameters": None, "rope_theta": 10000.0}, known_only=True)
-    pre = calibrate(model, token_ids(600), "kvquant-4", context=64, windows=2, fisher=False)
+    pre = calibrate(model, token_ids(600), "kvquant-4", context=64, windows=3, fisher=False)
     pre.check_model(other)  # pre-RoPE keys do not depend on RoPE
 
 def test_calibration_input_errors():
@@ -653,6 +653,27 @@ def test_a_window_of_sinks_only_is_refused_before_the_passes(monkeypatch):
     mix = get_scheme("kvquant-4").replace(name="mix", layers=((0, fp16_sinks),))
     with pytest.raises(AssertionError, match="the passes ran"):  # layer 0 calibrates nothing: its sinks do not count
         calibrate(tiny_llama(), token_ids(), mix, context=8, windows=1, fisher=False)
+
+
+def test_fewer_tokens_than_one_channel_group_are_refused_before_the_passes(monkeypatch):
+    """kvquant-4-block fits its codebooks on per-channel groups of 128 tokens: context=64, windows=1 ran every pass,
+    then the fit failed with "need at least 128 sampled tokens per layer for TensorSpec(...)" (no layer, no count).
+    Now refused up front with what calibration samples at most; the fit itself names the layer, side and count."""
+    cal = sys.modules["kvbits.calibrate.calibrate"]
+
+    def no_passes(*args, **kwargs):
+        raise AssertionError("the passes ran")
+
+    monkeypatch.setattr(cal, "collect_samples", no_passes)
+    with pytest.raises(ValueError, match=r"groups of 128 tokens.*at most 63 per layer.*expected at least 128"):
+        calibrate(tiny_llama(), token_ids(), "kvquant-4-block", context=64, windows=1, fisher=False)
+    with pytest.raises(ValueError, match=r"at most 100 per layer \(min\(max_tokens=100"):
+        calibrate(tiny_llama(), token_ids(), "kvquant-4-block", context=64, windows=4, max_tokens=100, fisher=False)
+    with pytest.raises(AssertionError, match="the passes ran"):  # 3 x 63 >= 128
+        calibrate(tiny_llama(), token_ids(), "kvquant-4-block", context=64, windows=3, fisher=False)
+    x = torch.randn(2, 100, 16)
+    with pytest.raises(ValueError, match=r"layer 3 key: nuq per-channel groups of 128 tokens .* got 100"):
+        artifact_from_samples("kvquant-4-block", [x, x], [x, x], layers=[3, 5], meta={"data": {"context": 64}})
 
 
 def test_half_precision_passes_give_float32_samples_close_to_the_float32_run():

@@ -25,7 +25,13 @@ import torch
 from kvbits._argtypes import check_seed
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
-from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE, CalibrationArtifact, describe_model
+from kvbits.calibrate.artifact import (
+    META_FILE,
+    TENSORS_FILE,
+    CalibrationArtifact,
+    describe_model,
+    spec_calibratable,
+)
 from kvbits.calibrate.cache_capture import CacheKVCapture, CacheSite, shared_attention_sites
 from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.fit import (
@@ -136,6 +142,7 @@ def check_calibrate_args(
     _check_windows(context, windows)
     _check_sinks_fit(scheme, context)
     _check_max_tokens(max_tokens)
+    _check_groups_fit(scheme, context, windows, max_tokens)
     check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
     if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 50 <= percentile <= 100:
         # checked before the passes (the fit checks it too, after every window has run)
@@ -158,6 +165,26 @@ def _check_sinks_fit(scheme: KVScheme, context: int) -> None:
             f"scheme {scheme.name!r} keeps the first {sinks} tokens exact (sinks), which calibration leaves out, "
             f"and a window has context={context} tokens: no position to calibrate from; use a context above {sinks}"
         )
+
+
+def _check_groups_fit(scheme: KVScheme, context: int, windows: int, max_tokens: int) -> None:
+    """``ValueError`` when some layer's scheme fits a side with per-channel groups of ``group_size`` tokens
+    (``kvquant-4-block``) and the calibration samples fewer tokens per layer than one group: at most
+    ``min(max_tokens, windows * (context - sinks))``. Checked before the passes: they ran over every window, then
+    the fit failed ("need at least 128 sampled tokens per layer")."""
+    for sub in scheme.layer_schemes() if scheme.is_mixed else [scheme]:
+        if not sub.calibratable():
+            continue
+        most = min(max_tokens, windows * (context - sub.sinks))
+        for side, spec in (("key", sub.key), ("value", sub.value)):
+            grouped = spec_calibratable(spec) and spec.kind != "fp8" and spec.granularity == "channel"
+            if grouped and spec.group_size and most < spec.group_size:
+                raise ValueError(
+                    f"scheme {sub.name!r} fits its {side}s in per-channel groups of {spec.group_size} tokens, and "
+                    f"calibration samples at most {most} per layer (min(max_tokens={max_tokens}, windows={windows} "
+                    f"x (context={context} - {sub.sinks} sinks))): expected at least {spec.group_size}; use more "
+                    "or longer windows"
+                )
 
 
 def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
