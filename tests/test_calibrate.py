@@ -676,6 +676,18 @@ def test_fewer_tokens_than_one_channel_group_are_refused_before_the_passes(monke
         artifact_from_samples("kvquant-4-block", [x, x], [x, x], layers=[3, 5], meta={"data": {"context": 64}})
 
 
+def test_a_non_finite_loss_with_finite_kv_is_warned(caplog):
+    """Logits overflowing (an inf in lm_head) with finite K/V: the forward-only calibration recorded mean_loss NaN
+    without a word. Now the window is named in a warning (the fit itself is sound: the K/V are finite)."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("inf")
+    with caplog.at_level("WARNING", logger="kvbits"):
+        art = calibrate(model, token_ids(), "kvquant-4", context=64, windows=2, fisher=False)
+    assert math.isnan(art.meta["mean_loss"])
+    assert caplog.text.count("the loss is nan") == 1 and "calibration window 1 of 2" in caplog.text
+
+
 def test_half_precision_passes_give_float32_samples_close_to_the_float32_run():
     """``dtype="bfloat16"`` runs the passes in bfloat16; what is fitted stays float32 (samples, gradients)
     and on the CPU, and the artifact says what the passes ran in."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -510,6 +511,12 @@ def collect_samples(
                         losses.append(window_loss(module, ids[w : w + 1], backward=True))
                 else:
                     losses.append(window_loss(module, ids[w : w + 1], backward=False))
+                if not math.isfinite(losses[-1]) and all(map(math.isfinite, losses[:-1])):  # once per run
+                    logger.warning(
+                        "calibration window %d of %d: the loss is %s (the logits overflow in %s?); the K/V are "
+                        "checked apart, but the recorded mean_loss will not be finite", w + 1, W, losses[-1],
+                        str(run_dtype).removeprefix("torch."),
+                    )  # fmt: skip
                 pos = sample_positions(T, sinks, per_window[w], gen)
                 positions.append(pos)
                 finite: list[tuple[int, str, torch.Tensor]] = []  # what the fit and the ranges read, this window
