@@ -185,7 +185,7 @@ def test_k_norm_is_hooked_when_present():
     assert [s.key_module for s in sites] == [layer.self_attn.k_norm for layer in model.model.layers]
     assert [s.value_module for s in sites] == [layer.self_attn.v_proj for layer in model.model.layers]
     assert {(s.num_kv_heads, s.head_dim) for s in sites} == {(2, 16)}
-    art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=2, fisher=False)
+    art = calibrate(model, token_ids(300), "kvquant-3", context=64, windows=3, fisher=False)
     assert art.num_layers == 2 and art.codebook(1, "value").shape == (8,)
 
 
@@ -599,7 +599,7 @@ def test_post_rope_channel_means_are_refused_for_another_rope(tmp_path):
     load_calibration(tmp_path / "a", model_config=model.config)  # its own RoPE: accepted
     # a config.json (older form: rope_theta, rope_scaling) of the same model compares equal
     assert not art.check_model({**model.config.to_dict(), "rope_parameters": None, "rope_theta": 10000.0}, known_only=True)
-    pre = calibrate(model, token_ids(600), "kvquant-4", context=64, windows=2, fisher=False)
+    pre = calibrate(model, token_ids(600), "kvquant-4", context=64, windows=3, fisher=False)
     pre.check_model(other)  # pre-RoPE keys do not depend on RoPE
 
 def test_calibration_input_errors():
@@ -615,6 +615,24 @@ def test_calibration_input_errors():
         calibrate(model, token_ids(50), "kvquant-4", context=64, windows=1)
     with pytest.raises(ValueError, match="tokenizer"):
         calibrate(model, "pride-and-prejudice", "kvquant-4", context=64, windows=1)
+
+
+def test_fewer_token_windows_than_asked_is_warned_as_for_text(caplog):
+    """(W, T) token ids holding fewer rows than ``windows`` calibrated on fewer tokens without a word (10 asked,
+    6 used); text and (N,) ids fewer than asked were warned. Now both are."""
+    from kvbits.calibrate.calibrate import _windows
+
+    model = tiny_llama()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        out, record = _windows(token_ids(1200).reshape(6, 200), None, 64, 6, model)
+        assert "windows" not in caplog.text and record["windows"] == 6
+        out, record = _windows(token_ids(1200).reshape(6, 200), None, 64, 10, model)
+    assert tuple(out.shape) == (6, 64) and record["windows"] == 6
+    assert "asked for 10 windows of 64 tokens; the token windows (W, T) = (6, 200) hold 6" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        _windows(token_ids(1200), None, 200, 10, model)
+    assert "asked for 10 windows of 200 tokens; the data holds 6" in caplog.text
 
 
 def test_a_window_of_sinks_only_is_refused_before_the_passes(monkeypatch):
@@ -635,6 +653,39 @@ def test_a_window_of_sinks_only_is_refused_before_the_passes(monkeypatch):
     mix = get_scheme("kvquant-4").replace(name="mix", layers=((0, fp16_sinks),))
     with pytest.raises(AssertionError, match="the passes ran"):  # layer 0 calibrates nothing: its sinks do not count
         calibrate(tiny_llama(), token_ids(), mix, context=8, windows=1, fisher=False)
+
+
+def test_fewer_tokens_than_one_channel_group_are_refused_before_the_passes(monkeypatch):
+    """kvquant-4-block fits its codebooks on per-channel groups of 128 tokens: context=64, windows=1 ran every pass,
+    then the fit failed with "need at least 128 sampled tokens per layer for TensorSpec(...)" (no layer, no count).
+    Now refused up front with what calibration samples at most; the fit itself names the layer, side and count."""
+    cal = sys.modules["kvbits.calibrate.calibrate"]
+
+    def no_passes(*args, **kwargs):
+        raise AssertionError("the passes ran")
+
+    monkeypatch.setattr(cal, "collect_samples", no_passes)
+    with pytest.raises(ValueError, match=r"groups of 128 tokens.*at most 63 per layer.*expected at least 128"):
+        calibrate(tiny_llama(), token_ids(), "kvquant-4-block", context=64, windows=1, fisher=False)
+    with pytest.raises(ValueError, match=r"at most 100 per layer \(min\(max_tokens=100"):
+        calibrate(tiny_llama(), token_ids(), "kvquant-4-block", context=64, windows=4, max_tokens=100, fisher=False)
+    with pytest.raises(AssertionError, match="the passes ran"):  # 3 x 63 >= 128
+        calibrate(tiny_llama(), token_ids(), "kvquant-4-block", context=64, windows=3, fisher=False)
+    x = torch.randn(2, 100, 16)
+    with pytest.raises(ValueError, match=r"layer 3 key: nuq per-channel groups of 128 tokens .* got 100"):
+        artifact_from_samples("kvquant-4-block", [x, x], [x, x], layers=[3, 5], meta={"data": {"context": 64}})
+
+
+def test_a_non_finite_loss_with_finite_kv_is_warned(caplog):
+    """Logits overflowing (an inf in lm_head) with finite K/V: the forward-only calibration recorded mean_loss NaN
+    without a word. Now the window is named in a warning (the fit itself is sound: the K/V are finite)."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("inf")
+    with caplog.at_level("WARNING", logger="kvbits"):
+        art = calibrate(model, token_ids(), "kvquant-4", context=64, windows=2, fisher=False)
+    assert math.isnan(art.meta["mean_loss"])
+    assert caplog.text.count("the loss is nan") == 1 and "calibration window 1 of 2" in caplog.text
 
 
 def test_half_precision_passes_give_float32_samples_close_to_the_float32_run():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -25,7 +26,13 @@ import torch
 from kvbits._argtypes import check_seed
 from kvbits.analyze.collect import rotary_table_key
 from kvbits.analyze.verify import verify_taps
-from kvbits.calibrate.artifact import META_FILE, TENSORS_FILE, CalibrationArtifact, describe_model
+from kvbits.calibrate.artifact import (
+    META_FILE,
+    TENSORS_FILE,
+    CalibrationArtifact,
+    describe_model,
+    spec_calibratable,
+)
 from kvbits.calibrate.cache_capture import CacheKVCapture, CacheSite, shared_attention_sites
 from kvbits.calibrate.fisher import activation_gradients, window_loss
 from kvbits.calibrate.fit import (
@@ -136,6 +143,7 @@ def check_calibrate_args(
     _check_windows(context, windows)
     _check_sinks_fit(scheme, context)
     _check_max_tokens(max_tokens)
+    _check_groups_fit(scheme, context, windows, max_tokens)
     check_kmeans_args(kmeans_points, kmeans_iterations, ("kmeans_points", "kmeans_iterations"))
     if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 50 <= percentile <= 100:
         # checked before the passes (the fit checks it too, after every window has run)
@@ -158,6 +166,26 @@ def _check_sinks_fit(scheme: KVScheme, context: int) -> None:
             f"scheme {scheme.name!r} keeps the first {sinks} tokens exact (sinks), which calibration leaves out, "
             f"and a window has context={context} tokens: no position to calibrate from; use a context above {sinks}"
         )
+
+
+def _check_groups_fit(scheme: KVScheme, context: int, windows: int, max_tokens: int) -> None:
+    """``ValueError`` when some layer's scheme fits a side with per-channel groups of ``group_size`` tokens
+    (``kvquant-4-block``) and the calibration samples fewer tokens per layer than one group: at most
+    ``min(max_tokens, windows * (context - sinks))``. Checked before the passes: they ran over every window, then
+    the fit failed ("need at least 128 sampled tokens per layer")."""
+    for sub in scheme.layer_schemes() if scheme.is_mixed else [scheme]:
+        if not sub.calibratable():
+            continue
+        most = min(max_tokens, windows * (context - sub.sinks))
+        for side, spec in (("key", sub.key), ("value", sub.value)):
+            grouped = spec_calibratable(spec) and spec.kind != "fp8" and spec.granularity == "channel"
+            if grouped and spec.group_size and most < spec.group_size:
+                raise ValueError(
+                    f"scheme {sub.name!r} fits its {side}s in per-channel groups of {spec.group_size} tokens, and "
+                    f"calibration samples at most {most} per layer (min(max_tokens={max_tokens}, windows={windows} "
+                    f"x (context={context} - {sub.sinks} sinks))): expected at least {spec.group_size}; use more "
+                    "or longer windows"
+                )
 
 
 def check_calibration_out(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
@@ -219,6 +247,11 @@ def _windows(
             if ids.shape[0] == 0:
                 raise ValueError(f"token windows (W, T) = {tuple(ids.shape)}: no window; expected at least one row")
             width = int(ids.shape[1])
+            if windows > ids.shape[0]:  # as for text: fewer windows than asked calibrates on fewer tokens
+                logger.warning(
+                    "asked for %d windows of %d tokens; the token windows (W, T) = %s hold %d",
+                    windows, context, tuple(ids.shape), ids.shape[0],
+                )  # fmt: skip
             ids = ids[:, :context]
             pick = torch.linspace(0, ids.shape[0] - 1, min(windows, ids.shape[0])).round().long().unique()
             out = ids[pick]
@@ -478,6 +511,12 @@ def collect_samples(
                         losses.append(window_loss(module, ids[w : w + 1], backward=True))
                 else:
                     losses.append(window_loss(module, ids[w : w + 1], backward=False))
+                if not math.isfinite(losses[-1]) and all(map(math.isfinite, losses[:-1])):  # once per run
+                    logger.warning(
+                        "calibration window %d of %d: the loss is %s (the logits overflow in %s?); the K/V are "
+                        "checked apart, but the recorded mean_loss will not be finite", w + 1, W, losses[-1],
+                        str(run_dtype).removeprefix("torch."),
+                    )  # fmt: skip
                 pos = sample_positions(T, sinks, per_window[w], gen)
                 positions.append(pos)
                 finite: list[tuple[int, str, torch.Tensor]] = []  # what the fit and the ranges read, this window

@@ -134,11 +134,17 @@ def _static_params(
     return scale[0], None if zero is None else zero[0]
 
 
-def _trim_to_groups(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def _trim_to_groups(x: torch.Tensor, spec: TensorSpec, where: str = "") -> torch.Tensor:
+    """``x`` ``(H_kv, N, D)`` cut to whole per-channel groups of ``spec.group_size`` tokens (``ValueError`` naming
+    ``where`` and ``N`` when there is not one)."""
     if spec.granularity == "channel" and spec.group_size is not None:
         n = (x.shape[1] // spec.group_size) * spec.group_size
         if n == 0:
-            raise ValueError(f"need at least {spec.group_size} sampled tokens per layer for {spec}")
+            raise ValueError(
+                f"{where + ': ' if where else ''}{spec.kind} per-channel groups of {spec.group_size} tokens need at "
+                f"least {spec.group_size} sampled tokens per layer, got {x.shape[1]}; calibrate on more tokens "
+                "(context, windows, max_tokens)"
+            )
         return x[:, :n]
     return x
 
@@ -186,8 +192,8 @@ def fit_side(
     if spec.kind == "fp8":  # a rotated side: x @ R, and absmax must be the largest |x @ R|
         xr = x if spec.rotate is None else rotate(x.float(), spec.rotate)
         return _fit_fp8(spec, xr, absmax, fp8_scale, where)
-    x = _trim_to_groups(x.float(), spec)
-    grad = None if grad is None else _trim_to_groups(grad.float(), spec)
+    x = _trim_to_groups(x.float(), spec, where)
+    grad = None if grad is None else _trim_to_groups(grad.float(), spec, where)
     tensors: dict[str, torch.Tensor] = {}
     stats: dict[str, float] = {}
     channel_kw: dict[str, torch.Tensor] = {}
