@@ -338,8 +338,12 @@ def _fold_kernel(
                        other=0.0).to(tl.float32)  # (D, N)
         qsum = tl.sum(qall, 0)  # (N,)
         k_u = tl.full([], 1.0, tl.float32)
-        if K_CPS != D:  # per-channel keys: q * s / k_u within float16 (_query_unit), the scores times k_u
+        if K_CPS != D:  # per-channel keys: (q / k_u) s within float16 (_query_unit), the scores times k_u
             k_u = _query_unit(tl.max(tl.max(tl.abs(qall), 1), 0))
+            q0 = (q0.to(tl.float32) * (1.0 / k_u)).to(q0.dtype)  # a power of two: exact (bar float16 subnormals)
+            q1 = (q1.to(tl.float32) * (1.0 / k_u)).to(q1.dtype)
+            q2 = (q2.to(tl.float32) * (1.0 / k_u)).to(q2.dtype)
+            q3 = (q3.to(tl.float32) * (1.0 / k_u)).to(q3.dtype)
         s_scale = qk_scale * k_u
         m_i = tl.full([N], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
         l_i = tl.zeros([N], tl.float32)
@@ -387,8 +391,6 @@ def _fold_kernel(
                 mask_r = t0 + tl.arange(0, K_R) * K_TPS < end
                 sc, zc = _scale_zero(ks, kz, rows[:, None] * D + tl.arange(0, D)[None, :], mask_r[:, None], K_BITS,
                                      K_SYM)  # (K_R, D): the tile's scale rows, whole
-                sc = sc * (1.0 / k_u)  # a power of two: exact
-                zc = zc * (1.0 / k_u)
                 s = _chan_scores(kb, q0, sc, zc, 0, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
                 if KP > 1:
                     s += _chan_scores(kb, q1, sc, zc, 1, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
