@@ -188,11 +188,24 @@ def _group_unit(s, BITS: tl.constexpr):
     ``s / u`` falls among the subnormals). Without it values of magnitude 5e4 in 2-bit groups of 16 (scales of 3.3e4,
     ``(0 - 2) s`` = -6.7e4) attended to inf where the values, torch's float16 attention and the product kernel are
     finite (``tests/test_fold.py``). Per row, not per tile: a reduction over the tile spilled 424-432 bytes on sm_90
-    (KIVI INT8 at D = 128, against 352; ``tests/test_aot.py``). Only for 2- and 4-bit codes: 8-bit products pass
-    65520 only for a row spanning within 0.2% of +-65504 (scales over 511.9), and the units cost INT8 KIVI at
-    Llama-3-8B's shape 0.715 of the float32 path's instructions per token, against 0.65 without (bound 0.7)."""
+    (KIVI INT8 at D = 128, against 352; ``tests/test_aot.py``). Only for 2- and 4-bit codes: the units cost INT8 KIVI at
+    Llama-3-8B's shape 0.715 of the float32 path's instructions per token, against 0.65 without (bound 0.7); 8-bit
+    products, which pass 65520 only for a row spanning within 0.2% of +-65504 (scales over 511.9), take their scales
+    halved instead (``V_HALF`` in ``_fold_kernel``: exact, no reduction)."""
     big = tl.max(s, 1) * (1 << (BITS - 1)) > 65504.0
     return tl.where(big, float(1 << (BITS - 1)), 1.0)
+
+
+@triton.jit
+def _query_unit(qmax):
+    """The unit ``u`` (float32 scalar) of per-channel key dots for queries of largest magnitude ``qmax``: 1 where
+    ``qmax <= 1``, else the power of two above it, so ``|q / u| <= 1`` and the float16 halves of ``(q / u) s``
+    (``_chan_scores``) stay finite for every float16 scale. Without it a query of 12 over 4-bit keys spanning
+    +-65504 (scales 8728) split ``q s`` = 1.0e5 into inf halves: NaN attention where the float32 reference's error
+    was 4.9e-4 (``tests/test_fold.py``). Once per program, outside the tile loop."""
+    qm = tl.minimum(qmax, 65504.0)  # float16 queries: the exponent below stays finite
+    up = ((qm.to(tl.int32, bitcast=True) & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+    return tl.where(qm > 1.0, up, 1.0)
 
 
 @triton.jit
@@ -321,8 +334,17 @@ def _fold_kernel(
         q1, q1l = _query_halves(q1, SPLIT_K)
         q2, q2l = _query_halves(q2, SPLIT_K)
         q3, q3l = _query_halves(q3, SPLIT_K)
-        qsum = tl.sum(tl.load(Q + row[None, :] * D + tl.arange(0, D)[:, None], mask=gmask[None, :],
-                              other=0.0).to(tl.float32), 0)  # (N,)
+        qall = tl.load(Q + row[None, :] * D + tl.arange(0, D)[:, None], mask=gmask[None, :],
+                       other=0.0).to(tl.float32)  # (D, N)
+        qsum = tl.sum(qall, 0)  # (N,)
+        k_u = tl.full([], 1.0, tl.float32)
+        if K_CPS != D:  # per-channel keys: (q / k_u) s within float16 (_query_unit), the scores times k_u
+            k_u = _query_unit(tl.max(tl.max(tl.abs(qall), 1), 0))
+            q0 = (q0.to(tl.float32) * (1.0 / k_u)).to(q0.dtype)  # a power of two: exact (bar float16 subnormals)
+            q1 = (q1.to(tl.float32) * (1.0 / k_u)).to(q1.dtype)
+            q2 = (q2.to(tl.float32) * (1.0 / k_u)).to(q2.dtype)
+            q3 = (q3.to(tl.float32) * (1.0 / k_u)).to(q3.dtype)
+        s_scale = qk_scale * k_u
         m_i = tl.full([N], -1.0e30, tl.float32)  # finite: an empty split yields weight 0, not NaN
         l_i = tl.zeros([N], tl.float32)
         a0 = tl.zeros([VW, N], tl.float32)
@@ -375,7 +397,7 @@ def _fold_kernel(
                 if KP > 2:
                     s += _chan_scores(kb, q2, sc, zc, 2, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
                     s += _chan_scores(kb, q3, sc, zc, 3, KP, K_BITS, ASM, KW, K_R, K_TPS, BLOCK_T, N)
-            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+            s = tl.where(valid[:, None], s * s_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
@@ -400,8 +422,8 @@ def _fold_kernel(
                     v_u = _group_unit(vsc, V_BITS)
                     s3 = tl.trans(vsc * (1.0 / v_u)[:, None]).to(tl.float16)[:, None, :]  # (VG, 1, BLOCK_T)
                     p16 = (p * v_u[:, None]).to(tl.float16)  # <= 2**(V_BITS-1): the unit goes back in with p
-                else:
-                    s3 = tl.trans(vsc).to(tl.float16)[:, None, :]
+                else:  # 8-bit: the scales halved (exact), the accumulators doubled at the end (V_HALF)
+                    s3 = tl.trans(vsc * 0.5).to(tl.float16)[:, None, :]
                     p16 = p.to(tl.float16)
                 vb = tl.load(vc + t[None, :] * VW + tl.arange(0, VW)[:, None], mask=valid[None, :], other=0)
                 a0 = a0 * alpha[None, :] + tl.dot(_scaled(vb, s3, 0, V_BITS, ASM, VG, RPG, VW, BLOCK_T, V_OFF), p16)
@@ -419,12 +441,15 @@ def _fold_kernel(
             azw = az[None, :]
         else:
             azw = tl.reshape(tl.broadcast_to(az[:, None, :], (VG, RPG, N)), (VW, N))
-        tl.store(acc_p, a0 + azw, mask=gm)
+        # 8-bit values in channel groups entered with their scales halved: |c - 128| s reached 65760 (inf in
+        # float16) for a group spanning +-65504 (scale 513.5); 128 s / 2 stays finite, and the doubling is exact
+        V_HALF: tl.constexpr = 2.0 if (VG > 1 and V_BITS == 8) else 1.0
+        tl.store(acc_p, a0 * V_HALF + azw, mask=gm)
         if VP > 1:
-            tl.store(acc_p + 1, a1 + azw, mask=gm)
+            tl.store(acc_p + 1, a1 * V_HALF + azw, mask=gm)
         if VP > 2:
-            tl.store(acc_p + 2, a2 + azw, mask=gm)
-            tl.store(acc_p + 3, a3 + azw, mask=gm)
+            tl.store(acc_p + 2, a2 * V_HALF + azw, mask=gm)
+            tl.store(acc_p + 3, a3 * V_HALF + azw, mask=gm)
     else:  # the full-precision tail: triton_decode's loop (float16 dots, float32 accumulation); own names, as
         # Triton needs a variable to keep one type across the branches
         offs_g = tl.arange(0, G_PAD)
