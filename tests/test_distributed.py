@@ -294,15 +294,23 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case
         start = time.monotonic()
         node = Path(work) / f"node{rank}"  # this rank's own disk: rank 1's lacks what rank 0's holds
         kwargs: dict = {"schemes": ["int4-token"]}
+        model: object = _model()
         if case == "data_path":  # rank 1's node lacks the data folder
             kwargs["data_path"] = work if rank == 0 else str(Path(work) / "missing")
+        elif case == "model_folder":  # the model folder on rank 1's node is still empty (a copy not yet made)
+            node.mkdir()
+            if rank == 0:
+                model.save_pretrained(node / "model")  # type: ignore[attr-defined]
+            else:
+                (node / "model").mkdir()
+            model = str(node / "model")
         else:  # rank 1's node lacks the scheme file
             node.mkdir()
             if rank == 0:
                 (node / "scheme.json").write_text(json.dumps(get_scheme("int4-token").to_dict()))
             kwargs["schemes"] = [str(node / "scheme.json")]
         try:  # a check that reads the rank's own disk fails there only
-            evaluate(_model(), _ids(3), CONTEXT, windows=3, attn_layers=[], **kwargs)
+            evaluate(model, _ids(3), CONTEXT, windows=3, attn_layers=[], **kwargs)
             outcome: tuple = ("ok",)
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the test
             outcome = ("error", type(exc).__name__, str(exc))
@@ -321,6 +329,9 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case
         ("data_path", "ValueError", "is not a folder", "checking its data path"),
         # the scheme file was read before any agreement step: rank 0 waited for the collective timeout
         ("scheme_file", "ValueError", "scheme.json' does not exist", "reading its scheme files"),
+        # the model folder was hashed (the run's identity) before any agreement step: rank 0 waited in check_same
+        # for the collective timeout, then raised gloo's "Timed out waiting 20000ms"
+        ("model_folder", "ValueError", "holds no config.json", "hashing its model and data files"),
     ],
 )
 def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, case, error, said, phase):
