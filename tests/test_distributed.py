@@ -432,6 +432,8 @@ def test_cli_under_torchrun(tmp_path, monkeypatch):
         ({"RANK": "2", "WORLD_SIZE": "2"}, "expected 0 <= RANK < WORLD_SIZE"),  # hung in init_process_group
         ({"RANK": "-1", "WORLD_SIZE": "2"}, "expected 0 <= RANK < WORLD_SIZE"),
         ({"RANK": "abc"}, "RANK='abc' is not an integer"),
+        # env_world said (0, 2, 2): every process so started claimed rank 0, then torch's env:// refused it
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without RANK"),
     ],
 )
 def test_a_torchrun_environment_that_can_not_be_is_refused(env, match, monkeypatch):
@@ -471,6 +473,33 @@ def test_a_leftover_world_size_fails_at_the_rendezvous_timeout(rank, monkeypatch
     ):
         pytest.fail("no group can form with one of two ranks")
     assert time.monotonic() - start < 60
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"MASTER_PORT": "29500"}, "MASTER_ADDR is not set"),  # torch: "MASTER_ADDR expected, but not set"
+        ({"MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set"),
+        # torch: "invalid literal for int() with base 10: 'abc'", naming no variable
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a port number"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a port number"),
+    ],
+)
+def test_a_rendezvous_without_master_address_or_port_is_refused(env, said, monkeypatch):
+    """``WORLD_SIZE=2`` without a usable ``MASTER_ADDR`` / ``MASTER_PORT``: a kvbits message naming what is
+    missing and what to unset, at once."""
+    from kvbits.evaluate.distributed import init_from_env
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    with (
+        pytest.raises(ValueError, match=f"WORLD_SIZE=2: {said}.*expected the address and port of rank 0.*Unset"),
+        init_from_env("cpu"),
+    ):
+        pytest.fail("no group can form without rank 0's address")
     assert not torch.distributed.is_initialized()
 
 
