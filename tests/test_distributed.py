@@ -294,15 +294,23 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case
         start = time.monotonic()
         node = Path(work) / f"node{rank}"  # this rank's own disk: rank 1's lacks what rank 0's holds
         kwargs: dict = {"schemes": ["int4-token"]}
+        model: object = _model()
         if case == "data_path":  # rank 1's node lacks the data folder
             kwargs["data_path"] = work if rank == 0 else str(Path(work) / "missing")
+        elif case == "model_folder":  # the model folder on rank 1's node is still empty (a copy not yet made)
+            node.mkdir()
+            if rank == 0:
+                model.save_pretrained(node / "model")  # type: ignore[attr-defined]
+            else:
+                (node / "model").mkdir()
+            model = str(node / "model")
         else:  # rank 1's node lacks the scheme file
             node.mkdir()
             if rank == 0:
                 (node / "scheme.json").write_text(json.dumps(get_scheme("int4-token").to_dict()))
             kwargs["schemes"] = [str(node / "scheme.json")]
         try:  # a check that reads the rank's own disk fails there only
-            evaluate(_model(), _ids(3), CONTEXT, windows=3, attn_layers=[], **kwargs)
+            evaluate(model, _ids(3), CONTEXT, windows=3, attn_layers=[], **kwargs)
             outcome: tuple = ("ok",)
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the test
             outcome = ("error", type(exc).__name__, str(exc))
@@ -321,6 +329,9 @@ def _local_failure_worker(rank: int, world: int, init_file: str, work: str, case
         ("data_path", "ValueError", "is not a folder", "checking its data path"),
         # the scheme file was read before any agreement step: rank 0 waited for the collective timeout
         ("scheme_file", "ValueError", "scheme.json' does not exist", "reading its scheme files"),
+        # the model folder was hashed (the run's identity) before any agreement step: rank 0 waited in check_same
+        # for the collective timeout, then raised gloo's "Timed out waiting 20000ms"
+        ("model_folder", "ValueError", "holds no config.json", "hashing its model and data files"),
     ],
 )
 def test_a_check_that_fails_on_one_rank_only_stops_every_rank(tmp_path, case, error, said, phase):
@@ -421,6 +432,8 @@ def test_cli_under_torchrun(tmp_path, monkeypatch):
         ({"RANK": "2", "WORLD_SIZE": "2"}, "expected 0 <= RANK < WORLD_SIZE"),  # hung in init_process_group
         ({"RANK": "-1", "WORLD_SIZE": "2"}, "expected 0 <= RANK < WORLD_SIZE"),
         ({"RANK": "abc"}, "RANK='abc' is not an integer"),
+        # env_world said (0, 2, 2): every process so started claimed rank 0, then torch's env:// refused it
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without RANK"),
     ],
 )
 def test_a_torchrun_environment_that_can_not_be_is_refused(env, match, monkeypatch):
@@ -460,6 +473,33 @@ def test_a_leftover_world_size_fails_at_the_rendezvous_timeout(rank, monkeypatch
     ):
         pytest.fail("no group can form with one of two ranks")
     assert time.monotonic() - start < 60
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"MASTER_PORT": "29500"}, "MASTER_ADDR is not set"),  # torch: "MASTER_ADDR expected, but not set"
+        ({"MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set"),
+        # torch: "invalid literal for int() with base 10: 'abc'", naming no variable
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a port number"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a port number"),
+    ],
+)
+def test_a_rendezvous_without_master_address_or_port_is_refused(env, said, monkeypatch):
+    """``WORLD_SIZE=2`` without a usable ``MASTER_ADDR`` / ``MASTER_PORT``: a kvbits message naming what is
+    missing and what to unset, at once."""
+    from kvbits.evaluate.distributed import init_from_env
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    with (
+        pytest.raises(ValueError, match=f"WORLD_SIZE=2: {said}.*expected the address and port of rank 0.*Unset"),
+        init_from_env("cpu"),
+    ):
+        pytest.fail("no group can form without rank 0's address")
     assert not torch.distributed.is_initialized()
 
 

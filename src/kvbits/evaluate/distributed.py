@@ -239,6 +239,11 @@ def env_world() -> tuple[int, int, int]:
         except ValueError:
             raise ValueError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it)") from None
     world, rank, local = values["WORLD_SIZE"], values["RANK"], values["LOCAL_WORLD_SIZE"]
+    if world > 1 and not os.environ.get("RANK"):  # rank 0 by default: every such process claimed rank 0
+        raise ValueError(
+            f"environment variable WORLD_SIZE={world} without RANK: expected both (torchrun sets them; left over "
+            "from another job? unset WORLD_SIZE and LOCAL_WORLD_SIZE to run alone)"
+        )
     if world < 1 or not 0 <= rank < world or not 1 <= local <= world:
         raise ValueError(
             f"environment variables RANK={rank}, WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: expected "
@@ -269,6 +274,25 @@ def rendezvous_timeout_s() -> float:
     return value
 
 
+def _check_master_env(world: int) -> None:
+    """``ValueError`` unless ``MASTER_ADDR`` is set and ``MASTER_PORT`` is a port number (1..65535): torch's
+    ``env://`` said only "environment variable MASTER_ADDR expected, but not set", or for a port that is not a
+    number, "invalid literal for int() with base 10: 'abc'"."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    problems = []
+    if not addr:
+        problems.append("MASTER_ADDR is not set")
+    if not port:
+        problems.append("MASTER_PORT is not set")
+    elif not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+        problems.append(f"MASTER_PORT={port!r} is not a port number (1..65535)")
+    if problems:
+        raise ValueError(
+            f"WORLD_SIZE={world}: {' and '.join(problems)}; expected the address and port of rank 0 (torchrun sets "
+            "them). Left over from another job? Unset WORLD_SIZE, RANK, LOCAL_WORLD_SIZE to run alone"
+        )
+
+
 def _rendezvous(world: int) -> tuple[Any, int, int]:
     """torch's ``env://`` rendezvous (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``;
     torchrun's agent store where torchrun set one), waiting at most :func:`rendezvous_timeout_s` for
@@ -276,6 +300,7 @@ def _rendezvous(world: int) -> tuple[Any, int, int]:
     import torch.distributed as dist
 
     timeout = rendezvous_timeout_s()
+    _check_master_env(world)
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     logger.info("waiting up to %.0f s for %d ranks at %s", timeout, world, where)
     try:

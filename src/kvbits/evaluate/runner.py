@@ -326,31 +326,34 @@ def evaluate(
     with ranks.agree("checking its data path, calibrations and device"):
         torch_dtype, dtype_name, calibrations = _check_before_loading(resolved, calibration, data_path, dtype, device)
         load_device = ranks.device(device)  # cuda -> cuda:$LOCAL_RANK on a rank (made current for NCCL)
-    request = _request(
-        model=model,
-        data=data,
-        context=context,
-        windows=windows,
-        schemes=resolved,
-        mode=mode,
-        semantics=semantics,
-        prompt_len=prompt_len,
-        attn_layers=attn_layers,
-        data_path=data_path,
-        dtype_name=dtype_name,
-        device=device,
-        chunk_size=chunk_size,
-        seed=seed,
-        calibrations=calibrations,
-    )
-    if mode == "stream":  # simulate never attends through the cache: its runs keep their hash
-        from kvbits.cache.fused import check_mode
+    # the run's identity hashes this rank's own model folder and text file: a folder incomplete on one node only
+    # (no config.json yet) raised there, and the others waited in check_same for the collective timeout
+    with ranks.agree("hashing its model and data files"):
+        request = _request(
+            model=model,
+            data=data,
+            context=context,
+            windows=windows,
+            schemes=resolved,
+            mode=mode,
+            semantics=semantics,
+            prompt_len=prompt_len,
+            attn_layers=attn_layers,
+            data_path=data_path,
+            dtype_name=dtype_name,
+            device=device,
+            chunk_size=chunk_size,
+            seed=seed,
+            calibrations=calibrations,
+        )
+        if mode == "stream":  # simulate never attends through the cache: its runs keep their hash
+            from kvbits.cache.fused import check_mode
 
-        request["fused_decode"] = check_mode(fused_decode)
-    if generate:  # runs without generation keep the hash they had before it existed
-        request["generate"] = generate
-    # the rank count is not part of the request: any number of ranks computes the same run
-    chash = config_hash(request)
+            request["fused_decode"] = check_mode(fused_decode)
+        if generate:  # runs without generation keep the hash they had before it existed
+            request["generate"] = generate
+        # the rank count is not part of the request: any number of ranks computes the same run
+        chash = config_hash(request)
     # a rank's device and data folder may be its own (cuda:1, another mount); the rest is one run's
     ranks.check_same("run", {k: v for k, v in request.items() if k not in ("device", "data_path")})
     out = Path(out_dir) if out_dir is not None else None
