@@ -945,6 +945,39 @@ def test_param_estimate_of_jamba(extra):
     assert load_shape({"model_type": "jamba", **small}).n_params == real
 
 
+@pytest.mark.parametrize(
+    "model_type, kwargs",
+    [
+        ("lfm2", {"num_hidden_layers": 6, "full_attn_idxs": [2, 5]}),
+        ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 96,
+                        "shared_expert_intermediate_size": 160, "linear_num_value_heads": 4,
+                        "linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32}),
+        ("falcon_h1", {"num_hidden_layers": 2, "head_dim": 32, "mamba_d_ssm": 256, "mamba_n_heads": 8,
+                       "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1}),
+        ("bamba", {"num_hidden_layers": 4, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 32,
+                   "mamba_d_state": 16}),
+        ("nemotron_h", {"num_hidden_layers": 4, "head_dim": 32, "hybrid_override_pattern": "M*M-",
+                        "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1}),
+    ],
+)  # fmt: skip
+def test_param_estimate_of_hybrid_mixers(model_type, kwargs):
+    """Conv, linear-attention and Mamba-2 layers were counted as attention layers with a Llama MLP: on these tiny
+    models LFM2 was +14.2 % (also its 2/3-scaled MLP width), Qwen3-Next -5.3 % (Gated DeltaNet, gated q_proj),
+    Falcon-H1 -25.1 % (a Mamba-2 mixer beside attention in every layer), Bamba +2.9 % (Mamba-2 counted as
+    Jamba's Mamba-1), Nemotron-H x176 (one block per layer: its MoE defaults counted on every layer). Now exact,
+    and exact on the published sizes (LFM2-1.2B 1.170B, Bamba-9B 9.809B, Qwen3-Next-80B-A3B 79.67B)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4,
+             "num_key_value_heads": 2, **kwargs}  # fmt: skip
+    cfg = AutoConfig.for_model(model_type, **small)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    real = sum(p.numel() for p in model.parameters())
+    assert sum(estimate_params(cfg).values()) == real
+
+
 # ------------------------------------------------------------------------------ planner = real cache
 
 

@@ -486,13 +486,13 @@ def _shared_expert_width(text: Any, model_type: str, inter: int, expert_inter: i
 
 def _mamba_mixer_params(text: Any, h: int) -> int:
     """Parameters of one Mamba (v1) mixer of a hybrid config that sets ``mamba_expand`` and ``mamba_d_state``
-    (Jamba), 0 for any other config. With ``E = mamba_expand * h``, ``N`` the state size, ``R`` the dt rank
+    (Jamba), 0 for any other config (Mamba-2 ones, with ``mamba_n_heads``: :func:`_mamba2_mixer_params`). With ``E = mamba_expand * h``, ``N`` the state size, ``R`` the dt rank
     (``"auto"``: ``ceil(h / 16)``), ``C`` the conv width: ``in_proj`` ``2*h*E``, ``conv1d`` ``E*C (+E)``, ``x_proj``
     ``E*(R + 2N)``, ``dt_proj`` ``R*E + E``, ``A_log`` ``E*N``, ``D`` ``E``, ``out_proj`` ``E*h``, and Jamba's
     dt/B/C norms ``R + 2N``."""
     expand = _get(text, "mamba_expand")
     state = _int(_get(text, "mamba_d_state"), "mamba_d_state")
-    if expand is None or state is None:
+    if expand is None or state is None or _get(text, "mamba_n_heads", "mamba_num_heads") is not None:
         return 0
     inner = int(expand * h)
     conv = _int(_get(text, "mamba_d_conv"), "mamba_d_conv") or 4
@@ -504,6 +504,116 @@ def _mamba_mixer_params(text: Any, h: int) -> int:
         2 * h * inner + inner * conv + conv_bias + inner * (rank + 2 * state) + rank * inner + inner
         + inner * state + inner + inner * h + rank + 2 * state + proj_bias
     )  # fmt: skip
+
+
+def _mamba2_mixer_params(text: Any, h: int, model_type: str) -> int:
+    """Parameters of one Mamba-2 mixer (Bamba, Falcon-H1, Nemotron-H: a config with ``mamba_n_heads`` /
+    ``mamba_num_heads``), 0 for any other config. With ``E`` the inner width (Falcon-H1's ``mamba_d_ssm``, else
+    ``mamba_expand * h``, Nemotron-H's heads times ``mamba_head_dim``), ``M`` heads, ``G`` groups, ``N`` the state
+    size, ``C`` the conv width and ``X = E + 2*G*N`` the conv channels: ``in_proj`` ``h*(E + X + M)``, ``conv1d``
+    ``X*C (+X)``, ``dt_bias`` / ``A_log`` / ``D`` ``3*M``, the gated norm ``E`` (Falcon-H1 only with
+    ``mamba_rms_norm``), ``out_proj`` ``E*h``, plus projection biases when set."""
+    heads = _int(_get(text, "mamba_n_heads", "mamba_num_heads"), "mamba_n_heads")
+    if not heads:
+        return 0
+    inner = _int(_get(text, "mamba_d_ssm"), "mamba_d_ssm")
+    if inner is None and _get(text, "mamba_expand") is not None:
+        inner = int(_get(text, "mamba_expand") * h)
+    if inner is None:
+        inner = heads * (_int(_get(text, "mamba_d_head", "mamba_head_dim"), "mamba_head_dim") or 0)
+    state = _int(_get(text, "mamba_d_state", "ssm_state_size"), "mamba_d_state") or 0
+    groups = _int(_get(text, "mamba_n_groups", "n_groups"), "mamba_n_groups") or 1
+    conv = _int(_get(text, "mamba_d_conv", "conv_kernel"), "mamba_d_conv") or 4
+    channels = inner + 2 * groups * state
+    in_bias = bool(_get(text, "mamba_proj_bias", "use_bias"))
+    out_bias = bool(_get(text, "projectors_bias")) if model_type == "falcon_h1" else in_bias
+    conv_bias = channels if _get(text, "mamba_conv_bias", "use_conv_bias", default=True) else 0
+    norm = inner if model_type != "falcon_h1" or _get(text, "mamba_rms_norm") else 0
+    in_proj = inner + channels + heads
+    return (
+        h * in_proj + in_proj * in_bias + channels * conv + conv_bias + 3 * heads + norm + inner * h + h * out_bias
+    )
+
+
+def _short_conv_params(text: Any, h: int) -> int:
+    """Parameters of one LFM2 short-convolution block (a ``conv`` layer): ``in_proj`` ``3*h*h``, a depthwise
+    ``conv`` of ``conv_L_cache`` taps ``h*C``, ``out_proj`` ``h*h``; with ``conv_bias`` their ``3h + h + h`` biases."""
+    taps = _int(_get(text, "conv_L_cache"), "conv_L_cache") or 3
+    bias = 5 * h if _get(text, "conv_bias") else 0
+    return 4 * h * h + h * taps + bias
+
+
+def _gated_deltanet_params(text: Any, h: int) -> int:
+    """Parameters of one Qwen3-Next linear-attention (Gated DeltaNet) layer: with ``K = linear_num_key_heads *
+    linear_key_head_dim``, ``Vd = linear_num_value_heads * linear_value_head_dim``, ``M`` value heads, ``C`` the
+    conv width: ``in_proj_qkvz`` ``h*(2K + 2Vd)``, ``in_proj_ba`` ``h*2M``, ``conv1d`` ``(2K + Vd)*C``,
+    ``dt_bias`` / ``A_log`` ``2M``, the gated norm ``linear_value_head_dim``, ``out_proj`` ``Vd*h``."""
+    k_heads = _int(_get(text, "linear_num_key_heads"), "linear_num_key_heads") or 0
+    v_heads = _int(_get(text, "linear_num_value_heads"), "linear_num_value_heads") or 0
+    v_dim = _int(_get(text, "linear_value_head_dim"), "linear_value_head_dim") or 0
+    key = k_heads * (_int(_get(text, "linear_key_head_dim"), "linear_key_head_dim") or 0)
+    value = v_heads * v_dim
+    conv = _int(_get(text, "linear_conv_kernel_dim"), "linear_conv_kernel_dim") or 4
+    return h * (2 * key + 2 * value) + h * 2 * v_heads + (2 * key + value) * conv + 2 * v_heads + v_dim + value * h
+
+
+def _layer_type_names(text: Any, n_layers: int) -> list[str]:
+    """Each layer's ``layer_types`` (Bamba / Falcon-H1: ``layers_block_type``) entry, ``""`` where the config has
+    none; a Bamba dict without them: ``full_attention`` on ``attn_layer_indices``, Mamba elsewhere."""
+    types = _get(text, "layer_types", "layers_block_type")
+    if isinstance(types, Sequence) and not isinstance(types, (str, bytes)):
+        return [str(t) for t in list(types)[:n_layers]] + [""] * max(0, n_layers - len(types))
+    attn = _get(text, "attn_layer_indices")
+    if isinstance(attn, Sequence) and not isinstance(attn, (str, bytes)):
+        return ["full_attention" if i in attn else "mamba" for i in range(n_layers)]
+    return [""] * n_layers
+
+
+def _mixer_params(text: Any, model_type: str, h: int, layer_type: str) -> tuple[bool, int]:
+    """``(attention, mixer)`` of one layer of type ``layer_type``: whether it holds attention weights, and the
+    parameters of the token mixer beside or in place of them (:func:`_mamba2_mixer_params`,
+    :func:`_short_conv_params`, :func:`_gated_deltanet_params`; 0 for none). Falcon-H1 runs attention and a
+    Mamba-2 mixer side by side in every layer; Nemotron-H's ``moe`` / ``mlp`` layers hold neither."""
+    if model_type == "falcon_h1":
+        return True, _mamba2_mixer_params(text, h, model_type)
+    if layer_type == "conv":
+        return False, _short_conv_params(text, h)
+    if layer_type in ("linear_attention", "mamba"):
+        if model_type.startswith("qwen3_next"):
+            return False, _gated_deltanet_params(text, h)
+        return False, _mamba2_mixer_params(text, h, model_type)
+    if layer_type in ("moe", "mlp") and model_type == "nemotron_h":
+        return False, 0
+    return True, 0
+
+
+def _lfm2_mlp_width(text: Any, inter: int) -> int:
+    """LFM2's MLP width: with ``block_auto_adjust_ff_dim``, ``2/3`` of ``intermediate_size``, times
+    ``block_ffn_dim_multiplier`` and rounded up to ``block_multiple_of`` when that multiplier is set."""
+    if not _get(text, "block_auto_adjust_ff_dim", default=True):
+        return inter
+    inter = int(2 * inter / 3)
+    mult = _get(text, "block_ffn_dim_multiplier")
+    if mult is not None:
+        multiple = _int(_get(text, "block_multiple_of"), "block_multiple_of") or 256
+        inter = int(mult * inter)
+        inter = multiple * (-(-inter // multiple))
+    return inter
+
+
+def _nemotron_h_mlp(text: Any, h: int, inter: int, layer_type: str) -> int:
+    """MLP parameters of one Nemotron-H layer: ungated ``2*h*I`` on ``mlp`` layers; on ``moe`` layers ``E`` ungated
+    experts of ``moe_intermediate_size`` on ``h`` (or ``moe_latent_size``, with its two ``h`` projections), the
+    router ``E*h`` and a shared MLP of ``moe_shared_expert_intermediate_size``; nothing on other layers."""
+    if layer_type == "mlp":
+        return 2 * h * inter
+    if layer_type != "moe":
+        return 0
+    experts = _int(_get(text, "n_routed_experts", "num_local_experts"), "n_routed_experts") or 0
+    width = _int(_get(text, "moe_intermediate_size"), "moe_intermediate_size") or inter
+    latent = _int(_get(text, "moe_latent_size"), "moe_latent_size")
+    shared = _int(_get(text, "moe_shared_expert_intermediate_size"), "moe_shared_expert_intermediate_size") or 0
+    return experts * 2 * (latent or h) * width + experts * h + 2 * h * shared + (2 * h * latent if latent else 0)
 
 
 def _learned_positions(text: Any, model_type: str) -> int:
@@ -728,6 +838,10 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
         norms      = (2L + 1) * h   (4L + 1 for Gemma-2/3; + 2*D per layer for q/k norms: Gemma-3, Qwen3)
         lm_head    = V*h unless ``tie_word_embeddings``
 
+    Hybrid layers count their own token mixer in ``attention``: Jamba's Mamba, Bamba / Nemotron-H's Mamba-2 (and
+    Falcon-H1's, beside attention in every layer), LFM2's short convolutions, Qwen3-Next's Gated DeltaNet
+    (:func:`_mixer_params`); Nemotron-H's layers hold one block each (:func:`_nemotron_h_mlp`).
+
     Biases of MLPs and LayerNorms are ignored (well under 1% of any real model). Vision towers of
     composite models are not counted. Exact for Llama-family models; pass ``weights_gib`` to the
     planner when the real figure is known.
@@ -756,36 +870,51 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     qkv_bias = bool(_get(text, "attention_bias", "qkv_bias")) or model_type.startswith("qwen2")
     attention = 0
     mamba = _mamba_mixer_params(text, h)
-    for layer in shape.layers:
+    layer_types = _layer_type_names(text, n_layers)
+    has_attention = []
+    q_factor = 2 if model_type.startswith("qwen3_next") else 1  # Qwen3-Next's q_proj also yields an output gate
+    for layer, layer_type in zip(shape.layers, layer_types):
         if layer.attention == "none" and mamba:  # Jamba: a Mamba mixer in place of attention
             attention += mamba
+            has_attention.append(False)
+            continue
+        attends, mixer = _mixer_params(text, model_type, h, layer_type)
+        attention += mixer
+        has_attention.append(attends)
+        if not attends:
             continue
         hq = q_heads or layer.kv_heads
         d = layer.head_dim
-        attention += 2 * h * hq * d + 2 * h * layer.kv_heads * d
+        attention += (1 + q_factor) * h * hq * d + 2 * h * layer.kv_heads * d
         if qkv_bias:
-            attention += hq * d + 2 * layer.kv_heads * d
+            attention += q_factor * hq * d + 2 * layer.kv_heads * d
     inter = _int(
         _get(text, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), "intermediate_size"
     )
     if inter is None:
         inter = 4 * h  # GPT-2's n_inner=None
     gated = model_type not in _UNGATED_MLP and "n_embd" not in _keys(text)
+    if model_type == "lfm2":
+        inter = _lfm2_mlp_width(text, inter)
     experts = _int(_get(text, "num_local_experts", "num_experts", "n_routed_experts"), "num_experts")
-    if experts:
+    if model_type == "nemotron_h":  # one block per layer: Mamba-2, attention, an MLP or experts
+        mlp = sum(_nemotron_h_mlp(text, h, inter, t) for t in layer_types)
+    elif experts:
         expert_inter = _int(_get(text, "moe_intermediate_size"), "moe_intermediate_size") or inter
         shared_inter = _shared_expert_width(text, model_type, inter, expert_inter)
-        moe = experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter
+        shared_gate = h if _get(text, "shared_expert_intermediate_size") else 0  # Qwen2-MoE / Qwen3-Next: h -> 1
+        moe = experts * 3 * h * expert_inter + h * experts + 3 * h * shared_inter + shared_gate
         dense_inter = _int(_get(text, "intermediate_size_mlp"), "intermediate_size_mlp") or inter  # Llama 4
         n_moe = sum(_moe_layer(text, i) for i in range(n_layers))
         mlp = n_moe * moe + (n_layers - n_moe) * 3 * h * dense_inter
     else:
         mlp = n_layers * (3 if gated else 2) * h * inter
     # Gemma-2/3 add pre/post-feedforward norms (4 per layer); Gemma-3 and Qwen3 normalise q and k per head
-    per_layer_norms = 4 if model_type.startswith(("gemma2", "gemma3")) else 2
+    # Nemotron-H: one norm per layer (its layers hold one block each)
+    per_layer_norms = 4 if model_type.startswith(("gemma2", "gemma3")) else 1 if model_type == "nemotron_h" else 2
     norms = (per_layer_norms * n_layers + 1) * h
-    if model_type.startswith(("gemma3", "qwen3", "olmo2")):
-        norms += sum(2 * layer.head_dim for layer in shape.layers)
+    if model_type.startswith(("gemma3", "qwen3", "olmo2", "lfm2")):  # on the layers with attention only
+        norms += sum(2 * layer.head_dim for layer, attends in zip(shape.layers, has_attention) if attends)
     tied = _get(text, "tie_word_embeddings")
     if tied is None:
         tied = _get(config, "tie_word_embeddings", default=True)
