@@ -126,6 +126,17 @@ def test_fold_small_values_keep_their_precision(bits: int, magnitude: float):
     assert max_err(triton_fold.decode_attention_fold(q, store), truth) <= 2 * err_pt
 
 
+def _assert_fold_finite_within_twice_torchs_error(q: torch.Tensor, store) -> None:
+    """The folded kernel on ``store`` for ``q`` ``(B, Hq, 1, D)`` float16 is finite and within twice torch's float16
+    attention's error of the float64 truth."""
+    assert triton_fold.fold_supported(store, q) is None
+    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
+    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
+    out = triton_fold.decode_attention_fold(q, store, block_t=16, splits=1)
+    assert torch.isfinite(out).all()
+    assert max_err(out, truth) <= 2 * err_pt
+
+
 @needs_triton
 @pytest.mark.parametrize("bits,magnitude,D", [(2, 5e4, 64), (4, 6.5e4, 32)])
 def test_fold_grouped_values_near_float16_max_stay_finite(bits: int, magnitude: float, D: int):
@@ -137,17 +148,12 @@ def test_fold_grouped_values_near_float16_max_stay_finite(bits: int, magnitude: 
     T = 32
     k = torch.randn(1, 1, T, D, generator=g)
     v = (torch.rand(1, 1, T, D, generator=g) * 2 - 1) * magnitude
-    v[..., 0, :], v[..., 1, :] = magnitude, -magnitude  # every group spans [-magnitude, magnitude]
+    v[..., 0, :], v[..., 1, :] = magnitude, -magnitude  # tokens 0 and 1 at +-magnitude: groups of them span it
     store = pack_store([quantize(k.to(DEVICE), token(4))], [quantize(v.to(DEVICE), spec(bits, "token", 16))], None,
                        None, quant_lens=[T], full_lens=[0])  # fmt: skip
     assert float(store.value.scale.float().max()) * 2 ** (bits - 1) > 65504
     q = torch.randn(1, 2, 1, D, generator=g).to(DEVICE).half()
-    assert triton_fold.fold_supported(store, q) is None
-    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
-    out = triton_fold.decode_attention_fold(q, store, block_t=16, splits=1)
-    assert torch.isfinite(out).all()
-    assert max_err(out, truth) <= 2 * err_pt
+    _assert_fold_finite_within_twice_torchs_error(q, store)
 
 
 @needs_triton
@@ -165,12 +171,7 @@ def test_fold_8bit_grouped_values_spanning_float16_stay_finite(symmetric: bool):
                        [quantize(v.to(DEVICE), spec(8, "token", 16, symmetric=symmetric))], None, None,
                        quant_lens=[T], full_lens=[0])  # fmt: skip
     q = torch.randn(1, 2, 1, D, generator=g).to(DEVICE).half()
-    assert triton_fold.fold_supported(store, q) is None
-    truth = decode_attention_reference(q.double(), store, dtype=torch.float64)
-    err_pt = max_err(decode_attention_reference(q, store, dtype=torch.float16), truth)
-    out = triton_fold.decode_attention_fold(q, store, block_t=16, splits=1)
-    assert torch.isfinite(out).all()
-    assert max_err(out, truth) <= 2 * err_pt
+    _assert_fold_finite_within_twice_torchs_error(q, store)
 
 
 @needs_triton
