@@ -817,3 +817,23 @@ def test_tune_compares_a_calibrated_scheme_beside_a_calibrated_mix(calibrated):
     want = evaluate(model, ids, 128, ["kvquant-3"], windows=2, attn_layers=[], calibration=kvq3)["results"][0]["kl"]
     assert res.compare[0]["scheme"] == "kvquant-3" and res.compare[0]["measured_kl"] == pytest.approx(want, rel=1e-6)
     assert set(res.meta["calibrations"]) == {"kvquant-4", "kvquant-2"}  # the mix's candidates' only
+
+
+def test_tune_warns_when_the_budget_constrains_nothing(caplog):
+    """A budget at or above the dearest mix (every layer int8-token: 9 bits here) constrains nothing: the sweep then
+    only picks each layer's least-KL candidate. Before, a 50-bit budget (say, one given in bytes) ran the whole sweep
+    and reported 'budget 50' without a word; now one warning names the dearest mix's bits. A budget below it: none."""
+    import logging
+
+    model = _llama(layers=3)
+    table = [[0.3, 0.1, 0.0]] * 3
+    cands = ["int2-token", "int4-token", "int8-token"]
+    for budget, warned in ((50.0, True), (9.0, True), (8.9, False)):
+        swept = mock.patch("kvbits.tune.search.layer_sensitivity", return_value=(table, {"model": "m", "data": "d"}))
+        caplog.clear()
+        with swept, caplog.at_level(logging.WARNING, logger="kvbits.tune"):
+            res = tune(model, None, cands, budget, context=64, check=False)
+        lines = [r.getMessage() for r in caplog.records if "constrains nothing" in r.getMessage()]
+        assert len(lines) == int(warned), (budget, lines)
+        if warned:
+            assert "9 average bits at 64 tokens" in lines[0] and res.choice == ["int8-token"] * 3

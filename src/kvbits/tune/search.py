@@ -137,6 +137,20 @@ class TuneResult:
         }
 
 
+def _warn_unconstrained(layer_bytes: list[list[int]], elements: int, budget_bits: float, context: int) -> None:
+    """One warning when ``budget_bits`` is at or above the dearest mix (every layer by its dearest candidate,
+    ``layer_bytes`` ``(layers, candidates)``): the budget then constrains nothing, and the sweep only picks each
+    layer's least-KL candidate (a budget given in bytes or in another unit than ``kvbits plan``'s avg_bits?)."""
+    dearest = 8 * sum(max(row) for row in layer_bytes) / elements
+    if dearest <= budget_bits:
+        logger.warning(
+            "the %g-bit budget is at or above the dearest mix of the candidates (%.4g average bits at %d tokens, "
+            "every layer by its dearest candidate): it constrains nothing, and each layer gets its least-KL "
+            "candidate; give a budget below %.4g bits to trade bits for KL",
+            budget_bits, dearest, context, dearest,
+        )  # fmt: skip
+
+
 def tune(
     model: Any,
     data: Any,
@@ -167,7 +181,8 @@ def tune(
         candidates: at least two flat schemes (``int8-token``, ``int4-token``, ``fp16``, ``kvquant-4``, ...).
         budget_bits: the largest average bits of the mix: ``kvbits plan``'s ``avg_bits`` of the model at
             ``serve_context`` tokens (all bytes it holds there, full-precision tokens in the model's dtype, over the
-            elements an fp16 cache holds; each layer by its own KV heads, head dim and sliding window).
+            elements an fp16 cache holds; each layer by its own KV heads, head dim and sliding window)). A budget at or
+            above the dearest mix constrains nothing: a warning says so.
         context, windows: the calibration windows (tokens each, how many).
         name: the mix's name (default ``tuned-<budget>``); not a candidate's, a preset's or a mixed string of
             presets (``int4-token,0=fp16``), which its scheme JSON could not be read back as.
@@ -237,6 +252,7 @@ def tune(
     layer_bytes = [[row[j] for j in order] for row in layer_bytes]
     # an impossible budget is refused before the sensitivity sweep
     choose_layers_by_bytes([[0.0] * len(cands)] * n_layers, layer_bytes, elements, budget_bits)
+    _warn_unconstrained(layer_bytes, elements, budget_bits, priced_at)
     run = {"windows": windows, "data_path": data_path, "dtype": dtype, "device": device, "progress": progress}
     run["calibrations"] = arts or None
     # a hybrid model's layers without K/V (convolution, state-space) hold no bytes and measure no KL: not probed
