@@ -49,3 +49,16 @@ def test_stream_hidden_refuses_empty_ids_up_front(shape):
     reshape error inside the attention) is said as what the ids are."""
     with pytest.raises(ValueError, match=r"ids must be \(B, T\) with B >= 1 sequences of T >= 1 tokens"):
         stream_hidden(tiny_llama(), torch.zeros(shape, dtype=torch.long), SMALL_KIVI, fused_decode=False)
+
+
+def test_summarize_refuses_per_token_arrays_that_are_not_windows_by_positions():
+    """One window's ``(N,)`` arrays (was: "not enough values to unpack") or fields of different shapes (was: a
+    NumPy broadcast error, or buckets cut at the first field's length) are said as such."""
+    import numpy as np
+
+    one = {k: np.zeros(8) for k in M.TOKEN_FIELDS}
+    with pytest.raises(ValueError, match=r"must all be \(windows, positions\)"):
+        M.summarize(one)
+    mixed = {k: np.zeros((1, 8 if k != "kl" else 7)) for k in M.TOKEN_FIELDS}
+    with pytest.raises(ValueError, match=r"must all be \(windows, positions\)"):
+        M.summarize(mixed)

@@ -383,6 +383,9 @@ def summarize(
     is ``[nan, nan]`` for a bucket of one resampling unit (:func:`bootstrap_delta_rel`).
     """
     nll, nll_ref, kl, top1 = (np.asarray(per_token[k], dtype=np.float64) for k in TOKEN_FIELDS)
+    shapes = {k: a.shape for k, a in zip(TOKEN_FIELDS, (nll, nll_ref, kl, top1))}
+    if nll.ndim != 2 or len(set(shapes.values())) > 1:  # (N,) failed with "not enough values to unpack"
+        raise ValueError(f"per_token arrays must all be (windows, positions), got shapes {shapes}")
     W, N = nll.shape
     buckets = []
     for i, (lo, hi) in enumerate(bucket_bounds(N, first)):
