@@ -60,6 +60,15 @@ def logits_chunk_size(vocab_size: int, budget_elements: int = 1 << 24) -> int:
     return int(max(16, min(512, budget_elements // max(1, vocab_size))))
 
 
+# model types whose causal LM multiplies its logits by ``config.logits_scaling`` (the Granite family divides by it)
+_MULTIPLY_LOGITS_SCALING = frozenset({"hyperclovax"})
+
+
+def _number(x: Any) -> bool:
+    """``x`` is a real int or float (not a bool, not None)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class LogitHead:
     """Final hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` as the model's forward
@@ -68,7 +77,8 @@ class LogitHead:
 
     Attributes:
         proj: the output embedding (``model.get_output_embeddings()``).
-        scale: a factor on the logits: Cohere's ``logit_scale``, ``1 / logits_scaling`` for Granite.
+        scale: a factor on the logits: Cohere's ``logit_scale``, ``1 / logits_scaling`` for Granite,
+            ``logits_scaling`` for HyperCLOVAX, ``lm_head_multiplier`` for Falcon-H1.
         softcap: ``final_logit_softcapping`` (Gemma 2/3): ``tanh(x / c) * c``.
     """
 
@@ -95,11 +105,16 @@ class LogitHead:
         cfg = text_config(model.config)  # the decoder's, as everything else in kvbits reads it
         scale = 1.0
         cohere = getattr(model, "logit_scale", None)  # CohereForCausalLM & co: logits * self.logit_scale
-        if isinstance(cohere, (int, float)) and not isinstance(cohere, bool):
+        if _number(cohere):
             scale *= float(cohere)
         granite = getattr(cfg, "logits_scaling", None)  # Granite family: logits / config.logits_scaling
-        if isinstance(granite, (int, float)) and not isinstance(granite, bool) and granite:
-            scale /= float(granite)
+        if _number(granite) and granite:
+            # HyperCLOVAX multiplies by it (MuP), where Granite divides: dividing was off by logits_scaling ** 2
+            multiplies = getattr(cfg, "model_type", None) in _MULTIPLY_LOGITS_SCALING
+            scale = scale * float(granite) if multiplies else scale / float(granite)
+        falcon = getattr(cfg, "lm_head_multiplier", None)  # Falcon-H1: logits * config.lm_head_multiplier
+        if _number(falcon):
+            scale *= float(falcon)
         softcap = getattr(cfg, "final_logit_softcapping", None)
         return cls(proj, scale, float(softcap) if softcap else None)
 
@@ -146,7 +161,7 @@ def check_logit_head(
             f"the logits kvbits computes from the final hidden states differ from the model's own logits "
             f"(relative difference {err:.3g} > {tolerance:g} on {ours.shape[0]} positions): the model "
             "post-processes its logits in a way kvbits does not reproduce (known: the output embedding, "
-            "final_logit_softcapping, logits_scaling, logit_scale), so its PPL and KL would be wrong"
+            "final_logit_softcapping, logits_scaling, logit_scale, lm_head_multiplier), so its PPL and KL would be wrong"
         )
     return err
 
@@ -368,6 +383,9 @@ def summarize(
     is ``[nan, nan]`` for a bucket of one resampling unit (:func:`bootstrap_delta_rel`).
     """
     nll, nll_ref, kl, top1 = (np.asarray(per_token[k], dtype=np.float64) for k in TOKEN_FIELDS)
+    shapes = {k: a.shape for k, a in zip(TOKEN_FIELDS, (nll, nll_ref, kl, top1))}
+    if nll.ndim != 2 or len(set(shapes.values())) > 1:  # (N,) failed with "not enough values to unpack"
+        raise ValueError(f"per_token arrays must all be (windows, positions), got shapes {shapes}")
     W, N = nll.shape
     buckets = []
     for i, (lo, hi) in enumerate(bucket_bounds(N, first)):

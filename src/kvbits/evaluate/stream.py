@@ -509,8 +509,8 @@ def stream_hidden(
     from kvbits.cache.fused import check_mode
 
     scheme = resolve_scheme(scheme)
-    if ids.dim() != 2:
-        raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
+    if ids.dim() != 2 or 0 in ids.shape:  # (1, 0) failed in the cache: "max_cache_len must be a positive int"
+        raise ValueError(f"ids must be (B, T) with B >= 1 sequences of T >= 1 tokens, got shape {tuple(ids.shape)}")
     from kvbits.evaluate.data import check_token_ids
 
     check_token_ids(ids, model, "ids")
