@@ -760,6 +760,20 @@ def test_speed_report_says_larger_for_a_cache_holding_more():
     assert _bytes_cell(base, base) == "45.88 MiB"
 
 
+def test_speed_report_ratio_counts_a_workspace():
+    """A --workspace run's cell read "14.75 KiB (2.37x smaller) + workspace 35.00 KiB" (t-kivi against a 35.00 KiB
+    DynamicCache): the cache held 49.75 KiB, 1.42x more than the baseline, as speed.png drew it. The factor is now of
+    all the cache holds, its workspace included; linear states (the same in every cache) stay out of it."""
+    from kvbits.report.speed import _bytes_cell
+
+    base = {"cache_bytes": 35840, "workspace_bytes": 0}
+    r = {"cache_bytes": 15104, "planned_bytes": 15104, "workspace_bytes": 35840}
+    assert _bytes_cell(r, base) == "14.75 KiB + workspace 35.00 KiB (1.42x larger)"
+    small = {**r, "workspace_bytes": 2048, "linear_state_bytes": 1 << 20}
+    assert _bytes_cell(small, base) == "14.75 KiB + workspace 2.00 KiB (2.09x smaller) + linear states 1.00 MiB"
+    assert _bytes_cell({**r, "workspace_bytes": 0}, base) == "14.75 KiB (2.37x smaller)"
+
+
 def test_speed_report_of_an_empty_cache_has_no_ratio():
     """A cache of 0 bytes (check_speed accepts it) raised ZeroDivisionError in the report's bytes column."""
     from kvbits.report.speed import _bytes_cell

@@ -123,13 +123,18 @@ def _bytes_cell(r: Mapping[str, Any] | None, base: Mapping[str, Any] | None) -> 
     if r is None or r.get("cache_bytes") is None:
         return "n/a"
     cell = fmt_bytes(r["cache_bytes"])
+    if r.get("workspace_bytes"):  # the ratio is of all the cache holds: its workspace too, as speed.png draws it
+        cell += f" + workspace {fmt_bytes(r['workspace_bytes'])}"
+    held, base_held = _held_bytes(r), None if base is None else _held_bytes(base)
     # no ratio against or for an empty cache (0 bytes, which the input check allows): it would divide by zero
-    if base is not None and base.get("cache_bytes") and r["cache_bytes"] and r is not base:
-        ratio = base["cache_bytes"] / r["cache_bytes"]  # a StaticCache or a reserved cache may hold more, not less
+    if base_held and held and r is not base:
+        ratio = base_held / held  # a StaticCache, a reserved cache or a workspace may hold more, not less
         cell += f" ({ratio:.2f}x smaller)" if ratio >= 1 else f" ({1 / ratio:.2f}x larger)"
     if r.get("planned_bytes") is not None and r["planned_bytes"] != r["cache_bytes"]:
         cell += f" **≠ plan {fmt_bytes(r['planned_bytes'])}**"
-    return cell + held_beside(r)
+    if r.get("linear_state_bytes"):
+        cell += f" + linear states {fmt_bytes(r['linear_state_bytes'])}"
+    return cell
 
 
 def held_beside(r: Mapping[str, Any]) -> str:
@@ -253,6 +258,8 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
         )
         lines += [caption, ""] + _table(summary, batch, _ms_cell)
         caption = "*Bytes the cache holds after the last step.*"
+        if any(r.get("workspace_bytes") for r in summary["runs"] if r["batch"] == batch):
+            caption += " *The factor against DynamicCache counts a workspace's dequantized history with the K/V.*"
         if any(r["path"].startswith("static-") and r.get("planned_bytes") not in (None, r.get("cache_bytes"))
                for r in summary["runs"] if r["batch"] == batch):  # fmt: skip
             caption += (" *A scheme in `StaticQuantizedKVCache` holds more than the plan by design where it has a window "
