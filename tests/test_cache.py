@@ -848,6 +848,22 @@ def test_reorder_and_batch_ops(scheme):
     assert cache.memory_report()["total_bytes"] == want["key"] + want["value"]
 
 
+
+@pytest.mark.parametrize("scheme", ["test-mixed", "test-tensor", "kivi-2"])
+def test_batch_select_of_no_rows_keeps_working(scheme):
+    """``batch_select_indices`` of no rows leaves an empty batch that still updates and reads: one chunk per block
+    (head / tensor granularity) decoded its chunks with ``reshape(B, H, -1, D)``, a RuntimeError at B = 0."""
+    sch = {"test-mixed": CUSTOM, "test-tensor": CUSTOM_TENSOR}.get(scheme) or get_scheme(scheme)
+    k, v = rand_kv(2, 2, 100, 64, seed=21)
+    cache = QuantizedKVCache(scheme=sch, num_layers=1)
+    feed(cache, 0, k, v, [100])
+    cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    ek, ev = rand_kv(0, 2, 3, 64, seed=22)
+    feed(cache, 0, ek, ev, [])
+    keys, values = cache.materialize(0)
+    assert keys.shape == values.shape == (0, 2, 103, 64) and keys.dtype == values.dtype == torch.float32
+    assert cache.memory_report()["batch"] == 0 and cache.get_seq_length() == 103
+
 # --------------------------------------------------------------------------------------- validation
 def test_validation_errors():
     cfg = gemma_cfg(16)

@@ -597,7 +597,8 @@ class SideStore:
             for i in range(0, len(self.chunks), per):
                 group = self.chunks[i : i + per]
                 decoded = _stack_blocks(group).dequantize(dtype, sync=False)  # (nb * B, H, block, D)
-                decoded = decoded.reshape(len(group), B, H, blk, D).permute(1, 2, 0, 3, 4).reshape(B, H, -1, D)
+                n = len(group) * blk  # not -1: an empty batch (B = 0) leaves it ambiguous to reshape
+                decoded = decoded.reshape(len(group), B, H, blk, D).permute(1, 2, 0, 3, 4).reshape(B, H, n, D)
                 if self.spec.pre_rope:
                     decoded = rope_at(self.rotary, decoded, S + self.n_dropped + i * blk, offset=self.pos_offset)
                 middle[:, :, i * blk : i * blk + decoded.shape[2]].copy_(decoded)
