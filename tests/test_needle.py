@@ -315,6 +315,20 @@ def test_score_key_is_greedy_retrieval():
         score_key(lp, targets, lp[:, :5])
 
 
+def test_score_key_refuses_targets_that_are_not_token_ids_of_the_vocabulary():
+    """A target past the vocabulary (a tokenizer of another model) or a float target failed inside ``gather``
+    (``index 6 is out of bounds``, ``Expected dtype int32/int64``; on CUDA a device assert): a ``ValueError``
+    naming what was expected, before any measure."""
+    lp = torch.log_softmax(torch.randn(3, 6), -1)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 6\)"):
+        score_key(lp, torch.tensor([1, 2, 6]))
+    with pytest.raises(ValueError, match=r"token ids in \[0, 6\)"):
+        score_key(lp, torch.tensor([-1, 2, 3]))
+    with pytest.raises(ValueError, match="integer tensor"):
+        score_key(lp, torch.tensor([1.0, 2.0, 3.0]))
+    assert score_key(lp, lp.argmax(-1).int())["retrieved"]  # int32 ids are ids
+
+
 # ------------------------------------------------------------------------------------ the loop
 
 

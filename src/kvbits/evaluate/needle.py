@@ -394,7 +394,9 @@ def score_key(
         over the key positions, nats.
 
     Raises:
-        ValueError: mismatched shapes, or non-finite log-probabilities (NaN/inf logits upstream).
+        ValueError: mismatched shapes, targets that are not token ids of the vocabulary (float, out of
+            ``[0, V)``: ``gather`` failed on them inside, on CUDA with a device assert), or non-finite
+            log-probabilities (NaN/inf logits upstream).
     """
     if (
         logprobs.dim() != 2
@@ -404,6 +406,13 @@ def score_key(
     ):
         raise ValueError(
             f"logprobs must be (K, V) and targets (K,) with K >= 1, got {tuple(logprobs.shape)} and {tuple(targets.shape)}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be the key's token ids (an integer tensor), got dtype {targets.dtype}")
+    if int(targets.min()) < 0 or int(targets.max()) >= logprobs.shape[1]:
+        raise ValueError(
+            f"targets must be token ids in [0, {logprobs.shape[1]}) (the vocabulary of logprobs), got "
+            f"{targets.tolist()}: a tokenizer and a model of different vocabularies?"
         )
     lp = logprobs.double()
     if not torch.isfinite(lp).all():
