@@ -664,6 +664,37 @@ def test_streaming_moments_equal_direct_computation():
     torch.testing.assert_close(p, x.float().quantile(0.5, dim=-1), rtol=1e-3, atol=2e-2)
 
 
+def test_moments_of_a_long_window_hold_no_float64_copy_of_it(monkeypatch):
+    """``ChannelStats.update`` held three float64 copies of a whole window (x, x - shift, its powers): 774 MiB beside
+    a 32K-token window of 8 x 128 (128 MiB), per layer and tensor. Now the powers go ``MOMENT_CHUNK`` tokens at a
+    time (130 MiB measured); the moments are unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvbits.analyze import stats as stats_mod
+
+    monkeypatch.setattr(stats_mod, "MOMENT_CHUNK", 64, raising=False)
+    largest = [0]
+
+    class Float64Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    x = torch.randn(1, 2, 1000, 4, generator=torch.Generator().manual_seed(0)) * 3 + 5  # T = 1000: a ragged last chunk
+    st = ChannelStats(2, 4, capacity=4, block=8)
+    with Float64Sizes():
+        st.update(x)
+    assert largest[0] <= 64 * 2 * 4  # one chunk, not the 8000 values of the window
+    xd = x.double()
+    torch.testing.assert_close(st.mean, xd.mean((0, 2)).float())
+    torch.testing.assert_close(st.std, xd.std((0, 2), unbiased=False).float())
+    kurt = ((xd - xd.mean((0, 2))[None, :, None]) ** 4).mean((0, 2)) / xd.var((0, 2), unbiased=False) ** 2
+    torch.testing.assert_close(st.kurtosis, kurt.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_percentiles_ask_torch_on_the_samples_device():
     # torch.quantile refuses q on another device than its input (CUDA: 'q tensor must be on the same device');
     # the meta device runs the same check on a CPU-only machine. Before, q was built on the CPU: --device cuda failed
