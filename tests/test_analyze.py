@@ -371,6 +371,38 @@ def test_interleaved_rope_keys_are_labelled_as_before_rope():
     assert "interleaved" not in no_rope.recommendation["reason"]  # no RoPE at all: the keys are the cached ones
 
 
+def test_plots_of_a_model_without_rope_show_no_post_rope_figures(result, tmp_path, monkeypatch):
+    """OPT has no RoPE: the layer summary drew a "post-RoPE keys" bar of 0 per layer (read as "no outlier after RoPE"
+    while the JSON says null, not computed) beside "pre-RoPE keys", and the heatmap called the keys "before RoPE"
+    (found by a review session: layer 0's planted channel, 1 pre-RoPE bar, 0 post-RoPE). Now the keys are "keys", with
+    no post-RoPE series; a model with RoPE keeps all three."""
+    pytest.importorskip("matplotlib")
+    from kvbits.analyze import plots
+
+    figs = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda plt, fig, path: (figs.append(fig), save(plt, fig, path))[1])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.OPTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=64, word_embed_proj_dim=64))
+    with torch.no_grad():
+        model.model.decoder.layers[0].self_attn.k_proj.weight[3] *= 30
+    no_rope = analyze(model.eval(), torch.randint(1, 64, (1, 64)), sample_tokens=64, channel_group=32)
+    assert no_rope.layers[0].key_pre_rope.outliers == [[0, 3]]
+
+    def labels(fig):
+        return [[t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else ax.get_title()
+                for ax in fig.axes if ax.get_legend() or ax.get_title()]
+
+    plots.plot_layer_summary(no_rope, tmp_path / "a.png")
+    plots.plot_key_heatmaps(no_rope, tmp_path / "b.png")
+    plots.plot_layer_summary(result, tmp_path / "c.png")
+    assert labels(figs[0]) == [["keys", "values"], ["cached keys, per-token", "cached keys, per-channel"]]
+    assert [t.split("\n")[0] for t in labels(figs[1])] == ["|K|", "|V|"]
+    assert labels(figs[2])[0] == ["pre-RoPE keys", "post-RoPE keys", "values"]
+    assert "post-RoPE, per-channel" in labels(figs[2])[1]
+
+
 def test_recommendation_from_saved_rows_keeps_the_before_rope_caveat(tmp_path):
     """``recommend()`` re-run on ``analysis.json``'s rows of an interleaved-RoPE model (GLM here; GPT-J, Cohere) lost
     the caveat that the key figures are from before RoPE: the flag was an argument only, not in the file. Now each
@@ -630,6 +662,37 @@ def test_streaming_moments_equal_direct_computation():
     torch.testing.assert_close(sample, x.float(), rtol=1e-3, atol=2e-2)
     p = st.percentiles(res.size, (0.5,))[0]
     torch.testing.assert_close(p, x.float().quantile(0.5, dim=-1), rtol=1e-3, atol=2e-2)
+
+
+def test_moments_of_a_long_window_hold_no_float64_copy_of_it(monkeypatch):
+    """``ChannelStats.update`` held three float64 copies of a whole window (x, x - shift, its powers): 774 MiB beside
+    a 32K-token window of 8 x 128 (128 MiB), per layer and tensor. Now the powers go ``MOMENT_CHUNK`` tokens at a
+    time (130 MiB measured); the moments are unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvbits.analyze import stats as stats_mod
+
+    monkeypatch.setattr(stats_mod, "MOMENT_CHUNK", 64, raising=False)
+    largest = [0]
+
+    class Float64Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    x = torch.randn(1, 2, 1000, 4, generator=torch.Generator().manual_seed(0)) * 3 + 5  # T = 1000: a ragged last chunk
+    st = ChannelStats(2, 4, capacity=4, block=8)
+    with Float64Sizes():
+        st.update(x)
+    assert largest[0] <= 64 * 2 * 4  # one chunk, not the 8000 values of the window
+    xd = x.double()
+    torch.testing.assert_close(st.mean, xd.mean((0, 2)).float())
+    torch.testing.assert_close(st.std, xd.std((0, 2), unbiased=False).float())
+    kurt = ((xd - xd.mean((0, 2))[None, :, None]) ** 4).mean((0, 2)) / xd.var((0, 2), unbiased=False) ** 2
+    torch.testing.assert_close(st.kurtosis, kurt.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_percentiles_ask_torch_on_the_samples_device():

@@ -62,6 +62,12 @@ def pick_layer_head(analysis: Analysis, layer: int | None = None, head: int | No
     return where
 
 
+def _keys_rotate(la: LayerAnalysis) -> bool:
+    """Does ``la``'s model rotate its keys: post-RoPE statistics, or a RoPE kvbits could not reproduce (the key
+    figures are then from before it). False for a model without RoPE, whose hooked keys are the cached ones."""
+    return la.key_post_rope is not None or la.keys_rotated_unseen
+
+
 def _layer(analysis: Analysis, layer: int) -> LayerAnalysis:
     for la in analysis.layers:
         if la.layer == layer:
@@ -88,7 +94,9 @@ def plot_key_heatmaps(
     n_heads = la.key_pre_rope.absmax.shape[0]
     if not 0 <= head < n_heads:
         raise ValueError(f"head must be in [0, {n_heads}), got {head}")
-    panels = [("key_pre_rope", "|K| before RoPE"), ("key_post_rope", "|K| after RoPE"), ("value", "|V|")]
+    # a model without RoPE: its keys are not "before RoPE", they are the cached ones
+    pre_title = "|K| before RoPE" if _keys_rotate(la) else "|K|"
+    panels = [("key_pre_rope", pre_title), ("key_post_rope", "|K| after RoPE"), ("value", "|V|")]
     panels = [(k, t) for k, t in panels if k in la.samples]
 
     def tokens(name: str) -> torch.Tensor:
@@ -117,22 +125,22 @@ def plot_layer_summary(analysis: Analysis, path: str | Path) -> Path:
     plt = _pyplot()
     xs = [la.layer for la in analysis.layers]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(6, 0.3 * len(xs) + 3), 6), sharex=True)
-    width = 0.27
-    series = [
-        ("pre-RoPE keys", [len(la.key_pre_rope.outliers) for la in analysis.layers]),
-        (
-            "post-RoPE keys",
-            [len(la.key_post_rope.outliers) if la.key_post_rope else 0 for la in analysis.layers],
-        ),
-        ("values", [len(la.value.outliers) for la in analysis.layers]),
-    ]
+    # post-RoPE figures only where every layer has them (as the JSON's null, not 0: "none found after RoPE"), and
+    # keys called pre-RoPE only where the model rotates them
+    has_post = all(la.key_post_rope for la in analysis.layers)
+    pre = "pre-RoPE" if any(_keys_rotate(la) for la in analysis.layers) else "cached"
+    series = [("pre-RoPE keys" if pre == "pre-RoPE" else "keys", [len(la.key_pre_rope.outliers) for la in analysis.layers])]
+    if has_post:
+        series.append(("post-RoPE keys", [len(la.key_post_rope.outliers) for la in analysis.layers]))
+    series.append(("values", [len(la.value.outliers) for la in analysis.layers]))
+    width = 0.8 / len(series)
     for i, (label, ys) in enumerate(series):
-        a1.bar([x + (i - 1) * width for x in xs], ys, width=width, label=label)
+        a1.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], ys, width=width, label=label)
     a1.set_ylabel(f"outlier channels\n(absmax > {analysis.threshold:g}x median)")
     a1.legend(fontsize=8)
-    a2.plot(xs, [la.key_pre_rope.sqnr_token for la in analysis.layers], "o-", label="pre-RoPE, per-token")
-    a2.plot(xs, [la.key_pre_rope.sqnr_channel for la in analysis.layers], "s-", label="pre-RoPE, per-channel")
-    if all(la.key_post_rope for la in analysis.layers):
+    a2.plot(xs, [la.key_pre_rope.sqnr_token for la in analysis.layers], "o-", label=f"{pre} keys, per-token")
+    a2.plot(xs, [la.key_pre_rope.sqnr_channel for la in analysis.layers], "s-", label=f"{pre} keys, per-channel")
+    if has_post:
         a2.plot(
             xs, [la.key_post_rope.sqnr_token for la in analysis.layers], "o--", label="post-RoPE, per-token"
         )

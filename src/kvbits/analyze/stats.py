@@ -1,7 +1,7 @@
 """Streaming statistics of K or V, one layer at a time, without holding every token.
 
 ``ChannelStats`` accumulates, per (KV head, channel), over every token it is shown: the absolute
-maximum, and the first four moments (float64 sums of powers, shifted by the first batch's mean for
+maximum, and the first four moments (float64 sums of powers, shifted by the first tokens' mean for
 numerical stability) from which mean, std and kurtosis follow. Statistics that need the values
 themselves (percentiles, per-token ranges, SQNR, plots) are computed on a *sample*: whole blocks of
 ``block`` consecutive tokens, drawn uniformly from every block seen by reservoir sampling
@@ -23,6 +23,7 @@ import torch
 from kvbits.quant.checks import FP16_MAX
 
 SAMPLE_DTYPE = torch.float16  # the sample's storage; its rounding (~1e-3 relative) is far below int4 noise
+MOMENT_CHUNK = 2048  # tokens whose float64 powers ChannelStats.update holds at once
 
 
 @dataclass
@@ -124,16 +125,19 @@ class ChannelStats:
                 "within float16's range: kvbits stores quantization scales in float16 and can not quantize these"
             )
         self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
-        xd = xf.double()
         if self._shift is None:
-            self._shift = xd.mean(dim=(0, 2))
+            self._shift = xf[:, :, :MOMENT_CHUNK].double().mean(dim=(0, 2))  # any value near the mean steadies the sums
             self._sums = torch.zeros(4, H, D, dtype=torch.float64, device=x.device)
-        y = xd - self._shift[None, :, None, :]
-        p = y.clone()
-        for k in range(4):
-            self._sums[k] += p.sum(dim=(0, 2))
-            if k < 3:
-                p.mul_(y)
+        # float64 powers over MOMENT_CHUNK tokens at a time: over the whole window they held three float64 copies
+        # of x (a 32K-token window of 8 x 128: 774 MiB beside its 128 MiB)
+        for t0 in range(0, T, MOMENT_CHUNK):
+            y = xf[:, :, t0 : t0 + MOMENT_CHUNK].double() - self._shift[None, :, None, :]
+            p = y.clone()
+            for k in range(4):
+                self._sums[k] += p.sum(dim=(0, 2))
+                if k < 3:
+                    p.mul_(y)
+            del y, p
         self.count += B * T
         if plan:
             if self.sample is None:
