@@ -614,6 +614,16 @@ def test_no_subcommand_prints_help(capsys):
     assert "schemes" in capsys.readouterr().err
 
 
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "COMMANDS", {**cli.COMMANDS, "schemes": cli.Command(cli._schemes_add_parser, interrupted)})
+    assert main(["schemes"]) == 130  # main raised KeyboardInterrupt: a traceback on stderr
+    err = capsys.readouterr().err
+    assert err == "kvbits schemes: interrupted\n"
+
+
 # ------------------------------------------------------------------------------ the registry
 
 
