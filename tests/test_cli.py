@@ -477,6 +477,17 @@ def test_context_takes_2k_in_every_command(command):
     assert args.context == 2048
 
 
+def test_every_context_flag_says_it_takes_2k():
+    """Every --context parses 2k (parse_tokens); monitor's help alone did not say so ("tokens decoded (default 2048)")."""
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subs.choices.items():
+        for action in sub._actions:
+            if "--context" in action.option_strings:
+                assert action.type is cli.parse_tokens, name
+                assert "e.g." in action.help and "k" in action.help.split("e.g.", 1)[1], (name, action.help)
+
+
 def test_parse_tokens():
     assert [cli.parse_tokens(s) for s in ("32768", "32k", "32K", "1m", "32_768", "4,096")] == [
         32768, 32768, 32768, 1 << 20, 32768, 4096,
