@@ -477,6 +477,17 @@ def test_context_takes_2k_in_every_command(command):
     assert args.context == 2048
 
 
+def test_every_context_flag_says_it_takes_2k():
+    """Every --context parses 2k (parse_tokens); monitor's help alone did not say so ("tokens decoded (default 2048)")."""
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subs.choices.items():
+        for action in sub._actions:
+            if "--context" in action.option_strings:
+                assert action.type is cli.parse_tokens, name
+                assert "e.g." in action.help and "k" in action.help.split("e.g.", 1)[1], (name, action.help)
+
+
 def test_parse_tokens():
     assert [cli.parse_tokens(s) for s in ("32768", "32k", "32K", "1m", "32_768", "4,096")] == [
         32768, 32768, 32768, 1 << 20, 32768, 4096,
@@ -612,6 +623,16 @@ def test_every_registered_subcommand_has_help(capsys):
 def test_no_subcommand_prints_help(capsys):
     assert main([]) == 2
     assert "schemes" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "COMMANDS", {**cli.COMMANDS, "schemes": cli.Command(cli._schemes_add_parser, interrupted)})
+    assert main(["schemes"]) == 130  # main raised KeyboardInterrupt: a traceback on stderr
+    err = capsys.readouterr().err
+    assert err == "kvbits schemes: interrupted\n"
 
 
 # ------------------------------------------------------------------------------ the registry

@@ -29,6 +29,7 @@ from kvbits._json import dumps
 logger = logging.getLogger("kvbits.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
 
 
 @dataclass(frozen=True)
@@ -581,8 +582,17 @@ def quiet_library_progress() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error: bad arguments or input,
-    a path given that does not exist)."""
+    a path given that does not exist; 130 interrupted with Ctrl-C, one line on stderr and no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        command = requested_command(argv)
+        print(f"kvbits{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser(only=requested_command(argv))
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         data_help="registry text (war-and-peace, ...) or a text file",
         data_path_help="folder searched first for registry texts",
     )
-    p.add_argument("--context", type=parse_tokens, default=2048, help="tokens decoded (default 2048)")
+    p.add_argument("--context", type=parse_tokens, default=2048, help="tokens decoded, e.g. 2048 or 2k (default 2048)")
     p.add_argument("--scheme", required=True, help="scheme preset or scheme JSON file")
     p.add_argument(
         "--calibration", metavar="DIR", help="kvbits calibrate folder (static scales / NUQ codebooks)"
