@@ -677,3 +677,25 @@ def test_muse_layer_rope_theta_tables_reproduce_every_layers_cached_keys(family)
             assert t.rot_dim == (0 if layer in (1, 4) else 16)
             cos, sin = t.cos_sin(torch.arange(12), torch.float32)
             torch.testing.assert_close(apply_rope(pre[layer], cos, sin), cache.layers[layer].keys, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "gemma3n_text", "gemma4_text"])
+def test_one_tensor_apply_rotary_pos_emb_is_probed(model_type):
+    """Families whose ``apply_rotary_pos_emb`` takes one tensor (``x, cos, sin``) were never probed: DeepSeek-V4's
+    (interleaved pairs on the trailing 64 of 512 channels) got rotate-half tables on the first 32 channels,
+    ``convention_checked=False``, and its rotation differed from the model's by up to 3.6 on 96 channels. Now its
+    probe refuses it (and the planner by name); the rotate-half Gemma 3n / 4 pass the probe."""
+    from kvbits.plan.positions import NOT_ROTATE_HALF
+    from kvbits.quant import rope
+
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    text = transformers.CONFIG_MAPPING[model_type]()
+    module = rope._modeling_module(model_type)
+    rotary = rope._instantiate(rope._rotary_class(module, model_type), text, None)
+    if model_type == "deepseek_v4":
+        assert model_type in NOT_ROTATE_HALF
+        with pytest.raises(NotImplementedError, match="layout other than rotate-half"):
+            RotaryTables._build(text, rotary, module)
+    else:
+        assert RotaryTables._build(text, rotary, module).convention_checked

@@ -76,12 +76,12 @@ KEYS_NORMED_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text
 """Families that normalise their keys after RoPE (``query_layernorm`` / ``key_layernorm``): their cached keys are no
 rotation of a pre-RoPE key, so pre-RoPE key schemes have no frame to quantize in (kvbits.cache refuses them)."""
 NOT_ROTATE_HALF = (
-    "cohere", "cohere2", "cohere2_moe", "ergo", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe_text", "glm", "glm4",
-    "glm_ocr_text", "helium", "llama4_text", "nanochat",
+    "cohere", "cohere2", "cohere2_moe", "deepseek_v4", "ergo", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe_text",
+    "glm", "glm4", "glm_ocr_text", "helium", "llama4_text", "nanochat",
 )  # fmt: skip
 """Text model types whose ``apply_rotary_pos_emb`` is not rotate-half (``x * cos + rotate_half(x) * sin`` with
-``rotate_half`` swapping the halves): interleaved channel pairs (Cohere, Helium, ERNIE 4.5: ``x[..., ::2]``; GLM:
-``repeat_interleave``d tables; Llama 4: complex products of adjacent pairs) or the other sign (nanochat). Pre-RoPE
+``rotate_half`` swapping the halves): interleaved channel pairs (Cohere, Helium, ERNIE 4.5: ``x[..., ::2]``; GLM and
+DeepSeek-V4, which rotates its trailing channels: ``repeat_interleave``d tables; Llama 4: complex products of adjacent pairs) or the other sign (nanochat). Pre-RoPE
 key schemes un-rotate rotate-half only: ``RotaryTables.from_config`` refuses these by name, the planner too; the
 list is what its probe of ``apply_rotary_pos_emb`` refuses in transformers 5.25 (tests check each entry against it)."""
 NON_TEXT_ROTARY = ("Vision", "Audio", "DiT", "Talker", "SaProt")

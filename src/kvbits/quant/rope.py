@@ -604,22 +604,32 @@ class RotaryTables:
         cos, sin = self.cos_sin(torch.arange(T, device=self.device) * 7)
         ours = apply_rope(x, cos, sin)
         got = None
-        for probe in (x, x[..., : self.rot_dim]):  # some families slice the rotary part themselves
+        # (q, k, cos, sin) -> (q, k), or one tensor (x, cos, sin) -> x (Gemma 3n / 4, DeepSeek-V4); some families
+        # slice the rotary part themselves
+        calls = [(probe, (probe, probe, cos, sin)) for probe in (x, x[..., : self.rot_dim])]
+        calls += [(probe, (probe, cos, sin)) for probe in (x, x[..., : self.rot_dim])]
+        for probe, args in calls:
             try:
-                out = ref(probe, probe, cos, sin)
+                out = ref(*args)
             except (
                 TypeError,
                 ValueError,
                 RuntimeError,
                 IndexError,
             ) as exc:  # not the signature/shape we probe
-                logger.debug("probing apply_rotary_pos_emb with D=%d failed: %s", probe.shape[-1], exc)
+                logger.debug(
+                    "probing apply_rotary_pos_emb (%d args) with D=%d failed: %s", len(args), probe.shape[-1], exc
+                )
                 continue
-            if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+            if len(args) == 4 and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
                 got = out[1]
-                if got.shape[-1] != self.head_dim:
-                    got = torch.cat((got, x[..., got.shape[-1] :]), dim=-1)
-                break
+            elif len(args) == 3 and isinstance(out, torch.Tensor) and out.shape[:-1] == probe.shape[:-1]:
+                got = out
+            else:
+                continue
+            if got.shape[-1] != self.head_dim:
+                got = torch.cat((got, x[..., got.shape[-1] :]), dim=-1)
+            break
         if got is None or got.shape != ours.shape:
             logger.debug("could not probe %s.apply_rotary_pos_emb", getattr(self._module, "__name__", "?"))
             return False
