@@ -1044,6 +1044,9 @@ def test_mixed_scheme_resolves_per_layer_and_round_trips():
         ("int4-token,3-1=int8-token", "is empty"),
         ("int4-token,0-2=int8-token,2=fp16", "layer 2 is given twice"),
         ("int4-token,0=no-such-scheme", "unknown scheme 'no-such-scheme'"),
+        # a typo in a part was refused as "unknown scheme 'fp61'", not naming the string it came from
+        ("int4-token,0=fp61", r"^mixed scheme 'int4-token,0=fp61': unknown scheme 'fp61'"),
+        ("int4-tokn,0=fp16", r"^mixed scheme 'int4-tokn,0=fp16': unknown scheme 'int4-tokn' \(did you mean"),
     ],
 )
 def test_mixed_scheme_strings_are_checked(spec, match):
