@@ -6,9 +6,11 @@ The main fixture is a tiny random Llama with one injected outlier channel (a row
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 
@@ -171,6 +173,12 @@ def test_next_steps_are_commands_that_run_as_printed(result):
     assert args.data == "pride-and-prejudice" and args.scheme == ["int4-channel-prerope", "kvquant-4",
                                                                    "int4-token-smooth-prerope"]  # fmt: skip
     assert args.calibration == outs  # the folders the calibrate steps write
+    # eval matches each --calibration to the scheme its folder records, not by position: the step printed
+    # "--scheme A --calibration X --scheme B --calibration Y", which reads as a positional pairing; now the schemes
+    # come first, and --calibration's help says how they pair
+    assert re.search(r"( --scheme \S+){3}( --calibration \S+){2}", verify), verify
+    sub = next(a for a in build_parser(only="eval")._actions if isinstance(a, argparse._SubParsersAction))
+    assert "not by position" in " ".join(sub.choices["eval"].format_help().split())
     assert "--data TEXT" in recommend(rows)["next_steps"][-1]  # no names known: placeholders, not gaps
 
 

@@ -569,6 +569,26 @@ def test_static_scales_are_constants_of_the_head_and_channel_not_of_the_block():
     quantize(x, token, static_scale=torch.full((1, 2, 1, 2, 1), 0.5))  # per (head, channel group)
 
 
+@pytest.mark.parametrize(("group", "symmetric"), [(4, True), (4, False), (None, True)])
+def test_static_token_scales_are_counted_per_head_and_channel_group(group, symmetric):
+    """A static per-token spec with ``group_size`` takes a scale per (head, channel group), ``(1, H, 1, D/g, 1)``, as
+    ``quantize`` groups the channels; the planner (``fixed_layer_bytes``) counted one per head, 4 fixed bytes where
+    ``memory_report`` counted 16 (H=2, D=16, groups of 4)."""
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.schemes.accounting import fixed_layer_bytes
+
+    H, D = 2, 16
+    spec = int_spec(4, "token", group, static=True, symmetric=symmetric)
+    cache = QuantizedKVCache(scheme=KVScheme("s", key=spec, value=int_spec(4), block=4), num_layers=1)
+    groups = D // (group or D)
+    cache.layers[0].set_static_qparams("key", torch.full((1, H, 1, groups, 1), 0.5),
+                                       None if symmetric else torch.full((1, H, 1, groups, 1), -1.0))  # fmt: skip
+    x = torch.randn(1, H, 8, D)
+    cache.update(x, x, 0)
+    assert fixed_layer_bytes(spec, H, D) == cache.memory_report()["components"]["fixed"] == \
+        H * groups * 2 * (1 if symmetric else 2)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -0.4, float("inf"), 1e6])  # 1e6: inf in float16
 def test_static_scales_must_be_finite_and_non_negative(bad):
     """NaN / inf scales decoded to NaN and negative ones mirrored the grid, with clipped == 0. A finite 1e6 overflows
@@ -1044,6 +1064,9 @@ def test_mixed_scheme_resolves_per_layer_and_round_trips():
         ("int4-token,3-1=int8-token", "is empty"),
         ("int4-token,0-2=int8-token,2=fp16", "layer 2 is given twice"),
         ("int4-token,0=no-such-scheme", "unknown scheme 'no-such-scheme'"),
+        # a typo in a part was refused as "unknown scheme 'fp61'", not naming the string it came from
+        ("int4-token,0=fp61", r"^mixed scheme 'int4-token,0=fp61': unknown scheme 'fp61'"),
+        ("int4-tokn,0=fp16", r"^mixed scheme 'int4-tokn,0=fp16': unknown scheme 'int4-tokn' \(did you mean"),
     ],
 )
 def test_mixed_scheme_strings_are_checked(spec, match):

@@ -523,3 +523,27 @@ def test_a_zero_time_step_is_strict_json_and_reads_back_as_infinite_tokens_per_s
     args = argparse.Namespace(out=None, json=True, overwrite=False)
     assert emit_summary(whole, args, write_speed, lambda *_: None) == 0
     assert _strict(capsys.readouterr().out)["runs"][1]["tokens_per_s"] == "+Inf"
+
+
+# ------------------------------------------------------------------------------- output versions
+
+
+def test_eval_run_of_a_newer_output_version_is_refused_naming_both(tmp_path, capsys):
+    """A ``config.json`` recording an output version newer than this kvbits's (a newer kvbits wrote it) was read
+    silently as the current format (report written, status 0); now refused by ``kvbits report`` (status 2) and by
+    ``merge_runs``, naming both versions. The version this kvbits writes still reads."""
+    from kvbits.evaluate.request import OUTPUT_VERSION
+    from kvbits.report.merge import merge_runs
+
+    assert OUTPUT_VERSION == 2  # report.inputs.READS_VERSION mirrors it (that module does not import torch)
+    new, cur = _write(tmp_path / "new", _summary()), _write(tmp_path / "cur", _summary())
+    (new / "config.json").write_text(json.dumps({"version": OUTPUT_VERSION + 1}))
+    (cur / "config.json").write_text(json.dumps({"version": OUTPUT_VERSION}))
+    status, _, err = _cli(capsys, str(new))
+    assert status == 2
+    assert f"output version {OUTPUT_VERSION + 1} is newer than this kvbits reads (output version {OUTPUT_VERSION})" \
+        in err
+    assert not (new / "report.md").exists()
+    with pytest.raises(ValueError, match=f"output version {OUTPUT_VERSION + 1} is newer"):
+        merge_runs([cur, new], tmp_path / "merged")
+    assert _cli(capsys, str(cur))[0] == 0

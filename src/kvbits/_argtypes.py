@@ -199,10 +199,13 @@ def add_window_args(
 
 
 def add_calibration_arg(parser: argparse.ArgumentParser) -> None:
-    """Add ``--calibration DIR`` (repeatable): the ``kvbits calibrate`` folders of calibrated schemes."""
+    """Add ``--calibration DIR`` (repeatable): the ``kvbits calibrate`` folders of calibrated schemes, each matched to
+    a scheme by the scheme name its artifact records (``kvbits.evaluate.inputs._calibrations``), not by position."""
     parser.add_argument(
         "--calibration", action="append", metavar="DIR",
-        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable",
+        help="kvbits calibrate folder for a scheme with static scales / NUQ codebooks (kvquant-*); repeatable: each "
+             "folder goes to the --scheme it was calibrated for (the scheme name it records), in any order, not by "
+             "position",
     )  # fmt: skip
 
 

@@ -332,8 +332,9 @@ def recommend(
         "which would flatter the calibrated scheme)"  # fmt: skip
     next_steps = [f"{why}: kvbits calibrate{m}{cd}{t} --scheme {c} --out calib-{c}" for c in to_calibrate]
     next_steps.append(
-        f"verify by length: kvbits eval{m}{d}{t} --scheme {scheme}"
-        + "".join(f" --scheme {c} --calibration calib-{c}" for c in to_calibrate)
+        f"verify by length: kvbits eval{m}{d}{t} --scheme {scheme}"  # each --calibration goes to the scheme it
+        + "".join(f" --scheme {c}" for c in to_calibrate)  # records (not by position): listed after the schemes
+        + "".join(f" --calibration calib-{c}" for c in to_calibrate)
         + (" and at longer --context lengths" if context else " at several --context lengths")
     )
     return {

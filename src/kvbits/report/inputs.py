@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "KL_FLOAT64_VERSION",
+    "READS_VERSION",
     "EvalSource",
+    "check_output_versions",
     "eval_sources",
     "float32_kl_sources",
     "load_config",
@@ -38,6 +40,10 @@ KL_FLOAT64_VERSION = 2
 """The first ``kvbits eval`` output version (``config.json["version"]``, ``OUTPUT_VERSION``) whose KL comes from
 float64 log-probabilities; version 1 took them in float32, which overstates a KL below about 1e-5 by tens of percent
 per token (the committed ``benchmarks/results`` are version 1)."""
+
+READS_VERSION = 2
+"""The newest ``kvbits eval`` output version (``OUTPUT_VERSION`` of :mod:`kvbits.evaluate.request`, not imported here:
+it pulls in torch) this report reads; a run of a newer one is refused (:func:`check_output_versions`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,19 @@ def float32_kl_sources(config: Mapping[str, Any]) -> tuple[list[EvalSource], boo
     sources = eval_sources(config)
     old = [s for s in sources if s.version is not None and s.version < KL_FLOAT64_VERSION]
     return old, bool(old) and len(old) == len(sources)
+
+
+def check_output_versions(config: Mapping[str, Any], where: str | Path) -> None:
+    """``ValueError`` when a run behind ``config`` (its own, or each of a merged folder's, :func:`eval_sources`)
+    records an output version newer than :data:`READS_VERSION`: a newer kvbits wrote it, in a format this one would
+    read as its own. ``where``: the folder, for the message."""
+    newer = [s for s in eval_sources(config) if s.version is not None and s.version > READS_VERSION]
+    if newer:
+        runs = ", ".join(f"{s.path or where} (version {s.version})" for s in newer)
+        raise ValueError(
+            f"{where}: kvbits eval output version {max(s.version or 0 for s in newer)} is newer than this kvbits reads "
+            f"(output version {READS_VERSION}): {runs}; a newer kvbits wrote it: upgrade kvbits to report it"
+        )
 
 
 def load_config(out_dir: str | Path) -> dict[str, Any]:

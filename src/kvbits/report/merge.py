@@ -40,7 +40,7 @@ from typing import Any
 
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps, field, json_object
-from kvbits.report.inputs import KL_FLOAT64_VERSION, eval_sources, load_config
+from kvbits.report.inputs import KL_FLOAT64_VERSION, check_output_versions, eval_sources, load_config
 from kvbits.report.summary import RunSummary, read_json
 
 logger = logging.getLogger(__name__)
@@ -422,6 +422,8 @@ def merge_runs(
     loaded = [_load_run(f) for f in folders]
     summaries = [s for s, _ in loaded]
     configs = [c for _, c in loaded]
+    for folder, config in zip(folders, configs):
+        check_output_versions(config, folder)
     _check_comparable(folders, summaries, configs)
     _warn_mixed_kl(folders, configs)
     generations = _generation_lines(folders)

@@ -27,7 +27,7 @@ from kvbits._json import dumps
 from kvbits.report.document import Heading, build_document
 from kvbits.report.fmt import DEFAULT_THRESHOLD
 from kvbits.report.html_page import to_html
-from kvbits.report.inputs import load_config, load_token_arrays, reproduce_command
+from kvbits.report.inputs import check_output_versions, load_config, load_token_arrays, reproduce_command
 from kvbits.report.markdown import to_markdown
 from kvbits.report.plots import PLOT_FILES
 from kvbits.report.summary import RunSummary, log_non_finite
@@ -144,6 +144,7 @@ def write_report(
     run = RunSummary.load(out)
     log_non_finite(run, out / "summary.json")
     config = load_config(out)
+    check_output_versions(config, out)
     tokens = load_token_arrays(out, [r.name for r in run.results])
 
     figures: dict[str, Path] = {}

@@ -243,9 +243,11 @@ def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
     """Per-layer bytes that do not grow with tokens or batch: static scales, NUQ codebooks, the float16
     ``(H_kv, D)`` channel means (``centre``) and smoothing factors (``smooth``).
 
-    Static integer / NUQ scales count as ``kvbits calibrate`` writes them per channel, ``(H_kv, D)``; at ``token`` /
-    ``head`` granularity (which it does not calibrate) one per KV head, at ``tensor`` one: the cache stores the shape
-    it is given, so another one (``(H_kv, 1, D)``) makes ``memory_report()`` differ from this."""
+    Static integer / NUQ scales count as ``kvbits calibrate`` writes them per channel, ``(H_kv, D)``; the granularities it
+    does not calibrate (scales installed with ``set_static_qparams``) as ``quantize`` groups them: at ``token`` one
+    per KV head and channel group (``D / group_size`` of them, one without ``group_size``), at ``head`` one per KV
+    head, at ``tensor`` one. The cache stores the shape it is given, so another one (``(H_kv, 1, D)``) makes
+    ``memory_report()`` differ from this."""
     if not spec.is_quantized:
         return 0
     total = 0
@@ -255,7 +257,9 @@ def fixed_layer_bytes(spec: TensorSpec, n_heads: int, head_dim: int) -> int:
             total += 4 * (n_heads if spec.granularity == "head" else 1)
         elif spec.granularity == "channel":
             total += n_heads * head_dim * per_scale
-        elif spec.granularity in ("head", "token"):
+        elif spec.granularity == "token":  # one per (head, channel group), as ``quantize`` groups the channels
+            total += n_heads * (head_dim // (spec.group_size or head_dim)) * per_scale
+        elif spec.granularity == "head":
             total += n_heads * per_scale
         else:
             total += per_scale

@@ -321,7 +321,10 @@ def _parse_mixed(spec: str) -> KVScheme:
             if i in layers:
                 raise ValueError(f"mixed scheme {spec!r}: layer {i} is given twice")
             layers[i] = sub
-    return mixed_scheme(base, layers, name=mixed_name(base, layers))
+    try:
+        return mixed_scheme(base, layers, name=mixed_name(base, layers))
+    except (ValueError, TypeError) as exc:  # a typo in one name: say which string it is in
+        raise type(exc)(f"mixed scheme {spec!r}: {exc}") from exc
 
 
 def _builtin(name: str) -> KVScheme | None:
