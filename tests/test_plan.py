@@ -945,6 +945,11 @@ def test_param_estimate_of_jamba(extra):
     assert load_shape({"model_type": "jamba", **small}).n_params == real
 
 
+# Zamba2: six layers, three of them hybrid (a Mamba-2 mixer plus a call of a shared transformer block)
+_ZAMBA2 = {"num_hidden_layers": 6, "layers_block_type": ["mamba", "hybrid"] * 3, "n_mamba_heads": 8,
+           "mamba_d_state": 16, "adapter_rank": 8}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "model_type, kwargs",
     [
@@ -958,14 +963,23 @@ def test_param_estimate_of_jamba(extra):
                    "mamba_d_state": 16}),
         ("nemotron_h", {"num_hidden_layers": 4, "head_dim": 32, "hybrid_override_pattern": "M*M-",
                         "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1}),
+        ("zamba2", {**_ZAMBA2, "num_mem_blocks": 2, "use_shared_attention_adapter": True}),
+        ("zamba2", {**_ZAMBA2, "add_bias_linear": True, "mamba_ngroups": 2, "tie_word_embeddings": False}),
+        ("zamba", {"num_hidden_layers": 6, "attn_layer_period": 2, "attn_layer_offset": 1, "n_mamba_heads": 2,
+                   "mamba_d_state": 16}),
+        ("zamba", {"num_hidden_layers": 6, "attn_layer_period": 2, "attn_layer_offset": 1, "n_mamba_heads": 2,
+                   "mamba_d_state": 16, "mamba_proj_bias": True, "tie_word_embeddings": False}),
     ],
 )  # fmt: skip
 def test_param_estimate_of_hybrid_mixers(model_type, kwargs):
     """Conv, linear-attention and Mamba-2 layers were counted as attention layers with a Llama MLP: on these tiny
     models LFM2 was +14.2 % (also its 2/3-scaled MLP width), Qwen3-Next -5.3 % (Gated DeltaNet, gated q_proj),
     Falcon-H1 -25.1 % (a Mamba-2 mixer beside attention in every layer), Bamba +2.9 % (Mamba-2 counted as
-    Jamba's Mamba-1), Nemotron-H x176 (one block per layer: its MoE defaults counted on every layer). Now exact,
-    and exact on the published sizes (LFM2-1.2B 1.170B, Bamba-9B 9.809B, Qwen3-Next-80B-A3B 79.67B)."""
+    Jamba's Mamba-1), Nemotron-H x176 (one block per layer: its MoE defaults counted on every layer). Zamba2 was
+    +8.2 % and Zamba +38.2 % (a Llama layer counted on every layer; their shared blocks count once, or once per hybrid
+    layer when transformers does not tie them: tie_word_embeddings=False). Now exact, and exact on the published
+    sizes (LFM2-1.2B 1.170B, Bamba-9B 9.809B, Qwen3-Next-80B-A3B 79.67B, Zamba2-2.7B defaults 2.482B, Zamba-7B
+    defaults 7.232B)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -484,12 +484,12 @@ def _shared_expert_width(text: Any, model_type: str, inter: int, expert_inter: i
     return inter if model_type.startswith("llama4") else 0
 
 
-def _mamba_mixer_params(text: Any, h: int) -> int:
+def _mamba_mixer_params(text: Any, h: int, dt_norms: bool = True) -> int:
     """Parameters of one Mamba (v1) mixer of a hybrid config that sets ``mamba_expand`` and ``mamba_d_state``
-    (Jamba), 0 for any other config (Mamba-2 ones, with ``mamba_n_heads``: :func:`_mamba2_mixer_params`). With ``E = mamba_expand * h``, ``N`` the state size, ``R`` the dt rank
+    (Jamba, Zamba), 0 for any other config (Mamba-2 ones, with ``mamba_n_heads``: :func:`_mamba2_mixer_params`). With ``E = mamba_expand * h``, ``N`` the state size, ``R`` the dt rank
     (``"auto"``: ``ceil(h / 16)``), ``C`` the conv width: ``in_proj`` ``2*h*E``, ``conv1d`` ``E*C (+E)``, ``x_proj``
-    ``E*(R + 2N)``, ``dt_proj`` ``R*E + E``, ``A_log`` ``E*N``, ``D`` ``E``, ``out_proj`` ``E*h``, and Jamba's
-    dt/B/C norms ``R + 2N``."""
+    ``E*(R + 2N)``, ``dt_proj`` ``R*E + E``, ``A_log`` ``E*N``, ``D`` ``E``, ``out_proj`` ``E*h``, and with
+    ``dt_norms`` Jamba's dt/B/C norms ``R + 2N`` (Zamba's multi-head mixer has none)."""
     expand = _get(text, "mamba_expand")
     state = _int(_get(text, "mamba_d_state"), "mamba_d_state")
     if expand is None or state is None or _get(text, "mamba_n_heads", "mamba_num_heads") is not None:
@@ -502,7 +502,7 @@ def _mamba_mixer_params(text: Any, h: int) -> int:
     conv_bias = inner if _get(text, "mamba_conv_bias", default=True) else 0
     return (
         2 * h * inner + inner * conv + conv_bias + inner * (rank + 2 * state) + rank * inner + inner
-        + inner * state + inner + inner * h + rank + 2 * state + proj_bias
+        + inner * state + inner + inner * h + (rank + 2 * state if dt_norms else 0) + proj_bias
     )  # fmt: skip
 
 
@@ -533,6 +533,56 @@ def _mamba2_mixer_params(text: Any, h: int, model_type: str) -> int:
     return (
         h * in_proj + in_proj * in_bias + channels * conv + conv_bias + 3 * heads + norm + inner * h + h * out_bias
     )
+
+
+def _zamba2_mixer_params(text: Any, h: int) -> int:
+    """Parameters of one Zamba2 Mamba-2 mixer: :func:`_mamba2_mixer_params`' layout under Zamba2's names
+    (``n_mamba_heads`` ``M``, ``mamba_ngroups`` ``G``, ``E = mamba_expand * h``, ``X = E + 2*G*N``): ``in_proj``
+    ``h*(E + X + M)``, ``conv1d`` ``X*C + X`` (its bias is always on, whatever ``use_conv_bias``), ``dt_bias`` /
+    ``A_log`` / ``D`` ``3*M``, the gated norm ``E``, ``out_proj`` ``E*h``; with ``add_bias_linear`` the two
+    projections' biases."""
+    heads = _int(_get(text, "n_mamba_heads"), "n_mamba_heads") or 8
+    inner = int((_get(text, "mamba_expand") or 2) * h)
+    state = _int(_get(text, "mamba_d_state"), "mamba_d_state") or 0
+    groups = _int(_get(text, "mamba_ngroups"), "mamba_ngroups") or 1
+    conv = _int(_get(text, "mamba_d_conv"), "mamba_d_conv") or 4
+    channels = inner + 2 * groups * state
+    in_proj = inner + channels + heads
+    bias = in_proj + h if _get(text, "add_bias_linear") else 0
+    return h * in_proj + channels * conv + channels + 3 * heads + inner + inner * h + bias
+
+
+def _zamba_params(
+    text: Any, model_type: str, h: int, inter: int, layer_types: Sequence[str], tied: bool
+) -> dict[str, int]:
+    """``attention`` / ``mlp`` / ``norms`` of a Zamba or Zamba2 decoder: every layer a Mamba mixer (Zamba's multi-head
+    Mamba-1, :func:`_mamba_mixer_params` without dt norms; Zamba2's Mamba-2, :func:`_zamba2_mixer_params`) and its
+    norm ``h``; each ``hybrid`` layer also an ``h*h`` linear and a call of shared transformer block ``i % B`` (its
+    ``i``-th hybrid layer; ``B = num_mem_blocks``, Zamba: 1): attention on ``A = attention_hidden_size`` (``2h``)
+    inputs ``A*H_q*D + 2*A*H_kv*D + H_q*D*h``, a gated MLP ``3*h*I``, norms ``A + h``. Zamba2's block ``b`` also holds
+    a LoRA of rank ``r = adapter_rank`` for each of its ``n_b`` hybrid layers on the MLP's gate/up ``h*r + r*2I``
+    (with ``use_shared_attention_adapter`` three on q/k/v ``3*(A*r + r*A)``), with ``add_bias_linear`` the MLP's
+    biases ``2I + h``. transformers ties a block's copies only under ``tied`` (``tie_word_embeddings``): then each
+    block counts once, else every hybrid layer holds its own copy (block ``b``'s ``n_b`` times). The final norm ``h``."""
+    n_layers = len(layer_types)
+    hybrid = sum(t == "hybrid" for t in layer_types)
+    zamba2 = model_type == "zamba2"
+    mixer = _zamba2_mixer_params(text, h) if zamba2 else _mamba_mixer_params(text, h, dt_norms=False)
+    n_blocks = (_int(_get(text, "num_mem_blocks"), "num_mem_blocks") or 1) if zamba2 else 1
+    served = [len(range(b, hybrid, n_blocks)) for b in range(min(n_blocks, hybrid))]  # n_b: hybrid layers per block
+    copies = [1 if tied else n for n in served]
+    blocks = sum(copies)
+    q, kv, d = attention_heads(text)
+    width = _int(_get(text, "attention_hidden_size"), "attention_hidden_size") or 2 * h
+    attention = n_layers * mixer + hybrid * h * h + blocks * (width * q * d + 2 * width * kv * d + q * d * h)
+    mlp = blocks * 3 * h * inter
+    if zamba2:
+        rank = _int(_get(text, "adapter_rank"), "adapter_rank") or 0
+        adapters = sum(c * n for c, n in zip(copies, served))
+        mlp += adapters * (h * rank + rank * 2 * inter) + (blocks * (2 * inter + h) if _get(text, "add_bias_linear") else 0)
+        if _get(text, "use_shared_attention_adapter"):
+            attention += adapters * 3 * 2 * width * rank
+    return {"attention": attention, "mlp": mlp, "norms": (n_layers + 1) * h + blocks * (width + h)}
 
 
 def _short_conv_params(text: Any, h: int) -> int:
@@ -840,7 +890,9 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
 
     Hybrid layers count their own token mixer in ``attention``: Jamba's Mamba, Bamba / Nemotron-H's Mamba-2 (and
     Falcon-H1's, beside attention in every layer), LFM2's short convolutions, Qwen3-Next's Gated DeltaNet
-    (:func:`_mixer_params`); Nemotron-H's layers hold one block each (:func:`_nemotron_h_mlp`).
+    (:func:`_mixer_params`); Nemotron-H's layers hold one block each (:func:`_nemotron_h_mlp`). Zamba / Zamba2 run
+    a Mamba mixer in every layer and, on their ``hybrid`` layers, shared transformer blocks counted once (Zamba2's
+    per-layer LoRA adapters apart: :func:`_zamba_params`).
 
     Biases of MLPs and LayerNorms are ignored (well under 1% of any real model). Vision towers of
     composite models are not counted. Exact for Llama-family models; pass ``weights_gib`` to the
@@ -919,4 +971,6 @@ def estimate_params(config: Any, shape: ModelShape | None = None) -> dict[str, i
     if tied is None:
         tied = _get(config, "tie_word_embeddings", default=True)
     lm_head = 0 if tied else vocab * h
+    if model_type in ("zamba", "zamba2"):  # shared transformer blocks beside a Mamba mixer in every layer
+        return {"embeddings": embeddings, **_zamba_params(text, model_type, h, inter, layer_types, bool(tied)), "lm_head": lm_head}
     return {"embeddings": embeddings, "attention": attention, "mlp": mlp, "norms": norms, "lm_head": lm_head}
