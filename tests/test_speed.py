@@ -926,3 +926,130 @@ def test_slow_runs_print_their_rate_and_speedup_to_significant_digits():
         mp.setattr("kvbits._console.stdout_console", lambda: Console(file=buf, width=400))
         speed_cli._print(s, None)
     assert "0.0331 (0.0329x)" in buf.getvalue()
+
+
+def _raise_for(monkeypatch, exc: BaseException, cache: str, context: int) -> None:
+    """``_run_one`` raises ``exc`` for ``cache`` (``"DynamicCache"`` for the baseline) at ``context``."""
+    from kvbits.evaluate import speed
+
+    run_one = speed._run_one
+
+    def run(model, scheme, *a, **k):
+        name = speed._cache_name(scheme)
+        if name == cache and k["context"] == context and k["tokens"] > 1:  # not the untimed warm-up decode
+            raise exc
+        return run_one(model, scheme, *a, **k)
+
+    monkeypatch.setattr(speed, "_run_one", run)
+
+
+def test_a_failed_run_is_recorded_and_the_others_go_on(model, ids, tmp_path, monkeypatch):
+    """One scheme running out of memory at one context ended speed_eval, every other run lost: it is recorded
+    (its error's type and message), the device's memory freed, the others timed; the report reads 'failed:
+    <type>' in its cells and lists the message, speed.json reads back, and the merge keeps the record."""
+    from kvbits.evaluate import speed
+    from kvbits.report.merge_speed import merge_speed
+    from kvbits.report.speed import load_speed, speed_markdown, write_speed
+
+    freed = []
+    monkeypatch.setattr(speed, "free_device", lambda dev: freed.append(dev))
+    _raise_for(monkeypatch, torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate 2.00 GiB"), "int4-token", 64)
+    kw = {"tokens": 2, "warmup": 1, "data": ids}
+    s = speed_eval(model, [32, 64], ["int4-token", SMALL_KIVI], **kw)
+    assert len(s["runs"]) == 2 * 3 and len(freed) == 1
+    bad = next(r for r in s["runs"] if r.get("error"))
+    assert (bad["cache"], bad["context"], bad["batch"], bad["path"]) == ("int4-token", 64, 1, "dequantize")
+    assert bad["error"] == {"type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert "tokens_per_s" not in bad and bad["prefill_seconds"] is not None
+    assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 for r in s["runs"] if r is not bad)
+    out = write_speed(s, tmp_path / "run")
+    assert load_speed(out / "speed.json")["runs"] == json.loads(json.dumps(s["runs"]))
+    md = speed_markdown(s)
+    row = next(line for line in md.split("## Batch 1")[1].splitlines() if line.startswith("| int4-token |"))
+    assert row.endswith("| failed: OutOfMemoryError |") and "| 0 " not in row
+    assert "- int4-token at 64 × 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in md
+    assert "failed: OutOfMemoryError" in _console(s)
+    monkeypatch.undo()
+    other = speed_eval(model, [96], ["int4-token", SMALL_KIVI], **kw)
+    merged = merge_speed([s, other])
+    assert [r["error"] for r in merged["runs"] if r.get("error")] == [bad["error"]]
+    assert "| failed: OutOfMemoryError | " in speed_markdown(merged)
+
+
+def test_a_failed_baseline_leaves_the_schemes_without_a_factor(model, ids, monkeypatch):
+    """The DynamicCache run failing at a cell (a quantized cache fits where it does not): the schemes are timed,
+    their speed-up and agreement null (nothing to divide by or compare with), not 1.0 against nothing."""
+    from kvbits.report.speed import check_speed, speed_markdown
+
+    _raise_for(monkeypatch, RuntimeError("no room"), "DynamicCache", 32)
+    s = speed_eval(model, [32], ["int4-token"], tokens=2, warmup=1, data=ids)
+    base, run = s["runs"]
+    assert base["error"]["type"] == "RuntimeError" and run["tokens_per_s"] > 0
+    assert run["speedup"] is None and run["agreement"] is None and run["first_divergence"] is None
+    check_speed(s, "speed.json")
+    md = speed_markdown(s)
+    assert "| DynamicCache | failed: RuntimeError |" in md and "n/a (no baseline)" in md
+    _console(s)
+
+
+def test_a_failed_prefill_fails_its_cells_runs_and_interrupts_still_stop(model, ids, monkeypatch):
+    from kvbits.evaluate import stream
+
+    prefill = stream.prefill_kv
+
+    def failing(model, ids):
+        if ids.shape[1] == 64:
+            raise ValueError("too long")
+        return prefill(model, ids)
+
+    monkeypatch.setattr(stream, "prefill_kv", failing)
+    s = speed_eval(model, [32, 64], ["int4-token"], tokens=2, warmup=1, data=ids)
+    assert [(r["context"], r.get("error", {}).get("type"), r["prefill_seconds"] is None) for r in s["runs"]] == [
+        (32, None, False), (32, None, False), (64, "ValueError", True), (64, "ValueError", True)]
+    monkeypatch.undo()
+    _raise_for(monkeypatch, KeyboardInterrupt(), "int4-token", 32)
+    with pytest.raises(KeyboardInterrupt):
+        speed_eval(model, [32], ["int4-token"], tokens=2, warmup=1, data=ids)
+
+
+def test_failed_runs_free_cuda_memory():
+    from kvbits.evaluate.speed import free_device, run_error
+
+    with pytest.MonkeyPatch.context() as mp:
+        emptied = []
+        mp.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+        free_device(torch.device("cpu"))
+        assert emptied == []
+        free_device(torch.device("cuda"))
+        assert emptied == [1]
+    err = run_error(RuntimeError("x" * 2000))
+    assert err["type"] == "RuntimeError" and len(err["message"]) <= 500
+
+
+def test_cli_exits_non_zero_after_writing_a_run_with_failures(model, ids, tmp_path, monkeypatch, capsys):
+    from kvbits.cli import main
+    from kvbits.evaluate import speed
+
+    _raise_for(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"), "int4-token", 32)
+    s = speed_eval(model, [32], ["int4-token"], tokens=2, warmup=1, data=ids)
+    monkeypatch.setattr(speed, "speed_eval", lambda *a, **k: s)
+    out = tmp_path / "out"
+    assert main(["speed", "--model", "m", "--context", "32", "--scheme", "int4-token", "--out", str(out)]) == 1
+    assert "1 of 2 runs failed: int4-token at 32 x 1 (OutOfMemoryError)" in capsys.readouterr().err
+    assert json.loads((out / "speed.json").read_text())["runs"][1]["error"]["type"] == "OutOfMemoryError"
+
+
+def test_the_first_cell_prefill_is_warmed_up(model, ids, monkeypatch):
+    """The first cell's prefill_seconds included the process's one-off set-up (0.011 s against 0.006 s for a later
+    cell): an untimed short prefill runs before it, once."""
+    from kvbits.evaluate import stream
+
+    prefill, shapes = stream.prefill_kv, []
+
+    def spy(model, ids):
+        shapes.append(tuple(ids.shape))
+        return prefill(model, ids)
+
+    monkeypatch.setattr(stream, "prefill_kv", spy)
+    speed_eval(model, [32, 64], ["int4-token"], batches=[1, 2], tokens=2, warmup=1, data=ids)
+    assert shapes[0][1] < 32 and shapes[1:] == [(1, 32), (2, 32), (1, 64), (2, 64)]  # a short one, once

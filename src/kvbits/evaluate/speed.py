@@ -78,7 +78,7 @@ from kvbits.schemes import check_unique_names
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SPEED_VERSION", "speed_eval", "step_stats"]
+__all__ = ["SPEED_VERSION", "failed_cells", "speed_eval", "step_stats"]
 
 SPEED_VERSION = 1
 BASELINE = "DynamicCache"
@@ -114,6 +114,41 @@ def step_stats(ms: Sequence[float], batch: int) -> dict[str, float]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+PREFILL_WARMUP = 16  # tokens of the untimed prefill before the first timed one (one-off set-up costs)
+ERROR_CHARS = 500  # a failed run's message is kept to one line of at most this many characters
+
+
+def run_error(exc: BaseException) -> dict[str, str]:
+    """A failed run's ``error``: ``{"type": "OutOfMemoryError", "message": ...}``, the message on one line (at most
+    ``ERROR_CHARS`` characters)."""
+    message = " ".join(str(exc).split()) or "(no message)"
+    if len(message) > ERROR_CHARS:
+        message = message[: ERROR_CHARS - 1] + "…"
+    return {"type": type(exc).__name__, "message": message}
+
+
+def failed_run(cache: str, path: str, cell: dict[str, Any], error: dict[str, str],
+               prefill_seconds: float | None) -> dict[str, Any]:  # fmt: skip
+    """The record of a run that raised: its ``cache``, ``path``, the cell (``context``, ``batch``, ``cached_tokens``,
+    ``distinct_rows``), ``error`` (:func:`run_error`) and ``prefill_seconds`` (``None``: the prefill failed); no
+    timings, bytes or agreement (a reader skips it, the report prints ``failed: <type>``)."""
+    return {"cache": cache, "path": path, **cell, "error": error, "prefill_seconds": prefill_seconds}
+
+
+def failed_cells(runs: Sequence[dict[str, Any]]) -> str:
+    """The failed runs of ``runs`` as one line: ``"kivi-2 at 131072 x 1 (OutOfMemoryError), ..."``."""
+    return ", ".join(f"{r['cache']} at {r['context']} x {r['batch']} ({r['error']['type']})" for r in runs
+                     if r.get("error"))  # fmt: skip
+
+
+def free_device(device: torch.device) -> None:
+    """After a failed run: drop what it left (its cache, activations) so the next run starts clean; on CUDA the
+    allocator's cached blocks go back too (``empty_cache``: an out-of-memory run leaves them fragmented)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _cuda_allocated(device: torch.device) -> int | None:
@@ -505,6 +540,13 @@ def speed_eval(
         captured (0-based; one per step variant), those run in Python (eager or captured) and those replayed), "agreement", "first_divergence", "prefill_seconds"}], "fingerprint", "wall_seconds",
         "peak_rss_bytes", "date", "commit", "versions"}``; ``speedup`` is tokens/s over the ``DynamicCache`` run's at
         the same context and batch; ``baselines``: ``["DynamicCache"]``, and ``"StaticCache"`` with ``static``.
+        A run that raises (``Exception``: out of memory, a scheme the model refuses; ``KeyboardInterrupt`` still
+        stops everything) is recorded as ``{"cache", "path", "context", "batch", "cached_tokens", "distinct_rows",
+        "prefill_seconds", "error": {"type", "message"}}`` (:func:`failed_run`; a failed prefill fails every run of
+        its cell, ``prefill_seconds`` ``None``), the device's memory is freed and the other runs go on; where the
+        ``DynamicCache`` run of a cell failed, its other runs' ``speedup``, ``agreement`` and ``first_divergence``
+        are ``None``. The first cell's prefill is preceded by an untimed one of ``PREFILL_WARMUP`` tokens (one-off
+        set-up is timed by no cell).
     """
     check_model_arg(model, "speed_eval")
     from kvbits.cache import attention_shape
@@ -578,6 +620,7 @@ def speed_eval(
     runs: list[dict[str, Any]] = []
     fps: dict[tuple[int, int], str] = {}
     data_name = "tokens"
+    prefill_warm = decode_warm = False
     t_wall = time.perf_counter()
     total = len(contexts) * len(batches) * (len(baselines) + len(resolved))
     with _progress(progress, total) as bar, sdpa_backends(sdpa):
@@ -587,45 +630,93 @@ def speed_eval(
                 ids, distinct, data_name, fps[(context, batch)] = _prompts(
                     prompts, tokenizer, context, batch, data_path, model
                 )
-                ids = ids.to(dev)
-                t0 = time.perf_counter()
-                hidden, kv = prefill_kv(model, ids)
-                # the first generated token, from the exact prefill (shared by every run)
-                with torch.no_grad():
-                    first = head(hidden[:, -1]).argmax(-1, keepdim=True)
-                _sync(dev)
-                prefill_s = time.perf_counter() - t0
-                del hidden
+                caches = [None, *([STATIC_BASELINE] if static else []), *resolved]
+                cell = {"context": context, "batch": batch, "cached_tokens": context + warmup + tokens,
+                        "distinct_rows": distinct}  # fmt: skip
+
+                def path_of(scheme: Any) -> str:
+                    name = _cache_name(scheme)
+                    ws = workspace and scheme is not None and not fused.get(name, False)  # unread by fused
+                    return _path(scheme, fused.get(name, False), ws, static, graphs)
+
+                kv = None
+                try:
+                    ids = ids.to(dev)
+                    if not prefill_warm:  # the process's first prefill (lazy set-up, allocations) is timed by no cell
+                        prefill_kv(model, ids[:, : min(context, PREFILL_WARMUP)])
+                        _sync(dev)
+                        prefill_warm = True
+                    t0 = time.perf_counter()
+                    hidden, kv = prefill_kv(model, ids)
+                    # the first generated token, from the exact prefill (shared by every run)
+                    with torch.no_grad():
+                        first = head(hidden[:, -1]).argmax(-1, keepdim=True)
+                    _sync(dev)
+                    prefill_s = time.perf_counter() - t0
+                    del hidden
+                except Exception as exc:  # noqa: BLE001 - the prefill: every run of the cell fails with it, recorded
+                    err, kv = run_error(exc), None
+                    free_device(dev)
+                    for scheme in caches:
+                        runs.append(failed_run(_cache_name(scheme), path_of(scheme), cell, err, None))
+                        if bar is not None:
+                            bar.update(job, advance=1)
+                    logger.error("speed: context %d, batch %d: the prefill failed (%s: %s); its %d runs are recorded "
+                                 "as failed", context, batch, err["type"], err["message"], len(caches))  # fmt: skip
+                    continue
                 ref = None
-                if not runs:  # the process's first decode (allocations, lazy set-up) is timed by no run
-                    _run_one(model, None, kv, first, None, batch=batch, context=context, tokens=1, warmup=warmup,
-                             calibration=None, fused=False, workspace=False)  # fmt: skip
-                for scheme in [None, *([STATIC_BASELINE] if static else []), *resolved]:
+                if not decode_warm:  # the process's first decode (allocations, lazy set-up) is timed by no run
+                    try:
+                        _run_one(model, None, kv, first, None, batch=batch, context=context, tokens=1, warmup=warmup,
+                                 calibration=None, fused=False, workspace=False)  # fmt: skip
+                        decode_warm = True
+                    except Exception as exc:  # noqa: BLE001 - the baseline's own run says why; warmed at the next cell
+                        logger.warning("speed: the warm-up decode at context %d, batch %d failed (%s)", context, batch,
+                                       run_error(exc)["type"])  # fmt: skip
+                        free_device(dev)
+                for scheme in caches:
                     name = _cache_name(scheme)
                     if bar is not None:
                         bar.update(job, description=f"speed {name} {context} x {batch}")
-                    rec = _run_one(
-                        model, scheme, kv, first, None if ref is None else ref["tokens"], batch=batch,
-                        context=context, tokens=tokens, warmup=warmup,
-                        calibration=calibrations.get(name), fused=fused.get(name, False),
-                        workspace=workspace and scheme is not None and not fused.get(name, False),  # unread by fused
-                        reserve=reserve, static=static, graphs=graphs,
-                    )  # fmt: skip
+                    try:
+                        rec = _run_one(
+                            model, scheme, kv, first, None if ref is None else ref["tokens"], batch=batch,
+                            context=context, tokens=tokens, warmup=warmup,
+                            calibration=calibrations.get(name), fused=fused.get(name, False),
+                            workspace=workspace and scheme is not None and not fused.get(name, False),  # unread by fused
+                            reserve=reserve, static=static, graphs=graphs,
+                        )  # fmt: skip
+                    except Exception as exc:  # one run, recorded; not KeyboardInterrupt, which still stops it
+                        err = run_error(exc)
+                        free_device(dev)
+                        runs.append(failed_run(name, path_of(scheme), cell, err, round(prefill_s, 3)))
+                        logger.error("speed %s: context %d, batch %d failed: %s: %s", name, context, batch,
+                                     err["type"], err["message"])  # fmt: skip
+                        logger.debug("speed %s: context %d, batch %d", name, context, batch, exc_info=True)
+                        if bar is not None:
+                            bar.update(job, advance=1)
+                        continue
                     rec["prefill_seconds"] = round(prefill_s, 3)
                     rec["distinct_rows"] = distinct
                     if scheme is None:
                         ref = rec
-                    # from the step times: tokens/s are rounded to 0.01, 1 % of a 0.5 tokens/s CPU run
-                    rec["speedup"] = (significant(ref["ms_per_step"] / rec["ms_per_step"], 4) if rec["ms_per_step"] > 0
-                                      else math.inf)  # fmt: skip
+                    if ref is None:  # the baseline failed at this cell: nothing to divide by or compare with
+                        rec["speedup"] = rec["agreement"] = rec["first_divergence"] = None
+                    else:
+                        # from the step times: tokens/s are rounded to 0.01, 1 % of a 0.5 tokens/s CPU run
+                        rec["speedup"] = (significant(ref["ms_per_step"] / rec["ms_per_step"], 4)
+                                          if rec["ms_per_step"] > 0 else math.inf)  # fmt: skip
                     runs.append(rec)
-                    logger.info("speed %s: context %d, batch %d: %.3f ms/step, %.1f tokens/s (%.2fx)", name,
+                    logger.info("speed %s: context %d, batch %d: %.3f ms/step, %.1f tokens/s (%sx)", name,
                                 context, batch, rec["ms_per_step"], rec["tokens_per_s"], rec["speedup"])  # fmt: skip
                     if bar is not None:
                         bar.update(job, advance=1)
                 del kv
     for rec in runs:
-        rec.pop("tokens")
+        rec.pop("tokens", None)
+    failed = [r for r in runs if r.get("error")]
+    if failed:
+        logger.error("speed: %d of %d runs failed: %s", len(failed), len(runs), failed_cells(runs))
     longest = contexts[-1] + warmup + tokens
     mismatch = {s.name: _mismatch({}, calibrations.get(s.name), longest, "stream") for s in resolved}
     for name, m in mismatch.items():

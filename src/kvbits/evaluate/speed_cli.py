@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,10 @@ refuses them (their captured replay is not verified).
 "runs": [{"cache", "path", "context", "batch", "cached_tokens", "ms_per_step", "ms_p10", "ms_p90", "ms_mean",
 "tokens_per_s", "speedup", "host_ms_per_step", "step_ms", "cache_bytes", "linear_state_bytes", "workspace_bytes", "planned_bytes", "cuda_resident_bytes",
 "cuda_peak_bytes", "cuda_graph_bytes", "decode", "graph", "agreement", "first_divergence", "prefill_seconds", "distinct_rows"}],
+a run that raised (out of memory, a refused scheme) is recorded as {"cache", "path", "context", "batch",
+"cached_tokens", "distinct_rows", "prefill_seconds", "error": {"type", "message"}} and the others go on; the
+report reads its cells "failed: <type>", and the command exits 1 after writing everything (speedup and
+agreement are null where the cell's DynamicCache run failed).
 "fingerprint", "wall_seconds",
 "peak_rss_bytes", "date", "commit", "versions"}. speedup: tokens/s over DynamicCache's at the same context
 and batch. --out DIR writes speed.json (the same), report.md and speed.png.
@@ -159,9 +164,16 @@ def run(args: argparse.Namespace) -> int:
         static=args.static, graphs=args.graphs, sdpa=args.sdpa,
         data_path=args.data_path, dtype=args.dtype, device=args.device, progress=not (args.no_progress or args.json),
     )  # fmt: skip
+    from kvbits.evaluate.speed import failed_cells
     from kvbits.report.speed import write_speed
 
-    return emit_summary(summary, args, write_speed, _print)
+    code = emit_summary(summary, args, write_speed, _print)
+    failed = failed_cells(summary["runs"])
+    if failed:  # after the summary is written: the other runs are kept, the exit status says some failed
+        print(f"kvbits speed: {sum(bool(r.get('error')) for r in summary['runs'])} of {len(summary['runs'])} runs "
+              f"failed: {failed} (their messages: report.md, speed.json's runs[].error)", file=sys.stderr)  # fmt: skip
+        return 1
+    return code
 
 
 def _print(summary: dict, out: str | None) -> None:
@@ -188,9 +200,13 @@ def _print(summary: dict, out: str | None) -> None:
                 if r is None:
                     cells.append("n/a")
                     continue
+                if r.get("error"):
+                    cells.append(f"failed: {r['error']['type']}")
+                    continue
                 size = "" if r["cache_bytes"] is None else f", {fmt_bytes(r['cache_bytes'])}"
                 size += held_beside(r)
-                cells.append(f"{fmt_float_sig(r['tokens_per_s'], 1)} ({fmt_float_sig(r['speedup'], 2)}x){size}")
+                factor = "" if r["speedup"] is None else f" ({fmt_float_sig(r['speedup'], 2)}x)"  # None: baseline failed
+                cells.append(f"{fmt_float_sig(r['tokens_per_s'], 1)}{factor}{size}")
             path = next(iter(rows.values()))["path"] if rows else ""
             table.add_row(name, path, *cells)
         console.print(table)

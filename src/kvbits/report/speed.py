@@ -5,6 +5,8 @@
 ``speed.png``: decode tokens/s against context, one line per cache, one panel per batch, and the bytes
 each cache holds at the end of the run. ``load_speed(path)`` reads a ``speed.json`` back, checked
 (:func:`check_speed`): a hand-edited, cut or foreign file is a ``ValueError`` naming the file and the field.
+A run that raised (its record holds ``error``, no timings) reads ``failed: <type>`` in every table, its message listed
+under them; the merge keeps it as any other run of its cell.
 """
 
 from __future__ import annotations
@@ -96,9 +98,15 @@ def _table(summary: Mapping[str, Any], batch: int, cell) -> list[str]:
         "|:---|" + "---:|" * len(contexts),
     ]
     for cache in _caches(summary):
-        cells = [cell(_run(summary, cache, c, batch)) for c in contexts]
+        runs = [_run(summary, cache, c, batch) for c in contexts]
+        cells = [failed_cell(r) if r is not None and r.get("error") else cell(r) for r in runs]
         lines.append(f"| {md_cell(str(cache))} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def failed_cell(r: Mapping[str, Any]) -> str:
+    """A failed run's cell in every table: ``failed: OutOfMemoryError`` (the message is listed under the tables)."""
+    return f"failed: {md_cell(str(r['error'].get('type') or 'error'))}"
 
 
 def _speed_cell(r: Mapping[str, Any] | None) -> str:
@@ -107,7 +115,7 @@ def _speed_cell(r: Mapping[str, Any] | None) -> str:
     if r is None:
         return "n/a"
     tps, speedup = fmt_float_sig(r["tokens_per_s"], 1), r["speedup"]
-    return tps if math.isnan(speedup) else f"{tps} ({fmt_float_sig(speedup, 2)}x)"
+    return tps if speedup is None or math.isnan(speedup) else f"{tps} ({fmt_float_sig(speedup, 2)}x)"
 
 
 def _ms_cell(r: Mapping[str, Any] | None) -> str:
@@ -152,6 +160,8 @@ def held_beside(r: Mapping[str, Any]) -> str:
 def _agree_cell(r: Mapping[str, Any] | None) -> str:
     if r is None:
         return "n/a"
+    if r["agreement"] is None:  # the baseline failed at this cell
+        return "n/a (no baseline)"
     first = r.get("first_divergence")
     return fmt_frac(r["agreement"], 0) + ("" if first is None else f", from step {first}")
 
@@ -291,6 +301,12 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
             "",
         ]
         lines += _table(summary, batch, _agree_cell)
+    failed = [r for r in summary["runs"] if r.get("error")]
+    if failed:
+        lines += ["## Failed runs", "", "*These runs raised; the others went on. Their cells read `failed`.*", ""]
+        lines += [f"- {md_cell(str(r['cache']))} at {fmt_pos(r['context'])} × {r['batch']}: "
+                  f"{md_cell(str(r['error'].get('type')))}: {md_cell(str(r['error'].get('message')))}"
+                  for r in failed] + [""]  # fmt: skip
     if summary.get("merged_from"):
         lines += _merged_table(summary["merged_from"])
     if figure:
@@ -389,8 +405,15 @@ def _check_run(r: Mapping[str, Any], where: str) -> None:
         field(r, key, "text", where)
     for key in ("context", "batch"):
         field(r, key, "whole", where)
-    for key in ("tokens_per_s", "speedup", "ms_per_step", "ms_p10", "ms_p90", "agreement"):
+    error = field(r, "error", "object", where, default=None)
+    if error is not None:  # a failed run: no timings, bytes or agreement
+        for key in ("type", "message"):
+            field(error, key, "text", f"{where}.error")
+        return
+    for key in ("tokens_per_s", "ms_per_step", "ms_p10", "ms_p90"):
         field(r, key, "number", where)
+    for key in ("speedup", "agreement"):  # null where the cell's baseline failed
+        field(r, key, "mean", where)
     field(r, "host_ms_per_step", "mean", where, default=None)
     for key in ("cache_bytes", "planned_bytes", "workspace_bytes", "linear_state_bytes", "cuda_resident_bytes",
                 "cuda_peak_bytes", "cuda_graph_bytes"):
