@@ -375,3 +375,26 @@ def test_zamba2s_shared_attention_block_has_no_attention_error_to_measure(caplog
     with pytest.raises(ValueError, match=r"attn_layers=\[1\] \(CLI: --attn-layers\): Zamba2ForCausalLM's attention "
                        r"block Zamba2Attention is shared by its hybrid layers \[1, 3\]"):
         evaluate(model, ids, 32, ["int4-token"], attn_layers=[1])
+
+
+@pytest.mark.parametrize("make", [_lfm2, _falcon_h1], ids=["lfm2", "falcon_h1"])
+def test_batch_repeat_and_select_keep_states_aligned_with_kv(make):
+    """Was: ``batch_repeat_interleave`` / ``batch_select_indices`` raised ``AttributeError`` ('LinearAttentionLayer'
+    has neither) on LFM2, and on Falcon-H1 (every layer ``hybrid``) repeated the K/V alone: K/V of 4 sequences, conv
+    and SSM states of 2. Now the states follow the K/V: the next step's logits are the un-repeated cache's rows."""
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids, nxt = torch.randint(1, 96, (2, 7)), torch.randint(1, 96, (2, 1))
+
+    def next_logits(op=None, arg=None, rows=None):
+        cache = QuantizedKVCache(config=cfg, scheme="fp16")
+        with torch.no_grad():
+            model(ids, **{CACHE_KW: cache})
+            if op is not None:
+                getattr(cache, op)(arg)
+            return model(nxt if rows is None else nxt[rows], **{CACHE_KW: cache}).logits[:, -1]
+
+    want = next_logits()
+    torch.testing.assert_close(next_logits("batch_repeat_interleave", 2, [0, 0, 1, 1]), want[[0, 0, 1, 1]])
+    torch.testing.assert_close(next_logits("batch_select_indices", torch.tensor([1]), [1]), want[[1]])

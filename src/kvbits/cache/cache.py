@@ -33,7 +33,7 @@ from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
 from kvbits.cache.fixed import install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
-from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
+from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class, map_state_batch
 from kvbits.cache.layer import (
     QuantizedKVLayer,
     cache_batch_size,
@@ -677,6 +677,25 @@ class QuantizedKVCache(Cache):
                 layer._reorder(beam_idx)
             else:
                 layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every cached sequence ``repeats`` times in the batch dimension: the K/V and a hybrid model's conv /
+        recurrent states alike (``kvbits.cache.hybrid.map_state_batch``; transformers' ``LinearAttentionLayer`` has no
+        such method: ``AttributeError``, and a ``hybrid`` layer repeated its K/V alone)."""
+        for layer in self.layers:
+            if _is_state_layer(layer):
+                map_state_batch(layer, lambda t: t.repeat_interleave(repeats, dim=0))
+            else:
+                layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (a batch-dim index) of every layer: the K/V and the states, as
+        ``batch_repeat_interleave``."""
+        for layer in self.layers:
+            if _is_state_layer(layer):
+                map_state_batch(layer, lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...])
+            else:
+                layer.batch_select_indices(indices)
 
     def set_static_qparams(
         self,
