@@ -249,11 +249,20 @@ def _is_state_layer(layer: Any) -> bool:
 
 def state_nbytes(layer: Any) -> int:
     """Bytes of the convolution and recurrent state tensors a ``_state_layer`` holds now (0 before its first
-    update): ``number_of_states`` of each, as transformers allocates them (model dtype, not quantized)."""
+    update): ``number_of_states`` of each, as transformers allocates them (model dtype, not quantized).
+
+    Counted by storage, each once: while recording its past (``activate_past_recording``, assisted decoding) a layer
+    keeps views (its cropped conv state, a prefill's recorded recurrent states) that hold a larger storage alive, which
+    ``numel * element_size`` undercounted (LFM2 after ``crop(-2)``: 3072 bytes reported, 10240 held)."""
     tensors = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
     for history in (getattr(layer, "recurrent_states_history", None) or {}).values():  # kept for crop (assisted)
         tensors.extend(history)
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    storages = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def linear_state_bytes(cache: Any) -> int:
