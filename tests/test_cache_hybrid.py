@@ -375,3 +375,55 @@ def test_zamba2s_shared_attention_block_has_no_attention_error_to_measure(caplog
     with pytest.raises(ValueError, match=r"attn_layers=\[1\] \(CLI: --attn-layers\): Zamba2ForCausalLM's attention "
                        r"block Zamba2Attention is shared by its hybrid layers \[1, 3\]"):
         evaluate(model, ids, 32, ["int4-token"], attn_layers=[1])
+
+
+@pytest.mark.parametrize("make", [_lfm2, _falcon_h1], ids=["lfm2", "falcon_h1"])
+def test_batch_repeat_and_select_keep_states_aligned_with_kv(make):
+    """Was: ``batch_repeat_interleave`` / ``batch_select_indices`` raised ``AttributeError`` ('LinearAttentionLayer'
+    has neither) on LFM2, and on Falcon-H1 (every layer ``hybrid``) repeated the K/V alone: K/V of 4 sequences, conv
+    and SSM states of 2. Now the states follow the K/V: the next step's logits are the un-repeated cache's rows."""
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids, nxt = torch.randint(1, 96, (2, 7)), torch.randint(1, 96, (2, 1))
+
+    def next_logits(op=None, arg=None, rows=None):
+        cache = QuantizedKVCache(config=cfg, scheme="fp16")
+        with torch.no_grad():
+            model(ids, **{CACHE_KW: cache})
+            if op is not None:
+                getattr(cache, op)(arg)
+            return model(nxt if rows is None else nxt[rows], **{CACHE_KW: cache}).logits[:, -1]
+
+    want = next_logits()
+    torch.testing.assert_close(next_logits("batch_repeat_interleave", 2, [0, 0, 1, 1]), want[[0, 0, 1, 1]])
+    torch.testing.assert_close(next_logits("batch_select_indices", torch.tensor([1]), [1]), want[[1]])
+
+
+@pytest.mark.parametrize("make", [_lfm2, _zamba2], ids=["lfm2", "zamba2"])
+def test_recorded_states_are_counted_as_held(make):
+    """``linear_state_bytes`` while recording the past (assisted decoding) is the storage the states hold alive. Was:
+    ``numel * element_size`` of views, so LFM2 after ``crop(-2)`` reported 3072 bytes of 10240 held (its conv state a
+    slice of the recorded one), Zamba2's prefill 196096 of 226560 (recurrent states sliced from the scan's output)."""
+    cfg = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme="fp16")
+    cache.activate_past_recording(recurrent_states_to_keep=4)
+
+    def held() -> int:
+        storages = {}
+        for layer in cache.layers:
+            tensors = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+            for past in (getattr(layer, "recurrent_states_history", None) or {}).values():
+                tensors.extend(past)
+            storages.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None})
+        return sum(storages.values())
+
+    with torch.no_grad():
+        model(torch.randint(1, 96, (2, 7)), **{CACHE_KW: cache})
+        assert cache.memory_report()["linear_state_bytes"] == held() > 0
+        for _ in range(3):
+            model(torch.randint(1, 96, (2, 1)), **{CACHE_KW: cache})
+        cache.crop(-2)
+        assert cache.memory_report()["linear_state_bytes"] == held() > 0

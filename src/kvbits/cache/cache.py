@@ -33,7 +33,7 @@ from kvbits.cache import checks as kv_checks
 from kvbits.cache.eager import run_eagerly
 from kvbits.cache.fixed import calibrated_length, install_artifact
 from kvbits.cache.fused import RopeTableCache, check_mode
-from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class
+from kvbits.cache.hybrid import HYBRID_TYPES, hybrid_layer_class, map_state_batch
 from kvbits.cache.layer import (
     QuantizedKVLayer,
     cache_batch_size,
@@ -253,11 +253,20 @@ def _is_state_layer(layer: Any) -> bool:
 
 def state_nbytes(layer: Any) -> int:
     """Bytes of the convolution and recurrent state tensors a ``_state_layer`` holds now (0 before its first
-    update): ``number_of_states`` of each, as transformers allocates them (model dtype, not quantized)."""
+    update): ``number_of_states`` of each, as transformers allocates them (model dtype, not quantized).
+
+    Counted by storage, each once: while recording its past (``activate_past_recording``, assisted decoding) a layer
+    keeps views (its cropped conv state, a prefill's recorded recurrent states) that hold a larger storage alive, which
+    ``numel * element_size`` undercounted (LFM2 after ``crop(-2)``: 3072 bytes reported, 10240 held)."""
     tensors = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
     for history in (getattr(layer, "recurrent_states_history", None) or {}).values():  # kept for crop (assisted)
         tensors.extend(history)
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    storages = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def linear_state_bytes(cache: Any) -> int:
@@ -681,6 +690,25 @@ class QuantizedKVCache(Cache):
                 layer._reorder(beam_idx)
             else:
                 layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every cached sequence ``repeats`` times in the batch dimension: the K/V and a hybrid model's conv /
+        recurrent states alike (``kvbits.cache.hybrid.map_state_batch``; transformers' ``LinearAttentionLayer`` has no
+        such method: ``AttributeError``, and a ``hybrid`` layer repeated its K/V alone)."""
+        for layer in self.layers:
+            if _is_state_layer(layer):
+                map_state_batch(layer, lambda t: t.repeat_interleave(repeats, dim=0))
+            else:
+                layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (a batch-dim index) of every layer: the K/V and the states, as
+        ``batch_repeat_interleave``."""
+        for layer in self.layers:
+            if _is_state_layer(layer):
+                map_state_batch(layer, lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...])
+            else:
+                layer.batch_select_indices(indices)
 
     def set_static_qparams(
         self,

@@ -11,6 +11,7 @@ transformers' linear-attention calls (``Cache.update_conv_state``, ``get_conv_st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from transformers import cache_utils
 
 from kvbits.cache.layer import QuantizedKVLayer
 
-__all__ = ["HYBRID_TYPES", "LinearStateAPI", "QuantizedHybridLayer", "hybrid_layer_class"]
+__all__ = ["HYBRID_TYPES", "LinearStateAPI", "QuantizedHybridLayer", "hybrid_layer_class", "map_state_batch"]
 
 # config layer types of a layer that attends (full attention) and keeps a linear state
 HYBRID_TYPES = ("hybrid",)
@@ -29,6 +30,20 @@ _Mixin: Any = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
 def hybrid_layer_class() -> type | None:
     """``QuantizedHybridLayer``, or ``None`` for a transformers without ``LinearAttentionLayer`` (before 5.17)."""
     return QuantizedHybridLayer if _Mixin is not None and hasattr(cache_utils, "LinearAttentionLayer") else None
+
+
+def map_state_batch(linear: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Apply ``fn`` (a batch-dim map: ``repeat_interleave`` / index select, ``(B, ...)`` -> ``(B', ...)``) to every
+    conv / recurrent state a ``LinearAttentionLayer`` holds (and the recurrent states it records for ``crop``), so
+    ``batch_repeat_interleave`` / ``batch_select_indices`` keep them aligned with the K/V rows; transformers'
+    ``LinearAttentionLayer`` has neither method (``AttributeError``). States not yet made stay ``None``."""
+    for states in (linear.conv_states, linear.recurrent_states):
+        for i, t in states.items():
+            if isinstance(t, torch.Tensor):
+                states[i] = fn(t)
+    history = getattr(linear, "recurrent_states_history", None)
+    for i, past in (history or {}).items():
+        history[i] = [fn(t) for t in past]
 
 
 class LinearStateAPI:
@@ -121,6 +136,16 @@ class QuantizedHybridLayer(LinearStateAPI, QuantizedKVLayer, *(() if _Mixin is N
     def _reorder(self, beam_idx: torch.Tensor) -> None:
         QuantizedKVLayer._reorder(self, beam_idx)
         self.linear.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Both parts (the K/V's alone left the state with the old batch: K/V rows and states misaligned)."""
+        QuantizedKVLayer.batch_repeat_interleave(self, repeats)
+        map_state_batch(self.linear, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Both parts, as ``batch_repeat_interleave``."""
+        QuantizedKVLayer.batch_select_indices(self, indices)
+        map_state_batch(self.linear, lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...])
 
     def __repr__(self) -> str:
         return "QuantizedHybridLayer(" + QuantizedKVLayer.__repr__(self).split("(", 1)[1]
