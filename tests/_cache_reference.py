@@ -356,6 +356,10 @@ def run_scenario(seed: int) -> Scenario:
                        cache._make_layer(2, "sliding_attention", {"sliding_window": W})]  # fmt: skip
     _install(cache, scheme)
     refs = [RefLayer(scheme.for_layer(li), None if li < 2 else W) for li in range(3)]
+    widen = 0 if pads is None else int(pads.max())  # a left-padded request's sinks: scheme.sinks + the most pads
+    for ref in refs[:2]:
+        if widen and ref.scheme.sinks and ref.quantizes:
+            ref.scheme = dataclasses.replace(ref.scheme, sinks=ref.scheme.sinks + widen)
     sc = Scenario(seed, cache, refs, rotary, pads, repeat, feat)
     if not refs[2].scheme.is_identity:
         feat.add("sliding-quantized" if cache.layers[2].mode == "quantized" else "sliding-fallback")

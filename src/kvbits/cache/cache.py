@@ -41,8 +41,8 @@ from kvbits.cache.layer import (
     check_crop_arg,
     check_max_cache_len,
     find_position_ids,
+    left_pads,
     offload_refusal,
-    padded_sink_rows,
     padded_sinks_message,
 )
 from kvbits.plan.config import (
@@ -63,6 +63,9 @@ from kvbits.schemes.presets import get_scheme, post_rope_advice
 from kvbits.schemes.spec import KVScheme, TensorSpec
 
 logger = logging.getLogger(__name__)
+
+# the most sink slots a left-padded request adds (QuantizedKVCache._sinks_for_request): past it, the warning instead
+MAX_PAD_SINKS = 4096
 
 __all__ = ["QuantizedKVCache", "attention_shape", "layer_windows", "linear_state_bytes", "rotary_for"]
 
@@ -360,7 +363,8 @@ class QuantizedKVCache(Cache):
         # used by pre-RoPE keys where Cache.update brings none (transformers 5.17)
         self.position_ids_hint: torch.Tensor | None = None
         self._told_no_positions = False
-        self._told_padded_sinks = False  # the warning of _look_for_padded_sinks, once per cache
+        self._told_padded_sinks = False  # the warning of _sinks_for_request, once per cache
+        self._pad_sinks = 0  # sink slots the current request adds to scheme.sinks (_sinks_for_request)
         self.fused_decode = check_mode(fused_decode)
         if self.fused_decode is True:  # the decode kernel's settings: refused here, not after the prefill
             from kvbits.kernels.dispatch import kernel_settings
@@ -537,8 +541,8 @@ class QuantizedKVCache(Cache):
             self.check_inputs()  # every layer's lazy check in one host sync, not one per layer
         if self._rotary is not None and quantized and layer.reads_positions:
             kwargs = self._with_position_ids(key_states, args, kwargs)
-        if quantized and not self._told_padded_sinks and layer.tokens_seen == 0 and layer.keeps_sinks:
-            self._look_for_padded_sinks(layer, key_states, args, kwargs)  # a request's first update only
+        if quantized and layer.tokens_seen == 0 and layer.keeps_sinks:  # a request's first update of the layer only
+            self._sinks_for_request(layer, key_states, value_states, args, kwargs)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if quantized and layer.tokens_seen > self._warn_past:  # the per-step cost: one int comparison
             self._warn_beyond_calibration(layer.tokens_seen)
@@ -598,18 +602,55 @@ class QuantizedKVCache(Cache):
                     )  # fmt: skip
                     return
 
-    def _look_for_padded_sinks(self, layer: QuantizedKVLayer, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        """Warn, once per cache, when a batch's first update ``key_states`` ``(B, H_kv, q, D)`` reaches the first layer
-        that keeps sinks with left-padded rows (``padded_sink_rows``: their sinks hold pads). A batch of more than one
-        row only; one host read at that layer's prefill, none after the warning."""
-        if key_states.shape[0] < 2 or layer is not next(
-            (x for x in self.layers if isinstance(x, QuantizedKVLayer) and x.keeps_sinks), None
-        ):  # fmt: skip
-            return
-        rows = padded_sink_rows(args, kwargs, key_states, layer.scheme.sinks, self.position_ids_hint)
-        if rows:
-            self._told_padded_sinks = True
-            logger.warning(padded_sinks_message(layer.scheme.name, layer.scheme.sinks, rows, key_states.shape[0]))
+    def _sinks_for_request(
+        self, layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor, args: tuple, kwargs: dict
+    ) -> None:
+        """Widen the sinks of ``layer`` for this request (``QuantizedKVLayer.widen_sinks``) at its first update
+        ``key_states`` / ``value_states`` ``(B, H_kv, q, D)``: decided at the first layer that keeps sinks from each
+        row's left padding (``left_pads``: the position ids, ``track_positions``'s where ``Cache.update`` brings
+        none), ``scheme.sinks`` + the most pads of a row, so every row's first ``scheme.sinks`` real tokens stay in
+        full precision; the same count for the request's later layers. Logged (INFO) once per request with the
+        slots and bytes added. One host read at that layer's prefill, none per decode step. Where it cannot tell
+        (a row of one repeated position: all pads, or a chunked prefill's first chunk) or the pads pass
+        ``MAX_PAD_SINKS``, the sinks stay ``scheme.sinks`` and a WARNING says so, once per cache."""
+        first = next((x for x in self.layers if isinstance(x, QuantizedKVLayer) and x.keeps_sinks), None)
+        if layer is first:
+            self._pad_sinks = self._padded_sink_slots(layer, key_states, value_states, args, kwargs)
+        layer.widen_sinks(self._pad_sinks)
+
+    def _padded_sink_slots(
+        self, layer: QuantizedKVLayer, key_states: torch.Tensor, value_states: torch.Tensor, args: tuple, kwargs: dict
+    ) -> int:
+        """The sink slots this request adds (``_sinks_for_request``): 0 for a single row, without position ids, or
+        unpadded rows."""
+        B, q = key_states.shape[0], key_states.shape[2]
+        found = None if B < 2 or q == 0 else left_pads(args, kwargs, key_states, self.position_ids_hint)
+        if found is None:
+            return 0
+        pads, unsure = found
+        most, n_unsure, rows = torch.stack([pads.max(), unsure.sum(), ((pads > 0) | unsure).sum()]).tolist()
+        if rows == 0:
+            return 0
+        sinks = layer.scheme.sinks
+        if n_unsure or most > MAX_PAD_SINKS:
+            if not self._told_padded_sinks:
+                self._told_padded_sinks = True
+                why = (f"{n_unsure} row(s) of this update hold one repeated position (all pads, or a chunked "
+                       "prefill's first chunk), so their padding is unknown" if n_unsure else
+                       f"a row is left-padded by {most}, more than the {MAX_PAD_SINKS} sink slots the cache adds")
+                logger.warning(padded_sinks_message(layer.scheme.name, sinks, rows, B, why))  # fmt: skip
+            return 0
+        layers = [x for x in self._quantized_layers() if x.keeps_sinks]
+        per_token = B * (key_states.shape[1] * key_states.shape[3] + value_states.shape[1] * value_states.shape[3])
+        logger.info(
+            "scheme %s: %d of the %d rows of this request are left-padded (up to %d pads): its full-precision "
+            "sinks are widened from %d to %d slots per row, so every row's first %d real tokens stay exact; at most "
+            "%d bytes more per layer (%d layers: %d bytes) in full precision, counted by memory_report()",
+            layer.scheme.name, rows, B, most, sinks, sinks + most, sinks,
+            most * per_token * key_states.element_size(), len(layers),
+            most * per_token * key_states.element_size() * len(layers),
+        )  # fmt: skip
+        return most
 
     def _with_position_ids(self, key_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
         """An update of a pre-RoPE layer that reads position ids (``QuantizedKVLayer.reads_positions``: a request's

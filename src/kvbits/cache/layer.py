@@ -3,7 +3,9 @@
 Per layer, for K and for V (shapes ``(B, H_kv, T, D)``):
 
 - the first ``scheme.sinks`` tokens stay in full precision forever (attention sinks, IntactKV): the first cache
-  slots of every row, so a left-padded row's sinks hold pads (``padded_sink_rows``: the cache warns once);
+  slots of every row, the same for all rows; for a left-padded batch ``QuantizedKVCache`` widens them per request
+  (``widen_sinks``: ``scheme.sinks`` + the most pads of a row, ``left_pads``), so every row's first
+  ``scheme.sinks`` real tokens stay in full precision;
 - later tokens enter a full-precision buffer; whenever it holds ``residual + block`` tokens its
   oldest ``block`` tokens are quantized once (``kvbits.quant.quantize``) and appended to the
   quantized store (KIVI's residual window; history is never re-quantized, unlike transformers'
@@ -57,7 +59,7 @@ logger = logging.getLogger(__name__)
 FlushObserver = Callable[[Any, str, torch.Tensor, Any], None]
 
 __all__ = [
-    "QuantizedKVLayer", "find_position_ids", "padded_sink_rows", "position_offset", "repeated_positions", "reread_offset",
+    "QuantizedKVLayer", "find_position_ids", "left_pads", "padded_sink_rows", "position_offset", "repeated_positions", "reread_offset",
 ]
 
 
@@ -149,15 +151,39 @@ def padded_sink_rows(args: tuple, kwargs: dict, key_states: torch.Tensor, sinks:
     return int((pos[:, :take] != want).any(dim=1).expand(B).sum())
 
 
-def padded_sinks_message(scheme_name: str, sinks: int, rows: int, batch: int) -> str:
-    """The once-per-cache warning ``padded_sink_rows`` leads to."""
+def left_pads(
+    args: tuple, kwargs: dict, key_states: torch.Tensor, hint: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's left padding in a request's first update ``key_states`` ``(B, H_kv, q, D)``: ``(pads, unsure)``,
+    both ``(B,)``: ``pads`` (int64) the slots before the row's first real token (left padding: the real tokens'
+    positions end at the last slot, ``q - 1 - last position``; 0 for an unpadded or a right-padded row, as
+    ``position_offset`` tells them), ``unsure`` (bool) rows of ``q > 1`` slots sharing one position, which are all
+    pads or pads and one real token (a chunked prefill's first chunk cannot tell). Position ids from
+    ``Cache.update``'s arguments, else ``hint`` (``track_positions``); ``None`` without any. Device ops only."""
+    if hint is not None and find_position_ids(args, kwargs) is None:
+        kwargs = {**kwargs, "position_ids": hint}
+    pos = _model_positions(args, kwargs, key_states)
+    if pos is None:
+        return None
+    B, q = key_states.shape[0], pos.shape[1]
+    last = pos[:, -1]
+    top, at = pos.max(dim=1)
+    right_padded = (top > last) & (at > 0)
+    pads = torch.where(right_padded, torch.zeros_like(last), (q - 1 - last).clamp_min(0))
+    unsure = (pos == pos[:, :1]).all(dim=1) if q > 1 else torch.zeros_like(last, dtype=torch.bool)
+    return pads.expand(B).contiguous(), unsure.expand(B).contiguous()
+
+
+def padded_sinks_message(scheme_name: str, sinks: int, rows: int, batch: int, why: str = "") -> str:
+    """The once-per-cache warning ``padded_sink_rows`` leads to (``StaticQuantizedKVCache``; ``QuantizedKVCache`` where
+    it cannot widen the sinks, ``why``)."""
     return (
         f"scheme {scheme_name!r} keeps the first {sinks} tokens of each sequence in full precision (attention sinks), "
         f"counted from the first cache slot of every row: {rows} of the {batch} rows of this batch are left-padded, "
         "so their sink slots hold pads and their first real tokens are quantized (measured: a tiny Llama, 2-bit K/V "
         "with 4 sinks, a row left-padded by 8: its logits 0.22 from the row run alone, against 0.08 between that run "
-        "and fp16). Run such rows unpadded (batch by length) or use a scheme without sinks for padded batches. Logged "
-        "once per cache"
+        "and fp16)" + (f" ({why})" if why else "") + ". Run such rows unpadded (batch by length) or use a scheme without "
+        "sinks for padded batches. Logged once per cache"
     )
 
 
@@ -392,6 +418,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._set_bounds(*self._head_dims)
         self.tokens_seen = 0
         self.dropped_tokens = 0
+        # full-precision sink slots added for this request (widen_sinks: a left-padded batch's most pads); reset()
+        self.pad_sinks = 0
         # a full-precision sliding window (identity scheme, fallback) keeps what it held since the last crop until
         # the next crop, which trims it back to the window (activate_past_recording, as DynamicSlidingWindowLayer)
         self.record_past = False
@@ -621,7 +649,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._read_offsets(args, kwargs, n_before, key_states)
         take = 0
         if self.mode == "quantized" and not self.is_sliding:
-            take = max(0, min(q, self.scheme.sinks - self._k.n_sinks))
+            take = max(0, min(q, self.sinks - self._k.n_sinks))
         for store, x in ((self._k, key_states), (self._v, value_states)):
             store.append_sinks(x[:, :, :take])
             store.append_buffer(x[:, :, take:])
@@ -651,6 +679,29 @@ class QuantizedKVLayer(CacheLayerMixin):
             if not self.record_past:  # else the next crop trims (activate_past_recording)
                 self._trim_window(n)
         return fused.tag(self, self._repeat_heads(keys)), self._repeat_heads(values)
+
+    @property
+    def sinks(self) -> int:
+        """Full-precision sink slots of every row in this request: ``scheme.sinks`` plus ``pad_sinks``
+        (``widen_sinks``); 0 for a layer that keeps none (sliding, identity, fallback)."""
+        return self.scheme.sinks + self.pad_sinks if self.keeps_sinks else 0
+
+    def widen_sinks(self, pads: int) -> None:
+        """Keep ``scheme.sinks + pads`` full-precision sink slots for this request (``reset()`` goes back to
+        ``scheme.sinks``): a left-padded batch whose rows hold up to ``pads`` pads before their first real token then
+        keeps every row's first ``scheme.sinks`` real tokens in full precision (rows with fewer pads keep a few more
+        real tokens). Before the request's first token only (``ValueError`` after); a no-op where no sinks are kept."""
+        if isinstance(pads, bool) or not isinstance(pads, int) or pads < 0:
+            raise ValueError(f"pads must be a non-negative int, got {pads!r}")
+        if self.tokens_seen:
+            raise ValueError(f"layer {self.layer_idx}: sinks are widened before a request's first token, "
+                             f"not after {self.tokens_seen}")  # fmt: skip
+        self.pad_sinks = pads if self.keeps_sinks else 0
+
+    @property
+    def _split_scheme(self) -> KVScheme:
+        """The scheme ``token_split`` counts this request with: ``scheme`` with this request's ``sinks``."""
+        return replace(self.scheme, sinks=self.sinks) if self.pad_sinks else self.scheme
 
     @property
     def keeps_sinks(self) -> bool:
@@ -714,6 +765,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._k.clear()
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
+        self.pad_sinks = 0  # a new request: its first update decides again (QuantizedKVCache)
         self.record_past = False  # a new request: generate activates it again for assisted decoding
         self.held_at = None
         self.resets += 1  # a new request (kvbits.monitor forgets the last one's crossings)
@@ -821,7 +873,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.mode == "quantized" and self.held_at is None:
             # the shorter sequence's split: a block flushed by the updates being rolled back stays quantized, which
             # a cache that never saw them would still hold in full precision (fewer than `residual` recent tokens)
-            want = token_split(self.scheme, n - r, self.sliding_window)
+            want = token_split(self._split_scheme, n - r, self.sliding_window)
             if self._k.n_quantized + self.dropped_tokens > want.quantized + want.dropped:
                 raise ValueError(
                     f"layer {self.layer_idx}: cannot crop {r} tokens; a block was quantized since they arrived (the "
@@ -949,8 +1001,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         layer (``hold_full_precision``) keeps every token since ``held_at`` in full precision: in the sinks while
         they are not complete (``update`` fills them whether held or not), in the buffer after."""
         if self.held_at is None:
-            return token_split(self.scheme, self.tokens_seen, self.sliding_window)
-        split = token_split(self.scheme, self.held_at, self.sliding_window)
+            return token_split(self._split_scheme, self.tokens_seen, self.sliding_window)
+        split = token_split(self._split_scheme, self.held_at, self.sliding_window)
         since = self.tokens_seen - self.held_at
-        to_sinks = min(since, self.scheme.sinks - split.sink)  # held layers are full attention: sinks kept
+        to_sinks = min(since, self.sinks - split.sink)  # held layers are full attention: sinks kept
         return replace(split, sink=split.sink + to_sinks, full=split.full + since - to_sinks)

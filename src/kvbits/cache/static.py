@@ -1073,6 +1073,10 @@ class StaticQuantizedLayer(CacheLayerMixin):
 class StaticQuantizedKVCache(Cache):
     """A transformers ``Cache`` of fixed quantized slabs that a CUDA graph can replay (see the module docstring).
 
+    A scheme's sinks are its first ``scheme.sinks`` slots of every row, fixed with the slabs: a left-padded row's
+    sinks hold its pads and its first real tokens are quantized, which a WARNING says once per cache
+    (``QuantizedKVCache`` widens a left-padded request's sinks instead, ``QuantizedKVLayer.widen_sinks``).
+
     Args:
         config: the model's config: its layers and their count (full attention; a hybrid model's ``conv`` /
             ``linear_attention`` states in transformers' ``LinearAttentionLayer`` and its ``hybrid`` layers as
