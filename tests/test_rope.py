@@ -699,3 +699,54 @@ def test_one_tensor_apply_rotary_pos_emb_is_probed(model_type):
             RotaryTables._build(text, rotary, module)
     else:
         assert RotaryTables._build(text, rotary, module).convention_checked
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_frame_modules_are_kept_not_copied_per_read(rope: str, monkeypatch):
+    """A pre-RoPE-keys cache reads ``framed_cos_sin`` on every decode step, and each read deep-copied the rotary
+    module once per frame of the cache (2 layers, 1024 tokens, frame 256: 24 deepcopies and 13-15 ms of a 14 ms
+    step on CPU). Each frame's module is now kept after its first forward: over 200 decode steps crossing the frame
+    (16 = ``original_max_position_embeddings``) a dozen times, a module is copied only when a read first reaches a
+    new frame, and the K/V served and the key codes stored equal, bit for bit, those of a fresh copy per forward."""
+    import copy
+
+    import kvbits.quant.rope as rope_mod
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.schemes import KVScheme, TensorSpec
+
+    name, kw = LENGTH_DEPENDENT[rope]
+    cfg = _config(name, head_dim=16, **kw)
+    scheme = KVScheme(
+        "test-prerope-frames",
+        key=TensorSpec(kind="int", bits=4, fmt=None, granularity="channel", group_size=8, pre_rope=True),
+        value=TensorSpec(kind="int", bits=4, fmt=None, granularity="token"),
+        sinks=1, residual=4, block=8,
+    )  # fmt: skip
+    copies = [0]
+    deepcopy = copy.deepcopy
+
+    def counting(obj, *args, **kwargs):
+        copies[0] += type(obj).__name__.endswith("RotaryEmbedding")
+        return deepcopy(obj, *args, **kwargs)
+
+    def decode() -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        cache = QuantizedKVCache(config=cfg, scheme=scheme)
+        gen = torch.Generator().manual_seed(0)
+        served, per_step = [], []
+        for step in range(201):
+            n = 8 if step == 0 else 1
+            k, v = torch.randn(2, 2, n, 16, generator=gen) * 3, torch.randn(2, 2, n, 16, generator=gen)
+            before = copies[0]
+            served += [t.clone() for t in cache.update(k, v, 0)]
+            per_step.append(copies[0] - before)
+        return served, [c.data.clone() for c in cache.layers[0]._k.chunks], per_step
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    served, codes, per_step = decode()
+    assert sum(per_step[40:]) <= (208 - 40) // 16 + 1  # at most one per new frame (base: one per frame per step)
+    monkeypatch.setattr(rope_mod, "_undecorated_forward", lambda cls: None, raising=False)  # a fresh copy each time
+    served_ref, codes_ref, per_step_ref = decode()
+    assert sum(per_step_ref[40:]) > 10 * sum(per_step[40:])
+    assert len(served) == len(served_ref) and all(torch.equal(a, b) for a, b in zip(served, served_ref))
+    assert len(codes) == len(codes_ref) >= 1 and all(torch.equal(a, b) for a, b in zip(codes, codes_ref))

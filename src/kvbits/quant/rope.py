@@ -38,6 +38,7 @@ tokens of the length a later token was decoded at beyond it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
 import logging
@@ -215,6 +216,19 @@ def _instantiate(cls: type, config: Any, device: torch.device | str | None) -> t
     if device is not None:
         module = module.to(device)
     return module.eval()
+
+
+@functools.cache
+def _undecorated_forward(cls: type) -> Any:
+    """``cls.forward`` without transformers' ``dynamic_rope_update`` (the frequency update of length-dependent rope
+    types) when that decorator is the outermost one, else None."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    fwd = getattr(cls, "forward", None)
+    wrapper = dynamic_rope_update(lambda *a, **k: None)  # every wrapper it returns shares this code object
+    if getattr(fwd, "__code__", None) is not wrapper.__code__:
+        return None
+    return getattr(fwd, "__wrapped__", None)
 
 
 def _reset_dynamic_state(rotary: torch.nn.Module) -> None:
@@ -408,7 +422,7 @@ class RotaryTables:
         parts = []
         for k in range(slot0 // W, (slot0 + n - 1) // W + 1):
             a, b = max(slot0, k * W) - slot0, min(slot0 + n, (k + 1) * W) - slot0
-            parts.append(self._forward(positions[:, a:b], dtype, (k + 1) * W))
+            parts.append(self._forward(positions[:, a:b], dtype, (k + 1) * W, framed=True))
         if len(parts) == 1:
             return parts[0]
         return torch.cat([c for c, _ in parts], dim=1), torch.cat([s_ for _, s_ in parts], dim=1)
@@ -503,14 +517,47 @@ class RotaryTables:
         buf = next(self.rotary.buffers(), None)
         return buf.device if buf is not None else torch.device("cpu")
 
+    def _length_module(self, seq_len: int | None) -> tuple[torch.nn.Module, Any]:
+        """Length-dependent rope types: the rotary module to run a forward of length ``seq_len`` on, and what to call.
+
+        The module recomputes its frequencies from each forward's ``max(position_ids) + 1``, so a forward runs on a
+        copy of the pristine ``rotary``. ``seq_len=None`` (any length): a fresh copy, called with that update. A given
+        ``seq_len`` (``framed_cos_sin``'s frame lengths, per decode read): one copy per length (per short / long switch
+        for ``longrope``), kept after its first forward has set its frequencies for that length; later forwards call
+        the undecorated forward, since transformers' ``dynamic_rope_update`` would set the same frequencies again (a
+        dynamic module only grows past, or resets below, a length it has not seen; longrope picks its factors from
+        ``seq_len > original_max_position_embeddings``). So a decode read deep-copies the module only when it reaches
+        a new frame (before: every read, once per frame of the cache) and skips the update's host sync (``dynamic``:
+        ``seq_len > max_seq_len_cached`` on a device tensor). A forward not decorated by ``dynamic_rope_update`` (a
+        remote-code module) gets a fresh copy every time, as before."""
+        if seq_len is None:
+            fresh = copy.deepcopy(self.rotary)  # the module mutates its frequencies: stay stateless
+            return fresh, fresh
+        W = self.frame
+        if self.rope_type == "longrope" and W is not None:  # short factors up to W, the long ones beyond
+            seq_len = min(seq_len, W + 1)
+        raw = _undecorated_forward(type(self.rotary))
+        modules = self.__dict__.setdefault("_length_modules", {})  # not a field: replace() starts a new table
+        key = (seq_len, self.device)
+        hit = modules.get(key) if raw is not None else None
+        if hit is not None:
+            return hit, functools.partial(raw, hit)
+        fresh = copy.deepcopy(self.rotary)
+        if raw is not None:
+            modules[key] = fresh  # its forward below sets its frequencies for seq_len
+        return fresh, fresh
+
     def _forward(
-        self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None, *, framed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(B, T, D_rot)`` of one forward of the rotary module on ``positions`` ``(B, T)`` whose length
+        is ``seq_len`` (``None``: ``max(positions) + 1``); ``framed``: ``seq_len`` is a frame length, whose module is
+        kept (``_length_module``)."""
         pos = positions.to(self.device, torch.long)
         n_real = pos.shape[1]
-        module = self.rotary
+        module, call = self.rotary, self.rotary
         if self.length_dependent:
-            module = copy.deepcopy(self.rotary)  # the module mutates its frequencies: stay stateless
+            module, call = self._length_module(seq_len if framed else None)
             if seq_len is not None or n_real == 0:
                 # one extra position makes the forward see max(position_ids) + 1 == seq_len (no positions:
                 # any length, the module's max() needs one); tables are elementwise per position, so slicing
@@ -523,7 +570,7 @@ class RotaryTables:
         x = torch.zeros((), dtype=dtype, device=pos.device)
         args = (x, pos) if self.layer_type is None else (x, pos, self.layer_type)
         with torch.no_grad():
-            out = module(*args)
+            out = call(*args)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise NotImplementedError(
                 f"{type(self.rotary).__name__} returns {type(out).__name__}, not (cos, sin) tables; "
