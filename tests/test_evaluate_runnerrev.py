@@ -69,3 +69,25 @@ def test_a_path_like_text_is_read_as_its_path(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "_load_checked_model", load)
     with pytest.raises(ValueError, match="does not exist"):
         evaluate(_tiny_llama(), tmp_path / "missing.txt", 64, ["int4-token"], attn_layers=[])
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npy", ".safetensors"])
+def test_a_token_ids_file_given_as_text_is_named_a_tensor_file(tmp_path, suffix):
+    """``--data ids.pt`` (token ids saved by ``torch.save``) was refused as "a zip archive: extract the text file",
+    a ``.safetensors`` one as "UTF-16 or UTF-32 saved without a byte-order mark", a ``.npy`` one with no hint: now
+    each is named a tensor file, with where token ids go."""
+    from safetensors.torch import save_file
+
+    from kvbits.evaluate.data import load_text
+
+    ids = torch.arange(100)
+    path = tmp_path / f"ids{suffix}"
+    if suffix == ".pt":
+        torch.save(ids, path)
+    elif suffix == ".npy":
+        np.save(path, ids.numpy())
+    else:
+        save_file({"ids": ids}, str(path))
+    with pytest.raises(ValueError, match=r"not text but a tensor file .*token ids from Python") as err:
+        load_text(str(path))
+    assert "extract the text file" not in str(err.value) and "UTF-16" not in str(err.value)
