@@ -147,6 +147,8 @@ _MAGIC = ((b"\x1f\x8b", "gzip-compressed: decompress it"), (b"BZh", "bzip2-compr
           (b"PK\x03\x04", "a zip archive: extract the text file"),
           (b"PAR1", "a Parquet file: give its text as a UTF-8 text file, or the dataset as hub:NAME"))
 _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
+# tensor files (token ids saved by torch.save, np.save, safetensors): not text, named as such when not UTF-8
+_TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors")
 
 
 def _decode(raw: bytes, where: str) -> str:
@@ -269,8 +271,8 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
 
     Raises:
         ValueError: unknown spec, a text file that does not exist, a registry file that is not
-            byte-exact, text that is not UTF-8 (a NUL character included; a compressed or Parquet file is
-            named), a ``.json``/``.jsonl`` file holding JSON, a text file or hub dataset that is empty or
+            byte-exact, text that is not UTF-8 (a NUL character included; a compressed, Parquet or tensor file
+            is named), a ``.json``/``.jsonl`` file holding JSON, a text file or hub dataset that is empty or
             whitespace alone, or a ``data_path`` that is not a folder.
         FileNotFoundError: a registry text missing from every data root.
     """
@@ -285,7 +287,18 @@ def load_text(spec: str, data_path: str | os.PathLike[str] | None = None) -> Tex
     if path.is_file():
         with open(path, "rb") as f:
             raw = f.read()
-        text = _check_has_text(_decode(raw, str(path)), f"text file {str(path)!r}")
+        try:
+            decoded = _decode(raw, str(path))
+        except ValueError:
+            if path.suffix.lower() not in _TENSOR_SUFFIXES:
+                raise
+            # torch.save's zip read "extract the text file", a safetensors header "UTF-16 saved without a byte-order mark"
+            raise ValueError(
+                f"text file {spec!r} is not text but a tensor file ({path.suffix}: token ids?): --data reads a UTF-8 "
+                "text file; give token ids from Python, evaluate(model, ids, ...) with ids an integer tensor or NumPy "
+                "array, (N,) or (W, context)"
+            ) from None
+        text = _check_has_text(decoded, f"text file {str(path)!r}")
         if path.suffix.lower() in _JSON_SUFFIXES and text.lstrip()[:1] in ("{", "["):
             # read as plain text, its keys, quotes and \u escapes would be tokenized into the perplexity
             raise ValueError(

@@ -106,6 +106,32 @@ def _data_arg(data: Any, name: str) -> str:
     return name if name in TEXTS or not isinstance(path, str) else path
 
 
+def check_data_arg(data: Any) -> Any:
+    """``evaluate``'s ``data`` as ``_load_windows`` takes it, checked before the model loads: a text spec (a ``str``;
+    a path-like is taken as its path), a ``TextSource``, or token ids as an integer ``torch.Tensor`` ``(N,)`` /
+    ``(W, context)`` (a NumPy integer array, as ``np.load`` gives it, is taken as that tensor, int64). ``TypeError``
+    for anything else and for ids that are not integers: both failed only once the model had loaded, a NumPy array
+    or a path as "text spec must be a non-empty str" (or "this model has no tokenizer"). The ids' range is checked
+    against the model's embedding table once it is loaded (``_load_windows``)."""
+    from kvbits.evaluate.data import TextSource, check_token_ids
+
+    if isinstance(data, os.PathLike):
+        return os.fspath(data)
+    if isinstance(data, np.ndarray):
+        if data.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be an integer array, got a NumPy array of {data.dtype}")
+        data = torch.from_numpy(np.ascontiguousarray(data, dtype=np.int64))
+    if isinstance(data, torch.Tensor):
+        check_token_ids(data)
+        return data
+    if isinstance(data, (str, TextSource)):
+        return data
+    raise TypeError(
+        f"data must be a text spec (a registry name, a text file's path, 'hub:NAME'), a TextSource, or token ids "
+        f"(an integer tensor or NumPy array, (N,) or (W, context)), got {type(data).__name__}"
+    )
+
+
 def _load_windows(
     data: Any, tokenizer: Any, context: int, windows: int, data_path: str | None, model: Any = None
 ):

@@ -76,6 +76,7 @@ from kvbits.evaluate.inputs import (
     _load_checked_model,
     _load_windows,
     _model_arg,
+    check_data_arg,
     check_int,
     check_layer_indices,
 )
@@ -232,7 +233,8 @@ def evaluate(
 
     Args:
         model: registry name / path (``load_model``), a ``LoadedModel``, or a transformers causal LM.
-        data: text spec (``load_text``), a ``TextSource``, or token ids ``(N,)`` / ``(W, context)``.
+        data: text spec (``load_text``; a path-like as its path), a ``TextSource``, or token ids ``(N,)`` /
+            ``(W, context)``: an integer tensor or NumPy array (``check_data_arg``).
         context: tokens per window.
         schemes: kvbits schemes (names, dicts, JSON paths, objects) or peers (``hf-quanto-int4``).
         windows: how many windows (fewer if the text is shorter; the summary says how many ran).
@@ -288,6 +290,7 @@ def evaluate(
         what the run adds, not the loading) on CUDA, None otherwise.
     """
     check_model_arg(model, "evaluate")
+    data = check_data_arg(data)  # a NumPy array or a path was refused only once the model had loaded
     ranks = resolve_ranks(distributed)
     generate = check_generate(generate)
     seed = check_int("seed", seed, 0)  # numpy's bootstrap refused a negative one only after every window had run
