@@ -750,3 +750,43 @@ def test_length_dependent_frame_modules_are_kept_not_copied_per_read(rope: str, 
     assert sum(per_step_ref[40:]) > 10 * sum(per_step[40:])
     assert len(served) == len(served_ref) and all(torch.equal(a, b) for a, b in zip(served, served_ref))
     assert len(codes) == len(codes_ref) >= 1 and all(torch.equal(a, b) for a, b in zip(codes, codes_ref))
+
+
+# (model_type, error, what the message says) of configs from_config crashed on deep inside transformers (the
+# defaults of each class, as AutoConfig.for_model builds them): vision / audio / VQ sub-configs and other configs the
+# family's text rotary module reads fields they do not have, a per-layer-type config without RoPE parameters for its
+# layer type, vision rotary modules whose forward takes no position ids, multimodal RoPE that does not fit the config
+_NOT_TEXT = "not the text config of a decoder"
+_UNBUILDABLE = [
+    ("qwen2_vl_vision", ValueError, _NOT_TEXT),  # AttributeError: no 'max_position_embeddings'
+    ("gemma3n_audio", ValueError, _NOT_TEXT),
+    ("chameleon_vqgan", ValueError, _NOT_TEXT),
+    ("llama4_vision_model", ValueError, _NOT_TEXT),
+    ("gemma4_vision", ValueError, _NOT_TEXT),  # AttributeError: no 'layer_types'
+    ("sam3_vision_model", ValueError, _NOT_TEXT),  # AttributeError: no 'rope_parameters'
+    ("moshi_depth", ValueError, _NOT_TEXT),
+    ("blt", ValueError, _NOT_TEXT),  # AttributeError: no 'hidden_size'
+    ("muse_spark_vision", ValueError, _NOT_TEXT),  # KeyError: 'axial'
+    ("cohere_compass", ValueError, r"layer_types name 'full_attention'.*unknown layer type"),  # KeyError
+    ("efficientloftr", NotImplementedError, r"forward does not take \(x, position_ids\)"),  # TypeError
+    ("eomt_dinov3", NotImplementedError, r"forward does not take \(x, position_ids\)"),
+    ("glm4v", NotImplementedError, r"multimodal RoPE \(mrope_section \[8, 12, 12\]\)"),  # RuntimeError: split sizes
+    ("hunyuan_vl", NotImplementedError, r"multimodal RoPE \(mrope_section None\)"),  # TypeError: len(None)
+]
+
+
+@pytest.mark.parametrize("model_type,error,why", _UNBUILDABLE, ids=[m for m, _, _ in _UNBUILDABLE])
+def test_configs_the_rotary_module_can_not_use_are_refused_by_name(model_type, error, why):
+    """A sweep of ``from_config`` over every config class of transformers 5.25 found 80 crashing deep inside the
+    family's rotary module (AttributeError ``'Qwen2VLVisionConfig' object has no attribute 'max_position_embeddings'``,
+    ``KeyError: 'full_attention'`` for Cohere Compass, ``RuntimeError: split_with_sizes`` for GLM-4V, a ``TypeError``
+    from a vision module's ``forward``). Each is now the module's ValueError (the module can not be built from the
+    config) or NotImplementedError (it can not run on text positions), naming the model type, the module, what it
+    raised and why."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    cfg = transformers.AutoConfig.for_model(model_type)
+    with pytest.raises(error, match=rf"model_type '{model_type}[\w]*': its rotary module \w+ .*{why}"):
+        RotaryTables.from_config(cfg)

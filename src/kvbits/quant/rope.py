@@ -59,6 +59,7 @@ from kvbits.plan.positions import (
     layer_rope_theta,
     layer_rotates,
     modeling_family,
+    mrope_section,
     no_rope_reason,
 )
 
@@ -211,8 +212,40 @@ def _rotary_class(module: Any, model_type: str) -> type:
     return min(pool, key=lambda c: len(c.__name__))
 
 
-def _instantiate(cls: type, config: Any, device: torch.device | str | None) -> torch.nn.Module:
-    module = cls(config)  # transformers 5.17 also takes device= (deprecated); 5.24 does not
+# what a family's rotary module raises when built from, or run on, a config it was not written for
+_MODULE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, IndexError, RuntimeError)
+
+
+def _unbuildable_reason(config: Any, exc: Exception) -> str:
+    """Why a rotary module could not be built from ``config`` (``exc``: what its constructor raised)."""
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(exc, KeyError) and isinstance(layer_types, (list, tuple)) and exc.args and exc.args[0] in layer_types:
+        params = getattr(config, "rope_parameters", None)
+        known = sorted(params) if isinstance(params, Mapping) else params
+        return (
+            f"its layer_types name {exc.args[0]!r}, for which its rope_parameters (keys {known}) hold no RoPE "
+            "parameters (an unknown layer type for this config)"
+        )
+    return (
+        "it is not the text config of a decoder (a vision, audio, VQ or other sub-config?): pass the model's "
+        "config or its text_config"
+    )
+
+
+def _instantiate(
+    cls: type, config: Any, device: torch.device | str | None, model_type: str | None = None
+) -> torch.nn.Module:
+    """``cls(config)`` on ``device``; ``ValueError`` naming ``model_type`` when the module can not be built from
+    ``config`` (a vision / audio sub-config missing the text fields it reads, a layer type without RoPE
+    parameters), not the constructor's own ``AttributeError`` / ``KeyError`` deep inside transformers."""
+    try:
+        module = cls(config)  # transformers 5.17 also takes device= (deprecated); 5.24 does not
+    except _MODULE_ERRORS as exc:
+        raise ValueError(
+            f"model_type {model_type or getattr(config, 'model_type', None)!r}: its rotary module {cls.__name__} "
+            f"can not be built from this {type(config).__name__} ({type(exc).__name__}: {exc}): "
+            f"{_unbuildable_reason(config, exc)}"
+        ) from exc
     if device is not None:
         module = module.to(device)
     return module.eval()
@@ -229,6 +262,18 @@ def _undecorated_forward(cls: type) -> Any:
     if getattr(fwd, "__code__", None) is not wrapper.__code__:
         return None
     return getattr(fwd, "__wrapped__", None)
+
+
+def _unrunnable_reason(text: Any, rotary: torch.nn.Module) -> str:
+    """Why a built rotary module fails on ``(x, position_ids)`` of text tokens."""
+    if hasattr(rotary, "mrope_section") or mrope_section(text) is not None:
+        section = getattr(rotary, "mrope_section", None)
+        section = mrope_section(text) if section is None else section
+        return (
+            f"it rotates by multimodal RoPE (mrope_section {section}), which this config does not fit (the "
+            "section must split the rotary frequencies)"
+        )
+    return "its forward does not take (x, position_ids) of a decoder's text tokens (not a text decoder's RoPE?)"
 
 
 def _reset_dynamic_state(rotary: torch.nn.Module) -> None:
@@ -299,9 +344,13 @@ class RotaryTables:
 
         Raises:
             ValueError: the model type has no RoPE module in transformers, or its config says this model
-                rotates no keys (Falcon with ``alibi=True``, GraniteMoeHybrid without ``position_embedding_type="rope"``).
+                rotates no keys (Falcon with ``alibi=True``, GraniteMoeHybrid without ``position_embedding_type="rope"``),
+                or the family's rotary module can not be built from it (a vision / audio / VQ sub-config, not a
+                decoder's text config; a layer type its ``rope_parameters`` give no parameters).
             NotImplementedError: the family rotates interleaved pairs (by name, or ``rope_interleave=True``), uses
-                multi-head latent attention (``kv_lora_rank``) or returns non-cos/sin tables.
+                multi-head latent attention (``kv_lora_rank``), returns non-cos/sin tables, or its rotary module
+                fails on text positions (multimodal RoPE whose ``mrope_section`` does not fit the config; a vision
+                module whose ``forward`` takes no position ids).
         """
         text = text_config(config)
         model_type = getattr(text, "model_type", None)
@@ -320,7 +369,7 @@ class RotaryTables:
         _refuse_layout(text, model_type)
         _refuse_without_rope(text, model_type)
         module = _modeling_module(model_type)
-        rotary = _instantiate(_rotary_class(module, model_type), text, device)
+        rotary = _instantiate(_rotary_class(module, model_type), text, device, model_type)
         return cls._build(text, rotary, module)
 
     @classmethod
@@ -366,7 +415,16 @@ class RotaryTables:
             types = [t for t in getattr(text, "layer_types", None) or () if t in rotary.rope_type]
             layer_type = (types or sorted(rotary.rope_type))[0]
         tables = cls(text, rotary, text.model_type, int(head_dim), 0, layer_type, _module=module)
-        tables._probe()
+        try:
+            tables._probe()
+        except NotImplementedError:  # _forward's own refusal (no (cos, sin) tables)
+            raise
+        except _MODULE_ERRORS as exc:  # the module's forward, deep inside transformers
+            raise NotImplementedError(
+                f"model_type {text.model_type!r}: its rotary module {type(rotary).__name__} fails on text positions "
+                f"({type(exc).__name__}: {exc}): {_unrunnable_reason(text, rotary)}; kvbits.quant.rope supports "
+                "the rotate-half RoPE of decoder text models"
+            ) from exc
         tables.convention_checked = tables._check_convention()
         return tables
 
