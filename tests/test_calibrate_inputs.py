@@ -289,6 +289,30 @@ def test_the_summary_caption_explains_the_columns_it_has(scheme, said, unsaid, c
     assert all(s in caption for s in said) and not any(s in caption for s in unsaid), caption
 
 
+def test_the_fp8_summary_caption_states_the_scale_calibrate_chose(capsys):
+    """With --fp8-scale centred (the default) the caption said "FP8 scale = absmax / fp8 max" and explained the mse
+    gain column as "a uniform codebook over the fitted one": on smollm2-135m layer 0's exported k_scale was 0.0358,
+    absmax / 448 = 0.0232 (step 20: x 2^(20/32)). It now gives the stepped formula, which the scales obey."""
+    import re
+
+    from kvbits.calibrate.cli import _summary
+    from kvbits.calibrate.fit import FP8_PHASES, artifact_from_samples
+
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 64, 16, generator=g) for _ in range(2)]
+    art = artifact_from_samples("fp8-e4m3", k, k, fp8_scale="centred", meta={"data": {"context": 64}})
+    art.meta["data"]["windows"] = 1
+    _summary(art)
+    out = capsys.readouterr().out
+    caption = " ".join(out[out.index("per-layer calibration") :].split("\n\n")[0].split())
+    assert f"absmax / fp8 max x 2^(step / {FP8_PHASES})" in caption and "codebook" not in caption, caption
+    assert "mse gain:" in caption and "step:" in caption, caption
+    row = art.layer_stats[0]
+    scale = float(art.tensors["layers.0.key_scale"])
+    assert re.search(r"\bstep\b", caption) and row["key_scale_step"] > 0
+    assert scale == pytest.approx(row["key_absmax"] / 448 * 2 ** (row["key_scale_step"] / FP8_PHASES), rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("points", "weights", "bits"),
     [(torch.zeros(1000), None, 4), (torch.tensor([-0.5, 0.0, 0.7]), None, 4),

@@ -879,3 +879,13 @@ def test_hybrid_calibrations_compose(hybrid):
     assert compose_artifact("fp8-e4m3,0=fp16", [art]).tensors.keys() == art.tensors.keys()  # layer 0 holds no K/V
     with pytest.raises(ValueError, match=r"calibrates only layers that store no K/V .* \[1, 3\] of 4"):
         compose_artifact("fp16,0=fp8-e4m3", [art])
+
+
+def test_cli_summary_counts_every_calibration_window(fp8, tmp_path, capsys):
+    """The export summary said "calibrated on DATA, 128 tokens" for 2 windows of 128 (smollm2-135m: "512 tokens" for
+    2 x 512 = 1,024): the window count was left out. It now reads "2 x 128 tokens"."""
+    from kvbits.cli import main
+
+    _, _, cal, _ = fp8
+    assert main(["export", "--calibration", str(cal), "--out", str(tmp_path / "y")]) == 0
+    assert ", 2 x 128 tokens)" in capsys.readouterr().out

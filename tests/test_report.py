@@ -228,6 +228,17 @@ def test_bits_at_the_context_are_shown_beside_the_long_run_bits():
     assert "in the long run" not in verdict(_summary())
 
 
+def test_bits_at_context_caption_says_which_plan_dtype_it_matches():
+    """The caption called bits at context "kvbits plan's avg_bits", but plan's default table counts a GGUF model in
+    2-byte elements while eval runs float32: smollm2-135m's kivi-2 at 512 tokens read 10.25 in the report and 6.25
+    in `kvbits plan --model smollm2-135m --context 512` (10.25 with --dtype-bytes 4). The caption says so now."""
+    s = _summary()
+    for r in s["results"]:
+        r["bits_at_context"] = r["avg_bits"]
+    caption = overall_table(s).caption
+    assert "in the dtype the model ran in" in caption and "--dtype-bytes" in caption, caption
+
+
 def test_verdict_in_report(full_run):
     md = full_run[1]["markdown"].read_text()
     assert verdict(RunSummary.load(full_run[0])) in md

@@ -94,6 +94,7 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     from rich.table import Table
 
     from kvbits._console import stdout_console
+    from kvbits.calibrate.fit import FP8_PHASES
 
     console = stdout_console()
     m, d = art.meta["model"], art.meta["data"]
@@ -109,10 +110,14 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
     stats = art.layer_stats
     cols = sorted({k for row in stats for k in row})
     # the caption explains the columns this scheme's statistics have, and only those
+    stepped = any(c.endswith("scale_step") for c in cols)  # --fp8-scale centred / mse: the scale is raised
     meaning = {
         "clip_rate": "clip rate: entries beyond the calibrated range after outliers",
-        "gain_db": "gain: weighted MSE of a uniform codebook over the fitted one",
-        "absmax": "absmax: largest |x| stored, FP8 scale = absmax / fp8 max",
+        "codebook_gain_db": "gain: weighted MSE of a uniform codebook over the fitted one",
+        "absmax": "absmax: largest |x| stored, FP8 scale = absmax / fp8 max"
+        + (f" x 2^(step / {FP8_PHASES})" if stepped else ""),
+        "scale_step": "step: the phase of least squared error on the samples",
+        "mse_gain_db": "mse gain: squared error at step 0 (absmax / fp8 max) over that at the chosen step",
     }
     said = [text for suffix, text in meaning.items() if any(c.endswith(suffix) for c in cols)]
     table = Table(title="per-layer calibration" + (f" ({'; '.join(said)})" if said else ""))

@@ -52,7 +52,9 @@ when --out reuses the finished run; null where either records none),
 "wall_seconds", "world_size", "peak_rss_bytes", "run_peak_rss_bytes", "peak_cuda_bytes"}.
 avg_bits: bits per element in the long run (residual window, sinks and sliding-window layers amortised away); bits_at_context: what the
 cache stores per element at this --context, metadata, sinks and the full-precision window included (in the
-dtype the model runs in), as `kvbits plan --model MODEL --context N` counts it; for a peer cache, the bytes its cache
+dtype the model runs in), as `kvbits plan --model MODEL --context N --dtype-bytes B` counts it with B that dtype's
+bytes (4 for the default float32; plan's own default is the config's dtype, else 2: smollm2-135m's kivi-2 at 512
+tokens is 10.25 here in float32, 6.25 in plan's default table); for a peer cache, the bytes its cache
 really holds once a window is through (codes, scales, zero-points and residual): kivi-2 is 3.0
 and, at 128 tokens, 16 in bfloat16 (32 in float32).
 wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak

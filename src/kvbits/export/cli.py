@@ -83,6 +83,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _windows(cal: dict[str, Any]) -> str:
+    """``"W x T"`` for a calibration record of W windows of T tokens; ``"T"`` where it records no window count."""
+    w = cal.get("windows")
+    return f"{w} x {cal['context']}" if isinstance(w, int) else f"{cal['context']}"
+
+
 def run(args: argparse.Namespace) -> int:
     from kvbits.export import export_vllm
 
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     per = f", {record['kv_cache_scheme']['strategy']} strategy" if record["kv_cache_scheme"]["strategy"] != "tensor" else ""
     print(
         f"{len(layers)} layers{per}: k_scale {min(ks):.4g}..{max(ks):.4g}, v_scale {min(vs):.4g}..{max(vs):.4g} "
-        f"(calibrated on {record['calibration']['data']}, {record['calibration']['context']} tokens)"
+        f"(calibrated on {record['calibration']['data']}, {_windows(record['calibration'])} tokens)"
     )
     print(f"written to {record['out_dir']}")
     if "checkpoint" in record:

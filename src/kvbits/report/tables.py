@@ -173,7 +173,8 @@ def overall_table(summary: RunSummary | Mapping[str, Any], threshold: float = DE
         caption="Whole context, all windows." + (
             " avg bits: bits per element in the long run (the full-precision window and sinks amortised); bits at "
             "context: what the cache stores per element at this run's context, metadata and full-precision tokens "
-            "included (kvbits plan's avg_bits)." if at_ctx else "") + ref_s,
+            "included, in the dtype the model ran in (kvbits plan's avg_bits with that dtype's --dtype-bytes: 4 for "
+            "float32)." if at_ctx else "") + ref_s,
     )
 
 
