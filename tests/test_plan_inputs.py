@@ -330,3 +330,19 @@ def test_a_non_finite_integer_field_is_named(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"config field {field} must be an integer, got {value!r}"):
         plan(str(path), context=100, scheme="fp16")
 
+
+def test_a_context_beyond_2_to_the_40_is_refused(capsys):
+    """--context 99999999999999999999k planned 1.0e23 tokens without a word; 2**40 is the max-context search's bound."""
+    from kvbits.cli import main
+    from kvbits.plan.limits import LIMIT
+    from kvbits.plan.planner import plan_shape
+
+    shape = ModelShape.from_dims(2, 2, 64)
+    with pytest.raises(ValueError, match=r"context must be at most 2\*\*40 = 1,099,511,627,776 tokens"):
+        plan(shape, context=[1024, LIMIT + 1], scheme="fp16")
+    with pytest.raises(ValueError, match=r"context must be at most 2\*\*40"):
+        plan_shape(shape, "fp16", context=LIMIT + 1)
+    assert plan(shape, context=LIMIT, scheme="fp16")["total_bytes"] == 2 * 2 * 2 * 64 * 2 * LIMIT
+    dims = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--scheme", "fp16"]
+    assert main(["plan", *dims, "--context", "99999999999999999999k"]) == 2
+    assert "kvbits plan: error: context must be at most 2**40" in capsys.readouterr().err
