@@ -313,3 +313,36 @@ def test_the_layer_count_is_capped(capsys):
     assert main(["plan", "--layers", "1000000", "--kv-heads", "8", "--head-dim", "128", "--context", "8k"]) == 2
     assert f"layers must be between 1 and {MAX_LAYERS}" in capsys.readouterr().err
     assert ModelShape.from_dims(MAX_LAYERS, 1, 64).n_layers == MAX_LAYERS
+
+
+@pytest.mark.parametrize("field", ["max_position_embeddings", "num_hidden_layers", "head_dim", "sliding_window",
+                                   "num_key_value_heads", "hidden_size"])  # fmt: skip
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_integer_field_is_named(tmp_path, field, value):
+    """A config.json (without a model_type transformers validates) holding NaN in an integer field failed with
+    'cannot convert float NaN to integer', infinity with an OverflowError traceback: neither named the field."""
+    base = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 64, "vocab_size": 1000, "intermediate_size": 512, "max_position_embeddings": 4096}  # fmt: skip
+    path = tmp_path / "config.json"
+    if field == "hidden_size":
+        del base["head_dim"]  # else hidden_size is read for the weights estimate alone, which may fail (logged)
+    path.write_text(json.dumps({**base, field: value}))  # json writes NaN / Infinity, as Python's json reads them
+    with pytest.raises(ValueError, match=rf"config field {field} must be an integer, got {value!r}"):
+        plan(str(path), context=100, scheme="fp16")
+
+
+def test_a_context_beyond_2_to_the_40_is_refused(capsys):
+    """--context 99999999999999999999k planned 1.0e23 tokens without a word; 2**40 is the max-context search's bound."""
+    from kvbits.cli import main
+    from kvbits.plan.limits import LIMIT
+    from kvbits.plan.planner import plan_shape
+
+    shape = ModelShape.from_dims(2, 2, 64)
+    with pytest.raises(ValueError, match=r"context must be at most 2\*\*40 = 1,099,511,627,776 tokens"):
+        plan(shape, context=[1024, LIMIT + 1], scheme="fp16")
+    with pytest.raises(ValueError, match=r"context must be at most 2\*\*40"):
+        plan_shape(shape, "fp16", context=LIMIT + 1)
+    assert plan(shape, context=LIMIT, scheme="fp16")["total_bytes"] == 2 * 2 * 2 * 64 * 2 * LIMIT
+    dims = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--scheme", "fp16"]
+    assert main(["plan", *dims, "--context", "99999999999999999999k"]) == 2
+    assert "kvbits plan: error: context must be at most 2**40" in capsys.readouterr().err

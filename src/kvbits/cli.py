@@ -250,7 +250,7 @@ def _plan_add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         type=parse_tokens,
         metavar="T",
-        help="tokens per sequence, e.g. 32768 or 32k; repeat for several (default: the model's max)",
+        help="tokens per sequence, e.g. 32768 or 32k, at most 2**40; repeat for several (default: the model's max)",
     )
     wl.add_argument("--batch", type=_positive, default=1, help="sequences held at once (default 1)")
     wl.add_argument(

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -137,9 +138,17 @@ config_value = _get  # public name: the cache reads configs (heterogeneous ones 
 
 
 def _int(value: Any, what: str) -> int | None:
+    """``value`` of the config field ``what`` as an int (an integral float too), None when unset; ``ValueError``
+    naming the field otherwise (a string, a fraction, NaN or infinity: ``int(nan)`` said only "cannot convert
+    float NaN to integer", ``int(inf)`` raised ``OverflowError``). The one check of every integer field read."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
+        or int(value) != value
+    ):
         raise ValueError(f"config field {what} must be an integer, got {value!r}")
     return int(value)
 

@@ -78,7 +78,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from kvbits.plan.config import load_shape, text_config, warn_beyond_max_positions
-from kvbits.plan.limits import fused_rope_table_bytes, max_concurrency, max_context
+from kvbits.plan.limits import LIMIT, fused_rope_table_bytes, max_concurrency, max_context
 from kvbits.plan.positions import pre_rope_problem
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
 from kvbits.schemes import KVScheme, average_bits, check_unique_names, get_scheme, layer_bytes, token_split
@@ -100,6 +100,18 @@ _FP16 = "fp16"
 def _positive_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _context(value: Any) -> int:
+    """A context to plan: a positive int of at most ``LIMIT`` (2**40) tokens, the bound the max-context search
+    stops at too; ``ValueError`` beyond it (``--context 99999999999999999999k`` planned 1.0e23 tokens silently)."""
+    value = _positive_int(value, "context")
+    if value > LIMIT:
+        raise ValueError(
+            f"context must be at most 2**40 = {LIMIT:,} tokens (the longest kvbits plans, as its max-context "
+            f"search), got {value:,}"
+        )
     return value
 
 
@@ -220,7 +232,7 @@ def plan(
         config: a transformers config, a dict, a path to ``config.json`` / a model folder / a
             ``.gguf`` file, a kvbits offline model name, a hub id, or a :class:`ModelShape`
             (``ModelShape.from_dims(layers, kv_heads, head_dim)`` to plan without a config).
-        context: tokens per sequence ``T``, or a list of them; default the config's
+        context: tokens per sequence ``T`` (at most 2**40), or a list of them; default the config's
             ``max_position_embeddings``.
         batch: sequences ``B`` held at once, all of length ``T``.
         scheme: a preset name, a scheme JSON path, a dict or a ``KVScheme``, or a list of them.
@@ -274,7 +286,7 @@ def plan(
             )
         context = shape.max_context
     contexts, many_contexts = _as_list(context)
-    contexts = [_positive_int(c, "context") for c in contexts]
+    contexts = [_context(c) for c in contexts]
     repeated = sorted({c for c in contexts if contexts.count(c) > 1})
     if repeated:
         raise ValueError(
@@ -415,7 +427,7 @@ def plan_shape(
     """
     scheme = get_scheme(scheme)
     fp16 = get_scheme(_FP16)
-    context = _positive_int(context, "context")
+    context = _context(context)
     batch = _positive_int(batch, "batch")
     totals = {"key": 0, "value": 0, "full": 0, "quantized": 0, "fixed": 0}
     elements = 0
