@@ -1331,6 +1331,54 @@ def test_sync_trap_catches_the_eager_path():
         cache.update(*rand_kv(1, 2, 4, 64, seed=31), 0)
 
 
+CLIP_HEAD = KVScheme(  # a block per chunk on both sides (head / tensor granularity), clipping on both
+    "test-clip-head",
+    key=TensorSpec(kind="int", bits=4, fmt=None, granularity="head", integer_zero=True),
+    value=TensorSpec(kind="fp8", bits=8, fmt="e4m3", granularity="tensor", static=True),
+    sinks=2, residual=3, block=4,
+)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["test-clip-head", "fp8-e4m3"])
+def test_lazy_clip_counts_one_counter_per_side(scheme):
+    """Lazy checks keep one 0-dim clip-count tensor per side, however many blocks are stored: a chunk's own count
+    is folded into the store's at the flush (a head / tensor-granularity side keeps a chunk per block, and each
+    kept its own device tensor, 130 of them after 256 tokens, counted nowhere). The counts equal what eager checks
+    count (host ints), also after reorder_cache and crop and further decode steps."""
+    sch = CLIP_HEAD if scheme == "test-clip-head" else get_scheme(scheme)
+    k, v = rand_kv(2, 2, 140, 64, seed=36)
+    k, v = (k + 8) * 100, v * 300  # keys' ranges exclude 0 (integer zero-points clip); both past FP8's 448
+    caches = [QuantizedKVCache(num_layers=1, scheme=sch, checks=m) for m in ("eager", "lazy")]
+
+    def decode(cache: QuantizedKVCache, a: int, b: int) -> None:
+        for t in range(a, b):
+            cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+
+    for c in caches:
+        c.update(k[:, :, :20], v[:, :, :20], 0)
+        decode(c, 20, 120)
+    eager, lazy = (c.layers[0] for c in caches)
+    stores = (lazy._k, lazy._v)
+    assert sch.key.granularity != "head" or len(lazy._k.chunks) > 20  # a chunk per block
+
+    def counters() -> list[int]:
+        return [sum(isinstance(t, torch.Tensor) for t in (s.clipped, *(c.clipped for c in s.chunks))) for s in stores]
+
+    assert counters() == [1, 1] and all(s.clipped.dim() == 0 for s in stores)
+    counts = eager.clipped()
+    assert lazy.clipped() == counts and min(counts) > 0, counts
+    for c in caches:
+        c.reorder_cache(torch.tensor([1, 0]))
+        if c.layers[0]._k.n_buffer:
+            c.crop(-1)
+    assert lazy.clipped() == eager.clipped() == counts  # counts of what was quantized: a batch op or crop keeps them
+    for c in caches:
+        decode(c, 120 - (c.layers[0].tokens_seen < 120), 140)
+    assert counters() == [1, 1]
+    assert lazy.clipped() == eager.clipped() and lazy.clipped()[0] > counts[0]
+
+
 def _nan_at(k: torch.Tensor, pos: int) -> torch.Tensor:
     bad = k.clone()
     bad[0, 1, pos, 3] = float("nan")

@@ -147,24 +147,14 @@ def _host_zero(clipped: int | torch.Tensor) -> bool:
     return isinstance(clipped, int) and clipped == 0
 
 
-def _sum_clipped(counts: list[int | torch.Tensor]) -> int | torch.Tensor:
-    """The sum of clip counts (host ints or device tensors) in order, the host zeros after the first skipped."""
-    total = counts[0]
-    for c in counts[1:]:
-        if not _host_zero(c):
-            total = total + c
-    return total
-
-
 def _cat_chunks(*chunks: QuantizedTensor) -> QuantizedTensor:
     """One chunk holding the chunks' tokens in order (all of one ``mergeable`` spec)."""
     first = chunks[0]
     if len(chunks) == 1:
         return first
     cat = {name: torch.cat([getattr(c, name) for c in chunks], dim=2) for name in _token_tensors(first)}
-    B, H, _, D = first.shape
-    clipped = _sum_clipped([c.clipped for c in chunks])
-    return replace(first, shape=(B, H, sum(c.n_tokens for c in chunks), D), clipped=clipped, **cat)
+    B, H, _, D = first.shape  # stored chunks keep no clip count (SideStore._commit): the merged one neither
+    return replace(first, shape=(B, H, sum(c.n_tokens for c in chunks), D), **cat)
 
 
 def _map_chunk(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
@@ -227,7 +217,9 @@ class SideStore:
         self.buffer: torch.Tensor | None = None
         self.chunks: list[QuantizedTensor] = []
         self.work: torch.Tensor | None = None
-        self.clipped: int | torch.Tensor = 0  # a 0-dim int64 device tensor when not `sync`
+        # values clipped by every flush so far, a 0-dim int64 device tensor when not `sync`: the one count per side (the
+        # chunks' own `clipped` are folded in at each flush and set to 0, so the store holds O(1) counters)
+        self.clipped: int | torch.Tensor = 0
         self.sync = True  # False: the flush path never waits for the device (lazy checks)
         self.n_dropped = 0  # quantized tokens forgotten from the front (sliding window)
         # elements quantized so far (what `clipped` counts against), counted as they were quantized: a batch op
@@ -388,6 +380,9 @@ class SideStore:
         for qt in new:
             if not _host_zero(qt.clipped):  # dynamic ranges report a host 0: no add kernel
                 self.clipped += qt.clipped
+                # counted in the store's total: the stored chunk keeps none of its own (lazy checks: a 0-dim device
+                # tensor per block for head / tensor granularity, one allocation each, counted nowhere)
+                qt.clipped = 0
             if self.work is not None:
                 self._append_work(self._dequantize(qt, p0, self.work.dtype))
             p0 += qt.n_tokens
@@ -418,11 +413,9 @@ class SideStore:
         for qt in new:
             self._write_slots(qt, at)
             at += qt.n_tokens
-        parts = [*self.chunks, *new]
-        clipped = _sum_clipped([c.clipped for c in parts])  # as _cat_chunks sums them
         views = {name: _slice_tokens(t, self.reserve_tokens, 0, at, copy=False) for name, t in self._slots.items()}
         B, H, _, D = new[0].shape
-        self.chunks = [replace(new[0], shape=(B, H, at, D), clipped=clipped, **views)]
+        self.chunks = [replace(new[0], shape=(B, H, at, D), **views)]  # clipped: 0, in the store's total
 
     def _write_slots(self, qt: QuantizedTensor, at: int) -> None:
         """Write chunk ``qt``'s token tensors into the reserved slots, from quantized token ``at`` on; those the

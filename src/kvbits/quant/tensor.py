@@ -59,7 +59,8 @@ class QuantizedTensor:
         clipped: how many elements saturated against static scales (calibration mismatch signal),
             including those a static scale of 0 collapses onto its zero-point (``zero_scale_clipped``), or
             under integer zero-points (``integer_zero``) where a token's range excludes 0;
-            a 0-dim int64 tensor on the block's device when quantized with ``sync=False``.
+            a 0-dim int64 tensor on the block's device when quantized with ``sync=False``. A chunk held by
+            ``kvbits.cache.store.SideStore`` keeps 0 here: its count went into the store's ``clipped`` at the flush.
         codebook: ``kind="nuq"``: the layer's float16 codebook (a reference; owned and counted by the
             layer, like static scales, not by the block).
         channel_mean, channel_factor: ``centre`` / ``smooth`` specs: the layer's ``(H_kv, D)`` (or
