@@ -17,6 +17,8 @@ texts stay each command's own. ``FUSED_DECODE`` maps ``--fused-decode auto|on|of
 folder and print a table, and ``emit_summary`` ends them; ``check_overwrite_has_out`` refuses an ``--overwrite``
 given without the ``--out`` it applies to. ``add_seed_arg`` gives every seeded command the same
 ``--seed`` bound, ``[0, SEED_MAX]``, and ``check_seed`` the same bound to the Python entry points that take a seed.
+``add_threads_arg`` gives every command that runs a model the same ``--threads`` (torch's intra-op threads on the
+CPU), and ``apply_threads`` sets it, before the model loads.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ __all__ = [
     "add_model_data_args",
     "add_seed_arg",
     "add_summary_output_args",
+    "add_threads_arg",
     "add_window_args",
+    "apply_threads",
     "bounded",
     "check_output_path",
     "check_overwrite_has_out",
@@ -135,6 +139,28 @@ def check_seed(seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"seed must be an int in [0, {SEED_MAX}], got {seed!r}")
     return int(seed)
+
+
+THREADS_HELP = (
+    "torch intra-op threads on CPU (default: torch's, one per core); fewer, even 1, is often faster on a machine other "
+    "jobs share, and for token-by-token decoding, whose per-token matmuls are tiny"
+)
+
+
+def add_threads_arg(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """Add ``--threads`` (an integer >= 1; default None: torch's own count) to a command that runs a model; the command
+    calls ``apply_threads(args.threads)`` before the model loads. ``note`` is appended to the help."""
+    parser.add_argument("--threads", type=bounded(int, 1), help=THREADS_HELP + note)
+
+
+def apply_threads(threads: int | None) -> None:
+    """``torch.set_num_threads(threads)``: the intra-op threads of the CPU's matmuls; None leaves torch's default (the
+    cores, or ``OMP_NUM_THREADS``). Called once, before the model loads, so its loading and every pass use it."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def add_dtype_device(parser: argparse.ArgumentParser, devices: tuple[str, ...], note: str = "") -> None:

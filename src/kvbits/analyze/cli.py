@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, add_seed_arg, add_window_args, bounded
+from kvbits._argtypes import (
+    add_dtype_device,
+    add_model_data_args,
+    add_seed_arg,
+    add_threads_arg,
+    add_window_args,
+    apply_threads,
+    bounded,
+)
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -65,6 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "blocks of min(128, --context) tokens (default 4096; the JSON's sampled_tokens: how many were)",
     )
     add_dtype_device(p, DEVICES)
+    add_threads_arg(p)
     add_seed_arg(p, "sampling seed")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON instead of a table")
     p.add_argument(
@@ -97,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{' and '.join(plot)} choose the heatmap written to --out: add --out DIR")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} exists and is not a folder; expected a folder for the outputs")
+    apply_threads(args.threads)  # before the model loads
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after

@@ -9,7 +9,15 @@ import argparse
 import sys
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, add_seed_arg, add_window_args, bounded
+from kvbits._argtypes import (
+    add_dtype_device,
+    add_model_data_args,
+    add_seed_arg,
+    add_threads_arg,
+    add_window_args,
+    apply_threads,
+    bounded,
+)
 from kvbits._json import dumps
 from kvbits.calibrate.calibrate import DEVICES
 from kvbits.cli import _positive
@@ -87,6 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="print the artifact's JSON record instead of a summary"
     )
+    add_threads_arg(p)
     return p
 
 
@@ -190,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             tasks[stage] = progress.add_task(label, total=total)
         progress.update(tasks[stage], completed=done)
 
+    apply_threads(args.threads)  # before the model loads
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after
     with progress:
         t = progress.add_task(f"loading {args.model}", total=None)

@@ -15,7 +15,9 @@ from kvbits._argtypes import (
     add_dtype_device,
     add_model_data_args,
     add_seed_arg,
+    add_threads_arg,
     add_window_args,
+    apply_threads,
     bounded,
     check_overwrite_has_out,
 )
@@ -176,12 +178,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--mode stream is refused)",
     )
     add_seed_arg(p, "bootstrap seed")
-    p.add_argument(
-        "--threads",
-        type=_positive,
-        help="torch intra-op threads (CPU); 1 is often fastest for --mode stream, whose per-token matmuls are "
-        "tiny; under torchrun the default is cores / ranks on this machine, per rank",
-    )
+    add_threads_arg(p, note=" (--mode stream); under torchrun the default is cores / ranks on this machine, per rank")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -205,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
     rank, world, local_world = env_world()  # torchrun's environment; (0, 1, 1) without it
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        apply_threads(args.threads)
     elif world > 1 and not str(args.device).startswith("cuda"):
         # the ranks on one machine share its cores (torchrun alone would leave each rank one thread)
         torch.set_num_threads(max(1, _cores() // max(1, local_world)))

@@ -13,6 +13,8 @@ from kvbits._argtypes import (
     add_model_data_args,
     add_seed_arg,
     add_summary_output_args,
+    add_threads_arg,
+    apply_threads,
     bounded,
     check_overwrite_has_out,
     emit_summary,
@@ -123,6 +125,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     add_summary_output_args(p, "needle")
     add_dtype_device(p, DEVICES)
+    add_threads_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -148,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         from kvbits.report.needle import check_needle_out
 
         check_needle_out(args.out, overwrite=args.overwrite)
+    apply_threads(args.threads)  # before needle_eval() loads the model
     summary = needle_eval(
         args.model, args.context, args.scheme, data=args.data, depths=args.depths, trials=args.trials, task=task,
         semantics=args.semantics, calibration=args.calibration,

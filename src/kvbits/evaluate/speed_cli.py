@@ -13,6 +13,8 @@ from kvbits._argtypes import (
     add_dtype_device,
     add_model_data_args,
     add_summary_output_args,
+    add_threads_arg,
+    apply_threads,
     bounded,
     check_overwrite_has_out,
     emit_summary,
@@ -125,7 +127,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "that is, every decode step; default auto)",
     )  # fmt: skip
     add_calibration_arg(p)
-    p.add_argument("--threads", type=_positive, help="torch intra-op threads on CPU (default: torch's)")
+    add_threads_arg(p)
     add_summary_output_args(p, "speed")
     add_dtype_device(p, DEVICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -133,8 +135,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from kvbits.evaluate.request import check_device
     from kvbits.evaluate.speed import speed_eval
 
@@ -155,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
         from kvbits.report.speed import check_speed_out
 
         check_speed_out(args.out, overwrite=args.overwrite)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     summary = speed_eval(
         args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
         data=args.data, calibration=args.calibration,

@@ -8,7 +8,14 @@ import sys
 from collections import Counter
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_output_path
+from kvbits._argtypes import (
+    add_dtype_device,
+    add_model_data_args,
+    add_threads_arg,
+    apply_threads,
+    bounded,
+    check_output_path,
+)
 from kvbits.monitor.export import RESERVED_LABELS, check_label_name, strict_json
 
 __all__ = ["add_parser", "run"]
@@ -88,6 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--events", metavar="FILE", help="append the events as JSON lines")
     p.add_argument("--json", action="store_true", help="print the snapshot as JSON on stdout (nothing else)")
     add_dtype_device(p, ("cpu", "cuda"))
+    add_threads_arg(p)
     return p
 
 
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         beyond_calibration=args.beyond_calibration, scope=args.scope, patience=args.patience,
         sample_every=args.sample_every,
     )  # fmt: skip
+    apply_threads(args.threads)  # before watch() loads the model
     mon = watch(args.model, args.data, args.context, args.scheme, policy, calibration=args.calibration,
                 data_path=args.data_path, dtype=args.dtype, device=args.device, labels=labels)  # fmt: skip
     if args.prom:

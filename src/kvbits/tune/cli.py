@@ -11,7 +11,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvbits._argtypes import add_dtype_device, add_model_data_args, bounded, check_overwrite_has_out
+from kvbits._argtypes import (
+    add_dtype_device,
+    add_model_data_args,
+    add_threads_arg,
+    apply_threads,
+    bounded,
+    check_overwrite_has_out,
+)
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
 
@@ -127,6 +134,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the tune record as JSON")
     add_dtype_device(p, DEVICES)
+    add_threads_arg(p)
     p.add_argument(
         "--no-progress", action="store_true",
         help="no progress bar: one line per probed layer, round and check pass on stderr instead (as --json)",
@@ -144,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: expected a .json path (what --scheme takes back)")
     if args.out:
         check_tune_out(args.out, overwrite=args.overwrite)  # before the passes, not after
+    apply_threads(args.threads)  # before tune() loads the model
     bar = not (args.no_progress or args.json)
     with _lines_without_bar(not bar):
         res = tune(
