@@ -141,7 +141,7 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
                 (
                     "-"
                     if c not in row
-                    else f"{row[c]:.3%}"
+                    else _clip_rate(row[c])
                     if c.endswith("clip_rate")
                     else f"{row[c]:.4g}"
                     if c.endswith(("absmax", "scale_step"))
@@ -160,6 +160,13 @@ def _summary(art: Any, shown_layers: int = 3) -> None:
                 console.print(
                     f"layer {i:>3} {side:<5} codebook: " + " ".join(f"{v:+.3f}" for v in cb.float().tolist())
                 )
+
+
+def _clip_rate(rate: float) -> str:
+    """A layer's clip rate as a percentage with 3 decimals; one that rounds to 0 but is not is ``<0.001%``, not
+    ``0.000%`` (which reads as nothing clipped), as the calibration report writes it."""
+    text = f"{rate:.3%}"
+    return "<0.001%" if rate > 0 and float(text[:-1]) == 0 else text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -143,7 +143,10 @@ def _record_from(meta_path: Path, p: str, scheme: str, artifact_id: str | None) 
         meta = loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(meta, Mapping) or (meta.get("scheme") or {}).get("name") != scheme:
+    # a file that is not a calibration record (hand-edited, another tool's) is not this scheme's artifact: the
+    # report names the calibration as not found rather than failing on it
+    recorded = meta.get("scheme") if isinstance(meta, Mapping) else None
+    if not isinstance(recorded, Mapping) or recorded.get("name") != scheme:
         return None
     files = meta.get("files") if isinstance(meta.get("files"), Mapping) else {}
     shas = {f"sha256:{f.get('sha256')}" for f in files.values() if isinstance(f, Mapping)}
