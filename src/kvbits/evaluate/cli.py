@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         sys.stdout.write(dumps(summary, indent=2) + "\n")
         return 0
-    print_summary(summary)
+    print_summary(summary, calibration_warnings=False)  # logged on stderr already (the runner): said once
     if args.out is not None:  # as needle and speed say where their files went
         written = [n for n in ("summary.json", "report.md", "report.html") if (Path(args.out) / n).is_file()]
         print(f"wrote {args.out}/{', '.join(written)}")
