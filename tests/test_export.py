@@ -889,3 +889,17 @@ def test_cli_summary_counts_every_calibration_window(fp8, tmp_path, capsys):
     _, _, cal, _ = fp8
     assert main(["export", "--calibration", str(cal), "--out", str(tmp_path / "y")]) == 0
     assert ", 2 x 128 tokens)" in capsys.readouterr().out
+
+
+def test_cli_without_checkpoint_says_how_to_serve(fp8, tmp_path, capsys):
+    """Without --checkpoint the export printed "serve: vllm serve <checkpoint> --kv-cache-dtype fp8", though --out holds
+    the scales alone and no checkpoint was named: it now says to rerun with --checkpoint, then serve --out."""
+    from kvbits.cli import main
+
+    _, _, cal, _ = fp8
+    out = tmp_path / "y"
+    assert main(["export", "--calibration", str(cal), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "<checkpoint>" not in printed
+    assert f"serve: {out} holds the scales only" in printed and "rerun with --checkpoint DIR" in printed
+    assert f"then: vllm serve {out} --kv-cache-dtype fp8\n" in printed

@@ -1096,3 +1096,22 @@ def test_numpy_ints_are_taken_as_counts_and_a_non_str_label_name_is_refused_by_n
             FallbackPolicy(sample_every=bad)
     with pytest.raises(TypeError, match="label name must be a str"):
         CacheMonitor(QuantizedKVCache(config=llama().config, scheme="kivi-2"), labels={1: "a"})  # type: ignore[dict-item]
+
+
+def test_monitor_help_documents_the_scheme_label_and_what_clipped_fraction_reads():
+    """``kvbits monitor --help`` named neither the ``scheme`` label every Prometheus series carries nor what
+    ``--clipped-fraction`` is measured over (one token's values per check for one-token blocks: 2 of 192 clipped on
+    smollm2-135m is 1.04 %, so small thresholds hold at once); both are said now, with a threshold for such blocks."""
+    import argparse
+
+    from kvbits.monitor.cli import EPILOG, add_parser
+    from kvbits.monitor.export import RESERVED_LABELS
+
+    text = " ".join(EPILOG.split())
+    assert 'scheme="NAME"' in text and "every series carries" in text
+    assert all(name in text for name in RESERVED_LABELS)  # the names --label refuses
+    assert "over the values that flush quantized" in text and "one token's values" in text
+    assert "e.g. 0.05" in text
+    p = add_parser(argparse.ArgumentParser().add_subparsers())
+    (clip,) = [a for a in p._actions if "--clipped-fraction" in a.option_strings]
+    assert "one token's values per check" in clip.help

@@ -124,3 +124,22 @@ def test_the_nope_layers_the_readme_names_keep_their_keys_as_they_come() -> None
         "exaone4", num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]
     )
     assert [layer_rotates(exa, i) for i in range(4)] == [True, True, True, False]
+
+
+def test_eval_help_says_which_cache_its_kivi2_example_is() -> None:
+    """``kvbits eval --help``'s bits_at_context paragraph gave "kivi-2 is 3.0 and, at 128 tokens, 16 in bfloat16" under
+    "for a peer cache", which read as a peer named kivi-2 (kivi-2 is a kvbits preset; the peers are hf-quanto-*): the
+    example now sits with kvbits' schemes, its figures as kvbits plan counts them, and the peer clause names the peers."""
+    from kvbits.evaluate.cli import EPILOG
+
+    text = " ".join(EPILOG.split())
+    peer = text[text.index("for a peer cache"):text.index("wall_seconds:")]
+    assert "kivi-2" not in peer and "hf-quanto-int2" in peer
+    m = re.search(r"kvbits' kivi-2 preset stores ([\d.]+) in the long run and, at (\d+) tokens, where nothing is "
+                  r"quantized yet, (\d+) in bfloat16, (\d+) in float32", text)
+    assert m
+    long_run, tokens, bf16, fp32 = float(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+    for dtype_bytes, stated in ((2, bf16), (4, fp32)):
+        (p,) = kvbits.plan(SMOLLM2, context=tokens, batch=1, scheme=["kivi-2"], dtype_bytes=dtype_bytes)
+        assert p["avg_bits"] == pytest.approx(stated)
+    assert average_bits(kvbits.get_scheme("kivi-2"), head_dim=64, n_heads=3) == pytest.approx(long_run)

@@ -977,3 +977,24 @@ def test_an_infinite_kl_is_named_on_the_log_plot_not_passed_for_missing(tmp_path
     kl.plot_kl(RunSummary.from_dict(s), tmp_path / "kl.png")
     shown = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
     assert shown == ["fp16 (all zero)", "kivi-4 (+inf at 1 of 4, not drawn)", "kivi-2 (+inf, not drawn)"]
+
+
+def test_eval_cli_says_calibration_warnings_once_on_stderr(monkeypatch, capsys):
+    """kvbits eval logged the clipping / beyond-calibration warning on stderr (the runner's ``_warn_mismatch``) and
+    printed it again on stdout under the summary: once now, on stderr."""
+    from kvbits.cli import main
+    from kvbits.evaluate import runner
+    from kvbits.evaluate.measures import _warn_mismatch
+
+    def fake_evaluate(*args, **kwargs):
+        s = _calibrated_summary()
+        for r in s["results"]:
+            _warn_mismatch(r["scheme"], r["calibration"], s["context"])
+        return s
+
+    monkeypatch.setattr(runner, "evaluate", fake_evaluate)
+    assert main(["eval", "--model", "m", "--data", "d", "--context", "8192", "--scheme", "kivi-4"]) == 0
+    out, err = capsys.readouterr()
+    said = "kivi-4 serves 7,680 of 8,192 positions per window beyond the 512 tokens it was calibrated on"
+    assert said not in out and "Warning" not in out
+    assert err.count(said) == 1 and "clips 0.250% of its keys" in err

@@ -56,9 +56,10 @@ avg_bits: bits per element in the long run (residual window, sinks and sliding-w
 cache stores per element at this --context, metadata, sinks and the full-precision window included (in the
 dtype the model runs in), as `kvbits plan --model MODEL --context N --dtype-bytes B` counts it with B that dtype's
 bytes (4 for the default float32; plan's own default is the config's dtype, else 2: smollm2-135m's kivi-2 at 512
-tokens is 10.25 here in float32, 6.25 in plan's default table); for a peer cache, the bytes its cache
-really holds once a window is through (codes, scales, zero-points and residual): kivi-2 is 3.0
-and, at 128 tokens, 16 in bfloat16 (32 in float32).
+tokens is 10.25 here in float32, 6.25 in plan's default table; kvbits' kivi-2 preset stores 3.0 in the long
+run and, at 128 tokens, where nothing is quantized yet, 16 in bfloat16, 32 in float32); for a peer cache
+(hf-quanto-int4 / hf-quanto-int2, transformers' QuantizedCache), the bytes that cache really holds once a window
+is through (quanto's codes, scales, zero-points and full-precision residual of 128 tokens).
 wall_seconds: the loop over the windows; world_size: the ranks that ran. peak_rss_bytes: the process's peak
 resident set in bytes (getrusage ru_maxrss, model loading included; null where unavailable);
 run_peak_rss_bytes: the resident peak from the loaded model to the end of the run (Linux VmHWM
@@ -257,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         sys.stdout.write(dumps(summary, indent=2) + "\n")
         return 0
-    print_summary(summary)
+    print_summary(summary, calibration_warnings=False)  # logged on stderr already (the runner): said once
     if args.out is not None:  # as needle and speed say where their files went
         written = [n for n in ("summary.json", "report.md", "report.html") if (Path(args.out) / n).is_file()]
         print(f"wrote {args.out}/{', '.join(written)}")

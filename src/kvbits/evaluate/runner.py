@@ -366,6 +366,9 @@ def evaluate(
         if stored is not None:
             if ranks.main:  # reused, not rerun: said as a run would say it (kvbits.evaluate.calib_text)
                 warn_stored(stored, calibrations, data, data_path)
+                for res in stored.get("results") or []:  # and its clipping / beyond-calibration, as a run logs them
+                    if isinstance(res, dict) and isinstance(res.get("calibration"), dict):
+                        _warn_mismatch(str(res.get("scheme")), res["calibration"], int(stored.get("context") or 0))
             if on_skip:
                 on_skip(stored)
             return stored

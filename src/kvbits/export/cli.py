@@ -118,7 +118,15 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"checkpoint {ck['path']}: {len(ck['linked'])} files linked, {', '.join(ck['written'])} written"
         )
-    print(f"serve: {record['serve']}")
+    if "checkpoint" in record:
+        print(f"serve: {record['serve']}")
+    else:  # the scales alone: vLLM serves a model folder, which --checkpoint makes of --out
+        flags = record["serve"].partition("<checkpoint>")[2]
+        print(
+            f"serve: {record['out_dir']} holds the scales only, not a model vLLM can serve: rerun with --checkpoint DIR "
+            f"(the calibrated model's Hugging Face folder) to write a servable folder there, then: vllm serve "
+            f"{record['out_dir']}{flags}"
+        )
     for note in record.get("notes", ()):
         print(f"note: {note}")
     return 0

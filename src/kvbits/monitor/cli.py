@@ -38,6 +38,16 @@ the mean and the histogram), "clipped" (in the measured flushes: --sample-every 
 "events": [{"time", "layer", "side", "signal", "value", "threshold", "sequence", "tokens", "action", ...labels}]};
 an event's "sequence" is the batch row of a key_error / value_error (the worst one), null for clipped_fraction and
 beyond_calibration, which are read over the whole batch.
+--clipped-fraction is checked at each measured flush, over the values that flush quantized (every sequence, KV head
+and channel of its tokens). Schemes with one-token blocks (kvquant-4, fp8-e4m3, vllm-int4) flush one token per decode
+step, so each check reads one token's values: 192 on smollm2-135m (3 KV heads x 64), where one clipped value is
+0.52 % and two 1.04 %, so a threshold near the 0.1 % warning level holds a layer at the first token that clips at
+all. For those, give a few clipped values' worth, e.g. 0.05 (10 of 192); the run's rate is the table's clipped
+columns (the snapshot's "clipped_fraction", over every measured flush).
+Prometheus (--prom): every series carries the label scheme="NAME" (the scheme's name), and layer / side (per-layer
+series), signal / action (kvbits_fallback_events_total), le (histogram buckets) where they apply, plus the --label
+pairs. Events and the snapshot's "labels" carry scheme and the --label pairs too. --label refuses the names
+kvbits sets (scheme, layer, side, signal, action, le, and the event fields time, value, threshold, sequence, tokens).
 """
 
 _threshold = bounded(float, 0, what="a relative error")
@@ -76,7 +86,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--clipped-fraction", type=_fraction,
-        help="hold when more of a block's values clip than this fraction (default: unset, no clipping threshold)",
+        help="hold when more of a flush's values clip than this fraction (default: unset, no clipping threshold); "
+        "with one-token blocks (kvquant-4, fp8-e4m3) that is one token's values per check: see below",
     )  # fmt: skip
     p.add_argument("--beyond-calibration", action="store_true", help="hold past the calibrated context")
     p.add_argument("--scope", choices=("layer", "request"), default="layer", help="what a crossing holds (default layer)")

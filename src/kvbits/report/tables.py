@@ -322,11 +322,15 @@ def print_summary(
     summary: RunSummary | Mapping[str, Any] | str | Path,
     console: Console | None = None,
     threshold: float = DEFAULT_THRESHOLD,
+    *,
+    calibration_warnings: bool = True,
 ) -> None:
     """Print a run to the terminal: setting, bucket table, overall table, calibration warnings (served
     beyond the calibrated length, clipping above ``CLIP_WARN_FRAC``) and the verdict.
 
     ``summary`` is a parsed ``summary.json``, a :class:`RunSummary`, or a path to a run folder.
+    ``calibration_warnings=False`` leaves those warnings out, for a caller that logged them already (``kvbits eval``
+    logs them on stderr as the run ends, or as it reuses a finished run): said once, not again on stdout.
     """
     from rich.markup import escape
 
@@ -344,9 +348,10 @@ def print_summary(
     gen = generation_table(run)
     if gen is not None:
         console.print(rich_table(gen))
-    from kvbits.report.calibration import calibration_rows, calibration_warnings  # it imports this module
+    from kvbits.report.calibration import calibration_rows
+    from kvbits.report.calibration import calibration_warnings as warning_lines  # it imports this module
 
-    for line in calibration_warnings(calibration_rows(run)):
+    for line in warning_lines(calibration_rows(run)) if calibration_warnings else ():
         console.print(_bold_markup(line, "[bold yellow]", "[/bold yellow]"), style="yellow")
     console.print(_bold_markup(verdict(run, threshold), "[bold]", "[/bold]"))
 
