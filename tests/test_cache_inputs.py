@@ -97,7 +97,8 @@ def test_generate_past_calibrated_length_warns_once(caplog):
     msg = msgs[0]
     assert msg.startswith("QuantizedKVCache (scheme fp8-e4m3): 25 tokens cached, past the 24-token context")
     assert "calibration_report()" in msg and "positions_beyond_calibrated" in msg
-    assert "recalibrate with `kvbits calibrate --context`" in msg and "once per calibration artifact" in msg
+    assert "Calibrate with --context at the longest context served to cover every position." in msg
+    assert "once per calibration artifact" in msg
     rows = past.calibration_report()["layers"]
     assert [r["positions_beyond_calibrated"] for r in rows] == [11, 11]
     assert [r["clipped_keys"] for r in rows] == [0, 0]  # the widened ranges: no clipping warning either

@@ -682,6 +682,35 @@ def test_a_few_clipped_elements_never_print_as_zero_percent():
     assert cells[4:6] == ["0", "<0.001% (3)"]
 
 
+def test_calibration_warning_ends_with_the_advice_eval_logs(tmp_path, caplog):
+    """The report said how many positions a scheme served past its calibrated length but not what to do, where
+    ``kvbits eval``'s log added 'Calibrate with --context N to cover every position.': the report's warning (Markdown,
+    HTML, terminal) ends with the same sentence now, naming the run's context; a record without the run's context
+    advises the calibrated length plus the positions beyond it (eval's log said '--context 0')."""
+    from rich.console import Console
+
+    from kvbits.evaluate.measures import _warn_mismatch
+    from kvbits.report.calibration import calibration_row, calibration_warnings
+
+    advice = "Calibrate with --context 8192 to cover every position."
+    md = write_report(_write_run(tmp_path / "run", _calibrated_summary(), config=_config(), tokens=False),
+                      plots=False)["markdown"].read_text()  # fmt: skip
+    assert "(warning level 0.1%). " + advice + "\n" in md
+    con = Console(record=True, width=400, color_system=None)
+    print_summary(_calibrated_summary(), con)
+    assert "(warning level 0.1%). " + advice in con.export_text()
+    with caplog.at_level("WARNING", logger="kvbits"):
+        for context in (8192, 0):
+            _warn_mismatch("kivi-4", _calibrated_summary()["results"][1]["calibration"], context)
+    assert caplog.text.count(advice) == 2 and "--context 0" not in caplog.text
+    within = calibration_row("x", {"max_calibrated_length": 512, "positions_beyond_calibrated": 0,
+                                   "clipped_keys_frac": 0.01}, 512)  # fmt: skip
+    assert "Calibrate" not in calibration_warnings([within])[0]  # clipping alone: no --context advice
+    from kvbits.report.calibration import cover_advice  # the one sentence the caches' warnings say too
+
+    assert cover_advice(8192) == advice
+
+
 def test_print_summary_shows_calibration_warnings():
     from rich.console import Console
 

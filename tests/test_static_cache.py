@@ -822,6 +822,7 @@ def test_static_cache_calibrated_parameters(caplog):
             StaticQuantizedKVCache(config=model.config, scheme=scheme, max_cache_len=100, calibration=art)
     said = [r.getMessage() for r in caplog.records if "max_calibrated_length" in r.getMessage()]
     assert len(said) == 1 and f"max_cache_len=100 reserves positions past the {longest}-token context" in said[0]
+    assert said[0].endswith("Calibrate with --context 100 to cover every position.")  # the report's advice
 
 
 @pytest.mark.parametrize(

@@ -555,12 +555,13 @@ class QuantizedKVCache(Cache):
         if "length" in self._logged:  # another cache serving the artifact said so since this one was made
             return
         self._logged.add("length")
+        from kvbits.report.calibration import cover_advice  # once per artifact: off the per-step path
+
         logger.warning(
             "QuantizedKVCache (scheme %s): %d tokens cached, past the %d-token context its calibration artifact "
             "was calibrated on (max_calibrated_length): later positions are served with statistics extrapolated "
-            "from shorter contexts. calibration_report() counts them per layer (positions_beyond_calibrated); "
-            "recalibrate with `kvbits calibrate --context` covering the longest context served. Logged once per "
-            "calibration artifact.", self.scheme.name, tokens, longest,
+            "from shorter contexts. calibration_report() counts them per layer (positions_beyond_calibrated). "
+            "%s Logged once per calibration artifact.", self.scheme.name, tokens, longest, cover_advice(None),
         )  # fmt: skip
 
     @property

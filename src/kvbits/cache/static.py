@@ -1478,12 +1478,14 @@ class StaticQuantizedKVCache(Cache):
         longest = getattr(artifact, "max_calibrated_length", None)
         if longest is not None and self._max_len > int(longest) and "length" not in artifact.logged:
             artifact.logged.add("length")  # once per artifact, as QuantizedKVCache says it
+            from kvbits.report.calibration import cover_advice
+
             logger.warning(
                 "StaticQuantizedKVCache (scheme %s): max_cache_len=%d reserves positions past the %d-token context its "
                 "calibration artifact was calibrated on (max_calibrated_length): they would be served with statistics "
                 "extrapolated from shorter contexts (calibration_report() counts what saturates). Replayed steps are not seen by "
-                "the host, so this is said here, once per artifact; recalibrate with `kvbits calibrate --context` "
-                "covering the longest context served.", self.scheme.name, self._max_len, int(longest),
+                "the host, so this is said here, once per artifact. %s",
+                self.scheme.name, self._max_len, int(longest), cover_advice(self._max_len),
             )  # fmt: skip
         for layer in self.kv_layers:
             install_artifact(layer, artifact, check_heads=self._config is None)

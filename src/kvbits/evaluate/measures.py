@@ -139,13 +139,13 @@ def _warn_mismatch(scheme: str, record: dict[str, Any], context: int) -> None:
     """Log what the report flags in a scheme's calibration record (``_mismatch``), in its words:
     positions served beyond the calibrated length, and clipping above the report's warning level, so
     a terminal run (no ``--out``, no report) says it too."""
-    from kvbits.report.calibration import calibration_issues, calibration_row
+    from kvbits.report.calibration import calibration_advice, calibration_issues, calibration_row
 
     row = calibration_row(scheme, record, context)
     issues = calibration_issues(row)
     if issues:
-        hint = f" Calibrate with --context {context} to cover every position." if row.beyond else ""
-        logger.warning("%s %s.%s", scheme, "; ".join(issues), hint)
+        advice = calibration_advice(row)  # the report's advice too
+        logger.warning("%s %s.%s", scheme, "; ".join(issues), f" {advice}" if advice else "")
 
 
 def _warn_unquantized(model: Any, scheme: Any, context: int) -> bool:

@@ -43,11 +43,13 @@ __all__ = [
     "CALIBRATION_NOTE",
     "CLIP_WARN_FRAC",
     "CalibrationRow",
+    "calibration_advice",
     "calibration_issues",
     "calibration_row",
     "calibration_rows",
     "calibration_table",
     "calibration_warnings",
+    "cover_advice",
 ]
 
 logger = logging.getLogger(__name__)
@@ -346,8 +348,33 @@ def calibration_issues(row: CalibrationRow, clip_threshold: float = CLIP_WARN_FR
     return issues
 
 
+def cover_advice(context: int | None) -> str:
+    """What to do about positions served beyond the calibrated length, as one sentence: calibrate again with
+    ``--context`` the longest context served (``context`` tokens; None or 0: not known, then said in words). The
+    same words in ``kvbits eval``'s log, the report's warning and the caches' warnings."""
+    if context:
+        return f"Calibrate with --context {int(context)} to cover every position."
+    return "Calibrate with --context at the longest context served to cover every position."
+
+
+def _advised_context(row: CalibrationRow) -> int | None:
+    """The ``--context`` that covers every position ``row`` served: the run's context, or, where it is not
+    recorded, the calibrated length plus the positions beyond it; None where neither is known."""
+    if row.context:
+        return row.context
+    if row.calibrated_length is not None and row.beyond:
+        return row.calibrated_length + row.beyond
+    return None
+
+
+def calibration_advice(row: CalibrationRow) -> str:
+    """:func:`cover_advice` for a row served beyond its calibrated length, else ``""``."""
+    return cover_advice(_advised_context(row)) if row.beyond else ""
+
+
 def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLIP_WARN_FRAC) -> list[str]:
-    """One warning line per scheme with :func:`calibration_issues`; inline ``**bold**`` marks the scheme."""
+    """One warning line per scheme with :func:`calibration_issues`, ending with :func:`calibration_advice` where it
+    served positions beyond its calibrated length; inline ``**bold**`` marks the scheme."""
     lines = []
     for row in rows:
         issues = calibration_issues(row, clip_threshold)
@@ -356,5 +383,6 @@ def calibration_warnings(rows: list[CalibrationRow], clip_threshold: float = CLI
                 if row.overlap_tokens else ""  # fmt: skip
             issues.append(f"was calibrated on the evaluated text{shared}, so its figures flatter it")
         if issues:
-            lines.append(f"Warning: **{text(row.scheme)}** " + "; ".join(issues) + ".")
+            advice = calibration_advice(row)
+            lines.append(f"Warning: **{text(row.scheme)}** " + "; ".join(issues) + "." + (f" {advice}" if advice else ""))
     return lines
