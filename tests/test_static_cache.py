@@ -934,6 +934,46 @@ def test_graphed_decode_refuses_another_cache_after_its_capture(monkeypatch):
         assert step.replays == 1 and int(caches[0].layers[0].length) == 7
 
 
+def test_graphed_decode_forgets_a_failed_captures_mask(monkeypatch):
+    """A first capture with a padding mask that failed left its mask tensor behind; the capture retried without a mask
+    then refused the next unmasked call ("captured ... with an attention mask") and accepted a call with a padding
+    mask, copying it into a tensor the captured step never reads (the padding ignored). Now the retried capture holds
+    no mask: unmasked calls replay, a masked one is refused before anything is counted."""
+    from pathlib import Path
+
+    from kvbits.evaluate.graphs import GraphedDecode
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from graph_replay import tape_capture
+
+    failures = [RuntimeError("capture failed")]
+
+    def flaky(step):
+        if failures:
+            raise failures.pop()
+        return tape_capture(step)
+
+    model = build("llama")
+    tok = torch.ones(2, 1, dtype=torch.long)
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int8-token", max_cache_len=16, checks="lazy")
+    kw = cache_kwargs(cache, model)
+    with torch.no_grad():
+        model(prompt()[:, :4], **kw, use_cache=True)
+        step = GraphedDecode(model, eager=1, capture=flaky)
+        step(tok, cache_position=torch.tensor([4]), **kw)
+        with pytest.raises(RuntimeError, match="capture failed"):
+            step(tok, cache_position=torch.tensor([5]), attention_mask=torch.ones(2, 6, dtype=torch.long), **kw)
+        step(tok, cache_position=torch.tensor([5]), **kw)  # captured, without a mask
+        assert step.captured and step.mask is None
+        step(tok, cache_position=torch.tensor([6]), **kw)
+        assert step.replays == 1
+        padded = torch.ones(2, 8, dtype=torch.long)
+        padded[0, :3] = 0
+        with pytest.raises(ValueError, match="captured step decodes tokens \\(2, 1\\), without an attention mask"):
+            step(tok, cache_position=torch.tensor([7]), attention_mask=padded, **kw)
+        assert step.calls == 3 and step.replays == 1 and cache.layers[0].tokens_written == 7
+
+
 def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
     """While the host's counts are the device's, a windowed decode step quantizes its block only when it flushes
     (decided on the host, no device read), and ``GraphedDecode`` captures the plain step and the flushing one apart

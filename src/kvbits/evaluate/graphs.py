@@ -206,6 +206,7 @@ class GraphedDecode:
             raise ValueError(f"GraphedDecode: {why}")
         self.token, self.position = tok.clone(), cache_position.clone()
         self.position_ids = None if position_ids is None else position_ids.clone()
+        self.mask = None  # not a failed earlier capture's: a step captured without a mask must refuse one
         if attention_mask is not None:  # the cache's full length: the captured step's mask never changes shape
             size = _cache_length(kwargs)
             self.mask = torch.ones((tok.shape[0], size), dtype=attention_mask.dtype, device=attention_mask.device)
