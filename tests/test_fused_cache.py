@@ -753,6 +753,31 @@ def test_modes_and_device_policy(monkeypatch):
     assert not fused_mod.wants("auto", torch.device("cuda"))
 
 
+@torch.no_grad()
+def test_a_declined_layer_is_not_asked_again_at_every_decode_step(monkeypatch, caplog):
+    """``fused_decode="auto"`` on CUDA under ``KVBITS_KERNEL=auto`` and a head dim the Triton kernel does not take
+    (48): ``claim`` declined the layers at the prefill, then asked again at every decode step of every layer,
+    building a packed store each time (``kernel_reason``) for the same answer: 40 stores for 2 layers and 20 calls,
+    ~43 us of host time per layer and step. Now the decline holds for the request's decode steps (2 stores), is
+    logged once, and the tokens are SDPA's."""
+    use_triton(monkeypatch)  # kernel_reason imports the Triton kernels: interpreted on CPU
+    monkeypatch.setenv("KVBITS_KERNEL", "auto")
+    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # as on CUDA with Triton
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=48)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    seq_ref, _, _ = generate(model, KIVI4, fused=False, attn=False)
+    real = fused_mod.packed_store
+    with mock.patch.object(fused_mod, "packed_store", side_effect=real) as stores, caplog.at_level(logging.INFO):
+        seq, _, cache = generate(model, KIVI4, fused="auto", attn=True)
+    assert stores.call_count == cfg.num_hidden_layers  # the prefill's claim, per layer
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == 0 and all("power of two" in r["declined"] for r in rep["layers"])
+    assert caplog.text.count("fused decode falls back to SDPA") == cfg.num_hidden_layers
+    assert torch.equal(seq, seq_ref)
+
+
 # --------------------------------------------------------------------------------------------------
 # Through the Triton kernel (interpreted on CPU)
 # --------------------------------------------------------------------------------------------------
