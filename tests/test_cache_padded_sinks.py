@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ from test_fused_cache import VOCAB, build
 from kvbits.cache import QuantizedKVCache, StaticQuantizedKVCache, track_positions
 from kvbits.cache import cache as cache_module
 from kvbits.cache.compat import cache_kwargs
-from kvbits.schemes import KVScheme, TensorSpec
+from kvbits.plan import plan
+from kvbits.schemes import KVScheme, TensorSpec, token_split
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -192,3 +194,56 @@ def test_widen_sinks_refuses_after_the_first_token():
     cache.update(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64), 0)
     with pytest.raises(ValueError, match="before a request's first token"):
         cache.layers[0].widen_sinks(2)
+
+
+def _reserved_run(pads: int, total: int = 32, prompt: int = 16, *, reserve: bool = True) -> QuantizedKVCache:
+    """A cache reserved for ``total`` tokens (``max_cache_len``; none with ``reserve=False``) filled with them: a
+    ``prompt``-token prefill of batch 2, row 1 left-padded by ``pads``, then single-token decode steps
+    (``INT2_SINKS``: every token flushed)."""
+    gen = torch.Generator().manual_seed(3)
+    cache = QuantizedKVCache(update_ops.config(), INT2_SINKS, max_cache_len=total if reserve else None, checks="eager")
+    pos = torch.arange(prompt).repeat(2, 1)
+    pos[1] = (pos[1] - pads).clamp_min(0)
+    for idx in range(2):
+        cache.update(torch.randn(2, 2, prompt, 64, generator=gen), torch.randn(2, 2, prompt, 64, generator=gen), idx,
+                     position_ids=pos)  # fmt: skip
+    for _ in range(total - prompt):
+        for idx in range(2):
+            cache.update(torch.randn(2, 2, 1, 64, generator=gen), torch.randn(2, 2, 1, 64, generator=gen), idx)
+    return cache
+
+
+@torch.no_grad()
+def test_widened_sinks_reserve_only_the_quantized_slots_they_use():
+    """With ``max_cache_len`` the quantized slots were reserved for ``scheme.sinks`` (4) even where the request kept
+    4 + 5 sinks: at a6a17ad 28 slots per layer and side held for 23 quantized tokens, memory_report 45824 bytes where
+    44224 are needed (1600 more: 5 slots of 2 rows, K and V, 2 layers, 40 bytes each). Now the reservation follows the
+    request's sinks: at ``max_cache_len`` the report is the held storage and ``plan`` with 4 + 5 sinks, i.e. plan's
+    bytes + the 5 extra full-precision sink slots - the 5 quantized slots they replace; ``reset()`` reserves for 4
+    sinks again and an unpadded batch is unchanged. The reservation changes no code or scale (the same run without
+    one, bit for bit)."""
+    cfg, total, pads = update_ops.config(), 32, 5
+    cache = _reserved_run(pads, total)
+    report = cache.memory_report()
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for ts in layer.components().values() for t in ts)
+    widened = plan(cfg, context=total, batch=2, scheme=replace(INT2_SINKS, sinks=4 + pads), dtype_bytes=4)
+    base = plan(cfg, context=total, batch=2, scheme=INT2_SINKS, dtype_bytes=4)
+    per_slot_full = 2 * 2 * 2 * 2 * 64 * 4  # layers * (K, V) * B * H_kv * D * float32
+    per_slot_quant = 2 * 2 * 2 * (2 * 64 * 2 // 8 + 2 * 2 * 2)  # layers * (K, V) * B * (H_kv codes + scale, zero)
+    assert report["total_bytes"] == held == widened["total_bytes"] == 44224
+    assert report["total_bytes"] == base["total_bytes"] + pads * (per_slot_full - per_slot_quant)
+    for layer, rep in zip(cache.layers, report["layers"]):
+        assert rep["reserved_tokens"] == rep["quantized_tokens"] == token_split(INT2_SINKS, total).quantized - pads
+        assert layer.sinks == 4 + pads
+    cache.reset()
+    assert [layer._k.reserve_tokens for layer in cache.layers] == [token_split(INT2_SINKS, total).quantized] * 2
+    unpadded = _reserved_run(0, total)
+    assert unpadded.memory_report()["total_bytes"] == base["total_bytes"]
+    for la in unpadded.layers:
+        assert la._k.reserved_slots == token_split(INT2_SINKS, total).quantized and la.sinks == 4
+    for pad in (0, pads):  # reserved or not, the same codes and metadata bit for bit
+        for la, lb in zip(_reserved_run(pad, total).layers, _reserved_run(pad, total, reserve=False).layers):
+            for sa, sb in ((la._k, lb._k), (la._v, lb._v)):
+                for name in ("data", "scale", "zero"):
+                    assert torch.equal(getattr(sa.chunks[0], name), getattr(sb.chunks[0], name))
+                assert torch.equal(sa.sinks, sb.sinks) and sa.sinks.shape[2] == 4 + pad

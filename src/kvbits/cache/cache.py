@@ -319,7 +319,8 @@ class QuantizedKVCache(Cache):
             all ``max_cache_len`` tokens in attention's order, and each step returns views of it (no copy of
             the history; later steps overwrite them, as ``StaticCache``'s: ``materialize()`` gives copies).
             ``memory_report()`` then counts the reservation (``workspace_bytes`` too), and at
-            ``max_cache_len`` tokens equals ``kvbits.plan`` at that context. Longer
+            ``max_cache_len`` tokens equals ``kvbits.plan`` at that context (a left-padded request whose sinks
+            are widened reserves as many quantized slots fewer: ``plan`` with its sinks). Longer
             sequences still work: the layer logs it and grows by copying.
         calibration_warnings: ``False`` for a caller that reports calibration/serving mismatch itself, once
             per run (``kvbits eval``, ``needle``, ``speed``): the cache then logs neither warning below; the

@@ -405,11 +405,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             scheme.value, name=f"layer {layer_idx} values", workspace=workspace and quantized,
             static_scale=_fixed_scale(scheme.value, num_key_value_heads) if quantized else None,
         )
-        if quantized and not self.is_sliding and self.max_cache_len is not None:
-            reserve = token_split(scheme, self.max_cache_len).quantized
-            for store in (self._k, self._v):
-                store.reserve_tokens = reserve if mergeable(store.spec) else 0
-                store.reserve_total = self.max_cache_len  # a workspace spans every token (materialize's layout)
+        self.pad_sinks = 0  # full-precision sink slots added for this request (widen_sinks); reset() zeroes it
+        self._reserve_for_request()
         self.fused = fused.FusedState(fused.check_mode(fused_decode), rope_tables or fused.RopeTableCache())
         self.checks = kv_checks.InputChecks(kv_checks.check_mode(checks), kv_checks.check_every_arg(check_every))
         # specs that store more than |x| in float16 (NUQ ranges, un-rotated keys, rotations) accept less;
@@ -418,8 +415,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._set_bounds(*self._head_dims)
         self.tokens_seen = 0
         self.dropped_tokens = 0
-        # full-precision sink slots added for this request (widen_sinks: a left-padded batch's most pads); reset()
-        self.pad_sinks = 0
         # a full-precision sliding window (identity scheme, fallback) keeps what it held since the last crop until
         # the next crop, which trims it back to the window (activate_past_recording, as DynamicSlidingWindowLayer)
         self.record_past = False
@@ -697,6 +692,20 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: sinks are widened before a request's first token, "
                              f"not after {self.tokens_seen}")  # fmt: skip
         self.pad_sinks = pads if self.keeps_sinks else 0
+        self._reserve_for_request()
+
+    def _reserve_for_request(self) -> None:
+        """Size the quantized slots reserved for ``max_cache_len`` (a full-attention quantizing layer's mergeable
+        sides; none otherwise) by this request's split (``_split_scheme``): the tokens ``token_split`` quantizes at
+        ``max_cache_len`` with ``sinks`` full-precision slots, so a widened request (``widen_sinks``) reserves
+        ``pad_sinks`` fewer quantized slots than ``scheme.sinks`` would, the slots its extra sinks replace. Host ints
+        only; the slots themselves are allocated at the first flush (``SideStore._reserve``), after any widening."""
+        if self.mode != "quantized" or self.is_sliding or self.max_cache_len is None:
+            return
+        reserve = token_split(self._split_scheme, self.max_cache_len).quantized
+        for store in (self._k, self._v):
+            store.reserve_tokens = reserve if mergeable(store.spec) else 0
+            store.reserve_total = self.max_cache_len  # a workspace spans every token (materialize's layout)
 
     @property
     def _split_scheme(self) -> KVScheme:
@@ -766,6 +775,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._v.clear()
         self.tokens_seen = self.dropped_tokens = 0
         self.pad_sinks = 0  # a new request: its first update decides again (QuantizedKVCache)
+        self._reserve_for_request()  # ... and its reservation with scheme.sinks again
         self.record_past = False  # a new request: generate activates it again for assisted decoding
         self.held_at = None
         self.resets += 1  # a new request (kvbits.monitor forgets the last one's crossings)
