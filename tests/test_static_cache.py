@@ -567,6 +567,23 @@ def test_static_fp8_scales_installed_counted_and_clipping_seen():
     assert CalibrationArtifact is not None
 
 
+@pytest.mark.parametrize("cls", [StaticQuantizedKVCache, QuantizedKVCache])
+def test_a_per_head_fp8_scale_of_another_head_count_is_refused_by_layer_and_side(cls):
+    """A cache without a config cannot check a per-head FP8 scale's head count when it is installed; the first K/V
+    then refuse it, naming the layer and side (the static cache leaves itself as before the request). The static cache said only
+    "static FP8 scale: a per-head FP8 scale must be (2,), ... got shape (1, 3, 1, 1)" from inside its slab template
+    (``QuantizedKVCache`` named them)."""
+    kw = {"max_cache_len": 16} if cls is StaticQuantizedKVCache else {}
+    cache = cls(scheme="fp8-e4m3-head", num_layers=2, **kw)
+    cache.set_static_qparams(1, "value", torch.ones(3))
+    kv = torch.randn(2, 2, 4, 32)
+    cache.update(kv, kv, 0)
+    with pytest.raises(ValueError, match=r"^layer 1 value static FP8 scale: a per-head FP8 scale must be \(2,\)"):
+        cache.update(kv, kv, 1)
+    if cls is StaticQuantizedKVCache:  # a failed first request is undone (_undo_request)
+        assert int(cache.get_seq_length()) == 0
+
+
 @pytest.mark.parametrize("scheme", ["int8-token", "kivi-small"])
 def test_static_cache_prefill_attends_over_the_written_positions_only(scheme):
     """A prefill (an eager update of several tokens) is announced to transformers' mask code as the positions written

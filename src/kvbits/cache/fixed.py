@@ -179,7 +179,12 @@ def check_param_shapes(
             raise ValueError(
                 f"{what}: {name} must be (H_kv, D) = ({heads}, {head_dim}) for this layer, got {tuple(t.shape)}"
             )
-    if spec.kind not in ("int", "nuq") or not spec.static:  # FP8 scales: shaped per head by static_fp8_scale
+    if spec.kind == "fp8" and spec.static:  # a per-head scale of another head count: refused here, named
+        t = params.get("static_scale")
+        if t is not None:
+            static_fp8_scale(t, spec.granularity, heads, f"{what} static FP8 scale")
+        return
+    if spec.kind not in ("int", "nuq") or not spec.static:
         return
     x = torch.empty((1, heads, block, head_dim), device="meta")
     for name in ("static_scale", "static_zero"):
