@@ -1013,6 +1013,7 @@ def _write_gguf(path: Path, arch: str = "llama") -> Path:
     w.add_token_list([chr(65 + i) for i in range(26)])
     w.add_token_types([1] * 26)
     w.add_token_merges([])
+    w.add_token_scores([0.0] * 26)  # transformers derives the merges from the scores
     w.add_tensor("token_embd.weight", np.ones((26, 16), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -1044,6 +1045,34 @@ def test_an_unsupported_but_complete_gguf_file_keeps_its_error(tmp_path: Path, m
     with pytest.raises(ValueError, match="architecture foo is not supported") as err:
         load_model(str(path))
     assert "not a complete GGUF file" not in str(err.value)
+
+
+def test_a_gguf_file_lacking_weights_is_refused_not_loaded_at_random(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A complete Llama GGUF holding only the token embedding (no layer, norm or output weights) is refused,
+    naming the file and the weights it lacks, and nothing is cached. Before, transformers initialised the 9
+    missing weights at random and only logged it: load_model returned a random model, and the converted copy
+    of it was verified (random against itself) and cached under the GGUF's sha256."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "partial.gguf")
+    for load in (load_model, lambda p: load_model(p, convert=False)):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path.resolve()))} lacks \d+ of the model's weights "
+                                             r"\(model.layers.0.input_layernorm.weight, "):
+            load(str(path))
+    assert not any((tmp_path / "cache" / "converted").glob("*/*.safetensors"))
+
+
+def test_a_model_folder_lacking_a_weight_is_refused(tmp_path: Path) -> None:
+    """A folder whose safetensors file lacks a tensor (a shard or tensor left out) is refused, naming it. Before,
+    the weight was initialised at random and the model loaded (transformers only logs a "MISSING" report)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tiny lacks 1 of the model's weights \(model.layers.1.mlp.down_proj.weight\)"):
+        load_model(str(folder))
 
 
 def test_hub_failure_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:

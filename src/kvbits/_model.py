@@ -11,7 +11,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_modules", "check_causal_lm", "check_model", "check_model_arg", "hybrid_layers", "shared_attention"]
+__all__ = [
+    "attention_modules", "check_causal_lm", "check_model", "check_model_arg", "check_weights_loaded", "hybrid_layers",
+    "shared_attention",
+]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -103,6 +106,21 @@ def check_causal_lm(model: torch.nn.Module, where: str = "") -> None:
             "neither stores nor quantizes"
         )
     raise ValueError(f"{head}{name} is not a decoder-only causal LM: {why}; {SUPPORTED_MODELS}")
+
+
+def check_weights_loaded(loading_info: dict[str, Any], source: str) -> None:
+    """``ValueError`` when ``from_pretrained(..., output_loading_info=True)`` of ``source`` (a GGUF file or model
+    folder) left parameters out: transformers initialises a weight the checkpoint lacks at random and only logs
+    it, so a GGUF whose tensors it does not map (or a folder missing a shard) would be evaluated as a random model.
+    ``loading_info``: its ``missing_keys`` (the parameter names not in the checkpoint)."""
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(
+            f"{source} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): transformers would initialise them at random; expected a "
+            "checkpoint holding every weight of its architecture (a file cut short, a shard missing, or tensor "
+            "names transformers does not map)"
+        )
 
 
 def attending_layers(model: torch.nn.Module, n_layers: int) -> list[int]:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvbits._model import check_weights_loaded
 from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
@@ -126,8 +127,9 @@ def _convert_locked(source: ModelSource, final: Path, record: dict[str, Any]) ->
     t0 = time.perf_counter()
     with gguf_parse_errors(Path(source.path) / source.gguf_file):
         tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
-                                                     dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                           dtype=torch.float32, output_loading_info=True)
+    check_weights_loaded(info, str(Path(source.path) / source.gguf_file))
     config = copy.deepcopy(model.config)
     # the weights are now plain floats: without this the folder would load as a GGUF-quantized model
     if hasattr(config, "quantization_config"):

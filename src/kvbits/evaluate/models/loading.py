@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbits._hub import hub_load_kwargs, hub_offline_if
-from kvbits._model import check_causal_lm
+from kvbits._model import check_causal_lm, check_weights_loaded
 from kvbits.evaluate.models.gguf import (
     _conversion_record,
     _convert_gguf,
@@ -236,13 +236,14 @@ def load_model(
     try:
         with parsing, hub_offline_if(unreachable):
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs) if with_tokenizer else None
-            model: Any = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation="sdpa", **kwargs
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **kwargs
             )
     except (OSError, ValueError) as exc:
         if source.is_local:
             raise
         raise _hub_error(source, exc, unreachable) from exc
+    check_weights_loaded(info, str(Path(path) / kwargs["gguf_file"]) if "gguf_file" in kwargs else str(path))
     check_causal_lm(model)
     _check_finite_in(model, dtype, source.name)
     model = model.to(device).eval()
