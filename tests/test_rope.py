@@ -558,6 +558,35 @@ def test_latent_attention_models_are_refused_before_a_forward():
             build()
 
 
+_MLA_FAMILIES = ["deepseek_v2", "deepseek_v32", "axk2", "bailing_hybrid", "dots3_note", "longcat_flash", "minicpm3"]
+
+
+@pytest.mark.parametrize("model_type", _MLA_FAMILIES)
+def test_pre_rope_problem_names_latent_attention(model_type):
+    """Multi-head latent attention families without ``rope_interleave`` (DeepSeek-V2, DeepSeek-V3.2, AXK2, ...):
+    ``pre_rope_problem`` returned None, so ``check_pre_rope_config`` (eval, speed, needle, calibrate) accepted
+    ``kvquant-4`` while ``RotaryTables`` and the caches refuse the model. Now it names the latent attention with the
+    shared wording, and the refusal does not advise a post-RoPE scheme (the caches refuse those too)."""
+    from transformers import CONFIG_MAPPING
+
+    from kvbits.plan.config import text_config
+    from kvbits.plan.planner import check_pre_rope_config
+    from kvbits.plan.positions import pre_rope_problem
+    from kvbits.schemes import get_scheme
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    cfg = text_config(CONFIG_MAPPING[model_type]())  # class defaults (Dots3 Note: its text config)
+    with pytest.raises(NotImplementedError, match=r"multi-head latent attention \(kv_lora_rank=\d+ in layer 0"):
+        RotaryTables.from_config(cfg)
+    problem = pre_rope_problem(cfg)
+    assert problem is not None and problem.startswith("uses multi-head latent attention (kv_lora_rank=")
+    assert "MHA/GQA/MQA attention only" in problem
+    with pytest.raises(ValueError, match=r"'kvquant-4' quantizes keys before RoPE.*latent attention.*post-RoPE keys$"):
+        check_pre_rope_config(get_scheme("kvquant-4"), cfg)
+    check_pre_rope_config(get_scheme("int4-channel"), cfg)  # post-RoPE keys: not this check's to refuse
+
+
 _SWA = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 _IDX = ["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"]
 

@@ -255,13 +255,13 @@ def latent_attention(text: Any) -> tuple[int, int] | None:
 
 def latent_attention_message(text: Any, latent: tuple[int, int], subject: str, supporter: str, why: str = "") -> str:
     """The refusal of multi-head latent attention, one wording for every site: ``subject`` (what was given: a config
-    or model class) uses it, ``latent`` (:func:`latent_attention`: layer and rank) and ``text``'s model type named;
+    or model class; empty: the message starts at "uses", to complete one naming it) uses it, ``latent`` (:func:`latent_attention`: layer and rank) and ``text``'s model type named;
     ``why`` (optional) says what that site could not do with it; ``supporter`` names the kvbits part that supports
     MHA/GQA/MQA only."""
     layer, rank = latent
     model_type = _get(text, "model_type")
     return (
-        f"{subject} uses multi-head latent attention (kv_lora_rank={rank} in layer {layer}; model_type "
+        f"{subject + ' ' if subject else ''}uses multi-head latent attention (kv_lora_rank={rank} in layer {layer}; model_type "
         f"{model_type!r}, DeepSeek-V2/V3 style), whose cache holds a compressed latent and the rotary key part, not "
         f"K/V heads of head_dim channels{'; ' + why if why else ''}; {supporter} supports MHA/GQA/MQA attention only"
     )

@@ -77,7 +77,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-from kvbits.plan.config import load_shape, text_config, warn_beyond_max_positions
+from kvbits.plan.config import latent_attention, load_shape, text_config, warn_beyond_max_positions
 from kvbits.plan.limits import LIMIT, fused_rope_table_bytes, max_concurrency, max_context
 from kvbits.plan.positions import pre_rope_problem
 from kvbits.plan.shape import ConfigLike, ModelShape, _check_dtype_bytes
@@ -178,18 +178,21 @@ def check_pre_rope_config(scheme: KVScheme, config: Any) -> None:
     text = text_config(config) if config is not None else None
     if text is None or isinstance(text, Mapping):
         return
-    _refuse_pre_rope(scheme, getattr(text, "model_type", None), pre_rope_problem(text))
+    # multi-head latent attention: the caches refuse post-RoPE schemes as well, so advising one would mislead
+    advice = "no kvbits cache holds it, with pre- or post-RoPE keys" if latent_attention(text) is not None else None
+    _refuse_pre_rope(scheme, getattr(text, "model_type", None), pre_rope_problem(text), advice)
 
 
-def _refuse_pre_rope(scheme: KVScheme, name: str | None, problem: str | None) -> None:
-    """``ValueError`` when ``scheme`` has pre-RoPE keys and ``problem`` (``pre_rope_problem``'s reason) is set."""
+def _refuse_pre_rope(scheme: KVScheme, name: str | None, problem: str | None, advice: str | None = None) -> None:
+    """``ValueError`` when ``scheme`` has pre-RoPE keys and ``problem`` (``pre_rope_problem``'s reason) is set;
+    ``advice`` (default: :func:`post_rope_advice`) ends the message."""
     if problem is None:
         return
     if any(s.key.pre_rope and not s.is_identity for s in scheme.layer_schemes()):
         model = f" {name!r}" if name else ""
         raise ValueError(
             f"scheme {scheme.name!r} quantizes keys before RoPE, but the model{model} {problem}; "
-            f"the cache refuses it there: {post_rope_advice(scheme)}"
+            f"the cache refuses it there: {advice or post_rope_advice(scheme)}"
         )
 
 

@@ -24,6 +24,9 @@ It refuses, for a transformers config:
   GLM-4-MoE-Lite, Sarvam-MLA, whose default it is), which rotate interleaved channel pairs
   (``apply_rotary_pos_emb_interleave``) although the family's ``apply_rotary_pos_emb`` is rotate-half, so
   ``RotaryTables``' probe of the latter can not tell (it refuses them by this flag);
+- configs with multi-head latent attention (``kv_lora_rank`` in any layer: DeepSeek-V2, DeepSeek-V3.2, AXK2,
+  Bailing hybrid, Dots3 Note, MiniCPM3, ...; ``kvbits.plan.config.latent_attention``), whose cache holds a compressed
+  latent, not K heads: ``RotaryTables`` and the caches refuse them by the same check and wording;
 - configs whose RoPE parameters carry an ``mrope_section`` (multimodal RoPE, Qwen2-VL style: :func:`mrope_section`),
   and those of a family whose rotary module falls back to a default one (a Qwen2-VL config without it:
   :func:`default_mrope_section`, read from the modeling source), which the cache refuses before building tables.
@@ -321,6 +324,11 @@ def pre_rope_problem(text: Any) -> str | None:
     interleaved = interleave_reason(text)
     if interleaved is not None:
         return f"applies RoPE in a layout other than rotate-half: {interleaved} (pre-RoPE keys support rotate-half RoPE only)"
+    from kvbits.plan.config import latent_attention, latent_attention_message  # config imports this module
+
+    if (latent := latent_attention(text)) is not None:  # as RotaryTables and the caches refuse it
+        why = "its keys rotate only their last qk_rope_head_dim channels, inside a cache that holds no K heads to un-rotate"
+        return latent_attention_message(text, latent, "", "kvbits (its pre-RoPE keys and its caches)", why)
     section = mrope_section(text)
     if section is None:
         section = default_mrope_section(model_type)
