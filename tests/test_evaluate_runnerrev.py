@@ -5,19 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_evaluate_runner3 import VOCAB, _tiny_llama  # the same 2-layer Llama of 64 ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-VOCAB = 64
-
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
 
 
 def test_numpy_token_ids_are_evaluated_as_the_same_tensor():
