@@ -1027,3 +1027,16 @@ def test_eval_cli_says_calibration_warnings_once_on_stderr(monkeypatch, capsys):
     said = "kivi-4 serves 7,680 of 8,192 positions per window beyond the 512 tokens it was calibrated on"
     assert said not in out and "Warning" not in out
     assert err.count(said) == 1 and "clips 0.250% of its keys" in err
+
+
+def test_the_agreement_caption_says_its_steps_count_the_warm_up():
+    """``first_divergence`` counts every decode step from 0, the ``warmup`` untimed ones first, while ``step_ms``
+    holds the timed ones only; the caption said "the first step where some sequence differs", so "from step 5"
+    (a 4-step warm-up) read as the 6th timed step when it is the 2nd. It says how the steps are counted now."""
+    from kvbits.report.speed import load_speed, speed_markdown
+
+    sp = load_speed(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "speed-smollm2" / "speed.json")
+    sp["warmup"], sp["tokens"] = 3, 16
+    md = speed_markdown(sp, figure=False)
+    assert ("over all 3 warm-up and 16 timed steps, counted from 0 at the first warm-up step (step 3 is the first "
+            "timed one)") in md

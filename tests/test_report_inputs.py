@@ -388,6 +388,11 @@ def _trial_without_scheme(s: dict[str, Any]) -> None:
     del s["records"][1]["schemes"]["int4-token"]  # the overall table raised KeyError('int4-token')
 
 
+def _stray_trial(**at: Any) -> Any:
+    """A trial moved off the run's grid (a hand edit): it counted in the overall figures but in no grid cell."""
+    return lambda s: s["records"][3].update(at)
+
+
 NEEDLE_CORRUPTIONS = {
     "no reference": (_del("reference"), "reference is missing; expected an object"),
     "no records": (_del("records"), "records is missing; expected a list"),
@@ -402,6 +407,8 @@ NEEDLE_CORRUPTIONS = {
     "by_context out of order": (_by_context_reversed, "results[0].by_context[0].context is 2048; expected 1024"),
     "by_context short": (_by_context_short, "results[0].by_context has 1 entries; expected one per context (2)"),
     "trial without a scheme": (_trial_without_scheme, "records[1].schemes has no 'int4-token' (a scheme of results)"),
+    "trial at a context off the run": (_stray_trial(context=4096), "records[3] is at context 4096, depth 1.0: not"),
+    "trial at a depth off the run": (_stray_trial(depth=0.5), "records[3] is at context 2048, depth 0.5: not"),
 }
 
 

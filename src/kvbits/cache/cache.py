@@ -335,6 +335,12 @@ class QuantizedKVCache(Cache):
     transfer). ``calibration_report()`` has both per layer. vLLM's integer zero-points (``integer_zero``,
     ``vllm-int4``; no calibration) clip too, where a token's range excludes 0 (its zero-point code clamps and
     the far end of its values is lost): counted and warned about alike, in those words, once per cache.
+
+    A forward that raises midway (a later layer's module or kernel) leaves the cache partially written, as
+    transformers' ``DynamicCache`` does: the layers it updated hold the new tokens, the others do not
+    (``get_seq_length()`` counts the first layer's), and a retry on the same cache fails deep in attention
+    (``The size of tensor a (4) must match the size of tensor b (8)``). Call ``reset()`` (or make a new cache)
+    before running the request again. ``StaticQuantizedKVCache`` refuses such a cache at the next forward.
     """
 
     def __init__(

@@ -47,7 +47,8 @@ by the cache after the run (``cuda_resident_bytes``; a ``graphs`` run's captured
 held, each variant's logits and the step's inputs, is ``cuda_graph_bytes``) and its peak above the pre-cache baseline
 during the decode (``cuda_peak_bytes``: activations included). Greedy tokens are compared with the baseline's:
 ``agreement`` (fraction of equal tokens) and ``first_divergence`` (the first step at which some row
-differs; ``None``: never).
+differs; ``None``: never), both over all ``warmup + tokens`` decode steps, counted from 0 at the first warm-up
+step: unlike ``step_ms`` (the timed steps only), step ``warmup`` is the first timed one.
 """
 
 from __future__ import annotations

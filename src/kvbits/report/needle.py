@@ -372,6 +372,11 @@ def _check_needle_fields(s: Mapping[str, Any]) -> None:
     names = [r["scheme"] for r in entries(s, "results", "object")]
     for i, rec in enumerate(entries(s, "records", "object")):
         _check_record(rec, f"records[{i}]")
+        if rec["context"] not in contexts or rec["depth"] not in depths:  # the grid would leave it out, overall not
+            raise ValueError(
+                f"records[{i}] is at context {rec['context']}, depth {rec['depth']}: not among the run's contexts "
+                f"{list(contexts)} and depths {list(depths)}"
+            )
         missing = [n for n in names if n not in rec["schemes"]]
         if missing:  # the overall table counts every scheme on every trial
             raise ValueError(f"records[{i}].schemes has no {', '.join(map(repr, missing))} (a scheme of results)")

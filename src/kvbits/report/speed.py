@@ -297,7 +297,9 @@ def speed_markdown(summary: Mapping[str, Any], *, figure: bool = True) -> str:
                 else f"{fmt_bytes(r['cuda_resident_bytes'])} · {fmt_bytes(r['cuda_peak_bytes'])}",
             )  # fmt: skip
         lines += [
-            "*Greedy tokens equal to DynamicCache's, and the first step where some sequence differs.*",
+            ("*Greedy tokens equal to DynamicCache's, and the first step where some sequence differs, over all "
+             f"{summary['warmup']} warm-up and {summary['tokens']} timed steps, counted from 0 at the first warm-up "
+             f"step (step {summary['warmup']} is the first timed one).*"),
             "",
         ]
         lines += _table(summary, batch, _agree_cell)
