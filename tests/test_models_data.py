@@ -996,8 +996,9 @@ def test_folder_fingerprint_follows_the_weights(tmp_path: Path, monkeypatch: pyt
     assert model_content_id(str(copy)) == model_content_id(str(folder)) != model_content_id(str(other))
 
 
-def _write_gguf(path: Path, arch: str = "llama") -> Path:
-    """A small complete GGUF file (metadata, a gpt2 tokenizer of 26 tokens, one float32 tensor)."""
+def _write_gguf(path: Path, arch: str = "llama", tokenizer: bool = True) -> Path:
+    """A small complete GGUF file (metadata, a gpt2 tokenizer of 26 tokens, one float32 tensor of 26 rows);
+    ``tokenizer=False`` leaves the tokenizer metadata out (a GGUF written without its tokenizer)."""
     import gguf
     import numpy as np
 
@@ -1009,11 +1010,12 @@ def _write_gguf(path: Path, arch: str = "llama") -> Path:
     w.add_head_count(2)
     w.add_head_count_kv(1)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(65 + i) for i in range(26)])
-    w.add_token_types([1] * 26)
-    w.add_token_merges([])
-    w.add_token_scores([0.0] * 26)  # transformers derives the merges from the scores
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([chr(65 + i) for i in range(26)])
+        w.add_token_types([1] * 26)
+        w.add_token_merges([])
+        w.add_token_scores([0.0] * 26)  # transformers derives the merges from the scores
     w.add_tensor("token_embd.weight", np.ones((26, 16), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -1045,6 +1047,39 @@ def test_an_unsupported_but_complete_gguf_file_keeps_its_error(tmp_path: Path, m
     with pytest.raises(ValueError, match="architecture foo is not supported") as err:
         load_model(str(path))
     assert "not a complete GGUF file" not in str(err.value)
+
+
+def test_a_gguf_file_without_a_tokenizer_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF written without tokenizer metadata can not be evaluated: load_model refuses it naming the file and
+    the metadata it lacks, and nothing is cached. Before, transformers' "Cannot build a tokenizer from a GGUF
+    file stating tokenizer None" came through, naming no file."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "notok.gguf", tokenizer=False)
+    for load in (load_model, lambda p: load_model(p, convert=False)):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path.resolve()))} holds no tokenizer \(no "
+                                             r"tokenizer.ggml.model and tokenizer.ggml.tokens metadata\)"):
+            load(str(path))
+    assert not any((tmp_path / "cache" / "converted").glob("*/*.safetensors"))
+
+
+def test_a_gguf_file_without_a_tokenizer_plans_with_its_weights_vocab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """load_config and kvbits plan's reading of a GGUF without tokenizer metadata (no vocab size stated) take the
+    vocab size from its token_embd tensor (26 rows), saying so. Before, transformers only warned and the config
+    had LlamaConfig's default 32000, so the plan sized the embedding and logits for a vocab 1231x too large."""
+    from kvbits.plan.sources import resolve_config
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "notok.gguf", tokenizer=False)
+    for read in (load_config, lambda p: resolve_config(p)[0]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvbits.plan.sources"):
+            assert read(str(path)).vocab_size == 26
+        assert "vocab_size 26 taken from the shape of its token_embd.weight tensor" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbits.plan.sources"):  # a file with its tokenizer: as before
+        assert load_config(str(_write_gguf(tmp_path / "tok.gguf"))).vocab_size == 26
+    assert "taken from the shape" not in caplog.text
 
 
 def test_a_gguf_file_lacking_weights_is_refused_not_loaded_at_random(tmp_path: Path,

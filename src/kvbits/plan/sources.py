@@ -15,13 +15,13 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbits.plan.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gguf_problem", "gguf_tensor_types", "resolve_config"]
+__all__ = ["GgufVocab", "gguf_problem", "gguf_tensor_types", "gguf_vocab", "resolve_config", "with_gguf_vocab"]
 
 _OFFLINE_REGISTRY = "kvbits.evaluate.models"  # written by the evaluate stage; optional here
 
@@ -200,7 +200,7 @@ def _from_gguf(path: Path) -> Any:
         if problem is None:
             raise
         raise ValueError(f"{path} {problem}") from exc
-    return _with_gguf_weights(config, path)
+    return _with_gguf_weights(with_gguf_vocab(config, path), path)
 
 
 _GGUF_FLOATS = ("BF16", "F16", "F32", "F64")  # GGML types of plain floats; any other is a quantized block format
@@ -240,6 +240,87 @@ def gguf_tensor_types(path: Path) -> set[str]:
         logger.debug("transformers' GGUF header reader could not read %s; using gguf's reader", path)
 
     return {t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+class GgufVocab(NamedTuple):
+    """What a GGUF file says about its vocabulary.
+
+    Attributes:
+        tokenizer: its ``tokenizer.ggml.model`` (``"gpt2"``, ``"llama"``), None where it has none.
+        tokens: the length of its ``tokenizer.ggml.tokens``, None where it has none.
+        stated: its ``<arch>.vocab_size``, else ``tokens`` (what transformers takes as the config's vocab size).
+        tensor: ``(name, rows)`` of its ``token_embd.weight`` (else ``output.weight``) tensor, rows being the
+            vocab size its weights have; None where it holds neither.
+    """
+
+    tokenizer: str | None
+    tokens: int | None
+    stated: int | None
+    tensor: tuple[str, int] | None
+
+
+_GGUF_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
+
+
+def gguf_vocab(path: Path) -> GgufVocab:
+    """The vocabulary metadata and the embedding tensor's rows of the GGUF file ``path`` (its header alone:
+    ~40 ms for SmolLM2-135M with transformers' reader, ~4 s with gguf's ``GGUFReader`` before transformers 5.25)."""
+    try:
+        from transformers.integrations.gguf.reader import (  # transformers >= 5.25
+            GgufHeader,
+            read_gguf_metadata,
+        )
+
+        metadata, _ = read_gguf_metadata(str(path))  # a string array is read as its length
+        shapes = {t.name: tuple(t.shape) for t in GgufHeader.from_file(str(path)).tensors}  # torch order
+    except ImportError:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        metadata = {}
+        for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+            field = reader.get_field(key)
+            if field is not None:
+                metadata[key] = field.contents() if key != "tokenizer.ggml.tokens" else len(field.data)
+        arch = metadata.get("general.architecture")
+        field = reader.get_field(f"{arch}.vocab_size")
+        if field is not None:
+            metadata[f"{arch}.vocab_size"] = int(field.contents())
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # ggml order reversed
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, int) or tokens is None else len(tokens)
+    stated = metadata.get(f"{metadata.get('general.architecture')}.vocab_size", tokens)
+    tensor = next(((n, int(shapes[n][0])) for n in _GGUF_VOCAB_TENSORS if shapes.get(n)), None)
+    model = metadata.get("tokenizer.ggml.model")
+    return GgufVocab(str(model) if model is not None else None, tokens, int(stated) if stated is not None else None,
+                     tensor)
+
+
+def with_gguf_vocab(config: Any, path: Path) -> Any:
+    """``config`` (read by transformers from the GGUF file ``path``) with the vocab size of the file's weights
+    where the file states none (no ``<arch>.vocab_size``, no ``tokenizer.ggml.tokens``: a GGUF written without
+    its tokenizer), logged as a warning; transformers left its config class's default there (Llama: 32000).
+
+    Raises:
+        ValueError: the file states no vocab size and holds no ``token_embd.weight`` or ``output.weight``
+            tensor to take it from.
+    """
+    vocab = gguf_vocab(path)
+    if vocab.stated is not None:
+        return config
+    if vocab.tensor is None:
+        raise ValueError(
+            f"{path} states no vocab size (no <arch>.vocab_size or tokenizer.ggml.tokens metadata) and holds no "
+            f"{' or '.join(_GGUF_VOCAB_TENSORS)} tensor to read it from"
+        )
+    name, rows = vocab.tensor
+    logger.warning(
+        "%s holds no tokenizer vocabulary (tokenizer.ggml.tokens) and no vocab_size: vocab_size %d taken from "
+        "the shape of its %s tensor", path, rows, name,
+    )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text.vocab_size = rows
+    return config
 
 
 def gguf_problem(path: Path) -> str | None:

@@ -25,11 +25,11 @@ from kvbits._model import check_weights_loaded
 from kvbits.evaluate.models.locking import cache_lock, remove_leftovers
 from kvbits.evaluate.models.registry import cache_dir, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource
-from kvbits.plan.sources import gguf_problem
+from kvbits.plan.sources import gguf_problem, gguf_vocab
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["converted_dir", "gguf_parse_errors"]
+__all__ = ["check_gguf_tokenizer", "converted_dir", "gguf_parse_errors"]
 
 _CONVERSION_MARKER = "kvbits_conversion.json"
 _CONVERSION_VERSION = 2  # 2: the marker records each file's sha256
@@ -98,6 +98,21 @@ def gguf_parse_errors(path: Path) -> Iterator[None]:
         raise ValueError(f"{path} {problem}") from exc
 
 
+def check_gguf_tokenizer(path: Path) -> None:
+    """``ValueError`` naming the GGUF file ``path`` when it holds no tokenizer (no ``tokenizer.ggml.model`` or
+    ``tokenizer.ggml.tokens`` metadata: written without one). transformers' own error ("Cannot build a tokenizer
+    from a GGUF file stating tokenizer None") names no file and comes after it read the whole metadata."""
+    vocab = gguf_vocab(path)
+    if vocab.tokenizer is None or vocab.tokens is None:
+        missing = " and ".join(k for k, v in (("tokenizer.ggml.model", vocab.tokenizer),
+                                              ("tokenizer.ggml.tokens", vocab.tokens)) if v is None)
+        raise ValueError(
+            f"{path} holds no tokenizer (no {missing} metadata): evaluating it needs one to tokenize text; use a "
+            "GGUF file written with its tokenizer, or the model's transformers folder (kvbits plan reads this "
+            "file as it is, its vocab size from the shape of its token_embd or output tensor)"
+        )
+
+
 def _convert_gguf(source: ModelSource) -> Path:
     """Return a verified float32 transformers folder for GGUF ``source``, converting once if needed."""
     sha = _gguf_sha256(source)
@@ -126,6 +141,7 @@ def _convert_locked(source: ModelSource, final: Path, record: dict[str, Any]) ->
                 source.gguf_file)
     t0 = time.perf_counter()
     with gguf_parse_errors(Path(source.path) / source.gguf_file):
+        check_gguf_tokenizer(Path(source.path) / source.gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
         model, info = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
                                                            dtype=torch.float32, output_loading_info=True)

@@ -23,12 +23,14 @@ from kvbits.evaluate.models.gguf import (
     _convert_gguf,
     _gguf_sha256,
     _valid_conversion,
+    check_gguf_tokenizer,
     converted_dir,
     gguf_parse_errors,
 )
 from kvbits.evaluate.models.registry import OFFLINE_MODELS, cached_file_sha256
 from kvbits.evaluate.models.source import ModelSource, _hub_error, resolve_model
 from kvbits.plan.config import check_causal_config, max_positions
+from kvbits.plan.sources import with_gguf_vocab
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -166,8 +168,9 @@ def load_config(spec: str | ModelSource, *, download: bool = True) -> Any:
             folder = converted_dir(_gguf_sha256(source))
             if _valid_conversion(folder, _conversion_record(source, _gguf_sha256(source))):
                 return AutoConfig.from_pretrained(folder)
-            with gguf_parse_errors(Path(source.path) / source.gguf_file):
-                return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+            path = Path(source.path) / source.gguf_file
+            with gguf_parse_errors(path):
+                return with_gguf_vocab(AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file), path)
         with hub_offline_if(unreachable):
             return AutoConfig.from_pretrained(source.path, **hub_kwargs)
     except (OSError, ValueError) as exc:
@@ -235,6 +238,8 @@ def load_model(
         check_causal_config(config, what=f"{source.name} ({type(config).__name__})")
     try:
         with parsing, hub_offline_if(unreachable):
+            if "gguf_file" in kwargs:  # transformers' error for a GGUF without one names no file
+                check_gguf_tokenizer(Path(path) / kwargs["gguf_file"])
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs) if with_tokenizer else None
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **kwargs
