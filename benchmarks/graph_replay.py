@@ -142,10 +142,10 @@ def as_captured() -> Any:
     return mock.patch("torch.cuda.is_current_stream_capturing", return_value=True)
 
 
-def tape_capture(step: Any) -> tuple[torch.Tensor, Any]:
+def tape_capture(step: Any, device: torch.device | None = None) -> tuple[torch.Tensor, Any]:
     """``kvbits.evaluate.graphs``' capture for the CPU: record ``step()`` on a tape (the recording runs it, Triton
     launches included) and return its logits and the tape's replay; ``RuntimeError`` if the step read a host value,
-    which a CUDA capture refuses."""
+    which a CUDA capture refuses. ``device`` (the step's, as ``GraphedDecode`` passes it) changes nothing here."""
     tape = OpTape()
     with tape, triton_on_tape(tape), as_captured():
         logits = step()

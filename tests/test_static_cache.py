@@ -965,10 +965,10 @@ def test_graphed_decode_forgets_a_failed_captures_mask(monkeypatch):
 
     failures = [RuntimeError("capture failed")]
 
-    def flaky(step):
+    def flaky(step, device):
         if failures:
             raise failures.pop()
-        return tape_capture(step)
+        return tape_capture(step, device)
 
     model = build("llama")
     tok = torch.ones(2, 1, dtype=torch.long)
@@ -989,6 +989,66 @@ def test_graphed_decode_forgets_a_failed_captures_mask(monkeypatch):
         with pytest.raises(ValueError, match="captured step decodes tokens \\(2, 1\\), without an attention mask"):
             step(tok, cache_position=torch.tensor([7]), attention_mask=padded, **kw)
         assert step.calls == 3 and step.replays == 1 and cache.layers[0].tokens_written == 7
+
+
+def test_a_cuda_capture_and_its_replays_run_on_the_steps_device_not_the_current_one(monkeypatch):
+    """``kvbits speed --device cuda:1 --static --graphs`` while ``cuda:0`` is current: ``capture_cuda_graph`` synced,
+    captured (on ``torch.cuda.graph``'s default stream) and replayed on the current device, so the step's kernels on
+    ``cuda:1`` ran outside the capture. ``GraphedDecode`` now passes its tokens' device, and the capture, its stream
+    and every replay run under ``torch.cuda.device`` of it. CUDA is emulated by recorders (no GPU here)."""
+    import contextlib
+
+    from kvbits.evaluate import graphs
+
+    current, log = [0], []
+
+    class device:  # torch.cuda.device: the device current inside
+        def __init__(self, d):
+            self.index = torch.device(d).index
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    class CUDAGraph:
+        def replay(self):
+            log.append(("replay", current[0]))
+
+    @contextlib.contextmanager
+    def graph(g, stream=None, **kwargs):
+        log.append(("capture", current[0], stream))
+        yield
+
+    def synchronize(d=None):
+        log.append(("synchronize", current[0] if d is None else torch.device(d).index))
+
+    for name, fake in (("device", device), ("CUDAGraph", CUDAGraph), ("graph", graph), ("synchronize", synchronize),
+                       ("Stream", lambda d=None: ("stream", current[0] if d is None else torch.device(d).index))):
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+    def step():
+        log.append(("step", current[0]))
+        return torch.zeros(1)
+
+    logits, replay = graphs.capture_cuda_graph(step, torch.device("cuda", 1))
+    assert torch.equal(logits, torch.zeros(1))
+    assert current == [0]  # restored
+    replay()
+    assert current == [0] and log == [("synchronize", 1), ("capture", 1, ("stream", 1)), ("step", 1), ("replay", 1),
+                                      ("replay", 1)], log  # fmt: skip
+    seen = []  # GraphedDecode gives the registered capture its tokens' device
+    monkeypatch.setitem(graphs.CAPTURES, "cpu", lambda step, dev: (seen.append(dev), (step(), lambda: None))[1])
+    model = build("llama")
+    cache = StaticQuantizedKVCache(config=model.config, scheme="int4-token", max_cache_len=8, checks="lazy")
+    kw, tok = cache_kwargs(cache, model), torch.ones(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        model(prompt()[:, :4], **kw, use_cache=True)
+        step = graphs.GraphedDecode(model, eager=1)
+        for i in range(2):
+            step(tok, cache_position=torch.tensor([4 + i]), **kw)
+    assert step.captured and seen == [torch.device("cpu")]
 
 
 def test_windowed_steps_quantize_only_when_they_flush(monkeypatch):
@@ -1197,9 +1257,9 @@ def test_a_failed_capture_leaves_the_host_counts_the_devices(monkeypatch):
                                    checks="lazy")  # fmt: skip
     failed: list[int] = []
 
-    def capture(step):
+    def capture(step, device):
         if failed:
-            return tape_capture(step)
+            return tape_capture(step, device)
         failed.append(1)
         held = [(t, t.clone()) for layer in cache.layers for t in layer.tensors()]
 

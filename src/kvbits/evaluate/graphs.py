@@ -9,7 +9,8 @@ no transformers code in between. That takes the host out of the step (BENCHMARKS
 ``GraphedDecode`` stands where a decode loop calls the model, with the same arguments. Its first ``eager`` calls run
 the model as it is (Triton compiles its kernels, cuBLAS makes its handles, the fused path claims its layers: nothing
 of that may happen inside a capture); the next call is captured, and every later one replays. How a step is
-captured depends on the device (``CAPTURES``): on CUDA a ``torch.cuda.CUDAGraph``. Nothing is registered for other
+captured depends on the device (``CAPTURES``): on CUDA a ``torch.cuda.CUDAGraph``, captured and replayed on the
+tokens' device (which need not be the current one). Nothing is registered for other
 devices; ``benchmarks/graph_replay.py``'s CPU emulation registers itself in tests and the benchmarks' CPU smoke runs.
 
 Steps that differ: a ``StaticQuantizedKVCache`` with a flush window quantizes a block only at the steps that flush
@@ -36,19 +37,32 @@ from kvbits.cache.cache import _holds_state
 
 __all__ = ["CAPTURES", "GraphedDecode", "capture_cuda_graph", "graph_reason", "state_reason"]
 
-Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
+Capture = Callable[[Callable[[], torch.Tensor], torch.device], tuple[torch.Tensor, Callable[[], None]]]
 
 
-def capture_cuda_graph(step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+def capture_cuda_graph(step: Callable[[], torch.Tensor], device: torch.device | None = None,
+                       ) -> tuple[torch.Tensor, Callable[[], None]]:  # fmt: skip
     """Capture ``step()`` (one decode step, returning its logits) as a CUDA graph; return the captured logits tensor
     and the replay. A capture records kernels without running them, so the graph is replayed once here: the logits
-    hold this step's result on return."""
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        logits = step()
-    graph.replay()
-    return logits, graph.replay
+    hold this step's result on return.
+
+    ``device``: the step's (its tokens', the model's; default: the current CUDA device). The synchronize, the capture
+    (on a stream of ``device``) and every replay run under ``torch.cuda.device(device)``: a model on ``cuda:1`` while
+    ``cuda:0`` is current launches its kernels on ``cuda:1``'s capturing stream, not outside the capture."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    with torch.cuda.device(device):
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)
+        # a stream of this device: torch.cuda.graph's default one is made once, on the device current at its first use
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+            logits = step()
+        graph.replay()
+
+    def replay() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+
+    return logits, replay
 
 
 CAPTURES: dict[str, Capture] = {"cuda": capture_cuda_graph}  # device type -> capture
@@ -92,7 +106,8 @@ class GraphedDecode:
     Args:
         model: a causal LM.
         eager: calls run as they are before the capture (at least 1: the first decode step sets the caches up).
-        capture: how a step is captured (default: ``CAPTURES`` for the device of the first captured token).
+        capture: how a step is captured, called as ``capture(step, device)`` with the tokens' device (default:
+            ``CAPTURES`` for that device's type).
 
     Attributes:
         calls, replays: calls so far, and those replayed; ``captured_at``: the call (1-based) at which each variant
@@ -229,7 +244,8 @@ class GraphedDecode:
         try:
             with _bookkeeping(cache):
                 self.logits, replay = capture(
-                    lambda: self._forward(self.token, self.position, self._kwargs, self.position_ids).logits
+                    lambda: self._forward(self.token, self.position, self._kwargs, self.position_ids).logits,
+                    self.token.device,
                 )
         except BaseException:  # a capture runs nothing on the device: the step the layers passed is not counted
             for layer, state in zip(layers, counts):
