@@ -209,7 +209,8 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
     a head dim that is not a power of two, 5-bit codes): ``NotImplementedError`` naming the layer and why, here (the
     prefill) rather than at its first decode step.
 
-    A layer declined once is not asked again at decode steps (``q == 1``): only at the next multi-token call.
+    A layer declined once is not asked again at decode steps (``q == 1``): only at the next multi-token call, or the
+    next request's first call (``reset()`` forgets the decline: a one-token prompt is asked too).
 
     ``module``: the attention module calling; its config's ``_attn_implementation`` is remembered so that
     ``serving`` can tell when the model switched to another attention implementation.
@@ -221,7 +222,7 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
         return False
     if state.declined is not None and query.shape[2] == 1:
         # declined at this request's prefill: a decode step would get the same answer, at the cost of a packed store
-        # built per layer and step (kernel_reason); the next prefill (q > 1) asks again
+        # built per layer and step (kernel_reason); the next prefill (q > 1) or request (reset) asks again
         return False
     layout = None
     if hasattr(layer, "fused_store"):  # a StaticQuantizedLayer (kvbits.cache.static): its own layout
