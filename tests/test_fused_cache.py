@@ -777,6 +777,60 @@ def test_a_declined_layer_is_not_asked_again_at_every_decode_step(monkeypatch, c
     assert torch.equal(seq, seq_ref)
 
 
+@torch.no_grad()
+def test_a_decline_does_not_outlive_the_request(monkeypatch):
+    """A layer declined at one request's prefill (head dim 48 under ``KVBITS_KERNEL=auto``, ``fused_decode="auto"``
+    as on CUDA) kept its decline through ``reset()``: the next request, under ``KVBITS_KERNEL=reference`` (which
+    serves head dim 48 from the packed store), was never asked again when its prompt was one token (``q == 1`` at its
+    prefill too): 0 fused steps, where a two-token prompt gets 4 per layer. Now ``reset()`` forgets the decline."""
+    use_triton(monkeypatch)  # kernel_reason imports the Triton kernels: interpreted on CPU
+    monkeypatch.setenv("KVBITS_KERNEL", "auto")
+    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # as on CUDA with Triton
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=48)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme=KIVI4, fused_decode="auto")
+    kw = {**cache_kwargs(cache, model), "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with attention(model, True):
+        model.generate(prompt(), **kw)
+        assert all("power of two" in r["declined"] for r in cache.fused_report()["layers"])
+        cache.reset()
+        assert all(r["declined"] is None for r in cache.fused_report()["layers"])
+        monkeypatch.setenv("KVBITS_KERNEL", "reference")
+        seq = model.generate(prompt()[:, :1], **kw)
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == 4 * cfg.num_hidden_layers and all(r["claimed"] for r in rep["layers"])
+    seq_ref, _, _ = generate(model, KIVI4, fused=False, attn=False, new=5, ids=prompt()[:, :1])
+    assert torch.equal(seq, seq_ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prompt_len", [3, PROMPT])
+def test_a_prefill_without_codes_is_claimed_as_one_with_codes(monkeypatch, prompt_len: int):
+    """``fused_decode="auto"`` as on CUDA, ``KVBITS_KERNEL=auto``, FP8 codes in a format the Triton kernel does not
+    read (``KIND_CODES`` without e5m2 here) behind a residual window of 4 tokens: a 3-token prompt stores no codes
+    yet, and ``supported`` skips the sides it has no codes of, so the claim took the layers for the kernel while a
+    40-token prompt's was declined; their decode steps, with codes by then, went to the torch reference, not the
+    kernel nor SDPA. Now ``kernel_reason`` reads the codes' kind from the scheme: declined either way."""
+    use_triton(monkeypatch)  # kernel_reason imports the Triton kernels: interpreted on CPU
+    from kvbits.kernels import triton_decode
+
+    monkeypatch.setenv("KVBITS_KERNEL", "auto")
+    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # as on CUDA with Triton
+    monkeypatch.setattr(triton_decode, "KIND_CODES", {k: c for k, c in triton_decode.KIND_CODES.items()
+                                                      if k != ("fp8", "e5m2")})  # fmt: skip
+    e5m2 = TensorSpec(kind="fp8", bits=8, fmt="e5m2", granularity="token")
+    sch = KVScheme("t-fp8-e5m2-tail", key=e5m2, value=e5m2, residual=4, block=4)
+    model, ids = build("llama"), prompt()[:, :prompt_len]
+    seq, _, cache = generate(model, sch, fused="auto", attn=True, ids=ids)
+    assert cache.layers[0]._k.n_quantized > 0  # codes by the last step
+    rep = cache.fused_report()
+    assert rep["fused_steps"] == 0 and all("e5m2 codes" in r["declined"] for r in rep["layers"])
+    seq_ref, _, _ = generate(model, sch, fused=False, attn=False, ids=ids)
+    assert torch.equal(seq, seq_ref)
+
+
 # --------------------------------------------------------------------------------------------------
 # Through the Triton kernel (interpreted on CPU)
 # --------------------------------------------------------------------------------------------------

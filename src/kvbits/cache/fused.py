@@ -189,17 +189,24 @@ def kernel_reason(
     decode steps would get, that is under ``KVBITS_KERNEL=triton`` (``claim`` then raises) and for ``"auto"`` on CUDA
     under ``KVBITS_KERNEL=auto`` (SDPA then stays faster); ``None`` elsewhere. ``store()`` builds the layer's packed
     store, asked only then (``packed_store``, or a static layer's ``fused_store``). ``KVBITS_KERNEL=triton`` without
-    Triton, or on a device it cannot launch on: ``dispatch.require_triton``'s error."""
+    Triton, or on a device it cannot launch on: ``dispatch.require_triton``'s error. The codes' bits and kind are read
+    from ``scheme``, so that a store without codes yet (a prompt shorter than ``sinks + residual``) gets the answer its
+    decode steps' stores will."""
     kernel = dispatch.kernel_mode()
     if kernel == "reference" or (kernel == "auto" and mode != "auto"):
         return None
     if kernel == "triton":
         dispatch.require_triton(query)
-    from kvbits.kernels.triton_decode import TRITON_BITS, supported
+    from kvbits.kernels.triton_decode import KIND_CODES, TRITON_BITS, supported
 
+    # what supported() checks on the codes, from the scheme: a prefill shorter than sinks + residual has none yet,
+    # and the claim made there holds for the request (a decline is not asked again at decode steps)
     for side, spec in (("key", scheme.key), ("value", scheme.value)):  # float sides: nothing to check here
         if spec.kind in ("int", "nuq") and spec.bits not in TRITON_BITS:
             return f"{side}: {spec.bits}-bit codes (Triton kernel: {TRITON_BITS})"
+        if spec.kind in PACKED_KINDS and (spec.kind, spec.fmt if spec.kind == "fp8" else None) not in KIND_CODES:
+            kinds = ", ".join(kind if fmt is None else f"{kind} {fmt}" for kind, fmt in KIND_CODES)
+            return f"{side}: {spec.kind} {spec.fmt or ''} codes (Triton kernel: {kinds})"
     return supported(store(), query)
 
 
@@ -209,7 +216,8 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
     a head dim that is not a power of two, 5-bit codes): ``NotImplementedError`` naming the layer and why, here (the
     prefill) rather than at its first decode step.
 
-    A layer declined once is not asked again at decode steps (``q == 1``): only at the next multi-token call.
+    A layer declined once is not asked again at decode steps (``q == 1``): only at the next multi-token call, or the
+    next request's first call (``reset()`` forgets the decline: a one-token prompt is asked too).
 
     ``module``: the attention module calling; its config's ``_attn_implementation`` is remembered so that
     ``serving`` can tell when the model switched to another attention implementation.
@@ -221,7 +229,7 @@ def claim(layer: QuantizedKVLayer, query: torch.Tensor, module: torch.nn.Module 
         return False
     if state.declined is not None and query.shape[2] == 1:
         # declined at this request's prefill: a decode step would get the same answer, at the cost of a packed store
-        # built per layer and step (kernel_reason); the next prefill (q > 1) asks again
+        # built per layer and step (kernel_reason); the next prefill (q > 1) or request (reset) asks again
         return False
     layout = None
     if hasattr(layer, "fused_store"):  # a StaticQuantizedLayer (kvbits.cache.static): its own layout

@@ -781,7 +781,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.resets += 1  # a new request (kvbits.monitor forgets the last one's crossings)
         self.is_initialized = False
         self.repeat, self._repeat_pending = 1, False
-        self.fused.claimed = False
+        # a new request asks again at its first call, also a one-token prompt's (claim holds a decline for q == 1)
+        self.fused.claimed, self.fused.declined = False, None
         self.checks.reset()
         self.clip_floor = (0.0, 0.0)
 

@@ -986,7 +986,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         (``host_counts``): that graph's replays, which the host does not see, may go on after the reset."""
         self.tokens_written, self._host_qlen = 0, 0
         self.length.zero_()
-        self.fused.claimed, self.fused.claimed_by = False, None
+        # a new request asks again at its first call, also a one-token prompt's (claim holds a decline for q == 1)
+        self.fused.claimed, self.fused.claimed_by, self.fused.declined = False, None, None
         if not self.is_initialized:
             return
         self.lens.zero_()
