@@ -196,3 +196,34 @@ def test_readme_says_which_commands_take_json_dtype_device_and_data_path() -> No
     assert taking is not None
     names = re.findall(r"`([a-z]+)`", taking.group(0).removesuffix("`--data-path`"))
     assert sorted(names) == sorted(n for n in commands if "--data-path" in options(n))
+
+
+def test_the_readme_names_threads_for_exactly_the_commands_that_run_a_model() -> None:
+    """The README's sentence on the commands that run a model gives them ``--threads N``: each it names takes it, and
+    no other command does."""
+    text = " ".join(README.read_text().split())
+    sentence = re.search(r"The commands that run a model \(([^)]*)\)(.*?);\s*calibration runs", text)
+    assert sentence is not None and "`--threads N`" in sentence.group(2)
+    names = re.findall(r"`([a-z]+)`", sentence.group(1))
+    commands = subparsers()
+    assert sorted(names) == sorted(n for n, p in commands.items() if any("--threads" in a.option_strings for a in p._actions))
+
+
+def test_export_help_says_a_scales_only_out_is_not_served() -> None:
+    """Without --checkpoint the command says --out holds the scales alone, not a model vLLM serves; the help said
+    'Serve with: vllm serve <out>' for every export."""
+    epilog = " ".join((subparsers()["export"].epilog or "").split())
+    assert "Without --checkpoint, --out holds the scales alone, which vLLM does not serve" in epilog
+    assert "Serve with: vllm serve <out>" not in epilog
+
+
+def test_report_help_says_a_newer_output_version_is_refused() -> None:
+    """The report help's claim, held to check_output_versions: a run of output version READS_VERSION + 1 is refused
+    naming both versions."""
+    from kvbits.report.inputs import READS_VERSION, check_output_versions
+
+    assert "newer than this kvbits reads is refused, naming both versions" in " ".join(
+        (subparsers()["report"].epilog or "").split()
+    )
+    with pytest.raises(ValueError, match=rf"version {READS_VERSION + 1} is newer .*version {READS_VERSION}\)"):
+        check_output_versions({"request": {"version": READS_VERSION + 1}}, "runs/x")

@@ -143,3 +143,35 @@ def test_eval_help_says_which_cache_its_kivi2_example_is() -> None:
         (p,) = kvbits.plan(SMOLLM2, context=tokens, batch=1, scheme=["kivi-2"], dtype_bytes=dtype_bytes)
         assert p["avg_bits"] == pytest.approx(stated)
     assert average_bits(kvbits.get_scheme("kivi-2"), head_dim=64, n_heads=3) == pytest.approx(long_run)
+
+
+def test_the_monitor_metrics_the_readme_names_are_exported_with_the_scheme_label() -> None:
+    """The README's *Monitor and fall back* paragraph names ``kvbits_clipped_values_estimated`` and the ``scheme``
+    label: a monitored cache's Prometheus text has every ``kvbits_*`` metric it names, each sample labelled with the
+    cache's scheme."""
+    import inspect
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbits.cache import QuantizedKVCache
+    from kvbits.monitor import CacheMonitor, FallbackPolicy
+
+    text = " ".join(README.read_text().split())
+    paragraph = text.split("**Monitor and fall back.**", 1)[1].split("```", 1)[0]
+    names = set(re.findall(r"`(kvbits_[a-z_]+)`", paragraph))
+    assert "kvbits_clipped_values_estimated" in names
+    assert "every series carries the label `scheme`" in paragraph
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    cache = QuantizedKVCache(config=cfg, scheme="int8-token")
+    mon = CacheMonitor(cache, FallbackPolicy(key_error=0.9, sample_every=2), labels={"request": "r1"})
+    cache_kw = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (1, 200)), use_cache=True, **{cache_kw: cache})
+    samples = [line for line in mon.prometheus().splitlines() if line.startswith("kvbits_")]
+    exported = {line.split("{", 1)[0] for line in samples}
+    assert names <= exported, names - exported
+    assert all('scheme="int8-token"' in line for line in samples)

@@ -37,8 +37,9 @@ checkpoint: DIR's files linked, config.json (and model.safetensors.index.json, w
 with the scales added. DIR's config.json must match the calibrated model's (layers, KV heads, the shape fields the
 calibration records); its weights are not compared, so give the checkpoint the calibration was made on (a fine-tune
 of the same architecture is accepted, and its scales may be wrong). A failed export leaves --out as it was.
-Serve with: vllm serve <out> --kv-cache-dtype fp8, without --calculate-kv-scales (vLLM versions that have it then
-compute scales from the first batch and skip the exported ones).
+Without --checkpoint, --out holds the scales alone, which vLLM does not serve (the command says so).
+Serve a --checkpoint export with: vllm serve <out> --kv-cache-dtype fp8, without --calculate-kv-scales (vLLM
+versions that have it then compute scales from the first batch and skip the exported ones).
 --json prints the export record (kvbits_export.json): {"format", "created", "calibration",
 "kv_cache_scheme", "layers": [{"layer", "k_scale", "v_scale" (numbers, or lists per head), "k_absmax",
 "v_absmax", "module"}], "serve", "notes",

@@ -30,6 +30,7 @@ when they share the model and tokens, task, semantics and seed: trials both runs
 with the same unquantized result, and every scheme must cover every trial of the merged grid. Speed runs
 merge when they share the model, prompts' text, dtype, device and threads, steps and schemes; each
 (context, batch) cell comes whole from one run (step times compare only within a run).
+A run written in an output version newer than this kvbits reads is refused, naming both versions.
 --json prints {"out", "merged_from", "files"}.
 """
 
