@@ -10,6 +10,7 @@ That one recorded step replays correctly is ``tests/test_aot.py``'s replay test.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -179,6 +180,46 @@ def test_static_cache_left_padded_batch(fused, scheme):
     if get_scheme(scheme).key.pre_rope:
         assert all(layer.rope.offset.tolist() == [7, 0, 3] for layer in cache.layers)
         assert cache.position_ids_hint is None  # forgotten after each call
+
+
+@torch.no_grad()
+def test_static_cache_says_once_when_no_position_ids_reach_its_pre_rope_keys(monkeypatch, caplog):
+    """Where transformers passes no position ids to ``Cache.update`` (5.17; Falcon, GPT-NeoX on 5.25: simulated here)
+    and ``track_positions`` is not on, a left-padded batch's pre-RoPE keys are un-rotated at cache indices (offsets 0).
+    ``QuantizedKVCache`` says so (INFO, once per cache); before, ``StaticQuantizedKVCache`` said nothing (a batch with
+    pads 0/3/7: offsets ``[0, 0, 0]``, no record). Now it says it once, and nothing once ``track_positions`` hands the
+    positions over (offsets ``[0, 3, 7]``)."""
+    original = StaticQuantizedKVCache.update
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        kwargs.pop("position_ids", None)
+        if isinstance(kwargs.get("kwargs"), dict):
+            kwargs["kwargs"] = {n: x for n, x in kwargs["kwargs"].items() if n != "position_ids"}
+        return original(self, k, v, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(StaticQuantizedKVCache, "update", update)
+    model = build.__wrapped__("llama")  # a model of its own: no tracking left by other tests
+    ids = prompt(batch=3, seed=4)
+    ids[1, :3] = 0
+    ids[2, :7] = 0
+    for tracked, want in ((False, [0, 0, 0]), (True, [0, 3, 7])):
+        tracking = track_positions(model) if tracked else None
+        cache = StaticQuantizedKVCache(config=model.config, scheme=CHANNEL_PREROPE, max_cache_len=MAX_LEN)
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.INFO, logger="kvbits.cache.static"):
+                for _ in range(2):  # a second request on the same cache: not said again
+                    cache.reset()
+                    model.generate(ids, attention_mask=(ids != 0).long(), **cache_kwargs(cache, model),
+                                   max_new_tokens=2, do_sample=False, pad_token_id=0)  # fmt: skip
+        finally:
+            if tracking is not None:
+                tracking.remove()
+        told = [r for r in caplog.records if "no position_ids reached the cache" in r.getMessage()]
+        assert all(layer.rope.offset.tolist() == want for layer in cache.layers)
+        assert len(told) == (0 if tracked else 1), [r.getMessage() for r in told]
+        if told:
+            assert "StaticQuantizedKVCache" in told[0].getMessage() and "track_positions" in told[0].getMessage()
 
 
 @pytest.mark.parametrize("scheme", ["int4-token", "kivi-small", "int4-sinks", "kivi-prerope", "kvquant-4",

@@ -42,6 +42,7 @@ from kvbits.cache.layer import (
     check_max_cache_len,
     find_position_ids,
     left_pads,
+    no_positions_message,
     offload_refusal,
     padded_sinks_message,
 )
@@ -669,11 +670,7 @@ class QuantizedKVCache(Cache):
             return {**kwargs, "position_ids": self.position_ids_hint}
         if key_states.shape[0] > 1 and not self._told_no_positions:
             self._told_no_positions = True
-            logger.info(
-                "pre-RoPE keys of a batch of %d: no position_ids reached the cache, so keys are un-rotated at "
-                "cache indices; with left padding call kvbits.cache.track_positions(model) first",
-                key_states.shape[0],
-            )
+            logger.info(no_positions_message("QuantizedKVCache", key_states.shape[0]))
         return kwargs
 
     def check_inputs(self) -> None:

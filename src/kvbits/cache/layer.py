@@ -174,6 +174,15 @@ def left_pads(
     return pads.expand(B).contiguous(), unsure.expand(B).contiguous()
 
 
+def no_positions_message(cache: str, batch: int) -> str:
+    """The once-per-cache INFO of a pre-RoPE cache (``cache``: its class name) whose request's first update of a batch
+    of ``batch`` rows brings no ``position_ids`` (neither ``Cache.update``'s nor ``track_positions``'s)."""
+    return (
+        f"{cache}: pre-RoPE keys of a batch of {batch}: no position_ids reached the cache, so keys are un-rotated at "
+        "cache indices; with left padding call kvbits.cache.track_positions(model) first"
+    )
+
+
 def padded_sinks_message(scheme_name: str, sinks: int, rows: int, batch: int, why: str = "") -> str:
     """The once-per-cache warning ``padded_sink_rows`` leads to (``StaticQuantizedKVCache``; ``QuantizedKVCache`` where
     it cannot widen the sinks, ``why``)."""

@@ -130,6 +130,7 @@ from kvbits.cache.layer import (
     cache_batch_size,
     check_beam_idx,
     find_position_ids,
+    no_positions_message,
     offload_refusal,
     padded_sink_rows,
     padded_sinks_message,
@@ -1149,6 +1150,7 @@ class StaticQuantizedKVCache(Cache):
         self._rope_tables = fused.RopeTableCache()
         self.position_ids_hint: torch.Tensor | None = None  # set by kvbits.cache.track_positions (transformers 5.17)
         self._told_padded_sinks = False  # the padded-sinks warning (kvbits.cache.layer.padded_sink_rows), once
+        self._told_no_positions = False  # the no-position-ids INFO (kvbits.cache.layer.no_positions_message), once
         layers = []
         for i, (t, kw) in enumerate(zip(types, type_kwargs)):
             if t in _STATE_TYPES:  # no attention: transformers' LinearAttentionLayer, as its StaticCache holds it
@@ -1224,8 +1226,12 @@ class StaticQuantizedKVCache(Cache):
             if layer.rotary is not None and layer.tokens_written == 0:
                 self._rotary_on(key_states.device)
             hint = self.position_ids_hint
-            if layer.reads_positions and hint is not None and find_position_ids(args, kwargs) is None:
-                kwargs = {**kwargs, "position_ids": hint}
+            if layer.reads_positions and find_position_ids(args, kwargs) is None:
+                if hint is not None:
+                    kwargs = {**kwargs, "position_ids": hint}
+                elif layer.tokens_written == 0 and key_states.shape[0] > 1 and not self._told_no_positions:
+                    self._told_no_positions = True  # as QuantizedKVCache: offsets 0, said once per cache
+                    logger.info(no_positions_message("StaticQuantizedKVCache", key_states.shape[0]))
         if not compiling and layer is self.kv_layers[0]:  # a forward's first K/V layer: the last one ended the
             self._check_complete(layer)  # previous forward (traced: nothing read, no guard on counts)
         if layer.tokens_written or not layer.host_counts or compiling:
