@@ -171,6 +171,26 @@ def test_a_far_quieter_live_head_keeps_a_nonzero_factor():
     assert bool(torch.isfinite(y).all()) and rel_err(y[:, 0], x[:, 0]) < 0.1
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_calibration_samples_are_refused_not_fitted_to_nan(bad: float):
+    """One NaN (or inf) sample made the fitted mean of its channel NaN and, through the layer's mean factor,
+    every one of the 2 x 64 smoothing factors NaN, returned without a word (``smooth_spread_db`` nan)."""
+    x = biased_keys().transpose(0, 1).reshape(2, -1, 64)
+    x[0, 5, 3] = bad
+    for spec in (SMOOTH4, dataclasses.replace(INT4, smooth=0.5)):
+        with pytest.raises(ValueError, match=r"layer 2 key: samples contain non-finite values"):
+            fit_side(spec, x, where="layer 2 key")
+
+
+def test_a_channel_mean_past_float16_is_refused_naming_it():
+    """A channel whose mean is past 65504 was stored as an inf float16 mean, and every factor of the layer came
+    back NaN (``artifact_from_samples`` then said only "key_mean holds non-finite values")."""
+    x = biased_keys().transpose(0, 1).reshape(2, -1, 64)
+    x[1, :, 9] += 7e4
+    with pytest.raises(ValueError, match=r"layer 2 key: channel means .*\(head 1 channel 9"):
+        fit_side(SMOOTH4, x, where="layer 2 key")
+
+
 def test_missing_or_bad_parameters_are_refused():
     x = biased_keys(n=8)
     H, D = x.shape[1], x.shape[3]

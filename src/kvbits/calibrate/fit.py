@@ -255,13 +255,29 @@ def _channel_transform(
     (20 log10); ``constant_heads``, when a head's samples all equal their reference (a dead head: every
     channel's spread 0), whose factors are then 1 before that division (logged with ``where``, e.g. "layer 3
     key"): the coded head is its samples minus the reference, zero, exact at any factor. A factor is at least
-    float16's smallest normal (``6.1e-5``): a live head whose spread is ``1e-9`` of the others' would round to 0."""
+    float16's smallest normal (``6.1e-5``): a live head whose spread is ``1e-9`` of the others' would round to 0.
+    ``ValueError`` (naming ``where``) for no samples, non-finite samples, or a ``centre`` channel mean past float16."""
     if x.shape[1] == 0:
         raise ValueError("no samples to take channel means / smoothing factors from")
+    at = f"{where}: " if where else ""
+    if not bool(torch.isfinite(x).all()):  # once per layer and side: one NaN would make every factor NaN
+        n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        raise ValueError(
+            f"{at}samples contain non-finite values ({n_nan} NaN, {n_inf} inf); channel means / smoothing factors "
+            "need finite samples"
+        )
     out: dict[str, torch.Tensor] = {}
     stats: dict[str, float] = {}
     mean = x.double().mean(dim=1)
     if spec.centre:
+        f16 = torch.finfo(torch.float16).max
+        over = mean.abs() > f16
+        if bool(over.any()):  # the float16 mean would be inf, and every factor of the layer NaN
+            h, c = (int(i) for i in over.nonzero()[0])
+            raise ValueError(
+                f"{at}channel means are stored in float16, and {int(over.sum())} are beyond +-{f16:g} (head {h} "
+                f"channel {c}: {float(mean[h, c]):.6g}); expected K/V within float16, as the cache stores"
+            )
         out["channel_mean"] = mean.to(torch.float16)
     if spec.smooth is not None:
         ref = out["channel_mean"].double() if spec.centre else torch.zeros_like(mean)  # as the cache subtracts it
