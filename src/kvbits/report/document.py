@@ -187,11 +187,11 @@ def build_document(
             ("Peak memory", run.peak_memory + (" (the largest of the merged runs)" if sources else ""))
         )
     if sources:
-        merged_on = config.get("date") or "n/a"
+        merged_on = text(str(config.get("date") or "n/a"))  # config.json is text, not Markdown
         meta.append(("Runs", f"{len(sources)} evaluations merged on {merged_on} (see *Runs merged*)"))
     else:
         meta += [
-            ("Date", str(config.get("date") or config.get("timestamp") or "n/a")),
+            ("Date", text(str(config.get("date") or config.get("timestamp") or "n/a"))),
             ("Commit", code(run_commit(config)) if run_commit(config) else "n/a"),
         ]
     if isinstance(versions, Mapping) and versions:

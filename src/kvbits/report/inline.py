@@ -3,8 +3,10 @@ or data path may hold any character) placed in it as text or as code, and the sp
 
 - :func:`code`: a code span that holds its text as it is, backticks included (its fence is longer than any run of
   backticks inside, CommonMark's rule);
-- :func:`text`: a name as plain text outside code spans: ``\\``, `````, ``*`` and ``_`` backslash-escaped, so a
-  name ``a`b`` or ``int4-*`` opens no code span and no emphasis (two such names in one paragraph paired up);
+- :func:`text`: a name as plain text outside code spans: ``\\``, `````, ``*``, ``_`` and a ``]`` before ``(`` or ``[``
+  backslash-escaped, so a name ``a`b`` or ``int4-*`` opens no code span and no emphasis (two such names in one
+  paragraph paired up), and ``![i](http://host/x.png)`` no image or link; a line break is a space (a blank line ended the paragraph and what
+  followed, ``# heading``, was Markdown of its own);
 - :func:`split_code_spans` / :func:`unescape`: what the HTML page and the terminal read back.
 """
 
@@ -14,8 +16,9 @@ import re
 
 __all__ = ["code", "code_content", "hide_escapes", "show_escapes", "split_code_spans", "text", "unescape"]
 
-_SPECIAL = re.compile(r"([\\`*_])")
-_ESCAPED = re.compile(r"\\([\\`*_])")
+_SPECIAL = re.compile(r"([\\`*_]|\](?=[(\[]))")  # a "]" only where a link text closes: "](" or "]["
+_LINE_BREAK = re.compile(r"\r\n|[\r\n]")
+_ESCAPED = re.compile(r"\\([\\`*_\]])")
 # a run of n backticks (not escaped, not part of a longer run), then anything, then a run of exactly n
 _CODE_SPAN = re.compile(r"(?<![`\\])(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
 
@@ -29,8 +32,10 @@ def code(s: str) -> str:
 
 
 def text(s: str) -> str:
-    """``s`` as plain text in inline Markdown: ``\\``, `````, ``*``, ``_`` backslash-escaped."""
-    return _SPECIAL.sub(r"\\\1", s)
+    """``s`` as plain text in inline Markdown: ``\\``, `````, ``*``, ``_`` and a ``]`` before ``(`` or ``[``
+    backslash-escaped (no link or image can close: ``[+2.05, +3.95]`` is kept as it is), each line break
+    (``\\r\\n``, ``\\r``, ``\\n``) a space."""
+    return _SPECIAL.sub(r"\\\1", _LINE_BREAK.sub(" ", s))
 
 
 def unescape(s: str) -> str:
