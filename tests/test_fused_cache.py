@@ -768,7 +768,10 @@ def test_a_declined_layer_is_not_asked_again_at_every_decode_step(monkeypatch, c
     model = LlamaForCausalLM(cfg).eval()
     seq_ref, _, _ = generate(model, KIVI4, fused=False, attn=False)
     real = fused_mod.packed_store
-    with mock.patch.object(fused_mod, "packed_store", side_effect=real) as stores, caplog.at_level(logging.INFO):
+    with (
+        mock.patch.object(fused_mod, "packed_store", side_effect=real) as stores,
+        caplog.at_level(logging.INFO, logger="kvbits.cache.fused"),  # its own level: a CLI test may have set kvbits'
+    ):
         seq, _, cache = generate(model, KIVI4, fused="auto", attn=True)
     assert stores.call_count == cfg.num_hidden_layers  # the prefill's claim, per layer
     rep = cache.fused_report()
