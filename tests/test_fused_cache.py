@@ -752,6 +752,18 @@ def test_modes_and_device_policy(monkeypatch):
     assert not fused_mod.wants("auto", torch.device("cuda"))
 
 
+def _head_dim_48_as_on_cuda(monkeypatch) -> LlamaForCausalLM:
+    """A 2-layer Llama of head dim 48 (the Triton kernel takes powers of two) under ``KVBITS_KERNEL=auto``, with
+    ``fused_decode`` wanting the fused path as on CUDA with Triton (its kernels interpreted on CPU)."""
+    use_triton(monkeypatch)  # kernel_reason imports the Triton kernels: interpreted on CPU
+    monkeypatch.setenv("KVBITS_KERNEL", "auto")
+    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # as on CUDA with Triton
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=48)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
 @torch.no_grad()
 def test_a_declined_layer_is_not_asked_again_at_every_decode_step(monkeypatch, caplog):
     """``fused_decode="auto"`` on CUDA under ``KVBITS_KERNEL=auto`` and a head dim the Triton kernel does not take
@@ -759,13 +771,8 @@ def test_a_declined_layer_is_not_asked_again_at_every_decode_step(monkeypatch, c
     building a packed store each time (``kernel_reason``) for the same answer: 40 stores for 2 layers and 20 calls,
     ~43 us of host time per layer and step. Now the decline holds for the request's decode steps (2 stores), is
     logged once, and the tokens are SDPA's."""
-    use_triton(monkeypatch)  # kernel_reason imports the Triton kernels: interpreted on CPU
-    monkeypatch.setenv("KVBITS_KERNEL", "auto")
-    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # as on CUDA with Triton
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=48)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+    model = _head_dim_48_as_on_cuda(monkeypatch)
+    cfg = model.config
     seq_ref, _, _ = generate(model, KIVI4, fused=False, attn=False)
     real = fused_mod.packed_store
     with (
@@ -786,13 +793,8 @@ def test_a_decline_does_not_outlive_the_request(monkeypatch):
     as on CUDA) kept its decline through ``reset()``: the next request, under ``KVBITS_KERNEL=reference`` (which
     serves head dim 48 from the packed store), was never asked again when its prompt was one token (``q == 1`` at its
     prefill too): 0 fused steps, where a two-token prompt gets 4 per layer. Now ``reset()`` forgets the decline."""
-    use_triton(monkeypatch)  # kernel_reason imports the Triton kernels: interpreted on CPU
-    monkeypatch.setenv("KVBITS_KERNEL", "auto")
-    monkeypatch.setattr(fused_mod, "wants", lambda mode, device: True)  # as on CUDA with Triton
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=48)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+    model = _head_dim_48_as_on_cuda(monkeypatch)
+    cfg = model.config
     cache = QuantizedKVCache(config=cfg, scheme=KIVI4, fused_decode="auto")
     kw = {**cache_kwargs(cache, model), "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     with attention(model, True):
