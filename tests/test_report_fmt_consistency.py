@@ -53,3 +53,18 @@ def test_fmt_bytes_and_ci_huge() -> None:
     assert fmt_bytes(1e300) == "9.31e+290 GiB"
     assert fmt_ci((-1e300, 1e300)) == "[-1.00e+302, +1.00e+302]"
     assert fmt_ci((-1e-5, 0.002)) == "[+0.00, +0.20]"
+
+
+def test_merged_runs_table_shows_date_and_torch_as_text() -> None:
+    """The "Runs merged" table of the needle and speed reports wrote the date and torch version raw: a ``|`` in them
+    added a column (7 unescaped bars in a 5-bar row) and ``<b>`` was live markup in report.md."""
+    import re
+
+    from kvbits.report.fmt import merged_runs_table
+
+    run = {"path": "/r", "date": "2024|<b>x</b>", "commit": {"sha": "abc"}, "versions": {"torch": "2.1|<i>"}}
+    lines = merged_runs_table([run], [])
+    row = lines[4]
+    assert re.sub(r"\\\|", "", row).count("|") == lines[2].count("|")
+    assert "<b>" not in row and "<i>" not in row
+    assert row == "| `/r` | 2024\\|&lt;b&gt;x&lt;/b&gt; | `abc` | 2.1\\|&lt;i&gt; |"

@@ -191,7 +191,11 @@ def merged_runs_table(
     note: str | None = None,
 ) -> list[str]:
     """Markdown lines of a merged report's "Runs merged" section: one row per run (``merged_from``), its folder,
-    then ``columns`` (``(header, alignment, cell)``: what that run measured), date, commit and torch version."""
+    then ``columns`` (``(header, alignment, cell)``: what that run measured), date, commit and torch version. The
+    date and torch version are shown as text (:func:`~.markdown.md_cell`: a ``|`` in them adds no column, ``<b>`` is
+    no markup), as the eval report's table shows them."""
+    from kvbits.report.markdown import md_cell  # here, not at the top: markdown imports document, which imports fmt
+
     lines = ["## Runs merged", ""] + ([note, ""] if note else [])
     lines += [
         "| run | " + "".join(f"{h} | " for h, _, _ in columns) + "date | commit | torch |",
@@ -202,6 +206,6 @@ def merged_runs_table(
         sha = str(commit.get("sha") or NA)[:10] + (" (dirty)" if commit.get("dirty") else "")
         cells = "".join(f"{cell(m)} | " for _, _, cell in columns)
         path = code(str(m.get("path"))).replace("|", "\\|")  # a "|" ends a table cell even in a code span
-        lines.append(f"| {path} | {cells}{m.get('date') or NA} | {code(sha)} | "
-                     f"{(m.get('versions') or {}).get('torch', NA)} |")  # fmt: skip
+        lines.append(f"| {path} | {cells}{md_cell(str(m.get('date') or NA))} | {code(sha)} | "
+                     f"{md_cell(str((m.get('versions') or {}).get('torch', NA)))} |")  # fmt: skip
     return lines + [""]
