@@ -182,6 +182,19 @@ def test_non_finite_calibration_samples_are_refused_not_fitted_to_nan(bad: float
             fit_side(spec, x, where="layer 2 key")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", ["int", "nuq"])
+def test_non_finite_samples_for_static_ranges_are_named_not_called_an_overflow(kind: str, bad: float):
+    """A static int / NUQ spec without smoothing given one NaN (or inf) sample said "1 channel range(s) overflow
+    them (head 0 channel 3: [-2.5, nan])" and told to scale the samples down: the samples hold NaN / inf."""
+    spec = TensorSpec(kind=kind, bits=4, granularity="channel", static=True)
+    x = biased_keys().transpose(0, 1).reshape(2, -1, 64)
+    x[0, 5, 3] = bad
+    counts = "1 NaN, 0 inf" if math.isnan(bad) else "0 NaN, 1 inf"
+    with pytest.raises(ValueError, match=rf"layer 2 key: samples contain non-finite values \({counts}\); static {kind} "):
+        fit_side(spec, x, where="layer 2 key")
+
+
 def test_a_channel_mean_past_float16_is_refused_naming_it():
     """A channel whose mean is past 65504 was stored as an inf float16 mean, and every factor of the layer came
     back NaN (``artifact_from_samples`` then said only "key_mean holds non-finite values")."""

@@ -134,6 +134,18 @@ def _static_params(
     return scale[0], None if zero is None else zero[0]
 
 
+def _refuse_non_finite(x: torch.Tensor, what: str, where: str = "") -> None:
+    """``ValueError`` naming ``where`` (``layer 3 key``) and the NaN / inf counts when samples ``x`` (any shape) are
+    not all finite: ``what`` (``"static scales and zero-points"``) needs finite samples. Calibration, once per layer
+    and side: not a per-step path."""
+    if not bool(torch.isfinite(x).all()):
+        n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        raise ValueError(
+            f"{where + ': ' if where else ''}samples contain non-finite values ({n_nan} NaN, {n_inf} inf); {what} "
+            "need finite samples"
+        )
+
+
 def _trim_to_groups(x: torch.Tensor, spec: TensorSpec, where: str = "") -> torch.Tensor:
     """``x`` ``(H_kv, N, D)`` cut to whole per-channel groups of ``spec.group_size`` tokens (``ValueError`` naming
     ``where`` and ``N`` when there is not one)."""
@@ -210,7 +222,8 @@ def fit_side(
     if grad is not None and spec.rotate is not None:
         grad = rotate(grad, spec.rotate)
     kw: dict[str, Any] = {}
-    if spec.static:
+    if spec.static:  # a NaN / inf sample gave a NaN / inf range, refused below as a float16 overflow
+        _refuse_non_finite(x, f"static {spec.kind} scales and zero-points", where)
         scale, zero = _static_params(spec, x_coded, percentile, where)
         tensors["scale"] = scale
         if zero is not None:
@@ -260,12 +273,7 @@ def _channel_transform(
     if x.shape[1] == 0:
         raise ValueError("no samples to take channel means / smoothing factors from")
     at = f"{where}: " if where else ""
-    if not bool(torch.isfinite(x).all()):  # once per layer and side: one NaN would make every factor NaN
-        n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-        raise ValueError(
-            f"{at}samples contain non-finite values ({n_nan} NaN, {n_inf} inf); channel means / smoothing factors "
-            "need finite samples"
-        )
+    _refuse_non_finite(x, "channel means / smoothing factors", where)  # one NaN would make every factor NaN
     out: dict[str, torch.Tensor] = {}
     stats: dict[str, float] = {}
     mean = x.double().mean(dim=1)
