@@ -194,7 +194,9 @@ def merged_runs_table(
     then ``columns`` (``(header, alignment, cell)``: what that run measured), date, commit and torch version. The
     date and torch version are shown as text (:func:`~.markdown.md_cell`: a ``|`` in them adds no column, ``<b>`` is
     no markup), as the eval report's table shows them."""
-    from kvbits.report.markdown import md_cell  # here, not at the top: markdown imports document, which imports fmt
+    from kvbits.report.markdown import (
+        md_cell,  # here, not at the top: markdown imports document, which imports fmt
+    )
 
     lines = ["## Runs merged", ""] + ([note, ""] if note else [])
     lines += [
