@@ -182,7 +182,7 @@ def test_readme_says_which_commands_take_json_dtype_device_and_data_path() -> No
     def options(name: str) -> dict[str, argparse.Action]:
         return {o: a for a in commands[name]._actions for o in a.option_strings}
 
-    assert "Every command has `--help` and `--json`." in text
+    assert "Every command has `--help` and `--json`;" in text
     assert all("--json" in options(name) for name in commands)
     running = re.search(r"The commands that run a model \(([^)]*)\)", text)
     assert running is not None
@@ -227,3 +227,22 @@ def test_report_help_says_a_newer_output_version_is_refused() -> None:
     )
     with pytest.raises(ValueError, match=rf"version {READS_VERSION + 1} is newer .*version {READS_VERSION}\)"):
         check_output_versions({"request": {"version": READS_VERSION + 1}}, "runs/x")
+
+
+def test_eval_help_says_a_run_another_kvbits_version_recorded_is_recomputed() -> None:
+    """README and evaluate/outputs.py say a finished run in --out that another kvbits version recorded is not reused
+    but recomputed; ``kvbits eval --help`` said only "output folder (config.json, ...)"."""
+    (out,) = (a for a in subparsers()["eval"]._actions if "--out" in a.option_strings)
+    text = " ".join((out.help or "").split())
+    assert "A finished run of the same settings there is reused" in text
+    assert "one another kvbits version recorded, or an older output version, is recomputed" in text
+
+
+def test_readme_states_the_ctrl_c_exit_status_main_returns() -> None:
+    """The README's CLI section did not say what Ctrl-C does; it now states cli.EXIT_INTERRUPTED (tested in
+    test_cli.py: one line on stderr, no traceback)."""
+    from kvbits.cli import EXIT_INTERRUPTED
+
+    text = " ".join(README.read_text().split())
+    assert (f"Ctrl-C stops any of them with exit status {EXIT_INTERRUPTED} and one line on stderr "
+            "(`kvbits eval: interrupted`), no traceback.") in text  # fmt: skip

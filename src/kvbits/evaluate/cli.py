@@ -162,7 +162,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default 0: off; any mode, and under torchrun)",
     )
     add_calibration_arg(p)
-    p.add_argument("--out", help="output folder (config.json, summary.json, records.jsonl, tokens/, report)")
+    p.add_argument(
+        "--out",
+        help="output folder (config.json, summary.json, records.jsonl, tokens/, report). A finished run of the same "
+        "settings there is reused; one another kvbits version recorded, or an older output version, is "
+        "recomputed (with a warning)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
