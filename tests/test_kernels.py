@@ -1786,6 +1786,79 @@ def test_gpu_benchmark_timings_carry_their_spread(monkeypatch):
     assert spread["ms_p10"] == pytest.approx(2.0) and spread["ms_p90"] == pytest.approx(10.0), spread
 
 
+def test_gpu_benchmark_times_on_its_own_device_not_the_current_one(monkeypatch):
+    """``time_ms`` with ``cfg.device`` cuda:1 (cuda:0 current): ``fn`` (whose Triton kernels launch on the current
+    device's stream) runs with cuda:1 current, and the side stream, the graph's capture stream, the events' stream
+    and the synchronize are cuda:1's. At the base commit they were the current device's (cuda:0), and
+    ``torch.cuda.graph`` captured on its class-wide default stream. No GPU: ``torch.cuda``'s pieces are recorders;
+    untested on a multi-GPU machine."""
+    import contextlib
+    import types
+
+    bench = _load_bench()
+    from gpu_bench import common
+
+    dev = torch.device("cuda", 1)
+    current: list[object] = []
+    seen: dict[str, list] = {"fn": [], "stream": [], "current_stream": [], "graph": [], "record": [], "sync": []}
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(torch.device(d).index)
+        yield
+        current.pop()
+
+    class Stream:
+        def __init__(self, device=None):
+            seen["stream"].append(device)
+
+        def wait_stream(self, other):
+            pass
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            seen["record"].append(stream)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class Graph:
+        def replay(self):
+            seen["fn"].append(current[-1] if current else None)
+
+    @contextlib.contextmanager
+    def graph(g, stream=None, **_):
+        seen["graph"].append(stream)
+        yield
+
+    main = types.SimpleNamespace(wait_stream=lambda other: None)  # cuda:1's current stream
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: seen["current_stream"].append(d) or main)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: seen["sync"].append(d))
+    cfg = bench.Config(device=dev, contexts=[], batches=[], reps=3, warmup=1, max_bytes=0.0, smoke=True,
+                       kernel="triton")  # fmt: skip
+
+    ms, used_graph = common.time_ms(lambda: seen["fn"].append(current[-1] if current else None), cfg, None)
+    assert used_graph and ms == 1.0
+    assert seen["fn"] and set(seen["fn"]) == {1}, seen["fn"]  # warmup, side-stream run, capture, 3 replays
+    assert seen["stream"] == [dev] and seen["sync"] == [dev]
+    assert seen["current_stream"] and set(seen["current_stream"]) == {dev}
+    assert len(seen["graph"]) == 1 and isinstance(seen["graph"][0], Stream)  # the side stream, on cuda:1
+    assert seen["record"] == [main] * 6  # start and end of 3 reps, on cuda:1's current stream
+    assert current == []
+
+
 @needs_triton
 def test_uniform_lengths_are_taken_as_integers(monkeypatch):
     """A store whose lengths are the host's integers (``PackedStore.uniform_lens``: the cache's ``packed_store``,

@@ -116,35 +116,50 @@ def time_ms(
     difference between two variants inside that band is noise.
 
     The L2 cache is flushed (a large ``zero_``) before every rep, outside the timed region, so K/V
-    come from HBM as they would in a real decode step.
+    come from HBM as they would in a real decode step. On CUDA everything runs with ``cfg.device`` current
+    (``torch.cuda.device``; a no-op for ``cuda`` without an index) and its streams, events and graph capture
+    are that device's: Triton launches ``fn``'s kernels on the current device's stream, and
+    ``torch.cuda.graph``'s default capture stream is made once, on whichever device was current then.
     """
+    if cfg.device.type != "cuda":
+        return _time_ms(fn, cfg, flush, graph=graph, spread=spread)
+    with torch.cuda.device(cfg.device):
+        return _time_ms(fn, cfg, flush, graph=graph, spread=spread)
+
+
+def _time_ms(
+    fn: Callable[[], object], cfg: Config, flush: torch.Tensor | None, *, graph: bool, spread: dict | None
+) -> tuple[float, bool]:
+    """``time_ms``'s body, on CUDA with ``cfg.device`` current."""
+    dev = cfg.device
     for _ in range(cfg.warmup):
         fn()
-    sync(cfg.device)
+    sync(dev)
     run, used_graph = fn, False
-    if cfg.device.type == "cuda" and graph:
+    if dev.type == "cuda" and graph:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 fn()
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream(dev).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, stream=side):  # not graph's class-wide default stream (another device's)
                 fn()
             run, used_graph = g.replay, True
         except Exception as exc:  # noqa: BLE001 - capture is an optimisation; eager timing is still honest
             print(f"  (CUDA graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(dev)
     times = []
     for _ in range(cfg.reps):
         if flush is not None:
             flush.zero_()
-        if cfg.device.type == "cuda":
+        if dev.type == "cuda":
+            stream = torch.cuda.current_stream(dev)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             run()
-            end.record()
+            end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:

@@ -18,17 +18,19 @@ folder and print a table, and ``emit_summary`` ends them; ``check_overwrite_has_
 given without the ``--out`` it applies to. ``add_seed_arg`` gives every seeded command the same
 ``--seed`` bound, ``[0, SEED_MAX]``, and ``check_seed`` the same bound to the Python entry points that take a seed.
 ``add_threads_arg`` gives every command that runs a model the same ``--threads`` (torch's intra-op threads on the
-CPU), and ``apply_threads`` sets it, before the model loads.
+CPU), and ``apply_threads`` sets it, before the model loads. ``on_device`` makes a ``--device cuda:N`` the current CUDA
+device while the command's model runs (Triton launches on the current device's stream).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import numbers
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ __all__ = [
     "check_overwrite_has_out",
     "check_seed",
     "emit_summary",
+    "on_device",
 ]
 
 FUSED_DECODE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
@@ -178,6 +181,32 @@ def add_dtype_device(parser: argparse.ArgumentParser, devices: tuple[str, ...], 
         default="cpu",
         help=f"torch device: {', '.join(names[:-1])} or {names[-1]} (default cpu); checked before the model loads",
     )
+
+
+@contextlib.contextmanager
+def on_device(device: str | Any | None) -> Iterator[None]:
+    """Run the block with ``device`` the current CUDA device when it is ``cuda:N`` (``torch.cuda.device(N)``).
+
+    Triton launches its kernels on the current CUDA device's stream, and ``torch.cuda.synchronize()`` /
+    ``Stream()`` / ``Event`` default to that device too: a model on ``cuda:1`` while ``cuda:0`` is current would
+    have its Triton kernels launched against cuda:0. A no-op for ``cpu``, ``mps``, ``cuda`` without an index
+    (already the current device), None, and a device this torch can not use (a string torch does not parse, CUDA
+    not available, an index past the visible devices): the command's ``check_device`` reports those with a clear
+    message, inside the block where it runs there (on every rank alike under torchrun). Entered once around a
+    command's model work, so no per-step cost.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    index = dev.index if dev is not None and dev.type == "cuda" else None
+    if index is None or not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        yield
+        return
+    with torch.cuda.device(index):
+        yield
 
 
 def add_model_data_args(

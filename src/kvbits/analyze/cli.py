@@ -17,6 +17,7 @@ from kvbits._argtypes import (
     add_window_args,
     apply_threads,
     bounded,
+    on_device,
 )
 from kvbits.analyze.outliers import DEFAULT_LAYER_FRACTION, DEFAULT_THRESHOLD
 
@@ -108,29 +109,30 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out!r} exists and is not a folder; expected a folder for the outputs")
     apply_threads(args.threads)  # before the model loads
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after
-    lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
-    ids = tokenize(text, lm.tokenizer)
-    check_tokenized(ids, lm.tokenizer, lm.model, f"the text {text.name!r}")  # before analyze()'s forwards
-    windows = make_windows(ids, args.context, args.windows)
-    logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
-    sample_tokens = max(args.sample_tokens, min(128, windows.shape[1]))  # analyze() needs one whole block
-    if sample_tokens != args.sample_tokens:
-        logger.warning("--sample-tokens %d raised to %d: the analysis samples whole blocks of %d tokens",
-                       args.sample_tokens, sample_tokens, sample_tokens)  # fmt: skip
-    result = analyze(
-        lm.model,
-        windows,
-        threshold=args.threshold,
-        layer_fraction=args.layer_fraction,
-        sample_tokens=sample_tokens,
-        seed=args.seed,
-        model_name=args.model,
-        data_name=args.data,
-        fingerprint=lm.fingerprint,
-        keep_samples=args.out is not None,
-        progress=lambda done, total: logger.info("window %d/%d done", done, total),
-    )
+    with on_device(args.device):  # cuda:N current: Triton launches on the current device's stream
+        lm = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        _check_plot_args(lm.model, args)  # before the analysis and its outputs, not after
+        ids = tokenize(text, lm.tokenizer)
+        check_tokenized(ids, lm.tokenizer, lm.model, f"the text {text.name!r}")  # before analyze()'s forwards
+        windows = make_windows(ids, args.context, args.windows)
+        logger.info("analyzing %s on %s: %d window(s) of %d tokens", lm.source.name, text.name, *windows.shape)
+        sample_tokens = max(args.sample_tokens, min(128, windows.shape[1]))  # analyze() needs one whole block
+        if sample_tokens != args.sample_tokens:
+            logger.warning("--sample-tokens %d raised to %d: the analysis samples whole blocks of %d tokens",
+                           args.sample_tokens, sample_tokens, sample_tokens)  # fmt: skip
+        result = analyze(
+            lm.model,
+            windows,
+            threshold=args.threshold,
+            layer_fraction=args.layer_fraction,
+            sample_tokens=sample_tokens,
+            seed=args.seed,
+            model_name=args.model,
+            data_name=args.data,
+            fingerprint=lm.fingerprint,
+            keep_samples=args.out is not None,
+            progress=lambda done, total: logger.info("window %d/%d done", done, total),
+        )
     written = _write_outputs(result, args) if args.out else []
     if args.json:
         _print_json(result.to_dict())

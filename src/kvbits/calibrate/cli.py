@@ -17,6 +17,7 @@ from kvbits._argtypes import (
     add_window_args,
     apply_threads,
     bounded,
+    on_device,
 )
 from kvbits._json import dumps
 from kvbits.calibrate.calibrate import DEVICES
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
     apply_threads(args.threads)  # before the model loads
     text = load_text(args.data)  # a wrong --data fails before the model loads, not after
-    with progress:
+    with progress, on_device(args.device):  # cuda:N current: Triton launches on the current device's stream
         t = progress.add_task(f"loading {args.model}", total=None)
         loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
         progress.remove_task(t)

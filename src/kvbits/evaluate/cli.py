@@ -20,6 +20,7 @@ from kvbits._argtypes import (
     apply_threads,
     bounded,
     check_overwrite_has_out,
+    on_device,
 )
 from kvbits._json import dumps
 
@@ -226,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
 
-    with init_from_env(args.device):  # a gloo / nccl process group under torchrun, destroyed at the end
+    # cuda:N current while the model runs (Triton launches on the current device's stream); a gloo / nccl process
+    # group under torchrun, destroyed at the end (a rank's own cuda:$LOCAL_RANK is made current inside)
+    with on_device(args.device), init_from_env(args.device):
         summary = evaluate(
             args.model,
             args.data,

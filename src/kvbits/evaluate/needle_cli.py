@@ -18,6 +18,7 @@ from kvbits._argtypes import (
     bounded,
     check_overwrite_has_out,
     emit_summary,
+    on_device,
 )
 
 __all__ = ["add_parser", "parse_depths", "run"]
@@ -152,13 +153,14 @@ def run(args: argparse.Namespace) -> int:
 
         check_needle_out(args.out, overwrite=args.overwrite)
     apply_threads(args.threads)  # before needle_eval() loads the model
-    summary = needle_eval(
-        args.model, args.context, args.scheme, data=args.data, depths=args.depths, trials=args.trials, task=task,
-        semantics=args.semantics, calibration=args.calibration,
-        fused_decode=FUSED_DECODE[args.fused_decode], data_path=args.data_path,
-        dtype=args.dtype, device=args.device, chunk_size=args.chunk_size, seed=args.seed,
-        progress=not (args.no_progress or args.json),
-    )  # fmt: skip
+    with on_device(args.device):  # cuda:N current: Triton launches on the current device's stream
+        summary = needle_eval(
+            args.model, args.context, args.scheme, data=args.data, depths=args.depths, trials=args.trials, task=task,
+            semantics=args.semantics, calibration=args.calibration,
+            fused_decode=FUSED_DECODE[args.fused_decode], data_path=args.data_path,
+            dtype=args.dtype, device=args.device, chunk_size=args.chunk_size, seed=args.seed,
+            progress=not (args.no_progress or args.json),
+        )  # fmt: skip
     from kvbits.report.needle import write_needle
 
     return emit_summary(summary, args, write_needle, _print)

@@ -18,6 +18,7 @@ from kvbits._argtypes import (
     bounded,
     check_overwrite_has_out,
     emit_summary,
+    on_device,
 )
 from kvbits.evaluate.sdpa import SDPA_MODES
 
@@ -156,13 +157,15 @@ def run(args: argparse.Namespace) -> int:
 
         check_speed_out(args.out, overwrite=args.overwrite)
     apply_threads(args.threads)
-    summary = speed_eval(
-        args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
-        data=args.data, calibration=args.calibration,
-        fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow,
-        static=args.static, graphs=args.graphs, sdpa=args.sdpa,
-        data_path=args.data_path, dtype=args.dtype, device=args.device, progress=not (args.no_progress or args.json),
-    )  # fmt: skip
+    with on_device(args.device):  # cuda:N current: Triton launches on the current device's stream
+        summary = speed_eval(
+            args.model, args.context, args.scheme, batches=args.batch or [1], tokens=args.tokens, warmup=args.warmup,
+            data=args.data, calibration=args.calibration,
+            fused_decode=FUSED_DECODE[args.fused_decode], workspace=args.workspace, reserve=not args.grow,
+            static=args.static, graphs=args.graphs, sdpa=args.sdpa,
+            data_path=args.data_path, dtype=args.dtype, device=args.device,
+            progress=not (args.no_progress or args.json),
+        )  # fmt: skip
     from kvbits.evaluate.speed import failed_cells
     from kvbits.report.speed import write_speed
 

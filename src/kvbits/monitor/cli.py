@@ -15,6 +15,7 @@ from kvbits._argtypes import (
     apply_threads,
     bounded,
     check_output_path,
+    on_device,
 )
 from kvbits.monitor.export import RESERVED_LABELS, check_label_name, strict_json
 
@@ -176,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
         sample_every=args.sample_every,
     )  # fmt: skip
     apply_threads(args.threads)  # before watch() loads the model
-    mon = watch(args.model, args.data, args.context, args.scheme, policy, calibration=args.calibration,
-                data_path=args.data_path, dtype=args.dtype, device=args.device, labels=labels)  # fmt: skip
+    with on_device(args.device):  # cuda:N current: Triton launches on the current device's stream
+        mon = watch(args.model, args.data, args.context, args.scheme, policy, calibration=args.calibration,
+                    data_path=args.data_path, dtype=args.dtype, device=args.device, labels=labels)  # fmt: skip
     if args.prom:
         mon.write_prometheus(args.prom)
     if args.events:

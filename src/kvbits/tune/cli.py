@@ -18,6 +18,7 @@ from kvbits._argtypes import (
     apply_threads,
     bounded,
     check_overwrite_has_out,
+    on_device,
 )
 from kvbits._files import write_text_atomic
 from kvbits._json import dumps
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         check_tune_out(args.out, overwrite=args.overwrite)  # before the passes, not after
     apply_threads(args.threads)  # before tune() loads the model
     bar = not (args.no_progress or args.json)
-    with _lines_without_bar(not bar):
+    with _lines_without_bar(not bar), on_device(args.device):  # cuda:N current: Triton uses the current device
         res = tune(
             args.model, args.data, args.candidates, args.budget_bits, context=args.context, windows=args.windows,
             name=args.name, data_path=args.data_path, dtype=args.dtype, device=args.device, check=not args.no_check,
